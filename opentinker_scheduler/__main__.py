@@ -1,0 +1,59 @@
+"""``python -m opentinker_scheduler --config scheduler_config.yaml --port 8888``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import structlog
+
+from opentinker_client.logs import configure_logging
+
+from .config import ConfigError, load_config, SchedulerConfig
+from .server import start_scheduler
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="opentinker-scheduler", description="OpenTinker scheduler: queue, placement, state.")
+    parser.add_argument("--config", help="scheduler_config.yaml (seed form: resource_pool, workload_types)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8888, help="gRPC port (default 8888)")
+    parser.add_argument("--http-port", type=int, default=None, help="HTTP port for /health and /metrics (default: --port + 1)")
+    parser.add_argument("--state-dir", default=None, help="overrides state_dir of the config")
+    args = parser.parse_args(argv)
+    configure_logging()
+    log = structlog.get_logger("opentinker.scheduler")
+    try:
+        config = load_config(args.config) if args.config else SchedulerConfig()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.state_dir:
+        from dataclasses import replace
+        from pathlib import Path
+
+        config = replace(config, state_dir=Path(args.state_dir))
+    http_port = args.http_port if args.http_port is not None else args.port + 1
+
+    async def run() -> None:
+        running = await start_scheduler(config, host=args.host, port=args.port, http_port=http_port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("scheduler stopping")
+        await running.stop()
+
+    try:
+        asyncio.run(run())
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Scheduler configuration (``scheduler_config.yaml``), in the seed's form.
+
+.. code-block:: yaml
+
+    resource_pool:            # nodes the scheduler expects
+      - node_id: gpu-node-01
+        gpu_count: 4          # GPUs placed on; the smaller of this and what NVML finds wins
+        max_tasks: 8          # most tasks the node runs at once
+    workload_types:
+      - type: lora_finetune
+        priority: 1
+      - type: full_rl
+        priority: 2
+    # optional, with defaults:
+    state_dir: ./state        # SQLite database (WAL) lives here
+    allow_unknown_nodes: true # nodes not in resource_pool may join (dynamic scale-out)
+    unknown_node_max_tasks: 4
+    heartbeat_interval: 2     # seconds between node heartbeats
+    lease: 10                 # seconds of silence after which a node is lost
+    default_model: ""         # model used when a task names none
+    default_max_attempts: 3
+
+**Priority**: a larger number is more important. Pending tasks are placed in order of
+priority (largest first), then age (oldest first). A workload type missing from
+``workload_types`` cannot be submitted. Priorities are integers in [-1000, 1000].
+
+Unknown keys and wrong types are refused at start with the file, line and key named
+(:class:`ConfigError`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from opentinker_client.spec import WORKLOAD_TYPES
+
+
+class ConfigError(ValueError):
+    """The scheduler config is invalid; the message names file, line and key."""
+
+
+@dataclass(frozen=True)
+class PoolNode:
+    node_id: str
+    gpu_count: int
+    max_tasks: int
+
+
+@dataclass(frozen=True)
+class WorkloadTypeConfig:
+    type: str
+    priority: int
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    resource_pool: tuple[PoolNode, ...] = ()
+    workload_types: tuple[WorkloadTypeConfig, ...] = (
+        WorkloadTypeConfig("lora_finetune", 1),
+        WorkloadTypeConfig("full_rl", 2),
+    )
+    state_dir: Path = Path("state")
+    allow_unknown_nodes: bool = True
+    unknown_node_max_tasks: int = 4
+    heartbeat_interval_s: float = 2.0
+    lease_s: float = 10.0
+    default_model: str = ""
+    default_max_attempts: int = 3
+    source: str = "<defaults>"
+
+    def priority_of(self, workload_type: str) -> int | None:
+        for w in self.workload_types:
+            if w.type == workload_type:
+                return w.priority
+        return None
+
+    @property
+    def workload_names(self) -> tuple[str, ...]:
+        return tuple(w.type for w in self.workload_types)
+
+    def pool_node(self, node_id: str) -> PoolNode | None:
+        for n in self.resource_pool:
+            if n.node_id == node_id:
+                return n
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class _Reader:
+    """Walks a composed YAML node tree, producing errors with file and line."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, node: yaml.Node | None, key: str, expected: str) -> ConfigError:
+        line = f":{node.start_mark.line + 1}" if node is not None else ""
+        return ConfigError(f"{self.source}{line}: {key}: expected {expected}")
+
+    def mapping(self, node: yaml.Node, key: str, allowed: dict[str, str]) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.fail(node, key, "a mapping")
+        out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+        for k, v in node.value:
+            name = k.value if isinstance(k, yaml.ScalarNode) else None
+            path = f"{key}.{name}" if key else str(name)
+            if name not in allowed:
+                raise self.fail(k, path, f"one of the known keys ({', '.join(sorted(allowed))}); unknown key")
+            if name in out:
+                raise self.fail(k, path, "each key once; duplicate key")
+            out[name] = (k, v)
+        return out
+
+    def scalar(self, node: yaml.Node, key: str, kind: type, lo: float | None = None, hi: float | None = None):
+        value = yaml.safe_load(yaml.serialize(node)) if isinstance(node, yaml.ScalarNode) else None
+        want = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[kind]
+        if lo is not None and hi is not None:
+            want += f" in [{lo}, {hi}]"
+        elif lo is not None:
+            want += f" >= {lo}"
+        if not isinstance(node, yaml.ScalarNode):
+            raise self.fail(node, key, want)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if kind is str and value is None:
+            value = ""
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.fail(node, key, f"{want}, got {node.value!r}")
+        if lo is not None and value < lo or hi is not None and value > hi:
+            raise self.fail(node, key, f"{want}, got {value!r}")
+        return value
+
+    def sequence(self, node: yaml.Node, key: str) -> list[yaml.Node]:
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.fail(node, key, "a list")
+        return list(node.value)
+
+
+_TOP = {
+    "resource_pool": "list of nodes",
+    "workload_types": "list of workload types",
+    "state_dir": "folder",
+    "allow_unknown_nodes": "bool",
+    "unknown_node_max_tasks": "int",
+    "heartbeat_interval": "seconds",
+    "lease": "seconds",
+    "default_model": "model",
+    "default_max_attempts": "int",
+}
+
+
+def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None = None) -> SchedulerConfig:
+    """Parse and validate config text.
+
+    Raises:
+        ConfigError: YAML syntax, unknown key, wrong type or value out of range, with file:line.
+    """
+    r = _Reader(source)
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if root is None:
+        return SchedulerConfig(source=source)
+    top = r.mapping(root, "", _TOP)
+    kw: dict[str, Any] = {"source": source}
+
+    if "resource_pool" in top:
+        pool, seen = [], set()
+        for i, item in enumerate(r.sequence(top["resource_pool"][1], "resource_pool")):
+            path = f"resource_pool[{i}]"
+            m = r.mapping(item, path, {"node_id": "", "gpu_count": "", "max_tasks": ""})
+            if "node_id" not in m:
+                raise r.fail(item, f"{path}.node_id", "a node id (required)")
+            node_id = r.scalar(m["node_id"][1], f"{path}.node_id", str)
+            if not node_id or len(node_id) > 128:
+                raise r.fail(m["node_id"][1], f"{path}.node_id", "a non-empty id of at most 128 characters")
+            if node_id in seen:
+                raise r.fail(m["node_id"][1], f"{path}.node_id", f"a unique node id; {node_id!r} appears twice")
+            seen.add(node_id)
+            gpus = r.scalar(m["gpu_count"][1], f"{path}.gpu_count", int, 0, 1024) if "gpu_count" in m else 0
+            max_tasks = r.scalar(m["max_tasks"][1], f"{path}.max_tasks", int, 1, 10_000) if "max_tasks" in m else max(1, gpus or 1)
+            pool.append(PoolNode(node_id, gpus, max_tasks))
+        kw["resource_pool"] = tuple(pool)
+
+    if "workload_types" in top:
+        wts, seen = [], set()
+        for i, item in enumerate(r.sequence(top["workload_types"][1], "workload_types")):
+            path = f"workload_types[{i}]"
+            m = r.mapping(item, path, {"type": "", "priority": ""})
+            if "type" not in m:
+                raise r.fail(item, f"{path}.type", f"one of {', '.join(WORKLOAD_TYPES)} (required)")
+            wtype = r.scalar(m["type"][1], f"{path}.type", str)
+            if wtype not in WORKLOAD_TYPES:
+                raise r.fail(m["type"][1], f"{path}.type", f"one of {', '.join(WORKLOAD_TYPES)}, got {wtype!r}")
+            if wtype in seen:
+                raise r.fail(m["type"][1], f"{path}.type", f"each workload type once; {wtype!r} appears twice")
+            seen.add(wtype)
+            prio = r.scalar(m["priority"][1], f"{path}.priority", int, -1000, 1000) if "priority" in m else 0
+            wts.append(WorkloadTypeConfig(wtype, prio))
+        kw["workload_types"] = tuple(wts)
+
+    if "state_dir" in top:
+        p = Path(r.scalar(top["state_dir"][1], "state_dir", str))
+        kw["state_dir"] = p if p.is_absolute() or base_dir is None else base_dir / p
+    if "allow_unknown_nodes" in top:
+        kw["allow_unknown_nodes"] = r.scalar(top["allow_unknown_nodes"][1], "allow_unknown_nodes", bool)
+    if "unknown_node_max_tasks" in top:
+        kw["unknown_node_max_tasks"] = r.scalar(top["unknown_node_max_tasks"][1], "unknown_node_max_tasks", int, 1, 10_000)
+    if "heartbeat_interval" in top:
+        kw["heartbeat_interval_s"] = r.scalar(top["heartbeat_interval"][1], "heartbeat_interval", float, 0.05, 3600)
+    if "lease" in top:
+        kw["lease_s"] = r.scalar(top["lease"][1], "lease", float, 0.1, 86400)
+    if "default_model" in top:
+        model = r.scalar(top["default_model"][1], "default_model", str)
+        # A relative folder next to the config file is made absolute, so trainers started
+        # from another directory find it; anything else is a hub id and stays as it is.
+        if model and base_dir is not None and not Path(model).is_absolute() and (base_dir / model).exists():
+            model = str((base_dir / model).resolve())
+        kw["default_model"] = model
+    if "default_max_attempts" in top:
+        kw["default_max_attempts"] = r.scalar(top["default_max_attempts"][1], "default_max_attempts", int, 1, 100)
+
+    cfg = SchedulerConfig(**kw)
+    if cfg.lease_s <= cfg.heartbeat_interval_s:
+        node = top["lease"][1] if "lease" in top else root
+        raise r.fail(node, "lease", f"more seconds than heartbeat_interval ({cfg.heartbeat_interval_s})")
+    return cfg
+
+
+def load_config(path: str | Path) -> SchedulerConfig:
+    """Read ``path``; relative ``state_dir`` is resolved against the config file's folder.
+
+    Raises:
+        ConfigError: missing file or invalid content.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read config: {exc.strerror}") from None
+    return parse_config(text, str(p), base_dir=p.resolve().parent)

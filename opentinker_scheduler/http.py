@@ -1,0 +1,114 @@
+"""HTTP side port: ``GET /health`` (``{"status": "ok"}``, as the seed promises) and
+``GET /metrics`` (Prometheus text format, prometheus-client).
+
+Runs in a daemon thread (wsgiref). It never touches the SQLite connection: the event loop
+publishes a :class:`Snapshot` every tick and this thread only reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """State published by the event loop for the HTTP thread."""
+
+    time: float = 0.0  # monotonic seconds of the last tick
+    store_writable: bool = False
+    tasks_by_state: dict[str, int] = field(default_factory=dict)
+    queue_depth: int = 0
+    nodes_connected: int = 0
+    nodes_known: int = 0
+    gpus: tuple[tuple[str, str, bool, dict[str, float]], ...] = ()  # node, index, simulated, values
+
+
+class _Collector:
+    def __init__(self, holder: "HttpEndpoint") -> None:
+        self.holder = holder
+
+    def collect(self):
+        snap = self.holder.snapshot
+        tasks = GaugeMetricFamily("opentinker_tasks", "Tasks by state", labels=["state"])
+        for state, n in sorted(snap.tasks_by_state.items()):
+            tasks.add_metric([state.lower()], n)
+        yield tasks
+        yield GaugeMetricFamily("opentinker_queue_depth", "Pending tasks", value=snap.queue_depth)
+        nodes = GaugeMetricFamily("opentinker_nodes", "Trainer nodes", labels=["status"])
+        nodes.add_metric(["connected"], snap.nodes_connected)
+        nodes.add_metric(["disconnected"], snap.nodes_known - snap.nodes_connected)
+        yield nodes
+        fams = {
+            "utilization_percent": GaugeMetricFamily("opentinker_gpu_utilization_percent", "GPU utilization (%)", labels=["node_id", "gpu", "simulated"]),
+            "memory_used_bytes": GaugeMetricFamily("opentinker_gpu_memory_used_bytes", "GPU memory used (bytes)", labels=["node_id", "gpu", "simulated"]),
+            "memory_total_bytes": GaugeMetricFamily("opentinker_gpu_memory_total_bytes", "GPU memory total (bytes)", labels=["node_id", "gpu", "simulated"]),
+            "temperature_c": GaugeMetricFamily("opentinker_gpu_temperature_celsius", "GPU temperature (C)", labels=["node_id", "gpu", "simulated"]),
+            "power_w": GaugeMetricFamily("opentinker_gpu_power_watts", "GPU power draw (W)", labels=["node_id", "gpu", "simulated"]),
+        }
+        for node_id, index, simulated, values in snap.gpus:
+            for key, fam in fams.items():
+                if key in values:
+                    fam.add_metric([node_id, index, str(simulated).lower()], values[key])
+        yield from fams.values()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args) -> None:  # access logs are noise here
+        pass
+
+
+class HttpEndpoint:
+    """The scheduler's HTTP port. ``snapshot`` is replaced (not mutated) by the event loop."""
+
+    def __init__(self, host: str, port: int, *, stale_after_s: float = 10.0) -> None:
+        self.snapshot = Snapshot()
+        self.stale_after_s = stale_after_s
+        self.registry = CollectorRegistry()
+        self.registry.register(_Collector(self))
+        self.scheduling_latency = Histogram(
+            "opentinker_scheduling_latency_seconds",
+            "Seconds from a task becoming pending to its assignment",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self._metrics_app = make_wsgi_app(self.registry)
+        self.server: WSGIServer = make_server(host, port, self._app, handler_class=_QuietHandler)
+        self.port = self.server.server_port
+        self._thread = threading.Thread(target=self.server.serve_forever, name="http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def health(self) -> tuple[bool, dict]:
+        snap = self.snapshot
+        if snap.time == 0.0:
+            return False, {"status": "starting"}
+        if time.monotonic() - snap.time > self.stale_after_s:
+            return False, {"status": "unavailable", "reason": "scheduler loop stalled"}
+        if not snap.store_writable:
+            return False, {"status": "unavailable", "reason": "state store not writable"}
+        return True, {"status": "ok"}
+
+    def _app(self, environ, start_response):
+        path = environ.get("PATH_INFO", "/")
+        if path == "/health":
+            ok, body = self.health()
+            data = json.dumps(body).encode()
+            start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
+            return [data]
+        if path == "/metrics":
+            return self._metrics_app(environ, start_response)
+        data = b'{"error": "not found; try /health or /metrics"}'
+        start_response("404 Not Found", [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
+        return [data]

@@ -1,0 +1,141 @@
+"""Assembles the scheduler process: gRPC (grpc.aio) with health and reflection, HTTP, the tick loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from opentinker.node.v1 import node_pb2, node_pb2_grpc
+from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+from .config import SchedulerConfig
+from .core import STATE_NAMES, SchedulerCore
+from .http import HttpEndpoint, Snapshot
+from .service import NodeService, SchedulerService
+from .store import Store
+
+log = structlog.get_logger("opentinker.scheduler")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+#: Keepalive, agreed with the trainer and client channels: the server pings idle connections
+#: every 30 s and accepts client pings no more often than every 10 s, with or without calls in
+#: flight (trainers ping every 20 s), so an idle node is never dropped with `too_many_pings`.
+SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+SERVICE_NAMES = (
+    scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name,
+    node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
+)
+
+
+@dataclass
+class RunningScheduler:
+    server: grpc.aio.Server
+    core: SchedulerCore
+    http: HttpEndpoint | None
+    port: int
+    tick_task: asyncio.Task
+
+    async def stop(self, grace: float = 2.0) -> None:
+        self.tick_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.tick_task
+        await self.server.stop(grace)
+        if self.http is not None:
+            self.http.stop()
+        self.core.store.close()
+
+
+def _snapshot(core: SchedulerCore) -> Snapshot:
+    counts = {STATE_NAMES[s]: n for s, n in core.store.count_by_state().items()}
+    gpus = []
+    for node in core.nodes.values():
+        if not node.connected:
+            continue
+        for t in node.telemetry:
+            values = {k: float(getattr(t, k)) for k in ("utilization_percent", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w") if t.HasField(k)}
+            gpus.append((node.node_id, str(t.index), t.simulated, values))
+    return Snapshot(
+        time=time.monotonic(),
+        store_writable=core.store.writable(),
+        tasks_by_state=counts,
+        queue_depth=counts.get("PENDING", 0),
+        nodes_connected=sum(1 for n in core.nodes.values() if n.connected),
+        nodes_known=len(core.nodes),
+        gpus=tuple(gpus),
+    )
+
+
+async def _tick_loop(core: SchedulerCore, http: HttpEndpoint | None, interval_s: float) -> None:
+    last_snapshot = 0.0
+    while True:
+        try:
+            core.tick()
+            if http is not None:
+                for latency in core.placement_latencies:
+                    http.scheduling_latency.observe(latency)
+                core.placement_latencies.clear()
+                if time.monotonic() - last_snapshot > 1.0:
+                    http.snapshot = _snapshot(core)
+                    last_snapshot = time.monotonic()
+        except Exception:  # noqa: BLE001 - keep scheduling; the error is logged
+            log.exception("tick failed")
+        await asyncio.sleep(interval_s)
+
+
+async def start_scheduler(
+    config: SchedulerConfig,
+    *,
+    host: str = "0.0.0.0",
+    port: int = 8888,
+    http_port: int | None = 8889,
+    tick_interval_s: float = 0.5,
+) -> RunningScheduler:
+    """Start serving; returns a handle whose ``stop()`` shuts everything down.
+
+    ``port=0`` / ``http_port=0`` pick free ports (see ``RunningScheduler.port`` / ``http.port``);
+    ``http_port=None`` disables HTTP.
+    """
+    store = Store(config.state_dir)
+    core = SchedulerCore(config, store)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerService(core), server)
+    node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(core), server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for name in ("", *SERVICE_NAMES):
+        await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
+    http = None
+    if http_port is not None:
+        http = HttpEndpoint(host, http_port)
+        http.snapshot = _snapshot(core)
+        http.start()
+    tick = asyncio.create_task(_tick_loop(core, http, tick_interval_s))
+    log.info("scheduler listening", grpc_port=bound, http_port=http.port if http else None, state_dir=str(config.state_dir), config=config.source)
+    return RunningScheduler(server=server, core=core, http=http, port=bound, tick_task=tick)
+
+
+async def _maybe_await(value) -> None:
+    if asyncio.iscoroutine(value):
+        await value

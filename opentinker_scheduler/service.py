@@ -1,0 +1,267 @@
+"""gRPC servicers: thin adapters from protobuf to :class:`~opentinker_scheduler.core.SchedulerCore`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import functools
+import sqlite3
+from typing import AsyncIterator
+
+import grpc
+import structlog
+
+from opentinker.common.v1 import common_pb2
+from opentinker.node.v1 import node_pb2, node_pb2_grpc
+from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+from .core import SchedulerCore
+from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from .store import TaskRow
+
+log = structlog.get_logger("opentinker.scheduler")
+
+_STATUS = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+#: Owner of tasks submitted without authentication (API keys arrive with the security work).
+ANONYMOUS = "anonymous"
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    for cls, code in _STATUS.items():
+        if isinstance(exc, cls):
+            return code, str(exc)
+    if isinstance(exc, sqlite3.Error):
+        return grpc.StatusCode.UNAVAILABLE, f"state store unavailable: {exc}"
+    return None
+
+
+def _unary(fn):
+    """Map domain errors of a unary handler to gRPC status codes."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, request, context):
+        try:
+            return await fn(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            mapped = _status_for(exc)
+            if mapped is None:
+                raise
+            await context.abort(*mapped)
+
+    return wrapper
+
+
+def _ts(msg, seconds: float | None) -> None:
+    if seconds:
+        msg.FromNanoseconds(int(seconds * 1e9))
+
+
+def task_to_proto(task: TaskRow, pending_reason: str = "") -> common_pb2.Task:
+    """Domain task row -> ``opentinker.common.v1.Task``."""
+    out = common_pb2.Task(
+        task_id=task.task_id,
+        owner=task.owner,
+        spec=task.spec,
+        state=task.state,
+        attempt=task.attempt,
+        priority=task.priority,
+        node_id=task.node_id,
+        device_indices=task.device_indices,
+        pending_reason=pending_reason if task.state == common_pb2.TASK_STATE_PENDING else "",
+        error=task.error,
+        latest_metrics=task.latest_metrics,
+        latest_step=task.latest_step,
+    )
+    _ts(out.create_time, task.create_time)
+    _ts(out.update_time, task.update_time)
+    _ts(out.start_time, task.start_time)
+    _ts(out.end_time, task.end_time)
+    if task.latest_checkpoint is not None:
+        out.latest_checkpoint.CopyFrom(task.latest_checkpoint)
+    return out
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
+    """``opentinker.scheduler.v1.SchedulerService``."""
+
+    def __init__(self, core: SchedulerCore) -> None:
+        self.core = core
+
+    def _task(self, task: TaskRow) -> common_pb2.Task:
+        return task_to_proto(task, self.core.pending_reasons.get(task.task_id, "waiting for the next placement round"))
+
+    @_unary
+    async def SubmitTask(self, request, context):
+        if not request.HasField("spec"):
+            raise InvalidArgument("spec: expected a task spec, got nothing")
+        task = self.core.submit(request.spec, owner=ANONYMOUS, request_id=request.request_id)
+        self.core.schedule()
+        task = self.core.get(task.task_id)
+        return scheduler_pb2.SubmitTaskResponse(task=self._task(task))
+
+    @_unary
+    async def GetTask(self, request, context):
+        return scheduler_pb2.GetTaskResponse(task=self._task(self.core.get(request.task_id)))
+
+    @_unary
+    async def ListTasks(self, request, context):
+        size = request.page_size or 100
+        if not 1 <= size <= 1000:
+            raise InvalidArgument(f"page_size: expected 1..1000, got {request.page_size}")
+        before = None
+        if request.page_token:
+            try:
+                created, task_id = base64.urlsafe_b64decode(request.page_token.encode()).decode().split("|", 1)
+                before = (float(created), task_id)
+            except Exception:  # noqa: BLE001 - any garbage token
+                raise InvalidArgument("page_token: expected a token from a previous ListTasks response") from None
+        for s in request.states:
+            if s not in common_pb2.TaskState.values() or s == common_pb2.TASK_STATE_UNSPECIFIED:
+                raise InvalidArgument(f"states: expected TASK_STATE_PENDING..TASK_STATE_CANCELLED, got {s}")
+        rows = self.core.store.list_tasks(request.states, limit=size + 1, before=before)
+        token = ""
+        if len(rows) > size:
+            rows = rows[:size]
+            last = rows[-1]
+            token = base64.urlsafe_b64encode(f"{last.create_time!r}|{last.task_id}".encode()).decode()
+        return scheduler_pb2.ListTasksResponse(tasks=[self._task(t) for t in rows], next_page_token=token)
+
+    @_unary
+    async def CancelTask(self, request, context):
+        task = self.core.cancel(request.task_id, reason=request.reason)
+        self.core.schedule()
+        return scheduler_pb2.CancelTaskResponse(task=self._task(task))
+
+    async def WatchTask(self, request, context) -> AsyncIterator[scheduler_pb2.WatchTaskResponse]:
+        try:
+            self.core.get(request.task_id)
+        except Exception as exc:  # noqa: BLE001
+            mapped = _status_for(exc)
+            if mapped is None:
+                raise
+            await context.abort(*mapped)
+        seq = max(0, request.after_sequence)
+        while True:
+            events = self.core.store.events_after(request.task_id, seq, limit=500)
+            for ev in events:
+                seq = ev.sequence
+                yield scheduler_pb2.WatchTaskResponse(event=ev)
+            if events:
+                continue
+            task = self.core.store.get_task(request.task_id)
+            if task is None or task.terminal:
+                return
+            async with self.core.changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.core.changed.wait(), timeout=1.0)
+
+    @_unary
+    async def GetMetrics(self, request, context):
+        task = self.core.get(request.task_id)
+        resp = scheduler_pb2.GetMetricsResponse(task_id=task.task_id, latest=task.latest_metrics, latest_step=task.latest_step)
+        if request.include_history:
+            resp.points.extend(self.core.store.metric_points(task.task_id, request.after_step))
+        return resp
+
+    @_unary
+    async def ListNodes(self, request, context):
+        nodes = []
+        for n in sorted(self.core.nodes.values(), key=lambda n: n.node_id):
+            cap = n.capacity()
+            msg = scheduler_pb2.Node(
+                node_id=n.node_id,
+                connected=n.connected,
+                devices=n.register.devices,
+                gpu_count=n.gpu_count,
+                gpus_free=len(cap.free_gpus),
+                max_tasks=n.max_tasks,
+                running_task_ids=sorted(n.allocations),
+                telemetry=n.telemetry,
+                version=n.register.version,
+                notes=n.notes,
+            )
+            _ts(msg.last_heartbeat_time, n.last_heartbeat_time)
+            nodes.append(msg)
+        return scheduler_pb2.ListNodesResponse(nodes=nodes)
+
+
+class NodeService(node_pb2_grpc.NodeServiceServicer):
+    """``opentinker.node.v1.NodeService``: one bidirectional stream per trainer node."""
+
+    def __init__(self, core: SchedulerCore, *, register_timeout_s: float = 30.0) -> None:
+        self.core = core
+        self.register_timeout_s = register_timeout_s
+
+    async def Connect(self, request_iterator, context):
+        it = request_iterator.__aiter__()
+        try:
+            first = await asyncio.wait_for(it.__anext__(), timeout=self.register_timeout_s)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message: expected register")
+        if first.WhichOneof("message") != "register":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first message: expected register, got {first.WhichOneof('message')}")
+        try:
+            node, registered = self.core.node_register(first.register)
+        except Exception as exc:  # noqa: BLE001
+            mapped = _status_for(exc)
+            if mapped is None:
+                raise
+            await context.abort(*mapped)
+        gen = node.generation
+        outbox = node.outbox
+        state = {"goodbye": False}
+        yield node_pb2.ConnectResponse(registered=registered)
+        self.core.schedule()
+        reader = asyncio.create_task(self._read(node, gen, it, state))
+        try:
+            while True:
+                getter = asyncio.create_task(outbox.get())
+                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    break
+                command = getter.result()
+                if command is None:
+                    break
+                yield command
+        finally:
+            if not reader.done():
+                reader.cancel()
+            self.core.node_disconnected(node, gen, goodbye=state["goodbye"])
+            self.core.schedule()
+
+    async def _read(self, node, gen: int, it, state: dict) -> None:
+        bound = log.bind(node_id=node.node_id)
+        try:
+            async for msg in it:
+                if node.generation != gen:
+                    return
+                kind = msg.WhichOneof("message")
+                if kind == "heartbeat":
+                    self.core.node_heartbeat(node, msg.heartbeat)
+                elif kind == "task_report":
+                    self.core.node_report(node, msg.task_report)
+                    if msg.task_report.state in (
+                        common_pb2.TASK_STATE_SUCCEEDED,
+                        common_pb2.TASK_STATE_FAILED,
+                        common_pb2.TASK_STATE_CANCELLED,
+                    ):
+                        self.core.schedule()
+                elif kind == "goodbye":
+                    state["goodbye"] = True
+                    bound.info("node said goodbye", reason=msg.goodbye.reason)
+                    return
+                else:
+                    bound.warning("unexpected message on node stream", kind=kind)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken stream ends the session
+            bound.warning("node stream read failed", error=repr(exc))

@@ -1,0 +1,365 @@
+"""The node agent: one ``NodeService.Connect`` stream to the scheduler, worker processes per task.
+
+* Registers its devices (NVML, or simulated) and the tasks it still runs, then heartbeats
+  telemetry every ``heartbeat_interval`` the scheduler gives.
+* Each assignment runs in a fresh worker process (``python -m opentinker_trainer.worker``,
+  never a fork of this process, which holds a gRPC channel) in its own process group with
+  ``CUDA_VISIBLE_DEVICES`` set; the worker's JSON-line reports become ``TaskReport`` messages.
+* Cancel = SIGTERM to the worker's process group, then SIGKILL after a grace period; the
+  cancel is reported only once the process is gone.
+* A broken stream is retried with exponential backoff and full jitter; running workers keep
+  going and are re-announced on reconnect. Final reports are re-sent after a reconnect (the
+  scheduler applies them once).
+* SIGTERM to the agent = drain: workers are asked to checkpoint and stop, are handed back to
+  the scheduler, then the agent says goodbye and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import structlog
+
+from opentinker.common.v1 import common_pb2
+from opentinker.node.v1 import node_pb2, node_pb2_grpc
+
+from .devices import DeviceMonitor
+
+log = structlog.get_logger("opentinker.trainer")
+
+VERSION = "0.1.0"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+#: Keepalive agreed with the scheduler (which accepts pings every 10 s or slower, without calls).
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+_FATAL = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED}
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Node agent settings. Times in seconds."""
+
+    target: str  # host:port of the scheduler
+    node_id: str
+    max_tasks: int = 4
+    work_dir: Path = Path("runs")
+    simulate_gpus: int = 0
+    kill_grace_s: float = 10.0
+    reconnect_initial_s: float = 0.5
+    reconnect_max_s: float = 15.0
+    outbox_limit: int = 10_000
+
+
+@dataclass
+class _Worker:
+    task_id: str
+    attempt: int
+    proc: asyncio.subprocess.Process
+    devices: tuple[int, ...]
+    cancel_reason: str | None = None
+    outcome: dict | None = None
+    watcher: asyncio.Task | None = None
+    killer: asyncio.Task | None = None
+
+
+class FatalRegistrationError(RuntimeError):
+    """The scheduler refused this node for good (wrong node id, bad request)."""
+
+
+class NodeAgent:
+    def __init__(self, config: AgentConfig, monitor: DeviceMonitor | None = None) -> None:
+        self.config = config
+        self.monitor = monitor or DeviceMonitor(simulate_gpus=config.simulate_gpus)
+        self.workers: dict[str, _Worker] = {}
+        self.draining = False
+        self.connected = asyncio.Event()
+        self._outbox: asyncio.Queue[node_pb2.ConnectRequest] = asyncio.Queue()
+        self._finals: OrderedDict[tuple[str, int], node_pb2.TaskReport] = OrderedDict()
+        self._stop = asyncio.Event()
+        self._heartbeat_interval = 2.0
+        self.log = log.bind(node_id=config.node_id)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self) -> None:
+        """Connect, serve, reconnect with backoff until drained or stopped."""
+        inv = self.monitor.inventory
+        self.log.info(
+            "node agent starting",
+            scheduler=self.config.target,
+            gpus=len(inv.devices),
+            simulated=inv.simulated,
+            note=inv.note or None,
+            max_tasks=self.config.max_tasks,
+        )
+        if not inv.devices:
+            self.log.warning("no GPU found; registering as a CPU node", reason=inv.note)
+        failures = 0
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                await self._session()
+            except FatalRegistrationError:
+                raise
+            except (grpc.aio.AioRpcError, ConnectionError, OSError) as exc:
+                code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+                if code in _FATAL:
+                    raise FatalRegistrationError(f"{code.name}: {exc.details()}") from None
+                self.log.warning("stream to scheduler broken", error=(exc.details() if code else repr(exc)), code=code.name if code else None)
+            self.connected.clear()
+            if self._stop.is_set():
+                break
+            if time.monotonic() - started > 30:
+                failures = 0
+            failures += 1
+            delay = random.uniform(0, min(self.config.reconnect_max_s, self.config.reconnect_initial_s * 2 ** (failures - 1)))
+            self.log.info("reconnecting", in_s=round(delay, 2), attempt=failures)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=delay)
+
+    async def drain(self, reason: str = "SIGTERM") -> None:
+        """Stop taking tasks, checkpoint and hand back running ones, say goodbye, stop."""
+        if self.draining:
+            return
+        self.draining = True
+        self.log.info("draining", reason=reason, running=len(self.workers))
+        for w in list(self.workers.values()):
+            self._terminate(w, None)
+        if self.workers:
+            await asyncio.gather(*(w.watcher for w in self.workers.values() if w.watcher), return_exceptions=True)
+        if self.connected.is_set():
+            self._send(node_pb2.ConnectRequest(goodbye=node_pb2.Goodbye(reason=f"drained ({reason})")))
+            await asyncio.sleep(0.2)
+        self._stop.set()
+        self._outbox.put_nowait(None)  # type: ignore[arg-type] - ends the request stream
+
+    async def stop_now(self) -> None:
+        """Kill all workers (tests and hard shutdown)."""
+        self._stop.set()
+        for w in list(self.workers.values()):
+            self._terminate(w, "agent stopped")
+        await asyncio.gather(*(w.watcher for w in self.workers.values() if w.watcher), return_exceptions=True)
+        self._outbox.put_nowait(None)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ the stream
+    async def _session(self) -> None:
+        async with grpc.aio.insecure_channel(self.config.target, options=CHANNEL_OPTIONS) as channel:
+            stub = node_pb2_grpc.NodeServiceStub(channel)
+            register = node_pb2.ConnectRequest(
+                register=node_pb2.Register(
+                    node_id=self.config.node_id,
+                    version=VERSION,
+                    devices=self.monitor.inventory.devices,
+                    max_tasks=self.config.max_tasks,
+                    running=[node_pb2.RunningTask(task_id=w.task_id, attempt=w.attempt) for w in self.workers.values()],
+                    hostname=socket.gethostname(),
+                    cpu_count=os.cpu_count() or 1,
+                    gpu_note=self.monitor.inventory.note,
+                )
+            )
+            call = stub.Connect(self._requests(register))
+            first = await call.read()
+            if first is grpc.aio.EOF or first.WhichOneof("command") != "registered":
+                raise ConnectionError("scheduler closed the stream before registering")
+            reg = first.registered
+            self._heartbeat_interval = max(0.05, reg.heartbeat_interval.ToNanoseconds() / 1e9 or 2.0)
+            self.log.info("registered with scheduler", gpu_count=reg.gpu_count, max_tasks=reg.max_tasks, heartbeat_s=self._heartbeat_interval, stale=len(reg.stale))
+            self.connected.set()
+            for s in reg.stale:
+                w = self.workers.get(s.task_id)
+                if w is not None and w.attempt == s.attempt:
+                    self._terminate(w, "scheduler no longer runs this attempt here")
+            for report in self._finals.values():
+                self._send(node_pb2.ConnectRequest(task_report=report))
+            heartbeats = asyncio.create_task(self._heartbeats())
+            try:
+                while True:
+                    command = await call.read()
+                    if command is grpc.aio.EOF:
+                        break
+                    await self._handle(command)
+            finally:
+                heartbeats.cancel()
+                self.connected.clear()
+
+    async def _requests(self, register: node_pb2.ConnectRequest):
+        yield register
+        while True:
+            msg = await self._outbox.get()
+            if msg is None:
+                return
+            yield msg
+
+    def _send(self, msg: node_pb2.ConnectRequest) -> None:
+        if self._outbox.qsize() >= self.config.outbox_limit and msg.WhichOneof("message") != "task_report":
+            return
+        self._outbox.put_nowait(msg)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            telemetry = await asyncio.to_thread(self.monitor.telemetry)
+            hb = node_pb2.Heartbeat(devices=telemetry, running=[node_pb2.RunningTask(task_id=w.task_id, attempt=w.attempt) for w in self.workers.values()])
+            hb.time.GetCurrentTime()
+            self._send(node_pb2.ConnectRequest(heartbeat=hb))
+            await asyncio.sleep(self._heartbeat_interval)
+
+    async def _handle(self, command: node_pb2.ConnectResponse) -> None:
+        kind = command.WhichOneof("command")
+        if kind == "assign_task":
+            await self._start(command.assign_task)
+        elif kind == "cancel_task":
+            c = command.cancel_task
+            w = self.workers.get(c.task_id)
+            if w is not None and (c.attempt == 0 or c.attempt == w.attempt):
+                self._terminate(w, c.reason or "cancelled")
+        elif kind == "drain":
+            asyncio.create_task(self.drain(command.drain.reason or "scheduler asked"))
+
+    # ------------------------------------------------------------------ workers
+    async def _start(self, a: node_pb2.AssignTask) -> None:
+        bound = self.log.bind(task_id=a.task_id, attempt=a.attempt)
+        existing = self.workers.get(a.task_id)
+        if existing is not None:
+            if existing.attempt == a.attempt:
+                return  # duplicate delivery
+            self._terminate(existing, "superseded by a newer attempt")
+        if self.draining:
+            self._report_final(node_pb2.TaskReport(task_id=a.task_id, attempt=a.attempt, state=common_pb2.TASK_STATE_CANCELLED, error="node is draining", retryable=True))
+            return
+        attempt_dir = self.config.work_dir / a.task_id / f"attempt-{a.attempt}"
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        assignment = attempt_dir / "assignment.pb"
+        assignment.write_bytes(a.SerializeToString())
+        simulated = self.monitor.inventory.simulated
+        env = dict(os.environ)
+        env["CUDA_VISIBLE_DEVICES"] = "" if simulated else ",".join(str(i) for i in a.device_indices)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        cmd = [sys.executable, "-m", "opentinker_trainer.worker", str(assignment), "--checkpoint-dir", str(self.config.work_dir / a.task_id / "checkpoints")]
+        if simulated or not a.device_indices:
+            cmd += ["--device", "cpu"]
+        try:
+            proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=None, env=env, start_new_session=True, limit=16 * 1024 * 1024)
+        except OSError as exc:
+            bound.error("worker failed to start", error=str(exc))
+            self._report_final(node_pb2.TaskReport(task_id=a.task_id, attempt=a.attempt, state=common_pb2.TASK_STATE_FAILED, error=f"worker failed to start: {exc}", retryable=True))
+            return
+        w = _Worker(a.task_id, a.attempt, proc, tuple(a.device_indices))
+        self.workers[a.task_id] = w
+        bound.info(
+            "Task started",
+            pid=proc.pid,
+            workload_type=a.spec.workload_type,
+            model=a.spec.model,
+            devices=list(a.device_indices) or "cpu",
+            simulated_gpus=simulated or None,
+            resume_from=a.resume_from.path or None,
+        )
+        w.watcher = asyncio.create_task(self._watch(w))
+
+    async def _watch(self, w: _Worker) -> None:
+        bound = self.log.bind(task_id=w.task_id, attempt=w.attempt)
+        assert w.proc.stdout is not None
+        while True:
+            line = await w.proc.stdout.readline()
+            if not line:
+                break
+            try:
+                msg = json.loads(line)
+                kind = msg["type"]
+            except (ValueError, KeyError, TypeError):
+                bound.warning("unreadable line from worker", line=line[:200].decode(errors="replace"))
+                continue
+            report = node_pb2.TaskReport(task_id=w.task_id, attempt=w.attempt)
+            if kind == "started":
+                report.state = common_pb2.TASK_STATE_RUNNING
+            elif kind == "metric":
+                point = report.metrics.add(step=int(msg["step"]), values={k: float(v) for k, v in msg["values"].items()})
+                point.time.FromNanoseconds(int(msg["time"] * 1e9))
+            elif kind == "checkpoint":
+                report.checkpoint.step = int(msg["step"])
+                report.checkpoint.path = str(Path(msg["path"]).resolve())
+                report.checkpoint.final = bool(msg.get("final"))
+                report.checkpoint.format = str(msg.get("format", ""))
+                report.checkpoint.create_time.FromNanoseconds(int(msg["time"] * 1e9))
+                report.checkpoint.node_id = self.config.node_id
+            elif kind in ("succeeded", "failed", "stopped"):
+                w.outcome = msg
+                continue
+            else:
+                continue
+            if w.cancel_reason is None or kind != "started":
+                self._send(node_pb2.ConnectRequest(task_report=report))
+        rc = await w.proc.wait()
+        if w.killer is not None:
+            w.killer.cancel()
+        # The worker is gone; make sure nothing it started lingers in its process group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(w.proc.pid, signal.SIGKILL)
+        final = node_pb2.TaskReport(task_id=w.task_id, attempt=w.attempt)
+        outcome = w.outcome or {}
+        if w.cancel_reason is not None:
+            final.state = common_pb2.TASK_STATE_CANCELLED
+            final.error = w.cancel_reason
+        elif outcome.get("type") == "succeeded":
+            final.state = common_pb2.TASK_STATE_SUCCEEDED
+        elif outcome.get("type") == "failed":
+            final.state = common_pb2.TASK_STATE_FAILED
+            final.error = str(outcome.get("error", "worker failed"))
+            final.retryable = bool(outcome.get("retryable", True))
+        elif outcome.get("type") == "stopped" or self.draining:
+            final.state = common_pb2.TASK_STATE_CANCELLED
+            final.error = f"node {self.config.node_id} drained; checkpointed and handed back"
+            final.retryable = True
+        else:
+            final.state = common_pb2.TASK_STATE_FAILED
+            how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+            final.error = f"worker process {how} without a result"
+            final.retryable = True
+        if self.workers.get(w.task_id) is w:
+            del self.workers[w.task_id]
+        bound.info("Task ended", state=common_pb2.TaskState.Name(final.state), returncode=rc, error=final.error or None)
+        self._report_final(final)
+
+    def _report_final(self, report: node_pb2.TaskReport) -> None:
+        self._finals[(report.task_id, report.attempt)] = report
+        while len(self._finals) > 256:
+            self._finals.popitem(last=False)
+        self._send(node_pb2.ConnectRequest(task_report=report))
+
+    def _terminate(self, w: _Worker, reason: str | None) -> None:
+        """SIGTERM the worker's process group; SIGKILL after the grace period.
+
+        ``reason`` None means drain (the worker checkpoints and is handed back)."""
+        if w.cancel_reason is None and reason is not None:
+            w.cancel_reason = reason
+        if w.killer is not None:
+            return
+        self.log.info("stopping worker", task_id=w.task_id, attempt=w.attempt, reason=reason or "drain")
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(w.proc.pid, signal.SIGTERM)
+
+        async def kill_later() -> None:
+            await asyncio.sleep(self.config.kill_grace_s)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(w.proc.pid, signal.SIGKILL)
+
+        w.killer = asyncio.create_task(kill_later())

@@ -1,0 +1,80 @@
+"""What a workload sees of the world: its task, its device, and how to report.
+
+A worker process (``python -m opentinker_trainer.worker``) builds one :class:`WorkerContext`
+and hands it to the workload's ``run(ctx)``. Reports go to the node agent as JSON lines on the
+worker's stdout (see :mod:`opentinker_trainer.worker`); logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Mapping
+
+from opentinker_client.spec import TaskSpecModel
+
+
+class UserError(Exception):
+    """The task cannot succeed however often it is retried (bad model path, bad dataset ...).
+
+    The task ends FAILED with this message and is not retried.
+    """
+
+
+@dataclass
+class WorkerContext:
+    """One attempt of one task, as its workload sees it.
+
+    Attributes:
+        task_id, attempt: identity of this attempt (fencing: reports carry both).
+        spec: the validated task spec.
+        device: torch device string, ``"cuda"`` when GPUs were assigned (CUDA_VISIBLE_DEVICES is
+            already set to them) and ``"cpu"`` otherwise.
+        checkpoint_dir: folder this attempt writes checkpoints under (``<dir>/step_<n>``).
+        resume_from: checkpoint folder to resume from, or None for a fresh start.
+    """
+
+    task_id: str
+    attempt: int
+    spec: TaskSpecModel
+    device: str
+    checkpoint_dir: Path
+    resume_from: Path | None = None
+    out: IO[str] = field(default_factory=lambda: sys.stdout)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # --- reports ---------------------------------------------------------------------------
+    def _emit(self, kind: str, **payload: Any) -> None:
+        line = json.dumps({"type": kind, "time": time.time(), **payload}, allow_nan=False)
+        with self._lock:
+            self.out.write(line + "\n")
+            self.out.flush()
+
+    def emit_metric(self, step: int, values: Mapping[str, float]) -> None:
+        """Report one training step's metrics (``step`` counts from 1).
+
+        Non-finite values are dropped (JSON and Prometheus cannot carry them meaningfully).
+        """
+        clean = {k: float(v) for k, v in values.items() if v is not None and float(v) == float(v) and abs(float(v)) != float("inf")}
+        self._emit("metric", step=int(step), values=clean)
+
+    def emit_checkpoint(self, step: int, path: Path, *, final: bool, fmt: str) -> None:
+        """Report a checkpoint folder written after ``step`` (format e.g. ``peft_lora``)."""
+        self._emit("checkpoint", step=int(step), path=str(path), final=bool(final), format=fmt)
+
+    def emit_log(self, message: str, **fields: Any) -> None:
+        self._emit("log", message=message, fields=fields)
+
+    # --- control ---------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Ask the workload to checkpoint and return early (drain, preemption, timeout)."""
+        self._stop.set()
+
+    def should_stop(self) -> bool:
+        """True once a stop was requested; a workload checks it between steps."""
+        return self._stop.is_set()

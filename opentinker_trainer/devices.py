@@ -1,0 +1,120 @@
+"""GPU discovery and telemetry from NVML (``nvidia-ml-py``), or simulated devices for tests.
+
+Units: memory in bytes, temperature in degrees Celsius, power in watts (NVML gives milliwatts),
+SM clock in MHz, utilization in percent. A field NVML cannot give (NotSupported, MIG devices,
+no permission) is left out of the telemetry with the reason in ``unavailable`` — never 0.
+
+Simulated devices (``--simulate-gpus N``) are marked ``simulated`` everywhere they show; their
+telemetry is made up (idle values) and must not be read as a measurement.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from opentinker.common.v1 import common_pb2
+
+SIMULATED_MEMORY_BYTES = 80 * 1024**3
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Devices found at start. ``note`` says why there are none, when there are none."""
+
+    devices: tuple[common_pb2.Device, ...]
+    note: str = ""
+    simulated: bool = False
+
+
+class DeviceMonitor:
+    """Finds devices once and reads their telemetry on demand (thread-safe)."""
+
+    def __init__(self, *, simulate_gpus: int = 0) -> None:
+        self._lock = threading.Lock()
+        self._nvml = None
+        self._handles: list = []
+        if simulate_gpus > 0:
+            devices = tuple(
+                common_pb2.Device(index=i, uuid=f"SIM-GPU-{i}", name="Simulated GPU", memory_total_bytes=SIMULATED_MEMORY_BYTES, simulated=True)
+                for i in range(simulate_gpus)
+            )
+            self.inventory = Inventory(devices, note=f"{simulate_gpus} simulated GPU(s) (--simulate-gpus)", simulated=True)
+            return
+        self.inventory = self._discover()
+
+    def _discover(self) -> Inventory:
+        try:
+            import pynvml  # provided by nvidia-ml-py
+        except ImportError:
+            return Inventory((), note="nvidia-ml-py is not installed")
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            return Inventory((), note=f"NVML unavailable ({exc}); running as a CPU node")
+        self._nvml = pynvml
+        devices = []
+        try:
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                self._handles.append(h)
+                mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+                name = pynvml.nvmlDeviceGetName(h)
+                uuid = pynvml.nvmlDeviceGetUUID(h)
+                devices.append(
+                    common_pb2.Device(
+                        index=i,
+                        uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
+                        name=name.decode() if isinstance(name, bytes) else name,
+                        memory_total_bytes=int(mem.total),
+                    )
+                )
+        except pynvml.NVMLError as exc:
+            return Inventory(tuple(devices), note=f"NVML error while listing devices: {exc}")
+        return Inventory(tuple(devices), note="" if devices else "NVML found no GPU; running as a CPU node")
+
+    def telemetry(self) -> list[common_pb2.DeviceTelemetry]:
+        """One reading per device. Missing fields are absent, with a reason."""
+        if self.inventory.simulated:
+            return [
+                common_pb2.DeviceTelemetry(
+                    index=d.index,
+                    utilization_percent=0.0,
+                    memory_used_bytes=0,
+                    memory_total_bytes=d.memory_total_bytes,
+                    simulated=True,
+                    unavailable={"temperature_c": "simulated device", "power_w": "simulated device", "sm_clock_mhz": "simulated device", "ecc_errors": "simulated device"},
+                )
+                for d in self.inventory.devices
+            ]
+        if self._nvml is None:
+            return []
+        nv = self._nvml
+        out = []
+        with self._lock:
+            for d, h in zip(self.inventory.devices, self._handles):
+                t = common_pb2.DeviceTelemetry(index=d.index)
+                readers = {
+                    "utilization_percent": lambda: float(nv.nvmlDeviceGetUtilizationRates(h).gpu),
+                    "memory_used_bytes": lambda: int(nv.nvmlDeviceGetMemoryInfo(h).used),
+                    "memory_total_bytes": lambda: int(nv.nvmlDeviceGetMemoryInfo(h).total),
+                    "temperature_c": lambda: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+                    "power_w": lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                    "sm_clock_mhz": lambda: int(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+                    "ecc_errors": lambda: int(nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)),
+                }
+                for field, read in readers.items():
+                    try:
+                        setattr(t, field, read())
+                    except nv.NVMLError as exc:
+                        t.unavailable[field] = str(exc) or type(exc).__name__
+                out.append(t)
+        return out
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except self._nvml.NVMLError:
+                pass
+            self._nvml = None

@@ -1,0 +1,87 @@
+"""Worker process: runs one attempt of one task. ``python -m opentinker_trainer.worker ASSIGNMENT``.
+
+The node agent starts it as a fresh interpreter (never a fork of the agent, which holds a gRPC
+channel) in its own process group, with ``CUDA_VISIBLE_DEVICES`` set to the assigned GPUs.
+``ASSIGNMENT`` is a file holding a serialized ``opentinker.node.v1.AssignTask``; the checkpoint
+folder comes from ``--checkpoint-dir``.
+
+Protocol to the agent: JSON lines on stdout, one object each, with ``type``:
+``started``; ``metric`` (step, values); ``checkpoint`` (step, path, final, format);
+``log``; and exactly one of ``succeeded``, ``stopped`` (checkpointed and returned early after
+SIGTERM), ``failed`` (``error``, ``retryable``). Logs go to stderr.
+SIGTERM asks the workload to checkpoint and return; the agent SIGKILLs after a grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+import structlog
+
+from opentinker.node.v1 import node_pb2
+from opentinker_client.logs import configure_logging
+from opentinker_client.spec import SpecError, spec_from_proto
+
+from .context import UserError, WorkerContext
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="opentinker-worker")
+    parser.add_argument("assignment", type=Path)
+    parser.add_argument("--checkpoint-dir", type=Path, required=True)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when GPUs are assigned)")
+    args = parser.parse_args(argv)
+    configure_logging()
+    assign = node_pb2.AssignTask.FromString(args.assignment.read_bytes())
+    structlog.contextvars.bind_contextvars(task_id=assign.task_id, attempt=assign.attempt)
+    log = structlog.get_logger("opentinker.worker")
+    device = args.device or ("cuda" if assign.device_indices else "cpu")
+    resume = Path(assign.resume_from.path) if assign.HasField("resume_from") and assign.resume_from.path else None
+
+    # Keep the real stdout for the report protocol; anything a library prints goes to stderr.
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        spec = spec_from_proto(assign.spec)
+    except SpecError as exc:
+        ctx = WorkerContext(assign.task_id, assign.attempt, None, device, args.checkpoint_dir, out=out)  # type: ignore[arg-type]
+        ctx._emit("failed", error=f"invalid spec: {exc}", retryable=False)
+        return 1
+    ctx = WorkerContext(
+        task_id=assign.task_id,
+        attempt=assign.attempt,
+        spec=spec,
+        device=device,
+        checkpoint_dir=args.checkpoint_dir,
+        resume_from=resume,
+        out=out,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: ctx.request_stop())
+    ctx._emit("started", device=device, resume_from=str(resume) if resume else None)
+    try:
+        module = importlib.import_module(f"opentinker_trainer.workloads.{spec.workload_type}")
+        module.run(ctx)
+    except UserError as exc:
+        log.error("task failed: user error", error=str(exc))
+        ctx._emit("failed", error=str(exc), retryable=False)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - reported to the scheduler, which may retry
+        log.error("task failed", error=repr(exc), traceback=traceback.format_exc())
+        ctx._emit("failed", error=f"{type(exc).__name__}: {exc}", retryable=True)
+        return 1
+    if ctx.should_stop():
+        ctx._emit("stopped")
+    else:
+        ctx._emit("succeeded")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from opentinker.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ConnectRequest(_message.Message):
+    __slots__ = ("register", "heartbeat", "task_report", "goodbye")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    TASK_REPORT_FIELD_NUMBER: _ClassVar[int]
+    GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    register: Register
+    heartbeat: Heartbeat
+    task_report: TaskReport
+    goodbye: Goodbye
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., task_report: _Optional[_Union[TaskReport, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
+
+class ConnectResponse(_message.Message):
+    __slots__ = ("registered", "assign_task", "cancel_task", "drain")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    ASSIGN_TASK_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_TASK_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    registered: Registered
+    assign_task: AssignTask
+    cancel_task: CancelTask
+    drain: Drain
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign_task: _Optional[_Union[AssignTask, _Mapping]] = ..., cancel_task: _Optional[_Union[CancelTask, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
+
+class RunningTask(_message.Message):
+    __slots__ = ("task_id", "attempt")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    attempt: int
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("node_id", "version", "devices", "max_tasks", "running", "hostname", "cpu_count", "gpu_note")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    GPU_NOTE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    version: str
+    devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.Device]
+    max_tasks: int
+    running: _containers.RepeatedCompositeFieldContainer[RunningTask]
+    hostname: str
+    cpu_count: int
+    gpu_note: str
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., max_tasks: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., gpu_note: _Optional[str] = ...) -> None: ...
+
+class Registered(_message.Message):
+    __slots__ = ("node_id", "heartbeat_interval", "lease", "gpu_count", "max_tasks", "stale")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    heartbeat_interval: _duration_pb2.Duration
+    lease: _duration_pb2.Duration
+    gpu_count: int
+    max_tasks: int
+    stale: _containers.RepeatedCompositeFieldContainer[RunningTask]
+    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., gpu_count: _Optional[int] = ..., max_tasks: _Optional[int] = ..., stale: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("time", "devices", "running")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    time: _timestamp_pb2.Timestamp
+    devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.DeviceTelemetry]
+    running: _containers.RepeatedCompositeFieldContainer[RunningTask]
+    def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.DeviceTelemetry, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ...) -> None: ...
+
+class TaskReport(_message.Message):
+    __slots__ = ("task_id", "attempt", "state", "metrics", "checkpoint", "error", "retryable")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    attempt: int
+    state: _common_pb2.TaskState
+    metrics: _containers.RepeatedCompositeFieldContainer[_common_pb2.MetricPoint]
+    checkpoint: _common_pb2.Checkpoint
+    error: str
+    retryable: bool
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.TaskState, str]] = ..., metrics: _Optional[_Iterable[_Union[_common_pb2.MetricPoint, _Mapping]]] = ..., checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
+
+class Goodbye(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class AssignTask(_message.Message):
+    __slots__ = ("task_id", "attempt", "spec", "device_indices", "resume_from", "owner")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    attempt: int
+    spec: _common_pb2.TaskSpec
+    device_indices: _containers.RepeatedScalarFieldContainer[int]
+    resume_from: _common_pb2.Checkpoint
+    owner: str
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., resume_from: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class CancelTask(_message.Message):
+    __slots__ = ("task_id", "attempt", "reason")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    attempt: int
+    reason: str
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Drain(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...

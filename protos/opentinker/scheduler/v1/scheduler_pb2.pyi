@@ -1,0 +1,148 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from opentinker.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubmitTaskRequest(_message.Message):
+    __slots__ = ("spec", "request_id")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    spec: _common_pb2.TaskSpec
+    request_id: str
+    def __init__(self, spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class SubmitTaskResponse(_message.Message):
+    __slots__ = ("task",)
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    task: _common_pb2.Task
+    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ...) -> None: ...
+
+class GetTaskRequest(_message.Message):
+    __slots__ = ("task_id",)
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    def __init__(self, task_id: _Optional[str] = ...) -> None: ...
+
+class GetTaskResponse(_message.Message):
+    __slots__ = ("task",)
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    task: _common_pb2.Task
+    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ...) -> None: ...
+
+class ListTasksRequest(_message.Message):
+    __slots__ = ("states", "page_size", "page_token")
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedScalarFieldContainer[_common_pb2.TaskState]
+    page_size: int
+    page_token: str
+    def __init__(self, states: _Optional[_Iterable[_Union[_common_pb2.TaskState, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListTasksResponse(_message.Message):
+    __slots__ = ("tasks", "next_page_token")
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.Task]
+    next_page_token: str
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.Task, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class CancelTaskRequest(_message.Message):
+    __slots__ = ("task_id", "reason")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    reason: str
+    def __init__(self, task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CancelTaskResponse(_message.Message):
+    __slots__ = ("task",)
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    task: _common_pb2.Task
+    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ...) -> None: ...
+
+class WatchTaskRequest(_message.Message):
+    __slots__ = ("task_id", "after_sequence")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    after_sequence: int
+    def __init__(self, task_id: _Optional[str] = ..., after_sequence: _Optional[int] = ...) -> None: ...
+
+class WatchTaskResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: _common_pb2.TaskEvent
+    def __init__(self, event: _Optional[_Union[_common_pb2.TaskEvent, _Mapping]] = ...) -> None: ...
+
+class GetMetricsRequest(_message.Message):
+    __slots__ = ("task_id", "after_step", "include_history")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    after_step: int
+    include_history: bool
+    def __init__(self, task_id: _Optional[str] = ..., after_step: _Optional[int] = ..., include_history: _Optional[bool] = ...) -> None: ...
+
+class GetMetricsResponse(_message.Message):
+    __slots__ = ("task_id", "latest", "latest_step", "points")
+    class LatestEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    LATEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    latest: _containers.ScalarMap[str, float]
+    latest_step: int
+    points: _containers.RepeatedCompositeFieldContainer[_common_pb2.MetricPoint]
+    def __init__(self, task_id: _Optional[str] = ..., latest: _Optional[_Mapping[str, float]] = ..., latest_step: _Optional[int] = ..., points: _Optional[_Iterable[_Union[_common_pb2.MetricPoint, _Mapping]]] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Node(_message.Message):
+    __slots__ = ("node_id", "connected", "devices", "gpu_count", "gpus_free", "max_tasks", "running_task_ids", "telemetry", "last_heartbeat_time", "version", "notes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FREE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TELEMETRY_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_TIME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NOTES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    connected: bool
+    devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.Device]
+    gpu_count: int
+    gpus_free: int
+    max_tasks: int
+    running_task_ids: _containers.RepeatedScalarFieldContainer[str]
+    telemetry: _containers.RepeatedCompositeFieldContainer[_common_pb2.DeviceTelemetry]
+    last_heartbeat_time: _timestamp_pb2.Timestamp
+    version: str
+    notes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., connected: _Optional[bool] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., gpu_count: _Optional[int] = ..., gpus_free: _Optional[int] = ..., max_tasks: _Optional[int] = ..., running_task_ids: _Optional[_Iterable[str]] = ..., telemetry: _Optional[_Iterable[_Union[_common_pb2.DeviceTelemetry, _Mapping]]] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[Node]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,76 @@
+"""Scheduler config: the seed's form loads; bad files are refused with file, line and key."""
+
+from __future__ import annotations
+
+import pytest
+
+from opentinker_scheduler.config import ConfigError, load_config, parse_config
+
+SEED = """\
+resource_pool:
+  - node_id: "gpu-node-01"
+    gpu_count: 4
+    max_tasks: 8
+workload_types:
+  - type: "lora_finetune"
+    priority: 1
+  - type: "full_rl"
+    priority: 2
+"""
+
+
+def test_seed_config_loads() -> None:
+    cfg = parse_config(SEED, "seed.yaml")
+    assert cfg.pool_node("gpu-node-01").gpu_count == 4
+    assert cfg.pool_node("gpu-node-01").max_tasks == 8
+    assert cfg.priority_of("full_rl") == 2
+    assert cfg.priority_of("lora_finetune") == 1
+    assert cfg.priority_of("sft") is None
+    assert cfg.workload_names == ("lora_finetune", "full_rl")
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "key"),
+    [
+        (SEED + "bogus: 1\n", 10, "bogus"),
+        (SEED.replace("gpu_count: 4", "gpu_count: four"), 3, "resource_pool[0].gpu_count"),
+        (SEED.replace("gpu_count: 4", "gpu_count: -1"), 3, "resource_pool[0].gpu_count"),
+        (SEED.replace("max_tasks: 8", "max_task: 8"), 4, "resource_pool[0].max_task"),
+        (SEED.replace('type: "full_rl"', 'type: "rlhf"'), 8, "workload_types[1].type"),
+        (SEED.replace("priority: 2", "priority: high"), 9, "workload_types[1].priority"),
+        (SEED + "lease: 1\nheartbeat_interval: 2\n", 10, "lease"),
+        (SEED + "resource_pool: []\n", 10, "resource_pool"),
+    ],
+)
+def test_bad_config_names_file_line_and_key(text: str, line: int, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, "cfg.yaml")
+    msg = str(err.value)
+    assert f"cfg.yaml:{line}:" in msg, msg
+    assert key in msg, msg
+
+
+def test_duplicate_node_refused() -> None:
+    text = SEED.replace("workload_types:", '  - node_id: "gpu-node-01"\n    gpu_count: 1\nworkload_types:')
+    with pytest.raises(ConfigError, match="appears twice"):
+        parse_config(text, "cfg.yaml")
+
+
+def test_missing_file_and_bad_yaml(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("resource_pool: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_relative_paths_resolve_against_config_folder(tmp_path) -> None:
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("state_dir: st\ndefault_model: models/m\n")
+    cfg = load_config(cfg_file)
+    assert cfg.state_dir == tmp_path / "st"
+    assert cfg.default_model == str(tmp_path / "models" / "m")
+    cfg_file.write_text("default_model: Qwen/Qwen2.5-0.5B-Instruct\n")
+    assert load_config(cfg_file).default_model == "Qwen/Qwen2.5-0.5B-Instruct"

@@ -1,0 +1,273 @@
+"""The scheduler state machine without gRPC: submit, place, report, fencing, node loss, restart."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from google.protobuf import struct_pb2
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from opentinker.common.v1 import common_pb2 as C
+from opentinker.node.v1 import node_pb2 as N
+from opentinker_scheduler.config import PoolNode, SchedulerConfig
+from opentinker_scheduler.core import SchedulerCore
+from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from opentinker_scheduler.store import Store
+
+
+def make_core(tmp: Path, **kw) -> SchedulerCore:
+    cfg = SchedulerConfig(resource_pool=(PoolNode("gpu-node-01", 4, 8),), state_dir=tmp, **kw)
+    return SchedulerCore(cfg, Store(tmp))
+
+
+def spec(gpus: int = 0, **hp) -> C.TaskSpec:
+    s = C.TaskSpec(workload_type="lora_finetune", model="/models/m", resources=C.Resources(gpu_count=gpus))
+    h = struct_pb2.Struct()
+    h.update(hp)
+    s.hyperparameters.CopyFrom(h)
+    return s
+
+
+def register(core: SchedulerCore, node_id: str = "gpu-node-01", gpus: int = 4, running=()):
+    devices = [C.Device(index=i, uuid=f"u{i}", name="g", simulated=True) for i in range(gpus)]
+    return core.node_register(N.Register(node_id=node_id, devices=devices, max_tasks=8, running=[N.RunningTask(task_id=t, attempt=a) for t, a in running]))
+
+
+def drain(node) -> list:
+    out = []
+    while not node.outbox.empty():
+        out.append(node.outbox.get_nowait())
+    return out
+
+
+def report(core, node, task_id, attempt, state=C.TASK_STATE_UNSPECIFIED, **kw):
+    return core.node_report(node, N.TaskReport(task_id=task_id, attempt=attempt, state=state, **kw))
+
+
+def test_submit_validates_with_field_paths(tmp_path) -> None:
+    core = make_core(tmp_path)
+    with pytest.raises(InvalidArgument, match="spec.workload_type: expected one of lora_finetune, full_rl"):
+        core.submit(C.TaskSpec(workload_type="nope", model="m"), owner="u")
+    with pytest.raises(InvalidArgument, match="spec.resources.gpu_count"):
+        core.submit(spec(gpus=-1), owner="u")
+    with pytest.raises(InvalidArgument, match=r"spec.hyperparameters.lerning_rate: expected one of the known keys"):
+        core.submit(spec(lerning_rate=0.1), owner="u")
+    with pytest.raises(InvalidArgument, match=r"spec.hyperparameters.steps: expected an integer"):
+        core.submit(spec(steps=1.5), owner="u")
+    with pytest.raises(InvalidArgument, match="spec.env_config.env_id"):
+        s = spec()
+        s.env_config.update({"env_id": "no-such-env"})
+        core.submit(s, owner="u")
+    with pytest.raises(FailedPrecondition, match="5 GPU.*more than 4"):
+        core.submit(spec(gpus=5), owner="u")
+    assert core.store.list_tasks() == [], "a refused submit must leave nothing behind"
+
+
+def test_request_id_is_idempotent(tmp_path) -> None:
+    core = make_core(tmp_path)
+    a = core.submit(spec(), owner="u", request_id="r1")
+    b = core.submit(spec(), owner="u", request_id="r1")
+    assert a.task_id == b.task_id
+    assert len(core.store.list_tasks()) == 1
+
+
+def test_lifecycle_and_events(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(gpus=2), owner="u")
+    assert core.schedule() == 0
+    assert "no trainer node is connected" in core.pending_reasons[task.task_id]
+    node, registered = register(core)
+    assert registered.gpu_count == 4
+    assert core.schedule() == 1
+    (cmd,) = drain(node)
+    assert cmd.assign_task.task_id == task.task_id and list(cmd.assign_task.device_indices) == [0, 1]
+    assert core.get(task.task_id).state == C.TASK_STATE_ASSIGNED
+    assert report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    point = C.MetricPoint(step=1, values={"loss": 0.5, "reward": 0.25})
+    assert report(core, node, task.task_id, 1, metrics=[point])
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_RUNNING and t.latest_metrics == {"loss": 0.5, "reward": 0.25}
+    ck = C.Checkpoint(step=1, path="/ck/step_1", final=True)
+    assert report(core, node, task.task_id, 1, C.TASK_STATE_SUCCEEDED, checkpoint=ck)
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_SUCCEEDED and t.latest_checkpoint.path == "/ck/step_1"
+    assert node.allocations == {}
+    kinds = [e.WhichOneof("event") for e in core.store.events_after(task.task_id, 0)]
+    assert kinds == ["state_change", "state_change", "state_change", "metric", "checkpoint", "state_change"]
+    seqs = [e.sequence for e in core.store.events_after(task.task_id, 0)]
+    assert seqs == list(range(1, 7))
+    assert [e.sequence for e in core.store.events_after(task.task_id, 4)] == [5, 6]
+
+
+def test_stale_attempt_report_is_refused(tmp_path) -> None:
+    core = make_core(tmp_path, lease_s=0.01)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    drain(node)
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    # The node goes silent past its lease: the attempt is lost and requeued as attempt 2.
+    node.last_seen -= 1
+    core.tick()  # loses the node, requeues, then places nowhere (node disconnected)
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_PENDING and t.attempt == 2
+    # The partitioned trainer comes back with attempt 1 still running: told it is stale.
+    node, registered = register(core, running=[(task.task_id, 1)])
+    assert [(s.task_id, s.attempt) for s in registered.stale] == [(task.task_id, 1)]
+    core.schedule()
+    drain(node)
+    assert core.get(task.task_id).attempt == 2
+    # A report from attempt 1 cannot overwrite attempt 2's state.
+    assert not report(core, node, task.task_id, 1, C.TASK_STATE_SUCCEEDED)
+    assert not report(core, node, task.task_id, 1, metrics=[C.MetricPoint(step=9, values={"loss": 1})])
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_ASSIGNED and t.attempt == 2 and t.latest_step == 0
+    assert report(core, node, task.task_id, 2, C.TASK_STATE_RUNNING)
+
+
+def test_failure_retry_then_user_error_not_retried(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    drain(node)
+    report(core, node, task.task_id, 1, C.TASK_STATE_FAILED, error="CUDA OOM", retryable=True)
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_PENDING and t.attempt == 2 and t.not_before > time.time()
+    t2 = core.submit(spec(), owner="u")
+    core.schedule()
+    drain(node)
+    report(core, node, t2.task_id, 1, C.TASK_STATE_FAILED, error="model '/x' does not exist", retryable=False)
+    t = core.get(t2.task_id)
+    assert t.state == C.TASK_STATE_FAILED and t.attempt == 1 and "does not exist" in t.error
+
+
+def test_cancel_pending_and_running_is_idempotent(tmp_path) -> None:
+    core = make_core(tmp_path)
+    a = core.submit(spec(), owner="u")
+    assert core.cancel(a.task_id).state == C.TASK_STATE_CANCELLED
+    assert core.cancel(a.task_id).state == C.TASK_STATE_CANCELLED
+    b = core.submit(spec(gpus=4), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    drain(node)
+    core.cancel(b.task_id)
+    (cmd,) = drain(node)
+    assert cmd.cancel_task.task_id == b.task_id
+    assert core.get(b.task_id).state == C.TASK_STATE_CANCELLED
+    # GPUs stay held until the node confirms the worker is gone.
+    c = core.submit(spec(gpus=4), owner="u")
+    assert core.schedule() == 0
+    report(core, node, b.task_id, 1, C.TASK_STATE_CANCELLED)
+    assert core.schedule() == 1
+    with pytest.raises(NotFound):
+        core.cancel("task-nope")
+    assert c.task_id
+
+
+def test_scheduler_restart_keeps_running_work(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(gpus=1), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    core.store.close()
+    # "kill -9": a new core on the same state directory.
+    core2 = make_core(tmp_path)
+    t = core2.get(task.task_id)
+    assert t.state == C.TASK_STATE_RUNNING and t.attempt == 1
+    node2, registered = register(core2, running=[(task.task_id, 1)])
+    assert list(registered.stale) == []
+    assert report(core2, node2, task.task_id, 1, C.TASK_STATE_SUCCEEDED)
+    assert core2.get(task.task_id).state == C.TASK_STATE_SUCCEEDED
+
+
+def test_node_reconnecting_without_its_task_requeues_it(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    register(core)  # the trainer restarted: no running tasks announced
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_PENDING and t.attempt == 2
+
+
+def test_unknown_nodes_switch_and_gpu_disagreement(tmp_path) -> None:
+    core = make_core(tmp_path, allow_unknown_nodes=False)
+    with pytest.raises(PermissionDenied, match="not in resource_pool"):
+        register(core, node_id="stranger")
+    node, registered = register(core, gpus=2)  # config says 4, NVML finds 2: the smaller wins
+    assert registered.gpu_count == 2
+    assert any("config gpu_count 4 but node found 2" in n for n in node.notes)
+
+
+def test_max_attempts_exhausted_by_node_loss(tmp_path) -> None:
+    core = make_core(tmp_path, lease_s=0.01, default_max_attempts=2)
+    task = core.submit(spec(), owner="u")
+    for _ in range(2):
+        node, _ = register(core)
+        core.schedule()
+        report(core, node, task.task_id, core.get(task.task_id).attempt, C.TASK_STATE_RUNNING)
+        node.last_seen -= 1
+        core.tick()
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_FAILED and "max_attempts (2) exhausted" in t.error
+
+
+# --- ledger property test ------------------------------------------------------------------
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["submit", "schedule", "finish", "fail", "cancel", "lose", "reconnect", "restart"]), st.integers(0, 4)),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops)
+def test_ledger_never_negative_or_leaking(tmp_path_factory, sequence) -> None:
+    tmp = tmp_path_factory.mktemp("ledger")
+    core = make_core(tmp, lease_s=0.01, default_max_attempts=3)
+    register(core)
+    for op, k in sequence:
+        node = core.nodes["gpu-node-01"]
+        active = [t for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED, C.TASK_STATE_RUNNING])]
+        if op == "submit":
+            core.submit(spec(gpus=k % 3), owner="u")
+        elif op == "schedule":
+            core.schedule()
+        elif op in ("finish", "fail") and active:
+            t = active[k % len(active)]
+            state = C.TASK_STATE_SUCCEEDED if op == "finish" else C.TASK_STATE_FAILED
+            report(core, node, t.task_id, t.attempt, state, retryable=True)
+        elif op == "cancel" and active:
+            t = active[k % len(active)]
+            core.cancel(t.task_id)
+            report(core, node, t.task_id, t.attempt, C.TASK_STATE_CANCELLED)
+        elif op == "lose":
+            node.last_seen -= 1
+            core.tick()
+        elif op == "reconnect":
+            running = [(t.task_id, t.attempt) for t in active if t.node_id == "gpu-node-01"]
+            register(core, running=running[: k % (len(running) + 1)])
+        elif op == "restart":
+            core.store.close()
+            core = make_core(tmp, lease_s=0.01, default_max_attempts=3)
+            running = [(t.task_id, t.attempt) for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED, C.TASK_STATE_RUNNING])]
+            register(core, running=running)
+        # Invariants: the ledger matches the store, no GPU is given twice, none beyond the node.
+        node = core.nodes["gpu-node-01"]
+        used = [d for _, devs in node.allocations.values() for d in devs]
+        assert len(used) == len(set(used))
+        assert all(0 <= d < node.gpu_count for d in used)
+        assert len(node.allocations) <= node.max_tasks
+        active_ids = {(t.task_id, t.attempt) for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED, C.TASK_STATE_RUNNING])}
+        held = {(tid, a) for tid, (a, _) in node.allocations.items()}
+        assert active_ids <= held, "an active task without GPUs in the ledger"
+        cancelled_only = held - active_ids
+        for tid, a in cancelled_only:
+            assert core.get(tid).terminal, "ledger holds GPUs for a task that is not active"
+    core.store.close()
