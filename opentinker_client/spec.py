@@ -227,6 +227,9 @@ class GRPOConfig:
     weight_decay: float = _num(0.0, 0.0, 1.0)
     max_grad_norm: float = _num(1.0, 0.0, 1e6, min_exclusive=True)
     ppo_epochs: int = _num(1, 1, 64, doc="gradient updates per batch of rollouts")
+    micro_batch_size: int = _num(
+        0, 0, 65536, doc="sequences per forward/backward pass, rounded down to whole groups (at least one); 0 = the whole batch"
+    )
     clip_eps: float = _num(0.2, 0.0, 10.0, min_exclusive=True, doc="PPO ratio clip range")
     kl_coef: float = _num(0.0, 0.0, 100.0, doc="weight of the k3 KL penalty to the reference model; 0 skips it")
     scale_rewards: bool = True

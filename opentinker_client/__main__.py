@@ -1,0 +1,7 @@
+"""``python -m opentinker_client`` runs the ``opentinker`` command."""
+
+import sys
+
+from opentinker_client.cli import main
+
+sys.exit(main())

@@ -1,0 +1,337 @@
+"""Task configs in YAML: what ``opentinker submit task.yaml`` and ``RLClient.submit_config`` read.
+
+Format (every key but ``workload_type`` is optional)::
+
+    name: arithmetic-demo                         # a short name for people (at most 256 characters)
+    workload_type: lora_finetune                  # lora_finetune | full_rl | sft | inference
+    model: .cache/models/SmolLM2-135M-Instruct    # local folder or hub id; omitted: scheduler default
+    gpu_count: 0                                  # GPUs, all from one node; 0 = CPU task (default 0)
+    priority: 5                                   # overrides the workload type's; larger runs first
+    max_runtime: 600                              # seconds per attempt; omitted: no limit
+    max_attempts: 3                               # attempts in all, counting requeues (default 3)
+    env: {env_id: arithmetic, min_digits: 1, max_digits: 1}
+    hyperparameters: {steps: 15, learning_rate: 0.0002}
+
+``env`` is the ``env_config`` (what ``Environment(...).to_dict()`` gives: ``env_id`` plus that
+environment's options; omitted: the built-in ``arithmetic`` task). ``hyperparameters`` are the
+workload's (for ``lora_finetune`` see :class:`opentinker_client.spec.GRPOConfig`: ``steps``,
+``learning_rate``, ``group_size``, ``lora_rank`` ...); omitted keys take their defaults.
+
+The file is checked strictly, with the same code the scheduler uses: an unknown key (at the top,
+in ``env`` or in ``hyperparameters``), a duplicate key, a wrong type or a value out of range is
+refused with :class:`~opentinker_client.errors.ConfigError` naming the file, the line and the
+key, e.g.::
+
+    INVALID_ARGUMENT: task.yaml:9: hyperparameters.lr: unknown key, expected one of the known keys (...)
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+from opentinker.common.v1 import common_pb2
+from opentinker_client.convert import dict_to_struct, seconds_to_duration
+from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spec_error
+from opentinker_client.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel
+
+__all__ = ["TaskConfig", "load_task_config", "parse_task_config"]
+
+# Stand-in for an empty model while validating locally: the scheduler fills in its default.
+_DEFAULT_MODEL_PLACEHOLDER = "<scheduler default model>"
+
+_KEYS: dict[str, str] = {
+    "name": "a string",
+    "workload_type": f"one of {', '.join(WORKLOAD_TYPES)}",
+    "model": "a model folder or hub id (a string)",
+    "gpu_count": "an integer >= 0",
+    "priority": "an integer",
+    "max_runtime": "a number of seconds > 0",
+    "max_attempts": "an integer >= 0",
+    "env": "a mapping (env_id and options)",
+    "hyperparameters": "a mapping of hyper-parameter names to values",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """A task to submit, as read from YAML or built in code.
+
+    Attributes:
+        workload_type: ``lora_finetune``, ``full_rl``, ``sft`` or ``inference``.
+        name: a short human-readable name.
+        model: base model (local folder or hub id); ``""`` lets the scheduler use its default.
+        gpu_count: GPUs, gang-placed on one node; 0 is a CPU task.
+        priority: overrides the workload type's priority when set; larger runs first.
+        max_runtime: wall-clock limit of one attempt, in seconds; ``None`` for no limit.
+        max_attempts: attempts in all (node loss and preemption count); ``None`` for the default (3).
+        env: the ``env_config`` mapping (``env_id`` + options); empty means ``arithmetic``.
+        hyperparameters: the workload's hyper-parameters; omitted ones take their defaults.
+        source: file it was read from, if any (not compared).
+    """
+
+    workload_type: str
+    name: str = ""
+    model: str = ""
+    gpu_count: int = 0
+    priority: int | None = None
+    max_runtime: float | None = None
+    max_attempts: int | None = None
+    env: Mapping[str, Any] = field(default_factory=dict)
+    hyperparameters: Mapping[str, Any] = field(default_factory=dict)
+    source: str | None = field(default=None, compare=False)
+
+    def check(self) -> TaskSpecModel:
+        """Validate locally, as the scheduler will (an empty ``model`` is allowed).
+
+        Returns:
+            The typed spec with defaults filled in.
+
+        Raises:
+            InvalidArgumentError: the first bad field, with ``err.field`` its spec path
+                (``spec.hyperparameters.learning_rate``).
+        """
+        try:
+            return _check_parts(self)
+        except SpecError as err:
+            raise from_spec_error(err) from None
+
+    def to_proto(self) -> common_pb2.TaskSpec:
+        """The ``common_pb2.TaskSpec`` to send: ``env`` and ``hyperparameters`` as
+        ``google.protobuf.Struct``, ``max_runtime`` as a ``Duration``. Does not validate
+        (see :meth:`check`).
+
+        Raises:
+            InvalidArgumentError: a value a Struct cannot carry (not JSON-like, or an integer
+                beyond 2**53).
+        """
+        try:
+            env = dict_to_struct(self.env)
+        except ValueError as err:
+            raise InvalidArgumentError(f"spec.env_config: {err}", field="spec.env_config") from None
+        try:
+            hp = dict_to_struct(self.hyperparameters)
+        except ValueError as err:
+            raise InvalidArgumentError(f"spec.hyperparameters: {err}", field="spec.hyperparameters") from None
+        spec = common_pb2.TaskSpec(
+            workload_type=self.workload_type,
+            model=self.model or "",
+            name=self.name or "",
+            env_config=env,
+            hyperparameters=hp,
+            resources=common_pb2.Resources(gpu_count=self.gpu_count),
+            limits=common_pb2.Limits(max_attempts=self.max_attempts or 0),
+        )
+        if self.max_runtime is not None:
+            spec.limits.max_runtime.CopyFrom(seconds_to_duration(self.max_runtime))
+        if self.priority is not None:
+            spec.priority = self.priority
+        return spec
+
+
+def _check_parts(cfg: TaskConfig) -> TaskSpecModel:
+    max_runtime = cfg.max_runtime
+    if isinstance(max_runtime, _dt.timedelta):
+        max_runtime = max_runtime.total_seconds()
+    return TaskSpecModel.from_parts(
+        workload_type=cfg.workload_type,
+        model=cfg.model or _DEFAULT_MODEL_PLACEHOLDER,
+        env_config=dict(cfg.env or {}),
+        hyperparameters=dict(cfg.hyperparameters or {}),
+        gpu_count=cfg.gpu_count,
+        max_runtime_s=max_runtime,
+        max_attempts=cfg.max_attempts or 0,
+        priority=cfg.priority,
+        name=cfg.name or "",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML with line numbers.
+
+Path = tuple  # of str keys and int list indices
+
+
+def _line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _index_lines(node: yaml.Node, path: Path, lines: dict[Path, int], source: str) -> None:
+    """Record the line of every mapping key and list item; refuse non-scalar and duplicate keys."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise ConfigError("mapping keys must be plain names", source=source, line=_line(key_node), key=_dotted(path) or None)
+            key = key_node.value
+            if key in seen:
+                raise ConfigError(
+                    f"duplicate key (first on line {seen[key]})", source=source, line=_line(key_node), key=_dotted(path + (key,))
+                )
+            seen[key] = _line(key_node)
+            lines[path + (key,)] = _line(key_node)
+            _index_lines(value_node, path + (key,), lines, source)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines[path + (i,)] = _line(item)
+            _index_lines(item, path + (i,), lines, source)
+
+
+def _dotted(path: Path) -> str:
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+_SPEC_PREFIXES: tuple[tuple[str, Path], ...] = (
+    ("spec.env_config", ("env",)),
+    ("spec.hyperparameters", ("hyperparameters",)),
+    ("spec.resources.gpu_count", ("gpu_count",)),
+    ("spec.limits.max_runtime", ("max_runtime",)),
+    ("spec.limits.max_attempts", ("max_attempts",)),
+    ("spec", ()),
+)
+_PATH_PART = re.compile(r"\.([^.\[\]]+)|\[(\d+)\]")
+
+
+def _spec_field_to_path(spec_field: str) -> Path | None:
+    """``spec.hyperparameters.target_modules[1]`` -> ``("hyperparameters", "target_modules", 1)``."""
+    for prefix, base in _SPEC_PREFIXES:
+        if spec_field == prefix or spec_field.startswith(prefix + ".") or spec_field.startswith(prefix + "["):
+            rest = spec_field[len(prefix) :]
+            parts: list[Any] = list(base)
+            for m in _PATH_PART.finditer(rest):
+                parts.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
+            return tuple(parts)
+    return None
+
+
+def _line_for(path: Path, lines: dict[Path, int]) -> int | None:
+    """Line of ``path``, or of its nearest parent that is in the file."""
+    for n in range(len(path), 0, -1):
+        line = lines.get(path[:n])
+        if line is not None:
+            return line
+    return None
+
+
+def _type_ok(key: str, value: Any) -> bool:
+    if value is None:
+        return key != "workload_type"
+    if key in ("name", "workload_type", "model"):
+        return isinstance(value, str)
+    if key in ("gpu_count", "priority", "max_attempts"):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if key == "max_runtime":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if key in ("env", "hyperparameters"):
+        return isinstance(value, Mapping)
+    return False  # pragma: no cover
+
+
+def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
+    """Parse and validate a task config from YAML text (see the module docs for the format).
+
+    Args:
+        text: the YAML document.
+        source: name used in error messages (the file name).
+
+    Raises:
+        ConfigError: not YAML, not a mapping, an unknown or duplicate key, a wrong type or a bad
+            value; ``err.line`` and ``err.key`` say where.
+    """
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"not valid YAML: {problem}", source=source, line=mark.line + 1 if mark else None) from None
+    if root is None:
+        raise ConfigError("the file is empty; expected a mapping with at least workload_type", source=source)
+    if not isinstance(root, yaml.MappingNode):
+        raise ConfigError("expected a mapping of keys to values at the top level", source=source, line=_line(root))
+    lines: dict[Path, int] = {}
+    _index_lines(root, (), lines, source)
+    try:
+        data = yaml.SafeLoader(text).get_single_data()
+    except yaml.YAMLError as err:  # e.g. a bad !!tag that composes but does not construct
+        mark = getattr(err, "problem_mark", None)
+        raise ConfigError(f"not valid YAML: {getattr(err, 'problem', err)}", source=source, line=mark.line + 1 if mark else None) from None
+
+    for key in data:
+        if key not in _KEYS:
+            raise ConfigError(
+                f"unknown key, expected one of the known keys ({', '.join(_KEYS)})",
+                source=source,
+                line=lines.get((str(key),)),
+                key=str(key),
+            )
+    if "workload_type" not in data:
+        raise ConfigError(f"missing workload_type ({_KEYS['workload_type']})", source=source, line=1)
+    for key, value in data.items():
+        if not _type_ok(key, value):
+            raise ConfigError(f"expected {_KEYS[key]}, got {value!r}", source=source, line=lines.get((key,)), key=key)
+
+    def opt(key: str, default: Any) -> Any:
+        value = data.get(key)
+        return default if value is None else value
+
+    cfg = TaskConfig(
+        workload_type=data["workload_type"],
+        name=opt("name", ""),
+        model=opt("model", ""),
+        gpu_count=opt("gpu_count", 0),
+        priority=data.get("priority"),
+        max_runtime=float(data["max_runtime"]) if data.get("max_runtime") is not None else None,
+        max_attempts=data.get("max_attempts"),
+        env=dict(opt("env", {})),
+        hyperparameters=dict(opt("hyperparameters", {})),
+        source=source,
+    )
+    try:
+        _check_parts(cfg)
+    except SpecError as err:
+        path = _spec_field_to_path(err.field)
+        key = _dotted(path) if path else err.field
+        detail = str(err)
+        if detail.startswith(err.field + ": "):
+            detail = detail[len(err.field) + 2 :]
+        if err.expected.startswith("one of the known keys"):
+            detail = "unknown key, " + detail
+        raise ConfigError(detail, source=source, line=_line_for(path, lines) if path else None, key=key or None) from None
+    # Values a Struct cannot carry (dates, huge integers) are refused here, with their line.
+    for part in ("env", "hyperparameters"):
+        try:
+            dict_to_struct(getattr(cfg, part))
+        except ValueError as err:
+            msg = str(err)
+            sub = msg.split(":", 1)[0]
+            path = (part,) + tuple(
+                m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _PATH_PART.finditer("." + sub)
+            )
+            raise ConfigError(msg.split(": ", 1)[-1], source=source, line=_line_for(path, lines), key=f"{part}.{sub}") from None
+    return cfg
+
+
+def load_task_config(path: str | os.PathLike[str]) -> TaskConfig:
+    """Read and validate a task config file (see the module docs for the format).
+
+    Raises:
+        OSError: the file cannot be read (e.g. :class:`FileNotFoundError`).
+        ConfigError: the content is not a valid task config; the message names the file, the
+            line and the key.
+    """
+    path = os.fspath(path)
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    return parse_task_config(text, source=path)

@@ -1,0 +1,260 @@
+"""Typed exceptions of the OpenTinker client.
+
+Every error the client raises is an :class:`OpenTinkerError`. Errors that come from the scheduler
+carry the gRPC status code (``err.code``, a :class:`grpc.StatusCode`) and its message
+(``err.details``); each status code the scheduler uses on purpose has its own subclass, so callers
+catch what they can handle::
+
+    try:
+        task_id = client.submit_task(env_config=env.to_dict(), workload_type="lora_finetune")
+    except InvalidArgumentError as err:      # bad spec: err.field names the offending field
+        print(err.field, err.details)
+    except UnavailableError:                 # scheduler unreachable; safe to retry
+        ...
+
+``str(err)`` reads ``INVALID_ARGUMENT: spec.workload_type: expected one of ...``.
+
+Validation done locally (before anything is sent) raises the same :class:`InvalidArgumentError`
+the scheduler would return, with ``code == grpc.StatusCode.INVALID_ARGUMENT``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from opentinker_client.spec import SpecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from opentinker_client.convert import TaskInfo
+
+__all__ = [
+    "OpenTinkerError",
+    "InvalidArgumentError",
+    "ConfigError",
+    "NotFoundError",
+    "FailedPreconditionError",
+    "AlreadyExistsError",
+    "UnauthenticatedError",
+    "PermissionDeniedError",
+    "ResourceExhaustedError",
+    "UnavailableError",
+    "DeadlineExceededError",
+    "TaskFailedError",
+    "from_rpc_error",
+    "from_spec_error",
+]
+
+
+class OpenTinkerError(Exception):
+    """Base of every error raised by the OpenTinker client.
+
+    Attributes:
+        code: the gRPC status code, or ``None`` for errors that did not come from a status
+            (for example :class:`TaskFailedError`).
+        details: the human-readable message (the gRPC status details for server errors).
+        status: the decoded ``google.rpc.Status`` when the server sent rich details, else ``None``.
+    """
+
+    #: The status code this class stands for; ``None`` on the base class.
+    grpc_code: grpc.StatusCode | None = None
+
+    def __init__(self, details: str, *, code: grpc.StatusCode | None = None, status: Any = None) -> None:
+        self.details = details
+        self.code = code if code is not None else type(self).grpc_code
+        self.status = status
+        super().__init__(details)
+
+    def __str__(self) -> str:
+        if self.code is not None:
+            return f"{self.code.name}: {self.details}"
+        return self.details
+
+    def __repr__(self) -> str:
+        code = self.code.name if self.code is not None else None
+        return f"{type(self).__name__}(code={code}, details={self.details!r})"
+
+
+class InvalidArgumentError(OpenTinkerError):
+    """The request is malformed: a bad task spec, an empty task id, a bad page size.
+
+    Attributes:
+        field: dotted path of the offending field (``spec.hyperparameters.learning_rate``) when
+            known, else ``None``.
+    """
+
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, details: str, *, code: grpc.StatusCode | None = None, status: Any = None, field: str | None = None) -> None:
+        super().__init__(details, code=code, status=status)
+        self.field = field
+
+
+class ConfigError(InvalidArgumentError):
+    """A task config file is not valid: unknown key, wrong type, bad value, or not YAML.
+
+    ``str(err)`` reads ``INVALID_ARGUMENT: task.yaml:7: hyperparameters.lr: expected one of the known keys (...)``.
+
+    Attributes:
+        source: the file name (or ``"<string>"``).
+        line: 1-based line number of the offending key, or ``None`` when it cannot be told.
+        key: dotted path of the offending key inside the file (``hyperparameters.lr``), or ``None``.
+        field: as for :class:`InvalidArgumentError`: the key path.
+    """
+
+    def __init__(self, message: str, *, source: str, line: int | None = None, key: str | None = None) -> None:
+        where = f"{source}:{line}" if line is not None else source
+        prefix = f"{where}: {key}: " if key else f"{where}: "
+        super().__init__(prefix + message, field=key)
+        self.source = source
+        self.line = line
+        self.key = key
+
+
+class NotFoundError(OpenTinkerError):
+    """No task (or node) with that id exists, or it is not visible to this API key."""
+
+    grpc_code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPreconditionError(OpenTinkerError):
+    """The request is well formed but cannot be met, e.g. ``gpu_count`` larger than any node offers."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class AlreadyExistsError(OpenTinkerError):
+    """The thing to create exists already."""
+
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class UnauthenticatedError(OpenTinkerError):
+    """No API key, or an unknown one. Pass ``api_key=`` or set ``OPENTINKER_API_KEY``."""
+
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(OpenTinkerError):
+    """The API key is valid but its role may not do this (e.g. cancel another user's task)."""
+
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class ResourceExhaustedError(OpenTinkerError):
+    """A limit was reached: message size, spec size, tasks per owner, open streams."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnavailableError(OpenTinkerError):
+    """The scheduler cannot be reached (down, restarting, wrong address). Safe to retry."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(OpenTinkerError, TimeoutError):
+    """A call or a :meth:`RLClient.wait` did not finish in time. Also a :class:`TimeoutError`."""
+
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class TaskFailedError(OpenTinkerError):
+    """Raised by :meth:`RLClient.wait` when the task ended ``FAILED`` or ``CANCELLED``.
+
+    Attributes:
+        task: the final :class:`~opentinker_client.convert.TaskInfo`; ``task.state`` is
+            ``"failed"`` or ``"cancelled"`` and ``task.error`` says why.
+    """
+
+    def __init__(self, task: "TaskInfo") -> None:
+        reason = task.error or "no reason given"
+        super().__init__(f"task {task.task_id} {task.state.upper()}: {reason}")
+        self.task = task
+
+
+_BY_CODE: dict[grpc.StatusCode, type[OpenTinkerError]] = {
+    cls.grpc_code: cls
+    for cls in (
+        InvalidArgumentError,
+        NotFoundError,
+        FailedPreconditionError,
+        AlreadyExistsError,
+        UnauthenticatedError,
+        PermissionDeniedError,
+        ResourceExhaustedError,
+        UnavailableError,
+        DeadlineExceededError,
+    )
+}
+
+# "spec.hyperparameters.lr: expected ..." -> the field path at the start of a details message.
+_FIELD_PREFIX = re.compile(r"^((?:spec|env_config|hyperparameters)(?:\.[A-Za-z0-9_]+|\[\d+\])*): ")
+
+
+def _rich_status(err: grpc.RpcError) -> Any:
+    """The ``google.rpc.Status`` from the trailers, when the server sent one."""
+    try:
+        from grpc_status import rpc_status
+    except ImportError:  # pragma: no cover - grpcio-status is a dependency, but stay usable without it
+        return None
+    try:
+        return rpc_status.from_call(err)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - malformed or mismatched details are not worth failing over
+        return None
+
+
+def _field_from_status(status: Any) -> str | None:
+    if status is None:
+        return None
+    try:
+        from google.rpc import error_details_pb2
+    except ImportError:  # pragma: no cover
+        return None
+    for any_msg in status.details:
+        if any_msg.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            any_msg.Unpack(bad)
+            if bad.field_violations:
+                return bad.field_violations[0].field or None
+    return None
+
+
+def from_rpc_error(err: grpc.RpcError) -> OpenTinkerError:
+    """Map a :class:`grpc.RpcError` to the matching :class:`OpenTinkerError` subclass.
+
+    Codes without a subclass of their own (``INTERNAL``, ``UNKNOWN``, ``UNIMPLEMENTED``,
+    ``CANCELLED``, ...) give a plain :class:`OpenTinkerError` carrying that code. For
+    ``INVALID_ARGUMENT`` the field path is taken from a ``google.rpc.BadRequest`` detail when
+    present, else from the start of the message (``spec.x.y: ...``).
+    """
+    code_fn = getattr(err, "code", None)
+    details_fn = getattr(err, "details", None)
+    code = code_fn() if callable(code_fn) else None
+    details = details_fn() if callable(details_fn) else None
+    if not isinstance(code, grpc.StatusCode):
+        code = grpc.StatusCode.UNKNOWN
+        details = details or str(err)
+    if not details:
+        details = code.name.lower().replace("_", " ")
+    status = _rich_status(err)
+    cls = _BY_CODE.get(code, OpenTinkerError)
+    if cls is InvalidArgumentError:
+        field = _field_from_status(status)
+        if field is None:
+            m = _FIELD_PREFIX.match(details)
+            field = m.group(1) if m else None
+        return InvalidArgumentError(details, code=code, status=status, field=field)
+    return cls(details, code=code, status=status)
+
+
+def from_spec_error(err: SpecError) -> InvalidArgumentError:
+    """Turn a local :class:`~opentinker_client.spec.SpecError` into the
+    :class:`InvalidArgumentError` the scheduler would have returned (same message, same field)."""
+    message = str(err)
+    prefix = f"{err.field}: "
+    if err.expected.startswith("one of the known keys") and message.startswith(prefix):
+        message = f"{prefix}unknown key, {message[len(prefix):]}"
+    return InvalidArgumentError(message, field=err.field)

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""`make demo`: the main job on localhost, every byte through our gRPC services.
+
+Starts a scheduler and one trainer node as real processes, submits the arithmetic LoRA GRPO
+task on SmolLM2-135M-Instruct with the seed's client API, shows per-step reward and loss as
+they stream in, prints the mean reward of the first and last three steps and the checkpoint
+path, and stops its processes (also on Ctrl-C). The task asks for 1 GPU when the node has one
+and runs on the CPU (gpu_count 0) otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port(preferred: int) -> int:
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port")
+
+
+def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    out = open(log, "wb")
+    return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen | None, name: str, timeout: float = 20) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"{name} did not stop in {timeout:.0f} s; killing it")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_health(http_port: int, proc: subprocess.Popen, log: Path, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"scheduler exited early; see {log}:\n{log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=2) as r:
+                body = json.loads(r.read())
+                if body.get("status") == "ok":
+                    return body
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"scheduler not healthy after {timeout:.0f} s; see {log}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=ROOT / ".cache/models/SmolLM2-135M-Instruct")
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--port", type=int, default=8888, help="gRPC port (another free one if taken)")
+    parser.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "demo")
+    args = parser.parse_args()
+
+    from opentinker_client import Environment, RLClient
+
+    model = args.model.resolve()
+    if not (model / "config.json").exists():
+        raise SystemExit(f"{model} is not a model folder; run `make install` (scripts/prepare_model.py)")
+    run_dir = args.work_dir / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port(args.port)
+    http_port = free_port(port + 1)
+    config = run_dir / "scheduler_config.yaml"
+    config.write_text(
+        "resource_pool:\n"
+        "  - node_id: demo-node\n"
+        "    gpu_count: 1\n"
+        "    max_tasks: 2\n"
+        "workload_types:\n"
+        "  - type: lora_finetune\n"
+        "    priority: 1\n"
+        "  - type: full_rl\n"
+        "    priority: 2\n"
+        f"state_dir: {run_dir / 'state'}\n"
+        f"default_model: {model}\n"
+        "heartbeat_interval: 2\n"
+        "lease: 10\n"
+    )
+    sched_log, trainer_log = run_dir / "scheduler.log", run_dir / "trainer.log"
+    scheduler = trainer = None
+    client = None
+    print(f"OpenTinker demo — logs and checkpoints in {run_dir}")
+    try:
+        env = {"OPENTINKER_LOG_FORMAT": "json"}
+        scheduler = start(["-m", "opentinker_scheduler", "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port)], sched_log, env)
+        health = wait_health(http_port, scheduler, sched_log)
+        print(f"scheduler  grpc localhost:{port}   GET http://localhost:{http_port}/health -> {json.dumps(health)}")
+        scheduler_url = f"http://localhost:{port}"
+        trainer = start(["-m", "opentinker_trainer", "--node-id", "demo-node", "--work-dir", str(run_dir / "runs")], trainer_log, {**env, "SCHEDULER_URL": scheduler_url})
+
+        client = RLClient(scheduler_url=scheduler_url)
+        deadline = time.monotonic() + 60
+        nodes = []
+        while not nodes:
+            if trainer.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"trainer did not connect; see {trainer_log}:\n{trainer_log.read_text()[-2000:]}")
+            nodes = [n for n in client.list_nodes() if n.connected]
+            time.sleep(0.2)
+        node = nodes[0]
+        gpu_count = 1 if node.gpu_count >= 1 else 0
+        where = f"{node.gpu_count} GPU(s)" if node.gpu_count else "CPU only (" + "; ".join(node.notes) + ")"
+        print(f"trainer    {node.node_id}: {where}")
+
+        # The seed's client API, as written in the deployment guide.
+        env_spec = Environment(action_space=4, observation_space=100, env_id="arithmetic", min_digits=1, max_digits=1)
+        task_id = client.submit_task(
+            env_config=env_spec.to_dict(),
+            workload_type="lora_finetune",
+            gpu_count=gpu_count,
+            name="demo-arithmetic-lora",
+            hyperparameters={"steps": args.steps},
+        )
+        print(f"submitted  {task_id}: LoRA GRPO on {model.name}, arithmetic (a + b, one digit), {args.steps} steps, gpu_count={gpu_count}\n")
+        print(f"{'step':>4}  {'reward':>6}  {'±std':>5}  {'loss':>8}  {'kl':>7}  {'zero-std':>8}  {'tok/s':>6}  {'step s':>6}")
+        rewards: dict[int, float] = {}
+        checkpoint = ""
+        for ev in client.watch(task_id):
+            if ev.kind == "state":
+                print(f"  [{ev.to_state.upper()}] {ev.message}")
+            elif ev.kind == "metric":
+                m = ev.metrics
+                rewards[ev.step] = m.get("reward", math.nan)
+                print(
+                    f"{ev.step:>4}  {m.get('reward', math.nan):>6.3f}  {m.get('reward_std', math.nan):>5.2f}  "
+                    f"{m.get('loss', math.nan):>8.4f}  {m.get('kl', math.nan):>7.4f}  {m.get('zero_std_frac', math.nan):>8.2f}  "
+                    f"{m.get('perf/tokens_per_s', math.nan):>6.0f}  {m.get('perf/step_s', math.nan):>6.1f}"
+                )
+            elif ev.kind == "checkpoint":
+                checkpoint = ev.checkpoint_path
+        task = client.get_task(task_id)
+        print()
+        steps = sorted(rewards)
+        if len(steps) >= 6:
+            first = sum(rewards[s] for s in steps[:3]) / 3
+            last = sum(rewards[s] for s in steps[-3:]) / 3
+            print(f"mean reward, first 3 steps: {first:.3f}")
+            print(f"mean reward, last 3 steps:  {last:.3f}   ({'+' if last >= first else ''}{last - first:.3f})")
+        print(f"final state: {task.state.upper()}" + (f" — {task.error}" if task.error else ""))
+        print(f"checkpoint (PEFT LoRA adapter): {checkpoint or task.checkpoint_path or 'none'}")
+        started = [json.loads(line) for line in trainer_log.read_text().splitlines() if '"Task started"' in line]
+        if started:
+            s = started[0]
+            print(f'trainer log: "Task started" task_id={s.get("task_id")} attempt={s.get("attempt")} pid={s.get("pid")}')
+        return 0 if task.state == "succeeded" else 1
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping the demo's processes")
+        return 130
+    finally:
+        if client is not None:
+            client.close()
+        stop(trainer, "trainer")
+        stop(scheduler, "scheduler")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

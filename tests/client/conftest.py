@@ -1,0 +1,14 @@
+import pytest
+
+from .fake_scheduler import FakeScheduler, Server
+
+
+@pytest.fixture
+def fake():
+    """A running TEST DOUBLE of the scheduler: yields (servicer, server)."""
+    servicer = FakeScheduler()
+    server = Server(servicer)
+    try:
+        yield servicer, server
+    finally:
+        server.stop()

@@ -1,0 +1,213 @@
+import datetime as dt
+import textwrap
+
+import pytest
+from google.protobuf import struct_pb2
+
+from opentinker_client import ConfigError, InvalidArgumentError, TaskConfig, load_task_config, parse_task_config
+from opentinker_client.convert import duration_to_seconds, struct_to_dict
+
+VALID = textwrap.dedent(
+    """\
+    name: arithmetic-demo
+    workload_type: lora_finetune
+    model: .cache/models/SmolLM2-135M-Instruct   # optional: scheduler default
+    gpu_count: 0
+    priority: 5            # optional
+    max_runtime: 600       # seconds, optional
+    max_attempts: 3        # optional
+    env: {env_id: arithmetic, min_digits: 1, max_digits: 1}
+    hyperparameters: {steps: 15, learning_rate: 0.0002}
+    """
+)
+
+
+def write(tmp_path, text, name="task.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_valid_file(tmp_path):
+    cfg = load_task_config(write(tmp_path, VALID))
+    assert cfg == TaskConfig(
+        name="arithmetic-demo",
+        workload_type="lora_finetune",
+        model=".cache/models/SmolLM2-135M-Instruct",
+        gpu_count=0,
+        priority=5,
+        max_runtime=600.0,
+        max_attempts=3,
+        env={"env_id": "arithmetic", "min_digits": 1, "max_digits": 1},
+        hyperparameters={"steps": 15, "learning_rate": 0.0002},
+    )
+    assert cfg.source.endswith("task.yaml")
+    spec = cfg.check()
+    assert spec.hyperparameters.steps == 15 and spec.model == ".cache/models/SmolLM2-135M-Instruct"
+
+
+def test_minimal_file_uses_defaults(tmp_path):
+    cfg = load_task_config(write(tmp_path, "workload_type: lora_finetune\nmodel:\nenv:\n"))
+    assert cfg.model == "" and cfg.env == {} and cfg.hyperparameters == {}
+    assert cfg.gpu_count == 0 and cfg.priority is None and cfg.max_runtime is None and cfg.max_attempts is None
+    cfg.check()  # an empty model is the scheduler's default, not an error
+
+
+def test_frozen():
+    cfg = TaskConfig(workload_type="lora_finetune")
+    with pytest.raises(AttributeError):
+        cfg.gpu_count = 2  # type: ignore[misc]
+
+
+def error_of(tmp_path, text) -> ConfigError:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as exc:
+        load_task_config(path)
+    err = exc.value
+    assert isinstance(err, InvalidArgumentError)
+    assert str(path) in str(err)
+    assert "\n" not in str(err)
+    return err
+
+
+def test_unknown_top_level_key(tmp_path):
+    err = error_of(tmp_path, VALID.replace("gpu_count: 0\n", "gpu_count: 0\ngpus: 1\n"))
+    assert (err.line, err.key) == (5, "gpus")
+    assert f"task.yaml:5: gpus: unknown key" in str(err)
+    assert "workload_type" in str(err)  # lists the known keys
+
+
+def test_wrong_type(tmp_path):
+    err = error_of(tmp_path, VALID.replace("gpu_count: 0", "gpu_count: two"))
+    assert (err.line, err.key) == (4, "gpu_count")
+    assert "expected an integer" in str(err) and "'two'" in str(err)
+    err = error_of(tmp_path, VALID.replace("max_runtime: 600", "max_runtime: 10m"))
+    assert (err.line, err.key) == (6, "max_runtime")
+    err = error_of(tmp_path, VALID.replace("gpu_count: 0", "gpu_count: true"))
+    assert err.key == "gpu_count"
+    err = error_of(tmp_path, VALID.replace("env: {env_id: arithmetic, min_digits: 1, max_digits: 1}", "env: arithmetic"))
+    assert (err.line, err.key) == (8, "env")
+
+
+def test_unknown_hyperparameter_with_its_line(tmp_path):
+    text = VALID.replace(
+        "hyperparameters: {steps: 15, learning_rate: 0.0002}",
+        "hyperparameters:\n  steps: 15\n  lr: 0.0002\n",
+    )
+    err = error_of(tmp_path, text)
+    assert (err.line, err.key) == (11, "hyperparameters.lr")
+    assert "task.yaml:11: hyperparameters.lr: unknown key, expected one of the known keys (" in str(err)
+    assert "learning_rate" in str(err)
+
+
+def test_bad_hyperparameter_value_with_its_line(tmp_path):
+    text = VALID.replace(
+        "hyperparameters: {steps: 15, learning_rate: 0.0002}",
+        "hyperparameters:\n  steps: 0\n",
+    )
+    err = error_of(tmp_path, text)
+    assert (err.line, err.key) == (10, "hyperparameters.steps")
+    assert "expected an integer in [1, 100000], got 0" in str(err)
+
+
+def test_bad_list_item_line(tmp_path):
+    text = VALID.replace(
+        "hyperparameters: {steps: 15, learning_rate: 0.0002}",
+        "hyperparameters:\n  target_modules:\n    - q_proj\n    - 7\n",
+    )
+    err = error_of(tmp_path, text)
+    assert (err.line, err.key) == (12, "hyperparameters.target_modules[1]")
+
+
+def test_unknown_env_key_with_its_line(tmp_path):
+    text = VALID.replace(
+        "env: {env_id: arithmetic, min_digits: 1, max_digits: 1}",
+        "env:\n  env_id: arithmetic\n  digits: 2\n",
+    )
+    err = error_of(tmp_path, text)
+    assert (err.line, err.key) == (10, "env.digits")
+
+
+def test_spec_level_errors_map_to_yaml_keys(tmp_path):
+    err = error_of(tmp_path, VALID.replace("workload_type: lora_finetune", "workload_type: lora"))
+    assert (err.line, err.key) == (2, "workload_type")
+    assert "expected one of lora_finetune, full_rl, sft, inference" in str(err)
+    err = error_of(tmp_path, VALID.replace("max_attempts: 3", "max_attempts: 1000"))
+    assert (err.line, err.key) == (7, "max_attempts")
+    err = error_of(tmp_path, VALID.replace("max_runtime: 600", "max_runtime: -1"))
+    assert (err.line, err.key) == (6, "max_runtime")
+    err = error_of(tmp_path, VALID.replace("gpu_count: 0", "gpu_count: -1"))
+    assert (err.line, err.key) == (4, "gpu_count")
+
+
+def test_missing_workload_type(tmp_path):
+    err = error_of(tmp_path, "name: x\n")
+    assert "missing workload_type" in str(err)
+
+
+def test_duplicate_key(tmp_path):
+    err = error_of(tmp_path, VALID + "gpu_count: 1\n")
+    assert (err.line, err.key) == (10, "gpu_count")
+    assert "duplicate key (first on line 4)" in str(err)
+
+
+def test_not_yaml_and_not_a_mapping(tmp_path):
+    err = error_of(tmp_path, "name: [unclosed\nworkload_type: x\n")
+    assert "not valid YAML" in str(err) and err.line is not None
+    err = error_of(tmp_path, "- a\n- b\n")
+    assert "mapping" in str(err)
+    err = error_of(tmp_path, "")
+    assert "empty" in str(err)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_task_config(tmp_path / "nope.yaml")
+
+
+def test_to_proto_round_trip(tmp_path):
+    cfg = load_task_config(write(tmp_path, VALID))
+    spec = cfg.to_proto()
+    assert spec.workload_type == "lora_finetune"
+    assert spec.model == ".cache/models/SmolLM2-135M-Instruct"
+    assert spec.name == "arithmetic-demo"
+    assert spec.resources.gpu_count == 0
+    assert spec.HasField("priority") and spec.priority == 5
+    assert duration_to_seconds(spec.limits.max_runtime) == 600.0
+    assert spec.limits.max_attempts == 3
+    assert isinstance(spec.env_config, struct_pb2.Struct)
+    assert struct_to_dict(spec.env_config) == dict(cfg.env)
+    assert struct_to_dict(spec.hyperparameters) == dict(cfg.hyperparameters)
+    # and back through the wire format
+    from opentinker.common.v1 import common_pb2
+
+    again = common_pb2.TaskSpec.FromString(spec.SerializeToString())
+    assert again == spec
+
+
+def test_to_proto_optional_fields_unset():
+    spec = TaskConfig(workload_type="lora_finetune").to_proto()
+    assert not spec.HasField("priority")
+    assert not spec.limits.HasField("max_runtime")
+    assert spec.limits.max_attempts == 0 and spec.model == ""
+    spec = TaskConfig(workload_type="lora_finetune", priority=0, max_runtime=1.5).to_proto()
+    assert spec.HasField("priority") and spec.priority == 0
+    assert duration_to_seconds(spec.limits.max_runtime) == 1.5
+
+
+def test_to_proto_refuses_unsendable_values():
+    with pytest.raises(InvalidArgumentError, match="spec.hyperparameters"):
+        TaskConfig(workload_type="lora_finetune", hyperparameters={"when": dt.date(2024, 1, 1)}).to_proto()
+
+
+def test_check_names_spec_path():
+    with pytest.raises(InvalidArgumentError) as exc:
+        TaskConfig(workload_type="lora_finetune", hyperparameters={"steps": 0}).check()
+    assert exc.value.field == "spec.hyperparameters.steps"
+
+
+def test_parse_from_string():
+    cfg = parse_task_config("workload_type: lora_finetune\n", source="inline")
+    assert cfg.source == "inline"
+    with pytest.raises(ConfigError, match=r"^INVALID_ARGUMENT: inline:2: foo: unknown key"):
+        parse_task_config("workload_type: lora_finetune\nfoo: 1\n", source="inline")

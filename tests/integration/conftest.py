@@ -1,0 +1,12 @@
+from __future__ import annotations
+
+import pytest
+
+from .procs import Cluster
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.close()

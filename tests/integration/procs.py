@@ -1,0 +1,162 @@
+"""Real scheduler and trainer processes on loopback ports, for integration tests.
+
+Each process runs in its own session (process group) so a test can ``kill -9`` it, and every
+process left is killed at teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+
+from opentinker.common.v1 import common_pb2
+from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        full_env = {**os.environ, "OPENTINKER_LOG_FORMAT": "json", **(env or {})}
+        self.popen = subprocess.Popen([sys.executable, *args], stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_events(self) -> list[dict]:
+        out = []
+        for line in self.log_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+    def kill9(self) -> None:
+        """SIGKILL the whole process group (the agent and its workers)."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout=10)
+
+    def kill9_main_only(self) -> None:
+        self.popen.kill()
+        self.popen.wait(timeout=10)
+
+    def terminate(self, timeout: float = 30) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                return self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill9()
+        return self.popen.returncode
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            self.kill9()
+        self._log.close()
+
+
+class Cluster:
+    """A scheduler and any number of trainers, torn down with :meth:`close`."""
+
+    def __init__(self, tmp: Path, config_text: str = "") -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.http_port = free_port()
+        self.config_path = tmp / "scheduler_config.yaml"
+        self.config_path.write_text(config_text or "heartbeat_interval: 0.5\nlease: 3\n")
+        self.state_dir = tmp / "state"
+        self.procs: list[Proc] = []
+        self.scheduler: Proc | None = None
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start_scheduler(self) -> Proc:
+        p = Proc(
+            ["-m", "opentinker_scheduler", "--config", str(self.config_path), "--host", "127.0.0.1", "--port", str(self.port), "--http-port", str(self.http_port), "--state-dir", str(self.state_dir)],
+            self.tmp / "scheduler.log",
+        )
+        self.procs.append(p)
+        self.scheduler = p
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"scheduler exited: {p.log_text()}")
+            try:
+                if self.health()["status"] == "ok":
+                    return p
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"scheduler did not become healthy: {p.log_text()}")
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=2) as resp:
+            return json.loads(resp.read())
+
+    def start_trainer(self, node_id: str, *extra: str, url: str | None = None) -> Proc:
+        p = Proc(
+            ["-m", "opentinker_trainer", "--node-id", node_id, "--work-dir", str(self.tmp / "runs" / node_id), "--kill-grace", "3", *extra],
+            self.tmp / f"trainer-{node_id}.log",
+            env={"SCHEDULER_URL": url or self.url},
+        )
+        self.procs.append(p)
+        return p
+
+    def wait_nodes(self, n: int, timeout: float = 30) -> list:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            nodes = [x for x in self.stub.ListNodes(scheduler_pb2.ListNodesRequest()).nodes if x.connected]
+            if len(nodes) >= n:
+                return nodes
+            time.sleep(0.1)
+        raise TimeoutError(f"{n} node(s) did not connect")
+
+    def get(self, task_id: str) -> common_pb2.Task:
+        return self.stub.GetTask(scheduler_pb2.GetTaskRequest(task_id=task_id)).task
+
+    def wait_state(self, task_id: str, states, timeout: float = 120, what=None) -> common_pb2.Task:
+        states = set(states) if isinstance(states, (set, list, tuple)) else {states}
+        deadline = time.monotonic() + timeout
+        task = None
+        while time.monotonic() < deadline:
+            try:
+                task = self.get(task_id)
+                if task.state in states and (what is None or what(task)):
+                    return task
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"task {task_id} not in {states} after {timeout} s: {task}")
+
+    def close(self) -> None:
+        self.channel.close()
+        for p in self.procs:
+            p.close()
