@@ -223,7 +223,9 @@ class GRPOConfig:
     max_new_tokens: int = _num(10, 1, 8192)
     temperature: float = _num(0.7, 0.0, 10.0, min_exclusive=True)
     top_p: float = _num(1.0, 0.0, 1.0, min_exclusive=True)
-    learning_rate: float = _num(2e-4, 0.0, 1.0, min_exclusive=True)
+    learning_rate: float = _num(
+        5e-4, 0.0, 1.0, min_exclusive=True, doc="AdamW learning rate of the adapter (5e-4: measured with scripts/measure_grpo.py)"
+    )
     weight_decay: float = _num(0.0, 0.0, 1.0)
     max_grad_norm: float = _num(1.0, 0.0, 1e6, min_exclusive=True)
     ppo_epochs: int = _num(1, 1, 64, doc="gradient updates per batch of rollouts")

@@ -45,6 +45,8 @@ class WorkerContext:
     checkpoint_dir: Path
     resume_from: Path | None = None
     out: IO[str] = field(default_factory=lambda: sys.stdout)
+    #: Set once the final checkpoint is written: a stop requested after that changes nothing.
+    completed: bool = False
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -66,6 +68,8 @@ class WorkerContext:
     def emit_checkpoint(self, step: int, path: Path, *, final: bool, fmt: str) -> None:
         """Report a checkpoint folder written after ``step`` (format e.g. ``peft_lora``)."""
         self._emit("checkpoint", step=int(step), path=str(path), final=bool(final), format=fmt)
+        if final:
+            self.completed = True
 
     def emit_log(self, message: str, **fields: Any) -> None:
         self._emit("log", message=message, fields=fields)

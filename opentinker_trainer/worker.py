@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("task failed", error=repr(exc), traceback=traceback.format_exc())
         ctx._emit("failed", error=f"{type(exc).__name__}: {exc}", retryable=True)
         return 1
-    if ctx.should_stop():
+    if ctx.should_stop() and not ctx.completed:
         ctx._emit("stopped")
     else:
         ctx._emit("succeeded")

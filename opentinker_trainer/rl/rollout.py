@@ -1,0 +1,294 @@
+"""Rollouts for a causal LM: batching, sampling and per-token log-probabilities.
+
+Layout of a batch of ``B`` sequences (``P`` prompt columns, ``T`` completion columns)::
+
+    [pad pad p0 p1 p2 | c0 c1 EOS pad pad]     prompt padded on the LEFT,
+    [p0 p1 p2 p3 p4   | c0 c1 c2  c3  c4 ]     completion padded on the RIGHT
+
+* ``attention_mask`` is 1 on real prompt tokens and on completion tokens up to and including the
+  first stop token; ``position_ids`` count real tokens only (``cumsum(mask) - 1``), so every real
+  token sees exactly the keys and positions it would see if its sample were alone. Hence a
+  sample's log-probs (and its reward) do not depend on what it was batched with.
+* A group of ``K`` completions of one prompt shares the prompt's forward pass: the prompt is
+  run once, its key/value cache repeated ``K`` times, and only the completions are run per sample
+  (:func:`generate` and :func:`sequence_logprobs` with ``group_size``). Gradients flow through
+  the shared cache, so this is exact, and with prompts much longer than completions it is several
+  times cheaper than running ``K`` copies of each prompt.
+* Masks always come from lengths, never from ``ids != pad_token_id``: many chat models (SmolLM2,
+  Qwen) use their end-of-turn token as pad, and it also occurs inside prompts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from opentinker_trainer.rl.grpo import token_logprobs
+
+__all__ = [
+    "Rollout",
+    "completion_mask",
+    "generate",
+    "left_pad",
+    "position_ids_from_mask",
+    "right_pad",
+    "sequence_logprobs",
+]
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token lists padded on the left: ``(ids [B, L], mask [B, L] bool)``."""
+    width = max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for i, seq in enumerate(sequences):
+        if len(seq):
+            ids[i, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[i, width - len(seq):] = True
+    return ids.to(device), mask.to(device)
+
+
+def right_pad(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token lists padded on the right: ``(ids [B, L], mask [B, L] bool)``."""
+    width = max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for i, seq in enumerate(sequences):
+        if len(seq):
+            ids[i, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[i, : len(seq)] = True
+    return ids.to(device), mask.to(device)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` positions counting real tokens from 0 (padding gets 0; it is masked anyway)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def completion_mask(completion_ids: torch.Tensor, stop_token_ids: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of a right-padded completion: everything up to and including the first stop token.
+
+    Args:
+        completion_ids: ``[B, T]`` sampled tokens (whatever ``generate`` put after a stop token).
+        stop_token_ids: ids that end a completion (EOS, end-of-turn).
+
+    Returns:
+        ``(mask [B, T] bool, lengths [B] long)``; a completion with no stop token is ``T`` long
+        (truncated at ``max_new_tokens``).
+    """
+    b, t = completion_ids.shape
+    stops = torch.as_tensor(sorted(set(stop_token_ids)), dtype=completion_ids.dtype, device=completion_ids.device)
+    is_stop = torch.isin(completion_ids, stops)
+    has_stop = is_stop.any(dim=1)
+    first_stop = torch.where(has_stop, is_stop.int().argmax(dim=1), torch.full_like(has_stop, t, dtype=torch.long))
+    lengths = torch.where(has_stop, first_stop + 1, first_stop).long()
+    mask = torch.arange(t, device=completion_ids.device).unsqueeze(0) < lengths.unsqueeze(1)
+    return mask, lengths
+
+
+@dataclass
+class Rollout:
+    """A batch of prompts (left-padded) and their sampled completions (right-padded).
+
+    Attributes:
+        prompt_ids, prompt_mask: ``[B, P]``.
+        completion_ids, completion_mask: ``[B, T]``; the mask covers the first stop token.
+        completion_lengths: ``[B]``.
+        truncated: ``[B]`` bool, true where no stop token came within ``max_new_tokens``.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    completion_lengths: torch.Tensor
+    truncated: torch.Tensor
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def select(self, index: slice | torch.Tensor) -> "Rollout":
+        """Rows ``index`` (for micro-batches)."""
+        return Rollout(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
+
+    def completion_token_lists(self) -> list[list[int]]:
+        """Each completion's real tokens (stop token included), for decoding."""
+        return [row[:n].tolist() for row, n in zip(self.completion_ids, self.completion_lengths.tolist())]
+
+
+def _unwrap(model):
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _cache_kwarg(model) -> str:
+    """Name of the KV-cache argument of ``forward`` and ``generate``: ``cache`` (newer
+    transformers) or ``past_key_values`` (older)."""
+    fn = type(_unwrap(model)).forward
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
+
+
+def _shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):
+    """``(ids [G, P], mask [G, P])`` when rows come in groups of ``group_size`` identical prompts."""
+    b = prompt_ids.shape[0]
+    if group_size <= 1 or b % group_size or prompt_ids.shape[1] < 2:
+        return None
+    ids = prompt_ids.view(b // group_size, group_size, -1)
+    mask = prompt_mask.view(b // group_size, group_size, -1)
+    if not (torch.equal(ids, ids[:, :1].expand_as(ids)) and torch.equal(mask, mask[:, :1].expand_as(mask))):
+        return None
+    return ids[:, 0], mask[:, 0]
+
+
+def _prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int):
+    """Run prompts ``[G, P]`` once; return ``(last logits [G, 1, V], cache repeated to G * repeats)``.
+
+    Returns None when the model's cache cannot be repeated along the batch (then run flat).
+    """
+    out = model(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask.long(),
+        position_ids=position_ids_from_mask(prompt_mask),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = out.get("cache", None) if "cache" in type(out).__dataclass_fields__ else out.past_key_values
+    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+        return None
+    cache.batch_repeat_interleave(repeats)
+    return out.logits[:, -1:, :], cache
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    group_size: int = 1,
+    seed: int | None = None,
+) -> Rollout:
+    """Sample ``group_size`` completions of each (left-padded) prompt with ``model.generate``.
+
+    Args:
+        prompt_ids, prompt_mask: ``[G, P]`` distinct prompts, padded on the left.
+        group_size: completions per prompt; the returned rollout has ``G * group_size`` rows,
+            prompt ``g`` in rows ``g * group_size ... (g + 1) * group_size - 1``. The prompts are
+            prefilled once and their cache shared by the group.
+
+    Pure ancestral sampling from ``softmax(logits / temperature)``, nucleus-truncated by ``top_p``;
+    ``top_k`` and repetition penalties that a model's ``generation_config`` may carry (Qwen's do)
+    are switched off, so the sampler is the policy whose log-probs :func:`sequence_logprobs`
+    computes (exactly so when ``top_p == 1``).
+
+    Randomness comes from torch's global generator (``generate`` takes no ``torch.Generator``);
+    ``seed`` re-seeds it first (``torch.manual_seed``, which seeds CUDA too).
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    extra = {}
+    if group_size > 1 and prompt_ids.shape[1] >= 2:
+        # Prefill all but the last prompt token once per prompt; generate() runs the rest.
+        shared = _prompt_cache(model, prompt_ids[:, :-1], prompt_mask[:, :-1], group_size)
+        if shared is not None:
+            extra[_cache_kwarg(model)] = shared[1]
+    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    out = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask.long(),
+        do_sample=True,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=0,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        max_new_tokens=int(max_new_tokens),
+        min_new_tokens=0,
+        eos_token_id=list(stop_token_ids),
+        pad_token_id=int(pad_token_id),
+        **extra,
+    )
+    completion_ids = out[:, prompt_ids.shape[1]:]
+    mask, lengths = completion_mask(completion_ids, stop_token_ids)
+    completion_ids = torch.where(mask, completion_ids, torch.full_like(completion_ids, pad_token_id))
+    stops = torch.as_tensor(sorted(set(stop_token_ids)), dtype=completion_ids.dtype, device=device)
+    truncated = ~torch.isin(completion_ids, stops).any(dim=1)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, lengths, truncated)
+
+
+def sequence_logprobs(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    group_size: int = 1,
+) -> torch.Tensor:
+    """Log-prob of each completion token under ``softmax(logits / temperature)``: ``[B, T]`` float32.
+
+    Args:
+        prompt_ids, prompt_mask: ``[B, P]`` left-padded prompts.
+        completion_ids, completion_mask: ``[B, T]`` right-padded completions.
+        temperature: the sampling temperature. Dividing by it makes these the log-probs of the
+            distribution that sampled (as TRL and verl do), so that importance ratios start at 1.
+        group_size: when rows come in groups of this many identical prompts (as
+            :func:`generate` returns them), each prompt is run once and its cache shared. Any
+            other layout silently takes the flat path; both give the same values.
+
+    Padding-aware attention mask and position ids (see the module docstring) make each row's
+    values independent of the rest of the batch. Values at masked completion positions are
+    meaningless; mask them. Gradients flow when called with grad enabled.
+    """
+    t = completion_ids.shape[1]
+    full_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    positions = position_ids_from_mask(full_mask)
+    shared = _shared_prompts(prompt_ids, prompt_mask, group_size)
+    prefix = _prompt_cache(model, *shared, group_size) if shared is not None else None
+    if prefix is not None:
+        first_logits, cache = prefix
+        p = prompt_ids.shape[1]
+        logits = first_logits.repeat_interleave(group_size, dim=0)
+        if t > 1:
+            out = model(
+                input_ids=completion_ids[:, :-1],
+                attention_mask=full_mask[:, :-1].long(),
+                position_ids=positions[:, p:-1],
+                use_cache=True,
+                **{_cache_kwarg(model): cache},
+            )
+            logits = torch.cat([logits, out.logits], dim=1)
+    else:
+        # The last completion token predicts nothing we score: drop it, keep only T logits.
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        out = model(
+            input_ids=input_ids[:, :-1],
+            attention_mask=full_mask[:, :-1].long(),
+            position_ids=positions[:, :-1],
+            use_cache=False,
+            logits_to_keep=t,
+        )
+        logits = out.logits[:, -t:, :]
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    return token_logprobs(logits, completion_ids)

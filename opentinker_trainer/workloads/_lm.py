@@ -1,0 +1,151 @@
+"""Helpers of the language-model workloads: loading, dtypes, adapters, checkpoints, logging."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from opentinker_trainer.context import UserError
+
+TRAINER_STATE = "trainer_state.pt"
+TRAINER_STATE_VERSION = 1
+
+
+def get_logger(name: str):
+    """A structlog logger. Logs must never reach stdout (the JSON report channel): when nobody
+    configured structlog yet, point its default printer at stderr, keeping its other defaults."""
+    if not structlog.is_configured():
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    return structlog.get_logger(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on a CUDA device that supports it, else float32; otherwise as named."""
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or (os.sep != "/" and os.sep in name)
+
+
+def load_model(name: str, device: torch.device, dtype: torch.dtype):
+    """``(tokenizer, model)`` from a model folder or hub id, via the ordinary ``from_pretrained``.
+
+    Raises:
+        UserError: the folder does not exist, or the id/folder cannot be loaded (not found, not a
+            causal LM, no network to the hub ...); the message names the model.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(name).expanduser()
+    if _looks_like_path(name) and not path.exists():
+        raise UserError(f"model {name!r} does not exist: no such folder on this trainer node")
+    source = str(path) if path.exists() else name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"cannot load model {name!r} as a causal language model: {first} "
+            "(name a model folder on the trainer node or a hub id it can download)"
+        ) from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, model.to(device)
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """Token ids that end a completion: the tokenizer's EOS plus the model's generation EOS ids
+    (Qwen's instruct models end a turn with ``<|im_end|>`` and list ``<|endoftext|>`` too)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos:
+        ids.update(int(i) for i in gen_eos)
+    if not ids:
+        raise UserError("the model's tokenizer defines no end-of-sequence token; cannot tell where a reply ends")
+    return sorted(ids)
+
+
+def attach_lora(model, cfg, resume_from: Path | None):
+    """Wrap ``model`` with a fresh trainable LoRA adapter, or the one saved at ``resume_from``."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if resume_from is not None:
+        return PeftModel.from_pretrained(model, str(resume_from), is_trainable=True)
+    config = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=list(cfg.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:  # e.g. "Target modules {...} not found in the base model"
+        raise UserError(f"hyperparameters.target_modules {list(cfg.target_modules)}: {exc}") from exc
+
+
+def rng_state(env_state: Any) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "env": env_state}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> Any:
+    """Restore torch (and CUDA) RNGs; return the environment's saved state."""
+    torch.set_rng_state(state["torch"])
+    if "python" in state:
+        random.setstate(_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    return state.get("env")
+
+
+def _tuples(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+def save_checkpoint(path: Path, model, trainer_state: dict[str, Any]) -> Path:
+    """Write the adapter (PEFT format) and ``trainer_state.pt`` to ``path`` atomically.
+
+    The folder is written beside its final name and renamed into place, so a reader (or a resume
+    after a crash) never sees half a checkpoint.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(str(tmp))
+    torch.save({"version": TRAINER_STATE_VERSION, **trainer_state}, tmp / TRAINER_STATE)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """The ``trainer_state.pt`` of checkpoint folder ``path`` (tensors on CPU)."""
+    file = Path(path) / TRAINER_STATE
+    if not file.exists():
+        raise FileNotFoundError(f"checkpoint {path} has no {TRAINER_STATE}; cannot resume from it")
+    return torch.load(file, map_location="cpu", weights_only=True)

@@ -1,0 +1,54 @@
+"""Shared fixtures: a tiny randomly-initialised Llama with the real SmolLM2 tokenizer, and the
+real SmolLM2-135M-Instruct folder (``make install`` prepares it; tests that need it skip without).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+REAL_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The real SmolLM2-135M-Instruct as an ordinary transformers folder (skips when absent)."""
+    if not (REAL_MODEL_DIR / "config.json").exists():
+        pytest.skip(f"{REAL_MODEL_DIR} is not prepared (run `make install`)")
+    return REAL_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama (hidden 64, 2 layers, 4 heads, 2 kv heads) saved with the real tokenizer.
+
+    Loads through the ordinary ``from_pretrained(folder)`` path in a fraction of a second; its
+    vocabulary is the real tokenizer's, so chat templates, EOS and padding behave as in SmolLM2.
+    """
+    if not (REAL_MODEL_DIR / "tokenizer_config.json").exists():
+        pytest.skip(f"{REAL_MODEL_DIR} is not prepared (run `make install`): the tiny model borrows its tokenizer")
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(REAL_MODEL_DIR)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    out = tmp_path_factory.mktemp("models") / "tiny-llama"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

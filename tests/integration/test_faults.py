@@ -1,0 +1,117 @@
+"""Faults with real processes: scheduler kill -9 and restart, stale attempts over a real stream."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from opentinker.common.v1 import common_pb2 as C
+from opentinker.node.v1 import node_pb2 as N
+from opentinker.node.v1 import node_pb2_grpc
+from opentinker_client import RLClient
+
+TINY_HP = {"steps": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
+
+
+def test_scheduler_kill9_and_restart_loses_nothing_and_running_work_continues(cluster, tiny_model_dir: Path) -> None:
+    cluster.start_scheduler()
+    trainer = cluster.start_trainer("node-a")
+    cluster.wait_nodes(1)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        hp = {**TINY_HP, "steps": 60}
+        task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=hp)
+        queued = client.submit_task(workload_type="lora_finetune", model="/models/later", gpu_count=0, hyperparameters=TINY_HP)
+        cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step >= 2)
+        cluster.scheduler.kill9()
+        time.sleep(1)
+        cluster.start_scheduler()  # same port, same state directory
+        # Every acknowledged task is still there; the running one continues as attempt 1.
+        assert client.get_task(queued).task_id == queued
+        task = cluster.wait_state(task_id, C.TASK_STATE_SUCCEEDED, timeout=180)
+        assert task.attempt == 1, "the trainer re-announced the task; it must not restart"
+        steps = [s for s, _ in client.get_metric_history(task_id)]
+        assert steps[-1] == 60
+        reasons = [e.reason for e in client.watch(task_id) if e.kind == "state"]
+        assert "NODE_LOST" not in reasons
+    started = [e for e in trainer.log_events() if e.get("event") == "Task started" and e.get("task_id") == task_id]
+    assert len(started) == 1, "the worker was started once"
+
+
+class FakeNode:
+    """A node at the edge of the test: a raw Connect stream driven by hand (a test double for a
+    partitioned trainer), against the real scheduler process."""
+
+    def __init__(self, target: str, node_id: str, running=()) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.out: queue.Queue = queue.Queue()
+        self.commands: queue.Queue = queue.Queue()
+        self.out.put(N.ConnectRequest(register=N.Register(node_id=node_id, max_tasks=4, running=[N.RunningTask(task_id=t, attempt=a) for t, a in running])))
+        self.call = node_pb2_grpc.NodeServiceStub(self.channel).Connect(iter(self.out.get, None))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for cmd in self.call:
+                self.commands.put(cmd)
+        except grpc.RpcError:
+            pass
+
+    def next(self, kind: str, timeout: float = 15) -> N.ConnectResponse:
+        deadline = time.monotonic() + timeout
+        while True:
+            cmd = self.commands.get(timeout=max(0.01, deadline - time.monotonic()))
+            if cmd.WhichOneof("command") == kind:
+                return cmd
+
+    def report(self, task_id: str, attempt: int, state=C.TASK_STATE_UNSPECIFIED, **kw) -> None:
+        self.out.put(N.ConnectRequest(task_report=N.TaskReport(task_id=task_id, attempt=attempt, state=state, **kw)))
+
+    def close(self, goodbye: bool = False) -> None:
+        if goodbye:
+            self.out.put(N.ConnectRequest(goodbye=N.Goodbye(reason="test")))
+        self.out.put(None)
+        self.call.cancel()
+        self.channel.close()
+
+
+def test_stale_attempt_report_refused_over_real_stream(tmp_path) -> None:
+    from .procs import Cluster
+
+    cluster = Cluster(tmp_path, "heartbeat_interval: 0.5\nlease: 1.5\n")
+    try:
+        cluster.start_scheduler()
+        target = f"127.0.0.1:{cluster.port}"
+        with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+            task_id = client.submit_task(workload_type="lora_finetune", model="/m", hyperparameters=TINY_HP)
+            old = FakeNode(target, "node-old")
+            assign = old.next("assign_task").assign_task
+            assert (assign.task_id, assign.attempt) == (task_id, 1)
+            old.report(task_id, 1, C.TASK_STATE_RUNNING)
+            cluster.wait_state(task_id, C.TASK_STATE_RUNNING)
+            # The old node falls silent (partition): past its lease the attempt is lost.
+            task = cluster.wait_state(task_id, C.TASK_STATE_PENDING, timeout=15)
+            assert task.attempt == 2
+            new = FakeNode(target, "node-new")
+            assert new.next("assign_task").assign_task.attempt == 2
+            new.report(task_id, 2, C.TASK_STATE_RUNNING, metrics=[C.MetricPoint(step=1, values={"loss": 1.0, "reward": 0.5})])
+            cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step == 1)
+            # The partitioned node comes back and reports attempt 1 finished: refused, and it is
+            # told to stop that attempt.
+            old.close()
+            ghost = FakeNode(target, "node-old", running=[(task_id, 1)])
+            ghost.report(task_id, 1, metrics=[C.MetricPoint(step=50, values={"loss": 9.0, "reward": 0.0})])
+            ghost.report(task_id, 1, C.TASK_STATE_SUCCEEDED)
+            time.sleep(1.0)
+            task = cluster.get(task_id)
+            assert task.state == C.TASK_STATE_RUNNING and task.attempt == 2 and task.node_id == "node-new"
+            assert task.latest_step == 1 and task.latest_metrics["reward"] == 0.5
+            new.report(task_id, 2, C.TASK_STATE_SUCCEEDED)
+            assert cluster.wait_state(task_id, C.TASK_STATE_SUCCEEDED).attempt == 2
+            ghost.close(goodbye=True)
+            new.close(goodbye=True)
+    finally:
+        cluster.close()

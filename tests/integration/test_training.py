@@ -1,0 +1,96 @@
+"""The main job through real scheduler and trainer processes on loopback, with RLClient."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from opentinker_client import Environment, RLClient, TaskFailedError
+
+TINY_HP = {"steps": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4, "checkpoint_every": 2}
+
+
+def test_lora_task_runs_to_success_with_metrics_and_peft_checkpoint(cluster, tiny_model_dir: Path) -> None:
+    cluster.start_scheduler()
+    trainer = cluster.start_trainer("node-a")
+    cluster.wait_nodes(1)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        env = Environment(action_space=4, observation_space=100)
+        task_id = client.submit_task(env_config=env.to_dict(), workload_type="lora_finetune", gpu_count=0, model=str(tiny_model_dir), hyperparameters=TINY_HP)
+        events = list(client.watch(task_id))
+        task = client.get_task(task_id)
+        assert task.state == "succeeded", task.error
+        states = [e.to_state for e in events if e.kind == "state"]
+        assert states == ["pending", "assigned", "running", "succeeded"]
+        steps = [e.step for e in events if e.kind == "metric"]
+        assert steps == [1, 2, 3]
+        for e in events:
+            if e.kind == "metric":
+                assert {"loss", "reward", "reward_std", "kl", "zero_std_frac"} <= set(e.metrics)
+        ckpts = [e for e in events if e.kind == "checkpoint"]
+        assert [c.step for c in ckpts] == [2, 3] and ckpts[-1].final
+        metrics = client.get_metrics(task_id)
+        assert metrics["step"] == 3 and "loss" in metrics and "reward" in metrics
+        assert [s for s, _ in client.get_metric_history(task_id)] == [1, 2, 3]
+        # Resuming a watch after a sequence gives exactly the rest.
+        tail = list(client.watch(task_id, after_sequence=events[-3].sequence))
+        assert [e.sequence for e in tail] == [e.sequence for e in events[-2:]]
+        assert client.is_task_complete(task_id)
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ckpt = Path(task.checkpoint_path)
+    assert (ckpt / "adapter_config.json").exists() and (ckpt / "adapter_model.safetensors").exists()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), ckpt)
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+    started = [e for e in trainer.log_events() if e.get("event") == "Task started"]
+    assert started and started[0]["task_id"] == task_id and started[0]["attempt"] == 1
+
+
+def test_missing_model_fails_without_retry_and_services_keep_serving(cluster, tiny_model_dir: Path) -> None:
+    cluster.start_scheduler()
+    cluster.start_trainer("node-a")
+    cluster.wait_nodes(1)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        bad = client.submit_task(workload_type="lora_finetune", model="/no/such/model", hyperparameters=TINY_HP)
+        with pytest.raises(TaskFailedError) as err:
+            client.wait(bad, timeout=120, poll_interval=0.2)
+        task = err.value.task
+        assert task.state == "failed" and task.attempt == 1
+        assert "/no/such/model" in task.error
+        good = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=TINY_HP)
+        assert client.wait(good, timeout=120, poll_interval=0.2).state == "succeeded"
+    assert cluster.health() == {"status": "ok"}
+
+
+def test_trainer_killed_mid_task_is_requeued_and_finishes_elsewhere(cluster, tiny_model_dir: Path) -> None:
+    cluster.start_scheduler()
+    first = cluster.start_trainer("node-a")
+    cluster.wait_nodes(1)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        hp = {**TINY_HP, "steps": 400, "checkpoint_every": 0}
+        task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=hp, max_attempts=2)
+        cluster.wait_state(task_id, 3, what=lambda t: t.latest_step >= 2)  # RUNNING, training
+        first.kill9()  # the agent and its worker, like a machine dying
+        task = cluster.wait_state(task_id, 1, timeout=30)  # PENDING again after the 3 s lease
+        assert task.attempt == 2
+        second = cluster.start_trainer("node-b")
+        task = cluster.wait_state(task_id, 3, timeout=60)
+        assert task.node_id == "node-b" and task.attempt == 2
+        client.cancel(task_id)
+        assert client.get_task(task_id).state == "cancelled"
+        reasons = [e.reason for e in client.watch(task_id) if e.kind == "state"]
+        assert "NODE_LOST" in reasons
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not any(e.get("event") == "Task ended" for e in second.log_events()):
+        time.sleep(0.2)
+    ended = [e for e in second.log_events() if e.get("event") == "Task ended"]
+    assert ended and ended[0]["state"] == "TASK_STATE_CANCELLED"
+    pid = [e for e in second.log_events() if e.get("event") == "Task started"][0]["pid"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
