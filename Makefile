@@ -49,5 +49,10 @@ test: install proto-check
 test-fast: install
 	$(PY) -m pytest -q -m "not e2e"
 
+# Scheduler scale on loopback: simulated nodes, 10,000 tasks; figures in BENCHMARKS.md.
+# Options: make bench BENCH_ARGS="--nodes 1000" (see scripts/bench_scheduler.py --help).
+bench: install
+	$(PY) scripts/bench_scheduler.py $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

@@ -9,6 +9,7 @@ gRPC ``INVALID_ARGUMENT``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -124,6 +125,13 @@ def _convert(value: Any, tp: Any, f: dataclasses.Field, path: str) -> Any:
     raise TypeError(f"unsupported field type {tp!r} at {path}")  # a bug in this module
 
 
+@functools.cache
+def _dataclass_fields(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """Type hints and init fields of ``cls``, resolved once (``get_type_hints`` compiles every
+    string annotation on each call, which made validating a spec cost ~0.4 ms)."""
+    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
 def parse_dataclass(cls: type, data: Any, path: str):
     """Build frozen dataclass ``cls`` from a mapping, refusing unknown keys and wrong types.
 
@@ -134,8 +142,7 @@ def parse_dataclass(cls: type, data: Any, path: str):
         data = {}
     if not isinstance(data, Mapping):
         raise SpecError(path, "a mapping of keys to values", data)
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints, fields = _dataclass_fields(cls)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise SpecError(f"{path}.{unknown[0]}", f"one of the known keys ({', '.join(sorted(fields))})")

@@ -13,18 +13,21 @@ from any attempt but the current one is refused (fencing).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 import time
-import uuid
-from dataclasses import dataclass, field
 
 import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
 from opentinker_client.spec import SpecError, spec_from_proto
 
+from .commit import GroupCommit
 from .config import SchedulerConfig
 from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from .placement import NodeCapacity, PendingTask, plan
+from .nodes import NodeSession
+from .placement import FreeNodes, NodeCapacity, PendingTask, place_round, why_pending
+from .queue import LiveTasks, PendingQueue, QueueKey, ReasonsView
 from .store import ACTIVE_STATES, TERMINAL_STATES, Store, TaskRow
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -37,66 +40,83 @@ RETRY_BACKOFF_BASE_S = 2.0
 RETRY_BACKOFF_MAX_S = 60.0
 
 
-@dataclass
-class NodeSession:
-    """A trainer node as the scheduler tracks it, connected or not."""
-
-    node_id: str
-    register: node_pb2.Register = field(default_factory=node_pb2.Register)
-    gpu_count: int = 0
-    max_tasks: int = 1
-    connected: bool = False
-    draining: bool = False
-    last_seen: float = field(default_factory=time.monotonic)  # monotonic seconds
-    last_heartbeat_time: float = 0.0  # unix seconds
-    telemetry: list[common_pb2.DeviceTelemetry] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    # The GPU ledger: task_id -> (attempt, device indices) of everything occupying this node,
-    # including cancelled tasks whose process the node has not yet confirmed gone.
-    allocations: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    generation: int = 0  # bumps on every (re)connect; stale streams' events are ignored
-
-    def used_gpus(self) -> set[int]:
-        return {d for _, devs in self.allocations.values() for d in devs}
-
-    def capacity(self) -> NodeCapacity:
-        used = self.used_gpus()
-        return NodeCapacity(
-            node_id=self.node_id,
-            gpu_count=self.gpu_count,
-            max_tasks=self.max_tasks,
-            running=len(self.allocations),
-            free_gpus=[i for i in range(self.gpu_count) if i not in used],
-            accepting=self.connected and not self.draining,
-        )
-
-    def push(self, command: node_pb2.ConnectResponse) -> None:
-        self.outbox.put_nowait(command)
-
-
 class SchedulerCore:
-    """Tasks, nodes and placement. Call from a single event loop."""
+    """Tasks, nodes and placement. Call from a single event loop.
+
+    In memory, written through to the store: every unfinished task's row (``tasks``: the
+    PENDING ones in ``queue``, in placement order, the ASSIGNED and RUNNING ones in ``active``),
+    the GPU ledger of each node and the index of nodes with room (``free``). A row changes only
+    in :meth:`_transition` (or a metrics-only write); membership follows once it is written, and
+    a failed write reloads it from the store. Finished tasks are read from the store. With group
+    commit on (the server), writes share commits and callers await :meth:`durable`.
+    """
 
     def __init__(self, config: SchedulerConfig, store: Store) -> None:
         self.config = config
         self.store = store
         self.nodes: dict[str, NodeSession] = {}
-        self.pending_reasons: dict[str, str] = {}
+        self.tasks = LiveTasks()
+        self.free = FreeNodes()
+        self.pending_reasons = ReasonsView(self.tasks, self.pending_reason)  # task id -> why pending
         self.changed = asyncio.Condition()
         self.placement_latencies: list[float] = []  # seconds from submit/requeue to assign (drained by metrics)
+        #: Messages received on node streams, by kind (exported on /metrics).
+        self.node_messages: dict[str, int] = {"register": 0, "heartbeat": 0, "task_report": 0}
+        self._watchers = 0  # WatchTask streams waiting in wait_changed()
         self._queued_at: dict[str, float] = {}
+        self._ledger_version = 0  # bumps whenever a node's capacity may have changed
+        self._caps: tuple[int, list[NodeCapacity]] | None = None
+        self._max_gpus: int | None = None  # cache of max_possible_gpus(); None = recompute
+        self._wake_pending = False
+        self.commits = GroupCommit(store, on_failure=self._rebuild)
         self._recover()
+
+    # ------------------------------------------------------------------ durability
+    def enable_group_commit(self) -> None:
+        """Gather the writes of concurrent requests into shared commits (the server turns this
+        on; see :mod:`opentinker_scheduler.commit`)."""
+        self.commits.enable()
+
+    async def durable(self) -> None:
+        """Return once everything written so far is committed; RPCs await this before answering.
+
+        Raises:
+            sqlite3.Error: the commit failed (memory was rebuilt from the store).
+        """
+        await self.commits.durable()
+
+    def flush(self) -> None:
+        """Commit any open group now (shutdown)."""
+        self.commits.commit()
+
+    def _rebuild(self) -> None:
+        """After a failed commit: drop the in-memory tasks and ledger, read them from the store."""
+        for node in self.nodes.values():
+            for task_id in list(node.allocations):
+                node.release(task_id)
+        self._recover()
+
+    @property
+    def queue(self) -> PendingQueue:
+        return self.tasks.queue
+
+    @property
+    def active(self) -> dict[str, TaskRow]:
+        return self.tasks.active
+
+    @property
+    def state_counts(self) -> dict[int, int]:
+        return self.tasks.counts
 
     # ------------------------------------------------------------------ start-up
     def _recover(self) -> None:
-        """Rebuild the ledger from the store: active tasks keep their node's GPUs until the node
-        re-announces them or its lease runs out (so a scheduler restart kills no running work)."""
-        for task in self.store.tasks_in_states(ACTIVE_STATES):
-            node = self.nodes.setdefault(task.node_id, NodeSession(node_id=task.node_id))
-            node.allocations[task.task_id] = (task.attempt, tuple(task.device_indices))
-        for task in self.store.tasks_in_states([S.TASK_STATE_PENDING]):
-            self._queued_at[task.task_id] = time.monotonic()
+        """Rebuild memory from the store: the queue from PENDING rows, the ledger from active
+        ones (they keep their node's GPUs until the node re-announces them or its lease runs
+        out, so a scheduler restart kills no running work)."""
+        self.tasks.load(self.store)
+        for task in self.active.values():
+            self._node(task.node_id).allocate(task.task_id, task.attempt, tuple(task.device_indices))
+        self._queued_at = {t.task_id: time.monotonic() for t in self.queue}
         if self.nodes:
             log.info("recovered active tasks", nodes=sorted(self.nodes), tasks=sum(len(n.allocations) for n in self.nodes.values()))
 
@@ -113,7 +133,7 @@ class SchedulerCore:
         if request_id:
             existing = self.store.find_by_request(owner, request_id)
             if existing is not None:
-                return existing
+                return self.tasks.get(existing.task_id) or existing
         spec_copy = common_pb2.TaskSpec()
         spec_copy.CopyFrom(spec)
         if not spec_copy.model and self.config.default_model:
@@ -152,16 +172,19 @@ class SchedulerCore:
             )
         )
         self.store.insert_task(task, ev)
+        self.tasks.added(task)
         self._queued_at[task.task_id] = time.monotonic()
         log.info("task submitted", task_id=task.task_id, owner=owner, workload_type=model.workload_type, gpu_count=model.gpu_count, priority=task.priority)
         self._notify()
         return task
 
     def get(self, task_id: str, *, owner: str | None = None) -> TaskRow:
-        """Raises NotFound (also for another owner's task, without confirming it exists)."""
+        """The task as committed. An unfinished task's row is the core's own: read, don't change.
+
+        Raises NotFound (also for another owner's task, without confirming it exists)."""
         if not task_id:
             raise InvalidArgument("task_id: expected a task id, got ''")
-        task = self.store.get_task(task_id)
+        task = self.tasks.get(task_id) or self.store.get_task(task_id)
         if task is None or (owner is not None and task.owner != owner):
             raise NotFound(f"task {task_id!r} not found")
         return task
@@ -177,7 +200,6 @@ class SchedulerCore:
         was_active = task.state in ACTIVE_STATES
         node_id, attempt = task.node_id, task.attempt
         self._transition(task, S.TASK_STATE_CANCELLED, "CANCELLED", reason or "cancelled by user", end=True, keep_node=True)
-        self.pending_reasons.pop(task_id, None)
         self._queued_at.pop(task_id, None)
         if was_active and node_id in self.nodes:
             self.nodes[node_id].push(
@@ -187,9 +209,30 @@ class SchedulerCore:
 
     def max_possible_gpus(self) -> int:
         """Most GPUs any one node could ever offer: pool entries and connected nodes."""
-        sizes = [n.gpu_count for n in self.config.resource_pool]
-        sizes += [n.gpu_count for n in self.nodes.values() if n.connected]
-        return max(sizes, default=0)
+        if self._max_gpus is None:
+            sizes = [n.gpu_count for n in self.config.resource_pool]
+            sizes += [n.gpu_count for n in self.nodes.values() if n.connected]
+            self._max_gpus = max(sizes, default=0)
+        return self._max_gpus
+
+    def pending_reason(self, task_id: str) -> str:
+        """Why a PENDING task has not started, for a person to read ("" when it is not pending).
+
+        Worked out when asked, from the ledger as it is now, so placement rounds do not spend
+        time writing reasons for thousands of queued tasks nobody reads."""
+        task = self.queue.get(task_id)
+        if task is None:
+            return ""
+        now = time.time()
+        if task.not_before > now:
+            return f"waiting {task.not_before - now:.0f} s more before retrying (backoff after a failed attempt)"
+        position, length = self.queue.position(task_id), len(self.queue)
+        if self.free.best_fit(task.gpu_count) is not None:
+            return f"waiting for the next placement round (queue position {position} of {length})"
+        if self._caps is None or self._caps[0] != self._ledger_version:
+            self._caps = (self._ledger_version, [n.capacity() for n in self.nodes.values()])
+        pending = PendingTask(task.task_id, task.priority, task.create_time, task.gpu_count, task.not_before)
+        return why_pending(pending, self._caps[1], position, length)
 
     # ------------------------------------------------------------------ node protocol
     def node_register(self, reg: node_pb2.Register) -> tuple[NodeSession, node_pb2.Registered]:
@@ -225,9 +268,10 @@ class SchedulerCore:
         if not reg.devices:
             notes.append("CPU only" + (f": {reg.gpu_note}" if reg.gpu_note else ""))
 
+        self.node_messages["register"] += 1
         node = self.nodes.get(node_id)
         if node is None:
-            node = self.nodes[node_id] = NodeSession(node_id=node_id)
+            node = self._node(node_id)
         elif node.connected:
             log.warning("node reconnected while its old stream was open; replacing it", node_id=node_id)
             node.push(None)  # ends the old stream's writer
@@ -238,6 +282,7 @@ class SchedulerCore:
         node.connected, node.draining = True, False
         node.last_seen = time.monotonic()
         node.notes = notes
+        self._node_changed(node, membership=True)
         self.store.upsert_node(node_id, reg.SerializeToString())
 
         announced = {(r.task_id, r.attempt) for r in reg.running}
@@ -257,6 +302,13 @@ class SchedulerCore:
         return node, registered
 
     def node_heartbeat(self, node: NodeSession, hb: node_pb2.Heartbeat) -> None:
+        """Memory only (no store write): liveness, drain flag and the latest telemetry."""
+        self.node_messages["heartbeat"] += 1
+        if hb.draining != node.draining:
+            if hb.draining:
+                log.info("node draining; no new tasks go there", node_id=node.node_id)
+            node.draining = hb.draining
+            self._node_changed(node)
         node.last_seen = time.monotonic()
         node.last_heartbeat_time = time.time()
         del node.telemetry[:]
@@ -264,26 +316,26 @@ class SchedulerCore:
 
     def node_report(self, node: NodeSession, rep: node_pb2.TaskReport) -> bool:
         """Apply a task report. Returns False when refused (unknown task or stale attempt)."""
+        self.node_messages["task_report"] += 1
         node.last_seen = time.monotonic()
-        bound = log.bind(task_id=rep.task_id, node_id=node.node_id, attempt=rep.attempt)
-        task = self.store.get_task(rep.task_id)
+        task = self.tasks.get(rep.task_id) or self.store.get_task(rep.task_id)
         if task is None:
-            bound.warning("report for unknown task refused")
+            log.warning("report for unknown task refused", task_id=rep.task_id, node_id=node.node_id, attempt=rep.attempt)
             return False
         held = node.allocations.get(rep.task_id)
         ends = rep.state in TERMINAL_STATES
         if task.terminal:
             # Cancelled (or already finished) while the worker ran: only release its GPUs.
             if ends and held is not None and held[0] == rep.attempt:
-                del node.allocations[rep.task_id]
-                bound.info("worker of finished task ended; GPUs released", state=STATE_NAMES[rep.state])
+                node.release(rep.task_id)
+                log.info("worker of finished task ended; GPUs released", task_id=rep.task_id, node_id=node.node_id, attempt=rep.attempt, state=STATE_NAMES[rep.state])
             return False
         if rep.attempt != task.attempt or task.node_id != node.node_id or held is None or held[0] != rep.attempt:
-            bound.warning("stale report refused (fencing)", current_attempt=task.attempt, current_node=task.node_id)
+            log.warning("stale report refused (fencing)", task_id=rep.task_id, node_id=node.node_id, attempt=rep.attempt, current_attempt=task.attempt, current_node=task.node_id)
             if not ends:
                 node.push(node_pb2.ConnectResponse(cancel_task=node_pb2.CancelTask(task_id=rep.task_id, attempt=rep.attempt, reason="stale attempt")))
             elif held is not None and held[0] == rep.attempt:
-                del node.allocations[rep.task_id]
+                node.release(rep.task_id)
             return False
 
         events: list[common_pb2.TaskEvent] = []
@@ -305,19 +357,19 @@ class SchedulerCore:
             task.start_time = time.time()
             self._transition(task, S.TASK_STATE_RUNNING, "STARTED", f"worker started on {node.node_id}", extra=events, keep_node=True)
         elif rep.state == S.TASK_STATE_SUCCEEDED:
-            del node.allocations[task.task_id]
             self._transition(task, S.TASK_STATE_SUCCEEDED, "COMPLETED", "finished", extra=events, end=True, keep_node=True)
+            node.release(task.task_id)  # after the commit: a failed write leaves the ledger as the store has it
         elif rep.state == S.TASK_STATE_FAILED:
-            del node.allocations[task.task_id]
             reason = "ATTEMPT_FAILED" if rep.retryable else "USER_ERROR"
             self._fail_or_retry(task, reason, rep.error or "worker failed", retryable=rep.retryable, extra=events)
+            node.release(task.task_id)
         elif rep.state == S.TASK_STATE_CANCELLED:
             # The node stopped it on its own (drain): hand it back to the queue.
-            del node.allocations[task.task_id]
             self._requeue(task, "HANDED_BACK", rep.error or f"node {node.node_id} stopped the task", extra=events, backoff=False)
+            node.release(task.task_id)
         elif events:
             task.update_time = time.time()
-            self.store.update_task(task, events)
+            self._write(task, events)
             self._notify()
         return True
 
@@ -326,6 +378,7 @@ class SchedulerCore:
         if node.generation != generation or not node.connected:
             return
         node.connected = False
+        self._node_changed(node, membership=True)
         log.warning("node stream ended", node_id=node.node_id, goodbye=goodbye, tasks=len(node.allocations))
         if goodbye:
             self._lose_node(node, "node left")
@@ -337,10 +390,11 @@ class SchedulerCore:
             if now_m - node.last_seen > self.config.lease_s and (node.connected or node.allocations):
                 if node.connected:
                     node.connected = False
+                    self._node_changed(node, membership=True)
                     node.push(None)
                 self._lose_node(node, f"no heartbeat for {self.config.lease_s:.0f} s (lease)")
         now = time.time()
-        for task in self.store.tasks_in_states([S.TASK_STATE_RUNNING]):
+        for task in [t for t in self.active.values() if t.state == S.TASK_STATE_RUNNING and t.max_runtime_s]:
             if task.max_runtime_s and task.start_time and now - task.start_time > task.max_runtime_s:
                 node = self.nodes.get(task.node_id)
                 attempt = task.attempt
@@ -351,34 +405,47 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ placement
     def schedule(self) -> int:
-        """Place what fits now; push assignments. Returns the number placed."""
-        pending = self.store.tasks_in_states([S.TASK_STATE_PENDING])
-        if not pending:
-            self.pending_reasons.clear()
+        """Place what fits now; push assignments. Returns the number placed.
+
+        Cheap when nothing can move (no pending task, or no node with room). A round decides
+        from the in-memory indexes (:func:`~opentinker_scheduler.placement.place_round`), books
+        the GPUs in the ledger, commits all of its assignments in one transaction and only then
+        pushes them to the nodes. If a write fails, memory is rebuilt from the store and the
+        error raised.
+        """
+        if not self.queue or not self.free:
             return 0
-        by_id = {t.task_id: t for t in pending}
-        placements, reasons = plan(
-            [PendingTask(t.task_id, t.priority, t.create_time, t.gpu_count, t.not_before) for t in pending],
-            [n.capacity() for n in self.nodes.values()],
-            time.time(),
-        )
-        self.pending_reasons = reasons
-        for p in placements:
-            task = by_id[p.task_id]
-            node = self.nodes[p.node_id]
-            node.allocations[task.task_id] = (task.attempt, p.device_indices)
-            task.device_indices = list(p.device_indices)
-            task.node_id = node.node_id
-            self._transition(task, S.TASK_STATE_ASSIGNED, "ASSIGNED", f"placed on {node.node_id}" + (f" GPUs {list(p.device_indices)}" if p.device_indices else " (CPU)"), keep_node=True)
+        decided: list[tuple[TaskRow, NodeSession, tuple[int, ...]]] = []
+
+        def take(key: QueueKey, gpu_count: int, node_id: str) -> None:
+            task, node = self.queue.row(key), self.nodes[node_id]
+            devices = tuple(node.capacity().free_gpus[:gpu_count])
+            node.allocate(task.task_id, task.attempt, devices)
+            decided.append((task, node, devices))
+
+        place_round(self.queue.groups(), self.free, time.time(), lambda key: self.queue.row(key).not_before, take)
+        if not decided:
+            return 0
+        try:
+            with self.store.batch():
+                for task, node, devices in decided:
+                    task.device_indices = list(devices)
+                    task.node_id = node.node_id
+                    where = f" GPUs {list(devices)}" if devices else " (CPU)"
+                    self._transition(task, S.TASK_STATE_ASSIGNED, "ASSIGNED", f"placed on {node.node_id}{where}", keep_node=True)
+        except BaseException:
+            self._rebuild()  # the round's rows, ledger entries and counts all go back to the store's
+            raise
+        now_m = time.monotonic()
+        for task, node, devices in decided:
             queued = self._queued_at.pop(task.task_id, None)
             if queued is not None:
-                self.placement_latencies.append(time.monotonic() - queued)
-            assign = node_pb2.AssignTask(task_id=task.task_id, attempt=task.attempt, spec=task.spec, device_indices=p.device_indices, owner=task.owner)
+                self.placement_latencies.append(now_m - queued)
+            assign = node_pb2.AssignTask(task_id=task.task_id, attempt=task.attempt, spec=task.spec, device_indices=devices, owner=task.owner)
             if task.latest_checkpoint is not None:
                 assign.resume_from.CopyFrom(task.latest_checkpoint)
             node.push(node_pb2.ConnectResponse(assign_task=assign))
-            log.info("task assigned", task_id=task.task_id, attempt=task.attempt, node_id=node.node_id, devices=list(p.device_indices))
-        return len(placements)
+        return len(decided)
 
     # ------------------------------------------------------------------ internals
     def _lose_node(self, node: NodeSession, why: str) -> None:
@@ -386,12 +453,11 @@ class SchedulerCore:
             self._lose_allocation(node, task_id, attempt, "NODE_LOST", f"node {node.node_id} lost: {why}")
 
     def _lose_allocation(self, node: NodeSession, task_id: str, attempt: int, reason: str, message: str) -> None:
-        node.allocations.pop(task_id, None)
-        task = self.store.get_task(task_id)
-        if task is None or task.terminal or task.attempt != attempt or task.state not in ACTIVE_STATES:
-            return
-        log.warning("task attempt lost", task_id=task_id, attempt=attempt, node_id=node.node_id, why=message)
-        self._requeue(task, reason, message, backoff=False)
+        task = self.active.get(task_id)
+        if task is not None and task.attempt == attempt:
+            log.warning("task attempt lost", task_id=task_id, attempt=attempt, node_id=node.node_id, why=message)
+            self._requeue(task, reason, message, backoff=False)
+        node.release(task_id)
 
     def _fail_or_retry(self, task: TaskRow, reason: str, message: str, *, retryable: bool, extra=()) -> None:
         if retryable and task.attempt < task.max_attempts:
@@ -438,22 +504,60 @@ class SchedulerCore:
                 from_state=from_state, to_state=to_state, attempt=task.attempt, reason=reason, message=message, node_id=task.node_id
             )
         )
-        self.store.update_task(task, [*extra, ev])
-        if to_state != S.TASK_STATE_PENDING:
-            self.pending_reasons.pop(task.task_id, None)
+        self._write(task, [*extra, ev])
+        self.tasks.moved(task, from_state)
         log.info("task state", task_id=task.task_id, attempt=task.attempt, from_state=STATE_NAMES[from_state], to_state=STATE_NAMES[to_state], reason=reason, detail=message)
         self._notify()
 
-    def _notify(self) -> None:
-        async def _wake() -> None:
-            async with self.changed:
-                self.changed.notify_all()
-
+    def _write(self, task: TaskRow, events: list[common_pb2.TaskEvent]) -> None:
+        """Write a live row back with its events; if that fails, memory goes back to the store's."""
         try:
-            asyncio.get_running_loop().create_task(_wake())
+            self.store.update_task(task, events)
+        except BaseException:
+            self.tasks.reload(task.task_id, self.store)
+            raise
+
+    def _node(self, node_id: str) -> NodeSession:
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = NodeSession(node_id=node_id, on_change=self._node_changed, defer=self.commits.hold)
+        return node
+
+    def _node_changed(self, node: NodeSession, *, membership: bool = False) -> None:
+        """Re-index a node after its ledger, state or size changed."""
+        self._ledger_version += 1
+        if membership:
+            self._max_gpus = None
+        self.free.update(node.capacity())
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Wait until some task changes (or ``timeout`` seconds pass); for WatchTask."""
+        self._watchers += 1
+        try:
+            async with self.changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), timeout=timeout)
+        finally:
+            self._watchers -= 1
+
+    def _notify(self) -> None:
+        """Wake waiting WatchTask streams (once per loop turn, however many transitions)."""
+        if self._wake_pending or not self._watchers:
+            return
+        try:
+            loop = asyncio.get_running_loop()
         except RuntimeError:
-            pass  # no loop (unit tests of the core)
+            return  # no loop (unit tests of the core)
+        self._wake_pending = True
+        loop.create_task(self._wake())
+
+    async def _wake(self) -> None:
+        self._wake_pending = False
+        async with self.changed:
+            self.changed.notify_all()
 
 
 def new_task_id() -> str:
-    return "task-" + uuid.uuid4().hex[:12]
+    """``task-`` + 19 hex digits: milliseconds since the epoch, then 32 random bits. Ids sort by
+    creation time, so recent tasks' rows and events share database pages (cheaper commits)."""
+    return f"task-{time.time_ns() // 1_000_000:011x}{secrets.randbits(32):08x}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,10 @@ class _Collector:
         nodes.add_metric(["connected"], snap.nodes_connected)
         nodes.add_metric(["disconnected"], snap.nodes_known - snap.nodes_connected)
         yield nodes
+        received = CounterMetricFamily("opentinker_node_messages", "Messages received on node streams", labels=["kind"])
+        for kind, n in sorted(dict(self.holder.node_messages).items()):
+            received.add_metric([kind], n)
+        yield received
         fams = {
             "utilization_percent": GaugeMetricFamily("opentinker_gpu_utilization_percent", "GPU utilization (%)", labels=["node_id", "gpu", "simulated"]),
             "memory_used_bytes": GaugeMetricFamily("opentinker_gpu_memory_used_bytes", "GPU memory used (bytes)", labels=["node_id", "gpu", "simulated"]),
@@ -69,6 +73,8 @@ class HttpEndpoint:
 
     def __init__(self, host: str, port: int, *, stale_after_s: float = 10.0) -> None:
         self.snapshot = Snapshot()
+        #: kind -> messages received on node streams; the event loop increments, this thread reads.
+        self.node_messages: dict[str, int] = {}
         self.stale_after_s = stale_after_s
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))

@@ -10,11 +10,19 @@ Policy:
   * A task whose retry backoff has not elapsed waits (``not_before``).
 Every task left pending gets a reason a person can act on, in the style of Kubernetes
 ("no node has 4 free GPUs; largest free block is 2 on gpu-node-01").
+
+:func:`plan` states the policy over plain lists. The scheduler runs the same policy
+incrementally with :func:`place_round` over two indexes it keeps up to date — the pending queue
+by ``gpu_count`` (:mod:`opentinker_scheduler.queue`) and :class:`FreeNodes` — so one round
+costs O(placements + distinct gpu counts), not O(pending tasks x nodes). A property test keeps
+the two in agreement.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
+from typing import Callable, Hashable, Mapping, Sequence
 
 
 @dataclass
@@ -108,3 +116,90 @@ def why_pending(task: PendingTask, caps: list[NodeCapacity], position: int, queu
         f"no node has {task.gpu_count} free GPU(s); largest free block is {len(largest.free_gpus)} on "
         f"{largest.node_id}" + where
     )
+
+
+class FreeNodes:
+    """Nodes that can take a task now (accepting, with a free slot), in best-fit order: fewest
+    free GPUs, then fewest running tasks, then node id. The owner calls :meth:`update` whenever a
+    node's ledger or state changes."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[int, int, str]] = []  # (free GPUs, running, node id), sorted
+        self._key_of: dict[str, tuple[int, int, str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def update(self, cap: NodeCapacity) -> None:
+        old = self._key_of.pop(cap.node_id, None)
+        if old is not None:
+            del self._keys[bisect.bisect_left(self._keys, old)]
+        if cap.accepting and cap.free_slots > 0:
+            key = (len(cap.free_gpus), cap.running, cap.node_id)
+            self._key_of[cap.node_id] = key
+            bisect.insort(self._keys, key)
+
+    def remove(self, node_id: str) -> None:
+        old = self._key_of.pop(node_id, None)
+        if old is not None:
+            del self._keys[bisect.bisect_left(self._keys, old)]
+
+    def most_free_gpus(self) -> int:
+        """Largest free GPU block on a node that can take a task (-1 when none can)."""
+        return self._keys[-1][0] if self._keys else -1
+
+    def best_fit(self, gpu_count: int) -> str | None:
+        """The node :func:`plan` would pick for a task of ``gpu_count`` GPUs, or None."""
+        i = bisect.bisect_left(self._keys, (gpu_count, -1, ""))
+        return self._keys[i][2] if i < len(self._keys) else None
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._key_of
+
+
+def place_round(
+    groups: Mapping[int, Sequence[Hashable]],
+    free: FreeNodes,
+    now: float,
+    not_before: Callable[[Hashable], float],
+    take: Callable[[Hashable, int, str], None],
+) -> int:
+    """One placement round of :func:`plan`'s policy, over indexes instead of lists.
+
+    Args:
+        groups: ``gpu_count`` -> that group's pending tasks as sortable keys, in queue order
+            (the keys of all groups share one order). Not changed here.
+        free: nodes that can take a task now; ``take`` must keep it current.
+        now: unix seconds, compared with ``not_before(key)``.
+        take: ``take(key, gpu_count, node_id)`` puts the task on the node (best fit from
+            ``free``) and updates ``free``.
+
+    Returns:
+        How many tasks were placed. Tasks are considered in queue order; a group whose GPU
+        count no node can offer any more is dropped whole (capacity only shrinks in a round),
+        which gives the same placements as :func:`plan`.
+    """
+    live = {g: keys for g, keys in groups.items() if keys}
+    cursor = dict.fromkeys(live, 0)
+    placed = 0
+    while live:
+        most = free.most_free_gpus()
+        for g in [g for g in live if g > most]:
+            del live[g]
+        if not live:
+            break
+        g = min(live, key=lambda g: live[g][cursor[g]])
+        key = live[g][cursor[g]]
+        cursor[g] += 1
+        if cursor[g] == len(live[g]):
+            del live[g]
+        if not_before(key) > now:
+            continue
+        node_id = free.best_fit(g)
+        assert node_id is not None  # g <= most free GPUs on a node with a free slot
+        take(key, g, node_id)
+        placed += 1
+    return placed

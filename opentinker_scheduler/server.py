@@ -57,13 +57,14 @@ class RunningScheduler:
         with contextlib.suppress(asyncio.CancelledError):
             await self.tick_task
         await self.server.stop(grace)
+        self.core.flush()
         if self.http is not None:
             self.http.stop()
         self.core.store.close()
 
 
 def _snapshot(core: SchedulerCore) -> Snapshot:
-    counts = {STATE_NAMES[s]: n for s, n in core.store.count_by_state().items()}
+    counts = {STATE_NAMES[s]: n for s, n in core.state_counts.items() if n}
     gpus = []
     for node in core.nodes.values():
         if not node.connected:
@@ -90,7 +91,8 @@ async def _tick_loop(core: SchedulerCore, http: HttpEndpoint | None, interval_s:
             if http is not None:
                 for latency in core.placement_latencies:
                     http.scheduling_latency.observe(latency)
-                core.placement_latencies.clear()
+            core.placement_latencies.clear()  # also without HTTP, or the list would only grow
+            if http is not None:
                 if time.monotonic() - last_snapshot > 1.0:
                     http.snapshot = _snapshot(core)
                     last_snapshot = time.monotonic()
@@ -114,6 +116,7 @@ async def start_scheduler(
     """
     store = Store(config.state_dir)
     core = SchedulerCore(config, store)
+    core.enable_group_commit()
     server = grpc.aio.server(options=SERVER_OPTIONS)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerService(core), server)
     node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(core), server)
@@ -130,6 +133,7 @@ async def start_scheduler(
     if http_port is not None:
         http = HttpEndpoint(host, http_port)
         http.snapshot = _snapshot(core)
+        http.node_messages = core.node_messages  # live counters; the HTTP thread only reads them
         http.start()
     tick = asyncio.create_task(_tick_loop(core, http, tick_interval_s))
     log.info("scheduler listening", grpc_port=bound, http_port=http.port if http else None, state_dir=str(config.state_dir), config=config.source)

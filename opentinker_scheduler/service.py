@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import functools
 import sqlite3
 from typing import AsyncIterator
@@ -44,12 +43,15 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
 
 
 def _unary(fn):
-    """Map domain errors of a unary handler to gRPC status codes."""
+    """Map domain errors of a unary handler to gRPC status codes. The response leaves only once
+    everything it shows is committed (:meth:`SchedulerCore.durable`)."""
 
     @functools.wraps(fn)
     async def wrapper(self, request, context):
         try:
-            return await fn(self, request, context)
+            response = await fn(self, request, context)
+            await self.core.durable()
+            return response
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             mapped = _status_for(exc)
             if mapped is None:
@@ -96,15 +98,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.core = core
 
     def _task(self, task: TaskRow) -> common_pb2.Task:
-        return task_to_proto(task, self.core.pending_reasons.get(task.task_id, "waiting for the next placement round"))
+        if task.state != common_pb2.TASK_STATE_PENDING:
+            return task_to_proto(task)
+        return task_to_proto(task, self.core.pending_reason(task.task_id) or "waiting for the next placement round")
 
     @_unary
     async def SubmitTask(self, request, context):
         if not request.HasField("spec"):
             raise InvalidArgument("spec: expected a task spec, got nothing")
         task = self.core.submit(request.spec, owner=ANONYMOUS, request_id=request.request_id)
-        self.core.schedule()
-        task = self.core.get(task.task_id)
+        self.core.schedule()  # updates the row in place when it places the task
         return scheduler_pb2.SubmitTaskResponse(task=self._task(task))
 
     @_unary
@@ -151,6 +154,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         seq = max(0, request.after_sequence)
         while True:
             events = self.core.store.events_after(request.task_id, seq, limit=500)
+            if events:
+                await self.core.durable()  # the reads may include this turn's uncommitted events
             for ev in events:
                 seq = ev.sequence
                 yield scheduler_pb2.WatchTaskResponse(event=ev)
@@ -159,9 +164,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             task = self.core.store.get_task(request.task_id)
             if task is None or task.terminal:
                 return
-            async with self.core.changed:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.core.changed.wait(), timeout=1.0)
+            await self.core.wait_changed(timeout=1.0)
 
     @_unary
     async def GetMetrics(self, request, context):
@@ -218,17 +221,14 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         gen = node.generation
         outbox = node.outbox
         state = {"goodbye": False}
+        await self.core.durable()
         yield node_pb2.ConnectResponse(registered=registered)
         self.core.schedule()
         reader = asyncio.create_task(self._read(node, gen, it, state))
+        reader.add_done_callback(lambda _: outbox.put_nowait(None))  # the node stopped sending: end
         try:
             while True:
-                getter = asyncio.create_task(outbox.get())
-                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
-                    break
-                command = getter.result()
+                command = await outbox.get()
                 if command is None:
                     break
                 yield command

@@ -16,7 +16,7 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from opentinker.common.v1 import common_pb2
 
@@ -161,12 +161,18 @@ class Store:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA busy_timeout=5000")
         self.db.executescript(_SCHEMA)
+        self._tx_depth = 0
+        self._tx_failed = False
+        #: Called before every write transaction starts; the core uses it to open a group commit.
+        self.before_write: Callable[[], None] | None = None
 
     def close(self) -> None:
         self.db.close()
 
     def writable(self) -> bool:
         """Readiness probe: can we write a transaction now?"""
+        if self._tx_depth:
+            return True  # a (group) transaction is open on this connection
         try:
             self.db.execute("BEGIN IMMEDIATE")
             self.db.execute("ROLLBACK")
@@ -271,7 +277,7 @@ class Store:
         ev.task_id = task_id
         ev.sequence = seq
         if not ev.HasField("time"):
-            ev.time.GetCurrentTime()
+            ev.time.FromNanoseconds(time.time_ns())
         kind = ev.WhichOneof("event")
         kind = {"state_change": "state"}.get(kind, kind)
         step = ev.metric.step if kind == "metric" else (ev.checkpoint.step if kind == "checkpoint" else None)
@@ -307,16 +313,48 @@ class Store:
             t.latest_checkpoint.SerializeToString() if t.latest_checkpoint is not None else None,
         )
 
+    def batch(self) -> "Store._Tx":
+        """One transaction around several writes (``with store.batch(): ...``): one commit instead
+        of one per write. Nests: only the outermost block commits; an error anywhere inside rolls
+        all of it back."""
+        return self._tx()
+
+    def transaction(self) -> "Store._Tx":
+        """Like :meth:`batch` but without calling ``before_write`` (the group commit's own)."""
+        return Store._Tx(self)
+
     class _Tx:
-        def __init__(self, db: sqlite3.Connection) -> None:
-            self.db = db
+        def __init__(self, store: "Store") -> None:
+            self.store = store
 
         def __enter__(self):
-            self.db.execute("BEGIN IMMEDIATE")
+            s = self.store
+            if s._tx_depth == 0:
+                s.db.execute("BEGIN IMMEDIATE")
+                s._tx_failed = False
+            s._tx_depth += 1
 
         def __exit__(self, exc_type, exc, tb):
-            self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+            s = self.store
+            s._tx_depth -= 1
+            if exc_type is not None:
+                s._tx_failed = True
+            if s._tx_depth == 0:
+                if s._tx_failed:
+                    if s.db.in_transaction:  # SQLite may have rolled back already (e.g. disk full)
+                        s.db.execute("ROLLBACK")
+                    if exc_type is None:
+                        raise sqlite3.OperationalError("transaction rolled back: a write inside it failed")
+                else:
+                    try:
+                        s.db.execute("COMMIT")
+                    except BaseException:
+                        if s.db.in_transaction:
+                            s.db.execute("ROLLBACK")
+                        raise
             return False
 
     def _tx(self) -> "Store._Tx":
-        return Store._Tx(self.db)
+        if self.before_write is not None:
+            self.before_write()
+        return Store._Tx(self)

@@ -142,15 +142,16 @@ class NodeAgent:
             return
         self.draining = True
         self.log.info("draining", reason=reason, running=len(self.workers))
+        self._send(node_pb2.ConnectRequest(heartbeat=self._heartbeat()))
         for w in list(self.workers.values()):
             self._terminate(w, None)
         if self.workers:
             await asyncio.gather(*(w.watcher for w in self.workers.values() if w.watcher), return_exceptions=True)
+        # Stop first, so the end of the stream that the goodbye causes is not "reconnected".
+        self._stop.set()
         if self.connected.is_set():
             self._send(node_pb2.ConnectRequest(goodbye=node_pb2.Goodbye(reason=f"drained ({reason})")))
-            await asyncio.sleep(0.2)
-        self._stop.set()
-        self._outbox.put_nowait(None)  # type: ignore[arg-type] - ends the request stream
+        self._outbox.put_nowait(None)  # type: ignore[arg-type] - ends the request stream after the goodbye
 
     async def stop_now(self) -> None:
         """Kill all workers (tests and hard shutdown)."""
@@ -217,10 +218,17 @@ class NodeAgent:
     async def _heartbeats(self) -> None:
         while True:
             telemetry = await asyncio.to_thread(self.monitor.telemetry)
-            hb = node_pb2.Heartbeat(devices=telemetry, running=[node_pb2.RunningTask(task_id=w.task_id, attempt=w.attempt) for w in self.workers.values()])
-            hb.time.GetCurrentTime()
-            self._send(node_pb2.ConnectRequest(heartbeat=hb))
+            self._send(node_pb2.ConnectRequest(heartbeat=self._heartbeat(telemetry)))
             await asyncio.sleep(self._heartbeat_interval)
+
+    def _heartbeat(self, telemetry: list | None = None) -> node_pb2.Heartbeat:
+        hb = node_pb2.Heartbeat(
+            devices=telemetry or [],
+            running=[node_pb2.RunningTask(task_id=w.task_id, attempt=w.attempt) for w in self.workers.values()],
+            draining=self.draining,
+        )
+        hb.time.GetCurrentTime()
+        return hb
 
     async def _handle(self, command: node_pb2.ConnectResponse) -> None:
         kind = command.WhichOneof("command")

@@ -1,0 +1,833 @@
+#!/usr/bin/env python
+"""Scheduler scale benchmark on loopback (``make bench``; issue 3, "Benchmark").
+
+Starts the real scheduler as its own process (``python -m opentinker_scheduler``), then
+simulates N trainer nodes, each holding a real ``NodeService.Connect`` stream: it registers
+with simulated GPUs, heartbeats with simulated telemetry, and answers every ``AssignTask`` at
+once with a RUNNING and a SUCCEEDED ``TaskReport`` (so capacity frees up). The nodes live in
+``--workers`` spawned processes; tasks are submitted from this process. Phases:
+
+  1. heartbeats   no submits. Idle (nodes silent, for the scheduler's baseline CPU), steady
+                  (one heartbeat per node per second), then a flood (``--flood-rate`` offered
+                  in all) to measure how many heartbeats per second the scheduler ingests.
+                  Ingested = the scheduler's own counter (``opentinker_node_messages_total``).
+  2. throughput   ``--tasks`` SubmitTask calls, closed loop with ``--concurrency`` in flight:
+                  submits/s, and submit-to-assign latency under that saturation.
+  3. latency      ``--rate-tasks`` submits paced open-loop at ``--rate`` per second (the goal
+                  rate): submit-to-assign p50/p99 at that load.
+  4. deep queue   every slot busy (nodes hold their tasks), ``--backlog`` more tasks submitted
+                  so the queue grows that deep (submits/s at depth), then the nodes let go and
+                  the queue drains (assignments/s).
+
+Submit-to-assign latency is the time from the SubmitTask call in this process to the node
+process receiving the ``AssignTask`` for that task (both read CLOCK_MONOTONIC, which is one
+clock for all processes on Linux). Scheduler CPU comes from ``/proc/<pid>/stat`` (utime + stime,
+all threads). Figures are printed, never asserted; ``--json`` writes them as well. The machine's
+total CPU use is shown per phase, because other work on a shared machine shifts these numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from opentinker.common.v1 import common_pb2 as C
+from opentinker.node.v1 import node_pb2 as N
+from opentinker.node.v1 import node_pb2_grpc
+from opentinker.scheduler.v1 import scheduler_pb2 as S
+from opentinker.scheduler.v1 import scheduler_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+
+GOALS = {"p99_ms": 50.0, "submits_per_s": 500.0, "heartbeats_per_s": 2000.0}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU accounting
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of proc(5)
+
+
+def self_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, all cores."""
+    with open("/proc/stat") as f:
+        vals = [int(v) for v in f.readline().split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    total = sum(vals[:8])
+    return (total - idle) / CLK_TCK, total / CLK_TCK
+
+
+def pct(sorted_vals: list[float], q: float) -> float:
+    if not sorted_vals:
+        return math.nan
+    k = min(len(sorted_vals) - 1, max(0, math.ceil(q / 100 * len(sorted_vals)) - 1))
+    return sorted_vals[k]
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulated nodes (run in spawned worker processes)
+
+
+class SimNode:
+    def __init__(self, worker: "SimWorker", node_id: str, index: int) -> None:
+        self.w = worker
+        self.node_id = node_id
+        self.offset = (index * 0.618034) % 1.0  # spreads heartbeats evenly over the interval
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.registered = asyncio.Event()
+        self.failed: str | None = None
+        gpus = worker.opts["gpus_per_node"]
+        self.hb = N.ConnectRequest(
+            heartbeat=N.Heartbeat(
+                devices=[
+                    C.DeviceTelemetry(
+                        index=i, utilization_percent=50.0, memory_used_bytes=20 << 30, memory_total_bytes=80 << 30,
+                        temperature_c=55.0, power_w=300.0, sm_clock_mhz=1980, ecc_errors=0, simulated=True,
+                    )
+                    for i in range(gpus)
+                ]
+            )
+        )
+        self.register = N.ConnectRequest(
+            register=N.Register(
+                node_id=node_id,
+                version="bench",
+                devices=[C.Device(index=i, uuid=f"SIM-{node_id}-{i}", name="Simulated GPU", memory_total_bytes=80 << 30, simulated=True) for i in range(gpus)],
+                max_tasks=worker.opts["max_tasks"],
+                hostname="bench",
+                cpu_count=8,
+            )
+        )
+
+    async def requests(self):
+        yield self.register
+        while True:
+            msg = await self.out.get()
+            if msg is None:
+                return
+            yield msg
+
+    async def run(self, channel: grpc.aio.Channel) -> None:
+        stub = node_pb2_grpc.NodeServiceStub(channel)
+        try:
+            call = stub.Connect(self.requests())
+            async for resp in call:
+                kind = resp.WhichOneof("command")
+                if kind == "assign_task":
+                    self.w.on_assign(self, resp.assign_task)
+                elif kind == "registered":
+                    self.registered.set()
+                elif kind == "cancel_task":
+                    c = resp.cancel_task
+                    self.out.put_nowait(N.ConnectRequest(task_report=N.TaskReport(task_id=c.task_id, attempt=c.attempt, state=C.TASK_STATE_CANCELLED)))
+        except grpc.aio.AioRpcError as exc:
+            if not self.w.stopping:
+                self.failed = f"{exc.code().name}: {exc.details()}"
+                self.w.errors.append(f"{self.node_id}: {self.failed}")
+        finally:
+            self.registered.set()
+
+    async def heartbeats(self) -> None:
+        gen = -1
+        next_t = 0.0
+        tel = self.hb.heartbeat.devices
+        while not self.w.stopping:
+            iv = self.w.hb_interval
+            now = time.monotonic()
+            if gen != self.w.hb_gen:
+                gen = self.w.hb_gen
+                next_t = now + self.offset * (iv or 1.0)
+            if not iv:
+                await asyncio.sleep(0.05)
+                continue
+            if next_t > now:
+                await asyncio.sleep(min(next_t - now, 0.2))
+                continue
+            self.w.hb_count += 1
+            for t in tel:
+                t.utilization_percent = float(self.w.hb_count % 100)
+            self.hb.heartbeat.time.FromNanoseconds(time.time_ns())
+            self.out.put_nowait(self.hb)
+            next_t += iv
+            if next_t < now - iv:
+                next_t = now  # fell behind: no burst to catch up; hb_count shows what was offered
+
+
+class SimWorker:
+    def __init__(self, conn, target: str, node_ids: list[str], opts: dict) -> None:
+        self.conn = conn
+        self.target = target
+        self.opts = opts
+        self.nodes = [SimNode(self, nid, i) for i, nid in enumerate(node_ids)]
+        self.hb_interval: float | None = None
+        self.hb_gen = 0
+        self.hb_count = 0
+        self.assigns = 0
+        self.reassigns = 0
+        self.assign_t: dict[str, float] = {}
+        self.hold = False
+        self.held: list[tuple[SimNode, str, int]] = []
+        self.errors: list[str] = []
+        self.stopping = False
+        self.done = asyncio.Event()
+
+    def on_assign(self, node: SimNode, a) -> None:
+        now = time.monotonic()
+        self.assigns += 1
+        if a.task_id in self.assign_t:
+            self.reassigns += 1
+        else:
+            self.assign_t[a.task_id] = now
+        node.out.put_nowait(N.ConnectRequest(task_report=N.TaskReport(task_id=a.task_id, attempt=a.attempt, state=C.TASK_STATE_RUNNING)))
+        if self.hold:
+            self.held.append((node, a.task_id, a.attempt))
+        else:
+            node.out.put_nowait(N.ConnectRequest(task_report=N.TaskReport(task_id=a.task_id, attempt=a.attempt, state=C.TASK_STATE_SUCCEEDED)))
+
+    def stats(self) -> dict:
+        return {
+            "hb_sent": self.hb_count,
+            "assigns": self.assigns,
+            "reassigns": self.reassigns,
+            "held": len(self.held),
+            "cpu_s": self_cpu_s(),
+            "registered": sum(1 for n in self.nodes if n.registered.is_set() and not n.failed),
+            "failed": sum(1 for n in self.nodes if n.failed),
+            "errors": self.errors[:5],
+        }
+
+    def on_command(self) -> None:
+        while self.conn.poll():
+            cmd, arg = self.conn.recv()
+            reply: object = None
+            if cmd == "hb":
+                self.hb_interval = arg
+                self.hb_gen += 1
+            elif cmd == "hold":
+                self.hold = bool(arg)
+            elif cmd == "release":
+                self.hold = False
+                for node, task_id, attempt in self.held:
+                    node.out.put_nowait(N.ConnectRequest(task_report=N.TaskReport(task_id=task_id, attempt=attempt, state=C.TASK_STATE_SUCCEEDED)))
+                self.held.clear()
+            elif cmd == "collect":
+                reply, self.assign_t = self.assign_t, {}
+            elif cmd == "stop":
+                self.stopping = True
+                for n in self.nodes:
+                    n.out.put_nowait(N.ConnectRequest(goodbye=N.Goodbye(reason="benchmark over")))
+                    n.out.put_nowait(None)
+                self.done.set()
+            if cmd != "stats":
+                self.conn.send(reply)
+            else:
+                self.conn.send(self.stats())
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.conn.fileno(), self.on_command)
+        channels = [
+            grpc.aio.insecure_channel(self.target, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in self.nodes
+        ]  # one connection per node, as real trainers have
+        streams = [asyncio.create_task(n.run(ch)) for n, ch in zip(self.nodes, channels)]
+        beats = [asyncio.create_task(n.heartbeats()) for n in self.nodes]
+        await self.done.wait()
+        await asyncio.wait(streams, timeout=5)
+        for t in beats + streams:
+            t.cancel()
+        for ch in channels:
+            await ch.close(grace=None)
+        loop.remove_reader(self.conn.fileno())
+
+
+def worker_main(conn, target: str, node_ids: list[str], opts: dict) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver stops us
+    asyncio.run(SimWorker(conn, target, node_ids, opts).run())
+
+
+# ---------------------------------------------------------------------------------------------
+# The scheduler process
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SchedulerProc:
+    def __init__(self, workdir: Path, *, lease_s: float, max_tasks: int, scheduler_path: str | None, profile: Path | None = None) -> None:
+        self.workdir = workdir
+        self.port, self.http_port = free_port(), free_port()
+        cfg = workdir / "scheduler_config.yaml"
+        cfg.write_text(
+            "# written by scripts/bench_scheduler.py\n"
+            "resource_pool: []\n"
+            "workload_types:\n  - type: lora_finetune\n    priority: 1\n"
+            "allow_unknown_nodes: true\n"
+            f"unknown_node_max_tasks: {max_tasks}\n"
+            "heartbeat_interval: 1\n"
+            f"lease: {lease_s}\n"
+        )
+        self.log_path = workdir / "scheduler.log"
+        env = {**os.environ, "OPENTINKER_LOG_FORMAT": "json"}
+        if scheduler_path:  # `python -m` puts its working directory first on sys.path
+            env["PYTHONPATH"] = os.pathsep.join([scheduler_path, env.get("PYTHONPATH", "")])
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(
+            [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "opentinker_scheduler", "--config", str(cfg), "--host", "127.0.0.1",
+             "--port", str(self.port), "--http-port", str(self.http_port), "--state-dir", str(workdir / "state")],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=scheduler_path or str(REPO),
+        )
+        self.pid = self.popen.pid
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"scheduler exited with {self.popen.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"scheduler not healthy after {timeout:.0f} s; see {self.log_path}")
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus text from /metrics as {'name{labels}': value}."""
+        out = {}
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line and not line.startswith("#"):
+                    key, _, val = line.rpartition(" ")
+                    try:
+                        out[key] = float(val)
+                    except ValueError:
+                        pass
+        return out
+
+    def cpu_s(self) -> float:
+        return proc_cpu_s(self.pid)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=10)
+        self._log.close()
+
+
+HB_KEY = 'opentinker_node_messages_total{kind="heartbeat"}'
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+
+
+@dataclass
+class Meter:
+    """CPU and wall time of one phase, for every process involved and the whole machine."""
+
+    bench: "Bench"
+    t0: float = 0.0
+    sched0: float = 0.0
+    main0: float = 0.0
+    workers0: list[float] = field(default_factory=list)
+    machine0: tuple[float, float] = (0.0, 0.0)
+    result: dict = field(default_factory=dict)
+
+    async def __aenter__(self) -> "Meter":
+        self.workers0 = [s["cpu_s"] for s in await self.bench.worker_stats()]
+        self.t0 = time.monotonic()
+        self.sched0, self.main0, self.machine0 = self.bench.sched.cpu_s(), self_cpu_s(), machine_cpu()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        wall = time.monotonic() - self.t0
+        sched, main, machine = self.bench.sched.cpu_s(), self_cpu_s(), machine_cpu()
+        workers = [s["cpu_s"] for s in await self.bench.worker_stats()]
+        wcpu = [b - a for a, b in zip(self.workers0, workers)]
+        busy, total = machine[0] - self.machine0[0], machine[1] - self.machine0[1]
+        ncpu = os.cpu_count() or 1
+        self.result = {
+            "wall_s": wall,
+            "scheduler_cpu_s": sched - self.sched0,
+            "scheduler_cpu_frac": (sched - self.sched0) / wall,
+            "driver_cpu_frac": (main - self.main0) / wall,
+            "worker_cpu_frac": [c / wall for c in wcpu],
+            "machine_busy_cores": busy / total * ncpu if total else math.nan,
+            "others_cores": max(0.0, (busy - (sched - self.sched0) - (main - self.main0) - sum(wcpu)) / total * ncpu) if total else math.nan,
+        }
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.results: dict = {"phases": {}}
+        self.sched: SchedulerProc
+        self.conns: list = []
+        self.procs: list = []
+        self.submits: list[tuple[str, float, float]] = []
+        self.submit_errors: list[str] = []
+        self.total_submitted = 0
+
+    # --- workers ----------------------------------------------------------------------------
+    async def _ask(self, conn, cmd, arg=None):
+        conn.send((cmd, arg))
+        return await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+
+    async def broadcast(self, cmd, arg=None) -> list:
+        return await asyncio.gather(*(self._ask(c, cmd, arg) for c in self.conns))
+
+    async def worker_stats(self) -> list[dict]:
+        return await self.broadcast("stats")
+
+    async def total_assigns(self) -> int:
+        """Tasks assigned so far, each counted once (a requeued task may be assigned again)."""
+        return sum(s["assigns"] - s["reassigns"] for s in await self.worker_stats())
+
+    async def wait_assigns(self, target: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await self.total_assigns() >= target:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def collect_assign_times(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for part in await self.broadcast("collect"):
+            out.update(part)
+        return out
+
+    def hb_ingested(self) -> float | None:
+        return self.sched.metrics().get(HB_KEY)
+
+    # --- submits ----------------------------------------------------------------------------
+    def request(self, i: int) -> S.SubmitTaskRequest:
+        spec = C.TaskSpec(
+            workload_type="lora_finetune", model="bench/dummy-model", name=f"bench-{i}",
+            resources=C.Resources(gpu_count=i % 2 if self.args.gpus_per_node else 0),
+        )
+        spec.env_config.update({"env_id": "arithmetic"})
+        return S.SubmitTaskRequest(spec=spec)
+
+    async def submit_one(self, stub, req) -> None:
+        t0 = time.monotonic()
+        try:
+            resp = await stub.SubmitTask(req, timeout=60)
+        except grpc.aio.AioRpcError as exc:
+            self.submit_errors.append(f"{exc.code().name}: {exc.details()}")
+            return
+        self.submits.append((resp.task.task_id, t0, time.monotonic()))
+        self.total_submitted += 1
+
+    async def closed_loop(self, stub, n: int, concurrency: int, gpu: bool = True) -> None:
+        reqs = [self.request(i if gpu else 0) for i in range(2)]
+        counter = iter(range(n))
+
+        async def lane() -> None:
+            for i in counter:
+                await self.submit_one(stub, reqs[i % 2])
+
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+
+    async def paced(self, stub, n: int, rate: float) -> float:
+        """Open loop: one submit every 1/rate s regardless of replies. Returns the worst dispatch lag."""
+        reqs = [self.request(i) for i in range(2)]
+        start = time.monotonic()
+        inflight = set()
+        worst_lag = 0.0
+        for i in range(n):
+            due = start + i / rate
+            now = time.monotonic()
+            if due > now:
+                await asyncio.sleep(due - now)
+            worst_lag = max(worst_lag, time.monotonic() - due)
+            t = asyncio.create_task(self.submit_one(stub, reqs[i % 2]))
+            inflight.add(t)
+            t.add_done_callback(inflight.discard)
+        if inflight:
+            await asyncio.wait(inflight)
+        return worst_lag
+
+    def latencies(self, submits, assigned: dict[str, float]) -> dict:
+        lat = sorted((assigned[tid] - t0) * 1000 for tid, t0, _ in submits if tid in assigned)
+        rpc = sorted((t1 - t0) * 1000 for _, t0, t1 in submits)
+        return {
+            "assigned": len(lat),
+            "p50_ms": pct(lat, 50), "p90_ms": pct(lat, 90), "p99_ms": pct(lat, 99), "max_ms": lat[-1] if lat else math.nan,
+            "rpc_p50_ms": pct(rpc, 50), "rpc_p99_ms": pct(rpc, 99),
+        }
+
+    # --- phases -----------------------------------------------------------------------------
+    async def phase_heartbeats(self) -> None:
+        a = self.args
+        await self.broadcast("hb", None)
+        await asyncio.sleep(0.3)
+        async with Meter(self) as idle:
+            await asyncio.sleep(a.idle_seconds)
+        base_cpu_per_s = idle.result["scheduler_cpu_s"] / idle.result["wall_s"]
+        self.results["phases"]["idle"] = idle.result
+
+        for name, interval, seconds in (("steady", 1.0, a.hb_seconds), ("flood", a.nodes / a.flood_rate, a.flood_seconds)):
+            await self.broadcast("hb", interval)
+            await asyncio.sleep(0.3 if a.quick else min(1.0, interval) + 0.5)  # let the new rhythm settle
+            sent0 = sum(s["hb_sent"] for s in await self.worker_stats())
+            ing0 = self.hb_ingested()
+            async with Meter(self) as m:
+                await asyncio.sleep(seconds)
+            ing1 = self.hb_ingested()
+            sent = sum(s["hb_sent"] for s in await self.worker_stats()) - sent0
+            wall = m.result["wall_s"]
+            counted = ing1 is not None and ing0 is not None
+            ingested = (ing1 - ing0) if counted else sent
+            cpu = m.result["scheduler_cpu_s"]
+            self.results["phases"][name] = {
+                **m.result,
+                "offered_per_s": sent / wall,
+                "ingested_per_s": ingested / wall,
+                "ingested_source": "scheduler counter" if counted else "client-side count (scheduler has no counter)",
+                "cpu_s_per_1000_hb": cpu / (ingested / 1000) if ingested else math.nan,
+                "cpu_s_per_1000_hb_net": (cpu - base_cpu_per_s * wall) / (ingested / 1000) if ingested else math.nan,
+            }
+            self.progress(f"{name}: {ingested / wall:.0f} heartbeats/s ingested ({sent / wall:.0f} offered), scheduler CPU {cpu / wall:.0%}")
+        await self.broadcast("hb", 1.0)
+        await asyncio.sleep(0.2 if a.quick else 1.0)
+
+    async def phase_throughput(self, stub) -> None:
+        a = self.args
+        self.submits = []
+        before = await self.total_assigns()
+        async with Meter(self) as m:
+            await self.closed_loop(stub, a.tasks, a.concurrency)
+        submit_wall = m.result["wall_s"]
+        ok = await self.wait_assigns(before + len(self.submits), timeout=60 + a.tasks / 20)
+        lat = self.latencies(self.submits, await self.collect_assign_times())
+        self.results["phases"]["throughput"] = {
+            **m.result, **lat, "tasks": a.tasks, "submitted": len(self.submits), "concurrency": a.concurrency,
+            "submits_per_s": len(self.submits) / submit_wall, "all_assigned": ok,
+        }
+        self.progress(f"throughput: {len(self.submits) / submit_wall:.0f} submits/s, submit->assign p99 {lat['p99_ms']:.1f} ms")
+
+    async def phase_latency(self, stub) -> None:
+        a = self.args
+        self.submits = []
+        before = await self.total_assigns()
+        async with Meter(self) as m:
+            worst_lag = await self.paced(stub, a.rate_tasks, a.rate)
+        ok = await self.wait_assigns(before + len(self.submits), timeout=60 + a.rate_tasks / 20)
+        lat = self.latencies(self.submits, await self.collect_assign_times())
+        self.results["phases"]["latency"] = {
+            **m.result, **lat, "tasks": a.rate_tasks, "submitted": len(self.submits), "offered_rate": a.rate,
+            "achieved_rate": len(self.submits) / m.result["wall_s"], "worst_dispatch_lag_ms": worst_lag * 1000, "all_assigned": ok,
+        }
+        self.progress(f"latency @ {a.rate:.0f}/s: submit->assign p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms")
+
+    async def phase_deep_queue(self, stub) -> None:
+        a = self.args
+        slots = a.nodes * a.max_tasks
+        await self.broadcast("hold", True)
+        before = await self.total_assigns()
+        self.submits = []
+        await self.closed_loop(stub, slots, a.concurrency, gpu=False)  # CPU tasks fill every slot
+        filled = await self.wait_assigns(before + slots, timeout=60 + slots / 20)
+        await self.collect_assign_times()
+        depth0 = await self.total_assigns()
+        self.submits = []
+        async with Meter(self) as m:
+            await self.closed_loop(stub, a.backlog, a.concurrency)
+        queued = await self.total_assigns() - depth0  # should be 0: nothing is free
+        await asyncio.sleep(1.5)  # /metrics snapshot refresh
+        depth = self.sched.metrics().get("opentinker_queue_depth", math.nan)
+        backlog = list(self.submits)
+        want = {t for t, _, _ in backlog}
+        assigned: dict[str, float] = {}
+        async with Meter(self) as d:
+            await self.broadcast("release")
+            deadline = time.monotonic() + 120 + a.backlog / 10
+            while not want <= assigned.keys() and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                assigned.update(await self.collect_assign_times())
+        drained = want <= assigned.keys()
+        waits = sorted(assigned[t] - d.t0 for t, _, _ in backlog if t in assigned)
+        drain_wall = waits[-1] if waits else d.result["wall_s"]
+        self.results["phases"]["deep_queue"] = {
+            "fill": {"slots": slots, "filled": filled},
+            "submit": {**m.result, "submitted": len(backlog), "submits_per_s": len(backlog) / m.result["wall_s"],
+                       "placed_while_full": queued, "queue_depth_after": depth},
+            "drain": {**d.result, "assigned": len(waits), "drain_s": drain_wall,
+                      "assigns_per_s": len(waits) / drain_wall if drain_wall else math.nan, "all_assigned": drained},
+        }
+        self.progress(
+            f"deep queue: {len(backlog) / m.result['wall_s']:.0f} submits/s into a queue {len(backlog)} deep; "
+            f"drained at {len(waits) / drain_wall if drain_wall else math.nan:.0f} assigns/s"
+        )
+
+    def progress(self, msg: str) -> None:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    # --- run --------------------------------------------------------------------------------
+    async def run(self) -> dict:
+        a = self.args
+        workdir = Path(tempfile.mkdtemp(prefix="opentinker-bench-"))
+        self.results["workdir"] = str(workdir)
+        self.sched = SchedulerProc(workdir, lease_s=a.lease, max_tasks=a.max_tasks, scheduler_path=a.scheduler_path, profile=a.profile)
+        ctx = mp.get_context("spawn")
+        ok = False
+        try:
+            self.sched.wait_healthy()
+            self.progress(f"scheduler pid {self.sched.pid} on {self.sched.target}; log {self.sched.log_path}")
+            ids = [f"sim-node-{i:04d}" for i in range(a.nodes)]
+            opts = {"gpus_per_node": a.gpus_per_node, "max_tasks": a.max_tasks}
+            for w in range(a.workers):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=worker_main, args=(child, self.sched.target, ids[w :: a.workers], opts), daemon=True)
+                p.start()
+                self.conns.append(parent)
+                self.procs.append(p)
+            deadline = time.monotonic() + 60 + a.nodes / 10
+            while True:
+                st = await self.worker_stats()
+                reg, failed = sum(s["registered"] for s in st), sum(s["failed"] for s in st)
+                if reg + failed >= a.nodes:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"only {reg} of {a.nodes} nodes registered")
+                await asyncio.sleep(0.2)
+            if failed:
+                raise RuntimeError(f"{failed} node stream(s) failed: {[e for s in st for e in s['errors']]}")
+            self.progress(f"{a.nodes} simulated nodes connected in {a.workers} worker process(es)")
+            only = set(a.only.split(",")) if a.only else {"heartbeats", "throughput", "latency", "queue"}
+            if "heartbeats" in only:
+                await self.phase_heartbeats()
+            else:
+                await self.broadcast("hb", 1.0)
+            channel = grpc.aio.insecure_channel(self.sched.target)
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+            if "throughput" in only:
+                await self.phase_throughput(stub)
+            if "latency" in only:
+                await self.phase_latency(stub)
+            if a.backlog and "queue" in only:
+                await self.phase_deep_queue(stub)
+            # Every task should end SUCCEEDED; /metrics counts refresh about once a second.
+            deadline = time.monotonic() + 30
+            while True:
+                await asyncio.sleep(0.5)
+                m = self.sched.metrics()
+                if m.get('opentinker_tasks{state="succeeded"}', 0) >= self.total_submitted or time.monotonic() > deadline:
+                    break
+            self.results["final"] = {
+                "submitted": self.total_submitted,
+                "succeeded": m.get('opentinker_tasks{state="succeeded"}', math.nan),
+                "not_finished": sum(v for k, v in m.items() if k.startswith("opentinker_tasks{") and "succeeded" not in k),
+                "submit_errors": len(self.submit_errors),
+                "first_submit_errors": self.submit_errors[:3],
+                "reassigns": sum(s["reassigns"] for s in await self.worker_stats()),
+                "node_errors": [e for s in await self.worker_stats() for e in s["errors"]],
+            }
+            await channel.close()
+            ok = True
+        finally:
+            if self.conns:
+                with_timeout = [asyncio.wait_for(self._ask(c, "stop"), 10) for c in self.conns]
+                await asyncio.gather(*with_timeout, return_exceptions=True)
+            for p in self.procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+            self.sched.stop()
+            if ok and not a.keep:
+                shutil.rmtree(workdir, ignore_errors=True)
+                self.results["workdir"] = None
+        return self.results
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def report(args, res: dict) -> str:
+    def verdict(ok: bool) -> str:
+        if args.quick:
+            return "(quick run)"
+        return "meets goal" if ok else "MISSES goal"
+
+    P = res["phases"]
+    ncpu = os.cpu_count()
+    lines = [
+        "",
+        "OpenTinker scheduler scale benchmark",
+        f"  date {dt.datetime.now().astimezone().isoformat(timespec='seconds')}; {platform.node()}; {ncpu} CPU(s) "
+        f"({platform.processor() or platform.machine()}); Python {platform.python_version()}; grpcio {grpc.__version__}",
+        f"  {args.nodes} simulated nodes ({args.gpus_per_node} simulated GPUs, max_tasks {args.max_tasks} each) in "
+        f"{args.workers} worker process(es); scheduler is a separate process",
+        "",
+    ]
+    if not all(k in P for k in ("throughput", "latency", "steady", "flood")):
+        return json.dumps(P, indent=1, default=str)  # a partial run (--only): raw figures
+    tp, lt, st, fl = P["throughput"], P["latency"], P["steady"], P["flood"]
+    hb_rate = fl["ingested_per_s"]
+    hb_capped = fl["ingested_per_s"] >= 0.97 * fl["offered_per_s"]
+    rows = [
+        ("submits/s", f"{tp['submits_per_s']:.0f}", f">= {GOALS['submits_per_s']:.0f}", verdict(tp["submits_per_s"] >= GOALS["submits_per_s"]),
+         f"{tp['submitted']} tasks, closed loop, {tp['concurrency']} in flight"),
+        ("submit->assign p50/p99", f"{lt['p50_ms']:.1f} / {lt['p99_ms']:.1f} ms", f"p99 < {GOALS['p99_ms']:.0f} ms", verdict(lt["p99_ms"] < GOALS["p99_ms"]),
+         f"{lt['submitted']} tasks paced at {lt['offered_rate']:.0f}/s (achieved {lt['achieved_rate']:.0f}/s)"),
+        ("heartbeats/s ingested", f"{hb_rate:.0f}" + (" (all offered)" if hb_capped else ""), f">= {GOALS['heartbeats_per_s']:.0f}",
+         verdict(hb_rate >= GOALS["heartbeats_per_s"]), f"flood: {fl['offered_per_s']:.0f}/s offered by {args.nodes} streams; {fl['ingested_source']}"),
+        ("CPU s per 1000 heartbeats", f"{st['cpu_s_per_1000_hb']:.3f}", "(no goal)", "",
+         f"steady 1/s per node, {st['ingested_per_s']:.0f}/s; {st['cpu_s_per_1000_hb_net']:.3f} net of idle; "
+         f"flood {fl['cpu_s_per_1000_hb']:.3f}"),
+    ]
+    w = [max(len(r[i]) for r in rows + [("figure", "measured", "goal", "", "")]) for i in range(4)]
+    lines.append(f"  {'figure':<{w[0]}}  {'measured':<{w[1]}}  {'goal':<{w[2]}}  {'':<{w[3]}}  how")
+    for r in rows:
+        lines.append(f"  {r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]:<{w[3]}}  {r[4]}")
+    lines += [
+        "",
+        "  more:",
+        f"    submit->assign under the closed loop: p50 {tp['p50_ms']:.1f} ms, p99 {tp['p99_ms']:.1f} ms, max {tp['max_ms']:.1f} ms"
+        f" (SubmitTask RPC p50 {tp['rpc_p50_ms']:.1f} ms, p99 {tp['rpc_p99_ms']:.1f} ms)",
+        f"    submit->assign at {lt['offered_rate']:.0f}/s: p90 {lt['p90_ms']:.1f} ms, max {lt['max_ms']:.1f} ms; "
+        f"worst dispatch lag of the pacer {lt['worst_dispatch_lag_ms']:.1f} ms",
+        f"    heartbeats: scheduler CPU idle {P['idle']['scheduler_cpu_frac']:.1%} of a core, steady {st['scheduler_cpu_frac']:.1%}, "
+        f"flood {fl['scheduler_cpu_frac']:.1%}; flood at 1000 ingested per {fl['cpu_s_per_1000_hb']:.3f} CPU s "
+        f"= {1000 / fl['cpu_s_per_1000_hb']:.0f} heartbeats per CPU-second",
+    ]
+    if "deep_queue" in P:
+        dq = P["deep_queue"]
+        lines.append(
+            f"    deep queue: {dq['submit']['submitted']} submits into a full cluster at {dq['submit']['submits_per_s']:.0f}/s "
+            f"(queue depth after: {dq['submit']['queue_depth_after']:.0f}, placed while full: {dq['submit']['placed_while_full']}); "
+            f"drained {dq['drain']['assigned']} at {dq['drain']['assigns_per_s']:.0f} assigns/s"
+        )
+    fin = res.get("final", {})
+    lines.append(
+        f"    tasks: {fin.get('submitted')} submitted, {fin.get('succeeded', math.nan):.0f} succeeded, "
+        f"{fin.get('not_finished', math.nan):.0f} in other states; submit errors {fin.get('submit_errors')}; "
+        f"re-assignments {fin.get('reassigns')}; node stream errors {len(fin.get('node_errors', []))}"
+    )
+    for err in fin.get("first_submit_errors", []) + fin.get("node_errors", [])[:3]:
+        lines.append(f"      error: {err}")
+    lines += ["", "  CPU per phase (cores busy; the machine may run other work):",
+              f"    {'phase':<12} {'wall s':>7} {'scheduler':>9} {'driver':>7} {'node sims':>14} {'others':>7} {'machine':>8}"]
+    sat = []
+    phase_rows = [(k, P[k]) for k in ("idle", "steady", "flood", "throughput", "latency")]
+    if "deep_queue" in P:
+        phase_rows += [("queue-fill", P["deep_queue"]["submit"]), ("queue-drain", P["deep_queue"]["drain"])]
+    for name, r in phase_rows:
+        wk = "+".join(f"{x:.2f}" for x in r["worker_cpu_frac"])
+        lines.append(
+            f"    {name:<12} {r['wall_s']:>7.1f} {r['scheduler_cpu_frac']:>9.2f} {r['driver_cpu_frac']:>7.2f} {wk:>14} "
+            f"{r['others_cores']:>7.2f} {r['machine_busy_cores']:>6.2f}/{ncpu}"
+        )
+        if max([r["driver_cpu_frac"], *r["worker_cpu_frac"]]) > 0.9:
+            sat.append(f"{name}: a load-generator process used > 90% of a core, so it may have limited the figures")
+        if r["machine_busy_cores"] > 0.95 * (ncpu or 1):
+            sat.append(f"{name}: the machine was saturated ({r['machine_busy_cores']:.2f} of {ncpu} cores busy)")
+    if args.quick:
+        sat.insert(0, "--quick: tiny numbers for a smoke run; the figures are not comparable with the goals")
+    if sat:
+        lines += ["", "  caveats:"] + [f"    - {s}" for s in sat]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=200, help="simulated nodes, one Connect stream each (default 200, up to ~1000)")
+    p.add_argument("--tasks", type=int, default=10_000, help="tasks submitted in the throughput phase (default 10000)")
+    p.add_argument("--quick", action="store_true", help="tiny numbers for a smoke run (a few seconds)")
+    p.add_argument("--workers", type=int, default=None, help="node simulator processes (default: 1 up to 50 nodes, else 2)")
+    p.add_argument("--gpus-per-node", type=int, default=2)
+    p.add_argument("--max-tasks", type=int, default=4, help="max_tasks of every simulated node")
+    p.add_argument("--concurrency", type=int, default=16, help="SubmitTask calls in flight in the closed-loop phases")
+    p.add_argument("--rate", type=float, default=GOALS["submits_per_s"], help="offered submits/s of the latency phase")
+    p.add_argument("--rate-tasks", type=int, default=None, help="tasks of the latency phase (default: 10 s at --rate)")
+    p.add_argument("--backlog", type=int, default=None, help="tasks queued behind a full cluster (default: --tasks; 0 skips)")
+    p.add_argument("--hb-seconds", type=float, default=10.0, help="length of the steady heartbeat phase")
+    p.add_argument("--idle-seconds", type=float, default=3.0)
+    p.add_argument("--flood-rate", type=float, default=5000.0, help="heartbeats/s offered in all during the flood")
+    p.add_argument("--flood-seconds", type=float, default=5.0)
+    p.add_argument("--lease", type=float, default=10.0, help="lease of the scheduler config (heartbeat_interval is 1)")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument("--keep", action="store_true", help="keep the scheduler's state folder and log")
+    p.add_argument("--scheduler-path", default=None, help="import opentinker_scheduler from this folder (to compare versions)")
+    p.add_argument("--profile", type=Path, default=None, help="run the scheduler under cProfile, writing its stats here")
+    p.add_argument("--only", default=None, help="comma-separated phases to run after the heartbeats: throughput,latency,queue")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.nodes = min(a.nodes, 8)
+        a.tasks = min(a.tasks, 200)
+        a.rate = min(a.rate, 100.0)
+        a.rate_tasks = a.rate_tasks or 100
+        a.backlog = 100 if a.backlog is None else min(a.backlog, 100)
+        a.hb_seconds, a.idle_seconds, a.flood_seconds = 1.0, 0.3, 0.5
+        a.flood_rate = min(a.flood_rate, 200.0)
+        a.concurrency = min(a.concurrency, 8)
+    if a.workers is None:
+        a.workers = 1 if a.nodes <= 50 else 2
+    a.workers = max(1, min(a.workers, a.nodes))
+    if a.rate_tasks is None:
+        a.rate_tasks = int(a.rate * 10)
+    if a.backlog is None:
+        a.backlog = a.tasks
+    if a.idle_seconds >= a.lease - 1:
+        p.error("--idle-seconds must be well under --lease (silent nodes would be lost)")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    res = asyncio.run(Bench(args).run())
+    res["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    res["goals"] = GOALS
+    print(report(args, res), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

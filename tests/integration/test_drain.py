@@ -1,0 +1,36 @@
+"""Trainer SIGTERM = drain: checkpoint, hand the task back, exit; the task resumes elsewhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opentinker.common.v1 import common_pb2 as C
+from opentinker_client import RLClient
+
+HP = {"steps": 40, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
+
+
+def test_sigterm_drains_and_task_resumes_from_checkpoint_on_another_node(cluster, tiny_model_dir: Path) -> None:
+    cluster.start_scheduler()
+    first = cluster.start_trainer("node-a")
+    cluster.wait_nodes(1)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP)
+        cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step >= 3)
+        assert first.terminate(timeout=60) == 0, first.log_text()[-2000:]
+        task = cluster.wait_state(task_id, C.TASK_STATE_PENDING, timeout=30)
+        assert task.attempt == 2
+        handed_at = task.latest_checkpoint.step
+        assert handed_at >= 3, "the drained worker wrote a checkpoint before handing back"
+        cluster.start_trainer("node-b")
+        task = cluster.wait_state(task_id, C.TASK_STATE_SUCCEEDED, timeout=180)
+        assert task.attempt == 2
+        events = list(client.watch(task_id))
+        reasons = [e.reason for e in events if e.kind == "state"]
+        assert "HANDED_BACK" in reasons
+        steps = [e.step for e in events if e.kind == "metric"]
+        # The second attempt continues after the checkpoint's step instead of starting over.
+        rest = HP["steps"] - handed_at
+        assert steps[-rest:] == list(range(handed_at + 1, HP["steps"] + 1))
+        assert steps.count(1) == 1, "step 1 ran once: the second attempt did not start from scratch"
+    assert any(e.get("event") == "draining" for e in first.log_events())

@@ -1,0 +1,31 @@
+"""`make bench` smoke run: the scheduler scale benchmark completes with tiny numbers and prints
+its figures. Timings are never asserted here (they depend on the machine); BENCHMARKS.md has them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bench_quick_run_prints_the_figures(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), "--quick", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = proc.stdout
+    for label in ("submits/s", "submit->assign p50/p99", "heartbeats/s ingested", "CPU s per 1000 heartbeats", "deep queue:"):
+        assert label in text, f"{label!r} missing from the report:\n{text}"
+    res = json.loads(out.read_text())
+    phases = res["phases"]
+    assert phases["throughput"]["submitted"] == res["args"]["tasks"]
+    assert phases["throughput"]["all_assigned"] and phases["latency"]["all_assigned"]
+    assert phases["steady"]["ingested_source"] == "scheduler counter"
+    assert phases["flood"]["ingested_per_s"] > 0 and phases["steady"]["cpu_s_per_1000_hb"] >= 0
+    assert res["final"]["submit_errors"] == 0 and res["final"]["node_errors"] == []
+    assert res["final"]["succeeded"] == res["final"]["submitted"], "every simulated task should finish"
