@@ -10,7 +10,7 @@ Format (every key but ``workload_type`` is optional)::
     max_runtime: 600                              # seconds per attempt; omitted: no limit
     max_attempts: 3                               # attempts in all, counting requeues (default 3)
     env: {env_id: arithmetic, min_digits: 1, max_digits: 1}
-    hyperparameters: {steps: 15, learning_rate: 0.0002}
+    hyperparameters: {steps: 15, learning_rate: 2e-4}
 
 ``env`` is the ``env_config`` (what ``Environment(...).to_dict()`` gives: ``env_id`` plus that
 environment's options; omitted: the built-in ``arithmetic`` task). ``hyperparameters`` are the
@@ -41,7 +41,31 @@ from opentinker_client.convert import dict_to_struct, seconds_to_duration
 from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spec_error
 from opentinker_client.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel
 
-__all__ = ["TaskConfig", "load_task_config", "parse_task_config"]
+__all__ = ["TaskConfig", "Yaml12Loader", "load_task_config", "parse_task_config"]
+
+
+class Yaml12Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads YAML 1.2 floats as floats.
+
+    PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent, so ``1e-4``,
+    ``5E+3``, ``1e4``, ``-.5`` and ``1.5e3`` come back as strings. This loader adds the YAML 1.2
+    core-schema forms (a dot or an exponent is still required: ``1`` stays an int and ``09`` a
+    string). Use it wherever PyYAML's ``Loader=`` goes (``yaml.compose``, ``yaml.load``); nodes
+    keep their marks, so line numbers work as with ``SafeLoader``. Shared by the task configs
+    and the scheduler config.
+    """
+
+
+Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^[-+]?(?:[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+
+               |\.[0-9]+(?:[eE][-+]?[0-9]+)?
+               |[0-9]+\.[0-9]*)$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
 
 # Stand-in for an empty model while validating locally: the scheduler fills in its default.
 _DEFAULT_MODEL_PLACEHOLDER = "<scheduler default model>"
@@ -251,7 +275,7 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
             value; ``err.line`` and ``err.key`` say where.
     """
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=Yaml12Loader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
         problem = getattr(err, "problem", None) or str(err)
@@ -263,7 +287,7 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
     lines: dict[Path, int] = {}
     _index_lines(root, (), lines, source)
     try:
-        data = yaml.SafeLoader(text).get_single_data()
+        data = Yaml12Loader(text).get_single_data()
     except yaml.YAMLError as err:  # e.g. a bad !!tag that composes but does not construct
         mark = getattr(err, "problem_mark", None)
         raise ConfigError(f"not valid YAML: {getattr(err, 'problem', err)}", source=source, line=mark.line + 1 if mark else None) from None

@@ -30,12 +30,14 @@ Unknown keys and wrong types are refused at start with the file, line and key na
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from opentinker_client.config import Yaml12Loader
 from opentinker_client.spec import WORKLOAD_TYPES
 
 
@@ -117,7 +119,7 @@ class _Reader:
         return out
 
     def scalar(self, node: yaml.Node, key: str, kind: type, lo: float | None = None, hi: float | None = None):
-        value = yaml.safe_load(yaml.serialize(node)) if isinstance(node, yaml.ScalarNode) else None
+        value = yaml.load(yaml.serialize(node), Loader=Yaml12Loader) if isinstance(node, yaml.ScalarNode) else None
         want = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[kind]
         if lo is not None and hi is not None:
             want += f" in [{lo}, {hi}]"
@@ -127,6 +129,8 @@ class _Reader:
             raise self.fail(node, key, want)
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if kind is float and isinstance(value, float) and not math.isfinite(value):
+            raise self.fail(node, key, f"{want}, got {node.value!r}")
         if kind is str and value is None:
             value = ""
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -162,9 +166,10 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
     """
     r = _Reader(source)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=Yaml12Loader)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        detail = str(exc).replace('"<unicode string>"', source)
+        raise ConfigError(f"{source}: not valid YAML: {detail}") from None
     if root is None:
         return SchedulerConfig(source=source)
     top = r.mapping(root, "", _TOP)
@@ -244,4 +249,6 @@ def load_config(path: str | Path) -> SchedulerConfig:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read config: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start})") from None
     return parse_config(text, str(p), base_dir=p.resolve().parent)

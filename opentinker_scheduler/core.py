@@ -24,7 +24,7 @@ from opentinker_client.spec import SpecError, spec_from_proto
 
 from .commit import GroupCommit
 from .config import SchedulerConfig
-from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from .nodes import NodeSession
 from .placement import FreeNodes, NodeCapacity, PendingTask, place_round, why_pending
 from .queue import LiveTasks, PendingQueue, QueueKey, ReasonsView
@@ -133,10 +133,18 @@ class SchedulerCore:
         if request_id:
             existing = self.store.find_by_request(owner, request_id)
             if existing is not None:
+                sent = common_pb2.TaskSpec()
+                sent.CopyFrom(spec)
+                if not sent.model:
+                    sent.model = existing.spec.model
+                if sent.SerializeToString(deterministic=True) != existing.spec.SerializeToString(deterministic=True):
+                    raise AlreadyExists(f"request_id {request_id!r} was already used for task {existing.task_id} with a different spec")
                 return self.tasks.get(existing.task_id) or existing
         spec_copy = common_pb2.TaskSpec()
         spec_copy.CopyFrom(spec)
-        if not spec_copy.model and self.config.default_model:
+        if not spec_copy.model:
+            if not self.config.default_model:
+                raise InvalidArgument("spec.model: expected a model folder or hub id (the scheduler config has no default_model to fall back on)")
             spec_copy.model = self.config.default_model
         try:
             model = spec_from_proto(spec_copy, allowed_workloads=self.config.workload_names)
@@ -273,7 +281,13 @@ class SchedulerCore:
         if node is None:
             node = self._node(node_id)
         elif node.connected:
-            log.warning("node reconnected while its old stream was open; replacing it", node_id=node_id)
+            silent = time.monotonic() - node.last_seen
+            if silent <= self.config.lease_s:
+                raise AlreadyExists(
+                    f"node id {node_id!r} is already connected (last heard {silent:.1f} s ago); "
+                    "give each trainer its own --node-id, or wait for the old stream's lease to run out"
+                )
+            log.warning("node reconnected while its old, silent stream was open; replacing it", node_id=node_id)
             node.push(None)  # ends the old stream's writer
         node.generation += 1
         node.outbox = asyncio.Queue()
@@ -285,6 +299,10 @@ class SchedulerCore:
         self._node_changed(node, membership=True)
         self.store.upsert_node(node_id, reg.SerializeToString())
 
+        # Attempts that ended while the node was cut off (e.g. the scheduler was down): apply
+        # their final reports before deciding which tasks the node lost.
+        for report in reg.finished:
+            self.node_report(node, report)
         announced = {(r.task_id, r.attempt) for r in reg.running}
         stale = []
         for r in reg.running:
@@ -365,7 +383,7 @@ class SchedulerCore:
             node.release(task.task_id)
         elif rep.state == S.TASK_STATE_CANCELLED:
             # The node stopped it on its own (drain): hand it back to the queue.
-            self._requeue(task, "HANDED_BACK", rep.error or f"node {node.node_id} stopped the task", extra=events, backoff=False)
+            self._requeue(task, "HANDED_BACK", rep.error or f"node {node.node_id} stopped the task", extra=events, backoff=False, failure=False)
             node.release(task.task_id)
         elif events:
             task.update_time = time.time()
@@ -468,7 +486,11 @@ class SchedulerCore:
             task.error = message
             self._transition(task, S.TASK_STATE_FAILED, reason, message, extra=extra, end=True, keep_node=True)
 
-    def _requeue(self, task: TaskRow, reason: str, message: str, *, extra=(), backoff: bool) -> None:
+    def _requeue(self, task: TaskRow, reason: str, message: str, *, extra=(), backoff: bool, failure: bool = True) -> None:
+        """Back to PENDING as attempt + 1. A hand-back (drain, preemption) is not a failure: it
+        grants one more attempt, so only failures and lost nodes use up ``max_attempts``."""
+        if not failure:
+            task.max_attempts += 1
         if task.attempt >= task.max_attempts:
             task.error = f"{message}; max_attempts ({task.max_attempts}) exhausted"
             self._transition(task, S.TASK_STATE_FAILED, reason, task.error, extra=extra, end=True, keep_node=True)

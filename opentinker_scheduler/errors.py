@@ -25,3 +25,7 @@ class PermissionDenied(SchedulerError):
 
 class ResourceExhausted(SchedulerError):
     """RESOURCE_EXHAUSTED: a limit was hit; the message names it."""
+
+
+class AlreadyExists(SchedulerError):
+    """ALREADY_EXISTS: a node id already connected, or a request id reused for another spec."""

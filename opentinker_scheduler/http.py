@@ -93,7 +93,8 @@ class HttpEndpoint:
         self._thread.start()
 
     def stop(self) -> None:
-        self.server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for serve_forever, which may never have run
+            self.server.shutdown()
         self.server.server_close()
 
     def health(self) -> tuple[bool, dict]:

@@ -29,6 +29,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: every 30 s and accepts client pings no more often than every 10 s, with or without calls in
 #: flight (trainers ping every 20 s), so an idle node is never dropped with `too_many_pings`.
 SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a second scheduler on the same port must fail, not share it
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -114,8 +115,18 @@ async def start_scheduler(
     ``port=0`` / ``http_port=0`` pick free ports (see ``RunningScheduler.port`` / ``http.port``);
     ``http_port=None`` disables HTTP.
     """
-    store = Store(config.state_dir)
-    core = SchedulerCore(config, store)
+    store = Store(config.state_dir)  # raises StateDirInUse when another scheduler holds it
+    http = None
+    try:
+        if http_port is not None:
+            try:
+                http = HttpEndpoint(host, http_port)
+            except OSError as exc:
+                raise OSError(f"cannot listen on HTTP port {host}:{http_port}: {exc.strerror or exc}") from None
+        core = SchedulerCore(config, store)
+    except BaseException:
+        store.close()
+        raise
     core.enable_group_commit()
     server = grpc.aio.server(options=SERVER_OPTIONS)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerService(core), server)
@@ -123,15 +134,20 @@ async def start_scheduler(
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        await server.stop(None)
+        if http is not None:
+            http.stop()
+        store.close()
+        raise OSError(f"cannot listen on gRPC port {host}:{port} (in use, or not a valid port)")
     await server.start()
     for name in ("", *SERVICE_NAMES):
         await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
-    http = None
-    if http_port is not None:
-        http = HttpEndpoint(host, http_port)
+    if http is not None:
         http.snapshot = _snapshot(core)
         http.node_messages = core.node_messages  # live counters; the HTTP thread only reads them
         http.start()

@@ -16,7 +16,7 @@ from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from .core import SchedulerCore
-from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from .store import TaskRow
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -27,6 +27,7 @@ _STATUS = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
 }
 
 #: Owner of tasks submitted without authentication (API keys arrive with the security work).

@@ -11,7 +11,9 @@ sequence number starting at 1; metric points are events of kind ``metric``.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -145,6 +147,10 @@ def _row_to_task(r: sqlite3.Row) -> TaskRow:
     )
 
 
+class StateDirInUse(OSError):
+    """Another scheduler process holds the state directory's lock."""
+
+
 class Store:
     """The scheduler's SQLite database. Single-threaded use from the event loop.
 
@@ -153,7 +159,22 @@ class Store:
     """
 
     def __init__(self, state_dir: Path) -> None:
-        state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            self._lock_file = open(state_dir / "scheduler.lock", "a+")
+        except OSError as exc:
+            raise OSError(f"state_dir {state_dir}: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_file.seek(0)
+            holder = self._lock_file.read().strip() or "unknown"
+            self._lock_file.close()
+            raise StateDirInUse(f"state_dir {state_dir} is in use by another scheduler (pid {holder}); one scheduler per state directory") from None
+        self._lock_file.seek(0)
+        self._lock_file.truncate()
+        self._lock_file.write(str(os.getpid()))
+        self._lock_file.flush()
         self.path = state_dir / "scheduler.db"
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.row_factory = sqlite3.Row
@@ -168,6 +189,9 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+        if not self._lock_file.closed:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            self._lock_file.close()
 
     def writable(self) -> bool:
         """Readiness probe: can we write a transaction now?"""

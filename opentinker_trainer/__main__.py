@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import socket
@@ -19,25 +20,68 @@ from opentinker_client.url import parse_scheduler_url
 from .agent import AgentConfig, FatalRegistrationError, NodeAgent
 
 
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+# Options whose default comes from the environment: (dest, variable, type, default).
+# SCHEDULER_URL, NODE_ID and OPENTINKER_WORK_DIR are read (and checked) in main().
+_ENV_OPTIONS = (("max_tasks", "MAX_TASKS", _int_at_least(1), 4),)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="opentinker-trainer", description="OpenTinker trainer node agent.")
-    parser.add_argument("--scheduler-url", default=os.environ.get("SCHEDULER_URL", "localhost:8888"), help="default: env SCHEDULER_URL, else localhost:8888")
-    parser.add_argument("--node-id", default=os.environ.get("NODE_ID") or socket.gethostname(), help="default: env NODE_ID, else the host name")
-    parser.add_argument("--max-tasks", type=int, default=int(os.environ.get("MAX_TASKS", "4")))
-    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("OPENTINKER_WORK_DIR", "runs")), help="checkpoints and worker files (default: ./runs)")
-    parser.add_argument("--simulate-gpus", type=int, default=0, metavar="N", help="pretend to have N GPUs (tests and scale runs; marked simulated everywhere)")
-    parser.add_argument("--kill-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL of a cancelled worker")
+    parser.add_argument("--scheduler-url", default=None, help="default: env SCHEDULER_URL, else localhost:8888")
+    parser.add_argument("--node-id", default=None, help="default: env NODE_ID, else the host name")
+    parser.add_argument("--max-tasks", type=_int_at_least(1), default=None, help="tasks at once (default: env MAX_TASKS, else 4)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="checkpoints and worker files (default: env OPENTINKER_WORK_DIR, else ./runs)")
+    parser.add_argument("--simulate-gpus", type=_int_at_least(0), default=0, metavar="N", help="pretend to have N GPUs (tests and scale runs; marked simulated everywhere)")
+    parser.add_argument("--kill-grace", type=_seconds, default=10.0, help="seconds between SIGTERM and SIGKILL of a cancelled worker")
     args = parser.parse_args(argv)
-    configure_logging()
-    log = structlog.get_logger("opentinker.trainer")
+    # Environment defaults are checked like the options, with an argparse-style one-line error
+    # naming the variable (exit 2), never a traceback.
+    for dest, var, kind, default in _ENV_OPTIONS:
+        if getattr(args, dest) is not None:
+            continue
+        text = os.environ.get(var) or None  # empty counts as unset
+        try:
+            setattr(args, dest, default if text is None else kind(text))
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"environment variable {var}: {exc}")
+    url_from = "--scheduler-url" if args.scheduler_url is not None else "environment variable SCHEDULER_URL"
+    if args.scheduler_url is None:
+        args.scheduler_url = os.environ.get("SCHEDULER_URL", "localhost:8888")
+    if args.node_id is None:
+        args.node_id = os.environ.get("NODE_ID") or socket.gethostname()
+    if not args.node_id.strip():
+        parser.error("--node-id: expected a non-empty node id")
+    if args.work_dir is None:
+        args.work_dir = Path(os.environ.get("OPENTINKER_WORK_DIR") or "runs")
     try:
         target = parse_scheduler_url(args.scheduler_url)
     except ValueError as exc:
-        print(f"error: SCHEDULER_URL: {exc}", file=sys.stderr)
-        return 2
-    if args.max_tasks < 1 or args.simulate_gpus < 0:
-        print("error: --max-tasks must be >= 1 and --simulate-gpus >= 0", file=sys.stderr)
-        return 2
+        parser.error(f"{url_from}: {exc}")
+    configure_logging()
+    log = structlog.get_logger("opentinker.trainer")
     config = AgentConfig(
         target=target,
         node_id=args.node_id,

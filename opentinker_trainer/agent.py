@@ -8,8 +8,9 @@
 * Cancel = SIGTERM to the worker's process group, then SIGKILL after a grace period; the
   cancel is reported only once the process is gone.
 * A broken stream is retried with exponential backoff and full jitter; running workers keep
-  going and are re-announced on reconnect. Final reports are re-sent after a reconnect (the
-  scheduler applies them once).
+  going and are re-announced on reconnect. Final reports of recent attempts travel in every
+  ``Register`` (the scheduler applies each once), so an attempt that ended while the scheduler
+  was down is not lost.
 * SIGTERM to the agent = drain: workers are asked to checkpoint and stop, are handed back to
   the scheduler, then the agent says goodbye and exits.
 """
@@ -124,6 +125,8 @@ class NodeAgent:
                 code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
                 if code in _FATAL:
                     raise FatalRegistrationError(f"{code.name}: {exc.details()}") from None
+                if code == grpc.StatusCode.ALREADY_EXISTS:
+                    self.log.error("scheduler refused this node id for now", error=exc.details())
                 self.log.warning("stream to scheduler broken", error=(exc.details() if code else repr(exc)), code=code.name if code else None)
             self.connected.clear()
             if self._stop.is_set():
@@ -175,6 +178,7 @@ class NodeAgent:
                     hostname=socket.gethostname(),
                     cpu_count=os.cpu_count() or 1,
                     gpu_note=self.monitor.inventory.note,
+                    finished=list(self._finals.values()),
                 )
             )
             call = stub.Connect(self._requests(register))
@@ -189,8 +193,6 @@ class NodeAgent:
                 w = self.workers.get(s.task_id)
                 if w is not None and w.attempt == s.attempt:
                     self._terminate(w, "scheduler no longer runs this attempt here")
-            for report in self._finals.values():
-                self._send(node_pb2.ConnectRequest(task_report=report))
             heartbeats = asyncio.create_task(self._heartbeats())
             try:
                 while True:
@@ -261,6 +263,7 @@ class NodeAgent:
         env = dict(os.environ)
         env["CUDA_VISIBLE_DEVICES"] = "" if simulated else ",".join(str(i) for i in a.device_indices)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env["OPENTINKER_AGENT_PID"] = str(os.getpid())  # the worker dies with the agent
         cmd = [sys.executable, "-m", "opentinker_trainer.worker", str(assignment), "--checkpoint-dir", str(self.config.work_dir / a.task_id / "checkpoints")]
         if simulated or not a.device_indices:
             cmd += ["--device", "cpu"]

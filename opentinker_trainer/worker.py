@@ -10,6 +10,8 @@ Protocol to the agent: JSON lines on stdout, one object each, with ``type``:
 ``log``; and exactly one of ``succeeded``, ``stopped`` (checkpointed and returned early after
 SIGTERM), ``failed`` (``error``, ``retryable``). Logs go to stderr.
 SIGTERM asks the workload to checkpoint and return; the agent SIGKILLs after a grace period.
+The worker dies with the agent (``PR_SET_PDEATHSIG`` on Linux; the agent passes its pid in
+``OPENTINKER_AGENT_PID`` so a worker whose agent died before that took effect exits at once).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from opentinker.node.v1 import node_pb2
 from opentinker_client.logs import configure_logging
 from opentinker_client.spec import SpecError, spec_from_proto
 
+from ._proc import die_with_parent
 from .context import UserError, WorkerContext
 
 
@@ -84,4 +87,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Die with the node agent (even after its kill -9), and exit now if it is already gone.
+    die_with_parent()
     sys.exit(main())

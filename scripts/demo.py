@@ -4,8 +4,8 @@
 Starts a scheduler and one trainer node as real processes, submits the arithmetic LoRA GRPO
 task on SmolLM2-135M-Instruct with the seed's client API, shows per-step reward and loss as
 they stream in, prints the mean reward of the first and last three steps and the checkpoint
-path, and stops its processes (also on Ctrl-C). The task asks for 1 GPU when the node has one
-and runs on the CPU (gpu_count 0) otherwise.
+path, and stops its processes, also on Ctrl-C, SIGTERM and SIGHUP (a second one kills them at
+once). The task asks for 1 GPU when the node has one and runs on the CPU (gpu_count 0) otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,21 +38,100 @@ def free_port(preferred: int) -> int:
     raise OSError("no free port")
 
 
-def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    out = open(log, "wb")
-    return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, SIGTERM or SIGHUP: stop the demo's processes and exit with 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Signals:
+    """Turns the stop signals into :class:`Interrupted`, so ``main``'s ``finally`` stops the
+    children (they run in their own sessions, so no signal reaches them but ours).
+
+    Inside :meth:`deferred` a signal is held until the block ends, so a child is never started
+    without being recorded. During clean-up (:meth:`cleaning_up`) a further signal only sets
+    :attr:`hurry`: the remaining children are then killed without waiting for them.
+    """
+
+    def __init__(self) -> None:
+        self.pending: int | None = None
+        self.depth = 0
+        self.hurry = False
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._raise)
+
+    def cleaning_up(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._hurry)
+
+    def _raise(self, signum: int, frame: object) -> None:
+        if self.depth:
+            self.pending = self.pending or signum
+            return
+        raise Interrupted(signum)
+
+    def _hurry(self, signum: int, frame: object) -> None:
+        self.hurry = True
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if not self.depth and self.pending is not None:
+                signum, self.pending = self.pending, None
+                raise Interrupted(signum)
+
+
+SIGNALS = Signals()
+
+
+def say(message: str) -> None:
+    """Print, ignoring a closed terminal (after SIGHUP): clean-up must go on regardless."""
+    try:
+        print(message, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def start(name: str, args: list[str], log: Path, env: dict[str, str], procs: list[tuple[str, subprocess.Popen]]) -> subprocess.Popen:
+    """Start ``python ARGS`` in its own session; it is in ``procs`` before a signal can interrupt."""
+    with SIGNALS.deferred(), open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
+        procs.append((name, proc))
+    return proc
 
 
 def stop(proc: subprocess.Popen | None, name: str, timeout: float = 20) -> None:
+    """SIGTERM the process group, SIGKILL it after ``timeout`` s or at once on another signal."""
     if proc is None or proc.poll() is not None:
         return
-    os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        print(f"{name} did not stop in {timeout:.0f} s; killing it")
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + timeout
+    while not SIGNALS.hurry and time.monotonic() < deadline:
+        try:
+            proc.wait(timeout=0.1)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    say(f"{name} did not stop in {timeout:.0f} s; killing it" if not SIGNALS.hurry else f"killing {name}")
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def wait_health(http_port: int, proc: subprocess.Popen, log: Path, timeout: float = 60) -> dict:
@@ -103,16 +184,17 @@ def main() -> int:
         "lease: 10\n"
     )
     sched_log, trainer_log = run_dir / "scheduler.log", run_dir / "trainer.log"
-    scheduler = trainer = None
+    procs: list[tuple[str, subprocess.Popen]] = []  # (name, process) started so far, in order
     client = None
-    print(f"OpenTinker demo — logs and checkpoints in {run_dir}")
+    print(f"OpenTinker demo — logs and checkpoints in {run_dir}", flush=True)
+    SIGNALS.install()
     try:
         env = {"OPENTINKER_LOG_FORMAT": "json"}
-        scheduler = start(["-m", "opentinker_scheduler", "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port)], sched_log, env)
+        scheduler = start("scheduler", ["-m", "opentinker_scheduler", "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port)], sched_log, env, procs)
         health = wait_health(http_port, scheduler, sched_log)
-        print(f"scheduler  grpc localhost:{port}   GET http://localhost:{http_port}/health -> {json.dumps(health)}")
+        print(f"scheduler  grpc localhost:{port}   GET http://localhost:{http_port}/health -> {json.dumps(health)}", flush=True)
         scheduler_url = f"http://localhost:{port}"
-        trainer = start(["-m", "opentinker_trainer", "--node-id", "demo-node", "--work-dir", str(run_dir / "runs")], trainer_log, {**env, "SCHEDULER_URL": scheduler_url})
+        trainer = start("trainer", ["-m", "opentinker_trainer", "--node-id", "demo-node", "--work-dir", str(run_dir / "runs")], trainer_log, {**env, "SCHEDULER_URL": scheduler_url}, procs)
 
         client = RLClient(scheduler_url=scheduler_url)
         deadline = time.monotonic() + 60
@@ -125,7 +207,7 @@ def main() -> int:
         node = nodes[0]
         gpu_count = 1 if node.gpu_count >= 1 else 0
         where = f"{node.gpu_count} GPU(s)" if node.gpu_count else "CPU only (" + "; ".join(node.notes) + ")"
-        print(f"trainer    {node.node_id}: {where}")
+        print(f"trainer    {node.node_id}: {where}", flush=True)
 
         # The seed's client API, as written in the deployment guide.
         env_spec = Environment(action_space=4, observation_space=100, env_id="arithmetic", min_digits=1, max_digits=1)
@@ -136,7 +218,7 @@ def main() -> int:
             name="demo-arithmetic-lora",
             hyperparameters={"steps": args.steps},
         )
-        print(f"submitted  {task_id}: LoRA GRPO on {model.name}, arithmetic (a + b, one digit), {args.steps} steps, gpu_count={gpu_count}\n")
+        print(f"submitted  {task_id}: LoRA GRPO on {model.name}, arithmetic (a + b, one digit), {args.steps} steps, gpu_count={gpu_count}\n", flush=True)
         print(f"{'step':>4}  {'reward':>6}  {'±std':>5}  {'loss':>8}  {'kl':>7}  {'zero-std':>8}  {'tok/s':>6}  {'step s':>6}")
         rewards: dict[int, float] = {}
         checkpoint = ""
@@ -168,14 +250,20 @@ def main() -> int:
             s = started[0]
             print(f'trainer log: "Task started" task_id={s.get("task_id")} attempt={s.get("attempt")} pid={s.get("pid")}')
         return 0 if task.state == "succeeded" else 1
-    except KeyboardInterrupt:
-        print("\ninterrupted; stopping the demo's processes")
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP
+        SIGNALS.cleaning_up()
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        say(f"\n{signal.Signals(signum).name}: stopping the demo's processes (again to kill them at once)")
+        return 128 + signum
     finally:
+        SIGNALS.cleaning_up()
         if client is not None:
-            client.close()
-        stop(trainer, "trainer")
-        stop(scheduler, "scheduler")
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - the processes must be stopped regardless
+                pass
+        for name, proc in reversed(procs):  # the trainer first, then the scheduler
+            stop(proc, name)
 
 
 if __name__ == "__main__":

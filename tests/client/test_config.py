@@ -211,3 +211,71 @@ def test_parse_from_string():
     assert cfg.source == "inline"
     with pytest.raises(ConfigError, match=r"^INVALID_ARGUMENT: inline:2: foo: unknown key"):
         parse_task_config("workload_type: lora_finetune\nfoo: 1\n", source="inline")
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML 1.2 floats: `learning_rate: 1e-4` is the common way to write it; PyYAML (YAML 1.1) alone
+# reads it as a string.
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("1e-4", 1e-4),
+        ("5E+3", 5e3),
+        ("1e4", 1e4),
+        (".5", 0.5),
+        ("-.5", -0.5),
+        ("+.5", 0.5),
+        ("-1e-3", -1e-3),
+        ("+1e-4", 1e-4),
+        ("1.5e3", 1.5e3),
+        ("2.e-5", 2e-5),
+        ("0.0002", 2e-4),
+    ],
+)
+def test_yaml12_loader_reads_yaml12_floats(text, value):
+    import yaml
+
+    from opentinker_client.config import Yaml12Loader
+
+    got = yaml.load(f"x: {text}", Loader=Yaml12Loader)["x"]
+    assert isinstance(got, float) and got == pytest.approx(value)
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("1", 1), ("-3", -3), ("0x1f", 31), ("09", "09"), ("1e", "1e"), ("e5", "e5"), ("1.2.3", "1.2.3"), ("'1e-4'", "1e-4"), ("true", True)],
+)
+def test_yaml12_loader_leaves_other_scalars_alone(text, value):
+    import yaml
+
+    from opentinker_client.config import Yaml12Loader
+
+    got = yaml.load(f"x: {text}", Loader=Yaml12Loader)["x"]
+    assert got == value and type(got) is type(value)
+    # SafeLoader itself is not changed by the subclass.
+    assert yaml.safe_load("x: 1e-4")["x"] == "1e-4"
+
+
+def test_yaml12_loader_keeps_line_numbers():
+    import yaml
+
+    from opentinker_client.config import Yaml12Loader
+
+    root = yaml.compose("a: 1\nb:\n  lr: 1e-4\n", Loader=Yaml12Loader)
+    (_, b_node) = root.value[1]
+    key, value = b_node.value[0]
+    assert value.tag == "tag:yaml.org,2002:float" and value.start_mark.line + 1 == 3
+
+
+def test_learning_rate_in_exponent_form(tmp_path):
+    cfg = load_task_config(
+        write(tmp_path, "workload_type: lora_finetune\nhyperparameters:\n  learning_rate: 1e-4\n  steps: 3\n")
+    )
+    assert cfg.hyperparameters["learning_rate"] == pytest.approx(1e-4)
+    assert isinstance(cfg.hyperparameters["learning_rate"], float)
+    assert cfg.check().hyperparameters.learning_rate == pytest.approx(1e-4)
+    # A bad value in the same form still points at its line.
+    err = error_of(tmp_path, "workload_type: lora_finetune\nhyperparameters:\n  steps: 3\n  learning_rate: -1e-3\n")
+    assert err.line == 4 and err.key == "hyperparameters.learning_rate"

@@ -90,3 +90,34 @@ def test_bad_scheduler_config_refused_at_start(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "opentinker_scheduler", "--config", str(cfg), "--port", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert f"{cfg}:3: resource_pool[0].gpus" in out.stderr
+
+
+def test_second_scheduler_on_same_port_or_state_dir_refused(cluster) -> None:
+    cluster.start_scheduler()
+    same_port = subprocess.run(
+        [sys.executable, "-m", "opentinker_scheduler", "--config", str(cluster.config_path), "--port", str(cluster.port), "--http-port", "0", "--state-dir", str(cluster.tmp / "other")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert same_port.returncode == 1 and f"cannot listen on gRPC port 0.0.0.0:{cluster.port}" in same_port.stderr
+    assert "Traceback" not in same_port.stderr
+    same_state = subprocess.run(
+        [sys.executable, "-m", "opentinker_scheduler", "--config", str(cluster.config_path), "--port", "0", "--http-port", "0", "--state-dir", str(cluster.state_dir)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert same_state.returncode == 1 and "is in use by another scheduler" in same_state.stderr
+    assert cluster.health() == {"status": "ok"}
+
+
+def test_duplicate_trainer_node_id_is_refused(cluster) -> None:
+    cluster.start_scheduler()
+    cluster.start_trainer("twin")
+    cluster.wait_nodes(1)
+    second = cluster.start_trainer("twin", url=cluster.url)
+    import time
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "already connected" not in second.log_text():
+        time.sleep(0.2)
+    assert "already connected" in second.log_text()
+    nodes = cluster.wait_nodes(1)
+    assert [n.node_id for n in nodes] == ["twin"]

@@ -74,3 +74,20 @@ def test_relative_paths_resolve_against_config_folder(tmp_path) -> None:
     assert cfg.default_model == str(tmp_path / "models" / "m")
     cfg_file.write_text("default_model: Qwen/Qwen2.5-0.5B-Instruct\n")
     assert load_config(cfg_file).default_model == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_non_finite_seconds_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match="cfg.yaml:1: heartbeat_interval"):
+        parse_config(f"heartbeat_interval: {value}\n", "cfg.yaml")
+
+
+def test_non_utf8_config_refused(tmp_path) -> None:
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("state_dir: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(bad)
+
+
+def test_yaml12_floats_accepted() -> None:
+    assert parse_config("heartbeat_interval: 5e-1\nlease: 1e1\n", "c.yaml").heartbeat_interval_s == 0.5

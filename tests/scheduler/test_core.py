@@ -191,9 +191,57 @@ def test_node_reconnecting_without_its_task_requeues_it(tmp_path) -> None:
     node, _ = register(core)
     core.schedule()
     report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    core.node_disconnected(node, node.generation, goodbye=False)
     register(core)  # the trainer restarted: no running tasks announced
     t = core.get(task.task_id)
     assert t.state == C.TASK_STATE_PENDING and t.attempt == 2
+
+
+def test_second_node_with_same_id_is_refused(tmp_path) -> None:
+    from opentinker_scheduler.errors import AlreadyExists
+
+    core = make_core(tmp_path)
+    node, _ = register(core)
+    with pytest.raises(AlreadyExists, match="already connected"):
+        register(core)
+    node.last_seen -= 60  # the old stream went silent past its lease: the newcomer may take over
+    register(core)
+
+
+def test_request_id_reused_for_another_spec_is_refused(tmp_path) -> None:
+    from opentinker_scheduler.errors import AlreadyExists
+
+    core = make_core(tmp_path)
+    core.submit(spec(), owner="u", request_id="r1")
+    with pytest.raises(AlreadyExists, match="different spec"):
+        core.submit(spec(gpus=2), owner="u", request_id="r1")
+
+
+def test_attempt_that_ended_while_cut_off_is_applied_on_reconnect(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    core.store.close()
+    core2 = make_core(tmp_path)  # the scheduler restarted; meanwhile the worker finished
+    done = N.TaskReport(task_id=task.task_id, attempt=1, state=C.TASK_STATE_SUCCEEDED, checkpoint=C.Checkpoint(step=3, path="/ck/step_3", final=True))
+    devices = [C.Device(index=i, simulated=True) for i in range(4)]
+    core2.node_register(N.Register(node_id="gpu-node-01", devices=devices, max_tasks=8, finished=[done]))
+    t = core2.get(task.task_id)
+    assert t.state == C.TASK_STATE_SUCCEEDED and t.attempt == 1 and t.latest_checkpoint.path == "/ck/step_3"
+
+
+def test_hand_back_does_not_use_up_attempts(tmp_path) -> None:
+    core = make_core(tmp_path, default_max_attempts=1)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    for attempt in (1, 2, 3):
+        core.schedule()
+        report(core, node, task.task_id, attempt, C.TASK_STATE_RUNNING)
+        report(core, node, task.task_id, attempt, C.TASK_STATE_CANCELLED, error="drained")
+        t = core.get(task.task_id)
+        assert t.state == C.TASK_STATE_PENDING and t.attempt == attempt + 1
 
 
 def test_unknown_nodes_switch_and_gpu_disagreement(tmp_path) -> None:
@@ -252,6 +300,7 @@ def test_ledger_never_negative_or_leaking(tmp_path_factory, sequence) -> None:
             core.tick()
         elif op == "reconnect":
             running = [(t.task_id, t.attempt) for t in active if t.node_id == "gpu-node-01"]
+            core.node_disconnected(node, node.generation, goodbye=False)
             register(core, running=running[: k % (len(running) + 1)])
         elif op == "restart":
             core.store.close()

@@ -55,7 +55,7 @@ class NodeServiceServicer:
         running tasks in `register.running`, and they continue.
         Errors: INVALID_ARGUMENT (first message not `register`, empty node_id),
         PERMISSION_DENIED (node_id not in the resource pool while unknown nodes are refused),
-        A second stream with the same node_id replaces the first (the newest connection wins).
+        ALREADY_EXISTS (another stream with this node_id was heard from within its lease).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -80,7 +80,8 @@ class SchedulerServiceServicer:
         """Validates a task spec, stores the task as PENDING and queues it.
         Idempotent when `request_id` is set: a retry with the same id returns the first task.
         Errors: INVALID_ARGUMENT (bad spec; the message names the field path and what was expected),
-        FAILED_PRECONDITION (no node in the resource pool could ever hold the task), RESOURCE_EXHAUSTED (limits).
+        FAILED_PRECONDITION (no node in the resource pool could ever hold the task), RESOURCE_EXHAUSTED (limits),
+        ALREADY_EXISTS (`request_id` already used for a different spec).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
