@@ -73,16 +73,22 @@ def test_trainer_killed_mid_task_is_requeued_and_finishes_elsewhere(cluster, tin
     first = cluster.start_trainer("node-a")
     cluster.wait_nodes(1)
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        hp = {**TINY_HP, "steps": 400, "checkpoint_every": 0}
+        hp = {**TINY_HP, "steps": 400, "checkpoint_every": 2}
         task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=hp, max_attempts=2)
-        cluster.wait_state(task_id, 3, what=lambda t: t.latest_step >= 2)  # RUNNING, training
+        cluster.wait_state(task_id, 3, what=lambda t: t.latest_checkpoint.step >= 2)  # RUNNING, checkpointed
         first.kill9()  # the agent and its worker, like a machine dying
         task = cluster.wait_state(task_id, 1, timeout=30)  # PENDING again after the 3 s lease
         assert task.attempt == 2
+        resume_step = task.latest_checkpoint.step
         second = cluster.start_trainer("node-b")
-        task = cluster.wait_state(task_id, 3, timeout=60)
+        task = cluster.wait_state(task_id, 3, timeout=60, what=lambda t: t.latest_step > resume_step + 1)
         assert task.node_id == "node-b" and task.attempt == 2
         client.cancel(task_id)
+        # The second attempt resumed from the newest checkpoint: its first step is the next one.
+        events = list(client.watch(task_id))
+        lost = max(i for i, e in enumerate(events) if e.kind == "state" and e.reason == "NODE_LOST")
+        after = [e.step for e in events[lost:] if e.kind == "metric"]
+        assert after[0] == resume_step + 1, (resume_step, after[:5])
         assert client.get_task(task_id).state == "cancelled"
         reasons = [e.reason for e in client.watch(task_id) if e.kind == "state"]
         assert "NODE_LOST" in reasons
