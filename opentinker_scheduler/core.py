@@ -8,6 +8,13 @@ pushed down a node stream.
 Task states: PENDING -> ASSIGNED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED. A lost node puts
 its tasks back to PENDING with attempt + 1 (they resume from their newest checkpoint); a report
 from any attempt but the current one is refused (fencing).
+
+Preemption (:meth:`SchedulerCore.preempt`, each tick): a blocked task with a strictly higher
+priority than running ones has victims chosen on one node (:mod:`.preemption`); they are told to
+checkpoint and stop, keep their GPUs until the node confirms, then go back to PENDING (attempt + 1,
+reason PREEMPTED, a hand-back that does not use up max_attempts). ``max_runtime`` ends a task
+FAILED/TIMEOUT at once and cancels its worker; the checkpoint the worker writes on SIGTERM is
+still recorded until the node reports the worker gone.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from .commit import GroupCommit
 from .config import SchedulerConfig
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from .nodes import NodeSession
-from .placement import FreeNodes, NodeCapacity, PendingTask, place_round, why_pending
+from .placement import FreeNodes, NodeCapacity, PendingTask, place_round, reservation_node, why_pending
+from .preemption import NodeState, RunningAlloc, choose_victims
 from .queue import LiveTasks, PendingQueue, QueueKey, ReasonsView
 from .store import ACTIVE_STATES, TERMINAL_STATES, Store, TaskRow
 
@@ -34,6 +42,9 @@ log = structlog.get_logger("opentinker.scheduler")
 
 S = common_pb2  # TaskState constants: S.TASK_STATE_PENDING ...
 STATE_NAMES = {v: k.removeprefix("TASK_STATE_") for k, v in common_pb2.TaskState.items()}
+
+#: At most this many blocked tasks are looked at for preemption per tick (bounds tick cost).
+PREEMPT_CANDIDATES_PER_TICK = 16
 
 #: Seconds between retries after a failed attempt: min(MAX, BASE * 2 ** (attempt - 1)).
 RETRY_BACKOFF_BASE_S = 2.0
@@ -68,6 +79,15 @@ class SchedulerCore:
         self._caps: tuple[int, list[NodeCapacity]] | None = None
         self._max_gpus: int | None = None  # cache of max_possible_gpus(); None = recompute
         self._wake_pending = False
+        # Preemptions in flight (memory only): victim task id -> (victim attempt, node id, waiting
+        # task id), and waiting task id -> (node id, victim ids). A victim keeps its GPUs in the
+        # ledger until its node reports it CANCELLED; then it is requeued with reason PREEMPTED.
+        self._victims: dict[str, tuple[int, str, str]] = {}
+        self._preempting: dict[str, tuple[str, tuple[str, ...]]] = {}
+        # Tasks ended by max_runtime whose worker is still stopping: task id -> (attempt, node id).
+        # The worker's final checkpoint report is still recorded for them.
+        self._timed_out: dict[str, tuple[int, str]] = {}
+        self._reservation: tuple[str, str] | None = None  # (task id, node id) of the last round
         self.commits = GroupCommit(store, on_failure=self._rebuild)
         self._recover()
 
@@ -209,6 +229,8 @@ class SchedulerCore:
         node_id, attempt = task.node_id, task.attempt
         self._transition(task, S.TASK_STATE_CANCELLED, "CANCELLED", reason or "cancelled by user", end=True, keep_node=True)
         self._queued_at.pop(task_id, None)
+        self._victims.pop(task_id, None)
+        self._preempting.pop(task_id, None)
         if was_active and node_id in self.nodes:
             self.nodes[node_id].push(
                 node_pb2.ConnectResponse(cancel_task=node_pb2.CancelTask(task_id=task_id, attempt=attempt, reason=reason or "cancelled by user"))
@@ -235,12 +257,24 @@ class SchedulerCore:
         if task.not_before > now:
             return f"waiting {task.not_before - now:.0f} s more before retrying (backoff after a failed attempt)"
         position, length = self.queue.position(task_id), len(self.queue)
+        waiting = self._preempting.get(task_id)
+        if waiting is not None:
+            node_id, victims = waiting
+            left = [v for v in victims if self._victims.get(v, (0, "", ""))[2] == task_id]
+            if left:
+                return (
+                    f"preempting {', '.join(left)} on {node_id} to make room (waiting for the node to confirm they "
+                    f"checkpointed and stopped; queue position {position} of {length})"
+                )
         if self.free.best_fit(task.gpu_count) is not None:
             return f"waiting for the next placement round (queue position {position} of {length})"
         if self._caps is None or self._caps[0] != self._ledger_version:
             self._caps = (self._ledger_version, [n.capacity() for n in self.nodes.values()])
         pending = PendingTask(task.task_id, task.priority, task.create_time, task.gpu_count, task.not_before)
-        return why_pending(pending, self._caps[1], position, length)
+        why = why_pending(pending, self._caps[1], position, length)
+        if self._reservation is not None and self._reservation[0] == task_id:
+            why += f"; {self._reservation[1]} is reserved for it (no task behind it starts there)"
+        return why
 
     # ------------------------------------------------------------------ node protocol
     def node_register(self, reg: node_pb2.Register) -> tuple[NodeSession, node_pb2.Registered]:
@@ -343,6 +377,21 @@ class SchedulerCore:
         held = node.allocations.get(rep.task_id)
         ends = rep.state in TERMINAL_STATES
         if task.terminal:
+            timed_out = self._timed_out.get(rep.task_id)
+            if timed_out == (rep.attempt, node.node_id) and task.attempt == rep.attempt and rep.HasField("checkpoint") and rep.checkpoint.path:
+                # max_runtime ended it; the worker's final checkpoint (written on SIGTERM) still counts.
+                ck = common_pb2.Checkpoint()
+                ck.CopyFrom(rep.checkpoint)
+                ck.task_id, ck.attempt, ck.node_id = task.task_id, task.attempt, node.node_id
+                if not ck.HasField("create_time"):
+                    ck.create_time.GetCurrentTime()
+                task.latest_checkpoint = ck
+                task.update_time = time.time()
+                self._write(task, [common_pb2.TaskEvent(checkpoint=ck)])
+                self._notify()
+                log.info("final checkpoint of timed-out task recorded", task_id=task.task_id, attempt=rep.attempt, step=ck.step, path=ck.path)
+            if ends:
+                self._timed_out.pop(rep.task_id, None)
             # Cancelled (or already finished) while the worker ran: only release its GPUs.
             if ends and held is not None and held[0] == rep.attempt:
                 node.release(rep.task_id)
@@ -371,6 +420,7 @@ class SchedulerCore:
             task.latest_checkpoint = ck
             events.append(common_pb2.TaskEvent(checkpoint=ck))
 
+        preempted = self._victims.pop(task.task_id, None) if ends else None
         if rep.state == S.TASK_STATE_RUNNING and task.state == S.TASK_STATE_ASSIGNED:
             task.start_time = time.time()
             self._transition(task, S.TASK_STATE_RUNNING, "STARTED", f"worker started on {node.node_id}", extra=events, keep_node=True)
@@ -380,6 +430,12 @@ class SchedulerCore:
         elif rep.state == S.TASK_STATE_FAILED:
             reason = "ATTEMPT_FAILED" if rep.retryable else "USER_ERROR"
             self._fail_or_retry(task, reason, rep.error or "worker failed", retryable=rep.retryable, extra=events)
+            node.release(task.task_id)
+        elif rep.state == S.TASK_STATE_CANCELLED and (preempted is not None or rep.error == "PREEMPTED"):
+            # Told to make room for a higher-priority task: it checkpointed and stopped. A
+            # hand-back, not a failure; it resumes from its newest checkpoint.
+            waiter = f" to make room for {preempted[2]}" if preempted is not None else ""
+            self._requeue(task, "PREEMPTED", f"preempted on {node.node_id}{waiter}", extra=events, backoff=False, failure=False)
             node.release(task.task_id)
         elif rep.state == S.TASK_STATE_CANCELLED:
             # The node stopped it on its own (drain): hand it back to the queue.
@@ -416,10 +472,90 @@ class SchedulerCore:
             if task.max_runtime_s and task.start_time and now - task.start_time > task.max_runtime_s:
                 node = self.nodes.get(task.node_id)
                 attempt = task.attempt
-                self._transition(task, S.TASK_STATE_FAILED, "TIMEOUT", f"max_runtime of {task.max_runtime_s:.0f} s exceeded", end=True, keep_node=True)
+                task.error = f"max_runtime of {task.max_runtime_s:.0f} s exceeded"
+                self._transition(task, S.TASK_STATE_FAILED, "TIMEOUT", task.error, end=True, keep_node=True)
+                self._victims.pop(task.task_id, None)
                 if node is not None:
+                    # The worker checkpoints on SIGTERM; that final checkpoint is still recorded
+                    # (see node_report) until the node reports the worker gone.
+                    self._timed_out[task.task_id] = (attempt, node.node_id)
                     node.push(node_pb2.ConnectResponse(cancel_task=node_pb2.CancelTask(task_id=task.task_id, attempt=attempt, reason="TIMEOUT")))
         self.schedule()
+        self.preempt()
+
+    # ------------------------------------------------------------------ preemption
+    def preempt(self) -> int:
+        """Start preemptions for blocked tasks; returns how many tasks got victims this call.
+
+        Looks at pending tasks in queue order while they outrank (strictly higher ``priority``)
+        the lowest-priority RUNNING task not already being preempted; for one that fits on no
+        node now and has no preemption in flight, :func:`~opentinker_scheduler.preemption.choose_victims`
+        picks victims on one node and each is sent ``CancelTask(reason="PREEMPTED")``. The
+        victims keep their GPUs in the ledger until their node reports them CANCELLED; then they
+        go back to PENDING (attempt + 1, reason PREEMPTED, not counted against max_attempts) and
+        the waiting task is placed by the next round. Preemptions in flight live in memory only:
+        after a scheduler restart a victim's CANCELLED report with error "PREEMPTED" is still
+        requeued as preempted.
+        """
+        self._prune_preemptions()
+        if not self.queue or not self.active:
+            return 0
+        lowest = min((t.priority for t in self.active.values() if t.state == S.TASK_STATE_RUNNING and t.task_id not in self._victims), default=None)
+        if lowest is None:
+            return 0
+        now = time.time()
+        started = looked = 0
+        for key in self.queue.ordered_keys():
+            task = self.queue.row(key)
+            if task.priority <= lowest or looked >= PREEMPT_CANDIDATES_PER_TICK:
+                break
+            if task.not_before > now or task.task_id in self._preempting or self.free.best_fit(task.gpu_count) is not None:
+                continue
+            looked += 1
+            choice = choose_victims(task.priority, task.gpu_count, self._node_states(task.priority))
+            if choice is None:
+                continue
+            node = self.nodes[choice.node_id]
+            for victim_id in choice.victims:
+                victim = self.active[victim_id]
+                self._victims[victim_id] = (victim.attempt, node.node_id, task.task_id)
+                log.info("preempting task", task_id=victim_id, attempt=victim.attempt, node_id=node.node_id, priority=victim.priority, for_task=task.task_id, for_priority=task.priority)
+                node.push(node_pb2.ConnectResponse(cancel_task=node_pb2.CancelTask(task_id=victim_id, attempt=victim.attempt, reason="PREEMPTED")))
+            self._preempting[task.task_id] = (node.node_id, choice.victims)
+            started += 1
+            self._notify()
+            lowest = min((t.priority for t in self.active.values() if t.state == S.TASK_STATE_RUNNING and t.task_id not in self._victims), default=None)
+            if lowest is None:
+                break
+        return started
+
+    def _node_states(self, priority: int) -> list[NodeState]:
+        """Accepting nodes as :func:`choose_victims` sees them. Allocations that may not be
+        preempted (not RUNNING, already a victim, a cancelled task not yet confirmed gone) are
+        given ``priority`` so they hold their GPUs and slot but are never chosen."""
+        out = []
+        for node in self.nodes.values():
+            if not node.connected or node.draining:
+                continue
+            running = []
+            for task_id, (attempt, devices) in node.allocations.items():
+                t = self.active.get(task_id)
+                ok = t is not None and t.attempt == attempt and t.state == S.TASK_STATE_RUNNING and task_id not in self._victims
+                running.append(RunningAlloc(task_id, t.priority if ok else priority, len(devices), (t.start_time or 0.0) if t is not None else 0.0))
+            cap = node.capacity()
+            out.append(NodeState(node.node_id, node.gpu_count, node.max_tasks, len(cap.free_gpus), tuple(running)))
+        return out
+
+    def _prune_preemptions(self) -> None:
+        """Forget preemptions whose victim is no longer that running attempt, and waiting tasks
+        that are no longer pending or have no victim left."""
+        for victim_id, (attempt, _, _) in list(self._victims.items()):
+            t = self.active.get(victim_id)
+            if t is None or t.attempt != attempt:
+                del self._victims[victim_id]
+        for waiter, (_, victims) in list(self._preempting.items()):
+            if waiter not in self.queue or not any(self._victims.get(v, (0, "", ""))[2] == waiter for v in victims):
+                del self._preempting[waiter]
 
     # ------------------------------------------------------------------ placement
     def schedule(self) -> int:
@@ -441,7 +577,14 @@ class SchedulerCore:
             node.allocate(task.task_id, task.attempt, devices)
             decided.append((task, node, devices))
 
-        place_round(self.queue.groups(), self.free, time.time(), lambda key: self.queue.row(key).not_before, take)
+        def reserve(key: QueueKey, gpu_count: int) -> str | None:
+            node_id = reservation_node(gpu_count, (n.capacity() for n in self.nodes.values()))
+            if node_id is not None:
+                self._reservation = (key[2], node_id)
+            return node_id
+
+        self._reservation = None
+        place_round(self.queue.groups(), self.free, time.time(), lambda key: self.queue.row(key).not_before, take, reserve)
         if not decided:
             return 0
         try:
@@ -471,6 +614,8 @@ class SchedulerCore:
             self._lose_allocation(node, task_id, attempt, "NODE_LOST", f"node {node.node_id} lost: {why}")
 
     def _lose_allocation(self, node: NodeSession, task_id: str, attempt: int, reason: str, message: str) -> None:
+        self._victims.pop(task_id, None)  # a preemption in flight ends with the node
+        self._timed_out.pop(task_id, None)
         task = self.active.get(task_id)
         if task is not None and task.attempt == attempt:
             log.warning("task attempt lost", task_id=task_id, attempt=attempt, node_id=node.node_id, why=message)

@@ -6,7 +6,14 @@ Policy:
   * A node runs at most ``max_tasks`` tasks (CPU tasks, ``gpu_count == 0``, need only a slot).
   * Best fit: among nodes that fit, the one with the fewest free GPUs left over (packs small
     tasks, keeps large blocks free), then the fewest running tasks, then node id.
-  * Backfill: a task that does not fit does not block smaller ones behind it.
+  * Backfill: a task that does not fit does not block smaller ones behind it, except on its
+    reserved node (next point), so backfill cannot starve it.
+  * Reservation: in each round, the first task in queue order (highest priority, then oldest)
+    that does not fit now but could on some accepting node if that node were empty reserves one
+    node (:func:`reservation_node`: the candidate with the most free GPUs now, then the fewest
+    running tasks, then node id). Tasks behind it in that round are not placed on the reserved
+    node, so its running work drains and the blocked task gets it; smaller tasks still backfill
+    on every other node. On a one-node cluster this means no backfill past a blocked task.
   * A task whose retry backoff has not elapsed waits (``not_before``).
 Every task left pending gets a reason a person can act on, in the style of Kubernetes
 ("no node has 4 free GPUs; largest free block is 2 on gpu-node-01").
@@ -22,7 +29,8 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Mapping, Sequence
+import heapq
+from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 
 @dataclass
@@ -77,11 +85,12 @@ def plan(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> tup
     placements: list[Placement] = []
     reasons: dict[str, str] = {}
     ordered = queue_order(tasks)
+    reserved: str | None = None
     for position, task in enumerate(ordered, start=1):
         if task.not_before > now:
             reasons[task.task_id] = f"waiting {task.not_before - now:.0f} s more before retrying (backoff after a failed attempt)"
             continue
-        fits = [n for n in caps if n.accepting and n.free_slots > 0 and len(n.free_gpus) >= task.gpu_count]
+        fits = [n for n in caps if n.node_id != reserved and n.accepting and n.free_slots > 0 and len(n.free_gpus) >= task.gpu_count]
         if fits:
             best = min(fits, key=lambda n: (len(n.free_gpus) - task.gpu_count, n.running, n.node_id))
             devices = tuple(best.free_gpus[: task.gpu_count])
@@ -90,7 +99,24 @@ def plan(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> tup
             placements.append(Placement(task.task_id, best.node_id, devices))
             continue
         reasons[task.task_id] = why_pending(task, caps, position, len(ordered))
+        if reserved is None:
+            reserved = reservation_node(task.gpu_count, caps)
+            if reserved is not None:
+                reasons[task.task_id] += f"; {reserved} is reserved for it"
     return placements, reasons
+
+
+def reservation_node(gpu_count: int, caps: Iterable[NodeCapacity]) -> str | None:
+    """The node a blocked task of ``gpu_count`` GPUs reserves: among accepting nodes that could
+    hold it if empty, the one with the most free GPUs now, then the fewest running tasks, then
+    node id. None when no accepting node could ever hold it."""
+    best: tuple[int, int, str] | None = None
+    for n in caps:
+        if n.accepting and n.gpu_count >= gpu_count and n.max_tasks >= 1:
+            key = (-len(n.free_gpus), n.running, n.node_id)
+            if best is None or key < best:
+                best = key
+    return best[2] if best is not None else None
 
 
 def why_pending(task: PendingTask, caps: list[NodeCapacity], position: int, queue_len: int) -> str:
@@ -147,13 +173,20 @@ class FreeNodes:
         if old is not None:
             del self._keys[bisect.bisect_left(self._keys, old)]
 
-    def most_free_gpus(self) -> int:
-        """Largest free GPU block on a node that can take a task (-1 when none can)."""
-        return self._keys[-1][0] if self._keys else -1
+    def most_free_gpus(self, exclude: str | None = None) -> int:
+        """Largest free GPU block on a node that can take a task (-1 when none can), leaving
+        out node ``exclude`` (a reserved node)."""
+        for key in reversed(self._keys):  # at most two steps: one node is left out
+            if key[2] != exclude:
+                return key[0]
+        return -1
 
-    def best_fit(self, gpu_count: int) -> str | None:
-        """The node :func:`plan` would pick for a task of ``gpu_count`` GPUs, or None."""
+    def best_fit(self, gpu_count: int, exclude: str | None = None) -> str | None:
+        """The node :func:`plan` would pick for a task of ``gpu_count`` GPUs, or None, leaving
+        out node ``exclude``."""
         i = bisect.bisect_left(self._keys, (gpu_count, -1, ""))
+        if i < len(self._keys) and self._keys[i][2] == exclude:
+            i += 1
         return self._keys[i][2] if i < len(self._keys) else None
 
     def __contains__(self, node_id: object) -> bool:
@@ -166,6 +199,7 @@ def place_round(
     now: float,
     not_before: Callable[[Hashable], float],
     take: Callable[[Hashable, int, str], None],
+    reserve: Callable[[Hashable, int], str | None] | None = None,
 ) -> int:
     """One placement round of :func:`plan`'s policy, over indexes instead of lists.
 
@@ -176,29 +210,49 @@ def place_round(
         now: unix seconds, compared with ``not_before(key)``.
         take: ``take(key, gpu_count, node_id)`` puts the task on the node (best fit from
             ``free``) and updates ``free``.
+        reserve: ``reserve(key, gpu_count)`` is called for the first blocked task in queue order
+            (at the point of the queue where :func:`plan` meets it) and returns the node it
+            reserves (:func:`reservation_node` over the current capacities), or None when no
+            node could ever hold it (then the next blocked task is asked). Tasks after it are
+            not placed on that node. None: no reservation.
 
     Returns:
         How many tasks were placed. Tasks are considered in queue order; a group whose GPU
         count no node can offer any more is dropped whole (capacity only shrinks in a round),
-        which gives the same placements as :func:`plan`.
+        which gives the same placements as :func:`plan`. A dropped group's first task not in
+        backoff is the group's candidate for the reservation.
     """
     live = {g: keys for g, keys in groups.items() if keys}
     cursor = dict.fromkeys(live, 0)
     placed = 0
-    while live:
-        most = free.most_free_gpus()
+    reserved: str | None = None
+    blocked: list[tuple[Hashable, int]] = []  # heap of dropped groups' first eligible keys
+    while True:
+        most = free.most_free_gpus(reserved)
         for g in [g for g in live if g > most]:
-            del live[g]
-        if not live:
+            keys = live.pop(g)
+            if reserve is not None and reserved is None:
+                i = cursor[g]
+                while i < len(keys) and not_before(keys[i]) > now:
+                    i += 1
+                if i < len(keys):
+                    heapq.heappush(blocked, (keys[i], g))
+        g = min(live, key=lambda g: live[g][cursor[g]]) if live else None
+        if reserve is not None and reserved is None and blocked and (g is None or blocked[0][0] < live[g][cursor[g]]):
+            bkey, bg = heapq.heappop(blocked)
+            reserved = reserve(bkey, bg)
+            if reserved is not None:
+                blocked.clear()
+            continue  # capacity outside the reserved node is less: drop groups again
+        if g is None:
             break
-        g = min(live, key=lambda g: live[g][cursor[g]])
         key = live[g][cursor[g]]
         cursor[g] += 1
         if cursor[g] == len(live[g]):
             del live[g]
         if not_before(key) > now:
             continue
-        node_id = free.best_fit(g)
+        node_id = free.best_fit(g, reserved)
         assert node_id is not None  # g <= most free GPUs on a node with a free slot
         take(key, g, node_id)
         placed += 1

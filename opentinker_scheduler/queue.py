@@ -84,6 +84,10 @@ class PendingQueue:
         decides, and the core removes placed tasks only after the round has decided."""
         return self._by_gpus
 
+    def ordered_keys(self) -> list[QueueKey]:
+        """All keys in placement order. Read-only; do not change the queue while walking it."""
+        return self._order
+
     def row(self, key: QueueKey) -> TaskRow:
         return self._rows[key[2]]
 

@@ -12,7 +12,7 @@ HP = {"steps": 40, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, 
 
 def test_sigterm_drains_and_task_resumes_from_checkpoint_on_another_node(cluster, tiny_model_dir: Path) -> None:
     cluster.start_scheduler()
-    first = cluster.start_trainer("node-a")
+    first = cluster.start_trainer("node-a", "--kill-grace", "60")  # time to checkpoint under load
     cluster.wait_nodes(1)
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP)

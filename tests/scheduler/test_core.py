@@ -269,7 +269,7 @@ def test_max_attempts_exhausted_by_node_loss(tmp_path) -> None:
 # --- ledger property test ------------------------------------------------------------------
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["submit", "schedule", "finish", "fail", "cancel", "lose", "reconnect", "restart"]), st.integers(0, 4)),
+    st.tuples(st.sampled_from(["submit", "schedule", "finish", "fail", "cancel", "lose", "reconnect", "restart", "urgent", "confirm"]), st.integers(0, 4)),
     max_size=40,
 )
 
@@ -295,6 +295,17 @@ def test_ledger_never_negative_or_leaking(tmp_path_factory, sequence) -> None:
             t = active[k % len(active)]
             core.cancel(t.task_id)
             report(core, node, t.task_id, t.attempt, C.TASK_STATE_CANCELLED)
+        elif op == "urgent":  # a higher-priority task, then a preemption step
+            core.schedule()
+            for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED]):  # preemption picks RUNNING tasks
+                report(core, node, t.task_id, t.attempt, C.TASK_STATE_RUNNING)
+            s = spec(gpus=k % 4 + 1)
+            s.priority = k + 2  # above lora_finetune's own priority
+            core.submit(s, owner="u")
+            core.preempt()
+        elif op == "confirm":  # victims' nodes confirm they stopped
+            for tid, (attempt, _, _) in list(core._victims.items()):
+                report(core, node, tid, attempt, C.TASK_STATE_CANCELLED, error="PREEMPTED")
         elif op == "lose":
             node.last_seen -= 1
             core.tick()
@@ -317,6 +328,8 @@ def test_ledger_never_negative_or_leaking(tmp_path_factory, sequence) -> None:
         held = {(tid, a) for tid, (a, _) in node.allocations.items()}
         assert active_ids <= held, "an active task without GPUs in the ledger"
         cancelled_only = held - active_ids
+        for tid, (a, _, _) in core._victims.items():
+            assert node.allocations.get(tid, (None,))[0] == a, "a preemption victim lost its GPUs before the node confirmed"
         for tid, a in cancelled_only:
             assert core.get(tid).terminal, "ledger holds GPUs for a task that is not active"
     core.store.close()

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opentinker.common.v1 import common_pb2 as C
-from opentinker_scheduler.placement import FreeNodes, NodeCapacity, PendingTask, Placement, place_round, plan
+from opentinker_scheduler.placement import FreeNodes, NodeCapacity, PendingTask, Placement, place_round, plan, reservation_node
 from opentinker_scheduler.queue import PendingQueue
 
 from .test_core import drain, make_core, register, report, spec
@@ -78,7 +78,8 @@ def _round(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> l
         free.update(c)
         out.append(Placement(key[2], node_id, devices))
 
-    assert place_round(groups, free, now, lambda key: by_id[key[2]].not_before, take) == len(out)
+    reserve = lambda key, gpu_count: reservation_node(gpu_count, caps.values())  # noqa: E731
+    assert place_round(groups, free, now, lambda key: by_id[key[2]].not_before, take, reserve) == len(out)
     return out
 
 

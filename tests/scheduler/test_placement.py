@@ -43,9 +43,12 @@ def test_max_tasks_limits_cpu_tasks() -> None:
 
 def test_backfill_small_task_behind_big_one() -> None:
     tasks = [PendingTask("big", 5, 0, 4), PendingTask("small", 1, 1, 1)]
+    placements, reasons = plan(tasks, [node("n", 4, used=2), node("m", 2)], now=0)
+    assert [(p.task_id, p.node_id) for p in placements] == [("small", "m")]  # backfills elsewhere
+    assert "big" in reasons and "n is reserved for it" in reasons["big"]
+    # The blocked task's reserved node takes nothing from behind it (no starvation).
     placements, reasons = plan(tasks, [node("n", 4, used=2)], now=0)
-    assert [p.task_id for p in placements] == ["small"]
-    assert "big" in reasons
+    assert placements == [] and "small" in reasons
 
 
 def test_best_fit_packs() -> None:

@@ -1,0 +1,55 @@
+"""Preemption and max_runtime with real processes: a higher-priority task preempts a running
+lower-priority one, which checkpoints, goes back to PENDING (attempt 2, reason PREEMPTED) and
+resumes from that checkpoint; a task over its max_runtime ends FAILED/TIMEOUT with its final
+checkpoint recorded."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from opentinker.common.v1 import common_pb2 as C
+from opentinker_client import RLClient
+
+HP = {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
+
+
+def test_high_priority_preempts_and_victim_resumes_from_checkpoint(cluster, tiny_model_dir: Path) -> None:
+    cluster.start_scheduler()
+    cluster.start_trainer("node-a", "--max-tasks", "1", "--kill-grace", "60")  # time to checkpoint under load
+    cluster.wait_nodes(1)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        low = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 40}, priority=0)
+        cluster.wait_state(low, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step >= 3)
+        high = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 3}, priority=50)
+        task = cluster.wait_state(low, C.TASK_STATE_PENDING, timeout=90)
+        assert task.attempt == 2
+        preempted_at = task.latest_checkpoint.step
+        assert preempted_at >= 3, "the preempted worker wrote a checkpoint before stopping"
+        cluster.wait_state(high, C.TASK_STATE_SUCCEEDED, timeout=180)
+        task = cluster.wait_state(low, C.TASK_STATE_SUCCEEDED, timeout=240)
+        assert task.attempt == 2
+        events = list(client.watch(low))
+        assert "PREEMPTED" in [e.reason for e in events if e.kind == "state"]
+        steps = [e.step for e in events if e.kind == "metric"]
+        assert steps.count(1) == 1, "the second attempt resumed from the checkpoint, not from scratch"
+        assert steps[-1] == 40
+
+
+def test_max_runtime_fails_with_timeout_after_final_checkpoint(cluster, tiny_model_dir: Path) -> None:
+    cluster.start_scheduler()
+    cluster.start_trainer("node-a", "--kill-grace", "60")  # time to write the final checkpoint under load
+    cluster.wait_nodes(1)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 10000}, max_runtime=4)
+        task = cluster.wait_state(task_id, C.TASK_STATE_FAILED, timeout=120)
+        events = [e for e in client.watch(task_id)]
+        assert [e.reason for e in events if e.kind == "state"][-1] == "TIMEOUT"
+        deadline = time.monotonic() + 70
+        while time.monotonic() < deadline and not cluster.get(task_id).HasField("latest_checkpoint"):
+            time.sleep(0.2)
+        task = cluster.get(task_id)
+        assert task.state == C.TASK_STATE_FAILED
+        assert task.latest_checkpoint.path and task.latest_checkpoint.attempt == 1, "the final checkpoint was recorded"
+        # Written on SIGTERM, after the scheduler ended the task: not an earlier periodic one.
+        assert task.latest_checkpoint.create_time.ToNanoseconds() >= task.end_time.ToNanoseconds()
