@@ -380,11 +380,7 @@ class SchedulerCore:
             timed_out = self._timed_out.get(rep.task_id)
             if timed_out == (rep.attempt, node.node_id) and task.attempt == rep.attempt and rep.HasField("checkpoint") and rep.checkpoint.path:
                 # max_runtime ended it; the worker's final checkpoint (written on SIGTERM) still counts.
-                ck = common_pb2.Checkpoint()
-                ck.CopyFrom(rep.checkpoint)
-                ck.task_id, ck.attempt, ck.node_id = task.task_id, task.attempt, node.node_id
-                if not ck.HasField("create_time"):
-                    ck.create_time.GetCurrentTime()
+                ck = _checkpoint_of(rep, task, node)
                 task.latest_checkpoint = ck
                 task.update_time = time.time()
                 self._write(task, [common_pb2.TaskEvent(checkpoint=ck)])
@@ -412,11 +408,7 @@ class SchedulerCore:
                 task.latest_step = point.step
                 task.latest_metrics = dict(point.values)
         if rep.HasField("checkpoint") and rep.checkpoint.path:
-            ck = common_pb2.Checkpoint()
-            ck.CopyFrom(rep.checkpoint)
-            ck.task_id, ck.attempt, ck.node_id = task.task_id, task.attempt, node.node_id
-            if not ck.HasField("create_time"):
-                ck.create_time.GetCurrentTime()
+            ck = _checkpoint_of(rep, task, node)
             task.latest_checkpoint = ck
             events.append(common_pb2.TaskEvent(checkpoint=ck))
 
@@ -722,6 +714,16 @@ class SchedulerCore:
         self._wake_pending = False
         async with self.changed:
             self.changed.notify_all()
+
+
+def _checkpoint_of(rep: node_pb2.TaskReport, task: TaskRow, node: NodeSession) -> common_pb2.Checkpoint:
+    """The report's checkpoint, stamped with the task, attempt and node it belongs to."""
+    ck = common_pb2.Checkpoint()
+    ck.CopyFrom(rep.checkpoint)
+    ck.task_id, ck.attempt, ck.node_id = task.task_id, task.attempt, node.node_id
+    if not ck.HasField("create_time"):
+        ck.create_time.GetCurrentTime()
+    return ck
 
 
 def new_task_id() -> str:
