@@ -43,6 +43,14 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
+async def _abort_mapped(context, exc: Exception) -> None:
+    """Abort the RPC with the status code of a domain error; re-raise anything else."""
+    mapped = _status_for(exc)
+    if mapped is None:
+        raise exc
+    await context.abort(*mapped)
+
+
 def _unary(fn):
     """Map domain errors of a unary handler to gRPC status codes. The response leaves only once
     everything it shows is committed (:meth:`SchedulerCore.durable`)."""
@@ -54,10 +62,7 @@ def _unary(fn):
             await self.core.durable()
             return response
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
-            mapped = _status_for(exc)
-            if mapped is None:
-                raise
-            await context.abort(*mapped)
+            await _abort_mapped(context, exc)
 
     return wrapper
 
@@ -147,11 +152,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def WatchTask(self, request, context) -> AsyncIterator[scheduler_pb2.WatchTaskResponse]:
         try:
             self.core.get(request.task_id)
-        except Exception as exc:  # noqa: BLE001
-            mapped = _status_for(exc)
-            if mapped is None:
-                raise
-            await context.abort(*mapped)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await _abort_mapped(context, exc)
         seq = max(0, request.after_sequence)
         while True:
             events = self.core.store.events_after(request.task_id, seq, limit=500)
@@ -214,11 +216,8 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first message: expected register, got {first.WhichOneof('message')}")
         try:
             node, registered = self.core.node_register(first.register)
-        except Exception as exc:  # noqa: BLE001
-            mapped = _status_for(exc)
-            if mapped is None:
-                raise
-            await context.abort(*mapped)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await _abort_mapped(context, exc)
         gen = node.generation
         outbox = node.outbox
         state = {"goodbye": False}

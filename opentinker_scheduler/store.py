@@ -292,9 +292,6 @@ class Store:
                 (node_id, info, now, now),
             )
 
-    def known_nodes(self) -> list[tuple[str, bytes, float]]:
-        return [(r[0], r[1], r[2]) for r in self.db.execute("SELECT node_id, info, last_seen FROM nodes")]
-
     # --- internals -----------------------------------------------------------------------------
     def _append_event(self, task_id: str, ev: common_pb2.TaskEvent) -> common_pb2.TaskEvent:
         seq = self.db.execute("SELECT next_seq FROM tasks WHERE task_id=?", (task_id,)).fetchone()[0]

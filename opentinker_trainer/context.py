@@ -71,9 +71,6 @@ class WorkerContext:
         if final:
             self.completed = True
 
-    def emit_log(self, message: str, **fields: Any) -> None:
-        self._emit("log", message=message, fields=fields)
-
     # --- control ---------------------------------------------------------------------------
     def request_stop(self) -> None:
         """Ask the workload to checkpoint and return early (drain, preemption, timeout)."""

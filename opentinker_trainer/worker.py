@@ -6,8 +6,7 @@ channel) in its own process group, with ``CUDA_VISIBLE_DEVICES`` set to the assi
 folder comes from ``--checkpoint-dir``.
 
 Protocol to the agent: JSON lines on stdout, one object each, with ``type``:
-``started``; ``metric`` (step, values); ``checkpoint`` (step, path, final, format);
-``log``; and exactly one of ``succeeded``, ``stopped`` (checkpointed and returned early after
+``started``; ``metric`` (step, values); ``checkpoint`` (step, path, final, format); and exactly one of ``succeeded``, ``stopped`` (checkpointed and returned early after
 SIGTERM), ``failed`` (``error``, ``retryable``). Logs go to stderr.
 SIGTERM asks the workload to checkpoint and return; the agent SIGKILLs after a grace period.
 The worker dies with the agent (``PR_SET_PDEATHSIG`` on Linux; the agent passes its pid in

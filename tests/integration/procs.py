@@ -59,10 +59,6 @@ class Proc:
             pass
         self.popen.wait(timeout=10)
 
-    def kill9_main_only(self) -> None:
-        self.popen.kill()
-        self.popen.wait(timeout=10)
-
     def terminate(self, timeout: float = 30) -> int | None:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
