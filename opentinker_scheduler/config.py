@@ -19,6 +19,7 @@
     lease: 10                 # seconds of silence after which a node is lost
     default_model: ""         # model used when a task names none
     default_max_attempts: 3
+    restart_grace: 30         # seconds a restarted scheduler waits for nodes to re-announce work
 
 **Priority**: a larger number is more important. Pending tasks are placed in order of
 priority (largest first), then age (oldest first). A workload type missing from
@@ -72,6 +73,7 @@ class SchedulerConfig:
     lease_s: float = 10.0
     default_model: str = ""
     default_max_attempts: int = 3
+    restart_grace_s: float = 30.0
     source: str = "<defaults>"
 
     def priority_of(self, workload_type: str) -> int | None:
@@ -155,6 +157,7 @@ _TOP = {
     "lease": "seconds",
     "default_model": "model",
     "default_max_attempts": "int",
+    "restart_grace": "seconds",
 }
 
 
@@ -230,6 +233,8 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["default_model"] = model
     if "default_max_attempts" in top:
         kw["default_max_attempts"] = r.scalar(top["default_max_attempts"][1], "default_max_attempts", int, 1, 100)
+    if "restart_grace" in top:
+        kw["restart_grace_s"] = r.scalar(top["restart_grace"][1], "restart_grace", float, 0, 86400)
 
     cfg = SchedulerConfig(**kw)
     if cfg.lease_s <= cfg.heartbeat_interval_s:

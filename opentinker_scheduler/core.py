@@ -131,11 +131,16 @@ class SchedulerCore:
     # ------------------------------------------------------------------ start-up
     def _recover(self) -> None:
         """Rebuild memory from the store: the queue from PENDING rows, the ledger from active
-        ones (they keep their node's GPUs until the node re-announces them or its lease runs
-        out, so a scheduler restart kills no running work)."""
+        ones. They keep their node's GPUs until the node re-announces them, or until
+        ``restart_grace`` passes without it (a trainer may be a few reconnect backoffs away from
+        noticing the restart), so a scheduler restart kills no running work."""
         self.tasks.load(self.store)
+        grace = max(0.0, self.config.restart_grace_s - self.config.lease_s)
         for task in self.active.values():
-            self._node(task.node_id).allocate(task.task_id, task.attempt, tuple(task.device_indices))
+            node = self._node(task.node_id)
+            node.allocate(task.task_id, task.attempt, tuple(task.device_indices))
+            if not node.connected:
+                node.last_seen = time.monotonic() + grace
         self._queued_at = {t.task_id: time.monotonic() for t in self.queue}
         if self.nodes:
             log.info("recovered active tasks", nodes=sorted(self.nodes), tasks=sum(len(n.allocations) for n in self.nodes.values()))

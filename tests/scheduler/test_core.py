@@ -333,3 +333,19 @@ def test_ledger_never_negative_or_leaking(tmp_path_factory, sequence) -> None:
         for tid, a in cancelled_only:
             assert core.get(tid).terminal, "ledger holds GPUs for a task that is not active"
     core.store.close()
+
+
+def test_restart_grace_covers_slow_reconnects(tmp_path) -> None:
+    core = make_core(tmp_path, lease_s=0.01, restart_grace_s=30)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    core.store.close()
+    core2 = make_core(tmp_path, lease_s=0.01, restart_grace_s=30)
+    core2.tick()  # well past the lease, within the restart grace: the task keeps running
+    assert core2.get(task.task_id).state == C.TASK_STATE_RUNNING
+    core2.nodes["gpu-node-01"].last_seen -= 31  # the node never came back
+    core2.tick()
+    t = core2.get(task.task_id)
+    assert t.state == C.TASK_STATE_PENDING and t.attempt == 2
