@@ -96,9 +96,10 @@ def _total_steps(task: TaskInfo) -> int | None:
     if isinstance(steps, (int, float)) and not isinstance(steps, bool) and steps > 0:
         return int(steps)
     try:
-        from opentinker_client.spec import validate_hyperparameters
+        from opentinker_client.spec import validate_env_config, validate_hyperparameters
 
-        return int(validate_hyperparameters(task.workload_type, dict(task.hyperparameters)).steps)
+        env = validate_env_config(dict(task.env_config))
+        return int(validate_hyperparameters(task.workload_type, dict(task.hyperparameters), env=env).steps)
     except Exception:  # noqa: BLE001 - unknown workload or odd values: no total, no bar
         return None
 

@@ -1,0 +1,40 @@
+"""Task specs as typed, validated values — the contract shared by client, scheduler and trainer.
+
+Torch-free on purpose: the scheduler validates a spec at submit and the client can validate it
+before sending, with the same code. Every refusal is a :class:`SpecError` that names the field
+path (``spec.hyperparameters.learning_rate``) and what was expected; the scheduler maps it to
+gRPC ``INVALID_ARGUMENT``.
+
+Layout: :mod:`._parse` (strict dict -> dataclass), :mod:`.registry` (environments and workloads
+plug in here), one module per family of configs (:mod:`.envs`, :mod:`.grpo`, ...), and
+:mod:`.task` (the whole spec). A new workload or environment adds a module that registers itself
+and one import line below.
+"""
+
+from __future__ import annotations
+
+from ._parse import SpecError, jsonable, num, parse_dataclass
+from .registry import WORKLOAD_TYPES, implemented_workloads
+
+# Config families: each module registers its environments and workloads on import.
+from .envs import TEXT_ENVIRONMENTS, ArithmeticEnvConfig
+from .grpo import GRPOConfig
+
+from .task import TaskSpecModel, env_kind, spec_from_proto, validate_env_config, validate_hyperparameters
+
+__all__ = [
+    "SpecError",
+    "WORKLOAD_TYPES",
+    "TEXT_ENVIRONMENTS",
+    "ArithmeticEnvConfig",
+    "GRPOConfig",
+    "TaskSpecModel",
+    "env_kind",
+    "implemented_workloads",
+    "jsonable",
+    "num",
+    "parse_dataclass",
+    "spec_from_proto",
+    "validate_env_config",
+    "validate_hyperparameters",
+]
