@@ -19,6 +19,7 @@ from .registry import WORKLOAD_TYPES, implemented_workloads
 # Config families: each module registers its environments and workloads on import.
 from .envs import TEXT_ENVIRONMENTS, ArithmeticEnvConfig
 from .grpo import GRPOConfig
+from .gym import GymEnvConfig
 
 from .task import TaskSpecModel, env_kind, spec_from_proto, validate_env_config, validate_hyperparameters
 
@@ -28,6 +29,7 @@ __all__ = [
     "TEXT_ENVIRONMENTS",
     "ArithmeticEnvConfig",
     "GRPOConfig",
+    "GymEnvConfig",
     "TaskSpecModel",
     "env_kind",
     "implemented_workloads",

@@ -99,6 +99,25 @@ def _convert(value: Any, tp: Any, f: dataclasses.Field, path: str) -> Any:
         if len(value) > 256:
             raise SpecError(path, "a list of at most 256 items", f"{len(value)} items")
         return tuple(_convert(v, item_tp, f, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        # Keyword options passed through to a library (e.g. gymnasium.make(id, **kwargs)):
+        # string keys, scalar values only, so nothing executable or nested travels.
+        if not isinstance(value, Mapping):
+            raise SpecError(path, "a mapping of option names to numbers, strings or booleans", value)
+        if len(value) > 64:
+            raise SpecError(path, "at most 64 options", f"{len(value)} options")
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str) or not k.isidentifier():
+                raise SpecError(f"{path}.{k}", "an option name (a Python identifier)", k)
+            if isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
+                v = int(v)  # protobuf Struct carries every number as a double
+            if isinstance(v, float) and not math.isfinite(v):
+                raise SpecError(f"{path}.{k}", "a finite number", v)
+            if not isinstance(v, (bool, int, float, str)) or (isinstance(v, str) and len(v) > 1024):
+                raise SpecError(f"{path}.{k}", "a number, a string (at most 1024 characters) or true/false", v)
+            out[k] = v
+        return out
     if dataclasses.is_dataclass(tp):
         return parse_dataclass(tp, value, path)
     raise TypeError(f"unsupported field type {tp!r} at {path}")  # a bug in this module

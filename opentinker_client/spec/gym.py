@@ -1,0 +1,111 @@
+"""Gymnasium environments by id (env kind ``gym``): ``CartPole-v1``, ``FrozenLake-v1``, ...
+
+Any registered gymnasium id is accepted. Where gymnasium is importable (scheduler and trainer
+installs), the id is checked against its registry at validation time and the seed's
+``action_space`` / ``observation_space`` sizes are checked against the environment's real spaces
+(``Discrete(n)`` has size ``n``; a ``Box`` has size ``prod(shape)``), so a mismatch is an
+``INVALID_ARGUMENT`` at submit rather than a failed task. The client alone (no gymnasium) skips
+these checks; the trainer repeats them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._parse import SpecError, num
+from .registry import register_env_family
+
+__all__ = ["GymEnvConfig", "is_gym_id", "space_size"]
+
+# gymnasium ids: [namespace/]name-vN, e.g. "CartPole-v1", "ALE/Pong-v5". No "module:" prefix:
+# gymnasium would import that module, which would let a task spec run code on the scheduler.
+_GYM_ID = re.compile(r"^(?:[A-Za-z][\w.-]*/)?[A-Za-z][\w.-]*-v\d+$")
+
+
+def is_gym_id(env_id: str) -> bool:
+    """True when ``env_id`` has the shape of a versioned gymnasium id (``Name-vN``)."""
+    return bool(_GYM_ID.match(env_id)) and len(env_id) <= 256
+
+
+def space_size(space: Any) -> int | None:
+    """Size of a gymnasium space as the seed counts it: ``n`` of ``Discrete(n)``, the number of
+    elements of a ``Box``; None for other spaces (Dict, Tuple, ...)."""
+    n = getattr(space, "n", None)
+    if n is not None and not hasattr(space, "nvec"):
+        return int(n)
+    shape = getattr(space, "shape", None)
+    if shape is not None and type(space).__name__ == "Box":
+        return int(math.prod(shape))
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _real_spaces(env_id: str, kwargs_items: tuple) -> tuple[str, str, int | None, int | None] | str:
+    """(action space, observation space, their sizes) of ``env_id``, or an error string; None sizes
+    when gymnasium is not installed here is signalled by returning ``""``."""
+    try:
+        import gymnasium
+    except ImportError:
+        return ""
+    try:
+        gymnasium.spec(env_id)
+    except Exception as exc:  # noqa: BLE001 - gymnasium raises several error types for unknown ids
+        return f"a registered gymnasium id ({type(exc).__name__}: {exc})"
+    try:
+        env = gymnasium.make(env_id, **dict(kwargs_items))
+    except Exception as exc:  # noqa: BLE001 - bad kwargs or missing extra (box2d, ale ...)
+        return f"an environment gymnasium can make with these env_kwargs ({type(exc).__name__}: {exc})"
+    try:
+        return (str(env.action_space), str(env.observation_space), space_size(env.action_space), space_size(env.observation_space))
+    finally:
+        env.close()
+
+
+@dataclass(frozen=True)
+class GymEnvConfig:
+    """A gymnasium environment by id, made with ``gymnasium.make(env_id, **env_kwargs)``.
+
+    ``action_space`` and ``observation_space`` are the seed's declared sizes
+    (``Environment(action_space=4, observation_space=16)``); when given they must match the
+    environment's real spaces. ``max_episode_steps`` overrides the registered time limit.
+    """
+
+    env_id: str = "CartPole-v1"
+    action_space: int | None = num(None, 1, 1_000_000_000)
+    observation_space: int | None = num(None, 1, 1_000_000_000)
+    seed: int | None = num(None, 0, 2**31 - 1)
+    max_episode_steps: int | None = num(None, 1, 10_000_000)
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def check(self, path: str) -> None:
+        real = _real_spaces(self.env_id, tuple(sorted(self.env_kwargs.items())))
+        if real == "":
+            return  # gymnasium not installed here (client-only install): the trainer checks
+        if isinstance(real, str):
+            raise SpecError(f"{path}.env_id", real, self.env_id)
+        act, obs, act_n, obs_n = real
+        if self.action_space is not None and self.action_space != act_n:
+            raise SpecError(
+                f"{path}.action_space",
+                f"the size of {self.env_id}'s action space {act} ({act_n if act_n is not None else 'no fixed size'})",
+                self.action_space,
+            )
+        if self.observation_space is not None and self.observation_space != obs_n:
+            raise SpecError(
+                f"{path}.observation_space",
+                f"the size of {self.env_id}'s observation space {obs} ({obs_n if obs_n is not None else 'no fixed size'})",
+                self.observation_space,
+            )
+
+
+register_env_family(
+    "any gymnasium id (CartPole-v1, FrozenLake-v1, ...)",
+    is_gym_id,
+    GymEnvConfig,
+    kind="gym",
+    description="a gymnasium environment made by id",
+)
