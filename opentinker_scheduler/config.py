@@ -20,6 +20,10 @@
     default_model: ""         # model used when a task names none
     default_max_attempts: 3
     restart_grace: 30         # seconds a restarted scheduler waits for nodes to re-announce work
+    max_tasks_per_gpu: 2      # LoRA tasks on the same base model may share a GPU, this many at
+                              # most (always within max_tasks); 1 = every task has its GPUs alone
+    preemption_timeout: 120   # seconds a preemption waits for its victims' node to confirm they
+                              # stopped before the scheduler gives up on it and may choose again
 
 **Priority**: a larger number is more important. Pending tasks are placed in order of
 priority (largest first), then age (oldest first). A workload type missing from
@@ -74,6 +78,8 @@ class SchedulerConfig:
     default_model: str = ""
     default_max_attempts: int = 3
     restart_grace_s: float = 30.0
+    max_tasks_per_gpu: int = 2
+    preemption_timeout_s: float = 120.0
     source: str = "<defaults>"
 
     def priority_of(self, workload_type: str) -> int | None:
@@ -158,6 +164,8 @@ _TOP = {
     "default_model": "model",
     "default_max_attempts": "int",
     "restart_grace": "seconds",
+    "max_tasks_per_gpu": "int",
+    "preemption_timeout": "seconds",
 }
 
 
@@ -235,6 +243,10 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["default_max_attempts"] = r.scalar(top["default_max_attempts"][1], "default_max_attempts", int, 1, 100)
     if "restart_grace" in top:
         kw["restart_grace_s"] = r.scalar(top["restart_grace"][1], "restart_grace", float, 0, 86400)
+    if "max_tasks_per_gpu" in top:
+        kw["max_tasks_per_gpu"] = r.scalar(top["max_tasks_per_gpu"][1], "max_tasks_per_gpu", int, 1, 1000)
+    if "preemption_timeout" in top:
+        kw["preemption_timeout_s"] = r.scalar(top["preemption_timeout"][1], "preemption_timeout", float, 1, 86400)
 
     cfg = SchedulerConfig(**kw)
     if cfg.lease_s <= cfg.heartbeat_interval_s:

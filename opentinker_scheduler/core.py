@@ -33,7 +33,7 @@ from .commit import GroupCommit
 from .config import SchedulerConfig
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from .nodes import NodeSession
-from .placement import FreeNodes, NodeCapacity, PendingTask, place_round, reservation_node, why_pending
+from .placement import FreeNodes, Group, NodeCapacity, PendingTask, place_round, reservation_node, why_pending
 from .preemption import NodeState, RunningAlloc, choose_victims
 from .queue import LiveTasks, PendingQueue, QueueKey, ReasonsView
 from .store import ACTIVE_STATES, TERMINAL_STATES, Store, TaskRow
@@ -84,6 +84,9 @@ class SchedulerCore:
         # ledger until its node reports it CANCELLED; then it is requeued with reason PREEMPTED.
         self._victims: dict[str, tuple[int, str, str]] = {}
         self._preempting: dict[str, tuple[str, tuple[str, ...]]] = {}
+        # victim task id -> monotonic deadline for its node to confirm it stopped; past it the
+        # preemption is given up (the waiting task may choose victims again, re-sending the stop).
+        self._victim_deadline: dict[str, float] = {}
         # Tasks ended by max_runtime whose worker is still stopping: task id -> (attempt, node id).
         # The worker's final checkpoint report is still recorded for them.
         self._timed_out: dict[str, tuple[int, str]] = {}
@@ -138,7 +141,7 @@ class SchedulerCore:
         grace = max(0.0, self.config.restart_grace_s - self.config.lease_s)
         for task in self.active.values():
             node = self._node(task.node_id)
-            node.allocate(task.task_id, task.attempt, tuple(task.device_indices))
+            node.allocate(task.task_id, task.attempt, tuple(task.device_indices), task.share_key)
             if not node.connected:
                 node.last_seen = time.monotonic() + grace
         self._queued_at = {t.task_id: time.monotonic() for t in self.queue}
@@ -237,6 +240,7 @@ class SchedulerCore:
         self._victims.pop(task_id, None)
         self._preempting.pop(task_id, None)
         if was_active and node_id in self.nodes:
+            self.nodes[node_id].seal(task_id)
             self.nodes[node_id].push(
                 node_pb2.ConnectResponse(cancel_task=node_pb2.CancelTask(task_id=task_id, attempt=attempt, reason=reason or "cancelled by user"))
             )
@@ -271,11 +275,11 @@ class SchedulerCore:
                     f"preempting {', '.join(left)} on {node_id} to make room (waiting for the node to confirm they "
                     f"checkpointed and stopped; queue position {position} of {length})"
                 )
-        if self.free.best_fit(task.gpu_count) is not None:
+        if self.free.best_fit_for(task.gpu_count, task.share_key) is not None:
             return f"waiting for the next placement round (queue position {position} of {length})"
         if self._caps is None or self._caps[0] != self._ledger_version:
             self._caps = (self._ledger_version, [n.capacity() for n in self.nodes.values()])
-        pending = PendingTask(task.task_id, task.priority, task.create_time, task.gpu_count, task.not_before)
+        pending = PendingTask(task.task_id, task.priority, task.create_time, task.gpu_count, task.not_before, task.share_key)
         why = why_pending(pending, self._caps[1], position, length)
         if self._reservation is not None and self._reservation[0] == task_id:
             why += f"; {self._reservation[1]} is reserved for it (no task behind it starts there)"
@@ -476,6 +480,7 @@ class SchedulerCore:
                     # The worker checkpoints on SIGTERM; that final checkpoint is still recorded
                     # (see node_report) until the node reports the worker gone.
                     self._timed_out[task.task_id] = (attempt, node.node_id)
+                    node.seal(task.task_id)
                     node.push(node_pb2.ConnectResponse(cancel_task=node_pb2.CancelTask(task_id=task.task_id, attempt=attempt, reason="TIMEOUT")))
         self.schedule()
         self.preempt()
@@ -490,9 +495,12 @@ class SchedulerCore:
         picks victims on one node and each is sent ``CancelTask(reason="PREEMPTED")``. The
         victims keep their GPUs in the ledger until their node reports them CANCELLED; then they
         go back to PENDING (attempt + 1, reason PREEMPTED, not counted against max_attempts) and
-        the waiting task is placed by the next round. Preemptions in flight live in memory only:
-        after a scheduler restart a victim's CANCELLED report with error "PREEMPTED" is still
-        requeued as preempted.
+        the waiting task is placed by the next round. A node that does not confirm within
+        ``preemption_timeout`` (config) has the preemption given up: the victim is no longer
+        counted as one and the waiting task may choose again (re-sending the stop to the same
+        victim if it is still the cheapest). Preemptions in flight live in memory only: after a
+        scheduler restart a victim's CANCELLED report with error "PREEMPTED" is still requeued as
+        preempted, and waiting tasks choose victims afresh.
         """
         self._prune_preemptions()
         if not self.queue or not self.active:
@@ -506,7 +514,7 @@ class SchedulerCore:
             task = self.queue.row(key)
             if task.priority <= lowest or looked >= PREEMPT_CANDIDATES_PER_TICK:
                 break
-            if task.not_before > now or task.task_id in self._preempting or self.free.best_fit(task.gpu_count) is not None:
+            if task.not_before > now or task.task_id in self._preempting or self.free.best_fit_for(task.gpu_count, task.share_key) is not None:
                 continue
             looked += 1
             choice = choose_victims(task.priority, task.gpu_count, self._node_states(task.priority))
@@ -516,6 +524,7 @@ class SchedulerCore:
             for victim_id in choice.victims:
                 victim = self.active[victim_id]
                 self._victims[victim_id] = (victim.attempt, node.node_id, task.task_id)
+                self._victim_deadline[victim_id] = time.monotonic() + self.config.preemption_timeout_s
                 log.info("preempting task", task_id=victim_id, attempt=victim.attempt, node_id=node.node_id, priority=victim.priority, for_task=task.task_id, for_priority=task.priority)
                 node.push(node_pb2.ConnectResponse(cancel_task=node_pb2.CancelTask(task_id=victim_id, attempt=victim.attempt, reason="PREEMPTED")))
             self._preempting[task.task_id] = (node.node_id, choice.victims)
@@ -538,7 +547,7 @@ class SchedulerCore:
             for task_id, (attempt, devices) in node.allocations.items():
                 t = self.active.get(task_id)
                 ok = t is not None and t.attempt == attempt and t.state == S.TASK_STATE_RUNNING and task_id not in self._victims
-                running.append(RunningAlloc(task_id, t.priority if ok else priority, len(devices), (t.start_time or 0.0) if t is not None else 0.0))
+                running.append(RunningAlloc(task_id, t.priority if ok else priority, len(devices), (t.start_time or 0.0) if t is not None else 0.0, tuple(devices)))
             cap = node.capacity()
             out.append(NodeState(node.node_id, node.gpu_count, node.max_tasks, len(cap.free_gpus), tuple(running)))
         return out
@@ -546,10 +555,19 @@ class SchedulerCore:
     def _prune_preemptions(self) -> None:
         """Forget preemptions whose victim is no longer that running attempt, and waiting tasks
         that are no longer pending or have no victim left."""
-        for victim_id, (attempt, _, _) in list(self._victims.items()):
+        now_m = time.monotonic()
+        for victim_id, (attempt, node_id, waiter) in list(self._victims.items()):
             t = self.active.get(victim_id)
             if t is None or t.attempt != attempt:
                 del self._victims[victim_id]
+            elif now_m > self._victim_deadline.get(victim_id, now_m):
+                log.warning(
+                    "preemption timed out: node did not confirm the victim stopped",
+                    task_id=victim_id, attempt=attempt, node_id=node_id, for_task=waiter, timeout_s=self.config.preemption_timeout_s,
+                )
+                del self._victims[victim_id]
+        for victim_id in [v for v in self._victim_deadline if v not in self._victims]:
+            del self._victim_deadline[victim_id]
         for waiter, (_, victims) in list(self._preempting.items()):
             if waiter not in self.queue or not any(self._victims.get(v, (0, "", ""))[2] == waiter for v in victims):
                 del self._preempting[waiter]
@@ -568,10 +586,10 @@ class SchedulerCore:
             return 0
         decided: list[tuple[TaskRow, NodeSession, tuple[int, ...]]] = []
 
-        def take(key: QueueKey, gpu_count: int, node_id: str) -> None:
+        def take(key: QueueKey, group: Group, node_id: str) -> None:
             task, node = self.queue.row(key), self.nodes[node_id]
-            devices = tuple(node.capacity().free_gpus[:gpu_count])
-            node.allocate(task.task_id, task.attempt, devices)
+            devices = node.capacity().choose_devices(*group)
+            node.allocate(task.task_id, task.attempt, devices, group[1])
             decided.append((task, node, devices))
 
         def reserve(key: QueueKey, gpu_count: int) -> str | None:
@@ -684,7 +702,9 @@ class SchedulerCore:
     def _node(self, node_id: str) -> NodeSession:
         node = self.nodes.get(node_id)
         if node is None:
-            node = self.nodes[node_id] = NodeSession(node_id=node_id, on_change=self._node_changed, defer=self.commits.hold)
+            node = self.nodes[node_id] = NodeSession(
+                node_id=node_id, on_change=self._node_changed, defer=self.commits.hold, max_tasks_per_gpu=self.config.max_tasks_per_gpu
+            )
         return node
 
     def _node_changed(self, node: NodeSession, *, membership: bool = False) -> None:

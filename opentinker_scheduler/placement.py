@@ -15,6 +15,13 @@ Policy:
     node, so its running work drains and the blocked task gets it; smaller tasks still backfill
     on every other node. On a one-node cluster this means no backfill past a blocked task.
   * A task whose retry backoff has not elapsed waits (``not_before``).
+  * GPU sharing: LoRA tasks on the same base model (:func:`share_key`) may share GPUs, at most
+    ``max_tasks_per_gpu`` tasks on one GPU and always within the node's ``max_tasks``. A GPU is
+    open to a task with key ``k`` when every task on it has key ``k`` and it has room
+    (``NodeCapacity.shared[k]``). A shareable task goes where it uses the fewest free GPUs
+    (packing onto open GPUs keeps whole GPUs free for gang tasks and other models), then best
+    fit on the free GPUs left, then fewest running tasks, then node id; on the node it takes open
+    GPUs first (fewest co-tenants first), then free ones. Other tasks only ever take free GPUs.
 Every task left pending gets a reason a person can act on, in the style of Kubernetes
 ("no node has 4 free GPUs; largest free block is 2 on gpu-node-01").
 
@@ -43,10 +50,70 @@ class NodeCapacity:
     running: int
     free_gpus: list[int] = field(default_factory=list)
     accepting: bool = True  # False while draining or disconnected
+    #: device -> (share key, tasks on it) for busy GPUs whose tasks all share that key; GPUs of
+    #: tasks that need them to themselves are neither here nor free.
+    gpu_share: dict[int, tuple[str, int]] = field(default_factory=dict)
+    max_tasks_per_gpu: int = 1
 
     @property
     def free_slots(self) -> int:
         return max(0, self.max_tasks - self.running)
+
+    def open_gpus(self, key: str | None) -> list[int]:
+        """Busy GPUs a task with share key ``key`` may join, fewest co-tenants first, then index."""
+        if key is None:
+            return []
+        return sorted((d for d, (k, n) in self.gpu_share.items() if k == key and n < self.max_tasks_per_gpu), key=lambda d: (self.gpu_share[d][1], d))
+
+    def shared_keys(self) -> dict[str, int]:
+        """share key -> how many busy GPUs are open to it."""
+        out: dict[str, int] = {}
+        for k, n in self.gpu_share.values():
+            if n < self.max_tasks_per_gpu:
+                out[k] = out.get(k, 0) + 1
+        return out
+
+    def open_to(self, key: str | None) -> int:
+        """GPUs a task with share key ``key`` could take here now (free plus open to ``key``)."""
+        return len(self.free_gpus) + len(self.open_gpus(key))
+
+    def choose_devices(self, gpu_count: int, key: str | None) -> tuple[int, ...]:
+        """The devices a task gets here: GPUs open to ``key`` first, then free ones (lowest index)."""
+        opened = self.open_gpus(key)[:gpu_count]
+        return tuple(opened + self.free_gpus[: gpu_count - len(opened)])
+
+    def book(self, devices: tuple[int, ...], key: str | None) -> None:
+        """Record a task with share key ``key`` placed on ``devices``."""
+        self.running += 1
+        for d in devices:
+            if d in self.free_gpus:
+                self.free_gpus.remove(d)
+                if key is not None:
+                    self.gpu_share[d] = (key, 1)
+            else:
+                k, n = self.gpu_share[d]
+                assert k == key, (d, k, key)
+                self.gpu_share[d] = (k, n + 1)
+
+
+#: Workload types whose tasks train a LoRA adapter on a frozen base model, so several may share
+#: a GPU when they use the same base model.
+LORA_WORKLOADS: frozenset[str] = frozenset({"lora_finetune"})
+
+
+def share_key(workload_type: str, model: str, gpu_count: int) -> str | None:
+    """The GPU-sharing key of a task: its base model for a LoRA workload on GPUs, else None
+    (the task needs its GPUs to itself)."""
+    if gpu_count > 0 and workload_type in LORA_WORKLOADS:
+        return model
+    return None
+
+
+def _fit_key(cap: NodeCapacity, gpu_count: int, key: str | None) -> tuple[int, int, int, str]:
+    """Sort key of a node that fits: free GPUs used, free GPUs left, running tasks, node id."""
+    opened = len(cap.open_gpus(key))
+    used = max(0, gpu_count - opened)
+    return (used, len(cap.free_gpus) - used, cap.running, cap.node_id)
 
 
 @dataclass(frozen=True)
@@ -56,6 +123,7 @@ class PendingTask:
     create_time: float
     gpu_count: int
     not_before: float = 0.0
+    share_key: str | None = None  # see share_key(); None = needs its GPUs to itself
 
 
 @dataclass(frozen=True)
@@ -81,7 +149,12 @@ def plan(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> tup
     Returns:
         (placements, reasons): placements in queue order; for every task not placed, why.
     """
-    caps = [NodeCapacity(n.node_id, n.gpu_count, n.max_tasks, n.running, sorted(n.free_gpus), n.accepting) for n in nodes]
+    caps = [
+        NodeCapacity(
+            n.node_id, n.gpu_count, n.max_tasks, n.running, sorted(n.free_gpus), n.accepting, dict(n.gpu_share), n.max_tasks_per_gpu
+        )
+        for n in nodes
+    ]
     placements: list[Placement] = []
     reasons: dict[str, str] = {}
     ordered = queue_order(tasks)
@@ -90,12 +163,12 @@ def plan(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> tup
         if task.not_before > now:
             reasons[task.task_id] = f"waiting {task.not_before - now:.0f} s more before retrying (backoff after a failed attempt)"
             continue
-        fits = [n for n in caps if n.node_id != reserved and n.accepting and n.free_slots > 0 and len(n.free_gpus) >= task.gpu_count]
+        key = task.share_key
+        fits = [n for n in caps if n.node_id != reserved and n.accepting and n.free_slots > 0 and n.open_to(key) >= task.gpu_count]
         if fits:
-            best = min(fits, key=lambda n: (len(n.free_gpus) - task.gpu_count, n.running, n.node_id))
-            devices = tuple(best.free_gpus[: task.gpu_count])
-            best.free_gpus = best.free_gpus[task.gpu_count :]
-            best.running += 1
+            best = min(fits, key=lambda n: _fit_key(n, task.gpu_count, key))
+            devices = best.choose_devices(task.gpu_count, key)
+            best.book(devices, key)
             placements.append(Placement(task.task_id, best.node_id, devices))
             continue
         reasons[task.task_id] = why_pending(task, caps, position, len(ordered))
@@ -137,10 +210,16 @@ def why_pending(task: PendingTask, caps: list[NodeCapacity], position: int, queu
     with_slots = [n for n in live if n.free_slots > 0]
     if not with_slots:
         return f"every node with {task.gpu_count}+ GPU(s) is at max_tasks" + where
-    largest = max(with_slots, key=lambda n: (len(n.free_gpus), n.node_id))
+    key = task.share_key if any(n.max_tasks_per_gpu > 1 for n in with_slots) else None
+    largest = max(with_slots, key=lambda n: (n.open_to(key), n.node_id))
+    if key is None:
+        return (
+            f"no node has {task.gpu_count} free GPU(s); largest free block is {len(largest.free_gpus)} on "
+            f"{largest.node_id}" + where
+        )
     return (
-        f"no node has {task.gpu_count} free GPU(s); largest free block is {len(largest.free_gpus)} on "
-        f"{largest.node_id}" + where
+        f"no node has {task.gpu_count} GPU(s) free or shareable with LoRA tasks on {key}; the most is "
+        f"{largest.open_to(key)} on {largest.node_id}" + where
     )
 
 
@@ -152,6 +231,10 @@ class FreeNodes:
     def __init__(self) -> None:
         self._keys: list[tuple[int, int, str]] = []  # (free GPUs, running, node id), sorted
         self._key_of: dict[str, tuple[int, int, str]] = {}
+        # share key -> node id -> capacity, for nodes that can take a task and have busy GPUs
+        # open to that key (few: one entry per base model in use on the node).
+        self._shared: dict[str, dict[str, NodeCapacity]] = {}
+        self._shared_of: dict[str, tuple[str, ...]] = {}
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -160,18 +243,47 @@ class FreeNodes:
         return bool(self._keys)
 
     def update(self, cap: NodeCapacity) -> None:
-        old = self._key_of.pop(cap.node_id, None)
-        if old is not None:
-            del self._keys[bisect.bisect_left(self._keys, old)]
+        self.remove(cap.node_id)
         if cap.accepting and cap.free_slots > 0:
             key = (len(cap.free_gpus), cap.running, cap.node_id)
             self._key_of[cap.node_id] = key
             bisect.insort(self._keys, key)
+            shared = tuple(cap.shared_keys())
+            if shared:
+                self._shared_of[cap.node_id] = shared
+                for k in shared:
+                    self._shared.setdefault(k, {})[cap.node_id] = cap
 
     def remove(self, node_id: str) -> None:
         old = self._key_of.pop(node_id, None)
         if old is not None:
             del self._keys[bisect.bisect_left(self._keys, old)]
+        for k in self._shared_of.pop(node_id, ()):
+            nodes = self._shared[k]
+            del nodes[node_id]
+            if not nodes:
+                del self._shared[k]
+
+    def most_open(self, share_key: str | None, exclude: str | None = None) -> int:
+        """Most GPUs a task with ``share_key`` could take on one node now (free plus open to the
+        key; -1 when no node can take a task), leaving out node ``exclude``."""
+        most = self.most_free_gpus(exclude)
+        if share_key is not None:
+            for cap in self._shared.get(share_key, {}).values():
+                if cap.node_id != exclude:
+                    most = max(most, cap.open_to(share_key))
+        return most
+
+    def best_fit_for(self, gpu_count: int, share_key: str | None, exclude: str | None = None) -> str | None:
+        """The node :func:`plan` picks for a task of ``gpu_count`` GPUs and ``share_key``, or None.
+
+        A node with GPUs open to the key uses fewer free GPUs than any node without, so those
+        are tried first (by :func:`plan`'s order); otherwise it is :meth:`best_fit`."""
+        if share_key is not None:
+            fits = [c for c in self._shared.get(share_key, {}).values() if c.node_id != exclude and c.open_to(share_key) >= gpu_count]
+            if fits:
+                return min(fits, key=lambda c: _fit_key(c, gpu_count, share_key)).node_id
+        return self.best_fit(gpu_count, exclude)
 
     def most_free_gpus(self, exclude: str | None = None) -> int:
         """Largest free GPU block on a node that can take a task (-1 when none can), leaving
@@ -193,23 +305,27 @@ class FreeNodes:
         return node_id in self._key_of
 
 
+#: A queue group: (gpu_count, share key). Tasks in one group fit exactly the same places.
+Group = tuple[int, "str | None"]
+
+
 def place_round(
-    groups: Mapping[int, Sequence[Hashable]],
+    groups: Mapping[Group, Sequence[Hashable]],
     free: FreeNodes,
     now: float,
     not_before: Callable[[Hashable], float],
-    take: Callable[[Hashable, int, str], None],
+    take: Callable[[Hashable, Group, str], None],
     reserve: Callable[[Hashable, int], str | None] | None = None,
 ) -> int:
     """One placement round of :func:`plan`'s policy, over indexes instead of lists.
 
     Args:
-        groups: ``gpu_count`` -> that group's pending tasks as sortable keys, in queue order
-            (the keys of all groups share one order). Not changed here.
+        groups: ``(gpu_count, share key)`` -> that group's pending tasks as sortable keys, in
+            queue order (the keys of all groups share one order). Not changed here.
         free: nodes that can take a task now; ``take`` must keep it current.
         now: unix seconds, compared with ``not_before(key)``.
-        take: ``take(key, gpu_count, node_id)`` puts the task on the node (best fit from
-            ``free``) and updates ``free``.
+        take: ``take(key, group, node_id)`` puts the task on the node (best fit from ``free``,
+            devices by :meth:`NodeCapacity.choose_devices`) and updates ``free``.
         reserve: ``reserve(key, gpu_count)`` is called for the first blocked task in queue order
             (at the point of the queue where :func:`plan` meets it) and returns the node it
             reserves (:func:`reservation_node` over the current capacities), or None when no
@@ -229,7 +345,7 @@ def place_round(
     blocked: list[tuple[Hashable, int]] = []  # heap of dropped groups' first eligible keys
     while True:
         most = free.most_free_gpus(reserved)
-        for g in [g for g in live if g > most]:
+        for g in [g for g in live if g[0] > (most if g[1] is None else free.most_open(g[1], reserved))]:
             keys = live.pop(g)
             if reserve is not None and reserved is None:
                 i = cursor[g]
@@ -240,7 +356,7 @@ def place_round(
         g = min(live, key=lambda g: live[g][cursor[g]]) if live else None
         if reserve is not None and reserved is None and blocked and (g is None or blocked[0][0] < live[g][cursor[g]]):
             bkey, bg = heapq.heappop(blocked)
-            reserved = reserve(bkey, bg)
+            reserved = reserve(bkey, bg[0])
             if reserved is not None:
                 blocked.clear()
             continue  # capacity outside the reserved node is less: drop groups again
@@ -252,8 +368,8 @@ def place_round(
             del live[g]
         if not_before(key) > now:
             continue
-        node_id = free.best_fit(g, reserved)
-        assert node_id is not None  # g <= most free GPUs on a node with a free slot
+        node_id = free.best_fit_for(g[0], g[1], reserved)
+        assert node_id is not None  # the group fits on a node with a free slot
         take(key, g, node_id)
         placed += 1
     return placed

@@ -5,6 +5,9 @@ Policy (pure function, no I/O):
     priority never preempts (no thrashing between peers).
   * Per node, candidates are taken lowest priority first, then the most recently started first
     (least work lost), until the node would have enough free GPUs and a free task slot.
+  * A GPU counts as freed only when every task on it is a victim (LoRA tasks may share GPUs);
+    victims that turn out not to be needed once enough is freed are dropped again (latest
+    chosen first), so no task is stopped for nothing.
   * Among nodes where that works, the one needing the fewest victims wins, then the lowest
     total victim priority, then node id.
 Victims are told to checkpoint and stop; they go back to PENDING (attempt + 1) and resume from
@@ -18,10 +21,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RunningAlloc:
+    """One allocation on a node. ``devices`` are its GPU indices; empty means ``gpu_count`` GPUs
+    of its own (not shared)."""
+
     task_id: str
     priority: int
     gpu_count: int
     start_time: float
+    devices: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -40,21 +47,41 @@ class Preemption:
 
 
 def choose_victims(priority: int, gpu_count: int, nodes: list[NodeState]) -> Preemption | None:
-    """The cheapest set of lower-priority tasks to stop on one node, or None if none suffices."""
+    """The cheapest set of lower-priority tasks to stop on one node, or None if none suffices.
+
+    Args:
+        priority: the blocked task's priority; only strictly lower ones are candidates.
+        gpu_count: GPUs the blocked task needs to itself.
+        nodes: accepting nodes with their free GPU count and allocations.
+    """
     best: tuple[tuple, Preemption] | None = None
     for node in nodes:
         if node.gpu_count < gpu_count:
             continue
-        free, slots = node.free_gpus, node.max_tasks - len(node.running)
+        occupants: dict[object, set[str]] = {}
+        for r in node.running:
+            for d in r.devices or [(r.task_id, i) for i in range(r.gpu_count)]:
+                occupants.setdefault(d, set()).add(r.task_id)
+
+        def enough(chosen: set[str]) -> bool:
+            freed = sum(1 for occ in occupants.values() if occ <= chosen)
+            return node.free_gpus + freed >= gpu_count and node.max_tasks - len(node.running) + len(chosen) >= 1
+
         victims: list[RunningAlloc] = []
+        chosen: set[str] = set()
         candidates = sorted((r for r in node.running if r.priority < priority), key=lambda r: (r.priority, -r.start_time, r.task_id))
         for cand in candidates:
-            if free >= gpu_count and slots >= 1:
+            if enough(chosen):
                 break
             victims.append(cand)
-            free += cand.gpu_count
-            slots += 1
-        if free < gpu_count or slots < 1 or not victims:
+            chosen.add(cand.task_id)
+        if not victims or not enough(chosen):
+            continue
+        for v in reversed(list(victims)):  # drop victims that turned out not to be needed
+            if enough(chosen - {v.task_id}):
+                victims.remove(v)
+                chosen.discard(v.task_id)
+        if not victims:
             continue
         key = (len(victims), sum(v.priority for v in victims), node.node_id)
         if best is None or key < best[0]:

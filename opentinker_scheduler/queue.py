@@ -5,7 +5,8 @@ the queue from it at start and adds or removes a task only after committing a tr
 or out of PENDING, so a placement round never reads the store to find its candidates.
 
 Order (see :mod:`opentinker_scheduler.placement`): larger priority first, then older create
-time, then task id. Besides the whole order the queue keeps one ordered list per ``gpu_count``,
+time, then task id. Besides the whole order the queue keeps one ordered list per ``gpu_count``
+(and GPU-sharing key),
 so a round can skip every task that asks for more GPUs than any node has free without looking
 at them one by one. Adding and removing cost O(log n) comparisons plus a memmove of the list.
 """
@@ -17,6 +18,7 @@ from typing import Callable, Iterator, Mapping
 
 from opentinker.common.v1 import common_pb2
 
+from .placement import Group
 from .store import ACTIVE_STATES, Store, TaskRow
 
 QueueKey = tuple[int, float, str]  # (-priority, create_time, task_id)
@@ -26,14 +28,19 @@ def queue_key(task: TaskRow) -> QueueKey:
     return (-task.priority, task.create_time, task.task_id)
 
 
+def group_of(task: TaskRow) -> Group:
+    """The placement group of a task: tasks in one group fit in exactly the same places."""
+    return (task.gpu_count, task.share_key)
+
+
 class PendingQueue:
-    """PENDING tasks by id, in placement order overall and per ``gpu_count``."""
+    """PENDING tasks by id, in placement order overall and per placement group."""
 
     def __init__(self) -> None:
         self._rows: dict[str, TaskRow] = {}
         self._keys: dict[str, QueueKey] = {}
         self._order: list[QueueKey] = []
-        self._by_gpus: dict[int, list[QueueKey]] = {}
+        self._by_gpus: dict[Group, list[QueueKey]] = {}
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -60,7 +67,7 @@ class PendingQueue:
         self._rows[task.task_id] = task
         self._keys[task.task_id] = key
         bisect.insort(self._order, key)
-        bisect.insort(self._by_gpus.setdefault(task.gpu_count, []), key)
+        bisect.insort(self._by_gpus.setdefault(group_of(task), []), key)
 
     def discard(self, task_id: str) -> TaskRow | None:
         task = self._rows.pop(task_id, None)
@@ -68,10 +75,11 @@ class PendingQueue:
             return None
         key = self._keys.pop(task_id)
         _remove(self._order, key)
-        group = self._by_gpus[task.gpu_count]
+        g = group_of(task)
+        group = self._by_gpus[g]
         _remove(group, key)
         if not group:
-            del self._by_gpus[task.gpu_count]
+            del self._by_gpus[g]
         return task
 
     def position(self, task_id: str) -> int:
@@ -79,8 +87,8 @@ class PendingQueue:
         key = self._keys.get(task_id)
         return bisect.bisect_left(self._order, key) + 1 if key is not None else 0
 
-    def groups(self) -> dict[int, list[QueueKey]]:
-        """``gpu_count`` -> ordered keys. Read-only: a placement round walks these lists while it
+    def groups(self) -> dict[Group, list[QueueKey]]:
+        """``(gpu_count, share key)`` -> ordered keys. Read-only: a placement round walks these lists while it
         decides, and the core removes placed tasks only after the round has decided."""
         return self._by_gpus
 

@@ -22,6 +22,8 @@ from typing import Callable, Iterable
 
 from opentinker.common.v1 import common_pb2
 
+from .placement import share_key
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
     task_id        TEXT PRIMARY KEY,
@@ -110,6 +112,12 @@ class TaskRow:
     @property
     def workload_type(self) -> str:
         return self.spec.workload_type
+
+    @property
+    def share_key(self) -> str | None:
+        """GPU-sharing key (:func:`~opentinker_scheduler.placement.share_key`): the base model of
+        a LoRA task on GPUs, None for a task that needs its GPUs to itself."""
+        return share_key(self.spec.workload_type, self.spec.model, self.gpu_count)
 
 
 _COLUMNS = (

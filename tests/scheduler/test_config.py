@@ -27,6 +27,7 @@ def test_seed_config_loads() -> None:
     assert cfg.priority_of("lora_finetune") == 1
     assert cfg.priority_of("sft") is None
     assert cfg.workload_names == ("lora_finetune", "full_rl")
+    assert cfg.max_tasks_per_gpu == 2 and cfg.preemption_timeout_s == 120.0  # documented defaults
 
 
 @pytest.mark.parametrize(
@@ -40,6 +41,9 @@ def test_seed_config_loads() -> None:
         (SEED.replace("priority: 2", "priority: high"), 9, "workload_types[1].priority"),
         (SEED + "lease: 1\nheartbeat_interval: 2\n", 10, "lease"),
         (SEED + "resource_pool: []\n", 10, "resource_pool"),
+        (SEED + "max_tasks_per_gpu: 0\n", 10, "max_tasks_per_gpu"),
+        (SEED + "max_tasks_per_gpu: two\n", 10, "max_tasks_per_gpu"),
+        (SEED + "preemption_timeout: 0\n", 10, "preemption_timeout"),
     ],
 )
 def test_bad_config_names_file_line_and_key(text: str, line: int, key: str) -> None:

@@ -23,8 +23,8 @@ def make_core(tmp: Path, **kw) -> SchedulerCore:
     return SchedulerCore(cfg, Store(tmp))
 
 
-def spec(gpus: int = 0, **hp) -> C.TaskSpec:
-    s = C.TaskSpec(workload_type="lora_finetune", model="/models/m", resources=C.Resources(gpu_count=gpus))
+def spec(gpus: int = 0, model: str = "/models/m", **hp) -> C.TaskSpec:
+    s = C.TaskSpec(workload_type="lora_finetune", model=model, resources=C.Resources(gpu_count=gpus))
     h = struct_pb2.Struct()
     h.update(hp)
     s.hyperparameters.CopyFrom(h)
@@ -283,8 +283,8 @@ def test_ledger_never_negative_or_leaking(tmp_path_factory, sequence) -> None:
     for op, k in sequence:
         node = core.nodes["gpu-node-01"]
         active = [t for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED, C.TASK_STATE_RUNNING])]
-        if op == "submit":
-            core.submit(spec(gpus=k % 3), owner="u")
+        if op == "submit":  # LoRA tasks on two base models: same-model ones may share GPUs
+            core.submit(spec(gpus=k % 3, model=f"/models/m{k % 2}"), owner="u")
         elif op == "schedule":
             core.schedule()
         elif op in ("finish", "fail") and active:
@@ -318,11 +318,20 @@ def test_ledger_never_negative_or_leaking(tmp_path_factory, sequence) -> None:
             core = make_core(tmp, lease_s=0.01, default_max_attempts=3)
             running = [(t.task_id, t.attempt) for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED, C.TASK_STATE_RUNNING])]
             register(core, running=running)
-        # Invariants: the ledger matches the store, no GPU is given twice, none beyond the node.
+        # Invariants: the ledger matches the store; a GPU is held by one task, or by at most
+        # max_tasks_per_gpu LoRA tasks on the same base model; none beyond the node.
         node = core.nodes["gpu-node-01"]
-        used = [d for _, devs in node.allocations.values() for d in devs]
-        assert len(used) == len(set(used))
-        assert all(0 <= d < node.gpu_count for d in used)
+        tenants: dict[int, list[str]] = {}
+        for tid, (_, devs) in node.allocations.items():
+            assert len(devs) == len(set(devs))
+            for d in devs:
+                tenants.setdefault(d, []).append(tid)
+        for d, tids in tenants.items():
+            assert 0 <= d < node.gpu_count
+            assert len(tids) <= core.config.max_tasks_per_gpu
+            if len(tids) > 1:
+                models = {core.get(t).spec.model for t in tids}
+                assert len(models) == 1, f"GPU {d} shared across base models {models}"
         assert len(node.allocations) <= node.max_tasks
         active_ids = {(t.task_id, t.attempt) for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED, C.TASK_STATE_RUNNING])}
         held = {(tid, a) for tid, (a, _) in node.allocations.items()}

@@ -8,7 +8,12 @@ import time
 
 from opentinker.common.v1 import common_pb2 as C
 
-from .test_core import drain, make_core, register, report, spec
+from .test_core import drain, make_core as _make_core, register, report, spec
+
+
+def make_core(tmp, **kw):
+    """These tests are about preemption of tasks that hold their GPUs alone."""
+    return _make_core(tmp, **{"max_tasks_per_gpu": 1, **kw})
 
 
 def prio_spec(gpus: int, priority: int, **kw) -> C.TaskSpec:

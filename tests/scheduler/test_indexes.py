@@ -34,13 +34,13 @@ def test_pending_queue_order_position_and_groups() -> None:
         q.put(row(tid, prio, t, g))
     assert [r.task_id for r in q] == ["d", "b", "c", "a"]  # priority desc, then oldest
     assert [q.position(t) for t in "dbca"] == [1, 2, 3, 4]
-    assert {g: [k[2] for k in keys] for g, keys in q.groups().items()} == {0: ["d", "a"], 1: ["b", "c"]}
+    assert {g: [k[2] for k in keys] for g, keys in q.groups().items()} == {(0, None): ["d", "a"], (1, None): ["b", "c"]}
     q.put(row("b", 2, 5.0, 1))  # replacing a row keeps one entry
     assert len(q) == 4
     assert q.discard("b").task_id == "b" and q.discard("b") is None
     assert [r.task_id for r in q] == ["d", "c", "a"] and q.position("c") == 2 and q.position("b") == 0
     q.discard("c")
-    assert 1 not in q.groups()
+    assert (1, None) not in q.groups()
 
 
 def test_free_nodes_best_fit_matches_policy() -> None:
@@ -58,24 +58,28 @@ def test_free_nodes_best_fit_matches_policy() -> None:
     assert not free and free.most_free_gpus() == -1
 
 
+def _copy(n: NodeCapacity) -> NodeCapacity:
+    return NodeCapacity(n.node_id, n.gpu_count, n.max_tasks, n.running, sorted(n.free_gpus), n.accepting, dict(n.gpu_share), n.max_tasks_per_gpu)
+
+
 def _round(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> list[Placement]:
-    caps = {n.node_id: NodeCapacity(n.node_id, n.gpu_count, n.max_tasks, n.running, sorted(n.free_gpus), n.accepting) for n in nodes}
+    caps = {n.node_id: _copy(n) for n in nodes}
     free = FreeNodes()
     for c in caps.values():
         free.update(c)
     by_id = {t.task_id: t for t in tasks}
-    groups: dict[int, list] = {}
+    groups: dict[tuple, list] = {}
     for t in tasks:
-        groups.setdefault(t.gpu_count, []).append((-t.priority, t.create_time, t.task_id))
+        groups.setdefault((t.gpu_count, t.share_key), []).append((-t.priority, t.create_time, t.task_id))
     for keys in groups.values():
         keys.sort()
     out: list[Placement] = []
 
-    def take(key, gpu_count: int, node_id: str) -> None:
+    def take(key, group, node_id: str) -> None:
         c = caps[node_id]
-        devices, c.free_gpus = tuple(c.free_gpus[:gpu_count]), c.free_gpus[gpu_count:]
-        c.running += 1
-        free.update(c)
+        devices = c.choose_devices(*group)
+        c.book(devices, group[1])
+        free.update(_copy(c))
         out.append(Placement(key[2], node_id, devices))
 
     reserve = lambda key, gpu_count: reservation_node(gpu_count, caps.values())  # noqa: E731
@@ -83,25 +87,47 @@ def _round(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> l
     return out
 
 
-@settings(max_examples=300, deadline=None)
+def _shared_node(i: int, g: int, u: int, m: int, running: int, accepting: bool, share: int, per_gpu: int) -> NodeCapacity:
+    """A node whose first ``u`` GPUs are busy; of those, the first ``share`` are held by LoRA tasks
+    on base model "a" or "b" (alternating), with 1..per_gpu tasks on each."""
+    u = min(u, g)
+    gpu_share = {d: ("ab"[d % 2], 1 + (d * 7 + i) % per_gpu) for d in range(min(share, u))}
+    return NodeCapacity(f"n{i}", g, m, running, list(range(u, g)), accepting, gpu_share, per_gpu)
+
+
+@settings(max_examples=400, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(0, 5), st.integers(-2, 2), st.booleans()), max_size=40),
-    st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8), st.integers(1, 6), st.integers(0, 3), st.booleans()), max_size=8),
+    st.lists(st.tuples(st.integers(0, 5), st.integers(-2, 2), st.booleans(), st.sampled_from([None, "a", "b"])), max_size=40),
+    st.lists(
+        st.tuples(st.integers(0, 8), st.integers(0, 8), st.integers(1, 6), st.integers(0, 3), st.booleans(), st.integers(0, 4), st.integers(1, 3)),
+        max_size=8,
+    ),
 )
 def test_place_round_agrees_with_plan(task_specs, node_specs) -> None:
-    """The incremental round the core runs places exactly what the reference policy places."""
-    tasks = [PendingTask(f"t{i:02d}", prio, float(i % 7), gpus, not_before=50.0 if waiting else 0.0) for i, (gpus, prio, waiting) in enumerate(task_specs)]
-    nodes = [
-        NodeCapacity(f"n{i}", g, m, running, list(range(min(u, g), g)), accepting)
-        for i, (g, u, m, running, accepting) in enumerate(node_specs)
+    """The incremental round the core runs places exactly what the reference policy places,
+    with GPU sharing between LoRA tasks on the same base model in play."""
+    tasks = [
+        PendingTask(f"t{i:02d}", prio, float(i % 7), gpus, not_before=50.0 if waiting else 0.0, share_key=key if gpus else None)
+        for i, (gpus, prio, waiting, key) in enumerate(task_specs)
     ]
+    nodes = [_shared_node(i, *spec_) for i, spec_ in enumerate(node_specs)]
     expected, _ = plan(tasks, nodes, now=10.0)
     assert _round(tasks, nodes, now=10.0) == expected
+    # plan itself never overfills a GPU nor mixes base models on one.
+    caps = {n.node_id: _copy(n) for n in nodes}
+    for p in expected:
+        task = next(t for t in tasks if t.task_id == p.task_id)
+        c = caps[p.node_id]
+        for d in p.device_indices:
+            if d not in c.free_gpus:
+                k, n = c.gpu_share[d]
+                assert task.share_key == k and n < c.max_tasks_per_gpu
+        c.book(p.device_indices, task.share_key)
 
 
 def test_schedule_is_cheap_with_a_deep_queue(tmp_path) -> None:
     """Nothing free: a round does not touch the queue; capacity frees: the oldest fitting go."""
-    core = make_core(tmp_path)
+    core = make_core(tmp_path, max_tasks_per_gpu=1)
     node, _ = register(core, gpus=4)
     big = [core.submit(spec(gpus=4), owner="u") for _ in range(3)]
     small = [core.submit(spec(gpus=1), owner="u") for _ in range(50)]

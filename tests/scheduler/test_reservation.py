@@ -49,7 +49,7 @@ def test_reserved_node_gets_nothing_from_behind(task_specs, node_specs) -> None:
 
 def test_core_round_keeps_reserved_node_for_big_task(tmp_path) -> None:
     """Small tasks keep arriving on a one-node cluster: the big task still gets the node."""
-    core = make_core(tmp_path)
+    core = make_core(tmp_path, max_tasks_per_gpu=1)
     node, _ = register(core)
     first = core.submit(spec(gpus=2), owner="u")
     core.schedule()
@@ -66,7 +66,7 @@ def test_core_round_keeps_reserved_node_for_big_task(tmp_path) -> None:
 
 
 def test_core_round_backfills_on_other_nodes(tmp_path) -> None:
-    core = make_core(tmp_path)
+    core = make_core(tmp_path, max_tasks_per_gpu=1)
     a, _ = register(core, node_id="a", gpus=4)
     b, _ = register(core, node_id="b", gpus=2)
     first = core.submit(spec(gpus=3), owner="u")
