@@ -12,7 +12,7 @@ HTTP_PORT ?= 8889
 SCHEDULER_URL ?= http://localhost:$(PORT)
 NODE_ID ?= $(shell hostname)-trainer
 
-.PHONY: install proto proto-check scheduler trainer demo test test-fast bench clean
+.PHONY: install proto proto-check scheduler trainer demo test test-fast bench bench-scheduler bench-service bench-inference bench-rl bench-security bench-sft bench-lm-game clean
 
 # Stamp files make `install` a no-op when already done.
 install: $(VENV)/.installed $(MODEL_DIR)/config.json
@@ -49,10 +49,38 @@ test: install proto-check
 test-fast: install
 	$(PY) -m pytest -q -m "not e2e"
 
-# Scheduler scale on loopback: simulated nodes, 10,000 tasks; figures in BENCHMARKS.md.
-# Options: make bench BENCH_ARGS="--nodes 1000" (see scripts/bench_scheduler.py --help).
-bench: install
+# Benchmarks print figures (ratios against a baseline measured in the same run); they are not
+# tests. `make bench` runs the main ones (about 25 min on 2 cores); each has its own target.
+# Figures and the commands that gave them: BENCHMARKS.md.
+bench: bench-scheduler bench-service bench-inference bench-rl bench-security
+
+# Scheduler scale on loopback: simulated nodes, 10,000 tasks.
+# Options: make bench-scheduler BENCH_ARGS="--nodes 1000" (see scripts/bench_scheduler.py --help).
+bench-scheduler: install
 	$(PY) scripts/bench_scheduler.py $(BENCH_ARGS)
+
+# One lora_finetune GRPO workload through scheduler + trainer against the same call in-process.
+bench-service: install
+	$(PY) scripts/bench_service.py
+
+# GenerateStream against transformers generate; memory with 8 adapters against 1.
+bench-inference: install
+	$(PY) scripts/bench_inference.py
+
+# PPO learning curves: CartPole-v1 steps to 475, Acrobot-v1 (add --only spread-shared etc.).
+bench-rl: install
+	$(PY) scripts/bench_ppo.py --only cartpole --only acrobot
+
+# What API keys, audit and TLS cost per call.
+bench-security: install
+	$(PY) scripts/bench_security.py
+
+# Learning checks on the real model (minutes each): SFT eval loss, an LM playing FrozenLake.
+bench-sft: install
+	$(PY) scripts/bench_sft.py
+
+bench-lm-game: install
+	$(PY) scripts/bench_lm_game.py
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

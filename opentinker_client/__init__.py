@@ -17,6 +17,9 @@ from opentinker_client.client import RLClient
 from opentinker_client.config import TaskConfig, load_task_config, parse_task_config
 from opentinker_client.convert import DeviceInfo, DeviceTelemetry, NodeInfo, TaskEvent, TaskInfo
 from opentinker_client.environment import Environment
+from opentinker_client.env_server import EnvironmentServer
+from opentinker_client.evaluate import EvalResult, evaluate
+from opentinker_client.inference import CheckpointInfo, Generation, InferenceClient, StreamChunk
 from opentinker_client.errors import (
     AlreadyExistsError,
     ConfigError,
@@ -32,10 +35,12 @@ from opentinker_client.errors import (
     UnavailableError,
 )
 from opentinker_client.url import parse_scheduler_url
+from opentinker_client.keys import ApiKeyInfo, KeyAdmin
 
 __all__ = [
     "RLClient",
     "Environment",
+    "EnvironmentServer",
     "TaskConfig",
     "load_task_config",
     "parse_task_config",
@@ -57,4 +62,12 @@ __all__ = [
     "UnavailableError",
     "DeadlineExceededError",
     "TaskFailedError",
+    "InferenceClient",
+    "Generation",
+    "StreamChunk",
+    "CheckpointInfo",
+    "EvalResult",
+    "evaluate",
+    "KeyAdmin",
+    "ApiKeyInfo",
 ]

@@ -8,9 +8,13 @@
     opentinker get TASK_ID
     opentinker cancel TASK_ID
     opentinker nodes                         # nodes and per-GPU telemetry
+    opentinker logs TASK_ID [--follow]       # state changes, errors, checkpoints as lines
+    opentinker plot TASK_ID -o curves.png    # reward and loss vs step (extra: plot)
+    opentinker export TASK_ID --tensorboard runs/tb   # TensorBoard event files (extra: tensorboard)
 
 The scheduler is ``--scheduler-url``, else ``$SCHEDULER_URL``, else ``localhost:8888``; the API key
-is ``--api-key``, else ``$OPENTINKER_API_KEY``.
+is ``--api-key``, else ``$OPENTINKER_API_KEY``. TLS: ``$OPENTINKER_TLS_CA`` (the scheduler's CA; for
+mTLS also ``$OPENTINKER_TLS_CERT``/``$OPENTINKER_TLS_KEY``). ``opentinker keys ...`` manages API keys.
 
 Exit codes: 0 success (for ``watch``: the task SUCCEEDED); 1 the task ended FAILED or CANCELLED;
 2 an error (one line on stderr: ``error: INVALID_ARGUMENT: ...``); 130 interrupted.
@@ -149,12 +153,15 @@ def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
 
 
 def _cmd_watch(client: RLClient, args: argparse.Namespace) -> int:
-    return _follow(client, args.task_id, after_sequence=args.after_sequence)
+    return _follow(client, args.task_id, after_sequence=args.after_sequence, plain=args.plain)
 
 
-def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0) -> int:
+def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: bool = False) -> int:
+    """Follow a task. On a terminal (and with a known step total, unless ``plain``): a progress
+    bar (step of total, reward, loss, elapsed, ETA) under the state changes and checkpoints;
+    otherwise (pipes, logs, tests) a line per step."""
     from rich.logging import RichHandler
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     console = _console()
     task = client.get_task(task_id)  # NOT_FOUND exits 2 before anything is drawn
@@ -173,8 +180,10 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0) -> int:
         MofNCompleteColumn(),
         TextColumn("{task.fields[stats]}"),
         TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
         console=console,
-        disable=not console.is_terminal or total is None,
+        disable=plain or not console.is_terminal or total is None,
         transient=False,
     )
     handler = RichHandler(console=console, show_path=False, show_time=False)
@@ -185,7 +194,8 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0) -> int:
             bar = progress.add_task("steps", total=total, completed=task.latest_step, stats="")
             for event in client.watch(task_id, after_sequence=after_sequence):
                 if event.kind == "metric":
-                    progress.console.print(_metric_line(event, total))
+                    if progress.disable:  # the bar shows the step otherwise
+                        progress.console.print(_metric_line(event, total))
                     m = event.metrics
                     progress.update(
                         bar,
@@ -391,6 +401,64 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
+    task = client.get_task(args.task_id)  # NOT_FOUND exits 2
+    console = _console()
+    # Following ends by itself after the terminal event; otherwise just the history so far.
+    events = client.watch(task.task_id, follow=bool(args.follow or task.done))
+    for event in events:
+        if event.kind == "state":
+            line = _state_line(event)
+            if event.to_state == "failed":
+                line = f"[red]{line}[/red]"
+        elif event.kind == "checkpoint":
+            line = _checkpoint_line(event)
+        elif event.kind == "metric":
+            if not args.metrics:
+                continue
+            line = _metric_line(event, None)
+        else:
+            continue
+        console.print(f"{_fmt_time(event.time)}  #{event.sequence}  {line}")
+    final = client.get_task(task.task_id) if (args.follow or task.done) else task
+    if final.error and final.done:
+        console.print(f"error: {_escape(final.error)}")
+    return EXIT_OK
+
+
+def _cmd_plot(client: RLClient, args: argparse.Namespace) -> int:
+    from opentinker_client.plot import MissingExtraError, plot_history
+
+    task = client.get_task(args.task_id)
+    history = client.get_metric_history(task.task_id)
+    out = args.output or f"{task.task_id}.png"
+    title = f"{task.task_id}" + (f" {task.name}" if task.name else "") + f" ({task.workload_type}, {task.state})"
+    try:
+        counts = plot_history(history, out, title=title, keys=tuple(args.key or ("reward", "loss")))
+    except MissingExtraError as exc:
+        return _error(exc)
+    except ValueError as exc:
+        return _error(f"task {task.task_id}: {exc}")
+    print(f"wrote {out}: " + ", ".join(f"{n} {k} point(s)" for k, n in counts.items()))
+    return EXIT_OK
+
+
+def _cmd_export(client: RLClient, args: argparse.Namespace) -> int:
+    from opentinker_client.export import MissingExtraError, export_tensorboard
+
+    task = client.get_task(args.task_id)
+    history = client.get_metric_history(task.task_id)
+    if not history:
+        return _error(f"task {task.task_id}: nothing to export, no metric points yet (state {task.state})")
+    description = {k: v for k, v in _task_json(task).items() if k in ("task_id", "name", "workload_type", "model", "state", "attempt", "env_config", "hyperparameters")}
+    try:
+        folder, written = export_tensorboard(history, args.tensorboard, run=task.task_id, description=description)
+    except MissingExtraError as exc:
+        return _error(exc)
+    print(f"wrote {written} scalar(s) over {len(history)} step(s) to {folder} (view: tensorboard --logdir {args.tensorboard})")
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------------------------
 # Parser and entry point.
 
@@ -418,9 +486,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-id", default=None, help="idempotency key: resubmitting with the same id returns the same task")
     p.set_defaults(func=_cmd_submit)
 
-    p = sub.add_parser("watch", help="follow a task: a line per step and per state change; exit 0 if it succeeds")
+    p = sub.add_parser("watch", help="follow a task: a progress bar on a terminal (else a line per step) and a line per state change; exit 0 if it succeeds")
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument("--after-sequence", type=int, default=0, help="start after this event sequence number")
+    p.add_argument("--plain", action="store_true", help="a line per step even on a terminal (no progress bar)")
     p.set_defaults(func=_cmd_watch)
 
     p = sub.add_parser("list", help="list tasks, newest first")
@@ -440,7 +509,58 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("nodes", help="list trainer nodes and per-GPU telemetry")
     p.set_defaults(func=_cmd_nodes)
+
+    # Operations: logs, plot, export (opentinker_client/plot.py, opentinker_client/export.py).
+    p = sub.add_parser("logs", help="a task's state changes, errors and checkpoints as lines (--follow to keep going)")
+    p.add_argument("task_id", metavar="TASK_ID")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the task ends")
+    p.add_argument("--metrics", action="store_true", help="also a line per training step")
+    p.set_defaults(func=_cmd_logs)
+
+    p = sub.add_parser("plot", help="write a PNG of a task's reward and loss curves (needs the plot extra: matplotlib)")
+    p.add_argument("task_id", metavar="TASK_ID")
+    p.add_argument("-o", "--output", default=None, metavar="FILE", help="image file, .png/.svg/.pdf (default: TASK_ID.png)")
+    p.add_argument("--key", action="append", default=None, metavar="KEY", help="metric to draw, one panel each (repeatable; default: reward and loss)")
+    p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("export", help="export a task's metrics (TensorBoard event files; needs the tensorboard extra)")
+    p.add_argument("task_id", metavar="TASK_ID")
+    p.add_argument("--tensorboard", required=True, metavar="DIR", help="TensorBoard log folder; the task is the run DIR/TASK_ID")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("serve", help="serve a finished lora_finetune/sft task's adapter; prints the endpoint")
+    p.add_argument("task_id", metavar="TASK_ID")
+    p.add_argument("--ttl", type=float, default=3600.0, help="seconds a newly started server runs (default %(default)s)")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs for a newly started server (default 0)")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("eval", help="mean reward of a trained adapter and of its base model on the task's environment")
+    p.add_argument("task_id", metavar="TASK_ID")
+    p.add_argument("--episodes", type=int, default=32, help="problems per model (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=16, help="reply length limit (default %(default)s)")
+    p.set_defaults(func=_cmd_eval)
+
+    from opentinker_client.cli_keys import add_keys_parser
+
+    add_keys_parser(sub)  # opentinker keys create|list|revoke|rotate
     return parser
+
+
+def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
+    llm = client.serve(args.task_id, ttl=args.ttl, gpu_count=args.gpus)
+    print(f"adapter {args.task_id} served by inference task {llm.task_id} at {llm.endpoint}")
+    return 0
+
+
+def _cmd_eval(client: RLClient, args: argparse.Namespace) -> int:
+    from opentinker_client.evaluate import evaluate
+
+    env = dict(client.get_task(args.task_id).env_config) or "arithmetic"
+    llm = client.serve(args.task_id)
+    for label, adapter in (("base model", None), (f"adapter {args.task_id}", args.task_id)):
+        r = evaluate(llm, env=env, episodes=args.episodes, adapter=adapter, max_tokens=args.max_tokens)
+        print(f"{label}: mean reward {r.mean_reward:.3f} ± {r.stderr:.3f} over {r.episodes} episodes of {r.env_id}")
+    return 0
 
 
 def _error(message: Any) -> int:

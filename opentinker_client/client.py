@@ -19,6 +19,7 @@ status code.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import logging
@@ -35,6 +36,8 @@ import grpc
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from opentinker_client.config import TaskConfig, load_task_config
 from opentinker_client.convert import (
+    DatasetInfo,
+    dataset_from_proto,
     NodeInfo,
     TaskEvent,
     TaskInfo,
@@ -57,6 +60,9 @@ from opentinker_client.url import parse_scheduler_url
 
 __all__ = ["RLClient", "DEFAULT_SCHEDULER_URL"]
 
+#: Bytes per UploadDataset message.
+UPLOAD_CHUNK_BYTES = 1024 * 1024
+
 log = logging.getLogger("opentinker_client")
 
 #: Used when neither ``scheduler_url`` nor the ``SCHEDULER_URL`` environment variable is set.
@@ -73,7 +79,7 @@ _SERVICE_CONFIG = json.dumps(
             {
                 "name": [
                     {"service": _SERVICE, "method": m}
-                    for m in ("SubmitTask", "GetTask", "ListTasks", "CancelTask", "GetMetrics", "ListNodes")
+                    for m in ("SubmitTask", "GetTask", "ListTasks", "CancelTask", "GetMetrics", "ListNodes", "ListCheckpoints")
                 ],
                 "retryPolicy": {
                     "maxAttempts": 5,
@@ -141,10 +147,15 @@ class RLClient:
             same task, sleeping if it is called sooner, so that the seed's tight
             ``while not client.is_task_complete(...)`` loop polls about once a second instead
             of flooding the scheduler. 0 turns this off.
+        root_certificates: PEM file of the CA that signed the scheduler's TLS certificate; turns
+            TLS on. ``None`` reads ``OPENTINKER_TLS_CA``; unset = plaintext.
+        client_cert, client_key: PEM files for mTLS (schedulers with ``tls.client_auth: all``);
+            ``None`` reads ``OPENTINKER_TLS_CERT`` / ``OPENTINKER_TLS_KEY``.
 
     Raises:
         ValueError: ``scheduler_url`` is not a valid address (see
-            :func:`~opentinker_client.url.parse_scheduler_url`).
+            :func:`~opentinker_client.url.parse_scheduler_url`), or a TLS file cannot be read
+            or is not PEM.
 
     The connection is made lazily; an unreachable scheduler shows up as
     :class:`~opentinker_client.errors.UnavailableError` on the first call. Use as a context
@@ -161,6 +172,9 @@ class RLClient:
         timeout: float = 30.0,
         api_key: str | None = None,
         min_poll_interval: float = 1.0,
+        root_certificates: str | os.PathLike | None = None,
+        client_cert: str | os.PathLike | None = None,
+        client_key: str | os.PathLike | None = None,
     ) -> None:
         if scheduler_url is None:
             scheduler_url = os.environ.get("SCHEDULER_URL") or DEFAULT_SCHEDULER_URL
@@ -173,25 +187,79 @@ class RLClient:
         if api_key is None:
             api_key = os.environ.get("OPENTINKER_API_KEY") or ""
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._channel = grpc.insecure_channel(self.target, options=_channel_options())
+        from opentinker_client.tls import channel_credentials
+
+        creds = channel_credentials(root_certificates, client_cert, client_key)
+        if creds is None:
+            self._channel = grpc.insecure_channel(self.target, options=_channel_options())
+        else:
+            self._channel = grpc.secure_channel(self.target, creds, options=_channel_options())
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
         self._closed = False
         self._last_poll: dict[str, float] = {}
         self._poll_lock = threading.Lock()
+        self._env_servers: list[Any] = []  # EnvironmentServer objects this client started
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the channel. Open :meth:`watch` iterators end with an error. Idempotent."""
+        """Close the channel and stop the environments this client serves (their tasks then fail
+        after their ``grace_s``). Open :meth:`watch` iterators end with an error. Idempotent."""
+        for server in list(getattr(self, "_env_servers", ())):
+            server.stop()
         if not self._closed:
             self._closed = True
             self._channel.close()
+
+    def serve_environment(
+        self, env: Environment, *, host: str | None = None, port: int = 0, advertise_host: str | None = None, factory: Any = None
+    ) -> Any:
+        """Serve a client-hosted environment (a subclass of :class:`Environment` that defines
+        ``reset``/``step``) to trainers, and return the started
+        :class:`~opentinker_client.env_server.EnvironmentServer`.
+
+        Use as a context manager for an explicit lifetime; submit ``server.env_config``::
+
+            with client.serve_environment(MyEnv()) as server:
+                task_id = client.submit_task(env_config=server.env_config, workload_type="full_rl")
+                client.wait(task_id)
+
+        It stops on leaving the ``with`` block, on ``server.stop()`` or on :meth:`close`.
+
+        Args:
+            host: interface to bind; default ``$OPENTINKER_ENV_HOST`` or ``127.0.0.1``. Trainers
+                on other machines need ``0.0.0.0`` (or the interface they reach) here.
+            port: 0 picks a free port.
+            advertise_host: the host trainers dial, when it differs from ``host``.
+            factory: makes one instance per trainer env (default: a deep copy of ``env``).
+
+        Raises:
+            InvalidArgumentError: missing or bad declared spaces/options (field path named).
+            OSError: the port cannot be bound.
+        """
+        from opentinker_client.env_server import EnvironmentServer
+
+        if self._closed:
+            raise OpenTinkerError("this RLClient is closed")
+        server = EnvironmentServer(env, host=host, port=port, advertise_host=advertise_host, factory=factory).start()
+        self._env_servers.append(server)
+        return server
 
     def __enter__(self) -> "RLClient":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    @property
+    def keys(self) -> Any:
+        """API key management (:class:`~opentinker_client.keys.KeyAdmin`): ``client.keys.create(...)``,
+        ``list()``, ``revoke(prefix)``, ``rotate(prefix)``."""
+        from opentinker_client.keys import KeyAdmin
+
+        if self._closed:
+            raise OpenTinkerError("this RLClient is closed")
+        return KeyAdmin(self._channel, metadata=self._metadata, timeout=self.timeout)
 
     def __repr__(self) -> str:
         return f"RLClient(scheduler_url={self.scheduler_url!r})"
@@ -228,12 +296,17 @@ class RLClient:
         max_runtime: float | _dt.timedelta | None = None,
         max_attempts: int | None = None,
         request_id: str | None = None,
+        dataset: str | os.PathLike[str] | None = None,
+        init_from: str = "",
     ) -> str:
         """Submit a task; it starts PENDING and runs when a node has room.
 
         Args:
             env_config: the environment, as ``Environment(...).to_dict()`` gives it (an
                 :class:`Environment` is accepted too); ``None`` is the built-in ``arithmetic``.
+                A client-hosted environment (an :class:`Environment` subclass defining
+                ``reset``/``step``) is served from this process (see :meth:`serve_environment`)
+                until the task ends or this client is closed.
             workload_type: ``lora_finetune`` (implemented), ``full_rl``, ``sft``, ``inference``.
             gpu_count: GPUs, all on one node; 0 is a CPU task that runs on any node.
             model: base model (local folder on the nodes, or a hub id); ``""`` uses the
@@ -247,6 +320,11 @@ class RLClient:
             max_attempts: attempts in all, counting requeues after node loss (default 3).
             request_id: idempotency key (at most 128 characters); a retry with the same id
                 returns the first task instead of a second one. A random one is used when omitted.
+            dataset: for ``sft``: a local JSONL file of chat examples, uploaded first
+                (:meth:`upload_dataset`) and named in ``env_config`` as ``dataset_id``
+                (``env_id`` defaults to ``chat_jsonl``).
+            init_from: the id of a SUCCEEDED task (e.g. an ``sft`` one) whose final checkpoint
+                this task starts from, on the same ``model`` (SFT warm start, then RL).
 
         Returns:
             The new task's id.
@@ -258,6 +336,12 @@ class RLClient:
             ResourceExhaustedError: a limit such as tasks per owner.
             UnavailableError: the scheduler cannot be reached.
         """
+        hosted = None
+        if isinstance(env_config, Environment) and env_config.is_client_hosted:
+            # A client-hosted environment: serve it while the task runs (stopped when the task
+            # ends or this client closes).
+            hosted = self.serve_environment(env_config)
+            env_config = hosted.env_config
         if isinstance(env_config, Environment):
             env_config = env_config.to_dict()
         if env_config is not None and not isinstance(env_config, Mapping):
@@ -281,12 +365,23 @@ class RLClient:
             max_attempts=max_attempts,
             env=dict(env_config or {}),
             hyperparameters=dict(hyperparameters or {}),
+            init_from=init_from,
+            dataset=os.fspath(dataset) if dataset is not None else "",
         )
-        return self.submit_config(config, request_id=request_id)
+        if hosted is None:
+            return self.submit_config(config, request_id=request_id)
+        try:
+            task_id = self.submit_config(config, request_id=request_id)
+        except BaseException:
+            hosted.stop()
+            raise
+        hosted.stop_when_done(lambda: self._get_task(task_id).done)
+        return task_id
 
     def submit_config(self, config_or_path: TaskConfig | str | os.PathLike[str], *, request_id: str | None = None) -> str:
         """Submit a task from a :class:`TaskConfig` or a YAML file (see
-        :mod:`opentinker_client.config` for the format).
+        :mod:`opentinker_client.config` for the format). A ``dataset`` file is uploaded first
+        (:meth:`upload_dataset`) and named in ``env`` as ``dataset_id``.
 
         Returns:
             The new task's id.
@@ -302,9 +397,55 @@ class RLClient:
         else:
             config = load_task_config(config_or_path)
         config.check()
+        if config.dataset:  # sft: upload the local file first, then name it by its id
+            info = self.upload_dataset(config.dataset)
+            config = dataclasses.replace(config, env={"env_id": "chat_jsonl", **config.env, "dataset_id": info.dataset_id}, dataset="")
         request = scheduler_pb2.SubmitTaskRequest(spec=config.to_proto(), request_id=request_id or uuid.uuid4().hex)
         response = self._unary("SubmitTask", request)
         return response.task.task_id
+
+    def upload_dataset(self, path: str | os.PathLike[str], *, name: str | None = None, timeout: float | None = None) -> DatasetInfo:
+        """Upload a JSONL file of chat examples for ``sft`` tasks (one
+        ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line), streamed in 1 MiB chunks.
+
+        The scheduler checks every line while it arrives and stores the file by content, so
+        uploading the same bytes twice returns the same id and stores them once. Name it in a
+        task with ``env_config={"env_id": "chat_jsonl", "dataset_id": info.dataset_id}``, or pass
+        ``dataset=path`` to :meth:`submit_task`, which calls this first.
+
+        Args:
+            path: the local file.
+            name: a name for people (default: the file name).
+            timeout: seconds for the whole upload (default: none).
+
+        Returns:
+            :class:`~opentinker_client.convert.DatasetInfo` (``dataset_id`` ``sha256:<hex>``,
+            ``num_examples``, ``size_bytes``).
+
+        Raises:
+            OSError: the file cannot be read.
+            InvalidArgumentError: a bad line (the message names its number and what was
+                expected) or an empty file.
+            ResourceExhaustedError: larger than the scheduler's limit (256 MiB by default).
+            UnavailableError: the scheduler cannot be reached.
+        """
+        path = os.fspath(path)
+        size = os.path.getsize(path)
+        label = name if name is not None else os.path.basename(path)
+
+        def chunks() -> Iterator[scheduler_pb2.UploadDatasetRequest]:
+            with open(path, "rb") as fh:
+                yield scheduler_pb2.UploadDatasetRequest(name=label, total_bytes=size, chunk=fh.read(UPLOAD_CHUNK_BYTES))
+                while chunk := fh.read(UPLOAD_CHUNK_BYTES):
+                    yield scheduler_pb2.UploadDatasetRequest(chunk=chunk)
+
+        if self._closed:
+            raise OpenTinkerError("this RLClient is closed")
+        try:
+            response = self._stub.UploadDataset(chunks(), timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+        return dataset_from_proto(response.dataset)
 
     # -- read ---------------------------------------------------------------------------------
 
@@ -429,7 +570,9 @@ class RLClient:
 
     # -- follow -------------------------------------------------------------------------------
 
-    def watch(self, task_id: str, *, after_sequence: int = 0, reconnect_timeout: float | None = 300.0) -> Iterator[TaskEvent]:
+    def watch(
+        self, task_id: str, *, after_sequence: int = 0, follow: bool = True, reconnect_timeout: float | None = 300.0
+    ) -> Iterator[TaskEvent]:
         """Iterate over a task's events: state changes, metric points, checkpoints.
 
         Starts with the history after ``after_sequence`` (0: all of it), then live events, and
@@ -441,6 +584,7 @@ class RLClient:
 
         Args:
             after_sequence: resume after this event sequence number.
+            follow: False ends after the events recorded so far (no live ones).
             reconnect_timeout: seconds to keep trying while the scheduler is unreachable;
                 ``None`` tries for ever.
 
@@ -457,7 +601,7 @@ class RLClient:
             if self._closed:
                 raise OpenTinkerError("this RLClient is closed")
             call = self._stub.WatchTask(
-                scheduler_pb2.WatchTaskRequest(task_id=task_id, after_sequence=last), metadata=self._metadata
+                scheduler_pb2.WatchTaskRequest(task_id=task_id, after_sequence=last, history_only=not follow), metadata=self._metadata
             )
             unavailable: OpenTinkerError | None = None
             try:
@@ -479,6 +623,8 @@ class RLClient:
             finally:
                 call.cancel()
 
+            if unavailable is None and not follow:
+                return  # the history so far was sent whole
             if unavailable is None:
                 # The scheduler ends the stream when the task has ended; make sure it did.
                 try:
@@ -576,3 +722,50 @@ class RLClient:
         self._check_task_id(task_id)
         response = self._unary("CancelTask", scheduler_pb2.CancelTaskRequest(task_id=task_id, reason=reason))
         return task_from_proto(response.task)
+
+    # -- serve and fetch trained adapters (logic in opentinker_client.inference) -----------------
+
+    def serve(self, task_id: str, *, gpu_count: int = 0, ttl: float = 3600.0, max_resident_adapters: int = 8, timeout: float = 600.0):
+        """Serve the adapter of a finished ``lora_finetune`` or ``sft`` task, in one call.
+
+        Reuses a running (or queued) ``inference`` task for the same base model, else submits
+        one (``ttl`` seconds, ``gpu_count`` GPUs), waits until it serves, and returns an
+        :class:`~opentinker_client.inference.InferenceClient` bound to this task's adapter
+        (``client.generate(...)``; ``adapter=None`` on a call asks the base model).
+
+        Raises:
+            NotFoundError: no such task. FailedPreconditionError: not an adapter task, not
+            finished, or no checkpoint. TaskFailedError: the inference task ended before
+            serving. DeadlineExceededError: not serving within ``timeout`` seconds.
+        """
+        from opentinker_client.inference import serve_task
+
+        self._check_task_id(task_id)
+        return serve_task(self, task_id, gpu_count=gpu_count, ttl=ttl, max_resident_adapters=max_resident_adapters, timeout=timeout)
+
+    def list_checkpoints(self, task_id: str) -> list:
+        """The checkpoints a task recorded, oldest first
+        (:class:`~opentinker_client.inference.CheckpointInfo`).
+
+        Raises:
+            NotFoundError: no such task. InvalidArgumentError: empty id.
+        """
+        from opentinker_client.inference import checkpoint_from_proto
+
+        self._check_task_id(task_id)
+        response = self._unary("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id))
+        return [checkpoint_from_proto(c) for c in response.checkpoints]
+
+    def download_checkpoint(self, task_id: str, dest: str | os.PathLike[str], *, step: int | None = None):
+        """Download a checkpoint folder (the newest, or the one at ``step``) into ``dest``,
+        verifying each file's size and SHA-256; returns ``dest`` as a Path.
+
+        Raises:
+            NotFoundError: no such task or step. FailedPreconditionError: the scheduler cannot
+            read the folder. FileExistsError: ``dest`` is not an empty folder.
+            OpenTinkerError: a file arrived damaged (nothing is left at ``dest``).
+        """
+        from opentinker_client.inference import download_checkpoint
+
+        self._check_task_id(task_id)
+        return download_checkpoint(self._stub, self._metadata, task_id, dest, step=step)

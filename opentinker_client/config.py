@@ -11,6 +11,8 @@ Format (every key but ``workload_type`` is optional)::
     max_attempts: 3                               # attempts in all, counting requeues (default 3)
     env: {env_id: arithmetic, min_digits: 1, max_digits: 1}
     hyperparameters: {steps: 15, learning_rate: 2e-4}
+    init_from: task-0192f3c4d5e6f7a8b9c            # start from this SUCCEEDED task's final checkpoint
+    dataset: train.jsonl                          # sft: a local JSONL file, uploaded at submit
 
 ``env`` is the ``env_config`` (what ``Environment(...).to_dict()`` gives: ``env_id`` plus that
 environment's options; omitted: the built-in ``arithmetic`` task). ``hyperparameters`` are the
@@ -69,6 +71,8 @@ Yaml12Loader.add_implicit_resolver(
 
 # Stand-in for an empty model while validating locally: the scheduler fills in its default.
 _DEFAULT_MODEL_PLACEHOLDER = "<scheduler default model>"
+# Stand-in for the id of a `dataset` file not uploaded yet, while validating locally.
+_DATASET_ID_PLACEHOLDER = "sha256:" + "0" * 64
 
 _KEYS: dict[str, str] = {
     "name": "a string",
@@ -80,6 +84,8 @@ _KEYS: dict[str, str] = {
     "max_attempts": "an integer >= 0",
     "env": "a mapping (env_id and options)",
     "hyperparameters": "a mapping of hyper-parameter names to values",
+    "init_from": "the id of a finished task to start from (a string)",
+    "dataset": "a local JSONL file of chat examples to upload for sft (a path, relative to this file)",
 }
 
 
@@ -97,6 +103,9 @@ class TaskConfig:
         max_attempts: attempts in all (node loss and preemption count); ``None`` for the default (3).
         env: the ``env_config`` mapping (``env_id`` + options); empty means ``arithmetic``.
         hyperparameters: the workload's hyper-parameters; omitted ones take their defaults.
+        init_from: id of a SUCCEEDED task whose final checkpoint this one starts from; ``""`` = none.
+        dataset: a local JSONL file of chat examples (``sft``); ``RLClient.submit_config`` uploads
+            it and names it in ``env`` as ``dataset_id`` (``env_id`` defaults to ``chat_jsonl``).
         source: file it was read from, if any (not compared).
     """
 
@@ -109,6 +118,8 @@ class TaskConfig:
     max_attempts: int | None = None
     env: Mapping[str, Any] = field(default_factory=dict)
     hyperparameters: Mapping[str, Any] = field(default_factory=dict)
+    init_from: str = ""
+    dataset: str = ""
     source: str | None = field(default=None, compare=False)
 
     def check(self) -> TaskSpecModel:
@@ -151,6 +162,7 @@ class TaskConfig:
             hyperparameters=hp,
             resources=common_pb2.Resources(gpu_count=self.gpu_count),
             limits=common_pb2.Limits(max_attempts=self.max_attempts or 0),
+            init_from=self.init_from or "",
         )
         if self.max_runtime is not None:
             spec.limits.max_runtime.CopyFrom(seconds_to_duration(self.max_runtime))
@@ -163,16 +175,22 @@ def _check_parts(cfg: TaskConfig) -> TaskSpecModel:
     max_runtime = cfg.max_runtime
     if isinstance(max_runtime, _dt.timedelta):
         max_runtime = max_runtime.total_seconds()
+    env = dict(cfg.env or {})
+    if cfg.dataset:  # uploaded at submit; checked here with a stand-in id
+        if "dataset_id" in env or "path" in env:
+            raise SpecError("spec.env_config.dataset_id", "nothing here when `dataset` names a file to upload (it fills in dataset_id)", env.get("dataset_id", env.get("path")))
+        env = {"env_id": "chat_jsonl", **env, "dataset_id": _DATASET_ID_PLACEHOLDER}
     return TaskSpecModel.from_parts(
         workload_type=cfg.workload_type,
         model=cfg.model or _DEFAULT_MODEL_PLACEHOLDER,
-        env_config=dict(cfg.env or {}),
+        env_config=env,
         hyperparameters=dict(cfg.hyperparameters or {}),
         gpu_count=cfg.gpu_count,
         max_runtime_s=max_runtime,
         max_attempts=cfg.max_attempts or 0,
         priority=cfg.priority,
         name=cfg.name or "",
+        init_from=cfg.init_from or "",
     )
 
 
@@ -223,6 +241,7 @@ _SPEC_PREFIXES: tuple[tuple[str, Path], ...] = (
     ("spec.resources.gpu_count", ("gpu_count",)),
     ("spec.limits.max_runtime", ("max_runtime",)),
     ("spec.limits.max_attempts", ("max_attempts",)),
+    ("spec.init_from", ("init_from",)),
     ("spec", ()),
 )
 _PATH_PART = re.compile(r"\.([^.\[\]]+)|\[(\d+)\]")
@@ -252,7 +271,7 @@ def _line_for(path: Path, lines: dict[Path, int]) -> int | None:
 def _type_ok(key: str, value: Any) -> bool:
     if value is None:
         return key != "workload_type"
-    if key in ("name", "workload_type", "model"):
+    if key in ("name", "workload_type", "model", "init_from", "dataset"):
         return isinstance(value, str)
     if key in ("gpu_count", "priority", "max_attempts"):
         return isinstance(value, int) and not isinstance(value, bool)
@@ -320,6 +339,8 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
         max_attempts=data.get("max_attempts"),
         env=dict(opt("env", {})),
         hyperparameters=dict(opt("hyperparameters", {})),
+        init_from=opt("init_from", ""),
+        dataset=_beside(source, opt("dataset", "")),
         source=source,
     )
     try:
@@ -345,6 +366,13 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
             )
             raise ConfigError(msg.split(": ", 1)[-1], source=source, line=_line_for(path, lines), key=f"{part}.{sub}") from None
     return cfg
+
+
+def _beside(source: str, file: str) -> str:
+    """``file`` relative to the folder of the config file ``source`` (when it is a file)."""
+    if not file or os.path.isabs(file) or not os.path.isfile(source):
+        return file
+    return os.path.join(os.path.dirname(source), file)
 
 
 def load_task_config(path: str | os.PathLike[str]) -> TaskConfig:

@@ -36,6 +36,8 @@ __all__ = [
     "event_from_proto",
     "node_from_proto",
     "metric_points",
+    "DatasetInfo",
+    "dataset_from_proto",
 ]
 
 _STATE_PREFIX = "TASK_STATE_"
@@ -225,6 +227,7 @@ class TaskInfo:
         env_config, hyperparameters: the spec's mappings as plain dicts.
         max_runtime: wall-clock limit of one attempt in seconds, ``None`` for none.
         max_attempts: attempts allowed (0 = scheduler default).
+        init_from: id of the task whose final checkpoint this one started from, ``""`` for none.
         proto: the underlying ``common_pb2.Task`` (not compared, not shown).
     """
 
@@ -245,6 +248,7 @@ class TaskInfo:
     latest_metrics: Mapping[str, float] = field(default_factory=dict)
     checkpoint_path: str = ""
     checkpoint_step: int = 0
+    endpoint: str = ""  # host:port a RUNNING inference task serves on
     create_time: _dt.datetime | None = None
     update_time: _dt.datetime | None = None
     start_time: _dt.datetime | None = None
@@ -253,6 +257,7 @@ class TaskInfo:
     hyperparameters: Mapping[str, Any] = field(default_factory=dict)
     max_runtime: float | None = None
     max_attempts: int = 0
+    init_from: str = ""
     proto: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -288,6 +293,7 @@ def task_from_proto(task: common_pb2.Task) -> TaskInfo:
         latest_metrics=dict(task.latest_metrics),
         checkpoint_path=ckpt.path if ckpt is not None else "",
         checkpoint_step=ckpt.step if ckpt is not None else 0,
+        endpoint=task.endpoint,
         create_time=_field_time(task, "create_time"),
         update_time=_field_time(task, "update_time"),
         start_time=_field_time(task, "start_time"),
@@ -296,6 +302,7 @@ def task_from_proto(task: common_pb2.Task) -> TaskInfo:
         hyperparameters=struct_to_dict(spec.hyperparameters),
         max_runtime=duration_to_seconds(limits.max_runtime) if limits.HasField("max_runtime") else None,
         max_attempts=limits.max_attempts,
+        init_from=spec.init_from,
         proto=task,
     )
 
@@ -484,3 +491,29 @@ def node_from_proto(node: scheduler_pb2.Node) -> NodeInfo:
 def metric_points(points: Iterable[common_pb2.MetricPoint]) -> list[tuple[int, dict[str, float]]]:
     """MetricPoints -> ``[(step, {key: value})]`` in the order given."""
     return [(p.step, dict(p.values)) for p in points]
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets.
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """An uploaded dataset (``RLClient.upload_dataset``).
+
+    Attributes:
+        dataset_id: ``sha256:<hex>``, what ``env_config.dataset_id`` names.
+        name: the name given at upload (the file name by default).
+        size_bytes: bytes.
+        num_examples: examples (non-blank lines).
+    """
+
+    dataset_id: str
+    name: str = ""
+    size_bytes: int = 0
+    num_examples: int = 0
+
+
+def dataset_from_proto(info: scheduler_pb2.DatasetInfo) -> DatasetInfo:
+    """``scheduler_pb2.DatasetInfo`` -> :class:`DatasetInfo`."""
+    return DatasetInfo(dataset_id=info.dataset_id, name=info.name, size_bytes=info.size_bytes, num_examples=info.num_examples)

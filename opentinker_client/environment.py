@@ -12,16 +12,39 @@ Options of the built-in ``arithmetic`` task ("What is a + b?"; reward 1.0 for th
 - ``system_prompt``: text put before every question.
 - ``action_space``, ``observation_space``: the seed's sizes; a text task reads and writes free
   text, so they are recorded but not used.
+
+Client-hosted environments: a subclass that overrides :meth:`Environment.reset` and
+:meth:`Environment.step` (gymnasium's signatures) runs in your own process; pass the object to
+``RLClient.submit_task(env_config=env, ...)`` and the client serves it to the trainer over
+``EnvironmentService`` while the task runs (see :mod:`opentinker_client.env_server`)::
+
+    class Corridor(Environment):
+        def __init__(self):
+            super().__init__(action_space=2, observation_space=5, action_names=["left", "right"])
+            self.pos = 0
+
+        def reset(self, seed=None):
+            self.pos = 0
+            return self.pos
+
+        def step(self, action):
+            self.pos = max(0, min(4, self.pos + (1 if action == 1 else -1)))
+            done = self.pos == 4
+            return self.pos, float(done), done, False, {}
+
+Options of a client-hosted environment: ``observation_type`` (``"discrete"`` or ``"box"``),
+``action_names``, ``timeout_s`` (per call, default 30), ``grace_s`` (how long the trainer waits
+for an unreachable client, default 30), ``seed``, ``max_episode_steps``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from opentinker_client.errors import from_spec_error
+from opentinker_client.errors import InvalidArgumentError, from_spec_error
 from opentinker_client.spec import SpecError, validate_env_config
 
-__all__ = ["Environment"]
+__all__ = ["Environment", "client_env_config"]
 
 
 class Environment:
@@ -69,6 +92,12 @@ class Environment:
             InvalidArgumentError: unknown ``env_id`` or option, or a value of the wrong type or
                 out of range; ``err.field`` is its path, e.g. ``spec.env_config.max_digits``.
         """
+        if self.is_client_hosted:
+            raise InvalidArgumentError(
+                f"spec.env_config: {type(self).__name__} is a client-hosted environment (it defines reset/step): pass the "
+                "object itself, submit_task(env_config=env, ...), or use RLClient.serve_environment(env).env_config",
+                field="spec.env_config",
+            )
         data: dict[str, Any] = {"env_id": self.env_id}
         if self.action_space is not None:
             data["action_space"] = self.action_space
@@ -80,6 +109,40 @@ class Environment:
         except SpecError as err:
             raise from_spec_error(err) from None
         return data
+
+    # --- client-hosted environments (gymnasium's API) -------------------------------------------
+    # Override reset() and step() in a subclass and the environment runs in YOUR process: RLClient
+    # serves it over EnvironmentService and the trainer calls it (see opentinker_client.env_server).
+
+    def reset(self, seed: int | None = None) -> Any:
+        """Start a new episode; return the first observation (or ``(observation, info)`` as
+        gymnasium's ``reset`` does).
+
+        Override in a client-hosted environment. The observation is an int in
+        ``[0, observation_space)`` (``Discrete``), or ``observation_space`` numbers (a list or
+        array of any shape) with the option ``observation_type="box"``. ``seed`` is given when the
+        trainer wants a reproducible episode.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not define reset(seed=None)")
+
+    def step(self, action: int) -> tuple[Any, float, bool, bool, dict]:
+        """Take ``action`` (an int in ``[0, action_space)``); return gymnasium's
+        ``(observation, reward, terminated, truncated, info)``.
+
+        ``terminated``: the episode reached an end state (goal, hole); ``truncated``: it was cut
+        short (a time limit). ``info`` is a dict of JSON-able values (sent along, may be empty).
+        An exception raised here ends the task FAILED with its message.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not define step(action)")
+
+    def close(self) -> None:
+        """Release resources of one instance when the trainer is done with it (optional)."""
+
+    @property
+    def is_client_hosted(self) -> bool:
+        """True when this class overrides :meth:`step` or :meth:`reset` (runs in the client)."""
+        cls = type(self)
+        return cls.step is not Environment.step or cls.reset is not Environment.reset
 
     def __repr__(self) -> str:
         parts = [f"env_id={self.env_id!r}"]
@@ -102,3 +165,41 @@ class Environment:
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable
+
+
+#: Options of a client-hosted environment that go into its env_config (see spec.ClientEnvConfig).
+CLIENT_ENV_OPTIONS = ("observation_type", "action_names", "timeout_s", "grace_s", "seed", "max_episode_steps")
+
+
+def client_env_config(env: Any, *, endpoint: str):
+    """The validated :class:`~opentinker_client.spec.ClientEnvConfig` of a client-hosted ``env``
+    served at ``endpoint``: its declared ``action_space``/``observation_space`` and options.
+
+    Raises:
+        InvalidArgumentError: a missing or bad size or option; ``err.field`` names it
+            (``spec.env_config.action_space``).
+    """
+    options = dict(getattr(env, "options", None) or {})
+    unknown = sorted(set(options) - set(CLIENT_ENV_OPTIONS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"spec.env_config.{unknown[0]}: expected one of the options of a client-hosted environment "
+            f"({', '.join(CLIENT_ENV_OPTIONS)})",
+            field=f"spec.env_config.{unknown[0]}",
+        )
+    data: dict[str, Any] = {"env_id": "client", "endpoint": endpoint, **options}
+    for name in ("action_space", "observation_space"):
+        value = getattr(env, name, None)
+        if value is None:
+            raise InvalidArgumentError(
+                f"spec.env_config.{name}: a client-hosted environment must declare its {name} "
+                f"(e.g. super().__init__(action_space=4, observation_space=16))",
+                field=f"spec.env_config.{name}",
+            )
+        data[name] = value
+    if isinstance(data.get("action_names"), tuple):
+        data["action_names"] = list(data["action_names"])
+    try:
+        return validate_env_config(data)
+    except SpecError as err:
+        raise from_spec_error(err) from None

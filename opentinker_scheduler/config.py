@@ -24,10 +24,14 @@
                               # most (always within max_tasks); 1 = every task has its GPUs alone
     preemption_timeout: 120   # seconds a preemption waits for its victims' node to confirm they
                               # stopped before the scheduler gives up on it and may choose again
+    auth: {enabled: false}    # API keys and roles; production turns this on (see opentinker_scheduler/auth.py)
+    tls: {cert: ..., key: ...} # TLS, and mTLS for nodes with client_ca (see opentinker_scheduler/tls.py)
+    limits: {...}             # message/spec sizes, pending tasks, submit rate, streams (opentinker_scheduler/limits.py)
 
 **Priority**: a larger number is more important. Pending tasks are placed in order of
 priority (largest first), then age (oldest first). A workload type missing from
-``workload_types`` cannot be submitted. Priorities are integers in [-1000, 1000].
+``workload_types`` cannot be submitted. Priorities are integers in [-1000, 1000]. A config
+without ``workload_types`` allows all four: lora_finetune 1, full_rl 2, sft 1, inference 3.
 
 Unknown keys and wrong types are refused at start with the file, line and key named
 (:class:`ConfigError`).
@@ -44,6 +48,10 @@ import yaml
 
 from opentinker_client.config import Yaml12Loader
 from opentinker_client.spec import WORKLOAD_TYPES
+
+from .auth import AuthConfig, parse_auth
+from .limits import LimitsConfig, parse_limits
+from .tls import TlsConfig, parse_tls
 
 
 class ConfigError(ValueError):
@@ -66,9 +74,12 @@ class WorkloadTypeConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     resource_pool: tuple[PoolNode, ...] = ()
+    # Used when the config has no workload_types: every workload, serving first.
     workload_types: tuple[WorkloadTypeConfig, ...] = (
         WorkloadTypeConfig("lora_finetune", 1),
         WorkloadTypeConfig("full_rl", 2),
+        WorkloadTypeConfig("sft", 1),
+        WorkloadTypeConfig("inference", 3),
     )
     state_dir: Path = Path("state")
     allow_unknown_nodes: bool = True
@@ -81,6 +92,9 @@ class SchedulerConfig:
     max_tasks_per_gpu: int = 2
     preemption_timeout_s: float = 120.0
     source: str = "<defaults>"
+    auth: AuthConfig = AuthConfig()
+    tls: TlsConfig | None = None
+    limits: LimitsConfig = LimitsConfig()
 
     def priority_of(self, workload_type: str) -> int | None:
         for w in self.workload_types:
@@ -166,6 +180,9 @@ _TOP = {
     "restart_grace": "seconds",
     "max_tasks_per_gpu": "int",
     "preemption_timeout": "seconds",
+    "auth": "API keys",
+    "tls": "TLS files",
+    "limits": "limits",
 }
 
 
@@ -247,6 +264,13 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["max_tasks_per_gpu"] = r.scalar(top["max_tasks_per_gpu"][1], "max_tasks_per_gpu", int, 1, 1000)
     if "preemption_timeout" in top:
         kw["preemption_timeout_s"] = r.scalar(top["preemption_timeout"][1], "preemption_timeout", float, 1, 86400)
+
+    if "auth" in top:
+        kw["auth"] = parse_auth(r, top["auth"][1])
+    if "tls" in top:
+        kw["tls"] = parse_tls(r, top["tls"][1], base_dir)
+    if "limits" in top:
+        kw["limits"] = parse_limits(r, top["limits"][1])
 
     cfg = SchedulerConfig(**kw)
     if cfg.lease_s <= cfg.heartbeat_interval_s:

@@ -27,7 +27,7 @@ import time
 import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
-from opentinker_client.spec import SpecError, spec_from_proto
+from opentinker_client.spec import SpecError, spec_from_proto, task_uses_model
 
 from .commit import GroupCommit
 from .config import SchedulerConfig
@@ -36,6 +36,7 @@ from .nodes import NodeSession
 from .placement import FreeNodes, Group, NodeCapacity, PendingTask, place_round, reservation_node, why_pending
 from .preemption import NodeState, RunningAlloc, choose_victims
 from .queue import LiveTasks, PendingQueue, QueueKey, ReasonsView
+from .refs import init_checkpoint
 from .store import ACTIVE_STATES, TERMINAL_STATES, Store, TaskRow
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -170,7 +171,7 @@ class SchedulerCore:
                 return self.tasks.get(existing.task_id) or existing
         spec_copy = common_pb2.TaskSpec()
         spec_copy.CopyFrom(spec)
-        if not spec_copy.model:
+        if not spec_copy.model and task_uses_model(spec_copy.workload_type, _struct_dict(spec_copy, "env_config")):
             if not self.config.default_model:
                 raise InvalidArgument("spec.model: expected a model folder or hub id (the scheduler config has no default_model to fall back on)")
             spec_copy.model = self.config.default_model
@@ -204,7 +205,7 @@ class SchedulerCore:
         ev = common_pb2.TaskEvent(
             state_change=common_pb2.StateChange(
                 from_state=S.TASK_STATE_UNSPECIFIED, to_state=S.TASK_STATE_PENDING, attempt=1, reason="SUBMITTED",
-                message=f"{model.workload_type} on {model.model} ({model.gpu_count} GPU(s)) submitted by {owner}",
+                message=f"{model.workload_type} on {model.model or model.env.env_id} ({model.gpu_count} GPU(s)) submitted by {owner}",
             )
         )
         self.store.insert_task(task, ev)
@@ -410,6 +411,9 @@ class SchedulerCore:
                 node.release(rep.task_id)
             return False
 
+        if rep.endpoint:  # an inference server of this attempt listens there (Task.endpoint)
+            self.store.set_endpoint(task.task_id, rep.attempt, rep.endpoint)
+            self._notify()
         events: list[common_pb2.TaskEvent] = []
         for point in rep.metrics:
             events.append(common_pb2.TaskEvent(metric=point))
@@ -620,6 +624,9 @@ class SchedulerCore:
             assign = node_pb2.AssignTask(task_id=task.task_id, attempt=task.attempt, spec=task.spec, device_indices=devices, owner=task.owner)
             if task.latest_checkpoint is not None:
                 assign.resume_from.CopyFrom(task.latest_checkpoint)
+            init = init_checkpoint(self.store, task.spec)  # spec.init_from's final checkpoint
+            if init is not None:
+                assign.init_checkpoint.CopyFrom(init)
             node.push(node_pb2.ConnectResponse(assign_task=assign))
         return len(decided)
 
@@ -749,6 +756,13 @@ def _checkpoint_of(rep: node_pb2.TaskReport, task: TaskRow, node: NodeSession) -
     if not ck.HasField("create_time"):
         ck.create_time.GetCurrentTime()
     return ck
+
+
+def _struct_dict(spec: common_pb2.TaskSpec, name: str) -> dict:
+    """A ``google.protobuf.Struct`` field of a spec as a plain dict ({} when unset)."""
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(getattr(spec, name)) if spec.HasField(name) else {}
 
 
 def new_task_id() -> str:

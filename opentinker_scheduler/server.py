@@ -14,6 +14,10 @@ from grpc_reflection.v1alpha import reflection
 
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
+
+from . import tls as tls_listen
+from .admin import AdminService, Security, build_security
 
 from .config import SchedulerConfig
 from .core import STATE_NAMES, SchedulerCore
@@ -42,6 +46,7 @@ SERVER_OPTIONS = [
 SERVICE_NAMES = (
     scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name,
     node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
 )
 
 
@@ -52,6 +57,9 @@ class RunningScheduler:
     http: HttpEndpoint | None
     port: int
     tick_task: asyncio.Task
+    security: Security | None = None
+    #: The mTLS node port (tls.client_ca with client_auth: nodes), else None.
+    node_port: int | None = None
 
     async def stop(self, grace: float = 2.0) -> None:
         self.tick_task.cancel()
@@ -124,26 +132,28 @@ async def start_scheduler(
             except OSError as exc:
                 raise OSError(f"cannot listen on HTTP port {host}:{http_port}: {exc.strerror or exc}") from None
         core = SchedulerCore(config, store)
+        security = build_security(config, store)  # before group commit: a bootstrap key commits at once
     except BaseException:
         store.close()
         raise
     core.enable_group_commit()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerService(core), server)
-    node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(core), server)
+    most = security.limits.config.max_message_bytes
+    options = [(k, most if k in ("grpc.max_send_message_length", "grpc.max_receive_message_length") else v) for k, v in SERVER_OPTIONS]
+    server = grpc.aio.server(options=options, interceptors=[security.interceptor])
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerService(core, security=security), server)
+    node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(core, security=security), server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(security, durable=core.durable), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    try:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError:
-        bound = 0
-    if bound == 0:
+    bound, node_bound = tls_listen.bind(server, config.tls, host, port)
+    if bound == 0 or node_bound == 0:
         await server.stop(None)
         if http is not None:
             http.stop()
         store.close()
-        raise OSError(f"cannot listen on gRPC port {host}:{port} (in use, or not a valid port)")
+        which = f"{host}:{port}" if bound == 0 else f"{host}:{config.tls.node_port} (tls.node_port)"
+        raise OSError(f"cannot listen on gRPC port {which} (in use, or not a valid port)")
     await server.start()
     for name in ("", *SERVICE_NAMES):
         await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
@@ -152,8 +162,11 @@ async def start_scheduler(
         http.node_messages = core.node_messages  # live counters; the HTTP thread only reads them
         http.start()
     tick = asyncio.create_task(_tick_loop(core, http, tick_interval_s))
-    log.info("scheduler listening", grpc_port=bound, http_port=http.port if http else None, state_dir=str(config.state_dir), config=config.source)
-    return RunningScheduler(server=server, core=core, http=http, port=bound, tick_task=tick)
+    log.info(
+        "scheduler listening", grpc_port=bound, http_port=http.port if http else None, state_dir=str(config.state_dir), config=config.source,
+        auth=security.enabled, tls=config.tls is not None, node_port=node_bound,
+    )
+    return RunningScheduler(server=server, core=core, http=http, port=bound, tick_task=tick, security=security, node_port=node_bound)
 
 
 async def _maybe_await(value) -> None:

@@ -15,9 +15,14 @@ from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+from . import checkpoints
 from .core import SchedulerCore
+from .datasets import DatasetStore, receive_upload
+from .refs import check_references
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from .store import TaskRow
+from .admin import Security
+from .auth import Principal, caller, owner_scope
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -100,25 +105,61 @@ def task_to_proto(task: TaskRow, pending_reason: str = "") -> common_pb2.Task:
 class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     """``opentinker.scheduler.v1.SchedulerService``."""
 
-    def __init__(self, core: SchedulerCore) -> None:
+    def __init__(self, core: SchedulerCore, *, datasets: DatasetStore | None = None, security: Security | None = None) -> None:
         self.core = core
+        self._datasets = datasets
+        self.security = security  # API keys, limits, audit (opentinker_scheduler/admin.py); None in bare unit tests
+
+    def _audit(self, who: Principal, action: str, exc: BaseException | None, **detail) -> None:
+        if self.security is None:
+            return
+        outcome = "OK"
+        if exc is not None:
+            mapped = _status_for(exc)
+            outcome = mapped[0].name if mapped else "INTERNAL"
+            detail["error"] = str(exc)[:500]
+        self.security.audit.record(action, owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome, **detail)
+
+    @property
+    def datasets(self) -> DatasetStore:
+        """Uploaded datasets, under ``<state_dir>/datasets`` unless given (made on first use)."""
+        if self._datasets is None:
+            self._datasets = DatasetStore(self.core.config.state_dir / "datasets")
+        return self._datasets
 
     def _task(self, task: TaskRow) -> common_pb2.Task:
         if task.state != common_pb2.TASK_STATE_PENDING:
-            return task_to_proto(task)
+            out = task_to_proto(task)
+            if task.state == common_pb2.TASK_STATE_RUNNING:
+                endpoint = self.core.store.endpoint(task.task_id)
+                if endpoint is not None and endpoint[0] == task.attempt:
+                    out.endpoint = endpoint[1]
+            return out
         return task_to_proto(task, self.core.pending_reason(task.task_id) or "waiting for the next placement round")
 
     @_unary
     async def SubmitTask(self, request, context):
-        if not request.HasField("spec"):
-            raise InvalidArgument("spec: expected a task spec, got nothing")
-        task = self.core.submit(request.spec, owner=ANONYMOUS, request_id=request.request_id)
+        who = caller()
+        try:
+            if not request.HasField("spec"):
+                raise InvalidArgument("spec: expected a task spec, got nothing")
+            if self.security is not None:
+                limits = self.security.limits
+                limits.check_submit_rate(who.limit_key)
+                limits.check_spec_size(request.spec.ByteSize())
+                limits.check_pending(who.owner, lambda: self.core.store.count_tasks(owner=who.owner, states=(common_pb2.TASK_STATE_PENDING,)))
+            check_references(request.spec, datasets=self.datasets, get_task=self.core.get, owner=who.owner, default_model=self.core.config.default_model)
+            task = self.core.submit(request.spec, owner=who.owner, request_id=request.request_id)
+        except Exception as exc:
+            self._audit(who, "task.submit", exc, workload_type=request.spec.workload_type[:64])
+            raise
+        self._audit(who, "task.submit", None, task_id=task.task_id, workload_type=request.spec.workload_type)
         self.core.schedule()  # updates the row in place when it places the task
         return scheduler_pb2.SubmitTaskResponse(task=self._task(task))
 
     @_unary
     async def GetTask(self, request, context):
-        return scheduler_pb2.GetTaskResponse(task=self._task(self.core.get(request.task_id)))
+        return scheduler_pb2.GetTaskResponse(task=self._task(self.core.get(request.task_id, owner=owner_scope())))
 
     @_unary
     async def ListTasks(self, request, context):
@@ -135,7 +176,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         for s in request.states:
             if s not in common_pb2.TaskState.values() or s == common_pb2.TASK_STATE_UNSPECIFIED:
                 raise InvalidArgument(f"states: expected TASK_STATE_PENDING..TASK_STATE_CANCELLED, got {s}")
-        rows = self.core.store.list_tasks(request.states, limit=size + 1, before=before)
+        rows = self.core.store.list_tasks(request.states, limit=size + 1, before=before, owner=owner_scope())
         token = ""
         if len(rows) > size:
             rows = rows[:size]
@@ -145,13 +186,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     @_unary
     async def CancelTask(self, request, context):
-        task = self.core.cancel(request.task_id, reason=request.reason)
+        who = caller()
+        try:
+            task = self.core.cancel(request.task_id, owner=owner_scope(), reason=request.reason)
+        except Exception as exc:
+            self._audit(who, "task.cancel", exc, task_id=request.task_id[:128])
+            raise
+        self._audit(who, "task.cancel", None, task_id=task.task_id, reason=request.reason[:500])
         self.core.schedule()
         return scheduler_pb2.CancelTaskResponse(task=self._task(task))
 
     async def WatchTask(self, request, context) -> AsyncIterator[scheduler_pb2.WatchTaskResponse]:
         try:
-            self.core.get(request.task_id)
+            self.core.get(request.task_id, owner=owner_scope())
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await _abort_mapped(context, exc)
         seq = max(0, request.after_sequence)
@@ -164,6 +211,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 yield scheduler_pb2.WatchTaskResponse(event=ev)
             if events:
                 continue
+            if request.history_only:
+                return
             task = self.core.store.get_task(request.task_id)
             if task is None or task.terminal:
                 return
@@ -171,11 +220,55 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     @_unary
     async def GetMetrics(self, request, context):
-        task = self.core.get(request.task_id)
+        task = self.core.get(request.task_id, owner=owner_scope())
         resp = scheduler_pb2.GetMetricsResponse(task_id=task.task_id, latest=task.latest_metrics, latest_step=task.latest_step)
         if request.include_history:
             resp.points.extend(self.core.store.metric_points(task.task_id, request.after_step))
         return resp
+
+    async def UploadDataset(self, request_iterator, context):
+        try:
+            info = await receive_upload(self.datasets, request_iterator)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await _abort_mapped(context, exc)
+        log.info("dataset uploaded", dataset_id=info.dataset_id, name=info.name, size_bytes=info.size_bytes, examples=info.num_examples)
+        return scheduler_pb2.UploadDatasetResponse(dataset=info)
+
+    async def DownloadDataset(self, request, context):
+        try:
+            info = self.datasets.info(request.dataset_id)
+            chunks = self.datasets.chunks(request.dataset_id)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await _abort_mapped(context, exc)
+        first = True
+        for chunk in chunks:
+            yield scheduler_pb2.DownloadDatasetResponse(dataset=info if first else None, chunk=chunk)
+            first = False
+
+    @_unary
+    async def ListCheckpoints(self, request, context):
+        if owner_scope() is not None:
+            self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
+        return scheduler_pb2.ListCheckpointsResponse(checkpoints=checkpoints.list_checkpoints(self.core.store, request.task_id))
+
+    async def DownloadCheckpoint(self, request, context):
+        try:
+            if owner_scope() is not None:
+                self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
+            ckpt = checkpoints.pick_checkpoint(self.core.store, request.task_id, request.step)
+            manifest = await asyncio.to_thread(checkpoints.build_manifest, ckpt)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await _abort_mapped(context, exc)
+        yield scheduler_pb2.DownloadCheckpointResponse(manifest=manifest.message)
+        chunks = checkpoints.read_chunks(manifest)
+        while True:
+            try:
+                chunk = await asyncio.to_thread(next, chunks, None)
+            except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+                await _abort_mapped(context, exc)
+            if chunk is None:
+                return
+            yield scheduler_pb2.DownloadCheckpointResponse(chunk=chunk)
 
     @_unary
     async def ListNodes(self, request, context):
@@ -202,9 +295,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 class NodeService(node_pb2_grpc.NodeServiceServicer):
     """``opentinker.node.v1.NodeService``: one bidirectional stream per trainer node."""
 
-    def __init__(self, core: SchedulerCore, *, register_timeout_s: float = 30.0) -> None:
+    def __init__(self, core: SchedulerCore, *, register_timeout_s: float = 30.0, security: Security | None = None) -> None:
         self.core = core
         self.register_timeout_s = register_timeout_s
+        self.security = security
+
+    def _audit_join(self, register, exc: BaseException | None) -> None:
+        if self.security is None:
+            return
+        who = caller()
+        outcome = "OK" if exc is None else ((_status_for(exc) or (grpc.StatusCode.INTERNAL,))[0].name)
+        extra = {} if exc is None else {"error": str(exc)[:500]}
+        self.security.audit.record(
+            "node.join", owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome,
+            node_id=register.node_id[:128], cert_cn=who.peer_cn, hostname=register.hostname[:256], **extra,
+        )
 
     async def Connect(self, request_iterator, context):
         it = request_iterator.__aiter__()
@@ -217,7 +322,9 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         try:
             node, registered = self.core.node_register(first.register)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            self._audit_join(first.register, exc)
             await _abort_mapped(context, exc)
+        self._audit_join(first.register, None)
         gen = node.generation
         outbox = node.outbox
         state = {"goodbye": False}

@@ -66,6 +66,11 @@ CREATE TABLE IF NOT EXISTS nodes (
     first_seen  REAL NOT NULL,
     last_seen   REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS task_endpoints (
+    task_id  TEXT PRIMARY KEY,
+    attempt  INTEGER NOT NULL,           -- the attempt whose server listens there
+    address  TEXT NOT NULL               -- host:port (an inference task's InferenceService)
+);
 """
 
 ACTIVE_STATES = (
@@ -249,10 +254,14 @@ class Store:
         r = self.db.execute(f"SELECT {_COLUMNS} FROM tasks WHERE owner=? AND request_id=?", (owner, request_id)).fetchone()
         return _row_to_task(r) if r else None
 
-    def list_tasks(self, states: Iterable[int] = (), *, limit: int = 100, before: tuple[float, str] | None = None) -> list[TaskRow]:
-        """Tasks newest first; ``before`` = (create_time, task_id) of the last row of the previous page."""
+    def list_tasks(self, states: Iterable[int] = (), *, limit: int = 100, before: tuple[float, str] | None = None, owner: str | None = None) -> list[TaskRow]:
+        """Tasks newest first; ``before`` = (create_time, task_id) of the last row of the previous page;
+        ``owner`` = only that owner's tasks (None = everyone's)."""
         sql = f"SELECT {_COLUMNS} FROM tasks"
         where, args = [], []
+        if owner is not None:
+            where.append("owner = ?")
+            args.append(owner)
         states = list(states)
         if states:
             where.append(f"state IN ({','.join('?' * len(states))})")
@@ -273,6 +282,12 @@ class Store:
             states,
         )
         return [_row_to_task(r) for r in rows]
+
+    def count_tasks(self, *, owner: str, states: Iterable[int]) -> int:
+        """How many of ``owner``'s tasks are in ``states`` (the pending-per-owner limit)."""
+        states = list(states)
+        sql = f"SELECT COUNT(*) FROM tasks WHERE owner=? AND state IN ({','.join('?' * len(states))})"
+        return int(self.db.execute(sql, (owner, *states)).fetchone()[0])
 
     def count_by_state(self) -> dict[int, int]:
         return {r[0]: r[1] for r in self.db.execute("SELECT state, COUNT(*) FROM tasks GROUP BY state")}
@@ -299,6 +314,26 @@ class Store:
                 "ON CONFLICT(node_id) DO UPDATE SET info=excluded.info, last_seen=excluded.last_seen",
                 (node_id, info, now, now),
             )
+
+    # --- endpoints and checkpoints ----------------------------------------------------------------
+    def set_endpoint(self, task_id: str, attempt: int, address: str) -> None:
+        """Record the ``host:port`` that ``attempt`` of a task serves on (replaces an older one)."""
+        with self._tx():
+            self.db.execute(
+                "INSERT INTO task_endpoints (task_id, attempt, address) VALUES (?,?,?) "
+                "ON CONFLICT(task_id) DO UPDATE SET attempt=excluded.attempt, address=excluded.address",
+                (task_id, attempt, address),
+            )
+
+    def endpoint(self, task_id: str) -> tuple[int, str] | None:
+        """``(attempt, address)`` last recorded for a task, or None."""
+        r = self.db.execute("SELECT attempt, address FROM task_endpoints WHERE task_id=?", (task_id,)).fetchone()
+        return (r[0], r[1]) if r else None
+
+    def checkpoints(self, task_id: str) -> list[common_pb2.Checkpoint]:
+        """Every checkpoint a task recorded, oldest first."""
+        rows = self.db.execute("SELECT payload FROM events WHERE task_id=? AND kind='checkpoint' ORDER BY seq", (task_id,))
+        return [common_pb2.TaskEvent.FromString(r[0]).checkpoint for r in rows]
 
     # --- internals -----------------------------------------------------------------------------
     def _append_event(self, task_id: str, ev: common_pb2.TaskEvent) -> common_pb2.TaskEvent:

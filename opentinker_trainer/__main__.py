@@ -33,6 +33,16 @@ def _int_at_least(lo: int):
     return parse
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535 (0 = any free port), got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -45,7 +55,10 @@ def _seconds(text: str) -> float:
 
 # Options whose default comes from the environment: (dest, variable, type, default).
 # SCHEDULER_URL, NODE_ID and OPENTINKER_WORK_DIR are read (and checked) in main().
-_ENV_OPTIONS = (("max_tasks", "MAX_TASKS", _int_at_least(1), 4),)
+_ENV_OPTIONS = (
+    ("max_tasks", "MAX_TASKS", _int_at_least(1), 4),
+    ("http_port", "OPENTINKER_HTTP_PORT", _port, None),  # None = no HTTP port
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +69,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=None, help="checkpoints and worker files (default: env OPENTINKER_WORK_DIR, else ./runs)")
     parser.add_argument("--simulate-gpus", type=_int_at_least(0), default=0, metavar="N", help="pretend to have N GPUs (tests and scale runs; marked simulated everywhere)")
     parser.add_argument("--kill-grace", type=_seconds, default=10.0, help="seconds between SIGTERM and SIGKILL of a cancelled worker")
+    parser.add_argument(
+        "--http-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve GET /health, /live and /metrics (Prometheus) on this port; 0 = any free port "
+        "(default: env OPENTINKER_HTTP_PORT, else no HTTP port)",
+    )
+    parser.add_argument("--http-host", default="0.0.0.0", help="address the HTTP port listens on (default %(default)s)")
+    parser.add_argument(
+        "--advertise-host",
+        default=os.environ.get("OPENTINKER_ADVERTISE_HOST") or "",
+        help="host name clients dial for servers this node runs (inference tasks); default: env OPENTINKER_ADVERTISE_HOST, "
+        "else 127.0.0.1 when the scheduler is on loopback, else this machine's host name",
+    )
+    parser.add_argument("--api-key", default=None, help="API key with the node role (default: env OPENTINKER_API_KEY; none when the scheduler has auth off)")
+    parser.add_argument("--tls-ca", default=None, help="PEM CA of the scheduler's certificate; turns TLS on (default: env OPENTINKER_TLS_CA)")
+    parser.add_argument("--tls-cert", default=None, help="PEM client certificate for mTLS (default: env OPENTINKER_TLS_CERT)")
+    parser.add_argument("--tls-key", default=None, help="PEM key of --tls-cert (default: env OPENTINKER_TLS_KEY)")
     args = parser.parse_args(argv)
+    for dest, var in (("api_key", "OPENTINKER_API_KEY"), ("tls_ca", "OPENTINKER_TLS_CA"), ("tls_cert", "OPENTINKER_TLS_CERT"), ("tls_key", "OPENTINKER_TLS_KEY")):
+        if getattr(args, dest) is None:
+            setattr(args, dest, os.environ.get(var) or "")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key: expected both (mTLS) or neither")
+    if args.tls_cert and not args.tls_ca:
+        parser.error("--tls-ca: expected the scheduler's CA when a client certificate is given")
     # Environment defaults are checked like the options, with an argparse-style one-line error
     # naming the variable (exit 2), never a traceback.
     for dest, var, kind, default in _ENV_OPTIONS:
@@ -89,10 +128,34 @@ def main(argv: list[str] | None = None) -> int:
         work_dir=args.work_dir.resolve(),
         simulate_gpus=args.simulate_gpus,
         kill_grace_s=args.kill_grace,
+        advertise_host=args.advertise_host,
+        api_key=args.api_key,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
+    if args.tls_ca:
+        from opentinker_client.tls import channel_credentials
+
+        try:
+            channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)  # bad files: a one-line error, not a retry loop
+        except ValueError as exc:
+            parser.error(str(exc))
 
     async def run() -> int:
         agent = NodeAgent(config)
+        http = None
+        if args.http_port is not None:  # /health, /live, /metrics (opentinker_trainer/http.py)
+            from .http import TrainerHttp
+
+            try:
+                http = TrainerHttp(agent, args.http_host, args.http_port)
+            except (OSError, OverflowError) as exc:
+                agent.monitor.close()
+                print(f"error: cannot listen on HTTP port {args.http_host}:{args.http_port}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+                return 1
+            http.start()
+            log.info("trainer http listening", http_port=http.port, node_id=config.node_id)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(agent.drain(signal.Signals(s).name)))
@@ -103,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             await agent.stop_now()
             return 1
         finally:
+            if http is not None:
+                http.stop()
             agent.monitor.close()
         return 0
 

@@ -37,6 +37,7 @@ from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 
 from .devices import DeviceMonitor
+from .inference.address import default_advertise_host
 
 log = structlog.get_logger("opentinker.trainer")
 
@@ -69,6 +70,28 @@ class AgentConfig:
     reconnect_initial_s: float = 0.5
     reconnect_max_s: float = 15.0
     outbox_limit: int = 10_000
+    #: Host name servers of this node's workers (inference) advertise; "" = 127.0.0.1 when the
+    #: scheduler is on loopback, else this machine's host name.
+    advertise_host: str = ""
+    #: API key with the ``node`` role, sent as ``authorization: Bearer ...`` ("" = none: auth off).
+    api_key: str = ""
+    #: PEM files: the scheduler's CA (turns TLS on), and this node's certificate and key (mTLS).
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    def channel(self) -> grpc.aio.Channel:
+        """A channel to the scheduler: TLS when ``tls_ca`` is set, else plaintext.
+
+        Raises:
+            ValueError: a TLS file cannot be read or is not PEM.
+        """
+        from opentinker_client.tls import channel_credentials
+
+        creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key) if self.tls_ca else None
+        if creds is None:
+            return grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(self.target, creds, options=CHANNEL_OPTIONS)
 
 
 @dataclass
@@ -98,6 +121,10 @@ class NodeAgent:
         self._finals: OrderedDict[tuple[str, int], node_pb2.TaskReport] = OrderedDict()
         self._stop = asyncio.Event()
         self._heartbeat_interval = 2.0
+        #: Why the last session with the scheduler ended ("" before any); read by /health (http.py).
+        self.last_error = ""
+        #: Called as fn(task_id, attempt, step, values, time_s) for each worker metric report (http.py).
+        self.metric_listeners: list = []
         self.log = log.bind(node_id=config.node_id)
 
     # ------------------------------------------------------------------ lifecycle
@@ -128,6 +155,7 @@ class NodeAgent:
                 if code == grpc.StatusCode.ALREADY_EXISTS:
                     self.log.error("scheduler refused this node id for now", error=exc.details())
                 self.log.warning("stream to scheduler broken", error=(exc.details() if code else repr(exc)), code=code.name if code else None)
+                self.last_error = f"{code.name}: {exc.details()}" if code else (str(exc) or type(exc).__name__)
             self.connected.clear()
             if self._stop.is_set():
                 break
@@ -166,7 +194,7 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ the stream
     async def _session(self) -> None:
-        async with grpc.aio.insecure_channel(self.config.target, options=CHANNEL_OPTIONS) as channel:
+        async with self.config.channel() as channel:
             stub = node_pb2_grpc.NodeServiceStub(channel)
             register = node_pb2.ConnectRequest(
                 register=node_pb2.Register(
@@ -181,7 +209,8 @@ class NodeAgent:
                     finished=list(self._finals.values()),
                 )
             )
-            call = stub.Connect(self._requests(register))
+            metadata = (("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key else None
+            call = stub.Connect(self._requests(register), metadata=metadata)
             first = await call.read()
             if first is grpc.aio.EOF or first.WhichOneof("command") != "registered":
                 raise ConnectionError("scheduler closed the stream before registering")
@@ -264,6 +293,9 @@ class NodeAgent:
         env["CUDA_VISIBLE_DEVICES"] = "" if simulated else ",".join(str(i) for i in a.device_indices)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["OPENTINKER_AGENT_PID"] = str(os.getpid())  # the worker dies with the agent
+        env["OPENTINKER_SCHEDULER_URL"] = self.config.target  # workers fetch datasets (DownloadDataset)
+        env["OPENTINKER_DATASET_CACHE"] = str(self.config.work_dir / "datasets")  # shared by this node's tasks
+        env["OPENTINKER_ADVERTISE_HOST"] = self.config.advertise_host or default_advertise_host(self.config.target)  # inference servers
         cmd = [sys.executable, "-m", "opentinker_trainer.worker", str(assignment), "--checkpoint-dir", str(self.config.work_dir / a.task_id / "checkpoints")]
         if simulated or not a.device_indices:
             cmd += ["--device", "cpu"]
@@ -305,6 +337,8 @@ class NodeAgent:
             elif kind == "metric":
                 point = report.metrics.add(step=int(msg["step"]), values={k: float(v) for k, v in msg["values"].items()})
                 point.time.FromNanoseconds(int(msg["time"] * 1e9))
+                for listener in self.metric_listeners:
+                    listener(w.task_id, w.attempt, point.step, dict(point.values), float(msg["time"]))
             elif kind == "checkpoint":
                 report.checkpoint.step = int(msg["step"])
                 report.checkpoint.path = str(Path(msg["path"]).resolve())
@@ -312,6 +346,8 @@ class NodeAgent:
                 report.checkpoint.format = str(msg.get("format", ""))
                 report.checkpoint.create_time.FromNanoseconds(int(msg["time"] * 1e9))
                 report.checkpoint.node_id = self.config.node_id
+            elif kind == "endpoint":
+                report.endpoint = str(msg.get("address", ""))
             elif kind in ("succeeded", "failed", "stopped"):
                 w.outcome = msg
                 continue

@@ -36,6 +36,9 @@ class WorkerContext:
             already set to them) and ``"cpu"`` otherwise.
         checkpoint_dir: folder this attempt writes checkpoints under (``<dir>/step_<n>``).
         resume_from: checkpoint folder to resume from, or None for a fresh start.
+        init_checkpoint: final checkpoint folder of the task named by ``spec.init_from`` (the
+            starting point, e.g. an SFT adapter or SFT weights), or None; ``init_format`` is its
+            format (``peft_lora`` or ``hf_full``). Given on resumed attempts too.
     """
 
     task_id: str
@@ -49,6 +52,8 @@ class WorkerContext:
     completed: bool = False
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    init_checkpoint: Path | None = None
+    init_format: str = ""
 
     # --- reports ---------------------------------------------------------------------------
     def _emit(self, kind: str, **payload: Any) -> None:
@@ -70,6 +75,11 @@ class WorkerContext:
         self._emit("checkpoint", step=int(step), path=str(path), final=bool(final), format=fmt)
         if final:
             self.completed = True
+
+    def emit_endpoint(self, address: str) -> None:
+        """Report the ``host:port`` a server of this attempt listens on (an ``inference`` task's
+        InferenceService); the scheduler shows it as ``Task.endpoint`` while the task runs."""
+        self._emit("endpoint", address=str(address))
 
     # --- control ---------------------------------------------------------------------------
     def request_stop(self) -> None:

@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         checkpoint_dir=args.checkpoint_dir,
         resume_from=resume,
+        init_checkpoint=Path(assign.init_checkpoint.path) if assign.init_checkpoint.path else None,
+        init_format=assign.init_checkpoint.format,
         out=out,
     )
     signal.signal(signal.SIGTERM, lambda *_: ctx.request_stop())

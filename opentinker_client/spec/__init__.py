@@ -20,8 +20,15 @@ from .registry import WORKLOAD_TYPES, implemented_workloads
 from .envs import TEXT_ENVIRONMENTS, ArithmeticEnvConfig
 from .grpo import GRPOConfig
 from .gym import GymEnvConfig
+from .ppo import PPOConfig
+from .multiagent import MULTIAGENT_ENVIRONMENTS, MultiAgentEnvConfig, MultiAgentPPOConfig
+from .client_env import ClientEnvConfig
+from .lm_game import LMGameGRPOConfig
+from .grpo import FullGRPOConfig
+from .sft import ChatDatasetConfig, DatasetError, SFTConfig
+from .inference import InferenceConfig
 
-from .task import TaskSpecModel, env_kind, spec_from_proto, validate_env_config, validate_hyperparameters
+from .task import TaskSpecModel, env_kind, spec_from_proto, task_uses_model, validate_env_config, validate_hyperparameters
 
 __all__ = [
     "SpecError",
@@ -30,6 +37,17 @@ __all__ = [
     "ArithmeticEnvConfig",
     "GRPOConfig",
     "GymEnvConfig",
+    "InferenceConfig",
+    "PPOConfig",
+    "MULTIAGENT_ENVIRONMENTS",
+    "MultiAgentEnvConfig",
+    "MultiAgentPPOConfig",
+    "ClientEnvConfig",
+    "LMGameGRPOConfig",
+    "FullGRPOConfig",
+    "ChatDatasetConfig",
+    "DatasetError",
+    "SFTConfig",
     "TaskSpecModel",
     "env_kind",
     "implemented_workloads",
@@ -37,6 +55,7 @@ __all__ = [
     "num",
     "parse_dataclass",
     "spec_from_proto",
+    "task_uses_model",
     "validate_env_config",
     "validate_hyperparameters",
 ]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._parse import SpecError, num
 from .registry import register_workload
 
-__all__ = ["GRPOConfig"]
+__all__ = ["FullGRPOConfig", "GRPOConfig", "LORA_FIELDS"]
 @dataclass(frozen=True)
 class GRPOConfig:
     """Hyper-parameters of ``lora_finetune``: GRPO with a PEFT LoRA adapter.
@@ -49,3 +51,43 @@ class GRPOConfig:
 
 
 register_workload("lora_finetune", GRPOConfig, env_kinds=("text",))
+
+
+# ---------------------------------------------------------------------------------------------
+# full_rl on a causal LM: the same GRPO, all weights trained (no LoRA fields).
+
+#: GRPOConfig fields that only make sense with a LoRA adapter.
+LORA_FIELDS: tuple[str, ...] = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")
+
+
+def _full_grpo_fields() -> list[tuple[str, Any, Any]]:
+    import typing
+
+    hints = typing.get_type_hints(GRPOConfig)
+    out = []
+    for f in dataclasses.fields(GRPOConfig):
+        if f.name in LORA_FIELDS:
+            continue
+        default, meta = f.default, dict(f.metadata)
+        if f.name == "learning_rate":
+            default, meta["doc"] = 1e-5, "AdamW learning rate of all weights (smaller than LoRA's: every weight moves)"
+        out.append((f.name, hints[f.name], field(default=default, metadata=meta)))
+    return out
+
+
+FullGRPOConfig = dataclasses.make_dataclass(
+    "FullGRPOConfig",
+    _full_grpo_fields(),
+    frozen=True,
+    namespace={
+        "__doc__": (
+            "Hyper-parameters of ``full_rl`` on a text environment: GRPO updating all weights of the "
+            "causal LM (no adapter). The fields of :class:`GRPOConfig` without the LoRA ones "
+            f"({', '.join(LORA_FIELDS)}); ``learning_rate`` defaults to 1e-5. With ``kl_coef > 0`` "
+            "the reference model is a frozen copy of the starting weights (twice the memory)."
+        ),
+        "__module__": __name__,
+    },
+)
+
+register_workload("full_rl", FullGRPOConfig, env_kinds=("text",))

@@ -30,6 +30,7 @@ __all__ = [
     "register_env",
     "register_env_family",
     "register_workload",
+    "uses_model",
 ]
 
 #: Workload types of the system (DESIGN.md, Tasks). A scheduler may configure a subset.
@@ -95,6 +96,12 @@ def hyperparameters_class(workload_type: str, env_kind: str) -> type | None:
 def env_kinds_for(workload_type: str) -> tuple[str, ...]:
     """Environment kinds ``workload_type`` runs on (empty when not implemented)."""
     return tuple(_WORKLOADS.get(workload_type, {}))
+
+
+def uses_model(hyperparameters: type) -> bool:
+    """Whether tasks with these hyper-parameters train or serve a causal LM named by ``spec.model``
+    (class attribute ``USES_MODEL``, default True). PPO on a gymnasium id builds its own MLP."""
+    return bool(getattr(hyperparameters, "USES_MODEL", True))
 
 
 def implemented_workloads() -> tuple[str, ...]:

@@ -14,9 +14,10 @@ from .registry import (
     hyperparameters_class,
     implemented_workloads,
     known_env_ids,
+    uses_model,
 )
 
-__all__ = ["TaskSpecModel", "spec_from_proto", "validate_env_config", "validate_hyperparameters", "env_kind"]
+__all__ = ["TaskSpecModel", "spec_from_proto", "validate_env_config", "validate_hyperparameters", "env_kind", "task_uses_model"]
 
 #: ``env_id`` when ``env_config`` names none: the built-in text task.
 DEFAULT_ENV_ID = "arithmetic"
@@ -39,6 +40,15 @@ def validate_env_config(data: Any, path: str = "spec.env_config") -> Any:
     if entry is None:
         raise SpecError(f"{path}.env_id", f"one of {', '.join(known_env_ids())}", env_id)
     return parse_dataclass(entry.cls, {**data, "env_id": env_id}, path)
+
+
+def task_uses_model(workload_type: str, env_config: Any) -> bool:
+    """Whether a task of ``workload_type`` on ``env_config`` (an unvalidated mapping) needs
+    ``spec.model`` (a causal LM). True when that cannot be told yet (validation then says why)."""
+    env_id = (env_config.get("env_id") if isinstance(env_config, Mapping) else None) or DEFAULT_ENV_ID
+    entry = env_entry(env_id) if isinstance(env_id, str) else None
+    cls = hyperparameters_class(workload_type, entry.kind) if entry is not None else None
+    return cls is None or uses_model(cls)
 
 
 def env_kind(env: Any) -> str:
@@ -88,6 +98,8 @@ class TaskSpecModel:
     max_attempts: int = 3
     priority: int | None = None
     name: str = ""
+    #: Task whose final checkpoint this one starts from (e.g. an ``sft`` task before RL); "" = none.
+    init_from: str = ""
 
     @classmethod
     def from_parts(
@@ -103,6 +115,7 @@ class TaskSpecModel:
         priority: Any = None,
         name: Any = "",
         allowed_workloads: tuple[str, ...] = WORKLOAD_TYPES,
+        init_from: Any = "",
     ) -> "TaskSpecModel":
         """Validate every part; raises :class:`SpecError` on the first bad field."""
         if not isinstance(workload_type, str) or workload_type not in allowed_workloads:
@@ -113,7 +126,7 @@ class TaskSpecModel:
                 f"a workload this release runs ({', '.join(implemented_workloads())}); {workload_type} is not implemented yet",
                 workload_type,
             )
-        if not isinstance(model, str) or not model.strip():
+        if not isinstance(model, str) or (not model.strip() and task_uses_model(workload_type, env_config)):
             raise SpecError("spec.model", "a model folder or hub id such as Qwen/Qwen2.5-0.5B-Instruct", model)
         if len(model) > 1024:
             raise SpecError("spec.model", "at most 1024 characters")
@@ -126,9 +139,10 @@ class TaskSpecModel:
         if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000):
             raise SpecError("spec.priority", "an integer in [-1000, 1000]", priority)
         if not isinstance(name, str) or len(name) > 256:
-            raise SpecError("spec.name", "a string of at most 256 characters", name)
+            raise SpecError("spec.name", "a string of at most 256 characters", f"{name[:20]}... ({len(name)} characters)" if isinstance(name, str) else name)
         env = validate_env_config(env_config)
         hp = validate_hyperparameters(workload_type, hyperparameters, env=env)
+        _check_init_from(init_from, env)
         return cls(
             workload_type=workload_type,
             model=model,
@@ -139,6 +153,7 @@ class TaskSpecModel:
             max_attempts=max_attempts or 3,
             priority=priority,
             name=name,
+            init_from=init_from,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -170,4 +185,21 @@ def spec_from_proto(spec, *, allowed_workloads: tuple[str, ...] = WORKLOAD_TYPES
         priority=spec.priority if spec.HasField("priority") else None,
         name=spec.name,
         allowed_workloads=allowed_workloads,
+        init_from=spec.init_from,
     )
+
+
+#: Env kinds whose workloads can start from another task's checkpoint (a causal LM's weights).
+INIT_FROM_ENV_KINDS: tuple[str, ...] = ("text", "dataset")
+
+
+def _check_init_from(init_from: Any, env: Any) -> None:
+    """``init_from`` is a task id (or empty), on a workload that can start from an LM checkpoint."""
+    if not isinstance(init_from, str) or len(init_from) > 128 or (init_from and not init_from.replace("-", "").replace("_", "").isalnum()):
+        raise SpecError("spec.init_from", "the id of a finished task (such as task-0192f3c4d5e6f7a8b9c) or empty", init_from)
+    if init_from and env_kind(env) not in INIT_FROM_ENV_KINDS:
+        raise SpecError(
+            "spec.init_from",
+            f"empty: starting from another task's checkpoint works for language-model workloads on {' or '.join(INIT_FROM_ENV_KINDS)} environments, not {env.env_id}",
+            init_from,
+        )

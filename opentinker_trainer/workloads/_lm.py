@@ -124,8 +124,11 @@ def _tuples(value: Any) -> Any:
     return value
 
 
-def save_checkpoint(path: Path, model, trainer_state: dict[str, Any]) -> Path:
+def save_checkpoint(path: Path, model, trainer_state: dict[str, Any], *, tokenizer=None) -> Path:
     """Write the adapter (PEFT format) and ``trainer_state.pt`` to ``path`` atomically.
+
+    For a plain (non-PEFT) model ``save_pretrained`` writes the full weights; pass ``tokenizer``
+    too so the folder loads on its own with ``from_pretrained`` (format ``hf_full``).
 
     The folder is written beside its final name and renamed into place, so a reader (or a resume
     after a crash) never sees half a checkpoint.
@@ -136,6 +139,8 @@ def save_checkpoint(path: Path, model, trainer_state: dict[str, Any]) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     model.save_pretrained(str(tmp))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
     torch.save({"version": TRAINER_STATE_VERSION, **trainer_state}, tmp / TRAINER_STATE)
     if path.exists():
         shutil.rmtree(path)
@@ -149,3 +154,68 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
     if not file.exists():
         raise FileNotFoundError(f"checkpoint {path} has no {TRAINER_STATE}; cannot resume from it")
     return torch.load(file, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting points: spec.model, an init_from task's checkpoint, or this task's own resume point.
+
+#: Checkpoint formats: a PEFT LoRA adapter folder; a full transformers ``save_pretrained`` folder.
+FORMAT_LORA = "peft_lora"
+FORMAT_FULL = "hf_full"
+
+
+def _check_init(ctx) -> tuple[Path | None, str]:
+    init = getattr(ctx, "init_checkpoint", None)
+    fmt = getattr(ctx, "init_format", "") or ""
+    if init is None:
+        return None, ""
+    if fmt not in (FORMAT_LORA, FORMAT_FULL):
+        raise UserError(f"init_from: checkpoint {init} has format {fmt!r}; expected {FORMAT_LORA} or {FORMAT_FULL}")
+    if not Path(init).exists():
+        raise UserError(
+            f"init_from: checkpoint {init} is not on this trainer node (checkpoints stay on the node that wrote "
+            "them unless the nodes share a folder); run both tasks on one node or share the work folder"
+        )
+    return Path(init), fmt
+
+
+def load_for_training(ctx, cfg, device: torch.device, dtype: torch.dtype, *, full: bool, resume: bool = True):
+    """``(tokenizer, model)`` at this attempt's starting point, ready to train.
+
+    * ``full=False`` (LoRA): base weights from ``spec.model``, or from an ``init_from`` full-weight
+      (``hf_full``) checkpoint; the adapter is this task's ``resume_from``, else an ``init_from``
+      LoRA adapter (continued, its rank and targets kept), else a fresh one (``cfg.lora_*``).
+    * ``full=True`` (all weights): ``resume_from`` (a full checkpoint of this task), else the
+      ``init_from`` full weights, else ``spec.model`` with an ``init_from`` LoRA adapter merged in.
+
+    ``resume=False`` ignores ``resume_from`` (the starting weights, e.g. for a KL reference).
+
+    Raises:
+        UserError: the model or checkpoint cannot be loaded, or is not on this node.
+    """
+    init, fmt = _check_init(ctx)
+    own = ctx.resume_from if resume else None
+    if full:
+        source = own or (init if fmt == FORMAT_FULL else None) or ctx.spec.model
+        tokenizer, model = load_model(str(source), device, dtype)
+        if own is None and fmt == FORMAT_LORA:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(init)).merge_and_unload()
+        model.requires_grad_(True)
+        torch.manual_seed(cfg.seed)  # sampling starts from the seed, as with LoRA
+        return tokenizer, model
+    source = init if fmt == FORMAT_FULL else ctx.spec.model
+    tokenizer, base = load_model(str(source), device, dtype)
+    torch.manual_seed(cfg.seed)  # a fresh adapter's initial weights
+    return tokenizer, attach_lora(base, cfg, own or (init if fmt == FORMAT_LORA else None))
+
+
+def frozen_reference(ctx, cfg, model, device: torch.device, dtype: torch.dtype):
+    """A frozen copy of a full-weight policy's starting weights (for a KL penalty): a deep copy of
+    ``model`` on a fresh start, reloaded from the starting point when resuming."""
+    import copy
+
+    ref = load_for_training(ctx, cfg, device, dtype, full=True, resume=False)[1] if ctx.resume_from else copy.deepcopy(model)
+    ref.requires_grad_(False)
+    return ref.eval()

@@ -54,12 +54,19 @@ class _Trainer:
         self.cfg = cfg = ctx.spec.hyperparameters
         self.device = torch.device(ctx.device)
         dtype = _lm.resolve_dtype(cfg.dtype, self.device)
-        log.info("loading model", task_id=ctx.task_id, model=ctx.spec.model, device=str(self.device), dtype=str(dtype))
-        self.tokenizer, base = _lm.load_model(ctx.spec.model, self.device, dtype)
-        self.stop_ids = _lm.stop_token_ids(self.tokenizer, base)
+        # full_rl on a text environment: the same GRPO, all weights trained (no adapter).
+        self.full = ctx.spec.workload_type == "full_rl"
+        log.info(
+            "loading model", task_id=ctx.task_id, model=ctx.spec.model, device=str(self.device), dtype=str(dtype),
+            full_weights=self.full, init_checkpoint=str(ctx.init_checkpoint) if ctx.init_checkpoint else None,
+        )  # fmt: skip
+        self.tokenizer, self.model = _lm.load_for_training(ctx, cfg, self.device, dtype, full=self.full)
+        self.stop_ids = _lm.stop_token_ids(self.tokenizer, self.model)
         self.pad_id = int(self.tokenizer.pad_token_id)
-        torch.manual_seed(cfg.seed)
-        self.model = _lm.attach_lora(base, cfg, ctx.resume_from)
+        # KL reference: the adapter switched off (LoRA), or a frozen copy of the starting weights
+        # (full weights; only when kl_coef > 0, it costs a second model's memory).
+        self.ref_model = _lm.frozen_reference(ctx, cfg, self.model, self.device, dtype) if self.full and cfg.kl_coef > 0 else None
+        self.has_reference = not self.full or self.ref_model is not None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self.env = ArithmeticEnv(ctx.spec.env, self.tokenizer, seed=cfg.seed)
@@ -82,8 +89,8 @@ class _Trainer:
             "model": self.ctx.spec.model,
             "hyperparameters": dataclasses.asdict(self.cfg),
         }
-        _lm.save_checkpoint(path, self.model, state)
-        self.ctx.emit_checkpoint(self.step, path, final=final, fmt=CHECKPOINT_FORMAT)
+        _lm.save_checkpoint(path, self.model, state, tokenizer=self.tokenizer if self.full else None)
+        self.ctx.emit_checkpoint(self.step, path, final=final, fmt=_lm.FORMAT_FULL if self.full else CHECKPOINT_FORMAT)
         log.info("checkpoint written", task_id=self.ctx.task_id, step=self.step, path=str(path), final=final)
         return path
 
@@ -104,9 +111,9 @@ class _Trainer:
             log.debug("sample", problem=problems[0].question, reply=replies[0], reward=rewards[0])
         return ro, torch.tensor(rewards, dtype=torch.float32).view(cfg.prompts_per_step, cfg.group_size)
 
-    def logprobs(self, ro: Rollout) -> torch.Tensor:
+    def logprobs(self, ro: Rollout, model=None) -> torch.Tensor:
         return sequence_logprobs(
-            self.model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
+            model if model is not None else self.model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
             temperature=self.cfg.temperature, group_size=self.cfg.group_size,
         )  # fmt: skip
 
@@ -120,7 +127,9 @@ class _Trainer:
         self.model.eval()
         parts = []
         for sl in self.chunks(len(ro)):
-            if reference:
+            if reference and self.ref_model is not None:
+                parts.append(self.logprobs(ro.select(sl), model=self.ref_model))
+            elif reference:
                 with self.model.disable_adapter():
                     parts.append(self.logprobs(ro.select(sl)))
             else:
@@ -138,7 +147,7 @@ class _Trainer:
         valid = ~torch.isnan(rewards.flatten()).to(self.device)
         mask = ro.completion_mask & valid.unsqueeze(1)
         n_tokens = mask.sum().clamp(min=1).float()
-        ref_logp = self.no_grad_logprobs(ro, reference=True)
+        ref_logp = self.no_grad_logprobs(ro, reference=True) if self.has_reference else None
         # One on-policy epoch: the sampling policy's log-probs are the first forward's, detached.
         old_logp = self.no_grad_logprobs(ro, reference=False) if cfg.ppo_epochs > 1 else None
 
@@ -155,7 +164,7 @@ class _Trainer:
                 old = old_logp[sl] if old_logp is not None else logp.detach()
                 m = mask[sl]
                 policy_loss, stats = pg_loss(logp, old, adv[sl], m, cfg.clip_eps, normalizer=n_tokens)
-                kl_loss = masked_sum(kl_k3(logp, ref_logp[sl]), m) / n_tokens
+                kl_loss = masked_sum(kl_k3(logp, ref_logp[sl]), m) / n_tokens if ref_logp is not None else torch.zeros(())
                 loss = policy_loss + cfg.kl_coef * kl_loss if cfg.kl_coef > 0 else policy_loss
                 loss.backward()
                 weight = (m.sum() / n_tokens).item()
@@ -172,7 +181,7 @@ class _Trainer:
         step_s = time.perf_counter() - t0
         avg = {k: v / cfg.ppo_epochs for k, v in sums.items()}
         loss_total = avg["loss/policy"] + cfg.kl_coef * avg["loss/kl"]
-        kl_ref = masked_mean(kl_k3(sampling_logp, ref_logp), mask).item()
+        kl_ref = masked_mean(kl_k3(sampling_logp, ref_logp), mask).item() if ref_logp is not None else math.nan  # NaN: not reported
         flat = rewards.flatten()
         finite = flat[~torch.isnan(flat)]
         reward_mean = finite.mean().item() if finite.numel() else math.nan
@@ -227,4 +236,10 @@ def run(ctx: WorkerContext) -> None:
     Raises:
         UserError: the model cannot be loaded, or the hyper-parameters do not fit it.
     """
+    from opentinker_client.spec import env_kind
+
+    if env_kind(ctx.spec.env) == "gym":  # an LM playing a Discrete gymnasium/client environment
+        from ._lm_game import run as run_game
+
+        return run_game(ctx)
     _Trainer(ctx).run()

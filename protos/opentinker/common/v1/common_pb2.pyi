@@ -44,7 +44,7 @@ class Limits(_message.Message):
     def __init__(self, max_runtime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_attempts: _Optional[int] = ...) -> None: ...
 
 class TaskSpec(_message.Message):
-    __slots__ = ("workload_type", "model", "env_config", "hyperparameters", "resources", "limits", "priority", "name")
+    __slots__ = ("workload_type", "model", "env_config", "hyperparameters", "resources", "limits", "priority", "name", "init_from")
     WORKLOAD_TYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENV_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class TaskSpec(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    INIT_FROM_FIELD_NUMBER: _ClassVar[int]
     workload_type: str
     model: str
     env_config: _struct_pb2.Struct
@@ -61,7 +62,8 @@ class TaskSpec(_message.Message):
     limits: Limits
     priority: int
     name: str
-    def __init__(self, workload_type: _Optional[str] = ..., model: _Optional[str] = ..., env_config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., hyperparameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., priority: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    init_from: str
+    def __init__(self, workload_type: _Optional[str] = ..., model: _Optional[str] = ..., env_config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., hyperparameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., priority: _Optional[int] = ..., name: _Optional[str] = ..., init_from: _Optional[str] = ...) -> None: ...
 
 class MetricPoint(_message.Message):
     __slots__ = ("step", "time", "values")
@@ -178,7 +180,7 @@ class TaskEvent(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_change: _Optional[_Union[StateChange, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "owner", "spec", "state", "attempt", "priority", "create_time", "update_time", "start_time", "end_time", "node_id", "device_indices", "pending_reason", "error", "latest_metrics", "latest_step", "latest_checkpoint")
+    __slots__ = ("task_id", "owner", "spec", "state", "attempt", "priority", "create_time", "update_time", "start_time", "end_time", "node_id", "device_indices", "pending_reason", "error", "latest_metrics", "latest_step", "latest_checkpoint", "endpoint")
     class LatestMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +205,7 @@ class Task(_message.Message):
     LATEST_METRICS_FIELD_NUMBER: _ClassVar[int]
     LATEST_STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     owner: str
     spec: TaskSpec
@@ -220,4 +223,5 @@ class Task(_message.Message):
     latest_metrics: _containers.ScalarMap[str, float]
     latest_step: int
     latest_checkpoint: Checkpoint
-    def __init__(self, task_id: _Optional[str] = ..., owner: _Optional[str] = ..., spec: _Optional[_Union[TaskSpec, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., attempt: _Optional[int] = ..., priority: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ..., device_indices: _Optional[_Iterable[int]] = ..., pending_reason: _Optional[str] = ..., error: _Optional[str] = ..., latest_metrics: _Optional[_Mapping[str, float]] = ..., latest_step: _Optional[int] = ..., latest_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
+    endpoint: str
+    def __init__(self, task_id: _Optional[str] = ..., owner: _Optional[str] = ..., spec: _Optional[_Union[TaskSpec, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., attempt: _Optional[int] = ..., priority: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ..., device_indices: _Optional[_Iterable[int]] = ..., pending_reason: _Optional[str] = ..., error: _Optional[str] = ..., latest_metrics: _Optional[_Mapping[str, float]] = ..., latest_step: _Optional[int] = ..., latest_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., endpoint: _Optional[str] = ...) -> None: ...

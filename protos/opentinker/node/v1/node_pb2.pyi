@@ -94,7 +94,7 @@ class Heartbeat(_message.Message):
     def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.DeviceTelemetry, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class TaskReport(_message.Message):
-    __slots__ = ("task_id", "attempt", "state", "metrics", "checkpoint", "error", "retryable")
+    __slots__ = ("task_id", "attempt", "state", "metrics", "checkpoint", "error", "retryable", "endpoint")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class TaskReport(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     attempt: int
     state: _common_pb2.TaskState
@@ -109,7 +110,8 @@ class TaskReport(_message.Message):
     checkpoint: _common_pb2.Checkpoint
     error: str
     retryable: bool
-    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.TaskState, str]] = ..., metrics: _Optional[_Iterable[_Union[_common_pb2.MetricPoint, _Mapping]]] = ..., checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
+    endpoint: str
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.TaskState, str]] = ..., metrics: _Optional[_Iterable[_Union[_common_pb2.MetricPoint, _Mapping]]] = ..., checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., endpoint: _Optional[str] = ...) -> None: ...
 
 class Goodbye(_message.Message):
     __slots__ = ("reason",)
@@ -118,20 +120,22 @@ class Goodbye(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class AssignTask(_message.Message):
-    __slots__ = ("task_id", "attempt", "spec", "device_indices", "resume_from", "owner")
+    __slots__ = ("task_id", "attempt", "spec", "device_indices", "resume_from", "owner", "init_checkpoint")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    INIT_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     attempt: int
     spec: _common_pb2.TaskSpec
     device_indices: _containers.RepeatedScalarFieldContainer[int]
     resume_from: _common_pb2.Checkpoint
     owner: str
-    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., resume_from: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., owner: _Optional[str] = ...) -> None: ...
+    init_checkpoint: _common_pb2.Checkpoint
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., resume_from: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., owner: _Optional[str] = ..., init_checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ...) -> None: ...
 
 class CancelTask(_message.Message):
     __slots__ = ("task_id", "attempt", "reason")

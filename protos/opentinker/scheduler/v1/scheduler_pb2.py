@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from opentinker.common.v1 import common_pb2 as opentinker_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'opentinker/scheduler/v1/scheduler.proto\x12\x17opentinker.scheduler.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!opentinker/common/v1/common.proto\"U\n\x11SubmitTaskRequest\x12,\n\x04spec\x18\x01 \x01(\x0b\x32\x1e.opentinker.common.v1.TaskSpec\x12\x12\n\nrequest_id\x18\x02 \x01(\t\">\n\x12SubmitTaskResponse\x12(\n\x04task\x18\x01 \x01(\x0b\x32\x1a.opentinker.common.v1.Task\"!\n\x0eGetTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\";\n\x0fGetTaskResponse\x12(\n\x04task\x18\x01 \x01(\x0b\x32\x1a.opentinker.common.v1.Task\"j\n\x10ListTasksRequest\x12/\n\x06states\x18\x01 \x03(\x0e\x32\x1f.opentinker.common.v1.TaskState\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"W\n\x11ListTasksResponse\x12)\n\x05tasks\x18\x01 \x03(\x0b\x32\x1a.opentinker.common.v1.Task\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"4\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\">\n\x12\x43\x61ncelTaskResponse\x12(\n\x04task\x18\x01 \x01(\x0b\x32\x1a.opentinker.common.v1.Task\";\n\x10WatchTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x03\"C\n\x11WatchTaskResponse\x12.\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1f.opentinker.common.v1.TaskEvent\"Q\n\x11GetMetricsRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x12\n\nafter_step\x18\x02 \x01(\x03\x12\x17\n\x0finclude_history\x18\x03 \x01(\x08\"\xe5\x01\n\x12GetMetricsResponse\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12G\n\x06latest\x18\x02 \x03(\x0b\x32\x37.opentinker.scheduler.v1.GetMetricsResponse.LatestEntry\x12\x13\n\x0blatest_step\x18\x03 \x01(\x03\x12\x31\n\x06points\x18\x04 \x03(\x0b\x32!.opentinker.common.v1.MetricPoint\x1a-\n\x0bLatestEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x12\n\x10ListNodesRequest\"\xbf\x02\n\x04Node\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12-\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x1c.opentinker.common.v1.Device\x12\x11\n\tgpu_count\x18\x04 \x01(\x05\x12\x11\n\tgpus_free\x18\x05 \x01(\x05\x12\x11\n\tmax_tasks\x18\x06 \x01(\x05\x12\x18\n\x10running_task_ids\x18\x07 \x03(\t\x12\x38\n\ttelemetry\x18\x08 \x03(\x0b\x32%.opentinker.common.v1.DeviceTelemetry\x12\x37\n\x13last_heartbeat_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07version\x18\n \x01(\t\x12\r\n\x05notes\x18\x0b \x03(\t\"A\n\x11ListNodesResponse\x12,\n\x05nodes\x18\x01 \x03(\x0b\x32\x1d.opentinker.scheduler.v1.Node2\xd3\x05\n\x10SchedulerService\x12\x65\n\nSubmitTask\x12*.opentinker.scheduler.v1.SubmitTaskRequest\x1a+.opentinker.scheduler.v1.SubmitTaskResponse\x12\\\n\x07GetTask\x12\'.opentinker.scheduler.v1.GetTaskRequest\x1a(.opentinker.scheduler.v1.GetTaskResponse\x12\x62\n\tListTasks\x12).opentinker.scheduler.v1.ListTasksRequest\x1a*.opentinker.scheduler.v1.ListTasksResponse\x12\x65\n\nCancelTask\x12*.opentinker.scheduler.v1.CancelTaskRequest\x1a+.opentinker.scheduler.v1.CancelTaskResponse\x12\x64\n\tWatchTask\x12).opentinker.scheduler.v1.WatchTaskRequest\x1a*.opentinker.scheduler.v1.WatchTaskResponse0\x01\x12\x65\n\nGetMetrics\x12*.opentinker.scheduler.v1.GetMetricsRequest\x1a+.opentinker.scheduler.v1.GetMetricsResponse\x12\x62\n\tListNodes\x12).opentinker.scheduler.v1.ListNodesRequest\x1a*.opentinker.scheduler.v1.ListNodesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'opentinker/scheduler/v1/scheduler.proto\x12\x17opentinker.scheduler.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!opentinker/common/v1/common.proto\"U\n\x11SubmitTaskRequest\x12,\n\x04spec\x18\x01 \x01(\x0b\x32\x1e.opentinker.common.v1.TaskSpec\x12\x12\n\nrequest_id\x18\x02 \x01(\t\">\n\x12SubmitTaskResponse\x12(\n\x04task\x18\x01 \x01(\x0b\x32\x1a.opentinker.common.v1.Task\"!\n\x0eGetTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\";\n\x0fGetTaskResponse\x12(\n\x04task\x18\x01 \x01(\x0b\x32\x1a.opentinker.common.v1.Task\"j\n\x10ListTasksRequest\x12/\n\x06states\x18\x01 \x03(\x0e\x32\x1f.opentinker.common.v1.TaskState\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"W\n\x11ListTasksResponse\x12)\n\x05tasks\x18\x01 \x03(\x0b\x32\x1a.opentinker.common.v1.Task\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"4\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\">\n\x12\x43\x61ncelTaskResponse\x12(\n\x04task\x18\x01 \x01(\x0b\x32\x1a.opentinker.common.v1.Task\"Q\n\x10WatchTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x03\x12\x14\n\x0chistory_only\x18\x03 \x01(\x08\"C\n\x11WatchTaskResponse\x12.\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1f.opentinker.common.v1.TaskEvent\"Q\n\x11GetMetricsRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x12\n\nafter_step\x18\x02 \x01(\x03\x12\x17\n\x0finclude_history\x18\x03 \x01(\x08\"\xe5\x01\n\x12GetMetricsResponse\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12G\n\x06latest\x18\x02 \x03(\x0b\x32\x37.opentinker.scheduler.v1.GetMetricsResponse.LatestEntry\x12\x13\n\x0blatest_step\x18\x03 \x01(\x03\x12\x31\n\x06points\x18\x04 \x03(\x0b\x32!.opentinker.common.v1.MetricPoint\x1a-\n\x0bLatestEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x12\n\x10ListNodesRequest\"\xbf\x02\n\x04Node\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12-\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x1c.opentinker.common.v1.Device\x12\x11\n\tgpu_count\x18\x04 \x01(\x05\x12\x11\n\tgpus_free\x18\x05 \x01(\x05\x12\x11\n\tmax_tasks\x18\x06 \x01(\x05\x12\x18\n\x10running_task_ids\x18\x07 \x03(\t\x12\x38\n\ttelemetry\x18\x08 \x03(\x0b\x32%.opentinker.common.v1.DeviceTelemetry\x12\x37\n\x13last_heartbeat_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07version\x18\n \x01(\t\x12\r\n\x05notes\x18\x0b \x03(\t\"A\n\x11ListNodesResponse\x12,\n\x05nodes\x18\x01 \x03(\x0b\x32\x1d.opentinker.scheduler.v1.Node\"H\n\x14UploadDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\r\n\x05\x63hunk\x18\x03 \x01(\x0c\"Y\n\x0b\x44\x61tasetInfo\x12\x12\n\ndataset_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x14\n\x0cnum_examples\x18\x04 \x01(\x03\"N\n\x15UploadDatasetResponse\x12\x35\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32$.opentinker.scheduler.v1.DatasetInfo\",\n\x16\x44ownloadDatasetRequest\x12\x12\n\ndataset_id\x18\x01 \x01(\t\"_\n\x17\x44ownloadDatasetResponse\x12\x35\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32$.opentinker.scheduler.v1.DatasetInfo\x12\r\n\x05\x63hunk\x18\x02 \x01(\x0c\")\n\x16ListCheckpointsRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"P\n\x17ListCheckpointsResponse\x12\x35\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32 .opentinker.common.v1.Checkpoint\":\n\x19\x44ownloadCheckpointRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"B\n\x0e\x43heckpointFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\x97\x01\n\x12\x43heckpointManifest\x12\x34\n\ncheckpoint\x18\x01 \x01(\x0b\x32 .opentinker.common.v1.Checkpoint\x12\x36\n\x05\x66iles\x18\x02 \x03(\x0b\x32\'.opentinker.scheduler.v1.CheckpointFile\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\"C\n\x0f\x43heckpointChunk\x12\x12\n\nfile_index\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xa3\x01\n\x1a\x44ownloadCheckpointResponse\x12?\n\x08manifest\x18\x01 \x01(\x0b\x32+.opentinker.scheduler.v1.CheckpointManifestH\x00\x12\x39\n\x05\x63hunk\x18\x02 \x01(\x0b\x32(.opentinker.scheduler.v1.CheckpointChunkH\x00\x42\t\n\x07message2\xb4\t\n\x10SchedulerService\x12\x65\n\nSubmitTask\x12*.opentinker.scheduler.v1.SubmitTaskRequest\x1a+.opentinker.scheduler.v1.SubmitTaskResponse\x12\\\n\x07GetTask\x12\'.opentinker.scheduler.v1.GetTaskRequest\x1a(.opentinker.scheduler.v1.GetTaskResponse\x12\x62\n\tListTasks\x12).opentinker.scheduler.v1.ListTasksRequest\x1a*.opentinker.scheduler.v1.ListTasksResponse\x12\x65\n\nCancelTask\x12*.opentinker.scheduler.v1.CancelTaskRequest\x1a+.opentinker.scheduler.v1.CancelTaskResponse\x12\x64\n\tWatchTask\x12).opentinker.scheduler.v1.WatchTaskRequest\x1a*.opentinker.scheduler.v1.WatchTaskResponse0\x01\x12\x65\n\nGetMetrics\x12*.opentinker.scheduler.v1.GetMetricsRequest\x1a+.opentinker.scheduler.v1.GetMetricsResponse\x12p\n\rUploadDataset\x12-.opentinker.scheduler.v1.UploadDatasetRequest\x1a..opentinker.scheduler.v1.UploadDatasetResponse(\x01\x12v\n\x0f\x44ownloadDataset\x12/.opentinker.scheduler.v1.DownloadDatasetRequest\x1a\x30.opentinker.scheduler.v1.DownloadDatasetResponse0\x01\x12t\n\x0fListCheckpoints\x12/.opentinker.scheduler.v1.ListCheckpointsRequest\x1a\x30.opentinker.scheduler.v1.ListCheckpointsResponse\x12\x7f\n\x12\x44ownloadCheckpoint\x12\x32.opentinker.scheduler.v1.DownloadCheckpointRequest\x1a\x33.opentinker.scheduler.v1.DownloadCheckpointResponse0\x01\x12\x62\n\tListNodes\x12).opentinker.scheduler.v1.ListNodesRequest\x1a*.opentinker.scheduler.v1.ListNodesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,21 +52,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANCELTASKRESPONSE']._serialized_start=634
   _globals['_CANCELTASKRESPONSE']._serialized_end=696
   _globals['_WATCHTASKREQUEST']._serialized_start=698
-  _globals['_WATCHTASKREQUEST']._serialized_end=757
-  _globals['_WATCHTASKRESPONSE']._serialized_start=759
-  _globals['_WATCHTASKRESPONSE']._serialized_end=826
-  _globals['_GETMETRICSREQUEST']._serialized_start=828
-  _globals['_GETMETRICSREQUEST']._serialized_end=909
-  _globals['_GETMETRICSRESPONSE']._serialized_start=912
-  _globals['_GETMETRICSRESPONSE']._serialized_end=1141
-  _globals['_GETMETRICSRESPONSE_LATESTENTRY']._serialized_start=1096
-  _globals['_GETMETRICSRESPONSE_LATESTENTRY']._serialized_end=1141
-  _globals['_LISTNODESREQUEST']._serialized_start=1143
-  _globals['_LISTNODESREQUEST']._serialized_end=1161
-  _globals['_NODE']._serialized_start=1164
-  _globals['_NODE']._serialized_end=1483
-  _globals['_LISTNODESRESPONSE']._serialized_start=1485
-  _globals['_LISTNODESRESPONSE']._serialized_end=1550
-  _globals['_SCHEDULERSERVICE']._serialized_start=1553
-  _globals['_SCHEDULERSERVICE']._serialized_end=2276
+  _globals['_WATCHTASKREQUEST']._serialized_end=779
+  _globals['_WATCHTASKRESPONSE']._serialized_start=781
+  _globals['_WATCHTASKRESPONSE']._serialized_end=848
+  _globals['_GETMETRICSREQUEST']._serialized_start=850
+  _globals['_GETMETRICSREQUEST']._serialized_end=931
+  _globals['_GETMETRICSRESPONSE']._serialized_start=934
+  _globals['_GETMETRICSRESPONSE']._serialized_end=1163
+  _globals['_GETMETRICSRESPONSE_LATESTENTRY']._serialized_start=1118
+  _globals['_GETMETRICSRESPONSE_LATESTENTRY']._serialized_end=1163
+  _globals['_LISTNODESREQUEST']._serialized_start=1165
+  _globals['_LISTNODESREQUEST']._serialized_end=1183
+  _globals['_NODE']._serialized_start=1186
+  _globals['_NODE']._serialized_end=1505
+  _globals['_LISTNODESRESPONSE']._serialized_start=1507
+  _globals['_LISTNODESRESPONSE']._serialized_end=1572
+  _globals['_UPLOADDATASETREQUEST']._serialized_start=1574
+  _globals['_UPLOADDATASETREQUEST']._serialized_end=1646
+  _globals['_DATASETINFO']._serialized_start=1648
+  _globals['_DATASETINFO']._serialized_end=1737
+  _globals['_UPLOADDATASETRESPONSE']._serialized_start=1739
+  _globals['_UPLOADDATASETRESPONSE']._serialized_end=1817
+  _globals['_DOWNLOADDATASETREQUEST']._serialized_start=1819
+  _globals['_DOWNLOADDATASETREQUEST']._serialized_end=1863
+  _globals['_DOWNLOADDATASETRESPONSE']._serialized_start=1865
+  _globals['_DOWNLOADDATASETRESPONSE']._serialized_end=1960
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1962
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=2003
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=2005
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=2085
+  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_start=2087
+  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_end=2145
+  _globals['_CHECKPOINTFILE']._serialized_start=2147
+  _globals['_CHECKPOINTFILE']._serialized_end=2213
+  _globals['_CHECKPOINTMANIFEST']._serialized_start=2216
+  _globals['_CHECKPOINTMANIFEST']._serialized_end=2367
+  _globals['_CHECKPOINTCHUNK']._serialized_start=2369
+  _globals['_CHECKPOINTCHUNK']._serialized_end=2436
+  _globals['_DOWNLOADCHECKPOINTRESPONSE']._serialized_start=2439
+  _globals['_DOWNLOADCHECKPOINTRESPONSE']._serialized_end=2602
+  _globals['_SCHEDULERSERVICE']._serialized_start=2605
+  _globals['_SCHEDULERSERVICE']._serialized_end=3809
 # @@protoc_insertion_point(module_scope)

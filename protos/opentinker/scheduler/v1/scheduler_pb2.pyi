@@ -69,12 +69,14 @@ class CancelTaskResponse(_message.Message):
     def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ...) -> None: ...
 
 class WatchTaskRequest(_message.Message):
-    __slots__ = ("task_id", "after_sequence")
+    __slots__ = ("task_id", "after_sequence", "history_only")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     after_sequence: int
-    def __init__(self, task_id: _Optional[str] = ..., after_sequence: _Optional[int] = ...) -> None: ...
+    history_only: bool
+    def __init__(self, task_id: _Optional[str] = ..., after_sequence: _Optional[int] = ..., history_only: _Optional[bool] = ...) -> None: ...
 
 class WatchTaskResponse(_message.Message):
     __slots__ = ("event",)
@@ -146,3 +148,103 @@ class ListNodesResponse(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[Node]
     def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
+
+class UploadDatasetRequest(_message.Message):
+    __slots__ = ("name", "total_bytes", "chunk")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    total_bytes: int
+    chunk: bytes
+    def __init__(self, name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class DatasetInfo(_message.Message):
+    __slots__ = ("dataset_id", "name", "size_bytes", "num_examples")
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    name: str
+    size_bytes: int
+    num_examples: int
+    def __init__(self, dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., num_examples: _Optional[int] = ...) -> None: ...
+
+class UploadDatasetResponse(_message.Message):
+    __slots__ = ("dataset",)
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    dataset: DatasetInfo
+    def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ...) -> None: ...
+
+class DownloadDatasetRequest(_message.Message):
+    __slots__ = ("dataset_id",)
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    def __init__(self, dataset_id: _Optional[str] = ...) -> None: ...
+
+class DownloadDatasetResponse(_message.Message):
+    __slots__ = ("dataset", "chunk")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    dataset: DatasetInfo
+    chunk: bytes
+    def __init__(self, dataset: _Optional[_Union[DatasetInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("task_id",)
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    def __init__(self, task_id: _Optional[str] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[_common_pb2.Checkpoint]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[_common_pb2.Checkpoint, _Mapping]]] = ...) -> None: ...
+
+class DownloadCheckpointRequest(_message.Message):
+    __slots__ = ("task_id", "step")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    step: int
+    def __init__(self, task_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CheckpointFile(_message.Message):
+    __slots__ = ("path", "size_bytes", "sha256")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_bytes: int
+    sha256: str
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class CheckpointManifest(_message.Message):
+    __slots__ = ("checkpoint", "files", "total_bytes")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: _common_pb2.Checkpoint
+    files: _containers.RepeatedCompositeFieldContainer[CheckpointFile]
+    total_bytes: int
+    def __init__(self, checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class CheckpointChunk(_message.Message):
+    __slots__ = ("file_index", "offset", "data")
+    FILE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    file_index: int
+    offset: int
+    data: bytes
+    def __init__(self, file_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DownloadCheckpointResponse(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: CheckpointManifest
+    chunk: CheckpointChunk
+    def __init__(self, manifest: _Optional[_Union[CheckpointManifest, _Mapping]] = ..., chunk: _Optional[_Union[CheckpointChunk, _Mapping]] = ...) -> None: ...

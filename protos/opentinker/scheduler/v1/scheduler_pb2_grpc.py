@@ -65,6 +65,26 @@ class SchedulerServiceStub:
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetMetricsRequest.SerializeToString,
                 response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetMetricsResponse.FromString,
                 _registered_method=True)
+        self.UploadDataset = channel.stream_unary(
+                '/opentinker.scheduler.v1.SchedulerService/UploadDataset',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.UploadDatasetRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.UploadDatasetResponse.FromString,
+                _registered_method=True)
+        self.DownloadDataset = channel.unary_stream(
+                '/opentinker.scheduler.v1.SchedulerService/DownloadDataset',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadDatasetRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadDatasetResponse.FromString,
+                _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/opentinker.scheduler.v1.SchedulerService/ListCheckpoints',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.DownloadCheckpoint = channel.unary_stream(
+                '/opentinker.scheduler.v1.SchedulerService/DownloadCheckpoint',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadCheckpointRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadCheckpointResponse.FromString,
+                _registered_method=True)
         self.ListNodes = channel.unary_unary(
                 '/opentinker.scheduler.v1.SchedulerService/ListNodes',
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesRequest.SerializeToString,
@@ -111,8 +131,8 @@ class SchedulerServiceServicer:
 
     def WatchTask(self, request, context):
         """Streams a task's events (state changes, metric points, checkpoints) from `after_sequence`,
-        then live ones until the task ends. Resumable: pass the last sequence seen.
-        Errors: NOT_FOUND.
+        then live ones until the task ends (with `history_only`, only the events stored so far).
+        Resumable: pass the last sequence seen. Errors: NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,6 +140,48 @@ class SchedulerServiceServicer:
 
     def GetMetrics(self, request, context):
         """Returns a task's newest metric values and its metric history. Idempotent. Errors: NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadDataset(self, request_iterator, context):
+        """Uploads a JSONL dataset of chat examples (one `{"messages": [{"role": ..., "content": ...}]}` per
+        line) for `sft` tasks to name by `dataset_id`. Client stream: the first message carries `name` and
+        `total_bytes`, every message a chunk of the file. Validated while it arrives; stored
+        content-addressed (`sha256:<hex>`) only once complete and valid, so nothing half-written stays.
+        Idempotent: the same bytes give the same id. Errors: INVALID_ARGUMENT (no header, a bad line,
+        naming its number and what was expected; no examples; size not as announced),
+        RESOURCE_EXHAUSTED (larger than the scheduler's limit, 256 MiB by default).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadDataset(self, request, context):
+        """Streams an uploaded dataset's bytes in chunks of at most 1 MiB (trainer workers fetch their
+        task's dataset with it). Idempotent. Errors: INVALID_ARGUMENT (not a `sha256:<64 hex>` id),
+        NOT_FOUND (no such dataset).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCheckpoints(self, request, context):
+        """Lists the checkpoints a task recorded, oldest first. Idempotent. Errors: NOT_FOUND (no such
+        task), INVALID_ARGUMENT (empty id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadCheckpoint(self, request, context):
+        """Streams one checkpoint folder: the first message is a manifest (every file's relative path,
+        size and SHA-256), then each file's bytes in chunks of at most 1 MiB, files in manifest order.
+        Reads the folder on the scheduler's filesystem, so checkpoints must live on storage the
+        scheduler shares with the nodes. Idempotent. Errors: NOT_FOUND (no such task, no checkpoint,
+        or no checkpoint at `step`; the message lists the steps there are), FAILED_PRECONDITION (the
+        folder is not readable from the scheduler), INVALID_ARGUMENT (empty id, negative step).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -164,6 +226,26 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.GetMetrics,
                     request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetMetricsRequest.FromString,
                     response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetMetricsResponse.SerializeToString,
+            ),
+            'UploadDataset': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadDataset,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.UploadDatasetRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.UploadDatasetResponse.SerializeToString,
+            ),
+            'DownloadDataset': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadDataset,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadDatasetRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadDatasetResponse.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'DownloadCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadCheckpoint,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadCheckpointRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadCheckpointResponse.SerializeToString,
             ),
             'ListNodes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListNodes,
@@ -334,6 +416,114 @@ class SchedulerService:
             '/opentinker.scheduler.v1.SchedulerService/GetMetrics',
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetMetricsRequest.SerializeToString,
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetMetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadDataset(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/UploadDataset',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.UploadDatasetRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.UploadDatasetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/DownloadDataset',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadDatasetRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadDatasetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/ListCheckpoints',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListCheckpointsRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/DownloadCheckpoint',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadCheckpointRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,181 @@
+"""``opentinker.scheduler.v1.AdminService``: API keys and the audit log, plus the
+:class:`Security` bundle (keys, limits, audit, interceptor) that the server assembles."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
+
+from .audit import ACTIONS, AuditLog
+from .auth import AuthInterceptor, caller
+from .keys import KeyRow, KeyStore, Principal, bootstrap_admin, key_prefix
+from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from .limits import Limits, LimitsConfig
+from .store import Store
+
+_ROLE_TO_PB = {
+    "admin": admin_pb2.API_KEY_ROLE_ADMIN,
+    "user": admin_pb2.API_KEY_ROLE_USER,
+    "node": admin_pb2.API_KEY_ROLE_NODE,
+}
+_PB_TO_ROLE = {v: k for k, v in _ROLE_TO_PB.items()}
+_STATUS = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+}
+
+
+@dataclass
+class Security:
+    """Everything the servicers need for authentication, limits and audit."""
+
+    keys: KeyStore | None  # None = authentication off
+    limits: Limits
+    audit: AuditLog
+    interceptor: AuthInterceptor
+    bootstrap_key_file: Path | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.keys is not None
+
+
+def build_security(config, store: Store) -> Security:
+    """From a :class:`~opentinker_scheduler.config.SchedulerConfig` (its ``auth``, ``tls`` and
+    ``limits``); makes the bootstrap admin key when auth is on and there is none.
+
+    Call before group commit is enabled, so the bootstrap key is committed at once."""
+    auth = getattr(config, "auth", None)
+    tls = getattr(config, "tls", None)
+    enabled = bool(auth is not None and auth.enabled)
+    limits = Limits((getattr(config, "limits", None) or LimitsConfig()).resolved(auth_enabled=enabled))
+    audit = AuditLog(store)
+    keys = KeyStore(store) if enabled else None
+    written = None
+    if keys is not None:
+        path = Path(auth.bootstrap_admin_key_file)
+        written = bootstrap_admin(keys, path if path.is_absolute() else config.state_dir / path)
+    interceptor = AuthInterceptor(keys=keys, limits=limits, audit=audit, node_cert_required=bool(tls is not None and tls.node_cert_required))
+    return Security(keys=keys, limits=limits, audit=audit, interceptor=interceptor, bootstrap_key_file=written)
+
+
+def key_to_proto(row: KeyRow, now: float) -> admin_pb2.ApiKey:
+    out = admin_pb2.ApiKey(
+        prefix=row.prefix, owner=row.owner, role=_ROLE_TO_PB[row.role], description=row.description,
+        active=row.active(now), replaced_by=row.replaced_by,
+    )
+    out.create_time.FromNanoseconds(int(row.create_time * 1e9))
+    if row.revoke_time is not None:
+        out.revoke_time.FromNanoseconds(int(row.revoke_time * 1e9))
+    if row.expire_time is not None:
+        out.expire_time.FromNanoseconds(int(row.expire_time * 1e9))
+    return out
+
+
+def _mapped(fn):
+    @functools.wraps(fn)
+    async def wrapper(self, request, context):
+        try:
+            response = fn(self, request, caller())
+            await self.durable()
+            return response
+        except tuple(_STATUS) as exc:
+            await context.abort(_STATUS[next(c for c in _STATUS if isinstance(exc, c))], str(exc))
+
+    return wrapper
+
+
+class AdminService(admin_pb2_grpc.AdminServiceServicer):
+    """``opentinker.scheduler.v1.AdminService`` (see admin.proto for the contract)."""
+
+    def __init__(self, security: Security, durable=None) -> None:
+        self.security = security
+        self._durable = durable
+
+    async def durable(self) -> None:
+        if self._durable is not None:
+            await self._durable()
+
+    @property
+    def keys(self) -> KeyStore:
+        if self.security.keys is None:
+            raise FailedPrecondition("API keys are off on this scheduler (auth.enabled: false in its config)")
+        return self.security.keys
+
+    @staticmethod
+    def _scope(who: Principal) -> str | None:
+        return None if who.is_admin else who.owner
+
+    def _audit(self, who: Principal, action: str, outcome: str = "OK", **detail) -> None:
+        self.security.audit.record(action, owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome, **detail)
+
+    @_mapped
+    def CreateApiKey(self, request, who: Principal):
+        if not who.is_admin:
+            raise PermissionDenied(f"API key {who.key_prefix} (role {who.role}) may not create keys: admin keys only")
+        role = _PB_TO_ROLE.get(request.role)
+        if role is None:
+            raise InvalidArgument("role: expected API_KEY_ROLE_ADMIN, API_KEY_ROLE_USER or API_KEY_ROLE_NODE")
+        try:
+            row, api_key = self.keys.create(request.owner, role, request.description)
+        except InvalidArgument as exc:
+            self._audit(who, "key.create", "INVALID_ARGUMENT", for_owner=request.owner[:128], error=str(exc))
+            raise
+        self._audit(who, "key.create", target=row.prefix, for_owner=row.owner, target_role=row.role)
+        return admin_pb2.CreateApiKeyResponse(key=key_to_proto(row, self.keys.clock()), api_key=api_key)
+
+    @_mapped
+    def ListApiKeys(self, request, who: Principal):
+        owner = self._scope(who)
+        if request.owner and owner is None:
+            owner = request.owner
+        rows = self.keys.list(owner=owner, include_inactive=request.include_inactive)
+        now = self.keys.clock()
+        return admin_pb2.ListApiKeysResponse(keys=[key_to_proto(r, now) for r in rows])
+
+    @_mapped
+    def RevokeApiKey(self, request, who: Principal):
+        prefix = key_prefix(request.prefix)
+        row = self.keys.revoke(prefix, owner=self._scope(who))
+        self._audit(who, "key.revoke", target=prefix, for_owner=row.owner)
+        return admin_pb2.RevokeApiKeyResponse(key=key_to_proto(row, self.keys.clock()))
+
+    @_mapped
+    def RotateApiKey(self, request, who: Principal):
+        prefix = key_prefix(request.prefix)
+        grace = request.grace.ToNanoseconds() / 1e9 if request.HasField("grace") else 0.0
+        try:
+            new, api_key, old = self.keys.rotate(prefix, grace_s=grace, owner=self._scope(who))
+        except (FailedPrecondition, InvalidArgument) as exc:
+            self._audit(who, "key.rotate", type(exc).__name__, target=prefix, error=str(exc))
+            raise
+        self._audit(who, "key.rotate", target=prefix, new_key=new.prefix, for_owner=new.owner, grace_s=grace)
+        now = self.keys.clock()
+        return admin_pb2.RotateApiKeyResponse(key=key_to_proto(new, now), api_key=api_key, old_key=key_to_proto(old, now))
+
+    @_mapped
+    def ListAuditEvents(self, request, who: Principal):
+        if not who.is_admin:
+            raise PermissionDenied(f"API key {who.key_prefix} (role {who.role}) may not read the audit log: admin keys only")
+        size = request.page_size or 100
+        if not 1 <= size <= 1000:
+            raise InvalidArgument(f"page_size: expected 1..1000, got {request.page_size}")
+        if request.action and request.action not in ACTIONS:
+            raise InvalidArgument(f"action: expected one of {', '.join(ACTIONS)}, got {request.action[:40]!r}")
+        out = []
+        for rec in self.security.audit.list(limit=size, before_id=max(0, request.before_id), action=request.action):
+            ev = admin_pb2.AuditEvent(
+                id=rec.id, owner=rec.owner, role=rec.role, key_prefix=rec.key_prefix, action=rec.action,
+                task_id=rec.task_id, outcome=rec.outcome, detail_json=json.dumps(rec.detail, sort_keys=True),
+            )
+            ev.time.FromNanoseconds(int(rec.time * 1e9))
+            out.append(ev)
+        return admin_pb2.ListAuditEventsResponse(events=out)

@@ -1,0 +1,233 @@
+"""Client-hosted environments, trainer side: a ``gymnasium.Env`` over an EnvironmentService.
+
+:func:`make_client_env` gives a ``gymnasium.Env`` whose ``reset``/``step`` are calls to the
+user's client at ``config.endpoint`` (``opentinker.environment.v1``). Spaces come from the
+config (``Discrete(action_space)``; ``Discrete(observation_space)`` or a flat
+``Box(-inf, inf, (observation_space,))``) and are checked against what the client declares
+(``Describe``) on the first call, so a mismatch fails the task at once.
+
+Failures are :class:`~opentinker_trainer.context.UserError` (the task ends FAILED, not
+retried; a retry cannot fix the user's environment), with these messages:
+
+* the environment raised -> ``client environment Corr at host:port failed in step: Corr.step raised ValueError: ...``;
+* no answer within ``timeout_s`` -> ``... did not answer step within timeout_s=2 s``;
+* unreachable (client gone) for longer than ``grace_s`` -> ``... unreachable for grace_s=30 s``.
+  Calls are retried with backoff while the endpoint is unreachable. A client whose server comes
+  back within the grace period has lost its instances, so the next Step fails with
+  FAILED_PRECONDITION (a UserError too) unless it was a Reset.
+
+All environments of one worker process share one gRPC channel per endpoint and one session id
+(a random UUID); each :func:`make_client_env` call takes the next ``env_index``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from typing import Any
+
+import grpc
+import gymnasium
+import numpy as np
+from google.protobuf import json_format
+
+from opentinker.environment.v1 import environment_pb2 as pb
+from opentinker.environment.v1 import environment_pb2_grpc as pb_grpc
+from opentinker_trainer.context import UserError
+
+__all__ = ["ClientEnv", "RemoteSession", "close_all_sessions", "make_client_env"]
+
+# UNAVAILABLE: nobody listens (client gone, network). CANCELLED: the client's server shut down with
+# this call in flight (the trainer never cancels its own calls). Both: retry until grace_s.
+_RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+class RemoteSession:
+    """One channel and session id per endpoint in this process; calls with timeouts, retries on
+    UNAVAILABLE for ``grace_s`` and errors mapped to :class:`UserError`."""
+
+    _lock = threading.Lock()
+    _sessions: dict[str, "RemoteSession"] = {}
+
+    def __init__(self, endpoint: str, *, timeout_s: float, grace_s: float) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = float(timeout_s)
+        self.grace_s = float(grace_s)
+        self.session_id = uuid.uuid4().hex
+        self.channel = grpc.insecure_channel(endpoint, options=[("grpc.enable_retries", 0)])
+        self.stub = pb_grpc.EnvironmentServiceStub(self.channel)
+        self._indexes = itertools.count()
+        self.name = "client environment"
+        self.described: pb.DescribeResponse | None = None
+
+    @classmethod
+    def shared(cls, endpoint: str, *, timeout_s: float, grace_s: float) -> "RemoteSession":
+        with cls._lock:
+            s = cls._sessions.get(endpoint)
+            if s is None:
+                s = cls._sessions[endpoint] = cls(endpoint, timeout_s=timeout_s, grace_s=grace_s)
+            return s
+
+    def next_index(self) -> int:
+        with self._lock:
+            return next(self._indexes)
+
+    def call(self, method: str, request: Any) -> Any:
+        """``stub.<method>(request)`` with the timeout; see the module docstring for errors.
+
+        Raises:
+            UserError: the environment raised, answered too late, or stayed unreachable.
+        """
+        fn = getattr(self.stub, method)
+        first_down: float | None = None
+        delay = 0.1
+        what = method.lower()
+        while True:
+            try:
+                return fn(request, timeout=self.timeout_s)
+            except grpc.RpcError as err:
+                code = err.code()
+                where = f"{self.name} at {self.endpoint}"
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise UserError(
+                        f"{where} did not answer {what} within timeout_s={self.timeout_s:g} s "
+                        "(raise env_config.timeout_s if the environment is slow)"
+                    ) from None
+                if code in _RETRY_CODES:
+                    now = time.monotonic()
+                    first_down = now if first_down is None else first_down
+                    if now - first_down >= self.grace_s:
+                        raise UserError(
+                            f"{where} unreachable for grace_s={self.grace_s:g} s: {err.details()} "
+                            "(the client that hosts it has gone away or cannot be reached from this node)"
+                        ) from None
+                    time.sleep(min(delay, max(0.0, self.grace_s - (now - first_down))))
+                    delay = min(delay * 2, 2.0)
+                    continue
+                raise UserError(f"{where} failed in {what}: {err.details()} ({code.name})") from None
+
+    def describe(self) -> pb.DescribeResponse:
+        if self.described is None:
+            self.described = self.call("Describe", pb.DescribeRequest())
+            if self.described.name:
+                self.name = f"client environment {self.described.name}"
+        return self.described
+
+    def close(self) -> None:
+        try:
+            self.stub.Close(pb.CloseRequest(session_id=self.session_id), timeout=min(self.timeout_s, 5.0))
+        except grpc.RpcError:
+            pass  # the client may be gone already; nothing to release then
+
+
+def _obs(observation: pb.Observation) -> Any:
+    if observation.WhichOneof("value") == "box":
+        return np.asarray(observation.box.values, dtype=np.float32)
+    return int(observation.discrete)
+
+
+def _space_text(space: pb.Space) -> str:
+    if space.WhichOneof("kind") == "box":
+        return f"Box({int(np.prod(space.box.shape))},)"
+    return f"Discrete({space.discrete.n})"
+
+
+class ClientEnv(gymnasium.Env):
+    """A ``gymnasium.Env`` played by a client-hosted environment (one ``env_index``).
+
+    Observations: ``int`` for Discrete, ``float32 [n]`` for Box. ``info`` is the client's dict.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, config: Any, session: RemoteSession) -> None:
+        self.config = config
+        self.session = session
+        self.env_index = session.next_index()
+        self.action_space = gymnasium.spaces.Discrete(config.action_space)
+        if config.observation_type == "box":
+            self.observation_space = gymnasium.spaces.Box(-np.inf, np.inf, (config.observation_space,), np.float32)
+        else:
+            self.observation_space = gymnasium.spaces.Discrete(config.observation_space)
+        self.action_names = tuple(config.action_names)
+        self._checked = False
+
+    def _check_spaces(self) -> None:
+        """Refuse a client whose declared spaces differ from the task's env_config."""
+        if self._checked:
+            return
+        d = self.session.describe()
+        want_act = pb.Space(discrete=pb.DiscreteSpace(n=self.config.action_space))
+        if self.config.observation_type == "box":
+            want_obs = pb.Space(box=pb.BoxSpace(shape=[self.config.observation_space]))
+        else:
+            want_obs = pb.Space(discrete=pb.DiscreteSpace(n=self.config.observation_space))
+        for name, want, got in (("action_space", want_act, d.action_space), ("observation_space", want_obs, d.observation_space)):
+            if _space_text(want) != _space_text(got):
+                raise UserError(
+                    f"env_config.{name}: the task says {_space_text(want)} but {self.session.name} at "
+                    f"{self.session.endpoint} declares {_space_text(got)}"
+                )
+        if not self.action_names and d.action_names:
+            self.action_names = tuple(d.action_names)
+        self._checked = True
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self._check_spaces()
+        item = pb.ResetItem(env_index=self.env_index)
+        if seed is not None:
+            item.seed = int(seed)
+        res = self.session.call("Reset", pb.ResetRequest(session_id=self.session.session_id, items=[item])).results[0]
+        return _obs(res.observation), json_format.MessageToDict(res.info)
+
+    def step(self, action: Any):
+        a = int(np.asarray(action).item())
+        if not self.action_space.contains(a):
+            raise ValueError(f"action {action!r} is outside {self.action_space}")
+        req = pb.StepRequest(
+            session_id=self.session.session_id, items=[pb.StepItem(env_index=self.env_index, action=pb.Action(discrete=a))]
+        )
+        res = self.session.call("Step", req).results[0]
+        return _obs(res.observation), float(res.reward), bool(res.terminated), bool(res.truncated), json_format.MessageToDict(res.info)
+
+    def close(self) -> None:
+        pass  # the session (shared by this process's envs) is closed by close_all_sessions()
+
+
+def close_all_sessions() -> None:
+    """Close every session this process opened (drops the client's instances)."""
+    with RemoteSession._lock:
+        sessions = list(RemoteSession._sessions.values())
+        RemoteSession._sessions.clear()
+    for s in sessions:
+        s.close()
+        s.channel.close()
+
+
+def make_client_env(config: Any, *, seed: int | None) -> gymnasium.Env:
+    """A ``gymnasium.Env`` over the client-hosted environment of ``config``
+    (a :class:`~opentinker_client.spec.ClientEnvConfig`).
+
+    Args:
+        seed: when not None, the environment is reset once with it (as
+            :func:`opentinker_trainer.envs.gym.make_env` does for gymnasium ids) and its spaces
+            are seeded.
+
+    Raises:
+        UserError: declared spaces differ from the config, or the client fails/times out/is
+            unreachable (see the module docstring).
+    """
+    session = RemoteSession.shared(config.endpoint, timeout_s=config.timeout_s, grace_s=config.grace_s)
+    env: gymnasium.Env = ClientEnv(config, session)
+    if config.max_episode_steps is not None:
+        env = gymnasium.wrappers.TimeLimit(env, max_episode_steps=int(config.max_episode_steps))
+    if seed is None and config.seed is not None:
+        seed = config.seed
+    if seed is not None:
+        env.reset(seed=int(seed))
+        env.action_space.seed(int(seed))
+        env.observation_space.seed(int(seed))
+    return env

@@ -1,0 +1,13 @@
+"""Serving a base model and many LoRA adapters: ``opentinker.inference.v1.InferenceService``.
+
+* :mod:`.sampling` — next-token choice (temperature, top-k, top-p as ``transformers`` does it)
+  and raw log-probabilities;
+* :mod:`.engine` — one request's decode loop (prefill once, ``n`` samples per step);
+* :mod:`.text` — incremental detokenization and stop strings;
+* :mod:`.adapters` — adapter validation, loading on demand, least-recently-used bound;
+* :mod:`.runtime` — the served model: one model thread, request slots, step interleaving;
+* :mod:`.resolve` — adapter name (a finished task's id) -> checkpoint folder, via the scheduler;
+* :mod:`.server` — the gRPC servicer with health and reflection.
+
+The ``inference`` workload (:mod:`opentinker_trainer.workloads.inference`) puts them together.
+"""

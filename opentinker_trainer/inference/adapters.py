@@ -1,0 +1,310 @@
+"""Many LoRA adapters on one base model: validation, loading on demand, least-recently-used bound.
+
+The base model is loaded once. The first adapter wraps it in a ``peft.PeftModel``; later ones are
+added with ``load_adapter(path, adapter_name=...)`` and removed with ``delete_adapter``. Which
+adapter a forward pass uses is chosen right before it (:meth:`AdapterRegistry.activate`): the
+named adapter alone, or none at all for a base-model request (LoRA layers disabled). The caller
+runs every forward pass and every load on one thread, so a pass never sees another request's
+adapter.
+
+An adapter is refused before loading when its files are not a LoRA adapter of this base model
+(:func:`validate_adapter`): no ``adapter_model.safetensors``, no ``lora_A``/``lora_B`` tensors,
+or tensors for modules the base model does not have or with the wrong shapes. PEFT itself would
+load such a file with a warning and then silently serve the base model.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+__all__ = [
+    "AdapterError",
+    "AdapterNotFound",
+    "AdapterRefused",
+    "AdaptersBusy",
+    "AdapterInfo",
+    "AdapterRegistry",
+    "validate_adapter",
+]
+
+WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+
+
+class AdapterError(Exception):
+    """Base of adapter errors; the server maps each subclass to a gRPC status."""
+
+
+class AdapterNotFound(AdapterError):
+    """NOT_FOUND: no such adapter (unknown task, or a task without a checkpoint)."""
+
+
+class AdapterRefused(AdapterError):
+    """FAILED_PRECONDITION: the adapter exists but cannot be served on this base model."""
+
+
+class AdaptersBusy(AdapterError):
+    """RESOURCE_EXHAUSTED: every resident slot is held by a running request."""
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A resident adapter. ``size_bytes``: bytes of its LoRA tensors; times are unix seconds."""
+
+    name: str
+    path: str
+    size_bytes: int
+    load_time: float
+    last_used_time: float
+    in_use: int
+
+
+def _module_of(key: str) -> tuple[str, str] | None:
+    """``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` ->
+    (``model.layers.0.self_attn.q_proj``, ``lora_A``); None for a key that is not a LoRA tensor."""
+    for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+        marker = f".{part}."
+        if marker in key or key.endswith(f".{part}"):
+            module = key.split(marker)[0] if marker in key else key[: -len(part) - 1]
+            for prefix in ("base_model.model.", "base_model."):
+                if module.startswith(prefix):
+                    module = module[len(prefix):]
+                    break
+            return module, part
+    return None
+
+
+def validate_adapter(path: Path, base_model) -> int:
+    """Check that folder ``path`` holds a LoRA adapter for ``base_model`` (reads keys and shapes
+    only, no tensor data). Returns the bytes of its LoRA tensors.
+
+    Raises:
+        AdapterRefused: no adapter files; no LoRA tensors; keys naming modules the base model
+            lacks; tensor shapes that do not fit the base modules. The message lists the keys.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    weights = path / WEIGHTS
+    if not weights.is_file() or not (path / CONFIG).is_file():
+        raise AdapterRefused(f"adapter folder {path} has no {WEIGHTS} and {CONFIG}; not a PEFT LoRA checkpoint")
+    try:
+        json.loads((path / CONFIG).read_text())
+    except ValueError as exc:
+        raise AdapterRefused(f"adapter {path}: {CONFIG} is not valid JSON: {exc}") from None
+    modules = dict(base_model.named_modules())
+    size = 0
+    lora_keys, unmatched, bad_shape = [], [], []
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            keys = list(f.keys())
+            for key in keys:
+                found = _module_of(key)
+                if found is None:
+                    continue
+                module_name, part = found
+                lora_keys.append(key)
+                sl = f.get_slice(key)
+                shape = list(sl.get_shape())
+                size += _numel(shape) * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+                module = modules.get(module_name)
+                if module is None:
+                    unmatched.append(key)
+                    continue
+                fits = _fits(module, part, shape)
+                if fits is not None:
+                    bad_shape.append(f"{key} {shape} (expected {fits})")
+    except AdapterRefused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a corrupt file, whatever safetensors says about it
+        raise AdapterRefused(f"adapter {path}: cannot read {WEIGHTS}: {exc}") from None
+    if not lora_keys:
+        shown = ", ".join(keys[:8]) + (" ..." if len(keys) > 8 else "") if keys else "none"
+        raise AdapterRefused(f"adapter {path} has no LoRA tensors (no lora_A/lora_B keys; keys found: {shown})")
+    if unmatched:
+        raise AdapterRefused(
+            f"adapter {path} does not match the base model: {len(unmatched)} LoRA key(s) name modules the base model "
+            f"does not have: {', '.join(unmatched[:10])}{' ...' if len(unmatched) > 10 else ''}"
+        )
+    if bad_shape:
+        raise AdapterRefused(
+            f"adapter {path} does not match the base model: tensor shapes differ: {'; '.join(bad_shape[:10])}"
+            f"{' ...' if len(bad_shape) > 10 else ''}"
+        )
+    return size
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _fits(module, part: str, shape: list[int]) -> str | None:
+    """None when a ``part`` tensor of ``shape`` fits ``module``; else the expected shape."""
+    base = getattr(module, "base_layer", module)
+    fan_in = getattr(base, "in_features", None)
+    fan_out = getattr(base, "out_features", None)
+    if fan_in is None or fan_out is None or len(shape) != 2:
+        return None  # embeddings, convolutions: leave it to PEFT
+    if part == "lora_A" and shape[1] != fan_in:
+        return f"[r, {fan_in}]"
+    if part == "lora_B" and shape[0] != fan_out:
+        return f"[{fan_out}, r]"
+    return None
+
+
+@dataclass
+class _Resident:
+    name: str
+    path: str
+    size_bytes: int
+    load_time: float
+    last_used: float
+    in_use: int = 0
+
+
+class AdapterRegistry:
+    """The served model and its resident adapters.
+
+    Args:
+        model: the base causal LM, already in eval mode on its device.
+        resolve: adapter name -> checkpoint folder; raises :class:`AdapterNotFound` /
+            :class:`AdapterRefused` (the workload asks the scheduler; tests pass a dict lookup).
+        max_resident: most adapters kept loaded; the least recently used idle one goes first.
+
+    :meth:`acquire`, :meth:`activate` and the model's forward passes must run on one thread (the
+    server's model thread); :meth:`release` and :meth:`list` may be called from any thread.
+    """
+
+    def __init__(self, model, resolve: Callable[[str], Path] | None = None, *, max_resident: int = 8) -> None:
+        if max_resident < 1:
+            raise ValueError(f"max_resident must be >= 1, got {max_resident}")
+        self.base = model
+        self.model = model  # becomes a PeftModel with the first adapter
+        self.resolve = resolve or _no_resolver
+        self.max_resident = max_resident
+        self._resident: OrderedDict[str, _Resident] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+        self._active: str | None | object = _UNKNOWN
+        self.loads = 0
+        self.evictions = 0
+
+    # --- requests --------------------------------------------------------------------------
+    def is_resident(self, name: str) -> bool:
+        with self._lock:
+            return name in self._resident
+
+    def acquire(self, name: str | None, path: Path | None = None) -> None:
+        """Make adapter ``name`` resident (loading it from ``path``, else from ``resolve(name)``,
+        evicting the least recently used idle one if full) and pin it until :meth:`release`.
+        ``None`` is the base model: nothing to do.
+
+        Raises:
+            AdapterNotFound, AdapterRefused: from resolving or validating it.
+            AdaptersBusy: the registry is full and every resident adapter is in use.
+        """
+        if name is None:
+            return
+        with self._lock:
+            entry = self._resident.get(name)
+            if entry is not None:
+                entry.in_use += 1
+                entry.last_used = time.time()
+                self._resident.move_to_end(name)
+                return
+        path = Path(path if path is not None else self.resolve(name))
+        size = validate_adapter(path, self.base)
+        with self._lock:
+            if len(self._resident) >= self.max_resident:
+                victim = next((e for e in self._resident.values() if e.in_use == 0), None)
+                if victim is None:
+                    raise AdaptersBusy(
+                        f"all {self.max_resident} adapter slots are in use by running requests; retry later "
+                        "(or raise max_resident_adapters)"
+                    )
+                self._unload(victim.name)
+            self._load(name, path)
+            now = time.time()
+            self._resident[name] = _Resident(name, str(path), size, now, now, in_use=1)
+
+    def release(self, name: str | None) -> None:
+        """Unpin an adapter taken with :meth:`acquire`."""
+        if name is None:
+            return
+        with self._lock:
+            entry = self._resident.get(name)
+            if entry is not None and entry.in_use > 0:
+                entry.in_use -= 1
+                entry.last_used = time.time()
+
+    def activate(self, name: str | None) -> None:
+        """Make the next forward pass use adapter ``name`` alone, or no adapter for ``None``."""
+        if name == self._active:
+            return
+        if self.model is self.base:
+            if name is not None:
+                raise AdapterNotFound(f"adapter {name!r} is not loaded")
+        elif name is None:
+            self.model.base_model.disable_adapter_layers()
+        else:
+            if self._active is None or self._active is _UNKNOWN:
+                self.model.base_model.enable_adapter_layers()
+            self.model.set_adapter(name, inference_mode=True)
+        self._active = name
+
+    def list(self) -> list[AdapterInfo]:
+        """Resident adapters, most recently used first."""
+        with self._lock:
+            return [
+                AdapterInfo(e.name, e.path, e.size_bytes, e.load_time, e.last_used, e.in_use)
+                for e in reversed(self._resident.values())
+            ]
+
+    def modules_in_eval(self) -> bool:
+        """True when every module of the served model is in eval mode (dropout off)."""
+        return not any(m.training for m in self.model.modules())
+
+    # --- loading -----------------------------------------------------------------------------
+    def _load(self, name: str, path: Path) -> None:
+        from peft import PeftModel
+
+        try:
+            if self.model is self.base:
+                self.model = PeftModel.from_pretrained(self.base, str(path), adapter_name=name, is_trainable=False)
+            else:
+                self.model.load_adapter(str(path), adapter_name=name, is_trainable=False)
+        except (ValueError, KeyError, RuntimeError, OSError) as exc:
+            # e.g. a rank or target module PEFT cannot build on this model
+            if name in getattr(self.model, "peft_config", {}):
+                self._delete(name)
+            raise AdapterRefused(f"adapter {name!r} ({path}) cannot be loaded on this base model: {exc}") from None
+        self.model.eval()  # new LoRA modules (their dropout) start in train mode
+        self._active = _UNKNOWN
+        self.loads += 1
+
+    def _unload(self, name: str) -> None:
+        self._resident.pop(name, None)
+        self._delete(name)
+        self.evictions += 1
+
+    def _delete(self, name: str) -> None:
+        self.model.delete_adapter(name)
+        self._active = _UNKNOWN
+
+
+_UNKNOWN = object()
+
+
+def _no_resolver(name: str) -> Path:
+    raise AdapterNotFound(f"adapter {name!r} not found")

@@ -1,0 +1,78 @@
+"""Adapter name -> checkpoint folder, by asking the scheduler about the task of that id.
+
+An adapter is named by the id of a finished ``lora_finetune`` or ``sft`` task; it is served from
+that task's newest checkpoint (its final one when it succeeded). The folder is read directly, so
+checkpoints must be on a filesystem the inference node shares with the node that trained (one
+machine, or a shared volume).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import grpc
+
+from opentinker.common.v1 import common_pb2
+from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+from .adapters import AdapterNotFound, AdapterRefused
+
+__all__ = ["SchedulerResolver", "ADAPTER_WORKLOADS", "same_model"]
+
+#: Workloads whose checkpoints are LoRA adapters that can be served.
+ADAPTER_WORKLOADS = ("lora_finetune", "sft")
+_TERMINAL = (common_pb2.TASK_STATE_SUCCEEDED, common_pb2.TASK_STATE_FAILED, common_pb2.TASK_STATE_CANCELLED)
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two model names (hub ids or folders) name the same model."""
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and os.path.realpath(pa) == os.path.realpath(pb)
+
+
+class SchedulerResolver:
+    """Callable ``name -> Path`` for :class:`~.adapters.AdapterRegistry`.
+
+    Args:
+        target: the scheduler's ``host:port``.
+        served_model: the base model this server serves; an adapter trained on another is refused.
+        timeout: seconds per GetTask call.
+    """
+
+    def __init__(self, target: str, served_model: str, *, timeout: float = 10.0) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
+        self.served_model = served_model
+        self.timeout = timeout
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __call__(self, name: str) -> Path:
+        """Raises AdapterNotFound (no such task, no checkpoint), AdapterRefused (not finished, not
+        a LoRA checkpoint, another base model); grpc.RpcError when the scheduler is unreachable."""
+        try:
+            task = self.stub.GetTask(scheduler_pb2.GetTaskRequest(task_id=name), timeout=self.timeout).task
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise AdapterNotFound(f"adapter {name!r}: no task with that id (adapters are named by a finished lora_finetune or sft task's id)") from None
+            raise
+        workload = task.spec.workload_type
+        if workload not in ADAPTER_WORKLOADS:
+            raise AdapterRefused(f"adapter {name!r}: task is a {workload} task; only {' and '.join(ADAPTER_WORKLOADS)} tasks give adapters")
+        if task.state not in _TERMINAL:
+            state = common_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
+            raise AdapterRefused(f"adapter {name!r}: task is {state}; its adapter can be served once it has finished")
+        if not task.HasField("latest_checkpoint") or not task.latest_checkpoint.path:
+            raise AdapterNotFound(f"adapter {name!r}: task has no checkpoint")
+        ckpt = task.latest_checkpoint
+        if ckpt.format and ckpt.format != "peft_lora":
+            raise AdapterRefused(f"adapter {name!r}: its checkpoint is {ckpt.format!r}, not a LoRA adapter (peft_lora)")
+        if not same_model(task.spec.model, self.served_model):
+            raise AdapterRefused(
+                f"adapter {name!r} was trained on base model {task.spec.model!r}; this server serves {self.served_model!r}"
+            )
+        return Path(ckpt.path)

@@ -1,0 +1,189 @@
+"""``opentinker.inference.v1.InferenceService`` over grpc.aio, with health and reflection.
+
+Thin: protobuf in and out, errors mapped to status codes; the work is in
+:class:`~opentinker_trainer.inference.runtime.ModelRuntime`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from .adapters import AdapterNotFound, AdapterRefused, AdaptersBusy
+from .engine import FINISH_LENGTH, FINISH_STOP, SamplingParams
+from .runtime import BadRequest, Busy, ModelRuntime, Prepared, WrongModel
+
+__all__ = ["InferenceService", "RunningInferenceServer", "start_inference_server", "SERVICE_NAME"]
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+_FINISH = {FINISH_STOP: inference_pb2.FINISH_REASON_STOP, FINISH_LENGTH: inference_pb2.FINISH_REASON_LENGTH}
+_STATUS = (
+    (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (WrongModel, grpc.StatusCode.NOT_FOUND),
+    (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
+    (AdapterRefused, grpc.StatusCode.FAILED_PRECONDITION),
+    (AdaptersBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Busy, grpc.StatusCode.RESOURCE_EXHAUSTED),
+)
+
+
+def sampling_from_proto(s: inference_pb2.SamplingParams) -> SamplingParams:
+    """Wire sampling settings -> :class:`SamplingParams`, defaults for unset fields."""
+    return SamplingParams(
+        temperature=float(s.temperature) if s.HasField("temperature") else 1.0,
+        top_p=float(s.top_p) if s.HasField("top_p") else 1.0,
+        top_k=int(s.top_k),
+        max_tokens=int(s.max_tokens) if s.max_tokens else 64,
+        stop=tuple(s.stop),
+        seed=int(s.seed) if s.HasField("seed") else None,
+        n=int(s.n) if s.n else 1,
+        ignore_eos=bool(s.ignore_eos),
+    )
+
+
+class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
+    """The servicer. ``runtime`` does the work."""
+
+    def __init__(self, runtime: ModelRuntime) -> None:
+        self.runtime = runtime
+
+    def _prepare(self, request) -> Prepared:
+        which = request.WhichOneof("prompt")
+        messages = [(m.role, m.content) for m in request.messages.messages] if which == "messages" else None
+        text = request.text if which == "text" else None
+        return self.runtime.prepare(
+            model=request.model,
+            adapter=request.adapter,
+            text=text,
+            messages=messages,
+            params=sampling_from_proto(request.sampling),
+        )
+
+    @staticmethod
+    async def _abort(context, exc: Exception) -> None:
+        for cls, code in _STATUS:
+            if isinstance(exc, cls):
+                await context.abort(code, str(exc))
+        raise exc
+
+    async def Generate(self, request, context):
+        try:
+            req = self._prepare(request)
+            n = req.params.n
+            tokens: list[list[int]] = [[] for _ in range(n)]
+            logprobs: list[list[float]] = [[] for _ in range(n)]
+            texts = [""] * n
+            finish = [0] * n
+            usage = (0, 0)
+            async for ev in self.runtime.run(req):
+                if ev.usage is not None:
+                    usage = ev.usage
+                    continue
+                tokens[ev.index].extend(ev.token_ids)
+                logprobs[ev.index].extend(ev.logprobs)
+                texts[ev.index] += ev.text
+                if ev.finish_reason:
+                    finish[ev.index] = _FINISH[ev.finish_reason]
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await self._abort(context, exc)
+        return inference_pb2.GenerateResponse(
+            samples=[
+                inference_pb2.Sample(index=i, text=texts[i], token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i])
+                for i in range(n)
+            ],
+            usage=inference_pb2.Usage(prompt_tokens=usage[0], completion_tokens=usage[1]),
+            model=self.runtime.model_name,
+            adapter=req.adapter or "",
+        )
+
+    async def GenerateStream(self, request, context):
+        try:
+            req = self._prepare(request)
+            events = self.runtime.run(req)
+            first = await anext(events)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await self._abort(context, exc)
+        try:
+            ev = first
+            while True:
+                msg = inference_pb2.GenerateStreamResponse(index=ev.index, text=ev.text, token_ids=ev.token_ids, logprobs=ev.logprobs)
+                if ev.finish_reason:
+                    msg.finish_reason = _FINISH[ev.finish_reason]
+                if ev.usage is not None:
+                    msg.usage.prompt_tokens, msg.usage.completion_tokens = ev.usage
+                yield msg
+                try:
+                    ev = await anext(events)
+                except StopAsyncIteration:
+                    return
+        finally:
+            await events.aclose()  # a cancelled client: stop generating, free the slot
+
+    async def ListAdapters(self, request, context):
+        out = inference_pb2.ListAdaptersResponse(
+            model=self.runtime.model_name,
+            max_resident_adapters=self.runtime.registry.max_resident,
+            context_length=self.runtime.context_length,
+        )
+        for a in self.runtime.registry.list():
+            msg = out.adapters.add(name=a.name, path=a.path, size_bytes=a.size_bytes, in_use=a.in_use)
+            msg.load_time.FromNanoseconds(int(a.load_time * 1e9))
+            msg.last_used_time.FromNanoseconds(int(a.last_used_time * 1e9))
+        return out
+
+
+@dataclass
+class RunningInferenceServer:
+    server: grpc.aio.Server
+    port: int
+    health: object
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await _maybe_await(self.health.enter_graceful_shutdown())
+        await self.server.stop(grace)
+
+
+async def start_inference_server(runtime: ModelRuntime, *, host: str = "0.0.0.0", port: int = 0) -> RunningInferenceServer:
+    """Serve ``runtime`` on ``host:port`` (0 = any free port); returns the handle with the port.
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(runtime), server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        await server.stop(None)
+        raise OSError(f"cannot listen on {host}:{port} (in use, or not a valid address)")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
+    return RunningInferenceServer(server=server, port=bound, health=health_servicer)
+
+
+async def _maybe_await(value) -> None:
+    if asyncio.iscoroutine(value):
+        await value

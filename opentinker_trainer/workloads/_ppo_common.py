@@ -1,0 +1,262 @@
+"""What the PPO trainers (single- and multi-agent) share: seeding and RNG state, episode
+bookkeeping, the PPO optimisation of one batch, and ``torch_ppo`` checkpoints.
+
+Checkpoint format ``torch_ppo``: a folder ``<checkpoint_dir>/step_<update>/`` holding
+
+* ``policy.pt`` — the policy's ``state_dict`` (``torch.load(..., weights_only=True)`` reads it);
+  multi-agent: the state dict of an ``nn.ModuleDict`` keyed by learner (``shared`` or agent name);
+* ``policy.json`` — how to rebuild the network (env id, spaces, hidden sizes, activation);
+* ``trainer_state.pt`` — update number, environment steps, optimizer state(s), torch / numpy /
+  Python RNG states, the last reported reward, the hyper-parameters.
+
+Written beside its final name and renamed into place, so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from opentinker_trainer.rl import ppo as ppo_math
+
+CHECKPOINT_FORMAT = "torch_ppo"
+POLICY_FILE = "policy.pt"
+POLICY_META = "policy.json"
+TRAINER_STATE = "trainer_state.pt"
+TRAINER_STATE_VERSION = 1
+
+
+# --- seeding and RNG state ------------------------------------------------------------------
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's ``random``, numpy's global RNG and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def env_seed_at(seed: int, update: int) -> int:
+    """Seed for (re)starting the environments at ``update``: ``seed`` itself at update 0 (a fresh
+    run), else a hash of ``(seed, update)``. Used on resume, because a vector env's internal state
+    (episodes in flight, each sub-env's RNG) cannot be pickled in general."""
+    if update == 0:
+        return int(seed)
+    return int(np.random.SeedSequence([int(seed), int(update)]).generate_state(1)[0] % (2**31 - 1))
+
+
+def rng_state() -> dict[str, Any]:
+    """torch (and CUDA), numpy-global and Python RNG states, in a form ``torch.load(weights_only=True)`` reads."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of :func:`rng_state`."""
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    random.setstate(_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuples(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+# --- episodes -------------------------------------------------------------------------------
+
+
+class EpisodeTracker:
+    """Returns and lengths of episodes in ``n`` parallel streams.
+
+    Call :meth:`step` once per environment step with that step's rewards, ``done`` flags and
+    ``valid`` mask (false on autoreset steps, which are not part of any episode).
+    """
+
+    def __init__(self, n: int) -> None:
+        self.ret = np.zeros(n, dtype=np.float64)
+        self.len = np.zeros(n, dtype=np.int64)
+        self.finished: list[tuple[int, float, int]] = []  # (stream, return, length)
+
+    def step(self, rewards: np.ndarray, dones: np.ndarray, valid: np.ndarray) -> None:
+        self.ret += np.where(valid, rewards, 0.0)
+        self.len += valid.astype(np.int64)
+        for i in np.flatnonzero(dones & valid):
+            self.finished.append((int(i), float(self.ret[i]), int(self.len[i])))
+            self.ret[i], self.len[i] = 0.0, 0
+
+    def pop(self) -> list[tuple[int, float, int]]:
+        """Episodes finished since the last call."""
+        out, self.finished = self.finished, []
+        return out
+
+
+# --- one PPO optimisation -------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """Flat samples of one learner, autoreset steps already removed. ``B`` samples.
+
+    ``obs [B, *obs_shape]``, ``actions [B]`` or ``[B, act_dim]``, ``logprobs, advantages, returns,
+    values [B]``; ``agent_ids [B]`` for a shared multi-agent policy; ``groups``: name -> ``[B]``
+    bool mask of samples to report losses for separately (``loss/agent/<name>/...``).
+    """
+
+    obs: torch.Tensor
+    actions: torch.Tensor
+    logprobs: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    values: torch.Tensor
+    agent_ids: torch.Tensor | None = None
+    groups: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.logprobs.shape[0])
+
+
+def ppo_update(policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any) -> dict[str, float]:
+    """``update_epochs`` passes over ``batch`` in ``num_minibatches`` shuffled minibatches, one Adam
+    step each, on ``pg_loss - ent_coef * entropy + vf_coef * value_loss`` (CleanRL ``ppo.py``:
+    advantages normalised per minibatch when ``norm_adv``, value loss clipped when
+    ``clip_vloss``, gradients clipped to ``max_grad_norm``, epochs stop early once ``approx_kl``
+    exceeds ``target_kl``).
+
+    Returns:
+        Means over all minibatches taken: ``loss/total``, ``loss/policy``, ``loss/value``,
+        ``loss/entropy`` (mean entropy, nats), ``ppo/approx_kl``, ``ppo/clipfrac``,
+        ``optim/grad_norm`` (before clipping); ``ppo/epochs``, ``ppo/explained_variance`` (of the
+        rollout's values); and ``loss/agent/<name>/{policy,value,entropy}`` per ``batch.groups``.
+    """
+    n = len(batch)
+    keys = ("loss/total", "loss/policy", "loss/value", "loss/entropy", "ppo/approx_kl", "ppo/clipfrac", "optim/grad_norm")
+    sums = dict.fromkeys(keys, 0.0)
+    group_sums = {g: {"policy": 0.0, "value": 0.0, "entropy": 0.0, "n": 0.0} for g in batch.groups}
+    taken, epochs = 0, 0
+    params = [p for p in policy.parameters() if p.requires_grad]
+    for _ in range(cfg.update_epochs):
+        epochs += 1
+        epoch_kl = []
+        for mb in torch.randperm(n, device=batch.logprobs.device).tensor_split(min(cfg.num_minibatches, n)):
+            aid = batch.agent_ids[mb] if batch.agent_ids is not None else None
+            _, newlogprob, entropy, newvalue = policy.get_action_and_value(batch.obs[mb], batch.actions[mb], agent_ids=aid)
+            logratio, ratio = ppo_math.log_ratio(newlogprob, batch.logprobs[mb])
+            adv = batch.advantages[mb]
+            if cfg.norm_adv:
+                adv = ppo_math.normalize_advantages(adv)
+            old_v = batch.values[mb] if cfg.clip_vloss else None
+            pg = ppo_math.pg_loss(adv, ratio, cfg.clip_coef)
+            v = ppo_math.value_loss(newvalue, batch.returns[mb], old_v, cfg.clip_coef if cfg.clip_vloss else None)
+            ent = ppo_math.entropy_bonus(entropy)
+            loss = pg - cfg.ent_coef * ent + cfg.vf_coef * v
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            optimizer.step()
+            kl = ppo_math.approx_kl(logratio.detach(), ratio.detach())
+            epoch_kl.append(kl.item())
+            for key, val in zip(keys, (loss, pg, v, ent, kl, ppo_math.clip_fraction(ratio.detach(), cfg.clip_coef), grad_norm)):
+                sums[key] += val.detach().item()
+            taken += 1
+            with torch.no_grad():
+                for g, gmask in batch.groups.items():
+                    m = gmask[mb]
+                    k = int(m.sum())
+                    if k == 0:
+                        continue
+                    gs = group_sums[g]
+                    gs["policy"] += k * float(ppo_math.pg_loss(adv, ratio, cfg.clip_coef, m))
+                    gs["value"] += k * float(ppo_math.value_loss(newvalue, batch.returns[mb], old_v, cfg.clip_coef if cfg.clip_vloss else None, m))
+                    gs["entropy"] += k * float(ppo_math.entropy_bonus(entropy, m))
+                    gs["n"] += k
+        if cfg.target_kl is not None and np.mean(epoch_kl) > cfg.target_kl:
+            break
+    out = {k: s / max(taken, 1) for k, s in sums.items()}
+    out["ppo/epochs"] = float(epochs)
+    out["ppo/explained_variance"] = ppo_math.explained_variance(batch.values, batch.returns)
+    for g, gs in group_sums.items():
+        for part in ("policy", "value", "entropy"):
+            out[f"loss/agent/{g}/{part}"] = gs[part] / gs["n"] if gs["n"] else math.nan
+    return out
+
+
+def annealed_lr(cfg: Any, update: int) -> float:
+    """Learning rate of update ``update`` (1-based): linear decay from ``learning_rate`` towards 0
+    over the run when ``anneal_lr`` (CleanRL), else constant."""
+    if not cfg.anneal_lr:
+        return cfg.learning_rate
+    return cfg.learning_rate * (1.0 - (update - 1.0) / cfg.num_updates)
+
+
+def episode_metrics(finished: list[tuple[int, float, int]], last_reward: float) -> tuple[dict[str, float], float]:
+    """``reward`` metrics of one update and the new last-known reward.
+
+    ``reward`` = ``reward/episode_return_mean`` = mean return of the episodes that finished during
+    this update; when none finished it is the last known value (NaN before any episode ended)
+    and ``reward/stale`` is 1.
+    """
+    if finished:
+        rets = np.array([r for _, r, _ in finished])
+        lens = np.array([n for _, _, n in finished])
+        mean = float(rets.mean())
+        return {
+            "reward": mean, "reward/episode_return_mean": mean, "reward/episode_return_std": float(rets.std()),
+            "reward/episode_return_max": float(rets.max()), "reward/episode_return_min": float(rets.min()),
+            "reward/episode_length_mean": float(lens.mean()), "reward/episodes": float(len(finished)), "reward/stale": 0.0,
+        }, mean  # fmt: skip
+    return {"reward": last_reward, "reward/episode_return_mean": last_reward, "reward/episodes": 0.0, "reward/stale": 1.0}, last_reward
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+
+def save_checkpoint(path: Path, policy_state: Mapping[str, torch.Tensor], meta: Mapping[str, Any], trainer_state: Mapping[str, Any]) -> Path:
+    """Write ``policy.pt``, ``policy.json`` and ``trainer_state.pt`` to folder ``path`` atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    torch.save(dict(policy_state), tmp / POLICY_FILE)
+    (tmp / POLICY_META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    torch.save({"version": TRAINER_STATE_VERSION, **trainer_state}, tmp / TRAINER_STATE)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(policy state dict, trainer state)`` of checkpoint folder ``path`` (tensors on CPU).
+
+    Raises:
+        FileNotFoundError: ``path`` lacks ``policy.pt`` or ``trainer_state.pt``.
+    """
+    path = Path(path)
+    for name in (POLICY_FILE, TRAINER_STATE):
+        if not (path / name).exists():
+            raise FileNotFoundError(f"checkpoint {path} has no {name}; cannot resume from it")
+    policy = torch.load(path / POLICY_FILE, map_location="cpu", weights_only=True)
+    state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
+    return policy, state

@@ -1,0 +1,145 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ApiKeyRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    API_KEY_ROLE_UNSPECIFIED: _ClassVar[ApiKeyRole]
+    API_KEY_ROLE_ADMIN: _ClassVar[ApiKeyRole]
+    API_KEY_ROLE_USER: _ClassVar[ApiKeyRole]
+    API_KEY_ROLE_NODE: _ClassVar[ApiKeyRole]
+API_KEY_ROLE_UNSPECIFIED: ApiKeyRole
+API_KEY_ROLE_ADMIN: ApiKeyRole
+API_KEY_ROLE_USER: ApiKeyRole
+API_KEY_ROLE_NODE: ApiKeyRole
+
+class ApiKey(_message.Message):
+    __slots__ = ("prefix", "owner", "role", "description", "create_time", "revoke_time", "expire_time", "active", "replaced_by")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_TIME_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_BY_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    owner: str
+    role: ApiKeyRole
+    description: str
+    create_time: _timestamp_pb2.Timestamp
+    revoke_time: _timestamp_pb2.Timestamp
+    expire_time: _timestamp_pb2.Timestamp
+    active: bool
+    replaced_by: str
+    def __init__(self, prefix: _Optional[str] = ..., owner: _Optional[str] = ..., role: _Optional[_Union[ApiKeyRole, str]] = ..., description: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revoke_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., active: _Optional[bool] = ..., replaced_by: _Optional[str] = ...) -> None: ...
+
+class CreateApiKeyRequest(_message.Message):
+    __slots__ = ("owner", "role", "description")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    role: ApiKeyRole
+    description: str
+    def __init__(self, owner: _Optional[str] = ..., role: _Optional[_Union[ApiKeyRole, str]] = ..., description: _Optional[str] = ...) -> None: ...
+
+class CreateApiKeyResponse(_message.Message):
+    __slots__ = ("key", "api_key")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    key: ApiKey
+    api_key: str
+    def __init__(self, key: _Optional[_Union[ApiKey, _Mapping]] = ..., api_key: _Optional[str] = ...) -> None: ...
+
+class ListApiKeysRequest(_message.Message):
+    __slots__ = ("owner", "include_inactive")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_INACTIVE_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    include_inactive: bool
+    def __init__(self, owner: _Optional[str] = ..., include_inactive: _Optional[bool] = ...) -> None: ...
+
+class ListApiKeysResponse(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[ApiKey]
+    def __init__(self, keys: _Optional[_Iterable[_Union[ApiKey, _Mapping]]] = ...) -> None: ...
+
+class RevokeApiKeyRequest(_message.Message):
+    __slots__ = ("prefix",)
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    def __init__(self, prefix: _Optional[str] = ...) -> None: ...
+
+class RevokeApiKeyResponse(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: ApiKey
+    def __init__(self, key: _Optional[_Union[ApiKey, _Mapping]] = ...) -> None: ...
+
+class RotateApiKeyRequest(_message.Message):
+    __slots__ = ("prefix", "grace")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    GRACE_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    grace: _duration_pb2.Duration
+    def __init__(self, prefix: _Optional[str] = ..., grace: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class RotateApiKeyResponse(_message.Message):
+    __slots__ = ("key", "api_key", "old_key")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    OLD_KEY_FIELD_NUMBER: _ClassVar[int]
+    key: ApiKey
+    api_key: str
+    old_key: ApiKey
+    def __init__(self, key: _Optional[_Union[ApiKey, _Mapping]] = ..., api_key: _Optional[str] = ..., old_key: _Optional[_Union[ApiKey, _Mapping]] = ...) -> None: ...
+
+class ListAuditEventsRequest(_message.Message):
+    __slots__ = ("page_size", "before_id", "action")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    before_id: int
+    action: str
+    def __init__(self, page_size: _Optional[int] = ..., before_id: _Optional[int] = ..., action: _Optional[str] = ...) -> None: ...
+
+class AuditEvent(_message.Message):
+    __slots__ = ("id", "time", "owner", "role", "key_prefix", "action", "task_id", "outcome", "detail_json")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_JSON_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    time: _timestamp_pb2.Timestamp
+    owner: str
+    role: str
+    key_prefix: str
+    action: str
+    task_id: str
+    outcome: str
+    detail_json: str
+    def __init__(self, id: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., owner: _Optional[str] = ..., role: _Optional[str] = ..., key_prefix: _Optional[str] = ..., action: _Optional[str] = ..., task_id: _Optional[str] = ..., outcome: _Optional[str] = ..., detail_json: _Optional[str] = ...) -> None: ...
+
+class ListAuditEventsResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[AuditEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[AuditEvent, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""What the service costs: one ``lora_finetune`` GRPO workload through scheduler and trainer
+against the same workload called in-process, in one run, interleaved (these machines are noisy).
+
+Both runs use the same model (SmolLM2-135M-Instruct), hyper-parameters, batch and seed, on the
+CPU. Step time is the interval between consecutive training steps as observed by the caller:
+for the in-process run, between the workload's metric reports; through the service, between the
+metric events ``RLClient.watch`` delivers (worker -> agent -> NodeService stream -> scheduler ->
+SQLite -> WatchTask stream). The first step is left out (warm-up). Also printed: the fixed cost
+of a task (submit to first metric, against call to first metric in-process: scheduling, worker
+process start, model load).
+
+    .venv/bin/python scripts/bench_service.py               # 2 rounds x 5 steps
+    .venv/bin/python scripts/bench_service.py --rounds 3 --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import demo  # noqa: E402  (process launching helpers of `make demo`)
+
+HP = {"prompts_per_step": 4, "group_size": 8, "max_new_tokens": 10, "seed": 0, "checkpoint_every": 0}
+
+
+class _Clock(io.TextIOBase):
+    """The in-process worker's report stream: notes when each metric line arrives."""
+
+    def __init__(self) -> None:
+        self.metric_times: list[float] = []
+
+    def write(self, s: str) -> int:
+        for line in s.splitlines():
+            if line.strip() and json.loads(line)["type"] == "metric":
+                self.metric_times.append(time.perf_counter())
+        return len(s)
+
+
+def run_in_process(model: Path, steps: int) -> tuple[float, list[float]]:
+    """(call -> first metric seconds, step intervals in seconds)."""
+    from opentinker_client.spec import TaskSpecModel
+    from opentinker_trainer.context import WorkerContext
+    from opentinker_trainer.workloads import lora_finetune
+
+    spec = TaskSpecModel.from_parts(workload_type="lora_finetune", model=str(model), env_config={"env_id": "arithmetic"}, hyperparameters={**HP, "steps": steps})
+    clock = _Clock()
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = WorkerContext(task_id="bench-inproc", attempt=1, spec=spec, device="cpu", checkpoint_dir=Path(tmp), out=clock)
+        t0 = time.perf_counter()
+        lora_finetune.run(ctx)
+    times = clock.metric_times
+    return times[0] - t0, [b - a for a, b in zip(times[1:], times[2:])] if len(times) > 2 else []
+
+
+def run_service(client, model: Path, steps: int) -> tuple[float, list[float]]:
+    t0 = time.perf_counter()
+    task_id = client.submit_task(workload_type="lora_finetune", model=str(model), env_config={"env_id": "arithmetic"}, gpu_count=0, hyperparameters={**HP, "steps": steps})
+    times = []
+    for ev in client.watch(task_id):
+        if ev.kind == "metric":
+            times.append(time.perf_counter())
+    task = client.get_task(task_id)
+    if task.state != "succeeded":
+        raise SystemExit(f"service run ended {task.state}: {task.error}")
+    return times[0] - t0, [b - a for a, b in zip(times[1:], times[2:])] if len(times) > 2 else []
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=ROOT / ".cache/models/SmolLM2-135M-Instruct")
+    parser.add_argument("--steps", type=int, default=5, help="steps per run (the first is warm-up)")
+    parser.add_argument("--rounds", type=int, default=2, help="in-process/service pairs, interleaved")
+    args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be at least 3")
+    model = args.model.resolve()
+    if not (model / "config.json").exists():
+        raise SystemExit(f"{model} is not a model folder; run `make install`")
+
+    from opentinker_client import RLClient
+
+    work = Path(tempfile.mkdtemp(prefix="bench-service-"))
+    port = demo.free_port(0)
+    http_port = demo.free_port(0)
+    config = work / "scheduler_config.yaml"
+    config.write_text(
+        "resource_pool:\n  - node_id: bench-node\n    gpu_count: 0\n    max_tasks: 1\n"
+        "workload_types:\n  - type: lora_finetune\n    priority: 1\n"
+        f"state_dir: {work / 'state'}\n"
+    )
+    procs: list = []
+    demo.SIGNALS.install()
+    client = None
+    try:
+        env = {"OPENTINKER_LOG_FORMAT": "json"}
+        sched = demo.start("scheduler", ["-m", "opentinker_scheduler", "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port)], work / "scheduler.log", env, procs)
+        demo.wait_health(http_port, sched, work / "scheduler.log")
+        url = f"127.0.0.1:{port}"
+        demo.start("trainer", ["-m", "opentinker_trainer", "--node-id", "bench-node", "--work-dir", str(work / "runs")], work / "trainer.log", {**env, "SCHEDULER_URL": url}, procs)
+        client = RLClient(scheduler_url=url, min_poll_interval=0)
+        deadline = time.monotonic() + 60
+        while not [n for n in client.list_nodes() if n.connected]:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"trainer did not connect; see {work / 'trainer.log'}")
+            time.sleep(0.2)
+
+        inproc_steps: list[float] = []
+        service_steps: list[float] = []
+        inproc_first: list[float] = []
+        service_first: list[float] = []
+        for r in range(args.rounds):
+            f, s = run_in_process(model, args.steps)
+            inproc_first.append(f)
+            inproc_steps += s
+            print(f"round {r + 1} in-process: first metric after {f:.1f} s; steps {', '.join(f'{x:.2f}' for x in s)} s", flush=True)
+            f, s = run_service(client, model, args.steps)
+            service_first.append(f)
+            service_steps += s
+            print(f"round {r + 1} service:    first metric after {f:.1f} s; steps {', '.join(f'{x:.2f}' for x in s)} s", flush=True)
+
+        mi, ms = statistics.median(inproc_steps), statistics.median(service_steps)
+        print()
+        print(f"step time, median of {len(inproc_steps)}: in-process {mi:.3f} s, through the service {ms:.3f} s")
+        print(f"ratio service / in-process: {ms / mi:.3f}  (service adds {100 * (ms / mi - 1):+.1f} % per step; goal < 5 %)")
+        fi, fs = statistics.median(inproc_first), statistics.median(service_first)
+        print(f"fixed cost to the first step, median: in-process {fi:.1f} s, service {fs:.1f} s (+{fs - fi:.1f} s: placement, worker start, model load in a fresh process)")
+        return 0
+    finally:
+        demo.SIGNALS.cleaning_up()
+        if client is not None:
+            client.close()
+        for name, proc in reversed(procs):
+            demo.stop(proc, name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

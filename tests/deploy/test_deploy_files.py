@@ -1,0 +1,264 @@
+"""deploy/: the Dockerfile, compose files and Kubernetes manifests agree with the code.
+
+No container engine runs here, so these are structural checks: every YAML parses, the image's
+and manifests' commands are console scripts of pyproject.toml, every flag they pass is one the
+real CLIs accept (their ``--help``), every environment variable they set is one our code reads,
+ports agree between Service, Deployment, probes and commands, and the scheduler configs parse
+with the scheduler's own parser.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from opentinker_client.url import parse_scheduler_url
+from opentinker_scheduler.config import load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SCRIPTS = PYPROJECT["project"]["scripts"]
+#: Variables our images set that third-party libraries read, not our code.
+THIRD_PARTY_ENV = {"HF_HOME", "PYTHONUNBUFFERED", "PIP_NO_CACHE_DIR", "PIP_DISABLE_PIP_VERSION_CHECK"}
+#: Where each role's environment variables are read.
+ENV_SOURCES = {
+    "opentinker-trainer": [ROOT / "opentinker_trainer" / "__main__.py", ROOT / "opentinker_client" / "logs.py"],
+    "opentinker-scheduler": [ROOT / "opentinker_scheduler" / "__main__.py", ROOT / "opentinker_client" / "logs.py"],
+}
+
+
+def docs(path: Path) -> list:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def k8s(kind: str, name: str) -> dict:
+    for path in (DEPLOY / "k8s").glob("*.yaml"):
+        for d in docs(path):
+            if d.get("kind") == kind and d.get("metadata", {}).get("name") == name:
+                return d
+    raise AssertionError(f"no {kind} {name} in deploy/k8s")
+
+
+@pytest.fixture(scope="module")
+def cli_flags() -> dict[str, set[str]]:
+    """Console script -> flags its real ``--help`` lists."""
+    out = {}
+    for script, target in SCRIPTS.items():
+        module = target.split(":")[0].removesuffix(".__main__").removesuffix(".cli")
+        proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        out[script] = set(re.findall(r"--[a-z][a-z0-9-]*", proc.stdout))
+    return out
+
+
+def check_command(argv: list[str], cli_flags: dict[str, set[str]]) -> None:
+    assert argv[0] in SCRIPTS, f"{argv[0]} is not a console script of pyproject.toml ({sorted(SCRIPTS)})"
+    for arg in argv[1:]:
+        if arg.startswith("--"):
+            assert arg.split("=")[0] in cli_flags[argv[0]], f"{argv[0]} does not accept {arg}"
+
+
+def check_env(script: str, names: list[str]) -> None:
+    source = "\n".join(p.read_text() for p in ENV_SOURCES[script])
+    for name in names:
+        assert name in THIRD_PARTY_ENV or f'"{name}"' in source, f"{script} never reads environment variable {name}"
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_yaml_parses() -> None:
+    files = sorted(DEPLOY.rglob("*.yaml"))
+    assert len(files) >= 6
+    for path in files:
+        loaded = docs(path)
+        assert loaded, path
+        if path.parent.name == "k8s":
+            for d in loaded:
+                assert d["apiVersion"] and d["kind"], path
+                assert d["kind"] == "Kustomization" or d["metadata"]["name"], path
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (DEPLOY / "Dockerfile").read_text()
+    joined = re.sub(r"\\\n", " ", text)
+    out = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_entry_points_and_install(cli_flags) -> None:
+    ins = dockerfile_instructions()
+    assert ins[0] == ("FROM", "python:3.11-slim")
+    cmds = [json.loads(rest) for word, rest in ins if word in ("CMD", "ENTRYPOINT")]
+    assert cmds, "the image needs a CMD"
+    for argv in cmds:
+        check_command(argv, cli_flags)
+    (extras,) = [rest.split("=", 1)[1] for word, rest in ins if word == "ARG" and rest.startswith("EXTRAS=")]
+    for extra in extras.split(","):
+        assert extra in PYPROJECT["project"]["optional-dependencies"], extra
+    assert {"scheduler", "trainer"} <= set(extras.split(","))
+    runs = " ".join(rest for word, rest in ins if word == "RUN")
+    assert "pip install -c constraints.txt" in runs  # the torch pin travels into the image
+    for word, rest in ins:
+        if word == "COPY":
+            *sources, _dest = shlex.split(rest)
+            for src in sources:
+                assert (ROOT / src).exists(), f"COPY {src}: not in the repository (build context = repo root)"
+    env_names = [m for word, rest in ins if word == "ENV" for m in re.findall(r"([A-Z_]+)=", rest)]
+    check_env("opentinker-trainer", env_names)
+    # the default CMD's config is the one the image copies, and it parses
+    config_path = flag(cmds[-1], "--config")
+    assert any(word == "COPY" and rest.endswith(config_path) for word, rest in ins)
+    assert load_config(DEPLOY / "scheduler_config.yaml").allow_unknown_nodes
+
+
+def interpolate(value: str) -> str:
+    """Compose's ``${VAR:-default}`` with the variables unset."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+
+
+def test_compose_runs_a_scheduler_and_n_trainers(cli_flags) -> None:
+    compose = docs(DEPLOY / "compose.yaml")[0]
+    services = compose["services"]
+    sched, trainer = services["scheduler"], services["trainer"]
+    check_command(sched["command"], cli_flags)
+    check_command(trainer["command"], cli_flags)
+    assert sched["command"][0] == "opentinker-scheduler" and trainer["command"][0] == "opentinker-trainer"
+    assert sched["build"]["dockerfile"] == "deploy/Dockerfile" and (DEPLOY / sched["build"]["context"] / sched["build"]["dockerfile"]).exists()
+    assert int(interpolate(trainer["deploy"]["replicas"])) >= 2
+
+    grpc_port, http_port = flag(sched["command"], "--port"), flag(sched["command"], "--http-port")
+    assert f"{grpc_port}:{grpc_port}" in sched["ports"] and f"{http_port}:{http_port}" in sched["ports"]
+    assert f"127.0.0.1:{http_port}/health" in " ".join(sched["healthcheck"]["test"])
+
+    env = trainer["environment"]
+    check_env("opentinker-trainer", list(env))
+    assert env["SCHEDULER_URL"] == f"http://scheduler:{grpc_port}"
+    assert parse_scheduler_url(env["SCHEDULER_URL"]) == f"scheduler:{grpc_port}"
+    assert f"127.0.0.1:{env['OPENTINKER_HTTP_PORT']}/health" in " ".join(trainer["healthcheck"]["test"])
+    assert trainer["depends_on"]["scheduler"]["condition"] == "service_healthy"
+
+    # volumes: named ones declared; the scheduler's state dir and the shared checkpoint volume
+    declared = set(compose["volumes"])
+    mounts = {s: {v.split(":")[0]: v.split(":")[1] for v in services[s]["volumes"]} for s in services}
+    for svc, vols in mounts.items():
+        for src in vols:
+            assert src.startswith("./") or src in declared, f"{svc}: volume {src} is not declared"
+    config_src = next(src for src, dst in mounts["scheduler"].items() if dst == flag(sched["command"], "--config"))
+    config = load_config(DEPLOY / config_src)
+    assert str(config.state_dir) == flag(sched["command"], "--state-dir") == mounts["scheduler"]["state"]
+    assert mounts["scheduler"]["runs"] == mounts["trainer"]["runs"] == env["OPENTINKER_WORK_DIR"]
+
+    gpu = docs(DEPLOY / "compose.gpu.yaml")[0]["services"]["trainer"]
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    check_env("opentinker-trainer", list(gpu.get("environment", {})))
+
+
+def container(obj: dict) -> dict:
+    (c,) = obj["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_k8s_scheduler_deployment_service_and_config(cli_flags) -> None:
+    dep = k8s("Deployment", "opentinker-scheduler")
+    svc = k8s("Service", "opentinker-scheduler")
+    cm = k8s("ConfigMap", "opentinker-scheduler-config")
+    c = container(dep)
+    argv = c["command"] + c["args"]
+    check_command(argv, cli_flags)
+    check_env("opentinker-scheduler", [e["name"] for e in c.get("env", [])])
+
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": int(flag(argv, "--port")), "http": int(flag(argv, "--http-port"))}
+    svc_ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert svc_ports["grpc"]["port"] == 8888 and svc_ports["http"]["port"] == 8889
+    for name, p in svc_ports.items():
+        assert p["targetPort"] in (name, ports[name])
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(ports["http"])
+
+    # the ConfigMap's config parses with the scheduler's parser and agrees with the mounts
+    text = cm["data"]["scheduler_config.yaml"]
+    config = parse_config(text, "configmap:scheduler_config.yaml")
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert flag(argv, "--config") == f"{mounts['config']}/scheduler_config.yaml"
+    assert str(config.state_dir) == flag(argv, "--state-dir") == mounts["state"]
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == cm["metadata"]["name"]
+    for v in volumes.values():
+        if "persistentVolumeClaim" in v:
+            k8s("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"])
+    assert k8s("PersistentVolumeClaim", "opentinker-runs")["spec"]["accessModes"] == ["ReadWriteMany"]
+    # same keys as the compose/image config
+    assert yaml.safe_load(text).keys() == yaml.safe_load((DEPLOY / "scheduler_config.yaml").read_text()).keys()
+
+
+def test_k8s_trainer_daemonset(cli_flags) -> None:
+    ds = k8s("DaemonSet", "opentinker-trainer")
+    svc = k8s("Service", "opentinker-scheduler")
+    c = container(ds)
+    check_command(c["command"] + c.get("args", []), cli_flags)
+    env = {e["name"]: e for e in c["env"]}
+    check_env("opentinker-trainer", list(env))
+    assert c["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"]
+    assert env["NODE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+    grpc_port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
+    url = env["SCHEDULER_URL"]["value"]
+    assert parse_scheduler_url(url) == f"{svc['metadata']['name']}:{grpc_port}"
+
+    http_port = int(env["OPENTINKER_HTTP_PORT"]["value"])
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": http_port}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
+    assert ds["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(http_port)
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["runs"] == env["OPENTINKER_WORK_DIR"]["value"]
+    volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["runs"]["persistentVolumeClaim"]["claimName"] == "opentinker-runs"
+    assert ds["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 60  # time to drain
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kust = docs(DEPLOY / "k8s" / "kustomization.yaml")[0]
+    listed = set(kust["resources"])
+    on_disk = {p.name for p in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk
+    assert k8s("Namespace", kust["namespace"])
+
+
+def test_trainer_reads_its_port_and_scheduler_from_the_environment(tmp_path) -> None:
+    """The variables the manifests set are really read: a bad value is refused by name."""
+    import os
+
+    base = {k: v for k, v in os.environ.items() if k not in ("SCHEDULER_URL", "OPENTINKER_HTTP_PORT", "MAX_TASKS")}
+    for var, bad in (("OPENTINKER_HTTP_PORT", "http"), ("SCHEDULER_URL", "ftp://x:1"), ("MAX_TASKS", "0")):
+        proc = subprocess.run([sys.executable, "-m", "opentinker_trainer", "--work-dir", str(tmp_path)], env={**base, var: bad}, capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert proc.returncode == 2 and f"environment variable {var}" in proc.stderr, proc.stderr

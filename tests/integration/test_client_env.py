@@ -1,0 +1,123 @@
+"""Client-hosted environments through real scheduler and trainer processes: the environment
+lives in this test process, RLClient serves it, the trainer's worker calls it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from opentinker_client import Environment, RLClient, TaskFailedError
+
+HP = {"steps": 2, "episodes_per_step": 2, "max_turns": 3, "max_new_tokens": 3, "lora_rank": 4}
+
+
+class Corridor(Environment):
+    """Four squares; 'right' moves right, 'left' left; the far end pays 1."""
+
+    resets: list = []  # class-level: the served instances are copies of the submitted object
+
+    def __init__(self, **options):
+        super().__init__(action_space=2, observation_space=4, action_names=["left", "right"], **options)
+        self.pos = 0
+
+    def reset(self, seed=None):
+        type(self).resets.append(seed)
+        self.pos = 0
+        return self.pos
+
+    def step(self, action):
+        self.pos = max(0, min(3, self.pos + (1 if action == 1 else -1)))
+        return self.pos, float(self.pos == 3), self.pos == 3, False, {}
+
+
+class Exploding(Corridor):
+    def reset(self, seed=None):
+        raise RuntimeError("reactor core breach in reset")
+
+
+class Stalling(Corridor):
+    def reset(self, seed=None):
+        time.sleep(3)
+        return 0
+
+
+def start(cluster):
+    cluster.start_scheduler()
+    cluster.start_trainer("node-a")
+    cluster.wait_nodes(1)
+
+
+def test_client_hosted_environment_trains_to_success(cluster, tiny_model_dir: Path) -> None:
+    start(cluster)
+    Corridor.resets = []
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        with client.serve_environment(Corridor()) as server:
+            assert server.env_config["endpoint"].startswith("127.0.0.1:")
+            task_id = client.submit_task(env_config=server.env_config, workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP)
+            task = client.wait(task_id, timeout=240, poll_interval=0.2)
+            assert task.state == "succeeded"
+            history = client.get_metric_history(task_id)
+            assert [s for s, _ in history] == [1, 2]
+            assert all({"reward", "loss", "episode/turns"} <= set(v) for _, v in history)
+            assert len(Corridor.resets) >= 2 * HP["episodes_per_step"]  # the trainer played in this process
+            assert server.servicer.session_count() == 0  # the worker closed its session at the end
+        assert server.stopped
+
+
+def test_submit_task_serves_the_environment_for_the_tasks_lifetime(cluster, tiny_model_dir: Path) -> None:
+    start(cluster)
+    Corridor.resets = []
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        task_id = client.submit_task(env_config=Corridor(), workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 1})
+        (server,) = client._env_servers
+        assert client.get_task(task_id).env_config["env_id"] == "client"
+        assert client.wait(task_id, timeout=240, poll_interval=0.2).state == "succeeded"
+        deadline = time.monotonic() + 15
+        while not server.stopped and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.stopped  # stopped by itself once the task ended
+        assert Corridor.resets
+
+
+def test_environment_that_raises_fails_the_task_with_its_message(cluster, tiny_model_dir: Path) -> None:
+    start(cluster)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        task_id = client.submit_task(env_config=Exploding(), workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP)
+        with pytest.raises(TaskFailedError) as err:
+            client.wait(task_id, timeout=240, poll_interval=0.2)
+    task = err.value.task
+    assert task.state == "failed" and task.attempt == 1  # not retried: a retry cannot fix it
+    assert "Exploding.reset raised RuntimeError: reactor core breach in reset" in task.error
+
+
+def test_environment_that_does_not_answer_fails_naming_the_timeout(cluster, tiny_model_dir: Path) -> None:
+    start(cluster)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        task_id = client.submit_task(env_config=Stalling(timeout_s=0.5), workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP)
+        with pytest.raises(TaskFailedError) as err:
+            client.wait(task_id, timeout=240, poll_interval=0.2)
+    assert "did not answer reset within timeout_s=0.5 s" in err.value.task.error
+
+
+def test_client_that_goes_away_fails_the_task_after_the_grace_period(cluster, tiny_model_dir: Path) -> None:
+    start(cluster)
+    playing = threading.Event()
+
+    class Watched(Corridor):
+        def reset(self, seed=None):
+            playing.set()
+            return super().reset(seed)
+
+    client = RLClient(scheduler_url=cluster.url, min_poll_interval=0)
+    # Many steps, so the task is surely still running when the client leaves.
+    task_id = client.submit_task(
+        env_config=Watched(grace_s=2), workload_type="lora_finetune", model=str(tiny_model_dir),
+        hyperparameters={**HP, "steps": 10_000}, max_attempts=1,
+    )  # fmt: skip
+    assert playing.wait(timeout=240), "the trainer never reset the environment"
+    client.close()  # stops the environment server; the task must not hang
+    task = cluster.wait_state(task_id, 5, timeout=120)  # FAILED
+    assert "unreachable for grace_s=2 s" in task.error and "Watched" in task.error

@@ -1,0 +1,158 @@
+"""sft through real scheduler and trainer processes: upload a dataset, fine-tune the tiny model,
+then start an RL task from its checkpoint (``init_from``); refusals over the wire."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import grpc
+import pytest
+
+from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_client import RLClient, TaskFailedError
+from opentinker_client.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+
+from .procs import Cluster
+
+CONFIG = """heartbeat_interval: 0.5
+lease: 3
+workload_types:
+  - type: lora_finetune
+    priority: 1
+  - type: full_rl
+    priority: 1
+  - type: sft
+    priority: 1
+"""
+
+SFT_HP = {"steps": 3, "batch_size": 4, "lora_rank": 2, "learning_rate": 1e-2, "eval_every": 3}
+RL_HP = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4}
+
+
+@pytest.fixture
+def sft_cluster(tmp_path):
+    c = Cluster(tmp_path, CONFIG)
+    yield c
+    c.close()
+
+
+def arithmetic_jsonl(path: Path, n: int = 12) -> Path:
+    rng = random.Random(0)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append(json.dumps({"messages": [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": str(a + b)}]}))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+    sft_cluster.start_scheduler()
+    trainer = sft_cluster.start_trainer("node-a")
+    sft_cluster.wait_nodes(1)
+    data = arithmetic_jsonl(tmp_path / "train.jsonl")
+    with RLClient(scheduler_url=sft_cluster.url, min_poll_interval=0) as client:
+        info = client.upload_dataset(data)
+        assert info.dataset_id.startswith("sha256:") and info.num_examples == 12 and info.name == "train.jsonl"
+        assert client.upload_dataset(data, name="again").dataset_id == info.dataset_id  # content-addressed
+
+        sft_id = client.submit_task(
+            {"env_id": "chat_jsonl", "dataset_id": info.dataset_id, "eval_fraction": 0.25},
+            workload_type="sft", model=str(tiny_model_dir), hyperparameters=SFT_HP,
+        )  # fmt: skip
+        sft_task = client.wait(sft_id, timeout=180, poll_interval=0.2)
+        assert sft_task.state == "succeeded", sft_task.error
+        history = client.get_metric_history(sft_id)
+        assert [s for s, _ in history] == [1, 2, 3]
+        assert all({"loss", "reward", "loss/train", "train/token_accuracy"} <= set(v) for _, v in history)
+        assert "loss/eval_start" in history[0][1] and "loss/eval" in history[-1][1]
+        sft_ckpt = Path(sft_task.checkpoint_path)
+        assert (sft_ckpt / "adapter_config.json").exists() and sft_task.proto.latest_checkpoint.format == "peft_lora"
+
+        # Refusals at submit, before anything is queued.
+        running = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**RL_HP, "steps": 500})
+        with pytest.raises(FailedPreconditionError, match=rf"spec.init_from: task {running} is (PENDING|ASSIGNED|RUNNING); a task can only start from one that SUCCEEDED"):
+            client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=RL_HP, init_from=running)
+        client.cancel(running)
+        with pytest.raises(NotFoundError, match="spec.init_from: task 'task-00000000000000000000' not found"):
+            client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=RL_HP, init_from="task-00000000000000000000")
+        with pytest.raises(InvalidArgumentError, match="spec.model: expected"):
+            client.submit_task(workload_type="lora_finetune", model="/some/other/model", hyperparameters=RL_HP, init_from=sft_id)
+
+        # SFT warm start, then RL: the RL task continues the SFT adapter (rank 2, not its own 16).
+        rl_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=RL_HP, init_from=sft_id)
+        rl_task = client.wait(rl_id, timeout=180, poll_interval=0.2)
+        assert rl_task.state == "succeeded", rl_task.error
+        assert rl_task.init_from == sft_id
+        rl_config = json.loads((Path(rl_task.checkpoint_path) / "adapter_config.json").read_text())
+        assert rl_config["r"] == 2
+        loads = [e for e in trainer.log_events() if e.get("event") == "loading model" and e.get("task_id") == rl_id]
+        assert loads and loads[0]["init_checkpoint"] == str(sft_ckpt)
+
+        # submit_task(dataset=...) uploads first; a full-weight SFT writes a transformers folder.
+        full_id = client.submit_task(
+            workload_type="sft", model=str(tiny_model_dir), dataset=data,
+            hyperparameters={"steps": 1, "batch_size": 4, "lora": False, "learning_rate": 1e-3},
+        )  # fmt: skip
+        full = client.wait(full_id, timeout=180, poll_interval=0.2)
+        assert full.state == "succeeded", full.error
+        assert full.env_config["dataset_id"] == info.dataset_id
+        assert full.proto.latest_checkpoint.format == "hf_full" and (Path(full.checkpoint_path) / "config.json").exists()
+
+        # full_rl on a text environment from those weights: GRPO on all of them, a full checkpoint.
+        grpo_id = client.submit_task(
+            workload_type="full_rl", model=str(tiny_model_dir), init_from=full_id,
+            hyperparameters={**RL_HP, "learning_rate": 1e-4},
+        )  # fmt: skip
+        grpo = client.wait(grpo_id, timeout=180, poll_interval=0.2)
+        assert grpo.state == "succeeded", grpo.error
+        assert {"loss", "reward", "loss/policy"} <= set(client.get_metrics(grpo_id))
+        assert grpo.proto.latest_checkpoint.format == "hf_full" and (Path(grpo.checkpoint_path) / "model.safetensors").exists()
+        loads = [e for e in trainer.log_events() if e.get("event") == "loading model" and e.get("task_id") == grpo_id]
+        assert loads and loads[0]["full_weights"] is True and loads[0]["init_checkpoint"] == full.checkpoint_path
+
+
+def test_dataset_refusals_over_the_wire(sft_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+    sft_cluster.start_scheduler()
+    sft_cluster.start_trainer("node-a")
+    sft_cluster.wait_nodes(1)
+    bad = tmp_path / "bad.jsonl"
+    good_line = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+    bad.write_text(f"{good_line}\n\n{{\"messages\": [{{\"role\": \"user\", \"content\": \"no reply\"}}]}}\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with RLClient(scheduler_url=sft_cluster.url, min_poll_interval=0) as client:
+        with pytest.raises(InvalidArgumentError, match="dataset line 3: expected at least one assistant message") as err:
+            client.upload_dataset(bad)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(InvalidArgumentError, match="dataset: expected at least one example"):
+            client.upload_dataset(empty)
+        zero = tmp_path / "zero.jsonl"
+        zero.touch()
+        with pytest.raises(InvalidArgumentError, match="total_bytes: expected the file's size in bytes"):
+            client.upload_dataset(zero)
+        assert not [p for p in (sft_cluster.state_dir / "datasets").iterdir()]  # nothing half-written stays
+
+        # Over the limit: refused from the announced size, before any byte is stored.
+        stub = sft_cluster.stub
+        with pytest.raises(grpc.RpcError) as rpc_err:
+            stub.UploadDataset(iter([scheduler_pb2.UploadDatasetRequest(name="huge", total_bytes=300 * 1024 * 1024, chunk=b"{")]))
+        assert rpc_err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "dataset limit" in rpc_err.value.details()
+        with pytest.raises(grpc.RpcError) as rpc_err:
+            list(stub.DownloadDataset(scheduler_pb2.DownloadDatasetRequest(dataset_id="sha256:" + "0" * 64)))
+        assert rpc_err.value.code() == grpc.StatusCode.NOT_FOUND
+
+        with pytest.raises(NotFoundError, match="spec.env_config.dataset_id: dataset sha256:0+ not found"):
+            client.submit_task({"env_id": "chat_jsonl", "dataset_id": "sha256:" + "0" * 64}, workload_type="sft", model=str(tiny_model_dir))
+
+        # A path the trainer reads: a bad line fails the task at once (no retry), naming the line.
+        task_id = client.submit_task(
+            {"env_id": "chat_jsonl", "path": str(bad)}, workload_type="sft", model=str(tiny_model_dir), hyperparameters={"steps": 1},
+        )  # fmt: skip
+        with pytest.raises(TaskFailedError) as failed:
+            client.wait(task_id, timeout=120, poll_interval=0.2)
+        assert failed.value.task.attempt == 1
+        assert f"dataset {bad}: line 3: expected at least one assistant message" in failed.value.task.error
+    assert sft_cluster.health() == {"status": "ok"}
