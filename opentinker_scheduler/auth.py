@@ -16,7 +16,8 @@ effect at once, without a restart (``AdminService``, ``opentinker keys ...``).
 
 **Roles** (:data:`ROLES`): ``admin`` may do everything; ``user`` may use SchedulerService on its
 owner's own tasks (another owner's task is NOT_FOUND, never confirmed to exist) and manage its own
-keys; ``node`` may call NodeService only (plus ``DownloadDataset``, which task workers use).
+keys; ``node`` may call NodeService only (plus the reads ``DownloadDataset`` and ``GetTask``, which
+task workers use with their node's key).
 
 **Bootstrap**: on a start with ``enabled: true`` and no active admin key, the scheduler takes the
 key in ``$OPENTINKER_BOOTSTRAP_ADMIN_KEY`` when set, else makes one and writes it to
@@ -101,19 +102,24 @@ def caller() -> Principal:
 
 
 def owner_scope() -> str | None:
-    """The owner whose tasks the caller may see: ``None`` (all) for admins, else its owner."""
+    """The owner whose tasks the caller may see: ``None`` (all) for admins and nodes (trainer
+    infrastructure: their workers look up any task they serve), else its owner."""
     p = caller()
-    return None if p.is_admin else p.owner
+    return None if p.is_admin or p.role == "node" else p.owner
 
 
 # ------------------------------------------------------------------------------ interceptor
+
+
+#: SchedulerService methods a node key may call too (read-only; used by task workers).
+_NODE_READS = ("/DownloadDataset", "/GetTask")
 
 
 def allowed_roles(method: str) -> frozenset[str]:
     """Roles that may call ``/package.Service/Method``."""
     service = method[1:].rsplit("/", 1)[0]
     if service == SCHEDULER_SERVICE:
-        if method.endswith("/DownloadDataset"):  # task workers fetch their dataset with the node key
+        if method.endswith(_NODE_READS):  # task workers, with their node's key: fetch a dataset, look up an adapter's task
             return frozenset(ROLES)
         return frozenset({"admin", "user"})
     if service == NODE_SERVICE:

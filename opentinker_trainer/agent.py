@@ -36,6 +36,7 @@ import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 
+from .scheduler_link import worker_env
 from .devices import DeviceMonitor
 from .inference.address import default_advertise_host
 
@@ -293,7 +294,8 @@ class NodeAgent:
         env["CUDA_VISIBLE_DEVICES"] = "" if simulated else ",".join(str(i) for i in a.device_indices)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["OPENTINKER_AGENT_PID"] = str(os.getpid())  # the worker dies with the agent
-        env["OPENTINKER_SCHEDULER_URL"] = self.config.target  # workers fetch datasets (DownloadDataset)
+        # Workers call the scheduler as their node does (datasets, adapter lookup): address, key, TLS.
+        env.update(worker_env(self.config.target, api_key=self.config.api_key, tls_ca=self.config.tls_ca, tls_cert=self.config.tls_cert, tls_key=self.config.tls_key))
         env["OPENTINKER_DATASET_CACHE"] = str(self.config.work_dir / "datasets")  # shared by this node's tasks
         env["OPENTINKER_ADVERTISE_HOST"] = self.config.advertise_host or default_advertise_host(self.config.target)  # inference servers
         cmd = [sys.executable, "-m", "opentinker_trainer.worker", str(assignment), "--checkpoint-dir", str(self.config.work_dir / a.task_id / "checkpoints")]

@@ -16,6 +16,7 @@ import grpc
 from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+from ..scheduler_link import scheduler_channel
 from .adapters import AdapterNotFound, AdapterRefused
 
 __all__ = ["SchedulerResolver", "ADAPTER_WORKLOADS", "same_model"]
@@ -43,7 +44,7 @@ class SchedulerResolver:
     """
 
     def __init__(self, target: str, served_model: str, *, timeout: float = 10.0) -> None:
-        self.channel = grpc.insecure_channel(target)
+        self.channel, self.metadata = scheduler_channel(target)  # with the node's key and TLS
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         self.served_model = served_model
         self.timeout = timeout
@@ -55,7 +56,7 @@ class SchedulerResolver:
         """Raises AdapterNotFound (no such task, no checkpoint), AdapterRefused (not finished, not
         a LoRA checkpoint, another base model); grpc.RpcError when the scheduler is unreachable."""
         try:
-            task = self.stub.GetTask(scheduler_pb2.GetTaskRequest(task_id=name), timeout=self.timeout).task
+            task = self.stub.GetTask(scheduler_pb2.GetTaskRequest(task_id=name), timeout=self.timeout, metadata=self.metadata).task
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise AdapterNotFound(f"adapter {name!r}: no task with that id (adapters are named by a finished lora_finetune or sft task's id)") from None

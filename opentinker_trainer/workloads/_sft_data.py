@@ -85,6 +85,7 @@ def fetch_dataset(dataset_id: str, scheduler_target: str | None, cache_dir: Path
     import grpc
 
     from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from opentinker_trainer.scheduler_link import scheduler_channel
 
     if not is_dataset_id(dataset_id):
         raise UserError(f"env_config.dataset_id: expected sha256:<64 hex digits>, got {dataset_id!r}")
@@ -99,9 +100,10 @@ def fetch_dataset(dataset_id: str, scheduler_target: str | None, cache_dir: Path
     tmp = cache_dir / f".{hex_}.{secrets.token_hex(4)}.part"
     digest = hashlib.sha256()
     try:
-        with grpc.insecure_channel(scheduler_target) as channel, open(tmp, "wb") as fh:
+        channel, metadata = scheduler_channel(scheduler_target)
+        with channel, open(tmp, "wb") as fh:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-            for resp in stub.DownloadDataset(scheduler_pb2.DownloadDatasetRequest(dataset_id=dataset_id), timeout=3600):
+            for resp in stub.DownloadDataset(scheduler_pb2.DownloadDatasetRequest(dataset_id=dataset_id), timeout=3600, metadata=metadata):
                 digest.update(resp.chunk)
                 fh.write(resp.chunk)
         if digest.hexdigest() != hex_:

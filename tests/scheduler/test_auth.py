@@ -372,3 +372,44 @@ def test_cli_keys_create_list_rotate_revoke(sched, capsys) -> None:
     assert "revoked" in capsys.readouterr().out
     assert cli_main(["--scheduler-url", sched.target, "--api-key", new_key, "list"]) == 2
     assert cli_main(["--scheduler-url", sched.target, "--api-key", key, "keys", "create", "x"]) == 2
+
+
+def test_task_workers_reach_the_scheduler_with_their_nodes_key(sched, tmp_path) -> None:
+    """A worker gets the node's address and key from the agent (opentinker_trainer.scheduler_link):
+    with it, it may look up any owner's task (adapter resolution) and download a dataset, and
+    nothing else a user may do."""
+    from opentinker_trainer.scheduler_link import scheduler_channel, worker_env
+    from opentinker_trainer.workloads._sft_data import fetch_dataset
+
+    admin = _admin_key(sched)
+    with RLClient(sched.target, api_key=admin) as root:
+        _, node_key = root.keys.create("rack-1", "node")
+        _, alice_key = root.keys.create("alice", "user")
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    with RLClient(sched.target, api_key=alice_key) as alice:
+        task_id = alice.submit_task(workload_type="lora_finetune", model="/models/m")
+        dataset = alice.upload_dataset(data)
+    env = worker_env(sched.target, api_key=node_key)
+    channel, md = scheduler_channel(env=env)
+    with channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        assert stub.GetTask(S.GetTaskRequest(task_id=task_id), metadata=md).task.owner == "alice"
+        code, _ = _code(stub.ListTasks, S.ListTasksRequest(), metadata=md)
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+    # Without the key the same call is refused; with it the dataset downloads.
+    bare, _ = scheduler_channel(env={"OPENTINKER_SCHEDULER_URL": sched.target})
+    with bare:
+        code, _ = _code(scheduler_pb2_grpc.SchedulerServiceStub(bare).GetTask, S.GetTaskRequest(task_id=task_id))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        path = fetch_dataset(dataset.dataset_id, sched.target, tmp_path / "cache")
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert path.read_bytes() == data.read_bytes()
