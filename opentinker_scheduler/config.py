@@ -40,7 +40,7 @@ Unknown keys and wrong types are refused at start with the file, line and key na
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

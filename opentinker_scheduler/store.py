@@ -73,6 +73,9 @@ CREATE TABLE IF NOT EXISTS task_endpoints (
 );
 """
 
+#: TaskState value -> name without the prefix ("PENDING" ...), for logs and metrics.
+STATE_NAMES = {v: k.removeprefix("TASK_STATE_") for k, v in common_pb2.TaskState.items()}
+
 ACTIVE_STATES = (
     common_pb2.TASK_STATE_ASSIGNED,
     common_pb2.TASK_STATE_RUNNING,

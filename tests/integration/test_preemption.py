@@ -41,7 +41,7 @@ def test_max_runtime_fails_with_timeout_after_final_checkpoint(cluster, tiny_mod
     cluster.start_trainer("node-a", "--kill-grace", "60")  # time to write the final checkpoint under load
     cluster.wait_nodes(1)
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 10000}, max_runtime=4)
+        task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 10000}, max_runtime=12)  # room to load and step once under load
         task = cluster.wait_state(task_id, C.TASK_STATE_FAILED, timeout=120)
         events = [e for e in client.watch(task_id)]
         assert [e.reason for e in events if e.kind == "state"][-1] == "TIMEOUT"
