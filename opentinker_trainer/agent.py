@@ -294,6 +294,7 @@ class NodeAgent:
         env["CUDA_VISIBLE_DEVICES"] = "" if simulated else ",".join(str(i) for i in a.device_indices)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["OPENTINKER_AGENT_PID"] = str(os.getpid())  # the worker dies with the agent
+        env["OPENTINKER_NODE_ID"] = self.config.node_id  # bound into the worker's log lines
         # Workers call the scheduler as their node does (datasets, adapter lookup): address, key, TLS.
         env.update(worker_env(self.config.target, api_key=self.config.api_key, tls_ca=self.config.tls_ca, tls_cert=self.config.tls_cert, tls_key=self.config.tls_key))
         env["OPENTINKER_DATASET_CACHE"] = str(self.config.work_dir / "datasets")  # shared by this node's tasks

@@ -108,8 +108,12 @@ class FrozenLakeRenderer(DiscreteRenderer):
         )
 
     def potential(self, observation: Any) -> float:
-        """``-(|row - goal row| + |col - goal col|) / (nrow + ncol - 2)``, in [-1, 0]."""
+        """``-(|row - goal row| + |col - goal col|) / (nrow + ncol - 2)``, in [-1, 0]; a hole is
+        -1 (as far as it gets), so an episode that ends in a hole keeps none of its progress and
+        walking into one is never worth as much as staying on the ice."""
         r, c = divmod(int(observation), self.ncol)
+        if self.rows[r][c] == "H":
+            return -1.0
         return -(abs(r - self.goal[0]) + abs(c - self.goal[1])) / max(1, self.nrow + self.ncol - 2)
 
 

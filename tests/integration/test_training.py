@@ -50,6 +50,9 @@ def test_lora_task_runs_to_success_with_metrics_and_peft_checkpoint(cluster, tin
     assert any("lora_A" in n for n, _ in model.named_parameters())
     started = [e for e in trainer.log_events() if e.get("event") == "Task started"]
     assert started and started[0]["task_id"] == task_id and started[0]["attempt"] == 1
+    # The worker's own log lines carry task_id, attempt and node_id too.
+    loading = [e for e in trainer.log_events() if e.get("event") == "loading model"]
+    assert loading and {(e["task_id"], e["attempt"], e["node_id"]) for e in loading} == {(task_id, 1, "node-a")}
 
 
 def test_missing_model_fails_without_retry_and_services_keep_serving(cluster, tiny_model_dir: Path) -> None:

@@ -43,7 +43,8 @@ def test_frozen_lake_render_shows_the_map_with_the_agent():
 def test_frozen_lake_potential_is_minus_scaled_distance_to_goal():
     r = FrozenLakeRenderer(gymnasium.make("FrozenLake-v1").unwrapped.desc)
     assert r.potential(0) == -1.0 and r.potential(15) == 0.0 and r.potential(14) == pytest.approx(-1 / 6)
-    assert r.potential(12) == pytest.approx(-3 / 6)  # a hole counts by its distance too
+    assert r.potential(12) == -1.0  # a hole takes all progress back (12 is 3 from the goal)
+    assert r.potential(5) == -1.0 and r.potential(6) == pytest.approx(-3 / 6)
 
 
 def test_generic_renderer_for_other_discrete_envs():
