@@ -430,6 +430,8 @@ class RLClient:
             UnavailableError: the scheduler cannot be reached.
         """
         path = os.fspath(path)
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{path}: is a folder; upload_dataset takes one JSONL file")
         size = os.path.getsize(path)
         label = name if name is not None else os.path.basename(path)
 
@@ -536,7 +538,8 @@ class RLClient:
         return metrics
 
     def get_metric_history(self, task_id: str, *, after_step: int = 0) -> list[tuple[int, dict[str, float]]]:
-        """Every reported step after ``after_step``, oldest first, as ``(step, values)``.
+        """Every reported step after ``after_step``, oldest first, as ``(step, values)``; a step
+        reported again by a resumed attempt appears once, with the newest values.
 
         Fetches more than once if the scheduler returns the history in pieces.
 
@@ -557,7 +560,12 @@ class RLClient:
             step = max(s for s, _ in points)
             if step >= response.latest_step:
                 break
-        return out
+        # After a resume from a checkpoint the new attempt reports again the steps the old one
+        # ran past that checkpoint: the newest report of each step wins.
+        latest: dict[int, dict[str, float]] = {}
+        for s, v in out:
+            latest[s] = v
+        return sorted(latest.items())
 
     def list_nodes(self) -> list[NodeInfo]:
         """Trainer nodes with their devices, free GPUs, running tasks and latest telemetry.

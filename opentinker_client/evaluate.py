@@ -26,6 +26,10 @@ __all__ = ["EvalResult", "evaluate"]
 _DEFAULT = object()
 
 
+#: Most episodes one evaluate() call runs (each is one generation request).
+MAX_EPISODES = 10_000
+
+
 @dataclass(frozen=True)
 class EvalResult:
     """Rewards of one evaluation.
@@ -68,13 +72,13 @@ def evaluate(
         temperature: 0 (default) is greedy decoding.
 
     Raises:
-        InvalidArgumentError: unknown or non-text environment, episodes < 1.
+        InvalidArgumentError: unknown or non-text environment, episodes outside [1, MAX_EPISODES].
         OpenTinkerError subclasses: from the server (see ``InferenceClient.generate``).
     """
     from opentinker_trainer.envs.arithmetic import ArithmeticEnv, reward  # torch-free: problems and reward only
 
-    if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
-        raise InvalidArgumentError(f"episodes: expected an integer >= 1, got {episodes!r}", field="episodes")
+    if isinstance(episodes, bool) or not isinstance(episodes, int) or not 1 <= episodes <= MAX_EPISODES:
+        raise InvalidArgumentError(f"episodes: expected an integer in [1, {MAX_EPISODES}], got {episodes!r}", field="episodes")
     data = {"env_id": env} if isinstance(env, str) else dict(env)
     try:
         config = validate_env_config(data, path="env")

@@ -91,11 +91,15 @@ def plot_history(
     if title:
         fig.suptitle(title)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"{out.parent}: no such folder (create it first)")
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=out.suffix, dir=out.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             fig.savefig(fh, format=fmt)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a plot is an ordinary file
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

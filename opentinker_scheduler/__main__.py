@@ -15,12 +15,23 @@ from .config import ConfigError, load_config, SchedulerConfig
 from .server import start_scheduler
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port number, 0..65535 (0 = any free port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="opentinker-scheduler", description="OpenTinker scheduler: queue, placement, state.")
     parser.add_argument("--config", help="scheduler_config.yaml (seed form: resource_pool, workload_types)")
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8888, help="gRPC port (default 8888)")
-    parser.add_argument("--http-port", type=int, default=None, help="HTTP port for /health and /metrics (default: --port + 1)")
+    parser.add_argument("--port", type=_port, default=8888, help="gRPC port (default 8888)")
+    parser.add_argument("--http-port", type=_port, default=None, help="HTTP port for /health and /metrics (default: --port + 1)")
     parser.add_argument("--state-dir", default=None, help="overrides state_dir of the config")
     args = parser.parse_args(argv)
     configure_logging()
@@ -36,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
         config = replace(config, state_dir=Path(args.state_dir))
     http_port = args.http_port if args.http_port is not None else args.port + 1
+    if http_port > 65535:
+        parser.error(f"--http-port: --port + 1 is {http_port}; give --http-port explicitly")
 
     async def run() -> None:
         running = await start_scheduler(config, host=args.host, port=args.port, http_port=http_port)

@@ -38,7 +38,7 @@ def list_checkpoints(store, task_id: str) -> list[common_pb2.Checkpoint]:
     if not task_id:
         raise InvalidArgument("task_id: expected a task id, got ''")
     if store.get_task(task_id) is None:
-        raise NotFound(f"task {task_id!r} not found")
+        raise NotFound(f"task {task_id[:80]!r}{'...' if len(task_id) > 80 else ''} not found")
     newest: dict[int, common_pb2.Checkpoint] = {}
     for ck in store.checkpoints(task_id):
         newest.pop(ck.step, None)

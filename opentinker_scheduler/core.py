@@ -220,7 +220,7 @@ class SchedulerCore(NodeProtocol, Preempting):
             raise InvalidArgument("task_id: expected a task id, got ''")
         task = self.tasks.get(task_id) or self.store.get_task(task_id)
         if task is None or (owner is not None and task.owner != owner):
-            raise NotFound(f"task {task_id!r} not found")
+            raise NotFound(f"task {short_id(task_id)} not found")
         return task
 
     def cancel(self, task_id: str, *, owner: str | None = None, reason: str = "") -> TaskRow:
@@ -487,6 +487,11 @@ def _struct_dict(spec: common_pb2.TaskSpec, name: str) -> dict:
     from google.protobuf import json_format
 
     return json_format.MessageToDict(getattr(spec, name)) if spec.HasField(name) else {}
+
+
+def short_id(task_id: str, limit: int = 80) -> str:
+    """``task_id`` quoted for a message, cut to ``limit`` characters (ids come from callers)."""
+    return repr(task_id[:limit]) + ("..." if len(task_id) > limit else "")
 
 
 def new_task_id() -> str:

@@ -179,7 +179,8 @@ class Store:
             state_dir.mkdir(parents=True, exist_ok=True)
             self._lock_file = open(state_dir / "scheduler.lock", "a+")
         except OSError as exc:
-            raise OSError(f"state_dir {state_dir}: {exc.strerror or exc}") from None
+            what = "not a folder" if state_dir.exists() and not state_dir.is_dir() else (exc.strerror or exc)
+            raise OSError(f"state_dir {state_dir}: {what}") from None
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -82,6 +82,8 @@ class GymEnvConfig:
     env_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def check(self, path: str) -> None:
+        if "render_mode" in self.env_kwargs:
+            raise SpecError(f"{path}.env_kwargs.render_mode", "no render_mode (trainers run headless)", self.env_kwargs["render_mode"])
         real = _real_spaces(self.env_id, tuple(sorted(self.env_kwargs.items())))
         if real == "":
             return  # gymnasium not installed here (client-only install): the trainer checks

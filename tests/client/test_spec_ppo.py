@@ -132,3 +132,10 @@ def test_ppo_task_needs_no_model_but_lm_tasks_do() -> None:
     assert task_uses_model("full_rl", {"env_id": "arithmetic"}) and task_uses_model("lora_finetune", {})
     with pytest.raises(SpecError, match="spec.model"):
         TaskSpecModel.from_parts(workload_type="full_rl", model="", env_config={"env_id": "arithmetic"}, hyperparameters={})
+
+
+def test_render_mode_refused_for_gym_ids() -> None:
+    from opentinker_client.spec import SpecError, validate_env_config
+
+    with pytest.raises(SpecError, match=r"spec.env_config.env_kwargs.render_mode: expected no render_mode"):
+        validate_env_config({"env_id": "CartPole-v1", "env_kwargs": {"render_mode": "human"}})

@@ -92,6 +92,10 @@ def test_trainer_killed_mid_task_is_requeued_and_finishes_elsewhere(cluster, tin
         lost = max(i for i, e in enumerate(events) if e.kind == "state" and e.reason == "NODE_LOST")
         after = [e.step for e in events[lost:] if e.kind == "metric"]
         assert after[0] == resume_step + 1, (resume_step, after[:5])
+        # Steps the lost attempt ran past its checkpoint were reported twice; the history
+        # keeps each step once, with the resumed attempt's values.
+        history = [step for step, _ in client.get_metric_history(task_id)]
+        assert history == sorted(set(history)) and history[-1] == max(e.step for e in events if e.kind == "metric")
         assert client.get_task(task_id).state == "cancelled"
         reasons = [e.reason for e in client.watch(task_id) if e.kind == "state"]
         assert "NODE_LOST" in reasons

@@ -358,3 +358,10 @@ def test_restart_grace_covers_slow_reconnects(tmp_path) -> None:
     core2.tick()
     t = core2.get(task.task_id)
     assert t.state == C.TASK_STATE_PENDING and t.attempt == 2
+
+
+def test_not_found_cuts_long_ids(tmp_path) -> None:
+    core = make_core(tmp_path)
+    with pytest.raises(NotFound) as err:
+        core.get("x" * 100_000)
+    assert len(str(err.value)) < 200

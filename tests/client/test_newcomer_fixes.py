@@ -1,0 +1,50 @@
+"""Refusals a newcomer ran into: each is a clear error before any work starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from opentinker_client import InvalidArgumentError, RLClient
+
+
+def test_evaluate_bounds_episodes() -> None:
+    from opentinker_client.evaluate import MAX_EPISODES, evaluate
+
+    for bad in (0, -5, MAX_EPISODES + 1, 99_999_999_999):
+        with pytest.raises(InvalidArgumentError, match=r"episodes: expected an integer in \[1, 10000\]"):
+            evaluate(object(), episodes=bad)
+
+
+def test_upload_dataset_of_a_folder_says_so(tmp_path) -> None:
+    with RLClient("127.0.0.1:1", min_poll_interval=0) as client:  # refused before any call
+        with pytest.raises(IsADirectoryError, match="is a folder"):
+            client.upload_dataset(tmp_path)
+
+
+def test_plot_needs_an_existing_folder_and_writes_an_ordinary_file(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from opentinker_client.plot import plot_history
+
+    history = [(1, {"reward": 0.1, "loss": 1.0}), (2, {"reward": 0.5, "loss": 0.5})]
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        plot_history(history, tmp_path / "missing" / "x.png")
+    assert not (tmp_path / "missing").exists()
+    out = tmp_path / "x.png"
+    plot_history(history, out)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (os.stat(out).st_mode & 0o777) == (0o666 & ~umask)
+
+
+def test_scheduler_refuses_bad_ports_and_a_file_as_state_dir(tmp_path) -> None:
+    run = lambda *a: subprocess.run([sys.executable, "-m", "opentinker_scheduler", *a], capture_output=True, text=True, timeout=60)  # noqa: E731
+    r = run("--port", "99999")
+    assert r.returncode == 2 and "expected a port number 0-65535, got 99999" in r.stderr
+    state = tmp_path / "file"
+    state.write_text("x")
+    r = run("--state-dir", str(state), "--port", "0", "--http-port", "0")
+    assert r.returncode != 0 and f"state_dir {state}: not a folder" in (r.stderr + r.stdout)
