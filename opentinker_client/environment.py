@@ -197,6 +197,14 @@ def client_env_config(env: Any, *, endpoint: str):
                 field=f"spec.env_config.{name}",
             )
         data[name] = value
+    cls = type(env)
+    missing = [m for m in ("reset", "step") if getattr(cls, m, None) is getattr(Environment, m)]
+    if missing:
+        raise InvalidArgumentError(
+            f"spec.env_config: a client-hosted environment defines both reset() and step(); "
+            f"{cls.__name__} does not define {' or '.join(m + '()' for m in missing)}",
+            field="spec.env_config",
+        )
     if isinstance(data.get("action_names"), tuple):
         data["action_names"] = list(data["action_names"])
     try:

@@ -48,3 +48,17 @@ def test_scheduler_refuses_bad_ports_and_a_file_as_state_dir(tmp_path) -> None:
     state.write_text("x")
     r = run("--state-dir", str(state), "--port", "0", "--http-port", "0")
     assert r.returncode != 0 and f"state_dir {state}: not a folder" in (r.stderr + r.stdout)
+
+
+def test_client_hosted_environment_needs_both_reset_and_step() -> None:
+    from opentinker_client import Environment
+    from opentinker_client.environment import client_env_config
+
+    class OnlyReset(Environment):
+        def reset(self, seed=None):
+            return 0
+
+    env = OnlyReset(action_space=2, observation_space=3)
+    assert env.is_client_hosted
+    with pytest.raises(InvalidArgumentError, match=r"defines both reset\(\) and step\(\); OnlyReset does not define step\(\)"):
+        client_env_config(env, endpoint="127.0.0.1:5000")
