@@ -56,6 +56,7 @@ from opentinker_trainer.rl.grpo import group_advantages, kl_k3, masked_mean, mas
 from opentinker_trainer.rl.rollout import generate, left_pad, right_pad
 from opentinker_trainer.rl.shared_prompts import shared_prompt_logprobs
 from opentinker_trainer.workloads import _lm
+from opentinker_trainer.workloads._loop import run_steps
 
 CHECKPOINT_FORMAT = "peft_lora"
 log = _lm.get_logger("opentinker.trainer.lm_game")
@@ -365,28 +366,18 @@ class GameTrainer:
         return path
 
     def run(self) -> None:
-        cfg, ctx = self.cfg, self.ctx
-        if self.step >= cfg.steps:
-            self.save(final=True)
-            return
-        if ctx.should_stop():
-            return
-        while self.step < cfg.steps:
-            self.step += 1
-            metrics = self.train_step()
-            ctx.emit_metric(self.step, metrics)
+        def one(n: int) -> dict[str, float]:
+            self.step = n
+            return self.train_step()
+
+        def log_step(n: int, m) -> None:
             log.info(
-                "step", task_id=ctx.task_id, step=self.step, reward=round(metrics["reward"], 4),
-                success=round(metrics["episode/success_rate"], 3), invalid=round(metrics["episode/invalid_action_frac"], 3),
-                step_s=round(metrics["perf/step_s"], 2),
+                "step", task_id=self.ctx.task_id, step=n, reward=round(m["reward"], 4),
+                success=round(m["episode/success_rate"], 3), invalid=round(m["episode/invalid_action_frac"], 3),
+                step_s=round(m["perf/step_s"], 2),
             )  # fmt: skip
-            if self.step >= cfg.steps:
-                self.save(final=True)
-            elif ctx.should_stop():
-                self.save(final=False)
-                return
-            elif cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                self.save(final=False)
+
+        run_steps(self.ctx, done=self.step, total=self.cfg.steps, step=one, save=self.save, checkpoint_every=self.cfg.checkpoint_every, log_step=log_step)
 
     def close(self) -> None:
         for env in self.envs:

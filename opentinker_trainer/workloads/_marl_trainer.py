@@ -40,6 +40,7 @@ from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.rl.gae import gae
 from opentinker_trainer.rl.policy import ActorCritic, UnsupportedSpaceError
 from opentinker_trainer.workloads import _ppo_common as common
+from opentinker_trainer.workloads._loop import run_steps
 from opentinker_trainer.workloads._lm import get_logger
 
 log = get_logger("opentinker.trainer.full_rl.marl")
@@ -249,30 +250,18 @@ class MultiAgentPPOTrainer:
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
-        cfg, ctx = self.cfg, self.ctx
+        def one(n: int) -> dict[str, float]:
+            self.update = n
+            return self.train_step()
+
+        def log_step(n: int, m) -> None:
+            log.info(
+                "update", task_id=self.ctx.task_id, step=n, env_steps=self.env_steps,
+                reward=round(m["reward"], 3), loss=round(m["loss"], 4), steps_per_s=round(m["perf/env_steps_per_s"]),
+            )  # fmt: skip
+
         try:
-            if self.update >= cfg.num_updates:
-                self.save(final=True)
-                return
-            if ctx.should_stop():
-                return
-            while self.update < cfg.num_updates:
-                self.update += 1
-                metrics = self.train_step()
-                ctx.emit_metric(self.update, metrics)
-                log.info(
-                    "update", task_id=ctx.task_id, step=self.update, env_steps=self.env_steps,
-                    reward=round(metrics["reward"], 3), loss=round(metrics["loss"], 4),
-                    steps_per_s=round(metrics["perf/env_steps_per_s"]),
-                )  # fmt: skip
-                if self.update >= cfg.num_updates:
-                    self.save(final=True)
-                elif ctx.should_stop():
-                    log.info("stop requested: checkpointing", task_id=ctx.task_id, step=self.update)
-                    self.save(final=False)
-                    return
-                elif cfg.checkpoint_every and self.update % cfg.checkpoint_every == 0:
-                    self.save(final=False)
+            run_steps(self.ctx, done=self.update, total=self.cfg.num_updates, step=one, save=self.save, checkpoint_every=self.cfg.checkpoint_every, log_step=log_step)
         finally:
             for env in self.envs:
                 env.close()

@@ -43,6 +43,7 @@ from opentinker_trainer.envs.arithmetic import ArithmeticEnv
 from opentinker_trainer.rl.grpo import group_advantages, kl_k3, masked_mean, masked_sum, pg_loss
 from opentinker_trainer.rl.rollout import Rollout, generate, left_pad, sequence_logprobs
 from opentinker_trainer.workloads import _lm
+from opentinker_trainer.workloads._loop import run_steps
 
 CHECKPOINT_FORMAT = "peft_lora"
 log = _lm.get_logger("opentinker.trainer.lora_finetune")
@@ -204,31 +205,17 @@ class _Trainer:
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
-        cfg, ctx = self.cfg, self.ctx
-        if self.step >= cfg.steps:
-            log.info("nothing left to train", task_id=ctx.task_id, step=self.step, steps=cfg.steps)
-            self.save(final=True)
-            return
-        if ctx.should_stop():
-            log.info("stop requested before the first step", task_id=ctx.task_id, step=self.step)
-            return
-        while self.step < cfg.steps:
-            self.step += 1
-            metrics = self.train_step()
-            ctx.emit_metric(self.step, metrics)
-            log.info(
-                "step", task_id=ctx.task_id, step=self.step, reward=round(metrics["reward"], 4),
-                loss=round(metrics["loss"], 5), kl=round(metrics["kl"], 5), step_s=round(metrics["perf/step_s"], 2),
-            )  # fmt: skip
-            if self.step >= cfg.steps:
-                self.save(final=True)
-            elif ctx.should_stop():
-                log.info("stop requested: checkpointing", task_id=ctx.task_id, step=self.step)
-                self.save(final=False)
-                return
-            elif cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                self.save(final=False)
+        def one(n: int) -> dict[str, float]:
+            self.step = n
+            return self.train_step()
 
+        def log_step(n: int, m) -> None:
+            log.info(
+                "step", task_id=self.ctx.task_id, step=n, reward=round(m["reward"], 4),
+                loss=round(m["loss"], 5), kl=round(m["kl"], 5), step_s=round(m["perf/step_s"], 2),
+            )  # fmt: skip
+
+        run_steps(self.ctx, done=self.step, total=self.cfg.steps, step=one, save=self.save, checkpoint_every=self.cfg.checkpoint_every, log_step=log_step)
 
 def run(ctx: WorkerContext) -> None:
     """Run (or resume) one attempt of a ``lora_finetune`` task; see the module docstring.

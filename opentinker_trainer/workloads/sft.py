@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.workloads import _lm
+from opentinker_trainer.workloads._loop import run_steps
 from opentinker_trainer.workloads._sft_data import (
     IGNORE_INDEX,
     Encoded,
@@ -214,36 +215,32 @@ class _SFTTrainer:
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
-        cfg, ctx = self.cfg, self.ctx
-        if self.step >= self.total_steps:
-            log.info("nothing left to train", task_id=ctx.task_id, step=self.step, steps=self.total_steps)
-            self.save(final=True)
-            return
-        if ctx.should_stop():
-            log.info("stop requested before the first step", task_id=ctx.task_id, step=self.step)
-            return
-        start_eval = self.evaluate() if self.fresh else {}
-        while self.step < self.total_steps:
-            self.step += 1
-            metrics = self.train_step()
-            if self.step == 1 and "loss/eval" in start_eval:
-                metrics["loss/eval_start"] = start_eval["loss/eval"]
-            if self.step >= self.total_steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
-                metrics.update(self.evaluate())
-            ctx.emit_metric(self.step, metrics)
-            log.info(
-                "step", task_id=ctx.task_id, step=self.step, loss=round(metrics["loss"], 4), token_accuracy=round(metrics["reward"], 4),
-                eval_loss=round(metrics["loss/eval"], 4) if "loss/eval" in metrics else None, step_s=round(metrics["perf/step_s"], 2),
-            )  # fmt: skip
-            if self.step >= self.total_steps:
-                self.save(final=True)
-            elif ctx.should_stop():
-                log.info("stop requested: checkpointing", task_id=ctx.task_id, step=self.step)
-                self.save(final=False)
-                return
-            elif cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                self.save(final=False)
+        cfg = self.cfg
+        start_eval: dict[str, float] = {}
 
+        def first() -> None:
+            if self.fresh:
+                start_eval.update(self.evaluate())
+
+        def one(n: int) -> dict[str, float]:
+            self.step = n
+            metrics = self.train_step()
+            if n == 1 and "loss/eval" in start_eval:
+                metrics["loss/eval_start"] = start_eval["loss/eval"]
+            if n >= self.total_steps or (cfg.eval_every and n % cfg.eval_every == 0):
+                metrics.update(self.evaluate())
+            return metrics
+
+        def log_step(n: int, m) -> None:
+            log.info(
+                "step", task_id=self.ctx.task_id, step=n, loss=round(m["loss"], 4), token_accuracy=round(m["reward"], 4),
+                eval_loss=round(m["loss/eval"], 4) if "loss/eval" in m else None, step_s=round(m["perf/step_s"], 2),
+            )  # fmt: skip
+
+        run_steps(
+            self.ctx, done=self.step, total=self.total_steps, step=one, save=self.save,
+            checkpoint_every=cfg.checkpoint_every, log_step=log_step, before_first=first,
+        )  # fmt: skip
 
 def run(ctx: WorkerContext) -> None:
     """Run (or resume) one attempt of an ``sft`` task; see the module docstring.

@@ -1,0 +1,55 @@
+"""The step loop every workload shares: step, report, checkpoint, stop when asked."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import structlog
+
+from opentinker_trainer.context import WorkerContext
+
+log = structlog.get_logger("opentinker.trainer")
+
+
+def run_steps(
+    ctx: WorkerContext,
+    *,
+    done: int,
+    total: int,
+    step: Callable[[int], Mapping[str, float]],
+    save: Callable[..., object],
+    checkpoint_every: int,
+    log_step: Callable[[int, Mapping[str, float]], None] | None = None,
+    before_first: Callable[[], None] | None = None,
+) -> None:
+    """Run steps ``done + 1 .. total`` (steps count from 1; ``done`` were run by an earlier attempt).
+
+    Each step: ``metrics = step(n)``, reported with ``ctx.emit_metric(n, metrics)`` and
+    ``log_step(n, metrics)``; then the final checkpoint after the last step (``save(final=True)``),
+    or a checkpoint and return when a stop was requested (drain, preemption, timeout), or a
+    periodic one every ``checkpoint_every`` steps (0 = none). Nothing left to run writes the final
+    checkpoint at once; a stop requested before the first step writes nothing.
+    ``before_first()`` runs once before the first step of this attempt.
+    """
+    if done >= total:
+        log.info("nothing left to train", task_id=ctx.task_id, step=done, steps=total)
+        save(final=True)
+        return
+    if ctx.should_stop():
+        log.info("stop requested before the first step", task_id=ctx.task_id, step=done)
+        return
+    if before_first is not None:
+        before_first()
+    for n in range(done + 1, total + 1):
+        metrics = step(n)
+        ctx.emit_metric(n, metrics)
+        if log_step is not None:
+            log_step(n, metrics)
+        if n >= total:
+            save(final=True)
+        elif ctx.should_stop():
+            log.info("stop requested: checkpointing", task_id=ctx.task_id, step=n)
+            save(final=False)
+            return
+        elif checkpoint_every and n % checkpoint_every == 0:
+            save(final=False)
