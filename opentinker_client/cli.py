@@ -119,7 +119,10 @@ def _metric_line(event: TaskEvent, total: int | None) -> str:
 
 
 def _state_line(event: TaskEvent) -> str:
-    text = f"state {_state(event.from_state)} -> {_state(event.to_state)}"
+    if event.from_state in ("", "unspecified"):  # the first event of every task: it was submitted
+        text = f"state {_state(event.to_state)} (submitted)"
+    else:
+        text = f"state {_state(event.from_state)} -> {_state(event.to_state)}"
     extra = []
     if event.attempt:
         extra.append(f"attempt {event.attempt}")

@@ -98,6 +98,13 @@ class Environment:
                 "object itself, submit_task(env_config=env, ...), or use RLClient.serve_environment(env).env_config",
                 field="spec.env_config",
             )
+        client_only = sorted(set(self.options) & set(CLIENT_ENV_OPTIONS) - {"seed", "max_episode_steps"})
+        if client_only:
+            raise InvalidArgumentError(
+                f"spec.env_config.{client_only[0]}: only client-hosted environments take {', '.join(client_only)}: "
+                f"subclass Environment and define reset() and step() (env_id {self.env_id!r} is built in)",
+                field=f"spec.env_config.{client_only[0]}",
+            )
         data: dict[str, Any] = {"env_id": self.env_id}
         if self.action_space is not None:
             data["action_space"] = self.action_space

@@ -138,6 +138,8 @@ class SchedulerCore(NodeProtocol, Preempting):
         self.tasks.load(self.store)
         grace = max(0.0, self.config.restart_grace_s - self.config.lease_s)
         for task in self.active.values():
+            if task.node_id not in self.nodes:
+                self._recover_node(task.node_id)
             node = self._node(task.node_id)
             node.allocate(task.task_id, task.attempt, tuple(task.device_indices), task.share_key)
             if not node.connected:
@@ -145,6 +147,23 @@ class SchedulerCore(NodeProtocol, Preempting):
         self._queued_at = {t.task_id: time.monotonic() for t in self.queue}
         if self.nodes:
             log.info("recovered active tasks", nodes=sorted(self.nodes), tasks=sum(len(n.allocations) for n in self.nodes.values()))
+
+    def _recover_node(self, node_id: str) -> None:
+        """Know a node that holds active tasks, before it reconnects, by the size it last
+        registered with (so ListNodes shows its GPUs, not 0/0); it stays disconnected and takes
+        no new work until it connects again."""
+        node = self._node(node_id)
+        info = self.store.node_register(node_id)
+        if info is None:
+            return
+        try:
+            reg = node_pb2.Register.FromString(info)
+        except Exception:  # noqa: BLE001 - an unreadable row: the node re-registers anyway
+            return
+        node.register = reg
+        node.gpu_count, node.max_tasks, node.notes = self._node_size(reg, self.config.pool_node(node_id))
+        node.notes = [*node.notes, "known from the state directory; waiting for it to reconnect after a scheduler restart"]
+        self._node_changed(node)
 
     # ------------------------------------------------------------------ client API
     def submit(self, spec: common_pb2.TaskSpec, *, owner: str, request_id: str = "") -> TaskRow:

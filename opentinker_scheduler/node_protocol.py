@@ -39,23 +39,7 @@ class NodeProtocol:
                 f"node {node_id!r} is not in resource_pool ({', '.join(n.node_id for n in self.config.resource_pool) or 'empty'}) "
                 "and allow_unknown_nodes is false"
             )
-        found = len(reg.devices)
-        notes: list[str] = []
-        if pool is not None:
-            gpu_count = min(pool.gpu_count, found)
-            max_tasks = pool.max_tasks
-            if pool.gpu_count != found:
-                notes.append(f"config gpu_count {pool.gpu_count} but node found {found} GPU(s); using {gpu_count}")
-                log.warning("gpu_count disagrees with devices", node_id=node_id, config_gpu_count=pool.gpu_count, devices=found, using=gpu_count)
-        else:
-            gpu_count = found
-            max_tasks = reg.max_tasks or self.config.unknown_node_max_tasks
-            notes.append("not in resource_pool (joined dynamically)")
-        if reg.devices and all(d.simulated for d in reg.devices):
-            notes.append(f"{found} SIMULATED GPU(s)")
-        if not reg.devices:
-            notes.append("CPU only" + (f": {reg.gpu_note}" if reg.gpu_note else ""))
-
+        gpu_count, max_tasks, notes = self._node_size(reg, pool)
         self.node_messages["register"] += 1
         node = self.nodes.get(node_id)
         if node is None:
@@ -98,6 +82,28 @@ class NodeProtocol:
         registered.heartbeat_interval.FromNanoseconds(int(self.config.heartbeat_interval_s * 1e9))
         registered.lease.FromNanoseconds(int(self.config.lease_s * 1e9))
         return node, registered
+
+    def _node_size(self, reg: node_pb2.Register, pool) -> tuple[int, int, list[str]]:
+        """``(gpu_count, max_tasks, notes)`` of a registering node: its resource_pool entry wins
+        (never more GPUs than it found), else what it announced."""
+        node_id = reg.node_id
+        found = len(reg.devices)
+        notes: list[str] = []
+        if pool is not None:
+            gpu_count = min(pool.gpu_count, found)
+            max_tasks = pool.max_tasks
+            if pool.gpu_count != found:
+                notes.append(f"config gpu_count {pool.gpu_count} but node found {found} GPU(s); using {gpu_count}")
+                log.warning("gpu_count disagrees with devices", node_id=node_id, config_gpu_count=pool.gpu_count, devices=found, using=gpu_count)
+        else:
+            gpu_count = found
+            max_tasks = reg.max_tasks or self.config.unknown_node_max_tasks
+            notes.append("not in resource_pool (joined dynamically)")
+        if reg.devices and all(d.simulated for d in reg.devices):
+            notes.append(f"{found} SIMULATED GPU(s)")
+        if not reg.devices:
+            notes.append("CPU only" + (f": {reg.gpu_note}" if reg.gpu_note else ""))
+        return gpu_count, max_tasks, notes
 
     def node_heartbeat(self, node: NodeSession, hb: node_pb2.Heartbeat) -> None:
         """Memory only (no store write): liveness, drain flag and the latest telemetry."""

@@ -319,6 +319,11 @@ class Store:
                 (node_id, info, now, now),
             )
 
+    def node_register(self, node_id: str) -> bytes | None:
+        """The serialized ``Register`` a node last connected with, or None for a node never seen."""
+        r = self.db.execute("SELECT info FROM nodes WHERE node_id=?", (node_id,)).fetchone()
+        return bytes(r[0]) if r else None
+
     # --- endpoints and checkpoints ----------------------------------------------------------------
     def set_endpoint(self, task_id: str, attempt: int, address: str) -> None:
         """Record the ``host:port`` that ``attempt`` of a task serves on (replaces an older one)."""

@@ -26,7 +26,7 @@ DEFAULT_ENV_ID = "arithmetic"
 def validate_env_config(data: Any, path: str = "spec.env_config") -> Any:
     """Parse an ``env_config`` mapping (``Environment.to_dict()``) into its typed config.
 
-    A missing ``env_id`` means the built-in ``arithmetic`` task.
+    A missing ``env_id`` means the built-in ``arithmetic`` task; an empty one is refused.
 
     Raises:
         SpecError: unknown ``env_id`` (naming the known ones), unknown key or bad value.
@@ -35,7 +35,11 @@ def validate_env_config(data: Any, path: str = "spec.env_config") -> Any:
         data = {}
     if not isinstance(data, Mapping):
         raise SpecError(path, "a mapping with at least env_id", data)
-    env_id = data.get("env_id") or DEFAULT_ENV_ID
+    env_id = data.get("env_id", DEFAULT_ENV_ID)
+    if env_id is None:
+        env_id = DEFAULT_ENV_ID
+    if env_id == "":
+        raise SpecError(f"{path}.env_id", f"an environment id, one of {', '.join(known_env_ids())} (leave env_id out for {DEFAULT_ENV_ID})", env_id)
     entry = env_entry(env_id) if isinstance(env_id, str) else None
     if entry is None:
         raise SpecError(f"{path}.env_id", f"one of {', '.join(known_env_ids())}", env_id)

@@ -62,3 +62,37 @@ def test_client_hosted_environment_needs_both_reset_and_step() -> None:
     assert env.is_client_hosted
     with pytest.raises(InvalidArgumentError, match=r"defines both reset\(\) and step\(\); OnlyReset does not define step\(\)"):
         client_env_config(env, endpoint="127.0.0.1:5000")
+
+
+def test_client_only_options_on_a_built_in_environment_say_what_to_do() -> None:
+    from opentinker_client import Environment
+
+    with pytest.raises(InvalidArgumentError, match=r"only client-hosted environments take action_names: subclass Environment") as err:
+        Environment(action_names=["left", "right"]).to_dict()
+    assert err.value.field == "spec.env_config.action_names"
+    with pytest.raises(InvalidArgumentError, match="timeout_s"):
+        Environment(env_id="CartPole-v1", timeout_s=3).to_dict()
+    assert Environment(env_id="CartPole-v1", seed=3).to_dict() == {"env_id": "CartPole-v1", "seed": 3}
+
+
+def test_empty_env_id_is_refused_but_a_missing_one_is_arithmetic() -> None:
+    from opentinker_client import Environment
+    from opentinker_client.spec import SpecError, validate_env_config
+
+    with pytest.raises(InvalidArgumentError, match=r"spec.env_config.env_id: expected an environment id.*leave env_id out for arithmetic") as err:
+        Environment(env_id="").to_dict()
+    assert err.value.field == "spec.env_config.env_id"
+    with pytest.raises(SpecError):
+        validate_env_config({"env_id": ""})
+    assert validate_env_config({}).env_id == "arithmetic"
+    assert validate_env_config({"max_digits": 3}).env_id == "arithmetic"
+
+
+def test_first_history_line_reads_submitted_not_unspecified() -> None:
+    from opentinker_client.cli import _state_line
+    from opentinker_client.convert import TaskEvent
+
+    first = TaskEvent(task_id="t", sequence=1, time=None, kind="state", from_state="unspecified", to_state="pending")
+    assert "unspecified" not in _state_line(first) and "pending" in _state_line(first) and "submitted" in _state_line(first)
+    later = TaskEvent(task_id="t", sequence=2, time=None, kind="state", from_state="pending", to_state="assigned", attempt=1, node_id="n1")
+    assert _state_line(later).startswith("state ") and "-> " in _state_line(later) and "attempt 1" in _state_line(later)

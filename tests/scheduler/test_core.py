@@ -185,6 +185,26 @@ def test_scheduler_restart_keeps_running_work(tmp_path) -> None:
     assert core2.get(task.task_id).state == C.TASK_STATE_SUCCEEDED
 
 
+def test_restarted_scheduler_knows_a_node_by_its_last_registration(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(gpus=2), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    core.store.close()
+    core2 = make_core(tmp_path)
+    n = core2.nodes["gpu-node-01"]
+    # Before the node reconnects: its size is known (not 0/0), it is not connected, takes no work.
+    assert (n.gpu_count, n.max_tasks, n.connected) == (4, 8, False)
+    assert len(n.capacity().free_gpus) == 2 and not n.capacity().accepting
+    assert any("reconnect" in note for note in n.notes)
+    other = core2.submit(spec(gpus=1), owner="u")
+    core2.schedule()
+    assert core2.get(other.task_id).state == C.TASK_STATE_PENDING
+    node2, _ = register(core2, running=[(task.task_id, 1)])
+    assert node2.connected and not any("reconnect" in note for note in node2.notes)
+
+
 def test_node_reconnecting_without_its_task_requeues_it(tmp_path) -> None:
     core = make_core(tmp_path)
     task = core.submit(spec(), owner="u")
