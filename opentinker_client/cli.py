@@ -13,8 +13,10 @@
     opentinker export TASK_ID --tensorboard runs/tb   # TensorBoard event files (extra: tensorboard)
 
 The scheduler is ``--scheduler-url``, else ``$SCHEDULER_URL``, else ``localhost:8888``; the API key
-is ``--api-key``, else ``$OPENTINKER_API_KEY``. TLS: ``$OPENTINKER_TLS_CA`` (the scheduler's CA; for
-mTLS also ``$OPENTINKER_TLS_CERT``/``$OPENTINKER_TLS_KEY``). ``opentinker keys ...`` manages API keys.
+is ``--api-key``, else ``$OPENTINKER_API_KEY``. TLS: ``--tls-ca`` or ``$OPENTINKER_TLS_CA`` (the
+scheduler's CA; for mTLS also ``--tls-cert``/``--tls-key`` or ``$OPENTINKER_TLS_CERT``/``$OPENTINKER_TLS_KEY``);
+an ``https://`` scheduler URL always means TLS (the system roots when no CA is given).
+``opentinker keys ...`` manages API keys.
 
 Exit codes: 0 success (for ``watch``: the task SUCCEEDED); 1 the task ended FAILED or CANCELLED;
 2 an error (one line on stderr: ``error: INVALID_ARGUMENT: ...``); 130 interrupted.
@@ -263,6 +265,23 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+#: env_config keys never printed as they are: the client-hosted environment's access token and
+#: its CA text (shown by size).
+_SECRET_ENV_KEYS = ("token",)
+
+
+def _shown_env(env_config: Any) -> dict[str, Any]:
+    """``env_config`` for printing: the access token redacted, a PEM shown by its size."""
+    out = dict(env_config)
+    for key in _SECRET_ENV_KEYS:
+        if out.get(key):
+            out[key] = "<redacted>"
+    pem = out.get("tls_root_certificates")
+    if isinstance(pem, str) and pem:
+        out["tls_root_certificates"] = f"<PEM, {len(pem)} characters>"
+    return out
+
+
 def _task_json(task: TaskInfo) -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(task):
@@ -275,6 +294,8 @@ def _task_json(task: TaskInfo) -> dict[str, Any]:
             value = list(value)
         elif isinstance(value, dict):
             value = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in value.items()}
+        if f.name == "env_config":
+            value = _shown_env(value)
         out[f.name] = value
     return out
 
@@ -315,7 +336,7 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
         ("created", _fmt_time(t.create_time)),
         ("started", _fmt_time(t.start_time)),
         ("ended", _fmt_time(t.end_time)),
-        ("env", _escape(json.dumps(dict(t.env_config), sort_keys=True))),
+        ("env", _escape(json.dumps(_shown_env(t.env_config), sort_keys=True))),
         ("hyperparameters", _escape(json.dumps(dict(t.hyperparameters), sort_keys=True))),
     ]
     for key, value in rows:
@@ -475,11 +496,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--scheduler-url",
         default=os.environ.get("SCHEDULER_URL") or DEFAULT_SCHEDULER_URL,
-        help="scheduler address, http://host:port or host:port (default: $SCHEDULER_URL, else %(default)s)"
+        help="scheduler address, http://host:port, https://host:port (TLS) or host:port (default: $SCHEDULER_URL, else %(default)s)"
         if not os.environ.get("SCHEDULER_URL")
-        else "scheduler address, http://host:port or host:port (default: $SCHEDULER_URL = %(default)s)",
+        else "scheduler address, http://host:port, https://host:port (TLS) or host:port (default: $SCHEDULER_URL = %(default)s)",
     )
     parser.add_argument("--api-key", default=None, help="API key (default: $OPENTINKER_API_KEY)")
+    parser.add_argument(
+        "--tls-ca", default=None, metavar="PEM",
+        help="CA of the scheduler's certificate; turns TLS on (default: $OPENTINKER_TLS_CA; an https:// URL without one trusts the system roots)",
+    )
+    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="client certificate for mTLS (default: $OPENTINKER_TLS_CERT)")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="key of --tls-cert (default: $OPENTINKER_TLS_KEY)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per call (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -535,12 +562,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument("--ttl", type=float, default=3600.0, help="seconds a newly started server runs (default %(default)s)")
     p.add_argument("--gpus", type=int, default=0, help="GPUs for a newly started server (default 0)")
+    p.add_argument("--inference-ca", default=None, metavar="PEM", help="CA of the inference servers' TLS certificate (default: $OPENTINKER_TLS_CA, else the system's roots)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("eval", help="mean reward of a trained adapter and of its base model on the task's environment")
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument("--episodes", type=int, default=32, help="problems per model (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=16, help="reply length limit (default %(default)s)")
+    p.add_argument("--inference-ca", default=None, metavar="PEM", help="CA of the inference servers' TLS certificate (default: $OPENTINKER_TLS_CA, else the system's roots)")
     p.set_defaults(func=_cmd_eval)
 
     from opentinker_client.cli_keys import add_keys_parser
@@ -550,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
-    llm = client.serve(args.task_id, ttl=args.ttl, gpu_count=args.gpus)
+    llm = client.serve(args.task_id, ttl=args.ttl, gpu_count=args.gpus, root_certificates=args.inference_ca)  # with the CLI's API key
     print(f"adapter {args.task_id} served by inference task {llm.task_id} at {llm.endpoint}")
     return 0
 
@@ -559,7 +588,7 @@ def _cmd_eval(client: RLClient, args: argparse.Namespace) -> int:
     from opentinker_client.evaluate import evaluate
 
     env = dict(client.get_task(args.task_id).env_config) or "arithmetic"
-    llm = client.serve(args.task_id)
+    llm = client.serve(args.task_id, root_certificates=args.inference_ca)  # with the CLI's API key
     for label, adapter in (("base model", None), (f"adapter {args.task_id}", args.task_id)):
         r = evaluate(llm, env=env, episodes=args.episodes, adapter=adapter, max_tokens=args.max_tokens)
         print(f"{label}: mean reward {r.mean_reward:.3f} ± {r.stderr:.3f} over {r.episodes} episodes of {r.env_id}")
@@ -576,8 +605,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``opentinker`` command; returns the exit code."""
     args = build_parser().parse_args(argv)
     client: RLClient | None = None
+    interrupted = False
     try:
-        client = RLClient(args.scheduler_url, timeout=args.timeout, api_key=args.api_key)
+        client = RLClient(
+            args.scheduler_url, timeout=args.timeout, api_key=args.api_key,
+            root_certificates=args.tls_ca, client_cert=args.tls_cert, client_key=args.tls_key,
+        )
         return args.func(client, args)
     except OpenTinkerError as err:
         return _error(err)
@@ -588,11 +621,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         reason = err.strerror or str(err)
         return _error(f"cannot read {name}: {reason}" if name else reason)
     except KeyboardInterrupt:
+        interrupted = True
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
         if client is not None:
-            client.close()
+            if interrupted:
+                _close_within(client, CLOSE_AFTER_INTERRUPT_S)
+            else:
+                client.close()
+
+
+#: Seconds Ctrl-C waits for the channel to close before the command exits anyway.
+CLOSE_AFTER_INTERRUPT_S = 2.0
+
+
+def _close_within(client: RLClient, seconds: float) -> None:
+    """Close ``client`` but give up after ``seconds``: a Ctrl-C that lands inside a blocking gRPC
+    call can leave ``Channel.close()`` waiting forever (grpc/grpc#19973), and an interrupted
+    command must still exit."""
+    import threading
+
+    closer = threading.Thread(target=client.close, name="opentinker-close", daemon=True)
+    closer.start()
+    closer.join(seconds)
 
 
 if __name__ == "__main__":  # pragma: no cover

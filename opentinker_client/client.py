@@ -56,7 +56,7 @@ from opentinker_client.errors import (
     UnavailableError,
     from_rpc_error,
 )
-from opentinker_client.url import parse_scheduler_url
+from opentinker_client.url import parse_scheduler_address
 
 __all__ = ["RLClient", "DEFAULT_SCHEDULER_URL"]
 
@@ -138,7 +138,8 @@ class RLClient:
     Args:
         scheduler_url: ``http://host:port`` (the seed's form), ``grpc://host:port``, ``host:port``
             or ``[::1]:port``. ``None`` reads the ``SCHEDULER_URL`` environment variable, else
-            ``localhost:8888``.
+            ``localhost:8888``. ``https://host:port`` (or ``grpcs://``) means TLS: with
+            ``root_certificates`` when given, else the system's trusted roots.
         timeout: deadline of each unary call, in seconds (it includes gRPC's own retries on
             ``UNAVAILABLE``). Streams (:meth:`watch`) have no deadline.
         api_key: sent as ``authorization: Bearer <key>`` on every call. ``None`` reads
@@ -148,13 +149,14 @@ class RLClient:
             ``while not client.is_task_complete(...)`` loop polls about once a second instead
             of flooding the scheduler. 0 turns this off.
         root_certificates: PEM file of the CA that signed the scheduler's TLS certificate; turns
-            TLS on. ``None`` reads ``OPENTINKER_TLS_CA``; unset = plaintext.
+            TLS on. ``None`` reads ``OPENTINKER_TLS_CA``; unset = plaintext (or, with an
+            ``https://`` URL, TLS checked against the system roots).
         client_cert, client_key: PEM files for mTLS (schedulers with ``tls.client_auth: all``);
             ``None`` reads ``OPENTINKER_TLS_CERT`` / ``OPENTINKER_TLS_KEY``.
 
     Raises:
         ValueError: ``scheduler_url`` is not a valid address (see
-            :func:`~opentinker_client.url.parse_scheduler_url`), or a TLS file cannot be read
+            :func:`~opentinker_client.url.parse_scheduler_address`), or a TLS file cannot be read
             or is not PEM.
 
     The connection is made lazily; an unreachable scheduler shows up as
@@ -181,7 +183,8 @@ class RLClient:
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.scheduler_url = scheduler_url
-        self.target = parse_scheduler_url(scheduler_url)
+        address = parse_scheduler_address(scheduler_url)  # https:// / grpcs://: TLS even without a CA (system roots)
+        self.target = address.target
         self.timeout = float(timeout)
         self.min_poll_interval = float(min_poll_interval)
         if api_key is None:
@@ -189,7 +192,8 @@ class RLClient:
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         from opentinker_client.tls import channel_credentials
 
-        creds = channel_credentials(root_certificates, client_cert, client_key)
+        creds = channel_credentials(root_certificates, client_cert, client_key, tls=address.tls)
+        self._root_certificates = root_certificates  # serve() hands it to the InferenceClient
         if creds is None:
             self._channel = grpc.insecure_channel(self.target, options=_channel_options())
         else:
@@ -212,7 +216,9 @@ class RLClient:
             self._channel.close()
 
     def serve_environment(
-        self, env: Environment, *, host: str | None = None, port: int = 0, advertise_host: str | None = None, factory: Any = None
+        self, env: Environment, *, host: str | None = None, port: int = 0, advertise_host: str | None = None, factory: Any = None,
+        token: str | None = None, require_token: bool = True, tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None, tls_ca: str | os.PathLike[str] | None = None,
     ) -> Any:
         """Serve a client-hosted environment (a subclass of :class:`Environment` that defines
         ``reset``/``step``) to trainers, and return the started
@@ -232,16 +238,29 @@ class RLClient:
             port: 0 picks a free port.
             advertise_host: the host trainers dial, when it differs from ``host``.
             factory: makes one instance per trainer env (default: a deep copy of ``env``).
+            token: the access token trainers must send; default a random one
+                (``secrets.token_urlsafe(32)``). It goes into ``server.env_config`` (the task
+                spec) and is never logged.
+            require_token: ``False`` serves without a token: local experiments only.
+            tls_cert, tls_key: PEM paths of the server certificate and key (both or neither):
+                serve TLS only. The certificate must name the host trainers dial.
+            tls_ca: PEM path of the CA that signed ``tls_cert``; this client reads it and sends
+                its text to trainers (``env_config.tls_root_certificates``). ``None``: trainers
+                trust their system's roots.
 
         Raises:
-            InvalidArgumentError: missing or bad declared spaces/options (field path named).
+            InvalidArgumentError: missing or bad declared spaces/options, a bad token or TLS
+                file (``err.field`` names it).
             OSError: the port cannot be bound.
         """
         from opentinker_client.env_server import EnvironmentServer
 
         if self._closed:
             raise OpenTinkerError("this RLClient is closed")
-        server = EnvironmentServer(env, host=host, port=port, advertise_host=advertise_host, factory=factory).start()
+        server = EnvironmentServer(
+            env, host=host, port=port, advertise_host=advertise_host, factory=factory,
+            token=token, require_token=require_token, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
+        ).start()  # fmt: skip
         self._env_servers.append(server)
         return server
 
@@ -298,6 +317,10 @@ class RLClient:
         request_id: str | None = None,
         dataset: str | os.PathLike[str] | None = None,
         init_from: str = "",
+        env_token: str | None = None,
+        env_tls_cert: str | os.PathLike[str] | None = None,
+        env_tls_key: str | os.PathLike[str] | None = None,
+        env_tls_ca: str | os.PathLike[str] | None = None,
     ) -> str:
         """Submit a task; it starts PENDING and runs when a node has room.
 
@@ -325,6 +348,10 @@ class RLClient:
                 (``env_id`` defaults to ``chat_jsonl``).
             init_from: the id of a SUCCEEDED task (e.g. an ``sft`` one) whose final checkpoint
                 this task starts from, on the same ``model`` (SFT warm start, then RL).
+            env_token, env_tls_cert, env_tls_key, env_tls_ca: for a client-hosted environment
+                only: ``token``, ``tls_cert``, ``tls_key``, ``tls_ca`` of
+                :meth:`serve_environment` (the server always requires an access token; a random
+                one unless ``env_token`` is given).
 
         Returns:
             The new task's id.
@@ -337,11 +364,18 @@ class RLClient:
             UnavailableError: the scheduler cannot be reached.
         """
         hosted = None
+        serve_options = {"token": env_token, "tls_cert": env_tls_cert, "tls_key": env_tls_key, "tls_ca": env_tls_ca}
         if isinstance(env_config, Environment) and env_config.is_client_hosted:
             # A client-hosted environment: serve it while the task runs (stopped when the task
             # ends or this client closes).
-            hosted = self.serve_environment(env_config)
+            hosted = self.serve_environment(env_config, **serve_options)
             env_config = hosted.env_config
+        elif any(v is not None for v in serve_options.values()):
+            name = "env_" + next(k for k, v in serve_options.items() if v is not None)
+            raise InvalidArgumentError(
+                f"{name}: only for a client-hosted environment (an Environment subclass defining reset/step, passed "
+                "as env_config); for a server you started yourself, pass its env_config", field=name,
+            )
         if isinstance(env_config, Environment):
             env_config = env_config.to_dict()
         if env_config is not None and not isinstance(env_config, Mapping):
@@ -733,13 +767,19 @@ class RLClient:
 
     # -- serve and fetch trained adapters (logic in opentinker_client.inference) -----------------
 
-    def serve(self, task_id: str, *, gpu_count: int = 0, ttl: float = 3600.0, max_resident_adapters: int = 8, timeout: float = 600.0):
+    def serve(
+        self, task_id: str, *, gpu_count: int = 0, ttl: float = 3600.0, max_resident_adapters: int = 8, timeout: float = 600.0,
+        root_certificates: str | os.PathLike | None = None,
+    ):
         """Serve the adapter of a finished ``lora_finetune`` or ``sft`` task, in one call.
 
         Reuses a running (or queued) ``inference`` task for the same base model, else submits
         one (``ttl`` seconds, ``gpu_count`` GPUs), waits until it serves, and returns an
         :class:`~opentinker_client.inference.InferenceClient` bound to this task's adapter
-        (``client.generate(...)``; ``adapter=None`` on a call asks the base model).
+        (``client.generate(...)``; ``adapter=None`` on a call asks the base model). The
+        returned client sends this client's API key; for an ``https://`` endpoint it trusts
+        ``root_certificates`` (the CA of the inference servers' certificate; default: this
+        client's CA, else ``$OPENTINKER_TLS_CA``, else the system's roots).
 
         Raises:
             NotFoundError: no such task. FailedPreconditionError: not an adapter task, not
@@ -749,7 +789,9 @@ class RLClient:
         from opentinker_client.inference import serve_task
 
         self._check_task_id(task_id)
-        return serve_task(self, task_id, gpu_count=gpu_count, ttl=ttl, max_resident_adapters=max_resident_adapters, timeout=timeout)
+        return serve_task(
+            self, task_id, gpu_count=gpu_count, ttl=ttl, max_resident_adapters=max_resident_adapters, timeout=timeout, root_certificates=root_certificates
+        )
 
     def list_checkpoints(self, task_id: str) -> list:
         """The checkpoints a task recorded, oldest first

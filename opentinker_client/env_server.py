@@ -3,338 +3,70 @@
 The user's environment stays in the user's process. :class:`EnvironmentServer` hosts it over
 ``opentinker.environment.v1.EnvironmentService`` (a threaded gRPC server with
 ``grpc.health.v1.Health`` and server reflection when ``grpcio-health-checking`` /
-``grpcio-reflection`` are installed), and the task's ``env_config`` names its endpoint::
+``grpcio-reflection`` are installed), and the task's ``env_config`` names its endpoint and the
+access token the trainer must send::
 
     {"env_id": "client", "endpoint": "127.0.0.1:50123", "action_space": 4,
-     "observation_space": 16, "timeout_s": 30.0, "grace_s": 30.0}
+     "observation_space": 16, "timeout_s": 30.0, "grace_s": 30.0, "token": "<43 characters>"}
 
 Normally :meth:`RLClient.submit_task <opentinker_client.RLClient.submit_task>` does all of this
 when given the environment object, or :meth:`RLClient.serve_environment` when the lifetime should
 be explicit.
 
+Access: every EnvironmentService call must carry ``authorization: Bearer <token>``
+(:mod:`opentinker_client.env_auth`); otherwise it is answered ``UNAUTHENTICATED``. Health and
+reflection stay open. With ``tls_cert``/``tls_key`` the port speaks TLS only.
+
 Instances: each ``(session_id, env_index)`` gets its own instance, made on its first Reset by the
 ``factory`` (default: ``copy.deepcopy`` of the environment object that was served, so
 constructor arguments carry over). A session is one trainer attempt's environments; calls on one
-session run one at a time.
+session run one at a time (:mod:`opentinker_client.env_service`).
 
-Errors the trainer sees (see environment.proto): the user's ``reset``/``step`` raising ->
-``UNKNOWN`` whose message is ``"<ClassName>.step raised ValueError: <text>"``; an observation
-outside the declared space or a malformed step result -> ``INTERNAL`` saying what was returned;
-an action outside the action space -> ``INVALID_ARGUMENT``; Step before Reset or after the
-episode ended -> ``FAILED_PRECONDITION``.
+Errors the trainer sees (see environment.proto): no or another token -> ``UNAUTHENTICATED``; the
+user's ``reset``/``step`` raising -> ``UNKNOWN`` whose message is
+``"<ClassName>.step raised ValueError: <text>"``; an observation outside the declared space or a
+malformed step result -> ``INTERNAL`` saying what was returned; an action outside the action
+space -> ``INVALID_ARGUMENT``; Step before Reset or after the episode ended ->
+``FAILED_PRECONDITION``.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import math
-import operator
 import os
 import socket
 import threading
 from concurrent import futures
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import grpc
-from google.protobuf import json_format, struct_pb2
 
-from opentinker.environment.v1 import environment_pb2 as pb
 from opentinker.environment.v1 import environment_pb2_grpc as pb_grpc
+from opentinker_client.errors import InvalidArgumentError
+from opentinker_client.env_auth import TokenInterceptor, checked_token, server_credentials
+from opentinker_client.env_service import (  # re-exported: the public import path
+    MAX_ENVS_PER_SESSION,
+    MAX_SESSIONS,
+    SERVICE_NAME,
+    EnvError,
+    EnvironmentServicer,
+    Spaces,
+    info_struct,
+)
 
-__all__ = ["EnvironmentServer", "EnvError", "DEFAULT_HOST_ENV", "SERVICE_NAME"]
+__all__ = [
+    "EnvironmentServer", "EnvError", "DEFAULT_HOST_ENV", "SERVICE_NAME",
+    # moved to env_service; still importable from here
+    "EnvironmentServicer", "Spaces", "info_struct", "MAX_SESSIONS", "MAX_ENVS_PER_SESSION",
+]  # fmt: skip
 
 log = logging.getLogger("opentinker_client.env_server")
 
-SERVICE_NAME = "opentinker.environment.v1.EnvironmentService"
 #: Environment variable naming the interface to bind (default 127.0.0.1, this machine only).
 DEFAULT_HOST_ENV = "OPENTINKER_ENV_HOST"
 #: Environment variable naming the host trainers should dial when it differs from the bind host.
 ADVERTISE_HOST_ENV = "OPENTINKER_ENV_ADVERTISE_HOST"
-
-MAX_SESSIONS = 64
-MAX_ENVS_PER_SESSION = 1024
-
-
-class EnvError(Exception):
-    """A request the service refuses; carries the gRPC status code to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-# --- conversions ------------------------------------------------------------------------------
-
-
-def _jsonable(value: Any) -> Any:
-    """``info`` as JSON-able data: numpy scalars/arrays become numbers/lists, the rest ``str``."""
-
-    def default(o: Any) -> Any:
-        if hasattr(o, "tolist"):
-            return o.tolist()
-        if hasattr(o, "item"):
-            return o.item()
-        return str(o)
-
-    return json.loads(json.dumps(value, default=default, allow_nan=True))
-
-
-def info_struct(info: Any) -> struct_pb2.Struct:
-    """A ``google.protobuf.Struct`` of the ``info`` dict (non-dicts give an empty Struct)."""
-    s = struct_pb2.Struct()
-    if isinstance(info, dict) and info:
-        data = _jsonable({str(k): v for k, v in info.items()})
-        # Struct cannot carry NaN/inf as numbers; send them as strings.
-        json_format.ParseDict(_finite(data), s)
-    return s
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _flatten(value: Any) -> list[float]:
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        out: list[float] = []
-        for v in value:
-            out.extend(_flatten(v))
-        return out
-    return [float(value)]
-
-
-@dataclass(frozen=True)
-class Spaces:
-    """Declared spaces: ``Discrete(action_n)`` actions; ``Discrete(obs_n)`` or a flat ``Box`` of
-    ``obs_n`` floats as observations."""
-
-    action_n: int
-    obs_n: int
-    obs_type: str = "discrete"
-    action_names: tuple[str, ...] = ()
-
-    def observation(self, value: Any, where: str) -> pb.Observation:
-        """Check ``value`` against the observation space and wrap it.
-
-        Raises:
-            EnvError: INTERNAL, naming ``where`` and what was returned.
-        """
-        if self.obs_type == "discrete":
-            try:
-                if isinstance(value, bool):
-                    raise TypeError
-                if hasattr(value, "item") and getattr(value, "size", 1) == 1:
-                    value = value.item()
-                v = operator.index(value)
-            except TypeError:
-                raise EnvError(
-                    grpc.StatusCode.INTERNAL,
-                    f"{where} returned observation {value!r}: expected an integer in [0, {self.obs_n}) (Discrete({self.obs_n}))",
-                ) from None
-            if not 0 <= v < self.obs_n:
-                raise EnvError(
-                    grpc.StatusCode.INTERNAL,
-                    f"{where} returned observation {v}: outside the declared observation_space Discrete({self.obs_n})",
-                )
-            return pb.Observation(discrete=v)
-        try:
-            flat = _flatten(value)
-        except (TypeError, ValueError):
-            raise EnvError(
-                grpc.StatusCode.INTERNAL, f"{where} returned observation {value!r}: expected {self.obs_n} numbers (Box)"
-            ) from None
-        if len(flat) != self.obs_n:
-            raise EnvError(
-                grpc.StatusCode.INTERNAL,
-                f"{where} returned an observation of {len(flat)} numbers: the declared observation_space has {self.obs_n}",
-            )
-        return pb.Observation(box=pb.BoxValue(shape=[self.obs_n], values=flat))
-
-    def action(self, action: pb.Action) -> int:
-        """The discrete action of ``action``.
-
-        Raises:
-            EnvError: INVALID_ARGUMENT when it is not an integer in ``[0, action_n)``.
-        """
-        if action.WhichOneof("value") != "discrete":
-            raise EnvError(grpc.StatusCode.INVALID_ARGUMENT, f"action: expected a discrete action in [0, {self.action_n})")
-        if not 0 <= action.discrete < self.action_n:
-            raise EnvError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"action: expected an integer in [0, {self.action_n}) (Discrete({self.action_n})), got {action.discrete}",
-            )
-        return int(action.discrete)
-
-    def describe(self, name: str) -> pb.DescribeResponse:
-        obs = (
-            pb.Space(discrete=pb.DiscreteSpace(n=self.obs_n))
-            if self.obs_type == "discrete"
-            else pb.Space(box=pb.BoxSpace(shape=[self.obs_n]))
-        )
-        return pb.DescribeResponse(
-            action_space=pb.Space(discrete=pb.DiscreteSpace(n=self.action_n)),
-            observation_space=obs,
-            action_names=list(self.action_names),
-            name=name,
-        )
-
-
-# --- the service ------------------------------------------------------------------------------
-
-
-@dataclass
-class _Session:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    envs: dict[int, Any] = field(default_factory=dict)
-    running: dict[int, bool] = field(default_factory=dict)
-
-
-class EnvironmentServicer(pb_grpc.EnvironmentServiceServicer):
-    """``EnvironmentService`` over instances made by ``factory``; see the module docstring."""
-
-    def __init__(self, factory: Callable[[], Any], spaces: Spaces, name: str) -> None:
-        self.factory = factory
-        self.spaces = spaces
-        self.name = name
-        self._sessions: dict[str, _Session] = {}
-        self._lock = threading.Lock()
-
-    # plumbing
-    def _session(self, session_id: str, *, create: bool) -> _Session:
-        if not session_id:
-            raise EnvError(grpc.StatusCode.INVALID_ARGUMENT, "session_id: expected a non-empty string")
-        with self._lock:
-            s = self._sessions.get(session_id)
-            if s is None and create:
-                if len(self._sessions) >= MAX_SESSIONS:
-                    raise EnvError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {MAX_SESSIONS} sessions at once; Close old ones")
-                s = self._sessions[session_id] = _Session()
-            return s  # type: ignore[return-value]
-
-    @staticmethod
-    def _indexes(items: Any) -> list[int]:
-        if not items:
-            raise EnvError(grpc.StatusCode.INVALID_ARGUMENT, "items: expected at least one env_index")
-        idx = [int(i.env_index) for i in items]
-        if len(set(idx)) != len(idx):
-            raise EnvError(grpc.StatusCode.INVALID_ARGUMENT, "items: each env_index at most once per request")
-        if max(idx) >= MAX_ENVS_PER_SESSION:
-            raise EnvError(grpc.StatusCode.INVALID_ARGUMENT, f"env_index: expected < {MAX_ENVS_PER_SESSION}, got {max(idx)}")
-        return idx
-
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except EnvError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the user's code: report it to the trainer
-            log.warning("%s raised %s: %s", what, type(exc).__name__, exc)
-            raise EnvError(grpc.StatusCode.UNKNOWN, f"{what} raised {type(exc).__name__}: {exc}") from exc
-
-    def _handle(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except EnvError as err:
-            context.abort(err.code, err.message)
-
-    # RPCs
-    def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.DescribeResponse:
-        return self.spaces.describe(self.name)
-
-    def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetResponse:
-        def run() -> pb.ResetResponse:
-            idx = self._indexes(request.items)
-            session = self._session(request.session_id, create=True)
-            out = pb.ResetResponse()
-            with session.lock:
-                for item, i in zip(request.items, idx):
-                    env = session.envs.get(i)
-                    if env is None:
-                        env = session.envs[i] = self._call(f"creating {self.name}", self.factory)
-                    seed = item.seed if item.HasField("seed") else None
-                    result = self._call(f"{self.name}.reset", lambda: env.reset(seed=seed))
-                    obs, info = (result if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict) else (result, {}))
-                    session.running[i] = True
-                    out.results.append(
-                        pb.ResetResult(env_index=i, observation=self.spaces.observation(obs, f"{self.name}.reset"), info=info_struct(info))
-                    )
-            return out
-
-        return self._handle(context, run)
-
-    def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
-        def run() -> pb.StepResponse:
-            idx = self._indexes(request.items)
-            session = self._session(request.session_id, create=False)
-            if session is None:
-                raise EnvError(grpc.StatusCode.FAILED_PRECONDITION, f"session {request.session_id!r}: Reset first")
-            actions = [self.spaces.action(item.action) for item in request.items]
-            out = pb.StepResponse()
-            with session.lock:
-                for i in idx:
-                    if not session.running.get(i):
-                        raise EnvError(
-                            grpc.StatusCode.FAILED_PRECONDITION,
-                            f"env_index {i}: no episode running (Reset it first; an episode ends when terminated or truncated)",
-                        )
-                for i, action in zip(idx, actions):
-                    env = session.envs[i]
-                    where = f"{self.name}.step"
-                    result = self._call(where, lambda: env.step(action))
-                    if not (isinstance(result, tuple) and len(result) == 5):
-                        raise EnvError(
-                            grpc.StatusCode.INTERNAL,
-                            f"{where} returned {type(result).__name__} {result!r:.200}: expected a tuple "
-                            "(observation, reward, terminated, truncated, info)",
-                        )
-                    obs, reward, terminated, truncated, info = result
-                    try:
-                        reward = float(reward)
-                    except (TypeError, ValueError):
-                        raise EnvError(grpc.StatusCode.INTERNAL, f"{where} returned reward {reward!r}: expected a number") from None
-                    if not math.isfinite(reward):
-                        raise EnvError(grpc.StatusCode.INTERNAL, f"{where} returned reward {reward!r}: expected a finite number")
-                    terminated, truncated = bool(terminated), bool(truncated)
-                    if terminated or truncated:
-                        session.running[i] = False
-                    out.results.append(
-                        pb.StepResult(
-                            env_index=i, observation=self.spaces.observation(obs, where), reward=reward,
-                            terminated=terminated, truncated=truncated, info=info_struct(info),
-                        )  # fmt: skip
-                    )
-            return out
-
-        return self._handle(context, run)
-
-    def Close(self, request: pb.CloseRequest, context: grpc.ServicerContext) -> pb.CloseResponse:
-        with self._lock:
-            session = self._sessions.pop(request.session_id, None)
-        if session is not None:
-            with session.lock:
-                for env in session.envs.values():
-                    close = getattr(env, "close", None)
-                    if callable(close):
-                        try:
-                            close()
-                        except Exception as exc:  # noqa: BLE001 - closing is best effort
-                            log.warning("%s.close raised %s: %s", self.name, type(exc).__name__, exc)
-        return pb.CloseResponse()
-
-    def session_count(self) -> int:
-        with self._lock:
-            return len(self._sessions)
 
 
 def _default_host() -> str:
@@ -357,9 +89,23 @@ class EnvironmentServer:
             ``$OPENTINKER_ENV_ADVERTISE_HOST``, else ``host``, else this machine's FQDN when
             ``host`` is a wildcard (``0.0.0.0``, ``::``).
         max_workers: threads serving calls (calls of one session still run one at a time).
+        token: the access token trainers must send (``authorization: Bearer <token>``); default
+            a random ``secrets.token_urlsafe(32)``. Given: 16..256 url-safe characters. It goes
+            into :attr:`env_config` (so into the task spec) and is never logged.
+        require_token: ``False`` serves without any token check — for local experiments only,
+            on a port nobody else can reach (anyone who can connect could then drive your
+            environment).
+        tls_cert, tls_key: PEM paths of the server certificate (chain) and its private key, both
+            or neither; with them the port speaks TLS only (``add_secure_port``). The
+            certificate must name the host trainers dial (``advertise_host``).
+        tls_ca: PEM path of the CA certificate that signed ``tls_cert``; its text goes to the
+            trainers as ``env_config.tls_root_certificates`` (at most 64 KiB). ``None`` = they
+            trust their system's roots (a publicly signed certificate).
 
     Raises:
-        InvalidArgumentError: the declared spaces or options are not valid (field path named).
+        InvalidArgumentError: the declared spaces or options, the token or a TLS file are not
+            valid (``err.field`` names it: ``spec.env_config.action_space``, ``token``,
+            ``tls_key`` ...).
         OSError: the port cannot be bound.
     """
 
@@ -372,6 +118,11 @@ class EnvironmentServer:
         port: int = 0,
         advertise_host: str | None = None,
         max_workers: int = 8,
+        token: str | None = None,
+        require_token: bool = True,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None:
         from opentinker_client.environment import client_env_config
 
@@ -381,34 +132,74 @@ class EnvironmentServer:
         if advertise in ("0.0.0.0", "::", "[::]", ""):
             advertise = socket.getfqdn()
         self._advertise = advertise
-        # Validate the declared config (with a placeholder endpoint) before binding anything.
+        # Validate everything (declared config with a placeholder endpoint, token, TLS files)
+        # before binding anything.
         cfg = client_env_config(env, endpoint=f"{_bracket(advertise)}:1")
+        if require_token:
+            self._token = checked_token(token)
+        elif token is not None:
+            raise InvalidArgumentError("token: not used with require_token=False; give one or the other", field="token")
+        else:
+            self._token = ""
+        credentials, roots = server_credentials(tls_cert, tls_key, tls_ca)
+        self.tls = credentials is not None
+        self._security = {"token": self._token, "tls": self.tls, "tls_root_certificates": roots}
         self.spaces = Spaces(cfg.action_space, cfg.observation_space, cfg.observation_type, cfg.action_names)
         self.factory = factory or (lambda: copy.deepcopy(env))
         self.name = type(env).__name__
         self.servicer = EnvironmentServicer(self.factory, self.spaces, self.name)
+        self.auth = TokenInterceptor(self._token, self.name) if require_token else None
+        if not require_token:
+            log.warning("serving %s WITHOUT an access token (require_token=False): anyone who can reach the port can drive it", self.name)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="opentinker-env"),
+            interceptors=[self.auth] if self.auth is not None else None,
             options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 * 1024 * 1024)],
         )
         pb_grpc.add_EnvironmentServiceServicer_to_server(self.servicer, self._server)
         self._health = _add_health_and_reflection(self._server)
-        bound = self._server.add_insecure_port(f"{_bracket(self.host)}:{int(port)}")
+        address = f"{_bracket(self.host)}:{int(port)}"
+        try:
+            bound = self._server.add_secure_port(address, credentials) if credentials else self._server.add_insecure_port(address)
+        except RuntimeError:  # newer grpcio raises instead of returning 0
+            bound = 0
         if bound == 0:
             raise OSError(f"cannot bind the environment server to {self.host}:{port}")
         self.port = bound
         self.endpoint = f"{_bracket(advertise)}:{bound}"
-        self._config = client_env_config(env, endpoint=self.endpoint)
+        self._config = self._validated(client_env_config(env, endpoint=self.endpoint))
         self._started = False
         self._stopped = threading.Event()
 
+    def _validated(self, cfg: Any) -> Any:
+        """``cfg`` with the token and TLS fields, validated as the scheduler will."""
+        from opentinker_client.errors import from_spec_error
+        from opentinker_client.spec import SpecError, jsonable, validate_env_config
+
+        data = {k: v for k, v in jsonable(cfg.__dict__).items() if v is not None}
+        data.update(self._security)
+        try:
+            return validate_env_config(data)
+        except SpecError as err:
+            raise from_spec_error(err) from None
+
+    @property
+    def token(self) -> str:
+        """The access token (``""`` with ``require_token=False``). Keep it secret."""
+        return self._token
+
     @property
     def env_config(self) -> dict[str, Any]:
-        """The ``env_config`` to submit: ``{"env_id": "client", "endpoint": ..., ...}``."""
+        """The ``env_config`` to submit: ``{"env_id": "client", "endpoint": ..., "token": ..., ...}``
+        (``tls``/``tls_root_certificates`` only when serving TLS; ``token`` only when required)."""
         from opentinker_client.spec import jsonable
 
-        data = {k: v for k, v in jsonable(self._config.__dict__).items() if v is not None and v != []}
-        return data
+        defaults = {"token": "", "tls": False, "tls_root_certificates": ""}
+        return {
+            k: v
+            for k, v in jsonable(self._config.__dict__).items()
+            if v is not None and v != [] and not (k in defaults and v == defaults[k])
+        }
 
     def start(self) -> "EnvironmentServer":
         """Start serving (idempotent). Returns self."""
@@ -418,7 +209,10 @@ class EnvironmentServer:
             if self._health is not None:
                 self._health.set(SERVICE_NAME, _serving())
                 self._health.set("", _serving())
-            log.info("serving %s at %s", self.name, self.endpoint)
+            log.info(
+                "serving %s at %s (%s, %s)", self.name, self.endpoint, "TLS" if self.tls else "plaintext",
+                "access token required" if self.auth is not None else "NO access token",
+            )
         return self
 
     def stop(self, grace: float | None = 1.0) -> None:
@@ -459,7 +253,7 @@ class EnvironmentServer:
         self.stop()
 
     def __repr__(self) -> str:
-        return f"EnvironmentServer({self.name}, endpoint={self.endpoint!r}, stopped={self.stopped})"
+        return f"EnvironmentServer({self.name}, endpoint={self.endpoint!r}, tls={self.tls}, stopped={self.stopped})"
 
 
 def _bracket(host: str) -> str:

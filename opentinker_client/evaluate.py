@@ -9,7 +9,9 @@ Before and after training, in one command (``opentinker eval TASK_ID`` does the 
 
 Each episode is one problem of the environment (drawn from its own seeded RNG, so every model
 sees the same problems), asked as the chat turn the trainer renders, answered with greedy
-decoding by default, and scored with the environment's reward function. Torch-free.
+decoding by default, and scored with the environment's reward function. Calls go through the
+given client, so its API key and TLS settings apply (``RLClient.serve`` passes the RLClient's on).
+Torch-free.
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ def evaluate(
 
     Raises:
         InvalidArgumentError: unknown or non-text environment, episodes outside [1, MAX_EPISODES].
-        OpenTinkerError subclasses: from the server (see ``InferenceClient.generate``).
+        OpenTinkerError subclasses: from the server (see ``InferenceClient.generate``), e.g.
+            UnauthenticatedError / PermissionDeniedError when the client's API key may not use
+            the server, NotFoundError for an adapter of a task the key cannot see.
     """
     from opentinker_trainer.envs.arithmetic import ArithmeticEnv, reward  # torch-free: problems and reward only
 

@@ -14,6 +14,12 @@ An :class:`InferenceClient` talks to the node that serves the model directly (th
 from the inference task, ``TaskInfo.endpoint``). Every error is an
 :class:`~opentinker_client.errors.OpenTinkerError` subclass carrying the gRPC status.
 
+Security: the client sends its API key (``api_key``, default ``$OPENTINKER_API_KEY``) as
+``authorization: Bearer ...``; the server asks the scheduler whether that key may use the
+inference task (and the adapter's task). An ``https://host:port`` endpoint (what a server with
+TLS reports) is dialled with TLS, trusting ``root_certificates`` (default ``$OPENTINKER_TLS_CA``,
+else the system's roots); ``host:port`` and ``http://host:port`` are plaintext.
+
 Also here: the helpers behind :meth:`RLClient.serve`, :meth:`RLClient.list_checkpoints` and
 :meth:`RLClient.download_checkpoint`. Torch-free.
 """
@@ -34,6 +40,7 @@ import grpc
 from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_client.convert import timestamp_to_datetime
+from opentinker_client.url import parse_scheduler_url
 from opentinker_client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -54,6 +61,7 @@ __all__ = [
     "AdapterInfo",
     "CheckpointInfo",
     "ADAPTER_WORKLOADS",
+    "parse_endpoint",
 ]
 
 #: Workloads whose checkpoints are LoRA adapters an inference server can load.
@@ -150,19 +158,58 @@ def _channel_options() -> list[tuple[str, Any]]:
     ]
 
 
+_TLS_SCHEMES = ("https://", "grpcs://")
+_PLAIN_SCHEMES = ("http://", "grpc://")
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, bool]:
+    """An inference endpoint -> ``(host:port target, use TLS)``.
+
+    ``https://host:port`` and ``grpcs://host:port`` mean TLS; ``host:port``, ``http://host:port``
+    and ``grpc://host:port`` plaintext. IPv6 hosts in brackets (``[::1]:9000``).
+
+    Raises:
+        ValueError: not a string, no port, a path, an unknown scheme ..., naming ``endpoint``.
+    """
+    if not isinstance(endpoint, str):
+        raise ValueError(f"endpoint: expected a string such as host:port or https://host:port, got {type(endpoint).__name__}")
+    text = endpoint.strip()
+    low = text.lower()
+    tls = low.startswith(_TLS_SCHEMES)
+    rest = text.split("://", 1)[1] if tls or low.startswith(_PLAIN_SCHEMES) else text
+    if "://" in rest:
+        scheme = rest.split("://", 1)[0] + "://"
+        raise ValueError(f"endpoint: bad inference endpoint {endpoint!r}: unknown scheme {scheme!r}; expected host:port, http://host:port or https://host:port (TLS)")
+    try:
+        target = parse_scheduler_url(rest)
+    except ValueError as exc:
+        why = str(exc).split("': ", 1)[-1].split("; expected", 1)[0]
+        raise ValueError(f"endpoint: bad inference endpoint {endpoint!r}: {why}; expected host:port, http://host:port or https://host:port (TLS)") from None
+    return target, tls
+
+
 class InferenceClient:
     """A connection to one ``InferenceService``.
 
     Args:
-        endpoint: ``host:port`` of the server. Or give ``scheduler_url`` and ``task_id`` (an
+        endpoint: ``host:port`` (or ``http://host:port``) of a plaintext server, or
+            ``https://host:port`` (``grpcs://`` too) of a TLS one — the form the server's
+            inference task reports. Or give ``scheduler_url`` and ``task_id`` (an
             ``inference`` task) and the endpoint is looked up, waiting up to ``ready_timeout``
             seconds for the task to run and report one.
         adapter: default adapter of every call (a finished lora_finetune/sft task id); ``None``
             is the base model.
         model: the base model name requests carry; ``""`` means whatever the server serves.
         timeout: deadline of each unary call, in seconds.
+        api_key: sent as ``authorization: Bearer <key>`` on every call (the server checks it with
+            the scheduler). ``None`` reads ``$OPENTINKER_API_KEY``; ``""`` sends none.
+        root_certificates: PEM file of the CA that signed the server's certificate, for
+            ``https://`` endpoints. ``None`` reads ``$OPENTINKER_TLS_CA``; unset = the system's
+            roots. Also used for the scheduler when ``scheduler_url`` is given.
 
     Raises:
+        ValueError: a bad ``endpoint``, or a ``root_certificates`` file that cannot be read or
+            is not PEM (naming the argument).
         InvalidArgumentError: neither an endpoint nor scheduler_url + task_id.
         NotFoundError: no such inference task. TaskFailedError: it ended before serving.
         DeadlineExceededError: it did not report an endpoint within ``ready_timeout``.
@@ -178,20 +225,36 @@ class InferenceClient:
         model: str = "",
         timeout: float = 120.0,
         ready_timeout: float = 600.0,
+        api_key: str | None = None,
+        root_certificates: str | os.PathLike | None = None,
     ) -> None:
+        if api_key is None:
+            api_key = os.environ.get("OPENTINKER_API_KEY") or ""
         if endpoint is None:
             if not (scheduler_url and task_id):
                 raise InvalidArgumentError("endpoint: give an endpoint, or scheduler_url and the task_id of an inference task", field="endpoint")
             from opentinker_client.client import RLClient
 
-            with RLClient(scheduler_url, min_poll_interval=0) as rl:
+            with RLClient(scheduler_url, min_poll_interval=0, api_key=api_key, root_certificates=root_certificates) as rl:
                 endpoint = wait_for_endpoint(rl, task_id, timeout=ready_timeout)
+        self.target, self.tls = parse_endpoint(endpoint)
         self.endpoint = endpoint
         self.task_id = task_id
         self.adapter = adapter
         self.model = model
         self.timeout = float(timeout)
-        self._channel = grpc.insecure_channel(endpoint, options=_channel_options())
+        self._api_key = api_key  # kept for with_adapter(); never shown in repr or errors
+        self._root_certificates = root_certificates
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        if self.tls:
+            from opentinker_client.tls import ENV_CA, channel_credentials
+
+            ca = root_certificates if root_certificates is not None else os.environ.get(ENV_CA, "")
+            # "" for the client pair: the inference server does not ask for client certificates.
+            creds = (channel_credentials(ca, "", "") if ca else None) or grpc.ssl_channel_credentials()
+            self._channel = grpc.secure_channel(self.target, creds, options=_channel_options())
+        else:
+            self._channel = grpc.insecure_channel(self.target, options=_channel_options())
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
 
     def close(self) -> None:
@@ -208,7 +271,9 @@ class InferenceClient:
 
     def with_adapter(self, adapter: str | None) -> "InferenceClient":
         """Another client on the same server whose default adapter is ``adapter``."""
-        return InferenceClient(self.endpoint, adapter=adapter, model=self.model, timeout=self.timeout)
+        return InferenceClient(
+            self.endpoint, adapter=adapter, model=self.model, timeout=self.timeout, api_key=self._api_key, root_certificates=self._root_certificates
+        )
 
     # --- requests ------------------------------------------------------------------------------
     def _request(self, cls, prompt, messages, adapter, sampling: Mapping[str, Any]):
@@ -272,11 +337,14 @@ class InferenceClient:
             FailedPreconditionError: the adapter cannot be served (unfinished task, other base
                 model, not a LoRA adapter of this model).
             ResourceExhaustedError: the server is at its request or adapter limit.
-            UnavailableError: the server cannot be reached.
+            UnavailableError: the server cannot be reached (also: a TLS endpoint dialled without
+                TLS or with the wrong CA, or the scheduler cannot check the key).
+            UnauthenticatedError: no API key, or an unknown, revoked or expired one.
+            PermissionDeniedError: the key's owner may not use this inference task.
         """
         req = self._request(inference_pb2.GenerateRequest, prompt, messages, adapter, locals())
         try:
-            resp = self._stub.Generate(req, timeout=self.timeout)
+            resp = self._stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from err
         return Generation(
@@ -310,7 +378,7 @@ class InferenceClient:
         Raises as :meth:`generate` (on the first ``next``).
         """
         req = self._request(inference_pb2.GenerateStreamRequest, prompt, messages, adapter, locals())
-        call = self._stub.GenerateStream(req)
+        call = self._stub.GenerateStream(req, metadata=self._metadata)
         try:
             for m in call:
                 yield StreamChunk(
@@ -327,13 +395,14 @@ class InferenceClient:
             call.cancel()
 
     def list_adapters(self) -> list[AdapterInfo]:
-        """Adapters loaded on the server now, most recently used first.
+        """Adapters loaded on the server now that this key may use, most recently used first.
 
         Raises:
             UnavailableError: the server cannot be reached.
+            UnauthenticatedError, PermissionDeniedError: as :meth:`generate`.
         """
         try:
-            resp = self._stub.ListAdapters(inference_pb2.ListAdaptersRequest(), timeout=self.timeout)
+            resp = self._stub.ListAdapters(inference_pb2.ListAdaptersRequest(), timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from err
         return [
@@ -374,9 +443,13 @@ def serve_task(
     ttl: float = 3600.0,
     max_resident_adapters: int = 8,
     timeout: float = 600.0,
+    root_certificates: str | os.PathLike | None = None,
 ) -> InferenceClient:
     """A client bound to the adapter of finished task ``task_id``: reuses a running (or pending)
     ``inference`` task on the same base model, else submits one; waits until it serves.
+
+    The returned client uses ``client``'s API key and ``root_certificates`` (default: the CA
+    ``client`` was made with, else ``$OPENTINKER_TLS_CA``, else the system's roots).
 
     Raises:
         FailedPreconditionError: the task is not a lora_finetune/sft task, has not finished, or
@@ -405,9 +478,19 @@ def serve_task(
             max_attempts=3,
         )
     endpoint = wait_for_endpoint(client, server_id, timeout=timeout)
-    llm = InferenceClient(endpoint, adapter=task_id, model=task.model)
+    if root_certificates is None:
+        root_certificates = getattr(client, "_root_certificates", None)
+    llm = InferenceClient(endpoint, adapter=task_id, model=task.model, api_key=_bearer(client), root_certificates=root_certificates)
     llm.task_id = server_id
     return llm
+
+
+def _bearer(client: "RLClient") -> str:
+    """The API key ``client`` sends ("" for none), from its call metadata."""
+    for key, value in getattr(client, "_metadata", ()):
+        if key == "authorization" and value.startswith("Bearer "):
+            return value[len("Bearer "):]
+    return ""
 
 
 def checkpoint_from_proto(ck) -> CheckpointInfo:

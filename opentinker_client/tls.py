@@ -1,9 +1,11 @@
-"""TLS channel credentials shared by the client, the CLI and trainer node agents.
+"""TLS shared by the client, the CLI, trainer node agents and the HTTP side ports.
 
-Files are PEM. Each argument left ``None`` is read from its environment variable:
+gRPC channel credentials (:func:`channel_credentials`). Files are PEM. Each argument left ``None``
+is read from its environment variable:
 
 * ``root_certificates`` — ``$OPENTINKER_TLS_CA``: the CA that signed the scheduler's certificate.
-  Setting it turns TLS on.
+  Setting it turns TLS on. An ``https://`` / ``grpcs://`` scheduler URL (``tls=True``) turns TLS
+  on without one: the server is then checked against the system's trusted roots.
 * ``client_cert`` / ``client_key`` — ``$OPENTINKER_TLS_CERT`` / ``$OPENTINKER_TLS_KEY``: this side's
   certificate and key for mTLS (trainer nodes; clients too when the scheduler has
   ``tls.client_auth: all``).
@@ -12,7 +14,12 @@ Files are PEM. Each argument left ``None`` is read from its environment variable
 from __future__ import annotations
 
 import os
+import ssl
+import sys
+import threading
 from pathlib import Path
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import grpc
 
@@ -35,20 +42,114 @@ def channel_credentials(
     root_certificates: str | os.PathLike | None = None,
     client_cert: str | os.PathLike | None = None,
     client_key: str | os.PathLike | None = None,
+    *,
+    tls: bool = False,
 ) -> grpc.ChannelCredentials | None:
-    """Credentials for a TLS channel, or ``None`` for plaintext (no CA given or in the environment).
+    """Credentials for a TLS channel, or ``None`` for plaintext.
+
+    TLS when a CA is given (argument or environment), or when ``tls`` is true (the scheduler URL
+    was ``https://`` or ``grpcs://``; see :func:`~opentinker_client.url.parse_scheduler_address`);
+    then without a CA the server's certificate is checked against the system roots
+    (``grpc.ssl_channel_credentials()``), and a server whose certificate they do not vouch for
+    fails the handshake (UNAVAILABLE, ``CERTIFICATE_VERIFY_FAILED``).
 
     Raises:
         ValueError: a file that cannot be read or is not PEM, a certificate without its key (or
-            the reverse), or a client certificate without a CA, naming the argument.
+            the reverse), or a client certificate with neither a CA nor ``tls``, naming the argument.
     """
     ca = _read(root_certificates if root_certificates is not None else os.environ.get(ENV_CA), "root_certificates")
     cert = _read(client_cert if client_cert is not None else os.environ.get(ENV_CERT), "client_cert")
     key = _read(client_key if client_key is not None else os.environ.get(ENV_KEY), "client_key")
     if (cert is None) != (key is None):
         raise ValueError("client_cert and client_key: expected both (mTLS) or neither")
-    if ca is None:
+    if ca is None and not tls:
         if cert is not None:
-            raise ValueError("root_certificates: expected the CA of the scheduler's certificate when a client certificate is given")
+            raise ValueError(
+                "root_certificates: expected the CA of the scheduler's certificate when a client certificate is given "
+                "(or an https:// scheduler URL to trust the system roots)"
+            )
         return None
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+# ------------------------------------------------------------------------------ HTTP side ports
+
+
+def server_ssl_context(cert: str | os.PathLike, key: str | os.PathLike) -> ssl.SSLContext:
+    """A TLS server context (TLS 1.2 or newer) for an HTTPS port, from PEM files.
+
+    Raises:
+        ssl.SSLError: the key does not match the certificate, or a file is not PEM.
+        OSError: a file cannot be read.
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(certfile=str(cert), keyfile=str(key))
+    return ctx
+
+
+class SidePortServer(ThreadingMixIn, WSGIServer):
+    """The HTTP side port of the scheduler and the trainer (``/health``, ``/metrics``): wsgiref,
+    one daemon thread per connection, HTTPS when given an :class:`ssl.SSLContext`.
+
+    The TLS handshake runs in the connection's own thread with a timeout, never in the accept
+    loop, so a client that connects and never finishes its handshake (or never sends its
+    request) holds one thread for at most ``timeout_s`` seconds and blocks nobody else. At most
+    ``max_connections`` connections are served at once; more are closed at once.
+    """
+
+    daemon_threads = True
+    block_on_close = False
+    #: Seconds a connection may take for its handshake and for each read or write.
+    timeout_s = 10.0
+    max_connections = 64
+
+    def __init__(self, address, handler_class, *, ssl_context: ssl.SSLContext | None = None) -> None:
+        self.ssl_context = ssl_context
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        super().__init__(address, handler_class)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], OSError):  # a timeout or a reset: the client's doing, not worth a traceback
+            return
+        super().handle_error(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:  # the connection's thread
+        try:
+            request.settimeout(self.timeout_s)
+            if self.ssl_context is not None:
+                try:
+                    request = self.ssl_context.wrap_socket(request, server_side=True)  # handshake, bounded by the timeout
+                except (ssl.SSLError, OSError):  # plain HTTP, a scanner, a stalled client: drop it
+                    self.shutdown_request(request)
+                    return
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _TimeoutHandler(WSGIRequestHandler):
+    timeout = SidePortServer.timeout_s
+
+
+def make_side_port_server(host: str, port: int, app, handler_class: type[WSGIRequestHandler] = _TimeoutHandler, *, ssl_context: ssl.SSLContext | None = None) -> SidePortServer:
+    """Bind a :class:`SidePortServer` serving the WSGI ``app`` on ``host:port`` (0 = a free port).
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    if not getattr(handler_class, "timeout", None):
+        handler_class = type(handler_class.__name__, (handler_class,), {"timeout": SidePortServer.timeout_s})
+    server = SidePortServer((host, port), handler_class, ssl_context=ssl_context)
+    server.set_app(app)
+    return server

@@ -1,57 +1,88 @@
-"""Scheduler addresses: the seed's ``http://scheduler-host:8888`` and plain ``host:port``.
+"""Scheduler addresses: the seed's ``http://scheduler-host:8888``, plain ``host:port``, and
+``https://host:port`` for a scheduler that speaks TLS.
 
 Used by the client, the CLI and the trainer nodes (``SCHEDULER_URL``), so that every part of
 OpenTinker accepts the same spellings and refuses the same mistakes.
+
+TLS rule (:func:`parse_scheduler_address`): ``https://`` and ``grpcs://`` always mean TLS (with
+the CA given by ``root_certificates`` / ``--tls-ca`` / ``$OPENTINKER_TLS_CA``, else the system's
+trusted roots); ``http://``, ``grpc://`` and no scheme mean TLS exactly when a CA is given.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+from dataclasses import dataclass
 
-__all__ = ["parse_scheduler_url"]
+__all__ = ["SchedulerAddress", "parse_scheduler_address", "parse_scheduler_url"]
 
 _PLAIN_SCHEMES = ("http", "grpc")
 _TLS_SCHEMES = ("https", "grpcs")
 _HOST_LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
-_EXAMPLE = "expected host:port, e.g. http://scheduler-host:8888, scheduler-host:8888 or [::1]:8888"
+_EXAMPLE = "expected host:port, e.g. http://scheduler-host:8888, https://scheduler-host:8888, scheduler-host:8888 or [::1]:8888"
 
 
 def _bad(url: str, why: str) -> ValueError:
     return ValueError(f"bad scheduler URL {url!r}: {why}; {_EXAMPLE}")
 
 
+@dataclass(frozen=True)
+class SchedulerAddress:
+    """A parsed scheduler URL."""
+
+    #: ``host:port`` for a gRPC channel (IPv6 in brackets, host names lowercased).
+    target: str
+    #: The URL asks for TLS (``https://``, ``grpcs://``): TLS even when no CA is given, checked
+    #: against the system roots. False: TLS only when a CA is given.
+    tls: bool = False
+    #: The scheme as written, lowercased ("" for plain ``host:port``).
+    scheme: str = ""
+
+
 def parse_scheduler_url(url: str) -> str:
     """Turn a scheduler URL into the ``host:port`` target a gRPC channel wants.
 
-    Accepted: ``http://host:port`` (the seed's form), ``grpc://host:port``, ``host:port``,
-    IPv6 as ``[::1]:8888`` (with or without a scheme). A single trailing ``/`` is ignored.
-    The port is required (there is no default) and must be in 1..65535.
+    Accepted: ``http://host:port`` (the seed's form), ``grpc://host:port``, ``https://host:port``,
+    ``grpcs://host:port``, ``host:port``, IPv6 as ``[::1]:8888`` (with or without a scheme). A
+    single trailing ``/`` is ignored. The port is required (there is no default) and must be in
+    1..65535. Whether to use TLS is not part of the answer: callers that open a channel use
+    :func:`parse_scheduler_address`.
 
     Returns:
         ``"host:port"``, with IPv6 hosts in brackets (``"[::1]:8888"``); host names are lowercased.
 
     Raises:
-        ValueError: empty, no port, bad port, a path/query/user part, an unknown scheme, or
-            ``https://`` / ``grpcs://`` (TLS is not configured yet in this client). The message
-            quotes the URL and shows a valid example.
+        ValueError: empty, no port, bad port, a path/query/user part, or an unknown scheme. The
+            message quotes the URL and shows a valid example.
+    """
+    return parse_scheduler_address(url).target
+
+
+def parse_scheduler_address(url: str) -> SchedulerAddress:
+    """Parse a scheduler URL into its ``host:port`` target and whether it asks for TLS.
+
+    Same spellings and errors as :func:`parse_scheduler_url`; ``https://`` and ``grpcs://`` set
+    :attr:`SchedulerAddress.tls`.
+
+    >>> parse_scheduler_address("https://Sched.example:443")
+    SchedulerAddress(target='sched.example:443', tls=True, scheme='https')
+
+    Raises:
+        TypeError: ``url`` is not a string.
+        ValueError: as :func:`parse_scheduler_url`.
     """
     if not isinstance(url, str):
         raise TypeError(f"scheduler URL must be a string, got {type(url).__name__}")
     text = url.strip()
     if not text:
         raise _bad(url, "it is empty")
-    rest = text
+    rest, scheme = text, ""
     if "://" in text:
         scheme, rest = text.split("://", 1)
         scheme = scheme.lower()
-        if scheme in _TLS_SCHEMES:
-            raise ValueError(
-                f"bad scheduler URL {url!r}: TLS ({scheme}://) is not configured yet in this client; "
-                f"use http://host:port or host:port"
-            )
-        if scheme not in _PLAIN_SCHEMES:
-            raise _bad(url, f"unknown scheme {scheme + '://'!r} (use http:// or grpc://, or none)")
+        if scheme not in _PLAIN_SCHEMES + _TLS_SCHEMES:
+            raise _bad(url, f"unknown scheme {scheme + '://'!r} (use http://, https://, grpc:// or grpcs://, or none)")
     if rest.endswith("/"):
         rest = rest[:-1]
     for sep, what in (("/", "a path"), ("?", "a query"), ("#", "a fragment"), ("@", "a user name")):
@@ -95,4 +126,4 @@ def parse_scheduler_url(url: str) -> str:
     port = int(port_text)
     if not 1 <= port <= 65535:
         raise _bad(url, f"port {port} is out of range 1..65535")
-    return f"{host_out}:{port}"
+    return SchedulerAddress(target=f"{host_out}:{port}", tls=scheme in _TLS_SCHEMES, scheme=scheme)

@@ -42,6 +42,9 @@ class Security:
     audit: AuditLog
     interceptor: AuthInterceptor
     bootstrap_key_file: Path | None = None
+    #: mTLS: a node's Register node_id must be its certificate's CN or a DNS name in it
+    #: (``tls.node_id_must_match_cert``).
+    node_id_must_match_cert: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -63,8 +66,14 @@ def build_security(config, store: Store) -> Security:
     if keys is not None:
         path = Path(auth.bootstrap_admin_key_file)
         written = bootstrap_admin(keys, path if path.is_absolute() else config.state_dir / path)
-    interceptor = AuthInterceptor(keys=keys, limits=limits, audit=audit, node_cert_required=bool(tls is not None and tls.node_cert_required))
-    return Security(keys=keys, limits=limits, audit=audit, interceptor=interceptor, bootstrap_key_file=written)
+    interceptor = AuthInterceptor(
+        keys=keys, limits=limits, audit=audit, node_cert_required=bool(tls is not None and tls.node_cert_required),
+        stream_recheck_interval_s=auth.stream_recheck_interval_s if auth is not None else 5.0,
+    )
+    return Security(
+        keys=keys, limits=limits, audit=audit, interceptor=interceptor, bootstrap_key_file=written,
+        node_id_must_match_cert=bool(tls is not None and tls.node_id_must_match_cert),
+    )
 
 
 def key_to_proto(row: KeyRow, now: float) -> admin_pb2.ApiKey:
@@ -114,6 +123,19 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     def _scope(who: Principal) -> str | None:
         return None if who.is_admin else who.owner
 
+    def _end_streams(self, row: KeyRow) -> None:
+        """End the open streams of a key that just stopped (revoked), or schedule a re-check at
+        the end of its grace period (rotated with a grace)."""
+        streams = self.security.interceptor.streams
+        if streams is None:
+            return
+        now = self.keys.clock()
+        reason = row.refusal(now)
+        if reason is not None:
+            streams.end_key(row.prefix, reason)
+        elif row.expire_time is not None:
+            streams.recheck_after(row.expire_time - now)
+
     def _audit(self, who: Principal, action: str, outcome: str = "OK", **detail) -> None:
         self.security.audit.record(action, owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome, **detail)
 
@@ -146,6 +168,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         prefix = key_prefix(request.prefix)
         row = self.keys.revoke(prefix, owner=self._scope(who))
         self._audit(who, "key.revoke", target=prefix, for_owner=row.owner)
+        self._end_streams(row)
         return admin_pb2.RevokeApiKeyResponse(key=key_to_proto(row, self.keys.clock()))
 
     @_mapped
@@ -158,6 +181,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             self._audit(who, "key.rotate", type(exc).__name__, target=prefix, error=str(exc))
             raise
         self._audit(who, "key.rotate", target=prefix, new_key=new.prefix, for_owner=new.owner, grace_s=grace)
+        self._end_streams(old)
         now = self.keys.clock()
         return admin_pb2.RotateApiKeyResponse(key=key_to_proto(new, now), api_key=api_key, old_key=key_to_proto(old, now))
 

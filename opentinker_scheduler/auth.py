@@ -6,18 +6,22 @@
     auth:
       enabled: true                       # default false: every caller is "anonymous" with admin powers
       bootstrap_admin_key_file: admin.key # relative to state_dir; written (mode 0600) on the first start
+      stream_recheck_interval: 5          # seconds: open streams re-check their key this often
 
 **Keys** look like ``otk_<8 hex>_<43 url-safe characters>`` (256 random bits). The
 ``otk_<8 hex>`` prefix is stored in plain text to name the key in listings; the whole key is
 stored only as its SHA-256 and compared with :func:`hmac.compare_digest`. A fast hash is enough
 because the key itself is random, not a password. Keys live in the ``api_keys`` table of the
 scheduler's SQLite database and are looked up on every call, so create, revoke and rotate take
-effect at once, without a restart (``AdminService``, ``opentinker keys ...``).
+effect at once, without a restart (``AdminService``, ``opentinker keys ...``). Streams already open
+with a key (a node's ``Connect``, a ``WatchTask``, downloads) end with UNAUTHENTICATED when it is
+revoked (at once) or expires (within ``stream_recheck_interval`` seconds):
+:mod:`opentinker_scheduler.key_streams`.
 
 **Roles** (:data:`ROLES`): ``admin`` may do everything; ``user`` may use SchedulerService on its
 owner's own tasks (another owner's task is NOT_FOUND, never confirmed to exist) and manage its own
-keys; ``node`` may call NodeService only (plus the reads ``DownloadDataset`` and ``GetTask``, which
-task workers use with their node's key).
+keys; ``node`` may call NodeService only (its stream, and the reads ``LookupTask`` and
+``FetchDataset`` that task workers make with their node's key).
 
 **Bootstrap**: on a start with ``enabled: true`` and no active admin key, the scheduler takes the
 key in ``$OPENTINKER_BOOTSTRAP_ADMIN_KEY`` when set, else makes one and writes it to
@@ -40,6 +44,7 @@ import structlog
 
 from .audit import AuditLog
 from .errors import SchedulerError
+from .key_streams import DEFAULT_RECHECK_INTERVAL_S, KeyStreams, await_until_ended, until_ended
 from .keys import (  # noqa: F401 - re-exported: the key store is part of this module's API
     _KEY_RE,
     BOOTSTRAP_ENV,
@@ -73,11 +78,14 @@ class AuthConfig:
 
     enabled: bool = False
     bootstrap_admin_key_file: str = "admin.key"
+    #: Seconds between re-checks of the keys of open streams (expiry at the end of a rotation's
+    #: grace period, revocation by any path); revocation through AdminService ends them at once.
+    stream_recheck_interval_s: float = 5.0
 
 
 def parse_auth(r, node) -> AuthConfig:
     """Parse ``auth:`` with the config reader ``r`` (file:line:key errors)."""
-    m = r.mapping(node, "auth", {"enabled": "", "bootstrap_admin_key_file": ""})
+    m = r.mapping(node, "auth", {"enabled": "", "bootstrap_admin_key_file": "", "stream_recheck_interval": ""})
     kw = {}
     if "enabled" in m:
         kw["enabled"] = r.scalar(m["enabled"][1], "auth.enabled", bool)
@@ -86,6 +94,8 @@ def parse_auth(r, node) -> AuthConfig:
         if not path or len(path) > 4096:
             raise r.fail(m["bootstrap_admin_key_file"][1], "auth.bootstrap_admin_key_file", "a file path")
         kw["bootstrap_admin_key_file"] = path
+    if "stream_recheck_interval" in m:
+        kw["stream_recheck_interval_s"] = r.scalar(m["stream_recheck_interval"][1], "auth.stream_recheck_interval", float, 0.05, 3600)
     return AuthConfig(**kw)
 
 
@@ -111,16 +121,10 @@ def owner_scope() -> str | None:
 # ------------------------------------------------------------------------------ interceptor
 
 
-#: SchedulerService methods a node key may call too (read-only; used by task workers).
-_NODE_READS = ("/DownloadDataset", "/GetTask")
-
-
 def allowed_roles(method: str) -> frozenset[str]:
     """Roles that may call ``/package.Service/Method``."""
     service = method[1:].rsplit("/", 1)[0]
-    if service == SCHEDULER_SERVICE:
-        if method.endswith(_NODE_READS):  # task workers, with their node's key: fetch a dataset, look up an adapter's task
-            return frozenset(ROLES)
+    if service == SCHEDULER_SERVICE:  # task workers read through NodeService (LookupTask, FetchDataset)
         return frozenset({"admin", "user"})
     if service == NODE_SERVICE:
         return frozenset({"admin", "node"})
@@ -131,7 +135,7 @@ def allowed_roles(method: str) -> frozenset[str]:
 
 _ROLE_HINT = {
     "node": "node keys may call NodeService only",
-    "user": "user keys may not open a node stream (NodeService); trainers need a node key",
+    "user": "user keys may not open a node stream or make task workers' reads (NodeService); trainers need a node key",
 }
 
 
@@ -162,18 +166,31 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     * ``keys``: ``None`` = authentication off, the caller is ``anonymous`` with admin powers.
     * Server streams of SchedulerService hold one of the key's ``limits.max_streams_per_key``
       slots while open (RESOURCE_EXHAUSTED beyond).
+    * Every stream admitted with a key (server, client or bidirectional) is registered in
+      :attr:`streams` and ends with UNAUTHENTICATED once the key is revoked or expires
+      (:mod:`opentinker_scheduler.key_streams`; ``stream_recheck_interval_s`` between re-checks).
     """
 
-    def __init__(self, *, keys: KeyStore | None, limits: Limits, audit: AuditLog, node_cert_required: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        keys: KeyStore | None,
+        limits: Limits,
+        audit: AuditLog,
+        node_cert_required: bool = False,
+        stream_recheck_interval_s: float = DEFAULT_RECHECK_INTERVAL_S,
+    ) -> None:
         self.keys = keys
         self.limits = limits
         self.audit = audit
         self.node_cert_required = node_cert_required
+        #: Open streams by key (None with authentication off: there are no keys to revoke).
+        self.streams: KeyStreams | None = KeyStreams(keys.refusal, recheck_interval_s=stream_recheck_interval_s) if keys is not None else None
 
     def admit(self, method: str, context) -> Principal:
         """The caller of ``method``, or :class:`_Refused`."""
         service = method[1:].rsplit("/", 1)[0]
-        peer_cn = ""
+        peer_cn, peer_dns = "", ()
         if self.node_cert_required and service == NODE_SERVICE:
             ctx = context.auth_context() or {}
             if not ctx.get("x509_pem_cert"):
@@ -184,8 +201,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 )
             cn = ctx.get("x509_common_name") or [b""]
             peer_cn = cn[0].decode(errors="replace")
+            peer_dns = tuple(n.decode(errors="replace") for n in ctx.get("peer_dns") or ())  # DNS subject alt names
         if self.keys is None:
-            return dataclasses.replace(ANONYMOUS, peer_cn=peer_cn)
+            return dataclasses.replace(ANONYMOUS, peer_cn=peer_cn, peer_dns=peer_dns)
         token = bearer_token(context.invocation_metadata())
         if not token:
             raise _Refused(
@@ -202,7 +220,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"API key {principal.key_prefix} (role {principal.role}) may not call {method}" + (f": {hint}" if hint else ""),
             )
-        return dataclasses.replace(principal, peer_cn=peer_cn)
+        return dataclasses.replace(principal, peer_cn=peer_cn, peer_dns=peer_dns)
 
     async def _gate(self, method: str, context) -> Principal:
         try:
@@ -213,6 +231,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             self.audit.refused(method=method, reason=exc.message, outcome=exc.code.name, key_prefix=m.group(1) if m else "", peer=context.peer())
             await context.abort(exc.code, exc.message)
             raise  # abort raises; this line is never reached
+
+    def _watch(self, principal: Principal, method: str, context):
+        """Register a stream admitted with a key (None when there is no key to watch)."""
+        if self.streams is None or not principal.key_prefix:
+            return None
+        return self.streams.open(principal.key_prefix, method, context.peer())
+
+    async def _end_revoked(self, stream, context) -> None:
+        """End a stream whose key was revoked or expired: UNAUTHENTICATED with the reason."""
+        self.audit.refused(method=stream.method, reason=f"open stream ended: {stream.reason}", outcome="UNAUTHENTICATED", key_prefix=stream.prefix, peer=stream.peer)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, stream.reason)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -243,17 +272,41 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool)
                     interceptor.limits.acquire_stream(key)
                 except SchedulerError as exc:
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            watched = interceptor._watch(principal, method, context)
             try:
                 _CALLER.set(principal)
                 result = inner(request, context)
                 if hasattr(result, "__aiter__"):
-                    async for item in result:
+                    source = result if watched is None else until_ended(result, watched)
+                    async for item in source:
                         yield item
                 elif inspect.isawaitable(result):
                     await result
+                if watched is not None and watched.ended.is_set():
+                    await interceptor._end_revoked(watched, context)
             finally:
+                if watched is not None:
+                    interceptor.streams.close(watched)
                 if stream_slot:
                     interceptor.limits.release_stream(key)
+
+    elif handler.request_streaming:
+
+        async def behavior(request, context):
+            principal = await interceptor._gate(method, context)
+            _CALLER.set(principal)
+            watched = interceptor._watch(principal, method, context)
+            try:
+                result = inner(request, context)
+                if watched is None or not inspect.isawaitable(result):
+                    return (await result) if inspect.isawaitable(result) else result
+                finished, value = await await_until_ended(result, watched)
+                if not finished:
+                    await interceptor._end_revoked(watched, context)
+                return value
+            finally:
+                if watched is not None:
+                    interceptor.streams.close(watched)
 
     else:
 

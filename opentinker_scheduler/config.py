@@ -26,6 +26,7 @@
                               # stopped before the scheduler gives up on it and may choose again
     auth: {enabled: false}    # API keys and roles; production turns this on (see opentinker_scheduler/auth.py)
     tls: {cert: ..., key: ...} # TLS, and mTLS for nodes with client_ca (see opentinker_scheduler/tls.py)
+    http_tls: {cert: ..., key: ...} # HTTPS on the HTTP port (/health, /metrics); see opentinker_scheduler/tls.py
     limits: {...}             # message/spec sizes, pending tasks, submit rate, streams (opentinker_scheduler/limits.py)
 
 **Priority**: a larger number is more important. Pending tasks are placed in order of
@@ -51,7 +52,7 @@ from opentinker_client.spec import WORKLOAD_TYPES
 
 from .auth import AuthConfig, parse_auth
 from .limits import LimitsConfig, parse_limits
-from .tls import TlsConfig, parse_tls
+from .tls import HttpTlsConfig, TlsConfig, parse_http_tls, parse_tls
 
 
 class ConfigError(ValueError):
@@ -95,6 +96,8 @@ class SchedulerConfig:
     auth: AuthConfig = AuthConfig()
     tls: TlsConfig | None = None
     limits: LimitsConfig = LimitsConfig()
+    #: HTTPS on the HTTP port (``http_tls:``); None = plain HTTP.
+    http_tls: HttpTlsConfig | None = None
 
     def priority_of(self, workload_type: str) -> int | None:
         for w in self.workload_types:
@@ -182,6 +185,7 @@ _TOP = {
     "preemption_timeout": "seconds",
     "auth": "API keys",
     "tls": "TLS files",
+    "http_tls": "HTTPS files",
     "limits": "limits",
 }
 
@@ -271,6 +275,8 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["tls"] = parse_tls(r, top["tls"][1], base_dir)
     if "limits" in top:
         kw["limits"] = parse_limits(r, top["limits"][1])
+    if "http_tls" in top:
+        kw["http_tls"] = parse_http_tls(r, top["http_tls"][1], base_dir)
 
     cfg = SchedulerConfig(**kw)
     if cfg.lease_s <= cfg.heartbeat_interval_s:

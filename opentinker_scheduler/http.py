@@ -1,17 +1,25 @@
 """HTTP side port: ``GET /health`` (``{"status": "ok"}``, as the seed promises) and
 ``GET /metrics`` (Prometheus text format, prometheus-client).
 
-Runs in a daemon thread (wsgiref). It never touches the SQLite connection: the event loop
-publishes a :class:`Snapshot` every tick and this thread only reads it.
+Runs in a daemon thread (wsgiref, a thread per connection with timeouts:
+:class:`opentinker_client.tls.SidePortServer`). It never touches the SQLite connection: the event
+loop publishes a :class:`Snapshot` every tick and these threads only read it.
+
+With ``http_tls:`` in the config (:class:`~opentinker_scheduler.tls.HttpTlsConfig`) the port speaks
+HTTPS only; the TLS handshake runs in the connection's thread with a timeout, so a client that
+never finishes it blocks nobody.
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler
+
+from opentinker_client.tls import SidePortServer, make_side_port_server
 
 from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -69,9 +77,20 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class HttpEndpoint:
-    """The scheduler's HTTP port. ``snapshot`` is replaced (not mutated) by the event loop."""
+    """The scheduler's HTTP port. ``snapshot`` is replaced (not mutated) by the event loop.
 
-    def __init__(self, host: str, port: int, *, stale_after_s: float = 10.0) -> None:
+    Args:
+        host, port: where to listen (``port=0``: a free port, see :attr:`port`).
+        stale_after_s: ``/health`` answers 503 when the loop has not published for this long.
+        tls: HTTPS with this ``http_tls`` pair (:class:`~opentinker_scheduler.tls.HttpTlsConfig`),
+            or an :class:`ssl.SSLContext`; None = plain HTTP.
+
+    Raises:
+        OSError: the port cannot be bound, or a TLS file cannot be read.
+        ssl.SSLError: the TLS key does not match its certificate.
+    """
+
+    def __init__(self, host: str, port: int, *, stale_after_s: float = 10.0, tls=None) -> None:
         self.snapshot = Snapshot()
         #: kind -> messages received on node streams; the event loop increments, this thread reads.
         self.node_messages: dict[str, int] = {}
@@ -85,7 +104,9 @@ class HttpEndpoint:
             registry=self.registry,
         )
         self._metrics_app = make_wsgi_app(self.registry)
-        self.server: WSGIServer = make_server(host, port, self._app, handler_class=_QuietHandler)
+        context = tls if tls is None or isinstance(tls, ssl.SSLContext) else tls.server_context()
+        self.scheme = "http" if context is None else "https"
+        self.server: SidePortServer = make_side_port_server(host, port, self._app, _QuietHandler, ssl_context=context)
         self.port = self.server.server_port
         self._thread = threading.Thread(target=self.server.serve_forever, name="http", daemon=True)
 

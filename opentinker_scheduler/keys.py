@@ -60,6 +60,8 @@ class Principal:
     key_prefix: str = ""
     #: Common name of the verified client certificate (mTLS), when there is one.
     peer_cn: str = ""
+    #: DNS subject alternative names of that certificate.
+    peer_dns: tuple[str, ...] = ()
 
     @property
     def is_admin(self) -> bool:
@@ -86,6 +88,14 @@ class KeyRow:
 
     def active(self, now: float) -> bool:
         return self.revoke_time is None and (self.expire_time is None or now < self.expire_time)
+
+    def refusal(self, now: float) -> str | None:
+        """Why this key may not be used at ``now`` (revoked, or expired after a rotation), else None."""
+        if self.revoke_time is not None:
+            return f"API key {self.prefix} was revoked" + (f"; it was replaced by {self.replaced_by}" if self.replaced_by else "")
+        if self.expire_time is not None and now >= self.expire_time:
+            return f"API key {self.prefix} expired after rotation; use {self.replaced_by}"
+        return None
 
 
 def hash_key(api_key: str) -> str:
@@ -231,12 +241,18 @@ class KeyStore:
         row = self.find(m.group(1)) if m else None
         if row is None or not hmac.compare_digest(row.key_hash, hash_key(api_key)):
             raise Unauthenticated("unknown API key (expected otk_<prefix>_<secret> as issued by `opentinker keys create`)")
-        now = self.clock()
-        if row.revoke_time is not None:
-            raise Unauthenticated(f"API key {row.prefix} was revoked" + (f"; it was replaced by {row.replaced_by}" if row.replaced_by else ""))
-        if row.expire_time is not None and now >= row.expire_time:
-            raise Unauthenticated(f"API key {row.prefix} expired after rotation; use {row.replaced_by}")
+        refusal = row.refusal(self.clock())
+        if refusal is not None:
+            raise Unauthenticated(refusal)
         return Principal(row.owner, row.role, row.prefix)
+
+    def refusal(self, prefix: str) -> str | None:
+        """Why the key ``prefix`` may no longer be used now (revoked, expired, deleted), else None.
+        Open streams are re-checked with this (:mod:`opentinker_scheduler.key_streams`)."""
+        row = self.find(prefix)
+        if row is None:
+            return f"API key {prefix} no longer exists"
+        return row.refusal(self.clock())
 
 
 def bootstrap_admin(keys: KeyStore, key_file: Path) -> Path | None:

@@ -27,7 +27,9 @@ __all__ = ["INIT_CHECKPOINT_FORMATS", "check_references", "init_checkpoint"]
 INIT_CHECKPOINT_FORMATS: tuple[str, ...] = ("peft_lora", "hf_full")
 
 
-def check_references(spec: common_pb2.TaskSpec, *, datasets: DatasetStore, get_task, owner: str, default_model: str = "") -> None:
+def check_references(
+    spec: common_pb2.TaskSpec, *, datasets: DatasetStore, get_task, owner: str, default_model: str = "", dataset_visible=lambda dataset_id: True
+) -> None:
     """Refuse a (validated) spec whose dataset or ``init_from`` task cannot be used.
 
     Args:
@@ -36,6 +38,8 @@ def check_references(spec: common_pb2.TaskSpec, *, datasets: DatasetStore, get_t
         get_task: ``get_task(task_id, owner=...)`` returning the task row or raising NotFound.
         owner: the submitter; another owner's task counts as not found.
         default_model: the scheduler's default, used when ``spec.model`` is empty.
+        dataset_visible: whether the submitter may use a dataset id (it uploaded those bytes);
+            another owner's dataset counts as not found.
 
     Raises:
         NotFound: no such dataset, or no such task (``spec.init_from``).
@@ -46,7 +50,7 @@ def check_references(spec: common_pb2.TaskSpec, *, datasets: DatasetStore, get_t
     if spec.HasField("env_config"):
         env = json_format.MessageToDict(spec.env_config)
         dataset_id = env.get("dataset_id")
-        if is_dataset_id(dataset_id) and not datasets.exists(dataset_id):  # a malformed id is the spec check's
+        if is_dataset_id(dataset_id) and (not datasets.exists(dataset_id) or not dataset_visible(dataset_id)):  # a malformed id is the spec check's
             raise NotFound(f"spec.env_config.dataset_id: dataset {dataset_id} not found on this scheduler (upload it first with UploadDataset)")
     if not spec.init_from or _check_init_from_shape(spec.init_from):
         return  # unset, or malformed: the spec check refuses it with INVALID_ARGUMENT

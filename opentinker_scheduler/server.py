@@ -128,7 +128,7 @@ async def start_scheduler(
     try:
         if http_port is not None:
             try:
-                http = HttpEndpoint(host, http_port)
+                http = HttpEndpoint(host, http_port, tls=config.http_tls)  # http_tls: HTTPS (tls.py)
             except OSError as exc:
                 raise OSError(f"cannot listen on HTTP port {host}:{http_port}: {exc.strerror or exc}") from None
         core = SchedulerCore(config, store)
@@ -140,8 +140,9 @@ async def start_scheduler(
     most = security.limits.config.max_message_bytes
     options = [(k, most if k in ("grpc.max_send_message_length", "grpc.max_receive_message_length") else v) for k, v in SERVER_OPTIONS]
     server = grpc.aio.server(options=options, interceptors=[security.interceptor])
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerService(core, security=security), server)
-    node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(core, security=security), server)
+    scheduler_service = SchedulerService(core, security=security)
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(scheduler_service, server)
+    node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(core, security=security, scheduler_service=scheduler_service), server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(security, durable=core.durable), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -148,7 +148,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 limits.check_submit_rate(who.limit_key)
                 limits.check_spec_size(request.spec.ByteSize())
                 limits.check_pending(who.owner, lambda: self.core.store.count_tasks(owner=who.owner, states=(common_pb2.TASK_STATE_PENDING,)))
-            check_references(request.spec, datasets=self.datasets, get_task=self.core.get, owner=who.owner, default_model=self.core.config.default_model)
+            check_references(
+                request.spec, datasets=self.datasets, get_task=self.core.get, owner=who.owner, default_model=self.core.config.default_model,
+                dataset_visible=self._dataset_visible,
+            )
             task = self.core.submit(request.spec, owner=who.owner, request_id=request.request_id)
         except Exception as exc:
             self._audit(who, "task.submit", exc, workload_type=request.spec.workload_type[:64])
@@ -231,11 +234,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             info = await receive_upload(self.datasets, request_iterator)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await _abort_mapped(context, exc)
+        self.core.store.add_dataset_owner(info.dataset_id, caller().owner)
+        await self.core.durable()
         log.info("dataset uploaded", dataset_id=info.dataset_id, name=info.name, size_bytes=info.size_bytes, examples=info.num_examples)
         return scheduler_pb2.UploadDatasetResponse(dataset=info)
 
+    def _dataset_visible(self, dataset_id: str) -> bool:
+        """Whether the caller may see ``dataset_id``: admins all, others what they uploaded."""
+        scope = owner_scope()
+        return scope is None or self.core.store.dataset_visible(dataset_id, scope)
+
     async def DownloadDataset(self, request, context):
         try:
+            if self.datasets.exists(request.dataset_id) and not self._dataset_visible(request.dataset_id):
+                raise NotFound(f"dataset {request.dataset_id} not found (upload it first with UploadDataset)")  # as a missing one
             info = self.datasets.info(request.dataset_id)
             chunks = self.datasets.chunks(request.dataset_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
@@ -295,10 +307,36 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 class NodeService(node_pb2_grpc.NodeServiceServicer):
     """``opentinker.node.v1.NodeService``: one bidirectional stream per trainer node."""
 
-    def __init__(self, core: SchedulerCore, *, register_timeout_s: float = 30.0, security: Security | None = None) -> None:
+    def __init__(
+        self,
+        core: SchedulerCore,
+        *,
+        register_timeout_s: float = 30.0,
+        security: Security | None = None,
+        scheduler_service: "SchedulerService | None" = None,
+    ) -> None:
         self.core = core
+        self.scheduler_service = scheduler_service  # task views and datasets shared with it
         self.register_timeout_s = register_timeout_s
         self.security = security
+
+    def _check_cert_names_node(self, node_id: str) -> None:
+        """mTLS with ``tls.node_id_must_match_cert``: ``node_id`` must be the common name of the
+        node's verified client certificate or one of its DNS subject alternative names.
+
+        Raises:
+            PermissionDenied: it is neither (the certificate belongs to another node).
+        """
+        if self.security is None or not self.security.node_id_must_match_cert:
+            return
+        who = caller()
+        if node_id == who.peer_cn or node_id in who.peer_dns:
+            return
+        names = f"CN {who.peer_cn!r}" + (f", DNS names {', '.join(repr(n) for n in who.peer_dns[:8])}" if who.peer_dns else "")
+        raise PermissionDenied(
+            f"node id {node_id[:128]!r} does not match its certificate ({names}); register under a name the certificate "
+            "carries, or give this node its own certificate (tls.node_id_must_match_cert)"
+        )
 
     def _audit_join(self, register, exc: BaseException | None) -> None:
         if self.security is None:
@@ -320,6 +358,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         if first.WhichOneof("message") != "register":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first message: expected register, got {first.WhichOneof('message')}")
         try:
+            self._check_cert_names_node(first.register.node_id)
             node, registered = self.core.node_register(first.register)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             self._audit_join(first.register, exc)
@@ -372,3 +411,26 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             raise
         except Exception as exc:  # noqa: BLE001 - a broken stream ends the session
             bound.warning("node stream read failed", error=repr(exc))
+
+    # ---- reads for task workers (node role; a node key may not call SchedulerService) ----------
+    @property
+    def _views(self) -> "SchedulerService":
+        if self.scheduler_service is None:
+            self.scheduler_service = SchedulerService(self.core, security=self.security)
+        return self.scheduler_service
+
+    @_unary
+    async def LookupTask(self, request, context):
+        if not request.task_id:
+            raise InvalidArgument("task_id: expected a task id, got an empty string")
+        return node_pb2.LookupTaskResponse(task=self._views._task(self.core.get(request.task_id)))
+
+    async def FetchDataset(self, request, context):
+        datasets = self._views.datasets
+        try:
+            info = datasets.info(request.dataset_id)
+            chunks = datasets.chunks(request.dataset_id)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await _abort_mapped(context, exc)
+        for chunk in chunks:
+            yield node_pb2.FetchDatasetResponse(chunk=chunk, size_bytes=info.size_bytes)

@@ -71,6 +71,11 @@ CREATE TABLE IF NOT EXISTS task_endpoints (
     attempt  INTEGER NOT NULL,           -- the attempt whose server listens there
     address  TEXT NOT NULL               -- host:port (an inference task's InferenceService)
 );
+CREATE TABLE IF NOT EXISTS dataset_owners (
+    dataset_id  TEXT NOT NULL,           -- sha256:<hex>
+    owner       TEXT NOT NULL,           -- an owner who uploaded these bytes
+    PRIMARY KEY (dataset_id, owner)
+) WITHOUT ROWID;
 """
 
 #: TaskState value -> name without the prefix ("PENDING" ...), for logs and metrics.
@@ -323,6 +328,19 @@ class Store:
         """The serialized ``Register`` a node last connected with, or None for a node never seen."""
         r = self.db.execute("SELECT info FROM nodes WHERE node_id=?", (node_id,)).fetchone()
         return bytes(r[0]) if r else None
+
+    # --- datasets --------------------------------------------------------------------------------
+    def add_dataset_owner(self, dataset_id: str, owner: str) -> None:
+        """Record that ``owner`` uploaded ``dataset_id`` (idempotent; the same bytes uploaded by
+        two owners belong to both)."""
+        with self._tx():
+            self.db.execute("INSERT OR IGNORE INTO dataset_owners (dataset_id, owner) VALUES (?,?)", (dataset_id, owner))
+
+    def dataset_visible(self, dataset_id: str, owner: str) -> bool:
+        """Whether ``owner`` may use ``dataset_id``: one of its uploaders, or a dataset stored
+        before uploads recorded owners (no owner at all)."""
+        rows = {r[0] for r in self.db.execute("SELECT owner FROM dataset_owners WHERE dataset_id=?", (dataset_id,))}
+        return not rows or owner in rows
 
     # --- endpoints and checkpoints ----------------------------------------------------------------
     def set_endpoint(self, task_id: str, attempt: int, address: str) -> None:

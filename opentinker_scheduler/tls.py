@@ -1,6 +1,6 @@
-"""TLS for the scheduler's gRPC ports, and mTLS for trainer nodes.
+"""TLS for the scheduler's gRPC ports, mTLS for trainer nodes, and TLS for the HTTP port.
 
-``tls:`` in ``scheduler_config.yaml`` (paths relative to the config file)::
+``tls:`` and ``http_tls:`` in ``scheduler_config.yaml`` (paths relative to the config file)::
 
     tls:
       cert: certs/scheduler.pem    # server certificate chain (PEM)
@@ -8,6 +8,10 @@
       client_ca: certs/ca.pem      # optional: CA that signs node (and client) certificates -> mTLS
       client_auth: nodes           # nodes (default) | all
       node_port: 8890              # with client_auth: nodes, the mTLS port trainers connect to
+      node_id_must_match_cert: true  # default true with client_ca: Register node_id = cert CN or DNS name
+    http_tls:                      # optional: /health and /metrics over HTTPS
+      cert: certs/scheduler-http.pem
+      key: certs/scheduler-http.key
 
 * Without ``tls`` the gRPC port is plaintext (local use, ``make demo``).
 * ``cert`` + ``key``: the gRPC port speaks TLS; clients pass the CA that signed ``cert``
@@ -18,14 +22,22 @@
   second port ``node_port`` requires client certificates, and NodeService refuses any call that did
   not come with a verified client certificate (UNAUTHENTICATED). The certificate's common name is
   recorded in the ``node.join`` audit record.
-
-The HTTP port (``/health``, ``/metrics``) stays plain HTTP; keep it on a private network.
+* With a ``client_ca``, a node's ``Register`` ``node_id`` must be the common name of its verified
+  certificate or one of its DNS subject alternative names, else the stream is refused
+  (PERMISSION_DENIED, audited as ``node.join``): a stolen certificate of one node cannot register
+  as another. ``node_id_must_match_cert: false`` lets one certificate serve a whole fleet (one
+  Kubernetes secret for a DaemonSet), at the price that any holder of it may take any node id.
+* ``http_tls`` (its own ``cert`` and ``key``, which may be the same files as ``tls``): the HTTP
+  port speaks HTTPS only (``https://host:8889/health``); without it the port is plain HTTP. The
+  pair is loaded at start, so a key that does not match its certificate is a config error.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+import ssl
 
 import grpc
 
@@ -39,6 +51,8 @@ class TlsConfig:
     client_ca: Path | None = None
     client_auth: str = "nodes"
     node_port: int | None = None
+    #: A node's Register node_id must equal its certificate's CN or one of its DNS names.
+    node_id_must_match_cert: bool = False
 
     @property
     def node_cert_required(self) -> bool:
@@ -46,19 +60,56 @@ class TlsConfig:
         return self.client_ca is not None
 
 
-def _pem_file(r, m, name: str, base_dir: Path | None) -> Path:
+@dataclass(frozen=True)
+class HttpTlsConfig:
+    """``http_tls:``: certificate chain and key (PEM) of the HTTPS side port."""
+
+    cert: Path
+    key: Path
+
+    def server_context(self) -> ssl.SSLContext:
+        """A TLS server context with this pair (TLS 1.2 or newer).
+
+        Raises:
+            ssl.SSLError, OSError: the files cannot be loaded or do not match.
+        """
+        from opentinker_client.tls import server_ssl_context
+
+        return server_ssl_context(self.cert, self.key)
+
+
+def _pem_file(r, m, name: str, base_dir: Path | None, section: str = "tls") -> Path:
     node = m[name][1]
-    text = r.scalar(node, f"tls.{name}", str)
+    text = r.scalar(node, f"{section}.{name}", str)
     path = Path(text)
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
     try:
         head = path.read_bytes()[:65536]
     except OSError as exc:
-        raise r.fail(node, f"tls.{name}", f"a readable PEM file, got {text!r} ({exc.strerror or exc})") from None
+        raise r.fail(node, f"{section}.{name}", f"a readable PEM file, got {text!r} ({exc.strerror or exc})") from None
     if b"-----BEGIN " not in head:
-        raise r.fail(node, f"tls.{name}", f"a PEM file (-----BEGIN ...), got {text!r}")
+        raise r.fail(node, f"{section}.{name}", f"a PEM file (-----BEGIN ...), got {text!r}")
     return path
+
+
+def parse_http_tls(r, node, base_dir: Path | None) -> HttpTlsConfig:
+    """Parse ``http_tls:``; both files must exist, be PEM and load as a matching pair.
+
+    Raises:
+        ConfigError: unknown key, missing cert/key, unreadable or non-PEM file, or a key that
+            is not the certificate's (file:line:key named).
+    """
+    m = r.mapping(node, "http_tls", {"cert": "", "key": ""})
+    for required in ("cert", "key"):
+        if required not in m:
+            raise r.fail(node, f"http_tls.{required}", "a PEM file path (required when http_tls is set)")
+    cfg = HttpTlsConfig(cert=_pem_file(r, m, "cert", base_dir, "http_tls"), key=_pem_file(r, m, "key", base_dir, "http_tls"))
+    try:
+        cfg.server_context()
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        raise r.fail(m["key"][1], "http_tls.key", f"the private key of http_tls.cert in PEM, got {str(cfg.key)!r} ({getattr(exc, 'reason', None) or exc})") from None
+    return cfg
 
 
 def parse_tls(r, node, base_dir: Path | None) -> TlsConfig:
@@ -66,9 +117,10 @@ def parse_tls(r, node, base_dir: Path | None) -> TlsConfig:
 
     Raises:
         ConfigError: unknown key, missing cert/key, unreadable or non-PEM file, bad
-            client_auth, ``client_auth: nodes`` with a client_ca but no node_port.
+            client_auth, ``client_auth: nodes`` with a client_ca but no node_port,
+            ``node_id_must_match_cert: true`` without a client_ca.
     """
-    m = r.mapping(node, "tls", {"cert": "", "key": "", "client_ca": "", "client_auth": "", "node_port": ""})
+    m = r.mapping(node, "tls", {"cert": "", "key": "", "client_ca": "", "client_auth": "", "node_port": "", "node_id_must_match_cert": ""})
     for required in ("cert", "key"):
         if required not in m:
             raise r.fail(node, f"tls.{required}", "a PEM file path (required when tls is set)")
@@ -82,6 +134,12 @@ def parse_tls(r, node, base_dir: Path | None) -> TlsConfig:
         kw["client_auth"] = mode
     if "node_port" in m:
         kw["node_port"] = r.scalar(m["node_port"][1], "tls.node_port", int, 0, 65535)
+    kw["node_id_must_match_cert"] = "client_ca" in kw  # default: on whenever nodes present certificates
+    if "node_id_must_match_cert" in m:
+        match = r.scalar(m["node_id_must_match_cert"][1], "tls.node_id_must_match_cert", bool)
+        if match and "client_ca" not in kw:
+            raise r.fail(m["node_id_must_match_cert"][1], "tls.node_id_must_match_cert", "false without tls.client_ca (nodes present no certificate to match)")
+        kw["node_id_must_match_cert"] = match
     cfg = TlsConfig(**kw)
     if cfg.client_ca is not None and cfg.client_auth == "nodes" and cfg.node_port is None:
         raise r.fail(node, "tls.node_port", "a port for the mTLS node listener when client_ca is set with client_auth: nodes (or client_auth: all)")

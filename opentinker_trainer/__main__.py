@@ -1,5 +1,6 @@
 """``python -m opentinker_trainer``: a trainer node. Reads ``SCHEDULER_URL`` (the seed's
-``http://scheduler-host:8888`` or plain ``host:port``)."""
+``http://scheduler-host:8888`` or plain ``host:port``; ``https://host:port`` for TLS, with
+``--tls-ca`` or else the system roots)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import structlog
 
 from opentinker_client.logs import configure_logging
-from opentinker_client.url import parse_scheduler_url
+from opentinker_client.url import parse_scheduler_address
 
 from .agent import AgentConfig, FatalRegistrationError, NodeAgent
 
@@ -61,6 +62,28 @@ _ENV_OPTIONS = (
 )
 
 
+def _http_tls_context(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The HTTPS context of the HTTP port from --http-tls-cert/--http-tls-key (or their
+    environment variables), else None; a bad pair is a one-line error (exit 2)."""
+    for dest, var in (("http_tls_cert", "OPENTINKER_HTTP_TLS_CERT"), ("http_tls_key", "OPENTINKER_HTTP_TLS_KEY")):
+        if getattr(args, dest) is None:
+            setattr(args, dest, os.environ.get(var) or "")
+    if not args.http_tls_cert and not args.http_tls_key:
+        return None
+    if bool(args.http_tls_cert) != bool(args.http_tls_key):
+        parser.error("--http-tls-cert and --http-tls-key: expected both (HTTPS) or neither")
+    if args.http_port is None:
+        parser.error("--http-tls-cert: expected --http-port (or OPENTINKER_HTTP_PORT) too; there is no HTTP port to secure")
+    import ssl
+
+    from opentinker_client.tls import server_ssl_context
+
+    try:
+        return server_ssl_context(args.http_tls_cert, args.http_tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        parser.error(f"--http-tls-cert/--http-tls-key: expected a readable PEM certificate and its key, got {args.http_tls_cert!r} and {args.http_tls_key!r} ({getattr(exc, 'strerror', None) or getattr(exc, 'reason', None) or exc})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="opentinker-trainer", description="OpenTinker trainer node agent.")
     parser.add_argument("--scheduler-url", default=None, help="default: env SCHEDULER_URL, else localhost:8888")
@@ -88,14 +111,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-ca", default=None, help="PEM CA of the scheduler's certificate; turns TLS on (default: env OPENTINKER_TLS_CA)")
     parser.add_argument("--tls-cert", default=None, help="PEM client certificate for mTLS (default: env OPENTINKER_TLS_CERT)")
     parser.add_argument("--tls-key", default=None, help="PEM key of --tls-cert (default: env OPENTINKER_TLS_KEY)")
+    parser.add_argument("--http-tls-cert", default=None, metavar="PEM", help="serve the HTTP port as HTTPS with this certificate chain (default: env OPENTINKER_HTTP_TLS_CERT)")
+    parser.add_argument("--http-tls-key", default=None, metavar="PEM", help="PEM key of --http-tls-cert (default: env OPENTINKER_HTTP_TLS_KEY)")
+    parser.add_argument(
+        "--serve-tls-cert",
+        default=os.environ.get("OPENTINKER_SERVE_TLS_CERT") or "",
+        help="PEM certificate of this node's inference servers; with --serve-tls-key they speak TLS and report https://host:port "
+        "(default: env OPENTINKER_SERVE_TLS_CERT)",
+    )
+    parser.add_argument("--serve-tls-key", default=os.environ.get("OPENTINKER_SERVE_TLS_KEY") or "", help="PEM key of --serve-tls-cert (default: env OPENTINKER_SERVE_TLS_KEY)")
     args = parser.parse_args(argv)
     for dest, var in (("api_key", "OPENTINKER_API_KEY"), ("tls_ca", "OPENTINKER_TLS_CA"), ("tls_cert", "OPENTINKER_TLS_CERT"), ("tls_key", "OPENTINKER_TLS_KEY")):
         if getattr(args, dest) is None:
             setattr(args, dest, os.environ.get(var) or "")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key: expected both (mTLS) or neither")
-    if args.tls_cert and not args.tls_ca:
-        parser.error("--tls-ca: expected the scheduler's CA when a client certificate is given")
+    from .inference.tls import read_server_tls  # torch-free
+
+    try:  # inference servers' TLS: both or neither, readable PEM, checked now (one line, exit 2)
+        read_server_tls(args.serve_tls_cert, args.serve_tls_key)
+    except ValueError as exc:
+        parser.error(str(exc))
+    # Workers may run in another directory: hand them absolute paths.
+    args.serve_tls_cert = str(Path(args.serve_tls_cert).resolve()) if args.serve_tls_cert else ""
+    args.serve_tls_key = str(Path(args.serve_tls_key).resolve()) if args.serve_tls_key else ""
     # Environment defaults are checked like the options, with an argparse-style one-line error
     # naming the variable (exit 2), never a traceback.
     for dest, var, kind, default in _ENV_OPTIONS:
@@ -116,9 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.work_dir is None:
         args.work_dir = Path(os.environ.get("OPENTINKER_WORK_DIR") or "runs")
     try:
-        target = parse_scheduler_url(args.scheduler_url)
+        address = parse_scheduler_address(args.scheduler_url)  # https:// / grpcs://: TLS even without --tls-ca
     except ValueError as exc:
         parser.error(f"{url_from}: {exc}")
+    target = address.target
+    if args.tls_cert and not args.tls_ca and not address.tls:
+        parser.error("--tls-ca: expected the scheduler's CA when a client certificate is given (or an https:// scheduler URL to trust the system roots)")
+    http_tls = _http_tls_context(parser, args)
     configure_logging()
     log = structlog.get_logger("opentinker.trainer")
     config = AgentConfig(
@@ -133,12 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         tls_ca=args.tls_ca,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        scheduler_tls=address.tls,
+        serve_tls_cert=args.serve_tls_cert,
+        serve_tls_key=args.serve_tls_key,
     )
-    if args.tls_ca:
+    if args.tls_ca or address.tls:
         from opentinker_client.tls import channel_credentials
 
         try:
-            channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)  # bad files: a one-line error, not a retry loop
+            channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, tls=address.tls)  # bad files: a one-line error, not a retry loop
         except ValueError as exc:
             parser.error(str(exc))
 
@@ -149,13 +195,13 @@ def main(argv: list[str] | None = None) -> int:
             from .http import TrainerHttp
 
             try:
-                http = TrainerHttp(agent, args.http_host, args.http_port)
+                http = TrainerHttp(agent, args.http_host, args.http_port, ssl_context=http_tls)
             except (OSError, OverflowError) as exc:
                 agent.monitor.close()
                 print(f"error: cannot listen on HTTP port {args.http_host}:{args.http_port}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
                 return 1
             http.start()
-            log.info("trainer http listening", http_port=http.port, node_id=config.node_id)
+            log.info("trainer http listening", http_port=http.port, node_id=config.node_id, scheme=http.scheme)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(agent.drain(signal.Signals(s).name)))

@@ -80,16 +80,22 @@ class AgentConfig:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    #: The scheduler URL was https:// or grpcs://: TLS even without ``tls_ca`` (the system roots).
+    scheduler_tls: bool = False
+    #: PEM certificate and key of this node's inference servers ("" = plaintext); handed to
+    #: workers as OPENTINKER_SERVE_TLS_CERT / OPENTINKER_SERVE_TLS_KEY.
+    serve_tls_cert: str = ""
+    serve_tls_key: str = ""
 
     def channel(self) -> grpc.aio.Channel:
-        """A channel to the scheduler: TLS when ``tls_ca`` is set, else plaintext.
+        """A channel to the scheduler: TLS when ``tls_ca`` or ``scheduler_tls`` is set, else plaintext.
 
         Raises:
             ValueError: a TLS file cannot be read or is not PEM.
         """
         from opentinker_client.tls import channel_credentials
 
-        creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key) if self.tls_ca else None
+        creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key, tls=self.scheduler_tls) if self.tls_ca or self.scheduler_tls else None
         if creds is None:
             return grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         return grpc.aio.secure_channel(self.target, creds, options=CHANNEL_OPTIONS)
@@ -296,7 +302,8 @@ class NodeAgent:
         env["OPENTINKER_AGENT_PID"] = str(os.getpid())  # the worker dies with the agent
         env["OPENTINKER_NODE_ID"] = self.config.node_id  # bound into the worker's log lines
         # Workers call the scheduler as their node does (datasets, adapter lookup): address, key, TLS.
-        env.update(worker_env(self.config.target, api_key=self.config.api_key, tls_ca=self.config.tls_ca, tls_cert=self.config.tls_cert, tls_key=self.config.tls_key))
+        env.update(worker_env(self.config.target, api_key=self.config.api_key, tls_ca=self.config.tls_ca, tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
+                              serve_tls_cert=self.config.serve_tls_cert, serve_tls_key=self.config.serve_tls_key, scheduler_tls=self.config.scheduler_tls))
         env["OPENTINKER_DATASET_CACHE"] = str(self.config.work_dir / "datasets")  # shared by this node's tasks
         env["OPENTINKER_ADVERTISE_HOST"] = self.config.advertise_host or default_advertise_host(self.config.target)  # inference servers
         cmd = [sys.executable, "-m", "opentinker_trainer.worker", str(assignment), "--checkpoint-dir", str(self.config.work_dir / a.task_id / "checkpoints")]

@@ -14,9 +14,14 @@
   ``simulated="true"``), and per running task the latest step, reward, loss, ``perf/*`` values
   and the step rate (steps per second over the last reports).
 
-The server runs in a daemon thread (wsgiref, as the scheduler's). It never touches the event
-loop's objects beyond reading flags and copying small dicts; the agent pushes metric reports
-through :meth:`TrainerHttp.on_metric`, which takes a lock.
+The server runs in daemon threads (wsgiref, a thread per connection with timeouts, as the
+scheduler's: :class:`opentinker_client.tls.SidePortServer`). It never touches the event loop's
+objects beyond reading flags and copying small dicts; the agent pushes metric reports through
+:meth:`TrainerHttp.on_metric`, which takes a lock.
+
+With ``--http-tls-cert``/``--http-tls-key`` (``$OPENTINKER_HTTP_TLS_CERT``/``_KEY``) the port speaks
+HTTPS only; the handshake runs in the connection's thread with a timeout, so a client that never
+finishes it blocks nobody.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import ssl
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler
+
+from opentinker_client.tls import SidePortServer, make_side_port_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -159,12 +167,16 @@ class TrainerHttp:
         agent: the node agent whose state is served.
         host, port: where to listen; ``port=0`` picks a free port (see :attr:`port`).
         stall_after_s: ``/live`` answers 503 when the event loop has not turned for this long.
+        ssl_context: serve HTTPS with it (:func:`opentinker_client.tls.server_ssl_context`);
+            None = plain HTTP.
 
     Raises:
         OSError: the port cannot be bound (in use, no permission).
     """
 
-    def __init__(self, agent: "NodeAgent", host: str = "0.0.0.0", port: int = 0, *, stall_after_s: float = 30.0) -> None:
+    def __init__(
+        self, agent: "NodeAgent", host: str = "0.0.0.0", port: int = 0, *, stall_after_s: float = 30.0, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self.agent = agent
         self.stall_after_s = stall_after_s
         self.lock = threading.Lock()
@@ -174,7 +186,8 @@ class TrainerHttp:
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))
         self._metrics_app = make_wsgi_app(self.registry)
-        self.server: WSGIServer = make_server(host, port, self._app, handler_class=_QuietHandler)
+        self.scheme = "http" if ssl_context is None else "https"
+        self.server: SidePortServer = make_side_port_server(host, port, self._app, _QuietHandler, ssl_context=ssl_context)
         self.port = self.server.server_port
         self._thread = threading.Thread(target=self.server.serve_forever, name="trainer-http", daemon=True)
         self._ticker: asyncio.Task | None = None

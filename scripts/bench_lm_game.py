@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         env_config = {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}}
     spec = TaskSpecModel.from_parts(workload_type="lora_finetune", model=args.model, env_config=env_config, hyperparameters=hp)
-    print(f"model={args.model}\nenv={json.dumps(env_config)}\nhyperparameters={json.dumps(hp)}", flush=True)
+    print(f"model={args.model}\nenv={json.dumps({k: ('<redacted>' if k == 'token' else v) for k, v in env_config.items()})}\nhyperparameters={json.dumps(hp)}", flush=True)
     printer = _Printer()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

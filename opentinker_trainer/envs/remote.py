@@ -15,6 +15,16 @@ retried; a retry cannot fix the user's environment), with these messages:
   Calls are retried with backoff while the endpoint is unreachable. A client whose server comes
   back within the grace period has lost its instances, so the next Step fails with
   FAILED_PRECONDITION (a UserError too) unless it was a Reset.
+* the access token is refused (UNAUTHENTICATED; not retried) -> ``the access token
+  (env_config.token) did not match the environment server at host:port ...``;
+* the TLS handshake keeps failing (wrong CA, a certificate for another host, a plaintext server)
+  for ``grace_s`` -> ``TLS handshake with client environment at host:port failed for
+  grace_s=30 s: ... CERTIFICATE_VERIFY_FAILED ...``.
+
+Access: every call carries ``authorization: Bearer <env_config.token>`` (when the token is not
+empty); with ``env_config.tls`` the channel is ``grpc.secure_channel`` trusting
+``env_config.tls_root_certificates`` (PEM; empty = the system's roots). The token is never put in
+a log line or an error message.
 
 All environments of one worker process share one gRPC channel per endpoint and one session id
 (a random UUID); each :func:`make_client_env` call takes the next ``env_index``.
@@ -23,6 +33,7 @@ All environments of one worker process share one gRPC channel per endpoint and o
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 import uuid
@@ -42,6 +53,18 @@ __all__ = ["ClientEnv", "RemoteSession", "close_all_sessions", "make_client_env"
 # UNAVAILABLE: nobody listens (client gone, network). CANCELLED: the client's server shut down with
 # this call in flight (the trainer never cancels its own calls). Both: retry until grace_s.
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# How gRPC (BoringSSL) words a failed handshake in an UNAVAILABLE status's details.
+_TLS_FAILURE = re.compile(r"ssl|tls|handshake|certificate|x509", re.IGNORECASE)
+
+
+def channel_for(endpoint: str, *, tls: bool = False, root_certificates: str = "") -> grpc.Channel:
+    """A channel to ``endpoint``: plaintext, or TLS trusting ``root_certificates`` (PEM text;
+    ``""`` = the system's roots). gRPC's own retries are off (:meth:`RemoteSession.call` retries)."""
+    options = [("grpc.enable_retries", 0)]
+    if not tls:
+        return grpc.insecure_channel(endpoint, options=options)
+    creds = grpc.ssl_channel_credentials(root_certificates=root_certificates.encode("ascii", "replace") or None)
+    return grpc.secure_channel(endpoint, creds, options=options)
 
 
 class RemoteSession:
@@ -49,25 +72,39 @@ class RemoteSession:
     UNAVAILABLE for ``grace_s`` and errors mapped to :class:`UserError`."""
 
     _lock = threading.Lock()
-    _sessions: dict[str, "RemoteSession"] = {}
+    _sessions: dict[tuple[str, str, bool, str], "RemoteSession"] = {}  # (endpoint, token, tls, roots)
 
-    def __init__(self, endpoint: str, *, timeout_s: float, grace_s: float) -> None:
+    def __init__(
+        self, endpoint: str, *, timeout_s: float, grace_s: float, token: str = "", tls: bool = False, root_certificates: str = ""
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = float(timeout_s)
         self.grace_s = float(grace_s)
+        self.tls = bool(tls)
         self.session_id = uuid.uuid4().hex
-        self.channel = grpc.insecure_channel(endpoint, options=[("grpc.enable_retries", 0)])
+        # The token is a secret: kept only in the call metadata, never in a message or a repr.
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.channel = channel_for(endpoint, tls=tls, root_certificates=root_certificates)
         self.stub = pb_grpc.EnvironmentServiceStub(self.channel)
         self._indexes = itertools.count()
         self.name = "client environment"
         self.described: pb.DescribeResponse | None = None
 
+    def __repr__(self) -> str:
+        return f"RemoteSession({self.endpoint!r}, tls={self.tls}, token={'set' if self._metadata else 'none'})"
+
     @classmethod
-    def shared(cls, endpoint: str, *, timeout_s: float, grace_s: float) -> "RemoteSession":
+    def shared(
+        cls, endpoint: str, *, timeout_s: float, grace_s: float, token: str = "", tls: bool = False, root_certificates: str = ""
+    ) -> "RemoteSession":
+        """The session of this process for ``endpoint`` with these credentials (made on first use)."""
+        key = (endpoint, token, bool(tls), root_certificates)
         with cls._lock:
-            s = cls._sessions.get(endpoint)
+            s = cls._sessions.get(key)
             if s is None:
-                s = cls._sessions[endpoint] = cls(endpoint, timeout_s=timeout_s, grace_s=grace_s)
+                s = cls._sessions[key] = cls(
+                    endpoint, timeout_s=timeout_s, grace_s=grace_s, token=token, tls=tls, root_certificates=root_certificates
+                )
             return s
 
     def next_index(self) -> int:
@@ -86,10 +123,24 @@ class RemoteSession:
         what = method.lower()
         while True:
             try:
-                return fn(request, timeout=self.timeout_s)
+                return fn(request, timeout=self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as err:
                 code = err.code()
                 where = f"{self.name} at {self.endpoint}"
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    # A retry cannot fix a wrong token: fail now, naming the cause (never the token).
+                    if self._metadata:
+                        message = (
+                            f"the access token (env_config.token) did not match the environment server at {self.endpoint} "
+                            f"({code.name}); each EnvironmentServer makes its own token when it starts, "
+                            "so submit the task with the env_config of the server that is running"
+                        )
+                    else:
+                        message = (
+                            f"the environment server at {self.endpoint} requires an access token but the task's "
+                            f"env_config.token is empty ({code.name}: {err.details()})"
+                        )
+                    raise UserError(message) from None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise UserError(
                         f"{where} did not answer {what} within timeout_s={self.timeout_s:g} s "
@@ -99,6 +150,12 @@ class RemoteSession:
                     now = time.monotonic()
                     first_down = now if first_down is None else first_down
                     if now - first_down >= self.grace_s:
+                        if self.tls and _TLS_FAILURE.search(err.details() or ""):
+                            raise UserError(
+                                f"TLS handshake with {where} failed for grace_s={self.grace_s:g} s: {err.details()} "
+                                "(env_config.tls_root_certificates must be the CA that signed the server's certificate, "
+                                "the certificate must name the endpoint's host, and the server must serve TLS)"
+                            ) from None
                         raise UserError(
                             f"{where} unreachable for grace_s={self.grace_s:g} s: {err.details()} "
                             "(the client that hosts it has gone away or cannot be reached from this node)"
@@ -117,7 +174,7 @@ class RemoteSession:
 
     def close(self) -> None:
         try:
-            self.stub.Close(pb.CloseRequest(session_id=self.session_id), timeout=min(self.timeout_s, 5.0))
+            self.stub.Close(pb.CloseRequest(session_id=self.session_id), timeout=min(self.timeout_s, 5.0), metadata=self._metadata)
         except grpc.RpcError:
             pass  # the client may be gone already; nothing to release then
 
@@ -220,7 +277,11 @@ def make_client_env(config: Any, *, seed: int | None) -> gymnasium.Env:
         UserError: declared spaces differ from the config, or the client fails/times out/is
             unreachable (see the module docstring).
     """
-    session = RemoteSession.shared(config.endpoint, timeout_s=config.timeout_s, grace_s=config.grace_s)
+    session = RemoteSession.shared(
+        config.endpoint, timeout_s=config.timeout_s, grace_s=config.grace_s,
+        token=getattr(config, "token", ""), tls=getattr(config, "tls", False),
+        root_certificates=getattr(config, "tls_root_certificates", ""),
+    )  # fmt: skip
     env: gymnasium.Env = ClientEnv(config, session)
     if config.max_episode_steps is not None:
         env = gymnasium.wrappers.TimeLimit(env, max_episode_steps=int(config.max_episode_steps))

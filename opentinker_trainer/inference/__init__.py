@@ -7,6 +7,8 @@
 * :mod:`.adapters` — adapter validation, loading on demand, least-recently-used bound;
 * :mod:`.runtime` — the served model: one model thread, request slots, step interleaving;
 * :mod:`.resolve` — adapter name (a finished task's id) -> checkpoint folder, via the scheduler;
+* :mod:`.access` — who may call: the scheduler asked with the caller's own API key, cached;
+* :mod:`.tls` — the server's certificate and key (``--serve-tls-cert`` / ``--serve-tls-key``);
 * :mod:`.server` — the gRPC servicer with health and reflection.
 
 The ``inference`` workload (:mod:`opentinker_trainer.workloads.inference`) puts them together.

@@ -1,4 +1,5 @@
-"""Adapter name -> checkpoint folder, by asking the scheduler about the task of that id.
+"""Adapter name -> checkpoint folder, by asking the scheduler (``NodeService.LookupTask``, with the
+node's key) about the task of that id.
 
 An adapter is named by the id of a finished ``lora_finetune`` or ``sft`` task; it is served from
 that task's newest checkpoint (its final one when it succeeded). The folder is read directly, so
@@ -14,16 +15,22 @@ from pathlib import Path
 import grpc
 
 from opentinker.common.v1 import common_pb2
-from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from opentinker.node.v1 import node_pb2, node_pb2_grpc
 
 from ..scheduler_link import scheduler_channel
 from .adapters import AdapterNotFound, AdapterRefused
 
-__all__ = ["SchedulerResolver", "ADAPTER_WORKLOADS", "same_model"]
+__all__ = ["SchedulerResolver", "ADAPTER_WORKLOADS", "same_model", "adapter_not_found"]
 
 #: Workloads whose checkpoints are LoRA adapters that can be served.
 ADAPTER_WORKLOADS = ("lora_finetune", "sft")
 _TERMINAL = (common_pb2.TASK_STATE_SUCCEEDED, common_pb2.TASK_STATE_FAILED, common_pb2.TASK_STATE_CANCELLED)
+
+
+def adapter_not_found(name: str) -> AdapterNotFound:
+    """The error for an adapter name that names no task the caller may use: the same words whether
+    the task does not exist or belongs to someone else (its existence is never confirmed)."""
+    return AdapterNotFound(f"adapter {name!r}: no task with that id (adapters are named by a finished lora_finetune or sft task's id)")
 
 
 def same_model(a: str, b: str) -> bool:
@@ -40,12 +47,14 @@ class SchedulerResolver:
     Args:
         target: the scheduler's ``host:port``.
         served_model: the base model this server serves; an adapter trained on another is refused.
-        timeout: seconds per GetTask call.
+        timeout: seconds per LookupTask call.
     """
 
     def __init__(self, target: str, served_model: str, *, timeout: float = 10.0) -> None:
-        self.channel, self.metadata = scheduler_channel(target)  # with the node's key and TLS
-        self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
+        # With the node's key and TLS: the caller's right to this adapter was checked before
+        # (access.AccessChecker, with the caller's own key); loading is the node's business.
+        self.channel, self.metadata = scheduler_channel(target)
+        self.stub = node_pb2_grpc.NodeServiceStub(self.channel)
         self.served_model = served_model
         self.timeout = timeout
 
@@ -56,10 +65,10 @@ class SchedulerResolver:
         """Raises AdapterNotFound (no such task, no checkpoint), AdapterRefused (not finished, not
         a LoRA checkpoint, another base model); grpc.RpcError when the scheduler is unreachable."""
         try:
-            task = self.stub.GetTask(scheduler_pb2.GetTaskRequest(task_id=name), timeout=self.timeout, metadata=self.metadata).task
+            task = self.stub.LookupTask(node_pb2.LookupTaskRequest(task_id=name), timeout=self.timeout, metadata=self.metadata).task
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
-                raise AdapterNotFound(f"adapter {name!r}: no task with that id (adapters are named by a finished lora_finetune or sft task's id)") from None
+                raise adapter_not_found(name) from None
             raise
         workload = task.spec.workload_type
         if workload not in ADAPTER_WORKLOADS:

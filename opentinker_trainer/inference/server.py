@@ -1,7 +1,9 @@
 """``opentinker.inference.v1.InferenceService`` over grpc.aio, with health and reflection.
 
 Thin: protobuf in and out, errors mapped to status codes; the work is in
-:class:`~opentinker_trainer.inference.runtime.ModelRuntime`.
+:class:`~opentinker_trainer.inference.runtime.ModelRuntime`. With an ``access`` checker
+(:class:`~.access.AccessChecker`) every InferenceService call is checked against the scheduler with
+the caller's own API key (health and reflection stay open); with ``tls`` the port speaks TLS only.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from grpc_reflection.v1alpha import reflection
 
 from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc
 
+from .access import AccessChecker, AccessRefused
 from .adapters import AdapterNotFound, AdapterRefused, AdaptersBusy
 from .engine import FINISH_LENGTH, FINISH_STOP, SamplingParams
+from .resolve import adapter_not_found
 from .runtime import BadRequest, Busy, ModelRuntime, Prepared, WrongModel
+from .tls import ServerTLS
 
 __all__ = ["InferenceService", "RunningInferenceServer", "start_inference_server", "SERVICE_NAME"]
 
@@ -59,10 +64,36 @@ def sampling_from_proto(s: inference_pb2.SamplingParams) -> SamplingParams:
 
 
 class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
-    """The servicer. ``runtime`` does the work."""
+    """The servicer. ``runtime`` does the work.
 
-    def __init__(self, runtime: ModelRuntime) -> None:
+    With ``access`` and ``task_id`` (this server's inference task), a caller must be allowed to use
+    ``task_id`` (UNAUTHENTICATED / PERMISSION_DENIED / UNAVAILABLE otherwise) and, for a request
+    naming an adapter, that adapter's task too (NOT_FOUND otherwise, worded as for an adapter that
+    does not exist). ``access=None``: no checks (in-process tests, a server without a scheduler).
+    """
+
+    def __init__(self, runtime: ModelRuntime, *, access: AccessChecker | None = None, task_id: str = "") -> None:
+        if access is not None and not task_id:
+            raise ValueError("task_id: expected the serving task's id when access is checked")
         self.runtime = runtime
+        self.access = access
+        self.task_id = task_id
+
+    async def _admit(self, context) -> None:
+        """The caller may use this server, else AccessRefused."""
+        if self.access is not None:
+            await self.access.check(context.invocation_metadata(), self.task_id)
+
+    async def _admit_adapter(self, context, adapter: str | None) -> None:
+        """The caller may use ``adapter``, else AdapterNotFound (never confirming that it exists)."""
+        if self.access is None or not adapter:
+            return
+        try:
+            await self.access.check(context.invocation_metadata(), adapter)
+        except AccessRefused as exc:
+            if exc.code == grpc.StatusCode.PERMISSION_DENIED:
+                raise adapter_not_found(adapter) from None
+            raise
 
     def _prepare(self, request) -> Prepared:
         which = request.WhichOneof("prompt")
@@ -78,6 +109,8 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
 
     @staticmethod
     async def _abort(context, exc: Exception) -> None:
+        if isinstance(exc, AccessRefused):
+            await context.abort(exc.code, exc.message)
         for cls, code in _STATUS:
             if isinstance(exc, cls):
                 await context.abort(code, str(exc))
@@ -85,7 +118,9 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
 
     async def Generate(self, request, context):
         try:
+            await self._admit(context)
             req = self._prepare(request)
+            await self._admit_adapter(context, req.adapter)
             n = req.params.n
             tokens: list[list[int]] = [[] for _ in range(n)]
             logprobs: list[list[float]] = [[] for _ in range(n)]
@@ -115,7 +150,9 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
 
     async def GenerateStream(self, request, context):
         try:
+            await self._admit(context)
             req = self._prepare(request)
+            await self._admit_adapter(context, req.adapter)
             events = self.runtime.run(req)
             first = await anext(events)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
@@ -137,16 +174,31 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             await events.aclose()  # a cancelled client: stop generating, free the slot
 
     async def ListAdapters(self, request, context):
+        try:
+            await self._admit(context)
+            loaded = self.runtime.registry.list()
+            visible = await asyncio.gather(*(self._sees(context, a.name) for a in loaded))
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await self._abort(context, exc)
         out = inference_pb2.ListAdaptersResponse(
             model=self.runtime.model_name,
             max_resident_adapters=self.runtime.registry.max_resident,
             context_length=self.runtime.context_length,
         )
-        for a in self.runtime.registry.list():
+        for a, seen in zip(loaded, visible):
+            if not seen:
+                continue  # another owner's adapter (loaded for an admin): not even its name
             msg = out.adapters.add(name=a.name, path=a.path, size_bytes=a.size_bytes, in_use=a.in_use)
             msg.load_time.FromNanoseconds(int(a.load_time * 1e9))
             msg.last_used_time.FromNanoseconds(int(a.last_used_time * 1e9))
         return out
+
+    async def _sees(self, context, adapter: str) -> bool:
+        try:
+            await self._admit_adapter(context, adapter)
+        except AdapterNotFound:
+            return False
+        return True
 
 
 @dataclass
@@ -154,25 +206,49 @@ class RunningInferenceServer:
     server: grpc.aio.Server
     port: int
     health: object
+    #: Whether the port speaks TLS (clients then dial ``https://host:port``).
+    tls: bool = False
+    access: AccessChecker | None = None
 
     async def stop(self, grace: float = 2.0) -> None:
         await _maybe_await(self.health.enter_graceful_shutdown())
         await self.server.stop(grace)
+        if self.access is not None:
+            await self.access.close()
 
 
-async def start_inference_server(runtime: ModelRuntime, *, host: str = "0.0.0.0", port: int = 0) -> RunningInferenceServer:
+async def start_inference_server(
+    runtime: ModelRuntime,
+    *,
+    host: str = "0.0.0.0",
+    port: int = 0,
+    tls: ServerTLS | None = None,
+    access: AccessChecker | None = None,
+    task_id: str = "",
+) -> RunningInferenceServer:
     """Serve ``runtime`` on ``host:port`` (0 = any free port); returns the handle with the port.
+
+    Args:
+        tls: ``(certificate chain PEM, private key PEM)``: the port speaks TLS only
+            (:func:`~.tls.read_server_tls`); ``None``: plaintext.
+        access, task_id: check every InferenceService call against the scheduler with the
+            caller's key, as a user of inference task ``task_id`` (:class:`InferenceService`).
+            The handle's ``stop`` closes ``access``.
 
     Raises:
         OSError: the port cannot be bound.
+        ValueError: ``access`` without ``task_id``.
     """
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(runtime), server)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(runtime, access=access, task_id=task_id), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(tls[1], tls[0])]))
     except RuntimeError:
         bound = 0
     if bound == 0:
@@ -181,7 +257,7 @@ async def start_inference_server(runtime: ModelRuntime, *, host: str = "0.0.0.0"
     await server.start()
     for name in ("", SERVICE_NAME):
         await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
-    return RunningInferenceServer(server=server, port=bound, health=health_servicer)
+    return RunningInferenceServer(server=server, port=bound, health=health_servicer, tls=tls is not None, access=access)
 
 
 async def _maybe_await(value) -> None:

@@ -73,7 +73,7 @@ def read_chat_jsonl(path: Path) -> list[Messages]:
 
 def fetch_dataset(dataset_id: str, scheduler_target: str | None, cache_dir: Path) -> Path:
     """The local file of an uploaded dataset: from ``cache_dir`` when there, else downloaded
-    from the scheduler (``SchedulerService.DownloadDataset``) and checked against its SHA-256.
+    from the scheduler (``NodeService.FetchDataset``, with the node's key) and checked against its SHA-256.
 
     The download goes to a temporary file renamed into place once complete and verified, so
     concurrent workers on one node and crashed downloads never leave a wrong file behind.
@@ -84,7 +84,7 @@ def fetch_dataset(dataset_id: str, scheduler_target: str | None, cache_dir: Path
     """
     import grpc
 
-    from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from opentinker.node.v1 import node_pb2, node_pb2_grpc
     from opentinker_trainer.scheduler_link import scheduler_channel
 
     if not is_dataset_id(dataset_id):
@@ -102,8 +102,8 @@ def fetch_dataset(dataset_id: str, scheduler_target: str | None, cache_dir: Path
     try:
         channel, metadata = scheduler_channel(scheduler_target)
         with channel, open(tmp, "wb") as fh:
-            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-            for resp in stub.DownloadDataset(scheduler_pb2.DownloadDatasetRequest(dataset_id=dataset_id), timeout=3600, metadata=metadata):
+            stub = node_pb2_grpc.NodeServiceStub(channel)
+            for resp in stub.FetchDataset(node_pb2.FetchDatasetRequest(dataset_id=dataset_id), timeout=3600, metadata=metadata):
                 digest.update(resp.chunk)
                 fh.write(resp.chunk)
         if digest.hexdigest() != hex_:

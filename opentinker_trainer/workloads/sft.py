@@ -10,7 +10,7 @@ so ``micro_batch_size`` changes memory use, not the update. AdamW with gradient 
 learning rate warmed up linearly over ``warmup_steps``, then ``constant``, ``linear`` or
 ``cosine`` decay to 0 at the last step.
 
-Data: ``env_config.dataset_id`` (uploaded; fetched from the scheduler with ``DownloadDataset``
+Data: ``env_config.dataset_id`` (uploaded; fetched from the scheduler with ``NodeService.FetchDataset``
 into the node's dataset cache) or ``env_config.path`` (a file on the node). A bad line ends the
 task FAILED, not retried, naming the line number.
 

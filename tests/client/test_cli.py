@@ -60,7 +60,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
 
 def test_missing_file_and_bad_url(tmp_path):
     one_line_error(run("submit", str(tmp_path / "nope.yaml")), "cannot read", "nope.yaml")
-    one_line_error(run("--scheduler-url", "https://h:1", "list"), "TLS")
+    one_line_error(run("--scheduler-url", "ftp://h:1", "list"), "unknown scheme")  # (https:// means TLS: tests/scheduler/test_auth.py)
     one_line_error(run("--scheduler-url", "h", "list"), "port is missing")
 
 

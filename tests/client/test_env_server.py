@@ -50,6 +50,17 @@ class BadObservation(Corridor):
         return 99, 0.0, False, False, {}
 
 
+class _Bearer(grpc.UnaryUnaryClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call, as the trainer does."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def intercept_unary_unary(self, continuation, details, request):
+        metadata = list(details.metadata or ()) + [("authorization", f"Bearer {self.token}")]
+        return continuation(details._replace(metadata=metadata), request)
+
+
 @pytest.fixture
 def serve():
     servers = []
@@ -57,7 +68,7 @@ def serve():
     def start(env, **kw):
         server = EnvironmentServer(env, **kw).start()
         servers.append(server)
-        channel = grpc.insecure_channel(server.endpoint)
+        channel = grpc.intercept_channel(grpc.insecure_channel(server.endpoint), _Bearer(server.token))
         return server, pb_grpc.EnvironmentServiceStub(channel)
 
     yield start
@@ -81,7 +92,9 @@ def test_reset_step_round_trip_with_batched_instances(serve):
     assert server.env_config == {
         "env_id": "client", "endpoint": server.endpoint, "action_space": 2, "observation_space": 5,
         "observation_type": "discrete", "action_names": ["left", "right"], "timeout_s": 30.0, "grace_s": 30.0,
+        "token": server.token,
     }  # fmt: skip
+    assert len(server.token) == 43  # secrets.token_urlsafe(32)
     d = stub.Describe(pb.DescribeRequest(), timeout=5)
     assert d.action_space.discrete.n == 2 and d.observation_space.discrete.n == 5 and list(d.action_names) == ["left", "right"]
     assert d.name == "Corridor"
@@ -237,7 +250,8 @@ def test_grpcurl_lists_and_describes_without_proto_files(serve):
     listed = subprocess.run([grpcurl, "-plaintext", server.endpoint, "list"], capture_output=True, text=True, timeout=30, check=True)
     assert "opentinker.environment.v1.EnvironmentService" in listed.stdout.split()
     out = subprocess.run(
-        [grpcurl, "-plaintext", server.endpoint, "opentinker.environment.v1.EnvironmentService/Describe"],
+        [grpcurl, "-plaintext", "-H", f"authorization: Bearer {server.token}", server.endpoint,
+         "opentinker.environment.v1.EnvironmentService/Describe"],
         capture_output=True, text=True, timeout=30, check=True,
     )  # fmt: skip
     assert '"name": "Corridor"' in out.stdout and '"left"' in out.stdout

@@ -83,3 +83,102 @@ def test_the_inference_client_and_evaluate_pull_in_no_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ------------------------------------------------------------------ endpoints, API key and TLS
+
+from concurrent import futures  # noqa: E402
+
+import grpc  # noqa: E402
+
+from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
+from opentinker_client.inference import parse_endpoint  # noqa: E402
+
+
+def test_endpoints_say_whether_to_use_tls_and_bad_ones_name_the_argument() -> None:
+    assert parse_endpoint("127.0.0.1:9000") == ("127.0.0.1:9000", False)
+    assert parse_endpoint("http://node-7:9000") == ("node-7:9000", False)
+    assert parse_endpoint("grpc://node-7:9000") == ("node-7:9000", False)
+    assert parse_endpoint("https://Node-7:9000") == ("node-7:9000", True)
+    assert parse_endpoint("grpcs://[::1]:9000") == ("[::1]:9000", True)
+    for bad, why in (("node-7", "the port is missing"), ("ftp://node-7:1", "unknown scheme 'ftp://'"), ("https://h:1/v1", "a path"), ("h:70000", "out of range")):
+        with pytest.raises(ValueError, match=rf"^endpoint: bad inference endpoint .*{why}"):
+            parse_endpoint(bad)
+        with pytest.raises(ValueError, match=r"^endpoint: "):
+            InferenceClient(bad)
+
+
+def test_an_unreadable_ca_is_a_value_error_naming_root_certificates(tmp_path, monkeypatch) -> None:
+    with pytest.raises(ValueError, match=r"^root_certificates: cannot read .*missing\.pem"):
+        InferenceClient("https://localhost:1", root_certificates=tmp_path / "missing.pem")
+    (tmp_path / "junk.pem").write_text("not pem")
+    monkeypatch.setenv("OPENTINKER_TLS_CA", str(tmp_path / "junk.pem"))
+    with pytest.raises(ValueError, match=r"^root_certificates: .*junk\.pem' is not a PEM file"):
+        InferenceClient("https://localhost:1")
+    InferenceClient("localhost:1").close()  # a plaintext endpoint reads no CA
+
+
+class _RecordingInference(inference_pb2_grpc.InferenceServiceServicer):
+    """A TEST DOUBLE of InferenceService (a real gRPC server): records each call's authorization."""
+
+    def __init__(self) -> None:
+        self.seen: list[str | None] = []
+
+    def ListAdapters(self, request, context):
+        self.seen.append(dict(context.invocation_metadata()).get("authorization"))
+        return inference_pb2.ListAdaptersResponse(model="m")
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    from ..scheduler.security_util import make_certs
+
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture
+def recording(certs):
+    servicer = _RecordingInference()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    plain = server.add_insecure_port("127.0.0.1:0")
+    creds = grpc.ssl_server_credentials([(certs.server_key.read_bytes(), certs.server_cert.read_bytes())])
+    secure = server.add_secure_port("127.0.0.1:0", creds)
+    server.start()
+    yield servicer, plain, secure
+    server.stop(None)
+
+
+def test_the_api_key_is_sent_as_a_bearer_token_from_the_argument_or_the_environment(recording, monkeypatch) -> None:
+    servicer, plain, _ = recording
+    monkeypatch.setenv("OPENTINKER_API_KEY", "otk_0000aaaa_from-env")
+    with InferenceClient(f"127.0.0.1:{plain}") as c:
+        c.list_adapters()
+        c.with_adapter("task-1").list_adapters()  # another client on the same server keeps the key
+    with InferenceClient(f"http://127.0.0.1:{plain}", api_key="otk_0000bbbb_given") as c:
+        c.list_adapters()
+        assert "otk_0000bbbb" not in repr(c)
+    with InferenceClient(f"127.0.0.1:{plain}", api_key="") as c:
+        c.list_adapters()
+    assert servicer.seen == ["Bearer otk_0000aaaa_from-env", "Bearer otk_0000aaaa_from-env", "Bearer otk_0000bbbb_given", None]
+
+
+def test_https_endpoints_use_tls_with_the_given_or_environment_ca(recording, certs, monkeypatch) -> None:
+    servicer, plain, secure = recording
+    with InferenceClient(f"https://localhost:{secure}", api_key="k", root_certificates=certs.ca) as c:
+        c.list_adapters()
+        c.with_adapter("task-1").list_adapters()  # keeps the CA
+    monkeypatch.setenv("OPENTINKER_TLS_CA", str(certs.ca))
+    with InferenceClient(f"grpcs://localhost:{secure}", api_key="k") as c:
+        c.list_adapters()
+    assert servicer.seen == ["Bearer k"] * 3
+    with InferenceClient(f"https://localhost:{secure}", root_certificates=certs.other_ca, timeout=5) as c:
+        with pytest.raises(UnavailableError):
+            c.list_adapters()
+    with InferenceClient(f"localhost:{secure}", timeout=5) as c:  # plaintext to a TLS port
+        with pytest.raises(UnavailableError):
+            c.list_adapters()
+    with InferenceClient(f"https://localhost:{plain}", timeout=5) as c:  # TLS to a plaintext port
+        with pytest.raises(UnavailableError):
+            c.list_adapters()
+    assert len(servicer.seen) == 3

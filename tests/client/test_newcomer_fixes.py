@@ -96,3 +96,45 @@ def test_first_history_line_reads_submitted_not_unspecified() -> None:
     assert "unspecified" not in _state_line(first) and "pending" in _state_line(first) and "submitted" in _state_line(first)
     later = TaskEvent(task_id="t", sequence=2, time=None, kind="state", from_state="pending", to_state="assigned", attempt=1, node_id="n1")
     assert _state_line(later).startswith("state ") and "-> " in _state_line(later) and "attempt 1" in _state_line(later)
+
+
+def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
+    """A real scheduler, a task that never starts, `opentinker logs --follow` interrupted."""
+    import signal
+    import time
+
+    from opentinker_client.cli import EXIT_INTERRUPTED
+
+    from ..scheduler.security_util import LoopbackScheduler
+
+    sched = LoopbackScheduler(tmp_path / "state")
+    try:
+        with RLClient(sched.target) as client:
+            task_id = client.submit_task(workload_type="lora_finetune", model="/models/m")
+        env = {**os.environ, "SCHEDULER_URL": sched.target, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "opentinker_client.cli", "logs", task_id, "--follow"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            line = proc.stdout.readline()  # the first event arrived: the stream is open
+            assert "pending" in line
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=20) == EXIT_INTERRUPTED
+            assert "interrupted" in proc.stderr.read()
+        finally:
+            proc.kill()
+    finally:
+        sched.close()
+
+
+def test_cli_never_prints_a_client_environment_token() -> None:
+    from opentinker_client.cli import _shown_env
+
+    env = {"env_id": "client", "endpoint": "127.0.0.1:5000", "token": "s3cret-token-value-123456", "tls": True, "tls_root_certificates": "-----BEGIN CERTIFICATE-----\nxyz\n"}
+    shown = _shown_env(env)
+    assert "s3cret" not in repr(shown) and shown["token"] == "<redacted>"
+    assert shown["tls_root_certificates"].startswith("<PEM, ") and shown["endpoint"] == env["endpoint"]
+    assert env["token"] == "s3cret-token-value-123456"  # the task's own value is untouched
+    assert _shown_env({"env_id": "arithmetic"}) == {"env_id": "arithmetic"}

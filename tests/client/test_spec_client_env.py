@@ -44,6 +44,46 @@ def test_client_env_config_refusals_name_the_field(change, field):
     assert err.value.field == field
 
 
+TOKEN = "AbCdEfGhIjKlMnOpQrStUvWxYz_0123456789-abcd"  # 43 url-safe characters, like token_urlsafe(32)
+PEM = "-----BEGIN CERTIFICATE-----\nMIIBszCCAVmgAwIBAgIU\n-----END CERTIFICATE-----\n"
+
+
+def test_token_and_tls_fields_parse_and_stay_out_of_the_repr():
+    cfg = validate_env_config({**OK, "token": TOKEN, "tls": True, "tls_root_certificates": PEM})
+    assert (cfg.token, cfg.tls, cfg.tls_root_certificates) == (TOKEN, True, PEM)
+    assert TOKEN not in repr(cfg) and "BEGIN CERTIFICATE" not in repr(cfg)
+    assert validate_env_config(OK).token == ""  # a server started with require_token=False
+    assert validate_env_config({**OK, "tls": True}).tls_root_certificates == ""  # system roots
+    spec = TaskSpecModel.from_parts(workload_type="full_rl", model="", env_config={**OK, "token": TOKEN}, hyperparameters={})
+    assert TOKEN not in repr(spec)
+
+
+@pytest.mark.parametrize(
+    "change, field, expected",
+    [
+        ({"token": "short"}, "token", "16..256 characters"),
+        ({"token": "t" * 257}, "token", "16..256 characters"),
+        ({"token": "has space in the token value"}, "token", "url-safe characters only"),
+        ({"token": "slashes/and+plus=signs000"}, "token", "url-safe characters only"),
+        ({"token": "ünïcödé-characters-in-token"}, "token", "url-safe characters only"),
+        ({"token": 12}, "token", "a string"),
+        ({"tls": "yes"}, "tls", "true or false"),
+        ({"tls_root_certificates": PEM}, "tls_root_certificates", "empty unless tls is true"),
+        ({"tls": True, "tls_root_certificates": "not a certificate"}, "tls_root_certificates", "PEM text of a CA certificate"),
+        ({"tls": True, "tls_root_certificates": "-----BEGIN CERTIFICATE-----\nAAAA"}, "tls_root_certificates", "PEM text"),
+        ({"tls": True, "tls_root_certificates": PEM * 2000}, "tls_root_certificates", "at most 65536 bytes"),
+        ({"tls": True, "tls_root_certificates": PEM + "-----BEGIN PRIVATE KEY-----\nAA\n-----END PRIVATE KEY-----\n"},
+         "tls_root_certificates", "PRIVATE KEY"),
+    ],
+)
+def test_token_and_tls_refusals_name_the_field_and_never_echo_the_token(change, field, expected):
+    with pytest.raises(SpecError) as err:
+        validate_env_config({**OK, **change})
+    assert err.value.field == f"spec.env_config.{field}" and expected in str(err.value)
+    if field == "token" and isinstance(change["token"], str):
+        assert change["token"] not in str(err.value) and change["token"][:8] not in str(err.value)
+
+
 def test_client_env_config_requires_both_sizes():
     for missing in ("action_space", "observation_space"):
         data = {k: v for k, v in OK.items() if k != missing}

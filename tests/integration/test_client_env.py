@@ -121,3 +121,42 @@ def test_client_that_goes_away_fails_the_task_after_the_grace_period(cluster, ti
     client.close()  # stops the environment server; the task must not hang
     task = cluster.wait_state(task_id, 5, timeout=120)  # FAILED
     assert "unreachable for grace_s=2 s" in task.error and "Watched" in task.error
+
+
+def test_client_hosted_environment_over_tls_with_an_access_token(cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """submit_task serves the environment on TLS with a token; the trainer (another process)
+    trusts the CA from the spec, sends the token, and the task succeeds. The token appears in
+    no log of the scheduler, the trainer or its worker."""
+    from ..scheduler.security_util import make_certs
+
+    certs = make_certs(tmp_path / "certs")
+    start(cluster)
+    Corridor.resets = []
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        task_id = client.submit_task(
+            env_config=Corridor(), workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 1},
+            env_tls_cert=certs.server_cert, env_tls_key=certs.server_key, env_tls_ca=certs.ca,
+        )  # fmt: skip
+        (server,) = client._env_servers
+        env = client.get_task(task_id).env_config
+        assert env["tls"] is True and env["token"] == server.token and "BEGIN CERTIFICATE" in env["tls_root_certificates"]
+        assert client.wait(task_id, timeout=240, poll_interval=0.2).state == "succeeded"
+        assert Corridor.resets  # the trainer played over TLS
+        assert server.auth.refused == 0
+    logs = "".join(p.log_text() for p in cluster.procs)  # scheduler, trainer and (inherited stderr) worker
+    assert "opentinker.worker" in logs or "worker" in logs
+    assert server.token not in logs
+
+
+def test_wrong_access_token_fails_the_task_at_once_naming_the_cause(cluster, tiny_model_dir: Path) -> None:
+    start(cluster)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        with client.serve_environment(Corridor(grace_s=120)) as server:
+            env_config = {**server.env_config, "token": "not-the-servers-token-0123456789"}
+            task_id = client.submit_task(env_config=env_config, workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP)
+            with pytest.raises(TaskFailedError) as err:
+                client.wait(task_id, timeout=240, poll_interval=0.2)
+    task = err.value.task
+    assert task.state == "failed" and task.attempt == 1  # not retried, and grace_s=120 not waited for
+    assert f"the access token (env_config.token) did not match the environment server at {server.endpoint}" in task.error
+    assert server.token not in task.error and "not-the-servers-token" not in task.error

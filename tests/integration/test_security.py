@@ -1,5 +1,6 @@
 """Security end to end with real processes on loopback: a scheduler with API keys, TLS and an mTLS
-node port; a trainer with a node key and a client certificate; clients with user keys."""
+node port; a trainer with a node key and a client certificate (reaching the scheduler through an
+``https://`` URL); clients with user keys; revoking the node's key cuts the running trainer off."""
 
 from __future__ import annotations
 
@@ -55,10 +56,10 @@ def test_keys_tls_and_mtls_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> N
             assert wrong.popen.wait(timeout=60) == 1
             assert "PERMISSION_DENIED" in wrong.log_text()
 
-            # The real trainer: node key + client certificate on the mTLS node port.
-            cluster.start_trainer(
+            # The real trainer: node key + client certificate (CN node-a) on the mTLS node port.
+            trainer = cluster.start_trainer(
                 "node-a", "--api-key", node_key, "--tls-ca", str(certs.ca), "--tls-cert", str(certs.node_cert), "--tls-key", str(certs.node_key),
-                url=f"127.0.0.1:{node_port}",
+                url=f"https://localhost:{node_port}",
             )
             _wait_connected(root, 1)
 
@@ -91,6 +92,17 @@ def test_keys_tls_and_mtls_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> N
         with RLClient(cluster.url, api_key=admin_key, timeout=3) as plain:
             with pytest.raises(Exception, match="UNAVAILABLE|DEADLINE_EXCEEDED"):
                 plain.list_tasks()
+        # Revoking the node's key ends its open Connect stream; the trainer is refused and exits 1.
+        with RLClient(cluster.url, api_key=admin_key, **tls) as root:
+            node_prefix = next(k.prefix for k in root.keys.list() if k.owner == "rack-1")
+            root.keys.revoke(node_prefix)
+            assert trainer.popen.wait(timeout=60) == 1
+            refused = [e for e in trainer.log_events() if e.get("event") == "scheduler refused this node"]
+            assert refused and refused[0]["error"] == f"UNAUTHENTICATED: API key {node_prefix} was revoked"
+            deadline = time.monotonic() + 30
+            while any(n.connected for n in root.list_nodes()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not any(n.connected for n in root.list_nodes())
         audit_lines = [e for e in cluster.scheduler.log_events() if e.get("event") == "audit"]
         assert any(e["action"] == "auth.refused" and e["outcome"] == "PERMISSION_DENIED" for e in audit_lines)
         assert any(e["action"] == "node.join" and e.get("cert_cn") == "node-a" for e in audit_lines)

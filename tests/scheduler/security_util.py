@@ -140,3 +140,67 @@ class LoopbackScheduler:
 
 def metadata(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
+
+
+@dataclass(frozen=True)
+class NodeCerts:
+    """A CA, a server certificate for localhost/127.0.0.1, and client certificates by name."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    #: common name -> (certificate, key) PEM files.
+    nodes: dict
+
+
+def make_node_certs(folder: Path, names: dict[str, tuple[str, ...]]) -> NodeCerts:
+    """Like :func:`make_certs`, with one client certificate per entry of ``names``: common name ->
+    DNS subject alternative names (may be empty). Files are ``<cn>.pem`` / ``<cn>.key``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def builder(subject: str, issuer: x509.Name, public_key) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder().subject_name(name(subject)).issuer_name(issuer).public_key(public_key)
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+        )
+
+    def write(path: str, data: bytes) -> Path:
+        p = folder / path
+        p.write_bytes(data)
+        return p
+
+    def pem_cert(c) -> bytes:
+        return c.public_bytes(serialization.Encoding.PEM)
+
+    def pem_key(k) -> bytes:
+        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = builder("opentinker-test-ca", name("opentinker-test-ca"), ca_key.public_key()).add_extension(
+        x509.BasicConstraints(ca=True, path_length=None), critical=True
+    ).sign(ca_key, hashes.SHA256())
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server_cert = builder("localhost", ca_cert.subject, server_key.public_key()).add_extension(
+        x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
+    ).sign(ca_key, hashes.SHA256())
+    nodes = {}
+    for cn, dns in names.items():
+        key = ec.generate_private_key(ec.SECP256R1())
+        b = builder(cn, ca_cert.subject, key.public_key())
+        if dns:
+            b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(d) for d in dns]), critical=False)
+        nodes[cn] = (write(f"{cn}.pem", pem_cert(b.sign(ca_key, hashes.SHA256()))), write(f"{cn}.key", pem_key(key)))
+    return NodeCerts(
+        ca=write("ca.pem", pem_cert(ca_cert)), server_cert=write("server.pem", pem_cert(server_cert)),
+        server_key=write("server.key", pem_key(server_key)), nodes=nodes,
+    )

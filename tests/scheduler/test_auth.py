@@ -376,8 +376,8 @@ def test_cli_keys_create_list_rotate_revoke(sched, capsys) -> None:
 
 def test_task_workers_reach_the_scheduler_with_their_nodes_key(sched, tmp_path) -> None:
     """A worker gets the node's address and key from the agent (opentinker_trainer.scheduler_link):
-    with it, it may look up any owner's task (adapter resolution) and download a dataset, and
-    nothing else a user may do."""
+    with it, it may look up any owner's task (adapter resolution) and download a dataset through
+    NodeService, and nothing a user may do."""
     from opentinker_trainer.scheduler_link import scheduler_channel, worker_env
     from opentinker_trainer.workloads._sft_data import fetch_dataset
 
@@ -393,14 +393,16 @@ def test_task_workers_reach_the_scheduler_with_their_nodes_key(sched, tmp_path) 
     env = worker_env(sched.target, api_key=node_key)
     channel, md = scheduler_channel(env=env)
     with channel:
+        nodes = node_pb2_grpc.NodeServiceStub(channel)
+        assert nodes.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=md).task.owner == "alice"
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-        assert stub.GetTask(S.GetTaskRequest(task_id=task_id), metadata=md).task.owner == "alice"
-        code, _ = _code(stub.ListTasks, S.ListTasksRequest(), metadata=md)
-        assert code == grpc.StatusCode.PERMISSION_DENIED
+        for method, request in ((stub.ListTasks, S.ListTasksRequest()), (stub.GetTask, S.GetTaskRequest(task_id=task_id))):
+            code, _ = _code(method, request, metadata=md)
+            assert code == grpc.StatusCode.PERMISSION_DENIED
     # Without the key the same call is refused; with it the dataset downloads.
     bare, _ = scheduler_channel(env={"OPENTINKER_SCHEDULER_URL": sched.target})
     with bare:
-        code, _ = _code(scheduler_pb2_grpc.SchedulerServiceStub(bare).GetTask, S.GetTaskRequest(task_id=task_id))
+        code, _ = _code(node_pb2_grpc.NodeServiceStub(bare).LookupTask, N.LookupTaskRequest(task_id=task_id))
         assert code == grpc.StatusCode.UNAUTHENTICATED
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -413,3 +415,123 @@ def test_task_workers_reach_the_scheduler_with_their_nodes_key(sched, tmp_path) 
             else:
                 os.environ[k] = v
     assert path.read_bytes() == data.read_bytes()
+
+
+# ------------------------------------------------------------------ node ids named by certificates
+
+
+def _register(target: str, creds, node_id: str, key: str) -> N.ConnectResponse:
+    register = N.ConnectRequest(register=N.Register(node_id=node_id, max_tasks=1))
+    with grpc.secure_channel(target, creds, options=(("grpc.ssl_target_name_override", "localhost"),)) as ch:
+        return next(node_pb2_grpc.NodeServiceStub(ch).Connect(iter([register]), metadata=metadata(key), timeout=10))
+
+
+def _node_creds(certs, cn: str):
+    cert, key = certs.nodes[cn]
+    return grpc.ssl_channel_credentials(certs.ca.read_bytes(), key.read_bytes(), cert.read_bytes())
+
+
+def _mtls_sched(tmp_path, extra: str = ""):
+    from .security_util import make_node_certs
+
+    certs = make_node_certs(tmp_path / "certs", {"node-a": ("node-a.cluster.local",), "node-b": (), "trainer-fleet": ()})
+    text = AUTH + f"tls: {{cert: certs/server.pem, key: certs/server.key, client_ca: certs/ca.pem, node_port: 0{extra}}}\n"
+    s = LoopbackScheduler(tmp_path / "state", text, base_dir=tmp_path)
+    with RLClient(s.target, api_key=_admin_key(s), root_certificates=certs.ca) as root:
+        _, node_key = root.keys.create("rack-1", "node")
+    return s, certs, node_key, f"127.0.0.1:{s.running.node_port}"
+
+
+def test_node_id_must_be_the_certificates_common_name_or_a_dns_name(tmp_path) -> None:
+    s, certs, key, node_target = _mtls_sched(tmp_path)
+    try:
+        assert s.config.tls.node_id_must_match_cert  # the default with a client_ca
+        a, b = _node_creds(certs, "node-a"), _node_creds(certs, "node-b")
+        assert _register(node_target, a, "node-a", key).WhichOneof("command") == "registered"  # the CN
+        assert _register(node_target, a, "node-a.cluster.local", key).WhichOneof("command") == "registered"  # a DNS name
+        assert _register(node_target, b, "node-b", key).WhichOneof("command") == "registered"
+        # node-a's certificate may not register as node-b (nor as anything else), and the reverse.
+        for creds, node_id, names in ((a, "node-b", "CN 'node-a', DNS names 'node-a.cluster.local'"), (b, "node-a", "CN 'node-b'"), (a, "node-a.evil", "CN 'node-a'")):
+            with pytest.raises(grpc.RpcError) as err:
+                _register(node_target, creds, node_id, key)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert err.value.details().startswith(f"node id '{node_id}' does not match its certificate ({names}")
+        # Refusals are audited with the certificate's name and the id asked for; nothing registered.
+        refused = [r for r in s.security.audit.list(action="node.join") if r.outcome == "PERMISSION_DENIED"]
+        assert {(r.detail["node_id"], r.detail["cert_cn"]) for r in refused} == {("node-b", "node-a"), ("node-a", "node-b"), ("node-a.evil", "node-a")}
+        assert "node-a.evil" not in s.do(lambda: set(s.core.nodes))
+    finally:
+        s.close()
+
+
+def test_one_fleet_certificate_for_all_nodes_when_matching_is_off(tmp_path) -> None:
+    s, certs, key, node_target = _mtls_sched(tmp_path, ", node_id_must_match_cert: false")
+    try:
+        fleet = _node_creds(certs, "trainer-fleet")
+        for node_id in ("gpu-node-01", "gpu-node-02"):
+            assert _register(node_target, fleet, node_id, key).WhichOneof("command") == "registered"
+        joins = [r for r in s.security.audit.list(action="node.join") if r.outcome == "OK"]
+        assert {(r.detail["node_id"], r.detail["cert_cn"]) for r in joins} == {("gpu-node-01", "trainer-fleet"), ("gpu-node-02", "trainer-fleet")}
+    finally:
+        s.close()
+
+
+def test_node_id_must_match_cert_config(tmp_path) -> None:
+    certs = make_certs(tmp_path / "certs")
+    base = "tls: {cert: certs/server.pem, key: certs/server.key"
+    assert not parse_config(base + "}\n", "x.yaml", base_dir=tmp_path).tls.node_id_must_match_cert  # no client certificates
+    cfg = parse_config(base + ", client_ca: certs/ca.pem, client_auth: all, node_id_must_match_cert: false}\n", "x.yaml", base_dir=tmp_path)
+    assert cfg.tls.client_ca == certs.ca and not cfg.tls.node_id_must_match_cert
+    with pytest.raises(ConfigError, match=r"x\.yaml:1: tls\.node_id_must_match_cert: expected false without tls\.client_ca"):
+        parse_config(base + ", node_id_must_match_cert: true}\n", "x.yaml", base_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"x\.yaml:1: tls\.node_id_must_match_cert: expected true or false"):
+        parse_config(base + ", client_ca: certs/ca.pem, node_port: 0, node_id_must_match_cert: maybe}\n", "x.yaml", base_dir=tmp_path)
+
+
+# ------------------------------------------------------------------ https:// and grpcs:// URLs
+
+
+def test_https_url_means_tls_with_the_ca_or_else_the_system_roots(tmp_path, monkeypatch) -> None:
+    certs = make_certs(tmp_path / "certs")
+    monkeypatch.delenv("OPENTINKER_TLS_CA", raising=False)
+    s = LoopbackScheduler(tmp_path / "state", "tls: {cert: certs/server.pem, key: certs/server.key}\n", base_dir=tmp_path)
+    port = s.running.port
+    try:
+        for url in (f"https://localhost:{port}", f"grpcs://127.0.0.1:{port}"):
+            with RLClient(url, root_certificates=certs.ca, timeout=10) as c:
+                assert c.list_tasks() == []
+        # No CA: the system's roots do not vouch for a self-signed test CA, and the error says so
+        # (at once: the handshake fails, nothing waits for a deadline).
+        with RLClient(f"https://localhost:{port}", timeout=20) as c:
+            with pytest.raises(UnavailableError, match="CERTIFICATE_VERIFY_FAILED"):
+                c.list_tasks()
+        # The CLI takes --tls-ca (or $OPENTINKER_TLS_CA) with an https:// URL.
+        assert cli_main(["--scheduler-url", f"https://localhost:{port}", "--tls-ca", str(certs.ca), "list"]) == 0
+        monkeypatch.setenv("OPENTINKER_TLS_CA", str(certs.ca))
+        assert cli_main(["--scheduler-url", f"https://localhost:{port}", "list"]) == 0
+    finally:
+        s.close()
+
+
+def test_workers_make_the_same_tls_choice_as_their_node(tmp_path) -> None:
+    """``worker_env(..., scheduler_tls=True)`` (an https:// node URL) makes a worker's channel TLS
+    even without a CA; with the node's CA it reaches the scheduler."""
+    from opentinker_trainer.scheduler_link import SCHEDULER_TLS_ENV, scheduler_channel, worker_env
+
+    certs = make_certs(tmp_path / "certs")
+    s = LoopbackScheduler(tmp_path / "state", "tls: {cert: certs/server.pem, key: certs/server.key}\n", base_dir=tmp_path)
+    target = f"localhost:{s.running.port}"
+    try:
+        assert worker_env(target, scheduler_tls=True)[SCHEDULER_TLS_ENV] == "1" and SCHEDULER_TLS_ENV not in worker_env(target)
+        for env, ok in ((worker_env(target, scheduler_tls=True, tls_ca=str(certs.ca)), True), (worker_env(target, scheduler_tls=True), False)):
+            channel, md = scheduler_channel(env=env)
+            with channel:
+                call = health_pb2_grpc.HealthStub(channel).Check
+                if ok:
+                    assert call(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+                else:  # TLS against the system roots: a certificate error, not plaintext
+                    with pytest.raises(grpc.RpcError) as err:
+                        call(health_pb2.HealthCheckRequest(), timeout=10)
+                    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "CERTIFICATE_VERIFY_FAILED" in err.value.details()
+    finally:
+        s.close()

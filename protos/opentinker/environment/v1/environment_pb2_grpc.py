@@ -33,6 +33,10 @@ class EnvironmentServiceStub:
     Instances are addressed by (session_id, env_index). A session is one trainer attempt's set of
     environments; each env_index within it is one independent instance of the user's environment,
     created on its first Reset. Calls on one session are executed one at a time, in order.
+
+    Every call carries the server's access token as `authorization: Bearer <token>` metadata (the
+    task spec's `env_config.token`); a missing or wrong token is UNAUTHENTICATED on every RPC below,
+    before any user code runs. grpc.health.v1.Health and server reflection need no token.
     """
 
     def __init__(self, channel):
@@ -71,6 +75,10 @@ class EnvironmentServiceServicer:
     Instances are addressed by (session_id, env_index). A session is one trainer attempt's set of
     environments; each env_index within it is one independent instance of the user's environment,
     created on its first Reset. Calls on one session are executed one at a time, in order.
+
+    Every call carries the server's access token as `authorization: Bearer <token>` metadata (the
+    task spec's `env_config.token`); a missing or wrong token is UNAUTHENTICATED on every RPC below,
+    before any user code runs. grpc.health.v1.Health and server reflection need no token.
     """
 
     def Describe(self, request, context):
@@ -153,6 +161,10 @@ class EnvironmentService:
     Instances are addressed by (session_id, env_index). A session is one trainer attempt's set of
     environments; each env_index within it is one independent instance of the user's environment,
     created on its first Reset. Calls on one session are executed one at a time, in order.
+
+    Every call carries the server's access token as `authorization: Bearer <token>` metadata (the
+    task spec's `env_config.token`); a missing or wrong token is UNAUTHENTICATED on every RPC below,
+    before any user code runs. grpc.health.v1.Health and server reflection need no token.
     """
 
     @staticmethod

@@ -11,6 +11,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LookupTaskRequest(_message.Message):
+    __slots__ = ("task_id",)
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    def __init__(self, task_id: _Optional[str] = ...) -> None: ...
+
+class LookupTaskResponse(_message.Message):
+    __slots__ = ("task",)
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    task: _common_pb2.Task
+    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ...) -> None: ...
+
+class FetchDatasetRequest(_message.Message):
+    __slots__ = ("dataset_id",)
+    DATASET_ID_FIELD_NUMBER: _ClassVar[int]
+    dataset_id: str
+    def __init__(self, dataset_id: _Optional[str] = ...) -> None: ...
+
+class FetchDatasetResponse(_message.Message):
+    __slots__ = ("chunk", "size_bytes")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    chunk: bytes
+    size_bytes: int
+    def __init__(self, chunk: _Optional[bytes] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
 class ConnectRequest(_message.Message):
     __slots__ = ("register", "heartbeat", "task_report", "goodbye")
     REGISTER_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,16 @@ class NodeServiceStub:
                 request_serializer=opentinker_dot_node_dot_v1_dot_node__pb2.ConnectRequest.SerializeToString,
                 response_deserializer=opentinker_dot_node_dot_v1_dot_node__pb2.ConnectResponse.FromString,
                 _registered_method=True)
+        self.LookupTask = channel.unary_unary(
+                '/opentinker.node.v1.NodeService/LookupTask',
+                request_serializer=opentinker_dot_node_dot_v1_dot_node__pb2.LookupTaskRequest.SerializeToString,
+                response_deserializer=opentinker_dot_node_dot_v1_dot_node__pb2.LookupTaskResponse.FromString,
+                _registered_method=True)
+        self.FetchDataset = channel.unary_stream(
+                '/opentinker.node.v1.NodeService/FetchDataset',
+                request_serializer=opentinker_dot_node_dot_v1_dot_node__pb2.FetchDatasetRequest.SerializeToString,
+                response_deserializer=opentinker_dot_node_dot_v1_dot_node__pb2.FetchDatasetResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -54,8 +64,29 @@ class NodeServiceServicer:
         its tasks are requeued. A node that reconnects with the same node_id re-announces its
         running tasks in `register.running`, and they continue.
         Errors: INVALID_ARGUMENT (first message not `register`, empty node_id),
-        PERMISSION_DENIED (node_id not in the resource pool while unknown nodes are refused),
-        ALREADY_EXISTS (another stream with this node_id was heard from within its lease).
+        PERMISSION_DENIED (node_id not in the resource pool while unknown nodes are refused, or, with
+        mTLS and tls.node_id_must_match_cert, not the CN or a DNS name of the node's certificate),
+        ALREADY_EXISTS (another stream with this node_id was heard from within its lease),
+        UNAUTHENTICATED (also mid-stream: the API key that opened it was revoked or expired).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LookupTask(self, request, context):
+        """Returns one task, of any owner, as SchedulerService.GetTask shows it to an admin. For task
+        workers on a node (resolving a served adapter's checkpoint); needs the node role (a node key
+        may not call SchedulerService). Idempotent. Errors: INVALID_ARGUMENT (empty id), NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchDataset(self, request, context):
+        """Streams an uploaded dataset's bytes in chunks of at most 1 MiB, for the task worker that
+        trains on it (`sft` with `env_config.dataset_id`); the worker checks them against the id's
+        SHA-256. Node role. Idempotent. Errors: INVALID_ARGUMENT (not a `sha256:<64 hex>` id),
+        NOT_FOUND (no such dataset).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,6 +99,16 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=opentinker_dot_node_dot_v1_dot_node__pb2.ConnectRequest.FromString,
                     response_serializer=opentinker_dot_node_dot_v1_dot_node__pb2.ConnectResponse.SerializeToString,
+            ),
+            'LookupTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupTask,
+                    request_deserializer=opentinker_dot_node_dot_v1_dot_node__pb2.LookupTaskRequest.FromString,
+                    response_serializer=opentinker_dot_node_dot_v1_dot_node__pb2.LookupTaskResponse.SerializeToString,
+            ),
+            'FetchDataset': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchDataset,
+                    request_deserializer=opentinker_dot_node_dot_v1_dot_node__pb2.FetchDatasetRequest.FromString,
+                    response_serializer=opentinker_dot_node_dot_v1_dot_node__pb2.FetchDatasetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -98,6 +139,60 @@ class NodeService:
             '/opentinker.node.v1.NodeService/Connect',
             opentinker_dot_node_dot_v1_dot_node__pb2.ConnectRequest.SerializeToString,
             opentinker_dot_node_dot_v1_dot_node__pb2.ConnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.node.v1.NodeService/LookupTask',
+            opentinker_dot_node_dot_v1_dot_node__pb2.LookupTaskRequest.SerializeToString,
+            opentinker_dot_node_dot_v1_dot_node__pb2.LookupTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/opentinker.node.v1.NodeService/FetchDataset',
+            opentinker_dot_node_dot_v1_dot_node__pb2.FetchDatasetRequest.SerializeToString,
+            opentinker_dot_node_dot_v1_dot_node__pb2.FetchDatasetResponse.FromString,
             options,
             channel_credentials,
             insecure,
