@@ -74,6 +74,9 @@ bench-rl: install
 # What API keys, audit and TLS cost per call.
 bench-security: install
 	$(PY) scripts/bench_security.py
+	$(PY) scripts/bench_stream_revocation.py
+	$(PY) scripts/bench_inference_access.py
+	$(PY) scripts/bench_env_security.py
 
 # Learning checks on the real model (minutes each): SFT eval loss, an LM playing FrozenLake.
 bench-sft: install

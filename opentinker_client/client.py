@@ -36,8 +36,6 @@ import grpc
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from opentinker_client.config import TaskConfig, load_task_config
 from opentinker_client.convert import (
-    DatasetInfo,
-    dataset_from_proto,
     NodeInfo,
     TaskEvent,
     TaskInfo,
@@ -56,12 +54,11 @@ from opentinker_client.errors import (
     UnavailableError,
     from_rpc_error,
 )
+from opentinker_client.client_data import DataMixin
+from opentinker_client.client_serving import ServingMixin
 from opentinker_client.url import parse_scheduler_address
 
 __all__ = ["RLClient", "DEFAULT_SCHEDULER_URL"]
-
-#: Bytes per UploadDataset message.
-UPLOAD_CHUNK_BYTES = 1024 * 1024
 
 log = logging.getLogger("opentinker_client")
 
@@ -132,7 +129,7 @@ class _Backoff:
         return delay
 
 
-class RLClient:
+class RLClient(ServingMixin, DataMixin):
     """A connection to the OpenTinker scheduler.
 
     Args:
@@ -214,55 +211,6 @@ class RLClient:
         if not self._closed:
             self._closed = True
             self._channel.close()
-
-    def serve_environment(
-        self, env: Environment, *, host: str | None = None, port: int = 0, advertise_host: str | None = None, factory: Any = None,
-        token: str | None = None, require_token: bool = True, tls_cert: str | os.PathLike[str] | None = None,
-        tls_key: str | os.PathLike[str] | None = None, tls_ca: str | os.PathLike[str] | None = None,
-    ) -> Any:
-        """Serve a client-hosted environment (a subclass of :class:`Environment` that defines
-        ``reset``/``step``) to trainers, and return the started
-        :class:`~opentinker_client.env_server.EnvironmentServer`.
-
-        Use as a context manager for an explicit lifetime; submit ``server.env_config``::
-
-            with client.serve_environment(MyEnv()) as server:
-                task_id = client.submit_task(env_config=server.env_config, workload_type="full_rl")
-                client.wait(task_id)
-
-        It stops on leaving the ``with`` block, on ``server.stop()`` or on :meth:`close`.
-
-        Args:
-            host: interface to bind; default ``$OPENTINKER_ENV_HOST`` or ``127.0.0.1``. Trainers
-                on other machines need ``0.0.0.0`` (or the interface they reach) here.
-            port: 0 picks a free port.
-            advertise_host: the host trainers dial, when it differs from ``host``.
-            factory: makes one instance per trainer env (default: a deep copy of ``env``).
-            token: the access token trainers must send; default a random one
-                (``secrets.token_urlsafe(32)``). It goes into ``server.env_config`` (the task
-                spec) and is never logged.
-            require_token: ``False`` serves without a token: local experiments only.
-            tls_cert, tls_key: PEM paths of the server certificate and key (both or neither):
-                serve TLS only. The certificate must name the host trainers dial.
-            tls_ca: PEM path of the CA that signed ``tls_cert``; this client reads it and sends
-                its text to trainers (``env_config.tls_root_certificates``). ``None``: trainers
-                trust their system's roots.
-
-        Raises:
-            InvalidArgumentError: missing or bad declared spaces/options, a bad token or TLS
-                file (``err.field`` names it).
-            OSError: the port cannot be bound.
-        """
-        from opentinker_client.env_server import EnvironmentServer
-
-        if self._closed:
-            raise OpenTinkerError("this RLClient is closed")
-        server = EnvironmentServer(
-            env, host=host, port=port, advertise_host=advertise_host, factory=factory,
-            token=token, require_token=require_token, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
-        ).start()  # fmt: skip
-        self._env_servers.append(server)
-        return server
 
     def __enter__(self) -> "RLClient":
         return self
@@ -437,51 +385,6 @@ class RLClient:
         request = scheduler_pb2.SubmitTaskRequest(spec=config.to_proto(), request_id=request_id or uuid.uuid4().hex)
         response = self._unary("SubmitTask", request)
         return response.task.task_id
-
-    def upload_dataset(self, path: str | os.PathLike[str], *, name: str | None = None, timeout: float | None = None) -> DatasetInfo:
-        """Upload a JSONL file of chat examples for ``sft`` tasks (one
-        ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line), streamed in 1 MiB chunks.
-
-        The scheduler checks every line while it arrives and stores the file by content, so
-        uploading the same bytes twice returns the same id and stores them once. Name it in a
-        task with ``env_config={"env_id": "chat_jsonl", "dataset_id": info.dataset_id}``, or pass
-        ``dataset=path`` to :meth:`submit_task`, which calls this first.
-
-        Args:
-            path: the local file.
-            name: a name for people (default: the file name).
-            timeout: seconds for the whole upload (default: none).
-
-        Returns:
-            :class:`~opentinker_client.convert.DatasetInfo` (``dataset_id`` ``sha256:<hex>``,
-            ``num_examples``, ``size_bytes``).
-
-        Raises:
-            OSError: the file cannot be read.
-            InvalidArgumentError: a bad line (the message names its number and what was
-                expected) or an empty file.
-            ResourceExhaustedError: larger than the scheduler's limit (256 MiB by default).
-            UnavailableError: the scheduler cannot be reached.
-        """
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"{path}: is a folder; upload_dataset takes one JSONL file")
-        size = os.path.getsize(path)
-        label = name if name is not None else os.path.basename(path)
-
-        def chunks() -> Iterator[scheduler_pb2.UploadDatasetRequest]:
-            with open(path, "rb") as fh:
-                yield scheduler_pb2.UploadDatasetRequest(name=label, total_bytes=size, chunk=fh.read(UPLOAD_CHUNK_BYTES))
-                while chunk := fh.read(UPLOAD_CHUNK_BYTES):
-                    yield scheduler_pb2.UploadDatasetRequest(chunk=chunk)
-
-        if self._closed:
-            raise OpenTinkerError("this RLClient is closed")
-        try:
-            response = self._stub.UploadDataset(chunks(), timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
-        return dataset_from_proto(response.dataset)
 
     # -- read ---------------------------------------------------------------------------------
 
@@ -766,56 +669,3 @@ class RLClient:
         return task_from_proto(response.task)
 
     # -- serve and fetch trained adapters (logic in opentinker_client.inference) -----------------
-
-    def serve(
-        self, task_id: str, *, gpu_count: int = 0, ttl: float = 3600.0, max_resident_adapters: int = 8, timeout: float = 600.0,
-        root_certificates: str | os.PathLike | None = None,
-    ):
-        """Serve the adapter of a finished ``lora_finetune`` or ``sft`` task, in one call.
-
-        Reuses a running (or queued) ``inference`` task for the same base model, else submits
-        one (``ttl`` seconds, ``gpu_count`` GPUs), waits until it serves, and returns an
-        :class:`~opentinker_client.inference.InferenceClient` bound to this task's adapter
-        (``client.generate(...)``; ``adapter=None`` on a call asks the base model). The
-        returned client sends this client's API key; for an ``https://`` endpoint it trusts
-        ``root_certificates`` (the CA of the inference servers' certificate; default: this
-        client's CA, else ``$OPENTINKER_TLS_CA``, else the system's roots).
-
-        Raises:
-            NotFoundError: no such task. FailedPreconditionError: not an adapter task, not
-            finished, or no checkpoint. TaskFailedError: the inference task ended before
-            serving. DeadlineExceededError: not serving within ``timeout`` seconds.
-        """
-        from opentinker_client.inference import serve_task
-
-        self._check_task_id(task_id)
-        return serve_task(
-            self, task_id, gpu_count=gpu_count, ttl=ttl, max_resident_adapters=max_resident_adapters, timeout=timeout, root_certificates=root_certificates
-        )
-
-    def list_checkpoints(self, task_id: str) -> list:
-        """The checkpoints a task recorded, oldest first
-        (:class:`~opentinker_client.inference.CheckpointInfo`).
-
-        Raises:
-            NotFoundError: no such task. InvalidArgumentError: empty id.
-        """
-        from opentinker_client.inference import checkpoint_from_proto
-
-        self._check_task_id(task_id)
-        response = self._unary("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id))
-        return [checkpoint_from_proto(c) for c in response.checkpoints]
-
-    def download_checkpoint(self, task_id: str, dest: str | os.PathLike[str], *, step: int | None = None):
-        """Download a checkpoint folder (the newest, or the one at ``step``) into ``dest``,
-        verifying each file's size and SHA-256; returns ``dest`` as a Path.
-
-        Raises:
-            NotFoundError: no such task or step. FailedPreconditionError: the scheduler cannot
-            read the folder. FileExistsError: ``dest`` is not an empty folder.
-            OpenTinkerError: a file arrived damaged (nothing is left at ``dest``).
-        """
-        from opentinker_client.inference import download_checkpoint
-
-        self._check_task_id(task_id)
-        return download_checkpoint(self._stub, self._metadata, task_id, dest, step=step)
