@@ -501,8 +501,9 @@ def test_https_url_means_tls_with_the_ca_or_else_the_system_roots(tmp_path, monk
             with RLClient(url, root_certificates=certs.ca, timeout=10) as c:
                 assert c.list_tasks() == []
         # No CA: the system's roots do not vouch for a self-signed test CA, and the error says so
-        # (at once: the handshake fails, nothing waits for a deadline).
-        with RLClient(f"https://localhost:{port}", timeout=20) as c:
+        # (at once: the handshake fails, nothing waits for a deadline). 127.0.0.1, not localhost:
+        # the server listens on IPv4 only, and gRPC would report the refused ::1 attempt last.
+        with RLClient(f"https://127.0.0.1:{port}", timeout=20) as c:
             with pytest.raises(UnavailableError, match="CERTIFICATE_VERIFY_FAILED"):
                 c.list_tasks()
         # The CLI takes --tls-ca (or $OPENTINKER_TLS_CA) with an https:// URL.
@@ -520,7 +521,7 @@ def test_workers_make_the_same_tls_choice_as_their_node(tmp_path) -> None:
 
     certs = make_certs(tmp_path / "certs")
     s = LoopbackScheduler(tmp_path / "state", "tls: {cert: certs/server.pem, key: certs/server.key}\n", base_dir=tmp_path)
-    target = f"localhost:{s.running.port}"
+    target = f"127.0.0.1:{s.running.port}"  # IPv4 only, as the server listens (see the test above)
     try:
         assert worker_env(target, scheduler_tls=True)[SCHEDULER_TLS_ENV] == "1" and SCHEDULER_TLS_ENV not in worker_env(target)
         for env, ok in ((worker_env(target, scheduler_tls=True, tls_ca=str(certs.ca)), True), (worker_env(target, scheduler_tls=True), False)):
