@@ -63,6 +63,9 @@ __all__ = [
 
 log = logging.getLogger("opentinker_client.env_server")
 
+#: Largest gRPC message either side sends or accepts, in bytes (64 MiB; the trainer sets the same).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
 #: Environment variable naming the interface to bind (default 127.0.0.1, this machine only).
 DEFAULT_HOST_ENV = "OPENTINKER_ENV_HOST"
 #: Environment variable naming the host trainers should dial when it differs from the bind host.
@@ -154,7 +157,7 @@ class EnvironmentServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="opentinker-env"),
             interceptors=[self.auth] if self.auth is not None else None,
-            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 * 1024 * 1024)],
+            options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
         )
         pb_grpc.add_EnvironmentServiceServicer_to_server(self.servicer, self._server)
         self._health = _add_health_and_reflection(self._server)

@@ -53,6 +53,8 @@ __all__ = ["ClientEnv", "RemoteSession", "close_all_sessions", "make_client_env"
 # UNAVAILABLE: nobody listens (client gone, network). CANCELLED: the client's server shut down with
 # this call in flight (the trainer never cancels its own calls). Both: retry until grace_s.
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+#: Largest gRPC message either side sends or accepts, in bytes (the EnvironmentServer's too).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # How gRPC (BoringSSL) words a failed handshake in an UNAVAILABLE status's details.
 _TLS_FAILURE = re.compile(r"ssl|tls|handshake|certificate|x509", re.IGNORECASE)
 
@@ -60,7 +62,7 @@ _TLS_FAILURE = re.compile(r"ssl|tls|handshake|certificate|x509", re.IGNORECASE)
 def channel_for(endpoint: str, *, tls: bool = False, root_certificates: str = "") -> grpc.Channel:
     """A channel to ``endpoint``: plaintext, or TLS trusting ``root_certificates`` (PEM text;
     ``""`` = the system's roots). gRPC's own retries are off (:meth:`RemoteSession.call` retries)."""
-    options = [("grpc.enable_retries", 0)]
+    options = [("grpc.enable_retries", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
     if not tls:
         return grpc.insecure_channel(endpoint, options=options)
     creds = grpc.ssl_channel_credentials(root_certificates=root_certificates.encode("ascii", "replace") or None)

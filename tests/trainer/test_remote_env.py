@@ -136,3 +136,25 @@ def test_sessions_are_shared_per_endpoint():
         cfg = config(server)
         a = RemoteSession.shared(cfg.endpoint, timeout_s=1, grace_s=1)
         assert RemoteSession.shared(cfg.endpoint, timeout_s=1, grace_s=1) is a
+
+
+def test_observations_past_grpcs_default_4_mib_limit_arrive() -> None:
+    """600,000 doubles (4.8 MB) per observation: over gRPC's default receive limit (4 MiB), under
+    the 64 MiB both sides set."""
+    n = 600_000
+
+    class Camera(Environment):
+        def __init__(self):
+            super().__init__(action_space=2, observation_space=n, observation_type="box")
+
+        def reset(self, seed=None):
+            return np.full(n, 0.25)
+
+        def step(self, action):
+            return np.full(n, float(action)), 1.0, True, False, {}
+
+    with EnvironmentServer(Camera()) as server:
+        env = make_client_env(config(server), seed=None)
+        obs, _ = env.reset()
+        assert obs.shape == (n,) and float(obs[-1]) == 0.25
+        assert float(env.step(1)[0][0]) == 1.0
