@@ -323,6 +323,8 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
         ("max runtime", f"{t.max_runtime:g} s" if t.max_runtime is not None else "none"),
         ("node", (_escape(t.node_id) + (f" devices {list(t.device_indices)}" if t.device_indices else "")) or "-"),
     ]
+    if t.endpoint:
+        rows.append(("endpoint", _escape(t.endpoint)))
     if t.pending_reason:
         rows.append(("pending reason", _escape(t.pending_reason)))
     if t.error:
@@ -500,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
         if not os.environ.get("SCHEDULER_URL")
         else "scheduler address, http://host:port, https://host:port (TLS) or host:port (default: $SCHEDULER_URL = %(default)s)",
     )
-    parser.add_argument("--api-key", default=None, help="API key (default: $OPENTINKER_API_KEY)")
+    parser.add_argument("--api-key", default=None, help="API key (default: $OPENTINKER_API_KEY, preferred: arguments show in ps)")
     parser.add_argument(
         "--tls-ca", default=None, metavar="PEM",
         help="CA of the scheduler's certificate; turns TLS on (default: $OPENTINKER_TLS_CA; an https:// URL without one trusts the system roots)",

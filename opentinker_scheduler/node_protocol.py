@@ -84,14 +84,17 @@ class NodeProtocol:
         return node, registered
 
     def _node_size(self, reg: node_pb2.Register, pool) -> tuple[int, int, list[str]]:
-        """``(gpu_count, max_tasks, notes)`` of a registering node: its resource_pool entry wins
-        (never more GPUs than it found), else what it announced."""
+        """``(gpu_count, max_tasks, notes)`` of a registering node: its resource_pool entry, never
+        more GPUs than it found nor more tasks than its own ``--max-tasks``; else what it announced."""
         node_id = reg.node_id
         found = len(reg.devices)
         notes: list[str] = []
         if pool is not None:
             gpu_count = min(pool.gpu_count, found)
-            max_tasks = pool.max_tasks
+            # The pool entry is an upper bound, as for GPUs: never more tasks than the node offers.
+            max_tasks = min(pool.max_tasks, reg.max_tasks) if reg.max_tasks > 0 else pool.max_tasks
+            if max_tasks != pool.max_tasks:
+                notes.append(f"config max_tasks {pool.max_tasks} but the node runs at most {reg.max_tasks}; using {max_tasks}")
             if pool.gpu_count != found:
                 notes.append(f"config gpu_count {pool.gpu_count} but node found {found} GPU(s); using {gpu_count}")
                 log.warning("gpu_count disagrees with devices", node_id=node_id, config_gpu_count=pool.gpu_count, devices=found, using=gpu_count)

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         help="host name clients dial for servers this node runs (inference tasks); default: env OPENTINKER_ADVERTISE_HOST, "
         "else 127.0.0.1 when the scheduler is on loopback, else this machine's host name",
     )
-    parser.add_argument("--api-key", default=None, help="API key with the node role (default: env OPENTINKER_API_KEY; none when the scheduler has auth off)")
+    parser.add_argument("--api-key", default=None, help="API key with the node role (default: env OPENTINKER_API_KEY, preferred: other local users can read arguments in ps; none when the scheduler has auth off)")
     parser.add_argument("--tls-ca", default=None, help="PEM CA of the scheduler's certificate; turns TLS on (default: env OPENTINKER_TLS_CA)")
     parser.add_argument("--tls-cert", default=None, help="PEM client certificate for mTLS (default: env OPENTINKER_TLS_CERT)")
     parser.add_argument("--tls-key", default=None, help="PEM key of --tls-cert (default: env OPENTINKER_TLS_KEY)")

@@ -4,6 +4,8 @@ tiny LoRA task, serve its adapter with RLClient.serve, generate, download its ch
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -54,6 +56,11 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(tmp_
             llm = client.serve(trained, ttl=600, timeout=180)
             server_task = client.get_task(llm.task_id)
             assert server_task.workload_type == "inference" and server_task.state == "running" and server_task.endpoint == llm.endpoint
+            shown = subprocess.run(
+                [sys.executable, "-m", "opentinker_client.cli", "--scheduler-url", cluster.url, "get", llm.task_id],
+                capture_output=True, text=True, timeout=60,
+            )
+            assert shown.returncode == 0 and "endpoint" in shown.stdout and llm.endpoint in shown.stdout
             out = llm.generate("What is 2 + 3?", temperature=0, max_tokens=5)
             assert out.adapter == trained and 1 <= len(out.samples[0].token_ids) <= 5
             assert llm.generate("What is 2 + 3?", temperature=0, max_tokens=5).samples == out.samples

@@ -385,3 +385,15 @@ def test_not_found_cuts_long_ids(tmp_path) -> None:
     with pytest.raises(NotFound) as err:
         core.get("x" * 100_000)
     assert len(str(err.value)) < 200
+
+
+def test_pool_max_tasks_is_an_upper_bound_on_what_the_node_offers(tmp_path) -> None:
+    core = make_core(tmp_path)  # pool: gpu-node-01 with 4 GPUs, max_tasks 8
+    devices = [C.Device(index=i, uuid=f"u{i}", name="g", simulated=True) for i in range(4)]
+    node, registered = core.node_register(N.Register(node_id="gpu-node-01", devices=devices, max_tasks=2))
+    assert (node.max_tasks, registered.max_tasks) == (2, 2)
+    assert any("config max_tasks 8 but the node runs at most 2" in n for n in node.notes)
+    for _ in range(3):
+        core.submit(spec(gpus=0), owner="u")
+    core.schedule()
+    assert len(node.allocations) == 2
