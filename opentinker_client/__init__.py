@@ -13,7 +13,27 @@
 Torch-free: installing and importing the client does not pull in torch.
 """
 
-from opentinker_client.client import RLClient
+import os as _os
+import sys as _sys
+
+
+def _is_the_cli() -> bool:
+    """This process is the ``opentinker`` command (its console script or ``python -m opentinker_client``)."""
+    argv0 = (getattr(_sys, "argv", None) or [""])[0]
+    orig = list(getattr(_sys, "orig_argv", ()))
+    return _os.path.basename(argv0) in ("opentinker", "opentinker.exe") or any(
+        a == "-m" and b == "opentinker_client" for a, b in zip(orig, orig[1:])
+    )
+
+
+# The CLI prints an error as one `error: ...` line; gRPC's own log lines (`I1130 ... Handshake
+# failed ...` on a TLS error) would come with it. GRPC_VERBOSITY is read when grpc is first
+# imported (by the imports below), so it is set here, for the CLI only: library users keep
+# gRPC's default and their own setting wins everywhere (setdefault).
+if _is_the_cli():
+    _os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from opentinker_client.client import RLClient  # noqa: E402
 from opentinker_client.config import TaskConfig, load_task_config, parse_task_config
 from opentinker_client.convert import DeviceInfo, DeviceTelemetry, NodeInfo, TaskEvent, TaskInfo
 from opentinker_client.environment import Environment

@@ -609,14 +609,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     client: RLClient | None = None
     interrupted = False
     try:
+        from opentinker_client.tls import clean_api_key
+
+        # Strip the newline of `--api-key "$(cat admin.key)"`-style values; name the source on bad ones.
+        api_key = clean_api_key(
+            args.api_key if args.api_key is not None else os.environ.get("OPENTINKER_API_KEY") or "",
+            "--api-key" if args.api_key is not None else "$OPENTINKER_API_KEY",
+        )
         client = RLClient(
-            args.scheduler_url, timeout=args.timeout, api_key=args.api_key,
+            args.scheduler_url, timeout=args.timeout, api_key=api_key,
             root_certificates=args.tls_ca, client_cert=args.tls_cert, client_key=args.tls_key,
         )
         return args.func(client, args)
     except OpenTinkerError as err:
         return _error(err)
-    except ValueError as err:  # a bad --scheduler-url
+    except ValueError as err:  # a bad --scheduler-url, --api-key or TLS file
         return _error(err)
     except OSError as err:  # a config file that cannot be read
         name = getattr(err, "filename", None)

@@ -47,6 +47,7 @@ from opentinker_client.convert import (
 )
 from opentinker_client.environment import Environment
 from opentinker_client.errors import (
+    SCHEDULER_PLAINTEXT_HINT,
     DeadlineExceededError,
     InvalidArgumentError,
     OpenTinkerError,
@@ -140,7 +141,8 @@ class RLClient(ServingMixin, DataMixin):
         timeout: deadline of each unary call, in seconds (it includes gRPC's own retries on
             ``UNAVAILABLE``). Streams (:meth:`watch`) have no deadline.
         api_key: sent as ``authorization: Bearer <key>`` on every call. ``None`` reads
-            ``OPENTINKER_API_KEY``; an empty string sends none.
+            ``OPENTINKER_API_KEY``; an empty string sends none. Surrounding whitespace (the
+            newline of a key read from a file) is stripped.
         min_poll_interval: seconds that :meth:`is_task_complete` keeps between two calls for the
             same task, sleeping if it is called sooner, so that the seed's tight
             ``while not client.is_task_complete(...)`` loop polls about once a second instead
@@ -153,8 +155,9 @@ class RLClient(ServingMixin, DataMixin):
 
     Raises:
         ValueError: ``scheduler_url`` is not a valid address (see
-            :func:`~opentinker_client.url.parse_scheduler_address`), or a TLS file cannot be read
-            or is not PEM.
+            :func:`~opentinker_client.url.parse_scheduler_address`), a TLS file cannot be read
+            or is not PEM, or ``api_key`` holds inner whitespace or control characters (the
+            message names ``api_key``, never the key).
 
     The connection is made lazily; an unreachable scheduler shows up as
     :class:`~opentinker_client.errors.UnavailableError` on the first call. Use as a context
@@ -184,12 +187,15 @@ class RLClient(ServingMixin, DataMixin):
         self.target = address.target
         self.timeout = float(timeout)
         self.min_poll_interval = float(min_poll_interval)
+        from opentinker_client.tls import channel_credentials, clean_api_key
+
         if api_key is None:
             api_key = os.environ.get("OPENTINKER_API_KEY") or ""
+        api_key = clean_api_key(api_key)  # a key read from a file ends in "\n": gRPC would refuse the metadata
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        from opentinker_client.tls import channel_credentials
-
         creds = channel_credentials(root_certificates, client_cert, client_key, tls=address.tls)
+        # Plaintext: an UNAVAILABLE "Socket closed" gets a hint that the scheduler may serve TLS.
+        self._plaintext_hint = SCHEDULER_PLAINTEXT_HINT if creds is None else ""
         self._root_certificates = root_certificates  # serve() hands it to the InferenceClient
         if creds is None:
             self._channel = grpc.insecure_channel(self.target, options=_channel_options())
@@ -240,7 +246,7 @@ class RLClient(ServingMixin, DataMixin):
         try:
             return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
         except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
+            raise from_rpc_error(err, plaintext_hint=self._plaintext_hint) from err
 
     @staticmethod
     def _check_task_id(task_id: Any) -> str:
@@ -561,7 +567,7 @@ class RLClient(ServingMixin, DataMixin):
                     if event.is_terminal:
                         return
             except grpc.RpcError as err:
-                mapped = from_rpc_error(err)
+                mapped = from_rpc_error(err, plaintext_hint=self._plaintext_hint)
                 if not isinstance(mapped, UnavailableError) or self._closed:
                     raise mapped from err
                 unavailable = mapped

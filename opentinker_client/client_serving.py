@@ -79,10 +79,15 @@ class ServingMixin:
         ``root_certificates`` (the CA of the inference servers' certificate; default: this
         client's CA, else ``$OPENTINKER_TLS_CA``, else the system's roots).
 
+        Before it returns, it makes one ``ListAdapters`` call on the server, so a wrong CA, a
+        TLS/plaintext mix-up or a refused key fails here rather than on the first request.
+
         Raises:
             NotFoundError: no such task. FailedPreconditionError: not an adapter task, not
             finished, or no checkpoint. TaskFailedError: the inference task ended before
             serving. DeadlineExceededError: not serving within ``timeout`` seconds.
+            UnavailableError, UnauthenticatedError, PermissionDeniedError: the check call failed
+            (certificate, TLS mode, key).
         """
         from opentinker_client.inference import serve_task
 

@@ -2,8 +2,9 @@
 
 Every ``EnvironmentService`` call must carry the metadata ``authorization: Bearer <token>``
 (RFC 6750 bearer scheme); the token is compared with :func:`hmac.compare_digest` (constant time).
-A call without it, or with another token, is answered ``UNAUTHENTICATED`` before the servicer
-runs. ``grpc.health.v1.Health`` and server reflection stay open (they reveal nothing but the
+A call without it, with another token, or with an ``authorization`` value in another form
+("malformed authorization metadata: expected 'Bearer <token>', got a 'Basic' value", worded as
+the scheduler words it) is answered ``UNAUTHENTICATED`` before the servicer runs. ``grpc.health.v1.Health`` and server reflection stay open (they reveal nothing but the
 service names). The token itself never appears in a log line or an error message.
 """
 
@@ -22,6 +23,7 @@ import grpc
 from opentinker_client.errors import InvalidArgumentError
 from opentinker_client.spec import SpecError
 from opentinker_client.spec.client_env import ROOT_CERTIFICATES_MAX_BYTES, check_token
+from opentinker_client.tls import authorization_problem
 
 __all__ = ["TokenInterceptor", "new_token", "checked_token", "read_pem", "server_credentials"]
 
@@ -112,9 +114,11 @@ class TokenInterceptor(grpc.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         if not handler_call_details.method.startswith(PROTECTED_PREFIX):
             return continuation(handler_call_details)
-        given = _bearer(handler_call_details.invocation_metadata)
+        metadata = handler_call_details.invocation_metadata
+        given = _bearer(metadata)
         if not given:
-            return self._deny(MISSING_TOKEN)
+            problem = authorization_problem(metadata, expected="Bearer <token>")  # never echoes the value
+            return self._deny(f"{problem} (the access token is env_config.token of the task; RLClient fills it in)" if problem else MISSING_TOKEN)
         if not hmac.compare_digest(given.encode("utf-8", "replace"), self._token):
             return self._deny(WRONG_TOKEN)
         return continuation(handler_call_details)

@@ -45,6 +45,10 @@ __all__ = [
     "TaskFailedError",
     "from_rpc_error",
     "from_spec_error",
+    "closed_by_peer",
+    "tls_handshake_failed",
+    "SCHEDULER_PLAINTEXT_HINT",
+    "INFERENCE_PLAINTEXT_HINT",
 ]
 
 
@@ -190,6 +194,32 @@ _BY_CODE: dict[grpc.StatusCode, type[OpenTinkerError]] = {
     )
 }
 
+#: Appended to UNAVAILABLE on a plaintext channel to the scheduler that the server closed.
+SCHEDULER_PLAINTEXT_HINT = "(if the scheduler serves TLS, use https://host:port or pass its CA: --tls-ca / $OPENTINKER_TLS_CA)"
+#: The same for an InferenceClient dialling a ``host:port`` endpoint in plaintext.
+INFERENCE_PLAINTEXT_HINT = (
+    "(if the inference server serves TLS, use its https://host:port endpoint, the one the inference task reports, "
+    "and pass its CA: root_certificates / $OPENTINKER_TLS_CA)"
+)
+# How gRPC words a connection that the server closed before any HTTP/2 frame: what a plaintext
+# client sees from a TLS port (the server reads a TLS record header, gets garbage and hangs up).
+_CLOSED = re.compile(r"socket closed|connection reset|end of tcp stream|broken pipe|wrong_version_number|connection closed", re.IGNORECASE)
+# How gRPC (BoringSSL) words a failed TLS handshake.
+_HANDSHAKE = re.compile(r"handshake|ssl|tls|certificate|x509|alert", re.IGNORECASE)
+
+
+def closed_by_peer(details: str | None) -> bool:
+    """``details`` of an UNAVAILABLE status say the server closed the connection early
+    (``Socket closed``, ``Connection reset``): a TLS port dialled in plaintext, or a TLS handshake
+    the server refused (a client certificate it does not accept)."""
+    return bool(details and _CLOSED.search(details))
+
+
+def tls_handshake_failed(details: str | None) -> bool:
+    """``details`` of an UNAVAILABLE/UNKNOWN status mention a TLS handshake failure."""
+    return bool(details and _HANDSHAKE.search(details))
+
+
 # "spec.hyperparameters.lr: expected ..." -> the field path at the start of a details message.
 _FIELD_PREFIX = re.compile(r"^((?:spec|env_config|hyperparameters)(?:\.[A-Za-z0-9_]+|\[\d+\])*): ")
 
@@ -222,13 +252,19 @@ def _field_from_status(status: Any) -> str | None:
     return None
 
 
-def from_rpc_error(err: grpc.RpcError) -> OpenTinkerError:
+def from_rpc_error(err: grpc.RpcError, *, plaintext_hint: str = "") -> OpenTinkerError:
     """Map a :class:`grpc.RpcError` to the matching :class:`OpenTinkerError` subclass.
 
     Codes without a subclass of their own (``INTERNAL``, ``UNKNOWN``, ``UNIMPLEMENTED``,
     ``CANCELLED``, ...) give a plain :class:`OpenTinkerError` carrying that code. For
     ``INVALID_ARGUMENT`` the field path is taken from a ``google.rpc.BadRequest`` detail when
     present, else from the start of the message (``spec.x.y: ...``).
+
+    Args:
+        plaintext_hint: the call went over a plaintext channel; appended to an ``UNAVAILABLE``
+            whose details say the server closed the connection (:func:`closed_by_peer`), which is
+            how a TLS port answers plaintext (:data:`SCHEDULER_PLAINTEXT_HINT`,
+            :data:`INFERENCE_PLAINTEXT_HINT`).
     """
     code_fn = getattr(err, "code", None)
     details_fn = getattr(err, "details", None)
@@ -239,6 +275,8 @@ def from_rpc_error(err: grpc.RpcError) -> OpenTinkerError:
         details = details or str(err)
     if not details:
         details = code.name.lower().replace("_", " ")
+    if plaintext_hint and code == grpc.StatusCode.UNAVAILABLE and closed_by_peer(details):
+        details = f"{details} {plaintext_hint}"
     status = _rich_status(err)
     cls = _BY_CODE.get(code, OpenTinkerError)
     if cls is InvalidArgumentError:

@@ -42,6 +42,7 @@ from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_client.convert import timestamp_to_datetime
 from opentinker_client.url import parse_scheduler_url
 from opentinker_client.errors import (
+    INFERENCE_PLAINTEXT_HINT,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -124,7 +125,8 @@ class StreamChunk:
 
 @dataclass(frozen=True)
 class AdapterInfo:
-    """An adapter loaded on the server (``size_bytes``: its LoRA tensors)."""
+    """An adapter loaded on the server (``path``: its checkpoint folder's name, e.g. ``step_20``;
+    ``size_bytes``: its LoRA tensors)."""
 
     name: str
     path: str
@@ -202,14 +204,16 @@ class InferenceClient:
         model: the base model name requests carry; ``""`` means whatever the server serves.
         timeout: deadline of each unary call, in seconds.
         api_key: sent as ``authorization: Bearer <key>`` on every call (the server checks it with
-            the scheduler). ``None`` reads ``$OPENTINKER_API_KEY``; ``""`` sends none.
+            the scheduler). ``None`` reads ``$OPENTINKER_API_KEY``; ``""`` sends none. Surrounding
+            whitespace is stripped.
         root_certificates: PEM file of the CA that signed the server's certificate, for
             ``https://`` endpoints. ``None`` reads ``$OPENTINKER_TLS_CA``; unset = the system's
             roots. Also used for the scheduler when ``scheduler_url`` is given.
 
     Raises:
-        ValueError: a bad ``endpoint``, or a ``root_certificates`` file that cannot be read or
-            is not PEM (naming the argument).
+        ValueError: a bad ``endpoint``, a ``root_certificates`` file that cannot be read or
+            is not a PEM certificate, or an ``api_key`` with inner whitespace or control
+            characters (naming the argument, never the key).
         InvalidArgumentError: neither an endpoint nor scheduler_url + task_id.
         NotFoundError: no such inference task. TaskFailedError: it ended before serving.
         DeadlineExceededError: it did not report an endpoint within ``ready_timeout``.
@@ -228,8 +232,11 @@ class InferenceClient:
         api_key: str | None = None,
         root_certificates: str | os.PathLike | None = None,
     ) -> None:
+        from opentinker_client.tls import clean_api_key
+
         if api_key is None:
             api_key = os.environ.get("OPENTINKER_API_KEY") or ""
+        api_key = clean_api_key(api_key)  # surrounding whitespace stripped; inner whitespace is a ValueError
         if endpoint is None:
             if not (scheduler_url and task_id):
                 raise InvalidArgumentError("endpoint: give an endpoint, or scheduler_url and the task_id of an inference task", field="endpoint")
@@ -256,6 +263,11 @@ class InferenceClient:
         else:
             self._channel = grpc.insecure_channel(self.target, options=_channel_options())
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
+        # Plaintext: an UNAVAILABLE "Socket closed" gets a hint that the server may serve TLS.
+        self._plaintext_hint = "" if self.tls else INFERENCE_PLAINTEXT_HINT
+
+    def _error(self, err: grpc.RpcError) -> OpenTinkerError:
+        return from_rpc_error(err, plaintext_hint=self._plaintext_hint)
 
     def close(self) -> None:
         self._channel.close()
@@ -346,7 +358,7 @@ class InferenceClient:
         try:
             resp = self._stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
+            raise self._error(err) from err
         return Generation(
             samples=tuple(
                 Sample(s.index, s.text, tuple(s.token_ids), tuple(s.logprobs), _FINISH.get(s.finish_reason, "")) for s in resp.samples
@@ -390,7 +402,7 @@ class InferenceClient:
                     usage=(m.usage.prompt_tokens, m.usage.completion_tokens) if m.HasField("usage") else None,
                 )
         except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
+            raise self._error(err) from err
         finally:
             call.cancel()
 
@@ -404,7 +416,7 @@ class InferenceClient:
         try:
             resp = self._stub.ListAdapters(inference_pb2.ListAdaptersRequest(), timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
+            raise self._error(err) from err
         return [
             AdapterInfo(a.name, a.path, a.size_bytes, timestamp_to_datetime(a.load_time), timestamp_to_datetime(a.last_used_time), a.in_use)
             for a in resp.adapters
@@ -449,12 +461,17 @@ def serve_task(
     ``inference`` task on the same base model, else submits one; waits until it serves.
 
     The returned client uses ``client``'s API key and ``root_certificates`` (default: the CA
-    ``client`` was made with, else ``$OPENTINKER_TLS_CA``, else the system's roots).
+    ``client`` was made with, else ``$OPENTINKER_TLS_CA``, else the system's roots). It has made
+    one ``ListAdapters`` call already, so a server it cannot reach or that refuses its key fails
+    here.
 
     Raises:
         FailedPreconditionError: the task is not a lora_finetune/sft task, has not finished, or
             has no checkpoint. NotFoundError: no such task. TaskFailedError: the inference task
             ended before serving. DeadlineExceededError: not serving within ``timeout``.
+        UnavailableError: the inference server cannot be reached over TLS with
+            ``root_certificates`` (a wrong CA), or at all. UnauthenticatedError,
+            PermissionDeniedError: the server refuses the key (as :meth:`InferenceClient.list_adapters`).
     """
     task = client.get_task(task_id)
     if task.workload_type not in ADAPTER_WORKLOADS:
@@ -482,6 +499,11 @@ def serve_task(
         root_certificates = getattr(client, "_root_certificates", None)
     llm = InferenceClient(endpoint, adapter=task_id, model=task.model, api_key=_bearer(client), root_certificates=root_certificates)
     llm.task_id = server_id
+    try:  # one real call: a wrong CA, a plaintext/TLS mix-up or a refused key fails here, not on first use
+        llm.list_adapters()
+    except BaseException:
+        llm.close()
+        raise
     return llm
 
 

@@ -1,4 +1,5 @@
-"""TLS shared by the client, the CLI, trainer node agents and the HTTP side ports.
+"""TLS shared by the client, the CLI, trainer node agents and the HTTP side ports; and the
+credentials that travel on calls (:func:`clean_api_key`, :func:`authorization_problem`).
 
 gRPC channel credentials (:func:`channel_credentials`). Files are PEM. Each argument left ``None``
 is read from its environment variable:
@@ -26,7 +27,14 @@ import grpc
 ENV_CA, ENV_CERT, ENV_KEY = "OPENTINKER_TLS_CA", "OPENTINKER_TLS_CERT", "OPENTINKER_TLS_KEY"
 
 
+_PEM_CERT = b"-----BEGIN CERTIFICATE-----"
+
+
 def _read(path: str | os.PathLike | None, what: str) -> bytes | None:
+    """The PEM bytes of ``path`` (None when not given), checked for what ``what`` must hold:
+    ``root_certificates`` a ``CERTIFICATE`` block and no private key, ``client_cert`` a
+    ``CERTIFICATE`` block, ``client_key`` a ``PRIVATE KEY`` block. A wrong file fails here,
+    naming the argument, instead of as ``Failed to create security handshaker`` on a call."""
     if path is None or str(path) == "":
         return None
     try:
@@ -35,6 +43,14 @@ def _read(path: str | os.PathLike | None, what: str) -> bytes | None:
         raise ValueError(f"{what}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
     if b"-----BEGIN " not in data:
         raise ValueError(f"{what}: {str(path)!r} is not a PEM file")
+    if what == "client_key":
+        if b"PRIVATE KEY-----" not in data:
+            raise ValueError(f"{what}: {str(path)!r} holds no PRIVATE KEY block (expected the PEM private key of client_cert)")
+        return data
+    if what == "root_certificates" and b"PRIVATE KEY-----" in data:
+        raise ValueError(f"{what}: {str(path)!r} holds a private key, not a CA certificate")
+    if _PEM_CERT not in data:
+        raise ValueError(f"{what}: {str(path)!r} holds no {_PEM_CERT.decode()} block (expected a PEM certificate)")
     return data
 
 
@@ -54,8 +70,10 @@ def channel_credentials(
     fails the handshake (UNAVAILABLE, ``CERTIFICATE_VERIFY_FAILED``).
 
     Raises:
-        ValueError: a file that cannot be read or is not PEM, a certificate without its key (or
-            the reverse), or a client certificate with neither a CA nor ``tls``, naming the argument.
+        ValueError: a file that cannot be read or is not PEM, a CA file that holds a private key
+            or no certificate, a client certificate file without a certificate or a key file
+            without a private key, a certificate without its key (or the reverse), or a client
+            certificate with neither a CA nor ``tls``; naming the argument.
     """
     ca = _read(root_certificates if root_certificates is not None else os.environ.get(ENV_CA), "root_certificates")
     cert = _read(client_cert if client_cert is not None else os.environ.get(ENV_CERT), "client_cert")
@@ -70,6 +88,76 @@ def channel_credentials(
             )
         return None
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+# ------------------------------------------------------------------------------ credentials on calls
+
+#: Schemes of the HTTP ``Authorization`` header (IANA registry and common ones) that a refusal
+#: may name; anything else is described without being echoed (it may be a secret).
+_KNOWN_SCHEMES = frozenset(
+    s.lower()
+    for s in (
+        "Basic", "Bearer", "Digest", "DPoP", "HOBA", "Mutual", "Negotiate", "NTLM", "OAuth", "PrivateToken",
+        "SCRAM-SHA-1", "SCRAM-SHA-256", "vapid", "Token", "ApiKey", "Api-Key", "Key", "AWS4-HMAC-SHA256",
+    )
+)
+
+
+def clean_api_key(api_key: str | None, what: str = "api_key") -> str:
+    """``api_key`` without surrounding whitespace (``open("admin.key").read()`` ends in a newline;
+    so may ``--api-key "$K"``); ``None`` gives ``""`` (send no key).
+
+    gRPC refuses metadata values with control characters (``INTERNAL: Invalid metadata``), so a
+    key is checked here instead, before any call.
+
+    Raises:
+        ValueError: naming ``what``, when the key holds inner whitespace, control characters or
+            non-ASCII characters. The message gives the position, never the key.
+    """
+    if api_key is None:
+        return ""
+    if not isinstance(api_key, str):
+        raise ValueError(f"{what}: expected a string (otk_...), got {type(api_key).__name__}")
+    key = api_key.strip()
+    for i, ch in enumerate(key):
+        if not 0x21 <= ord(ch) <= 0x7E:
+            kind = "whitespace" if ch.isspace() else ("a control character" if ord(ch) < 0x20 or ord(ch) == 0x7F else "a non-ASCII character")
+            raise ValueError(
+                f"{what}: expected an API key of printable ASCII characters without spaces (otk_...), "
+                f"got {len(key)} characters with {kind} at position {i} (the key is not shown)"
+            )
+    return key
+
+
+def authorization_problem(metadata, *, expected: str = "Bearer otk_...") -> str | None:
+    """Why the ``authorization`` entry of call ``metadata`` is not ``Bearer <token>``, or None
+    when it is well formed or absent (absent is "missing", which callers word themselves).
+
+    The message names the scheme only when it is a known HTTP authentication scheme (``Basic``,
+    ...); a bare value is described, never echoed, since it may be the secret itself::
+
+        malformed authorization metadata: expected 'Bearer otk_...', got a 'Basic' value
+    """
+    for key, value in metadata or ():
+        if key.lower() != "authorization":
+            continue
+        if isinstance(value, bytes):
+            value = value.decode("latin-1")
+        scheme, _, rest = str(value).strip().partition(" ")
+        if scheme.lower() == "bearer" and rest.strip():
+            return None
+        if not scheme:
+            got = "an empty value"
+        elif scheme.lower() == "bearer":
+            got = "a 'Bearer' value without a key"
+        elif scheme.lower() in _KNOWN_SCHEMES:
+            got = f"a '{scheme}' value"
+        elif scheme.startswith("otk_"):
+            got = "a bare key without the 'Bearer ' scheme"
+        else:
+            got = "a value without a known scheme"
+        return f"malformed authorization metadata: expected '{expected}', got {got}"
+    return None
 
 
 # ------------------------------------------------------------------------------ HTTP side ports

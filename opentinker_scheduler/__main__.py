@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=_port, default=None, help="HTTP port for /health and /metrics (default: --port + 1)")
     parser.add_argument("--state-dir", default=None, help="overrides state_dir of the config")
     args = parser.parse_args(argv)
+    # The database (API key hashes, env tokens in specs), uploaded datasets and the bootstrap
+    # admin key are this user's only: files 0600, folders 0700.
+    os.umask(0o077)
     configure_logging()
     log = structlog.get_logger("opentinker.scheduler")
     try:

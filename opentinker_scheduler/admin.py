@@ -159,6 +159,11 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         owner = self._scope(who)
         if request.owner and owner is None:
             owner = request.owner
+        elif request.owner and request.owner != owner:  # never silently answer with the caller's own keys
+            raise PermissionDenied(
+                f"API key {who.key_prefix} (role {who.role}) may not list the keys of another owner: "
+                "user keys list their own owner's keys only (leave owner empty)"
+            )
         rows = self.keys.list(owner=owner, include_inactive=request.include_inactive)
         now = self.keys.clock()
         return admin_pb2.ListApiKeysResponse(keys=[key_to_proto(r, now) for r in rows])

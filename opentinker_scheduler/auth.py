@@ -27,8 +27,10 @@ keys; ``node`` may call NodeService only (its stream, and the reads ``LookupTask
 key in ``$OPENTINKER_BOOTSTRAP_ADMIN_KEY`` when set, else makes one and writes it to
 ``bootstrap_admin_key_file`` with mode 0600. Use it to create the real keys, then revoke it.
 
-Status codes: no key or an unknown, revoked or expired one -> UNAUTHENTICATED; a valid key whose
-role may not call the method -> PERMISSION_DENIED. ``grpc.health.v1.Health`` and server
+Status codes: no key, an ``authorization`` value that is not ``Bearer <key>`` ("malformed
+authorization metadata: expected 'Bearer otk_...', got a 'Basic' value"; the value itself is never
+echoed), or an unknown, revoked or expired key -> UNAUTHENTICATED; a valid key whose role may not
+call the method -> PERMISSION_DENIED. ``grpc.health.v1.Health`` and server
 reflection need no key.
 """
 
@@ -41,6 +43,8 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
+
+from opentinker_client.tls import authorization_problem
 
 from .audit import AuditLog
 from .errors import SchedulerError
@@ -139,6 +143,9 @@ _ROLE_HINT = {
 }
 
 
+MISSING_KEY = "missing API key: send metadata 'authorization: Bearer otk_...' (RLClient(api_key=...), --api-key or $OPENTINKER_API_KEY)"
+
+
 class _Refused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
@@ -204,12 +211,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             peer_dns = tuple(n.decode(errors="replace") for n in ctx.get("peer_dns") or ())  # DNS subject alt names
         if self.keys is None:
             return dataclasses.replace(ANONYMOUS, peer_cn=peer_cn, peer_dns=peer_dns)
-        token = bearer_token(context.invocation_metadata())
+        metadata = context.invocation_metadata()
+        token = bearer_token(metadata)
         if not token:
-            raise _Refused(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing API key: send metadata 'authorization: Bearer otk_...' (RLClient(api_key=...), --api-key or $OPENTINKER_API_KEY)",
-            )
+            # A header that is there but not `Bearer <key>` is "malformed", never "missing"; its
+            # value is not echoed (it may be the key itself).
+            raise _Refused(grpc.StatusCode.UNAUTHENTICATED, authorization_problem(metadata) or MISSING_KEY)
         try:
             principal = self.keys.resolve(token)
         except Unauthenticated as exc:

@@ -28,6 +28,10 @@
     tls: {cert: ..., key: ...} # TLS, and mTLS for nodes with client_ca (see opentinker_scheduler/tls.py)
     http_tls: {cert: ..., key: ...} # HTTPS on the HTTP port (/health, /metrics); see opentinker_scheduler/tls.py
     limits: {...}             # message/spec sizes, pending tasks, submit rate, streams (opentinker_scheduler/limits.py)
+    paths:                    # local paths a task spec may name on trainer nodes (opentinker_scheduler/paths.py)
+      model_dirs: [/models]   # spec.model may name a local folder only under these
+      data_dirs: [/data]      # env_config.path (chat_jsonl) may name a file only under these
+                              # unset: anything with auth off, no local path at all with auth on
 
 **Priority**: a larger number is more important. Pending tasks are placed in order of
 priority (largest first), then age (oldest first). A workload type missing from
@@ -52,6 +56,7 @@ from opentinker_client.spec import WORKLOAD_TYPES
 
 from .auth import AuthConfig, parse_auth
 from .limits import LimitsConfig, parse_limits
+from .paths import PathsConfig, parse_paths
 from .tls import HttpTlsConfig, TlsConfig, parse_http_tls, parse_tls
 
 
@@ -98,6 +103,8 @@ class SchedulerConfig:
     limits: LimitsConfig = LimitsConfig()
     #: HTTPS on the HTTP port (``http_tls:``); None = plain HTTP.
     http_tls: HttpTlsConfig | None = None
+    #: Local paths a spec may name (``paths:``); see opentinker_scheduler/paths.py.
+    paths: PathsConfig = PathsConfig()
 
     def priority_of(self, workload_type: str) -> int | None:
         for w in self.workload_types:
@@ -187,6 +194,7 @@ _TOP = {
     "tls": "TLS files",
     "http_tls": "HTTPS files",
     "limits": "limits",
+    "paths": "local paths",
 }
 
 
@@ -277,6 +285,8 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["limits"] = parse_limits(r, top["limits"][1])
     if "http_tls" in top:
         kw["http_tls"] = parse_http_tls(r, top["http_tls"][1], base_dir)
+    if "paths" in top:
+        kw["paths"] = parse_paths(r, top["paths"][1])
 
     cfg = SchedulerConfig(**kw)
     if cfg.lease_s <= cfg.heartbeat_interval_s:

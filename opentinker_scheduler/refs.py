@@ -3,6 +3,8 @@
 Checked at submit (after the spec itself is valid), so a task that could never start is refused
 with a reason instead of failing later on a node:
 
+* ``spec.model`` and ``env_config.path`` may name local paths only where the scheduler's
+  ``paths:`` policy allows (:func:`opentinker_scheduler.paths.check_local_paths`);
 * ``env_config.dataset_id`` must name a dataset stored with ``UploadDataset``;
 * ``init_from`` must name a task of the same owner that SUCCEEDED with a final checkpoint of a
   language model (``peft_lora`` or ``hf_full``) on the same ``model``.
@@ -20,6 +22,7 @@ from opentinker_client.spec.sft import is_dataset_id
 
 from .datasets import DatasetStore
 from .errors import FailedPrecondition, InvalidArgument, NotFound
+from .paths import PathsConfig, check_local_paths
 
 __all__ = ["INIT_CHECKPOINT_FORMATS", "check_references", "init_checkpoint"]
 
@@ -28,7 +31,8 @@ INIT_CHECKPOINT_FORMATS: tuple[str, ...] = ("peft_lora", "hf_full")
 
 
 def check_references(
-    spec: common_pb2.TaskSpec, *, datasets: DatasetStore, get_task, owner: str, default_model: str = "", dataset_visible=lambda dataset_id: True
+    spec: common_pb2.TaskSpec, *, datasets: DatasetStore, get_task, owner: str, default_model: str = "", dataset_visible=lambda dataset_id: True,
+    paths: PathsConfig = PathsConfig(), auth_enabled: bool = False,
 ) -> None:
     """Refuse a (validated) spec whose dataset or ``init_from`` task cannot be used.
 
@@ -40,13 +44,17 @@ def check_references(
         default_model: the scheduler's default, used when ``spec.model`` is empty.
         dataset_visible: whether the submitter may use a dataset id (it uploaded those bytes);
             another owner's dataset counts as not found.
+        paths, auth_enabled: the ``paths:`` policy and whether auth is on (which local model
+            folders and dataset files the spec may name).
 
     Raises:
         NotFound: no such dataset, or no such task (``spec.init_from``).
         FailedPrecondition: the ``init_from`` task has not succeeded, or has no final checkpoint
             a language model can start from.
-        InvalidArgument: the ``init_from`` task trained a different model.
+        InvalidArgument: the ``init_from`` task trained a different model, or ``spec.model`` /
+            ``env_config.path`` names a local path the ``paths:`` policy does not allow.
     """
+    check_local_paths(spec, paths=paths, auth_enabled=auth_enabled, default_model=default_model)
     if spec.HasField("env_config"):
         env = json_format.MessageToDict(spec.env_config)
         dataset_id = env.get("dataset_id")

@@ -123,6 +123,9 @@ async def start_scheduler(
     ``port=0`` / ``http_port=0`` pick free ports (see ``RunningScheduler.port`` / ``http.port``);
     ``http_port=None`` disables HTTP.
     """
+    if not config.state_dir.exists():  # readable by this user only (keys, datasets, the database)
+        with contextlib.suppress(OSError):  # Store reports what is wrong with the folder
+            config.state_dir.mkdir(mode=0o700, parents=True)
     store = Store(config.state_dir)  # raises StateDirInUse when another scheduler holds it
     http = None
     try:

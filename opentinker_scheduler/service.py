@@ -151,6 +151,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             check_references(
                 request.spec, datasets=self.datasets, get_task=self.core.get, owner=who.owner, default_model=self.core.config.default_model,
                 dataset_visible=self._dataset_visible,
+                paths=self.core.config.paths, auth_enabled=self.core.config.auth.enabled,  # local paths (opentinker_scheduler/paths.py)
             )
             task = self.core.submit(request.spec, owner=who.owner, request_id=request.request_id)
         except Exception as exc:

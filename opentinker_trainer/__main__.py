@@ -121,9 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--serve-tls-key", default=os.environ.get("OPENTINKER_SERVE_TLS_KEY") or "", help="PEM key of --serve-tls-cert (default: env OPENTINKER_SERVE_TLS_KEY)")
     args = parser.parse_args(argv)
+    os.umask(0o077)  # what the node and its workers write (checkpoints, assignment files with tokens) is this user's only
+    api_key_from = "--api-key" if args.api_key is not None else "environment variable OPENTINKER_API_KEY"
     for dest, var in (("api_key", "OPENTINKER_API_KEY"), ("tls_ca", "OPENTINKER_TLS_CA"), ("tls_cert", "OPENTINKER_TLS_CERT"), ("tls_key", "OPENTINKER_TLS_KEY")):
         if getattr(args, dest) is None:
             setattr(args, dest, os.environ.get(var) or "")
+    from opentinker_client.tls import clean_api_key
+
+    try:  # a key read from a file ends in "\n": stripped; inner whitespace is a one-line error (never the key)
+        args.api_key = clean_api_key(args.api_key, api_key_from)
+    except ValueError as exc:
+        parser.error(str(exc))
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key: expected both (mTLS) or neither")
     from .inference.tls import read_server_tls  # torch-free
@@ -132,6 +140,16 @@ def main(argv: list[str] | None = None) -> int:
         read_server_tls(args.serve_tls_cert, args.serve_tls_key)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.serve_tls_cert:  # a key of another certificate: gRPC would refuse it only when a task binds its port
+        import ssl
+
+        from opentinker_client.tls import server_ssl_context
+
+        try:
+            server_ssl_context(args.serve_tls_cert, args.serve_tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            why = "the key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(exc) else (getattr(exc, "reason", None) or exc)
+            parser.error(f"--serve-tls-cert/--serve-tls-key: {why} ({args.serve_tls_cert!r}, {args.serve_tls_key!r})")
     # Workers may run in another directory: hand them absolute paths.
     args.serve_tls_cert = str(Path(args.serve_tls_cert).resolve()) if args.serve_tls_cert else ""
     args.serve_tls_key = str(Path(args.serve_tls_key).resolve()) if args.serve_tls_key else ""

@@ -113,6 +113,14 @@ class _Worker:
     killer: asyncio.Task | None = None
 
 
+#: Logged once per streak of failed connections when the scheduler closes a TLS connection.
+TLS_REFUSAL_HINT = (
+    "the scheduler closed the connection during the TLS handshake; check that --tls-cert is signed by the "
+    "scheduler's tls.client_ca and --tls-ca is the CA of the scheduler's certificate, and that this node dials "
+    "the scheduler's node_port (the mTLS port)"
+)
+
+
 class FatalRegistrationError(RuntimeError):
     """The scheduler refused this node for good (wrong node id, bad request)."""
 
@@ -162,7 +170,10 @@ class NodeAgent:
                 if code == grpc.StatusCode.ALREADY_EXISTS:
                     self.log.error("scheduler refused this node id for now", error=exc.details())
                 self.log.warning("stream to scheduler broken", error=(exc.details() if code else repr(exc)), code=code.name if code else None)
+                self._hint_tls_refusal(exc.details() if code else str(exc))
                 self.last_error = f"{code.name}: {exc.details()}" if code else (str(exc) or type(exc).__name__)
+            if self.connected.is_set():
+                self._tls_hinted = False  # registered: a new streak of failures may hint again
             self.connected.clear()
             if self._stop.is_set():
                 break
@@ -173,6 +184,18 @@ class NodeAgent:
             self.log.info("reconnecting", in_s=round(delay, 2), attempt=failures)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=delay)
+
+    def _hint_tls_refusal(self, details: str | None) -> None:
+        """Once per streak of failed connections: on a TLS channel, a connection closed during the
+        handshake (``Socket closed``, a handshake error) is most likely the scheduler refusing
+        this node's client certificate (or a port without mTLS); say what to check."""
+        from opentinker_client.errors import closed_by_peer, tls_handshake_failed
+
+        tls = bool(self.config.tls_ca or self.config.scheduler_tls)
+        if getattr(self, "_tls_hinted", False) or not tls or not (closed_by_peer(details) or tls_handshake_failed(details)):
+            return
+        self._tls_hinted = True
+        self.log.warning("hint: " + TLS_REFUSAL_HINT, scheduler=self.config.target, tls_cert=self.config.tls_cert or None, tls_ca=self.config.tls_ca or None)
 
     async def drain(self, reason: str = "SIGTERM") -> None:
         """Stop taking tasks, checkpoint and hand back running ones, say goodbye, stop."""
@@ -305,6 +328,7 @@ class NodeAgent:
         env.update(worker_env(self.config.target, api_key=self.config.api_key, tls_ca=self.config.tls_ca, tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
                               serve_tls_cert=self.config.serve_tls_cert, serve_tls_key=self.config.serve_tls_key, scheduler_tls=self.config.scheduler_tls))
         env["OPENTINKER_DATASET_CACHE"] = str(self.config.work_dir / "datasets")  # shared by this node's tasks
+        env["OPENTINKER_WORK_DIR"] = str(self.config.work_dir.resolve())  # specs may not name paths in it (local_paths.py)
         env["OPENTINKER_ADVERTISE_HOST"] = self.config.advertise_host or default_advertise_host(self.config.target)  # inference servers
         cmd = [sys.executable, "-m", "opentinker_trainer.worker", str(assignment), "--checkpoint-dir", str(self.config.work_dir / a.task_id / "checkpoints")]
         if simulated or not a.device_indices:

@@ -8,6 +8,8 @@ folder comes from ``--checkpoint-dir``.
 Protocol to the agent: JSON lines on stdout, one object each, with ``type``:
 ``started``; ``metric`` (step, values); ``checkpoint`` (step, path, final, format); and exactly one of ``succeeded``, ``stopped`` (checkpointed and returned early after
 SIGTERM), ``failed`` (``error``, ``retryable``). Logs go to stderr.
+Before the workload runs, a ``spec.model`` or ``env_config.path`` inside the node's work folder
+is refused (:mod:`opentinker_trainer.local_paths`). Files are created with umask 077.
 SIGTERM asks the workload to checkpoint and return; the agent SIGKILLs after a grace period.
 The worker dies with the agent (``PR_SET_PDEATHSIG`` on Linux; the agent passes its pid in
 ``OPENTINKER_AGENT_PID`` so a worker whose agent died before that took effect exits at once).
@@ -31,6 +33,7 @@ from opentinker_client.spec import SpecError, spec_from_proto
 
 from ._proc import die_with_parent
 from .context import UserError, WorkerContext
+from .local_paths import check_spec_paths, private_dirs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-dir", type=Path, required=True)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when GPUs are assigned)")
     args = parser.parse_args(argv)
+    os.umask(0o077)  # checkpoints and datasets are this user's only (the agent sets it too)
     configure_logging()
     assign = node_pb2.AssignTask.FromString(args.assignment.read_bytes())
     structlog.contextvars.bind_contextvars(task_id=assign.task_id, attempt=assign.attempt, node_id=os.environ.get("OPENTINKER_NODE_ID", ""))
@@ -70,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: ctx.request_stop())
     ctx._emit("started", device=device, resume_from=str(resume) if resume else None)
     try:
+        # Not another task's checkpoint or the dataset cache by path (init_from, dataset_id instead).
+        check_spec_paths(spec, private_dirs(args.checkpoint_dir))
         module = importlib.import_module(f"opentinker_trainer.workloads.{spec.workload_type}")
         module.run(ctx)
     except UserError as exc:

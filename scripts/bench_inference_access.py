@@ -82,7 +82,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp_text:
         tmp = Path(tmp_text)
-        sched = LoopbackScheduler(tmp / "state", "auth: {enabled: true}\n")
+        sched = LoopbackScheduler(tmp / "state", "auth: {enabled: true}\npaths: {model_dirs: [/models]}\n")
         try:
             admin = (sched.config.state_dir / "admin.key").read_text().strip()
             with RLClient(sched.target, api_key=admin) as root:

@@ -79,7 +79,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         certs = make_certs(base / "certs")
-        unlimited = "limits: {submit_rate: 0, max_pending_per_owner: 0}\n"
+        unlimited = "limits: {submit_rate: 0, max_pending_per_owner: 0}\npaths: {model_dirs: [/models]}\n"  # specs name /models/m
         modes = [
             ("off", "", None),
             ("keys", "auth: {enabled: true}\n" + unlimited, None),

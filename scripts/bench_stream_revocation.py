@@ -33,7 +33,7 @@ from tests.scheduler.security_util import LoopbackScheduler, metadata  # noqa: E
 
 def revocation_latency(streams: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
-        s = LoopbackScheduler(Path(tmp) / "state", "auth: {enabled: true, stream_recheck_interval: 3600}\n")
+        s = LoopbackScheduler(Path(tmp) / "state", "auth: {enabled: true, stream_recheck_interval: 3600}\npaths: {model_dirs: [/models]}\n")
         try:
             admin = (s.config.state_dir / "admin.key").read_text().strip()
             with RLClient(s.target, api_key=admin) as root:

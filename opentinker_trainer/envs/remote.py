@@ -11,7 +11,9 @@ retried; a retry cannot fix the user's environment), with these messages:
 
 * the environment raised -> ``client environment Corr at host:port failed in step: Corr.step raised ValueError: ...``;
 * no answer within ``timeout_s`` -> ``... did not answer step within timeout_s=2 s``;
-* unreachable (client gone) for longer than ``grace_s`` -> ``... unreachable for grace_s=30 s``.
+* unreachable (client gone) for longer than ``grace_s`` -> ``... unreachable for grace_s=30 s``
+  (when the server closed the plaintext connection: ``..., or the server serves TLS while
+  env_config.tls is false``).
   Calls are retried with backoff while the endpoint is unreachable. A client whose server comes
   back within the grace period has lost its instances, so the next Step fails with
   FAILED_PRECONDITION (a UserError too) unless it was a Reset.
@@ -46,6 +48,7 @@ from google.protobuf import json_format
 
 from opentinker.environment.v1 import environment_pb2 as pb
 from opentinker.environment.v1 import environment_pb2_grpc as pb_grpc
+from opentinker_client.errors import closed_by_peer
 from opentinker_trainer.context import UserError
 
 __all__ = ["ClientEnv", "RemoteSession", "close_all_sessions", "make_client_env"]
@@ -158,9 +161,10 @@ class RemoteSession:
                                 "(env_config.tls_root_certificates must be the CA that signed the server's certificate, "
                                 "the certificate must name the endpoint's host, and the server must serve TLS)"
                             ) from None
+                        tls_hint = ", or the server serves TLS while env_config.tls is false" if not self.tls and closed_by_peer(err.details()) else ""
                         raise UserError(
                             f"{where} unreachable for grace_s={self.grace_s:g} s: {err.details()} "
-                            "(the client that hosts it has gone away or cannot be reached from this node)"
+                            f"(the client that hosts it has gone away or cannot be reached from this node{tls_hint})"
                         ) from None
                     time.sleep(min(delay, max(0.0, self.grace_s - (now - first_down))))
                     delay = min(delay * 2, 2.0)

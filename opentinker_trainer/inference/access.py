@@ -13,14 +13,20 @@ The scheduler's answer maps to the status the caller gets:
 scheduler (GetTask)               caller
 ================================  =====================================================
 OK                                allowed
-UNAUTHENTICATED                   UNAUTHENTICATED (the scheduler's message: missing or
-                                  unknown/revoked/expired key)
+UNAUTHENTICATED                   UNAUTHENTICATED (the scheduler's message: missing,
+                                  malformed (not ``Bearer <key>``) or unknown/revoked/expired
+                                  key)
 NOT_FOUND, PERMISSION_DENIED,     PERMISSION_DENIED ("API key otk_xxxx may not use
 INVALID_ARGUMENT                  inference task <id>")
 UNAVAILABLE, DEADLINE_EXCEEDED,   UNAVAILABLE (the scheduler cannot be asked now; not
 anything else                     cached)
 RESOURCE_EXHAUSTED                RESOURCE_EXHAUSTED (the key's limits on the scheduler)
 ================================  =====================================================
+
+The ``authorization`` value goes to the scheduler as the caller sent it, so a malformed one
+(``otk_...`` without ``Bearer``, ``Basic ...``) reads exactly as on the scheduler ("malformed
+authorization metadata: expected 'Bearer otk_...', got a 'Basic' value", never "missing API
+key"), and with scheduler auth off it passes there as here.
 
 Decisions are cached per ``(sha256(authorization value), task id)`` for ``ttl`` seconds (default
 :data:`DEFAULT_TTL_S`; both allowed and refused), so a stream of requests costs one scheduler

@@ -9,6 +9,10 @@ the caller's own API key (health and reflection stay open); with ``tls`` the por
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import ssl
+import tempfile
 from dataclasses import dataclass
 
 import grpc
@@ -24,7 +28,7 @@ from .resolve import adapter_not_found
 from .runtime import BadRequest, Busy, ModelRuntime, Prepared, WrongModel
 from .tls import ServerTLS
 
-__all__ = ["InferenceService", "RunningInferenceServer", "start_inference_server", "SERVICE_NAME"]
+__all__ = ["InferenceService", "RunningInferenceServer", "start_inference_server", "check_tls_pair", "SERVICE_NAME"]
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -188,7 +192,8 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         for a, seen in zip(loaded, visible):
             if not seen:
                 continue  # another owner's adapter (loaded for an admin): not even its name
-            msg = out.adapters.add(name=a.name, path=a.path, size_bytes=a.size_bytes, in_use=a.in_use)
+            # The folder's name only (step_N): the node's absolute paths are not the caller's business.
+            msg = out.adapters.add(name=a.name, path=os.path.basename(os.path.normpath(a.path)), size_bytes=a.size_bytes, in_use=a.in_use)
             msg.load_time.FromNanoseconds(int(a.load_time * 1e9))
             msg.last_used_time.FromNanoseconds(int(a.last_used_time * 1e9))
         return out
@@ -236,9 +241,13 @@ async def start_inference_server(
             The handle's ``stop`` closes ``access``.
 
     Raises:
-        OSError: the port cannot be bound.
-        ValueError: ``access`` without ``task_id``.
+        OSError: the port cannot be bound ("in use, or not a valid address"), or gRPC refused the
+            TLS credentials ("TLS credentials refused").
+        ValueError: ``access`` without ``task_id``; ``tls`` whose key does not match its
+            certificate, or that is not PEM ("TLS credentials refused: ...").
     """
+    if tls is not None:
+        check_tls_pair(tls)  # before binding: gRPC only says "Handshaker factory creation failed" in its log
     server = grpc.aio.server(options=SERVER_OPTIONS)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(runtime, access=access, task_id=task_id), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -253,11 +262,57 @@ async def start_inference_server(
         bound = 0
     if bound == 0:
         await server.stop(None)
+        if tls is not None and _port_is_free(host, port):
+            raise OSError(
+                f"cannot listen on {host}:{port} with TLS: TLS credentials refused by gRPC (the port itself is free; "
+                "check that --serve-tls-key is the private key of --serve-tls-cert and a type gRPC supports)"
+            )
         raise OSError(f"cannot listen on {host}:{port} (in use, or not a valid address)")
     await server.start()
     for name in ("", SERVICE_NAME):
         await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
     return RunningInferenceServer(server=server, port=bound, health=health_servicer, tls=tls is not None, access=access)
+
+
+def check_tls_pair(tls: ServerTLS) -> None:
+    """Load ``(certificate chain PEM, private key PEM)`` into an :class:`ssl.SSLContext`, as gRPC
+    will, so that a key that does not belong to the certificate is a clear error.
+
+    Raises:
+        ValueError: "TLS credentials refused: the private key does not match the certificate"
+            (or the reason OpenSSL gives).
+    """
+    cert, key = tls
+    with tempfile.TemporaryDirectory(prefix="opentinker-tls-") as folder:  # load_cert_chain reads files only
+        paths = []
+        for name, data in (("cert.pem", cert), ("key.pem", key)):
+            path = os.path.join(folder, name)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            paths.append(path)
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile=paths[0], keyfile=paths[1])
+        except ssl.SSLError as exc:
+            reason = "the private key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(exc) else (exc.reason or str(exc))
+            raise ValueError(f"TLS credentials refused: {reason} (--serve-tls-cert / --serve-tls-key)") from None
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    """Whether a plain socket can bind ``host:port`` now (port 0 always can)."""
+    if port == 0:
+        return True
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        try:
+            probe.bind(address)
+        except OSError:
+            return False
+    return True
 
 
 async def _maybe_await(value) -> None:

@@ -16,6 +16,7 @@ import hashlib
 import os
 import random
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -23,10 +24,12 @@ from typing import Callable, Sequence
 import torch
 
 from opentinker_client.spec.sft import DatasetError, is_dataset_id, parse_chat_line
+from opentinker_scheduler.datasets import DEFAULT_MAX_DATASET_BYTES
 from opentinker_trainer.context import UserError
 
 __all__ = [
     "IGNORE_INDEX",
+    "MAX_DATASET_BYTES",
     "Encoded",
     "assistant_char_spans",
     "assistant_label_mask",
@@ -38,6 +41,9 @@ __all__ = [
     "split_indices",
 ]
 
+#: Largest dataset file read, in bytes: the scheduler's upload limit (256 MiB).
+MAX_DATASET_BYTES = DEFAULT_MAX_DATASET_BYTES
+
 #: Label of a token that is not trained on (what ``torch.nn.functional.cross_entropy`` ignores).
 IGNORE_INDEX = -100
 
@@ -48,24 +54,70 @@ Messages = list[dict[str, str]]
 # Reading and fetching
 
 
-def read_chat_jsonl(path: Path) -> list[Messages]:
-    """Every example of the chat JSONL file at ``path`` (blank lines skipped).
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def _open_dataset(path: Path, max_bytes: int):
+    """``path`` opened for reading, after checking that it is a regular file of at most
+    ``max_bytes`` bytes: before opening (a device or FIFO is never opened) and again on the open
+    descriptor (a file swapped in between cannot slip in; opened non-blocking so a FIFO swapped
+    in is refused instead of waiting for a writer). Nothing is read before the checks pass.
 
     Raises:
-        UserError: the file cannot be read, a line is not a chat example (naming its number and
-            what was expected), or there is no example at all.
+        UserError: ``dataset <path> cannot be used by this task: <why>``.
+    """
+    def refuse(why: str) -> UserError:
+        return UserError(f"dataset {path} cannot be used by this task: {why}")
+
+    def check(st: os.stat_result) -> None:
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+            raise refuse(f"expected a regular file, got {kind}")
+        if st.st_size > max_bytes:
+            raise refuse(f"expected at most {max_bytes} bytes ({max_bytes / 2**20:g} MiB, the upload limit), got {st.st_size} bytes")
+
+    try:
+        check(os.stat(path))  # a device or FIFO is not even opened
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise refuse(f"it cannot be read on this trainer node ({exc.strerror or exc})") from None
+    try:
+        check(os.fstat(fd))  # the file opened, should it have been swapped since
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_chat_jsonl(path: Path, *, max_bytes: int = MAX_DATASET_BYTES) -> list[Messages]:
+    """Every example of the chat JSONL file at ``path`` (blank lines skipped).
+
+    The file must be a regular file (not a folder, device or FIFO) of at most ``max_bytes``
+    bytes (:data:`MAX_DATASET_BYTES`, the scheduler's upload limit); a file that grows past it
+    while being read is refused too, so a read never goes on without bound.
+
+    Raises:
+        UserError: ``dataset <path> cannot be used by this task: <why>`` (cannot be read, not a
+            regular file, too large), a line is not a chat example (naming its number and what
+            was expected), or there is no example at all.
     """
     examples: list[Messages] = []
     try:
-        with open(path, "rb") as fh:
-            for lineno, raw in enumerate(fh, start=1):
+        with _open_dataset(path, max_bytes) as fh:
+            read, lineno = 0, 0
+            while raw := fh.readline(max_bytes - read + 1):  # bounded even when one line never ends
+                read += len(raw)
+                lineno += 1
+                if read > max_bytes:
+                    raise UserError(f"dataset {path} cannot be used by this task: expected at most {max_bytes} bytes, and it grew past that while being read")
                 messages = parse_chat_line(raw.rstrip(b"\r\n"), lineno)
                 if messages is not None:
                     examples.append(messages)
     except DatasetError as exc:
         raise UserError(f"dataset {path}: {exc}") from None
     except OSError as exc:
-        raise UserError(f"dataset {path} cannot be read on this trainer node: {exc.strerror or exc}") from None
+        raise UserError(f"dataset {path} cannot be used by this task: it cannot be read on this trainer node ({exc.strerror or exc})") from None
     if not examples:
         raise UserError(f"dataset {path}: expected at least one example (one JSON object per line), got an empty file")
     return examples

@@ -17,11 +17,12 @@ from .procs import Cluster, free_port
 TINY_HP = {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
 
 
-def _config(certs, node_port: int) -> str:
+def _config(certs, node_port: int, model_dir: Path) -> str:
     return (
         "heartbeat_interval: 0.5\nlease: 3\n"
         "workload_types:\n  - type: lora_finetune\n    priority: 1\n  - type: inference\n    priority: 3\n"
         "auth: {enabled: true}\n"
+        f"paths: {{model_dirs: [{model_dir.parent}]}}\n"  # specs name the tiny model's folder
         f"tls: {{cert: {certs.server_cert}, key: {certs.server_key}, client_ca: {certs.ca}, node_port: {node_port}}}\n"
     )
 
@@ -39,7 +40,7 @@ def test_inference_with_api_keys_and_tls_end_to_end(tmp_path: Path, tiny_model_d
     monkeypatch.setenv("OPENTINKER_INFERENCE_AUTH_TTL_S", "0.2")  # the trainer's workers inherit it
     certs = make_certs(tmp_path / "certs")
     node_port = free_port()
-    cluster = Cluster(tmp_path, _config(certs, node_port))
+    cluster = Cluster(tmp_path, _config(certs, node_port, tiny_model_dir))
     tls = {"root_certificates": certs.ca}
     try:
         cluster.start_scheduler()

@@ -17,10 +17,11 @@ from .procs import Cluster, free_port
 TINY_HP = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
 
 
-def _config(certs, node_port: int) -> str:
+def _config(certs, node_port: int, model_dir: Path) -> str:
     return (
         "heartbeat_interval: 0.5\nlease: 3\n"
         "auth: {enabled: true}\n"
+        f"paths: {{model_dirs: [{model_dir.parent}]}}\n"  # specs name the tiny model's folder
         f"tls: {{cert: {certs.server_cert}, key: {certs.server_key}, client_ca: {certs.ca}, node_port: {node_port}}}\n"
     )
 
@@ -38,7 +39,7 @@ def _wait_connected(client: RLClient, n: int, timeout: float = 60) -> list:
 def test_keys_tls_and_mtls_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
     certs = make_certs(tmp_path / "certs")
     node_port = free_port()
-    cluster = Cluster(tmp_path, _config(certs, node_port))
+    cluster = Cluster(tmp_path, _config(certs, node_port, tiny_model_dir))
     try:
         cluster.start_scheduler()
         admin_key = (cluster.state_dir / "admin.key").read_text().strip()

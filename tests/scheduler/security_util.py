@@ -31,61 +31,73 @@ class Certs:
     other_ca: Path
 
 
-def make_certs(folder: Path) -> Certs:
-    """A CA, a server certificate (SAN localhost, 127.0.0.1), a node certificate (CN node-a) and a
-    rogue client certificate from another CA, as PEM files under ``folder``."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+class _Pki:
+    """Makes EC keys and certificates (``cryptography``) and writes them as PEM under ``folder``."""
 
-    folder.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.timezone.utc)
+    def __init__(self, folder: Path) -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
 
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+        self.x509, self.hashes, self.serialization, self.ec, self.NameOID = x509, hashes, serialization, ec, NameOID
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.now = dt.datetime.now(dt.timezone.utc)
 
-    def ca(cn: str):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (
-            x509.CertificateBuilder().subject_name(name(cn)).issuer_name(name(cn)).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=1)).add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256())
+    def name(self, cn: str):
+        return self.x509.Name([self.x509.NameAttribute(self.NameOID.COMMON_NAME, cn)])
+
+    def _builder(self, subject: str, issuer, public_key):
+        return (
+            self.x509.CertificateBuilder().subject_name(self.name(subject)).issuer_name(issuer).public_key(public_key)
+            .serial_number(self.x509.random_serial_number()).not_valid_before(self.now - dt.timedelta(minutes=5))
+            .not_valid_after(self.now + dt.timedelta(days=1))
         )
+
+    def ca(self, cn: str):
+        """``(key, certificate)`` of a self-signed CA."""
+        key = self.ec.generate_private_key(self.ec.SECP256R1())
+        cert = self._builder(cn, self.name(cn), key.public_key()).add_extension(
+            self.x509.BasicConstraints(ca=True, path_length=None), critical=True
+        ).sign(key, self.hashes.SHA256())
         return key, cert
 
-    def leaf(ca_key, ca_cert, cn: str, server: bool):
-        key = ec.generate_private_key(ec.SECP256R1())
-        b = (
-            x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca_cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=1))
-        )
-        if server:
-            b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        return key, b.sign(ca_key, hashes.SHA256())
+    def leaf(self, ca, cn: str, *, dns: tuple[str, ...] = (), ip: tuple[str, ...] = ()):
+        """``(key, certificate)`` signed by ``ca`` (a :meth:`ca` pair), with DNS/IP alt names."""
+        ca_key, ca_cert = ca
+        key = self.ec.generate_private_key(self.ec.SECP256R1())
+        b = self._builder(cn, ca_cert.subject, key.public_key())
+        names = [self.x509.DNSName(d) for d in dns] + [self.x509.IPAddress(ipaddress.ip_address(a)) for a in ip]
+        if names:
+            b = b.add_extension(self.x509.SubjectAlternativeName(names), critical=False)
+        return key, b.sign(ca_key, self.hashes.SHA256())
 
-    def write(path: str, data: bytes) -> Path:
-        p = folder / path
+    def cert(self, filename: str, cert) -> Path:
+        return self._write(filename, cert.public_bytes(self.serialization.Encoding.PEM))
+
+    def key(self, filename: str, key) -> Path:
+        s = self.serialization
+        return self._write(filename, key.private_bytes(s.Encoding.PEM, s.PrivateFormat.PKCS8, s.NoEncryption()))
+
+    def _write(self, filename: str, data: bytes) -> Path:
+        p = self.folder / filename
         p.write_bytes(data)
         return p
 
-    def pem_cert(c) -> bytes:
-        return c.public_bytes(serialization.Encoding.PEM)
 
-    def pem_key(k) -> bytes:
-        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-
-    ca_key, ca_cert = ca("opentinker-test-ca")
-    other_key, other_cert = ca("some-other-ca")
-    sk, sc = leaf(ca_key, ca_cert, "localhost", True)
-    nk, nc = leaf(ca_key, ca_cert, "node-a", False)
-    rk, rc = leaf(other_key, other_cert, "node-rogue", False)
+def make_certs(folder: Path) -> Certs:
+    """A CA, a server certificate (SAN localhost, 127.0.0.1), a node certificate (CN node-a) and a
+    rogue client certificate from another CA, as PEM files under ``folder``."""
+    pki = _Pki(folder)
+    ca, other = pki.ca("opentinker-test-ca"), pki.ca("some-other-ca")
+    sk, sc = pki.leaf(ca, "localhost", dns=("localhost",), ip=("127.0.0.1",))
+    nk, nc = pki.leaf(ca, "node-a")
+    rk, rc = pki.leaf(other, "node-rogue")
     return Certs(
-        ca=write("ca.pem", pem_cert(ca_cert)), server_cert=write("server.pem", pem_cert(sc)), server_key=write("server.key", pem_key(sk)),
-        node_cert=write("node.pem", pem_cert(nc)), node_key=write("node.key", pem_key(nk)),
-        rogue_cert=write("rogue.pem", pem_cert(rc)), rogue_key=write("rogue.key", pem_key(rk)), other_ca=write("other-ca.pem", pem_cert(other_cert)),
+        ca=pki.cert("ca.pem", ca[1]), server_cert=pki.cert("server.pem", sc), server_key=pki.key("server.key", sk),
+        node_cert=pki.cert("node.pem", nc), node_key=pki.key("node.key", nk),
+        rogue_cert=pki.cert("rogue.pem", rc), rogue_key=pki.key("rogue.key", rk), other_ca=pki.cert("other-ca.pem", other[1]),
     )
 
 
@@ -156,51 +168,11 @@ class NodeCerts:
 def make_node_certs(folder: Path, names: dict[str, tuple[str, ...]]) -> NodeCerts:
     """Like :func:`make_certs`, with one client certificate per entry of ``names``: common name ->
     DNS subject alternative names (may be empty). Files are ``<cn>.pem`` / ``<cn>.key``."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    folder.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.timezone.utc)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def builder(subject: str, issuer: x509.Name, public_key) -> x509.CertificateBuilder:
-        return (
-            x509.CertificateBuilder().subject_name(name(subject)).issuer_name(issuer).public_key(public_key)
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=1))
-        )
-
-    def write(path: str, data: bytes) -> Path:
-        p = folder / path
-        p.write_bytes(data)
-        return p
-
-    def pem_cert(c) -> bytes:
-        return c.public_bytes(serialization.Encoding.PEM)
-
-    def pem_key(k) -> bytes:
-        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert = builder("opentinker-test-ca", name("opentinker-test-ca"), ca_key.public_key()).add_extension(
-        x509.BasicConstraints(ca=True, path_length=None), critical=True
-    ).sign(ca_key, hashes.SHA256())
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server_cert = builder("localhost", ca_cert.subject, server_key.public_key()).add_extension(
-        x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
-    ).sign(ca_key, hashes.SHA256())
+    pki = _Pki(folder)
+    ca = pki.ca("opentinker-test-ca")
+    sk, sc = pki.leaf(ca, "localhost", dns=("localhost",), ip=("127.0.0.1",))
     nodes = {}
     for cn, dns in names.items():
-        key = ec.generate_private_key(ec.SECP256R1())
-        b = builder(cn, ca_cert.subject, key.public_key())
-        if dns:
-            b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(d) for d in dns]), critical=False)
-        nodes[cn] = (write(f"{cn}.pem", pem_cert(b.sign(ca_key, hashes.SHA256()))), write(f"{cn}.key", pem_key(key)))
-    return NodeCerts(
-        ca=write("ca.pem", pem_cert(ca_cert)), server_cert=write("server.pem", pem_cert(server_cert)),
-        server_key=write("server.key", pem_key(server_key)), nodes=nodes,
-    )
+        key, cert = pki.leaf(ca, cn, dns=tuple(dns))
+        nodes[cn] = (pki.cert(f"{cn}.pem", cert), pki.key(f"{cn}.key", key))
+    return NodeCerts(ca=pki.cert("ca.pem", ca[1]), server_cert=pki.cert("server.pem", sc), server_key=pki.key("server.key", sk), nodes=nodes)

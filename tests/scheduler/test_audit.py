@@ -23,7 +23,7 @@ from .security_util import LoopbackScheduler, metadata
 
 @pytest.fixture
 def sched(tmp_path):
-    s = LoopbackScheduler(tmp_path / "state", "auth: {enabled: true}\n")
+    s = LoopbackScheduler(tmp_path / "state", "auth: {enabled: true}\npaths: {model_dirs: [/models]}\n")
     yield s
     s.close()
 

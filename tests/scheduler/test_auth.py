@@ -20,7 +20,7 @@ from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, Not
 
 from .security_util import LoopbackScheduler, make_certs, metadata
 
-AUTH = "auth: {enabled: true}\n"
+AUTH = "auth: {enabled: true}\npaths: {model_dirs: [/models]}\n"  # specs name /models/m
 
 
 def _spec(model: str = "/models/m") -> C.TaskSpec:

@@ -31,7 +31,7 @@ def make(tmp_path):
     made = []
 
     def _make(text: str) -> LoopbackScheduler:
-        s = LoopbackScheduler(tmp_path / f"state{len(made)}", text)
+        s = LoopbackScheduler(tmp_path / f"state{len(made)}", text + "paths: {model_dirs: [/models]}\n")  # specs name /models/m
         made.append(s)
         return s
 

@@ -20,7 +20,7 @@ LINE = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", 
 
 @pytest.fixture
 def sched(tmp_path):
-    s = LoopbackScheduler(tmp_path / "state", "auth: {enabled: true}\n")
+    s = LoopbackScheduler(tmp_path / "state", "auth: {enabled: true}\npaths: {model_dirs: [/models]}\n")
     yield s
     s.close()
 

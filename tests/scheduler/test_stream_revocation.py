@@ -22,7 +22,7 @@ from .security_util import LoopbackScheduler, metadata
 
 
 def _auth(recheck: float) -> str:
-    return f"auth: {{enabled: true, stream_recheck_interval: {recheck}}}\n"
+    return f"auth: {{enabled: true, stream_recheck_interval: {recheck}}}\npaths: {{model_dirs: [/models]}}\n"
 
 
 def _admin_key(s: LoopbackScheduler) -> str:

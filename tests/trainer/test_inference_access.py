@@ -21,7 +21,7 @@ from opentinker_trainer.inference.tls import read_server_tls, server_tls_from_en
 from ..integration.procs import free_port
 from ..scheduler.security_util import LoopbackScheduler, make_certs
 
-AUTH = "auth: {enabled: true}\n"
+AUTH = "auth: {enabled: true}\npaths: {model_dirs: [/models]}\n"  # specs name /models/m
 PROMPT = "Once upon a time"
 
 

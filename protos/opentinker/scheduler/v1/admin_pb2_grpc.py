@@ -86,7 +86,8 @@ class AdminServiceServicer:
 
     def ListApiKeys(self, request, context):
         """Lists keys by their public prefix (never the secret), oldest first. Non-admin keys see their
-        own owner's keys only. Idempotent. Errors: PERMISSION_DENIED (a node key), UNAUTHENTICATED.
+        own owner's keys only. Idempotent. Errors: PERMISSION_DENIED (a node key; a user key naming
+        another owner), UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
