@@ -538,7 +538,8 @@ def _safe_relative(path: str) -> PurePosixPath:
 def download_checkpoint(stub, metadata, task_id: str, dest: str | os.PathLike[str], *, step: int | None = None, timeout: float | None = None) -> Path:
     """Stream a checkpoint folder into ``dest`` (created; must not exist or be empty) and check
     every file's size and SHA-256 against the manifest. Files are written beside ``dest`` and
-    moved into place only when all of them check out, so nothing half-written is left.
+    moved into place only when all of them check out, so nothing half-written is left. The
+    folders are created 0700 and the files 0600: weights are private to the user who fetched them.
 
     Returns:
         ``dest`` as a Path.
@@ -555,6 +556,7 @@ def download_checkpoint(stub, metadata, task_id: str, dest: str | os.PathLike[st
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    os.chmod(tmp, 0o700)  # model weights are private: the folder is the user's alone (as on the cluster)
     call = stub.DownloadCheckpoint(scheduler_pb2.DownloadCheckpointRequest(task_id=task_id, step=step or 0), timeout=timeout, metadata=metadata)
     try:
         files: list[tuple[Path, Any]] = []
@@ -566,14 +568,14 @@ def download_checkpoint(stub, metadata, task_id: str, dest: str | os.PathLike[st
             if kind == "manifest":
                 for f in msg.manifest.files:
                     target = tmp.joinpath(*_safe_relative(f.path).parts)
-                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
                     files.append((target, f))
             elif kind == "chunk":
                 c = msg.chunk
                 if not 0 <= c.file_index < len(files):
                     raise OpenTinkerError(f"checkpoint download: chunk for unknown file {c.file_index}")
                 if c.file_index not in handles:
-                    handles[c.file_index] = open(files[c.file_index][0], "wb")
+                    handles[c.file_index] = open(os.open(files[c.file_index][0], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
                     digests[c.file_index] = hashlib.sha256()
                     sizes[c.file_index] = 0
                 if c.offset != sizes[c.file_index]:
@@ -587,7 +589,7 @@ def download_checkpoint(stub, metadata, task_id: str, dest: str | os.PathLike[st
             got_size = sizes.get(i, 0)
             got_hash = digests[i].hexdigest() if i in digests else hashlib.sha256().hexdigest()
             if i not in handles:
-                target.write_bytes(b"")
+                os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
             if got_size != f.size_bytes or got_hash != f.sha256:
                 raise OpenTinkerError(f"checkpoint download: {f.path} arrived with {got_size} bytes, sha256 {got_hash}; expected {f.size_bytes} bytes, sha256 {f.sha256}")
         if dest.exists():

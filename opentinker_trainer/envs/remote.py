@@ -11,17 +11,17 @@ retried; a retry cannot fix the user's environment), with these messages:
 
 * the environment raised -> ``client environment Corr at host:port failed in step: Corr.step raised ValueError: ...``;
 * no answer within ``timeout_s`` -> ``... did not answer step within timeout_s=2 s``;
-* unreachable (client gone) for longer than ``grace_s`` -> ``... unreachable for grace_s=30 s``
-  (when the server closed the plaintext connection: ``..., or the server serves TLS while
-  env_config.tls is false``).
-  Calls are retried with backoff while the endpoint is unreachable. A client whose server comes
-  back within the grace period has lost its instances, so the next Step fails with
-  FAILED_PRECONDITION (a UserError too) unless it was a Reset.
+* no EnvironmentService answered for longer than ``grace_s`` (client gone, unreachable, a TLS
+  handshake that fails, another protocol on the port) -> ``... unreachable for grace_s=30 s: no
+  EnvironmentService answered (...)``, with a TLS hint that depends on ``env_config.tls`` only.
+  The text is the same whatever the transport said, so a task cannot probe what listens on the
+  trainer's network; the transport error goes to the trainer's log. Calls are retried with
+  backoff meanwhile. A client whose server comes back within the grace period has lost its
+  instances, so the next Step fails with FAILED_PRECONDITION (a UserError too) unless it was a
+  Reset. Errors with a message of their own are shown only once an EnvironmentService has
+  answered at the endpoint.
 * the access token is refused (UNAUTHENTICATED; not retried) -> ``the access token
-  (env_config.token) did not match the environment server at host:port ...``;
-* the TLS handshake keeps failing (wrong CA, a certificate for another host, a plaintext server)
-  for ``grace_s`` -> ``TLS handshake with client environment at host:port failed for
-  grace_s=30 s: ... CERTIFICATE_VERIFY_FAILED ...``.
+  (env_config.token) did not match the environment server at host:port ...``.
 
 Access: every call carries ``authorization: Bearer <env_config.token>`` (when the token is not
 empty); with ``env_config.tls`` the channel is ``grpc.secure_channel`` trusting
@@ -35,7 +35,6 @@ All environments of one worker process share one gRPC channel per endpoint and o
 from __future__ import annotations
 
 import itertools
-import re
 import threading
 import time
 import uuid
@@ -44,12 +43,14 @@ from typing import Any
 import grpc
 import gymnasium
 import numpy as np
+import structlog
 from google.protobuf import json_format
 
 from opentinker.environment.v1 import environment_pb2 as pb
 from opentinker.environment.v1 import environment_pb2_grpc as pb_grpc
-from opentinker_client.errors import closed_by_peer
 from opentinker_trainer.context import UserError
+
+log = structlog.get_logger("opentinker.trainer.env")
 
 __all__ = ["ClientEnv", "RemoteSession", "close_all_sessions", "make_client_env"]
 
@@ -58,8 +59,6 @@ __all__ = ["ClientEnv", "RemoteSession", "close_all_sessions", "make_client_env"
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 #: Largest gRPC message either side sends or accepts, in bytes (the EnvironmentServer's too).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# How gRPC (BoringSSL) words a failed handshake in an UNAVAILABLE status's details.
-_TLS_FAILURE = re.compile(r"ssl|tls|handshake|certificate|x509", re.IGNORECASE)
 
 
 def channel_for(endpoint: str, *, tls: bool = False, root_certificates: str = "") -> grpc.Channel:
@@ -94,6 +93,7 @@ class RemoteSession:
         self._indexes = itertools.count()
         self.name = "client environment"
         self.described: pb.DescribeResponse | None = None
+        self._answered = False  # an EnvironmentService has answered here (its errors may be shown)
 
     def __repr__(self) -> str:
         return f"RemoteSession({self.endpoint!r}, tls={self.tls}, token={'set' if self._metadata else 'none'})"
@@ -128,7 +128,9 @@ class RemoteSession:
         what = method.lower()
         while True:
             try:
-                return fn(request, timeout=self.timeout_s, metadata=self._metadata)
+                response = fn(request, timeout=self.timeout_s, metadata=self._metadata)
+                self._answered = True
+                return response
             except grpc.RpcError as err:
                 code = err.code()
                 where = f"{self.name} at {self.endpoint}"
@@ -146,6 +148,8 @@ class RemoteSession:
                             f"env_config.token is empty ({code.name}: {err.details()})"
                         )
                     raise UserError(message) from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and not self._answered:
+                    raise UserError(self._unreachable(where, code, err.details(), waited=False)) from None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise UserError(
                         f"{where} did not answer {what} within timeout_s={self.timeout_s:g} s "
@@ -155,21 +159,31 @@ class RemoteSession:
                     now = time.monotonic()
                     first_down = now if first_down is None else first_down
                     if now - first_down >= self.grace_s:
-                        if self.tls and _TLS_FAILURE.search(err.details() or ""):
-                            raise UserError(
-                                f"TLS handshake with {where} failed for grace_s={self.grace_s:g} s: {err.details()} "
-                                "(env_config.tls_root_certificates must be the CA that signed the server's certificate, "
-                                "the certificate must name the endpoint's host, and the server must serve TLS)"
-                            ) from None
-                        tls_hint = ", or the server serves TLS while env_config.tls is false" if not self.tls and closed_by_peer(err.details()) else ""
-                        raise UserError(
-                            f"{where} unreachable for grace_s={self.grace_s:g} s: {err.details()} "
-                            f"(the client that hosts it has gone away or cannot be reached from this node{tls_hint})"
-                        ) from None
+                        raise UserError(self._unreachable(where, code, err.details())) from None
                     time.sleep(min(delay, max(0.0, self.grace_s - (now - first_down))))
                     delay = min(delay * 2, 2.0)
                     continue
+                if not self._answered:  # not known to be an EnvironmentService: say nothing about what is there
+                    raise UserError(self._unreachable(where, code, err.details(), waited=False)) from None
                 raise UserError(f"{where} failed in {what}: {err.details()} ({code.name})") from None
+
+    def _unreachable(self, where: str, code: grpc.StatusCode, details: str | None, *, waited: bool = True) -> str:
+        """The task's error when no EnvironmentService answered at the endpoint. One text whatever
+        the transport said (refused, reset, a TLS handshake, another protocol), so a task cannot
+        be used to probe what listens on the trainer's network; the transport error goes to the
+        trainer node's log for its operator."""
+        log.warning("client environment unreachable", endpoint=self.endpoint, code=code.name, details=details or "")
+        hint = (
+            "or its TLS handshake failed: env_config.tls_root_certificates must be the CA that signed the server's "
+            "certificate, the certificate must name the endpoint's host, and the server must serve TLS"
+            if self.tls
+            else "or it serves TLS while env_config.tls is false"
+        )
+        when = f" for grace_s={self.grace_s:g} s" if waited else ""
+        return (
+            f"{where} unreachable{when}: no EnvironmentService answered (the client that hosts it has gone away or "
+            f"cannot be reached from this node, {hint}; the trainer node's log has the transport error)"
+        )
 
     def describe(self) -> pb.DescribeResponse:
         if self.described is None:

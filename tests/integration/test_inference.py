@@ -49,6 +49,7 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(tmp_
             names = sorted(p.name for p in got.iterdir())
             assert "adapter_model.safetensors" in names and names == sorted(p.name for p in ckpt.iterdir())
             assert all(_sha(got / n) == _sha(ckpt / n) for n in names)
+            assert got.stat().st_mode & 0o777 == 0o700 and all((got / n).stat().st_mode & 0o777 == 0o600 for n in names)
             first = client.download_checkpoint(trained, tmp_path / "step1", step=1)
             assert _sha(first / "adapter_model.safetensors") == _sha(ckpt.parent / "step_1" / "adapter_model.safetensors")
 

@@ -107,13 +107,37 @@ def test_tls_with_another_ca_fails_after_grace_naming_tls(certs):
         with pytest.raises(UserError) as err:
             env.reset()
     msg = str(err.value)
-    assert msg.startswith(f"TLS handshake with client environment at {server.endpoint} failed for grace_s=0.5 s")
-    assert "tls_root_certificates" in msg and server.token not in msg
+    assert msg.startswith(f"client environment at {server.endpoint} unreachable for grace_s=0.5 s: no EnvironmentService answered")
+    assert "its TLS handshake failed: env_config.tls_root_certificates" in msg and server.token not in msg
     assert server.servicer.session_count() == 0
 
 
 def test_tls_spec_against_a_plaintext_server_fails_naming_tls(certs):
     with EnvironmentServer(Corridor()) as server:
         env = make_client_env(config(server, grace_s=0.5, tls=True, tls_root_certificates=certs.ca.read_text()), seed=None)
-        with pytest.raises(UserError, match=r"^TLS handshake with .* failed for grace_s=0.5 s"):
+        with pytest.raises(UserError, match=r"unreachable for grace_s=0.5 s: no EnvironmentService answered .*its TLS handshake failed"):
             env.reset()
+
+
+def test_a_task_cannot_tell_what_listens_on_a_port(certs):
+    """A closed port, an HTTP/1 server and a TLS EnvironmentServer dialled in plaintext all give the
+    same error text: a task spec cannot be used to probe the trainer's network."""
+    import http.server
+    import threading
+
+    http1 = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=http1.serve_forever, daemon=True).start()
+    try:
+        with EnvironmentServer(Corridor()) as plain, EnvironmentServer(Corridor(), tls_cert=certs.server_cert, tls_key=certs.server_key) as tls:
+            texts = {}
+            for label, endpoint in (("closed", "127.0.0.1:1"), ("http1", f"127.0.0.1:{http1.server_address[1]}"), ("tls", tls.endpoint)):
+                close_all_sessions()
+                spec = validate_env_config({**plain.env_config, "endpoint": endpoint, "grace_s": 0.3})
+                with pytest.raises(UserError) as err:
+                    make_client_env(spec, seed=None).reset()
+                texts[label] = str(err.value).replace(endpoint, "EP")
+        assert len(set(texts.values())) == 1, texts
+        assert "unreachable for grace_s=0.3 s: no EnvironmentService answered" in texts["closed"]
+    finally:
+        http1.shutdown()
+        close_all_sessions()
