@@ -15,7 +15,6 @@ import logging
 import os
 import secrets
 import threading
-from pathlib import Path
 from typing import Any, Callable
 
 import grpc
@@ -131,10 +130,12 @@ def read_pem(path: str | os.PathLike[str], what: str, *, max_bytes: int = 1024 *
         InvalidArgumentError: field ``what``; the file cannot be read, is larger than
             ``max_bytes`` or is not PEM (no ``-----BEGIN`` line).
     """
+    from opentinker_client.tls import read_pem_file  # regular files only, read with a bound
+
     try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise InvalidArgumentError(f"{what}: cannot read {os.fspath(path)!r}: {exc.strerror or exc}", field=what) from None
+        data = read_pem_file(path, what)
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc), field=what) from None
     if len(data) > max_bytes:
         raise InvalidArgumentError(f"{what}: {os.fspath(path)!r} is {len(data)} bytes, more than {max_bytes}", field=what)
     if b"-----BEGIN " not in data:

@@ -7,6 +7,9 @@ OpenTinker accepts the same spellings and refuses the same mistakes.
 TLS rule (:func:`parse_scheduler_address`): ``https://`` and ``grpcs://`` always mean TLS (with
 the CA given by ``root_certificates`` / ``--tls-ca`` / ``$OPENTINKER_TLS_CA``, else the system's
 trusted roots); ``http://``, ``grpc://`` and no scheme mean TLS exactly when a CA is given.
+
+A user-info part (``https://user:password@host:1``) is refused, and never echoed: error messages
+show the URL with it replaced by ``***@`` (:func:`redact_userinfo`).
 """
 
 from __future__ import annotations
@@ -15,16 +18,36 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-__all__ = ["SchedulerAddress", "parse_scheduler_address", "parse_scheduler_url"]
+__all__ = ["SchedulerAddress", "parse_scheduler_address", "parse_scheduler_url", "redact_userinfo"]
 
 _PLAIN_SCHEMES = ("http", "grpc")
 _TLS_SCHEMES = ("https", "grpcs")
+_SCHEME = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*$")
 _HOST_LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
 _EXAMPLE = "expected host:port, e.g. http://scheduler-host:8888, https://scheduler-host:8888, scheduler-host:8888 or [::1]:8888"
 
 
+def redact_userinfo(url: str) -> str:
+    """``url`` with any user-info part (``user:password@``) replaced by ``***@``, for messages.
+
+    Everything between the scheme's ``://`` (or the start) and the last ``@`` is replaced, so a
+    password holding ``/``, ``?``, ``#`` or ``@`` is hidden too (a path with an ``@`` is hidden
+    with it, which errs on the safe side).
+
+    >>> redact_userinfo("https://user:pw@host:1")
+    'https://***@host:1'
+    """
+    head, sep, rest = url.partition("://")
+    if not sep or not _SCHEME.match(head):  # "user:p://w@host": no scheme, all of it is user info
+        head, sep, rest = "", "", url
+    at = rest.rfind("@")
+    if at < 0:
+        return url
+    return f"{head}{sep}***@{rest[at + 1:]}"
+
+
 def _bad(url: str, why: str) -> ValueError:
-    return ValueError(f"bad scheduler URL {url!r}: {why}; {_EXAMPLE}")
+    return ValueError(f"bad scheduler URL {redact_userinfo(url)!r}: {why}; {_EXAMPLE}")
 
 
 @dataclass(frozen=True)
@@ -54,7 +77,8 @@ def parse_scheduler_url(url: str) -> str:
 
     Raises:
         ValueError: empty, no port, bad port, a path/query/user part, or an unknown scheme. The
-            message quotes the URL and shows a valid example.
+            message quotes the URL (with any ``user:password@`` shown as ``***@``) and shows a
+            valid example.
     """
     return parse_scheduler_address(url).target
 
@@ -77,6 +101,8 @@ def parse_scheduler_address(url: str) -> SchedulerAddress:
     text = url.strip()
     if not text:
         raise _bad(url, "it is empty")
+    if "@" in text:  # before anything else looks at the text: no message may quote a password
+        raise _bad(url, "it has a user name ('@'); only host and port are allowed")
     rest, scheme = text, ""
     if "://" in text:
         scheme, rest = text.split("://", 1)
@@ -85,7 +111,7 @@ def parse_scheduler_address(url: str) -> SchedulerAddress:
             raise _bad(url, f"unknown scheme {scheme + '://'!r} (use http://, https://, grpc:// or grpcs://, or none)")
     if rest.endswith("/"):
         rest = rest[:-1]
-    for sep, what in (("/", "a path"), ("?", "a query"), ("#", "a fragment"), ("@", "a user name")):
+    for sep, what in (("/", "a path"), ("?", "a query"), ("#", "a fragment")):
         if sep in rest:
             raise _bad(url, f"it has {what} ({sep!r}); only host and port are allowed")
     if not rest:

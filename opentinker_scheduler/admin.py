@@ -15,7 +15,7 @@ from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 from .audit import ACTIONS, AuditLog
 from .auth import AuthInterceptor, caller
 from .keys import KeyRow, KeyStore, Principal, bootstrap_admin, key_prefix
-from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from .limits import Limits, LimitsConfig
 from .store import Store
 
@@ -30,6 +30,7 @@ _STATUS = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -61,7 +62,7 @@ def build_security(config, store: Store) -> Security:
     enabled = bool(auth is not None and auth.enabled)
     limits = Limits((getattr(config, "limits", None) or LimitsConfig()).resolved(auth_enabled=enabled))
     audit = AuditLog(store)
-    keys = KeyStore(store) if enabled else None
+    keys = KeyStore(store, max_keys_per_owner=limits.config.max_keys_per_owner) if enabled else None
     written = None
     if keys is not None:
         path = Path(auth.bootstrap_admin_key_file)
@@ -148,8 +149,9 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             raise InvalidArgument("role: expected API_KEY_ROLE_ADMIN, API_KEY_ROLE_USER or API_KEY_ROLE_NODE")
         try:
             row, api_key = self.keys.create(request.owner, role, request.description)
-        except InvalidArgument as exc:
-            self._audit(who, "key.create", "INVALID_ARGUMENT", for_owner=request.owner[:128], error=str(exc))
+        except (InvalidArgument, ResourceExhausted) as exc:
+            outcome = "INVALID_ARGUMENT" if isinstance(exc, InvalidArgument) else "RESOURCE_EXHAUSTED"
+            self._audit(who, "key.create", outcome, for_owner=request.owner[:128], error=str(exc))
             raise
         self._audit(who, "key.create", target=row.prefix, for_owner=row.owner, target_role=row.role)
         return admin_pb2.CreateApiKeyResponse(key=key_to_proto(row, self.keys.clock()), api_key=api_key)
@@ -182,7 +184,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         grace = request.grace.ToNanoseconds() / 1e9 if request.HasField("grace") else 0.0
         try:
             new, api_key, old = self.keys.rotate(prefix, grace_s=grace, owner=self._scope(who))
-        except (FailedPrecondition, InvalidArgument) as exc:
+        except (FailedPrecondition, InvalidArgument, ResourceExhausted) as exc:
             self._audit(who, "key.rotate", type(exc).__name__, target=prefix, error=str(exc))
             raise
         self._audit(who, "key.rotate", target=prefix, new_key=new.prefix, for_owner=new.owner, grace_s=grace)

@@ -375,6 +375,11 @@ class SchedulerCore(NodeProtocol, Preempting):
             if queued is not None:
                 self.placement_latencies.append(now_m - queued)
             assign = node_pb2.AssignTask(task_id=task.task_id, attempt=task.attempt, spec=task.spec, device_indices=devices, owner=task.owner)
+            # paths.model_dirs in force (default_model exempt): the worker refuses hub-id-shaped names found in its folder.
+            assign.local_paths_restricted = (
+                self.config.paths.allowed("model_dirs", auth_enabled=self.config.auth.enabled) is not None
+                and task.spec.model != self.config.default_model
+            )
             if task.latest_checkpoint is not None:
                 assign.resume_from.CopyFrom(task.latest_checkpoint)
             init = init_checkpoint(self.store, task.spec)  # spec.init_from's final checkpoint

@@ -4,6 +4,16 @@ Keys look like ``otk_<8 hex>_<43 url-safe characters>`` (256 random bits). The `
 prefix is stored in plain text to name the key; the whole key only as its SHA-256, compared with
 :func:`hmac.compare_digest` (a fast hash is enough: the key is random, not a password). See
 :mod:`opentinker_scheduler.auth` for roles and the interceptor.
+
+Bounds on how many keys one owner can hold (so per-key limits such as ``limits.submit_rate`` and
+``limits.max_streams_per_key`` bound an owner to at most ``max_keys_per_owner`` times them):
+
+* at most ``limits.max_keys_per_owner`` *active* keys (unrevoked, unexpired) per owner, counting
+  every role; creating one more (also by an admin) or rotating with a grace period (which leaves
+  the old key valid next to the new one) is RESOURCE_EXHAUSTED;
+* a key is rotated at most once: rotating a key that already has a successor is
+  FAILED_PRECONDITION naming the successor ("rotate that one"), so one key cannot be turned into
+  many keys that all stay valid for the grace period.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from pathlib import Path
 
 import structlog
 
-from .errors import FailedPrecondition, InvalidArgument, NotFound, SchedulerError
+from .errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SchedulerError
 from .store import Store
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -44,6 +54,7 @@ CREATE TABLE IF NOT EXISTS api_keys (
     expire_time  REAL,                    -- set by a rotation with a grace period
     replaced_by  TEXT NOT NULL DEFAULT ''
 );
+CREATE INDEX IF NOT EXISTS api_keys_owner ON api_keys (owner);
 """
 
 
@@ -121,9 +132,12 @@ class KeyStore:
 
     _COLS = "prefix, owner, role, description, create_time, revoke_time, expire_time, replaced_by, key_hash"
 
-    def __init__(self, store: Store, *, clock=time.time) -> None:
+    def __init__(self, store: Store, *, clock=time.time, max_keys_per_owner: int = 20) -> None:
+        """``max_keys_per_owner``: active keys one owner may hold (``limits.max_keys_per_owner``);
+        0 = no limit."""
         self.store = store
         self.clock = clock
+        self.max_keys_per_owner = max_keys_per_owner
         store.db.executescript(_SCHEMA)
 
     @staticmethod
@@ -148,13 +162,38 @@ class KeyStore:
             )
         return self.get(prefix)
 
+    def active_count(self, owner: str) -> int:
+        """Keys of ``owner`` (any role) that are neither revoked nor expired now."""
+        (n,) = self.store.db.execute(
+            "SELECT COUNT(*) FROM api_keys WHERE owner=? AND revoke_time IS NULL AND (expire_time IS NULL OR expire_time > ?)",
+            (owner, self.clock()),
+        ).fetchone()
+        return int(n)
+
+    def _check_cap(self, owner: str, hint: str = "revoke unused keys first") -> None:
+        """Raises ResourceExhausted when ``owner`` already holds ``max_keys_per_owner`` active keys."""
+        most = self.max_keys_per_owner
+        if not most:
+            return
+        active = self.active_count(owner)
+        if active >= most:
+            raise ResourceExhausted(
+                f"owner {owner!r} already has {active} active API key(s), the limit is {most} "
+                f"(limits.max_keys_per_owner); {hint}"
+            )
+
     def create(self, owner: str, role: str, description: str = "") -> tuple[KeyRow, str]:
         """Make a new key; returns its record and the full key (the only time it is seen).
 
         Raises:
             InvalidArgument: bad owner, role or description (field named).
+            ResourceExhausted: ``owner`` already holds ``max_keys_per_owner`` active keys.
         """
         self._check(owner, role, description)
+        self._check_cap(owner)
+        return self._create(owner, role, description)
+
+    def _create(self, owner: str, role: str, description: str) -> tuple[KeyRow, str]:
         for _ in range(8):
             api_key = f"otk_{secrets.token_hex(4)}_{secrets.token_urlsafe(32)}"
             if self.find(_KEY_RE.match(api_key).group(1)) is None:  # type: ignore[union-attr]
@@ -208,19 +247,33 @@ class KeyStore:
 
         Returns (new record, new full key, old record).
 
+        A key is rotated at most once; with a grace period the owner briefly holds one more
+        active key, which counts against ``max_keys_per_owner`` (a rotation without grace does
+        not change the count and is always allowed).
+
         Raises:
             NotFound: no such key (or another owner's).
-            FailedPrecondition: the key is revoked or expired already.
+            FailedPrecondition: the key is revoked or expired already, or was already rotated
+                (its successor is named: rotate that one).
             InvalidArgument: ``grace_s`` outside [0, 30 days].
+            ResourceExhausted: ``grace_s`` > 0 and the owner already holds ``max_keys_per_owner``
+                active keys.
         """
         if not 0 <= grace_s <= 30 * 86400:
             raise InvalidArgument(f"grace: expected 0 to 30 days, got {grace_s} s")
         old = self.get(prefix, owner=owner)
         now = self.clock()
+        if old.replaced_by and old.active(now):
+            raise FailedPrecondition(f"API key {prefix} was already rotated to {old.replaced_by}; rotate that one")
         if not old.active(now):
             raise FailedPrecondition(f"API key {prefix} is already revoked or expired; create a new key instead")
+        if grace_s > 0:
+            self._check_cap(
+                old.owner, "a rotation with a grace period keeps the old key active next to the new one: "
+                "rotate with grace 0, or revoke unused keys first",
+            )
         with self.store.batch():
-            new, api_key = self.create(old.owner, old.role, old.description)
+            new, api_key = self._create(old.owner, old.role, old.description)
             if grace_s > 0:
                 self.store.db.execute("UPDATE api_keys SET expire_time=?, replaced_by=? WHERE prefix=?", (now + grace_s, new.prefix, prefix))
             else:

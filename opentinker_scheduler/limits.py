@@ -10,10 +10,17 @@ message naming the limit and its config key, never a crash.
       submit_rate: 10               # SubmitTask calls per second per API key (token bucket); 0 = no limit
       submit_burst: 50              # ... of which this many may come at once
       max_streams_per_key: 32       # server streams (WatchTask, downloads) open at once per key; 0 = no limit
+      spec_check_timeout: 10        # seconds SubmitTask may spend building the environment to check a spec
+      max_keys_per_owner: 20        # active (unrevoked, unexpired) API keys per owner; 0 = no limit
 
 The per-caller limits (pending, rate, streams) default to the values above when ``auth.enabled``
 is true. With authentication off (one trusted user, ``make demo``, the benchmarks) they default to
 no limit; a value written in the config applies in both modes. Message and spec sizes always apply.
+
+``submit_rate``/``submit_burst`` and ``max_streams_per_key`` count per API key, not per owner: an
+owner with several keys gets each key's allowance. ``max_keys_per_owner`` (enforced by
+:class:`~opentinker_scheduler.keys.KeyStore` on create and on rotation with a grace period, also
+for keys an admin creates) bounds that to ``max_keys_per_owner`` times the per-key limits.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ DEFAULTS = {
     "submit_rate": 10.0,
     "submit_burst": 50,
     "max_streams_per_key": 32,
+    "spec_check_timeout": 10.0,
+    "max_keys_per_owner": 20,
 }
 _PER_CALLER = ("max_pending_per_owner", "submit_rate", "submit_burst", "max_streams_per_key")
 
@@ -51,6 +60,8 @@ class LimitsConfig:
     submit_rate: float | None = None
     submit_burst: int | None = None
     max_streams_per_key: int | None = None
+    spec_check_timeout: float | None = None
+    max_keys_per_owner: int | None = None
 
     def resolved(self, *, auth_enabled: bool) -> "LimitsConfig":
         """Every field filled: the written value, else the default (0 = no limit for per-caller
@@ -72,6 +83,8 @@ _KEYS = {
     "submit_rate": (float, 0, 1e6),
     "submit_burst": (int, 1, 1_000_000),
     "max_streams_per_key": (int, 0, 100_000),
+    "spec_check_timeout": (float, 0.1, 600),
+    "max_keys_per_owner": (int, 0, 1_000_000),
 }
 
 

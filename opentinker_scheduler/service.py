@@ -19,6 +19,7 @@ from . import checkpoints
 from .core import SchedulerCore
 from .datasets import DatasetStore, receive_upload
 from .refs import check_references
+from .spec_check import check_submitted_spec
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from .store import TaskRow
 from .admin import Security
@@ -153,6 +154,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 dataset_visible=self._dataset_visible,
                 paths=self.core.config.paths, auth_enabled=self.core.config.auth.enabled,  # local paths (opentinker_scheduler/paths.py)
             )
+            # Builds the environment (if any) in a thread, under limits.spec_check_timeout; core.submit finds it cached.
+            await check_submitted_spec(self.core, request.spec)
             task = self.core.submit(request.spec, owner=who.owner, request_id=request.request_id)
         except Exception as exc:
             self._audit(who, "task.submit", exc, workload_type=request.spec.workload_type[:64])

@@ -30,6 +30,12 @@
 * ``http_tls`` (its own ``cert`` and ``key``, which may be the same files as ``tls``): the HTTP
   port speaks HTTPS only (``https://host:8889/health``); without it the port is plain HTTP. The
   pair is loaded at start, so a key that does not match its certificate is a config error.
+* Checked when the config is loaded (exit 2 with ``file:line: key: expected ...``), not when the
+  port is bound: every file is a regular file of at most 1 MiB holding PEM; ``tls.cert`` holds a
+  certificate and ``tls.key`` a private key, and the two load as a pair into an
+  :class:`ssl.SSLContext` (a key of another certificate, or a CA certificate given as
+  ``tls.cert``: ``tls.key: expected the private key of tls.cert ... (KEY_VALUES_MISMATCH)``);
+  ``tls.client_ca`` holds a ``CERTIFICATE`` block and no private key.
 """
 
 from __future__ import annotations
@@ -78,19 +84,50 @@ class HttpTlsConfig:
         return server_ssl_context(self.cert, self.key)
 
 
+#: What each file must hold: (block that must be there, block that must not, words).
+_HOLDS = {
+    "cert": (b"-----BEGIN CERTIFICATE-----", None, "a PEM certificate chain (-----BEGIN CERTIFICATE-----)"),
+    "key": (b"PRIVATE KEY-----", None, "the private key of {section}.cert (-----BEGIN ... PRIVATE KEY-----)"),
+    "client_ca": (b"-----BEGIN CERTIFICATE-----", b"PRIVATE KEY-----", "a PEM CA certificate (-----BEGIN CERTIFICATE-----, no private key)"),
+}
+
+
 def _pem_file(r, m, name: str, base_dir: Path | None, section: str = "tls") -> Path:
+    """The path of PEM file ``section.name``: a regular file of at most 1 MiB holding what
+    :data:`_HOLDS` says (ConfigError naming file, line and key otherwise)."""
+    from opentinker_client.tls import read_pem_file
+
     node = m[name][1]
     text = r.scalar(node, f"{section}.{name}", str)
     path = Path(text)
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
     try:
-        head = path.read_bytes()[:65536]
-    except OSError as exc:
-        raise r.fail(node, f"{section}.{name}", f"a readable PEM file, got {text!r} ({exc.strerror or exc})") from None
-    if b"-----BEGIN " not in head:
+        data = read_pem_file(path, f"{section}.{name}")
+    except ValueError as exc:
+        why = str(exc).split(": ", 1)[-1]  # without the key, which r.fail names
+        raise r.fail(node, f"{section}.{name}", f"a readable PEM file, got {text!r} ({why})") from None
+    if b"-----BEGIN " not in data:
         raise r.fail(node, f"{section}.{name}", f"a PEM file (-----BEGIN ...), got {text!r}")
+    must, must_not, words = _HOLDS[name]
+    words = words.format(section=section)
+    if must not in data:
+        raise r.fail(node, f"{section}.{name}", f"{words}, got {text!r}")
+    if must_not is not None and must_not in data:
+        raise r.fail(node, f"{section}.{name}", f"{words}, got {text!r}, which holds a private key")
     return path
+
+
+def _check_pair(r, m, cfg, section: str) -> None:
+    """Load ``cert``/``key`` into an :class:`ssl.SSLContext`; a mismatch is a ConfigError at
+    ``section.key`` (gRPC would only say "Unable to create secure server" when binding)."""
+    from opentinker_client.tls import check_key_pair
+
+    try:
+        check_key_pair(cfg.cert, cfg.key, names=(f"{section}.cert", f"{section}.key"))
+    except ValueError as exc:
+        why = str(exc).split(": expected ", 1)[-1] if ": expected " in str(exc) else str(exc).split(": ", 1)[-1]
+        raise r.fail(m["key"][1], f"{section}.key", why) from None
 
 
 def parse_http_tls(r, node, base_dir: Path | None) -> HttpTlsConfig:
@@ -105,19 +142,19 @@ def parse_http_tls(r, node, base_dir: Path | None) -> HttpTlsConfig:
         if required not in m:
             raise r.fail(node, f"http_tls.{required}", "a PEM file path (required when http_tls is set)")
     cfg = HttpTlsConfig(cert=_pem_file(r, m, "cert", base_dir, "http_tls"), key=_pem_file(r, m, "key", base_dir, "http_tls"))
-    try:
-        cfg.server_context()
-    except (ssl.SSLError, OSError, ValueError) as exc:
-        raise r.fail(m["key"][1], "http_tls.key", f"the private key of http_tls.cert in PEM, got {str(cfg.key)!r} ({getattr(exc, 'reason', None) or exc})") from None
+    _check_pair(r, m, cfg, "http_tls")
     return cfg
 
 
 def parse_tls(r, node, base_dir: Path | None) -> TlsConfig:
-    """Parse ``tls:`` with the config reader ``r``; the files must exist and look like PEM.
+    """Parse ``tls:`` with the config reader ``r``; the files must be PEM, and cert/key must
+    load as a pair.
 
     Raises:
-        ConfigError: unknown key, missing cert/key, unreadable or non-PEM file, bad
-            client_auth, ``client_auth: nodes`` with a client_ca but no node_port,
+        ConfigError: unknown key, missing cert/key, unreadable, non-regular, over 1 MiB or
+            non-PEM file, a cert without a certificate, a key without a private key or of
+            another certificate (KEY_VALUES_MISMATCH), a client_ca without a certificate or with
+            a private key, bad client_auth, ``client_auth: nodes`` with a client_ca but no node_port,
             ``node_id_must_match_cert: true`` without a client_ca.
     """
     m = r.mapping(node, "tls", {"cert": "", "key": "", "client_ca": "", "client_auth": "", "node_port": "", "node_id_must_match_cert": ""})
@@ -125,6 +162,7 @@ def parse_tls(r, node, base_dir: Path | None) -> TlsConfig:
         if required not in m:
             raise r.fail(node, f"tls.{required}", "a PEM file path (required when tls is set)")
     kw = {"cert": _pem_file(r, m, "cert", base_dir), "key": _pem_file(r, m, "key", base_dir)}
+    _check_pair(r, m, HttpTlsConfig(kw["cert"], kw["key"]), "tls")
     if "client_ca" in m:
         kw["client_ca"] = _pem_file(r, m, "client_ca", base_dir)
     if "client_auth" in m:

@@ -79,8 +79,8 @@ def _http_tls_context(parser: argparse.ArgumentParser, args: argparse.Namespace)
     from opentinker_client.tls import server_ssl_context
 
     try:
-        return server_ssl_context(args.http_tls_cert, args.http_tls_key)
-    except (OSError, ssl.SSLError) as exc:
+        return server_ssl_context(args.http_tls_cert, args.http_tls_key, names=("--http-tls-cert", "--http-tls-key"))
+    except (OSError, ssl.SSLError, ValueError) as exc:  # ValueError: not a regular file, over 1 MiB, encrypted key
         parser.error(f"--http-tls-cert/--http-tls-key: expected a readable PEM certificate and its key, got {args.http_tls_cert!r} and {args.http_tls_key!r} ({getattr(exc, 'strerror', None) or getattr(exc, 'reason', None) or exc})")
 
 
@@ -134,6 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key: expected both (mTLS) or neither")
+    from opentinker_client.tls import check_key_pair, check_pem_path
+
+    try:  # a key of another certificate would retry forever with "Invalid private key": one line, exit 2
+        if args.tls_cert:
+            check_key_pair(args.tls_cert, args.tls_key, names=("--tls-cert", "--tls-key"))
+        for flag, path in (("--serve-tls-cert", args.serve_tls_cert), ("--serve-tls-key", args.serve_tls_key)):
+            if path:  # regular files of at most 1 MiB (not /dev/zero, not a FIFO) before anything reads them
+                check_pem_path(path, flag)
+    except ValueError as exc:
+        parser.error(str(exc))
     from .inference.tls import read_server_tls  # torch-free
 
     try:  # inference servers' TLS: both or neither, readable PEM, checked now (one line, exit 2)
@@ -146,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         from opentinker_client.tls import server_ssl_context
 
         try:
-            server_ssl_context(args.serve_tls_cert, args.serve_tls_key)
-        except (OSError, ssl.SSLError) as exc:
+            server_ssl_context(args.serve_tls_cert, args.serve_tls_key, names=("--serve-tls-cert", "--serve-tls-key"))
+        except (OSError, ssl.SSLError, ValueError) as exc:
             why = "the key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(exc) else (getattr(exc, "reason", None) or exc)
             parser.error(f"--serve-tls-cert/--serve-tls-key: {why} ({args.serve_tls_cert!r}, {args.serve_tls_key!r})")
     # Workers may run in another directory: hand them absolute paths.

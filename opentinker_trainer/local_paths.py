@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from .context import UserError
 
-__all__ = ["WORK_DIR_ENV", "check_spec_paths", "private_dirs"]
+__all__ = ["WORK_DIR_ENV", "check_model_not_local", "check_spec_paths", "private_dirs"]
 
 #: Environment variable with the node's absolute work folder (set by the agent for each worker).
 WORK_DIR_ENV = "OPENTINKER_WORK_DIR"
@@ -102,4 +102,37 @@ def check_spec_paths(spec: Any, folders: tuple[str, ...], *, cwd: str | None = N
         raise UserError(
             f"env_config.path: {data!r} cannot be used by this task: it is inside this trainer node's work folder "
             "(other tasks' files and the dataset cache); upload the file (upload_dataset) and name its dataset_id"
+        )
+
+
+def check_model_not_local(model: str, *, cwd: str | None = None) -> None:
+    """Refuse a non-absolute ``spec.model`` that names something on this node's disk.
+
+    Called when the scheduler's ``paths.model_dirs`` policy restricts the task
+    (``AssignTask.local_paths_restricted``). The scheduler lets a hub-id-shaped name
+    (``private-model``, ``org/name``) through as a hub id, but ``from_pretrained`` loads a folder of
+    that name from the worker's current folder (the trainer's launch folder) when one exists, which
+    would bypass ``model_dirs``. Names starting with ``~`` (a home folder) are refused outright.
+    Absolute names were checked against ``model_dirs`` by the scheduler and pass here.
+
+    Args:
+        model: ``spec.model`` as submitted ("" = no model: nothing to check).
+        cwd: folder relative names are taken against (default: the current one).
+
+    Raises:
+        UserError: naming ``spec.model``, why, and the sanctioned alternative (an absolute path
+            under ``paths.model_dirs``).
+    """
+    if not model or os.path.isabs(model):
+        return
+    cwd = os.getcwd() if cwd is None else cwd
+    if model.startswith("~"):
+        raise UserError(
+            f"spec.model {model!r} names a home folder on this node; "
+            "name local models by an absolute path under paths.model_dirs"
+        )
+    if os.path.lexists(os.path.join(cwd, model)):
+        raise UserError(
+            f"spec.model {model!r} is a hub id, but a local folder of that name exists on this node; "
+            "name local models by an absolute path under paths.model_dirs"
         )

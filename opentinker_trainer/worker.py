@@ -9,7 +9,8 @@ Protocol to the agent: JSON lines on stdout, one object each, with ``type``:
 ``started``; ``metric`` (step, values); ``checkpoint`` (step, path, final, format); and exactly one of ``succeeded``, ``stopped`` (checkpointed and returned early after
 SIGTERM), ``failed`` (``error``, ``retryable``). Logs go to stderr.
 Before the workload runs, a ``spec.model`` or ``env_config.path`` inside the node's work folder
-is refused (:mod:`opentinker_trainer.local_paths`). Files are created with umask 077.
+is refused, and so is (when ``AssignTask.local_paths_restricted``) a relative ``spec.model`` that
+exists in the worker's folder (:mod:`opentinker_trainer.local_paths`). Files are created with umask 077.
 SIGTERM asks the workload to checkpoint and return; the agent SIGKILLs after a grace period.
 The worker dies with the agent (``PR_SET_PDEATHSIG`` on Linux; the agent passes its pid in
 ``OPENTINKER_AGENT_PID`` so a worker whose agent died before that took effect exits at once).
@@ -33,7 +34,7 @@ from opentinker_client.spec import SpecError, spec_from_proto
 
 from ._proc import die_with_parent
 from .context import UserError, WorkerContext
-from .local_paths import check_spec_paths, private_dirs
+from .local_paths import check_model_not_local, check_spec_paths, private_dirs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Not another task's checkpoint or the dataset cache by path (init_from, dataset_id instead).
         check_spec_paths(spec, private_dirs(args.checkpoint_dir))
+        if assign.local_paths_restricted:  # paths.model_dirs in force: no hub-id-shaped name of a local folder
+            check_model_not_local(spec.model)
         module = importlib.import_module(f"opentinker_trainer.workloads.{spec.workload_type}")
         module.run(ctx)
     except UserError as exc:

@@ -6,11 +6,19 @@ installs), the id is checked against its registry at validation time and the see
 (``Discrete(n)`` has size ``n``; a ``Box`` has size ``prod(shape)``), so a mismatch is an
 ``INVALID_ARGUMENT`` at submit rather than a failed task. The client alone (no gymnasium) skips
 these checks; the trainer repeats them.
+
+Before anything is built, ``env_kwargs`` are bounded generically (any registered id may take any
+keyword argument, so no per-id table is possible): numbers finite with ``|x| <= 1e6``, strings of
+at most 256 characters, lists and mappings of at most 256 items nested at most 3 deep, and the whole
+mapping at most 16 KiB as JSON (:func:`check_env_kwargs_bounds`). Together with the scheduler's
+time budget for building the environment (``limits.spec_check_timeout``) this keeps one spec from
+stalling validation.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -19,11 +27,60 @@ from typing import Any
 from ._parse import SpecError, num
 from .registry import register_env_family
 
-__all__ = ["GymEnvConfig", "is_gym_id", "space_size"]
+__all__ = ["GymEnvConfig", "check_env_kwargs_bounds", "is_gym_id", "space_size"]
 
 # gymnasium ids: [namespace/]name-vN, e.g. "CartPole-v1", "ALE/Pong-v5". No "module:" prefix:
 # gymnasium would import that module, which would let a task spec run code on the scheduler.
 _GYM_ID = re.compile(r"^(?:[A-Za-z][\w.-]*/)?[A-Za-z][\w.-]*-v\d+$")
+
+
+#: Generic bounds on ``env_kwargs`` values of ids without a per-id table.
+MAX_KWARG_NUMBER = 1e6
+MAX_KWARG_STRING = 256
+MAX_KWARG_ITEMS = 256
+MAX_KWARG_DEPTH = 3
+MAX_KWARGS_JSON_BYTES = 16 * 1024
+
+
+def _check_kwarg_value(value: Any, path: str, depth: int) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or abs(value) > MAX_KWARG_NUMBER:
+            raise SpecError(path, "a finite number with |x| <= 1e6", value)
+        return
+    if isinstance(value, str):
+        if len(value) > MAX_KWARG_STRING:
+            raise SpecError(path, f"a string of at most {MAX_KWARG_STRING} characters", f"{value[:20]}... ({len(value)} characters)")
+        return
+    if isinstance(value, (list, tuple, dict)):
+        if depth > MAX_KWARG_DEPTH:
+            raise SpecError(path, f"lists and mappings nested at most {MAX_KWARG_DEPTH} deep", "a deeper value")
+        if len(value) > MAX_KWARG_ITEMS:
+            raise SpecError(path, f"at most {MAX_KWARG_ITEMS} items", f"{len(value)} items")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            _check_kwarg_value(v, f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]", depth + 1)
+        return
+    raise SpecError(path, "a number, a string, true/false, a list or a mapping", value)
+
+
+def check_env_kwargs_bounds(env_kwargs: dict[str, Any], path: str) -> None:
+    """Generic bounds on keyword arguments passed through to an environment constructor.
+
+    Numbers finite with ``|x| <= 1e6``; strings of at most 256 characters; lists and mappings of
+    at most 256 items, nested at most 3 deep (``env_kwargs`` itself is level 0); the whole mapping
+    at most 16 KiB (16384 bytes) as JSON. ``path`` is the field path of ``env_kwargs``.
+
+    Raises:
+        SpecError: naming the offending key's path, e.g.
+            ``spec.env_config.env_kwargs.size: expected a finite number with |x| <= 1e6, got 10000000``.
+    """
+    for key, value in env_kwargs.items():
+        _check_kwarg_value(value, f"{path}.{key}", 1)
+    size = len(json.dumps(env_kwargs, separators=(",", ":")).encode())
+    if size > MAX_KWARGS_JSON_BYTES:
+        raise SpecError(path, f"at most {MAX_KWARGS_JSON_BYTES} bytes as JSON", f"{size} bytes")
 
 
 def is_gym_id(env_id: str) -> bool:
@@ -84,6 +141,7 @@ class GymEnvConfig:
     def check(self, path: str) -> None:
         if "render_mode" in self.env_kwargs:
             raise SpecError(f"{path}.env_kwargs.render_mode", "no render_mode (trainers run headless)", self.env_kwargs["render_mode"])
+        check_env_kwargs_bounds(self.env_kwargs, f"{path}.env_kwargs")
         real = _real_spaces(self.env_id, tuple(sorted(self.env_kwargs.items())))
         if real == "":
             return  # gymnasium not installed here (client-only install): the trainer checks

@@ -7,7 +7,11 @@ https://arxiv.org/abs/1706.02275, now in the ``mpe2`` package). Only ids in
 :data:`MULTIAGENT_ENVIRONMENTS` are accepted, and the module imported is the one the allow-list
 names, never one spelled by the user: a task spec must not be able to import arbitrary code.
 
-Where the package is importable (trainer installs), ``env_kwargs`` are checked by building the
+``env_kwargs`` are bounded first, by an explicit per-module table of the keyword arguments each
+``parallel_env`` accepts (:data:`ENV_KWARGS`: types and ranges, e.g. ``N`` at most 32): building an
+environment costs time and memory that grow with its size (``N: 3200`` took 24 s and 600 MB in the
+scheduler), and an unknown key is refused with the accepted ones.
+Where the package is importable (trainer installs), ``env_kwargs`` are then checked by building the
 environment once, and the seed's ``action_space`` / ``observation_space`` sizes are checked
 against every agent's spaces; a scheduler without PettingZoo skips these checks and the trainer
 repeats them.
@@ -26,7 +30,7 @@ from .gym import space_size
 from .ppo import PPOConfig
 from .registry import register_env_family, register_workload
 
-__all__ = ["MULTIAGENT_ENVIRONMENTS", "MultiAgentEnvConfig", "MultiAgentPPOConfig", "import_parallel_env_module"]
+__all__ = ["ENV_KWARGS", "MULTIAGENT_ENVIRONMENTS", "MultiAgentEnvConfig", "MultiAgentPPOConfig", "check_env_kwargs", "import_parallel_env_module"]
 
 #: env_id -> the Python module whose ``parallel_env(**env_kwargs)`` makes it. The allow-list.
 MULTIAGENT_ENVIRONMENTS: dict[str, str] = {
@@ -45,6 +49,77 @@ MULTIAGENT_ENVIRONMENTS: dict[str, str] = {
 
 # Keyword arguments that would open windows or change what the trainer sees.
 _REFUSED_KWARGS = ("render_mode",)
+
+
+@dataclass(frozen=True)
+class Kwarg:
+    """One accepted keyword argument of a ``parallel_env``: ``kind`` ``int``, ``float`` or
+    ``bool``; numbers within ``[lo, hi]``."""
+
+    kind: str
+    lo: float = 0
+    hi: float = 0
+
+    def describe(self) -> str:
+        if self.kind == "bool":
+            return "true or false"
+        return f"{'an integer' if self.kind == 'int' else 'a number'} in [{self.lo:g}, {self.hi:g}]"
+
+    def accepts(self, value: Any) -> bool:
+        if self.kind == "bool":
+            return isinstance(value, bool)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if self.kind == "int" and not (isinstance(value, int) or float(value).is_integer()):
+            return False
+        return self.lo <= value <= self.hi
+
+
+#: Agents, landmarks, obstacles: small teams (the build cost and the observation grow with N^2).
+MAX_ENTITIES = 32
+_COMMON = {"max_cycles": Kwarg("int", 1, 100_000), "continuous_actions": Kwarg("bool"), "dynamic_rescaling": Kwarg("bool")}
+_TEAM = Kwarg("int", 1, MAX_ENTITIES)
+_NEIGHBORS = {"num_agent_neighbors": _TEAM, "num_landmark_neighbors": _TEAM}  # partial observability
+_EPISODE = {"curriculum": Kwarg("bool"), "terminate_on_success": Kwarg("bool")}
+
+#: env_id -> the keyword arguments its ``parallel_env`` may be given (read from the mpe2 modules'
+#: signatures; ``render_mode`` and ``benchmark_data`` are left out on purpose).
+ENV_KWARGS: dict[str, dict[str, Kwarg]] = {
+    "mpe2/simple_v3": dict(_COMMON),
+    "mpe2/simple_spread_v3": {"N": _TEAM, "local_ratio": Kwarg("float", 0.0, 1.0), **_COMMON, **_EPISODE, **_NEIGHBORS},
+    "mpe2/simple_reference_v3": {"local_ratio": Kwarg("float", 0.0, 1.0), **_COMMON},
+    "mpe2/simple_speaker_listener_v4": dict(_COMMON),
+    "mpe2/simple_push_v3": dict(_COMMON),
+    "mpe2/simple_adversary_v3": {"N": _TEAM, **_COMMON, **_NEIGHBORS},
+    "mpe2/simple_tag_v3": {
+        "num_good": _TEAM,
+        "num_adversaries": _TEAM,
+        "num_obstacles": Kwarg("int", 0, MAX_ENTITIES),
+        **_COMMON,
+        **_EPISODE,
+        **_NEIGHBORS,
+    },
+    "mpe2/simple_crypto_v3": dict(_COMMON),
+}
+
+
+def check_env_kwargs(env_id: str, env_kwargs: dict[str, Any], path: str) -> None:
+    """Refuse ``env_kwargs`` outside :data:`ENV_KWARGS` for ``env_id`` (``path`` = the
+    ``env_kwargs`` field path, e.g. ``spec.env_config.env_kwargs``).
+
+    Raises:
+        SpecError: an unknown key (naming the accepted ones) or a value of the wrong type or out
+            of range, e.g. ``spec.env_config.env_kwargs.N: expected an integer in [1, 32], got 3200``.
+    """
+    accepted = ENV_KWARGS.get(env_id, {})
+    for key, value in env_kwargs.items():
+        rule = accepted.get(key)
+        if rule is None:
+            names = ", ".join(accepted) or "none"
+            # The field stays ``env_kwargs`` (the mapping is what is wrong); the key is named.
+            raise SpecError(path, f"options {env_id} accepts ({names}); {key!r} is not one of them", dict(env_kwargs))
+        if not rule.accepts(value):
+            raise SpecError(f"{path}.{key}", rule.describe(), value)
 
 
 def is_multiagent_id(env_id: str) -> bool:
@@ -102,6 +177,7 @@ class MultiAgentEnvConfig:
         for key in _REFUSED_KWARGS:
             if key in self.env_kwargs:
                 raise SpecError(f"{path}.env_kwargs.{key}", "no render_mode (trainers run headless)", self.env_kwargs[key])
+        check_env_kwargs(self.env_id, self.env_kwargs, f"{path}.env_kwargs")
         real = _real_spaces(self.env_id, tuple(sorted(self.env_kwargs.items())))
         if real == "":
             return

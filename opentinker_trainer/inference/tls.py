@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Mapping
 
 __all__ = ["ENV_CERT", "ENV_KEY", "ServerTLS", "read_server_tls", "server_tls_from_env"]
@@ -19,10 +18,9 @@ ServerTLS = tuple[bytes, bytes]
 
 
 def _read(path: str, what: str, marker: bytes) -> bytes:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{what}: cannot read {path!r}: {exc.strerror or exc}") from None
+    from opentinker_client.tls import read_pem_file  # regular files only, read with a bound
+
+    data = read_pem_file(path, what)
     if b"-----BEGIN " not in data or marker not in data:
         kind = "certificate" if marker == b"CERTIFICATE" else "private key"
         raise ValueError(f"{what}: {path!r} is not a PEM {kind}")

@@ -224,7 +224,7 @@ def test_serve_fails_at_once_with_a_wrong_inference_ca_in_the_library_and_the_cl
         out, err = capsys.readouterr()
         assert "served by" not in out and err.startswith("error: UNAVAILABLE:") and err.count("\n") == 1
         assert cli_main(["--scheduler-url", s.target, "serve", trained, "--inference-ca", str(certs.ca)]) == 0
-        assert f"served by inference task" in capsys.readouterr().out
+        assert "served by inference task" in capsys.readouterr().out
     finally:
         s.close()
 

@@ -84,3 +84,54 @@ def test_refused(url, words):
 def test_not_a_string():
     with pytest.raises(TypeError):
         parse_scheduler_url(8888)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------- issue 6, second round: a password is never echoed
+
+
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("https://alice:hunter2@host:1", "https://***@host:1"),
+        ("alice:hunter2@host:1", "***@host:1"),
+        ("grpcs://alice:hun/ter?2#x@host:1", "grpcs://***@host:1"),  # a password with / ? #: still "a user name"
+        ("http://alice:hun@ter2@host:1/path", "http://***@host:1/path"),
+        ("alice:hun://ter2@host:1", "***@host:1"),  # not a scheme: all of it is user info
+        ("ftp://alice:hunter2@host:1", "ftp://***@host:1"),  # refused for the user name, not the scheme
+    ],
+)
+def test_the_user_info_of_a_refused_url_is_never_echoed(url, shown):
+    with pytest.raises(ValueError) as exc:
+        parse_scheduler_address(url)
+    message = str(exc.value)
+    assert message.startswith(f"bad scheduler URL {shown!r}: it has a user name ('@')"), message
+    for secret in ("alice", "hunter2", "hun", "ter2"):
+        assert secret not in message
+
+
+def test_redact_userinfo_leaves_urls_without_one_alone():
+    from opentinker_client.url import redact_userinfo
+
+    assert redact_userinfo("https://host:1") == "https://host:1"
+    assert redact_userinfo("[::1]:8888") == "[::1]:8888"
+    assert redact_userinfo("https://user:pw@host:1") == "https://***@host:1"
+
+
+def test_cli_and_trainer_do_not_print_the_password(capsys, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from opentinker_client.cli import main as cli_main
+
+    assert cli_main(["--scheduler-url", "https://alice:hunter2@host:1", "list"]) == 2
+    err = capsys.readouterr().err
+    assert "hunter2" not in err and "alice" not in err and "https://***@host:1" in err, err
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("OPENTINKER_", "SCHEDULER_URL"))}
+    env["SCHEDULER_URL"] = "https://alice:hunter2@host:1"
+    r = subprocess.run(
+        [sys.executable, "-m", "opentinker_trainer", "--work-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2], timeout=120,
+    )
+    assert r.returncode == 2 and "hunter2" not in r.stderr and "alice" not in r.stderr, r.stderr
+    assert "environment variable SCHEDULER_URL: bad scheduler URL 'https://***@host:1'" in r.stderr

@@ -146,7 +146,7 @@ class Goodbye(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class AssignTask(_message.Message):
-    __slots__ = ("task_id", "attempt", "spec", "device_indices", "resume_from", "owner", "init_checkpoint")
+    __slots__ = ("task_id", "attempt", "spec", "device_indices", "resume_from", "owner", "init_checkpoint", "local_paths_restricted")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class AssignTask(_message.Message):
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     INIT_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PATHS_RESTRICTED_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     attempt: int
     spec: _common_pb2.TaskSpec
@@ -161,7 +162,8 @@ class AssignTask(_message.Message):
     resume_from: _common_pb2.Checkpoint
     owner: str
     init_checkpoint: _common_pb2.Checkpoint
-    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., resume_from: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., owner: _Optional[str] = ..., init_checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ...) -> None: ...
+    local_paths_restricted: bool
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., resume_from: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., owner: _Optional[str] = ..., init_checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., local_paths_restricted: _Optional[bool] = ...) -> None: ...
 
 class CancelTask(_message.Message):
     __slots__ = ("task_id", "attempt", "reason")

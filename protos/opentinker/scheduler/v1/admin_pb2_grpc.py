@@ -78,7 +78,8 @@ class AdminServiceServicer:
         """Creates an API key for `owner` with `role` and returns it, once, in `api_key`.
         Not idempotent: every call makes a new key. Errors: INVALID_ARGUMENT (empty or bad owner,
         unspecified role, description over 256 characters), PERMISSION_DENIED (not an admin key),
-        UNAUTHENTICATED (no or bad key).
+        RESOURCE_EXHAUSTED (the owner has limits.max_keys_per_owner active keys), UNAUTHENTICATED
+        (no or bad key).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,7 +109,9 @@ class AdminServiceServicer:
         old key keeps working for `grace` (default 0: it stops at once), then is refused.
         Not idempotent. Errors: INVALID_ARGUMENT (not a key prefix, grace negative or over 30 days),
         NOT_FOUND (no such key, or another owner's for a non-admin), FAILED_PRECONDITION (the key is
-        already revoked or expired), PERMISSION_DENIED (a node key), UNAUTHENTICATED.
+        already revoked or expired, or was already rotated: rotate its successor), RESOURCE_EXHAUSTED
+        (a grace period would give the owner more than limits.max_keys_per_owner active keys),
+        PERMISSION_DENIED (a node key), UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
