@@ -250,7 +250,26 @@ def server_ssl_context(cert: str | os.PathLike, key: str | os.PathLike, *, names
         ctx.load_cert_chain(certfile=str(cert), keyfile=str(key), password=_no_password)
     except ValueError:  # from _no_password
         raise ValueError(f"{names[1]}: {os.fspath(key)!r} is an encrypted private key; expected an unencrypted PEM key") from None
+    if _is_ca_certificate(read_pem_file(cert, names[0])):
+        raise ValueError(
+            f"{names[0]}: expected the server's own certificate (signed by a CA), got {os.fspath(cert)!r}, "
+            "a CA certificate (basicConstraints CA:TRUE): clients would fail hostname verification"
+        )
     return ctx
+
+
+def _is_ca_certificate(pem: bytes) -> bool:
+    """Whether the first certificate in ``pem`` is a CA's (basicConstraints CA:TRUE). Needs
+    ``cryptography``; without it (a minimal install) the check is skipped and returns False."""
+    try:
+        from cryptography import x509
+    except ImportError:  # pragma: no cover - cryptography is present wherever the tests run
+        return False
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+        return bool(cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
+    except (ValueError, x509.ExtensionNotFound):
+        return False
 
 
 def check_key_pair(cert: str | os.PathLike, key: str | os.PathLike, *, names: tuple[str, str] = ("cert", "key")) -> None:

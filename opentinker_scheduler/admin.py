@@ -124,6 +124,22 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     def _scope(who: Principal) -> str | None:
         return None if who.is_admin else who.owner
 
+    def _check_role(self, who: Principal, prefix: str, verb: str) -> None:
+        """A non-admin key may manage only keys of its own role: a user key may not rotate (and so
+        obtain) or revoke its owner's admin or node keys.
+
+        Raises:
+            NotFound: no such key of the caller's owner. PermissionDenied: a key of another role.
+        """
+        if who.is_admin:
+            return
+        row = self.keys.get(prefix, owner=who.owner)
+        if row.role != who.role:
+            raise PermissionDenied(
+                f"API key {who.key_prefix} (role {who.role}) may not {verb} {prefix}, a key of role {row.role}: "
+                f"only admin keys manage keys of other roles"
+            )
+
     def _end_streams(self, row: KeyRow) -> None:
         """End the open streams of a key that just stopped (revoked), or schedule a re-check at
         the end of its grace period (rotated with a grace)."""
@@ -173,6 +189,11 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     @_mapped
     def RevokeApiKey(self, request, who: Principal):
         prefix = key_prefix(request.prefix)
+        try:
+            self._check_role(who, prefix, "revoke")
+        except PermissionDenied as exc:
+            self._audit(who, "key.revoke", "PermissionDenied", target=prefix, error=str(exc))
+            raise
         row = self.keys.revoke(prefix, owner=self._scope(who))
         self._audit(who, "key.revoke", target=prefix, for_owner=row.owner)
         self._end_streams(row)
@@ -183,8 +204,9 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         prefix = key_prefix(request.prefix)
         grace = request.grace.ToNanoseconds() / 1e9 if request.HasField("grace") else 0.0
         try:
+            self._check_role(who, prefix, "rotate")
             new, api_key, old = self.keys.rotate(prefix, grace_s=grace, owner=self._scope(who))
-        except (FailedPrecondition, InvalidArgument, ResourceExhausted) as exc:
+        except (FailedPrecondition, InvalidArgument, ResourceExhausted, PermissionDenied) as exc:
             self._audit(who, "key.rotate", type(exc).__name__, target=prefix, error=str(exc))
             raise
         self._audit(who, "key.rotate", target=prefix, new_key=new.prefix, for_owner=new.owner, grace_s=grace)

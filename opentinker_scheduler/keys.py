@@ -253,8 +253,8 @@ class KeyStore:
 
         Raises:
             NotFound: no such key (or another owner's).
-            FailedPrecondition: the key is revoked or expired already, or was already rotated
-                (its successor is named: rotate that one).
+            FailedPrecondition: the key is revoked or expired already, or was already rotated to
+                a successor that is still active (it is named: rotate that one).
             InvalidArgument: ``grace_s`` outside [0, 30 days].
             ResourceExhausted: ``grace_s`` > 0 and the owner already holds ``max_keys_per_owner``
                 active keys.
@@ -264,7 +264,11 @@ class KeyStore:
         old = self.get(prefix, owner=owner)
         now = self.clock()
         if old.replaced_by and old.active(now):
-            raise FailedPrecondition(f"API key {prefix} was already rotated to {old.replaced_by}; rotate that one")
+            successor = self.find(old.replaced_by)
+            if successor is not None and successor.active(now):
+                raise FailedPrecondition(f"API key {prefix} was already rotated to {old.replaced_by}; rotate that one")
+            # Its successor was revoked (or has expired) while this key is still in its grace
+            # period: rotating again is the way back to a working key, not a second live successor.
         if not old.active(now):
             raise FailedPrecondition(f"API key {prefix} is already revoked or expired; create a new key instead")
         if grace_s > 0:
@@ -294,10 +298,20 @@ class KeyStore:
         row = self.find(m.group(1)) if m else None
         if row is None or not hmac.compare_digest(row.key_hash, hash_key(api_key)):
             raise Unauthenticated("unknown API key (expected otk_<prefix>_<secret> as issued by `opentinker keys create`)")
-        refusal = row.refusal(self.clock())
+        refusal = self._refusal_of(row)
         if refusal is not None:
             raise Unauthenticated(refusal)
         return Principal(row.owner, row.role, row.prefix)
+
+    def _refusal_of(self, row: KeyRow) -> str | None:
+        """:meth:`KeyRow.refusal`, not pointing to a successor that is no longer usable either."""
+        now = self.clock()
+        refusal = row.refusal(now)
+        if refusal is not None and row.replaced_by and row.revoke_time is None:
+            successor = self.find(row.replaced_by)
+            if successor is None or not successor.active(now):
+                return f"API key {row.prefix} expired after rotation, and its successor {row.replaced_by} is revoked or expired too; ask an admin for a new key"
+        return refusal
 
     def refusal(self, prefix: str) -> str | None:
         """Why the key ``prefix`` may no longer be used now (revoked, expired, deleted), else None.
@@ -305,7 +319,7 @@ class KeyStore:
         row = self.find(prefix)
         if row is None:
             return f"API key {prefix} no longer exists"
-        return row.refusal(self.clock())
+        return self._refusal_of(row)
 
 
 def bootstrap_admin(keys: KeyStore, key_file: Path) -> Path | None:

@@ -126,8 +126,9 @@ def _check_pair(r, m, cfg, section: str) -> None:
     try:
         check_key_pair(cfg.cert, cfg.key, names=(f"{section}.cert", f"{section}.key"))
     except ValueError as exc:
+        which = "cert" if str(exc).startswith(f"{section}.cert:") else "key"  # the message names the file at fault
         why = str(exc).split(": expected ", 1)[-1] if ": expected " in str(exc) else str(exc).split(": ", 1)[-1]
-        raise r.fail(m["key"][1], f"{section}.key", why) from None
+        raise r.fail(m[which][1], f"{section}.{which}", why) from None
 
 
 def parse_http_tls(r, node, base_dir: Path | None) -> HttpTlsConfig:

@@ -132,3 +132,47 @@ def test_default_cap_is_20(tmp_path) -> None:
                 root.keys.create("dave", "user")
     finally:
         s.close()
+
+
+def test_a_user_key_may_not_rotate_or_revoke_its_owners_admin_or_node_keys(sched) -> None:
+    """Otherwise a user key could rotate its owner's admin key and receive the new admin key."""
+    from opentinker_client import PermissionDeniedError
+
+    with RLClient(sched.target, api_key=_admin_key(sched)) as root:
+        admin_info, _ = root.keys.create("dave", "admin")
+        node_info, _ = root.keys.create("dave", "node")
+        user_info, user_key = root.keys.create("dave", "user")
+    with RLClient(sched.target, api_key=user_key) as dave:
+        for target in (admin_info.prefix, node_info.prefix):
+            with pytest.raises(PermissionDeniedError, match=rf"\(role user\) may not rotate {target}, a key of role"):
+                dave.keys.rotate(target)
+            with pytest.raises(PermissionDeniedError, match=rf"may not revoke {target}"):
+                dave.keys.revoke(target)
+        assert {k.prefix for k in dave.keys.list()} >= {admin_info.prefix, node_info.prefix}  # untouched, still active
+        new, _, _ = dave.keys.rotate(user_info.prefix)  # its own role: fine
+        assert new.role == "user"
+    assert _active(sched, "dave") == 3
+
+
+def test_a_revoked_successor_lets_the_old_key_rotate_again_within_its_grace(sched) -> None:
+    with RLClient(sched.target, api_key=_admin_key(sched)) as root:
+        info, key = root.keys.create("erin", "user")
+    with RLClient(sched.target, api_key=key) as erin:
+        first, _, _ = erin.keys.rotate(info.prefix, grace=600)
+        erin.keys.revoke(first.prefix)
+        second, second_key, _ = erin.keys.rotate(info.prefix, grace=0)  # not stranded
+        assert second.prefix not in (info.prefix, first.prefix)
+    with RLClient(sched.target, api_key=second_key) as erin:
+        assert erin.list_tasks() == []
+
+
+def test_an_expired_key_does_not_point_to_a_revoked_successor(keys) -> None:
+    now = [1000.0]
+    keys.clock = lambda: now[0]
+    info, key = keys.create("fay", "user")
+    new, _, _ = keys.rotate(info.prefix, grace_s=10)
+    keys.revoke(new.prefix)
+    now[0] += 11
+    assert keys.refusal(info.prefix) == (
+        f"API key {info.prefix} expired after rotation, and its successor {new.prefix} is revoked or expired too; ask an admin for a new key"
+    )

@@ -90,3 +90,17 @@ def test_the_scheduler_exits_2_with_one_line_for_a_mismatched_pair(tmp_path, cer
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "tls.key: expected the private key of tls.cert" in lines[0], proc.stderr
     assert "KEY_VALUES_MISMATCH" in lines[0] and "cannot listen" not in proc.stderr
+
+
+def test_a_ca_certificate_with_its_own_key_is_not_a_server_certificate(tmp_path) -> None:
+    """A CA's certificate and key load as a matching pair, but clients would fail hostname
+    verification: refused at load, naming tls.cert (and http_tls.cert)."""
+    from .security_util import _Pki
+
+    pki = _Pki(tmp_path / "certs")
+    key, cert = pki.ca("some-ca")
+    pki.cert("ca2.pem", cert)
+    pki.key("ca2.key", key)
+    for section in ("tls", "http_tls"):
+        with pytest.raises(ConfigError, match=rf"^c\.yaml:1: {section}\.cert: expected the server's own certificate .*a CA certificate"):
+            parse_config(f"{section}: {{cert: certs/ca2.pem, key: certs/ca2.key}}\n", "c.yaml", base_dir=tmp_path)

@@ -95,10 +95,11 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RevokeApiKey(self, request, context):
-        """Revokes a key now; calls made with it afterwards get UNAUTHENTICATED (open streams run on
-        until they end). Idempotent: revoking a revoked key returns it unchanged. Errors:
-        INVALID_ARGUMENT (not a key prefix), NOT_FOUND (no such key, or another owner's for a
-        non-admin), PERMISSION_DENIED (a node key), UNAUTHENTICATED.
+        """Revokes a key now; calls made with it afterwards get UNAUTHENTICATED and the streams it
+        opened end with UNAUTHENTICATED. Idempotent: revoking a revoked key returns it unchanged.
+        Errors: INVALID_ARGUMENT (not a key prefix), NOT_FOUND (no such key, or another owner's for a
+        non-admin), PERMISSION_DENIED (a node key; a user key naming a key of another role),
+        UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,7 +112,7 @@ class AdminServiceServicer:
         NOT_FOUND (no such key, or another owner's for a non-admin), FAILED_PRECONDITION (the key is
         already revoked or expired, or was already rotated: rotate its successor), RESOURCE_EXHAUSTED
         (a grace period would give the owner more than limits.max_keys_per_owner active keys),
-        PERMISSION_DENIED (a node key), UNAUTHENTICATED.
+        PERMISSION_DENIED (a node key; a user key naming a key of another role), UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
