@@ -40,7 +40,7 @@ import grpc
 from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_client.convert import timestamp_to_datetime
-from opentinker_client.url import parse_scheduler_url
+from opentinker_client.url import parse_scheduler_url, redact_userinfo
 from opentinker_client.errors import (
     INFERENCE_PLAINTEXT_HINT,
     DeadlineExceededError,
@@ -181,12 +181,13 @@ def parse_endpoint(endpoint: str) -> tuple[str, bool]:
     rest = text.split("://", 1)[1] if tls or low.startswith(_PLAIN_SCHEMES) else text
     if "://" in rest:
         scheme = rest.split("://", 1)[0] + "://"
-        raise ValueError(f"endpoint: bad inference endpoint {endpoint!r}: unknown scheme {scheme!r}; expected host:port, http://host:port or https://host:port (TLS)")
+        scheme = scheme if "@" not in endpoint else "***://"  # may hold a user:password@ part
+        raise ValueError(f"endpoint: bad inference endpoint {redact_userinfo(endpoint)!r}: unknown scheme {scheme!r}; expected host:port, http://host:port or https://host:port (TLS)")
     try:
         target = parse_scheduler_url(rest)
     except ValueError as exc:
         why = str(exc).split("': ", 1)[-1].split("; expected", 1)[0]
-        raise ValueError(f"endpoint: bad inference endpoint {endpoint!r}: {why}; expected host:port, http://host:port or https://host:port (TLS)") from None
+        raise ValueError(f"endpoint: bad inference endpoint {redact_userinfo(endpoint)!r}: {why}; expected host:port, http://host:port or https://host:port (TLS)") from None
     return target, tls
 
 

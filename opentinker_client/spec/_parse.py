@@ -15,7 +15,7 @@ import typing
 from dataclasses import field
 from typing import Any, Mapping
 
-__all__ = ["SpecError", "num", "parse_dataclass", "jsonable"]
+__all__ = ["SpecError", "num", "parse_dataclass", "jsonable", "short_repr", "name_list"]
 
 
 class SpecError(ValueError):
@@ -27,12 +27,49 @@ class SpecError(ValueError):
     """
 
     def __init__(self, field: str, expected: str, got: Any = dataclasses.MISSING) -> None:
-        self.field = field
-        self.expected = expected
-        detail = f"{field}: expected {expected}"
+        # Every part is capped (the path holds user-chosen keys; ``got`` is the user's value), so
+        # no message passes ~1 KB: it travels as gRPC status details, and a 20 KB one exceeded
+        # the metadata limit (the client saw RESOURCE_EXHAUSTED instead of INVALID_ARGUMENT).
+        self.field = _cut(field, MAX_FIELD_CHARS)
+        self.expected = _cut(expected, MAX_EXPECTED_CHARS)
+        detail = f"{self.field}: expected {self.expected}"
         if got is not dataclasses.MISSING:
-            detail += f", got {got!r}"
+            detail += f", got {short_repr(got)}"
         super().__init__(detail)
+
+
+#: Caps on the parts of a :class:`SpecError` message, in characters (together well under 1 KB).
+MAX_FIELD_CHARS = 200
+MAX_EXPECTED_CHARS = 600
+MAX_GOT_CHARS = 100
+
+
+def _cut(text: str, limit: int) -> str:
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+def short_repr(value: Any, limit: int = MAX_GOT_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters (ending in ``...`` when cut), for messages.
+
+    A huge container is not rendered in full first: lists/tuples/sets/mappings longer than
+    ``limit`` items are shortened before ``repr``.
+    """
+    if isinstance(value, (list, tuple, set, frozenset)) and len(value) > limit:
+        value = list(value)[:limit]
+    elif isinstance(value, Mapping) and len(value) > limit:
+        value = dict(list(value.items())[:limit])
+    elif isinstance(value, str) and len(value) > limit:
+        value = value[:limit]
+    return _cut(repr(value), limit)
+
+
+def name_list(names: Any, limit: int = 10, each: int = 40) -> str:
+    """``"a, b, c"``: the first ``limit`` names (each cut to ``each`` characters), then
+    ``"and N more"``, for messages naming user-chosen keys."""
+    names = [_cut(str(n), each) for n in names]
+    text = ", ".join(names[:limit])
+    return text if len(names) <= limit else f"{text} and {len(names) - limit} more"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,7 +127,8 @@ def _convert(value: Any, tp: Any, f: dataclasses.Field, path: str) -> Any:
             raise SpecError(path, f"one of {', '.join(choices)}", value)
         max_len = f.metadata.get("max_len", 4096)
         if len(value) > max_len:
-            raise SpecError(path, f"a string of at most {max_len} characters", f"{value[:20]}...")
+            # Only the length is echoed: a prefix could be a secret (an endpoint's user:password@).
+            raise SpecError(path, f"a string of at most {max_len} characters", f"a string of {len(value)} characters")
         return value
     if origin is tuple:
         (item_tp, _) = typing.get_args(tp)
@@ -101,26 +139,70 @@ def _convert(value: Any, tp: Any, f: dataclasses.Field, path: str) -> Any:
         return tuple(_convert(v, item_tp, f, f"{path}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         # Keyword options passed through to a library (e.g. gymnasium.make(id, **kwargs)):
-        # string keys, scalar values only, so nothing executable or nested travels.
+        # string keys; scalar values, or (with metadata ``nested_depth`` > 0) JSON-like lists and
+        # mappings nested at most that deep, so nothing executable travels.
         if not isinstance(value, Mapping):
             raise SpecError(path, "a mapping of option names to numbers, strings or booleans", value)
         if len(value) > 64:
             raise SpecError(path, "at most 64 options", f"{len(value)} options")
+        nested_depth = f.metadata.get("nested_depth", 0)
         out = {}
         for k, v in value.items():
+            where = f"{path}.{_cut(k, 60)}"
             if not isinstance(k, str) or not k.isidentifier():
-                raise SpecError(f"{path}.{k}", "an option name (a Python identifier)", k)
+                raise SpecError(where, "an option name (a Python identifier)", k)
+            if nested_depth:
+                out[k] = _plain(v, where, 1, nested_depth)
+                continue
             if isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
                 v = int(v)  # protobuf Struct carries every number as a double
             if isinstance(v, float) and not math.isfinite(v):
-                raise SpecError(f"{path}.{k}", "a finite number", v)
+                raise SpecError(where, "a finite number", v)
             if not isinstance(v, (bool, int, float, str)) or (isinstance(v, str) and len(v) > 1024):
-                raise SpecError(f"{path}.{k}", "a number, a string (at most 1024 characters) or true/false", v)
+                raise SpecError(where, "a number, a string (at most 1024 characters) or true/false", v)
             out[k] = v
         return out
     if dataclasses.is_dataclass(tp):
         return parse_dataclass(tp, value, path)
     raise TypeError(f"unsupported field type {tp!r} at {path}")  # a bug in this module
+
+
+#: Most items in one list or mapping of a nested option value (``nested_depth`` fields).
+MAX_NESTED_ITEMS = 256
+
+
+def _plain(value: Any, path: str, depth: int, max_depth: int) -> Any:
+    """A JSON-like option value (None, bool, number, string <= 1024 characters, list, mapping
+    with string keys) nested at most ``max_depth`` deep (the option's own value is depth 1);
+    integral doubles become ints (protobuf ``Struct`` carries every number as a double); lists
+    stay lists."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise SpecError(path, "a finite number", value)
+            if value.is_integer():
+                return int(value)
+        return value
+    if isinstance(value, str):
+        if len(value) > 1024:
+            raise SpecError(path, "a string of at most 1024 characters", f"{value[:20]}... ({len(value)} characters)")
+        return value
+    if isinstance(value, (list, tuple, Mapping)):
+        if depth > max_depth:
+            raise SpecError(path, f"lists and mappings nested at most {max_depth} deep", "a deeper value")
+        if len(value) > MAX_NESTED_ITEMS:
+            raise SpecError(path, f"at most {MAX_NESTED_ITEMS} items", f"{len(value)} items")
+        if isinstance(value, Mapping):
+            out = {}
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise SpecError(path, "a mapping with string keys", k)
+                out[k] = _plain(v, f"{path}.{_cut(k, 60)}", depth + 1, max_depth)
+            return out
+        return [_plain(v, f"{path}[{i}]", depth + 1, max_depth) for i, v in enumerate(value)]
+    raise SpecError(path, "a number, a string, true/false, null, a list or a mapping", value)
 
 
 @functools.cache
@@ -141,9 +223,12 @@ def parse_dataclass(cls: type, data: Any, path: str):
     if not isinstance(data, Mapping):
         raise SpecError(path, "a mapping of keys to values", data)
     hints, fields = _dataclass_fields(cls)
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
-        raise SpecError(f"{path}.{unknown[0]}", f"one of the known keys ({', '.join(sorted(fields))})")
+        expected = f"one of the known keys ({', '.join(sorted(fields))})"
+        if len(unknown) > 1:
+            expected += f"; unknown keys: {name_list(unknown)}"
+        raise SpecError(f"{path}.{_cut(unknown[0], 60)}", expected)
     kwargs = {}
     for name, f in fields.items():
         if name in data:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..url import redact_userinfo
 from ._parse import SpecError, num
 from .registry import register_env
 
@@ -114,7 +115,7 @@ class ClientEnvConfig:
                 f"{path}.endpoint",
                 "host:port of the client's EnvironmentService, e.g. 127.0.0.1:50123 (RLClient sets it "
                 "when you pass your Environment subclass to submit_task)",
-                self.endpoint,
+                redact_userinfo(self.endpoint),  # never echo a user:password@ part
             )
         if self.action_space == 0:
             raise SpecError(f"{path}.action_space", "the number of discrete actions, an integer >= 1 (this key is required)")

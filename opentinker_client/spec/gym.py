@@ -27,7 +27,7 @@ from typing import Any
 from ._parse import SpecError, num
 from .registry import register_env_family
 
-__all__ = ["GymEnvConfig", "check_env_kwargs_bounds", "is_gym_id", "space_size"]
+__all__ = ["GymEnvConfig", "check_env_kwargs_bounds", "is_gym_id", "kwargs_key", "space_size"]
 
 # gymnasium ids: [namespace/]name-vN, e.g. "CartPole-v1", "ALE/Pong-v5". No "module:" prefix:
 # gymnasium would import that module, which would let a task spec run code on the scheduler.
@@ -42,6 +42,10 @@ MAX_KWARG_DEPTH = 3
 MAX_KWARGS_JSON_BYTES = 16 * 1024
 
 
+_PATH_KEY_SUFFIXES = ("file", "path", "dir", "filename")
+_NO_PATHS = "no file path: file paths are not accepted in env_kwargs (environments are built on the scheduler and the trainers)"
+
+
 def _check_kwarg_value(value: Any, path: str, depth: int) -> None:
     if value is None or isinstance(value, bool):
         return
@@ -52,6 +56,8 @@ def _check_kwarg_value(value: Any, path: str, depth: int) -> None:
     if isinstance(value, str):
         if len(value) > MAX_KWARG_STRING:
             raise SpecError(path, f"a string of at most {MAX_KWARG_STRING} characters", f"{value[:20]}... ({len(value)} characters)")
+        if "/" in value or "\\" in value or value.startswith("~"):
+            raise SpecError(path, _NO_PATHS, value)
         return
     if isinstance(value, (list, tuple, dict)):
         if depth > MAX_KWARG_DEPTH:
@@ -60,9 +66,16 @@ def _check_kwarg_value(value: Any, path: str, depth: int) -> None:
             raise SpecError(path, f"at most {MAX_KWARG_ITEMS} items", f"{len(value)} items")
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for k, v in items:
+            if isinstance(value, dict):
+                _check_kwarg_key(k, f"{path}.{k}")
             _check_kwarg_value(v, f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]", depth + 1)
         return
     raise SpecError(path, "a number, a string, true/false, a list or a mapping", value)
+
+
+def _check_kwarg_key(key: Any, path: str) -> None:
+    if isinstance(key, str) and key.lower().endswith(_PATH_KEY_SUFFIXES):
+        raise SpecError(path, _NO_PATHS)
 
 
 def check_env_kwargs_bounds(env_kwargs: dict[str, Any], path: str) -> None:
@@ -72,11 +85,17 @@ def check_env_kwargs_bounds(env_kwargs: dict[str, Any], path: str) -> None:
     at most 256 items, nested at most 3 deep (``env_kwargs`` itself is level 0); the whole mapping
     at most 16 KiB (16384 bytes) as JSON. ``path`` is the field path of ``env_kwargs``.
 
+    No file paths (the environment is built on the scheduler and on the trainers, so a path would
+    be opened there, e.g. MuJoCo's ``xml_file``): keys, at any depth, whose name ends in ``file``,
+    ``path``, ``dir`` or ``filename`` (any case), and string values holding ``/`` or ``\\`` or
+    starting with ``~`` are refused.
+
     Raises:
         SpecError: naming the offending key's path, e.g.
             ``spec.env_config.env_kwargs.size: expected a finite number with |x| <= 1e6, got 10000000``.
     """
     for key, value in env_kwargs.items():
+        _check_kwarg_key(key, f"{path}.{key}")
         _check_kwarg_value(value, f"{path}.{key}", 1)
     size = len(json.dumps(env_kwargs, separators=(",", ":")).encode())
     if size > MAX_KWARGS_JSON_BYTES:
@@ -100,10 +119,16 @@ def space_size(space: Any) -> int | None:
     return None
 
 
+def kwargs_key(env_kwargs: dict[str, Any]) -> str:
+    """A canonical, hashable cache key for ``env_kwargs`` (values may be lists and mappings)."""
+    return json.dumps(env_kwargs, sort_keys=True, separators=(",", ":"))
+
+
 @functools.lru_cache(maxsize=64)
-def _real_spaces(env_id: str, kwargs_items: tuple) -> tuple[str, str, int | None, int | None] | str:
-    """(action space, observation space, their sizes) of ``env_id``, or an error string; None sizes
-    when gymnasium is not installed here is signalled by returning ``""``."""
+def _real_spaces(env_id: str, kwargs_json: str) -> tuple[str, str, int | None, int | None] | str:
+    """(action space, observation space, their sizes) of ``env_id`` made with the keyword arguments
+    ``kwargs_json`` (:func:`kwargs_key`), or an error string; ``""`` when gymnasium is not
+    installed here."""
     try:
         import gymnasium
     except ImportError:
@@ -113,7 +138,7 @@ def _real_spaces(env_id: str, kwargs_items: tuple) -> tuple[str, str, int | None
     except Exception as exc:  # noqa: BLE001 - gymnasium raises several error types for unknown ids
         return f"a registered gymnasium id ({type(exc).__name__}: {exc})"
     try:
-        env = gymnasium.make(env_id, **dict(kwargs_items))
+        env = gymnasium.make(env_id, **json.loads(kwargs_json))
     except Exception as exc:  # noqa: BLE001 - bad kwargs or missing extra (box2d, ale ...)
         return f"an environment gymnasium can make with these env_kwargs ({type(exc).__name__}: {exc})"
     try:
@@ -136,13 +161,13 @@ class GymEnvConfig:
     observation_space: int | None = num(None, 1, 1_000_000_000)
     seed: int | None = num(None, 0, 2**31 - 1)
     max_episode_steps: int | None = num(None, 1, 10_000_000)
-    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    env_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"nested_depth": 3})
 
     def check(self, path: str) -> None:
         if "render_mode" in self.env_kwargs:
             raise SpecError(f"{path}.env_kwargs.render_mode", "no render_mode (trainers run headless)", self.env_kwargs["render_mode"])
         check_env_kwargs_bounds(self.env_kwargs, f"{path}.env_kwargs")
-        real = _real_spaces(self.env_id, tuple(sorted(self.env_kwargs.items())))
+        real = _real_spaces(self.env_id, kwargs_key(self.env_kwargs))
         if real == "":
             return  # gymnasium not installed here (client-only install): the trainer checks
         if isinstance(real, str):

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._parse import SpecError, num
-from .gym import space_size
+from ._parse import SpecError, num, short_repr
+from .gym import kwargs_key, space_size
 from .ppo import PPOConfig
 from .registry import register_env_family, register_workload
 
@@ -117,7 +118,7 @@ def check_env_kwargs(env_id: str, env_kwargs: dict[str, Any], path: str) -> None
         if rule is None:
             names = ", ".join(accepted) or "none"
             # The field stays ``env_kwargs`` (the mapping is what is wrong); the key is named.
-            raise SpecError(path, f"options {env_id} accepts ({names}); {key!r} is not one of them", dict(env_kwargs))
+            raise SpecError(path, f"options {env_id} accepts ({names}); {short_repr(key, 60)} is not one of them", dict(env_kwargs))
         if not rule.accepts(value):
             raise SpecError(f"{path}.{key}", rule.describe(), value)
 
@@ -140,15 +141,16 @@ def import_parallel_env_module(env_id: str):
 
 
 @functools.lru_cache(maxsize=64)
-def _real_spaces(env_id: str, kwargs_items: tuple) -> dict[str, tuple[str, str, int | None, int | None]] | str:
-    """Per agent (action space, observation space, their sizes), an error string, or ``""`` when
-    the package is not installed here."""
+def _real_spaces(env_id: str, kwargs_json: str) -> dict[str, tuple[str, str, int | None, int | None]] | str:
+    """Per agent (action space, observation space, their sizes) of ``env_id`` made with the keyword
+    arguments ``kwargs_json`` (:func:`~opentinker_client.spec.gym.kwargs_key`), an error string,
+    or ``""`` when the package is not installed here."""
     try:
         module = import_parallel_env_module(env_id)
     except ImportError:
         return ""
     try:
-        env = module.parallel_env(**dict(kwargs_items))
+        env = module.parallel_env(**json.loads(kwargs_json))
     except Exception as exc:  # noqa: BLE001 - bad kwargs raise TypeError, ValueError, AssertionError ...
         return f"options {env_id} accepts ({type(exc).__name__}: {exc})"
     try:
@@ -178,7 +180,7 @@ class MultiAgentEnvConfig:
             if key in self.env_kwargs:
                 raise SpecError(f"{path}.env_kwargs.{key}", "no render_mode (trainers run headless)", self.env_kwargs[key])
         check_env_kwargs(self.env_id, self.env_kwargs, f"{path}.env_kwargs")
-        real = _real_spaces(self.env_id, tuple(sorted(self.env_kwargs.items())))
+        real = _real_spaces(self.env_id, kwargs_key(self.env_kwargs))
         if real == "":
             return
         if isinstance(real, str):

@@ -10,6 +10,7 @@ how fast this machine is.
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import time
 
@@ -39,14 +40,14 @@ class BlockingBuilder:
         self._lock = threading.Lock()
         self.cached = functools.lru_cache(maxsize=64)(self._build)
 
-    def _build(self, env_id: str, kwargs_items: tuple):
+    def _build(self, env_id: str, kwargs_items: str):  # the canonical JSON of env_kwargs (gym_spec.kwargs_key)
         with self._lock:
             self.calls.append(kwargs_items)
             self.active += 1
             self.max_active = max(self.max_active, self.active)
         self.entered.release()
         try:
-            if ("block", True) in kwargs_items:
+            if json.loads(kwargs_items).get("block"):
                 self.release.wait(60)
             return ("Discrete(2)", "Box(-inf, inf, (4,), float32)", 2, 4)
         finally:
@@ -92,7 +93,7 @@ def test_the_loop_answers_while_an_environment_is_built_and_submit_builds_once(t
         task = pending.result().task
         assert task.state == C.TASK_STATE_PENDING
         # core.submit validated the same spec again on the loop and found the build cached.
-        assert builder.calls == [(("block", True), ("tag", 1))]
+        assert builder.calls == ['{"block":true,"tag":1}']
         assert [t.task_id for t in stub.ListTasks(S.ListTasksRequest()).tasks] == [task.task_id]
     finally:
         channel.close()
