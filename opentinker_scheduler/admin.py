@@ -8,14 +8,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 
 from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 
 from .audit import ACTIONS, AuditLog
 from .auth import AuthInterceptor, caller
 from .keys import KeyRow, KeyStore, Principal, bootstrap_admin, key_prefix
-from .errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from .errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, SchedulerError, status_code
 from .limits import Limits, LimitsConfig
 from .store import Store
 
@@ -25,13 +24,6 @@ _ROLE_TO_PB = {
     "node": admin_pb2.API_KEY_ROLE_NODE,
 }
 _PB_TO_ROLE = {v: k for k, v in _ROLE_TO_PB.items()}
-_STATUS = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
 
 
 @dataclass
@@ -97,8 +89,11 @@ def _mapped(fn):
             response = fn(self, request, caller())
             await self.durable()
             return response
-        except tuple(_STATUS) as exc:
-            await context.abort(_STATUS[next(c for c in _STATUS if isinstance(exc, c))], str(exc))
+        except SchedulerError as exc:
+            code = status_code(exc)
+            if code is None:
+                raise
+            await context.abort(code, str(exc))
 
     return wrapper
 

@@ -1,6 +1,9 @@
-"""Domain errors of the scheduler core; the gRPC servicers map each to its status code."""
+"""Domain errors of the scheduler core; the gRPC servicers map each to its status code
+(:func:`status_code`)."""
 
 from __future__ import annotations
+
+import grpc
 
 
 class SchedulerError(Exception):
@@ -29,3 +32,21 @@ class ResourceExhausted(SchedulerError):
 
 class AlreadyExists(SchedulerError):
     """ALREADY_EXISTS: a node id already connected, or a request id reused for another spec."""
+
+
+_STATUS_CODES = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+def status_code(exc: BaseException) -> grpc.StatusCode | None:
+    """The gRPC status of a domain error, or None for any other exception."""
+    for cls, code in _STATUS_CODES.items():
+        if isinstance(exc, cls):
+            return code
+    return None

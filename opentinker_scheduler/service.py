@@ -20,30 +20,21 @@ from .core import SchedulerCore
 from .datasets import DatasetStore, receive_upload
 from .refs import check_references
 from .spec_check import check_submitted_spec
-from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from .errors import InvalidArgument, NotFound, PermissionDenied, status_code
 from .store import TaskRow
 from .admin import Security
 from .auth import Principal, caller, owner_scope
 
 log = structlog.get_logger("opentinker.scheduler")
 
-_STATUS = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-}
-
 #: Owner of tasks submitted without authentication (API keys arrive with the security work).
 ANONYMOUS = "anonymous"
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    for cls, code in _STATUS.items():
-        if isinstance(exc, cls):
-            return code, str(exc)
+    code = status_code(exc)
+    if code is not None:
+        return code, str(exc)
     if isinstance(exc, sqlite3.Error):
         return grpc.StatusCode.UNAVAILABLE, f"state store unavailable: {exc}"
     return None

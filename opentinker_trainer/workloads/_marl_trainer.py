@@ -40,7 +40,6 @@ from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.rl.gae import gae
 from opentinker_trainer.rl.policy import ActorCritic, UnsupportedSpaceError
 from opentinker_trainer.workloads import _ppo_common as common
-from opentinker_trainer.workloads._loop import run_steps
 from opentinker_trainer.workloads._lm import get_logger
 
 log = get_logger("opentinker.trainer.full_rl.marl")
@@ -145,7 +144,7 @@ class MultiAgentPPOTrainer:
 
     @torch.no_grad()
     def rollout(self) -> dict[str, dict[str, torch.Tensor]]:
-        cfg, T, E, A = self.cfg, self.cfg.num_steps, self.cfg.num_envs, len(self.agents)
+        T, E, A = self.cfg.num_steps, self.cfg.num_envs, len(self.agents)
         bufs: dict[str, dict[str, list]] = {g: {k: [] for k in ("obs", "ids", "actions", "logprobs", "values")} for g in self.policy}
         rewards = np.zeros((T, E, A), dtype=np.float32)
         terminated = np.zeros((T, E, A), dtype=bool)
@@ -242,26 +241,15 @@ class MultiAgentPPOTrainer:
                 self.last_agent_reward[a] = float(np.mean(rets))
             rewards[f"reward/agent/{a}"] = self.last_agent_reward[a]
         rewards["reward/team_return_mean"] = float(sum(self.last_agent_reward.values()))
-        return {
-            "loss": out["loss/total"], **rewards, **out, "optim/lr": lr, "env_steps": float(self.env_steps),
-            "wall_time_s": time.perf_counter() - self.started, "perf/env_steps_per_s": cfg.batch_size / step_s,
-            "perf/step_s": step_s, "perf/rollout_s": t_roll, "perf/train_s": step_s - t_roll, "perf/samples": float(samples),
-        }  # fmt: skip
+        return common.update_metrics(
+            out, rewards, lr=lr, env_steps=self.env_steps, started=self.started, batch_size=cfg.batch_size,
+            step_s=step_s, rollout_s=t_roll, samples=samples,
+        )
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
-        def one(n: int) -> dict[str, float]:
-            self.update = n
-            return self.train_step()
-
-        def log_step(n: int, m) -> None:
-            log.info(
-                "update", task_id=self.ctx.task_id, step=n, env_steps=self.env_steps,
-                reward=round(m["reward"], 3), loss=round(m["loss"], 4), steps_per_s=round(m["perf/env_steps_per_s"]),
-            )  # fmt: skip
-
-        try:
-            run_steps(self.ctx, done=self.update, total=self.cfg.num_updates, step=one, save=self.save, checkpoint_every=self.cfg.checkpoint_every, log_step=log_step)
-        finally:
+        def close() -> None:
             for env in self.envs:
                 env.close()
+
+        common.run_updates(self, log, close)

@@ -19,6 +19,7 @@ import math
 import os
 import random
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -226,6 +227,43 @@ def episode_metrics(finished: list[tuple[int, float, int]], last_reward: float) 
             "reward/episode_length_mean": float(lens.mean()), "reward/episodes": float(len(finished)), "reward/stale": 0.0,
         }, mean  # fmt: skip
     return {"reward": last_reward, "reward/episode_return_mean": last_reward, "reward/episodes": 0.0, "reward/stale": 1.0}, last_reward
+
+
+def update_metrics(
+    out: Mapping[str, float], rewards: Mapping[str, float], *, lr: float, env_steps: int, started: float,
+    batch_size: int, step_s: float, rollout_s: float, samples: int,
+) -> dict[str, float]:
+    """The metrics one PPO update reports: ``loss`` (= ``loss/total``), the ``reward`` metrics,
+    the update's own ``loss/*`` values, ``optim/lr``, ``env_steps``, ``wall_time_s`` (since
+    ``started``, a :func:`time.perf_counter` reading) and ``perf/*`` (seconds, env steps per second)."""
+    return {
+        "loss": out["loss/total"], **rewards, **out, "optim/lr": lr, "env_steps": float(env_steps),
+        "wall_time_s": time.perf_counter() - started, "perf/env_steps_per_s": batch_size / step_s,
+        "perf/step_s": step_s, "perf/rollout_s": rollout_s, "perf/train_s": step_s - rollout_s, "perf/samples": float(samples),
+    }  # fmt: skip
+
+
+def run_updates(trainer: Any, log: Any, close) -> None:
+    """Run ``trainer.train_step()`` for updates ``trainer.update + 1 .. cfg.num_updates`` through
+    :func:`~opentinker_trainer.workloads._loop.run_steps` (report, checkpoint with
+    ``trainer.save``, stop when asked), logging each update; ``close()`` runs at the end."""
+    from opentinker_trainer.workloads._loop import run_steps
+
+    def one(n: int) -> dict[str, float]:
+        trainer.update = n
+        return trainer.train_step()
+
+    def log_step(n: int, m) -> None:
+        log.info(
+            "update", task_id=trainer.ctx.task_id, step=n, env_steps=trainer.env_steps,
+            reward=round(m["reward"], 3), loss=round(m["loss"], 4), steps_per_s=round(m["perf/env_steps_per_s"]),
+        )  # fmt: skip
+
+    cfg = trainer.cfg
+    try:
+        run_steps(trainer.ctx, done=trainer.update, total=cfg.num_updates, step=one, save=trainer.save, checkpoint_every=cfg.checkpoint_every, log_step=log_step)
+    finally:
+        close()
 
 
 # --- checkpoints ----------------------------------------------------------------------------

@@ -44,7 +44,6 @@ from opentinker_trainer.envs.gym import make_vector_env
 from opentinker_trainer.rl.gae import autoreset_mask, gae
 from opentinker_trainer.rl.policy import ActorCritic, UnsupportedSpaceError
 from opentinker_trainer.workloads import _ppo_common as common
-from opentinker_trainer.workloads._loop import run_steps
 from opentinker_trainer.workloads._lm import get_logger
 
 log = get_logger("opentinker.trainer.full_rl.ppo")
@@ -119,7 +118,7 @@ class PPOTrainer:
     @torch.no_grad()
     def rollout(self) -> dict[str, torch.Tensor]:
         """``num_steps`` vector steps; returns ``[T, N, ...]`` buffers plus ``next_value [N]``."""
-        cfg, T, N = self.cfg, self.cfg.num_steps, self.cfg.num_envs
+        T, N = self.cfg.num_steps, self.cfg.num_envs
         obs_buf = torch.zeros((T, *self.next_obs.shape), dtype=self.next_obs.dtype, device=self.device)
         actions, logprobs, values = [], torch.zeros(T, N, device=self.device), torch.zeros(T, N, device=self.device)
         rewards = torch.zeros(T, N, device=self.device)
@@ -169,26 +168,11 @@ class PPOTrainer:
         self.env_steps += cfg.batch_size
         step_s = time.perf_counter() - t0
         rewards, self.last_reward = common.episode_metrics(self.episodes.pop(), self.last_reward)
-        return {
-            "loss": out["loss/total"], **rewards, **out, "optim/lr": lr, "env_steps": float(self.env_steps),
-            "wall_time_s": time.perf_counter() - self.started, "perf/env_steps_per_s": cfg.batch_size / step_s,
-            "perf/step_s": step_s, "perf/rollout_s": t_roll, "perf/train_s": step_s - t_roll,
-            "perf/samples": float(len(batch)),
-        }  # fmt: skip
+        return common.update_metrics(
+            out, rewards, lr=lr, env_steps=self.env_steps, started=self.started, batch_size=cfg.batch_size,
+            step_s=step_s, rollout_s=t_roll, samples=len(batch),
+        )
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
-        def one(n: int) -> dict[str, float]:
-            self.update = n
-            return self.train_step()
-
-        def log_step(n: int, m) -> None:
-            log.info(
-                "update", task_id=self.ctx.task_id, step=n, env_steps=self.env_steps,
-                reward=round(m["reward"], 3), loss=round(m["loss"], 4), steps_per_s=round(m["perf/env_steps_per_s"]),
-            )  # fmt: skip
-
-        try:
-            run_steps(self.ctx, done=self.update, total=self.cfg.num_updates, step=one, save=self.save, checkpoint_every=self.cfg.checkpoint_every, log_step=log_step)
-        finally:
-            self.envs.close()
+        common.run_updates(self, log, self.envs.close)
