@@ -37,7 +37,7 @@ from opentinker_client.client import RLClient  # noqa: E402
 from opentinker_client.config import TaskConfig, load_task_config, parse_task_config
 from opentinker_client.convert import DeviceInfo, DeviceTelemetry, NodeInfo, TaskEvent, TaskInfo
 from opentinker_client.environment import Environment
-from opentinker_client.env_server import EnvironmentServer
+from opentinker_client.hosting.server import EnvironmentServer
 from opentinker_client.evaluate import EvalResult, evaluate
 from opentinker_client.inference import CheckpointInfo, Generation, InferenceClient, StreamChunk
 from opentinker_client.errors import (
@@ -54,7 +54,7 @@ from opentinker_client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from opentinker_client.url import parse_scheduler_url
+from opentinker_common.net.url import parse_scheduler_url
 from opentinker_client.keys import ApiKeyInfo, KeyAdmin
 
 __all__ = [

@@ -2,6 +2,6 @@
 
 import sys
 
-from opentinker_client.cli import main
+from opentinker_client.cli.commands import main
 
 sys.exit(main())

@@ -57,7 +57,8 @@ from opentinker_client.errors import (
 )
 from opentinker_client.client_data import DataMixin
 from opentinker_client.client_serving import ServingMixin
-from opentinker_client.url import parse_scheduler_address
+from opentinker_common.net.url import parse_scheduler_address
+from opentinker_common.net.grpc_options import client_keepalive, message_limits
 
 __all__ = ["RLClient", "DEFAULT_SCHEDULER_URL"]
 
@@ -66,7 +67,6 @@ log = logging.getLogger("opentinker_client")
 #: Used when neither ``scheduler_url`` nor the ``SCHEDULER_URL`` environment variable is set.
 DEFAULT_SCHEDULER_URL = "localhost:8888"
 
-_MiB = 1024 * 1024
 _SERVICE = "opentinker.scheduler.v1.SchedulerService"
 
 # Unary RPCs are retried by gRPC itself on UNAVAILABLE (scheduler restarting, connection refused).
@@ -101,13 +101,10 @@ def _channel_options() -> list[tuple[str, Any]]:
         version = "dev"
     return [
         # Keepalive only while a call is open (a watch stream); the scheduler permits pings every 10 s.
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 0),
+        *client_keepalive(),
         # Keep pinging on a quiet watch stream (the default stops after 2 pings without data).
         ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.max_send_message_length", 64 * _MiB),
-        ("grpc.max_receive_message_length", 64 * _MiB),
+        *message_limits(),
         ("grpc.enable_retries", 1),
         ("grpc.service_config", _SERVICE_CONFIG),
         ("grpc.primary_user_agent", f"opentinker-client/{version}"),
@@ -155,7 +152,7 @@ class RLClient(ServingMixin, DataMixin):
 
     Raises:
         ValueError: ``scheduler_url`` is not a valid address (see
-            :func:`~opentinker_client.url.parse_scheduler_address`), a TLS file cannot be read
+            :func:`~opentinker_common.net.url.parse_scheduler_address`), a TLS file cannot be read
             or is not PEM, or ``api_key`` holds inner whitespace or control characters (the
             message names ``api_key``, never the key).
 
@@ -187,7 +184,8 @@ class RLClient(ServingMixin, DataMixin):
         self.target = address.target
         self.timeout = float(timeout)
         self.min_poll_interval = float(min_poll_interval)
-        from opentinker_client.tls import channel_credentials, clean_api_key
+        from opentinker_common.net.tls import channel_credentials
+        from opentinker_common.net.bearer import clean_api_key
 
         if api_key is None:
             api_key = os.environ.get("OPENTINKER_API_KEY") or ""

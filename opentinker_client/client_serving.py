@@ -23,7 +23,7 @@ class ServingMixin:
     ) -> Any:
         """Serve a client-hosted environment (a subclass of :class:`Environment` that defines
         ``reset``/``step``) to trainers, and return the started
-        :class:`~opentinker_client.env_server.EnvironmentServer`.
+        :class:`~opentinker_client.hosting.server.EnvironmentServer`.
 
         Use as a context manager for an explicit lifetime; submit ``server.env_config``::
 
@@ -54,7 +54,7 @@ class ServingMixin:
                 file (``err.field`` names it).
             OSError: the port cannot be bound.
         """
-        from opentinker_client.env_server import EnvironmentServer
+        from opentinker_client.hosting.server import EnvironmentServer
 
         if self._closed:
             raise OpenTinkerError("this RLClient is closed")

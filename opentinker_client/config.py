@@ -16,7 +16,7 @@ Format (every key but ``workload_type`` is optional)::
 
 ``env`` is the ``env_config`` (what ``Environment(...).to_dict()`` gives: ``env_id`` plus that
 environment's options; omitted: the built-in ``arithmetic`` task). ``hyperparameters`` are the
-workload's (for ``lora_finetune`` see :class:`opentinker_client.spec.GRPOConfig`: ``steps``,
+workload's (for ``lora_finetune`` see :class:`opentinker_common.spec.GRPOConfig`: ``steps``,
 ``learning_rate``, ``group_size``, ``lora_rank`` ...); omitted keys take their defaults.
 
 The file is checked strictly, with the same code the scheduler uses: an unknown key (at the top,
@@ -41,33 +41,11 @@ import yaml
 from opentinker.common.v1 import common_pb2
 from opentinker_client.convert import dict_to_struct, seconds_to_duration
 from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spec_error
-from opentinker_client.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel
+from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel
+from opentinker_common.yaml12 import Yaml12Loader
 
-__all__ = ["TaskConfig", "Yaml12Loader", "load_task_config", "parse_task_config"]
+__all__ = ["TaskConfig", "load_task_config", "parse_task_config"]
 
-
-class Yaml12Loader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also reads YAML 1.2 floats as floats.
-
-    PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent, so ``1e-4``,
-    ``5E+3``, ``1e4``, ``-.5`` and ``1.5e3`` come back as strings. This loader adds the YAML 1.2
-    core-schema forms (a dot or an exponent is still required: ``1`` stays an int and ``09`` a
-    string). Use it wherever PyYAML's ``Loader=`` goes (``yaml.compose``, ``yaml.load``); nodes
-    keep their marks, so line numbers work as with ``SafeLoader``. Shared by the task configs
-    and the scheduler config.
-    """
-
-
-Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^[-+]?(?:[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+
-               |\.[0-9]+(?:[eE][-+]?[0-9]+)?
-               |[0-9]+\.[0-9]*)$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
 
 # Stand-in for an empty model while validating locally: the scheduler fills in its default.
 _DEFAULT_MODEL_PLACEHOLDER = "<scheduler default model>"

@@ -3,7 +3,7 @@
 An :class:`Environment` names a built-in environment (``env_id``, default ``"arithmetic"``, the
 text task for language models) and its options; :meth:`Environment.to_dict` gives the
 ``env_config`` that :meth:`RLClient.submit_task` sends. Options are validated with the same code the
-scheduler uses (:func:`opentinker_client.spec.validate_env_config`).
+scheduler uses (:func:`opentinker_common.spec.validate_env_config`).
 
 Options of the built-in ``arithmetic`` task ("What is a + b?"; reward 1.0 for the right sum):
 
@@ -16,7 +16,7 @@ Options of the built-in ``arithmetic`` task ("What is a + b?"; reward 1.0 for th
 Client-hosted environments: a subclass that overrides :meth:`Environment.reset` and
 :meth:`Environment.step` (gymnasium's signatures) runs in your own process; pass the object to
 ``RLClient.submit_task(env_config=env, ...)`` and the client serves it to the trainer over
-``EnvironmentService`` while the task runs (see :mod:`opentinker_client.env_server`)::
+``EnvironmentService`` while the task runs (see :mod:`opentinker_client.hosting.server`)::
 
     class Corridor(Environment):
         def __init__(self):
@@ -42,7 +42,7 @@ from __future__ import annotations
 from typing import Any
 
 from opentinker_client.errors import InvalidArgumentError, from_spec_error
-from opentinker_client.spec import SpecError, validate_env_config
+from opentinker_common.spec import SpecError, validate_env_config
 
 __all__ = ["Environment", "client_env_config"]
 
@@ -119,7 +119,7 @@ class Environment:
 
     # --- client-hosted environments (gymnasium's API) -------------------------------------------
     # Override reset() and step() in a subclass and the environment runs in YOUR process: RLClient
-    # serves it over EnvironmentService and the trainer calls it (see opentinker_client.env_server).
+    # serves it over EnvironmentService and the trainer calls it (see opentinker_client.hosting.server).
 
     def reset(self, seed: int | None = None) -> Any:
         """Start a new episode; return the first observation (or ``(observation, info)`` as
@@ -179,7 +179,7 @@ CLIENT_ENV_OPTIONS = ("observation_type", "action_names", "timeout_s", "grace_s"
 
 
 def client_env_config(env: Any, *, endpoint: str):
-    """The validated :class:`~opentinker_client.spec.ClientEnvConfig` of a client-hosted ``env``
+    """The validated :class:`~opentinker_common.spec.ClientEnvConfig` of a client-hosted ``env``
     served at ``endpoint``: its declared ``action_space``/``observation_space`` and options.
 
     Raises:

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from opentinker_client.spec import SpecError
+from opentinker_common.spec import SpecError
+from opentinker_common.net.transport import closed_by_peer, tls_handshake_failed  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:  # pragma: no cover
     from opentinker_client.convert import TaskInfo
@@ -201,25 +202,6 @@ INFERENCE_PLAINTEXT_HINT = (
     "(if the inference server serves TLS, use its https://host:port endpoint, the one the inference task reports, "
     "and pass its CA: root_certificates / $OPENTINKER_TLS_CA)"
 )
-# How gRPC words a connection that the server closed before any HTTP/2 frame: what a plaintext
-# client sees from a TLS port (the server reads a TLS record header, gets garbage and hangs up).
-_CLOSED = re.compile(r"socket closed|connection reset|end of tcp stream|broken pipe|wrong_version_number|connection closed", re.IGNORECASE)
-# How gRPC (BoringSSL) words a failed TLS handshake.
-_HANDSHAKE = re.compile(r"handshake|ssl|tls|certificate|x509|alert", re.IGNORECASE)
-
-
-def closed_by_peer(details: str | None) -> bool:
-    """``details`` of an UNAVAILABLE status say the server closed the connection early
-    (``Socket closed``, ``Connection reset``): a TLS port dialled in plaintext, or a TLS handshake
-    the server refused (a client certificate it does not accept)."""
-    return bool(details and _CLOSED.search(details))
-
-
-def tls_handshake_failed(details: str | None) -> bool:
-    """``details`` of an UNAVAILABLE/UNKNOWN status mention a TLS handshake failure."""
-    return bool(details and _HANDSHAKE.search(details))
-
-
 # "spec.hyperparameters.lr: expected ..." -> the field path at the start of a details message.
 _FIELD_PREFIX = re.compile(r"^((?:spec|env_config|hyperparameters)(?:\.[A-Za-z0-9_]+|\[\d+\])*): ")
 
@@ -289,7 +271,7 @@ def from_rpc_error(err: grpc.RpcError, *, plaintext_hint: str = "") -> OpenTinke
 
 
 def from_spec_error(err: SpecError) -> InvalidArgumentError:
-    """Turn a local :class:`~opentinker_client.spec.SpecError` into the
+    """Turn a local :class:`~opentinker_common.spec.SpecError` into the
     :class:`InvalidArgumentError` the scheduler would have returned (same message, same field)."""
     message = str(err)
     prefix = f"{err.field}: "

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from opentinker_client.errors import InvalidArgumentError, from_spec_error
-from opentinker_client.spec import SpecError, validate_env_config
+from opentinker_common.spec import SpecError, validate_env_config
 
 __all__ = ["EvalResult", "evaluate"]
 
@@ -79,7 +79,7 @@ def evaluate(
             UnauthenticatedError / PermissionDeniedError when the client's API key may not use
             the server, NotFoundError for an adapter of a task the key cannot see.
     """
-    from opentinker_trainer.envs.arithmetic import ArithmeticEnv, reward  # torch-free: problems and reward only
+    from opentinker_common.arithmetic import ArithmeticEnv, reward  # torch-free: problems and reward only
 
     if isinstance(episodes, bool) or not isinstance(episodes, int) or not 1 <= episodes <= MAX_EPISODES:
         raise InvalidArgumentError(f"episodes: expected an integer in [1, {MAX_EPISODES}], got {episodes!r}", field="episodes")

@@ -40,7 +40,7 @@ import grpc
 from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_client.convert import timestamp_to_datetime
-from opentinker_client.url import parse_scheduler_url, redact_userinfo
+from opentinker_common.net.url import parse_scheduler_url, redact_userinfo
 from opentinker_client.errors import (
     INFERENCE_PLAINTEXT_HINT,
     DeadlineExceededError,
@@ -50,6 +50,7 @@ from opentinker_client.errors import (
     TaskFailedError,
     from_rpc_error,
 )
+from opentinker_common.net.grpc_options import client_keepalive, message_limits
 
 if TYPE_CHECKING:  # pragma: no cover
     from opentinker_client.client import RLClient
@@ -67,7 +68,6 @@ __all__ = [
 
 #: Workloads whose checkpoints are LoRA adapters an inference server can load.
 ADAPTER_WORKLOADS = ("lora_finetune", "sft")
-_MiB = 1024 * 1024
 _FINISH = {inference_pb2.FINISH_REASON_STOP: "stop", inference_pb2.FINISH_REASON_LENGTH: "length"}
 _BASE = object()  # "the client's default adapter" marker
 
@@ -151,13 +151,7 @@ class CheckpointInfo:
 
 
 def _channel_options() -> list[tuple[str, Any]]:
-    return [
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 0),
-        ("grpc.max_send_message_length", 64 * _MiB),
-        ("grpc.max_receive_message_length", 64 * _MiB),
-    ]
+    return [*client_keepalive(), *message_limits()]
 
 
 _TLS_SCHEMES = ("https://", "grpcs://")
@@ -233,7 +227,7 @@ class InferenceClient:
         api_key: str | None = None,
         root_certificates: str | os.PathLike | None = None,
     ) -> None:
-        from opentinker_client.tls import clean_api_key
+        from opentinker_common.net.bearer import clean_api_key
 
         if api_key is None:
             api_key = os.environ.get("OPENTINKER_API_KEY") or ""
@@ -255,7 +249,7 @@ class InferenceClient:
         self._root_certificates = root_certificates
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         if self.tls:
-            from opentinker_client.tls import ENV_CA, channel_credentials
+            from opentinker_common.net.tls import ENV_CA, channel_credentials
 
             ca = root_certificates if root_certificates is not None else os.environ.get(ENV_CA, "")
             # "" for the client pair: the inference server does not ask for client certificates.

@@ -10,10 +10,10 @@ import sys
 
 import structlog
 
-from opentinker_client.logs import configure_logging
+from opentinker_common.logs import configure_logging
 
-from .config import ConfigError, load_config, SchedulerConfig
-from .server import start_scheduler
+from opentinker_scheduler.config import ConfigError, load_config, SchedulerConfig
+from opentinker_scheduler.server import start_scheduler
 
 
 def _port(text: str) -> int:

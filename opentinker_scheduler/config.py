@@ -24,11 +24,11 @@
                               # most (always within max_tasks); 1 = every task has its GPUs alone
     preemption_timeout: 120   # seconds a preemption waits for its victims' node to confirm they
                               # stopped before the scheduler gives up on it and may choose again
-    auth: {enabled: false}    # API keys and roles; production turns this on (see opentinker_scheduler/auth.py)
-    tls: {cert: ..., key: ...} # TLS, and mTLS for nodes with client_ca (see opentinker_scheduler/tls.py)
-    http_tls: {cert: ..., key: ...} # HTTPS on the HTTP port (/health, /metrics); see opentinker_scheduler/tls.py
-    limits: {...}             # message/spec sizes, pending tasks, submit rate, streams (opentinker_scheduler/limits.py)
-    paths:                    # local paths a task spec may name on trainer nodes (opentinker_scheduler/paths.py)
+    auth: {enabled: false}    # API keys and roles; production turns this on (see opentinker_scheduler/security/auth.py)
+    tls: {cert: ..., key: ...} # TLS, and mTLS for nodes with client_ca (see opentinker_scheduler/security/tls_config.py)
+    http_tls: {cert: ..., key: ...} # HTTPS on the HTTP port (/health, /metrics); see opentinker_scheduler/security/tls_config.py
+    limits: {...}             # message/spec sizes, pending tasks, submit rate, streams (opentinker_scheduler/admission/limits.py)
+    paths:                    # local paths a task spec may name on trainer nodes (opentinker_scheduler/admission/paths.py)
       model_dirs: [/models]   # spec.model may name a local folder only under these
       data_dirs: [/data]      # env_config.path (chat_jsonl) may name a file only under these
                               # unset: anything with auth off, no local path at all with auth on
@@ -51,13 +51,13 @@ from typing import Any
 
 import yaml
 
-from opentinker_client.config import Yaml12Loader
-from opentinker_client.spec import WORKLOAD_TYPES
+from opentinker_common.yaml12 import Yaml12Loader
+from opentinker_common.spec import WORKLOAD_TYPES
 
-from .auth import AuthConfig, parse_auth
-from .limits import LimitsConfig, parse_limits
-from .paths import PathsConfig, parse_paths
-from .tls import HttpTlsConfig, TlsConfig, parse_http_tls, parse_tls
+from opentinker_scheduler.security.auth import AuthConfig, parse_auth
+from opentinker_scheduler.admission.limits import LimitsConfig, parse_limits
+from opentinker_scheduler.admission.paths import PathsConfig, parse_paths
+from opentinker_scheduler.security.tls_config import HttpTlsConfig, TlsConfig, parse_http_tls, parse_tls
 
 
 class ConfigError(ValueError):
@@ -103,7 +103,7 @@ class SchedulerConfig:
     limits: LimitsConfig = LimitsConfig()
     #: HTTPS on the HTTP port (``http_tls:``); None = plain HTTP.
     http_tls: HttpTlsConfig | None = None
-    #: Local paths a spec may name (``paths:``); see opentinker_scheduler/paths.py.
+    #: Local paths a spec may name (``paths:``); see opentinker_scheduler/admission/paths.py.
     paths: PathsConfig = PathsConfig()
 
     def priority_of(self, workload_type: str) -> int | None:

@@ -16,32 +16,22 @@ from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 
-from . import tls as tls_listen
-from .admin import AdminService, Security, build_security
+from opentinker_scheduler.security import tls_config as tls_listen
+from opentinker_scheduler.api.admin import AdminService, Security, build_security
 
-from .config import SchedulerConfig
-from .core import STATE_NAMES, SchedulerCore
-from .http import HttpEndpoint, Snapshot
-from .service import NodeService, SchedulerService
-from .store import Store
+from opentinker_scheduler.config import SchedulerConfig
+from opentinker_scheduler.state.core import STATE_NAMES, SchedulerCore
+from opentinker_scheduler.api.http import HttpEndpoint, Snapshot
+from opentinker_scheduler.api.service import NodeService, SchedulerService
+from opentinker_scheduler.state.store import Store
+from opentinker_common.net.grpc_options import server_options
 
 log = structlog.get_logger("opentinker.scheduler")
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 #: Keepalive, agreed with the trainer and client channels: the server pings idle connections
 #: every 30 s and accepts client pings no more often than every 10 s, with or without calls in
 #: flight (trainers ping every 20 s), so an idle node is never dropped with `too_many_pings`.
-SERVER_OPTIONS = [
-    ("grpc.so_reuseport", 0),  # a second scheduler on the same port must fail, not share it
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+SERVER_OPTIONS = server_options()
 
 SERVICE_NAMES = (
     scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name,

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import structlog
 
-from opentinker_client.logs import configure_logging
-from opentinker_client.url import parse_scheduler_address
+from opentinker_common.logs import configure_logging
+from opentinker_common.net.url import parse_scheduler_address
 
-from .agent import AgentConfig, FatalRegistrationError, NodeAgent
+from opentinker_trainer.agent import AgentConfig, FatalRegistrationError, NodeAgent
 
 
 def _int_at_least(lo: int):
@@ -76,7 +76,7 @@ def _http_tls_context(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("--http-tls-cert: expected --http-port (or OPENTINKER_HTTP_PORT) too; there is no HTTP port to secure")
     import ssl
 
-    from opentinker_client.tls import server_ssl_context
+    from opentinker_common.net.tls import server_ssl_context
 
     try:
         return server_ssl_context(args.http_tls_cert, args.http_tls_key, names=("--http-tls-cert", "--http-tls-key"))
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     for dest, var in (("api_key", "OPENTINKER_API_KEY"), ("tls_ca", "OPENTINKER_TLS_CA"), ("tls_cert", "OPENTINKER_TLS_CERT"), ("tls_key", "OPENTINKER_TLS_KEY")):
         if getattr(args, dest) is None:
             setattr(args, dest, os.environ.get(var) or "")
-    from opentinker_client.tls import clean_api_key
+    from opentinker_common.net.bearer import clean_api_key
 
     try:  # a key read from a file ends in "\n": stripped; inner whitespace is a one-line error (never the key)
         args.api_key = clean_api_key(args.api_key, api_key_from)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key: expected both (mTLS) or neither")
-    from opentinker_client.tls import check_key_pair, check_pem_path
+    from opentinker_common.net.tls import check_key_pair, check_pem_path
 
     try:  # a key of another certificate would retry forever with "Invalid private key": one line, exit 2
         if args.tls_cert:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_pem_path(path, flag)
     except ValueError as exc:
         parser.error(str(exc))
-    from .inference.tls import read_server_tls  # torch-free
+    from opentinker_trainer.inference.serve_tls import read_server_tls  # torch-free
 
     try:  # inference servers' TLS: both or neither, readable PEM, checked now (one line, exit 2)
         read_server_tls(args.serve_tls_cert, args.serve_tls_key)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_tls_cert:  # a key of another certificate: gRPC would refuse it only when a task binds its port
         import ssl
 
-        from opentinker_client.tls import server_ssl_context
+        from opentinker_common.net.tls import server_ssl_context
 
         try:
             server_ssl_context(args.serve_tls_cert, args.serve_tls_key, names=("--serve-tls-cert", "--serve-tls-key"))
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_tls_key=args.serve_tls_key,
     )
     if args.tls_ca or address.tls:
-        from opentinker_client.tls import channel_credentials
+        from opentinker_common.net.tls import channel_credentials
 
         try:
             channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, tls=address.tls)  # bad files: a one-line error, not a retry loop
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         agent = NodeAgent(config)
         http = None
         if args.http_port is not None:  # /health, /live, /metrics (opentinker_trainer/http.py)
-            from .http import TrainerHttp
+            from opentinker_trainer.http import TrainerHttp
 
             try:
                 http = TrainerHttp(agent, args.http_host, args.http_port, ssl_context=http_tls)

@@ -36,24 +36,16 @@ import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 
-from .scheduler_link import worker_env
-from .devices import DeviceMonitor
-from .inference.address import default_advertise_host
+from opentinker_trainer.scheduler_link import worker_env
+from opentinker_trainer.devices import DeviceMonitor
+from opentinker_trainer.inference.address import default_advertise_host
+from opentinker_common.net.grpc_options import message_limits, node_keepalive
 
 log = structlog.get_logger("opentinker.trainer")
 
 VERSION = "0.1.0"
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
 #: Keepalive agreed with the scheduler (which accepts pings every 10 s or slower, without calls).
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+CHANNEL_OPTIONS = [*node_keepalive(), *message_limits()]
 
 _FATAL = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED}
 
@@ -93,7 +85,7 @@ class AgentConfig:
         Raises:
             ValueError: a TLS file cannot be read or is not PEM.
         """
-        from opentinker_client.tls import channel_credentials
+        from opentinker_common.net.tls import channel_credentials
 
         creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key, tls=self.scheduler_tls) if self.tls_ca or self.scheduler_tls else None
         if creds is None:
@@ -189,7 +181,7 @@ class NodeAgent:
         """Once per streak of failed connections: on a TLS channel, a connection closed during the
         handshake (``Socket closed``, a handshake error) is most likely the scheduler refusing
         this node's client certificate (or a port without mTLS); say what to check."""
-        from opentinker_client.errors import closed_by_peer, tls_handshake_failed
+        from opentinker_common.net.transport import closed_by_peer, tls_handshake_failed
 
         tls = bool(self.config.tls_ca or self.config.scheduler_tls)
         if getattr(self, "_tls_hinted", False) or not tls or not (closed_by_peer(details) or tls_handshake_failed(details)):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Mapping
 
-from opentinker_client.spec import TaskSpecModel
+from opentinker_common.spec import TaskSpecModel
 
 
 class UserError(Exception):

@@ -15,7 +15,7 @@
   and the step rate (steps per second over the last reports).
 
 The server runs in daemon threads (wsgiref, a thread per connection with timeouts, as the
-scheduler's: :class:`opentinker_client.tls.SidePortServer`). It never touches the event loop's
+scheduler's: :class:`opentinker_common.net.side_port.SidePortServer`). It never touches the event loop's
 objects beyond reading flags and copying small dicts; the agent pushes metric reports through
 :meth:`TrainerHttp.on_metric`, which takes a lock.
 
@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from wsgiref.simple_server import WSGIRequestHandler
 
-from opentinker_client.tls import SidePortServer, make_side_port_server
+from opentinker_common.net.side_port import SidePortServer, make_side_port_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .agent import NodeAgent
+    from opentinker_trainer.agent import NodeAgent
 
 __all__ = ["StepRate", "TrainerHttp"]
 
@@ -167,7 +167,7 @@ class TrainerHttp:
         agent: the node agent whose state is served.
         host, port: where to listen; ``port=0`` picks a free port (see :attr:`port`).
         stall_after_s: ``/live`` answers 503 when the event loop has not turned for this long.
-        ssl_context: serve HTTPS with it (:func:`opentinker_client.tls.server_ssl_context`);
+        ssl_context: serve HTTPS with it (:func:`opentinker_common.net.tls.server_ssl_context`);
             None = plain HTTP.
 
     Raises:

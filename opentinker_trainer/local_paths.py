@@ -9,7 +9,7 @@ runs, the worker refuses a ``spec.model`` or ``env_config.path`` that resolves (
 followed, relative names taken against the worker's current folder as ``from_pretrained``
 would) into the work folder or the dataset cache, with a :class:`~opentinker_trainer.context.UserError`
 naming the field and the sanctioned alternative. The scheduler's ``paths:`` policy
-(:mod:`opentinker_scheduler.paths`) is the first line; this one holds when the policy is loose
+(:mod:`opentinker_scheduler.admission.paths`) is the first line; this one holds when the policy is loose
 (auth off, or a ``model_dirs`` entry that contains or links to the work folder).
 
 The agent hands each worker its absolute work folder as ``OPENTINKER_WORK_DIR`` and the cache as
@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from .context import UserError
+from opentinker_trainer.context import UserError
 
 __all__ = ["WORK_DIR_ENV", "check_model_not_local", "check_spec_paths", "private_dirs"]
 
@@ -74,7 +74,7 @@ def check_spec_paths(spec: Any, folders: tuple[str, ...], *, cwd: str | None = N
     """Refuse a spec whose ``model`` or ``env_config.path`` resolves into ``folders``.
 
     Args:
-        spec: the validated :class:`~opentinker_client.spec.TaskSpecModel`.
+        spec: the validated :class:`~opentinker_common.spec.TaskSpecModel`.
         folders: :func:`private_dirs`.
         cwd: folder relative names are taken against (default: the current one).
 

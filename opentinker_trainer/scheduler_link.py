@@ -77,7 +77,7 @@ def scheduler_credentials(env: Mapping[str, str] | None = None) -> grpc.ChannelC
     tls = env.get(SCHEDULER_TLS_ENV, "") == "1"
     if not ca and not tls:
         return None
-    from opentinker_client.tls import channel_credentials
+    from opentinker_common.net.tls import channel_credentials
 
     # "" (not None) for unset values, so nothing is read from os.environ behind an explicit env.
     return channel_credentials(ca, env.get("OPENTINKER_TLS_CERT", ""), env.get("OPENTINKER_TLS_KEY", ""), tls=tls)

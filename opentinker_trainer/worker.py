@@ -19,7 +19,6 @@ The worker dies with the agent (``PR_SET_PDEATHSIG`` on Linux; the agent passes 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import signal
 import sys
@@ -29,12 +28,13 @@ from pathlib import Path
 import structlog
 
 from opentinker.node.v1 import node_pb2
-from opentinker_client.logs import configure_logging
-from opentinker_client.spec import SpecError, spec_from_proto
+from opentinker_common.logs import configure_logging
+from opentinker_common.spec import SpecError, spec_from_proto
 
-from ._proc import die_with_parent
-from .context import UserError, WorkerContext
-from .local_paths import check_model_not_local, check_spec_paths, private_dirs
+from opentinker_trainer._proc import die_with_parent
+from opentinker_trainer.context import UserError, WorkerContext
+from opentinker_trainer.local_paths import check_model_not_local, check_spec_paths, private_dirs
+from opentinker_trainer.workloads import run_task
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         check_spec_paths(spec, private_dirs(args.checkpoint_dir))
         if assign.local_paths_restricted:  # paths.model_dirs in force: no hub-id-shaped name of a local folder
             check_model_not_local(spec.model)
-        module = importlib.import_module(f"opentinker_trainer.workloads.{spec.workload_type}")
-        module.run(ctx)
+        run_task(ctx)
     except UserError as exc:
         log.error("task failed: user error", error=str(exc))
         ctx._emit("failed", error=str(exc), retryable=False)

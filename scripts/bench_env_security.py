@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from opentinker_client import Environment  # noqa: E402
-from opentinker_client.env_server import EnvironmentServer  # noqa: E402
-from opentinker_client.spec import validate_env_config  # noqa: E402
+from opentinker_client.hosting.server import EnvironmentServer  # noqa: E402
+from opentinker_common.spec import validate_env_config  # noqa: E402
 from opentinker_trainer.envs.remote import close_all_sessions, make_client_env  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
-    from tests.scheduler.security_util import make_certs
+    from tests.support.security import make_certs
 
     with tempfile.TemporaryDirectory() as tmp:
         certs = make_certs(Path(tmp))

@@ -51,7 +51,7 @@ def main() -> int:
 
     from opentinker_client.inference import InferenceClient
     from opentinker_trainer.inference.runtime import ModelRuntime
-    from tests.trainer.test_inference_support import ServerThread
+    from tests.trainer.inference.support import ServerThread
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.model)

@@ -77,8 +77,8 @@ def main() -> int:
 
     from opentinker_client import InferenceClient, RLClient
     from opentinker_trainer.inference.access import AccessChecker
-    from opentinker_trainer.inference.tls import read_server_tls
-    from tests.scheduler.security_util import LoopbackScheduler, make_certs
+    from opentinker_trainer.inference.serve_tls import read_server_tls
+    from tests.support.security import LoopbackScheduler, make_certs
 
     with tempfile.TemporaryDirectory() as tmp_text:
         tmp = Path(tmp_text)

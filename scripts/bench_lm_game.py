@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shaping is None:
         args.shaping = "none" if args.client else "distance"
 
-    from opentinker_client.logs import configure_logging
+    from opentinker_common.logs import configure_logging
 
     configure_logging()
     import logging
@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
-    from opentinker_client.spec import TaskSpecModel
+    from opentinker_common.spec import TaskSpecModel
     from opentinker_trainer.context import WorkerContext
-    from opentinker_trainer.workloads import lora_finetune
+    from opentinker_trainer.workloads import run_task
 
     hp = {
         "steps": args.steps, "episodes_per_step": args.episodes, "max_turns": args.max_turns,
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     server = None
     if args.client:
-        from opentinker_client.env_server import EnvironmentServer
+        from opentinker_client.hosting.server import EnvironmentServer
 
         server = EnvironmentServer(_client_frozen_lake()).start()
         env_config = server.env_config
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ctx = WorkerContext(task_id="bench", attempt=1, spec=spec, device="cpu", checkpoint_dir=Path(tmp), out=printer)  # type: ignore[arg-type]
         try:
-            lora_finetune.run(ctx)
+            run_task(ctx)
         finally:
             if server is not None:
                 server.stop()

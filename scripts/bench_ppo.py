@@ -1,6 +1,6 @@
 """Learning curves of ``full_rl`` PPO: steps to a return threshold and wall time.
 
-Runs the real workload (``opentinker_trainer.workloads.full_rl.run``) in this process, on the CPU,
+Runs the real workload (``opentinker_trainer.workloads.run_task``) in this process, on the CPU,
 for each case below, and prints per case: the random-policy baseline measured in the same run
 (mean return of the episodes of the first update, when the policy is still near uniform), the
 environment steps and wall time until the mean return of the last 20 finished episodes first
@@ -33,7 +33,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from opentinker_client.spec import TaskSpecModel
+from opentinker_common.spec import TaskSpecModel
 
 CASES = {
     "cartpole": dict(
@@ -70,7 +70,7 @@ class _Lines(io.TextIOBase):
 
 def run_case(name: str, case: dict, seed: int, window: int, curve_every: int) -> dict:
     from opentinker_trainer.context import WorkerContext
-    from opentinker_trainer.workloads import full_rl
+    from opentinker_trainer.workloads import run_task
 
     hp = {**case["hp"], "seed": seed}
     spec = TaskSpecModel.from_parts(workload_type="full_rl", model="-", env_config=case["env"], hyperparameters=hp)
@@ -98,7 +98,7 @@ def run_case(name: str, case: dict, seed: int, window: int, curve_every: int) ->
 
     with tempfile.TemporaryDirectory() as tmp:
         ctx = WorkerContext("bench", 1, spec, "cpu", Path(tmp), out=_Lines(on_metric))
-        full_rl.run(ctx)
+        run_task(ctx)
     wall = time.perf_counter() - started
     return {"name": name, "wall_s": wall, "total": spec.hyperparameters.num_updates * spec.hyperparameters.batch_size, **state}
 

@@ -70,11 +70,11 @@ def main() -> int:
     p.add_argument("--submits", type=int, default=300)
     p.add_argument("--gets", type=int, default=1000)
     args = p.parse_args()
-    from opentinker_client.logs import configure_logging
+    from opentinker_common.logs import configure_logging
 
     configure_logging(level="warning")  # one log line per submit would drown the table
     sys.path.insert(0, str(ROOT / "tests"))
-    from tests.scheduler.security_util import make_certs
+    from tests.support.security import make_certs
 
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)

@@ -49,16 +49,16 @@ class _Clock(io.TextIOBase):
 
 def run_in_process(model: Path, steps: int) -> tuple[float, list[float]]:
     """(call -> first metric seconds, step intervals in seconds)."""
-    from opentinker_client.spec import TaskSpecModel
+    from opentinker_common.spec import TaskSpecModel
     from opentinker_trainer.context import WorkerContext
-    from opentinker_trainer.workloads import lora_finetune
+    from opentinker_trainer.workloads import grpo_text
 
     spec = TaskSpecModel.from_parts(workload_type="lora_finetune", model=str(model), env_config={"env_id": "arithmetic"}, hyperparameters={**HP, "steps": steps})
     clock = _Clock()
     with tempfile.TemporaryDirectory() as tmp:
         ctx = WorkerContext(task_id="bench-inproc", attempt=1, spec=spec, device="cpu", checkpoint_dir=Path(tmp), out=clock)
         t0 = time.perf_counter()
-        lora_finetune.run(ctx)
+        grpo_text.run(ctx)
     times = clock.metric_times
     return times[0] - t0, [b - a for a, b in zip(times[1:], times[2:])] if len(times) > 2 else []
 

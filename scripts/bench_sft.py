@@ -50,7 +50,7 @@ def greedy_accuracy(model, tokenizer, conversations: list[list[dict]], device) -
     """Fraction of questions whose greedy reply's last integer is the reference answer."""
     import torch
 
-    from opentinker_trainer.envs.arithmetic import last_number
+    from opentinker_common.arithmetic import last_number
 
     tokenizer.padding_side = "left"
     prompts = [tokenizer.apply_chat_template(c[:-1], tokenize=False, add_generation_prompt=True) for c in conversations]
@@ -83,10 +83,10 @@ def main() -> int:
 
     import torch
 
-    from opentinker_client.spec import TaskSpecModel
+    from opentinker_common.spec import TaskSpecModel
     from opentinker_trainer.context import WorkerContext
     from opentinker_trainer.workloads import _lm, sft
-    from opentinker_trainer.workloads._sft_data import read_chat_jsonl, split_indices
+    from opentinker_trainer.workloads.sft_data import read_chat_jsonl, split_indices
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     lr = args.lr if args.lr is not None else (2e-5 if args.full else 2e-4)

@@ -27,8 +27,8 @@ import grpc  # noqa: E402
 
 from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc  # noqa: E402
 from opentinker_client import RLClient  # noqa: E402
-from opentinker_scheduler.key_streams import KeyStreams, until_ended  # noqa: E402
-from tests.scheduler.security_util import LoopbackScheduler, metadata  # noqa: E402
+from opentinker_scheduler.security.key_streams import KeyStreams, until_ended  # noqa: E402
+from tests.support.security import LoopbackScheduler, metadata  # noqa: E402
 
 
 def revocation_latency(streams: int) -> list[float]:

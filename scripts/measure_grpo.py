@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from opentinker_client.spec import TaskSpecModel  # noqa: E402
+from opentinker_common.spec import TaskSpecModel  # noqa: E402
 from opentinker_trainer.context import WorkerContext  # noqa: E402
 
 
@@ -76,7 +76,7 @@ def main() -> int:
     )
     print("hyperparameters:", json.dumps(spec.to_dict()["hyperparameters"]), flush=True)
 
-    from opentinker_trainer.workloads import lora_finetune
+    from opentinker_trainer.workloads import grpo_text
 
     out = _Tee()
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,7 +85,7 @@ def main() -> int:
             checkpoint_dir=args.checkpoint_dir or Path(tmp), out=out,
         )  # fmt: skip
         started = time.perf_counter()
-        lora_finetune.run(ctx)
+        grpo_text.run(ctx)
         total = time.perf_counter() - started
     if args.json:
         args.json.write_text("".join(json.dumps(r) + "\n" for r in out.lines))

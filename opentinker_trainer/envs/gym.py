@@ -1,5 +1,5 @@
 """Gymnasium environments for trainers: one environment, or a vector of them, from a
-:class:`~opentinker_client.spec.GymEnvConfig`.
+:class:`~opentinker_common.spec.GymEnvConfig`.
 
 * :func:`make_env` — ``gymnasium.make(env_id, **env_kwargs)`` (with ``max_episode_steps`` when
   the config sets it), seeded. ``env_id == "client"`` is a client-hosted environment

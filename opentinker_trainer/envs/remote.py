@@ -49,6 +49,7 @@ from google.protobuf import json_format
 from opentinker.environment.v1 import environment_pb2 as pb
 from opentinker.environment.v1 import environment_pb2_grpc as pb_grpc
 from opentinker_trainer.context import UserError
+from opentinker_common.net.grpc_options import message_limits
 
 log = structlog.get_logger("opentinker.trainer.env")
 
@@ -57,14 +58,12 @@ __all__ = ["ClientEnv", "RemoteSession", "close_all_sessions", "make_client_env"
 # UNAVAILABLE: nobody listens (client gone, network). CANCELLED: the client's server shut down with
 # this call in flight (the trainer never cancels its own calls). Both: retry until grace_s.
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-#: Largest gRPC message either side sends or accepts, in bytes (the EnvironmentServer's too).
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def channel_for(endpoint: str, *, tls: bool = False, root_certificates: str = "") -> grpc.Channel:
     """A channel to ``endpoint``: plaintext, or TLS trusting ``root_certificates`` (PEM text;
     ``""`` = the system's roots). gRPC's own retries are off (:meth:`RemoteSession.call` retries)."""
-    options = [("grpc.enable_retries", 0), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    options = [("grpc.enable_retries", 0), *message_limits()]
     if not tls:
         return grpc.insecure_channel(endpoint, options=options)
     creds = grpc.ssl_channel_credentials(root_certificates=root_certificates.encode("ascii", "replace") or None)
@@ -286,7 +285,7 @@ def close_all_sessions() -> None:
 
 def make_client_env(config: Any, *, seed: int | None) -> gymnasium.Env:
     """A ``gymnasium.Env`` over the client-hosted environment of ``config``
-    (a :class:`~opentinker_client.spec.ClientEnvConfig`).
+    (a :class:`~opentinker_common.spec.ClientEnvConfig`).
 
     Args:
         seed: when not None, the environment is reset once with it (as

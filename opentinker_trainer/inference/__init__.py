@@ -11,5 +11,5 @@
 * :mod:`.tls` — the server's certificate and key (``--serve-tls-cert`` / ``--serve-tls-key``);
 * :mod:`.server` — the gRPC servicer with health and reflection.
 
-The ``inference`` workload (:mod:`opentinker_trainer.workloads.inference`) puts them together.
+The ``inference`` workload (:mod:`opentinker_trainer.workloads.serving`) puts them together.
 """

@@ -127,7 +127,7 @@ class AccessChecker:
             raise ValueError("the scheduler's address is unknown (OPENTINKER_SCHEDULER_URL is not set)")
         if not (isinstance(ttl, (int, float)) and ttl > 0):
             raise ValueError(f"ttl: expected seconds > 0, got {ttl!r}")
-        from ..scheduler_link import scheduler_credentials
+        from opentinker_trainer.scheduler_link import scheduler_credentials
 
         self._creds = scheduler_credentials(env)  # the node's choice: its CA, https:// (system roots), mTLS pair
         self.ttl = float(ttl)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import raw_logprobs, select
+from opentinker_trainer.inference.sampling import raw_logprobs, select
 
 __all__ = ["SamplingParams", "StepResult", "Decode", "FINISH_STOP", "FINISH_LENGTH"]
 

@@ -17,8 +17,8 @@ import grpc
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 
-from ..scheduler_link import scheduler_channel
-from .adapters import AdapterNotFound, AdapterRefused
+from opentinker_trainer.scheduler_link import scheduler_channel
+from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRefused
 
 __all__ = ["SchedulerResolver", "ADAPTER_WORKLOADS", "same_model", "adapter_not_found"]
 

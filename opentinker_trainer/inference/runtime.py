@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Sequence
 
-from .adapters import AdapterRegistry
-from .engine import FINISH_STOP, Decode, SamplingParams, cache_kwarg
-from .text import TextStream
+from opentinker_trainer.inference.adapters import AdapterRegistry
+from opentinker_trainer.inference.engine import FINISH_STOP, Decode, SamplingParams, cache_kwarg
+from opentinker_trainer.inference.text import TextStream
 
 __all__ = ["BadRequest", "WrongModel", "Busy", "Prepared", "StepEvent", "ModelRuntime"]
 

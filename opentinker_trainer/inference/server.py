@@ -21,26 +21,18 @@ from grpc_reflection.v1alpha import reflection
 
 from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc
 
-from .access import AccessChecker, AccessRefused
-from .adapters import AdapterNotFound, AdapterRefused, AdaptersBusy
-from .engine import FINISH_LENGTH, FINISH_STOP, SamplingParams
-from .resolve import adapter_not_found
-from .runtime import BadRequest, Busy, ModelRuntime, Prepared, WrongModel
-from .tls import ServerTLS
+from opentinker_trainer.inference.access import AccessChecker, AccessRefused
+from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRefused, AdaptersBusy
+from opentinker_trainer.inference.engine import FINISH_LENGTH, FINISH_STOP, SamplingParams
+from opentinker_trainer.inference.resolve import adapter_not_found
+from opentinker_trainer.inference.runtime import BadRequest, Busy, ModelRuntime, Prepared, WrongModel
+from opentinker_trainer.inference.serve_tls import ServerTLS
+from opentinker_common.net.grpc_options import server_options
 
 __all__ = ["InferenceService", "RunningInferenceServer", "start_inference_server", "check_tls_pair", "SERVICE_NAME"]
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-SERVER_OPTIONS = [
-    ("grpc.so_reuseport", 0),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+SERVER_OPTIONS = server_options(max_pings_without_data=False)
 
 _FINISH = {FINISH_STOP: inference_pb2.FINISH_REASON_STOP, FINISH_LENGTH: inference_pb2.FINISH_REASON_LENGTH}
 _STATUS = (

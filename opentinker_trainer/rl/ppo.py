@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .grpo import masked_mean
+from opentinker_trainer.rl.grpo import masked_mean
 
 __all__ = [
     "approx_kl",

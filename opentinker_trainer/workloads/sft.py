@@ -1,9 +1,9 @@
 """``sft``: supervised fine-tuning of a causal LM on chat examples, LoRA or all weights.
 
 Each optimizer step takes ``batch_size`` examples of the training split (seeded epochs, see
-:func:`~opentinker_trainer.workloads._sft_data.batch_indices`), lays each out with the model's
+:func:`~opentinker_trainer.workloads.sft_data.batch_indices`), lays each out with the model's
 chat template, and minimises the mean next-token cross-entropy over the assistant tokens only
-(:func:`~opentinker_trainer.workloads._sft_data.assistant_label_mask`; every other label is
+(:func:`~opentinker_trainer.workloads.sft_data.assistant_label_mask`; every other label is
 ``-100``), i.e. the negative log-likelihood of the replies given their conversations. The
 gradient is accumulated over micro-batches and normalised by the batch's assistant-token count,
 so ``micro_batch_size`` changes memory use, not the update. AdamW with gradient clipping;
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.workloads import _lm
 from opentinker_trainer.workloads._loop import run_steps
-from opentinker_trainer.workloads._sft_data import (
+from opentinker_trainer.workloads.sft_data import (
     IGNORE_INDEX,
     Encoded,
     batch_indices,

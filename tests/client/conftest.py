@@ -1,6 +1,6 @@
 import pytest
 
-from .fake_scheduler import FakeScheduler, Server
+from tests.client.fake_scheduler import FakeScheduler, Server
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import opentinker_client as ot
 from opentinker_client import Environment, RLClient
 from opentinker_client.convert import struct_to_dict
 
-from .fake_scheduler import S
+from tests.client.fake_scheduler import S
 
 
 @pytest.fixture

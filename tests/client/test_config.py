@@ -237,7 +237,7 @@ def test_parse_from_string():
 def test_yaml12_loader_reads_yaml12_floats(text, value):
     import yaml
 
-    from opentinker_client.config import Yaml12Loader
+    from opentinker_common.yaml12 import Yaml12Loader
 
     got = yaml.load(f"x: {text}", Loader=Yaml12Loader)["x"]
     assert isinstance(got, float) and got == pytest.approx(value)
@@ -250,7 +250,7 @@ def test_yaml12_loader_reads_yaml12_floats(text, value):
 def test_yaml12_loader_leaves_other_scalars_alone(text, value):
     import yaml
 
-    from opentinker_client.config import Yaml12Loader
+    from opentinker_common.yaml12 import Yaml12Loader
 
     got = yaml.load(f"x: {text}", Loader=Yaml12Loader)["x"]
     assert got == value and type(got) is type(value)
@@ -261,7 +261,7 @@ def test_yaml12_loader_leaves_other_scalars_alone(text, value):
 def test_yaml12_loader_keeps_line_numbers():
     import yaml
 
-    from opentinker_client.config import Yaml12Loader
+    from opentinker_common.yaml12 import Yaml12Loader
 
     root = yaml.compose("a: 1\nb:\n  lr: 1e-4\n", Loader=Yaml12Loader)
     (_, b_node) = root.value[1]

@@ -131,7 +131,7 @@ class _RecordingInference(inference_pb2_grpc.InferenceServiceServicer):
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    from ..scheduler.security_util import make_certs
+    from tests.support.security import make_certs
 
     return make_certs(tmp_path_factory.mktemp("certs"))
 

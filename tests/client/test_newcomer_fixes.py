@@ -27,7 +27,7 @@ def test_upload_dataset_of_a_folder_says_so(tmp_path) -> None:
 
 def test_plot_needs_an_existing_folder_and_writes_an_ordinary_file(tmp_path) -> None:
     pytest.importorskip("matplotlib")
-    from opentinker_client.plot import plot_history
+    from opentinker_client.cli.plot import plot_history
 
     history = [(1, {"reward": 0.1, "loss": 1.0}), (2, {"reward": 0.5, "loss": 0.5})]
     with pytest.raises(FileNotFoundError, match="no such folder"):
@@ -77,7 +77,7 @@ def test_client_only_options_on_a_built_in_environment_say_what_to_do() -> None:
 
 def test_empty_env_id_is_refused_but_a_missing_one_is_arithmetic() -> None:
     from opentinker_client import Environment
-    from opentinker_client.spec import SpecError, validate_env_config
+    from opentinker_common.spec import SpecError, validate_env_config
 
     with pytest.raises(InvalidArgumentError, match=r"spec.env_config.env_id: expected an environment id.*leave env_id out for arithmetic") as err:
         Environment(env_id="").to_dict()
@@ -89,7 +89,7 @@ def test_empty_env_id_is_refused_but_a_missing_one_is_arithmetic() -> None:
 
 
 def test_first_history_line_reads_submitted_not_unspecified() -> None:
-    from opentinker_client.cli import _state_line
+    from opentinker_client.cli.commands import _state_line
     from opentinker_client.convert import TaskEvent
 
     first = TaskEvent(task_id="t", sequence=1, time=None, kind="state", from_state="unspecified", to_state="pending")
@@ -103,9 +103,9 @@ def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
     import signal
     import time
 
-    from opentinker_client.cli import EXIT_INTERRUPTED
+    from opentinker_client.cli.commands import EXIT_INTERRUPTED
 
-    from ..scheduler.security_util import LoopbackScheduler
+    from tests.support.security import LoopbackScheduler
 
     sched = LoopbackScheduler(tmp_path / "state")
     try:
@@ -113,7 +113,7 @@ def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
             task_id = client.submit_task(workload_type="lora_finetune", model="/models/m")
         env = {**os.environ, "SCHEDULER_URL": sched.target, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "opentinker_client.cli", "logs", task_id, "--follow"],
+            [sys.executable, "-m", "opentinker_client.cli.commands", "logs", task_id, "--follow"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         try:
@@ -130,7 +130,7 @@ def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
 
 
 def test_cli_never_prints_a_client_environment_token() -> None:
-    from opentinker_client.cli import _shown_env
+    from opentinker_client.cli.commands import _shown_env
 
     env = {"env_id": "client", "endpoint": "127.0.0.1:5000", "token": "s3cret-token-value-123456", "tls": True, "tls_root_certificates": "-----BEGIN CERTIFICATE-----\nxyz\n"}
     shown = _shown_env(env)

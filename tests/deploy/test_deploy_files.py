@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opentinker_client.url import parse_scheduler_url
+from opentinker_common.net.url import parse_scheduler_url
 from opentinker_scheduler.config import load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,8 +31,8 @@ SCRIPTS = PYPROJECT["project"]["scripts"]
 THIRD_PARTY_ENV = {"HF_HOME", "PYTHONUNBUFFERED", "PIP_NO_CACHE_DIR", "PIP_DISABLE_PIP_VERSION_CHECK"}
 #: Where each role's environment variables are read.
 ENV_SOURCES = {
-    "opentinker-trainer": [ROOT / "opentinker_trainer" / "__main__.py", ROOT / "opentinker_client" / "logs.py"],
-    "opentinker-scheduler": [ROOT / "opentinker_scheduler" / "__main__.py", ROOT / "opentinker_client" / "logs.py"],
+    "opentinker-trainer": [ROOT / "opentinker_trainer" / "__main__.py", ROOT / "opentinker_common" / "logs.py"],
+    "opentinker-scheduler": [ROOT / "opentinker_scheduler" / "__main__.py", ROOT / "opentinker_common" / "logs.py"],
 }
 
 

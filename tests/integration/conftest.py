@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from .procs import Cluster
+from tests.support.procs import Cluster
 
 
 @pytest.fixture

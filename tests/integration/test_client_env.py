@@ -127,7 +127,7 @@ def test_client_hosted_environment_over_tls_with_an_access_token(cluster, tiny_m
     """submit_task serves the environment on TLS with a token; the trainer (another process)
     trusts the CA from the spec, sends the token, and the task succeeds. The token appears in
     no log of the scheduler, the trainer or its worker."""
-    from ..scheduler.security_util import make_certs
+    from tests.support.security import make_certs
 
     certs = make_certs(tmp_path / "certs")
     start(cluster)

@@ -79,7 +79,7 @@ class FakeNode:
 
 
 def test_stale_attempt_report_refused_over_real_stream(tmp_path) -> None:
-    from .procs import Cluster
+    from tests.support.procs import Cluster
 
     cluster = Cluster(tmp_path, "heartbeat_interval: 0.5\nlease: 1.5\n")
     try:

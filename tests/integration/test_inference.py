@@ -31,7 +31,7 @@ def _sha(path: Path) -> str:
 
 
 def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(tmp_path, tiny_model_dir: Path) -> None:
-    from .procs import Cluster
+    from tests.support.procs import Cluster
 
     cluster = Cluster(tmp_path, CONFIG)
     try:
@@ -58,7 +58,7 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(tmp_
             server_task = client.get_task(llm.task_id)
             assert server_task.workload_type == "inference" and server_task.state == "running" and server_task.endpoint == llm.endpoint
             shown = subprocess.run(
-                [sys.executable, "-m", "opentinker_client.cli", "--scheduler-url", cluster.url, "get", llm.task_id],
+                [sys.executable, "-m", "opentinker_client.cli.commands", "--scheduler-url", cluster.url, "get", llm.task_id],
                 capture_output=True, text=True, timeout=60,
             )
             assert shown.returncode == 0 and "endpoint" in shown.stdout and llm.endpoint in shown.stdout
@@ -103,7 +103,7 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(tmp_
 
 
 def test_inference_task_ends_succeeded_when_its_ttl_runs_out(tmp_path, tiny_model_dir: Path) -> None:
-    from .procs import Cluster
+    from tests.support.procs import Cluster
 
     cluster = Cluster(tmp_path, CONFIG)
     try:

@@ -11,8 +11,8 @@ import pytest
 
 from opentinker_client import NotFoundError, RLClient, UnauthenticatedError
 
-from ..scheduler.security_util import make_certs
-from .procs import Cluster, free_port
+from tests.support.security import make_certs
+from tests.support.procs import Cluster, free_port
 
 TINY_HP = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
 

@@ -14,7 +14,7 @@ from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_client import RLClient, TaskFailedError
 from opentinker_client.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
-from .procs import Cluster
+from tests.support.procs import Cluster
 
 CONFIG = """heartbeat_interval: 0.5
 lease: 3

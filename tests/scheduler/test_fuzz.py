@@ -19,10 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
-from opentinker_client.spec import WORKLOAD_TYPES
+from opentinker_common.spec import WORKLOAD_TYPES
 from opentinker_scheduler.config import ConfigError, SchedulerConfig, parse_config
 
-from .security_util import LoopbackScheduler
+from tests.support.security import LoopbackScheduler
 
 # JSON values as a protobuf Struct carries them (numbers are doubles; no NaN/inf in JSON).
 _scalars = st.one_of(

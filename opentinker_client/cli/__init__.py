@@ -1,0 +1,1 @@
+"""The ``opentinker`` command: task, node, key and operations subcommands (:mod:`.commands`)."""

@@ -1,0 +1,30 @@
+"""Hyper-parameters of ``inference``: serve a base model plus LoRA adapters until cancelled or TTL."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from opentinker_common.spec._parse import num
+from opentinker_common.spec.registry import register_workload
+
+__all__ = ["InferenceConfig"]
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    """An ``inference`` task: an ``InferenceService`` for the task's ``model`` on a trainer node.
+
+    The task is RUNNING while it serves and shows its address in ``Task.endpoint``; it ends
+    SUCCEEDED when ``ttl_s`` runs out, CANCELLED when cancelled. Adapters (finished
+    ``lora_finetune`` / ``sft`` tasks, by id) load on first use.
+    """
+
+    ttl_s: float = num(3600.0, 0.0, 30 * 86400.0, min_exclusive=True, doc="seconds to serve before ending SUCCEEDED")
+    max_resident_adapters: int = num(8, 1, 1024, doc="adapters kept loaded; the least recently used idle one is unloaded first")
+    max_concurrent_requests: int = num(16, 1, 4096, doc="requests running at once; more are refused with RESOURCE_EXHAUSTED")
+    port: int = num(0, 0, 65535, doc="port to listen on; 0 picks a free one")
+    dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
+
+
+# Inference needs no environment; the default env (the text task) satisfies the spec.
+register_workload("inference", InferenceConfig, env_kinds=("text",))

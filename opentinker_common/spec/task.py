@@ -1,0 +1,209 @@
+"""The whole task spec: :class:`TaskSpecModel`, built from parts or from the wire message."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from opentinker_common.spec._parse import SpecError, jsonable, parse_dataclass
+from opentinker_common.spec.registry import (
+    WORKLOAD_TYPES,
+    env_entry,
+    env_kinds_for,
+    hyperparameters_class,
+    implemented_workloads,
+    known_env_ids,
+    uses_model,
+)
+
+__all__ = ["TaskSpecModel", "spec_from_proto", "validate_env_config", "validate_hyperparameters", "env_kind", "task_uses_model"]
+
+#: ``env_id`` when ``env_config`` names none: the built-in text task.
+DEFAULT_ENV_ID = "arithmetic"
+
+
+def validate_env_config(data: Any, path: str = "spec.env_config") -> Any:
+    """Parse an ``env_config`` mapping (``Environment.to_dict()``) into its typed config.
+
+    A missing ``env_id`` means the built-in ``arithmetic`` task; an empty one is refused.
+
+    Raises:
+        SpecError: unknown ``env_id`` (naming the known ones), unknown key or bad value.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise SpecError(path, "a mapping with at least env_id", data)
+    env_id = data.get("env_id", DEFAULT_ENV_ID)
+    if env_id is None:
+        env_id = DEFAULT_ENV_ID
+    if env_id == "":
+        raise SpecError(f"{path}.env_id", f"an environment id, one of {', '.join(known_env_ids())} (leave env_id out for {DEFAULT_ENV_ID})", env_id)
+    entry = env_entry(env_id) if isinstance(env_id, str) else None
+    if entry is None:
+        raise SpecError(f"{path}.env_id", f"one of {', '.join(known_env_ids())}", env_id)
+    return parse_dataclass(entry.cls, {**data, "env_id": env_id}, path)
+
+
+def task_uses_model(workload_type: str, env_config: Any) -> bool:
+    """Whether a task of ``workload_type`` on ``env_config`` (an unvalidated mapping) needs
+    ``spec.model`` (a causal LM). True when that cannot be told yet (validation then says why)."""
+    env_id = (env_config.get("env_id") if isinstance(env_config, Mapping) else None) or DEFAULT_ENV_ID
+    entry = env_entry(env_id) if isinstance(env_id, str) else None
+    cls = hyperparameters_class(workload_type, entry.kind) if entry is not None else None
+    return cls is None or uses_model(cls)
+
+
+def env_kind(env: Any) -> str:
+    """The registered kind (``text``, ...) of a parsed env config."""
+    entry = env_entry(env.env_id)
+    assert entry is not None, env.env_id  # parsed configs always come from a registered entry
+    return entry.kind
+
+
+def validate_hyperparameters(workload_type: str, data: Any, path: str = "spec.hyperparameters", *, env: Any = None):
+    """Parse ``hyperparameters`` for ``workload_type`` on ``env`` (a parsed env config; None =
+    the workload's only or first environment kind) into its typed config, defaults filled in.
+
+    Raises:
+        SpecError: workload not implemented or not runnable on this kind of environment; unknown
+            key (naming the known ones), wrong type or value out of range.
+    """
+    kinds = env_kinds_for(workload_type)
+    if not kinds:
+        raise SpecError(
+            "spec.workload_type",
+            f"a workload this release runs ({', '.join(implemented_workloads())}); {workload_type} is not implemented yet",
+            workload_type,
+        )
+    kind = env_kind(env) if env is not None else kinds[0]
+    cls = hyperparameters_class(workload_type, kind)
+    if cls is None:
+        ok = [e for e in known_env_ids() if (en := env_entry(e)) is not None and en.kind in kinds]
+        raise SpecError(
+            "spec.env_config.env_id",
+            f"an environment {workload_type} runs on ({', '.join(ok) or ', '.join(kinds)})",
+            env.env_id,
+        )
+    return parse_dataclass(cls, data, path)
+
+
+@dataclass(frozen=True)
+class TaskSpecModel:
+    """A validated task spec. ``gpu_count: 0`` is a CPU task that runs on any node."""
+
+    workload_type: str
+    model: str
+    env: Any
+    hyperparameters: Any
+    gpu_count: int = 0
+    max_runtime_s: float | None = None
+    max_attempts: int = 3
+    priority: int | None = None
+    name: str = ""
+    #: Task whose final checkpoint this one starts from (e.g. an ``sft`` task before RL); "" = none.
+    init_from: str = ""
+
+    @classmethod
+    def from_parts(
+        cls,
+        *,
+        workload_type: Any,
+        model: Any,
+        env_config: Any,
+        hyperparameters: Any,
+        gpu_count: Any = 0,
+        max_runtime_s: Any = None,
+        max_attempts: Any = 0,
+        priority: Any = None,
+        name: Any = "",
+        allowed_workloads: tuple[str, ...] = WORKLOAD_TYPES,
+        init_from: Any = "",
+    ) -> "TaskSpecModel":
+        """Validate every part; raises :class:`SpecError` on the first bad field."""
+        if not isinstance(workload_type, str) or workload_type not in allowed_workloads:
+            raise SpecError("spec.workload_type", f"one of {', '.join(allowed_workloads)}", workload_type)
+        if not env_kinds_for(workload_type):
+            raise SpecError(
+                "spec.workload_type",
+                f"a workload this release runs ({', '.join(implemented_workloads())}); {workload_type} is not implemented yet",
+                workload_type,
+            )
+        if not isinstance(model, str) or (not model.strip() and task_uses_model(workload_type, env_config)):
+            raise SpecError("spec.model", "a model folder or hub id such as Qwen/Qwen2.5-0.5B-Instruct", model)
+        if len(model) > 1024:
+            raise SpecError("spec.model", "at most 1024 characters")
+        if isinstance(gpu_count, bool) or not isinstance(gpu_count, int) or not 0 <= gpu_count <= 1024:
+            raise SpecError("spec.resources.gpu_count", "an integer in [0, 1024] (0 = CPU task)", gpu_count)
+        if max_runtime_s is not None and (not isinstance(max_runtime_s, (int, float)) or not 0 < max_runtime_s <= 30 * 86400):
+            raise SpecError("spec.limits.max_runtime", "a duration in (0 s, 30 days]", max_runtime_s)
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or not 0 <= max_attempts <= 100:
+            raise SpecError("spec.limits.max_attempts", "an integer in [1, 100] (0 = default 3)", max_attempts)
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000):
+            raise SpecError("spec.priority", "an integer in [-1000, 1000]", priority)
+        if not isinstance(name, str) or len(name) > 256:
+            raise SpecError("spec.name", "a string of at most 256 characters", f"{name[:20]}... ({len(name)} characters)" if isinstance(name, str) else name)
+        env = validate_env_config(env_config)
+        hp = validate_hyperparameters(workload_type, hyperparameters, env=env)
+        _check_init_from(init_from, env)
+        return cls(
+            workload_type=workload_type,
+            model=model,
+            env=env,
+            hyperparameters=hp,
+            gpu_count=gpu_count,
+            max_runtime_s=float(max_runtime_s) if max_runtime_s is not None else None,
+            max_attempts=max_attempts or 3,
+            priority=priority,
+            name=name,
+            init_from=init_from,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (tuples become lists)."""
+        return jsonable(dataclasses.asdict(self))
+
+
+def spec_from_proto(spec, *, allowed_workloads: tuple[str, ...] = WORKLOAD_TYPES) -> TaskSpecModel:
+    """Validate an ``opentinker.common.v1.TaskSpec`` message into a :class:`TaskSpecModel`.
+
+    Raises:
+        SpecError: naming the field path (``spec.hyperparameters.steps`` ...).
+    """
+    from google.protobuf import json_format
+
+    env = json_format.MessageToDict(spec.env_config) if spec.HasField("env_config") else {}
+    hp = json_format.MessageToDict(spec.hyperparameters) if spec.HasField("hyperparameters") else {}
+    max_runtime_s = None
+    if spec.HasField("limits") and spec.limits.HasField("max_runtime"):
+        max_runtime_s = spec.limits.max_runtime.ToNanoseconds() / 1e9
+    return TaskSpecModel.from_parts(
+        workload_type=spec.workload_type,
+        model=spec.model,
+        env_config=env,
+        hyperparameters=hp,
+        gpu_count=spec.resources.gpu_count,
+        max_runtime_s=max_runtime_s,
+        max_attempts=spec.limits.max_attempts,
+        priority=spec.priority if spec.HasField("priority") else None,
+        name=spec.name,
+        allowed_workloads=allowed_workloads,
+        init_from=spec.init_from,
+    )
+
+
+#: Env kinds whose workloads can start from another task's checkpoint (a causal LM's weights).
+INIT_FROM_ENV_KINDS: tuple[str, ...] = ("text", "dataset")
+
+
+def _check_init_from(init_from: Any, env: Any) -> None:
+    """``init_from`` is a task id (or empty), on a workload that can start from an LM checkpoint."""
+    if not isinstance(init_from, str) or len(init_from) > 128 or (init_from and not init_from.replace("-", "").replace("_", "").isalnum()):
+        raise SpecError("spec.init_from", "the id of a finished task (such as task-0192f3c4d5e6f7a8b9c) or empty", init_from)
+    if init_from and env_kind(env) not in INIT_FROM_ENV_KINDS:
+        raise SpecError(
+            "spec.init_from",
+            f"empty: starting from another task's checkpoint works for language-model workloads on {' or '.join(INIT_FROM_ENV_KINDS)} environments, not {env.env_id}",
+            init_from,
+        )

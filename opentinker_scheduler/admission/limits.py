@@ -1,0 +1,221 @@
+"""Limits on what one caller may ask of the scheduler; going over is RESOURCE_EXHAUSTED with a
+message naming the limit and its config key, never a crash.
+
+``limits:`` in ``scheduler_config.yaml`` (every key optional)::
+
+    limits:
+      max_message_bytes: 67108864   # largest gRPC message sent or received, both directions (64 MiB)
+      max_spec_bytes: 262144        # largest serialized TaskSpec a SubmitTask may carry (256 KiB)
+      max_pending_per_owner: 1000   # PENDING tasks one owner may have queued; 0 = no limit
+      submit_rate: 10               # SubmitTask calls per second per API key (token bucket); 0 = no limit
+      submit_burst: 50              # ... of which this many may come at once
+      max_streams_per_key: 32       # server streams (WatchTask, downloads) open at once per key; 0 = no limit
+      spec_check_timeout: 10        # seconds SubmitTask may spend building the environment to check a spec
+      max_keys_per_owner: 20        # active (unrevoked, unexpired) API keys per owner; 0 = no limit
+
+The per-caller limits (pending, rate, streams) default to the values above when ``auth.enabled``
+is true. With authentication off (one trusted user, ``make demo``, the benchmarks) they default to
+no limit; a value written in the config applies in both modes. Message and spec sizes always apply.
+
+``submit_rate``/``submit_burst`` and ``max_streams_per_key`` count per API key, not per owner: an
+owner with several keys gets each key's allowance. ``max_keys_per_owner`` (enforced by
+:class:`~opentinker_scheduler.security.keys.KeyStore` on create and on rotation with a grace period, also
+for keys an admin creates) bounds that to ``max_keys_per_owner`` times the per-key limits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from opentinker_scheduler.errors import ResourceExhausted
+
+MiB = 1024 * 1024
+
+#: Defaults with authentication on (per-caller limits) and always (sizes).
+DEFAULTS = {
+    "max_message_bytes": 64 * MiB,
+    "max_spec_bytes": 256 * 1024,
+    "max_pending_per_owner": 1000,
+    "submit_rate": 10.0,
+    "submit_burst": 50,
+    "max_streams_per_key": 32,
+    "spec_check_timeout": 10.0,
+    "max_keys_per_owner": 20,
+}
+_PER_CALLER = ("max_pending_per_owner", "submit_rate", "submit_burst", "max_streams_per_key")
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """The ``limits:`` section as written; ``None`` = the default for the auth mode
+    (:meth:`resolved`)."""
+
+    max_message_bytes: int | None = None
+    max_spec_bytes: int | None = None
+    max_pending_per_owner: int | None = None
+    submit_rate: float | None = None
+    submit_burst: int | None = None
+    max_streams_per_key: int | None = None
+    spec_check_timeout: float | None = None
+    max_keys_per_owner: int | None = None
+
+    def resolved(self, *, auth_enabled: bool) -> "LimitsConfig":
+        """Every field filled: the written value, else the default (0 = no limit for per-caller
+        limits when authentication is off)."""
+        values = {}
+        for name, default in DEFAULTS.items():
+            value = getattr(self, name)
+            if value is None:
+                value = default if auth_enabled or name not in _PER_CALLER else 0
+            values[name] = value
+        return LimitsConfig(**values)
+
+
+_KEYS = {
+    # key: (kind, lo, hi)
+    "max_message_bytes": (int, 64 * 1024, 2**31 - 1),
+    "max_spec_bytes": (int, 1024, 64 * MiB),
+    "max_pending_per_owner": (int, 0, 10_000_000),
+    "submit_rate": (float, 0, 1e6),
+    "submit_burst": (int, 1, 1_000_000),
+    "max_streams_per_key": (int, 0, 100_000),
+    "spec_check_timeout": (float, 0.1, 600),
+    "max_keys_per_owner": (int, 0, 1_000_000),
+}
+
+
+def parse_limits(r, node) -> LimitsConfig:
+    """Parse the ``limits:`` mapping with the config reader ``r`` (file:line:key errors).
+
+    Raises:
+        ConfigError: unknown key, wrong type or out of range (via ``r``).
+    """
+    m = r.mapping(node, "limits", {k: "" for k in _KEYS})
+    kw = {}
+    for name, (kind, lo, hi) in _KEYS.items():
+        if name in m:
+            kw[name] = r.scalar(m[name][1], f"limits.{name}", kind, lo, hi)
+    return LimitsConfig(**kw)
+
+
+class TokenBucket:
+    """Token bucket (rate tokens per second, at most ``burst`` stored), one per API key.
+
+    Reference: the classic token-bucket shaper (RFC 2697 uses the same bookkeeping).
+    """
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens = float(burst)
+        self.stamp = now
+
+    def take(self, now: float) -> float:
+        """Take one token; returns 0.0 on success, else the seconds until one is available."""
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+
+class Limits:
+    """The scheduler's per-caller limiters, keyed by API key prefix (or owner with auth off).
+
+    Thread-safe (the stream counter is touched from gRPC handlers only, but tests call it from
+    threads). Times come from ``clock`` (seconds, monotonic) so tests need not sleep.
+    """
+
+    _MAX_BUCKETS = 100_000  # idle buckets are dropped beyond this many keys
+
+    def __init__(self, config: LimitsConfig, *, clock=time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+        self._streams: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def check_spec_size(self, size_bytes: int) -> None:
+        """Raises ResourceExhausted when a serialized TaskSpec of ``size_bytes`` is too large."""
+        most = self.config.max_spec_bytes
+        if most and size_bytes > most:
+            raise ResourceExhausted(f"spec: {size_bytes} bytes serialized, more than the limit of {most} (limits.max_spec_bytes)")
+
+    def check_submit_rate(self, key: str) -> None:
+        """Take a SubmitTask token for ``key``.
+
+        Raises:
+            ResourceExhausted: the key's bucket is empty; the message says when to retry.
+        """
+        rate = self.config.submit_rate
+        if not rate:
+            return
+        now = self.clock()
+        with self._lock:
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                if len(self._buckets) >= self._MAX_BUCKETS:
+                    self._buckets.clear()  # full buckets again: at worst one extra burst each
+                bucket = self._buckets[key] = TokenBucket(rate, int(self.config.submit_burst or 1), now)
+            wait = bucket.take(now)
+        if wait:
+            raise ResourceExhausted(
+                f"submit rate limit: at most {rate:g} SubmitTask calls per second per API key "
+                f"(burst {self.config.submit_burst}) (limits.submit_rate); retry in {wait:.2f} s"
+            )
+
+    def check_pending(self, owner: str, count) -> None:
+        """Raises ResourceExhausted when ``owner`` already has the limit of PENDING tasks queued.
+
+        ``count`` is an int or a function returning one (called only when a limit is set).
+        """
+        most = self.config.max_pending_per_owner
+        if not most:
+            return
+        pending = count() if callable(count) else count
+        if pending >= most:
+            raise ResourceExhausted(
+                f"owner {owner!r} already has {pending} PENDING task(s), the limit is {most} "
+                "(limits.max_pending_per_owner); wait for some to start or cancel some"
+            )
+
+    def acquire_stream(self, key: str) -> None:
+        """Take one of ``key``'s concurrent stream slots; give it back with :meth:`release_stream`.
+
+        Raises:
+            ResourceExhausted: ``key`` already holds ``max_streams_per_key`` streams.
+        """
+        most = self.config.max_streams_per_key
+        with self._lock:
+            open_now = self._streams.get(key, 0)
+            if most and open_now >= most:
+                raise ResourceExhausted(
+                    f"too many concurrent streams: {open_now} open for this API key, the limit is {most} "
+                    "(limits.max_streams_per_key); close a watch or download first"
+                )
+            self._streams[key] = open_now + 1
+
+    def release_stream(self, key: str) -> None:
+        with self._lock:
+            left = self._streams.get(key, 1) - 1
+            if left > 0:
+                self._streams[key] = left
+            else:
+                self._streams.pop(key, None)
+
+    @contextlib.contextmanager
+    def stream(self, key: str) -> Iterator[None]:
+        """``with limits.stream(key):`` holds one slot for the block (see :meth:`acquire_stream`)."""
+        self.acquire_stream(key)
+        try:
+            yield
+        finally:
+            self.release_stream(key)
+
+    def open_streams(self, key: str) -> int:
+        with self._lock:
+            return self._streams.get(key, 0)

@@ -1,0 +1,97 @@
+"""What a task spec names besides itself: an uploaded dataset, an earlier task to start from.
+
+Checked at submit (after the spec itself is valid), so a task that could never start is refused
+with a reason instead of failing later on a node:
+
+* ``spec.model`` and ``env_config.path`` may name local paths only where the scheduler's
+  ``paths:`` policy allows (:func:`opentinker_scheduler.admission.paths.check_local_paths`);
+* ``env_config.dataset_id`` must name a dataset stored with ``UploadDataset``;
+* ``init_from`` must name a task of the same owner that SUCCEEDED with a final checkpoint of a
+  language model (``peft_lora`` or ``hf_full``) on the same ``model``.
+
+At assignment the ``init_from`` task's final checkpoint travels in ``AssignTask.init_checkpoint``
+(:func:`init_checkpoint`).
+"""
+
+from __future__ import annotations
+
+from google.protobuf import json_format
+
+from opentinker.common.v1 import common_pb2
+from opentinker_common.spec.sft import is_dataset_id
+
+from opentinker_scheduler.data.datasets import DatasetStore
+from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
+from opentinker_scheduler.admission.paths import PathsConfig, check_local_paths
+
+__all__ = ["INIT_CHECKPOINT_FORMATS", "check_references", "init_checkpoint"]
+
+#: Checkpoint formats a task can start from: a LoRA adapter, or full weights in transformers form.
+INIT_CHECKPOINT_FORMATS: tuple[str, ...] = ("peft_lora", "hf_full")
+
+
+def check_references(
+    spec: common_pb2.TaskSpec, *, datasets: DatasetStore, get_task, owner: str, default_model: str = "", dataset_visible=lambda dataset_id: True,
+    paths: PathsConfig = PathsConfig(), auth_enabled: bool = False,
+) -> None:
+    """Refuse a (validated) spec whose dataset or ``init_from`` task cannot be used.
+
+    Args:
+        spec: the submitted spec.
+        datasets: where uploaded datasets live.
+        get_task: ``get_task(task_id, owner=...)`` returning the task row or raising NotFound.
+        owner: the submitter; another owner's task counts as not found.
+        default_model: the scheduler's default, used when ``spec.model`` is empty.
+        dataset_visible: whether the submitter may use a dataset id (it uploaded those bytes);
+            another owner's dataset counts as not found.
+        paths, auth_enabled: the ``paths:`` policy and whether auth is on (which local model
+            folders and dataset files the spec may name).
+
+    Raises:
+        NotFound: no such dataset, or no such task (``spec.init_from``).
+        FailedPrecondition: the ``init_from`` task has not succeeded, or has no final checkpoint
+            a language model can start from.
+        InvalidArgument: the ``init_from`` task trained a different model, or ``spec.model`` /
+            ``env_config.path`` names a local path the ``paths:`` policy does not allow.
+    """
+    check_local_paths(spec, paths=paths, auth_enabled=auth_enabled, default_model=default_model)
+    if spec.HasField("env_config"):
+        env = json_format.MessageToDict(spec.env_config)
+        dataset_id = env.get("dataset_id")
+        if is_dataset_id(dataset_id) and (not datasets.exists(dataset_id) or not dataset_visible(dataset_id)):  # a malformed id is the spec check's
+            raise NotFound(f"spec.env_config.dataset_id: dataset {dataset_id} not found on this scheduler (upload it first with UploadDataset)")
+    if not spec.init_from or _check_init_from_shape(spec.init_from):
+        return  # unset, or malformed: the spec check refuses it with INVALID_ARGUMENT
+    try:
+        source = get_task(spec.init_from, owner=owner)
+    except NotFound:
+        raise NotFound(f"spec.init_from: task {spec.init_from!r} not found") from None
+    if source.state != common_pb2.TASK_STATE_SUCCEEDED:
+        state = common_pb2.TaskState.Name(source.state).removeprefix("TASK_STATE_")
+        raise FailedPrecondition(f"spec.init_from: task {spec.init_from} is {state}; a task can only start from one that SUCCEEDED")
+    ck = source.latest_checkpoint
+    if ck is None or not ck.final or ck.format not in INIT_CHECKPOINT_FORMATS:
+        got = "no checkpoint" if ck is None else f"a {'final' if ck.final else 'non-final'} {ck.format or 'unnamed'} checkpoint"
+        raise FailedPrecondition(
+            f"spec.init_from: task {spec.init_from} has {got}; expected a final checkpoint in one of {', '.join(INIT_CHECKPOINT_FORMATS)}"
+        )
+    model = spec.model or default_model
+    if source.spec.model != model:
+        raise InvalidArgument(
+            f"spec.model: expected {source.spec.model!r}, the model task {spec.init_from} (spec.init_from) trained, got {model!r}"
+        )
+
+
+def _check_init_from_shape(init_from: str) -> bool:
+    """True when ``init_from`` is malformed (left to the spec check)."""
+    return len(init_from) > 128 or not init_from.replace("-", "").replace("_", "").isalnum()
+
+
+def init_checkpoint(store, spec: common_pb2.TaskSpec) -> common_pb2.Checkpoint | None:
+    """The final checkpoint of ``spec.init_from`` (None when unset or gone from the store)."""
+    if not spec.init_from:
+        return None
+    source = store.get_task(spec.init_from)
+    if source is None:
+        return None
+    return source.latest_checkpoint

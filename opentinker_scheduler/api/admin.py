@@ -1,0 +1,229 @@
+"""``opentinker.scheduler.v1.AdminService``: API keys and the audit log, plus the
+:class:`Security` bundle (keys, limits, audit, interceptor) that the server assembles."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
+
+from opentinker_scheduler.security.audit import ACTIONS, AuditLog
+from opentinker_scheduler.security.auth import AuthInterceptor, caller
+from opentinker_scheduler.security.keys import KeyRow, KeyStore, Principal, bootstrap_admin, key_prefix
+from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, SchedulerError, status_code
+from opentinker_scheduler.admission.limits import Limits, LimitsConfig
+from opentinker_scheduler.state.store import Store
+
+_ROLE_TO_PB = {
+    "admin": admin_pb2.API_KEY_ROLE_ADMIN,
+    "user": admin_pb2.API_KEY_ROLE_USER,
+    "node": admin_pb2.API_KEY_ROLE_NODE,
+}
+_PB_TO_ROLE = {v: k for k, v in _ROLE_TO_PB.items()}
+
+
+@dataclass
+class Security:
+    """Everything the servicers need for authentication, limits and audit."""
+
+    keys: KeyStore | None  # None = authentication off
+    limits: Limits
+    audit: AuditLog
+    interceptor: AuthInterceptor
+    bootstrap_key_file: Path | None = None
+    #: mTLS: a node's Register node_id must be its certificate's CN or a DNS name in it
+    #: (``tls.node_id_must_match_cert``).
+    node_id_must_match_cert: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.keys is not None
+
+
+def build_security(config, store: Store) -> Security:
+    """From a :class:`~opentinker_scheduler.config.SchedulerConfig` (its ``auth``, ``tls`` and
+    ``limits``); makes the bootstrap admin key when auth is on and there is none.
+
+    Call before group commit is enabled, so the bootstrap key is committed at once."""
+    auth = getattr(config, "auth", None)
+    tls = getattr(config, "tls", None)
+    enabled = bool(auth is not None and auth.enabled)
+    limits = Limits((getattr(config, "limits", None) or LimitsConfig()).resolved(auth_enabled=enabled))
+    audit = AuditLog(store)
+    keys = KeyStore(store, max_keys_per_owner=limits.config.max_keys_per_owner) if enabled else None
+    written = None
+    if keys is not None:
+        path = Path(auth.bootstrap_admin_key_file)
+        written = bootstrap_admin(keys, path if path.is_absolute() else config.state_dir / path)
+    interceptor = AuthInterceptor(
+        keys=keys, limits=limits, audit=audit, node_cert_required=bool(tls is not None and tls.node_cert_required),
+        stream_recheck_interval_s=auth.stream_recheck_interval_s if auth is not None else 5.0,
+    )
+    return Security(
+        keys=keys, limits=limits, audit=audit, interceptor=interceptor, bootstrap_key_file=written,
+        node_id_must_match_cert=bool(tls is not None and tls.node_id_must_match_cert),
+    )
+
+
+def key_to_proto(row: KeyRow, now: float) -> admin_pb2.ApiKey:
+    out = admin_pb2.ApiKey(
+        prefix=row.prefix, owner=row.owner, role=_ROLE_TO_PB[row.role], description=row.description,
+        active=row.active(now), replaced_by=row.replaced_by,
+    )
+    out.create_time.FromNanoseconds(int(row.create_time * 1e9))
+    if row.revoke_time is not None:
+        out.revoke_time.FromNanoseconds(int(row.revoke_time * 1e9))
+    if row.expire_time is not None:
+        out.expire_time.FromNanoseconds(int(row.expire_time * 1e9))
+    return out
+
+
+def _mapped(fn):
+    @functools.wraps(fn)
+    async def wrapper(self, request, context):
+        try:
+            response = fn(self, request, caller())
+            await self.durable()
+            return response
+        except SchedulerError as exc:
+            code = status_code(exc)
+            if code is None:
+                raise
+            await context.abort(code, str(exc))
+
+    return wrapper
+
+
+class AdminService(admin_pb2_grpc.AdminServiceServicer):
+    """``opentinker.scheduler.v1.AdminService`` (see admin.proto for the contract)."""
+
+    def __init__(self, security: Security, durable=None) -> None:
+        self.security = security
+        self._durable = durable
+
+    async def durable(self) -> None:
+        if self._durable is not None:
+            await self._durable()
+
+    @property
+    def keys(self) -> KeyStore:
+        if self.security.keys is None:
+            raise FailedPrecondition("API keys are off on this scheduler (auth.enabled: false in its config)")
+        return self.security.keys
+
+    @staticmethod
+    def _scope(who: Principal) -> str | None:
+        return None if who.is_admin else who.owner
+
+    def _check_role(self, who: Principal, prefix: str, verb: str) -> None:
+        """A non-admin key may manage only keys of its own role: a user key may not rotate (and so
+        obtain) or revoke its owner's admin or node keys.
+
+        Raises:
+            NotFound: no such key of the caller's owner. PermissionDenied: a key of another role.
+        """
+        if who.is_admin:
+            return
+        row = self.keys.get(prefix, owner=who.owner)
+        if row.role != who.role:
+            raise PermissionDenied(
+                f"API key {who.key_prefix} (role {who.role}) may not {verb} {prefix}, a key of role {row.role}: "
+                f"only admin keys manage keys of other roles"
+            )
+
+    def _end_streams(self, row: KeyRow) -> None:
+        """End the open streams of a key that just stopped (revoked), or schedule a re-check at
+        the end of its grace period (rotated with a grace)."""
+        streams = self.security.interceptor.streams
+        if streams is None:
+            return
+        now = self.keys.clock()
+        reason = row.refusal(now)
+        if reason is not None:
+            streams.end_key(row.prefix, reason)
+        elif row.expire_time is not None:
+            streams.recheck_after(row.expire_time - now)
+
+    def _audit(self, who: Principal, action: str, outcome: str = "OK", **detail) -> None:
+        self.security.audit.record(action, owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome, **detail)
+
+    @_mapped
+    def CreateApiKey(self, request, who: Principal):
+        if not who.is_admin:
+            raise PermissionDenied(f"API key {who.key_prefix} (role {who.role}) may not create keys: admin keys only")
+        role = _PB_TO_ROLE.get(request.role)
+        if role is None:
+            raise InvalidArgument("role: expected API_KEY_ROLE_ADMIN, API_KEY_ROLE_USER or API_KEY_ROLE_NODE")
+        try:
+            row, api_key = self.keys.create(request.owner, role, request.description)
+        except (InvalidArgument, ResourceExhausted) as exc:
+            outcome = "INVALID_ARGUMENT" if isinstance(exc, InvalidArgument) else "RESOURCE_EXHAUSTED"
+            self._audit(who, "key.create", outcome, for_owner=request.owner[:128], error=str(exc))
+            raise
+        self._audit(who, "key.create", target=row.prefix, for_owner=row.owner, target_role=row.role)
+        return admin_pb2.CreateApiKeyResponse(key=key_to_proto(row, self.keys.clock()), api_key=api_key)
+
+    @_mapped
+    def ListApiKeys(self, request, who: Principal):
+        owner = self._scope(who)
+        if request.owner and owner is None:
+            owner = request.owner
+        elif request.owner and request.owner != owner:  # never silently answer with the caller's own keys
+            raise PermissionDenied(
+                f"API key {who.key_prefix} (role {who.role}) may not list the keys of another owner: "
+                "user keys list their own owner's keys only (leave owner empty)"
+            )
+        rows = self.keys.list(owner=owner, include_inactive=request.include_inactive)
+        now = self.keys.clock()
+        return admin_pb2.ListApiKeysResponse(keys=[key_to_proto(r, now) for r in rows])
+
+    @_mapped
+    def RevokeApiKey(self, request, who: Principal):
+        prefix = key_prefix(request.prefix)
+        try:
+            self._check_role(who, prefix, "revoke")
+        except PermissionDenied as exc:
+            self._audit(who, "key.revoke", "PermissionDenied", target=prefix, error=str(exc))
+            raise
+        row = self.keys.revoke(prefix, owner=self._scope(who))
+        self._audit(who, "key.revoke", target=prefix, for_owner=row.owner)
+        self._end_streams(row)
+        return admin_pb2.RevokeApiKeyResponse(key=key_to_proto(row, self.keys.clock()))
+
+    @_mapped
+    def RotateApiKey(self, request, who: Principal):
+        prefix = key_prefix(request.prefix)
+        grace = request.grace.ToNanoseconds() / 1e9 if request.HasField("grace") else 0.0
+        try:
+            self._check_role(who, prefix, "rotate")
+            new, api_key, old = self.keys.rotate(prefix, grace_s=grace, owner=self._scope(who))
+        except (FailedPrecondition, InvalidArgument, ResourceExhausted, PermissionDenied) as exc:
+            self._audit(who, "key.rotate", type(exc).__name__, target=prefix, error=str(exc))
+            raise
+        self._audit(who, "key.rotate", target=prefix, new_key=new.prefix, for_owner=new.owner, grace_s=grace)
+        self._end_streams(old)
+        now = self.keys.clock()
+        return admin_pb2.RotateApiKeyResponse(key=key_to_proto(new, now), api_key=api_key, old_key=key_to_proto(old, now))
+
+    @_mapped
+    def ListAuditEvents(self, request, who: Principal):
+        if not who.is_admin:
+            raise PermissionDenied(f"API key {who.key_prefix} (role {who.role}) may not read the audit log: admin keys only")
+        size = request.page_size or 100
+        if not 1 <= size <= 1000:
+            raise InvalidArgument(f"page_size: expected 1..1000, got {request.page_size}")
+        if request.action and request.action not in ACTIONS:
+            raise InvalidArgument(f"action: expected one of {', '.join(ACTIONS)}, got {request.action[:40]!r}")
+        out = []
+        for rec in self.security.audit.list(limit=size, before_id=max(0, request.before_id), action=request.action):
+            ev = admin_pb2.AuditEvent(
+                id=rec.id, owner=rec.owner, role=rec.role, key_prefix=rec.key_prefix, action=rec.action,
+                task_id=rec.task_id, outcome=rec.outcome, detail_json=json.dumps(rec.detail, sort_keys=True),
+            )
+            ev.time.FromNanoseconds(int(rec.time * 1e9))
+            out.append(ev)
+        return admin_pb2.ListAuditEventsResponse(events=out)

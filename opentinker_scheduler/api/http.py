@@ -1,0 +1,142 @@
+"""HTTP side port: ``GET /health`` (``{"status": "ok"}``, as the seed promises) and
+``GET /metrics`` (Prometheus text format, prometheus-client).
+
+Runs in a daemon thread (wsgiref, a thread per connection with timeouts:
+:class:`opentinker_common.net.side_port.SidePortServer`). It never touches the SQLite connection: the event
+loop publishes a :class:`Snapshot` every tick and these threads only read it.
+
+With ``http_tls:`` in the config (:class:`~opentinker_scheduler.security.tls_config.HttpTlsConfig`) the port speaks
+HTTPS only; the TLS handshake runs in the connection's thread with a timeout, so a client that
+never finishes it blocks nobody.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIRequestHandler
+
+from opentinker_common.net.side_port import SidePortServer, make_side_port_server
+
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """State published by the event loop for the HTTP thread."""
+
+    time: float = 0.0  # monotonic seconds of the last tick
+    store_writable: bool = False
+    tasks_by_state: dict[str, int] = field(default_factory=dict)
+    queue_depth: int = 0
+    nodes_connected: int = 0
+    nodes_known: int = 0
+    gpus: tuple[tuple[str, str, bool, dict[str, float]], ...] = ()  # node, index, simulated, values
+
+
+class _Collector:
+    def __init__(self, holder: "HttpEndpoint") -> None:
+        self.holder = holder
+
+    def collect(self):
+        snap = self.holder.snapshot
+        tasks = GaugeMetricFamily("opentinker_tasks", "Tasks by state", labels=["state"])
+        for state, n in sorted(snap.tasks_by_state.items()):
+            tasks.add_metric([state.lower()], n)
+        yield tasks
+        yield GaugeMetricFamily("opentinker_queue_depth", "Pending tasks", value=snap.queue_depth)
+        nodes = GaugeMetricFamily("opentinker_nodes", "Trainer nodes", labels=["status"])
+        nodes.add_metric(["connected"], snap.nodes_connected)
+        nodes.add_metric(["disconnected"], snap.nodes_known - snap.nodes_connected)
+        yield nodes
+        received = CounterMetricFamily("opentinker_node_messages", "Messages received on node streams", labels=["kind"])
+        for kind, n in sorted(dict(self.holder.node_messages).items()):
+            received.add_metric([kind], n)
+        yield received
+        fams = {
+            "utilization_percent": GaugeMetricFamily("opentinker_gpu_utilization_percent", "GPU utilization (%)", labels=["node_id", "gpu", "simulated"]),
+            "memory_used_bytes": GaugeMetricFamily("opentinker_gpu_memory_used_bytes", "GPU memory used (bytes)", labels=["node_id", "gpu", "simulated"]),
+            "memory_total_bytes": GaugeMetricFamily("opentinker_gpu_memory_total_bytes", "GPU memory total (bytes)", labels=["node_id", "gpu", "simulated"]),
+            "temperature_c": GaugeMetricFamily("opentinker_gpu_temperature_celsius", "GPU temperature (C)", labels=["node_id", "gpu", "simulated"]),
+            "power_w": GaugeMetricFamily("opentinker_gpu_power_watts", "GPU power draw (W)", labels=["node_id", "gpu", "simulated"]),
+        }
+        for node_id, index, simulated, values in snap.gpus:
+            for key, fam in fams.items():
+                if key in values:
+                    fam.add_metric([node_id, index, str(simulated).lower()], values[key])
+        yield from fams.values()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args) -> None:  # access logs are noise here
+        pass
+
+
+class HttpEndpoint:
+    """The scheduler's HTTP port. ``snapshot`` is replaced (not mutated) by the event loop.
+
+    Args:
+        host, port: where to listen (``port=0``: a free port, see :attr:`port`).
+        stale_after_s: ``/health`` answers 503 when the loop has not published for this long.
+        tls: HTTPS with this ``http_tls`` pair (:class:`~opentinker_scheduler.security.tls_config.HttpTlsConfig`),
+            or an :class:`ssl.SSLContext`; None = plain HTTP.
+
+    Raises:
+        OSError: the port cannot be bound, or a TLS file cannot be read.
+        ssl.SSLError: the TLS key does not match its certificate.
+    """
+
+    def __init__(self, host: str, port: int, *, stale_after_s: float = 10.0, tls=None) -> None:
+        self.snapshot = Snapshot()
+        #: kind -> messages received on node streams; the event loop increments, this thread reads.
+        self.node_messages: dict[str, int] = {}
+        self.stale_after_s = stale_after_s
+        self.registry = CollectorRegistry()
+        self.registry.register(_Collector(self))
+        self.scheduling_latency = Histogram(
+            "opentinker_scheduling_latency_seconds",
+            "Seconds from a task becoming pending to its assignment",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self._metrics_app = make_wsgi_app(self.registry)
+        context = tls if tls is None or isinstance(tls, ssl.SSLContext) else tls.server_context()
+        self.scheme = "http" if context is None else "https"
+        self.server: SidePortServer = make_side_port_server(host, port, self._app, _QuietHandler, ssl_context=context)
+        self.port = self.server.server_port
+        self._thread = threading.Thread(target=self.server.serve_forever, name="http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():  # shutdown() waits for serve_forever, which may never have run
+            self.server.shutdown()
+        self.server.server_close()
+
+    def health(self) -> tuple[bool, dict]:
+        snap = self.snapshot
+        if snap.time == 0.0:
+            return False, {"status": "starting"}
+        if time.monotonic() - snap.time > self.stale_after_s:
+            return False, {"status": "unavailable", "reason": "scheduler loop stalled"}
+        if not snap.store_writable:
+            return False, {"status": "unavailable", "reason": "state store not writable"}
+        return True, {"status": "ok"}
+
+    def _app(self, environ, start_response):
+        path = environ.get("PATH_INFO", "/")
+        if path == "/health":
+            ok, body = self.health()
+            data = json.dumps(body).encode()
+            start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
+            return [data]
+        if path == "/metrics":
+            return self._metrics_app(environ, start_response)
+        data = b'{"error": "not found; try /health or /metrics"}'
+        start_response("404 Not Found", [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
+        return [data]

@@ -1,0 +1,431 @@
+"""gRPC servicers: thin adapters from protobuf to :class:`~opentinker_scheduler.state.core.SchedulerCore`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import sqlite3
+from typing import AsyncIterator
+
+import grpc
+import structlog
+
+from opentinker.common.v1 import common_pb2
+from opentinker.node.v1 import node_pb2, node_pb2_grpc
+from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+from opentinker_scheduler.data import checkpoints
+from opentinker_scheduler.state.core import SchedulerCore
+from opentinker_scheduler.data.datasets import DatasetStore, receive_upload
+from opentinker_scheduler.admission.refs import check_references
+from opentinker_scheduler.admission.spec_check import check_submitted_spec
+from opentinker_scheduler.errors import InvalidArgument, NotFound, PermissionDenied, status_code
+from opentinker_scheduler.state.store import TaskRow
+from opentinker_scheduler.api.admin import Security
+from opentinker_scheduler.security.auth import Principal, caller, owner_scope
+
+log = structlog.get_logger("opentinker.scheduler")
+
+#: Owner of tasks submitted without authentication (API keys arrive with the security work).
+ANONYMOUS = "anonymous"
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    code = status_code(exc)
+    if code is not None:
+        return code, str(exc)
+    if isinstance(exc, sqlite3.Error):
+        return grpc.StatusCode.UNAVAILABLE, f"state store unavailable: {exc}"
+    return None
+
+
+async def _abort_mapped(context, exc: Exception) -> None:
+    """Abort the RPC with the status code of a domain error; re-raise anything else."""
+    mapped = _status_for(exc)
+    if mapped is None:
+        raise exc
+    await context.abort(*mapped)
+
+
+def _unary(fn):
+    """Map domain errors of a unary handler to gRPC status codes. The response leaves only once
+    everything it shows is committed (:meth:`SchedulerCore.durable`)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, request, context):
+        try:
+            response = await fn(self, request, context)
+            await self.core.durable()
+            return response
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await _abort_mapped(context, exc)
+
+    return wrapper
+
+
+def _ts(msg, seconds: float | None) -> None:
+    if seconds:
+        msg.FromNanoseconds(int(seconds * 1e9))
+
+
+def task_to_proto(task: TaskRow, pending_reason: str = "") -> common_pb2.Task:
+    """Domain task row -> ``opentinker.common.v1.Task``."""
+    out = common_pb2.Task(
+        task_id=task.task_id,
+        owner=task.owner,
+        spec=task.spec,
+        state=task.state,
+        attempt=task.attempt,
+        priority=task.priority,
+        node_id=task.node_id,
+        device_indices=task.device_indices,
+        pending_reason=pending_reason if task.state == common_pb2.TASK_STATE_PENDING else "",
+        error=task.error,
+        latest_metrics=task.latest_metrics,
+        latest_step=task.latest_step,
+    )
+    _ts(out.create_time, task.create_time)
+    _ts(out.update_time, task.update_time)
+    _ts(out.start_time, task.start_time)
+    _ts(out.end_time, task.end_time)
+    if task.latest_checkpoint is not None:
+        out.latest_checkpoint.CopyFrom(task.latest_checkpoint)
+    return out
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
+    """``opentinker.scheduler.v1.SchedulerService``."""
+
+    def __init__(self, core: SchedulerCore, *, datasets: DatasetStore | None = None, security: Security | None = None) -> None:
+        self.core = core
+        self._datasets = datasets
+        self.security = security  # API keys, limits, audit (opentinker_scheduler/api/admin.py); None in bare unit tests
+
+    def _audit(self, who: Principal, action: str, exc: BaseException | None, **detail) -> None:
+        if self.security is None:
+            return
+        outcome = "OK"
+        if exc is not None:
+            mapped = _status_for(exc)
+            outcome = mapped[0].name if mapped else "INTERNAL"
+            detail["error"] = str(exc)[:500]
+        self.security.audit.record(action, owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome, **detail)
+
+    @property
+    def datasets(self) -> DatasetStore:
+        """Uploaded datasets, under ``<state_dir>/datasets`` unless given (made on first use)."""
+        if self._datasets is None:
+            self._datasets = DatasetStore(self.core.config.state_dir / "datasets")
+        return self._datasets
+
+    def _task(self, task: TaskRow) -> common_pb2.Task:
+        if task.state != common_pb2.TASK_STATE_PENDING:
+            out = task_to_proto(task)
+            if task.state == common_pb2.TASK_STATE_RUNNING:
+                endpoint = self.core.store.endpoint(task.task_id)
+                if endpoint is not None and endpoint[0] == task.attempt:
+                    out.endpoint = endpoint[1]
+            return out
+        return task_to_proto(task, self.core.pending_reason(task.task_id) or "waiting for the next placement round")
+
+    @_unary
+    async def SubmitTask(self, request, context):
+        who = caller()
+        try:
+            if not request.HasField("spec"):
+                raise InvalidArgument("spec: expected a task spec, got nothing")
+            if self.security is not None:
+                limits = self.security.limits
+                limits.check_submit_rate(who.limit_key)
+                limits.check_spec_size(request.spec.ByteSize())
+                limits.check_pending(who.owner, lambda: self.core.store.count_tasks(owner=who.owner, states=(common_pb2.TASK_STATE_PENDING,)))
+            check_references(
+                request.spec, datasets=self.datasets, get_task=self.core.get, owner=who.owner, default_model=self.core.config.default_model,
+                dataset_visible=self._dataset_visible,
+                paths=self.core.config.paths, auth_enabled=self.core.config.auth.enabled,  # local paths (opentinker_scheduler/admission/paths.py)
+            )
+            # Builds the environment (if any) in a thread, under limits.spec_check_timeout; core.submit finds it cached.
+            await check_submitted_spec(self.core, request.spec)
+            task = self.core.submit(request.spec, owner=who.owner, request_id=request.request_id)
+        except Exception as exc:
+            self._audit(who, "task.submit", exc, workload_type=request.spec.workload_type[:64])
+            raise
+        self._audit(who, "task.submit", None, task_id=task.task_id, workload_type=request.spec.workload_type)
+        self.core.schedule()  # updates the row in place when it places the task
+        return scheduler_pb2.SubmitTaskResponse(task=self._task(task))
+
+    @_unary
+    async def GetTask(self, request, context):
+        return scheduler_pb2.GetTaskResponse(task=self._task(self.core.get(request.task_id, owner=owner_scope())))
+
+    @_unary
+    async def ListTasks(self, request, context):
+        size = request.page_size or 100
+        if not 1 <= size <= 1000:
+            raise InvalidArgument(f"page_size: expected 1..1000, got {request.page_size}")
+        before = None
+        if request.page_token:
+            try:
+                created, task_id = base64.urlsafe_b64decode(request.page_token.encode()).decode().split("|", 1)
+                before = (float(created), task_id)
+            except Exception:  # noqa: BLE001 - any garbage token
+                raise InvalidArgument("page_token: expected a token from a previous ListTasks response") from None
+        for s in request.states:
+            if s not in common_pb2.TaskState.values() or s == common_pb2.TASK_STATE_UNSPECIFIED:
+                raise InvalidArgument(f"states: expected TASK_STATE_PENDING..TASK_STATE_CANCELLED, got {s}")
+        rows = self.core.store.list_tasks(request.states, limit=size + 1, before=before, owner=owner_scope())
+        token = ""
+        if len(rows) > size:
+            rows = rows[:size]
+            last = rows[-1]
+            token = base64.urlsafe_b64encode(f"{last.create_time!r}|{last.task_id}".encode()).decode()
+        return scheduler_pb2.ListTasksResponse(tasks=[self._task(t) for t in rows], next_page_token=token)
+
+    @_unary
+    async def CancelTask(self, request, context):
+        who = caller()
+        try:
+            task = self.core.cancel(request.task_id, owner=owner_scope(), reason=request.reason)
+        except Exception as exc:
+            self._audit(who, "task.cancel", exc, task_id=request.task_id[:128])
+            raise
+        self._audit(who, "task.cancel", None, task_id=task.task_id, reason=request.reason[:500])
+        self.core.schedule()
+        return scheduler_pb2.CancelTaskResponse(task=self._task(task))
+
+    async def WatchTask(self, request, context) -> AsyncIterator[scheduler_pb2.WatchTaskResponse]:
+        try:
+            self.core.get(request.task_id, owner=owner_scope())
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await _abort_mapped(context, exc)
+        seq = max(0, request.after_sequence)
+        while True:
+            events = self.core.store.events_after(request.task_id, seq, limit=500)
+            if events:
+                await self.core.durable()  # the reads may include this turn's uncommitted events
+            for ev in events:
+                seq = ev.sequence
+                yield scheduler_pb2.WatchTaskResponse(event=ev)
+            if events:
+                continue
+            if request.history_only:
+                return
+            task = self.core.store.get_task(request.task_id)
+            if task is None or task.terminal:
+                return
+            await self.core.wait_changed(timeout=1.0)
+
+    @_unary
+    async def GetMetrics(self, request, context):
+        task = self.core.get(request.task_id, owner=owner_scope())
+        resp = scheduler_pb2.GetMetricsResponse(task_id=task.task_id, latest=task.latest_metrics, latest_step=task.latest_step)
+        if request.include_history:
+            resp.points.extend(self.core.store.metric_points(task.task_id, request.after_step))
+        return resp
+
+    async def UploadDataset(self, request_iterator, context):
+        try:
+            info = await receive_upload(self.datasets, request_iterator)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await _abort_mapped(context, exc)
+        self.core.store.add_dataset_owner(info.dataset_id, caller().owner)
+        await self.core.durable()
+        log.info("dataset uploaded", dataset_id=info.dataset_id, name=info.name, size_bytes=info.size_bytes, examples=info.num_examples)
+        return scheduler_pb2.UploadDatasetResponse(dataset=info)
+
+    def _dataset_visible(self, dataset_id: str) -> bool:
+        """Whether the caller may see ``dataset_id``: admins all, others what they uploaded."""
+        scope = owner_scope()
+        return scope is None or self.core.store.dataset_visible(dataset_id, scope)
+
+    async def DownloadDataset(self, request, context):
+        try:
+            if self.datasets.exists(request.dataset_id) and not self._dataset_visible(request.dataset_id):
+                raise NotFound(f"dataset {request.dataset_id} not found (upload it first with UploadDataset)")  # as a missing one
+            info = self.datasets.info(request.dataset_id)
+            chunks = self.datasets.chunks(request.dataset_id)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await _abort_mapped(context, exc)
+        first = True
+        for chunk in chunks:
+            yield scheduler_pb2.DownloadDatasetResponse(dataset=info if first else None, chunk=chunk)
+            first = False
+
+    @_unary
+    async def ListCheckpoints(self, request, context):
+        if owner_scope() is not None:
+            self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
+        return scheduler_pb2.ListCheckpointsResponse(checkpoints=checkpoints.list_checkpoints(self.core.store, request.task_id))
+
+    async def DownloadCheckpoint(self, request, context):
+        try:
+            if owner_scope() is not None:
+                self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
+            ckpt = checkpoints.pick_checkpoint(self.core.store, request.task_id, request.step)
+            manifest = await asyncio.to_thread(checkpoints.build_manifest, ckpt)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await _abort_mapped(context, exc)
+        yield scheduler_pb2.DownloadCheckpointResponse(manifest=manifest.message)
+        chunks = checkpoints.read_chunks(manifest)
+        while True:
+            try:
+                chunk = await asyncio.to_thread(next, chunks, None)
+            except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+                await _abort_mapped(context, exc)
+            if chunk is None:
+                return
+            yield scheduler_pb2.DownloadCheckpointResponse(chunk=chunk)
+
+    @_unary
+    async def ListNodes(self, request, context):
+        nodes = []
+        for n in sorted(self.core.nodes.values(), key=lambda n: n.node_id):
+            cap = n.capacity()
+            msg = scheduler_pb2.Node(
+                node_id=n.node_id,
+                connected=n.connected,
+                devices=n.register.devices,
+                gpu_count=n.gpu_count,
+                gpus_free=len(cap.free_gpus),
+                max_tasks=n.max_tasks,
+                running_task_ids=sorted(n.allocations),
+                telemetry=n.telemetry,
+                version=n.register.version,
+                notes=n.notes,
+            )
+            _ts(msg.last_heartbeat_time, n.last_heartbeat_time)
+            nodes.append(msg)
+        return scheduler_pb2.ListNodesResponse(nodes=nodes)
+
+
+class NodeService(node_pb2_grpc.NodeServiceServicer):
+    """``opentinker.node.v1.NodeService``: one bidirectional stream per trainer node."""
+
+    def __init__(
+        self,
+        core: SchedulerCore,
+        *,
+        register_timeout_s: float = 30.0,
+        security: Security | None = None,
+        scheduler_service: "SchedulerService | None" = None,
+    ) -> None:
+        self.core = core
+        self.scheduler_service = scheduler_service  # task views and datasets shared with it
+        self.register_timeout_s = register_timeout_s
+        self.security = security
+
+    def _check_cert_names_node(self, node_id: str) -> None:
+        """mTLS with ``tls.node_id_must_match_cert``: ``node_id`` must be the common name of the
+        node's verified client certificate or one of its DNS subject alternative names.
+
+        Raises:
+            PermissionDenied: it is neither (the certificate belongs to another node).
+        """
+        if self.security is None or not self.security.node_id_must_match_cert:
+            return
+        who = caller()
+        if node_id == who.peer_cn or node_id in who.peer_dns:
+            return
+        names = f"CN {who.peer_cn!r}" + (f", DNS names {', '.join(repr(n) for n in who.peer_dns[:8])}" if who.peer_dns else "")
+        raise PermissionDenied(
+            f"node id {node_id[:128]!r} does not match its certificate ({names}); register under a name the certificate "
+            "carries, or give this node its own certificate (tls.node_id_must_match_cert)"
+        )
+
+    def _audit_join(self, register, exc: BaseException | None) -> None:
+        if self.security is None:
+            return
+        who = caller()
+        outcome = "OK" if exc is None else ((_status_for(exc) or (grpc.StatusCode.INTERNAL,))[0].name)
+        extra = {} if exc is None else {"error": str(exc)[:500]}
+        self.security.audit.record(
+            "node.join", owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome,
+            node_id=register.node_id[:128], cert_cn=who.peer_cn, hostname=register.hostname[:256], **extra,
+        )
+
+    async def Connect(self, request_iterator, context):
+        it = request_iterator.__aiter__()
+        try:
+            first = await asyncio.wait_for(it.__anext__(), timeout=self.register_timeout_s)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message: expected register")
+        if first.WhichOneof("message") != "register":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first message: expected register, got {first.WhichOneof('message')}")
+        try:
+            self._check_cert_names_node(first.register.node_id)
+            node, registered = self.core.node_register(first.register)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            self._audit_join(first.register, exc)
+            await _abort_mapped(context, exc)
+        self._audit_join(first.register, None)
+        gen = node.generation
+        outbox = node.outbox
+        state = {"goodbye": False}
+        await self.core.durable()
+        yield node_pb2.ConnectResponse(registered=registered)
+        self.core.schedule()
+        reader = asyncio.create_task(self._read(node, gen, it, state))
+        reader.add_done_callback(lambda _: outbox.put_nowait(None))  # the node stopped sending: end
+        try:
+            while True:
+                command = await outbox.get()
+                if command is None:
+                    break
+                yield command
+        finally:
+            if not reader.done():
+                reader.cancel()
+            self.core.node_disconnected(node, gen, goodbye=state["goodbye"])
+            self.core.schedule()
+
+    async def _read(self, node, gen: int, it, state: dict) -> None:
+        bound = log.bind(node_id=node.node_id)
+        try:
+            async for msg in it:
+                if node.generation != gen:
+                    return
+                kind = msg.WhichOneof("message")
+                if kind == "heartbeat":
+                    self.core.node_heartbeat(node, msg.heartbeat)
+                elif kind == "task_report":
+                    self.core.node_report(node, msg.task_report)
+                    if msg.task_report.state in (
+                        common_pb2.TASK_STATE_SUCCEEDED,
+                        common_pb2.TASK_STATE_FAILED,
+                        common_pb2.TASK_STATE_CANCELLED,
+                    ):
+                        self.core.schedule()
+                elif kind == "goodbye":
+                    state["goodbye"] = True
+                    bound.info("node said goodbye", reason=msg.goodbye.reason)
+                    return
+                else:
+                    bound.warning("unexpected message on node stream", kind=kind)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken stream ends the session
+            bound.warning("node stream read failed", error=repr(exc))
+
+    # ---- reads for task workers (node role; a node key may not call SchedulerService) ----------
+    @property
+    def _views(self) -> "SchedulerService":
+        if self.scheduler_service is None:
+            self.scheduler_service = SchedulerService(self.core, security=self.security)
+        return self.scheduler_service
+
+    @_unary
+    async def LookupTask(self, request, context):
+        if not request.task_id:
+            raise InvalidArgument("task_id: expected a task id, got an empty string")
+        return node_pb2.LookupTaskResponse(task=self._views._task(self.core.get(request.task_id)))
+
+    async def FetchDataset(self, request, context):
+        datasets = self._views.datasets
+        try:
+            info = datasets.info(request.dataset_id)
+            chunks = datasets.chunks(request.dataset_id)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await _abort_mapped(context, exc)
+        for chunk in chunks:
+            yield node_pb2.FetchDatasetResponse(chunk=chunk, size_bytes=info.size_bytes)

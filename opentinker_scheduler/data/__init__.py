@@ -1,0 +1,1 @@
+"""Data the scheduler keeps for clients: uploaded datasets and task checkpoints."""

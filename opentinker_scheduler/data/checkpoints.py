@@ -1,0 +1,137 @@
+"""Checkpoints for clients: list a task's checkpoints and stream a checkpoint folder.
+
+A checkpoint is a folder (for LoRA: ``adapter_config.json``, ``adapter_model.safetensors``,
+``trainer_state.pt``). A download is a manifest (each file's relative path, size and SHA-256)
+followed by each file's bytes in chunks of at most :data:`CHUNK_BYTES`, so no message comes near
+gRPC's size limits whatever the checkpoint's size. The folder is read on the scheduler's own
+filesystem: checkpoints must be written where the scheduler can read them (one machine, or a
+volume shared by nodes and scheduler); otherwise a download fails with FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from opentinker.common.v1 import common_pb2
+from opentinker.scheduler.v1 import scheduler_pb2
+
+from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
+
+__all__ = ["CHUNK_BYTES", "list_checkpoints", "pick_checkpoint", "build_manifest", "read_chunks", "Manifest"]
+
+#: Largest chunk of file data in one message (1 MiB).
+CHUNK_BYTES = 1024 * 1024
+#: Most files in one checkpoint folder that a download accepts.
+MAX_FILES = 10_000
+
+
+def list_checkpoints(store, task_id: str) -> list[common_pb2.Checkpoint]:
+    """Checkpoints the task recorded, oldest first; a step written twice (a resumed attempt)
+    appears once, as its newest record.
+
+    Raises:
+        InvalidArgument: empty id. NotFound: no such task.
+    """
+    if not task_id:
+        raise InvalidArgument("task_id: expected a task id, got ''")
+    if store.get_task(task_id) is None:
+        raise NotFound(f"task {task_id[:80]!r}{'...' if len(task_id) > 80 else ''} not found")
+    newest: dict[int, common_pb2.Checkpoint] = {}
+    for ck in store.checkpoints(task_id):
+        newest.pop(ck.step, None)
+        newest[ck.step] = ck
+    return list(newest.values())
+
+
+def pick_checkpoint(store, task_id: str, step: int) -> common_pb2.Checkpoint:
+    """The task's checkpoint at ``step`` (0 = its newest).
+
+    Raises:
+        InvalidArgument: empty id or negative step. NotFound: no such task, no checkpoint, or
+            none at ``step`` (the message lists the steps there are).
+    """
+    if step < 0:
+        raise InvalidArgument(f"step: expected 0 (the newest) or a step >= 1, got {step}")
+    task = store.get_task(task_id) if task_id else None
+    cks = list_checkpoints(store, task_id)
+    if not cks:
+        raise NotFound(f"task {task_id!r} has no checkpoint")
+    if step == 0:
+        if task is not None and task.latest_checkpoint is not None and task.latest_checkpoint.path:
+            return task.latest_checkpoint
+        return cks[-1]
+    for ck in reversed(cks):
+        if ck.step == step:
+            return ck
+    raise NotFound(f"task {task_id!r} has no checkpoint at step {step}; steps with one: {', '.join(str(c.step) for c in cks)}")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    message: scheduler_pb2.CheckpointManifest
+    paths: tuple[Path, ...]  # absolute, in manifest order
+
+
+def build_manifest(ckpt: common_pb2.Checkpoint) -> Manifest:
+    """Walk the checkpoint folder and hash every regular file (blocking I/O: run in a thread).
+
+    Raises:
+        FailedPrecondition: the folder does not exist or is unreadable here, or holds too many files.
+    """
+    root = Path(ckpt.path)
+    if not root.is_dir():
+        raise FailedPrecondition(
+            f"checkpoint folder {ckpt.path} (step {ckpt.step}, written on node {ckpt.node_id or '?'}) is not readable "
+            "from the scheduler; downloads need checkpoints on a filesystem the scheduler shares with the nodes"
+        )
+    files = []
+    try:
+        for p in sorted(root.rglob("*")):
+            if p.is_symlink() or not p.is_file():
+                continue
+            files.append(p)
+            if len(files) > MAX_FILES:
+                raise FailedPrecondition(f"checkpoint folder {ckpt.path} holds more than {MAX_FILES} files")
+        entries = []
+        total = 0
+        for p in files:
+            digest = hashlib.sha256()
+            size = 0
+            with open(p, "rb") as f:
+                while block := f.read(CHUNK_BYTES):
+                    digest.update(block)
+                    size += len(block)
+            total += size
+            entries.append(scheduler_pb2.CheckpointFile(path=p.relative_to(root).as_posix(), size_bytes=size, sha256=digest.hexdigest()))
+    except OSError as exc:
+        raise FailedPrecondition(f"checkpoint folder {ckpt.path} cannot be read by the scheduler: {exc.strerror or exc}") from None
+    msg = scheduler_pb2.CheckpointManifest(checkpoint=ckpt, files=entries, total_bytes=total)
+    return Manifest(msg, tuple(files))
+
+
+def read_chunks(manifest: Manifest, *, chunk_bytes: int = CHUNK_BYTES) -> Iterator[scheduler_pb2.CheckpointChunk]:
+    """Each file's bytes in manifest order, ``chunk_bytes`` at most per chunk (an empty file
+    gives one empty chunk). Blocking reads: iterate in a thread.
+
+    Raises:
+        FailedPrecondition: a file changed size since the manifest was made.
+    """
+    for index, (path, entry) in enumerate(zip(manifest.paths, manifest.message.files)):
+        offset = 0
+        try:
+            with open(path, "rb") as f:
+                if entry.size_bytes == 0:
+                    yield scheduler_pb2.CheckpointChunk(file_index=index, offset=0, data=b"")
+                while offset < entry.size_bytes:
+                    data = f.read(min(chunk_bytes, entry.size_bytes - offset))
+                    if not data:
+                        break
+                    yield scheduler_pb2.CheckpointChunk(file_index=index, offset=offset, data=data)
+                    offset += len(data)
+        except OSError as exc:
+            raise FailedPrecondition(f"checkpoint file {path} cannot be read: {exc.strerror or exc}") from None
+        if offset != entry.size_bytes:
+            raise FailedPrecondition(f"checkpoint file {path} changed while it was being downloaded; retry")

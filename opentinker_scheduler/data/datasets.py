@@ -1,0 +1,281 @@
+"""Uploaded datasets: JSONL chat examples for ``sft``, validated on arrival, stored by content.
+
+Layout under ``<state_dir>/datasets``: ``<hex>.jsonl`` (the bytes as uploaded) and
+``<hex>.json`` (name, size, example count), where ``<hex>`` is the file's SHA-256; the dataset id
+is ``sha256:<hex>``. An upload is written to a temporary file in the same folder while its lines
+are checked and its hash computed, and renamed into place only when it is complete and valid:
+nothing half-written is ever visible, and the same bytes uploaded twice are stored once.
+
+The line rules are :func:`opentinker_common.spec.sft.parse_chat_line` (shared with the client
+and the trainer). Errors are the scheduler's domain errors (``InvalidArgument`` naming the line,
+``ResourceExhausted``, ``NotFound``), which the servicer maps to gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterable, Iterable, Iterator
+
+from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_common.spec.sft import MAX_LINE_BYTES, DatasetError, is_dataset_id, parse_chat_line
+
+from opentinker_scheduler.errors import InvalidArgument, NotFound, ResourceExhausted
+from opentinker_common.datasets import DEFAULT_MAX_DATASET_BYTES
+
+__all__ = [
+    "DEFAULT_MAX_DATASET_BYTES",
+    "DOWNLOAD_CHUNK_BYTES",
+    "DatasetStore",
+    "DatasetUpload",
+    "LineValidator",
+    "receive_upload",
+    "validate_chat_jsonl",
+]
+
+#: Largest chunk DownloadDataset sends, in bytes (1 MiB).
+DOWNLOAD_CHUNK_BYTES = 1024 * 1024
+_NAME_MAX = 256
+
+
+def validate_chat_jsonl(lines: Iterable[str | bytes]) -> int:
+    """Check every line of a chat JSONL dataset; return the number of examples.
+
+    Raises:
+        InvalidArgument: the first bad line, as ``dataset line <n>: expected ...``, or an empty
+            dataset (``dataset: expected at least one example``).
+    """
+    v = LineValidator()
+    for line in lines:
+        v.line(line if isinstance(line, bytes) else line.encode("utf-8"))
+    return v.finish()
+
+
+class LineValidator:
+    """Checks a JSONL byte stream line by line as chunks arrive (lines may span chunks).
+
+    Holds at most one partial line (bounded by ``MAX_LINE_BYTES``) in memory.
+    """
+
+    def __init__(self) -> None:
+        self.lineno = 0
+        self.examples = 0
+        self._partial = bytearray()
+
+    def line(self, raw: bytes) -> None:
+        """Check one complete line (without its newline).
+
+        Raises:
+            InvalidArgument: naming the line number and what was expected.
+        """
+        self.lineno += 1
+        try:
+            if parse_chat_line(raw.rstrip(b"\r"), self.lineno) is not None:
+                self.examples += 1
+        except DatasetError as exc:
+            raise InvalidArgument(f"dataset {exc}") from None
+
+    def feed(self, chunk: bytes) -> None:
+        """Check every line that ``chunk`` completes; keep the rest for the next chunk."""
+        start = 0
+        while True:
+            nl = chunk.find(b"\n", start)
+            if nl < 0:
+                break
+            self._partial += chunk[start:nl]
+            self.line(bytes(self._partial))
+            self._partial.clear()
+            start = nl + 1
+        self._partial += chunk[start:]
+        if len(self._partial) > MAX_LINE_BYTES:
+            raise InvalidArgument(f"dataset line {self.lineno + 1}: expected a line of at most {MAX_LINE_BYTES} bytes")
+
+    def finish(self) -> int:
+        """Check the last line (a file need not end with a newline); return the example count.
+
+        Raises:
+            InvalidArgument: a bad last line, or no examples at all.
+        """
+        if self._partial:
+            self.line(bytes(self._partial))
+            self._partial.clear()
+        if self.examples == 0:
+            raise InvalidArgument("dataset: expected at least one example (one JSON object per line), got an empty dataset")
+        return self.examples
+
+
+def _hex_of(dataset_id: str) -> str:
+    if not is_dataset_id(dataset_id):
+        raise InvalidArgument(f"dataset_id: expected sha256:<64 lowercase hex digits>, got {dataset_id!r}")
+    return dataset_id.removeprefix("sha256:")
+
+
+@dataclass
+class DatasetUpload:
+    """One upload in progress: bytes go to a temporary file while they are hashed and checked.
+
+    Call :meth:`write` per chunk, then :meth:`commit`; on any error call :meth:`abort` (the
+    temporary file is removed, nothing else changed).
+    """
+
+    store: "DatasetStore"
+    name: str
+    total_bytes: int
+    tmp: Path
+    received: int = 0
+
+    def __post_init__(self) -> None:
+        self._hash = hashlib.sha256()
+        self._check = LineValidator()
+        self._fh = open(self.tmp, "wb")  # noqa: SIM115 - closed in commit/abort
+
+    def write(self, chunk: bytes) -> None:
+        """Append ``chunk``.
+
+        Raises:
+            ResourceExhausted: more bytes than announced would exceed the store's limit.
+            InvalidArgument: more bytes than announced, or a bad line.
+        """
+        self.received += len(chunk)
+        if self.received > self.store.max_bytes:
+            raise ResourceExhausted(f"dataset: larger than this scheduler's limit of {self.store.max_bytes} bytes")
+        if self.received > self.total_bytes:
+            raise InvalidArgument(f"total_bytes: announced {self.total_bytes} bytes, received more")
+        self._hash.update(chunk)
+        self._check.feed(chunk)
+        self._fh.write(chunk)
+
+    def commit(self) -> scheduler_pb2.DatasetInfo:
+        """Finish: check the end, rename into place (or keep the identical stored copy).
+
+        Raises:
+            InvalidArgument: fewer bytes than announced, a bad last line, or no examples.
+        """
+        if self.received != self.total_bytes:
+            raise InvalidArgument(f"total_bytes: announced {self.total_bytes} bytes, received {self.received}")
+        examples = self._check.finish()
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        hex_ = self._hash.hexdigest()
+        info = scheduler_pb2.DatasetInfo(dataset_id=f"sha256:{hex_}", name=self.name, size_bytes=self.received, num_examples=examples)
+        existing = self.store.info(info.dataset_id, missing_ok=True)
+        if existing is not None:
+            self.tmp.unlink(missing_ok=True)
+            return existing
+        meta = self.store.root / f"{hex_}.json"
+        meta_tmp = self.tmp.with_suffix(".json.tmp")
+        meta_tmp.write_text(json.dumps({"name": self.name, "size_bytes": self.received, "num_examples": examples}))
+        os.replace(self.tmp, self.store.root / f"{hex_}.jsonl")
+        os.replace(meta_tmp, meta)  # the metadata last: a dataset counts as stored once it exists
+        return info
+
+    def abort(self) -> None:
+        """Drop the upload: close and remove the temporary file."""
+        if not self._fh.closed:
+            self._fh.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class DatasetStore:
+    """Datasets under ``root``, content-addressed by SHA-256 (see the module docstring).
+
+    Args:
+        root: folder (created if missing); temporary files of interrupted uploads left there by a
+            crash are removed at start.
+        max_bytes: largest dataset accepted, in bytes.
+    """
+
+    def __init__(self, root: Path, *, max_bytes: int = DEFAULT_MAX_DATASET_BYTES) -> None:
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob("upload-*"):
+            stale.unlink(missing_ok=True)
+
+    def begin(self, name: str, total_bytes: int) -> DatasetUpload:
+        """Start an upload of ``total_bytes`` bytes.
+
+        Raises:
+            InvalidArgument: a bad name or size.
+            ResourceExhausted: ``total_bytes`` is over the limit.
+        """
+        if not isinstance(name, str) or len(name) > _NAME_MAX or any(c in name for c in "\n\r\0"):
+            raise InvalidArgument(f"name: expected at most {_NAME_MAX} characters on one line, got {name[:40]!r}")
+        if total_bytes <= 0:
+            raise InvalidArgument(f"total_bytes: expected the file's size in bytes (> 0), got {total_bytes} (an empty dataset has no examples)")
+        if total_bytes > self.max_bytes:
+            raise ResourceExhausted(f"total_bytes: {total_bytes} bytes is over this scheduler's dataset limit of {self.max_bytes} bytes")
+        return DatasetUpload(self, name, total_bytes, self.root / f"upload-{secrets.token_hex(8)}.part")
+
+    def path(self, dataset_id: str) -> Path:
+        """The stored file of ``dataset_id``.
+
+        Raises:
+            InvalidArgument: not a dataset id. NotFound: no such dataset.
+        """
+        hex_ = _hex_of(dataset_id)
+        file = self.root / f"{hex_}.jsonl"
+        if not (self.root / f"{hex_}.json").exists() or not file.exists():
+            raise NotFound(f"dataset {dataset_id} not found (upload it first with UploadDataset)")
+        return file
+
+    def info(self, dataset_id: str, *, missing_ok: bool = False) -> scheduler_pb2.DatasetInfo | None:
+        """What is known about ``dataset_id``; None when missing and ``missing_ok``.
+
+        Raises:
+            InvalidArgument: not a dataset id. NotFound: no such dataset (unless ``missing_ok``).
+        """
+        hex_ = _hex_of(dataset_id)
+        meta = self.root / f"{hex_}.json"
+        if not meta.exists():
+            if missing_ok:
+                return None
+            raise NotFound(f"dataset {dataset_id} not found (upload it first with UploadDataset)")
+        m = json.loads(meta.read_text())
+        return scheduler_pb2.DatasetInfo(dataset_id=dataset_id, name=m["name"], size_bytes=m["size_bytes"], num_examples=m["num_examples"])
+
+    def exists(self, dataset_id: str) -> bool:
+        """True when ``dataset_id`` is a stored dataset (False for ids of the wrong shape too)."""
+        return is_dataset_id(dataset_id) and (self.root / f"{dataset_id.removeprefix('sha256:')}.json").exists()
+
+    def chunks(self, dataset_id: str, size: int = DOWNLOAD_CHUNK_BYTES) -> Iterator[bytes]:
+        """The stored bytes of ``dataset_id`` in chunks of at most ``size`` bytes.
+
+        Raises:
+            InvalidArgument, NotFound: as :meth:`path`.
+        """
+        file = self.path(dataset_id)
+        with open(file, "rb") as fh:
+            while chunk := fh.read(size):
+                yield chunk
+
+
+async def receive_upload(store: DatasetStore, requests: AsyncIterable[scheduler_pb2.UploadDatasetRequest]) -> scheduler_pb2.DatasetInfo:
+    """Consume an ``UploadDataset`` client stream into ``store``; return the stored dataset.
+
+    The first message must carry ``total_bytes`` (and may carry ``name``); later ones only chunks.
+    Raises the errors of :meth:`DatasetStore.begin`, :meth:`DatasetUpload.write` and
+    :meth:`DatasetUpload.commit`; on any error (also a cancelled stream) the partial upload is
+    removed.
+    """
+    upload: DatasetUpload | None = None
+    try:
+        async for req in requests:
+            if upload is None:
+                upload = store.begin(req.name, req.total_bytes)
+            elif req.name or req.total_bytes:
+                raise InvalidArgument("name, total_bytes: expected only in the first message of the stream")
+            if req.chunk:
+                upload.write(req.chunk)
+        if upload is None:
+            raise InvalidArgument("UploadDataset: expected a first message with name and total_bytes, got an empty stream")
+        return upload.commit()
+    except BaseException:
+        if upload is not None:
+            upload.abort()
+        raise

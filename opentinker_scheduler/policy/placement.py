@@ -1,0 +1,375 @@
+"""Placement: which pending task goes on which node's GPUs. Pure functions, no I/O.
+
+Policy:
+  * Order: larger priority first, then older (create time), then task id.
+  * Gang: a task gets all ``gpu_count`` GPUs on one node at once, or nothing.
+  * A node runs at most ``max_tasks`` tasks (CPU tasks, ``gpu_count == 0``, need only a slot).
+  * Best fit: among nodes that fit, the one with the fewest free GPUs left over (packs small
+    tasks, keeps large blocks free), then the fewest running tasks, then node id.
+  * Backfill: a task that does not fit does not block smaller ones behind it, except on its
+    reserved node (next point), so backfill cannot starve it.
+  * Reservation: in each round, the first task in queue order (highest priority, then oldest)
+    that does not fit now but could on some accepting node if that node were empty reserves one
+    node (:func:`reservation_node`: the candidate with the most free GPUs now, then the fewest
+    running tasks, then node id). Tasks behind it in that round are not placed on the reserved
+    node, so its running work drains and the blocked task gets it; smaller tasks still backfill
+    on every other node. On a one-node cluster this means no backfill past a blocked task.
+  * A task whose retry backoff has not elapsed waits (``not_before``).
+  * GPU sharing: LoRA tasks on the same base model (:func:`share_key`) may share GPUs, at most
+    ``max_tasks_per_gpu`` tasks on one GPU and always within the node's ``max_tasks``. A GPU is
+    open to a task with key ``k`` when every task on it has key ``k`` and it has room
+    (``NodeCapacity.shared[k]``). A shareable task goes where it uses the fewest free GPUs
+    (packing onto open GPUs keeps whole GPUs free for gang tasks and other models), then best
+    fit on the free GPUs left, then fewest running tasks, then node id; on the node it takes open
+    GPUs first (fewest co-tenants first), then free ones. Other tasks only ever take free GPUs.
+Every task left pending gets a reason a person can act on, in the style of Kubernetes
+("no node has 4 free GPUs; largest free block is 2 on gpu-node-01").
+
+:func:`plan` states the policy over plain lists. The scheduler runs the same policy
+incrementally with :func:`place_round` over two indexes it keeps up to date — the pending queue
+by ``gpu_count`` (:mod:`opentinker_scheduler.state.queue`) and :class:`FreeNodes` — so one round
+costs O(placements + distinct gpu counts), not O(pending tasks x nodes). A property test keeps
+the two in agreement.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+import heapq
+from typing import Callable, Hashable, Iterable, Mapping, Sequence
+
+
+@dataclass
+class NodeCapacity:
+    """What one node can take now. ``free_gpus`` are device indices."""
+
+    node_id: str
+    gpu_count: int
+    max_tasks: int
+    running: int
+    free_gpus: list[int] = field(default_factory=list)
+    accepting: bool = True  # False while draining or disconnected
+    #: device -> (share key, tasks on it) for busy GPUs whose tasks all share that key; GPUs of
+    #: tasks that need them to themselves are neither here nor free.
+    gpu_share: dict[int, tuple[str, int]] = field(default_factory=dict)
+    max_tasks_per_gpu: int = 1
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.max_tasks - self.running)
+
+    def open_gpus(self, key: str | None) -> list[int]:
+        """Busy GPUs a task with share key ``key`` may join, fewest co-tenants first, then index."""
+        if key is None:
+            return []
+        return sorted((d for d, (k, n) in self.gpu_share.items() if k == key and n < self.max_tasks_per_gpu), key=lambda d: (self.gpu_share[d][1], d))
+
+    def shared_keys(self) -> dict[str, int]:
+        """share key -> how many busy GPUs are open to it."""
+        out: dict[str, int] = {}
+        for k, n in self.gpu_share.values():
+            if n < self.max_tasks_per_gpu:
+                out[k] = out.get(k, 0) + 1
+        return out
+
+    def open_to(self, key: str | None) -> int:
+        """GPUs a task with share key ``key`` could take here now (free plus open to ``key``)."""
+        return len(self.free_gpus) + len(self.open_gpus(key))
+
+    def choose_devices(self, gpu_count: int, key: str | None) -> tuple[int, ...]:
+        """The devices a task gets here: GPUs open to ``key`` first, then free ones (lowest index)."""
+        opened = self.open_gpus(key)[:gpu_count]
+        return tuple(opened + self.free_gpus[: gpu_count - len(opened)])
+
+    def book(self, devices: tuple[int, ...], key: str | None) -> None:
+        """Record a task with share key ``key`` placed on ``devices``."""
+        self.running += 1
+        for d in devices:
+            if d in self.free_gpus:
+                self.free_gpus.remove(d)
+                if key is not None:
+                    self.gpu_share[d] = (key, 1)
+            else:
+                k, n = self.gpu_share[d]
+                assert k == key, (d, k, key)
+                self.gpu_share[d] = (k, n + 1)
+
+
+#: Workload types whose tasks train a LoRA adapter on a frozen base model, so several may share
+#: a GPU when they use the same base model.
+LORA_WORKLOADS: frozenset[str] = frozenset({"lora_finetune"})
+
+
+def share_key(workload_type: str, model: str, gpu_count: int) -> str | None:
+    """The GPU-sharing key of a task: its base model for a LoRA workload on GPUs, else None
+    (the task needs its GPUs to itself)."""
+    if gpu_count > 0 and workload_type in LORA_WORKLOADS:
+        return model
+    return None
+
+
+def _fit_key(cap: NodeCapacity, gpu_count: int, key: str | None) -> tuple[int, int, int, str]:
+    """Sort key of a node that fits: free GPUs used, free GPUs left, running tasks, node id."""
+    opened = len(cap.open_gpus(key))
+    used = max(0, gpu_count - opened)
+    return (used, len(cap.free_gpus) - used, cap.running, cap.node_id)
+
+
+@dataclass(frozen=True)
+class PendingTask:
+    task_id: str
+    priority: int
+    create_time: float
+    gpu_count: int
+    not_before: float = 0.0
+    share_key: str | None = None  # see share_key(); None = needs its GPUs to itself
+
+
+@dataclass(frozen=True)
+class Placement:
+    task_id: str
+    node_id: str
+    device_indices: tuple[int, ...]
+
+
+def queue_order(tasks: list[PendingTask]) -> list[PendingTask]:
+    """Pending tasks in placement order: priority desc, then create time, then id."""
+    return sorted(tasks, key=lambda t: (-t.priority, t.create_time, t.task_id))
+
+
+def plan(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> tuple[list[Placement], dict[str, str]]:
+    """Place what fits now.
+
+    Args:
+        tasks: pending tasks (any order).
+        nodes: capacities; mutated copies are used internally, the inputs are not changed.
+        now: unix seconds, compared with ``not_before``.
+
+    Returns:
+        (placements, reasons): placements in queue order; for every task not placed, why.
+    """
+    caps = [
+        NodeCapacity(
+            n.node_id, n.gpu_count, n.max_tasks, n.running, sorted(n.free_gpus), n.accepting, dict(n.gpu_share), n.max_tasks_per_gpu
+        )
+        for n in nodes
+    ]
+    placements: list[Placement] = []
+    reasons: dict[str, str] = {}
+    ordered = queue_order(tasks)
+    reserved: str | None = None
+    for position, task in enumerate(ordered, start=1):
+        if task.not_before > now:
+            reasons[task.task_id] = f"waiting {task.not_before - now:.0f} s more before retrying (backoff after a failed attempt)"
+            continue
+        key = task.share_key
+        fits = [n for n in caps if n.node_id != reserved and n.accepting and n.free_slots > 0 and n.open_to(key) >= task.gpu_count]
+        if fits:
+            best = min(fits, key=lambda n: _fit_key(n, task.gpu_count, key))
+            devices = best.choose_devices(task.gpu_count, key)
+            best.book(devices, key)
+            placements.append(Placement(task.task_id, best.node_id, devices))
+            continue
+        reasons[task.task_id] = why_pending(task, caps, position, len(ordered))
+        if reserved is None:
+            reserved = reservation_node(task.gpu_count, caps)
+            if reserved is not None:
+                reasons[task.task_id] += f"; {reserved} is reserved for it"
+    return placements, reasons
+
+
+def reservation_node(gpu_count: int, caps: Iterable[NodeCapacity]) -> str | None:
+    """The node a blocked task of ``gpu_count`` GPUs reserves: among accepting nodes that could
+    hold it if empty, the one with the most free GPUs now, then the fewest running tasks, then
+    node id. None when no accepting node could ever hold it."""
+    best: tuple[int, int, str] | None = None
+    for n in caps:
+        if n.accepting and n.gpu_count >= gpu_count and n.max_tasks >= 1:
+            key = (-len(n.free_gpus), n.running, n.node_id)
+            if best is None or key < best:
+                best = key
+    return best[2] if best is not None else None
+
+
+def why_pending(task: PendingTask, caps: list[NodeCapacity], position: int, queue_len: int) -> str:
+    """A sentence saying what is short where, and the task's place in the queue."""
+    where = f" (queue position {position} of {queue_len})"
+    live = [n for n in caps if n.accepting]
+    if not live:
+        return "no trainer node is connected" + where
+    if task.gpu_count == 0:
+        return f"all {len(live)} connected node(s) are at max_tasks" + where
+    ever = [n for n in live if n.gpu_count >= task.gpu_count]
+    if not ever:
+        biggest = max(live, key=lambda n: n.gpu_count)
+        return (
+            f"no connected node has {task.gpu_count} GPU(s); the largest is {biggest.node_id} with "
+            f"{biggest.gpu_count}" + where
+        )
+    with_slots = [n for n in live if n.free_slots > 0]
+    if not with_slots:
+        return f"every node with {task.gpu_count}+ GPU(s) is at max_tasks" + where
+    key = task.share_key if any(n.max_tasks_per_gpu > 1 for n in with_slots) else None
+    largest = max(with_slots, key=lambda n: (n.open_to(key), n.node_id))
+    if key is None:
+        return (
+            f"no node has {task.gpu_count} free GPU(s); largest free block is {len(largest.free_gpus)} on "
+            f"{largest.node_id}" + where
+        )
+    return (
+        f"no node has {task.gpu_count} GPU(s) free or shareable with LoRA tasks on {key}; the most is "
+        f"{largest.open_to(key)} on {largest.node_id}" + where
+    )
+
+
+class FreeNodes:
+    """Nodes that can take a task now (accepting, with a free slot), in best-fit order: fewest
+    free GPUs, then fewest running tasks, then node id. The owner calls :meth:`update` whenever a
+    node's ledger or state changes."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[int, int, str]] = []  # (free GPUs, running, node id), sorted
+        self._key_of: dict[str, tuple[int, int, str]] = {}
+        # share key -> node id -> capacity, for nodes that can take a task and have busy GPUs
+        # open to that key (few: one entry per base model in use on the node).
+        self._shared: dict[str, dict[str, NodeCapacity]] = {}
+        self._shared_of: dict[str, tuple[str, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def update(self, cap: NodeCapacity) -> None:
+        self.remove(cap.node_id)
+        if cap.accepting and cap.free_slots > 0:
+            key = (len(cap.free_gpus), cap.running, cap.node_id)
+            self._key_of[cap.node_id] = key
+            bisect.insort(self._keys, key)
+            shared = tuple(cap.shared_keys())
+            if shared:
+                self._shared_of[cap.node_id] = shared
+                for k in shared:
+                    self._shared.setdefault(k, {})[cap.node_id] = cap
+
+    def remove(self, node_id: str) -> None:
+        old = self._key_of.pop(node_id, None)
+        if old is not None:
+            del self._keys[bisect.bisect_left(self._keys, old)]
+        for k in self._shared_of.pop(node_id, ()):
+            nodes = self._shared[k]
+            del nodes[node_id]
+            if not nodes:
+                del self._shared[k]
+
+    def most_open(self, share_key: str | None, exclude: str | None = None) -> int:
+        """Most GPUs a task with ``share_key`` could take on one node now (free plus open to the
+        key; -1 when no node can take a task), leaving out node ``exclude``."""
+        most = self.most_free_gpus(exclude)
+        if share_key is not None:
+            for cap in self._shared.get(share_key, {}).values():
+                if cap.node_id != exclude:
+                    most = max(most, cap.open_to(share_key))
+        return most
+
+    def best_fit_for(self, gpu_count: int, share_key: str | None, exclude: str | None = None) -> str | None:
+        """The node :func:`plan` picks for a task of ``gpu_count`` GPUs and ``share_key``, or None.
+
+        A node with GPUs open to the key uses fewer free GPUs than any node without, so those
+        are tried first (by :func:`plan`'s order); otherwise it is :meth:`best_fit`."""
+        if share_key is not None:
+            fits = [c for c in self._shared.get(share_key, {}).values() if c.node_id != exclude and c.open_to(share_key) >= gpu_count]
+            if fits:
+                return min(fits, key=lambda c: _fit_key(c, gpu_count, share_key)).node_id
+        return self.best_fit(gpu_count, exclude)
+
+    def most_free_gpus(self, exclude: str | None = None) -> int:
+        """Largest free GPU block on a node that can take a task (-1 when none can), leaving
+        out node ``exclude`` (a reserved node)."""
+        for key in reversed(self._keys):  # at most two steps: one node is left out
+            if key[2] != exclude:
+                return key[0]
+        return -1
+
+    def best_fit(self, gpu_count: int, exclude: str | None = None) -> str | None:
+        """The node :func:`plan` would pick for a task of ``gpu_count`` GPUs, or None, leaving
+        out node ``exclude``."""
+        i = bisect.bisect_left(self._keys, (gpu_count, -1, ""))
+        if i < len(self._keys) and self._keys[i][2] == exclude:
+            i += 1
+        return self._keys[i][2] if i < len(self._keys) else None
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._key_of
+
+
+#: A queue group: (gpu_count, share key). Tasks in one group fit exactly the same places.
+Group = tuple[int, "str | None"]
+
+
+def place_round(
+    groups: Mapping[Group, Sequence[Hashable]],
+    free: FreeNodes,
+    now: float,
+    not_before: Callable[[Hashable], float],
+    take: Callable[[Hashable, Group, str], None],
+    reserve: Callable[[Hashable, int], str | None] | None = None,
+) -> int:
+    """One placement round of :func:`plan`'s policy, over indexes instead of lists.
+
+    Args:
+        groups: ``(gpu_count, share key)`` -> that group's pending tasks as sortable keys, in
+            queue order (the keys of all groups share one order). Not changed here.
+        free: nodes that can take a task now; ``take`` must keep it current.
+        now: unix seconds, compared with ``not_before(key)``.
+        take: ``take(key, group, node_id)`` puts the task on the node (best fit from ``free``,
+            devices by :meth:`NodeCapacity.choose_devices`) and updates ``free``.
+        reserve: ``reserve(key, gpu_count)`` is called for the first blocked task in queue order
+            (at the point of the queue where :func:`plan` meets it) and returns the node it
+            reserves (:func:`reservation_node` over the current capacities), or None when no
+            node could ever hold it (then the next blocked task is asked). Tasks after it are
+            not placed on that node. None: no reservation.
+
+    Returns:
+        How many tasks were placed. Tasks are considered in queue order; a group whose GPU
+        count no node can offer any more is dropped whole (capacity only shrinks in a round),
+        which gives the same placements as :func:`plan`. A dropped group's first task not in
+        backoff is the group's candidate for the reservation.
+    """
+    live = {g: keys for g, keys in groups.items() if keys}
+    cursor = dict.fromkeys(live, 0)
+    placed = 0
+    reserved: str | None = None
+    blocked: list[tuple[Hashable, int]] = []  # heap of dropped groups' first eligible keys
+    while True:
+        most = free.most_free_gpus(reserved)
+        for g in [g for g in live if g[0] > (most if g[1] is None else free.most_open(g[1], reserved))]:
+            keys = live.pop(g)
+            if reserve is not None and reserved is None:
+                i = cursor[g]
+                while i < len(keys) and not_before(keys[i]) > now:
+                    i += 1
+                if i < len(keys):
+                    heapq.heappush(blocked, (keys[i], g))
+        g = min(live, key=lambda g: live[g][cursor[g]]) if live else None
+        if reserve is not None and reserved is None and blocked and (g is None or blocked[0][0] < live[g][cursor[g]]):
+            bkey, bg = heapq.heappop(blocked)
+            reserved = reserve(bkey, bg[0])
+            if reserved is not None:
+                blocked.clear()
+            continue  # capacity outside the reserved node is less: drop groups again
+        if g is None:
+            break
+        key = live[g][cursor[g]]
+        cursor[g] += 1
+        if cursor[g] == len(live[g]):
+            del live[g]
+        if not_before(key) > now:
+            continue
+        node_id = free.best_fit_for(g[0], g[1], reserved)
+        assert node_id is not None  # the group fits on a node with a free slot
+        take(key, g, node_id)
+        placed += 1
+    return placed

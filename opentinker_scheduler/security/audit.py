@@ -1,0 +1,117 @@
+"""The audit log: who did what to which task or key, when, and how it ended.
+
+Each record is written twice:
+
+* a structured log line from the ``opentinker.audit`` logger (``event="audit"``, JSON when the
+  scheduler's stderr is not a terminal), for log shippers;
+* a row of the ``audit_log`` table in the scheduler's SQLite database, committed with the action
+  it describes, readable with ``AdminService.ListAuditEvents``.
+
+Audited actions: ``task.submit``, ``task.cancel``, ``key.create``, ``key.revoke``, ``key.rotate``,
+``node.join``. Refused authentication (``auth.refused``) is logged only, never stored, so a
+caller spraying bad keys cannot grow the database.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from opentinker_scheduler.state.store import Store
+
+log = structlog.get_logger("opentinker.audit")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS audit_log (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    time        REAL NOT NULL,            -- unix seconds
+    owner       TEXT NOT NULL,
+    role        TEXT NOT NULL,
+    key_prefix  TEXT NOT NULL,
+    action      TEXT NOT NULL,
+    task_id     TEXT NOT NULL DEFAULT '',
+    outcome     TEXT NOT NULL,            -- OK or a status code name
+    detail      TEXT NOT NULL DEFAULT '{}' -- JSON
+);
+CREATE INDEX IF NOT EXISTS audit_action ON audit_log(action, id);
+"""
+
+ACTIONS = ("task.submit", "task.cancel", "key.create", "key.revoke", "key.rotate", "node.join")
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    id: int
+    time: float
+    owner: str
+    role: str
+    key_prefix: str
+    action: str
+    task_id: str
+    outcome: str
+    detail: dict[str, Any]
+
+
+class AuditLog:
+    """Writes audit records to the log and to ``audit_log`` in ``store``'s database."""
+
+    def __init__(self, store: Store | None) -> None:
+        self.store = store
+        if store is not None:
+            store.db.executescript(_SCHEMA)
+
+    def record(
+        self,
+        action: str,
+        *,
+        owner: str,
+        role: str,
+        key_prefix: str = "",
+        task_id: str = "",
+        outcome: str = "OK",
+        **detail: Any,
+    ) -> None:
+        """Log and store one record. ``detail`` values must be JSON-serializable (others are
+        stored as their ``str``). A failing database write is logged, never raised: the action
+        itself already happened (or was refused) and the log line stands."""
+        now = time.time()
+        log.info("audit", action=action, owner=owner, role=role, key_prefix=key_prefix, task_id=task_id, outcome=outcome, audit_time=now, **detail)
+        if self.store is None:
+            return
+        try:
+            with self.store.batch():
+                self.store.db.execute(
+                    "INSERT INTO audit_log (time, owner, role, key_prefix, action, task_id, outcome, detail) VALUES (?,?,?,?,?,?,?,?)",
+                    (now, owner, role, key_prefix, action, task_id, outcome, json.dumps(detail, default=str)),
+                )
+        except Exception as exc:  # noqa: BLE001 - see docstring
+            log.error("audit record not stored", action=action, error=repr(exc))
+
+    def refused(self, *, method: str, reason: str, outcome: str, key_prefix: str = "", peer: str = "") -> None:
+        """Log (only) a refused call: no key, bad key, wrong role, missing client certificate."""
+        log.warning("audit", action="auth.refused", method=method, outcome=outcome, reason=reason, key_prefix=key_prefix, peer=peer)
+
+    def list(self, *, limit: int = 100, before_id: int = 0, action: str = "") -> list[AuditRecord]:
+        """Records newest first."""
+        if self.store is None:
+            return []
+        sql = "SELECT id, time, owner, role, key_prefix, action, task_id, outcome, detail FROM audit_log"
+        where, args = [], []
+        if before_id:
+            where.append("id < ?")
+            args.append(before_id)
+        if action:
+            where.append("action = ?")
+            args.append(action)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY id DESC LIMIT ?"
+        args.append(limit)
+        return [
+            AuditRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], json.loads(r[8] or "{}"))
+            for r in self.store.db.execute(sql, args)
+        ]

@@ -1,0 +1,328 @@
+"""Roles, the caller of each RPC, and the server interceptor that checks API keys on every call
+(the key store itself is :mod:`opentinker_scheduler.security.keys`).
+
+``auth:`` in ``scheduler_config.yaml``::
+
+    auth:
+      enabled: true                       # default false: every caller is "anonymous" with admin powers
+      bootstrap_admin_key_file: admin.key # relative to state_dir; written (mode 0600) on the first start
+      stream_recheck_interval: 5          # seconds: open streams re-check their key this often
+
+**Keys** look like ``otk_<8 hex>_<43 url-safe characters>`` (256 random bits). The
+``otk_<8 hex>`` prefix is stored in plain text to name the key in listings; the whole key is
+stored only as its SHA-256 and compared with :func:`hmac.compare_digest`. A fast hash is enough
+because the key itself is random, not a password. Keys live in the ``api_keys`` table of the
+scheduler's SQLite database and are looked up on every call, so create, revoke and rotate take
+effect at once, without a restart (``AdminService``, ``opentinker keys ...``). Streams already open
+with a key (a node's ``Connect``, a ``WatchTask``, downloads) end with UNAUTHENTICATED when it is
+revoked (at once) or expires (within ``stream_recheck_interval`` seconds):
+:mod:`opentinker_scheduler.security.key_streams`.
+
+**Roles** (:data:`ROLES`): ``admin`` may do everything; ``user`` may use SchedulerService on its
+owner's own tasks (another owner's task is NOT_FOUND, never confirmed to exist) and manage its own
+keys; ``node`` may call NodeService only (its stream, and the reads ``LookupTask`` and
+``FetchDataset`` that task workers make with their node's key).
+
+**Bootstrap**: on a start with ``enabled: true`` and no active admin key, the scheduler takes the
+key in ``$OPENTINKER_BOOTSTRAP_ADMIN_KEY`` when set, else makes one and writes it to
+``bootstrap_admin_key_file`` with mode 0600. Use it to create the real keys, then revoke it.
+
+Status codes: no key, an ``authorization`` value that is not ``Bearer <key>`` ("malformed
+authorization metadata: expected 'Bearer otk_...', got a 'Basic' value"; the value itself is never
+echoed), or an unknown, revoked or expired key -> UNAUTHENTICATED; a valid key whose role may not
+call the method -> PERMISSION_DENIED. ``grpc.health.v1.Health`` and server
+reflection need no key.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import inspect
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from opentinker_common.net.bearer import authorization_problem
+
+from opentinker_scheduler.security.audit import AuditLog
+from opentinker_scheduler.errors import SchedulerError
+from opentinker_scheduler.security.key_streams import DEFAULT_RECHECK_INTERVAL_S, KeyStreams, await_until_ended, until_ended
+from opentinker_scheduler.security.keys import (  # noqa: F401 - re-exported: the key store is part of this module's API
+    _KEY_RE,
+    BOOTSTRAP_ENV,
+    ROLES,
+    KeyRow,
+    KeyStore,
+    Principal,
+    Unauthenticated,
+    bootstrap_admin,
+    hash_key,
+    key_prefix,
+)
+from opentinker_scheduler.admission.limits import Limits
+
+log = structlog.get_logger("opentinker.scheduler")
+
+ANONYMOUS_OWNER = "anonymous"
+
+SCHEDULER_SERVICE = "opentinker.scheduler.v1.SchedulerService"
+NODE_SERVICE = "opentinker.node.v1.NodeService"
+ADMIN_SERVICE = "opentinker.scheduler.v1.AdminService"
+#: Callable without a key: health (load balancers and orchestrators probe it) and reflection
+#: (it describes the public API that the .proto files in the repository describe anyway, and
+#: grpcurl needs it to call Health without proto files).
+PUBLIC_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection"})
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """The ``auth:`` section."""
+
+    enabled: bool = False
+    bootstrap_admin_key_file: str = "admin.key"
+    #: Seconds between re-checks of the keys of open streams (expiry at the end of a rotation's
+    #: grace period, revocation by any path); revocation through AdminService ends them at once.
+    stream_recheck_interval_s: float = 5.0
+
+
+def parse_auth(r, node) -> AuthConfig:
+    """Parse ``auth:`` with the config reader ``r`` (file:line:key errors)."""
+    m = r.mapping(node, "auth", {"enabled": "", "bootstrap_admin_key_file": "", "stream_recheck_interval": ""})
+    kw = {}
+    if "enabled" in m:
+        kw["enabled"] = r.scalar(m["enabled"][1], "auth.enabled", bool)
+    if "bootstrap_admin_key_file" in m:
+        path = r.scalar(m["bootstrap_admin_key_file"][1], "auth.bootstrap_admin_key_file", str)
+        if not path or len(path) > 4096:
+            raise r.fail(m["bootstrap_admin_key_file"][1], "auth.bootstrap_admin_key_file", "a file path")
+        kw["bootstrap_admin_key_file"] = path
+    if "stream_recheck_interval" in m:
+        kw["stream_recheck_interval_s"] = r.scalar(m["stream_recheck_interval"][1], "auth.stream_recheck_interval", float, 0.05, 3600)
+    return AuthConfig(**kw)
+
+
+# ------------------------------------------------------------------------------ the caller
+
+
+ANONYMOUS = Principal(ANONYMOUS_OWNER, "admin")
+_CALLER: contextvars.ContextVar[Principal] = contextvars.ContextVar("opentinker_caller", default=ANONYMOUS)
+
+
+def caller() -> Principal:
+    """The principal of the RPC being handled (set by :class:`AuthInterceptor`)."""
+    return _CALLER.get()
+
+
+def owner_scope() -> str | None:
+    """The owner whose tasks the caller may see: ``None`` (all) for admins and nodes (trainer
+    infrastructure: their workers look up any task they serve), else its owner."""
+    p = caller()
+    return None if p.is_admin or p.role == "node" else p.owner
+
+
+# ------------------------------------------------------------------------------ interceptor
+
+
+def allowed_roles(method: str) -> frozenset[str]:
+    """Roles that may call ``/package.Service/Method``."""
+    service = method[1:].rsplit("/", 1)[0]
+    if service == SCHEDULER_SERVICE:  # task workers read through NodeService (LookupTask, FetchDataset)
+        return frozenset({"admin", "user"})
+    if service == NODE_SERVICE:
+        return frozenset({"admin", "node"})
+    if service == ADMIN_SERVICE:
+        return frozenset({"admin", "user"})  # per-RPC owner checks in AdminService
+    return frozenset(ROLES)  # any other service: any valid key
+
+
+_ROLE_HINT = {
+    "node": "node keys may call NodeService only",
+    "user": "user keys may not open a node stream or make task workers' reads (NodeService); trainers need a node key",
+}
+
+
+MISSING_KEY = "missing API key: send metadata 'authorization: Bearer otk_...' (RLClient(api_key=...), --api-key or $OPENTINKER_API_KEY)"
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def bearer_token(metadata) -> str | None:
+    """The key of ``authorization: Bearer <key>`` metadata, else None."""
+    for key, value in metadata or ():
+        if key.lower() == "authorization":
+            if isinstance(value, bytes):
+                value = value.decode(errors="replace")
+            scheme, _, token = value.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+            return ""
+    return None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks every call (but health checks) and runs its handler with :func:`caller` set.
+
+    * ``node_cert_required``: NodeService calls must come over a TLS connection whose client
+      certificate the server verified against ``tls.client_ca`` (mTLS), else UNAUTHENTICATED.
+    * ``keys``: ``None`` = authentication off, the caller is ``anonymous`` with admin powers.
+    * Server streams of SchedulerService hold one of the key's ``limits.max_streams_per_key``
+      slots while open (RESOURCE_EXHAUSTED beyond).
+    * Every stream admitted with a key (server, client or bidirectional) is registered in
+      :attr:`streams` and ends with UNAUTHENTICATED once the key is revoked or expires
+      (:mod:`opentinker_scheduler.security.key_streams`; ``stream_recheck_interval_s`` between re-checks).
+    """
+
+    def __init__(
+        self,
+        *,
+        keys: KeyStore | None,
+        limits: Limits,
+        audit: AuditLog,
+        node_cert_required: bool = False,
+        stream_recheck_interval_s: float = DEFAULT_RECHECK_INTERVAL_S,
+    ) -> None:
+        self.keys = keys
+        self.limits = limits
+        self.audit = audit
+        self.node_cert_required = node_cert_required
+        #: Open streams by key (None with authentication off: there are no keys to revoke).
+        self.streams: KeyStreams | None = KeyStreams(keys.refusal, recheck_interval_s=stream_recheck_interval_s) if keys is not None else None
+
+    def admit(self, method: str, context) -> Principal:
+        """The caller of ``method``, or :class:`_Refused`."""
+        service = method[1:].rsplit("/", 1)[0]
+        peer_cn, peer_dns = "", ()
+        if self.node_cert_required and service == NODE_SERVICE:
+            ctx = context.auth_context() or {}
+            if not ctx.get("x509_pem_cert"):
+                raise _Refused(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "NodeService needs a client certificate signed by the scheduler's tls.client_ca (mTLS); "
+                    "connect to the node port with --tls-cert/--tls-key",
+                )
+            cn = ctx.get("x509_common_name") or [b""]
+            peer_cn = cn[0].decode(errors="replace")
+            peer_dns = tuple(n.decode(errors="replace") for n in ctx.get("peer_dns") or ())  # DNS subject alt names
+        if self.keys is None:
+            return dataclasses.replace(ANONYMOUS, peer_cn=peer_cn, peer_dns=peer_dns)
+        metadata = context.invocation_metadata()
+        token = bearer_token(metadata)
+        if not token:
+            # A header that is there but not `Bearer <key>` is "malformed", never "missing"; its
+            # value is not echoed (it may be the key itself).
+            raise _Refused(grpc.StatusCode.UNAUTHENTICATED, authorization_problem(metadata) or MISSING_KEY)
+        try:
+            principal = self.keys.resolve(token)
+        except Unauthenticated as exc:
+            raise _Refused(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+        if principal.role not in allowed_roles(method):
+            hint = _ROLE_HINT.get(principal.role, "")
+            raise _Refused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"API key {principal.key_prefix} (role {principal.role}) may not call {method}" + (f": {hint}" if hint else ""),
+            )
+        return dataclasses.replace(principal, peer_cn=peer_cn, peer_dns=peer_dns)
+
+    async def _gate(self, method: str, context) -> Principal:
+        try:
+            return self.admit(method, context)
+        except _Refused as exc:
+            token = bearer_token(context.invocation_metadata()) or ""
+            m = _KEY_RE.match(token)
+            self.audit.refused(method=method, reason=exc.message, outcome=exc.code.name, key_prefix=m.group(1) if m else "", peer=context.peer())
+            await context.abort(exc.code, exc.message)
+            raise  # abort raises; this line is never reached
+
+    def _watch(self, principal: Principal, method: str, context):
+        """Register a stream admitted with a key (None when there is no key to watch)."""
+        if self.streams is None or not principal.key_prefix:
+            return None
+        return self.streams.open(principal.key_prefix, method, context.peer())
+
+    async def _end_revoked(self, stream, context) -> None:
+        """End a stream whose key was revoked or expired: UNAUTHENTICATED with the reason."""
+        self.audit.refused(method=stream.method, reason=f"open stream ended: {stream.reason}", outcome="UNAUTHENTICATED", key_prefix=stream.prefix, peer=stream.peer)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, stream.reason)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method[1:].rsplit("/", 1)[0] in PUBLIC_SERVICES:
+            return handler
+        stream_slot = handler.response_streaming and method[1:].startswith(SCHEDULER_SERVICE + "/")
+        return _wrap(handler, self, method, stream_slot)
+
+
+def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool):
+    if handler.request_streaming and handler.response_streaming:
+        inner, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        inner, factory = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        inner, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    else:
+        inner, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+
+    if handler.response_streaming:
+
+        async def behavior(request, context):
+            principal = await interceptor._gate(method, context)
+            key = principal.limit_key
+            if stream_slot:
+                try:
+                    interceptor.limits.acquire_stream(key)
+                except SchedulerError as exc:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            watched = interceptor._watch(principal, method, context)
+            try:
+                _CALLER.set(principal)
+                result = inner(request, context)
+                if hasattr(result, "__aiter__"):
+                    source = result if watched is None else until_ended(result, watched)
+                    async for item in source:
+                        yield item
+                elif inspect.isawaitable(result):
+                    await result
+                if watched is not None and watched.ended.is_set():
+                    await interceptor._end_revoked(watched, context)
+            finally:
+                if watched is not None:
+                    interceptor.streams.close(watched)
+                if stream_slot:
+                    interceptor.limits.release_stream(key)
+
+    elif handler.request_streaming:
+
+        async def behavior(request, context):
+            principal = await interceptor._gate(method, context)
+            _CALLER.set(principal)
+            watched = interceptor._watch(principal, method, context)
+            try:
+                result = inner(request, context)
+                if watched is None or not inspect.isawaitable(result):
+                    return (await result) if inspect.isawaitable(result) else result
+                finished, value = await await_until_ended(result, watched)
+                if not finished:
+                    await interceptor._end_revoked(watched, context)
+                return value
+            finally:
+                if watched is not None:
+                    interceptor.streams.close(watched)
+
+    else:
+
+        async def behavior(request, context):
+            principal = await interceptor._gate(method, context)
+            _CALLER.set(principal)
+            result = inner(request, context)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+
+    return factory(behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)

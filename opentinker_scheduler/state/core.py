@@ -1,0 +1,524 @@
+"""The scheduler's state machine: tasks, attempts, nodes, the GPU ledger. No gRPC in here.
+
+The servicers in :mod:`opentinker_scheduler.api.service` translate protobuf requests into calls on
+:class:`SchedulerCore`, which is driven from one asyncio event loop. Every transition is
+committed to the :class:`~opentinker_scheduler.state.store.Store` before it is acknowledged or
+pushed down a node stream.
+
+Task states: PENDING -> ASSIGNED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED. A lost node puts
+its tasks back to PENDING with attempt + 1 (they resume from their newest checkpoint); a report
+from any attempt but the current one is refused (fencing).
+
+Preemption (:meth:`SchedulerCore.preempt`, each tick): a blocked task with a strictly higher
+priority than running ones has victims chosen on one node (:mod:`.preemption`); they are told to
+checkpoint and stop, keep their GPUs until the node confirms, then go back to PENDING (attempt + 1,
+reason PREEMPTED, a hand-back that does not use up max_attempts). ``max_runtime`` ends a task
+FAILED/TIMEOUT at once and cancels its worker; the checkpoint the worker writes on SIGTERM is
+still recorded until the node reports the worker gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+
+import structlog
+from opentinker.common.v1 import common_pb2
+from opentinker.node.v1 import node_pb2
+from opentinker_common.spec import SpecError, spec_from_proto, task_uses_model
+
+from opentinker_scheduler.state.commit import GroupCommit
+from opentinker_scheduler.config import SchedulerConfig
+from opentinker_scheduler.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from opentinker_scheduler.state.node_protocol import NodeProtocol
+from opentinker_scheduler.state.nodes import NodeSession
+from opentinker_scheduler.policy.placement import FreeNodes, Group, NodeCapacity, PendingTask, place_round, reservation_node, why_pending
+from opentinker_scheduler.state.preemption_tracker import Preempting
+from opentinker_scheduler.state.queue import LiveTasks, PendingQueue, QueueKey, ReasonsView
+from opentinker_scheduler.admission.refs import init_checkpoint
+from opentinker_scheduler.state.store import ACTIVE_STATES, STATE_NAMES, Store, TaskRow  # noqa: F401  (STATE_NAMES re-exported)
+
+log = structlog.get_logger("opentinker.scheduler")
+
+S = common_pb2  # TaskState constants: S.TASK_STATE_PENDING ...
+
+#: Seconds between retries after a failed attempt: min(MAX, BASE * 2 ** (attempt - 1)).
+RETRY_BACKOFF_BASE_S = 2.0
+RETRY_BACKOFF_MAX_S = 60.0
+
+
+class SchedulerCore(NodeProtocol, Preempting):
+    """Tasks, nodes and placement. Call from a single event loop.
+
+    In memory, written through to the store: every unfinished task's row (``tasks``: the
+    PENDING ones in ``queue``, in placement order, the ASSIGNED and RUNNING ones in ``active``),
+    the GPU ledger of each node and the index of nodes with room (``free``). A row changes only
+    in :meth:`_transition` (or a metrics-only write); membership follows once it is written, and
+    a failed write reloads it from the store. Finished tasks are read from the store. With group
+    commit on (the server), writes share commits and callers await :meth:`durable`.
+    """
+
+    def __init__(self, config: SchedulerConfig, store: Store) -> None:
+        self.config = config
+        self.store = store
+        self.nodes: dict[str, NodeSession] = {}
+        self.tasks = LiveTasks()
+        self.free = FreeNodes()
+        self.pending_reasons = ReasonsView(self.tasks, self.pending_reason)  # task id -> why pending
+        self.changed = asyncio.Condition()
+        self.placement_latencies: list[float] = []  # seconds from submit/requeue to assign (drained by metrics)
+        #: Messages received on node streams, by kind (exported on /metrics).
+        self.node_messages: dict[str, int] = {"register": 0, "heartbeat": 0, "task_report": 0}
+        self._watchers = 0  # WatchTask streams waiting in wait_changed()
+        self._queued_at: dict[str, float] = {}
+        self._ledger_version = 0  # bumps whenever a node's capacity may have changed
+        self._caps: tuple[int, list[NodeCapacity]] | None = None
+        self._max_gpus: int | None = None  # cache of max_possible_gpus(); None = recompute
+        self._wake_pending = False
+        # Preemptions in flight (memory only): victim task id -> (victim attempt, node id, waiting
+        # task id), and waiting task id -> (node id, victim ids). A victim keeps its GPUs in the
+        # ledger until its node reports it CANCELLED; then it is requeued with reason PREEMPTED.
+        self._victims: dict[str, tuple[int, str, str]] = {}
+        self._preempting: dict[str, tuple[str, tuple[str, ...]]] = {}
+        # victim task id -> monotonic deadline for its node to confirm it stopped; past it the
+        # preemption is given up (the waiting task may choose victims again, re-sending the stop).
+        self._victim_deadline: dict[str, float] = {}
+        # Tasks ended by max_runtime whose worker is still stopping: task id -> (attempt, node id).
+        # The worker's final checkpoint report is still recorded for them.
+        self._timed_out: dict[str, tuple[int, str]] = {}
+        self._reservation: tuple[str, str] | None = None  # (task id, node id) of the last round
+        self.commits = GroupCommit(store, on_failure=self._rebuild)
+        self._recover()
+
+    # ------------------------------------------------------------------ durability
+    def enable_group_commit(self) -> None:
+        """Gather the writes of concurrent requests into shared commits (the server turns this
+        on; see :mod:`opentinker_scheduler.state.commit`)."""
+        self.commits.enable()
+
+    async def durable(self) -> None:
+        """Return once everything written so far is committed; RPCs await this before answering.
+
+        Raises:
+            sqlite3.Error: the commit failed (memory was rebuilt from the store).
+        """
+        await self.commits.durable()
+
+    def flush(self) -> None:
+        """Commit any open group now (shutdown)."""
+        self.commits.commit()
+
+    def _rebuild(self) -> None:
+        """After a failed commit: drop the in-memory tasks and ledger, read them from the store."""
+        for node in self.nodes.values():
+            for task_id in list(node.allocations):
+                node.release(task_id)
+        self._recover()
+
+    @property
+    def queue(self) -> PendingQueue:
+        return self.tasks.queue
+
+    @property
+    def active(self) -> dict[str, TaskRow]:
+        return self.tasks.active
+
+    @property
+    def state_counts(self) -> dict[int, int]:
+        return self.tasks.counts
+
+    # ------------------------------------------------------------------ start-up
+    def _recover(self) -> None:
+        """Rebuild memory from the store: the queue from PENDING rows, the ledger from active
+        ones. They keep their node's GPUs until the node re-announces them, or until
+        ``restart_grace`` passes without it (a trainer may be a few reconnect backoffs away from
+        noticing the restart), so a scheduler restart kills no running work."""
+        self.tasks.load(self.store)
+        grace = max(0.0, self.config.restart_grace_s - self.config.lease_s)
+        for task in self.active.values():
+            if task.node_id not in self.nodes:
+                self._recover_node(task.node_id)
+            node = self._node(task.node_id)
+            node.allocate(task.task_id, task.attempt, tuple(task.device_indices), task.share_key)
+            if not node.connected:
+                node.last_seen = time.monotonic() + grace
+        self._queued_at = {t.task_id: time.monotonic() for t in self.queue}
+        if self.nodes:
+            log.info("recovered active tasks", nodes=sorted(self.nodes), tasks=sum(len(n.allocations) for n in self.nodes.values()))
+
+    def _recover_node(self, node_id: str) -> None:
+        """Know a node that holds active tasks, before it reconnects, by the size it last
+        registered with (so ListNodes shows its GPUs, not 0/0); it stays disconnected and takes
+        no new work until it connects again."""
+        node = self._node(node_id)
+        info = self.store.node_register(node_id)
+        if info is None:
+            return
+        try:
+            reg = node_pb2.Register.FromString(info)
+        except Exception:  # noqa: BLE001 - an unreadable row: the node re-registers anyway
+            return
+        node.register = reg
+        node.gpu_count, node.max_tasks, node.notes = self._node_size(reg, self.config.pool_node(node_id))
+        node.notes = [*node.notes, "known from the state directory; waiting for it to reconnect after a scheduler restart"]
+        self._node_changed(node)
+
+    # ------------------------------------------------------------------ client API
+    def submit(self, spec: common_pb2.TaskSpec, *, owner: str, request_id: str = "") -> TaskRow:
+        """Validate and store a new PENDING task.
+
+        Raises:
+            InvalidArgument: bad spec (message names the field path).
+            FailedPrecondition: no node in the pool could ever hold it.
+        """
+        if len(request_id) > 128:
+            raise InvalidArgument("request_id: expected at most 128 characters")
+        if request_id:
+            existing = self.store.find_by_request(owner, request_id)
+            if existing is not None:
+                sent = common_pb2.TaskSpec()
+                sent.CopyFrom(spec)
+                if not sent.model:
+                    sent.model = existing.spec.model
+                if sent.SerializeToString(deterministic=True) != existing.spec.SerializeToString(deterministic=True):
+                    raise AlreadyExists(f"request_id {request_id!r} was already used for task {existing.task_id} with a different spec")
+                return self.tasks.get(existing.task_id) or existing
+        spec_copy = common_pb2.TaskSpec()
+        spec_copy.CopyFrom(spec)
+        if not spec_copy.model and task_uses_model(spec_copy.workload_type, _struct_dict(spec_copy, "env_config")):
+            if not self.config.default_model:
+                raise InvalidArgument("spec.model: expected a model folder or hub id (the scheduler config has no default_model to fall back on)")
+            spec_copy.model = self.config.default_model
+        try:
+            model = spec_from_proto(spec_copy, allowed_workloads=self.config.workload_names)
+        except SpecError as exc:
+            raise InvalidArgument(str(exc)) from None
+        most = self.max_possible_gpus()
+        if model.gpu_count > most:
+            raise FailedPrecondition(
+                f"spec.resources.gpu_count: {model.gpu_count} GPU(s) asked, but no node in the resource pool "
+                f"could ever offer more than {most} (gang placement needs all GPUs on one node)"
+            )
+        priority = model.priority if model.priority is not None else self.config.priority_of(model.workload_type)
+        max_attempts = spec.limits.max_attempts or self.config.default_max_attempts
+        now = time.time()
+        task = TaskRow(
+            task_id=new_task_id(),
+            owner=owner,
+            request_id=request_id or None,
+            spec=spec_copy,
+            state=S.TASK_STATE_PENDING,
+            attempt=1,
+            priority=int(priority or 0),
+            gpu_count=model.gpu_count,
+            max_attempts=max_attempts,
+            max_runtime_s=model.max_runtime_s,
+            create_time=now,
+            update_time=now,
+        )
+        ev = common_pb2.TaskEvent(
+            state_change=common_pb2.StateChange(
+                from_state=S.TASK_STATE_UNSPECIFIED, to_state=S.TASK_STATE_PENDING, attempt=1, reason="SUBMITTED",
+                message=f"{model.workload_type} on {model.model or model.env.env_id} ({model.gpu_count} GPU(s)) submitted by {owner}",
+            )
+        )
+        self.store.insert_task(task, ev)
+        self.tasks.added(task)
+        self._queued_at[task.task_id] = time.monotonic()
+        log.info("task submitted", task_id=task.task_id, owner=owner, workload_type=model.workload_type, gpu_count=model.gpu_count, priority=task.priority)
+        self._notify()
+        return task
+
+    def get(self, task_id: str, *, owner: str | None = None) -> TaskRow:
+        """The task as committed. An unfinished task's row is the core's own: read, don't change.
+
+        Raises NotFound (also for another owner's task, without confirming it exists)."""
+        if not task_id:
+            raise InvalidArgument("task_id: expected a task id, got ''")
+        task = self.tasks.get(task_id) or self.store.get_task(task_id)
+        if task is None or (owner is not None and task.owner != owner):
+            raise NotFound(f"task {short_id(task_id)} not found")
+        return task
+
+    def cancel(self, task_id: str, *, owner: str | None = None, reason: str = "") -> TaskRow:
+        """Cancel a pending or running task. Idempotent: a finished task is returned unchanged.
+
+        A running task's GPUs stay in the ledger until its node confirms the process is gone.
+        """
+        task = self.get(task_id, owner=owner)
+        if task.terminal:
+            return task
+        was_active = task.state in ACTIVE_STATES
+        node_id, attempt = task.node_id, task.attempt
+        self._transition(task, S.TASK_STATE_CANCELLED, "CANCELLED", reason or "cancelled by user", end=True, keep_node=True)
+        self._queued_at.pop(task_id, None)
+        self._victims.pop(task_id, None)
+        self._preempting.pop(task_id, None)
+        if was_active and node_id in self.nodes:
+            self.nodes[node_id].seal(task_id)
+            self.nodes[node_id].push(
+                node_pb2.ConnectResponse(cancel_task=node_pb2.CancelTask(task_id=task_id, attempt=attempt, reason=reason or "cancelled by user"))
+            )
+        return task
+
+    def max_possible_gpus(self) -> int:
+        """Most GPUs any one node could ever offer: pool entries and connected nodes."""
+        if self._max_gpus is None:
+            sizes = [n.gpu_count for n in self.config.resource_pool]
+            sizes += [n.gpu_count for n in self.nodes.values() if n.connected]
+            self._max_gpus = max(sizes, default=0)
+        return self._max_gpus
+
+    def pending_reason(self, task_id: str) -> str:
+        """Why a PENDING task has not started, for a person to read ("" when it is not pending).
+
+        Worked out when asked, from the ledger as it is now, so placement rounds do not spend
+        time writing reasons for thousands of queued tasks nobody reads."""
+        task = self.queue.get(task_id)
+        if task is None:
+            return ""
+        now = time.time()
+        if task.not_before > now:
+            return f"waiting {task.not_before - now:.0f} s more before retrying (backoff after a failed attempt)"
+        position, length = self.queue.position(task_id), len(self.queue)
+        waiting = self._preempting.get(task_id)
+        if waiting is not None:
+            node_id, victims = waiting
+            left = [v for v in victims if self._victims.get(v, (0, "", ""))[2] == task_id]
+            if left:
+                return (
+                    f"preempting {', '.join(left)} on {node_id} to make room (waiting for the node to confirm they "
+                    f"checkpointed and stopped; queue position {position} of {length})"
+                )
+        if self.free.best_fit_for(task.gpu_count, task.share_key) is not None:
+            return f"waiting for the next placement round (queue position {position} of {length})"
+        if self._caps is None or self._caps[0] != self._ledger_version:
+            self._caps = (self._ledger_version, [n.capacity() for n in self.nodes.values()])
+        pending = PendingTask(task.task_id, task.priority, task.create_time, task.gpu_count, task.not_before, task.share_key)
+        why = why_pending(pending, self._caps[1], position, length)
+        if self._reservation is not None and self._reservation[0] == task_id:
+            why += f"; {self._reservation[1]} is reserved for it (no task behind it starts there)"
+        return why
+
+    def tick(self) -> None:
+        """Periodic work: lost nodes, runtime limits, then placement."""
+        now_m = time.monotonic()
+        for node in list(self.nodes.values()):
+            if now_m - node.last_seen > self.config.lease_s and (node.connected or node.allocations):
+                if node.connected:
+                    node.connected = False
+                    self._node_changed(node, membership=True)
+                    node.push(None)
+                self._lose_node(node, f"no heartbeat for {self.config.lease_s:.0f} s (lease)")
+        now = time.time()
+        for task in [t for t in self.active.values() if t.state == S.TASK_STATE_RUNNING and t.max_runtime_s]:
+            if task.max_runtime_s and task.start_time and now - task.start_time > task.max_runtime_s:
+                node = self.nodes.get(task.node_id)
+                attempt = task.attempt
+                task.error = f"max_runtime of {task.max_runtime_s:.0f} s exceeded"
+                self._transition(task, S.TASK_STATE_FAILED, "TIMEOUT", task.error, end=True, keep_node=True)
+                self._victims.pop(task.task_id, None)
+                if node is not None:
+                    # The worker checkpoints on SIGTERM; that final checkpoint is still recorded
+                    # (see node_report) until the node reports the worker gone.
+                    self._timed_out[task.task_id] = (attempt, node.node_id)
+                    node.seal(task.task_id)
+                    node.push(node_pb2.ConnectResponse(cancel_task=node_pb2.CancelTask(task_id=task.task_id, attempt=attempt, reason="TIMEOUT")))
+        self.schedule()
+        self.preempt()
+
+    # ------------------------------------------------------------------ placement
+    def schedule(self) -> int:
+        """Place what fits now; push assignments. Returns the number placed.
+
+        Cheap when nothing can move (no pending task, or no node with room). A round decides
+        from the in-memory indexes (:func:`~opentinker_scheduler.policy.placement.place_round`), books
+        the GPUs in the ledger, commits all of its assignments in one transaction and only then
+        pushes them to the nodes. If a write fails, memory is rebuilt from the store and the
+        error raised.
+        """
+        if not self.queue or not self.free:
+            return 0
+        decided: list[tuple[TaskRow, NodeSession, tuple[int, ...]]] = []
+
+        def take(key: QueueKey, group: Group, node_id: str) -> None:
+            task, node = self.queue.row(key), self.nodes[node_id]
+            devices = node.capacity().choose_devices(*group)
+            node.allocate(task.task_id, task.attempt, devices, group[1])
+            decided.append((task, node, devices))
+
+        def reserve(key: QueueKey, gpu_count: int) -> str | None:
+            node_id = reservation_node(gpu_count, (n.capacity() for n in self.nodes.values()))
+            if node_id is not None:
+                self._reservation = (key[2], node_id)
+            return node_id
+
+        self._reservation = None
+        place_round(self.queue.groups(), self.free, time.time(), lambda key: self.queue.row(key).not_before, take, reserve)
+        if not decided:
+            return 0
+        try:
+            with self.store.batch():
+                for task, node, devices in decided:
+                    task.device_indices = list(devices)
+                    task.node_id = node.node_id
+                    where = f" GPUs {list(devices)}" if devices else " (CPU)"
+                    self._transition(task, S.TASK_STATE_ASSIGNED, "ASSIGNED", f"placed on {node.node_id}{where}", keep_node=True)
+        except BaseException:
+            self._rebuild()  # the round's rows, ledger entries and counts all go back to the store's
+            raise
+        now_m = time.monotonic()
+        for task, node, devices in decided:
+            queued = self._queued_at.pop(task.task_id, None)
+            if queued is not None:
+                self.placement_latencies.append(now_m - queued)
+            assign = node_pb2.AssignTask(task_id=task.task_id, attempt=task.attempt, spec=task.spec, device_indices=devices, owner=task.owner)
+            # paths.model_dirs in force (default_model exempt): the worker refuses hub-id-shaped names found in its folder.
+            assign.local_paths_restricted = (
+                self.config.paths.allowed("model_dirs", auth_enabled=self.config.auth.enabled) is not None
+                and task.spec.model != self.config.default_model
+            )
+            if task.latest_checkpoint is not None:
+                assign.resume_from.CopyFrom(task.latest_checkpoint)
+            init = init_checkpoint(self.store, task.spec)  # spec.init_from's final checkpoint
+            if init is not None:
+                assign.init_checkpoint.CopyFrom(init)
+            node.push(node_pb2.ConnectResponse(assign_task=assign))
+        return len(decided)
+
+    # ------------------------------------------------------------------ internals
+    def _lose_node(self, node: NodeSession, why: str) -> None:
+        for task_id, (attempt, _) in list(node.allocations.items()):
+            self._lose_allocation(node, task_id, attempt, "NODE_LOST", f"node {node.node_id} lost: {why}")
+
+    def _lose_allocation(self, node: NodeSession, task_id: str, attempt: int, reason: str, message: str) -> None:
+        self._victims.pop(task_id, None)  # a preemption in flight ends with the node
+        self._timed_out.pop(task_id, None)
+        task = self.active.get(task_id)
+        if task is not None and task.attempt == attempt:
+            log.warning("task attempt lost", task_id=task_id, attempt=attempt, node_id=node.node_id, why=message)
+            self._requeue(task, reason, message, backoff=False)
+        node.release(task_id)
+
+    def _fail_or_retry(self, task: TaskRow, reason: str, message: str, *, retryable: bool, extra=()) -> None:
+        if retryable and task.attempt < task.max_attempts:
+            self._requeue(task, reason, message, extra=extra, backoff=True)
+        else:
+            if retryable:
+                message = f"{message} (max_attempts {task.max_attempts} used)"
+            task.error = message
+            self._transition(task, S.TASK_STATE_FAILED, reason, message, extra=extra, end=True, keep_node=True)
+
+    def _requeue(self, task: TaskRow, reason: str, message: str, *, extra=(), backoff: bool, failure: bool = True) -> None:
+        """Back to PENDING as attempt + 1. A hand-back (drain, preemption) is not a failure: it
+        grants one more attempt, so only failures and lost nodes use up ``max_attempts``."""
+        if not failure:
+            task.max_attempts += 1
+        if task.attempt >= task.max_attempts:
+            task.error = f"{message}; max_attempts ({task.max_attempts}) exhausted"
+            self._transition(task, S.TASK_STATE_FAILED, reason, task.error, extra=extra, end=True, keep_node=True)
+            return
+        task.attempt += 1
+        task.node_id = ""
+        task.device_indices = []
+        task.not_before = time.time() + (min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S * 2 ** (task.attempt - 2)) if backoff else 0.0)
+        self._queued_at[task.task_id] = time.monotonic()
+        resume = f"; resumes from step {task.latest_checkpoint.step}" if task.latest_checkpoint is not None else ""
+        self._transition(task, S.TASK_STATE_PENDING, reason, f"{message}; attempt {task.attempt} queued{resume}", extra=extra, keep_node=True)
+
+    def _transition(
+        self,
+        task: TaskRow,
+        to_state: int,
+        reason: str,
+        message: str,
+        *,
+        extra=(),
+        end: bool = False,
+        keep_node: bool = False,
+    ) -> None:
+        """Commit ``task`` in ``to_state`` with a state-change event (after ``extra`` events)."""
+        from_state = task.state
+        now = time.time()
+        task.state = to_state
+        task.update_time = now
+        if end:
+            task.end_time = now
+        ev = common_pb2.TaskEvent(
+            state_change=common_pb2.StateChange(
+                from_state=from_state, to_state=to_state, attempt=task.attempt, reason=reason, message=message, node_id=task.node_id
+            )
+        )
+        self._write(task, [*extra, ev])
+        self.tasks.moved(task, from_state)
+        log.info("task state", task_id=task.task_id, attempt=task.attempt, from_state=STATE_NAMES[from_state], to_state=STATE_NAMES[to_state], reason=reason, detail=message)
+        self._notify()
+
+    def _write(self, task: TaskRow, events: list[common_pb2.TaskEvent]) -> None:
+        """Write a live row back with its events; if that fails, memory goes back to the store's."""
+        try:
+            self.store.update_task(task, events)
+        except BaseException:
+            self.tasks.reload(task.task_id, self.store)
+            raise
+
+    def _node(self, node_id: str) -> NodeSession:
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = NodeSession(
+                node_id=node_id, on_change=self._node_changed, defer=self.commits.hold, max_tasks_per_gpu=self.config.max_tasks_per_gpu
+            )
+        return node
+
+    def _node_changed(self, node: NodeSession, *, membership: bool = False) -> None:
+        """Re-index a node after its ledger, state or size changed."""
+        self._ledger_version += 1
+        if membership:
+            self._max_gpus = None
+        self.free.update(node.capacity())
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Wait until some task changes (or ``timeout`` seconds pass); for WatchTask."""
+        self._watchers += 1
+        try:
+            async with self.changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), timeout=timeout)
+        finally:
+            self._watchers -= 1
+
+    def _notify(self) -> None:
+        """Wake waiting WatchTask streams (once per loop turn, however many transitions)."""
+        if self._wake_pending or not self._watchers:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (unit tests of the core)
+        self._wake_pending = True
+        loop.create_task(self._wake())
+
+    async def _wake(self) -> None:
+        self._wake_pending = False
+        async with self.changed:
+            self.changed.notify_all()
+
+
+def _struct_dict(spec: common_pb2.TaskSpec, name: str) -> dict:
+    """A ``google.protobuf.Struct`` field of a spec as a plain dict ({} when unset)."""
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(getattr(spec, name)) if spec.HasField(name) else {}
+
+
+def short_id(task_id: str, limit: int = 80) -> str:
+    """``task_id`` quoted for a message, cut to ``limit`` characters (ids come from callers)."""
+    return repr(task_id[:limit]) + ("..." if len(task_id) > limit else "")
+
+
+def new_task_id() -> str:
+    """``task-`` + 19 hex digits: milliseconds since the epoch, then 32 random bits. Ids sort by
+    creation time, so recent tasks' rows and events share database pages (cheaper commits)."""
+    return f"task-{time.time_ns() // 1_000_000:011x}{secrets.randbits(32):08x}"

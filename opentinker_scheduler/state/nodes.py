@@ -1,0 +1,100 @@
+"""A trainer node as the scheduler tracks it: its stream, state, telemetry and GPU ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+from opentinker.common.v1 import common_pb2
+from opentinker.node.v1 import node_pb2
+
+from opentinker_scheduler.policy.placement import NodeCapacity
+
+
+@dataclass
+class NodeSession:
+    """A trainer node as the scheduler tracks it, connected or not."""
+
+    node_id: str
+    register: node_pb2.Register = field(default_factory=node_pb2.Register)
+    gpu_count: int = 0
+    max_tasks: int = 1
+    connected: bool = False
+    draining: bool = False
+    last_seen: float = field(default_factory=time.monotonic)  # monotonic seconds
+    last_heartbeat_time: float = 0.0  # unix seconds
+    telemetry: list[common_pb2.DeviceTelemetry] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    max_tasks_per_gpu: int = 1  # LoRA tasks on one base model may share a GPU up to this
+    # The GPU ledger: task_id -> (attempt, device indices) of everything occupying this node,
+    # including cancelled tasks whose process the node has not yet confirmed gone, and the
+    # GPU-sharing key of each (None: needs its GPUs to itself). Changed only through allocate()
+    # and release(), which tell the core (on_change) to re-index the node.
+    _ledger: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict, repr=False)
+    _share: dict[str, str | None] = field(default_factory=dict, repr=False)
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    generation: int = 0  # bumps on every (re)connect; stale streams' events are ignored
+    on_change: Callable[["NodeSession"], None] | None = field(default=None, repr=False, compare=False)
+    # Returns True when it took the command, to deliver once the open group commit is durable.
+    defer: Callable[[asyncio.Queue, object], bool] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def allocations(self) -> Mapping[str, tuple[int, tuple[int, ...]]]:
+        """The ledger, read-only."""
+        return MappingProxyType(self._ledger)
+
+    def allocate(self, task_id: str, attempt: int, devices: tuple[int, ...], share_key: str | None = None) -> None:
+        """Book ``devices`` for ``task_id``'s ``attempt`` (replacing what it held)."""
+        self._ledger[task_id] = (attempt, tuple(devices))
+        self._share[task_id] = share_key
+        if self.on_change is not None:
+            self.on_change(self)
+
+    def seal(self, task_id: str) -> None:
+        """Stop sharing ``task_id``'s GPUs: it is being stopped (cancel, timeout) and its process
+        is in no known state until the node confirms it gone, so nobody new joins its GPUs."""
+        if self._share.get(task_id) is not None:
+            self._share[task_id] = None
+            if self.on_change is not None:
+                self.on_change(self)
+
+    def release(self, task_id: str) -> tuple[int, tuple[int, ...]] | None:
+        held = self._ledger.pop(task_id, None)
+        self._share.pop(task_id, None)
+        if held is not None and self.on_change is not None:
+            self.on_change(self)
+        return held
+
+    def used_gpus(self) -> set[int]:
+        return {d for _, devs in self._ledger.values() for d in devs}
+
+    def gpu_share(self) -> dict[int, tuple[str, int]]:
+        """device -> (share key, tasks) for busy GPUs whose tasks all have the same share key."""
+        keys: dict[int, set[str | None]] = {}
+        counts: dict[int, int] = {}
+        for task_id, (_, devs) in self._ledger.items():
+            for d in devs:
+                keys.setdefault(d, set()).add(self._share.get(task_id))
+                counts[d] = counts.get(d, 0) + 1
+        return {d: (next(iter(k)), counts[d]) for d, k in keys.items() if len(k) == 1 and None not in k}  # type: ignore[misc]
+
+    def capacity(self) -> NodeCapacity:
+        used = self.used_gpus()
+        return NodeCapacity(
+            node_id=self.node_id,
+            gpu_count=self.gpu_count,
+            max_tasks=self.max_tasks,
+            running=len(self._ledger),
+            free_gpus=[i for i in range(self.gpu_count) if i not in used],
+            accepting=self.connected and not self.draining,
+            gpu_share=self.gpu_share(),
+            max_tasks_per_gpu=self.max_tasks_per_gpu,
+        )
+
+    def push(self, command: node_pb2.ConnectResponse | None) -> None:
+        """Send a command down the stream (None ends it), after any uncommitted write commits."""
+        if self.defer is None or not self.defer(self.outbox, command):
+            self.outbox.put_nowait(command)

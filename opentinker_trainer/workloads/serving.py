@@ -1,0 +1,109 @@
+"""``inference``: serve the task's base model plus LoRA adapters over ``InferenceService``.
+
+Loads the model once, starts a grpc.aio server (with health and reflection) on
+``hyperparameters.port`` (0 = any free port) on all interfaces, reports ``host:port`` upward
+(``ctx.emit_endpoint``; the scheduler shows it as ``Task.endpoint``) and serves until the task is
+cancelled (SIGTERM -> ``ctx.should_stop()``; in-flight requests get 2 s to finish) or ``ttl_s``
+runs out (the task ends SUCCEEDED).
+
+The advertised host is ``OPENTINKER_ADVERTISE_HOST`` (the node agent sets it from its
+``--advertise-host``). Adapters are resolved through the scheduler at
+``OPENTINKER_SCHEDULER_URL`` (set by the agent); their checkpoint folders are read directly, so
+they must be on a filesystem this node shares with the nodes that trained them.
+
+Security (docs/inference.md, "Security"): with ``OPENTINKER_SCHEDULER_URL`` set, every
+InferenceService call is checked against the scheduler with the caller's own API key
+(:class:`~opentinker_trainer.inference.access.AccessChecker`; decisions cached for
+``OPENTINKER_INFERENCE_AUTH_TTL_S`` seconds, default 10). With ``OPENTINKER_SERVE_TLS_CERT`` /
+``OPENTINKER_SERVE_TLS_KEY`` (the trainer's ``--serve-tls-cert`` / ``--serve-tls-key``) the port
+speaks TLS and the reported endpoint is ``https://host:port``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import torch
+
+from opentinker_trainer.context import WorkerContext
+from opentinker_trainer.inference.access import DEFAULT_TTL_S, TTL_ENV, AccessChecker
+from opentinker_trainer.inference.resolve import SchedulerResolver
+from opentinker_trainer.inference.runtime import ModelRuntime
+from opentinker_trainer.inference.server import start_inference_server
+from opentinker_trainer.inference.serve_tls import server_tls_from_env
+from opentinker_trainer.workloads import _lm
+
+log = _lm.get_logger("opentinker.trainer.inference")
+
+#: Seconds between checks for a stop request or the end of the TTL.
+POLL_S = 0.2
+
+
+def auth_ttl(env=None) -> float:
+    """Seconds an access decision is cached: ``$OPENTINKER_INFERENCE_AUTH_TTL_S``, default 10.
+
+    Raises:
+        ValueError: not a number > 0 (naming the variable).
+    """
+    text = (os.environ if env is None else env).get(TTL_ENV, "")
+    if not text:
+        return DEFAULT_TTL_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"{TTL_ENV}: expected seconds > 0, got {text!r}")
+    return value
+
+
+def run(ctx: WorkerContext) -> None:
+    cfg = ctx.spec.hyperparameters
+    tls = server_tls_from_env()  # checked at trainer start too; a bad file fails before the model loads
+    ttl = auth_ttl()
+    device = torch.device(ctx.device)
+    dtype = _lm.resolve_dtype(cfg.dtype, device)
+    log.info("loading model", task_id=ctx.task_id, model=ctx.spec.model, device=str(device), dtype=str(dtype))
+    tokenizer, model = _lm.load_model(ctx.spec.model, device, dtype)
+    scheduler = os.environ.get("OPENTINKER_SCHEDULER_URL")
+    resolver = SchedulerResolver(scheduler, ctx.spec.model) if scheduler else None
+    runtime = ModelRuntime(
+        model_name=ctx.spec.model,
+        tokenizer=tokenizer,
+        model=model,
+        stop_token_ids=_lm.stop_token_ids(tokenizer, model),
+        resolve=resolver,
+        max_resident_adapters=cfg.max_resident_adapters,
+        max_concurrent=cfg.max_concurrent_requests,
+    )
+    try:
+        asyncio.run(_serve(ctx, runtime, cfg, tls=tls, access_ttl=ttl if scheduler else None))
+    finally:
+        runtime.close()
+        if resolver is not None:
+            resolver.close()
+
+
+async def _serve(ctx: WorkerContext, runtime: ModelRuntime, cfg, *, tls=None, access_ttl: float | None = None) -> None:
+    # The checker asks the scheduler with the caller's key over the node's TLS settings.
+    access = AccessChecker(ttl=access_ttl) if access_ttl is not None else None
+    server = await start_inference_server(
+        runtime, host=os.environ.get("OPENTINKER_BIND_HOST", "0.0.0.0"), port=cfg.port, tls=tls, access=access, task_id=ctx.task_id
+    )
+    address = f"{os.environ.get('OPENTINKER_ADVERTISE_HOST') or '127.0.0.1'}:{server.port}"
+    if tls is not None:
+        address = f"https://{address}"  # tells clients to dial with TLS (InferenceClient does)
+    ctx.emit_endpoint(address)
+    log.info(
+        "serving", task_id=ctx.task_id, endpoint=address, ttl_s=cfg.ttl_s, max_resident_adapters=cfg.max_resident_adapters,
+        tls=tls is not None, api_key_check=access is not None, auth_cache_ttl_s=access_ttl,
+    )
+    deadline = time.monotonic() + cfg.ttl_s
+    try:
+        while not ctx.should_stop() and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+    finally:
+        await server.stop(grace=2.0)
+    log.info("stopped serving", task_id=ctx.task_id, reason="stop requested" if ctx.should_stop() else "ttl", steps=runtime.steps)

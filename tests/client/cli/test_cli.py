@@ -1,0 +1,207 @@
+"""The `opentinker` command, run in a subprocess (against the TEST DOUBLE where it needs a scheduler)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.client.fake_scheduler import S
+from tests.client.test_client import finished_task
+
+
+def run(*args, url=None, timeout=60):
+    env = {k: v for k, v in os.environ.items() if k not in ("SCHEDULER_URL", "OPENTINKER_API_KEY")}
+    env["COLUMNS"] = "200"
+    cmd = [sys.executable, "-m", "opentinker_client"]
+    if url:
+        cmd += ["--scheduler-url", url]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def one_line_error(proc, *needles):
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0]
+    return lines[0]
+
+
+def test_help():
+    proc = run("--help")
+    assert proc.returncode == 0
+    for word in ("submit", "watch", "list", "get", "cancel", "nodes", "--scheduler-url", "SCHEDULER_URL"):
+        assert word in proc.stdout
+    proc = run("submit", "--help")
+    assert proc.returncode == 0 and "--watch" in proc.stdout
+
+
+def test_console_script_installed():
+    script = os.path.join(os.path.dirname(sys.executable), "opentinker")
+    if not os.path.exists(script):
+        pytest.skip("console script not installed in this environment")
+    proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "submit" in proc.stdout
+
+
+def test_bad_config_exits_2_with_one_line(tmp_path):
+    path = tmp_path / "task.yaml"
+    path.write_text("workload_type: lora_finetune\nhyperparameters:\n  steps: 15\n  lr: 0.1\n")
+    line = one_line_error(run("submit", str(path)), "INVALID_ARGUMENT", f"{path}:4: hyperparameters.lr: unknown key")
+    assert line.startswith("error: INVALID_ARGUMENT: ")
+    path.write_text("workload_type: lora_finetun\n")
+    one_line_error(run("submit", str(path)), f"{path}:1: workload_type: expected one of lora_finetune")
+
+
+def test_missing_file_and_bad_url(tmp_path):
+    one_line_error(run("submit", str(tmp_path / "nope.yaml")), "cannot read", "nope.yaml")
+    one_line_error(run("--scheduler-url", "ftp://h:1", "list"), "unknown scheme")  # (https:// means TLS: tests/scheduler/security/test_auth.py)
+    one_line_error(run("--scheduler-url", "h", "list"), "port is missing")
+
+
+def test_unreachable_scheduler(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    one_line_error(run("get", "t1", url=f"127.0.0.1:{port}"), "UNAVAILABLE")
+
+
+def test_submit_prints_the_task_id(fake, tmp_path):
+    servicer, server = fake
+    path = tmp_path / "task.yaml"
+    path.write_text(textwrap.dedent("""\
+        name: cli-demo
+        workload_type: lora_finetune
+        env: {env_id: arithmetic, max_digits: 2}
+        hyperparameters: {steps: 3}
+        """))
+    proc = run("submit", str(path), url=server.url)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "task-0001"
+    assert servicer.submits[0].spec.name == "cli-demo"
+
+
+def test_watch_success_and_failure(fake):
+    servicer, server = fake
+    ok = finished_task(servicer, steps=3)
+    proc = run("watch", ok, url=server.url)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "step 1/15" in out or "step 1" in out
+    assert "reward 0.100" in out and "loss 1.0000" in out
+    assert "running -> succeeded" in out
+    assert "checkpoint step 3 (final): /ckpt/final (peft_lora)" in out
+    assert f"task {ok} succeeded after 3 steps" in out
+
+    bad = finished_task(servicer, final=S.TASK_STATE_FAILED)
+    proc = run("watch", bad, url=server.url)
+    assert proc.returncode == 1, proc.stderr
+    assert "running -> failed" in proc.stdout and "error: boom" in proc.stdout
+
+    one_line_error(run("watch", "missing", url=server.url), "NOT_FOUND")
+
+
+def test_watch_shows_total_steps_from_hyperparameters(fake):
+    from opentinker.common.v1 import common_pb2
+    from opentinker_client.convert import dict_to_struct
+
+    servicer, server = fake
+    spec = common_pb2.TaskSpec(workload_type="lora_finetune", hyperparameters=dict_to_struct({"steps": 2}))
+    task_id = servicer.add_task(S.TASK_STATE_RUNNING, spec=spec).task_id
+    servicer.add_metric(task_id, 1, 0.5, 0.25)
+    servicer.add_state(task_id, S.TASK_STATE_SUCCEEDED)
+    proc = run("watch", task_id, url=server.url)
+    assert proc.returncode == 0 and "step 1/2  reward 0.250  loss 0.5000" in proc.stdout
+
+
+def test_submit_watch(fake, tmp_path):
+    import threading
+
+    servicer, server = fake
+    path = tmp_path / "task.yaml"
+    path.write_text("workload_type: lora_finetune\nhyperparameters: {steps: 1}\n")
+
+    def finish():  # the submitted task runs and succeeds while the CLI watches
+        import time
+
+        for _ in range(200):
+            if "task-0001" in servicer.tasks:
+                break
+            time.sleep(0.05)
+        servicer.add_state("task-0001", S.TASK_STATE_RUNNING, reason="STARTED")
+        servicer.add_metric("task-0001", 1, 0.1, 1.0)
+        servicer.add_state("task-0001", S.TASK_STATE_SUCCEEDED, reason="COMPLETED")
+
+    t = threading.Thread(target=finish)
+    t.start()
+    proc = run("submit", str(path), "--watch", url=server.url)
+    t.join()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == "task-0001"
+    assert "step 1/1" in proc.stdout and "succeeded" in proc.stdout
+
+
+def test_list_get_cancel(fake):
+    servicer, server = fake
+    pending = servicer.add_task(S.TASK_STATE_PENDING, pending_reason="no node has 4 free GPUs; largest free block is 2 on gpu-node-01").task_id
+    running = servicer.add_task(S.TASK_STATE_RUNNING, node_id="gpu-node-01").task_id
+    proc = run("list", url=server.url)
+    assert proc.returncode == 0, proc.stderr
+    assert pending in proc.stdout and running in proc.stdout
+    assert "no node has 4 free GPUs; largest free block is 2 on gpu-node-01" in proc.stdout
+    proc = run("list", "--state", "running", url=server.url)
+    assert running in proc.stdout and pending not in proc.stdout
+    assert run("list", "--state", "bogus", url=server.url).returncode == 2  # argparse refuses
+
+    proc = run("get", pending, url=server.url)
+    assert proc.returncode == 0 and "pending reason" in proc.stdout and "largest free block" in proc.stdout
+    proc = run("get", pending, "--json", url=server.url)
+    data = json.loads(proc.stdout)
+    assert data["state"] == "pending" and data["pending_reason"].startswith("no node")
+
+    proc = run("cancel", running, "--reason", "enough", url=server.url)
+    assert proc.returncode == 0 and f"task {running} is cancelled" in proc.stdout
+    proc = run("get", running, url=server.url)
+    assert "cancelled by user: enough" in proc.stdout
+    one_line_error(run("cancel", "missing", url=server.url), "NOT_FOUND")
+
+
+def test_nodes(fake):
+    from opentinker.common.v1 import common_pb2
+    from opentinker.scheduler.v1 import scheduler_pb2
+
+    servicer, server = fake
+    proc = run("nodes", url=server.url)
+    assert proc.returncode == 0 and "no nodes" in proc.stdout
+    servicer.nodes = [
+        scheduler_pb2.Node(
+            node_id="gpu-node-01",
+            connected=True,
+            gpu_count=2,
+            gpus_free=1,
+            max_tasks=8,
+            running_task_ids=["t1"],
+            devices=[common_pb2.Device(index=0, name="NVIDIA H200", memory_total_bytes=150 * 2**30), common_pb2.Device(index=1, name="NVIDIA H200")],
+            telemetry=[
+                common_pb2.DeviceTelemetry(
+                    index=0, utilization_percent=87.0, memory_used_bytes=40 * 2**30, memory_total_bytes=150 * 2**30,
+                    temperature_c=61.0, sm_clock_mhz=1980, unavailable={"power_w": "NotSupported"},
+                )
+            ],
+        ),
+        scheduler_pb2.Node(node_id="sim-node", connected=False, gpu_count=1, devices=[common_pb2.Device(index=0, name="sim", simulated=True)], notes=["simulated GPUs"]),
+    ]
+    proc = run("nodes", url=server.url)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "gpu-node-01" in out and "1/2" in out and "1/8" in out
+    assert "87%" in out and "40.0 GiB / 150.0 GiB" in out and "61 C" in out and "1980 MHz" in out
+    assert "n/a (NotSupported)" in out
+    assert "simulated" in out

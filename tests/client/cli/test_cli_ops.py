@@ -1,0 +1,279 @@
+"""`opentinker logs | plot | export | watch | nodes` against a real scheduler and real trainer
+processes on loopback (tasks on a tiny random Llama): the PNG opens, the SVG has one marker per
+point, the TensorBoard event file reads back, logs are lines, watch draws a bar on a terminal and
+lines off one, nodes shows per-GPU telemetry."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import Cluster
+
+TINY_HP = {"steps": 4, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4, "checkpoint_every": 2}
+
+
+def cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("SCHEDULER_URL", "OPENTINKER_API_KEY")}
+    env["COLUMNS"] = "200"
+    return env
+
+
+def run(url: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "opentinker_client", "--scheduler-url", url, *args], capture_output=True, text=True, env=cli_env(), timeout=timeout)
+
+
+def run_on_tty(url: str, *args: str, timeout: float = 60) -> tuple[int, str]:
+    """Run the CLI with stdout on a pseudo-terminal (what a person sees); returns (rc, output)."""
+    master, slave = pty.openpty()
+    env = {**cli_env(), "TERM": "xterm-256color"}
+    proc = subprocess.Popen([sys.executable, "-m", "opentinker_client", "--scheduler-url", url, *args], stdout=slave, stderr=subprocess.PIPE, env=env)
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                break
+    finally:
+        os.close(master)
+    rc = proc.wait(timeout=10)
+    text = b"".join(chunks).decode(errors="replace")
+    return rc, re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)  # colours and cursor moves off
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory, tiny_model_dir):
+    """A real cluster (a CPU node and a node with 2 simulated GPUs) with one task that succeeded
+    after 4 steps and one that failed at once (its model does not exist)."""
+    from opentinker_client import RLClient
+
+    cluster = Cluster(tmp_path_factory.mktemp("ops"))
+    try:
+        cluster.start_scheduler()
+        cluster.start_trainer("cpu-node")
+        cluster.start_trainer("sim-node", "--simulate-gpus", "2")
+        cluster.wait_nodes(2)
+        with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+            ok = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=0, hyperparameters=TINY_HP, name="ops-demo")
+            bad = client.submit_task(workload_type="lora_finetune", model="/no/such/model", gpu_count=0, hyperparameters=TINY_HP)
+            for task_id in (ok, bad):
+                try:
+                    client.wait(task_id, timeout=180, poll_interval=0.2)
+                except Exception:  # noqa: BLE001 - the bad one raises TaskFailedError
+                    pass
+            assert client.get_task(ok).state == "succeeded"
+            assert client.get_task(bad).state == "failed"
+        yield cluster, ok, bad
+    finally:
+        cluster.close()
+
+
+# --------------------------------------------------------------------------------------- plot
+
+
+def test_plot_writes_a_png(ran, tmp_path) -> None:
+    cluster, ok, _ = ran
+    out = tmp_path / "curves.png"
+    proc = run(cluster.url, "plot", ok, "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"wrote {out}: 4 reward point(s), 4 loss point(s)"
+    from PIL import Image
+
+    with Image.open(out) as img:
+        assert img.format == "PNG" and img.size == (800, 520)  # 8 x 5.2 inches at 100 dpi
+        assert len(img.convert("RGB").getcolors(1 << 20)) > 2  # something was drawn
+    assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]  # no temporary file left
+
+
+def test_plot_has_one_marker_per_finite_point(tmp_path) -> None:
+    from opentinker_client.cli.plot import plot_history
+
+    history = [(1, {"reward": 0.1, "loss": 1.0}), (2, {"reward": float("nan"), "loss": 0.9}), (3, {"reward": 0.3}), (5, {"reward": 0.5, "loss": 0.7})]
+    out = tmp_path / "c.svg"
+    assert plot_history(history, out) == {"reward": 3, "loss": 3}
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(out).getroot()
+    groups = {g.get("id"): g for g in root.iter("{http://www.w3.org/2000/svg}g")}
+    for key in ("reward", "loss"):  # one marker per finite point, in the curve's own group
+        assert len(list(groups[f"curve-{key}"].iter("{http://www.w3.org/2000/svg}use"))) == 3
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot_history([(1, {"kl": 0.1})], tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_plot_errors_are_one_line(ran, tmp_path) -> None:
+    cluster, _, bad = ran
+    one_line_error(run(cluster.url, "plot", bad, "-o", str(tmp_path / "x.png")), f"task {bad}: nothing to plot")
+    one_line_error(run(cluster.url, "plot", "task-000000000000"), "NOT_FOUND")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_without_matplotlib_says_which_extra(ran, tmp_path, monkeypatch, capsys) -> None:
+    from opentinker_client.cli import commands
+
+    cluster, ok, _ = ran
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    assert commands.main(["--scheduler-url", cluster.url, "plot", ok, "-o", str(tmp_path / "x.png")]) == 2
+    assert "error: plotting needs matplotlib: pip install 'opentinker[plot]'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- export
+
+
+def read_tfrecords(path: Path) -> list[bytes]:
+    """Records of a TFRecord file, checking both masked CRC32C checksums of each."""
+    from tensorboardX.crc32c import crc32c
+
+    def masked(data: bytes) -> int:
+        crc = crc32c(data)
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    data = path.read_bytes()
+    out, i = [], 0
+    while i < len(data):
+        header = data[i : i + 8]
+        (length,) = struct.unpack("<Q", header)
+        (length_crc,) = struct.unpack("<I", data[i + 8 : i + 12])
+        assert length_crc == masked(header)
+        body = data[i + 12 : i + 12 + length]
+        (body_crc,) = struct.unpack("<I", data[i + 12 + length : i + 16 + length])
+        assert body_crc == masked(body)
+        out.append(body)
+        i += 16 + length
+    return out
+
+
+def test_export_tensorboard_event_file_reads_back(ran, tmp_path) -> None:
+    from tensorboardX.proto import event_pb2
+
+    from opentinker_client import RLClient
+
+    cluster, ok, _ = ran
+    proc = run(cluster.url, "export", ok, "--tensorboard", str(tmp_path / "tb"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"to {tmp_path / 'tb' / ok}" in proc.stdout
+    (event_file,) = (tmp_path / "tb" / ok).glob("events.out.tfevents.*")
+    scalars: dict[str, dict[int, float]] = {}
+    texts = []
+    for record in read_tfrecords(event_file):
+        ev = event_pb2.Event.FromString(record)
+        for v in ev.summary.value:
+            if v.HasField("simple_value"):
+                scalars.setdefault(v.tag, {})[ev.step] = v.simple_value
+            elif v.HasField("tensor"):
+                texts.append(b"".join(v.tensor.string_val).decode())
+    with RLClient(scheduler_url=cluster.url) as client:
+        history = client.get_metric_history(ok)
+    assert sorted(scalars["reward"]) == [1, 2, 3, 4] and sorted(scalars["loss"]) == [1, 2, 3, 4]
+    for step, values in history:
+        for key in ("loss", "reward", "perf/step_s"):
+            assert scalars[key][step] == pytest.approx(values[key], rel=1e-6, abs=1e-6)
+    assert f"wrote {sum(len(v) for v in scalars.values())} scalar(s) over 4 step(s)" in proc.stdout
+    assert any('"workload_type": "lora_finetune"' in t and ok in t for t in texts)
+
+
+def test_export_errors_are_one_line(ran, tmp_path) -> None:
+    cluster, _, bad = ran
+    one_line_error(run(cluster.url, "export", bad, "--tensorboard", str(tmp_path)), f"task {bad}: nothing to export")
+    assert run(cluster.url, "export", bad).returncode == 2  # --tensorboard is required (argparse)
+
+
+# --------------------------------------------------------------------------------------- logs
+
+
+def test_logs_of_finished_tasks(ran) -> None:
+    cluster, ok, bad = ran
+    proc = run(cluster.url, "logs", ok)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert "state pending -> assigned" in proc.stdout and "state running -> succeeded" in proc.stdout
+    assert any(re.search(r"#\d+  checkpoint step 2: ", line) for line in lines)
+    assert any("checkpoint step 4 (final): " in line for line in lines)
+    assert "reward" not in proc.stdout  # metric lines only with --metrics
+    with_metrics = run(cluster.url, "logs", ok, "--metrics")
+    assert [int(m) for m in re.findall(r"step (\d+)  reward", with_metrics.stdout)] == [1, 2, 3, 4]
+
+    proc = run(cluster.url, "logs", bad)
+    assert proc.returncode == 0, proc.stderr
+    assert "-> failed" in proc.stdout and "/no/such/model" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("error: ")
+    one_line_error(run(cluster.url, "logs", "task-000000000000"), "NOT_FOUND")
+
+
+def test_logs_of_a_running_task_returns_without_follow(ran, tiny_model_dir) -> None:
+    from opentinker_client import RLClient
+
+    cluster, _, _ = ran
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=0, hyperparameters={**TINY_HP, "steps": 400, "checkpoint_every": 0})
+        cluster.wait_state(task_id, 3, what=lambda t: t.latest_step >= 1)  # RUNNING
+        proc = run(cluster.url, "logs", task_id, timeout=30)  # returns: the task is still running
+        assert proc.returncode == 0, proc.stderr
+        assert "state assigned -> running" in proc.stdout and "succeeded" not in proc.stdout
+        client.cancel(task_id, reason="test over")
+        followed = run(cluster.url, "logs", task_id, "--follow", timeout=60)
+        assert "-> cancelled" in followed.stdout
+
+
+# ------------------------------------------------------------------------------- watch, nodes
+
+
+def test_watch_bar_on_a_terminal_lines_off_one(ran) -> None:
+    cluster, ok, _ = ran
+    rc, out = run_on_tty(cluster.url, "watch", ok)
+    assert rc == 0, out
+    assert "━" in out and "4/4" in out and "ETA" in out  # the bar: step of total, ETA
+    assert re.search(r"reward -?\d\.\d{3} loss -?\d", out)
+    assert "step 1/4  reward" not in out  # no per-step lines under the bar
+    assert "running -> succeeded" in out and f"task {ok} succeeded after 4 steps" in out
+
+    rc, plain = run_on_tty(cluster.url, "watch", ok, "--plain")
+    assert rc == 0 and "━" not in plain
+    assert [int(m) for m in re.findall(r"step (\d)/4  reward", plain)] == [1, 2, 3, 4]
+
+    piped = run(cluster.url, "watch", ok)  # not a terminal: lines, no bar
+    assert piped.returncode == 0 and "━" not in piped.stdout
+    assert [int(m) for m in re.findall(r"step (\d)/4  reward", piped.stdout)] == [1, 2, 3, 4]
+
+
+def test_nodes_table_shows_telemetry(ran) -> None:
+    cluster, _, _ = ran
+    proc = run(cluster.url, "nodes")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "cpu-node" in out and "sim-node" in out and "2/2 (simulated)" in out
+    gpu_rows = [line.strip() for line in out.splitlines() if line.strip().startswith("sim-node") and "Simulated GPU (simulated)" in line]
+    assert len(gpu_rows) == 2
+    for row in gpu_rows:
+        assert "0%" in row and "0.0 GiB / 80.0 GiB" in row
+        assert row.count("n/a (simulated device)") == 4  # temperature, power, SM clock, ECC: absent, with the reason

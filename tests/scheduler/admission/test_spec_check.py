@@ -1,0 +1,186 @@
+"""SubmitTask builds environments off the event loop, at most two at once, within
+``limits.spec_check_timeout`` (issue 6, item 1).
+
+A real scheduler on loopback (grpc.aio, SQLite). The slow environment is a TEST DOUBLE of
+``opentinker_common.spec.gym._real_spaces`` (the lru-cached function that builds a gymnasium
+environment to read its spaces) that blocks until the test releases it, so nothing depends on
+how fast this machine is.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import opentinker_common.spec.gym as gym_spec
+from opentinker.common.v1 import common_pb2 as C
+from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
+from opentinker_scheduler.config import ConfigError, parse_config
+from opentinker_scheduler.admission.spec_check import DEFAULT_TIMEOUT_S, checker_for
+
+from tests.support.security import LoopbackScheduler
+
+
+class BlockingBuilder:
+    """TEST DOUBLE of ``gym._real_spaces``: CartPole's spaces, after waiting for :attr:`release`
+    when ``env_kwargs`` hold ``block: true``. Wrapped in ``lru_cache`` like the real one."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Semaphore(0)
+        self.calls: list[tuple] = []
+        self.active = 0
+        self.max_active = 0
+        self._lock = threading.Lock()
+        self.cached = functools.lru_cache(maxsize=64)(self._build)
+
+    def _build(self, env_id: str, kwargs_items: str):  # the canonical JSON of env_kwargs (gym_spec.kwargs_key)
+        with self._lock:
+            self.calls.append(kwargs_items)
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        self.entered.release()
+        try:
+            if json.loads(kwargs_items).get("block"):
+                self.release.wait(60)
+            return ("Discrete(2)", "Box(-inf, inf, (4,), float32)", 2, 4)
+        finally:
+            with self._lock:
+                self.active -= 1
+
+    def wait_entered(self, n: int = 1) -> None:
+        for _ in range(n):
+            assert self.entered.acquire(timeout=30), "the check never started"
+
+
+@pytest.fixture
+def builder(monkeypatch):
+    b = BlockingBuilder()
+    monkeypatch.setattr(gym_spec, "_real_spaces", b.cached)
+    yield b
+    b.release.set()
+
+
+def _start(tmp_path, config_text: str = ""):
+    sched = LoopbackScheduler(tmp_path / "state", config_text)
+    channel = grpc.insecure_channel(sched.target)
+    return sched, channel, scheduler_pb2_grpc.SchedulerServiceStub(channel)
+
+
+def _request(**env_kwargs) -> S.SubmitTaskRequest:
+    spec = C.TaskSpec(workload_type="full_rl")
+    spec.env_config.update({"env_id": "CartPole-v1", "env_kwargs": env_kwargs})
+    return S.SubmitTaskRequest(spec=spec)
+
+
+def test_the_loop_answers_while_an_environment_is_built_and_submit_builds_once(tmp_path, builder) -> None:
+    sched, channel, stub = _start(tmp_path)
+    try:
+        pending = stub.SubmitTask.future(_request(block=True, tag=1), timeout=60)
+        builder.wait_entered()
+        # The build is blocked in its thread; the loop still serves RPCs and health.
+        assert stub.ListTasks(S.ListTasksRequest(), timeout=10).tasks == []
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert not pending.done()
+        builder.release.set()
+        task = pending.result().task
+        assert task.state == C.TASK_STATE_PENDING
+        # core.submit validated the same spec again on the loop and found the build cached.
+        assert builder.calls == ['{"block":true,"tag":1}']
+        assert [t.task_id for t in stub.ListTasks(S.ListTasksRequest()).tasks] == [task.task_id]
+    finally:
+        channel.close()
+        sched.close()
+
+
+def test_a_build_past_the_budget_is_invalid_argument_and_nothing_is_stored(tmp_path, builder) -> None:
+    sched, channel, stub = _start(tmp_path, "limits: {spec_check_timeout: 0.5}\n")
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SubmitTask(_request(block=True), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == "spec.env_config: building the environment took longer than 0.5 s; use smaller env_kwargs"
+        assert stub.ListTasks(S.ListTasksRequest()).tasks == []
+        # The same env_config again: refused at once, without another build.
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SubmitTask(_request(block=True), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "took longer than 0.5 s" in err.value.details()
+        assert len(builder.calls) == 1
+        # Another spec is fine (one slot is still held by the blocked build, the other is free).
+        assert stub.SubmitTask(_request(fast=1), timeout=30).task.state == C.TASK_STATE_PENDING
+    finally:
+        builder.release.set()
+        channel.close()
+        sched.close()
+
+
+def test_at_most_two_builds_at_once_and_a_caller_without_a_slot_is_told_to_retry(tmp_path, builder) -> None:
+    sched, channel, stub = _start(tmp_path, "limits: {spec_check_timeout: 1}\n")
+    try:
+        calls = [stub.SubmitTask.future(_request(block=True, n=i), timeout=60) for i in range(3)]
+        builder.wait_entered(2)
+        codes = []
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                call.result()
+            codes.append(err.value.code())
+            if err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                assert "2 environment checks are already running" in err.value.details()
+                assert "limits.spec_check_timeout" in err.value.details()
+        assert sorted(c.name for c in codes) == ["INVALID_ARGUMENT", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"]
+        assert builder.max_active == 2 and len(builder.calls) == 2
+        # The slots come back only when the runaway builds really end.
+        builder.release.set()
+        checker = checker_for(sched.core)
+        deadline = time.monotonic() + 30
+        while checker.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert checker.running == 0
+        assert stub.SubmitTask(_request(fast=2), timeout=30).task.state == C.TASK_STATE_PENDING
+    finally:
+        channel.close()
+        sched.close()
+
+
+def test_the_real_builder_runs_once_per_submit(tmp_path) -> None:
+    sched, channel, stub = _start(tmp_path)
+    try:
+        gym_spec._real_spaces.cache_clear()
+        spec = C.TaskSpec(workload_type="full_rl")
+        spec.env_config.update({"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}, "action_space": 4})
+        assert stub.SubmitTask(S.SubmitTaskRequest(spec=spec), timeout=60).task.state == C.TASK_STATE_PENDING
+        info = gym_spec._real_spaces.cache_info()
+        assert info.misses == 1 and info.hits >= 1  # built in the thread, found cached by core.submit
+    finally:
+        channel.close()
+        sched.close()
+
+
+def test_oversized_env_kwargs_are_refused_quickly_with_the_field_path(tmp_path) -> None:
+    sched, channel, stub = _start(tmp_path)
+    try:
+        spec = C.TaskSpec(workload_type="full_rl")
+        spec.env_config.update({"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"N": 3200}})
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SubmitTask(S.SubmitTaskRequest(spec=spec), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == "spec.env_config.env_kwargs.N: expected an integer in [1, 32], got 3200"
+        assert stub.ListTasks(S.ListTasksRequest()).tasks == []
+    finally:
+        channel.close()
+        sched.close()
+
+
+def test_spec_check_timeout_config() -> None:
+    assert parse_config("limits: {spec_check_timeout: 2.5}\n", "x.yaml").limits.spec_check_timeout == 2.5
+    assert parse_config("limits: {}\n", "x.yaml").limits.resolved(auth_enabled=False).spec_check_timeout == DEFAULT_TIMEOUT_S
+    for bad in ("0", "-1", "1000", "soon"):
+        with pytest.raises(ConfigError, match="limits.spec_check_timeout"):
+            parse_config(f"limits: {{spec_check_timeout: {bad}}}\n", "x.yaml")

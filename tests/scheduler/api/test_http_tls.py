@@ -1,0 +1,119 @@
+"""HTTPS on the scheduler's HTTP port (``http_tls:``): a real scheduler on loopback serves /health
+and /metrics over TLS to clients that trust its CA, refuses plain HTTP, is not blocked by a client
+that never finishes its handshake, and bad files are refused at start with file:line:key."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import ssl
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import replace
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from opentinker_scheduler.config import ConfigError, parse_config
+from opentinker_scheduler.server import start_scheduler
+
+from tests.support.security import make_certs
+
+
+@contextlib.contextmanager
+def running(config):
+    """A real scheduler (gRPC and HTTP on free loopback ports) in a background event loop."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        sched = asyncio.run_coroutine_threadsafe(start_scheduler(config, host="127.0.0.1", port=0, http_port=0), loop).result(60)
+        try:
+            yield sched
+        finally:
+            asyncio.run_coroutine_threadsafe(sched.stop(0), loop).result(60)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def get(url: str, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10, context=context) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+@pytest.fixture
+def certs(tmp_path):
+    return make_certs(tmp_path / "certs")
+
+
+def _config(tmp_path, text: str):
+    return replace(parse_config(text, "x.yaml", base_dir=tmp_path), state_dir=tmp_path / "state")
+
+
+def test_health_and_metrics_over_https_with_the_ca(tmp_path, certs) -> None:
+    cfg = _config(tmp_path, "http_tls: {cert: certs/server.pem, key: certs/server.key}\n")
+    assert cfg.http_tls.cert == certs.server_cert and cfg.http_tls.key == certs.server_key
+    trust = ssl.create_default_context(cafile=str(certs.ca))
+    with running(cfg) as sched:
+        assert sched.http.scheme == "https"
+        base = f"https://localhost:{sched.http.port}"
+        assert get(base + "/health", trust) == (200, b'{"status": "ok"}')
+        status, body = get(base + "/metrics", trust)
+        assert status == 200
+        names = {f.name for f in text_string_to_metric_families(body.decode())}
+        assert {"opentinker_queue_depth", "opentinker_tasks", "opentinker_nodes", "opentinker_scheduling_latency_seconds"} <= names
+        assert get(base + "/nope", trust)[0] == 404
+
+        # Plain HTTP to the HTTPS port gets no answer.
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            get(f"http://127.0.0.1:{sched.http.port}/health")
+        # A client that does not trust the CA fails the handshake with a certificate error.
+        with pytest.raises(urllib.error.URLError) as err:
+            get(base + "/health", ssl.create_default_context())
+        assert isinstance(err.value.reason, ssl.SSLCertVerificationError)
+
+        # A client that connects and never starts its handshake blocks nobody ...
+        with socket.create_connection(("127.0.0.1", sched.http.port)):
+            assert get(base + "/health", trust)[0] == 200
+            # ... and the server drops it after its handshake timeout.
+            sched.http.server.timeout_s = 0.3  # for connections accepted from now on
+            with socket.create_connection(("127.0.0.1", sched.http.port)) as stalled2:
+                stalled2.settimeout(30)
+                assert stalled2.recv(1) == b""  # closed by the server
+            assert get(base + "/health", trust)[0] == 200
+
+
+def test_plain_http_port_without_http_tls_is_unchanged(tmp_path) -> None:
+    cfg = _config(tmp_path, "heartbeat_interval: 1\n")
+    assert cfg.http_tls is None
+    with running(cfg) as sched:
+        assert sched.http.scheme == "http"
+        status, body = get(f"http://127.0.0.1:{sched.http.port}/health")
+        assert (status, json.loads(body)) == (200, {"status": "ok"})
+
+
+def test_bad_http_tls_files_are_refused_at_start_with_file_line_and_key(tmp_path, certs) -> None:
+    (tmp_path / "certs" / "junk.pem").write_text("not pem")
+    cases = {
+        "http_tls: {cert: certs/server.pem}\n": "http_tls.key: expected a PEM file path",
+        "http_tls: {key: certs/server.key}\n": "http_tls.cert: expected a PEM file path",
+        "http_tls: {cert: certs/server.pem, key: certs/server.key, ca: x}\n": "http_tls.ca: expected one of the known keys",
+        "http_tls: {cert: certs/nope.pem, key: certs/server.key}\n": "http_tls.cert: expected a readable PEM file, got 'certs/nope.pem'",
+        "http_tls: {cert: certs/junk.pem, key: certs/server.key}\n": "http_tls.cert: expected a PEM file",
+        # a key that is not the certificate's (the node's key with the server's certificate)
+        "http_tls: {cert: certs/server.pem, key: certs/node.key}\n": "http_tls.key: expected the private key of http_tls.cert",
+        # a certificate given as the key
+        "http_tls: {cert: certs/server.pem, key: certs/ca.pem}\n": "http_tls.key: expected the private key of http_tls.cert",
+        "http_tls: yes\n": "http_tls: expected a mapping",
+    }
+    for text, message in cases.items():
+        with pytest.raises(ConfigError) as err:
+            parse_config(text, "x.yaml", base_dir=tmp_path)
+        assert str(err.value).startswith(f"x.yaml:1: {message}"), str(err.value)

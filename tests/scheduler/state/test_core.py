@@ -1,0 +1,399 @@
+"""The scheduler state machine without gRPC: submit, place, report, fencing, node loss, restart."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from google.protobuf import struct_pb2
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from opentinker.common.v1 import common_pb2 as C
+from opentinker.node.v1 import node_pb2 as N
+from opentinker_scheduler.config import PoolNode, SchedulerConfig
+from opentinker_scheduler.state.core import SchedulerCore
+from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from opentinker_scheduler.state.store import Store
+
+
+def make_core(tmp: Path, **kw) -> SchedulerCore:
+    cfg = SchedulerConfig(resource_pool=(PoolNode("gpu-node-01", 4, 8),), state_dir=tmp, **kw)
+    return SchedulerCore(cfg, Store(tmp))
+
+
+def spec(gpus: int = 0, model: str = "/models/m", **hp) -> C.TaskSpec:
+    s = C.TaskSpec(workload_type="lora_finetune", model=model, resources=C.Resources(gpu_count=gpus))
+    h = struct_pb2.Struct()
+    h.update(hp)
+    s.hyperparameters.CopyFrom(h)
+    return s
+
+
+def register(core: SchedulerCore, node_id: str = "gpu-node-01", gpus: int = 4, running=()):
+    devices = [C.Device(index=i, uuid=f"u{i}", name="g", simulated=True) for i in range(gpus)]
+    return core.node_register(N.Register(node_id=node_id, devices=devices, max_tasks=8, running=[N.RunningTask(task_id=t, attempt=a) for t, a in running]))
+
+
+def drain(node) -> list:
+    out = []
+    while not node.outbox.empty():
+        out.append(node.outbox.get_nowait())
+    return out
+
+
+def report(core, node, task_id, attempt, state=C.TASK_STATE_UNSPECIFIED, **kw):
+    return core.node_report(node, N.TaskReport(task_id=task_id, attempt=attempt, state=state, **kw))
+
+
+def test_submit_validates_with_field_paths(tmp_path) -> None:
+    core = make_core(tmp_path)
+    with pytest.raises(InvalidArgument, match="spec.workload_type: expected one of lora_finetune, full_rl"):
+        core.submit(C.TaskSpec(workload_type="nope", model="m"), owner="u")
+    with pytest.raises(InvalidArgument, match="spec.resources.gpu_count"):
+        core.submit(spec(gpus=-1), owner="u")
+    with pytest.raises(InvalidArgument, match=r"spec.hyperparameters.lerning_rate: expected one of the known keys"):
+        core.submit(spec(lerning_rate=0.1), owner="u")
+    with pytest.raises(InvalidArgument, match=r"spec.hyperparameters.steps: expected an integer"):
+        core.submit(spec(steps=1.5), owner="u")
+    with pytest.raises(InvalidArgument, match="spec.env_config.env_id"):
+        s = spec()
+        s.env_config.update({"env_id": "no-such-env"})
+        core.submit(s, owner="u")
+    with pytest.raises(FailedPrecondition, match="5 GPU.*more than 4"):
+        core.submit(spec(gpus=5), owner="u")
+    assert core.store.list_tasks() == [], "a refused submit must leave nothing behind"
+
+
+def test_request_id_is_idempotent(tmp_path) -> None:
+    core = make_core(tmp_path)
+    a = core.submit(spec(), owner="u", request_id="r1")
+    b = core.submit(spec(), owner="u", request_id="r1")
+    assert a.task_id == b.task_id
+    assert len(core.store.list_tasks()) == 1
+
+
+def test_lifecycle_and_events(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(gpus=2), owner="u")
+    assert core.schedule() == 0
+    assert "no trainer node is connected" in core.pending_reasons[task.task_id]
+    node, registered = register(core)
+    assert registered.gpu_count == 4
+    assert core.schedule() == 1
+    (cmd,) = drain(node)
+    assert cmd.assign_task.task_id == task.task_id and list(cmd.assign_task.device_indices) == [0, 1]
+    assert core.get(task.task_id).state == C.TASK_STATE_ASSIGNED
+    assert report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    point = C.MetricPoint(step=1, values={"loss": 0.5, "reward": 0.25})
+    assert report(core, node, task.task_id, 1, metrics=[point])
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_RUNNING and t.latest_metrics == {"loss": 0.5, "reward": 0.25}
+    ck = C.Checkpoint(step=1, path="/ck/step_1", final=True)
+    assert report(core, node, task.task_id, 1, C.TASK_STATE_SUCCEEDED, checkpoint=ck)
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_SUCCEEDED and t.latest_checkpoint.path == "/ck/step_1"
+    assert node.allocations == {}
+    kinds = [e.WhichOneof("event") for e in core.store.events_after(task.task_id, 0)]
+    assert kinds == ["state_change", "state_change", "state_change", "metric", "checkpoint", "state_change"]
+    seqs = [e.sequence for e in core.store.events_after(task.task_id, 0)]
+    assert seqs == list(range(1, 7))
+    assert [e.sequence for e in core.store.events_after(task.task_id, 4)] == [5, 6]
+
+
+def test_stale_attempt_report_is_refused(tmp_path) -> None:
+    core = make_core(tmp_path, lease_s=0.01)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    drain(node)
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    # The node goes silent past its lease: the attempt is lost and requeued as attempt 2.
+    node.last_seen -= 1
+    core.tick()  # loses the node, requeues, then places nowhere (node disconnected)
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_PENDING and t.attempt == 2
+    # The partitioned trainer comes back with attempt 1 still running: told it is stale.
+    node, registered = register(core, running=[(task.task_id, 1)])
+    assert [(s.task_id, s.attempt) for s in registered.stale] == [(task.task_id, 1)]
+    core.schedule()
+    drain(node)
+    assert core.get(task.task_id).attempt == 2
+    # A report from attempt 1 cannot overwrite attempt 2's state.
+    assert not report(core, node, task.task_id, 1, C.TASK_STATE_SUCCEEDED)
+    assert not report(core, node, task.task_id, 1, metrics=[C.MetricPoint(step=9, values={"loss": 1})])
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_ASSIGNED and t.attempt == 2 and t.latest_step == 0
+    assert report(core, node, task.task_id, 2, C.TASK_STATE_RUNNING)
+
+
+def test_failure_retry_then_user_error_not_retried(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    drain(node)
+    report(core, node, task.task_id, 1, C.TASK_STATE_FAILED, error="CUDA OOM", retryable=True)
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_PENDING and t.attempt == 2 and t.not_before > time.time()
+    t2 = core.submit(spec(), owner="u")
+    core.schedule()
+    drain(node)
+    report(core, node, t2.task_id, 1, C.TASK_STATE_FAILED, error="model '/x' does not exist", retryable=False)
+    t = core.get(t2.task_id)
+    assert t.state == C.TASK_STATE_FAILED and t.attempt == 1 and "does not exist" in t.error
+
+
+def test_cancel_pending_and_running_is_idempotent(tmp_path) -> None:
+    core = make_core(tmp_path)
+    a = core.submit(spec(), owner="u")
+    assert core.cancel(a.task_id).state == C.TASK_STATE_CANCELLED
+    assert core.cancel(a.task_id).state == C.TASK_STATE_CANCELLED
+    b = core.submit(spec(gpus=4), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    drain(node)
+    core.cancel(b.task_id)
+    (cmd,) = drain(node)
+    assert cmd.cancel_task.task_id == b.task_id
+    assert core.get(b.task_id).state == C.TASK_STATE_CANCELLED
+    # GPUs stay held until the node confirms the worker is gone.
+    c = core.submit(spec(gpus=4), owner="u")
+    assert core.schedule() == 0
+    report(core, node, b.task_id, 1, C.TASK_STATE_CANCELLED)
+    assert core.schedule() == 1
+    with pytest.raises(NotFound):
+        core.cancel("task-nope")
+    assert c.task_id
+
+
+def test_scheduler_restart_keeps_running_work(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(gpus=1), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    core.store.close()
+    # "kill -9": a new core on the same state directory.
+    core2 = make_core(tmp_path)
+    t = core2.get(task.task_id)
+    assert t.state == C.TASK_STATE_RUNNING and t.attempt == 1
+    node2, registered = register(core2, running=[(task.task_id, 1)])
+    assert list(registered.stale) == []
+    assert report(core2, node2, task.task_id, 1, C.TASK_STATE_SUCCEEDED)
+    assert core2.get(task.task_id).state == C.TASK_STATE_SUCCEEDED
+
+
+def test_restarted_scheduler_knows_a_node_by_its_last_registration(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(gpus=2), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    core.store.close()
+    core2 = make_core(tmp_path)
+    n = core2.nodes["gpu-node-01"]
+    # Before the node reconnects: its size is known (not 0/0), it is not connected, takes no work.
+    assert (n.gpu_count, n.max_tasks, n.connected) == (4, 8, False)
+    assert len(n.capacity().free_gpus) == 2 and not n.capacity().accepting
+    assert any("reconnect" in note for note in n.notes)
+    other = core2.submit(spec(gpus=1), owner="u")
+    core2.schedule()
+    assert core2.get(other.task_id).state == C.TASK_STATE_PENDING
+    node2, _ = register(core2, running=[(task.task_id, 1)])
+    assert node2.connected and not any("reconnect" in note for note in node2.notes)
+
+
+def test_node_reconnecting_without_its_task_requeues_it(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    core.node_disconnected(node, node.generation, goodbye=False)
+    register(core)  # the trainer restarted: no running tasks announced
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_PENDING and t.attempt == 2
+
+
+def test_second_node_with_same_id_is_refused(tmp_path) -> None:
+    from opentinker_scheduler.errors import AlreadyExists
+
+    core = make_core(tmp_path)
+    node, _ = register(core)
+    with pytest.raises(AlreadyExists, match="already connected"):
+        register(core)
+    node.last_seen -= 60  # the old stream went silent past its lease: the newcomer may take over
+    register(core)
+
+
+def test_request_id_reused_for_another_spec_is_refused(tmp_path) -> None:
+    from opentinker_scheduler.errors import AlreadyExists
+
+    core = make_core(tmp_path)
+    core.submit(spec(), owner="u", request_id="r1")
+    with pytest.raises(AlreadyExists, match="different spec"):
+        core.submit(spec(gpus=2), owner="u", request_id="r1")
+
+
+def test_attempt_that_ended_while_cut_off_is_applied_on_reconnect(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    core.store.close()
+    core2 = make_core(tmp_path)  # the scheduler restarted; meanwhile the worker finished
+    done = N.TaskReport(task_id=task.task_id, attempt=1, state=C.TASK_STATE_SUCCEEDED, checkpoint=C.Checkpoint(step=3, path="/ck/step_3", final=True))
+    devices = [C.Device(index=i, simulated=True) for i in range(4)]
+    core2.node_register(N.Register(node_id="gpu-node-01", devices=devices, max_tasks=8, finished=[done]))
+    t = core2.get(task.task_id)
+    assert t.state == C.TASK_STATE_SUCCEEDED and t.attempt == 1 and t.latest_checkpoint.path == "/ck/step_3"
+
+
+def test_hand_back_does_not_use_up_attempts(tmp_path) -> None:
+    core = make_core(tmp_path, default_max_attempts=1)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    for attempt in (1, 2, 3):
+        core.schedule()
+        report(core, node, task.task_id, attempt, C.TASK_STATE_RUNNING)
+        report(core, node, task.task_id, attempt, C.TASK_STATE_CANCELLED, error="drained")
+        t = core.get(task.task_id)
+        assert t.state == C.TASK_STATE_PENDING and t.attempt == attempt + 1
+
+
+def test_unknown_nodes_switch_and_gpu_disagreement(tmp_path) -> None:
+    core = make_core(tmp_path, allow_unknown_nodes=False)
+    with pytest.raises(PermissionDenied, match="not in resource_pool"):
+        register(core, node_id="stranger")
+    node, registered = register(core, gpus=2)  # config says 4, NVML finds 2: the smaller wins
+    assert registered.gpu_count == 2
+    assert any("config gpu_count 4 but node found 2" in n for n in node.notes)
+
+
+def test_max_attempts_exhausted_by_node_loss(tmp_path) -> None:
+    core = make_core(tmp_path, lease_s=0.01, default_max_attempts=2)
+    task = core.submit(spec(), owner="u")
+    for _ in range(2):
+        node, _ = register(core)
+        core.schedule()
+        report(core, node, task.task_id, core.get(task.task_id).attempt, C.TASK_STATE_RUNNING)
+        node.last_seen -= 1
+        core.tick()
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_FAILED and "max_attempts (2) exhausted" in t.error
+
+
+# --- ledger property test ------------------------------------------------------------------
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["submit", "schedule", "finish", "fail", "cancel", "lose", "reconnect", "restart", "urgent", "confirm"]), st.integers(0, 4)),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops)
+def test_ledger_never_negative_or_leaking(tmp_path_factory, sequence) -> None:
+    tmp = tmp_path_factory.mktemp("ledger")
+    core = make_core(tmp, lease_s=0.01, default_max_attempts=3)
+    register(core)
+    for op, k in sequence:
+        node = core.nodes["gpu-node-01"]
+        active = [t for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED, C.TASK_STATE_RUNNING])]
+        if op == "submit":  # LoRA tasks on two base models: same-model ones may share GPUs
+            core.submit(spec(gpus=k % 3, model=f"/models/m{k % 2}"), owner="u")
+        elif op == "schedule":
+            core.schedule()
+        elif op in ("finish", "fail") and active:
+            t = active[k % len(active)]
+            state = C.TASK_STATE_SUCCEEDED if op == "finish" else C.TASK_STATE_FAILED
+            report(core, node, t.task_id, t.attempt, state, retryable=True)
+        elif op == "cancel" and active:
+            t = active[k % len(active)]
+            core.cancel(t.task_id)
+            report(core, node, t.task_id, t.attempt, C.TASK_STATE_CANCELLED)
+        elif op == "urgent":  # a higher-priority task, then a preemption step
+            core.schedule()
+            for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED]):  # preemption picks RUNNING tasks
+                report(core, node, t.task_id, t.attempt, C.TASK_STATE_RUNNING)
+            s = spec(gpus=k % 4 + 1)
+            s.priority = k + 2  # above lora_finetune's own priority
+            core.submit(s, owner="u")
+            core.preempt()
+        elif op == "confirm":  # victims' nodes confirm they stopped
+            for tid, (attempt, _, _) in list(core._victims.items()):
+                report(core, node, tid, attempt, C.TASK_STATE_CANCELLED, error="PREEMPTED")
+        elif op == "lose":
+            node.last_seen -= 1
+            core.tick()
+        elif op == "reconnect":
+            running = [(t.task_id, t.attempt) for t in active if t.node_id == "gpu-node-01"]
+            core.node_disconnected(node, node.generation, goodbye=False)
+            register(core, running=running[: k % (len(running) + 1)])
+        elif op == "restart":
+            core.store.close()
+            core = make_core(tmp, lease_s=0.01, default_max_attempts=3)
+            running = [(t.task_id, t.attempt) for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED, C.TASK_STATE_RUNNING])]
+            register(core, running=running)
+        # Invariants: the ledger matches the store; a GPU is held by one task, or by at most
+        # max_tasks_per_gpu LoRA tasks on the same base model; none beyond the node.
+        node = core.nodes["gpu-node-01"]
+        tenants: dict[int, list[str]] = {}
+        for tid, (_, devs) in node.allocations.items():
+            assert len(devs) == len(set(devs))
+            for d in devs:
+                tenants.setdefault(d, []).append(tid)
+        for d, tids in tenants.items():
+            assert 0 <= d < node.gpu_count
+            assert len(tids) <= core.config.max_tasks_per_gpu
+            if len(tids) > 1:
+                models = {core.get(t).spec.model for t in tids}
+                assert len(models) == 1, f"GPU {d} shared across base models {models}"
+        assert len(node.allocations) <= node.max_tasks
+        active_ids = {(t.task_id, t.attempt) for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED, C.TASK_STATE_RUNNING])}
+        held = {(tid, a) for tid, (a, _) in node.allocations.items()}
+        assert active_ids <= held, "an active task without GPUs in the ledger"
+        cancelled_only = held - active_ids
+        for tid, (a, _, _) in core._victims.items():
+            assert node.allocations.get(tid, (None,))[0] == a, "a preemption victim lost its GPUs before the node confirmed"
+        for tid, a in cancelled_only:
+            assert core.get(tid).terminal, "ledger holds GPUs for a task that is not active"
+    core.store.close()
+
+
+def test_restart_grace_covers_slow_reconnects(tmp_path) -> None:
+    core = make_core(tmp_path, lease_s=0.01, restart_grace_s=30)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    core.store.close()
+    core2 = make_core(tmp_path, lease_s=0.01, restart_grace_s=30)
+    core2.tick()  # well past the lease, within the restart grace: the task keeps running
+    assert core2.get(task.task_id).state == C.TASK_STATE_RUNNING
+    core2.nodes["gpu-node-01"].last_seen -= 31  # the node never came back
+    core2.tick()
+    t = core2.get(task.task_id)
+    assert t.state == C.TASK_STATE_PENDING and t.attempt == 2
+
+
+def test_not_found_cuts_long_ids(tmp_path) -> None:
+    core = make_core(tmp_path)
+    with pytest.raises(NotFound) as err:
+        core.get("x" * 100_000)
+    assert len(str(err.value)) < 200
+
+
+def test_pool_max_tasks_is_an_upper_bound_on_what_the_node_offers(tmp_path) -> None:
+    core = make_core(tmp_path)  # pool: gpu-node-01 with 4 GPUs, max_tasks 8
+    devices = [C.Device(index=i, uuid=f"u{i}", name="g", simulated=True) for i in range(4)]
+    node, registered = core.node_register(N.Register(node_id="gpu-node-01", devices=devices, max_tasks=2))
+    assert (node.max_tasks, registered.max_tasks) == (2, 2)
+    assert any("config max_tasks 8 but the node runs at most 2" in n for n in node.notes)
+    for _ in range(3):
+        core.submit(spec(gpus=0), owner="u")
+    core.schedule()
+    assert len(node.allocations) == 2

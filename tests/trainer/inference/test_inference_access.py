@@ -1,0 +1,386 @@
+"""Who may call an inference server: the access checker against a real scheduler on loopback (no
+model), then a real InferenceService (tiny model) with API-key checks and TLS, called by the real
+InferenceClient."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from opentinker_client import InferenceClient, NotFoundError, PermissionDeniedError, RLClient, UnauthenticatedError, UnavailableError
+from opentinker_trainer.inference.access import AccessChecker, AccessRefused, key_prefix_of
+from opentinker_trainer.inference.serve_tls import read_server_tls, server_tls_from_env
+
+from tests.support.procs import free_port
+from tests.support.security import LoopbackScheduler, make_certs
+
+AUTH = "auth: {enabled: true}\npaths: {model_dirs: [/models]}\n"  # specs name /models/m
+PROMPT = "Once upon a time"
+
+
+@dataclass
+class World:
+    sched: LoopbackScheduler
+    admin: str
+    alice: str
+    bob: str
+    node: str
+    bob_prefix: str
+    serving: str  # alice's inference task
+    alice_adapter: str  # alice's lora_finetune task
+    bob_adapter: str  # bob's lora_finetune task
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    sched = LoopbackScheduler(tmp_path_factory.mktemp("sched") / "state", AUTH)
+    try:
+        admin = (sched.config.state_dir / "admin.key").read_text().strip()
+        with RLClient(sched.target, api_key=admin) as root:
+            _, alice = root.keys.create("alice", "user")
+            bob_info, bob = root.keys.create("bob", "user")
+            _, node = root.keys.create("rack-1", "node")
+        with RLClient(sched.target, api_key=alice) as c:
+            serving = c.submit_task(workload_type="inference", model="/models/m")
+            alice_adapter = c.submit_task(workload_type="lora_finetune", model="/models/m")
+        with RLClient(sched.target, api_key=bob) as c:
+            bob_adapter = c.submit_task(workload_type="lora_finetune", model="/models/m")
+        yield World(sched, admin, alice, bob, node, bob_info.prefix, serving, alice_adapter, bob_adapter)
+    finally:
+        sched.close()
+
+
+def md(key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+async def _refusal(checker: AccessChecker, metadata, task_id: str) -> AccessRefused:
+    with pytest.raises(AccessRefused) as err:
+        await checker.check(metadata, task_id)
+    return err.value
+
+
+# ---------------------------------------------------------------------------- the checker alone
+
+
+def test_the_scheduler_decides_with_the_callers_own_key(world: World) -> None:
+    async def main() -> None:
+        checker = AccessChecker(world.sched.target, env={}, ttl=60)
+        try:
+            await checker.check(md(world.alice), world.serving)  # the owner
+            await checker.check(md(world.admin), world.serving)  # an admin
+            r = await _refusal(checker, md(None), world.serving)
+            assert r.code == grpc.StatusCode.UNAUTHENTICATED and "missing API key" in r.message
+            r = await _refusal(checker, md("otk_00000000_" + "x" * 43), world.serving)
+            assert r.code == grpc.StatusCode.UNAUTHENTICATED and "unknown API key" in r.message
+            r = await _refusal(checker, md(world.bob), world.serving)  # another owner
+            assert r.code == grpc.StatusCode.PERMISSION_DENIED
+            assert r.message == f"API key {world.bob_prefix} may not use inference task {world.serving}"
+            # A task that does not exist reads exactly like another owner's.
+            r2 = await _refusal(checker, md(world.bob), "task-does-not-exist")
+            assert r2.code == grpc.StatusCode.PERMISSION_DENIED and r2.message == r.message.replace(world.serving, "task-does-not-exist")
+            assert world.bob.split("_", 2)[2] not in r.message  # the secret never shows
+        finally:
+            await checker.close()
+
+    asyncio.run(main())
+
+
+def test_decisions_are_cached_per_key_hash_and_task_for_the_ttl(world: World) -> None:
+    now = [0.0]
+
+    async def main() -> None:
+        checker = AccessChecker(world.sched.target, env={}, ttl=10, clock=lambda: now[0])
+        try:
+            await checker.check(md(world.alice), world.serving)
+            await checker.check(md(world.alice), world.serving)
+            assert checker.scheduler_calls == 1
+            for _ in range(2):  # refusals are cached too
+                await _refusal(checker, md(world.bob), world.serving)
+            assert checker.scheduler_calls == 2
+            await checker.check(md(world.alice), world.alice_adapter)  # another task: its own entry
+            assert checker.scheduler_calls == 3
+            now[0] = 10.5  # past the TTL: asked again
+            await checker.check(md(world.alice), world.serving)
+            assert checker.scheduler_calls == 4
+            # Concurrent first requests share one round trip.
+            await asyncio.gather(*(checker.check(md(world.admin), world.serving) for _ in range(20)))
+            assert checker.scheduler_calls == 5
+            # Only hashes of the authorization value are kept, never the key.
+            kept = repr(checker._cache)
+            for key in (world.alice, world.bob, world.admin):
+                assert key not in kept and key.split("_", 2)[2] not in kept
+            assert (hashlib.sha256(f"Bearer {world.alice}".encode()).hexdigest(), world.serving) in checker._cache
+        finally:
+            await checker.close()
+
+    asyncio.run(main())
+
+
+def test_a_revoked_key_is_refused_once_the_ttl_has_passed(world: World) -> None:
+    with RLClient(world.sched.target, api_key=world.admin) as root:
+        info, carol = root.keys.create("alice", "user", description="a second key of alice, revoked below")
+
+    async def main() -> None:
+        checker = AccessChecker(world.sched.target, env={}, ttl=0.2)
+        try:
+            await checker.check(md(carol), world.serving)
+            with RLClient(world.sched.target, api_key=world.admin) as root:
+                root.keys.revoke(info.prefix)
+            await asyncio.sleep(0.3)
+            r = await _refusal(checker, md(carol), world.serving)
+            assert r.code == grpc.StatusCode.UNAUTHENTICATED and "revoked" in r.message
+        finally:
+            await checker.close()
+
+    asyncio.run(main())
+
+
+def test_an_unreachable_scheduler_is_unavailable_and_not_cached() -> None:
+    async def main() -> None:
+        checker = AccessChecker(f"127.0.0.1:{free_port()}", env={}, ttl=60, timeout=2)
+        try:
+            for _ in range(2):
+                r = await _refusal(checker, md("otk_00000000_" + "x" * 43), "task-1")
+                assert r.code == grpc.StatusCode.UNAVAILABLE and "scheduler" in r.message
+            assert checker.scheduler_calls == 2
+        finally:
+            await checker.close()
+
+    asyncio.run(main())
+
+
+def test_with_scheduler_auth_off_everyone_passes(tmp_path) -> None:
+    sched = LoopbackScheduler(tmp_path / "state")
+    try:
+        with RLClient(sched.target) as c:
+            task = c.submit_task(workload_type="inference", model="/models/m")
+
+        async def main() -> None:
+            checker = AccessChecker(sched.target, env={}, ttl=1)
+            try:
+                await checker.check((), task)
+                await checker.check(md("otk_00000000_" + "x" * 43), task)  # a key is ignored, as on the scheduler
+            finally:
+                await checker.close()
+
+        asyncio.run(main())
+    finally:
+        sched.close()
+
+
+def test_the_scheduler_link_uses_the_nodes_tls_settings(tmp_path) -> None:
+    certs = make_certs(tmp_path / "certs")
+    sched = LoopbackScheduler(tmp_path / "state", AUTH + f"tls: {{cert: {certs.server_cert}, key: {certs.server_key}}}\n")
+    try:
+        admin = (sched.config.state_dir / "admin.key").read_text().strip()
+        target = f"localhost:{sched.running.port}"
+        with RLClient(target, api_key=admin, root_certificates=certs.ca) as root:
+            task = root.submit_task(workload_type="inference", model="/models/m")
+
+        async def main() -> None:
+            good = AccessChecker(env={"OPENTINKER_SCHEDULER_URL": target, "OPENTINKER_TLS_CA": str(certs.ca)}, ttl=1)
+            bad = AccessChecker(target, env={"OPENTINKER_TLS_CA": str(certs.other_ca)}, ttl=1, timeout=3)
+            try:
+                await good.check(md(admin), task)
+                assert (await _refusal(bad, md(admin), task)).code == grpc.StatusCode.UNAVAILABLE
+            finally:
+                await good.close()
+                await bad.close()
+
+        asyncio.run(main())
+    finally:
+        sched.close()
+
+
+def test_checker_and_tls_settings_refuse_bad_input(tmp_path) -> None:
+    with pytest.raises(ValueError, match="OPENTINKER_SCHEDULER_URL"):
+        AccessChecker(env={})
+    with pytest.raises(ValueError, match="ttl"):
+        AccessChecker("127.0.0.1:1", env={}, ttl=0)
+    with pytest.raises(ValueError, match="root_certificates"):
+        AccessChecker("127.0.0.1:1", env={"OPENTINKER_TLS_CA": str(tmp_path / "missing.pem")})
+    assert key_prefix_of("Bearer otk_0123abcd_" + "s" * 43) == "otk_0123abcd"
+    assert "s" * 10 not in key_prefix_of("Bearer " + "s" * 40)
+    certs = make_certs(tmp_path / "certs")
+    assert read_server_tls(None, "") is None and server_tls_from_env({}) is None
+    cert, key = read_server_tls(certs.server_cert, certs.server_key)
+    assert b"CERTIFICATE" in cert and b"PRIVATE KEY" in key
+    with pytest.raises(ValueError, match="--serve-tls-cert and --serve-tls-key: expected both"):
+        read_server_tls(certs.server_cert, "")
+    with pytest.raises(ValueError, match=r"--serve-tls-key: cannot read '.*nope.key'"):
+        read_server_tls(certs.server_cert, tmp_path / "nope.key")
+    with pytest.raises(ValueError, match="--serve-tls-cert: .* is not a PEM certificate"):
+        read_server_tls(certs.server_key, certs.server_key)
+    with pytest.raises(ValueError, match="OPENTINKER_SERVE_TLS_KEY: .* is not a PEM private key"):
+        server_tls_from_env({"OPENTINKER_SERVE_TLS_CERT": str(certs.server_cert), "OPENTINKER_SERVE_TLS_KEY": str(certs.ca)})
+
+
+# ------------------------------------------------------------------- a real server, tiny model
+
+
+class SecureServer:
+    """An InferenceService with an access checker (and TLS when given) on a loopback port."""
+
+    def __init__(self, runtime, sched_target: str, task_id: str, *, tls=None, ttl: float = 60) -> None:
+        from opentinker_trainer.inference.server import start_inference_server
+
+        self.runtime = runtime
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.access = AccessChecker(sched_target, env={}, ttl=ttl)
+        start = start_inference_server(runtime, host="127.0.0.1", port=0, tls=tls, access=self.access, task_id=task_id)
+        self.server = asyncio.run_coroutine_threadsafe(start, self.loop).result(30)
+        self.address = f"{'https://localhost' if tls else '127.0.0.1'}:{self.server.port}"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.runtime.close()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def served(world: World, tiny_model_dir: Path, tmp_path_factory, certs):
+    from tests.trainer.inference.support import make_adapter, tiny_runtime
+
+    root = tmp_path_factory.mktemp("adapters")
+    adapters = {
+        world.alice_adapter: make_adapter(tiny_model_dir, root / "alice", seed=1),
+        world.bob_adapter: make_adapter(tiny_model_dir, root / "bob", seed=2),
+    }
+    s = SecureServer(tiny_runtime(tiny_model_dir, adapters), world.sched.target, world.serving, tls=read_server_tls(certs.server_cert, certs.server_key))
+    yield s
+    s.close()
+
+
+def _client(served: SecureServer, key: str | None, ca) -> InferenceClient:
+    return InferenceClient(served.address, api_key=key or "", root_certificates=ca, timeout=30)
+
+
+def test_owner_and_admin_are_served_others_are_refused(world: World, served: SecureServer, certs) -> None:
+    with _client(served, world.alice, certs.ca) as alice:
+        assert alice.tls and alice.target == f"localhost:{served.server.port}"
+        base = alice.generate(PROMPT, adapter=None, temperature=0, max_tokens=4, ignore_eos=True)
+        own = alice.generate(PROMPT, adapter=world.alice_adapter, temperature=0, max_tokens=4, ignore_eos=True)
+        assert own.adapter == world.alice_adapter and len(own.samples[0].token_ids) == 4 and base.adapter is None
+        streamed = [t for c in alice.generate_stream(PROMPT, adapter=world.alice_adapter, temperature=0, max_tokens=4, ignore_eos=True) for t in c.token_ids]
+        assert tuple(streamed) == own.samples[0].token_ids
+    with _client(served, world.admin, certs.ca) as admin:
+        assert admin.generate(PROMPT, adapter=world.alice_adapter, temperature=0, max_tokens=4, ignore_eos=True).samples == own.samples
+    for key, error, text in (
+        (None, UnauthenticatedError, "missing API key"),
+        ("otk_00000000_" + "x" * 43, UnauthenticatedError, "unknown API key"),
+        (world.bob, PermissionDeniedError, f"API key {world.bob_prefix} may not use inference task {world.serving}"),
+    ):
+        with _client(served, key, certs.ca) as other:
+            for call in (
+                lambda: other.generate(PROMPT, max_tokens=2),
+                lambda: list(other.generate_stream(PROMPT, max_tokens=2)),
+                other.list_adapters,
+            ):
+                with pytest.raises(error) as err:
+                    call()
+                assert text in err.value.details
+    # Bad input of a refused caller is refused for the key first (nothing about the request leaks).
+    with _client(served, world.bob, certs.ca) as bob:
+        with pytest.raises(PermissionDeniedError):
+            bob.generate(PROMPT, temperature=-1.0, max_tokens=2)
+
+
+def test_another_owners_adapter_reads_exactly_like_one_that_does_not_exist(world: World, served: SecureServer, certs) -> None:
+    missing = "task-" + "0" * 12
+    with _client(served, world.alice, certs.ca) as alice:
+        with pytest.raises(NotFoundError) as theirs:
+            alice.generate(PROMPT, adapter=world.bob_adapter, max_tokens=2)
+        with pytest.raises(NotFoundError) as nothing:
+            alice.generate(PROMPT, adapter=missing, max_tokens=2)
+        with pytest.raises(NotFoundError) as streamed:
+            list(alice.generate_stream(PROMPT, adapter=world.bob_adapter, max_tokens=2))
+    assert theirs.value.details.replace(world.bob_adapter, "X") == nothing.value.details.replace(missing, "X")
+    assert streamed.value.details == theirs.value.details
+    assert "no task with that id" in theirs.value.details
+    # An admin may serve bob's adapter; alice's listing still does not show it, the admin's does.
+    with _client(served, world.admin, certs.ca) as admin:
+        admin.generate(PROMPT, adapter=world.bob_adapter, max_tokens=2)
+        admin.generate(PROMPT, adapter=world.alice_adapter, max_tokens=2)
+        assert {a.name for a in admin.list_adapters()} == {world.alice_adapter, world.bob_adapter}
+    with _client(served, world.alice, certs.ca) as alice:
+        assert [a.name for a in alice.list_adapters()] == [world.alice_adapter]
+
+
+def test_tls_needs_the_right_ca_and_health_stays_open(world: World, served: SecureServer, certs) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with _client(served, world.alice, certs.other_ca) as wrong_ca:
+        with pytest.raises(UnavailableError):
+            wrong_ca.generate(PROMPT, max_tokens=2)
+    plain_endpoint = f"127.0.0.1:{served.server.port}"
+    with InferenceClient(plain_endpoint, api_key=world.alice, timeout=5) as plain:
+        assert not plain.tls
+        with pytest.raises(UnavailableError):
+            plain.generate(PROMPT, max_tokens=2)
+    creds = grpc.ssl_channel_credentials(root_certificates=certs.ca.read_bytes())
+    with grpc.secure_channel(f"localhost:{served.server.port}", creds) as ch:  # no key: health is public
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="opentinker.inference.v1.InferenceService"), timeout=10)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_revocation_reaches_a_serving_node_within_the_ttl(world: World, tiny_model_dir: Path) -> None:
+    from tests.trainer.inference.support import tiny_runtime
+
+    with RLClient(world.sched.target, api_key=world.admin) as root:
+        info, key = root.keys.create("alice", "user", description="revoked while serving")
+    s = SecureServer(tiny_runtime(tiny_model_dir), world.sched.target, world.serving, ttl=0.2)
+    try:
+        with InferenceClient(s.address, api_key=key, timeout=30) as llm:
+            llm.generate(PROMPT, max_tokens=2)
+            with RLClient(world.sched.target, api_key=world.admin) as root:
+                root.keys.revoke(info.prefix)
+            time.sleep(0.3)
+            with pytest.raises(UnauthenticatedError, match="revoked"):
+                llm.generate(PROMPT, max_tokens=2)
+    finally:
+        s.close()
+
+
+def test_the_trainer_checks_its_serve_tls_files_at_start(tmp_path, certs, capsys, monkeypatch) -> None:
+    from opentinker_trainer.__main__ import main
+
+    monkeypatch.delenv("OPENTINKER_SERVE_TLS_CERT", raising=False)
+    monkeypatch.delenv("OPENTINKER_SERVE_TLS_KEY", raising=False)
+    for argv, text in (
+        (["--serve-tls-cert", str(certs.server_cert)], "--serve-tls-cert and --serve-tls-key: expected both"),
+        (["--serve-tls-cert", str(certs.server_cert), "--serve-tls-key", str(tmp_path / "gone.key")], "--serve-tls-key: cannot read"),
+        (["--serve-tls-cert", str(certs.server_key), "--serve-tls-key", str(certs.server_key)], "is not a PEM certificate"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--scheduler-url", "127.0.0.1:1", *argv])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert text in err and "Traceback" not in err
+    monkeypatch.setenv("OPENTINKER_SERVE_TLS_CERT", str(certs.server_cert))  # the environment is checked the same way
+    with pytest.raises(SystemExit):
+        main(["--scheduler-url", "127.0.0.1:1"])
+    assert "expected both" in capsys.readouterr().err
+
+
+def test_workers_get_the_serve_tls_files_through_the_worker_env() -> None:
+    from opentinker_trainer.scheduler_link import worker_env
+
+    env = worker_env("127.0.0.1:1", serve_tls_cert="/pki/serve.pem", serve_tls_key="/pki/serve.key")
+    assert env == {"OPENTINKER_SCHEDULER_URL": "127.0.0.1:1", "OPENTINKER_SERVE_TLS_CERT": "/pki/serve.pem", "OPENTINKER_SERVE_TLS_KEY": "/pki/serve.key"}
+    assert "OPENTINKER_SERVE_TLS_CERT" not in worker_env("127.0.0.1:1")
