@@ -77,7 +77,15 @@ _SERVICE_CONFIG = json.dumps(
             {
                 "name": [
                     {"service": _SERVICE, "method": m}
-                    for m in ("SubmitTask", "GetTask", "ListTasks", "CancelTask", "GetMetrics", "ListNodes", "ListCheckpoints")
+                    for m in (
+                        "SubmitTask",
+                        "GetTask",
+                        "ListTasks",
+                        "CancelTask",
+                        "GetMetrics",
+                        "ListNodes",
+                        "ListCheckpoints",
+                    )
                 ],
                 "retryPolicy": {
                     "maxAttempts": 5,
@@ -326,7 +334,8 @@ class RLClient(ServingMixin, DataMixin):
             name = "env_" + next(k for k, v in serve_options.items() if v is not None)
             raise InvalidArgumentError(
                 f"{name}: only for a client-hosted environment (an Environment subclass defining reset/step, passed "
-                "as env_config); for a server you started yourself, pass its env_config", field=name,
+                "as env_config); for a server you started yourself, pass its env_config",
+                field=name,
             )
         if isinstance(env_config, Environment):
             env_config = env_config.to_dict()
@@ -337,7 +346,8 @@ class RLClient(ServingMixin, DataMixin):
             )
         if hyperparameters is not None and not isinstance(hyperparameters, Mapping):
             raise InvalidArgumentError(
-                f"spec.hyperparameters: expected a mapping, got {type(hyperparameters).__name__}", field="spec.hyperparameters"
+                f"spec.hyperparameters: expected a mapping, got {type(hyperparameters).__name__}",
+                field="spec.hyperparameters",
             )
         if isinstance(max_runtime, _dt.timedelta):
             max_runtime = max_runtime.total_seconds()
@@ -364,7 +374,9 @@ class RLClient(ServingMixin, DataMixin):
         hosted.stop_when_done(lambda: self._get_task(task_id).done)
         return task_id
 
-    def submit_config(self, config_or_path: TaskConfig | str | os.PathLike[str], *, request_id: str | None = None) -> str:
+    def submit_config(
+        self, config_or_path: TaskConfig | str | os.PathLike[str], *, request_id: str | None = None
+    ) -> str:
         """Submit a task from a :class:`TaskConfig` or a YAML file (see
         :mod:`opentinker_client.config` for the format). A ``dataset`` file is uploaded first
         (:meth:`upload_dataset`) and named in ``env`` as ``dataset_id``.
@@ -385,7 +397,9 @@ class RLClient(ServingMixin, DataMixin):
         config.check()
         if config.dataset:  # sft: upload the local file first, then name it by its id
             info = self.upload_dataset(config.dataset)
-            config = dataclasses.replace(config, env={"env_id": "chat_jsonl", **config.env, "dataset_id": info.dataset_id}, dataset="")
+            config = dataclasses.replace(
+                config, env={"env_id": "chat_jsonl", **config.env, "dataset_id": info.dataset_id}, dataset=""
+            )
         request = scheduler_pb2.SubmitTaskRequest(spec=config.to_proto(), request_id=request_id or uuid.uuid4().hex)
         response = self._unary("SubmitTask", request)
         return response.task.task_id
@@ -550,7 +564,8 @@ class RLClient(ServingMixin, DataMixin):
             if self._closed:
                 raise OpenTinkerError("this RLClient is closed")
             call = self._stub.WatchTask(
-                scheduler_pb2.WatchTaskRequest(task_id=task_id, after_sequence=last, history_only=not follow), metadata=self._metadata
+                scheduler_pb2.WatchTaskRequest(task_id=task_id, after_sequence=last, history_only=not follow),
+                metadata=self._metadata,
             )
             unavailable: OpenTinkerError | None = None
             try:
@@ -626,7 +641,9 @@ class RLClient(ServingMixin, DataMixin):
         down_since: float | None = None
         state = "unknown"
         while True:
-            call_timeout = self.timeout if deadline is None else max(0.1, min(self.timeout, deadline - time.monotonic()))
+            call_timeout = (
+                self.timeout if deadline is None else max(0.1, min(self.timeout, deadline - time.monotonic()))
+            )
             try:
                 info = self._get_task(task_id, timeout=call_timeout)
             except (UnavailableError, DeadlineExceededError) as err:

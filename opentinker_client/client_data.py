@@ -21,7 +21,9 @@ UPLOAD_CHUNK_BYTES = 1024 * 1024
 class DataMixin:
     """``RLClient`` methods that move files: datasets up, checkpoints down."""
 
-    def upload_dataset(self, path: str | os.PathLike[str], *, name: str | None = None, timeout: float | None = None) -> DatasetInfo:
+    def upload_dataset(
+        self, path: str | os.PathLike[str], *, name: str | None = None, timeout: float | None = None
+    ) -> DatasetInfo:
         """Upload a JSONL file of chat examples for ``sft`` tasks (one
         ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line), streamed in 1 MiB chunks.
 
@@ -54,7 +56,9 @@ class DataMixin:
 
         def chunks() -> Iterator[scheduler_pb2.UploadDatasetRequest]:
             with open(path, "rb") as fh:
-                yield scheduler_pb2.UploadDatasetRequest(name=label, total_bytes=size, chunk=fh.read(UPLOAD_CHUNK_BYTES))
+                yield scheduler_pb2.UploadDatasetRequest(
+                    name=label, total_bytes=size, chunk=fh.read(UPLOAD_CHUNK_BYTES)
+                )
                 while chunk := fh.read(UPLOAD_CHUNK_BYTES):
                     yield scheduler_pb2.UploadDatasetRequest(chunk=chunk)
 

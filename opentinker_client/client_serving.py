@@ -17,9 +17,18 @@ class ServingMixin:
     """``RLClient`` methods that start servers or clients of servers on trainer nodes."""
 
     def serve_environment(
-        self, env: Environment, *, host: str | None = None, port: int = 0, advertise_host: str | None = None, factory: Any = None,
-        token: str | None = None, require_token: bool = True, tls_cert: str | os.PathLike[str] | None = None,
-        tls_key: str | os.PathLike[str] | None = None, tls_ca: str | os.PathLike[str] | None = None,
+        self,
+        env: Environment,
+        *,
+        host: str | None = None,
+        port: int = 0,
+        advertise_host: str | None = None,
+        factory: Any = None,
+        token: str | None = None,
+        require_token: bool = True,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> Any:
         """Serve a client-hosted environment (a subclass of :class:`Environment` that defines
         ``reset``/``step``) to trainers, and return the started
@@ -66,7 +75,13 @@ class ServingMixin:
         return server
 
     def serve(
-        self, task_id: str, *, gpu_count: int = 0, ttl: float = 3600.0, max_resident_adapters: int = 8, timeout: float = 600.0,
+        self,
+        task_id: str,
+        *,
+        gpu_count: int = 0,
+        ttl: float = 3600.0,
+        max_resident_adapters: int = 8,
+        timeout: float = 600.0,
         root_certificates: str | os.PathLike | None = None,
     ):
         """Serve the adapter of a finished ``lora_finetune`` or ``sft`` task, in one call.
@@ -93,5 +108,11 @@ class ServingMixin:
 
         self._check_task_id(task_id)
         return serve_task(
-            self, task_id, gpu_count=gpu_count, ttl=ttl, max_resident_adapters=max_resident_adapters, timeout=timeout, root_certificates=root_certificates
+            self,
+            task_id,
+            gpu_count=gpu_count,
+            ttl=ttl,
+            max_resident_adapters=max_resident_adapters,
+            timeout=timeout,
+            root_certificates=root_certificates,
         )

@@ -156,7 +156,11 @@ def _check_parts(cfg: TaskConfig) -> TaskSpecModel:
     env = dict(cfg.env or {})
     if cfg.dataset:  # uploaded at submit; checked here with a stand-in id
         if "dataset_id" in env or "path" in env:
-            raise SpecError("spec.env_config.dataset_id", "nothing here when `dataset` names a file to upload (it fills in dataset_id)", env.get("dataset_id", env.get("path")))
+            raise SpecError(
+                "spec.env_config.dataset_id",
+                "nothing here when `dataset` names a file to upload (it fills in dataset_id)",
+                env.get("dataset_id", env.get("path")),
+            )
         env = {"env_id": "chat_jsonl", **env, "dataset_id": _DATASET_ID_PLACEHOLDER}
     return TaskSpecModel.from_parts(
         workload_type=cfg.workload_type,
@@ -188,11 +192,16 @@ def _index_lines(node: yaml.Node, path: Path, lines: dict[Path, int], source: st
         seen: dict[Any, int] = {}
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode):
-                raise ConfigError("mapping keys must be plain names", source=source, line=_line(key_node), key=_dotted(path) or None)
+                raise ConfigError(
+                    "mapping keys must be plain names", source=source, line=_line(key_node), key=_dotted(path) or None
+                )
             key = key_node.value
             if key in seen:
                 raise ConfigError(
-                    f"duplicate key (first on line {seen[key]})", source=source, line=_line(key_node), key=_dotted(path + (key,))
+                    f"duplicate key (first on line {seen[key]})",
+                    source=source,
+                    line=_line(key_node),
+                    key=_dotted(path + (key,)),
                 )
             seen[key] = _line(key_node)
             lines[path + (key,)] = _line(key_node)
@@ -287,7 +296,9 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
         data = Yaml12Loader(text).get_single_data()
     except yaml.YAMLError as err:  # e.g. a bad !!tag that composes but does not construct
         mark = getattr(err, "problem_mark", None)
-        raise ConfigError(f"not valid YAML: {getattr(err, 'problem', err)}", source=source, line=mark.line + 1 if mark else None) from None
+        raise ConfigError(
+            f"not valid YAML: {getattr(err, 'problem', err)}", source=source, line=mark.line + 1 if mark else None
+        ) from None
 
     for key in data:
         if key not in _KEYS:
@@ -331,7 +342,9 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
             detail = detail[len(err.field) + 2 :]
         if err.expected.startswith("one of the known keys"):
             detail = "unknown key, " + detail
-        raise ConfigError(detail, source=source, line=_line_for(path, lines) if path else None, key=key or None) from None
+        raise ConfigError(
+            detail, source=source, line=_line_for(path, lines) if path else None, key=key or None
+        ) from None
     # Values a Struct cannot carry (dates, huge integers) are refused here, with their line.
     for part in ("env", "hyperparameters"):
         try:
@@ -342,7 +355,9 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
             path = (part,) + tuple(
                 m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _PATH_PART.finditer("." + sub)
             )
-            raise ConfigError(msg.split(": ", 1)[-1], source=source, line=_line_for(path, lines), key=f"{part}.{sub}") from None
+            raise ConfigError(
+                msg.split(": ", 1)[-1], source=source, line=_line_for(path, lines), key=f"{part}.{sub}"
+            ) from None
     return cfg
 
 

@@ -108,7 +108,9 @@ def _set_value(target: struct_pb2.Value, value: Any, path: str) -> None:
         for i, item in enumerate(value):
             _set_value(target.list_value.values.add(), item, f"{path}[{i}]")
     else:
-        raise ValueError(f"{path}: {type(value).__name__} values cannot be sent (use numbers, strings, booleans, lists and mappings)")
+        raise ValueError(
+            f"{path}: {type(value).__name__} values cannot be sent (use numbers, strings, booleans, lists and mappings)"
+        )
 
 
 def _fill_struct(struct: struct_pb2.Struct, data: Mapping[str, Any], path: str) -> None:
@@ -477,7 +479,9 @@ def node_from_proto(node: scheduler_pb2.Node) -> NodeInfo:
         max_tasks=node.max_tasks,
         running_task_ids=tuple(node.running_task_ids),
         devices=tuple(
-            DeviceInfo(index=d.index, uuid=d.uuid, name=d.name, memory_total_bytes=d.memory_total_bytes, simulated=d.simulated)
+            DeviceInfo(
+                index=d.index, uuid=d.uuid, name=d.name, memory_total_bytes=d.memory_total_bytes, simulated=d.simulated
+            )
             for d in node.devices
         ),
         telemetry=tuple(_telemetry_from_proto(t) for t in node.telemetry),
@@ -516,4 +520,6 @@ class DatasetInfo:
 
 def dataset_from_proto(info: scheduler_pb2.DatasetInfo) -> DatasetInfo:
     """``scheduler_pb2.DatasetInfo`` -> :class:`DatasetInfo`."""
-    return DatasetInfo(dataset_id=info.dataset_id, name=info.name, size_bytes=info.size_bytes, num_examples=info.num_examples)
+    return DatasetInfo(
+        dataset_id=info.dataset_id, name=info.name, size_bytes=info.size_bytes, num_examples=info.num_examples
+    )

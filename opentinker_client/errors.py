@@ -92,7 +92,9 @@ class InvalidArgumentError(OpenTinkerError):
 
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
 
-    def __init__(self, details: str, *, code: grpc.StatusCode | None = None, status: Any = None, field: str | None = None) -> None:
+    def __init__(
+        self, details: str, *, code: grpc.StatusCode | None = None, status: Any = None, field: str | None = None
+    ) -> None:
         super().__init__(details, code=code, status=status)
         self.field = field
 
@@ -196,7 +198,9 @@ _BY_CODE: dict[grpc.StatusCode, type[OpenTinkerError]] = {
 }
 
 #: Appended to UNAVAILABLE on a plaintext channel to the scheduler that the server closed.
-SCHEDULER_PLAINTEXT_HINT = "(if the scheduler serves TLS, use https://host:port or pass its CA: --tls-ca / $OPENTINKER_TLS_CA)"
+SCHEDULER_PLAINTEXT_HINT = (
+    "(if the scheduler serves TLS, use https://host:port or pass its CA: --tls-ca / $OPENTINKER_TLS_CA)"
+)
 #: The same for an InferenceClient dialling a ``host:port`` endpoint in plaintext.
 INFERENCE_PLAINTEXT_HINT = (
     "(if the inference server serves TLS, use its https://host:port endpoint, the one the inference task reports, "
@@ -276,5 +280,5 @@ def from_spec_error(err: SpecError) -> InvalidArgumentError:
     message = str(err)
     prefix = f"{err.field}: "
     if err.expected.startswith("one of the known keys") and message.startswith(prefix):
-        message = f"{prefix}unknown key, {message[len(prefix):]}"
+        message = f"{prefix}unknown key, {message[len(prefix) :]}"
     return InvalidArgumentError(message, field=err.field)

@@ -82,14 +82,19 @@ def evaluate(
     from opentinker_common.arithmetic import ArithmeticEnv, reward  # torch-free: problems and reward only
 
     if isinstance(episodes, bool) or not isinstance(episodes, int) or not 1 <= episodes <= MAX_EPISODES:
-        raise InvalidArgumentError(f"episodes: expected an integer in [1, {MAX_EPISODES}], got {episodes!r}", field="episodes")
+        raise InvalidArgumentError(
+            f"episodes: expected an integer in [1, {MAX_EPISODES}], got {episodes!r}", field="episodes"
+        )
     data = {"env_id": env} if isinstance(env, str) else dict(env)
     try:
         config = validate_env_config(data, path="env")
     except SpecError as err:
         raise from_spec_error(err) from None
     if config.env_id != "arithmetic":
-        raise InvalidArgumentError(f"env.env_id: expected a text environment this helper can score (arithmetic), got {config.env_id!r}", field="env.env_id")
+        raise InvalidArgumentError(
+            f"env.env_id: expected a text environment this helper can score (arithmetic), got {config.env_id!r}",
+            field="env.env_id",
+        )
     problems = ArithmeticEnv(config, tokenizer=None, seed=seed).sample(episodes)
     kwargs = {} if adapter is _DEFAULT else {"adapter": adapter}
     rewards, prompts, replies = [], [], []
@@ -104,4 +109,13 @@ def evaluate(
     mean = sum(rewards) / len(rewards)
     var = sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1) if len(rewards) > 1 else 0.0
     used = client.adapter if adapter is _DEFAULT else adapter
-    return EvalResult(config.env_id, episodes, mean, math.sqrt(var / len(rewards)), used, tuple(rewards), tuple(prompts), tuple(replies))
+    return EvalResult(
+        config.env_id,
+        episodes,
+        mean,
+        math.sqrt(var / len(rewards)),
+        used,
+        tuple(rewards),
+        tuple(prompts),
+        tuple(replies),
+    )

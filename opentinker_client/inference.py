@@ -168,7 +168,9 @@ def parse_endpoint(endpoint: str) -> tuple[str, bool]:
         ValueError: not a string, no port, a path, an unknown scheme ..., naming ``endpoint``.
     """
     if not isinstance(endpoint, str):
-        raise ValueError(f"endpoint: expected a string such as host:port or https://host:port, got {type(endpoint).__name__}")
+        raise ValueError(
+            f"endpoint: expected a string such as host:port or https://host:port, got {type(endpoint).__name__}"
+        )
     text = endpoint.strip()
     low = text.lower()
     tls = low.startswith(_TLS_SCHEMES)
@@ -176,12 +178,16 @@ def parse_endpoint(endpoint: str) -> tuple[str, bool]:
     if "://" in rest:
         scheme = rest.split("://", 1)[0] + "://"
         scheme = scheme if "@" not in endpoint else "***://"  # may hold a user:password@ part
-        raise ValueError(f"endpoint: bad inference endpoint {redact_userinfo(endpoint)!r}: unknown scheme {scheme!r}; expected host:port, http://host:port or https://host:port (TLS)")
+        raise ValueError(
+            f"endpoint: bad inference endpoint {redact_userinfo(endpoint)!r}: unknown scheme {scheme!r}; expected host:port, http://host:port or https://host:port (TLS)"
+        )
     try:
         target = parse_scheduler_url(rest)
     except ValueError as exc:
         why = str(exc).split("': ", 1)[-1].split("; expected", 1)[0]
-        raise ValueError(f"endpoint: bad inference endpoint {redact_userinfo(endpoint)!r}: {why}; expected host:port, http://host:port or https://host:port (TLS)") from None
+        raise ValueError(
+            f"endpoint: bad inference endpoint {redact_userinfo(endpoint)!r}: {why}; expected host:port, http://host:port or https://host:port (TLS)"
+        ) from None
     return target, tls
 
 
@@ -234,10 +240,15 @@ class InferenceClient:
         api_key = clean_api_key(api_key)  # surrounding whitespace stripped; inner whitespace is a ValueError
         if endpoint is None:
             if not (scheduler_url and task_id):
-                raise InvalidArgumentError("endpoint: give an endpoint, or scheduler_url and the task_id of an inference task", field="endpoint")
+                raise InvalidArgumentError(
+                    "endpoint: give an endpoint, or scheduler_url and the task_id of an inference task",
+                    field="endpoint",
+                )
             from opentinker_client.client import RLClient
 
-            with RLClient(scheduler_url, min_poll_interval=0, api_key=api_key, root_certificates=root_certificates) as rl:
+            with RLClient(
+                scheduler_url, min_poll_interval=0, api_key=api_key, root_certificates=root_certificates
+            ) as rl:
                 endpoint = wait_for_endpoint(rl, task_id, timeout=ready_timeout)
         self.target, self.tls = parse_endpoint(endpoint)
         self.endpoint = endpoint
@@ -279,7 +290,12 @@ class InferenceClient:
     def with_adapter(self, adapter: str | None) -> "InferenceClient":
         """Another client on the same server whose default adapter is ``adapter``."""
         return InferenceClient(
-            self.endpoint, adapter=adapter, model=self.model, timeout=self.timeout, api_key=self._api_key, root_certificates=self._root_certificates
+            self.endpoint,
+            adapter=adapter,
+            model=self.model,
+            timeout=self.timeout,
+            api_key=self._api_key,
+            root_certificates=self._root_certificates,
         )
 
     # --- requests ------------------------------------------------------------------------------
@@ -293,7 +309,9 @@ class InferenceClient:
             chat = req.messages
             for i, m in enumerate(messages):
                 if not isinstance(m, Mapping) or "content" not in m:
-                    raise InvalidArgumentError(f"messages[{i}]: expected a mapping with role and content", field=f"messages[{i}]")
+                    raise InvalidArgumentError(
+                        f"messages[{i}]: expected a mapping with role and content", field=f"messages[{i}]"
+                    )
                 chat.messages.add(role=str(m.get("role", "user")), content=str(m["content"]))
             if not messages:
                 req.messages.SetInParent()
@@ -356,7 +374,8 @@ class InferenceClient:
             raise self._error(err) from err
         return Generation(
             samples=tuple(
-                Sample(s.index, s.text, tuple(s.token_ids), tuple(s.logprobs), _FINISH.get(s.finish_reason, "")) for s in resp.samples
+                Sample(s.index, s.text, tuple(s.token_ids), tuple(s.logprobs), _FINISH.get(s.finish_reason, ""))
+                for s in resp.samples
             ),
             prompt_tokens=resp.usage.prompt_tokens,
             completion_tokens=resp.usage.completion_tokens,
@@ -409,11 +428,20 @@ class InferenceClient:
             UnauthenticatedError, PermissionDeniedError: as :meth:`generate`.
         """
         try:
-            resp = self._stub.ListAdapters(inference_pb2.ListAdaptersRequest(), timeout=self.timeout, metadata=self._metadata)
+            resp = self._stub.ListAdapters(
+                inference_pb2.ListAdaptersRequest(), timeout=self.timeout, metadata=self._metadata
+            )
         except grpc.RpcError as err:
             raise self._error(err) from err
         return [
-            AdapterInfo(a.name, a.path, a.size_bytes, timestamp_to_datetime(a.load_time), timestamp_to_datetime(a.last_used_time), a.in_use)
+            AdapterInfo(
+                a.name,
+                a.path,
+                a.size_bytes,
+                timestamp_to_datetime(a.load_time),
+                timestamp_to_datetime(a.last_used_time),
+                a.in_use,
+            )
             for a in resp.adapters
         ]
 
@@ -438,7 +466,9 @@ def wait_for_endpoint(client: "RLClient", task_id: str, *, timeout: float, poll_
         if info.done:
             raise TaskFailedError(info)
         if time.monotonic() >= deadline:
-            raise DeadlineExceededError(f"inference task {task_id} did not start serving within {timeout:g} s (state: {info.state})")
+            raise DeadlineExceededError(
+                f"inference task {task_id} did not start serving within {timeout:g} s (state: {info.state})"
+            )
         time.sleep(poll_interval)
 
 
@@ -470,11 +500,17 @@ def serve_task(
     """
     task = client.get_task(task_id)
     if task.workload_type not in ADAPTER_WORKLOADS:
-        raise FailedPreconditionError(f"task {task_id} is a {task.workload_type} task; only {' and '.join(ADAPTER_WORKLOADS)} tasks give adapters to serve")
+        raise FailedPreconditionError(
+            f"task {task_id} is a {task.workload_type} task; only {' and '.join(ADAPTER_WORKLOADS)} tasks give adapters to serve"
+        )
     if not task.done:
-        raise FailedPreconditionError(f"task {task_id} is {task.state}; wait for it to finish (RLClient.wait) before serving its adapter")
+        raise FailedPreconditionError(
+            f"task {task_id} is {task.state}; wait for it to finish (RLClient.wait) before serving its adapter"
+        )
     if not task.checkpoint_path:
-        raise FailedPreconditionError(f"task {task_id} ended {task.state} without a checkpoint; there is no adapter to serve")
+        raise FailedPreconditionError(
+            f"task {task_id} ended {task.state} without a checkpoint; there is no adapter to serve"
+        )
     server_id = None
     for t in client.list_tasks(states=["running", "assigned", "pending"], limit=1000):
         if t.workload_type == "inference" and t.model == task.model and t.gpu_count == gpu_count:
@@ -492,7 +528,9 @@ def serve_task(
     endpoint = wait_for_endpoint(client, server_id, timeout=timeout)
     if root_certificates is None:
         root_certificates = getattr(client, "_root_certificates", None)
-    llm = InferenceClient(endpoint, adapter=task_id, model=task.model, api_key=_bearer(client), root_certificates=root_certificates)
+    llm = InferenceClient(
+        endpoint, adapter=task_id, model=task.model, api_key=_bearer(client), root_certificates=root_certificates
+    )
     llm.task_id = server_id
     try:  # one real call: a wrong CA, a plaintext/TLS mix-up or a refused key fails here, not on first use
         llm.list_adapters()
@@ -506,7 +544,7 @@ def _bearer(client: "RLClient") -> str:
     """The API key ``client`` sends ("" for none), from its call metadata."""
     for key, value in getattr(client, "_metadata", ()):
         if key == "authorization" and value.startswith("Bearer "):
-            return value[len("Bearer "):]
+            return value[len("Bearer ") :]
     return ""
 
 
@@ -530,7 +568,9 @@ def _safe_relative(path: str) -> PurePosixPath:
     return p
 
 
-def download_checkpoint(stub, metadata, task_id: str, dest: str | os.PathLike[str], *, step: int | None = None, timeout: float | None = None) -> Path:
+def download_checkpoint(
+    stub, metadata, task_id: str, dest: str | os.PathLike[str], *, step: int | None = None, timeout: float | None = None
+) -> Path:
     """Stream a checkpoint folder into ``dest`` (created; must not exist or be empty) and check
     every file's size and SHA-256 against the manifest. Files are written beside ``dest`` and
     moved into place only when all of them check out, so nothing half-written is left. The
@@ -552,7 +592,9 @@ def download_checkpoint(stub, metadata, task_id: str, dest: str | os.PathLike[st
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     os.chmod(tmp, 0o700)  # model weights are private: the folder is the user's alone (as on the cluster)
-    call = stub.DownloadCheckpoint(scheduler_pb2.DownloadCheckpointRequest(task_id=task_id, step=step or 0), timeout=timeout, metadata=metadata)
+    call = stub.DownloadCheckpoint(
+        scheduler_pb2.DownloadCheckpointRequest(task_id=task_id, step=step or 0), timeout=timeout, metadata=metadata
+    )
     try:
         files: list[tuple[Path, Any]] = []
         handles: dict[int, Any] = {}
@@ -570,11 +612,15 @@ def download_checkpoint(stub, metadata, task_id: str, dest: str | os.PathLike[st
                 if not 0 <= c.file_index < len(files):
                     raise OpenTinkerError(f"checkpoint download: chunk for unknown file {c.file_index}")
                 if c.file_index not in handles:
-                    handles[c.file_index] = open(os.open(files[c.file_index][0], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+                    handles[c.file_index] = open(
+                        os.open(files[c.file_index][0], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb"
+                    )
                     digests[c.file_index] = hashlib.sha256()
                     sizes[c.file_index] = 0
                 if c.offset != sizes[c.file_index]:
-                    raise OpenTinkerError(f"checkpoint download: chunk at offset {c.offset} of {files[c.file_index][1].path}, expected {sizes[c.file_index]}")
+                    raise OpenTinkerError(
+                        f"checkpoint download: chunk at offset {c.offset} of {files[c.file_index][1].path}, expected {sizes[c.file_index]}"
+                    )
                 handles[c.file_index].write(c.data)
                 digests[c.file_index].update(c.data)
                 sizes[c.file_index] += len(c.data)
@@ -586,7 +632,9 @@ def download_checkpoint(stub, metadata, task_id: str, dest: str | os.PathLike[st
             if i not in handles:
                 os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
             if got_size != f.size_bytes or got_hash != f.sha256:
-                raise OpenTinkerError(f"checkpoint download: {f.path} arrived with {got_size} bytes, sha256 {got_hash}; expected {f.size_bytes} bytes, sha256 {f.sha256}")
+                raise OpenTinkerError(
+                    f"checkpoint download: {f.path} arrived with {got_size} bytes, sha256 {got_hash}; expected {f.size_bytes} bytes, sha256 {f.sha256}"
+                )
         if dest.exists():
             dest.rmdir()
         os.replace(tmp, dest)

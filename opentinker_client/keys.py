@@ -28,7 +28,11 @@ from opentinker_client.errors import InvalidArgumentError, from_rpc_error
 __all__ = ["KeyAdmin", "ApiKeyInfo", "AuditRecord", "ROLES"]
 
 ROLES = ("admin", "user", "node")
-_ROLE_PB = {"admin": admin_pb2.API_KEY_ROLE_ADMIN, "user": admin_pb2.API_KEY_ROLE_USER, "node": admin_pb2.API_KEY_ROLE_NODE}
+_ROLE_PB = {
+    "admin": admin_pb2.API_KEY_ROLE_ADMIN,
+    "user": admin_pb2.API_KEY_ROLE_USER,
+    "node": admin_pb2.API_KEY_ROLE_NODE,
+}
 _PB_ROLE = {v: k for k, v in _ROLE_PB.items()}
 
 
@@ -55,8 +59,15 @@ class ApiKeyInfo:
     @classmethod
     def from_proto(cls, k: admin_pb2.ApiKey) -> "ApiKeyInfo":
         return cls(
-            prefix=k.prefix, owner=k.owner, role=_PB_ROLE.get(k.role, "unspecified"), description=k.description, active=k.active,
-            create_time=_time(k.create_time), revoke_time=_time(k.revoke_time), expire_time=_time(k.expire_time), replaced_by=k.replaced_by,
+            prefix=k.prefix,
+            owner=k.owner,
+            role=_PB_ROLE.get(k.role, "unspecified"),
+            description=k.description,
+            active=k.active,
+            create_time=_time(k.create_time),
+            revoke_time=_time(k.revoke_time),
+            expire_time=_time(k.expire_time),
+            replaced_by=k.replaced_by,
         )
 
 
@@ -91,7 +102,9 @@ class KeyAdmin:
         """A new key for ``owner`` with ``role``; returns (record, full key). Admin keys only."""
         if role not in _ROLE_PB:
             raise InvalidArgumentError(f"role: expected one of {', '.join(ROLES)}, got {role!r}", field="role")
-        resp = self._call("CreateApiKey", admin_pb2.CreateApiKeyRequest(owner=owner, role=_ROLE_PB[role], description=description))
+        resp = self._call(
+            "CreateApiKey", admin_pb2.CreateApiKeyRequest(owner=owner, role=_ROLE_PB[role], description=description)
+        )
         return ApiKeyInfo.from_proto(resp.key), resp.api_key
 
     def list(self, *, owner: str = "", include_inactive: bool = False) -> list[ApiKeyInfo]:
@@ -113,8 +126,20 @@ class KeyAdmin:
 
     def audit(self, *, limit: int = 100, action: str = "", before_id: int = 0) -> list[AuditRecord]:
         """Audit records, newest first. Admin keys only."""
-        resp = self._call("ListAuditEvents", admin_pb2.ListAuditEventsRequest(page_size=limit, action=action, before_id=before_id))
+        resp = self._call(
+            "ListAuditEvents", admin_pb2.ListAuditEventsRequest(page_size=limit, action=action, before_id=before_id)
+        )
         return [
-            AuditRecord(e.id, _time(e.time), e.owner, e.role, e.key_prefix, e.action, e.task_id, e.outcome, json.loads(e.detail_json or "{}"))
+            AuditRecord(
+                e.id,
+                _time(e.time),
+                e.owner,
+                e.role,
+                e.key_prefix,
+                e.action,
+                e.task_id,
+                e.outcome,
+                json.loads(e.detail_json or "{}"),
+            )
             for e in resp.events
         ]

@@ -28,11 +28,15 @@ def _port(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="opentinker-scheduler", description="OpenTinker scheduler: queue, placement, state.")
+    parser = argparse.ArgumentParser(
+        prog="opentinker-scheduler", description="OpenTinker scheduler: queue, placement, state."
+    )
     parser.add_argument("--config", help="scheduler_config.yaml (seed form: resource_pool, workload_types)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=_port, default=8888, help="gRPC port (default 8888)")
-    parser.add_argument("--http-port", type=_port, default=None, help="HTTP port for /health and /metrics (default: --port + 1)")
+    parser.add_argument(
+        "--http-port", type=_port, default=None, help="HTTP port for /health and /metrics (default: --port + 1)"
+    )
     parser.add_argument("--state-dir", default=None, help="overrides state_dir of the config")
     args = parser.parse_args(argv)
     # The database (API key hashes, env tokens in specs), uploaded datasets and the bootstrap

@@ -229,7 +229,11 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
                 raise r.fail(m["node_id"][1], f"{path}.node_id", f"a unique node id; {node_id!r} appears twice")
             seen.add(node_id)
             gpus = r.scalar(m["gpu_count"][1], f"{path}.gpu_count", int, 0, 1024) if "gpu_count" in m else 0
-            max_tasks = r.scalar(m["max_tasks"][1], f"{path}.max_tasks", int, 1, 10_000) if "max_tasks" in m else max(1, gpus or 1)
+            max_tasks = (
+                r.scalar(m["max_tasks"][1], f"{path}.max_tasks", int, 1, 10_000)
+                if "max_tasks" in m
+                else max(1, gpus or 1)
+            )
             pool.append(PoolNode(node_id, gpus, max_tasks))
         kw["resource_pool"] = tuple(pool)
 
@@ -256,7 +260,9 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
     if "allow_unknown_nodes" in top:
         kw["allow_unknown_nodes"] = r.scalar(top["allow_unknown_nodes"][1], "allow_unknown_nodes", bool)
     if "unknown_node_max_tasks" in top:
-        kw["unknown_node_max_tasks"] = r.scalar(top["unknown_node_max_tasks"][1], "unknown_node_max_tasks", int, 1, 10_000)
+        kw["unknown_node_max_tasks"] = r.scalar(
+            top["unknown_node_max_tasks"][1], "unknown_node_max_tasks", int, 1, 10_000
+        )
     if "heartbeat_interval" in top:
         kw["heartbeat_interval_s"] = r.scalar(top["heartbeat_interval"][1], "heartbeat_interval", float, 0.05, 3600)
     if "lease" in top:

@@ -69,7 +69,11 @@ def _snapshot(core: SchedulerCore) -> Snapshot:
         if not node.connected:
             continue
         for t in node.telemetry:
-            values = {k: float(getattr(t, k)) for k in ("utilization_percent", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w") if t.HasField(k)}
+            values = {
+                k: float(getattr(t, k))
+                for k in ("utilization_percent", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w")
+                if t.HasField(k)
+            }
             gpus.append((node.node_id, str(t.index), t.simulated, values))
     return Snapshot(
         time=time.monotonic(),
@@ -131,11 +135,16 @@ async def start_scheduler(
         raise
     core.enable_group_commit()
     most = security.limits.config.max_message_bytes
-    options = [(k, most if k in ("grpc.max_send_message_length", "grpc.max_receive_message_length") else v) for k, v in SERVER_OPTIONS]
+    options = [
+        (k, most if k in ("grpc.max_send_message_length", "grpc.max_receive_message_length") else v)
+        for k, v in SERVER_OPTIONS
+    ]
     server = grpc.aio.server(options=options, interceptors=[security.interceptor])
     scheduler_service = SchedulerService(core, security=security)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(scheduler_service, server)
-    node_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(core, security=security, scheduler_service=scheduler_service), server)
+    node_pb2_grpc.add_NodeServiceServicer_to_server(
+        NodeService(core, security=security, scheduler_service=scheduler_service), server
+    )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(security, durable=core.durable), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -157,10 +166,18 @@ async def start_scheduler(
         http.start()
     tick = asyncio.create_task(_tick_loop(core, http, tick_interval_s))
     log.info(
-        "scheduler listening", grpc_port=bound, http_port=http.port if http else None, state_dir=str(config.state_dir), config=config.source,
-        auth=security.enabled, tls=config.tls is not None, node_port=node_bound,
+        "scheduler listening",
+        grpc_port=bound,
+        http_port=http.port if http else None,
+        state_dir=str(config.state_dir),
+        config=config.source,
+        auth=security.enabled,
+        tls=config.tls is not None,
+        node_port=node_bound,
     )
-    return RunningScheduler(server=server, core=core, http=http, port=bound, tick_task=tick, security=security, node_port=node_bound)
+    return RunningScheduler(
+        server=server, core=core, http=http, port=bound, tick_task=tick, security=security, node_port=node_bound
+    )
 
 
 async def _maybe_await(value) -> None:

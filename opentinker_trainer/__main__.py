@@ -73,7 +73,9 @@ def _http_tls_context(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if bool(args.http_tls_cert) != bool(args.http_tls_key):
         parser.error("--http-tls-cert and --http-tls-key: expected both (HTTPS) or neither")
     if args.http_port is None:
-        parser.error("--http-tls-cert: expected --http-port (or OPENTINKER_HTTP_PORT) too; there is no HTTP port to secure")
+        parser.error(
+            "--http-tls-cert: expected --http-port (or OPENTINKER_HTTP_PORT) too; there is no HTTP port to secure"
+        )
     import ssl
 
     from opentinker_common.net.tls import server_ssl_context
@@ -81,17 +83,34 @@ def _http_tls_context(parser: argparse.ArgumentParser, args: argparse.Namespace)
     try:
         return server_ssl_context(args.http_tls_cert, args.http_tls_key, names=("--http-tls-cert", "--http-tls-key"))
     except (OSError, ssl.SSLError, ValueError) as exc:  # ValueError: not a regular file, over 1 MiB, encrypted key
-        parser.error(f"--http-tls-cert/--http-tls-key: expected a readable PEM certificate and its key, got {args.http_tls_cert!r} and {args.http_tls_key!r} ({getattr(exc, 'strerror', None) or getattr(exc, 'reason', None) or exc})")
+        parser.error(
+            f"--http-tls-cert/--http-tls-key: expected a readable PEM certificate and its key, got {args.http_tls_cert!r} and {args.http_tls_key!r} ({getattr(exc, 'strerror', None) or getattr(exc, 'reason', None) or exc})"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="opentinker-trainer", description="OpenTinker trainer node agent.")
     parser.add_argument("--scheduler-url", default=None, help="default: env SCHEDULER_URL, else localhost:8888")
     parser.add_argument("--node-id", default=None, help="default: env NODE_ID, else the host name")
-    parser.add_argument("--max-tasks", type=_int_at_least(1), default=None, help="tasks at once (default: env MAX_TASKS, else 4)")
-    parser.add_argument("--work-dir", type=Path, default=None, help="checkpoints and worker files (default: env OPENTINKER_WORK_DIR, else ./runs)")
-    parser.add_argument("--simulate-gpus", type=_int_at_least(0), default=0, metavar="N", help="pretend to have N GPUs (tests and scale runs; marked simulated everywhere)")
-    parser.add_argument("--kill-grace", type=_seconds, default=10.0, help="seconds between SIGTERM and SIGKILL of a cancelled worker")
+    parser.add_argument(
+        "--max-tasks", type=_int_at_least(1), default=None, help="tasks at once (default: env MAX_TASKS, else 4)"
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="checkpoints and worker files (default: env OPENTINKER_WORK_DIR, else ./runs)",
+    )
+    parser.add_argument(
+        "--simulate-gpus",
+        type=_int_at_least(0),
+        default=0,
+        metavar="N",
+        help="pretend to have N GPUs (tests and scale runs; marked simulated everywhere)",
+    )
+    parser.add_argument(
+        "--kill-grace", type=_seconds, default=10.0, help="seconds between SIGTERM and SIGKILL of a cancelled worker"
+    )
     parser.add_argument(
         "--http-port",
         type=_port,
@@ -107,23 +126,54 @@ def main(argv: list[str] | None = None) -> int:
         help="host name clients dial for servers this node runs (inference tasks); default: env OPENTINKER_ADVERTISE_HOST, "
         "else 127.0.0.1 when the scheduler is on loopback, else this machine's host name",
     )
-    parser.add_argument("--api-key", default=None, help="API key with the node role (default: env OPENTINKER_API_KEY, preferred: other local users can read arguments in ps; none when the scheduler has auth off)")
-    parser.add_argument("--tls-ca", default=None, help="PEM CA of the scheduler's certificate; turns TLS on (default: env OPENTINKER_TLS_CA)")
-    parser.add_argument("--tls-cert", default=None, help="PEM client certificate for mTLS (default: env OPENTINKER_TLS_CERT)")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="API key with the node role (default: env OPENTINKER_API_KEY, preferred: other local users can read arguments in ps; none when the scheduler has auth off)",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=None,
+        help="PEM CA of the scheduler's certificate; turns TLS on (default: env OPENTINKER_TLS_CA)",
+    )
+    parser.add_argument(
+        "--tls-cert", default=None, help="PEM client certificate for mTLS (default: env OPENTINKER_TLS_CERT)"
+    )
     parser.add_argument("--tls-key", default=None, help="PEM key of --tls-cert (default: env OPENTINKER_TLS_KEY)")
-    parser.add_argument("--http-tls-cert", default=None, metavar="PEM", help="serve the HTTP port as HTTPS with this certificate chain (default: env OPENTINKER_HTTP_TLS_CERT)")
-    parser.add_argument("--http-tls-key", default=None, metavar="PEM", help="PEM key of --http-tls-cert (default: env OPENTINKER_HTTP_TLS_KEY)")
+    parser.add_argument(
+        "--http-tls-cert",
+        default=None,
+        metavar="PEM",
+        help="serve the HTTP port as HTTPS with this certificate chain (default: env OPENTINKER_HTTP_TLS_CERT)",
+    )
+    parser.add_argument(
+        "--http-tls-key",
+        default=None,
+        metavar="PEM",
+        help="PEM key of --http-tls-cert (default: env OPENTINKER_HTTP_TLS_KEY)",
+    )
     parser.add_argument(
         "--serve-tls-cert",
         default=os.environ.get("OPENTINKER_SERVE_TLS_CERT") or "",
         help="PEM certificate of this node's inference servers; with --serve-tls-key they speak TLS and report https://host:port "
         "(default: env OPENTINKER_SERVE_TLS_CERT)",
     )
-    parser.add_argument("--serve-tls-key", default=os.environ.get("OPENTINKER_SERVE_TLS_KEY") or "", help="PEM key of --serve-tls-cert (default: env OPENTINKER_SERVE_TLS_KEY)")
+    parser.add_argument(
+        "--serve-tls-key",
+        default=os.environ.get("OPENTINKER_SERVE_TLS_KEY") or "",
+        help="PEM key of --serve-tls-cert (default: env OPENTINKER_SERVE_TLS_KEY)",
+    )
     args = parser.parse_args(argv)
-    os.umask(0o077)  # what the node and its workers write (checkpoints, assignment files with tokens) is this user's only
+    os.umask(
+        0o077
+    )  # what the node and its workers write (checkpoints, assignment files with tokens) is this user's only
     api_key_from = "--api-key" if args.api_key is not None else "environment variable OPENTINKER_API_KEY"
-    for dest, var in (("api_key", "OPENTINKER_API_KEY"), ("tls_ca", "OPENTINKER_TLS_CA"), ("tls_cert", "OPENTINKER_TLS_CERT"), ("tls_key", "OPENTINKER_TLS_KEY")):
+    for dest, var in (
+        ("api_key", "OPENTINKER_API_KEY"),
+        ("tls_ca", "OPENTINKER_TLS_CA"),
+        ("tls_cert", "OPENTINKER_TLS_CERT"),
+        ("tls_key", "OPENTINKER_TLS_KEY"),
+    ):
         if getattr(args, dest) is None:
             setattr(args, dest, os.environ.get(var) or "")
     from opentinker_common.net.bearer import clean_api_key
@@ -158,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             server_ssl_context(args.serve_tls_cert, args.serve_tls_key, names=("--serve-tls-cert", "--serve-tls-key"))
         except (OSError, ssl.SSLError, ValueError) as exc:
-            why = "the key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(exc) else (getattr(exc, "reason", None) or exc)
+            why = (
+                "the key does not match the certificate"
+                if "KEY_VALUES_MISMATCH" in str(exc)
+                else (getattr(exc, "reason", None) or exc)
+            )
             parser.error(f"--serve-tls-cert/--serve-tls-key: {why} ({args.serve_tls_cert!r}, {args.serve_tls_key!r})")
     # Workers may run in another directory: hand them absolute paths.
     args.serve_tls_cert = str(Path(args.serve_tls_cert).resolve()) if args.serve_tls_cert else ""
@@ -188,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{url_from}: {exc}")
     target = address.target
     if args.tls_cert and not args.tls_ca and not address.tls:
-        parser.error("--tls-ca: expected the scheduler's CA when a client certificate is given (or an https:// scheduler URL to trust the system roots)")
+        parser.error(
+            "--tls-ca: expected the scheduler's CA when a client certificate is given (or an https:// scheduler URL to trust the system roots)"
+        )
     http_tls = _http_tls_context(parser, args)
     configure_logging()
     log = structlog.get_logger("opentinker.trainer")
@@ -212,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         from opentinker_common.net.tls import channel_credentials
 
         try:
-            channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, tls=address.tls)  # bad files: a one-line error, not a retry loop
+            channel_credentials(
+                args.tls_ca, args.tls_cert, args.tls_key, tls=address.tls
+            )  # bad files: a one-line error, not a retry loop
         except ValueError as exc:
             parser.error(str(exc))
 
@@ -226,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
                 http = TrainerHttp(agent, args.http_host, args.http_port, ssl_context=http_tls)
             except (OSError, OverflowError) as exc:
                 agent.monitor.close()
-                print(f"error: cannot listen on HTTP port {args.http_host}:{args.http_port}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+                print(
+                    f"error: cannot listen on HTTP port {args.http_host}:{args.http_port}: {getattr(exc, 'strerror', None) or exc}",
+                    file=sys.stderr,
+                )
                 return 1
             http.start()
             log.info("trainer http listening", http_port=http.port, node_id=config.node_id, scheme=http.scheme)

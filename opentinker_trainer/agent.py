@@ -87,7 +87,11 @@ class AgentConfig:
         """
         from opentinker_common.net.tls import channel_credentials
 
-        creds = channel_credentials(self.tls_ca, self.tls_cert, self.tls_key, tls=self.scheduler_tls) if self.tls_ca or self.scheduler_tls else None
+        creds = (
+            channel_credentials(self.tls_ca, self.tls_cert, self.tls_key, tls=self.scheduler_tls)
+            if self.tls_ca or self.scheduler_tls
+            else None
+        )
         if creds is None:
             return grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         return grpc.aio.secure_channel(self.target, creds, options=CHANNEL_OPTIONS)
@@ -161,7 +165,11 @@ class NodeAgent:
                     raise FatalRegistrationError(f"{code.name}: {exc.details()}") from None
                 if code == grpc.StatusCode.ALREADY_EXISTS:
                     self.log.error("scheduler refused this node id for now", error=exc.details())
-                self.log.warning("stream to scheduler broken", error=(exc.details() if code else repr(exc)), code=code.name if code else None)
+                self.log.warning(
+                    "stream to scheduler broken",
+                    error=(exc.details() if code else repr(exc)),
+                    code=code.name if code else None,
+                )
                 self._hint_tls_refusal(exc.details() if code else str(exc))
                 self.last_error = f"{code.name}: {exc.details()}" if code else (str(exc) or type(exc).__name__)
             if self.connected.is_set():
@@ -172,7 +180,9 @@ class NodeAgent:
             if time.monotonic() - started > 30:
                 failures = 0
             failures += 1
-            delay = random.uniform(0, min(self.config.reconnect_max_s, self.config.reconnect_initial_s * 2 ** (failures - 1)))
+            delay = random.uniform(
+                0, min(self.config.reconnect_max_s, self.config.reconnect_initial_s * 2 ** (failures - 1))
+            )
             self.log.info("reconnecting", in_s=round(delay, 2), attempt=failures)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=delay)
@@ -184,10 +194,19 @@ class NodeAgent:
         from opentinker_common.net.transport import closed_by_peer, tls_handshake_failed
 
         tls = bool(self.config.tls_ca or self.config.scheduler_tls)
-        if getattr(self, "_tls_hinted", False) or not tls or not (closed_by_peer(details) or tls_handshake_failed(details)):
+        if (
+            getattr(self, "_tls_hinted", False)
+            or not tls
+            or not (closed_by_peer(details) or tls_handshake_failed(details))
+        ):
             return
         self._tls_hinted = True
-        self.log.warning("hint: " + TLS_REFUSAL_HINT, scheduler=self.config.target, tls_cert=self.config.tls_cert or None, tls_ca=self.config.tls_ca or None)
+        self.log.warning(
+            "hint: " + TLS_REFUSAL_HINT,
+            scheduler=self.config.target,
+            tls_cert=self.config.tls_cert or None,
+            tls_ca=self.config.tls_ca or None,
+        )
 
     async def drain(self, reason: str = "SIGTERM") -> None:
         """Stop taking tasks, checkpoint and hand back running ones, say goodbye, stop."""
@@ -238,7 +257,13 @@ class NodeAgent:
                 raise ConnectionError("scheduler closed the stream before registering")
             reg = first.registered
             self._heartbeat_interval = max(0.05, reg.heartbeat_interval.ToNanoseconds() / 1e9 or 2.0)
-            self.log.info("registered with scheduler", gpu_count=reg.gpu_count, max_tasks=reg.max_tasks, heartbeat_s=self._heartbeat_interval, stale=len(reg.stale))
+            self.log.info(
+                "registered with scheduler",
+                gpu_count=reg.gpu_count,
+                max_tasks=reg.max_tasks,
+                heartbeat_s=self._heartbeat_interval,
+                stale=len(reg.stale),
+            )
             self.connected.set()
             for s in reg.stale:
                 w = self.workers.get(s.task_id)
@@ -304,7 +329,15 @@ class NodeAgent:
                 return  # duplicate delivery
             self._terminate(existing, "superseded by a newer attempt")
         if self.draining:
-            self._report_final(node_pb2.TaskReport(task_id=a.task_id, attempt=a.attempt, state=common_pb2.TASK_STATE_CANCELLED, error="node is draining", retryable=True))
+            self._report_final(
+                node_pb2.TaskReport(
+                    task_id=a.task_id,
+                    attempt=a.attempt,
+                    state=common_pb2.TASK_STATE_CANCELLED,
+                    error="node is draining",
+                    retryable=True,
+                )
+            )
             return
         attempt_dir = self.config.work_dir / a.task_id / f"attempt-{a.attempt}"
         attempt_dir.mkdir(parents=True, exist_ok=True)
@@ -317,19 +350,55 @@ class NodeAgent:
         env["OPENTINKER_AGENT_PID"] = str(os.getpid())  # the worker dies with the agent
         env["OPENTINKER_NODE_ID"] = self.config.node_id  # bound into the worker's log lines
         # Workers call the scheduler as their node does (datasets, adapter lookup): address, key, TLS.
-        env.update(worker_env(self.config.target, api_key=self.config.api_key, tls_ca=self.config.tls_ca, tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
-                              serve_tls_cert=self.config.serve_tls_cert, serve_tls_key=self.config.serve_tls_key, scheduler_tls=self.config.scheduler_tls))
+        env.update(
+            worker_env(
+                self.config.target,
+                api_key=self.config.api_key,
+                tls_ca=self.config.tls_ca,
+                tls_cert=self.config.tls_cert,
+                tls_key=self.config.tls_key,
+                serve_tls_cert=self.config.serve_tls_cert,
+                serve_tls_key=self.config.serve_tls_key,
+                scheduler_tls=self.config.scheduler_tls,
+            )
+        )
         env["OPENTINKER_DATASET_CACHE"] = str(self.config.work_dir / "datasets")  # shared by this node's tasks
-        env["OPENTINKER_WORK_DIR"] = str(self.config.work_dir.resolve())  # specs may not name paths in it (local_paths.py)
-        env["OPENTINKER_ADVERTISE_HOST"] = self.config.advertise_host or default_advertise_host(self.config.target)  # inference servers
-        cmd = [sys.executable, "-m", "opentinker_trainer.worker", str(assignment), "--checkpoint-dir", str(self.config.work_dir / a.task_id / "checkpoints")]
+        env["OPENTINKER_WORK_DIR"] = str(
+            self.config.work_dir.resolve()
+        )  # specs may not name paths in it (local_paths.py)
+        env["OPENTINKER_ADVERTISE_HOST"] = self.config.advertise_host or default_advertise_host(
+            self.config.target
+        )  # inference servers
+        cmd = [
+            sys.executable,
+            "-m",
+            "opentinker_trainer.worker",
+            str(assignment),
+            "--checkpoint-dir",
+            str(self.config.work_dir / a.task_id / "checkpoints"),
+        ]
         if simulated or not a.device_indices:
             cmd += ["--device", "cpu"]
         try:
-            proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=None, env=env, start_new_session=True, limit=16 * 1024 * 1024)
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=None,
+                env=env,
+                start_new_session=True,
+                limit=16 * 1024 * 1024,
+            )
         except OSError as exc:
             bound.error("worker failed to start", error=str(exc))
-            self._report_final(node_pb2.TaskReport(task_id=a.task_id, attempt=a.attempt, state=common_pb2.TASK_STATE_FAILED, error=f"worker failed to start: {exc}", retryable=True))
+            self._report_final(
+                node_pb2.TaskReport(
+                    task_id=a.task_id,
+                    attempt=a.attempt,
+                    state=common_pb2.TASK_STATE_FAILED,
+                    error=f"worker failed to start: {exc}",
+                    retryable=True,
+                )
+            )
             return
         w = _Worker(a.task_id, a.attempt, proc, tuple(a.device_indices))
         self.workers[a.task_id] = w
@@ -361,7 +430,9 @@ class NodeAgent:
             if kind == "started":
                 report.state = common_pb2.TASK_STATE_RUNNING
             elif kind == "metric":
-                point = report.metrics.add(step=int(msg["step"]), values={k: float(v) for k, v in msg["values"].items()})
+                point = report.metrics.add(
+                    step=int(msg["step"]), values={k: float(v) for k, v in msg["values"].items()}
+                )
                 point.time.FromNanoseconds(int(msg["time"] * 1e9))
                 for listener in self.metric_listeners:
                     listener(w.task_id, w.attempt, point.step, dict(point.values), float(msg["time"]))

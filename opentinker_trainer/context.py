@@ -67,7 +67,11 @@ class WorkerContext:
 
         Non-finite values are dropped (JSON and Prometheus cannot carry them meaningfully).
         """
-        clean = {k: float(v) for k, v in values.items() if v is not None and float(v) == float(v) and abs(float(v)) != float("inf")}
+        clean = {
+            k: float(v)
+            for k, v in values.items()
+            if v is not None and float(v) == float(v) and abs(float(v)) != float("inf")
+        }
         self._emit("metric", step=int(step), values=clean)
 
     def emit_checkpoint(self, step: int, path: Path, *, final: bool, fmt: str) -> None:

@@ -36,10 +36,18 @@ class DeviceMonitor:
         self._handles: list = []
         if simulate_gpus > 0:
             devices = tuple(
-                common_pb2.Device(index=i, uuid=f"SIM-GPU-{i}", name="Simulated GPU", memory_total_bytes=SIMULATED_MEMORY_BYTES, simulated=True)
+                common_pb2.Device(
+                    index=i,
+                    uuid=f"SIM-GPU-{i}",
+                    name="Simulated GPU",
+                    memory_total_bytes=SIMULATED_MEMORY_BYTES,
+                    simulated=True,
+                )
                 for i in range(simulate_gpus)
             )
-            self.inventory = Inventory(devices, note=f"{simulate_gpus} simulated GPU(s) (--simulate-gpus)", simulated=True)
+            self.inventory = Inventory(
+                devices, note=f"{simulate_gpus} simulated GPU(s) (--simulate-gpus)", simulated=True
+            )
             return
         self.inventory = self._discover()
 
@@ -83,7 +91,12 @@ class DeviceMonitor:
                     memory_used_bytes=0,
                     memory_total_bytes=d.memory_total_bytes,
                     simulated=True,
-                    unavailable={"temperature_c": "simulated device", "power_w": "simulated device", "sm_clock_mhz": "simulated device", "ecc_errors": "simulated device"},
+                    unavailable={
+                        "temperature_c": "simulated device",
+                        "power_w": "simulated device",
+                        "sm_clock_mhz": "simulated device",
+                        "ecc_errors": "simulated device",
+                    },
                 )
                 for d in self.inventory.devices
             ]
@@ -101,7 +114,9 @@ class DeviceMonitor:
                     "temperature_c": lambda: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
                     "power_w": lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
                     "sm_clock_mhz": lambda: int(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
-                    "ecc_errors": lambda: int(nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)),
+                    "ecc_errors": lambda: int(
+                        nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
+                    ),
                 }
                 for field, read in readers.items():
                     try:

@@ -109,20 +109,38 @@ class _Collector:
         workers = dict(agent.workers)  # a copy: the event loop mutates the dict
         inv = agent.monitor.inventory
 
-        yield GaugeMetricFamily("opentinker_trainer_connected", "1 while the Connect stream to the scheduler is open and registered", value=1.0 if agent.connected.is_set() else 0.0)
-        yield GaugeMetricFamily("opentinker_trainer_draining", "1 once the node is draining (SIGTERM or the scheduler asked)", value=1.0 if agent.draining else 0.0)
-        yield GaugeMetricFamily("opentinker_trainer_running_tasks", "Worker processes running on this node", value=len(workers))
-        yield GaugeMetricFamily("opentinker_trainer_max_tasks", "Tasks this node runs at once", value=agent.config.max_tasks)
+        yield GaugeMetricFamily(
+            "opentinker_trainer_connected",
+            "1 while the Connect stream to the scheduler is open and registered",
+            value=1.0 if agent.connected.is_set() else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "opentinker_trainer_draining",
+            "1 once the node is draining (SIGTERM or the scheduler asked)",
+            value=1.0 if agent.draining else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "opentinker_trainer_running_tasks", "Worker processes running on this node", value=len(workers)
+        )
+        yield GaugeMetricFamily(
+            "opentinker_trainer_max_tasks", "Tasks this node runs at once", value=agent.config.max_tasks
+        )
         gpus = GaugeMetricFamily("opentinker_trainer_gpus", "GPUs this node offers", labels=["simulated"])
         gpus.add_metric([str(inv.simulated).lower()], len(inv.devices))
         yield gpus
-        reports = CounterMetricFamily("opentinker_trainer_metric_reports", "Metric reports received from this node's workers")
+        reports = CounterMetricFamily(
+            "opentinker_trainer_metric_reports", "Metric reports received from this node's workers"
+        )
         reports.add_metric([], http.metric_reports)
         yield reports
 
-        fams = {key: GaugeMetricFamily(name, text, labels=["node_id", "gpu", "simulated"]) for key, name, text in GPU_FIELDS}
+        fams = {
+            key: GaugeMetricFamily(name, text, labels=["node_id", "gpu", "simulated"]) for key, name, text in GPU_FIELDS
+        }
         unavailable = GaugeMetricFamily(
-            "opentinker_gpu_field_unavailable", "1 for each telemetry field NVML could not give, with the reason", labels=["node_id", "gpu", "field", "reason"]
+            "opentinker_gpu_field_unavailable",
+            "1 for each telemetry field NVML could not give, with the reason",
+            labels=["node_id", "gpu", "field", "reason"],
         )
         for t in http.read_telemetry():
             labels = [node, str(t.index), str(bool(t.simulated)).lower()]
@@ -141,10 +159,20 @@ class _Collector:
             rates = [(k, r.step, dict(r.values), r.rate()) for k, r in http.rates.items()]
         labels = ["task_id", "attempt"]
         step = GaugeMetricFamily("opentinker_task_step", "Newest step a running task reported", labels=labels)
-        rate = GaugeMetricFamily("opentinker_task_steps_per_second", "Steps per second of a running task over its last reports", labels=labels)
-        reward = GaugeMetricFamily("opentinker_task_reward", "Mean reward of a running task's newest step", labels=labels)
+        rate = GaugeMetricFamily(
+            "opentinker_task_steps_per_second",
+            "Steps per second of a running task over its last reports",
+            labels=labels,
+        )
+        reward = GaugeMetricFamily(
+            "opentinker_task_reward", "Mean reward of a running task's newest step", labels=labels
+        )
         loss = GaugeMetricFamily("opentinker_task_loss", "Loss of a running task's newest step", labels=labels)
-        perf = GaugeMetricFamily("opentinker_task_perf", "perf/* values of a running task's newest step (key without the prefix)", labels=[*labels, "key"])
+        perf = GaugeMetricFamily(
+            "opentinker_task_perf",
+            "perf/* values of a running task's newest step (key without the prefix)",
+            labels=[*labels, "key"],
+        )
         for (task_id, attempt), s, values, r in sorted(rates):
             lv = [task_id, str(attempt)]
             step.add_metric(lv, s)
@@ -156,7 +184,7 @@ class _Collector:
                 loss.add_metric(lv, values["loss"])
             for k, v in sorted(values.items()):
                 if k.startswith("perf/"):
-                    perf.add_metric([*lv, k[len("perf/"):]], v)
+                    perf.add_metric([*lv, k[len("perf/") :]], v)
         yield from (step, rate, reward, loss, perf)
 
 
@@ -175,7 +203,13 @@ class TrainerHttp:
     """
 
     def __init__(
-        self, agent: "NodeAgent", host: str = "0.0.0.0", port: int = 0, *, stall_after_s: float = 30.0, ssl_context: ssl.SSLContext | None = None
+        self,
+        agent: "NodeAgent",
+        host: str = "0.0.0.0",
+        port: int = 0,
+        *,
+        stall_after_s: float = 30.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.agent = agent
         self.stall_after_s = stall_after_s
@@ -187,7 +221,9 @@ class TrainerHttp:
         self.registry.register(_Collector(self))
         self._metrics_app = make_wsgi_app(self.registry)
         self.scheme = "http" if ssl_context is None else "https"
-        self.server: SidePortServer = make_side_port_server(host, port, self._app, _QuietHandler, ssl_context=ssl_context)
+        self.server: SidePortServer = make_side_port_server(
+            host, port, self._app, _QuietHandler, ssl_context=ssl_context
+        )
         self.port = self.server.server_port
         self._thread = threading.Thread(target=self.server.serve_forever, name="trainer-http", daemon=True)
         self._ticker: asyncio.Task | None = None
@@ -232,7 +268,10 @@ class TrainerHttp:
         """Readiness: ``(True, {"status": "ok"})`` only while connected and registered."""
         agent = self.agent
         if agent.draining:
-            return False, {"status": "draining", "reason": f"node {agent.config.node_id} is draining; it takes no new tasks"}
+            return False, {
+                "status": "draining",
+                "reason": f"node {agent.config.node_id} is draining; it takes no new tasks",
+            }
         if agent.connected.is_set():
             return True, {"status": "ok"}
         reason = f"not connected to scheduler at {agent.config.target}"

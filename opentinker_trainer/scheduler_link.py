@@ -18,7 +18,13 @@ import grpc
 __all__ = ["WORKER_ENV", "SCHEDULER_TLS_ENV", "worker_env", "scheduler_channel", "scheduler_credentials"]
 
 #: Environment variables a worker reads (set by the agent from its config).
-WORKER_ENV = ("OPENTINKER_SCHEDULER_URL", "OPENTINKER_API_KEY", "OPENTINKER_TLS_CA", "OPENTINKER_TLS_CERT", "OPENTINKER_TLS_KEY")
+WORKER_ENV = (
+    "OPENTINKER_SCHEDULER_URL",
+    "OPENTINKER_API_KEY",
+    "OPENTINKER_TLS_CA",
+    "OPENTINKER_TLS_CERT",
+    "OPENTINKER_TLS_KEY",
+)
 #: The inference server's own certificate and key (PEM; the trainer's --serve-tls-cert/--serve-tls-key).
 SERVE_TLS_ENV = ("OPENTINKER_SERVE_TLS_CERT", "OPENTINKER_SERVE_TLS_KEY")
 #: "1" when the node's scheduler URL was https:// or grpcs://: TLS even without OPENTINKER_TLS_CA
@@ -27,7 +33,14 @@ SCHEDULER_TLS_ENV = "OPENTINKER_SCHEDULER_TLS"
 
 
 def worker_env(
-    target: str, *, api_key: str = "", tls_ca: str = "", tls_cert: str = "", tls_key: str = "", serve_tls_cert: str = "", serve_tls_key: str = "",
+    target: str,
+    *,
+    api_key: str = "",
+    tls_ca: str = "",
+    tls_cert: str = "",
+    tls_key: str = "",
+    serve_tls_cert: str = "",
+    serve_tls_key: str = "",
     scheduler_tls: bool = False,
 ) -> dict[str, str]:
     """The variables the agent sets for a worker (empty values are left out). ``scheduler_tls``:
@@ -38,7 +51,9 @@ def worker_env(
     return {k: v for k, v in values.items() if v}
 
 
-def scheduler_channel(target: str | None = None, env: Mapping[str, str] | None = None) -> tuple[grpc.Channel, tuple[tuple[str, str], ...]]:
+def scheduler_channel(
+    target: str | None = None, env: Mapping[str, str] | None = None
+) -> tuple[grpc.Channel, tuple[tuple[str, str], ...]]:
     """A blocking channel to the scheduler and the call metadata to send on it.
 
     Args:

@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(0o077)  # checkpoints and datasets are this user's only (the agent sets it too)
     configure_logging()
     assign = node_pb2.AssignTask.FromString(args.assignment.read_bytes())
-    structlog.contextvars.bind_contextvars(task_id=assign.task_id, attempt=assign.attempt, node_id=os.environ.get("OPENTINKER_NODE_ID", ""))
+    structlog.contextvars.bind_contextvars(
+        task_id=assign.task_id, attempt=assign.attempt, node_id=os.environ.get("OPENTINKER_NODE_ID", "")
+    )
     log = structlog.get_logger("opentinker.worker")
     device = args.device or ("cuda" if assign.device_indices else "cpu")
     resume = Path(assign.resume_from.path) if assign.HasField("resume_from") and assign.resume_from.path else None

@@ -56,13 +56,21 @@ def main() -> int:
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.model)
     messages = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
-    prompt_ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    prompt_ids = tok(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )["input_ids"]
     n = args.tokens
-    print(f"model {args.model}; prompt {len(prompt_ids)} tokens; {n} new tokens, greedy; torch threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"model {args.model}; prompt {len(prompt_ids)} tokens; {n} new tokens, greedy; torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
 
     # Adapters for the memory figure (random LoRA B so they are real, distinct adapters).
     tmp = Path(tempfile.mkdtemp(prefix="bench-inference-"))
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(args.model), LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(args.model),
+        LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    )
     adapters = {}
     for i in range(8):
         with torch.no_grad():
@@ -74,7 +82,13 @@ def main() -> int:
     del peft_model
 
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-    runtime = ModelRuntime(model_name=args.model, tokenizer=tok, model=model, stop_token_ids=[tok.eos_token_id], resolve=lambda name: adapters[name])
+    runtime = ModelRuntime(
+        model_name=args.model,
+        tokenizer=tok,
+        model=model,
+        stop_token_ids=[tok.eos_token_id],
+        resolve=lambda name: adapters[name],
+    )
     server = ServerThread(runtime)
     client = InferenceClient(server.address, timeout=600)
     ids = torch.tensor([prompt_ids])
@@ -82,7 +96,14 @@ def main() -> int:
     def direct(max_new: int) -> float:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=tok.eos_token_id)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                pad_token_id=tok.eos_token_id,
+            )
         assert out.shape[1] - ids.shape[1] == max_new
         return time.perf_counter() - t0
 
@@ -90,7 +111,9 @@ def main() -> int:
         t0 = time.perf_counter()
         first = None
         count = 0
-        for chunk in client.generate_stream(messages=messages, adapter=adapter, temperature=0, max_tokens=max_new, ignore_eos=True):
+        for chunk in client.generate_stream(
+            messages=messages, adapter=adapter, temperature=0, max_tokens=max_new, ignore_eos=True
+        ):
             if chunk.token_ids and first is None:
                 first = time.perf_counter() - t0
             count += len(chunk.token_ids)
@@ -106,9 +129,13 @@ def main() -> int:
         d_ttft.append(direct(1))
         s_ttft.append(streamed(1)[1])
     d, s = statistics.median(d_tps), statistics.median(s_tps)
-    print(f"throughput: GenerateStream {s:.1f} tok/s vs transformers generate {d:.1f} tok/s -> ratio {s / d:.3f} (goal >= 0.95)")
+    print(
+        f"throughput: GenerateStream {s:.1f} tok/s vs transformers generate {d:.1f} tok/s -> ratio {s / d:.3f} (goal >= 0.95)"
+    )
     dt, st = statistics.median(d_ttft), statistics.median(s_ttft)
-    print(f"time to first token: GenerateStream {st * 1000:.1f} ms vs generate(max_new_tokens=1) {dt * 1000:.1f} ms -> added {1000 * (st - dt):+.1f} ms")
+    print(
+        f"time to first token: GenerateStream {st * 1000:.1f} ms vs generate(max_new_tokens=1) {dt * 1000:.1f} ms -> added {1000 * (st - dt):+.1f} ms"
+    )
 
     # Memory: 1 adapter resident and used, then 8.
     streamed(4, "task-a0")
@@ -126,7 +153,9 @@ def main() -> int:
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda i: streamed(n // 2, f"task-a{i}"), range(4)))
     four = 4 * (n // 2) / (time.perf_counter() - t0)
-    print(f"concurrency: 4 streams (4 adapters) {four:.1f} tok/s in all vs 1 stream {one:.1f} tok/s -> ratio {four / one:.2f} (steps interleave, no batching across requests)")
+    print(
+        f"concurrency: 4 streams (4 adapters) {four:.1f} tok/s in all vs 1 stream {one:.1f} tok/s -> ratio {four / one:.2f} (steps interleave, no batching across requests)"
+    )
     client.close()
     server.close()
     return 0

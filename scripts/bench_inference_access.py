@@ -36,9 +36,17 @@ def tiny_model(folder: Path) -> Path:
 
     tok = AutoTokenizer.from_pretrained(ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct")
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(folder)
@@ -55,7 +63,9 @@ class Served:
 
         tok = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        self.runtime = ModelRuntime(model_name=str(model_dir), tokenizer=tok, model=model, stop_token_ids=[tok.eos_token_id])
+        self.runtime = ModelRuntime(
+            model_name=str(model_dir), tokenizer=tok, model=model, stop_token_ids=[tok.eos_token_id]
+        )
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -106,14 +116,21 @@ def main() -> int:
 
             cached = asyncio.run(checks(60))
             uncached = asyncio.run(checks(1e-3))
-            print(f"access check, cached: {cached * 1e6:.1f} us; scheduler round trip (GetTask with the caller's key): {uncached * 1e3:.2f} ms; "
-                  f"ratio {uncached / cached:.0f}x")
+            print(
+                f"access check, cached: {cached * 1e6:.1f} us; scheduler round trip (GetTask with the caller's key): {uncached * 1e3:.2f} ms; "
+                f"ratio {uncached / cached:.0f}x"
+            )
 
             certs = make_certs(tmp / "certs")
             model_dir = tiny_model(tmp / "tiny")
             plain = Served(model_dir)
             checked = Served(model_dir, access=AccessChecker(sched.target, env={}), task_id=task)
-            secure = Served(model_dir, access=AccessChecker(sched.target, env={}), task_id=task, tls=read_server_tls(certs.server_cert, certs.server_key))
+            secure = Served(
+                model_dir,
+                access=AccessChecker(sched.target, env={}),
+                task_id=task,
+                tls=read_server_tls(certs.server_cert, certs.server_key),
+            )
             try:
                 clients = {
                     "plain": InferenceClient(plain.endpoint, api_key=""),
@@ -131,7 +148,9 @@ def main() -> int:
                 base = statistics.median(times["plain"])
                 for name in ("checked", "tls+checked"):
                     m = statistics.median(times[name])
-                    print(f"Generate 1 token, tiny model, {name} vs plaintext without check: {m * 1e3:.2f} ms vs {base * 1e3:.2f} ms, ratio {m / base:.2f}")
+                    print(
+                        f"Generate 1 token, tiny model, {name} vs plaintext without check: {m * 1e3:.2f} ms vs {base * 1e3:.2f} ms, ratio {m / base:.2f}"
+                    )
                 for c in clients.values():
                     c.close()
             finally:

@@ -36,7 +36,10 @@ class _Printer:
 
     def __init__(self) -> None:
         self.rows: list[dict] = []
-        print(f"{'step':>4} {'reward':>7} {'success':>7} {'invalid':>7} {'turns':>5} {'step_s':>6} {'gen_s':>6} {'train_s':>7}", flush=True)
+        print(
+            f"{'step':>4} {'reward':>7} {'success':>7} {'invalid':>7} {'turns':>5} {'step_s':>6} {'gen_s':>6} {'train_s':>7}",
+            flush=True,
+        )
 
     def write(self, line: str) -> None:
         for part in line.splitlines():
@@ -87,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--shaping", default=None, choices=("none", "distance"), help="default: distance; none with --client (a client env has no known grid)")
+    p.add_argument(
+        "--shaping",
+        default=None,
+        choices=("none", "distance"),
+        help="default: distance; none with --client (a client env has no known grid)",
+    )
     p.add_argument("--invalid-reward", type=float, default=-0.1)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -124,8 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         env_config = server.env_config
     else:
         env_config = {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}}
-    spec = TaskSpecModel.from_parts(workload_type="lora_finetune", model=args.model, env_config=env_config, hyperparameters=hp)
-    print(f"model={args.model}\nenv={json.dumps({k: ('<redacted>' if k == 'token' else v) for k, v in env_config.items()})}\nhyperparameters={json.dumps(hp)}", flush=True)
+    spec = TaskSpecModel.from_parts(
+        workload_type="lora_finetune", model=args.model, env_config=env_config, hyperparameters=hp
+    )
+    print(
+        f"model={args.model}\nenv={json.dumps({k: ('<redacted>' if k == 'token' else v) for k, v in env_config.items()})}\nhyperparameters={json.dumps(hp)}",
+        flush=True,
+    )
     printer = _Printer()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         return sum(r[key] for r in part) / len(part)
 
     first, last = rows[:w], rows[-w:]
-    for key, label in (("reward", "reward"), ("episode/success_rate", "success"), ("episode/invalid_action_frac", "invalid")):
+    for key, label in (
+        ("reward", "reward"),
+        ("episode/success_rate", "success"),
+        ("episode/invalid_action_frac", "invalid"),
+    ):
         a, b = mean(key, first), mean(key, last)
         print(f"{label}: first {w} steps {a:.3f} -> last {w} steps {b:.3f} (change {b - a:+.3f})")
     print(f"wall time {wall:.0f} s for {len(rows)} steps ({wall / max(1, len(rows)):.1f} s/step)")

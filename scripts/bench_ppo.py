@@ -100,7 +100,12 @@ def run_case(name: str, case: dict, seed: int, window: int, curve_every: int) ->
         ctx = WorkerContext("bench", 1, spec, "cpu", Path(tmp), out=_Lines(on_metric))
         run_task(ctx)
     wall = time.perf_counter() - started
-    return {"name": name, "wall_s": wall, "total": spec.hyperparameters.num_updates * spec.hyperparameters.batch_size, **state}
+    return {
+        "name": name,
+        "wall_s": wall,
+        "total": spec.hyperparameters.num_updates * spec.hyperparameters.batch_size,
+        **state,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=sorted(CASES), action="append", help="run only this case (repeatable)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--window", type=int, default=20, help="episodes in the running mean")
-    parser.add_argument("--curve-every", type=int, default=0, help="print the curve every N updates (0: 8 points per case)")
+    parser.add_argument(
+        "--curve-every", type=int, default=0, help="print the curve every N updates (0: 8 points per case)"
+    )
     args = parser.parse_args(argv)
     rows = []
     for name in args.only or list(CASES):
@@ -119,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {steps:>8d} env steps   mean return (last {args.window}) {mean:9.2f}", flush=True)
         rows.append(r)
     print()
-    print(f"{'case':<20} {'random':>9} {'final':>9} {'threshold':>10} {'steps to thr':>13} {'time to thr':>12} {'wall s':>8} {'steps/s':>8} {'gain':>7}")
+    print(
+        f"{'case':<20} {'random':>9} {'final':>9} {'threshold':>10} {'steps to thr':>13} {'time to thr':>12} {'wall s':>8} {'steps/s':>8} {'gain':>7}"
+    )
     for r in rows:
         thr = CASES[r["name"]]["threshold"]
         hit_steps, hit_s = r["hit"] if r["hit"] else (None, None)

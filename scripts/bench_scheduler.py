@@ -111,8 +111,15 @@ class SimNode:
             heartbeat=N.Heartbeat(
                 devices=[
                     C.DeviceTelemetry(
-                        index=i, utilization_percent=50.0, memory_used_bytes=20 << 30, memory_total_bytes=80 << 30,
-                        temperature_c=55.0, power_w=300.0, sm_clock_mhz=1980, ecc_errors=0, simulated=True,
+                        index=i,
+                        utilization_percent=50.0,
+                        memory_used_bytes=20 << 30,
+                        memory_total_bytes=80 << 30,
+                        temperature_c=55.0,
+                        power_w=300.0,
+                        sm_clock_mhz=1980,
+                        ecc_errors=0,
+                        simulated=True,
                     )
                     for i in range(gpus)
                 ]
@@ -122,7 +129,16 @@ class SimNode:
             register=N.Register(
                 node_id=node_id,
                 version="bench",
-                devices=[C.Device(index=i, uuid=f"SIM-{node_id}-{i}", name="Simulated GPU", memory_total_bytes=80 << 30, simulated=True) for i in range(gpus)],
+                devices=[
+                    C.Device(
+                        index=i,
+                        uuid=f"SIM-{node_id}-{i}",
+                        name="Simulated GPU",
+                        memory_total_bytes=80 << 30,
+                        simulated=True,
+                    )
+                    for i in range(gpus)
+                ],
                 max_tasks=worker.opts["max_tasks"],
                 hostname="bench",
                 cpu_count=8,
@@ -149,7 +165,11 @@ class SimNode:
                     self.registered.set()
                 elif kind == "cancel_task":
                     c = resp.cancel_task
-                    self.out.put_nowait(N.ConnectRequest(task_report=N.TaskReport(task_id=c.task_id, attempt=c.attempt, state=C.TASK_STATE_CANCELLED)))
+                    self.out.put_nowait(
+                        N.ConnectRequest(
+                            task_report=N.TaskReport(task_id=c.task_id, attempt=c.attempt, state=C.TASK_STATE_CANCELLED)
+                        )
+                    )
         except grpc.aio.AioRpcError as exc:
             if not self.w.stopping:
                 self.failed = f"{exc.code().name}: {exc.details()}"
@@ -208,11 +228,17 @@ class SimWorker:
             self.reassigns += 1
         else:
             self.assign_t[a.task_id] = now
-        node.out.put_nowait(N.ConnectRequest(task_report=N.TaskReport(task_id=a.task_id, attempt=a.attempt, state=C.TASK_STATE_RUNNING)))
+        node.out.put_nowait(
+            N.ConnectRequest(task_report=N.TaskReport(task_id=a.task_id, attempt=a.attempt, state=C.TASK_STATE_RUNNING))
+        )
         if self.hold:
             self.held.append((node, a.task_id, a.attempt))
         else:
-            node.out.put_nowait(N.ConnectRequest(task_report=N.TaskReport(task_id=a.task_id, attempt=a.attempt, state=C.TASK_STATE_SUCCEEDED)))
+            node.out.put_nowait(
+                N.ConnectRequest(
+                    task_report=N.TaskReport(task_id=a.task_id, attempt=a.attempt, state=C.TASK_STATE_SUCCEEDED)
+                )
+            )
 
     def stats(self) -> dict:
         return {
@@ -238,7 +264,11 @@ class SimWorker:
             elif cmd == "release":
                 self.hold = False
                 for node, task_id, attempt in self.held:
-                    node.out.put_nowait(N.ConnectRequest(task_report=N.TaskReport(task_id=task_id, attempt=attempt, state=C.TASK_STATE_SUCCEEDED)))
+                    node.out.put_nowait(
+                        N.ConnectRequest(
+                            task_report=N.TaskReport(task_id=task_id, attempt=attempt, state=C.TASK_STATE_SUCCEEDED)
+                        )
+                    )
                 self.held.clear()
             elif cmd == "collect":
                 reply, self.assign_t = self.assign_t, {}
@@ -286,7 +316,9 @@ def free_port() -> int:
 
 
 class SchedulerProc:
-    def __init__(self, workdir: Path, *, lease_s: float, max_tasks: int, scheduler_path: str | None, profile: Path | None = None) -> None:
+    def __init__(
+        self, workdir: Path, *, lease_s: float, max_tasks: int, scheduler_path: str | None, profile: Path | None = None
+    ) -> None:
         self.workdir = workdir
         self.port, self.http_port = free_port(), free_port()
         cfg = workdir / "scheduler_config.yaml"
@@ -305,9 +337,26 @@ class SchedulerProc:
             env["PYTHONPATH"] = os.pathsep.join([scheduler_path, env.get("PYTHONPATH", "")])
         self._log = open(self.log_path, "wb")
         self.popen = subprocess.Popen(
-            [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "opentinker_scheduler", "--config", str(cfg), "--host", "127.0.0.1",
-             "--port", str(self.port), "--http-port", str(self.http_port), "--state-dir", str(workdir / "state")],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=scheduler_path or str(REPO),
+            [
+                sys.executable,
+                *(["-m", "cProfile", "-o", str(profile)] if profile else []),
+                "-m",
+                "opentinker_scheduler",
+                "--config",
+                str(cfg),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--http-port",
+                str(self.http_port),
+                "--state-dir",
+                str(workdir / "state"),
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=scheduler_path or str(REPO),
         )
         self.pid = self.popen.pid
 
@@ -395,7 +444,9 @@ class Meter:
             "driver_cpu_frac": (main - self.main0) / wall,
             "worker_cpu_frac": [c / wall for c in wcpu],
             "machine_busy_cores": busy / total * ncpu if total else math.nan,
-            "others_cores": max(0.0, (busy - (sched - self.sched0) - (main - self.main0) - sum(wcpu)) / total * ncpu) if total else math.nan,
+            "others_cores": max(0.0, (busy - (sched - self.sched0) - (main - self.main0) - sum(wcpu)) / total * ncpu)
+            if total
+            else math.nan,
         }
 
 
@@ -445,7 +496,9 @@ class Bench:
     # --- submits ----------------------------------------------------------------------------
     def request(self, i: int) -> S.SubmitTaskRequest:
         spec = C.TaskSpec(
-            workload_type="lora_finetune", model="bench/dummy-model", name=f"bench-{i}",
+            workload_type="lora_finetune",
+            model="bench/dummy-model",
+            name=f"bench-{i}",
             resources=C.Resources(gpu_count=i % 2 if self.args.gpus_per_node else 0),
         )
         spec.env_config.update({"env_id": "arithmetic"})
@@ -495,8 +548,12 @@ class Bench:
         rpc = sorted((t1 - t0) * 1000 for _, t0, t1 in submits)
         return {
             "assigned": len(lat),
-            "p50_ms": pct(lat, 50), "p90_ms": pct(lat, 90), "p99_ms": pct(lat, 99), "max_ms": lat[-1] if lat else math.nan,
-            "rpc_p50_ms": pct(rpc, 50), "rpc_p99_ms": pct(rpc, 99),
+            "p50_ms": pct(lat, 50),
+            "p90_ms": pct(lat, 90),
+            "p99_ms": pct(lat, 99),
+            "max_ms": lat[-1] if lat else math.nan,
+            "rpc_p50_ms": pct(rpc, 50),
+            "rpc_p99_ms": pct(rpc, 99),
         }
 
     # --- phases -----------------------------------------------------------------------------
@@ -509,7 +566,10 @@ class Bench:
         base_cpu_per_s = idle.result["scheduler_cpu_s"] / idle.result["wall_s"]
         self.results["phases"]["idle"] = idle.result
 
-        for name, interval, seconds in (("steady", 1.0, a.hb_seconds), ("flood", a.nodes / a.flood_rate, a.flood_seconds)):
+        for name, interval, seconds in (
+            ("steady", 1.0, a.hb_seconds),
+            ("flood", a.nodes / a.flood_rate, a.flood_seconds),
+        ):
             await self.broadcast("hb", interval)
             await asyncio.sleep(0.3 if a.quick else min(1.0, interval) + 0.5)  # let the new rhythm settle
             sent0 = sum(s["hb_sent"] for s in await self.worker_stats())
@@ -530,7 +590,9 @@ class Bench:
                 "cpu_s_per_1000_hb": cpu / (ingested / 1000) if ingested else math.nan,
                 "cpu_s_per_1000_hb_net": (cpu - base_cpu_per_s * wall) / (ingested / 1000) if ingested else math.nan,
             }
-            self.progress(f"{name}: {ingested / wall:.0f} heartbeats/s ingested ({sent / wall:.0f} offered), scheduler CPU {cpu / wall:.0%}")
+            self.progress(
+                f"{name}: {ingested / wall:.0f} heartbeats/s ingested ({sent / wall:.0f} offered), scheduler CPU {cpu / wall:.0%}"
+            )
         await self.broadcast("hb", 1.0)
         await asyncio.sleep(0.2 if a.quick else 1.0)
 
@@ -544,10 +606,17 @@ class Bench:
         ok = await self.wait_assigns(before + len(self.submits), timeout=60 + a.tasks / 20)
         lat = self.latencies(self.submits, await self.collect_assign_times())
         self.results["phases"]["throughput"] = {
-            **m.result, **lat, "tasks": a.tasks, "submitted": len(self.submits), "concurrency": a.concurrency,
-            "submits_per_s": len(self.submits) / submit_wall, "all_assigned": ok,
+            **m.result,
+            **lat,
+            "tasks": a.tasks,
+            "submitted": len(self.submits),
+            "concurrency": a.concurrency,
+            "submits_per_s": len(self.submits) / submit_wall,
+            "all_assigned": ok,
         }
-        self.progress(f"throughput: {len(self.submits) / submit_wall:.0f} submits/s, submit->assign p99 {lat['p99_ms']:.1f} ms")
+        self.progress(
+            f"throughput: {len(self.submits) / submit_wall:.0f} submits/s, submit->assign p99 {lat['p99_ms']:.1f} ms"
+        )
 
     async def phase_latency(self, stub) -> None:
         a = self.args
@@ -558,10 +627,18 @@ class Bench:
         ok = await self.wait_assigns(before + len(self.submits), timeout=60 + a.rate_tasks / 20)
         lat = self.latencies(self.submits, await self.collect_assign_times())
         self.results["phases"]["latency"] = {
-            **m.result, **lat, "tasks": a.rate_tasks, "submitted": len(self.submits), "offered_rate": a.rate,
-            "achieved_rate": len(self.submits) / m.result["wall_s"], "worst_dispatch_lag_ms": worst_lag * 1000, "all_assigned": ok,
+            **m.result,
+            **lat,
+            "tasks": a.rate_tasks,
+            "submitted": len(self.submits),
+            "offered_rate": a.rate,
+            "achieved_rate": len(self.submits) / m.result["wall_s"],
+            "worst_dispatch_lag_ms": worst_lag * 1000,
+            "all_assigned": ok,
         }
-        self.progress(f"latency @ {a.rate:.0f}/s: submit->assign p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms")
+        self.progress(
+            f"latency @ {a.rate:.0f}/s: submit->assign p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms"
+        )
 
     async def phase_deep_queue(self, stub) -> None:
         a = self.args
@@ -593,10 +670,20 @@ class Bench:
         drain_wall = waits[-1] if waits else d.result["wall_s"]
         self.results["phases"]["deep_queue"] = {
             "fill": {"slots": slots, "filled": filled},
-            "submit": {**m.result, "submitted": len(backlog), "submits_per_s": len(backlog) / m.result["wall_s"],
-                       "placed_while_full": queued, "queue_depth_after": depth},
-            "drain": {**d.result, "assigned": len(waits), "drain_s": drain_wall,
-                      "assigns_per_s": len(waits) / drain_wall if drain_wall else math.nan, "all_assigned": drained},
+            "submit": {
+                **m.result,
+                "submitted": len(backlog),
+                "submits_per_s": len(backlog) / m.result["wall_s"],
+                "placed_while_full": queued,
+                "queue_depth_after": depth,
+            },
+            "drain": {
+                **d.result,
+                "assigned": len(waits),
+                "drain_s": drain_wall,
+                "assigns_per_s": len(waits) / drain_wall if drain_wall else math.nan,
+                "all_assigned": drained,
+            },
         }
         self.progress(
             f"deep queue: {len(backlog) / m.result['wall_s']:.0f} submits/s into a queue {len(backlog)} deep; "
@@ -611,7 +698,9 @@ class Bench:
         a = self.args
         workdir = Path(tempfile.mkdtemp(prefix="opentinker-bench-"))
         self.results["workdir"] = str(workdir)
-        self.sched = SchedulerProc(workdir, lease_s=a.lease, max_tasks=a.max_tasks, scheduler_path=a.scheduler_path, profile=a.profile)
+        self.sched = SchedulerProc(
+            workdir, lease_s=a.lease, max_tasks=a.max_tasks, scheduler_path=a.scheduler_path, profile=a.profile
+        )
         ctx = mp.get_context("spawn")
         ok = False
         try:
@@ -621,7 +710,9 @@ class Bench:
             opts = {"gpus_per_node": a.gpus_per_node, "max_tasks": a.max_tasks}
             for w in range(a.workers):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=worker_main, args=(child, self.sched.target, ids[w :: a.workers], opts), daemon=True)
+                p = ctx.Process(
+                    target=worker_main, args=(child, self.sched.target, ids[w :: a.workers], opts), daemon=True
+                )
                 p.start()
                 self.conns.append(parent)
                 self.procs.append(p)
@@ -655,12 +746,17 @@ class Bench:
             while True:
                 await asyncio.sleep(0.5)
                 m = self.sched.metrics()
-                if m.get('opentinker_tasks{state="succeeded"}', 0) >= self.total_submitted or time.monotonic() > deadline:
+                if (
+                    m.get('opentinker_tasks{state="succeeded"}', 0) >= self.total_submitted
+                    or time.monotonic() > deadline
+                ):
                     break
             self.results["final"] = {
                 "submitted": self.total_submitted,
                 "succeeded": m.get('opentinker_tasks{state="succeeded"}', math.nan),
-                "not_finished": sum(v for k, v in m.items() if k.startswith("opentinker_tasks{") and "succeeded" not in k),
+                "not_finished": sum(
+                    v for k, v in m.items() if k.startswith("opentinker_tasks{") and "succeeded" not in k
+                ),
                 "submit_errors": len(self.submit_errors),
                 "first_submit_errors": self.submit_errors[:3],
                 "reassigns": sum(s["reassigns"] for s in await self.worker_stats()),
@@ -710,15 +806,35 @@ def report(args, res: dict) -> str:
     hb_rate = fl["ingested_per_s"]
     hb_capped = fl["ingested_per_s"] >= 0.97 * fl["offered_per_s"]
     rows = [
-        ("submits/s", f"{tp['submits_per_s']:.0f}", f">= {GOALS['submits_per_s']:.0f}", verdict(tp["submits_per_s"] >= GOALS["submits_per_s"]),
-         f"{tp['submitted']} tasks, closed loop, {tp['concurrency']} in flight"),
-        ("submit->assign p50/p99", f"{lt['p50_ms']:.1f} / {lt['p99_ms']:.1f} ms", f"p99 < {GOALS['p99_ms']:.0f} ms", verdict(lt["p99_ms"] < GOALS["p99_ms"]),
-         f"{lt['submitted']} tasks paced at {lt['offered_rate']:.0f}/s (achieved {lt['achieved_rate']:.0f}/s)"),
-        ("heartbeats/s ingested", f"{hb_rate:.0f}" + (" (all offered)" if hb_capped else ""), f">= {GOALS['heartbeats_per_s']:.0f}",
-         verdict(hb_rate >= GOALS["heartbeats_per_s"]), f"flood: {fl['offered_per_s']:.0f}/s offered by {args.nodes} streams; {fl['ingested_source']}"),
-        ("CPU s per 1000 heartbeats", f"{st['cpu_s_per_1000_hb']:.3f}", "(no goal)", "",
-         f"steady 1/s per node, {st['ingested_per_s']:.0f}/s; {st['cpu_s_per_1000_hb_net']:.3f} net of idle; "
-         f"flood {fl['cpu_s_per_1000_hb']:.3f}"),
+        (
+            "submits/s",
+            f"{tp['submits_per_s']:.0f}",
+            f">= {GOALS['submits_per_s']:.0f}",
+            verdict(tp["submits_per_s"] >= GOALS["submits_per_s"]),
+            f"{tp['submitted']} tasks, closed loop, {tp['concurrency']} in flight",
+        ),
+        (
+            "submit->assign p50/p99",
+            f"{lt['p50_ms']:.1f} / {lt['p99_ms']:.1f} ms",
+            f"p99 < {GOALS['p99_ms']:.0f} ms",
+            verdict(lt["p99_ms"] < GOALS["p99_ms"]),
+            f"{lt['submitted']} tasks paced at {lt['offered_rate']:.0f}/s (achieved {lt['achieved_rate']:.0f}/s)",
+        ),
+        (
+            "heartbeats/s ingested",
+            f"{hb_rate:.0f}" + (" (all offered)" if hb_capped else ""),
+            f">= {GOALS['heartbeats_per_s']:.0f}",
+            verdict(hb_rate >= GOALS["heartbeats_per_s"]),
+            f"flood: {fl['offered_per_s']:.0f}/s offered by {args.nodes} streams; {fl['ingested_source']}",
+        ),
+        (
+            "CPU s per 1000 heartbeats",
+            f"{st['cpu_s_per_1000_hb']:.3f}",
+            "(no goal)",
+            "",
+            f"steady 1/s per node, {st['ingested_per_s']:.0f}/s; {st['cpu_s_per_1000_hb_net']:.3f} net of idle; "
+            f"flood {fl['cpu_s_per_1000_hb']:.3f}",
+        ),
     ]
     w = [max(len(r[i]) for r in rows + [("figure", "measured", "goal", "", "")]) for i in range(4)]
     lines.append(f"  {'figure':<{w[0]}}  {'measured':<{w[1]}}  {'goal':<{w[2]}}  {'':<{w[3]}}  how")
@@ -750,8 +866,11 @@ def report(args, res: dict) -> str:
     )
     for err in fin.get("first_submit_errors", []) + fin.get("node_errors", [])[:3]:
         lines.append(f"      error: {err}")
-    lines += ["", "  CPU per phase (cores busy; the machine may run other work):",
-              f"    {'phase':<12} {'wall s':>7} {'scheduler':>9} {'driver':>7} {'node sims':>14} {'others':>7} {'machine':>8}"]
+    lines += [
+        "",
+        "  CPU per phase (cores busy; the machine may run other work):",
+        f"    {'phase':<12} {'wall s':>7} {'scheduler':>9} {'driver':>7} {'node sims':>14} {'others':>7} {'machine':>8}",
+    ]
     sat = []
     phase_rows = [(k, P[k]) for k in ("idle", "steady", "flood", "throughput", "latency")]
     if "deep_queue" in P:
@@ -776,16 +895,22 @@ def report(args, res: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, default=200, help="simulated nodes, one Connect stream each (default 200, up to ~1000)")
+    p.add_argument(
+        "--nodes", type=int, default=200, help="simulated nodes, one Connect stream each (default 200, up to ~1000)"
+    )
     p.add_argument("--tasks", type=int, default=10_000, help="tasks submitted in the throughput phase (default 10000)")
     p.add_argument("--quick", action="store_true", help="tiny numbers for a smoke run (a few seconds)")
-    p.add_argument("--workers", type=int, default=None, help="node simulator processes (default: 1 up to 50 nodes, else 2)")
+    p.add_argument(
+        "--workers", type=int, default=None, help="node simulator processes (default: 1 up to 50 nodes, else 2)"
+    )
     p.add_argument("--gpus-per-node", type=int, default=2)
     p.add_argument("--max-tasks", type=int, default=4, help="max_tasks of every simulated node")
     p.add_argument("--concurrency", type=int, default=16, help="SubmitTask calls in flight in the closed-loop phases")
     p.add_argument("--rate", type=float, default=GOALS["submits_per_s"], help="offered submits/s of the latency phase")
     p.add_argument("--rate-tasks", type=int, default=None, help="tasks of the latency phase (default: 10 s at --rate)")
-    p.add_argument("--backlog", type=int, default=None, help="tasks queued behind a full cluster (default: --tasks; 0 skips)")
+    p.add_argument(
+        "--backlog", type=int, default=None, help="tasks queued behind a full cluster (default: --tasks; 0 skips)"
+    )
     p.add_argument("--hb-seconds", type=float, default=10.0, help="length of the steady heartbeat phase")
     p.add_argument("--idle-seconds", type=float, default=3.0)
     p.add_argument("--flood-rate", type=float, default=5000.0, help="heartbeats/s offered in all during the flood")
@@ -793,9 +918,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lease", type=float, default=10.0, help="lease of the scheduler config (heartbeat_interval is 1)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the scheduler's state folder and log")
-    p.add_argument("--scheduler-path", default=None, help="import opentinker_scheduler from this folder (to compare versions)")
-    p.add_argument("--profile", type=Path, default=None, help="run the scheduler under cProfile, writing its stats here")
-    p.add_argument("--only", default=None, help="comma-separated phases to run after the heartbeats: throughput,latency,queue")
+    p.add_argument(
+        "--scheduler-path", default=None, help="import opentinker_scheduler from this folder (to compare versions)"
+    )
+    p.add_argument(
+        "--profile", type=Path, default=None, help="run the scheduler under cProfile, writing its stats here"
+    )
+    p.add_argument(
+        "--only", default=None, help="comma-separated phases to run after the heartbeats: throughput,latency,queue"
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.nodes = min(a.nodes, 8)

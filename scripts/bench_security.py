@@ -36,21 +36,31 @@ def run_mode(name: str, config_text: str, base: Path, submits: int, gets: int, c
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    running = asyncio.run_coroutine_threadsafe(start_scheduler(cfg, host="127.0.0.1", port=0, http_port=None), loop).result(60)
+    running = asyncio.run_coroutine_threadsafe(
+        start_scheduler(cfg, host="127.0.0.1", port=0, http_port=None), loop
+    ).result(60)
     target = f"localhost:{running.port}"
     try:
-        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(ca.read_bytes())) if ca else grpc.insecure_channel(target)
+        channel = (
+            grpc.secure_channel(target, grpc.ssl_channel_credentials(ca.read_bytes()))
+            if ca
+            else grpc.insecure_channel(target)
+        )
         md = None
         key_file = cfg.state_dir / "admin.key"
         if key_file.exists():
             admin = key_file.read_text().strip()
             user = admin_pb2_grpc.AdminServiceStub(channel).CreateApiKey(
-                A.CreateApiKeyRequest(owner="bench", role=A.API_KEY_ROLE_USER), metadata=(("authorization", f"Bearer {admin}"),)
+                A.CreateApiKeyRequest(owner="bench", role=A.API_KEY_ROLE_USER),
+                metadata=(("authorization", f"Bearer {admin}"),),
             )
             md = (("authorization", f"Bearer {user.api_key}"),)
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         spec = C.TaskSpec(workload_type="lora_finetune", model="/models/m", resources=C.Resources(gpu_count=0))
-        stub.GetTask(S.GetTaskRequest(task_id=stub.SubmitTask(S.SubmitTaskRequest(spec=spec), metadata=md).task.task_id), metadata=md)  # warm up
+        stub.GetTask(
+            S.GetTaskRequest(task_id=stub.SubmitTask(S.SubmitTaskRequest(spec=spec), metadata=md).task.task_id),
+            metadata=md,
+        )  # warm up
         t0 = time.perf_counter()
         ids = [stub.SubmitTask(S.SubmitTaskRequest(spec=spec), metadata=md).task.task_id for _ in range(submits)]
         t1 = time.perf_counter()
@@ -83,13 +93,19 @@ def main() -> int:
         modes = [
             ("off", "", None),
             ("keys", "auth: {enabled: true}\n" + unlimited, None),
-            ("keys+tls", "auth: {enabled: true}\n" + unlimited + "tls: {cert: certs/server.pem, key: certs/server.key}\n", certs.ca),
+            (
+                "keys+tls",
+                "auth: {enabled: true}\n" + unlimited + "tls: {cert: certs/server.pem, key: certs/server.key}\n",
+                certs.ca,
+            ),
         ]
         results = {name: run_mode(name, text, base, args.submits, args.gets, ca) for name, text, ca in modes}
     base_r = results["off"]
     print(f"{'mode':10} {'SubmitTask us':>14} {'ratio':>6} {'GetTask us':>11} {'ratio':>6}")
     for name, r in results.items():
-        print(f"{name:10} {r['submit_us']:14.0f} {r['submit_us'] / base_r['submit_us']:6.2f} {r['get_us']:11.0f} {r['get_us'] / base_r['get_us']:6.2f}")
+        print(
+            f"{name:10} {r['submit_us']:14.0f} {r['submit_us'] / base_r['submit_us']:6.2f} {r['get_us']:11.0f} {r['get_us'] / base_r['get_us']:6.2f}"
+        )
     return 0
 
 

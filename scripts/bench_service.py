@@ -53,10 +53,17 @@ def run_in_process(model: Path, steps: int) -> tuple[float, list[float]]:
     from opentinker_trainer.context import WorkerContext
     from opentinker_trainer.workloads import grpo_text
 
-    spec = TaskSpecModel.from_parts(workload_type="lora_finetune", model=str(model), env_config={"env_id": "arithmetic"}, hyperparameters={**HP, "steps": steps})
+    spec = TaskSpecModel.from_parts(
+        workload_type="lora_finetune",
+        model=str(model),
+        env_config={"env_id": "arithmetic"},
+        hyperparameters={**HP, "steps": steps},
+    )
     clock = _Clock()
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = WorkerContext(task_id="bench-inproc", attempt=1, spec=spec, device="cpu", checkpoint_dir=Path(tmp), out=clock)
+        ctx = WorkerContext(
+            task_id="bench-inproc", attempt=1, spec=spec, device="cpu", checkpoint_dir=Path(tmp), out=clock
+        )
         t0 = time.perf_counter()
         grpo_text.run(ctx)
     times = clock.metric_times
@@ -65,7 +72,13 @@ def run_in_process(model: Path, steps: int) -> tuple[float, list[float]]:
 
 def run_service(client, model: Path, steps: int) -> tuple[float, list[float]]:
     t0 = time.perf_counter()
-    task_id = client.submit_task(workload_type="lora_finetune", model=str(model), env_config={"env_id": "arithmetic"}, gpu_count=0, hyperparameters={**HP, "steps": steps})
+    task_id = client.submit_task(
+        workload_type="lora_finetune",
+        model=str(model),
+        env_config={"env_id": "arithmetic"},
+        gpu_count=0,
+        hyperparameters={**HP, "steps": steps},
+    )
     times = []
     for ev in client.watch(task_id):
         if ev.kind == "metric":
@@ -104,10 +117,33 @@ def main() -> int:
     client = None
     try:
         env = {"OPENTINKER_LOG_FORMAT": "json"}
-        sched = demo.start("scheduler", ["-m", "opentinker_scheduler", "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port)], work / "scheduler.log", env, procs)
+        sched = demo.start(
+            "scheduler",
+            [
+                "-m",
+                "opentinker_scheduler",
+                "--config",
+                str(config),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--http-port",
+                str(http_port),
+            ],
+            work / "scheduler.log",
+            env,
+            procs,
+        )
         demo.wait_health(http_port, sched, work / "scheduler.log")
         url = f"127.0.0.1:{port}"
-        demo.start("trainer", ["-m", "opentinker_trainer", "--node-id", "bench-node", "--work-dir", str(work / "runs")], work / "trainer.log", {**env, "SCHEDULER_URL": url}, procs)
+        demo.start(
+            "trainer",
+            ["-m", "opentinker_trainer", "--node-id", "bench-node", "--work-dir", str(work / "runs")],
+            work / "trainer.log",
+            {**env, "SCHEDULER_URL": url},
+            procs,
+        )
         client = RLClient(scheduler_url=url, min_poll_interval=0)
         deadline = time.monotonic() + 60
         while not [n for n in client.list_nodes() if n.connected]:
@@ -123,18 +159,28 @@ def main() -> int:
             f, s = run_in_process(model, args.steps)
             inproc_first.append(f)
             inproc_steps += s
-            print(f"round {r + 1} in-process: first metric after {f:.1f} s; steps {', '.join(f'{x:.2f}' for x in s)} s", flush=True)
+            print(
+                f"round {r + 1} in-process: first metric after {f:.1f} s; steps {', '.join(f'{x:.2f}' for x in s)} s",
+                flush=True,
+            )
             f, s = run_service(client, model, args.steps)
             service_first.append(f)
             service_steps += s
-            print(f"round {r + 1} service:    first metric after {f:.1f} s; steps {', '.join(f'{x:.2f}' for x in s)} s", flush=True)
+            print(
+                f"round {r + 1} service:    first metric after {f:.1f} s; steps {', '.join(f'{x:.2f}' for x in s)} s",
+                flush=True,
+            )
 
         mi, ms = statistics.median(inproc_steps), statistics.median(service_steps)
         print()
         print(f"step time, median of {len(inproc_steps)}: in-process {mi:.3f} s, through the service {ms:.3f} s")
-        print(f"ratio service / in-process: {ms / mi:.3f}  (service adds {100 * (ms / mi - 1):+.1f} % per step; goal < 5 %)")
+        print(
+            f"ratio service / in-process: {ms / mi:.3f}  (service adds {100 * (ms / mi - 1):+.1f} % per step; goal < 5 %)"
+        )
         fi, fs = statistics.median(inproc_first), statistics.median(service_first)
-        print(f"fixed cost to the first step, median: in-process {fi:.1f} s, service {fs:.1f} s (+{fs - fi:.1f} s: placement, worker start, model load in a fresh process)")
+        print(
+            f"fixed cost to the first step, median: in-process {fi:.1f} s, service {fs:.1f} s (+{fs - fi:.1f} s: placement, worker start, model load in a fresh process)"
+        )
         return 0
     finally:
         demo.SIGNALS.cleaning_up()

@@ -42,7 +42,10 @@ def write_dataset(path: Path, n: int, seed: int, max_digits: int) -> None:
     with open(path, "w") as fh:
         for _ in range(n):
             a, b = rng.randint(0, hi), rng.randint(0, hi)
-            msgs = [{"role": "user", "content": QUESTION.format(a=a, b=b)}, {"role": "assistant", "content": str(a + b)}]
+            msgs = [
+                {"role": "user", "content": QUESTION.format(a=a, b=b)},
+                {"role": "assistant", "content": str(a + b)},
+            ]
             fh.write(json.dumps({"messages": msgs}) + "\n")
 
 
@@ -94,9 +97,18 @@ def main() -> int:
         data = Path(tmp) / "arith.jsonl"
         write_dataset(data, args.examples, args.seed, args.max_digits)
         env = {"env_id": "chat_jsonl", "path": str(data), "eval_fraction": args.eval_fraction, "seed": args.seed}
-        hp = {"steps": args.steps, "batch_size": args.batch_size, "learning_rate": lr, "lora": not args.full, "seed": args.seed, "eval_every": max(1, args.steps // 3)}
+        hp = {
+            "steps": args.steps,
+            "batch_size": args.batch_size,
+            "learning_rate": lr,
+            "lora": not args.full,
+            "seed": args.seed,
+            "eval_every": max(1, args.steps // 3),
+        }
         spec = TaskSpecModel.from_parts(workload_type="sft", model=args.model, env_config=env, hyperparameters=hp)
-        ctx = WorkerContext(task_id="bench-sft", attempt=1, spec=spec, device="cpu", checkpoint_dir=Path(tmp) / "ck", out=io.StringIO())
+        ctx = WorkerContext(
+            task_id="bench-sft", attempt=1, spec=spec, device="cpu", checkpoint_dir=Path(tmp) / "ck", out=io.StringIO()
+        )
 
         examples = read_chat_jsonl(data)
         _, held = split_indices(len(examples), args.eval_fraction, args.seed)
@@ -120,7 +132,9 @@ def main() -> int:
         tok_s = sum(m["values"]["perf/tokens_per_s"] for m in metrics) / len(metrics)
 
         if not args.no_accuracy:
-            tok, model = _lm.load_model(args.model if not args.full else final["path"], torch.device("cpu"), torch.float32)
+            tok, model = _lm.load_model(
+                args.model if not args.full else final["path"], torch.device("cpu"), torch.float32
+            )
             if not args.full:
                 from peft import PeftModel
 
@@ -128,12 +142,28 @@ def main() -> int:
             acc_after = greedy_accuracy(model, tok, questions, "cpu")
 
     mode = "full weights" if args.full else "LoRA r=16 (q,k,v,o)"
-    print(f"sft on {Path(args.model).name}, {mode}, lr {lr:g}, {args.steps} steps x {args.batch_size} examples, {len(held)} held out")
+    print(
+        f"sft on {Path(args.model).name}, {mode}, lr {lr:g}, {args.steps} steps x {args.batch_size} examples, {len(held)} held out"
+    )
     print(f"  loss/eval: {start:.4f} before -> {end:.4f} after ({end / start:.3f} of the start); curve {curve}")
     if acc_before is not None:
-        print(f"  greedy accuracy on {len(questions)} held-out questions: {acc_before:.3f} before -> {acc_after:.3f} after")
+        print(
+            f"  greedy accuracy on {len(questions)} held-out questions: {acc_before:.3f} before -> {acc_after:.3f} after"
+        )
     print(f"  {step_s:.2f} s/step, {tok_s:.0f} tokens/s, {wall:.0f} s in all (incl. loading and evaluation)")
-    print(json.dumps({"eval_loss_start": start, "eval_loss_end": end, "ratio": end / start, "acc_before": acc_before, "acc_after": acc_after, "step_s": step_s, "wall_s": wall}))
+    print(
+        json.dumps(
+            {
+                "eval_loss_start": start,
+                "eval_loss_end": end,
+                "ratio": end / start,
+                "acc_before": acc_before,
+                "acc_after": acc_after,
+                "step_s": step_s,
+                "wall_s": wall,
+            }
+        )
+    )
     return 0 if end < start else 1
 
 

@@ -33,7 +33,10 @@ from tests.support.security import LoopbackScheduler, metadata  # noqa: E402
 
 def revocation_latency(streams: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
-        s = LoopbackScheduler(Path(tmp) / "state", "auth: {enabled: true, stream_recheck_interval: 3600}\npaths: {model_dirs: [/models]}\n")
+        s = LoopbackScheduler(
+            Path(tmp) / "state",
+            "auth: {enabled: true, stream_recheck_interval: 3600}\npaths: {model_dirs: [/models]}\n",
+        )
         try:
             admin = (s.config.state_dir / "admin.key").read_text().strip()
             with RLClient(s.target, api_key=admin) as root:
@@ -98,11 +101,15 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=20000)
     args = ap.parse_args()
     lat = revocation_latency(args.streams)
-    print(f"revoke -> UNAUTHENTICATED on {len(lat)}/{args.streams} open WatchTask streams: "
-          f"median {statistics.median(lat):.1f} ms, max {max(lat):.1f} ms (re-check interval 3600 s: notification only)")
+    print(
+        f"revoke -> UNAUTHENTICATED on {len(lat)}/{args.streams} open WatchTask streams: "
+        f"median {statistics.median(lat):.1f} ms, max {max(lat):.1f} ms (re-check interval 3600 s: notification only)"
+    )
     plain, raced = asyncio.run(race_cost(args.items))
-    print(f"per streamed item: plain {plain:.1f} us, raced against revocation {raced:.1f} us, ratio {raced / plain:.2f} "
-          f"(+{raced - plain:.1f} us/item)")
+    print(
+        f"per streamed item: plain {plain:.1f} us, raced against revocation {raced:.1f} us, ratio {raced / plain:.2f} "
+        f"(+{raced - plain:.1f} us/item)"
+    )
 
 
 if __name__ == "__main__":

@@ -103,10 +103,18 @@ def say(message: str) -> None:
         pass
 
 
-def start(name: str, args: list[str], log: Path, env: dict[str, str], procs: list[tuple[str, subprocess.Popen]]) -> subprocess.Popen:
+def start(
+    name: str, args: list[str], log: Path, env: dict[str, str], procs: list[tuple[str, subprocess.Popen]]
+) -> subprocess.Popen:
     """Start ``python ARGS`` in its own session; it is in ``procs`` before a signal can interrupt."""
     with SIGNALS.deferred(), open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
         procs.append((name, proc))
     return proc
 
@@ -190,11 +198,37 @@ def main() -> int:
     SIGNALS.install()
     try:
         env = {"OPENTINKER_LOG_FORMAT": "json"}
-        scheduler = start("scheduler", ["-m", "opentinker_scheduler", "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port)], sched_log, env, procs)
+        scheduler = start(
+            "scheduler",
+            [
+                "-m",
+                "opentinker_scheduler",
+                "--config",
+                str(config),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--http-port",
+                str(http_port),
+            ],
+            sched_log,
+            env,
+            procs,
+        )
         health = wait_health(http_port, scheduler, sched_log)
-        print(f"scheduler  grpc localhost:{port}   GET http://localhost:{http_port}/health -> {json.dumps(health)}", flush=True)
+        print(
+            f"scheduler  grpc localhost:{port}   GET http://localhost:{http_port}/health -> {json.dumps(health)}",
+            flush=True,
+        )
         scheduler_url = f"http://localhost:{port}"
-        trainer = start("trainer", ["-m", "opentinker_trainer", "--node-id", "demo-node", "--work-dir", str(run_dir / "runs")], trainer_log, {**env, "SCHEDULER_URL": scheduler_url}, procs)
+        trainer = start(
+            "trainer",
+            ["-m", "opentinker_trainer", "--node-id", "demo-node", "--work-dir", str(run_dir / "runs")],
+            trainer_log,
+            {**env, "SCHEDULER_URL": scheduler_url},
+            procs,
+        )
 
         client = RLClient(scheduler_url=scheduler_url)
         deadline = time.monotonic() + 60
@@ -218,8 +252,13 @@ def main() -> int:
             name="demo-arithmetic-lora",
             hyperparameters={"steps": args.steps},
         )
-        print(f"submitted  {task_id}: LoRA GRPO on {model.name}, arithmetic (a + b, one digit), {args.steps} steps, gpu_count={gpu_count}\n", flush=True)
-        print(f"{'step':>4}  {'reward':>6}  {'±std':>5}  {'loss':>8}  {'kl':>7}  {'zero-std':>8}  {'tok/s':>6}  {'step s':>6}")
+        print(
+            f"submitted  {task_id}: LoRA GRPO on {model.name}, arithmetic (a + b, one digit), {args.steps} steps, gpu_count={gpu_count}\n",
+            flush=True,
+        )
+        print(
+            f"{'step':>4}  {'reward':>6}  {'±std':>5}  {'loss':>8}  {'kl':>7}  {'zero-std':>8}  {'tok/s':>6}  {'step s':>6}"
+        )
         rewards: dict[int, float] = {}
         checkpoint = ""
         for ev in client.watch(task_id):
@@ -248,7 +287,9 @@ def main() -> int:
         started = [json.loads(line) for line in trainer_log.read_text().splitlines() if '"Task started"' in line]
         if started:
             s = started[0]
-            print(f'trainer log: "Task started" task_id={s.get("task_id")} attempt={s.get("attempt")} pid={s.get("pid")}')
+            print(
+                f'trainer log: "Task started" task_id={s.get("task_id")} attempt={s.get("attempt")} pid={s.get("pid")}'
+            )
         return 0 if task.state == "succeeded" else 1
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP
         SIGNALS.cleaning_up()

@@ -166,7 +166,14 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
     bar (step of total, reward, loss, elapsed, ETA) under the state changes and checkpoints;
     otherwise (pipes, logs, tests) a line per step."""
     from rich.logging import RichHandler
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     console = _console()
     task = client.get_task(task_id)  # NOT_FOUND exits 2 before anything is drawn
@@ -221,9 +228,7 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
     summary = f"task [bold]{_escape(final.task_id)}[/bold] {_state(final.state)}"
     if final.latest_step:
         m = final.latest_metrics
-        summary += (
-            f" after {final.latest_step} steps (reward {_fmt_num(m.get('reward'), '.3f')}, loss {_fmt_num(m.get('loss'))})"
-        )
+        summary += f" after {final.latest_step} steps (reward {_fmt_num(m.get('reward'), '.3f')}, loss {_fmt_num(m.get('loss'))})"
     console.print(summary)
     if final.error:
         console.print(f"  error: {_escape(final.error)}")
@@ -241,7 +246,21 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
         console.print("no tasks")
         return EXIT_OK
     table = Table(box=None, header_style="bold")
-    for col in ("TASK ID", "NAME", "WORKLOAD", "STATE", "ATTEMPT", "GPUS", "PRIO", "STEP", "REWARD", "LOSS", "NODE", "CREATED", "REASON"):
+    for col in (
+        "TASK ID",
+        "NAME",
+        "WORKLOAD",
+        "STATE",
+        "ATTEMPT",
+        "GPUS",
+        "PRIO",
+        "STEP",
+        "REWARD",
+        "LOSS",
+        "NODE",
+        "CREATED",
+        "REASON",
+    ):
         table.add_column(col, no_wrap=col not in ("NAME", "REASON"), overflow="fold")
     for t in tasks:
         m = t.latest_metrics
@@ -333,7 +352,9 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
     if t.latest_metrics:
         metrics = ", ".join(f"{k}={_fmt_num(v, '.4g')}" for k, v in sorted(t.latest_metrics.items()))
         rows.append(("metrics", _escape(metrics)))
-    rows.append(("checkpoint", f"{_escape(t.checkpoint_path)} (step {t.checkpoint_step})" if t.checkpoint_path else "-"))
+    rows.append(
+        ("checkpoint", f"{_escape(t.checkpoint_path)} (step {t.checkpoint_step})" if t.checkpoint_path else "-")
+    )
     rows += [
         ("created", _fmt_time(t.create_time)),
         ("started", _fmt_time(t.start_time)),
@@ -395,7 +416,9 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
             seen.add(t.index)
             dev = names.get(t.index)
             un = dict(t.unavailable)
-            total = t.memory_total_bytes if t.memory_total_bytes is not None else (dev.memory_total_bytes if dev else None)
+            total = (
+                t.memory_total_bytes if t.memory_total_bytes is not None else (dev.memory_total_bytes if dev else None)
+            )
             mem = "-" if t.memory_used_bytes is None else f"{_fmt_bytes(t.memory_used_bytes)} / {_fmt_bytes(total)}"
             if t.memory_used_bytes is None and un.get("memory_used_bytes"):
                 mem = f"n/a ({_escape(un['memory_used_bytes'])})"
@@ -406,18 +429,31 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
                 _escape(n.node_id),
                 str(t.index),
                 name,
-                _telemetry_cell(t.utilization_percent, ".0f", "utilization_percent", un) + ("%" if t.utilization_percent is not None else ""),
+                _telemetry_cell(t.utilization_percent, ".0f", "utilization_percent", un)
+                + ("%" if t.utilization_percent is not None else ""),
                 mem,
-                _telemetry_cell(t.temperature_c, ".0f", "temperature_c", un) + (" C" if t.temperature_c is not None else ""),
+                _telemetry_cell(t.temperature_c, ".0f", "temperature_c", un)
+                + (" C" if t.temperature_c is not None else ""),
                 _telemetry_cell(t.power_w, ".0f", "power_w", un) + (" W" if t.power_w is not None else ""),
-                _telemetry_cell(t.sm_clock_mhz, "d", "sm_clock_mhz", un) + (" MHz" if t.sm_clock_mhz is not None else ""),
+                _telemetry_cell(t.sm_clock_mhz, "d", "sm_clock_mhz", un)
+                + (" MHz" if t.sm_clock_mhz is not None else ""),
                 _telemetry_cell(t.ecc_errors, "d", "ecc_errors", un),
             )
             any_gpu = True
         for d in n.devices:  # devices with no telemetry yet
             if d.index not in seen:
                 name = _escape(d.name) + (" (simulated)" if d.simulated else "")
-                gpus.add_row(_escape(n.node_id), str(d.index), name, "-", f"- / {_fmt_bytes(d.memory_total_bytes)}", "-", "-", "-", "-")
+                gpus.add_row(
+                    _escape(n.node_id),
+                    str(d.index),
+                    name,
+                    "-",
+                    f"- / {_fmt_bytes(d.memory_total_bytes)}",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                )
                 any_gpu = True
     if any_gpu:
         console.print()
@@ -476,12 +512,18 @@ def _cmd_export(client: RLClient, args: argparse.Namespace) -> int:
     history = client.get_metric_history(task.task_id)
     if not history:
         return _error(f"task {task.task_id}: nothing to export, no metric points yet (state {task.state})")
-    description = {k: v for k, v in _task_json(task).items() if k in ("task_id", "name", "workload_type", "model", "state", "attempt", "env_config", "hyperparameters")}
+    description = {
+        k: v
+        for k, v in _task_json(task).items()
+        if k in ("task_id", "name", "workload_type", "model", "state", "attempt", "env_config", "hyperparameters")
+    }
     try:
         folder, written = export_tensorboard(history, args.tensorboard, run=task.task_id, description=description)
     except MissingExtraError as exc:
         return _error(exc)
-    print(f"wrote {written} scalar(s) over {len(history)} step(s) to {folder} (view: tensorboard --logdir {args.tensorboard})")
+    print(
+        f"wrote {written} scalar(s) over {len(history)} step(s) to {folder} (view: tensorboard --logdir {args.tensorboard})"
+    )
     return EXIT_OK
 
 
@@ -502,23 +544,36 @@ def build_parser() -> argparse.ArgumentParser:
         if not os.environ.get("SCHEDULER_URL")
         else "scheduler address, http://host:port, https://host:port (TLS) or host:port (default: $SCHEDULER_URL = %(default)s)",
     )
-    parser.add_argument("--api-key", default=None, help="API key (default: $OPENTINKER_API_KEY, preferred: arguments show in ps)")
     parser.add_argument(
-        "--tls-ca", default=None, metavar="PEM",
+        "--api-key", default=None, help="API key (default: $OPENTINKER_API_KEY, preferred: arguments show in ps)"
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
         help="CA of the scheduler's certificate; turns TLS on (default: $OPENTINKER_TLS_CA; an https:// URL without one trusts the system roots)",
     )
-    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="client certificate for mTLS (default: $OPENTINKER_TLS_CERT)")
-    parser.add_argument("--tls-key", default=None, metavar="PEM", help="key of --tls-cert (default: $OPENTINKER_TLS_KEY)")
+    parser.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="client certificate for mTLS (default: $OPENTINKER_TLS_CERT)"
+    )
+    parser.add_argument(
+        "--tls-key", default=None, metavar="PEM", help="key of --tls-cert (default: $OPENTINKER_TLS_KEY)"
+    )
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per call (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("submit", help="submit a task from a YAML config; prints the task id")
     p.add_argument("config", metavar="CONFIG.yaml", help="task config file")
     p.add_argument("--watch", action="store_true", help="then follow it like `opentinker watch`")
-    p.add_argument("--request-id", default=None, help="idempotency key: resubmitting with the same id returns the same task")
+    p.add_argument(
+        "--request-id", default=None, help="idempotency key: resubmitting with the same id returns the same task"
+    )
     p.set_defaults(func=_cmd_submit)
 
-    p = sub.add_parser("watch", help="follow a task: a progress bar on a terminal (else a line per step) and a line per state change; exit 0 if it succeeds")
+    p = sub.add_parser(
+        "watch",
+        help="follow a task: a progress bar on a terminal (else a line per step) and a line per state change; exit 0 if it succeeds",
+    )
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument("--after-sequence", type=int, default=0, help="start after this event sequence number")
     p.add_argument("--plain", action="store_true", help="a line per step even on a terminal (no progress bar)")
@@ -551,27 +606,49 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="write a PNG of a task's reward and loss curves (needs the plot extra: matplotlib)")
     p.add_argument("task_id", metavar="TASK_ID")
-    p.add_argument("-o", "--output", default=None, metavar="FILE", help="image file, .png/.svg/.pdf (default: TASK_ID.png)")
-    p.add_argument("--key", action="append", default=None, metavar="KEY", help="metric to draw, one panel each (repeatable; default: reward and loss)")
+    p.add_argument(
+        "-o", "--output", default=None, metavar="FILE", help="image file, .png/.svg/.pdf (default: TASK_ID.png)"
+    )
+    p.add_argument(
+        "--key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="metric to draw, one panel each (repeatable; default: reward and loss)",
+    )
     p.set_defaults(func=_cmd_plot)
 
     p = sub.add_parser("export", help="export a task's metrics (TensorBoard event files; needs the tensorboard extra)")
     p.add_argument("task_id", metavar="TASK_ID")
-    p.add_argument("--tensorboard", required=True, metavar="DIR", help="TensorBoard log folder; the task is the run DIR/TASK_ID")
+    p.add_argument(
+        "--tensorboard", required=True, metavar="DIR", help="TensorBoard log folder; the task is the run DIR/TASK_ID"
+    )
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("serve", help="serve a finished lora_finetune/sft task's adapter; prints the endpoint")
     p.add_argument("task_id", metavar="TASK_ID")
-    p.add_argument("--ttl", type=float, default=3600.0, help="seconds a newly started server runs (default %(default)s)")
+    p.add_argument(
+        "--ttl", type=float, default=3600.0, help="seconds a newly started server runs (default %(default)s)"
+    )
     p.add_argument("--gpus", type=int, default=0, help="GPUs for a newly started server (default 0)")
-    p.add_argument("--inference-ca", default=None, metavar="PEM", help="CA of the inference servers' TLS certificate (default: $OPENTINKER_TLS_CA, else the system's roots)")
+    p.add_argument(
+        "--inference-ca",
+        default=None,
+        metavar="PEM",
+        help="CA of the inference servers' TLS certificate (default: $OPENTINKER_TLS_CA, else the system's roots)",
+    )
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("eval", help="mean reward of a trained adapter and of its base model on the task's environment")
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument("--episodes", type=int, default=32, help="problems per model (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=16, help="reply length limit (default %(default)s)")
-    p.add_argument("--inference-ca", default=None, metavar="PEM", help="CA of the inference servers' TLS certificate (default: $OPENTINKER_TLS_CA, else the system's roots)")
+    p.add_argument(
+        "--inference-ca",
+        default=None,
+        metavar="PEM",
+        help="CA of the inference servers' TLS certificate (default: $OPENTINKER_TLS_CA, else the system's roots)",
+    )
     p.set_defaults(func=_cmd_eval)
 
     from opentinker_client.cli.keys import add_keys_parser
@@ -581,7 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
-    llm = client.serve(args.task_id, ttl=args.ttl, gpu_count=args.gpus, root_certificates=args.inference_ca)  # with the CLI's API key
+    llm = client.serve(
+        args.task_id, ttl=args.ttl, gpu_count=args.gpus, root_certificates=args.inference_ca
+    )  # with the CLI's API key
     print(f"adapter {args.task_id} served by inference task {llm.task_id} at {llm.endpoint}")
     return 0
 
@@ -617,8 +696,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--api-key" if args.api_key is not None else "$OPENTINKER_API_KEY",
         )
         client = RLClient(
-            args.scheduler_url, timeout=args.timeout, api_key=api_key,
-            root_certificates=args.tls_ca, client_cert=args.tls_cert, client_key=args.tls_key,
+            args.scheduler_url,
+            timeout=args.timeout,
+            api_key=api_key,
+            root_certificates=args.tls_ca,
+            client_cert=args.tls_cert,
+            client_key=args.tls_key,
         )
         return args.func(client, args)
     except OpenTinkerError as err:

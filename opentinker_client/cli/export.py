@@ -47,7 +47,9 @@ def export_tensorboard(
     try:
         from tensorboardX import SummaryWriter
     except ImportError:
-        raise MissingExtraError("TensorBoard export needs tensorboardX: pip install 'opentinker[tensorboard]'") from None
+        raise MissingExtraError(
+            "TensorBoard export needs tensorboardX: pip install 'opentinker[tensorboard]'"
+        ) from None
     if not run or run in (".", "..") or "/" in run or os.sep in run:
         raise ValueError(f"run: expected a plain folder name, got {run!r}")
     folder = Path(log_dir) / run
@@ -56,7 +58,11 @@ def export_tensorboard(
     writer = SummaryWriter(logdir=str(folder), flush_secs=3600)
     try:
         if description:
-            writer.add_text("task", "```json\n" + json.dumps(dict(description), indent=2, sort_keys=True, default=str) + "\n```", global_step=0)
+            writer.add_text(
+                "task",
+                "```json\n" + json.dumps(dict(description), indent=2, sort_keys=True, default=str) + "\n```",
+                global_step=0,
+            )
         for step, values in history:
             for key, value in sorted(values.items()):
                 if value is None or not math.isfinite(value):

@@ -43,7 +43,16 @@ def _cmd_list(client, args: argparse.Namespace) -> int:
     table = Table("PREFIX", "OWNER", "ROLE", "STATE", "CREATED", "EXPIRES", "REPLACED BY", "DESCRIPTION")
     for k in client.keys.list(owner=args.owner, include_inactive=args.all):
         state = "active" if k.active else ("revoked" if k.revoke_time else "expired")
-        table.add_row(k.prefix, k.owner, k.role, state, _fmt(k.create_time), _fmt(k.expire_time), k.replaced_by or "-", k.description or "-")
+        table.add_row(
+            k.prefix,
+            k.owner,
+            k.role,
+            state,
+            _fmt(k.create_time),
+            _fmt(k.expire_time),
+            k.replaced_by or "-",
+            k.description or "-",
+        )
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0
 
@@ -55,7 +64,10 @@ def _cmd_revoke(client, args: argparse.Namespace) -> int:
 
 def _cmd_rotate(client, args: argparse.Namespace) -> int:
     new, key, old = client.keys.rotate(args.prefix, grace=args.grace)
-    print(f"rotated {old.prefix} -> {_describe(new)}; old key: {_describe(old)}; the new key is shown only now:", file=sys.stderr)
+    print(
+        f"rotated {old.prefix} -> {_describe(new)}; old key: {_describe(old)}; the new key is shown only now:",
+        file=sys.stderr,
+    )
     print(key)
     return 0
 
@@ -92,5 +104,7 @@ def add_keys_parser(sub) -> None:
 
     p = ks.add_parser("rotate", help="replace a key with a new one; prints the new key once")
     p.add_argument("prefix", metavar="PREFIX", help="otk_xxxxxxxx (or the whole key)")
-    p.add_argument("--grace", type=_seconds, default=0.0, help="seconds the old key keeps working (default 0: stops now)")
+    p.add_argument(
+        "--grace", type=_seconds, default=0.0, help="seconds the old key keeps working (default 0: stops now)"
+    )
     p.set_defaults(func=_cmd_rotate)

@@ -77,10 +77,24 @@ def plot_history(
     axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
     for ax, key in zip(axes, keys):
         steps, values = curves[key]
-        ax.plot(steps, values, marker="o" if len(steps) < 40 else None, markersize=3, linewidth=1.5, label=key, gid=f"curve-{key}")
+        ax.plot(
+            steps,
+            values,
+            marker="o" if len(steps) < 40 else None,
+            markersize=3,
+            linewidth=1.5,
+            label=key,
+            gid=f"curve-{key}",
+        )
         std_steps, stds = curve(history, f"{key}_std")
         if std_steps and std_steps == steps:
-            ax.fill_between(steps, [v - s for v, s in zip(values, stds)], [v + s for v, s in zip(values, stds)], alpha=0.2, label=f"±1 {key}_std")
+            ax.fill_between(
+                steps,
+                [v - s for v, s in zip(values, stds)],
+                [v + s for v, s in zip(values, stds)],
+                alpha=0.2,
+                label=f"±1 {key}_std",
+            )
         ax.set_ylabel(key)
         ax.grid(True, alpha=0.3)
         if not steps:

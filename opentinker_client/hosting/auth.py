@@ -58,8 +58,11 @@ def checked_token(token: str | None) -> str:
     try:
         check_token(token, "token")
         if token == "":
-            raise SpecError("token", "a token of 16..256 url-safe characters (or None for a random one; "
-                            "require_token=False serves without one)")
+            raise SpecError(
+                "token",
+                "a token of 16..256 url-safe characters (or None for a random one; "
+                "require_token=False serves without one)",
+            )
     except SpecError as err:
         raise InvalidArgumentError(str(err), field="token") from None
     return token
@@ -102,14 +105,19 @@ class TokenInterceptor(grpc.ServerInterceptor):
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
             # The first refusal at warning, the rest at debug: a port scan must not flood the log.
             (log.warning if first else log.debug)(
-                "refused an EnvironmentService call to %s from %s: %s", self._name, context.peer(), message.split(":")[0]
+                "refused an EnvironmentService call to %s from %s: %s",
+                self._name,
+                context.peer(),
+                message.split(":")[0],
             )
             context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
         return grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler], handler_call_details: grpc.HandlerCallDetails
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         if not handler_call_details.method.startswith(PROTECTED_PREFIX):
             return continuation(handler_call_details)
@@ -117,7 +125,11 @@ class TokenInterceptor(grpc.ServerInterceptor):
         given = _bearer(metadata)
         if not given:
             problem = authorization_problem(metadata, expected="Bearer <token>")  # never echoes the value
-            return self._deny(f"{problem} (the access token is env_config.token of the task; RLClient fills it in)" if problem else MISSING_TOKEN)
+            return self._deny(
+                f"{problem} (the access token is env_config.token of the task; RLClient fills it in)"
+                if problem
+                else MISSING_TOKEN
+            )
         if not hmac.compare_digest(given.encode("utf-8", "replace"), self._token):
             return self._deny(WRONG_TOKEN)
         return continuation(handler_call_details)
@@ -137,14 +149,18 @@ def read_pem(path: str | os.PathLike[str], what: str, *, max_bytes: int = 1024 *
     except ValueError as exc:
         raise InvalidArgumentError(str(exc), field=what) from None
     if len(data) > max_bytes:
-        raise InvalidArgumentError(f"{what}: {os.fspath(path)!r} is {len(data)} bytes, more than {max_bytes}", field=what)
+        raise InvalidArgumentError(
+            f"{what}: {os.fspath(path)!r} is {len(data)} bytes, more than {max_bytes}", field=what
+        )
     if b"-----BEGIN " not in data:
         raise InvalidArgumentError(f"{what}: {os.fspath(path)!r} is not a PEM file (no -----BEGIN line)", field=what)
     return data
 
 
 def server_credentials(
-    tls_cert: str | os.PathLike[str] | None, tls_key: str | os.PathLike[str] | None, tls_ca: str | os.PathLike[str] | None
+    tls_cert: str | os.PathLike[str] | None,
+    tls_key: str | os.PathLike[str] | None,
+    tls_ca: str | os.PathLike[str] | None,
 ) -> tuple[grpc.ServerCredentials | None, str]:
     """TLS credentials for the environment server and the root certificates trainers must trust.
 
@@ -170,7 +186,9 @@ def server_credentials(
         )
     if tls_cert is None:
         if tls_ca is not None:
-            raise InvalidArgumentError("tls_ca: only with tls_cert and tls_key (the CA that signed that certificate)", field="tls_ca")
+            raise InvalidArgumentError(
+                "tls_ca: only with tls_cert and tls_key (the CA that signed that certificate)", field="tls_ca"
+            )
         return None, ""
     cert = read_pem(tls_cert, "tls_cert")
     key = read_pem(tls_key, "tls_key")  # type: ignore[arg-type]

@@ -152,7 +152,10 @@ class EnvironmentServer:
         self.servicer = EnvironmentServicer(self.factory, self.spaces, self.name)
         self.auth = TokenInterceptor(self._token, self.name) if require_token else None
         if not require_token:
-            log.warning("serving %s WITHOUT an access token (require_token=False): anyone who can reach the port can drive it", self.name)
+            log.warning(
+                "serving %s WITHOUT an access token (require_token=False): anyone who can reach the port can drive it",
+                self.name,
+            )
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="opentinker-env"),
             interceptors=[self.auth] if self.auth is not None else None,
@@ -162,7 +165,11 @@ class EnvironmentServer:
         self._health = _add_health_and_reflection(self._server)
         address = f"{_bracket(self.host)}:{int(port)}"
         try:
-            bound = self._server.add_secure_port(address, credentials) if credentials else self._server.add_insecure_port(address)
+            bound = (
+                self._server.add_secure_port(address, credentials)
+                if credentials
+                else self._server.add_insecure_port(address)
+            )
         except RuntimeError:  # newer grpcio raises instead of returning 0
             bound = 0
         if bound == 0:
@@ -212,7 +219,10 @@ class EnvironmentServer:
                 self._health.set(SERVICE_NAME, _serving())
                 self._health.set("", _serving())
             log.info(
-                "serving %s at %s (%s, %s)", self.name, self.endpoint, "TLS" if self.tls else "plaintext",
+                "serving %s at %s (%s, %s)",
+                self.name,
+                self.endpoint,
+                "TLS" if self.tls else "plaintext",
                 "access token required" if self.auth is not None else "NO access token",
             )
         return self

@@ -20,7 +20,15 @@ from google.protobuf import json_format, struct_pb2
 from opentinker.environment.v1 import environment_pb2 as pb
 from opentinker.environment.v1 import environment_pb2_grpc as pb_grpc
 
-__all__ = ["EnvError", "EnvironmentServicer", "Spaces", "info_struct", "SERVICE_NAME", "MAX_SESSIONS", "MAX_ENVS_PER_SESSION"]
+__all__ = [
+    "EnvError",
+    "EnvironmentServicer",
+    "Spaces",
+    "info_struct",
+    "SERVICE_NAME",
+    "MAX_SESSIONS",
+    "MAX_ENVS_PER_SESSION",
+]
 
 log = logging.getLogger("opentinker_client.hosting.server")
 
@@ -139,7 +147,9 @@ class Spaces:
             EnvError: INVALID_ARGUMENT when it is not an integer in ``[0, action_n)``.
         """
         if action.WhichOneof("value") != "discrete":
-            raise EnvError(grpc.StatusCode.INVALID_ARGUMENT, f"action: expected a discrete action in [0, {self.action_n})")
+            raise EnvError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"action: expected a discrete action in [0, {self.action_n})"
+            )
         if not 0 <= action.discrete < self.action_n:
             raise EnvError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -189,7 +199,9 @@ class EnvironmentServicer(pb_grpc.EnvironmentServiceServicer):
             s = self._sessions.get(session_id)
             if s is None and create:
                 if len(self._sessions) >= MAX_SESSIONS:
-                    raise EnvError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {MAX_SESSIONS} sessions at once; Close old ones")
+                    raise EnvError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {MAX_SESSIONS} sessions at once; Close old ones"
+                    )
                 s = self._sessions[session_id] = _Session()
             return s  # type: ignore[return-value]
 
@@ -201,7 +213,9 @@ class EnvironmentServicer(pb_grpc.EnvironmentServiceServicer):
         if len(set(idx)) != len(idx):
             raise EnvError(grpc.StatusCode.INVALID_ARGUMENT, "items: each env_index at most once per request")
         if max(idx) >= MAX_ENVS_PER_SESSION:
-            raise EnvError(grpc.StatusCode.INVALID_ARGUMENT, f"env_index: expected < {MAX_ENVS_PER_SESSION}, got {max(idx)}")
+            raise EnvError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"env_index: expected < {MAX_ENVS_PER_SESSION}, got {max(idx)}"
+            )
         return idx
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -235,10 +249,18 @@ class EnvironmentServicer(pb_grpc.EnvironmentServiceServicer):
                         env = session.envs[i] = self._call(f"creating {self.name}", self.factory)
                     seed = item.seed if item.HasField("seed") else None
                     result = self._call(f"{self.name}.reset", lambda: env.reset(seed=seed))
-                    obs, info = (result if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict) else (result, {}))
+                    obs, info = (
+                        result
+                        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)
+                        else (result, {})
+                    )
                     session.running[i] = True
                     out.results.append(
-                        pb.ResetResult(env_index=i, observation=self.spaces.observation(obs, f"{self.name}.reset"), info=info_struct(info))
+                        pb.ResetResult(
+                            env_index=i,
+                            observation=self.spaces.observation(obs, f"{self.name}.reset"),
+                            info=info_struct(info),
+                        )
                     )
             return out
 
@@ -273,16 +295,24 @@ class EnvironmentServicer(pb_grpc.EnvironmentServiceServicer):
                     try:
                         reward = float(reward)
                     except (TypeError, ValueError):
-                        raise EnvError(grpc.StatusCode.INTERNAL, f"{where} returned reward {reward!r}: expected a number") from None
+                        raise EnvError(
+                            grpc.StatusCode.INTERNAL, f"{where} returned reward {reward!r}: expected a number"
+                        ) from None
                     if not math.isfinite(reward):
-                        raise EnvError(grpc.StatusCode.INTERNAL, f"{where} returned reward {reward!r}: expected a finite number")
+                        raise EnvError(
+                            grpc.StatusCode.INTERNAL, f"{where} returned reward {reward!r}: expected a finite number"
+                        )
                     terminated, truncated = bool(terminated), bool(truncated)
                     if terminated or truncated:
                         session.running[i] = False
                     out.results.append(
                         pb.StepResult(
-                            env_index=i, observation=self.spaces.observation(obs, where), reward=reward,
-                            terminated=terminated, truncated=truncated, info=info_struct(info),
+                            env_index=i,
+                            observation=self.spaces.observation(obs, where),
+                            reward=reward,
+                            terminated=terminated,
+                            truncated=truncated,
+                            info=info_struct(info),
                         )  # fmt: skip
                     )
             return out

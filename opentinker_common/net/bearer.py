@@ -10,8 +10,24 @@ __all__ = ["clean_api_key", "authorization_problem"]
 _KNOWN_SCHEMES = frozenset(
     s.lower()
     for s in (
-        "Basic", "Bearer", "Digest", "DPoP", "HOBA", "Mutual", "Negotiate", "NTLM", "OAuth", "PrivateToken",
-        "SCRAM-SHA-1", "SCRAM-SHA-256", "vapid", "Token", "ApiKey", "Api-Key", "Key", "AWS4-HMAC-SHA256",
+        "Basic",
+        "Bearer",
+        "Digest",
+        "DPoP",
+        "HOBA",
+        "Mutual",
+        "Negotiate",
+        "NTLM",
+        "OAuth",
+        "PrivateToken",
+        "SCRAM-SHA-1",
+        "SCRAM-SHA-256",
+        "vapid",
+        "Token",
+        "ApiKey",
+        "Api-Key",
+        "Key",
+        "AWS4-HMAC-SHA256",
     )
 )
 
@@ -34,7 +50,11 @@ def clean_api_key(api_key: str | None, what: str = "api_key") -> str:
     key = api_key.strip()
     for i, ch in enumerate(key):
         if not 0x21 <= ord(ch) <= 0x7E:
-            kind = "whitespace" if ch.isspace() else ("a control character" if ord(ch) < 0x20 or ord(ch) == 0x7F else "a non-ASCII character")
+            kind = (
+                "whitespace"
+                if ch.isspace()
+                else ("a control character" if ord(ch) < 0x20 or ord(ch) == 0x7F else "a non-ASCII character")
+            )
             raise ValueError(
                 f"{what}: expected an API key of printable ASCII characters without spaces (otk_...), "
                 f"got {len(key)} characters with {kind} at position {i} (the key is not shown)"

@@ -54,7 +54,9 @@ class SidePortServer(ThreadingMixIn, WSGIServer):
             request.settimeout(self.timeout_s)
             if self.ssl_context is not None:
                 try:
-                    request = self.ssl_context.wrap_socket(request, server_side=True)  # handshake, bounded by the timeout
+                    request = self.ssl_context.wrap_socket(
+                        request, server_side=True
+                    )  # handshake, bounded by the timeout
                 except (ssl.SSLError, OSError):  # plain HTTP, a scanner, a stalled client: drop it
                     self.shutdown_request(request)
                     return
@@ -67,7 +69,14 @@ class _TimeoutHandler(WSGIRequestHandler):
     timeout = SidePortServer.timeout_s
 
 
-def make_side_port_server(host: str, port: int, app, handler_class: type[WSGIRequestHandler] = _TimeoutHandler, *, ssl_context: ssl.SSLContext | None = None) -> SidePortServer:
+def make_side_port_server(
+    host: str,
+    port: int,
+    app,
+    handler_class: type[WSGIRequestHandler] = _TimeoutHandler,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+) -> SidePortServer:
     """Bind a :class:`SidePortServer` serving the WSGI ``app`` on ``host:port`` (0 = a free port).
 
     Raises:

@@ -34,7 +34,9 @@ MAX_PEM_BYTES = 1024 * 1024
 
 
 def _too_big(path, what: str, size: int) -> ValueError:
-    return ValueError(f"{what}: {os.fspath(path)!r} is {size} bytes, more than the {MAX_PEM_BYTES} bytes (1 MiB) a PEM file may hold")
+    return ValueError(
+        f"{what}: {os.fspath(path)!r} is {size} bytes, more than the {MAX_PEM_BYTES} bytes (1 MiB) a PEM file may hold"
+    )
 
 
 def check_pem_path(path: str | os.PathLike, what: str) -> None:
@@ -99,7 +101,9 @@ def _read(path: str | os.PathLike | None, what: str) -> bytes | None:
         raise ValueError(f"{what}: {str(path)!r} is not a PEM file")
     if what == "client_key":
         if b"PRIVATE KEY-----" not in data:
-            raise ValueError(f"{what}: {str(path)!r} holds no PRIVATE KEY block (expected the PEM private key of client_cert)")
+            raise ValueError(
+                f"{what}: {str(path)!r} holds no PRIVATE KEY block (expected the PEM private key of client_cert)"
+            )
         return data
     if what == "root_certificates" and b"PRIVATE KEY-----" in data:
         raise ValueError(f"{what}: {str(path)!r} holds a private key, not a CA certificate")
@@ -154,7 +158,9 @@ def _no_password() -> bytes:
     raise ValueError("encrypted private key")
 
 
-def server_ssl_context(cert: str | os.PathLike, key: str | os.PathLike, *, names: tuple[str, str] = ("cert", "key")) -> ssl.SSLContext:
+def server_ssl_context(
+    cert: str | os.PathLike, key: str | os.PathLike, *, names: tuple[str, str] = ("cert", "key")
+) -> ssl.SSLContext:
     """A TLS server context (TLS 1.2 or newer) for an HTTPS port, from PEM files; also used to
     check a gRPC server's certificate/key pair at start.
 
@@ -175,7 +181,9 @@ def server_ssl_context(cert: str | os.PathLike, key: str | os.PathLike, *, names
     try:
         ctx.load_cert_chain(certfile=str(cert), keyfile=str(key), password=_no_password)
     except ValueError:  # from _no_password
-        raise ValueError(f"{names[1]}: {os.fspath(key)!r} is an encrypted private key; expected an unencrypted PEM key") from None
+        raise ValueError(
+            f"{names[1]}: {os.fspath(key)!r} is an encrypted private key; expected an unencrypted PEM key"
+        ) from None
     if _is_ca_certificate(read_pem_file(cert, names[0])):
         raise ValueError(
             f"{names[0]}: expected the server's own certificate (signed by a CA), got {os.fspath(cert)!r}, "
@@ -198,7 +206,9 @@ def _is_ca_certificate(pem: bytes) -> bool:
         return False
 
 
-def check_key_pair(cert: str | os.PathLike, key: str | os.PathLike, *, names: tuple[str, str] = ("cert", "key")) -> None:
+def check_key_pair(
+    cert: str | os.PathLike, key: str | os.PathLike, *, names: tuple[str, str] = ("cert", "key")
+) -> None:
     """Check that PEM ``key`` is the private key of the certificate in PEM ``cert``.
 
     Raises:
@@ -208,13 +218,21 @@ def check_key_pair(cert: str | os.PathLike, key: str | os.PathLike, *, names: tu
             (``"key: expected the private key of cert, got 'other.key' (KEY_VALUES_MISMATCH)"``).
     """
     if _PEM_CERT not in read_pem_file(cert, names[0]):
-        raise ValueError(f"{names[0]}: {os.fspath(cert)!r} holds no {_PEM_CERT.decode()} block (expected a PEM certificate)")
+        raise ValueError(
+            f"{names[0]}: {os.fspath(cert)!r} holds no {_PEM_CERT.decode()} block (expected a PEM certificate)"
+        )
     if b"PRIVATE KEY-----" not in read_pem_file(key, names[1]):
-        raise ValueError(f"{names[1]}: {os.fspath(key)!r} holds no PRIVATE KEY block (expected the PEM private key of {names[0]})")
+        raise ValueError(
+            f"{names[1]}: {os.fspath(key)!r} holds no PRIVATE KEY block (expected the PEM private key of {names[0]})"
+        )
     try:
         server_ssl_context(cert, key, names=names)
     except ssl.SSLError as exc:
         reason = getattr(exc, "reason", None) or str(exc)
-        raise ValueError(f"{names[1]}: expected the private key of {names[0]} ({os.fspath(cert)!r}), got {os.fspath(key)!r} ({reason})") from None
+        raise ValueError(
+            f"{names[1]}: expected the private key of {names[0]} ({os.fspath(cert)!r}), got {os.fspath(key)!r} ({reason})"
+        ) from None
     except OSError as exc:
-        raise ValueError(f"{names[0]}/{names[1]}: cannot read {os.fspath(cert)!r} or {os.fspath(key)!r}: {exc.strerror or exc}") from None
+        raise ValueError(
+            f"{names[0]}/{names[1]}: cannot read {os.fspath(cert)!r} or {os.fspath(key)!r}: {exc.strerror or exc}"
+        ) from None

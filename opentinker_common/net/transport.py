@@ -9,7 +9,10 @@ __all__ = ["closed_by_peer", "tls_handshake_failed"]
 
 # How gRPC words a connection that the server closed before any HTTP/2 frame: what a plaintext
 # client sees from a TLS port (the server reads a TLS record header, gets garbage and hangs up).
-_CLOSED = re.compile(r"socket closed|connection reset|end of tcp stream|broken pipe|wrong_version_number|connection closed", re.IGNORECASE)
+_CLOSED = re.compile(
+    r"socket closed|connection reset|end of tcp stream|broken pipe|wrong_version_number|connection closed",
+    re.IGNORECASE,
+)
 # How gRPC (BoringSSL) words a failed TLS handshake.
 _HANDSHAKE = re.compile(r"handshake|ssl|tls|certificate|x509|alert", re.IGNORECASE)
 

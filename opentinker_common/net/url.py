@@ -43,7 +43,7 @@ def redact_userinfo(url: str) -> str:
     at = rest.rfind("@")
     if at < 0:
         return url
-    return f"{head}{sep}***@{rest[at + 1:]}"
+    return f"{head}{sep}***@{rest[at + 1 :]}"
 
 
 def _bad(url: str, why: str) -> ValueError:

@@ -28,7 +28,14 @@ from opentinker_common.spec.grpo import FullGRPOConfig
 from opentinker_common.spec.sft import ChatDatasetConfig, DatasetError, SFTConfig
 from opentinker_common.spec.inference import InferenceConfig
 
-from opentinker_common.spec.task import TaskSpecModel, env_kind, spec_from_proto, task_uses_model, validate_env_config, validate_hyperparameters
+from opentinker_common.spec.task import (
+    TaskSpecModel,
+    env_kind,
+    spec_from_proto,
+    task_uses_model,
+    validate_env_config,
+    validate_hyperparameters,
+)
 
 __all__ = [
     "SpecError",

@@ -46,7 +46,7 @@ MAX_GOT_CHARS = 100
 
 def _cut(text: str, limit: int) -> str:
     text = str(text)
-    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def short_repr(value: Any, limit: int = MAX_GOT_CHARS) -> str:
@@ -245,8 +245,6 @@ def parse_dataclass(cls: type, data: Any, path: str):
 def num(default, lo=None, hi=None, min_exclusive=False, doc=""):
     """A numeric dataclass field with bounds: ``[lo, hi]`` (``(lo, hi]`` when ``min_exclusive``)."""
     return field(default=default, metadata={"min": lo, "max": hi, "min_exclusive": min_exclusive, "doc": doc})
-
-
 
 
 def jsonable(value: Any) -> Any:

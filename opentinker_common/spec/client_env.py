@@ -17,10 +17,19 @@ from opentinker_common.net.url import redact_userinfo
 from opentinker_common.spec._parse import SpecError, num
 from opentinker_common.spec.registry import register_env
 
-__all__ = ["ClientEnvConfig", "parse_endpoint", "check_token", "TOKEN_MIN_LEN", "TOKEN_MAX_LEN", "ROOT_CERTIFICATES_MAX_BYTES"]
+__all__ = [
+    "ClientEnvConfig",
+    "parse_endpoint",
+    "check_token",
+    "TOKEN_MIN_LEN",
+    "TOKEN_MAX_LEN",
+    "ROOT_CERTIFICATES_MAX_BYTES",
+]
 
 # host:port with a DNS name, an IPv4 address or a bracketed IPv6 address.
-_ENDPOINT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?):(?P<port>[0-9]{1,5})$")
+_ENDPOINT = re.compile(
+    r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?):(?P<port>[0-9]{1,5})$"
+)
 
 
 #: Bounds of an access token (``secrets.token_urlsafe(32)`` gives 43 characters).
@@ -40,7 +49,9 @@ def check_token(token: object, path: str) -> None:
         SpecError: naming ``path``.
     """
     if not isinstance(token, str):
-        raise SpecError(path, f"a string of {TOKEN_MIN_LEN}..{TOKEN_MAX_LEN} url-safe characters, got a {type(token).__name__}")
+        raise SpecError(
+            path, f"a string of {TOKEN_MIN_LEN}..{TOKEN_MAX_LEN} url-safe characters, got a {type(token).__name__}"
+        )
     if token == "":
         return
     if not _TOKEN.match(token):
@@ -118,7 +129,9 @@ class ClientEnvConfig:
                 redact_userinfo(self.endpoint),  # never echo a user:password@ part
             )
         if self.action_space == 0:
-            raise SpecError(f"{path}.action_space", "the number of discrete actions, an integer >= 1 (this key is required)")
+            raise SpecError(
+                f"{path}.action_space", "the number of discrete actions, an integer >= 1 (this key is required)"
+            )
         if self.observation_space == 0:
             raise SpecError(
                 f"{path}.observation_space",
@@ -132,8 +145,9 @@ class ClientEnvConfig:
             if len(set(n.strip().lower() for n in self.action_names)) != len(self.action_names) or not all(
                 n.strip() and len(n) <= 64 for n in self.action_names
             ):
-                raise SpecError(f"{path}.action_names", "distinct non-empty names of at most 64 characters", list(self.action_names))
-
+                raise SpecError(
+                    f"{path}.action_names", "distinct non-empty names of at most 64 characters", list(self.action_names)
+                )
 
     def _check_tls(self, path: str) -> None:
         roots = self.tls_root_certificates
@@ -153,7 +167,9 @@ class ClientEnvConfig:
                 f"{roots[:40]}..." if len(roots) > 40 else roots,
             )
         if "PRIVATE KEY-----" in roots:
-            raise SpecError(where, "certificates only: it contains a PRIVATE KEY block, which must never leave your machine")
+            raise SpecError(
+                where, "certificates only: it contains a PRIVATE KEY block, which must never leave your machine"
+            )
 
 
 register_env(

@@ -8,6 +8,8 @@ from opentinker_common.spec._parse import SpecError, num
 from opentinker_common.spec.registry import register_env
 
 __all__ = ["ArithmeticEnvConfig", "TEXT_ENVIRONMENTS"]
+
+
 @dataclass(frozen=True)
 class ArithmeticEnvConfig:
     """The built-in ``arithmetic`` text task: "What is a + b?"; reward 1.0 when the last integer
@@ -27,7 +29,6 @@ class ArithmeticEnvConfig:
     def check(self, path: str) -> None:
         if self.min_digits > self.max_digits:
             raise SpecError(f"{path}.max_digits", f"an integer >= min_digits ({self.min_digits})", self.max_digits)
-
 
 
 register_env("arithmetic", ArithmeticEnvConfig, kind="text", description='"What is a + b?", reward 1 for the right sum')

@@ -10,6 +10,8 @@ from opentinker_common.spec._parse import SpecError, num
 from opentinker_common.spec.registry import register_workload
 
 __all__ = ["FullGRPOConfig", "GRPOConfig", "LORA_FIELDS"]
+
+
 @dataclass(frozen=True)
 class GRPOConfig:
     """Hyper-parameters of ``lora_finetune``: GRPO with a PEFT LoRA adapter.
@@ -26,13 +28,20 @@ class GRPOConfig:
     temperature: float = num(0.7, 0.0, 10.0, min_exclusive=True)
     top_p: float = num(1.0, 0.0, 1.0, min_exclusive=True)
     learning_rate: float = num(
-        5e-4, 0.0, 1.0, min_exclusive=True, doc="AdamW learning rate of the adapter (5e-4: measured with scripts/measure_grpo.py)"
+        5e-4,
+        0.0,
+        1.0,
+        min_exclusive=True,
+        doc="AdamW learning rate of the adapter (5e-4: measured with scripts/measure_grpo.py)",
     )
     weight_decay: float = num(0.0, 0.0, 1.0)
     max_grad_norm: float = num(1.0, 0.0, 1e6, min_exclusive=True)
     ppo_epochs: int = num(1, 1, 64, doc="gradient updates per batch of rollouts")
     micro_batch_size: int = num(
-        0, 0, 65536, doc="sequences per forward/backward pass, rounded down to whole groups (at least one); 0 = the whole batch"
+        0,
+        0,
+        65536,
+        doc="sequences per forward/backward pass, rounded down to whole groups (at least one); 0 = the whole batch",
     )
     clip_eps: float = num(0.2, 0.0, 10.0, min_exclusive=True, doc="PPO ratio clip range")
     kl_coef: float = num(0.0, 0.0, 100.0, doc="weight of the k3 KL penalty to the reference model; 0 skips it")

@@ -43,7 +43,9 @@ MAX_KWARGS_JSON_BYTES = 16 * 1024
 
 
 _PATH_KEY_SUFFIXES = ("file", "path", "dir", "filename")
-_NO_PATHS = "no file path: file paths are not accepted in env_kwargs (environments are built on the scheduler and the trainers)"
+_NO_PATHS = (
+    "no file path: file paths are not accepted in env_kwargs (environments are built on the scheduler and the trainers)"
+)
 
 
 def _check_kwarg_value(value: Any, path: str, depth: int) -> None:
@@ -55,7 +57,9 @@ def _check_kwarg_value(value: Any, path: str, depth: int) -> None:
         return
     if isinstance(value, str):
         if len(value) > MAX_KWARG_STRING:
-            raise SpecError(path, f"a string of at most {MAX_KWARG_STRING} characters", f"{value[:20]}... ({len(value)} characters)")
+            raise SpecError(
+                path, f"a string of at most {MAX_KWARG_STRING} characters", f"{value[:20]}... ({len(value)} characters)"
+            )
         if "/" in value or "\\" in value or value.startswith("~"):
             raise SpecError(path, _NO_PATHS, value)
         return
@@ -142,7 +146,12 @@ def _real_spaces(env_id: str, kwargs_json: str) -> tuple[str, str, int | None, i
     except Exception as exc:  # noqa: BLE001 - bad kwargs or missing extra (box2d, ale ...)
         return f"an environment gymnasium can make with these env_kwargs ({type(exc).__name__}: {exc})"
     try:
-        return (str(env.action_space), str(env.observation_space), space_size(env.action_space), space_size(env.observation_space))
+        return (
+            str(env.action_space),
+            str(env.observation_space),
+            space_size(env.action_space),
+            space_size(env.observation_space),
+        )
     finally:
         env.close()
 
@@ -165,7 +174,11 @@ class GymEnvConfig:
 
     def check(self, path: str) -> None:
         if "render_mode" in self.env_kwargs:
-            raise SpecError(f"{path}.env_kwargs.render_mode", "no render_mode (trainers run headless)", self.env_kwargs["render_mode"])
+            raise SpecError(
+                f"{path}.env_kwargs.render_mode",
+                "no render_mode (trainers run headless)",
+                self.env_kwargs["render_mode"],
+            )
         check_env_kwargs_bounds(self.env_kwargs, f"{path}.env_kwargs")
         real = _real_spaces(self.env_id, kwargs_key(self.env_kwargs))
         if real == "":

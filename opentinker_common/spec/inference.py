@@ -20,8 +20,12 @@ class InferenceConfig:
     """
 
     ttl_s: float = num(3600.0, 0.0, 30 * 86400.0, min_exclusive=True, doc="seconds to serve before ending SUCCEEDED")
-    max_resident_adapters: int = num(8, 1, 1024, doc="adapters kept loaded; the least recently used idle one is unloaded first")
-    max_concurrent_requests: int = num(16, 1, 4096, doc="requests running at once; more are refused with RESOURCE_EXHAUSTED")
+    max_resident_adapters: int = num(
+        8, 1, 1024, doc="adapters kept loaded; the least recently used idle one is unloaded first"
+    )
+    max_concurrent_requests: int = num(
+        16, 1, 4096, doc="requests running at once; more are refused with RESOURCE_EXHAUSTED"
+    )
     port: int = num(0, 0, 65535, doc="port to listen on; 0 picks a free one")
     dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
 

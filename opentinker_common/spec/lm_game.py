@@ -44,13 +44,18 @@ class LMGameGRPOConfig:
     system_prompt: str | None = field(default=None, metadata={"max_len": 4096})
     reply_prefix: str | None = field(
         default=None,
-        metadata={"max_len": 256, "doc": "text the reply starts with (the model continues it); None = the renderer's, e.g. 'I move'; '' = none"},
+        metadata={
+            "max_len": 256,
+            "doc": "text the reply starts with (the model continues it); None = the renderer's, e.g. 'I move'; '' = none",
+        },
     )
     learning_rate: float = num(5e-4, 0.0, 1.0, min_exclusive=True)
     weight_decay: float = num(0.0, 0.0, 1.0)
     max_grad_norm: float = num(1.0, 0.0, 1e6, min_exclusive=True)
     ppo_epochs: int = num(1, 1, 64)
-    micro_batch_size: int = num(16, 0, 65536, doc="turns per forward/backward pass (bounds memory); 0 = all of a step's turns at once")
+    micro_batch_size: int = num(
+        16, 0, 65536, doc="turns per forward/backward pass (bounds memory); 0 = all of a step's turns at once"
+    )
     clip_eps: float = num(0.2, 0.0, 10.0, min_exclusive=True)
     kl_coef: float = num(0.0, 0.0, 100.0)
     scale_rewards: bool = True

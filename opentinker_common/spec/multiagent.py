@@ -31,7 +31,14 @@ from opentinker_common.spec.gym import kwargs_key, space_size
 from opentinker_common.spec.ppo import PPOConfig
 from opentinker_common.spec.registry import register_env_family, register_workload
 
-__all__ = ["ENV_KWARGS", "MULTIAGENT_ENVIRONMENTS", "MultiAgentEnvConfig", "MultiAgentPPOConfig", "check_env_kwargs", "import_parallel_env_module"]
+__all__ = [
+    "ENV_KWARGS",
+    "MULTIAGENT_ENVIRONMENTS",
+    "MultiAgentEnvConfig",
+    "MultiAgentPPOConfig",
+    "check_env_kwargs",
+    "import_parallel_env_module",
+]
 
 #: env_id -> the Python module whose ``parallel_env(**env_kwargs)`` makes it. The allow-list.
 MULTIAGENT_ENVIRONMENTS: dict[str, str] = {
@@ -78,7 +85,11 @@ class Kwarg:
 
 #: Agents, landmarks, obstacles: small teams (the build cost and the observation grow with N^2).
 MAX_ENTITIES = 32
-_COMMON = {"max_cycles": Kwarg("int", 1, 100_000), "continuous_actions": Kwarg("bool"), "dynamic_rescaling": Kwarg("bool")}
+_COMMON = {
+    "max_cycles": Kwarg("int", 1, 100_000),
+    "continuous_actions": Kwarg("bool"),
+    "dynamic_rescaling": Kwarg("bool"),
+}
 _TEAM = Kwarg("int", 1, MAX_ENTITIES)
 _NEIGHBORS = {"num_agent_neighbors": _TEAM, "num_landmark_neighbors": _TEAM}  # partial observability
 _EPISODE = {"curriculum": Kwarg("bool"), "terminate_on_success": Kwarg("bool")}
@@ -118,7 +129,9 @@ def check_env_kwargs(env_id: str, env_kwargs: dict[str, Any], path: str) -> None
         if rule is None:
             names = ", ".join(accepted) or "none"
             # The field stays ``env_kwargs`` (the mapping is what is wrong); the key is named.
-            raise SpecError(path, f"options {env_id} accepts ({names}); {short_repr(key, 60)} is not one of them", dict(env_kwargs))
+            raise SpecError(
+                path, f"options {env_id} accepts ({names}); {short_repr(key, 60)} is not one of them", dict(env_kwargs)
+            )
         if not rule.accepts(value):
             raise SpecError(f"{path}.{key}", rule.describe(), value)
 
@@ -155,7 +168,12 @@ def _real_spaces(env_id: str, kwargs_json: str) -> dict[str, tuple[str, str, int
         return f"options {env_id} accepts ({type(exc).__name__}: {exc})"
     try:
         return {
-            a: (str(env.action_space(a)), str(env.observation_space(a)), space_size(env.action_space(a)), space_size(env.observation_space(a)))
+            a: (
+                str(env.action_space(a)),
+                str(env.observation_space(a)),
+                space_size(env.action_space(a)),
+                space_size(env.observation_space(a)),
+            )
             for a in env.possible_agents
         }
     finally:
@@ -178,7 +196,9 @@ class MultiAgentEnvConfig:
     def check(self, path: str) -> None:
         for key in _REFUSED_KWARGS:
             if key in self.env_kwargs:
-                raise SpecError(f"{path}.env_kwargs.{key}", "no render_mode (trainers run headless)", self.env_kwargs[key])
+                raise SpecError(
+                    f"{path}.env_kwargs.{key}", "no render_mode (trainers run headless)", self.env_kwargs[key]
+                )
         check_env_kwargs(self.env_id, self.env_kwargs, f"{path}.env_kwargs")
         real = _real_spaces(self.env_id, kwargs_key(self.env_kwargs))
         if real == "":
@@ -187,9 +207,15 @@ class MultiAgentEnvConfig:
             raise SpecError(f"{path}.env_kwargs", real, dict(self.env_kwargs))
         for agent, (act, obs, act_n, obs_n) in real.items():
             if self.action_space is not None and self.action_space != act_n:
-                raise SpecError(f"{path}.action_space", f"the size of {agent}'s action space {act} ({act_n})", self.action_space)
+                raise SpecError(
+                    f"{path}.action_space", f"the size of {agent}'s action space {act} ({act_n})", self.action_space
+                )
             if self.observation_space is not None and self.observation_space != obs_n:
-                raise SpecError(f"{path}.observation_space", f"the size of {agent}'s observation space {obs} ({obs_n})", self.observation_space)
+                raise SpecError(
+                    f"{path}.observation_space",
+                    f"the size of {agent}'s observation space {obs} ({obs_n})",
+                    self.observation_space,
+                )
 
 
 @dataclass(frozen=True)

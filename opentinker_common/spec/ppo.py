@@ -18,7 +18,9 @@ from opentinker_common.spec.registry import register_workload
 
 __all__ = ["PPOConfig"]
 
-_HIDDEN = field(default=(64, 64), metadata={"min": 1, "max": 4096, "doc": "widths of the MLP hidden layers (actor and critic each)"})
+_HIDDEN = field(
+    default=(64, 64), metadata={"min": 1, "max": 4096, "doc": "widths of the MLP hidden layers (actor and critic each)"}
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ class PPOConfig:
     ent_coef: float = num(0.01, 0.0, 100.0)
     vf_coef: float = num(0.5, 0.0, 100.0)
     max_grad_norm: float = num(0.5, 0.0, 1e6, min_exclusive=True)
-    target_kl: float | None = num(None, 0.0, 100.0, min_exclusive=True, doc="stop the epochs of an update once approx_kl exceeds it")
+    target_kl: float | None = num(
+        None, 0.0, 100.0, min_exclusive=True, doc="stop the epochs of an update once approx_kl exceeds it"
+    )
     hidden_sizes: tuple[int, ...] = _HIDDEN
     activation: str = field(default="tanh", metadata={"choices": ("tanh", "relu")})
     seed: int = num(1, 0, 2**31 - 1)
@@ -73,7 +77,11 @@ class PPOConfig:
                 self.total_timesteps,
             )
         if self.num_minibatches > self.batch_size:
-            raise SpecError(f"{path}.num_minibatches", f"an integer <= num_envs * num_steps ({self.batch_size})", self.num_minibatches)
+            raise SpecError(
+                f"{path}.num_minibatches",
+                f"an integer <= num_envs * num_steps ({self.batch_size})",
+                self.num_minibatches,
+            )
         if not 1 <= len(self.hidden_sizes) <= 8:
             raise SpecError(f"{path}.hidden_sizes", "a list of 1 to 8 layer widths", list(self.hidden_sizes))
 

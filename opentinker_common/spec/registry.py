@@ -34,7 +34,7 @@ __all__ = [
     "workload_env_kinds",
 ]
 
-#: Workload types of the system (DESIGN.md, Tasks). A scheduler may configure a subset.
+#: Workload types of the system (README, "What happens to a task"). A scheduler may configure a subset.
 WORKLOAD_TYPES: tuple[str, ...] = ("lora_finetune", "full_rl", "sft", "inference")
 
 
@@ -57,7 +57,9 @@ def register_env(env_id: str, cls: type, *, kind: str, description: str = "") ->
     _ENVS[env_id] = EnvEntry(cls, kind, description)
 
 
-def register_env_family(name: str, matcher: Callable[[str], bool], cls: type, *, kind: str, description: str = "") -> None:
+def register_env_family(
+    name: str, matcher: Callable[[str], bool], cls: type, *, kind: str, description: str = ""
+) -> None:
     """Register a config class for every ``env_id`` for which ``matcher(env_id)`` is true
     (checked after exact ids, in registration order). ``name`` is what errors list, e.g.
     ``"any gymnasium id (CartPole-v1, ...)"``."""

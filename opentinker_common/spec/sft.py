@@ -91,7 +91,9 @@ def parse_chat_line(line: str | bytes, lineno: int) -> list[dict[str, str]] | No
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise DatasetError(lineno, f'a JSON object such as {{"messages": [...]}} (JSON error at column {exc.colno}: {exc.msg})') from None
+        raise DatasetError(
+            lineno, f'a JSON object such as {{"messages": [...]}} (JSON error at column {exc.colno}: {exc.msg})'
+        ) from None
     if not isinstance(obj, dict):
         raise DatasetError(lineno, 'a JSON object with a "messages" list', type(obj).__name__)
     messages = obj.get("messages")
@@ -161,9 +163,14 @@ class ChatDatasetConfig:
 
     def check(self, path: str) -> None:
         if (self.dataset_id is None) == (self.path is None):
-            raise SpecError(f"{path}.dataset_id", 'exactly one of dataset_id ("sha256:<hex>", from upload_dataset) or path (a file on the trainer node)')
+            raise SpecError(
+                f"{path}.dataset_id",
+                'exactly one of dataset_id ("sha256:<hex>", from upload_dataset) or path (a file on the trainer node)',
+            )
         if self.dataset_id is not None and not is_dataset_id(self.dataset_id):
-            raise SpecError(f"{path}.dataset_id", "sha256:<64 lowercase hex digits>, as upload_dataset returns", self.dataset_id)
+            raise SpecError(
+                f"{path}.dataset_id", "sha256:<64 lowercase hex digits>, as upload_dataset returns", self.dataset_id
+            )
         if self.path is not None and not self.path.startswith("/"):
             raise SpecError(f"{path}.path", "an absolute path of a JSONL file on the trainer node", self.path)
 

@@ -17,7 +17,14 @@ from opentinker_common.spec.registry import (
     uses_model,
 )
 
-__all__ = ["TaskSpecModel", "spec_from_proto", "validate_env_config", "validate_hyperparameters", "env_kind", "task_uses_model"]
+__all__ = [
+    "TaskSpecModel",
+    "spec_from_proto",
+    "validate_env_config",
+    "validate_hyperparameters",
+    "env_kind",
+    "task_uses_model",
+]
 
 #: ``env_id`` when ``env_config`` names none: the built-in text task.
 DEFAULT_ENV_ID = "arithmetic"
@@ -39,7 +46,11 @@ def validate_env_config(data: Any, path: str = "spec.env_config") -> Any:
     if env_id is None:
         env_id = DEFAULT_ENV_ID
     if env_id == "":
-        raise SpecError(f"{path}.env_id", f"an environment id, one of {', '.join(known_env_ids())} (leave env_id out for {DEFAULT_ENV_ID})", env_id)
+        raise SpecError(
+            f"{path}.env_id",
+            f"an environment id, one of {', '.join(known_env_ids())} (leave env_id out for {DEFAULT_ENV_ID})",
+            env_id,
+        )
     entry = env_entry(env_id) if isinstance(env_id, str) else None
     if entry is None:
         raise SpecError(f"{path}.env_id", f"one of {', '.join(known_env_ids())}", env_id)
@@ -136,14 +147,22 @@ class TaskSpecModel:
             raise SpecError("spec.model", "at most 1024 characters")
         if isinstance(gpu_count, bool) or not isinstance(gpu_count, int) or not 0 <= gpu_count <= 1024:
             raise SpecError("spec.resources.gpu_count", "an integer in [0, 1024] (0 = CPU task)", gpu_count)
-        if max_runtime_s is not None and (not isinstance(max_runtime_s, (int, float)) or not 0 < max_runtime_s <= 30 * 86400):
+        if max_runtime_s is not None and (
+            not isinstance(max_runtime_s, (int, float)) or not 0 < max_runtime_s <= 30 * 86400
+        ):
             raise SpecError("spec.limits.max_runtime", "a duration in (0 s, 30 days]", max_runtime_s)
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or not 0 <= max_attempts <= 100:
             raise SpecError("spec.limits.max_attempts", "an integer in [1, 100] (0 = default 3)", max_attempts)
-        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000):
+        if priority is not None and (
+            isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000
+        ):
             raise SpecError("spec.priority", "an integer in [-1000, 1000]", priority)
         if not isinstance(name, str) or len(name) > 256:
-            raise SpecError("spec.name", "a string of at most 256 characters", f"{name[:20]}... ({len(name)} characters)" if isinstance(name, str) else name)
+            raise SpecError(
+                "spec.name",
+                "a string of at most 256 characters",
+                f"{name[:20]}... ({len(name)} characters)" if isinstance(name, str) else name,
+            )
         env = validate_env_config(env_config)
         hp = validate_hyperparameters(workload_type, hyperparameters, env=env)
         _check_init_from(init_from, env)
@@ -199,8 +218,14 @@ INIT_FROM_ENV_KINDS: tuple[str, ...] = ("text", "dataset")
 
 def _check_init_from(init_from: Any, env: Any) -> None:
     """``init_from`` is a task id (or empty), on a workload that can start from an LM checkpoint."""
-    if not isinstance(init_from, str) or len(init_from) > 128 or (init_from and not init_from.replace("-", "").replace("_", "").isalnum()):
-        raise SpecError("spec.init_from", "the id of a finished task (such as task-0192f3c4d5e6f7a8b9c) or empty", init_from)
+    if (
+        not isinstance(init_from, str)
+        or len(init_from) > 128
+        or (init_from and not init_from.replace("-", "").replace("_", "").isalnum())
+    ):
+        raise SpecError(
+            "spec.init_from", "the id of a finished task (such as task-0192f3c4d5e6f7a8b9c) or empty", init_from
+        )
     if init_from and env_kind(env) not in INIT_FROM_ENV_KINDS:
         raise SpecError(
             "spec.init_from",

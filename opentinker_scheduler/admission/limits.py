@@ -143,7 +143,9 @@ class Limits:
         """Raises ResourceExhausted when a serialized TaskSpec of ``size_bytes`` is too large."""
         most = self.config.max_spec_bytes
         if most and size_bytes > most:
-            raise ResourceExhausted(f"spec: {size_bytes} bytes serialized, more than the limit of {most} (limits.max_spec_bytes)")
+            raise ResourceExhausted(
+                f"spec: {size_bytes} bytes serialized, more than the limit of {most} (limits.max_spec_bytes)"
+            )
 
     def check_submit_rate(self, key: str) -> None:
         """Take a SubmitTask token for ``key``.

@@ -116,7 +116,13 @@ def check_local_paths(spec: Any, *, paths: PathsConfig, auth_enabled: bool, defa
 
     model = spec.model
     allowed = paths.allowed("model_dirs", auth_enabled=auth_enabled)
-    if model and model != default_model and allowed is not None and not is_hub_id(model) and not is_under(model, allowed):
+    if (
+        model
+        and model != default_model
+        and allowed is not None
+        and not is_hub_id(model)
+        and not is_under(model, allowed)
+    ):
         raise InvalidArgument(
             f"spec.model: expected a hub id (org/name) or {_describe(allowed, 'model_dirs')}, got {model!r}{_why(model)}"
         )

@@ -31,8 +31,15 @@ INIT_CHECKPOINT_FORMATS: tuple[str, ...] = ("peft_lora", "hf_full")
 
 
 def check_references(
-    spec: common_pb2.TaskSpec, *, datasets: DatasetStore, get_task, owner: str, default_model: str = "", dataset_visible=lambda dataset_id: True,
-    paths: PathsConfig = PathsConfig(), auth_enabled: bool = False,
+    spec: common_pb2.TaskSpec,
+    *,
+    datasets: DatasetStore,
+    get_task,
+    owner: str,
+    default_model: str = "",
+    dataset_visible=lambda dataset_id: True,
+    paths: PathsConfig = PathsConfig(),
+    auth_enabled: bool = False,
 ) -> None:
     """Refuse a (validated) spec whose dataset or ``init_from`` task cannot be used.
 
@@ -58,8 +65,12 @@ def check_references(
     if spec.HasField("env_config"):
         env = json_format.MessageToDict(spec.env_config)
         dataset_id = env.get("dataset_id")
-        if is_dataset_id(dataset_id) and (not datasets.exists(dataset_id) or not dataset_visible(dataset_id)):  # a malformed id is the spec check's
-            raise NotFound(f"spec.env_config.dataset_id: dataset {dataset_id} not found on this scheduler (upload it first with UploadDataset)")
+        if is_dataset_id(dataset_id) and (
+            not datasets.exists(dataset_id) or not dataset_visible(dataset_id)
+        ):  # a malformed id is the spec check's
+            raise NotFound(
+                f"spec.env_config.dataset_id: dataset {dataset_id} not found on this scheduler (upload it first with UploadDataset)"
+            )
     if not spec.init_from or _check_init_from_shape(spec.init_from):
         return  # unset, or malformed: the spec check refuses it with INVALID_ARGUMENT
     try:
@@ -68,10 +79,16 @@ def check_references(
         raise NotFound(f"spec.init_from: task {spec.init_from!r} not found") from None
     if source.state != common_pb2.TASK_STATE_SUCCEEDED:
         state = common_pb2.TaskState.Name(source.state).removeprefix("TASK_STATE_")
-        raise FailedPrecondition(f"spec.init_from: task {spec.init_from} is {state}; a task can only start from one that SUCCEEDED")
+        raise FailedPrecondition(
+            f"spec.init_from: task {spec.init_from} is {state}; a task can only start from one that SUCCEEDED"
+        )
     ck = source.latest_checkpoint
     if ck is None or not ck.final or ck.format not in INIT_CHECKPOINT_FORMATS:
-        got = "no checkpoint" if ck is None else f"a {'final' if ck.final else 'non-final'} {ck.format or 'unnamed'} checkpoint"
+        got = (
+            "no checkpoint"
+            if ck is None
+            else f"a {'final' if ck.final else 'non-final'} {ck.format or 'unnamed'} checkpoint"
+        )
         raise FailedPrecondition(
             f"spec.init_from: task {spec.init_from} has {got}; expected a final checkpoint in one of {', '.join(INIT_CHECKPOINT_FORMATS)}"
         )

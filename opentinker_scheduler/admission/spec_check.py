@@ -70,7 +70,9 @@ class SpecChecker:
         max_concurrent: checks running at once.
     """
 
-    def __init__(self, *, validate: Callable[[Any], Any] = validate_env_config, max_concurrent: int = MAX_CONCURRENT) -> None:
+    def __init__(
+        self, *, validate: Callable[[Any], Any] = validate_env_config, max_concurrent: int = MAX_CONCURRENT
+    ) -> None:
         self._validate = validate
         self.max_concurrent = max_concurrent
         self._slots = asyncio.Semaphore(max_concurrent)

@@ -14,7 +14,14 @@ from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 from opentinker_scheduler.security.audit import ACTIONS, AuditLog
 from opentinker_scheduler.security.auth import AuthInterceptor, caller
 from opentinker_scheduler.security.keys import KeyRow, KeyStore, Principal, bootstrap_admin, key_prefix
-from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, SchedulerError, status_code
+from opentinker_scheduler.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    SchedulerError,
+    status_code,
+)
 from opentinker_scheduler.admission.limits import Limits, LimitsConfig
 from opentinker_scheduler.state.store import Store
 
@@ -60,19 +67,30 @@ def build_security(config, store: Store) -> Security:
         path = Path(auth.bootstrap_admin_key_file)
         written = bootstrap_admin(keys, path if path.is_absolute() else config.state_dir / path)
     interceptor = AuthInterceptor(
-        keys=keys, limits=limits, audit=audit, node_cert_required=bool(tls is not None and tls.node_cert_required),
+        keys=keys,
+        limits=limits,
+        audit=audit,
+        node_cert_required=bool(tls is not None and tls.node_cert_required),
         stream_recheck_interval_s=auth.stream_recheck_interval_s if auth is not None else 5.0,
     )
     return Security(
-        keys=keys, limits=limits, audit=audit, interceptor=interceptor, bootstrap_key_file=written,
+        keys=keys,
+        limits=limits,
+        audit=audit,
+        interceptor=interceptor,
+        bootstrap_key_file=written,
         node_id_must_match_cert=bool(tls is not None and tls.node_id_must_match_cert),
     )
 
 
 def key_to_proto(row: KeyRow, now: float) -> admin_pb2.ApiKey:
     out = admin_pb2.ApiKey(
-        prefix=row.prefix, owner=row.owner, role=_ROLE_TO_PB[row.role], description=row.description,
-        active=row.active(now), replaced_by=row.replaced_by,
+        prefix=row.prefix,
+        owner=row.owner,
+        role=_ROLE_TO_PB[row.role],
+        description=row.description,
+        active=row.active(now),
+        replaced_by=row.replaced_by,
     )
     out.create_time.FromNanoseconds(int(row.create_time * 1e9))
     if row.revoke_time is not None:
@@ -149,7 +167,9 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             streams.recheck_after(row.expire_time - now)
 
     def _audit(self, who: Principal, action: str, outcome: str = "OK", **detail) -> None:
-        self.security.audit.record(action, owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome, **detail)
+        self.security.audit.record(
+            action, owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome, **detail
+        )
 
     @_mapped
     def CreateApiKey(self, request, who: Principal):
@@ -207,12 +227,16 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self._audit(who, "key.rotate", target=prefix, new_key=new.prefix, for_owner=new.owner, grace_s=grace)
         self._end_streams(old)
         now = self.keys.clock()
-        return admin_pb2.RotateApiKeyResponse(key=key_to_proto(new, now), api_key=api_key, old_key=key_to_proto(old, now))
+        return admin_pb2.RotateApiKeyResponse(
+            key=key_to_proto(new, now), api_key=api_key, old_key=key_to_proto(old, now)
+        )
 
     @_mapped
     def ListAuditEvents(self, request, who: Principal):
         if not who.is_admin:
-            raise PermissionDenied(f"API key {who.key_prefix} (role {who.role}) may not read the audit log: admin keys only")
+            raise PermissionDenied(
+                f"API key {who.key_prefix} (role {who.role}) may not read the audit log: admin keys only"
+            )
         size = request.page_size or 100
         if not 1 <= size <= 1000:
             raise InvalidArgument(f"page_size: expected 1..1000, got {request.page_size}")
@@ -221,8 +245,14 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         out = []
         for rec in self.security.audit.list(limit=size, before_id=max(0, request.before_id), action=request.action):
             ev = admin_pb2.AuditEvent(
-                id=rec.id, owner=rec.owner, role=rec.role, key_prefix=rec.key_prefix, action=rec.action,
-                task_id=rec.task_id, outcome=rec.outcome, detail_json=json.dumps(rec.detail, sort_keys=True),
+                id=rec.id,
+                owner=rec.owner,
+                role=rec.role,
+                key_prefix=rec.key_prefix,
+                action=rec.action,
+                task_id=rec.task_id,
+                outcome=rec.outcome,
+                detail_json=json.dumps(rec.detail, sort_keys=True),
             )
             ev.time.FromNanoseconds(int(rec.time * 1e9))
             out.append(ev)

@@ -58,11 +58,21 @@ class _Collector:
             received.add_metric([kind], n)
         yield received
         fams = {
-            "utilization_percent": GaugeMetricFamily("opentinker_gpu_utilization_percent", "GPU utilization (%)", labels=["node_id", "gpu", "simulated"]),
-            "memory_used_bytes": GaugeMetricFamily("opentinker_gpu_memory_used_bytes", "GPU memory used (bytes)", labels=["node_id", "gpu", "simulated"]),
-            "memory_total_bytes": GaugeMetricFamily("opentinker_gpu_memory_total_bytes", "GPU memory total (bytes)", labels=["node_id", "gpu", "simulated"]),
-            "temperature_c": GaugeMetricFamily("opentinker_gpu_temperature_celsius", "GPU temperature (C)", labels=["node_id", "gpu", "simulated"]),
-            "power_w": GaugeMetricFamily("opentinker_gpu_power_watts", "GPU power draw (W)", labels=["node_id", "gpu", "simulated"]),
+            "utilization_percent": GaugeMetricFamily(
+                "opentinker_gpu_utilization_percent", "GPU utilization (%)", labels=["node_id", "gpu", "simulated"]
+            ),
+            "memory_used_bytes": GaugeMetricFamily(
+                "opentinker_gpu_memory_used_bytes", "GPU memory used (bytes)", labels=["node_id", "gpu", "simulated"]
+            ),
+            "memory_total_bytes": GaugeMetricFamily(
+                "opentinker_gpu_memory_total_bytes", "GPU memory total (bytes)", labels=["node_id", "gpu", "simulated"]
+            ),
+            "temperature_c": GaugeMetricFamily(
+                "opentinker_gpu_temperature_celsius", "GPU temperature (C)", labels=["node_id", "gpu", "simulated"]
+            ),
+            "power_w": GaugeMetricFamily(
+                "opentinker_gpu_power_watts", "GPU power draw (W)", labels=["node_id", "gpu", "simulated"]
+            ),
         }
         for node_id, index, simulated, values in snap.gpus:
             for key, fam in fams.items():
@@ -133,7 +143,10 @@ class HttpEndpoint:
         if path == "/health":
             ok, body = self.health()
             data = json.dumps(body).encode()
-            start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
+            start_response(
+                "200 OK" if ok else "503 Service Unavailable",
+                [("Content-Type", "application/json"), ("Content-Length", str(len(data)))],
+            )
             return [data]
         if path == "/metrics":
             return self._metrics_app(environ, start_response)

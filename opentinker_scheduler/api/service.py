@@ -97,7 +97,9 @@ def task_to_proto(task: TaskRow, pending_reason: str = "") -> common_pb2.Task:
 class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     """``opentinker.scheduler.v1.SchedulerService``."""
 
-    def __init__(self, core: SchedulerCore, *, datasets: DatasetStore | None = None, security: Security | None = None) -> None:
+    def __init__(
+        self, core: SchedulerCore, *, datasets: DatasetStore | None = None, security: Security | None = None
+    ) -> None:
         self.core = core
         self._datasets = datasets
         self.security = security  # API keys, limits, audit (opentinker_scheduler/api/admin.py); None in bare unit tests
@@ -110,7 +112,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             mapped = _status_for(exc)
             outcome = mapped[0].name if mapped else "INTERNAL"
             detail["error"] = str(exc)[:500]
-        self.security.audit.record(action, owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome, **detail)
+        self.security.audit.record(
+            action, owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome, **detail
+        )
 
     @property
     def datasets(self) -> DatasetStore:
@@ -139,11 +143,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 limits = self.security.limits
                 limits.check_submit_rate(who.limit_key)
                 limits.check_spec_size(request.spec.ByteSize())
-                limits.check_pending(who.owner, lambda: self.core.store.count_tasks(owner=who.owner, states=(common_pb2.TASK_STATE_PENDING,)))
+                limits.check_pending(
+                    who.owner,
+                    lambda: self.core.store.count_tasks(owner=who.owner, states=(common_pb2.TASK_STATE_PENDING,)),
+                )
             check_references(
-                request.spec, datasets=self.datasets, get_task=self.core.get, owner=who.owner, default_model=self.core.config.default_model,
+                request.spec,
+                datasets=self.datasets,
+                get_task=self.core.get,
+                owner=who.owner,
+                default_model=self.core.config.default_model,
                 dataset_visible=self._dataset_visible,
-                paths=self.core.config.paths, auth_enabled=self.core.config.auth.enabled,  # local paths (opentinker_scheduler/admission/paths.py)
+                paths=self.core.config.paths,
+                auth_enabled=self.core.config.auth.enabled,  # local paths (opentinker_scheduler/admission/paths.py)
             )
             # Builds the environment (if any) in a thread, under limits.spec_check_timeout; core.submit finds it cached.
             await check_submitted_spec(self.core, request.spec)
@@ -219,7 +231,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     @_unary
     async def GetMetrics(self, request, context):
         task = self.core.get(request.task_id, owner=owner_scope())
-        resp = scheduler_pb2.GetMetricsResponse(task_id=task.task_id, latest=task.latest_metrics, latest_step=task.latest_step)
+        resp = scheduler_pb2.GetMetricsResponse(
+            task_id=task.task_id, latest=task.latest_metrics, latest_step=task.latest_step
+        )
         if request.include_history:
             resp.points.extend(self.core.store.metric_points(task.task_id, request.after_step))
         return resp
@@ -231,7 +245,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             await _abort_mapped(context, exc)
         self.core.store.add_dataset_owner(info.dataset_id, caller().owner)
         await self.core.durable()
-        log.info("dataset uploaded", dataset_id=info.dataset_id, name=info.name, size_bytes=info.size_bytes, examples=info.num_examples)
+        log.info(
+            "dataset uploaded",
+            dataset_id=info.dataset_id,
+            name=info.name,
+            size_bytes=info.size_bytes,
+            examples=info.num_examples,
+        )
         return scheduler_pb2.UploadDatasetResponse(dataset=info)
 
     def _dataset_visible(self, dataset_id: str) -> bool:
@@ -242,7 +262,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def DownloadDataset(self, request, context):
         try:
             if self.datasets.exists(request.dataset_id) and not self._dataset_visible(request.dataset_id):
-                raise NotFound(f"dataset {request.dataset_id} not found (upload it first with UploadDataset)")  # as a missing one
+                raise NotFound(
+                    f"dataset {request.dataset_id} not found (upload it first with UploadDataset)"
+                )  # as a missing one
             info = self.datasets.info(request.dataset_id)
             chunks = self.datasets.chunks(request.dataset_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
@@ -256,7 +278,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def ListCheckpoints(self, request, context):
         if owner_scope() is not None:
             self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
-        return scheduler_pb2.ListCheckpointsResponse(checkpoints=checkpoints.list_checkpoints(self.core.store, request.task_id))
+        return scheduler_pb2.ListCheckpointsResponse(
+            checkpoints=checkpoints.list_checkpoints(self.core.store, request.task_id)
+        )
 
     async def DownloadCheckpoint(self, request, context):
         try:
@@ -327,7 +351,9 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         who = caller()
         if node_id == who.peer_cn or node_id in who.peer_dns:
             return
-        names = f"CN {who.peer_cn!r}" + (f", DNS names {', '.join(repr(n) for n in who.peer_dns[:8])}" if who.peer_dns else "")
+        names = f"CN {who.peer_cn!r}" + (
+            f", DNS names {', '.join(repr(n) for n in who.peer_dns[:8])}" if who.peer_dns else ""
+        )
         raise PermissionDenied(
             f"node id {node_id[:128]!r} does not match its certificate ({names}); register under a name the certificate "
             "carries, or give this node its own certificate (tls.node_id_must_match_cert)"
@@ -340,8 +366,15 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         outcome = "OK" if exc is None else ((_status_for(exc) or (grpc.StatusCode.INTERNAL,))[0].name)
         extra = {} if exc is None else {"error": str(exc)[:500]}
         self.security.audit.record(
-            "node.join", owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome,
-            node_id=register.node_id[:128], cert_cn=who.peer_cn, hostname=register.hostname[:256], **extra,
+            "node.join",
+            owner=who.owner,
+            role=who.role,
+            key_prefix=who.key_prefix,
+            outcome=outcome,
+            node_id=register.node_id[:128],
+            cert_cn=who.peer_cn,
+            hostname=register.hostname[:256],
+            **extra,
         )
 
     async def Connect(self, request_iterator, context):
@@ -351,7 +384,9 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         except (StopAsyncIteration, asyncio.TimeoutError):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message: expected register")
         if first.WhichOneof("message") != "register":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first message: expected register, got {first.WhichOneof('message')}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"first message: expected register, got {first.WhichOneof('message')}"
+            )
         try:
             self._check_cert_names_node(first.register.node_id)
             node, registered = self.core.node_register(first.register)

@@ -66,7 +66,9 @@ def pick_checkpoint(store, task_id: str, step: int) -> common_pb2.Checkpoint:
     for ck in reversed(cks):
         if ck.step == step:
             return ck
-    raise NotFound(f"task {task_id!r} has no checkpoint at step {step}; steps with one: {', '.join(str(c.step) for c in cks)}")
+    raise NotFound(
+        f"task {task_id!r} has no checkpoint at step {step}; steps with one: {', '.join(str(c.step) for c in cks)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,15 @@ def build_manifest(ckpt: common_pb2.Checkpoint) -> Manifest:
                     digest.update(block)
                     size += len(block)
             total += size
-            entries.append(scheduler_pb2.CheckpointFile(path=p.relative_to(root).as_posix(), size_bytes=size, sha256=digest.hexdigest()))
+            entries.append(
+                scheduler_pb2.CheckpointFile(
+                    path=p.relative_to(root).as_posix(), size_bytes=size, sha256=digest.hexdigest()
+                )
+            )
     except OSError as exc:
-        raise FailedPrecondition(f"checkpoint folder {ckpt.path} cannot be read by the scheduler: {exc.strerror or exc}") from None
+        raise FailedPrecondition(
+            f"checkpoint folder {ckpt.path} cannot be read by the scheduler: {exc.strerror or exc}"
+        ) from None
     msg = scheduler_pb2.CheckpointManifest(checkpoint=ckpt, files=entries, total_bytes=total)
     return Manifest(msg, tuple(files))
 

@@ -104,7 +104,9 @@ class LineValidator:
             self.line(bytes(self._partial))
             self._partial.clear()
         if self.examples == 0:
-            raise InvalidArgument("dataset: expected at least one example (one JSON object per line), got an empty dataset")
+            raise InvalidArgument(
+                "dataset: expected at least one example (one JSON object per line), got an empty dataset"
+            )
         return self.examples
 
 
@@ -162,7 +164,9 @@ class DatasetUpload:
         os.fsync(self._fh.fileno())
         self._fh.close()
         hex_ = self._hash.hexdigest()
-        info = scheduler_pb2.DatasetInfo(dataset_id=f"sha256:{hex_}", name=self.name, size_bytes=self.received, num_examples=examples)
+        info = scheduler_pb2.DatasetInfo(
+            dataset_id=f"sha256:{hex_}", name=self.name, size_bytes=self.received, num_examples=examples
+        )
         existing = self.store.info(info.dataset_id, missing_ok=True)
         if existing is not None:
             self.tmp.unlink(missing_ok=True)
@@ -207,9 +211,13 @@ class DatasetStore:
         if not isinstance(name, str) or len(name) > _NAME_MAX or any(c in name for c in "\n\r\0"):
             raise InvalidArgument(f"name: expected at most {_NAME_MAX} characters on one line, got {name[:40]!r}")
         if total_bytes <= 0:
-            raise InvalidArgument(f"total_bytes: expected the file's size in bytes (> 0), got {total_bytes} (an empty dataset has no examples)")
+            raise InvalidArgument(
+                f"total_bytes: expected the file's size in bytes (> 0), got {total_bytes} (an empty dataset has no examples)"
+            )
         if total_bytes > self.max_bytes:
-            raise ResourceExhausted(f"total_bytes: {total_bytes} bytes is over this scheduler's dataset limit of {self.max_bytes} bytes")
+            raise ResourceExhausted(
+                f"total_bytes: {total_bytes} bytes is over this scheduler's dataset limit of {self.max_bytes} bytes"
+            )
         return DatasetUpload(self, name, total_bytes, self.root / f"upload-{secrets.token_hex(8)}.part")
 
     def path(self, dataset_id: str) -> Path:
@@ -237,7 +245,9 @@ class DatasetStore:
                 return None
             raise NotFound(f"dataset {dataset_id} not found (upload it first with UploadDataset)")
         m = json.loads(meta.read_text())
-        return scheduler_pb2.DatasetInfo(dataset_id=dataset_id, name=m["name"], size_bytes=m["size_bytes"], num_examples=m["num_examples"])
+        return scheduler_pb2.DatasetInfo(
+            dataset_id=dataset_id, name=m["name"], size_bytes=m["size_bytes"], num_examples=m["num_examples"]
+        )
 
     def exists(self, dataset_id: str) -> bool:
         """True when ``dataset_id`` is a stored dataset (False for ids of the wrong shape too)."""
@@ -255,7 +265,9 @@ class DatasetStore:
                 yield chunk
 
 
-async def receive_upload(store: DatasetStore, requests: AsyncIterable[scheduler_pb2.UploadDatasetRequest]) -> scheduler_pb2.DatasetInfo:
+async def receive_upload(
+    store: DatasetStore, requests: AsyncIterable[scheduler_pb2.UploadDatasetRequest]
+) -> scheduler_pb2.DatasetInfo:
     """Consume an ``UploadDataset`` client stream into ``store``; return the stored dataset.
 
     The first message must carry ``total_bytes`` (and may carry ``name``); later ones only chunks.
@@ -273,7 +285,9 @@ async def receive_upload(store: DatasetStore, requests: AsyncIterable[scheduler_
             if req.chunk:
                 upload.write(req.chunk)
         if upload is None:
-            raise InvalidArgument("UploadDataset: expected a first message with name and total_bytes, got an empty stream")
+            raise InvalidArgument(
+                "UploadDataset: expected a first message with name and total_bytes, got an empty stream"
+            )
         return upload.commit()
     except BaseException:
         if upload is not None:

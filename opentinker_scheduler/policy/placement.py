@@ -63,7 +63,10 @@ class NodeCapacity:
         """Busy GPUs a task with share key ``key`` may join, fewest co-tenants first, then index."""
         if key is None:
             return []
-        return sorted((d for d, (k, n) in self.gpu_share.items() if k == key and n < self.max_tasks_per_gpu), key=lambda d: (self.gpu_share[d][1], d))
+        return sorted(
+            (d for d, (k, n) in self.gpu_share.items() if k == key and n < self.max_tasks_per_gpu),
+            key=lambda d: (self.gpu_share[d][1], d),
+        )
 
     def shared_keys(self) -> dict[str, int]:
         """share key -> how many busy GPUs are open to it."""
@@ -151,7 +154,14 @@ def plan(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> tup
     """
     caps = [
         NodeCapacity(
-            n.node_id, n.gpu_count, n.max_tasks, n.running, sorted(n.free_gpus), n.accepting, dict(n.gpu_share), n.max_tasks_per_gpu
+            n.node_id,
+            n.gpu_count,
+            n.max_tasks,
+            n.running,
+            sorted(n.free_gpus),
+            n.accepting,
+            dict(n.gpu_share),
+            n.max_tasks_per_gpu,
         )
         for n in nodes
     ]
@@ -161,10 +171,16 @@ def plan(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> tup
     reserved: str | None = None
     for position, task in enumerate(ordered, start=1):
         if task.not_before > now:
-            reasons[task.task_id] = f"waiting {task.not_before - now:.0f} s more before retrying (backoff after a failed attempt)"
+            reasons[task.task_id] = (
+                f"waiting {task.not_before - now:.0f} s more before retrying (backoff after a failed attempt)"
+            )
             continue
         key = task.share_key
-        fits = [n for n in caps if n.node_id != reserved and n.accepting and n.free_slots > 0 and n.open_to(key) >= task.gpu_count]
+        fits = [
+            n
+            for n in caps
+            if n.node_id != reserved and n.accepting and n.free_slots > 0 and n.open_to(key) >= task.gpu_count
+        ]
         if fits:
             best = min(fits, key=lambda n: _fit_key(n, task.gpu_count, key))
             devices = best.choose_devices(task.gpu_count, key)
@@ -280,7 +296,11 @@ class FreeNodes:
         A node with GPUs open to the key uses fewer free GPUs than any node without, so those
         are tried first (by :func:`plan`'s order); otherwise it is :meth:`best_fit`."""
         if share_key is not None:
-            fits = [c for c in self._shared.get(share_key, {}).values() if c.node_id != exclude and c.open_to(share_key) >= gpu_count]
+            fits = [
+                c
+                for c in self._shared.get(share_key, {}).values()
+                if c.node_id != exclude and c.open_to(share_key) >= gpu_count
+            ]
             if fits:
                 return min(fits, key=lambda c: _fit_key(c, gpu_count, share_key)).node_id
         return self.best_fit(gpu_count, exclude)

@@ -69,7 +69,9 @@ def choose_victims(priority: int, gpu_count: int, nodes: list[NodeState]) -> Pre
 
         victims: list[RunningAlloc] = []
         chosen: set[str] = set()
-        candidates = sorted((r for r in node.running if r.priority < priority), key=lambda r: (r.priority, -r.start_time, r.task_id))
+        candidates = sorted(
+            (r for r in node.running if r.priority < priority), key=lambda r: (r.priority, -r.start_time, r.task_id)
+        )
         for cand in candidates:
             if enough(chosen):
                 break

@@ -79,7 +79,17 @@ class AuditLog:
         stored as their ``str``). A failing database write is logged, never raised: the action
         itself already happened (or was refused) and the log line stands."""
         now = time.time()
-        log.info("audit", action=action, owner=owner, role=role, key_prefix=key_prefix, task_id=task_id, outcome=outcome, audit_time=now, **detail)
+        log.info(
+            "audit",
+            action=action,
+            owner=owner,
+            role=role,
+            key_prefix=key_prefix,
+            task_id=task_id,
+            outcome=outcome,
+            audit_time=now,
+            **detail,
+        )
         if self.store is None:
             return
         try:
@@ -93,7 +103,15 @@ class AuditLog:
 
     def refused(self, *, method: str, reason: str, outcome: str, key_prefix: str = "", peer: str = "") -> None:
         """Log (only) a refused call: no key, bad key, wrong role, missing client certificate."""
-        log.warning("audit", action="auth.refused", method=method, outcome=outcome, reason=reason, key_prefix=key_prefix, peer=peer)
+        log.warning(
+            "audit",
+            action="auth.refused",
+            method=method,
+            outcome=outcome,
+            reason=reason,
+            key_prefix=key_prefix,
+            peer=peer,
+        )
 
     def list(self, *, limit: int = 100, before_id: int = 0, action: str = "") -> list[AuditRecord]:
         """Records newest first."""

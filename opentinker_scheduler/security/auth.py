@@ -48,7 +48,12 @@ from opentinker_common.net.bearer import authorization_problem
 
 from opentinker_scheduler.security.audit import AuditLog
 from opentinker_scheduler.errors import SchedulerError
-from opentinker_scheduler.security.key_streams import DEFAULT_RECHECK_INTERVAL_S, KeyStreams, await_until_ended, until_ended
+from opentinker_scheduler.security.key_streams import (
+    DEFAULT_RECHECK_INTERVAL_S,
+    KeyStreams,
+    await_until_ended,
+    until_ended,
+)
 from opentinker_scheduler.security.keys import (  # noqa: F401 - re-exported: the key store is part of this module's API
     _KEY_RE,
     BOOTSTRAP_ENV,
@@ -73,7 +78,9 @@ ADMIN_SERVICE = "opentinker.scheduler.v1.AdminService"
 #: Callable without a key: health (load balancers and orchestrators probe it) and reflection
 #: (it describes the public API that the .proto files in the repository describe anyway, and
 #: grpcurl needs it to call Health without proto files).
-PUBLIC_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection"})
+PUBLIC_SERVICES = frozenset(
+    {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection"}
+)
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,9 @@ def parse_auth(r, node) -> AuthConfig:
             raise r.fail(m["bootstrap_admin_key_file"][1], "auth.bootstrap_admin_key_file", "a file path")
         kw["bootstrap_admin_key_file"] = path
     if "stream_recheck_interval" in m:
-        kw["stream_recheck_interval_s"] = r.scalar(m["stream_recheck_interval"][1], "auth.stream_recheck_interval", float, 0.05, 3600)
+        kw["stream_recheck_interval_s"] = r.scalar(
+            m["stream_recheck_interval"][1], "auth.stream_recheck_interval", float, 0.05, 3600
+        )
     return AuthConfig(**kw)
 
 
@@ -192,7 +201,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.audit = audit
         self.node_cert_required = node_cert_required
         #: Open streams by key (None with authentication off: there are no keys to revoke).
-        self.streams: KeyStreams | None = KeyStreams(keys.refusal, recheck_interval_s=stream_recheck_interval_s) if keys is not None else None
+        self.streams: KeyStreams | None = (
+            KeyStreams(keys.refusal, recheck_interval_s=stream_recheck_interval_s) if keys is not None else None
+        )
 
     def admit(self, method: str, context) -> Principal:
         """The caller of ``method``, or :class:`_Refused`."""
@@ -225,7 +236,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             hint = _ROLE_HINT.get(principal.role, "")
             raise _Refused(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"API key {principal.key_prefix} (role {principal.role}) may not call {method}" + (f": {hint}" if hint else ""),
+                f"API key {principal.key_prefix} (role {principal.role}) may not call {method}"
+                + (f": {hint}" if hint else ""),
             )
         return dataclasses.replace(principal, peer_cn=peer_cn, peer_dns=peer_dns)
 
@@ -235,7 +247,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         except _Refused as exc:
             token = bearer_token(context.invocation_metadata()) or ""
             m = _KEY_RE.match(token)
-            self.audit.refused(method=method, reason=exc.message, outcome=exc.code.name, key_prefix=m.group(1) if m else "", peer=context.peer())
+            self.audit.refused(
+                method=method,
+                reason=exc.message,
+                outcome=exc.code.name,
+                key_prefix=m.group(1) if m else "",
+                peer=context.peer(),
+            )
             await context.abort(exc.code, exc.message)
             raise  # abort raises; this line is never reached
 
@@ -247,7 +265,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def _end_revoked(self, stream, context) -> None:
         """End a stream whose key was revoked or expired: UNAUTHENTICATED with the reason."""
-        self.audit.refused(method=stream.method, reason=f"open stream ended: {stream.reason}", outcome="UNAUTHENTICATED", key_prefix=stream.prefix, peer=stream.peer)
+        self.audit.refused(
+            method=stream.method,
+            reason=f"open stream ended: {stream.reason}",
+            outcome="UNAUTHENTICATED",
+            key_prefix=stream.prefix,
+            peer=stream.peer,
+        )
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, stream.reason)
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -325,4 +349,6 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool)
                 result = await result
             return result
 
-    return factory(behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    return factory(
+        behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )

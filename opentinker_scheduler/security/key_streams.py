@@ -63,7 +63,9 @@ class KeyStreams:
         recheck_interval_s: seconds between re-checks while streams are open (> 0).
     """
 
-    def __init__(self, refusal: Callable[[str], str | None], *, recheck_interval_s: float = DEFAULT_RECHECK_INTERVAL_S) -> None:
+    def __init__(
+        self, refusal: Callable[[str], str | None], *, recheck_interval_s: float = DEFAULT_RECHECK_INTERVAL_S
+    ) -> None:
         if not recheck_interval_s > 0:
             raise ValueError(f"recheck_interval_s: expected seconds > 0, got {recheck_interval_s!r}")
         self._refusal = refusal

@@ -84,7 +84,6 @@ class Principal:
         return self.key_prefix or self.owner
 
 
-
 @dataclass(frozen=True)
 class KeyRow:
     prefix: str
@@ -103,7 +102,9 @@ class KeyRow:
     def refusal(self, now: float) -> str | None:
         """Why this key may not be used at ``now`` (revoked, or expired after a rotation), else None."""
         if self.revoke_time is not None:
-            return f"API key {self.prefix} was revoked" + (f"; it was replaced by {self.replaced_by}" if self.replaced_by else "")
+            return f"API key {self.prefix} was revoked" + (
+                f"; it was replaced by {self.replaced_by}" if self.replaced_by else ""
+            )
         if self.expire_time is not None and now >= self.expire_time:
             return f"API key {self.prefix} expired after rotation; use {self.replaced_by}"
         return None
@@ -124,7 +125,9 @@ def key_prefix(text: str, field: str = "prefix") -> str:
         return m.group(1)
     if _PREFIX_RE.match(text):
         return text
-    raise InvalidArgument(f"{field}: expected an API key prefix such as otk_0123abcd (or a whole key), got {text[:24]!r}")
+    raise InvalidArgument(
+        f"{field}: expected an API key prefix such as otk_0123abcd (or a whole key), got {text[:24]!r}"
+    )
 
 
 class KeyStore:
@@ -147,7 +150,9 @@ class KeyStore:
     @staticmethod
     def _check(owner: str, role: str, description: str) -> None:
         if not isinstance(owner, str) or not _OWNER_RE.match(owner):
-            raise InvalidArgument(f"owner: expected 1..128 characters of letters, digits and ._@-, got {str(owner)[:40]!r}")
+            raise InvalidArgument(
+                f"owner: expected 1..128 characters of letters, digits and ._@-, got {str(owner)[:40]!r}"
+            )
         if role not in ROLES:
             raise InvalidArgument(f"role: expected one of {', '.join(ROLES)}, got {role!r}")
         if len(description) > 256:
@@ -209,7 +214,9 @@ class KeyStore:
         self._check(owner, role, description)
         m = _KEY_RE.match(api_key)
         if not m:
-            raise InvalidArgument("api_key: expected otk_<8 hex>_<43 url-safe characters> (make one with `opentinker keys generate`)")
+            raise InvalidArgument(
+                "api_key: expected otk_<8 hex>_<43 url-safe characters> (make one with `opentinker keys generate`)"
+            )
         if self.find(m.group(1)) is not None:
             raise InvalidArgument(f"api_key: prefix {m.group(1)} is already in use")
         return self._insert(api_key, owner, role, description, self.clock())
@@ -273,15 +280,21 @@ class KeyStore:
             raise FailedPrecondition(f"API key {prefix} is already revoked or expired; create a new key instead")
         if grace_s > 0:
             self._check_cap(
-                old.owner, "a rotation with a grace period keeps the old key active next to the new one: "
+                old.owner,
+                "a rotation with a grace period keeps the old key active next to the new one: "
                 "rotate with grace 0, or revoke unused keys first",
             )
         with self.store.batch():
             new, api_key = self._create(old.owner, old.role, old.description)
             if grace_s > 0:
-                self.store.db.execute("UPDATE api_keys SET expire_time=?, replaced_by=? WHERE prefix=?", (now + grace_s, new.prefix, prefix))
+                self.store.db.execute(
+                    "UPDATE api_keys SET expire_time=?, replaced_by=? WHERE prefix=?",
+                    (now + grace_s, new.prefix, prefix),
+                )
             else:
-                self.store.db.execute("UPDATE api_keys SET revoke_time=?, replaced_by=? WHERE prefix=?", (now, new.prefix, prefix))
+                self.store.db.execute(
+                    "UPDATE api_keys SET revoke_time=?, replaced_by=? WHERE prefix=?", (now, new.prefix, prefix)
+                )
         return new, api_key, self.get(prefix)
 
     def has_active_admin(self) -> bool:
@@ -297,7 +310,9 @@ class KeyStore:
         m = _KEY_RE.match(api_key)
         row = self.find(m.group(1)) if m else None
         if row is None or not hmac.compare_digest(row.key_hash, hash_key(api_key)):
-            raise Unauthenticated("unknown API key (expected otk_<prefix>_<secret> as issued by `opentinker keys create`)")
+            raise Unauthenticated(
+                "unknown API key (expected otk_<prefix>_<secret> as issued by `opentinker keys create`)"
+            )
         refusal = self._refusal_of(row)
         if refusal is not None:
             raise Unauthenticated(refusal)
@@ -348,5 +363,9 @@ def bootstrap_admin(keys: KeyStore, key_file: Path) -> Path | None:
     except BaseException:
         key_file.unlink(missing_ok=True)
         raise
-    log.warning("bootstrap admin key written; create real keys with it, then revoke it", path=str(key_file), key_prefix=row.prefix)
+    log.warning(
+        "bootstrap admin key written; create real keys with it, then revoke it",
+        path=str(key_file),
+        key_prefix=row.prefix,
+    )
     return key_file

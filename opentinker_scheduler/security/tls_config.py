@@ -88,7 +88,11 @@ class HttpTlsConfig:
 _HOLDS = {
     "cert": (b"-----BEGIN CERTIFICATE-----", None, "a PEM certificate chain (-----BEGIN CERTIFICATE-----)"),
     "key": (b"PRIVATE KEY-----", None, "the private key of {section}.cert (-----BEGIN ... PRIVATE KEY-----)"),
-    "client_ca": (b"-----BEGIN CERTIFICATE-----", b"PRIVATE KEY-----", "a PEM CA certificate (-----BEGIN CERTIFICATE-----, no private key)"),
+    "client_ca": (
+        b"-----BEGIN CERTIFICATE-----",
+        b"PRIVATE KEY-----",
+        "a PEM CA certificate (-----BEGIN CERTIFICATE-----, no private key)",
+    ),
 }
 
 
@@ -142,7 +146,9 @@ def parse_http_tls(r, node, base_dir: Path | None) -> HttpTlsConfig:
     for required in ("cert", "key"):
         if required not in m:
             raise r.fail(node, f"http_tls.{required}", "a PEM file path (required when http_tls is set)")
-    cfg = HttpTlsConfig(cert=_pem_file(r, m, "cert", base_dir, "http_tls"), key=_pem_file(r, m, "key", base_dir, "http_tls"))
+    cfg = HttpTlsConfig(
+        cert=_pem_file(r, m, "cert", base_dir, "http_tls"), key=_pem_file(r, m, "key", base_dir, "http_tls")
+    )
     _check_pair(r, m, cfg, "http_tls")
     return cfg
 
@@ -158,7 +164,11 @@ def parse_tls(r, node, base_dir: Path | None) -> TlsConfig:
             a private key, bad client_auth, ``client_auth: nodes`` with a client_ca but no node_port,
             ``node_id_must_match_cert: true`` without a client_ca.
     """
-    m = r.mapping(node, "tls", {"cert": "", "key": "", "client_ca": "", "client_auth": "", "node_port": "", "node_id_must_match_cert": ""})
+    m = r.mapping(
+        node,
+        "tls",
+        {"cert": "", "key": "", "client_ca": "", "client_auth": "", "node_port": "", "node_id_must_match_cert": ""},
+    )
     for required in ("cert", "key"):
         if required not in m:
             raise r.fail(node, f"tls.{required}", "a PEM file path (required when tls is set)")
@@ -177,11 +187,19 @@ def parse_tls(r, node, base_dir: Path | None) -> TlsConfig:
     if "node_id_must_match_cert" in m:
         match = r.scalar(m["node_id_must_match_cert"][1], "tls.node_id_must_match_cert", bool)
         if match and "client_ca" not in kw:
-            raise r.fail(m["node_id_must_match_cert"][1], "tls.node_id_must_match_cert", "false without tls.client_ca (nodes present no certificate to match)")
+            raise r.fail(
+                m["node_id_must_match_cert"][1],
+                "tls.node_id_must_match_cert",
+                "false without tls.client_ca (nodes present no certificate to match)",
+            )
         kw["node_id_must_match_cert"] = match
     cfg = TlsConfig(**kw)
     if cfg.client_ca is not None and cfg.client_auth == "nodes" and cfg.node_port is None:
-        raise r.fail(node, "tls.node_port", "a port for the mTLS node listener when client_ca is set with client_auth: nodes (or client_auth: all)")
+        raise r.fail(
+            node,
+            "tls.node_port",
+            "a port for the mTLS node listener when client_ca is set with client_auth: nodes (or client_auth: all)",
+        )
     return cfg
 
 
@@ -197,13 +215,19 @@ def bind(server: grpc.aio.Server, cfg: TlsConfig | None, host: str, port: int) -
 
     def add(p: int, creds) -> int:
         try:
-            return server.add_secure_port(f"{host}:{p}", creds) if creds is not None else server.add_insecure_port(f"{host}:{p}")
+            return (
+                server.add_secure_port(f"{host}:{p}", creds)
+                if creds is not None
+                else server.add_insecure_port(f"{host}:{p}")
+            )
         except RuntimeError:
             return 0
 
     if cfg is None:
         return add(port, None), None
-    main = add(port, server_credentials(cfg, require_client_cert=cfg.client_ca is not None and cfg.client_auth == "all"))
+    main = add(
+        port, server_credentials(cfg, require_client_cert=cfg.client_ca is not None and cfg.client_auth == "all")
+    )
     node = None
     if cfg.client_ca is not None and cfg.client_auth == "nodes":
         node = add(cfg.node_port or 0, server_credentials(cfg, require_client_cert=True))

@@ -78,7 +78,14 @@ class RemoteSession:
     _sessions: dict[tuple[str, str, bool, str], "RemoteSession"] = {}  # (endpoint, token, tls, roots)
 
     def __init__(
-        self, endpoint: str, *, timeout_s: float, grace_s: float, token: str = "", tls: bool = False, root_certificates: str = ""
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float,
+        grace_s: float,
+        token: str = "",
+        tls: bool = False,
+        root_certificates: str = "",
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = float(timeout_s)
@@ -99,7 +106,14 @@ class RemoteSession:
 
     @classmethod
     def shared(
-        cls, endpoint: str, *, timeout_s: float, grace_s: float, token: str = "", tls: bool = False, root_certificates: str = ""
+        cls,
+        endpoint: str,
+        *,
+        timeout_s: float,
+        grace_s: float,
+        token: str = "",
+        tls: bool = False,
+        root_certificates: str = "",
     ) -> "RemoteSession":
         """The session of this process for ``endpoint`` with these credentials (made on first use)."""
         key = (endpoint, token, bool(tls), root_certificates)
@@ -107,7 +121,12 @@ class RemoteSession:
             s = cls._sessions.get(key)
             if s is None:
                 s = cls._sessions[key] = cls(
-                    endpoint, timeout_s=timeout_s, grace_s=grace_s, token=token, tls=tls, root_certificates=root_certificates
+                    endpoint,
+                    timeout_s=timeout_s,
+                    grace_s=grace_s,
+                    token=token,
+                    tls=tls,
+                    root_certificates=root_certificates,
                 )
             return s
 
@@ -193,7 +212,9 @@ class RemoteSession:
 
     def close(self) -> None:
         try:
-            self.stub.Close(pb.CloseRequest(session_id=self.session_id), timeout=min(self.timeout_s, 5.0), metadata=self._metadata)
+            self.stub.Close(
+                pb.CloseRequest(session_id=self.session_id), timeout=min(self.timeout_s, 5.0), metadata=self._metadata
+            )
         except grpc.RpcError:
             pass  # the client may be gone already; nothing to release then
 
@@ -240,7 +261,10 @@ class ClientEnv(gymnasium.Env):
             want_obs = pb.Space(box=pb.BoxSpace(shape=[self.config.observation_space]))
         else:
             want_obs = pb.Space(discrete=pb.DiscreteSpace(n=self.config.observation_space))
-        for name, want, got in (("action_space", want_act, d.action_space), ("observation_space", want_obs, d.observation_space)):
+        for name, want, got in (
+            ("action_space", want_act, d.action_space),
+            ("observation_space", want_obs, d.observation_space),
+        ):
             if _space_text(want) != _space_text(got):
                 raise UserError(
                     f"env_config.{name}: the task says {_space_text(want)} but {self.session.name} at "
@@ -264,10 +288,17 @@ class ClientEnv(gymnasium.Env):
         if not self.action_space.contains(a):
             raise ValueError(f"action {action!r} is outside {self.action_space}")
         req = pb.StepRequest(
-            session_id=self.session.session_id, items=[pb.StepItem(env_index=self.env_index, action=pb.Action(discrete=a))]
+            session_id=self.session.session_id,
+            items=[pb.StepItem(env_index=self.env_index, action=pb.Action(discrete=a))],
         )
         res = self.session.call("Step", req).results[0]
-        return _obs(res.observation), float(res.reward), bool(res.terminated), bool(res.truncated), json_format.MessageToDict(res.info)
+        return (
+            _obs(res.observation),
+            float(res.reward),
+            bool(res.terminated),
+            bool(res.truncated),
+            json_format.MessageToDict(res.info),
+        )
 
     def close(self) -> None:
         pass  # the session (shared by this process's envs) is closed by close_all_sessions()

@@ -174,7 +174,9 @@ class AccessChecker:
             try:
                 refusal = await self._ask(auth, task_id)
             except BaseException as exc:  # noqa: BLE001 - cancellation: wake the waiters, then re-raise
-                refusal = AccessRefused(grpc.StatusCode.UNAVAILABLE, f"cannot check the API key with the scheduler: {exc!r}")
+                refusal = AccessRefused(
+                    grpc.StatusCode.UNAVAILABLE, f"cannot check the API key with the scheduler: {exc!r}"
+                )
                 pending.set_result(refusal)
                 self._inflight.pop(key, None)
                 raise
@@ -201,14 +203,19 @@ class AccessChecker:
         self.scheduler_calls += 1
         metadata = (("authorization", auth),) if auth else ()
         try:
-            await self._scheduler().GetTask(scheduler_pb2.GetTaskRequest(task_id=task_id), timeout=self.timeout, metadata=metadata)
+            await self._scheduler().GetTask(
+                scheduler_pb2.GetTaskRequest(task_id=task_id), timeout=self.timeout, metadata=metadata
+            )
             return None
         except grpc.aio.AioRpcError as err:
             code = err.code()
             if code in _PASS:
                 return AccessRefused(code, err.details() or code.name)
             if code in _DENY:
-                return AccessRefused(grpc.StatusCode.PERMISSION_DENIED, f"API key {key_prefix_of(auth)} may not use inference task {task_id}")
+                return AccessRefused(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"API key {key_prefix_of(auth)} may not use inference task {task_id}",
+                )
             return AccessRefused(
                 grpc.StatusCode.UNAVAILABLE,
                 f"cannot check the API key with the scheduler at {self.target} ({code.name}: {err.details()}); try again",

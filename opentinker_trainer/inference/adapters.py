@@ -74,7 +74,7 @@ def _module_of(key: str) -> tuple[str, str] | None:
             module = key.split(marker)[0] if marker in key else key[: -len(part) - 1]
             for prefix in ("base_model.model.", "base_model."):
                 if module.startswith(prefix):
-                    module = module[len(prefix):]
+                    module = module[len(prefix) :]
                     break
             return module, part
     return None

@@ -30,7 +30,9 @@ _TERMINAL = (common_pb2.TASK_STATE_SUCCEEDED, common_pb2.TASK_STATE_FAILED, comm
 def adapter_not_found(name: str) -> AdapterNotFound:
     """The error for an adapter name that names no task the caller may use: the same words whether
     the task does not exist or belongs to someone else (its existence is never confirmed)."""
-    return AdapterNotFound(f"adapter {name!r}: no task with that id (adapters are named by a finished lora_finetune or sft task's id)")
+    return AdapterNotFound(
+        f"adapter {name!r}: no task with that id (adapters are named by a finished lora_finetune or sft task's id)"
+    )
 
 
 def same_model(a: str, b: str) -> bool:
@@ -65,14 +67,18 @@ class SchedulerResolver:
         """Raises AdapterNotFound (no such task, no checkpoint), AdapterRefused (not finished, not
         a LoRA checkpoint, another base model); grpc.RpcError when the scheduler is unreachable."""
         try:
-            task = self.stub.LookupTask(node_pb2.LookupTaskRequest(task_id=name), timeout=self.timeout, metadata=self.metadata).task
+            task = self.stub.LookupTask(
+                node_pb2.LookupTaskRequest(task_id=name), timeout=self.timeout, metadata=self.metadata
+            ).task
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise adapter_not_found(name) from None
             raise
         workload = task.spec.workload_type
         if workload not in ADAPTER_WORKLOADS:
-            raise AdapterRefused(f"adapter {name!r}: task is a {workload} task; only {' and '.join(ADAPTER_WORKLOADS)} tasks give adapters")
+            raise AdapterRefused(
+                f"adapter {name!r}: task is a {workload} task; only {' and '.join(ADAPTER_WORKLOADS)} tasks give adapters"
+            )
         if task.state not in _TERMINAL:
             state = common_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
             raise AdapterRefused(f"adapter {name!r}: task is {state}; its adapter can be served once it has finished")

@@ -190,7 +190,9 @@ class ModelRuntime:
 
     async def _decode(self, req: Prepared) -> AsyncIterator[StepEvent]:
         p = req.params
-        decode = Decode(self.registry.base, req.prompt_ids, p, self.stop_token_ids, device=self._device, cache_kw=self._cache_kw)
+        decode = Decode(
+            self.registry.base, req.prompt_ids, p, self.stop_token_ids, device=self._device, cache_kw=self._cache_kw
+        )
         decode_text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         streams = [TextStream(decode_text, p.stop) for _ in range(p.n)]
         while not decode.done:

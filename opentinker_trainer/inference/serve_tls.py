@@ -27,7 +27,12 @@ def _read(path: str, what: str, marker: bytes) -> bytes:
     return data
 
 
-def read_server_tls(cert: str | os.PathLike | None, key: str | os.PathLike | None, *, names: tuple[str, str] = ("--serve-tls-cert", "--serve-tls-key")) -> ServerTLS | None:
+def read_server_tls(
+    cert: str | os.PathLike | None,
+    key: str | os.PathLike | None,
+    *,
+    names: tuple[str, str] = ("--serve-tls-cert", "--serve-tls-key"),
+) -> ServerTLS | None:
     """Read and check the server certificate and key; ``None`` when neither is given (plaintext).
 
     Args:

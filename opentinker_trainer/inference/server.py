@@ -136,7 +136,9 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             await self._abort(context, exc)
         return inference_pb2.GenerateResponse(
             samples=[
-                inference_pb2.Sample(index=i, text=texts[i], token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i])
+                inference_pb2.Sample(
+                    index=i, text=texts[i], token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i]
+                )
                 for i in range(n)
             ],
             usage=inference_pb2.Usage(prompt_tokens=usage[0], completion_tokens=usage[1]),
@@ -156,7 +158,9 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         try:
             ev = first
             while True:
-                msg = inference_pb2.GenerateStreamResponse(index=ev.index, text=ev.text, token_ids=ev.token_ids, logprobs=ev.logprobs)
+                msg = inference_pb2.GenerateStreamResponse(
+                    index=ev.index, text=ev.text, token_ids=ev.token_ids, logprobs=ev.logprobs
+                )
                 if ev.finish_reason:
                     msg.finish_reason = _FINISH[ev.finish_reason]
                 if ev.usage is not None:
@@ -185,7 +189,9 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             if not seen:
                 continue  # another owner's adapter (loaded for an admin): not even its name
             # The folder's name only (step_N): the node's absolute paths are not the caller's business.
-            msg = out.adapters.add(name=a.name, path=os.path.basename(os.path.normpath(a.path)), size_bytes=a.size_bytes, in_use=a.in_use)
+            msg = out.adapters.add(
+                name=a.name, path=os.path.basename(os.path.normpath(a.path)), size_bytes=a.size_bytes, in_use=a.in_use
+            )
             msg.load_time.FromNanoseconds(int(a.load_time * 1e9))
             msg.last_used_time.FromNanoseconds(int(a.last_used_time * 1e9))
         return out
@@ -241,7 +247,9 @@ async def start_inference_server(
     if tls is not None:
         check_tls_pair(tls)  # before binding: gRPC only says "Handshaker factory creation failed" in its log
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(runtime, access=access, task_id=task_id), server)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(
+        InferenceService(runtime, access=access, task_id=task_id), server
+    )
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -286,7 +294,11 @@ def check_tls_pair(tls: ServerTLS) -> None:
         try:
             ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile=paths[0], keyfile=paths[1])
         except ssl.SSLError as exc:
-            reason = "the private key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(exc) else (exc.reason or str(exc))
+            reason = (
+                "the private key does not match the certificate"
+                if "KEY_VALUES_MISMATCH" in str(exc)
+                else (exc.reason or str(exc))
+            )
             raise ValueError(f"TLS credentials refused: {reason} (--serve-tls-cert / --serve-tls-key)") from None
 
 

@@ -63,6 +63,6 @@ class TextStream:
         end = len(text) if final else len(text) - held_back(text, self.stops)
         if end <= self.sent:
             return ""
-        delta = text[self.sent:end]
+        delta = text[self.sent : end]
         self.sent = end
         return delta

@@ -74,7 +74,9 @@ def gae(
         ``(advantages [T, N], returns [T, N])``, float32, no grad.
     """
     if rewards.shape != values.shape or rewards.dim() != 2:
-        raise ValueError(f"rewards and values must both be [T, N], got {tuple(rewards.shape)} and {tuple(values.shape)}")
+        raise ValueError(
+            f"rewards and values must both be [T, N], got {tuple(rewards.shape)} and {tuple(values.shape)}"
+        )
     with torch.no_grad():
         rewards, values, next_value = rewards.float(), values.float(), next_value.float()
         terminated, truncated = terminated.bool(), truncated.bool()

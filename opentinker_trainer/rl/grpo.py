@@ -46,9 +46,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / count.clamp(min=1).to(values.dtype)
 
 
-def group_advantages(
-    rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6
-) -> tuple[torch.Tensor, torch.Tensor]:
+def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative advantages of GRPO.
 
     ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` — Shao et al. 2024, DeepSeekMath,

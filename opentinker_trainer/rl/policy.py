@@ -95,7 +95,12 @@ class ActorCritic(nn.Module):
     """
 
     def __init__(
-        self, obs_space: Any, action_space: Any, hidden_sizes: tuple[int, ...] = (64, 64), activation: str = "tanh", num_agent_ids: int = 0
+        self,
+        obs_space: Any,
+        action_space: Any,
+        hidden_sizes: tuple[int, ...] = (64, 64),
+        activation: str = "tanh",
+        num_agent_ids: int = 0,
     ) -> None:
         super().__init__()
         self.encoder = ObsEncoder(obs_space)
@@ -108,9 +113,16 @@ class ActorCritic(nn.Module):
         elif self.action_kind == "box":
             self.action_shape = tuple(action_space.shape)
             n_out = int(math.prod(self.action_shape))
-            low, high = np.broadcast_to(action_space.low, self.action_shape), np.broadcast_to(action_space.high, self.action_shape)
-            self.register_buffer("action_low", torch.tensor(low.reshape(-1).copy(), dtype=torch.float32), persistent=False)
-            self.register_buffer("action_high", torch.tensor(high.reshape(-1).copy(), dtype=torch.float32), persistent=False)
+            low, high = (
+                np.broadcast_to(action_space.low, self.action_shape),
+                np.broadcast_to(action_space.high, self.action_shape),
+            )
+            self.register_buffer(
+                "action_low", torch.tensor(low.reshape(-1).copy(), dtype=torch.float32), persistent=False
+            )
+            self.register_buffer(
+                "action_high", torch.tensor(high.reshape(-1).copy(), dtype=torch.float32), persistent=False
+            )
             self.actor_logstd = nn.Parameter(torch.zeros(1, n_out))
         else:
             raise UnsupportedSpaceError(f"action space {action_space} is not supported (only Box and Discrete)")

@@ -52,7 +52,9 @@ def normalize_advantages(advantages: torch.Tensor, mask: torch.Tensor | None = N
     return centered / (std + eps)
 
 
-def pg_loss(advantages: torch.Tensor, ratio: torch.Tensor, clip_coef: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+def pg_loss(
+    advantages: torch.Tensor, ratio: torch.Tensor, clip_coef: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Clipped surrogate policy loss ``mean(max(-A r, -A clip(r, 1 - eps, 1 + eps)))`` —
     PPO eq. 7 (negated, to minimise). ``[B]`` inputs, ``[]`` output."""
     unclipped = -advantages * ratio

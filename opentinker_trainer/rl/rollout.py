@@ -46,8 +46,8 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tu
     mask = torch.zeros((len(sequences), width), dtype=torch.bool)
     for i, seq in enumerate(sequences):
         if len(seq):
-            ids[i, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[i, width - len(seq):] = True
+            ids[i, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[i, width - len(seq) :] = True
     return ids.to(device), mask.to(device)
 
 
@@ -228,7 +228,7 @@ def generate(
         pad_token_id=int(pad_token_id),
         **extra,
     )
-    completion_ids = out[:, prompt_ids.shape[1]:]
+    completion_ids = out[:, prompt_ids.shape[1] :]
     mask, lengths = completion_mask(completion_ids, stop_token_ids)
     completion_ids = torch.where(mask, completion_ids, torch.full_like(completion_ids, pad_token_id))
     stops = torch.as_tensor(sorted(set(stop_token_ids)), dtype=completion_ids.dtype, device=device)

@@ -41,7 +41,9 @@ def trainer_for(workload_type: str, kind: str) -> Callable[[WorkerContext], None
     """
     target = TRAINERS.get((workload_type, kind))
     if target is None:
-        raise UserError(f"spec.workload_type {workload_type!r}: this trainer has no trainer for environments of kind {kind!r}")
+        raise UserError(
+            f"spec.workload_type {workload_type!r}: this trainer has no trainer for environments of kind {kind!r}"
+        )
     module, _, function = target.partition(":")
     return getattr(importlib.import_module(module), function)
 

@@ -216,6 +216,10 @@ def frozen_reference(ctx, cfg, model, device: torch.device, dtype: torch.dtype):
     ``model`` on a fresh start, reloaded from the starting point when resuming."""
     import copy
 
-    ref = load_for_training(ctx, cfg, device, dtype, full=True, resume=False)[1] if ctx.resume_from else copy.deepcopy(model)
+    ref = (
+        load_for_training(ctx, cfg, device, dtype, full=True, resume=False)[1]
+        if ctx.resume_from
+        else copy.deepcopy(model)
+    )
     ref.requires_grad_(False)
     return ref.eval()

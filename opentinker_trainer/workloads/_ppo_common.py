@@ -61,7 +61,13 @@ def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
         "python": random.getstate(),
     }
     if torch.cuda.is_available():
@@ -152,7 +158,15 @@ def ppo_update(policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any)
         rollout's values); and ``loss/agent/<name>/{policy,value,entropy}`` per ``batch.groups``.
     """
     n = len(batch)
-    keys = ("loss/total", "loss/policy", "loss/value", "loss/entropy", "ppo/approx_kl", "ppo/clipfrac", "optim/grad_norm")
+    keys = (
+        "loss/total",
+        "loss/policy",
+        "loss/value",
+        "loss/entropy",
+        "ppo/approx_kl",
+        "ppo/clipfrac",
+        "optim/grad_norm",
+    )
     sums = dict.fromkeys(keys, 0.0)
     group_sums = {g: {"policy": 0.0, "value": 0.0, "entropy": 0.0, "n": 0.0} for g in batch.groups}
     taken, epochs = 0, 0
@@ -162,7 +176,9 @@ def ppo_update(policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any)
         epoch_kl = []
         for mb in torch.randperm(n, device=batch.logprobs.device).tensor_split(min(cfg.num_minibatches, n)):
             aid = batch.agent_ids[mb] if batch.agent_ids is not None else None
-            _, newlogprob, entropy, newvalue = policy.get_action_and_value(batch.obs[mb], batch.actions[mb], agent_ids=aid)
+            _, newlogprob, entropy, newvalue = policy.get_action_and_value(
+                batch.obs[mb], batch.actions[mb], agent_ids=aid
+            )
             logratio, ratio = ppo_math.log_ratio(newlogprob, batch.logprobs[mb])
             adv = batch.advantages[mb]
             if cfg.norm_adv:
@@ -178,7 +194,9 @@ def ppo_update(policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any)
             optimizer.step()
             kl = ppo_math.approx_kl(logratio.detach(), ratio.detach())
             epoch_kl.append(kl.item())
-            for key, val in zip(keys, (loss, pg, v, ent, kl, ppo_math.clip_fraction(ratio.detach(), cfg.clip_coef), grad_norm)):
+            for key, val in zip(
+                keys, (loss, pg, v, ent, kl, ppo_math.clip_fraction(ratio.detach(), cfg.clip_coef), grad_norm)
+            ):
                 sums[key] += val.detach().item()
             taken += 1
             with torch.no_grad():
@@ -189,7 +207,11 @@ def ppo_update(policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any)
                         continue
                     gs = group_sums[g]
                     gs["policy"] += k * float(ppo_math.pg_loss(adv, ratio, cfg.clip_coef, m))
-                    gs["value"] += k * float(ppo_math.value_loss(newvalue, batch.returns[mb], old_v, cfg.clip_coef if cfg.clip_vloss else None, m))
+                    gs["value"] += k * float(
+                        ppo_math.value_loss(
+                            newvalue, batch.returns[mb], old_v, cfg.clip_coef if cfg.clip_vloss else None, m
+                        )
+                    )
                     gs["entropy"] += k * float(ppo_math.entropy_bonus(entropy, m))
                     gs["n"] += k
         if cfg.target_kl is not None and np.mean(epoch_kl) > cfg.target_kl:
@@ -227,12 +249,25 @@ def episode_metrics(finished: list[tuple[int, float, int]], last_reward: float) 
             "reward/episode_return_max": float(rets.max()), "reward/episode_return_min": float(rets.min()),
             "reward/episode_length_mean": float(lens.mean()), "reward/episodes": float(len(finished)), "reward/stale": 0.0,
         }, mean  # fmt: skip
-    return {"reward": last_reward, "reward/episode_return_mean": last_reward, "reward/episodes": 0.0, "reward/stale": 1.0}, last_reward
+    return {
+        "reward": last_reward,
+        "reward/episode_return_mean": last_reward,
+        "reward/episodes": 0.0,
+        "reward/stale": 1.0,
+    }, last_reward
 
 
 def update_metrics(
-    out: Mapping[str, float], rewards: Mapping[str, float], *, lr: float, env_steps: int, started: float,
-    batch_size: int, step_s: float, rollout_s: float, samples: int,
+    out: Mapping[str, float],
+    rewards: Mapping[str, float],
+    *,
+    lr: float,
+    env_steps: int,
+    started: float,
+    batch_size: int,
+    step_s: float,
+    rollout_s: float,
+    samples: int,
 ) -> dict[str, float]:
     """The metrics one PPO update reports: ``loss`` (= ``loss/total``), the ``reward`` metrics,
     the update's own ``loss/*`` values, ``optim/lr``, ``env_steps``, ``wall_time_s`` (since
@@ -262,7 +297,15 @@ def run_updates(trainer: Any, log: Any, close) -> None:
 
     cfg = trainer.cfg
     try:
-        run_steps(trainer.ctx, done=trainer.update, total=cfg.num_updates, step=one, save=trainer.save, checkpoint_every=cfg.checkpoint_every, log_step=log_step)
+        run_steps(
+            trainer.ctx,
+            done=trainer.update,
+            total=cfg.num_updates,
+            step=one,
+            save=trainer.save,
+            checkpoint_every=cfg.checkpoint_every,
+            log_step=log_step,
+        )
     finally:
         close()
 
@@ -270,7 +313,9 @@ def run_updates(trainer: Any, log: Any, close) -> None:
 # --- checkpoints ----------------------------------------------------------------------------
 
 
-def save_checkpoint(path: Path, policy_state: Mapping[str, torch.Tensor], meta: Mapping[str, Any], trainer_state: Mapping[str, Any]) -> Path:
+def save_checkpoint(
+    path: Path, policy_state: Mapping[str, torch.Tensor], meta: Mapping[str, Any], trainer_state: Mapping[str, Any]
+) -> Path:
     """Write ``policy.pt``, ``policy.json`` and ``trainer_state.pt`` to folder ``path`` atomically."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")

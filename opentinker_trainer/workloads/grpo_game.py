@@ -123,7 +123,9 @@ class GameTrainer:
 
         self.device = torch.device(ctx.device)
         dtype = _lm.resolve_dtype(cfg.dtype, self.device)
-        log.info("loading model", task_id=ctx.task_id, model=ctx.spec.model, device=str(self.device), env=env_cfg.env_id)
+        log.info(
+            "loading model", task_id=ctx.task_id, model=ctx.spec.model, device=str(self.device), env=env_cfg.env_id
+        )
         # LoRA on spec.model; the adapter from resume_from, or an init_from (SFT) checkpoint, or fresh.
         self.tokenizer, self.model = _lm.load_for_training(ctx, cfg, self.device, dtype, full=False)
         self.stop_ids = _lm.stop_token_ids(self.tokenizer, self.model)
@@ -180,7 +182,9 @@ class GameTrainer:
     @staticmethod
     def _obs(observation: Any) -> Any:
         """Discrete observations as plain ints (prompt cache keys); others unchanged."""
-        if isinstance(observation, (int, np.integer)) or (isinstance(observation, np.ndarray) and observation.shape == ()):
+        if isinstance(observation, (int, np.integer)) or (
+            isinstance(observation, np.ndarray) and observation.shape == ()
+        ):
             return int(observation)
         return observation
 
@@ -262,7 +266,9 @@ class GameTrainer:
 
     def logprobs(self, prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``[turns, T]`` log-probs; each distinct prompt of the chunk runs once."""
-        return shared_prompt_logprobs(self.model, prompts, ids, mask, pad_token_id=self.pad_id, temperature=self.cfg.temperature)
+        return shared_prompt_logprobs(
+            self.model, prompts, ids, mask, pad_token_id=self.pad_id, temperature=self.cfg.temperature
+        )
 
     @torch.no_grad()
     def no_grad_logprobs(self, ep: Episodes, ids: torch.Tensor, mask: torch.Tensor, *, reference: bool) -> torch.Tensor:
@@ -377,7 +383,15 @@ class GameTrainer:
                 step_s=round(m["perf/step_s"], 2),
             )  # fmt: skip
 
-        run_steps(self.ctx, done=self.step, total=self.cfg.steps, step=one, save=self.save, checkpoint_every=self.cfg.checkpoint_every, log_step=log_step)
+        run_steps(
+            self.ctx,
+            done=self.step,
+            total=self.cfg.steps,
+            step=one,
+            save=self.save,
+            checkpoint_every=self.cfg.checkpoint_every,
+            log_step=log_step,
+        )
 
     def close(self) -> None:
         for env in self.envs:

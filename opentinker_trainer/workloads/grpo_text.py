@@ -66,7 +66,9 @@ class _Trainer:
         self.pad_id = int(self.tokenizer.pad_token_id)
         # KL reference: the adapter switched off (LoRA), or a frozen copy of the starting weights
         # (full weights; only when kl_coef > 0, it costs a second model's memory).
-        self.ref_model = _lm.frozen_reference(ctx, cfg, self.model, self.device, dtype) if self.full and cfg.kl_coef > 0 else None
+        self.ref_model = (
+            _lm.frozen_reference(ctx, cfg, self.model, self.device, dtype) if self.full and cfg.kl_coef > 0 else None
+        )
         self.has_reference = not self.full or self.ref_model is not None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -165,7 +167,9 @@ class _Trainer:
                 old = old_logp[sl] if old_logp is not None else logp.detach()
                 m = mask[sl]
                 policy_loss, stats = pg_loss(logp, old, adv[sl], m, cfg.clip_eps, normalizer=n_tokens)
-                kl_loss = masked_sum(kl_k3(logp, ref_logp[sl]), m) / n_tokens if ref_logp is not None else torch.zeros(())
+                kl_loss = (
+                    masked_sum(kl_k3(logp, ref_logp[sl]), m) / n_tokens if ref_logp is not None else torch.zeros(())
+                )
                 loss = policy_loss + cfg.kl_coef * kl_loss if cfg.kl_coef > 0 else policy_loss
                 loss.backward()
                 weight = (m.sum() / n_tokens).item()
@@ -182,7 +186,9 @@ class _Trainer:
         step_s = time.perf_counter() - t0
         avg = {k: v / cfg.ppo_epochs for k, v in sums.items()}
         loss_total = avg["loss/policy"] + cfg.kl_coef * avg["loss/kl"]
-        kl_ref = masked_mean(kl_k3(sampling_logp, ref_logp), mask).item() if ref_logp is not None else math.nan  # NaN: not reported
+        kl_ref = (
+            masked_mean(kl_k3(sampling_logp, ref_logp), mask).item() if ref_logp is not None else math.nan
+        )  # NaN: not reported
         flat = rewards.flatten()
         finite = flat[~torch.isnan(flat)]
         reward_mean = finite.mean().item() if finite.numel() else math.nan
@@ -215,7 +221,16 @@ class _Trainer:
                 loss=round(m["loss"], 5), kl=round(m["kl"], 5), step_s=round(m["perf/step_s"], 2),
             )  # fmt: skip
 
-        run_steps(self.ctx, done=self.step, total=self.cfg.steps, step=one, save=self.save, checkpoint_every=self.cfg.checkpoint_every, log_step=log_step)
+        run_steps(
+            self.ctx,
+            done=self.step,
+            total=self.cfg.steps,
+            step=one,
+            save=self.save,
+            checkpoint_every=self.cfg.checkpoint_every,
+            log_step=log_step,
+        )
+
 
 def run(ctx: WorkerContext) -> None:
     """Run (or resume) one attempt of GRPO on a text task (``lora_finetune`` with a LoRA adapter,

@@ -85,7 +85,13 @@ class PPOTrainer:
             common.restore_rng_state(state["rng"])
             self.update, self.env_steps = int(state["step"]), int(state["env_steps"])
             self.last_reward = float(state["last_reward"])
-            log.info("resumed", task_id=ctx.task_id, checkpoint=str(ctx.resume_from), step=self.update, env_steps=self.env_steps)
+            log.info(
+                "resumed",
+                task_id=ctx.task_id,
+                checkpoint=str(ctx.resume_from),
+                step=self.update,
+                env_steps=self.env_steps,
+            )
         seed = common.env_seed_at(self.env_seed, self.update)
         obs, _ = self.envs.reset(seed=seed)
         self.envs.action_space.seed(seed)
@@ -169,8 +175,15 @@ class PPOTrainer:
         step_s = time.perf_counter() - t0
         rewards, self.last_reward = common.episode_metrics(self.episodes.pop(), self.last_reward)
         return common.update_metrics(
-            out, rewards, lr=lr, env_steps=self.env_steps, started=self.started, batch_size=cfg.batch_size,
-            step_s=step_s, rollout_s=t_roll, samples=len(batch),
+            out,
+            rewards,
+            lr=lr,
+            env_steps=self.env_steps,
+            started=self.started,
+            batch_size=cfg.batch_size,
+            step_s=step_s,
+            rollout_s=t_roll,
+            samples=len(batch),
         )
 
     # --- the loop -------------------------------------------------------------------------------

@@ -66,7 +66,9 @@ class MultiAgentPPOTrainer:
             module = import_parallel_env_module(env_cfg.env_id)
             self.envs = [module.parallel_env(**env_cfg.env_kwargs) for _ in range(cfg.num_envs)]
         except Exception as exc:  # noqa: BLE001 - ImportError, bad kwargs (TypeError, AssertionError ...)
-            raise UserError(f"env_config {env_cfg.env_id!r}: cannot make the environment: {type(exc).__name__}: {exc}") from exc
+            raise UserError(
+                f"env_config {env_cfg.env_id!r}: cannot make the environment: {type(exc).__name__}: {exc}"
+            ) from exc
         env0 = self.envs[0]
         self.agents: list[str] = list(env0.possible_agents)
         obs_spaces = [env0.observation_space(a) for a in self.agents]
@@ -79,15 +81,24 @@ class MultiAgentPPOTrainer:
                         f"({', '.join(f'{a}: {o} -> {s}' for a, o, s in zip(self.agents, obs_spaces, act_spaces))}); "
                         "set parameter_sharing to false"
                     )
-                learners = {SHARED: ActorCritic(obs_spaces[0], act_spaces[0], cfg.hidden_sizes, cfg.activation, len(self.agents))}
+                learners = {
+                    SHARED: ActorCritic(
+                        obs_spaces[0], act_spaces[0], cfg.hidden_sizes, cfg.activation, len(self.agents)
+                    )
+                }
                 self.members = {SHARED: list(range(len(self.agents)))}
             else:
-                learners = {a: ActorCritic(o, s, cfg.hidden_sizes, cfg.activation) for a, o, s in zip(self.agents, obs_spaces, act_spaces)}
+                learners = {
+                    a: ActorCritic(o, s, cfg.hidden_sizes, cfg.activation)
+                    for a, o, s in zip(self.agents, obs_spaces, act_spaces)
+                }
                 self.members = {a: [i] for i, a in enumerate(self.agents)}
         except UnsupportedSpaceError as exc:
             raise UserError(f"env_config.env_id {env_cfg.env_id!r}: {exc}") from exc
         self.policy = nn.ModuleDict(learners).to(self.device)
-        self.optimizers = {g: torch.optim.Adam(p.parameters(), lr=cfg.learning_rate, eps=1e-5) for g, p in self.policy.items()}
+        self.optimizers = {
+            g: torch.optim.Adam(p.parameters(), lr=cfg.learning_rate, eps=1e-5) for g, p in self.policy.items()
+        }
         self.update, self.env_steps, self.last_reward = 0, 0, float("nan")
         self.last_agent_reward = dict.fromkeys(self.agents, float("nan"))
         if ctx.resume_from is not None:
@@ -145,7 +156,9 @@ class MultiAgentPPOTrainer:
     @torch.no_grad()
     def rollout(self) -> dict[str, dict[str, torch.Tensor]]:
         T, E, A = self.cfg.num_steps, self.cfg.num_envs, len(self.agents)
-        bufs: dict[str, dict[str, list]] = {g: {k: [] for k in ("obs", "ids", "actions", "logprobs", "values")} for g in self.policy}
+        bufs: dict[str, dict[str, list]] = {
+            g: {k: [] for k in ("obs", "ids", "actions", "logprobs", "values")} for g in self.policy
+        }
         rewards = np.zeros((T, E, A), dtype=np.float32)
         terminated = np.zeros((T, E, A), dtype=bool)
         truncated = np.zeros((T, E, A), dtype=bool)
@@ -242,8 +255,15 @@ class MultiAgentPPOTrainer:
             rewards[f"reward/agent/{a}"] = self.last_agent_reward[a]
         rewards["reward/team_return_mean"] = float(sum(self.last_agent_reward.values()))
         return common.update_metrics(
-            out, rewards, lr=lr, env_steps=self.env_steps, started=self.started, batch_size=cfg.batch_size,
-            step_s=step_s, rollout_s=t_roll, samples=samples,
+            out,
+            rewards,
+            lr=lr,
+            env_steps=self.env_steps,
+            started=self.started,
+            batch_size=cfg.batch_size,
+            step_s=step_s,
+            rollout_s=t_roll,
+            samples=samples,
         )
 
     # --- the loop -------------------------------------------------------------------------------

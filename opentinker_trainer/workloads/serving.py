@@ -90,15 +90,26 @@ async def _serve(ctx: WorkerContext, runtime: ModelRuntime, cfg, *, tls=None, ac
     # The checker asks the scheduler with the caller's key over the node's TLS settings.
     access = AccessChecker(ttl=access_ttl) if access_ttl is not None else None
     server = await start_inference_server(
-        runtime, host=os.environ.get("OPENTINKER_BIND_HOST", "0.0.0.0"), port=cfg.port, tls=tls, access=access, task_id=ctx.task_id
+        runtime,
+        host=os.environ.get("OPENTINKER_BIND_HOST", "0.0.0.0"),
+        port=cfg.port,
+        tls=tls,
+        access=access,
+        task_id=ctx.task_id,
     )
     address = f"{os.environ.get('OPENTINKER_ADVERTISE_HOST') or '127.0.0.1'}:{server.port}"
     if tls is not None:
         address = f"https://{address}"  # tells clients to dial with TLS (InferenceClient does)
     ctx.emit_endpoint(address)
     log.info(
-        "serving", task_id=ctx.task_id, endpoint=address, ttl_s=cfg.ttl_s, max_resident_adapters=cfg.max_resident_adapters,
-        tls=tls is not None, api_key_check=access is not None, auth_cache_ttl_s=access_ttl,
+        "serving",
+        task_id=ctx.task_id,
+        endpoint=address,
+        ttl_s=cfg.ttl_s,
+        max_resident_adapters=cfg.max_resident_adapters,
+        tls=tls is not None,
+        api_key_check=access is not None,
+        auth_cache_ttl_s=access_ttl,
     )
     deadline = time.monotonic() + cfg.ttl_s
     try:
@@ -106,4 +117,9 @@ async def _serve(ctx: WorkerContext, runtime: ModelRuntime, cfg, *, tls=None, ac
             await asyncio.sleep(POLL_S)
     finally:
         await server.stop(grace=2.0)
-    log.info("stopped serving", task_id=ctx.task_id, reason="stop requested" if ctx.should_stop() else "ttl", steps=runtime.steps)
+    log.info(
+        "stopped serving",
+        task_id=ctx.task_id,
+        reason="stop requested" if ctx.should_stop() else "ttl",
+        steps=runtime.steps,
+    )

@@ -80,7 +80,12 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
     """
     shift_logits = logits[:, :-1, :].float()
     shift_labels = labels[:, 1:]
-    nll_sum = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    nll_sum = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
     valid = shift_labels != IGNORE_INDEX
     correct = ((shift_logits.argmax(-1) == shift_labels) & valid).sum()
     return nll_sum, correct, valid.sum()
@@ -156,7 +161,9 @@ class _SFTTrainer:
         _lm.save_checkpoint(path, self.model, state, tokenizer=None if self.cfg.lora else self.tokenizer)
         fmt = _lm.FORMAT_LORA if self.cfg.lora else _lm.FORMAT_FULL
         self.ctx.emit_checkpoint(self.step, path, final=final, fmt=fmt)
-        log.info("checkpoint written", task_id=self.ctx.task_id, step=self.step, path=str(path), final=final, format=fmt)
+        log.info(
+            "checkpoint written", task_id=self.ctx.task_id, step=self.step, path=str(path), final=final, format=fmt
+        )
         return path
 
     # --- steps ----------------------------------------------------------------------------------
@@ -186,7 +193,9 @@ class _SFTTrainer:
         lr = lr_at(self.step, self.total_steps, cfg.learning_rate, cfg.warmup_steps, cfg.lr_schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batch = [self.train_idx[k] for k in batch_indices(self.step, cfg.batch_size, len(self.train_idx), self.env.seed)]
+        batch = [
+            self.train_idx[k] for k in batch_indices(self.step, cfg.batch_size, len(self.train_idx), self.env.seed)
+        ]
         encoded = [self.encoded(i) for i in batch]
         # Normalise by the whole batch's trained tokens, so micro-batches add up to its mean.
         n_tokens = max(1, sum(e.trained_tokens for e in encoded))
@@ -241,6 +250,7 @@ class _SFTTrainer:
             self.ctx, done=self.step, total=self.total_steps, step=one, save=self.save,
             checkpoint_every=cfg.checkpoint_every, log_step=log_step, before_first=first,
         )  # fmt: skip
+
 
 def run(ctx: WorkerContext) -> None:
     """Run (or resume) one attempt of an ``sft`` task; see the module docstring.

@@ -54,7 +54,13 @@ Messages = list[dict[str, str]]
 # Reading and fetching
 
 
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def _open_dataset(path: Path, max_bytes: int):
@@ -66,6 +72,7 @@ def _open_dataset(path: Path, max_bytes: int):
     Raises:
         UserError: ``dataset <path> cannot be used by this task: <why>``.
     """
+
     def refuse(why: str) -> UserError:
         return UserError(f"dataset {path} cannot be used by this task: {why}")
 
@@ -74,7 +81,9 @@ def _open_dataset(path: Path, max_bytes: int):
             kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
             raise refuse(f"expected a regular file, got {kind}")
         if st.st_size > max_bytes:
-            raise refuse(f"expected at most {max_bytes} bytes ({max_bytes / 2**20:g} MiB, the upload limit), got {st.st_size} bytes")
+            raise refuse(
+                f"expected at most {max_bytes} bytes ({max_bytes / 2**20:g} MiB, the upload limit), got {st.st_size} bytes"
+            )
 
     try:
         check(os.stat(path))  # a device or FIFO is not even opened
@@ -110,14 +119,18 @@ def read_chat_jsonl(path: Path, *, max_bytes: int = MAX_DATASET_BYTES) -> list[M
                 read += len(raw)
                 lineno += 1
                 if read > max_bytes:
-                    raise UserError(f"dataset {path} cannot be used by this task: expected at most {max_bytes} bytes, and it grew past that while being read")
+                    raise UserError(
+                        f"dataset {path} cannot be used by this task: expected at most {max_bytes} bytes, and it grew past that while being read"
+                    )
                 messages = parse_chat_line(raw.rstrip(b"\r\n"), lineno)
                 if messages is not None:
                     examples.append(messages)
     except DatasetError as exc:
         raise UserError(f"dataset {path}: {exc}") from None
     except OSError as exc:
-        raise UserError(f"dataset {path} cannot be used by this task: it cannot be read on this trainer node ({exc.strerror or exc})") from None
+        raise UserError(
+            f"dataset {path} cannot be used by this task: it cannot be read on this trainer node ({exc.strerror or exc})"
+        ) from None
     if not examples:
         raise UserError(f"dataset {path}: expected at least one example (one JSON object per line), got an empty file")
     return examples
@@ -147,7 +160,9 @@ def fetch_dataset(dataset_id: str, scheduler_target: str | None, cache_dir: Path
     if final.exists():
         return final
     if not scheduler_target:
-        raise UserError("env_config.dataset_id: this worker does not know the scheduler's address (OPENTINKER_SCHEDULER_URL) to fetch the dataset from")
+        raise UserError(
+            "env_config.dataset_id: this worker does not know the scheduler's address (OPENTINKER_SCHEDULER_URL) to fetch the dataset from"
+        )
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".{hex_}.{secrets.token_hex(4)}.part"
     digest = hashlib.sha256()
@@ -155,7 +170,9 @@ def fetch_dataset(dataset_id: str, scheduler_target: str | None, cache_dir: Path
         channel, metadata = scheduler_channel(scheduler_target)
         with channel, open(tmp, "wb") as fh:
             stub = node_pb2_grpc.NodeServiceStub(channel)
-            for resp in stub.FetchDataset(node_pb2.FetchDatasetRequest(dataset_id=dataset_id), timeout=3600, metadata=metadata):
+            for resp in stub.FetchDataset(
+                node_pb2.FetchDatasetRequest(dataset_id=dataset_id), timeout=3600, metadata=metadata
+            ):
                 digest.update(resp.chunk)
                 fh.write(resp.chunk)
         if digest.hexdigest() != hex_:
@@ -164,7 +181,9 @@ def fetch_dataset(dataset_id: str, scheduler_target: str | None, cache_dir: Path
     except grpc.RpcError as err:
         if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
             raise UserError(f"env_config.dataset_id: {err.details()}") from None
-        raise RuntimeError(f"downloading dataset {dataset_id} from {scheduler_target} failed: {err.code().name}: {err.details()}") from None
+        raise RuntimeError(
+            f"downloading dataset {dataset_id} from {scheduler_target} failed: {err.code().name}: {err.details()}"
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
     return final
@@ -174,7 +193,9 @@ def fetch_dataset(dataset_id: str, scheduler_target: str | None, cache_dir: Path
 # Which tokens are trained on
 
 
-def assistant_char_spans(render: Callable[[Messages, bool], str], messages: Messages) -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(
+    render: Callable[[Messages, bool], str], messages: Messages
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the ``[start, end)`` character spans trained on.
 
     Args:
@@ -256,13 +277,17 @@ def encode_chat(tokenizer, messages: Messages, max_seq_len: int) -> Encoded:
     try:
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     except NotImplementedError:
-        raise UserError("the model's tokenizer gives no character offsets (not a fast tokenizer); sft needs them") from None
+        raise UserError(
+            "the model's tokenizer gives no character offsets (not a fast tokenizer); sft needs them"
+        ) from None
     ids = list(enc["input_ids"])[:max_seq_len]
     mask = assistant_label_mask(enc["offset_mapping"][: len(ids)], spans)
     return Encoded(ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)])
 
 
-def collate(examples: Sequence[Encoded], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate(
+    examples: Sequence[Encoded], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-pad a batch: ``input_ids`` [batch, seq], ``attention_mask`` [batch, seq] (bool),
     ``labels`` [batch, seq] (``IGNORE_INDEX`` on padding and on tokens not trained on)."""
     width = max(len(e.input_ids) for e in examples)

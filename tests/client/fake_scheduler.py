@@ -56,7 +56,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                 task_id = f"task-{self._next:04d}"
                 self._next += 1
             spec = kw.pop("spec", common_pb2.TaskSpec(workload_type="lora_finetune", model="m"))
-            task = common_pb2.Task(task_id=task_id, state=state, spec=spec, attempt=1, create_time=ts(1_700_000_000), **kw)
+            task = common_pb2.Task(
+                task_id=task_id, state=state, spec=spec, attempt=1, create_time=ts(1_700_000_000), **kw
+            )
             self.tasks[task_id] = task
             self.events.setdefault(task_id, [])
             self.points.setdefault(task_id, [])
@@ -81,23 +83,31 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def add_metric(self, task_id, step, loss, reward) -> None:
         with self.lock:
-            point = common_pb2.MetricPoint(step=step, time=ts(1_700_000_200 + step), values={"loss": loss, "reward": reward})
+            point = common_pb2.MetricPoint(
+                step=step, time=ts(1_700_000_200 + step), values={"loss": loss, "reward": reward}
+            )
             self.points[task_id].append(point)
             task = self.tasks[task_id]
             task.latest_step = step
             task.latest_metrics.clear()
             task.latest_metrics.update(point.values)
             self.events[task_id].append(
-                common_pb2.TaskEvent(task_id=task_id, sequence=len(self.events[task_id]) + 1, time=point.time, metric=point)
+                common_pb2.TaskEvent(
+                    task_id=task_id, sequence=len(self.events[task_id]) + 1, time=point.time, metric=point
+                )
             )
             self.lock.notify_all()
 
     def add_checkpoint(self, task_id, step, path, final=False) -> None:
         with self.lock:
-            ck = common_pb2.Checkpoint(task_id=task_id, attempt=1, step=step, path=path, format="peft_lora", final=final)
+            ck = common_pb2.Checkpoint(
+                task_id=task_id, attempt=1, step=step, path=path, format="peft_lora", final=final
+            )
             self.tasks[task_id].latest_checkpoint.CopyFrom(ck)
             self.events[task_id].append(
-                common_pb2.TaskEvent(task_id=task_id, sequence=len(self.events[task_id]) + 1, time=ts(1_700_000_300), checkpoint=ck)
+                common_pb2.TaskEvent(
+                    task_id=task_id, sequence=len(self.events[task_id]) + 1, time=ts(1_700_000_300), checkpoint=ck
+                )
             )
             self.lock.notify_all()
 
@@ -123,7 +133,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             from grpc_status import rpc_status
 
             detail = any_pb2.Any()
-            detail.Pack(error_details_pb2.BadRequest(field_violations=[{"field": "spec.name", "description": "reserved"}]))
+            detail.Pack(
+                error_details_pb2.BadRequest(field_violations=[{"field": "spec.name", "description": "reserved"}])
+            )
             status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message="spec.name: reserved", details=[detail])
             context.abort_with_status(rpc_status.to_status(status))
         if request.spec.resources.gpu_count > 8:
@@ -169,7 +181,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         limit = self.watch_fail_after[call_no] if call_no < len(self.watch_fail_after) else None
         with self.lock:
             self._task(request.task_id, context)
-        seq = request.after_sequence - 1 if self.watch_overlap and request.after_sequence > 0 else request.after_sequence
+        seq = (
+            request.after_sequence - 1 if self.watch_overlap and request.after_sequence > 0 else request.after_sequence
+        )
         sent = 0
         while context.is_active():
             with self.lock:
@@ -191,7 +205,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._record(context)
         with self.lock:
             task = self._task(request.task_id, context)
-            resp = scheduler_pb2.GetMetricsResponse(task_id=task.task_id, latest=task.latest_metrics, latest_step=task.latest_step)
+            resp = scheduler_pb2.GetMetricsResponse(
+                task_id=task.task_id, latest=task.latest_metrics, latest_step=task.latest_step
+            )
             if request.include_history:
                 pts = [p for p in self.points[task.task_id] if p.step > request.after_step]
                 resp.points.extend(pts[: self.history_page])

@@ -52,11 +52,25 @@ def test_seed_flow(fake):
 def test_positional_env_and_environment_object(client, fake):
     servicer, _ = fake
     client.submit_task({"env_id": "arithmetic", "max_digits": 2}, workload_type="lora_finetune")
-    client.submit_task(Environment(max_digits=3), workload_type="lora_finetune", hyperparameters={"steps": 2}, priority=9, max_runtime=90, name="n", model="m", max_attempts=2)
+    client.submit_task(
+        Environment(max_digits=3),
+        workload_type="lora_finetune",
+        hyperparameters={"steps": 2},
+        priority=9,
+        max_runtime=90,
+        name="n",
+        model="m",
+        max_attempts=2,
+    )
     first, second = servicer.submits
     assert struct_to_dict(first.spec.env_config) == {"env_id": "arithmetic", "max_digits": 2}
     assert struct_to_dict(second.spec.hyperparameters) == {"steps": 2}
-    assert (second.spec.priority, second.spec.name, second.spec.model, second.spec.limits.max_attempts) == (9, "n", "m", 2)
+    assert (second.spec.priority, second.spec.name, second.spec.model, second.spec.limits.max_attempts) == (
+        9,
+        "n",
+        "m",
+        2,
+    )
     assert second.spec.limits.max_runtime.seconds == 90
 
 
@@ -150,7 +164,16 @@ def test_submit_config(client, fake, tmp_path):
 def test_get_and_list(client, fake):
     servicer, _ = fake
     servicer.max_page_size = 2
-    ids = [servicer.add_task(state).task_id for state in (S.TASK_STATE_PENDING, S.TASK_STATE_RUNNING, S.TASK_STATE_RUNNING, S.TASK_STATE_FAILED, S.TASK_STATE_SUCCEEDED)]
+    ids = [
+        servicer.add_task(state).task_id
+        for state in (
+            S.TASK_STATE_PENDING,
+            S.TASK_STATE_RUNNING,
+            S.TASK_STATE_RUNNING,
+            S.TASK_STATE_FAILED,
+            S.TASK_STATE_SUCCEEDED,
+        )
+    ]
     info = client.get_task(ids[0])
     assert isinstance(info, ot.TaskInfo) and info.state == "pending"
     everything = client.list_tasks(limit=None)
@@ -166,7 +189,17 @@ def test_get_and_list(client, fake):
         client.list_tasks(limit=0)
 
 
-@pytest.mark.parametrize("state, done", [(S.TASK_STATE_PENDING, False), (S.TASK_STATE_ASSIGNED, False), (S.TASK_STATE_RUNNING, False), (S.TASK_STATE_SUCCEEDED, True), (S.TASK_STATE_FAILED, True), (S.TASK_STATE_CANCELLED, True)])
+@pytest.mark.parametrize(
+    "state, done",
+    [
+        (S.TASK_STATE_PENDING, False),
+        (S.TASK_STATE_ASSIGNED, False),
+        (S.TASK_STATE_RUNNING, False),
+        (S.TASK_STATE_SUCCEEDED, True),
+        (S.TASK_STATE_FAILED, True),
+        (S.TASK_STATE_CANCELLED, True),
+    ],
+)
 def test_is_task_complete(client, fake, state, done):
     servicer, _ = fake
     assert client.is_task_complete(servicer.add_task(state).task_id) is done
@@ -318,7 +351,9 @@ def test_list_nodes(client, fake):
     from opentinker.scheduler.v1 import scheduler_pb2
 
     servicer, _ = fake
-    servicer.nodes = [scheduler_pb2.Node(node_id="n1", connected=True, gpu_count=1, devices=[common_pb2.Device(index=0, name="GPU")])]
+    servicer.nodes = [
+        scheduler_pb2.Node(node_id="n1", connected=True, gpu_count=1, devices=[common_pb2.Device(index=0, name="GPU")])
+    ]
     (node,) = client.list_nodes()
     assert isinstance(node, ot.NodeInfo) and node.node_id == "n1" and node.devices[0].name == "GPU"
 

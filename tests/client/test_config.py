@@ -73,7 +73,7 @@ def error_of(tmp_path, text) -> ConfigError:
 def test_unknown_top_level_key(tmp_path):
     err = error_of(tmp_path, VALID.replace("gpu_count: 0\n", "gpu_count: 0\ngpus: 1\n"))
     assert (err.line, err.key) == (5, "gpus")
-    assert f"task.yaml:5: gpus: unknown key" in str(err)
+    assert "task.yaml:5: gpus: unknown key" in str(err)
     assert "workload_type" in str(err)  # lists the known keys
 
 
@@ -85,7 +85,9 @@ def test_wrong_type(tmp_path):
     assert (err.line, err.key) == (6, "max_runtime")
     err = error_of(tmp_path, VALID.replace("gpu_count: 0", "gpu_count: true"))
     assert err.key == "gpu_count"
-    err = error_of(tmp_path, VALID.replace("env: {env_id: arithmetic, min_digits: 1, max_digits: 1}", "env: arithmetic"))
+    err = error_of(
+        tmp_path, VALID.replace("env: {env_id: arithmetic, min_digits: 1, max_digits: 1}", "env: arithmetic")
+    )
     assert (err.line, err.key) == (8, "env")
 
 
@@ -245,7 +247,17 @@ def test_yaml12_loader_reads_yaml12_floats(text, value):
 
 @pytest.mark.parametrize(
     "text, value",
-    [("1", 1), ("-3", -3), ("0x1f", 31), ("09", "09"), ("1e", "1e"), ("e5", "e5"), ("1.2.3", "1.2.3"), ("'1e-4'", "1e-4"), ("true", True)],
+    [
+        ("1", 1),
+        ("-3", -3),
+        ("0x1f", 31),
+        ("09", "09"),
+        ("1e", "1e"),
+        ("e5", "e5"),
+        ("1.2.3", "1.2.3"),
+        ("'1e-4'", "1e-4"),
+        ("true", True),
+    ],
 )
 def test_yaml12_loader_leaves_other_scalars_alone(text, value):
     import yaml

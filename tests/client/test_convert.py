@@ -95,7 +95,13 @@ def test_task_from_proto():
     info = task_from_proto(proto)
     assert isinstance(info, TaskInfo)
     assert (info.task_id, info.state, info.attempt, info.priority) == ("t1", "running", 2, 7)
-    assert (info.name, info.workload_type, info.model, info.owner, info.gpu_count) == ("demo", "lora_finetune", "m", "alice", 2)
+    assert (info.name, info.workload_type, info.model, info.owner, info.gpu_count) == (
+        "demo",
+        "lora_finetune",
+        "m",
+        "alice",
+        2,
+    )
     assert info.node_id == "gpu-node-01" and info.device_indices == (0, 1)
     assert info.latest_metrics == {"loss": 0.5, "reward": 0.25} and info.latest_step == 3
     assert (info.checkpoint_path, info.checkpoint_step) == ("/ckpt/3", 3)
@@ -127,7 +133,14 @@ def test_events():
         )
     )
     assert isinstance(ev, TaskEvent)
-    assert (ev.kind, ev.sequence, ev.from_state, ev.to_state, ev.attempt, ev.reason) == ("state", 4, "running", "pending", 2, "NODE_LOST")
+    assert (ev.kind, ev.sequence, ev.from_state, ev.to_state, ev.attempt, ev.reason) == (
+        "state",
+        4,
+        "running",
+        "pending",
+        2,
+        "NODE_LOST",
+    )
     assert ev.time == timestamp_to_datetime(T0) and not ev.is_terminal
 
     ev = event_from_proto(
@@ -141,10 +154,18 @@ def test_events():
         common_pb2.TaskEvent(
             task_id="t",
             sequence=6,
-            checkpoint=common_pb2.Checkpoint(step=15, path="/c", format="peft_lora", final=True, attempt=1, node_id="n"),
+            checkpoint=common_pb2.Checkpoint(
+                step=15, path="/c", format="peft_lora", final=True, attempt=1, node_id="n"
+            ),
         )
     )
-    assert (ev.kind, ev.step, ev.checkpoint_path, ev.checkpoint_format, ev.final) == ("checkpoint", 15, "/c", "peft_lora", True)
+    assert (ev.kind, ev.step, ev.checkpoint_path, ev.checkpoint_format, ev.final) == (
+        "checkpoint",
+        15,
+        "/c",
+        "peft_lora",
+        True,
+    )
 
     ev = event_from_proto(
         common_pb2.TaskEvent(
@@ -168,7 +189,9 @@ def test_node_from_proto():
             running_task_ids=["t1"],
             devices=[common_pb2.Device(index=0, name="H200", memory_total_bytes=2**37, simulated=False)],
             telemetry=[
-                common_pb2.DeviceTelemetry(index=0, utilization_percent=55.0, memory_used_bytes=2**30, unavailable={"power_w": "NotSupported"})
+                common_pb2.DeviceTelemetry(
+                    index=0, utilization_percent=55.0, memory_used_bytes=2**30, unavailable={"power_w": "NotSupported"}
+                )
             ],
             last_heartbeat_time=T0,
             notes=["simulated"],
@@ -179,5 +202,3 @@ def test_node_from_proto():
     assert t.utilization_percent == 55.0 and t.memory_used_bytes == 2**30
     assert t.power_w is None and t.temperature_c is None and t.unavailable == {"power_w": "NotSupported"}
     assert node.devices[0].name == "H200" and node.notes == ("simulated",)
-
-

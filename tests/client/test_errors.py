@@ -73,7 +73,9 @@ def test_field_from_message():
 
 
 def test_field_from_rich_status():
-    bad = error_details_pb2.BadRequest(field_violations=[error_details_pb2.BadRequest.FieldViolation(field="spec.model", description="x")])
+    bad = error_details_pb2.BadRequest(
+        field_violations=[error_details_pb2.BadRequest.FieldViolation(field="spec.model", description="x")]
+    )
     detail = any_pb2.Any()
     detail.Pack(bad)
     status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message="model is bad", details=[detail])

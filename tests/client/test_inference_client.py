@@ -34,7 +34,9 @@ def test_evaluate_scores_with_the_environment_reward_and_same_problems_each_time
     r = evaluate(good, episodes=10)
     assert r.mean_reward == 1.0 and r.stderr == 0.0 and r.episodes == 10 and r.adapter == "task-x"
     r0 = evaluate(bad, episodes=10, adapter=None)
-    assert r0.adapter is None and r0.mean_reward == pytest.approx(sum(p.startswith("What is 0 + 0") for p in r0.prompts) / 10)
+    assert r0.adapter is None and r0.mean_reward == pytest.approx(
+        sum(p.startswith("What is 0 + 0") for p in r0.prompts) / 10
+    )
     assert r.prompts == r0.prompts  # the same problems for every model
     assert good.calls[0]["temperature"] == 0.0 and "adapter" not in good.calls[0]
     assert bad.calls[0]["adapter"] is None
@@ -101,7 +103,12 @@ def test_endpoints_say_whether_to_use_tls_and_bad_ones_name_the_argument() -> No
     assert parse_endpoint("grpc://node-7:9000") == ("node-7:9000", False)
     assert parse_endpoint("https://Node-7:9000") == ("node-7:9000", True)
     assert parse_endpoint("grpcs://[::1]:9000") == ("[::1]:9000", True)
-    for bad, why in (("node-7", "the port is missing"), ("ftp://node-7:1", "unknown scheme 'ftp://'"), ("https://h:1/v1", "a path"), ("h:70000", "out of range")):
+    for bad, why in (
+        ("node-7", "the port is missing"),
+        ("ftp://node-7:1", "unknown scheme 'ftp://'"),
+        ("https://h:1/v1", "a path"),
+        ("h:70000", "out of range"),
+    ):
         with pytest.raises(ValueError, match=rf"^endpoint: bad inference endpoint .*{why}"):
             parse_endpoint(bad)
         with pytest.raises(ValueError, match=r"^endpoint: "):
@@ -160,7 +167,12 @@ def test_the_api_key_is_sent_as_a_bearer_token_from_the_argument_or_the_environm
         assert "otk_0000bbbb" not in repr(c)
     with InferenceClient(f"127.0.0.1:{plain}", api_key="") as c:
         c.list_adapters()
-    assert servicer.seen == ["Bearer otk_0000aaaa_from-env", "Bearer otk_0000aaaa_from-env", "Bearer otk_0000bbbb_given", None]
+    assert servicer.seen == [
+        "Bearer otk_0000aaaa_from-env",
+        "Bearer otk_0000aaaa_from-env",
+        "Bearer otk_0000bbbb_given",
+        None,
+    ]
 
 
 def test_https_endpoints_use_tls_with_the_given_or_environment_ca(recording, certs, monkeypatch) -> None:

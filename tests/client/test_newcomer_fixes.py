@@ -41,7 +41,9 @@ def test_plot_needs_an_existing_folder_and_writes_an_ordinary_file(tmp_path) -> 
 
 
 def test_scheduler_refuses_bad_ports_and_a_file_as_state_dir(tmp_path) -> None:
-    run = lambda *a: subprocess.run([sys.executable, "-m", "opentinker_scheduler", *a], capture_output=True, text=True, timeout=60)  # noqa: E731
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "opentinker_scheduler", *a], capture_output=True, text=True, timeout=60
+    )  # noqa: E731
     r = run("--port", "99999")
     assert r.returncode == 2 and "expected a port number 0-65535, got 99999" in r.stderr
     state = tmp_path / "file"
@@ -60,14 +62,18 @@ def test_client_hosted_environment_needs_both_reset_and_step() -> None:
 
     env = OnlyReset(action_space=2, observation_space=3)
     assert env.is_client_hosted
-    with pytest.raises(InvalidArgumentError, match=r"defines both reset\(\) and step\(\); OnlyReset does not define step\(\)"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"defines both reset\(\) and step\(\); OnlyReset does not define step\(\)"
+    ):
         client_env_config(env, endpoint="127.0.0.1:5000")
 
 
 def test_client_only_options_on_a_built_in_environment_say_what_to_do() -> None:
     from opentinker_client import Environment
 
-    with pytest.raises(InvalidArgumentError, match=r"only client-hosted environments take action_names: subclass Environment") as err:
+    with pytest.raises(
+        InvalidArgumentError, match=r"only client-hosted environments take action_names: subclass Environment"
+    ) as err:
         Environment(action_names=["left", "right"]).to_dict()
     assert err.value.field == "spec.env_config.action_names"
     with pytest.raises(InvalidArgumentError, match="timeout_s"):
@@ -79,7 +85,10 @@ def test_empty_env_id_is_refused_but_a_missing_one_is_arithmetic() -> None:
     from opentinker_client import Environment
     from opentinker_common.spec import SpecError, validate_env_config
 
-    with pytest.raises(InvalidArgumentError, match=r"spec.env_config.env_id: expected an environment id.*leave env_id out for arithmetic") as err:
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"spec.env_config.env_id: expected an environment id.*leave env_id out for arithmetic",
+    ) as err:
         Environment(env_id="").to_dict()
     assert err.value.field == "spec.env_config.env_id"
     with pytest.raises(SpecError):
@@ -93,8 +102,21 @@ def test_first_history_line_reads_submitted_not_unspecified() -> None:
     from opentinker_client.convert import TaskEvent
 
     first = TaskEvent(task_id="t", sequence=1, time=None, kind="state", from_state="unspecified", to_state="pending")
-    assert "unspecified" not in _state_line(first) and "pending" in _state_line(first) and "submitted" in _state_line(first)
-    later = TaskEvent(task_id="t", sequence=2, time=None, kind="state", from_state="pending", to_state="assigned", attempt=1, node_id="n1")
+    assert (
+        "unspecified" not in _state_line(first)
+        and "pending" in _state_line(first)
+        and "submitted" in _state_line(first)
+    )
+    later = TaskEvent(
+        task_id="t",
+        sequence=2,
+        time=None,
+        kind="state",
+        from_state="pending",
+        to_state="assigned",
+        attempt=1,
+        node_id="n1",
+    )
     assert _state_line(later).startswith("state ") and "-> " in _state_line(later) and "attempt 1" in _state_line(later)
 
 
@@ -114,7 +136,10 @@ def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
         env = {**os.environ, "SCHEDULER_URL": sched.target, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
             [sys.executable, "-m", "opentinker_client.cli.commands", "logs", task_id, "--follow"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         try:
             line = proc.stdout.readline()  # the first event arrived: the stream is open
@@ -132,7 +157,13 @@ def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
 def test_cli_never_prints_a_client_environment_token() -> None:
     from opentinker_client.cli.commands import _shown_env
 
-    env = {"env_id": "client", "endpoint": "127.0.0.1:5000", "token": "s3cret-token-value-123456", "tls": True, "tls_root_certificates": "-----BEGIN CERTIFICATE-----\nxyz\n"}
+    env = {
+        "env_id": "client",
+        "endpoint": "127.0.0.1:5000",
+        "token": "s3cret-token-value-123456",
+        "tls": True,
+        "tls_root_certificates": "-----BEGIN CERTIFICATE-----\nxyz\n",
+    }
     shown = _shown_env(env)
     assert "s3cret" not in repr(shown) and shown["token"] == "<redacted>"
     assert shown["tls_root_certificates"].startswith("<PEM, ") and shown["endpoint"] == env["endpoint"]

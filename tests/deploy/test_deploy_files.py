@@ -54,7 +54,9 @@ def cli_flags() -> dict[str, set[str]]:
     out = {}
     for script, target in SCRIPTS.items():
         module = target.split(":")[0].removesuffix(".__main__").removesuffix(".cli")
-        proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT
+        )
         assert proc.returncode == 0, proc.stderr
         out[script] = set(re.findall(r"--[a-z][a-z0-9-]*", proc.stdout))
     return out
@@ -142,7 +144,10 @@ def test_compose_runs_a_scheduler_and_n_trainers(cli_flags) -> None:
     check_command(sched["command"], cli_flags)
     check_command(trainer["command"], cli_flags)
     assert sched["command"][0] == "opentinker-scheduler" and trainer["command"][0] == "opentinker-trainer"
-    assert sched["build"]["dockerfile"] == "deploy/Dockerfile" and (DEPLOY / sched["build"]["context"] / sched["build"]["dockerfile"]).exists()
+    assert (
+        sched["build"]["dockerfile"] == "deploy/Dockerfile"
+        and (DEPLOY / sched["build"]["context"] / sched["build"]["dockerfile"]).exists()
+    )
     assert int(interpolate(trainer["deploy"]["replicas"])) >= 2
 
     grpc_port, http_port = flag(sched["command"], "--port"), flag(sched["command"], "--http-port")
@@ -260,5 +265,12 @@ def test_trainer_reads_its_port_and_scheduler_from_the_environment(tmp_path) -> 
 
     base = {k: v for k, v in os.environ.items() if k not in ("SCHEDULER_URL", "OPENTINKER_HTTP_PORT", "MAX_TASKS")}
     for var, bad in (("OPENTINKER_HTTP_PORT", "http"), ("SCHEDULER_URL", "ftp://x:1"), ("MAX_TASKS", "0")):
-        proc = subprocess.run([sys.executable, "-m", "opentinker_trainer", "--work-dir", str(tmp_path)], env={**base, var: bad}, capture_output=True, text=True, timeout=60, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "opentinker_trainer", "--work-dir", str(tmp_path)],
+            env={**base, var: bad},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
         assert proc.returncode == 2 and f"environment variable {var}" in proc.stderr, proc.stderr

@@ -56,7 +56,12 @@ def test_client_hosted_environment_trains_to_success(cluster, tiny_model_dir: Pa
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         with client.serve_environment(Corridor()) as server:
             assert server.env_config["endpoint"].startswith("127.0.0.1:")
-            task_id = client.submit_task(env_config=server.env_config, workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP)
+            task_id = client.submit_task(
+                env_config=server.env_config,
+                workload_type="lora_finetune",
+                model=str(tiny_model_dir),
+                hyperparameters=HP,
+            )
             task = client.wait(task_id, timeout=240, poll_interval=0.2)
             assert task.state == "succeeded"
             history = client.get_metric_history(task_id)
@@ -71,7 +76,12 @@ def test_submit_task_serves_the_environment_for_the_tasks_lifetime(cluster, tiny
     start(cluster)
     Corridor.resets = []
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        task_id = client.submit_task(env_config=Corridor(), workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 1})
+        task_id = client.submit_task(
+            env_config=Corridor(),
+            workload_type="lora_finetune",
+            model=str(tiny_model_dir),
+            hyperparameters={**HP, "steps": 1},
+        )
         (server,) = client._env_servers
         assert client.get_task(task_id).env_config["env_id"] == "client"
         assert client.wait(task_id, timeout=240, poll_interval=0.2).state == "succeeded"
@@ -85,7 +95,9 @@ def test_submit_task_serves_the_environment_for_the_tasks_lifetime(cluster, tiny
 def test_environment_that_raises_fails_the_task_with_its_message(cluster, tiny_model_dir: Path) -> None:
     start(cluster)
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        task_id = client.submit_task(env_config=Exploding(), workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP)
+        task_id = client.submit_task(
+            env_config=Exploding(), workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP
+        )
         with pytest.raises(TaskFailedError) as err:
             client.wait(task_id, timeout=240, poll_interval=0.2)
     task = err.value.task
@@ -96,7 +108,12 @@ def test_environment_that_raises_fails_the_task_with_its_message(cluster, tiny_m
 def test_environment_that_does_not_answer_fails_naming_the_timeout(cluster, tiny_model_dir: Path) -> None:
     start(cluster)
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        task_id = client.submit_task(env_config=Stalling(timeout_s=0.5), workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP)
+        task_id = client.submit_task(
+            env_config=Stalling(timeout_s=0.5),
+            workload_type="lora_finetune",
+            model=str(tiny_model_dir),
+            hyperparameters=HP,
+        )
         with pytest.raises(TaskFailedError) as err:
             client.wait(task_id, timeout=240, poll_interval=0.2)
     assert "did not answer reset within timeout_s=0.5 s" in err.value.task.error
@@ -139,7 +156,9 @@ def test_client_hosted_environment_over_tls_with_an_access_token(cluster, tiny_m
         )  # fmt: skip
         (server,) = client._env_servers
         env = client.get_task(task_id).env_config
-        assert env["tls"] is True and env["token"] == server.token and "BEGIN CERTIFICATE" in env["tls_root_certificates"]
+        assert (
+            env["tls"] is True and env["token"] == server.token and "BEGIN CERTIFICATE" in env["tls_root_certificates"]
+        )
         assert client.wait(task_id, timeout=240, poll_interval=0.2).state == "succeeded"
         assert Corridor.resets  # the trainer played over TLS
         assert server.auth.refused == 0
@@ -153,10 +172,14 @@ def test_wrong_access_token_fails_the_task_at_once_naming_the_cause(cluster, tin
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         with client.serve_environment(Corridor(grace_s=120)) as server:
             env_config = {**server.env_config, "token": "not-the-servers-token-0123456789"}
-            task_id = client.submit_task(env_config=env_config, workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP)
+            task_id = client.submit_task(
+                env_config=env_config, workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP
+            )
             with pytest.raises(TaskFailedError) as err:
                 client.wait(task_id, timeout=240, poll_interval=0.2)
     task = err.value.task
     assert task.state == "failed" and task.attempt == 1  # not retried, and grace_s=120 not waited for
-    assert f"the access token (env_config.token) did not match the environment server at {server.endpoint}" in task.error
+    assert (
+        f"the access token (env_config.token) did not match the environment server at {server.endpoint}" in task.error
+    )
     assert server.token not in task.error and "not-the-servers-token" not in task.error

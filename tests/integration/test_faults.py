@@ -24,7 +24,9 @@ def test_scheduler_kill9_and_restart_loses_nothing_and_running_work_continues(cl
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         hp = {**TINY_HP, "steps": 60}
         task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=hp)
-        queued = client.submit_task(workload_type="lora_finetune", model="/models/later", gpu_count=0, hyperparameters=TINY_HP)
+        queued = client.submit_task(
+            workload_type="lora_finetune", model="/models/later", gpu_count=0, hyperparameters=TINY_HP
+        )
         cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step >= 2)
         cluster.scheduler.kill9()
         time.sleep(1)
@@ -49,7 +51,13 @@ class FakeNode:
         self.channel = grpc.insecure_channel(target)
         self.out: queue.Queue = queue.Queue()
         self.commands: queue.Queue = queue.Queue()
-        self.out.put(N.ConnectRequest(register=N.Register(node_id=node_id, max_tasks=4, running=[N.RunningTask(task_id=t, attempt=a) for t, a in running])))
+        self.out.put(
+            N.ConnectRequest(
+                register=N.Register(
+                    node_id=node_id, max_tasks=4, running=[N.RunningTask(task_id=t, attempt=a) for t, a in running]
+                )
+            )
+        )
         self.call = node_pb2_grpc.NodeServiceStub(self.channel).Connect(iter(self.out.get, None))
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -97,7 +105,9 @@ def test_stale_attempt_report_refused_over_real_stream(tmp_path) -> None:
             assert task.attempt == 2
             new = FakeNode(target, "node-new")
             assert new.next("assign_task").assign_task.attempt == 2
-            new.report(task_id, 2, C.TASK_STATE_RUNNING, metrics=[C.MetricPoint(step=1, values={"loss": 1.0, "reward": 0.5})])
+            new.report(
+                task_id, 2, C.TASK_STATE_RUNNING, metrics=[C.MetricPoint(step=1, values={"loss": 1.0, "reward": 0.5})]
+            )
             cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step == 1)
             # The partitioned node comes back and reports attempt 1 finished: refused, and it is
             # told to stop that attempt.

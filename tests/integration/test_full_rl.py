@@ -24,7 +24,9 @@ def test_cartpole_ppo_task_succeeds_with_metrics_and_checkpoints(cluster) -> Non
     cluster.wait_nodes(1)
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         env = Environment(env_id="CartPole-v1", action_space=2, observation_space=4)
-        task_id = client.submit_task(env_config=env, workload_type="full_rl", gpu_count=0, model="mlp", hyperparameters=HP)
+        task_id = client.submit_task(
+            env_config=env, workload_type="full_rl", gpu_count=0, model="mlp", hyperparameters=HP
+        )
         events = list(client.watch(task_id))
         task = client.get_task(task_id)
         assert task.state == "succeeded", task.error
@@ -32,7 +34,16 @@ def test_cartpole_ppo_task_succeeds_with_metrics_and_checkpoints(cluster) -> Non
         ms = [e for e in events if e.kind == "metric"]
         assert [e.step for e in ms] == list(range(1, 9))
         for e in ms:
-            assert {"loss", "reward", "loss/policy", "loss/value", "loss/entropy", "ppo/approx_kl", "ppo/clipfrac", "perf/env_steps_per_s"} <= set(e.metrics)
+            assert {
+                "loss",
+                "reward",
+                "loss/policy",
+                "loss/value",
+                "loss/entropy",
+                "ppo/approx_kl",
+                "ppo/clipfrac",
+                "perf/env_steps_per_s",
+            } <= set(e.metrics)
         assert ms[-1].metrics["env_steps"] == 4096
         ckpts = [e for e in events if e.kind == "checkpoint"]
         assert [c.step for c in ckpts] == [4, 8] and ckpts[-1].final
@@ -50,7 +61,12 @@ def test_bad_ppo_spec_is_invalid_argument_with_field_path(cluster) -> None:
     cluster.start_scheduler()
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         with pytest.raises(InvalidArgumentError) as err:
-            client.submit_task(env_config={"env_id": "CartPole-v1"}, workload_type="full_rl", model="mlp", hyperparameters={"clip_coef": 0})
+            client.submit_task(
+                env_config={"env_id": "CartPole-v1"},
+                workload_type="full_rl",
+                model="mlp",
+                hyperparameters={"clip_coef": 0},
+            )
         assert err.value.field == "spec.hyperparameters.clip_coef"
     # the scheduler itself refuses it (not only the client's local check)
     hp = struct_pb2.Struct()

@@ -12,10 +12,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc
 from opentinker_client import NotFoundError, OpenTinkerError, RLClient, UnavailableError, evaluate
 
-TINY_HP = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4, "checkpoint_every": 1}
+TINY_HP = {
+    "steps": 2,
+    "prompts_per_step": 2,
+    "group_size": 2,
+    "max_new_tokens": 4,
+    "lora_rank": 4,
+    "checkpoint_every": 1,
+}
 CONFIG = """heartbeat_interval: 0.5
 lease: 3
 workload_types:
@@ -39,7 +45,9 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(tmp_
         cluster.start_trainer("node-a")
         cluster.wait_nodes(1)
         with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-            trained = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=TINY_HP)
+            trained = client.submit_task(
+                workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=TINY_HP
+            )
             info = client.wait(trained, timeout=300, poll_interval=0.2)
             ckpt = Path(info.checkpoint_path)
 
@@ -51,15 +59,31 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(tmp_
             assert all(_sha(got / n) == _sha(ckpt / n) for n in names)
             assert got.stat().st_mode & 0o777 == 0o700 and all((got / n).stat().st_mode & 0o777 == 0o600 for n in names)
             first = client.download_checkpoint(trained, tmp_path / "step1", step=1)
-            assert _sha(first / "adapter_model.safetensors") == _sha(ckpt.parent / "step_1" / "adapter_model.safetensors")
+            assert _sha(first / "adapter_model.safetensors") == _sha(
+                ckpt.parent / "step_1" / "adapter_model.safetensors"
+            )
 
             # One call from a finished task to a served adapter; a second call reuses the server.
             llm = client.serve(trained, ttl=600, timeout=180)
             server_task = client.get_task(llm.task_id)
-            assert server_task.workload_type == "inference" and server_task.state == "running" and server_task.endpoint == llm.endpoint
+            assert (
+                server_task.workload_type == "inference"
+                and server_task.state == "running"
+                and server_task.endpoint == llm.endpoint
+            )
             shown = subprocess.run(
-                [sys.executable, "-m", "opentinker_client.cli.commands", "--scheduler-url", cluster.url, "get", llm.task_id],
-                capture_output=True, text=True, timeout=60,
+                [
+                    sys.executable,
+                    "-m",
+                    "opentinker_client.cli.commands",
+                    "--scheduler-url",
+                    cluster.url,
+                    "get",
+                    llm.task_id,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
             )
             assert shown.returncode == 0 and "endpoint" in shown.stdout and llm.endpoint in shown.stdout
             out = llm.generate("What is 2 + 3?", temperature=0, max_tokens=5)
@@ -82,7 +106,9 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(tmp_
             from grpc_health.v1 import health_pb2, health_pb2_grpc
 
             with grpc.insecure_channel(llm.endpoint) as ch:
-                status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="opentinker.inference.v1.InferenceService"), timeout=10)
+                status = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service="opentinker.inference.v1.InferenceService"), timeout=10
+                )
                 assert status.status == health_pb2.HealthCheckResponse.SERVING
 
             # Cancel ends the server.
@@ -111,7 +137,9 @@ def test_inference_task_ends_succeeded_when_its_ttl_runs_out(tmp_path, tiny_mode
         cluster.start_trainer("node-a")
         cluster.wait_nodes(1)
         with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-            task_id = client.submit_task(workload_type="inference", model=str(tiny_model_dir), hyperparameters={"ttl_s": 3})
+            task_id = client.submit_task(
+                workload_type="inference", model=str(tiny_model_dir), hyperparameters={"ttl_s": 3}
+            )
             info = client.wait(task_id, timeout=120, poll_interval=0.2)
             assert info.state == "succeeded" and info.endpoint == ""
     finally:

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from opentinker_client import InferenceClient, NotFoundError, PermissionDeniedError, RLClient, TaskFailedError, UnauthenticatedError, UnavailableError
+from opentinker_client import (
+    InferenceClient,
+    NotFoundError,
+    PermissionDeniedError,
+    RLClient,
+    TaskFailedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 
 from tests.support.security import make_certs
 from tests.support.procs import Cluster, free_port
@@ -51,17 +59,32 @@ def test_inference_with_api_keys_and_tls_end_to_end(tmp_path: Path, tiny_model_d
             bob_info, bob_key = root.keys.create("bob", "user")
             spare_info, spare_key = root.keys.create("alice", "user", description="revoked below")
             cluster.start_trainer(
-                "node-a", "--api-key", node_key, "--tls-ca", str(certs.ca), "--tls-cert", str(certs.node_cert), "--tls-key", str(certs.node_key),
-                "--serve-tls-cert", str(certs.server_cert), "--serve-tls-key", str(certs.server_key),
+                "node-a",
+                "--api-key",
+                node_key,
+                "--tls-ca",
+                str(certs.ca),
+                "--tls-cert",
+                str(certs.node_cert),
+                "--tls-key",
+                str(certs.node_key),
+                "--serve-tls-cert",
+                str(certs.server_cert),
+                "--serve-tls-key",
+                str(certs.server_key),
                 url=f"127.0.0.1:{node_port}",
             )
             _wait_connected(root)
         with RLClient(cluster.url, api_key=bob_key, **tls) as bob:
-            bobs_task = bob.submit_task(workload_type="lora_finetune", gpu_count=0, model=str(tiny_model_dir), hyperparameters=TINY_HP)
+            bobs_task = bob.submit_task(
+                workload_type="lora_finetune", gpu_count=0, model=str(tiny_model_dir), hyperparameters=TINY_HP
+            )
             bob.cancel(bobs_task)
 
         with RLClient(cluster.url, api_key=alice_key, min_poll_interval=0, **tls) as alice:
-            trained = alice.submit_task(workload_type="lora_finetune", gpu_count=0, model=str(tiny_model_dir), hyperparameters=TINY_HP)
+            trained = alice.submit_task(
+                workload_type="lora_finetune", gpu_count=0, model=str(tiny_model_dir), hyperparameters=TINY_HP
+            )
             assert alice.wait(trained, timeout=240, poll_interval=0.3).state == "succeeded"
             llm = alice.serve(trained, ttl=600, timeout=180)  # alice's key and the CA go along
             endpoint = llm.endpoint
@@ -76,7 +99,9 @@ def test_inference_with_api_keys_and_tls_end_to_end(tmp_path: Path, tiny_model_d
                 llm.generate("hi", adapter=bobs_task, max_tokens=2)
             with pytest.raises(NotFoundError) as missing:
                 llm.generate("hi", adapter="task-000000000000", max_tokens=2)
-            assert theirs.value.details.replace(bobs_task, "X") == missing.value.details.replace("task-000000000000", "X")
+            assert theirs.value.details.replace(bobs_task, "X") == missing.value.details.replace(
+                "task-000000000000", "X"
+            )
             llm.close()
 
         with InferenceClient(endpoint, api_key=admin_key, adapter=trained, **tls) as admin:
@@ -108,7 +133,15 @@ def test_inference_with_api_keys_and_tls_end_to_end(tmp_path: Path, tiny_model_d
             with pytest.raises(TaskFailedError, match="CANCELLED"):
                 alice.wait(llm.task_id, timeout=60, poll_interval=0.3)
         serving = [e for e in cluster.procs[-1].log_events() if e.get("event") == "serving"]
-        assert serving and serving[0]["tls"] is True and serving[0]["api_key_check"] is True and serving[0]["auth_cache_ttl_s"] == 0.2
-        assert alice_key not in cluster.procs[-1].log_text() and alice_key.split("_", 2)[2] not in cluster.scheduler.log_text()
+        assert (
+            serving
+            and serving[0]["tls"] is True
+            and serving[0]["api_key_check"] is True
+            and serving[0]["auth_cache_ttl_s"] == 0.2
+        )
+        assert (
+            alice_key not in cluster.procs[-1].log_text()
+            and alice_key.split("_", 2)[2] not in cluster.scheduler.log_text()
+        )
     finally:
         cluster.close()

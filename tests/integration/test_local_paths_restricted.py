@@ -49,7 +49,10 @@ def test_relative_names_that_exist_here_are_refused(tmp_path: Path) -> None:
     for name in ("private-model", "org/name", "weights.safetensors", "dangling"):
         with pytest.raises(UserError) as err:
             check_model_not_local(name, cwd=str(tmp_path))
-        assert str(err.value) == f"spec.model {name!r} is a hub id, but a local folder of that name exists on this node; {HINT}"
+        assert (
+            str(err.value)
+            == f"spec.model {name!r} is a hub id, but a local folder of that name exists on this node; {HINT}"
+        )
     for name in ("~", "~/m", "~alice/m"):
         with pytest.raises(UserError, match=rf"spec.model '{name}' names a home folder on this node; {HINT}"):
             check_model_not_local(name, cwd=str(tmp_path))
@@ -83,11 +86,17 @@ def _assignment(tmp: Path, *, model: str, **config) -> N.AssignTask:
         ({"auth": AuthConfig(enabled=True)}, "private-model", True),  # auth on: no local paths at all
         ({"paths": PathsConfig(model_dirs=("/models",))}, "private-model", True),  # model_dirs set
         ({"paths": PathsConfig(model_dirs=("/models",))}, "/models/m", True),
-        ({"auth": AuthConfig(enabled=True), "default_model": "local-default"}, "", False),  # the operator's default is exempt
+        (
+            {"auth": AuthConfig(enabled=True), "default_model": "local-default"},
+            "",
+            False,
+        ),  # the operator's default is exempt
         ({"auth": AuthConfig(enabled=True), "default_model": "local-default"}, "local-default", False),
     ],
 )
-def test_the_scheduler_marks_assignments_under_the_paths_policy(tmp_path: Path, config: dict, model: str, restricted: bool) -> None:
+def test_the_scheduler_marks_assignments_under_the_paths_policy(
+    tmp_path: Path, config: dict, model: str, restricted: bool
+) -> None:
     assert _assignment(tmp_path, model=model, **config).local_paths_restricted is restricted
 
 
@@ -99,8 +108,21 @@ def _run_worker(cwd: Path, tmp_path: Path, assign: N.AssignTask) -> tuple[int, l
     path.write_bytes(assign.SerializeToString())
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "opentinker_trainer.worker", str(path), "--checkpoint-dir", str(tmp_path / "runs" / "t1" / "checkpoints"), "--device", "cpu"],
-        cwd=cwd, env=clean, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "opentinker_trainer.worker",
+            str(path),
+            "--checkpoint-dir",
+            str(tmp_path / "runs" / "t1" / "checkpoints"),
+            "--device",
+            "cpu",
+        ],
+        cwd=cwd,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
 
@@ -110,9 +132,14 @@ def test_a_restricted_worker_refuses_a_folder_in_its_launch_folder(tmp_path: Pat
     launch.mkdir()
     os.symlink(tiny_model_dir, launch / "private-model")
     spec = C.TaskSpec(workload_type="lora_finetune", model="private-model")
-    rc, reports = _run_worker(launch, tmp_path, N.AssignTask(task_id="t1", attempt=1, spec=spec, local_paths_restricted=True))
+    rc, reports = _run_worker(
+        launch, tmp_path, N.AssignTask(task_id="t1", attempt=1, spec=spec, local_paths_restricted=True)
+    )
     assert rc == 1 and reports[-1]["type"] == "failed" and reports[-1]["retryable"] is False, reports
-    assert reports[-1]["error"] == f"spec.model 'private-model' is a hub id, but a local folder of that name exists on this node; {HINT}"
+    assert (
+        reports[-1]["error"]
+        == f"spec.model 'private-model' is a hub id, but a local folder of that name exists on this node; {HINT}"
+    )
 
 
 # ---------------------------------------------------- real scheduler and trainer processes
@@ -136,19 +163,31 @@ def test_end_to_end_with_auth_on_and_model_dirs(tmp_path: Path, tiny_model_dir: 
         monkeypatch.undo()
         with RLClient(cluster.url, api_key=alice_key, min_poll_interval=0) as alice:
             _wait_connected(cluster)
-            stolen = alice.submit_task(workload_type="lora_finetune", model="private-model", hyperparameters={"steps": 1, "lora_rank": 2})
+            stolen = alice.submit_task(
+                workload_type="lora_finetune", model="private-model", hyperparameters={"steps": 1, "lora_rank": 2}
+            )
             with pytest.raises(TaskFailedError) as err:
                 alice.wait(stolen, timeout=180, poll_interval=0.2)
             task = err.value.task
             assert task.attempt == 1  # not retried: a user error
-            assert task.error == f"spec.model 'private-model' is a hub id, but a local folder of that name exists on this node; {HINT}"
+            assert (
+                task.error
+                == f"spec.model 'private-model' is a hub id, but a local folder of that name exists on this node; {HINT}"
+            )
             # The scheduler itself refuses home-folder and relative paths.
             with pytest.raises(InvalidArgumentError, match="spec.model"):
                 alice.submit_task(workload_type="lora_finetune", model="~/private-model")
             # The sanctioned way: the absolute path under paths.model_dirs trains on the same node.
             ok = alice.submit_task(
-                workload_type="lora_finetune", model=str(tiny_model_dir),
-                hyperparameters={"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 2},
+                workload_type="lora_finetune",
+                model=str(tiny_model_dir),
+                hyperparameters={
+                    "steps": 1,
+                    "prompts_per_step": 2,
+                    "group_size": 2,
+                    "max_new_tokens": 4,
+                    "lora_rank": 2,
+                },
             )
             assert alice.wait(ok, timeout=240, poll_interval=0.2).state == "succeeded"
     finally:

@@ -13,7 +13,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.procs import Cluster
 
-TINY_HP = {"steps": 400, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4, "checkpoint_every": 0}
+TINY_HP = {
+    "steps": 400,
+    "prompts_per_step": 2,
+    "group_size": 2,
+    "max_new_tokens": 4,
+    "lora_rank": 4,
+    "checkpoint_every": 0,
+}
 
 
 def scrape(cluster: Cluster) -> dict[str, list]:
@@ -65,7 +72,9 @@ def test_scheduler_metrics_follow_tasks_and_nodes(cluster, tiny_model_dir: Path)
     assert value(m, "opentinker_scheduling_latency_seconds_count") == 0.0
 
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=0, hyperparameters=TINY_HP)
+        task_id = client.submit_task(
+            workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=0, hyperparameters=TINY_HP
+        )
         m = until(cluster, lambda m: value(m, "opentinker_tasks", state="pending") == 1.0, "a pending task")
         assert value(m, "opentinker_queue_depth") == 1.0
 
@@ -76,8 +85,14 @@ def test_scheduler_metrics_follow_tasks_and_nodes(cluster, tiny_model_dir: Path)
         assert value(m, "opentinker_nodes", status="connected") == 1.0
         assert value(m, "opentinker_scheduling_latency_seconds_count") == 1.0
         assert value(m, "opentinker_scheduling_latency_seconds_sum") > 0
-        m = until(cluster, lambda m: value(m, "opentinker_gpu_memory_total_bytes", node_id="metrics-node", gpu=1) is not None, "GPU telemetry")
-        assert value(m, "opentinker_gpu_memory_total_bytes", node_id="metrics-node", gpu=0, simulated="true") == 80 * 2**30
+        m = until(
+            cluster,
+            lambda m: value(m, "opentinker_gpu_memory_total_bytes", node_id="metrics-node", gpu=1) is not None,
+            "GPU telemetry",
+        )
+        assert (
+            value(m, "opentinker_gpu_memory_total_bytes", node_id="metrics-node", gpu=0, simulated="true") == 80 * 2**30
+        )
         assert value(m, "opentinker_node_messages_total", kind="heartbeat") > 0
 
         client.cancel(task_id)

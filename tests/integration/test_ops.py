@@ -32,8 +32,10 @@ def test_health_reflection_and_grpcurl(cluster) -> None:
     health = grpcurl(f"127.0.0.1:{cluster.port}", "grpc.health.v1.Health/Check")
     assert '"SERVING"' in health.stdout
     submitted = grpcurl(
-        "-d", '{"spec": {"workload_type": "lora_finetune", "model": "/models/x", "resources": {"gpu_count": 0}}}',
-        f"127.0.0.1:{cluster.port}", "opentinker.scheduler.v1.SchedulerService/SubmitTask",
+        "-d",
+        '{"spec": {"workload_type": "lora_finetune", "model": "/models/x", "resources": {"gpu_count": 0}}}',
+        f"127.0.0.1:{cluster.port}",
+        "opentinker.scheduler.v1.SchedulerService/SubmitTask",
     )
     assert submitted.returncode == 0, submitted.stderr
     assert "TASK_STATE_PENDING" in submitted.stdout and "no trainer node is connected" in submitted.stdout
@@ -42,9 +44,21 @@ def test_health_reflection_and_grpcurl(cluster) -> None:
 @pytest.mark.parametrize(
     ("spec", "code", "needle"),
     [
-        (C.TaskSpec(workload_type="rlhf", model="m"), grpc.StatusCode.INVALID_ARGUMENT, "spec.workload_type: expected one of lora_finetune, full_rl"),
-        (C.TaskSpec(workload_type="lora_finetune", model="m", resources=C.Resources(gpu_count=-2)), grpc.StatusCode.INVALID_ARGUMENT, "spec.resources.gpu_count"),
-        (C.TaskSpec(workload_type="lora_finetune", model="m", resources=C.Resources(gpu_count=64)), grpc.StatusCode.FAILED_PRECONDITION, "64 GPU(s) asked"),
+        (
+            C.TaskSpec(workload_type="rlhf", model="m"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "spec.workload_type: expected one of lora_finetune, full_rl",
+        ),
+        (
+            C.TaskSpec(workload_type="lora_finetune", model="m", resources=C.Resources(gpu_count=-2)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "spec.resources.gpu_count",
+        ),
+        (
+            C.TaskSpec(workload_type="lora_finetune", model="m", resources=C.Resources(gpu_count=64)),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "64 GPU(s) asked",
+        ),
     ],
 )
 def test_bad_specs_get_clear_status(cluster, spec, code, needle) -> None:
@@ -87,7 +101,12 @@ def test_cpu_node_registers_and_says_so(cluster) -> None:
 def test_bad_scheduler_config_refused_at_start(tmp_path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("resource_pool:\n  - node_id: a\n    gpus: 4\n")
-    out = subprocess.run([sys.executable, "-m", "opentinker_scheduler", "--config", str(cfg), "--port", "0"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "opentinker_scheduler", "--config", str(cfg), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert f"{cfg}:3: resource_pool[0].gpus" in out.stderr
 
@@ -95,14 +114,42 @@ def test_bad_scheduler_config_refused_at_start(tmp_path) -> None:
 def test_second_scheduler_on_same_port_or_state_dir_refused(cluster) -> None:
     cluster.start_scheduler()
     same_port = subprocess.run(
-        [sys.executable, "-m", "opentinker_scheduler", "--config", str(cluster.config_path), "--port", str(cluster.port), "--http-port", "0", "--state-dir", str(cluster.tmp / "other")],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "opentinker_scheduler",
+            "--config",
+            str(cluster.config_path),
+            "--port",
+            str(cluster.port),
+            "--http-port",
+            "0",
+            "--state-dir",
+            str(cluster.tmp / "other"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert same_port.returncode == 1 and f"cannot listen on gRPC port 0.0.0.0:{cluster.port}" in same_port.stderr
     assert "Traceback" not in same_port.stderr
     same_state = subprocess.run(
-        [sys.executable, "-m", "opentinker_scheduler", "--config", str(cluster.config_path), "--port", "0", "--http-port", "0", "--state-dir", str(cluster.state_dir)],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "opentinker_scheduler",
+            "--config",
+            str(cluster.config_path),
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--state-dir",
+            str(cluster.state_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert same_state.returncode == 1 and "is in use by another scheduler" in same_state.stderr
     assert cluster.health() == {"status": "ok"}

@@ -19,9 +19,13 @@ def test_high_priority_preempts_and_victim_resumes_from_checkpoint(cluster, tiny
     cluster.start_trainer("node-a", "--max-tasks", "1", "--kill-grace", "60")  # time to checkpoint under load
     cluster.wait_nodes(1)
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        low = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 40}, priority=0)
+        low = client.submit_task(
+            workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 40}, priority=0
+        )
         cluster.wait_state(low, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step >= 3)
-        high = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 3}, priority=50)
+        high = client.submit_task(
+            workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 3}, priority=50
+        )
         task = cluster.wait_state(low, C.TASK_STATE_PENDING, timeout=90)
         assert task.attempt == 2
         preempted_at = task.latest_checkpoint.step
@@ -41,7 +45,12 @@ def test_max_runtime_fails_with_timeout_after_final_checkpoint(cluster, tiny_mod
     cluster.start_trainer("node-a", "--kill-grace", "60")  # time to write the final checkpoint under load
     cluster.wait_nodes(1)
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 10000}, max_runtime=12)  # room to load and step once under load
+        task_id = client.submit_task(
+            workload_type="lora_finetune",
+            model=str(tiny_model_dir),
+            hyperparameters={**HP, "steps": 10000},
+            max_runtime=12,
+        )  # room to load and step once under load
         task = cluster.wait_state(task_id, C.TASK_STATE_FAILED, timeout=120)
         events = [e for e in client.watch(task_id)]
         assert [e.reason for e in events if e.kind == "state"][-1] == "TIMEOUT"

@@ -51,7 +51,15 @@ def test_keys_tls_and_mtls_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> N
 
             # A trainer holding a user key is refused for good and exits 1.
             wrong = cluster.start_trainer(
-                "node-wrong", "--api-key", alice_key, "--tls-ca", str(certs.ca), "--tls-cert", str(certs.node_cert), "--tls-key", str(certs.node_key),
+                "node-wrong",
+                "--api-key",
+                alice_key,
+                "--tls-ca",
+                str(certs.ca),
+                "--tls-cert",
+                str(certs.node_cert),
+                "--tls-key",
+                str(certs.node_key),
                 url=f"127.0.0.1:{node_port}",
             )
             assert wrong.popen.wait(timeout=60) == 1
@@ -59,13 +67,23 @@ def test_keys_tls_and_mtls_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> N
 
             # The real trainer: node key + client certificate (CN node-a) on the mTLS node port.
             trainer = cluster.start_trainer(
-                "node-a", "--api-key", node_key, "--tls-ca", str(certs.ca), "--tls-cert", str(certs.node_cert), "--tls-key", str(certs.node_key),
+                "node-a",
+                "--api-key",
+                node_key,
+                "--tls-ca",
+                str(certs.ca),
+                "--tls-cert",
+                str(certs.node_cert),
+                "--tls-key",
+                str(certs.node_key),
                 url=f"https://localhost:{node_port}",
             )
             _wait_connected(root, 1)
 
         with RLClient(cluster.url, api_key=alice_key, min_poll_interval=0, **tls) as alice:
-            task_id = alice.submit_task(workload_type="lora_finetune", gpu_count=0, model=str(tiny_model_dir), hyperparameters=TINY_HP)
+            task_id = alice.submit_task(
+                workload_type="lora_finetune", gpu_count=0, model=str(tiny_model_dir), hyperparameters=TINY_HP
+            )
             task = alice.wait(task_id, timeout=240, poll_interval=0.3)
             assert task.state == "succeeded" and task.owner == "alice"
             assert alice.get_metrics(task_id)["step"] == 2
@@ -88,7 +106,13 @@ def test_keys_tls_and_mtls_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> N
         with RLClient(cluster.url, api_key=new_bob_key, **tls) as revoked:
             with pytest.raises(UnauthenticatedError, match="revoked"):
                 revoked.list_tasks()
-        assert {("key.create", "OK"), ("task.submit", "OK"), ("key.rotate", "OK"), ("key.revoke", "OK"), ("node.join", "OK")} <= actions
+        assert {
+            ("key.create", "OK"),
+            ("task.submit", "OK"),
+            ("key.rotate", "OK"),
+            ("key.revoke", "OK"),
+            ("node.join", "OK"),
+        } <= actions
         # Plaintext to the TLS port does not get through.
         with RLClient(cluster.url, api_key=admin_key, timeout=3) as plain:
             with pytest.raises(Exception, match="UNAVAILABLE|DEADLINE_EXCEEDED"):

@@ -51,7 +51,9 @@ def test_a_mismatched_serve_tls_pair_stops_the_trainer_at_start(certs) -> None:
         r = _trainer(*argv, env=env)
         assert r.returncode == 2 and "Traceback" not in r.stderr
         last = r.stderr.strip().splitlines()[-1]  # argparse: the usage line, then the one error line
-        assert last.startswith("opentinker-trainer: error: --serve-tls-cert/--serve-tls-key: the key does not match the certificate"), r.stderr
+        assert last.startswith(
+            "opentinker-trainer: error: --serve-tls-cert/--serve-tls-key: the key does not match the certificate"
+        ), r.stderr
         assert "in use" not in r.stderr
 
 
@@ -125,7 +127,10 @@ def test_a_refused_client_certificate_gets_a_hint_once_per_streak(tmp_path, cert
     procs = {}
     try:
         for name, tls in (
-            ("rogue", ["--tls-ca", str(certs.ca), "--tls-cert", str(certs.rogue_cert), "--tls-key", str(certs.rogue_key)]),  # another CA
+            (
+                "rogue",
+                ["--tls-ca", str(certs.ca), "--tls-cert", str(certs.rogue_cert), "--tls-key", str(certs.rogue_key)],
+            ),  # another CA
             ("nocert", ["--tls-ca", str(certs.ca)]),  # no client certificate at all
             ("plain", []),  # plaintext to the TLS port: not a certificate problem, no TLS hint
         ):
@@ -148,7 +153,10 @@ def test_a_refused_client_certificate_gets_a_hint_once_per_streak(tmp_path, cert
         hints = [e for e in procs[name].log_events() if str(e.get("event", "")).startswith("hint:")]
         assert len(hints) == 1, procs[name].log_text()[-3000:]  # once per streak, not once per retry
         assert hints[0]["event"] == "hint: " + TLS_REFUSAL_HINT
-        assert "--tls-cert is signed by the scheduler's tls.client_ca" in TLS_REFUSAL_HINT and "node_port" in TLS_REFUSAL_HINT
+        assert (
+            "--tls-cert is signed by the scheduler's tls.client_ca" in TLS_REFUSAL_HINT
+            and "node_port" in TLS_REFUSAL_HINT
+        )
     assert not [e for e in procs["plain"].log_events() if str(e.get("event", "")).startswith("hint:")]
 
 
@@ -174,7 +182,9 @@ def test_a_plaintext_trainer_against_a_tls_environment_server_says_so(certs) -> 
 
     close_all_sessions()
     try:
-        with EnvironmentServer(Corridor(), tls_cert=certs.server_cert, tls_key=certs.server_key, tls_ca=certs.ca) as server:
+        with EnvironmentServer(
+            Corridor(), tls_cert=certs.server_cert, tls_key=certs.server_key, tls_ca=certs.ca
+        ) as server:
             spec = {**server.env_config, "tls": False, "tls_root_certificates": "", "grace_s": 0.5}
             env = make_client_env(validate_env_config(spec), seed=None)
             with pytest.raises(UserError) as err:

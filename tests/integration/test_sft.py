@@ -43,7 +43,16 @@ def arithmetic_jsonl(path: Path, n: int = 12) -> Path:
     rows = []
     for _ in range(n):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append(json.dumps({"messages": [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": str(a + b)}]}))
+        rows.append(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"What is {a} + {b}?"},
+                        {"role": "assistant", "content": str(a + b)},
+                    ]
+                }
+            )
+        )
     path.write_text("\n".join(rows) + "\n")
     return path
 
@@ -72,17 +81,33 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
         assert (sft_ckpt / "adapter_config.json").exists() and sft_task.proto.latest_checkpoint.format == "peft_lora"
 
         # Refusals at submit, before anything is queued.
-        running = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**RL_HP, "steps": 500})
-        with pytest.raises(FailedPreconditionError, match=rf"spec.init_from: task {running} is (PENDING|ASSIGNED|RUNNING); a task can only start from one that SUCCEEDED"):
-            client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=RL_HP, init_from=running)
+        running = client.submit_task(
+            workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**RL_HP, "steps": 500}
+        )
+        with pytest.raises(
+            FailedPreconditionError,
+            match=rf"spec.init_from: task {running} is (PENDING|ASSIGNED|RUNNING); a task can only start from one that SUCCEEDED",
+        ):
+            client.submit_task(
+                workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=RL_HP, init_from=running
+            )
         client.cancel(running)
         with pytest.raises(NotFoundError, match="spec.init_from: task 'task-00000000000000000000' not found"):
-            client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=RL_HP, init_from="task-00000000000000000000")
+            client.submit_task(
+                workload_type="lora_finetune",
+                model=str(tiny_model_dir),
+                hyperparameters=RL_HP,
+                init_from="task-00000000000000000000",
+            )
         with pytest.raises(InvalidArgumentError, match="spec.model: expected"):
-            client.submit_task(workload_type="lora_finetune", model="/some/other/model", hyperparameters=RL_HP, init_from=sft_id)
+            client.submit_task(
+                workload_type="lora_finetune", model="/some/other/model", hyperparameters=RL_HP, init_from=sft_id
+            )
 
         # SFT warm start, then RL: the RL task continues the SFT adapter (rank 2, not its own 16).
-        rl_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=RL_HP, init_from=sft_id)
+        rl_id = client.submit_task(
+            workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=RL_HP, init_from=sft_id
+        )
         rl_task = client.wait(rl_id, timeout=180, poll_interval=0.2)
         assert rl_task.state == "succeeded", rl_task.error
         assert rl_task.init_from == sft_id
@@ -99,7 +124,9 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
         full = client.wait(full_id, timeout=180, poll_interval=0.2)
         assert full.state == "succeeded", full.error
         assert full.env_config["dataset_id"] == info.dataset_id
-        assert full.proto.latest_checkpoint.format == "hf_full" and (Path(full.checkpoint_path) / "config.json").exists()
+        assert (
+            full.proto.latest_checkpoint.format == "hf_full" and (Path(full.checkpoint_path) / "config.json").exists()
+        )
 
         # full_rl on a text environment from those weights: GRPO on all of them, a full checkpoint.
         grpo_id = client.submit_task(
@@ -109,7 +136,10 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
         grpo = client.wait(grpo_id, timeout=180, poll_interval=0.2)
         assert grpo.state == "succeeded", grpo.error
         assert {"loss", "reward", "loss/policy"} <= set(client.get_metrics(grpo_id))
-        assert grpo.proto.latest_checkpoint.format == "hf_full" and (Path(grpo.checkpoint_path) / "model.safetensors").exists()
+        assert (
+            grpo.proto.latest_checkpoint.format == "hf_full"
+            and (Path(grpo.checkpoint_path) / "model.safetensors").exists()
+        )
         loads = [e for e in trainer.log_events() if e.get("event") == "loading model" and e.get("task_id") == grpo_id]
         assert loads and loads[0]["full_weights"] is True and loads[0]["init_checkpoint"] == full.checkpoint_path
 
@@ -120,11 +150,13 @@ def test_dataset_refusals_over_the_wire(sft_cluster: Cluster, tiny_model_dir: Pa
     sft_cluster.wait_nodes(1)
     bad = tmp_path / "bad.jsonl"
     good_line = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
-    bad.write_text(f"{good_line}\n\n{{\"messages\": [{{\"role\": \"user\", \"content\": \"no reply\"}}]}}\n")
+    bad.write_text(f'{good_line}\n\n{{"messages": [{{"role": "user", "content": "no reply"}}]}}\n')
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n  \n")
     with RLClient(scheduler_url=sft_cluster.url, min_poll_interval=0) as client:
-        with pytest.raises(InvalidArgumentError, match="dataset line 3: expected at least one assistant message") as err:
+        with pytest.raises(
+            InvalidArgumentError, match="dataset line 3: expected at least one assistant message"
+        ) as err:
             client.upload_dataset(bad)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(InvalidArgumentError, match="dataset: expected at least one example"):
@@ -138,14 +170,20 @@ def test_dataset_refusals_over_the_wire(sft_cluster: Cluster, tiny_model_dir: Pa
         # Over the limit: refused from the announced size, before any byte is stored.
         stub = sft_cluster.stub
         with pytest.raises(grpc.RpcError) as rpc_err:
-            stub.UploadDataset(iter([scheduler_pb2.UploadDatasetRequest(name="huge", total_bytes=300 * 1024 * 1024, chunk=b"{")]))
+            stub.UploadDataset(
+                iter([scheduler_pb2.UploadDatasetRequest(name="huge", total_bytes=300 * 1024 * 1024, chunk=b"{")])
+            )
         assert rpc_err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "dataset limit" in rpc_err.value.details()
         with pytest.raises(grpc.RpcError) as rpc_err:
             list(stub.DownloadDataset(scheduler_pb2.DownloadDatasetRequest(dataset_id="sha256:" + "0" * 64)))
         assert rpc_err.value.code() == grpc.StatusCode.NOT_FOUND
 
         with pytest.raises(NotFoundError, match="spec.env_config.dataset_id: dataset sha256:0+ not found"):
-            client.submit_task({"env_id": "chat_jsonl", "dataset_id": "sha256:" + "0" * 64}, workload_type="sft", model=str(tiny_model_dir))
+            client.submit_task(
+                {"env_id": "chat_jsonl", "dataset_id": "sha256:" + "0" * 64},
+                workload_type="sft",
+                model=str(tiny_model_dir),
+            )
 
         # A path the trainer reads: a bad line fails the task at once (no retry), naming the line.
         task_id = client.submit_task(

@@ -44,7 +44,13 @@ def tls_sched(certs):
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for var in ("OPENTINKER_API_KEY", "OPENTINKER_TLS_CA", "OPENTINKER_TLS_CERT", "OPENTINKER_TLS_KEY", "SCHEDULER_URL"):
+    for var in (
+        "OPENTINKER_API_KEY",
+        "OPENTINKER_TLS_CA",
+        "OPENTINKER_TLS_CERT",
+        "OPENTINKER_TLS_KEY",
+        "SCHEDULER_URL",
+    ):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -55,8 +61,12 @@ def _admin_key(s: LoopbackScheduler) -> str:
 # ------------------------------------------------------------------- 5: a private key as the CA
 
 
-def test_a_private_key_or_a_non_certificate_given_as_the_ca_is_refused_naming_the_argument(certs, tmp_path, capsys) -> None:
-    with pytest.raises(ValueError, match=r"^root_certificates: '.*server\.key' holds a private key, not a CA certificate$"):
+def test_a_private_key_or_a_non_certificate_given_as_the_ca_is_refused_naming_the_argument(
+    certs, tmp_path, capsys
+) -> None:
+    with pytest.raises(
+        ValueError, match=r"^root_certificates: '.*server\.key' holds a private key, not a CA certificate$"
+    ):
         channel_credentials(certs.server_key)
     with pytest.raises(ValueError, match=r"^root_certificates: .* holds a private key"):
         RLClient("https://localhost:1", root_certificates=certs.node_key)
@@ -68,7 +78,9 @@ def test_a_private_key_or_a_non_certificate_given_as_the_ca_is_refused_naming_th
         channel_credentials(bundle)
     other = tmp_path / "params.pem"  # PEM, but no certificate in it
     other.write_text("-----BEGIN EC PARAMETERS-----\nBggqhkjOPQMBBw==\n-----END EC PARAMETERS-----\n")
-    with pytest.raises(ValueError, match=r"^root_certificates: .*params\.pem' holds no -----BEGIN CERTIFICATE----- block"):
+    with pytest.raises(
+        ValueError, match=r"^root_certificates: .*params\.pem' holds no -----BEGIN CERTIFICATE----- block"
+    ):
         channel_credentials(other)
     # The mTLS pair the wrong way round.
     with pytest.raises(ValueError, match=r"^client_cert: .* holds no -----BEGIN CERTIFICATE----- block"):
@@ -79,13 +91,19 @@ def test_a_private_key_or_a_non_certificate_given_as_the_ca_is_refused_naming_th
     # The CLI: exit 2, one line naming the argument.
     assert cli_main(["--scheduler-url", "https://localhost:1", "--tls-ca", str(certs.server_key), "list"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: root_certificates:") and "holds a private key, not a CA certificate" in err
+    assert (
+        err.count("\n") == 1
+        and err.startswith("error: root_certificates:")
+        and "holds a private key, not a CA certificate" in err
+    )
 
 
 # ------------------------------------------------------------ 3: whitespace around an API key
 
 
-def test_surrounding_whitespace_of_an_api_key_is_stripped_and_inner_whitespace_is_a_value_error(tls_sched, certs, monkeypatch, capsys) -> None:
+def test_surrounding_whitespace_of_an_api_key_is_stripped_and_inner_whitespace_is_a_value_error(
+    tls_sched, certs, monkeypatch, capsys
+) -> None:
     admin = _admin_key(tls_sched)
     file_text = (tls_sched.config.state_dir / "admin.key").read_text()
     assert file_text != file_text.strip()  # the key file ends in a newline, as files do
@@ -98,11 +116,19 @@ def test_surrounding_whitespace_of_an_api_key_is_stripped_and_inner_whitespace_i
     # The CLI: from the environment and from --api-key "$(cat key)"-style values.
     assert cli_main(["--scheduler-url", tls_sched.target, "--tls-ca", str(certs.ca), "list"]) == 0
     monkeypatch.delenv("OPENTINKER_API_KEY")
-    assert cli_main(["--scheduler-url", tls_sched.target, "--tls-ca", str(certs.ca), "--api-key", admin + "\n", "list"]) == 0
+    assert (
+        cli_main(["--scheduler-url", tls_sched.target, "--tls-ca", str(certs.ca), "--api-key", admin + "\n", "list"])
+        == 0
+    )
     capsys.readouterr()
     # Inner whitespace or control characters: a ValueError naming the argument, never the key.
     secret = admin.split("_", 2)[2]
-    for bad in (admin[:20] + " " + admin[20:], admin[:20] + "\x00" + admin[20:], admin + "\nsecond line", admin[:10] + "é" + admin[10:]):
+    for bad in (
+        admin[:20] + " " + admin[20:],
+        admin[:20] + "\x00" + admin[20:],
+        admin + "\nsecond line",
+        admin[:10] + "é" + admin[10:],
+    ):
         for make in (
             lambda: RLClient(tls_sched.target, api_key=bad, root_certificates=certs.ca),
             lambda: InferenceClient("127.0.0.1:1", api_key=bad),
@@ -111,7 +137,12 @@ def test_surrounding_whitespace_of_an_api_key_is_stripped_and_inner_whitespace_i
                 make()
             assert str(err.value).startswith("api_key: expected an API key of printable ASCII characters")
             assert secret[:8] not in str(err.value) and "not shown" in str(err.value)
-    assert cli_main(["--scheduler-url", tls_sched.target, "--tls-ca", str(certs.ca), "--api-key", admin[:20] + " x", "list"]) == 2
+    assert (
+        cli_main(
+            ["--scheduler-url", tls_sched.target, "--tls-ca", str(certs.ca), "--api-key", admin[:20] + " x", "list"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: --api-key: expected an API key") and err.count("\n") == 1 and secret[:8] not in err
     monkeypatch.setenv("OPENTINKER_API_KEY", "otk_a\tb")
@@ -138,7 +169,9 @@ def inference_double(certs):
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
     plain = server.add_insecure_port("127.0.0.1:0")
-    secure = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(certs.server_key.read_bytes(), certs.server_cert.read_bytes())]))
+    secure = server.add_secure_port(
+        "127.0.0.1:0", grpc.ssl_server_credentials([(certs.server_key.read_bytes(), certs.server_cert.read_bytes())])
+    )
     server.start()
     yield servicer, plain, secure
     server.stop(None)
@@ -163,7 +196,9 @@ def test_plaintext_against_a_tls_scheduler_says_it_may_serve_tls(tls_sched, cert
         with pytest.raises(UnavailableError) as err:
             c.list_tasks()
     assert "Socket closed" in err.value.details and err.value.details.endswith(SCHEDULER_PLAINTEXT_HINT)
-    assert "https://host:port" in SCHEDULER_PLAINTEXT_HINT and "--tls-ca / $OPENTINKER_TLS_CA" in SCHEDULER_PLAINTEXT_HINT
+    assert (
+        "https://host:port" in SCHEDULER_PLAINTEXT_HINT and "--tls-ca / $OPENTINKER_TLS_CA" in SCHEDULER_PLAINTEXT_HINT
+    )
     # Over TLS (here with the wrong CA) the hint would mislead: it is not given.
     with RLClient(tls_sched.target, root_certificates=certs.other_ca, timeout=20) as c:
         with pytest.raises(UnavailableError) as err:
@@ -201,14 +236,22 @@ def _served_adapter_world(s: LoopbackScheduler, endpoint: str) -> str:
     core.schedule()
     core.node_report(node, N.TaskReport(task_id=trained.task_id, attempt=1, state=C.TASK_STATE_RUNNING))
     ck = C.Checkpoint(step=1, path="/ck/step_1", format="peft_lora", final=True)
-    core.node_report(node, N.TaskReport(task_id=trained.task_id, attempt=1, state=C.TASK_STATE_SUCCEEDED, checkpoint=ck))
-    serving = core.submit(C.TaskSpec(workload_type="inference", model="/models/m", resources=C.Resources(gpu_count=0)), owner="anonymous")
+    core.node_report(
+        node, N.TaskReport(task_id=trained.task_id, attempt=1, state=C.TASK_STATE_SUCCEEDED, checkpoint=ck)
+    )
+    serving = core.submit(
+        C.TaskSpec(workload_type="inference", model="/models/m", resources=C.Resources(gpu_count=0)), owner="anonymous"
+    )
     core.schedule()
-    core.node_report(node, N.TaskReport(task_id=serving.task_id, attempt=1, state=C.TASK_STATE_RUNNING, endpoint=endpoint))
+    core.node_report(
+        node, N.TaskReport(task_id=serving.task_id, attempt=1, state=C.TASK_STATE_RUNNING, endpoint=endpoint)
+    )
     return trained.task_id
 
 
-def test_serve_fails_at_once_with_a_wrong_inference_ca_in_the_library_and_the_cli(tmp_path, inference_double, certs, capsys) -> None:
+def test_serve_fails_at_once_with_a_wrong_inference_ca_in_the_library_and_the_cli(
+    tmp_path, inference_double, certs, capsys
+) -> None:
     servicer, _, secure = inference_double
     s = LoopbackScheduler(tmp_path / "state")
     try:
@@ -242,32 +285,54 @@ def test_the_cli_prints_one_error_line_without_grpc_log_lines(tls_sched, certs) 
         ["--scheduler-url", tls_sched.target, "list"],  # plaintext to TLS: Socket closed
         ["--scheduler-url", f"https://{tls_sched.target}", "list"],  # TLS without the CA: handshake failed
     ):
-        r = subprocess.run([*cli, "--timeout", "20", *argv], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+        r = subprocess.run(
+            [*cli, "--timeout", "20", *argv], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+        )
         assert r.returncode == 2
         lines = r.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: UNAVAILABLE:"), r.stderr
         assert "Handshake failed" not in r.stderr
     assert lines[0].count("CERTIFICATE_VERIFY_FAILED") == 1
-    r = subprocess.run([sys.executable, "-m", "opentinker_client", "--scheduler-url", tls_sched.target, "--timeout", "20", "list"],
-                       capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "opentinker_client", "--scheduler-url", tls_sched.target, "--timeout", "20", "list"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stderr.splitlines() == [r.stderr.strip()] and SCHEDULER_PLAINTEXT_HINT in r.stderr
 
 
 def test_library_users_keep_grpcs_own_verbosity() -> None:
     code = "import os, opentinker_client; print(os.environ.get('GRPC_VERBOSITY', '<unset>'))"
     env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    ).stdout.strip()
     assert out == "<unset>"
     env["GRPC_VERBOSITY"] = "DEBUG"  # and a user's own choice wins in the CLI too
     code = "import sys; sys.argv[0] = '/x/bin/opentinker'; import os, opentinker_client; print(os.environ['GRPC_VERBOSITY'])"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120).stdout.strip() == "DEBUG"
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+        ).stdout.strip()
+        == "DEBUG"
+    )
 
 
 def test_authorization_problem_names_known_schemes_only() -> None:
     md = lambda v: (("authorization", v),)  # noqa: E731
     assert authorization_problem(()) is None and authorization_problem(md("Bearer otk_x")) is None
-    assert authorization_problem(md("Basic dXNlcjpwYXNz")) == "malformed authorization metadata: expected 'Bearer otk_...', got a 'Basic' value"
-    assert authorization_problem(md("otk_0123abcd_secretsecret")).endswith("got a bare key without the 'Bearer ' scheme")
+    assert (
+        authorization_problem(md("Basic dXNlcjpwYXNz"))
+        == "malformed authorization metadata: expected 'Bearer otk_...', got a 'Basic' value"
+    )
+    assert authorization_problem(md("otk_0123abcd_secretsecret")).endswith(
+        "got a bare key without the 'Bearer ' scheme"
+    )
     assert authorization_problem(md("Bearer")).endswith("got a 'Bearer' value without a key")
     assert authorization_problem(md("hunter2 more")).endswith("got a value without a known scheme")  # never echoed
-    assert authorization_problem(md("x"), expected="Bearer <token>").startswith("malformed authorization metadata: expected 'Bearer <token>'")
+    assert authorization_problem(md("x"), expected="Bearer <token>").startswith(
+        "malformed authorization metadata: expected 'Bearer <token>'"
+    )

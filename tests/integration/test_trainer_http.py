@@ -20,7 +20,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from opentinker_trainer.http import StepRate
 from tests.support.procs import Cluster, free_port
 
-TINY_HP = {"steps": 400, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4, "checkpoint_every": 0}
+TINY_HP = {
+    "steps": 400,
+    "prompts_per_step": 2,
+    "group_size": 2,
+    "max_new_tokens": 4,
+    "lora_rank": 4,
+    "checkpoint_every": 0,
+}
 
 
 def get(port: int, path: str) -> tuple[int, bytes]:
@@ -84,26 +91,53 @@ def test_metrics_move_with_a_task_and_health_follows_the_scheduler(cluster, tiny
     assert value(m, "opentinker_trainer_running_tasks") == 0.0
     assert value(m, "opentinker_trainer_gpus", simulated="true") == 2.0
     for gpu in ("0", "1"):
-        assert value(m, "opentinker_gpu_memory_total_bytes", node_id="http-node", gpu=gpu, simulated="true") == 80 * 2**30
+        assert (
+            value(m, "opentinker_gpu_memory_total_bytes", node_id="http-node", gpu=gpu, simulated="true") == 80 * 2**30
+        )
         assert value(m, "opentinker_gpu_utilization_percent", gpu=gpu) == 0.0
         # simulated devices have no temperature: absent, with the reason, never a made-up 0
         assert value(m, "opentinker_gpu_temperature_celsius", gpu=gpu) is None
-        assert value(m, "opentinker_gpu_field_unavailable", gpu=gpu, field="temperature_c", reason="simulated device") == 1.0
+        assert (
+            value(m, "opentinker_gpu_field_unavailable", gpu=gpu, field="temperature_c", reason="simulated device")
+            == 1.0
+        )
     assert "opentinker_task_step" not in m
 
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=0, hyperparameters=TINY_HP)
-        m = wait_for(lambda: (lambda s: s if (value(s, "opentinker_task_step", task_id=task_id) or 0) >= 3 else None)(samples(port)), what="3 steps")
+        task_id = client.submit_task(
+            workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=0, hyperparameters=TINY_HP
+        )
+        m = wait_for(
+            lambda: (lambda s: s if (value(s, "opentinker_task_step", task_id=task_id) or 0) >= 3 else None)(
+                samples(port)
+            ),
+            what="3 steps",
+        )
         assert value(m, "opentinker_trainer_running_tasks") == 1.0
         assert value(m, "opentinker_task_steps_per_second", task_id=task_id, attempt=1) > 0
         assert value(m, "opentinker_task_reward", task_id=task_id) is not None
         assert value(m, "opentinker_task_loss", task_id=task_id) is not None
         assert any(labels["task_id"] == task_id for labels, _ in m["opentinker_task_perf"])
         assert value(m, "opentinker_trainer_metric_reports_total") >= 3
-        later = wait_for(lambda: (lambda s: s if value(s, "opentinker_task_step", task_id=task_id) > value(m, "opentinker_task_step", task_id=task_id) else None)(samples(port)), what="step moves")
-        assert value(later, "opentinker_trainer_metric_reports_total") > value(m, "opentinker_trainer_metric_reports_total")
+        later = wait_for(
+            lambda: (
+                lambda s: (
+                    s
+                    if value(s, "opentinker_task_step", task_id=task_id)
+                    > value(m, "opentinker_task_step", task_id=task_id)
+                    else None
+                )
+            )(samples(port)),
+            what="step moves",
+        )
+        assert value(later, "opentinker_trainer_metric_reports_total") > value(
+            m, "opentinker_trainer_metric_reports_total"
+        )
         client.cancel(task_id, reason="enough")
-        gone = wait_for(lambda: (lambda s: s if value(s, "opentinker_trainer_running_tasks") == 0.0 else None)(samples(port)), what="worker gone")
+        gone = wait_for(
+            lambda: (lambda s: s if value(s, "opentinker_trainer_running_tasks") == 0.0 else None)(samples(port)),
+            what="worker gone",
+        )
         assert value(gone, "opentinker_task_step", task_id=task_id) is None  # an ended attempt is forgotten
 
     cluster.scheduler.kill9()
@@ -136,15 +170,29 @@ def run_trainer(*args: str, env: dict | None = None) -> subprocess.CompletedProc
     import os
 
     base = {k: v for k, v in os.environ.items() if k not in ("SCHEDULER_URL", "OPENTINKER_HTTP_PORT")}
-    return subprocess.run([sys.executable, "-m", "opentinker_trainer", *args], env={**base, **(env or {})}, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "opentinker_trainer", *args],
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
-        (("--http-port", "70000"), {}, "argument --http-port: expected a port number 0-65535 (0 = any free port), got '70000'"),
+        (
+            ("--http-port", "70000"),
+            {},
+            "argument --http-port: expected a port number 0-65535 (0 = any free port), got '70000'",
+        ),
         (("--http-port", "x"), {}, "argument --http-port: expected a port number 0-65535"),
-        ((), {"OPENTINKER_HTTP_PORT": "-1"}, "environment variable OPENTINKER_HTTP_PORT: expected a port number 0-65535"),
+        (
+            (),
+            {"OPENTINKER_HTTP_PORT": "-1"},
+            "environment variable OPENTINKER_HTTP_PORT: expected a port number 0-65535",
+        ),
     ],
 )
 def test_bad_http_port_exits_2_with_one_line(args, env, message) -> None:
@@ -158,6 +206,14 @@ def test_http_port_in_use_exits_1_with_one_line(tmp_path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        proc = run_trainer("--http-host", "127.0.0.1", "--http-port", str(port), "--work-dir", str(tmp_path), env={"SCHEDULER_URL": f"127.0.0.1:{free_port()}"})
+        proc = run_trainer(
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(port),
+            "--work-dir",
+            str(tmp_path),
+            env={"SCHEDULER_URL": f"127.0.0.1:{free_port()}"},
+        )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"error: cannot listen on HTTP port 127.0.0.1:{port}" in proc.stderr

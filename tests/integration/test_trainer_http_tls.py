@@ -54,18 +54,32 @@ def test_trainer_process_serves_health_and_metrics_over_https(tmp_path: Path, ce
         cluster.start_scheduler()
         port = free_port()
         trainer = cluster.start_trainer(
-            "https-node", "--simulate-gpus", "1", "--http-port", str(port), "--http-host", "127.0.0.1",
-            "--http-tls-cert", str(certs.server_cert), "--http-tls-key", str(certs.server_key),
+            "https-node",
+            "--simulate-gpus",
+            "1",
+            "--http-port",
+            str(port),
+            "--http-host",
+            "127.0.0.1",
+            "--http-tls-cert",
+            str(certs.server_cert),
+            "--http-tls-key",
+            str(certs.server_key),
         )
         trust = ssl.create_default_context(cafile=str(certs.ca))
         base = f"https://localhost:{port}"
-        wait_for(lambda: get(base + "/health", trust) == (200, b'{"status": "ok"}'), what="trainer /health ok over https")
+        wait_for(
+            lambda: get(base + "/health", trust) == (200, b'{"status": "ok"}'), what="trainer /health ok over https"
+        )
         assert json.loads(get(base + "/live", trust)[1]) == {"status": "alive"}
         status, body = get(base + "/metrics", trust)
         assert status == 200
         samples = {s.name: s for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
         assert samples["opentinker_trainer_connected"].value == 1.0
-        assert samples["opentinker_trainer_gpus"].labels == {"simulated": "true"} and samples["opentinker_trainer_gpus"].value == 1.0
+        assert (
+            samples["opentinker_trainer_gpus"].labels == {"simulated": "true"}
+            and samples["opentinker_trainer_gpus"].value == 1.0
+        )
 
         with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):  # plain HTTP: no answer
             get(f"http://127.0.0.1:{port}/health")
@@ -75,7 +89,9 @@ def test_trainer_process_serves_health_and_metrics_over_https(tmp_path: Path, ce
         with socket.create_connection(("127.0.0.1", port)):  # connects, never handshakes
             assert get(base + "/health", trust)[0] == 200
         assert trainer.popen.poll() is None
-        assert any(e.get("event") == "trainer http listening" and e.get("scheme") == "https" for e in trainer.log_events())
+        assert any(
+            e.get("event") == "trainer http listening" and e.get("scheme") == "https" for e in trainer.log_events()
+        )
     finally:
         cluster.close()
 
@@ -108,10 +124,26 @@ def test_bad_http_tls_flags_are_one_line_errors(tmp_path, certs, capsys, monkeyp
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SCHEDULER_URL", "127.0.0.1:1")
     cases = [
-        (["--http-port", "0", "--http-tls-cert", str(certs.server_cert)], "--http-tls-cert and --http-tls-key: expected both"),
+        (
+            ["--http-port", "0", "--http-tls-cert", str(certs.server_cert)],
+            "--http-tls-cert and --http-tls-key: expected both",
+        ),
         (["--http-tls-cert", str(certs.server_cert), "--http-tls-key", str(certs.server_key)], "expected --http-port"),
-        (["--http-port", "0", "--http-tls-cert", str(certs.server_cert), "--http-tls-key", str(certs.node_key)], "expected a readable PEM certificate and its key"),
-        (["--http-port", "0", "--http-tls-cert", str(tmp_path / "nope.pem"), "--http-tls-key", str(certs.server_key)], "No such file"),
+        (
+            ["--http-port", "0", "--http-tls-cert", str(certs.server_cert), "--http-tls-key", str(certs.node_key)],
+            "expected a readable PEM certificate and its key",
+        ),
+        (
+            [
+                "--http-port",
+                "0",
+                "--http-tls-cert",
+                str(tmp_path / "nope.pem"),
+                "--http-tls-key",
+                str(certs.server_key),
+            ],
+            "No such file",
+        ),
     ]
     for argv, words in cases:
         with pytest.raises(SystemExit) as exit_:

@@ -31,7 +31,11 @@ def run_trainer(*args: str, **env: str) -> subprocess.CompletedProcess:
     "args, env, message",
     [
         ((), {"MAX_TASKS": "abc"}, "error: environment variable MAX_TASKS: expected an integer >= 1, got 'abc'"),
-        ((), {"SCHEDULER_URL": "ftp://host:1"}, "error: environment variable SCHEDULER_URL: bad scheduler URL 'ftp://host:1'"),
+        (
+            (),
+            {"SCHEDULER_URL": "ftp://host:1"},
+            "error: environment variable SCHEDULER_URL: bad scheduler URL 'ftp://host:1'",
+        ),
         (("--max-tasks", "abc"), {}, "error: argument --max-tasks: expected an integer >= 1, got 'abc'"),
     ],
 )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -11,7 +10,14 @@ import pytest
 
 from opentinker_client import Environment, RLClient, TaskFailedError
 
-TINY_HP = {"steps": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4, "checkpoint_every": 2}
+TINY_HP = {
+    "steps": 3,
+    "prompts_per_step": 2,
+    "group_size": 2,
+    "max_new_tokens": 4,
+    "lora_rank": 4,
+    "checkpoint_every": 2,
+}
 
 
 def test_lora_task_runs_to_success_with_metrics_and_peft_checkpoint(cluster, tiny_model_dir: Path) -> None:
@@ -20,7 +26,13 @@ def test_lora_task_runs_to_success_with_metrics_and_peft_checkpoint(cluster, tin
     cluster.wait_nodes(1)
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         env = Environment(action_space=4, observation_space=100)
-        task_id = client.submit_task(env_config=env.to_dict(), workload_type="lora_finetune", gpu_count=0, model=str(tiny_model_dir), hyperparameters=TINY_HP)
+        task_id = client.submit_task(
+            env_config=env.to_dict(),
+            workload_type="lora_finetune",
+            gpu_count=0,
+            model=str(tiny_model_dir),
+            hyperparameters=TINY_HP,
+        )
         events = list(client.watch(task_id))
         task = client.get_task(task_id)
         assert task.state == "succeeded", task.error
@@ -77,7 +89,9 @@ def test_trainer_killed_mid_task_is_requeued_and_finishes_elsewhere(cluster, tin
     cluster.wait_nodes(1)
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         hp = {**TINY_HP, "steps": 400, "checkpoint_every": 2}
-        task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=hp, max_attempts=2)
+        task_id = client.submit_task(
+            workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=hp, max_attempts=2
+        )
         cluster.wait_state(task_id, 3, what=lambda t: t.latest_checkpoint.step >= 2)  # RUNNING, checkpointed
         first.kill9()  # the agent and its worker, like a machine dying
         task = cluster.wait_state(task_id, 1, timeout=30)  # PENDING again after the 3 s lease

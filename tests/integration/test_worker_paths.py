@@ -52,8 +52,15 @@ def test_model_and_data_paths_in_the_work_folder_are_refused_with_the_alternativ
     (work / "t1" / "checkpoints" / "step_1").mkdir(parents=True)
     folders = (os.path.realpath(work),)
     other = str(work / "t1" / "checkpoints" / "step_1")
-    for model in (other, str(work / "t9" / "checkpoints" / "step_3"), str(work / "x" / ".." / "t1" / "checkpoints" / "step_1")):
-        with pytest.raises(UserError, match=r"spec.model: .* cannot be used by this task: it is inside this trainer node's work folder .* init_from"):
+    for model in (
+        other,
+        str(work / "t9" / "checkpoints" / "step_3"),
+        str(work / "x" / ".." / "t1" / "checkpoints" / "step_1"),
+    ):
+        with pytest.raises(
+            UserError,
+            match=r"spec.model: .* cannot be used by this task: it is inside this trainer node's work folder .* init_from",
+        ):
             check_spec_paths(_spec(model), folders, cwd=str(tmp_path))
     # Relative to the worker's folder, as from_pretrained would read it.
     with pytest.raises(UserError, match="spec.model: 'runs/t1/checkpoints/step_1' cannot be used"):
@@ -81,9 +88,14 @@ def test_the_read_limit_is_the_upload_limit() -> None:
 def test_dev_zero_a_folder_and_a_fifo_are_refused_without_reading(tmp_path) -> None:
     # /dev/zero read without bound took a worker to 23 GB and the OOM killer; a FIFO with no
     # writer would block the open forever.
-    with pytest.raises(UserError, match="dataset /dev/zero cannot be used by this task: expected a regular file, got a character device"):
+    with pytest.raises(
+        UserError,
+        match="dataset /dev/zero cannot be used by this task: expected a regular file, got a character device",
+    ):
         read_chat_jsonl(Path("/dev/zero"))
-    with pytest.raises(UserError, match=f"dataset {tmp_path} cannot be used by this task: expected a regular file, got a folder"):
+    with pytest.raises(
+        UserError, match=f"dataset {tmp_path} cannot be used by this task: expected a regular file, got a folder"
+    ):
         read_chat_jsonl(tmp_path)
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -95,7 +107,10 @@ def test_a_file_over_the_limit_is_refused_before_it_is_read(tmp_path) -> None:
     big = tmp_path / "big.jsonl"
     with open(big, "wb") as fh:  # sparse: costs no disk; zeros that would fail line 1 if parsed
         fh.truncate(MAX_DATASET_BYTES + 1)
-    with pytest.raises(UserError, match=rf"dataset {big} cannot be used by this task: expected at most {MAX_DATASET_BYTES} bytes \(256 MiB, the upload limit\), got {MAX_DATASET_BYTES + 1} bytes"):
+    with pytest.raises(
+        UserError,
+        match=rf"dataset {big} cannot be used by this task: expected at most {MAX_DATASET_BYTES} bytes \(256 MiB, the upload limit\), got {MAX_DATASET_BYTES + 1} bytes",
+    ):
         read_chat_jsonl(big)
     small = tmp_path / "small.jsonl"
     small.write_text(LINE * 3)
@@ -114,8 +129,21 @@ def _run_worker(tmp_path: Path, spec: C.TaskSpec, env: dict[str, str], checkpoin
     assignment.write_bytes(N.AssignTask(task_id="t2", attempt=1, spec=spec).SerializeToString())
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "opentinker_trainer.worker", str(assignment), "--checkpoint-dir", str(checkpoint_dir), "--device", "cpu"],
-        cwd=REPO, env={**clean, **env}, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "opentinker_trainer.worker",
+            str(assignment),
+            "--checkpoint-dir",
+            str(checkpoint_dir),
+            "--device",
+            "cpu",
+        ],
+        cwd=REPO,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
 
@@ -127,7 +155,10 @@ def test_a_worker_refuses_a_model_in_its_nodes_work_folder(tmp_path) -> None:
     for env in ({"OPENTINKER_WORK_DIR": str(work)}, {}):  # from the agent, or from --checkpoint-dir's layout
         rc, reports = _run_worker(tmp_path, spec, env, work / "t2" / "checkpoints")
         assert rc == 1 and reports[-1]["type"] == "failed" and reports[-1]["retryable"] is False, reports
-        assert reports[-1]["error"].startswith(f"spec.model: '{spec.model}' cannot be used by this task") and "init_from" in reports[-1]["error"]
+        assert (
+            reports[-1]["error"].startswith(f"spec.model: '{spec.model}' cannot be used by this task")
+            and "init_from" in reports[-1]["error"]
+        )
 
 
 # ------------------------------------------------- real scheduler and trainer processes
@@ -153,7 +184,12 @@ def test_file_modes_and_work_folder_refusals_end_to_end(cluster: Cluster, tiny_m
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         info = client.upload_dataset(data)
         env = {"env_id": "chat_jsonl", "dataset_id": info.dataset_id, "eval_fraction": 0}
-        task_id = client.submit_task(env, workload_type="sft", model=str(tiny_model_dir), hyperparameters={"steps": 1, "batch_size": 2, "lora_rank": 2})
+        task_id = client.submit_task(
+            env,
+            workload_type="sft",
+            model=str(tiny_model_dir),
+            hyperparameters={"steps": 1, "batch_size": 2, "lora_rank": 2},
+        )
         task = client.wait(task_id, timeout=300, poll_interval=0.2)
         assert task.state == "succeeded", task.error
 
@@ -180,8 +216,14 @@ def test_file_modes_and_work_folder_refusals_end_to_end(cluster: Cluster, tiny_m
         stolen = client.submit_task(workload_type="inference", model=str(ckpt))
         with pytest.raises(TaskFailedError) as err:
             client.wait(stolen, timeout=120, poll_interval=0.2)
-        assert err.value.task.attempt == 1 and "cannot be used by this task" in err.value.task.error and "init_from" in err.value.task.error
-        cache_read = client.submit_task({"env_id": "chat_jsonl", "path": str(cached)}, workload_type="sft", model=str(tiny_model_dir))
+        assert (
+            err.value.task.attempt == 1
+            and "cannot be used by this task" in err.value.task.error
+            and "init_from" in err.value.task.error
+        )
+        cache_read = client.submit_task(
+            {"env_id": "chat_jsonl", "path": str(cached)}, workload_type="sft", model=str(tiny_model_dir)
+        )
         with pytest.raises(TaskFailedError) as err:
             client.wait(cache_read, timeout=120, poll_interval=0.2)
         assert err.value.task.error.startswith("env_config.path:") and "dataset_id" in err.value.task.error

@@ -122,7 +122,14 @@ def test_worker_module_arms_the_death_signal(tmp_path):
     """``python -m opentinker_trainer.worker`` calls die_with_parent before anything else: with a
     stale agent pid it exits at once (before it even reads its assignment file)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "opentinker_trainer.worker", str(tmp_path / "missing.pb"), "--checkpoint-dir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "opentinker_trainer.worker",
+            str(tmp_path / "missing.pb"),
+            "--checkpoint-dir",
+            str(tmp_path),
+        ],
         env={**os.environ, AGENT_PID_ENV: "999999999"},
         capture_output=True,
         text=True,

@@ -26,37 +26,97 @@ from tests.support.security import LoopbackScheduler
 
 # JSON values as a protobuf Struct carries them (numbers are doubles; no NaN/inf in JSON).
 _scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False, allow_infinity=False, width=64), st.text(max_size=30)
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=False, allow_infinity=False, width=64),
+    st.text(max_size=30),
 )
-_json = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)), max_leaves=12)
+_json = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)),
+    max_leaves=12,
+)
 
-_ENV_KEYS = ["env_id", "action_space", "observation_space", "min_digits", "max_digits", "seed", "system_prompt", "dataset_id", "endpoint", "render", "max_episode_steps"]
-_HP_KEYS = ["steps", "learning_rate", "group_size", "prompts_per_step", "max_new_tokens", "lora_rank", "lora_alpha", "temperature", "checkpoint_every", "kl_coef", "clip_eps", "batch_size", "epochs", "gamma", "gae_lambda", "seed"]
+_ENV_KEYS = [
+    "env_id",
+    "action_space",
+    "observation_space",
+    "min_digits",
+    "max_digits",
+    "seed",
+    "system_prompt",
+    "dataset_id",
+    "endpoint",
+    "render",
+    "max_episode_steps",
+]
+_HP_KEYS = [
+    "steps",
+    "learning_rate",
+    "group_size",
+    "prompts_per_step",
+    "max_new_tokens",
+    "lora_rank",
+    "lora_alpha",
+    "temperature",
+    "checkpoint_every",
+    "kl_coef",
+    "clip_eps",
+    "batch_size",
+    "epochs",
+    "gamma",
+    "gae_lambda",
+    "seed",
+]
 _ENV_IDS = ["arithmetic", "CartPole-v1", "FrozenLake-v1", "Blackjack-v1", "nope-v0", "", "remote", "dataset"]
 
 
 def _mapping(keys: list[str], special: dict) -> st.SearchStrategy:
     key = st.one_of(st.sampled_from(keys), st.text(max_size=10))
     return st.dictionaries(key, _json, max_size=5).flatmap(
-        lambda d: st.fixed_dictionaries({k: v for k, v in special.items()}).map(lambda s: {**d, **{k: v for k, v in s.items() if v is not None}})
+        lambda d: st.fixed_dictionaries({k: v for k, v in special.items()}).map(
+            lambda s: {**d, **{k: v for k, v in s.items() if v is not None}}
+        )
     )
 
 
-_env = _mapping(_ENV_KEYS, {"env_id": st.one_of(st.none(), st.sampled_from(_ENV_IDS)), "action_space": st.one_of(st.none(), st.integers(-2, 300))})
-_hp = _mapping(_HP_KEYS, {"steps": st.one_of(st.none(), st.integers(-2, 200_000), st.floats(allow_nan=False, allow_infinity=False))})
+_env = _mapping(
+    _ENV_KEYS,
+    {
+        "env_id": st.one_of(st.none(), st.sampled_from(_ENV_IDS)),
+        "action_space": st.one_of(st.none(), st.integers(-2, 300)),
+    },
+)
+_hp = _mapping(
+    _HP_KEYS,
+    {"steps": st.one_of(st.none(), st.integers(-2, 200_000), st.floats(allow_nan=False, allow_infinity=False))},
+)
 
 
 _NEAR_VALID_HP = st.dictionaries(
-    st.sampled_from(["steps", "group_size", "prompts_per_step", "max_new_tokens", "lora_rank", "checkpoint_every", "seed"]),
-    st.integers(-1, 70), max_size=4,
+    st.sampled_from(
+        ["steps", "group_size", "prompts_per_step", "max_new_tokens", "lora_rank", "checkpoint_every", "seed"]
+    ),
+    st.integers(-1, 70),
+    max_size=4,
 )
 
 
 @st.composite
 def near_valid_specs(draw) -> C.TaskSpec:
     """Mostly valid ``lora_finetune`` specs on arithmetic, with small numbers that may be out of range."""
-    spec = C.TaskSpec(workload_type="lora_finetune", model=draw(st.sampled_from(["", "/models/m"])), name=draw(st.text(max_size=20)))
-    spec.env_config.update({"env_id": "arithmetic", **draw(st.dictionaries(st.sampled_from(["min_digits", "max_digits", "seed"]), st.integers(-1, 12), max_size=2))})
+    spec = C.TaskSpec(
+        workload_type="lora_finetune", model=draw(st.sampled_from(["", "/models/m"])), name=draw(st.text(max_size=20))
+    )
+    spec.env_config.update(
+        {
+            "env_id": "arithmetic",
+            **draw(
+                st.dictionaries(st.sampled_from(["min_digits", "max_digits", "seed"]), st.integers(-1, 12), max_size=2)
+            ),
+        }
+    )
     spec.hyperparameters.update(draw(_NEAR_VALID_HP))
     spec.resources.gpu_count = draw(st.sampled_from([0, 0, 0, 1]))
     return spec
@@ -96,7 +156,9 @@ def loopback(tmp_path_factory):
     s.close()
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(spec=task_specs)
 def test_submitted_specs_give_a_valid_task_or_a_clear_refusal(loopback, spec: C.TaskSpec) -> None:
     s, stub, health = loopback
@@ -105,7 +167,11 @@ def test_submitted_specs_give_a_valid_task_or_a_clear_refusal(loopback, spec: C.
     except grpc.RpcError as err:
         code, details = err.code(), err.details() or ""
         event(code.name)
-        assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND), (code, details)
+        assert code in (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.NOT_FOUND,
+        ), (code, details)
         assert details and len(details) < 4000, details
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             assert details.startswith(("spec", "env_config", "hyperparameters")), details  # names the field path
@@ -127,19 +193,63 @@ def test_submitted_specs_give_a_valid_task_or_a_clear_refusal(loopback, spec: C.
 # ------------------------------------------------------------------------------------ configs
 
 _CONFIG_KEYS = [
-    "resource_pool", "workload_types", "state_dir", "allow_unknown_nodes", "unknown_node_max_tasks", "heartbeat_interval", "lease",
-    "default_model", "default_max_attempts", "restart_grace", "max_tasks_per_gpu", "preemption_timeout", "auth", "tls", "limits",
+    "resource_pool",
+    "workload_types",
+    "state_dir",
+    "allow_unknown_nodes",
+    "unknown_node_max_tasks",
+    "heartbeat_interval",
+    "lease",
+    "default_model",
+    "default_max_attempts",
+    "restart_grace",
+    "max_tasks_per_gpu",
+    "preemption_timeout",
+    "auth",
+    "tls",
+    "limits",
 ]
-_yaml_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(10**6), 10**12), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20))
-_yaml_values = st.recursive(_yaml_scalars, lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=10), inner, max_size=3)), max_leaves=10)
+_yaml_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**12),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+)
+_yaml_values = st.recursive(
+    _yaml_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=10), inner, max_size=3)),
+    max_leaves=10,
+)
 _sections = {
-    "resource_pool": st.lists(st.dictionaries(st.sampled_from(["node_id", "gpu_count", "max_tasks", "x"]), _yaml_scalars, max_size=3), max_size=3),
-    "workload_types": st.lists(st.dictionaries(st.sampled_from(["type", "priority"]), st.one_of(st.sampled_from(WORKLOAD_TYPES), _yaml_scalars), max_size=2), max_size=3),
+    "resource_pool": st.lists(
+        st.dictionaries(st.sampled_from(["node_id", "gpu_count", "max_tasks", "x"]), _yaml_scalars, max_size=3),
+        max_size=3,
+    ),
+    "workload_types": st.lists(
+        st.dictionaries(
+            st.sampled_from(["type", "priority"]), st.one_of(st.sampled_from(WORKLOAD_TYPES), _yaml_scalars), max_size=2
+        ),
+        max_size=3,
+    ),
     "auth": st.dictionaries(st.sampled_from(["enabled", "bootstrap_admin_key_file", "x"]), _yaml_scalars, max_size=2),
-    "tls": st.dictionaries(st.sampled_from(["cert", "key", "client_ca", "client_auth", "node_port"]), _yaml_scalars, max_size=4),
+    "tls": st.dictionaries(
+        st.sampled_from(["cert", "key", "client_ca", "client_auth", "node_port"]), _yaml_scalars, max_size=4
+    ),
     "limits": st.dictionaries(
-        st.sampled_from(["max_message_bytes", "max_spec_bytes", "max_pending_per_owner", "submit_rate", "submit_burst", "max_streams_per_key", "x"]),
-        _yaml_scalars, max_size=4,
+        st.sampled_from(
+            [
+                "max_message_bytes",
+                "max_spec_bytes",
+                "max_pending_per_owner",
+                "submit_rate",
+                "submit_burst",
+                "max_streams_per_key",
+                "x",
+            ]
+        ),
+        _yaml_scalars,
+        max_size=4,
     ),
 }
 

@@ -15,11 +15,20 @@ def test_bench_quick_run_prints_the_figures(tmp_path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), "--quick", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = proc.stdout
-    for label in ("submits/s", "submit->assign p50/p99", "heartbeats/s ingested", "CPU s per 1000 heartbeats", "deep queue:"):
+    for label in (
+        "submits/s",
+        "submit->assign p50/p99",
+        "heartbeats/s ingested",
+        "CPU s per 1000 heartbeats",
+        "deep queue:",
+    ):
         assert label in text, f"{label!r} missing from the report:\n{text}"
     res = json.loads(out.read_text())
     phases = res["phases"]

@@ -55,7 +55,19 @@ class Demo:
     def __init__(self, model: Path, work_dir: Path) -> None:
         self.work_dir = work_dir
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", str(DEMO), "--model", str(model), "--work-dir", str(work_dir), "--port", str(free_port()), "--steps", "50"],
+            [
+                sys.executable,
+                "-u",
+                str(DEMO),
+                "--model",
+                str(model),
+                "--work-dir",
+                str(work_dir),
+                "--port",
+                str(free_port()),
+                "--steps",
+                "50",
+            ],
             cwd=REPO_ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -87,7 +99,9 @@ class Demo:
     def wait_for_worker(self, timeout: float = 90) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            workers = [pid for pid, cmd in procs_naming(str(self.work_dir)).items() if "opentinker_trainer.worker" in cmd]
+            workers = [
+                pid for pid, cmd in procs_naming(str(self.work_dir)).items() if "opentinker_trainer.worker" in cmd
+            ]
             if workers:
                 return workers[0]
             assert self.proc.poll() is None, "demo exited before its worker started"

@@ -33,7 +33,9 @@ class Proc:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         full_env = {**os.environ, "OPENTINKER_LOG_FORMAT": "json", **(env or {})}
-        self.popen = subprocess.Popen([sys.executable, *args], stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        self.popen = subprocess.Popen(
+            [sys.executable, *args], stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
 
     @property
     def pid(self) -> int:
@@ -96,7 +98,20 @@ class Cluster:
 
     def start_scheduler(self) -> Proc:
         p = Proc(
-            ["-m", "opentinker_scheduler", "--config", str(self.config_path), "--host", "127.0.0.1", "--port", str(self.port), "--http-port", str(self.http_port), "--state-dir", str(self.state_dir)],
+            [
+                "-m",
+                "opentinker_scheduler",
+                "--config",
+                str(self.config_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--http-port",
+                str(self.http_port),
+                "--state-dir",
+                str(self.state_dir),
+            ],
             self.tmp / "scheduler.log",
         )
         self.procs.append(p)
@@ -119,7 +134,17 @@ class Cluster:
 
     def start_trainer(self, node_id: str, *extra: str, url: str | None = None) -> Proc:
         p = Proc(
-            ["-m", "opentinker_trainer", "--node-id", node_id, "--work-dir", str(self.tmp / "runs" / node_id), "--kill-grace", "3", *extra],
+            [
+                "-m",
+                "opentinker_trainer",
+                "--node-id",
+                node_id,
+                "--work-dir",
+                str(self.tmp / "runs" / node_id),
+                "--kill-grace",
+                "3",
+                *extra,
+            ],
             self.tmp / f"trainer-{node_id}.log",
             env={"SCHEDULER_URL": url or self.url},
         )

@@ -50,17 +50,23 @@ class _Pki:
 
     def _builder(self, subject: str, issuer, public_key):
         return (
-            self.x509.CertificateBuilder().subject_name(self.name(subject)).issuer_name(issuer).public_key(public_key)
-            .serial_number(self.x509.random_serial_number()).not_valid_before(self.now - dt.timedelta(minutes=5))
+            self.x509.CertificateBuilder()
+            .subject_name(self.name(subject))
+            .issuer_name(issuer)
+            .public_key(public_key)
+            .serial_number(self.x509.random_serial_number())
+            .not_valid_before(self.now - dt.timedelta(minutes=5))
             .not_valid_after(self.now + dt.timedelta(days=1))
         )
 
     def ca(self, cn: str):
         """``(key, certificate)`` of a self-signed CA."""
         key = self.ec.generate_private_key(self.ec.SECP256R1())
-        cert = self._builder(cn, self.name(cn), key.public_key()).add_extension(
-            self.x509.BasicConstraints(ca=True, path_length=None), critical=True
-        ).sign(key, self.hashes.SHA256())
+        cert = (
+            self._builder(cn, self.name(cn), key.public_key())
+            .add_extension(self.x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, self.hashes.SHA256())
+        )
         return key, cert
 
     def leaf(self, ca, cn: str, *, dns: tuple[str, ...] = (), ip: tuple[str, ...] = ()):
@@ -95,9 +101,14 @@ def make_certs(folder: Path) -> Certs:
     nk, nc = pki.leaf(ca, "node-a")
     rk, rc = pki.leaf(other, "node-rogue")
     return Certs(
-        ca=pki.cert("ca.pem", ca[1]), server_cert=pki.cert("server.pem", sc), server_key=pki.key("server.key", sk),
-        node_cert=pki.cert("node.pem", nc), node_key=pki.key("node.key", nk),
-        rogue_cert=pki.cert("rogue.pem", rc), rogue_key=pki.key("rogue.key", rk), other_ca=pki.cert("other-ca.pem", other[1]),
+        ca=pki.cert("ca.pem", ca[1]),
+        server_cert=pki.cert("server.pem", sc),
+        server_key=pki.key("server.key", sk),
+        node_cert=pki.cert("node.pem", nc),
+        node_key=pki.key("node.key", nk),
+        rogue_cert=pki.cert("rogue.pem", rc),
+        rogue_key=pki.key("rogue.key", rk),
+        other_ca=pki.cert("other-ca.pem", other[1]),
     )
 
 
@@ -175,4 +186,9 @@ def make_node_certs(folder: Path, names: dict[str, tuple[str, ...]]) -> NodeCert
     for cn, dns in names.items():
         key, cert = pki.leaf(ca, cn, dns=tuple(dns))
         nodes[cn] = (pki.cert(f"{cn}.pem", cert), pki.key(f"{cn}.key", key))
-    return NodeCerts(ca=pki.cert("ca.pem", ca[1]), server_cert=pki.cert("server.pem", sc), server_key=pki.key("server.key", sk), nodes=nodes)
+    return NodeCerts(
+        ca=pki.cert("ca.pem", ca[1]),
+        server_cert=pki.cert("server.pem", sc),
+        server_key=pki.key("server.key", sk),
+        nodes=nodes,
+    )

@@ -60,7 +60,9 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
 
 def test_missing_file_and_bad_url(tmp_path):
     one_line_error(run("submit", str(tmp_path / "nope.yaml")), "cannot read", "nope.yaml")
-    one_line_error(run("--scheduler-url", "ftp://h:1", "list"), "unknown scheme")  # (https:// means TLS: tests/scheduler/security/test_auth.py)
+    one_line_error(
+        run("--scheduler-url", "ftp://h:1", "list"), "unknown scheme"
+    )  # (https:// means TLS: tests/scheduler/security/test_auth.py)
     one_line_error(run("--scheduler-url", "h", "list"), "port is missing")
 
 
@@ -76,12 +78,14 @@ def test_unreachable_scheduler(tmp_path):
 def test_submit_prints_the_task_id(fake, tmp_path):
     servicer, server = fake
     path = tmp_path / "task.yaml"
-    path.write_text(textwrap.dedent("""\
+    path.write_text(
+        textwrap.dedent("""\
         name: cli-demo
         workload_type: lora_finetune
         env: {env_id: arithmetic, max_digits: 2}
         hyperparameters: {steps: 3}
-        """))
+        """)
+    )
     proc = run("submit", str(path), url=server.url)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "task-0001"
@@ -150,7 +154,9 @@ def test_submit_watch(fake, tmp_path):
 
 def test_list_get_cancel(fake):
     servicer, server = fake
-    pending = servicer.add_task(S.TASK_STATE_PENDING, pending_reason="no node has 4 free GPUs; largest free block is 2 on gpu-node-01").task_id
+    pending = servicer.add_task(
+        S.TASK_STATE_PENDING, pending_reason="no node has 4 free GPUs; largest free block is 2 on gpu-node-01"
+    ).task_id
     running = servicer.add_task(S.TASK_STATE_RUNNING, node_id="gpu-node-01").task_id
     proc = run("list", url=server.url)
     assert proc.returncode == 0, proc.stderr
@@ -188,15 +194,29 @@ def test_nodes(fake):
             gpus_free=1,
             max_tasks=8,
             running_task_ids=["t1"],
-            devices=[common_pb2.Device(index=0, name="NVIDIA H200", memory_total_bytes=150 * 2**30), common_pb2.Device(index=1, name="NVIDIA H200")],
+            devices=[
+                common_pb2.Device(index=0, name="NVIDIA H200", memory_total_bytes=150 * 2**30),
+                common_pb2.Device(index=1, name="NVIDIA H200"),
+            ],
             telemetry=[
                 common_pb2.DeviceTelemetry(
-                    index=0, utilization_percent=87.0, memory_used_bytes=40 * 2**30, memory_total_bytes=150 * 2**30,
-                    temperature_c=61.0, sm_clock_mhz=1980, unavailable={"power_w": "NotSupported"},
+                    index=0,
+                    utilization_percent=87.0,
+                    memory_used_bytes=40 * 2**30,
+                    memory_total_bytes=150 * 2**30,
+                    temperature_c=61.0,
+                    sm_clock_mhz=1980,
+                    unavailable={"power_w": "NotSupported"},
                 )
             ],
         ),
-        scheduler_pb2.Node(node_id="sim-node", connected=False, gpu_count=1, devices=[common_pb2.Device(index=0, name="sim", simulated=True)], notes=["simulated GPUs"]),
+        scheduler_pb2.Node(
+            node_id="sim-node",
+            connected=False,
+            gpu_count=1,
+            devices=[common_pb2.Device(index=0, name="sim", simulated=True)],
+            notes=["simulated GPUs"],
+        ),
     ]
     proc = run("nodes", url=server.url)
     assert proc.returncode == 0, proc.stderr

@@ -19,7 +19,14 @@ import pytest
 
 from tests.support.procs import Cluster
 
-TINY_HP = {"steps": 4, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4, "checkpoint_every": 2}
+TINY_HP = {
+    "steps": 4,
+    "prompts_per_step": 2,
+    "group_size": 2,
+    "max_new_tokens": 4,
+    "lora_rank": 4,
+    "checkpoint_every": 2,
+}
 
 
 def cli_env() -> dict[str, str]:
@@ -29,14 +36,25 @@ def cli_env() -> dict[str, str]:
 
 
 def run(url: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opentinker_client", "--scheduler-url", url, *args], capture_output=True, text=True, env=cli_env(), timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "opentinker_client", "--scheduler-url", url, *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=timeout,
+    )
 
 
 def run_on_tty(url: str, *args: str, timeout: float = 60) -> tuple[int, str]:
     """Run the CLI with stdout on a pseudo-terminal (what a person sees); returns (rc, output)."""
     master, slave = pty.openpty()
     env = {**cli_env(), "TERM": "xterm-256color"}
-    proc = subprocess.Popen([sys.executable, "-m", "opentinker_client", "--scheduler-url", url, *args], stdout=slave, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "opentinker_client", "--scheduler-url", url, *args],
+        stdout=slave,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     os.close(slave)
     chunks = []
     deadline = time.monotonic() + timeout
@@ -82,8 +100,16 @@ def ran(tmp_path_factory, tiny_model_dir):
         cluster.start_trainer("sim-node", "--simulate-gpus", "2")
         cluster.wait_nodes(2)
         with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-            ok = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=0, hyperparameters=TINY_HP, name="ops-demo")
-            bad = client.submit_task(workload_type="lora_finetune", model="/no/such/model", gpu_count=0, hyperparameters=TINY_HP)
+            ok = client.submit_task(
+                workload_type="lora_finetune",
+                model=str(tiny_model_dir),
+                gpu_count=0,
+                hyperparameters=TINY_HP,
+                name="ops-demo",
+            )
+            bad = client.submit_task(
+                workload_type="lora_finetune", model="/no/such/model", gpu_count=0, hyperparameters=TINY_HP
+            )
             for task_id in (ok, bad):
                 try:
                     client.wait(task_id, timeout=180, poll_interval=0.2)
@@ -116,7 +142,12 @@ def test_plot_writes_a_png(ran, tmp_path) -> None:
 def test_plot_has_one_marker_per_finite_point(tmp_path) -> None:
     from opentinker_client.cli.plot import plot_history
 
-    history = [(1, {"reward": 0.1, "loss": 1.0}), (2, {"reward": float("nan"), "loss": 0.9}), (3, {"reward": 0.3}), (5, {"reward": 0.5, "loss": 0.7})]
+    history = [
+        (1, {"reward": 0.1, "loss": 1.0}),
+        (2, {"reward": float("nan"), "loss": 0.9}),
+        (3, {"reward": 0.3}),
+        (5, {"reward": 0.5, "loss": 0.7}),
+    ]
     out = tmp_path / "c.svg"
     assert plot_history(history, out) == {"reward": 3, "loss": 3}
     import xml.etree.ElementTree as ET
@@ -235,7 +266,12 @@ def test_logs_of_a_running_task_returns_without_follow(ran, tiny_model_dir) -> N
 
     cluster, _, _ = ran
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=0, hyperparameters={**TINY_HP, "steps": 400, "checkpoint_every": 0})
+        task_id = client.submit_task(
+            workload_type="lora_finetune",
+            model=str(tiny_model_dir),
+            gpu_count=0,
+            hyperparameters={**TINY_HP, "steps": 400, "checkpoint_every": 0},
+        )
         cluster.wait_state(task_id, 3, what=lambda t: t.latest_step >= 1)  # RUNNING
         proc = run(cluster.url, "logs", task_id, timeout=30)  # returns: the task is still running
         assert proc.returncode == 0, proc.stderr
@@ -272,7 +308,11 @@ def test_nodes_table_shows_telemetry(ran) -> None:
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "cpu-node" in out and "sim-node" in out and "2/2 (simulated)" in out
-    gpu_rows = [line.strip() for line in out.splitlines() if line.strip().startswith("sim-node") and "Simulated GPU (simulated)" in line]
+    gpu_rows = [
+        line.strip()
+        for line in out.splitlines()
+        if line.strip().startswith("sim-node") and "Simulated GPU (simulated)" in line
+    ]
     assert len(gpu_rows) == 2
     for row in gpu_rows:
         assert "0%" in row and "0.0 GiB / 80.0 GiB" in row

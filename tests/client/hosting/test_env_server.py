@@ -96,14 +96,21 @@ def test_reset_step_round_trip_with_batched_instances(serve):
     }  # fmt: skip
     assert len(server.token) == 43  # secrets.token_urlsafe(32)
     d = stub.Describe(pb.DescribeRequest(), timeout=5)
-    assert d.action_space.discrete.n == 2 and d.observation_space.discrete.n == 5 and list(d.action_names) == ["left", "right"]
+    assert (
+        d.action_space.discrete.n == 2
+        and d.observation_space.discrete.n == 5
+        and list(d.action_names) == ["left", "right"]
+    )
     assert d.name == "Corridor"
 
     res = reset(stub, "s", 0, 1, seed=7)
     assert [(r.env_index, r.observation.discrete) for r in res.results] == [(0, 0), (1, 0)]
     # Batched step: two independent instances (copies of env), in request order.
     res = step(stub, e0=1, e1=0)
-    assert [(r.env_index, r.observation.discrete, r.reward, r.terminated) for r in res.results] == [(0, 1, 0.0, False), (1, 0, 0.0, False)]
+    assert [(r.env_index, r.observation.discrete, r.reward, r.terminated) for r in res.results] == [
+        (0, 1, 0.0, False),
+        (1, 0, 0.0, False),
+    ]
     assert res.results[0].info["pos"] == 1
     for _ in range(3):
         res = step(stub, e0=1)
@@ -133,7 +140,9 @@ def test_bad_requests_get_the_right_status(serve):
         stub.Reset(pb.ResetRequest(session_id="", items=[pb.ResetItem()]), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
-        stub.Reset(pb.ResetRequest(session_id="s", items=[pb.ResetItem(env_index=1), pb.ResetItem(env_index=1)]), timeout=5)
+        stub.Reset(
+            pb.ResetRequest(session_id="s", items=[pb.ResetItem(env_index=1), pb.ResetItem(env_index=1)]), timeout=5
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "once" in err.value.details()
 
 
@@ -151,14 +160,20 @@ def test_observation_outside_the_declared_space_is_refused(serve):
     reset(stub)
     with pytest.raises(grpc.RpcError) as err:
         step(stub, e0=1)
-    assert err.value.code() == grpc.StatusCode.INTERNAL and "99" in err.value.details() and "Discrete(5)" in err.value.details()
+    assert (
+        err.value.code() == grpc.StatusCode.INTERNAL
+        and "99" in err.value.details()
+        and "Discrete(5)" in err.value.details()
+    )
 
 
 def test_slow_environment_hits_the_callers_deadline(serve):
     _, stub = serve(Slow())
     reset(stub)
     with pytest.raises(grpc.RpcError) as err:
-        stub.Step(pb.StepRequest(session_id="s", items=[pb.StepItem(env_index=0, action=pb.Action(discrete=1))]), timeout=0.2)
+        stub.Step(
+            pb.StepRequest(session_id="s", items=[pb.StepItem(env_index=0, action=pb.Action(discrete=1))]), timeout=0.2
+        )
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
@@ -194,7 +209,9 @@ def test_health_and_reflection_are_served(serve):
     server, _ = serve(Corridor())
     channel = grpc.insecure_channel(server.endpoint)
     health = health_pb2_grpc.HealthStub(channel)
-    status = health.Check(health_pb2.HealthCheckRequest(service="opentinker.environment.v1.EnvironmentService"), timeout=5)
+    status = health.Check(
+        health_pb2.HealthCheckRequest(service="opentinker.environment.v1.EnvironmentService"), timeout=5
+    )
     assert status.status == health_pb2.HealthCheckResponse.SERVING
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -247,7 +264,9 @@ def test_grpcurl_lists_and_describes_without_proto_files(serve):
     if not Path(grpcurl).exists():
         pytest.skip("grpcurl is not installed (make install puts it in .venv/bin)")
     server, _ = serve(Corridor())
-    listed = subprocess.run([grpcurl, "-plaintext", server.endpoint, "list"], capture_output=True, text=True, timeout=30, check=True)
+    listed = subprocess.run(
+        [grpcurl, "-plaintext", server.endpoint, "list"], capture_output=True, text=True, timeout=30, check=True
+    )
     assert "opentinker.environment.v1.EnvironmentService" in listed.stdout.split()
     out = subprocess.run(
         [grpcurl, "-plaintext", "-H", f"authorization: Bearer {server.token}", server.endpoint,

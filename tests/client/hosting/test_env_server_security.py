@@ -115,7 +115,9 @@ def test_the_right_token_is_served_and_health_and_reflection_stay_open(servers, 
 
     refl = reflection_pb2_grpc.ServerReflectionStub(channel)
     out = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
-    assert "opentinker.environment.v1.EnvironmentService" in {s.name for r in out for s in r.list_services_response.service}
+    assert "opentinker.environment.v1.EnvironmentService" in {
+        s.name for r in out for s in r.list_services_response.service
+    }
     assert server.auth.refused == 0
     # The token is in env_config (it travels with the task) but never in a log line or a repr.
     assert server.env_config["token"] == server.token
@@ -226,10 +228,18 @@ def test_bad_tls_files_are_refused_naming_the_argument(certs, tmp_path, kwargs, 
 def test_serve_environment_passes_token_and_tls(certs):
     with RLClient(scheduler_url="127.0.0.1:1", timeout=1) as client:
         server = client.serve_environment(
-            Corridor(), token="client-given-token-0123", tls_cert=certs.server_cert, tls_key=certs.server_key, tls_ca=certs.ca
+            Corridor(),
+            token="client-given-token-0123",
+            tls_cert=certs.server_cert,
+            tls_key=certs.server_key,
+            tls_ca=certs.ca,
         )
         cfg = server.env_config
-        assert cfg["token"] == "client-given-token-0123" and cfg["tls"] and "BEGIN CERTIFICATE" in cfg["tls_root_certificates"]
+        assert (
+            cfg["token"] == "client-given-token-0123"
+            and cfg["tls"]
+            and "BEGIN CERTIFICATE" in cfg["tls_root_certificates"]
+        )
         plain = client.serve_environment(Corridor())
         assert len(plain.env_config["token"]) == 43 and "tls" not in plain.env_config
     assert server.stopped and plain.stopped
@@ -252,7 +262,13 @@ def test_path_objects_and_strings_both_work(certs, servers):
 
 
 def test_submit_refuses_a_bad_token_in_env_config_before_sending():
-    bad = {"env_id": "client", "endpoint": "127.0.0.1:5", "action_space": 2, "observation_space": 5, "token": "bad token with spaces!"}
+    bad = {
+        "env_id": "client",
+        "endpoint": "127.0.0.1:5",
+        "action_space": 2,
+        "observation_space": 5,
+        "token": "bad token with spaces!",
+    }
     with RLClient(scheduler_url="127.0.0.1:1", timeout=1) as client:
         with pytest.raises(InvalidArgumentError) as err:
             client.submit_task(env_config=bad, workload_type="full_rl")

@@ -53,7 +53,10 @@ def test_dev_zero_a_fifo_a_directory_and_a_big_file_are_refused_naming_the_argum
         channel_credentials(fifo)
     with pytest.raises(ValueError, match=r"^root_certificates: .* is not a regular file$"):
         channel_credentials(tmp_path)
-    with pytest.raises(ValueError, match=rf"^root_certificates: '.*big\.pem' is {MAX_PEM_BYTES + len(certs.ca.read_bytes())} bytes, more than the 1048576 bytes \(1 MiB\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^root_certificates: '.*big\.pem' is {MAX_PEM_BYTES + len(certs.ca.read_bytes())} bytes, more than the 1048576 bytes \(1 MiB\)",
+    ):
         channel_credentials(big)
     with pytest.raises(ValueError, match=r"^client_cert: '/dev/zero' is not a regular file$"):
         channel_credentials(certs.ca, "/dev/zero", certs.node_key)
@@ -88,13 +91,18 @@ def test_the_cli_exits_2_with_one_line_for_dev_zero_and_a_fifo(fifo, capsys) -> 
     for path in ("/dev/zero", str(fifo)):
         assert cli_main(["--scheduler-url", "https://localhost:1", "--tls-ca", path, "list"]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("error: root_certificates: ") and "is not a regular file" in err, err
+        assert (
+            err.count("\n") == 1 and err.startswith("error: root_certificates: ") and "is not a regular file" in err
+        ), err
 
 
 def test_check_key_pair_names_a_mismatch_and_the_wrong_files(certs, tmp_path) -> None:
     check_key_pair(certs.node_cert, certs.node_key)
     names = ("--tls-cert", "--tls-key")
-    with pytest.raises(ValueError, match=r"^--tls-key: expected the private key of --tls-cert \('.*node\.pem'\), got '.*server\.key' \(KEY_VALUES_MISMATCH\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--tls-key: expected the private key of --tls-cert \('.*node\.pem'\), got '.*server\.key' \(KEY_VALUES_MISMATCH\)$",
+    ):
         check_key_pair(certs.node_cert, certs.server_key, names=names)
     with pytest.raises(ValueError, match=r"^--tls-cert: .*node\.key' holds no -----BEGIN CERTIFICATE----- block"):
         check_key_pair(certs.node_key, certs.node_cert, names=names)
@@ -106,8 +114,14 @@ def test_check_key_pair_names_a_mismatch_and_the_wrong_files(certs, tmp_path) ->
     from cryptography.hazmat.primitives.asymmetric import ec
 
     encrypted = tmp_path / "enc.key"
-    encrypted.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(s.Encoding.PEM, s.PrivateFormat.PKCS8, s.BestAvailableEncryption(b"pw")))
-    with pytest.raises(ValueError, match=r"^--tls-key: .*enc\.key' is an encrypted private key"):  # never a pass-phrase prompt
+    encrypted.write_bytes(
+        ec.generate_private_key(ec.SECP256R1()).private_bytes(
+            s.Encoding.PEM, s.PrivateFormat.PKCS8, s.BestAvailableEncryption(b"pw")
+        )
+    )
+    with pytest.raises(
+        ValueError, match=r"^--tls-key: .*enc\.key' is an encrypted private key"
+    ):  # never a pass-phrase prompt
         check_key_pair(certs.node_cert, encrypted, names=names)
 
 
@@ -122,12 +136,31 @@ def _last_error(r: subprocess.CompletedProcess) -> str:
 
 
 def test_the_trainer_refuses_a_mismatched_client_pair_at_start(certs, tmp_path) -> None:
-    r = _trainer("--work-dir", str(tmp_path / "runs"), "--tls-ca", str(certs.ca), "--tls-cert", str(certs.node_cert), "--tls-key", str(certs.rogue_key))
+    r = _trainer(
+        "--work-dir",
+        str(tmp_path / "runs"),
+        "--tls-ca",
+        str(certs.ca),
+        "--tls-cert",
+        str(certs.node_cert),
+        "--tls-key",
+        str(certs.rogue_key),
+    )
     last = _last_error(r)
-    assert last.startswith("opentinker-trainer: error: --tls-key: expected the private key of --tls-cert") and last.endswith("(KEY_VALUES_MISMATCH)"), r.stderr
+    assert last.startswith(
+        "opentinker-trainer: error: --tls-key: expected the private key of --tls-cert"
+    ) and last.endswith("(KEY_VALUES_MISMATCH)"), r.stderr
     assert "Invalid private key" not in r.stderr and "scheduler" not in last
     # the same through the environment variables
-    r = _trainer("--work-dir", str(tmp_path / "runs"), env=_env(OPENTINKER_TLS_CA=str(certs.ca), OPENTINKER_TLS_CERT=str(certs.node_cert), OPENTINKER_TLS_KEY=str(certs.server_key)))
+    r = _trainer(
+        "--work-dir",
+        str(tmp_path / "runs"),
+        env=_env(
+            OPENTINKER_TLS_CA=str(certs.ca),
+            OPENTINKER_TLS_CERT=str(certs.node_cert),
+            OPENTINKER_TLS_KEY=str(certs.server_key),
+        ),
+    )
     assert "KEY_VALUES_MISMATCH" in _last_error(r)
 
 
@@ -135,10 +168,19 @@ def test_the_trainer_refuses_dev_zero_and_fifos_for_every_pem_flag(certs, fifo, 
     runs = str(tmp_path / "runs")
     cases = [
         (["--tls-ca", "/dev/zero"], "root_certificates: '/dev/zero' is not a regular file"),
-        (["--tls-ca", str(certs.ca), "--tls-cert", str(fifo), "--tls-key", str(certs.node_key)], "--tls-cert: '" + str(fifo) + "' is not a regular file"),
-        (["--serve-tls-cert", "/dev/zero", "--serve-tls-key", str(certs.server_key)], "--serve-tls-cert: '/dev/zero' is not a regular file"),
+        (
+            ["--tls-ca", str(certs.ca), "--tls-cert", str(fifo), "--tls-key", str(certs.node_key)],
+            "--tls-cert: '" + str(fifo) + "' is not a regular file",
+        ),
+        (
+            ["--serve-tls-cert", "/dev/zero", "--serve-tls-key", str(certs.server_key)],
+            "--serve-tls-cert: '/dev/zero' is not a regular file",
+        ),
         (["--serve-tls-cert", str(certs.server_cert), "--serve-tls-key", str(fifo)], "is not a regular file"),
-        (["--http-port", "0", "--http-tls-cert", "/dev/zero", "--http-tls-key", str(certs.server_key)], "--http-tls-cert: '/dev/zero' is not a regular file"),
+        (
+            ["--http-port", "0", "--http-tls-cert", "/dev/zero", "--http-tls-key", str(certs.server_key)],
+            "--http-tls-cert: '/dev/zero' is not a regular file",
+        ),
     ]
     for argv, words in cases:
         r = _trainer("--work-dir", runs, *argv)

@@ -41,7 +41,9 @@ def test_address_says_whether_the_url_asks_for_tls(url, address):
     assert parse_scheduler_address(url) == address
 
 
-@pytest.mark.parametrize("url", ["https://scheduler-host", "https://h:0", "grpcs://h:1/path", "https://user@h:1", "httpss://h:1"])
+@pytest.mark.parametrize(
+    "url", ["https://scheduler-host", "https://h:0", "grpcs://h:1/path", "https://user@h:1", "httpss://h:1"]
+)
 def test_tls_urls_are_checked_like_the_others(url):
     with pytest.raises(ValueError, match="e.g."):
         parse_scheduler_address(url)
@@ -131,7 +133,11 @@ def test_cli_and_trainer_do_not_print_the_password(capsys, tmp_path):
     env["SCHEDULER_URL"] = "https://alice:hunter2@host:1"
     r = subprocess.run(
         [sys.executable, "-m", "opentinker_trainer", "--work-dir", str(tmp_path / "runs")],
-        capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[3], timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[3],
+        timeout=120,
     )
     assert r.returncode == 2 and "hunter2" not in r.stderr and "alice" not in r.stderr, r.stderr
     assert "environment variable SCHEDULER_URL: bad scheduler URL 'https://***@host:1'" in r.stderr

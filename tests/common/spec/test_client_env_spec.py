@@ -54,7 +54,9 @@ def test_token_and_tls_fields_parse_and_stay_out_of_the_repr():
     assert TOKEN not in repr(cfg) and "BEGIN CERTIFICATE" not in repr(cfg)
     assert validate_env_config(OK).token == ""  # a server started with require_token=False
     assert validate_env_config({**OK, "tls": True}).tls_root_certificates == ""  # system roots
-    spec = TaskSpecModel.from_parts(workload_type="full_rl", model="", env_config={**OK, "token": TOKEN}, hyperparameters={})
+    spec = TaskSpecModel.from_parts(
+        workload_type="full_rl", model="", env_config={**OK, "token": TOKEN}, hyperparameters={}
+    )
     assert TOKEN not in repr(spec)
 
 
@@ -69,11 +71,25 @@ def test_token_and_tls_fields_parse_and_stay_out_of_the_repr():
         ({"token": 12}, "token", "a string"),
         ({"tls": "yes"}, "tls", "true or false"),
         ({"tls_root_certificates": PEM}, "tls_root_certificates", "empty unless tls is true"),
-        ({"tls": True, "tls_root_certificates": "not a certificate"}, "tls_root_certificates", "PEM text of a CA certificate"),
-        ({"tls": True, "tls_root_certificates": "-----BEGIN CERTIFICATE-----\nAAAA"}, "tls_root_certificates", "PEM text"),
+        (
+            {"tls": True, "tls_root_certificates": "not a certificate"},
+            "tls_root_certificates",
+            "PEM text of a CA certificate",
+        ),
+        (
+            {"tls": True, "tls_root_certificates": "-----BEGIN CERTIFICATE-----\nAAAA"},
+            "tls_root_certificates",
+            "PEM text",
+        ),
         ({"tls": True, "tls_root_certificates": PEM * 2000}, "tls_root_certificates", "at most 65536 bytes"),
-        ({"tls": True, "tls_root_certificates": PEM + "-----BEGIN PRIVATE KEY-----\nAA\n-----END PRIVATE KEY-----\n"},
-         "tls_root_certificates", "PRIVATE KEY"),
+        (
+            {
+                "tls": True,
+                "tls_root_certificates": PEM + "-----BEGIN PRIVATE KEY-----\nAA\n-----END PRIVATE KEY-----\n",
+            },
+            "tls_root_certificates",
+            "PRIVATE KEY",
+        ),
     ],
 )
 def test_token_and_tls_refusals_name_the_field_and_never_echo_the_token(change, field, expected):

@@ -96,8 +96,20 @@ def test_the_largest_accepted_environments_build_and_are_accepted() -> None:
     except ImportError:
         pytest.skip("mpe2 is not installed here")
     top = {
-        SPREAD: {"N": MAX_ENTITIES, "local_ratio": 1, "max_cycles": 100_000, "num_agent_neighbors": 32, "num_landmark_neighbors": 32, "curriculum": True},
-        "mpe2/simple_tag_v3": {"num_good": 32, "num_adversaries": 32, "num_obstacles": 32, "terminate_on_success": True},
+        SPREAD: {
+            "N": MAX_ENTITIES,
+            "local_ratio": 1,
+            "max_cycles": 100_000,
+            "num_agent_neighbors": 32,
+            "num_landmark_neighbors": 32,
+            "curriculum": True,
+        },
+        "mpe2/simple_tag_v3": {
+            "num_good": 32,
+            "num_adversaries": 32,
+            "num_obstacles": 32,
+            "terminate_on_success": True,
+        },
         "mpe2/simple_adversary_v3": {"N": 32, "continuous_actions": True, "dynamic_rescaling": False},
         "mpe2/simple_crypto_v3": {"max_cycles": 1},
     }
@@ -121,7 +133,12 @@ def test_gym_kwargs_values_are_bounded_by_field_path() -> None:
     err = _refusal({"env_id": "FrozenLake-v1", "env_kwargs": {f"k{i}": "x" * 256 for i in range(64)}})
     assert err.field == "spec.env_config.env_kwargs" and err.expected == "at most 16384 bytes as JSON"
     # Within the bounds, gymnasium decides (and a good one passes).
-    assert validate_env_config({"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False, "map_name": "4x4"}}).env_kwargs["map_name"] == "4x4"
+    assert (
+        validate_env_config(
+            {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False, "map_name": "4x4"}}
+        ).env_kwargs["map_name"]
+        == "4x4"
+    )
 
 
 def test_generic_bounds_on_nested_values() -> None:
@@ -132,7 +149,10 @@ def test_generic_bounds_on_nested_values() -> None:
     assert err.value.field == "spec.env_config.env_kwargs.opts.a[0]" and "finite" in err.value.expected
     with pytest.raises(SpecError) as err:
         check_env_kwargs_bounds({"deep": [[[[1]]]]}, path)
-    assert err.value.field == "spec.env_config.env_kwargs.deep[0][0][0]" and err.value.expected == "lists and mappings nested at most 3 deep"
+    assert (
+        err.value.field == "spec.env_config.env_kwargs.deep[0][0][0]"
+        and err.value.expected == "lists and mappings nested at most 3 deep"
+    )
     with pytest.raises(SpecError) as err:
         check_env_kwargs_bounds({"many": list(range(257))}, path)
     assert err.value.field == "spec.env_config.env_kwargs.many" and err.value.expected == "at most 256 items"

@@ -24,14 +24,23 @@ def test_gym_env_gets_ppo_with_cleanrl_defaults() -> None:
     hp = s.hyperparameters
     assert type(hp) is PPOConfig and env_kind(s.env) == "gym"
     assert (hp.num_envs, hp.num_steps, hp.learning_rate, hp.gamma, hp.gae_lambda) == (4, 128, 2.5e-4, 0.99, 0.95)
-    assert (hp.num_minibatches, hp.update_epochs, hp.clip_coef, hp.ent_coef, hp.vf_coef, hp.max_grad_norm) == (4, 4, 0.2, 0.01, 0.5, 0.5)
+    assert (hp.num_minibatches, hp.update_epochs, hp.clip_coef, hp.ent_coef, hp.vf_coef, hp.max_grad_norm) == (
+        4,
+        4,
+        0.2,
+        0.01,
+        0.5,
+        0.5,
+    )
     assert hp.anneal_lr and hp.clip_vloss and hp.norm_adv and hp.target_kl is None and hp.hidden_sizes == (64, 64)
     assert hp.batch_size == 512 and hp.num_updates == 500_000 // 512
     assert hp.vector_mode == "sync"
 
 
 def test_numbers_from_protobuf_struct_are_accepted() -> None:
-    hp = spec({"env_id": "CartPole-v1"}, {"num_envs": 2.0, "hidden_sizes": [32.0, 16.0], "target_kl": 0.02}).hyperparameters
+    hp = spec(
+        {"env_id": "CartPole-v1"}, {"num_envs": 2.0, "hidden_sizes": [32.0, 16.0], "target_kl": 0.02}
+    ).hyperparameters
     assert hp.num_envs == 2 and hp.hidden_sizes == (32, 16) and hp.target_kl == 0.02
 
 
@@ -51,7 +60,11 @@ def test_numbers_from_protobuf_struct_are_accepted() -> None:
         ({"async_context": "fork"}, "spec.hyperparameters.async_context", "one of spawn, forkserver"),
         ({"activation": "gelu"}, "spec.hyperparameters.activation", "one of tanh, relu"),
         ({"total_timesteps": 100}, "spec.hyperparameters.total_timesteps", ">= num_envs * num_steps (512)"),
-        ({"num_steps": 2, "num_envs": 2, "num_minibatches": 5}, "spec.hyperparameters.num_minibatches", "<= num_envs * num_steps (4)"),
+        (
+            {"num_steps": 2, "num_envs": 2, "num_minibatches": 5},
+            "spec.hyperparameters.num_minibatches",
+            "<= num_envs * num_steps (4)",
+        ),
         ({"target_kl": 0}, "spec.hyperparameters.target_kl", "(0.0, 100.0]"),
         ({"lr": 0.1}, "spec.hyperparameters.lr", "one of the known keys"),
         ({"parameter_sharing": True}, "spec.hyperparameters.parameter_sharing", "one of the known keys"),
@@ -82,7 +95,9 @@ def test_bad_gym_env_configs_name_the_field(env, field, expected) -> None:
 
 
 def test_multiagent_env_gets_multiagent_ppo() -> None:
-    s = spec({"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"N": 2}, "action_space": 5}, {"parameter_sharing": False})
+    s = spec(
+        {"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"N": 2}, "action_space": 5}, {"parameter_sharing": False}
+    )
     assert type(s.env) is MultiAgentEnvConfig and env_kind(s.env) == "multiagent"
     assert type(s.hyperparameters) is MultiAgentPPOConfig and s.hyperparameters.parameter_sharing is False
     assert s.hyperparameters.num_envs == 8  # its own defaults
@@ -94,11 +109,27 @@ def test_multiagent_env_gets_multiagent_ppo() -> None:
         ({"env_id": "mpe2/simple_nope_v3"}, "spec.env_config.env_id", "PettingZoo parallel environment"),
         ({"env_id": "pettingzoo.butterfly.pistonball_v6"}, "spec.env_config.env_id", "mpe2/simple_spread_v3"),
         ({"env_id": "mpe2/os"}, "spec.env_config.env_id", "one of"),
-        ({"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"bogus": 1}}, "spec.env_config.env_kwargs", "options mpe2/simple_spread_v3 accepts"),
-        ({"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"render_mode": "human"}}, "spec.env_config.env_kwargs.render_mode", "no render_mode"),
+        (
+            {"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"bogus": 1}},
+            "spec.env_config.env_kwargs",
+            "options mpe2/simple_spread_v3 accepts",
+        ),
+        (
+            {"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"render_mode": "human"}},
+            "spec.env_config.env_kwargs.render_mode",
+            "no render_mode",
+        ),
         ({"env_id": "mpe2/simple_spread_v3", "action_space": 4}, "spec.env_config.action_space", "Discrete(5)"),
-        ({"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"N": 2}, "observation_space": 18}, "spec.env_config.observation_space", "(12,)"),
-        ({"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"N": [3]}}, "spec.env_config.env_kwargs.N", "a number, a string"),
+        (
+            {"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"N": 2}, "observation_space": 18},
+            "spec.env_config.observation_space",
+            "(12,)",
+        ),
+        (
+            {"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"N": [3]}},
+            "spec.env_config.env_kwargs.N",
+            "a number, a string",
+        ),
     ],
 )
 def test_bad_multiagent_env_configs_name_the_field(env, field, expected) -> None:
@@ -127,11 +158,15 @@ def test_lora_finetune_does_not_run_on_multiagent_envs() -> None:
 def test_ppo_task_needs_no_model_but_lm_tasks_do() -> None:
     from opentinker_common.spec import SpecError, TaskSpecModel, task_uses_model
 
-    spec = TaskSpecModel.from_parts(workload_type="full_rl", model="", env_config={"env_id": "CartPole-v1"}, hyperparameters={})
+    spec = TaskSpecModel.from_parts(
+        workload_type="full_rl", model="", env_config={"env_id": "CartPole-v1"}, hyperparameters={}
+    )
     assert spec.model == "" and not task_uses_model("full_rl", {"env_id": "CartPole-v1"})
     assert task_uses_model("full_rl", {"env_id": "arithmetic"}) and task_uses_model("lora_finetune", {})
     with pytest.raises(SpecError, match="spec.model"):
-        TaskSpecModel.from_parts(workload_type="full_rl", model="", env_config={"env_id": "arithmetic"}, hyperparameters={})
+        TaskSpecModel.from_parts(
+            workload_type="full_rl", model="", env_config={"env_id": "arithmetic"}, hyperparameters={}
+        )
 
 
 def test_render_mode_refused_for_gym_ids() -> None:

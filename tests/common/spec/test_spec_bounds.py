@@ -42,7 +42,9 @@ def _refusal(env: dict) -> SpecError:
 
 @pytest.mark.parametrize("desc", [LAKE, OTHER_LAKE])
 def test_frozenlake_with_a_custom_4x4_desc_validates_with_the_right_spaces(desc) -> None:
-    cfg = validate_env_config({"env_id": "FrozenLake-v1", "env_kwargs": {"desc": desc}, "action_space": 4, "observation_space": 16})
+    cfg = validate_env_config(
+        {"env_id": "FrozenLake-v1", "env_kwargs": {"desc": desc}, "action_space": 4, "observation_space": 16}
+    )
     assert cfg.env_kwargs == {"desc": desc}
     env = gymnasium.make("FrozenLake-v1", **cfg.env_kwargs)  # what the trainer does with it
     try:
@@ -52,7 +54,9 @@ def test_frozenlake_with_a_custom_4x4_desc_validates_with_the_right_spaces(desc)
 
 
 def test_a_6x6_desc_changes_the_observation_space_and_a_wrong_size_is_refused() -> None:
-    cfg = validate_env_config({"env_id": "FrozenLake-v1", "env_kwargs": {"desc": SIX, "is_slippery": False}, "observation_space": 36})
+    cfg = validate_env_config(
+        {"env_id": "FrozenLake-v1", "env_kwargs": {"desc": SIX, "is_slippery": False}, "observation_space": 36}
+    )
     assert cfg.env_kwargs["desc"] == SIX
     err = _refusal({"env_id": "FrozenLake-v1", "env_kwargs": {"desc": SIX}, "observation_space": 16})
     assert err.field == "spec.env_config.observation_space" and "(36)" in err.expected
@@ -201,7 +205,10 @@ def test_file_paths_are_refused_in_gym_env_kwargs(kwargs, field, monkeypatch) ->
     monkeypatch.setattr(gym_spec, "_real_spaces", no_build)
     err = _refusal({"env_id": "Ant-v5", "env_kwargs": kwargs})
     assert err.field == f"{KW}.{field}"
-    assert "file paths are not accepted in env_kwargs (environments are built on the scheduler and the trainers)" in str(err)
+    assert (
+        "file paths are not accepted in env_kwargs (environments are built on the scheduler and the trainers)"
+        in str(err)
+    )
 
 
 @pytest.mark.parametrize(
@@ -230,7 +237,9 @@ def test_legit_kwargs_still_validate(env_id, kwargs) -> None:
 # ------------------------------------------------------------------ 4. user:password
 
 
-@pytest.mark.parametrize("endpoint", ["https://u:PW@host:1", "u:PW@host:1", "https://u:PW://x@host:1", "ftp://u:PW@host:1"])
+@pytest.mark.parametrize(
+    "endpoint", ["https://u:PW@host:1", "u:PW@host:1", "https://u:PW://x@host:1", "ftp://u:PW@host:1"]
+)
 def test_inference_endpoint_errors_do_not_echo_the_password(endpoint) -> None:
     with pytest.raises(ValueError) as err:
         InferenceClient(endpoint)

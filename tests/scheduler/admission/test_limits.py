@@ -31,7 +31,9 @@ def make(tmp_path):
     made = []
 
     def _make(text: str) -> LoopbackScheduler:
-        s = LoopbackScheduler(tmp_path / f"state{len(made)}", text + "paths: {model_dirs: [/models]}\n")  # specs name /models/m
+        s = LoopbackScheduler(
+            tmp_path / f"state{len(made)}", text + "paths: {model_dirs: [/models]}\n"
+        )  # specs name /models/m
         made.append(s)
         return s
 
@@ -48,7 +50,10 @@ def test_pending_per_owner_limit_counts_each_owner_separately(make) -> None:
     with RLClient(s.target, api_key=alice_key) as alice, RLClient(s.target, api_key=bob_key) as bob:
         first = _submit(alice)
         _submit(alice)
-        with pytest.raises(ResourceExhaustedError, match=r"already has 2 PENDING task\(s\), the limit is 2 \(limits.max_pending_per_owner\)"):
+        with pytest.raises(
+            ResourceExhaustedError,
+            match=r"already has 2 PENDING task\(s\), the limit is 2 \(limits.max_pending_per_owner\)",
+        ):
             _submit(alice)
         assert len(alice.list_tasks()) == 2  # nothing stored for the refused one
         _submit(bob)  # another owner is not affected
@@ -80,7 +85,9 @@ def test_spec_size_limit(make) -> None:
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "more than the limit of 1024 (limits.max_spec_bytes)" in err.value.details()
         assert not stub.ListTasks(S.ListTasksRequest()).tasks
-        stub.SubmitTask(S.SubmitTaskRequest(spec=C.TaskSpec(workload_type="lora_finetune", model="/models/m", name="small")))
+        stub.SubmitTask(
+            S.SubmitTaskRequest(spec=C.TaskSpec(workload_type="lora_finetune", model="/models/m", name="small"))
+        )
 
 
 def test_message_size_limit_applies_to_what_the_server_receives(make) -> None:
@@ -110,7 +117,10 @@ def test_concurrent_streams_per_key(make) -> None:
         assert next(first).event.state_change.to_state == C.TASK_STATE_PENDING  # the stream is open
         with pytest.raises(grpc.RpcError) as err:
             next(stub.WatchTask(S.WatchTaskRequest(task_id=own), metadata=md))
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_streams_per_key" in err.value.details()
+        assert (
+            err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "limits.max_streams_per_key" in err.value.details()
+        )
         # Another key has its own slots (bob's watch of a task he cannot see is NOT_FOUND, not exhausted).
         with pytest.raises(grpc.RpcError) as err:
             next(stub.WatchTask(req, metadata=metadata(other)))
@@ -168,7 +178,12 @@ def test_token_bucket_refills_at_its_rate() -> None:
 
 def test_limits_unit_streams_release_and_rate_with_a_fake_clock() -> None:
     now = [0.0]
-    lim = Limits(LimitsConfig(submit_rate=1.0, submit_burst=1, max_streams_per_key=2, max_spec_bytes=10, max_pending_per_owner=1), clock=lambda: now[0])
+    lim = Limits(
+        LimitsConfig(
+            submit_rate=1.0, submit_burst=1, max_streams_per_key=2, max_spec_bytes=10, max_pending_per_owner=1
+        ),
+        clock=lambda: now[0],
+    )
     lim.check_submit_rate("k")
     with pytest.raises(ResourceExhausted, match="retry in 1.00 s"):
         lim.check_submit_rate("k")

@@ -26,14 +26,34 @@ from tests.support.security import LoopbackScheduler, metadata
 # ----------------------------------------------------------------------------------- pure checks
 
 
-@pytest.mark.parametrize("name", ["gpt2", "HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B", "org/na.me_1-x", "a/b"])
+@pytest.mark.parametrize(
+    "name", ["gpt2", "HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B", "org/na.me_1-x", "a/b"]
+)
 def test_hub_ids(name: str) -> None:
     assert is_hub_id(name)
 
 
 @pytest.mark.parametrize(
     "name",
-    ["/models/m", "./m", "../m", "..", ".", "a/b/c", "runs/t/checkpoints", "~/m", "~alice/m", "a//b", "a/", "/", "org/.hidden", "org/..", ".a", "", "a b"],
+    [
+        "/models/m",
+        "./m",
+        "../m",
+        "..",
+        ".",
+        "a/b/c",
+        "runs/t/checkpoints",
+        "~/m",
+        "~alice/m",
+        "a//b",
+        "a/",
+        "/",
+        "org/.hidden",
+        "org/..",
+        ".a",
+        "",
+        "a b",
+    ],
 )
 def test_not_hub_ids(name: str) -> None:
     assert not is_hub_id(name)
@@ -71,9 +91,15 @@ def _spec(model: str = "", data: str | None = None, workload: str = "lora_finetu
 def test_unset_lists_allow_anything_with_auth_off_and_no_local_path_with_auth_on() -> None:
     open_ = PathsConfig()
     check_local_paths(_spec("/anywhere/step_1", "/etc/passwd", "sft"), paths=open_, auth_enabled=False)
-    with pytest.raises(InvalidArgument, match=r"spec.model: expected a hub id \(org/name\) or no local path \(auth is on and paths.model_dirs lists no folder\), got '/models/m'"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"spec.model: expected a hub id \(org/name\) or no local path \(auth is on and paths.model_dirs lists no folder\), got '/models/m'",
+    ):
         check_local_paths(_spec("/models/m"), paths=open_, auth_enabled=True)
-    with pytest.raises(InvalidArgument, match=r"spec.env_config.path: expected an uploaded dataset_id \(upload_dataset\) or no local path"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"spec.env_config.path: expected an uploaded dataset_id \(upload_dataset\) or no local path",
+    ):
         check_local_paths(_spec("org/m", "/data/x.jsonl", "sft"), paths=open_, auth_enabled=True)
     check_local_paths(_spec("HuggingFaceTB/SmolLM2-135M-Instruct"), paths=open_, auth_enabled=True)
 
@@ -81,9 +107,15 @@ def test_unset_lists_allow_anything_with_auth_off_and_no_local_path_with_auth_on
 def test_listed_folders_restrict_even_with_auth_off() -> None:
     paths = PathsConfig(model_dirs=("/models",), data_dirs=("/data",))
     check_local_paths(_spec("/models/m", "/data/d/x.jsonl", "sft"), paths=paths, auth_enabled=False)
-    with pytest.raises(InvalidArgument, match=r"spec.model: expected a hub id \(org/name\) or a folder under paths.model_dirs \(/models\), got '/srv/runs/t1/checkpoints/step_1'"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"spec.model: expected a hub id \(org/name\) or a folder under paths.model_dirs \(/models\), got '/srv/runs/t1/checkpoints/step_1'",
+    ):
         check_local_paths(_spec("/srv/runs/t1/checkpoints/step_1"), paths=paths, auth_enabled=False)
-    with pytest.raises(InvalidArgument, match=r"spec.env_config.path: .* a file under paths.data_dirs \(/data\), got '/srv/runs/datasets/ab.jsonl'"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"spec.env_config.path: .* a file under paths.data_dirs \(/data\), got '/srv/runs/datasets/ab.jsonl'",
+    ):
         check_local_paths(_spec("/models/m", "/srv/runs/datasets/ab.jsonl", "sft"), paths=paths, auth_enabled=False)
     # [] = no local paths at all, whatever auth says.
     with pytest.raises(InvalidArgument, match="spec.model"):
@@ -113,7 +145,9 @@ def test_default_model_is_the_operators_and_exempt() -> None:
         check_local_paths(_spec("/opt/base/../other"), paths=paths, auth_enabled=True, default_model="/opt/base")
 
 
-_PIECES = st.sampled_from(["/", "models", "..", ".", "m", "srv", "runs", "~", "a.b", "-x", "//", "\x00", "models2", " "])
+_PIECES = st.sampled_from(
+    ["/", "models", "..", ".", "m", "srv", "runs", "~", "a.b", "-x", "//", "\x00", "models2", " "]
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -122,7 +156,9 @@ def test_any_accepted_model_is_a_hub_id_or_really_under_model_dirs(model: str) -
     try:
         check_local_paths(_spec(model), paths=PathsConfig(model_dirs=("/models",)), auth_enabled=True)
     except InvalidArgument as exc:
-        assert str(exc).startswith("spec.model: expected a hub id (org/name) or a folder under paths.model_dirs (/models), got ")
+        assert str(exc).startswith(
+            "spec.model: expected a hub id (org/name) or a folder under paths.model_dirs (/models), got "
+        )
         return
     if model and not is_hub_id(model):
         real = os.path.normpath(model)
@@ -142,11 +178,23 @@ def test_paths_section_parses() -> None:
 @pytest.mark.parametrize(
     ("text", "where"),
     [
-        ("paths:\n  model_dirs: [models]\n", "x.yaml:2: paths.model_dirs[0]: expected an absolute, normalized folder such as /models, got 'models'"),
-        ("paths:\n  data_dirs: [/data/]\n", "x.yaml:2: paths.data_dirs[0]: expected an absolute, normalized folder such as /data, got '/data/'"),
-        ("paths:\n  data_dirs:\n    - /data/../etc\n", "x.yaml:3: paths.data_dirs[0]: expected an absolute, normalized folder"),
+        (
+            "paths:\n  model_dirs: [models]\n",
+            "x.yaml:2: paths.model_dirs[0]: expected an absolute, normalized folder such as /models, got 'models'",
+        ),
+        (
+            "paths:\n  data_dirs: [/data/]\n",
+            "x.yaml:2: paths.data_dirs[0]: expected an absolute, normalized folder such as /data, got '/data/'",
+        ),
+        (
+            "paths:\n  data_dirs:\n    - /data/../etc\n",
+            "x.yaml:3: paths.data_dirs[0]: expected an absolute, normalized folder",
+        ),
         ("paths:\n  model_dirs: /models\n", "x.yaml:2: paths.model_dirs: expected a list"),
-        ("paths:\n  model_dir: [/models]\n", "x.yaml:2: paths.model_dir: expected one of the known keys (data_dirs, model_dirs)"),
+        (
+            "paths:\n  model_dir: [/models]\n",
+            "x.yaml:2: paths.model_dir: expected one of the known keys (data_dirs, model_dirs)",
+        ),
         ("paths: [/models]\n", "x.yaml:1: paths: expected a mapping"),
         ("paths:\n  model_dirs: [1]\n", "x.yaml:2: paths.model_dirs[0]: expected a string"),
     ],
@@ -182,7 +230,9 @@ def _count(s: LoopbackScheduler) -> int:
 
 
 def test_auth_on_with_model_dirs_refuses_other_folders_and_stores_nothing(tmp_path) -> None:
-    s = LoopbackScheduler(tmp_path / "state", "auth: {enabled: true}\npaths: {model_dirs: [/models], data_dirs: [/data]}\n")
+    s = LoopbackScheduler(
+        tmp_path / "state", "auth: {enabled: true}\npaths: {model_dirs: [/models], data_dirs: [/data]}\n"
+    )
     try:
         bob = _users(s)
         refused = {
@@ -194,13 +244,24 @@ def test_auth_on_with_model_dirs_refuses_other_folders_and_stores_nothing(tmp_pa
         for model, why in refused.items():
             code, details = _submit(s, bob, _spec(model))
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (model, details)
-            assert details.startswith("spec.model: expected a hub id (org/name) or a folder under paths.model_dirs (/models)") and why in details
+            assert (
+                details.startswith(
+                    "spec.model: expected a hub id (org/name) or a folder under paths.model_dirs (/models)"
+                )
+                and why in details
+            )
         code, details = _submit(s, bob, _spec("/models/m", "/srv/runs/datasets/" + "a" * 64 + ".jsonl", "sft"))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("spec.env_config.path: expected an uploaded dataset_id")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(
+            "spec.env_config.path: expected an uploaded dataset_id"
+        )
         assert "paths.data_dirs (/data)" in details
         assert _count(s) == 0  # nothing half-written
         # Allowed: a hub id, a folder under model_dirs, a file under data_dirs.
-        for spec in (_spec("HuggingFaceTB/SmolLM2-135M-Instruct"), _spec("/models/m"), _spec("/models/m", "/data/chat.jsonl", "sft")):
+        for spec in (
+            _spec("HuggingFaceTB/SmolLM2-135M-Instruct"),
+            _spec("/models/m"),
+            _spec("/models/m", "/data/chat.jsonl", "sft"),
+        ):
             assert _submit(s, bob, spec) == (grpc.StatusCode.OK, "")
         assert _count(s) == 3
         # The typed client error carries the same words.
@@ -216,7 +277,10 @@ def test_auth_on_without_paths_allows_hub_ids_only(tmp_path) -> None:
     try:
         bob = _users(s)
         code, details = _submit(s, bob, _spec("/models/m"))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "no local path (auth is on and paths.model_dirs lists no folder)" in details
+        assert (
+            code == grpc.StatusCode.INVALID_ARGUMENT
+            and "no local path (auth is on and paths.model_dirs lists no folder)" in details
+        )
         code, details = _submit(s, bob, _spec("org/m", "/data/chat.jsonl", "sft"))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("spec.env_config.path")
         assert _submit(s, bob, _spec("org/m")) == (grpc.StatusCode.OK, "")
@@ -228,7 +292,11 @@ def test_auth_on_without_paths_allows_hub_ids_only(tmp_path) -> None:
 def test_auth_off_is_unrestricted(tmp_path) -> None:
     s = LoopbackScheduler(tmp_path / "state")
     try:
-        for spec in (_spec("/anywhere/runs/t/checkpoints/step_1"), _spec("relative/model/dir"), _spec("/m", "/any/file.jsonl", "sft")):
+        for spec in (
+            _spec("/anywhere/runs/t/checkpoints/step_1"),
+            _spec("relative/model/dir"),
+            _spec("/m", "/any/file.jsonl", "sft"),
+        ):
             assert _submit(s, None, spec) == (grpc.StatusCode.OK, "")
     finally:
         s.close()

@@ -106,7 +106,10 @@ def test_a_build_past_the_budget_is_invalid_argument_and_nothing_is_stored(tmp_p
         with pytest.raises(grpc.RpcError) as err:
             stub.SubmitTask(_request(block=True), timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.value.details() == "spec.env_config: building the environment took longer than 0.5 s; use smaller env_kwargs"
+        assert (
+            err.value.details()
+            == "spec.env_config: building the environment took longer than 0.5 s; use smaller env_kwargs"
+        )
         assert stub.ListTasks(S.ListTasksRequest()).tasks == []
         # The same env_config again: refused at once, without another build.
         with pytest.raises(grpc.RpcError) as err:
@@ -180,7 +183,10 @@ def test_oversized_env_kwargs_are_refused_quickly_with_the_field_path(tmp_path) 
 
 def test_spec_check_timeout_config() -> None:
     assert parse_config("limits: {spec_check_timeout: 2.5}\n", "x.yaml").limits.spec_check_timeout == 2.5
-    assert parse_config("limits: {}\n", "x.yaml").limits.resolved(auth_enabled=False).spec_check_timeout == DEFAULT_TIMEOUT_S
+    assert (
+        parse_config("limits: {}\n", "x.yaml").limits.resolved(auth_enabled=False).spec_check_timeout
+        == DEFAULT_TIMEOUT_S
+    )
     for bad in ("0", "-1", "1000", "soon"):
         with pytest.raises(ConfigError, match="limits.spec_check_timeout"):
             parse_config(f"limits: {{spec_check_timeout: {bad}}}\n", "x.yaml")

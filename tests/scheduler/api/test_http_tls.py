@@ -30,7 +30,9 @@ def running(config):
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
-        sched = asyncio.run_coroutine_threadsafe(start_scheduler(config, host="127.0.0.1", port=0, http_port=0), loop).result(60)
+        sched = asyncio.run_coroutine_threadsafe(
+            start_scheduler(config, host="127.0.0.1", port=0, http_port=0), loop
+        ).result(60)
         try:
             yield sched
         finally:
@@ -68,7 +70,12 @@ def test_health_and_metrics_over_https_with_the_ca(tmp_path, certs) -> None:
         status, body = get(base + "/metrics", trust)
         assert status == 200
         names = {f.name for f in text_string_to_metric_families(body.decode())}
-        assert {"opentinker_queue_depth", "opentinker_tasks", "opentinker_nodes", "opentinker_scheduling_latency_seconds"} <= names
+        assert {
+            "opentinker_queue_depth",
+            "opentinker_tasks",
+            "opentinker_nodes",
+            "opentinker_scheduling_latency_seconds",
+        } <= names
         assert get(base + "/nope", trust)[0] == 404
 
         # Plain HTTP to the HTTPS port gets no answer.

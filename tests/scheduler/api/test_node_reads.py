@@ -63,21 +63,39 @@ def test_node_key_reads_through_node_service_only(sched, tmp_path) -> None:
         # ... and may not call SchedulerService at all (not even its reads).
         for call in (
             lambda: clients.GetTask(S.GetTaskRequest(task_id=task_id), metadata=metadata(keys["node"])),
-            lambda: list(clients.DownloadDataset(S.DownloadDatasetRequest(dataset_id=dataset_id), metadata=metadata(keys["node"]))),
+            lambda: list(
+                clients.DownloadDataset(
+                    S.DownloadDatasetRequest(dataset_id=dataset_id), metadata=metadata(keys["node"])
+                )
+            ),
         ):
             code, details = _code(call)
             assert code == grpc.StatusCode.PERMISSION_DENIED and "node keys may call NodeService only" in details
         # A user key may not use the node reads.
-        code, _ = _code(lambda: nodes.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(keys["alice"])))
+        code, _ = _code(
+            lambda: nodes.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(keys["alice"]))
+        )
         assert code == grpc.StatusCode.PERMISSION_DENIED
         # Bad input: clear status, nothing else.
-        code, details = _code(lambda: nodes.LookupTask(N.LookupTaskRequest(task_id=""), metadata=metadata(keys["node"])))
+        code, details = _code(
+            lambda: nodes.LookupTask(N.LookupTaskRequest(task_id=""), metadata=metadata(keys["node"]))
+        )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "task_id" in details
-        code, _ = _code(lambda: nodes.LookupTask(N.LookupTaskRequest(task_id="t-missing"), metadata=metadata(keys["node"])))
+        code, _ = _code(
+            lambda: nodes.LookupTask(N.LookupTaskRequest(task_id="t-missing"), metadata=metadata(keys["node"]))
+        )
         assert code == grpc.StatusCode.NOT_FOUND
-        code, _ = _code(lambda: list(nodes.FetchDataset(N.FetchDatasetRequest(dataset_id="sha256:" + "0" * 64), metadata=metadata(keys["node"]))))
+        code, _ = _code(
+            lambda: list(
+                nodes.FetchDataset(
+                    N.FetchDatasetRequest(dataset_id="sha256:" + "0" * 64), metadata=metadata(keys["node"])
+                )
+            )
+        )
         assert code == grpc.StatusCode.NOT_FOUND
-        code, _ = _code(lambda: list(nodes.FetchDataset(N.FetchDatasetRequest(dataset_id="nope"), metadata=metadata(keys["node"]))))
+        code, _ = _code(
+            lambda: list(nodes.FetchDataset(N.FetchDatasetRequest(dataset_id="nope"), metadata=metadata(keys["node"])))
+        )
         assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -92,12 +110,24 @@ def test_a_dataset_belongs_to_the_owners_who_uploaded_it(sched, tmp_path) -> Non
         with sched.channel() as ch:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             # Bob cannot download Alice's dataset: the answer is word for word a missing one's.
-            theirs = _code(lambda: list(stub.DownloadDataset(S.DownloadDatasetRequest(dataset_id=dataset_id), metadata=metadata(keys["bob"]))))
-            absent = _code(lambda: list(stub.DownloadDataset(S.DownloadDatasetRequest(dataset_id=missing), metadata=metadata(keys["bob"]))))
+            theirs = _code(
+                lambda: list(
+                    stub.DownloadDataset(
+                        S.DownloadDatasetRequest(dataset_id=dataset_id), metadata=metadata(keys["bob"])
+                    )
+                )
+            )
+            absent = _code(
+                lambda: list(
+                    stub.DownloadDataset(S.DownloadDatasetRequest(dataset_id=missing), metadata=metadata(keys["bob"]))
+                )
+            )
             assert theirs[0] == absent[0] == grpc.StatusCode.NOT_FOUND
             assert theirs[1].replace(dataset_id, "ID") == absent[1].replace(missing, "ID")
             # Admins see every dataset.
-            data = list(stub.DownloadDataset(S.DownloadDatasetRequest(dataset_id=dataset_id), metadata=metadata(keys["admin"])))
+            data = list(
+                stub.DownloadDataset(S.DownloadDatasetRequest(dataset_id=dataset_id), metadata=metadata(keys["admin"]))
+            )
             assert b"".join(c.chunk for c in data) == path.read_bytes()
         # Nor train on it ...
         with pytest.raises(NotFoundError, match="spec.env_config.dataset_id: dataset .* not found"):

@@ -36,7 +36,11 @@ def _run_task_with_checkpoints(core: SchedulerCore, folders: dict[int, Path], en
     for step, folder in folders.items():
         core.node_report(
             node,
-            N.TaskReport(task_id=task.task_id, attempt=1, checkpoint=C.Checkpoint(step=step, path=str(folder), format="peft_lora")),
+            N.TaskReport(
+                task_id=task.task_id,
+                attempt=1,
+                checkpoint=C.Checkpoint(step=step, path=str(folder), format="peft_lora"),
+            ),
         )
     return task.task_id
 
@@ -50,7 +54,9 @@ def _folder(root: Path, name: str, files: dict[str, bytes]) -> Path:
 
 
 def test_list_and_pick_checkpoints_with_not_found_cases(tmp_path) -> None:
-    core = SchedulerCore(SchedulerConfig(resource_pool=(PoolNode("n1", 0, 4),), state_dir=tmp_path / "state"), Store(tmp_path / "state"))
+    core = SchedulerCore(
+        SchedulerConfig(resource_pool=(PoolNode("n1", 0, 4),), state_dir=tmp_path / "state"), Store(tmp_path / "state")
+    )
     a = _folder(tmp_path, "step_2", {"a.bin": b"x"})
     b = _folder(tmp_path, "step_4", {"a.bin": b"y"})
     task_id = _run_task_with_checkpoints(core, {2: a, 4: b})
@@ -130,7 +136,10 @@ def test_download_through_grpc_matches_file_hashes_and_endpoint_shows_while_runn
         assert [(c.step, c.path, c.format) for c in infos] == [(3, str(folder), "peft_lora")]
         dest = client.download_checkpoint(task_id, tmp_path / "got")
         for name in ("adapter_model.safetensors", "adapter_config.json"):
-            assert hashlib.sha256((dest / name).read_bytes()).digest() == hashlib.sha256((folder / name).read_bytes()).digest()
+            assert (
+                hashlib.sha256((dest / name).read_bytes()).digest()
+                == hashlib.sha256((folder / name).read_bytes()).digest()
+            )
         with pytest.raises(FileExistsError):
             client.download_checkpoint(task_id, tmp_path / "got")
         with pytest.raises(NotFoundError, match="no checkpoint at step 9"):
@@ -148,7 +157,10 @@ def test_download_through_grpc_matches_file_hashes_and_endpoint_shows_while_runn
         # Every message of the raw stream fits well under gRPC's limits.
         folder.mkdir()
         (folder / "adapter_model.safetensors").write_bytes(big)
-        sizes = [m.ByteSize() for m in client._stub.DownloadCheckpoint(scheduler_pb2.DownloadCheckpointRequest(task_id=task_id))]
+        sizes = [
+            m.ByteSize()
+            for m in client._stub.DownloadCheckpoint(scheduler_pb2.DownloadCheckpointRequest(task_id=task_id))
+        ]
         assert len(sizes) == 1 + 4 and max(sizes) <= checkpoints.CHUNK_BYTES + 64
     # The endpoint is only shown while the task runs.
     scheduler.do(scheduler.core.cancel, task_id)

@@ -56,7 +56,9 @@ def test_any_chunking_gives_the_same_answer(cuts: list[int]) -> None:
         assert got == want
 
 
-def upload(store: DatasetStore, data: bytes, *, name: str = "d.jsonl", total: int | None = None, chunk: int = 7) -> S.DatasetInfo:
+def upload(
+    store: DatasetStore, data: bytes, *, name: str = "d.jsonl", total: int | None = None, chunk: int = 7
+) -> S.DatasetInfo:
     async def requests():
         yield S.UploadDatasetRequest(name=name, total_bytes=len(data) if total is None else total, chunk=data[:chunk])
         for i in range(chunk, len(data), chunk):
@@ -69,7 +71,12 @@ def test_upload_is_content_addressed_idempotent_and_downloadable(tmp_path) -> No
     store = DatasetStore(tmp_path / "datasets")
     info = upload(store, DATA)
     hex_ = hashlib.sha256(DATA).hexdigest()
-    assert info.dataset_id == f"sha256:{hex_}" and info.num_examples == 5 and info.size_bytes == len(DATA) and info.name == "d.jsonl"
+    assert (
+        info.dataset_id == f"sha256:{hex_}"
+        and info.num_examples == 5
+        and info.size_bytes == len(DATA)
+        and info.name == "d.jsonl"
+    )
     assert store.exists(info.dataset_id) and store.path(info.dataset_id).read_bytes() == DATA
     again = upload(store, DATA, name="other.jsonl", chunk=1000)
     assert again == info  # same bytes, same dataset (the first name kept)
@@ -143,7 +150,9 @@ def lm_spec(model: str = "/models/m", init_from: str = "") -> C.TaskSpec:
     return s
 
 
-def finish(core: SchedulerCore, node, task_id: str, state=C.TASK_STATE_SUCCEEDED, checkpoint: C.Checkpoint | None = None) -> None:
+def finish(
+    core: SchedulerCore, node, task_id: str, state=C.TASK_STATE_SUCCEEDED, checkpoint: C.Checkpoint | None = None
+) -> None:
     assert core.schedule() >= 1
     core.node_report(node, N.TaskReport(task_id=task_id, attempt=1, state=C.TASK_STATE_RUNNING))
     kw = {"checkpoint": checkpoint} if checkpoint is not None else {}
@@ -180,7 +189,10 @@ def test_init_from_needs_a_succeeded_task_with_a_final_lm_checkpoint_of_the_same
 
     running = core.submit(lm_spec(), owner="u")
     core.schedule()
-    with pytest.raises(FailedPrecondition, match=f"spec.init_from: task {running.task_id} is ASSIGNED; a task can only start from one that SUCCEEDED"):
+    with pytest.raises(
+        FailedPrecondition,
+        match=f"spec.init_from: task {running.task_id} is ASSIGNED; a task can only start from one that SUCCEEDED",
+    ):
         check(lm_spec(init_from=running.task_id))
 
     failed = core.submit(lm_spec(), owner="u")
@@ -188,7 +200,9 @@ def test_init_from_needs_a_succeeded_task_with_a_final_lm_checkpoint_of_the_same
     finish(core, node, failed.task_id, C.TASK_STATE_FAILED)
     with pytest.raises(FailedPrecondition, match="is FAILED"):
         check(lm_spec(init_from=failed.task_id))
-    with pytest.raises(FailedPrecondition, match="has no checkpoint; expected a final checkpoint in one of peft_lora, hf_full"):
+    with pytest.raises(
+        FailedPrecondition, match="has no checkpoint; expected a final checkpoint in one of peft_lora, hf_full"
+    ):
         check(lm_spec(init_from=running.task_id))
 
     odd = core.submit(lm_spec(), owner="u")
@@ -201,7 +215,9 @@ def test_init_from_needs_a_succeeded_task_with_a_final_lm_checkpoint_of_the_same
     finish(core, node, good.task_id, checkpoint=ck)
     check(lm_spec(init_from=good.task_id))
     check(lm_spec(model="", init_from=good.task_id))  # "" = the default model, the same one
-    with pytest.raises(InvalidArgument, match=r"spec.model: expected '/models/m', the model task .* trained, got '/models/other'"):
+    with pytest.raises(
+        InvalidArgument, match=r"spec.model: expected '/models/m', the model task .* trained, got '/models/other'"
+    ):
         check(lm_spec(model="/models/other", init_from=good.task_id))
 
     # At assignment the worker gets the init_from task's final checkpoint.

@@ -30,7 +30,12 @@ def test_fewest_victims_across_nodes_and_slots() -> None:
     assert choose_victims(1, 8, [a, b]) is None
 
 
-@given(st.integers(-2, 3), st.integers(0, 4), st.lists(st.tuples(st.integers(-2, 3), st.integers(0, 2)), max_size=6), st.integers(0, 4))
+@given(
+    st.integers(-2, 3),
+    st.integers(0, 4),
+    st.lists(st.tuples(st.integers(-2, 3), st.integers(0, 2)), max_size=6),
+    st.integers(0, 4),
+)
 def test_victims_always_make_room_and_are_lower(priority, gpus, running, free) -> None:
     allocs = tuple(RunningAlloc(f"t{i}", p, g, float(i)) for i, (p, g) in enumerate(running))
     node = NodeState("n", free + sum(g for _, g in running), len(allocs) + 1, free, allocs)

@@ -39,15 +39,22 @@ def test_each_action_is_recorded_with_owner_task_time_and_outcome(sched) -> None
                 task_id = alice.submit_task(workload_type="lora_finetune", model="/models/m")
                 bad = C.TaskSpec(workload_type="lora_finetune", model="/models/m")
                 bad.hyperparameters.update({"steps": 0})
-                with grpc.insecure_channel(sched.target) as ch, pytest.raises(grpc.RpcError):  # raw: RLClient checks locally
-                    scheduler_pb2_grpc.SchedulerServiceStub(ch).SubmitTask(S.SubmitTaskRequest(spec=bad), metadata=metadata(alice_key))
+                with (
+                    grpc.insecure_channel(sched.target) as ch,
+                    pytest.raises(grpc.RpcError),
+                ):  # raw: RLClient checks locally
+                    scheduler_pb2_grpc.SchedulerServiceStub(ch).SubmitTask(
+                        S.SubmitTaskRequest(spec=bad), metadata=metadata(alice_key)
+                    )
                 alice.cancel(task_id, reason="changed my mind")
             root.keys.rotate(alice_info.prefix)
             root.keys.revoke(node_info.prefix)
             _, node_key = root.keys.create("rack-1", "node")
         with grpc.insecure_channel(sched.target) as ch:
             reg = N.ConnectRequest(register=N.Register(node_id="node-a", max_tasks=1, hostname="h1"))
-            assert next(node_pb2_grpc.NodeServiceStub(ch).Connect(iter([reg]), metadata=metadata(node_key))).HasField("registered")
+            assert next(node_pb2_grpc.NodeServiceStub(ch).Connect(iter([reg]), metadata=metadata(node_key))).HasField(
+                "registered"
+            )
             with pytest.raises(grpc.RpcError):  # refused: logged, not stored
                 next(node_pb2_grpc.NodeServiceStub(ch).Connect(iter([reg]), metadata=metadata(alice_key)))
         with RLClient(sched.target, api_key=admin) as root:
@@ -59,21 +66,42 @@ def test_each_action_is_recorded_with_owner_task_time_and_outcome(sched) -> None
     submits = by_action["task.submit"]
     ok = [r for r in submits if r.outcome == "OK"]
     bad = [r for r in submits if r.outcome == "INVALID_ARGUMENT"]
-    assert len(ok) == 1 and ok[0].owner == "alice" and ok[0].role == "user" and ok[0].task_id == task_id and ok[0].key_prefix == alice_info.prefix
+    assert (
+        len(ok) == 1
+        and ok[0].owner == "alice"
+        and ok[0].role == "user"
+        and ok[0].task_id == task_id
+        and ok[0].key_prefix == alice_info.prefix
+    )
     assert len(bad) == 1 and "spec.hyperparameters.steps" in bad[0].detail["error"]
     (cancel,) = by_action["task.cancel"]
-    assert cancel.owner == "alice" and cancel.task_id == task_id and cancel.outcome == "OK" and cancel.detail["reason"] == "changed my mind"
+    assert (
+        cancel.owner == "alice"
+        and cancel.task_id == task_id
+        and cancel.outcome == "OK"
+        and cancel.detail["reason"] == "changed my mind"
+    )
     assert [r.detail["for_owner"] for r in by_action["key.create"]] == ["rack-1", "rack-1", "alice"]  # newest first
-    assert by_action["key.rotate"][0].detail["target"] == alice_info.prefix and by_action["key.rotate"][0].owner == "admin"
+    assert (
+        by_action["key.rotate"][0].detail["target"] == alice_info.prefix and by_action["key.rotate"][0].owner == "admin"
+    )
     assert by_action["key.revoke"][0].detail["target"] == node_info.prefix
     (join,) = by_action["node.join"]
-    assert join.owner == "rack-1" and join.role == "node" and join.detail["node_id"] == "node-a" and join.outcome == "OK"
+    assert (
+        join.owner == "rack-1" and join.role == "node" and join.detail["node_id"] == "node-a" and join.outcome == "OK"
+    )
     assert "auth.refused" not in by_action
     # The same records went out as structured log lines of the opentinker.audit logger.
     lines = [e for e in logs if e.get("event") == "audit"]
-    assert {"task.submit", "task.cancel", "key.create", "key.rotate", "key.revoke", "node.join", "auth.refused"} <= {e["action"] for e in lines}
+    assert {"task.submit", "task.cancel", "key.create", "key.rotate", "key.revoke", "node.join", "auth.refused"} <= {
+        e["action"] for e in lines
+    }
     refused = [e for e in lines if e["action"] == "auth.refused"]
-    assert refused[0]["outcome"] == "UNAUTHENTICATED" and "NodeService" in refused[0]["method"] and "revoked" in refused[0]["reason"]
+    assert (
+        refused[0]["outcome"] == "UNAUTHENTICATED"
+        and "NodeService" in refused[0]["method"]
+        and "revoked" in refused[0]["reason"]
+    )
     json.dumps(lines)  # JSON-serializable as they are
 
 

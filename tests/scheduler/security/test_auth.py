@@ -12,7 +12,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentinker.common.v1 import common_pb2 as C
 from opentinker.node.v1 import node_pb2 as N, node_pb2_grpc
 from opentinker.scheduler.v1 import admin_pb2 as A, admin_pb2_grpc, scheduler_pb2 as S, scheduler_pb2_grpc
-from opentinker_client import DeadlineExceededError, NotFoundError, PermissionDeniedError, RLClient, UnauthenticatedError, UnavailableError
+from opentinker_client import (
+    DeadlineExceededError,
+    NotFoundError,
+    PermissionDeniedError,
+    RLClient,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from opentinker_client.cli.commands import main as cli_main
 from opentinker_scheduler.security.auth import KeyStore, bearer_token, hash_key
 from opentinker_scheduler.config import ConfigError, parse_config
@@ -69,14 +76,21 @@ def test_refusals_no_key_wrong_key_malformed_header_revoked_key(sched) -> None:
         assert code == grpc.StatusCode.UNAUTHENTICATED
         # The right prefix with a wrong secret reads like an unknown key (no prefix oracle).
         admin = _admin_key(sched)
-        code, details = _code(stub.ListTasks, S.ListTasksRequest(), metadata=metadata(admin[:-1] + ("A" if admin[-1] != "A" else "B")))
+        code, details = _code(
+            stub.ListTasks, S.ListTasksRequest(), metadata=metadata(admin[:-1] + ("A" if admin[-1] != "A" else "B"))
+        )
         assert code == grpc.StatusCode.UNAUTHENTICATED and "unknown API key" in details
         stub.ListTasks(S.ListTasksRequest(), metadata=metadata(admin))
         # Health needs no key.
-        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
         # Revoked: refused at once, no restart.
         admin_stub = admin_pb2_grpc.AdminServiceStub(ch)
-        user = admin_stub.CreateApiKey(A.CreateApiKeyRequest(owner="alice", role=A.API_KEY_ROLE_USER), metadata=metadata(admin))
+        user = admin_stub.CreateApiKey(
+            A.CreateApiKeyRequest(owner="alice", role=A.API_KEY_ROLE_USER), metadata=metadata(admin)
+        )
         stub.ListTasks(S.ListTasksRequest(), metadata=metadata(user.api_key))
         admin_stub.RevokeApiKey(A.RevokeApiKeyRequest(prefix=user.key.prefix), metadata=metadata(admin))
         code, details = _code(stub.ListTasks, S.ListTasksRequest(), metadata=metadata(user.api_key))
@@ -91,7 +105,10 @@ def test_owner_isolation_other_owner_gets_not_found_and_admin_sees_all(sched, tm
     with RLClient(sched.target, api_key=admin) as root:
         _, alice_key = root.keys.create("alice", "user")
         _, bob_key = root.keys.create("bob", "user")
-    with RLClient(sched.target, api_key=alice_key, min_poll_interval=0) as alice, RLClient(sched.target, api_key=bob_key) as bob:
+    with (
+        RLClient(sched.target, api_key=alice_key, min_poll_interval=0) as alice,
+        RLClient(sched.target, api_key=bob_key) as bob,
+    ):
         task_id = alice.submit_task(workload_type="lora_finetune", model="/models/m")
         assert alice.get_task(task_id).owner == "alice"
         for call in (bob.get_task, bob.get_metrics, bob.cancel, bob.list_checkpoints):
@@ -110,7 +127,11 @@ def test_owner_isolation_other_owner_gets_not_found_and_admin_sees_all(sched, tm
         assert alice.get_task(task_id).state == "pending"  # bob's cancel did nothing
     with sched.channel() as ch:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
-        code, _ = _code(lambda: next(stub.DownloadCheckpoint(S.DownloadCheckpointRequest(task_id=task_id), metadata=metadata(bob_key))))
+        code, _ = _code(
+            lambda: next(
+                stub.DownloadCheckpoint(S.DownloadCheckpointRequest(task_id=task_id), metadata=metadata(bob_key))
+            )
+        )
         assert code == grpc.StatusCode.NOT_FOUND
         code, _ = _code(stub.ListCheckpoints, S.ListCheckpointsRequest(task_id=task_id), metadata=metadata(bob_key))
         assert code == grpc.StatusCode.NOT_FOUND
@@ -160,7 +181,13 @@ def test_create_list_rotate_revoke_with_user_self_service(sched) -> None:
         with pytest.raises(NotFoundError):
             alice.keys.rotate(bob_prefix)
         new, new_key, old = alice.keys.rotate(alice_info.prefix)
-        assert new.owner == "alice" and new.role == "user" and new.description == "laptop" and not old.active and old.replaced_by == new.prefix
+        assert (
+            new.owner == "alice"
+            and new.role == "user"
+            and new.description == "laptop"
+            and not old.active
+            and old.replaced_by == new.prefix
+        )
     with RLClient(sched.target, api_key=alice_key) as stale:
         with pytest.raises(UnauthenticatedError, match=f"replaced by {new.prefix}"):
             stale.list_tasks()
@@ -281,7 +308,11 @@ def test_auth_and_tls_config_errors_name_file_line_and_key(tmp_path) -> None:
     for text, key in cases.items():
         with pytest.raises(ConfigError, match=rf"x\.yaml:1: {key}"):
             parse_config(text, "x.yaml", base_dir=tmp_path)
-    cfg = parse_config("tls: {cert: certs/server.pem, key: certs/server.key, client_ca: certs/ca.pem, node_port: 0}\n", "x.yaml", base_dir=tmp_path)
+    cfg = parse_config(
+        "tls: {cert: certs/server.pem, key: certs/server.key, client_ca: certs/ca.pem, node_port: 0}\n",
+        "x.yaml",
+        base_dir=tmp_path,
+    )
     assert cfg.tls.cert == certs.server_cert and cfg.tls.node_cert_required
 
 
@@ -290,7 +321,9 @@ def test_auth_and_tls_config_errors_name_file_line_and_key(tmp_path) -> None:
 
 def test_tls_succeeds_with_the_right_ca_and_fails_with_another_or_plaintext(tmp_path) -> None:
     certs = make_certs(tmp_path / "certs")
-    s = LoopbackScheduler(tmp_path / "state", "tls: {cert: certs/server.pem, key: certs/server.key}\n", base_dir=tmp_path)
+    s = LoopbackScheduler(
+        tmp_path / "state", "tls: {cert: certs/server.pem, key: certs/server.key}\n", base_dir=tmp_path
+    )
     try:
         with RLClient(s.target, root_certificates=certs.ca, timeout=5) as c:
             assert c.list_tasks() == []
@@ -307,7 +340,9 @@ def test_tls_succeeds_with_the_right_ca_and_fails_with_another_or_plaintext(tmp_
 def _connect_node(target: str, creds, *, key: str = "") -> N.ConnectResponse:
     register = N.ConnectRequest(register=N.Register(node_id="node-a", max_tasks=1))
     with grpc.secure_channel(target, creds, options=(("grpc.ssl_target_name_override", "localhost"),)) as ch:
-        stream = node_pb2_grpc.NodeServiceStub(ch).Connect(iter([register]), metadata=metadata(key) if key else None, timeout=5)
+        stream = node_pb2_grpc.NodeServiceStub(ch).Connect(
+            iter([register]), metadata=metadata(key) if key else None, timeout=5
+        )
         return next(stream)
 
 
@@ -324,7 +359,10 @@ def test_mtls_node_port_needs_a_client_certificate_from_the_ca(tmp_path) -> None
         good = grpc.ssl_channel_credentials(ca, certs.node_key.read_bytes(), certs.node_cert.read_bytes())
         assert _connect_node(node_target, good, key=node_key).WhichOneof("command") == "registered"
         # No client certificate, or one from another CA: the handshake fails.
-        for creds in (grpc.ssl_channel_credentials(ca), grpc.ssl_channel_credentials(ca, certs.rogue_key.read_bytes(), certs.rogue_cert.read_bytes())):
+        for creds in (
+            grpc.ssl_channel_credentials(ca),
+            grpc.ssl_channel_credentials(ca, certs.rogue_key.read_bytes(), certs.rogue_cert.read_bytes()),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 _connect_node(node_target, creds, key=node_key)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -334,7 +372,12 @@ def test_mtls_node_port_needs_a_client_certificate_from_the_ca(tmp_path) -> None
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "client certificate" in err.value.details()
         # The node join is audited with the certificate's common name.
         joins = [r for r in s.security.audit.list(action="node.join") if r.outcome == "OK"]
-        assert joins and joins[0].detail["cert_cn"] == "node-a" and joins[0].detail["node_id"] == "node-a" and joins[0].owner == "rack-1"
+        assert (
+            joins
+            and joins[0].detail["cert_cn"] == "node-a"
+            and joins[0].detail["node_id"] == "node-a"
+            and joins[0].owner == "rack-1"
+        )
     finally:
         s.close()
 
@@ -344,7 +387,9 @@ def test_mtls_for_all_callers_with_client_auth_all(tmp_path) -> None:
     text = "tls: {cert: certs/server.pem, key: certs/server.key, client_ca: certs/ca.pem, client_auth: all}\n"
     s = LoopbackScheduler(tmp_path / "state", text, base_dir=tmp_path)
     try:
-        with RLClient(s.target, root_certificates=certs.ca, client_cert=certs.node_cert, client_key=certs.node_key, timeout=5) as c:
+        with RLClient(
+            s.target, root_certificates=certs.ca, client_cert=certs.node_cert, client_key=certs.node_key, timeout=5
+        ) as c:
             assert c.list_tasks() == []
         with RLClient(s.target, root_certificates=certs.ca, timeout=3) as c:
             with pytest.raises((UnavailableError, DeadlineExceededError)):  # handshake refused
@@ -396,7 +441,10 @@ def test_task_workers_reach_the_scheduler_with_their_nodes_key(sched, tmp_path) 
         nodes = node_pb2_grpc.NodeServiceStub(channel)
         assert nodes.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=md).task.owner == "alice"
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-        for method, request in ((stub.ListTasks, S.ListTasksRequest()), (stub.GetTask, S.GetTaskRequest(task_id=task_id))):
+        for method, request in (
+            (stub.ListTasks, S.ListTasksRequest()),
+            (stub.GetTask, S.GetTaskRequest(task_id=task_id)),
+        ):
             code, _ = _code(method, request, metadata=md)
             assert code == grpc.StatusCode.PERMISSION_DENIED
     # Without the key the same call is refused; with it the dataset downloads.
@@ -434,8 +482,12 @@ def _node_creds(certs, cn: str):
 def _mtls_sched(tmp_path, extra: str = ""):
     from tests.support.security import make_node_certs
 
-    certs = make_node_certs(tmp_path / "certs", {"node-a": ("node-a.cluster.local",), "node-b": (), "trainer-fleet": ()})
-    text = AUTH + f"tls: {{cert: certs/server.pem, key: certs/server.key, client_ca: certs/ca.pem, node_port: 0{extra}}}\n"
+    certs = make_node_certs(
+        tmp_path / "certs", {"node-a": ("node-a.cluster.local",), "node-b": (), "trainer-fleet": ()}
+    )
+    text = (
+        AUTH + f"tls: {{cert: certs/server.pem, key: certs/server.key, client_ca: certs/ca.pem, node_port: 0{extra}}}\n"
+    )
     s = LoopbackScheduler(tmp_path / "state", text, base_dir=tmp_path)
     with RLClient(s.target, api_key=_admin_key(s), root_certificates=certs.ca) as root:
         _, node_key = root.keys.create("rack-1", "node")
@@ -448,17 +500,27 @@ def test_node_id_must_be_the_certificates_common_name_or_a_dns_name(tmp_path) ->
         assert s.config.tls.node_id_must_match_cert  # the default with a client_ca
         a, b = _node_creds(certs, "node-a"), _node_creds(certs, "node-b")
         assert _register(node_target, a, "node-a", key).WhichOneof("command") == "registered"  # the CN
-        assert _register(node_target, a, "node-a.cluster.local", key).WhichOneof("command") == "registered"  # a DNS name
+        assert (
+            _register(node_target, a, "node-a.cluster.local", key).WhichOneof("command") == "registered"
+        )  # a DNS name
         assert _register(node_target, b, "node-b", key).WhichOneof("command") == "registered"
         # node-a's certificate may not register as node-b (nor as anything else), and the reverse.
-        for creds, node_id, names in ((a, "node-b", "CN 'node-a', DNS names 'node-a.cluster.local'"), (b, "node-a", "CN 'node-b'"), (a, "node-a.evil", "CN 'node-a'")):
+        for creds, node_id, names in (
+            (a, "node-b", "CN 'node-a', DNS names 'node-a.cluster.local'"),
+            (b, "node-a", "CN 'node-b'"),
+            (a, "node-a.evil", "CN 'node-a'"),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 _register(node_target, creds, node_id, key)
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert err.value.details().startswith(f"node id '{node_id}' does not match its certificate ({names}")
         # Refusals are audited with the certificate's name and the id asked for; nothing registered.
         refused = [r for r in s.security.audit.list(action="node.join") if r.outcome == "PERMISSION_DENIED"]
-        assert {(r.detail["node_id"], r.detail["cert_cn"]) for r in refused} == {("node-b", "node-a"), ("node-a", "node-b"), ("node-a.evil", "node-a")}
+        assert {(r.detail["node_id"], r.detail["cert_cn"]) for r in refused} == {
+            ("node-b", "node-a"),
+            ("node-a", "node-b"),
+            ("node-a.evil", "node-a"),
+        }
         assert "node-a.evil" not in s.do(lambda: set(s.core.nodes))
     finally:
         s.close()
@@ -471,7 +533,10 @@ def test_one_fleet_certificate_for_all_nodes_when_matching_is_off(tmp_path) -> N
         for node_id in ("gpu-node-01", "gpu-node-02"):
             assert _register(node_target, fleet, node_id, key).WhichOneof("command") == "registered"
         joins = [r for r in s.security.audit.list(action="node.join") if r.outcome == "OK"]
-        assert {(r.detail["node_id"], r.detail["cert_cn"]) for r in joins} == {("gpu-node-01", "trainer-fleet"), ("gpu-node-02", "trainer-fleet")}
+        assert {(r.detail["node_id"], r.detail["cert_cn"]) for r in joins} == {
+            ("gpu-node-01", "trainer-fleet"),
+            ("gpu-node-02", "trainer-fleet"),
+        }
     finally:
         s.close()
 
@@ -479,13 +544,25 @@ def test_one_fleet_certificate_for_all_nodes_when_matching_is_off(tmp_path) -> N
 def test_node_id_must_match_cert_config(tmp_path) -> None:
     certs = make_certs(tmp_path / "certs")
     base = "tls: {cert: certs/server.pem, key: certs/server.key"
-    assert not parse_config(base + "}\n", "x.yaml", base_dir=tmp_path).tls.node_id_must_match_cert  # no client certificates
-    cfg = parse_config(base + ", client_ca: certs/ca.pem, client_auth: all, node_id_must_match_cert: false}\n", "x.yaml", base_dir=tmp_path)
+    assert not parse_config(
+        base + "}\n", "x.yaml", base_dir=tmp_path
+    ).tls.node_id_must_match_cert  # no client certificates
+    cfg = parse_config(
+        base + ", client_ca: certs/ca.pem, client_auth: all, node_id_must_match_cert: false}\n",
+        "x.yaml",
+        base_dir=tmp_path,
+    )
     assert cfg.tls.client_ca == certs.ca and not cfg.tls.node_id_must_match_cert
-    with pytest.raises(ConfigError, match=r"x\.yaml:1: tls\.node_id_must_match_cert: expected false without tls\.client_ca"):
+    with pytest.raises(
+        ConfigError, match=r"x\.yaml:1: tls\.node_id_must_match_cert: expected false without tls\.client_ca"
+    ):
         parse_config(base + ", node_id_must_match_cert: true}\n", "x.yaml", base_dir=tmp_path)
     with pytest.raises(ConfigError, match=r"x\.yaml:1: tls\.node_id_must_match_cert: expected true or false"):
-        parse_config(base + ", client_ca: certs/ca.pem, node_port: 0, node_id_must_match_cert: maybe}\n", "x.yaml", base_dir=tmp_path)
+        parse_config(
+            base + ", client_ca: certs/ca.pem, node_port: 0, node_id_must_match_cert: maybe}\n",
+            "x.yaml",
+            base_dir=tmp_path,
+        )
 
 
 # ------------------------------------------------------------------ https:// and grpcs:// URLs
@@ -494,7 +571,9 @@ def test_node_id_must_match_cert_config(tmp_path) -> None:
 def test_https_url_means_tls_with_the_ca_or_else_the_system_roots(tmp_path, monkeypatch) -> None:
     certs = make_certs(tmp_path / "certs")
     monkeypatch.delenv("OPENTINKER_TLS_CA", raising=False)
-    s = LoopbackScheduler(tmp_path / "state", "tls: {cert: certs/server.pem, key: certs/server.key}\n", base_dir=tmp_path)
+    s = LoopbackScheduler(
+        tmp_path / "state", "tls: {cert: certs/server.pem, key: certs/server.key}\n", base_dir=tmp_path
+    )
     port = s.running.port
     try:
         for url in (f"https://localhost:{port}", f"grpcs://127.0.0.1:{port}"):
@@ -520,19 +599,32 @@ def test_workers_make_the_same_tls_choice_as_their_node(tmp_path) -> None:
     from opentinker_trainer.scheduler_link import SCHEDULER_TLS_ENV, scheduler_channel, worker_env
 
     certs = make_certs(tmp_path / "certs")
-    s = LoopbackScheduler(tmp_path / "state", "tls: {cert: certs/server.pem, key: certs/server.key}\n", base_dir=tmp_path)
+    s = LoopbackScheduler(
+        tmp_path / "state", "tls: {cert: certs/server.pem, key: certs/server.key}\n", base_dir=tmp_path
+    )
     target = f"127.0.0.1:{s.running.port}"  # IPv4 only, as the server listens (see the test above)
     try:
-        assert worker_env(target, scheduler_tls=True)[SCHEDULER_TLS_ENV] == "1" and SCHEDULER_TLS_ENV not in worker_env(target)
-        for env, ok in ((worker_env(target, scheduler_tls=True, tls_ca=str(certs.ca)), True), (worker_env(target, scheduler_tls=True), False)):
+        assert worker_env(target, scheduler_tls=True)[SCHEDULER_TLS_ENV] == "1" and SCHEDULER_TLS_ENV not in worker_env(
+            target
+        )
+        for env, ok in (
+            (worker_env(target, scheduler_tls=True, tls_ca=str(certs.ca)), True),
+            (worker_env(target, scheduler_tls=True), False),
+        ):
             channel, md = scheduler_channel(env=env)
             with channel:
                 call = health_pb2_grpc.HealthStub(channel).Check
                 if ok:
-                    assert call(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+                    assert (
+                        call(health_pb2.HealthCheckRequest(), timeout=10).status
+                        == health_pb2.HealthCheckResponse.SERVING
+                    )
                 else:  # TLS against the system roots: a certificate error, not plaintext
                     with pytest.raises(grpc.RpcError) as err:
                         call(health_pb2.HealthCheckRequest(), timeout=10)
-                    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "CERTIFICATE_VERIFY_FAILED" in err.value.details()
+                    assert (
+                        err.value.code() == grpc.StatusCode.UNAVAILABLE
+                        and "CERTIFICATE_VERIFY_FAILED" in err.value.details()
+                    )
     finally:
         s.close()

@@ -60,7 +60,9 @@ def _check(details: str, value, want) -> None:
         return
     assert details == f"malformed authorization metadata: expected 'Bearer otk_...', {want}", details
     assert "missing" not in details
-    assert "s" * 20 not in details and "hunter2" not in details and "dXNlcjpw" not in details  # the value is never echoed
+    assert (
+        "s" * 20 not in details and "hunter2" not in details and "dXNlcjpw" not in details
+    )  # the value is never echoed
 
 
 def test_the_scheduler_tells_a_malformed_header_from_a_missing_key(sched, monkeypatch) -> None:
@@ -93,7 +95,9 @@ def test_the_inference_access_checker_words_it_as_the_scheduler_does(sched, keys
     from opentinker_trainer.inference.access import AccessChecker, AccessRefused
 
     with RLClient(sched.target, api_key=keys["alice"]) as alice:
-        serving = alice.submit_task(workload_type="inference", model="org/model")  # a hub id: local paths need paths.model_dirs
+        serving = alice.submit_task(
+            workload_type="inference", model="org/model"
+        )  # a hub id: local paths need paths.model_dirs
 
     async def main() -> None:
         checker = AccessChecker(sched.target, env={}, ttl=60)
@@ -137,8 +141,15 @@ def test_the_environment_server_words_it_the_same_way() -> None:
             if want is None:
                 assert details.startswith("missing access token")
             else:
-                assert details.startswith(f"malformed authorization metadata: expected 'Bearer <token>', {want} (the access token is env_config.token")
-        assert stub.Describe(pb.DescribeRequest(), metadata=_md(f"Bearer {server.token}"), timeout=10).action_space.discrete.n == 2
+                assert details.startswith(
+                    f"malformed authorization metadata: expected 'Bearer <token>', {want} (the access token is env_config.token"
+                )
+        assert (
+            stub.Describe(
+                pb.DescribeRequest(), metadata=_md(f"Bearer {server.token}"), timeout=10
+            ).action_space.discrete.n
+            == 2
+        )
 
 
 # ------------------------------------------------------------------------ ListApiKeys owner
@@ -151,11 +162,16 @@ def test_a_user_key_naming_another_owner_is_permission_denied(sched, keys) -> No
         assert [k.prefix for k in bob.keys.list(owner="bob")] == [k.prefix for k in own]  # naming itself is fine
         with pytest.raises(PermissionDeniedError) as err:
             bob.keys.list(owner="alice")
-        assert "user keys list their own owner's keys only" in err.value.details and keys["bob_prefix"] in err.value.details
+        assert (
+            "user keys list their own owner's keys only" in err.value.details
+            and keys["bob_prefix"] in err.value.details
+        )
     with RLClient(sched.target, api_key=keys["admin"]) as root:  # an admin names any owner
         assert {k.owner for k in root.keys.list(owner="alice")} == {"alice"}
         assert {k.owner for k in root.keys.list()} >= {"admin", "alice", "bob"}
     with grpc.insecure_channel(sched.target) as ch:  # the raw status code
         with pytest.raises(grpc.RpcError) as err:
-            admin_pb2_grpc.AdminServiceStub(ch).ListApiKeys(A.ListApiKeysRequest(owner="alice"), metadata=metadata(keys["bob"]), timeout=10)
+            admin_pb2_grpc.AdminServiceStub(ch).ListApiKeys(
+                A.ListApiKeysRequest(owner="alice"), metadata=metadata(keys["bob"]), timeout=10
+            )
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED

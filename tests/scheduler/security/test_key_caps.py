@@ -48,7 +48,10 @@ def test_a_key_with_a_grace_period_successor_cannot_be_rotated_again(sched) -> N
     with RLClient(sched.target, api_key=key) as alice:
         new, new_key, old = alice.keys.rotate(info.prefix, grace=30 * 86400)
         assert old.active and old.replaced_by == new.prefix
-        with pytest.raises(FailedPreconditionError, match=rf"API key {info.prefix} was already rotated to {new.prefix}; rotate that one"):
+        with pytest.raises(
+            FailedPreconditionError,
+            match=rf"API key {info.prefix} was already rotated to {new.prefix}; rotate that one",
+        ):
             alice.keys.rotate(info.prefix, grace=30 * 86400)
         with pytest.raises(FailedPreconditionError, match="already rotated"):  # grace 0 too
             alice.keys.rotate(info.prefix)
@@ -66,7 +69,10 @@ def test_chained_rotations_with_grace_stop_at_max_keys_per_owner(sched) -> None:
         for _ in range(2):  # 1 -> 2 -> 3 active keys
             prefix = alice.keys.rotate(prefix, grace=30 * 86400)[0].prefix
         assert _active(sched, "alice") == 3
-        with pytest.raises(ResourceExhaustedError, match=r"owner 'alice' already has 3 active API key\(s\), the limit is 3 \(limits.max_keys_per_owner\)") as err:
+        with pytest.raises(
+            ResourceExhaustedError,
+            match=r"owner 'alice' already has 3 active API key\(s\), the limit is 3 \(limits.max_keys_per_owner\)",
+        ) as err:
             alice.keys.rotate(prefix, grace=30 * 86400)
         assert "rotate with grace 0" in str(err.value)
         assert _active(sched, "alice") == 3 and len(alice.keys.list(include_inactive=True)) == 3  # nothing half-written
@@ -79,7 +85,10 @@ def test_admins_creating_keys_for_an_owner_are_capped_and_audited(sched) -> None
     with sched.channel() as ch:
         stub = admin_pb2_grpc.AdminServiceStub(ch)
         md = metadata(admin)
-        made = [stub.CreateApiKey(A.CreateApiKeyRequest(owner="bob", role=A.API_KEY_ROLE_USER), metadata=md) for _ in range(3)]
+        made = [
+            stub.CreateApiKey(A.CreateApiKeyRequest(owner="bob", role=A.API_KEY_ROLE_USER), metadata=md)
+            for _ in range(3)
+        ]
         with pytest.raises(grpc.RpcError) as err:
             stub.CreateApiKey(A.CreateApiKeyRequest(owner="bob", role=A.API_KEY_ROLE_NODE), metadata=md)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

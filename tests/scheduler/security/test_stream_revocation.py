@@ -92,7 +92,11 @@ def test_revoke_ends_the_keys_watch_streams_at_once_and_leaves_other_keys_alone(
     watches = []
     try:
         (alice, alice_key, alice_task), (bob, bob_key, bob_task) = _users(s, "alice", "bob")
-        a1, a2, b = Watch(s.target, alice_task, alice_key), Watch(s.target, alice_task, alice_key), Watch(s.target, bob_task, bob_key)
+        a1, a2, b = (
+            Watch(s.target, alice_task, alice_key),
+            Watch(s.target, alice_task, alice_key),
+            Watch(s.target, bob_task, bob_key),
+        )
         watches += [a1, a2, b]
         assert _open_streams(s, alice.prefix) == 2 and s.security.limits.open_streams(alice.prefix) == 2
         with RLClient(s.target, api_key=_admin_key(s)) as root:
@@ -102,7 +106,10 @@ def test_revoke_ends_the_keys_watch_streams_at_once_and_leaves_other_keys_alone(
             assert w.error.code() == grpc.StatusCode.UNAUTHENTICATED
             assert w.error.details() == f"API key {alice.prefix} was revoked"
         # The handler's finally blocks ran: the streams are unregistered and their slots released.
-        _wait(lambda: _open_streams(s, alice.prefix) == 0 and s.security.limits.open_streams(alice.prefix) == 0, what="slots released")
+        _wait(
+            lambda: _open_streams(s, alice.prefix) == 0 and s.security.limits.open_streams(alice.prefix) == 0,
+            what="slots released",
+        )
         # Bob's stream runs on and still delivers events.
         assert not b.done.is_set() and _open_streams(s, bob.prefix) == 1
         with RLClient(s.target, api_key=bob_key) as c:
@@ -126,7 +133,15 @@ def test_a_real_node_agent_is_cut_off_when_its_key_is_revoked(tmp_path) -> None:
 
         async def scenario() -> str:
             agents = [
-                NodeAgent(AgentConfig(target=s.target, node_id=node_id, api_key=key, work_dir=tmp_path / node_id, reconnect_initial_s=0.05))
+                NodeAgent(
+                    AgentConfig(
+                        target=s.target,
+                        node_id=node_id,
+                        api_key=key,
+                        work_dir=tmp_path / node_id,
+                        reconnect_initial_s=0.05,
+                    )
+                )
                 for node_id, key in (("node-r", node_key), ("node-other", other_key))
             ]
             runs = [asyncio.create_task(a.run()) for a in agents]
@@ -134,7 +149,10 @@ def test_a_real_node_agent_is_cut_off_when_its_key_is_revoked(tmp_path) -> None:
                 for a in agents:
                     await asyncio.wait_for(a.connected.wait(), 30)
                 with RLClient(s.target, api_key=_admin_key(s)) as root:
-                    assert {n.node_id for n in await asyncio.to_thread(root.list_nodes) if n.connected} == {"node-r", "node-other"}
+                    assert {n.node_id for n in await asyncio.to_thread(root.list_nodes) if n.connected} == {
+                        "node-r",
+                        "node-other",
+                    }
                     await asyncio.to_thread(root.keys.revoke, node_info.prefix)
                 with pytest.raises(FatalRegistrationError) as err:
                     await asyncio.wait_for(runs[0], 30)
@@ -155,7 +173,11 @@ def test_a_real_node_agent_is_cut_off_when_its_key_is_revoked(tmp_path) -> None:
         assert nodes["node-r"] is False
         # Connecting again with the revoked key is refused like any call.
         with grpc.insecure_channel(s.target) as ch:
-            stream = node_pb2_grpc.NodeServiceStub(ch).Connect(iter([N.ConnectRequest(register=N.Register(node_id="node-r", max_tasks=1))]), metadata=metadata(node_key), timeout=10)
+            stream = node_pb2_grpc.NodeServiceStub(ch).Connect(
+                iter([N.ConnectRequest(register=N.Register(node_id="node-r", max_tasks=1))]),
+                metadata=metadata(node_key),
+                timeout=10,
+            )
             with pytest.raises(grpc.RpcError) as refused:
                 next(stream)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED and "was revoked" in refused.value.details()
@@ -228,7 +250,9 @@ def test_an_upload_in_flight_ends_when_its_key_is_revoked_and_leaves_nothing_beh
         def upload() -> None:
             with grpc.insecure_channel(s.target) as ch:
                 try:
-                    scheduler_pb2_grpc.SchedulerServiceStub(ch).UploadDataset(requests(), metadata=metadata(key), timeout=60)
+                    scheduler_pb2_grpc.SchedulerServiceStub(ch).UploadDataset(
+                        requests(), metadata=metadata(key), timeout=60
+                    )
                 except grpc.RpcError as err:
                     outcome["error"] = err
 
@@ -241,7 +265,11 @@ def test_an_upload_in_flight_ends_when_its_key_is_revoked_and_leaves_nothing_beh
         release.set()
         err = outcome["error"]
         assert err.code() == grpc.StatusCode.UNAUTHENTICATED and err.details() == f"API key {info.prefix} was revoked"
-        leftovers = [p for p in (s.config.state_dir / "datasets").rglob("*") if p.is_file()] if (s.config.state_dir / "datasets").exists() else []
+        leftovers = (
+            [p for p in (s.config.state_dir / "datasets").rglob("*") if p.is_file()]
+            if (s.config.state_dir / "datasets").exists()
+            else []
+        )
         assert leftovers == []  # the partial upload was removed
     finally:
         release.set()
@@ -252,7 +280,9 @@ def test_stream_recheck_interval_config() -> None:
     assert parse_config("auth: {enabled: true, stream_recheck_interval: 0.5}\n").auth.stream_recheck_interval_s == 0.5
     assert parse_config("auth: {enabled: true}\n").auth.stream_recheck_interval_s == 5.0
     for bad in ("0", "-1", "soon", "7200"):
-        with pytest.raises(ConfigError, match=r"x\.yaml:1: auth\.stream_recheck_interval: expected a number in \[0\.05, 3600\]"):
+        with pytest.raises(
+            ConfigError, match=r"x\.yaml:1: auth\.stream_recheck_interval: expected a number in \[0\.05, 3600\]"
+        ):
             parse_config(f"auth: {{enabled: true, stream_recheck_interval: {bad}}}\n", "x.yaml")
 
 

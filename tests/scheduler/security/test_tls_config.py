@@ -37,16 +37,37 @@ def _encrypted_key(folder: Path) -> Path:
 @pytest.mark.parametrize(
     "tls, words",
     [
-        ("cert: certs/server.pem, key: certs/node.key", r"tls\.key: expected the private key of tls\.cert .*node\.key.*\(KEY_VALUES_MISMATCH\)"),
-        ("cert: certs/ca.pem, key: certs/server.key", r"tls\.key: expected the private key of tls\.cert .*ca\.pem.*\(KEY_VALUES_MISMATCH\)"),
+        (
+            "cert: certs/server.pem, key: certs/node.key",
+            r"tls\.key: expected the private key of tls\.cert .*node\.key.*\(KEY_VALUES_MISMATCH\)",
+        ),
+        (
+            "cert: certs/ca.pem, key: certs/server.key",
+            r"tls\.key: expected the private key of tls\.cert .*ca\.pem.*\(KEY_VALUES_MISMATCH\)",
+        ),
         ("cert: certs/server.key, key: certs/server.pem", r"tls\.cert: expected a PEM certificate chain"),
         ("cert: certs/server.pem, key: certs/ca.pem", r"tls\.key: expected the private key of tls\.cert"),
         ("cert: certs/server.pem, key: certs/encrypted.key", r"tls\.key: expected .*encrypted private key"),
-        ("cert: certs/server.pem, key: certs/server.key, client_ca: certs/server.key, node_port: 0", r"tls\.client_ca: expected a PEM CA certificate"),
-        ("cert: certs/server.pem, key: certs/server.key, client_ca: certs/both.pem, node_port: 0", r"tls\.client_ca: expected a PEM CA certificate .*which holds a private key"),
-        ("cert: /dev/zero, key: certs/server.key", r"tls\.cert: expected a readable PEM file, got '/dev/zero' \('/dev/zero' is not a regular file\)"),
-        ("cert: certs/server.pem, key: /dev/zero", r"tls\.key: expected a readable PEM file, got '/dev/zero' \(.*not a regular file\)"),
-        ("cert: certs/server.pem, key: certs/server.key, client_ca: /dev/zero, node_port: 0", r"tls\.client_ca: .*not a regular file"),
+        (
+            "cert: certs/server.pem, key: certs/server.key, client_ca: certs/server.key, node_port: 0",
+            r"tls\.client_ca: expected a PEM CA certificate",
+        ),
+        (
+            "cert: certs/server.pem, key: certs/server.key, client_ca: certs/both.pem, node_port: 0",
+            r"tls\.client_ca: expected a PEM CA certificate .*which holds a private key",
+        ),
+        (
+            "cert: /dev/zero, key: certs/server.key",
+            r"tls\.cert: expected a readable PEM file, got '/dev/zero' \('/dev/zero' is not a regular file\)",
+        ),
+        (
+            "cert: certs/server.pem, key: /dev/zero",
+            r"tls\.key: expected a readable PEM file, got '/dev/zero' \(.*not a regular file\)",
+        ),
+        (
+            "cert: certs/server.pem, key: certs/server.key, client_ca: /dev/zero, node_port: 0",
+            r"tls\.client_ca: .*not a regular file",
+        ),
         ("cert: certs/big.pem, key: certs/server.key", r"tls\.cert: .*more than the 1048576 bytes \(1 MiB\)"),
         ("cert: certs/fifo.pem, key: certs/server.key", r"tls\.cert: .*fifo\.pem' is not a regular file"),
     ],
@@ -61,7 +82,10 @@ def test_bad_tls_files_are_config_errors_naming_file_line_and_key(tmp_path, cert
 
 
 def test_http_tls_gets_the_same_checks(tmp_path, certs) -> None:
-    with pytest.raises(ConfigError, match=r"^c\.yaml:1: http_tls\.key: expected the private key of http_tls\.cert .*\(KEY_VALUES_MISMATCH\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^c\.yaml:1: http_tls\.key: expected the private key of http_tls\.cert .*\(KEY_VALUES_MISMATCH\)",
+    ):
         parse_config("http_tls: {cert: certs/server.pem, key: certs/node.key}\n", "c.yaml", base_dir=tmp_path)
     with pytest.raises(ConfigError, match=r"^c\.yaml:1: http_tls\.cert: .*'/dev/zero' is not a regular file"):
         parse_config("http_tls: {cert: /dev/zero, key: certs/server.key}\n", "c.yaml", base_dir=tmp_path)
@@ -84,11 +108,18 @@ def test_the_scheduler_exits_2_with_one_line_for_a_mismatched_pair(tmp_path, cer
     config.write_text(f"state_dir: {tmp_path / 'state'}\ntls: {{cert: certs/server.pem, key: certs/node.key}}\n")
     proc = subprocess.run(
         [sys.executable, "-m", "opentinker_scheduler", "--config", str(config), "--port", "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "tls.key: expected the private key of tls.cert" in lines[0], proc.stderr
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("error: ")
+        and "tls.key: expected the private key of tls.cert" in lines[0]
+    ), proc.stderr
     assert "KEY_VALUES_MISMATCH" in lines[0] and "cannot listen" not in proc.stderr
 
 
@@ -102,5 +133,7 @@ def test_a_ca_certificate_with_its_own_key_is_not_a_server_certificate(tmp_path)
     pki.cert("ca2.pem", cert)
     pki.key("ca2.key", key)
     for section in ("tls", "http_tls"):
-        with pytest.raises(ConfigError, match=rf"^c\.yaml:1: {section}\.cert: expected the server's own certificate .*a CA certificate"):
+        with pytest.raises(
+            ConfigError, match=rf"^c\.yaml:1: {section}\.cert: expected the server's own certificate .*a CA certificate"
+        ):
             parse_config(f"{section}: {{cert: certs/ca2.pem, key: certs/ca2.key}}\n", "c.yaml", base_dir=tmp_path)

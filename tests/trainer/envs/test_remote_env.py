@@ -83,7 +83,9 @@ def test_environment_error_becomes_a_user_error_with_its_message():
         with pytest.raises(UserError) as err:
             env.step(0)
     msg = str(err.value)
-    assert "client environment Corridor at" in msg and "Corridor.step raised ValueError: walked into the west wall" in msg
+    assert (
+        "client environment Corridor at" in msg and "Corridor.step raised ValueError: walked into the west wall" in msg
+    )
 
 
 def test_slow_environment_fails_naming_the_timeout():
@@ -108,7 +110,9 @@ def test_unreachable_client_fails_after_the_grace_period():
 def test_client_declaring_other_spaces_is_refused():
     with EnvironmentServer(Corridor()) as server:
         env = make_client_env(config(server, action_space=3, action_names=[]), seed=None)
-        with pytest.raises(UserError, match=r"env_config.action_space: the task says Discrete\(3\) but .* declares Discrete\(2\)"):
+        with pytest.raises(
+            UserError, match=r"env_config.action_space: the task says Discrete\(3\) but .* declares Discrete\(2\)"
+        ):
             env.reset()
 
 

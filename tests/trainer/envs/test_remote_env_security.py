@@ -107,15 +107,21 @@ def test_tls_with_another_ca_fails_after_grace_naming_tls(certs):
         with pytest.raises(UserError) as err:
             env.reset()
     msg = str(err.value)
-    assert msg.startswith(f"client environment at {server.endpoint} unreachable for grace_s=0.5 s: no EnvironmentService answered")
+    assert msg.startswith(
+        f"client environment at {server.endpoint} unreachable for grace_s=0.5 s: no EnvironmentService answered"
+    )
     assert "its TLS handshake failed: env_config.tls_root_certificates" in msg and server.token not in msg
     assert server.servicer.session_count() == 0
 
 
 def test_tls_spec_against_a_plaintext_server_fails_naming_tls(certs):
     with EnvironmentServer(Corridor()) as server:
-        env = make_client_env(config(server, grace_s=0.5, tls=True, tls_root_certificates=certs.ca.read_text()), seed=None)
-        with pytest.raises(UserError, match=r"unreachable for grace_s=0.5 s: no EnvironmentService answered .*its TLS handshake failed"):
+        env = make_client_env(
+            config(server, grace_s=0.5, tls=True, tls_root_certificates=certs.ca.read_text()), seed=None
+        )
+        with pytest.raises(
+            UserError, match=r"unreachable for grace_s=0.5 s: no EnvironmentService answered .*its TLS handshake failed"
+        ):
             env.reset()
 
 
@@ -128,9 +134,16 @@ def test_a_task_cannot_tell_what_listens_on_a_port(certs):
     http1 = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
     threading.Thread(target=http1.serve_forever, daemon=True).start()
     try:
-        with EnvironmentServer(Corridor()) as plain, EnvironmentServer(Corridor(), tls_cert=certs.server_cert, tls_key=certs.server_key) as tls:
+        with (
+            EnvironmentServer(Corridor()) as plain,
+            EnvironmentServer(Corridor(), tls_cert=certs.server_cert, tls_key=certs.server_key) as tls,
+        ):
             texts = {}
-            for label, endpoint in (("closed", "127.0.0.1:1"), ("http1", f"127.0.0.1:{http1.server_address[1]}"), ("tls", tls.endpoint)):
+            for label, endpoint in (
+                ("closed", "127.0.0.1:1"),
+                ("http1", f"127.0.0.1:{http1.server_address[1]}"),
+                ("tls", tls.endpoint),
+            ):
                 close_all_sessions()
                 spec = validate_env_config({**plain.env_config, "endpoint": endpoint, "grace_s": 0.3})
                 with pytest.raises(UserError) as err:

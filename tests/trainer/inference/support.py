@@ -9,14 +9,18 @@ from pathlib import Path
 import torch
 
 
-def make_adapter(base_dir: Path, out: Path, *, seed: int, rank: int = 4, targets=("q_proj", "v_proj"), scale: float = 0.5) -> Path:
+def make_adapter(
+    base_dir: Path, out: Path, *, seed: int, rank: int = 4, targets=("q_proj", "v_proj"), scale: float = 0.5
+) -> Path:
     """Save a LoRA adapter for the model at ``base_dir`` whose B matrices are random (not zero),
     so it really changes the model's outputs."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.1))
+    model = get_peft_model(
+        base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.1)
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -44,7 +48,9 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server = asyncio.run_coroutine_threadsafe(start_inference_server(runtime, host="127.0.0.1", port=0), self.loop).result(30)
+        self.server = asyncio.run_coroutine_threadsafe(
+            start_inference_server(runtime, host="127.0.0.1", port=0), self.loop
+        ).result(30)
         self.address = f"127.0.0.1:{self.server.port}"
 
     def call(self, coro):
@@ -70,4 +76,6 @@ def tiny_runtime(model_dir: Path, adapters: dict[str, Path] | None = None, **kw)
             raise AdapterNotFound(f"adapter {name!r}: no task with that id")
         return table[name]
 
-    return ModelRuntime(model_name=str(model_dir), tokenizer=tok, model=model, stop_token_ids=[tok.eos_token_id], resolve=resolve, **kw)
+    return ModelRuntime(
+        model_name=str(model_dir), tokenizer=tok, model=model, stop_token_ids=[tok.eos_token_id], resolve=resolve, **kw
+    )

@@ -14,7 +14,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from opentinker_client import InferenceClient, NotFoundError, PermissionDeniedError, RLClient, UnauthenticatedError, UnavailableError
+from opentinker_client import (
+    InferenceClient,
+    NotFoundError,
+    PermissionDeniedError,
+    RLClient,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from opentinker_trainer.inference.access import AccessChecker, AccessRefused, key_prefix_of
 from opentinker_trainer.inference.serve_tls import read_server_tls, server_tls_from_env
 
@@ -85,7 +92,9 @@ def test_the_scheduler_decides_with_the_callers_own_key(world: World) -> None:
             assert r.message == f"API key {world.bob_prefix} may not use inference task {world.serving}"
             # A task that does not exist reads exactly like another owner's.
             r2 = await _refusal(checker, md(world.bob), "task-does-not-exist")
-            assert r2.code == grpc.StatusCode.PERMISSION_DENIED and r2.message == r.message.replace(world.serving, "task-does-not-exist")
+            assert r2.code == grpc.StatusCode.PERMISSION_DENIED and r2.message == r.message.replace(
+                world.serving, "task-does-not-exist"
+            )
             assert world.bob.split("_", 2)[2] not in r.message  # the secret never shows
         finally:
             await checker.close()
@@ -178,7 +187,9 @@ def test_with_scheduler_auth_off_everyone_passes(tmp_path) -> None:
 
 def test_the_scheduler_link_uses_the_nodes_tls_settings(tmp_path) -> None:
     certs = make_certs(tmp_path / "certs")
-    sched = LoopbackScheduler(tmp_path / "state", AUTH + f"tls: {{cert: {certs.server_cert}, key: {certs.server_key}}}\n")
+    sched = LoopbackScheduler(
+        tmp_path / "state", AUTH + f"tls: {{cert: {certs.server_cert}, key: {certs.server_key}}}\n"
+    )
     try:
         admin = (sched.config.state_dir / "admin.key").read_text().strip()
         target = f"localhost:{sched.running.port}"
@@ -220,7 +231,9 @@ def test_checker_and_tls_settings_refuse_bad_input(tmp_path) -> None:
     with pytest.raises(ValueError, match="--serve-tls-cert: .* is not a PEM certificate"):
         read_server_tls(certs.server_key, certs.server_key)
     with pytest.raises(ValueError, match="OPENTINKER_SERVE_TLS_KEY: .* is not a PEM private key"):
-        server_tls_from_env({"OPENTINKER_SERVE_TLS_CERT": str(certs.server_cert), "OPENTINKER_SERVE_TLS_KEY": str(certs.ca)})
+        server_tls_from_env(
+            {"OPENTINKER_SERVE_TLS_CERT": str(certs.server_cert), "OPENTINKER_SERVE_TLS_KEY": str(certs.ca)}
+        )
 
 
 # ------------------------------------------------------------------- a real server, tiny model
@@ -262,7 +275,12 @@ def served(world: World, tiny_model_dir: Path, tmp_path_factory, certs):
         world.alice_adapter: make_adapter(tiny_model_dir, root / "alice", seed=1),
         world.bob_adapter: make_adapter(tiny_model_dir, root / "bob", seed=2),
     }
-    s = SecureServer(tiny_runtime(tiny_model_dir, adapters), world.sched.target, world.serving, tls=read_server_tls(certs.server_cert, certs.server_key))
+    s = SecureServer(
+        tiny_runtime(tiny_model_dir, adapters),
+        world.sched.target,
+        world.serving,
+        tls=read_server_tls(certs.server_cert, certs.server_key),
+    )
     yield s
     s.close()
 
@@ -277,10 +295,19 @@ def test_owner_and_admin_are_served_others_are_refused(world: World, served: Sec
         base = alice.generate(PROMPT, adapter=None, temperature=0, max_tokens=4, ignore_eos=True)
         own = alice.generate(PROMPT, adapter=world.alice_adapter, temperature=0, max_tokens=4, ignore_eos=True)
         assert own.adapter == world.alice_adapter and len(own.samples[0].token_ids) == 4 and base.adapter is None
-        streamed = [t for c in alice.generate_stream(PROMPT, adapter=world.alice_adapter, temperature=0, max_tokens=4, ignore_eos=True) for t in c.token_ids]
+        streamed = [
+            t
+            for c in alice.generate_stream(
+                PROMPT, adapter=world.alice_adapter, temperature=0, max_tokens=4, ignore_eos=True
+            )
+            for t in c.token_ids
+        ]
         assert tuple(streamed) == own.samples[0].token_ids
     with _client(served, world.admin, certs.ca) as admin:
-        assert admin.generate(PROMPT, adapter=world.alice_adapter, temperature=0, max_tokens=4, ignore_eos=True).samples == own.samples
+        assert (
+            admin.generate(PROMPT, adapter=world.alice_adapter, temperature=0, max_tokens=4, ignore_eos=True).samples
+            == own.samples
+        )
     for key, error, text in (
         (None, UnauthenticatedError, "missing API key"),
         ("otk_00000000_" + "x" * 43, UnauthenticatedError, "unknown API key"),
@@ -301,7 +328,9 @@ def test_owner_and_admin_are_served_others_are_refused(world: World, served: Sec
             bob.generate(PROMPT, temperature=-1.0, max_tokens=2)
 
 
-def test_another_owners_adapter_reads_exactly_like_one_that_does_not_exist(world: World, served: SecureServer, certs) -> None:
+def test_another_owners_adapter_reads_exactly_like_one_that_does_not_exist(
+    world: World, served: SecureServer, certs
+) -> None:
     missing = "task-" + "0" * 12
     with _client(served, world.alice, certs.ca) as alice:
         with pytest.raises(NotFoundError) as theirs:
@@ -335,7 +364,9 @@ def test_tls_needs_the_right_ca_and_health_stays_open(world: World, served: Secu
             plain.generate(PROMPT, max_tokens=2)
     creds = grpc.ssl_channel_credentials(root_certificates=certs.ca.read_bytes())
     with grpc.secure_channel(f"localhost:{served.server.port}", creds) as ch:  # no key: health is public
-        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="opentinker.inference.v1.InferenceService"), timeout=10)
+        status = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="opentinker.inference.v1.InferenceService"), timeout=10
+        )
         assert status.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -364,8 +395,14 @@ def test_the_trainer_checks_its_serve_tls_files_at_start(tmp_path, certs, capsys
     monkeypatch.delenv("OPENTINKER_SERVE_TLS_KEY", raising=False)
     for argv, text in (
         (["--serve-tls-cert", str(certs.server_cert)], "--serve-tls-cert and --serve-tls-key: expected both"),
-        (["--serve-tls-cert", str(certs.server_cert), "--serve-tls-key", str(tmp_path / "gone.key")], "--serve-tls-key: cannot read"),
-        (["--serve-tls-cert", str(certs.server_key), "--serve-tls-key", str(certs.server_key)], "is not a PEM certificate"),
+        (
+            ["--serve-tls-cert", str(certs.server_cert), "--serve-tls-key", str(tmp_path / "gone.key")],
+            "--serve-tls-key: cannot read",
+        ),
+        (
+            ["--serve-tls-cert", str(certs.server_key), "--serve-tls-key", str(certs.server_key)],
+            "is not a PEM certificate",
+        ),
     ):
         with pytest.raises(SystemExit) as exit_:
             main(["--scheduler-url", "127.0.0.1:1", *argv])
@@ -382,5 +419,9 @@ def test_workers_get_the_serve_tls_files_through_the_worker_env() -> None:
     from opentinker_trainer.scheduler_link import worker_env
 
     env = worker_env("127.0.0.1:1", serve_tls_cert="/pki/serve.pem", serve_tls_key="/pki/serve.key")
-    assert env == {"OPENTINKER_SCHEDULER_URL": "127.0.0.1:1", "OPENTINKER_SERVE_TLS_CERT": "/pki/serve.pem", "OPENTINKER_SERVE_TLS_KEY": "/pki/serve.key"}
+    assert env == {
+        "OPENTINKER_SCHEDULER_URL": "127.0.0.1:1",
+        "OPENTINKER_SERVE_TLS_CERT": "/pki/serve.pem",
+        "OPENTINKER_SERVE_TLS_KEY": "/pki/serve.key",
+    }
     assert "OPENTINKER_SERVE_TLS_CERT" not in worker_env("127.0.0.1:1")

@@ -41,7 +41,7 @@ def _hf_generate(model, ids: list[int], *, seed, temperature, top_p=1.0, top_k=0
         eos_token_id=[eos],
         pad_token_id=eos,
     )
-    return [row[len(ids):].tolist() for row in out]
+    return [row[len(ids) :].tolist() for row in out]
 
 
 @pytest.mark.parametrize(

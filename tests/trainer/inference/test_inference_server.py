@@ -3,7 +3,6 @@ requests, eval-mode determinism, the LRU bound, refused adapters, bad input, dis
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,7 +35,11 @@ def server(tiny_model_dir, adapters, request):
 
 
 def _greedy(client: InferenceClient, adapter, n_tokens: int = 12) -> tuple[int, ...]:
-    return client.generate(PROMPT, adapter=adapter, temperature=0, max_tokens=n_tokens, ignore_eos=True).samples[0].token_ids
+    return (
+        client.generate(PROMPT, adapter=adapter, temperature=0, max_tokens=n_tokens, ignore_eos=True)
+        .samples[0]
+        .token_ids
+    )
 
 
 def _peft_reference(base_dir: Path, adapter_dir: Path, n_tokens: int = 12) -> tuple[int, ...]:
@@ -45,8 +48,15 @@ def _peft_reference(base_dir: Path, adapter_dir: Path, n_tokens: int = 12) -> tu
     tok, base = load_tiny(base_dir)
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     ids = torch.tensor([tok(PROMPT)["input_ids"]])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n_tokens, min_new_tokens=n_tokens, pad_token_id=tok.eos_token_id)
-    return tuple(out[0, ids.shape[1]:].tolist())
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n_tokens,
+        min_new_tokens=n_tokens,
+        pad_token_id=tok.eos_token_id,
+    )
+    return tuple(out[0, ids.shape[1] :].tolist())
 
 
 def test_concurrent_requests_for_different_adapters_never_see_each_others(server, adapters, tiny_model_dir) -> None:
@@ -60,9 +70,14 @@ def test_concurrent_requests_for_different_adapters_never_see_each_others(server
         got = list(pool.map(lambda name: _greedy(client, name), order))
     for name, tokens in zip(order, got):
         assert tokens == alone[name], f"request for {name} got another adapter's answer"
+
     # Streams interleave token by token; each still only sees its own adapter.
     def stream(name):
-        return tuple(t for c in client.generate_stream(PROMPT, adapter=name, temperature=0, max_tokens=12, ignore_eos=True) for t in c.token_ids)
+        return tuple(
+            t
+            for c in client.generate_stream(PROMPT, adapter=name, temperature=0, max_tokens=12, ignore_eos=True)
+            for t in c.token_ids
+        )
 
     with ThreadPoolExecutor(max_workers=len(order)) as pool:
         got = list(pool.map(stream, order))
@@ -77,7 +92,10 @@ def test_every_module_is_in_eval_mode_and_greedy_is_deterministic(server, adapte
         assert registry.modules_in_eval()
         assert _greedy(client, name, 20) == first
     seeded = client.generate(PROMPT, adapter="task-a2", temperature=1.0, seed=9, max_tokens=10).samples[0].token_ids
-    assert client.generate(PROMPT, adapter="task-a2", temperature=1.0, seed=9, max_tokens=10).samples[0].token_ids == seeded
+    assert (
+        client.generate(PROMPT, adapter="task-a2", temperature=1.0, seed=9, max_tokens=10).samples[0].token_ids
+        == seeded
+    )
 
 
 @pytest.mark.parametrize("server", [{"max_resident_adapters": 2}], indirect=True)
@@ -96,7 +114,9 @@ def test_least_recently_used_adapter_is_unloaded_first(server) -> None:
     assert server.runtime.registry.evictions >= 3
 
 
-def test_refused_adapters_list_their_keys_and_are_never_served_as_the_base(server, adapters, tiny_model_dir, tmp_path) -> None:
+def test_refused_adapters_list_their_keys_and_are_never_served_as_the_base(
+    server, adapters, tiny_model_dir, tmp_path
+) -> None:
     src = adapters["task-a0"]
     tensors = load_file(src / "adapter_model.safetensors")
     config = (src / "adapter_config.json").read_text()
@@ -110,11 +130,15 @@ def test_refused_adapters_list_their_keys_and_are_never_served_as_the_base(serve
 
     no_lora = adapter("no-lora", {"some.weight": torch.zeros(2, 2)})
     wrong_keys = adapter("wrong-keys", {k.replace("layers.0.", "layers.7."): v for k, v in tensors.items()})
-    wrong_shape = adapter("wrong-shape", {k: (torch.zeros(v.shape[0], 3) if "lora_A" in k else v) for k, v in tensors.items()})
+    wrong_shape = adapter(
+        "wrong-shape", {k: (torch.zeros(v.shape[0], 3) if "lora_A" in k else v) for k, v in tensors.items()}
+    )
     _, base = load_tiny(tiny_model_dir)
     with pytest.raises(AdapterRefused, match=r"no LoRA tensors .*some\.weight"):
         validate_adapter(no_lora, base)
-    with pytest.raises(AdapterRefused, match=r"modules the base model does not have: .*layers\.7\.self_attn\.q_proj\.lora_A"):
+    with pytest.raises(
+        AdapterRefused, match=r"modules the base model does not have: .*layers\.7\.self_attn\.q_proj\.lora_A"
+    ):
         validate_adapter(wrong_keys, base)
     with pytest.raises(AdapterRefused, match=r"shapes differ: .*lora_A\.weight \[4, 3\] \(expected \[r, 64\]\)"):
         validate_adapter(wrong_shape, base)
@@ -137,7 +161,10 @@ def test_bad_requests_get_the_right_status_and_name_the_field(server, tiny_model
         client.generate(PROMPT, adapter="task-nope")
     with pytest.raises(NotFoundError, match="is not served here"):
         InferenceClient(server.address, model="/other/model").generate(PROMPT)
-    with pytest.raises(InvalidArgumentError, match=r"the prompt has \d+ tokens and max_tokens is 600, \d+ in all, beyond the model's context of 512 tokens"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"the prompt has \d+ tokens and max_tokens is 600, \d+ in all, beyond the model's context of 512 tokens",
+    ):
         client.generate(PROMPT, max_tokens=600)
     with pytest.raises(InvalidArgumentError, match=r"sampling.temperature: expected a number in \[0, 10\]"):
         client.generate(PROMPT, temperature=-1)

@@ -28,8 +28,12 @@ def varied_rewards(monkeypatch):
     monkeypatch.setattr(ArithmeticEnv, "score", lambda self, reply, problem: float(next(calls) % 2 == 0))
 
 
-def make_ctx(model, tmp_path: Path, name: str, *, workload="full_rl", resume_from=None, init=None, **hp) -> WorkerContext:
-    defaults = {**SMALL, "learning_rate": 1e-3} if workload == "full_rl" else {**SMALL, "lora_rank": 4, "learning_rate": 1e-2}
+def make_ctx(
+    model, tmp_path: Path, name: str, *, workload="full_rl", resume_from=None, init=None, **hp
+) -> WorkerContext:
+    defaults = (
+        {**SMALL, "learning_rate": 1e-3} if workload == "full_rl" else {**SMALL, "lora_rank": 4, "learning_rate": 1e-2}
+    )
     spec = TaskSpecModel.from_parts(
         workload_type=workload, model=str(model), env_config={"env_id": "arithmetic"},
         hyperparameters={**defaults, **hp}, init_from="task-sft" if init else "",
@@ -62,14 +66,18 @@ def test_full_rl_trains_every_weight_and_saves_a_transformers_folder(tiny_model_
     (ck,) = reports(ctx, "checkpoint")
     assert ck["format"] == "hf_full" and ck["final"] and ck["step"] == 2
     path = Path(ck["path"])
-    assert {"config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"} <= {p.name for p in path.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"} <= {
+        p.name for p in path.iterdir()
+    }
     assert not (path / "adapter_config.json").exists()
 
     from transformers import AutoModelForCausalLM
 
     trained = AutoModelForCausalLM.from_pretrained(path)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    changed = [n for (n, p), (_, q) in zip(trained.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
+    changed = [
+        n for (n, p), (_, q) in zip(trained.named_parameters(), base.named_parameters()) if not torch.equal(p, q)
+    ]
     assert len(changed) == len(list(base.parameters()))
 
 
@@ -112,12 +120,17 @@ def sft_checkpoints(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
         for a, b in ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(8))
     ))  # fmt: skip
     out = {}
-    for kind, hp in (("lora", {"lora": True, "lora_rank": 2, "learning_rate": 5e-2}), ("full", {"lora": False, "learning_rate": 1e-2})):
+    for kind, hp in (
+        ("lora", {"lora": True, "lora_rank": 2, "learning_rate": 5e-2}),
+        ("full", {"lora": False, "learning_rate": 1e-2}),
+    ):
         spec = TaskSpecModel.from_parts(
             workload_type="sft", model=str(tiny_model_dir), env_config={"env_id": "chat_jsonl", "path": str(data)},
             hyperparameters={"steps": 1, "batch_size": 4, **hp},
         )  # fmt: skip
-        ctx = WorkerContext(task_id=f"sft-{kind}", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp / kind, out=io.StringIO())
+        ctx = WorkerContext(
+            task_id=f"sft-{kind}", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp / kind, out=io.StringIO()
+        )
         sft.run(ctx)
         out[kind] = Path(reports(ctx, "checkpoint")[-1]["path"])
     return out
@@ -126,7 +139,15 @@ def sft_checkpoints(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
 def test_lora_rl_continues_the_sft_adapter(tiny_model_dir, tmp_path, sft_checkpoints) -> None:
     from safetensors.torch import load_file
 
-    ctx = make_ctx(tiny_model_dir, tmp_path, "rl", workload="lora_finetune", steps=1, lora_rank=8, init=(sft_checkpoints["lora"], "peft_lora"))
+    ctx = make_ctx(
+        tiny_model_dir,
+        tmp_path,
+        "rl",
+        workload="lora_finetune",
+        steps=1,
+        lora_rank=8,
+        init=(sft_checkpoints["lora"], "peft_lora"),
+    )
     trainer = grpo_text._Trainer(ctx)
     saved = load_file(sft_checkpoints["lora"] / "adapter_model.safetensors")
     state = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
@@ -139,10 +160,16 @@ def test_lora_rl_continues_the_sft_adapter(tiny_model_dir, tmp_path, sft_checkpo
 
 
 def test_lora_rl_on_full_sft_weights_uses_them_as_the_base(tiny_model_dir, tmp_path, sft_checkpoints) -> None:
-    ctx = make_ctx(tiny_model_dir, tmp_path, "rl", workload="lora_finetune", steps=1, init=(sft_checkpoints["full"], "hf_full"))
+    ctx = make_ctx(
+        tiny_model_dir, tmp_path, "rl", workload="lora_finetune", steps=1, init=(sft_checkpoints["full"], "hf_full")
+    )
     trainer = grpo_text._Trainer(ctx)
     sft_weights = weights(sft_checkpoints["full"])
-    base = {k.replace("base_model.model.", "").replace(".base_layer", ""): v for k, v in trainer.model.state_dict().items() if "lora_" not in k}
+    base = {
+        k.replace("base_model.model.", "").replace(".base_layer", ""): v
+        for k, v in trainer.model.state_dict().items()
+        if "lora_" not in k
+    }
     assert all(torch.equal(base[k], v) for k, v in sft_weights.items() if k in base)
     assert sum(k in base for k in sft_weights) >= len(sft_weights) - 1  # (a tied lm_head may be left out)
 
@@ -153,13 +180,22 @@ def test_full_rl_from_a_lora_sft_merges_the_adapter(tiny_model_dir, tmp_path, sf
 
     ctx = make_ctx(tiny_model_dir, tmp_path, "rl", steps=1, init=(sft_checkpoints["lora"], "peft_lora"))
     trainer = grpo_text._Trainer(ctx)
-    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), sft_checkpoints["lora"]).merge_and_unload()
+    merged = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), sft_checkpoints["lora"]
+    ).merge_and_unload()
     got = trainer.model.state_dict()
     assert all(torch.allclose(got[k], v) for k, v in merged.state_dict().items())
     assert all(p.requires_grad for p in trainer.model.parameters())
 
 
 def test_an_init_checkpoint_that_is_not_on_this_node_is_a_user_error(tiny_model_dir, tmp_path) -> None:
-    ctx = make_ctx(tiny_model_dir, tmp_path, "rl", workload="lora_finetune", steps=1, init=(tmp_path / "elsewhere" / "step_3", "peft_lora"))
+    ctx = make_ctx(
+        tiny_model_dir,
+        tmp_path,
+        "rl",
+        workload="lora_finetune",
+        steps=1,
+        init=(tmp_path / "elsewhere" / "step_3", "peft_lora"),
+    )
     with pytest.raises(UserError, match="init_from: checkpoint .*elsewhere/step_3 is not on this trainer node"):
         grpo_text.run(ctx)

@@ -16,7 +16,14 @@ from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.workloads import run_task
 from opentinker_trainer.workloads.ppo_gym import PPOTrainer
 
-SMALL = {"total_timesteps": 512, "num_envs": 2, "num_steps": 64, "num_minibatches": 2, "update_epochs": 2, "hidden_sizes": [16, 16]}
+SMALL = {
+    "total_timesteps": 512,
+    "num_envs": 2,
+    "num_steps": 64,
+    "num_minibatches": 2,
+    "update_epochs": 2,
+    "hidden_sizes": [16, 16],
+}
 
 
 def make_ctx(tmp: Path, env: dict, hp: dict, *, resume_from: Path | None = None, attempt: int = 1) -> WorkerContext:
@@ -109,7 +116,9 @@ def test_resume_restores_rng_states(tmp_path: Path) -> None:
     saved = torch.load(tmp_path / "step_1" / "trainer_state.pt", weights_only=True)["rng"]
     torch.manual_seed(12345)
     np.random.seed(12345)
-    trainer = PPOTrainer(make_ctx(tmp_path / "again", {"env_id": "CartPole-v1"}, SMALL, resume_from=tmp_path / "step_1"))
+    trainer = PPOTrainer(
+        make_ctx(tmp_path / "again", {"env_id": "CartPole-v1"}, SMALL, resume_from=tmp_path / "step_1")
+    )
     trainer.envs.close()
     assert torch.equal(torch.get_rng_state(), saved["torch"])
     assert np.array_equal(np.random.get_state()[1], saved["numpy"]["keys"].numpy().astype(np.uint32))
@@ -135,12 +144,18 @@ def test_stop_request_checkpoints_and_returns_early(tmp_path: Path) -> None:
 def test_box_actions_and_discrete_observations_train(tmp_path: Path) -> None:
     pend = make_ctx(tmp_path / "p", {"env_id": "Pendulum-v1"}, {**SMALL, "total_timesteps": 256})
     run_task(pend)
-    assert len(metrics(pend)) == 2 and "actor_logstd" in torch.load(tmp_path / "p" / "step_2" / "policy.pt", weights_only=True)
-    lake = make_ctx(tmp_path / "f", {"env_id": "FrozenLake-v1", "max_episode_steps": 20}, {**SMALL, "total_timesteps": 256})
+    assert len(metrics(pend)) == 2 and "actor_logstd" in torch.load(
+        tmp_path / "p" / "step_2" / "policy.pt", weights_only=True
+    )
+    lake = make_ctx(
+        tmp_path / "f", {"env_id": "FrozenLake-v1", "max_episode_steps": 20}, {**SMALL, "total_timesteps": 256}
+    )
     run_task(lake)
     ms = metrics(lake)
     assert len(ms) == 2 and all(0.0 <= m["values"]["reward"] <= 1.0 for m in ms)
-    assert torch.load(tmp_path / "f" / "step_2" / "policy.pt", weights_only=True)["actor.0.weight"].shape[1] == 16  # one-hot
+    assert (
+        torch.load(tmp_path / "f" / "step_2" / "policy.pt", weights_only=True)["actor.0.weight"].shape[1] == 16
+    )  # one-hot
 
 
 def test_reward_is_last_known_and_flagged_stale_when_no_episode_ends(tmp_path: Path) -> None:
@@ -160,6 +175,10 @@ def test_unsupported_spaces_and_unmakeable_envs_are_user_errors(tmp_path: Path) 
 
 
 def test_async_vector_mode_with_spawn_trains(tmp_path: Path) -> None:
-    ctx = make_ctx(tmp_path, {"env_id": "CartPole-v1"}, {**SMALL, "total_timesteps": 128, "vector_mode": "async", "async_context": "spawn"})
+    ctx = make_ctx(
+        tmp_path,
+        {"env_id": "CartPole-v1"},
+        {**SMALL, "total_timesteps": 128, "vector_mode": "async", "async_context": "spawn"},
+    )
     run_task(ctx)
     assert [m["step"] for m in metrics(ctx)] == [1]

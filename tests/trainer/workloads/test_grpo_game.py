@@ -29,7 +29,9 @@ KEYS = {
 
 
 def make_ctx(model, tmp_path: Path, name: str, env=LAKE, resume_from=None, **hp) -> WorkerContext:
-    spec = TaskSpecModel.from_parts(workload_type="lora_finetune", model=str(model), env_config=env, hyperparameters={**SMALL, **hp})
+    spec = TaskSpecModel.from_parts(
+        workload_type="lora_finetune", model=str(model), env_config=env, hyperparameters={**SMALL, **hp}
+    )
     return WorkerContext(
         task_id=f"t-{name}", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp_path / name,
         resume_from=resume_from, out=io.StringIO(),
@@ -67,7 +69,9 @@ def test_random_model_replies_are_invalid_actions_with_the_documented_penalty(ti
     assert v["zero_std_frac"] == 1.0 and v["loss"] == 0.0  # equal returns: no signal, no update
     (c,) = reports(ctx, "checkpoint")
     assert c["final"] and c["format"] == "peft_lora"
-    assert {"adapter_config.json", "adapter_model.safetensors", "trainer_state.pt"} <= {p.name for p in Path(c["path"]).iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "trainer_state.pt"} <= {
+        p.name for p in Path(c["path"]).iterdir()
+    }
 
 
 def test_episode_returns_follow_the_game(tiny_model_dir, tmp_path, scripted):
@@ -102,7 +106,15 @@ def test_distance_shaping_adds_the_potential_difference(tiny_model_dir, tmp_path
 
 def test_mixed_returns_train_the_adapter(tiny_model_dir, tmp_path, scripted):
     scripted(by_reply)
-    ctx = make_ctx(tiny_model_dir, tmp_path, "train", steps=2, invalid_action_reward=-1.0, reward_shaping="distance", micro_batch_size=5)
+    ctx = make_ctx(
+        tiny_model_dir,
+        tmp_path,
+        "train",
+        steps=2,
+        invalid_action_reward=-1.0,
+        reward_shaping="distance",
+        micro_batch_size=5,
+    )
     trainer = grpo_game.GameTrainer(ctx)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.run()
@@ -138,12 +150,18 @@ def test_trainer_refuses_envs_it_cannot_play(tiny_model_dir, tmp_path):
     ctx = make_ctx(tiny_model_dir, tmp_path, "mismatch", steps=1)
     # Submit-time validation refuses a size mismatch; the trainer checks again on its own.
     ctx.spec = dataclasses.replace(ctx.spec, env=dataclasses.replace(ctx.spec.env, action_space=5))
-    with pytest.raises(UserError, match=r"env_config.action_space: declared 5, but FrozenLake-v1's action_space is Discrete\(4\)"):
+    with pytest.raises(
+        UserError, match=r"env_config.action_space: declared 5, but FrozenLake-v1's action_space is Discrete\(4\)"
+    ):
         run_task(ctx)
     with pytest.raises(UserError, match="Discrete actions"):
         run_task(make_ctx(tiny_model_dir, tmp_path, "box", env={"env_id": "MountainCarContinuous-v0"}, steps=1))
     with pytest.raises(UserError, match="reward_shaping"):
-        run_task(make_ctx(tiny_model_dir, tmp_path, "cliff", env={"env_id": "CliffWalking-v1"}, steps=1, reward_shaping="distance"))
+        run_task(
+            make_ctx(
+                tiny_model_dir, tmp_path, "cliff", env={"env_id": "CliffWalking-v1"}, steps=1, reward_shaping="distance"
+            )
+        )
 
 
 class Corridor(Environment):

@@ -65,7 +65,10 @@ def test_run_emits_metrics_and_peft_checkpoints(tiny_model_dir, tmp_path, varied
     assert [m["values"]["samples"] for m in metrics] == [6, 12, 18]
 
     checkpoints = reports(ctx, "checkpoint")
-    assert [(c["step"], c["final"], c["format"]) for c in checkpoints] == [(2, False, "peft_lora"), (3, True, "peft_lora")]
+    assert [(c["step"], c["final"], c["format"]) for c in checkpoints] == [
+        (2, False, "peft_lora"),
+        (3, True, "peft_lora"),
+    ]
     final = Path(checkpoints[-1]["path"])
     assert final == ctx.checkpoint_dir / "step_3"
     assert {"adapter_config.json", "adapter_model.safetensors", "trainer_state.pt"} <= {p.name for p in final.iterdir()}

@@ -15,7 +15,14 @@ from opentinker_trainer.workloads import run_task
 from opentinker_trainer.workloads.ppo_multiagent import MultiAgentPPOTrainer
 
 SPREAD = {"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"N": 2, "max_cycles": 5}}
-SMALL = {"total_timesteps": 96, "num_envs": 2, "num_steps": 12, "num_minibatches": 2, "update_epochs": 2, "hidden_sizes": [16]}
+SMALL = {
+    "total_timesteps": 96,
+    "num_envs": 2,
+    "num_steps": 12,
+    "num_minibatches": 2,
+    "update_epochs": 2,
+    "hidden_sizes": [16],
+}
 
 
 def make_ctx(tmp: Path, env: dict, hp: dict, *, resume_from: Path | None = None) -> WorkerContext:
@@ -35,7 +42,12 @@ def test_spread_reports_per_agent_reward_and_loss(tmp_path: Path, sharing: bool)
     assert len(ms) == 4
     for m in ms:
         for agent in ("agent_0", "agent_1"):
-            assert {f"reward/agent/{agent}", f"loss/agent/{agent}/policy", f"loss/agent/{agent}/value", f"loss/agent/{agent}/entropy"} <= set(m)
+            assert {
+                f"reward/agent/{agent}",
+                f"loss/agent/{agent}/policy",
+                f"loss/agent/{agent}/value",
+                f"loss/agent/{agent}/entropy",
+            } <= set(m)
         assert {"loss", "reward", "loss/policy", "ppo/approx_kl", "reward/team_return_mean"} <= set(m)
         # simple_spread: negative distances and collisions; 5-step episodes end every update
         assert m["reward"] < 0 and m["reward/stale"] == 0.0
@@ -63,7 +75,9 @@ def test_episode_ends_are_autoreset_steps_masked_out(tmp_path: Path) -> None:
 
 def test_parameter_sharing_needs_equal_spaces(tmp_path: Path) -> None:
     env = {"env_id": "mpe2/simple_speaker_listener_v4", "env_kwargs": {"max_cycles": 5}}
-    with pytest.raises(UserError, match="parameter_sharing: the agents of mpe2/simple_speaker_listener_v4 have different spaces"):
+    with pytest.raises(
+        UserError, match="parameter_sharing: the agents of mpe2/simple_speaker_listener_v4 have different spaces"
+    ):
         run_task(make_ctx(tmp_path, env, {**SMALL, "parameter_sharing": True}))
     ctx = make_ctx(tmp_path / "ind", env, {**SMALL, "total_timesteps": 24, "parameter_sharing": False})
     run_task(ctx)

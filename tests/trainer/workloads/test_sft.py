@@ -53,7 +53,10 @@ def test_exactly_the_assistant_replies_and_their_end_of_turn_tokens_are_trained_
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     enc = encode_chat(tok, CONVERSATION, max_seq_len=512)
-    assert enc.input_ids == tok(tok.apply_chat_template(CONVERSATION, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert (
+        enc.input_ids
+        == tok(tok.apply_chat_template(CONVERSATION, tokenize=False), add_special_tokens=False)["input_ids"]
+    )
     trained = [i for i, label in enumerate(enc.labels) if label != IGNORE_INDEX]
     assert all(enc.labels[i] == enc.input_ids[i] for i in trained)
     # Two contiguous runs: "5<|im_end|>" and "It is 8.<|im_end|>"; nothing of the system or user
@@ -125,7 +128,9 @@ def test_token_nll_matches_a_hand_computed_cross_entropy() -> None:
 def test_lr_schedules() -> None:
     assert [sft.lr_at(s, 10, 1.0, 2, "constant") for s in (1, 2, 3, 10)] == [0.5, 1.0, 1.0, 1.0]
     assert sft.lr_at(6, 10, 1.0, 2, "linear") == pytest.approx(0.5) and sft.lr_at(10, 10, 1.0, 2, "linear") == 0.0
-    assert sft.lr_at(6, 10, 1.0, 2, "cosine") == pytest.approx(0.5) and sft.lr_at(10, 10, 1.0, 0, "cosine") == pytest.approx(0.0)
+    assert sft.lr_at(6, 10, 1.0, 2, "cosine") == pytest.approx(0.5) and sft.lr_at(
+        10, 10, 1.0, 0, "cosine"
+    ) == pytest.approx(0.0)
 
 
 # ------------------------------------------------------------------------------ reading data
@@ -153,7 +158,17 @@ def arithmetic_dataset(path: Path, n: int = 24, seed: int = 0) -> Path:
     with open(path, "w") as fh:
         for _ in range(n):
             a, b = rng.randint(0, 9), rng.randint(0, 9)
-            fh.write(json.dumps({"messages": [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": str(a + b)}]}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"What is {a} + {b}?"},
+                            {"role": "assistant", "content": str(a + b)},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -168,12 +183,22 @@ class StopAfter(WorkerContext):
             self.request_stop()
 
 
-def make_ctx(model, tmp_path: Path, name: str, data: Path, resume_from=None, cls=WorkerContext, env=None, **hp) -> WorkerContext:
+def make_ctx(
+    model, tmp_path: Path, name: str, data: Path, resume_from=None, cls=WorkerContext, env=None, **hp
+) -> WorkerContext:
     spec = TaskSpecModel.from_parts(
         workload_type="sft", model=str(model), env_config={"env_id": "chat_jsonl", "path": str(data), "eval_fraction": 0.25, **(env or {})},
         hyperparameters={"batch_size": 4, "micro_batch_size": 2, "learning_rate": 1e-2, "lora_rank": 4, **hp},
     )  # fmt: skip
-    return cls(task_id=f"t-{name}", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp_path / name, resume_from=resume_from, out=io.StringIO())
+    return cls(
+        task_id=f"t-{name}",
+        attempt=1,
+        spec=spec,
+        device="cpu",
+        checkpoint_dir=tmp_path / name,
+        resume_from=resume_from,
+        out=io.StringIO(),
+    )
 
 
 def reports(ctx: WorkerContext, kind: str) -> list[dict]:
@@ -189,14 +214,27 @@ def test_lora_sft_reports_metrics_and_writes_peft_checkpoints(tiny_model_dir, tm
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # 2 epochs x ceil(18 / 4)
     for m in metrics:
         v = m["values"]
-        assert {"loss", "reward", "loss/train", "train/token_accuracy", "perf/tokens_per_s", "optim/lr", "train/tokens"} <= set(v)
+        assert {
+            "loss",
+            "reward",
+            "loss/train",
+            "train/token_accuracy",
+            "perf/tokens_per_s",
+            "optim/lr",
+            "train/tokens",
+        } <= set(v)
         assert v["loss"] == v["loss/train"] and v["reward"] == v["train/token_accuracy"] and 0 <= v["reward"] <= 1
         assert ("loss/eval" in v) == (m["step"] % 2 == 0)
     assert "loss/eval_start" in metrics[0]["values"]
     assert metrics[-1]["values"]["train/epoch"] == pytest.approx(40 / 18)
     assert metrics[-1]["values"]["loss/eval"] < metrics[0]["values"]["loss/eval_start"]  # it learns
     ckpts = reports(ctx, "checkpoint")
-    assert [(c["step"], c["final"], c["format"]) for c in ckpts] == [(3, False, "peft_lora"), (6, False, "peft_lora"), (9, False, "peft_lora"), (10, True, "peft_lora")]
+    assert [(c["step"], c["final"], c["format"]) for c in ckpts] == [
+        (3, False, "peft_lora"),
+        (6, False, "peft_lora"),
+        (9, False, "peft_lora"),
+        (10, True, "peft_lora"),
+    ]
     final = Path(ckpts[-1]["path"])
     assert {"adapter_config.json", "adapter_model.safetensors", "trainer_state.pt"} <= {p.name for p in final.iterdir()}
 

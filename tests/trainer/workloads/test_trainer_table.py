@@ -27,4 +27,3 @@ def test_every_row_names_a_function_that_exists(pair):
 def test_an_unknown_pair_is_a_user_error_naming_it():
     with pytest.raises(UserError, match=r"'sft'.*kind 'gym'"):
         trainer_for("sft", "gym")
-
