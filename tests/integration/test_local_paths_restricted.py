@@ -1,5 +1,5 @@
 """``paths.model_dirs`` cannot be bypassed by a hub-id-shaped name of a folder in the trainer's
-launch folder (issue 6, item 2).
+launch folder.
 
 The scheduler lets ``model: private-model`` through as a hub id, but the worker runs in the
 trainer's launch folder and ``from_pretrained("private-model")`` would load ``./private-model``.

@@ -1,4 +1,4 @@
-"""TLS and API-key mistakes a user makes, and the errors they get (issue 6): real schedulers on
+"""TLS and API-key mistakes a user makes, and the errors they get: real schedulers on
 loopback, certificates made with ``cryptography``, the CLI in-process and as a real subprocess."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _admin_key(s: LoopbackScheduler) -> str:
     return (s.config.state_dir / "admin.key").read_text().strip()
 
 
-# ------------------------------------------------------------------- 5: a private key as the CA
+# ---------------------------------------------------------------------- a private key as the CA
 
 
 def test_a_private_key_or_a_non_certificate_given_as_the_ca_is_refused_naming_the_argument(
@@ -98,7 +98,7 @@ def test_a_private_key_or_a_non_certificate_given_as_the_ca_is_refused_naming_th
     )
 
 
-# ------------------------------------------------------------ 3: whitespace around an API key
+# --------------------------------------------------------------- whitespace around an API key
 
 
 def test_surrounding_whitespace_of_an_api_key_is_stripped_and_inner_whitespace_is_a_value_error(
@@ -188,7 +188,7 @@ def test_inference_client_strips_the_key_too(inference_double, monkeypatch) -> N
     assert servicer.seen == ["Bearer otk_0000aaaa_x", "Bearer otk_0000bbbb_y"]
 
 
-# ------------------------------------------------------- 4: plaintext against a TLS endpoint
+# ---------------------------------------------------------- plaintext against a TLS endpoint
 
 
 def test_plaintext_against_a_tls_scheduler_says_it_may_serve_tls(tls_sched, certs) -> None:
@@ -223,7 +223,7 @@ def test_plaintext_against_a_tls_inference_server_says_it_may_serve_tls(inferenc
     assert INFERENCE_PLAINTEXT_HINT not in err.value.details
 
 
-# --------------------------------------------- 6: serve makes one real call before it answers
+# ------------------------------------------------ serve makes one real call before it answers
 
 
 def _served_adapter_world(s: LoopbackScheduler, endpoint: str) -> str:
@@ -273,7 +273,7 @@ def test_serve_fails_at_once_with_a_wrong_inference_ca_in_the_library_and_the_cl
         s.close()
 
 
-# ------------------------------------------------- 9: no gRPC log lines on the CLI's stderr
+# ---------------------------------------------------- no gRPC log lines on the CLI's stderr
 
 
 def test_the_cli_prints_one_error_line_without_grpc_log_lines(tls_sched, certs) -> None:
