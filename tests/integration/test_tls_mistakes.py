@@ -312,7 +312,10 @@ def test_library_users_keep_grpcs_own_verbosity() -> None:
     ).stdout.strip()
     assert out == "<unset>"
     env["GRPC_VERBOSITY"] = "DEBUG"  # and a user's own choice wins in the CLI too
-    code = "import sys; sys.argv[0] = '/x/bin/opentinker'; import os, opentinker_client; print(os.environ['GRPC_VERBOSITY'])"
+    code = (
+        "import sys; sys.argv[0] = '/x/bin/opentinker'; "
+        "import os, opentinker_client; print(os.environ['GRPC_VERBOSITY'])"
+    )
     assert (
         subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120

@@ -37,8 +37,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _trainer(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m opentinker_trainer`` that is expected to exit at once."""
-    return subprocess.run([sys.executable, "-m", "opentinker_trainer", "--scheduler-url", "127.0.0.1:1", *argv],
-                          capture_output=True, text=True, env=env or _env(), cwd=REPO, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "opentinker_trainer", "--scheduler-url", "127.0.0.1:1", *argv],
+        capture_output=True,
+        text=True,
+        env=env or _env(),
+        cwd=REPO,
+        timeout=120,
+    )
 
 
 # --------------------------------------------------- a serving key of another certificate
@@ -105,8 +111,11 @@ def test_the_trainers_api_key_is_stripped_and_inner_whitespace_is_refused(tmp_pa
             r = _trainer(env=_env(OPENTINKER_API_KEY=node_key + "\n\x07"))
             assert r.returncode == 2 and "environment variable OPENTINKER_API_KEY: expected an API key" in r.stderr
             # `OPENTINKER_API_KEY="$(cat node.key)"`-style values with a newline register fine.
-            proc = Proc(["-m", "opentinker_trainer", "--node-id", "node-nl", "--work-dir", str(tmp_path / "runs")], tmp_path / "trainer.log",
-                        env={"SCHEDULER_URL": s.target, "OPENTINKER_API_KEY": node_key + "\n"})  # fmt: skip
+            proc = Proc(
+                ["-m", "opentinker_trainer", "--node-id", "node-nl", "--work-dir", str(tmp_path / "runs")],
+                tmp_path / "trainer.log",
+                env={"SCHEDULER_URL": s.target, "OPENTINKER_API_KEY": node_key + "\n"},
+            )
             deadline = time.monotonic() + 60
             while not any(n.node_id == "node-nl" and n.connected for n in root.list_nodes()):
                 assert time.monotonic() < deadline and proc.popen.poll() is None, proc.log_text()[-2000:]
@@ -135,8 +144,8 @@ def test_a_refused_client_certificate_gets_a_hint_once_per_streak(tmp_path, cert
             ("nocert", ["--tls-ca", str(certs.ca)]),  # no client certificate at all
             ("plain", []),  # plaintext to the TLS port: not a certificate problem, no TLS hint
         ):
-            procs[name] = Proc(["-m", "opentinker_trainer", "--node-id", f"node-{name}", "--work-dir", str(tmp_path / name), *tls],
-                               tmp_path / f"{name}.log", env={"SCHEDULER_URL": node_target})  # fmt: skip
+            argv = ["-m", "opentinker_trainer", "--node-id", f"node-{name}", "--work-dir", str(tmp_path / name), *tls]
+            procs[name] = Proc(argv, tmp_path / f"{name}.log", env={"SCHEDULER_URL": node_target})
         deadline = time.monotonic() + 60
 
         def broken(p: Proc) -> list[dict]:
