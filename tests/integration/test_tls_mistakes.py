@@ -6,14 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import pytest
 
 from opentinker.common.v1 import common_pb2 as C
-from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc
 from opentinker.node.v1 import node_pb2 as N
 from opentinker_client import InferenceClient, RLClient, UnavailableError
 from opentinker_client.cli.commands import main as cli_main
@@ -21,6 +18,7 @@ from opentinker_client.errors import INFERENCE_PLAINTEXT_HINT, SCHEDULER_PLAINTE
 from opentinker_common.net.bearer import authorization_problem, clean_api_key
 from opentinker_common.net.tls import channel_credentials
 
+from tests.support.inference_double import serve_recording_inference
 from tests.support.security import LoopbackScheduler, make_certs
 
 AUTH = "auth: {enabled: true}\n"
@@ -151,30 +149,11 @@ def test_surrounding_whitespace_of_an_api_key_is_stripped_and_inner_whitespace_i
     assert clean_api_key(None) == "" and clean_api_key(" \n") == ""  # blank: no key is sent
 
 
-class _RecordingInference(inference_pb2_grpc.InferenceServiceServicer):
-    """A TEST DOUBLE of InferenceService (on a real gRPC server): records each call's authorization."""
-
-    def __init__(self) -> None:
-        self.seen: list[str | None] = []
-
-    def ListAdapters(self, request, context):
-        self.seen.append(dict(context.invocation_metadata()).get("authorization"))
-        return inference_pb2.ListAdaptersResponse(model="m")
-
-
 @pytest.fixture(scope="module")
 def inference_double(certs):
     """(servicer, plaintext port, TLS port)."""
-    servicer = _RecordingInference()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
-    plain = server.add_insecure_port("127.0.0.1:0")
-    secure = server.add_secure_port(
-        "127.0.0.1:0", grpc.ssl_server_credentials([(certs.server_key.read_bytes(), certs.server_cert.read_bytes())])
-    )
-    server.start()
-    yield servicer, plain, secure
-    server.stop(None)
+    with serve_recording_inference(certs) as served:
+        yield served
 
 
 def test_inference_client_strips_the_key_too(inference_double, monkeypatch) -> None:
