@@ -12,7 +12,7 @@ HTTP_PORT ?= 8889
 SCHEDULER_URL ?= http://localhost:$(PORT)
 NODE_ID ?= $(shell hostname)-trainer
 
-.PHONY: install proto proto-check scheduler trainer demo test test-fast bench bench-scheduler bench-service bench-inference bench-rl bench-security bench-sft bench-lm-game clean
+.PHONY: install proto proto-check lint scheduler trainer demo test test-fast bench bench-scheduler bench-service bench-inference bench-rl bench-security bench-sft bench-lm-game clean
 
 # Stamp files make `install` a no-op when already done.
 install: $(VENV)/.installed $(MODEL_DIR)/config.json
@@ -43,7 +43,14 @@ trainer: install
 demo: install
 	$(PY) scripts/demo.py --model $(MODEL_DIR)
 
-test: install proto-check
+# ruff (rules E, F, W; line length 120), the house formatter, and the import contracts in
+# pyproject.toml ([tool.importlinter]: the roles never import each other, and so on).
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+
+test: install proto-check lint
 	$(PY) -m pytest -q
 
 test-fast: install

@@ -61,7 +61,8 @@ def main() -> int:
     )["input_ids"]
     n = args.tokens
     print(
-        f"model {args.model}; prompt {len(prompt_ids)} tokens; {n} new tokens, greedy; torch threads {torch.get_num_threads()}",
+        f"model {args.model}; prompt {len(prompt_ids)} tokens; {n} "
+        f"new tokens, greedy; torch threads {torch.get_num_threads()}",
         flush=True,
     )
 
@@ -130,11 +131,13 @@ def main() -> int:
         s_ttft.append(streamed(1)[1])
     d, s = statistics.median(d_tps), statistics.median(s_tps)
     print(
-        f"throughput: GenerateStream {s:.1f} tok/s vs transformers generate {d:.1f} tok/s -> ratio {s / d:.3f} (goal >= 0.95)"
+        f"throughput: GenerateStream {s:.1f} tok/s vs transformers "
+        f"generate {d:.1f} tok/s -> ratio {s / d:.3f} (goal >= 0.95)"
     )
     dt, st = statistics.median(d_ttft), statistics.median(s_ttft)
     print(
-        f"time to first token: GenerateStream {st * 1000:.1f} ms vs generate(max_new_tokens=1) {dt * 1000:.1f} ms -> added {1000 * (st - dt):+.1f} ms"
+        f"time to first token: GenerateStream {st * 1000:.1f} ms vs "
+        f"generate(max_new_tokens=1) {dt * 1000:.1f} ms -> added {1000 * (st - dt):+.1f} ms"
     )
 
     # Memory: 1 adapter resident and used, then 8.
@@ -145,7 +148,8 @@ def main() -> int:
     rss8 = rss_bytes()
     lora_bytes = sum(a.size_bytes for a in client.list_adapters())
     print(
-        f"resident memory: 8 adapters {rss8 / 2**20:.0f} MiB vs 1 adapter {rss1 / 2**20:.0f} MiB -> ratio {rss8 / rss1:.3f} (goal <= 1.1); "
+        f"resident memory: 8 adapters {rss8 / 2**20:.0f} MiB vs 1 adapter "
+        f"{rss1 / 2**20:.0f} MiB -> ratio {rss8 / rss1:.3f} (goal <= 1.1); "
         f"LoRA tensors of the 8: {lora_bytes / 2**20:.1f} MiB (rank {args.rank}, q/k/v/o)"
     )
     one = statistics.median(n // 2 / streamed(n // 2)[0] for _ in range(2))
@@ -154,7 +158,8 @@ def main() -> int:
         list(pool.map(lambda i: streamed(n // 2, f"task-a{i}"), range(4)))
     four = 4 * (n // 2) / (time.perf_counter() - t0)
     print(
-        f"concurrency: 4 streams (4 adapters) {four:.1f} tok/s in all vs 1 stream {one:.1f} tok/s -> ratio {four / one:.2f} (steps interleave, no batching across requests)"
+        f"concurrency: 4 streams (4 adapters) {four:.1f} tok/s in all vs 1 stream {one:.1f} "
+        f"tok/s -> ratio {four / one:.2f} (steps interleave, no batching across requests)"
     )
     client.close()
     server.close()

@@ -117,7 +117,8 @@ def main() -> int:
             cached = asyncio.run(checks(60))
             uncached = asyncio.run(checks(1e-3))
             print(
-                f"access check, cached: {cached * 1e6:.1f} us; scheduler round trip (GetTask with the caller's key): {uncached * 1e3:.2f} ms; "
+                f"access check, cached: {cached * 1e6:.1f} us; scheduler round "
+                f"trip (GetTask with the caller's key): {uncached * 1e3:.2f} ms; "
                 f"ratio {uncached / cached:.0f}x"
             )
 
@@ -149,7 +150,8 @@ def main() -> int:
                 for name in ("checked", "tls+checked"):
                     m = statistics.median(times[name])
                     print(
-                        f"Generate 1 token, tiny model, {name} vs plaintext without check: {m * 1e3:.2f} ms vs {base * 1e3:.2f} ms, ratio {m / base:.2f}"
+                        f"Generate 1 token, tiny model, {name} vs plaintext without check: "
+                        f"{m * 1e3:.2f} ms vs {base * 1e3:.2f} ms, ratio {m / base:.2f}"
                     )
                 for c in clients.values():
                     c.close()

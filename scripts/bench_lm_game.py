@@ -37,7 +37,8 @@ class _Printer:
     def __init__(self) -> None:
         self.rows: list[dict] = []
         print(
-            f"{'step':>4} {'reward':>7} {'success':>7} {'invalid':>7} {'turns':>5} {'step_s':>6} {'gen_s':>6} {'train_s':>7}",
+            f"{'step':>4} {'reward':>7} {'success':>7} {'invalid':>7} "
+            f"{'turns':>5} {'step_s':>6} {'gen_s':>6} {'train_s':>7}",
             flush=True,
         )
 
@@ -136,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         workload_type="lora_finetune", model=args.model, env_config=env_config, hyperparameters=hp
     )
     print(
-        f"model={args.model}\nenv={json.dumps({k: ('<redacted>' if k == 'token' else v) for k, v in env_config.items()})}\nhyperparameters={json.dumps(hp)}",
+        f"model={args.model}\n"
+        f"env={json.dumps({k: ('<redacted>' if k == 'token' else v) for k, v in env_config.items()})}\n"
+        f"hyperparameters={json.dumps(hp)}",
         flush=True,
     )
     printer = _Printer()

@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
     print()
     print(
-        f"{'case':<20} {'random':>9} {'final':>9} {'threshold':>10} {'steps to thr':>13} {'time to thr':>12} {'wall s':>8} {'steps/s':>8} {'gain':>7}"
+        f"{'case':<20} {'random':>9} {'final':>9} {'threshold':>10} {'steps to thr':>13} "
+        f"{'time to thr':>12} {'wall s':>8} {'steps/s':>8} {'gain':>7}"
     )
     for r in rows:
         thr = CASES[r["name"]]["threshold"]

@@ -591,7 +591,8 @@ class Bench:
                 "cpu_s_per_1000_hb_net": (cpu - base_cpu_per_s * wall) / (ingested / 1000) if ingested else math.nan,
             }
             self.progress(
-                f"{name}: {ingested / wall:.0f} heartbeats/s ingested ({sent / wall:.0f} offered), scheduler CPU {cpu / wall:.0%}"
+                f"{name}: {ingested / wall:.0f} heartbeats/s ingested "
+                f"({sent / wall:.0f} offered), scheduler CPU {cpu / wall:.0%}"
             )
         await self.broadcast("hb", 1.0)
         await asyncio.sleep(0.2 if a.quick else 1.0)
@@ -795,7 +796,8 @@ def report(args, res: dict) -> str:
         "",
         "OpenTinker scheduler scale benchmark",
         f"  date {dt.datetime.now().astimezone().isoformat(timespec='seconds')}; {platform.node()}; {ncpu} CPU(s) "
-        f"({platform.processor() or platform.machine()}); Python {platform.python_version()}; grpcio {grpc.__version__}",
+        f"({platform.processor() or platform.machine()}); Python "
+        f"{platform.python_version()}; grpcio {grpc.__version__}",
         f"  {args.nodes} simulated nodes ({args.gpus_per_node} simulated GPUs, max_tasks {args.max_tasks} each) in "
         f"{args.workers} worker process(es); scheduler is a separate process",
         "",
@@ -843,19 +845,23 @@ def report(args, res: dict) -> str:
     lines += [
         "",
         "  more:",
-        f"    submit->assign under the closed loop: p50 {tp['p50_ms']:.1f} ms, p99 {tp['p99_ms']:.1f} ms, max {tp['max_ms']:.1f} ms"
+        f"    submit->assign under the closed loop: p50 {tp['p50_ms']:.1f} "
+        f"ms, p99 {tp['p99_ms']:.1f} ms, max {tp['max_ms']:.1f} ms"
         f" (SubmitTask RPC p50 {tp['rpc_p50_ms']:.1f} ms, p99 {tp['rpc_p99_ms']:.1f} ms)",
         f"    submit->assign at {lt['offered_rate']:.0f}/s: p90 {lt['p90_ms']:.1f} ms, max {lt['max_ms']:.1f} ms; "
         f"worst dispatch lag of the pacer {lt['worst_dispatch_lag_ms']:.1f} ms",
-        f"    heartbeats: scheduler CPU idle {P['idle']['scheduler_cpu_frac']:.1%} of a core, steady {st['scheduler_cpu_frac']:.1%}, "
+        f"    heartbeats: scheduler CPU idle {P['idle']['scheduler_cpu_frac']:.1%} "
+        f"of a core, steady {st['scheduler_cpu_frac']:.1%}, "
         f"flood {fl['scheduler_cpu_frac']:.1%}; flood at 1000 ingested per {fl['cpu_s_per_1000_hb']:.3f} CPU s "
         f"= {1000 / fl['cpu_s_per_1000_hb']:.0f} heartbeats per CPU-second",
     ]
     if "deep_queue" in P:
         dq = P["deep_queue"]
         lines.append(
-            f"    deep queue: {dq['submit']['submitted']} submits into a full cluster at {dq['submit']['submits_per_s']:.0f}/s "
-            f"(queue depth after: {dq['submit']['queue_depth_after']:.0f}, placed while full: {dq['submit']['placed_while_full']}); "
+            f"    deep queue: {dq['submit']['submitted']} submits into "
+            f"a full cluster at {dq['submit']['submits_per_s']:.0f}/s "
+            f"(queue depth after: {dq['submit']['queue_depth_after']:.0f}, "
+            f"placed while full: {dq['submit']['placed_while_full']}); "
             f"drained {dq['drain']['assigned']} at {dq['drain']['assigns_per_s']:.0f} assigns/s"
         )
     fin = res.get("final", {})
@@ -869,7 +875,8 @@ def report(args, res: dict) -> str:
     lines += [
         "",
         "  CPU per phase (cores busy; the machine may run other work):",
-        f"    {'phase':<12} {'wall s':>7} {'scheduler':>9} {'driver':>7} {'node sims':>14} {'others':>7} {'machine':>8}",
+        f"    {'phase':<12} {'wall s':>7} {'scheduler':>9} "
+        f"{'driver':>7} {'node sims':>14} {'others':>7} {'machine':>8}",
     ]
     sat = []
     phase_rows = [(k, P[k]) for k in ("idle", "steady", "flood", "throughput", "latency")]

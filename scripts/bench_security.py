@@ -89,7 +89,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         certs = make_certs(base / "certs")
-        unlimited = "limits: {submit_rate: 0, max_pending_per_owner: 0}\npaths: {model_dirs: [/models]}\n"  # specs name /models/m
+        # specs name /models/m
+        unlimited = "limits: {submit_rate: 0, max_pending_per_owner: 0}\npaths: {model_dirs: [/models]}\n"
         modes = [
             ("off", "", None),
             ("keys", "auth: {enabled: true}\n" + unlimited, None),
@@ -104,7 +105,8 @@ def main() -> int:
     print(f"{'mode':10} {'SubmitTask us':>14} {'ratio':>6} {'GetTask us':>11} {'ratio':>6}")
     for name, r in results.items():
         print(
-            f"{name:10} {r['submit_us']:14.0f} {r['submit_us'] / base_r['submit_us']:6.2f} {r['get_us']:11.0f} {r['get_us'] / base_r['get_us']:6.2f}"
+            f"{name:10} {r['submit_us']:14.0f} {r['submit_us'] / base_r['submit_us']:6.2f} "
+            f"{r['get_us']:11.0f} {r['get_us'] / base_r['get_us']:6.2f}"
         )
     return 0
 

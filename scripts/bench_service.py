@@ -175,11 +175,13 @@ def main() -> int:
         print()
         print(f"step time, median of {len(inproc_steps)}: in-process {mi:.3f} s, through the service {ms:.3f} s")
         print(
-            f"ratio service / in-process: {ms / mi:.3f}  (service adds {100 * (ms / mi - 1):+.1f} % per step; goal < 5 %)"
+            f"ratio service / in-process: {ms / mi:.3f}  (service "
+            f"adds {100 * (ms / mi - 1):+.1f} % per step; goal < 5 %)"
         )
         fi, fs = statistics.median(inproc_first), statistics.median(service_first)
         print(
-            f"fixed cost to the first step, median: in-process {fi:.1f} s, service {fs:.1f} s (+{fs - fi:.1f} s: placement, worker start, model load in a fresh process)"
+            f"fixed cost to the first step, median: in-process {fi:.1f} s, service {fs:.1f} "
+            f"s (+{fs - fi:.1f} s: placement, worker start, model load in a fresh process)"
         )
         return 0
     finally:

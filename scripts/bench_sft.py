@@ -143,12 +143,14 @@ def main() -> int:
 
     mode = "full weights" if args.full else "LoRA r=16 (q,k,v,o)"
     print(
-        f"sft on {Path(args.model).name}, {mode}, lr {lr:g}, {args.steps} steps x {args.batch_size} examples, {len(held)} held out"
+        f"sft on {Path(args.model).name}, {mode}, lr {lr:g}, {args.steps} "
+        f"steps x {args.batch_size} examples, {len(held)} held out"
     )
     print(f"  loss/eval: {start:.4f} before -> {end:.4f} after ({end / start:.3f} of the start); curve {curve}")
     if acc_before is not None:
         print(
-            f"  greedy accuracy on {len(questions)} held-out questions: {acc_before:.3f} before -> {acc_after:.3f} after"
+            f"  greedy accuracy on {len(questions)} held-out questions: "
+            f"{acc_before:.3f} before -> {acc_after:.3f} after"
         )
     print(f"  {step_s:.2f} s/step, {tok_s:.0f} tokens/s, {wall:.0f} s in all (incl. loading and evaluation)")
     print(

@@ -1,14 +1,1 @@
-import pytest
-
-from tests.client.fake_scheduler import FakeScheduler, Server
-
-
-@pytest.fixture
-def fake():
-    """A running TEST DOUBLE of the scheduler: yields (servicer, server)."""
-    servicer = FakeScheduler()
-    server = Server(servicer)
-    try:
-        yield servicer, server
-    finally:
-        server.stop()
+from tests.support.fake_scheduler import fake  # noqa: F401  (the fixture: a running TEST DOUBLE of the scheduler)

@@ -1,4 +1,4 @@
-"""RLClient against an in-process TEST DOUBLE of the scheduler (tests/client/fake_scheduler.py)."""
+"""RLClient against an in-process TEST DOUBLE of the scheduler (tests/support/fake_scheduler.py)."""
 
 import math
 import threading
@@ -11,7 +11,7 @@ import opentinker_client as ot
 from opentinker_client import Environment, RLClient
 from opentinker_client.convert import struct_to_dict
 
-from tests.client.fake_scheduler import S
+from tests.support.fake_scheduler import S, finished_task
 
 
 @pytest.fixture
@@ -231,17 +231,6 @@ def test_metric_history_pages(client, fake):
     assert [s for s, _ in client.get_metric_history(task_id, after_step=3)] == [4, 5]
 
 
-def finished_task(servicer, final=S.TASK_STATE_SUCCEEDED, steps=3):
-    task_id = servicer.add_task(S.TASK_STATE_PENDING).task_id
-    servicer.add_state(task_id, S.TASK_STATE_PENDING, reason="SUBMITTED")
-    servicer.add_state(task_id, S.TASK_STATE_RUNNING, reason="STARTED")
-    for step in range(1, steps + 1):
-        servicer.add_metric(task_id, step, 1.0 / step, step / 10)
-    servicer.add_checkpoint(task_id, steps, "/ckpt/final", final=True)
-    servicer.add_state(task_id, final, reason="COMPLETED", error="boom" if final == S.TASK_STATE_FAILED else "")
-    return task_id
-
-
 def test_watch_replays_and_ends(client, fake):
     servicer, _ = fake
     task_id = finished_task(servicer)
@@ -377,3 +366,9 @@ def test_closed_client(fake):
     c.close()
     with pytest.raises(ot.OpenTinkerError, match="closed"):
         c.get_task("t")
+
+
+def test_upload_dataset_refuses_a_folder_before_any_call(tmp_path) -> None:
+    with RLClient("127.0.0.1:1", min_poll_interval=0) as client:  # refused before any call
+        with pytest.raises(IsADirectoryError, match="is a folder"):
+            client.upload_dataset(tmp_path)

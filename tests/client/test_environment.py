@@ -50,3 +50,48 @@ def test_repr_and_eq():
     assert repr(a) == "Environment(env_id='arithmetic', action_space=4, max_digits=2)"
     assert a == Environment(action_space=4, max_digits=2)
     assert a != Environment(action_space=5, max_digits=2)
+
+
+def test_a_client_hosted_environment_needs_both_reset_and_step() -> None:
+    from opentinker_client import Environment
+    from opentinker_client.environment import client_env_config
+
+    class OnlyReset(Environment):
+        def reset(self, seed=None):
+            return 0
+
+    env = OnlyReset(action_space=2, observation_space=3)
+    assert env.is_client_hosted
+    with pytest.raises(
+        InvalidArgumentError, match=r"defines both reset\(\) and step\(\); OnlyReset does not define step\(\)"
+    ):
+        client_env_config(env, endpoint="127.0.0.1:5000")
+
+
+def test_client_only_options_on_a_built_in_environment_say_what_to_do() -> None:
+    from opentinker_client import Environment
+
+    with pytest.raises(
+        InvalidArgumentError, match=r"only client-hosted environments take action_names: subclass Environment"
+    ) as err:
+        Environment(action_names=["left", "right"]).to_dict()
+    assert err.value.field == "spec.env_config.action_names"
+    with pytest.raises(InvalidArgumentError, match="timeout_s"):
+        Environment(env_id="CartPole-v1", timeout_s=3).to_dict()
+    assert Environment(env_id="CartPole-v1", seed=3).to_dict() == {"env_id": "CartPole-v1", "seed": 3}
+
+
+def test_an_empty_env_id_is_refused_but_a_missing_one_is_arithmetic() -> None:
+    from opentinker_client import Environment
+    from opentinker_common.spec import SpecError, validate_env_config
+
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"spec.env_config.env_id: expected an environment id.*leave env_id out for arithmetic",
+    ) as err:
+        Environment(env_id="").to_dict()
+    assert err.value.field == "spec.env_config.env_id"
+    with pytest.raises(SpecError):
+        validate_env_config({"env_id": ""})
+    assert validate_env_config({}).env_id == "arithmetic"
+    assert validate_env_config({"max_digits": 3}).env_id == "arithmetic"

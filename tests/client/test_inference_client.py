@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from opentinker_client import InferenceClient, InvalidArgumentError, UnavailableError, evaluate
@@ -73,28 +70,11 @@ def test_inference_client_checks_its_arguments_before_calling() -> None:
     client.close()
 
 
-def test_the_inference_client_and_evaluate_pull_in_no_torch() -> None:
-    code = (
-        "import sys, opentinker_client.inference\n"
-        "from opentinker_client.evaluate import evaluate\n"
-        "from opentinker_client.inference import Generation, Sample\n"
-        "class C:\n"
-        "    adapter = None\n"
-        "    def generate(self, **kw): return Generation((Sample(0, '1', (), (), 'stop'),), 1, 1, 'm', None)\n"
-        "evaluate(C(), episodes=2)\n"
-        "assert 'torch' not in sys.modules, 'torch'\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
 # ------------------------------------------------------------------ endpoints, API key and TLS
 
-from concurrent import futures  # noqa: E402
-
-import grpc  # noqa: E402
-
-from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 from opentinker_client.inference import parse_endpoint  # noqa: E402
+
+from tests.support.inference_double import serve_recording_inference  # noqa: E402
 
 
 def test_endpoints_say_whether_to_use_tls_and_bad_ones_name_the_argument() -> None:
@@ -125,17 +105,6 @@ def test_an_unreadable_ca_is_a_value_error_naming_root_certificates(tmp_path, mo
     InferenceClient("localhost:1").close()  # a plaintext endpoint reads no CA
 
 
-class _RecordingInference(inference_pb2_grpc.InferenceServiceServicer):
-    """A TEST DOUBLE of InferenceService (a real gRPC server): records each call's authorization."""
-
-    def __init__(self) -> None:
-        self.seen: list[str | None] = []
-
-    def ListAdapters(self, request, context):
-        self.seen.append(dict(context.invocation_metadata()).get("authorization"))
-        return inference_pb2.ListAdaptersResponse(model="m")
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     from tests.support.security import make_certs
@@ -145,15 +114,8 @@ def certs(tmp_path_factory):
 
 @pytest.fixture
 def recording(certs):
-    servicer = _RecordingInference()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
-    plain = server.add_insecure_port("127.0.0.1:0")
-    creds = grpc.ssl_server_credentials([(certs.server_key.read_bytes(), certs.server_cert.read_bytes())])
-    secure = server.add_secure_port("127.0.0.1:0", creds)
-    server.start()
-    yield servicer, plain, secure
-    server.stop(None)
+    with serve_recording_inference(certs) as served:
+        yield served
 
 
 def test_the_api_key_is_sent_as_a_bearer_token_from_the_argument_or_the_environment(recording, monkeypatch) -> None:
@@ -194,3 +156,11 @@ def test_https_endpoints_use_tls_with_the_given_or_environment_ca(recording, cer
         with pytest.raises(UnavailableError):
             c.list_adapters()
     assert len(servicer.seen) == 3
+
+
+def test_evaluate_refuses_episode_counts_outside_1_to_10000() -> None:
+    from opentinker_client.evaluate import MAX_EPISODES, evaluate
+
+    for bad in (0, -5, MAX_EPISODES + 1, 99_999_999_999):
+        with pytest.raises(InvalidArgumentError, match=r"episodes: expected an integer in \[1, 10000\]"):
+            evaluate(object(), episodes=bad)

@@ -151,9 +151,14 @@ def test_client_hosted_environment_over_tls_with_an_access_token(cluster, tiny_m
     Corridor.resets = []
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         task_id = client.submit_task(
-            env_config=Corridor(), workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 1},
-            env_tls_cert=certs.server_cert, env_tls_key=certs.server_key, env_tls_ca=certs.ca,
-        )  # fmt: skip
+            env_config=Corridor(),
+            workload_type="lora_finetune",
+            model=str(tiny_model_dir),
+            hyperparameters={**HP, "steps": 1},
+            env_tls_cert=certs.server_cert,
+            env_tls_key=certs.server_key,
+            env_tls_ca=certs.ca,
+        )
         (server,) = client._env_servers
         env = client.get_task(task_id).env_config
         assert (

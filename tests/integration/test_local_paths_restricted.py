@@ -1,5 +1,5 @@
 """``paths.model_dirs`` cannot be bypassed by a hub-id-shaped name of a folder in the trainer's
-launch folder (issue 6, item 2).
+launch folder.
 
 The scheduler lets ``model: private-model`` through as a hub id, but the worker runs in the
 trainer's launch folder and ``from_pretrained("private-model")`` would load ``./private-model``.
@@ -146,7 +146,10 @@ def test_a_restricted_worker_refuses_a_folder_in_its_launch_folder(tmp_path: Pat
 
 
 def test_end_to_end_with_auth_on_and_model_dirs(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
-    config = f"heartbeat_interval: 0.5\nlease: 3\nauth: {{enabled: true}}\npaths: {{model_dirs: [{tiny_model_dir.parent}]}}\n"
+    config = (
+        "heartbeat_interval: 0.5\nlease: 3\nauth: {enabled: true}\n"
+        f"paths: {{model_dirs: [{tiny_model_dir.parent}]}}\n"
+    )
     cluster = Cluster(tmp_path, config)
     try:
         cluster.start_scheduler()
@@ -172,7 +175,8 @@ def test_end_to_end_with_auth_on_and_model_dirs(tmp_path: Path, tiny_model_dir: 
             assert task.attempt == 1  # not retried: a user error
             assert (
                 task.error
-                == f"spec.model 'private-model' is a hub id, but a local folder of that name exists on this node; {HINT}"
+                == "spec.model 'private-model' is a hub id, but a local folder of that name exists on this node; "
+                + HINT
             )
             # The scheduler itself refuses home-folder and relative paths.
             with pytest.raises(InvalidArgumentError, match="spec.model"):

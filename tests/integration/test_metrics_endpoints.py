@@ -8,9 +8,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
+from tests.support.http import metric_samples, metric_value as value
 from tests.support.procs import Cluster
 
 TINY_HP = {
@@ -27,18 +25,7 @@ def scrape(cluster: Cluster) -> dict[str, list]:
     with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/metrics", timeout=5) as resp:
         assert resp.status == 200
         text = resp.read().decode()
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), s.value))
-    return out
-
-
-def value(metrics: dict, name: str, **labels) -> float | None:
-    for got, v in metrics.get(name, []):
-        if all(got.get(k) == str(x) for k, x in labels.items()):
-            return v
-    return None
+    return metric_samples(text)
 
 
 def until(cluster: Cluster, check, what: str, timeout: float = 60) -> dict:
@@ -51,13 +38,6 @@ def until(cluster: Cluster, check, what: str, timeout: float = 60) -> dict:
             return m
         time.sleep(0.2)
     raise TimeoutError(f"/metrics never showed {what}: {m}")
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    yield c
-    c.close()
 
 
 def test_scheduler_metrics_follow_tasks_and_nodes(cluster, tiny_model_dir: Path) -> None:

@@ -86,7 +86,8 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
         )
         with pytest.raises(
             FailedPreconditionError,
-            match=rf"spec.init_from: task {running} is (PENDING|ASSIGNED|RUNNING); a task can only start from one that SUCCEEDED",
+            match=rf"spec.init_from: task {running} is (PENDING|ASSIGNED|RUNNING); "
+            r"a task can only start from one that SUCCEEDED",
         ):
             client.submit_task(
                 workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=RL_HP, init_from=running
@@ -187,8 +188,11 @@ def test_dataset_refusals_over_the_wire(sft_cluster: Cluster, tiny_model_dir: Pa
 
         # A path the trainer reads: a bad line fails the task at once (no retry), naming the line.
         task_id = client.submit_task(
-            {"env_id": "chat_jsonl", "path": str(bad)}, workload_type="sft", model=str(tiny_model_dir), hyperparameters={"steps": 1},
-        )  # fmt: skip
+            {"env_id": "chat_jsonl", "path": str(bad)},
+            workload_type="sft",
+            model=str(tiny_model_dir),
+            hyperparameters={"steps": 1},
+        )
         with pytest.raises(TaskFailedError) as failed:
             client.wait(task_id, timeout=120, poll_interval=0.2)
         assert failed.value.task.attempt == 1

@@ -1,4 +1,4 @@
-"""TLS and API-key mistakes a user makes, and the errors they get (issue 6): real schedulers on
+"""TLS and API-key mistakes a user makes, and the errors they get: real schedulers on
 loopback, certificates made with ``cryptography``, the CLI in-process and as a real subprocess."""
 
 from __future__ import annotations
@@ -6,14 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import pytest
 
 from opentinker.common.v1 import common_pb2 as C
-from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc
 from opentinker.node.v1 import node_pb2 as N
 from opentinker_client import InferenceClient, RLClient, UnavailableError
 from opentinker_client.cli.commands import main as cli_main
@@ -21,6 +18,7 @@ from opentinker_client.errors import INFERENCE_PLAINTEXT_HINT, SCHEDULER_PLAINTE
 from opentinker_common.net.bearer import authorization_problem, clean_api_key
 from opentinker_common.net.tls import channel_credentials
 
+from tests.support.inference_double import serve_recording_inference
 from tests.support.security import LoopbackScheduler, make_certs
 
 AUTH = "auth: {enabled: true}\n"
@@ -58,7 +56,7 @@ def _admin_key(s: LoopbackScheduler) -> str:
     return (s.config.state_dir / "admin.key").read_text().strip()
 
 
-# ------------------------------------------------------------------- 5: a private key as the CA
+# ---------------------------------------------------------------------- a private key as the CA
 
 
 def test_a_private_key_or_a_non_certificate_given_as_the_ca_is_refused_naming_the_argument(
@@ -98,7 +96,7 @@ def test_a_private_key_or_a_non_certificate_given_as_the_ca_is_refused_naming_th
     )
 
 
-# ------------------------------------------------------------ 3: whitespace around an API key
+# --------------------------------------------------------------- whitespace around an API key
 
 
 def test_surrounding_whitespace_of_an_api_key_is_stripped_and_inner_whitespace_is_a_value_error(
@@ -151,30 +149,11 @@ def test_surrounding_whitespace_of_an_api_key_is_stripped_and_inner_whitespace_i
     assert clean_api_key(None) == "" and clean_api_key(" \n") == ""  # blank: no key is sent
 
 
-class _RecordingInference(inference_pb2_grpc.InferenceServiceServicer):
-    """A TEST DOUBLE of InferenceService (on a real gRPC server): records each call's authorization."""
-
-    def __init__(self) -> None:
-        self.seen: list[str | None] = []
-
-    def ListAdapters(self, request, context):
-        self.seen.append(dict(context.invocation_metadata()).get("authorization"))
-        return inference_pb2.ListAdaptersResponse(model="m")
-
-
 @pytest.fixture(scope="module")
 def inference_double(certs):
     """(servicer, plaintext port, TLS port)."""
-    servicer = _RecordingInference()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
-    plain = server.add_insecure_port("127.0.0.1:0")
-    secure = server.add_secure_port(
-        "127.0.0.1:0", grpc.ssl_server_credentials([(certs.server_key.read_bytes(), certs.server_cert.read_bytes())])
-    )
-    server.start()
-    yield servicer, plain, secure
-    server.stop(None)
+    with serve_recording_inference(certs) as served:
+        yield served
 
 
 def test_inference_client_strips_the_key_too(inference_double, monkeypatch) -> None:
@@ -188,7 +167,7 @@ def test_inference_client_strips_the_key_too(inference_double, monkeypatch) -> N
     assert servicer.seen == ["Bearer otk_0000aaaa_x", "Bearer otk_0000bbbb_y"]
 
 
-# ------------------------------------------------------- 4: plaintext against a TLS endpoint
+# ---------------------------------------------------------- plaintext against a TLS endpoint
 
 
 def test_plaintext_against_a_tls_scheduler_says_it_may_serve_tls(tls_sched, certs) -> None:
@@ -223,7 +202,7 @@ def test_plaintext_against_a_tls_inference_server_says_it_may_serve_tls(inferenc
     assert INFERENCE_PLAINTEXT_HINT not in err.value.details
 
 
-# --------------------------------------------- 6: serve makes one real call before it answers
+# ------------------------------------------------ serve makes one real call before it answers
 
 
 def _served_adapter_world(s: LoopbackScheduler, endpoint: str) -> str:
@@ -273,7 +252,7 @@ def test_serve_fails_at_once_with_a_wrong_inference_ca_in_the_library_and_the_cl
         s.close()
 
 
-# ------------------------------------------------- 9: no gRPC log lines on the CLI's stderr
+# ---------------------------------------------------- no gRPC log lines on the CLI's stderr
 
 
 def test_the_cli_prints_one_error_line_without_grpc_log_lines(tls_sched, certs) -> None:
@@ -312,7 +291,10 @@ def test_library_users_keep_grpcs_own_verbosity() -> None:
     ).stdout.strip()
     assert out == "<unset>"
     env["GRPC_VERBOSITY"] = "DEBUG"  # and a user's own choice wins in the CLI too
-    code = "import sys; sys.argv[0] = '/x/bin/opentinker'; import os, opentinker_client; print(os.environ['GRPC_VERBOSITY'])"
+    code = (
+        "import sys; sys.argv[0] = '/x/bin/opentinker'; "
+        "import os, opentinker_client; print(os.environ['GRPC_VERBOSITY'])"
+    )
     assert (
         subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120

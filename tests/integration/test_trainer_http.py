@@ -10,15 +10,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from opentinker_trainer.http import StepRate
-from tests.support.procs import Cluster, free_port
+from tests.support.http import http_get, metric_samples, metric_value as value
+from tests.support.procs import free_port
 
 TINY_HP = {
     "steps": 400,
@@ -32,10 +29,7 @@ TINY_HP = {
 
 def get(port: int, path: str) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
+        return http_get(f"http://127.0.0.1:{port}{path}", timeout=5)
     except OSError:  # not listening yet
         return 0, b""
 
@@ -44,18 +38,7 @@ def samples(port: int) -> dict[str, list]:
     """name -> [(labels, value)] from /metrics, parsed by prometheus-client's parser."""
     status, body = get(port, "/metrics")
     assert status == 200
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(body.decode()):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), s.value))
-    return out
-
-
-def value(metrics: dict, name: str, **labels) -> float | None:
-    for got, v in metrics.get(name, []):
-        if all(got.get(k) == str(x) for k, x in labels.items()):
-            return v
-    return None
+    return metric_samples(body.decode())
 
 
 def wait_for(check, timeout: float = 60, what: str = ""):
@@ -67,13 +50,6 @@ def wait_for(check, timeout: float = 60, what: str = ""):
             return last
         time.sleep(0.2)
     raise TimeoutError(f"not reached in {timeout} s: {what} (last: {last!r})")
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    yield c
-    c.close()
 
 
 def test_metrics_move_with_a_task_and_health_follows_the_scheduler(cluster, tiny_model_dir: Path) -> None:

@@ -106,3 +106,23 @@ def test_option_overrides_bad_env(clean_env, monkeypatch):
     with pytest.raises(Stop):
         main(["--scheduler-url", "localhost:1"])
     assert seen["config"].max_tasks == 7
+
+
+def test_the_cli_and_the_trainer_never_print_the_password_of_a_url(capsys, tmp_path):
+    from opentinker_client.cli.commands import main as cli_main
+
+    assert cli_main(["--scheduler-url", "https://alice:hunter2@host:1", "list"]) == 2
+    err = capsys.readouterr().err
+    assert "hunter2" not in err and "alice" not in err and "https://***@host:1" in err, err
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENTINKER_", "SCHEDULER_URL"))}
+    env["SCHEDULER_URL"] = "https://alice:hunter2@host:1"
+    r = subprocess.run(
+        [sys.executable, "-m", "opentinker_trainer", "--work-dir", str(tmp_path / "runs")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "hunter2" not in r.stderr and "alice" not in r.stderr, r.stderr
+    assert "environment variable SCHEDULER_URL: bad scheduler URL 'https://***@host:1'" in r.stderr

@@ -59,7 +59,8 @@ def test_model_and_data_paths_in_the_work_folder_are_refused_with_the_alternativ
     ):
         with pytest.raises(
             UserError,
-            match=r"spec.model: .* cannot be used by this task: it is inside this trainer node's work folder .* init_from",
+            match=r"spec.model: .* cannot be used by this task: "
+            r"it is inside this trainer node's work folder .* init_from",
         ):
             check_spec_paths(_spec(model), folders, cwd=str(tmp_path))
     # Relative to the worker's folder, as from_pretrained would read it.
@@ -109,7 +110,8 @@ def test_a_file_over_the_limit_is_refused_before_it_is_read(tmp_path) -> None:
         fh.truncate(MAX_DATASET_BYTES + 1)
     with pytest.raises(
         UserError,
-        match=rf"dataset {big} cannot be used by this task: expected at most {MAX_DATASET_BYTES} bytes \(256 MiB, the upload limit\), got {MAX_DATASET_BYTES + 1} bytes",
+        match=rf"dataset {big} cannot be used by this task: expected at most {MAX_DATASET_BYTES} bytes "
+        rf"\(256 MiB, the upload limit\), got {MAX_DATASET_BYTES + 1} bytes",
     ):
         read_chat_jsonl(big)
     small = tmp_path / "small.jsonl"

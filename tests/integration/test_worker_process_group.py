@@ -32,7 +32,9 @@ PARENT = textwrap.dedent(
     """
     import os, subprocess, sys, time
     env = {**os.environ, %r: str(os.getpid())}
-    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     print(child.pid, child.stdout.readline().strip(), flush=True)
     time.sleep(60)
     """

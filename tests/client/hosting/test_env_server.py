@@ -13,25 +13,7 @@ from opentinker.environment.v1 import environment_pb2_grpc as pb_grpc
 from opentinker_client import Environment, InvalidArgumentError
 from opentinker_client.hosting.server import EnvironmentServer
 
-
-class Corridor(Environment):
-    """Positions 0..4; action 1 moves right, 0 left; reaching 4 pays 1 and ends the episode."""
-
-    def __init__(self, length: int = 5, **options):
-        super().__init__(action_space=2, observation_space=length, action_names=["left", "right"], **options)
-        self.length = length
-        self.pos = 0
-        self.seeds: list = []
-
-    def reset(self, seed=None):
-        self.seeds.append(seed)
-        self.pos = 0
-        return self.pos
-
-    def step(self, action):
-        self.pos = max(0, min(self.length - 1, self.pos + (1 if action == 1 else -1)))
-        done = self.pos == self.length - 1
-        return self.pos, float(done), done, False, {"pos": self.pos}
+from tests.support.environments import Corridor
 
 
 class Raising(Corridor):
@@ -252,25 +234,3 @@ def test_calls_in_one_session_run_one_at_a_time(serve):
     for t in threads:
         t.join()
     assert not overlaps
-
-
-def test_grpcurl_lists_and_describes_without_proto_files(serve):
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
-    if not Path(grpcurl).exists():
-        pytest.skip("grpcurl is not installed (make install puts it in .venv/bin)")
-    server, _ = serve(Corridor())
-    listed = subprocess.run(
-        [grpcurl, "-plaintext", server.endpoint, "list"], capture_output=True, text=True, timeout=30, check=True
-    )
-    assert "opentinker.environment.v1.EnvironmentService" in listed.stdout.split()
-    out = subprocess.run(
-        [grpcurl, "-plaintext", "-H", f"authorization: Bearer {server.token}", server.endpoint,
-         "opentinker.environment.v1.EnvironmentService/Describe"],
-        capture_output=True, text=True, timeout=30, check=True,
-    )  # fmt: skip
-    assert '"name": "Corridor"' in out.stdout and '"left"' in out.stdout

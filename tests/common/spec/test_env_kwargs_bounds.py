@@ -1,4 +1,4 @@
-"""Bounds on ``env_config.env_kwargs`` before any environment is built (issue 6, item 1).
+"""Bounds on ``env_config.env_kwargs`` before any environment is built.
 
 Multi-agent ids: an explicit per-module table (types and ranges; unknown keys refused with the
 accepted ones). Gymnasium ids: generic bounds on the values and the whole mapping's size. Every

@@ -1,4 +1,4 @@
-"""Spec-validation fixes from the break-it round (issue 6, second batch).
+"""Spec validation at its bounds:
 
 1. Gymnasium ``env_kwargs`` take what the documented bounds accept (lists, small nested values),
    e.g. FrozenLake's ``desc``; over-bound values are refused with the field path.

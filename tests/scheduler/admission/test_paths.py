@@ -236,7 +236,7 @@ def test_auth_on_with_model_dirs_refuses_other_folders_and_stores_nothing(tmp_pa
     try:
         bob = _users(s)
         refused = {
-            # Another owner's full-weights checkpoint on the trainer node (the break-it finding).
+            # Another owner's full-weights checkpoint on the trainer node.
             "/srv/runs/2f1c/checkpoints/step_1": "got '/srv/runs/2f1c/checkpoints/step_1'",
             "/models/../srv/runs/2f1c/checkpoints/step_1": "normalized",
             "runs/2f1c/checkpoints/step_1": "must be absolute",

@@ -1,5 +1,5 @@
 """SubmitTask builds environments off the event loop, at most two at once, within
-``limits.spec_check_timeout`` (issue 6, item 1).
+``limits.spec_check_timeout``.
 
 A real scheduler on loopback (grpc.aio, SQLite). The slow environment is a TEST DOUBLE of
 ``opentinker_common.spec.gym._real_spaces`` (the lru-cached function that builds a gymnasium

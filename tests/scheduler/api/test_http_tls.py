@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from opentinker_scheduler.config import ConfigError, parse_config
 from opentinker_scheduler.server import start_scheduler
 
+from tests.support.http import http_get as get
 from tests.support.security import make_certs
 
 
@@ -40,14 +41,6 @@ def running(config):
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
-
-
-def get(url: str, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=10, context=context) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
 
 
 @pytest.fixture

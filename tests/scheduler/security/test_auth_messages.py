@@ -1,4 +1,4 @@
-"""How refusals read (issue 6): a malformed ``authorization`` header is "malformed", not
+"""How refusals read: a malformed ``authorization`` header is "malformed", not
 "missing", on the scheduler, on an inference server's access checker and on a client-hosted
 EnvironmentServer, never echoing the value; a user key naming another owner in ListApiKeys is
 PERMISSION_DENIED. Real servers on loopback."""

@@ -1,4 +1,4 @@
-"""Bounds on API keys (issue 6, second round): a key is rotated at most once, and an owner holds
+"""Bounds on API keys: a key is rotated at most once, and an owner holds
 at most ``limits.max_keys_per_owner`` active keys. Through a real scheduler on loopback, plus
 KeyStore units against a real SQLite store."""
 

@@ -1,13 +1,12 @@
-"""The scheduler's ``tls:`` files are checked when the config is loaded (issue 6, second round):
+"""The scheduler's ``tls:`` files are checked when the config is loaded:
 a key of another certificate, a CA certificate given as ``tls.cert``, a private key given as
 ``tls.client_ca``, ``/dev/zero``, a FIFO and oversized files are ConfigErrors naming file, line
-and key (exit 2), not gRPC's "Unable to create secure server" when the port is bound."""
+and key (exit 2), not gRPC's "Unable to create secure server" when the port is bound. (The
+scheduler process exiting 2 for a mismatched pair: tests/integration/test_tls_scheduler_start.py.)"""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,6 @@ import pytest
 from opentinker_scheduler.config import ConfigError, parse_config
 
 from tests.support.security import LoopbackScheduler, make_certs
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -101,26 +98,6 @@ def test_a_good_pair_with_a_client_ca_still_serves_tls(tmp_path, certs) -> None:
             assert c.list_tasks() == []
     finally:
         s.close()
-
-
-def test_the_scheduler_exits_2_with_one_line_for_a_mismatched_pair(tmp_path, certs) -> None:
-    config = tmp_path / "c.yaml"
-    config.write_text(f"state_dir: {tmp_path / 'state'}\ntls: {{cert: certs/server.pem, key: certs/node.key}}\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "opentinker_scheduler", "--config", str(config), "--port", "0"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert (
-        len(lines) == 1
-        and lines[0].startswith("error: ")
-        and "tls.key: expected the private key of tls.cert" in lines[0]
-    ), proc.stderr
-    assert "KEY_VALUES_MISMATCH" in lines[0] and "cannot listen" not in proc.stderr
 
 
 def test_a_ca_certificate_with_its_own_key_is_not_a_server_certificate(tmp_path) -> None:

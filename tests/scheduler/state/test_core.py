@@ -3,48 +3,16 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
-from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker.node.v1 import node_pb2 as N
-from opentinker_scheduler.config import PoolNode, SchedulerConfig
-from opentinker_scheduler.state.core import SchedulerCore
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from opentinker_scheduler.state.store import Store
 
-
-def make_core(tmp: Path, **kw) -> SchedulerCore:
-    cfg = SchedulerConfig(resource_pool=(PoolNode("gpu-node-01", 4, 8),), state_dir=tmp, **kw)
-    return SchedulerCore(cfg, Store(tmp))
-
-
-def spec(gpus: int = 0, model: str = "/models/m", **hp) -> C.TaskSpec:
-    s = C.TaskSpec(workload_type="lora_finetune", model=model, resources=C.Resources(gpu_count=gpus))
-    h = struct_pb2.Struct()
-    h.update(hp)
-    s.hyperparameters.CopyFrom(h)
-    return s
-
-
-def register(core: SchedulerCore, node_id: str = "gpu-node-01", gpus: int = 4, running=()):
-    devices = [C.Device(index=i, uuid=f"u{i}", name="g", simulated=True) for i in range(gpus)]
-    return core.node_register(N.Register(node_id=node_id, devices=devices, max_tasks=8, running=[N.RunningTask(task_id=t, attempt=a) for t, a in running]))
-
-
-def drain(node) -> list:
-    out = []
-    while not node.outbox.empty():
-        out.append(node.outbox.get_nowait())
-    return out
-
-
-def report(core, node, task_id, attempt, state=C.TASK_STATE_UNSPECIFIED, **kw):
-    return core.node_report(node, N.TaskReport(task_id=task_id, attempt=attempt, state=state, **kw))
+from tests.support.scheduler_core import drain, make_core, register, report, spec
 
 
 def test_submit_validates_with_field_paths(tmp_path) -> None:
@@ -224,7 +192,7 @@ def test_second_node_with_same_id_is_refused(tmp_path) -> None:
     node, _ = register(core)
     with pytest.raises(AlreadyExists, match="already connected"):
         register(core)
-    node.last_seen -= 60  # the old stream went silent past its lease: the newcomer may take over
+    node.last_seen -= 60  # the old stream went silent past its lease: the new stream may take over
     register(core)
 
 

@@ -8,7 +8,7 @@ import time
 
 from opentinker.common.v1 import common_pb2 as C
 
-from tests.scheduler.state.test_core import drain, make_core as _make_core, register, report, spec
+from tests.support.scheduler_core import drain, make_core as _make_core, register, report, spec
 
 
 def make_core(tmp, **kw):

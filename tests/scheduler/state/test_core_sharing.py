@@ -9,7 +9,7 @@ from opentinker.common.v1 import common_pb2 as C
 from opentinker.node.v1 import node_pb2 as N
 from opentinker_scheduler.policy.preemption import NodeState, RunningAlloc, choose_victims
 
-from tests.scheduler.state.test_core import drain, make_core, register, report, spec
+from tests.support.scheduler_core import drain, make_core, register, report, spec
 
 
 def _assigned(node) -> dict[str, tuple[int, ...]]:

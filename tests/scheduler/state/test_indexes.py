@@ -16,7 +16,7 @@ from opentinker.common.v1 import common_pb2 as C
 from opentinker_scheduler.policy.placement import FreeNodes, NodeCapacity, PendingTask, Placement, place_round, plan, reservation_node
 from opentinker_scheduler.state.queue import PendingQueue
 
-from tests.scheduler.state.test_core import drain, make_core, register, report, spec
+from tests.support.scheduler_core import drain, make_core, register, report, spec
 
 
 def row(task_id: str, priority: int, create_time: float, gpus: int):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from opentinker.common.v1 import common_pb2 as C
 from opentinker_scheduler.policy.placement import NodeCapacity, PendingTask, plan, queue_order, reservation_node
 
-from tests.scheduler.state.test_core import drain, make_core, register, report, spec
+from tests.support.scheduler_core import drain, make_core, register, report, spec
 
 
 @settings(max_examples=300, deadline=None)

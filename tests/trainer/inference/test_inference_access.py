@@ -268,7 +268,7 @@ def certs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(world: World, tiny_model_dir: Path, tmp_path_factory, certs):
-    from tests.trainer.inference.support import make_adapter, tiny_runtime
+    from tests.support.inference import make_adapter, tiny_runtime
 
     root = tmp_path_factory.mktemp("adapters")
     adapters = {
@@ -371,7 +371,7 @@ def test_tls_needs_the_right_ca_and_health_stays_open(world: World, served: Secu
 
 
 def test_revocation_reaches_a_serving_node_within_the_ttl(world: World, tiny_model_dir: Path) -> None:
-    from tests.trainer.inference.support import tiny_runtime
+    from tests.support.inference import tiny_runtime
 
     with RLClient(world.sched.target, api_key=world.admin) as root:
         info, key = root.keys.create("alice", "user", description="revoked while serving")

@@ -13,7 +13,7 @@ from opentinker_trainer.inference.engine import Decode, SamplingParams
 from opentinker_trainer.inference.sampling import raw_logprobs, warp
 from opentinker_trainer.inference.text import TextStream, find_stop, held_back
 
-from tests.trainer.inference.support import ServerThread, load_tiny, tiny_runtime
+from tests.support.inference import ServerThread, load_tiny, tiny_runtime
 
 PROMPT = "The capital of France is"
 

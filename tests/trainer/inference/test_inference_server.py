@@ -15,7 +15,7 @@ from opentinker_client import FailedPreconditionError, InvalidArgumentError, Not
 from opentinker_client.inference import InferenceClient
 from opentinker_trainer.inference.adapters import AdapterRefused, validate_adapter
 
-from tests.trainer.inference.support import ServerThread, load_tiny, make_adapter, tiny_runtime
+from tests.support.inference import ServerThread, load_tiny, make_adapter, tiny_runtime
 
 PROMPT = "Once upon a time"
 

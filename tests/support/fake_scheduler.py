@@ -11,6 +11,7 @@ import threading
 from concurrent import futures
 
 import grpc
+import pytest
 from google.protobuf import timestamp_pb2
 
 from opentinker.common.v1 import common_pb2
@@ -242,3 +243,26 @@ class Server:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+def finished_task(servicer: FakeScheduler, final=S.TASK_STATE_SUCCEEDED, steps: int = 3) -> str:
+    """A task that ran ``steps`` steps with metrics and a final checkpoint, then ended in ``final``."""
+    task_id = servicer.add_task(S.TASK_STATE_PENDING).task_id
+    servicer.add_state(task_id, S.TASK_STATE_PENDING, reason="SUBMITTED")
+    servicer.add_state(task_id, S.TASK_STATE_RUNNING, reason="STARTED")
+    for step in range(1, steps + 1):
+        servicer.add_metric(task_id, step, 1.0 / step, step / 10)
+    servicer.add_checkpoint(task_id, steps, "/ckpt/final", final=True)
+    servicer.add_state(task_id, final, reason="COMPLETED", error="boom" if final == S.TASK_STATE_FAILED else "")
+    return task_id
+
+
+@pytest.fixture
+def fake():
+    """A running TEST DOUBLE of the scheduler: yields (servicer, server)."""
+    servicer = FakeScheduler()
+    server = Server(servicer)
+    try:
+        yield servicer, server
+    finally:
+        server.stop()

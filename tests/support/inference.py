@@ -1,4 +1,4 @@
-"""Shared by the inference tests (no tests here): tiny random LoRA adapters and an in-process server."""
+"""Shared by the inference tests: tiny random LoRA adapters and an in-process inference server."""
 
 from __future__ import annotations
 

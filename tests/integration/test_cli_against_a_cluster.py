@@ -139,28 +139,6 @@ def test_plot_writes_a_png(ran, tmp_path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]  # no temporary file left
 
 
-def test_plot_has_one_marker_per_finite_point(tmp_path) -> None:
-    from opentinker_client.cli.plot import plot_history
-
-    history = [
-        (1, {"reward": 0.1, "loss": 1.0}),
-        (2, {"reward": float("nan"), "loss": 0.9}),
-        (3, {"reward": 0.3}),
-        (5, {"reward": 0.5, "loss": 0.7}),
-    ]
-    out = tmp_path / "c.svg"
-    assert plot_history(history, out) == {"reward": 3, "loss": 3}
-    import xml.etree.ElementTree as ET
-
-    root = ET.parse(out).getroot()
-    groups = {g.get("id"): g for g in root.iter("{http://www.w3.org/2000/svg}g")}
-    for key in ("reward", "loss"):  # one marker per finite point, in the curve's own group
-        assert len(list(groups[f"curve-{key}"].iter("{http://www.w3.org/2000/svg}use"))) == 3
-    with pytest.raises(ValueError, match="nothing to plot"):
-        plot_history([(1, {"kl": 0.1})], tmp_path / "none.png")
-    assert not (tmp_path / "none.png").exists()
-
-
 def test_plot_errors_are_one_line(ran, tmp_path) -> None:
     cluster, _, bad = ran
     one_line_error(run(cluster.url, "plot", bad, "-o", str(tmp_path / "x.png")), f"task {bad}: nothing to plot")

@@ -1,14 +1,11 @@
-"""PEM files are regular files of at most 1 MiB, checked before they are read (issue 6, second
-round): ``--tls-ca /dev/zero`` used to read without bound and a FIFO to hang. Also the trainer's
-``--tls-cert``/``--tls-key`` pair, checked at start instead of retrying forever with
-"Invalid private key". Real files, FIFOs, the real CLI and real trainer processes."""
+"""PEM files are regular files of at most 1 MiB, checked before they are read: ``/dev/zero`` is
+refused instead of read without bound, a FIFO instead of waited on; a key pair that does not match
+names both files. Real files and FIFOs, RLClient and the CLI in-process. (The trainer process
+refusing them at start: tests/integration/test_tls_trainer_start.py.)"""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +14,6 @@ from opentinker_client.cli.commands import main as cli_main
 from opentinker_common.net.tls import MAX_PEM_BYTES, channel_credentials, check_key_pair, check_pem_path, read_pem_file
 
 from tests.support.security import make_certs
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +33,6 @@ def big(tmp_path, certs):
     path = tmp_path / "big.pem"
     path.write_bytes(certs.ca.read_bytes() + b"#" * MAX_PEM_BYTES)
     return path
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENTINKER_", "SCHEDULER_URL", "NODE_ID"))}
-    env.update(extra)
-    return env
 
 
 def test_dev_zero_a_fifo_a_directory_and_a_big_file_are_refused_naming_the_argument(certs, fifo, big, tmp_path) -> None:
@@ -123,65 +112,3 @@ def test_check_key_pair_names_a_mismatch_and_the_wrong_files(certs, tmp_path) ->
         ValueError, match=r"^--tls-key: .*enc\.key' is an encrypted private key"
     ):  # never a pass-phrase prompt
         check_key_pair(certs.node_cert, encrypted, names=names)
-
-
-def _trainer(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opentinker_trainer", "--scheduler-url", "127.0.0.1:1", *argv],
-                          capture_output=True, text=True, env=env or _env(), cwd=REPO, timeout=120)  # fmt: skip
-
-
-def _last_error(r: subprocess.CompletedProcess) -> str:
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    return r.stderr.strip().splitlines()[-1]
-
-
-def test_the_trainer_refuses_a_mismatched_client_pair_at_start(certs, tmp_path) -> None:
-    r = _trainer(
-        "--work-dir",
-        str(tmp_path / "runs"),
-        "--tls-ca",
-        str(certs.ca),
-        "--tls-cert",
-        str(certs.node_cert),
-        "--tls-key",
-        str(certs.rogue_key),
-    )
-    last = _last_error(r)
-    assert last.startswith(
-        "opentinker-trainer: error: --tls-key: expected the private key of --tls-cert"
-    ) and last.endswith("(KEY_VALUES_MISMATCH)"), r.stderr
-    assert "Invalid private key" not in r.stderr and "scheduler" not in last
-    # the same through the environment variables
-    r = _trainer(
-        "--work-dir",
-        str(tmp_path / "runs"),
-        env=_env(
-            OPENTINKER_TLS_CA=str(certs.ca),
-            OPENTINKER_TLS_CERT=str(certs.node_cert),
-            OPENTINKER_TLS_KEY=str(certs.server_key),
-        ),
-    )
-    assert "KEY_VALUES_MISMATCH" in _last_error(r)
-
-
-def test_the_trainer_refuses_dev_zero_and_fifos_for_every_pem_flag(certs, fifo, tmp_path) -> None:
-    runs = str(tmp_path / "runs")
-    cases = [
-        (["--tls-ca", "/dev/zero"], "root_certificates: '/dev/zero' is not a regular file"),
-        (
-            ["--tls-ca", str(certs.ca), "--tls-cert", str(fifo), "--tls-key", str(certs.node_key)],
-            "--tls-cert: '" + str(fifo) + "' is not a regular file",
-        ),
-        (
-            ["--serve-tls-cert", "/dev/zero", "--serve-tls-key", str(certs.server_key)],
-            "--serve-tls-cert: '/dev/zero' is not a regular file",
-        ),
-        (["--serve-tls-cert", str(certs.server_cert), "--serve-tls-key", str(fifo)], "is not a regular file"),
-        (
-            ["--http-port", "0", "--http-tls-cert", "/dev/zero", "--http-tls-key", str(certs.server_key)],
-            "--http-tls-cert: '/dev/zero' is not a regular file",
-        ),
-    ]
-    for argv, words in cases:
-        r = _trainer("--work-dir", runs, *argv)
-        assert words in _last_error(r), (argv, r.stderr)

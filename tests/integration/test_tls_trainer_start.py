@@ -1,6 +1,7 @@
-"""Trainer-side TLS and API-key mistakes (issue 6), caught early and worded for what they are:
+"""Trainer-side TLS and API-key mistakes, caught early and worded for what they are:
 a serving key that does not match its certificate, a client certificate the scheduler refuses,
-a node key with a newline, a plaintext trainer dialling a TLS environment server. Real trainer
+a node key with a newline, a plaintext trainer dialling a TLS environment server, PEM flags that
+name /dev/zero or a FIFO. Real trainer
 processes, a real scheduler and real servers on loopback; certificates made with ``cryptography``."""
 
 from __future__ import annotations
@@ -36,11 +37,17 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _trainer(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m opentinker_trainer`` that is expected to exit at once."""
-    return subprocess.run([sys.executable, "-m", "opentinker_trainer", "--scheduler-url", "127.0.0.1:1", *argv],
-                          capture_output=True, text=True, env=env or _env(), cwd=REPO, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "opentinker_trainer", "--scheduler-url", "127.0.0.1:1", *argv],
+        capture_output=True,
+        text=True,
+        env=env or _env(),
+        cwd=REPO,
+        timeout=120,
+    )
 
 
-# ------------------------------------------------ 1: a serving key of another certificate
+# --------------------------------------------------- a serving key of another certificate
 
 
 def test_a_mismatched_serve_tls_pair_stops_the_trainer_at_start(certs) -> None:
@@ -61,7 +68,7 @@ def test_start_inference_server_says_tls_credentials_refused_not_in_use(certs, t
     from opentinker_trainer.inference import server as server_mod
     from opentinker_trainer.inference.serve_tls import read_server_tls
 
-    from tests.trainer.inference.support import tiny_runtime
+    from tests.support.inference import tiny_runtime
 
     good = read_server_tls(certs.server_cert, certs.server_key)
     mismatched = (good[0], certs.node_key.read_bytes())
@@ -88,7 +95,7 @@ def test_start_inference_server_says_tls_credentials_refused_not_in_use(certs, t
         runtime.close()
 
 
-# --------------------------------------------------- 3: the node key from a file or a flag
+# ------------------------------------------------------ the node key from a file or a flag
 
 
 def test_the_trainers_api_key_is_stripped_and_inner_whitespace_is_refused(tmp_path) -> None:
@@ -104,8 +111,11 @@ def test_the_trainers_api_key_is_stripped_and_inner_whitespace_is_refused(tmp_pa
             r = _trainer(env=_env(OPENTINKER_API_KEY=node_key + "\n\x07"))
             assert r.returncode == 2 and "environment variable OPENTINKER_API_KEY: expected an API key" in r.stderr
             # `OPENTINKER_API_KEY="$(cat node.key)"`-style values with a newline register fine.
-            proc = Proc(["-m", "opentinker_trainer", "--node-id", "node-nl", "--work-dir", str(tmp_path / "runs")], tmp_path / "trainer.log",
-                        env={"SCHEDULER_URL": s.target, "OPENTINKER_API_KEY": node_key + "\n"})  # fmt: skip
+            proc = Proc(
+                ["-m", "opentinker_trainer", "--node-id", "node-nl", "--work-dir", str(tmp_path / "runs")],
+                tmp_path / "trainer.log",
+                env={"SCHEDULER_URL": s.target, "OPENTINKER_API_KEY": node_key + "\n"},
+            )
             deadline = time.monotonic() + 60
             while not any(n.node_id == "node-nl" and n.connected for n in root.list_nodes()):
                 assert time.monotonic() < deadline and proc.popen.poll() is None, proc.log_text()[-2000:]
@@ -117,7 +127,7 @@ def test_the_trainers_api_key_is_stripped_and_inner_whitespace_is_refused(tmp_pa
         s.close()
 
 
-# ------------------------------------------------ 2: a client certificate the scheduler refuses
+# --------------------------------------------------- a client certificate the scheduler refuses
 
 
 def test_a_refused_client_certificate_gets_a_hint_once_per_streak(tmp_path, certs) -> None:
@@ -134,8 +144,8 @@ def test_a_refused_client_certificate_gets_a_hint_once_per_streak(tmp_path, cert
             ("nocert", ["--tls-ca", str(certs.ca)]),  # no client certificate at all
             ("plain", []),  # plaintext to the TLS port: not a certificate problem, no TLS hint
         ):
-            procs[name] = Proc(["-m", "opentinker_trainer", "--node-id", f"node-{name}", "--work-dir", str(tmp_path / name), *tls],
-                               tmp_path / f"{name}.log", env={"SCHEDULER_URL": node_target})  # fmt: skip
+            argv = ["-m", "opentinker_trainer", "--node-id", f"node-{name}", "--work-dir", str(tmp_path / name), *tls]
+            procs[name] = Proc(argv, tmp_path / f"{name}.log", env={"SCHEDULER_URL": node_target})
         deadline = time.monotonic() + 60
 
         def broken(p: Proc) -> list[dict]:
@@ -160,7 +170,7 @@ def test_a_refused_client_certificate_gets_a_hint_once_per_streak(tmp_path, cert
     assert not [e for e in procs["plain"].log_events() if str(e.get("event", "")).startswith("hint:")]
 
 
-# --------------------------------------- 4: a plaintext trainer and a TLS environment server
+# ------------------------------------------ a plaintext trainer and a TLS environment server
 
 
 def test_a_plaintext_trainer_against_a_tls_environment_server_says_so(certs) -> None:
@@ -198,3 +208,70 @@ def test_a_plaintext_trainer_against_a_tls_environment_server_says_so(certs) -> 
         make_client_env(validate_env_config({**spec, "endpoint": "127.0.0.1:1"}), seed=None).reset()
     assert str(gone.value).replace("127.0.0.1:1", "EP") == msg.replace(server.endpoint, "EP")
     close_all_sessions()
+
+
+# ------------------------------------------- PEM files and the client pair, checked at start
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "ca.fifo"
+    os.mkfifo(path)  # no writer: opening it for reading would block
+    return path
+
+
+def _last_error(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    return r.stderr.strip().splitlines()[-1]
+
+
+def test_the_trainer_refuses_a_mismatched_client_pair_at_start(certs, tmp_path) -> None:
+    r = _trainer(
+        "--work-dir",
+        str(tmp_path / "runs"),
+        "--tls-ca",
+        str(certs.ca),
+        "--tls-cert",
+        str(certs.node_cert),
+        "--tls-key",
+        str(certs.rogue_key),
+    )
+    last = _last_error(r)
+    assert last.startswith(
+        "opentinker-trainer: error: --tls-key: expected the private key of --tls-cert"
+    ) and last.endswith("(KEY_VALUES_MISMATCH)"), r.stderr
+    assert "Invalid private key" not in r.stderr and "scheduler" not in last
+    # the same through the environment variables
+    r = _trainer(
+        "--work-dir",
+        str(tmp_path / "runs"),
+        env=_env(
+            OPENTINKER_TLS_CA=str(certs.ca),
+            OPENTINKER_TLS_CERT=str(certs.node_cert),
+            OPENTINKER_TLS_KEY=str(certs.server_key),
+        ),
+    )
+    assert "KEY_VALUES_MISMATCH" in _last_error(r)
+
+
+def test_the_trainer_refuses_dev_zero_and_fifos_for_every_pem_flag(certs, fifo, tmp_path) -> None:
+    runs = str(tmp_path / "runs")
+    cases = [
+        (["--tls-ca", "/dev/zero"], "root_certificates: '/dev/zero' is not a regular file"),
+        (
+            ["--tls-ca", str(certs.ca), "--tls-cert", str(fifo), "--tls-key", str(certs.node_key)],
+            "--tls-cert: '" + str(fifo) + "' is not a regular file",
+        ),
+        (
+            ["--serve-tls-cert", "/dev/zero", "--serve-tls-key", str(certs.server_key)],
+            "--serve-tls-cert: '/dev/zero' is not a regular file",
+        ),
+        (["--serve-tls-cert", str(certs.server_cert), "--serve-tls-key", str(fifo)], "is not a regular file"),
+        (
+            ["--http-port", "0", "--http-tls-cert", "/dev/zero", "--http-tls-key", str(certs.server_key)],
+            "--http-tls-cert: '/dev/zero' is not a regular file",
+        ),
+    ]
+    for argv, words in cases:
+        r = _trainer("--work-dir", runs, *argv)
+        assert words in _last_error(r), (argv, r.stderr)

@@ -1,4 +1,5 @@
-"""The `opentinker` command, run in a subprocess (against the TEST DOUBLE where it needs a scheduler)."""
+"""The `opentinker` command, run in a subprocess (against the TEST DOUBLE where it needs a scheduler,
+a real in-process scheduler for Ctrl-C during `logs --follow`)."""
 
 import json
 import os
@@ -8,8 +9,9 @@ import textwrap
 
 import pytest
 
-from tests.client.fake_scheduler import S
-from tests.client.test_client import finished_task
+from opentinker_client import RLClient
+
+from tests.support.fake_scheduler import S, finished_task
 
 
 def run(*args, url=None, timeout=60):
@@ -225,3 +227,37 @@ def test_nodes(fake):
     assert "87%" in out and "40.0 GiB / 150.0 GiB" in out and "61 C" in out and "1980 MHz" in out
     assert "n/a (NotSupported)" in out
     assert "simulated" in out
+
+
+def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
+    """A real scheduler, a task that never starts, `opentinker logs --follow` interrupted."""
+    import signal
+    import time
+
+    from opentinker_client.cli.commands import EXIT_INTERRUPTED
+
+    from tests.support.security import LoopbackScheduler
+
+    sched = LoopbackScheduler(tmp_path / "state")
+    try:
+        with RLClient(sched.target) as client:
+            task_id = client.submit_task(workload_type="lora_finetune", model="/models/m")
+        env = {**os.environ, "SCHEDULER_URL": sched.target, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "opentinker_client.cli.commands", "logs", task_id, "--follow"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            line = proc.stdout.readline()  # the first event arrived: the stream is open
+            assert "pending" in line
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=20) == EXIT_INTERRUPTED
+            assert "interrupted" in proc.stderr.read()
+        finally:
+            proc.kill()
+    finally:
+        sched.close()

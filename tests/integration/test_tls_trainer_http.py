@@ -18,16 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from opentinker_common.net.tls import server_ssl_context
 from opentinker_trainer.__main__ import main as trainer_main
+from tests.support.http import http_get as get
 from tests.support.procs import Cluster, free_port
 from tests.support.security import make_certs
-
-
-def get(url: str, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=10, context=context) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
 
 
 def wait_for(check, timeout: float = 60, what: str = ""):

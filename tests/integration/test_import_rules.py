@@ -1,0 +1,104 @@
+"""The import rules in pyproject.toml bite: ``lint-imports`` (what ``make lint`` runs) passes on
+this tree, and on a copy of the packages with one deliberate bad import it exits non-zero naming
+the contract that import breaks, while the other contracts stay kept."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+PACKAGES = ("opentinker_common", "opentinker_client", "opentinker_scheduler", "opentinker_trainer", "protos/opentinker")
+
+ROLES_INDEPENDENT = "The three roles never import each other (only opentinker_common and the stubs)"
+SHARED_LAYER_IMPORTS_NO_ROLE = "The shared layer and the stubs import no role"
+POLICY_IS_PURE = "Scheduler policy is pure: no gRPC, no store, no other scheduler room"
+
+
+def contract_names() -> list[str]:
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return [c["name"] for c in tomllib.load(f)["tool"]["importlinter"]["contracts"]]
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    if not LINT_IMPORTS.exists():
+        pytest.skip(f"{LINT_IMPORTS} is not installed (make install puts it in .venv/bin with the dev extra)")
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'protos'}"}
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", "--no-logo"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def verdicts(proc: subprocess.CompletedProcess) -> dict[str, str]:
+    """Contract name -> "KEPT" or "BROKEN", from the summary lines ``lint-imports`` prints."""
+    out: dict[str, str] = {}
+    for line in proc.stdout.splitlines():
+        for name in contract_names():
+            if line.startswith(name + " "):
+                out[name] = line[len(name) :].split()[0]
+    return out
+
+
+@pytest.fixture
+def copy(tmp_path: Path) -> Path:
+    """The four packages, the stubs and pyproject.toml, copied as they are in this tree."""
+    for package in PACKAGES:
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def append_import(root: Path, module: str, statement: str) -> None:
+    path = root / module
+    path.write_text(path.read_text() + f"\n{statement}  # a deliberate bad import\n")
+
+
+def test_the_contracts_are_the_ones_these_tests_break() -> None:
+    assert {ROLES_INDEPENDENT, SHARED_LAYER_IMPORTS_NO_ROLE, POLICY_IS_PURE} <= set(contract_names())
+
+
+def test_lint_imports_passes_on_this_tree() -> None:
+    proc = lint_imports(REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert verdicts(proc) == {name: "KEPT" for name in contract_names()}, proc.stdout
+
+
+def test_lint_imports_passes_on_an_unchanged_copy(copy: Path) -> None:
+    """The copy alone is a faithful tree: what fails below fails because of the one import added."""
+    proc = lint_imports(copy)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert verdicts(proc) == {name: "KEPT" for name in contract_names()}, proc.stdout
+
+
+@pytest.mark.parametrize(
+    "module, statement, broken",
+    [
+        ("opentinker_scheduler/state/core.py", "import opentinker_client", ROLES_INDEPENDENT),
+        ("opentinker_scheduler/policy/placement.py", "import grpc", POLICY_IS_PURE),
+        ("opentinker_common/logs.py", "import opentinker_trainer", SHARED_LAYER_IMPORTS_NO_ROLE),
+    ],
+    ids=["scheduler-imports-client", "policy-imports-grpc", "shared-layer-imports-trainer"],
+)
+def test_one_bad_import_breaks_the_contract_it_names(copy: Path, module: str, statement: str, broken: str) -> None:
+    append_import(copy, module, statement)
+    proc = lint_imports(copy)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    seen = verdicts(proc)
+    assert seen[broken] == "BROKEN", proc.stdout
+    importer = module.removesuffix(".py").replace("/", ".")
+    imported = statement.split()[-1]
+    assert f"{importer} -> {imported}" in proc.stdout, proc.stdout  # the report names the import
+    if broken != SHARED_LAYER_IMPORTS_NO_ROLE:  # the shared layer importing a role reaches the roles too
+        assert [name for name, verdict in seen.items() if verdict == "BROKEN"] == [broken], proc.stdout

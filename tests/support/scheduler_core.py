@@ -1,0 +1,44 @@
+"""Helpers for tests of the scheduler core without gRPC: a core on a one-node pool, task specs,
+a registered node, the messages queued for it, and task reports from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from google.protobuf import struct_pb2
+
+from opentinker.common.v1 import common_pb2 as C
+from opentinker.node.v1 import node_pb2 as N
+from opentinker_scheduler.config import PoolNode, SchedulerConfig
+from opentinker_scheduler.state.core import SchedulerCore
+from opentinker_scheduler.state.store import Store
+
+
+def make_core(tmp: Path, **kw) -> SchedulerCore:
+    cfg = SchedulerConfig(resource_pool=(PoolNode("gpu-node-01", 4, 8),), state_dir=tmp, **kw)
+    return SchedulerCore(cfg, Store(tmp))
+
+
+def spec(gpus: int = 0, model: str = "/models/m", **hp) -> C.TaskSpec:
+    s = C.TaskSpec(workload_type="lora_finetune", model=model, resources=C.Resources(gpu_count=gpus))
+    h = struct_pb2.Struct()
+    h.update(hp)
+    s.hyperparameters.CopyFrom(h)
+    return s
+
+
+def register(core: SchedulerCore, node_id: str = "gpu-node-01", gpus: int = 4, running=()):
+    devices = [C.Device(index=i, uuid=f"u{i}", name="g", simulated=True) for i in range(gpus)]
+    running_tasks = [N.RunningTask(task_id=t, attempt=a) for t, a in running]
+    return core.node_register(N.Register(node_id=node_id, devices=devices, max_tasks=8, running=running_tasks))
+
+
+def drain(node) -> list:
+    out = []
+    while not node.outbox.empty():
+        out.append(node.outbox.get_nowait())
+    return out
+
+
+def report(core, node, task_id, attempt, state=C.TASK_STATE_UNSPECIFIED, **kw):
+    return core.node_report(node, N.TaskReport(task_id=task_id, attempt=attempt, state=state, **kw))
