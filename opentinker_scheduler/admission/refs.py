@@ -10,7 +10,7 @@ with a reason instead of failing later on a node:
   language model (``peft_lora`` or ``hf_full``) on the same ``model``.
 
 At assignment the ``init_from`` task's final checkpoint travels in ``AssignTask.init_checkpoint``
-(:func:`init_checkpoint`).
+(:func:`opentinker_scheduler.state.core.init_checkpoint`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from opentinker_scheduler.data.datasets import DatasetStore
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
 from opentinker_scheduler.admission.paths import PathsConfig, check_local_paths
 
-__all__ = ["INIT_CHECKPOINT_FORMATS", "check_references", "init_checkpoint"]
+__all__ = ["INIT_CHECKPOINT_FORMATS", "check_references"]
 
 #: Checkpoint formats a task can start from: a LoRA adapter, or full weights in transformers form.
 INIT_CHECKPOINT_FORMATS: tuple[str, ...] = ("peft_lora", "hf_full")
@@ -102,13 +102,3 @@ def check_references(
 def _check_init_from_shape(init_from: str) -> bool:
     """True when ``init_from`` is malformed (left to the spec check)."""
     return len(init_from) > 128 or not init_from.replace("-", "").replace("_", "").isalnum()
-
-
-def init_checkpoint(store, spec: common_pb2.TaskSpec) -> common_pb2.Checkpoint | None:
-    """The final checkpoint of ``spec.init_from`` (None when unset or gone from the store)."""
-    if not spec.init_from:
-        return None
-    source = store.get_task(spec.init_from)
-    if source is None:
-        return None
-    return source.latest_checkpoint

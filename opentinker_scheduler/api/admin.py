@@ -22,7 +22,7 @@ from opentinker_scheduler.errors import (
     SchedulerError,
     status_code,
 )
-from opentinker_scheduler.admission.limits import Limits, LimitsConfig
+from opentinker_scheduler.security.limits import Limits, LimitsConfig
 from opentinker_scheduler.state.store import Store
 
 _ROLE_TO_PB = {

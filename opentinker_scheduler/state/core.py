@@ -37,7 +37,6 @@ from opentinker_scheduler.state.nodes import NodeSession
 from opentinker_scheduler.policy.placement import FreeNodes, Group, NodeCapacity, PendingTask, place_round, reservation_node, why_pending
 from opentinker_scheduler.state.preemption_tracker import Preempting
 from opentinker_scheduler.state.queue import LiveTasks, PendingQueue, QueueKey, ReasonsView
-from opentinker_scheduler.admission.refs import init_checkpoint
 from opentinker_scheduler.state.store import ACTIVE_STATES, STATE_NAMES, Store, TaskRow  # noqa: F401  (STATE_NAMES re-exported)
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -511,6 +510,16 @@ def _struct_dict(spec: common_pb2.TaskSpec, name: str) -> dict:
     from google.protobuf import json_format
 
     return json_format.MessageToDict(getattr(spec, name)) if spec.HasField(name) else {}
+
+
+def init_checkpoint(store: Store, spec: common_pb2.TaskSpec) -> common_pb2.Checkpoint | None:
+    """The final checkpoint of ``spec.init_from`` (None when unset or gone from the store)."""
+    if not spec.init_from:
+        return None
+    source = store.get_task(spec.init_from)
+    if source is None:
+        return None
+    return source.latest_checkpoint
 
 
 def short_id(task_id: str, limit: int = 80) -> str:
