@@ -95,13 +95,15 @@ def check_local_paths(spec: Any, *, paths: PathsConfig, auth_enabled: bool, defa
         and not is_under(model, allowed)
     ):
         raise InvalidArgument(
-            f"spec.model: expected a hub id (org/name) or {_describe(allowed, 'model_dirs')}, got {model!r}{_why(model)}"
+            f"spec.model: expected a hub id (org/name) or {_describe(allowed, 'model_dirs')}, "
+            f"got {model!r}{_why(model)}"
         )
     data = _env_path(spec)
     allowed = paths.allowed("data_dirs", auth_enabled=auth_enabled)
     if data is not None and allowed is not None and not is_under(data, allowed):
         raise InvalidArgument(
-            f"spec.env_config.path: expected an uploaded dataset_id (upload_dataset) or {_describe(allowed, 'data_dirs')}, "
+            "spec.env_config.path: expected an uploaded dataset_id (upload_dataset) or "
+            f"{_describe(allowed, 'data_dirs')}, "
             f"got {data!r}{_why(data)}"
         )
 

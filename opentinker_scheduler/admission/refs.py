@@ -69,7 +69,8 @@ def check_references(
             not datasets.exists(dataset_id) or not dataset_visible(dataset_id)
         ):  # a malformed id is the spec check's
             raise NotFound(
-                f"spec.env_config.dataset_id: dataset {dataset_id} not found on this scheduler (upload it first with UploadDataset)"
+                f"spec.env_config.dataset_id: dataset {dataset_id} not found on this scheduler "
+                "(upload it first with UploadDataset)"
             )
     if not spec.init_from or _check_init_from_shape(spec.init_from):
         return  # unset, or malformed: the spec check refuses it with INVALID_ARGUMENT
@@ -90,12 +91,14 @@ def check_references(
             else f"a {'final' if ck.final else 'non-final'} {ck.format or 'unnamed'} checkpoint"
         )
         raise FailedPrecondition(
-            f"spec.init_from: task {spec.init_from} has {got}; expected a final checkpoint in one of {', '.join(INIT_CHECKPOINT_FORMATS)}"
+            f"spec.init_from: task {spec.init_from} has {got}; "
+            f"expected a final checkpoint in one of {', '.join(INIT_CHECKPOINT_FORMATS)}"
         )
     model = spec.model or default_model
     if source.spec.model != model:
         raise InvalidArgument(
-            f"spec.model: expected {source.spec.model!r}, the model task {spec.init_from} (spec.init_from) trained, got {model!r}"
+            f"spec.model: expected {source.spec.model!r}, the model task {spec.init_from} (spec.init_from) trained, "
+            f"got {model!r}"
         )
 
 

@@ -293,8 +293,9 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             f", DNS names {', '.join(repr(n) for n in who.peer_dns[:8])}" if who.peer_dns else ""
         )
         raise PermissionDenied(
-            f"node id {node_id[:128]!r} does not match its certificate ({names}); register under a name the certificate "
-            "carries, or give this node its own certificate (tls.node_id_must_match_cert)"
+            f"node id {node_id[:128]!r} does not match its certificate ({names}); "
+            "register under a name the certificate carries, or give this node its own certificate "
+            "(tls.node_id_must_match_cert)"
         )
 
     def _audit_join(self, register, exc: BaseException | None) -> None:

@@ -123,7 +123,10 @@ _ROLE_HINT = {
 }
 
 
-MISSING_KEY = "missing API key: send metadata 'authorization: Bearer otk_...' (RLClient(api_key=...), --api-key or $OPENTINKER_API_KEY)"
+MISSING_KEY = (
+    "missing API key: send metadata 'authorization: Bearer otk_...' "
+    "(RLClient(api_key=...), --api-key or $OPENTINKER_API_KEY)"
+)
 
 
 class _Refused(Exception):

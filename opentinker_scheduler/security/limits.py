@@ -33,6 +33,7 @@ from typing import Iterator
 from opentinker_scheduler.config.limits import DEFAULTS, LimitsConfig  # noqa: F401 - the section, re-exported
 from opentinker_scheduler.errors import ResourceExhausted
 
+
 class TokenBucket:
     """Token bucket (rate tokens per second, at most ``burst`` stored), one per API key.
 
