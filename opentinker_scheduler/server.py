@@ -17,7 +17,8 @@ from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 
 from opentinker_scheduler.security import tls_config as tls_listen
-from opentinker_scheduler.api.admin import AdminService, Security, build_security
+from opentinker_scheduler.api.admin import AdminService
+from opentinker_scheduler.security.bundle import Security, build_security
 
 from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.state.core import STATE_NAMES, SchedulerCore

@@ -27,33 +27,15 @@ its own work folder anyway, see :mod:`opentinker_trainer.local_paths`). The sche
 
 from __future__ import annotations
 
-import os
 import re
-from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PathsConfig", "check_local_paths", "is_hub_id", "is_under", "parse_paths"]
+from opentinker_scheduler.config.paths import PathsConfig, is_clean_abs
+
+__all__ = ["PathsConfig", "check_local_paths", "is_hub_id", "is_under"]
 
 _HUB_PART = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _HUB_ID = re.compile(rf"^{_HUB_PART}(?:/{_HUB_PART})?$")
-_EXAMPLE = {"model_dirs": "/models", "data_dirs": "/data"}
-
-
-@dataclass(frozen=True)
-class PathsConfig:
-    """The ``paths:`` section. None = unset (see the module docstring for what that means)."""
-
-    #: Folders ``spec.model`` may name a local model folder under.
-    model_dirs: tuple[str, ...] | None = None
-    #: Folders ``env_config.path`` may name a dataset file under.
-    data_dirs: tuple[str, ...] | None = None
-
-    def allowed(self, field: str, *, auth_enabled: bool) -> tuple[str, ...] | None:
-        """Folders allowed for ``field`` (``model_dirs`` or ``data_dirs``); None = unrestricted."""
-        dirs = getattr(self, field)
-        if dirs is None:
-            return () if auth_enabled else None
-        return dirs
 
 
 def is_hub_id(name: str) -> bool:
@@ -62,21 +44,10 @@ def is_hub_id(name: str) -> bool:
     return bool(_HUB_ID.match(name)) and not any(part in (".", "..") for part in name.split("/"))
 
 
-def _is_clean_abs(path: str) -> bool:
-    """Absolute, normalized (``normpath(p) == p``), without NUL bytes or ``..`` parts."""
-    return (
-        path.startswith("/")
-        and not path.startswith("//")
-        and "\x00" not in path
-        and os.path.normpath(path) == path
-        and ".." not in path.split("/")
-    )
-
-
 def is_under(path: str, folders: tuple[str, ...]) -> bool:
     """True when ``path`` is absolute and normalized and is one of ``folders`` or lies below one
     (a text comparison: ``/models2`` is not under ``/models``)."""
-    if not _is_clean_abs(path):
+    if not is_clean_abs(path):
         return False
     for folder in folders:
         if folder == "/" or path == folder or path.startswith(folder + "/"):
@@ -91,7 +62,7 @@ def _describe(dirs: tuple[str, ...], key: str) -> str:
 
 
 def _why(path: str) -> str:
-    if path.startswith("/") and not _is_clean_abs(path):
+    if path.startswith("/") and not is_clean_abs(path):
         return " (an absolute, normalized path: no '..' or '.' parts, no repeated or trailing '/')"
     if not path.startswith("/"):
         return " (local paths must be absolute)"
@@ -124,13 +95,15 @@ def check_local_paths(spec: Any, *, paths: PathsConfig, auth_enabled: bool, defa
         and not is_under(model, allowed)
     ):
         raise InvalidArgument(
-            f"spec.model: expected a hub id (org/name) or {_describe(allowed, 'model_dirs')}, got {model!r}{_why(model)}"
+            f"spec.model: expected a hub id (org/name) or {_describe(allowed, 'model_dirs')}, "
+            f"got {model!r}{_why(model)}"
         )
     data = _env_path(spec)
     allowed = paths.allowed("data_dirs", auth_enabled=auth_enabled)
     if data is not None and allowed is not None and not is_under(data, allowed):
         raise InvalidArgument(
-            f"spec.env_config.path: expected an uploaded dataset_id (upload_dataset) or {_describe(allowed, 'data_dirs')}, "
+            "spec.env_config.path: expected an uploaded dataset_id (upload_dataset) or "
+            f"{_describe(allowed, 'data_dirs')}, "
             f"got {data!r}{_why(data)}"
         )
 
@@ -143,25 +116,3 @@ def _env_path(spec: Any) -> str | None:
     if value is None or value.WhichOneof("kind") != "string_value":
         return None
     return value.string_value
-
-
-def parse_paths(r, node) -> PathsConfig:
-    """Parse ``paths:`` with the config reader ``r`` (``file:line: key: expected ...`` errors).
-
-    Each list holds absolute, normalized folders (``/models``, not ``models`` or ``/models/``).
-    """
-    m = r.mapping(node, "paths", {"model_dirs": "", "data_dirs": ""})
-    kw: dict[str, tuple[str, ...]] = {}
-    for key in ("model_dirs", "data_dirs"):
-        if key not in m:
-            continue
-        dirs: list[str] = []
-        for i, item in enumerate(r.sequence(m[key][1], f"paths.{key}")):
-            where = f"paths.{key}[{i}]"
-            value = r.scalar(item, where, str)
-            if not _is_clean_abs(value) or (value != "/" and value.endswith("/")):
-                raise r.fail(item, where, f"an absolute, normalized folder such as {_EXAMPLE[key]}, got {value!r}")
-            if value not in dirs:
-                dirs.append(value)
-        kw[key] = tuple(dirs)
-    return PathsConfig(**kw)

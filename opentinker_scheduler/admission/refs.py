@@ -10,7 +10,7 @@ with a reason instead of failing later on a node:
   language model (``peft_lora`` or ``hf_full``) on the same ``model``.
 
 At assignment the ``init_from`` task's final checkpoint travels in ``AssignTask.init_checkpoint``
-(:func:`init_checkpoint`).
+(:func:`opentinker_scheduler.state.core.init_checkpoint`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from opentinker_scheduler.data.datasets import DatasetStore
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
 from opentinker_scheduler.admission.paths import PathsConfig, check_local_paths
 
-__all__ = ["INIT_CHECKPOINT_FORMATS", "check_references", "init_checkpoint"]
+__all__ = ["INIT_CHECKPOINT_FORMATS", "check_references"]
 
 #: Checkpoint formats a task can start from: a LoRA adapter, or full weights in transformers form.
 INIT_CHECKPOINT_FORMATS: tuple[str, ...] = ("peft_lora", "hf_full")
@@ -69,7 +69,8 @@ def check_references(
             not datasets.exists(dataset_id) or not dataset_visible(dataset_id)
         ):  # a malformed id is the spec check's
             raise NotFound(
-                f"spec.env_config.dataset_id: dataset {dataset_id} not found on this scheduler (upload it first with UploadDataset)"
+                f"spec.env_config.dataset_id: dataset {dataset_id} not found on this scheduler "
+                "(upload it first with UploadDataset)"
             )
     if not spec.init_from or _check_init_from_shape(spec.init_from):
         return  # unset, or malformed: the spec check refuses it with INVALID_ARGUMENT
@@ -90,25 +91,17 @@ def check_references(
             else f"a {'final' if ck.final else 'non-final'} {ck.format or 'unnamed'} checkpoint"
         )
         raise FailedPrecondition(
-            f"spec.init_from: task {spec.init_from} has {got}; expected a final checkpoint in one of {', '.join(INIT_CHECKPOINT_FORMATS)}"
+            f"spec.init_from: task {spec.init_from} has {got}; "
+            f"expected a final checkpoint in one of {', '.join(INIT_CHECKPOINT_FORMATS)}"
         )
     model = spec.model or default_model
     if source.spec.model != model:
         raise InvalidArgument(
-            f"spec.model: expected {source.spec.model!r}, the model task {spec.init_from} (spec.init_from) trained, got {model!r}"
+            f"spec.model: expected {source.spec.model!r}, the model task {spec.init_from} (spec.init_from) trained, "
+            f"got {model!r}"
         )
 
 
 def _check_init_from_shape(init_from: str) -> bool:
     """True when ``init_from`` is malformed (left to the spec check)."""
     return len(init_from) > 128 or not init_from.replace("-", "").replace("_", "").isalnum()
-
-
-def init_checkpoint(store, spec: common_pb2.TaskSpec) -> common_pb2.Checkpoint | None:
-    """The final checkpoint of ``spec.init_from`` (None when unset or gone from the store)."""
-    if not spec.init_from:
-        return None
-    source = store.get_task(spec.init_from)
-    if source is None:
-        return None
-    return source.latest_checkpoint

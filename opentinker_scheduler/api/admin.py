@@ -1,29 +1,18 @@
-"""``opentinker.scheduler.v1.AdminService``: API keys and the audit log, plus the
-:class:`Security` bundle (keys, limits, audit, interceptor) that the server assembles."""
+"""``opentinker.scheduler.v1.AdminService``: API keys and the audit log (see admin.proto for the
+contract). The :class:`~opentinker_scheduler.security.bundle.Security` it serves is assembled by
+the server (:func:`~opentinker_scheduler.security.bundle.build_security`)."""
 
 from __future__ import annotations
 
-import functools
 import json
-from dataclasses import dataclass
-from pathlib import Path
-
 
 from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 
-from opentinker_scheduler.security.audit import ACTIONS, AuditLog
-from opentinker_scheduler.security.auth import AuthInterceptor, caller
-from opentinker_scheduler.security.keys import KeyRow, KeyStore, Principal, bootstrap_admin, key_prefix
-from opentinker_scheduler.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    PermissionDenied,
-    ResourceExhausted,
-    SchedulerError,
-    status_code,
-)
-from opentinker_scheduler.admission.limits import Limits, LimitsConfig
-from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.api.rpc import Call, rpc
+from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from opentinker_scheduler.security.audit import ACTIONS
+from opentinker_scheduler.security.bundle import Security
+from opentinker_scheduler.security.keys import KeyRow, KeyStore, Principal, key_prefix
 
 _ROLE_TO_PB = {
     "admin": admin_pb2.API_KEY_ROLE_ADMIN,
@@ -31,56 +20,6 @@ _ROLE_TO_PB = {
     "node": admin_pb2.API_KEY_ROLE_NODE,
 }
 _PB_TO_ROLE = {v: k for k, v in _ROLE_TO_PB.items()}
-
-
-@dataclass
-class Security:
-    """Everything the servicers need for authentication, limits and audit."""
-
-    keys: KeyStore | None  # None = authentication off
-    limits: Limits
-    audit: AuditLog
-    interceptor: AuthInterceptor
-    bootstrap_key_file: Path | None = None
-    #: mTLS: a node's Register node_id must be its certificate's CN or a DNS name in it
-    #: (``tls.node_id_must_match_cert``).
-    node_id_must_match_cert: bool = False
-
-    @property
-    def enabled(self) -> bool:
-        return self.keys is not None
-
-
-def build_security(config, store: Store) -> Security:
-    """From a :class:`~opentinker_scheduler.config.SchedulerConfig` (its ``auth``, ``tls`` and
-    ``limits``); makes the bootstrap admin key when auth is on and there is none.
-
-    Call before group commit is enabled, so the bootstrap key is committed at once."""
-    auth = getattr(config, "auth", None)
-    tls = getattr(config, "tls", None)
-    enabled = bool(auth is not None and auth.enabled)
-    limits = Limits((getattr(config, "limits", None) or LimitsConfig()).resolved(auth_enabled=enabled))
-    audit = AuditLog(store)
-    keys = KeyStore(store, max_keys_per_owner=limits.config.max_keys_per_owner) if enabled else None
-    written = None
-    if keys is not None:
-        path = Path(auth.bootstrap_admin_key_file)
-        written = bootstrap_admin(keys, path if path.is_absolute() else config.state_dir / path)
-    interceptor = AuthInterceptor(
-        keys=keys,
-        limits=limits,
-        audit=audit,
-        node_cert_required=bool(tls is not None and tls.node_cert_required),
-        stream_recheck_interval_s=auth.stream_recheck_interval_s if auth is not None else 5.0,
-    )
-    return Security(
-        keys=keys,
-        limits=limits,
-        audit=audit,
-        interceptor=interceptor,
-        bootstrap_key_file=written,
-        node_id_must_match_cert=bool(tls is not None and tls.node_id_must_match_cert),
-    )
 
 
 def key_to_proto(row: KeyRow, now: float) -> admin_pb2.ApiKey:
@@ -98,22 +37,6 @@ def key_to_proto(row: KeyRow, now: float) -> admin_pb2.ApiKey:
     if row.expire_time is not None:
         out.expire_time.FromNanoseconds(int(row.expire_time * 1e9))
     return out
-
-
-def _mapped(fn):
-    @functools.wraps(fn)
-    async def wrapper(self, request, context):
-        try:
-            response = fn(self, request, caller())
-            await self.durable()
-            return response
-        except SchedulerError as exc:
-            code = status_code(exc)
-            if code is None:
-                raise
-            await context.abort(code, str(exc))
-
-    return wrapper
 
 
 class AdminService(admin_pb2_grpc.AdminServiceServicer):
@@ -166,29 +89,22 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         elif row.expire_time is not None:
             streams.recheck_after(row.expire_time - now)
 
-    def _audit(self, who: Principal, action: str, outcome: str = "OK", **detail) -> None:
-        self.security.audit.record(
-            action, owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome, **detail
-        )
-
-    @_mapped
-    def CreateApiKey(self, request, who: Principal):
+    @rpc(action="key.create")
+    async def CreateApiKey(self, request, call: Call):
+        who = call.who
+        call.detail.update(for_owner=request.owner[:128])
         if not who.is_admin:
             raise PermissionDenied(f"API key {who.key_prefix} (role {who.role}) may not create keys: admin keys only")
         role = _PB_TO_ROLE.get(request.role)
         if role is None:
             raise InvalidArgument("role: expected API_KEY_ROLE_ADMIN, API_KEY_ROLE_USER or API_KEY_ROLE_NODE")
-        try:
-            row, api_key = self.keys.create(request.owner, role, request.description)
-        except (InvalidArgument, ResourceExhausted) as exc:
-            outcome = "INVALID_ARGUMENT" if isinstance(exc, InvalidArgument) else "RESOURCE_EXHAUSTED"
-            self._audit(who, "key.create", outcome, for_owner=request.owner[:128], error=str(exc))
-            raise
-        self._audit(who, "key.create", target=row.prefix, for_owner=row.owner, target_role=row.role)
+        row, api_key = self.keys.create(request.owner, role, request.description)
+        call.detail.update(target=row.prefix, for_owner=row.owner, target_role=row.role)
         return admin_pb2.CreateApiKeyResponse(key=key_to_proto(row, self.keys.clock()), api_key=api_key)
 
-    @_mapped
-    def ListApiKeys(self, request, who: Principal):
+    @rpc()
+    async def ListApiKeys(self, request, call: Call):
+        who = call.who
         owner = self._scope(who)
         if request.owner and owner is None:
             owner = request.owner
@@ -201,38 +117,35 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         now = self.keys.clock()
         return admin_pb2.ListApiKeysResponse(keys=[key_to_proto(r, now) for r in rows])
 
-    @_mapped
-    def RevokeApiKey(self, request, who: Principal):
+    @rpc(action="key.revoke")
+    async def RevokeApiKey(self, request, call: Call):
+        who = call.who
         prefix = key_prefix(request.prefix)
-        try:
-            self._check_role(who, prefix, "revoke")
-        except PermissionDenied as exc:
-            self._audit(who, "key.revoke", "PermissionDenied", target=prefix, error=str(exc))
-            raise
+        call.detail.update(target=prefix)
+        self._check_role(who, prefix, "revoke")
         row = self.keys.revoke(prefix, owner=self._scope(who))
-        self._audit(who, "key.revoke", target=prefix, for_owner=row.owner)
+        call.detail.update(for_owner=row.owner)
         self._end_streams(row)
         return admin_pb2.RevokeApiKeyResponse(key=key_to_proto(row, self.keys.clock()))
 
-    @_mapped
-    def RotateApiKey(self, request, who: Principal):
+    @rpc(action="key.rotate")
+    async def RotateApiKey(self, request, call: Call):
+        who = call.who
         prefix = key_prefix(request.prefix)
         grace = request.grace.ToNanoseconds() / 1e9 if request.HasField("grace") else 0.0
-        try:
-            self._check_role(who, prefix, "rotate")
-            new, api_key, old = self.keys.rotate(prefix, grace_s=grace, owner=self._scope(who))
-        except (FailedPrecondition, InvalidArgument, ResourceExhausted, PermissionDenied) as exc:
-            self._audit(who, "key.rotate", type(exc).__name__, target=prefix, error=str(exc))
-            raise
-        self._audit(who, "key.rotate", target=prefix, new_key=new.prefix, for_owner=new.owner, grace_s=grace)
+        call.detail.update(target=prefix)
+        self._check_role(who, prefix, "rotate")
+        new, api_key, old = self.keys.rotate(prefix, grace_s=grace, owner=self._scope(who))
+        call.detail.update(new_key=new.prefix, for_owner=new.owner, grace_s=grace)
         self._end_streams(old)
         now = self.keys.clock()
         return admin_pb2.RotateApiKeyResponse(
             key=key_to_proto(new, now), api_key=api_key, old_key=key_to_proto(old, now)
         )
 
-    @_mapped
-    def ListAuditEvents(self, request, who: Principal):
+    @rpc()
+    async def ListAuditEvents(self, request, call: Call):
+        who = call.who
         if not who.is_admin:
             raise PermissionDenied(
                 f"API key {who.key_prefix} (role {who.role}) may not read the audit log: admin keys only"

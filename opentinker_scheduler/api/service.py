@@ -1,11 +1,10 @@
-"""gRPC servicers: thin adapters from protobuf to :class:`~opentinker_scheduler.state.core.SchedulerCore`."""
+"""gRPC servicers: thin adapters from protobuf to :class:`~opentinker_scheduler.state.core.SchedulerCore`
+and :func:`~opentinker_scheduler.admission.admit.admit`; errors, durability and audit in :mod:`.rpc`."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import functools
-import sqlite3
 from typing import AsyncIterator
 
 import grpc
@@ -15,53 +14,20 @@ from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+from opentinker_scheduler.admission.admit import admit
+from opentinker_scheduler.api.rpc import Call, abort_mapped, record, rpc
 from opentinker_scheduler.data import checkpoints
-from opentinker_scheduler.state.core import SchedulerCore
 from opentinker_scheduler.data.datasets import DatasetStore, receive_upload
-from opentinker_scheduler.admission.refs import check_references
-from opentinker_scheduler.admission.spec_check import check_submitted_spec
-from opentinker_scheduler.errors import InvalidArgument, NotFound, PermissionDenied, status_code
+from opentinker_scheduler.errors import InvalidArgument, NotFound, PermissionDenied
+from opentinker_scheduler.security.auth import caller, owner_scope
+from opentinker_scheduler.security.bundle import Security
+from opentinker_scheduler.state.core import SchedulerCore
 from opentinker_scheduler.state.store import TaskRow
-from opentinker_scheduler.api.admin import Security
-from opentinker_scheduler.security.auth import Principal, caller, owner_scope
 
 log = structlog.get_logger("opentinker.scheduler")
 
 #: Owner of tasks submitted without authentication (API keys arrive with the security work).
 ANONYMOUS = "anonymous"
-
-
-def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    code = status_code(exc)
-    if code is not None:
-        return code, str(exc)
-    if isinstance(exc, sqlite3.Error):
-        return grpc.StatusCode.UNAVAILABLE, f"state store unavailable: {exc}"
-    return None
-
-
-async def _abort_mapped(context, exc: Exception) -> None:
-    """Abort the RPC with the status code of a domain error; re-raise anything else."""
-    mapped = _status_for(exc)
-    if mapped is None:
-        raise exc
-    await context.abort(*mapped)
-
-
-def _unary(fn):
-    """Map domain errors of a unary handler to gRPC status codes. The response leaves only once
-    everything it shows is committed (:meth:`SchedulerCore.durable`)."""
-
-    @functools.wraps(fn)
-    async def wrapper(self, request, context):
-        try:
-            response = await fn(self, request, context)
-            await self.core.durable()
-            return response
-        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
-            await _abort_mapped(context, exc)
-
-    return wrapper
 
 
 def _ts(msg, seconds: float | None) -> None:
@@ -102,19 +68,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> None:
         self.core = core
         self._datasets = datasets
-        self.security = security  # API keys, limits, audit (opentinker_scheduler/api/admin.py); None in bare unit tests
+        self.security = security  # API keys, limits, audit (security/bundle.py); None in bare unit tests
 
-    def _audit(self, who: Principal, action: str, exc: BaseException | None, **detail) -> None:
-        if self.security is None:
-            return
-        outcome = "OK"
-        if exc is not None:
-            mapped = _status_for(exc)
-            outcome = mapped[0].name if mapped else "INTERNAL"
-            detail["error"] = str(exc)[:500]
-        self.security.audit.record(
-            action, owner=who.owner, role=who.role, key_prefix=who.key_prefix, outcome=outcome, **detail
-        )
+    async def durable(self) -> None:
+        """Return once everything written so far is committed (:meth:`SchedulerCore.durable`)."""
+        await self.core.durable()
 
     @property
     def datasets(self) -> DatasetStore:
@@ -133,46 +91,30 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             return out
         return task_to_proto(task, self.core.pending_reason(task.task_id) or "waiting for the next placement round")
 
-    @_unary
-    async def SubmitTask(self, request, context):
-        who = caller()
-        try:
-            if not request.HasField("spec"):
-                raise InvalidArgument("spec: expected a task spec, got nothing")
-            if self.security is not None:
-                limits = self.security.limits
-                limits.check_submit_rate(who.limit_key)
-                limits.check_spec_size(request.spec.ByteSize())
-                limits.check_pending(
-                    who.owner,
-                    lambda: self.core.store.count_tasks(owner=who.owner, states=(common_pb2.TASK_STATE_PENDING,)),
-                )
-            check_references(
-                request.spec,
-                datasets=self.datasets,
-                get_task=self.core.get,
-                owner=who.owner,
-                default_model=self.core.config.default_model,
-                dataset_visible=self._dataset_visible,
-                paths=self.core.config.paths,
-                auth_enabled=self.core.config.auth.enabled,  # local paths (opentinker_scheduler/admission/paths.py)
-            )
-            # Builds the environment (if any) in a thread, under limits.spec_check_timeout; core.submit finds it cached.
-            await check_submitted_spec(self.core, request.spec)
-            task = self.core.submit(request.spec, owner=who.owner, request_id=request.request_id)
-        except Exception as exc:
-            self._audit(who, "task.submit", exc, workload_type=request.spec.workload_type[:64])
-            raise
-        self._audit(who, "task.submit", None, task_id=task.task_id, workload_type=request.spec.workload_type)
+    @rpc(action="task.submit")
+    async def SubmitTask(self, request, call: Call):
+        call.detail.update(workload_type=request.spec.workload_type[:64])
+        if not request.HasField("spec"):
+            raise InvalidArgument("spec: expected a task spec, got nothing")
+        task = await admit(  # every check, in order, then the write (opentinker_scheduler/admission/admit.py)
+            request.spec,
+            call.who,
+            core=self.core,
+            datasets=self.datasets,
+            limits=self.security.limits if self.security is not None else None,
+            dataset_visible=self._dataset_visible,
+            request_id=request.request_id,
+        )
+        call.detail.update(task_id=task.task_id)
         self.core.schedule()  # updates the row in place when it places the task
         return scheduler_pb2.SubmitTaskResponse(task=self._task(task))
 
-    @_unary
-    async def GetTask(self, request, context):
+    @rpc()
+    async def GetTask(self, request, call: Call):
         return scheduler_pb2.GetTaskResponse(task=self._task(self.core.get(request.task_id, owner=owner_scope())))
 
-    @_unary
-    async def ListTasks(self, request, context):
+    @rpc()
+    async def ListTasks(self, request, call: Call):
         size = request.page_size or 100
         if not 1 <= size <= 1000:
             raise InvalidArgument(f"page_size: expected 1..1000, got {request.page_size}")
@@ -194,15 +136,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             token = base64.urlsafe_b64encode(f"{last.create_time!r}|{last.task_id}".encode()).decode()
         return scheduler_pb2.ListTasksResponse(tasks=[self._task(t) for t in rows], next_page_token=token)
 
-    @_unary
-    async def CancelTask(self, request, context):
-        who = caller()
-        try:
-            task = self.core.cancel(request.task_id, owner=owner_scope(), reason=request.reason)
-        except Exception as exc:
-            self._audit(who, "task.cancel", exc, task_id=request.task_id[:128])
-            raise
-        self._audit(who, "task.cancel", None, task_id=task.task_id, reason=request.reason[:500])
+    @rpc(action="task.cancel")
+    async def CancelTask(self, request, call: Call):
+        call.detail.update(task_id=request.task_id[:128])
+        task = self.core.cancel(request.task_id, owner=owner_scope(), reason=request.reason)
+        call.detail.update(task_id=task.task_id, reason=request.reason[:500])
         self.core.schedule()
         return scheduler_pb2.CancelTaskResponse(task=self._task(task))
 
@@ -210,7 +148,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         try:
             self.core.get(request.task_id, owner=owner_scope())
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
-            await _abort_mapped(context, exc)
+            await abort_mapped(context, exc)
         seq = max(0, request.after_sequence)
         while True:
             events = self.core.store.events_after(request.task_id, seq, limit=500)
@@ -228,8 +166,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 return
             await self.core.wait_changed(timeout=1.0)
 
-    @_unary
-    async def GetMetrics(self, request, context):
+    @rpc()
+    async def GetMetrics(self, request, call: Call):
         task = self.core.get(request.task_id, owner=owner_scope())
         resp = scheduler_pb2.GetMetricsResponse(
             task_id=task.task_id, latest=task.latest_metrics, latest_step=task.latest_step
@@ -242,7 +180,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         try:
             info = await receive_upload(self.datasets, request_iterator)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
-            await _abort_mapped(context, exc)
+            await abort_mapped(context, exc)
         self.core.store.add_dataset_owner(info.dataset_id, caller().owner)
         await self.core.durable()
         log.info(
@@ -268,14 +206,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             info = self.datasets.info(request.dataset_id)
             chunks = self.datasets.chunks(request.dataset_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
-            await _abort_mapped(context, exc)
+            await abort_mapped(context, exc)
         first = True
         for chunk in chunks:
             yield scheduler_pb2.DownloadDatasetResponse(dataset=info if first else None, chunk=chunk)
             first = False
 
-    @_unary
-    async def ListCheckpoints(self, request, context):
+    @rpc()
+    async def ListCheckpoints(self, request, call: Call):
         if owner_scope() is not None:
             self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
         return scheduler_pb2.ListCheckpointsResponse(
@@ -289,20 +227,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             ckpt = checkpoints.pick_checkpoint(self.core.store, request.task_id, request.step)
             manifest = await asyncio.to_thread(checkpoints.build_manifest, ckpt)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
-            await _abort_mapped(context, exc)
+            await abort_mapped(context, exc)
         yield scheduler_pb2.DownloadCheckpointResponse(manifest=manifest.message)
         chunks = checkpoints.read_chunks(manifest)
         while True:
             try:
                 chunk = await asyncio.to_thread(next, chunks, None)
             except Exception as exc:  # noqa: BLE001 - mapped or re-raised
-                await _abort_mapped(context, exc)
+                await abort_mapped(context, exc)
             if chunk is None:
                 return
             yield scheduler_pb2.DownloadCheckpointResponse(chunk=chunk)
 
-    @_unary
-    async def ListNodes(self, request, context):
+    @rpc()
+    async def ListNodes(self, request, call: Call):
         nodes = []
         for n in sorted(self.core.nodes.values(), key=lambda n: n.node_id):
             cap = n.capacity()
@@ -355,27 +293,26 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             f", DNS names {', '.join(repr(n) for n in who.peer_dns[:8])}" if who.peer_dns else ""
         )
         raise PermissionDenied(
-            f"node id {node_id[:128]!r} does not match its certificate ({names}); register under a name the certificate "
-            "carries, or give this node its own certificate (tls.node_id_must_match_cert)"
+            f"node id {node_id[:128]!r} does not match its certificate ({names}); "
+            "register under a name the certificate carries, or give this node its own certificate "
+            "(tls.node_id_must_match_cert)"
         )
 
     def _audit_join(self, register, exc: BaseException | None) -> None:
-        if self.security is None:
-            return
         who = caller()
-        outcome = "OK" if exc is None else ((_status_for(exc) or (grpc.StatusCode.INTERNAL,))[0].name)
-        extra = {} if exc is None else {"error": str(exc)[:500]}
-        self.security.audit.record(
+        record(
+            self.security,
             "node.join",
-            owner=who.owner,
-            role=who.role,
-            key_prefix=who.key_prefix,
-            outcome=outcome,
+            who,
+            exc,
             node_id=register.node_id[:128],
             cert_cn=who.peer_cn,
             hostname=register.hostname[:256],
-            **extra,
         )
+
+    async def durable(self) -> None:
+        """Return once everything written so far is committed (:meth:`SchedulerCore.durable`)."""
+        await self.core.durable()
 
     async def Connect(self, request_iterator, context):
         it = request_iterator.__aiter__()
@@ -392,7 +329,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             node, registered = self.core.node_register(first.register)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             self._audit_join(first.register, exc)
-            await _abort_mapped(context, exc)
+            await abort_mapped(context, exc)
         self._audit_join(first.register, None)
         gen = node.generation
         outbox = node.outbox
@@ -449,8 +386,8 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             self.scheduler_service = SchedulerService(self.core, security=self.security)
         return self.scheduler_service
 
-    @_unary
-    async def LookupTask(self, request, context):
+    @rpc()
+    async def LookupTask(self, request, call: Call):
         if not request.task_id:
             raise InvalidArgument("task_id: expected a task id, got an empty string")
         return node_pb2.LookupTaskResponse(task=self._views._task(self.core.get(request.task_id)))
@@ -461,6 +398,6 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             info = datasets.info(request.dataset_id)
             chunks = datasets.chunks(request.dataset_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
-            await _abort_mapped(context, exc)
+            await abort_mapped(context, exc)
         for chunk in chunks:
             yield node_pb2.FetchDatasetResponse(chunk=chunk, size_bytes=info.size_bytes)

@@ -212,7 +212,8 @@ class DatasetStore:
             raise InvalidArgument(f"name: expected at most {_NAME_MAX} characters on one line, got {name[:40]!r}")
         if total_bytes <= 0:
             raise InvalidArgument(
-                f"total_bytes: expected the file's size in bytes (> 0), got {total_bytes} (an empty dataset has no examples)"
+                f"total_bytes: expected the file's size in bytes (> 0), got {total_bytes} "
+                "(an empty dataset has no examples)"
             )
         if total_bytes > self.max_bytes:
             raise ResourceExhausted(

@@ -95,7 +95,8 @@ class AuditLog:
         try:
             with self.store.batch():
                 self.store.db.execute(
-                    "INSERT INTO audit_log (time, owner, role, key_prefix, action, task_id, outcome, detail) VALUES (?,?,?,?,?,?,?,?)",
+                    "INSERT INTO audit_log (time, owner, role, key_prefix, action, task_id, outcome, detail) "
+                    "VALUES (?,?,?,?,?,?,?,?)",
                     (now, owner, role, key_prefix, action, task_id, outcome, json.dumps(detail, default=str)),
                 )
         except Exception as exc:  # noqa: BLE001 - see docstring

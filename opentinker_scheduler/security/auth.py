@@ -39,13 +39,13 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import inspect
-from dataclasses import dataclass
 
 import grpc
 import structlog
 
 from opentinker_common.net.bearer import authorization_problem
 
+from opentinker_scheduler.config.auth import AuthConfig  # noqa: F401 - the auth: section, re-exported
 from opentinker_scheduler.security.audit import AuditLog
 from opentinker_scheduler.errors import SchedulerError
 from opentinker_scheduler.security.key_streams import (
@@ -66,7 +66,7 @@ from opentinker_scheduler.security.keys import (  # noqa: F401 - re-exported: th
     hash_key,
     key_prefix,
 )
-from opentinker_scheduler.admission.limits import Limits
+from opentinker_scheduler.security.limits import Limits
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -81,35 +81,6 @@ ADMIN_SERVICE = "opentinker.scheduler.v1.AdminService"
 PUBLIC_SERVICES = frozenset(
     {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection"}
 )
-
-
-@dataclass(frozen=True)
-class AuthConfig:
-    """The ``auth:`` section."""
-
-    enabled: bool = False
-    bootstrap_admin_key_file: str = "admin.key"
-    #: Seconds between re-checks of the keys of open streams (expiry at the end of a rotation's
-    #: grace period, revocation by any path); revocation through AdminService ends them at once.
-    stream_recheck_interval_s: float = 5.0
-
-
-def parse_auth(r, node) -> AuthConfig:
-    """Parse ``auth:`` with the config reader ``r`` (file:line:key errors)."""
-    m = r.mapping(node, "auth", {"enabled": "", "bootstrap_admin_key_file": "", "stream_recheck_interval": ""})
-    kw = {}
-    if "enabled" in m:
-        kw["enabled"] = r.scalar(m["enabled"][1], "auth.enabled", bool)
-    if "bootstrap_admin_key_file" in m:
-        path = r.scalar(m["bootstrap_admin_key_file"][1], "auth.bootstrap_admin_key_file", str)
-        if not path or len(path) > 4096:
-            raise r.fail(m["bootstrap_admin_key_file"][1], "auth.bootstrap_admin_key_file", "a file path")
-        kw["bootstrap_admin_key_file"] = path
-    if "stream_recheck_interval" in m:
-        kw["stream_recheck_interval_s"] = r.scalar(
-            m["stream_recheck_interval"][1], "auth.stream_recheck_interval", float, 0.05, 3600
-        )
-    return AuthConfig(**kw)
 
 
 # ------------------------------------------------------------------------------ the caller
@@ -152,7 +123,10 @@ _ROLE_HINT = {
 }
 
 
-MISSING_KEY = "missing API key: send metadata 'authorization: Bearer otk_...' (RLClient(api_key=...), --api-key or $OPENTINKER_API_KEY)"
+MISSING_KEY = (
+    "missing API key: send metadata 'authorization: Bearer otk_...' "
+    "(RLClient(api_key=...), --api-key or $OPENTINKER_API_KEY)"
+)
 
 
 class _Refused(Exception):

@@ -170,7 +170,8 @@ class KeyStore:
     def active_count(self, owner: str) -> int:
         """Keys of ``owner`` (any role) that are neither revoked nor expired now."""
         (n,) = self.store.db.execute(
-            "SELECT COUNT(*) FROM api_keys WHERE owner=? AND revoke_time IS NULL AND (expire_time IS NULL OR expire_time > ?)",
+            "SELECT COUNT(*) FROM api_keys WHERE owner=? AND revoke_time IS NULL "
+            "AND (expire_time IS NULL OR expire_time > ?)",
             (owner, self.clock()),
         ).fetchone()
         return int(n)
@@ -325,7 +326,10 @@ class KeyStore:
         if refusal is not None and row.replaced_by and row.revoke_time is None:
             successor = self.find(row.replaced_by)
             if successor is None or not successor.active(now):
-                return f"API key {row.prefix} expired after rotation, and its successor {row.replaced_by} is revoked or expired too; ask an admin for a new key"
+                return (
+                    f"API key {row.prefix} expired after rotation, and its successor {row.replaced_by} "
+                    "is revoked or expired too; ask an admin for a new key"
+                )
         return refusal
 
     def refusal(self, prefix: str) -> str | None:

@@ -30,7 +30,9 @@ GROUP_COMMIT_INTERVAL_S = 0.002
 
 
 class GroupCommit:
-    def __init__(self, store: Store, on_failure: Callable[[], None], interval_s: float = GROUP_COMMIT_INTERVAL_S) -> None:
+    def __init__(
+        self, store: Store, on_failure: Callable[[], None], interval_s: float = GROUP_COMMIT_INTERVAL_S
+    ) -> None:
         self.store = store
         self.on_failure = on_failure
         self.interval_s = interval_s
@@ -74,7 +76,9 @@ class GroupCommit:
         try:
             tx.__exit__(None, None, None)
         except Exception as exc:  # noqa: BLE001 - reported to every waiter
-            log.error("commit failed; in-memory state reloaded from the store", error=repr(exc), dropped_commands=len(held))
+            log.error(
+                "commit failed; in-memory state reloaded from the store", error=repr(exc), dropped_commands=len(held)
+            )
             self.on_failure()
             done.set_exception(exc)
             done.add_done_callback(lambda f: f.exception())  # no "never retrieved" noise when nobody waits

@@ -10,7 +10,8 @@ its tasks back to PENDING with attempt + 1 (they resume from their newest checkp
 from any attempt but the current one is refused (fencing).
 
 Preemption (:meth:`SchedulerCore.preempt`, each tick): a blocked task with a strictly higher
-priority than running ones has victims chosen on one node (:mod:`.preemption`); they are told to
+priority than running ones has victims chosen on one node (:mod:`..policy.preemption`, the bookkeeping
+of preemptions in flight in :mod:`.preemption_tracker`); they are told to
 checkpoint and stop, keep their GPUs until the node confirms, then go back to PENDING (attempt + 1,
 reason PREEMPTED, a hand-back that does not use up max_attempts). ``max_runtime`` ends a task
 FAILED/TIMEOUT at once and cancels its worker; the checkpoint the worker writes on SIGTERM is
@@ -32,12 +33,19 @@ from opentinker_common.spec import SpecError, spec_from_proto, task_uses_model
 from opentinker_scheduler.state.commit import GroupCommit
 from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from opentinker_scheduler.state.node_protocol import NodeProtocol
+from opentinker_scheduler.state.node_protocol import NodeProtocol, node_size
 from opentinker_scheduler.state.nodes import NodeSession
-from opentinker_scheduler.policy.placement import FreeNodes, Group, NodeCapacity, PendingTask, place_round, reservation_node, why_pending
-from opentinker_scheduler.state.preemption_tracker import Preempting
+from opentinker_scheduler.policy.placement import (
+    FreeNodes,
+    Group,
+    NodeCapacity,
+    PendingTask,
+    place_round,
+    reservation_node,
+    why_pending,
+)
+from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
 from opentinker_scheduler.state.queue import LiveTasks, PendingQueue, QueueKey, ReasonsView
-from opentinker_scheduler.admission.refs import init_checkpoint
 from opentinker_scheduler.state.store import ACTIVE_STATES, STATE_NAMES, Store, TaskRow  # noqa: F401  (STATE_NAMES re-exported)
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -49,8 +57,12 @@ RETRY_BACKOFF_BASE_S = 2.0
 RETRY_BACKOFF_MAX_S = 60.0
 
 
-class SchedulerCore(NodeProtocol, Preempting):
+class SchedulerCore:
     """Tasks, nodes and placement. Call from a single event loop.
+
+    Collaborators it holds, each owning its own state: :attr:`preemptions` (preemptions in
+    flight), :attr:`node_protocol` (what node streams do; it calls back the public transitions
+    below), :attr:`commits` (group commit).
 
     In memory, written through to the store: every unfinished task's row (``tasks``: the
     PENDING ones in ``queue``, in placement order, the ASSIGNED and RUNNING ones in ``active``),
@@ -69,25 +81,21 @@ class SchedulerCore(NodeProtocol, Preempting):
         self.pending_reasons = ReasonsView(self.tasks, self.pending_reason)  # task id -> why pending
         self.changed = asyncio.Condition()
         self.placement_latencies: list[float] = []  # seconds from submit/requeue to assign (drained by metrics)
-        #: Messages received on node streams, by kind (exported on /metrics).
-        self.node_messages: dict[str, int] = {"register": 0, "heartbeat": 0, "task_report": 0}
         self._watchers = 0  # WatchTask streams waiting in wait_changed()
         self._queued_at: dict[str, float] = {}
         self._ledger_version = 0  # bumps whenever a node's capacity may have changed
         self._caps: tuple[int, list[NodeCapacity]] | None = None
         self._max_gpus: int | None = None  # cache of max_possible_gpus(); None = recompute
         self._wake_pending = False
-        # Preemptions in flight (memory only): victim task id -> (victim attempt, node id, waiting
-        # task id), and waiting task id -> (node id, victim ids). A victim keeps its GPUs in the
-        # ledger until its node reports it CANCELLED; then it is requeued with reason PREEMPTED.
-        self._victims: dict[str, tuple[int, str, str]] = {}
-        self._preempting: dict[str, tuple[str, tuple[str, ...]]] = {}
-        # victim task id -> monotonic deadline for its node to confirm it stopped; past it the
-        # preemption is given up (the waiting task may choose victims again, re-sending the stop).
-        self._victim_deadline: dict[str, float] = {}
-        # Tasks ended by max_runtime whose worker is still stopping: task id -> (attempt, node id).
-        # The worker's final checkpoint report is still recorded for them.
-        self._timed_out: dict[str, tuple[int, str]] = {}
+        #: Preemptions in flight (memory only; :class:`~.preemption_tracker.PreemptionTracker`).
+        self.preemptions = PreemptionTracker(
+            tasks=self.tasks, nodes=self.nodes, free=self.free, config=config, notify=self.notify
+        )
+        #: Registration, heartbeats and task reports of node streams (:class:`~.node_protocol.NodeProtocol`).
+        self.node_protocol = NodeProtocol(self)
+        #: Tasks ended by max_runtime whose worker is still stopping: task id -> (attempt, node id).
+        #: The worker's final checkpoint report is still recorded for them (the node protocol reads it).
+        self.timed_out: dict[str, tuple[int, str]] = {}
         self._reservation: tuple[str, str] | None = None  # (task id, node id) of the last round
         self.commits = GroupCommit(store, on_failure=self._rebuild)
         self._recover()
@@ -140,19 +148,23 @@ class SchedulerCore(NodeProtocol, Preempting):
         for task in self.active.values():
             if task.node_id not in self.nodes:
                 self._recover_node(task.node_id)
-            node = self._node(task.node_id)
+            node = self.node(task.node_id)
             node.allocate(task.task_id, task.attempt, tuple(task.device_indices), task.share_key)
             if not node.connected:
                 node.last_seen = time.monotonic() + grace
         self._queued_at = {t.task_id: time.monotonic() for t in self.queue}
         if self.nodes:
-            log.info("recovered active tasks", nodes=sorted(self.nodes), tasks=sum(len(n.allocations) for n in self.nodes.values()))
+            log.info(
+                "recovered active tasks",
+                nodes=sorted(self.nodes),
+                tasks=sum(len(n.allocations) for n in self.nodes.values()),
+            )
 
     def _recover_node(self, node_id: str) -> None:
         """Know a node that holds active tasks, before it reconnects, by the size it last
         registered with (so ListNodes shows its GPUs, not 0/0); it stays disconnected and takes
         no new work until it connects again."""
-        node = self._node(node_id)
+        node = self.node(node_id)
         info = self.store.node_register(node_id)
         if info is None:
             return
@@ -161,9 +173,14 @@ class SchedulerCore(NodeProtocol, Preempting):
         except Exception:  # noqa: BLE001 - an unreadable row: the node re-registers anyway
             return
         node.register = reg
-        node.gpu_count, node.max_tasks, node.notes = self._node_size(reg, self.config.pool_node(node_id))
-        node.notes = [*node.notes, "known from the state directory; waiting for it to reconnect after a scheduler restart"]
-        self._node_changed(node)
+        node.gpu_count, node.max_tasks, node.notes = node_size(
+            reg, self.config.pool_node(node_id), unknown_node_max_tasks=self.config.unknown_node_max_tasks
+        )
+        node.notes = [
+            *node.notes,
+            "known from the state directory; waiting for it to reconnect after a scheduler restart",
+        ]
+        self.node_changed(node)
 
     # ------------------------------------------------------------------ client API
     def submit(self, spec: common_pb2.TaskSpec, *, owner: str, request_id: str = "") -> TaskRow:
@@ -183,13 +200,18 @@ class SchedulerCore(NodeProtocol, Preempting):
                 if not sent.model:
                     sent.model = existing.spec.model
                 if sent.SerializeToString(deterministic=True) != existing.spec.SerializeToString(deterministic=True):
-                    raise AlreadyExists(f"request_id {request_id!r} was already used for task {existing.task_id} with a different spec")
+                    raise AlreadyExists(
+                        f"request_id {request_id!r} was already used for task {existing.task_id} with a different spec"
+                    )
                 return self.tasks.get(existing.task_id) or existing
         spec_copy = common_pb2.TaskSpec()
         spec_copy.CopyFrom(spec)
         if not spec_copy.model and task_uses_model(spec_copy.workload_type, _struct_dict(spec_copy, "env_config")):
             if not self.config.default_model:
-                raise InvalidArgument("spec.model: expected a model folder or hub id (the scheduler config has no default_model to fall back on)")
+                raise InvalidArgument(
+                    "spec.model: expected a model folder or hub id "
+                    "(the scheduler config has no default_model to fall back on)"
+                )
             spec_copy.model = self.config.default_model
         try:
             model = spec_from_proto(spec_copy, allowed_workloads=self.config.workload_names)
@@ -220,15 +242,26 @@ class SchedulerCore(NodeProtocol, Preempting):
         )
         ev = common_pb2.TaskEvent(
             state_change=common_pb2.StateChange(
-                from_state=S.TASK_STATE_UNSPECIFIED, to_state=S.TASK_STATE_PENDING, attempt=1, reason="SUBMITTED",
-                message=f"{model.workload_type} on {model.model or model.env.env_id} ({model.gpu_count} GPU(s)) submitted by {owner}",
+                from_state=S.TASK_STATE_UNSPECIFIED,
+                to_state=S.TASK_STATE_PENDING,
+                attempt=1,
+                reason="SUBMITTED",
+                message=f"{model.workload_type} on {model.model or model.env.env_id} ({model.gpu_count} GPU(s)) "
+                f"submitted by {owner}",
             )
         )
         self.store.insert_task(task, ev)
         self.tasks.added(task)
         self._queued_at[task.task_id] = time.monotonic()
-        log.info("task submitted", task_id=task.task_id, owner=owner, workload_type=model.workload_type, gpu_count=model.gpu_count, priority=task.priority)
-        self._notify()
+        log.info(
+            "task submitted",
+            task_id=task.task_id,
+            owner=owner,
+            workload_type=model.workload_type,
+            gpu_count=model.gpu_count,
+            priority=task.priority,
+        )
+        self.notify()
         return task
 
     def get(self, task_id: str, *, owner: str | None = None) -> TaskRow:
@@ -252,14 +285,19 @@ class SchedulerCore(NodeProtocol, Preempting):
             return task
         was_active = task.state in ACTIVE_STATES
         node_id, attempt = task.node_id, task.attempt
-        self._transition(task, S.TASK_STATE_CANCELLED, "CANCELLED", reason or "cancelled by user", end=True, keep_node=True)
+        self.transition(
+            task, S.TASK_STATE_CANCELLED, "CANCELLED", reason or "cancelled by user", end=True, keep_node=True
+        )
         self._queued_at.pop(task_id, None)
-        self._victims.pop(task_id, None)
-        self._preempting.pop(task_id, None)
+        self.preemptions.forget(task_id)
         if was_active and node_id in self.nodes:
             self.nodes[node_id].seal(task_id)
             self.nodes[node_id].push(
-                node_pb2.ConnectResponse(cancel_task=node_pb2.CancelTask(task_id=task_id, attempt=attempt, reason=reason or "cancelled by user"))
+                node_pb2.ConnectResponse(
+                    cancel_task=node_pb2.CancelTask(
+                        task_id=task_id, attempt=attempt, reason=reason or "cancelled by user"
+                    )
+                )
             )
         return task
 
@@ -283,20 +321,20 @@ class SchedulerCore(NodeProtocol, Preempting):
         if task.not_before > now:
             return f"waiting {task.not_before - now:.0f} s more before retrying (backoff after a failed attempt)"
         position, length = self.queue.position(task_id), len(self.queue)
-        waiting = self._preempting.get(task_id)
+        waiting = self.preemptions.waiting_on(task_id)
         if waiting is not None:
-            node_id, victims = waiting
-            left = [v for v in victims if self._victims.get(v, (0, "", ""))[2] == task_id]
-            if left:
-                return (
-                    f"preempting {', '.join(left)} on {node_id} to make room (waiting for the node to confirm they "
-                    f"checkpointed and stopped; queue position {position} of {length})"
-                )
+            node_id, left = waiting
+            return (
+                f"preempting {', '.join(left)} on {node_id} to make room (waiting for the node to confirm they "
+                f"checkpointed and stopped; queue position {position} of {length})"
+            )
         if self.free.best_fit_for(task.gpu_count, task.share_key) is not None:
             return f"waiting for the next placement round (queue position {position} of {length})"
         if self._caps is None or self._caps[0] != self._ledger_version:
             self._caps = (self._ledger_version, [n.capacity() for n in self.nodes.values()])
-        pending = PendingTask(task.task_id, task.priority, task.create_time, task.gpu_count, task.not_before, task.share_key)
+        pending = PendingTask(
+            task.task_id, task.priority, task.create_time, task.gpu_count, task.not_before, task.share_key
+        )
         why = why_pending(pending, self._caps[1], position, length)
         if self._reservation is not None and self._reservation[0] == task_id:
             why += f"; {self._reservation[1]} is reserved for it (no task behind it starts there)"
@@ -309,25 +347,56 @@ class SchedulerCore(NodeProtocol, Preempting):
             if now_m - node.last_seen > self.config.lease_s and (node.connected or node.allocations):
                 if node.connected:
                     node.connected = False
-                    self._node_changed(node, membership=True)
+                    self.node_changed(node, membership=True)
                     node.push(None)
-                self._lose_node(node, f"no heartbeat for {self.config.lease_s:.0f} s (lease)")
+                self.lose_node(node, f"no heartbeat for {self.config.lease_s:.0f} s (lease)")
         now = time.time()
         for task in [t for t in self.active.values() if t.state == S.TASK_STATE_RUNNING and t.max_runtime_s]:
             if task.max_runtime_s and task.start_time and now - task.start_time > task.max_runtime_s:
                 node = self.nodes.get(task.node_id)
                 attempt = task.attempt
                 task.error = f"max_runtime of {task.max_runtime_s:.0f} s exceeded"
-                self._transition(task, S.TASK_STATE_FAILED, "TIMEOUT", task.error, end=True, keep_node=True)
-                self._victims.pop(task.task_id, None)
+                self.transition(task, S.TASK_STATE_FAILED, "TIMEOUT", task.error, end=True, keep_node=True)
+                self.preemptions.victim_ended(task.task_id)
                 if node is not None:
                     # The worker checkpoints on SIGTERM; that final checkpoint is still recorded
                     # (see node_report) until the node reports the worker gone.
-                    self._timed_out[task.task_id] = (attempt, node.node_id)
+                    self.timed_out[task.task_id] = (attempt, node.node_id)
                     node.seal(task.task_id)
-                    node.push(node_pb2.ConnectResponse(cancel_task=node_pb2.CancelTask(task_id=task.task_id, attempt=attempt, reason="TIMEOUT")))
+                    node.push(
+                        node_pb2.ConnectResponse(
+                            cancel_task=node_pb2.CancelTask(task_id=task.task_id, attempt=attempt, reason="TIMEOUT")
+                        )
+                    )
         self.schedule()
         self.preempt()
+
+    # ------------------------------------------------------------------ node streams
+    @property
+    def node_messages(self) -> dict[str, int]:
+        """Messages received on node streams, by kind (the live counters; exported on /metrics)."""
+        return self.node_protocol.messages
+
+    def node_register(self, reg: node_pb2.Register) -> tuple[NodeSession, node_pb2.Registered]:
+        """A node opened its stream (:meth:`NodeProtocol.node_register`: errors there)."""
+        return self.node_protocol.node_register(reg)
+
+    def node_heartbeat(self, node: NodeSession, hb: node_pb2.Heartbeat) -> None:
+        """Liveness, drain flag and telemetry, memory only (:meth:`NodeProtocol.node_heartbeat`)."""
+        self.node_protocol.node_heartbeat(node, hb)
+
+    def node_report(self, node: NodeSession, rep: node_pb2.TaskReport) -> bool:
+        """Apply a task report; False when refused (:meth:`NodeProtocol.node_report`)."""
+        return self.node_protocol.node_report(node, rep)
+
+    def node_disconnected(self, node: NodeSession, generation: int, *, goodbye: bool) -> None:
+        """The stream of ``generation`` ended (:meth:`NodeProtocol.node_disconnected`)."""
+        self.node_protocol.node_disconnected(node, generation, goodbye=goodbye)
+
+    def preempt(self) -> int:
+        """Start preemptions for blocked higher-priority tasks; returns how many got victims
+        (:meth:`PreemptionTracker.preempt`)."""
+        return self.preemptions.preempt()
 
     # ------------------------------------------------------------------ placement
     def schedule(self) -> int:
@@ -356,7 +425,9 @@ class SchedulerCore(NodeProtocol, Preempting):
             return node_id
 
         self._reservation = None
-        place_round(self.queue.groups(), self.free, time.time(), lambda key: self.queue.row(key).not_before, take, reserve)
+        place_round(
+            self.queue.groups(), self.free, time.time(), lambda key: self.queue.row(key).not_before, take, reserve
+        )
         if not decided:
             return 0
         try:
@@ -365,7 +436,9 @@ class SchedulerCore(NodeProtocol, Preempting):
                     task.device_indices = list(devices)
                     task.node_id = node.node_id
                     where = f" GPUs {list(devices)}" if devices else " (CPU)"
-                    self._transition(task, S.TASK_STATE_ASSIGNED, "ASSIGNED", f"placed on {node.node_id}{where}", keep_node=True)
+                    self.transition(
+                        task, S.TASK_STATE_ASSIGNED, "ASSIGNED", f"placed on {node.node_id}{where}", keep_node=True
+                    )
         except BaseException:
             self._rebuild()  # the round's rows, ledger entries and counts all go back to the store's
             raise
@@ -374,8 +447,11 @@ class SchedulerCore(NodeProtocol, Preempting):
             queued = self._queued_at.pop(task.task_id, None)
             if queued is not None:
                 self.placement_latencies.append(now_m - queued)
-            assign = node_pb2.AssignTask(task_id=task.task_id, attempt=task.attempt, spec=task.spec, device_indices=devices, owner=task.owner)
-            # paths.model_dirs in force (default_model exempt): the worker refuses hub-id-shaped names found in its folder.
+            assign = node_pb2.AssignTask(
+                task_id=task.task_id, attempt=task.attempt, spec=task.spec, device_indices=devices, owner=task.owner
+            )
+            # paths.model_dirs in force (default_model exempt): the worker refuses hub-id-shaped names
+            # found in its folder.
             assign.local_paths_restricted = (
                 self.config.paths.allowed("model_dirs", auth_enabled=self.config.auth.enabled) is not None
                 and task.spec.model != self.config.default_model
@@ -388,47 +464,63 @@ class SchedulerCore(NodeProtocol, Preempting):
             node.push(node_pb2.ConnectResponse(assign_task=assign))
         return len(decided)
 
-    # ------------------------------------------------------------------ internals
-    def _lose_node(self, node: NodeSession, why: str) -> None:
+    # ------------------------------------------------------------------ transitions (also the node protocol's)
+    def lose_node(self, node: NodeSession, why: str) -> None:
+        """Requeue every attempt ``node`` holds (NODE_LOST, ``why`` in the message) and free its ledger."""
         for task_id, (attempt, _) in list(node.allocations.items()):
-            self._lose_allocation(node, task_id, attempt, "NODE_LOST", f"node {node.node_id} lost: {why}")
+            self.lose_allocation(node, task_id, attempt, "NODE_LOST", f"node {node.node_id} lost: {why}")
 
-    def _lose_allocation(self, node: NodeSession, task_id: str, attempt: int, reason: str, message: str) -> None:
-        self._victims.pop(task_id, None)  # a preemption in flight ends with the node
-        self._timed_out.pop(task_id, None)
+    def lose_allocation(self, node: NodeSession, task_id: str, attempt: int, reason: str, message: str) -> None:
+        """``task_id``'s ``attempt`` on ``node`` is gone: end its preemption or timeout record,
+        requeue it when it is still the current attempt, release its GPUs."""
+        self.preemptions.victim_ended(task_id)  # a preemption in flight ends with the node
+        self.timed_out.pop(task_id, None)
         task = self.active.get(task_id)
         if task is not None and task.attempt == attempt:
             log.warning("task attempt lost", task_id=task_id, attempt=attempt, node_id=node.node_id, why=message)
-            self._requeue(task, reason, message, backoff=False)
+            self.requeue(task, reason, message, backoff=False)
         node.release(task_id)
 
-    def _fail_or_retry(self, task: TaskRow, reason: str, message: str, *, retryable: bool, extra=()) -> None:
+    def fail_or_retry(self, task: TaskRow, reason: str, message: str, *, retryable: bool, extra=()) -> None:
+        """A failed attempt: requeued with backoff while ``retryable`` and attempts are left, else
+        FAILED with ``message`` as its error."""
         if retryable and task.attempt < task.max_attempts:
-            self._requeue(task, reason, message, extra=extra, backoff=True)
+            self.requeue(task, reason, message, extra=extra, backoff=True)
         else:
             if retryable:
                 message = f"{message} (max_attempts {task.max_attempts} used)"
             task.error = message
-            self._transition(task, S.TASK_STATE_FAILED, reason, message, extra=extra, end=True, keep_node=True)
+            self.transition(task, S.TASK_STATE_FAILED, reason, message, extra=extra, end=True, keep_node=True)
 
-    def _requeue(self, task: TaskRow, reason: str, message: str, *, extra=(), backoff: bool, failure: bool = True) -> None:
+    def requeue(
+        self, task: TaskRow, reason: str, message: str, *, extra=(), backoff: bool, failure: bool = True
+    ) -> None:
         """Back to PENDING as attempt + 1. A hand-back (drain, preemption) is not a failure: it
         grants one more attempt, so only failures and lost nodes use up ``max_attempts``."""
         if not failure:
             task.max_attempts += 1
         if task.attempt >= task.max_attempts:
             task.error = f"{message}; max_attempts ({task.max_attempts}) exhausted"
-            self._transition(task, S.TASK_STATE_FAILED, reason, task.error, extra=extra, end=True, keep_node=True)
+            self.transition(task, S.TASK_STATE_FAILED, reason, task.error, extra=extra, end=True, keep_node=True)
             return
         task.attempt += 1
         task.node_id = ""
         task.device_indices = []
-        task.not_before = time.time() + (min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S * 2 ** (task.attempt - 2)) if backoff else 0.0)
+        task.not_before = time.time() + (
+            min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S * 2 ** (task.attempt - 2)) if backoff else 0.0
+        )
         self._queued_at[task.task_id] = time.monotonic()
         resume = f"; resumes from step {task.latest_checkpoint.step}" if task.latest_checkpoint is not None else ""
-        self._transition(task, S.TASK_STATE_PENDING, reason, f"{message}; attempt {task.attempt} queued{resume}", extra=extra, keep_node=True)
+        self.transition(
+            task,
+            S.TASK_STATE_PENDING,
+            reason,
+            f"{message}; attempt {task.attempt} queued{resume}",
+            extra=extra,
+            keep_node=True,
+        )
 
-    def _transition(
+    def transition(
         self,
         task: TaskRow,
         to_state: int,
@@ -448,15 +540,28 @@ class SchedulerCore(NodeProtocol, Preempting):
             task.end_time = now
         ev = common_pb2.TaskEvent(
             state_change=common_pb2.StateChange(
-                from_state=from_state, to_state=to_state, attempt=task.attempt, reason=reason, message=message, node_id=task.node_id
+                from_state=from_state,
+                to_state=to_state,
+                attempt=task.attempt,
+                reason=reason,
+                message=message,
+                node_id=task.node_id,
             )
         )
-        self._write(task, [*extra, ev])
+        self.write(task, [*extra, ev])
         self.tasks.moved(task, from_state)
-        log.info("task state", task_id=task.task_id, attempt=task.attempt, from_state=STATE_NAMES[from_state], to_state=STATE_NAMES[to_state], reason=reason, detail=message)
-        self._notify()
+        log.info(
+            "task state",
+            task_id=task.task_id,
+            attempt=task.attempt,
+            from_state=STATE_NAMES[from_state],
+            to_state=STATE_NAMES[to_state],
+            reason=reason,
+            detail=message,
+        )
+        self.notify()
 
-    def _write(self, task: TaskRow, events: list[common_pb2.TaskEvent]) -> None:
+    def write(self, task: TaskRow, events: list[common_pb2.TaskEvent]) -> None:
         """Write a live row back with its events; if that fails, memory goes back to the store's."""
         try:
             self.store.update_task(task, events)
@@ -464,15 +569,19 @@ class SchedulerCore(NodeProtocol, Preempting):
             self.tasks.reload(task.task_id, self.store)
             raise
 
-    def _node(self, node_id: str) -> NodeSession:
+    def node(self, node_id: str) -> NodeSession:
+        """The session of ``node_id``, made (disconnected, empty) on first use."""
         node = self.nodes.get(node_id)
         if node is None:
             node = self.nodes[node_id] = NodeSession(
-                node_id=node_id, on_change=self._node_changed, defer=self.commits.hold, max_tasks_per_gpu=self.config.max_tasks_per_gpu
+                node_id=node_id,
+                on_change=self.node_changed,
+                defer=self.commits.hold,
+                max_tasks_per_gpu=self.config.max_tasks_per_gpu,
             )
         return node
 
-    def _node_changed(self, node: NodeSession, *, membership: bool = False) -> None:
+    def node_changed(self, node: NodeSession, *, membership: bool = False) -> None:
         """Re-index a node after its ledger, state or size changed."""
         self._ledger_version += 1
         if membership:
@@ -489,7 +598,7 @@ class SchedulerCore(NodeProtocol, Preempting):
         finally:
             self._watchers -= 1
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
         """Wake waiting WatchTask streams (once per loop turn, however many transitions)."""
         if self._wake_pending or not self._watchers:
             return
@@ -511,6 +620,16 @@ def _struct_dict(spec: common_pb2.TaskSpec, name: str) -> dict:
     from google.protobuf import json_format
 
     return json_format.MessageToDict(getattr(spec, name)) if spec.HasField(name) else {}
+
+
+def init_checkpoint(store: Store, spec: common_pb2.TaskSpec) -> common_pb2.Checkpoint | None:
+    """The final checkpoint of ``spec.init_from`` (None when unset or gone from the store)."""
+    if not spec.init_from:
+        return None
+    source = store.get_task(spec.init_from)
+    if source is None:
+        return None
+    return source.latest_checkpoint
 
 
 def short_id(task_id: str, limit: int = 80) -> str:

@@ -1,27 +1,88 @@
-"""The node protocol half of :class:`~opentinker_scheduler.state.core.SchedulerCore`: registration
+"""What a trainer node's ``Connect`` stream does to the scheduler's state: registration
 (re-announced and finished attempts), heartbeats with telemetry, task reports with attempt
-fencing, and streams that end. Mixed into the core; it shares the core's state."""
+fencing, and streams that end. :class:`NodeProtocol` is a collaborator of
+:class:`~opentinker_scheduler.state.core.SchedulerCore`: it owns the message counters and reaches
+the tasks, nodes and transitions only through what :class:`NodeHost` declares."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Protocol, Sequence
 
 import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
 
+from opentinker_scheduler.config import PoolNode, SchedulerConfig
 from opentinker_scheduler.errors import AlreadyExists, InvalidArgument, PermissionDenied
 from opentinker_scheduler.state.nodes import NodeSession
-from opentinker_scheduler.state.store import STATE_NAMES, TERMINAL_STATES, TaskRow
+from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
+from opentinker_scheduler.state.queue import LiveTasks
+from opentinker_scheduler.state.store import STATE_NAMES, TERMINAL_STATES, Store, TaskRow
 
 log = structlog.get_logger("opentinker.scheduler")
 
 S = common_pb2  # TaskState constants: S.TASK_STATE_PENDING ...
 
 
+class NodeHost(Protocol):
+    """What :class:`NodeProtocol` uses of the core (:class:`~opentinker_scheduler.state.core.SchedulerCore`)."""
+
+    config: SchedulerConfig
+    store: Store
+    tasks: LiveTasks
+    nodes: dict[str, NodeSession]
+    preemptions: PreemptionTracker
+    #: Tasks ended by max_runtime whose worker is still stopping: task id -> (attempt, node id).
+    timed_out: dict[str, tuple[int, str]]
+
+    def node(self, node_id: str) -> NodeSession: ...
+    def node_changed(self, node: NodeSession, *, membership: bool = False) -> None: ...
+    def write(self, task: TaskRow, events: list[common_pb2.TaskEvent]) -> None: ...
+    def notify(self) -> None: ...
+    def transition(
+        self,
+        task: TaskRow,
+        to_state: int,
+        reason: str,
+        message: str,
+        *,
+        extra: Sequence[common_pb2.TaskEvent] = (),
+        end: bool = False,
+        keep_node: bool = False,
+    ) -> None: ...
+    def requeue(
+        self,
+        task: TaskRow,
+        reason: str,
+        message: str,
+        *,
+        extra: Sequence[common_pb2.TaskEvent] = (),
+        backoff: bool,
+        failure: bool = True,
+    ) -> None: ...
+    def fail_or_retry(
+        self, task: TaskRow, reason: str, message: str, *, retryable: bool, extra: Sequence[common_pb2.TaskEvent] = ()
+    ) -> None: ...
+    def lose_allocation(self, node: NodeSession, task_id: str, attempt: int, reason: str, message: str) -> None: ...
+    def lose_node(self, node: NodeSession, why: str) -> None: ...
+
+
 class NodeProtocol:
-    """What a trainer node's ``Connect`` stream does to the scheduler's state."""
+    """What a trainer node's ``Connect`` stream does to the scheduler's state.
+
+    Args:
+        core: the tasks, nodes and transitions it acts on (:class:`NodeHost`).
+
+    Attributes:
+        messages: messages received on node streams, by kind (``register``, ``heartbeat``,
+            ``task_report``; exported on /metrics).
+    """
+
+    def __init__(self, core: NodeHost) -> None:
+        self.core = core
+        self.messages: dict[str, int] = {"register": 0, "heartbeat": 0, "task_report": 0}
 
     def node_register(self, reg: node_pb2.Register) -> tuple[NodeSession, node_pb2.Registered]:
         """A node opened its stream. Re-announced tasks that are still its own continue.
@@ -33,20 +94,23 @@ class NodeProtocol:
         node_id = reg.node_id
         if not node_id or len(node_id) > 128:
             raise InvalidArgument("register.node_id: expected a non-empty id of at most 128 characters")
-        pool = self.config.pool_node(node_id)
-        if pool is None and not self.config.allow_unknown_nodes:
+        pool = self.core.config.pool_node(node_id)
+        if pool is None and not self.core.config.allow_unknown_nodes:
             raise PermissionDenied(
-                f"node {node_id!r} is not in resource_pool ({', '.join(n.node_id for n in self.config.resource_pool) or 'empty'}) "
+                f"node {node_id!r} is not in resource_pool "
+                f"({', '.join(n.node_id for n in self.core.config.resource_pool) or 'empty'}) "
                 "and allow_unknown_nodes is false"
             )
-        gpu_count, max_tasks, notes = self._node_size(reg, pool)
-        self.node_messages["register"] += 1
-        node = self.nodes.get(node_id)
+        gpu_count, max_tasks, notes = node_size(
+            reg, pool, unknown_node_max_tasks=self.core.config.unknown_node_max_tasks
+        )
+        self.messages["register"] += 1
+        node = self.core.nodes.get(node_id)
         if node is None:
-            node = self._node(node_id)
+            node = self.core.node(node_id)
         elif node.connected:
             silent = time.monotonic() - node.last_seen
-            if silent <= self.config.lease_s:
+            if silent <= self.core.config.lease_s:
                 raise AlreadyExists(
                     f"node id {node_id!r} is already connected (last heard {silent:.1f} s ago); "
                     "give each trainer its own --node-id, or wait for the old stream's lease to run out"
@@ -60,8 +124,8 @@ class NodeProtocol:
         node.connected, node.draining = True, False
         node.last_seen = time.monotonic()
         node.notes = notes
-        self._node_changed(node, membership=True)
-        self.store.upsert_node(node_id, reg.SerializeToString())
+        self.core.node_changed(node, membership=True)
+        self.core.store.upsert_node(node_id, reg.SerializeToString())
 
         # Attempts that ended while the node was cut off (e.g. the scheduler was down): apply
         # their final reports before deciding which tasks the node lost.
@@ -76,46 +140,31 @@ class NodeProtocol:
         # Tasks we think run here but the node does not know: the worker is gone.
         for task_id, (attempt, _) in list(node.allocations.items()):
             if (task_id, attempt) not in announced:
-                self._lose_allocation(node, task_id, attempt, "NODE_LOST", f"node {node_id} reconnected without the task (worker gone)")
-        log.info("node registered", node_id=node_id, gpus=gpu_count, max_tasks=max_tasks, running=len(announced), stale=len(stale), notes=notes)
+                self.core.lose_allocation(
+                    node, task_id, attempt, "NODE_LOST", f"node {node_id} reconnected without the task (worker gone)"
+                )
+        log.info(
+            "node registered",
+            node_id=node_id,
+            gpus=gpu_count,
+            max_tasks=max_tasks,
+            running=len(announced),
+            stale=len(stale),
+            notes=notes,
+        )
         registered = node_pb2.Registered(node_id=node_id, gpu_count=gpu_count, max_tasks=max_tasks, stale=stale)
-        registered.heartbeat_interval.FromNanoseconds(int(self.config.heartbeat_interval_s * 1e9))
-        registered.lease.FromNanoseconds(int(self.config.lease_s * 1e9))
+        registered.heartbeat_interval.FromNanoseconds(int(self.core.config.heartbeat_interval_s * 1e9))
+        registered.lease.FromNanoseconds(int(self.core.config.lease_s * 1e9))
         return node, registered
-
-    def _node_size(self, reg: node_pb2.Register, pool) -> tuple[int, int, list[str]]:
-        """``(gpu_count, max_tasks, notes)`` of a registering node: its resource_pool entry, never
-        more GPUs than it found nor more tasks than its own ``--max-tasks``; else what it announced."""
-        node_id = reg.node_id
-        found = len(reg.devices)
-        notes: list[str] = []
-        if pool is not None:
-            gpu_count = min(pool.gpu_count, found)
-            # The pool entry is an upper bound, as for GPUs: never more tasks than the node offers.
-            max_tasks = min(pool.max_tasks, reg.max_tasks) if reg.max_tasks > 0 else pool.max_tasks
-            if max_tasks != pool.max_tasks:
-                notes.append(f"config max_tasks {pool.max_tasks} but the node runs at most {reg.max_tasks}; using {max_tasks}")
-            if pool.gpu_count != found:
-                notes.append(f"config gpu_count {pool.gpu_count} but node found {found} GPU(s); using {gpu_count}")
-                log.warning("gpu_count disagrees with devices", node_id=node_id, config_gpu_count=pool.gpu_count, devices=found, using=gpu_count)
-        else:
-            gpu_count = found
-            max_tasks = reg.max_tasks or self.config.unknown_node_max_tasks
-            notes.append("not in resource_pool (joined dynamically)")
-        if reg.devices and all(d.simulated for d in reg.devices):
-            notes.append(f"{found} SIMULATED GPU(s)")
-        if not reg.devices:
-            notes.append("CPU only" + (f": {reg.gpu_note}" if reg.gpu_note else ""))
-        return gpu_count, max_tasks, notes
 
     def node_heartbeat(self, node: NodeSession, hb: node_pb2.Heartbeat) -> None:
         """Memory only (no store write): liveness, drain flag and the latest telemetry."""
-        self.node_messages["heartbeat"] += 1
+        self.messages["heartbeat"] += 1
         if hb.draining != node.draining:
             if hb.draining:
                 log.info("node draining; no new tasks go there", node_id=node.node_id)
             node.draining = hb.draining
-            self._node_changed(node)
+            self.core.node_changed(node)
         node.last_seen = time.monotonic()
         node.last_heartbeat_time = time.time()
         del node.telemetry[:]
@@ -123,42 +172,74 @@ class NodeProtocol:
 
     def node_report(self, node: NodeSession, rep: node_pb2.TaskReport) -> bool:
         """Apply a task report. Returns False when refused (unknown task or stale attempt)."""
-        self.node_messages["task_report"] += 1
+        self.messages["task_report"] += 1
         node.last_seen = time.monotonic()
-        task = self.tasks.get(rep.task_id) or self.store.get_task(rep.task_id)
+        task = self.core.tasks.get(rep.task_id) or self.core.store.get_task(rep.task_id)
         if task is None:
-            log.warning("report for unknown task refused", task_id=rep.task_id, node_id=node.node_id, attempt=rep.attempt)
+            log.warning(
+                "report for unknown task refused", task_id=rep.task_id, node_id=node.node_id, attempt=rep.attempt
+            )
             return False
         held = node.allocations.get(rep.task_id)
         ends = rep.state in TERMINAL_STATES
         if task.terminal:
-            timed_out = self._timed_out.get(rep.task_id)
-            if timed_out == (rep.attempt, node.node_id) and task.attempt == rep.attempt and rep.HasField("checkpoint") and rep.checkpoint.path:
+            timed_out = self.core.timed_out.get(rep.task_id)
+            if (
+                timed_out == (rep.attempt, node.node_id)
+                and task.attempt == rep.attempt
+                and rep.HasField("checkpoint")
+                and rep.checkpoint.path
+            ):
                 # max_runtime ended it; the worker's final checkpoint (written on SIGTERM) still counts.
                 ck = _checkpoint_of(rep, task, node)
                 task.latest_checkpoint = ck
                 task.update_time = time.time()
-                self._write(task, [common_pb2.TaskEvent(checkpoint=ck)])
-                self._notify()
-                log.info("final checkpoint of timed-out task recorded", task_id=task.task_id, attempt=rep.attempt, step=ck.step, path=ck.path)
+                self.core.write(task, [common_pb2.TaskEvent(checkpoint=ck)])
+                self.core.notify()
+                log.info(
+                    "final checkpoint of timed-out task recorded",
+                    task_id=task.task_id,
+                    attempt=rep.attempt,
+                    step=ck.step,
+                    path=ck.path,
+                )
             if ends:
-                self._timed_out.pop(rep.task_id, None)
+                self.core.timed_out.pop(rep.task_id, None)
             # Cancelled (or already finished) while the worker ran: only release its GPUs.
             if ends and held is not None and held[0] == rep.attempt:
                 node.release(rep.task_id)
-                log.info("worker of finished task ended; GPUs released", task_id=rep.task_id, node_id=node.node_id, attempt=rep.attempt, state=STATE_NAMES[rep.state])
+                log.info(
+                    "worker of finished task ended; GPUs released",
+                    task_id=rep.task_id,
+                    node_id=node.node_id,
+                    attempt=rep.attempt,
+                    state=STATE_NAMES[rep.state],
+                )
             return False
         if rep.attempt != task.attempt or task.node_id != node.node_id or held is None or held[0] != rep.attempt:
-            log.warning("stale report refused (fencing)", task_id=rep.task_id, node_id=node.node_id, attempt=rep.attempt, current_attempt=task.attempt, current_node=task.node_id)
+            log.warning(
+                "stale report refused (fencing)",
+                task_id=rep.task_id,
+                node_id=node.node_id,
+                attempt=rep.attempt,
+                current_attempt=task.attempt,
+                current_node=task.node_id,
+            )
             if not ends:
-                node.push(node_pb2.ConnectResponse(cancel_task=node_pb2.CancelTask(task_id=rep.task_id, attempt=rep.attempt, reason="stale attempt")))
+                node.push(
+                    node_pb2.ConnectResponse(
+                        cancel_task=node_pb2.CancelTask(
+                            task_id=rep.task_id, attempt=rep.attempt, reason="stale attempt"
+                        )
+                    )
+                )
             elif held is not None and held[0] == rep.attempt:
                 node.release(rep.task_id)
             return False
 
         if rep.endpoint:  # an inference server of this attempt listens there (Task.endpoint)
-            self.store.set_endpoint(task.task_id, rep.attempt, rep.endpoint)
-            self._notify()
+            self.core.store.set_endpoint(task.task_id, rep.attempt, rep.endpoint)
+            self.core.notify()
         events: list[common_pb2.TaskEvent] = []
         for point in rep.metrics:
             events.append(common_pb2.TaskEvent(metric=point))
@@ -170,31 +251,44 @@ class NodeProtocol:
             task.latest_checkpoint = ck
             events.append(common_pb2.TaskEvent(checkpoint=ck))
 
-        preempted = self._victims.pop(task.task_id, None) if ends else None
+        preempted = self.core.preemptions.victim_ended(task.task_id) if ends else None
         if rep.state == S.TASK_STATE_RUNNING and task.state == S.TASK_STATE_ASSIGNED:
             task.start_time = time.time()
-            self._transition(task, S.TASK_STATE_RUNNING, "STARTED", f"worker started on {node.node_id}", extra=events, keep_node=True)
+            self.core.transition(
+                task, S.TASK_STATE_RUNNING, "STARTED", f"worker started on {node.node_id}", extra=events, keep_node=True
+            )
         elif rep.state == S.TASK_STATE_SUCCEEDED:
-            self._transition(task, S.TASK_STATE_SUCCEEDED, "COMPLETED", "finished", extra=events, end=True, keep_node=True)
+            self.core.transition(
+                task, S.TASK_STATE_SUCCEEDED, "COMPLETED", "finished", extra=events, end=True, keep_node=True
+            )
             node.release(task.task_id)  # after the commit: a failed write leaves the ledger as the store has it
         elif rep.state == S.TASK_STATE_FAILED:
             reason = "ATTEMPT_FAILED" if rep.retryable else "USER_ERROR"
-            self._fail_or_retry(task, reason, rep.error or "worker failed", retryable=rep.retryable, extra=events)
+            self.core.fail_or_retry(task, reason, rep.error or "worker failed", retryable=rep.retryable, extra=events)
             node.release(task.task_id)
         elif rep.state == S.TASK_STATE_CANCELLED and (preempted is not None or rep.error == "PREEMPTED"):
             # Told to make room for a higher-priority task: it checkpointed and stopped. A
             # hand-back, not a failure; it resumes from its newest checkpoint.
-            waiter = f" to make room for {preempted[2]}" if preempted is not None else ""
-            self._requeue(task, "PREEMPTED", f"preempted on {node.node_id}{waiter}", extra=events, backoff=False, failure=False)
+            waiter = f" to make room for {preempted.for_task}" if preempted is not None else ""
+            self.core.requeue(
+                task, "PREEMPTED", f"preempted on {node.node_id}{waiter}", extra=events, backoff=False, failure=False
+            )
             node.release(task.task_id)
         elif rep.state == S.TASK_STATE_CANCELLED:
             # The node stopped it on its own (drain): hand it back to the queue.
-            self._requeue(task, "HANDED_BACK", rep.error or f"node {node.node_id} stopped the task", extra=events, backoff=False, failure=False)
+            self.core.requeue(
+                task,
+                "HANDED_BACK",
+                rep.error or f"node {node.node_id} stopped the task",
+                extra=events,
+                backoff=False,
+                failure=False,
+            )
             node.release(task.task_id)
         elif events:
             task.update_time = time.time()
-            self._write(task, events)
-            self._notify()
+            self.core.write(task, events)
+            self.core.notify()
         return True
 
     def node_disconnected(self, node: NodeSession, generation: int, *, goodbye: bool) -> None:
@@ -202,11 +296,10 @@ class NodeProtocol:
         if node.generation != generation or not node.connected:
             return
         node.connected = False
-        self._node_changed(node, membership=True)
+        self.core.node_changed(node, membership=True)
         log.warning("node stream ended", node_id=node.node_id, goodbye=goodbye, tasks=len(node.allocations))
         if goodbye:
-            self._lose_node(node, "node left")
-
+            self.core.lose_node(node, "node left")
 
 
 def _checkpoint_of(rep: node_pb2.TaskReport, task: TaskRow, node: NodeSession) -> common_pb2.Checkpoint:
@@ -219,3 +312,38 @@ def _checkpoint_of(rep: node_pb2.TaskReport, task: TaskRow, node: NodeSession) -
     return ck
 
 
+def node_size(
+    reg: node_pb2.Register, pool: PoolNode | None, *, unknown_node_max_tasks: int
+) -> tuple[int, int, list[str]]:
+    """``(gpu_count, max_tasks, notes)`` of a registering node: its resource_pool entry, never
+    more GPUs than it found nor more tasks than its own ``--max-tasks``; else what it announced
+    (``unknown_node_max_tasks`` when it announced no limit)."""
+    node_id = reg.node_id
+    found = len(reg.devices)
+    notes: list[str] = []
+    if pool is not None:
+        gpu_count = min(pool.gpu_count, found)
+        # The pool entry is an upper bound, as for GPUs: never more tasks than the node offers.
+        max_tasks = min(pool.max_tasks, reg.max_tasks) if reg.max_tasks > 0 else pool.max_tasks
+        if max_tasks != pool.max_tasks:
+            notes.append(
+                f"config max_tasks {pool.max_tasks} but the node runs at most {reg.max_tasks}; using {max_tasks}"
+            )
+        if pool.gpu_count != found:
+            notes.append(f"config gpu_count {pool.gpu_count} but node found {found} GPU(s); using {gpu_count}")
+            log.warning(
+                "gpu_count disagrees with devices",
+                node_id=node_id,
+                config_gpu_count=pool.gpu_count,
+                devices=found,
+                using=gpu_count,
+            )
+    else:
+        gpu_count = found
+        max_tasks = reg.max_tasks or unknown_node_max_tasks
+        notes.append("not in resource_pool (joined dynamically)")
+    if reg.devices and all(d.simulated for d in reg.devices):
+        notes.append(f"{found} SIMULATED GPU(s)")
+    if not reg.devices:
+        notes.append("CPU only" + (f": {reg.gpu_note}" if reg.gpu_note else ""))
+    return gpu_count, max_tasks, notes

@@ -192,7 +192,10 @@ class Store:
             self._lock_file.seek(0)
             holder = self._lock_file.read().strip() or "unknown"
             self._lock_file.close()
-            raise StateDirInUse(f"state_dir {state_dir} is in use by another scheduler (pid {holder}); one scheduler per state directory") from None
+            raise StateDirInUse(
+                f"state_dir {state_dir} is in use by another scheduler (pid {holder}); "
+                "one scheduler per state directory"
+            ) from None
         self._lock_file.seek(0)
         self._lock_file.truncate()
         self._lock_file.write(str(os.getpid()))
@@ -260,10 +263,19 @@ class Store:
         return _row_to_task(r) if r else None
 
     def find_by_request(self, owner: str, request_id: str) -> TaskRow | None:
-        r = self.db.execute(f"SELECT {_COLUMNS} FROM tasks WHERE owner=? AND request_id=?", (owner, request_id)).fetchone()
+        r = self.db.execute(
+            f"SELECT {_COLUMNS} FROM tasks WHERE owner=? AND request_id=?", (owner, request_id)
+        ).fetchone()
         return _row_to_task(r) if r else None
 
-    def list_tasks(self, states: Iterable[int] = (), *, limit: int = 100, before: tuple[float, str] | None = None, owner: str | None = None) -> list[TaskRow]:
+    def list_tasks(
+        self,
+        states: Iterable[int] = (),
+        *,
+        limit: int = 100,
+        before: tuple[float, str] | None = None,
+        owner: str | None = None,
+    ) -> list[TaskRow]:
         """Tasks newest first; ``before`` = (create_time, task_id) of the last row of the previous page;
         ``owner`` = only that owner's tasks (None = everyone's)."""
         sql = f"SELECT {_COLUMNS} FROM tasks"
@@ -310,7 +322,8 @@ class Store:
 
     def metric_points(self, task_id: str, after_step: int = 0) -> list[common_pb2.MetricPoint]:
         rows = self.db.execute(
-            "SELECT payload FROM events WHERE task_id=? AND kind='metric' AND step>? ORDER BY seq", (task_id, after_step)
+            "SELECT payload FROM events WHERE task_id=? AND kind='metric' AND step>? ORDER BY seq",
+            (task_id, after_step),
         )
         return [common_pb2.TaskEvent.FromString(r[0]).metric for r in rows]
 
@@ -334,7 +347,9 @@ class Store:
         """Record that ``owner`` uploaded ``dataset_id`` (idempotent; the same bytes uploaded by
         two owners belong to both)."""
         with self._tx():
-            self.db.execute("INSERT OR IGNORE INTO dataset_owners (dataset_id, owner) VALUES (?,?)", (dataset_id, owner))
+            self.db.execute(
+                "INSERT OR IGNORE INTO dataset_owners (dataset_id, owner) VALUES (?,?)", (dataset_id, owner)
+            )
 
     def dataset_visible(self, dataset_id: str, owner: str) -> bool:
         """Whether ``owner`` may use ``dataset_id``: one of its uploaders, or a dataset stored
@@ -359,7 +374,9 @@ class Store:
 
     def checkpoints(self, task_id: str) -> list[common_pb2.Checkpoint]:
         """Every checkpoint a task recorded, oldest first."""
-        rows = self.db.execute("SELECT payload FROM events WHERE task_id=? AND kind='checkpoint' ORDER BY seq", (task_id,))
+        rows = self.db.execute(
+            "SELECT payload FROM events WHERE task_id=? AND kind='checkpoint' ORDER BY seq", (task_id,)
+        )
         return [common_pb2.TaskEvent.FromString(r[0]).checkpoint for r in rows]
 
     # --- internals -----------------------------------------------------------------------------

@@ -93,7 +93,8 @@ def test_unset_lists_allow_anything_with_auth_off_and_no_local_path_with_auth_on
     check_local_paths(_spec("/anywhere/step_1", "/etc/passwd", "sft"), paths=open_, auth_enabled=False)
     with pytest.raises(
         InvalidArgument,
-        match=r"spec.model: expected a hub id \(org/name\) or no local path \(auth is on and paths.model_dirs lists no folder\), got '/models/m'",
+        match=r"spec.model: expected a hub id \(org/name\) or no local path "
+        r"\(auth is on and paths.model_dirs lists no folder\), got '/models/m'",
     ):
         check_local_paths(_spec("/models/m"), paths=open_, auth_enabled=True)
     with pytest.raises(
@@ -109,7 +110,8 @@ def test_listed_folders_restrict_even_with_auth_off() -> None:
     check_local_paths(_spec("/models/m", "/data/d/x.jsonl", "sft"), paths=paths, auth_enabled=False)
     with pytest.raises(
         InvalidArgument,
-        match=r"spec.model: expected a hub id \(org/name\) or a folder under paths.model_dirs \(/models\), got '/srv/runs/t1/checkpoints/step_1'",
+        match=r"spec.model: expected a hub id \(org/name\) or a folder under paths.model_dirs \(/models\), "
+        r"got '/srv/runs/t1/checkpoints/step_1'",
     ):
         check_local_paths(_spec("/srv/runs/t1/checkpoints/step_1"), paths=paths, auth_enabled=False)
     with pytest.raises(

@@ -104,13 +104,21 @@ def test_bad_http_tls_files_are_refused_at_start_with_file_line_and_key(tmp_path
     cases = {
         "http_tls: {cert: certs/server.pem}\n": "http_tls.key: expected a PEM file path",
         "http_tls: {key: certs/server.key}\n": "http_tls.cert: expected a PEM file path",
-        "http_tls: {cert: certs/server.pem, key: certs/server.key, ca: x}\n": "http_tls.ca: expected one of the known keys",
-        "http_tls: {cert: certs/nope.pem, key: certs/server.key}\n": "http_tls.cert: expected a readable PEM file, got 'certs/nope.pem'",
+        "http_tls: {cert: certs/server.pem, key: certs/server.key, ca: x}\n": (
+            "http_tls.ca: expected one of the known keys"
+        ),
+        "http_tls: {cert: certs/nope.pem, key: certs/server.key}\n": (
+            "http_tls.cert: expected a readable PEM file, got 'certs/nope.pem'"
+        ),
         "http_tls: {cert: certs/junk.pem, key: certs/server.key}\n": "http_tls.cert: expected a PEM file",
         # a key that is not the certificate's (the node's key with the server's certificate)
-        "http_tls: {cert: certs/server.pem, key: certs/node.key}\n": "http_tls.key: expected the private key of http_tls.cert",
+        "http_tls: {cert: certs/server.pem, key: certs/node.key}\n": (
+            "http_tls.key: expected the private key of http_tls.cert"
+        ),
         # a certificate given as the key
-        "http_tls: {cert: certs/server.pem, key: certs/ca.pem}\n": "http_tls.key: expected the private key of http_tls.cert",
+        "http_tls: {cert: certs/server.pem, key: certs/ca.pem}\n": (
+            "http_tls.key: expected the private key of http_tls.cert"
+        ),
         "http_tls: yes\n": "http_tls: expected a mapping",
     }
     for text, message in cases.items():

@@ -79,8 +79,10 @@ def test_the_scheduler_tells_a_malformed_header_from_a_missing_key(sched, monkey
         stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
         admin_stub = admin_pb2_grpc.AdminServiceStub(ch)
         for value, want in CASES.items():
-            for call in (lambda: stub.ListTasks(S.ListTasksRequest(), metadata=_md(value), timeout=10),
-                         lambda: admin_stub.ListApiKeys(A.ListApiKeysRequest(), metadata=_md(value), timeout=10)):  # fmt: skip
+            for call in (
+                lambda: stub.ListTasks(S.ListTasksRequest(), metadata=_md(value), timeout=10),
+                lambda: admin_stub.ListApiKeys(A.ListApiKeysRequest(), metadata=_md(value), timeout=10),
+            ):
                 with pytest.raises(grpc.RpcError) as err:
                     call()
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -142,7 +144,8 @@ def test_the_environment_server_words_it_the_same_way() -> None:
                 assert details.startswith("missing access token")
             else:
                 assert details.startswith(
-                    f"malformed authorization metadata: expected 'Bearer <token>', {want} (the access token is env_config.token"
+                    f"malformed authorization metadata: expected 'Bearer <token>', {want} "
+                    "(the access token is env_config.token"
                 )
         assert (
             stub.Describe(

@@ -183,5 +183,6 @@ def test_an_expired_key_does_not_point_to_a_revoked_successor(keys) -> None:
     keys.revoke(new.prefix)
     now[0] += 11
     assert keys.refusal(info.prefix) == (
-        f"API key {info.prefix} expired after rotation, and its successor {new.prefix} is revoked or expired too; ask an admin for a new key"
+        f"API key {info.prefix} expired after rotation, and its successor {new.prefix} "
+        "is revoked or expired too; ask an admin for a new key"
     )

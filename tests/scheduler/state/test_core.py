@@ -213,7 +213,12 @@ def test_attempt_that_ended_while_cut_off_is_applied_on_reconnect(tmp_path) -> N
     report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
     core.store.close()
     core2 = make_core(tmp_path)  # the scheduler restarted; meanwhile the worker finished
-    done = N.TaskReport(task_id=task.task_id, attempt=1, state=C.TASK_STATE_SUCCEEDED, checkpoint=C.Checkpoint(step=3, path="/ck/step_3", final=True))
+    done = N.TaskReport(
+        task_id=task.task_id,
+        attempt=1,
+        state=C.TASK_STATE_SUCCEEDED,
+        checkpoint=C.Checkpoint(step=3, path="/ck/step_3", final=True),
+    )
     devices = [C.Device(index=i, simulated=True) for i in range(4)]
     core2.node_register(N.Register(node_id="gpu-node-01", devices=devices, max_tasks=8, finished=[done]))
     t = core2.get(task.task_id)
@@ -257,7 +262,12 @@ def test_max_attempts_exhausted_by_node_loss(tmp_path) -> None:
 # --- ledger property test ------------------------------------------------------------------
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["submit", "schedule", "finish", "fail", "cancel", "lose", "reconnect", "restart", "urgent", "confirm"]), st.integers(0, 4)),
+    st.tuples(
+        st.sampled_from(
+            ["submit", "schedule", "finish", "fail", "cancel", "lose", "reconnect", "restart", "urgent", "confirm"]
+        ),
+        st.integers(0, 4),
+    ),
     max_size=40,
 )
 
@@ -292,7 +302,7 @@ def test_ledger_never_negative_or_leaking(tmp_path_factory, sequence) -> None:
             core.submit(s, owner="u")
             core.preempt()
         elif op == "confirm":  # victims' nodes confirm they stopped
-            for tid, (attempt, _, _) in list(core._victims.items()):
+            for tid, (attempt, _, _) in list(core.preemptions.victims.items()):
                 report(core, node, tid, attempt, C.TASK_STATE_CANCELLED, error="PREEMPTED")
         elif op == "lose":
             node.last_seen -= 1
@@ -304,7 +314,10 @@ def test_ledger_never_negative_or_leaking(tmp_path_factory, sequence) -> None:
         elif op == "restart":
             core.store.close()
             core = make_core(tmp, lease_s=0.01, default_max_attempts=3)
-            running = [(t.task_id, t.attempt) for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED, C.TASK_STATE_RUNNING])]
+            running = [
+                (t.task_id, t.attempt)
+                for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED, C.TASK_STATE_RUNNING])
+            ]
             register(core, running=running)
         # Invariants: the ledger matches the store; a GPU is held by one task, or by at most
         # max_tasks_per_gpu LoRA tasks on the same base model; none beyond the node.
@@ -321,12 +334,16 @@ def test_ledger_never_negative_or_leaking(tmp_path_factory, sequence) -> None:
                 models = {core.get(t).spec.model for t in tids}
                 assert len(models) == 1, f"GPU {d} shared across base models {models}"
         assert len(node.allocations) <= node.max_tasks
-        active_ids = {(t.task_id, t.attempt) for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED, C.TASK_STATE_RUNNING])}
+        active_ids = {
+            (t.task_id, t.attempt) for t in core.store.tasks_in_states([C.TASK_STATE_ASSIGNED, C.TASK_STATE_RUNNING])
+        }
         held = {(tid, a) for tid, (a, _) in node.allocations.items()}
         assert active_ids <= held, "an active task without GPUs in the ledger"
         cancelled_only = held - active_ids
-        for tid, (a, _, _) in core._victims.items():
-            assert node.allocations.get(tid, (None,))[0] == a, "a preemption victim lost its GPUs before the node confirmed"
+        for tid, (a, _, _) in core.preemptions.victims.items():
+            assert node.allocations.get(tid, (None,))[0] == a, (
+                "a preemption victim lost its GPUs before the node confirmed"
+            )
         for tid, a in cancelled_only:
             assert core.get(tid).terminal, "ledger holds GPUs for a task that is not active"
     core.store.close()

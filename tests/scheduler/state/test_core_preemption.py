@@ -109,10 +109,10 @@ def test_node_loss_clears_preemption_in_flight(tmp_path) -> None:
     high = core.submit(prio_spec(4, 10), owner="u")
     core.tick()
     assert len(_cancels(node)) == 1
-    assert core._victims and core._preempting
+    assert core.preemptions.victims and core.preemptions.waiting
     node.last_seen -= 1
     core.tick()  # the node is lost: the victim is requeued as NODE_LOST, the record goes
-    assert core._victims == {} and core._preempting == {}
+    assert core.preemptions.victims == {} and core.preemptions.waiting == {}
     t = core.get(low.task_id)
     assert t.state == C.TASK_STATE_PENDING and t.attempt == 2
     assert "preempting" not in core.pending_reason(high.task_id)
@@ -134,7 +134,7 @@ def test_victim_finishing_on_its_own_clears_record(tmp_path) -> None:
     core.tick()
     assert len(_cancels(node)) == 1
     assert report(core, node, low.task_id, 1, C.TASK_STATE_SUCCEEDED)
-    assert core.get(low.task_id).state == C.TASK_STATE_SUCCEEDED and core._victims == {}
+    assert core.get(low.task_id).state == C.TASK_STATE_SUCCEEDED and core.preemptions.victims == {}
     core.tick()
     assert core.get(high.task_id).state == C.TASK_STATE_ASSIGNED
 
@@ -177,7 +177,7 @@ def test_max_runtime_timeout_keeps_final_checkpoint(tmp_path) -> None:
     assert kinds[-1] == "checkpoint"
     assert task.task_id in node.allocations  # GPUs held until the worker is gone
     report(core, node, task.task_id, 1, C.TASK_STATE_CANCELLED, error="TIMEOUT")
-    assert node.allocations == {} and core._timed_out == {}
+    assert node.allocations == {} and core.timed_out == {}
     # After that, no more checkpoints are taken for it, nor from another attempt.
     report(core, node, task.task_id, 1, checkpoint=C.Checkpoint(step=9, path="/ck/step_9"))
     assert core.get(task.task_id).latest_checkpoint.path == "/ck/step_7"

@@ -13,7 +13,11 @@ from tests.support.scheduler_core import drain, make_core, register, report, spe
 
 
 def _assigned(node) -> dict[str, tuple[int, ...]]:
-    return {c.assign_task.task_id: tuple(c.assign_task.device_indices) for c in drain(node) if c.WhichOneof("command") == "assign_task"}
+    return {
+        c.assign_task.task_id: tuple(c.assign_task.device_indices)
+        for c in drain(node)
+        if c.WhichOneof("command") == "assign_task"
+    }
 
 
 def test_same_base_model_lora_tasks_share_a_gpu(tmp_path) -> None:
@@ -91,7 +95,10 @@ def test_ledger_survives_restart_with_shared_gpus(tmp_path) -> None:
 def test_victims_on_a_shared_gpu_all_go_and_unneeded_ones_stay() -> None:
     # GPU 0 is shared by two LoRA tasks; GPU 1 has one. A 1-GPU task needs one of them emptied.
     node = NodeState(
-        "n", gpu_count=2, max_tasks=8, free_gpus=0,
+        "n",
+        gpu_count=2,
+        max_tasks=8,
+        free_gpus=0,
         running=(
             RunningAlloc("shared-old", 0, 1, 1.0, (0,)),
             RunningAlloc("shared-new", 0, 1, 5.0, (0,)),
@@ -103,7 +110,13 @@ def test_victims_on_a_shared_gpu_all_go_and_unneeded_ones_stay() -> None:
     # then empties GPU 0. "alone" (priority 1) is never needed.
     assert choice is not None and set(choice.victims) == {"shared-new", "shared-old"}
     # When the cheaper way is one victim on its own GPU, the shared pair is left alone.
-    node2 = NodeState("n", 2, 8, 0, (RunningAlloc("a", 0, 1, 1.0, (0,)), RunningAlloc("b", 0, 1, 5.0, (0,)), RunningAlloc("c", 0, 1, 9.0, (1,))))
+    node2 = NodeState(
+        "n",
+        2,
+        8,
+        0,
+        (RunningAlloc("a", 0, 1, 1.0, (0,)), RunningAlloc("b", 0, 1, 5.0, (0,)), RunningAlloc("c", 0, 1, 9.0, (1,))),
+    )
     choice = choose_victims(10, 1, [node2])
     assert choice is not None and choice.victims == ("c",)
 
@@ -123,7 +136,7 @@ def test_unconfirmed_preemption_times_out_and_is_chosen_again(tmp_path) -> None:
     assert [c.task_id for c in first] == [low.task_id]
     core.tick()
     assert drain(node) == []  # in flight: no second stop
-    core._victim_deadline[low.task_id] = time.monotonic() - 1  # the node never confirmed
+    core.preemptions.deadlines[low.task_id] = time.monotonic() - 1  # the node never confirmed
     core.tick()
     again = [c.cancel_task for c in drain(node) if c.WhichOneof("command") == "cancel_task"]
     assert [(c.task_id, c.reason) for c in again] == [(low.task_id, "PREEMPTED")]

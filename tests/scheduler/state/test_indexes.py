@@ -13,7 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opentinker.common.v1 import common_pb2 as C
-from opentinker_scheduler.policy.placement import FreeNodes, NodeCapacity, PendingTask, Placement, place_round, plan, reservation_node
+from opentinker_scheduler.policy.placement import (
+    FreeNodes,
+    NodeCapacity,
+    PendingTask,
+    Placement,
+    place_round,
+    plan,
+    reservation_node,
+)
 from opentinker_scheduler.state.queue import PendingQueue
 
 from tests.support.scheduler_core import drain, make_core, register, report, spec
@@ -23,8 +31,17 @@ def row(task_id: str, priority: int, create_time: float, gpus: int):
     from opentinker_scheduler.state.store import TaskRow
 
     return TaskRow(
-        task_id=task_id, owner="u", spec=C.TaskSpec(), state=C.TASK_STATE_PENDING, attempt=1, priority=priority,
-        gpu_count=gpus, max_attempts=3, max_runtime_s=None, create_time=create_time, update_time=create_time,
+        task_id=task_id,
+        owner="u",
+        spec=C.TaskSpec(),
+        state=C.TASK_STATE_PENDING,
+        attempt=1,
+        priority=priority,
+        gpu_count=gpus,
+        max_attempts=3,
+        max_runtime_s=None,
+        create_time=create_time,
+        update_time=create_time,
     )
 
 
@@ -59,7 +76,16 @@ def test_free_nodes_best_fit_matches_policy() -> None:
 
 
 def _copy(n: NodeCapacity) -> NodeCapacity:
-    return NodeCapacity(n.node_id, n.gpu_count, n.max_tasks, n.running, sorted(n.free_gpus), n.accepting, dict(n.gpu_share), n.max_tasks_per_gpu)
+    return NodeCapacity(
+        n.node_id,
+        n.gpu_count,
+        n.max_tasks,
+        n.running,
+        sorted(n.free_gpus),
+        n.accepting,
+        dict(n.gpu_share),
+        n.max_tasks_per_gpu,
+    )
 
 
 def _round(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> list[Placement]:
@@ -87,7 +113,9 @@ def _round(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> l
     return out
 
 
-def _shared_node(i: int, g: int, u: int, m: int, running: int, accepting: bool, share: int, per_gpu: int) -> NodeCapacity:
+def _shared_node(
+    i: int, g: int, u: int, m: int, running: int, accepting: bool, share: int, per_gpu: int
+) -> NodeCapacity:
     """A node whose first ``u`` GPUs are busy; of those, the first ``share`` are held by LoRA tasks
     on base model "a" or "b" (alternating), with 1..per_gpu tasks on each."""
     u = min(u, g)
@@ -97,9 +125,19 @@ def _shared_node(i: int, g: int, u: int, m: int, running: int, accepting: bool, 
 
 @settings(max_examples=400, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(0, 5), st.integers(-2, 2), st.booleans(), st.sampled_from([None, "a", "b"])), max_size=40),
     st.lists(
-        st.tuples(st.integers(0, 8), st.integers(0, 8), st.integers(1, 6), st.integers(0, 3), st.booleans(), st.integers(0, 4), st.integers(1, 3)),
+        st.tuples(st.integers(0, 5), st.integers(-2, 2), st.booleans(), st.sampled_from([None, "a", "b"])), max_size=40
+    ),
+    st.lists(
+        st.tuples(
+            st.integers(0, 8),
+            st.integers(0, 8),
+            st.integers(1, 6),
+            st.integers(0, 3),
+            st.booleans(),
+            st.integers(0, 4),
+            st.integers(1, 3),
+        ),
         max_size=8,
     ),
 )
@@ -107,7 +145,9 @@ def test_place_round_agrees_with_plan(task_specs, node_specs) -> None:
     """The incremental round the core runs places exactly what the reference policy places,
     with GPU sharing between LoRA tasks on the same base model in play."""
     tasks = [
-        PendingTask(f"t{i:02d}", prio, float(i % 7), gpus, not_before=50.0 if waiting else 0.0, share_key=key if gpus else None)
+        PendingTask(
+            f"t{i:02d}", prio, float(i % 7), gpus, not_before=50.0 if waiting else 0.0, share_key=key if gpus else None
+        )
         for i, (gpus, prio, waiting, key) in enumerate(task_specs)
     ]
     nodes = [_shared_node(i, *spec_) for i, spec_ in enumerate(node_specs)]
@@ -135,7 +175,9 @@ def test_schedule_is_cheap_with_a_deep_queue(tmp_path) -> None:
     drain(node)
     assert core.schedule() == 0 and len(core.queue) == 52
     assert "no node has 1 free GPU(s)" in core.pending_reason(small[0].task_id)
-    assert "queue position 3 of 52" in core.pending_reason(small[0].task_id)  # behind the two big ones (same priority, older)
+    assert "queue position 3 of 52" in core.pending_reason(
+        small[0].task_id
+    )  # behind the two big ones (same priority, older)
     report(core, node, big[0].task_id, 1, C.TASK_STATE_SUCCEEDED)
     assert core.schedule() == 1  # head of the queue: the next big task
     assert core.get(big[1].task_id).state == C.TASK_STATE_ASSIGNED

@@ -15,16 +15,27 @@ from tests.support.scheduler_core import drain, make_core, register, report, spe
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 6), st.integers(-2, 2), st.booleans()), max_size=30),
-    st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8), st.integers(1, 6), st.integers(0, 3), st.booleans()), max_size=6),
+    st.lists(
+        st.tuples(st.integers(0, 8), st.integers(0, 8), st.integers(1, 6), st.integers(0, 3), st.booleans()), max_size=6
+    ),
 )
 def test_reserved_node_gets_nothing_from_behind(task_specs, node_specs) -> None:
-    tasks = [PendingTask(f"t{i:02d}", prio, float(i % 5), gpus, not_before=50.0 if waiting else 0.0) for i, (gpus, prio, waiting) in enumerate(task_specs)]
-    nodes = [NodeCapacity(f"n{i}", g, m, running, list(range(min(u, g), g)), accepting) for i, (g, u, m, running, accepting) in enumerate(node_specs)]
+    tasks = [
+        PendingTask(f"t{i:02d}", prio, float(i % 5), gpus, not_before=50.0 if waiting else 0.0)
+        for i, (gpus, prio, waiting) in enumerate(task_specs)
+    ]
+    nodes = [
+        NodeCapacity(f"n{i}", g, m, running, list(range(min(u, g), g)), accepting)
+        for i, (g, u, m, running, accepting) in enumerate(node_specs)
+    ]
     placements, reasons = plan(tasks, nodes, now=10.0)
     placed = {p.task_id: p for p in placements}
     ordered = [t for t in queue_order(tasks) if t.not_before <= 10.0]
     # Replay the round to find the first blocked task that could ever fit somewhere.
-    caps = {n.node_id: NodeCapacity(n.node_id, n.gpu_count, n.max_tasks, n.running, sorted(n.free_gpus), n.accepting) for n in nodes}
+    caps = {
+        n.node_id: NodeCapacity(n.node_id, n.gpu_count, n.max_tasks, n.running, sorted(n.free_gpus), n.accepting)
+        for n in nodes
+    }
     reserver, reserved = None, None
     for t in ordered:
         if t.task_id in placed:

@@ -13,7 +13,7 @@ from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
 from opentinker_client import InvalidArgumentError, RLClient, ResourceExhaustedError
 from opentinker_scheduler.config import ConfigError, parse_config
 from opentinker_scheduler.errors import ResourceExhausted
-from opentinker_scheduler.admission.limits import Limits, LimitsConfig, TokenBucket
+from opentinker_scheduler.security.limits import Limits, LimitsConfig, TokenBucket
 
 from tests.support.security import LoopbackScheduler, metadata
 

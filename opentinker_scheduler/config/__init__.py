@@ -24,11 +24,11 @@
                               # most (always within max_tasks); 1 = every task has its GPUs alone
     preemption_timeout: 120   # seconds a preemption waits for its victims' node to confirm they
                               # stopped before the scheduler gives up on it and may choose again
-    auth: {enabled: false}    # API keys and roles; production turns this on (see opentinker_scheduler/security/auth.py)
-    tls: {cert: ..., key: ...} # TLS, and mTLS for nodes with client_ca (see opentinker_scheduler/security/tls_config.py)
-    http_tls: {cert: ..., key: ...} # HTTPS on the HTTP port (/health, /metrics); see opentinker_scheduler/security/tls_config.py
-    limits: {...}             # message/spec sizes, pending tasks, submit rate, streams (opentinker_scheduler/admission/limits.py)
-    paths:                    # local paths a task spec may name on trainer nodes (opentinker_scheduler/admission/paths.py)
+    auth: {enabled: false}    # API keys and roles; production turns this on (config/auth.py, security/auth.py)
+    tls: {cert: ..., key: ...} # TLS, and mTLS for nodes with client_ca (config/tls.py)
+    http_tls: {cert: ..., key: ...} # HTTPS on the HTTP port (/health, /metrics); config/tls.py
+    limits: {...}             # message/spec sizes, pending tasks, submit rate, streams (security/limits.py)
+    paths:                    # local paths a task spec may name on trainer nodes (admission/paths.py)
       model_dirs: [/models]   # spec.model may name a local folder only under these
       data_dirs: [/data]      # env_config.path (chat_jsonl) may name a file only under these
                               # unset: anything with auth off, no local path at all with auth on
@@ -39,7 +39,9 @@ priority (largest first), then age (oldest first). A workload type missing from
 without ``workload_types`` allows all four: lora_finetune 1, full_rl 2, sft 1, inference 3.
 
 Unknown keys and wrong types are refused at start with the file, line and key named
-(:class:`ConfigError`).
+(:class:`ConfigError`). Each section's frozen value and parser lives in this package
+(:mod:`.auth`, :mod:`.tls`, :mod:`.limits`, :mod:`.paths`), so every room, :mod:`..state` included,
+may read the settings without importing a room above it; the rooms enforce them.
 """
 
 from __future__ import annotations
@@ -54,10 +56,10 @@ import yaml
 from opentinker_common.yaml12 import Yaml12Loader
 from opentinker_common.spec import WORKLOAD_TYPES
 
-from opentinker_scheduler.security.auth import AuthConfig, parse_auth
-from opentinker_scheduler.admission.limits import LimitsConfig, parse_limits
-from opentinker_scheduler.admission.paths import PathsConfig, parse_paths
-from opentinker_scheduler.security.tls_config import HttpTlsConfig, TlsConfig, parse_http_tls, parse_tls
+from opentinker_scheduler.config.auth import AuthConfig, parse_auth
+from opentinker_scheduler.config.limits import LimitsConfig, parse_limits
+from opentinker_scheduler.config.paths import PathsConfig, parse_paths
+from opentinker_scheduler.config.tls import HttpTlsConfig, TlsConfig, parse_http_tls, parse_tls
 
 
 class ConfigError(ValueError):

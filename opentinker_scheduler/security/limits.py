@@ -28,78 +28,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
 from typing import Iterator
 
+from opentinker_scheduler.config.limits import DEFAULTS, LimitsConfig  # noqa: F401 - the section, re-exported
 from opentinker_scheduler.errors import ResourceExhausted
-
-MiB = 1024 * 1024
-
-#: Defaults with authentication on (per-caller limits) and always (sizes).
-DEFAULTS = {
-    "max_message_bytes": 64 * MiB,
-    "max_spec_bytes": 256 * 1024,
-    "max_pending_per_owner": 1000,
-    "submit_rate": 10.0,
-    "submit_burst": 50,
-    "max_streams_per_key": 32,
-    "spec_check_timeout": 10.0,
-    "max_keys_per_owner": 20,
-}
-_PER_CALLER = ("max_pending_per_owner", "submit_rate", "submit_burst", "max_streams_per_key")
-
-
-@dataclass(frozen=True)
-class LimitsConfig:
-    """The ``limits:`` section as written; ``None`` = the default for the auth mode
-    (:meth:`resolved`)."""
-
-    max_message_bytes: int | None = None
-    max_spec_bytes: int | None = None
-    max_pending_per_owner: int | None = None
-    submit_rate: float | None = None
-    submit_burst: int | None = None
-    max_streams_per_key: int | None = None
-    spec_check_timeout: float | None = None
-    max_keys_per_owner: int | None = None
-
-    def resolved(self, *, auth_enabled: bool) -> "LimitsConfig":
-        """Every field filled: the written value, else the default (0 = no limit for per-caller
-        limits when authentication is off)."""
-        values = {}
-        for name, default in DEFAULTS.items():
-            value = getattr(self, name)
-            if value is None:
-                value = default if auth_enabled or name not in _PER_CALLER else 0
-            values[name] = value
-        return LimitsConfig(**values)
-
-
-_KEYS = {
-    # key: (kind, lo, hi)
-    "max_message_bytes": (int, 64 * 1024, 2**31 - 1),
-    "max_spec_bytes": (int, 1024, 64 * MiB),
-    "max_pending_per_owner": (int, 0, 10_000_000),
-    "submit_rate": (float, 0, 1e6),
-    "submit_burst": (int, 1, 1_000_000),
-    "max_streams_per_key": (int, 0, 100_000),
-    "spec_check_timeout": (float, 0.1, 600),
-    "max_keys_per_owner": (int, 0, 1_000_000),
-}
-
-
-def parse_limits(r, node) -> LimitsConfig:
-    """Parse the ``limits:`` mapping with the config reader ``r`` (file:line:key errors).
-
-    Raises:
-        ConfigError: unknown key, wrong type or out of range (via ``r``).
-    """
-    m = r.mapping(node, "limits", {k: "" for k in _KEYS})
-    kw = {}
-    for name, (kind, lo, hi) in _KEYS.items():
-        if name in m:
-            kw[name] = r.scalar(m[name][1], f"limits.{name}", kind, lo, hi)
-    return LimitsConfig(**kw)
 
 
 class TokenBucket:

@@ -1,0 +1,103 @@
+"""The one submit pipeline: every check a new task passes, in order, then the write.
+
+``SchedulerService.SubmitTask`` translates its request and calls :func:`admit`; nothing else
+decides whether a task is accepted. The stages, in the order they run (the first refusal wins,
+and a later stage costs nothing when an earlier one refuses):
+
+1. **per-caller limits** (when the scheduler has them): the caller's submit rate
+   (``limits.submit_rate``, one token per call, taken even if a later stage refuses), the
+   serialized spec's size (``limits.max_spec_bytes``), the owner's PENDING tasks
+   (``limits.max_pending_per_owner``; counted only when that limit is set). RESOURCE_EXHAUSTED.
+2. **local paths** (``paths:``, :func:`~opentinker_scheduler.admission.paths.check_local_paths`):
+   INVALID_ARGUMENT.
+3. **references** (:func:`~opentinker_scheduler.admission.refs.check_references`): the uploaded
+   dataset (NOT_FOUND), the ``init_from`` task (NOT_FOUND, FAILED_PRECONDITION,
+   INVALID_ARGUMENT).
+4. **the environment**, built off the event loop under ``limits.spec_check_timeout``
+   (:mod:`~opentinker_scheduler.admission.spec_check`): INVALID_ARGUMENT, or RESOURCE_EXHAUSTED
+   when no check slot comes free in time.
+5. **the core's own checks, then the write** (:meth:`~opentinker_scheduler.state.core.SchedulerCore.submit`):
+   ``request_id`` length and reuse (INVALID_ARGUMENT, ALREADY_EXISTS; a reuse with the same spec
+   returns the task it made), the default model, the whole spec (INVALID_ARGUMENT naming the
+   field path; the environment is found cached from stage 4), a GPU count some node could ever
+   offer (FAILED_PRECONDITION). Only then is the PENDING row written.
+
+Stages 2 and 3 pass over what the spec check refuses later (a malformed ``dataset_id`` or
+``init_from``), so each refusal names its own field.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from opentinker.common.v1 import common_pb2
+
+from opentinker_scheduler.admission.refs import check_references
+from opentinker_scheduler.admission.spec_check import check_submitted_spec
+from opentinker_scheduler.data.datasets import DatasetStore
+from opentinker_scheduler.security.keys import Principal
+from opentinker_scheduler.security.limits import Limits
+from opentinker_scheduler.state.core import SchedulerCore
+from opentinker_scheduler.state.store import TaskRow
+
+__all__ = ["admit", "check_limits"]
+
+
+def check_limits(limits: Limits, spec: common_pb2.TaskSpec, caller: Principal, *, core: SchedulerCore) -> None:
+    """Stage 1: the caller's submit rate, the spec's size, the owner's PENDING tasks, in that order.
+
+    Raises:
+        ResourceExhausted: a limit is reached; the message names it and its config key.
+    """
+    limits.check_submit_rate(caller.limit_key)
+    limits.check_spec_size(spec.ByteSize())
+    limits.check_pending(
+        caller.owner, lambda: core.store.count_tasks(owner=caller.owner, states=(common_pb2.TASK_STATE_PENDING,))
+    )
+
+
+async def admit(
+    spec: common_pb2.TaskSpec,
+    caller: Principal,
+    *,
+    core: SchedulerCore,
+    datasets: DatasetStore,
+    limits: Limits | None = None,
+    dataset_visible: Callable[[str], bool] = lambda dataset_id: True,
+    request_id: str = "",
+) -> TaskRow:
+    """Check a submitted spec stage by stage (module docstring) and store it as a PENDING task.
+
+    Args:
+        spec: the submitted ``TaskSpec``.
+        caller: who submits: ``owner`` owns the task, ``limit_key`` (API key prefix, or owner
+            with auth off) draws on the submit rate.
+        core: the scheduler's state (config, store, the write).
+        datasets: uploaded datasets (``env_config.dataset_id``).
+        limits: the per-caller limits; None skips stage 1 (bare unit tests).
+        dataset_visible: whether the caller may use a dataset id (another owner's counts as
+            not found).
+        request_id: the client's idempotency key (at most 128 characters).
+
+    Returns:
+        The new PENDING task's row (the core's own: read, don't change), or the task an earlier
+        call with the same ``request_id`` and spec made.
+
+    Raises:
+        ResourceExhausted, InvalidArgument, NotFound, FailedPrecondition, AlreadyExists: the
+            first stage that refuses, as listed in the module docstring. Nothing is written.
+    """
+    if limits is not None:
+        check_limits(limits, spec, caller, core=core)
+    check_references(  # local paths first (stage 2), then the dataset and init_from (stage 3)
+        spec,
+        datasets=datasets,
+        get_task=core.get,
+        owner=caller.owner,
+        default_model=core.config.default_model,
+        dataset_visible=dataset_visible,
+        paths=core.config.paths,
+        auth_enabled=core.config.auth.enabled,
+    )
+    await check_submitted_spec(core, spec)
+    return core.submit(spec, owner=caller.owner, request_id=request_id)
