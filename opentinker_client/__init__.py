@@ -33,29 +33,39 @@ def _is_the_cli() -> bool:
 if _is_the_cli():
     _os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from opentinker_client.client import RLClient  # noqa: E402
+from opentinker_client import errors as _errors
+from opentinker_client.client import RLClient
 from opentinker_client.config import TaskConfig, load_task_config, parse_task_config
-from opentinker_client.convert import DeviceInfo, DeviceTelemetry, NodeInfo, TaskEvent, TaskInfo
 from opentinker_client.environment import Environment
-from opentinker_client.hosting.server import EnvironmentServer
+from opentinker_client.errors import (  # "X as X": re-exported; __all__ takes them from errors.EXCEPTIONS
+    AlreadyExistsError as AlreadyExistsError,
+    ConfigError as ConfigError,
+    DeadlineExceededError as DeadlineExceededError,
+    FailedPreconditionError as FailedPreconditionError,
+    InvalidArgumentError as InvalidArgumentError,
+    NotFoundError as NotFoundError,
+    OpenTinkerError as OpenTinkerError,
+    PermissionDeniedError as PermissionDeniedError,
+    ResourceExhaustedError as ResourceExhaustedError,
+    TaskFailedError as TaskFailedError,
+    UnauthenticatedError as UnauthenticatedError,
+    UnavailableError as UnavailableError,
+)
 from opentinker_client.evaluate import EvalResult, evaluate
-from opentinker_client.inference import CheckpointInfo, Generation, InferenceClient, StreamChunk
-from opentinker_client.errors import (
-    AlreadyExistsError,
-    ConfigError,
-    DeadlineExceededError,
-    FailedPreconditionError,
-    InvalidArgumentError,
-    NotFoundError,
-    OpenTinkerError,
-    PermissionDeniedError,
-    ResourceExhaustedError,
-    TaskFailedError,
-    UnauthenticatedError,
-    UnavailableError,
+from opentinker_client.hosting.server import EnvironmentServer
+from opentinker_client.inference import InferenceClient
+from opentinker_client.keys import ApiKeyInfo, KeyAdmin
+from opentinker_client.types import (
+    CheckpointInfo,
+    DeviceInfo,
+    DeviceTelemetry,
+    Generation,
+    NodeInfo,
+    StreamChunk,
+    TaskEvent,
+    TaskInfo,
 )
 from opentinker_common.net.url import parse_scheduler_url
-from opentinker_client.keys import ApiKeyInfo, KeyAdmin
 
 __all__ = [
     "RLClient",
@@ -70,18 +80,7 @@ __all__ = [
     "DeviceInfo",
     "DeviceTelemetry",
     "parse_scheduler_url",
-    "OpenTinkerError",
-    "InvalidArgumentError",
-    "ConfigError",
-    "NotFoundError",
-    "FailedPreconditionError",
-    "AlreadyExistsError",
-    "UnauthenticatedError",
-    "PermissionDeniedError",
-    "ResourceExhaustedError",
-    "UnavailableError",
-    "DeadlineExceededError",
-    "TaskFailedError",
+    *_errors.EXCEPTIONS,  # OpenTinkerError and every subclass
     "InferenceClient",
     "Generation",
     "StreamChunk",

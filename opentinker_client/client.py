@@ -21,121 +21,29 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import json
-import logging
-import math
 import os
-import random
-import threading
-import time
-import uuid
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
-import grpc
-
-from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from opentinker_client.client_data import DataCalls
+from opentinker_client.client_serving import ServingCalls
+from opentinker_client.client_tasks import PollPacer, TaskCalls, check_task_id
 from opentinker_client.config import TaskConfig, load_task_config
-from opentinker_client.convert import (
-    NodeInfo,
-    TaskEvent,
-    TaskInfo,
-    event_from_proto,
-    metric_points,
-    node_from_proto,
-    state_enum,
-    task_from_proto,
-)
+from opentinker_client.connection import SchedulerConnection
 from opentinker_client.environment import Environment
-from opentinker_client.errors import (
-    SCHEDULER_PLAINTEXT_HINT,
-    DeadlineExceededError,
-    InvalidArgumentError,
-    OpenTinkerError,
-    TaskFailedError,
-    UnavailableError,
-    from_rpc_error,
-)
-from opentinker_client.client_data import DataMixin
-from opentinker_client.client_serving import ServingMixin
-from opentinker_common.net.url import parse_scheduler_address
-from opentinker_common.net.grpc_options import client_keepalive, message_limits
+from opentinker_client.errors import InvalidArgumentError
+from opentinker_client.hosting.server import EnvironmentServer
+from opentinker_client.inference import InferenceClient
+from opentinker_client.keys import KeyAdmin
+from opentinker_client.types import CheckpointInfo, DatasetInfo, NodeInfo, TaskEvent, TaskInfo
 
 __all__ = ["RLClient", "DEFAULT_SCHEDULER_URL"]
-
-log = logging.getLogger("opentinker_client")
 
 #: Used when neither ``scheduler_url`` nor the ``SCHEDULER_URL`` environment variable is set.
 DEFAULT_SCHEDULER_URL = "localhost:8888"
 
-_SERVICE = "opentinker.scheduler.v1.SchedulerService"
 
-# Unary RPCs are retried by gRPC itself on UNAVAILABLE (scheduler restarting, connection refused).
-# All of them are idempotent; SubmitTask is made so by the request_id the client always sends.
-_SERVICE_CONFIG = json.dumps(
-    {
-        "methodConfig": [
-            {
-                "name": [
-                    {"service": _SERVICE, "method": m}
-                    for m in (
-                        "SubmitTask",
-                        "GetTask",
-                        "ListTasks",
-                        "CancelTask",
-                        "GetMetrics",
-                        "ListNodes",
-                        "ListCheckpoints",
-                    )
-                ],
-                "retryPolicy": {
-                    "maxAttempts": 5,
-                    "initialBackoff": "0.2s",
-                    "maxBackoff": "2s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"],
-                },
-            }
-        ]
-    }
-)
-
-
-def _channel_options() -> list[tuple[str, Any]]:
-    from importlib import metadata
-
-    try:
-        version = metadata.version("opentinker")
-    except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
-        version = "dev"
-    return [
-        # Keepalive only while a call is open (a watch stream); the scheduler permits pings every 10 s.
-        *client_keepalive(),
-        # Keep pinging on a quiet watch stream (the default stops after 2 pings without data).
-        ("grpc.http2.max_pings_without_data", 0),
-        *message_limits(),
-        ("grpc.enable_retries", 1),
-        ("grpc.service_config", _SERVICE_CONFIG),
-        ("grpc.primary_user_agent", f"opentinker-client/{version}"),
-    ]
-
-
-class _Backoff:
-    """Exponential backoff with +-20 % jitter."""
-
-    def __init__(self, initial: float, maximum: float) -> None:
-        self.initial, self.maximum = initial, maximum
-        self.current = initial
-
-    def reset(self) -> None:
-        self.current = self.initial
-
-    def next(self) -> float:
-        delay = self.current * random.uniform(0.8, 1.2)
-        self.current = min(self.current * 2, self.maximum)
-        return delay
-
-
-class RLClient(ServingMixin, DataMixin):
+class RLClient:
     """A connection to the OpenTinker scheduler.
 
     Args:
@@ -188,41 +96,42 @@ class RLClient(ServingMixin, DataMixin):
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.scheduler_url = scheduler_url
-        address = parse_scheduler_address(scheduler_url)  # https:// / grpcs://: TLS even without a CA (system roots)
-        self.target = address.target
-        self.timeout = float(timeout)
         self.min_poll_interval = float(min_poll_interval)
-        from opentinker_common.net.tls import channel_credentials
-        from opentinker_common.net.bearer import clean_api_key
+        self._connection = SchedulerConnection(
+            scheduler_url,
+            timeout=timeout,
+            api_key=api_key,
+            root_certificates=root_certificates,
+            client_cert=client_cert,
+            client_key=client_key,
+        )
+        self._tasks = TaskCalls(self._connection)
+        self._data = DataCalls(self._connection)
+        self._serving = ServingCalls(self._connection, self._tasks)
+        self._pacer = PollPacer()
+        self._env_servers = self._serving.env_servers  # the EnvironmentServer objects this client started
 
-        if api_key is None:
-            api_key = os.environ.get("OPENTINKER_API_KEY") or ""
-        api_key = clean_api_key(api_key)  # a key read from a file ends in "\n": gRPC would refuse the metadata
-        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        creds = channel_credentials(root_certificates, client_cert, client_key, tls=address.tls)
-        # Plaintext: an UNAVAILABLE "Socket closed" gets a hint that the scheduler may serve TLS.
-        self._plaintext_hint = SCHEDULER_PLAINTEXT_HINT if creds is None else ""
-        self._root_certificates = root_certificates  # serve() hands it to the InferenceClient
-        if creds is None:
-            self._channel = grpc.insecure_channel(self.target, options=_channel_options())
-        else:
-            self._channel = grpc.secure_channel(self.target, creds, options=_channel_options())
-        self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
-        self._closed = False
-        self._last_poll: dict[str, float] = {}
-        self._poll_lock = threading.Lock()
-        self._env_servers: list[Any] = []  # EnvironmentServer objects this client started
+    @property
+    def target(self) -> str:
+        """The ``host:port`` this client dials (from ``scheduler_url``)."""
+        return self._connection.target
+
+    @property
+    def timeout(self) -> float:
+        """Deadline of each unary call, in seconds; may be set."""
+        return self._connection.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._connection.timeout = float(seconds)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
         """Close the channel and stop the environments this client serves (their tasks then fail
         after their ``grace_s``). Open :meth:`watch` iterators end with an error. Idempotent."""
-        for server in list(getattr(self, "_env_servers", ())):
-            server.stop()
-        if not self._closed:
-            self._closed = True
-            self._channel.close()
+        self._serving.close()
+        self._connection.close()
 
     def __enter__(self) -> "RLClient":
         return self
@@ -231,34 +140,14 @@ class RLClient(ServingMixin, DataMixin):
         self.close()
 
     @property
-    def keys(self) -> Any:
+    def keys(self) -> KeyAdmin:
         """API key management (:class:`~opentinker_client.keys.KeyAdmin`): ``client.keys.create(...)``,
         ``list()``, ``revoke(prefix)``, ``rotate(prefix)``."""
-        from opentinker_client.keys import KeyAdmin
-
-        if self._closed:
-            raise OpenTinkerError("this RLClient is closed")
-        return KeyAdmin(self._channel, metadata=self._metadata, timeout=self.timeout)
+        self._connection.check_open()
+        return KeyAdmin(self._connection.channel, metadata=self._connection.metadata, timeout=self.timeout)
 
     def __repr__(self) -> str:
         return f"RLClient(scheduler_url={self.scheduler_url!r})"
-
-    # -- plumbing -----------------------------------------------------------------------------
-
-    def _unary(self, name: str, request: Any, *, timeout: float | None = None) -> Any:
-        if self._closed:
-            raise OpenTinkerError("this RLClient is closed")
-        method = getattr(self._stub, name)
-        try:
-            return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, plaintext_hint=self._plaintext_hint) from err
-
-    @staticmethod
-    def _check_task_id(task_id: Any) -> str:
-        if not isinstance(task_id, str) or not task_id.strip():
-            raise InvalidArgumentError(f"task_id: expected a non-empty task id, got {task_id!r}", field="task_id")
-        return task_id
 
     # -- submit -------------------------------------------------------------------------------
 
@@ -371,7 +260,7 @@ class RLClient(ServingMixin, DataMixin):
         except BaseException:
             hosted.stop()
             raise
-        hosted.stop_when_done(lambda: self._get_task(task_id).done)
+        hosted.stop_when_done(lambda: self._tasks.get(task_id).done)
         return task_id
 
     def submit_config(
@@ -400,9 +289,7 @@ class RLClient(ServingMixin, DataMixin):
             config = dataclasses.replace(
                 config, env={"env_id": "chat_jsonl", **config.env, "dataset_id": info.dataset_id}, dataset=""
             )
-        request = scheduler_pb2.SubmitTaskRequest(spec=config.to_proto(), request_id=request_id or uuid.uuid4().hex)
-        response = self._unary("SubmitTask", request)
-        return response.task.task_id
+        return self._tasks.submit(config.to_proto(), request_id=request_id)
 
     # -- read ---------------------------------------------------------------------------------
 
@@ -414,8 +301,7 @@ class RLClient(ServingMixin, DataMixin):
             InvalidArgumentError: empty ``task_id``.
             UnavailableError: the scheduler cannot be reached.
         """
-        self._check_task_id(task_id)
-        return self._get_task(task_id)
+        return self._tasks.get(check_task_id(task_id))
 
     def list_tasks(self, *, states: Iterable[str | int] | str | None = None, limit: int | None = 100) -> list[TaskInfo]:
         """Tasks, newest first.
@@ -429,26 +315,7 @@ class RLClient(ServingMixin, DataMixin):
             InvalidArgumentError: an unknown state name or a limit < 1.
             UnavailableError: the scheduler cannot be reached.
         """
-        if isinstance(states, (str, int)):
-            states = [states]
-        try:
-            state_values = [state_enum(s) for s in (states or ())]
-        except ValueError as err:
-            raise InvalidArgumentError(f"states: {err}", field="states") from None
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise InvalidArgumentError(f"limit: expected an integer >= 1 or None, got {limit!r}", field="limit")
-        out: list[TaskInfo] = []
-        token = ""
-        while True:
-            page_size = 1000 if limit is None else min(1000, limit - len(out))
-            response = self._unary(
-                "ListTasks", scheduler_pb2.ListTasksRequest(states=state_values, page_size=page_size, page_token=token)
-            )
-            out.extend(task_from_proto(t) for t in response.tasks)
-            token = response.next_page_token
-            if not token or not response.tasks or (limit is not None and len(out) >= limit):
-                break
-        return out if limit is None else out[:limit]
+        return self._tasks.list(states=states, limit=limit)
 
     def is_task_complete(self, task_id: str) -> bool:
         """True when the task has ended: SUCCEEDED, FAILED or CANCELLED.
@@ -459,18 +326,8 @@ class RLClient(ServingMixin, DataMixin):
         Raises:
             NotFoundError, InvalidArgumentError, UnavailableError: as for :meth:`get_task`.
         """
-        self._check_task_id(task_id)
-        if self.min_poll_interval > 0:
-            with self._poll_lock:
-                last = self._last_poll.get(task_id)
-            if last is not None:
-                wait = last + self.min_poll_interval - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
-            with self._poll_lock:
-                if len(self._last_poll) > 10_000:
-                    self._last_poll.clear()
-                self._last_poll[task_id] = time.monotonic()
+        check_task_id(task_id)
+        self._pacer.pace(task_id, self.min_poll_interval)
         return self.get_task(task_id).done
 
     def get_metrics(self, task_id: str) -> dict[str, float]:
@@ -485,12 +342,7 @@ class RLClient(ServingMixin, DataMixin):
         Raises:
             NotFoundError, InvalidArgumentError, UnavailableError: as for :meth:`get_task`.
         """
-        self._check_task_id(task_id)
-        response = self._unary("GetMetrics", scheduler_pb2.GetMetricsRequest(task_id=task_id, include_history=False))
-        metrics: dict[str, Any] = {"loss": math.nan, "reward": math.nan}
-        metrics.update(response.latest)
-        metrics["step"] = int(response.latest_step)
-        return metrics
+        return self._tasks.metrics(check_task_id(task_id))
 
     def get_metric_history(self, task_id: str, *, after_step: int = 0) -> list[tuple[int, dict[str, float]]]:
         """Every reported step after ``after_step``, oldest first, as ``(step, values)``; a step
@@ -501,26 +353,7 @@ class RLClient(ServingMixin, DataMixin):
         Raises:
             NotFoundError, InvalidArgumentError, UnavailableError: as for :meth:`get_task`.
         """
-        self._check_task_id(task_id)
-        out: list[tuple[int, dict[str, float]]] = []
-        step = int(after_step)
-        while True:
-            response = self._unary(
-                "GetMetrics", scheduler_pb2.GetMetricsRequest(task_id=task_id, after_step=step, include_history=True)
-            )
-            points = [(s, v) for s, v in metric_points(response.points) if s > step]
-            if not points:
-                break
-            out.extend(points)
-            step = max(s for s, _ in points)
-            if step >= response.latest_step:
-                break
-        # After a resume from a checkpoint the new attempt reports again the steps the old one
-        # ran past that checkpoint: the newest report of each step wins.
-        latest: dict[int, dict[str, float]] = {}
-        for s, v in out:
-            latest[s] = v
-        return sorted(latest.items())
+        return self._tasks.metric_history(check_task_id(task_id), after_step=after_step)
 
     def list_nodes(self) -> list[NodeInfo]:
         """Trainer nodes with their devices, free GPUs, running tasks and latest telemetry.
@@ -528,8 +361,7 @@ class RLClient(ServingMixin, DataMixin):
         Raises:
             UnavailableError: the scheduler cannot be reached.
         """
-        response = self._unary("ListNodes", scheduler_pb2.ListNodesRequest())
-        return [node_from_proto(n) for n in response.nodes]
+        return self._tasks.nodes()
 
     # -- follow -------------------------------------------------------------------------------
 
@@ -556,64 +388,14 @@ class RLClient(ServingMixin, DataMixin):
             UnavailableError: unreachable for longer than ``reconnect_timeout``.
             OpenTinkerError: any other error from the stream.
         """
-        self._check_task_id(task_id)
-        last = int(after_sequence)
-        backoff = _Backoff(*self.reconnect_backoff)
-        down_since: float | None = None
-        while True:
-            if self._closed:
-                raise OpenTinkerError("this RLClient is closed")
-            call = self._stub.WatchTask(
-                scheduler_pb2.WatchTaskRequest(task_id=task_id, after_sequence=last, history_only=not follow),
-                metadata=self._metadata,
-            )
-            unavailable: OpenTinkerError | None = None
-            try:
-                for response in call:
-                    if response.event.sequence <= last:
-                        continue  # already yielded before a reconnect
-                    last = response.event.sequence
-                    down_since = None
-                    backoff.reset()
-                    event = event_from_proto(response.event)
-                    yield event
-                    if event.is_terminal:
-                        return
-            except grpc.RpcError as err:
-                mapped = from_rpc_error(err, plaintext_hint=self._plaintext_hint)
-                if not isinstance(mapped, UnavailableError) or self._closed:
-                    raise mapped from err
-                unavailable = mapped
-            finally:
-                call.cancel()
-
-            if unavailable is None and not follow:
-                return  # the history so far was sent whole
-            if unavailable is None:
-                # The scheduler ends the stream when the task has ended; make sure it did.
-                try:
-                    if self.get_task(task_id).done:
-                        return
-                    down_since = None
-                except UnavailableError as err:
-                    unavailable = err
-            if unavailable is not None:
-                now = time.monotonic()
-                down_since = down_since if down_since is not None else now
-                if reconnect_timeout is not None and now - down_since > reconnect_timeout:
-                    raise UnavailableError(
-                        f"lost the watch stream of task {task_id} and could not reconnect for "
-                        f"{reconnect_timeout:g} s: {unavailable.details}"
-                    ) from unavailable
-            delay = backoff.next()
-            log.warning(
-                "watch of task %s interrupted (%s); resuming after sequence %d in %.1f s",
-                task_id,
-                unavailable.details if unavailable is not None else "stream ended early",
-                last,
-                delay,
-            )
-            time.sleep(delay)
+        check_task_id(task_id)
+        return self._tasks.watch(
+            task_id,
+            after_sequence=after_sequence,
+            follow=follow,
+            reconnect_timeout=reconnect_timeout,
+            backoff=self.reconnect_backoff,
+        )
 
     def wait(self, task_id: str, *, timeout: float | None = None, poll_interval: float = 1.0) -> TaskInfo:
         """Block until the task ends, polling every ``poll_interval`` seconds.
@@ -633,40 +415,7 @@ class RLClient(ServingMixin, DataMixin):
             NotFoundError: no such task.
             UnavailableError: unreachable for more than 300 s in a row.
         """
-        self._check_task_id(task_id)
-        if poll_interval <= 0:
-            raise ValueError(f"poll_interval must be > 0 seconds, got {poll_interval!r}")
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
-        down_since: float | None = None
-        state = "unknown"
-        while True:
-            call_timeout = (
-                self.timeout if deadline is None else max(0.1, min(self.timeout, deadline - time.monotonic()))
-            )
-            try:
-                info = self._get_task(task_id, timeout=call_timeout)
-            except (UnavailableError, DeadlineExceededError) as err:
-                now = time.monotonic()
-                down_since = down_since if down_since is not None else now
-                if now - down_since > 300.0 and isinstance(err, UnavailableError):
-                    raise
-                info = None
-            else:
-                down_since = None
-                state = info.state
-                if info.done:
-                    if info.state != "succeeded":
-                        raise TaskFailedError(info)
-                    return info
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise DeadlineExceededError(f"task {task_id} did not end within {timeout:g} s (last state: {state})")
-            time.sleep(poll_interval if deadline is None else max(0.0, min(poll_interval, deadline - now)))
-
-    def _get_task(self, task_id: str, *, timeout: float | None = None) -> TaskInfo:
-        response = self._unary("GetTask", scheduler_pb2.GetTaskRequest(task_id=task_id), timeout=timeout)
-        return task_from_proto(response.task)
+        return self._tasks.wait(check_task_id(task_id), timeout=timeout, poll_interval=poll_interval)
 
     # -- change -------------------------------------------------------------------------------
 
@@ -685,8 +434,158 @@ class RLClient(ServingMixin, DataMixin):
             NotFoundError: no such task. PermissionDeniedError: not yours.
             UnavailableError: the scheduler cannot be reached.
         """
-        self._check_task_id(task_id)
-        response = self._unary("CancelTask", scheduler_pb2.CancelTaskRequest(task_id=task_id, reason=reason))
-        return task_from_proto(response.task)
+        return self._tasks.cancel(check_task_id(task_id), reason=reason)
 
-    # -- serve and fetch trained adapters (logic in opentinker_client.inference) -----------------
+    # -- datasets and checkpoints -------------------------------------------------------------
+
+    def upload_dataset(
+        self, path: str | os.PathLike[str], *, name: str | None = None, timeout: float | None = None
+    ) -> DatasetInfo:
+        """Upload a JSONL file of chat examples for ``sft`` tasks (one
+        ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line), streamed in 1 MiB chunks.
+
+        The scheduler checks every line while it arrives and stores the file by content, so
+        uploading the same bytes twice returns the same id and stores them once. Name it in a
+        task with ``env_config={"env_id": "chat_jsonl", "dataset_id": info.dataset_id}``, or pass
+        ``dataset=path`` to :meth:`submit_task`, which calls this first.
+
+        Args:
+            path: the local file.
+            name: a name for people (default: the file name).
+            timeout: seconds for the whole upload (default: none).
+
+        Returns:
+            :class:`~opentinker_client.types.DatasetInfo` (``dataset_id`` ``sha256:<hex>``,
+            ``num_examples``, ``size_bytes``).
+
+        Raises:
+            OSError: the file cannot be read.
+            InvalidArgumentError: a bad line (the message names its number and what was
+                expected) or an empty file.
+            ResourceExhaustedError: larger than the scheduler's limit (256 MiB by default).
+            UnavailableError: the scheduler cannot be reached.
+        """
+        return self._data.upload_dataset(path, name=name, timeout=timeout)
+
+    def list_checkpoints(self, task_id: str) -> list[CheckpointInfo]:
+        """The checkpoints a task recorded, oldest first
+        (:class:`~opentinker_client.types.CheckpointInfo`).
+
+        Raises:
+            NotFoundError: no such task. InvalidArgumentError: empty id.
+        """
+        return self._data.list_checkpoints(check_task_id(task_id))
+
+    def download_checkpoint(self, task_id: str, dest: str | os.PathLike[str], *, step: int | None = None) -> Path:
+        """Download a checkpoint folder (the newest, or the one at ``step``) into ``dest``,
+        verifying each file's size and SHA-256; returns ``dest`` as a Path.
+
+        Raises:
+            NotFoundError: no such task or step. FailedPreconditionError: the scheduler cannot
+            read the folder. FileExistsError: ``dest`` is not an empty folder.
+            OpenTinkerError: a file arrived damaged (nothing is left at ``dest``).
+        """
+        return self._data.download_checkpoint(check_task_id(task_id), dest, step=step)
+
+    # -- serve --------------------------------------------------------------------------------
+
+    def serve_environment(
+        self,
+        env: Environment,
+        *,
+        host: str | None = None,
+        port: int = 0,
+        advertise_host: str | None = None,
+        factory: Any = None,
+        token: str | None = None,
+        require_token: bool = True,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
+    ) -> EnvironmentServer:
+        """Serve a client-hosted environment (a subclass of :class:`Environment` that defines
+        ``reset``/``step``) to trainers, and return the started
+        :class:`~opentinker_client.hosting.server.EnvironmentServer`.
+
+        Use as a context manager for an explicit lifetime; submit ``server.env_config``::
+
+            with client.serve_environment(MyEnv()) as server:
+                task_id = client.submit_task(env_config=server.env_config, workload_type="full_rl")
+                client.wait(task_id)
+
+        It stops on leaving the ``with`` block, on ``server.stop()`` or on :meth:`close`.
+
+        Args:
+            host: interface to bind; default ``$OPENTINKER_ENV_HOST`` or ``127.0.0.1``. Trainers
+                on other machines need ``0.0.0.0`` (or the interface they reach) here.
+            port: 0 picks a free port.
+            advertise_host: the host trainers dial, when it differs from ``host``.
+            factory: makes one instance per trainer env (default: a deep copy of ``env``).
+            token: the access token trainers must send; default a random one
+                (``secrets.token_urlsafe(32)``). It goes into ``server.env_config`` (the task
+                spec) and is never logged.
+            require_token: ``False`` serves without a token: local experiments only.
+            tls_cert, tls_key: PEM paths of the server certificate and key (both or neither):
+                serve TLS only. The certificate must name the host trainers dial.
+            tls_ca: PEM path of the CA that signed ``tls_cert``; this client reads it and sends
+                its text to trainers (``env_config.tls_root_certificates``). ``None``: trainers
+                trust their system's roots.
+
+        Raises:
+            InvalidArgumentError: missing or bad declared spaces/options, a bad token or TLS
+                file (``err.field`` names it).
+            OSError: the port cannot be bound.
+        """
+        self._connection.check_open()
+        server = EnvironmentServer(
+            env,
+            host=host,
+            port=port,
+            advertise_host=advertise_host,
+            factory=factory,
+            token=token,
+            require_token=require_token,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_ca=tls_ca,
+        )
+        return self._serving.host(server)
+
+    def serve(
+        self,
+        task_id: str,
+        *,
+        gpu_count: int = 0,
+        ttl: float = 3600.0,
+        max_resident_adapters: int = 8,
+        timeout: float = 600.0,
+        root_certificates: str | os.PathLike | None = None,
+    ) -> InferenceClient:
+        """Serve the adapter of a finished ``lora_finetune`` or ``sft`` task, in one call.
+
+        Reuses a running (or queued) ``inference`` task for the same base model, else submits
+        one (``ttl`` seconds, ``gpu_count`` GPUs), waits until it serves, and returns an
+        :class:`~opentinker_client.inference.InferenceClient` bound to this task's adapter
+        (``client.generate(...)``; ``adapter=None`` on a call asks the base model). The
+        returned client sends this client's API key; for an ``https://`` endpoint it trusts
+        ``root_certificates`` (the CA of the inference servers' certificate; default: this
+        client's CA, else ``$OPENTINKER_TLS_CA``, else the system's roots).
+
+        Before it returns, it makes one ``ListAdapters`` call on the server, so a wrong CA, a
+        TLS/plaintext mix-up or a refused key fails here rather than on the first request.
+
+        Raises:
+            NotFoundError: no such task. FailedPreconditionError: not an adapter task, not
+            finished, or no checkpoint. TaskFailedError: the inference task ended before
+            serving. DeadlineExceededError: not serving within ``timeout`` seconds.
+            UnavailableError, UnauthenticatedError, PermissionDeniedError: the check call failed
+            (certificate, TLS mode, key).
+        """
+        return self._serving.serve(
+            check_task_id(task_id),
+            gpu_count=gpu_count,
+            ttl=ttl,
+            max_resident_adapters=max_resident_adapters,
+            timeout=timeout,
+            root_certificates=root_certificates,
+        )

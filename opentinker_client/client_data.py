@@ -1,53 +1,47 @@
-"""The data half of :class:`~opentinker_client.client.RLClient`: uploading datasets, listing and
-downloading checkpoints. Mixed into ``RLClient``; it uses its stub and metadata."""
+"""The data part of :class:`~opentinker_client.RLClient`: uploading datasets, listing and
+downloading checkpoints, over the :class:`~opentinker_client.connection.SchedulerConnection` it
+is given (``RLClient.upload_dataset``, ``list_checkpoints``, ``download_checkpoint``)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
-from typing import Iterator
-
-import grpc
+import shutil
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator
 
 from opentinker.scheduler.v1 import scheduler_pb2
-from opentinker_client.convert import DatasetInfo, dataset_from_proto
-from opentinker_client.errors import OpenTinkerError, from_rpc_error
+from opentinker_client._convert import checkpoint_from_proto, dataset_from_proto
+from opentinker_client.connection import SchedulerConnection
+from opentinker_client.errors import OpenTinkerError
+from opentinker_client.types import CheckpointInfo, DatasetInfo
 
-__all__ = ["DataMixin", "UPLOAD_CHUNK_BYTES"]
+__all__ = ["DataCalls", "UPLOAD_CHUNK_BYTES"]
 
 #: Bytes per UploadDataset message.
 UPLOAD_CHUNK_BYTES = 1024 * 1024
 
 
-class DataMixin:
-    """``RLClient`` methods that move files: datasets up, checkpoints down."""
+def _safe_relative(path: str) -> PurePosixPath:
+    """A manifest's file path, refused unless it is relative and stays below the folder."""
+    p = PurePosixPath(path)
+    if p.is_absolute() or not p.parts or any(part in ("..", "") for part in p.parts):
+        raise OpenTinkerError(f"the scheduler sent an unsafe file path {path!r} in a checkpoint manifest; refused")
+    return p
+
+
+class DataCalls:
+    """Files to and from the scheduler over ``connection``: datasets up, checkpoints down (see
+    the ``RLClient`` method of each name for arguments, results and errors)."""
+
+    def __init__(self, connection: SchedulerConnection) -> None:
+        self.connection = connection
 
     def upload_dataset(
         self, path: str | os.PathLike[str], *, name: str | None = None, timeout: float | None = None
     ) -> DatasetInfo:
-        """Upload a JSONL file of chat examples for ``sft`` tasks (one
-        ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line), streamed in 1 MiB chunks.
-
-        The scheduler checks every line while it arrives and stores the file by content, so
-        uploading the same bytes twice returns the same id and stores them once. Name it in a
-        task with ``env_config={"env_id": "chat_jsonl", "dataset_id": info.dataset_id}``, or pass
-        ``dataset=path`` to :meth:`submit_task`, which calls this first.
-
-        Args:
-            path: the local file.
-            name: a name for people (default: the file name).
-            timeout: seconds for the whole upload (default: none).
-
-        Returns:
-            :class:`~opentinker_client.convert.DatasetInfo` (``dataset_id`` ``sha256:<hex>``,
-            ``num_examples``, ``size_bytes``).
-
-        Raises:
-            OSError: the file cannot be read.
-            InvalidArgumentError: a bad line (the message names its number and what was
-                expected) or an empty file.
-            ResourceExhaustedError: larger than the scheduler's limit (256 MiB by default).
-            UnavailableError: the scheduler cannot be reached.
-        """
+        """Stream the JSONL file at ``path`` in :data:`UPLOAD_CHUNK_BYTES` pieces; ``name``
+        defaults to the file name, ``timeout`` (seconds, whole upload) to none."""
         path = os.fspath(path)
         if os.path.isdir(path):
             raise IsADirectoryError(f"{path}: is a folder; upload_dataset takes one JSONL file")
@@ -62,37 +56,96 @@ class DataMixin:
                 while chunk := fh.read(UPLOAD_CHUNK_BYTES):
                     yield scheduler_pb2.UploadDatasetRequest(chunk=chunk)
 
-        if self._closed:
-            raise OpenTinkerError("this RLClient is closed")
-        try:
-            response = self._stub.UploadDataset(chunks(), timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
+        response = self.connection.upload("UploadDataset", chunks(), timeout=timeout)
         return dataset_from_proto(response.dataset)
 
-    def list_checkpoints(self, task_id: str) -> list:
-        """The checkpoints a task recorded, oldest first
-        (:class:`~opentinker_client.inference.CheckpointInfo`).
-
-        Raises:
-            NotFoundError: no such task. InvalidArgumentError: empty id.
-        """
-        from opentinker_client.inference import checkpoint_from_proto
-
-        self._check_task_id(task_id)
-        response = self._unary("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id))
+    def list_checkpoints(self, task_id: str) -> list[CheckpointInfo]:
+        """The task's checkpoints, oldest first."""
+        request = scheduler_pb2.ListCheckpointsRequest(task_id=task_id)
+        response = self.connection.unary("ListCheckpoints", request)
         return [checkpoint_from_proto(c) for c in response.checkpoints]
 
-    def download_checkpoint(self, task_id: str, dest: str | os.PathLike[str], *, step: int | None = None):
-        """Download a checkpoint folder (the newest, or the one at ``step``) into ``dest``,
-        verifying each file's size and SHA-256; returns ``dest`` as a Path.
+    def download_checkpoint(
+        self, task_id: str, dest: str | os.PathLike[str], *, step: int | None = None, timeout: float | None = None
+    ) -> Path:
+        """Stream a checkpoint folder (the newest, or the one at ``step``) into ``dest`` (created;
+        must not exist or be empty) and check every file's size and SHA-256 against the manifest.
+        Files are written beside ``dest`` and moved into place only when all of them check out, so
+        nothing half-written is left. The folders are created 0700 and the files 0600: weights are
+        private to the user who fetched them. ``timeout``: seconds for the whole download.
+
+        Returns:
+            ``dest`` as a Path.
 
         Raises:
-            NotFoundError: no such task or step. FailedPreconditionError: the scheduler cannot
-            read the folder. FileExistsError: ``dest`` is not an empty folder.
-            OpenTinkerError: a file arrived damaged (nothing is left at ``dest``).
+            NotFoundError: no such task or step. FailedPreconditionError: the scheduler cannot read
+            the folder. OpenTinkerError: a size or hash mismatch, or an unsafe path in the manifest
+            (the download is discarded). FileExistsError: ``dest`` exists and is not an empty folder.
         """
-        from opentinker_client.inference import download_checkpoint
+        dest = Path(dest)
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise FileExistsError(f"{dest} exists and is not an empty folder")
+        tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        os.chmod(tmp, 0o700)  # model weights are private: the folder is the user's alone (as on the cluster)
+        request = scheduler_pb2.DownloadCheckpointRequest(task_id=task_id, step=step or 0)
+        handles: dict[int, Any] = {}
+        try:
+            with self.connection.stream("DownloadCheckpoint", request, timeout=timeout, plaintext_hint=False) as msgs:
+                self._receive(msgs, tmp, handles)
+            if dest.exists():
+                dest.rmdir()
+            os.replace(tmp, dest)
+            return dest
+        finally:
+            for h in handles.values():
+                h.close()
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
 
-        self._check_task_id(task_id)
-        return download_checkpoint(self._stub, self._metadata, task_id, dest, step=step)
+    @staticmethod
+    def _receive(msgs: Iterator[Any], tmp: Path, handles: dict[int, Any]) -> None:
+        """Write the manifest's files below ``tmp`` from the chunks of ``msgs`` (open files in
+        ``handles``, by file index) and check each one's size and SHA-256."""
+        files: list[tuple[Path, Any]] = []
+        digests: dict[int, Any] = {}
+        sizes: dict[int, int] = {}
+        for msg in msgs:
+            kind = msg.WhichOneof("message")
+            if kind == "manifest":
+                for f in msg.manifest.files:
+                    target = tmp.joinpath(*_safe_relative(f.path).parts)
+                    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    files.append((target, f))
+            elif kind == "chunk":
+                c = msg.chunk
+                if not 0 <= c.file_index < len(files):
+                    raise OpenTinkerError(f"checkpoint download: chunk for unknown file {c.file_index}")
+                if c.file_index not in handles:
+                    handles[c.file_index] = open(
+                        os.open(files[c.file_index][0], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb"
+                    )
+                    digests[c.file_index] = hashlib.sha256()
+                    sizes[c.file_index] = 0
+                if c.offset != sizes[c.file_index]:
+                    raise OpenTinkerError(
+                        f"checkpoint download: chunk at offset {c.offset} of {files[c.file_index][1].path}, "
+                        f"expected {sizes[c.file_index]}"
+                    )
+                handles[c.file_index].write(c.data)
+                digests[c.file_index].update(c.data)
+                sizes[c.file_index] += len(c.data)
+        for h in handles.values():
+            h.close()
+        for i, (target, f) in enumerate(files):
+            got_size = sizes.get(i, 0)
+            got_hash = digests[i].hexdigest() if i in digests else hashlib.sha256().hexdigest()
+            if i not in handles:
+                os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+            if got_size != f.size_bytes or got_hash != f.sha256:
+                raise OpenTinkerError(
+                    f"checkpoint download: {f.path} arrived with {got_size} bytes, sha256 {got_hash}; "
+                    f"expected {f.size_bytes} bytes, sha256 {f.sha256}"
+                )

@@ -39,7 +39,7 @@ from typing import Any, Mapping
 import yaml
 
 from opentinker.common.v1 import common_pb2
-from opentinker_client.convert import dict_to_struct, seconds_to_duration
+from opentinker_client._convert import dict_to_struct, seconds_to_duration
 from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spec_error
 from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel
 from opentinker_common.yaml12 import Yaml12Loader

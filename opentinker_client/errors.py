@@ -29,9 +29,10 @@ from opentinker_common.spec import SpecError
 from opentinker_common.net.transport import closed_by_peer, tls_handshake_failed  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:  # pragma: no cover
-    from opentinker_client.convert import TaskInfo
+    from opentinker_client.types import TaskInfo
 
-__all__ = [
+#: The exception classes, base first: ``opentinker_client`` exports every one of them.
+EXCEPTIONS = [
     "OpenTinkerError",
     "InvalidArgumentError",
     "ConfigError",
@@ -44,6 +45,10 @@ __all__ = [
     "UnavailableError",
     "DeadlineExceededError",
     "TaskFailedError",
+]
+
+__all__ = [
+    *EXCEPTIONS,
     "from_rpc_error",
     "from_spec_error",
     "closed_by_peer",
@@ -52,9 +57,15 @@ __all__ = [
     "INFERENCE_PLAINTEXT_HINT",
 ]
 
+# Status code -> the class that stands for it; filled by the classes themselves (``code=``).
+_BY_CODE: dict[grpc.StatusCode, type[OpenTinkerError]] = {}
+
 
 class OpenTinkerError(Exception):
     """Base of every error raised by the OpenTinker client.
+
+    A subclass declared with ``code=grpc.StatusCode.X`` stands for that status:
+    :func:`from_rpc_error` gives it for every error the server returns with that code.
 
     Attributes:
         code: the gRPC status code, or ``None`` for errors that did not come from a status
@@ -65,6 +76,12 @@ class OpenTinkerError(Exception):
 
     #: The status code this class stands for; ``None`` on the base class.
     grpc_code: grpc.StatusCode | None = None
+
+    def __init_subclass__(cls, *, code: grpc.StatusCode | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.grpc_code = code
+            _BY_CODE[code] = cls
 
     def __init__(self, details: str, *, code: grpc.StatusCode | None = None, status: Any = None) -> None:
         self.details = details
@@ -82,15 +99,16 @@ class OpenTinkerError(Exception):
         return f"{type(self).__name__}(code={code}, details={self.details!r})"
 
 
-class InvalidArgumentError(OpenTinkerError):
+class InvalidArgumentError(OpenTinkerError, code=grpc.StatusCode.INVALID_ARGUMENT):
     """The request is malformed: a bad task spec, an empty task id, a bad page size.
+
+    Raised by the scheduler, and locally, before anything is sent, for what the client can
+    check itself (the task spec, arguments).
 
     Attributes:
         field: dotted path of the offending field (``spec.hyperparameters.learning_rate``) when
             known, else ``None``.
     """
-
-    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
 
     def __init__(
         self, details: str, *, code: grpc.StatusCode | None = None, status: Any = None, field: str | None = None
@@ -120,59 +138,54 @@ class ConfigError(InvalidArgumentError):
         self.key = key
 
 
-class NotFoundError(OpenTinkerError):
+class NotFoundError(OpenTinkerError, code=grpc.StatusCode.NOT_FOUND):
     """No task (or node) with that id exists, or it is not visible to this API key."""
 
-    grpc_code = grpc.StatusCode.NOT_FOUND
 
-
-class FailedPreconditionError(OpenTinkerError):
+class FailedPreconditionError(OpenTinkerError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """The request is well formed but cannot be met, e.g. ``gpu_count`` larger than any node offers."""
 
-    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class AlreadyExistsError(OpenTinkerError):
+class AlreadyExistsError(OpenTinkerError, code=grpc.StatusCode.ALREADY_EXISTS):
     """The thing to create exists already."""
 
-    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+
+class UnauthenticatedError(OpenTinkerError, code=grpc.StatusCode.UNAUTHENTICATED):
+    """No API key, or an unknown one. Pass ``api_key=`` or set ``OPENTINKER_API_KEY``.
+
+    An inference server answers it too, for a key the scheduler does not know (or has revoked,
+    or that has expired).
+    """
 
 
-class UnauthenticatedError(OpenTinkerError):
-    """No API key, or an unknown one. Pass ``api_key=`` or set ``OPENTINKER_API_KEY``."""
-
-    grpc_code = grpc.StatusCode.UNAUTHENTICATED
-
-
-class PermissionDeniedError(OpenTinkerError):
+class PermissionDeniedError(OpenTinkerError, code=grpc.StatusCode.PERMISSION_DENIED):
     """The API key is valid but its role may not do this (e.g. cancel another user's task)."""
 
-    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+class ResourceExhaustedError(OpenTinkerError, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
+    """A limit was reached: message size, spec size, tasks per owner, open streams.
+
+    Waiting may help (open streams, tasks per owner); a smaller request does for sizes.
+    """
 
 
-class ResourceExhaustedError(OpenTinkerError):
-    """A limit was reached: message size, spec size, tasks per owner, open streams."""
+class UnavailableError(OpenTinkerError, code=grpc.StatusCode.UNAVAILABLE):
+    """The scheduler cannot be reached (down, restarting, wrong address). Safe to retry.
 
-    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class UnavailableError(OpenTinkerError):
-    """The scheduler cannot be reached (down, restarting, wrong address). Safe to retry."""
-
-    grpc_code = grpc.StatusCode.UNAVAILABLE
+    On a plaintext channel to a server that closed the connection, ``details`` ends with a hint
+    that it may serve TLS (:data:`SCHEDULER_PLAINTEXT_HINT`, :data:`INFERENCE_PLAINTEXT_HINT`).
+    """
 
 
-class DeadlineExceededError(OpenTinkerError, TimeoutError):
+class DeadlineExceededError(OpenTinkerError, TimeoutError, code=grpc.StatusCode.DEADLINE_EXCEEDED):
     """A call or a :meth:`RLClient.wait` did not finish in time. Also a :class:`TimeoutError`."""
-
-    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class TaskFailedError(OpenTinkerError):
     """Raised by :meth:`RLClient.wait` when the task ended ``FAILED`` or ``CANCELLED``.
 
     Attributes:
-        task: the final :class:`~opentinker_client.convert.TaskInfo`; ``task.state`` is
+        task: the final :class:`~opentinker_client.types.TaskInfo`; ``task.state`` is
             ``"failed"`` or ``"cancelled"`` and ``task.error`` says why.
     """
 
@@ -181,21 +194,6 @@ class TaskFailedError(OpenTinkerError):
         super().__init__(f"task {task.task_id} {task.state.upper()}: {reason}")
         self.task = task
 
-
-_BY_CODE: dict[grpc.StatusCode, type[OpenTinkerError]] = {
-    cls.grpc_code: cls
-    for cls in (
-        InvalidArgumentError,
-        NotFoundError,
-        FailedPreconditionError,
-        AlreadyExistsError,
-        UnauthenticatedError,
-        PermissionDeniedError,
-        ResourceExhaustedError,
-        UnavailableError,
-        DeadlineExceededError,
-    )
-}
 
 #: Appended to UNAVAILABLE on a plaintext channel to the scheduler that the server closed.
 SCHEDULER_PLAINTEXT_HINT = (

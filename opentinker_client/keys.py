@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
+from opentinker_client._convert import timestamp_to_datetime
 from opentinker_client.errors import InvalidArgumentError, from_rpc_error
 
 __all__ = ["KeyAdmin", "ApiKeyInfo", "AuditRecord", "ROLES"]
@@ -34,12 +35,6 @@ _ROLE_PB = {
     "node": admin_pb2.API_KEY_ROLE_NODE,
 }
 _PB_ROLE = {v: k for k, v in _ROLE_PB.items()}
-
-
-def _time(ts) -> _dt.datetime | None:
-    if not ts.seconds and not ts.nanos:
-        return None
-    return ts.ToDatetime(tzinfo=_dt.timezone.utc)
 
 
 @dataclass(frozen=True)
@@ -64,9 +59,9 @@ class ApiKeyInfo:
             role=_PB_ROLE.get(k.role, "unspecified"),
             description=k.description,
             active=k.active,
-            create_time=_time(k.create_time),
-            revoke_time=_time(k.revoke_time),
-            expire_time=_time(k.expire_time),
+            create_time=timestamp_to_datetime(k.create_time),
+            revoke_time=timestamp_to_datetime(k.revoke_time),
+            expire_time=timestamp_to_datetime(k.expire_time),
             replaced_by=k.replaced_by,
         )
 
@@ -132,7 +127,7 @@ class KeyAdmin:
         return [
             AuditRecord(
                 e.id,
-                _time(e.time),
+                timestamp_to_datetime(e.time),
                 e.owner,
                 e.role,
                 e.key_prefix,

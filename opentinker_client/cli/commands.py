@@ -35,7 +35,7 @@ import sys
 from typing import Any, Sequence
 
 from opentinker_client.client import DEFAULT_SCHEDULER_URL, RLClient
-from opentinker_client.convert import TERMINAL_STATES, NodeInfo, TaskEvent, TaskInfo
+from opentinker_client.types import TERMINAL_STATES, NodeInfo, TaskEvent, TaskInfo
 from opentinker_client.errors import OpenTinkerError
 
 __all__ = ["main", "build_parser"]

@@ -3,7 +3,7 @@ sent (:func:`clean_api_key`) and when it arrives (:func:`authorization_problem`)
 
 from __future__ import annotations
 
-__all__ = ["clean_api_key", "authorization_problem"]
+__all__ = ["clean_api_key", "bearer_metadata", "authorization_problem"]
 
 #: Schemes of the HTTP ``Authorization`` header (IANA registry and common ones) that a refusal
 #: may name; anything else is described without being echoed (it may be a secret).
@@ -60,6 +60,12 @@ def clean_api_key(api_key: str | None, what: str = "api_key") -> str:
                 f"got {len(key)} characters with {kind} at position {i} (the key is not shown)"
             )
     return key
+
+
+def bearer_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries ``api_key``: ``(("authorization", "Bearer <key>"),)``, or
+    ``()`` for ``""`` (send no key). ``api_key`` should have passed :func:`clean_api_key`."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
 def authorization_problem(metadata, *, expected: str = "Bearer otk_...") -> str | None:

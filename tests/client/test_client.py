@@ -9,7 +9,7 @@ import pytest
 
 import opentinker_client as ot
 from opentinker_client import Environment, RLClient
-from opentinker_client.convert import struct_to_dict
+from opentinker_client._convert import struct_to_dict
 
 from tests.support.fake_scheduler import S, finished_task
 

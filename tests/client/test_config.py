@@ -5,7 +5,7 @@ import pytest
 from google.protobuf import struct_pb2
 
 from opentinker_client import ConfigError, InvalidArgumentError, TaskConfig, load_task_config, parse_task_config
-from opentinker_client.convert import duration_to_seconds, struct_to_dict
+from opentinker_client._convert import duration_to_seconds, struct_to_dict
 
 VALID = textwrap.dedent(
     """\

@@ -5,9 +5,7 @@ from google.protobuf import struct_pb2, timestamp_pb2
 
 from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import scheduler_pb2
-from opentinker_client.convert import (
-    TaskEvent,
-    TaskInfo,
+from opentinker_client._convert import (
     dict_to_struct,
     duration_to_seconds,
     event_from_proto,
@@ -19,6 +17,7 @@ from opentinker_client.convert import (
     task_from_proto,
     timestamp_to_datetime,
 )
+from opentinker_client.types import TaskEvent, TaskInfo
 
 T0 = timestamp_pb2.Timestamp(seconds=1_700_000_000, nanos=500_000_000)
 

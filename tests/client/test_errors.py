@@ -4,7 +4,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 import opentinker_client as ot
-from opentinker_client.convert import TaskInfo
+from opentinker_client.types import TaskInfo
 from opentinker_client.errors import from_rpc_error, from_spec_error
 from opentinker_common.spec import SpecError
 

@@ -164,3 +164,17 @@ def test_evaluate_refuses_episode_counts_outside_1_to_10000() -> None:
     for bad in (0, -5, MAX_EPISODES + 1, 99_999_999_999):
         with pytest.raises(InvalidArgumentError, match=r"episodes: expected an integer in \[1, 10000\]"):
             evaluate(object(), episodes=bad)
+
+
+def test_a_keyword_that_is_no_sampling_setting_is_a_type_error_at_the_call() -> None:
+    client = InferenceClient("127.0.0.1:1", timeout=2)
+    with pytest.raises(
+        TypeError, match=r"^InferenceClient.generate\(\) got an unexpected keyword argument 'temprature'"
+    ):
+        client.generate("x", temprature=0)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"generate_stream\(\) got an unexpected keyword argument 'maxtokens'"):
+        client.generate_stream("x", maxtokens=3)  # type: ignore[call-arg]  # at once, before any next()
+    stream = client.generate_stream()  # a bad prompt is still found on the first next()
+    with pytest.raises(InvalidArgumentError, match="exactly one of prompt"):
+        next(stream)
+    client.close()

@@ -116,7 +116,7 @@ def test_watch_success_and_failure(fake):
 
 def test_watch_shows_total_steps_from_hyperparameters(fake):
     from opentinker.common.v1 import common_pb2
-    from opentinker_client.convert import dict_to_struct
+    from opentinker_client._convert import dict_to_struct
 
     servicer, server = fake
     spec = common_pb2.TaskSpec(workload_type="lora_finetune", hyperparameters=dict_to_struct({"steps": 2}))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def test_the_first_history_line_reads_submitted_not_unspecified() -> None:
     from opentinker_client.cli.commands import _state_line
-    from opentinker_client.convert import TaskEvent
+    from opentinker_client.types import TaskEvent
 
     first = TaskEvent(task_id="t", sequence=1, time=None, kind="state", from_state="unspecified", to_state="pending")
     assert (

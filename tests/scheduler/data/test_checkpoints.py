@@ -169,7 +169,7 @@ def test_download_through_grpc_matches_file_hashes_and_endpoint_shows_while_runn
 
 
 def test_damaged_download_is_refused_and_leaves_nothing(tmp_path) -> None:
-    from opentinker_client.inference import _safe_relative
+    from opentinker_client.client_data import _safe_relative
 
     for bad in ("/etc/passwd", "../x", "a/../../b", ""):
         with pytest.raises(OpenTinkerError, match="unsafe file path"):

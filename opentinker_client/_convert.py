@@ -1,29 +1,38 @@
-"""Protobuf <-> Python conversions: tasks, events, nodes, ``Struct``, times and states.
+"""Protobuf <-> Python conversion behind the client: ``Struct``, times, task states, and the
+value types of :mod:`opentinker_client.types` from their messages.
 
-The client returns these frozen dataclasses instead of protobuf messages; the scheduler may reuse
-:func:`dict_to_struct` / :func:`struct_to_dict` and the state helpers. Times are timezone-aware
-:class:`datetime.datetime` in UTC (``None`` when unset); lengths of time are float seconds.
+Private to the client (the scheduler and trainers have their own). Times come back as
+timezone-aware :class:`datetime.datetime` in UTC (``None`` when unset, the zero timestamp
+included); lengths of time are float seconds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import math
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 
 from opentinker.common.v1 import common_pb2
+from opentinker.inference.v1 import inference_pb2
 from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_client.types import (
+    AdapterInfo,
+    CheckpointInfo,
+    DatasetInfo,
+    DeviceInfo,
+    DeviceTelemetry,
+    Generation,
+    NodeInfo,
+    Sample,
+    StreamChunk,
+    TaskEvent,
+    TaskInfo,
+)
 
 __all__ = [
-    "TERMINAL_STATES",
-    "TaskInfo",
-    "TaskEvent",
-    "NodeInfo",
-    "DeviceInfo",
-    "DeviceTelemetry",
     "dict_to_struct",
     "struct_to_dict",
     "value_to_python",
@@ -36,14 +45,14 @@ __all__ = [
     "event_from_proto",
     "node_from_proto",
     "metric_points",
-    "DatasetInfo",
     "dataset_from_proto",
+    "checkpoint_from_proto",
+    "generation_from_proto",
+    "stream_chunk_from_proto",
+    "adapter_from_proto",
 ]
 
 _STATE_PREFIX = "TASK_STATE_"
-
-#: Lowercase names of the states a task never leaves.
-TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 
 # Integers up to 2**53 survive a trip through a double exactly.
 _MAX_EXACT_INT = 2**53
@@ -177,10 +186,6 @@ def timestamp_to_datetime(ts: timestamp_pb2.Timestamp | None) -> _dt.datetime | 
     return ts.ToDatetime(tzinfo=_dt.timezone.utc)
 
 
-def _field_time(msg: Any, name: str) -> _dt.datetime | None:
-    return timestamp_to_datetime(getattr(msg, name)) if msg.HasField(name) else None
-
-
 def seconds_to_duration(seconds: float | _dt.timedelta) -> duration_pb2.Duration:
     """Seconds (or a timedelta) -> ``google.protobuf.Duration``."""
     if isinstance(seconds, _dt.timedelta):
@@ -202,74 +207,6 @@ def duration_to_seconds(d: duration_pb2.Duration) -> float:
 
 # ---------------------------------------------------------------------------------------------
 # Tasks.
-
-
-@dataclass(frozen=True)
-class TaskInfo:
-    """A task as the scheduler reports it.
-
-    Attributes:
-        task_id: the scheduler's id for the task.
-        state: ``"pending"``, ``"assigned"``, ``"running"``, ``"succeeded"``, ``"failed"`` or
-            ``"cancelled"``.
-        attempt: 1 for the first attempt, +1 each time the task is requeued.
-        name, workload_type, model: from the spec (``model`` as the scheduler resolved it).
-        priority: effective priority; larger numbers are scheduled first.
-        gpu_count: GPUs asked for (0 = CPU task).
-        owner: who submitted it.
-        node_id: node it is assigned to or running on; ``""`` when pending or finished.
-        device_indices: device indices on that node.
-        pending_reason: why a pending task has not started (for a person to read).
-        error: why it failed or was cancelled (for a person to read).
-        latest_step: newest training step reported (0 before the first).
-        latest_metrics: that step's values (``loss``, ``reward``, namespaced keys ...).
-        checkpoint_path: folder of the newest checkpoint on its node, ``""`` when none.
-        checkpoint_step: the step that checkpoint was written after (0 when none).
-        create_time, update_time, start_time, end_time: UTC datetimes or ``None``.
-        env_config, hyperparameters: the spec's mappings as plain dicts.
-        max_runtime: wall-clock limit of one attempt in seconds, ``None`` for none.
-        max_attempts: attempts allowed (0 = scheduler default).
-        init_from: id of the task whose final checkpoint this one started from, ``""`` for none.
-        proto: the underlying ``common_pb2.Task`` (not compared, not shown).
-    """
-
-    task_id: str
-    state: str
-    attempt: int = 0
-    name: str = ""
-    workload_type: str = ""
-    model: str = ""
-    priority: int = 0
-    gpu_count: int = 0
-    owner: str = ""
-    node_id: str = ""
-    device_indices: tuple[int, ...] = ()
-    pending_reason: str = ""
-    error: str = ""
-    latest_step: int = 0
-    latest_metrics: Mapping[str, float] = field(default_factory=dict)
-    checkpoint_path: str = ""
-    checkpoint_step: int = 0
-    endpoint: str = ""  # host:port a RUNNING inference task serves on
-    create_time: _dt.datetime | None = None
-    update_time: _dt.datetime | None = None
-    start_time: _dt.datetime | None = None
-    end_time: _dt.datetime | None = None
-    env_config: Mapping[str, Any] = field(default_factory=dict)
-    hyperparameters: Mapping[str, Any] = field(default_factory=dict)
-    max_runtime: float | None = None
-    max_attempts: int = 0
-    init_from: str = ""
-    proto: Any = field(default=None, repr=False, compare=False)
-
-    @property
-    def done(self) -> bool:
-        """True once the task is SUCCEEDED, FAILED or CANCELLED."""
-        return self.state in TERMINAL_STATES
-
-    @property
-    def succeeded(self) -> bool:
-        return self.state == "succeeded"
 
 
 def task_from_proto(task: common_pb2.Task) -> TaskInfo:
@@ -296,10 +233,10 @@ def task_from_proto(task: common_pb2.Task) -> TaskInfo:
         checkpoint_path=ckpt.path if ckpt is not None else "",
         checkpoint_step=ckpt.step if ckpt is not None else 0,
         endpoint=task.endpoint,
-        create_time=_field_time(task, "create_time"),
-        update_time=_field_time(task, "update_time"),
-        start_time=_field_time(task, "start_time"),
-        end_time=_field_time(task, "end_time"),
+        create_time=timestamp_to_datetime(task.create_time),
+        update_time=timestamp_to_datetime(task.update_time),
+        start_time=timestamp_to_datetime(task.start_time),
+        end_time=timestamp_to_datetime(task.end_time),
         env_config=struct_to_dict(spec.env_config),
         hyperparameters=struct_to_dict(spec.hyperparameters),
         max_runtime=duration_to_seconds(limits.max_runtime) if limits.HasField("max_runtime") else None,
@@ -313,50 +250,9 @@ def task_from_proto(task: common_pb2.Task) -> TaskInfo:
 # Events.
 
 
-@dataclass(frozen=True)
-class TaskEvent:
-    """One entry of a task's event log, as :meth:`RLClient.watch` yields it.
-
-    ``kind`` says which fields are filled:
-
-    - ``"state"``: ``from_state``, ``to_state`` (lowercase state names), ``attempt``, ``reason``
-      (machine-readable: ``SUBMITTED``, ``STARTED``, ``NODE_LOST`` ...), ``message``, ``node_id``.
-    - ``"metric"``: ``step`` and ``metrics`` (``loss``, ``reward``, namespaced keys ...).
-    - ``"checkpoint"``: ``step``, ``attempt``, ``node_id``, ``checkpoint_path``,
-      ``checkpoint_format`` (``peft_lora`` ...) and ``final``.
-    - ``"unknown"``: an event kind this client does not know (a newer scheduler).
-
-    Attributes:
-        task_id: the task.
-        sequence: position in the task's log, from 1; resume a watch after it.
-        time: when the scheduler recorded it (UTC), or ``None``.
-    """
-
-    task_id: str
-    sequence: int
-    time: _dt.datetime | None
-    kind: str
-    from_state: str = ""
-    to_state: str = ""
-    attempt: int = 0
-    reason: str = ""
-    message: str = ""
-    node_id: str = ""
-    step: int = 0
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    checkpoint_path: str = ""
-    checkpoint_format: str = ""
-    final: bool = False
-
-    @property
-    def is_terminal(self) -> bool:
-        """True for the state change that ends the task (to SUCCEEDED, FAILED or CANCELLED)."""
-        return self.kind == "state" and self.to_state in TERMINAL_STATES
-
-
 def event_from_proto(event: common_pb2.TaskEvent) -> TaskEvent:
     """``common_pb2.TaskEvent`` -> :class:`TaskEvent`."""
-    base = dict(task_id=event.task_id, sequence=event.sequence, time=_field_time(event, "time"))
+    base = dict(task_id=event.task_id, sequence=event.sequence, time=timestamp_to_datetime(event.time))
     which = event.WhichOneof("event")
     if which == "state_change":
         sc = event.state_change
@@ -389,104 +285,42 @@ def event_from_proto(event: common_pb2.TaskEvent) -> TaskEvent:
 
 
 # ---------------------------------------------------------------------------------------------
+# Messages whose fields the value types name alike.
+
+
+def _by_name(cls: Any, msg: Any, **converted: Any) -> Any:
+    """An instance of the dataclass ``cls``: the fields in ``converted`` as given, every other
+    field copied from the field of the same name of ``msg``."""
+    copied = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls) if f.name not in converted}
+    return cls(**copied, **converted)
+
+
+def _present(cls: Any, msg: Any, **converted: Any) -> Any:
+    """As :func:`_by_name`, for optional fields: a field ``msg`` does not have set is ``None``."""
+    copied = {
+        f.name: getattr(msg, f.name) if msg.HasField(f.name) else None
+        for f in dataclasses.fields(cls)
+        if f.name not in converted
+    }
+    return cls(**copied, **converted)
+
+
+# ---------------------------------------------------------------------------------------------
 # Nodes.
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """A device of a node. ``memory_total_bytes`` in bytes; ``simulated`` for ``--simulate-gpus``."""
-
-    index: int
-    uuid: str = ""
-    name: str = ""
-    memory_total_bytes: int = 0
-    simulated: bool = False
-
-
-@dataclass(frozen=True)
-class DeviceTelemetry:
-    """Latest telemetry of one device. A value NVML could not give is ``None`` and
-    ``unavailable[field]`` says why.
-
-    Units: ``utilization_percent`` %, memory in bytes, ``temperature_c`` degrees Celsius,
-    ``power_w`` watts, ``sm_clock_mhz`` MHz, ``ecc_errors`` a count.
-    """
-
-    index: int
-    utilization_percent: float | None = None
-    memory_used_bytes: int | None = None
-    memory_total_bytes: int | None = None
-    temperature_c: float | None = None
-    power_w: float | None = None
-    sm_clock_mhz: int | None = None
-    ecc_errors: int | None = None
-    unavailable: Mapping[str, str] = field(default_factory=dict)
-    simulated: bool = False
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    """A trainer node as the scheduler sees it.
-
-    Attributes:
-        connected: its stream is open and its lease fresh.
-        gpu_count: GPUs the scheduler places on; ``gpus_free`` of them are free now.
-        max_tasks: tasks it may run at once; ``running_task_ids`` runs now.
-        last_heartbeat_time: UTC datetime or ``None``.
-        notes: things a person should see (simulated devices, config/NVML disagreement ...).
-    """
-
-    node_id: str
-    connected: bool = False
-    gpu_count: int = 0
-    gpus_free: int = 0
-    max_tasks: int = 0
-    running_task_ids: tuple[str, ...] = ()
-    devices: tuple[DeviceInfo, ...] = ()
-    telemetry: tuple[DeviceTelemetry, ...] = ()
-    last_heartbeat_time: _dt.datetime | None = None
-    version: str = ""
-    notes: tuple[str, ...] = ()
-    proto: Any = field(default=None, repr=False, compare=False)
-
-
-def _opt(msg: Any, name: str) -> Any:
-    return getattr(msg, name) if msg.HasField(name) else None
-
-
-def _telemetry_from_proto(t: common_pb2.DeviceTelemetry) -> DeviceTelemetry:
-    return DeviceTelemetry(
-        index=t.index,
-        utilization_percent=_opt(t, "utilization_percent"),
-        memory_used_bytes=_opt(t, "memory_used_bytes"),
-        memory_total_bytes=_opt(t, "memory_total_bytes"),
-        temperature_c=_opt(t, "temperature_c"),
-        power_w=_opt(t, "power_w"),
-        sm_clock_mhz=_opt(t, "sm_clock_mhz"),
-        ecc_errors=_opt(t, "ecc_errors"),
-        unavailable=dict(t.unavailable),
-        simulated=t.simulated,
-    )
 
 
 def node_from_proto(node: scheduler_pb2.Node) -> NodeInfo:
     """``scheduler_pb2.Node`` -> :class:`NodeInfo`."""
-    return NodeInfo(
-        node_id=node.node_id,
-        connected=node.connected,
-        gpu_count=node.gpu_count,
-        gpus_free=node.gpus_free,
-        max_tasks=node.max_tasks,
+    return _by_name(
+        NodeInfo,
+        node,
         running_task_ids=tuple(node.running_task_ids),
-        devices=tuple(
-            DeviceInfo(
-                index=d.index, uuid=d.uuid, name=d.name, memory_total_bytes=d.memory_total_bytes, simulated=d.simulated
-            )
-            for d in node.devices
+        devices=tuple(_by_name(DeviceInfo, d) for d in node.devices),
+        telemetry=tuple(
+            _present(DeviceTelemetry, t, index=t.index, unavailable=dict(t.unavailable), simulated=t.simulated)
+            for t in node.telemetry
         ),
-        telemetry=tuple(_telemetry_from_proto(t) for t in node.telemetry),
-        last_heartbeat_time=_field_time(node, "last_heartbeat_time"),
-        version=node.version,
+        last_heartbeat_time=timestamp_to_datetime(node.last_heartbeat_time),
         notes=tuple(node.notes),
         proto=node,
     )
@@ -498,28 +332,54 @@ def metric_points(points: Iterable[common_pb2.MetricPoint]) -> list[tuple[int, d
 
 
 # ---------------------------------------------------------------------------------------------
-# Datasets.
-
-
-@dataclass(frozen=True)
-class DatasetInfo:
-    """An uploaded dataset (``RLClient.upload_dataset``).
-
-    Attributes:
-        dataset_id: ``sha256:<hex>``, what ``env_config.dataset_id`` names.
-        name: the name given at upload (the file name by default).
-        size_bytes: bytes.
-        num_examples: examples (non-blank lines).
-    """
-
-    dataset_id: str
-    name: str = ""
-    size_bytes: int = 0
-    num_examples: int = 0
+# Datasets and checkpoints.
 
 
 def dataset_from_proto(info: scheduler_pb2.DatasetInfo) -> DatasetInfo:
     """``scheduler_pb2.DatasetInfo`` -> :class:`DatasetInfo`."""
-    return DatasetInfo(
-        dataset_id=info.dataset_id, name=info.name, size_bytes=info.size_bytes, num_examples=info.num_examples
+    return _by_name(DatasetInfo, info)
+
+
+def checkpoint_from_proto(ck: common_pb2.Checkpoint) -> CheckpointInfo:
+    """A checkpoint record -> :class:`CheckpointInfo`."""
+    return _by_name(CheckpointInfo, ck, create_time=timestamp_to_datetime(ck.create_time))
+
+
+# ---------------------------------------------------------------------------------------------
+# Inference.
+
+_FINISH = {inference_pb2.FINISH_REASON_STOP: "stop", inference_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+def generation_from_proto(resp: inference_pb2.GenerateResponse) -> Generation:
+    """``GenerateResponse`` -> :class:`Generation` (an unknown finish reason reads ``""``)."""
+    return Generation(
+        samples=tuple(
+            Sample(s.index, s.text, tuple(s.token_ids), tuple(s.logprobs), _FINISH.get(s.finish_reason, ""))
+            for s in resp.samples
+        ),
+        prompt_tokens=resp.usage.prompt_tokens,
+        completion_tokens=resp.usage.completion_tokens,
+        model=resp.model,
+        adapter=resp.adapter or None,
+    )
+
+
+def stream_chunk_from_proto(m: inference_pb2.GenerateStreamResponse) -> StreamChunk:
+    """One ``GenerateStreamResponse`` -> :class:`StreamChunk` (``finish_reason`` ``None`` until
+    the sample's last chunk; ``usage`` only on the stream's last one)."""
+    return StreamChunk(
+        index=m.index,
+        text=m.text,
+        token_ids=tuple(m.token_ids),
+        logprobs=tuple(m.logprobs),
+        finish_reason=_FINISH.get(m.finish_reason),
+        usage=(m.usage.prompt_tokens, m.usage.completion_tokens) if m.HasField("usage") else None,
+    )
+
+
+def adapter_from_proto(a: inference_pb2.Adapter) -> AdapterInfo:
+    """A loaded adapter's record -> :class:`AdapterInfo`."""
+    return _by_name(
+        AdapterInfo, a, load_time=timestamp_to_datetime(a.load_time), last_used_time=timestamp_to_datetime(a.last_used_time)
     )

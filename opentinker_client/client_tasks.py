@@ -1,0 +1,294 @@
+"""The task part of :class:`~opentinker_client.RLClient`: submit, read, follow and cancel tasks,
+over the :class:`~opentinker_client.connection.SchedulerConnection` it is given.
+
+``RLClient`` checks its arguments and documents each call; :class:`TaskCalls` makes them.
+Errors are :class:`~opentinker_client.errors.OpenTinkerError` subclasses, as ``RLClient`` says.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+import uuid
+from typing import Any, Iterable, Iterator
+
+from opentinker.common.v1 import common_pb2
+from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_client._convert import event_from_proto, metric_points, node_from_proto, state_enum, task_from_proto
+from opentinker_client.connection import SchedulerConnection
+from opentinker_client.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    TaskFailedError,
+    UnavailableError,
+)
+from opentinker_client.types import NodeInfo, TaskEvent, TaskInfo
+
+__all__ = ["TaskCalls", "PollPacer", "check_task_id"]
+
+log = logging.getLogger("opentinker_client")
+
+#: Seconds :meth:`TaskCalls.wait` rides out ``UNAVAILABLE`` in a row before it gives up.
+WAIT_OUTAGE_S = 300.0
+
+
+def check_task_id(task_id: Any) -> str:
+    """``task_id`` when it is a non-empty string.
+
+    Raises:
+        InvalidArgumentError: anything else (``field="task_id"``), before anything is sent.
+    """
+    if not isinstance(task_id, str) or not task_id.strip():
+        raise InvalidArgumentError(f"task_id: expected a non-empty task id, got {task_id!r}", field="task_id")
+    return task_id
+
+
+class _Backoff:
+    """Exponential backoff with +-20 % jitter, in seconds."""
+
+    def __init__(self, initial: float, maximum: float) -> None:
+        self.initial, self.maximum = initial, maximum
+        self.current = initial
+
+    def reset(self) -> None:
+        self.current = self.initial
+
+    def next(self) -> float:
+        delay = self.current * random.uniform(0.8, 1.2)
+        self.current = min(self.current * 2, self.maximum)
+        return delay
+
+
+class PollPacer:
+    """Keeps calls about the same key at least ``interval`` seconds apart, by sleeping the rest
+    of the interval (the seed's tight ``while not client.is_task_complete(...)`` loop). Safe to
+    share between threads; it forgets all keys past 10,000."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def pace(self, key: str, interval: float) -> None:
+        """Sleep until ``interval`` seconds have passed since the last call for ``key``; an
+        ``interval`` <= 0 returns at once."""
+        if interval <= 0:
+            return
+        with self._lock:
+            last = self._last.get(key)
+        if last is not None:
+            wait = last + interval - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+        with self._lock:
+            if len(self._last) > 10_000:
+                self._last.clear()
+            self._last[key] = time.monotonic()
+
+
+class TaskCalls:
+    """``SchedulerService`` task calls over ``connection`` (see the ``RLClient`` method of each
+    name for arguments, results and errors). Task ids are taken as checked."""
+
+    def __init__(self, connection: SchedulerConnection) -> None:
+        self.connection = connection
+
+    # -- submit and change --------------------------------------------------------------------
+
+    def submit(self, spec: common_pb2.TaskSpec, *, request_id: str | None = None) -> str:
+        """Submit ``spec``; returns the new task's id. ``request_id`` (idempotency key) defaults
+        to a random one, so that gRPC may retry the call."""
+        request = scheduler_pb2.SubmitTaskRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
+        return self.connection.unary("SubmitTask", request).task.task_id
+
+    def cancel(self, task_id: str, *, reason: str = "") -> TaskInfo:
+        """Cancel; returns the task after it (``RLClient.cancel``)."""
+        response = self.connection.unary("CancelTask", scheduler_pb2.CancelTaskRequest(task_id=task_id, reason=reason))
+        return task_from_proto(response.task)
+
+    # -- read ---------------------------------------------------------------------------------
+
+    def get(self, task_id: str, *, timeout: float | None = None) -> TaskInfo:
+        """The task now; ``timeout`` in seconds (``None``: the connection's)."""
+        response = self.connection.unary("GetTask", scheduler_pb2.GetTaskRequest(task_id=task_id), timeout=timeout)
+        return task_from_proto(response.task)
+
+    def list(self, *, states: Iterable[str | int] | str | None, limit: int | None) -> list[TaskInfo]:
+        """Tasks newest first, fetched a page of at most 1000 at a time (``RLClient.list_tasks``)."""
+        if isinstance(states, (str, int)):
+            states = [states]
+        try:
+            state_values = [state_enum(s) for s in (states or ())]
+        except ValueError as err:
+            raise InvalidArgumentError(f"states: {err}", field="states") from None
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise InvalidArgumentError(f"limit: expected an integer >= 1 or None, got {limit!r}", field="limit")
+        out: list[TaskInfo] = []
+        token = ""
+        while True:
+            page_size = 1000 if limit is None else min(1000, limit - len(out))
+            response = self.connection.unary(
+                "ListTasks", scheduler_pb2.ListTasksRequest(states=state_values, page_size=page_size, page_token=token)
+            )
+            out.extend(task_from_proto(t) for t in response.tasks)
+            token = response.next_page_token
+            if not token or not response.tasks or (limit is not None and len(out) >= limit):
+                break
+        return out if limit is None else out[:limit]
+
+    def metrics(self, task_id: str) -> dict[str, float]:
+        """The newest step's metrics with ``loss``, ``reward`` (NaN before step 1) and ``step``."""
+        request = scheduler_pb2.GetMetricsRequest(task_id=task_id, include_history=False)
+        response = self.connection.unary("GetMetrics", request)
+        metrics: dict[str, Any] = {"loss": math.nan, "reward": math.nan}
+        metrics.update(response.latest)
+        metrics["step"] = int(response.latest_step)
+        return metrics
+
+    def metric_history(self, task_id: str, *, after_step: int = 0) -> list[tuple[int, dict[str, float]]]:
+        """``(step, values)`` after ``after_step``, oldest first, each step once (its newest report)."""
+        out: list[tuple[int, dict[str, float]]] = []
+        step = int(after_step)
+        while True:
+            response = self.connection.unary(
+                "GetMetrics", scheduler_pb2.GetMetricsRequest(task_id=task_id, after_step=step, include_history=True)
+            )
+            points = [(s, v) for s, v in metric_points(response.points) if s > step]
+            if not points:
+                break
+            out.extend(points)
+            step = max(s for s, _ in points)
+            if step >= response.latest_step:
+                break
+        # After a resume from a checkpoint the new attempt reports again the steps the old one
+        # ran past that checkpoint: the newest report of each step wins.
+        latest: dict[int, dict[str, float]] = {}
+        for s, v in out:
+            latest[s] = v
+        return sorted(latest.items())
+
+    def nodes(self) -> list[NodeInfo]:
+        """The trainer nodes (``RLClient.list_nodes``)."""
+        response = self.connection.unary("ListNodes", scheduler_pb2.ListNodesRequest())
+        return [node_from_proto(n) for n in response.nodes]
+
+    # -- follow -------------------------------------------------------------------------------
+
+    def watch(
+        self,
+        task_id: str,
+        *,
+        after_sequence: int,
+        follow: bool,
+        reconnect_timeout: float | None,
+        backoff: tuple[float, float],
+    ) -> Iterator[TaskEvent]:
+        """The task's events after ``after_sequence``, resuming after the last one seen when the
+        stream drops; ``backoff`` is (first, largest) reconnect delay in seconds (``RLClient.watch``)."""
+        last = int(after_sequence)
+        delays = _Backoff(*backoff)
+        down_since: float | None = None
+        while True:
+            request = scheduler_pb2.WatchTaskRequest(task_id=task_id, after_sequence=last, history_only=not follow)
+            unavailable: UnavailableError | None = None
+            try:
+                with self.connection.stream("WatchTask", request) as responses:
+                    for response in responses:
+                        if response.event.sequence <= last:
+                            continue  # already yielded before a reconnect
+                        last = response.event.sequence
+                        down_since = None
+                        delays.reset()
+                        event = event_from_proto(response.event)
+                        yield event
+                        if event.is_terminal:
+                            return
+            except UnavailableError as err:
+                if self.connection.closed:
+                    raise
+                unavailable = err
+
+            if unavailable is None and not follow:
+                return  # the history so far was sent whole
+            if unavailable is None:
+                # The scheduler ends the stream when the task has ended; make sure it did.
+                try:
+                    if self.get(task_id).done:
+                        return
+                    down_since = None
+                except UnavailableError as err:
+                    unavailable = err
+            if unavailable is not None:
+                now = time.monotonic()
+                down_since = down_since if down_since is not None else now
+                if reconnect_timeout is not None and now - down_since > reconnect_timeout:
+                    raise UnavailableError(
+                        f"lost the watch stream of task {task_id} and could not reconnect for "
+                        f"{reconnect_timeout:g} s: {unavailable.details}"
+                    ) from unavailable
+            delay = delays.next()
+            log.warning(
+                "watch of task %s interrupted (%s); resuming after sequence %d in %.1f s",
+                task_id,
+                unavailable.details if unavailable is not None else "stream ended early",
+                last,
+                delay,
+            )
+            time.sleep(delay)
+
+    def wait(self, task_id: str, *, timeout: float | None, poll_interval: float) -> TaskInfo:
+        """Poll every ``poll_interval`` seconds until the task ends; the final task if it
+        SUCCEEDED (``RLClient.wait``)."""
+        if poll_interval <= 0:
+            raise ValueError(f"poll_interval must be > 0 seconds, got {poll_interval!r}")
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        down_since: float | None = None
+        state = "unknown"
+        while True:
+            call_timeout = self.connection.timeout
+            if deadline is not None:
+                call_timeout = max(0.1, min(call_timeout, deadline - time.monotonic()))
+            try:
+                info = self.get(task_id, timeout=call_timeout)
+            except (UnavailableError, DeadlineExceededError) as err:
+                now = time.monotonic()
+                down_since = down_since if down_since is not None else now
+                if now - down_since > WAIT_OUTAGE_S and isinstance(err, UnavailableError):
+                    raise
+            else:
+                down_since = None
+                state = info.state
+                if info.done:
+                    if info.state != "succeeded":
+                        raise TaskFailedError(info)
+                    return info
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise DeadlineExceededError(f"task {task_id} did not end within {timeout:g} s (last state: {state})")
+            time.sleep(poll_interval if deadline is None else max(0.0, min(poll_interval, deadline - now)))
+
+    def wait_for_endpoint(self, task_id: str, *, timeout: float, poll_interval: float = 0.25) -> str:
+        """Poll an ``inference`` task every ``poll_interval`` seconds until it is RUNNING with
+        an endpoint; return the endpoint (``host:port`` or ``https://host:port``).
+
+        Raises:
+            InvalidArgumentError: an empty ``task_id``. NotFoundError: no such task.
+            TaskFailedError: it ended first. DeadlineExceededError: no endpoint within
+            ``timeout`` seconds.
+        """
+        check_task_id(task_id)
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.get(task_id)
+            if info.state == "running" and info.endpoint:
+                return info.endpoint
+            if info.done:
+                raise TaskFailedError(info)
+            if time.monotonic() >= deadline:
+                raise DeadlineExceededError(
+                    f"inference task {task_id} did not start serving within {timeout:g} s (state: {info.state})"
+                )
+            time.sleep(poll_interval)

@@ -1,0 +1,218 @@
+"""``SchedulerConnection``: the one gRPC channel an :class:`~opentinker_client.RLClient` talks to the
+scheduler through, with the caller's API key and the mapping of gRPC errors to the client's.
+
+The task, data and serving parts of the client (:mod:`~opentinker_client.client_tasks`,
+:mod:`~opentinker_client.client_data`, :mod:`~opentinker_client.client_serving`) each receive
+it; none of them reaches into another. Every error a call raises is an
+:class:`~opentinker_client.errors.OpenTinkerError` (:func:`~opentinker_client.errors.from_rpc_error`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from importlib import metadata as _metadata
+from typing import Any, Iterable, Iterator
+
+import grpc
+
+from opentinker.scheduler.v1 import scheduler_pb2_grpc
+from opentinker_client.errors import SCHEDULER_PLAINTEXT_HINT, OpenTinkerError, from_rpc_error
+from opentinker_common.net.bearer import bearer_metadata, clean_api_key
+from opentinker_common.net.grpc_options import client_keepalive, message_limits
+from opentinker_common.net.tls import channel_credentials
+from opentinker_common.net.url import parse_scheduler_address
+
+__all__ = ["SchedulerConnection", "resolve_api_key"]
+
+_SERVICE = "opentinker.scheduler.v1.SchedulerService"
+
+# Unary RPCs are retried by gRPC itself on UNAVAILABLE (scheduler restarting, connection refused).
+# All of them are idempotent; SubmitTask is made so by the request_id the client always sends.
+_RETRIED = ("SubmitTask", "GetTask", "ListTasks", "CancelTask", "GetMetrics", "ListNodes", "ListCheckpoints")
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": _SERVICE, "method": m} for m in _RETRIED],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.2s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+
+def _channel_options() -> list[tuple[str, Any]]:
+    try:
+        version = _metadata.version("opentinker")
+    except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+        version = "dev"
+    return [
+        # Keepalive only while a call is open (a watch stream); the scheduler permits pings every 10 s.
+        *client_keepalive(),
+        # Keep pinging on a quiet watch stream (the default stops after 2 pings without data).
+        ("grpc.http2.max_pings_without_data", 0),
+        *message_limits(),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", _SERVICE_CONFIG),
+        ("grpc.primary_user_agent", f"opentinker-client/{version}"),
+    ]
+
+
+def resolve_api_key(api_key: str | None) -> str:
+    """The key to send: ``api_key``, or ``$OPENTINKER_API_KEY`` when it is ``None``; ``""`` sends
+    none. Surrounding whitespace (the newline of a key read from a file) is stripped.
+
+    Raises:
+        ValueError: inner whitespace or control characters (naming ``api_key``, never the key).
+    """
+    if api_key is None:
+        api_key = os.environ.get("OPENTINKER_API_KEY") or ""
+    return clean_api_key(api_key)  # gRPC would refuse a key ending in "\n" as metadata
+
+
+class SchedulerConnection:
+    """A channel to ``SchedulerService`` with the caller's API key on every call.
+
+    Args:
+        scheduler_url: ``http://host:port``, ``grpc://host:port``, ``host:port``, ``[::1]:port``;
+            ``https://`` or ``grpcs://`` mean TLS (see
+            :func:`~opentinker_common.net.url.parse_scheduler_address`).
+        timeout: default deadline of a unary call, in seconds (gRPC's own retries included).
+        api_key: as :func:`resolve_api_key` takes it.
+        root_certificates, client_cert, client_key: PEM files (``None``: ``$OPENTINKER_TLS_CA``,
+            ``$OPENTINKER_TLS_CERT``, ``$OPENTINKER_TLS_KEY``); a CA turns TLS on, the pair is mTLS.
+
+    Raises:
+        ValueError: a bad address, TLS file or API key (naming the argument, never the key).
+
+    Attributes:
+        target: the ``host:port`` dialled.
+        api_key: the key sent (``""``: none); never shown in a repr or an error.
+        metadata: the call metadata that carries it.
+        root_certificates: the ``root_certificates`` argument, handed on to inference clients.
+        channel, stub: the gRPC channel and its ``SchedulerServiceStub``.
+        closed: :meth:`close` was called; calls then raise :class:`OpenTinkerError`.
+
+    The channel connects lazily; an unreachable scheduler shows up as
+    :class:`~opentinker_client.errors.UnavailableError` on the first call. Safe to share between
+    threads.
+    """
+
+    def __init__(
+        self,
+        scheduler_url: str,
+        *,
+        timeout: float,
+        api_key: str | None = None,
+        root_certificates: str | os.PathLike | None = None,
+        client_cert: str | os.PathLike | None = None,
+        client_key: str | os.PathLike | None = None,
+    ) -> None:
+        address = parse_scheduler_address(scheduler_url)  # https:// / grpcs://: TLS even without a CA (system roots)
+        self.target: str = address.target
+        self.timeout = float(timeout)
+        self.api_key: str = resolve_api_key(api_key)
+        self.metadata: tuple[tuple[str, str], ...] = bearer_metadata(self.api_key)
+        creds = channel_credentials(root_certificates, client_cert, client_key, tls=address.tls)
+        # Plaintext: an UNAVAILABLE "Socket closed" gets a hint that the scheduler may serve TLS.
+        self._plaintext_hint = SCHEDULER_PLAINTEXT_HINT if creds is None else ""
+        self.root_certificates = root_certificates
+        if creds is None:
+            self.channel: grpc.Channel = grpc.insecure_channel(self.target, options=_channel_options())
+        else:
+            self.channel = grpc.secure_channel(self.target, creds, options=_channel_options())
+        self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"SchedulerConnection(target={self.target!r})"
+
+    def __enter__(self) -> SchedulerConnection:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel; open streams end with an error. Idempotent."""
+        if not self.closed:
+            self.closed = True
+            self.channel.close()
+
+    def check_open(self) -> None:
+        """Raises :class:`OpenTinkerError` ("this RLClient is closed") after :meth:`close`."""
+        if self.closed:
+            raise OpenTinkerError("this RLClient is closed")
+
+    def error(self, err: grpc.RpcError, *, plaintext_hint: bool = True) -> OpenTinkerError:
+        """``err`` as the client's :class:`OpenTinkerError` subclass; on a plaintext channel an
+        ``UNAVAILABLE`` from a server that closed the connection carries a TLS hint, unless
+        ``plaintext_hint`` is false."""
+        return from_rpc_error(err, plaintext_hint=self._plaintext_hint if plaintext_hint else "")
+
+    def unary(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        """Call the unary RPC ``method`` (``"GetTask"`` ...) and return its response.
+
+        Args:
+            timeout: seconds; ``None`` is the connection's ``timeout``.
+
+        Raises:
+            OpenTinkerError: closed, or the subclass for the status the call ended with.
+        """
+        self.check_open()
+        try:
+            return getattr(self.stub, method)(
+                request, timeout=self.timeout if timeout is None else timeout, metadata=self.metadata
+            )
+        except grpc.RpcError as err:
+            raise self.error(err) from err
+
+    def upload(self, method: str, requests: Iterable[Any], *, timeout: float | None = None) -> Any:
+        """Call the client-streaming RPC ``method`` with ``requests``; ``timeout`` in seconds for
+        the whole call, ``None`` for none. Errors as :meth:`unary`, without the TLS hint."""
+        self.check_open()
+        try:
+            return getattr(self.stub, method)(requests, timeout=timeout, metadata=self.metadata)
+        except grpc.RpcError as err:
+            raise self.error(err, plaintext_hint=False) from err
+
+    @contextlib.contextmanager
+    def stream(
+        self, method: str, request: Any, *, timeout: float | None = None, plaintext_hint: bool = True
+    ) -> Iterator[Iterator[Any]]:
+        """Open the server-streaming RPC ``method``; the ``with`` block gets an iterator of its
+        responses and leaving the block cancels the call::
+
+            with connection.stream("WatchTask", request) as responses:
+                for response in responses:
+                    ...
+
+        Args:
+            timeout: seconds for the whole stream; ``None`` for none.
+            plaintext_hint: as for :meth:`error`.
+
+        Raises:
+            OpenTinkerError: closed (on entering); the subclass for the status the stream ended
+                with (while iterating).
+        """
+        self.check_open()
+        call = getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
+
+        def responses() -> Iterator[Any]:
+            try:
+                yield from call
+            except grpc.RpcError as err:
+                raise self.error(err, plaintext_hint=plaintext_hint) from err
+
+        try:
+            yield responses()
+        finally:
+            call.cancel()
