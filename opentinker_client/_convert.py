@@ -380,6 +380,5 @@ def stream_chunk_from_proto(m: inference_pb2.GenerateStreamResponse) -> StreamCh
 
 def adapter_from_proto(a: inference_pb2.Adapter) -> AdapterInfo:
     """A loaded adapter's record -> :class:`AdapterInfo`."""
-    return _by_name(
-        AdapterInfo, a, load_time=timestamp_to_datetime(a.load_time), last_used_time=timestamp_to_datetime(a.last_used_time)
-    )
+    load_time, last_used_time = timestamp_to_datetime(a.load_time), timestamp_to_datetime(a.last_used_time)
+    return _by_name(AdapterInfo, a, load_time=load_time, last_used_time=last_used_time)

@@ -230,7 +230,8 @@ class RLClient:
             env_config = env_config.to_dict()
         if env_config is not None and not isinstance(env_config, Mapping):
             raise InvalidArgumentError(
-                f"spec.env_config: expected a mapping such as Environment(...).to_dict(), got {type(env_config).__name__}",
+                "spec.env_config: expected a mapping such as Environment(...).to_dict(), got "
+                f"{type(env_config).__name__}",
                 field="spec.env_config",
             )
         if hyperparameters is not None and not isinstance(hyperparameters, Mapping):

@@ -94,7 +94,8 @@ class Environment:
         """
         if self.is_client_hosted:
             raise InvalidArgumentError(
-                f"spec.env_config: {type(self).__name__} is a client-hosted environment (it defines reset/step): pass the "
+                f"spec.env_config: {type(self).__name__} is a client-hosted environment (it defines "
+                "reset/step): pass the "
                 "object itself, submit_task(env_config=env, ...), or use RLClient.serve_environment(env).env_config",
                 field="spec.env_config",
             )

@@ -181,7 +181,8 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
     name = f" {_escape(task.name)}" if task.name else ""
     resources = f"{task.gpu_count} GPU{'s' if task.gpu_count > 1 else ''}" if task.gpu_count else "CPU"
     console.print(
-        f"task [bold]{_escape(task.task_id)}[/bold]{name} ({_escape(task.workload_type)}, {resources}) is {_state(task.state)}"
+        f"task [bold]{_escape(task.task_id)}[/bold]{name} ({_escape(task.workload_type)}, {resources}) is "
+        f"{_state(task.state)}"
     )
     if task.state == "pending" and task.pending_reason:
         console.print(f"  pending: {_escape(task.pending_reason)}")
@@ -228,7 +229,10 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
     summary = f"task [bold]{_escape(final.task_id)}[/bold] {_state(final.state)}"
     if final.latest_step:
         m = final.latest_metrics
-        summary += f" after {final.latest_step} steps (reward {_fmt_num(m.get('reward'), '.3f')}, loss {_fmt_num(m.get('loss'))})"
+        summary += (
+            f" after {final.latest_step} steps (reward {_fmt_num(m.get('reward'), '.3f')}, loss "
+            f"{_fmt_num(m.get('loss'))})"
+        )
     console.print(summary)
     if final.error:
         console.print(f"  error: {_escape(final.error)}")
@@ -522,13 +526,24 @@ def _cmd_export(client: RLClient, args: argparse.Namespace) -> int:
     except MissingExtraError as exc:
         return _error(exc)
     print(
-        f"wrote {written} scalar(s) over {len(history)} step(s) to {folder} (view: tensorboard --logdir {args.tensorboard})"
+        f"wrote {written} scalar(s) over {len(history)} step(s) to {folder} (view: tensorboard --logdir "
+        f"{args.tensorboard})"
     )
     return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------------
 # Parser and entry point.
+
+
+def _add_inference_ca(p: argparse.ArgumentParser) -> None:
+    """``--inference-ca PEM`` of the commands that dial inference servers (``serve``, ``eval``)."""
+    p.add_argument(
+        "--inference-ca",
+        default=None,
+        metavar="PEM",
+        help="CA of the inference servers' TLS certificate (default: $OPENTINKER_TLS_CA, else the system's roots)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -540,9 +555,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--scheduler-url",
         default=os.environ.get("SCHEDULER_URL") or DEFAULT_SCHEDULER_URL,
-        help="scheduler address, http://host:port, https://host:port (TLS) or host:port (default: $SCHEDULER_URL, else %(default)s)"
+        help="scheduler address, http://host:port, https://host:port (TLS) or host:port (default: "
+        "$SCHEDULER_URL, else %(default)s)"
         if not os.environ.get("SCHEDULER_URL")
-        else "scheduler address, http://host:port, https://host:port (TLS) or host:port (default: $SCHEDULER_URL = %(default)s)",
+        else "scheduler address, http://host:port, https://host:port (TLS) or host:port (default: "
+        "$SCHEDULER_URL = %(default)s)",
     )
     parser.add_argument(
         "--api-key", default=None, help="API key (default: $OPENTINKER_API_KEY, preferred: arguments show in ps)"
@@ -551,7 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tls-ca",
         default=None,
         metavar="PEM",
-        help="CA of the scheduler's certificate; turns TLS on (default: $OPENTINKER_TLS_CA; an https:// URL without one trusts the system roots)",
+        help="CA of the scheduler's certificate; turns TLS on (default: $OPENTINKER_TLS_CA; an https:// URL "
+        "without one trusts the system roots)",
     )
     parser.add_argument(
         "--tls-cert", default=None, metavar="PEM", help="client certificate for mTLS (default: $OPENTINKER_TLS_CERT)"
@@ -572,7 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "watch",
-        help="follow a task: a progress bar on a terminal (else a line per step) and a line per state change; exit 0 if it succeeds",
+        help="follow a task: a progress bar on a terminal (else a line per step) and a line per state change; "
+        "exit 0 if it succeeds",
     )
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument("--after-sequence", type=int, default=0, help="start after this event sequence number")
@@ -631,24 +650,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--ttl", type=float, default=3600.0, help="seconds a newly started server runs (default %(default)s)"
     )
     p.add_argument("--gpus", type=int, default=0, help="GPUs for a newly started server (default 0)")
-    p.add_argument(
-        "--inference-ca",
-        default=None,
-        metavar="PEM",
-        help="CA of the inference servers' TLS certificate (default: $OPENTINKER_TLS_CA, else the system's roots)",
-    )
+    _add_inference_ca(p)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("eval", help="mean reward of a trained adapter and of its base model on the task's environment")
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument("--episodes", type=int, default=32, help="problems per model (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=16, help="reply length limit (default %(default)s)")
-    p.add_argument(
-        "--inference-ca",
-        default=None,
-        metavar="PEM",
-        help="CA of the inference servers' TLS certificate (default: $OPENTINKER_TLS_CA, else the system's roots)",
-    )
+    _add_inference_ca(p)
     p.set_defaults(func=_cmd_eval)
 
     from opentinker_client.cli.keys import add_keys_parser

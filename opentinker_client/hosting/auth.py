@@ -4,7 +4,8 @@ Every ``EnvironmentService`` call must carry the metadata ``authorization: Beare
 (RFC 6750 bearer scheme); the token is compared with :func:`hmac.compare_digest` (constant time).
 A call without it, with another token, or with an ``authorization`` value in another form
 ("malformed authorization metadata: expected 'Bearer <token>', got a 'Basic' value", worded as
-the scheduler words it) is answered ``UNAUTHENTICATED`` before the servicer runs. ``grpc.health.v1.Health`` and server reflection stay open (they reveal nothing but the
+the scheduler words it) is answered ``UNAUTHENTICATED`` before the servicer runs.
+``grpc.health.v1.Health`` and server reflection stay open (they reveal nothing but the
 service names). The token itself never appears in a log line or an error message.
 """
 
@@ -181,7 +182,8 @@ def server_credentials(
     if given[0] != given[1]:
         missing = "tls_key" if given[0] else "tls_cert"
         raise InvalidArgumentError(
-            f"{missing}: expected both tls_cert and tls_key (PEM paths of the server's certificate and its key) or neither",
+            f"{missing}: expected both tls_cert and tls_key (PEM paths of the server's certificate and its key) "
+            "or neither",
             field=missing,
         )
     if tls_cert is None:
@@ -199,7 +201,8 @@ def server_credentials(
         data = read_pem(tls_ca, "tls_ca", max_bytes=ROOT_CERTIFICATES_MAX_BYTES)
         if b"PRIVATE KEY-----" in data:
             raise InvalidArgumentError(
-                f"tls_ca: {os.fspath(tls_ca)!r} contains a private key; give the CA certificate only (it is sent to trainers)",
+                f"tls_ca: {os.fspath(tls_ca)!r} contains a private key; give the CA certificate only (it is "
+                "sent to trainers)",
                 field="tls_ca",
             )
         roots = data.decode("ascii", "replace")

@@ -57,10 +57,17 @@ from opentinker_client.hosting.service import (  # re-exported: the public impor
 from opentinker_common.net.grpc_options import message_limits
 
 __all__ = [
-    "EnvironmentServer", "EnvError", "DEFAULT_HOST_ENV", "SERVICE_NAME",
-    # moved to env_service; still importable from here
-    "EnvironmentServicer", "Spaces", "info_struct", "MAX_SESSIONS", "MAX_ENVS_PER_SESSION",
-]  # fmt: skip
+    "EnvironmentServer",
+    "EnvError",
+    "DEFAULT_HOST_ENV",
+    "SERVICE_NAME",
+    # defined in opentinker_client.hosting.service; importable from here too
+    "EnvironmentServicer",
+    "Spaces",
+    "info_struct",
+    "MAX_SESSIONS",
+    "MAX_ENVS_PER_SESSION",
+]
 
 log = logging.getLogger("opentinker_client.hosting.server")
 

@@ -46,6 +46,12 @@ class EnvError(Exception):
         self.message = message
 
 
+def _bad_return(where: str, what: str) -> EnvError:
+    """INTERNAL: the user's ``where`` (``Corridor.step`` ...) returned ``what`` (what it returned
+    and what was expected, for a person to read)."""
+    return EnvError(grpc.StatusCode.INTERNAL, f"{where} returned {what}")
+
+
 # --- conversions ------------------------------------------------------------------------------
 
 
@@ -117,26 +123,21 @@ class Spaces:
                     value = value.item()
                 v = operator.index(value)
             except TypeError:
-                raise EnvError(
-                    grpc.StatusCode.INTERNAL,
-                    f"{where} returned observation {value!r}: expected an integer in [0, {self.obs_n}) (Discrete({self.obs_n}))",
+                raise _bad_return(
+                    where, f"observation {value!r}: expected an integer in [0, {self.obs_n}) (Discrete({self.obs_n}))"
                 ) from None
             if not 0 <= v < self.obs_n:
-                raise EnvError(
-                    grpc.StatusCode.INTERNAL,
-                    f"{where} returned observation {v}: outside the declared observation_space Discrete({self.obs_n})",
+                raise _bad_return(
+                    where, f"observation {v}: outside the declared observation_space Discrete({self.obs_n})"
                 )
             return pb.Observation(discrete=v)
         try:
             flat = _flatten(value)
         except (TypeError, ValueError):
-            raise EnvError(
-                grpc.StatusCode.INTERNAL, f"{where} returned observation {value!r}: expected {self.obs_n} numbers (Box)"
-            ) from None
+            raise _bad_return(where, f"observation {value!r}: expected {self.obs_n} numbers (Box)") from None
         if len(flat) != self.obs_n:
-            raise EnvError(
-                grpc.StatusCode.INTERNAL,
-                f"{where} returned an observation of {len(flat)} numbers: the declared observation_space has {self.obs_n}",
+            raise _bad_return(
+                where, f"an observation of {len(flat)} numbers: the declared observation_space has {self.obs_n}"
             )
         return pb.Observation(box=pb.BoxValue(shape=[self.obs_n], values=flat))
 
@@ -153,7 +154,8 @@ class Spaces:
         if not 0 <= action.discrete < self.action_n:
             raise EnvError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"action: expected an integer in [0, {self.action_n}) (Discrete({self.action_n})), got {action.discrete}",
+                f"action: expected an integer in [0, {self.action_n}) (Discrete({self.action_n})), got "
+                f"{action.discrete}",
             )
         return int(action.discrete)
 
@@ -279,29 +281,26 @@ class EnvironmentServicer(pb_grpc.EnvironmentServiceServicer):
                     if not session.running.get(i):
                         raise EnvError(
                             grpc.StatusCode.FAILED_PRECONDITION,
-                            f"env_index {i}: no episode running (Reset it first; an episode ends when terminated or truncated)",
+                            f"env_index {i}: no episode running (Reset it first; an episode ends when "
+                            "terminated or truncated)",
                         )
                 for i, action in zip(idx, actions):
                     env = session.envs[i]
                     where = f"{self.name}.step"
                     result = self._call(where, lambda: env.step(action))
                     if not (isinstance(result, tuple) and len(result) == 5):
-                        raise EnvError(
-                            grpc.StatusCode.INTERNAL,
-                            f"{where} returned {type(result).__name__} {result!r:.200}: expected a tuple "
+                        raise _bad_return(
+                            where,
+                            f"{type(result).__name__} {result!r:.200}: expected a tuple "
                             "(observation, reward, terminated, truncated, info)",
                         )
                     obs, reward, terminated, truncated, info = result
                     try:
                         reward = float(reward)
                     except (TypeError, ValueError):
-                        raise EnvError(
-                            grpc.StatusCode.INTERNAL, f"{where} returned reward {reward!r}: expected a number"
-                        ) from None
+                        raise _bad_return(where, f"reward {reward!r}: expected a number") from None
                     if not math.isfinite(reward):
-                        raise EnvError(
-                            grpc.StatusCode.INTERNAL, f"{where} returned reward {reward!r}: expected a finite number"
-                        )
+                        raise _bad_return(where, f"reward {reward!r}: expected a finite number")
                     terminated, truncated = bool(terminated), bool(truncated)
                     if terminated or truncated:
                         session.running[i] = False
@@ -313,7 +312,7 @@ class EnvironmentServicer(pb_grpc.EnvironmentServiceServicer):
                             terminated=terminated,
                             truncated=truncated,
                             info=info_struct(info),
-                        )  # fmt: skip
+                        )
                     )
             return out
 

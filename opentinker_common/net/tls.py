@@ -230,7 +230,8 @@ def check_key_pair(
     except ssl.SSLError as exc:
         reason = getattr(exc, "reason", None) or str(exc)
         raise ValueError(
-            f"{names[1]}: expected the private key of {names[0]} ({os.fspath(cert)!r}), got {os.fspath(key)!r} ({reason})"
+            f"{names[1]}: expected the private key of {names[0]} ({os.fspath(cert)!r}), got {os.fspath(key)!r} "
+            f"({reason})"
         ) from None
     except OSError as exc:
         raise ValueError(

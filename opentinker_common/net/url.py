@@ -24,7 +24,10 @@ _PLAIN_SCHEMES = ("http", "grpc")
 _TLS_SCHEMES = ("https", "grpcs")
 _SCHEME = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*$")
 _HOST_LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
-_EXAMPLE = "expected host:port, e.g. http://scheduler-host:8888, https://scheduler-host:8888, scheduler-host:8888 or [::1]:8888"
+_EXAMPLE = (
+    "expected host:port, e.g. http://scheduler-host:8888, https://scheduler-host:8888, "
+    "scheduler-host:8888 or [::1]:8888"
+)
 
 
 def redact_userinfo(url: str) -> str:

@@ -135,7 +135,8 @@ class ClientEnvConfig:
         if self.observation_space == 0:
             raise SpecError(
                 f"{path}.observation_space",
-                "the observation size, an integer >= 1 (n of Discrete(n), or the length of a Box vector; this key is required)",
+                "the observation size, an integer >= 1 (n of Discrete(n), or the length of a Box vector; this "
+                "key is required)",
             )
         if self.action_names:
             if len(self.action_names) != self.action_space:

@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentinker_common.spec._parse import SpecError, num
+from opentinker_common.spec._parse import num
+from opentinker_common.spec import lm_fields
 from opentinker_common.spec.registry import register_workload
 
 __all__ = ["FullGRPOConfig", "GRPOConfig", "LORA_FIELDS"]
@@ -46,17 +47,16 @@ class GRPOConfig:
     clip_eps: float = num(0.2, 0.0, 10.0, min_exclusive=True, doc="PPO ratio clip range")
     kl_coef: float = num(0.0, 0.0, 100.0, doc="weight of the k3 KL penalty to the reference model; 0 skips it")
     scale_rewards: bool = True
-    lora_rank: int = num(16, 1, 1024)
-    lora_alpha: float = num(32.0, 0.0, 1e6, min_exclusive=True)
-    lora_dropout: float = num(0.0, 0.0, 1.0)
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    checkpoint_every: int = num(0, 0, 1_000_000, doc="steps between checkpoints; 0 writes only the final one")
+    lora_rank: int = lm_fields.lora_rank()
+    lora_alpha: float = lm_fields.lora_alpha()
+    lora_dropout: float = lm_fields.lora_dropout()
+    target_modules: tuple[str, ...] = lm_fields.target_modules()
+    checkpoint_every: int = lm_fields.checkpoint_every()
     seed: int = num(0, 0, 2**31 - 1)
     dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
 
     def check(self, path: str) -> None:
-        if not self.target_modules:
-            raise SpecError(f"{path}.target_modules", "at least one module name")
+        lm_fields.check_target_modules(self.target_modules, path)
 
 
 register_workload("lora_finetune", GRPOConfig, env_kinds=("text",))

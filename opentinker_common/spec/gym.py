@@ -195,7 +195,8 @@ class GymEnvConfig:
         if self.observation_space is not None and self.observation_space != obs_n:
             raise SpecError(
                 f"{path}.observation_space",
-                f"the size of {self.env_id}'s observation space {obs} ({obs_n if obs_n is not None else 'no fixed size'})",
+                f"the size of {self.env_id}'s observation space {obs} "
+                f"({obs_n if obs_n is not None else 'no fixed size'})",
                 self.observation_space,
             )
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from opentinker_common.spec._parse import SpecError, num
+from opentinker_common.spec._parse import num
+from opentinker_common.spec import lm_fields
 from opentinker_common.spec.registry import register_workload
 
 __all__ = ["LMGameGRPOConfig", "REWARD_SHAPING"]
@@ -46,7 +47,9 @@ class LMGameGRPOConfig:
         default=None,
         metadata={
             "max_len": 256,
-            "doc": "text the reply starts with (the model continues it); None = the renderer's, e.g. 'I move'; '' = none",
+            "doc": (
+                "text the reply starts with (the model continues it); None = the renderer's, e.g. 'I move'; '' = none"
+            ),
         },
     )
     learning_rate: float = num(5e-4, 0.0, 1.0, min_exclusive=True)
@@ -59,17 +62,16 @@ class LMGameGRPOConfig:
     clip_eps: float = num(0.2, 0.0, 10.0, min_exclusive=True)
     kl_coef: float = num(0.0, 0.0, 100.0)
     scale_rewards: bool = True
-    lora_rank: int = num(16, 1, 1024)
-    lora_alpha: float = num(32.0, 0.0, 1e6, min_exclusive=True)
-    lora_dropout: float = num(0.0, 0.0, 1.0)
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_rank: int = lm_fields.lora_rank()
+    lora_alpha: float = lm_fields.lora_alpha()
+    lora_dropout: float = lm_fields.lora_dropout()
+    target_modules: tuple[str, ...] = lm_fields.target_modules()
     checkpoint_every: int = num(0, 0, 1_000_000)
     seed: int = num(0, 0, 2**31 - 1)
     dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
 
     def check(self, path: str) -> None:
-        if not self.target_modules:
-            raise SpecError(f"{path}.target_modules", "at least one module name")
+        lm_fields.check_target_modules(self.target_modules, path)
 
 
 register_workload("lora_finetune", LMGameGRPOConfig, env_kinds=("gym",))

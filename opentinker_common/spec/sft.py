@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from opentinker_common.spec._parse import SpecError, num
+from opentinker_common.spec import lm_fields
 from opentinker_common.spec.registry import register_env, register_workload
 
 __all__ = [
@@ -196,19 +197,19 @@ class SFTConfig:
     weight_decay: float = num(0.0, 0.0, 1.0)
     max_grad_norm: float = num(1.0, 0.0, 1e6, min_exclusive=True)
     lora: bool = True
-    lora_rank: int = num(16, 1, 1024)
-    lora_alpha: float = num(32.0, 0.0, 1e6, min_exclusive=True)
-    lora_dropout: float = num(0.0, 0.0, 1.0)
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_rank: int = lm_fields.lora_rank()
+    lora_alpha: float = lm_fields.lora_alpha()
+    lora_dropout: float = lm_fields.lora_dropout()
+    target_modules: tuple[str, ...] = lm_fields.target_modules()
     eval_every: int = num(0, 0, 1_000_000, doc="steps between loss/eval; 0 = only after the last step")
     max_eval_examples: int = num(256, 1, 1_000_000, doc="held-out examples scored per evaluation, at most")
-    checkpoint_every: int = num(0, 0, 1_000_000, doc="steps between checkpoints; 0 writes only the final one")
+    checkpoint_every: int = lm_fields.checkpoint_every()
     seed: int = num(0, 0, 2**31 - 1)
     dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
 
     def check(self, path: str) -> None:
-        if self.lora and not self.target_modules:
-            raise SpecError(f"{path}.target_modules", "at least one module name")
+        if self.lora:
+            lm_fields.check_target_modules(self.target_modules, path)
 
 
 register_env("chat_jsonl", ChatDatasetConfig, kind="dataset", description="a JSONL dataset of chat messages (sft)")

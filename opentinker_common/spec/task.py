@@ -85,7 +85,8 @@ def validate_hyperparameters(workload_type: str, data: Any, path: str = "spec.hy
     if not kinds:
         raise SpecError(
             "spec.workload_type",
-            f"a workload this release runs ({', '.join(implemented_workloads())}); {workload_type} is not implemented yet",
+            f"a workload this release runs ({', '.join(implemented_workloads())}); {workload_type} is not "
+            "implemented yet",
             workload_type,
         )
     kind = env_kind(env) if env is not None else kinds[0]
@@ -138,7 +139,8 @@ class TaskSpecModel:
         if not env_kinds_for(workload_type):
             raise SpecError(
                 "spec.workload_type",
-                f"a workload this release runs ({', '.join(implemented_workloads())}); {workload_type} is not implemented yet",
+                f"a workload this release runs ({', '.join(implemented_workloads())}); {workload_type} is not "
+                "implemented yet",
                 workload_type,
             )
         if not isinstance(model, str) or (not model.strip() and task_uses_model(workload_type, env_config)):
@@ -229,6 +231,7 @@ def _check_init_from(init_from: Any, env: Any) -> None:
     if init_from and env_kind(env) not in INIT_FROM_ENV_KINDS:
         raise SpecError(
             "spec.init_from",
-            f"empty: starting from another task's checkpoint works for language-model workloads on {' or '.join(INIT_FROM_ENV_KINDS)} environments, not {env.env_id}",
+            "empty: starting from another task's checkpoint works for language-model workloads on "
+            f"{' or '.join(INIT_FROM_ENV_KINDS)} environments, not {env.env_id}",
             init_from,
         )

@@ -72,10 +72,16 @@ def test_reset_step_round_trip_with_batched_instances(serve):
     env = Corridor()
     server, stub = serve(env)
     assert server.env_config == {
-        "env_id": "client", "endpoint": server.endpoint, "action_space": 2, "observation_space": 5,
-        "observation_type": "discrete", "action_names": ["left", "right"], "timeout_s": 30.0, "grace_s": 30.0,
+        "env_id": "client",
+        "endpoint": server.endpoint,
+        "action_space": 2,
+        "observation_space": 5,
+        "observation_type": "discrete",
+        "action_names": ["left", "right"],
+        "timeout_s": 30.0,
+        "grace_s": 30.0,
         "token": server.token,
-    }  # fmt: skip
+    }
     assert len(server.token) == 43  # secrets.token_urlsafe(32)
     d = stub.Describe(pb.DescribeRequest(), timeout=5)
     assert (

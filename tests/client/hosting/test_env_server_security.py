@@ -69,8 +69,11 @@ def stub_for(server, channel=None):
 def test_calls_without_the_token_are_unauthenticated_and_nothing_runs(servers, caplog):
     server = servers()
     stub = stub_for(server)
-    for call in (lambda: reset(stub), lambda: stub.Describe(pb.DescribeRequest(), timeout=5),
-                 lambda: stub.Close(pb.CloseRequest(session_id="s"), timeout=5)):  # fmt: skip
+    for call in (
+        lambda: reset(stub),
+        lambda: stub.Describe(pb.DescribeRequest(), timeout=5),
+        lambda: stub.Close(pb.CloseRequest(session_id="s"), timeout=5),
+    ):
         with pytest.raises(grpc.RpcError) as err:
             call()
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -44,7 +44,8 @@ def test_dev_zero_a_fifo_a_directory_and_a_big_file_are_refused_naming_the_argum
         channel_credentials(tmp_path)
     with pytest.raises(
         ValueError,
-        match=rf"^root_certificates: '.*big\.pem' is {MAX_PEM_BYTES + len(certs.ca.read_bytes())} bytes, more than the 1048576 bytes \(1 MiB\)",
+        match=rf"^root_certificates: '.*big\.pem' is {MAX_PEM_BYTES + len(certs.ca.read_bytes())} bytes, more "
+        r"than the 1048576 bytes \(1 MiB\)",
     ):
         channel_credentials(big)
     with pytest.raises(ValueError, match=r"^client_cert: '/dev/zero' is not a regular file$"):
@@ -90,7 +91,8 @@ def test_check_key_pair_names_a_mismatch_and_the_wrong_files(certs, tmp_path) ->
     names = ("--tls-cert", "--tls-key")
     with pytest.raises(
         ValueError,
-        match=r"^--tls-key: expected the private key of --tls-cert \('.*node\.pem'\), got '.*server\.key' \(KEY_VALUES_MISMATCH\)$",
+        match=r"^--tls-key: expected the private key of --tls-cert \('.*node\.pem'\), got '.*server\.key' "
+        r"\(KEY_VALUES_MISMATCH\)$",
     ):
         check_key_pair(certs.node_cert, certs.server_key, names=names)
     with pytest.raises(ValueError, match=r"^--tls-cert: .*node\.key' holds no -----BEGIN CERTIFICATE----- block"):

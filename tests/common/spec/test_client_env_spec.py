@@ -110,13 +110,18 @@ def test_client_env_config_requires_both_sizes():
 
 def test_lora_finetune_on_a_gym_env_takes_lm_game_hyperparameters():
     spec = TaskSpecModel.from_parts(
-        workload_type="lora_finetune", model="m", env_config={"env_id": "FrozenLake-v1"},
+        workload_type="lora_finetune",
+        model="m",
+        env_config={"env_id": "FrozenLake-v1"},
         hyperparameters={"max_turns": 6, "invalid_action_reward": -0.5},
-    )  # fmt: skip
+    )
     assert isinstance(spec.hyperparameters, LMGameGRPOConfig)
     assert spec.hyperparameters.max_turns == 6 and spec.hyperparameters.reward_shaping == "none"
-    for bad, field in (({"episodes_per_step": 1}, "episodes_per_step"), ({"reward_shaping": "magic"}, "reward_shaping"),
-                       ({"prompts_per_step": 4}, "prompts_per_step")):  # fmt: skip
+    for bad, field in (
+        ({"episodes_per_step": 1}, "episodes_per_step"),
+        ({"reward_shaping": "magic"}, "reward_shaping"),
+        ({"prompts_per_step": 4}, "prompts_per_step"),
+    ):
         with pytest.raises(SpecError) as err:
             TaskSpecModel.from_parts(workload_type="lora_finetune", model="m", env_config=OK, hyperparameters=bad)
         assert err.value.field == f"spec.hyperparameters.{field}"

@@ -88,9 +88,12 @@ def test_non_utf8_and_empty_datasets_are_refused() -> None:
 
 def sft_spec(env=None, hp=None, **kw) -> TaskSpecModel:
     return TaskSpecModel.from_parts(
-        workload_type="sft", model="/m", env_config=env if env is not None else {"env_id": "chat_jsonl", "dataset_id": DATASET_ID},
-        hyperparameters=hp or {}, **kw,
-    )  # fmt: skip
+        workload_type="sft",
+        model="/m",
+        env_config=env if env is not None else {"env_id": "chat_jsonl", "dataset_id": DATASET_ID},
+        hyperparameters=hp or {},
+        **kw,
+    )
 
 
 def test_sft_spec_defaults_and_kinds() -> None:
@@ -182,7 +185,8 @@ def test_init_from_travels_through_the_proto_and_is_checked() -> None:
     assert err.value.field == "spec.init_from"
     with pytest.raises(
         SpecError,
-        match="spec.init_from: expected empty: starting from another task's checkpoint works for language-model workloads",
+        match="spec.init_from: expected empty: starting from another task's checkpoint works for language-model "
+        "workloads",
     ) as err:
         TaskSpecModel.from_parts(
             workload_type="full_rl",

@@ -1,0 +1,63 @@
+"""Hyper-parameter fields that the language-model workloads share, defined once: the LoRA
+adapter's (``lora_finetune`` on text and on games, ``sft``) and the checkpoint interval.
+
+Each function gives the ``dataclasses.field`` of one field (default, bounds, ``doc``), for a
+config class to declare in its own place, so each class keeps its own field order::
+
+    lora_rank: int = lm_fields.lora_rank()
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+from opentinker_common.spec._parse import SpecError, num
+
+__all__ = [
+    "DEFAULT_TARGET_MODULES",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "checkpoint_every",
+    "check_target_modules",
+]
+
+#: The attention projections of Llama-style models (SmolLM2, Qwen2.5 ...): what a LoRA adapter
+#: wraps unless ``target_modules`` says otherwise.
+DEFAULT_TARGET_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def lora_rank() -> Any:
+    """``lora_rank``: the rank r of the adapter's low-rank matrices, 1 to 1024 (default 16)."""
+    return num(16, 1, 1024)
+
+
+def lora_alpha() -> Any:
+    """``lora_alpha``: the adapter's scale numerator (the update is scaled by alpha / r), > 0
+    (default 32.0)."""
+    return num(32.0, 0.0, 1e6, min_exclusive=True)
+
+
+def lora_dropout() -> Any:
+    """``lora_dropout``: dropout probability on the adapter's input, 0 to 1 (default 0.0)."""
+    return num(0.0, 0.0, 1.0)
+
+
+def target_modules() -> Any:
+    """``target_modules``: names of the modules the adapter wraps (default
+    :data:`DEFAULT_TARGET_MODULES`); at least one (:func:`check_target_modules`)."""
+    return field(default=DEFAULT_TARGET_MODULES)
+
+
+def checkpoint_every() -> Any:
+    """``checkpoint_every``: optimizer steps between checkpoints, 0 to 1,000,000; 0 (the
+    default) writes only the final one."""
+    return num(0, 0, 1_000_000, doc="steps between checkpoints; 0 writes only the final one")
+
+
+def check_target_modules(modules: tuple[str, ...], path: str) -> None:
+    """Raises :class:`SpecError` (``<path>.target_modules``) when ``modules`` is empty."""
+    if not modules:
+        raise SpecError(f"{path}.target_modules", "at least one module name")
