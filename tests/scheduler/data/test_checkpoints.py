@@ -159,7 +159,9 @@ def test_download_through_grpc_matches_file_hashes_and_endpoint_shows_while_runn
         (folder / "adapter_model.safetensors").write_bytes(big)
         sizes = [
             m.ByteSize()
-            for m in client._stub.DownloadCheckpoint(scheduler_pb2.DownloadCheckpointRequest(task_id=task_id))
+            for m in client._connection.stub.DownloadCheckpoint(
+                scheduler_pb2.DownloadCheckpointRequest(task_id=task_id)
+            )
         ]
         assert len(sizes) == 1 + 4 and max(sizes) <= checkpoints.CHUNK_BYTES + 64
     # The endpoint is only shown while the task runs.
