@@ -45,10 +45,13 @@ demo: install
 
 # ruff (rules E, F, W; line length 120), the house formatter, and the import contracts in
 # pyproject.toml ([tool.importlinter]: the roles never import each other, and so on).
+# All three run, so a style error does not hide a broken import rule; any failure fails lint.
 lint: install
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/lint-imports
+	@rc=0; \
+	$(VENV)/bin/ruff check . || rc=1; \
+	$(VENV)/bin/ruff format --check . || rc=1; \
+	$(VENV)/bin/lint-imports || rc=1; \
+	exit $$rc
 
 test: install proto-check lint
 	$(PY) -m pytest -q
