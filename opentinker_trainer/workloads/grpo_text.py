@@ -32,7 +32,6 @@ resumed run samples what an uninterrupted one would have.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ import torch
 
 from opentinker_trainer.context import WorkerContext
 from opentinker_common.arithmetic import ArithmeticEnv
-from opentinker_trainer.rl.grpo import group_advantages, kl_k3, masked_mean, masked_sum, pg_loss
+from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, rewards_tensor
 from opentinker_trainer.rl.rollout import Rollout, generate, left_pad, sequence_logprobs
 from opentinker_trainer.workloads import _lm
 from opentinker_trainer.workloads._loop import run_steps
@@ -112,7 +111,7 @@ class _Trainer:
         rewards = [self.env.score(text, problems[i // cfg.group_size]) for i, text in enumerate(replies)]
         if self.step == 0 or cfg.steps <= 20 or self.step % 10 == 0:
             log.debug("sample", problem=problems[0].question, reply=replies[0], reward=rewards[0])
-        return ro, torch.tensor(rewards, dtype=torch.float32).view(cfg.prompts_per_step, cfg.group_size)
+        return ro, rewards_tensor(rewards, cfg.prompts_per_step, cfg.group_size)
 
     def logprobs(self, ro: Rollout, model=None) -> torch.Tensor:
         return sequence_logprobs(
@@ -125,89 +124,44 @@ class _Trainer:
         size = n if self.cfg.micro_batch_size == 0 else k * max(1, self.cfg.micro_batch_size // k)
         return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
-    @torch.no_grad()
-    def no_grad_logprobs(self, ro: Rollout, *, reference: bool) -> torch.Tensor:
-        self.model.eval()
-        parts = []
-        for sl in self.chunks(len(ro)):
-            if reference and self.ref_model is not None:
-                parts.append(self.logprobs(ro.select(sl), model=self.ref_model))
-            elif reference:
-                with self.model.disable_adapter():
-                    parts.append(self.logprobs(ro.select(sl)))
-            else:
-                parts.append(self.logprobs(ro.select(sl)))
-        return torch.cat(parts)
-
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
         t0 = time.perf_counter()
         ro, rewards = self.rollout()
         t_gen = time.perf_counter() - t0
 
-        adv, zero_std = group_advantages(rewards.to(self.device), scale=cfg.scale_rewards)
-        adv = adv.flatten()
-        valid = ~torch.isnan(rewards.flatten()).to(self.device)
-        mask = ro.completion_mask & valid.unsqueeze(1)
-        n_tokens = mask.sum().clamp(min=1).float()
-        ref_logp = self.no_grad_logprobs(ro, reference=True) if self.has_reference else None
-        # One on-policy epoch: the sampling policy's log-probs are the first forward's, detached.
-        old_logp = self.no_grad_logprobs(ro, reference=False) if cfg.ppo_epochs > 1 else None
-
-        self.model.train()
-        sums = {"loss/policy": 0.0, "loss/kl": 0.0, "grpo/clipfrac": 0.0, "grpo/approx_kl": 0.0}
-        grad_norm = 0.0
-        sampling_logp = old_logp
-        for epoch in range(cfg.ppo_epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            epoch_logp = []
-            for sl in self.chunks(len(ro)):
-                logp = self.logprobs(ro.select(sl))
-                epoch_logp.append(logp.detach())
-                old = old_logp[sl] if old_logp is not None else logp.detach()
-                m = mask[sl]
-                policy_loss, stats = pg_loss(logp, old, adv[sl], m, cfg.clip_eps, normalizer=n_tokens)
-                kl_loss = (
-                    masked_sum(kl_k3(logp, ref_logp[sl]), m) / n_tokens if ref_logp is not None else torch.zeros(())
-                )
-                loss = policy_loss + cfg.kl_coef * kl_loss if cfg.kl_coef > 0 else policy_loss
-                loss.backward()
-                weight = (m.sum() / n_tokens).item()
-                sums["loss/policy"] += policy_loss.item()
-                sums["loss/kl"] += kl_loss.item()
-                sums["grpo/clipfrac"] += stats["clipfrac"].item() * weight
-                sums["grpo/approx_kl"] += stats["approx_kl"].item() * weight
-            if sampling_logp is None:
-                sampling_logp = torch.cat(epoch_logp)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm).item()
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        batch = GRPOBatch(rewards=rewards.to(self.device), mask=ro.completion_mask, chunks=self.chunks(len(ro)))
+        reference = (self.ref_model if self.full else ADAPTER_OFF) if self.has_reference else None
+        out = grpo_update(
+            self.model,
+            self.optimizer,
+            batch,
+            lambda model, sl: self.logprobs(ro.select(sl), model=model),
+            cfg,
+            reference=reference,
+        )
 
         step_s = time.perf_counter() - t0
-        avg = {k: v / cfg.ppo_epochs for k, v in sums.items()}
-        loss_total = avg["loss/policy"] + cfg.kl_coef * avg["loss/kl"]
-        kl_ref = (
-            masked_mean(kl_k3(sampling_logp, ref_logp), mask).item() if ref_logp is not None else math.nan
-        )  # NaN: not reported
-        flat = rewards.flatten()
-        finite = flat[~torch.isnan(flat)]
-        reward_mean = finite.mean().item() if finite.numel() else math.nan
-        reward_std = finite.std(unbiased=False).item() if finite.numel() else math.nan
         completion_tokens = int(ro.completion_lengths.sum())
-        zero_std_frac = zero_std.float().mean().item()
         n = len(ro)
         return {
-            "loss": loss_total, "reward": reward_mean, "reward_std": reward_std, "kl": kl_ref,
-            "zero_std_frac": zero_std_frac, "samples": float(self.step * n),
-            "tokens_per_s": completion_tokens / step_s, "wall_time_s": time.perf_counter() - self.started,
-            "loss/total": loss_total, **avg, "reward/mean": reward_mean, "reward/std": reward_std,
-            "grpo/zero_std_frac": zero_std_frac, "grpo/kl_ref": kl_ref,
+            "loss": out["loss/total"],
+            "reward": out["reward/mean"],
+            "reward_std": out["reward/std"],
+            "zero_std_frac": out["grpo/zero_std_frac"],
+            "samples": float(self.step * n),
+            "tokens_per_s": completion_tokens / step_s,
+            "wall_time_s": time.perf_counter() - self.started,
+            **out,
             "completion/mean_tokens": completion_tokens / n,
             "completion/truncated_frac": ro.truncated.float().mean().item(),
-            "optim/grad_norm": grad_norm, "optim/lr": cfg.learning_rate,
-            "perf/step_s": step_s, "perf/generate_s": t_gen, "perf/train_s": step_s - t_gen,
-            "perf/samples": float(n), "perf/tokens_per_s": completion_tokens / step_s,
-        }  # fmt: skip
+            "optim/lr": cfg.learning_rate,
+            "perf/step_s": step_s,
+            "perf/generate_s": t_gen,
+            "perf/train_s": step_s - t_gen,
+            "perf/samples": float(n),
+            "perf/tokens_per_s": completion_tokens / step_s,
+        }
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
