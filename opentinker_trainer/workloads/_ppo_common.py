@@ -1,4 +1,4 @@
-"""What the PPO trainers (single- and multi-agent) share: seeding and RNG state, episode
+"""What the PPO trainers (single- and multi-agent) share: seeding, episode
 bookkeeping, the PPO optimisation of one batch, and ``torch_ppo`` checkpoints.
 
 Checkpoint format ``torch_ppo``: a folder ``<checkpoint_dir>/step_<update>/`` holding
@@ -54,41 +54,6 @@ def env_seed_at(seed: int, update: int) -> int:
     if update == 0:
         return int(seed)
     return int(np.random.SeedSequence([int(seed), int(update)]).generate_state(1)[0] % (2**31 - 1))
-
-
-def rng_state() -> dict[str, Any]:
-    """torch (and CUDA), numpy-global and Python RNG states, in a form ``torch.load(weights_only=True)`` reads."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        },
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Inverse of :func:`rng_state`."""
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    random.setstate(_tuples(state["python"]))
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tuples(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return tuple(_tuples(v) for v in value)
-    return value
 
 
 # --- episodes -------------------------------------------------------------------------------

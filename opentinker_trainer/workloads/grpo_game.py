@@ -40,7 +40,6 @@ whose environment return is > 0), ``episode/turns``, ``episode/terminated_frac``
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +57,6 @@ from opentinker_trainer.rl.shared_prompts import shared_prompt_logprobs
 from opentinker_trainer.workloads import _lm
 from opentinker_trainer.workloads._loop import run_steps
 
-CHECKPOINT_FORMAT = "peft_lora"
 log = _lm.get_logger("opentinker.trainer.lm_game")
 
 
@@ -327,18 +325,9 @@ class GameTrainer:
 
     # --- checkpoints and the loop -------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
-        path = Path(self.ctx.checkpoint_dir) / f"step_{self.step}"
-        state = {
-            "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            "rng": _lm.rng_state(None),
-            "model": self.ctx.spec.model,
-            "hyperparameters": dataclasses.asdict(self.cfg),
-        }
-        _lm.save_checkpoint(path, self.model, state)
-        self.ctx.emit_checkpoint(self.step, path, final=final, fmt=CHECKPOINT_FORMAT)
-        log.info("checkpoint written", task_id=self.ctx.task_id, step=self.step, path=str(path), final=final)
-        return path
+        return _lm.save_step(
+            self.ctx, self.step, self.model, self.optimizer, self.cfg, fmt=_lm.FORMAT_LORA, log=log, final=final
+        )
 
     def run(self) -> None:
         def one(n: int) -> dict[str, float]:

@@ -31,7 +31,6 @@ resumed run samples what an uninterrupted one would have.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -44,7 +43,6 @@ from opentinker_trainer.rl.rollout import Rollout, generate, left_pad, sequence_
 from opentinker_trainer.workloads import _lm
 from opentinker_trainer.workloads._loop import run_steps
 
-CHECKPOINT_FORMAT = "peft_lora"
 log = _lm.get_logger("opentinker.trainer.lora_finetune")
 
 
@@ -83,18 +81,11 @@ class _Trainer:
 
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
-        path = Path(self.ctx.checkpoint_dir) / f"step_{self.step}"
-        state = {
-            "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            "rng": _lm.rng_state(self.env.get_state()),
-            "model": self.ctx.spec.model,
-            "hyperparameters": dataclasses.asdict(self.cfg),
-        }
-        _lm.save_checkpoint(path, self.model, state, tokenizer=self.tokenizer if self.full else None)
-        self.ctx.emit_checkpoint(self.step, path, final=final, fmt=_lm.FORMAT_FULL if self.full else CHECKPOINT_FORMAT)
-        log.info("checkpoint written", task_id=self.ctx.task_id, step=self.step, path=str(path), final=final)
-        return path
+        return _lm.save_step(
+            self.ctx, self.step, self.model, self.optimizer, self.cfg,
+            fmt=_lm.FORMAT_FULL if self.full else _lm.FORMAT_LORA, log=log, final=final,
+            tokenizer=self.tokenizer, env_state=self.env.get_state(),
+        )  # fmt: skip
 
     # --- one GRPO step --------------------------------------------------------------------------
     def rollout(self) -> tuple[Rollout, torch.Tensor]:

@@ -44,6 +44,7 @@ from opentinker_trainer.envs.gym import make_vector_env
 from opentinker_trainer.rl.gae import autoreset_mask, gae
 from opentinker_trainer.rl.policy import ActorCritic, UnsupportedSpaceError
 from opentinker_trainer.workloads import _ppo_common as common
+from opentinker_trainer.workloads import _rng
 from opentinker_trainer.workloads._lm import get_logger
 
 log = get_logger("opentinker.trainer.full_rl.ppo")
@@ -82,7 +83,7 @@ class PPOTrainer:
             policy_state, state = common.load_checkpoint(ctx.resume_from)
             self.policy.load_state_dict(policy_state)
             self.optimizer.load_state_dict(state["optimizer"])
-            common.restore_rng_state(state["rng"])
+            _rng.restore_rng_state(state["rng"])
             self.update, self.env_steps = int(state["step"]), int(state["env_steps"])
             self.last_reward = float(state["last_reward"])
             log.info(
@@ -113,7 +114,7 @@ class PPOTrainer:
         }  # fmt: skip
         state = {
             "step": self.update, "env_steps": self.env_steps, "optimizer": self.optimizer.state_dict(),
-            "rng": common.rng_state(), "last_reward": self.last_reward, "hyperparameters": dataclasses.asdict(self.cfg),
+            "rng": _rng.rng_state(), "last_reward": self.last_reward, "hyperparameters": dataclasses.asdict(self.cfg),
         }  # fmt: skip
         common.save_checkpoint(path, self.policy.state_dict(), meta, state)
         self.ctx.emit_checkpoint(self.update, path, final=final, fmt=common.CHECKPOINT_FORMAT)

@@ -40,6 +40,7 @@ from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.rl.gae import gae
 from opentinker_trainer.rl.policy import ActorCritic, UnsupportedSpaceError
 from opentinker_trainer.workloads import _ppo_common as common
+from opentinker_trainer.workloads import _rng
 from opentinker_trainer.workloads._lm import get_logger
 
 log = get_logger("opentinker.trainer.full_rl.marl")
@@ -106,7 +107,7 @@ class MultiAgentPPOTrainer:
             self.policy.load_state_dict(policy_state)
             for g, opt in self.optimizers.items():
                 opt.load_state_dict(state["optimizer"][g])
-            common.restore_rng_state(state["rng"])
+            _rng.restore_rng_state(state["rng"])
             self.update, self.env_steps = int(state["step"]), int(state["env_steps"])
             self.last_reward = float(state["last_reward"])
             self.last_agent_reward.update({a: float(v) for a, v in state["last_agent_reward"].items()})
@@ -137,7 +138,7 @@ class MultiAgentPPOTrainer:
         state = {
             "step": self.update, "env_steps": self.env_steps,
             "optimizer": {g: o.state_dict() for g, o in self.optimizers.items()},
-            "rng": common.rng_state(), "last_reward": self.last_reward, "last_agent_reward": dict(self.last_agent_reward),
+            "rng": _rng.rng_state(), "last_reward": self.last_reward, "last_agent_reward": dict(self.last_agent_reward),
             "hyperparameters": dataclasses.asdict(self.cfg),
         }  # fmt: skip
         common.save_checkpoint(path, self.policy.state_dict(), meta, state)

@@ -38,7 +38,6 @@ task starts from one with ``init_from`` (see :func:`opentinker_trainer.workloads
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -150,21 +149,10 @@ class _SFTTrainer:
 
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
-        path = Path(self.ctx.checkpoint_dir) / f"step_{self.step}"
-        state = {
-            "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            "rng": _lm.rng_state(None),
-            "model": self.ctx.spec.model,
-            "hyperparameters": dataclasses.asdict(self.cfg),
-        }
-        _lm.save_checkpoint(path, self.model, state, tokenizer=None if self.cfg.lora else self.tokenizer)
-        fmt = _lm.FORMAT_LORA if self.cfg.lora else _lm.FORMAT_FULL
-        self.ctx.emit_checkpoint(self.step, path, final=final, fmt=fmt)
-        log.info(
-            "checkpoint written", task_id=self.ctx.task_id, step=self.step, path=str(path), final=final, format=fmt
-        )
-        return path
+        return _lm.save_step(
+            self.ctx, self.step, self.model, self.optimizer, self.cfg,
+            fmt=_lm.FORMAT_LORA if self.cfg.lora else _lm.FORMAT_FULL, log=log, final=final, tokenizer=self.tokenizer,
+        )  # fmt: skip
 
     # --- steps ----------------------------------------------------------------------------------
     def chunks(self, items: list[int]) -> list[list[int]]:
