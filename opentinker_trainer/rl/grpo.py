@@ -373,15 +373,17 @@ def grpo_update(
     out["loss/total"] = out["loss/policy"] + cfg.kl_coef * out["loss/kl"]
     kl_ref = masked_mean(kl_k3(sampling_logp, ref_logp), mask).item() if ref_logp is not None else math.nan
     finite = rewards.flatten()[valid_sample]
-    out.update({
-        "kl": kl_ref,
-        "grpo/kl_ref": kl_ref,
-        "grpo/zero_std_frac": zero_std.float().mean().item(),
-        "grpo/no_signal": float(bool(zero_std.all())),
-        "grpo/missing_rewards": float((~valid_sample).sum()),
-        "grpo/tokens": float(mask.sum()),
-        "optim/grad_norm": grad_norm,
-        "reward/mean": finite.mean().item() if finite.numel() else math.nan,
-        "reward/std": finite.std(unbiased=False).item() if finite.numel() else math.nan,
-    })
+    out.update(
+        {
+            "kl": kl_ref,
+            "grpo/kl_ref": kl_ref,
+            "grpo/zero_std_frac": zero_std.float().mean().item(),
+            "grpo/no_signal": float(bool(zero_std.all())),
+            "grpo/missing_rewards": float((~valid_sample).sum()),
+            "grpo/tokens": float(mask.sum()),
+            "optim/grad_norm": grad_norm,
+            "reward/mean": finite.mean().item() if finite.numel() else math.nan,
+            "reward/std": finite.std(unbiased=False).item() if finite.numel() else math.nan,
+        }
+    )
     return out

@@ -139,7 +139,16 @@ def save_checkpoint(path: Path, model, trainer_state: dict[str, Any], *, tokeniz
 
 
 def save_step(
-    ctx, step: int, model, optimizer: torch.optim.Optimizer, cfg, *, fmt: str, log, final: bool, tokenizer=None,
+    ctx,
+    step: int,
+    model,
+    optimizer: torch.optim.Optimizer,
+    cfg,
+    *,
+    fmt: str,
+    log,
+    final: bool,
+    tokenizer=None,
     env_state: Any = None,
 ) -> Path:
     """Write the checkpoint of an LM trainer after ``step`` and report it: ``<checkpoint_dir>/step_<step>``.

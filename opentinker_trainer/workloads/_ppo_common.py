@@ -210,10 +210,15 @@ def episode_metrics(finished: list[tuple[int, float, int]], last_reward: float) 
         lens = np.array([n for _, _, n in finished])
         mean = float(rets.mean())
         return {
-            "reward": mean, "reward/episode_return_mean": mean, "reward/episode_return_std": float(rets.std()),
-            "reward/episode_return_max": float(rets.max()), "reward/episode_return_min": float(rets.min()),
-            "reward/episode_length_mean": float(lens.mean()), "reward/episodes": float(len(finished)), "reward/stale": 0.0,
-        }, mean  # fmt: skip
+            "reward": mean,
+            "reward/episode_return_mean": mean,
+            "reward/episode_return_std": float(rets.std()),
+            "reward/episode_return_max": float(rets.max()),
+            "reward/episode_return_min": float(rets.min()),
+            "reward/episode_length_mean": float(lens.mean()),
+            "reward/episodes": float(len(finished)),
+            "reward/stale": 0.0,
+        }, mean
     return {
         "reward": last_reward,
         "reward/episode_return_mean": last_reward,
@@ -238,10 +243,18 @@ def update_metrics(
     the update's own ``loss/*`` values, ``optim/lr``, ``env_steps``, ``wall_time_s`` (since
     ``started``, a :func:`time.perf_counter` reading) and ``perf/*`` (seconds, env steps per second)."""
     return {
-        "loss": out["loss/total"], **rewards, **out, "optim/lr": lr, "env_steps": float(env_steps),
-        "wall_time_s": time.perf_counter() - started, "perf/env_steps_per_s": batch_size / step_s,
-        "perf/step_s": step_s, "perf/rollout_s": rollout_s, "perf/train_s": step_s - rollout_s, "perf/samples": float(samples),
-    }  # fmt: skip
+        "loss": out["loss/total"],
+        **rewards,
+        **out,
+        "optim/lr": lr,
+        "env_steps": float(env_steps),
+        "wall_time_s": time.perf_counter() - started,
+        "perf/env_steps_per_s": batch_size / step_s,
+        "perf/step_s": step_s,
+        "perf/rollout_s": rollout_s,
+        "perf/train_s": step_s - rollout_s,
+        "perf/samples": float(samples),
+    }
 
 
 def run_updates(trainer: Any, log: Any, close) -> None:
@@ -256,9 +269,14 @@ def run_updates(trainer: Any, log: Any, close) -> None:
 
     def log_step(n: int, m) -> None:
         log.info(
-            "update", task_id=trainer.ctx.task_id, step=n, env_steps=trainer.env_steps,
-            reward=round(m["reward"], 3), loss=round(m["loss"], 4), steps_per_s=round(m["perf/env_steps_per_s"]),
-        )  # fmt: skip
+            "update",
+            task_id=trainer.ctx.task_id,
+            step=n,
+            env_steps=trainer.env_steps,
+            reward=round(m["reward"], 3),
+            loss=round(m["loss"], 4),
+            steps_per_s=round(m["perf/env_steps_per_s"]),
+        )
 
     cfg = trainer.cfg
     try:

@@ -216,10 +216,16 @@ class GameTrainer:
             ids, mask = left_pad(prompts[:1] if same else prompts, self.pad_id, self.device)
             t0 = time.perf_counter()
             ro = generate(
-                self.model, ids, mask, max_new_tokens=cfg.max_new_tokens, stop_token_ids=self.stop_ids,
-                pad_token_id=self.pad_id, temperature=cfg.temperature, top_p=cfg.top_p,
+                self.model,
+                ids,
+                mask,
+                max_new_tokens=cfg.max_new_tokens,
+                stop_token_ids=self.stop_ids,
+                pad_token_id=self.pad_id,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
                 group_size=len(prompts) if same else 1,
-            )  # fmt: skip
+            )
             t_gen += time.perf_counter() - t0
             completions = ro.completion_token_lists()
             replies = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -336,10 +342,14 @@ class GameTrainer:
 
         def log_step(n: int, m) -> None:
             log.info(
-                "step", task_id=self.ctx.task_id, step=n, reward=round(m["reward"], 4),
-                success=round(m["episode/success_rate"], 3), invalid=round(m["episode/invalid_action_frac"], 3),
+                "step",
+                task_id=self.ctx.task_id,
+                step=n,
+                reward=round(m["reward"], 4),
+                success=round(m["episode/success_rate"], 3),
+                invalid=round(m["episode/invalid_action_frac"], 3),
                 step_s=round(m["perf/step_s"], 2),
-            )  # fmt: skip
+            )
 
         run_steps(
             self.ctx,

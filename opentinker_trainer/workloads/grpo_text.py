@@ -55,9 +55,14 @@ class _Trainer:
         # full_rl on a text environment: the same GRPO, all weights trained (no adapter).
         self.full = ctx.spec.workload_type == "full_rl"
         log.info(
-            "loading model", task_id=ctx.task_id, model=ctx.spec.model, device=str(self.device), dtype=str(dtype),
-            full_weights=self.full, init_checkpoint=str(ctx.init_checkpoint) if ctx.init_checkpoint else None,
-        )  # fmt: skip
+            "loading model",
+            task_id=ctx.task_id,
+            model=ctx.spec.model,
+            device=str(self.device),
+            dtype=str(dtype),
+            full_weights=self.full,
+            init_checkpoint=str(ctx.init_checkpoint) if ctx.init_checkpoint else None,
+        )
         self.tokenizer, self.model = _lm.load_for_training(ctx, cfg, self.device, dtype, full=self.full)
         self.stop_ids = _lm.stop_token_ids(self.tokenizer, self.model)
         self.pad_id = int(self.tokenizer.pad_token_id)
@@ -82,10 +87,17 @@ class _Trainer:
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
         return _lm.save_step(
-            self.ctx, self.step, self.model, self.optimizer, self.cfg,
-            fmt=_lm.FORMAT_FULL if self.full else _lm.FORMAT_LORA, log=log, final=final,
-            tokenizer=self.tokenizer, env_state=self.env.get_state(),
-        )  # fmt: skip
+            self.ctx,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.cfg,
+            fmt=_lm.FORMAT_FULL if self.full else _lm.FORMAT_LORA,
+            log=log,
+            final=final,
+            tokenizer=self.tokenizer,
+            env_state=self.env.get_state(),
+        )
 
     # --- one GRPO step --------------------------------------------------------------------------
     def rollout(self) -> tuple[Rollout, torch.Tensor]:
@@ -94,10 +106,16 @@ class _Trainer:
         prompt_ids, prompt_mask = left_pad([self.env.encode(p) for p in problems], self.pad_id, self.device)
         self.model.eval()
         ro = generate(
-            self.model, prompt_ids, prompt_mask,
-            max_new_tokens=cfg.max_new_tokens, stop_token_ids=self.stop_ids, pad_token_id=self.pad_id,
-            temperature=cfg.temperature, top_p=cfg.top_p, group_size=cfg.group_size,
-        )  # fmt: skip
+            self.model,
+            prompt_ids,
+            prompt_mask,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_token_ids=self.stop_ids,
+            pad_token_id=self.pad_id,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            group_size=cfg.group_size,
+        )
         replies = self.tokenizer.batch_decode(ro.completion_token_lists(), skip_special_tokens=True)
         rewards = [self.env.score(text, problems[i // cfg.group_size]) for i, text in enumerate(replies)]
         if self.step == 0 or cfg.steps <= 20 or self.step % 10 == 0:
@@ -106,9 +124,14 @@ class _Trainer:
 
     def logprobs(self, ro: Rollout, model=None) -> torch.Tensor:
         return sequence_logprobs(
-            model if model is not None else self.model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
-            temperature=self.cfg.temperature, group_size=self.cfg.group_size,
-        )  # fmt: skip
+            model if model is not None else self.model,
+            ro.prompt_ids,
+            ro.prompt_mask,
+            ro.completion_ids,
+            ro.completion_mask,
+            temperature=self.cfg.temperature,
+            group_size=self.cfg.group_size,
+        )
 
     def chunks(self, n: int) -> list[slice]:
         k = self.cfg.group_size
@@ -162,9 +185,14 @@ class _Trainer:
 
         def log_step(n: int, m) -> None:
             log.info(
-                "step", task_id=self.ctx.task_id, step=n, reward=round(m["reward"], 4),
-                loss=round(m["loss"], 5), kl=round(m["kl"], 5), step_s=round(m["perf/step_s"], 2),
-            )  # fmt: skip
+                "step",
+                task_id=self.ctx.task_id,
+                step=n,
+                reward=round(m["reward"], 4),
+                loss=round(m["loss"], 5),
+                kl=round(m["kl"], 5),
+                step_s=round(m["perf/step_s"], 2),
+            )
 
         run_steps(
             self.ctx,

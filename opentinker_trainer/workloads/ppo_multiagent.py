@@ -129,18 +129,27 @@ class MultiAgentPPOTrainer:
         path = Path(self.ctx.checkpoint_dir) / f"step_{self.update}"
         env0 = self.envs[0]
         meta = {
-            "format": common.CHECKPOINT_FORMAT, "env_id": self.env_cfg.env_id, "env_kwargs": dict(self.env_cfg.env_kwargs),
-            "agents": self.agents, "parameter_sharing": self.cfg.parameter_sharing, "learners": list(self.policy),
+            "format": common.CHECKPOINT_FORMAT,
+            "env_id": self.env_cfg.env_id,
+            "env_kwargs": dict(self.env_cfg.env_kwargs),
+            "agents": self.agents,
+            "parameter_sharing": self.cfg.parameter_sharing,
+            "learners": list(self.policy),
             "observation_spaces": {a: str(env0.observation_space(a)) for a in self.agents},
             "action_spaces": {a: str(env0.action_space(a)) for a in self.agents},
-            "hidden_sizes": list(self.cfg.hidden_sizes), "activation": self.cfg.activation, "step": self.update,
-        }  # fmt: skip
+            "hidden_sizes": list(self.cfg.hidden_sizes),
+            "activation": self.cfg.activation,
+            "step": self.update,
+        }
         state = {
-            "step": self.update, "env_steps": self.env_steps,
+            "step": self.update,
+            "env_steps": self.env_steps,
             "optimizer": {g: o.state_dict() for g, o in self.optimizers.items()},
-            "rng": _rng.rng_state(), "last_reward": self.last_reward, "last_agent_reward": dict(self.last_agent_reward),
+            "rng": _rng.rng_state(),
+            "last_reward": self.last_reward,
+            "last_agent_reward": dict(self.last_agent_reward),
             "hyperparameters": dataclasses.asdict(self.cfg),
-        }  # fmt: skip
+        }
         common.save_checkpoint(path, self.policy.state_dict(), meta, state)
         self.ctx.emit_checkpoint(self.update, path, final=final, fmt=common.CHECKPOINT_FORMAT)
         log.info("checkpoint written", task_id=self.ctx.task_id, step=self.update, path=str(path), final=final)
@@ -205,26 +214,41 @@ class MultiAgentPPOTrainer:
             b = {k: torch.stack(v) for k, v in bufs[g].items()}  # [T, E * M, ...]
             sel = lambda x: torch.as_tensor(x[:, :, members].reshape(T, -1), device=self.device)  # noqa: E731
             b.update(
-                next_value=policy.get_value(obs, agent_ids=ids if g == SHARED else None), rewards=sel(rewards),
-                terminated=sel(terminated), truncated=sel(truncated), valid=sel(valid),
-            )  # fmt: skip
+                next_value=policy.get_value(obs, agent_ids=ids if g == SHARED else None),
+                rewards=sel(rewards),
+                terminated=sel(terminated),
+                truncated=sel(truncated),
+                valid=sel(valid),
+            )
             out[g] = b
         return out
 
     def _batch(self, g: str, b: dict[str, torch.Tensor]) -> common.Batch:
         cfg = self.cfg
         adv, ret = gae(
-            b["rewards"], b["values"], b["next_value"], b["terminated"], b["truncated"], ~b["valid"],
-            gamma=cfg.gamma, gae_lambda=cfg.gae_lambda,
-        )  # fmt: skip
+            b["rewards"],
+            b["values"],
+            b["next_value"],
+            b["terminated"],
+            b["truncated"],
+            ~b["valid"],
+            gamma=cfg.gamma,
+            gae_lambda=cfg.gae_lambda,
+        )
         keep = b["valid"].reshape(-1)
         flat = lambda x: x.reshape(-1, *x.shape[2:])[keep]  # noqa: E731 - [T, S, ...] -> [kept, ...]
         ids = flat(b["ids"])
         groups = {self.agents[i]: ids == i for i in self.members[g]}
         return common.Batch(
-            obs=flat(b["obs"]), actions=flat(b["actions"]), logprobs=flat(b["logprobs"]), advantages=flat(adv),
-            returns=flat(ret), values=flat(b["values"]), agent_ids=ids if g == SHARED else None, groups=groups,
-        )  # fmt: skip
+            obs=flat(b["obs"]),
+            actions=flat(b["actions"]),
+            logprobs=flat(b["logprobs"]),
+            advantages=flat(adv),
+            returns=flat(ret),
+            values=flat(b["values"]),
+            agent_ids=ids if g == SHARED else None,
+            groups=groups,
+        )
 
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg

@@ -115,10 +115,18 @@ class _SFTTrainer:
         self.eval_idx = self.eval_idx[: cfg.max_eval_examples]
         self.total_steps = cfg.steps or cfg.epochs * math.ceil(len(self.train_idx) / cfg.batch_size)
         log.info(
-            "loading model", task_id=ctx.task_id, model=ctx.spec.model, device=str(self.device), dtype=str(dtype), lora=cfg.lora,
-            examples=len(self.examples), train=len(self.train_idx), eval=len(self.eval_idx), steps=self.total_steps,
+            "loading model",
+            task_id=ctx.task_id,
+            model=ctx.spec.model,
+            device=str(self.device),
+            dtype=str(dtype),
+            lora=cfg.lora,
+            examples=len(self.examples),
+            train=len(self.train_idx),
+            eval=len(self.eval_idx),
+            steps=self.total_steps,
             init_checkpoint=str(ctx.init_checkpoint) if ctx.init_checkpoint else None,
-        )  # fmt: skip
+        )
         self.tokenizer, self.model = _lm.load_for_training(ctx, cfg, self.device, dtype, full=not cfg.lora)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -150,9 +158,16 @@ class _SFTTrainer:
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
         return _lm.save_step(
-            self.ctx, self.step, self.model, self.optimizer, self.cfg,
-            fmt=_lm.FORMAT_LORA if self.cfg.lora else _lm.FORMAT_FULL, log=log, final=final, tokenizer=self.tokenizer,
-        )  # fmt: skip
+            self.ctx,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.cfg,
+            fmt=_lm.FORMAT_LORA if self.cfg.lora else _lm.FORMAT_FULL,
+            log=log,
+            final=final,
+            tokenizer=self.tokenizer,
+        )
 
     # --- steps ----------------------------------------------------------------------------------
     def chunks(self, items: list[int]) -> list[list[int]]:
@@ -203,12 +218,21 @@ class _SFTTrainer:
         step_s = time.perf_counter() - t0
         loss, acc = nll / n_tokens, correct / n_tokens
         return {
-            "loss": loss, "reward": acc, "loss/train": loss, "train/token_accuracy": acc,
-            "train/tokens": float(n_tokens), "train/epoch": self.step * cfg.batch_size / len(self.train_idx),
-            "samples": float(self.step * cfg.batch_size), "optim/lr": lr, "optim/grad_norm": grad_norm,
-            "perf/step_s": step_s, "perf/tokens_per_s": seen_tokens / step_s, "tokens_per_s": seen_tokens / step_s,
-            "perf/examples_per_s": len(batch) / step_s, "wall_time_s": time.perf_counter() - self.started,
-        }  # fmt: skip
+            "loss": loss,
+            "reward": acc,
+            "loss/train": loss,
+            "train/token_accuracy": acc,
+            "train/tokens": float(n_tokens),
+            "train/epoch": self.step * cfg.batch_size / len(self.train_idx),
+            "samples": float(self.step * cfg.batch_size),
+            "optim/lr": lr,
+            "optim/grad_norm": grad_norm,
+            "perf/step_s": step_s,
+            "perf/tokens_per_s": seen_tokens / step_s,
+            "tokens_per_s": seen_tokens / step_s,
+            "perf/examples_per_s": len(batch) / step_s,
+            "wall_time_s": time.perf_counter() - self.started,
+        }
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -230,14 +254,25 @@ class _SFTTrainer:
 
         def log_step(n: int, m) -> None:
             log.info(
-                "step", task_id=self.ctx.task_id, step=n, loss=round(m["loss"], 4), token_accuracy=round(m["reward"], 4),
-                eval_loss=round(m["loss/eval"], 4) if "loss/eval" in m else None, step_s=round(m["perf/step_s"], 2),
-            )  # fmt: skip
+                "step",
+                task_id=self.ctx.task_id,
+                step=n,
+                loss=round(m["loss"], 4),
+                token_accuracy=round(m["reward"], 4),
+                eval_loss=round(m["loss/eval"], 4) if "loss/eval" in m else None,
+                step_s=round(m["perf/step_s"], 2),
+            )
 
         run_steps(
-            self.ctx, done=self.step, total=self.total_steps, step=one, save=self.save,
-            checkpoint_every=cfg.checkpoint_every, log_step=log_step, before_first=first,
-        )  # fmt: skip
+            self.ctx,
+            done=self.step,
+            total=self.total_steps,
+            step=one,
+            save=self.save,
+            checkpoint_every=cfg.checkpoint_every,
+            log_step=log_step,
+            before_first=first,
+        )
 
 
 def run(ctx: WorkerContext) -> None:

@@ -22,10 +22,23 @@ from opentinker_trainer.workloads import grpo_game, run_task
 LAKE = {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}}
 SMALL = {"episodes_per_step": 3, "max_turns": 4, "max_new_tokens": 3, "lora_rank": 4, "learning_rate": 1e-2}
 KEYS = {
-    "loss", "reward", "reward_std", "zero_std_frac", "loss/policy", "reward/mean", "episode/env_return",
-    "episode/success_rate", "episode/turns", "episode/invalid_action_frac", "grpo/clipfrac", "grpo/approx_kl",
-    "optim/grad_norm", "perf/step_s", "perf/generate_s", "perf/turns",
-}  # fmt: skip
+    "loss",
+    "reward",
+    "reward_std",
+    "zero_std_frac",
+    "loss/policy",
+    "reward/mean",
+    "episode/env_return",
+    "episode/success_rate",
+    "episode/turns",
+    "episode/invalid_action_frac",
+    "grpo/clipfrac",
+    "grpo/approx_kl",
+    "optim/grad_norm",
+    "perf/step_s",
+    "perf/generate_s",
+    "perf/turns",
+}
 
 
 def make_ctx(model, tmp_path: Path, name: str, env=LAKE, resume_from=None, **hp) -> WorkerContext:
@@ -33,9 +46,14 @@ def make_ctx(model, tmp_path: Path, name: str, env=LAKE, resume_from=None, **hp)
         workload_type="lora_finetune", model=str(model), env_config=env, hyperparameters={**SMALL, **hp}
     )
     return WorkerContext(
-        task_id=f"t-{name}", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp_path / name,
-        resume_from=resume_from, out=io.StringIO(),
-    )  # fmt: skip
+        task_id=f"t-{name}",
+        attempt=1,
+        spec=spec,
+        device="cpu",
+        checkpoint_dir=tmp_path / name,
+        resume_from=resume_from,
+        out=io.StringIO(),
+    )
 
 
 def reports(ctx, kind):

@@ -17,23 +17,43 @@ from opentinker_common.arithmetic import ArithmeticEnv
 from opentinker_trainer.workloads import grpo_text
 
 REQUIRED_KEYS = {
-    "loss", "reward", "reward_std", "kl", "zero_std_frac",
-    "loss/policy", "loss/kl", "reward/mean", "reward/std", "grpo/zero_std_frac", "grpo/clipfrac",
-    "grpo/approx_kl", "perf/tokens_per_s", "perf/step_s", "perf/generate_s", "perf/samples",
-}  # fmt: skip
+    "loss",
+    "reward",
+    "reward_std",
+    "kl",
+    "zero_std_frac",
+    "loss/policy",
+    "loss/kl",
+    "reward/mean",
+    "reward/std",
+    "grpo/zero_std_frac",
+    "grpo/clipfrac",
+    "grpo/approx_kl",
+    "perf/tokens_per_s",
+    "perf/step_s",
+    "perf/generate_s",
+    "perf/samples",
+}
 
 SMALL = {"prompts_per_step": 2, "group_size": 3, "max_new_tokens": 4, "lora_rank": 4, "learning_rate": 1e-2}
 
 
 def make_ctx(model: str | Path, tmp_path: Path, name: str, resume_from: Path | None = None, **hp) -> WorkerContext:
     spec = TaskSpecModel.from_parts(
-        workload_type="lora_finetune", model=str(model), env_config={"env_id": "arithmetic"},
+        workload_type="lora_finetune",
+        model=str(model),
+        env_config={"env_id": "arithmetic"},
         hyperparameters={**SMALL, **hp},
-    )  # fmt: skip
+    )
     return WorkerContext(
-        task_id=f"t-{name}", attempt=1, spec=spec, device="cpu",
-        checkpoint_dir=tmp_path / name, resume_from=resume_from, out=io.StringIO(),
-    )  # fmt: skip
+        task_id=f"t-{name}",
+        attempt=1,
+        spec=spec,
+        device="cpu",
+        checkpoint_dir=tmp_path / name,
+        resume_from=resume_from,
+        out=io.StringIO(),
+    )
 
 
 def reports(ctx: WorkerContext, kind: str) -> list[dict]:

@@ -23,9 +23,17 @@ pytestmark = pytest.mark.e2e
 
 def test_three_steps_on_the_real_model(real_model_dir, tmp_path):
     spec = TaskSpecModel.from_parts(
-        workload_type="lora_finetune", model=str(real_model_dir), env_config={"env_id": "arithmetic", "seed": 1},
-        hyperparameters={"steps": 3, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "checkpoint_every": 2},
-    )  # fmt: skip
+        workload_type="lora_finetune",
+        model=str(real_model_dir),
+        env_config={"env_id": "arithmetic", "seed": 1},
+        hyperparameters={
+            "steps": 3,
+            "prompts_per_step": 2,
+            "group_size": 4,
+            "max_new_tokens": 8,
+            "checkpoint_every": 2,
+        },
+    )
     ctx = WorkerContext(
         task_id="e2e", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp_path / "ckpt", out=io.StringIO()
     )
