@@ -259,35 +259,24 @@ def update_metrics(
 
 def run_updates(trainer: Any, log: Any, close) -> None:
     """Run ``trainer.train_step()`` for updates ``trainer.update + 1 .. cfg.num_updates`` through
-    :func:`~opentinker_trainer.workloads._loop.run_steps` (report, checkpoint with
+    :func:`~opentinker_trainer.workloads._loop.run_trainer` (report, checkpoint with
     ``trainer.save``, stop when asked), logging each update; ``close()`` runs at the end."""
-    from opentinker_trainer.workloads._loop import run_steps
+    from opentinker_trainer.workloads._loop import run_trainer
 
-    def one(n: int) -> dict[str, float]:
-        trainer.update = n
-        return trainer.train_step()
-
-    def log_step(n: int, m) -> None:
-        log.info(
-            "update",
-            task_id=trainer.ctx.task_id,
-            step=n,
-            env_steps=trainer.env_steps,
-            reward=round(m["reward"], 3),
-            loss=round(m["loss"], 4),
-            steps_per_s=round(m["perf/env_steps_per_s"]),
-        )
-
-    cfg = trainer.cfg
     try:
-        run_steps(
-            trainer.ctx,
-            done=trainer.update,
-            total=cfg.num_updates,
-            step=one,
-            save=trainer.save,
-            checkpoint_every=cfg.checkpoint_every,
-            log_step=log_step,
+        run_trainer(
+            trainer,
+            log,
+            total=trainer.cfg.num_updates,
+            checkpoint_every=trainer.cfg.checkpoint_every,
+            counter="update",
+            event="update",
+            fields=lambda m: {
+                "env_steps": trainer.env_steps,
+                "reward": round(m["reward"], 3),
+                "loss": round(m["loss"], 4),
+                "steps_per_s": round(m["perf/env_steps_per_s"]),
+            },
         )
     finally:
         close()

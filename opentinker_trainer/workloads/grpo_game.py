@@ -55,7 +55,7 @@ from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, rewa
 from opentinker_trainer.rl.rollout import generate, left_pad, right_pad
 from opentinker_trainer.rl.shared_prompts import shared_prompt_logprobs
 from opentinker_trainer.workloads import _lm
-from opentinker_trainer.workloads._loop import run_steps
+from opentinker_trainer.workloads._loop import run_trainer
 
 log = _lm.get_logger("opentinker.trainer.lm_game")
 
@@ -336,29 +336,17 @@ class GameTrainer:
         )
 
     def run(self) -> None:
-        def one(n: int) -> dict[str, float]:
-            self.step = n
-            return self.train_step()
-
-        def log_step(n: int, m) -> None:
-            log.info(
-                "step",
-                task_id=self.ctx.task_id,
-                step=n,
-                reward=round(m["reward"], 4),
-                success=round(m["episode/success_rate"], 3),
-                invalid=round(m["episode/invalid_action_frac"], 3),
-                step_s=round(m["perf/step_s"], 2),
-            )
-
-        run_steps(
-            self.ctx,
-            done=self.step,
+        run_trainer(
+            self,
+            log,
             total=self.cfg.steps,
-            step=one,
-            save=self.save,
             checkpoint_every=self.cfg.checkpoint_every,
-            log_step=log_step,
+            fields=lambda m: {
+                "reward": round(m["reward"], 4),
+                "success": round(m["episode/success_rate"], 3),
+                "invalid": round(m["episode/invalid_action_frac"], 3),
+                "step_s": round(m["perf/step_s"], 2),
+            },
         )
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ from opentinker_common.arithmetic import ArithmeticEnv
 from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, rewards_tensor
 from opentinker_trainer.rl.rollout import Rollout, generate, left_pad, sequence_logprobs
 from opentinker_trainer.workloads import _lm
-from opentinker_trainer.workloads._loop import run_steps
+from opentinker_trainer.workloads._loop import run_trainer
 
 log = _lm.get_logger("opentinker.trainer.lora_finetune")
 
@@ -179,29 +179,17 @@ class _Trainer:
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
-        def one(n: int) -> dict[str, float]:
-            self.step = n
-            return self.train_step()
-
-        def log_step(n: int, m) -> None:
-            log.info(
-                "step",
-                task_id=self.ctx.task_id,
-                step=n,
-                reward=round(m["reward"], 4),
-                loss=round(m["loss"], 5),
-                kl=round(m["kl"], 5),
-                step_s=round(m["perf/step_s"], 2),
-            )
-
-        run_steps(
-            self.ctx,
-            done=self.step,
+        run_trainer(
+            self,
+            log,
             total=self.cfg.steps,
-            step=one,
-            save=self.save,
             checkpoint_every=self.cfg.checkpoint_every,
-            log_step=log_step,
+            fields=lambda m: {
+                "reward": round(m["reward"], 4),
+                "loss": round(m["loss"], 5),
+                "kl": round(m["kl"], 5),
+                "step_s": round(m["perf/step_s"], 2),
+            },
         )
 
 
