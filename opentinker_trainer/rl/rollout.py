@@ -153,10 +153,12 @@ def _shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_s
     return ids[:, 0], mask[:, 0]
 
 
-def _prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int):
-    """Run prompts ``[G, P]`` once; return ``(last logits [G, 1, V], cache repeated to G * repeats)``.
+def _prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: int | torch.Tensor):
+    """Run prompts ``[N, P]`` once; return ``(last logits [N, 1, V], cache expanded to the rows)``.
 
-    Returns None when the model's cache cannot be repeated along the batch (then run flat).
+    ``rows``: an int ``K`` (the cache is repeated ``K`` times per prompt, ``batch_repeat_interleave``)
+    or ``[B]`` long prompt indices (``batch_select_indices``). Returns None when the model's cache
+    cannot be expanded so (then run flat).
     """
     out = model(
         input_ids=prompt_ids,
@@ -166,9 +168,10 @@ def _prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, re
         logits_to_keep=1,
     )
     cache = _model_cache(out)
-    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+    expand = "batch_repeat_interleave" if isinstance(rows, int) else "batch_select_indices"
+    if cache is None or not hasattr(cache, expand):
         return None
-    cache.batch_repeat_interleave(repeats)
+    getattr(cache, expand)(rows)
     return out.logits[:, -1:, :], cache
 
 
@@ -206,28 +209,16 @@ def prefix_logprobs(
         ``[B, T]`` token log-probs (meaningless at masked positions), or None when the model's
         cache cannot be expanded along the batch (then run the rows flat).
     """
-    out = model(
-        input_ids=prefix_ids,
-        attention_mask=prefix_mask.long(),
-        position_ids=position_ids_from_mask(prefix_mask),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache = _model_cache(out)
-    last = out.logits[:, -1:, :]  # [N, 1, V]
+    shared = _prompt_cache(model, prefix_ids, prefix_mask, rows)
+    if shared is None:
+        return None
+    last, cache = shared  # last: [N, 1, V]
     if isinstance(rows, int):
-        if cache is None or not hasattr(cache, "batch_repeat_interleave"):
-            return None
-        cache.batch_repeat_interleave(rows)
         logits, row_mask = last.repeat_interleave(rows, dim=0), prefix_mask.repeat_interleave(rows, dim=0)
     else:
-        if cache is None or not hasattr(cache, "batch_select_indices"):
-            return None
         logits, row_mask = last.index_select(0, rows), prefix_mask.index_select(0, rows)
     t = completion_ids.shape[1]
     if t > 1:
-        if not isinstance(rows, int):
-            cache.batch_select_indices(rows)
         full_mask = torch.cat([row_mask, completion_mask], dim=1)
         positions = position_ids_from_mask(full_mask)
         p = prefix_ids.shape[1]

@@ -176,6 +176,28 @@ def save_step(
     return path
 
 
+def resume_step(ctx, optimizer: torch.optim.Optimizer, log) -> tuple[int, Any]:
+    """Resume an LM trainer from ``ctx.resume_from`` (a :func:`save_step` folder), if any.
+
+    Loads the optimizer state into ``optimizer`` and restores the global RNGs.
+
+    Returns:
+        ``(step, env_state)``: the step the checkpoint was written after and the environment
+        state saved with it; ``(0, None)`` on a fresh start.
+
+    Raises:
+        FileNotFoundError: the folder has no ``trainer_state.pt``.
+    """
+    if ctx.resume_from is None:
+        return 0, None
+    state = load_trainer_state(ctx.resume_from)
+    optimizer.load_state_dict(state["optimizer"])
+    env_state = restore_rng(state["rng"])
+    step = int(state["step"])
+    log.info("resumed", task_id=ctx.task_id, checkpoint=str(ctx.resume_from), step=step)
+    return step, env_state
+
+
 def load_trainer_state(path: Path) -> dict[str, Any]:
     """The ``trainer_state.pt`` of checkpoint folder ``path`` (tensors on CPU)."""
     file = Path(path) / TRAINER_STATE

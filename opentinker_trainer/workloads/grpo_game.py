@@ -133,13 +133,7 @@ class GameTrainer:
         self.system_prompt = cfg.system_prompt if cfg.system_prompt is not None else self.renderer.system_prompt()
         self.reply_prefix = cfg.reply_prefix if cfg.reply_prefix is not None else self.renderer.reply_prefix
         self._prompt_cache: dict[Any, list[int]] = {}
-        self.step = 0
-        if ctx.resume_from is not None:
-            state = _lm.load_trainer_state(ctx.resume_from)
-            self.optimizer.load_state_dict(state["optimizer"])
-            _lm.restore_rng(state["rng"])
-            self.step = int(state["step"])
-            log.info("resumed", task_id=ctx.task_id, checkpoint=str(ctx.resume_from), step=self.step)
+        self.step, _ = _lm.resume_step(ctx, self.optimizer, log)
         self.started = time.perf_counter()
 
     def _check_spaces(self, env) -> None:

@@ -75,13 +75,9 @@ class _Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self.env = ArithmeticEnv(ctx.spec.env, self.tokenizer, seed=cfg.seed)
-        self.step = 0
+        self.step, env_state = _lm.resume_step(ctx, self.optimizer, log)
         if ctx.resume_from is not None:
-            state = _lm.load_trainer_state(ctx.resume_from)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.env.set_state(_lm.restore_rng(state["rng"]))
-            self.step = int(state["step"])
-            log.info("resumed", task_id=ctx.task_id, checkpoint=str(ctx.resume_from), step=self.step)
+            self.env.set_state(env_state)
         self.started = time.perf_counter()
 
     # --- checkpoints --------------------------------------------------------------------------

@@ -132,14 +132,8 @@ class _SFTTrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self._encoded: dict[int, Encoded] = {}
-        self.step = 0
         torch.manual_seed(cfg.seed)
-        if ctx.resume_from is not None:
-            state = _lm.load_trainer_state(ctx.resume_from)
-            self.optimizer.load_state_dict(state["optimizer"])
-            _lm.restore_rng(state["rng"])
-            self.step = int(state["step"])
-            log.info("resumed", task_id=ctx.task_id, checkpoint=str(ctx.resume_from), step=self.step)
+        self.step, _ = _lm.resume_step(ctx, self.optimizer, log)
         self.fresh = self.step == 0
         self.started = time.perf_counter()
 
