@@ -42,25 +42,23 @@ __all__ = [
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack token lists padded on the left: ``(ids [B, L], mask [B, L] bool)``."""
-    width = max((len(s) for s in sequences), default=0)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
-    for i, seq in enumerate(sequences):
-        if len(seq):
-            ids[i, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[i, width - len(seq) :] = True
-    return ids.to(device), mask.to(device)
+    return _pad(sequences, pad_id, device, left=True)
 
 
 def right_pad(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack token lists padded on the right: ``(ids [B, L], mask [B, L] bool)``."""
+    return _pad(sequences, pad_id, device, left=False)
+
+
+def _pad(sequences: Sequence[Sequence[int]], pad_id: int, device, *, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
     width = max((len(s) for s in sequences), default=0)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.bool)
     for i, seq in enumerate(sequences):
         if len(seq):
-            ids[i, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[i, : len(seq)] = True
+            cols = slice(width - len(seq), width) if left else slice(0, len(seq))
+            ids[i, cols] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[i, cols] = True
     return ids.to(device), mask.to(device)
 
 
