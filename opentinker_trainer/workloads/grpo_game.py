@@ -22,15 +22,18 @@ GRPO over episodes (Shao et al. 2024, https://arxiv.org/abs/2402.03300): a step 
 ``groups_per_step`` groups of ``episodes_per_step`` episodes, each group from one start seed;
 advantages are the returns standardised within the group
 (:func:`~opentinker_trainer.rl.grpo.group_advantages`) and every token the LM wrote in an
-episode gets its episode's advantage. The loss is the clipped surrogate
-(:func:`~opentinker_trainer.rl.grpo.pg_loss`), a token mean over all turns of the step, plus
-``kl_coef`` times the k3 KL to the base model when ``kl_coef > 0``.
+episode gets its episode's advantage. The update is
+:func:`~opentinker_trainer.rl.grpo.grpo_update` (the same as the text trainer's, with its rules on
+groups without signal, missing returns and the reported KL): the clipped surrogate, a token mean
+over all turns of the step, plus ``kl_coef`` times the k3 KL to the base model (the adapter off).
 
 Start seeds are a function of (seed, step, group), and the RNG states are checkpointed, so a
 resumed run plays and samples what an uninterrupted one would have.
 
 Metrics per step: ``loss``, ``reward`` (mean episode return), ``reward_std``, ``zero_std_frac``,
-``loss/policy``, ``loss/kl``, ``kl`` (only with ``kl_coef > 0``), ``reward/mean``, ``reward/std``,
+``loss/policy``, ``loss/kl``, ``kl`` (= ``grpo/kl_ref``: k3 of KL(sampling policy || base model) on
+this step's turns), ``grpo/no_signal``, ``grpo/missing_rewards``, ``grpo/tokens`` (see
+:func:`~opentinker_trainer.rl.grpo.grpo_update`), ``reward/mean``, ``reward/std``,
 ``episode/env_return`` (the environment's own rewards only), ``episode/success_rate`` (episodes
 whose environment return is > 0), ``episode/turns``, ``episode/terminated_frac``,
 ``episode/invalid_action_frac`` (invalid replies / all replies), ``grpo/zero_std_frac``,

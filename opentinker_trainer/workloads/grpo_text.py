@@ -7,7 +7,10 @@ Each step (Shao et al. 2024, DeepSeekMath, https://arxiv.org/abs/2402.03300):
    (:func:`~opentinker_trainer.rl.grpo.group_advantages`);
 3. take ``ppo_epochs`` optimizer steps (AdamW, gradient clipping) on the clipped surrogate
    (:func:`~opentinker_trainer.rl.grpo.pg_loss`), plus ``kl_coef`` times the k3 KL to the
-   reference model — the base model, i.e. the same weights with the adapter disabled.
+   reference model — the base model, i.e. the same weights with the adapter disabled (LoRA), or a
+   frozen copy of the starting weights (``full_rl`` with ``kl_coef > 0``). That update is
+   :func:`~opentinker_trainer.rl.grpo.grpo_update`, shared with the game trainer, with its rules
+   on groups without signal, missing rewards and the reported KL.
 
 Reports per step (``ctx.emit_metric``, steps from 1):
 
@@ -17,7 +20,8 @@ Reports per step (``ctx.emit_metric``, steps from 1):
 * ``loss/total``, ``loss/policy``, ``loss/kl`` (the penalty before ``kl_coef``), ``reward/mean``,
   ``reward/std``, ``grpo/zero_std_frac`` (groups with all-equal rewards: no signal),
   ``grpo/clipfrac``, ``grpo/approx_kl`` (k3 of KL(old || new), how far the updates moved),
-  ``grpo/kl_ref`` (= ``kl``: k3 of KL(sampling policy || reference) on this step's samples),
+  ``grpo/kl_ref`` (= ``kl``: k3 of KL(sampling policy || reference) on this step's samples; not
+  reported without a reference), ``grpo/no_signal``, ``grpo/missing_rewards``, ``grpo/tokens``,
   ``completion/mean_tokens``, ``completion/truncated_frac``, ``optim/grad_norm`` (before
   clipping), ``optim/lr``, ``perf/step_s``, ``perf/generate_s``, ``perf/train_s``,
   ``perf/samples`` (completions this step), ``perf/tokens_per_s`` (completion tokens sampled per

@@ -84,7 +84,7 @@ def test_random_model_replies_are_invalid_actions_with_the_documented_penalty(ti
     # The random model never names an action: every turn is invalid, the lake is never stepped.
     assert v["episode/invalid_action_frac"] == 1.0 and v["episode/turns"] == 4
     assert v["reward"] == pytest.approx(4 * -0.25) and v["episode/env_return"] == 0.0
-    assert v["zero_std_frac"] == 1.0 and v["loss"] == 0.0  # equal returns: no signal, no update
+    assert v["zero_std_frac"] == 1.0 and v["loss"] == 0.0  # equal returns: no signal, policy loss 0
     (c,) = reports(ctx, "checkpoint")
     assert c["final"] and c["format"] == "peft_lora"
     assert {"adapter_config.json", "adapter_model.safetensors", "trainer_state.pt"} <= {
@@ -214,3 +214,19 @@ def test_lm_game_on_a_client_hosted_environment(tiny_model_dir, tmp_path, script
     assert m["values"]["episode/success_rate"] == 1.0 and m["values"]["episode/turns"] == 3
     assert seen[0] == ("left", "right")  # the client's action names reach the LM's prompt
     assert isinstance(ctx.spec.hyperparameters, LMGameGRPOConfig)
+
+
+def test_a_step_without_signal_still_steps_and_reports_the_kl_to_the_base_model(tiny_model_dir, tmp_path):
+    """The rules of rl.grpo.grpo_update, as in the text trainer: equal returns take the
+    optimizer step all the same, and ``kl`` is the KL to the base model (0 on a fresh adapter)."""
+    ctx = make_ctx(tiny_model_dir, tmp_path, "nosignal", steps=1)
+    run_task(ctx)
+    (m,) = reports(ctx, "metric")
+    v = m["values"]
+    assert v["zero_std_frac"] == 1.0 and v["grpo/no_signal"] == 1.0 and v["grpo/missing_rewards"] == 0.0
+    assert v["kl"] == v["grpo/kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    (c,) = reports(ctx, "checkpoint")
+    state = torch.load(Path(c["path"]) / "trainer_state.pt", weights_only=True)
+    steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert steps == {1}
+    assert set(state["rng"]) >= {"torch", "numpy", "python", "env"}
