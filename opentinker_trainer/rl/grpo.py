@@ -1,4 +1,5 @@
-"""GRPO / PPO building blocks: small pure functions on tensors.
+"""GRPO / PPO building blocks: small pure functions on tensors, and :func:`grpo_update`, the
+GRPO optimisation of one step that the text and game trainers share.
 
 In the style of CleanRL and tinker-cookbook: each estimator is a few lines with its shapes and a
 reference beside it, so it can be checked against the paper. Shapes use
@@ -295,8 +296,9 @@ def grpo_update(
       (``grpo/zero_std_frac``). A batch where *every* group is so still takes its ``ppo_epochs``
       optimizer steps: with AdamW a zero policy gradient is no no-op (the moments from earlier
       steps still move the weights, and the KL term has a gradient of its own), and skipping it
-      would change the runs of the text trainer, whose reward curves are pinned. The metrics say
-      which batches had no signal (``grpo/no_signal`` 1.0).
+      would change the runs of the text trainer, whose reward curves are pinned (the game
+      trainer skipped such batches before the two shared this update). The metrics say which
+      batches had no signal (``grpo/no_signal`` 1.0).
     * **Reference and reported KL** — ``reference`` is the KL anchor ``pi_ref``: a frozen module
       (a copy of the starting weights, for full-weight training), :data:`ADAPTER_OFF` (the base
       model under a LoRA adapter), or None (no reference: the KL term is 0 and ``cfg.kl_coef`` must
