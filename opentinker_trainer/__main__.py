@@ -84,7 +84,9 @@ def _http_tls_context(parser: argparse.ArgumentParser, args: argparse.Namespace)
         return server_ssl_context(args.http_tls_cert, args.http_tls_key, names=("--http-tls-cert", "--http-tls-key"))
     except (OSError, ssl.SSLError, ValueError) as exc:  # ValueError: not a regular file, over 1 MiB, encrypted key
         parser.error(
-            f"--http-tls-cert/--http-tls-key: expected a readable PEM certificate and its key, got {args.http_tls_cert!r} and {args.http_tls_key!r} ({getattr(exc, 'strerror', None) or getattr(exc, 'reason', None) or exc})"
+            "--http-tls-cert/--http-tls-key: expected a readable PEM certificate and its key, "
+            f"got {args.http_tls_cert!r} and {args.http_tls_key!r} "
+            f"({getattr(exc, 'strerror', None) or getattr(exc, 'reason', None) or exc})"
         )
 
 
@@ -123,13 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--advertise-host",
         default=os.environ.get("OPENTINKER_ADVERTISE_HOST") or "",
-        help="host name clients dial for servers this node runs (inference tasks); default: env OPENTINKER_ADVERTISE_HOST, "
+        help="host name clients dial for servers this node runs (inference tasks); "
+        "default: env OPENTINKER_ADVERTISE_HOST, "
         "else 127.0.0.1 when the scheduler is on loopback, else this machine's host name",
     )
     parser.add_argument(
         "--api-key",
         default=None,
-        help="API key with the node role (default: env OPENTINKER_API_KEY, preferred: other local users can read arguments in ps; none when the scheduler has auth off)",
+        help="API key with the node role (default: env OPENTINKER_API_KEY, preferred: other local users can read "
+        "arguments in ps; none when the scheduler has auth off)",
     )
     parser.add_argument(
         "--tls-ca",
@@ -155,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--serve-tls-cert",
         default=os.environ.get("OPENTINKER_SERVE_TLS_CERT") or "",
-        help="PEM certificate of this node's inference servers; with --serve-tls-key they speak TLS and report https://host:port "
+        help="PEM certificate of this node's inference servers; with --serve-tls-key they speak TLS and report "
+        "https://host:port "
         "(default: env OPENTINKER_SERVE_TLS_CERT)",
     )
     parser.add_argument(
@@ -243,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     target = address.target
     if args.tls_cert and not args.tls_ca and not address.tls:
         parser.error(
-            "--tls-ca: expected the scheduler's CA when a client certificate is given (or an https:// scheduler URL to trust the system roots)"
+            "--tls-ca: expected the scheduler's CA when a client certificate is given "
+            "(or an https:// scheduler URL to trust the system roots)"
         )
     http_tls = _http_tls_context(parser, args)
     configure_logging()
@@ -285,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, OverflowError) as exc:
                 agent.monitor.close()
                 print(
-                    f"error: cannot listen on HTTP port {args.http_host}:{args.http_port}: {getattr(exc, 'strerror', None) or exc}",
+                    f"error: cannot listen on HTTP port {args.http_host}:{args.http_port}: "
+                    f"{getattr(exc, 'strerror', None) or exc}",
                     file=sys.stderr,
                 )
                 return 1

@@ -156,7 +156,8 @@ class RemoteSession:
                     # A retry cannot fix a wrong token: fail now, naming the cause (never the token).
                     if self._metadata:
                         message = (
-                            f"the access token (env_config.token) did not match the environment server at {self.endpoint} "
+                            "the access token (env_config.token) did not match the environment server at "
+                            f"{self.endpoint} "
                             f"({code.name}); each EnvironmentServer makes its own token when it starts, "
                             "so submit the task with the env_config of the server that is running"
                         )
@@ -328,10 +329,13 @@ def make_client_env(config: Any, *, seed: int | None) -> gymnasium.Env:
             unreachable (see the module docstring).
     """
     session = RemoteSession.shared(
-        config.endpoint, timeout_s=config.timeout_s, grace_s=config.grace_s,
-        token=getattr(config, "token", ""), tls=getattr(config, "tls", False),
+        config.endpoint,
+        timeout_s=config.timeout_s,
+        grace_s=config.grace_s,
+        token=getattr(config, "token", ""),
+        tls=getattr(config, "tls", False),
         root_certificates=getattr(config, "tls_root_certificates", ""),
-    )  # fmt: skip
+    )
     env: gymnasium.Env = ClientEnv(config, session)
     if config.max_episode_steps is not None:
         env = gymnasium.wrappers.TimeLimit(env, max_episode_steps=int(config.max_episode_steps))

@@ -57,7 +57,10 @@ class DiscreteRenderer:
 
     def system_prompt(self) -> str:
         names = ", ".join(self.action_names)
-        return f"You are playing a game. Each turn you see an observation and choose one action. Answer with one action only: {names}."
+        return (
+            "You are playing a game. Each turn you see an observation and choose one action. "
+            f"Answer with one action only: {names}."
+        )
 
     def render(self, observation: Any) -> str:
         if isinstance(observation, (int, np.integer)):

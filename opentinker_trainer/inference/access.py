@@ -218,5 +218,6 @@ class AccessChecker:
                 )
             return AccessRefused(
                 grpc.StatusCode.UNAVAILABLE,
-                f"cannot check the API key with the scheduler at {self.target} ({code.name}: {err.details()}); try again",
+                f"cannot check the API key with the scheduler at {self.target} "
+                f"({code.name}: {err.details()}); try again",
             )

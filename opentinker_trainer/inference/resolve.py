@@ -77,7 +77,8 @@ class SchedulerResolver:
         workload = task.spec.workload_type
         if workload not in ADAPTER_WORKLOADS:
             raise AdapterRefused(
-                f"adapter {name!r}: task is a {workload} task; only {' and '.join(ADAPTER_WORKLOADS)} tasks give adapters"
+                f"adapter {name!r}: task is a {workload} task; "
+                f"only {' and '.join(ADAPTER_WORKLOADS)} tasks give adapters"
             )
         if task.state not in _TERMINAL:
             state = common_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
@@ -89,6 +90,7 @@ class SchedulerResolver:
             raise AdapterRefused(f"adapter {name!r}: its checkpoint is {ckpt.format!r}, not a LoRA adapter (peft_lora)")
         if not same_model(task.spec.model, self.served_model):
             raise AdapterRefused(
-                f"adapter {name!r} was trained on base model {task.spec.model!r}; this server serves {self.served_model!r}"
+                f"adapter {name!r} was trained on base model {task.spec.model!r}; "
+                f"this server serves {self.served_model!r}"
             )
         return Path(ckpt.path)

@@ -159,7 +159,8 @@ class ModelRuntime:
         if len(prompt_ids) + params.max_tokens > self.context_length:
             raise BadRequest(
                 f"sampling.max_tokens: the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}, "
-                f"{len(prompt_ids) + params.max_tokens} in all, beyond the model's context of {self.context_length} tokens"
+                f"{len(prompt_ids) + params.max_tokens} in all, "
+                f"beyond the model's context of {self.context_length} tokens"
             )
         return Prepared(prompt_ids, params, adapter or None)
 

@@ -1,4 +1,5 @@
-"""GRPO / PPO building blocks: small pure functions on tensors.
+"""GRPO / PPO building blocks: small pure functions on tensors, and :func:`grpo_update`, the
+GRPO optimisation of one step that the text and game trainers share.
 
 In the style of CleanRL and tinker-cookbook: each estimator is a few lines with its shapes and a
 reference beside it, so it can be checked against the paper. Shapes use
@@ -13,16 +14,24 @@ multiplied by zero (``nan * 0`` is ``nan``).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import torch
 
 __all__ = [
+    "ADAPTER_OFF",
+    "GRPOBatch",
     "approx_kl_k3",
     "clip_fraction",
     "group_advantages",
+    "grpo_update",
     "kl_k3",
     "masked_mean",
     "masked_sum",
     "pg_loss",
+    "rewards_tensor",
     "token_logprobs",
 ]
 
@@ -192,3 +201,191 @@ def pg_loss(
             "ratio_mean": masked_mean(ratio, mask),
         }
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# One GRPO update: the optimisation of one step's samples, shared by the text and game trainers.
+
+#: ``reference`` of :func:`grpo_update` for a PEFT model: the same weights with the adapter
+#: switched off (``model.disable_adapter()``), i.e. the base model the adapter was added to.
+ADAPTER_OFF = "adapter_off"
+
+
+def rewards_tensor(values, num_groups: int, group_size: int) -> torch.Tensor:
+    """``[num_groups, group_size]`` float32 rewards from a flat sequence of ``num_groups * group_size``
+    values in group order; ``None`` (no reward: the scorer failed or gave none) becomes NaN, the
+    missing-reward mark of :func:`group_advantages` and :func:`grpo_update`."""
+    flat = [float("nan") if v is None else float(v) for v in values]
+    return torch.tensor(flat, dtype=torch.float32).view(num_groups, group_size)
+
+
+@dataclass
+class GRPOBatch:
+    """One step's samples for :func:`grpo_update`. ``G`` groups of ``K`` samples; ``B`` rows.
+
+    A *sample* is what gets one reward (a completion of a text prompt, an episode of a game); a
+    *row* is one (prompt, completion) sequence trained on. A text sample is one row; an episode
+    has a row per turn, each with the episode's advantage.
+
+    Attributes:
+        rewards: ``[G, K]`` float rewards, NaN where missing (see :func:`rewards_tensor`).
+        mask: ``[B, T]`` bool, true on the completion tokens of each row.
+        chunks: micro-batches, row slices covering ``0 .. B``; one forward/backward each.
+        sample_of_row: ``[B]`` long, the index into ``rewards.flatten()`` of each row's sample;
+            None when row ``i`` is sample ``i`` (``B == G * K``).
+    """
+
+    rewards: torch.Tensor
+    mask: torch.Tensor
+    chunks: list[slice]
+    sample_of_row: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.mask.shape[0])
+
+
+@torch.no_grad()
+def _no_grad_logprobs(logprobs: Callable, model, batch: GRPOBatch, reference: Any = None) -> torch.Tensor:
+    """``[B, T]`` log-probs of every row, chunk by chunk, in eval mode, under ``model`` or, when
+    given, under ``reference`` (a module, or :data:`ADAPTER_OFF`)."""
+    model.eval()
+    parts = []
+    for sl in batch.chunks:
+        if reference is None:
+            parts.append(logprobs(model, sl))
+        elif isinstance(reference, str):
+            if reference != ADAPTER_OFF:
+                raise ValueError(f"reference must be a module, {ADAPTER_OFF!r} or None, got {reference!r}")
+            with model.disable_adapter():
+                parts.append(logprobs(model, sl))
+        else:
+            parts.append(logprobs(reference, sl))
+    return torch.cat(parts)
+
+
+def grpo_update(
+    model,
+    optimizer: torch.optim.Optimizer,
+    batch: GRPOBatch,
+    logprobs: Callable[[Any, slice], torch.Tensor],
+    cfg: Any,
+    *,
+    reference: Any = None,
+) -> dict[str, float]:
+    """``ppo_epochs`` optimizer steps of GRPO on one step's samples; returns the metrics.
+
+    Advantages: ``A = group_advantages(rewards, scale=cfg.scale_rewards)`` (eq. 3 of Shao et al.
+    2024, DeepSeekMath, https://arxiv.org/abs/2402.03300), every token of a row getting its
+    sample's ``A``. Each epoch is one optimizer step (AdamW or any ``optimizer``; gradients
+    summed over ``batch.chunks``, then clipped to ``cfg.max_grad_norm``) on
+
+        ``loss = pg_loss(logp, old_logp, A, mask, cfg.clip_eps) + cfg.kl_coef * KL``,
+        ``KL = token mean of kl_k3(logp, ref_logp)`` (DeepSeekMath eq. 4),
+
+    both token means over the whole batch (every counted token weighs the same, DAPO sec. 3.3).
+    ``old_logp`` are the sampling policy's log-probs: a no-grad pass before the first epoch when
+    ``ppo_epochs > 1``; with one epoch, the epoch's own forward, detached (ratio 1).
+
+    Rules, the same for every trainer that calls this:
+
+    * **Missing rewards** — a NaN reward (:func:`rewards_tensor` turns ``None`` into NaN) is left
+      out of its group's mean and std, its rows' tokens are left out of the loss, of the token
+      count that normalises it and of the KL term and the reported KL; ``reward/mean`` and
+      ``reward/std`` are over the finite rewards only (NaN when there are none).
+    * **Groups without signal** — groups whose rewards are all equal get advantage 0
+      (``grpo/zero_std_frac``). A batch where *every* group is so still takes its ``ppo_epochs``
+      optimizer steps: with AdamW a zero policy gradient is no no-op (the moments from earlier
+      steps still move the weights, and the KL term has a gradient of its own), and skipping it
+      would change the runs of the text trainer, whose reward curves are pinned (the game
+      trainer skipped such batches before the two shared this update). The metrics say which
+      batches had no signal (``grpo/no_signal`` 1.0).
+    * **Reference and reported KL** — ``reference`` is the KL anchor ``pi_ref``: a frozen module
+      (a copy of the starting weights, for full-weight training), :data:`ADAPTER_OFF` (the base
+      model under a LoRA adapter), or None (no reference: the KL term is 0 and ``cfg.kl_coef`` must
+      be 0). ``kl`` (= ``grpo/kl_ref``) is the token mean of ``kl_k3(sampling logp, ref_logp)``,
+      the k3 estimate of ``KL(pi_sampling || pi_ref)`` on this step's samples, before the update;
+      NaN (so not reported) when there is no reference. ``loss/kl`` is the KL penalty term as
+      optimised (mean over epochs, before ``kl_coef``), 0 without a reference.
+
+    Args:
+        model: the policy; trained in ``train()`` mode, evaluated in ``eval()`` mode.
+        optimizer: steps the trainable parameters of ``model``.
+        batch: the rows, their masks, micro-batches and rewards (:class:`GRPOBatch`).
+        logprobs: ``logprobs(module, rows) -> [len(rows), T]`` float32 token log-probs of the
+            completions of ``rows`` (a slice) under ``module`` (with grad when grad is enabled).
+        cfg: ``ppo_epochs``, ``clip_eps``, ``kl_coef``, ``max_grad_norm``, ``scale_rewards``.
+        reference: see the rules above.
+
+    Returns:
+        Means over epochs of ``loss/policy``, ``loss/kl``, ``grpo/clipfrac``, ``grpo/approx_kl``
+        (k3 of ``KL(old || new)``, how far the updates moved); ``loss/total`` (``loss/policy +
+        kl_coef * loss/kl``), ``optim/grad_norm`` (the last epoch's, before clipping),
+        ``kl`` and ``grpo/kl_ref``, ``grpo/zero_std_frac``, ``grpo/no_signal``,
+        ``grpo/missing_rewards`` (how many rewards were NaN), ``grpo/tokens`` (tokens counted),
+        ``reward/mean``, ``reward/std`` (population std).
+
+    Raises:
+        ValueError: ``cfg.kl_coef > 0`` with no reference, or a reference of another kind.
+    """
+    if cfg.kl_coef > 0 and reference is None:
+        raise ValueError("kl_coef > 0 needs a reference model")
+    mask_device = batch.mask.device
+    rewards = batch.rewards.float()
+    adv_sample, zero_std = group_advantages(rewards, scale=cfg.scale_rewards)
+    valid_sample = ~torch.isnan(rewards.flatten())
+    adv, valid = adv_sample.flatten(), valid_sample
+    if batch.sample_of_row is not None:
+        rows = batch.sample_of_row.to(adv.device)
+        adv, valid = adv[rows], valid[rows]
+    adv, valid = adv.to(mask_device), valid.to(mask_device)
+    mask = batch.mask & valid.unsqueeze(1)
+    n_tokens = mask.sum().clamp(min=1).float()
+    ref_logp = _no_grad_logprobs(logprobs, model, batch, reference) if reference is not None else None
+    old_logp = _no_grad_logprobs(logprobs, model, batch) if cfg.ppo_epochs > 1 else None
+
+    model.train()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sums = {"loss/policy": 0.0, "loss/kl": 0.0, "grpo/clipfrac": 0.0, "grpo/approx_kl": 0.0}
+    grad_norm = 0.0
+    sampling_logp = old_logp
+    for _epoch in range(cfg.ppo_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        epoch_logp = []
+        for sl in batch.chunks:
+            logp = logprobs(model, sl)
+            epoch_logp.append(logp.detach())
+            old = old_logp[sl] if old_logp is not None else logp.detach()
+            m = mask[sl]
+            policy_loss, stats = pg_loss(logp, old, adv[sl], m, cfg.clip_eps, normalizer=n_tokens)
+            kl_loss = masked_sum(kl_k3(logp, ref_logp[sl]), m) / n_tokens if ref_logp is not None else torch.zeros(())
+            loss = policy_loss + cfg.kl_coef * kl_loss if cfg.kl_coef > 0 else policy_loss
+            loss.backward()
+            weight = (m.sum() / n_tokens).item()
+            sums["loss/policy"] += policy_loss.item()
+            sums["loss/kl"] += kl_loss.item()
+            sums["grpo/clipfrac"] += stats["clipfrac"].item() * weight
+            sums["grpo/approx_kl"] += stats["approx_kl"].item() * weight
+        if sampling_logp is None:
+            sampling_logp = torch.cat(epoch_logp)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    out = {k: v / cfg.ppo_epochs for k, v in sums.items()}
+    out["loss/total"] = out["loss/policy"] + cfg.kl_coef * out["loss/kl"]
+    kl_ref = masked_mean(kl_k3(sampling_logp, ref_logp), mask).item() if ref_logp is not None else math.nan
+    finite = rewards.flatten()[valid_sample]
+    out.update(
+        {
+            "kl": kl_ref,
+            "grpo/kl_ref": kl_ref,
+            "grpo/zero_std_frac": zero_std.float().mean().item(),
+            "grpo/no_signal": float(bool(zero_std.all())),
+            "grpo/missing_rewards": float((~valid_sample).sum()),
+            "grpo/tokens": float(mask.sum()),
+            "optim/grad_norm": grad_norm,
+            "reward/mean": finite.mean().item() if finite.numel() else math.nan,
+            "reward/std": finite.std(unbiased=False).item() if finite.numel() else math.nan,
+        }
+    )
+    return out

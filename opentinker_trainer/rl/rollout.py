@@ -34,6 +34,7 @@ __all__ = [
     "generate",
     "left_pad",
     "position_ids_from_mask",
+    "prefix_logprobs",
     "right_pad",
     "sequence_logprobs",
 ]
@@ -41,25 +42,23 @@ __all__ = [
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack token lists padded on the left: ``(ids [B, L], mask [B, L] bool)``."""
-    width = max((len(s) for s in sequences), default=0)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
-    for i, seq in enumerate(sequences):
-        if len(seq):
-            ids[i, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[i, width - len(seq) :] = True
-    return ids.to(device), mask.to(device)
+    return _pad(sequences, pad_id, device, left=True)
 
 
 def right_pad(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack token lists padded on the right: ``(ids [B, L], mask [B, L] bool)``."""
+    return _pad(sequences, pad_id, device, left=False)
+
+
+def _pad(sequences: Sequence[Sequence[int]], pad_id: int, device, *, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
     width = max((len(s) for s in sequences), default=0)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.bool)
     for i, seq in enumerate(sequences):
         if len(seq):
-            ids[i, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[i, : len(seq)] = True
+            cols = slice(width - len(seq), width) if left else slice(0, len(seq))
+            ids[i, cols] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[i, cols] = True
     return ids.to(device), mask.to(device)
 
 
@@ -152,10 +151,12 @@ def _shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_s
     return ids[:, 0], mask[:, 0]
 
 
-def _prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int):
-    """Run prompts ``[G, P]`` once; return ``(last logits [G, 1, V], cache repeated to G * repeats)``.
+def _prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: int | torch.Tensor):
+    """Run prompts ``[N, P]`` once; return ``(last logits [N, 1, V], cache expanded to the rows)``.
 
-    Returns None when the model's cache cannot be repeated along the batch (then run flat).
+    ``rows``: an int ``K`` (the cache is repeated ``K`` times per prompt, ``batch_repeat_interleave``)
+    or ``[B]`` long prompt indices (``batch_select_indices``). Returns None when the model's cache
+    cannot be expanded so (then run flat).
     """
     out = model(
         input_ids=prompt_ids,
@@ -164,11 +165,72 @@ def _prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, re
         use_cache=True,
         logits_to_keep=1,
     )
-    cache = out.get("cache", None) if "cache" in type(out).__dataclass_fields__ else out.past_key_values
-    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+    cache = _model_cache(out)
+    expand = "batch_repeat_interleave" if isinstance(rows, int) else "batch_select_indices"
+    if cache is None or not hasattr(cache, expand):
         return None
-    cache.batch_repeat_interleave(repeats)
+    getattr(cache, expand)(rows)
     return out.logits[:, -1:, :], cache
+
+
+def _model_cache(out):
+    """The key/value cache of a forward's output (``cache`` in newer transformers, else ``past_key_values``)."""
+    return out.get("cache", None) if "cache" in type(out).__dataclass_fields__ else out.past_key_values
+
+
+def prefix_logprobs(
+    model,
+    prefix_ids: torch.Tensor,
+    prefix_mask: torch.Tensor,
+    rows: int | torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor | None:
+    """Log-probs of completions that follow shared prefixes, each prefix run once: ``[B, T]`` float32.
+
+    The prefixes are run once with a key/value cache; the cache (and the logits of each prefix's
+    last token, which predict the first completion token) are then expanded to the ``B``
+    completion rows, and the completions run on top with padding-aware positions (see the module
+    docstring). Gradients flow through the shared cache, so values and gradients equal a flat
+    forward of every (prefix, completion) row, up to float rounding.
+
+    Args:
+        prefix_ids, prefix_mask: ``[N, P]`` distinct prefixes, left-padded.
+        rows: which prefix each completion row follows: an int ``K`` for ``K`` consecutive rows
+            per prefix (``B = N * K``; the cache is ``batch_repeat_interleave``'d), or ``[B]``
+            long indices into the prefixes (the cache is ``batch_select_indices``'d).
+        completion_ids, completion_mask: ``[B, T]`` right-padded completions.
+        temperature: log-probs under ``softmax(logits / temperature)``.
+
+    Returns:
+        ``[B, T]`` token log-probs (meaningless at masked positions), or None when the model's
+        cache cannot be expanded along the batch (then run the rows flat).
+    """
+    shared = _prompt_cache(model, prefix_ids, prefix_mask, rows)
+    if shared is None:
+        return None
+    last, cache = shared  # last: [N, 1, V]
+    if isinstance(rows, int):
+        logits, row_mask = last.repeat_interleave(rows, dim=0), prefix_mask.repeat_interleave(rows, dim=0)
+    else:
+        logits, row_mask = last.index_select(0, rows), prefix_mask.index_select(0, rows)
+    t = completion_ids.shape[1]
+    if t > 1:
+        full_mask = torch.cat([row_mask, completion_mask], dim=1)
+        positions = position_ids_from_mask(full_mask)
+        p = prefix_ids.shape[1]
+        rest = model(
+            input_ids=completion_ids[:, :-1],
+            attention_mask=full_mask[:, :-1].long(),
+            position_ids=positions[:, p:-1],
+            use_cache=True,
+            **{_cache_kwarg(model): cache},
+        )
+        logits = torch.cat([logits, rest.logits], dim=1)
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    return token_logprobs(logits, completion_ids)
 
 
 @torch.no_grad()
@@ -260,35 +322,23 @@ def sequence_logprobs(
     values independent of the rest of the batch. Values at masked completion positions are
     meaningless; mask them. Gradients flow when called with grad enabled.
     """
+    shared = _shared_prompts(prompt_ids, prompt_mask, group_size)
+    if shared is not None:
+        logp = prefix_logprobs(model, *shared, group_size, completion_ids, completion_mask, temperature)
+        if logp is not None:
+            return logp
+    # The last completion token predicts nothing we score: drop it, keep only T logits.
     t = completion_ids.shape[1]
     full_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    positions = position_ids_from_mask(full_mask)
-    shared = _shared_prompts(prompt_ids, prompt_mask, group_size)
-    prefix = _prompt_cache(model, *shared, group_size) if shared is not None else None
-    if prefix is not None:
-        first_logits, cache = prefix
-        p = prompt_ids.shape[1]
-        logits = first_logits.repeat_interleave(group_size, dim=0)
-        if t > 1:
-            out = model(
-                input_ids=completion_ids[:, :-1],
-                attention_mask=full_mask[:, :-1].long(),
-                position_ids=positions[:, p:-1],
-                use_cache=True,
-                **{_cache_kwarg(model): cache},
-            )
-            logits = torch.cat([logits, out.logits], dim=1)
-    else:
-        # The last completion token predicts nothing we score: drop it, keep only T logits.
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        out = model(
-            input_ids=input_ids[:, :-1],
-            attention_mask=full_mask[:, :-1].long(),
-            position_ids=positions[:, :-1],
-            use_cache=False,
-            logits_to_keep=t,
-        )
-        logits = out.logits[:, -t:, :]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    out = model(
+        input_ids=input_ids[:, :-1],
+        attention_mask=full_mask[:, :-1].long(),
+        position_ids=position_ids_from_mask(full_mask)[:, :-1],
+        use_cache=False,
+        logits_to_keep=t,
+    )
+    logits = out.logits[:, -t:, :]
     if temperature != 1.0:
         logits = logits.float() / temperature
     return token_logprobs(logits, completion_ids)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import random
 import shutil
 import sys
 from pathlib import Path
@@ -13,6 +13,7 @@ import structlog
 import torch
 
 from opentinker_trainer.context import UserError
+from opentinker_trainer.workloads import _rng
 
 TRAINER_STATE = "trainer_state.pt"
 TRAINER_STATE_VERSION = 1
@@ -102,26 +103,15 @@ def attach_lora(model, cfg, resume_from: Path | None):
 
 
 def rng_state(env_state: Any) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "env": env_state}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    """The global RNG states (:func:`opentinker_trainer.workloads._rng.rng_state`) plus
+    ``"env"``: the environment's own state (or None)."""
+    return {**_rng.rng_state(), "env": env_state}
 
 
 def restore_rng(state: dict[str, Any]) -> Any:
-    """Restore torch (and CUDA) RNGs; return the environment's saved state."""
-    torch.set_rng_state(state["torch"])
-    if "python" in state:
-        random.setstate(_tuples(state["python"]))
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    """Restore the global RNGs saved by :func:`rng_state`; return the environment's saved state."""
+    _rng.restore_rng_state(state)
     return state.get("env")
-
-
-def _tuples(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return tuple(_tuples(v) for v in value)
-    return value
 
 
 def save_checkpoint(path: Path, model, trainer_state: dict[str, Any], *, tokenizer=None) -> Path:
@@ -146,6 +136,66 @@ def save_checkpoint(path: Path, model, trainer_state: dict[str, Any], *, tokeniz
         shutil.rmtree(path)
     os.replace(tmp, path)
     return path
+
+
+def save_step(
+    ctx,
+    step: int,
+    model,
+    optimizer: torch.optim.Optimizer,
+    cfg,
+    *,
+    fmt: str,
+    log,
+    final: bool,
+    tokenizer=None,
+    env_state: Any = None,
+) -> Path:
+    """Write the checkpoint of an LM trainer after ``step`` and report it: ``<checkpoint_dir>/step_<step>``.
+
+    The folder is :func:`save_checkpoint`'s: the weights (``fmt`` :data:`FORMAT_LORA`: the PEFT
+    adapter; :data:`FORMAT_FULL`: all weights plus ``tokenizer``) and ``trainer_state.pt`` with
+    ``step``, ``optimizer`` (its ``state_dict``), ``rng`` (:func:`rng_state` with ``env_state``),
+    ``model`` (``spec.model``) and ``hyperparameters`` (``cfg`` as a dict). Then
+    ``ctx.emit_checkpoint`` reports it (``final``: the attempt's last) and ``log`` logs it.
+
+    Returns:
+        The checkpoint folder.
+    """
+    path = Path(ctx.checkpoint_dir) / f"step_{step}"
+    state = {
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "rng": rng_state(env_state),
+        "model": ctx.spec.model,
+        "hyperparameters": dataclasses.asdict(cfg),
+    }
+    save_checkpoint(path, model, state, tokenizer=tokenizer if fmt == FORMAT_FULL else None)
+    ctx.emit_checkpoint(step, path, final=final, fmt=fmt)
+    log.info("checkpoint written", task_id=ctx.task_id, step=step, path=str(path), final=final, format=fmt)
+    return path
+
+
+def resume_step(ctx, optimizer: torch.optim.Optimizer, log) -> tuple[int, Any]:
+    """Resume an LM trainer from ``ctx.resume_from`` (a :func:`save_step` folder), if any.
+
+    Loads the optimizer state into ``optimizer`` and restores the global RNGs.
+
+    Returns:
+        ``(step, env_state)``: the step the checkpoint was written after and the environment
+        state saved with it; ``(0, None)`` on a fresh start.
+
+    Raises:
+        FileNotFoundError: the folder has no ``trainer_state.pt``.
+    """
+    if ctx.resume_from is None:
+        return 0, None
+    state = load_trainer_state(ctx.resume_from)
+    optimizer.load_state_dict(state["optimizer"])
+    env_state = restore_rng(state["rng"])
+    step = int(state["step"])
+    log.info("resumed", task_id=ctx.task_id, checkpoint=str(ctx.resume_from), step=step)
+    return step, env_state
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import structlog
 
@@ -53,3 +53,38 @@ def run_steps(
             return
         elif checkpoint_every and n % checkpoint_every == 0:
             save(final=False)
+
+
+def run_trainer(
+    trainer: Any,
+    log: Any,
+    *,
+    total: int,
+    checkpoint_every: int,
+    fields: Callable[[Mapping[str, float]], Mapping[str, Any]],
+    counter: str = "step",
+    event: str = "step",
+) -> None:
+    """:func:`run_steps` over a trainer object: steps ``trainer.<counter> + 1 .. total``.
+
+    Before step ``n`` the trainer's ``counter`` attribute (``step``, or ``update`` for PPO) is set
+    to ``n``; the step is ``trainer.train_step()``, the checkpoint ``trainer.save(final=...)``.
+    Each step is logged as ``log.info(event, task_id=..., step=n, **fields(metrics))``.
+    """
+
+    def one(n: int) -> Mapping[str, float]:
+        setattr(trainer, counter, n)
+        return trainer.train_step()
+
+    def log_step(n: int, metrics: Mapping[str, float]) -> None:
+        log.info(event, task_id=trainer.ctx.task_id, step=n, **fields(metrics))
+
+    run_steps(
+        trainer.ctx,
+        done=getattr(trainer, counter),
+        total=total,
+        step=one,
+        save=trainer.save,
+        checkpoint_every=checkpoint_every,
+        log_step=log_step,
+    )

@@ -1,4 +1,4 @@
-"""What the PPO trainers (single- and multi-agent) share: seeding and RNG state, episode
+"""What the PPO trainers (single- and multi-agent) share: seeding, episode
 bookkeeping, the PPO optimisation of one batch, and ``torch_ppo`` checkpoints.
 
 Checkpoint format ``torch_ppo``: a folder ``<checkpoint_dir>/step_<update>/`` holding
@@ -54,41 +54,6 @@ def env_seed_at(seed: int, update: int) -> int:
     if update == 0:
         return int(seed)
     return int(np.random.SeedSequence([int(seed), int(update)]).generate_state(1)[0] % (2**31 - 1))
-
-
-def rng_state() -> dict[str, Any]:
-    """torch (and CUDA), numpy-global and Python RNG states, in a form ``torch.load(weights_only=True)`` reads."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        },
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Inverse of :func:`rng_state`."""
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    random.setstate(_tuples(state["python"]))
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tuples(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return tuple(_tuples(v) for v in value)
-    return value
 
 
 # --- episodes -------------------------------------------------------------------------------
@@ -245,10 +210,15 @@ def episode_metrics(finished: list[tuple[int, float, int]], last_reward: float) 
         lens = np.array([n for _, _, n in finished])
         mean = float(rets.mean())
         return {
-            "reward": mean, "reward/episode_return_mean": mean, "reward/episode_return_std": float(rets.std()),
-            "reward/episode_return_max": float(rets.max()), "reward/episode_return_min": float(rets.min()),
-            "reward/episode_length_mean": float(lens.mean()), "reward/episodes": float(len(finished)), "reward/stale": 0.0,
-        }, mean  # fmt: skip
+            "reward": mean,
+            "reward/episode_return_mean": mean,
+            "reward/episode_return_std": float(rets.std()),
+            "reward/episode_return_max": float(rets.max()),
+            "reward/episode_return_min": float(rets.min()),
+            "reward/episode_length_mean": float(lens.mean()),
+            "reward/episodes": float(len(finished)),
+            "reward/stale": 0.0,
+        }, mean
     return {
         "reward": last_reward,
         "reward/episode_return_mean": last_reward,
@@ -273,38 +243,40 @@ def update_metrics(
     the update's own ``loss/*`` values, ``optim/lr``, ``env_steps``, ``wall_time_s`` (since
     ``started``, a :func:`time.perf_counter` reading) and ``perf/*`` (seconds, env steps per second)."""
     return {
-        "loss": out["loss/total"], **rewards, **out, "optim/lr": lr, "env_steps": float(env_steps),
-        "wall_time_s": time.perf_counter() - started, "perf/env_steps_per_s": batch_size / step_s,
-        "perf/step_s": step_s, "perf/rollout_s": rollout_s, "perf/train_s": step_s - rollout_s, "perf/samples": float(samples),
-    }  # fmt: skip
+        "loss": out["loss/total"],
+        **rewards,
+        **out,
+        "optim/lr": lr,
+        "env_steps": float(env_steps),
+        "wall_time_s": time.perf_counter() - started,
+        "perf/env_steps_per_s": batch_size / step_s,
+        "perf/step_s": step_s,
+        "perf/rollout_s": rollout_s,
+        "perf/train_s": step_s - rollout_s,
+        "perf/samples": float(samples),
+    }
 
 
 def run_updates(trainer: Any, log: Any, close) -> None:
     """Run ``trainer.train_step()`` for updates ``trainer.update + 1 .. cfg.num_updates`` through
-    :func:`~opentinker_trainer.workloads._loop.run_steps` (report, checkpoint with
+    :func:`~opentinker_trainer.workloads._loop.run_trainer` (report, checkpoint with
     ``trainer.save``, stop when asked), logging each update; ``close()`` runs at the end."""
-    from opentinker_trainer.workloads._loop import run_steps
+    from opentinker_trainer.workloads._loop import run_trainer
 
-    def one(n: int) -> dict[str, float]:
-        trainer.update = n
-        return trainer.train_step()
-
-    def log_step(n: int, m) -> None:
-        log.info(
-            "update", task_id=trainer.ctx.task_id, step=n, env_steps=trainer.env_steps,
-            reward=round(m["reward"], 3), loss=round(m["loss"], 4), steps_per_s=round(m["perf/env_steps_per_s"]),
-        )  # fmt: skip
-
-    cfg = trainer.cfg
     try:
-        run_steps(
-            trainer.ctx,
-            done=trainer.update,
-            total=cfg.num_updates,
-            step=one,
-            save=trainer.save,
-            checkpoint_every=cfg.checkpoint_every,
-            log_step=log_step,
+        run_trainer(
+            trainer,
+            log,
+            total=trainer.cfg.num_updates,
+            checkpoint_every=trainer.cfg.checkpoint_every,
+            counter="update",
+            event="update",
+            fields=lambda m: {
+                "env_steps": trainer.env_steps,
+                "reward": round(m["reward"], 3),
+                "loss": round(m["loss"], 4),
+                "steps_per_s": round(m["perf/env_steps_per_s"]),
+            },
         )
     finally:
         close()

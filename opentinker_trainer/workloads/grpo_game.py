@@ -22,15 +22,18 @@ GRPO over episodes (Shao et al. 2024, https://arxiv.org/abs/2402.03300): a step 
 ``groups_per_step`` groups of ``episodes_per_step`` episodes, each group from one start seed;
 advantages are the returns standardised within the group
 (:func:`~opentinker_trainer.rl.grpo.group_advantages`) and every token the LM wrote in an
-episode gets its episode's advantage. The loss is the clipped surrogate
-(:func:`~opentinker_trainer.rl.grpo.pg_loss`), a token mean over all turns of the step, plus
-``kl_coef`` times the k3 KL to the base model when ``kl_coef > 0``.
+episode gets its episode's advantage. The update is
+:func:`~opentinker_trainer.rl.grpo.grpo_update` (the same as the text trainer's, with its rules on
+groups without signal, missing returns and the reported KL): the clipped surrogate, a token mean
+over all turns of the step, plus ``kl_coef`` times the k3 KL to the base model (the adapter off).
 
 Start seeds are a function of (seed, step, group), and the RNG states are checkpointed, so a
 resumed run plays and samples what an uninterrupted one would have.
 
 Metrics per step: ``loss``, ``reward`` (mean episode return), ``reward_std``, ``zero_std_frac``,
-``loss/policy``, ``loss/kl``, ``kl`` (only with ``kl_coef > 0``), ``reward/mean``, ``reward/std``,
+``loss/policy``, ``loss/kl``, ``kl`` (= ``grpo/kl_ref``: k3 of KL(sampling policy || base model) on
+this step's turns), ``grpo/no_signal``, ``grpo/missing_rewards``, ``grpo/tokens`` (see
+:func:`~opentinker_trainer.rl.grpo.grpo_update`), ``reward/mean``, ``reward/std``,
 ``episode/env_return`` (the environment's own rewards only), ``episode/success_rate`` (episodes
 whose environment return is > 0), ``episode/turns``, ``episode/terminated_frac``,
 ``episode/invalid_action_frac`` (invalid replies / all replies), ``grpo/zero_std_frac``,
@@ -40,7 +43,6 @@ whose environment return is > 0), ``episode/turns``, ``episode/terminated_frac``
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,13 +54,12 @@ import torch
 from opentinker_common.spec.gym import space_size
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.envs.text_render import parse_action, renderer_for
-from opentinker_trainer.rl.grpo import group_advantages, kl_k3, masked_mean, masked_sum, pg_loss
+from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, rewards_tensor
 from opentinker_trainer.rl.rollout import generate, left_pad, right_pad
 from opentinker_trainer.rl.shared_prompts import shared_prompt_logprobs
 from opentinker_trainer.workloads import _lm
-from opentinker_trainer.workloads._loop import run_steps
+from opentinker_trainer.workloads._loop import run_trainer
 
-CHECKPOINT_FORMAT = "peft_lora"
 log = _lm.get_logger("opentinker.trainer.lm_game")
 
 
@@ -135,13 +136,7 @@ class GameTrainer:
         self.system_prompt = cfg.system_prompt if cfg.system_prompt is not None else self.renderer.system_prompt()
         self.reply_prefix = cfg.reply_prefix if cfg.reply_prefix is not None else self.renderer.reply_prefix
         self._prompt_cache: dict[Any, list[int]] = {}
-        self.step = 0
-        if ctx.resume_from is not None:
-            state = _lm.load_trainer_state(ctx.resume_from)
-            self.optimizer.load_state_dict(state["optimizer"])
-            _lm.restore_rng(state["rng"])
-            self.step = int(state["step"])
-            log.info("resumed", task_id=ctx.task_id, checkpoint=str(ctx.resume_from), step=self.step)
+        self.step, _ = _lm.resume_step(ctx, self.optimizer, log)
         self.started = time.perf_counter()
 
     def _check_spaces(self, env) -> None:
@@ -218,10 +213,16 @@ class GameTrainer:
             ids, mask = left_pad(prompts[:1] if same else prompts, self.pad_id, self.device)
             t0 = time.perf_counter()
             ro = generate(
-                self.model, ids, mask, max_new_tokens=cfg.max_new_tokens, stop_token_ids=self.stop_ids,
-                pad_token_id=self.pad_id, temperature=cfg.temperature, top_p=cfg.top_p,
+                self.model,
+                ids,
+                mask,
+                max_new_tokens=cfg.max_new_tokens,
+                stop_token_ids=self.stop_ids,
+                pad_token_id=self.pad_id,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
                 group_size=len(prompts) if same else 1,
-            )  # fmt: skip
+            )
             t_gen += time.perf_counter() - t0
             completions = ro.completion_token_lists()
             replies = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -264,133 +265,85 @@ class GameTrainer:
         size = n if self.cfg.micro_batch_size == 0 else self.cfg.micro_batch_size
         return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
-    def logprobs(self, prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``[turns, T]`` log-probs; each distinct prompt of the chunk runs once."""
+    def logprobs(self, prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor, model=None) -> torch.Tensor:
+        """``[turns, T]`` log-probs under ``model`` (default: the policy); each distinct prompt of
+        the chunk runs once."""
         return shared_prompt_logprobs(
-            self.model, prompts, ids, mask, pad_token_id=self.pad_id, temperature=self.cfg.temperature
+            model if model is not None else self.model,
+            prompts,
+            ids,
+            mask,
+            pad_token_id=self.pad_id,
+            temperature=self.cfg.temperature,
         )
-
-    @torch.no_grad()
-    def no_grad_logprobs(self, ep: Episodes, ids: torch.Tensor, mask: torch.Tensor, *, reference: bool) -> torch.Tensor:
-        self.model.eval()
-        parts = []
-        for sl in self.chunks(len(ep.prompts)):
-            if reference:
-                with self.model.disable_adapter():
-                    parts.append(self.logprobs(ep.prompts[sl], ids[sl], mask[sl]))
-            else:
-                parts.append(self.logprobs(ep.prompts[sl], ids[sl], mask[sl]))
-        return torch.cat(parts)
 
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
         t0 = time.perf_counter()
         ep, t_gen, t_env = self.play()
         t_play = time.perf_counter() - t0
-        rewards = torch.tensor(ep.returns, dtype=torch.float32).view(cfg.groups_per_step, cfg.episodes_per_step)
-        adv_ep, zero_std = group_advantages(rewards, scale=cfg.scale_rewards)
-        adv = adv_ep.flatten()[torch.tensor(ep.turn_episode, dtype=torch.long)].to(self.device)  # [turns]
         ids, mask = self.batch(ep)
-        n_tokens = mask.sum().clamp(min=1).float()
-        ref_logp = self.no_grad_logprobs(ep, ids, mask, reference=True) if cfg.kl_coef > 0 else None
-        old_logp = self.no_grad_logprobs(ep, ids, mask, reference=False) if cfg.ppo_epochs > 1 else None
-
-        self.model.train()
-        sums = {"loss/policy": 0.0, "loss/kl": 0.0, "grpo/clipfrac": 0.0, "grpo/approx_kl": 0.0}
-        grad_norm = 0.0
-        sampling_logp = old_logp
-        skip = bool(zero_std.all())  # no group has a signal: the gradient would be exactly 0
-        for _epoch in range(0 if skip else cfg.ppo_epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            epoch_logp = []
-            for sl in self.chunks(len(ep.prompts)):
-                logp = self.logprobs(ep.prompts[sl], ids[sl], mask[sl])
-                epoch_logp.append(logp.detach())
-                old = old_logp[sl] if old_logp is not None else logp.detach()
-                m = mask[sl]
-                policy_loss, stats = pg_loss(logp, old, adv[sl], m, cfg.clip_eps, normalizer=n_tokens)
-                loss = policy_loss
-                if ref_logp is not None:
-                    kl_loss = masked_sum(kl_k3(logp, ref_logp[sl]), m) / n_tokens
-                    loss = policy_loss + cfg.kl_coef * kl_loss
-                    sums["loss/kl"] += kl_loss.item()
-                loss.backward()
-                weight = (m.sum() / n_tokens).item()
-                sums["loss/policy"] += policy_loss.item()
-                sums["grpo/clipfrac"] += stats["clipfrac"].item() * weight
-                sums["grpo/approx_kl"] += stats["approx_kl"].item() * weight
-            if sampling_logp is None:
-                sampling_logp = torch.cat(epoch_logp)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm).item()
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        batch = GRPOBatch(
+            rewards=rewards_tensor(ep.returns, cfg.groups_per_step, cfg.episodes_per_step),
+            mask=mask,
+            chunks=self.chunks(len(ep.prompts)),
+            sample_of_row=torch.tensor(ep.turn_episode, dtype=torch.long),
+        )
+        out = grpo_update(
+            self.model,
+            self.optimizer,
+            batch,
+            lambda model, sl: self.logprobs(ep.prompts[sl], ids[sl], mask[sl], model=model),
+            cfg,
+            reference=ADAPTER_OFF,
+        )
 
         step_s = time.perf_counter() - t0
-        epochs = 1 if skip else cfg.ppo_epochs
-        avg = {k: v / epochs for k, v in sums.items()}
-        loss_total = avg["loss/policy"] + cfg.kl_coef * avg["loss/kl"]
-        returns = rewards.flatten()
-        reward_mean = returns.mean().item()
-        reward_std = returns.std(unbiased=False).item()
         n_turns = len(ep.prompts)
         tokens = int(mask.sum())
         out = {
-            "loss": loss_total, "reward": reward_mean, "reward_std": reward_std,
-            "zero_std_frac": zero_std.float().mean().item(),
-            "loss/total": loss_total, **avg, "reward/mean": reward_mean, "reward/std": reward_std,
+            "loss": out["loss/total"],
+            "reward": out["reward/mean"],
+            "reward_std": out["reward/std"],
+            "zero_std_frac": out["grpo/zero_std_frac"],
+            **out,
             "episode/env_return": sum(ep.env_returns) / len(ep.env_returns),
             "episode/success_rate": sum(r > 0 for r in ep.env_returns) / len(ep.env_returns),
             "episode/turns": sum(ep.turns) / len(ep.turns),
             "episode/terminated_frac": sum(ep.terminated) / len(ep.terminated),
             "episode/invalid_action_frac": sum(ep.invalid) / max(1, n_turns),
-            "grpo/zero_std_frac": zero_std.float().mean().item(),
             "completion/mean_tokens": tokens / max(1, n_turns),
             "completion/truncated_frac": ep.truncated_replies / max(1, n_turns),
-            "optim/grad_norm": grad_norm, "optim/lr": cfg.learning_rate,
-            "perf/step_s": step_s, "perf/generate_s": t_gen, "perf/env_s": t_env, "perf/train_s": step_s - t_play,
-            "perf/turns": float(n_turns), "perf/tokens_per_s": tokens / step_s,
-        }  # fmt: skip
-        if ref_logp is not None and sampling_logp is not None:
-            out["kl"] = out["grpo/kl_ref"] = masked_mean(kl_k3(sampling_logp, ref_logp), mask).item()
+            "optim/lr": cfg.learning_rate,
+            "perf/step_s": step_s,
+            "perf/generate_s": t_gen,
+            "perf/env_s": t_env,
+            "perf/train_s": step_s - t_play,
+            "perf/turns": float(n_turns),
+            "perf/tokens_per_s": tokens / step_s,
+        }
         if self.step <= 2 or self.step % 10 == 0:
             log.debug("sample replies", step=self.step, replies=ep.replies[:4], returns=ep.returns[:4])
         return out
 
     # --- checkpoints and the loop -------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
-        path = Path(self.ctx.checkpoint_dir) / f"step_{self.step}"
-        state = {
-            "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            "rng": _lm.rng_state(None),
-            "model": self.ctx.spec.model,
-            "hyperparameters": dataclasses.asdict(self.cfg),
-        }
-        _lm.save_checkpoint(path, self.model, state)
-        self.ctx.emit_checkpoint(self.step, path, final=final, fmt=CHECKPOINT_FORMAT)
-        log.info("checkpoint written", task_id=self.ctx.task_id, step=self.step, path=str(path), final=final)
-        return path
+        return _lm.save_step(
+            self.ctx, self.step, self.model, self.optimizer, self.cfg, fmt=_lm.FORMAT_LORA, log=log, final=final
+        )
 
     def run(self) -> None:
-        def one(n: int) -> dict[str, float]:
-            self.step = n
-            return self.train_step()
-
-        def log_step(n: int, m) -> None:
-            log.info(
-                "step", task_id=self.ctx.task_id, step=n, reward=round(m["reward"], 4),
-                success=round(m["episode/success_rate"], 3), invalid=round(m["episode/invalid_action_frac"], 3),
-                step_s=round(m["perf/step_s"], 2),
-            )  # fmt: skip
-
-        run_steps(
-            self.ctx,
-            done=self.step,
+        run_trainer(
+            self,
+            log,
             total=self.cfg.steps,
-            step=one,
-            save=self.save,
             checkpoint_every=self.cfg.checkpoint_every,
-            log_step=log_step,
+            fields=lambda m: {
+                "reward": round(m["reward"], 4),
+                "success": round(m["episode/success_rate"], 3),
+                "invalid": round(m["episode/invalid_action_frac"], 3),
+                "step_s": round(m["perf/step_s"], 2),
+            },
         )
 
     def close(self) -> None:

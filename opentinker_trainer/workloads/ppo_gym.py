@@ -44,6 +44,7 @@ from opentinker_trainer.envs.gym import make_vector_env
 from opentinker_trainer.rl.gae import autoreset_mask, gae
 from opentinker_trainer.rl.policy import ActorCritic, UnsupportedSpaceError
 from opentinker_trainer.workloads import _ppo_common as common
+from opentinker_trainer.workloads import _rng
 from opentinker_trainer.workloads._lm import get_logger
 
 log = get_logger("opentinker.trainer.full_rl.ppo")
@@ -82,7 +83,7 @@ class PPOTrainer:
             policy_state, state = common.load_checkpoint(ctx.resume_from)
             self.policy.load_state_dict(policy_state)
             self.optimizer.load_state_dict(state["optimizer"])
-            common.restore_rng_state(state["rng"])
+            _rng.restore_rng_state(state["rng"])
             self.update, self.env_steps = int(state["step"]), int(state["env_steps"])
             self.last_reward = float(state["last_reward"])
             log.info(
@@ -107,14 +108,22 @@ class PPOTrainer:
     def save(self, *, final: bool) -> Path:
         path = Path(self.ctx.checkpoint_dir) / f"step_{self.update}"
         meta = {
-            "format": common.CHECKPOINT_FORMAT, "env_id": self.env_cfg.env_id,
-            "observation_space": str(self.envs.single_observation_space), "action_space": str(self.envs.single_action_space),
-            "hidden_sizes": list(self.cfg.hidden_sizes), "activation": self.cfg.activation, "step": self.update,
-        }  # fmt: skip
+            "format": common.CHECKPOINT_FORMAT,
+            "env_id": self.env_cfg.env_id,
+            "observation_space": str(self.envs.single_observation_space),
+            "action_space": str(self.envs.single_action_space),
+            "hidden_sizes": list(self.cfg.hidden_sizes),
+            "activation": self.cfg.activation,
+            "step": self.update,
+        }
         state = {
-            "step": self.update, "env_steps": self.env_steps, "optimizer": self.optimizer.state_dict(),
-            "rng": common.rng_state(), "last_reward": self.last_reward, "hyperparameters": dataclasses.asdict(self.cfg),
-        }  # fmt: skip
+            "step": self.update,
+            "env_steps": self.env_steps,
+            "optimizer": self.optimizer.state_dict(),
+            "rng": _rng.rng_state(),
+            "last_reward": self.last_reward,
+            "hyperparameters": dataclasses.asdict(self.cfg),
+        }
         common.save_checkpoint(path, self.policy.state_dict(), meta, state)
         self.ctx.emit_checkpoint(self.update, path, final=final, fmt=common.CHECKPOINT_FORMAT)
         log.info("checkpoint written", task_id=self.ctx.task_id, step=self.update, path=str(path), final=final)
@@ -147,9 +156,16 @@ class PPOTrainer:
         self.prev_done = (terminated[-1] | truncated[-1]).cpu()
         next_value = self.policy.get_value(self.next_obs)
         return {
-            "obs": obs_buf, "actions": torch.stack(actions), "logprobs": logprobs, "values": values, "rewards": rewards,
-            "terminated": terminated, "truncated": truncated, "reset": reset, "next_value": next_value,
-        }  # fmt: skip
+            "obs": obs_buf,
+            "actions": torch.stack(actions),
+            "logprobs": logprobs,
+            "values": values,
+            "rewards": rewards,
+            "terminated": terminated,
+            "truncated": truncated,
+            "reset": reset,
+            "next_value": next_value,
+        }
 
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
@@ -160,15 +176,25 @@ class PPOTrainer:
         ro = self.rollout()
         t_roll = time.perf_counter() - t0
         adv, ret = gae(
-            ro["rewards"], ro["values"], ro["next_value"], ro["terminated"], ro["truncated"], ro["reset"],
-            gamma=cfg.gamma, gae_lambda=cfg.gae_lambda,
-        )  # fmt: skip
+            ro["rewards"],
+            ro["values"],
+            ro["next_value"],
+            ro["terminated"],
+            ro["truncated"],
+            ro["reset"],
+            gamma=cfg.gamma,
+            gae_lambda=cfg.gae_lambda,
+        )
         keep = ~ro["reset"].reshape(-1)
         flat = lambda x: x.reshape(-1, *x.shape[2:])[keep]  # noqa: E731 - [T, N, ...] -> [kept, ...]
         batch = common.Batch(
-            obs=flat(ro["obs"]), actions=flat(ro["actions"]), logprobs=flat(ro["logprobs"]),
-            advantages=flat(adv), returns=flat(ret), values=flat(ro["values"]),
-        )  # fmt: skip
+            obs=flat(ro["obs"]),
+            actions=flat(ro["actions"]),
+            logprobs=flat(ro["logprobs"]),
+            advantages=flat(adv),
+            returns=flat(ret),
+            values=flat(ro["values"]),
+        )
         self.policy.train()
         out = common.ppo_update(self.policy, self.optimizer, batch, cfg)
         self.env_steps += cfg.batch_size

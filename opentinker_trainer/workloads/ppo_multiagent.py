@@ -40,6 +40,7 @@ from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.rl.gae import gae
 from opentinker_trainer.rl.policy import ActorCritic, UnsupportedSpaceError
 from opentinker_trainer.workloads import _ppo_common as common
+from opentinker_trainer.workloads import _rng
 from opentinker_trainer.workloads._lm import get_logger
 
 log = get_logger("opentinker.trainer.full_rl.marl")
@@ -106,7 +107,7 @@ class MultiAgentPPOTrainer:
             self.policy.load_state_dict(policy_state)
             for g, opt in self.optimizers.items():
                 opt.load_state_dict(state["optimizer"][g])
-            common.restore_rng_state(state["rng"])
+            _rng.restore_rng_state(state["rng"])
             self.update, self.env_steps = int(state["step"]), int(state["env_steps"])
             self.last_reward = float(state["last_reward"])
             self.last_agent_reward.update({a: float(v) for a, v in state["last_agent_reward"].items()})
@@ -128,18 +129,27 @@ class MultiAgentPPOTrainer:
         path = Path(self.ctx.checkpoint_dir) / f"step_{self.update}"
         env0 = self.envs[0]
         meta = {
-            "format": common.CHECKPOINT_FORMAT, "env_id": self.env_cfg.env_id, "env_kwargs": dict(self.env_cfg.env_kwargs),
-            "agents": self.agents, "parameter_sharing": self.cfg.parameter_sharing, "learners": list(self.policy),
+            "format": common.CHECKPOINT_FORMAT,
+            "env_id": self.env_cfg.env_id,
+            "env_kwargs": dict(self.env_cfg.env_kwargs),
+            "agents": self.agents,
+            "parameter_sharing": self.cfg.parameter_sharing,
+            "learners": list(self.policy),
             "observation_spaces": {a: str(env0.observation_space(a)) for a in self.agents},
             "action_spaces": {a: str(env0.action_space(a)) for a in self.agents},
-            "hidden_sizes": list(self.cfg.hidden_sizes), "activation": self.cfg.activation, "step": self.update,
-        }  # fmt: skip
+            "hidden_sizes": list(self.cfg.hidden_sizes),
+            "activation": self.cfg.activation,
+            "step": self.update,
+        }
         state = {
-            "step": self.update, "env_steps": self.env_steps,
+            "step": self.update,
+            "env_steps": self.env_steps,
             "optimizer": {g: o.state_dict() for g, o in self.optimizers.items()},
-            "rng": common.rng_state(), "last_reward": self.last_reward, "last_agent_reward": dict(self.last_agent_reward),
+            "rng": _rng.rng_state(),
+            "last_reward": self.last_reward,
+            "last_agent_reward": dict(self.last_agent_reward),
             "hyperparameters": dataclasses.asdict(self.cfg),
-        }  # fmt: skip
+        }
         common.save_checkpoint(path, self.policy.state_dict(), meta, state)
         self.ctx.emit_checkpoint(self.update, path, final=final, fmt=common.CHECKPOINT_FORMAT)
         log.info("checkpoint written", task_id=self.ctx.task_id, step=self.update, path=str(path), final=final)
@@ -204,26 +214,41 @@ class MultiAgentPPOTrainer:
             b = {k: torch.stack(v) for k, v in bufs[g].items()}  # [T, E * M, ...]
             sel = lambda x: torch.as_tensor(x[:, :, members].reshape(T, -1), device=self.device)  # noqa: E731
             b.update(
-                next_value=policy.get_value(obs, agent_ids=ids if g == SHARED else None), rewards=sel(rewards),
-                terminated=sel(terminated), truncated=sel(truncated), valid=sel(valid),
-            )  # fmt: skip
+                next_value=policy.get_value(obs, agent_ids=ids if g == SHARED else None),
+                rewards=sel(rewards),
+                terminated=sel(terminated),
+                truncated=sel(truncated),
+                valid=sel(valid),
+            )
             out[g] = b
         return out
 
     def _batch(self, g: str, b: dict[str, torch.Tensor]) -> common.Batch:
         cfg = self.cfg
         adv, ret = gae(
-            b["rewards"], b["values"], b["next_value"], b["terminated"], b["truncated"], ~b["valid"],
-            gamma=cfg.gamma, gae_lambda=cfg.gae_lambda,
-        )  # fmt: skip
+            b["rewards"],
+            b["values"],
+            b["next_value"],
+            b["terminated"],
+            b["truncated"],
+            ~b["valid"],
+            gamma=cfg.gamma,
+            gae_lambda=cfg.gae_lambda,
+        )
         keep = b["valid"].reshape(-1)
         flat = lambda x: x.reshape(-1, *x.shape[2:])[keep]  # noqa: E731 - [T, S, ...] -> [kept, ...]
         ids = flat(b["ids"])
         groups = {self.agents[i]: ids == i for i in self.members[g]}
         return common.Batch(
-            obs=flat(b["obs"]), actions=flat(b["actions"]), logprobs=flat(b["logprobs"]), advantages=flat(adv),
-            returns=flat(ret), values=flat(b["values"]), agent_ids=ids if g == SHARED else None, groups=groups,
-        )  # fmt: skip
+            obs=flat(b["obs"]),
+            actions=flat(b["actions"]),
+            logprobs=flat(b["logprobs"]),
+            advantages=flat(adv),
+            returns=flat(ret),
+            values=flat(b["values"]),
+            agent_ids=ids if g == SHARED else None,
+            groups=groups,
+        )
 
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg

@@ -38,7 +38,6 @@ task starts from one with ``init_from`` (see :func:`opentinker_trainer.workloads
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -116,23 +115,25 @@ class _SFTTrainer:
         self.eval_idx = self.eval_idx[: cfg.max_eval_examples]
         self.total_steps = cfg.steps or cfg.epochs * math.ceil(len(self.train_idx) / cfg.batch_size)
         log.info(
-            "loading model", task_id=ctx.task_id, model=ctx.spec.model, device=str(self.device), dtype=str(dtype), lora=cfg.lora,
-            examples=len(self.examples), train=len(self.train_idx), eval=len(self.eval_idx), steps=self.total_steps,
+            "loading model",
+            task_id=ctx.task_id,
+            model=ctx.spec.model,
+            device=str(self.device),
+            dtype=str(dtype),
+            lora=cfg.lora,
+            examples=len(self.examples),
+            train=len(self.train_idx),
+            eval=len(self.eval_idx),
+            steps=self.total_steps,
             init_checkpoint=str(ctx.init_checkpoint) if ctx.init_checkpoint else None,
-        )  # fmt: skip
+        )
         self.tokenizer, self.model = _lm.load_for_training(ctx, cfg, self.device, dtype, full=not cfg.lora)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self._encoded: dict[int, Encoded] = {}
-        self.step = 0
         torch.manual_seed(cfg.seed)
-        if ctx.resume_from is not None:
-            state = _lm.load_trainer_state(ctx.resume_from)
-            self.optimizer.load_state_dict(state["optimizer"])
-            _lm.restore_rng(state["rng"])
-            self.step = int(state["step"])
-            log.info("resumed", task_id=ctx.task_id, checkpoint=str(ctx.resume_from), step=self.step)
+        self.step, _ = _lm.resume_step(ctx, self.optimizer, log)
         self.fresh = self.step == 0
         self.started = time.perf_counter()
 
@@ -150,21 +151,17 @@ class _SFTTrainer:
 
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
-        path = Path(self.ctx.checkpoint_dir) / f"step_{self.step}"
-        state = {
-            "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            "rng": _lm.rng_state(None),
-            "model": self.ctx.spec.model,
-            "hyperparameters": dataclasses.asdict(self.cfg),
-        }
-        _lm.save_checkpoint(path, self.model, state, tokenizer=None if self.cfg.lora else self.tokenizer)
-        fmt = _lm.FORMAT_LORA if self.cfg.lora else _lm.FORMAT_FULL
-        self.ctx.emit_checkpoint(self.step, path, final=final, fmt=fmt)
-        log.info(
-            "checkpoint written", task_id=self.ctx.task_id, step=self.step, path=str(path), final=final, format=fmt
+        return _lm.save_step(
+            self.ctx,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.cfg,
+            fmt=_lm.FORMAT_LORA if self.cfg.lora else _lm.FORMAT_FULL,
+            log=log,
+            final=final,
+            tokenizer=self.tokenizer,
         )
-        return path
 
     # --- steps ----------------------------------------------------------------------------------
     def chunks(self, items: list[int]) -> list[list[int]]:
@@ -215,12 +212,21 @@ class _SFTTrainer:
         step_s = time.perf_counter() - t0
         loss, acc = nll / n_tokens, correct / n_tokens
         return {
-            "loss": loss, "reward": acc, "loss/train": loss, "train/token_accuracy": acc,
-            "train/tokens": float(n_tokens), "train/epoch": self.step * cfg.batch_size / len(self.train_idx),
-            "samples": float(self.step * cfg.batch_size), "optim/lr": lr, "optim/grad_norm": grad_norm,
-            "perf/step_s": step_s, "perf/tokens_per_s": seen_tokens / step_s, "tokens_per_s": seen_tokens / step_s,
-            "perf/examples_per_s": len(batch) / step_s, "wall_time_s": time.perf_counter() - self.started,
-        }  # fmt: skip
+            "loss": loss,
+            "reward": acc,
+            "loss/train": loss,
+            "train/token_accuracy": acc,
+            "train/tokens": float(n_tokens),
+            "train/epoch": self.step * cfg.batch_size / len(self.train_idx),
+            "samples": float(self.step * cfg.batch_size),
+            "optim/lr": lr,
+            "optim/grad_norm": grad_norm,
+            "perf/step_s": step_s,
+            "perf/tokens_per_s": seen_tokens / step_s,
+            "tokens_per_s": seen_tokens / step_s,
+            "perf/examples_per_s": len(batch) / step_s,
+            "wall_time_s": time.perf_counter() - self.started,
+        }
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -242,14 +248,25 @@ class _SFTTrainer:
 
         def log_step(n: int, m) -> None:
             log.info(
-                "step", task_id=self.ctx.task_id, step=n, loss=round(m["loss"], 4), token_accuracy=round(m["reward"], 4),
-                eval_loss=round(m["loss/eval"], 4) if "loss/eval" in m else None, step_s=round(m["perf/step_s"], 2),
-            )  # fmt: skip
+                "step",
+                task_id=self.ctx.task_id,
+                step=n,
+                loss=round(m["loss"], 4),
+                token_accuracy=round(m["reward"], 4),
+                eval_loss=round(m["loss/eval"], 4) if "loss/eval" in m else None,
+                step_s=round(m["perf/step_s"], 2),
+            )
 
         run_steps(
-            self.ctx, done=self.step, total=self.total_steps, step=one, save=self.save,
-            checkpoint_every=cfg.checkpoint_every, log_step=log_step, before_first=first,
-        )  # fmt: skip
+            self.ctx,
+            done=self.step,
+            total=self.total_steps,
+            step=one,
+            save=self.save,
+            checkpoint_every=cfg.checkpoint_every,
+            log_step=log_step,
+            before_first=first,
+        )
 
 
 def run(ctx: WorkerContext) -> None:

@@ -82,7 +82,8 @@ def _open_dataset(path: Path, max_bytes: int):
             raise refuse(f"expected a regular file, got {kind}")
         if st.st_size > max_bytes:
             raise refuse(
-                f"expected at most {max_bytes} bytes ({max_bytes / 2**20:g} MiB, the upload limit), got {st.st_size} bytes"
+                f"expected at most {max_bytes} bytes ({max_bytes / 2**20:g} MiB, the upload limit), "
+                f"got {st.st_size} bytes"
             )
 
     try:
@@ -120,7 +121,8 @@ def read_chat_jsonl(path: Path, *, max_bytes: int = MAX_DATASET_BYTES) -> list[M
                 lineno += 1
                 if read > max_bytes:
                     raise UserError(
-                        f"dataset {path} cannot be used by this task: expected at most {max_bytes} bytes, and it grew past that while being read"
+                        f"dataset {path} cannot be used by this task: expected at most {max_bytes} bytes, "
+                        "and it grew past that while being read"
                     )
                 messages = parse_chat_line(raw.rstrip(b"\r\n"), lineno)
                 if messages is not None:
@@ -129,7 +131,8 @@ def read_chat_jsonl(path: Path, *, max_bytes: int = MAX_DATASET_BYTES) -> list[M
         raise UserError(f"dataset {path}: {exc}") from None
     except OSError as exc:
         raise UserError(
-            f"dataset {path} cannot be used by this task: it cannot be read on this trainer node ({exc.strerror or exc})"
+            f"dataset {path} cannot be used by this task: "
+            f"it cannot be read on this trainer node ({exc.strerror or exc})"
         ) from None
     if not examples:
         raise UserError(f"dataset {path}: expected at least one example (one JSON object per line), got an empty file")
@@ -161,7 +164,8 @@ def fetch_dataset(dataset_id: str, scheduler_target: str | None, cache_dir: Path
         return final
     if not scheduler_target:
         raise UserError(
-            "env_config.dataset_id: this worker does not know the scheduler's address (OPENTINKER_SCHEDULER_URL) to fetch the dataset from"
+            "env_config.dataset_id: this worker does not know the scheduler's address "
+            "(OPENTINKER_SCHEDULER_URL) to fetch the dataset from"
         )
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".{hex_}.{secrets.token_hex(4)}.part"

@@ -14,10 +14,19 @@ NAMES = ("left", "down", "right", "up")
 @pytest.mark.parametrize(
     "reply, action",
     [
-        ("right", 2), ("Right.", 2), (" UP", 3), ("I go down now", 1), ("left, then right", 0),
-        ("Move: right!", 2), ("upright", None), ("", None), (None, None), ("go north", None), ("downward", None),
+        ("right", 2),
+        ("Right.", 2),
+        (" UP", 3),
+        ("I go down now", 1),
+        ("left, then right", 0),
+        ("Move: right!", 2),
+        ("upright", None),
+        ("", None),
+        (None, None),
+        ("go north", None),
+        ("downward", None),
     ],
-)  # fmt: skip
+)
 def test_parse_action_takes_the_first_whole_word_action(reply, action):
     assert parse_action(reply, NAMES) == action
 

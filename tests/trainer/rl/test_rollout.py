@@ -123,9 +123,16 @@ def test_generated_rollout_logprobs_shared_prompt_equal_flat_and_alone(tiny_lora
     prompts, _ = _random_batch(2, vocab)
     p_ids, p_mask = left_pad(prompts, PAD)
     ro = generate(
-        model, p_ids, p_mask, max_new_tokens=5, stop_token_ids=list(range(0, vocab, 3)),
-        pad_token_id=PAD, temperature=1.0, group_size=3, seed=0,
-    )  # fmt: skip
+        model,
+        p_ids,
+        p_mask,
+        max_new_tokens=5,
+        stop_token_ids=list(range(0, vocab, 3)),
+        pad_token_id=PAD,
+        temperature=1.0,
+        group_size=3,
+        seed=0,
+    )
     args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask, 0.7)
     shared = sequence_logprobs(model, *args, group_size=3)
     flat = sequence_logprobs(model, *args, group_size=1)

@@ -35,13 +35,23 @@ def make_ctx(
         {**SMALL, "learning_rate": 1e-3} if workload == "full_rl" else {**SMALL, "lora_rank": 4, "learning_rate": 1e-2}
     )
     spec = TaskSpecModel.from_parts(
-        workload_type=workload, model=str(model), env_config={"env_id": "arithmetic"},
-        hyperparameters={**defaults, **hp}, init_from="task-sft" if init else "",
-    )  # fmt: skip
+        workload_type=workload,
+        model=str(model),
+        env_config={"env_id": "arithmetic"},
+        hyperparameters={**defaults, **hp},
+        init_from="task-sft" if init else "",
+    )
     return WorkerContext(
-        task_id=f"t-{name}", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp_path / name, resume_from=resume_from,
-        out=io.StringIO(), init_checkpoint=Path(init[0]) if init else None, init_format=init[1] if init else "",
-    )  # fmt: skip
+        task_id=f"t-{name}",
+        attempt=1,
+        spec=spec,
+        device="cpu",
+        checkpoint_dir=tmp_path / name,
+        resume_from=resume_from,
+        out=io.StringIO(),
+        init_checkpoint=Path(init[0]) if init else None,
+        init_format=init[1] if init else "",
+    )
 
 
 def reports(ctx: WorkerContext, kind: str) -> list[dict]:
@@ -115,19 +125,31 @@ def sft_checkpoints(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("sft")
     data = tmp / "d.jsonl"
     rng = random.Random(0)
-    data.write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": str(a + b)}]}) + "\n"
-        for a, b in ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(8))
-    ))  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"What is {a} + {b}?"},
+                        {"role": "assistant", "content": str(a + b)},
+                    ]
+                }
+            )
+            + "\n"
+            for a, b in ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(8))
+        )
+    )
     out = {}
     for kind, hp in (
         ("lora", {"lora": True, "lora_rank": 2, "learning_rate": 5e-2}),
         ("full", {"lora": False, "learning_rate": 1e-2}),
     ):
         spec = TaskSpecModel.from_parts(
-            workload_type="sft", model=str(tiny_model_dir), env_config={"env_id": "chat_jsonl", "path": str(data)},
+            workload_type="sft",
+            model=str(tiny_model_dir),
+            env_config={"env_id": "chat_jsonl", "path": str(data)},
             hyperparameters={"steps": 1, "batch_size": 4, **hp},
-        )  # fmt: skip
+        )
         ctx = WorkerContext(
             task_id=f"sft-{kind}", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp / kind, out=io.StringIO()
         )

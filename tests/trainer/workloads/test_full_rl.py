@@ -45,9 +45,20 @@ def test_cartpole_run_reports_namespaced_metrics_and_a_final_torch_ppo_checkpoin
     ms = metrics(ctx)
     assert [m["step"] for m in ms] == [1, 2, 3, 4]
     required = {
-        "loss", "reward", "loss/policy", "loss/value", "loss/entropy", "loss/total", "ppo/approx_kl", "ppo/clipfrac",
-        "ppo/explained_variance", "reward/episode_return_mean", "perf/env_steps_per_s", "env_steps", "optim/lr",
-    }  # fmt: skip
+        "loss",
+        "reward",
+        "loss/policy",
+        "loss/value",
+        "loss/entropy",
+        "loss/total",
+        "ppo/approx_kl",
+        "ppo/clipfrac",
+        "ppo/explained_variance",
+        "reward/episode_return_mean",
+        "perf/env_steps_per_s",
+        "env_steps",
+        "optim/lr",
+    }
     for m in ms:
         assert required <= set(m["values"]), required - set(m["values"])
     assert [m["values"]["env_steps"] for m in ms] == [128, 256, 384, 512]

@@ -22,10 +22,23 @@ from opentinker_trainer.workloads import grpo_game, run_task
 LAKE = {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}}
 SMALL = {"episodes_per_step": 3, "max_turns": 4, "max_new_tokens": 3, "lora_rank": 4, "learning_rate": 1e-2}
 KEYS = {
-    "loss", "reward", "reward_std", "zero_std_frac", "loss/policy", "reward/mean", "episode/env_return",
-    "episode/success_rate", "episode/turns", "episode/invalid_action_frac", "grpo/clipfrac", "grpo/approx_kl",
-    "optim/grad_norm", "perf/step_s", "perf/generate_s", "perf/turns",
-}  # fmt: skip
+    "loss",
+    "reward",
+    "reward_std",
+    "zero_std_frac",
+    "loss/policy",
+    "reward/mean",
+    "episode/env_return",
+    "episode/success_rate",
+    "episode/turns",
+    "episode/invalid_action_frac",
+    "grpo/clipfrac",
+    "grpo/approx_kl",
+    "optim/grad_norm",
+    "perf/step_s",
+    "perf/generate_s",
+    "perf/turns",
+}
 
 
 def make_ctx(model, tmp_path: Path, name: str, env=LAKE, resume_from=None, **hp) -> WorkerContext:
@@ -33,9 +46,14 @@ def make_ctx(model, tmp_path: Path, name: str, env=LAKE, resume_from=None, **hp)
         workload_type="lora_finetune", model=str(model), env_config=env, hyperparameters={**SMALL, **hp}
     )
     return WorkerContext(
-        task_id=f"t-{name}", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp_path / name,
-        resume_from=resume_from, out=io.StringIO(),
-    )  # fmt: skip
+        task_id=f"t-{name}",
+        attempt=1,
+        spec=spec,
+        device="cpu",
+        checkpoint_dir=tmp_path / name,
+        resume_from=resume_from,
+        out=io.StringIO(),
+    )
 
 
 def reports(ctx, kind):
@@ -66,7 +84,7 @@ def test_random_model_replies_are_invalid_actions_with_the_documented_penalty(ti
     # The random model never names an action: every turn is invalid, the lake is never stepped.
     assert v["episode/invalid_action_frac"] == 1.0 and v["episode/turns"] == 4
     assert v["reward"] == pytest.approx(4 * -0.25) and v["episode/env_return"] == 0.0
-    assert v["zero_std_frac"] == 1.0 and v["loss"] == 0.0  # equal returns: no signal, no update
+    assert v["zero_std_frac"] == 1.0 and v["loss"] == 0.0  # equal returns: no signal, policy loss 0
     (c,) = reports(ctx, "checkpoint")
     assert c["final"] and c["format"] == "peft_lora"
     assert {"adapter_config.json", "adapter_model.safetensors", "trainer_state.pt"} <= {
@@ -196,3 +214,19 @@ def test_lm_game_on_a_client_hosted_environment(tiny_model_dir, tmp_path, script
     assert m["values"]["episode/success_rate"] == 1.0 and m["values"]["episode/turns"] == 3
     assert seen[0] == ("left", "right")  # the client's action names reach the LM's prompt
     assert isinstance(ctx.spec.hyperparameters, LMGameGRPOConfig)
+
+
+def test_a_step_without_signal_still_steps_and_reports_the_kl_to_the_base_model(tiny_model_dir, tmp_path):
+    """The rules of rl.grpo.grpo_update, as in the text trainer: equal returns take the
+    optimizer step all the same, and ``kl`` is the KL to the base model (0 on a fresh adapter)."""
+    ctx = make_ctx(tiny_model_dir, tmp_path, "nosignal", steps=1)
+    run_task(ctx)
+    (m,) = reports(ctx, "metric")
+    v = m["values"]
+    assert v["zero_std_frac"] == 1.0 and v["grpo/no_signal"] == 1.0 and v["grpo/missing_rewards"] == 0.0
+    assert v["kl"] == v["grpo/kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    (c,) = reports(ctx, "checkpoint")
+    state = torch.load(Path(c["path"]) / "trainer_state.pt", weights_only=True)
+    steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert steps == {1}
+    assert set(state["rng"]) >= {"torch", "numpy", "python", "env"}

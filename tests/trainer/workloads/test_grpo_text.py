@@ -17,23 +17,43 @@ from opentinker_common.arithmetic import ArithmeticEnv
 from opentinker_trainer.workloads import grpo_text
 
 REQUIRED_KEYS = {
-    "loss", "reward", "reward_std", "kl", "zero_std_frac",
-    "loss/policy", "loss/kl", "reward/mean", "reward/std", "grpo/zero_std_frac", "grpo/clipfrac",
-    "grpo/approx_kl", "perf/tokens_per_s", "perf/step_s", "perf/generate_s", "perf/samples",
-}  # fmt: skip
+    "loss",
+    "reward",
+    "reward_std",
+    "kl",
+    "zero_std_frac",
+    "loss/policy",
+    "loss/kl",
+    "reward/mean",
+    "reward/std",
+    "grpo/zero_std_frac",
+    "grpo/clipfrac",
+    "grpo/approx_kl",
+    "perf/tokens_per_s",
+    "perf/step_s",
+    "perf/generate_s",
+    "perf/samples",
+}
 
 SMALL = {"prompts_per_step": 2, "group_size": 3, "max_new_tokens": 4, "lora_rank": 4, "learning_rate": 1e-2}
 
 
 def make_ctx(model: str | Path, tmp_path: Path, name: str, resume_from: Path | None = None, **hp) -> WorkerContext:
     spec = TaskSpecModel.from_parts(
-        workload_type="lora_finetune", model=str(model), env_config={"env_id": "arithmetic"},
+        workload_type="lora_finetune",
+        model=str(model),
+        env_config={"env_id": "arithmetic"},
         hyperparameters={**SMALL, **hp},
-    )  # fmt: skip
+    )
     return WorkerContext(
-        task_id=f"t-{name}", attempt=1, spec=spec, device="cpu",
-        checkpoint_dir=tmp_path / name, resume_from=resume_from, out=io.StringIO(),
-    )  # fmt: skip
+        task_id=f"t-{name}",
+        attempt=1,
+        spec=spec,
+        device="cpu",
+        checkpoint_dir=tmp_path / name,
+        resume_from=resume_from,
+        out=io.StringIO(),
+    )
 
 
 def reports(ctx: WorkerContext, kind: str) -> list[dict]:
@@ -161,3 +181,73 @@ def test_micro_batches_and_ppo_epochs(tiny_model_dir, tmp_path, varied_rewards):
     assert REQUIRED_KEYS <= set(m["values"])
     # The second epoch sees a moved policy: its ratio is no longer exactly 1.
     assert m["values"]["grpo/approx_kl"] > 0
+
+
+# Per-step numbers of the text trainer before its GRPO loop became rl.grpo.grpo_update, on this
+# tiny model (torch CPU, float32): the shared update must keep them (demo reward curves too).
+PINNED = {
+    "lora_finetune": [
+        {
+            "loss": -0.04651693603955165,
+            "kl": 0.0,
+            "grpo/approx_kl": 0.014274639543145895,
+            "optim/grad_norm": 1.608174443244934,
+        },
+        {
+            "loss": -0.044734848570078166,
+            "kl": 0.019685566425323486,
+            "grpo/approx_kl": 0.00932894367724657,
+            "optim/grad_norm": 1.1187500953674316,
+        },
+        {
+            "loss": -0.02760242065414742,
+            "kl": 0.032575707882642746,
+            "grpo/approx_kl": 0.0026878577191382647,
+            "optim/grad_norm": 1.065363883972168,
+        },
+    ],
+    "full_rl": [
+        {
+            "loss": -0.06350654779622893,
+            "kl": 0.0,
+            "grpo/approx_kl": 0.02410009503364563,
+            "optim/grad_norm": 1.271511197090149,
+        },
+        {
+            "loss": -0.053306762889647884,
+            "kl": 0.009411071427166462,
+            "grpo/approx_kl": 0.006670672446489334,
+            "optim/grad_norm": 1.8130360841751099,
+        },
+        {
+            "loss": -0.053308309769878194,
+            "kl": 0.015977924689650536,
+            "grpo/approx_kl": 0.005573532078415155,
+            "optim/grad_norm": 2.310978651046753,
+        },
+    ],
+}
+
+
+@pytest.mark.parametrize("workload", ["lora_finetune", "full_rl"])
+def test_step_numbers_are_those_of_the_loop_before_the_shared_update(
+    tiny_model_dir, tmp_path, varied_rewards, workload
+):
+    hp = {**SMALL, "steps": 3, "kl_coef": 0.1, "ppo_epochs": 2}
+    if workload == "full_rl":
+        hp = {k: v for k, v in hp.items() if k != "lora_rank"} | {"learning_rate": 1e-3}
+    else:
+        hp["micro_batch_size"] = 3
+    spec = TaskSpecModel.from_parts(
+        workload_type=workload, model=str(tiny_model_dir), env_config={"env_id": "arithmetic"}, hyperparameters=hp
+    )
+    ctx = WorkerContext(
+        task_id="t-pinned", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp_path / "pinned", out=io.StringIO()
+    )
+    grpo_text.run(ctx)
+    metrics = [m["values"] for m in reports(ctx, "metric")]
+    assert len(metrics) == 3
+    for step, (got, want) in enumerate(zip(metrics, PINNED[workload]), start=1):
+        assert got["reward"] == 0.5
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (step, key)

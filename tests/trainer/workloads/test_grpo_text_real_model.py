@@ -23,9 +23,17 @@ pytestmark = pytest.mark.e2e
 
 def test_three_steps_on_the_real_model(real_model_dir, tmp_path):
     spec = TaskSpecModel.from_parts(
-        workload_type="lora_finetune", model=str(real_model_dir), env_config={"env_id": "arithmetic", "seed": 1},
-        hyperparameters={"steps": 3, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "checkpoint_every": 2},
-    )  # fmt: skip
+        workload_type="lora_finetune",
+        model=str(real_model_dir),
+        env_config={"env_id": "arithmetic", "seed": 1},
+        hyperparameters={
+            "steps": 3,
+            "prompts_per_step": 2,
+            "group_size": 4,
+            "max_new_tokens": 8,
+            "checkpoint_every": 2,
+        },
+    )
     ctx = WorkerContext(
         task_id="e2e", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp_path / "ckpt", out=io.StringIO()
     )
@@ -56,3 +64,36 @@ def test_three_steps_on_the_real_model(real_model_dir, tmp_path):
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert out.shape[1] > inputs["input_ids"].shape[1]
+
+
+# The first steps of `make demo` (arithmetic, one digit, default hyper-parameters, seed 0) on the
+# CPU, recorded before the text trainer's GRPO loop became rl.grpo.grpo_update; the demo's reward
+# curve is the same over all its 15 steps (checked when the update was shared).
+DEMO_STEPS = [
+    {"reward": 0.34375, "loss": 0.04270298779010773, "kl": 0.0, "optim/grad_norm": 0.6508390307426453},
+    {
+        "reward": 0.59375,
+        "loss": 0.0032473732717335224,
+        "kl": 0.025192033499479294,
+        "optim/grad_norm": 0.41479477286338806,
+    },
+    {"reward": 0.53125, "loss": 0.004751828499138355, "kl": 0.04149278253316879, "optim/grad_norm": 0.5551425218582153},
+]
+
+
+def test_demo_steps_keep_their_numbers(real_model_dir, tmp_path):
+    spec = TaskSpecModel.from_parts(
+        workload_type="lora_finetune",
+        model=str(real_model_dir),
+        env_config={"env_id": "arithmetic", "min_digits": 1, "max_digits": 1},
+        hyperparameters={"steps": len(DEMO_STEPS)},
+    )
+    ctx = WorkerContext(
+        task_id="demo", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp_path / "ckpt", out=io.StringIO()
+    )
+    grpo_text.run(ctx)
+    metrics = [r["values"] for r in map(json.loads, ctx.out.getvalue().splitlines()) if r["type"] == "metric"]
+    assert len(metrics) == len(DEMO_STEPS)
+    for step, (got, want) in enumerate(zip(metrics, DEMO_STEPS), start=1):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (step, key)

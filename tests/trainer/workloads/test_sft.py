@@ -187,9 +187,11 @@ def make_ctx(
     model, tmp_path: Path, name: str, data: Path, resume_from=None, cls=WorkerContext, env=None, **hp
 ) -> WorkerContext:
     spec = TaskSpecModel.from_parts(
-        workload_type="sft", model=str(model), env_config={"env_id": "chat_jsonl", "path": str(data), "eval_fraction": 0.25, **(env or {})},
+        workload_type="sft",
+        model=str(model),
+        env_config={"env_id": "chat_jsonl", "path": str(data), "eval_fraction": 0.25, **(env or {})},
         hyperparameters={"batch_size": 4, "micro_batch_size": 2, "learning_rate": 1e-2, "lora_rank": 4, **hp},
-    )  # fmt: skip
+    )
     return cls(
         task_id=f"t-{name}",
         attempt=1,
