@@ -56,6 +56,12 @@ class RunningScheduler:
         self.tick_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.tick_task
+        # End every node stream from our side first (a None in the outbox ends NodeService.Connect
+        # normally), so stopping the server does not cancel those handlers mid-await, which
+        # grpc.aio logs as an unhandled CancelledError. The nodes reconnect to the next scheduler.
+        for node in list(self.core.nodes.values()):
+            node.outbox.put_nowait(None)
+        await asyncio.sleep(0)
         await self.server.stop(grace)
         self.core.flush()
         if self.http is not None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Scheduler scale benchmark on loopback (``make bench``; issue 3, "Benchmark").
+"""Scheduler scale benchmark on loopback (``make bench-scheduler``).
 
 Starts the real scheduler as its own process (``python -m opentinker_scheduler``), then
 simulates N trainer nodes, each holding a real ``NodeService.Connect`` stream: it registers

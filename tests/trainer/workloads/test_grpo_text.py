@@ -250,4 +250,4 @@ def test_step_numbers_are_those_of_the_loop_before_the_shared_update(
     for step, (got, want) in enumerate(zip(metrics, PINNED[workload]), start=1):
         assert got["reward"] == 0.5
         for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (step, key)
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)

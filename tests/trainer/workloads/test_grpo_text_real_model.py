@@ -96,4 +96,4 @@ def test_demo_steps_keep_their_numbers(real_model_dir, tmp_path):
     assert len(metrics) == len(DEMO_STEPS)
     for step, (got, want) in enumerate(zip(metrics, DEMO_STEPS), start=1):
         for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (step, key)
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
