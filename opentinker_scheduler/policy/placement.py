@@ -55,6 +55,20 @@ class NodeCapacity:
     gpu_share: dict[int, tuple[str, int]] = field(default_factory=dict)
     max_tasks_per_gpu: int = 1
 
+    def copy(self) -> NodeCapacity:
+        """An independent copy to book against: ``free_gpus`` sorted ascending and ``gpu_share``
+        copied, so booking on the copy leaves this one unchanged."""
+        return NodeCapacity(
+            self.node_id,
+            self.gpu_count,
+            self.max_tasks,
+            self.running,
+            sorted(self.free_gpus),
+            self.accepting,
+            dict(self.gpu_share),
+            self.max_tasks_per_gpu,
+        )
+
     @property
     def free_slots(self) -> int:
         return max(0, self.max_tasks - self.running)
@@ -152,19 +166,7 @@ def plan(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> tup
     Returns:
         (placements, reasons): placements in queue order; for every task not placed, why.
     """
-    caps = [
-        NodeCapacity(
-            n.node_id,
-            n.gpu_count,
-            n.max_tasks,
-            n.running,
-            sorted(n.free_gpus),
-            n.accepting,
-            dict(n.gpu_share),
-            n.max_tasks_per_gpu,
-        )
-        for n in nodes
-    ]
+    caps = [n.copy() for n in nodes]
     placements: list[Placement] = []
     reasons: dict[str, str] = {}
     ordered = queue_order(tasks)

@@ -136,15 +136,22 @@ def test_cancel_pending_and_running_is_idempotent(tmp_path) -> None:
     assert c.task_id
 
 
-def test_scheduler_restart_keeps_running_work(tmp_path) -> None:
-    core = make_core(tmp_path)
-    task = core.submit(spec(gpus=1), owner="u")
+def _restarted_while_running(tmp_path, gpus: int = 0, **config):
+    """Submit a ``gpus``-GPU task, run it on the one node, then stop the core without a word to
+    the node and open a new one on the same state directory (both with ``config``):
+    ``(task, restarted_core)``; the node has not reconnected."""
+    core = make_core(tmp_path, **config)
+    task = core.submit(spec(gpus=gpus), owner="u")
     node, _ = register(core)
     core.schedule()
     report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
     core.store.close()
+    return task, make_core(tmp_path, **config)
+
+
+def test_scheduler_restart_keeps_running_work(tmp_path) -> None:
     # "kill -9": a new core on the same state directory.
-    core2 = make_core(tmp_path)
+    task, core2 = _restarted_while_running(tmp_path, gpus=1)
     t = core2.get(task.task_id)
     assert t.state == C.TASK_STATE_RUNNING and t.attempt == 1
     node2, registered = register(core2, running=[(task.task_id, 1)])
@@ -154,13 +161,7 @@ def test_scheduler_restart_keeps_running_work(tmp_path) -> None:
 
 
 def test_restarted_scheduler_knows_a_node_by_its_last_registration(tmp_path) -> None:
-    core = make_core(tmp_path)
-    task = core.submit(spec(gpus=2), owner="u")
-    node, _ = register(core)
-    core.schedule()
-    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
-    core.store.close()
-    core2 = make_core(tmp_path)
+    task, core2 = _restarted_while_running(tmp_path, gpus=2)
     n = core2.nodes["gpu-node-01"]
     # Before the node reconnects: its size is known (not 0/0), it is not connected, takes no work.
     assert (n.gpu_count, n.max_tasks, n.connected) == (4, 8, False)
@@ -206,13 +207,7 @@ def test_request_id_reused_for_another_spec_is_refused(tmp_path) -> None:
 
 
 def test_attempt_that_ended_while_cut_off_is_applied_on_reconnect(tmp_path) -> None:
-    core = make_core(tmp_path)
-    task = core.submit(spec(), owner="u")
-    node, _ = register(core)
-    core.schedule()
-    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
-    core.store.close()
-    core2 = make_core(tmp_path)  # the scheduler restarted; meanwhile the worker finished
+    task, core2 = _restarted_while_running(tmp_path)  # meanwhile the worker finished
     done = N.TaskReport(
         task_id=task.task_id,
         attempt=1,
@@ -350,13 +345,7 @@ def test_ledger_never_negative_or_leaking(tmp_path_factory, sequence) -> None:
 
 
 def test_restart_grace_covers_slow_reconnects(tmp_path) -> None:
-    core = make_core(tmp_path, lease_s=0.01, restart_grace_s=30)
-    task = core.submit(spec(), owner="u")
-    node, _ = register(core)
-    core.schedule()
-    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
-    core.store.close()
-    core2 = make_core(tmp_path, lease_s=0.01, restart_grace_s=30)
+    task, core2 = _restarted_while_running(tmp_path, lease_s=0.01, restart_grace_s=30)
     core2.tick()  # well past the lease, within the restart grace: the task keeps running
     assert core2.get(task.task_id).state == C.TASK_STATE_RUNNING
     core2.nodes["gpu-node-01"].last_seen -= 31  # the node never came back

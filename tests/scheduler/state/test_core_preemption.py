@@ -28,6 +28,15 @@ def _run(core, node, task_id: str) -> None:
     assert report(core, node, task_id, core.get(task_id).attempt, C.TASK_STATE_RUNNING)
 
 
+def _running_and_waiting(core, running_priority: int, waiting_priority: int):
+    """Register one node, run a 4-GPU task at ``running_priority`` on it, then submit a second
+    4-GPU task at ``waiting_priority``: ``(node, running, waiting)``, not yet ticked."""
+    node, _ = register(core)
+    running = core.submit(prio_spec(4, running_priority), owner="u")
+    _run(core, node, running.task_id)
+    return node, running, core.submit(prio_spec(4, waiting_priority), owner="u")
+
+
 def _cancels(node) -> list:
     return [c.cancel_task for c in drain(node) if c.WhichOneof("command") == "cancel_task"]
 
@@ -72,10 +81,7 @@ def test_higher_priority_preempts_lower_then_runs(tmp_path) -> None:
 
 def test_equal_priority_never_preempts(tmp_path) -> None:
     core = make_core(tmp_path)
-    node, _ = register(core)
-    a = core.submit(prio_spec(4, 5), owner="u")
-    _run(core, node, a.task_id)
-    b = core.submit(prio_spec(4, 5), owner="u")
+    node, a, b = _running_and_waiting(core, 5, 5)
     for _ in range(3):
         core.tick()
     assert _cancels(node) == []
@@ -103,10 +109,7 @@ def test_lowest_priority_victim_and_only_enough(tmp_path) -> None:
 
 def test_node_loss_clears_preemption_in_flight(tmp_path) -> None:
     core = make_core(tmp_path, lease_s=0.05)
-    node, _ = register(core)
-    low = core.submit(prio_spec(4, 0), owner="u")
-    _run(core, node, low.task_id)
-    high = core.submit(prio_spec(4, 10), owner="u")
+    node, low, high = _running_and_waiting(core, 0, 10)
     core.tick()
     assert len(_cancels(node)) == 1
     assert core.preemptions.victims and core.preemptions.waiting
@@ -127,10 +130,7 @@ def test_node_loss_clears_preemption_in_flight(tmp_path) -> None:
 
 def test_victim_finishing_on_its_own_clears_record(tmp_path) -> None:
     core = make_core(tmp_path)
-    node, _ = register(core)
-    low = core.submit(prio_spec(4, 0), owner="u")
-    _run(core, node, low.task_id)
-    high = core.submit(prio_spec(4, 10), owner="u")
+    node, low, high = _running_and_waiting(core, 0, 10)
     core.tick()
     assert len(_cancels(node)) == 1
     assert report(core, node, low.task_id, 1, C.TASK_STATE_SUCCEEDED)
@@ -141,10 +141,7 @@ def test_victim_finishing_on_its_own_clears_record(tmp_path) -> None:
 
 def test_preempted_report_after_scheduler_restart_is_still_a_preemption(tmp_path) -> None:
     core = make_core(tmp_path)
-    node, _ = register(core)
-    low = core.submit(prio_spec(4, 0), owner="u")
-    _run(core, node, low.task_id)
-    core.submit(prio_spec(4, 10), owner="u")
+    node, low, _high = _running_and_waiting(core, 0, 10)
     core.tick()
     core.store.close()
     core2 = make_core(tmp_path)  # the in-flight record is gone; the agent's report still says why

@@ -75,21 +75,8 @@ def test_free_nodes_best_fit_matches_policy() -> None:
     assert not free and free.most_free_gpus() == -1
 
 
-def _copy(n: NodeCapacity) -> NodeCapacity:
-    return NodeCapacity(
-        n.node_id,
-        n.gpu_count,
-        n.max_tasks,
-        n.running,
-        sorted(n.free_gpus),
-        n.accepting,
-        dict(n.gpu_share),
-        n.max_tasks_per_gpu,
-    )
-
-
 def _round(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> list[Placement]:
-    caps = {n.node_id: _copy(n) for n in nodes}
+    caps = {n.node_id: n.copy() for n in nodes}
     free = FreeNodes()
     for c in caps.values():
         free.update(c)
@@ -105,7 +92,7 @@ def _round(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> l
         c = caps[node_id]
         devices = c.choose_devices(*group)
         c.book(devices, group[1])
-        free.update(_copy(c))
+        free.update(c.copy())
         out.append(Placement(key[2], node_id, devices))
 
     reserve = lambda key, gpu_count: reservation_node(gpu_count, caps.values())  # noqa: E731
@@ -154,7 +141,7 @@ def test_place_round_agrees_with_plan(task_specs, node_specs) -> None:
     expected, _ = plan(tasks, nodes, now=10.0)
     assert _round(tasks, nodes, now=10.0) == expected
     # plan itself never overfills a GPU nor mixes base models on one.
-    caps = {n.node_id: _copy(n) for n in nodes}
+    caps = {n.node_id: n.copy() for n in nodes}
     for p in expected:
         task = next(t for t in tasks if t.task_id == p.task_id)
         c = caps[p.node_id]
@@ -206,12 +193,18 @@ def _committed_state(path: Path, task_id: str):
     return r[0] if r else None
 
 
+def _group_commit_core(tmp_path, gpus: int):
+    """A core with group commit on, one registered node and one submitted task:
+    ``(core, node, task)``, nothing committed yet."""
+    core = make_core(tmp_path)
+    core.enable_group_commit()
+    node, _ = register(core)
+    return core, node, core.submit(spec(gpus=gpus), owner="u")
+
+
 def test_group_commit_holds_commands_until_durable(tmp_path) -> None:
     async def main() -> None:
-        core = make_core(tmp_path)
-        core.enable_group_commit()
-        node, _ = register(core)
-        task = core.submit(spec(gpus=1), owner="u")
+        core, node, task = _group_commit_core(tmp_path, gpus=1)
         assert core.schedule() == 1
         assert node.outbox.empty(), "an assignment left before its transition was committed"
         assert _committed_state(core.store.path, task.task_id) is None  # nothing committed yet
@@ -227,10 +220,7 @@ def test_group_commit_holds_commands_until_durable(tmp_path) -> None:
 
 def test_failed_group_commit_rebuilds_memory_and_drops_commands(tmp_path) -> None:
     async def main() -> None:
-        core = make_core(tmp_path)
-        core.enable_group_commit()
-        node, _ = register(core)
-        task = core.submit(spec(gpus=2), owner="u")
+        core, node, task = _group_commit_core(tmp_path, gpus=2)
         await core.durable()
         core.store.db = failing = _FailingCommits(core.store.db)
         failing.fail = True
