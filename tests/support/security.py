@@ -112,8 +112,14 @@ def make_certs(folder: Path) -> Certs:
     )
 
 
+#: Scheduler config with API keys on and local models allowed under ``/models`` (specs name /models/m).
+AUTH_LOCAL_MODELS = "auth: {enabled: true}\npaths: {model_dirs: [/models]}\n"
+
+
 class LoopbackScheduler:
-    """A real scheduler (grpc.aio server, SQLite state) on 127.0.0.1 in a background event loop."""
+    """A real scheduler (grpc.aio server, SQLite state) on 127.0.0.1 in a background event loop.
+
+    Usable as a context manager: ``with LoopbackScheduler(...) as s:`` closes it on exit."""
 
     def __init__(self, state_dir: Path, config_text: str = "", *, base_dir: Path | None = None, **overrides) -> None:
         cfg = parse_config(config_text, "test.yaml", base_dir=base_dir) if config_text else SchedulerConfig()
@@ -128,6 +134,18 @@ class LoopbackScheduler:
             self.thread.join(10)
             raise
         self.target = f"127.0.0.1:{self.running.port}"
+
+    def __enter__(self) -> LoopbackScheduler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def admin_key(self) -> str:
+        """The bootstrap admin API key the scheduler wrote to ``<state_dir>/admin.key`` (auth on,
+        no key from the environment); FileNotFoundError where it wrote none."""
+        return (self.config.state_dir / "admin.key").read_text().strip()
 
     @property
     def core(self):

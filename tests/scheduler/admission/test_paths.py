@@ -211,7 +211,7 @@ def test_bad_paths_sections_name_file_line_and_key(text: str, where: str) -> Non
 
 
 def _users(s: LoopbackScheduler) -> str:
-    admin = (s.config.state_dir / "admin.key").read_text().strip()
+    admin = s.admin_key
     with RLClient(s.target, api_key=admin) as root:
         return root.keys.create("bob", "user")[1]
 

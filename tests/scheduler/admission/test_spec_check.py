@@ -9,6 +9,7 @@ how fast this machine is.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import threading
@@ -67,10 +68,17 @@ def builder(monkeypatch):
     b.release.set()
 
 
-def _start(tmp_path, config_text: str = ""):
+@contextlib.contextmanager
+def _serving(tmp_path, config_text: str = ""):
+    """A loopback scheduler with ``config_text`` (YAML) and an insecure channel to it:
+    ``(sched, channel, SchedulerService stub)``; both closed on exit, the channel first."""
     sched = LoopbackScheduler(tmp_path / "state", config_text)
     channel = grpc.insecure_channel(sched.target)
-    return sched, channel, scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    try:
+        yield sched, channel, scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    finally:
+        channel.close()
+        sched.close()
 
 
 def _request(**env_kwargs) -> S.SubmitTaskRequest:
@@ -80,8 +88,7 @@ def _request(**env_kwargs) -> S.SubmitTaskRequest:
 
 
 def test_the_loop_answers_while_an_environment_is_built_and_submit_builds_once(tmp_path, builder) -> None:
-    sched, channel, stub = _start(tmp_path)
-    try:
+    with _serving(tmp_path) as (sched, channel, stub):
         pending = stub.SubmitTask.future(_request(block=True, tag=1), timeout=60)
         builder.wait_entered()
         # The build is blocked in its thread; the loop still serves RPCs and health.
@@ -95,38 +102,34 @@ def test_the_loop_answers_while_an_environment_is_built_and_submit_builds_once(t
         # core.submit validated the same spec again on the loop and found the build cached.
         assert builder.calls == ['{"block":true,"tag":1}']
         assert [t.task_id for t in stub.ListTasks(S.ListTasksRequest()).tasks] == [task.task_id]
-    finally:
-        channel.close()
-        sched.close()
 
 
 def test_a_build_past_the_budget_is_invalid_argument_and_nothing_is_stored(tmp_path, builder) -> None:
-    sched, channel, stub = _start(tmp_path, "limits: {spec_check_timeout: 0.5}\n")
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            stub.SubmitTask(_request(block=True), timeout=30)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert (
-            err.value.details()
-            == "spec.env_config: building the environment took longer than 0.5 s; use smaller env_kwargs"
-        )
-        assert stub.ListTasks(S.ListTasksRequest()).tasks == []
-        # The same env_config again: refused at once, without another build.
-        with pytest.raises(grpc.RpcError) as err:
-            stub.SubmitTask(_request(block=True), timeout=30)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "took longer than 0.5 s" in err.value.details()
-        assert len(builder.calls) == 1
-        # Another spec is fine (one slot is still held by the blocked build, the other is free).
-        assert stub.SubmitTask(_request(fast=1), timeout=30).task.state == C.TASK_STATE_PENDING
-    finally:
-        builder.release.set()
-        channel.close()
-        sched.close()
+    with _serving(tmp_path, "limits: {spec_check_timeout: 0.5}\n") as (sched, channel, stub):
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.SubmitTask(_request(block=True), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (
+                err.value.details()
+                == "spec.env_config: building the environment took longer than 0.5 s; use smaller env_kwargs"
+            )
+            assert stub.ListTasks(S.ListTasksRequest()).tasks == []
+            # The same env_config again: refused at once, without another build.
+            with pytest.raises(grpc.RpcError) as err:
+                stub.SubmitTask(_request(block=True), timeout=30)
+            assert (
+                err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "took longer than 0.5 s" in err.value.details()
+            )
+            assert len(builder.calls) == 1
+            # Another spec is fine (one slot is still held by the blocked build, the other is free).
+            assert stub.SubmitTask(_request(fast=1), timeout=30).task.state == C.TASK_STATE_PENDING
+        finally:
+            builder.release.set()
 
 
 def test_at_most_two_builds_at_once_and_a_caller_without_a_slot_is_told_to_retry(tmp_path, builder) -> None:
-    sched, channel, stub = _start(tmp_path, "limits: {spec_check_timeout: 1}\n")
-    try:
+    with _serving(tmp_path, "limits: {spec_check_timeout: 1}\n") as (sched, channel, stub):
         calls = [stub.SubmitTask.future(_request(block=True, n=i), timeout=60) for i in range(3)]
         builder.wait_entered(2)
         codes = []
@@ -147,28 +150,20 @@ def test_at_most_two_builds_at_once_and_a_caller_without_a_slot_is_told_to_retry
             time.sleep(0.05)
         assert checker.running == 0
         assert stub.SubmitTask(_request(fast=2), timeout=30).task.state == C.TASK_STATE_PENDING
-    finally:
-        channel.close()
-        sched.close()
 
 
 def test_the_real_builder_runs_once_per_submit(tmp_path) -> None:
-    sched, channel, stub = _start(tmp_path)
-    try:
+    with _serving(tmp_path) as (sched, channel, stub):
         gym_spec._real_spaces.cache_clear()
         spec = C.TaskSpec(workload_type="full_rl")
         spec.env_config.update({"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}, "action_space": 4})
         assert stub.SubmitTask(S.SubmitTaskRequest(spec=spec), timeout=60).task.state == C.TASK_STATE_PENDING
         info = gym_spec._real_spaces.cache_info()
         assert info.misses == 1 and info.hits >= 1  # built in the thread, found cached by core.submit
-    finally:
-        channel.close()
-        sched.close()
 
 
 def test_oversized_env_kwargs_are_refused_quickly_with_the_field_path(tmp_path) -> None:
-    sched, channel, stub = _start(tmp_path)
-    try:
+    with _serving(tmp_path) as (sched, channel, stub):
         spec = C.TaskSpec(workload_type="full_rl")
         spec.env_config.update({"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"N": 3200}})
         with pytest.raises(grpc.RpcError) as err:
@@ -176,9 +171,6 @@ def test_oversized_env_kwargs_are_refused_quickly_with_the_field_path(tmp_path) 
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details() == "spec.env_config.env_kwargs.N: expected an integer in [1, 32], got 3200"
         assert stub.ListTasks(S.ListTasksRequest()).tasks == []
-    finally:
-        channel.close()
-        sched.close()
 
 
 def test_spec_check_timeout_config() -> None:

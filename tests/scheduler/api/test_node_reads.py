@@ -13,20 +13,19 @@ from opentinker.node.v1 import node_pb2 as N, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
 from opentinker_client import NotFoundError, RLClient
 
-from tests.support.security import LoopbackScheduler, metadata
+from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler, metadata
 
 LINE = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
 
 
 @pytest.fixture
 def sched(tmp_path):
-    s = LoopbackScheduler(tmp_path / "state", "auth: {enabled: true}\npaths: {model_dirs: [/models]}\n")
-    yield s
-    s.close()
+    with LoopbackScheduler(tmp_path / "state", AUTH_LOCAL_MODELS) as s:
+        yield s
 
 
 def _keys(s: LoopbackScheduler) -> dict[str, str]:
-    admin = (s.config.state_dir / "admin.key").read_text().strip()
+    admin = s.admin_key
     with RLClient(s.target, api_key=admin) as root:
         out = {"admin": admin}
         for name, role in (("node", "node"), ("alice", "user"), ("bob", "user")):

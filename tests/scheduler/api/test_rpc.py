@@ -32,13 +32,12 @@ def test_refusals_map_through_the_status_table_and_others_are_not_refusals() -> 
 
 @pytest.fixture
 def sched(tmp_path):
-    s = LoopbackScheduler(tmp_path / "state", "auth: {enabled: true}\n")
-    yield s
-    s.close()
+    with LoopbackScheduler(tmp_path / "state", "auth: {enabled: true}\n") as s:
+        yield s
 
 
 def test_refused_key_actions_are_audited_with_the_status_code_name(sched) -> None:
-    admin = (sched.config.state_dir / "admin.key").read_text().strip()
+    admin = sched.admin_key
     with sched.channel() as ch:
         stub = admin_pb2_grpc.AdminServiceStub(ch)
         root = metadata(admin)

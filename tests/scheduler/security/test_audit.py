@@ -18,18 +18,17 @@ from opentinker_client import InvalidArgumentError, PermissionDeniedError, RLCli
 from opentinker_scheduler.security.audit import AuditLog
 from opentinker_scheduler.state.store import Store
 
-from tests.support.security import LoopbackScheduler, metadata
+from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler, metadata
 
 
 @pytest.fixture
 def sched(tmp_path):
-    s = LoopbackScheduler(tmp_path / "state", "auth: {enabled: true}\npaths: {model_dirs: [/models]}\n")
-    yield s
-    s.close()
+    with LoopbackScheduler(tmp_path / "state", AUTH_LOCAL_MODELS) as s:
+        yield s
 
 
 def test_each_action_is_recorded_with_owner_task_time_and_outcome(sched) -> None:
-    admin = (sched.config.state_dir / "admin.key").read_text().strip()
+    admin = sched.admin_key
     t0 = time.time()
     with capture_logs() as logs:
         with RLClient(sched.target, api_key=admin) as root:
@@ -106,7 +105,7 @@ def test_each_action_is_recorded_with_owner_task_time_and_outcome(sched) -> None
 
 
 def test_filters_paging_and_admin_only(sched) -> None:
-    admin = (sched.config.state_dir / "admin.key").read_text().strip()
+    admin = sched.admin_key
     with RLClient(sched.target, api_key=admin) as root:
         for i in range(5):
             root.keys.create(f"u{i}", "user")

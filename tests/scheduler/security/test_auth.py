@@ -25,9 +25,7 @@ from opentinker_scheduler.security.auth import KeyStore, bearer_token, hash_key
 from opentinker_scheduler.config import ConfigError, parse_config
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
 
-from tests.support.security import LoopbackScheduler, make_certs, metadata
-
-AUTH = "auth: {enabled: true}\npaths: {model_dirs: [/models]}\n"  # specs name /models/m
+from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler, make_certs, metadata
 
 
 def _spec(model: str = "/models/m") -> C.TaskSpec:
@@ -36,13 +34,8 @@ def _spec(model: str = "/models/m") -> C.TaskSpec:
 
 @pytest.fixture
 def sched(tmp_path):
-    s = LoopbackScheduler(tmp_path / "state", AUTH)
-    yield s
-    s.close()
-
-
-def _admin_key(s: LoopbackScheduler) -> str:
-    return (s.config.state_dir / "admin.key").read_text().strip()
+    with LoopbackScheduler(tmp_path / "state", AUTH_LOCAL_MODELS) as s:
+        yield s
 
 
 def _code(fn, *args, **kwargs) -> grpc.StatusCode:
@@ -54,7 +47,7 @@ def _code(fn, *args, **kwargs) -> grpc.StatusCode:
 def test_bootstrap_admin_key_is_written_0600_and_stored_only_as_a_hash(sched) -> None:
     path = sched.config.state_dir / "admin.key"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    key = _admin_key(sched)
+    key = sched.admin_key
     assert key.startswith("otk_")
     db = (sched.config.state_dir / "scheduler.db").read_bytes() + b"".join(
         p.read_bytes() for p in sched.config.state_dir.glob("scheduler.db-*")
@@ -75,7 +68,7 @@ def test_refusals_no_key_wrong_key_malformed_header_revoked_key(sched) -> None:
         code, _ = _code(stub.ListTasks, S.ListTasksRequest(), metadata=(("authorization", "Basic abc"),))
         assert code == grpc.StatusCode.UNAUTHENTICATED
         # The right prefix with a wrong secret reads like an unknown key (no prefix oracle).
-        admin = _admin_key(sched)
+        admin = sched.admin_key
         code, details = _code(
             stub.ListTasks, S.ListTasksRequest(), metadata=metadata(admin[:-1] + ("A" if admin[-1] != "A" else "B"))
         )
@@ -101,7 +94,7 @@ def test_refusals_no_key_wrong_key_malformed_header_revoked_key(sched) -> None:
 
 
 def test_owner_isolation_other_owner_gets_not_found_and_admin_sees_all(sched, tmp_path) -> None:
-    admin = _admin_key(sched)
+    admin = sched.admin_key
     with RLClient(sched.target, api_key=admin) as root:
         _, alice_key = root.keys.create("alice", "user")
         _, bob_key = root.keys.create("bob", "user")
@@ -141,7 +134,7 @@ def test_owner_isolation_other_owner_gets_not_found_and_admin_sees_all(sched, tm
 
 
 def test_roles_node_key_cannot_call_client_rpcs_and_user_key_cannot_open_a_node_stream(sched) -> None:
-    admin = _admin_key(sched)
+    admin = sched.admin_key
     with RLClient(sched.target, api_key=admin) as root:
         _, node_key = root.keys.create("rack-1", "node")
         _, user_key = root.keys.create("alice", "user")
@@ -164,7 +157,7 @@ def test_roles_node_key_cannot_call_client_rpcs_and_user_key_cannot_open_a_node_
 
 
 def test_create_list_rotate_revoke_with_user_self_service(sched) -> None:
-    admin = _admin_key(sched)
+    admin = sched.admin_key
     with RLClient(sched.target, api_key=admin) as root:
         alice_info, alice_key = root.keys.create("alice", "user", description="laptop")
         _, bob_key = root.keys.create("bob", "user")
@@ -198,7 +191,7 @@ def test_create_list_rotate_revoke_with_user_self_service(sched) -> None:
 
 
 def test_rotation_with_grace_keeps_the_old_key_until_it_expires(sched) -> None:
-    admin = _admin_key(sched)
+    admin = sched.admin_key
     with RLClient(sched.target, api_key=admin) as root:
         info, key = root.keys.create("alice", "user")
         new, new_key, old = root.keys.rotate(info.prefix, grace=3600)
@@ -218,7 +211,7 @@ def test_rotation_with_grace_keeps_the_old_key_until_it_expires(sched) -> None:
 
 
 def test_admin_rpc_bad_input_is_invalid_argument_and_nothing_is_written(sched) -> None:
-    admin = _admin_key(sched)
+    admin = sched.admin_key
     with sched.channel() as ch:
         stub = admin_pb2_grpc.AdminServiceStub(ch)
         md = metadata(admin)
@@ -261,7 +254,7 @@ def test_auth_off_keeps_anonymous_admin_and_admin_service_says_keys_are_off(tmp_
 def test_bootstrap_admin_key_from_environment(tmp_path, monkeypatch) -> None:
     key = "otk_0123abcd_" + "k" * 43
     monkeypatch.setenv("OPENTINKER_BOOTSTRAP_ADMIN_KEY", key)
-    s = LoopbackScheduler(tmp_path / "state", AUTH)
+    s = LoopbackScheduler(tmp_path / "state", AUTH_LOCAL_MODELS)
     try:
         assert not (tmp_path / "state" / "admin.key").exists()
         with RLClient(s.target, api_key=key) as c:
@@ -348,10 +341,13 @@ def _connect_node(target: str, creds, *, key: str = "") -> N.ConnectResponse:
 
 def test_mtls_node_port_needs_a_client_certificate_from_the_ca(tmp_path) -> None:
     certs = make_certs(tmp_path / "certs")
-    text = AUTH + "tls: {cert: certs/server.pem, key: certs/server.key, client_ca: certs/ca.pem, node_port: 0}\n"
+    text = (
+        AUTH_LOCAL_MODELS
+        + "tls: {cert: certs/server.pem, key: certs/server.key, client_ca: certs/ca.pem, node_port: 0}\n"
+    )
     s = LoopbackScheduler(tmp_path / "state", text, base_dir=tmp_path)
     try:
-        admin = _admin_key(s)
+        admin = s.admin_key
         with RLClient(s.target, api_key=admin, root_certificates=certs.ca) as root:
             _, node_key = root.keys.create("rack-1", "node")
         node_target = f"127.0.0.1:{s.running.node_port}"
@@ -399,7 +395,7 @@ def test_mtls_for_all_callers_with_client_auth_all(tmp_path) -> None:
 
 
 def test_cli_keys_create_list_rotate_revoke(sched, capsys) -> None:
-    admin = _admin_key(sched)
+    admin = sched.admin_key
     base = ["--scheduler-url", sched.target, "--api-key", admin]
     assert cli_main([*base, "keys", "create", "carol", "--role", "user", "--description", "ci"]) == 0
     key = capsys.readouterr().out.strip().splitlines()[-1]  # (log lines go to stdout under pytest)
@@ -426,7 +422,7 @@ def test_task_workers_reach_the_scheduler_with_their_nodes_key(sched, tmp_path) 
     from opentinker_trainer.scheduler_link import scheduler_channel, worker_env
     from opentinker_trainer.workloads.sft_data import fetch_dataset
 
-    admin = _admin_key(sched)
+    admin = sched.admin_key
     with RLClient(sched.target, api_key=admin) as root:
         _, node_key = root.keys.create("rack-1", "node")
         _, alice_key = root.keys.create("alice", "user")
@@ -486,10 +482,11 @@ def _mtls_sched(tmp_path, extra: str = ""):
         tmp_path / "certs", {"node-a": ("node-a.cluster.local",), "node-b": (), "trainer-fleet": ()}
     )
     text = (
-        AUTH + f"tls: {{cert: certs/server.pem, key: certs/server.key, client_ca: certs/ca.pem, node_port: 0{extra}}}\n"
+        AUTH_LOCAL_MODELS
+        + f"tls: {{cert: certs/server.pem, key: certs/server.key, client_ca: certs/ca.pem, node_port: 0{extra}}}\n"
     )
     s = LoopbackScheduler(tmp_path / "state", text, base_dir=tmp_path)
-    with RLClient(s.target, api_key=_admin_key(s), root_certificates=certs.ca) as root:
+    with RLClient(s.target, api_key=s.admin_key, root_certificates=certs.ca) as root:
         _, node_key = root.keys.create("rack-1", "node")
     return s, certs, node_key, f"127.0.0.1:{s.running.node_port}"
 

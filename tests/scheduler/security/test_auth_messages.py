@@ -24,14 +24,13 @@ SECRET = "otk_0123abcd_" + "s" * 43
 
 @pytest.fixture(scope="module")
 def sched(tmp_path_factory):
-    s = LoopbackScheduler(tmp_path_factory.mktemp("auth-messages") / "state", AUTH)
-    yield s
-    s.close()
+    with LoopbackScheduler(tmp_path_factory.mktemp("auth-messages") / "state", AUTH) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def keys(sched):
-    admin = (sched.config.state_dir / "admin.key").read_text().strip()
+    admin = sched.admin_key
     with RLClient(sched.target, api_key=admin) as root:
         _, alice = root.keys.create("alice", "user")
         bob_info, bob = root.keys.create("bob", "user")

@@ -22,9 +22,8 @@ AUTH = "auth: {enabled: true}\nlimits: {max_keys_per_owner: 3}\n"
 
 @pytest.fixture
 def sched(tmp_path):
-    s = LoopbackScheduler(tmp_path / "state", AUTH)
-    yield s
-    s.close()
+    with LoopbackScheduler(tmp_path / "state", AUTH) as s:
+        yield s
 
 
 @pytest.fixture
@@ -34,16 +33,12 @@ def keys(tmp_path):
     store.close()
 
 
-def _admin_key(s: LoopbackScheduler) -> str:
-    return (s.config.state_dir / "admin.key").read_text().strip()
-
-
 def _active(s: LoopbackScheduler, owner: str) -> int:
     return s.do(lambda: s.security.keys.active_count(owner))
 
 
 def test_a_key_with_a_grace_period_successor_cannot_be_rotated_again(sched) -> None:
-    with RLClient(sched.target, api_key=_admin_key(sched)) as root:
+    with RLClient(sched.target, api_key=sched.admin_key) as root:
         info, key = root.keys.create("alice", "user")
     with RLClient(sched.target, api_key=key) as alice:
         new, new_key, old = alice.keys.rotate(info.prefix, grace=30 * 86400)
@@ -62,7 +57,7 @@ def test_a_key_with_a_grace_period_successor_cannot_be_rotated_again(sched) -> N
 
 
 def test_chained_rotations_with_grace_stop_at_max_keys_per_owner(sched) -> None:
-    with RLClient(sched.target, api_key=_admin_key(sched)) as root:
+    with RLClient(sched.target, api_key=sched.admin_key) as root:
         info, key = root.keys.create("alice", "user")
     prefix = info.prefix
     with RLClient(sched.target, api_key=key) as alice:
@@ -81,7 +76,7 @@ def test_chained_rotations_with_grace_stop_at_max_keys_per_owner(sched) -> None:
 
 
 def test_admins_creating_keys_for_an_owner_are_capped_and_audited(sched) -> None:
-    admin = _admin_key(sched)
+    admin = sched.admin_key
     with sched.channel() as ch:
         stub = admin_pb2_grpc.AdminServiceStub(ch)
         md = metadata(admin)
@@ -134,7 +129,7 @@ def test_zero_means_no_limit_and_the_config_key_is_range_checked(tmp_path) -> No
 def test_default_cap_is_20(tmp_path) -> None:
     s = LoopbackScheduler(tmp_path / "state", "auth: {enabled: true}\n")
     try:
-        with RLClient(s.target, api_key=_admin_key(s)) as root:
+        with RLClient(s.target, api_key=s.admin_key) as root:
             for _ in range(20):
                 root.keys.create("dave", "user")
             with pytest.raises(ResourceExhaustedError, match="the limit is 20"):
@@ -147,7 +142,7 @@ def test_a_user_key_may_not_rotate_or_revoke_its_owners_admin_or_node_keys(sched
     """Otherwise a user key could rotate its owner's admin key and receive the new admin key."""
     from opentinker_client import PermissionDeniedError
 
-    with RLClient(sched.target, api_key=_admin_key(sched)) as root:
+    with RLClient(sched.target, api_key=sched.admin_key) as root:
         admin_info, _ = root.keys.create("dave", "admin")
         node_info, _ = root.keys.create("dave", "node")
         user_info, user_key = root.keys.create("dave", "user")
@@ -164,7 +159,7 @@ def test_a_user_key_may_not_rotate_or_revoke_its_owners_admin_or_node_keys(sched
 
 
 def test_a_revoked_successor_lets_the_old_key_rotate_again_within_its_grace(sched) -> None:
-    with RLClient(sched.target, api_key=_admin_key(sched)) as root:
+    with RLClient(sched.target, api_key=sched.admin_key) as root:
         info, key = root.keys.create("erin", "user")
     with RLClient(sched.target, api_key=key) as erin:
         first, _, _ = erin.keys.rotate(info.prefix, grace=600)

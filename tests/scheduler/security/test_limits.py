@@ -18,10 +18,6 @@ from opentinker_scheduler.security.limits import Limits, LimitsConfig, TokenBuck
 from tests.support.security import LoopbackScheduler, metadata
 
 
-def _admin(s: LoopbackScheduler) -> str:
-    return (s.config.state_dir / "admin.key").read_text().strip()
-
-
 def _submit(client: RLClient, **kw) -> str:
     return client.submit_task(workload_type="lora_finetune", model="/models/m", **kw)
 
@@ -44,7 +40,7 @@ def make(tmp_path):
 
 def test_pending_per_owner_limit_counts_each_owner_separately(make) -> None:
     s = make("auth: {enabled: true}\nlimits: {max_pending_per_owner: 2}\n")
-    with RLClient(s.target, api_key=_admin(s)) as root:
+    with RLClient(s.target, api_key=s.admin_key) as root:
         _, alice_key = root.keys.create("alice", "user")
         _, bob_key = root.keys.create("bob", "user")
     with RLClient(s.target, api_key=alice_key) as alice, RLClient(s.target, api_key=bob_key) as bob:
@@ -63,7 +59,7 @@ def test_pending_per_owner_limit_counts_each_owner_separately(make) -> None:
 
 def test_submit_rate_per_key_is_a_token_bucket(make) -> None:
     s = make("auth: {enabled: true}\nlimits: {submit_rate: 0.001, submit_burst: 2}\n")
-    with RLClient(s.target, api_key=_admin(s)) as root:
+    with RLClient(s.target, api_key=s.admin_key) as root:
         _, k1 = root.keys.create("alice", "user")
         _, k2 = root.keys.create("alice", "user")  # same owner, another key: its own bucket
     with RLClient(s.target, api_key=k1) as a, RLClient(s.target, api_key=k2) as b:
@@ -104,7 +100,7 @@ def test_message_size_limit_applies_to_what_the_server_receives(make) -> None:
 
 def test_concurrent_streams_per_key(make) -> None:
     s = make("auth: {enabled: true}\nlimits: {max_streams_per_key: 1}\n")
-    with RLClient(s.target, api_key=_admin(s)) as root:
+    with RLClient(s.target, api_key=s.admin_key) as root:
         _, key = root.keys.create("alice", "user")
         _, other = root.keys.create("bob", "user")
     with RLClient(s.target, api_key=key) as alice:

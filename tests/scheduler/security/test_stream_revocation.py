@@ -5,6 +5,7 @@ a grace period, keys revoked behind AdminService's back, and the race helper on 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -23,10 +24,6 @@ from tests.support.security import LoopbackScheduler, metadata
 
 def _auth(recheck: float) -> str:
     return f"auth: {{enabled: true, stream_recheck_interval: {recheck}}}\npaths: {{model_dirs: [/models]}}\n"
-
-
-def _admin_key(s: LoopbackScheduler) -> str:
-    return (s.config.state_dir / "admin.key").read_text().strip()
 
 
 def _wait(check, timeout: float = 30, what: str = ""):
@@ -73,7 +70,7 @@ class Watch:
 def _users(s: LoopbackScheduler, *owners: str) -> list[tuple[object, str, str]]:
     """(key record, key, task id of a pending task of theirs) per owner."""
     out = []
-    with RLClient(s.target, api_key=_admin_key(s)) as root:
+    with RLClient(s.target, api_key=s.admin_key) as root:
         for owner in owners:
             info, key = root.keys.create(owner, "user")
             with RLClient(s.target, api_key=key) as c:
@@ -82,24 +79,38 @@ def _users(s: LoopbackScheduler, *owners: str) -> list[tuple[object, str, str]]:
     return out
 
 
+@contextlib.contextmanager
+def _watching(tmp_path, recheck: float):
+    """A loopback scheduler with auth on (stream re-check every ``recheck`` seconds) and a
+    ``watch(task_id, key) -> Watch`` that opens a WatchTask stream on it: ``(s, watch)``. On exit
+    every watch opened is closed, then the scheduler."""
+    s = LoopbackScheduler(tmp_path / "state", _auth(recheck))
+    watches: list[Watch] = []
+
+    def watch(task_id: str, key: str) -> Watch:
+        w = Watch(s.target, task_id, key)
+        watches.append(w)
+        return w
+
+    try:
+        yield s, watch
+    finally:
+        for w in watches:
+            w.close()
+        s.close()
+
+
 def _open_streams(s: LoopbackScheduler, prefix: str) -> int:
     return s.do(lambda: s.security.interceptor.streams.count(prefix))
 
 
 def test_revoke_ends_the_keys_watch_streams_at_once_and_leaves_other_keys_alone(tmp_path) -> None:
     # A re-check interval of an hour: only the revoke notification can end the stream in time.
-    s = LoopbackScheduler(tmp_path / "state", _auth(3600))
-    watches = []
-    try:
+    with _watching(tmp_path, 3600) as (s, watch):
         (alice, alice_key, alice_task), (bob, bob_key, bob_task) = _users(s, "alice", "bob")
-        a1, a2, b = (
-            Watch(s.target, alice_task, alice_key),
-            Watch(s.target, alice_task, alice_key),
-            Watch(s.target, bob_task, bob_key),
-        )
-        watches += [a1, a2, b]
+        a1, a2, b = watch(alice_task, alice_key), watch(alice_task, alice_key), watch(bob_task, bob_key)
         assert _open_streams(s, alice.prefix) == 2 and s.security.limits.open_streams(alice.prefix) == 2
-        with RLClient(s.target, api_key=_admin_key(s)) as root:
+        with RLClient(s.target, api_key=s.admin_key) as root:
             root.keys.revoke(alice.prefix)
         for w in (a1, a2):
             assert w.done.wait(30), "the revoked key's stream is still open"
@@ -116,10 +127,6 @@ def test_revoke_ends_the_keys_watch_streams_at_once_and_leaves_other_keys_alone(
             c.cancel(bob_task)
         assert b.done.wait(30) and b.error is None  # ended normally: the task is terminal
         assert b.events[-1].HasField("state_change") and b.events[-1].state_change.to_state == C.TASK_STATE_CANCELLED
-    finally:
-        for w in watches:
-            w.close()
-        s.close()
 
 
 def test_a_real_node_agent_is_cut_off_when_its_key_is_revoked(tmp_path) -> None:
@@ -127,7 +134,7 @@ def test_a_real_node_agent_is_cut_off_when_its_key_is_revoked(tmp_path) -> None:
 
     s = LoopbackScheduler(tmp_path / "state", _auth(3600), heartbeat_interval_s=0.2, lease_s=5)
     try:
-        with RLClient(s.target, api_key=_admin_key(s)) as root:
+        with RLClient(s.target, api_key=s.admin_key) as root:
             node_info, node_key = root.keys.create("rack-1", "node")
             other_info, other_key = root.keys.create("rack-2", "node")
 
@@ -148,7 +155,7 @@ def test_a_real_node_agent_is_cut_off_when_its_key_is_revoked(tmp_path) -> None:
             try:
                 for a in agents:
                     await asyncio.wait_for(a.connected.wait(), 30)
-                with RLClient(s.target, api_key=_admin_key(s)) as root:
+                with RLClient(s.target, api_key=s.admin_key) as root:
                     assert {n.node_id for n in await asyncio.to_thread(root.list_nodes) if n.connected} == {
                         "node-r",
                         "node-other",
@@ -168,7 +175,7 @@ def test_a_real_node_agent_is_cut_off_when_its_key_is_revoked(tmp_path) -> None:
         message = asyncio.run(scenario())
         assert message == f"UNAUTHENTICATED: API key {node_info.prefix} was revoked"
         # The scheduler ran its disconnect handling for the node.
-        with RLClient(s.target, api_key=_admin_key(s)) as root:
+        with RLClient(s.target, api_key=s.admin_key) as root:
             nodes = {n.node_id: n.connected for n in root.list_nodes()}
         assert nodes["node-r"] is False
         # Connecting again with the revoked key is refused like any call.
@@ -187,36 +194,25 @@ def test_a_real_node_agent_is_cut_off_when_its_key_is_revoked(tmp_path) -> None:
 
 def test_rotation_with_grace_ends_the_old_keys_stream_when_the_grace_ends(tmp_path) -> None:
     # An hour between re-checks: the timer set at the rotation ends the stream.
-    s = LoopbackScheduler(tmp_path / "state", _auth(3600))
-    watches = []
-    try:
+    with _watching(tmp_path, 3600) as (s, watch):
         ((info, key, task_id),) = _users(s, "alice")
-        old = Watch(s.target, task_id, key)
-        watches.append(old)
+        old = watch(task_id, key)
         with RLClient(s.target, api_key=key) as alice:
             new, new_key, _ = alice.keys.rotate(info.prefix, grace=4)
         assert _open_streams(s, info.prefix) == 1 and not old.done.is_set()  # within the grace period
-        fresh = Watch(s.target, task_id, new_key)
-        watches.append(fresh)
+        fresh = watch(task_id, new_key)
         assert old.done.wait(30), "the old key's stream outlived the grace period"
         assert old.error.code() == grpc.StatusCode.UNAUTHENTICATED
         assert old.error.details() == f"API key {info.prefix} expired after rotation; use {new.prefix}"
         assert not fresh.done.is_set() and _open_streams(s, new.prefix) == 1
-    finally:
-        for w in watches:
-            w.close()
-        s.close()
 
 
 def test_periodic_recheck_ends_streams_of_keys_expired_or_revoked_behind_admin_service(tmp_path) -> None:
-    s = LoopbackScheduler(tmp_path / "state", _auth(0.2))
-    watches = []
-    try:
+    with _watching(tmp_path, 0.2) as (s, watch):
         (a, a_key, a_task), (b, b_key, b_task), (c, c_key, c_task) = _users(s, "alice", "bob", "carol")
-        with RLClient(s.target, api_key=_admin_key(s)) as root:
+        with RLClient(s.target, api_key=s.admin_key) as root:
             root.keys.rotate(a.prefix, grace=3600)
-        wa, wb, wc = Watch(s.target, a_task, a_key), Watch(s.target, b_task, b_key), Watch(s.target, c_task, c_key)
-        watches += [wa, wb, wc]
+        wa, wb, wc = watch(a_task, a_key), watch(b_task, b_key), watch(c_task, c_key)
         keys = s.security.keys
         real = keys.clock
         keys.clock = lambda: real() + 3601  # alice's grace period is over
@@ -228,10 +224,6 @@ def test_periodic_recheck_ends_streams_of_keys_expired_or_revoked_behind_admin_s
         finally:
             keys.clock = real
         assert not wc.done.is_set() and _open_streams(s, c.prefix) == 1
-    finally:
-        for w in watches:
-            w.close()
-        s.close()
 
 
 def test_an_upload_in_flight_ends_when_its_key_is_revoked_and_leaves_nothing_behind(tmp_path) -> None:
@@ -259,7 +251,7 @@ def test_an_upload_in_flight_ends_when_its_key_is_revoked_and_leaves_nothing_beh
         t = threading.Thread(target=upload)
         t.start()
         _wait(lambda: _open_streams(s, info.prefix) == 1, what="upload registered")
-        with RLClient(s.target, api_key=_admin_key(s)) as root:
+        with RLClient(s.target, api_key=s.admin_key) as root:
             root.keys.revoke(info.prefix)
         t.join(30)
         release.set()

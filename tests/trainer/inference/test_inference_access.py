@@ -26,9 +26,8 @@ from opentinker_trainer.inference.access import AccessChecker, AccessRefused, ke
 from opentinker_trainer.inference.serve_tls import read_server_tls, server_tls_from_env
 
 from tests.support.procs import free_port
-from tests.support.security import LoopbackScheduler, make_certs
+from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler, make_certs
 
-AUTH = "auth: {enabled: true}\npaths: {model_dirs: [/models]}\n"  # specs name /models/m
 PROMPT = "Once upon a time"
 
 
@@ -47,9 +46,9 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> World:
-    sched = LoopbackScheduler(tmp_path_factory.mktemp("sched") / "state", AUTH)
+    sched = LoopbackScheduler(tmp_path_factory.mktemp("sched") / "state", AUTH_LOCAL_MODELS)
     try:
-        admin = (sched.config.state_dir / "admin.key").read_text().strip()
+        admin = sched.admin_key
         with RLClient(sched.target, api_key=admin) as root:
             _, alice = root.keys.create("alice", "user")
             bob_info, bob = root.keys.create("bob", "user")
@@ -188,10 +187,10 @@ def test_with_scheduler_auth_off_everyone_passes(tmp_path) -> None:
 def test_the_scheduler_link_uses_the_nodes_tls_settings(tmp_path) -> None:
     certs = make_certs(tmp_path / "certs")
     sched = LoopbackScheduler(
-        tmp_path / "state", AUTH + f"tls: {{cert: {certs.server_cert}, key: {certs.server_key}}}\n"
+        tmp_path / "state", AUTH_LOCAL_MODELS + f"tls: {{cert: {certs.server_cert}, key: {certs.server_key}}}\n"
     )
     try:
-        admin = (sched.config.state_dir / "admin.key").read_text().strip()
+        admin = sched.admin_key
         target = f"localhost:{sched.running.port}"
         with RLClient(target, api_key=admin, root_certificates=certs.ca) as root:
             task = root.submit_task(workload_type="inference", model="/models/m")
