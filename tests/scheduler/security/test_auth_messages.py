@@ -13,9 +13,10 @@ import pytest
 from opentinker.environment.v1 import environment_pb2 as pb
 from opentinker.environment.v1 import environment_pb2_grpc as pb_grpc
 from opentinker.scheduler.v1 import admin_pb2 as A, admin_pb2_grpc, scheduler_pb2 as S, scheduler_pb2_grpc
-from opentinker_client import Environment, PermissionDeniedError, RLClient
+from opentinker_client import PermissionDeniedError, RLClient
 from opentinker_client.hosting.server import EnvironmentServer
 
+from tests.support.environments import Corridor
 from tests.support.security import LoopbackScheduler, metadata
 
 AUTH = "auth: {enabled: true}\n"
@@ -115,19 +116,8 @@ def test_the_inference_access_checker_words_it_as_the_scheduler_does(sched, keys
     asyncio.run(main())
 
 
-class _Corridor(Environment):
-    def __init__(self):
-        super().__init__(action_space=2, observation_space=5)
-
-    def reset(self, seed=None):
-        return 0
-
-    def step(self, action):
-        return 1, 0.0, True, False, {}
-
-
 def test_the_environment_server_words_it_the_same_way() -> None:
-    with EnvironmentServer(_Corridor()) as server:
+    with EnvironmentServer(Corridor()) as server:  # every call is refused before the environment
         stub = pb_grpc.EnvironmentServiceStub(grpc.insecure_channel(server.endpoint))
         for value, want in (
             (None, None),
