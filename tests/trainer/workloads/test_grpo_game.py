@@ -4,8 +4,6 @@ reply parsing and the invalid-action penalty, shaping, metrics, checkpoints, res
 from __future__ import annotations
 
 import dataclasses
-import io
-import json
 import math
 from pathlib import Path
 
@@ -14,10 +12,12 @@ import torch
 
 from opentinker_client import Environment
 from opentinker_client.hosting.server import EnvironmentServer
-from opentinker_common.spec import LMGameGRPOConfig, TaskSpecModel
+from opentinker_common.spec import LMGameGRPOConfig
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.envs.remote import close_all_sessions
 from opentinker_trainer.workloads import grpo_game, run_task
+
+from tests.support.workers import reports, worker_ctx
 
 LAKE = {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}}
 SMALL = {"episodes_per_step": 3, "max_turns": 4, "max_new_tokens": 3, "lora_rank": 4, "learning_rate": 1e-2}
@@ -42,22 +42,15 @@ KEYS = {
 
 
 def make_ctx(model, tmp_path: Path, name: str, env=LAKE, resume_from=None, **hp) -> WorkerContext:
-    spec = TaskSpecModel.from_parts(
-        workload_type="lora_finetune", model=str(model), env_config=env, hyperparameters={**SMALL, **hp}
-    )
-    return WorkerContext(
-        task_id=f"t-{name}",
-        attempt=1,
-        spec=spec,
-        device="cpu",
-        checkpoint_dir=tmp_path / name,
+    return worker_ctx(
+        tmp_path,
+        name,
+        workload_type="lora_finetune",
+        model=model,
+        env_config=env,
+        hyperparameters={**SMALL, **hp},
         resume_from=resume_from,
-        out=io.StringIO(),
     )
-
-
-def reports(ctx, kind):
-    return [r for r in map(json.loads, ctx.out.getvalue().splitlines()) if r["type"] == kind]
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ random Llama (LoRA and full weights): metrics, checkpoints, exact resume, bad da
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import random
@@ -12,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from opentinker_common.spec import TaskSpecModel
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.workloads import sft
 from opentinker_trainer.workloads.sft_data import (
@@ -26,6 +24,8 @@ from opentinker_trainer.workloads.sft_data import (
     read_chat_jsonl,
     split_indices,
 )
+
+from tests.support.workers import reports, worker_ctx
 
 CONVERSATION = [
     {"role": "system", "content": "Answer with a number."},
@@ -186,26 +186,16 @@ class StopAfter(WorkerContext):
 def make_ctx(
     model, tmp_path: Path, name: str, data: Path, resume_from=None, cls=WorkerContext, env=None, **hp
 ) -> WorkerContext:
-    spec = TaskSpecModel.from_parts(
+    return worker_ctx(
+        tmp_path,
+        name,
         workload_type="sft",
-        model=str(model),
+        model=model,
         env_config={"env_id": "chat_jsonl", "path": str(data), "eval_fraction": 0.25, **(env or {})},
         hyperparameters={"batch_size": 4, "micro_batch_size": 2, "learning_rate": 1e-2, "lora_rank": 4, **hp},
-    )
-    return cls(
-        task_id=f"t-{name}",
-        attempt=1,
-        spec=spec,
-        device="cpu",
-        checkpoint_dir=tmp_path / name,
         resume_from=resume_from,
-        out=io.StringIO(),
+        cls=cls,
     )
-
-
-def reports(ctx: WorkerContext, kind: str) -> list[dict]:
-    lines = [json.loads(line) for line in ctx.out.getvalue().splitlines() if line.strip()]
-    return [r for r in lines if r["type"] == kind]
 
 
 def test_lora_sft_reports_metrics_and_writes_peft_checkpoints(tiny_model_dir, tmp_path) -> None:
