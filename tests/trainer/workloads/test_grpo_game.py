@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from opentinker_client import Environment
 from opentinker_client.hosting.server import EnvironmentServer
 from opentinker_common.spec import LMGameGRPOConfig
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.envs.remote import close_all_sessions
 from opentinker_trainer.workloads import grpo_game, run_task
 
+from tests.support.environments import Corridor
 from tests.support.workers import reports, worker_ctx
 
 LAKE = {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}}
@@ -175,20 +175,6 @@ def test_trainer_refuses_envs_it_cannot_play(tiny_model_dir, tmp_path):
         )
 
 
-class Corridor(Environment):
-    def __init__(self):
-        super().__init__(action_space=2, observation_space=4, action_names=["left", "right"])
-        self.pos = 0
-
-    def reset(self, seed=None):
-        self.pos = 0
-        return 0
-
-    def step(self, action):
-        self.pos = max(0, min(3, self.pos + (1 if action == 1 else -1)))
-        return self.pos, float(self.pos == 3), self.pos == 3, False, {}
-
-
 def test_lm_game_on_a_client_hosted_environment(tiny_model_dir, tmp_path, scripted):
     seen = []
 
@@ -197,7 +183,7 @@ def test_lm_game_on_a_client_hosted_environment(tiny_model_dir, tmp_path, script
         return 1
 
     scripted(parse)
-    with EnvironmentServer(Corridor()) as server:
+    with EnvironmentServer(Corridor(length=4)) as server:
         ctx = make_ctx(tiny_model_dir, tmp_path, "client", env=server.env_config, steps=1)
         try:
             run_task(ctx)
