@@ -4,8 +4,6 @@ earlier task (``init_from``): a LoRA or full-weight SFT checkpoint, on a tiny ra
 from __future__ import annotations
 
 import itertools
-import json
-import random
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_common.arithmetic import ArithmeticEnv
 from opentinker_trainer.workloads import grpo_text, sft
 
+from tests.support.datasets import arithmetic_chat_jsonl
 from tests.support.workers import reports, worker_ctx
 
 SMALL = {"prompts_per_step": 2, "group_size": 3, "max_new_tokens": 4}
@@ -110,22 +109,7 @@ def test_full_rl_with_kl_resumes_exactly_against_its_starting_weights(tiny_model
 def sft_checkpoints(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     """One-step SFT runs: a LoRA adapter and a full-weight folder."""
     tmp = tmp_path_factory.mktemp("sft")
-    data = tmp / "d.jsonl"
-    rng = random.Random(0)
-    data.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "messages": [
-                        {"role": "user", "content": f"What is {a} + {b}?"},
-                        {"role": "assistant", "content": str(a + b)},
-                    ]
-                }
-            )
-            + "\n"
-            for a, b in ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(8))
-        )
-    )
+    data = arithmetic_chat_jsonl(tmp / "d.jsonl", n=8)
     out = {}
     for kind, hp in (
         ("lora", {"lora": True, "lora_rank": 2, "learning_rate": 5e-2}),
