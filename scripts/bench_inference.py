@@ -51,7 +51,7 @@ def main() -> int:
 
     from opentinker_client.inference import InferenceClient
     from opentinker_trainer.inference.runtime import ModelRuntime
-    from tests.trainer.inference.support import ServerThread
+    from tests.support.inference import ServerThread, greedy_generate
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -97,14 +97,7 @@ def main() -> int:
     def direct(max_new: int) -> float:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                pad_token_id=tok.eos_token_id,
-            )
+            out = greedy_generate(model, ids, max_new, tok.eos_token_id)
         assert out.shape[1] - ids.shape[1] == max_new
         return time.perf_counter() - t0
 

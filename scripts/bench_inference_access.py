@@ -31,27 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def tiny_model(folder: Path) -> Path:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from tests.support.models import save_tiny_llama
 
-    tok = AutoTokenizer.from_pretrained(ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct")
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny_llama(folder, ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct")
 
 
 class Served:

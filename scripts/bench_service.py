@@ -117,33 +117,9 @@ def main() -> int:
     client = None
     try:
         env = {"OPENTINKER_LOG_FORMAT": "json"}
-        sched = demo.start(
-            "scheduler",
-            [
-                "-m",
-                "opentinker_scheduler",
-                "--config",
-                str(config),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--http-port",
-                str(http_port),
-            ],
-            work / "scheduler.log",
-            env,
-            procs,
-        )
-        demo.wait_health(http_port, sched, work / "scheduler.log")
+        demo.start_scheduler(config, port, http_port, work / "scheduler.log", env, procs)
         url = f"127.0.0.1:{port}"
-        demo.start(
-            "trainer",
-            ["-m", "opentinker_trainer", "--node-id", "bench-node", "--work-dir", str(work / "runs")],
-            work / "trainer.log",
-            {**env, "SCHEDULER_URL": url},
-            procs,
-        )
+        demo.start_trainer("bench-node", work / "runs", url, work / "trainer.log", env, procs)
         client = RLClient(scheduler_url=url, min_poll_interval=0)
         deadline = time.monotonic() + 60
         while not [n for n in client.list_nodes() if n.connected]:

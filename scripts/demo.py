@@ -119,6 +119,37 @@ def start(
     return proc
 
 
+def start_scheduler(
+    config: Path, port: int, http_port: int, log: Path, env: dict[str, str], procs: list[tuple[str, subprocess.Popen]]
+) -> tuple[subprocess.Popen, dict]:
+    """Start the scheduler with ``config`` (a YAML file) on 127.0.0.1, gRPC on ``port`` and HTTP on
+    ``http_port``, its output to ``log``, and wait until its ``GET /health`` says ok.
+
+    Returns:
+        ``(process, the /health body)``.
+
+    Raises:
+        SystemExit: it exited, or was not healthy within 60 s (:func:`wait_health`).
+    """
+    args = ["-m", "opentinker_scheduler", "--config", str(config), "--host", "127.0.0.1"]
+    proc = start("scheduler", [*args, "--port", str(port), "--http-port", str(http_port)], log, env, procs)
+    return proc, wait_health(http_port, proc, log)
+
+
+def start_trainer(
+    node_id: str,
+    work_dir: Path,
+    scheduler_url: str,
+    log: Path,
+    env: dict[str, str],
+    procs: list[tuple[str, subprocess.Popen]],
+) -> subprocess.Popen:
+    """Start a trainer node ``node_id`` (checkpoints and worker files under ``work_dir``) that connects to
+    ``scheduler_url``, its output to ``log``; it does not wait for the node to connect."""
+    args = ["-m", "opentinker_trainer", "--node-id", node_id, "--work-dir", str(work_dir)]
+    return start("trainer", args, log, {**env, "SCHEDULER_URL": scheduler_url}, procs)
+
+
 def stop(proc: subprocess.Popen | None, name: str, timeout: float = 20) -> None:
     """SIGTERM the process group, SIGKILL it after ``timeout`` s or at once on another signal."""
     if proc is None or proc.poll() is not None:
@@ -198,37 +229,13 @@ def main() -> int:
     SIGNALS.install()
     try:
         env = {"OPENTINKER_LOG_FORMAT": "json"}
-        scheduler = start(
-            "scheduler",
-            [
-                "-m",
-                "opentinker_scheduler",
-                "--config",
-                str(config),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--http-port",
-                str(http_port),
-            ],
-            sched_log,
-            env,
-            procs,
-        )
-        health = wait_health(http_port, scheduler, sched_log)
+        _, health = start_scheduler(config, port, http_port, sched_log, env, procs)
         print(
             f"scheduler  grpc localhost:{port}   GET http://localhost:{http_port}/health -> {json.dumps(health)}",
             flush=True,
         )
         scheduler_url = f"http://localhost:{port}"
-        trainer = start(
-            "trainer",
-            ["-m", "opentinker_trainer", "--node-id", "demo-node", "--work-dir", str(run_dir / "runs")],
-            trainer_log,
-            {**env, "SCHEDULER_URL": scheduler_url},
-            procs,
-        )
+        trainer = start_trainer("demo-node", run_dir / "runs", scheduler_url, trainer_log, env, procs)
 
         client = RLClient(scheduler_url=scheduler_url)
         deadline = time.monotonic() + 60

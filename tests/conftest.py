@@ -29,26 +29,6 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     """
     if not (REAL_MODEL_DIR / "tokenizer_config.json").exists():
         pytest.skip(f"{REAL_MODEL_DIR} is not prepared (run `make install`): the tiny model borrows its tokenizer")
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from tests.support.models import save_tiny_llama
 
-    tokenizer = AutoTokenizer.from_pretrained(REAL_MODEL_DIR)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    out = tmp_path_factory.mktemp("models") / "tiny-llama"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", REAL_MODEL_DIR)

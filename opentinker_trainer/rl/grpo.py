@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -27,6 +27,7 @@ __all__ = [
     "clip_fraction",
     "group_advantages",
     "grpo_update",
+    "headline_metrics",
     "kl_k3",
     "masked_mean",
     "masked_sum",
@@ -389,3 +390,19 @@ def grpo_update(
         }
     )
     return out
+
+
+def headline_metrics(out: Mapping[str, float]) -> dict[str, float]:
+    """The short names every GRPO trainer reports for :func:`grpo_update`'s metrics ``out``:
+    ``loss`` (= ``loss/total``), ``reward`` (= ``reward/mean``), ``reward_std`` (= ``reward/std``)
+    and ``zero_std_frac`` (= ``grpo/zero_std_frac``), in that order.
+
+    Raises:
+        KeyError: ``out`` lacks one of those keys.
+    """
+    return {
+        "loss": out["loss/total"],
+        "reward": out["reward/mean"],
+        "reward_std": out["reward/std"],
+        "zero_std_frac": out["grpo/zero_std_frac"],
+    }

@@ -1,5 +1,5 @@
 """What the PPO trainers (single- and multi-agent) share: seeding, episode
-bookkeeping, the PPO optimisation of one batch, and ``torch_ppo`` checkpoints.
+bookkeeping, a rollout's GAE batch, the PPO optimisation of one batch, and ``torch_ppo`` checkpoints.
 
 Checkpoint format ``torch_ppo``: a folder ``<checkpoint_dir>/step_<update>/`` holding
 
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from opentinker_trainer.rl import ppo as ppo_math
+from opentinker_trainer.rl.gae import gae
 
 CHECKPOINT_FORMAT = "torch_ppo"
 POLICY_FILE = "policy.pt"
@@ -107,6 +108,51 @@ class Batch:
 
     def __len__(self) -> int:
         return int(self.logprobs.shape[0])
+
+
+def kept_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``x [T, N, ...]`` as ``[T * N, ...]`` rows (step-major), only those where ``keep [T * N]``
+    (bool) is true."""
+    return x.reshape(-1, *x.shape[2:])[keep]
+
+
+def gae_batch(rollout: Mapping[str, torch.Tensor], reset: torch.Tensor, cfg: Any, **extra: Any) -> Batch:
+    """GAE advantages and returns of a rollout (:func:`~opentinker_trainer.rl.gae.gae` with
+    ``cfg.gamma``, ``cfg.gae_lambda``), and its steps that are not ``reset`` as one flat :class:`Batch`.
+
+    Args:
+        rollout: ``[T, N, ...]`` tensors of ``T`` steps of ``N`` streams: ``obs [T, N, *obs_shape]``,
+            ``actions [T, N]`` or ``[T, N, act_dim]``, ``logprobs``, ``values``, ``rewards [T, N]``
+            float, ``terminated``, ``truncated [T, N]`` bool; ``next_value [N]``, the value after the
+            last step.
+        reset: ``[T, N]`` bool, steps that are part of no episode (autoreset steps, or agents not
+            alive): advantage 0, cut the recursion, left out of the batch.
+        extra: further :class:`Batch` fields (``agent_ids``, ``groups``), already over the kept rows
+            (:func:`kept_rows` with ``~reset.reshape(-1)``).
+
+    Returns:
+        ``B = (~reset).sum()`` samples, in step-major order.
+    """
+    adv, ret = gae(
+        rollout["rewards"],
+        rollout["values"],
+        rollout["next_value"],
+        rollout["terminated"],
+        rollout["truncated"],
+        reset,
+        gamma=cfg.gamma,
+        gae_lambda=cfg.gae_lambda,
+    )
+    keep = ~reset.reshape(-1)
+    return Batch(
+        obs=kept_rows(rollout["obs"], keep),
+        actions=kept_rows(rollout["actions"], keep),
+        logprobs=kept_rows(rollout["logprobs"], keep),
+        advantages=kept_rows(adv, keep),
+        returns=kept_rows(ret, keep),
+        values=kept_rows(rollout["values"], keep),
+        **extra,
+    )
 
 
 def ppo_update(policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any) -> dict[str, float]:

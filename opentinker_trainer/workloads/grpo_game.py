@@ -54,7 +54,7 @@ import torch
 from opentinker_common.spec.gym import space_size
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.envs.text_render import parse_action, renderer_for
-from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, rewards_tensor
+from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, headline_metrics, rewards_tensor
 from opentinker_trainer.rl.rollout import generate, left_pad, right_pad
 from opentinker_trainer.rl.shared_prompts import shared_prompt_logprobs
 from opentinker_trainer.workloads import _lm
@@ -302,10 +302,7 @@ class GameTrainer:
         n_turns = len(ep.prompts)
         tokens = int(mask.sum())
         out = {
-            "loss": out["loss/total"],
-            "reward": out["reward/mean"],
-            "reward_std": out["reward/std"],
-            "zero_std_frac": out["grpo/zero_std_frac"],
+            **headline_metrics(out),
             **out,
             "episode/env_return": sum(ep.env_returns) / len(ep.env_returns),
             "episode/success_rate": sum(r > 0 for r in ep.env_returns) / len(ep.env_returns),

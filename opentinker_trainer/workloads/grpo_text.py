@@ -42,7 +42,7 @@ import torch
 
 from opentinker_trainer.context import WorkerContext
 from opentinker_common.arithmetic import ArithmeticEnv
-from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, rewards_tensor
+from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, headline_metrics, rewards_tensor
 from opentinker_trainer.rl.rollout import Rollout, generate, left_pad, sequence_logprobs
 from opentinker_trainer.workloads import _lm
 from opentinker_trainer.workloads._loop import run_trainer
@@ -159,10 +159,7 @@ class _Trainer:
         completion_tokens = int(ro.completion_lengths.sum())
         n = len(ro)
         return {
-            "loss": out["loss/total"],
-            "reward": out["reward/mean"],
-            "reward_std": out["reward/std"],
-            "zero_std_frac": out["grpo/zero_std_frac"],
+            **headline_metrics(out),
             "samples": float(self.step * n),
             "tokens_per_s": completion_tokens / step_s,
             "wall_time_s": time.perf_counter() - self.started,

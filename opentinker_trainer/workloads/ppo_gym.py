@@ -41,7 +41,7 @@ import torch
 
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.envs.gym import make_vector_env
-from opentinker_trainer.rl.gae import autoreset_mask, gae
+from opentinker_trainer.rl.gae import autoreset_mask
 from opentinker_trainer.rl.policy import ActorCritic, UnsupportedSpaceError
 from opentinker_trainer.workloads import _ppo_common as common
 from opentinker_trainer.workloads import _rng
@@ -175,26 +175,7 @@ class PPOTrainer:
             group["lr"] = lr
         ro = self.rollout()
         t_roll = time.perf_counter() - t0
-        adv, ret = gae(
-            ro["rewards"],
-            ro["values"],
-            ro["next_value"],
-            ro["terminated"],
-            ro["truncated"],
-            ro["reset"],
-            gamma=cfg.gamma,
-            gae_lambda=cfg.gae_lambda,
-        )
-        keep = ~ro["reset"].reshape(-1)
-        flat = lambda x: x.reshape(-1, *x.shape[2:])[keep]  # noqa: E731 - [T, N, ...] -> [kept, ...]
-        batch = common.Batch(
-            obs=flat(ro["obs"]),
-            actions=flat(ro["actions"]),
-            logprobs=flat(ro["logprobs"]),
-            advantages=flat(adv),
-            returns=flat(ret),
-            values=flat(ro["values"]),
-        )
+        batch = common.gae_batch(ro, ro["reset"], cfg)
         self.policy.train()
         out = common.ppo_update(self.policy, self.optimizer, batch, cfg)
         self.env_steps += cfg.batch_size

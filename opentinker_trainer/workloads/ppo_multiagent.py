@@ -37,7 +37,6 @@ from torch import nn
 
 from opentinker_common.spec.multiagent import import_parallel_env_module
 from opentinker_trainer.context import UserError, WorkerContext
-from opentinker_trainer.rl.gae import gae
 from opentinker_trainer.rl.policy import ActorCritic, UnsupportedSpaceError
 from opentinker_trainer.workloads import _ppo_common as common
 from opentinker_trainer.workloads import _rng
@@ -224,30 +223,14 @@ class MultiAgentPPOTrainer:
         return out
 
     def _batch(self, g: str, b: dict[str, torch.Tensor]) -> common.Batch:
-        cfg = self.cfg
-        adv, ret = gae(
-            b["rewards"],
-            b["values"],
-            b["next_value"],
-            b["terminated"],
-            b["truncated"],
-            ~b["valid"],
-            gamma=cfg.gamma,
-            gae_lambda=cfg.gae_lambda,
-        )
         keep = b["valid"].reshape(-1)
-        flat = lambda x: x.reshape(-1, *x.shape[2:])[keep]  # noqa: E731 - [T, S, ...] -> [kept, ...]
-        ids = flat(b["ids"])
-        groups = {self.agents[i]: ids == i for i in self.members[g]}
-        return common.Batch(
-            obs=flat(b["obs"]),
-            actions=flat(b["actions"]),
-            logprobs=flat(b["logprobs"]),
-            advantages=flat(adv),
-            returns=flat(ret),
-            values=flat(b["values"]),
+        ids = common.kept_rows(b["ids"], keep)
+        return common.gae_batch(
+            b,
+            ~b["valid"],
+            self.cfg,
             agent_ids=ids if g == SHARED else None,
-            groups=groups,
+            groups={self.agents[i]: ids == i for i in self.members[g]},
         )
 
     def train_step(self) -> dict[str, float]:

@@ -38,6 +38,26 @@ def load_tiny(model_dir: Path):
     return tok, model
 
 
+def greedy_generate(model, ids: torch.Tensor, n_tokens: int, pad_token_id: int) -> torch.Tensor:
+    """``model.generate`` without sampling for exactly ``n_tokens`` new tokens (EOS does not stop
+    it): the transformers reference for the server's ``temperature=0, ignore_eos=True``.
+
+    Args:
+        ids: ``[1, prompt]`` prompt token ids, no padding (the attention mask is all ones).
+
+    Returns:
+        ``[1, prompt + n_tokens]`` token ids, the prompt first.
+    """
+    return model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n_tokens,
+        min_new_tokens=n_tokens,
+        pad_token_id=pad_token_id,
+    )
+
+
 class ServerThread:
     """An InferenceService on a loopback port, its event loop in a background thread."""
 

@@ -15,7 +15,7 @@ from opentinker_client import FailedPreconditionError, InvalidArgumentError, Not
 from opentinker_client.inference import InferenceClient
 from opentinker_trainer.inference.adapters import AdapterRefused, validate_adapter
 
-from tests.support.inference import ServerThread, load_tiny, make_adapter, tiny_runtime
+from tests.support.inference import ServerThread, greedy_generate, load_tiny, make_adapter, tiny_runtime
 
 PROMPT = "Once upon a time"
 
@@ -48,14 +48,7 @@ def _peft_reference(base_dir: Path, adapter_dir: Path, n_tokens: int = 12) -> tu
     tok, base = load_tiny(base_dir)
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     ids = torch.tensor([tok(PROMPT)["input_ids"]])
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=n_tokens,
-        min_new_tokens=n_tokens,
-        pad_token_id=tok.eos_token_id,
-    )
+    out = greedy_generate(model, ids, n_tokens, tok.eos_token_id)
     return tuple(out[0, ids.shape[1] :].tolist())
 
 

@@ -20,6 +20,7 @@ from opentinker_trainer.rl.grpo import (
     GRPOBatch,
     group_advantages,
     grpo_update,
+    headline_metrics,
     kl_k3,
     masked_mean,
     masked_sum,
@@ -358,3 +359,17 @@ def test_adapter_off_reference_is_the_base_model_under_a_lora_adapter():
     assert not torch.allclose(sampling, off, atol=1e-4)
     with pytest.raises(ValueError, match="reference"):
         grpo_update(model, optimizer, batch, logprobs, Config(kl_coef=0.1), reference="base")
+
+
+def test_headline_metrics_are_the_update_metrics_under_their_short_names():
+    context, completion, mask = make_rows(4)
+    model = TinyPolicy()
+    batch = GRPOBatch(rewards=torch.tensor([[1.0, 0.0], [1.0, 1.0]]), mask=mask, chunks=chunks(4, 4))
+    out = grpo_update(model, torch.optim.AdamW(model.parameters()), batch, logprobs_of(context, completion), Config())
+    assert headline_metrics(out) == {
+        "loss": out["loss/total"],
+        "reward": out["reward/mean"],
+        "reward_std": out["reward/std"],
+        "zero_std_frac": out["grpo/zero_std_frac"],
+    }
+    assert list(headline_metrics(out)) == ["loss", "reward", "reward_std", "zero_std_frac"]

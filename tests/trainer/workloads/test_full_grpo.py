@@ -3,19 +3,18 @@ earlier task (``init_from``): a LoRA or full-weight SFT checkpoint, on a tiny ra
 
 from __future__ import annotations
 
-import io
 import itertools
-import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from opentinker_common.spec import TaskSpecModel
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_common.arithmetic import ArithmeticEnv
 from opentinker_trainer.workloads import grpo_text, sft
+
+from tests.support.datasets import arithmetic_chat_jsonl
+from tests.support.workers import reports, worker_ctx
 
 SMALL = {"prompts_per_step": 2, "group_size": 3, "max_new_tokens": 4}
 
@@ -34,29 +33,16 @@ def make_ctx(
     defaults = (
         {**SMALL, "learning_rate": 1e-3} if workload == "full_rl" else {**SMALL, "lora_rank": 4, "learning_rate": 1e-2}
     )
-    spec = TaskSpecModel.from_parts(
+    return worker_ctx(
+        tmp_path,
+        name,
         workload_type=workload,
-        model=str(model),
+        model=model,
         env_config={"env_id": "arithmetic"},
         hyperparameters={**defaults, **hp},
-        init_from="task-sft" if init else "",
-    )
-    return WorkerContext(
-        task_id=f"t-{name}",
-        attempt=1,
-        spec=spec,
-        device="cpu",
-        checkpoint_dir=tmp_path / name,
         resume_from=resume_from,
-        out=io.StringIO(),
-        init_checkpoint=Path(init[0]) if init else None,
-        init_format=init[1] if init else "",
+        init=init,
     )
-
-
-def reports(ctx: WorkerContext, kind: str) -> list[dict]:
-    lines = [json.loads(line) for line in ctx.out.getvalue().splitlines() if line.strip()]
-    return [r for r in lines if r["type"] == kind]
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -123,35 +109,20 @@ def test_full_rl_with_kl_resumes_exactly_against_its_starting_weights(tiny_model
 def sft_checkpoints(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     """One-step SFT runs: a LoRA adapter and a full-weight folder."""
     tmp = tmp_path_factory.mktemp("sft")
-    data = tmp / "d.jsonl"
-    rng = random.Random(0)
-    data.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "messages": [
-                        {"role": "user", "content": f"What is {a} + {b}?"},
-                        {"role": "assistant", "content": str(a + b)},
-                    ]
-                }
-            )
-            + "\n"
-            for a, b in ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(8))
-        )
-    )
+    data = arithmetic_chat_jsonl(tmp / "d.jsonl", n=8)
     out = {}
     for kind, hp in (
         ("lora", {"lora": True, "lora_rank": 2, "learning_rate": 5e-2}),
         ("full", {"lora": False, "learning_rate": 1e-2}),
     ):
-        spec = TaskSpecModel.from_parts(
+        ctx = worker_ctx(
+            tmp,
+            kind,
+            task_id=f"sft-{kind}",
             workload_type="sft",
-            model=str(tiny_model_dir),
+            model=tiny_model_dir,
             env_config={"env_id": "chat_jsonl", "path": str(data)},
             hyperparameters={"steps": 1, "batch_size": 4, **hp},
-        )
-        ctx = WorkerContext(
-            task_id=f"sft-{kind}", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp / kind, out=io.StringIO()
         )
         sft.run(ctx)
         out[kind] = Path(reports(ctx, "checkpoint")[-1]["path"])

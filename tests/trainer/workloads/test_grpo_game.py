@@ -4,20 +4,20 @@ reply parsing and the invalid-action penalty, shaping, metrics, checkpoints, res
 from __future__ import annotations
 
 import dataclasses
-import io
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from opentinker_client import Environment
 from opentinker_client.hosting.server import EnvironmentServer
-from opentinker_common.spec import LMGameGRPOConfig, TaskSpecModel
+from opentinker_common.spec import LMGameGRPOConfig
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.envs.remote import close_all_sessions
 from opentinker_trainer.workloads import grpo_game, run_task
+
+from tests.support.environments import Corridor
+from tests.support.workers import reports, worker_ctx
 
 LAKE = {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}}
 SMALL = {"episodes_per_step": 3, "max_turns": 4, "max_new_tokens": 3, "lora_rank": 4, "learning_rate": 1e-2}
@@ -42,22 +42,15 @@ KEYS = {
 
 
 def make_ctx(model, tmp_path: Path, name: str, env=LAKE, resume_from=None, **hp) -> WorkerContext:
-    spec = TaskSpecModel.from_parts(
-        workload_type="lora_finetune", model=str(model), env_config=env, hyperparameters={**SMALL, **hp}
-    )
-    return WorkerContext(
-        task_id=f"t-{name}",
-        attempt=1,
-        spec=spec,
-        device="cpu",
-        checkpoint_dir=tmp_path / name,
+    return worker_ctx(
+        tmp_path,
+        name,
+        workload_type="lora_finetune",
+        model=model,
+        env_config=env,
+        hyperparameters={**SMALL, **hp},
         resume_from=resume_from,
-        out=io.StringIO(),
     )
-
-
-def reports(ctx, kind):
-    return [r for r in map(json.loads, ctx.out.getvalue().splitlines()) if r["type"] == kind]
 
 
 @pytest.fixture
@@ -182,20 +175,6 @@ def test_trainer_refuses_envs_it_cannot_play(tiny_model_dir, tmp_path):
         )
 
 
-class Corridor(Environment):
-    def __init__(self):
-        super().__init__(action_space=2, observation_space=4, action_names=["left", "right"])
-        self.pos = 0
-
-    def reset(self, seed=None):
-        self.pos = 0
-        return 0
-
-    def step(self, action):
-        self.pos = max(0, min(3, self.pos + (1 if action == 1 else -1)))
-        return self.pos, float(self.pos == 3), self.pos == 3, False, {}
-
-
 def test_lm_game_on_a_client_hosted_environment(tiny_model_dir, tmp_path, scripted):
     seen = []
 
@@ -204,7 +183,7 @@ def test_lm_game_on_a_client_hosted_environment(tiny_model_dir, tmp_path, script
         return 1
 
     scripted(parse)
-    with EnvironmentServer(Corridor()) as server:
+    with EnvironmentServer(Corridor(length=4)) as server:
         ctx = make_ctx(tiny_model_dir, tmp_path, "client", env=server.env_config, steps=1)
         try:
             run_task(ctx)

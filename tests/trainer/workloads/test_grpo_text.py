@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import math
@@ -11,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from opentinker_common.spec import TaskSpecModel
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_common.arithmetic import ArithmeticEnv
 from opentinker_trainer.workloads import grpo_text
+
+from tests.support.workers import reports, worker_ctx
 
 REQUIRED_KEYS = {
     "loss",
@@ -39,26 +39,15 @@ SMALL = {"prompts_per_step": 2, "group_size": 3, "max_new_tokens": 4, "lora_rank
 
 
 def make_ctx(model: str | Path, tmp_path: Path, name: str, resume_from: Path | None = None, **hp) -> WorkerContext:
-    spec = TaskSpecModel.from_parts(
+    return worker_ctx(
+        tmp_path,
+        name,
         workload_type="lora_finetune",
-        model=str(model),
+        model=model,
         env_config={"env_id": "arithmetic"},
         hyperparameters={**SMALL, **hp},
-    )
-    return WorkerContext(
-        task_id=f"t-{name}",
-        attempt=1,
-        spec=spec,
-        device="cpu",
-        checkpoint_dir=tmp_path / name,
         resume_from=resume_from,
-        out=io.StringIO(),
     )
-
-
-def reports(ctx: WorkerContext, kind: str) -> list[dict]:
-    lines = [json.loads(line) for line in ctx.out.getvalue().splitlines() if line.strip()]
-    return [r for r in lines if r["type"] == kind]
 
 
 @pytest.fixture
@@ -238,11 +227,13 @@ def test_step_numbers_are_those_of_the_loop_before_the_shared_update(
         hp = {k: v for k, v in hp.items() if k != "lora_rank"} | {"learning_rate": 1e-3}
     else:
         hp["micro_batch_size"] = 3
-    spec = TaskSpecModel.from_parts(
-        workload_type=workload, model=str(tiny_model_dir), env_config={"env_id": "arithmetic"}, hyperparameters=hp
-    )
-    ctx = WorkerContext(
-        task_id="t-pinned", attempt=1, spec=spec, device="cpu", checkpoint_dir=tmp_path / "pinned", out=io.StringIO()
+    ctx = worker_ctx(
+        tmp_path,
+        "pinned",
+        workload_type=workload,
+        model=tiny_model_dir,
+        env_config={"env_id": "arithmetic"},
+        hyperparameters=hp,
     )
     grpo_text.run(ctx)
     metrics = [m["values"] for m in reports(ctx, "metric")]

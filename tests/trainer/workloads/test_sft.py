@@ -3,16 +3,13 @@ random Llama (LoRA and full weights): metrics, checkpoints, exact resume, bad da
 
 from __future__ import annotations
 
-import io
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from opentinker_common.spec import TaskSpecModel
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.workloads import sft
 from opentinker_trainer.workloads.sft_data import (
@@ -26,6 +23,9 @@ from opentinker_trainer.workloads.sft_data import (
     read_chat_jsonl,
     split_indices,
 )
+
+from tests.support.datasets import arithmetic_chat_jsonl
+from tests.support.workers import reports, worker_ctx
 
 CONVERSATION = [
     {"role": "system", "content": "Answer with a number."},
@@ -153,25 +153,6 @@ def test_read_names_the_bad_line_and_refuses_empty_files(tmp_path) -> None:
 # ------------------------------------------------------------------------------ whole runs
 
 
-def arithmetic_dataset(path: Path, n: int = 24, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    with open(path, "w") as fh:
-        for _ in range(n):
-            a, b = rng.randint(0, 9), rng.randint(0, 9)
-            fh.write(
-                json.dumps(
-                    {
-                        "messages": [
-                            {"role": "user", "content": f"What is {a} + {b}?"},
-                            {"role": "assistant", "content": str(a + b)},
-                        ]
-                    }
-                )
-                + "\n"
-            )
-    return path
-
-
 class StopAfter(WorkerContext):
     """A context whose stop is requested once step ``stop_at`` is reported (like a drain)."""
 
@@ -186,30 +167,20 @@ class StopAfter(WorkerContext):
 def make_ctx(
     model, tmp_path: Path, name: str, data: Path, resume_from=None, cls=WorkerContext, env=None, **hp
 ) -> WorkerContext:
-    spec = TaskSpecModel.from_parts(
+    return worker_ctx(
+        tmp_path,
+        name,
         workload_type="sft",
-        model=str(model),
+        model=model,
         env_config={"env_id": "chat_jsonl", "path": str(data), "eval_fraction": 0.25, **(env or {})},
         hyperparameters={"batch_size": 4, "micro_batch_size": 2, "learning_rate": 1e-2, "lora_rank": 4, **hp},
-    )
-    return cls(
-        task_id=f"t-{name}",
-        attempt=1,
-        spec=spec,
-        device="cpu",
-        checkpoint_dir=tmp_path / name,
         resume_from=resume_from,
-        out=io.StringIO(),
+        cls=cls,
     )
-
-
-def reports(ctx: WorkerContext, kind: str) -> list[dict]:
-    lines = [json.loads(line) for line in ctx.out.getvalue().splitlines() if line.strip()]
-    return [r for r in lines if r["type"] == kind]
 
 
 def test_lora_sft_reports_metrics_and_writes_peft_checkpoints(tiny_model_dir, tmp_path) -> None:
-    data = arithmetic_dataset(tmp_path / "d.jsonl")
+    data = arithmetic_chat_jsonl(tmp_path / "d.jsonl")
     ctx = make_ctx(tiny_model_dir, tmp_path, "lora", data, steps=0, epochs=2, checkpoint_every=3, eval_every=2)
     sft.run(ctx)
     metrics = reports(ctx, "metric")
@@ -248,7 +219,7 @@ def test_lora_sft_reports_metrics_and_writes_peft_checkpoints(tiny_model_dir, tm
 
 
 def test_full_weight_sft_resumes_exactly_and_saves_a_transformers_folder(tiny_model_dir, tmp_path) -> None:
-    data = arithmetic_dataset(tmp_path / "d.jsonl")
+    data = arithmetic_chat_jsonl(tmp_path / "d.jsonl")
     hp = {"steps": 4, "lora": False, "learning_rate": 1e-3, "lr_schedule": "cosine", "warmup_steps": 1}
     straight = make_ctx(tiny_model_dir, tmp_path, "straight", data, **hp)
     sft.run(straight)
@@ -284,7 +255,7 @@ def test_full_weight_sft_resumes_exactly_and_saves_a_transformers_folder(tiny_mo
 
 
 def test_bad_dataset_line_fails_the_task_naming_the_line(tiny_model_dir, tmp_path) -> None:
-    data = arithmetic_dataset(tmp_path / "d.jsonl", n=3)
+    data = arithmetic_chat_jsonl(tmp_path / "d.jsonl", n=3)
     with open(data, "a") as fh:
         fh.write('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 5}]}\n')
     with pytest.raises(UserError, match=r"line 4: expected messages\[1\]\.content to be a string"):
@@ -293,7 +264,7 @@ def test_bad_dataset_line_fails_the_task_naming_the_line(tiny_model_dir, tmp_pat
 
 
 def test_sft_on_a_one_example_dataset_trains_without_eval(tiny_model_dir, tmp_path) -> None:
-    data = arithmetic_dataset(tmp_path / "d.jsonl", n=1)
+    data = arithmetic_chat_jsonl(tmp_path / "d.jsonl", n=1)
     ctx = make_ctx(tiny_model_dir, tmp_path, "one", data, steps=2, batch_size=3)
     sft.run(ctx)
     metrics = reports(ctx, "metric")
