@@ -5,27 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from opentinker_client import Environment
 from opentinker_client.hosting.server import EnvironmentServer
 from opentinker_common.spec import validate_env_config
 from opentinker_trainer.context import UserError
 from opentinker_trainer.envs.remote import RemoteSession, close_all_sessions, make_client_env
 
+from tests.support.environments import WalkRight as Corridor
 from tests.support.security import make_certs
-
-
-class Corridor(Environment):
-    def __init__(self, **options):
-        super().__init__(action_space=2, observation_space=5, **options)
-        self.pos = 0
-
-    def reset(self, seed=None):
-        self.pos = 0
-        return self.pos
-
-    def step(self, action):
-        self.pos = min(4, self.pos + 1)
-        return self.pos, float(self.pos == 4), self.pos == 4, False, {}
 
 
 @pytest.fixture(autouse=True)
