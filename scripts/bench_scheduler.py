@@ -39,7 +39,6 @@ import platform
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,9 @@ from opentinker.scheduler.v1 import scheduler_pb2 as S
 from opentinker.scheduler.v1 import scheduler_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.support.procs import free_port, scheduler_args  # noqa: E402
 
 GOALS = {"p99_ms": 50.0, "submits_per_s": 500.0, "heartbeats_per_s": 2000.0}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -309,12 +311,6 @@ def worker_main(conn, target: str, node_ids: list[str], opts: dict) -> None:
 # The scheduler process
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class SchedulerProc:
     def __init__(
         self, workdir: Path, *, lease_s: float, max_tasks: int, scheduler_path: str | None, profile: Path | None = None
@@ -340,18 +336,9 @@ class SchedulerProc:
             [
                 sys.executable,
                 *(["-m", "cProfile", "-o", str(profile)] if profile else []),
-                "-m",
-                "opentinker_scheduler",
-                "--config",
-                str(cfg),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--http-port",
-                str(self.http_port),
-                "--state-dir",
-                str(workdir / "state"),
+                *scheduler_args(
+                    cfg, port=self.port, http_port=self.http_port, state_dir=workdir / "state", host="127.0.0.1"
+                ),
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -597,17 +584,23 @@ class Bench:
         await self.broadcast("hb", 1.0)
         await asyncio.sleep(0.2 if a.quick else 1.0)
 
-    async def phase_throughput(self, stub) -> None:
-        a = self.args
+    async def measured_submits(self, submit, tasks: int):
+        """Run ``submit()`` (which appends to ``self.submits``) under a :class:`Meter`, wait until
+        every submitted task is assigned; ``(meter result, latencies, all assigned, submit()'s result)``."""
         self.submits = []
         before = await self.total_assigns()
         async with Meter(self) as m:
-            await self.closed_loop(stub, a.tasks, a.concurrency)
-        submit_wall = m.result["wall_s"]
-        ok = await self.wait_assigns(before + len(self.submits), timeout=60 + a.tasks / 20)
+            out = await submit()
+        ok = await self.wait_assigns(before + len(self.submits), timeout=60 + tasks / 20)
         lat = self.latencies(self.submits, await self.collect_assign_times())
+        return m.result, lat, ok, out
+
+    async def phase_throughput(self, stub) -> None:
+        a = self.args
+        meter, lat, ok, _ = await self.measured_submits(lambda: self.closed_loop(stub, a.tasks, a.concurrency), a.tasks)
+        submit_wall = meter["wall_s"]
         self.results["phases"]["throughput"] = {
-            **m.result,
+            **meter,
             **lat,
             "tasks": a.tasks,
             "submitted": len(self.submits),
@@ -621,19 +614,16 @@ class Bench:
 
     async def phase_latency(self, stub) -> None:
         a = self.args
-        self.submits = []
-        before = await self.total_assigns()
-        async with Meter(self) as m:
-            worst_lag = await self.paced(stub, a.rate_tasks, a.rate)
-        ok = await self.wait_assigns(before + len(self.submits), timeout=60 + a.rate_tasks / 20)
-        lat = self.latencies(self.submits, await self.collect_assign_times())
+        meter, lat, ok, worst_lag = await self.measured_submits(
+            lambda: self.paced(stub, a.rate_tasks, a.rate), a.rate_tasks
+        )
         self.results["phases"]["latency"] = {
-            **m.result,
+            **meter,
             **lat,
             "tasks": a.rate_tasks,
             "submitted": len(self.submits),
             "offered_rate": a.rate,
-            "achieved_rate": len(self.submits) / m.result["wall_s"],
+            "achieved_rate": len(self.submits) / meter["wall_s"],
             "worst_dispatch_lag_ms": worst_lag * 1000,
             "all_assigned": ok,
         }

@@ -28,7 +28,7 @@ import grpc  # noqa: E402
 from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc  # noqa: E402
 from opentinker_client import RLClient  # noqa: E402
 from opentinker_scheduler.security.key_streams import KeyStreams, until_ended  # noqa: E402
-from tests.support.security import LoopbackScheduler, metadata  # noqa: E402
+from tests.support.security import LoopbackScheduler, metadata, user_with_task  # noqa: E402
 
 
 def revocation_latency(streams: int) -> list[float]:
@@ -38,11 +38,8 @@ def revocation_latency(streams: int) -> list[float]:
             "auth: {enabled: true, stream_recheck_interval: 3600}\npaths: {model_dirs: [/models]}\n",
         )
         try:
-            admin = (s.config.state_dir / "admin.key").read_text().strip()
-            with RLClient(s.target, api_key=admin) as root:
-                info, key = root.keys.create("alice", "user")
-                with RLClient(s.target, api_key=key) as alice:
-                    task_id = alice.submit_task(workload_type="lora_finetune", model="/models/m")
+            info, key, task_id = user_with_task(s, "alice", workload_type="lora_finetune", model="/models/m")
+            with RLClient(s.target, api_key=s.admin_key) as root:
                 ended_at: list[float] = []
                 ready = threading.Barrier(streams + 1)
                 channel = grpc.insecure_channel(s.target)

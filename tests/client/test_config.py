@@ -91,33 +91,26 @@ def test_wrong_type(tmp_path):
     assert (err.line, err.key) == (8, "env")
 
 
+def with_hyperparameters(block: str) -> str:
+    """``VALID`` with its one-line hyperparameters replaced by ``block`` (its keys in block style, one a line)."""
+    return VALID.replace("hyperparameters: {steps: 15, learning_rate: 0.0002}", "hyperparameters:\n" + block)
+
+
 def test_unknown_hyperparameter_with_its_line(tmp_path):
-    text = VALID.replace(
-        "hyperparameters: {steps: 15, learning_rate: 0.0002}",
-        "hyperparameters:\n  steps: 15\n  lr: 0.0002\n",
-    )
-    err = error_of(tmp_path, text)
+    err = error_of(tmp_path, with_hyperparameters("  steps: 15\n  lr: 0.0002\n"))
     assert (err.line, err.key) == (11, "hyperparameters.lr")
     assert "task.yaml:11: hyperparameters.lr: unknown key, expected one of the known keys (" in str(err)
     assert "learning_rate" in str(err)
 
 
 def test_bad_hyperparameter_value_with_its_line(tmp_path):
-    text = VALID.replace(
-        "hyperparameters: {steps: 15, learning_rate: 0.0002}",
-        "hyperparameters:\n  steps: 0\n",
-    )
-    err = error_of(tmp_path, text)
+    err = error_of(tmp_path, with_hyperparameters("  steps: 0\n"))
     assert (err.line, err.key) == (10, "hyperparameters.steps")
     assert "expected an integer in [1, 100000], got 0" in str(err)
 
 
 def test_bad_list_item_line(tmp_path):
-    text = VALID.replace(
-        "hyperparameters: {steps: 15, learning_rate: 0.0002}",
-        "hyperparameters:\n  target_modules:\n    - q_proj\n    - 7\n",
-    )
-    err = error_of(tmp_path, text)
+    err = error_of(tmp_path, with_hyperparameters("  target_modules:\n    - q_proj\n    - 7\n"))
     assert (err.line, err.key) == (12, "hyperparameters.target_modules[1]")
 
 

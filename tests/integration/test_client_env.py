@@ -44,24 +44,19 @@ class Stalling(Corridor):
         return 0
 
 
-def start(cluster):
-    cluster.start_scheduler()
-    cluster.start_trainer("node-a")
-    cluster.wait_nodes(1)
+def submit(client: RLClient, env_config, model_dir: Path, **options) -> str:
+    """A lora_finetune task of the tiny model on ``env_config`` (``HP`` unless ``hyperparameters``)."""
+    options.setdefault("hyperparameters", HP)
+    return client.submit_task(env_config=env_config, workload_type="lora_finetune", model=str(model_dir), **options)
 
 
 def test_client_hosted_environment_trains_to_success(cluster, tiny_model_dir: Path) -> None:
-    start(cluster)
+    cluster.start_with_trainer()
     Corridor.resets = []
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         with client.serve_environment(Corridor()) as server:
             assert server.env_config["endpoint"].startswith("127.0.0.1:")
-            task_id = client.submit_task(
-                env_config=server.env_config,
-                workload_type="lora_finetune",
-                model=str(tiny_model_dir),
-                hyperparameters=HP,
-            )
+            task_id = submit(client, server.env_config, tiny_model_dir)
             task = client.wait(task_id, timeout=240, poll_interval=0.2)
             assert task.state == "succeeded"
             history = client.get_metric_history(task_id)
@@ -73,15 +68,10 @@ def test_client_hosted_environment_trains_to_success(cluster, tiny_model_dir: Pa
 
 
 def test_submit_task_serves_the_environment_for_the_tasks_lifetime(cluster, tiny_model_dir: Path) -> None:
-    start(cluster)
+    cluster.start_with_trainer()
     Corridor.resets = []
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        task_id = client.submit_task(
-            env_config=Corridor(),
-            workload_type="lora_finetune",
-            model=str(tiny_model_dir),
-            hyperparameters={**HP, "steps": 1},
-        )
+        task_id = submit(client, Corridor(), tiny_model_dir, hyperparameters={**HP, "steps": 1})
         (server,) = client._env_servers
         assert client.get_task(task_id).env_config["env_id"] == "client"
         assert client.wait(task_id, timeout=240, poll_interval=0.2).state == "succeeded"
@@ -93,11 +83,9 @@ def test_submit_task_serves_the_environment_for_the_tasks_lifetime(cluster, tiny
 
 
 def test_environment_that_raises_fails_the_task_with_its_message(cluster, tiny_model_dir: Path) -> None:
-    start(cluster)
+    cluster.start_with_trainer()
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        task_id = client.submit_task(
-            env_config=Exploding(), workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP
-        )
+        task_id = submit(client, Exploding(), tiny_model_dir)
         with pytest.raises(TaskFailedError) as err:
             client.wait(task_id, timeout=240, poll_interval=0.2)
     task = err.value.task
@@ -106,21 +94,16 @@ def test_environment_that_raises_fails_the_task_with_its_message(cluster, tiny_m
 
 
 def test_environment_that_does_not_answer_fails_naming_the_timeout(cluster, tiny_model_dir: Path) -> None:
-    start(cluster)
+    cluster.start_with_trainer()
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        task_id = client.submit_task(
-            env_config=Stalling(timeout_s=0.5),
-            workload_type="lora_finetune",
-            model=str(tiny_model_dir),
-            hyperparameters=HP,
-        )
+        task_id = submit(client, Stalling(timeout_s=0.5), tiny_model_dir)
         with pytest.raises(TaskFailedError) as err:
             client.wait(task_id, timeout=240, poll_interval=0.2)
     assert "did not answer reset within timeout_s=0.5 s" in err.value.task.error
 
 
 def test_client_that_goes_away_fails_the_task_after_the_grace_period(cluster, tiny_model_dir: Path) -> None:
-    start(cluster)
+    cluster.start_with_trainer()
     playing = threading.Event()
 
     class Watched(Corridor):
@@ -130,10 +113,9 @@ def test_client_that_goes_away_fails_the_task_after_the_grace_period(cluster, ti
 
     client = RLClient(scheduler_url=cluster.url, min_poll_interval=0)
     # Many steps, so the task is surely still running when the client leaves.
-    task_id = client.submit_task(
-        env_config=Watched(grace_s=2), workload_type="lora_finetune", model=str(tiny_model_dir),
-        hyperparameters={**HP, "steps": 10_000}, max_attempts=1,
-    )  # fmt: skip
+    task_id = submit(
+        client, Watched(grace_s=2), tiny_model_dir, hyperparameters={**HP, "steps": 10_000}, max_attempts=1
+    )
     assert playing.wait(timeout=240), "the trainer never reset the environment"
     client.close()  # stops the environment server; the task must not hang
     task = cluster.wait_state(task_id, 5, timeout=120)  # FAILED
@@ -147,13 +129,13 @@ def test_client_hosted_environment_over_tls_with_an_access_token(cluster, tiny_m
     from tests.support.security import make_certs
 
     certs = make_certs(tmp_path / "certs")
-    start(cluster)
+    cluster.start_with_trainer()
     Corridor.resets = []
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-        task_id = client.submit_task(
-            env_config=Corridor(),
-            workload_type="lora_finetune",
-            model=str(tiny_model_dir),
+        task_id = submit(
+            client,
+            Corridor(),
+            tiny_model_dir,
             hyperparameters={**HP, "steps": 1},
             env_tls_cert=certs.server_cert,
             env_tls_key=certs.server_key,
@@ -173,13 +155,11 @@ def test_client_hosted_environment_over_tls_with_an_access_token(cluster, tiny_m
 
 
 def test_wrong_access_token_fails_the_task_at_once_naming_the_cause(cluster, tiny_model_dir: Path) -> None:
-    start(cluster)
+    cluster.start_with_trainer()
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         with client.serve_environment(Corridor(grace_s=120)) as server:
             env_config = {**server.env_config, "token": "not-the-servers-token-0123456789"}
-            task_id = client.submit_task(
-                env_config=env_config, workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP
-            )
+            task_id = submit(client, env_config, tiny_model_dir)
             with pytest.raises(TaskFailedError) as err:
                 client.wait(task_id, timeout=240, poll_interval=0.2)
     task = err.value.task

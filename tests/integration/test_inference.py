@@ -32,115 +32,106 @@ workload_types:
 """
 
 
+@pytest.fixture
+def cluster(tmp_path):
+    """A scheduler that knows the inference workload, with one trainer connected."""
+    from tests.support.procs import Cluster
+
+    cluster = Cluster(tmp_path, CONFIG)
+    try:
+        cluster.start_with_trainer()
+        yield cluster
+    finally:
+        cluster.close()
+
+
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(tmp_path, tiny_model_dir: Path) -> None:
-    from tests.support.procs import Cluster
+def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(
+    cluster, tmp_path, tiny_model_dir: Path
+) -> None:
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        trained = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=TINY_HP)
+        info = client.wait(trained, timeout=300, poll_interval=0.2)
+        ckpt = Path(info.checkpoint_path)
 
-    cluster = Cluster(tmp_path, CONFIG)
-    try:
-        cluster.start_scheduler()
-        cluster.start_trainer("node-a")
-        cluster.wait_nodes(1)
-        with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-            trained = client.submit_task(
-                workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=TINY_HP
+        # Checkpoints: listed, and downloaded byte for byte.
+        assert [c.step for c in client.list_checkpoints(trained)] == [1, 2]
+        got = client.download_checkpoint(trained, tmp_path / "download")
+        names = sorted(p.name for p in got.iterdir())
+        assert "adapter_model.safetensors" in names and names == sorted(p.name for p in ckpt.iterdir())
+        assert all(_sha(got / n) == _sha(ckpt / n) for n in names)
+        assert got.stat().st_mode & 0o777 == 0o700 and all((got / n).stat().st_mode & 0o777 == 0o600 for n in names)
+        first = client.download_checkpoint(trained, tmp_path / "step1", step=1)
+        assert _sha(first / "adapter_model.safetensors") == _sha(ckpt.parent / "step_1" / "adapter_model.safetensors")
+
+        # One call from a finished task to a served adapter; a second call reuses the server.
+        llm = client.serve(trained, ttl=600, timeout=180)
+        server_task = client.get_task(llm.task_id)
+        assert (
+            server_task.workload_type == "inference"
+            and server_task.state == "running"
+            and server_task.endpoint == llm.endpoint
+        )
+        shown = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "opentinker_client.cli.commands",
+                "--scheduler-url",
+                cluster.url,
+                "get",
+                llm.task_id,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0 and "endpoint" in shown.stdout and llm.endpoint in shown.stdout
+        out = llm.generate("What is 2 + 3?", temperature=0, max_tokens=5)
+        assert out.adapter == trained and 1 <= len(out.samples[0].token_ids) <= 5
+        assert llm.generate("What is 2 + 3?", temperature=0, max_tokens=5).samples == out.samples
+        assert [a.name for a in llm.list_adapters()] == [trained]
+        assert llm.generate("What is 2 + 3?", adapter=None, temperature=0, max_tokens=5).adapter is None
+        again = client.serve(trained, timeout=60)
+        assert again.task_id == llm.task_id
+        report = evaluate(llm, episodes=3, max_tokens=4)
+        assert report.episodes == 3 and 0.0 <= report.mean_reward <= 1.0 and report.adapter == trained
+
+        # Unknown adapter (task), and an inference task is no adapter.
+        with pytest.raises(NotFoundError, match="task-unknown"):
+            llm.generate("hi", adapter="task-unknown", max_tokens=2)
+        with pytest.raises(OpenTinkerError, match="only lora_finetune and sft tasks"):
+            llm.generate("hi", adapter=llm.task_id, max_tokens=2)
+
+        # The server also answers grpcurl-style health checks and reflection.
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(llm.endpoint) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="opentinker.inference.v1.InferenceService"), timeout=10
             )
-            info = client.wait(trained, timeout=300, poll_interval=0.2)
-            ckpt = Path(info.checkpoint_path)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
 
-            # Checkpoints: listed, and downloaded byte for byte.
-            assert [c.step for c in client.list_checkpoints(trained)] == [1, 2]
-            got = client.download_checkpoint(trained, tmp_path / "download")
-            names = sorted(p.name for p in got.iterdir())
-            assert "adapter_model.safetensors" in names and names == sorted(p.name for p in ckpt.iterdir())
-            assert all(_sha(got / n) == _sha(ckpt / n) for n in names)
-            assert got.stat().st_mode & 0o777 == 0o700 and all((got / n).stat().st_mode & 0o777 == 0o600 for n in names)
-            first = client.download_checkpoint(trained, tmp_path / "step1", step=1)
-            assert _sha(first / "adapter_model.safetensors") == _sha(
-                ckpt.parent / "step_1" / "adapter_model.safetensors"
-            )
-
-            # One call from a finished task to a served adapter; a second call reuses the server.
-            llm = client.serve(trained, ttl=600, timeout=180)
-            server_task = client.get_task(llm.task_id)
-            assert (
-                server_task.workload_type == "inference"
-                and server_task.state == "running"
-                and server_task.endpoint == llm.endpoint
-            )
-            shown = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "opentinker_client.cli.commands",
-                    "--scheduler-url",
-                    cluster.url,
-                    "get",
-                    llm.task_id,
-                ],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert shown.returncode == 0 and "endpoint" in shown.stdout and llm.endpoint in shown.stdout
-            out = llm.generate("What is 2 + 3?", temperature=0, max_tokens=5)
-            assert out.adapter == trained and 1 <= len(out.samples[0].token_ids) <= 5
-            assert llm.generate("What is 2 + 3?", temperature=0, max_tokens=5).samples == out.samples
-            assert [a.name for a in llm.list_adapters()] == [trained]
-            assert llm.generate("What is 2 + 3?", adapter=None, temperature=0, max_tokens=5).adapter is None
-            again = client.serve(trained, timeout=60)
-            assert again.task_id == llm.task_id
-            report = evaluate(llm, episodes=3, max_tokens=4)
-            assert report.episodes == 3 and 0.0 <= report.mean_reward <= 1.0 and report.adapter == trained
-
-            # Unknown adapter (task), and an inference task is no adapter.
-            with pytest.raises(NotFoundError, match="task-unknown"):
-                llm.generate("hi", adapter="task-unknown", max_tokens=2)
-            with pytest.raises(OpenTinkerError, match="only lora_finetune and sft tasks"):
-                llm.generate("hi", adapter=llm.task_id, max_tokens=2)
-
-            # The server also answers grpcurl-style health checks and reflection.
-            from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-            with grpc.insecure_channel(llm.endpoint) as ch:
-                status = health_pb2_grpc.HealthStub(ch).Check(
-                    health_pb2.HealthCheckRequest(service="opentinker.inference.v1.InferenceService"), timeout=10
-                )
-                assert status.status == health_pb2.HealthCheckResponse.SERVING
-
-            # Cancel ends the server.
-            client.cancel(llm.task_id)
-            task = cluster.wait_state(llm.task_id, 6, timeout=30)
-            assert task.endpoint == ""
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                try:
-                    llm.list_adapters()
-                except UnavailableError:
-                    break
-                time.sleep(0.2)
-            else:
-                pytest.fail("the inference server still answers after its task was cancelled")
-    finally:
-        cluster.close()
+        # Cancel ends the server.
+        client.cancel(llm.task_id)
+        task = cluster.wait_state(llm.task_id, 6, timeout=30)
+        assert task.endpoint == ""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                llm.list_adapters()
+            except UnavailableError:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the inference server still answers after its task was cancelled")
 
 
-def test_inference_task_ends_succeeded_when_its_ttl_runs_out(tmp_path, tiny_model_dir: Path) -> None:
-    from tests.support.procs import Cluster
-
-    cluster = Cluster(tmp_path, CONFIG)
-    try:
-        cluster.start_scheduler()
-        cluster.start_trainer("node-a")
-        cluster.wait_nodes(1)
-        with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
-            task_id = client.submit_task(
-                workload_type="inference", model=str(tiny_model_dir), hyperparameters={"ttl_s": 3}
-            )
-            info = client.wait(task_id, timeout=120, poll_interval=0.2)
-            assert info.state == "succeeded" and info.endpoint == ""
-    finally:
-        cluster.close()
+def test_inference_task_ends_succeeded_when_its_ttl_runs_out(cluster, tmp_path, tiny_model_dir: Path) -> None:
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        task_id = client.submit_task(workload_type="inference", model=str(tiny_model_dir), hyperparameters={"ttl_s": 3})
+        info = client.wait(task_id, timeout=120, poll_interval=0.2)
+        assert info.state == "succeeded" and info.endpoint == ""

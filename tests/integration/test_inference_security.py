@@ -19,40 +19,22 @@ from opentinker_client import (
     UnavailableError,
 )
 
-from tests.support.security import make_certs
-from tests.support.procs import Cluster, free_port
+from tests.support.procs import Cluster, free_port, wait_connected
+from tests.support.security import auth_tls_config, make_certs, node_tls_args
 
+WORKLOAD_TYPES = "workload_types:\n  - type: lora_finetune\n    priority: 1\n  - type: inference\n    priority: 3\n"
 TINY_HP = {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
-
-
-def _config(certs, node_port: int, model_dir: Path) -> str:
-    return (
-        "heartbeat_interval: 0.5\nlease: 3\n"
-        "workload_types:\n  - type: lora_finetune\n    priority: 1\n  - type: inference\n    priority: 3\n"
-        "auth: {enabled: true}\n"
-        f"paths: {{model_dirs: [{model_dir.parent}]}}\n"  # specs name the tiny model's folder
-        f"tls: {{cert: {certs.server_cert}, key: {certs.server_key}, client_ca: {certs.ca}, node_port: {node_port}}}\n"
-    )
-
-
-def _wait_connected(client: RLClient, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(n.connected for n in client.list_nodes()):
-            return
-        time.sleep(0.2)
-    raise TimeoutError("the trainer did not connect")
 
 
 def test_inference_with_api_keys_and_tls_end_to_end(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
     monkeypatch.setenv("OPENTINKER_INFERENCE_AUTH_TTL_S", "0.2")  # the trainer's workers inherit it
     certs = make_certs(tmp_path / "certs")
     node_port = free_port()
-    cluster = Cluster(tmp_path, _config(certs, node_port, tiny_model_dir))
+    cluster = Cluster(tmp_path, auth_tls_config(certs, node_port, tiny_model_dir, WORKLOAD_TYPES))
     tls = {"root_certificates": certs.ca}
     try:
         cluster.start_scheduler()
-        admin_key = (cluster.state_dir / "admin.key").read_text().strip()
+        admin_key = cluster.admin_key()
         with RLClient(cluster.url, api_key=admin_key, **tls) as root:
             _, node_key = root.keys.create("rack-1", "node")
             _, alice_key = root.keys.create("alice", "user")
@@ -62,19 +44,14 @@ def test_inference_with_api_keys_and_tls_end_to_end(tmp_path: Path, tiny_model_d
                 "node-a",
                 "--api-key",
                 node_key,
-                "--tls-ca",
-                str(certs.ca),
-                "--tls-cert",
-                str(certs.node_cert),
-                "--tls-key",
-                str(certs.node_key),
+                *node_tls_args(certs),
                 "--serve-tls-cert",
                 str(certs.server_cert),
                 "--serve-tls-key",
                 str(certs.server_key),
                 url=f"127.0.0.1:{node_port}",
             )
-            _wait_connected(root)
+            wait_connected(root)
         with RLClient(cluster.url, api_key=bob_key, **tls) as bob:
             bobs_task = bob.submit_task(
                 workload_type="lora_finetune", gpu_count=0, model=str(tiny_model_dir), hyperparameters=TINY_HP

@@ -12,10 +12,7 @@ Pure checks, the flag as the scheduler core sets it, a real worker process, and 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,7 +29,7 @@ from opentinker_scheduler.state.store import Store
 from opentinker_trainer.context import UserError
 from opentinker_trainer.local_paths import check_model_not_local
 
-from tests.support.procs import Cluster
+from tests.support.procs import Cluster, run_worker
 
 REPO = Path(__file__).resolve().parents[2]
 HINT = "name local models by an absolute path under paths.model_dirs"
@@ -103,38 +100,13 @@ def test_the_scheduler_marks_assignments_under_the_paths_policy(
 # -------------------------------------------------------------------------------- real worker
 
 
-def _run_worker(cwd: Path, tmp_path: Path, assign: N.AssignTask) -> tuple[int, list[dict]]:
-    path = tmp_path / "assignment.pb"
-    path.write_bytes(assign.SerializeToString())
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "opentinker_trainer.worker",
-            str(path),
-            "--checkpoint-dir",
-            str(tmp_path / "runs" / "t1" / "checkpoints"),
-            "--device",
-            "cpu",
-        ],
-        cwd=cwd,
-        env=clean,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-
-
 def test_a_restricted_worker_refuses_a_folder_in_its_launch_folder(tmp_path: Path, tiny_model_dir: Path) -> None:
     launch = tmp_path / "launch"
     launch.mkdir()
     os.symlink(tiny_model_dir, launch / "private-model")
     spec = C.TaskSpec(workload_type="lora_finetune", model="private-model")
-    rc, reports = _run_worker(
-        launch, tmp_path, N.AssignTask(task_id="t1", attempt=1, spec=spec, local_paths_restricted=True)
-    )
+    assign = N.AssignTask(task_id="t1", attempt=1, spec=spec, local_paths_restricted=True)
+    rc, reports = run_worker(assign, tmp_path, tmp_path / "runs" / "t1" / "checkpoints", cwd=launch)
     assert rc == 1 and reports[-1]["type"] == "failed" and reports[-1]["retryable"] is False, reports
     assert (
         reports[-1]["error"]

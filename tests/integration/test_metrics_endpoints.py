@@ -9,16 +9,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.support.http import metric_samples, metric_value as value
-from tests.support.procs import Cluster
-
-TINY_HP = {
-    "steps": 400,
-    "prompts_per_step": 2,
-    "group_size": 2,
-    "max_new_tokens": 4,
-    "lora_rank": 4,
-    "checkpoint_every": 0,
-}
+from tests.support.procs import LONG_TINY_LORA_HP, Cluster
 
 
 def scrape(cluster: Cluster) -> dict[str, list]:
@@ -53,7 +44,7 @@ def test_scheduler_metrics_follow_tasks_and_nodes(cluster, tiny_model_dir: Path)
 
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         task_id = client.submit_task(
-            workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=0, hyperparameters=TINY_HP
+            workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=0, hyperparameters=LONG_TINY_LORA_HP
         )
         m = until(cluster, lambda m: value(m, "opentinker_tasks", state="pending") == 1.0, "a pending task")
         assert value(m, "opentinker_queue_depth") == 1.0

@@ -13,6 +13,8 @@ import pytest
 from opentinker.common.v1 import common_pb2 as C
 from opentinker.scheduler.v1 import scheduler_pb2 as S
 
+from tests.support.procs import scheduler_args
+
 GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
 
 
@@ -111,46 +113,18 @@ def test_bad_scheduler_config_refused_at_start(tmp_path) -> None:
     assert f"{cfg}:3: resource_pool[0].gpus" in out.stderr
 
 
+def second_scheduler(cluster, *, port: int, state_dir: Path) -> subprocess.CompletedProcess:
+    """Another scheduler process with ``cluster``'s config (default host, any HTTP port), run to its end."""
+    args = scheduler_args(cluster.config_path, port=port, http_port=0, state_dir=state_dir)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60)
+
+
 def test_second_scheduler_on_same_port_or_state_dir_refused(cluster) -> None:
     cluster.start_scheduler()
-    same_port = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "opentinker_scheduler",
-            "--config",
-            str(cluster.config_path),
-            "--port",
-            str(cluster.port),
-            "--http-port",
-            "0",
-            "--state-dir",
-            str(cluster.tmp / "other"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    same_port = second_scheduler(cluster, port=cluster.port, state_dir=cluster.tmp / "other")
     assert same_port.returncode == 1 and f"cannot listen on gRPC port 0.0.0.0:{cluster.port}" in same_port.stderr
     assert "Traceback" not in same_port.stderr
-    same_state = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "opentinker_scheduler",
-            "--config",
-            str(cluster.config_path),
-            "--port",
-            "0",
-            "--http-port",
-            "0",
-            "--state-dir",
-            str(cluster.state_dir),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    same_state = second_scheduler(cluster, port=0, state_dir=cluster.state_dir)
     assert same_state.returncode == 1 and "is in use by another scheduler" in same_state.stderr
     assert cluster.health() == {"status": "ok"}
 

@@ -11,38 +11,19 @@ import pytest
 
 from opentinker_client import NotFoundError, RLClient, UnauthenticatedError
 
-from tests.support.security import make_certs
-from tests.support.procs import Cluster, free_port
+from tests.support.procs import Cluster, free_port, wait_connected
+from tests.support.security import auth_tls_config, make_certs, node_tls_args
 
 TINY_HP = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
-
-
-def _config(certs, node_port: int, model_dir: Path) -> str:
-    return (
-        "heartbeat_interval: 0.5\nlease: 3\n"
-        "auth: {enabled: true}\n"
-        f"paths: {{model_dirs: [{model_dir.parent}]}}\n"  # specs name the tiny model's folder
-        f"tls: {{cert: {certs.server_cert}, key: {certs.server_key}, client_ca: {certs.ca}, node_port: {node_port}}}\n"
-    )
-
-
-def _wait_connected(client: RLClient, n: int, timeout: float = 60) -> list:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        nodes = [x for x in client.list_nodes() if x.connected]
-        if len(nodes) >= n:
-            return nodes
-        time.sleep(0.2)
-    raise TimeoutError(f"{n} node(s) did not connect")
 
 
 def test_keys_tls_and_mtls_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
     certs = make_certs(tmp_path / "certs")
     node_port = free_port()
-    cluster = Cluster(tmp_path, _config(certs, node_port, tiny_model_dir))
+    cluster = Cluster(tmp_path, auth_tls_config(certs, node_port, tiny_model_dir))
     try:
         cluster.start_scheduler()
-        admin_key = (cluster.state_dir / "admin.key").read_text().strip()
+        admin_key = cluster.admin_key()
         tls = {"root_certificates": certs.ca}
         with RLClient(cluster.url, api_key=admin_key, **tls) as root:
             _, node_key = root.keys.create("rack-1", "node", description="trainer node-a")
@@ -54,12 +35,7 @@ def test_keys_tls_and_mtls_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> N
                 "node-wrong",
                 "--api-key",
                 alice_key,
-                "--tls-ca",
-                str(certs.ca),
-                "--tls-cert",
-                str(certs.node_cert),
-                "--tls-key",
-                str(certs.node_key),
+                *node_tls_args(certs),
                 url=f"127.0.0.1:{node_port}",
             )
             assert wrong.popen.wait(timeout=60) == 1
@@ -70,15 +46,10 @@ def test_keys_tls_and_mtls_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> N
                 "node-a",
                 "--api-key",
                 node_key,
-                "--tls-ca",
-                str(certs.ca),
-                "--tls-cert",
-                str(certs.node_cert),
-                "--tls-key",
-                str(certs.node_key),
+                *node_tls_args(certs),
                 url=f"https://localhost:{node_port}",
             )
-            _wait_connected(root, 1)
+            wait_connected(root, 1)
 
         with RLClient(cluster.url, api_key=alice_key, min_poll_interval=0, **tls) as alice:
             task_id = alice.submit_task(

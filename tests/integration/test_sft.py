@@ -4,7 +4,6 @@ then start an RL task from its checkpoint (``init_from``); refusals over the wir
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import grpc
@@ -14,6 +13,7 @@ from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_client import RLClient, TaskFailedError
 from opentinker_client.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
+from tests.support.datasets import arithmetic_chat_jsonl
 from tests.support.procs import Cluster
 
 CONFIG = """heartbeat_interval: 0.5
@@ -38,30 +38,9 @@ def sft_cluster(tmp_path):
     c.close()
 
 
-def arithmetic_jsonl(path: Path, n: int = 12) -> Path:
-    rng = random.Random(0)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append(
-            json.dumps(
-                {
-                    "messages": [
-                        {"role": "user", "content": f"What is {a} + {b}?"},
-                        {"role": "assistant", "content": str(a + b)},
-                    ]
-                }
-            )
-        )
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
 def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
-    sft_cluster.start_scheduler()
-    trainer = sft_cluster.start_trainer("node-a")
-    sft_cluster.wait_nodes(1)
-    data = arithmetic_jsonl(tmp_path / "train.jsonl")
+    trainer = sft_cluster.start_with_trainer()
+    data = arithmetic_chat_jsonl(tmp_path / "train.jsonl", n=12)
     with RLClient(scheduler_url=sft_cluster.url, min_poll_interval=0) as client:
         info = client.upload_dataset(data)
         assert info.dataset_id.startswith("sha256:") and info.num_examples == 12 and info.name == "train.jsonl"
@@ -146,9 +125,7 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
 
 
 def test_dataset_refusals_over_the_wire(sft_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
-    sft_cluster.start_scheduler()
-    sft_cluster.start_trainer("node-a")
-    sft_cluster.wait_nodes(1)
+    sft_cluster.start_with_trainer()
     bad = tmp_path / "bad.jsonl"
     good_line = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
     bad.write_text(f'{good_line}\n\n{{"messages": [{{"role": "user", "content": "no reply"}}]}}\n')

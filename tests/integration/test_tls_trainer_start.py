@@ -174,26 +174,17 @@ def test_a_refused_client_certificate_gets_a_hint_once_per_streak(tmp_path, cert
 
 
 def test_a_plaintext_trainer_against_a_tls_environment_server_says_so(certs) -> None:
-    from opentinker_client import Environment
     from opentinker_client.hosting.server import EnvironmentServer
     from opentinker_common.spec import validate_env_config
     from opentinker_trainer.context import UserError
     from opentinker_trainer.envs.remote import close_all_sessions, make_client_env
 
-    class Corridor(Environment):
-        def __init__(self):
-            super().__init__(action_space=2, observation_space=5)
-
-        def reset(self, seed=None):
-            return 0
-
-        def step(self, action):
-            return 1, 0.0, True, False, {}
+    from tests.support.environments import OneStep
 
     close_all_sessions()
     try:
         with EnvironmentServer(
-            Corridor(), tls_cert=certs.server_cert, tls_key=certs.server_key, tls_ca=certs.ca
+            OneStep(), tls_cert=certs.server_cert, tls_key=certs.server_key, tls_ca=certs.ca
         ) as server:
             spec = {**server.env_config, "tls": False, "tls_root_certificates": "", "grace_s": 0.5}
             env = make_client_env(validate_env_config(spec), seed=None)

@@ -9,22 +9,13 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from opentinker_trainer.http import StepRate
 from tests.support.http import http_get, metric_samples, metric_value as value
-from tests.support.procs import free_port
-
-TINY_HP = {
-    "steps": 400,
-    "prompts_per_step": 2,
-    "group_size": 2,
-    "max_new_tokens": 4,
-    "lora_rank": 4,
-    "checkpoint_every": 0,
-}
+from tests.support.procs import LONG_TINY_LORA_HP, free_port
+from tests.support.waiting import wait_for
 
 
 def get(port: int, path: str) -> tuple[int, bytes]:
@@ -39,17 +30,6 @@ def samples(port: int) -> dict[str, list]:
     status, body = get(port, "/metrics")
     assert status == 200
     return metric_samples(body.decode())
-
-
-def wait_for(check, timeout: float = 60, what: str = ""):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise TimeoutError(f"not reached in {timeout} s: {what} (last: {last!r})")
 
 
 def test_metrics_move_with_a_task_and_health_follows_the_scheduler(cluster, tiny_model_dir: Path) -> None:
@@ -81,7 +61,7 @@ def test_metrics_move_with_a_task_and_health_follows_the_scheduler(cluster, tiny
 
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         task_id = client.submit_task(
-            workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=0, hyperparameters=TINY_HP
+            workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=0, hyperparameters=LONG_TINY_LORA_HP
         )
         m = wait_for(
             lambda: (lambda s: s if (value(s, "opentinker_task_step", task_id=task_id) or 0) >= 3 else None)(

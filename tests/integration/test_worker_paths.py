@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +24,7 @@ from opentinker_trainer.local_paths import check_spec_paths, private_dirs
 from opentinker_trainer.workloads.sft_data import MAX_DATASET_BYTES, read_chat_jsonl
 from opentinker_common.datasets import DEFAULT_MAX_DATASET_BYTES
 
-from tests.support.procs import Cluster
+from tests.support.procs import Cluster, run_worker
 
 REPO = Path(__file__).resolve().parents[2]
 LINE = json.dumps({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}) + "\n"
@@ -127,27 +125,7 @@ def test_a_file_over_the_limit_is_refused_before_it_is_read(tmp_path) -> None:
 
 
 def _run_worker(tmp_path: Path, spec: C.TaskSpec, env: dict[str, str], checkpoint_dir: Path) -> tuple[int, list[dict]]:
-    assignment = tmp_path / "assignment.pb"
-    assignment.write_bytes(N.AssignTask(task_id="t2", attempt=1, spec=spec).SerializeToString())
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "opentinker_trainer.worker",
-            str(assignment),
-            "--checkpoint-dir",
-            str(checkpoint_dir),
-            "--device",
-            "cpu",
-        ],
-        cwd=REPO,
-        env={**clean, **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    return run_worker(N.AssignTask(task_id="t2", attempt=1, spec=spec), tmp_path, checkpoint_dir, cwd=REPO, env=env)
 
 
 def test_a_worker_refuses_a_model_in_its_nodes_work_folder(tmp_path) -> None:

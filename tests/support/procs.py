@@ -21,11 +21,81 @@ import grpc
 from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+from tests.support.waiting import wait_for
+
+#: A tiny LoRA task that runs long enough to be watched while it runs (400 steps, no checkpoints).
+LONG_TINY_LORA_HP = {
+    "steps": 400,
+    "prompts_per_step": 2,
+    "group_size": 2,
+    "max_new_tokens": 4,
+    "lora_rank": 4,
+    "checkpoint_every": 0,
+}
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def scheduler_args(
+    config: Path, *, port: int | str, http_port: int | str, state_dir: Path, host: str | None = None
+) -> list[str]:
+    """``-m opentinker_scheduler`` and its flags (no ``--host`` unless given: the default binds all)."""
+    return [
+        "-m",
+        "opentinker_scheduler",
+        "--config",
+        str(config),
+        *(["--host", host] if host else []),
+        "--port",
+        str(port),
+        "--http-port",
+        str(http_port),
+        "--state-dir",
+        str(state_dir),
+    ]
+
+
+def run_worker(
+    assign, folder: Path, checkpoint_dir: Path, *, cwd: Path, env: dict[str, str] | None = None
+) -> tuple[int, list[dict]]:
+    """Run ``python -m opentinker_trainer.worker`` on ``assign`` (an ``AssignTask``, written to
+    ``folder/assignment.pb``) on the CPU, with no ``OPENTINKER_*`` variables but ``env``; its exit
+    code and the JSON reports it printed."""
+    path = folder / "assignment.pb"
+    path.write_bytes(assign.SerializeToString())
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "opentinker_trainer.worker",
+            str(path),
+            "--checkpoint-dir",
+            str(checkpoint_dir),
+            "--device",
+            "cpu",
+        ],
+        cwd=cwd,
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def wait_connected(client, n: int = 1, timeout: float = 60) -> list:
+    """The connected nodes, once ``client`` (an ``RLClient``) lists at least ``n``."""
+
+    def enough() -> list | None:
+        nodes = [x for x in client.list_nodes() if x.connected]
+        return nodes if len(nodes) >= n else None
+
+    return wait_for(enough, timeout=timeout, what=f"{n} node(s) connected")
 
 
 class Proc:
@@ -98,20 +168,9 @@ class Cluster:
 
     def start_scheduler(self) -> Proc:
         p = Proc(
-            [
-                "-m",
-                "opentinker_scheduler",
-                "--config",
-                str(self.config_path),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--http-port",
-                str(self.http_port),
-                "--state-dir",
-                str(self.state_dir),
-            ],
+            scheduler_args(
+                self.config_path, port=self.port, http_port=self.http_port, state_dir=self.state_dir, host="127.0.0.1"
+            ),
             self.tmp / "scheduler.log",
         )
         self.procs.append(p)
@@ -127,6 +186,17 @@ class Cluster:
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"scheduler did not become healthy: {p.log_text()}")
+
+    def admin_key(self) -> str:
+        """The admin key the scheduler wrote into its state folder on first start (auth on)."""
+        return (self.state_dir / "admin.key").read_text().strip()
+
+    def start_with_trainer(self, node_id: str = "node-a") -> Proc:
+        """Start the scheduler and one trainer, and wait until the trainer is connected."""
+        self.start_scheduler()
+        trainer = self.start_trainer(node_id)
+        self.wait_nodes(1)
+        return trainer
 
     def health(self) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=2) as resp:

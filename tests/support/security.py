@@ -179,6 +179,18 @@ class LoopbackScheduler:
             self.thread.join(10)
 
 
+def user_with_task(sched: LoopbackScheduler, owner: str, **task):
+    """A user key for ``owner`` (made with the admin key; auth on) and a task it submitted
+    (``RLClient.submit_task(**task)``): ``(key info, key, task id)``."""
+    from opentinker_client import RLClient
+
+    with RLClient(sched.target, api_key=sched.admin_key) as root:
+        info, key = root.keys.create(owner, "user")
+    with RLClient(sched.target, api_key=key) as user:
+        task_id = user.submit_task(**task)
+    return info, key, task_id
+
+
 def metadata(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
@@ -209,4 +221,21 @@ def make_node_certs(folder: Path, names: dict[str, tuple[str, ...]]) -> NodeCert
         server_cert=pki.cert("server.pem", sc),
         server_key=pki.key("server.key", sk),
         nodes=nodes,
+    )
+
+
+def node_tls_args(certs: Certs) -> list[str]:
+    """A trainer's ``--tls-ca/--tls-cert/--tls-key`` for ``certs``'s node certificate (CN node-a)."""
+    return ["--tls-ca", str(certs.ca), "--tls-cert", str(certs.node_cert), "--tls-key", str(certs.node_key)]
+
+
+def auth_tls_config(certs: Certs, node_port: int, model_dir: Path, extra: str = "") -> str:
+    """A scheduler config with API keys on, TLS on ``certs`` and an mTLS node port, whose specs may
+    name ``model_dir``'s folder; ``extra`` is more YAML."""
+    return (
+        "heartbeat_interval: 0.5\nlease: 3\n"
+        f"{extra}"
+        "auth: {enabled: true}\n"
+        f"paths: {{model_dirs: [{model_dir.parent}]}}\n"
+        f"tls: {{cert: {certs.server_cert}, key: {certs.server_key}, client_ca: {certs.ca}, node_port: {node_port}}}\n"
     )

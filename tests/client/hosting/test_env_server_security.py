@@ -15,21 +15,8 @@ from opentinker_client import Environment, InvalidArgumentError, RLClient
 from opentinker_client.hosting.server import EnvironmentServer
 from opentinker_common.spec import validate_env_config
 
+from tests.support.environments import WalkRight
 from tests.support.security import make_certs
-
-
-class Corridor(Environment):
-    def __init__(self):
-        super().__init__(action_space=2, observation_space=5)
-        self.pos = 0
-
-    def reset(self, seed=None):
-        self.pos = 0
-        return self.pos
-
-    def step(self, action):
-        self.pos = min(4, self.pos + 1)
-        return self.pos, float(self.pos == 4), self.pos == 4, False, {}
 
 
 @pytest.fixture
@@ -37,7 +24,7 @@ def servers():
     made = []
 
     def start(**kw):
-        server = EnvironmentServer(Corridor(), **kw).start()
+        server = EnvironmentServer(WalkRight(), **kw).start()
         made.append(server)
         return server
 
@@ -153,7 +140,7 @@ def test_each_server_gets_its_own_random_token_or_the_given_one(servers):
 )
 def test_a_bad_given_token_is_refused_before_binding(token, expected):
     with pytest.raises(InvalidArgumentError) as err:
-        EnvironmentServer(Corridor(), token=token)
+        EnvironmentServer(WalkRight(), token=token)
     assert err.value.field == "token" and expected in str(err.value)
     if token:
         assert token not in str(err.value)
@@ -167,7 +154,7 @@ def test_require_token_false_serves_anyone_and_says_so(servers, caplog):
     assert "WITHOUT an access token" in caplog.text
     assert validate_env_config(server.env_config).token == ""
     with pytest.raises(InvalidArgumentError) as err:
-        EnvironmentServer(Corridor(), require_token=False, token="my-own-token_0123456789")
+        EnvironmentServer(WalkRight(), require_token=False, token="my-own-token_0123456789")
     assert err.value.field == "token"
 
 
@@ -221,7 +208,7 @@ def test_bad_tls_files_are_refused_naming_the_argument(certs, tmp_path, kwargs, 
     (tmp_path / "notpem.txt").write_text("hello")
     files["NOTPEM"] = tmp_path / "notpem.txt"
     with pytest.raises(InvalidArgumentError) as err:
-        EnvironmentServer(Corridor(), **{k: files[v] for k, v in kwargs.items()})
+        EnvironmentServer(WalkRight(), **{k: files[v] for k, v in kwargs.items()})
     assert err.value.field == field and expected in str(err.value)
 
 
@@ -231,7 +218,7 @@ def test_bad_tls_files_are_refused_naming_the_argument(certs, tmp_path, kwargs, 
 def test_serve_environment_passes_token_and_tls(certs):
     with RLClient(scheduler_url="127.0.0.1:1", timeout=1) as client:
         server = client.serve_environment(
-            Corridor(),
+            WalkRight(),
             token="client-given-token-0123",
             tls_cert=certs.server_cert,
             tls_key=certs.server_key,
@@ -243,7 +230,7 @@ def test_serve_environment_passes_token_and_tls(certs):
             and cfg["tls"]
             and "BEGIN CERTIFICATE" in cfg["tls_root_certificates"]
         )
-        plain = client.serve_environment(Corridor())
+        plain = client.serve_environment(WalkRight())
         assert len(plain.env_config["token"]) == 43 and "tls" not in plain.env_config
     assert server.stopped and plain.stopped
 
@@ -254,7 +241,7 @@ def test_submit_task_refuses_env_security_options_for_a_non_hosted_env(certs):
             client.submit_task(env_config=Environment(), workload_type="lora_finetune", env_tls_cert=certs.server_cert)
         assert err.value.field == "env_tls_cert"
         with pytest.raises(InvalidArgumentError) as err:  # bad TLS input: refused before anything is served
-            client.submit_task(env_config=Corridor(), workload_type="lora_finetune", env_tls_cert=certs.server_cert)
+            client.submit_task(env_config=WalkRight(), workload_type="lora_finetune", env_tls_cert=certs.server_cert)
         assert err.value.field == "tls_key"
         assert client._env_servers == []
 
