@@ -287,6 +287,15 @@ def grpo_update(
     ``old_logp`` are the sampling policy's log-probs: a no-grad pass before the first epoch when
     ``ppo_epochs > 1``; with one epoch, the epoch's own forward, detached (ratio 1).
 
+    **Dropout is off in every forward**, the loss's included: the model runs in ``eval()`` mode
+    throughout and is put in ``train()`` mode on return. The rollout sampled with dropout off, so
+    that is the behaviour policy ``pi_old`` of the ratio ``pi / pi_old``; a loss forward in
+    ``train()`` mode draws a dropout mask (``lora_dropout > 0``), so the first epoch's ratio is not
+    1 (approx_kl > 0, tokens clipped) before any step is taken. Dropout on in both passes would not
+    help: the two masks differ. TRL's ``PPOTrainer`` makes the same choice (it removes dropout from
+    the policy and the reference, ``disable_dropout_in_model``). With dropout 0 (the default)
+    ``eval()`` and ``train()`` give the same numbers.
+
     Rules, the same for every trainer that calls this:
 
     * **Missing rewards** — a NaN reward (:func:`rewards_tensor` turns ``None`` into NaN) is left
@@ -309,7 +318,8 @@ def grpo_update(
       optimised (mean over epochs, before ``kl_coef``), 0 without a reference.
 
     Args:
-        model: the policy; trained in ``train()`` mode, evaluated in ``eval()`` mode.
+        model: the policy; every forward in ``eval()`` mode (no dropout, see above), left in
+            ``train()`` mode.
         optimizer: steps the trainable parameters of ``model``.
         batch: the rows, their masks, micro-batches and rewards (:class:`GRPOBatch`).
         logprobs: ``logprobs(module, rows) -> [len(rows), T]`` float32 token log-probs of the
@@ -344,7 +354,7 @@ def grpo_update(
     ref_logp = _no_grad_logprobs(logprobs, model, batch, reference) if reference is not None else None
     old_logp = _no_grad_logprobs(logprobs, model, batch) if cfg.ppo_epochs > 1 else None
 
-    model.train()
+    model.eval()  # the loss's forwards too: the same dropout-free policy as old_logp and the sampler
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sums = {"loss/policy": 0.0, "loss/kl": 0.0, "grpo/clipfrac": 0.0, "grpo/approx_kl": 0.0}
     grad_norm = 0.0
@@ -371,6 +381,7 @@ def grpo_update(
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    model.train()
 
     out = {k: v / cfg.ppo_epochs for k, v in sums.items()}
     out["loss/total"] = out["loss/policy"] + cfg.kl_coef * out["loss/kl"]

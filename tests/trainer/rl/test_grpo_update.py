@@ -373,3 +373,47 @@ def test_headline_metrics_are_the_update_metrics_under_their_short_names():
         "zero_std_frac": out["grpo/zero_std_frac"],
     }
     assert list(headline_metrics(out)) == ["loss", "reward", "reward_std", "zero_std_frac"]
+
+
+def test_lora_dropout_leaves_the_first_minibatch_ratio_exactly_one(tiny_model_dir, monkeypatch):
+    """With ``lora_dropout > 0`` and several epochs, the old log-probs and the first epoch's
+    new ones come from the same (dropout-free) function of the same weights: ratio exactly 1."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import opentinker_trainer.rl.grpo as grpo
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = get_peft_model(base, config)
+    for name, p in model.named_parameters():  # a non-zero adapter, so that dropout on its input shows
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 1000, (4, 12), generator=g)
+    mask = torch.zeros(4, 11, dtype=torch.bool)
+    mask[:, 5:] = True
+
+    def logprobs(module, sl):
+        logits = module(input_ids=ids[sl]).logits[:, :-1]
+        return token_logprobs(logits, ids[sl, 1:])
+
+    seen = []
+    real_pg_loss = grpo.pg_loss
+
+    def recording_pg_loss(*args, **kwargs):
+        loss, stats = real_pg_loss(*args, **kwargs)
+        seen.append({k: v.item() for k, v in stats.items()})
+        return loss, stats
+
+    monkeypatch.setattr(grpo, "pg_loss", recording_pg_loss)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = GRPOBatch(rewards=torch.tensor([[1.0, 0.0], [0.0, 1.0]]), mask=mask, chunks=chunks(4, 2))
+    grpo_update(model, optimizer, batch, logprobs, Config(ppo_epochs=2), reference=ADAPTER_OFF)
+    assert len(seen) == 4  # 2 epochs x 2 minibatches
+    assert seen[0] == {"ratio_mean": 1.0, "approx_kl": 0.0, "clipfrac": 0.0}
+    assert seen[1] == {"ratio_mean": 1.0, "approx_kl": 0.0, "clipfrac": 0.0}  # the step comes after both
+    assert seen[2]["approx_kl"] > 0  # the second epoch sees the step
+    assert model.training  # left in train mode, as before
+    assert all(m.training for m in model.modules())
