@@ -11,6 +11,12 @@ An adapter is refused before loading when its files are not a LoRA adapter of th
 (:func:`validate_adapter`): no ``adapter_model.safetensors``, no ``lora_A``/``lora_B`` tensors,
 or tensors for modules the base model does not have or with the wrong shapes. PEFT itself would
 load such a file with a warning and then silently serve the base model.
+
+It is refused after loading too, and taken off the model again, unless PEFT loaded all of it
+(:func:`unloaded_keys`): every LoRA tensor of the file went into the adapter, and every module
+the adapter's config targets got its weights. Otherwise keys without the ``base_model.model.``
+prefix (PEFT matches none of them: ``lora_B`` stays 0, the outputs are the base model's), or a
+file lacking a target module or some layers, would be served as the base or a partial adapter.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ __all__ = [
     "AdaptersBusy",
     "AdapterInfo",
     "AdapterRegistry",
+    "unloaded_keys",
     "validate_adapter",
 ]
 
@@ -138,6 +145,35 @@ def validate_adapter(path: Path, base_model) -> int:
             f"{' ...' if len(bad_shape) > 10 else ''}"
         )
     return size
+
+
+def unloaded_keys(model, name: str, path: Path) -> tuple[list[str], list[str]]:
+    """What PEFT did not load of the adapter file at ``path`` into adapter ``name`` of ``model`` (a
+    ``PeftModel`` that has just loaded it); reads the file's keys only.
+
+    The adapter's tensors in ``model`` are named as PEFT saves them
+    (``peft.get_peft_model_state_dict(model, adapter_name=name)``, e.g.
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), the names PEFT's loader
+    maps the file's keys onto; a key of one that the other lacks was not loaded.
+
+    Returns:
+        ``(missing, not_loaded)``, each sorted: ``missing`` — the adapter's tensors (one per
+        module its config targets and LoRA part) with no key in the file, so left at their initial
+        values (``lora_B`` 0); ``not_loaded`` — the file's LoRA keys that name none of them.
+    """
+    from peft import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    expected = set(get_peft_model_state_dict(model, adapter_name=name))
+    with safe_open(str(Path(path) / WEIGHTS), framework="pt") as f:
+        in_file = set(f.keys())
+    missing = sorted(expected - in_file)
+    not_loaded = sorted(k for k in in_file - expected if _module_of(k) is not None)
+    return missing, not_loaded
+
+
+def _listed(keys: list[str], limit: int = 10) -> str:
+    return ", ".join(keys[:limit]) + (f" ... ({len(keys)} in all)" if len(keys) > limit else "")
 
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
@@ -289,6 +325,18 @@ class AdapterRegistry:
             if name in getattr(self.model, "peft_config", {}):
                 self._delete(name)
             raise AdapterRefused(f"adapter {name!r} ({path}) cannot be loaded on this base model: {exc}") from None
+        missing, not_loaded = unloaded_keys(self.model, name, path)
+        if missing or not_loaded:
+            self._delete(name)
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} tensor(s) its config targets are not in the file: {_listed(missing)}")
+            if not_loaded:
+                parts.append(f"{len(not_loaded)} LoRA key(s) of the file match none of them: {_listed(not_loaded)}")
+            raise AdapterRefused(
+                f"adapter {name!r} ({path}): not every LoRA tensor was loaded ({'; '.join(parts)}); PEFT names "
+                "them base_model.model.<module>.lora_A.weight, one per targeted module"
+            )
         self.model.eval()  # new LoRA modules (their dropout) start in train mode
         self._active = _UNKNOWN
         self.loads += 1
@@ -299,7 +347,12 @@ class AdapterRegistry:
         self.evictions += 1
 
     def _delete(self, name: str) -> None:
-        self.model.delete_adapter(name)
+        if list(self.model.peft_config) == [name]:
+            # The last one: back to the bare base model (a PeftModel without adapters cannot run).
+            self.model.unload()
+            self.model = self.base
+        else:
+            self.model.delete_adapter(name)
         self._active = _UNKNOWN
 
 
