@@ -46,7 +46,14 @@ from opentinker_scheduler.policy.placement import (
 )
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
 from opentinker_scheduler.state.queue import LiveTasks, PendingQueue, QueueKey, ReasonsView
-from opentinker_scheduler.state.store import ACTIVE_STATES, STATE_NAMES, Store, TaskRow  # noqa: F401  (STATE_NAMES re-exported)
+from opentinker_scheduler.state.store import (  # noqa: F401  (STATE_NAMES re-exported)
+    ACTIVE_STATES,
+    CANCELLED_BY_USER,
+    STATE_NAMES,
+    Store,
+    TaskRow,
+    cancel_error,
+)
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -278,6 +285,10 @@ class SchedulerCore:
     def cancel(self, task_id: str, *, owner: str | None = None, reason: str = "") -> TaskRow:
         """Cancel a pending or running task. Idempotent: a finished task is returned unchanged.
 
+        Its ``error`` says who and why (:func:`~.store.cancel_error`: ``"cancelled by user: <reason>"``,
+        or ``"cancelled by user"`` when ``reason`` is ""); the CANCELLED event's message is ``reason``
+        (or ``"cancelled by user"``).
+
         A running task's GPUs stay in the ledger until its node confirms the process is gone.
         """
         task = self.get(task_id, owner=owner)
@@ -285,8 +296,9 @@ class SchedulerCore:
             return task
         was_active = task.state in ACTIVE_STATES
         node_id, attempt = task.node_id, task.attempt
+        task.error = cancel_error(reason)
         self.transition(
-            task, S.TASK_STATE_CANCELLED, "CANCELLED", reason or "cancelled by user", end=True, keep_node=True
+            task, S.TASK_STATE_CANCELLED, "CANCELLED", reason or CANCELLED_BY_USER, end=True, keep_node=True
         )
         self._queued_at.pop(task_id, None)
         self.preemptions.forget(task_id)
@@ -295,7 +307,7 @@ class SchedulerCore:
             self.nodes[node_id].push(
                 node_pb2.ConnectResponse(
                     cancel_task=node_pb2.CancelTask(
-                        task_id=task_id, attempt=attempt, reason=reason or "cancelled by user"
+                        task_id=task_id, attempt=attempt, reason=reason or CANCELLED_BY_USER
                     )
                 )
             )

@@ -136,6 +136,37 @@ def test_cancel_pending_and_running_is_idempotent(tmp_path) -> None:
     assert c.task_id
 
 
+def test_cancelled_task_error_says_who_and_why(tmp_path) -> None:
+    core = make_core(tmp_path)
+    a = core.submit(spec(), owner="u")
+    b = core.submit(spec(), owner="u")
+    core.cancel(a.task_id, reason="enough")
+    core.cancel(b.task_id)
+    for task_id, error in ((a.task_id, "cancelled by user: enough"), (b.task_id, "cancelled by user")):
+        assert core.get(task_id).error == error
+        assert core.store.get_task(task_id).error == error
+        ended = [e.state_change for e in core.store.events_after(task_id, 0) if e.HasField("state_change")][-1]
+        assert ended.to_state == C.TASK_STATE_CANCELLED and ended.reason == "CANCELLED"
+    assert {t.task_id: t.error for t in core.store.list_tasks()} == {
+        a.task_id: "cancelled by user: enough",
+        b.task_id: "cancelled by user",
+    }
+
+
+def test_task_cancelled_before_a_restart_gets_its_error_from_its_event(tmp_path) -> None:
+    core = make_core(tmp_path)
+    a = core.submit(spec(), owner="u")
+    b = core.submit(spec(), owner="u")
+    core.cancel(a.task_id, reason="enough")
+    core.cancel(b.task_id)
+    # Rows written by a scheduler that kept the reason only in the event.
+    core.store.db.execute("UPDATE tasks SET error=''")
+    core.store.close()
+    core2 = make_core(tmp_path)
+    assert core2.get(a.task_id).error == "cancelled by user: enough"
+    assert core2.get(b.task_id).error == "cancelled by user"
+
+
 def _restarted_while_running(tmp_path, gpus: int = 0, **config):
     """Submit a ``gpus``-GPU task, run it on the one node, then stop the core without a word to
     the node and open a new one on the same state directory (both with ``config``):
