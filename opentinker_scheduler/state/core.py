@@ -331,7 +331,10 @@ class SchedulerCore:
             return ""
         now = time.time()
         if task.not_before > now:
-            return f"waiting {task.not_before - now:.0f} s more before retrying (backoff after a failed attempt)"
+            return (
+                f"waiting {task.not_before - now:.0f} s more before retrying as attempt {task.attempt} "
+                f"(backoff after attempt {task.attempt - 1} failed)"
+            )
         position, length = self.queue.position(task_id), len(self.queue)
         waiting = self.preemptions.waiting_on(task_id)
         if waiting is not None:
@@ -508,29 +511,34 @@ class SchedulerCore:
         self, task: TaskRow, reason: str, message: str, *, extra=(), backoff: bool, failure: bool = True
     ) -> None:
         """Back to PENDING as attempt + 1. A hand-back (drain, preemption) is not a failure: it
-        grants one more attempt, so only failures and lost nodes use up ``max_attempts``."""
+        grants one more attempt, so only failures and lost nodes use up ``max_attempts``.
+
+        With ``backoff`` the task is not placed for ``min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S
+        * 2 ** (failed attempt - 1))`` seconds and the event says so: ``"attempt 2 queued; retrying
+        in 2 s (backoff after attempt 1 failed: <message>)"``; without it, ``"<message>; attempt 2
+        queued"``. Either ends in ``"; resumes from step N"`` when there is a checkpoint."""
         if not failure:
             task.max_attempts += 1
         if task.attempt >= task.max_attempts:
             task.error = f"{message}; max_attempts ({task.max_attempts}) exhausted"
             self.transition(task, S.TASK_STATE_FAILED, reason, task.error, extra=extra, end=True, keep_node=True)
             return
+        failed = task.attempt
+        delay = min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S * 2 ** (failed - 1)) if backoff else 0.0
         task.attempt += 1
         task.node_id = ""
         task.device_indices = []
-        task.not_before = time.time() + (
-            min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S * 2 ** (task.attempt - 2)) if backoff else 0.0
-        )
+        task.not_before = time.time() + delay
         self._queued_at[task.task_id] = time.monotonic()
+        if backoff:
+            queued = (
+                f"attempt {task.attempt} queued; retrying in {delay:.0f} s "
+                f"(backoff after attempt {failed} failed: {message})"
+            )
+        else:
+            queued = f"{message}; attempt {task.attempt} queued"
         resume = f"; resumes from step {task.latest_checkpoint.step}" if task.latest_checkpoint is not None else ""
-        self.transition(
-            task,
-            S.TASK_STATE_PENDING,
-            reason,
-            f"{message}; attempt {task.attempt} queued{resume}",
-            extra=extra,
-            keep_node=True,
-        )
+        self.transition(task, S.TASK_STATE_PENDING, reason, queued + resume, extra=extra, keep_node=True)
 
     def transition(
         self,
