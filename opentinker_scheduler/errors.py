@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
+import re
+
 import grpc
+
+#: A message that names a request field starts with its path and ": " (``spec.hyperparameters.lr: ``,
+#: ``spec.datasets[0].uri: ``, ``page_size: ``).
+_FIELD_PATH = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+|\[\d+\])*): ")
 
 
 class SchedulerError(Exception):
@@ -16,6 +22,13 @@ class NotFound(SchedulerError):
 
 class InvalidArgument(SchedulerError):
     """INVALID_ARGUMENT: a request field is bad; the message names its path."""
+
+    @property
+    def field(self) -> str | None:
+        """The field path the message starts with (``"spec.hyperparameters.learning_rate"`` of
+        ``"spec.hyperparameters.learning_rate: expected ..."``), or None when it names none."""
+        m = _FIELD_PATH.match(str(self))
+        return m.group(1) if m else None
 
 
 class FailedPrecondition(SchedulerError):

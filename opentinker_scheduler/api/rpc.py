@@ -5,7 +5,9 @@ commit, audited actions are recorded with the status code's name.
 streaming handlers use :func:`abort_mapped` and :func:`record` for the same mapping and audit.
 Status codes come from :func:`opentinker_scheduler.errors.status_code` (one table); a
 ``sqlite3.Error`` is UNAVAILABLE ("state store unavailable: ..."); anything else is re-raised
-(gRPC answers UNKNOWN) and audited as ``INTERNAL``.
+(gRPC answers UNKNOWN) and audited as ``INTERNAL``. An INVALID_ARGUMENT whose message names a
+field (:attr:`~opentinker_scheduler.errors.InvalidArgument.field`) also carries it as a
+``google.rpc.BadRequest`` detail, so clients read the field path without parsing the message.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
-from opentinker_scheduler.errors import status_code
+from opentinker_scheduler.errors import InvalidArgument, status_code
 from opentinker_scheduler.security.auth import caller
 from opentinker_scheduler.security.bundle import Security
 from opentinker_scheduler.security.keys import Principal
 
-__all__ = ["Call", "abort_mapped", "outcome", "record", "refusal", "rpc"]
+__all__ = ["Call", "abort_mapped", "bad_request_status", "outcome", "record", "refusal", "rpc"]
 
 #: Longest ``error`` kept in an audit record's detail (characters).
 MAX_AUDIT_ERROR = 500
@@ -48,11 +53,30 @@ def outcome(exc: BaseException | None) -> str:
     return mapped[0].name if mapped is not None else grpc.StatusCode.INTERNAL.name
 
 
+def bad_request_status(exc: InvalidArgument) -> grpc.Status | None:
+    """The INVALID_ARGUMENT status of ``exc`` with one ``google.rpc.BadRequest`` field violation
+    (``field``: the path its message starts with; ``description``: the rest of the message), or
+    None when the message names no field."""
+    path = exc.field
+    if path is None:
+        return None
+    message = str(exc)
+    violation = error_details_pb2.BadRequest.FieldViolation(field=path, description=message[len(path) + 2 :])
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+    code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=[detail]))
+
+
 async def abort_mapped(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    """Abort the RPC with the status code of a refusal (:func:`refusal`); re-raise anything else."""
+    """Abort the RPC with the status code of a refusal (:func:`refusal`), a field-naming
+    INVALID_ARGUMENT with its BadRequest detail (:func:`bad_request_status`); re-raise anything else."""
     mapped = refusal(exc)
     if mapped is None:
         raise exc
+    status = bad_request_status(exc) if isinstance(exc, InvalidArgument) else None
+    if status is not None:
+        await context.abort_with_status(status)
     await context.abort(*mapped)
 
 
@@ -88,7 +112,8 @@ def rpc(*, action: str | None = None) -> Callable[[Handler], Callable[[Any, Any,
     """Decorate ``async def Method(self, request, call: Call)`` into a gRPC unary handler.
 
     * A refusal the handler raises (a :class:`~opentinker_scheduler.errors.SchedulerError`, a
-      store error) aborts the RPC with its status code and message (:func:`refusal`).
+      store error) aborts the RPC with its status code and message (:func:`refusal`), and a
+      field-naming INVALID_ARGUMENT with its BadRequest detail too (:func:`abort_mapped`).
     * ``action`` (one of :data:`~opentinker_scheduler.security.audit.ACTIONS`): the call is
       audited, refused (outcome = the status code's name) or not (``OK``), with ``call.detail``.
     * The answer leaves only once everything written so far is committed (``await

@@ -46,7 +46,14 @@ from opentinker_scheduler.policy.placement import (
 )
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
 from opentinker_scheduler.state.queue import LiveTasks, PendingQueue, QueueKey, ReasonsView
-from opentinker_scheduler.state.store import ACTIVE_STATES, STATE_NAMES, Store, TaskRow  # noqa: F401  (STATE_NAMES re-exported)
+from opentinker_scheduler.state.store import (  # noqa: F401  (STATE_NAMES re-exported)
+    ACTIVE_STATES,
+    CANCELLED_BY_USER,
+    STATE_NAMES,
+    Store,
+    TaskRow,
+    cancel_error,
+)
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -278,6 +285,10 @@ class SchedulerCore:
     def cancel(self, task_id: str, *, owner: str | None = None, reason: str = "") -> TaskRow:
         """Cancel a pending or running task. Idempotent: a finished task is returned unchanged.
 
+        Its ``error`` says who and why (:func:`~.store.cancel_error`: ``"cancelled by user: <reason>"``,
+        or ``"cancelled by user"`` when ``reason`` is ""); the CANCELLED event's message is ``reason``
+        (or ``"cancelled by user"``).
+
         A running task's GPUs stay in the ledger until its node confirms the process is gone.
         """
         task = self.get(task_id, owner=owner)
@@ -285,8 +296,9 @@ class SchedulerCore:
             return task
         was_active = task.state in ACTIVE_STATES
         node_id, attempt = task.node_id, task.attempt
+        task.error = cancel_error(reason)
         self.transition(
-            task, S.TASK_STATE_CANCELLED, "CANCELLED", reason or "cancelled by user", end=True, keep_node=True
+            task, S.TASK_STATE_CANCELLED, "CANCELLED", reason or CANCELLED_BY_USER, end=True, keep_node=True
         )
         self._queued_at.pop(task_id, None)
         self.preemptions.forget(task_id)
@@ -295,7 +307,7 @@ class SchedulerCore:
             self.nodes[node_id].push(
                 node_pb2.ConnectResponse(
                     cancel_task=node_pb2.CancelTask(
-                        task_id=task_id, attempt=attempt, reason=reason or "cancelled by user"
+                        task_id=task_id, attempt=attempt, reason=reason or CANCELLED_BY_USER
                     )
                 )
             )
@@ -319,7 +331,10 @@ class SchedulerCore:
             return ""
         now = time.time()
         if task.not_before > now:
-            return f"waiting {task.not_before - now:.0f} s more before retrying (backoff after a failed attempt)"
+            return (
+                f"waiting {task.not_before - now:.0f} s more before retrying as attempt {task.attempt} "
+                f"(backoff after attempt {task.attempt - 1} failed)"
+            )
         position, length = self.queue.position(task_id), len(self.queue)
         waiting = self.preemptions.waiting_on(task_id)
         if waiting is not None:
@@ -496,29 +511,34 @@ class SchedulerCore:
         self, task: TaskRow, reason: str, message: str, *, extra=(), backoff: bool, failure: bool = True
     ) -> None:
         """Back to PENDING as attempt + 1. A hand-back (drain, preemption) is not a failure: it
-        grants one more attempt, so only failures and lost nodes use up ``max_attempts``."""
+        grants one more attempt, so only failures and lost nodes use up ``max_attempts``.
+
+        With ``backoff`` the task is not placed for ``min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S
+        * 2 ** (failed attempt - 1))`` seconds and the event says so: ``"attempt 2 queued; retrying
+        in 2 s (backoff after attempt 1 failed: <message>)"``; without it, ``"<message>; attempt 2
+        queued"``. Either ends in ``"; resumes from step N"`` when there is a checkpoint."""
         if not failure:
             task.max_attempts += 1
         if task.attempt >= task.max_attempts:
             task.error = f"{message}; max_attempts ({task.max_attempts}) exhausted"
             self.transition(task, S.TASK_STATE_FAILED, reason, task.error, extra=extra, end=True, keep_node=True)
             return
+        failed = task.attempt
+        delay = min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S * 2 ** (failed - 1)) if backoff else 0.0
         task.attempt += 1
         task.node_id = ""
         task.device_indices = []
-        task.not_before = time.time() + (
-            min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S * 2 ** (task.attempt - 2)) if backoff else 0.0
-        )
+        task.not_before = time.time() + delay
         self._queued_at[task.task_id] = time.monotonic()
+        if backoff:
+            queued = (
+                f"attempt {task.attempt} queued; retrying in {delay:.0f} s "
+                f"(backoff after attempt {failed} failed: {message})"
+            )
+        else:
+            queued = f"{message}; attempt {task.attempt} queued"
         resume = f"; resumes from step {task.latest_checkpoint.step}" if task.latest_checkpoint is not None else ""
-        self.transition(
-            task,
-            S.TASK_STATE_PENDING,
-            reason,
-            f"{message}; attempt {task.attempt} queued{resume}",
-            extra=extra,
-            keep_node=True,
-        )
+        self.transition(task, S.TASK_STATE_PENDING, reason, queued + resume, extra=extra, keep_node=True)
 
     def transition(
         self,

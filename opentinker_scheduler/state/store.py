@@ -91,6 +91,16 @@ TERMINAL_STATES = (
     common_pb2.TASK_STATE_CANCELLED,
 )
 
+#: Who cancels a task through CancelTask; the state event's message when no reason is given.
+CANCELLED_BY_USER = "cancelled by user"
+
+
+def cancel_error(reason: str) -> str:
+    """``Task.error`` of a task cancelled with ``reason`` (its CANCELLED event's message; "" or
+    :data:`CANCELLED_BY_USER` when none was given): who cancelled it, then why, e.g.
+    ``"cancelled by user: enough"``, or just ``"cancelled by user"``."""
+    return f"{CANCELLED_BY_USER}: {reason}" if reason and reason != CANCELLED_BY_USER else CANCELLED_BY_USER
+
 
 @dataclass
 class TaskRow:
@@ -211,6 +221,7 @@ class Store:
         self._tx_failed = False
         #: Called before every write transaction starts; the core uses it to open a group commit.
         self.before_write: Callable[[], None] | None = None
+        self._fill_cancelled_errors()
 
     def close(self) -> None:
         self.db.close()
@@ -380,6 +391,27 @@ class Store:
         return [common_pb2.TaskEvent.FromString(r[0]).checkpoint for r in rows]
 
     # --- internals -----------------------------------------------------------------------------
+    def _fill_cancelled_errors(self) -> None:
+        """Give CANCELLED rows with an empty ``error`` (written by schedulers that kept the
+        reason only in the event) the error :func:`cancel_error` makes of their CANCELLED event."""
+        rows = self.db.execute(
+            "SELECT task_id FROM tasks WHERE state=? AND error=''", (common_pb2.TASK_STATE_CANCELLED,)
+        ).fetchall()
+        if not rows:
+            return
+        with self._tx():
+            for (task_id,) in rows:
+                found = self.db.execute(
+                    "SELECT payload FROM events WHERE task_id=? AND kind='state' ORDER BY seq DESC LIMIT 1",
+                    (task_id,),
+                ).fetchone()
+                if found is None:
+                    continue
+                change = common_pb2.TaskEvent.FromString(found[0]).state_change
+                if change.to_state != common_pb2.TASK_STATE_CANCELLED:
+                    continue
+                self.db.execute("UPDATE tasks SET error=? WHERE task_id=?", (cancel_error(change.message), task_id))
+
     def _append_event(self, task_id: str, ev: common_pb2.TaskEvent) -> common_pb2.TaskEvent:
         seq = self.db.execute("SELECT next_seq FROM tasks WHERE task_id=?", (task_id,)).fetchone()[0]
         ev.task_id = task_id

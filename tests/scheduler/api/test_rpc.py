@@ -8,10 +8,21 @@ import sqlite3
 import grpc
 import pytest
 
-from opentinker.scheduler.v1 import admin_pb2 as A, admin_pb2_grpc
-from opentinker_scheduler.api.rpc import outcome, refusal
-from opentinker_scheduler.errors import AlreadyExists, FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
+from opentinker.scheduler.v1 import admin_pb2 as A, admin_pb2_grpc, scheduler_pb2 as S, scheduler_pb2_grpc
+from opentinker_scheduler.api.rpc import outcome, refusal
+from opentinker_scheduler.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
+
+from tests.support.scheduler_core import spec
 from tests.support.security import LoopbackScheduler, metadata
 
 
@@ -62,3 +73,49 @@ def test_refused_key_actions_are_audited_with_the_status_code_name(sched) -> Non
     assert all(e.owner == "alice" and e.key_prefix == alice_key.key.prefix for e in refused.values())
     assert alice_node.key.prefix in refused["key.revoke"].detail_json
     assert "may not revoke" in refused["key.revoke"].detail_json
+
+
+def test_invalid_argument_names_its_field_from_the_message_prefix() -> None:
+    assert InvalidArgument("spec.hyperparameters.learning_rate: expected a number").field == (
+        "spec.hyperparameters.learning_rate"
+    )
+    assert InvalidArgument("spec.datasets[0].uri: expected a URI").field == "spec.datasets[0].uri"
+    assert InvalidArgument("page_size: expected 1..1000, got 0").field == "page_size"
+    assert InvalidArgument("dataset line 3: expected JSON").field is None
+    assert InvalidArgument("name, total_bytes: expected only in the first message").field is None
+
+
+def _bad_request(err: grpc.RpcError) -> list[tuple[str, str]]:
+    """``(field, description)`` of the BadRequest detail in the trailers of ``err``."""
+    status = rpc_status.from_call(err)
+    assert status is not None, "no google.rpc.Status in the trailers"
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and status.message == err.details()
+    (detail,) = status.details
+    bad = error_details_pb2.BadRequest()
+    assert detail.Unpack(bad)
+    return [(v.field, v.description) for v in bad.field_violations]
+
+
+def test_invalid_arguments_carry_their_field_as_a_bad_request_detail(tmp_path) -> None:
+    with LoopbackScheduler(tmp_path / "state") as sched, sched.channel() as ch:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SubmitTask(S.SubmitTaskRequest(spec=spec(learning_rate="fast")))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("spec.hyperparameters.learning_rate: expected")
+        ((field, description),) = _bad_request(err.value)
+        assert field == "spec.hyperparameters.learning_rate"
+        assert description == err.value.details().removeprefix(f"{field}: ")
+
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ListTasks(S.ListTasksRequest(page_size=5000))
+        assert _bad_request(err.value) == [("page_size", "expected 1..1000, got 5000")]
+
+        with pytest.raises(grpc.RpcError) as err:  # a streaming handler maps the same way
+            next(iter(stub.WatchTask(S.WatchTaskRequest(task_id=""))))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [f for f, _ in _bad_request(err.value)] == ["task_id"]
+
+        with pytest.raises(grpc.RpcError) as err:  # other refusals keep a plain status
+            stub.GetTask(S.GetTaskRequest(task_id="task-nope"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and rpc_status.from_call(err.value) is None

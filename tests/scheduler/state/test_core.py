@@ -105,6 +105,10 @@ def test_failure_retry_then_user_error_not_retried(tmp_path) -> None:
     report(core, node, task.task_id, 1, C.TASK_STATE_FAILED, error="CUDA OOM", retryable=True)
     t = core.get(task.task_id)
     assert t.state == C.TASK_STATE_PENDING and t.attempt == 2 and t.not_before > time.time()
+    requeued = [e.state_change for e in core.store.events_after(task.task_id, 0) if e.HasField("state_change")][-1]
+    assert requeued.reason == "ATTEMPT_FAILED"
+    assert requeued.message == "attempt 2 queued; retrying in 2 s (backoff after attempt 1 failed: CUDA OOM)"
+    assert core.pending_reasons[task.task_id].endswith("before retrying as attempt 2 (backoff after attempt 1 failed)")
     t2 = core.submit(spec(), owner="u")
     core.schedule()
     drain(node)
@@ -134,6 +138,37 @@ def test_cancel_pending_and_running_is_idempotent(tmp_path) -> None:
     with pytest.raises(NotFound):
         core.cancel("task-nope")
     assert c.task_id
+
+
+def test_cancelled_task_error_says_who_and_why(tmp_path) -> None:
+    core = make_core(tmp_path)
+    a = core.submit(spec(), owner="u")
+    b = core.submit(spec(), owner="u")
+    core.cancel(a.task_id, reason="enough")
+    core.cancel(b.task_id)
+    for task_id, error in ((a.task_id, "cancelled by user: enough"), (b.task_id, "cancelled by user")):
+        assert core.get(task_id).error == error
+        assert core.store.get_task(task_id).error == error
+        ended = [e.state_change for e in core.store.events_after(task_id, 0) if e.HasField("state_change")][-1]
+        assert ended.to_state == C.TASK_STATE_CANCELLED and ended.reason == "CANCELLED"
+    assert {t.task_id: t.error for t in core.store.list_tasks()} == {
+        a.task_id: "cancelled by user: enough",
+        b.task_id: "cancelled by user",
+    }
+
+
+def test_task_cancelled_before_a_restart_gets_its_error_from_its_event(tmp_path) -> None:
+    core = make_core(tmp_path)
+    a = core.submit(spec(), owner="u")
+    b = core.submit(spec(), owner="u")
+    core.cancel(a.task_id, reason="enough")
+    core.cancel(b.task_id)
+    # Rows written by a scheduler that kept the reason only in the event.
+    core.store.db.execute("UPDATE tasks SET error=''")
+    core.store.close()
+    core2 = make_core(tmp_path)
+    assert core2.get(a.task_id).error == "cancelled by user: enough"
+    assert core2.get(b.task_id).error == "cancelled by user"
 
 
 def _restarted_while_running(tmp_path, gpus: int = 0, **config):
