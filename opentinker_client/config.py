@@ -21,10 +21,15 @@ workload's (for ``lora_finetune`` see :class:`opentinker_common.spec.GRPOConfig`
 
 The file is checked strictly, with the same code the scheduler uses: an unknown key (at the top,
 in ``env`` or in ``hyperparameters``), a duplicate key, a wrong type or a value out of range is
-refused with :class:`~opentinker_client.errors.ConfigError` naming the file, the line and the
-key, e.g.::
+refused with :class:`~opentinker_client.errors.ConfigError` naming the file, the line and column
+(1-based, of the key) and the key, e.g.::
 
-    INVALID_ARGUMENT: task.yaml:9: hyperparameters.lr: unknown key, expected one of the known keys (...)
+    INVALID_ARGUMENT: task.yaml:9:5: hyperparameters.lr: unknown key, expected one of the known keys (...)
+
+The file is read as YAML 1.2 (:class:`opentinker_common.yaml12.Yaml12Loader`): only ``true`` and
+``false`` are booleans, so ``model: no`` is the string ``"no"``, and a key that wants a boolean
+refuses ``no``/``off``/``yes``/``on`` with a hint (``expected true or false; 'no' is a string in
+YAML 1.2 — write false``).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from opentinker.common.v1 import common_pb2
 from opentinker_client._convert import dict_to_struct, seconds_to_duration
 from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spec_error
 from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel
-from opentinker_common.yaml12 import Yaml12Loader
+from opentinker_common.yaml12 import Yaml12Loader, yaml11_bool_hint
 
 __all__ = ["TaskConfig", "load_task_config", "parse_task_config"]
 
@@ -177,38 +182,49 @@ def _check_parts(cfg: TaskConfig) -> TaskSpecModel:
 
 
 # ---------------------------------------------------------------------------------------------
-# YAML with line numbers.
+# YAML with line and column numbers.
 
 Path = tuple  # of str keys and int list indices
+Pos = tuple  # (line, column), both 1-based
+
+#: Where an error with no better place points: the start of the file.
+_START: Pos = (1, 1)
 
 
-def _line(node: yaml.Node) -> int:
-    return node.start_mark.line + 1
+def _pos(mark: yaml.Mark) -> Pos:
+    return (mark.line + 1, mark.column + 1)
 
 
-def _index_lines(node: yaml.Node, path: Path, lines: dict[Path, int], source: str) -> None:
-    """Record the line of every mapping key and list item; refuse non-scalar and duplicate keys."""
+def _at(pos: Pos | None) -> dict[str, int | None]:
+    """``ConfigError`` keyword arguments for ``pos``."""
+    return {"line": pos[0], "column": pos[1]} if pos else {"line": None, "column": None}
+
+
+def _index_lines(node: yaml.Node, path: Path, lines: dict[Path, Pos], source: str) -> None:
+    """Record the (line, column) of every mapping key and list item; refuse non-scalar and
+    duplicate keys."""
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
         for key_node, value_node in node.value:
+            where = _pos(key_node.start_mark)
             if not isinstance(key_node, yaml.ScalarNode):
                 raise ConfigError(
-                    "mapping keys must be plain names", source=source, line=_line(key_node), key=_dotted(path) or None
+                    "mapping keys must be plain names", source=source, **_at(where), key=_dotted(path) or None
                 )
             key = key_node.value
             if key in seen:
                 raise ConfigError(
                     f"duplicate key (first on line {seen[key]})",
                     source=source,
-                    line=_line(key_node),
+                    **_at(where),
                     key=_dotted(path + (key,)),
                 )
-            seen[key] = _line(key_node)
-            lines[path + (key,)] = _line(key_node)
+            seen[key] = where[0]
+            lines[path + (key,)] = where
             _index_lines(value_node, path + (key,), lines, source)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            lines[path + (i,)] = _line(item)
+            lines[path + (i,)] = _pos(item.start_mark)
             _index_lines(item, path + (i,), lines, source)
 
 
@@ -246,13 +262,25 @@ def _spec_field_to_path(spec_field: str) -> Path | None:
     return None
 
 
-def _line_for(path: Path, lines: dict[Path, int]) -> int | None:
-    """Line of ``path``, or of its nearest parent that is in the file."""
+def _line_for(path: Path, lines: dict[Path, Pos]) -> Pos | None:
+    """(line, column) of ``path``, or of its nearest parent that is in the file."""
     for n in range(len(path), 0, -1):
         line = lines.get(path[:n])
         if line is not None:
             return line
     return None
+
+
+def _value_at(data: Any, path: Path) -> Any:
+    """The loaded value at ``path`` in ``data``, or ``None`` when there is none."""
+    for part in path:
+        if isinstance(data, Mapping) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and 0 <= part < len(data):
+            data = data[part]
+        else:
+            return None
+    return data
 
 
 def _type_ok(key: str, value: Any) -> bool:
@@ -278,26 +306,30 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
 
     Raises:
         ConfigError: not YAML, not a mapping, an unknown or duplicate key, a wrong type or a bad
-            value; ``err.line`` and ``err.key`` say where.
+            value (a YAML 1.1 boolean word such as ``no`` where a boolean is wanted is refused
+            with a hint); ``err.line``, ``err.column`` (1-based) and ``err.key`` say where.
     """
     try:
         root = yaml.compose(text, Loader=Yaml12Loader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
         problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError(f"not valid YAML: {problem}", source=source, line=mark.line + 1 if mark else None) from None
+        raise ConfigError(f"not valid YAML: {problem}", source=source, **_at(_pos(mark) if mark else None)) from None
     if root is None:
-        raise ConfigError("the file is empty; expected a mapping with at least workload_type", source=source)
+        raise ConfigError(
+            "the file is empty; expected a mapping with at least workload_type", source=source, **_at(_START)
+        )
+    root_pos = _pos(root.start_mark)
     if not isinstance(root, yaml.MappingNode):
-        raise ConfigError("expected a mapping of keys to values at the top level", source=source, line=_line(root))
-    lines: dict[Path, int] = {}
+        raise ConfigError("expected a mapping of keys to values at the top level", source=source, **_at(root_pos))
+    lines: dict[Path, Pos] = {}
     _index_lines(root, (), lines, source)
     try:
         data = Yaml12Loader(text).get_single_data()
     except yaml.YAMLError as err:  # e.g. a bad !!tag that composes but does not construct
         mark = getattr(err, "problem_mark", None)
         raise ConfigError(
-            f"not valid YAML: {getattr(err, 'problem', err)}", source=source, line=mark.line + 1 if mark else None
+            f"not valid YAML: {getattr(err, 'problem', err)}", source=source, **_at(_pos(mark) if mark else None)
         ) from None
 
     for key in data:
@@ -305,14 +337,14 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
             raise ConfigError(
                 f"unknown key, expected one of the known keys ({', '.join(_KEYS)})",
                 source=source,
-                line=lines.get((str(key),)),
+                **_at(lines.get((str(key),))),
                 key=str(key),
             )
     if "workload_type" not in data:
-        raise ConfigError(f"missing workload_type ({_KEYS['workload_type']})", source=source, line=1)
+        raise ConfigError(f"missing workload_type ({_KEYS['workload_type']})", source=source, **_at(root_pos))
     for key, value in data.items():
         if not _type_ok(key, value):
-            raise ConfigError(f"expected {_KEYS[key]}, got {value!r}", source=source, line=lines.get((key,)), key=key)
+            raise ConfigError(f"expected {_KEYS[key]}, got {value!r}", source=source, **_at(lines.get((key,))), key=key)
 
     def opt(key: str, default: Any) -> Any:
         value = data.get(key)
@@ -342,8 +374,11 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
             detail = detail[len(err.field) + 2 :]
         if err.expected.startswith("one of the known keys"):
             detail = "unknown key, " + detail
+        hint = yaml11_bool_hint(_value_at(data, path)) if path and err.expected == "true or false" else None
+        if hint:
+            detail = f"expected {err.expected}; {hint}"
         raise ConfigError(
-            detail, source=source, line=_line_for(path, lines) if path else None, key=key or None
+            detail, source=source, **_at(_line_for(path, lines) if path else root_pos), key=key or None
         ) from None
     # Values a Struct cannot carry (dates, huge integers) are refused here, with their line.
     for part in ("env", "hyperparameters"):
@@ -356,7 +391,7 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
                 m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _PATH_PART.finditer("." + sub)
             )
             raise ConfigError(
-                msg.split(": ", 1)[-1], source=source, line=_line_for(path, lines), key=f"{part}.{sub}"
+                msg.split(": ", 1)[-1], source=source, **_at(_line_for(path, lines)), key=f"{part}.{sub}"
             ) from None
     return cfg
 
@@ -374,7 +409,7 @@ def load_task_config(path: str | os.PathLike[str]) -> TaskConfig:
     Raises:
         OSError: the file cannot be read (e.g. :class:`FileNotFoundError`).
         ConfigError: the content is not a valid task config; the message names the file, the
-            line and the key.
+            line and column, and the key.
     """
     path = os.fspath(path)
     with open(path, encoding="utf-8") as fh:

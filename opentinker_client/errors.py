@@ -120,21 +120,33 @@ class InvalidArgumentError(OpenTinkerError, code=grpc.StatusCode.INVALID_ARGUMEN
 class ConfigError(InvalidArgumentError):
     """A task config file is not valid: unknown key, wrong type, bad value, or not YAML.
 
-    ``str(err)`` reads ``INVALID_ARGUMENT: task.yaml:7: hyperparameters.lr: expected one of the known keys (...)``.
+    ``str(err)`` reads
+    ``INVALID_ARGUMENT: task.yaml:7:3: hyperparameters.lr: expected one of the known keys (...)``
+    (``file:line:column``; the column is left out when not given).
 
     Attributes:
         source: the file name (or ``"<string>"``).
         line: 1-based line number of the offending key, or ``None`` when it cannot be told.
+        column: 1-based column of the offending key on that line, or ``None``.
         key: dotted path of the offending key inside the file (``hyperparameters.lr``), or ``None``.
         field: as for :class:`InvalidArgumentError`: the key path.
     """
 
-    def __init__(self, message: str, *, source: str, line: int | None = None, key: str | None = None) -> None:
-        where = f"{source}:{line}" if line is not None else source
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str,
+        line: int | None = None,
+        column: int | None = None,
+        key: str | None = None,
+    ) -> None:
+        where = source if line is None else f"{source}:{line}" if column is None else f"{source}:{line}:{column}"
         prefix = f"{where}: {key}: " if key else f"{where}: "
         super().__init__(prefix + message, field=key)
         self.source = source
         self.line = line
+        self.column = column
         self.key = key
 
 

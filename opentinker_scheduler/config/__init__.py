@@ -38,8 +38,11 @@ priority (largest first), then age (oldest first). A workload type missing from
 ``workload_types`` cannot be submitted. Priorities are integers in [-1000, 1000]. A config
 without ``workload_types`` allows all four: lora_finetune 1, full_rl 2, sft 1, inference 3.
 
-Unknown keys and wrong types are refused at start with the file, line and key named
-(:class:`ConfigError`). Each section's frozen value and parser lives in this package
+Unknown keys and wrong types are refused at start with the file, line, column and key named
+(:class:`ConfigError`, e.g. ``scheduler_config.yaml:2:12: auth.enabled: expected true or false; 'no' is
+a string in YAML 1.2 — write false``). The file is read as YAML 1.2
+(:class:`opentinker_common.yaml12.Yaml12Loader`): only ``true``/``false`` are booleans, so
+``default_model: no`` is the string ``"no"``. Each section's frozen value and parser lives in this package
 (:mod:`.auth`, :mod:`.tls`, :mod:`.limits`, :mod:`.paths`), so every room, :mod:`..state` included,
 may read the settings without importing a room above it; the rooms enforce them.
 """
@@ -53,7 +56,7 @@ from typing import Any
 
 import yaml
 
-from opentinker_common.yaml12 import Yaml12Loader
+from opentinker_common.yaml12 import Yaml12Loader, yaml11_bool_hint
 from opentinker_common.spec import WORKLOAD_TYPES
 
 from opentinker_scheduler.config.auth import AuthConfig, parse_auth
@@ -63,7 +66,9 @@ from opentinker_scheduler.config.tls import HttpTlsConfig, TlsConfig, parse_http
 
 
 class ConfigError(ValueError):
-    """The scheduler config is invalid; the message names file, line and key."""
+    """The scheduler config is invalid; the message reads ``file:line:column: key: expected ...``
+    (1-based line and column of the offending node; a file that cannot be read names the file
+    only)."""
 
 
 @dataclass(frozen=True)
@@ -129,14 +134,17 @@ class SchedulerConfig:
 
 
 class _Reader:
-    """Walks a composed YAML node tree, producing errors with file and line."""
+    """Walks a composed YAML node tree, producing errors with file, line and column."""
 
     def __init__(self, source: str) -> None:
         self.source = source
 
     def fail(self, node: yaml.Node | None, key: str, expected: str) -> ConfigError:
-        line = f":{node.start_mark.line + 1}" if node is not None else ""
-        return ConfigError(f"{self.source}{line}: {key}: expected {expected}")
+        """``file:line:column: key: expected ...`` at ``node``'s start (1-based); without a node
+        the file only."""
+        return ConfigError(
+            f"{_where(self.source, node.start_mark if node is not None else None)}: {key}: expected {expected}"
+        )
 
     def mapping(self, node: yaml.Node, key: str, allowed: dict[str, str]) -> dict[str, tuple[yaml.Node, yaml.Node]]:
         if not isinstance(node, yaml.MappingNode):
@@ -167,6 +175,9 @@ class _Reader:
             raise self.fail(node, key, f"{want}, got {node.value!r}")
         if kind is str and value is None:
             value = ""
+        hint = yaml11_bool_hint(value) if kind is bool else None
+        if hint:
+            raise self.fail(node, key, f"{want}; {hint}")
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise self.fail(node, key, f"{want}, got {node.value!r}")
         if lo is not None and value < lo or hi is not None and value > hi:
@@ -177,6 +188,11 @@ class _Reader:
         if not isinstance(node, yaml.SequenceNode):
             raise self.fail(node, key, "a list")
         return list(node.value)
+
+
+def _where(source: str, mark: yaml.Mark | None) -> str:
+    """``source:line:column`` (1-based) of ``mark``; ``source`` alone without one."""
+    return source if mark is None else f"{source}:{mark.line + 1}:{mark.column + 1}"
 
 
 _TOP = {
@@ -204,14 +220,16 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
     """Parse and validate config text.
 
     Raises:
-        ConfigError: YAML syntax, unknown key, wrong type or value out of range, with file:line.
+        ConfigError: YAML syntax, unknown key, wrong type or value out of range (a YAML 1.1
+            boolean word such as ``no`` for a boolean key, with a hint), with file:line:column.
     """
     r = _Reader(source)
     try:
         root = yaml.compose(text, Loader=Yaml12Loader)
     except yaml.YAMLError as exc:
         detail = str(exc).replace('"<unicode string>"', source)
-        raise ConfigError(f"{source}: not valid YAML: {detail}") from None
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        raise ConfigError(f"{_where(source, mark)}: not valid YAML: {detail}") from None
     if root is None:
         return SchedulerConfig(source=source)
     top = r.mapping(root, "", _TOP)

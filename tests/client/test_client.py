@@ -157,7 +157,7 @@ def test_submit_config(client, fake, tmp_path):
     task_id = client.submit_config(ot.load_task_config(path))
     assert servicer.submits[-1].spec.name == "from-yaml"
     path.write_text("workload_type: lora_finetune\nbogus: 1\n")
-    with pytest.raises(ot.ConfigError, match="t.yaml:2: bogus"):
+    with pytest.raises(ot.ConfigError, match="t.yaml:2:1: bogus"):
         client.submit_config(str(path))
 
 

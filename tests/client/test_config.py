@@ -73,7 +73,7 @@ def error_of(tmp_path, text) -> ConfigError:
 def test_unknown_top_level_key(tmp_path):
     err = error_of(tmp_path, VALID.replace("gpu_count: 0\n", "gpu_count: 0\ngpus: 1\n"))
     assert (err.line, err.key) == (5, "gpus")
-    assert "task.yaml:5: gpus: unknown key" in str(err)
+    assert "task.yaml:5:1: gpus: unknown key" in str(err)
     assert "workload_type" in str(err)  # lists the known keys
 
 
@@ -99,7 +99,7 @@ def with_hyperparameters(block: str) -> str:
 def test_unknown_hyperparameter_with_its_line(tmp_path):
     err = error_of(tmp_path, with_hyperparameters("  steps: 15\n  lr: 0.0002\n"))
     assert (err.line, err.key) == (11, "hyperparameters.lr")
-    assert "task.yaml:11: hyperparameters.lr: unknown key, expected one of the known keys (" in str(err)
+    assert "task.yaml:11:3: hyperparameters.lr: unknown key, expected one of the known keys (" in str(err)
     assert "learning_rate" in str(err)
 
 
@@ -204,7 +204,7 @@ def test_check_names_spec_path():
 def test_parse_from_string():
     cfg = parse_task_config("workload_type: lora_finetune\n", source="inline")
     assert cfg.source == "inline"
-    with pytest.raises(ConfigError, match=r"^INVALID_ARGUMENT: inline:2: foo: unknown key"):
+    with pytest.raises(ConfigError, match=r"^INVALID_ARGUMENT: inline:2:1: foo: unknown key"):
         parse_task_config("workload_type: lora_finetune\nfoo: 1\n", source="inline")
 
 
@@ -284,3 +284,55 @@ def test_learning_rate_in_exponent_form(tmp_path):
     # A bad value in the same form still points at its line.
     err = error_of(tmp_path, "workload_type: lora_finetune\nhyperparameters:\n  steps: 3\n  learning_rate: -1e-3\n")
     assert err.line == 4 and err.key == "hyperparameters.learning_rate"
+
+
+def test_yaml11_boolean_words_stay_strings(tmp_path):
+    cfg = load_task_config(
+        write(
+            tmp_path,
+            "workload_type: full_rl\nname: no\nmodel: off\n"
+            "env: {env_id: client, endpoint: '127.0.0.1:50123', action_space: 2, observation_space: 4,"
+            " action_names: [no, yes]}\n",
+        )
+    )
+    assert (cfg.name, cfg.model) == ("no", "off")
+    assert cfg.env["action_names"] == ["no", "yes"]
+    assert cfg.check().env.action_names == ("no", "yes")
+
+
+def test_yaml11_boolean_word_for_a_bool_env_option_refused_with_a_hint(tmp_path):
+    env = "env:\n  env_id: client\n  endpoint: '127.0.0.1:50123'\n  action_space: 2\n  observation_space: 4\n"
+    err = error_of(tmp_path, f"workload_type: full_rl\n{env}  tls: off\n")
+    assert (err.line, err.column, err.key) == (7, 3, "env.tls")
+    assert "task.yaml:7:3: env.tls: expected true or false; 'off' is a string in YAML 1.2 — write false" in str(err)
+
+
+@pytest.mark.parametrize(("word", "fix"), [("no", "false"), ("off", "false"), ("Yes", "true"), ("ON", "true")])
+def test_yaml11_boolean_word_for_a_bool_key_refused_with_a_hint(tmp_path, word, fix):
+    err = error_of(tmp_path, with_hyperparameters(f"  steps: 15\n  scale_rewards: {word}\n"))
+    assert (err.line, err.column, err.key) == (11, 3, "hyperparameters.scale_rewards")
+    assert (
+        f"task.yaml:11:3: hyperparameters.scale_rewards: expected true or false; "
+        f"'{word}' is a string in YAML 1.2 — write {fix}"
+    ) in str(err)
+
+
+def test_every_error_gives_line_and_column(tmp_path):
+    err = error_of(tmp_path, with_hyperparameters("  steps: 15\n  lr: 0.0002\n"))
+    assert (err.line, err.column) == (11, 3)
+    assert "task.yaml:11:3: hyperparameters.lr: unknown key" in str(err)
+    err = error_of(tmp_path, with_hyperparameters("  target_modules:\n    - q_proj\n    - 7\n"))
+    assert (err.line, err.column) == (12, 7)
+    err = error_of(tmp_path, VALID.replace("gpu_count: 0", "gpu_count: two"))
+    assert (err.line, err.column) == (4, 1)
+    err = error_of(tmp_path, "name: x\n")  # missing workload_type: the top mapping's start
+    assert (err.line, err.column) == (1, 1) and "task.yaml:1:1: missing workload_type" in str(err)
+    err = error_of(tmp_path, "workload_type: lora_finetune\nname: [unclosed\n")
+    assert err.line is not None and err.column is not None
+    assert f"task.yaml:{err.line}:{err.column}: not valid YAML" in str(err)
+    err = error_of(tmp_path, "workload_type: lora_finetune\nname: !!bool no\n")
+    assert (err.line, err.column) == (2, 7) and "not valid YAML" in str(err)
+    err = error_of(tmp_path, "- a\n- b\n")
+    assert (err.line, err.column) == (1, 1)
+    err = error_of(tmp_path, "")
+    assert (err.line, err.column) == (1, 1)

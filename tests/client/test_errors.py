@@ -118,3 +118,6 @@ def test_config_error():
     assert isinstance(err, ot.InvalidArgumentError)
     assert (err.source, err.line, err.key, err.field) == ("t.yaml", 3, "foo", "foo")
     assert str(err) == "INVALID_ARGUMENT: t.yaml:3: foo: unknown key"
+    err = ot.ConfigError("unknown key", source="t.yaml", line=3, column=5, key="foo")
+    assert (err.line, err.column) == (3, 5)
+    assert str(err) == "INVALID_ARGUMENT: t.yaml:3:5: foo: unknown key"

@@ -82,7 +82,7 @@ def test_relative_paths_resolve_against_config_folder(tmp_path) -> None:
 
 @pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
 def test_non_finite_seconds_refused(value: str) -> None:
-    with pytest.raises(ConfigError, match="cfg.yaml:1: heartbeat_interval"):
+    with pytest.raises(ConfigError, match="cfg.yaml:1:21: heartbeat_interval"):
         parse_config(f"heartbeat_interval: {value}\n", "cfg.yaml")
 
 
@@ -95,3 +95,29 @@ def test_non_utf8_config_refused(tmp_path) -> None:
 
 def test_yaml12_floats_accepted() -> None:
     assert parse_config("heartbeat_interval: 5e-1\nlease: 1e1\n", "c.yaml").heartbeat_interval_s == 0.5
+
+
+@pytest.mark.parametrize(("word", "fix"), [("no", "false"), ("off", "false"), ("yes", "true"), ("On", "true")])
+def test_yaml11_boolean_word_for_a_bool_key_refused_with_a_hint(word: str, fix: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(f"state_dir: st\nallow_unknown_nodes: {word}\n", "cfg.yaml")
+    assert str(err.value) == (
+        f"cfg.yaml:2:22: allow_unknown_nodes: expected true or false; '{word}' is a string in YAML 1.2 — write {fix}"
+    )
+
+
+def test_yaml11_boolean_words_stay_strings() -> None:
+    cfg = parse_config('default_model: no\nresource_pool:\n  - node_id: off\nstate_dir: "on"\n', "cfg.yaml")
+    assert cfg.default_model == "no" and cfg.pool_node("off") is not None
+    assert str(cfg.state_dir) == "on"
+
+
+def test_every_error_gives_line_and_column(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"^cfg\.yaml:3:16: resource_pool\[0\]\.gpu_count: expected an integer"):
+        parse_config(SEED.replace("gpu_count: 4", "gpu_count: four"), "cfg.yaml")
+    with pytest.raises(ConfigError, match=r"^cfg\.yaml:4:5: resource_pool\[0\]\.max_task: expected one of"):
+        parse_config(SEED.replace("max_tasks: 8", "max_task: 8"), "cfg.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("state_dir: st\nresource_pool: [\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}:3:1: not valid YAML: "):
+        load_config(bad)

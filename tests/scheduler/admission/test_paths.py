@@ -182,23 +182,23 @@ def test_paths_section_parses() -> None:
     [
         (
             "paths:\n  model_dirs: [models]\n",
-            "x.yaml:2: paths.model_dirs[0]: expected an absolute, normalized folder such as /models, got 'models'",
+            "x.yaml:2:16: paths.model_dirs[0]: expected an absolute, normalized folder such as /models, got 'models'",
         ),
         (
             "paths:\n  data_dirs: [/data/]\n",
-            "x.yaml:2: paths.data_dirs[0]: expected an absolute, normalized folder such as /data, got '/data/'",
+            "x.yaml:2:15: paths.data_dirs[0]: expected an absolute, normalized folder such as /data, got '/data/'",
         ),
         (
             "paths:\n  data_dirs:\n    - /data/../etc\n",
-            "x.yaml:3: paths.data_dirs[0]: expected an absolute, normalized folder",
+            "x.yaml:3:7: paths.data_dirs[0]: expected an absolute, normalized folder",
         ),
-        ("paths:\n  model_dirs: /models\n", "x.yaml:2: paths.model_dirs: expected a list"),
+        ("paths:\n  model_dirs: /models\n", "x.yaml:2:15: paths.model_dirs: expected a list"),
         (
             "paths:\n  model_dir: [/models]\n",
-            "x.yaml:2: paths.model_dir: expected one of the known keys (data_dirs, model_dirs)",
+            "x.yaml:2:3: paths.model_dir: expected one of the known keys (data_dirs, model_dirs)",
         ),
-        ("paths: [/models]\n", "x.yaml:1: paths: expected a mapping"),
-        ("paths:\n  model_dirs: [1]\n", "x.yaml:2: paths.model_dirs[0]: expected a string"),
+        ("paths: [/models]\n", "x.yaml:1:8: paths: expected a mapping"),
+        ("paths:\n  model_dirs: [1]\n", "x.yaml:2:16: paths.model_dirs[0]: expected a string"),
     ],
 )
 def test_bad_paths_sections_name_file_line_and_key(text: str, where: str) -> None:

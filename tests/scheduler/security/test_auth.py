@@ -299,7 +299,7 @@ def test_auth_and_tls_config_errors_name_file_line_and_key(tmp_path) -> None:
     (tmp_path / "certs" / "junk.pem").write_text("not pem")
     cases["tls: {cert: certs/junk.pem, key: certs/server.key}\n"] = "tls.cert"
     for text, key in cases.items():
-        with pytest.raises(ConfigError, match=rf"x\.yaml:1: {key}"):
+        with pytest.raises(ConfigError, match=rf"x\.yaml:1:\d+: {key}"):
             parse_config(text, "x.yaml", base_dir=tmp_path)
     cfg = parse_config(
         "tls: {cert: certs/server.pem, key: certs/server.key, client_ca: certs/ca.pem, node_port: 0}\n",
@@ -551,10 +551,10 @@ def test_node_id_must_match_cert_config(tmp_path) -> None:
     )
     assert cfg.tls.client_ca == certs.ca and not cfg.tls.node_id_must_match_cert
     with pytest.raises(
-        ConfigError, match=r"x\.yaml:1: tls\.node_id_must_match_cert: expected false without tls\.client_ca"
+        ConfigError, match=r"x\.yaml:1:79: tls\.node_id_must_match_cert: expected false without tls\.client_ca"
     ):
         parse_config(base + ", node_id_must_match_cert: true}\n", "x.yaml", base_dir=tmp_path)
-    with pytest.raises(ConfigError, match=r"x\.yaml:1: tls\.node_id_must_match_cert: expected true or false"):
+    with pytest.raises(ConfigError, match=r"x\.yaml:1:\d+: tls\.node_id_must_match_cert: expected true or false"):
         parse_config(
             base + ", client_ca: certs/ca.pem, node_port: 0, node_id_must_match_cert: maybe}\n",
             "x.yaml",

@@ -122,7 +122,7 @@ def test_zero_means_no_limit_and_the_config_key_is_range_checked(tmp_path) -> No
     assert parse_config("limits: {max_keys_per_owner: 5}\n", "c.yaml").limits.max_keys_per_owner == 5
     assert parse_config("", "c.yaml").limits.resolved(auth_enabled=True).max_keys_per_owner == 20
     for bad in ("-1", "many", "1.5"):
-        with pytest.raises(ConfigError, match=r"c\.yaml:1: limits\.max_keys_per_owner"):
+        with pytest.raises(ConfigError, match=r"c\.yaml:1:30: limits\.max_keys_per_owner"):
             parse_config(f"limits: {{max_keys_per_owner: {bad}}}\n", "c.yaml")
 
 

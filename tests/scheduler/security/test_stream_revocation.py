@@ -273,7 +273,7 @@ def test_stream_recheck_interval_config() -> None:
     assert parse_config("auth: {enabled: true}\n").auth.stream_recheck_interval_s == 5.0
     for bad in ("0", "-1", "soon", "7200"):
         with pytest.raises(
-            ConfigError, match=r"x\.yaml:1: auth\.stream_recheck_interval: expected a number in \[0\.05, 3600\]"
+            ConfigError, match=r"x\.yaml:1:48: auth\.stream_recheck_interval: expected a number in \[0\.05, 3600\]"
         ):
             parse_config(f"auth: {{enabled: true, stream_recheck_interval: {bad}}}\n", "x.yaml")
 
