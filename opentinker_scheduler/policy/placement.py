@@ -14,6 +14,10 @@ Policy:
     running tasks, then node id). Tasks behind it in that round are not placed on the reserved
     node, so its running work drains and the blocked task gets it; smaller tasks still backfill
     on every other node. On a one-node cluster this means no backfill past a blocked task.
+    Exception: a CPU task needs none of the reserved GPUs, so it may take a slot on the reserved
+    node while that leaves the ``RESERVATION_SLOTS`` the reservation needs
+    (:func:`may_use_reserved`); the reserving task still finds its slot once its GPUs free. A task
+    held back by the reservation says so (:func:`reserved_reason`).
   * A task whose retry backoff has not elapsed waits (``not_before``).
   * GPU sharing: LoRA tasks on the same base model (:func:`share_key`) may share GPUs, at most
     ``max_tasks_per_gpu`` tasks on one GPU and always within the node's ``max_tasks``. A GPU is
@@ -171,6 +175,7 @@ def plan(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> tup
     reasons: dict[str, str] = {}
     ordered = queue_order(tasks)
     reserved: str | None = None
+    reserver: PendingTask | None = None
     for position, task in enumerate(ordered, start=1):
         if task.not_before > now:
             reasons[task.task_id] = (
@@ -178,23 +183,48 @@ def plan(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> tup
             )
             continue
         key = task.share_key
-        fits = [
-            n
-            for n in caps
-            if n.node_id != reserved and n.accepting and n.free_slots > 0 and n.open_to(key) >= task.gpu_count
-        ]
+        room = [n for n in caps if n.accepting and n.free_slots > 0 and n.open_to(key) >= task.gpu_count]
+        fits = [n for n in room if n.node_id != reserved or may_use_reserved(task.gpu_count, n)]
         if fits:
             best = min(fits, key=lambda n: _fit_key(n, task.gpu_count, key))
             devices = best.choose_devices(task.gpu_count, key)
             best.book(devices, key)
             placements.append(Placement(task.task_id, best.node_id, devices))
             continue
+        if room and reserver is not None and reserved is not None:  # room only on the reserved node
+            reasons[task.task_id] = reserved_reason(reserved, reserver, position, len(ordered))
+            continue
         reasons[task.task_id] = why_pending(task, caps, position, len(ordered))
         if reserved is None:
             reserved = reservation_node(task.gpu_count, caps)
             if reserved is not None:
+                reserver = task
                 reasons[task.task_id] += f"; {reserved} is reserved for it"
     return placements, reasons
+
+
+#: Task slots (``max_tasks``) a reservation keeps free on its node: the reserving task's own.
+RESERVATION_SLOTS = 1
+
+
+def may_use_reserved(gpu_count: int, cap: NodeCapacity) -> bool:
+    """Whether a task of ``gpu_count`` GPUs behind a reservation may still go on the reserved
+    node ``cap``: only a CPU task (it needs none of the reserved GPUs), and only in a slot beyond
+    the ``RESERVATION_SLOTS`` the reservation needs, so the reserving task can start as soon as
+    its GPUs free."""
+    return gpu_count == 0 and cap.free_slots > RESERVATION_SLOTS
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
+def reserved_reason(node_id: str, reserver: PendingTask, position: int, queue_len: int) -> str:
+    """Why a task that would fit on the reserved node ``node_id`` (and nowhere else) waits."""
+    return (
+        f"node {node_id} is reserved for {reserver.task_id} ({_gpus(reserver.gpu_count)}, priority "
+        f"{reserver.priority}) until it starts; queue position {position} of {queue_len}"
+    )
 
 
 def reservation_node(gpu_count: int, caps: Iterable[NodeCapacity]) -> str | None:
@@ -249,6 +279,7 @@ class FreeNodes:
     def __init__(self) -> None:
         self._keys: list[tuple[int, int, str]] = []  # (free GPUs, running, node id), sorted
         self._key_of: dict[str, tuple[int, int, str]] = {}
+        self._cap_of: dict[str, NodeCapacity] = {}  # the capacity each indexed node was given as
         # share key -> node id -> capacity, for nodes that can take a task and have busy GPUs
         # open to that key (few: one entry per base model in use on the node).
         self._shared: dict[str, dict[str, NodeCapacity]] = {}
@@ -265,6 +296,7 @@ class FreeNodes:
         if cap.accepting and cap.free_slots > 0:
             key = (len(cap.free_gpus), cap.running, cap.node_id)
             self._key_of[cap.node_id] = key
+            self._cap_of[cap.node_id] = cap
             bisect.insort(self._keys, key)
             shared = tuple(cap.shared_keys())
             if shared:
@@ -274,6 +306,7 @@ class FreeNodes:
 
     def remove(self, node_id: str) -> None:
         old = self._key_of.pop(node_id, None)
+        self._cap_of.pop(node_id, None)
         if old is not None:
             del self._keys[bisect.bisect_left(self._keys, old)]
         for k in self._shared_of.pop(node_id, ()):
@@ -326,6 +359,12 @@ class FreeNodes:
     def __contains__(self, node_id: object) -> bool:
         return node_id in self._key_of
 
+    def closed_to(self, gpu_count: int, reserved: str | None) -> str | None:
+        """The node a task of ``gpu_count`` GPUs behind a reservation of node ``reserved`` may
+        not use: ``reserved``, unless :func:`may_use_reserved` lets it in; None when none."""
+        cap = self._cap_of.get(reserved) if reserved is not None else None
+        return None if cap is not None and may_use_reserved(gpu_count, cap) else reserved
+
 
 #: A queue group: (gpu_count, share key). Tasks in one group fit exactly the same places.
 Group = tuple[int, "str | None"]
@@ -352,7 +391,8 @@ def place_round(
             (at the point of the queue where :func:`plan` meets it) and returns the node it
             reserves (:func:`reservation_node` over the current capacities), or None when no
             node could ever hold it (then the next blocked task is asked). Tasks after it are
-            not placed on that node. None: no reservation.
+            not placed on that node, except CPU tasks in its spare slots
+            (:meth:`FreeNodes.closed_to`). None: no reservation.
 
     Returns:
         How many tasks were placed. Tasks are considered in queue order; a group whose GPU
@@ -366,8 +406,7 @@ def place_round(
     reserved: str | None = None
     blocked: list[tuple[Hashable, int]] = []  # heap of dropped groups' first eligible keys
     while True:
-        most = free.most_free_gpus(reserved)
-        for g in [g for g in live if g[0] > (most if g[1] is None else free.most_open(g[1], reserved))]:
+        for g in [g for g in live if g[0] > free.most_open(g[1], free.closed_to(g[0], reserved))]:
             keys = live.pop(g)
             if reserve is not None and reserved is None:
                 i = cursor[g]
@@ -390,7 +429,7 @@ def place_round(
             del live[g]
         if not_before(key) > now:
             continue
-        node_id = free.best_fit_for(g[0], g[1], reserved)
+        node_id = free.best_fit_for(g[0], g[1], free.closed_to(g[0], reserved))
         assert node_id is not None  # the group fits on a node with a free slot
         take(key, g, node_id)
         placed += 1

@@ -42,10 +42,11 @@ from opentinker_scheduler.policy.placement import (
     PendingTask,
     place_round,
     reservation_node,
+    reserved_reason,
     why_pending,
 )
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
-from opentinker_scheduler.state.queue import LiveTasks, PendingQueue, QueueKey, ReasonsView
+from opentinker_scheduler.state.queue import LiveTasks, PendingQueue, QueueKey, ReasonsView, queue_key
 from opentinker_scheduler.state.store import (  # noqa: F401  (STATE_NAMES re-exported)
     ACTIVE_STATES,
     CANCELLED_BY_USER,
@@ -103,7 +104,7 @@ class SchedulerCore:
         #: Tasks ended by max_runtime whose worker is still stopping: task id -> (attempt, node id).
         #: The worker's final checkpoint report is still recorded for them (the node protocol reads it).
         self.timed_out: dict[str, tuple[int, str]] = {}
-        self._reservation: tuple[str, str] | None = None  # (task id, node id) of the last round
+        self._reservation: tuple[QueueKey, str] | None = None  # (queue key, node id) of the last round
         self.commits = GroupCommit(store, on_failure=self._rebuild)
         self._recover()
 
@@ -343,17 +344,35 @@ class SchedulerCore:
                 f"preempting {', '.join(left)} on {node_id} to make room (waiting for the node to confirm they "
                 f"checkpointed and stopped; queue position {position} of {length})"
             )
-        if self.free.best_fit_for(task.gpu_count, task.share_key) is not None:
+        reserver, reserved = self._reservation_ahead_of(task)
+        closed = self.free.closed_to(task.gpu_count, reserved)
+        if self.free.best_fit_for(task.gpu_count, task.share_key, closed) is not None:
             return f"waiting for the next placement round (queue position {position} of {length})"
+        if reserver is not None and reserved is not None and self.free.best_fit_for(task.gpu_count, task.share_key):
+            return reserved_reason(reserved, reserver, position, length)  # room only on the reserved node
         if self._caps is None or self._caps[0] != self._ledger_version:
             self._caps = (self._ledger_version, [n.capacity() for n in self.nodes.values()])
         pending = PendingTask(
             task.task_id, task.priority, task.create_time, task.gpu_count, task.not_before, task.share_key
         )
         why = why_pending(pending, self._caps[1], position, length)
-        if self._reservation is not None and self._reservation[0] == task_id:
-            why += f"; {self._reservation[1]} is reserved for it (no task behind it starts there)"
+        if self._reservation is not None and self._reservation[0][2] == task_id:
+            why += (
+                f"; {self._reservation[1]} is reserved for it (no task behind it starts there, "
+                "except CPU tasks in max_tasks slots it does not need)"
+            )
         return why
+
+    def _reservation_ahead_of(self, task: TaskRow) -> tuple[PendingTask | None, str | None]:
+        """The last round's reserving task and node when that task is still pending and ahead of
+        ``task`` in queue order (so the reservation holds ``task`` back), else (None, None)."""
+        if self._reservation is None:
+            return None, None
+        key, node_id = self._reservation
+        row = self.queue.get(key[2])
+        if row is None or queue_key(row) != key or not key < queue_key(task):
+            return None, None
+        return PendingTask(row.task_id, row.priority, row.create_time, row.gpu_count, row.not_before), node_id
 
     def tick(self) -> None:
         """Periodic work: lost nodes, runtime limits, then placement."""
@@ -436,7 +455,7 @@ class SchedulerCore:
         def reserve(key: QueueKey, gpu_count: int) -> str | None:
             node_id = reservation_node(gpu_count, (n.capacity() for n in self.nodes.values()))
             if node_id is not None:
-                self._reservation = (key[2], node_id)
+                self._reservation = (key, node_id)
             return node_id
 
         self._reservation = None

@@ -87,3 +87,26 @@ def test_plan_never_oversubscribes(task_specs, node_specs) -> None:
         assert len(mine) <= n.max_tasks
         for p in mine:
             assert len(p.device_indices) == by_id[p.task_id].gpu_count
+
+
+def test_reason_behind_a_reservation_names_it() -> None:
+    tasks = [PendingTask("big", 3, 0, 4), PendingTask("small", 1, 1, 1), PendingTask("small2", 1, 2, 2)]
+    placements, reasons = plan(tasks, [node("gpu-node-01", 4, used=2, running=1)], now=0)
+    assert placements == []
+    assert "gpu-node-01 is reserved for it" in reasons["big"]
+    assert reasons["small"] == (
+        "node gpu-node-01 is reserved for big (4 GPUs, priority 3) until it starts; queue position 2 of 3"
+    )
+    assert reasons["small2"].startswith("node gpu-node-01 is reserved for big")
+
+
+def test_cpu_tasks_take_spare_slots_on_a_reserved_node() -> None:
+    """A CPU task needs none of the reserved GPUs: it goes on the reserved node while that leaves
+    the one slot the reservation needs; GPU tasks behind the reservation still do not."""
+    tasks = [PendingTask("big", 3, 0, 4), PendingTask("small", 1, 1, 1)]
+    tasks += [PendingTask(f"cpu{i}", 1, 2 + i, 0) for i in range(3)]
+    placements, reasons = plan(tasks, [node("n", 4, max_tasks=3, used=2, running=1)], now=0)
+    assert [(p.task_id, p.node_id, p.device_indices) for p in placements] == [("cpu0", "n", ())]
+    assert "n is reserved for it" in reasons["big"]
+    assert reasons["cpu1"] == "node n is reserved for big (4 GPUs, priority 3) until it starts; queue position 4 of 5"
+    assert reasons["small"].startswith("node n is reserved for big")

@@ -7,7 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opentinker.common.v1 import common_pb2 as C
-from opentinker_scheduler.policy.placement import NodeCapacity, PendingTask, plan, queue_order, reservation_node
+from opentinker_scheduler.policy.placement import (
+    RESERVATION_SLOTS,
+    NodeCapacity,
+    PendingTask,
+    plan,
+    queue_order,
+    reservation_node,
+)
 
 from tests.support.scheduler_core import drain, make_core, register, report, spec
 
@@ -50,12 +57,20 @@ def test_reserved_node_gets_nothing_from_behind(task_specs, node_specs) -> None:
     if reserver is None:
         return
     # The reserver is blocked, it could fit on the reserved node if that node were empty, and
-    # nothing behind it in queue order went there.
+    # nothing behind it in queue order that uses a GPU went there; CPU tasks behind it went there
+    # only into slots the reservation does not need.
     node = next(n for n in nodes if n.node_id == reserved)
     assert node.accepting and node.gpu_count >= reserver.gpu_count
     assert f"{reserved} is reserved for it" in reasons[reserver.task_id]
     behind = ordered[ordered.index(reserver) + 1 :]
-    assert not [t.task_id for t in behind if t.task_id in placed and placed[t.task_id].node_id == reserved]
+    there = [t for t in behind if t.task_id in placed and placed[t.task_id].node_id == reserved]
+    assert not [t.task_id for t in there if t.gpu_count > 0]
+    on_node = [p for p in placements if p.node_id == reserved]
+    assert not there or node.max_tasks - node.running - len(on_node) >= RESERVATION_SLOTS
+    # A task behind it that fits only on the reserved node is told about the reservation.
+    for t in behind:
+        if t.task_id in reasons and t.not_before <= 10.0 and reasons[t.task_id].startswith(f"node {reserved} "):
+            assert f"is reserved for {reserver.task_id} ({reserver.gpu_count} GPU" in reasons[t.task_id]
 
 
 def test_core_round_keeps_reserved_node_for_big_task(tmp_path) -> None:
@@ -88,3 +103,49 @@ def test_core_round_backfills_on_other_nodes(tmp_path) -> None:
     assert core.schedule() == 1
     assert core.get(small.task_id).node_id == "b"  # best fit would pick a; a is reserved
     assert core.get(big.task_id).state == C.TASK_STATE_PENDING
+
+
+def test_pending_reason_names_the_reservation(tmp_path) -> None:
+    """A task held back only by the reservation says so, naming the reserving task and node
+    (not "waiting for the next placement round")."""
+    core = make_core(tmp_path, max_tasks_per_gpu=1)
+    node, _ = register(core)
+    first = core.submit(spec(gpus=2), owner="u")
+    core.schedule()
+    big = core.submit(spec(gpus=4), owner="u")
+    small = core.submit(spec(gpus=1), owner="u")
+    assert core.schedule() == 0
+    why = core.pending_reason(small.task_id)
+    assert why == (
+        f"node gpu-node-01 is reserved for {big.task_id} (4 GPUs, priority {big.priority}) until it starts; "
+        "queue position 2 of 2"
+    )
+    assert "gpu-node-01 is reserved for it" in core.pending_reason(big.task_id)
+    assert core.get(first.task_id).node_id == node.node_id
+
+
+def test_cpu_tasks_use_spare_slots_and_the_reservation_still_wins(tmp_path) -> None:
+    """CPU tasks start on the reserved node in the max_tasks slots the reservation does not need;
+    the last slot stays free, so the big task starts as soon as its GPUs free up."""
+    core = make_core(tmp_path, max_tasks_per_gpu=1)
+    node, _ = register(core)  # 4 GPUs, max_tasks 8
+    first = core.submit(spec(gpus=2), owner="u")
+    core.schedule()
+    drain(node)
+    report(core, node, first.task_id, 1, C.TASK_STATE_RUNNING)
+    big = core.submit(spec(gpus=4), owner="u")
+    small = core.submit(spec(gpus=1), owner="u")
+    cpu = [core.submit(spec(gpus=0), owner="u") for _ in range(7)]
+    assert core.schedule() == 6  # 1 running + 6 CPU tasks: one slot left for the big task
+    assert [core.get(t.task_id).state for t in cpu] == [C.TASK_STATE_ASSIGNED] * 6 + [C.TASK_STATE_PENDING]
+    assert core.get(small.task_id).state == C.TASK_STATE_PENDING
+    assert f"node gpu-node-01 is reserved for {big.task_id}" in core.pending_reason(cpu[-1].task_id)
+    assert f"node gpu-node-01 is reserved for {big.task_id}" in core.pending_reason(small.task_id)
+    more = core.submit(spec(gpus=0), owner="u")  # still arriving: the last slot stays the big task's
+    assert core.schedule() == 0
+    report(core, node, first.task_id, 1, C.TASK_STATE_SUCCEEDED)
+    assert core.schedule() >= 1
+    assert core.get(big.task_id).state == C.TASK_STATE_ASSIGNED
+    assert core.get(big.task_id).node_id == "gpu-node-01"
+    assert core.get(small.task_id).state == C.TASK_STATE_PENDING
+    assert core.get(more.task_id).state in (C.TASK_STATE_PENDING, C.TASK_STATE_ASSIGNED)
