@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import secrets
 import time
+from typing import Callable
 
 import structlog
 from opentinker.common.v1 import common_pb2
@@ -79,9 +80,13 @@ class SchedulerCore:
     commit on (the server), writes share commits and callers await :meth:`durable`.
     """
 
-    def __init__(self, config: SchedulerConfig, store: Store) -> None:
+    def __init__(self, config: SchedulerConfig, store: Store, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.store = store
+        #: Monotonic seconds the liveness checks of :meth:`tick` read (tests move it by hand).
+        self.clock = clock
+        #: Until then (``clock`` seconds) no node is declared lost: the scheduler's own loop stalled.
+        self._liveness_grace_until = float("-inf")
         self.nodes: dict[str, NodeSession] = {}
         self.tasks = LiveTasks()
         self.free = FreeNodes()
@@ -158,7 +163,7 @@ class SchedulerCore:
             node = self.node(task.node_id)
             node.allocate(task.task_id, task.attempt, tuple(task.device_indices), task.share_key)
             if not node.connected:
-                node.last_seen = time.monotonic() + grace
+                node.last_seen = self.clock() + grace
         self._queued_at = {t.task_id: time.monotonic() for t in self.queue}
         if self.nodes:
             log.info(
@@ -355,11 +360,30 @@ class SchedulerCore:
             why += f"; {self._reservation[1]} is reserved for it (no task behind it starts there)"
         return why
 
-    def tick(self) -> None:
-        """Periodic work: lost nodes, runtime limits, then placement."""
-        now_m = time.monotonic()
+    def tick(self, *, stalled_s: float = 0.0) -> None:
+        """Periodic work: lost nodes, runtime limits, then placement.
+
+        Args:
+            stalled_s: seconds the caller's loop could not run before this tick, beyond its
+                interval (the process was stopped, or the event loop blocked). Longer than the
+                lease, nobody could be heard meanwhile, so every node gets ``restart_grace`` (at
+                least one lease) from now to be heard again before it is declared lost, as after
+                a restart.
+        """
+        now_m = self.clock()
+        if stalled_s > self.config.lease_s:
+            grace = max(self.config.restart_grace_s, self.config.lease_s)
+            self._liveness_grace_until = max(self._liveness_grace_until, now_m + grace)
+            log.warning(
+                "scheduler loop stalled longer than the lease; no node is declared lost during the grace",
+                stalled_s=round(stalled_s, 1),
+                lease_s=self.config.lease_s,
+                grace_s=grace,
+            )
+        in_grace = now_m <= self._liveness_grace_until
         for node in list(self.nodes.values()):
-            if now_m - node.last_seen > self.config.lease_s and (node.connected or node.allocations):
+            silent = now_m - node.last_seen > self.config.lease_s
+            if silent and not in_grace and (node.connected or node.allocations):
                 if node.connected:
                     node.connected = False
                     self.node_changed(node, membership=True)
@@ -595,6 +619,7 @@ class SchedulerCore:
         if node is None:
             node = self.nodes[node_id] = NodeSession(
                 node_id=node_id,
+                last_seen=self.clock(),
                 on_change=self.node_changed,
                 defer=self.commits.hold,
                 max_tasks_per_gpu=self.config.max_tasks_per_gpu,
