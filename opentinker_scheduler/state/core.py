@@ -389,6 +389,10 @@ class SchedulerCore:
                     self.node_changed(node, membership=True)
                     node.push(None)
                 self.lose_node(node, f"no heartbeat for {self.config.lease_s:.0f} s (lease)")
+        for node in list(self.nodes.values()):
+            forget_in = self.forget_in(node)
+            if forget_in is not None and forget_in <= 0:
+                self.forget_node(node)
         now = time.time()
         for task in [t for t in self.active.values() if t.state == S.TASK_STATE_RUNNING and t.max_runtime_s]:
             if task.max_runtime_s and task.start_time and now - task.start_time > task.max_runtime_s:
@@ -409,6 +413,37 @@ class SchedulerCore:
                     )
         self.schedule()
         self.preempt()
+
+    def forget_in(self, node: NodeSession) -> float | None:
+        """Seconds until ``node`` is forgotten (<= 0: due), or None while it never will be: it is
+        connected, in resource_pool, or still holds tasks (its ledger is not empty). A node is
+        forgotten ``forget_disconnected_after`` seconds after it was last heard."""
+        if node.connected or node.allocations or self.config.pool_node(node.node_id) is not None:
+            return None
+        return node.last_seen + self.config.forget_disconnected_after_s - self.clock()
+
+    def forget_node(self, node: NodeSession) -> None:
+        """Drop a disconnected node from memory and the store (ListNodes stops listing it)."""
+        log.info(
+            "disconnected node forgotten",
+            node_id=node.node_id,
+            forget_disconnected_after_s=self.config.forget_disconnected_after_s,
+        )
+        self.store.forget_node(node.node_id)
+        del self.nodes[node.node_id]
+        self.free.remove(node.node_id)
+        self._ledger_version += 1
+        self._max_gpus = None
+
+    def node_notes(self, node: NodeSession) -> list[str]:
+        """What ListNodes says of ``node``: its registration notes, and when it will be forgotten."""
+        forget_in = self.forget_in(node)
+        if forget_in is None:
+            return list(node.notes)
+        return [
+            *node.notes,
+            f"disconnected; forgotten in {max(0, round(forget_in))} s unless it reconnects (forget_disconnected_after)",
+        ]
 
     # ------------------------------------------------------------------ node streams
     @property

@@ -44,6 +44,8 @@ def test_seed_config_loads() -> None:
         (SEED + "max_tasks_per_gpu: 0\n", 10, "max_tasks_per_gpu"),
         (SEED + "max_tasks_per_gpu: two\n", 10, "max_tasks_per_gpu"),
         (SEED + "preemption_timeout: 0\n", 10, "preemption_timeout"),
+        (SEED + "forget_disconnected_after: 0\n", 10, "forget_disconnected_after"),
+        (SEED + "forget_disconnected_after: soon\n", 10, "forget_disconnected_after"),
     ],
 )
 def test_bad_config_names_file_line_and_key(text: str, line: int, key: str) -> None:
@@ -95,3 +97,8 @@ def test_non_utf8_config_refused(tmp_path) -> None:
 
 def test_yaml12_floats_accepted() -> None:
     assert parse_config("heartbeat_interval: 5e-1\nlease: 1e1\n", "c.yaml").heartbeat_interval_s == 0.5
+
+
+def test_forget_disconnected_after_defaults_to_ten_minutes_and_is_read() -> None:
+    assert parse_config(SEED, "c.yaml").forget_disconnected_after_s == 600.0
+    assert parse_config(SEED + "forget_disconnected_after: 90\n", "c.yaml").forget_disconnected_after_s == 90.0

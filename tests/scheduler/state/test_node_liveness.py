@@ -86,3 +86,62 @@ def test_a_stall_shorter_than_the_lease_gives_no_grace(tmp_path) -> None:
     core.tick(stalled_s=2)
     t = core.get(task.task_id)
     assert t.state == C.TASK_STATE_PENDING and t.attempt == 2
+
+
+def _gone(core: SchedulerCore, clock: Clock, node_id: str, gpus: int = 1):
+    """A trainer that connected, then went away without a goodbye (lost after the lease)."""
+    node, _ = register(core, node_id=node_id, gpus=gpus)
+    core.node_disconnected(node, node.generation, goodbye=False)
+    return node
+
+
+def test_a_disconnected_node_outside_resource_pool_is_forgotten_after_forget_disconnected_after(tmp_path) -> None:
+    clock = Clock()
+    core = _core(tmp_path, clock, lease_s=3, forget_disconnected_after_s=600)
+    _gone(core, clock, "dyn-1")
+    clock.advance(10)
+    core.tick()
+    # Until then it is listed, and says when it will be forgotten.
+    assert "dyn-1" in core.nodes
+    notes = core.node_notes(core.nodes["dyn-1"])
+    assert any("forgotten in 590 s" in n for n in notes), notes
+    clock.advance(591)
+    core.tick()
+    assert "dyn-1" not in core.nodes
+    assert core.store.node_register("dyn-1") is None
+    # It may come back later as a new node.
+    node, _ = register(core, node_id="dyn-1", gpus=1)
+    assert core.nodes["dyn-1"].connected and not any("forgotten" in n for n in core.node_notes(node))
+
+
+def test_nodes_in_resource_pool_or_holding_tasks_are_never_forgotten(tmp_path) -> None:
+    clock = Clock()
+    core = _core(tmp_path, clock, lease_s=3, restart_grace_s=30, forget_disconnected_after_s=600)
+    _gone(core, clock, "gpu-node-01", gpus=4)  # in resource_pool
+    # A dynamic node running a task, silent for long while the scheduler itself was stopped:
+    # within the grace it still holds the task, so it is not forgotten either.
+    task = core.submit(spec(gpus=1), owner="u")
+    node, _ = register(core, node_id="dyn-2", gpus=1)
+    core.schedule()
+    assert core.get(task.task_id).node_id == "dyn-2"
+    core.node_disconnected(node, node.generation, goodbye=False)
+    clock.advance(10_000)
+    core.tick(stalled_s=10_000)
+    assert "gpu-node-01" in core.nodes
+    assert not any("forgotten" in n for n in core.node_notes(core.nodes["gpu-node-01"]))
+    assert "dyn-2" in core.nodes and core.nodes["dyn-2"].allocations
+
+
+def test_forget_disconnected_after_counts_from_the_last_time_the_node_was_heard(tmp_path) -> None:
+    clock = Clock()
+    core = _core(tmp_path, clock, lease_s=3, forget_disconnected_after_s=60)
+    node = _gone(core, clock, "dyn-3")
+    clock.advance(50)
+    node, _ = register(core, node_id="dyn-3", gpus=1)  # back, then gone again
+    core.node_disconnected(node, node.generation, goodbye=False)
+    clock.advance(50)
+    core.tick()
+    assert "dyn-3" in core.nodes
+    clock.advance(11)
+    core.tick()
+    assert "dyn-3" not in core.nodes
