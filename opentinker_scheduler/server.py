@@ -95,9 +95,14 @@ def _snapshot(core: SchedulerCore) -> Snapshot:
 
 async def _tick_loop(core: SchedulerCore, http: HttpEndpoint | None, interval_s: float) -> None:
     last_snapshot = 0.0
+    last_tick = time.monotonic()
     while True:
+        started = time.monotonic()
+        # Time the loop could not run beyond its sleep (SIGSTOP, a blocked event loop): the core
+        # gives nodes a grace when it is longer than the lease, for nobody could be heard meanwhile.
+        stalled_s, last_tick = max(0.0, started - last_tick - interval_s), started
         try:
-            core.tick()
+            core.tick(stalled_s=stalled_s)
             if http is not None:
                 for latency in core.placement_latencies:
                     http.scheduling_latency.observe(latency)

@@ -254,7 +254,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 running_task_ids=sorted(n.allocations),
                 telemetry=n.telemetry,
                 version=n.register.version,
-                notes=n.notes,
+                notes=self.core.node_notes(n),
             )
             _ts(msg.last_heartbeat_time, n.last_heartbeat_time)
             nodes.append(msg)

@@ -20,6 +20,8 @@
     default_model: ""         # model used when a task names none
     default_max_attempts: 3
     restart_grace: 30         # seconds a restarted scheduler waits for nodes to re-announce work
+    forget_disconnected_after: 600 # seconds after which a disconnected node that is not in
+                              # resource_pool and holds no task is dropped from ListNodes
     max_tasks_per_gpu: 2      # LoRA tasks on the same base model may share a GPU, this many at
                               # most (always within max_tasks); 1 = every task has its GPUs alone
     preemption_timeout: 120   # seconds a preemption waits for its victims' node to confirm they
@@ -102,6 +104,7 @@ class SchedulerConfig:
     default_model: str = ""
     default_max_attempts: int = 3
     restart_grace_s: float = 30.0
+    forget_disconnected_after_s: float = 600.0
     max_tasks_per_gpu: int = 2
     preemption_timeout_s: float = 120.0
     source: str = "<defaults>"
@@ -206,6 +209,7 @@ _TOP = {
     "default_model": "model",
     "default_max_attempts": "int",
     "restart_grace": "seconds",
+    "forget_disconnected_after": "seconds",
     "max_tasks_per_gpu": "int",
     "preemption_timeout": "seconds",
     "auth": "API keys",
@@ -298,6 +302,10 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["default_max_attempts"] = r.scalar(top["default_max_attempts"][1], "default_max_attempts", int, 1, 100)
     if "restart_grace" in top:
         kw["restart_grace_s"] = r.scalar(top["restart_grace"][1], "restart_grace", float, 0, 86400)
+    if "forget_disconnected_after" in top:
+        kw["forget_disconnected_after_s"] = r.scalar(
+            top["forget_disconnected_after"][1], "forget_disconnected_after", float, 1, 365 * 86400
+        )
     if "max_tasks_per_gpu" in top:
         kw["max_tasks_per_gpu"] = r.scalar(top["max_tasks_per_gpu"][1], "max_tasks_per_gpu", int, 1, 1000)
     if "preemption_timeout" in top:

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import secrets
 import time
+from typing import Callable
 
 import structlog
 from opentinker.common.v1 import common_pb2
@@ -80,9 +81,13 @@ class SchedulerCore:
     commit on (the server), writes share commits and callers await :meth:`durable`.
     """
 
-    def __init__(self, config: SchedulerConfig, store: Store) -> None:
+    def __init__(self, config: SchedulerConfig, store: Store, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.store = store
+        #: Monotonic seconds the liveness checks of :meth:`tick` read (tests move it by hand).
+        self.clock = clock
+        #: Until then (``clock`` seconds) no node is declared lost: the scheduler's own loop stalled.
+        self._liveness_grace_until = float("-inf")
         self.nodes: dict[str, NodeSession] = {}
         self.tasks = LiveTasks()
         self.free = FreeNodes()
@@ -159,7 +164,7 @@ class SchedulerCore:
             node = self.node(task.node_id)
             node.allocate(task.task_id, task.attempt, tuple(task.device_indices), task.share_key)
             if not node.connected:
-                node.last_seen = time.monotonic() + grace
+                node.last_seen = self.clock() + grace
         self._queued_at = {t.task_id: time.monotonic() for t in self.queue}
         if self.nodes:
             log.info(
@@ -374,16 +379,39 @@ class SchedulerCore:
             return None, None
         return PendingTask(row.task_id, row.priority, row.create_time, row.gpu_count, row.not_before), node_id
 
-    def tick(self) -> None:
-        """Periodic work: lost nodes, runtime limits, then placement."""
-        now_m = time.monotonic()
+    def tick(self, *, stalled_s: float = 0.0) -> None:
+        """Periodic work: lost nodes, runtime limits, then placement.
+
+        Args:
+            stalled_s: seconds the caller's loop could not run before this tick, beyond its
+                interval (the process was stopped, or the event loop blocked). Longer than the
+                lease, nobody could be heard meanwhile, so every node gets ``restart_grace`` (at
+                least one lease) from now to be heard again before it is declared lost, as after
+                a restart.
+        """
+        now_m = self.clock()
+        if stalled_s > self.config.lease_s:
+            grace = max(self.config.restart_grace_s, self.config.lease_s)
+            self._liveness_grace_until = max(self._liveness_grace_until, now_m + grace)
+            log.warning(
+                "scheduler loop stalled longer than the lease; no node is declared lost during the grace",
+                stalled_s=round(stalled_s, 1),
+                lease_s=self.config.lease_s,
+                grace_s=grace,
+            )
+        in_grace = now_m <= self._liveness_grace_until
         for node in list(self.nodes.values()):
-            if now_m - node.last_seen > self.config.lease_s and (node.connected or node.allocations):
+            silent = now_m - node.last_seen > self.config.lease_s
+            if silent and not in_grace and (node.connected or node.allocations):
                 if node.connected:
                     node.connected = False
                     self.node_changed(node, membership=True)
                     node.push(None)
                 self.lose_node(node, f"no heartbeat for {self.config.lease_s:.0f} s (lease)")
+        for node in list(self.nodes.values()):
+            forget_in = self.forget_in(node)
+            if forget_in is not None and forget_in <= 0:
+                self.forget_node(node)
         now = time.time()
         for task in [t for t in self.active.values() if t.state == S.TASK_STATE_RUNNING and t.max_runtime_s]:
             if task.max_runtime_s and task.start_time and now - task.start_time > task.max_runtime_s:
@@ -404,6 +432,37 @@ class SchedulerCore:
                     )
         self.schedule()
         self.preempt()
+
+    def forget_in(self, node: NodeSession) -> float | None:
+        """Seconds until ``node`` is forgotten (<= 0: due), or None while it never will be: it is
+        connected, in resource_pool, or still holds tasks (its ledger is not empty). A node is
+        forgotten ``forget_disconnected_after`` seconds after it was last heard."""
+        if node.connected or node.allocations or self.config.pool_node(node.node_id) is not None:
+            return None
+        return node.last_seen + self.config.forget_disconnected_after_s - self.clock()
+
+    def forget_node(self, node: NodeSession) -> None:
+        """Drop a disconnected node from memory and the store (ListNodes stops listing it)."""
+        log.info(
+            "disconnected node forgotten",
+            node_id=node.node_id,
+            forget_disconnected_after_s=self.config.forget_disconnected_after_s,
+        )
+        self.store.forget_node(node.node_id)
+        del self.nodes[node.node_id]
+        self.free.remove(node.node_id)
+        self._ledger_version += 1
+        self._max_gpus = None
+
+    def node_notes(self, node: NodeSession) -> list[str]:
+        """What ListNodes says of ``node``: its registration notes, and when it will be forgotten."""
+        forget_in = self.forget_in(node)
+        if forget_in is None:
+            return list(node.notes)
+        return [
+            *node.notes,
+            f"disconnected; forgotten in {max(0, round(forget_in))} s unless it reconnects (forget_disconnected_after)",
+        ]
 
     # ------------------------------------------------------------------ node streams
     @property
@@ -614,6 +673,7 @@ class SchedulerCore:
         if node is None:
             node = self.nodes[node_id] = NodeSession(
                 node_id=node_id,
+                last_seen=self.clock(),
                 on_change=self.node_changed,
                 defer=self.commits.hold,
                 max_tasks_per_gpu=self.config.max_tasks_per_gpu,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import structlog
 from opentinker.common.v1 import common_pb2
@@ -31,6 +31,8 @@ class NodeHost(Protocol):
 
     config: SchedulerConfig
     store: Store
+    #: Monotonic seconds of ``last_seen`` and the lease checks.
+    clock: Callable[[], float]
     tasks: LiveTasks
     nodes: dict[str, NodeSession]
     preemptions: PreemptionTracker
@@ -109,7 +111,7 @@ class NodeProtocol:
         if node is None:
             node = self.core.node(node_id)
         elif node.connected:
-            silent = time.monotonic() - node.last_seen
+            silent = self.core.clock() - node.last_seen
             if silent <= self.core.config.lease_s:
                 raise AlreadyExists(
                     f"node id {node_id!r} is already connected (last heard {silent:.1f} s ago); "
@@ -122,7 +124,7 @@ class NodeProtocol:
         node.register = reg
         node.gpu_count, node.max_tasks = gpu_count, max_tasks
         node.connected, node.draining = True, False
-        node.last_seen = time.monotonic()
+        node.last_seen = self.core.clock()
         node.notes = notes
         self.core.node_changed(node, membership=True)
         self.core.store.upsert_node(node_id, reg.SerializeToString())
@@ -165,7 +167,7 @@ class NodeProtocol:
                 log.info("node draining; no new tasks go there", node_id=node.node_id)
             node.draining = hb.draining
             self.core.node_changed(node)
-        node.last_seen = time.monotonic()
+        node.last_seen = self.core.clock()
         node.last_heartbeat_time = time.time()
         del node.telemetry[:]
         node.telemetry.extend(hb.devices)
@@ -173,7 +175,7 @@ class NodeProtocol:
     def node_report(self, node: NodeSession, rep: node_pb2.TaskReport) -> bool:
         """Apply a task report. Returns False when refused (unknown task or stale attempt)."""
         self.messages["task_report"] += 1
-        node.last_seen = time.monotonic()
+        node.last_seen = self.core.clock()
         task = self.core.tasks.get(rep.task_id) or self.core.store.get_task(rep.task_id)
         if task is None:
             log.warning(

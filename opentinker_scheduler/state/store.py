@@ -348,6 +348,11 @@ class Store:
                 (node_id, info, now, now),
             )
 
+    def forget_node(self, node_id: str) -> None:
+        """Drop what is known of ``node_id`` (a node that connects again later is new)."""
+        with self._tx():
+            self.db.execute("DELETE FROM nodes WHERE node_id=?", (node_id,))
+
     def node_register(self, node_id: str) -> bytes | None:
         """The serialized ``Register`` a node last connected with, or None for a node never seen."""
         r = self.db.execute("SELECT info FROM nodes WHERE node_id=?", (node_id,)).fetchone()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import threading
 import time
 from pathlib import Path
@@ -13,6 +15,8 @@ from opentinker.common.v1 import common_pb2 as C
 from opentinker.node.v1 import node_pb2 as N
 from opentinker.node.v1 import node_pb2_grpc
 from opentinker_client import RLClient
+
+from tests.support.procs import LONG_TINY_LORA_HP
 
 TINY_HP = {"steps": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
 
@@ -125,3 +129,31 @@ def test_stale_attempt_report_refused_over_real_stream(tmp_path) -> None:
             new.close(goodbye=True)
     finally:
         cluster.close()
+
+
+def test_a_scheduler_stopped_past_the_lease_keeps_the_running_attempt(cluster, tiny_model_dir: Path) -> None:
+    # The cluster's scheduler runs with lease 3 s, heartbeat 0.5 s.
+    cluster.start_scheduler()
+    trainer = cluster.start_trainer("node-a")
+    cluster.wait_nodes(1)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        task_id = client.submit_task(
+            workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=LONG_TINY_LORA_HP
+        )
+        before = cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step >= 2)
+        os.kill(cluster.scheduler.pid, signal.SIGSTOP)
+        try:
+            time.sleep(9)  # the fault itself: stopped for 3x the lease; nothing is heard meanwhile
+        finally:
+            os.kill(cluster.scheduler.pid, signal.SIGCONT)
+        woke = cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step > before.latest_step)
+        # The live attempt keeps reporting after the scheduler woke: it was neither lost nor replaced.
+        after = cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step > woke.latest_step)
+        assert after.attempt == 1, "a stalled scheduler must not requeue work its nodes still run"
+        reasons = [e.reason for e in client.watch(task_id, follow=False) if e.kind == "state"]
+        assert "NODE_LOST" not in reasons
+    lost = [e for e in cluster.scheduler.log_events() if e.get("event") == "task attempt lost"]
+    assert lost == []
+    assert any(e.get("event", "").startswith("scheduler loop stalled") for e in cluster.scheduler.log_events())
+    started = [e for e in trainer.log_events() if e.get("event") == "Task started" and e.get("task_id") == task_id]
+    assert len(started) == 1, "the worker was started once"

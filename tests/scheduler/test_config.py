@@ -44,6 +44,8 @@ def test_seed_config_loads() -> None:
         (SEED + "max_tasks_per_gpu: 0\n", 10, "max_tasks_per_gpu"),
         (SEED + "max_tasks_per_gpu: two\n", 10, "max_tasks_per_gpu"),
         (SEED + "preemption_timeout: 0\n", 10, "preemption_timeout"),
+        (SEED + "forget_disconnected_after: 0\n", 10, "forget_disconnected_after"),
+        (SEED + "forget_disconnected_after: soon\n", 10, "forget_disconnected_after"),
     ],
 )
 def test_bad_config_names_file_line_and_key(text: str, line: int, key: str) -> None:
@@ -121,3 +123,8 @@ def test_every_error_gives_line_and_column(tmp_path) -> None:
     bad.write_text("state_dir: st\nresource_pool: [\n")
     with pytest.raises(ConfigError, match=rf"^{bad}:3:1: not valid YAML: "):
         load_config(bad)
+
+
+def test_forget_disconnected_after_defaults_to_ten_minutes_and_is_read() -> None:
+    assert parse_config(SEED, "c.yaml").forget_disconnected_after_s == 600.0
+    assert parse_config(SEED + "forget_disconnected_after: 90\n", "c.yaml").forget_disconnected_after_s == 90.0
