@@ -47,6 +47,7 @@ class GRPOConfig:
     clip_eps: float = num(0.2, 0.0, 10.0, min_exclusive=True, doc="PPO ratio clip range")
     kl_coef: float = num(0.0, 0.0, 100.0, doc="weight of the k3 KL penalty to the reference model; 0 skips it")
     scale_rewards: bool = True
+    loss_aggregation: str = lm_fields.loss_aggregation()
     lora_rank: int = lm_fields.lora_rank()
     lora_alpha: float = lm_fields.lora_alpha()
     lora_dropout: float = lm_fields.lora_dropout()

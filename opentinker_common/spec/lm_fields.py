@@ -1,5 +1,6 @@
 """Hyper-parameter fields that the language-model workloads share, defined once: the LoRA
-adapter's (``lora_finetune`` on text and on games, ``sft``) and the checkpoint interval.
+adapter's (``lora_finetune`` on text and on games, ``sft``), the checkpoint interval and the
+GRPO loss aggregation (text and games).
 
 Each function gives the ``dataclasses.field`` of one field (default, bounds, ``doc``), for a
 config class to declare in its own place, so each class keeps its own field order::
@@ -16,12 +17,14 @@ from opentinker_common.spec._parse import SpecError, num
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
+    "LOSS_AGGREGATIONS",
     "lora_rank",
     "lora_alpha",
     "lora_dropout",
     "target_modules",
     "checkpoint_every",
     "check_target_modules",
+    "loss_aggregation",
 ]
 
 #: The attention projections of Llama-style models (SmolLM2, Qwen2.5 ...): what a LoRA adapter
@@ -55,6 +58,30 @@ def checkpoint_every() -> Any:
     """``checkpoint_every``: optimizer steps between checkpoints, 0 to 1,000,000; 0 (the
     default) writes only the final one."""
     return num(0, 0, 1_000_000, doc="steps between checkpoints; 0 writes only the final one")
+
+
+#: ``loss_aggregation`` values: how GRPO's per-token losses are reduced to one number
+#: (:func:`opentinker_trainer.rl.grpo.aggregate`). ``token_mean``: sum over every counted token /
+#: their number (DAPO); ``seq_mean``: mean over sequences of each one's token mean (GRPO,
+#: DeepSeekMath eq. 3); ``dr_grpo``: sum over every counted token / (rows * max_new_tokens), a
+#: constant (Dr. GRPO, Liu et al. 2025, https://arxiv.org/abs/2503.20783).
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "dr_grpo")
+
+
+def loss_aggregation() -> Any:
+    """``loss_aggregation``: one of :data:`LOSS_AGGREGATIONS` (default ``token_mean``), for the
+    policy loss and the KL term alike. Dr. GRPO in full is ``scale_rewards: false`` (no std
+    division of the advantages) with ``loss_aggregation: dr_grpo``."""
+    return field(
+        default="token_mean",
+        metadata={
+            "choices": LOSS_AGGREGATIONS,
+            "doc": (
+                "how the per-token losses are reduced: token_mean (sum / tokens), seq_mean (mean of per-sequence "
+                "means), dr_grpo (sum / (rows * max_new_tokens)); Dr. GRPO = this and scale_rewards false"
+            ),
+        },
+    )
 
 
 def check_target_modules(modules: tuple[str, ...], path: str) -> None:

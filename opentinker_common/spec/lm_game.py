@@ -62,6 +62,7 @@ class LMGameGRPOConfig:
     clip_eps: float = num(0.2, 0.0, 10.0, min_exclusive=True)
     kl_coef: float = num(0.0, 0.0, 100.0)
     scale_rewards: bool = True
+    loss_aggregation: str = lm_fields.loss_aggregation()
     lora_rank: int = lm_fields.lora_rank()
     lora_alpha: float = lm_fields.lora_alpha()
     lora_dropout: float = lm_fields.lora_dropout()
