@@ -27,7 +27,7 @@ class GRPOConfig:
     group_size: int = num(8, 2, 1024, doc="completions per prompt; advantages are relative within a group")
     max_new_tokens: int = num(10, 1, 8192)
     temperature: float = num(0.7, 0.0, 10.0, min_exclusive=True)
-    top_p: float = num(1.0, 0.0, 1.0, min_exclusive=True)
+    top_p: float = lm_fields.rollout_top_p()
     learning_rate: float = num(
         5e-4,
         0.0,
@@ -58,6 +58,7 @@ class GRPOConfig:
 
     def check(self, path: str) -> None:
         lm_fields.check_target_modules(self.target_modules, path)
+        lm_fields.check_rollout_top_p(self.top_p, path)
 
 
 register_workload("lora_finetune", GRPOConfig, env_kinds=("text",))
@@ -85,6 +86,11 @@ def _full_grpo_fields() -> list[tuple[str, Any, Any]]:
     return out
 
 
+def _check_full(self, path: str) -> None:
+    """The checks of :meth:`GRPOConfig.check` on the fields ``full_rl`` keeps (``top_p``)."""
+    lm_fields.check_rollout_top_p(self.top_p, path)
+
+
 FullGRPOConfig = dataclasses.make_dataclass(
     "FullGRPOConfig",
     _full_grpo_fields(),
@@ -97,6 +103,7 @@ FullGRPOConfig = dataclasses.make_dataclass(
             "the reference model is a frozen copy of the starting weights (twice the memory)."
         ),
         "__module__": __name__,
+        "check": _check_full,
     },
 )
 

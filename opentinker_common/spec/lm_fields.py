@@ -1,6 +1,6 @@
 """Hyper-parameter fields that the language-model workloads share, defined once: the LoRA
 adapter's (``lora_finetune`` on text and on games, ``sft``), the checkpoint interval and the
-GRPO loss aggregation (text and games).
+GRPO loss aggregation and the rollout sampler's ``top_p`` (text and games).
 
 Each function gives the ``dataclasses.field`` of one field (default, bounds, ``doc``), for a
 config class to declare in its own place, so each class keeps its own field order::
@@ -23,8 +23,10 @@ __all__ = [
     "lora_dropout",
     "target_modules",
     "checkpoint_every",
+    "check_rollout_top_p",
     "check_target_modules",
     "loss_aggregation",
+    "rollout_top_p",
 ]
 
 #: The attention projections of Llama-style models (SmolLM2, Qwen2.5 ...): what a LoRA adapter
@@ -82,6 +84,32 @@ def loss_aggregation() -> Any:
             ),
         },
     )
+
+
+def rollout_top_p() -> Any:
+    """``top_p`` of a GRPO trainer's sampler: a number in (0, 1] by type, and 1.0 only
+    (:func:`check_rollout_top_p`); kept as a field so that specs that spell out the default
+    still validate."""
+    return num(1.0, 0.0, 1.0, min_exclusive=True, doc="1.0 only: training samples from the full softmax")
+
+
+def check_rollout_top_p(top_p: float, path: str) -> None:
+    """Raises :class:`SpecError` (``<path>.top_p``) when ``top_p < 1``.
+
+    GRPO's importance ratio ``pi / pi_old`` and its KL terms take the trainer's log-probs of the
+    sampled tokens under the *full* softmax (``softmax(logits / temperature)``), while a nucleus
+    sampler draws from the renormalised truncation: with ``top_p < 1`` the behaviour policy is not
+    the one in the ratio, and the loss would be silently wrong. The trainer samples with
+    ``top_k = 0`` always (no field), so that needs no check. Inference keeps ``top_p`` and
+    ``top_k`` (sampling parameters of a request, not of a task spec).
+    """
+    if top_p < 1.0:
+        raise SpecError(
+            f"{path}.top_p",
+            "1.0 (training samples from the full softmax: the importance ratio and KL compare the trainer's "
+            "full-softmax probabilities with the sampler's, which top_p < 1 truncates; top_p is for inference)",
+            top_p,
+        )
 
 
 def check_target_modules(modules: tuple[str, ...], path: str) -> None:
