@@ -27,7 +27,7 @@ class GRPOConfig:
     group_size: int = num(8, 2, 1024, doc="completions per prompt; advantages are relative within a group")
     max_new_tokens: int = num(10, 1, 8192)
     temperature: float = num(0.7, 0.0, 10.0, min_exclusive=True)
-    top_p: float = num(1.0, 0.0, 1.0, min_exclusive=True)
+    top_p: float = lm_fields.rollout_top_p()
     learning_rate: float = num(
         5e-4,
         0.0,
@@ -47,6 +47,7 @@ class GRPOConfig:
     clip_eps: float = num(0.2, 0.0, 10.0, min_exclusive=True, doc="PPO ratio clip range")
     kl_coef: float = num(0.0, 0.0, 100.0, doc="weight of the k3 KL penalty to the reference model; 0 skips it")
     scale_rewards: bool = True
+    loss_aggregation: str = lm_fields.loss_aggregation()
     lora_rank: int = lm_fields.lora_rank()
     lora_alpha: float = lm_fields.lora_alpha()
     lora_dropout: float = lm_fields.lora_dropout()
@@ -57,6 +58,7 @@ class GRPOConfig:
 
     def check(self, path: str) -> None:
         lm_fields.check_target_modules(self.target_modules, path)
+        lm_fields.check_rollout_top_p(self.top_p, path)
 
 
 register_workload("lora_finetune", GRPOConfig, env_kinds=("text",))
@@ -84,6 +86,11 @@ def _full_grpo_fields() -> list[tuple[str, Any, Any]]:
     return out
 
 
+def _check_full(self, path: str) -> None:
+    """The checks of :meth:`GRPOConfig.check` on the fields ``full_rl`` keeps (``top_p``)."""
+    lm_fields.check_rollout_top_p(self.top_p, path)
+
+
 FullGRPOConfig = dataclasses.make_dataclass(
     "FullGRPOConfig",
     _full_grpo_fields(),
@@ -96,6 +103,7 @@ FullGRPOConfig = dataclasses.make_dataclass(
             "the reference model is a frozen copy of the starting weights (twice the memory)."
         ),
         "__module__": __name__,
+        "check": _check_full,
     },
 )
 

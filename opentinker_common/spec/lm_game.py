@@ -39,7 +39,7 @@ class LMGameGRPOConfig:
     max_turns: int = num(8, 1, 1000, doc="LM replies per episode at most; an episode still running is truncated")
     max_new_tokens: int = num(6, 1, 512)
     temperature: float = num(1.0, 0.0, 10.0, min_exclusive=True)
-    top_p: float = num(1.0, 0.0, 1.0, min_exclusive=True)
+    top_p: float = lm_fields.rollout_top_p()
     invalid_action_reward: float = num(-0.1, -1e6, 1e6, doc="added to the return for each reply that names no action")
     reward_shaping: str = field(default="none", metadata={"choices": REWARD_SHAPING})
     system_prompt: str | None = field(default=None, metadata={"max_len": 4096})
@@ -62,6 +62,7 @@ class LMGameGRPOConfig:
     clip_eps: float = num(0.2, 0.0, 10.0, min_exclusive=True)
     kl_coef: float = num(0.0, 0.0, 100.0)
     scale_rewards: bool = True
+    loss_aggregation: str = lm_fields.loss_aggregation()
     lora_rank: int = lm_fields.lora_rank()
     lora_alpha: float = lm_fields.lora_alpha()
     lora_dropout: float = lm_fields.lora_dropout()
@@ -72,6 +73,7 @@ class LMGameGRPOConfig:
 
     def check(self, path: str) -> None:
         lm_fields.check_target_modules(self.target_modules, path)
+        lm_fields.check_rollout_top_p(self.top_p, path)
 
 
 register_workload("lora_finetune", LMGameGRPOConfig, env_kinds=("gym",))

@@ -20,15 +20,20 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from opentinker_common.spec.lm_fields import LOSS_AGGREGATIONS
+
 __all__ = [
     "ADAPTER_OFF",
     "GRPOBatch",
+    "LOSS_AGGREGATIONS",
+    "aggregate",
     "approx_kl_k3",
     "clip_fraction",
     "group_advantages",
     "grpo_update",
     "headline_metrics",
     "kl_k3",
+    "loss_normalizer",
     "masked_mean",
     "masked_sum",
     "pg_loss",
@@ -54,6 +59,79 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     mask = mask.bool()
     count = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(values, mask, dim) / count.clamp(min=1).to(values.dtype)
+
+
+def loss_normalizer(
+    mask: torch.Tensor, aggregation: str = "token_mean", max_completion_length: int | None = None
+) -> torch.Tensor:
+    """The denominator ``N`` of :func:`aggregate` for a whole batch, as a float32 scalar (at least 1).
+
+    * ``token_mean`` — the number of counted tokens, ``sum_{i,t} m_it``;
+    * ``seq_mean`` — the number of rows with at least one counted token (a row whose tokens are
+      all masked out, e.g. one without a reward, is no sequence of the mean);
+    * ``dr_grpo`` — ``B * L``, ``B = mask.shape[0]`` rows (all of them, as TRL's
+      ``per_token_loss.size(0)``) and ``L = max_completion_length`` (default ``T``): a constant
+      for a fixed batch size and generation budget, independent of the completions' lengths.
+
+    Args:
+        mask: ``[B, T]`` true on counted tokens.
+        aggregation: one of :data:`LOSS_AGGREGATIONS`.
+        max_completion_length: ``L`` of ``dr_grpo`` (the sampler's ``max_new_tokens``); ignored
+            by the others.
+
+    Raises:
+        ValueError: an unknown ``aggregation``.
+    """
+    mask = mask.bool()
+    if aggregation == "token_mean":
+        n = mask.sum()
+    elif aggregation == "seq_mean":
+        n = mask.any(dim=1).sum()
+    elif aggregation == "dr_grpo":
+        length = mask.shape[1] if max_completion_length is None else int(max_completion_length)
+        n = torch.tensor(mask.shape[0] * length, device=mask.device)
+    else:
+        raise ValueError(f"aggregation must be one of {', '.join(LOSS_AGGREGATIONS)}, got {aggregation!r}")
+    return n.clamp(min=1).float()
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: str = "token_mean",
+    normalizer: torch.Tensor | float | None = None,
+    max_completion_length: int | None = None,
+) -> torch.Tensor:
+    """Reduce per-token losses ``x [B, T]`` to a scalar, by name (TRL ``GRPOTrainer`` ``loss_type``).
+
+    With ``m`` the mask, ``|o_i| = sum_t m_it`` and ``N`` = ``normalizer`` or, when None,
+    :func:`loss_normalizer` of this ``mask``:
+
+    * ``token_mean`` — ``sum_{i,t} m_it x_it / N``, ``N = sum_{i,t} m_it``: every counted token
+      weighs the same (DAPO, https://arxiv.org/abs/2503.14476, sec. 3.3; TRL ``"bnpo"``);
+    * ``seq_mean`` — ``sum_i (sum_t m_it x_it / |o_i|) / N``, ``N`` = rows with ``|o_i| > 0``:
+      GRPO's mean of per-sequence means (Shao et al. 2024, DeepSeekMath, eq. 3,
+      https://arxiv.org/abs/2402.03300; TRL ``"grpo"``), which down-weights long completions;
+    * ``dr_grpo`` — ``sum_{i,t} m_it x_it / (B * L)`` with the constant ``L`` =
+      ``max_completion_length`` (Liu et al. 2025, "Understanding R1-Zero-Like Training: A
+      Critical Perspective", https://arxiv.org/abs/2503.20783; TRL ``"dr_grpo"``), which removes
+      the length bias of both means.
+
+    Pass ``normalizer`` (the whole batch's :func:`loss_normalizer`) when ``per_token`` is one
+    micro-batch of a batch: the micro-batches' results then add up to the batch's. Masked-out
+    positions may hold NaN (see :func:`masked_sum`); a row with no counted token adds 0.
+
+    Returns:
+        ``[]``, in ``per_token``'s dtype.
+    """
+    if normalizer is None:
+        normalizer = loss_normalizer(mask, aggregation, max_completion_length).to(per_token.dtype)
+    if aggregation == "seq_mean":
+        lengths = mask.bool().sum(dim=1).clamp(min=1).to(per_token.dtype)
+        return (masked_sum(per_token, mask, dim=1) / lengths).sum() / normalizer
+    if aggregation not in LOSS_AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {', '.join(LOSS_AGGREGATIONS)}, got {aggregation!r}")
+    return masked_sum(per_token, mask) / normalizer
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,17 +233,20 @@ def pg_loss(
     mask: torch.Tensor,
     clip_eps: float = 0.2,
     normalizer: torch.Tensor | float | None = None,
+    aggregation: str = "token_mean",
+    max_completion_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate loss, averaged over tokens.
+    """PPO clipped surrogate loss, reduced over tokens by ``aggregation`` (default a token mean).
 
     ``ratio = exp(logp - old_logp)``;
     ``loss_t = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))`` — Schulman et al. 2017, PPO,
     eq. 7, https://arxiv.org/abs/1707.06347; per token with a sequence-level ``A`` as in GRPO
     (https://arxiv.org/abs/2402.03300, eq. 3).
 
-    Aggregation is a *token* mean over the whole batch (every unmasked token weighs the same,
-    as DAPO, https://arxiv.org/abs/2503.14476, sec. 3.3), not GRPO's mean of per-sequence means,
-    which down-weights long completions' tokens.
+    Aggregation (:func:`aggregate`): by default a *token* mean over the whole batch (every
+    unmasked token weighs the same, as DAPO, https://arxiv.org/abs/2503.14476, sec. 3.3), not
+    GRPO's mean of per-sequence means (``seq_mean``), which down-weights long completions'
+    tokens; ``dr_grpo`` divides the sum by the constant ``B * max_completion_length``.
 
     Args:
         logp: ``[B, T]`` log-probs of the sampled tokens under the current policy (with grad).
@@ -175,9 +256,11 @@ def pg_loss(
         advantages: ``[B]`` per-sequence (or ``[B, T]`` per-token) advantages.
         mask: ``[B, T]`` true on completion tokens that count.
         clip_eps: the clip range ``eps``.
-        normalizer: divide the masked *sum* by this instead of by the number of masked tokens in
-            this batch — set it to the token count of the whole batch when ``logp`` is one
-            micro-batch of it, so that the micro-batch losses add up to the batch token mean.
+        normalizer: the ``N`` of :func:`aggregate` instead of this batch's
+            :func:`loss_normalizer` — set it to the whole batch's when ``logp`` is one
+            micro-batch of it, so that the micro-batch losses add up to the batch's loss.
+        aggregation: ``token_mean``, ``seq_mean`` or ``dr_grpo`` (:func:`aggregate`).
+        max_completion_length: ``L`` of ``dr_grpo`` when ``normalizer`` is None (default ``T``).
 
     Returns:
         ``(loss [], metrics)`` with ``metrics`` holding detached scalars ``clipfrac``,
@@ -191,10 +274,7 @@ def pg_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
     per_token = torch.maximum(unclipped, clipped)
-    if normalizer is None:
-        loss = masked_mean(per_token, mask)
-    else:
-        loss = masked_sum(per_token, mask) / normalizer
+    loss = aggregate(per_token, mask, aggregation, normalizer, max_completion_length)
     with torch.no_grad():
         metrics = {
             "clipfrac": clip_fraction(ratio, advantages, mask, clip_eps),
@@ -281,9 +361,12 @@ def grpo_update(
     summed over ``batch.chunks``, then clipped to ``cfg.max_grad_norm``) on
 
         ``loss = pg_loss(logp, old_logp, A, mask, cfg.clip_eps) + cfg.kl_coef * KL``,
-        ``KL = token mean of kl_k3(logp, ref_logp)`` (DeepSeekMath eq. 4),
+        ``KL = aggregate(kl_k3(logp, ref_logp))`` (the k3 penalty of DeepSeekMath eq. 4),
 
-    both token means over the whole batch (every counted token weighs the same, DAPO sec. 3.3).
+    both reduced by :func:`aggregate` with ``cfg.loss_aggregation`` over the whole batch: by
+    default token means (every counted token weighs the same, DAPO sec. 3.3); ``seq_mean`` (GRPO's
+    mean of per-sequence means) and ``dr_grpo`` (sum / ``(B * cfg.max_new_tokens)``, Dr. GRPO,
+    https://arxiv.org/abs/2503.20783; ``B`` the batch's rows, for a game the step's turns) too.
     ``old_logp`` are the sampling policy's log-probs: a no-grad pass before the first epoch when
     ``ppo_epochs > 1``; with one epoch, the epoch's own forward, detached (ratio 1).
 
@@ -299,8 +382,8 @@ def grpo_update(
     Rules, the same for every trainer that calls this:
 
     * **Missing rewards** — a NaN reward (:func:`rewards_tensor` turns ``None`` into NaN) is left
-      out of its group's mean and std, its rows' tokens are left out of the loss, of the token
-      count that normalises it and of the KL term and the reported KL; ``reward/mean`` and
+      out of its group's mean and std, its rows' tokens are left out of the loss, of the
+      normaliser of the loss (:func:`loss_normalizer`) and of the KL term and the reported KL; ``reward/mean`` and
       ``reward/std`` are over the finite rewards only (NaN when there are none).
     * **Groups without signal** — groups whose rewards are all equal get advantage 0
       (``grpo/zero_std_frac``). A batch where *every* group is so still takes its ``ppo_epochs``
@@ -324,7 +407,8 @@ def grpo_update(
         batch: the rows, their masks, micro-batches and rewards (:class:`GRPOBatch`).
         logprobs: ``logprobs(module, rows) -> [len(rows), T]`` float32 token log-probs of the
             completions of ``rows`` (a slice) under ``module`` (with grad when grad is enabled).
-        cfg: ``ppo_epochs``, ``clip_eps``, ``kl_coef``, ``max_grad_norm``, ``scale_rewards``.
+        cfg: ``ppo_epochs``, ``clip_eps``, ``kl_coef``, ``max_grad_norm``, ``scale_rewards``,
+            ``loss_aggregation``, ``max_new_tokens`` (read for ``dr_grpo`` only).
         reference: see the rules above.
 
     Returns:
@@ -351,6 +435,9 @@ def grpo_update(
     adv, valid = adv.to(mask_device), valid.to(mask_device)
     mask = batch.mask & valid.unsqueeze(1)
     n_tokens = mask.sum().clamp(min=1).float()
+    aggregation = cfg.loss_aggregation
+    max_len = cfg.max_new_tokens if aggregation == "dr_grpo" else None
+    normalizer = loss_normalizer(mask, aggregation, max_len)
     ref_logp = _no_grad_logprobs(logprobs, model, batch, reference) if reference is not None else None
     old_logp = _no_grad_logprobs(logprobs, model, batch) if cfg.ppo_epochs > 1 else None
 
@@ -367,8 +454,11 @@ def grpo_update(
             epoch_logp.append(logp.detach())
             old = old_logp[sl] if old_logp is not None else logp.detach()
             m = mask[sl]
-            policy_loss, stats = pg_loss(logp, old, adv[sl], m, cfg.clip_eps, normalizer=n_tokens)
-            kl_loss = masked_sum(kl_k3(logp, ref_logp[sl]), m) / n_tokens if ref_logp is not None else torch.zeros(())
+            policy_loss, stats = pg_loss(logp, old, adv[sl], m, cfg.clip_eps, normalizer, aggregation)
+            if ref_logp is not None:
+                kl_loss = aggregate(kl_k3(logp, ref_logp[sl]), m, aggregation, normalizer)
+            else:
+                kl_loss = torch.zeros(())
             loss = policy_loss + cfg.kl_coef * kl_loss if cfg.kl_coef > 0 else policy_loss
             loss.backward()
             weight = (m.sum() / n_tokens).item()

@@ -258,7 +258,9 @@ def generate(
     Pure ancestral sampling from ``softmax(logits / temperature)``, nucleus-truncated by ``top_p``;
     ``top_k`` and repetition penalties that a model's ``generation_config`` may carry (Qwen's do)
     are switched off, so the sampler is the policy whose log-probs :func:`sequence_logprobs`
-    computes (exactly so when ``top_p == 1``).
+    computes — exactly so only when ``top_p == 1``: a nucleus sampler draws from the truncated,
+    renormalised softmax, which is not that policy, so the GRPO trainers' specs refuse
+    ``top_p < 1`` (:func:`opentinker_common.spec.lm_fields.check_rollout_top_p`).
 
     Randomness comes from torch's global generator (``generate`` takes no ``torch.Generator``);
     ``seed`` re-seeds it first (``torch.manual_seed``, which seeds CUDA too).

@@ -51,6 +51,8 @@ class Config:
     kl_coef: float = 0.0
     max_grad_norm: float = 1.0
     scale_rewards: bool = True
+    loss_aggregation: str = "token_mean"
+    max_new_tokens: int = T
 
 
 def make_rows(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
