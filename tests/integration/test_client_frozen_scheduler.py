@@ -80,3 +80,33 @@ def test_client_calls_end_within_their_timeouts_against_a_stopped_scheduler(tmp_
             assert time.monotonic() - start < 60 + SLACK
     finally:
         cluster.close()
+
+
+def test_a_quiet_watch_of_the_real_scheduler_answers_with_headers(tmp_path) -> None:
+    # The scheduler sends WatchTask's headers at once, so a quiet watch counts as answered and is
+    # not cancelled and reopened at the answer bound.
+    from opentinker.scheduler.v1 import scheduler_pb2
+    from opentinker_client.connection import SchedulerConnection
+    from tests.support.procs import Cluster
+    from tests.support.waiting import wait_for
+
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.start_scheduler()
+        with RLClient(scheduler_url=cluster.url, api_key="", min_poll_interval=0) as client:
+            task_id = client.submit_task(workload_type="lora_finetune", model="/m", hyperparameters=TINY_HP)
+            last = list(client.watch(task_id, follow=False))[-1].sequence
+        with SchedulerConnection(cluster.url, timeout=30, api_key="") as connection:
+            request = scheduler_pb2.WatchTaskRequest(task_id=task_id, after_sequence=last)
+            with connection.stream("WatchTask", request, answer_timeout=0.5) as responses:
+
+                def drain() -> None:
+                    try:
+                        list(responses)
+                    except ot.OpenTinkerError:
+                        pass  # cancelled when the block is left
+
+                threading.Thread(target=drain, daemon=True).start()
+                wait_for(lambda: responses.answered, timeout=30, what="WatchTask's headers counted as an answer")
+    finally:
+        cluster.close()
