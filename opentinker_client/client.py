@@ -367,7 +367,13 @@ class RLClient:
     # -- follow -------------------------------------------------------------------------------
 
     def watch(
-        self, task_id: str, *, after_sequence: int = 0, follow: bool = True, reconnect_timeout: float | None = 300.0
+        self,
+        task_id: str,
+        *,
+        after_sequence: int = 0,
+        follow: bool = True,
+        reconnect_timeout: float | None = 300.0,
+        timeout: float | None = None,
     ) -> Iterator[TaskEvent]:
         """Iterate over a task's events: state changes, metric points, checkpoints.
 
@@ -381,12 +387,19 @@ class RLClient:
         Args:
             after_sequence: resume after this event sequence number.
             follow: False ends after the events recorded so far (no live ones).
-            reconnect_timeout: seconds to keep trying while the scheduler is unreachable;
-                ``None`` tries for ever.
+            reconnect_timeout: seconds to keep trying while the scheduler is unreachable or does
+                not answer (a frozen scheduler that accepts connections and sends nothing), from
+                the moment the stream was opened or lost until it answers again; every try in
+                that window (each reopen, each ``GetTask`` check, each backoff sleep) is bounded
+                by what is left of it, and by the client's ``timeout``. ``None`` tries for ever.
+            timeout: seconds for the whole watch, live events included; ``None`` (the default):
+                no limit.
 
         Raises:
             NotFoundError: no such task.
-            UnavailableError: unreachable for longer than ``reconnect_timeout``.
+            UnavailableError: unreachable or unanswering for ``reconnect_timeout`` seconds.
+            DeadlineExceededError: the task had not ended within ``timeout`` seconds (also a
+                :class:`TimeoutError`).
             OpenTinkerError: any other error from the stream.
         """
         check_task_id(task_id)
@@ -396,6 +409,7 @@ class RLClient:
             follow=follow,
             reconnect_timeout=reconnect_timeout,
             backoff=self.reconnect_backoff,
+            timeout=timeout,
         )
 
     def wait(self, task_id: str, *, timeout: float | None = None, poll_interval: float = 1.0) -> TaskInfo:

@@ -22,6 +22,7 @@ from opentinker_client.connection import SchedulerConnection
 from opentinker_client.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
+    OpenTinkerError,
     TaskFailedError,
     UnavailableError,
 )
@@ -184,59 +185,104 @@ class TaskCalls:
         follow: bool,
         reconnect_timeout: float | None,
         backoff: tuple[float, float],
+        timeout: float | None = None,
     ) -> Iterator[TaskEvent]:
         """The task's events after ``after_sequence``, resuming after the last one seen when the
-        stream drops; ``backoff`` is (first, largest) reconnect delay in seconds (``RLClient.watch``)."""
+        stream drops; ``backoff`` is (first, largest) reconnect delay in seconds, ``timeout`` the
+        seconds for the whole watch (``None``: none) (``RLClient.watch``).
+
+        The scheduler is "down" from the moment a stream is opened or lost until it answers
+        (stream headers, an event, or a ``GetTask``); every try while down (each open, the
+        ``GetTask`` check, each backoff sleep) is bounded by what is left of
+        ``reconnect_timeout``, so a frozen scheduler ends the watch at ``reconnect_timeout``.
+        """
         last = int(after_sequence)
         delays = _Backoff(*backoff)
+        deadline = None if timeout is None else time.monotonic() + timeout
         down_since: float | None = None
-        while True:
-            request = scheduler_pb2.WatchTaskRequest(task_id=task_id, after_sequence=last, history_only=not follow)
-            unavailable: UnavailableError | None = None
-            try:
-                with self.connection.stream("WatchTask", request) as responses:
-                    for response in responses:
-                        if response.event.sequence <= last:
-                            continue  # already yielded before a reconnect
-                        last = response.event.sequence
-                        down_since = None
-                        delays.reset()
-                        event = event_from_proto(response.event)
-                        yield event
-                        if event.is_terminal:
-                            return
-            except UnavailableError as err:
-                if self.connection.closed:
-                    raise
-                unavailable = err
 
-            if unavailable is None and not follow:
-                return  # the history so far was sent whole
-            if unavailable is None:
-                # The scheduler ends the stream when the task has ended; make sure it did.
-                try:
-                    if self.get(task_id).done:
-                        return
-                    down_since = None
-                except UnavailableError as err:
-                    unavailable = err
-            if unavailable is not None:
-                now = time.monotonic()
-                down_since = down_since if down_since is not None else now
-                if reconnect_timeout is not None and now - down_since > reconnect_timeout:
+        def left(share: float = 1.0) -> float:
+            """Seconds this try may take: the connection's timeout, capped by ``share`` of what is
+            left of the reconnect window and by what is left of ``timeout``; raises once either
+            has run out."""
+            now = time.monotonic()
+            bound = self.connection.timeout
+            if deadline is not None:
+                if now >= deadline:
+                    raise DeadlineExceededError(f"watch of task {task_id} did not end within {timeout:g} s")
+                bound = min(bound, deadline - now)
+            if reconnect_timeout is not None and down_since is not None:
+                if now - down_since >= reconnect_timeout:
                     raise UnavailableError(
                         f"lost the watch stream of task {task_id} and could not reconnect for "
-                        f"{reconnect_timeout:g} s: {unavailable.details}"
-                    ) from unavailable
+                        f"{reconnect_timeout:g} s: {failure.details if failure is not None else 'no answer'}"
+                    ) from failure
+                bound = min(bound, share * (down_since + reconnect_timeout - now))
+            return max(0.01, bound)
+
+        failure: OpenTinkerError | None = None
+        while True:
+            if down_since is None:
+                down_since = time.monotonic()  # until this stream answers
+            # Half of the window left: an unanswered stream may be a quiet one from a scheduler
+            # that sends no headers before the first event, so a GetTask gets the other half.
+            answer_timeout = left(0.5)
+            request = scheduler_pb2.WatchTaskRequest(task_id=task_id, after_sequence=last, history_only=not follow)
+            failure = None
+            answered = False
+            try:
+                stream_timeout = None if deadline is None else max(0.01, deadline - time.monotonic())
+                with self.connection.stream(
+                    "WatchTask", request, timeout=stream_timeout, answer_timeout=answer_timeout
+                ) as responses:
+                    try:
+                        for response in responses:
+                            if response.event.sequence <= last:
+                                continue  # already yielded before a reconnect
+                            last = response.event.sequence
+                            down_since = None
+                            delays.reset()
+                            event = event_from_proto(response.event)
+                            yield event
+                            if event.is_terminal:
+                                return
+                    finally:
+                        answered = responses.answered
+            except (UnavailableError, DeadlineExceededError) as err:
+                if self.connection.closed:
+                    raise
+                failure = err
+            if answered:
+                down_since = None
+                delays.reset()
+            left()  # the whole watch's timeout, checked before anything else is tried
+
+            if failure is None and not follow:
+                return  # the history so far was sent whole
+            if not isinstance(failure, UnavailableError):
+                # The scheduler ended the stream (when the task has ended: make sure it did) or
+                # did not answer it in time: ask whether it answers at all.
+                try:
+                    if self.get(task_id, timeout=left()).done:
+                        return
+                    down_since = None
+                    failure = None
+                except (UnavailableError, DeadlineExceededError) as err:
+                    failure = err
+            if failure is not None:
+                down_since = down_since if down_since is not None else time.monotonic()
             delay = delays.next()
-            log.warning(
+            # A quiet stream the scheduler sent no headers on is reopened after a GetTask proved
+            # it alive: routine, so not a warning.
+            log.log(
+                logging.WARNING if failure is not None else logging.DEBUG,
                 "watch of task %s interrupted (%s); resuming after sequence %d in %.1f s",
                 task_id,
-                unavailable.details if unavailable is not None else "stream ended early",
+                failure.details if failure is not None else "stream ended early or did not answer",
                 last,
                 delay,
             )
-            time.sleep(delay)
+            time.sleep(min(delay, left()))
 
     def wait(self, task_id: str, *, timeout: float | None, poll_interval: float) -> TaskInfo:
         """Poll every ``poll_interval`` seconds until the task ends; the final task if it
@@ -281,14 +327,25 @@ class TaskCalls:
         """
         check_task_id(task_id)
         deadline = time.monotonic() + timeout
+        state = "unknown"
         while True:
-            info = self.get(task_id)
-            if info.state == "running" and info.endpoint:
-                return info.endpoint
-            if info.done:
-                raise TaskFailedError(info)
-            if time.monotonic() >= deadline:
+            # Each GetTask gets what is left of ``timeout`` at most, so a frozen scheduler cannot
+            # hold this past it; a call that ran out of it is the DeadlineExceededError below.
+            call_timeout = max(0.1, min(self.connection.timeout, deadline - time.monotonic()))
+            try:
+                info = self.get(task_id, timeout=call_timeout)
+            except DeadlineExceededError:
+                if time.monotonic() < deadline:
+                    raise
+            else:
+                state = info.state
+                if info.state == "running" and info.endpoint:
+                    return info.endpoint
+                if info.done:
+                    raise TaskFailedError(info)
+            now = time.monotonic()
+            if now >= deadline:
                 raise DeadlineExceededError(
-                    f"inference task {task_id} did not start serving within {timeout:g} s (state: {info.state})"
+                    f"inference task {task_id} did not start serving within {timeout:g} s (state: {state})"
                 )
-            time.sleep(poll_interval)
+            time.sleep(max(0.0, min(poll_interval, deadline - now)))

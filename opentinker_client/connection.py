@@ -12,19 +12,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from importlib import metadata as _metadata
 from typing import Any, Iterable, Iterator
 
 import grpc
 
 from opentinker.scheduler.v1 import scheduler_pb2_grpc
-from opentinker_client.errors import SCHEDULER_PLAINTEXT_HINT, OpenTinkerError, from_rpc_error
+from opentinker_client.errors import SCHEDULER_PLAINTEXT_HINT, DeadlineExceededError, OpenTinkerError, from_rpc_error
 from opentinker_common.net.bearer import bearer_metadata, clean_api_key
 from opentinker_common.net.grpc_options import client_keepalive, message_limits
 from opentinker_common.net.tls import channel_credentials
 from opentinker_common.net.url import parse_scheduler_address
 
-__all__ = ["SchedulerConnection", "resolve_api_key"]
+__all__ = ["SchedulerConnection", "StreamResponses", "resolve_api_key"]
 
 _SERVICE = "opentinker.scheduler.v1.SchedulerService"
 
@@ -186,10 +187,16 @@ class SchedulerConnection:
 
     @contextlib.contextmanager
     def stream(
-        self, method: str, request: Any, *, timeout: float | None = None, plaintext_hint: bool = True
-    ) -> Iterator[Iterator[Any]]:
+        self,
+        method: str,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        answer_timeout: float | None = None,
+        plaintext_hint: bool = True,
+    ) -> Iterator[StreamResponses]:
         """Open the server-streaming RPC ``method``; the ``with`` block gets an iterator of its
-        responses and leaving the block cancels the call::
+        responses (a :class:`StreamResponses`) and leaving the block cancels the call::
 
             with connection.stream("WatchTask", request) as responses:
                 for response in responses:
@@ -197,22 +204,102 @@ class SchedulerConnection:
 
         Args:
             timeout: seconds for the whole stream; ``None`` for none.
+            answer_timeout: seconds the server has to answer at all (its response headers or a
+                first message); unanswered by then, the call is cancelled and iterating raises
+                :class:`~opentinker_client.errors.DeadlineExceededError`. This bounds a frozen
+                server (connection accepted, nothing sent) without limiting a quiet stream that
+                did answer. ``None``: no such bound.
             plaintext_hint: as for :meth:`error`.
 
         Raises:
             OpenTinkerError: closed (on entering); the subclass for the status the stream ended
-                with (while iterating).
+                with (while iterating); DeadlineExceededError as ``answer_timeout`` says.
         """
         self.check_open()
         call = getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
-
-        def responses() -> Iterator[Any]:
-            try:
-                yield from call
-            except grpc.RpcError as err:
-                raise self.error(err, plaintext_hint=plaintext_hint) from err
-
+        responses = StreamResponses(self, method, call, answer_timeout=answer_timeout, plaintext_hint=plaintext_hint)
         try:
-            yield responses()
+            yield responses
         finally:
-            call.cancel()
+            responses.close()
+
+
+class StreamResponses:
+    """The responses of one stream opened by :meth:`SchedulerConnection.stream`, as an iterator.
+
+    Attributes:
+        answered: whether the server has answered: sent a message, or sent its headers and kept
+            the call open until ``answer_timeout``.
+    """
+
+    def __init__(
+        self,
+        connection: SchedulerConnection,
+        method: str,
+        call: Any,
+        *,
+        answer_timeout: float | None,
+        plaintext_hint: bool,
+    ) -> None:
+        self._connection = connection
+        self._method = method
+        self._call = call
+        self._answer_timeout = answer_timeout
+        self._plaintext_hint = plaintext_hint
+        self._answered = threading.Event()
+        self._headers = threading.Event()
+        self._expired = threading.Event()
+        self._timer: threading.Timer | None = None
+        self._iterator = self._responses()
+        if answer_timeout is not None:
+            # initial_metadata() blocks until the headers come or the call ends (cancel included).
+            threading.Thread(target=self._await_headers, name=f"{method}-headers", daemon=True).start()
+            self._timer = threading.Timer(max(0.0, answer_timeout), self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    @property
+    def answered(self) -> bool:
+        return self._answered.is_set()
+
+    def _await_headers(self) -> None:
+        try:
+            self._call.initial_metadata()  # also returns (empty) when the call fails unanswered
+        except Exception:  # noqa: BLE001 - the iterating thread sees the call's own error
+            return
+        self._headers.set()
+
+    def _expire(self) -> None:
+        # Headers on a call still open at the bound are an answer: a quiet stream that is alive.
+        # (Headers alone prove nothing sooner: a call that fails to connect reports empty ones.)
+        if self._answered.is_set() or self._call.done():
+            return
+        if self._headers.is_set():
+            self._answered.set()
+        else:
+            self._expired.set()
+            self._call.cancel()
+
+    def _responses(self) -> Iterator[Any]:
+        try:
+            for response in self._call:
+                self._answered.set()
+                yield response
+        except grpc.RpcError as err:
+            if self._expired.is_set():  # cancelled by _expire, unanswered
+                raise DeadlineExceededError(
+                    f"{self._method}: the scheduler did not answer within {self._answer_timeout:g} s"
+                ) from err
+            raise self._connection.error(err, plaintext_hint=self._plaintext_hint) from err
+
+    def __iter__(self) -> StreamResponses:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._iterator)
+
+    def close(self) -> None:
+        """Cancel the call (idempotent)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._call.cancel()

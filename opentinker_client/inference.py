@@ -132,7 +132,8 @@ class InferenceClient:
         adapter: default adapter of every call (a finished lora_finetune/sft task id); ``None``
             is the base model.
         model: the base model name requests carry; ``""`` means whatever the server serves.
-        timeout: deadline of each unary call, in seconds.
+        timeout: deadline of each call, in seconds: a unary call, or a whole
+            :meth:`generate_stream` (``DeadlineExceededError`` when it passes).
         api_key: sent as ``authorization: Bearer <key>`` on every call (the server checks it with
             the scheduler). ``None`` reads ``$OPENTINKER_API_KEY``; ``""`` sends none. Surrounding
             whitespace is stripped.
@@ -287,6 +288,7 @@ class InferenceClient:
                 TLS or with the wrong CA, or the scheduler cannot check the key).
             UnauthenticatedError: no API key, or an unknown, revoked or expired one.
             PermissionDeniedError: the key's owner may not use this inference task.
+            DeadlineExceededError: no answer within the client's ``timeout`` seconds.
         """
         req = self._request(inference_pb2.GenerateRequest, "generate", prompt, messages, adapter, sampling)
         try:
@@ -306,14 +308,16 @@ class InferenceClient:
         """Like :meth:`generate`, yielding :class:`StreamChunk` s as tokens are chosen.
 
         Closing the iterator early (``break``) cancels the call; the server stops generating.
-        Raises as :meth:`generate`: ``TypeError`` at once, the others on the first ``next``.
+        Raises as :meth:`generate`: ``TypeError`` at once, the others on the first ``next``;
+        ``DeadlineExceededError`` when the whole stream takes longer than the client's ``timeout``
+        seconds.
         """
         _check_sampling("generate_stream", sampling)
         return self._stream(prompt, messages, adapter, sampling)
 
     def _stream(self, prompt: str | None, messages: Any, adapter: Any, sampling: Any) -> Iterator[StreamChunk]:
         req = self._request(inference_pb2.GenerateStreamRequest, "generate_stream", prompt, messages, adapter, sampling)
-        call = self._stub.GenerateStream(req, metadata=self._metadata)
+        call = self._stub.GenerateStream(req, timeout=self.timeout, metadata=self._metadata)
         try:
             for m in call:
                 yield stream_chunk_from_proto(m)

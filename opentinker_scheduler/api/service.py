@@ -149,6 +149,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.core.get(request.task_id, owner=owner_scope())
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
+        # Headers now, not with the first event: a client can tell a quiet watch from a frozen
+        # scheduler (SchedulerConnection.stream's answer_timeout) without reopening it.
+        await context.send_initial_metadata(())
         seq = max(0, request.after_sequence)
         while True:
             events = self.core.store.events_after(request.task_id, seq, limit=500)

@@ -1,0 +1,112 @@
+"""The client against a real scheduler frozen with SIGSTOP (resumed with SIGCONT in a finally):
+watch, get_task and wait end within their timeouts (+10 s), and the watch resumes once the
+scheduler does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import opentinker_client as ot
+from opentinker_client import RLClient
+
+TINY_HP = {"steps": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
+SLACK = 10.0
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _raises_within(fn, bound: float) -> BaseException:
+    out: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound)
+    assert not t.is_alive(), f"still blocked after {bound:g} s"
+    assert "exc" in out, "returned instead of raising"
+    return out["exc"]
+
+
+def test_client_calls_end_within_their_timeouts_against_a_stopped_scheduler(tmp_path) -> None:
+    from tests.support.procs import Cluster
+
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.start_scheduler()
+        with RLClient(scheduler_url=cluster.url, api_key="", min_poll_interval=0) as client:
+            # No trainer: the task stays PENDING, its watch quiet after the first events.
+            task_id = client.submit_task(workload_type="lora_finetune", model="/m", hyperparameters=TINY_HP)
+            first = next(iter(client.watch(task_id, follow=False)))
+            os.kill(cluster.scheduler.pid, signal.SIGSTOP)
+            try:
+                with RLClient(scheduler_url=cluster.url, api_key="", timeout=30, min_poll_interval=0) as fresh:
+                    fresh.reconnect_backoff = (0.05, 0.5)
+                    exc = _raises_within(lambda: list(fresh.watch(task_id, reconnect_timeout=2)), 2 + SLACK)
+                    assert isinstance(exc, ot.UnavailableError), exc
+                    exc = _raises_within(
+                        lambda: list(fresh.watch(task_id, reconnect_timeout=None, timeout=2)), 2 + SLACK
+                    )
+                    assert isinstance(exc, ot.DeadlineExceededError), exc
+                client.timeout = 1
+                exc = _raises_within(lambda: client.get_task(task_id), 1 + SLACK)
+                assert isinstance(exc, ot.DeadlineExceededError), exc
+                exc = _raises_within(lambda: client.wait(task_id, timeout=1, poll_interval=0.2), 1 + SLACK)
+                assert isinstance(exc, ot.DeadlineExceededError), exc
+            finally:
+                os.kill(cluster.scheduler.pid, signal.SIGCONT)
+            client.timeout = 30
+            # Resumed: a watch started while it was frozen catches up once it answers again.
+            os.kill(cluster.scheduler.pid, signal.SIGSTOP)
+            try:
+                it = client.watch(task_id, follow=False, reconnect_timeout=60)
+                resumer = threading.Timer(1.0, os.kill, (cluster.scheduler.pid, signal.SIGCONT))
+                resumer.start()
+                start = time.monotonic()
+                events = list(it)
+                resumer.join()
+            finally:
+                os.kill(cluster.scheduler.pid, signal.SIGCONT)
+            assert events and events[0].sequence == first.sequence
+            assert time.monotonic() - start < 60 + SLACK
+    finally:
+        cluster.close()
+
+
+def test_a_quiet_watch_of_the_real_scheduler_answers_with_headers(tmp_path) -> None:
+    # The scheduler sends WatchTask's headers at once, so a quiet watch counts as answered and is
+    # not cancelled and reopened at the answer bound.
+    from opentinker.scheduler.v1 import scheduler_pb2
+    from opentinker_client.connection import SchedulerConnection
+    from tests.support.procs import Cluster
+    from tests.support.waiting import wait_for
+
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.start_scheduler()
+        with RLClient(scheduler_url=cluster.url, api_key="", min_poll_interval=0) as client:
+            task_id = client.submit_task(workload_type="lora_finetune", model="/m", hyperparameters=TINY_HP)
+            last = list(client.watch(task_id, follow=False))[-1].sequence
+        with SchedulerConnection(cluster.url, timeout=30, api_key="") as connection:
+            request = scheduler_pb2.WatchTaskRequest(task_id=task_id, after_sequence=last)
+            with connection.stream("WatchTask", request, answer_timeout=0.5) as responses:
+
+                def drain() -> None:
+                    try:
+                        list(responses)
+                    except ot.OpenTinkerError:
+                        pass  # cancelled when the block is left
+
+                threading.Thread(target=drain, daemon=True).start()
+                wait_for(lambda: responses.answered, timeout=30, what="WatchTask's headers counted as an answer")
+    finally:
+        cluster.close()
