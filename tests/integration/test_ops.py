@@ -110,7 +110,7 @@ def test_bad_scheduler_config_refused_at_start(tmp_path) -> None:
         timeout=60,
     )
     assert out.returncode == 2
-    assert f"{cfg}:3: resource_pool[0].gpus" in out.stderr
+    assert f"{cfg}:3:5: resource_pool[0].gpus" in out.stderr
 
 
 def second_scheduler(cluster, *, port: int, state_dir: Path) -> subprocess.CompletedProcess:
