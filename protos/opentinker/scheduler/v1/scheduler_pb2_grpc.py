@@ -133,7 +133,8 @@ class SchedulerServiceServicer:
         """Streams a task's events (state changes, metric points, checkpoints) from `after_sequence`,
         then live ones until the task ends (with `history_only`, only the events stored so far).
         Resumable: pass the last sequence seen. Errors: NOT_FOUND; UNAUTHENTICATED also mid-stream,
-        once the API key that opened it is revoked or expires.
+        once the API key that opened it is revoked or expires. The response headers are sent at once,
+        before any event, so a client can tell a quiet stream from a frozen scheduler.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
