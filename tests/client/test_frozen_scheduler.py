@@ -17,7 +17,7 @@ from opentinker_client.client_tasks import TaskCalls
 from opentinker_client.connection import SchedulerConnection
 
 from tests.support.fake_scheduler import S
-from tests.support.frozen import silent_grpc_server, silent_socket
+from tests.support.frozen import raises_within, silent_grpc_server, silent_socket
 from tests.support.waiting import wait_for
 
 SLACK = 10.0
@@ -44,32 +44,12 @@ def frozen_url(request):
             server.stop(grace=None)
 
 
-def _raises_within(fn, bound: float) -> BaseException:
-    """Run ``fn`` in a thread; return what it raised, failing if it had not ended within ``bound`` s."""
-    out: dict[str, BaseException] = {}
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out["exc"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    start = time.monotonic()
-    t.start()
-    t.join(bound)
-    assert not t.is_alive(), f"still blocked after {bound:g} s"
-    assert "exc" in out, "returned instead of raising"
-    print(f"raised {type(out['exc']).__name__} after {time.monotonic() - start:.1f} s")
-    return out["exc"]
-
-
 def test_watch_gives_up_at_reconnect_timeout_against_a_frozen_scheduler(frozen_url):
     # UnavailableError: the scheduler did not answer for reconnect_timeout seconds, which is what
     # reconnect_timeout bounds (the cause says whether the last try timed out or was refused).
     with RLClient(frozen_url, timeout=30, api_key="") as client:
         client.reconnect_backoff = (0.05, 0.2)
-        exc = _raises_within(lambda: list(client.watch("t", reconnect_timeout=2)), 2 + SLACK)
+        exc = raises_within(lambda: list(client.watch("t", reconnect_timeout=2)), 2 + SLACK)
     assert isinstance(exc, ot.UnavailableError), exc
     assert "could not reconnect" in str(exc)
 
@@ -77,7 +57,7 @@ def test_watch_gives_up_at_reconnect_timeout_against_a_frozen_scheduler(frozen_u
 def test_watch_timeout_bounds_the_whole_watch_against_a_frozen_scheduler(frozen_url):
     with RLClient(frozen_url, timeout=30, api_key="") as client:
         client.reconnect_backoff = (0.05, 0.2)
-        exc = _raises_within(lambda: list(client.watch("t", reconnect_timeout=None, timeout=2)), 2 + SLACK)
+        exc = raises_within(lambda: list(client.watch("t", reconnect_timeout=None, timeout=2)), 2 + SLACK)
     assert isinstance(exc, ot.DeadlineExceededError), exc
 
 
@@ -87,7 +67,7 @@ def test_watch_timeout_bounds_a_quiet_live_stream(fake):
     servicer.add_metric(task_id, 1, 1.0, 0.1)
     with RLClient(server.url, timeout=30, api_key="") as client:
         seen = []
-        exc = _raises_within(lambda: seen.extend(client.watch(task_id, timeout=1)), 1 + SLACK)
+        exc = raises_within(lambda: seen.extend(client.watch(task_id, timeout=1)), 1 + SLACK)
     assert isinstance(exc, ot.DeadlineExceededError), exc
     assert [e.sequence for e in seen] == [1]
 
@@ -116,19 +96,19 @@ def test_watch_keeps_a_quiet_live_stream_past_the_answer_bound(fake):
 def test_get_task_honours_the_client_timeout_against_a_frozen_scheduler(frozen_url):
     # DeadlineExceededError: the call's own deadline (the client's timeout) passed unanswered.
     with RLClient(frozen_url, timeout=1, api_key="") as client:
-        exc = _raises_within(lambda: client.get_task("t"), 1 + SLACK)
+        exc = raises_within(lambda: client.get_task("t"), 1 + SLACK)
     assert isinstance(exc, ot.DeadlineExceededError), exc
 
 
 def test_wait_honours_its_timeout_against_a_frozen_scheduler(frozen_url):
     with RLClient(frozen_url, timeout=30, api_key="") as client:
-        exc = _raises_within(lambda: client.wait("t", timeout=1, poll_interval=0.2), 1 + SLACK)
+        exc = raises_within(lambda: client.wait("t", timeout=1, poll_interval=0.2), 1 + SLACK)
     assert isinstance(exc, ot.DeadlineExceededError), exc
 
 
 def test_wait_for_endpoint_honours_its_timeout_against_a_frozen_scheduler(frozen_url):
     with SchedulerConnection(frozen_url, timeout=30, api_key="") as connection:
-        exc = _raises_within(lambda: TaskCalls(connection).wait_for_endpoint("t", timeout=1), 1 + SLACK)
+        exc = raises_within(lambda: TaskCalls(connection).wait_for_endpoint("t", timeout=1), 1 + SLACK)
     assert isinstance(exc, ot.DeadlineExceededError), exc
     assert "did not start serving within 1 s" in str(exc)
 
@@ -137,7 +117,7 @@ def test_generate_stream_honours_the_timeout_against_a_frozen_server():
     sock = silent_socket()
     try:
         with InferenceClient(f"127.0.0.1:{sock.getsockname()[1]}", timeout=1, api_key="") as client:
-            exc = _raises_within(lambda: list(client.generate_stream("hi")), 1 + SLACK)
+            exc = raises_within(lambda: list(client.generate_stream("hi")), 1 + SLACK)
     finally:
         sock.close()
     assert isinstance(exc, ot.DeadlineExceededError), exc

@@ -13,28 +13,12 @@ import pytest
 
 import opentinker_client as ot
 from opentinker_client import RLClient
+from tests.support.frozen import raises_within
 
 TINY_HP = {"steps": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
 SLACK = 10.0
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _raises_within(fn, bound: float) -> BaseException:
-    out: dict[str, BaseException] = {}
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out["exc"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(bound)
-    assert not t.is_alive(), f"still blocked after {bound:g} s"
-    assert "exc" in out, "returned instead of raising"
-    return out["exc"]
 
 
 def test_client_calls_end_within_their_timeouts_against_a_stopped_scheduler(tmp_path) -> None:
@@ -51,16 +35,16 @@ def test_client_calls_end_within_their_timeouts_against_a_stopped_scheduler(tmp_
             try:
                 with RLClient(scheduler_url=cluster.url, api_key="", timeout=30, min_poll_interval=0) as fresh:
                     fresh.reconnect_backoff = (0.05, 0.5)
-                    exc = _raises_within(lambda: list(fresh.watch(task_id, reconnect_timeout=2)), 2 + SLACK)
+                    exc = raises_within(lambda: list(fresh.watch(task_id, reconnect_timeout=2)), 2 + SLACK)
                     assert isinstance(exc, ot.UnavailableError), exc
-                    exc = _raises_within(
+                    exc = raises_within(
                         lambda: list(fresh.watch(task_id, reconnect_timeout=None, timeout=2)), 2 + SLACK
                     )
                     assert isinstance(exc, ot.DeadlineExceededError), exc
                 client.timeout = 1
-                exc = _raises_within(lambda: client.get_task(task_id), 1 + SLACK)
+                exc = raises_within(lambda: client.get_task(task_id), 1 + SLACK)
                 assert isinstance(exc, ot.DeadlineExceededError), exc
-                exc = _raises_within(lambda: client.wait(task_id, timeout=1, poll_interval=0.2), 1 + SLACK)
+                exc = raises_within(lambda: client.wait(task_id, timeout=1, poll_interval=0.2), 1 + SLACK)
                 assert isinstance(exc, ot.DeadlineExceededError), exc
             finally:
                 os.kill(cluster.scheduler.pid, signal.SIGCONT)

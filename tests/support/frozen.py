@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from concurrent import futures
 from typing import Iterator
 
@@ -49,3 +50,23 @@ def silent_grpc_server() -> tuple[grpc.Server, SilentScheduler, int]:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, servicer, port
+
+
+def raises_within(fn, bound: float) -> BaseException:
+    """Run ``fn`` in a thread; return what it raised, failing if it had not ended within ``bound`` s."""
+    out: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    start = time.monotonic()
+    t.start()
+    t.join(bound)
+    assert not t.is_alive(), f"still blocked after {bound:g} s"
+    assert "exc" in out, "returned instead of raising"
+    print(f"raised {type(out['exc']).__name__} after {time.monotonic() - start:.1f} s")
+    return out["exc"]
