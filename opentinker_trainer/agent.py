@@ -47,6 +47,7 @@ VERSION = "0.1.0"
 #: Keepalive agreed with the scheduler (which accepts pings every 10 s or slower, without calls).
 CHANNEL_OPTIONS = [*node_keepalive(), *message_limits()]
 
+_ENDED = (common_pb2.TASK_STATE_SUCCEEDED, common_pb2.TASK_STATE_FAILED, common_pb2.TASK_STATE_CANCELLED)
 _FATAL = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED}
 
 
@@ -63,6 +64,9 @@ class AgentConfig:
     reconnect_initial_s: float = 0.5
     reconnect_max_s: float = 15.0
     outbox_limit: int = 10_000
+    #: Most task reports kept for resending until the scheduler acknowledges them; past it the
+    #: oldest metrics-only report is dropped (with a warning), never a checkpoint or an end.
+    unacked_limit: int = 50_000
     #: Host name servers of this node's workers (inference) advertise; "" = 127.0.0.1 when the
     #: scheduler is on loopback, else this machine's host name.
     advertise_host: str = ""
@@ -129,7 +133,13 @@ class NodeAgent:
         self.draining = False
         self.connected = asyncio.Event()
         self._outbox: asyncio.Queue[node_pb2.ConnectRequest] = asyncio.Queue()
-        self._finals: OrderedDict[tuple[str, int], node_pb2.TaskReport] = OrderedDict()
+        #: Reports sent but not yet acknowledged (``ReportAck``), by ``seq``: resent in
+        #: ``Register.pending`` on every reconnect until the scheduler has committed them.
+        self._unacked: OrderedDict[int, node_pb2.TaskReport] = OrderedDict()
+        self._report_seq = 0
+        self._resent_upto = 0  # reports up to this seq went out in this session's register
+        #: Metrics-only reports dropped because ``unacked_limit`` was reached.
+        self.dropped_reports = 0
         self._stop = asyncio.Event()
         self._heartbeat_interval = 2.0
         #: Why the last session with the scheduler ended ("" before any); read by /health (http.py).
@@ -247,15 +257,19 @@ class NodeAgent:
                     hostname=socket.gethostname(),
                     cpu_count=os.cpu_count() or 1,
                     gpu_note=self.monitor.inventory.note,
-                    finished=list(self._finals.values()),
+                    # Finals among them also in `finished`, for a scheduler that predates `pending`.
+                    finished=[r for r in self._unacked.values() if r.state in _ENDED],
+                    pending=list(self._unacked.values()),
                 )
             )
+            self._resent_upto = self._report_seq
             metadata = (("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key else None
             call = stub.Connect(self._requests(register), metadata=metadata)
             first = await call.read()
             if first is grpc.aio.EOF or first.WhichOneof("command") != "registered":
                 raise ConnectionError("scheduler closed the stream before registering")
             reg = first.registered
+            self._acknowledged(reg.report_ack)
             self._heartbeat_interval = max(0.05, reg.heartbeat_interval.ToNanoseconds() / 1e9 or 2.0)
             self.log.info(
                 "registered with scheduler",
@@ -286,7 +300,46 @@ class NodeAgent:
             msg = await self._outbox.get()
             if msg is None:
                 return
+            if msg.WhichOneof("message") == "task_report":
+                seq = msg.task_report.seq
+                if seq <= self._resent_upto or seq not in self._unacked:
+                    continue  # went out in this session's register.pending, or is acknowledged already
             yield msg
+
+    def _send_report(self, report: node_pb2.TaskReport) -> None:
+        """Number ``report``, keep it until acknowledged, and queue it for the stream."""
+        self._report_seq += 1
+        report.seq = self._report_seq
+        self._unacked[report.seq] = report
+        if len(self._unacked) > self.config.unacked_limit:
+            self._drop_oldest_metrics()
+        self._outbox.put_nowait(node_pb2.ConnectRequest(task_report=report))
+
+    def _drop_oldest_metrics(self) -> None:
+        for seq, old in self._unacked.items():
+            if old.state == common_pb2.TASK_STATE_UNSPECIFIED and not old.HasField("checkpoint") and not old.endpoint:
+                del self._unacked[seq]
+                self.dropped_reports += 1
+                if self.dropped_reports == 1 or self.dropped_reports % 1000 == 0:
+                    self.log.warning(
+                        "scheduler has not acknowledged reports for long; dropping the oldest metric points",
+                        unacked_limit=self.config.unacked_limit,
+                        dropped=self.dropped_reports,
+                    )
+                return
+
+    def _acknowledged(self, seq: int) -> None:
+        """The scheduler committed every report up to ``seq``: forget them."""
+        while self._unacked:
+            first = next(iter(self._unacked))
+            if first > seq:
+                break
+            del self._unacked[first]
+
+    @property
+    def unacked_reports(self) -> int:
+        """Reports sent and not yet acknowledged by the scheduler."""
+        return len(self._unacked)
 
     def _send(self, msg: node_pb2.ConnectRequest) -> None:
         if self._outbox.qsize() >= self.config.outbox_limit and msg.WhichOneof("message") != "task_report":
@@ -319,6 +372,8 @@ class NodeAgent:
                 self._terminate(w, c.reason or "cancelled")
         elif kind == "drain":
             asyncio.create_task(self.drain(command.drain.reason or "scheduler asked"))
+        elif kind == "report_ack":
+            self._acknowledged(command.report_ack.seq)
 
     # ------------------------------------------------------------------ workers
     async def _start(self, a: node_pb2.AssignTask) -> None:
@@ -451,7 +506,7 @@ class NodeAgent:
             else:
                 continue
             if w.cancel_reason is None or kind != "started":
-                self._send(node_pb2.ConnectRequest(task_report=report))
+                self._send_report(report)
         rc = await w.proc.wait()
         if w.killer is not None:
             w.killer.cancel()
@@ -484,10 +539,7 @@ class NodeAgent:
         self._report_final(final)
 
     def _report_final(self, report: node_pb2.TaskReport) -> None:
-        self._finals[(report.task_id, report.attempt)] = report
-        while len(self._finals) > 256:
-            self._finals.popitem(last=False)
-        self._send(node_pb2.ConnectRequest(task_report=report))
+        self._send_report(report)
 
     def _terminate(self, w: _Worker, reason: str | None) -> None:
         """SIGTERM the worker's process group; SIGKILL after the grace period.

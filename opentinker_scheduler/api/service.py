@@ -365,6 +365,9 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                     self.core.node_heartbeat(node, msg.heartbeat)
                 elif kind == "task_report":
                     self.core.node_report(node, msg.task_report)
+                    if msg.task_report.seq:
+                        # Held until the report's writes commit (NodeSession.push): an ack means durable.
+                        node.push(node_pb2.ConnectResponse(report_ack=node_pb2.ReportAck(seq=msg.task_report.seq)))
                     if msg.task_report.state in (
                         common_pb2.TASK_STATE_SUCCEEDED,
                         common_pb2.TASK_STATE_FAILED,

@@ -604,6 +604,7 @@ class SchedulerCore:
         failed = task.attempt
         delay = min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S * 2 ** (failed - 1)) if backoff else 0.0
         task.attempt += 1
+        task.attempt_step = 0
         task.node_id = ""
         task.device_indices = []
         task.not_before = time.time() + delay

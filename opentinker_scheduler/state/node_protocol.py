@@ -80,11 +80,14 @@ class NodeProtocol:
     Attributes:
         messages: messages received on node streams, by kind (``register``, ``heartbeat``,
             ``task_report``; exported on /metrics).
+        duplicates: metric points and checkpoints in resent reports that were already applied.
     """
 
     def __init__(self, core: NodeHost) -> None:
         self.core = core
         self.messages: dict[str, int] = {"register": 0, "heartbeat": 0, "task_report": 0}
+        #: Metric points and checkpoints skipped because they had been applied already.
+        self.duplicates = 0
 
     def node_register(self, reg: node_pb2.Register) -> tuple[NodeSession, node_pb2.Registered]:
         """A node opened its stream. Re-announced tasks that are still its own continue.
@@ -129,10 +132,17 @@ class NodeProtocol:
         self.core.node_changed(node, membership=True)
         self.core.store.upsert_node(node_id, reg.SerializeToString())
 
-        # Attempts that ended while the node was cut off (e.g. the scheduler was down): apply
-        # their final reports before deciding which tasks the node lost.
-        for report in reg.finished:
+        # Reports the node sent but never saw acknowledged (the stream broke, or the scheduler
+        # died before committing them), in the order written; then final reports of attempts
+        # that ended while the node was cut off (e.g. the scheduler was down). Both before
+        # deciding which tasks the node lost.
+        resent = set()
+        for report in reg.pending:
             self.node_report(node, report)
+            resent.add(report.seq)
+        for report in reg.finished:
+            if not (report.seq and report.seq in resent):
+                self.node_report(node, report)
         announced = {(r.task_id, r.attempt) for r in reg.running}
         stale = []
         for r in reg.running:
@@ -152,9 +162,16 @@ class NodeProtocol:
             max_tasks=max_tasks,
             running=len(announced),
             stale=len(stale),
+            resent_reports=len(reg.pending) or None,
             notes=notes,
         )
-        registered = node_pb2.Registered(node_id=node_id, gpu_count=gpu_count, max_tasks=max_tasks, stale=stale)
+        registered = node_pb2.Registered(
+            node_id=node_id,
+            gpu_count=gpu_count,
+            max_tasks=max_tasks,
+            stale=stale,
+            report_ack=max(resent, default=0),
+        )
         registered.heartbeat_interval.FromNanoseconds(int(self.core.config.heartbeat_interval_s * 1e9))
         registered.lease.FromNanoseconds(int(self.core.config.lease_s * 1e9))
         return node, registered
@@ -173,7 +190,13 @@ class NodeProtocol:
         node.telemetry.extend(hb.devices)
 
     def node_report(self, node: NodeSession, rep: node_pb2.TaskReport) -> bool:
-        """Apply a task report. Returns False when refused (unknown task or stale attempt)."""
+        """Apply a task report. Returns False when refused (unknown task or stale attempt).
+
+        Applies each (task, attempt, step) once: a metric point at or below the highest step the
+        current attempt has reported (``TaskRow.attempt_step``, kept in the store) and a
+        checkpoint equal to the task's latest are duplicates a node resent after a reconnect
+        (``Register.pending``), and are skipped; a repeated start or end changes nothing either.
+        """
         self.messages["task_report"] += 1
         node.last_seen = self.core.clock()
         task = self.core.tasks.get(rep.task_id) or self.core.store.get_task(rep.task_id)
@@ -194,6 +217,9 @@ class NodeProtocol:
             ):
                 # max_runtime ended it; the worker's final checkpoint (written on SIGTERM) still counts.
                 ck = _checkpoint_of(rep, task, node)
+                if _same_checkpoint(ck, task.latest_checkpoint):
+                    self.duplicates += 1
+                    return False
                 task.latest_checkpoint = ck
                 task.update_time = time.time()
                 self.core.write(task, [common_pb2.TaskEvent(checkpoint=ck)])
@@ -244,14 +270,21 @@ class NodeProtocol:
             self.core.notify()
         events: list[common_pb2.TaskEvent] = []
         for point in rep.metrics:
+            if point.step <= task.attempt_step:
+                self.duplicates += 1
+                continue
+            task.attempt_step = point.step
             events.append(common_pb2.TaskEvent(metric=point))
             if point.step >= task.latest_step:
                 task.latest_step = point.step
                 task.latest_metrics = dict(point.values)
         if rep.HasField("checkpoint") and rep.checkpoint.path:
             ck = _checkpoint_of(rep, task, node)
-            task.latest_checkpoint = ck
-            events.append(common_pb2.TaskEvent(checkpoint=ck))
+            if _same_checkpoint(ck, task.latest_checkpoint):
+                self.duplicates += 1
+            else:
+                task.latest_checkpoint = ck
+                events.append(common_pb2.TaskEvent(checkpoint=ck))
 
         preempted = self.core.preemptions.victim_ended(task.task_id) if ends else None
         if rep.state == S.TASK_STATE_RUNNING and task.state == S.TASK_STATE_ASSIGNED:
@@ -312,6 +345,16 @@ def _checkpoint_of(rep: node_pb2.TaskReport, task: TaskRow, node: NodeSession) -
     if not ck.HasField("create_time"):
         ck.create_time.GetCurrentTime()
     return ck
+
+
+def _same_checkpoint(ck: common_pb2.Checkpoint, latest: common_pb2.Checkpoint | None) -> bool:
+    """Whether ``ck`` is the checkpoint already recorded as the latest (a resent report)."""
+    return latest is not None and (latest.attempt, latest.step, latest.path, latest.final) == (
+        ck.attempt,
+        ck.step,
+        ck.path,
+        ck.final,
+    )
 
 
 def node_size(

@@ -47,7 +47,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     latest_step    INTEGER NOT NULL DEFAULT 0,
     latest_metrics TEXT NOT NULL DEFAULT '{}',
     latest_checkpoint BLOB,               -- serialized Checkpoint
-    next_seq       INTEGER NOT NULL DEFAULT 1
+    next_seq       INTEGER NOT NULL DEFAULT 1,
+    attempt_step   INTEGER NOT NULL DEFAULT 0 -- highest metric step the current attempt reported
 );
 CREATE UNIQUE INDEX IF NOT EXISTS tasks_request ON tasks(owner, request_id) WHERE request_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS tasks_state ON tasks(state);
@@ -127,6 +128,9 @@ class TaskRow:
     latest_metrics: dict[str, float] = field(default_factory=dict)
     latest_checkpoint: common_pb2.Checkpoint | None = None
     request_id: str | None = None
+    #: Highest metric step the current attempt has reported (0 before its first, and again on
+    #: every requeue): a point at or below it is a resent duplicate and is not applied twice.
+    attempt_step: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -146,7 +150,7 @@ class TaskRow:
 _COLUMNS = (
     "task_id, owner, request_id, spec, state, attempt, priority, gpu_count, max_attempts, max_runtime_s, "
     "create_time, update_time, start_time, end_time, not_before, node_id, device_indices, error, "
-    "latest_step, latest_metrics, latest_checkpoint"
+    "latest_step, latest_metrics, latest_checkpoint, attempt_step"
 )
 
 
@@ -175,6 +179,7 @@ def _row_to_task(r: sqlite3.Row) -> TaskRow:
         latest_step=r["latest_step"],
         latest_metrics=json.loads(r["latest_metrics"]),
         latest_checkpoint=ckpt,
+        attempt_step=r["attempt_step"],
     )
 
 
@@ -217,11 +222,19 @@ class Store:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA busy_timeout=5000")
         self.db.executescript(_SCHEMA)
+        self._add_missing_columns()
         self._tx_depth = 0
         self._tx_failed = False
         #: Called before every write transaction starts; the core uses it to open a group commit.
         self.before_write: Callable[[], None] | None = None
         self._fill_cancelled_errors()
+
+    def _add_missing_columns(self) -> None:
+        """A store written by an older scheduler lacks columns added since; add them (with their
+        defaults) so it opens as it is."""
+        have = {r["name"] for r in self.db.execute("PRAGMA table_info(tasks)")}
+        if "attempt_step" not in have:
+            self.db.execute("ALTER TABLE tasks ADD COLUMN attempt_step INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         self.db.close()
@@ -245,7 +258,7 @@ class Store:
         """Insert a new task with its first event in one transaction."""
         with self._tx():
             self.db.execute(
-                f"INSERT INTO tasks ({_COLUMNS}, next_seq) VALUES ({','.join('?' * 21)}, 1)",
+                f"INSERT INTO tasks ({_COLUMNS}, next_seq) VALUES ({','.join('?' * 22)}, 1)",
                 self._task_values(task),
             )
             self._append_event(task.task_id, first_event)
@@ -262,7 +275,7 @@ class Store:
                 "UPDATE tasks SET owner=?, request_id=?, spec=?, state=?, attempt=?, priority=?, gpu_count=?, "
                 "max_attempts=?, max_runtime_s=?, create_time=?, update_time=?, start_time=?, end_time=?, "
                 "not_before=?, node_id=?, device_indices=?, error=?, latest_step=?, latest_metrics=?, "
-                "latest_checkpoint=? WHERE task_id=?",
+                "latest_checkpoint=?, attempt_step=? WHERE task_id=?",
                 (*vals[1:], task.task_id),
             )
             for ev in events:
@@ -456,6 +469,7 @@ class Store:
             t.latest_step,
             json.dumps(t.latest_metrics),
             t.latest_checkpoint.SerializeToString() if t.latest_checkpoint is not None else None,
+            t.attempt_step,
         )
 
     def batch(self) -> "Store._Tx":

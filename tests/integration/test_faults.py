@@ -17,6 +17,7 @@ from opentinker.node.v1 import node_pb2_grpc
 from opentinker_client import RLClient
 
 from tests.support.procs import LONG_TINY_LORA_HP
+from tests.support.waiting import wait_for
 
 TINY_HP = {"steps": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
 
@@ -32,6 +33,11 @@ def test_scheduler_kill9_and_restart_loses_nothing_and_running_work_continues(cl
             workload_type="lora_finetune", model="/models/later", gpu_count=0, hyperparameters=TINY_HP
         )
         cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step >= 2)
+        # Frozen, then killed: the reports of the steps taken meanwhile left the node (into the
+        # socket) but were never read, let alone committed, by the scheduler.
+        os.kill(cluster.scheduler.pid, signal.SIGSTOP)
+        seen = _steps_logged(trainer, task_id)
+        wait_for(lambda: _steps_logged(trainer, task_id) >= seen + 2, timeout=120, what="2 steps while frozen")
         cluster.scheduler.kill9()
         time.sleep(1)
         cluster.start_scheduler()  # same port, same state directory
@@ -40,11 +46,18 @@ def test_scheduler_kill9_and_restart_loses_nothing_and_running_work_continues(cl
         task = cluster.wait_state(task_id, C.TASK_STATE_SUCCEEDED, timeout=180)
         assert task.attempt == 1, "the trainer re-announced the task; it must not restart"
         steps = [s for s, _ in client.get_metric_history(task_id)]
-        assert steps[-1] == 60
+        # Nothing acknowledged is lost and nothing counts twice: reports in flight when the
+        # scheduler died were kept by the node until acknowledged and resent on reconnect.
+        assert steps == list(range(1, 61))
         reasons = [e.reason for e in client.watch(task_id) if e.kind == "state"]
         assert "NODE_LOST" not in reasons
     started = [e for e in trainer.log_events() if e.get("event") == "Task started" and e.get("task_id") == task_id]
     assert len(started) == 1, "the worker was started once"
+
+
+def _steps_logged(trainer, task_id: str) -> int:
+    """How many training steps the trainer's worker has logged for ``task_id``."""
+    return sum(1 for e in trainer.log_events() if e.get("task_id") == task_id and isinstance(e.get("step"), int))
 
 
 class FakeNode:

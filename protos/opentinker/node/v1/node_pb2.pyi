@@ -50,16 +50,18 @@ class ConnectRequest(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., task_report: _Optional[_Union[TaskReport, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
-    __slots__ = ("registered", "assign_task", "cancel_task", "drain")
+    __slots__ = ("registered", "assign_task", "cancel_task", "drain", "report_ack")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_TASK_FIELD_NUMBER: _ClassVar[int]
     CANCEL_TASK_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    REPORT_ACK_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     assign_task: AssignTask
     cancel_task: CancelTask
     drain: Drain
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign_task: _Optional[_Union[AssignTask, _Mapping]] = ..., cancel_task: _Optional[_Union[CancelTask, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
+    report_ack: ReportAck
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign_task: _Optional[_Union[AssignTask, _Mapping]] = ..., cancel_task: _Optional[_Union[CancelTask, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., report_ack: _Optional[_Union[ReportAck, _Mapping]] = ...) -> None: ...
 
 class RunningTask(_message.Message):
     __slots__ = ("task_id", "attempt")
@@ -70,7 +72,7 @@ class RunningTask(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "version", "devices", "max_tasks", "running", "hostname", "cpu_count", "gpu_note", "finished")
+    __slots__ = ("node_id", "version", "devices", "max_tasks", "running", "hostname", "cpu_count", "gpu_note", "finished", "pending")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +82,7 @@ class Register(_message.Message):
     CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     GPU_NOTE_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.Device]
@@ -89,23 +92,26 @@ class Register(_message.Message):
     cpu_count: int
     gpu_note: str
     finished: _containers.RepeatedCompositeFieldContainer[TaskReport]
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., max_tasks: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., gpu_note: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ...) -> None: ...
+    pending: _containers.RepeatedCompositeFieldContainer[TaskReport]
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., max_tasks: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., gpu_note: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("node_id", "heartbeat_interval", "lease", "gpu_count", "max_tasks", "stale")
+    __slots__ = ("node_id", "heartbeat_interval", "lease", "gpu_count", "max_tasks", "stale", "report_ack")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
+    REPORT_ACK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     heartbeat_interval: _duration_pb2.Duration
     lease: _duration_pb2.Duration
     gpu_count: int
     max_tasks: int
     stale: _containers.RepeatedCompositeFieldContainer[RunningTask]
-    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., gpu_count: _Optional[int] = ..., max_tasks: _Optional[int] = ..., stale: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ...) -> None: ...
+    report_ack: int
+    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., gpu_count: _Optional[int] = ..., max_tasks: _Optional[int] = ..., stale: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., report_ack: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("time", "devices", "running", "draining")
@@ -120,7 +126,7 @@ class Heartbeat(_message.Message):
     def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.DeviceTelemetry, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class TaskReport(_message.Message):
-    __slots__ = ("task_id", "attempt", "state", "metrics", "checkpoint", "error", "retryable", "endpoint")
+    __slots__ = ("task_id", "attempt", "state", "metrics", "checkpoint", "error", "retryable", "endpoint", "seq")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +135,7 @@ class TaskReport(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     attempt: int
     state: _common_pb2.TaskState
@@ -137,7 +144,8 @@ class TaskReport(_message.Message):
     error: str
     retryable: bool
     endpoint: str
-    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.TaskState, str]] = ..., metrics: _Optional[_Iterable[_Union[_common_pb2.MetricPoint, _Mapping]]] = ..., checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., endpoint: _Optional[str] = ...) -> None: ...
+    seq: int
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.TaskState, str]] = ..., metrics: _Optional[_Iterable[_Union[_common_pb2.MetricPoint, _Mapping]]] = ..., checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class Goodbye(_message.Message):
     __slots__ = ("reason",)
@@ -174,6 +182,12 @@ class CancelTask(_message.Message):
     attempt: int
     reason: str
     def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportAck(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class Drain(_message.Message):
     __slots__ = ("reason",)

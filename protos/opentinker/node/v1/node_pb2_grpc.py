@@ -63,6 +63,12 @@ class NodeServiceServicer:
         A stream that ends without `goodbye`, or a node silent past its lease, is a node failure:
         its tasks are requeued. A node that reconnects with the same node_id re-announces its
         running tasks in `register.running`, and they continue.
+        Reports are acknowledged: each `task_report` carries the node's next `seq`, and once the
+        scheduler has applied it and committed the result it answers `report_ack` (cumulative). The
+        node keeps every report it has not seen acknowledged and sends them again in
+        `register.pending` when it reconnects (to this scheduler or to its restarted successor);
+        the scheduler applies each (task, attempt, step) once, so a resent report changes nothing
+        that already counted.
         Errors: INVALID_ARGUMENT (first message not `register`, empty node_id),
         PERMISSION_DENIED (node_id not in the resource pool while unknown nodes are refused, or, with
         mTLS and tls.node_id_must_match_cert, not the CN or a DNS name of the node's certificate),
