@@ -12,7 +12,7 @@ HTTP_PORT ?= 8889
 SCHEDULER_URL ?= http://localhost:$(PORT)
 NODE_ID ?= $(shell hostname)-trainer
 
-.PHONY: install proto proto-check lint scheduler trainer demo test test-fast bench bench-scheduler bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game clean
+.PHONY: install proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game clean
 
 # Stamp files make `install` a no-op when already done.
 install: $(VENV)/.installed $(MODEL_DIR)/config.json
@@ -68,6 +68,11 @@ bench: bench-scheduler bench-service bench-inference bench-rl bench-security
 # Options: make bench-scheduler BENCH_ARGS="--nodes 1000" (see scripts/bench_scheduler.py --help).
 bench-scheduler: install
 	$(PY) scripts/bench_scheduler.py $(BENCH_ARGS)
+
+# Artifact store: 25 MB and 540 MB checkpoints through local (gRPC) and SeaweedFS against a plain
+# copy; resume time cold vs warm cache. Options: BENCH_ARGS="--sizes-mb 25 --no-s3".
+bench-store: install
+	$(PY) scripts/bench_store.py $(BENCH_ARGS)
 
 # One lora_finetune GRPO workload through scheduler + trainer against the same call in-process.
 bench-service: install

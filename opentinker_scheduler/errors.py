@@ -7,6 +7,9 @@ import re
 
 import grpc
 
+from opentinker_common import artifacts as art
+from opentinker_common.artifacts.local import UploadIncomplete, UploadOffsetMismatch
+
 #: A message that names a request field starts with its path and ": " (``spec.hyperparameters.lr: ``,
 #: ``spec.datasets[0].uri: ``, ``page_size: ``).
 _FIELD_PATH = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+|\[\d+\])*): ")
@@ -48,6 +51,15 @@ class AlreadyExists(SchedulerError):
 
 
 _STATUS_CODES = {
+    # the artifact store's errors (opentinker_common.artifacts), first the more specific ones
+    UploadOffsetMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    UploadIncomplete: grpc.StatusCode.FAILED_PRECONDITION,
+    art.InvalidArtifact: grpc.StatusCode.INVALID_ARGUMENT,
+    art.ArtifactNotFound: grpc.StatusCode.NOT_FOUND,
+    art.ArtifactCorrupt: grpc.StatusCode.DATA_LOSS,
+    art.StoreFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    art.StoreAuthError: grpc.StatusCode.FAILED_PRECONDITION,
+    art.StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,

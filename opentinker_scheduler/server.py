@@ -12,12 +12,15 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from opentinker.artifact.v1 import artifact_pb2, artifact_pb2_grpc
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 
 from opentinker_scheduler.security import tls_config as tls_listen
 from opentinker_scheduler.api.admin import AdminService
+from opentinker_scheduler.api.artifacts import ArtifactService
+from opentinker_scheduler.data.artifacts import Artifacts, open_store
 from opentinker_scheduler.security.bundle import Security, build_security
 
 from opentinker_scheduler.config import SchedulerConfig
@@ -38,6 +41,7 @@ SERVICE_NAMES = (
     scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name,
     node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
     admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+    artifact_pb2.DESCRIPTOR.services_by_name["ArtifactService"].full_name,
 )
 
 
@@ -51,6 +55,8 @@ class RunningScheduler:
     security: Security | None = None
     #: The mTLS node port (tls.client_ca with client_auth: nodes), else None.
     node_port: int | None = None
+    #: The artifact store (checkpoints) and its settings.
+    artifacts: Artifacts | None = None
 
     async def stop(self, grace: float = 2.0) -> None:
         self.tick_task.cancel()
@@ -133,6 +139,11 @@ async def start_scheduler(
         with contextlib.suppress(OSError):  # Store reports what is wrong with the folder
             config.state_dir.mkdir(mode=0o700, parents=True)
     store = Store(config.state_dir)  # raises StateDirInUse when another scheduler holds it
+    try:  # an s3 store that does not answer (or refuses the credentials) stops the start, naming it
+        artifacts = Artifacts(await asyncio.to_thread(open_store, config), config.artifacts)
+    except BaseException:
+        store.close()
+        raise
     http = None
     try:
         if http_port is not None:
@@ -158,6 +169,10 @@ async def start_scheduler(
         NodeService(core, security=security, scheduler_service=scheduler_service), server
     )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(security, durable=core.durable), server)
+    artifact_pb2_grpc.add_ArtifactServiceServicer_to_server(
+        ArtifactService(artifacts, security=security, durable=core.durable), server
+    )
+    scheduler_service.artifacts = artifacts  # DownloadCheckpoint reads the store
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -186,9 +201,17 @@ async def start_scheduler(
         auth=security.enabled,
         tls=config.tls is not None,
         node_port=node_bound,
+        artifacts=artifacts.store.describe(),
     )
     return RunningScheduler(
-        server=server, core=core, http=http, port=bound, tick_task=tick, security=security, node_port=node_bound
+        server=server,
+        core=core,
+        http=http,
+        port=bound,
+        tick_task=tick,
+        security=security,
+        node_port=node_bound,
+        artifacts=artifacts,
     )
 
 

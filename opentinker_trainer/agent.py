@@ -418,6 +418,7 @@ class NodeAgent:
             )
         )
         env["OPENTINKER_DATASET_CACHE"] = str(self.config.work_dir / "datasets")  # shared by this node's tasks
+        env.setdefault("OPENTINKER_ARTIFACT_CACHE", str(self.config.work_dir / "artifact-cache"))  # checkpoints
         env["OPENTINKER_WORK_DIR"] = str(
             self.config.work_dir.resolve()
         )  # specs may not name paths in it (local_paths.py)
@@ -498,6 +499,12 @@ class NodeAgent:
                 report.checkpoint.format = str(msg.get("format", ""))
                 report.checkpoint.create_time.FromNanoseconds(int(msg["time"] * 1e9))
                 report.checkpoint.node_id = self.config.node_id
+                if msg.get("artifact"):  # in the artifact store: readable from every node
+                    art = msg["artifact"]
+                    report.checkpoint.artifact.key = str(art["key"])
+                    report.checkpoint.artifact.manifest_sha256 = str(art["manifest_sha256"])
+                    report.checkpoint.artifact.total_bytes = int(art.get("total_bytes", 0))
+                    report.checkpoint.artifact.backend = str(art.get("backend", ""))
             elif kind == "endpoint":
                 report.endpoint = str(msg.get("address", ""))
             elif kind in ("succeeded", "failed", "stopped"):

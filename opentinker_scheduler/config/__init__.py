@@ -34,6 +34,9 @@
       model_dirs: [/models]   # spec.model may name a local folder only under these
       data_dirs: [/data]      # env_config.path (chat_jsonl) may name a file only under these
                               # unset: anything with auth off, no local path at all with auth on
+    artifacts:                # checkpoints: backend local (default) or s3, retention (config/artifacts.py)
+      backend: local
+      keep_checkpoints: 3
 
 **Priority**: a larger number is more important. Pending tasks are placed in order of
 priority (largest first), then age (oldest first). A workload type missing from
@@ -45,7 +48,7 @@ Unknown keys and wrong types are refused at start with the file, line, column an
 a string in YAML 1.2 — write false``). The file is read as YAML 1.2
 (:class:`opentinker_common.yaml12.Yaml12Loader`): only ``true``/``false`` are booleans, so
 ``default_model: no`` is the string ``"no"``. Each section's frozen value and parser lives in this package
-(:mod:`.auth`, :mod:`.tls`, :mod:`.limits`, :mod:`.paths`), so every room, :mod:`..state` included,
+(:mod:`.auth`, :mod:`.tls`, :mod:`.limits`, :mod:`.paths`, :mod:`.artifacts`), so every room, :mod:`..state` included,
 may read the settings without importing a room above it; the rooms enforce them.
 """
 
@@ -61,6 +64,7 @@ import yaml
 from opentinker_common.yaml12 import Yaml12Loader, yaml11_bool_hint
 from opentinker_common.spec import WORKLOAD_TYPES
 
+from opentinker_scheduler.config.artifacts import ArtifactsConfig, parse_artifacts
 from opentinker_scheduler.config.auth import AuthConfig, parse_auth
 from opentinker_scheduler.config.limits import LimitsConfig, parse_limits
 from opentinker_scheduler.config.paths import PathsConfig, parse_paths
@@ -115,6 +119,8 @@ class SchedulerConfig:
     http_tls: HttpTlsConfig | None = None
     #: Local paths a spec may name (``paths:``); see opentinker_scheduler/admission/paths.py.
     paths: PathsConfig = PathsConfig()
+    #: Where checkpoints live and how many are kept (``artifacts:``); see config/artifacts.py.
+    artifacts: ArtifactsConfig = ArtifactsConfig()
 
     def priority_of(self, workload_type: str) -> int | None:
         for w in self.workload_types:
@@ -217,6 +223,7 @@ _TOP = {
     "http_tls": "HTTPS files",
     "limits": "limits",
     "paths": "local paths",
+    "artifacts": "artifact store",
 }
 
 
@@ -321,6 +328,8 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["http_tls"] = parse_http_tls(r, top["http_tls"][1], base_dir)
     if "paths" in top:
         kw["paths"] = parse_paths(r, top["paths"][1])
+    if "artifacts" in top:
+        kw["artifacts"] = parse_artifacts(r, top["artifacts"][1])
 
     cfg = SchedulerConfig(**kw)
     if cfg.lease_s <= cfg.heartbeat_interval_s:

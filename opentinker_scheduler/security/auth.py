@@ -21,7 +21,8 @@ revoked (at once) or expires (within ``stream_recheck_interval`` seconds):
 **Roles** (:data:`ROLES`): ``admin`` may do everything; ``user`` may use SchedulerService on its
 owner's own tasks (another owner's task is NOT_FOUND, never confirmed to exist) and manage its own
 keys; ``node`` may call NodeService only (its stream, and the reads ``LookupTask`` and
-``FetchDataset`` that task workers make with their node's key).
+``FetchDataset`` that task workers make with their node's key) and ArtifactService (checkpoint
+uploads and downloads of the ``local`` artifact store).
 
 **Bootstrap**: on a start with ``enabled: true`` and no active admin key, the scheduler takes the
 key in ``$OPENTINKER_BOOTSTRAP_ADMIN_KEY`` when set, else makes one and writes it to
@@ -74,6 +75,8 @@ ANONYMOUS_OWNER = "anonymous"
 
 SCHEDULER_SERVICE = "opentinker.scheduler.v1.SchedulerService"
 NODE_SERVICE = "opentinker.node.v1.NodeService"
+#: Trainers' uploads and downloads of checkpoints: the node role, like NodeService.
+ARTIFACT_SERVICE = "opentinker.artifact.v1.ArtifactService"
 ADMIN_SERVICE = "opentinker.scheduler.v1.AdminService"
 #: Callable without a key: health (load balancers and orchestrators probe it) and reflection
 #: (it describes the public API that the .proto files in the repository describe anyway, and
@@ -110,7 +113,7 @@ def allowed_roles(method: str) -> frozenset[str]:
     service = method[1:].rsplit("/", 1)[0]
     if service == SCHEDULER_SERVICE:  # task workers read through NodeService (LookupTask, FetchDataset)
         return frozenset({"admin", "user"})
-    if service == NODE_SERVICE:
+    if service in (NODE_SERVICE, ARTIFACT_SERVICE):
         return frozenset({"admin", "node"})
     if service == ADMIN_SERVICE:
         return frozenset({"admin", "user"})  # per-RPC owner checks in AdminService
@@ -183,7 +186,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         """The caller of ``method``, or :class:`_Refused`."""
         service = method[1:].rsplit("/", 1)[0]
         peer_cn, peer_dns = "", ()
-        if self.node_cert_required and service == NODE_SERVICE:
+        if self.node_cert_required and service in (NODE_SERVICE, ARTIFACT_SERVICE):
             ctx = context.auth_context() or {}
             if not ctx.get("x509_pem_cert"):
                 raise _Refused(

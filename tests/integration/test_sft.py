@@ -94,7 +94,11 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
         rl_config = json.loads((Path(rl_task.checkpoint_path) / "adapter_config.json").read_text())
         assert rl_config["r"] == 2
         loads = [e for e in trainer.log_events() if e.get("event") == "loading model" and e.get("task_id") == rl_id]
-        assert loads and loads[0]["init_checkpoint"] == str(sft_ckpt)
+        # init_from comes through the artifact store (the node-local cache), with the SFT adapter's bytes
+        assert loads and "artifact-cache" in loads[0]["init_checkpoint"]
+        init_dir = Path(loads[0]["init_checkpoint"])
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            assert (init_dir / name).read_bytes() == (Path(sft_ckpt) / name).read_bytes()
 
         # submit_task(dataset=...) uploads first; a full-weight SFT writes a transformers folder.
         full_id = client.submit_task(
@@ -121,7 +125,11 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
             and (Path(grpo.checkpoint_path) / "model.safetensors").exists()
         )
         loads = [e for e in trainer.log_events() if e.get("event") == "loading model" and e.get("task_id") == grpo_id]
-        assert loads and loads[0]["full_weights"] is True and loads[0]["init_checkpoint"] == full.checkpoint_path
+        assert loads and loads[0]["full_weights"] is True and "artifact-cache" in loads[0]["init_checkpoint"]
+        init_dir = Path(loads[0]["init_checkpoint"])  # the full weights, through the artifact store
+        assert (init_dir / "model.safetensors").read_bytes() == (
+            Path(full.checkpoint_path) / "model.safetensors"
+        ).read_bytes()
 
 
 def test_dataset_refusals_over_the_wire(sft_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -83,7 +83,7 @@ class MetricPoint(_message.Message):
     def __init__(self, step: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("task_id", "attempt", "step", "path", "create_time", "node_id", "format", "final")
+    __slots__ = ("task_id", "attempt", "step", "path", "create_time", "node_id", "format", "final", "artifact")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class Checkpoint(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     attempt: int
     step: int
@@ -100,7 +101,20 @@ class Checkpoint(_message.Message):
     node_id: str
     format: str
     final: bool
-    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ..., format: _Optional[str] = ..., final: _Optional[bool] = ...) -> None: ...
+    artifact: ArtifactRef
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ..., format: _Optional[str] = ..., final: _Optional[bool] = ..., artifact: _Optional[_Union[ArtifactRef, _Mapping]] = ...) -> None: ...
+
+class ArtifactRef(_message.Message):
+    __slots__ = ("key", "manifest_sha256", "total_bytes", "backend")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    manifest_sha256: str
+    total_bytes: int
+    backend: str
+    def __init__(self, key: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class Device(_message.Message):
     __slots__ = ("index", "uuid", "name", "memory_total_bytes", "simulated")
