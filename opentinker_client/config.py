@@ -29,7 +29,9 @@ refused with :class:`~opentinker_client.errors.ConfigError` naming the file, the
 The file is read as YAML 1.2 (:class:`opentinker_common.yaml12.Yaml12Loader`): only ``true`` and
 ``false`` are booleans, so ``model: no`` is the string ``"no"``, and a key that wants a boolean
 refuses ``no``/``off``/``yes``/``on`` with a hint (``expected true or false; 'no' is a string in
-YAML 1.2 — write false``).
+YAML 1.2 — write false``). Typographic quotes (``“ ”``), bullets (``•``) and other look-alike
+characters outside comments and ASCII-quoted strings are refused with their line and column and
+what to type instead.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from opentinker.common.v1 import common_pb2
 from opentinker_client._convert import dict_to_struct, seconds_to_duration
 from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spec_error
 from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel
-from opentinker_common.yaml12 import Yaml12Loader, yaml11_bool_hint
+from opentinker_common.yaml12 import Yaml12Loader, find_typography, yaml11_bool_hint
 
 __all__ = ["TaskConfig", "load_task_config", "parse_task_config"]
 
@@ -309,6 +311,9 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
             value (a YAML 1.1 boolean word such as ``no`` where a boolean is wanted is refused
             with a hint); ``err.line``, ``err.column`` (1-based) and ``err.key`` say where.
     """
+    typo = find_typography(text)  # “quotes” and • bullets pasted from a document: named, before YAML misreads them
+    if typo is not None:
+        raise ConfigError(typo.message, source=source, line=typo.line, column=typo.column)
     try:
         root = yaml.compose(text, Loader=Yaml12Loader)
     except yaml.YAMLError as err:

@@ -58,7 +58,7 @@ from typing import Any
 
 import yaml
 
-from opentinker_common.yaml12 import Yaml12Loader, yaml11_bool_hint
+from opentinker_common.yaml12 import Yaml12Loader, find_typography, tag_name, yaml11_bool_hint
 from opentinker_common.spec import WORKLOAD_TYPES
 
 from opentinker_scheduler.config.auth import AuthConfig, parse_auth
@@ -149,9 +149,15 @@ class _Reader:
             f"{_where(self.source, node.start_mark if node is not None else None)}: {key}: expected {expected}"
         )
 
+    def untagged(self, node: yaml.Node, key: str, want: str, tags: tuple[str, ...]) -> None:
+        """Refuse an explicit YAML tag (``!!set``, ``!!python/...``, ``!foo``) other than ``tags``."""
+        if node.tag not in tags:
+            raise self.fail(node, key, f"{want}, without a YAML tag; got the tag {tag_name(node.tag)}")
+
     def mapping(self, node: yaml.Node, key: str, allowed: dict[str, str]) -> dict[str, tuple[yaml.Node, yaml.Node]]:
         if not isinstance(node, yaml.MappingNode):
             raise self.fail(node, key, "a mapping")
+        self.untagged(node, key or "the top level", "a mapping", (_MAP_TAG,))
         out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
         for k, v in node.value:
             name = k.value if isinstance(k, yaml.ScalarNode) else None
@@ -164,7 +170,6 @@ class _Reader:
         return out
 
     def scalar(self, node: yaml.Node, key: str, kind: type, lo: float | None = None, hi: float | None = None):
-        value = yaml.load(yaml.serialize(node), Loader=Yaml12Loader) if isinstance(node, yaml.ScalarNode) else None
         want = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[kind]
         if lo is not None and hi is not None:
             want += f" in [{lo}, {hi}]"
@@ -172,6 +177,13 @@ class _Reader:
             want += f" >= {lo}"
         if not isinstance(node, yaml.ScalarNode):
             raise self.fail(node, key, want)
+        self.untagged(node, key, want, _SCALAR_TAGS)
+        try:
+            value = yaml.load(yaml.serialize(node), Loader=Yaml12Loader)
+        except (yaml.YAMLError, ValueError, TypeError):  # "!!int abc", "!!float x": the tag does not fit the text
+            hint = yaml11_bool_hint(node.value) if kind is bool else None
+            got = f"{tag_name(node.tag)} {node.value!r} ({node.value!r} is not a valid {tag_name(node.tag)})"
+            raise self.fail(node, key, f"{want}, got {got}" + (f"; {hint}" if hint else "")) from None
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if kind is float and isinstance(value, float) and not math.isfinite(value):
@@ -190,7 +202,13 @@ class _Reader:
     def sequence(self, node: yaml.Node, key: str) -> list[yaml.Node]:
         if not isinstance(node, yaml.SequenceNode):
             raise self.fail(node, key, "a list")
+        self.untagged(node, key, "a list", (_SEQ_TAG,))
         return list(node.value)
+
+
+_MAP_TAG, _SEQ_TAG = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
+#: The scalar tags a config value may carry (implicit, or written as !!str, !!int ...).
+_SCALAR_TAGS = tuple(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null"))
 
 
 def _where(source: str, mark: yaml.Mark | None) -> str:
@@ -228,6 +246,9 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
             boolean word such as ``no`` for a boolean key, with a hint), with file:line:column.
     """
     r = _Reader(source)
+    typo = find_typography(text)
+    if typo is not None:  # before YAML reads it: "mapping values are not allowed here" names neither character
+        raise ConfigError(f"{source}:{typo.line}:{typo.column}: {typo.message}")
     try:
         root = yaml.compose(text, Loader=Yaml12Loader)
     except yaml.YAMLError as exc:

@@ -336,3 +336,12 @@ def test_every_error_gives_line_and_column(tmp_path):
     assert (err.line, err.column) == (1, 1)
     err = error_of(tmp_path, "")
     assert (err.line, err.column) == (1, 1)
+
+
+def test_typographic_quotes_and_bullets_in_a_task_config_are_refused_with_line_and_column(tmp_path):
+    err = error_of(tmp_path, "workload_type: “lora_finetune”\n")
+    assert (err.line, err.column) == (1, 16) and "typographic quote" in str(err) and 'straight "' in str(err)
+    err = error_of(tmp_path, "workload_type: lora_finetune\nenv:\n• env_id: arithmetic\n")
+    assert (err.line, err.column) == (3, 1) and "'•' (U+2022 bullet)" in str(err) and '"- "' in str(err)
+    cfg = load_task_config(write(tmp_path, 'workload_type: lora_finetune\nname: "run “one”"  # • ok\n'))
+    assert cfg.name == "run “one”"
