@@ -173,6 +173,7 @@ async def start_scheduler(
     for name in ("", *SERVICE_NAMES):
         await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
     if http is not None:
+        http.grpc_port = bound
         http.snapshot = _snapshot(core)
         http.node_messages = core.node_messages  # live counters; the HTTP thread only reads them
         http.start()

@@ -81,6 +81,18 @@ class _Collector:
         yield from fams.values()
 
 
+#: The header of every answer that names the scheduler's gRPC port (read by the client to say
+#: "that is the scheduler's HTTP port; its gRPC port is ..." when it dials this port by mistake).
+GRPC_PORT_HEADER = "X-OpenTinker-Grpc-Port"
+
+
+def _with_header(start_response, header: tuple[str, str]):
+    def start(status, headers, exc_info=None):
+        return start_response(status, [*headers, header], exc_info)
+
+    return start
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, *args) -> None:  # access logs are noise here
         pass
@@ -105,6 +117,8 @@ class HttpEndpoint:
         #: kind -> messages received on node streams; the event loop increments, this thread reads.
         self.node_messages: dict[str, int] = {}
         self.stale_after_s = stale_after_s
+        #: The scheduler's gRPC port, sent as the X-OpenTinker-Grpc-Port header once known.
+        self.grpc_port: int | None = None
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))
         self.scheduling_latency = Histogram(
@@ -140,6 +154,8 @@ class HttpEndpoint:
 
     def _app(self, environ, start_response):
         path = environ.get("PATH_INFO", "/")
+        if self.grpc_port is not None:  # a gRPC client dialling this port by mistake is told where gRPC is
+            start_response = _with_header(start_response, (GRPC_PORT_HEADER, str(self.grpc_port)))
         if path == "/health":
             ok, body = self.health()
             data = json.dumps(body).encode()
