@@ -49,6 +49,7 @@ from opentinker.common.v1 import common_pb2
 from opentinker_client._convert import dict_to_struct, seconds_to_duration
 from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spec_error
 from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel
+from opentinker_common.spec.registry import env_kinds_for
 from opentinker_common.yaml12 import Yaml12Loader, find_typography, yaml11_bool_hint
 
 __all__ = ["TaskConfig", "load_task_config", "parse_task_config"]
@@ -161,6 +162,13 @@ def _check_parts(cfg: TaskConfig) -> TaskSpecModel:
     if isinstance(max_runtime, _dt.timedelta):
         max_runtime = max_runtime.total_seconds()
     env = dict(cfg.env or {})
+    if not env and not cfg.dataset and env_kinds_for(cfg.workload_type) == ("dataset",):
+        raise SpecError(  # sft with no data at all: not "env_id: expected chat_jsonl, got 'arithmetic'"
+            "spec.dataset",
+            f"a dataset: {cfg.workload_type} trains on chat examples from a JSONL file (one "
+            '{"messages": [...]} per line); pass dataset="train.jsonl" (uploaded at submit), or '
+            'env_config={"env_id": "chat_jsonl", "path": "/data/train.jsonl"} for a file on the trainer nodes',
+        )
     if cfg.dataset:  # uploaded at submit; checked here with a stand-in id
         if "dataset_id" in env or "path" in env:
             raise SpecError(
@@ -373,6 +381,16 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
         _check_parts(cfg)
     except SpecError as err:
         path = _spec_field_to_path(err.field)
+        if err.field == "spec.dataset":
+            # sft with neither `dataset:` nor `env:`: the env_id is the default, not anything in the file
+            raise ConfigError(
+                f"{data['workload_type']} needs a dataset: add `dataset: train.jsonl` (a local JSONL file of chat "
+                'examples, one {"messages": [...]} per line, uploaded at submit), or `env: {env_id: chat_jsonl, '
+                "path: /data/train.jsonl}` for a file on the trainer nodes",
+                source=source,
+                **_at(lines.get(("workload_type",))),
+                key="dataset",
+            ) from None
         key = _dotted(path) if path else err.field
         detail = str(err)
         if detail.startswith(err.field + ": "):

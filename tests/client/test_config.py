@@ -345,3 +345,32 @@ def test_typographic_quotes_and_bullets_in_a_task_config_are_refused_with_line_a
     assert (err.line, err.column) == (3, 1) and "'•' (U+2022 bullet)" in str(err) and '"- "' in str(err)
     cfg = load_task_config(write(tmp_path, 'workload_type: lora_finetune\nname: "run “one”"  # • ok\n'))
     assert cfg.name == "run “one”"
+
+
+def test_sft_without_a_dataset_says_it_needs_one_and_how_to_give_it(tmp_path):
+    err = error_of(tmp_path, "workload_type: sft\n")
+    assert (err.line, err.column, err.key) == (1, 1, "dataset")
+    assert "sft needs a dataset: add `dataset: train.jsonl`" in str(err) and "arithmetic" not in str(err)
+    err = error_of(tmp_path, "workload_type: sft\nenv: {env_id: CartPole-v1}\n")  # an environment named: where
+    assert (err.line, err.key) == (2, "env.env_id") and "expected a dataset: sft trains on chat examples" in str(err)
+
+
+def test_submit_task_sft_without_a_dataset_names_the_argument():
+    from opentinker_client import RLClient
+
+    with RLClient(scheduler_url="127.0.0.1:1") as client, pytest.raises(InvalidArgumentError) as err:
+        client.submit_task(workload_type="sft", gpu_count=0)  # refused locally: nothing is dialled
+    assert 'pass dataset="train.jsonl"' in str(err.value) and "arithmetic" not in str(err.value)
+
+
+def test_a_bad_dataset_line_names_the_file_line_and_column(tmp_path):
+    from opentinker_client import RLClient
+
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+    path = tmp_path / "train.jsonl"
+    path.write_text(good + "\n" + good.replace('"yo"', "yo") + "\n")
+    with RLClient(scheduler_url="127.0.0.1:1") as client, pytest.raises(InvalidArgumentError) as err:
+        client.upload_dataset(path)  # checked before anything is sent
+    column = good.index('"yo"') + 1
+    assert str(err.value).startswith(f"INVALID_ARGUMENT: {path}:2:{column}: expected a JSON object")
+    assert err.value.field == "dataset"
