@@ -122,3 +122,63 @@ def test_the_entry_points_accept_the_same_flags_as_the_modules() -> None:
         assert via_script.stdout.startswith(f"usage: {script} ")
         flags = set(re.findall(r"--[a-z][a-z0-9-]*", via_script.stdout))
         assert flags == set(re.findall(r"--[a-z][a-z0-9-]*", via_module.stdout))
+
+
+#: The guide's client snippet as printed (only the scheduler's host differs).
+GUIDE_CLIENT = """\
+from opentinker import RLClient, Environment
+# 定义环境交互逻辑
+env = Environment(action_space=4, observation_space=100)
+# 提交训练任务
+client = RLClient(scheduler_url="http://scheduler-host:8888")
+task_id = client.submit_task(
+    env_config=env.to_dict(),
+    workload_type="lora_finetune",
+    gpu_count=1
+)
+# 监控训练进度
+while not client.is_task_complete(task_id):
+    metrics = client.get_metrics(task_id)
+    print(f"Loss: {metrics['loss']:.4f}, Reward: {metrics['reward']:.2f}")
+"""
+
+
+def test_the_guides_client_snippet_says_why_its_task_waits_on_a_cluster_without_gpus(guide_dir: Path) -> None:
+    """Its only trainer has no GPU and the task wants one: the loop prints NaN (no step yet) and the
+    client warns, through logging, with the scheduler's pending reason."""
+    # The repository's scheduler_config.yaml (the seed's form plus a default_model, which the
+    # snippet needs: it names no model), with the model folder it names beside it.
+    (guide_dir / "scheduler_config.yaml").write_text((ROOT / "scheduler_config.yaml").read_text())
+    (guide_dir / ".cache").symlink_to(ROOT / ".cache")
+    port = free_port_pair()
+    url = f"http://127.0.0.1:{port}"
+    (guide_dir / "snippet.py").write_text(GUIDE_CLIENT.replace("http://scheduler-host:8888", url))
+    procs = []
+    try:
+        sched = Proc(["scheduler.py", "--config", "scheduler_config.yaml", "--port", str(port)],
+                     guide_dir / "scheduler.log", cwd=guide_dir)  # fmt: skip
+        procs.append(sched)
+        procs.append(Proc(["train_server.py"], guide_dir / "trainer.log", env={"SCHEDULER_URL": url}, cwd=guide_dir))
+        from opentinker_client import RLClient
+
+        with RLClient(scheduler_url=url) as client:
+            wait_for(lambda: [n for n in client.list_nodes() if n.connected], timeout=60, what="trainer connected")
+        snippet = Proc(
+            ["snippet.py"], guide_dir / "snippet.log", env={"OPENTINKER_PENDING_WARNING_AFTER": "2"}, cwd=guide_dir
+        )
+        procs.append(snippet)
+        line = wait_for(
+            lambda: next((x for x in snippet.log_text().splitlines() if "has been pending for" in x), None),
+            timeout=60,
+            what="the pending warning",
+        )
+        assert "Loss: nan, Reward: nan" in snippet.log_text()
+        assert "has 1 GPU(s)" in line and "RLClient.pending_reason(task_id)" in line, line
+        task_id = line.split("task ", 1)[1].split()[0]
+        with RLClient(scheduler_url=url) as client:
+            assert "has 1 GPU(s)" in client.pending_reason(task_id)
+            assert client.get_task(task_id).state == "pending"
+        assert snippet.log_text().count("has been pending for") == 1  # once, not every poll
+    finally:
+        for p in procs:
+            p.close()
