@@ -22,6 +22,7 @@ from opentinker_scheduler.security.bundle import Security, build_security
 
 from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.state.core import STATE_NAMES, SchedulerCore
+from opentinker_scheduler.api.front import PortFront
 from opentinker_scheduler.api.http import HttpEndpoint, Snapshot
 from opentinker_scheduler.api.service import NodeService, SchedulerService
 from opentinker_scheduler.state.store import Store
@@ -51,6 +52,8 @@ class RunningScheduler:
     security: Security | None = None
     #: The mTLS node port (tls.client_ca with client_auth: nodes), else None.
     node_port: int | None = None
+    #: The front on the public port (plaintext, http_on_grpc_port), else None.
+    front: PortFront | None = None
 
     async def stop(self, grace: float = 2.0) -> None:
         self.tick_task.cancel()
@@ -62,6 +65,8 @@ class RunningScheduler:
         for node in list(self.core.nodes.values()):
             node.outbox.put_nowait(None)
         await asyncio.sleep(0)
+        if self.front is not None:
+            await self.front.stop()  # no new connections; spliced ones end with the server
         await self.server.stop(grace)
         self.core.flush()
         if self.http is not None:
@@ -161,9 +166,23 @@ async def start_scheduler(
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound, node_bound = tls_listen.bind(server, config.tls, host, port)
+    # Plaintext: a front owns the public port and splices gRPC to a private loopback port, so
+    # that curl http://host:PORT/health works there too (api/front.py). TLS: gRPC owns it.
+    front = None
+    if config.tls is None and config.http_on_grpc_port and http is not None:
+        private = tls_listen.bind(server, None, "127.0.0.1", 0)[0]
+        front = PortFront(("127.0.0.1", private), http.answer) if private else None
+        security.interceptor.peer_of = front.peer_of if front is not None else security.interceptor.peer_of
+        try:
+            bound, node_bound = (await front.start(host, port) if front is not None else 0), None
+        except (OSError, OverflowError):
+            bound, node_bound = 0, None
+    else:
+        bound, node_bound = tls_listen.bind(server, config.tls, host, port)
     if bound == 0 or node_bound == 0:
         await server.stop(None)
+        if front is not None:
+            await front.stop()
         if http is not None:
             http.stop()
         store.close()
@@ -187,9 +206,17 @@ async def start_scheduler(
         auth=security.enabled,
         tls=config.tls is not None,
         node_port=node_bound,
+        http_on_grpc_port=front is not None,
     )
     return RunningScheduler(
-        server=server, core=core, http=http, port=bound, tick_task=tick, security=security, node_port=node_bound
+        server=server,
+        core=core,
+        http=http,
+        port=bound,
+        tick_task=tick,
+        security=security,
+        node_port=node_bound,
+        front=front,
     )
 
 

@@ -313,7 +313,14 @@ def worker_main(conn, target: str, node_ids: list[str], opts: dict) -> None:
 
 class SchedulerProc:
     def __init__(
-        self, workdir: Path, *, lease_s: float, max_tasks: int, scheduler_path: str | None, profile: Path | None = None
+        self,
+        workdir: Path,
+        *,
+        lease_s: float,
+        max_tasks: int,
+        scheduler_path: str | None,
+        profile: Path | None = None,
+        http_on_grpc_port: bool = True,
     ) -> None:
         self.workdir = workdir
         self.port, self.http_port = free_port(), free_port()
@@ -325,7 +332,8 @@ class SchedulerProc:
             "allow_unknown_nodes: true\n"
             f"unknown_node_max_tasks: {max_tasks}\n"
             "heartbeat_interval: 1\n"
-            f"lease: {lease_s}\n"
+            f"lease: {lease_s}\n" + ("" if http_on_grpc_port else "http_on_grpc_port: false\n")
+            # the HTTP/1.1 front on the gRPC port (splicing gRPC to a private port); off: gRPC owns it
         )
         self.log_path = workdir / "scheduler.log"
         env = {**os.environ, "OPENTINKER_LOG_FORMAT": "json"}
@@ -690,7 +698,12 @@ class Bench:
         workdir = Path(tempfile.mkdtemp(prefix="opentinker-bench-"))
         self.results["workdir"] = str(workdir)
         self.sched = SchedulerProc(
-            workdir, lease_s=a.lease, max_tasks=a.max_tasks, scheduler_path=a.scheduler_path, profile=a.profile
+            workdir,
+            lease_s=a.lease,
+            max_tasks=a.max_tasks,
+            scheduler_path=a.scheduler_path,
+            profile=a.profile,
+            http_on_grpc_port=not a.no_http_on_grpc_port,
         )
         ctx = mp.get_context("spawn")
         ok = False
@@ -913,6 +926,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--flood-rate", type=float, default=5000.0, help="heartbeats/s offered in all during the flood")
     p.add_argument("--flood-seconds", type=float, default=5.0)
     p.add_argument("--lease", type=float, default=10.0, help="lease of the scheduler config (heartbeat_interval is 1)")
+    p.add_argument(
+        "--no-http-on-grpc-port",
+        action="store_true",
+        help="http_on_grpc_port: false (gRPC owns its port, no splicing front): to measure what the front costs",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the scheduler's state folder and log")
     p.add_argument(

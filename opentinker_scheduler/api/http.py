@@ -21,7 +21,7 @@ from wsgiref.simple_server import WSGIRequestHandler
 
 from opentinker_common.net.side_port import SidePortServer, make_side_port_server
 
-from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
@@ -84,6 +84,7 @@ class _Collector:
 #: The header of every answer that names the scheduler's gRPC port (read by the client to say
 #: "that is the scheduler's HTTP port; its gRPC port is ..." when it dials this port by mistake).
 GRPC_PORT_HEADER = "X-OpenTinker-Grpc-Port"
+_NOT_FOUND = b'{"error": "not found; try /health or /metrics"}'
 
 
 def _with_header(start_response, header: tuple[str, str]):
@@ -152,6 +153,17 @@ class HttpEndpoint:
             return False, {"status": "unavailable", "reason": "state store not writable"}
         return True, {"status": "ok"}
 
+    def answer(self, method: str, path: str) -> tuple[int, list[tuple[str, str]], bytes]:
+        """``(status, headers, body)`` of ``GET path``: what the HTTP/1.1 answers on the gRPC port
+        (:mod:`.front`) send, from the same handlers as this port."""
+        headers = [] if self.grpc_port is None else [(GRPC_PORT_HEADER, str(self.grpc_port))]
+        if path == "/health":
+            ok, body = self.health()
+            return 200 if ok else 503, [("Content-Type", "application/json"), *headers], json.dumps(body).encode()
+        if path == "/metrics":
+            return 200, [("Content-Type", CONTENT_TYPE_LATEST), *headers], generate_latest(self.registry)
+        return 404, [("Content-Type", "application/json"), *headers], _NOT_FOUND
+
     def _app(self, environ, start_response):
         path = environ.get("PATH_INFO", "/")
         if self.grpc_port is not None:  # a gRPC client dialling this port by mistake is told where gRPC is
@@ -166,6 +178,7 @@ class HttpEndpoint:
             return [data]
         if path == "/metrics":
             return self._metrics_app(environ, start_response)
-        data = b'{"error": "not found; try /health or /metrics"}'
-        start_response("404 Not Found", [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
-        return [data]
+        start_response(
+            "404 Not Found", [("Content-Type", "application/json"), ("Content-Length", str(len(_NOT_FOUND)))]
+        )
+        return [_NOT_FOUND]

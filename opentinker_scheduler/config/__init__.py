@@ -29,6 +29,8 @@
     auth: {enabled: false}    # API keys and roles; production turns this on (config/auth.py, security/auth.py)
     tls: {cert: ..., key: ...} # TLS, and mTLS for nodes with client_ca (config/tls.py)
     http_tls: {cert: ..., key: ...} # HTTPS on the HTTP port (/health, /metrics); config/tls.py
+    http_on_grpc_port: true   # also answer HTTP/1.1 GET /health and /metrics on the gRPC port
+                              # (the seed curls it); plaintext only: with tls: it is off
     limits: {...}             # message/spec sizes, pending tasks, submit rate, streams (security/limits.py)
     paths:                    # local paths a task spec may name on trainer nodes (admission/paths.py)
       model_dirs: [/models]   # spec.model may name a local folder only under these
@@ -115,6 +117,8 @@ class SchedulerConfig:
     http_tls: HttpTlsConfig | None = None
     #: Local paths a spec may name (``paths:``); see opentinker_scheduler/admission/paths.py.
     paths: PathsConfig = PathsConfig()
+    #: Answer HTTP/1.1 /health and /metrics on the (plaintext) gRPC port too (api/front.py).
+    http_on_grpc_port: bool = True
 
     def priority_of(self, workload_type: str) -> int | None:
         for w in self.workload_types:
@@ -235,6 +239,7 @@ _TOP = {
     "http_tls": "HTTPS files",
     "limits": "limits",
     "paths": "local paths",
+    "http_on_grpc_port": "bool",
 }
 
 
@@ -304,6 +309,8 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["state_dir"] = p if p.is_absolute() or base_dir is None else base_dir / p
     if "allow_unknown_nodes" in top:
         kw["allow_unknown_nodes"] = r.scalar(top["allow_unknown_nodes"][1], "allow_unknown_nodes", bool)
+    if "http_on_grpc_port" in top:
+        kw["http_on_grpc_port"] = r.scalar(top["http_on_grpc_port"][1], "http_on_grpc_port", bool)
     if "unknown_node_max_tasks" in top:
         kw["unknown_node_max_tasks"] = r.scalar(
             top["unknown_node_max_tasks"][1], "unknown_node_max_tasks", int, 1, 10_000

@@ -73,17 +73,10 @@ def test_python_scheduler_py_and_train_server_py_run_a_cluster(guide_dir: Path) 
             cwd=guide_dir,
         )
         procs.append(sched)
+        # the guide's check, on the gRPC port; --retry-connrefused waits for the port to open
+        retry = ["--retry", "100", "--retry-connrefused", "--retry-delay", "0"]
         health = subprocess.run(
-            [
-                "curl",
-                "-sS",
-                "--retry",
-                "100",
-                "--retry-connrefused",
-                "--retry-delay",
-                "0",
-                f"http://127.0.0.1:{port + 1}/health",
-            ],  # fmt: skip
+            ["curl", "-sS", *retry, f"http://127.0.0.1:{port}/health"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -155,8 +148,11 @@ def test_the_guides_client_snippet_says_why_its_task_waits_on_a_cluster_without_
     (guide_dir / "snippet.py").write_text(GUIDE_CLIENT.replace("http://scheduler-host:8888", url))
     procs = []
     try:
-        sched = Proc(["scheduler.py", "--config", "scheduler_config.yaml", "--port", str(port)],
-                     guide_dir / "scheduler.log", cwd=guide_dir)  # fmt: skip
+        sched = Proc(
+            ["scheduler.py", "--config", "scheduler_config.yaml", "--port", str(port)],
+            guide_dir / "scheduler.log",
+            cwd=guide_dir,
+        )
         procs.append(sched)
         procs.append(Proc(["train_server.py"], guide_dir / "trainer.log", env={"SCHEDULER_URL": url}, cwd=guide_dir))
         from opentinker_client import RLClient

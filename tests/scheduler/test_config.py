@@ -183,3 +183,10 @@ def test_a_bad_explicit_tag_is_a_config_error_with_line_and_column(text, where, 
 def test_explicit_core_tags_still_work() -> None:
     cfg = parse_config("lease: !!float 5\nheartbeat_interval: !!int 1\ndefault_model: !!str 7\n", "s.yaml")
     assert (cfg.lease_s, cfg.heartbeat_interval_s, cfg.default_model) == (5.0, 1.0, "7")
+
+
+def test_http_on_grpc_port_is_on_unless_turned_off() -> None:
+    assert parse_config("", "s.yaml").http_on_grpc_port is True
+    assert parse_config("http_on_grpc_port: false\n", "s.yaml").http_on_grpc_port is False
+    with pytest.raises(ConfigError, match=r"s.yaml:1:20: http_on_grpc_port: expected true or false; 'no' is a string"):
+        parse_config("http_on_grpc_port: no\n", "s.yaml")
