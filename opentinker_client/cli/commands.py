@@ -150,7 +150,10 @@ def _checkpoint_line(event: TaskEvent) -> str:
 
 
 def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
-    task_id = client.submit_config(args.config, request_id=args.request_id)
+    from opentinker_client.config import apply_overrides, load_task_config
+
+    config = apply_overrides(load_task_config(args.config), args.set)
+    task_id = client.submit_config(config, request_id=args.request_id)
     print(task_id, flush=True)
     if args.watch:
         return _follow(client, task_id)
@@ -254,6 +257,7 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
         "TASK ID",
         "NAME",
         "WORKLOAD",
+        "ENV",
         "STATE",
         "ATTEMPT",
         "GPUS",
@@ -271,8 +275,9 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
         reason = t.pending_reason if t.state == "pending" else t.error
         table.add_row(
             _escape(t.task_id),
-            _escape(t.name),
+            _escape(t.name) or "-",
             _escape(t.workload_type),
+            _escape(str(t.env_config.get("env_id") or "-")),
             _state(t.state),
             str(t.attempt),
             str(t.gpu_count),
@@ -342,7 +347,7 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
         ("owner", _escape(t.owner) or "-"),
         ("priority", str(t.priority)),
         ("gpus", str(t.gpu_count)),
-        ("attempt", f"{t.attempt} of {t.max_attempts or 'default'}"),
+        ("attempt", f"{t.attempt} of {t.max_attempts}" if t.max_attempts else str(t.attempt)),
         ("max runtime", f"{t.max_runtime:g} s" if t.max_runtime is not None else "none"),
         ("node", (_escape(t.node_id) + (f" devices {list(t.device_indices)}" if t.device_indices else "")) or "-"),
     ]
@@ -364,8 +369,11 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
         ("started", _fmt_time(t.start_time)),
         ("ended", _fmt_time(t.end_time)),
         ("env", _escape(json.dumps(_shown_env(t.env_config), sort_keys=True))),
-        ("hyperparameters", _escape(json.dumps(dict(t.hyperparameters), sort_keys=True))),
     ]
+    # The values the task runs with: the scheduler stores them resolved (defaults included) at submit.
+    hp = dict(t.hyperparameters)
+    rows.append(("hyperparameters", "" if hp else "-"))
+    rows += [(f"  {_escape(k)}", _escape(json.dumps(v))) for k, v in sorted(hp.items())]
     for key, value in rows:
         table.add_row(key, value)
     _console().print(table)
@@ -583,6 +591,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="submit a task from a YAML config; prints the task id")
     p.add_argument("config", metavar="CONFIG.yaml", help="task config file")
     p.add_argument("--watch", action="store_true", help="then follow it like `opentinker watch`")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a value of the file without editing it (repeatable): hyperparameters.steps=20, "
+        "env.max_digits=2, gpu_count=1, model=NAME; VALUE is read as YAML",
+    )
     p.add_argument(
         "--request-id", default=None, help="idempotency key: resubmitting with the same id returns the same task"
     )

@@ -374,3 +374,36 @@ def test_a_bad_dataset_line_names_the_file_line_and_column(tmp_path):
     column = good.index('"yo"') + 1
     assert str(err.value).startswith(f"INVALID_ARGUMENT: {path}:2:{column}: expected a JSON object")
     assert err.value.field == "dataset"
+
+
+def test_overrides_set_values_of_the_file_without_editing_it(tmp_path):
+    from opentinker_client.config import apply_overrides
+
+    cfg = load_task_config(write(tmp_path, VALID))
+    new = apply_overrides(
+        cfg, ["hyperparameters.steps=3", "hyperparameters.learning_rate=2e-4", "gpu_count=1", "name=tweaked"]
+    )
+    assert new.hyperparameters["steps"] == 3 and new.hyperparameters["learning_rate"] == 2e-4
+    assert (new.gpu_count, new.name) == (1, "tweaked")
+    assert cfg.gpu_count == 0  # the loaded config itself is unchanged
+    assert "steps" not in apply_overrides(new, ["hyperparameters.steps="]).hyperparameters  # empty: removed
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("steps", "--set steps: expected KEY=VALUE"),
+        ("bogus=1", "--set bogus=1: unknown key 'bogus'"),
+        ("gpu_count=two", "--set gpu_count=two: gpu_count: expected an integer >= 0, got 'two'"),
+        ("hyperparameters.stesp=3", "--set hyperparameters.stesp=3: spec.hyperparameters.stesp: expected one of"),
+        ("hyperparameters.steps=-1", "--set hyperparameters.steps=-1: spec.hyperparameters.steps: expected"),
+        ("name=“x”", "typographic quote"),
+    ],
+)
+def test_a_bad_override_names_itself(tmp_path, override, needle):
+    from opentinker_client.config import apply_overrides
+
+    cfg = load_task_config(write(tmp_path, VALID))
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(cfg, [override])
+    assert needle in str(err.value), str(err.value)
