@@ -77,6 +77,7 @@ class RunningScheduler:
 def _snapshot(core: SchedulerCore) -> Snapshot:
     counts = {STATE_NAMES[s]: n for s, n in core.state_counts.items() if n}
     gpus = []
+    hosts = []
     for node in core.nodes.values():
         if not node.connected:
             continue
@@ -87,6 +88,14 @@ def _snapshot(core: SchedulerCore) -> Snapshot:
                 if t.HasField(k)
             }
             gpus.append((node.node_id, str(t.index), t.simulated, values))
+        if node.host is not None:
+            h = node.host
+            host_values = {
+                k: float(getattr(h, k))
+                for k in ("cpu_utilization_percent", "cpu_count", "memory_used_bytes", "memory_total_bytes")
+                if h.HasField(k)
+            }
+            hosts.append((node.node_id, host_values))
     return Snapshot(
         time=time.monotonic(),
         store_writable=core.store.writable(),
@@ -95,6 +104,7 @@ def _snapshot(core: SchedulerCore) -> Snapshot:
         nodes_connected=sum(1 for n in core.nodes.values() if n.connected),
         nodes_known=len(core.nodes),
         gpus=tuple(gpus),
+        hosts=tuple(hosts),
     )
 
 
@@ -170,13 +180,16 @@ async def start_scheduler(
     # that curl http://host:PORT/health works there too (api/front.py). TLS: gRPC owns it.
     front = None
     if config.tls is None and config.http_on_grpc_port and http is not None:
-        private = tls_listen.bind(server, None, "127.0.0.1", 0)[0]
-        front = PortFront(("127.0.0.1", private), http.answer) if private else None
-        security.interceptor.peer_of = front.peer_of if front is not None else security.interceptor.peer_of
+        # The public port first: a private port taken first could be the very number asked for.
+        front = PortFront(("127.0.0.1", 0), http.answer)
         try:
-            bound, node_bound = (await front.start(host, port) if front is not None else 0), None
+            bound, node_bound = await front.start(host, port), None
         except (OSError, OverflowError):
             bound, node_bound = 0, None
+        private = tls_listen.bind(server, None, "127.0.0.1", 0)[0] if bound else 0
+        front.upstream = ("127.0.0.1", private)
+        bound = bound if private else 0
+        security.interceptor.peer_of = front.peer_of
     else:
         bound, node_bound = tls_listen.bind(server, config.tls, host, port)
     if bound == 0 or node_bound == 0:
