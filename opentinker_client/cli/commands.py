@@ -508,6 +508,23 @@ def _telemetry_cell(value: Any, fmt: str, name: str, unavailable: dict[str, str]
     return format(value, fmt)
 
 
+def _host_cells(n: NodeInfo) -> tuple[str, str]:
+    """The CPU (``37% of 16``) and MEMORY (``3.2 GiB / 31.3 GiB``) cells of a node's host."""
+    h = n.host
+    if h is None:
+        return "-", "-"
+    un = dict(h.unavailable)
+    if h.cpu_utilization_percent is None:
+        cpu = f"n/a ({_escape(un.get('cpu_utilization_percent', '?'))})"
+    else:
+        cpu = f"{h.cpu_utilization_percent:.0f}%" + (f" of {h.cpu_count}" if h.cpu_count else "")
+    if h.memory_used_bytes is None:
+        memory = f"n/a ({_escape(un.get('memory_used_bytes', '?'))})"
+    else:
+        memory = f"{_fmt_bytes(h.memory_used_bytes)} / {_fmt_bytes(h.memory_total_bytes)}"
+    return cpu, memory
+
+
 def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -517,15 +534,18 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
         console.print("no nodes")
         return EXIT_OK
     table = Table(box=None, header_style="bold", title="nodes", title_justify="left")
-    for col in ("NODE", "CONNECTED", "GPUS FREE", "TASKS", "VERSION", "LAST HEARTBEAT", "NOTES"):
+    for col in ("NODE", "CONNECTED", "GPUS FREE", "TASKS", "CPU", "MEMORY", "VERSION", "LAST HEARTBEAT", "NOTES"):
         table.add_column(col, no_wrap=col != "NOTES", overflow="fold")
     for n in nodes:
         simulated = any(d.simulated for d in n.devices)
+        cpu, memory = _host_cells(n)
         table.add_row(
             _escape(n.node_id),
             "[green]yes[/green]" if n.connected else "[red]no[/red]",
             f"{n.gpus_free}/{n.gpu_count}" + (" (simulated)" if simulated else ""),
             f"{len(n.running_task_ids)}/{n.max_tasks}",
+            cpu,
+            memory,
             _escape(n.version) or "-",
             _fmt_time(n.last_heartbeat_time),
             _escape("; ".join(n.notes)),

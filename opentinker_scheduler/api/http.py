@@ -36,6 +36,7 @@ class Snapshot:
     nodes_connected: int = 0
     nodes_known: int = 0
     gpus: tuple[tuple[str, str, bool, dict[str, float]], ...] = ()  # node, index, simulated, values
+    hosts: tuple[tuple[str, dict[str, float]], ...] = ()  # node, host CPU/memory values
 
 
 class _Collector:
@@ -79,6 +80,23 @@ class _Collector:
                 if key in values:
                     fam.add_metric([node_id, index, str(simulated).lower()], values[key])
         yield from fams.values()
+        host_fams = {
+            "cpu_utilization_percent": GaugeMetricFamily(
+                "opentinker_node_cpu_utilization_percent", "Host CPU busy, % of all cores", labels=["node_id"]
+            ),
+            "cpu_count": GaugeMetricFamily("opentinker_node_cpu_count", "Host logical CPUs", labels=["node_id"]),
+            "memory_used_bytes": GaugeMetricFamily(
+                "opentinker_node_memory_used_bytes", "Host memory in use (bytes)", labels=["node_id"]
+            ),
+            "memory_total_bytes": GaugeMetricFamily(
+                "opentinker_node_memory_total_bytes", "Host memory total (bytes)", labels=["node_id"]
+            ),
+        }
+        for node_id, values in snap.hosts:
+            for key, fam in host_fams.items():
+                if key in values:
+                    fam.add_metric([node_id], values[key])
+        yield from host_fams.values()
 
 
 #: The header of every answer that names the scheduler's gRPC port (read by the client to say
