@@ -220,6 +220,7 @@ async def start_scheduler(
         tls=config.tls is not None,
         node_port=node_bound,
         http_on_grpc_port=front is not None,
+        grpc_private_port=front.upstream[1] if front is not None else None,
     )
     return RunningScheduler(
         server=server,
