@@ -59,6 +59,7 @@ from opentinker_client.types import (
     CheckpointInfo,
     DeviceInfo,
     DeviceTelemetry,
+    HostTelemetry,
     Generation,
     NodeInfo,
     StreamChunk,
@@ -79,6 +80,7 @@ __all__ = [
     "NodeInfo",
     "DeviceInfo",
     "DeviceTelemetry",
+    "HostTelemetry",
     "parse_scheduler_url",
     *_errors.EXCEPTIONS,  # OpenTinkerError and every subclass
     "InferenceClient",

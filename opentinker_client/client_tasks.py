@@ -28,7 +28,7 @@ from opentinker_client.errors import (
 )
 from opentinker_client.types import NodeInfo, TaskEvent, TaskInfo
 
-__all__ = ["TaskCalls", "PollPacer", "check_task_id"]
+__all__ = ["TaskCalls", "PendingWarner", "PollPacer", "check_task_id"]
 
 log = logging.getLogger("opentinker_client")
 
@@ -89,12 +89,55 @@ class PollPacer:
             self._last[key] = time.monotonic()
 
 
+class PendingWarner:
+    """Says through :mod:`logging` (logger ``opentinker_client``, level WARNING) why a task is
+    still pending, once it has been seen PENDING for ``after`` seconds in a row: the seed's loop
+    otherwise prints ``Loss: nan, Reward: nan`` forever with the reason only in ``opentinker get``.
+
+    Once per pending spell of a task: again only after it left PENDING and came back (a requeue).
+    ``after`` <= 0 or ``None`` turns it off. Safe to share between threads; it forgets tasks past
+    10,000."""
+
+    def __init__(self, after: float | None) -> None:
+        self.after = after
+        self._since: dict[str, float] = {}  # task id -> when first seen pending (monotonic)
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def observe(self, info: TaskInfo) -> None:
+        if not self.after or self.after <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if info.state != "pending":
+                self._since.pop(info.task_id, None)
+                self._warned.discard(info.task_id)
+                return
+            if len(self._since) > 10_000:
+                self._since.clear()
+                self._warned.clear()
+            since = self._since.setdefault(info.task_id, now)
+            if now - since < self.after or info.task_id in self._warned:
+                return
+            self._warned.add(info.task_id)
+        log.warning(
+            "task %s has been pending for %.0f s: %s (RLClient.pending_reason(task_id), or: opentinker get %s)",
+            info.task_id,
+            now - since,
+            info.pending_reason or "the scheduler gave no reason",
+            info.task_id,
+        )
+
+
 class TaskCalls:
     """``SchedulerService`` task calls over ``connection`` (see the ``RLClient`` method of each
-    name for arguments, results and errors). Task ids are taken as checked."""
+    name for arguments, results and errors). Task ids are taken as checked. Every task read
+    (:meth:`get`, so ``is_task_complete`` and ``wait`` too) goes past ``pending`` (a
+    :class:`PendingWarner`)."""
 
-    def __init__(self, connection: SchedulerConnection) -> None:
+    def __init__(self, connection: SchedulerConnection, *, pending_warning_after: float | None = None) -> None:
         self.connection = connection
+        self.pending = PendingWarner(pending_warning_after)
 
     # -- submit and change --------------------------------------------------------------------
 
@@ -114,7 +157,9 @@ class TaskCalls:
     def get(self, task_id: str, *, timeout: float | None = None) -> TaskInfo:
         """The task now; ``timeout`` in seconds (``None``: the connection's)."""
         response = self.connection.unary("GetTask", scheduler_pb2.GetTaskRequest(task_id=task_id), timeout=timeout)
-        return task_from_proto(response.task)
+        info = task_from_proto(response.task)
+        self.pending.observe(info)
+        return info
 
     def list(self, *, states: Iterable[str | int] | str | None, limit: int | None) -> list[TaskInfo]:
         """Tasks newest first, fetched a page of at most 1000 at a time (``RLClient.list_tasks``)."""

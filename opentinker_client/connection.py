@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator
 import grpc
 
 from opentinker.scheduler.v1 import scheduler_pb2_grpc
+from opentinker_client._reach import explain_unreachable
 from opentinker_client.errors import SCHEDULER_PLAINTEXT_HINT, DeadlineExceededError, OpenTinkerError, from_rpc_error
 from opentinker_common.net.bearer import bearer_metadata, clean_api_key
 from opentinker_common.net.grpc_options import client_keepalive, message_limits
@@ -157,7 +158,8 @@ class SchedulerConnection:
         """``err`` as the client's :class:`OpenTinkerError` subclass; on a plaintext channel an
         ``UNAVAILABLE`` from a server that closed the connection carries a TLS hint, unless
         ``plaintext_hint`` is false."""
-        return from_rpc_error(err, plaintext_hint=self._plaintext_hint if plaintext_hint else "")
+        mapped = from_rpc_error(err, plaintext_hint=self._plaintext_hint if plaintext_hint else "")
+        return explain_unreachable(mapped, self.target)  # "nothing is listening", "that is the HTTP port" ...
 
     def unary(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         """Call the unary RPC ``method`` (``"GetTask"`` ...) and return its response.

@@ -25,6 +25,7 @@ from opentinker_scheduler.security.bundle import Security, build_security
 
 from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.state.core import STATE_NAMES, SchedulerCore
+from opentinker_scheduler.api.front import PortFront
 from opentinker_scheduler.api.http import HttpEndpoint, Snapshot
 from opentinker_scheduler.api.service import NodeService, SchedulerService
 from opentinker_scheduler.state.store import Store
@@ -57,6 +58,8 @@ class RunningScheduler:
     node_port: int | None = None
     #: The artifact store (checkpoints) and its settings.
     artifacts: Artifacts | None = None
+    #: The front on the public port (plaintext, http_on_grpc_port), else None.
+    front: PortFront | None = None
 
     async def stop(self, grace: float = 2.0) -> None:
         self.tick_task.cancel()
@@ -68,6 +71,8 @@ class RunningScheduler:
         for node in list(self.core.nodes.values()):
             node.outbox.put_nowait(None)
         await asyncio.sleep(0)
+        if self.front is not None:
+            await self.front.stop()  # no new connections; spliced ones end with the server
         await self.server.stop(grace)
         self.core.flush()
         if self.http is not None:
@@ -78,6 +83,7 @@ class RunningScheduler:
 def _snapshot(core: SchedulerCore) -> Snapshot:
     counts = {STATE_NAMES[s]: n for s, n in core.state_counts.items() if n}
     gpus = []
+    hosts = []
     for node in core.nodes.values():
         if not node.connected:
             continue
@@ -88,6 +94,14 @@ def _snapshot(core: SchedulerCore) -> Snapshot:
                 if t.HasField(k)
             }
             gpus.append((node.node_id, str(t.index), t.simulated, values))
+        if node.host is not None:
+            h = node.host
+            host_values = {
+                k: float(getattr(h, k))
+                for k in ("cpu_utilization_percent", "cpu_count", "memory_used_bytes", "memory_total_bytes")
+                if h.HasField(k)
+            }
+            hosts.append((node.node_id, host_values))
     return Snapshot(
         time=time.monotonic(),
         store_writable=core.store.writable(),
@@ -96,6 +110,7 @@ def _snapshot(core: SchedulerCore) -> Snapshot:
         nodes_connected=sum(1 for n in core.nodes.values() if n.connected),
         nodes_known=len(core.nodes),
         gpus=tuple(gpus),
+        hosts=tuple(hosts),
     )
 
 
@@ -176,9 +191,26 @@ async def start_scheduler(
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound, node_bound = tls_listen.bind(server, config.tls, host, port)
+    # Plaintext: a front owns the public port and splices gRPC to a private loopback port, so
+    # that curl http://host:PORT/health works there too (api/front.py). TLS: gRPC owns it.
+    front = None
+    if config.tls is None and config.http_on_grpc_port and http is not None:
+        # The public port first: a private port taken first could be the very number asked for.
+        front = PortFront(("127.0.0.1", 0), http.answer)
+        try:
+            bound, node_bound = await front.start(host, port), None
+        except (OSError, OverflowError):
+            bound, node_bound = 0, None
+        private = tls_listen.bind(server, None, "127.0.0.1", 0)[0] if bound else 0
+        front.upstream = ("127.0.0.1", private)
+        bound = bound if private else 0
+        security.interceptor.peer_of = front.peer_of
+    else:
+        bound, node_bound = tls_listen.bind(server, config.tls, host, port)
     if bound == 0 or node_bound == 0:
         await server.stop(None)
+        if front is not None:
+            await front.stop()
         if http is not None:
             http.stop()
         store.close()
@@ -188,6 +220,7 @@ async def start_scheduler(
     for name in ("", *SERVICE_NAMES):
         await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
     if http is not None:
+        http.grpc_port = bound
         http.snapshot = _snapshot(core)
         http.node_messages = core.node_messages  # live counters; the HTTP thread only reads them
         http.start()
@@ -202,6 +235,8 @@ async def start_scheduler(
         tls=config.tls is not None,
         node_port=node_bound,
         artifacts=artifacts.store.describe(),
+        http_on_grpc_port=front is not None,
+        grpc_private_port=front.upstream[1] if front is not None else None,
     )
     return RunningScheduler(
         server=server,
@@ -212,6 +247,7 @@ async def start_scheduler(
         security=security,
         node_port=node_bound,
         artifacts=artifacts,
+        front=front,
     )
 
 

@@ -349,12 +349,14 @@ class NodeAgent:
     async def _heartbeats(self) -> None:
         while True:
             telemetry = await asyncio.to_thread(self.monitor.telemetry)
-            self._send(node_pb2.ConnectRequest(heartbeat=self._heartbeat(telemetry)))
+            host = await asyncio.to_thread(self.monitor.host_telemetry)
+            self._send(node_pb2.ConnectRequest(heartbeat=self._heartbeat(telemetry, host)))
             await asyncio.sleep(self._heartbeat_interval)
 
-    def _heartbeat(self, telemetry: list | None = None) -> node_pb2.Heartbeat:
+    def _heartbeat(self, telemetry: list | None = None, host=None) -> node_pb2.Heartbeat:
         hb = node_pb2.Heartbeat(
             devices=telemetry or [],
+            host=host,
             running=[node_pb2.RunningTask(task_id=w.task_id, attempt=w.attempt) for w in self.workers.values()],
             draining=self.draining,
         )

@@ -313,7 +313,14 @@ def worker_main(conn, target: str, node_ids: list[str], opts: dict) -> None:
 
 class SchedulerProc:
     def __init__(
-        self, workdir: Path, *, lease_s: float, max_tasks: int, scheduler_path: str | None, profile: Path | None = None
+        self,
+        workdir: Path,
+        *,
+        lease_s: float,
+        max_tasks: int,
+        scheduler_path: str | None,
+        profile: Path | None = None,
+        http_on_grpc_port: bool = True,
     ) -> None:
         self.workdir = workdir
         self.port, self.http_port = free_port(), free_port()
@@ -325,7 +332,8 @@ class SchedulerProc:
             "allow_unknown_nodes: true\n"
             f"unknown_node_max_tasks: {max_tasks}\n"
             "heartbeat_interval: 1\n"
-            f"lease: {lease_s}\n"
+            f"lease: {lease_s}\n" + ("" if http_on_grpc_port else "http_on_grpc_port: false\n")
+            # the HTTP/1.1 front on the gRPC port (splicing gRPC to a private port); off: gRPC owns it
         )
         self.log_path = workdir / "scheduler.log"
         env = {**os.environ, "OPENTINKER_LOG_FORMAT": "json"}
@@ -377,6 +385,17 @@ class SchedulerProc:
                     except ValueError:
                         pass
         return out
+
+    def private_port(self) -> int | None:
+        """The loopback port gRPC listens on behind the front (its log says), or None."""
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "scheduler listening":
+                return event.get("grpc_private_port")
+        return None
 
     def cpu_s(self) -> float:
         return proc_cpu_s(self.pid)
@@ -631,6 +650,51 @@ class Bench:
             f"latency @ {a.rate:.0f}/s: submit->assign p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms"
         )
 
+    async def phase_splice(self) -> None:
+        """What the front on the gRPC port costs: the same closed-loop SubmitTask load, in
+        alternating blocks, through the public port (the front splices to gRPC) and straight to
+        the private loopback port gRPC listens on behind it, in the same scheduler at the same
+        time, so that other work on the machine weighs on both alike."""
+        a = self.args
+        private = self.sched.private_port()
+        if private is None:
+            self.results["phases"]["splice"] = {"skipped": "no front (http_on_grpc_port off, or TLS)"}
+            self.progress("splice: skipped, the scheduler runs no front")
+            return
+        targets = {"front": self.sched.target, "direct": f"127.0.0.1:{private}"}
+        channels = {k: grpc.aio.insecure_channel(t) for k, t in targets.items()}
+        stubs = {k: scheduler_pb2_grpc.SchedulerServiceStub(c) for k, c in channels.items()}
+        blocks: dict[str, list[dict]] = {k: [] for k in targets}
+        try:
+            for k in targets:  # connect and warm up both
+                self.submits = []
+                await self.closed_loop(stubs[k], 200, a.concurrency)
+            for i in range(2 * a.splice_blocks):
+                k = ("front", "direct")[i % 2] if (i // 2) % 2 == 0 else ("direct", "front")[i % 2]  # ABBA
+                self.submits = []
+                t0 = time.monotonic()
+                await self.closed_loop(stubs[k], a.splice_tasks, a.concurrency)
+                wall = time.monotonic() - t0
+                rpc = sorted((t1 - s0) * 1000 for _, s0, t1 in self.submits)
+                blocks[k].append(
+                    {"submits_per_s": len(self.submits) / wall, "rpc_p50_ms": pct(rpc, 50), "rpc_p99_ms": pct(rpc, 99)}
+                )
+        finally:
+            for c in channels.values():
+                await c.close()
+        out = {"blocks": blocks, "tasks_per_block": a.splice_tasks, "concurrency": a.concurrency}
+        for k, rows in blocks.items():
+            for key in ("submits_per_s", "rpc_p50_ms", "rpc_p99_ms"):
+                vals = sorted(r[key] for r in rows)
+                out[f"{k}_{key}_median"] = vals[len(vals) // 2]
+        out["submits_per_s_ratio"] = out["front_submits_per_s_median"] / out["direct_submits_per_s_median"]
+        self.results["phases"]["splice"] = out
+        self.progress(
+            f"splice: front {out['front_submits_per_s_median']:.0f} submits/s (rpc p99 "
+            f"{out['front_rpc_p99_ms_median']:.1f} ms), direct {out['direct_submits_per_s_median']:.0f} submits/s "
+            f"(rpc p99 {out['direct_rpc_p99_ms_median']:.1f} ms), ratio {out['submits_per_s_ratio']:.3f}"
+        )
+
     async def phase_deep_queue(self, stub) -> None:
         a = self.args
         slots = a.nodes * a.max_tasks
@@ -690,7 +754,12 @@ class Bench:
         workdir = Path(tempfile.mkdtemp(prefix="opentinker-bench-"))
         self.results["workdir"] = str(workdir)
         self.sched = SchedulerProc(
-            workdir, lease_s=a.lease, max_tasks=a.max_tasks, scheduler_path=a.scheduler_path, profile=a.profile
+            workdir,
+            lease_s=a.lease,
+            max_tasks=a.max_tasks,
+            scheduler_path=a.scheduler_path,
+            profile=a.profile,
+            http_on_grpc_port=not a.no_http_on_grpc_port,
         )
         ctx = mp.get_context("spawn")
         ok = False
@@ -732,6 +801,8 @@ class Bench:
                 await self.phase_latency(stub)
             if a.backlog and "queue" in only:
                 await self.phase_deep_queue(stub)
+            if "splice" in only:
+                await self.phase_splice()
             # Every task should end SUCCEEDED; /metrics counts refresh about once a second.
             deadline = time.monotonic() + 30
             while True:
@@ -913,6 +984,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--flood-rate", type=float, default=5000.0, help="heartbeats/s offered in all during the flood")
     p.add_argument("--flood-seconds", type=float, default=5.0)
     p.add_argument("--lease", type=float, default=10.0, help="lease of the scheduler config (heartbeat_interval is 1)")
+    p.add_argument(
+        "--no-http-on-grpc-port",
+        action="store_true",
+        help="http_on_grpc_port: false (gRPC owns its port, no splicing front): to measure what the front costs",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the scheduler's state folder and log")
     p.add_argument(
@@ -922,8 +998,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--profile", type=Path, default=None, help="run the scheduler under cProfile, writing its stats here"
     )
     p.add_argument(
-        "--only", default=None, help="comma-separated phases to run after the heartbeats: throughput,latency,queue"
+        "--only",
+        default=None,
+        help="comma-separated phases to run after the heartbeats: throughput,latency,queue,splice "
+        "(splice: the front on the gRPC port against gRPC's private port, alternating blocks; only when named)",
     )
+    p.add_argument("--splice-blocks", type=int, default=3, help="blocks per target in the splice phase")
+    p.add_argument("--splice-tasks", type=int, default=2000, help="submits per block in the splice phase")
     a = p.parse_args(argv)
     if a.quick:
         a.nodes = min(a.nodes, 8)
@@ -934,6 +1015,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.hb_seconds, a.idle_seconds, a.flood_seconds = 1.0, 0.3, 0.5
         a.flood_rate = min(a.flood_rate, 200.0)
         a.concurrency = min(a.concurrency, 8)
+        a.splice_tasks, a.splice_blocks = min(a.splice_tasks, 100), min(a.splice_blocks, 1)
     if a.workers is None:
         a.workers = 1 if a.nodes <= 50 else 2
     a.workers = max(1, min(a.workers, a.nodes))

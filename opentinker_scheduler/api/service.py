@@ -261,6 +261,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 telemetry=n.telemetry,
                 version=n.register.version,
                 notes=self.core.node_notes(n),
+                host=n.host,
             )
             _ts(msg.last_heartbeat_time, n.last_heartbeat_time)
             nodes.append(msg)

@@ -29,6 +29,8 @@
     auth: {enabled: false}    # API keys and roles; production turns this on (config/auth.py, security/auth.py)
     tls: {cert: ..., key: ...} # TLS, and mTLS for nodes with client_ca (config/tls.py)
     http_tls: {cert: ..., key: ...} # HTTPS on the HTTP port (/health, /metrics); config/tls.py
+    http_on_grpc_port: true   # also answer HTTP/1.1 GET /health and /metrics on the gRPC port
+                              # (the seed curls it); plaintext only: with tls: it is off
     limits: {...}             # message/spec sizes, pending tasks, submit rate, streams (security/limits.py)
     paths:                    # local paths a task spec may name on trainer nodes (admission/paths.py)
       model_dirs: [/models]   # spec.model may name a local folder only under these
@@ -61,7 +63,7 @@ from typing import Any
 
 import yaml
 
-from opentinker_common.yaml12 import Yaml12Loader, yaml11_bool_hint
+from opentinker_common.yaml12 import Yaml12Loader, find_typography, tag_name, yaml11_bool_hint
 from opentinker_common.spec import WORKLOAD_TYPES
 
 from opentinker_scheduler.config.artifacts import ArtifactsConfig, parse_artifacts
@@ -121,6 +123,8 @@ class SchedulerConfig:
     paths: PathsConfig = PathsConfig()
     #: Where checkpoints live and how many are kept (``artifacts:``); see config/artifacts.py.
     artifacts: ArtifactsConfig = ArtifactsConfig()
+    #: Answer HTTP/1.1 /health and /metrics on the (plaintext) gRPC port too (api/front.py).
+    http_on_grpc_port: bool = True
 
     def priority_of(self, workload_type: str) -> int | None:
         for w in self.workload_types:
@@ -155,9 +159,15 @@ class _Reader:
             f"{_where(self.source, node.start_mark if node is not None else None)}: {key}: expected {expected}"
         )
 
+    def untagged(self, node: yaml.Node, key: str, want: str, tags: tuple[str, ...]) -> None:
+        """Refuse an explicit YAML tag (``!!set``, ``!!python/...``, ``!foo``) other than ``tags``."""
+        if node.tag not in tags:
+            raise self.fail(node, key, f"{want}, without a YAML tag; got the tag {tag_name(node.tag)}")
+
     def mapping(self, node: yaml.Node, key: str, allowed: dict[str, str]) -> dict[str, tuple[yaml.Node, yaml.Node]]:
         if not isinstance(node, yaml.MappingNode):
             raise self.fail(node, key, "a mapping")
+        self.untagged(node, key or "the top level", "a mapping", (_MAP_TAG,))
         out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
         for k, v in node.value:
             name = k.value if isinstance(k, yaml.ScalarNode) else None
@@ -170,7 +180,6 @@ class _Reader:
         return out
 
     def scalar(self, node: yaml.Node, key: str, kind: type, lo: float | None = None, hi: float | None = None):
-        value = yaml.load(yaml.serialize(node), Loader=Yaml12Loader) if isinstance(node, yaml.ScalarNode) else None
         want = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[kind]
         if lo is not None and hi is not None:
             want += f" in [{lo}, {hi}]"
@@ -178,6 +187,13 @@ class _Reader:
             want += f" >= {lo}"
         if not isinstance(node, yaml.ScalarNode):
             raise self.fail(node, key, want)
+        self.untagged(node, key, want, _SCALAR_TAGS)
+        try:
+            value = yaml.load(yaml.serialize(node), Loader=Yaml12Loader)
+        except (yaml.YAMLError, ValueError, TypeError):  # "!!int abc", "!!float x": the tag does not fit the text
+            hint = yaml11_bool_hint(node.value) if kind is bool else None
+            got = f"{tag_name(node.tag)} {node.value!r} ({node.value!r} is not a valid {tag_name(node.tag)})"
+            raise self.fail(node, key, f"{want}, got {got}" + (f"; {hint}" if hint else "")) from None
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if kind is float and isinstance(value, float) and not math.isfinite(value):
@@ -196,7 +212,13 @@ class _Reader:
     def sequence(self, node: yaml.Node, key: str) -> list[yaml.Node]:
         if not isinstance(node, yaml.SequenceNode):
             raise self.fail(node, key, "a list")
+        self.untagged(node, key, "a list", (_SEQ_TAG,))
         return list(node.value)
+
+
+_MAP_TAG, _SEQ_TAG = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
+#: The scalar tags a config value may carry (implicit, or written as !!str, !!int ...).
+_SCALAR_TAGS = tuple(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null"))
 
 
 def _where(source: str, mark: yaml.Mark | None) -> str:
@@ -224,6 +246,7 @@ _TOP = {
     "limits": "limits",
     "paths": "local paths",
     "artifacts": "artifact store",
+    "http_on_grpc_port": "bool",
 }
 
 
@@ -235,6 +258,9 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
             boolean word such as ``no`` for a boolean key, with a hint), with file:line:column.
     """
     r = _Reader(source)
+    typo = find_typography(text)
+    if typo is not None:  # before YAML reads it: "mapping values are not allowed here" names neither character
+        raise ConfigError(f"{source}:{typo.line}:{typo.column}: {typo.message}")
     try:
         root = yaml.compose(text, Loader=Yaml12Loader)
     except yaml.YAMLError as exc:
@@ -290,6 +316,8 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["state_dir"] = p if p.is_absolute() or base_dir is None else base_dir / p
     if "allow_unknown_nodes" in top:
         kw["allow_unknown_nodes"] = r.scalar(top["allow_unknown_nodes"][1], "allow_unknown_nodes", bool)
+    if "http_on_grpc_port" in top:
+        kw["http_on_grpc_port"] = r.scalar(top["http_on_grpc_port"][1], "http_on_grpc_port", bool)
     if "unknown_node_max_tasks" in top:
         kw["unknown_node_max_tasks"] = r.scalar(
             top["unknown_node_max_tasks"][1], "unknown_node_max_tasks", int, 1, 10_000

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import inspect
+from typing import Callable
 
 import grpc
 import structlog
@@ -176,6 +177,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.keys = keys
         self.limits = limits
         self.audit = audit
+        #: The client's address for the peer gRPC reports; the server sets it when a front on the
+        #: public port splices connections (api/front.py), so audit records name the real client.
+        self.peer_of: Callable[[str], str] = lambda peer: peer
         self.node_cert_required = node_cert_required
         #: Open streams by key (None with authentication off: there are no keys to revoke).
         self.streams: KeyStreams | None = (
@@ -229,7 +233,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 reason=exc.message,
                 outcome=exc.code.name,
                 key_prefix=m.group(1) if m else "",
-                peer=context.peer(),
+                peer=self.peer_of(context.peer()),
             )
             await context.abort(exc.code, exc.message)
             raise  # abort raises; this line is never reached
@@ -238,7 +242,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         """Register a stream admitted with a key (None when there is no key to watch)."""
         if self.streams is None or not principal.key_prefix:
             return None
-        return self.streams.open(principal.key_prefix, method, context.peer())
+        return self.streams.open(principal.key_prefix, method, self.peer_of(context.peer()))
 
     async def _end_revoked(self, stream, context) -> None:
         """End a stream whose key was revoked or expired: UNAUTHENTICATED with the reason."""

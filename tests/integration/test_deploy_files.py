@@ -132,6 +132,27 @@ def test_dockerfile_entry_points_and_install(cli_flags) -> None:
     assert load_config(DEPLOY / "scheduler_config.yaml").allow_unknown_nodes
 
 
+def test_the_image_runs_the_guides_commands_in_its_working_folder() -> None:
+    """``docker run IMAGE python train_server.py`` (the guide's CMD) and ``python scheduler.py
+    --config scheduler_config.yaml --port 8888``: both scripts and the config are in the final
+    WORKDIR."""
+    ins = dockerfile_instructions()
+    workdir = [rest for word, rest in ins if word == "WORKDIR"][-1]
+    copied = {
+        f"{dest.rstrip('/')}/{Path(src).name}"
+        for word, rest in ins
+        if word == "COPY"
+        for *sources, dest in [shlex.split(rest)]
+        for src in sources
+    }
+    assert {f"{workdir}/scheduler.py", f"{workdir}/train_server.py"} <= copied
+    runs = " ".join(rest for word, rest in ins if word == "RUN")
+    assert f"ln -s /etc/opentinker/scheduler_config.yaml {workdir}/scheduler_config.yaml" in runs
+    # the scripts are the checkout's, importable without a checkout next to them (the image has none)
+    for script in ("scheduler.py", "train_server.py"):
+        assert "__main__ import main" in (ROOT / script).read_text()
+
+
 def interpolate(value: str) -> str:
     """Compose's ``${VAR:-default}`` with the variables unset."""
     return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))

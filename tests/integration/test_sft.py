@@ -140,21 +140,32 @@ def test_dataset_refusals_over_the_wire(sft_cluster: Cluster, tiny_model_dir: Pa
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n  \n")
     with RLClient(scheduler_url=sft_cluster.url, min_poll_interval=0) as client:
-        with pytest.raises(
-            InvalidArgumentError, match="dataset line 3: expected at least one assistant message"
-        ) as err:
+        # The client checks the file first, so the error names it: file:line(:column).
+        with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {bad}:3: expected at least one assistant"):
             client.upload_dataset(bad)
-        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        with pytest.raises(InvalidArgumentError, match="dataset: expected at least one example"):
+        with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {empty}: expected at least one example"):
             client.upload_dataset(empty)
-        zero = tmp_path / "zero.jsonl"
-        zero.touch()
-        with pytest.raises(InvalidArgumentError, match="total_bytes: expected the file's size in bytes"):
-            client.upload_dataset(zero)
+        broken = tmp_path / "broken.jsonl"
+        broken.write_text(good_line + "\n" + good_line[:-1] + "\n")
+        with pytest.raises(
+            InvalidArgumentError, match=f"^INVALID_ARGUMENT: {broken}:2:{len(good_line)}: expected a JSON"
+        ):
+            client.upload_dataset(broken)
+        # The scheduler checks the bytes it receives just the same (a client that skips the check).
+        stub = sft_cluster.stub
+        for data, want in (
+            (bad.read_bytes(), "dataset line 3: expected at least one assistant message"),
+            (empty.read_bytes(), "dataset: expected at least one example"),
+            (b"", "total_bytes: expected the file's size in bytes"),
+        ):
+            with pytest.raises(grpc.RpcError) as rpc_err:
+                stub.UploadDataset(
+                    iter([scheduler_pb2.UploadDatasetRequest(name="x.jsonl", total_bytes=len(data), chunk=data)])
+                )
+            assert rpc_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and want in rpc_err.value.details()
         assert not [p for p in (sft_cluster.state_dir / "datasets").iterdir()]  # nothing half-written stays
 
         # Over the limit: refused from the announced size, before any byte is stored.
-        stub = sft_cluster.stub
         with pytest.raises(grpc.RpcError) as rpc_err:
             stub.UploadDataset(
                 iter([scheduler_pb2.UploadDatasetRequest(name="huge", total_bytes=300 * 1024 * 1024, chunk=b"{")])

@@ -65,13 +65,13 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.points.setdefault(task_id, [])
             return task
 
-    def add_state(self, task_id, to_state, reason="", message="", error="") -> None:
+    def add_state(self, task_id, to_state, reason="", message="", error="", at: int = 1_700_000_100) -> None:
         with self.lock:
             task = self.tasks[task_id]
             ev = common_pb2.TaskEvent(
                 task_id=task_id,
                 sequence=len(self.events[task_id]) + 1,
-                time=ts(1_700_000_100),
+                time=ts(at),
                 state_change=common_pb2.StateChange(
                     from_state=task.state, to_state=to_state, attempt=task.attempt, reason=reason, message=message
                 ),
@@ -82,10 +82,13 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.events[task_id].append(ev)
             self.lock.notify_all()
 
-    def add_metric(self, task_id, step, loss, reward) -> None:
+    def add_metric(self, task_id, step, loss, reward, *, at: int | None = None, **values: float) -> None:
+        """A metric point (``at``: its time, epoch seconds; ``values``: more keys than loss and reward)."""
         with self.lock:
             point = common_pb2.MetricPoint(
-                step=step, time=ts(1_700_000_200 + step), values={"loss": loss, "reward": reward}
+                step=step,
+                time=ts(1_700_000_200 + step if at is None else at),
+                values={"loss": loss, "reward": reward, **values},
             )
             self.points[task_id].append(point)
             task = self.tasks[task_id]

@@ -40,6 +40,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A free port P whose P + 1 is free too (a scheduler's default HTTP port is --port + 1)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free pair of ports")
+
+
 def scheduler_args(
     config: Path, *, port: int | str, http_port: int | str, state_dir: Path, host: str | None = None
 ) -> list[str]:
@@ -100,7 +113,13 @@ def wait_connected(client, n: int = 1, timeout: float = 60) -> list:
 
 class Proc:
     def __init__(
-        self, args: list[str], log_path: Path, env: dict[str, str] | None = None, *, prefix: list[str] = ()
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        *,
+        prefix: list[str] = (),
     ) -> None:
         self.log_path = log_path
         self._log = open(log_path, "ab")
@@ -111,6 +130,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             env=full_env,
             start_new_session=True,
+            cwd=cwd,
         )
 
     @property

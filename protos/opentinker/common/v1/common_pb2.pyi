@@ -161,6 +161,27 @@ class DeviceTelemetry(_message.Message):
     simulated: bool
     def __init__(self, index: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., sm_clock_mhz: _Optional[int] = ..., ecc_errors: _Optional[int] = ..., unavailable: _Optional[_Mapping[str, str]] = ..., simulated: _Optional[bool] = ...) -> None: ...
 
+class HostTelemetry(_message.Message):
+    __slots__ = ("cpu_utilization_percent", "cpu_count", "memory_used_bytes", "memory_total_bytes", "unavailable")
+    class UnavailableEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CPU_UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    cpu_utilization_percent: float
+    cpu_count: int
+    memory_used_bytes: int
+    memory_total_bytes: int
+    unavailable: _containers.ScalarMap[str, str]
+    def __init__(self, cpu_utilization_percent: _Optional[float] = ..., cpu_count: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., unavailable: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
 class StateChange(_message.Message):
     __slots__ = ("from_state", "to_state", "attempt", "reason", "message", "node_id")
     FROM_STATE_FIELD_NUMBER: _ClassVar[int]
