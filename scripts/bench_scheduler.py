@@ -67,6 +67,7 @@ from opentinker.node.v1 import node_pb2 as N
 from opentinker.node.v1 import node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2 as S
 from opentinker.scheduler.v1 import scheduler_pb2_grpc
+from opentinker_common.net.call_budget import budget_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -75,6 +76,7 @@ from tests.support.procs import free_port, scheduler_args  # noqa: E402
 
 GOALS = {"p99_ms": 50.0, "submits_per_s": 500.0, "heartbeats_per_s": 2000.0, "cpu_ratio": 4.0}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+SUBMIT_METADATA = budget_metadata(60)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,11 +520,12 @@ class Bench:
         return spec
 
     async def submit_one(self, stub, spec: C.TaskSpec) -> None:
-        # A request id on every call, as RLClient sends (it makes a retry safe).
+        # A request id and the call's budget, as RLClient sends them (a retry is safe; the
+        # scheduler sees how long the call waited before it was taken up).
         req = S.SubmitTaskRequest(spec=spec, request_id=f"bench-{next(self._request_ids)}")
         t0 = time.monotonic()
         try:
-            resp = await stub.SubmitTask(req, timeout=60)
+            resp = await stub.SubmitTask(req, timeout=60, metadata=SUBMIT_METADATA)
         except grpc.aio.AioRpcError as exc:
             code = exc.code().name
             self.submit_codes[code] += 1
