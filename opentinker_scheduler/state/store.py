@@ -459,10 +459,10 @@ class Store:
             t.end_time,
             t.not_before,
             t.node_id,
-            json.dumps(t.device_indices),
+            json.dumps(t.device_indices) if t.device_indices else "[]",
             t.error,
             t.latest_step,
-            json.dumps(t.latest_metrics),
+            json.dumps(t.latest_metrics) if t.latest_metrics else "{}",
             t.latest_checkpoint.SerializeToString() if t.latest_checkpoint is not None else None,
         )
 
