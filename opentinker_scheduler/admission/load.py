@@ -17,7 +17,13 @@ serves them, so a count of the calls in progress stays low.
   about an empty call, a fifth of a submit, so while more is offered than the scheduler can do,
   the wait stays near the bound and the excess is refused. (Refusing down to a lower wait once
   the bound is hit, as CoDel does, was tried: the arrivals do not slow down for it, so it only
-  refused more calls: 131 instead of 278 served per second at 900/s offered);
+  refused more calls: 131 instead of 278 served per second at 900/s offered). A call that waited
+  more than :data:`HOPELESS` times the bound is served, not refused: refusing did not drain the
+  queue, because even refusing every call costs more CPU than the scheduler has (about four times
+  the submits it can serve; at 1500/s offered to one that had ~0.6 core, refusing all of them
+  served 10 submits/s). Beyond that, gRPC core's own pending limit (raised, not removed) sheds
+  calls as ``CANCELLED`` before the scheduler sees them: the client asks again with the same
+  ``request_id`` and learns whether the task exists;
 * ``limits.max_submits_in_flight`` calls are in progress already (64 by default, 0 = no bound):
   slow submits (environment checks) do not pile up.
 
@@ -56,6 +62,8 @@ DEFAULT_MAX_WAIT_S: float = DEFAULTS["max_submit_wait"]
 MIN_RETRY_S, MAX_RETRY_S = 0.1, 10.0
 #: What a client is told to wait while the scheduler stops (seconds).
 SHUTDOWN_RETRY_S = 1.0
+#: A call that waited this many times ``max_wait_s`` is served: refusing does not drain the queue.
+HOPELESS = 4.0
 #: At most one "refusing submits" log line per this many seconds.
 LOG_EVERY_S = 10.0
 
@@ -100,15 +108,15 @@ class SubmitGate:
         its start time, for :meth:`leave`.
 
         Raises:
-            ResourceExhausted: the call waited longer than ``max_wait_s``, or ``limit`` calls are
-                in progress (reason ``OVERLOADED``).
+            ResourceExhausted: the call waited longer than ``max_wait_s`` (but not
+                :data:`HOPELESS` times that), or ``limit`` calls are in progress (reason ``OVERLOADED``).
             Unavailable: the scheduler is stopping (reason ``SHUTTING_DOWN``).
         """
         if self.draining:
             self._count("SHUTTING_DOWN")
             raise self._stopping()
         waited = waited_s(context) if self.max_wait_s and context is not None else None
-        if waited is not None and waited > self.max_wait_s:
+        if waited is not None and self.max_wait_s < waited <= HOPELESS * self.max_wait_s:
             self._count("OVERLOADED")
             wait = round(min(MAX_RETRY_S, max(waited, self.retry_after)), 3)
             raise ResourceExhausted(

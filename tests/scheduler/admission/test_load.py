@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from opentinker_common.net.call_budget import BUDGET_HEADER, budget_metadata, waited_s
-from opentinker_scheduler.admission.load import MAX_RETRY_S, MIN_RETRY_S, SHUTDOWN_RETRY_S, SubmitGate
+from opentinker_scheduler.admission.load import HOPELESS, MAX_RETRY_S, MIN_RETRY_S, SHUTDOWN_RETRY_S, SubmitGate
 from opentinker_scheduler.errors import ResourceExhausted, Unavailable
 
 
@@ -80,6 +80,8 @@ def test_a_call_that_waited_too_long_is_refused_and_told_to_wait_as_long() -> No
     assert err.value.reason == "OVERLOADED" and err.value.retry_after == pytest.approx(1.2)
     assert "waited 1.20 s in the server" in str(err.value) and "(limits.max_submit_wait)" in str(err.value)
     assert gate.enter(Context((), remaining=1.0))  # no budget: the wait is unknown, not refused
+    # Waited more than HOPELESS times the bound: refusing is not draining the queue; served.
+    assert gate.enter(Context(budget_metadata(30), remaining=30 - HOPELESS * 0.5 - 0.01))
     assert SubmitGate(0, max_wait_s=0).enter(Context(budget_metadata(30), remaining=1.0))  # 0: no bound
 
 
