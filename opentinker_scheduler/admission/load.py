@@ -34,8 +34,12 @@ an admitted submit took lately, whichever is longer.
 
 While the scheduler stops (:meth:`SubmitGate.drain`), new calls, and admitted ones that have not
 reached the write yet, get ``UNAVAILABLE`` (reason ``SHUTTING_DOWN``, retry in 1 s): nothing is
-created, and the client's gRPC retry policy tries again, by then at the next scheduler. Calls
-past the write are answered before the server stops (:meth:`SubmitGate.wait_idle`).
+created, and ``RLClient`` tries again after that, by then at the next scheduler. Calls past the
+write are answered before the server stops (:meth:`SubmitGate.wait_idle`).
+
+The price of saying so: a refusal costs the scheduler about an empty call, where core's silent
+drop cost nothing, so at two or three times the load it can serve it serves fewer submits than
+before (BENCHMARKS.md has the figures).
 """
 
 from __future__ import annotations
