@@ -45,6 +45,7 @@ from opentinker_client.errors import (  # "X as X": re-exported; __all__ takes t
     InvalidArgumentError as InvalidArgumentError,
     NotFoundError as NotFoundError,
     OpenTinkerError as OpenTinkerError,
+    OverloadedError as OverloadedError,
     PermissionDeniedError as PermissionDeniedError,
     ResourceExhaustedError as ResourceExhaustedError,
     TaskFailedError as TaskFailedError,

@@ -19,10 +19,13 @@ from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_client._convert import event_from_proto, metric_points, node_from_proto, state_enum, task_from_proto
 from opentinker_client.connection import SchedulerConnection
+import grpc
+
 from opentinker_client.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     OpenTinkerError,
+    OverloadedError,
     TaskFailedError,
     UnavailableError,
 )
@@ -34,6 +37,33 @@ log = logging.getLogger("opentinker_client")
 
 #: Seconds :meth:`TaskCalls.wait` rides out ``UNAVAILABLE`` in a row before it gives up.
 WAIT_OUTAGE_S = 300.0
+#: Attempts of a submit cut off (``CANCELLED``) or unreachable (``UNAVAILABLE``) before it gives up
+#: (gRPC's own retry policy for the other calls makes as many); an overloaded or stopping
+#: scheduler's refusals are retried, after the delay it asks for, while the timeout allows.
+SUBMIT_ATTEMPTS = 5
+#: Status codes with which the scheduler refuses a submit before writing anything.
+_REFUSALS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
+
+
+def submit_outcome(err: OpenTinkerError) -> bool | None:
+    """Whether a submit that ended with ``err`` created its task: ``False`` for a refusal (the
+    status codes of :data:`_REFUSALS`, or any error the scheduler marked with its reason: it
+    refuses before it writes, and a failed write is rolled back); ``None`` when it cannot be told
+    (cut off, timed out, or unreachable after the request may have arrived)."""
+    if err.code in _REFUSALS or err.reason is not None:
+        return False
+    return None
 
 
 def check_task_id(task_id: Any) -> str:
@@ -143,9 +173,42 @@ class TaskCalls:
 
     def submit(self, spec: common_pb2.TaskSpec, *, request_id: str | None = None) -> str:
         """Submit ``spec``; returns the new task's id. ``request_id`` (idempotency key) defaults
-        to a random one, so that gRPC may retry the call."""
+        to a random one, so that the call may be made again: within the connection's timeout it
+        is, after the delay the scheduler asks for when it refused as overloaded
+        (:class:`OverloadedError`) or stopping (``UNAVAILABLE``), and with backoff, at most
+        :data:`SUBMIT_ATTEMPTS` times, when it was cut off (``CANCELLED``) or unreachable.
+
+        Raises:
+            OpenTinkerError: the subclass of the last attempt's status, with ``task_created``
+                (:func:`submit_outcome`) and ``request_id`` set; when the outcome cannot be
+                told, the message says to submit again with the same ``request_id``.
+        """
         request = scheduler_pb2.SubmitTaskRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
-        return self.connection.unary("SubmitTask", request).task.task_id
+        deadline = time.monotonic() + self.connection.timeout
+        backoff = _Backoff(0.2, 2.0)
+        cut_off = 0
+        while True:
+            try:
+                left = max(0.001, deadline - time.monotonic())
+                return self.connection.unary("SubmitTask", request, timeout=left).task.task_id
+            except OpenTinkerError as err:
+                err.task_created = submit_outcome(err)
+                err.request_id = request.request_id
+                wait = None
+                if isinstance(err, OverloadedError) or (err.code == grpc.StatusCode.UNAVAILABLE and err.retry_after):
+                    wait = (err.retry_after or 0.0) * random.uniform(1.0, 1.2)
+                elif err.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+                    cut_off += 1
+                    wait = backoff.next() if cut_off < SUBMIT_ATTEMPTS else None
+                if wait is None or time.monotonic() + wait >= deadline:
+                    if err.task_created is None:
+                        err.details += (
+                            f" (the task may or may not have been created: submit again with "
+                            f"request_id={request.request_id!r}, which returns it if it was)"
+                        )
+                    raise
+                log.info("submit refused or cut off (%s); retrying in %.2f s with the same request_id", err, wait)
+                time.sleep(wait)
 
     def cancel(self, task_id: str, *, reason: str = "") -> TaskInfo:
         """Cancel; returns the task after it (``RLClient.cancel``)."""

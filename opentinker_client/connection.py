@@ -22,6 +22,7 @@ from opentinker.scheduler.v1 import scheduler_pb2_grpc
 from opentinker_client._reach import explain_unreachable
 from opentinker_client.errors import SCHEDULER_PLAINTEXT_HINT, DeadlineExceededError, OpenTinkerError, from_rpc_error
 from opentinker_common.net.bearer import bearer_metadata, clean_api_key
+from opentinker_common.net.call_budget import budget_metadata
 from opentinker_common.net.grpc_options import client_keepalive, message_limits
 from opentinker_common.net.tls import channel_credentials
 from opentinker_common.net.url import parse_scheduler_address
@@ -30,9 +31,11 @@ __all__ = ["SchedulerConnection", "StreamResponses", "resolve_api_key"]
 
 _SERVICE = "opentinker.scheduler.v1.SchedulerService"
 
-# Unary RPCs are retried by gRPC itself on UNAVAILABLE (scheduler restarting, connection refused).
-# All of them are idempotent; SubmitTask is made so by the request_id the client always sends.
-_RETRIED = ("SubmitTask", "GetTask", "ListTasks", "CancelTask", "GetMetrics", "ListNodes", "ListCheckpoints")
+# Unary RPCs are retried by gRPC itself on UNAVAILABLE (scheduler restarting, connection refused);
+# all of them are idempotent. SubmitTask is retried by TaskCalls.submit instead (made idempotent by
+# the request_id the client always sends): each attempt must carry its own budget (call_budget),
+# and it also retries an overloaded scheduler's refusal and a call cut off with CANCELLED.
+_RETRIED = ("GetTask", "ListTasks", "CancelTask", "GetMetrics", "ListNodes", "ListCheckpoints")
 _SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
@@ -162,7 +165,9 @@ class SchedulerConnection:
         return explain_unreachable(mapped, self.target)  # "nothing is listening", "that is the HTTP port" ...
 
     def unary(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
-        """Call the unary RPC ``method`` (``"GetTask"`` ...) and return its response.
+        """Call the unary RPC ``method`` (``"GetTask"`` ...) and return its response. The call
+        carries its budget (``opentinker-timeout-ms``), so the scheduler can tell how long it
+        waited before being taken up (:mod:`opentinker_common.net.call_budget`).
 
         Args:
             timeout: seconds; ``None`` is the connection's ``timeout``.
@@ -171,9 +176,10 @@ class SchedulerConnection:
             OpenTinkerError: closed, or the subclass for the status the call ended with.
         """
         self.check_open()
+        timeout = self.timeout if timeout is None else timeout
         try:
             return getattr(self.stub, method)(
-                request, timeout=self.timeout if timeout is None else timeout, metadata=self.metadata
+                request, timeout=timeout, metadata=self.metadata + budget_metadata(timeout)
             )
         except grpc.RpcError as err:
             raise self.error(err) from err

@@ -12,11 +12,26 @@ from opentinker_common.artifacts.local import UploadIncomplete, UploadOffsetMism
 
 #: A message that names a request field starts with its path and ": " (``spec.hyperparameters.lr: ``,
 #: ``spec.datasets[0].uri: ``, ``page_size: ``).
+#: The ``domain`` of the ``google.rpc.ErrorInfo`` the scheduler sends with a ``reason``.
+ERROR_DOMAIN = "opentinker.scheduler"
+
 _FIELD_PATH = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+|\[\d+\])*): ")
 
 
 class SchedulerError(Exception):
-    """Base of the scheduler's domain errors."""
+    """Base of the scheduler's domain errors.
+
+    Args:
+        retry_after: seconds after which the same call may succeed; sent to the client as a
+            ``google.rpc.RetryInfo`` detail (and ``grpc-retry-pushback-ms``). None: no advice.
+        reason: a machine-readable reason in UPPER_SNAKE_CASE, sent as a ``google.rpc.ErrorInfo``
+            detail (domain :data:`ERROR_DOMAIN`) when given, e.g. ``OVERLOADED``.
+    """
+
+    def __init__(self, message: str = "", *, retry_after: float | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.reason = reason
 
 
 class NotFound(SchedulerError):
@@ -46,6 +61,11 @@ class ResourceExhausted(SchedulerError):
     """RESOURCE_EXHAUSTED: a limit was hit; the message names it."""
 
 
+class Unavailable(SchedulerError):
+    """UNAVAILABLE: the scheduler cannot take the call now (it is shutting down); nothing was
+    done, and the same call may be made again (``retry_after``)."""
+
+
 class AlreadyExists(SchedulerError):
     """ALREADY_EXISTS: a node id already connected, or a request id reused for another spec."""
 
@@ -66,6 +86,7 @@ _STATUS_CODES = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 

@@ -17,6 +17,7 @@ from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 
+from opentinker_scheduler.admission.load import SubmitGate
 from opentinker_scheduler.security import tls_config as tls_listen
 from opentinker_scheduler.api.admin import AdminService
 from opentinker_scheduler.api.artifacts import ArtifactService
@@ -37,6 +38,18 @@ log = structlog.get_logger("opentinker.scheduler")
 #: every 30 s and accepts client pings no more often than every 10 s, with or without calls in
 #: flight (trainers ping every 20 s), so an idle node is never dropped with `too_many_pings`.
 SERVER_OPTIONS = server_options()
+#: gRPC core keeps a call that grpc.aio has not taken yet (it takes one per event-loop turn) in a
+#: queue, and past ``grpc.server.max_pending_requests`` (default 1000; all of them past the hard
+#: limit, default 3000) drops calls at random with a bare CANCELLED the scheduler never sees: the
+#: client cannot tell whether its task was made. Raised above what an overloaded scheduler that
+#: refuses the excess queues (admission/load.py keeps the wait near limits.max_submit_wait: ~1500
+#: calls at 3000/s taken up), so those calls reach it and get RESOURCE_EXHAUSTED with retry
+#: advice; kept finite for a flood that even refusing cannot keep up with, so the wait there stays
+#: bounded (~5000 calls) instead of growing to core's 30 s (grpc.server_max_unrequested_time_in_server).
+PENDING_OPTIONS = [
+    ("grpc.server.max_pending_requests", 5_000),
+    ("grpc.server.max_pending_requests_hard_limit", 10_000),
+]
 
 SERVICE_NAMES = (
     scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name,
@@ -60,8 +73,17 @@ class RunningScheduler:
     artifacts: Artifacts | None = None
     #: The front on the public port (plaintext, http_on_grpc_port), else None.
     front: PortFront | None = None
+    #: SubmitTask's gate (admission/load.py): closed first when stopping.
+    submit_gate: SubmitGate | None = None
 
     async def stop(self, grace: float = 2.0) -> None:
+        # No new task from here on (UNAVAILABLE, retry advice: the client retries at the next
+        # scheduler); a submit that wrote its task is answered before the server stops, so no
+        # accepted call is cancelled.
+        if self.submit_gate is not None:
+            self.submit_gate.drain()
+            if not await self.submit_gate.wait_idle(grace):
+                log.warning("submits still in progress at shutdown", in_flight=self.submit_gate.in_flight)
         self.tick_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.tick_task
@@ -176,7 +198,7 @@ async def start_scheduler(
     options = [
         (k, most if k in ("grpc.max_send_message_length", "grpc.max_receive_message_length") else v)
         for k, v in SERVER_OPTIONS
-    ]
+    ] + PENDING_OPTIONS
     server = grpc.aio.server(options=options, interceptors=[security.interceptor])
     scheduler_service = SchedulerService(core, security=security)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(scheduler_service, server)
@@ -223,6 +245,7 @@ async def start_scheduler(
         http.grpc_port = bound
         http.snapshot = _snapshot(core)
         http.node_messages = core.node_messages  # live counters; the HTTP thread only reads them
+        http.submits_refused = scheduler_service.gate.refused
         http.start()
     tick = asyncio.create_task(_tick_loop(core, http, tick_interval_s))
     log.info(
@@ -248,6 +271,7 @@ async def start_scheduler(
         node_port=node_bound,
         artifacts=artifacts,
         front=front,
+        submit_gate=scheduler_service.gate,
     )
 
 

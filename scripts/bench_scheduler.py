@@ -11,8 +11,16 @@ once with a RUNNING and a SUCCEEDED ``TaskReport`` (so capacity frees up). The n
                   (one heartbeat per node per second), then a flood (``--flood-rate`` offered
                   in all) to measure how many heartbeats per second the scheduler ingests.
                   Ingested = the scheduler's own counter (``opentinker_node_messages_total``).
-  2. throughput   ``--tasks`` SubmitTask calls, closed loop with ``--concurrency`` in flight:
-                  submits/s, and submit-to-assign latency under that saturation.
+  2. throughput   first the yardstick: ``--unary-calls`` empty unary calls (``grpc.health.v1``
+                  ``Health/Check``) in the same closed loop, for the scheduler's CPU per call
+                  (run again after the submits; the two are averaged);
+                  then ``--tasks`` SubmitTask calls, closed loop with ``--concurrency`` in flight:
+                  submits/s, submit-to-assign latency under that saturation, and the scheduler's
+                  CPU per submit (the task's whole life: the call, placement, the AssignTask and
+                  two reports) as a multiple of the empty call's. Absolute rates differ from one
+                  machine to the next (432 vs ~800 submits/s on two 2-core machines); the ratio
+                  is the figure to compare. Both CPU figures are net of the scheduler's CPU at
+                  rest (heartbeats only), measured just before.
   3. latency      ``--rate-tasks`` submits paced open-loop at ``--rate`` per second (the goal
                   rate): submit-to-assign p50/p99 at that load.
   4. deep queue   every slot busy (nodes hold their tasks), ``--backlog`` more tasks submitted
@@ -22,7 +30,9 @@ once with a RUNNING and a SUCCEEDED ``TaskReport`` (so capacity frees up). The n
 Submit-to-assign latency is the time from the SubmitTask call in this process to the node
 process receiving the ``AssignTask`` for that task (both read CLOCK_MONOTONIC, which is one
 clock for all processes on Linux). Scheduler CPU comes from ``/proc/<pid>/stat`` (utime + stime,
-all threads). Figures are printed, never asserted; ``--json`` writes them as well. The machine's
+all threads). Every SubmitTask carries a request id, as ``RLClient`` sends; a call that fails
+is counted by status code (and whether its refusal carried a ``google.rpc.RetryInfo``).
+Figures are printed, never asserted; ``--json`` writes them as well. The machine's
 total CPU use is shown per phase, because other work on a shared machine shifts these numbers.
 """
 
@@ -44,24 +54,30 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker.node.v1 import node_pb2 as N
 from opentinker.node.v1 import node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2 as S
 from opentinker.scheduler.v1 import scheduler_pb2_grpc
+from opentinker_common.net.call_budget import budget_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.support.procs import free_port, scheduler_args  # noqa: E402
 
-GOALS = {"p99_ms": 50.0, "submits_per_s": 500.0, "heartbeats_per_s": 2000.0}
+GOALS = {"p99_ms": 50.0, "submits_per_s": 500.0, "heartbeats_per_s": 2000.0, "cpu_ratio": 4.0}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+SUBMIT_METADATA = budget_metadata(60)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,6 +103,14 @@ def machine_cpu() -> tuple[float, float]:
     idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
     total = sum(vals[:8])
     return (total - idle) / CLK_TCK, total / CLK_TCK
+
+
+def first_per_code(errors: list[str]) -> list[str]:
+    """The first ``CODE: details`` message of each status code, in order of appearance."""
+    seen: dict[str, str] = {}
+    for e in errors:
+        seen.setdefault(e.split(":", 1)[0], e)
+    return list(seen.values())
 
 
 def pct(sorted_vals: list[float], q: float) -> float:
@@ -465,7 +489,12 @@ class Bench:
         self.procs: list = []
         self.submits: list[tuple[str, float, float]] = []
         self.submit_errors: list[str] = []
+        #: Status code name -> how many SubmitTask calls ended with it (OK not counted).
+        self.submit_codes: Counter = Counter()
+        #: Refusals (RESOURCE_EXHAUSTED, UNAVAILABLE) that carried a google.rpc.RetryInfo.
+        self.refused_with_retry_info = 0
         self.total_submitted = 0
+        self._request_ids = iter(range(1 << 62))
 
     # --- workers ----------------------------------------------------------------------------
     async def _ask(self, conn, cmd, arg=None):
@@ -500,7 +529,7 @@ class Bench:
         return self.sched.metrics().get(HB_KEY)
 
     # --- submits ----------------------------------------------------------------------------
-    def request(self, i: int) -> S.SubmitTaskRequest:
+    def spec(self, i: int) -> C.TaskSpec:
         spec = C.TaskSpec(
             workload_type="lora_finetune",
             model="bench/dummy-model",
@@ -508,20 +537,29 @@ class Bench:
             resources=C.Resources(gpu_count=i % 2 if self.args.gpus_per_node else 0),
         )
         spec.env_config.update({"env_id": "arithmetic"})
-        return S.SubmitTaskRequest(spec=spec)
+        return spec
 
-    async def submit_one(self, stub, req) -> None:
+    async def submit_one(self, stub, spec: C.TaskSpec) -> None:
+        # A request id and the call's budget, as RLClient sends them (a retry is safe; the
+        # scheduler sees how long the call waited before it was taken up).
+        req = S.SubmitTaskRequest(spec=spec, request_id=f"bench-{next(self._request_ids)}")
         t0 = time.monotonic()
         try:
-            resp = await stub.SubmitTask(req, timeout=60)
+            resp = await stub.SubmitTask(req, timeout=60, metadata=SUBMIT_METADATA)
         except grpc.aio.AioRpcError as exc:
-            self.submit_errors.append(f"{exc.code().name}: {exc.details()}")
+            code = exc.code().name
+            self.submit_codes[code] += 1
+            status = rpc_status.from_call(exc)
+            if status is not None and any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details):
+                self.refused_with_retry_info += 1
+            if len(self.submit_errors) < 100 or code not in {e.split(":")[0] for e in self.submit_errors}:
+                self.submit_errors.append(f"{code}: {exc.details()}")
             return
         self.submits.append((resp.task.task_id, t0, time.monotonic()))
         self.total_submitted += 1
 
     async def closed_loop(self, stub, n: int, concurrency: int, gpu: bool = True) -> None:
-        reqs = [self.request(i if gpu else 0) for i in range(2)]
+        reqs = [self.spec(i if gpu else 0) for i in range(2)]
         counter = iter(range(n))
 
         async def lane() -> None:
@@ -532,7 +570,7 @@ class Bench:
 
     async def paced(self, stub, n: int, rate: float) -> float:
         """Open loop: one submit every 1/rate s regardless of replies. Returns the worst dispatch lag."""
-        reqs = [self.request(i) for i in range(2)]
+        reqs = [self.spec(i) for i in range(2)]
         start = time.monotonic()
         inflight = set()
         worst_lag = 0.0
@@ -608,19 +646,58 @@ class Bench:
         every submitted task is assigned; ``(meter result, latencies, all assigned, submit()'s result)``."""
         self.submits = []
         before = await self.total_assigns()
+        codes0 = Counter(self.submit_codes)
         async with Meter(self) as m:
             out = await submit()
         ok = await self.wait_assigns(before + len(self.submits), timeout=60 + tasks / 20)
         lat = self.latencies(self.submits, await self.collect_assign_times())
+        lat["errors"] = dict(self.submit_codes - codes0)
         return m.result, lat, ok, out
+
+    async def phase_unary(self, channel, *, name: str = "unary") -> None:
+        """The yardstick for the CPU a submit costs: the scheduler's CPU per empty unary call
+        (``grpc.health.v1.Health/Check``, through the same auth interceptor as every call), in
+        the same closed loop as the throughput phase, net of the scheduler's CPU with nothing
+        but the steady heartbeats (measured just before). Run before and after the throughput
+        phase (``unary``, ``unary_after``); the ratio uses the mean of the two."""
+        a = self.args
+        async with Meter(self) as base:
+            await asyncio.sleep(0.5 if a.quick else 2.0)
+        base_rate = base.result["scheduler_cpu_s"] / base.result["wall_s"]
+        stub = health_pb2_grpc.HealthStub(channel)
+        req = health_pb2.HealthCheckRequest()
+        counter = iter(range(a.unary_calls))
+
+        async def lane() -> None:
+            for _ in counter:
+                await stub.Check(req, timeout=60)
+
+        async with Meter(self) as m:
+            await asyncio.gather(*(lane() for _ in range(a.concurrency)))
+        cpu_net = m.result["scheduler_cpu_s"] - base_rate * m.result["wall_s"]
+        self.baseline_cpu_rate = base_rate
+        self.results["phases"][name] = {
+            **m.result,
+            "calls": a.unary_calls,
+            "calls_per_s": a.unary_calls / m.result["wall_s"],
+            "baseline_cpu_frac": base_rate,
+            "cpu_ms_per_call": cpu_net / a.unary_calls * 1000,
+        }
+        self.progress(
+            f"empty unary calls ({name}): {a.unary_calls / m.result['wall_s']:.0f}/s, scheduler CPU "
+            f"{cpu_net / a.unary_calls * 1000:.3f} ms per call (net of {base_rate:.1%} of a core at rest)"
+        )
 
     async def phase_throughput(self, stub) -> None:
         a = self.args
         meter, lat, ok, _ = await self.measured_submits(lambda: self.closed_loop(stub, a.tasks, a.concurrency), a.tasks)
         submit_wall = meter["wall_s"]
+        base_rate = getattr(self, "baseline_cpu_rate", 0.0)
+        cpu_ms = (meter["scheduler_cpu_s"] - base_rate * submit_wall) / max(1, len(self.submits)) * 1000
         self.results["phases"]["throughput"] = {
             **meter,
             **lat,
+            "cpu_ms_per_submit": cpu_ms,
             "tasks": a.tasks,
             "submitted": len(self.submits),
             "concurrency": a.concurrency,
@@ -628,8 +705,17 @@ class Bench:
             "all_assigned": ok,
         }
         self.progress(
-            f"throughput: {len(self.submits) / submit_wall:.0f} submits/s, submit->assign p99 {lat['p99_ms']:.1f} ms"
+            f"throughput: {len(self.submits) / submit_wall:.0f} submits/s, submit->assign p99 {lat['p99_ms']:.1f} ms, "
+            f"scheduler CPU {cpu_ms:.3f} ms per submit"
         )
+
+    def cpu_ratio(self) -> None:
+        """Scheduler CPU per submit over per empty call (the mean of the runs before and after)."""
+        P = self.results["phases"]
+        unary_ms = (P["unary"]["cpu_ms_per_call"] + P["unary_after"]["cpu_ms_per_call"]) / 2
+        P["throughput"]["cpu_ms_per_unary"] = unary_ms
+        P["throughput"]["cpu_ratio_to_unary"] = ratio = P["throughput"]["cpu_ms_per_submit"] / unary_ms
+        self.progress(f"scheduler CPU per submit = {ratio:.2f}x an empty unary call ({unary_ms:.3f} ms)")
 
     async def phase_latency(self, stub) -> None:
         a = self.args
@@ -796,7 +882,10 @@ class Bench:
             channel = grpc.aio.insecure_channel(self.sched.target)
             stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
             if "throughput" in only:
+                await self.phase_unary(channel)
                 await self.phase_throughput(stub)
+                await self.phase_unary(channel, name="unary_after")
+                self.cpu_ratio()
             if "latency" in only:
                 await self.phase_latency(stub)
             if a.backlog and "queue" in only:
@@ -819,8 +908,12 @@ class Bench:
                 "not_finished": sum(
                     v for k, v in m.items() if k.startswith("opentinker_tasks{") and "succeeded" not in k
                 ),
-                "submit_errors": len(self.submit_errors),
-                "first_submit_errors": self.submit_errors[:3],
+                "submit_errors": sum(self.submit_codes.values()),
+                "submit_error_codes": dict(self.submit_codes),
+                "refused_with_retry_info": self.refused_with_retry_info,
+                "first_submit_errors": list({e.split(":")[0]: e for e in reversed(self.submit_errors)}.values())[::-1][
+                    :5
+                ],
                 "reassigns": sum(s["reassigns"] for s in await self.worker_stats()),
                 "node_errors": [e for s in await self.worker_stats() for e in s["errors"]],
             }
@@ -863,7 +956,7 @@ def report(args, res: dict) -> str:
         f"{args.workers} worker process(es); scheduler is a separate process",
         "",
     ]
-    if not all(k in P for k in ("throughput", "latency", "steady", "flood")):
+    if not all(k in P for k in ("unary", "throughput", "latency", "steady", "flood")):
         return json.dumps(P, indent=1, default=str)  # a partial run (--only): raw figures
     tp, lt, st, fl = P["throughput"], P["latency"], P["steady"], P["flood"]
     hb_rate = fl["ingested_per_s"]
@@ -874,14 +967,26 @@ def report(args, res: dict) -> str:
             f"{tp['submits_per_s']:.0f}",
             f">= {GOALS['submits_per_s']:.0f}",
             verdict(tp["submits_per_s"] >= GOALS["submits_per_s"]),
-            f"{tp['submitted']} tasks, closed loop, {tp['concurrency']} in flight",
+            f"{tp['submitted']} tasks, closed loop, {tp['concurrency']} in flight (differs by machine: compare "
+            "the CPU ratio below)",
+        ),
+        (
+            "CPU per submit / empty call",
+            f"{tp['cpu_ratio_to_unary']:.2f}x",
+            f"<= {GOALS['cpu_ratio']:.0f}x",
+            verdict(tp["cpu_ratio_to_unary"] <= GOALS["cpu_ratio"]),
+            f"scheduler CPU {tp['cpu_ms_per_submit']:.3f} ms per submit (the task's whole life) vs "
+            f"{tp['cpu_ms_per_unary']:.3f} ms per Health/Check (before {P['unary']['cpu_ms_per_call']:.3f}, after "
+            f"{P['unary_after']['cpu_ms_per_call']:.3f}), same run and concurrency, net of rest",
         ),
         (
             "submit->assign p50/p99",
             f"{lt['p50_ms']:.1f} / {lt['p99_ms']:.1f} ms",
             f"p99 < {GOALS['p99_ms']:.0f} ms",
             verdict(lt["p99_ms"] < GOALS["p99_ms"]),
-            f"{lt['submitted']} tasks paced at {lt['offered_rate']:.0f}/s (achieved {lt['achieved_rate']:.0f}/s)",
+            f"{lt['submitted']} tasks paced at {lt['offered_rate']:.0f}/s (achieved {lt['achieved_rate']:.0f}/s"
+            + "".join(f"; {n} {c}" for c, n in sorted(lt.get("errors", {}).items()))
+            + ")",
         ),
         (
             "heartbeats/s ingested",
@@ -928,7 +1033,8 @@ def report(args, res: dict) -> str:
     fin = res.get("final", {})
     lines.append(
         f"    tasks: {fin.get('submitted')} submitted, {fin.get('succeeded', math.nan):.0f} succeeded, "
-        f"{fin.get('not_finished', math.nan):.0f} in other states; submit errors {fin.get('submit_errors')}; "
+        f"{fin.get('not_finished', math.nan):.0f} in other states; submit errors {fin.get('submit_errors')} "
+        f"{fin.get('submit_error_codes') or ''} ({fin.get('refused_with_retry_info')} refusals with RetryInfo); "
         f"re-assignments {fin.get('reassigns')}; node stream errors {len(fin.get('node_errors', []))}"
     )
     for err in fin.get("first_submit_errors", []) + fin.get("node_errors", [])[:3]:
@@ -940,7 +1046,7 @@ def report(args, res: dict) -> str:
         f"{'driver':>7} {'node sims':>14} {'others':>7} {'machine':>8}",
     ]
     sat = []
-    phase_rows = [(k, P[k]) for k in ("idle", "steady", "flood", "throughput", "latency")]
+    phase_rows = [(k, P[k]) for k in ("idle", "steady", "flood", "unary", "throughput", "unary_after", "latency")]
     if "deep_queue" in P:
         phase_rows += [("queue-fill", P["deep_queue"]["submit"]), ("queue-drain", P["deep_queue"]["drain"])]
     for name, r in phase_rows:
@@ -974,6 +1080,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpus-per-node", type=int, default=2)
     p.add_argument("--max-tasks", type=int, default=4, help="max_tasks of every simulated node")
     p.add_argument("--concurrency", type=int, default=16, help="SubmitTask calls in flight in the closed-loop phases")
+    p.add_argument(
+        "--unary-calls",
+        type=int,
+        default=None,
+        help="empty unary calls (Health/Check) measured as the CPU yardstick (default: --tasks)",
+    )
     p.add_argument("--rate", type=float, default=GOALS["submits_per_s"], help="offered submits/s of the latency phase")
     p.add_argument("--rate-tasks", type=int, default=None, help="tasks of the latency phase (default: 10 s at --rate)")
     p.add_argument(
@@ -1021,6 +1133,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.workers = max(1, min(a.workers, a.nodes))
     if a.rate_tasks is None:
         a.rate_tasks = int(a.rate * 10)
+    if a.unary_calls is None:
+        a.unary_calls = a.tasks
     if a.backlog is None:
         a.backlog = a.tasks
     if a.idle_seconds >= a.lease - 1:

@@ -58,6 +58,14 @@ class _Collector:
         for kind, n in sorted(dict(self.holder.node_messages).items()):
             received.add_metric([kind], n)
         yield received
+        refused = CounterMetricFamily(
+            "opentinker_submits_refused",
+            "SubmitTask calls refused before anything was done (OVERLOADED, SHUTTING_DOWN)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(dict(self.holder.submits_refused).items()):
+            refused.add_metric([reason.lower()], n)
+        yield refused
         fams = {
             "utilization_percent": GaugeMetricFamily(
                 "opentinker_gpu_utilization_percent", "GPU utilization (%)", labels=["node_id", "gpu", "simulated"]
@@ -135,6 +143,7 @@ class HttpEndpoint:
         self.snapshot = Snapshot()
         #: kind -> messages received on node streams; the event loop increments, this thread reads.
         self.node_messages: dict[str, int] = {}
+        self.submits_refused: dict[str, int] = {}
         self.stale_after_s = stale_after_s
         #: The scheduler's gRPC port, sent as the X-OpenTinker-Grpc-Port header once known.
         self.grpc_port: int | None = None

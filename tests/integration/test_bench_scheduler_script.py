@@ -24,6 +24,7 @@ def test_bench_quick_run_prints_the_figures(tmp_path) -> None:
     text = proc.stdout
     for label in (
         "submits/s",
+        "CPU per submit / empty call",
         "submit->assign p50/p99",
         "heartbeats/s ingested",
         "CPU s per 1000 heartbeats",
@@ -33,6 +34,7 @@ def test_bench_quick_run_prints_the_figures(tmp_path) -> None:
     res = json.loads(out.read_text())
     phases = res["phases"]
     assert phases["throughput"]["submitted"] == res["args"]["tasks"]
+    assert phases["unary"]["cpu_ms_per_call"] > 0 and phases["throughput"]["cpu_ratio_to_unary"] > 0
     assert phases["throughput"]["all_assigned"] and phases["latency"]["all_assigned"]
     assert phases["steady"]["ingested_source"] == "scheduler counter"
     assert phases["flood"]["ingested_per_s"] > 0 and phases["steady"]["cpu_s_per_1000_hb"] >= 0

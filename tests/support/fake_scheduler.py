@@ -47,6 +47,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.history_page = 2  # metric points per GetMetrics response
         self.max_page_size = 1000  # tasks per ListTasks response
         self.get_task_calls = 0
+        # Fault injection for SubmitTask: the first len(list) calls store the task as usual, then
+        # end with that status code instead of the answer (the answer lost on the way back).
+        self.submit_faults: list[grpc.StatusCode] = []
         self._next = 1
 
     # -- helpers for tests ------------------------------------------------------------------
@@ -146,12 +149,16 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no node could ever hold 9 GPUs; the largest has 8")
         with self.lock:
             if request.request_id in self.by_request_id:  # idempotency
-                return scheduler_pb2.SubmitTaskResponse(task=self.tasks[self.by_request_id[request.request_id]])
-            task = self.add_task(spec=request.spec, pending_reason="waiting for a node")
-            if request.request_id:
-                self.by_request_id[request.request_id] = task.task_id
-            self.add_state(task.task_id, S.TASK_STATE_PENDING, reason="SUBMITTED")
-            return scheduler_pb2.SubmitTaskResponse(task=task)
+                task = self.tasks[self.by_request_id[request.request_id]]
+            else:
+                task = self.add_task(spec=request.spec, pending_reason="waiting for a node")
+                if request.request_id:
+                    self.by_request_id[request.request_id] = task.task_id
+                self.add_state(task.task_id, S.TASK_STATE_PENDING, reason="SUBMITTED")
+            fault = self.submit_faults.pop(0) if self.submit_faults else None
+        if fault is not None:
+            context.abort(fault, "cut off by the test double")
+        return scheduler_pb2.SubmitTaskResponse(task=task)
 
     def GetTask(self, request, context):
         self._record(context)
