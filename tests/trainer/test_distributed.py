@@ -60,3 +60,10 @@ def test_an_uneven_share_of_vector_envs_is_refused_with_the_field() -> None:
     assert per_rank_count(8, DP(), "hyperparameters.num_envs") == 4
     with pytest.raises(UserError, match="hyperparameters.num_envs 3: must be a multiple of the task's world size 2"):
         per_rank_count(3, DP(), "hyperparameters.num_envs")
+
+
+def test_the_trainers_that_run_distributed_are_those_the_spec_lets_span_nodes() -> None:
+    from opentinker_common.spec.task import GANG_WORKLOADS
+    from opentinker_trainer.distributed import DISTRIBUTED_TRAINERS
+
+    assert DISTRIBUTED_TRAINERS == GANG_WORKLOADS
