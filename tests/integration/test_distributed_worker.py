@@ -185,3 +185,63 @@ def test_kill_9_of_one_rank_ends_the_attempt_retryable(tmp_path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert not cmdline(rank1)  # gone (reaped)
+
+
+def test_sigterm_to_the_group_stops_every_rank_after_one_checkpoint(tmp_path) -> None:
+    """A drain or cancel: SIGTERM to the worker's process group; the ranks agree on the step to
+    stop after, rank 0 writes one checkpoint, the worker reports ``stopped`` and no rank is left."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from opentinker.node.v1 import node_pb2
+    from tests.support.distributed import worker_env
+
+    hp = {"total_timesteps": 10_000_000, "num_envs": 2, "num_steps": 8, "hidden_sizes": [8]}
+    spec = task_spec(
+        workload_type="full_rl", model="", env_config={"env_id": "CartPole-v1"}, hyperparameters=hp, gpu_count=2
+    )
+    folder = tmp_path / "node" / "s"
+    folder.mkdir(parents=True)
+    (folder / "a.pb").write_bytes(
+        node_pb2.AssignTask(task_id="t-s", attempt=1, spec=spec, device_indices=[0, 1]).SerializeToString()
+    )
+    with open(folder / "stderr.log", "w") as err:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "opentinker_trainer.worker",
+                str(folder / "a.pb"),
+                "--checkpoint-dir",
+                str(folder / "c"),
+                "--device",
+                "cpu",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=worker_env(),
+            cwd=folder,
+            start_new_session=True,
+        )
+        try:
+            lines = iter(proc.stdout.readline, "")
+            next(line for line in lines if json.loads(line)["type"] == "metric")
+            ranks = [c for c in children(proc.pid) if "resource_tracker" not in cmdline(c)]
+            os.killpg(proc.pid, signal.SIGTERM)
+            rest = [json.loads(line) for line in lines]
+            assert proc.wait() == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    kinds = [r["type"] for r in rest]
+    assert kinds[-1] == "stopped" and "failed" not in kinds
+    (ck,) = [r for r in rest if r["type"] == "checkpoint"]
+    assert not ck["final"]
+    state = torch.load(folder / "c" / f"step_{ck['step']}" / "trainer_state.pt", weights_only=True)
+    assert state["world_size"] == 2
+    assert ranks and not any(cmdline(r) for r in ranks)
