@@ -15,7 +15,8 @@ the ranks use CUDA devices (rank ``local_rank`` on ``cuda:<local_rank>``), ``glo
 ``--simulate-gpus`` nodes, so the same code runs in the tests on CPU ranks.
 
 Data parallelism (:class:`DataParallel`): every rank holds the whole trainable model (for LoRA,
-the adapter; for a small PPO policy, the policy), computes the loss of its share of the step's
+the adapter; for a small PPO policy, the policy; full-weight SFT shards it instead with FSDP2,
+:mod:`opentinker_trainer.fsdp`), computes the loss of its share of the step's
 samples normalised by the *global* count (tokens, sequences, samples), and the gradients are
 summed across ranks with one ``all_reduce`` of a flat buffer after the micro-batches' backward
 passes (the reduction DDP performs, done once per optimizer step instead of through DDP's
@@ -77,7 +78,7 @@ DISTRIBUTED_TRAINERS = frozenset(
     {
         ("lora_finetune", "text"),  # GRPO, LoRA adapter replicated, rollout groups sharded
         ("full_rl", "text"),  # GRPO on all weights, replicated (not sharded: no FSDP yet)
-        ("sft", "dataset"),  # examples of each batch sharded
+        ("sft", "dataset"),  # examples of each batch sharded; all weights sharded with FSDP2 (fsdp.py)
         ("full_rl", "gym"),  # PPO: each rank steps its share of the vector envs
     }
 )

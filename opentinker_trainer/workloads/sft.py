@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from opentinker_trainer import distributed
+from opentinker_trainer import distributed, fsdp
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.workloads import _lm
 from opentinker_trainer.workloads._loop import run_steps
@@ -135,17 +135,24 @@ class _SFTTrainer:
         )
         self.tokenizer, self.model = _lm.load_for_training(ctx, cfg, self.device, dtype, full=not cfg.lora)
         self.pad_id = int(self.tokenizer.pad_token_id)
+        # Distributed: each rank trains on its contiguous share of every batch (and evaluates its
+        # share of the held-out split); sums of tokens, losses and gradients are over ranks. All
+        # weights (lora: false) are sharded with FSDP2 (opentinker_trainer/fsdp.py); an adapter
+        # is replicated and its gradients all-reduced.
+        self.dp = distributed.world(ctx)
+        self.fsdp = self.dp is not None and not cfg.lora
+        if self.fsdp:
+            fsdp.shard_model(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self._encoded: dict[int, Encoded] = {}
         torch.manual_seed(cfg.seed)
-        # Distributed: each rank trains on its contiguous share of every batch (and evaluates its
-        # share of the held-out split); sums of tokens, losses and gradients are over ranks.
-        self.dp = distributed.world(ctx)
         if self.dp is not None:
-            self.dp.broadcast(self.params)
+            if not self.fsdp:
+                self.dp.broadcast(self.params)
             distributed.seed_rank(cfg.seed, self.dp.rank)
-        self.step, _ = _lm.resume_step(ctx, self.optimizer, log)
+        resumable = fsdp.ShardedOptimizerState(self.model, self.optimizer) if self.fsdp else self.optimizer
+        self.step, _ = _lm.resume_step(ctx, resumable, log)
         if ctx.resume_from is not None:
             distributed.restore_rank_rng(ctx, _lm.load_trainer_state(ctx.resume_from), reseed=cfg.seed + self.step)
         self.fresh = self.step == 0
@@ -166,13 +173,15 @@ class _SFTTrainer:
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
         fmt = _lm.FORMAT_LORA if self.cfg.lora else _lm.FORMAT_FULL
+        # FSDP: the full weights and optimizer state, gathered on every rank for rank 0 to write.
+        full = fsdp.FullState(self.model, self.optimizer) if self.fsdp else None
         return distributed.save_once(
             self.ctx,
             lambda extra: _lm.save_step(
                 self.ctx,
                 self.step,
-                self.model,
-                self.optimizer,
+                full or self.model,
+                full or self.optimizer,
                 self.cfg,
                 fmt=fmt,
                 log=log,
@@ -189,6 +198,15 @@ class _SFTTrainer:
         """This rank's contiguous share of ``items`` (all of them on one rank)."""
         return items if self.dp is None else [items[k] for k in self.dp.shard(len(items))]
 
+    def _parts(self, items: list[int], size: int) -> list[tuple[list[int], bool]]:
+        """This rank's share of ``items`` in micro-batches of ``size``, each with ``True``; under
+        FSDP padded with dummy ones (``False``) so every rank runs as many passes."""
+        mine = self._mine(items)
+        if not self.fsdp:
+            return [(mine[i : i + size], True) for i in range(0, len(mine), size)]
+        counts = [len(distributed.shard(len(items), r, self.dp.world_size)) for r in range(self.dp.world_size)]
+        return fsdp.equal_chunks(mine, size, counts, items[:1])
+
     # --- steps ----------------------------------------------------------------------------------
     def chunks(self, items: list[int]) -> list[list[int]]:
         size = self.cfg.micro_batch_size or len(items)
@@ -202,11 +220,11 @@ class _SFTTrainer:
         self.model.eval()
         nll = correct = count = 0.0
         size = self.cfg.micro_batch_size or self.cfg.batch_size
-        mine = self._mine(self.eval_idx)
-        for part in (mine[i : i + size] for i in range(0, len(mine), size)):
+        for part, real in self._parts(self.eval_idx, size):
             ids, attn, labels = collate([self.encoded(i) for i in part], self.pad_id, self.device)
             s, c, n = token_nll(self.model(input_ids=ids, attention_mask=attn).logits, labels)
-            nll, correct, count = nll + s.item(), correct + c.item(), count + n.item()
+            if real:
+                nll, correct, count = nll + s.item(), correct + c.item(), count + n.item()
         if self.dp is not None:
             nll, correct, count = self.dp.sum(nll, correct, count)
         if count == 0:
@@ -229,16 +247,19 @@ class _SFTTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         nll = correct = 0.0
         seen_tokens = 0
-        for part in self.chunks(self._mine(list(range(len(encoded))))):
+        scale = fsdp.loss_scale(self.dp) if self.fsdp else 1.0  # FSDP averages the ranks' gradients
+        for part, real in self._parts(list(range(len(encoded))), cfg.micro_batch_size or len(encoded)):
             ids, attn, labels = collate([encoded[j] for j in part], self.pad_id, self.device)
             s, c, _ = token_nll(self.model(input_ids=ids, attention_mask=attn).logits, labels)
-            (s / n_tokens).backward()
-            nll, correct = nll + s.item(), correct + c.item()
-            seen_tokens += int(attn.sum())
+            (s / n_tokens * (scale if real else 0.0)).backward()
+            if real:
+                nll, correct = nll + s.item(), correct + c.item()
+                seen_tokens += int(attn.sum())
         if self.dp is not None:  # gradients and numbers of the whole batch
-            self.dp.all_reduce_grads(self.params)
+            if not self.fsdp:
+                self.dp.all_reduce_grads(self.params)
             nll, correct, seen_tokens = self.dp.sum(nll, correct, seen_tokens)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm).item()
+        grad_norm = fsdp.grad_norm(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         step_s = time.perf_counter() - t0

@@ -245,3 +245,33 @@ def test_sigterm_to_the_group_stops_every_rank_after_one_checkpoint(tmp_path) ->
     state = torch.load(folder / "c" / f"step_{ck['step']}" / "trainer_state.pt", weights_only=True)
     assert state["world_size"] == 2
     assert ranks and not any(cmdline(r) for r in ranks)
+
+
+def weights(checkpoint) -> dict[str, torch.Tensor]:
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+def test_full_weight_sft_sharded_with_fsdp_takes_the_step_of_one_rank_and_resumes(tiny_model_dir, tmp_path) -> None:
+    data = arithmetic_chat_jsonl(tmp_path / "d.jsonl", n=12)
+    hp = {"steps": 2, "batch_size": 5, "micro_batch_size": 2, "learning_rate": 1e-3, "lora": False}
+    spec = task_spec(
+        workload_type="sft",
+        model=tiny_model_dir,
+        env_config={"env_id": "chat_jsonl", "path": str(data), "eval_fraction": 0.25},
+        hyperparameters={**hp, "checkpoint_every": 1},
+        gpu_count=2,
+    )
+    one = run_worker(tmp_path, "f1", spec, devices=1)
+    two = run_worker(tmp_path, "f2", spec, devices=2)
+    for run in (one, two):
+        assert run.returncode == 0, run.stderr[-3000:]
+    for m1, m2 in zip(one.of("metric"), two.of("metric"), strict=True):
+        for key in ("loss", "reward", "train/tokens", "optim/grad_norm"):
+            assert m2["values"][key] == pytest.approx(m1["values"][key], rel=1e-4), key
+    assert [c["format"] for c in two.of("checkpoint")] == ["hf_full", "hf_full"]
+    step2 = tmp_path / "node/f2/checkpoints/step_2"
+    assert_same_tensors(weights(tmp_path / "node/f1/checkpoints/step_2"), weights(step2), atol=1e-4)
+    # Resumed from step 1 at the same world size: step 2 again, the same weights.
+    again = run_worker(tmp_path, "f2r", spec, devices=2, attempt=2, resume_from=tmp_path / "node/f2/checkpoints/step_1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert_same_tensors(weights(step2), weights(tmp_path / "node/f2r/checkpoints/step_2"), atol=1e-6)
