@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from google.protobuf import json_format
 
@@ -104,5 +105,47 @@ def test_kill_9_of_a_member_node_ends_the_attempt_and_the_gang_resumes(tmp_path)
             e for e in trainers[primary].log_events() if e.get("event") == "resumed" and e.get("task_id") == task_id
         ]
         assert resumed and resumed[0]["step"] == resume_step
+    finally:
+        cluster.close()
+
+
+def test_a_two_gpu_task_on_a_simulated_node_runs_two_ranks_and_matches_one(tmp_path, tiny_model_dir) -> None:
+    """Through the scheduler: the same SFT task with ``gpu_count`` 1 and 2 on a ``--simulate-gpus 2``
+    node; the 2-GPU one runs 2 gloo ranks, and its metrics and PEFT checkpoint equal the 1-GPU one's."""
+    from safetensors.torch import load_file
+
+    from tests.support.datasets import arithmetic_chat_jsonl
+
+    data = arithmetic_chat_jsonl(tmp_path / "d.jsonl", n=12)
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.start_scheduler()
+        trainer = cluster.start_trainer("node-a", "--simulate-gpus", "2")
+        cluster.wait_nodes(1)
+        done = {}
+        for gpus in (1, 2):
+            spec = C.TaskSpec(workload_type="sft", model=str(tiny_model_dir), resources=C.Resources(gpu_count=gpus))
+            json_format.ParseDict({"env_id": "chat_jsonl", "path": str(data), "eval_fraction": 0.25}, spec.env_config)
+            json_format.ParseDict(
+                {"steps": 2, "batch_size": 5, "learning_rate": 1e-2, "lora_rank": 4}, spec.hyperparameters
+            )
+            task_id = submit(cluster, spec)
+            task = cluster.wait_state(task_id, {C.TASK_STATE_SUCCEEDED, C.TASK_STATE_FAILED}, timeout=600)
+            assert task.state == C.TASK_STATE_SUCCEEDED, task.error
+            metrics = cluster.stub.GetMetrics(scheduler_pb2.GetMetricsRequest(task_id=task_id, include_history=True))
+            done[gpus] = (task, metrics)
+        ranks = [e for e in trainer.log_events() if e.get("event") == "starting ranks"]
+        assert [(e["world_size"], e["backend"]) for e in ranks] == [(2, "gloo")]  # the 2-GPU task only
+        (t1, m1), (t2, m2) = done[1], done[2]
+        a = load_file(str(Path(t1.latest_checkpoint.path) / "adapter_model.safetensors"))
+        b = load_file(str(Path(t2.latest_checkpoint.path) / "adapter_model.safetensors"))
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)  # two AdamW steps: float order
+        assert [p.step for p in m1.points] == [p.step for p in m2.points] == [1, 2]
+        for p1, p2 in zip(m1.points, m2.points):
+            for key in ("loss", "reward", "train/tokens", "loss/eval"):
+                if key in p1.values:
+                    assert p2.values[key] == pytest.approx(p1.values[key], rel=1e-5), key
     finally:
         cluster.close()
