@@ -80,6 +80,7 @@ DISTRIBUTED_TRAINERS = frozenset(
         ("full_rl", "text"),  # GRPO on all weights, replicated (not sharded: no FSDP yet)
         ("sft", "dataset"),  # examples of each batch sharded; all weights sharded with FSDP2 (fsdp.py)
         ("full_rl", "gym"),  # PPO: each rank steps its share of the vector envs
+        ("full_rl", "multiagent"),  # multi-agent PPO: each rank steps its share of the env copies
     }
 )
 

@@ -246,6 +246,9 @@ def ppo_update(policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any,
     if dp is not None:
         local = [k for k in keys if k != "optim/grad_norm"]  # the grad norm is of the summed gradient
         sums.update(zip(local, dp.sum(*(sums[k] for k in local))))
+        for gs in group_sums.values():  # the same groups, in the same order, on every rank
+            parts = ("policy", "value", "entropy", "n")
+            gs.update(zip(parts, dp.sum(*(gs[p] for p in parts))))
     out = {k: s / max(taken, 1) for k, s in sums.items()}
     out["ppo/epochs"] = float(epochs)
     out["ppo/explained_variance"] = (

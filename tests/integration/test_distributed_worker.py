@@ -275,3 +275,18 @@ def test_full_weight_sft_sharded_with_fsdp_takes_the_step_of_one_rank_and_resume
     again = run_worker(tmp_path, "f2r", spec, devices=2, attempt=2, resume_from=tmp_path / "node/f2/checkpoints/step_1")
     assert again.returncode == 0, again.stderr[-3000:]
     assert_same_tensors(weights(step2), weights(tmp_path / "node/f2r/checkpoints/step_2"), atol=1e-6)
+
+
+def test_multi_agent_ppo_on_two_ranks(tmp_path) -> None:
+    pytest.importorskip("mpe2")
+    hp = {"total_timesteps": 2 * 2 * 25, "num_envs": 2, "num_steps": 25, "hidden_sizes": [8], "num_minibatches": 2}
+    env = {"env_id": "mpe2/simple_spread_v3", "env_kwargs": {"N": 3, "max_cycles": 25}}
+    spec = task_spec(workload_type="full_rl", model="", env_config=env, hyperparameters=hp, gpu_count=2)
+    run = run_worker(tmp_path, "ma", spec, devices=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = run.of("metric")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert {"loss/agent/agent_0/policy", "reward/agent/agent_0", "reward"} <= set(metrics[-1]["values"])
+    assert [m["values"]["env_steps"] for m in metrics] == [50, 100]  # 2 copies x 25 steps, over both ranks
+    state = torch.load(tmp_path / "node/ma/checkpoints/step_2/trainer_state.pt", weights_only=True)
+    assert state["world_size"] == 2

@@ -1,6 +1,7 @@
 """Data-parallel PPO: one update of two gloo ranks, each on its share of the samples (13 samples:
 7 and 6), equals the update of one rank on all of them (policy parameters and metrics within
-float tolerance), with advantage normalisation, the clipped value loss and gradient clipping."""
+float tolerance), with advantage normalisation, the clipped value loss, gradient clipping and
+per-group losses (multi-agent)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def update(rows: range, dp=None) -> dict:
     batch = Batch(
         **{k: getattr(full, k)[sl] for k in ("obs", "actions", "logprobs", "advantages", "returns", "values")}
     )
+    even = torch.arange(B)[sl] % 2 == 0  # two "agents" reported apart (loss/agent/<name>/...)
+    batch.groups = {"even": even, "odd": ~even}
     metrics = ppo_update(policy, opt, batch, CFG, dp=dp)
     return {"metrics": metrics, "params": {k: v.detach().clone() for k, v in policy.named_parameters()}}
 
