@@ -587,10 +587,30 @@ def launch(
         if failed:
             raise RuntimeError(f"local rank(s) {[procs.index(p) + 1 for p in failed]} ended without finishing")
         dist.destroy_process_group()
-    except BaseException:
+    except BaseException as exc:
         watchdog.done.set()
+        # A collective that broke because a local rank died: say which rank, not only gloo's words.
+        lost = _lost_rank(procs, plan)
         _kill(procs)
+        if lost is not None and not isinstance(exc, UserError):
+            raise RuntimeError(f"{lost}; the other ranks' collective broke ({type(exc).__name__})") from exc
         raise
+
+
+def _lost_rank(procs: list, plan: RankPlan, wait_s: float = 2.0) -> str | None:
+    """``"rank R (pid P) killed by signal S"`` of the first local rank a signal ended, waiting up
+    to ``wait_s`` for one to finish dying; None when none did (a rank that raised exits with a
+    code: most likely the same broken collective, e.g. after a remote member was lost)."""
+    live = [p for p in procs if p.exitcode is None]
+    if live:
+        ready = multiprocessing.connection.wait([p.sentinel for p in live], timeout=wait_s)
+        for p in live:
+            if p.sentinel in ready:
+                p.join(timeout=wait_s)  # reap it: the sentinel is ready before waitpid has a status
+    for i, p in enumerate(procs):
+        if p.exitcode is not None and p.exitcode < 0:
+            return f"rank {plan.rank_offset + i + 1} (pid {p.pid}) killed by signal {-p.exitcode}"
+    return None
 
 
 def per_rank_count(total: int, dp: DataParallel | None, field: str) -> int:
