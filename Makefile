@@ -12,7 +12,7 @@ HTTP_PORT ?= 8889
 SCHEDULER_URL ?= http://localhost:$(PORT)
 NODE_ID ?= $(shell hostname)-trainer
 
-.PHONY: install proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game clean
+.PHONY: install proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-distributed gpu-check clean
 
 # Stamp files make `install` a no-op when already done.
 install: $(VENV)/.installed $(MODEL_DIR)/config.json
@@ -109,6 +109,15 @@ bench-sft: install
 
 bench-lm-game: install
 	$(PY) scripts/bench_lm_game.py
+
+# Distributed tasks: throughput of world size 1 and 2 (gloo ranks on the CPUs).
+bench-distributed: install
+	$(PY) scripts/bench_distributed.py
+
+# On NVIDIA GPUs: a GRPO task of SmolLM2-135M's shape on 1 GPU and on all, NVML utilization and
+# memory, and the scheduler's telemetry of the GPU the rank uses. Refuses (exit 2) without a GPU.
+gpu-check: install
+	$(PY) scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

@@ -188,6 +188,7 @@ class RLClient:
         env_tls_cert: str | os.PathLike[str] | None = None,
         env_tls_key: str | os.PathLike[str] | None = None,
         env_tls_ca: str | os.PathLike[str] | None = None,
+        nodes: int = 1,
     ) -> str:
         """Submit a task; it starts PENDING and runs when a node has room.
 
@@ -198,7 +199,10 @@ class RLClient:
                 ``reset``/``step``) is served from this process (see :meth:`serve_environment`)
                 until the task ends or this client is closed.
             workload_type: ``lora_finetune`` (implemented), ``full_rl``, ``sft``, ``inference``.
-            gpu_count: GPUs, all on one node; 0 is a CPU task that runs on any node.
+            gpu_count: GPUs, all on one node; 0 is a CPU task that runs on any node. A task of
+                N > 1 GPUs runs N torch.distributed ranks (data-parallel).
+            nodes: nodes the task spans, ``gpu_count`` GPUs on each (a gang: placed all at once
+                or not at all, ``nodes * gpu_count`` ranks); 1 = one node.
             model: base model (local folder on the nodes, or a hub id); ``""`` uses the
                 scheduler's default model.
             hyperparameters: the workload's hyper-parameters (for ``lora_finetune``: ``steps``,
@@ -264,6 +268,7 @@ class RLClient:
             name=name,
             model=model,
             gpu_count=gpu_count,
+            nodes=nodes,
             priority=priority,
             max_runtime=max_runtime,
             max_attempts=max_attempts,

@@ -6,6 +6,7 @@ Format (every key but ``workload_type`` is optional)::
     workload_type: lora_finetune                  # lora_finetune | full_rl | sft | inference
     model: .cache/models/SmolLM2-135M-Instruct    # local folder or hub id; omitted: scheduler default
     gpu_count: 0                                  # GPUs, all from one node; 0 = CPU task (default 0)
+    nodes: 1                                      # nodes of a gang task, gpu_count GPUs on each (default 1)
     priority: 5                                   # overrides the workload type's; larger runs first
     max_runtime: 600                              # seconds per attempt; omitted: no limit
     max_attempts: 3                               # attempts in all, counting requeues (default 3)
@@ -66,6 +67,7 @@ _KEYS: dict[str, str] = {
     "workload_type": f"one of {', '.join(WORKLOAD_TYPES)}",
     "model": "a model folder or hub id (a string)",
     "gpu_count": "an integer >= 0",
+    "nodes": "an integer >= 1 (nodes of a gang task)",
     "priority": "an integer",
     "max_runtime": "a number of seconds > 0",
     "max_attempts": "an integer >= 0",
@@ -84,7 +86,8 @@ class TaskConfig:
         workload_type: ``lora_finetune``, ``full_rl``, ``sft`` or ``inference``.
         name: a short human-readable name.
         model: base model (local folder or hub id); ``""`` lets the scheduler use its default.
-        gpu_count: GPUs, gang-placed on one node; 0 is a CPU task.
+        gpu_count: GPUs, gang-placed on one node; 0 is a CPU task. With ``nodes`` > 1: GPUs per node.
+        nodes: nodes the task spans (a gang: all placed at once, ``nodes * gpu_count`` ranks).
         priority: overrides the workload type's priority when set; larger runs first.
         max_runtime: wall-clock limit of one attempt, in seconds; ``None`` for no limit.
         max_attempts: attempts in all (node loss and preemption count); ``None`` for the default (3).
@@ -100,6 +103,7 @@ class TaskConfig:
     name: str = ""
     model: str = ""
     gpu_count: int = 0
+    nodes: int = 1
     priority: int | None = None
     max_runtime: float | None = None
     max_attempts: int | None = None
@@ -147,7 +151,7 @@ class TaskConfig:
             name=self.name or "",
             env_config=env,
             hyperparameters=hp,
-            resources=common_pb2.Resources(gpu_count=self.gpu_count),
+            resources=common_pb2.Resources(gpu_count=self.gpu_count, nodes=self.nodes if self.nodes > 1 else 0),
             limits=common_pb2.Limits(max_attempts=self.max_attempts or 0),
             init_from=self.init_from or "",
         )
@@ -184,6 +188,7 @@ def _check_parts(cfg: TaskConfig) -> TaskSpecModel:
         env_config=env,
         hyperparameters=dict(cfg.hyperparameters or {}),
         gpu_count=cfg.gpu_count,
+        nodes=cfg.nodes,
         max_runtime_s=max_runtime,
         max_attempts=cfg.max_attempts or 0,
         priority=cfg.priority,
@@ -253,6 +258,7 @@ _SPEC_PREFIXES: tuple[tuple[str, Path], ...] = (
     ("spec.env_config", ("env",)),
     ("spec.hyperparameters", ("hyperparameters",)),
     ("spec.resources.gpu_count", ("gpu_count",)),
+    ("spec.resources.nodes", ("nodes",)),
     ("spec.limits.max_runtime", ("max_runtime",)),
     ("spec.limits.max_attempts", ("max_attempts",)),
     ("spec.init_from", ("init_from",)),
@@ -299,7 +305,7 @@ def _type_ok(key: str, value: Any) -> bool:
         return key != "workload_type"
     if key in ("name", "workload_type", "model", "init_from", "dataset"):
         return isinstance(value, str)
-    if key in ("gpu_count", "priority", "max_attempts"):
+    if key in ("gpu_count", "nodes", "priority", "max_attempts"):
         return isinstance(value, int) and not isinstance(value, bool)
     if key == "max_runtime":
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -369,6 +375,7 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
         name=opt("name", ""),
         model=opt("model", ""),
         gpu_count=opt("gpu_count", 0),
+        nodes=opt("nodes", 1),
         priority=data.get("priority"),
         max_runtime=float(data["max_runtime"]) if data.get("max_runtime") is not None else None,
         max_attempts=data.get("max_attempts"),

@@ -4,7 +4,8 @@
   telemetry every ``heartbeat_interval`` the scheduler gives.
 * Each assignment runs in a fresh worker process (``python -m opentinker_trainer.worker``,
   never a fork of this process, which holds a gRPC channel) in its own process group with
-  ``CUDA_VISIBLE_DEVICES`` set; the worker's JSON-line reports become ``TaskReport`` messages.
+  ``CUDA_VISIBLE_DEVICES`` set to the GPUs' NVML UUIDs (``CUDA_DEVICE_ORDER=PCI_BUS_ID``); the
+  worker's JSON-line reports become ``TaskReport`` messages.
 * Cancel = SIGTERM to the worker's process group, then SIGKILL after a grace period; the
   cancel is reported only once the process is gone.
 * A broken stream is retried with exponential backoff and full jitter; running workers keep
@@ -37,7 +38,7 @@ from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 
 from opentinker_trainer.scheduler_link import worker_env
-from opentinker_trainer.devices import DeviceMonitor
+from opentinker_trainer.devices import DeviceMonitor, cuda_visible_devices
 from opentinker_trainer.inference.address import default_advertise_host
 from opentinker_common.net.grpc_options import message_limits, node_keepalive
 
@@ -402,7 +403,11 @@ class NodeAgent:
         assignment.write_bytes(a.SerializeToString())
         simulated = self.monitor.inventory.simulated
         env = dict(os.environ)
-        env["CUDA_VISIBLE_DEVICES"] = "" if simulated else ",".join(str(i) for i in a.device_indices)
+        # GPUs by NVML UUID, numbers (if any) in PCI bus order as NVML counts them.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = (
+            "" if simulated else cuda_visible_devices(self.monitor.inventory.devices, a.device_indices)
+        )
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["OPENTINKER_AGENT_PID"] = str(os.getpid())  # the worker dies with the agent
         env["OPENTINKER_NODE_ID"] = self.config.node_id  # bound into the worker's log lines

@@ -178,3 +178,13 @@ class DeviceMonitor:
             except self._nvml.NVMLError:
                 pass
             self._nvml = None
+
+
+def cuda_visible_devices(devices, indices) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a worker given the devices ``indices`` (NVML indices) of this
+    node's ``devices`` (the inventory): their NVML UUIDs (``GPU-...``, which CUDA accepts and which
+    do not depend on enumeration order), comma-separated, in the order of ``indices``; an index the
+    inventory does not know (or a device without a UUID) is given as its number. Set
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` beside it, so numbers mean what NVML's do."""
+    by_index = {int(d.index): d.uuid for d in devices}
+    return ",".join(by_index.get(int(i)) or str(int(i)) for i in indices)

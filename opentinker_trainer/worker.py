@@ -15,6 +15,8 @@ Before the workload runs, a ``spec.model`` or ``env_config.path`` inside the nod
 is refused, and so is (when ``AssignTask.local_paths_restricted``) a relative ``spec.model`` that
 exists in the worker's folder (:mod:`opentinker_trainer.local_paths`). Files are created with umask 077.
 SIGTERM asks the workload to checkpoint and return; the agent SIGKILLs after a grace period.
+A task with several ranks (``gpu_count`` N > 1, or a gang member) runs them from here: this
+process is local rank 0 and spawns the others (:mod:`opentinker_trainer.distributed`).
 The worker dies with the agent (``PR_SET_PDEATHSIG`` on Linux; the agent passes its pid in
 ``OPENTINKER_AGENT_PID`` so a worker whose agent died before that took effect exits at once).
 """
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         check_spec_paths(spec, private_dirs(args.checkpoint_dir))
         if assign.local_paths_restricted:  # paths.model_dirs in force: no hub-id-shaped name of a local folder
             check_model_not_local(spec.model)
-        run_task(ctx)
+        _run(ctx, assign, device)
     except CheckpointStoreFailed as exc:
         log.error("task failed: checkpoints cannot be stored", error=str(exc))
         ctx._emit("failed", error=str(exc), retryable=False)
@@ -139,6 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ctx._emit("succeeded")
     return 0
+
+
+def _run(ctx: WorkerContext, assign: node_pb2.AssignTask, device: str) -> None:
+    """Run the attempt: in this process, or as local rank 0 of a distributed task's ranks
+    (:mod:`opentinker_trainer.distributed`, when the task has more than one rank)."""
+    from opentinker_trainer.distributed import launch, plan_for
+
+    plan = plan_for(assign, device)
+    if plan is None:
+        run_task(ctx)
+    else:
+        launch(ctx, plan, run_task)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,16 @@ def validate_hyperparameters(workload_type: str, data: Any, path: str = "spec.hy
     return parse_dataclass(cls, data, path)
 
 
+#: Most nodes of one gang task (``resources.nodes``).
+MAX_GANG_NODES = 64
+
+#: ``(workload_type, env kind)`` of the trainers that run data-parallel across nodes (the
+#: trainer's ``opentinker_trainer.distributed.DISTRIBUTED_TRAINERS``, checked equal by a test).
+GANG_WORKLOADS: frozenset[tuple[str, str]] = frozenset(
+    {("lora_finetune", "text"), ("full_rl", "text"), ("sft", "dataset"), ("full_rl", "gym"), ("full_rl", "multiagent")}
+)
+
+
 @dataclass(frozen=True)
 class TaskSpecModel:
     """A validated task spec. ``gpu_count: 0`` is a CPU task that runs on any node."""
@@ -125,6 +135,8 @@ class TaskSpecModel:
     name: str = ""
     #: Task whose final checkpoint this one starts from (e.g. an ``sft`` task before RL); "" = none.
     init_from: str = ""
+    #: Nodes the task spans (``resources.nodes``; a gang of ``nodes`` x ``gpu_count`` ranks); 1 = one node.
+    nodes: int = 1
 
     @classmethod
     def from_parts(
@@ -141,6 +153,7 @@ class TaskSpecModel:
         name: Any = "",
         allowed_workloads: tuple[str, ...] = WORKLOAD_TYPES,
         init_from: Any = "",
+        nodes: Any = 1,
     ) -> "TaskSpecModel":
         """Validate every part; raises :class:`SpecError` on the first bad field."""
         if not isinstance(workload_type, str) or workload_type not in allowed_workloads:
@@ -158,6 +171,17 @@ class TaskSpecModel:
             raise SpecError("spec.model", "at most 1024 characters")
         if isinstance(gpu_count, bool) or not isinstance(gpu_count, int) or not 0 <= gpu_count <= 1024:
             raise SpecError("spec.resources.gpu_count", "an integer in [0, 1024] (0 = CPU task)", gpu_count)
+        nodes = 1 if nodes in (0, None) else nodes
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_GANG_NODES:
+            raise SpecError(
+                "spec.resources.nodes", f"an integer in [1, {MAX_GANG_NODES}] (nodes of a gang task)", nodes
+            )
+        if nodes > 1 and gpu_count < 1:
+            raise SpecError(
+                "spec.resources.gpu_count",
+                "at least 1 with resources.nodes > 1 (a gang task runs gpu_count ranks on each node)",
+                gpu_count,
+            )
         if max_runtime_s is not None and (
             not isinstance(max_runtime_s, (int, float)) or not 0 < max_runtime_s <= 30 * 86400
         ):
@@ -175,6 +199,14 @@ class TaskSpecModel:
                 f"{name[:20]}... ({len(name)} characters)" if isinstance(name, str) else name,
             )
         env = validate_env_config(env_config)
+        if nodes > 1 and (workload_type, env_kind(env)) not in GANG_WORKLOADS:
+            raise SpecError(
+                "spec.resources.nodes",
+                "1 for this workload: only "
+                + ", ".join(f"{w} on {k} environments" for w, k in sorted(GANG_WORKLOADS))
+                + " run across nodes",
+                nodes,
+            )
         hp = validate_hyperparameters(workload_type, hyperparameters, env=env)
         _check_init_from(init_from, env)
         return cls(
@@ -188,6 +220,7 @@ class TaskSpecModel:
             priority=priority,
             name=name,
             init_from=init_from,
+            nodes=nodes,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -220,6 +253,7 @@ def spec_from_proto(spec, *, allowed_workloads: tuple[str, ...] = WORKLOAD_TYPES
         name=spec.name,
         allowed_workloads=allowed_workloads,
         init_from=spec.init_from,
+        nodes=spec.resources.nodes,
     )
 
 

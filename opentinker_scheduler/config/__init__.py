@@ -26,6 +26,8 @@
                               # most (always within max_tasks); 1 = every task has its GPUs alone
     preemption_timeout: 120   # seconds a preemption waits for its victims' node to confirm they
                               # stopped before the scheduler gives up on it and may choose again
+    gang_rendezvous_ports: [29500, 29999] # TCP ports (inclusive) a multi-node task's first node may
+                              # be told to host its torch.distributed rendezvous on
     auth: {enabled: false}    # API keys and roles; production turns this on (config/auth.py, security/auth.py)
     tls: {cert: ..., key: ...} # TLS, and mTLS for nodes with client_ca (config/tls.py)
     http_tls: {cert: ..., key: ...} # HTTPS on the HTTP port (/health, /metrics); config/tls.py
@@ -113,6 +115,8 @@ class SchedulerConfig:
     forget_disconnected_after_s: float = 600.0
     max_tasks_per_gpu: int = 2
     preemption_timeout_s: float = 120.0
+    #: ``(low, high)``, inclusive: ports a gang's member 0 hosts its rendezvous on (one per gang).
+    gang_rendezvous_ports: tuple[int, int] = (29500, 29999)
     source: str = "<defaults>"
     auth: AuthConfig = AuthConfig()
     tls: TlsConfig | None = None
@@ -240,6 +244,7 @@ _TOP = {
     "forget_disconnected_after": "seconds",
     "max_tasks_per_gpu": "int",
     "preemption_timeout": "seconds",
+    "gang_rendezvous_ports": "[low, high] TCP ports",
     "auth": "API keys",
     "tls": "TLS files",
     "http_tls": "HTTPS files",
@@ -345,6 +350,15 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["max_tasks_per_gpu"] = r.scalar(top["max_tasks_per_gpu"][1], "max_tasks_per_gpu", int, 1, 1000)
     if "preemption_timeout" in top:
         kw["preemption_timeout_s"] = r.scalar(top["preemption_timeout"][1], "preemption_timeout", float, 1, 86400)
+    if "gang_rendezvous_ports" in top:
+        node = top["gang_rendezvous_ports"][1]
+        items = r.sequence(node, "gang_rendezvous_ports")
+        if len(items) != 2:
+            raise r.fail(node, "gang_rendezvous_ports", "a list of two ports [low, high]")
+        low, high = (r.scalar(n, "gang_rendezvous_ports", int, 1024, 65535) for n in items)
+        if low > high:
+            raise r.fail(node, "gang_rendezvous_ports", "[low, high] with low <= high")
+        kw["gang_rendezvous_ports"] = (low, high)
 
     if "auth" in top:
         kw["auth"] = parse_auth(r, top["auth"][1])

@@ -47,6 +47,8 @@ from opentinker_scheduler.policy.placement import (
     reserved_reason,
     why_pending,
 )
+from opentinker_scheduler.policy.gang import gang_never_fits
+from opentinker_scheduler.state.gangs import Gangs, gang_nodes
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
 from opentinker_scheduler.state.queue import LiveTasks, PendingQueue, QueueKey, ReasonsView, queue_key
 from opentinker_scheduler.state.store import (  # noqa: F401  (STATE_NAMES re-exported)
@@ -105,6 +107,8 @@ class SchedulerCore:
         self.preemptions = PreemptionTracker(
             tasks=self.tasks, nodes=self.nodes, free=self.free, config=config, notify=self.notify
         )
+        #: Gang tasks' members, rendezvous and ends (memory only; :class:`~.gangs.Gangs`).
+        self.gangs = Gangs(self)
         #: Registration, heartbeats and task reports of node streams (:class:`~.node_protocol.NodeProtocol`).
         self.node_protocol = NodeProtocol(self)
         #: Tasks ended by max_runtime whose worker is still stopping: task id -> (attempt, node id).
@@ -137,6 +141,7 @@ class SchedulerCore:
         for node in self.nodes.values():
             for task_id in list(node.allocations):
                 node.release(task_id)
+        self.gangs.forget_all()
         self._recover()
 
     @property
@@ -257,6 +262,10 @@ class SchedulerCore:
                 f"spec.resources.gpu_count: {model.gpu_count} GPU(s) asked, but no node in the resource pool "
                 f"could ever offer more than {most} (gang placement needs all GPUs on one node)"
             )
+        if model.nodes > 1:
+            never = gang_never_fits(model.nodes, model.gpu_count, self.node_sizes())
+            if never is not None:
+                raise FailedPrecondition(never)
         priority = model.priority if model.priority is not None else self.config.priority_of(model.workload_type)
         max_attempts = spec.limits.max_attempts or self.config.default_max_attempts
         now = time.time()
@@ -340,6 +349,12 @@ class SchedulerCore:
             )
         return task
 
+    def node_sizes(self) -> dict[str, int]:
+        """GPUs of every node the cluster may have: resource_pool entries and connected nodes."""
+        sizes = {n.node_id: n.gpu_count for n in self.config.resource_pool}
+        sizes.update({n.node_id: n.gpu_count for n in self.nodes.values() if n.connected})
+        return sizes
+
     def max_possible_gpus(self) -> int:
         """Most GPUs any one node could ever offer: pool entries and connected nodes."""
         if self._max_gpus is None:
@@ -370,6 +385,8 @@ class SchedulerCore:
                 f"preempting {', '.join(left)} on {node_id} to make room (waiting for the node to confirm they "
                 f"checkpointed and stopped; queue position {position} of {length})"
             )
+        if gang_nodes(task) > 1:
+            return self.gangs.why(task, [n.capacity() for n in self.nodes.values()], position, length)
         reserver, reserved = self._reservation_ahead_of(task)
         closed = self.free.closed_to(task.gpu_count, reserved)
         if self.free.best_fit_for(task.gpu_count, task.share_key, closed) is not None:
@@ -525,6 +542,7 @@ class SchedulerCore:
         if not self.queue or not self.free:
             return 0
         decided: list[tuple[TaskRow, NodeSession, tuple[int, ...]]] = []
+        gangs: list = []
 
         def take(key: QueueKey, group: Group, node_id: str) -> None:
             task, node = self.queue.row(key), self.nodes[node_id]
@@ -539,10 +557,28 @@ class SchedulerCore:
             return node_id
 
         self._reservation = None
-        place_round(
-            self.queue.groups(), self.free, time.time(), lambda key: self.queue.row(key).not_before, take, reserve
-        )
-        if not decided:
+        now = time.time()
+
+        def round_of(groups) -> None:
+            place_round(groups, self.free, now, lambda key: self.queue.row(key).not_before, take, reserve)
+
+        gang_keys = [k for k in self.queue.gang_keys() if self.queue.row(k).not_before <= now]
+        if not gang_keys:
+            round_of(self.queue.groups())
+        else:
+            # Tasks ahead of the first gang, then the gangs, then the tasks behind it (kept off
+            # the nodes a blocked gang reserved).
+            ahead, behind = self.gangs.split(self.queue.groups(), gang_keys[0])
+            round_of(ahead)
+            gangs, reserved = self.gangs.place(gang_keys, now)
+            for node_id in reserved:
+                self.free.remove(node_id)
+            try:
+                round_of(behind)
+            finally:
+                for node_id in reserved:
+                    self.node_changed(self.nodes[node_id])
+        if not decided and not gangs:
             return 0
         try:
             with self.store.batch():
@@ -553,30 +589,50 @@ class SchedulerCore:
                     self.transition(
                         task, S.TASK_STATE_ASSIGNED, "ASSIGNED", f"placed on {node.node_id}{where}", keep_node=True
                     )
+                for task, gang in gangs:
+                    task.node_id, task.device_indices = gang.members[0][0], list(gang.members[0][1])
+                    self.transition(
+                        task,
+                        S.TASK_STATE_ASSIGNED,
+                        "ASSIGNED",
+                        f"placed as {self.gangs.describe(gang)}",
+                        keep_node=True,
+                    )
+                    self.gangs.assigned(task, gang)
         except BaseException:
             self._rebuild()  # the round's rows, ledger entries and counts all go back to the store's
             raise
         now_m = time.monotonic()
+        for task, gang in gangs:
+            queued = self._queued_at.pop(task.task_id, None)
+            if queued is not None:
+                self.placement_latencies.append(now_m - queued)
+            for node, assign in self.gangs.assignments(gang, self._assignment(task, ())):
+                node.push(node_pb2.ConnectResponse(assign_task=assign))
         for task, node, devices in decided:
             queued = self._queued_at.pop(task.task_id, None)
             if queued is not None:
                 self.placement_latencies.append(now_m - queued)
-            assign = node_pb2.AssignTask(
-                task_id=task.task_id, attempt=task.attempt, spec=task.spec, device_indices=devices, owner=task.owner
-            )
-            # paths.model_dirs in force (default_model exempt): the worker refuses hub-id-shaped names
-            # found in its folder.
-            assign.local_paths_restricted = (
-                self.config.paths.allowed("model_dirs", auth_enabled=self.config.auth.enabled) is not None
-                and task.spec.model != self.config.default_model
-            )
-            if task.latest_checkpoint is not None:
-                assign.resume_from.CopyFrom(task.latest_checkpoint)
-            init = init_checkpoint(self.store, task.spec)  # spec.init_from's final checkpoint
-            if init is not None:
-                assign.init_checkpoint.CopyFrom(init)
-            node.push(node_pb2.ConnectResponse(assign_task=assign))
-        return len(decided)
+            node.push(node_pb2.ConnectResponse(assign_task=self._assignment(task, devices)))
+        return len(decided) + len(gangs)
+
+    def _assignment(self, task: TaskRow, devices: tuple[int, ...]) -> node_pb2.AssignTask:
+        """The ``AssignTask`` of ``task``'s current attempt on ``devices``."""
+        assign = node_pb2.AssignTask(
+            task_id=task.task_id, attempt=task.attempt, spec=task.spec, device_indices=devices, owner=task.owner
+        )
+        # paths.model_dirs in force (default_model exempt): the worker refuses hub-id-shaped names
+        # found in its folder.
+        assign.local_paths_restricted = (
+            self.config.paths.allowed("model_dirs", auth_enabled=self.config.auth.enabled) is not None
+            and task.spec.model != self.config.default_model
+        )
+        if task.latest_checkpoint is not None:
+            assign.resume_from.CopyFrom(task.latest_checkpoint)
+        init = init_checkpoint(self.store, task.spec)  # spec.init_from's final checkpoint
+        if init is not None:
+            assign.init_checkpoint.CopyFrom(init)
+        return assign
 
     # ------------------------------------------------------------------ transitions (also the node protocol's)
     def lose_node(self, node: NodeSession, why: str) -> None:
@@ -670,6 +726,8 @@ class SchedulerCore:
         )
         self.write(task, [*extra, ev])
         self.tasks.moved(task, from_state)
+        if task.task_id in self.gangs.live:
+            self.gangs.task_moved(task)
         log.info(
             "task state",
             task_id=task.task_id,

@@ -206,6 +206,9 @@ class NodeProtocol:
                 "report for unknown task refused", task_id=rep.task_id, node_id=node.node_id, attempt=rep.attempt
             )
             return False
+        gangs = getattr(self.core, "gangs", None)
+        if gangs is not None and gangs.member_report(node, rep, task):
+            return True  # a gang member other than member 0 (its start or end; state/gangs.py)
         held = node.allocations.get(rep.task_id)
         ends = rep.state in TERMINAL_STATES
         if task.terminal:

@@ -136,6 +136,7 @@ class PreemptionTracker:
                 break
             if (
                 task.not_before > now
+                or task.spec.resources.nodes > 1  # a gang does not preempt (victims are chosen on one node)
                 or task.task_id in self.waiting
                 or self._free.best_fit_for(task.gpu_count, task.share_key) is not None
             ):

@@ -28,6 +28,12 @@ def queue_key(task: TaskRow) -> QueueKey:
     return (-task.priority, task.create_time, task.task_id)
 
 
+def is_gang(task: TaskRow) -> bool:
+    """A task that spans several nodes (``spec.resources.nodes`` > 1): kept out of the placement
+    groups (:mod:`opentinker_scheduler.state.gangs` places it), in :meth:`PendingQueue.gang_keys`."""
+    return task.spec.resources.nodes > 1
+
+
 def group_of(task: TaskRow) -> Group:
     """The placement group of a task: tasks in one group fit in exactly the same places."""
     return (task.gpu_count, task.share_key)
@@ -41,6 +47,7 @@ class PendingQueue:
         self._keys: dict[str, QueueKey] = {}
         self._order: list[QueueKey] = []
         self._by_gpus: dict[Group, list[QueueKey]] = {}
+        self._gangs: list[QueueKey] = []  # gang tasks, in placement order (not in _by_gpus)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -67,6 +74,9 @@ class PendingQueue:
         self._rows[task.task_id] = task
         self._keys[task.task_id] = key
         bisect.insort(self._order, key)
+        if is_gang(task):
+            bisect.insort(self._gangs, key)
+            return
         bisect.insort(self._by_gpus.setdefault(group_of(task), []), key)
 
     def discard(self, task_id: str) -> TaskRow | None:
@@ -75,6 +85,9 @@ class PendingQueue:
             return None
         key = self._keys.pop(task_id)
         _remove(self._order, key)
+        if is_gang(task):
+            _remove(self._gangs, key)
+            return task
         g = group_of(task)
         group = self._by_gpus[g]
         _remove(group, key)
@@ -91,6 +104,10 @@ class PendingQueue:
         """``(gpu_count, share key)`` -> ordered keys. Read-only: a placement round walks these lists while it
         decides, and the core removes placed tasks only after the round has decided."""
         return self._by_gpus
+
+    def gang_keys(self) -> list[QueueKey]:
+        """Keys of the pending gang tasks, in placement order. Read-only."""
+        return self._gangs
 
     def ordered_keys(self) -> list[QueueKey]:
         """All keys in placement order. Read-only; do not change the queue while walking it."""

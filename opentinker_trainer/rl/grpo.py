@@ -352,6 +352,7 @@ def grpo_update(
     cfg: Any,
     *,
     reference: Any = None,
+    dp: Any = None,
 ) -> dict[str, float]:
     """``ppo_epochs`` optimizer steps of GRPO on one step's samples; returns the metrics.
 
@@ -410,6 +411,13 @@ def grpo_update(
         cfg: ``ppo_epochs``, ``clip_eps``, ``kl_coef``, ``max_grad_norm``, ``scale_rewards``,
             ``loss_aggregation``, ``max_new_tokens`` (read for ``dr_grpo`` only).
         reference: see the rules above.
+        dp: None (one rank), or this rank's data-parallel collectives
+            (:class:`opentinker_trainer.distributed.DataParallel`: ``sum``, ``sum_tensor``,
+            ``all_reduce_grads``). Then ``batch`` is this rank's share of the step's groups (whole
+            groups: advantages stay per group); the loss normaliser and the token count are the
+            sums over ranks, the gradients are summed over ranks before clipping, and every
+            metric is of the global batch. So each rank takes the step one rank would take on
+            the union of the ranks' batches (up to float summation order).
 
     Returns:
         Means over epochs of ``loss/policy``, ``loss/kl``, ``grpo/clipfrac``, ``grpo/approx_kl``
@@ -438,6 +446,8 @@ def grpo_update(
     aggregation = cfg.loss_aggregation
     max_len = cfg.max_new_tokens if aggregation == "dr_grpo" else None
     normalizer = loss_normalizer(mask, aggregation, max_len)
+    if dp is not None:  # every normaliser is a sum over rows or tokens: the global one is the ranks' sum
+        normalizer, n_tokens = dp.sum_tensor(normalizer), dp.sum_tensor(n_tokens)
     ref_logp = _no_grad_logprobs(logprobs, model, batch, reference) if reference is not None else None
     old_logp = _no_grad_logprobs(logprobs, model, batch) if cfg.ppo_epochs > 1 else None
 
@@ -468,11 +478,15 @@ def grpo_update(
             sums["grpo/approx_kl"] += stats["approx_kl"].item() * weight
         if sampling_logp is None:
             sampling_logp = torch.cat(epoch_logp)
+        if dp is not None:
+            dp.all_reduce_grads(params)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     model.train()
 
+    if dp is not None:
+        return _global_metrics(dp, cfg, sums, grad_norm, rewards, valid_sample, zero_std, mask, sampling_logp, ref_logp)
     out = {k: v / cfg.ppo_epochs for k, v in sums.items()}
     out["loss/total"] = out["loss/policy"] + cfg.kl_coef * out["loss/kl"]
     kl_ref = masked_mean(kl_k3(sampling_logp, ref_logp), mask).item() if ref_logp is not None else math.nan
@@ -488,6 +502,49 @@ def grpo_update(
             "optim/grad_norm": grad_norm,
             "reward/mean": finite.mean().item() if finite.numel() else math.nan,
             "reward/std": finite.std(unbiased=False).item() if finite.numel() else math.nan,
+        }
+    )
+    return out
+
+
+def _global_metrics(dp, cfg, sums, grad_norm, rewards, valid_sample, zero_std, mask, sampling_logp, ref_logp):
+    """:func:`grpo_update`'s metrics over all ranks' batches, with one ``all_reduce``: the loss
+    sums are already shares of global means (global normaliser), the rest are sums of counts,
+    values and squares."""
+    finite = rewards.flatten()[valid_sample].double()
+    if ref_logp is not None:
+        kl_sum, kl_n = masked_sum(kl_k3(sampling_logp, ref_logp), mask).item(), float(mask.sum())
+    else:
+        kl_sum, kl_n = 0.0, 0.0
+    keys = list(sums)
+    totals = dp.sum(
+        *(sums[k] for k in keys),
+        kl_sum,
+        kl_n,
+        float(zero_std.sum()),
+        float(zero_std.numel()),
+        float((~valid_sample).sum()),
+        float(mask.sum()),
+        float(finite.sum()),
+        float((finite**2).sum()),
+        float(finite.numel()),
+    )
+    out = {k: v / cfg.ppo_epochs for k, v in zip(keys, totals)}
+    kl_sum, kl_n, zero, groups, missing, tokens, r_sum, r_sq, r_n = totals[len(keys) :]
+    out["loss/total"] = out["loss/policy"] + cfg.kl_coef * out["loss/kl"]
+    kl_ref = kl_sum / max(kl_n, 1.0) if ref_logp is not None else math.nan
+    mean = r_sum / r_n if r_n else math.nan
+    out.update(
+        {
+            "kl": kl_ref,
+            "grpo/kl_ref": kl_ref,
+            "grpo/zero_std_frac": zero / max(groups, 1.0),
+            "grpo/no_signal": float(zero == groups),
+            "grpo/missing_rewards": missing,
+            "grpo/tokens": tokens,
+            "optim/grad_norm": grad_norm,
+            "reward/mean": mean,
+            "reward/std": math.sqrt(max(r_sq / r_n - mean**2, 0.0)) if r_n else math.nan,
         }
     )
     return out

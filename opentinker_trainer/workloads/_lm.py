@@ -150,8 +150,12 @@ def save_step(
     final: bool,
     tokenizer=None,
     env_state: Any = None,
+    extra_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of an LM trainer after ``step`` and report it: ``<checkpoint_dir>/step_<step>``.
+
+    ``extra_state``: further entries of ``trainer_state.pt`` (a distributed attempt's
+    ``rng_ranks`` and ``world_size``, :func:`opentinker_trainer.distributed.save_once`).
 
     The folder is :func:`save_checkpoint`'s: the weights (``fmt`` :data:`FORMAT_LORA`: the PEFT
     adapter; :data:`FORMAT_FULL`: all weights plus ``tokenizer``) and ``trainer_state.pt`` with
@@ -169,6 +173,7 @@ def save_step(
         "rng": rng_state(env_state),
         "model": ctx.spec.model,
         "hyperparameters": dataclasses.asdict(cfg),
+        **(extra_state or {}),
     }
     save_checkpoint(path, model, state, tokenizer=tokenizer if fmt == FORMAT_FULL else None)
     ctx.emit_checkpoint(step, path, final=final, fmt=fmt)

@@ -31,11 +31,14 @@ def run_steps(
     checkpoint at once; a stop requested before the first step writes nothing.
     ``before_first()`` runs once before the first step of this attempt.
     """
+    # A distributed rank agrees on stopping with the other ranks (a collective at the same points
+    # on every rank), so all of them checkpoint after the same step.
+    stop = getattr(ctx, "stop_together", ctx.should_stop)
     if done >= total:
         log.info("nothing left to train", task_id=ctx.task_id, step=done, steps=total)
         save(final=True)
         return
-    if ctx.should_stop():
+    if stop():
         log.info("stop requested before the first step", task_id=ctx.task_id, step=done)
         return
     if before_first is not None:
@@ -47,7 +50,7 @@ def run_steps(
             log_step(n, metrics)
         if n >= total:
             save(final=True)
-        elif ctx.should_stop():
+        elif stop():
             log.info("stop requested: checkpointing", task_id=ctx.task_id, step=n)
             save(final=False)
             return

@@ -156,7 +156,12 @@ def gae_batch(rollout: Mapping[str, torch.Tensor], reset: torch.Tensor, cfg: Any
 
 
 def ppo_update(
-    policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any, clip_coef: float | None = None
+    policy,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    cfg: Any,
+    clip_coef: float | None = None,
+    dp: Any = None,
 ) -> dict[str, float]:
     """Up to ``update_epochs`` passes over ``batch`` in ``num_minibatches`` shuffled minibatches,
     one Adam step each, on ``pg_loss - ent_coef * entropy + vf_coef * value_loss`` (CleanRL
@@ -173,6 +178,16 @@ def ppo_update(
     ``approx_kl`` per minibatch; SB3 checks each minibatch against ``1.5 * target_kl`` and skips
     that minibatch's step). The first minibatch of an update has ``approx_kl`` 0 (the policy is
     still the rollout's), so at least two steps are taken when ``num_minibatches * update_epochs >= 2``.
+
+    ``dp`` (None: one rank) is this rank's data-parallel collectives
+    (:class:`opentinker_trainer.distributed.DataParallel`), ``batch`` this rank's samples: every
+    rank splits its samples into ``num_minibatches`` minibatches; minibatch ``j`` of the task is
+    the union of the ranks' ``j``-th, its advantages normalised with its global mean and std, each
+    rank's loss weighted by its share of the minibatch's samples and the gradients summed over
+    ranks (CleanRL's multi-GPU PPO all-reduces the gradients the same way), so with one minibatch
+    a step of W ranks equals the step of one rank on the union. The early stop compares the
+    minibatch's global ``approx_kl``, so every rank stops after the same minibatch. Metrics are
+    of the global batch.
 
     Returns:
         Means over all minibatches taken: ``loss/total``, ``loss/policy``, ``loss/value``,
@@ -198,16 +213,20 @@ def ppo_update(
     group_sums = {g: {"policy": 0.0, "value": 0.0, "entropy": 0.0, "n": 0.0} for g in batch.groups}
     taken, epochs, stopped = 0, 0, False
     params = [p for p in policy.parameters() if p.requires_grad]
+    splits = min(cfg.num_minibatches, n) if dp is None else cfg.num_minibatches  # the same count on every rank
     for _ in range(cfg.update_epochs):
         epochs += 1
-        for mb in torch.randperm(n, device=batch.logprobs.device).tensor_split(min(cfg.num_minibatches, n)):
+        for mb in torch.randperm(n, device=batch.logprobs.device).tensor_split(splits):
             aid = batch.agent_ids[mb] if batch.agent_ids is not None else None
             _, newlogprob, entropy, newvalue = policy.get_action_and_value(
                 batch.obs[mb], batch.actions[mb], agent_ids=aid
             )
             logratio, ratio = ppo_math.log_ratio(newlogprob, batch.logprobs[mb])
             adv = batch.advantages[mb]
-            if cfg.norm_adv:
+            share = 1.0  # this rank's fraction of the minibatch's samples
+            if dp is not None:
+                share, adv = _global_minibatch(dp, adv, cfg.norm_adv)
+            elif cfg.norm_adv:
                 adv = ppo_math.normalize_advantages(adv)
             old_v = batch.values[mb] if cfg.clip_vloss else None
             pg = ppo_math.pg_loss(adv, ratio, clip)
@@ -215,12 +234,14 @@ def ppo_update(
             ent = ppo_math.entropy_bonus(entropy)
             loss = pg - cfg.ent_coef * ent + cfg.vf_coef * v
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * share if dp is not None else loss).backward()
+            if dp is not None:
+                dp.all_reduce_grads(params)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
             kl = ppo_math.approx_kl(logratio.detach(), ratio.detach())
             for key, val in zip(keys, (loss, pg, v, ent, kl, ppo_math.clip_fraction(ratio.detach(), clip), grad_norm)):
-                sums[key] += val.detach().item()
+                sums[key] += val.detach().item() * (share if key != "optim/grad_norm" else 1.0)
             taken += 1
             with torch.no_grad():
                 for g, gmask in batch.groups.items():
@@ -233,21 +254,60 @@ def ppo_update(
                     gs["value"] += k * float(ppo_math.value_loss(newvalue, batch.returns[mb], old_v, v_clip, m))
                     gs["entropy"] += k * float(ppo_math.entropy_bonus(entropy, m))
                     gs["n"] += k
-            if ppo_math.kl_exceeded(kl, cfg.target_kl):
-                stopped = True
-                break
+            if cfg.target_kl is not None:
+                global_kl = kl if dp is None else dp.sum(kl.item() * share)[0]
+                if ppo_math.kl_exceeded(global_kl, cfg.target_kl):
+                    stopped = True
+                    break
         if stopped:
             break
+    if dp is not None:
+        local = [k for k in keys if k != "optim/grad_norm"]  # the grad norm is of the summed gradient
+        sums.update(zip(local, dp.sum(*(sums[k] for k in local))))
+        for gs in group_sums.values():  # the same groups, in the same order, on every rank
+            parts = ("policy", "value", "entropy", "n")
+            gs.update(zip(parts, dp.sum(*(gs[p] for p in parts))))
     out = {k: s / max(taken, 1) for k, s in sums.items()}
     out["ppo/epochs"] = float(epochs)
     out["ppo/minibatches"] = float(taken)
     out["ppo/early_stop"] = float(stopped)
     out["ppo/clip_coef"] = clip
-    out["ppo/explained_variance"] = ppo_math.explained_variance(batch.values, batch.returns)
+    out["ppo/explained_variance"] = (
+        ppo_math.explained_variance(batch.values, batch.returns)
+        if dp is None
+        else _global_explained_variance(dp, batch.values, batch.returns)
+    )
     for g, gs in group_sums.items():
         for part in ("policy", "value", "entropy"):
             out[f"loss/agent/{g}/{part}"] = gs[part] / gs["n"] if gs["n"] else math.nan
     return out
+
+
+def _global_minibatch(dp: Any, adv: torch.Tensor, norm: bool) -> tuple[float, torch.Tensor]:
+    """``(share, advantages)`` of this rank's part of a minibatch spread over ranks: its fraction of
+    the minibatch's samples and, when ``norm``, its advantages normalised with the whole
+    minibatch's mean and sample std (:func:`~opentinker_trainer.rl.ppo.normalize_advantages`)."""
+    a = adv.detach().double()
+    total, s, q = dp.sum(a.numel(), a.sum().item(), (a**2).sum().item())
+    share = a.numel() / total if total else 0.0
+    if not norm:
+        return share, adv
+    mean = s / max(total, 1.0)
+    var = max(q - total * mean**2, 0.0) / (max(total, 2.0) - 1.0)
+    return share, (adv - mean) / (math.sqrt(var) + 1e-8)
+
+
+def _global_explained_variance(dp: Any, values: torch.Tensor, returns: torch.Tensor) -> float:
+    """:func:`~opentinker_trainer.rl.ppo.explained_variance` of all ranks' samples (from sums)."""
+    v, r = values.detach().double(), returns.detach().double()
+    e = r - v
+    n, sr, qr, se, qe = dp.sum(r.numel(), r.sum().item(), (r**2).sum().item(), e.sum().item(), (e**2).sum().item())
+    if n < 2:
+        return float("nan")
+    var_r = qr / n - (sr / n) ** 2
+    if var_r <= 0:
+        return float("nan")
+    return float(1.0 - (qe / n - (se / n) ** 2) / var_r)
 
 
 def annealed_lr(cfg: Any, update: int) -> float:

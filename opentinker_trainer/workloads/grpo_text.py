@@ -27,10 +27,20 @@ Reports per step (``ctx.emit_metric``, steps from 1):
   ``perf/samples`` (completions this step), ``perf/tokens_per_s`` (completion tokens sampled per
   second of the whole step).
 
+Distributed (a task with several ranks, :mod:`opentinker_trainer.distributed`): data-parallel.
+Every rank holds the adapter (or all weights, replicated), draws the step's ``prompts_per_step``
+problems from the same environment stream and rolls out its contiguous share of the groups with
+its own sampling seed (``seed + rank``); the loss is normalised over the global batch and the
+gradients summed over ranks before clipping (:func:`~opentinker_trainer.rl.grpo.grpo_update`
+with ``dp``), and the metrics are of the global batch (``perf/samples`` = all ranks' completions).
+
 Checkpoints (``<checkpoint_dir>/step_<n>``): the adapter in PEFT format plus ``trainer_state.pt``
 (step, optimizer, RNG and environment states), every ``checkpoint_every`` steps, when a stop is
 requested, and at the end. Resuming from one continues the step count, optimizer and RNGs, so a
-resumed run samples what an uninterrupted one would have.
+resumed run samples what an uninterrupted one would have. A distributed task's checkpoint is
+written once, by rank 0, with every rank's RNG state (``rng_ranks``): a resume with the same
+world size is exact; with another world size it works, but is not bit-exact (ranks beyond the
+saved ones are reseeded).
 """
 
 from __future__ import annotations
@@ -40,7 +50,8 @@ from pathlib import Path
 
 import torch
 
-from opentinker_trainer.context import WorkerContext
+from opentinker_trainer import distributed
+from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_common.arithmetic import ArithmeticEnv
 from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, headline_metrics, rewards_tensor
 from opentinker_trainer.rl.rollout import Rollout, generate, left_pad, sequence_logprobs
@@ -79,30 +90,52 @@ class _Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self.env = ArithmeticEnv(ctx.spec.env, self.tokenizer, seed=cfg.seed)
+        # Distributed: every rank draws the step's problems from the same environment stream and
+        # rolls out its own share of the groups, sampling with its own seed (seed + rank).
+        self.dp = distributed.world(ctx)
+        if self.dp is not None:
+            if cfg.prompts_per_step < self.dp.world_size:
+                raise UserError(
+                    f"hyperparameters.prompts_per_step {cfg.prompts_per_step}: fewer groups than the task's "
+                    f"{self.dp.world_size} ranks (each rank rolls out whole groups)"
+                )
+            self.dp.broadcast(self.params)
+            distributed.seed_rank(cfg.seed, self.dp.rank)
         self.step, env_state = _lm.resume_step(ctx, self.optimizer, log)
         if ctx.resume_from is not None:
             self.env.set_state(env_state)
+            distributed.restore_rank_rng(ctx, _lm.load_trainer_state(ctx.resume_from), reseed=cfg.seed + self.step)
         self.started = time.perf_counter()
 
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
-        return _lm.save_step(
+        fmt = _lm.FORMAT_FULL if self.full else _lm.FORMAT_LORA
+        return distributed.save_once(
             self.ctx,
-            self.step,
-            self.model,
-            self.optimizer,
-            self.cfg,
-            fmt=_lm.FORMAT_FULL if self.full else _lm.FORMAT_LORA,
-            log=log,
+            lambda extra: _lm.save_step(
+                self.ctx,
+                self.step,
+                self.model,
+                self.optimizer,
+                self.cfg,
+                fmt=fmt,
+                log=log,
+                final=final,
+                tokenizer=self.tokenizer,
+                env_state=self.env.get_state(),
+                **({"extra_state": extra} if extra else {}),
+            ),
+            step=self.step,
             final=final,
-            tokenizer=self.tokenizer,
-            env_state=self.env.get_state(),
+            fmt=fmt,
         )
 
     # --- one GRPO step --------------------------------------------------------------------------
     def rollout(self) -> tuple[Rollout, torch.Tensor]:
         cfg = self.cfg
         problems = self.env.sample(cfg.prompts_per_step)
+        if self.dp is not None:  # this rank's groups (whole groups: advantages stay per group)
+            problems = [problems[i] for i in self.dp.shard(len(problems))]
         prompt_ids, prompt_mask = left_pad([self.env.encode(p) for p in problems], self.pad_id, self.device)
         self.model.eval()
         ro = generate(
@@ -120,7 +153,7 @@ class _Trainer:
         rewards = [self.env.score(text, problems[i // cfg.group_size]) for i, text in enumerate(replies)]
         if self.step == 0 or cfg.steps <= 20 or self.step % 10 == 0:
             log.debug("sample", problem=problems[0].question, reply=replies[0], reward=rewards[0])
-        return ro, rewards_tensor(rewards, cfg.prompts_per_step, cfg.group_size)
+        return ro, rewards_tensor(rewards, len(problems), cfg.group_size)
 
     def logprobs(self, ro: Rollout, model=None) -> torch.Tensor:
         return sequence_logprobs(
@@ -153,11 +186,15 @@ class _Trainer:
             lambda model, sl: self.logprobs(ro.select(sl), model=model),
             cfg,
             reference=reference,
+            dp=self.dp,
         )
 
         step_s = time.perf_counter() - t0
         completion_tokens = int(ro.completion_lengths.sum())
         n = len(ro)
+        truncated = float(ro.truncated.float().sum())
+        if self.dp is not None:  # the global batch's numbers
+            completion_tokens, n, truncated = (int(x) for x in self.dp.sum(completion_tokens, n, truncated))
         return {
             **headline_metrics(out),
             "samples": float(self.step * n),
@@ -165,7 +202,7 @@ class _Trainer:
             "wall_time_s": time.perf_counter() - self.started,
             **out,
             "completion/mean_tokens": completion_tokens / n,
-            "completion/truncated_frac": ro.truncated.float().mean().item(),
+            "completion/truncated_frac": truncated / n,
             "optim/lr": cfg.learning_rate,
             "perf/step_s": step_s,
             "perf/generate_s": t_gen,

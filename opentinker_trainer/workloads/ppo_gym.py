@@ -21,6 +21,14 @@ episodes that finished in this update; when none did, the last known value, with
 ``optim/grad_norm``, ``env_steps`` (so far), ``wall_time_s``, ``perf/env_steps_per_s`` (of the
 whole update), ``perf/step_s``, ``perf/rollout_s``, ``perf/train_s``.
 
+Distributed (a task with several ranks, :mod:`opentinker_trainer.distributed`; CleanRL's
+multi-GPU PPO): rank ``r`` of ``W`` steps ``num_envs / W`` of the sub-environments (those numbered
+``r * num_envs / W ..``, seeded as in one rank) with its own action-sampling seed (``seed + r``);
+gradients are summed over ranks per minibatch
+(:func:`~opentinker_trainer.workloads._ppo_common.ppo_update` with ``dp``), so the update's batch
+is still ``num_steps * num_envs`` env steps; ``num_envs`` must be a multiple of ``W``. Episode
+metrics are over all ranks' episodes.
+
 Determinism and resume: a fresh run seeds Python, numpy and torch with ``seed`` and resets the
 vector env with the env config's ``seed`` (else ``seed``; sub-env ``i`` gets ``+ i``), so the same
 seed gives the same first rollout. A checkpoint (``torch_ppo``, every ``checkpoint_every``
@@ -42,6 +50,7 @@ import gymnasium
 import numpy as np
 import torch
 
+from opentinker_trainer import distributed
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.envs.gym import make_vector_env
 from opentinker_trainer.rl.gae import autoreset_mask
@@ -68,9 +77,14 @@ class PPOTrainer:
         env_seed = getattr(self.env_cfg, "seed", None)  # the client-hosted env config has one too
         self.env_seed = env_seed if env_seed is not None else cfg.seed
         common.seed_everything(cfg.seed)
+        # Distributed: rank r steps sub-envs r * n .. (r + 1) * n - 1 of the task's num_envs (n per
+        # rank, seeded as those sub-envs are in one rank) and samples actions with seed + rank.
+        self.dp = distributed.world(ctx)
+        self.local_envs = distributed.per_rank_count(cfg.num_envs, self.dp, "hyperparameters.num_envs")
+        self.env_offset = 0 if self.dp is None else self.dp.rank * self.local_envs
         try:
             self.envs = make_vector_env(
-                self.env_cfg, num_envs=cfg.num_envs, seed=None, mode=cfg.vector_mode, context=cfg.async_context
+                self.env_cfg, num_envs=self.local_envs, seed=None, mode=cfg.vector_mode, context=cfg.async_context
             )
         except (gymnasium.error.Error, TypeError, ValueError, ImportError, AttributeError) as exc:
             raise UserError(f"env_config.env_id {self.env_cfg.env_id!r}: gymnasium cannot make it: {exc}") from exc
@@ -82,6 +96,9 @@ class PPOTrainer:
             raise UserError(f"env_config.env_id {self.env_cfg.env_id!r}: {exc}") from exc
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.learning_rate, eps=1e-5)
         self.update, self.env_steps, self.last_reward = 0, 0, float("nan")
+        if self.dp is not None:
+            self.dp.broadcast(list(self.policy.parameters()))
+            distributed.seed_rank(cfg.seed, self.dp.rank)
         if ctx.resume_from is not None:
             policy_state, state = common.load_checkpoint(ctx.resume_from)
             self.policy.load_state_dict(policy_state)
@@ -89,6 +106,7 @@ class PPOTrainer:
             _rng.restore_rng_state(state["rng"])
             self.update, self.env_steps = int(state["step"]), int(state["env_steps"])
             self.last_reward = float(state["last_reward"])
+            distributed.restore_rank_rng(ctx, state, reseed=cfg.seed + self.update)
             log.info(
                 "resumed",
                 task_id=ctx.task_id,
@@ -96,12 +114,12 @@ class PPOTrainer:
                 step=self.update,
                 env_steps=self.env_steps,
             )
-        seed = common.env_seed_at(self.env_seed, self.update)
+        seed = common.env_seed_at(self.env_seed, self.update) + self.env_offset
         obs, _ = self.envs.reset(seed=seed)
         self.envs.action_space.seed(seed)
         self.next_obs = self._tensor(obs)
-        self.prev_done = torch.zeros(cfg.num_envs, dtype=torch.bool)
-        self.episodes = common.EpisodeTracker(cfg.num_envs)
+        self.prev_done = torch.zeros(self.local_envs, dtype=torch.bool)
+        self.episodes = common.EpisodeTracker(self.local_envs)
         self.started = time.perf_counter()
 
     def _tensor(self, obs: np.ndarray) -> torch.Tensor:
@@ -109,6 +127,15 @@ class PPOTrainer:
 
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
+        return distributed.save_once(
+            self.ctx,
+            lambda extra: self._write(final, extra),
+            step=self.update,
+            final=final,
+            fmt=common.CHECKPOINT_FORMAT,
+        )
+
+    def _write(self, final: bool, extra: dict) -> Path:
         path = Path(self.ctx.checkpoint_dir) / f"step_{self.update}"
         meta = {
             "format": common.CHECKPOINT_FORMAT,
@@ -126,6 +153,7 @@ class PPOTrainer:
             "rng": _rng.rng_state(),
             "last_reward": self.last_reward,
             "hyperparameters": dataclasses.asdict(self.cfg),
+            **extra,
         }
         common.save_checkpoint(path, self.policy.state_dict(), meta, state)
         self.ctx.emit_checkpoint(self.update, path, final=final, fmt=common.CHECKPOINT_FORMAT)
@@ -136,7 +164,7 @@ class PPOTrainer:
     @torch.no_grad()
     def rollout(self) -> dict[str, torch.Tensor]:
         """``num_steps`` vector steps; returns ``[T, N, ...]`` buffers plus ``next_value [N]``."""
-        T, N = self.cfg.num_steps, self.cfg.num_envs
+        T, N = self.cfg.num_steps, self.local_envs
         obs_buf = torch.zeros((T, *self.next_obs.shape), dtype=self.next_obs.dtype, device=self.device)
         actions, logprobs, values = [], torch.zeros(T, N, device=self.device), torch.zeros(T, N, device=self.device)
         rewards = torch.zeros(T, N, device=self.device)
@@ -180,10 +208,16 @@ class PPOTrainer:
         t_roll = time.perf_counter() - t0
         batch = common.gae_batch(ro, ro["reset"], cfg)
         self.policy.train()
-        out = common.ppo_update(self.policy, self.optimizer, batch, cfg, common.clip_coef_at(cfg, self.update))
+        out = common.ppo_update(
+            self.policy, self.optimizer, batch, cfg, common.clip_coef_at(cfg, self.update), dp=self.dp
+        )
         self.env_steps += cfg.batch_size
         step_s = time.perf_counter() - t0
-        rewards, self.last_reward = common.episode_metrics(self.episodes.pop(), self.last_reward)
+        finished, samples = self.episodes.pop(), len(batch)
+        if self.dp is not None:  # every rank's episodes and samples
+            finished = [e for part in self.dp.gather_objects(finished) for e in part]
+            (samples,) = (int(x) for x in self.dp.sum(samples))
+        rewards, self.last_reward = common.episode_metrics(finished, self.last_reward)
         return common.update_metrics(
             out,
             rewards,
@@ -193,7 +227,7 @@ class PPOTrainer:
             batch_size=cfg.batch_size,
             step_s=step_s,
             rollout_s=t_roll,
-            samples=len(batch),
+            samples=samples,
         )
 
     # --- the loop -------------------------------------------------------------------------------

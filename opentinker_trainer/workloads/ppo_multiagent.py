@@ -20,6 +20,10 @@ finished in this update, else its last known value), ``reward/team_return_mean``
 agents of those), ``loss/agent/<name>/{policy,value,entropy}``. ``reward`` is the mean per-agent
 episode return over the episodes finished in this update (last known value when none did).
 
+Distributed (a task with several ranks): as :mod:`.ppo_gym`, each rank steps ``num_envs / W``
+of the copies with its own action seed, gradients summed over ranks per minibatch of each
+learner, episode metrics over all ranks' episodes.
+
 Resume restores policies, optimizers, counts and RNGs; the environment copies restart with
 fresh episodes seeded from ``(seed, update)``, as in the single-agent trainer.
 """
@@ -36,6 +40,7 @@ import torch
 from torch import nn
 
 from opentinker_common.spec.multiagent import import_parallel_env_module
+from opentinker_trainer import distributed
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.rl.policy import ActorCritic, UnsupportedSpaceError
 from opentinker_trainer.workloads import _ppo_common as common
@@ -62,9 +67,14 @@ class MultiAgentPPOTrainer:
         self.device = torch.device(ctx.device)
         self.env_seed = env_cfg.seed if env_cfg.seed is not None else cfg.seed
         common.seed_everything(cfg.seed)
+        # Distributed: rank r steps copies r * n .. (r + 1) * n - 1 of the num_envs (n per rank,
+        # seeded as those copies are in one rank), with action seed seed + r (as ppo_gym).
+        self.dp = distributed.world(ctx)
+        self.local_envs = distributed.per_rank_count(cfg.num_envs, self.dp, "hyperparameters.num_envs")
+        self.env_offset = 0 if self.dp is None else self.dp.rank * self.local_envs
         try:
             module = import_parallel_env_module(env_cfg.env_id)
-            self.envs = [module.parallel_env(**env_cfg.env_kwargs) for _ in range(cfg.num_envs)]
+            self.envs = [module.parallel_env(**env_cfg.env_kwargs) for _ in range(self.local_envs)]
         except Exception as exc:  # noqa: BLE001 - ImportError, bad kwargs (TypeError, AssertionError ...)
             raise UserError(
                 f"env_config {env_cfg.env_id!r}: cannot make the environment: {type(exc).__name__}: {exc}"
@@ -101,6 +111,9 @@ class MultiAgentPPOTrainer:
         }
         self.update, self.env_steps, self.last_reward = 0, 0, float("nan")
         self.last_agent_reward = dict.fromkeys(self.agents, float("nan"))
+        if self.dp is not None:
+            self.dp.broadcast(list(self.policy.parameters()))
+            distributed.seed_rank(cfg.seed, self.dp.rank)
         if ctx.resume_from is not None:
             policy_state, state = common.load_checkpoint(ctx.resume_from)
             self.policy.load_state_dict(policy_state)
@@ -110,8 +123,9 @@ class MultiAgentPPOTrainer:
             self.update, self.env_steps = int(state["step"]), int(state["env_steps"])
             self.last_reward = float(state["last_reward"])
             self.last_agent_reward.update({a: float(v) for a, v in state["last_agent_reward"].items()})
+            distributed.restore_rank_rng(ctx, state, reseed=cfg.seed + self.update)
             log.info("resumed", task_id=ctx.task_id, checkpoint=str(ctx.resume_from), step=self.update)
-        seed = common.env_seed_at(self.env_seed, self.update)
+        seed = common.env_seed_at(self.env_seed, self.update) + self.env_offset
         # cur_obs[e][i]: the latest observation of agent i in copy e (its final one once it is done).
         self.cur_obs: list[list[np.ndarray]] = []
         for e, env in enumerate(self.envs):
@@ -119,12 +133,21 @@ class MultiAgentPPOTrainer:
             for i, a in enumerate(self.agents):
                 env.action_space(a).seed(seed + e)
             self.cur_obs.append([np.asarray(obs[a]) for a in self.agents])
-        self.pending_reset = [False] * cfg.num_envs
-        self.episodes = common.EpisodeTracker(cfg.num_envs * len(self.agents))
+        self.pending_reset = [False] * self.local_envs
+        self.episodes = common.EpisodeTracker(self.local_envs * len(self.agents))
         self.started = time.perf_counter()
 
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
+        return distributed.save_once(
+            self.ctx,
+            lambda extra: self._write(final, extra),
+            step=self.update,
+            final=final,
+            fmt=common.CHECKPOINT_FORMAT,
+        )
+
+    def _write(self, final: bool, extra: dict) -> Path:
         path = Path(self.ctx.checkpoint_dir) / f"step_{self.update}"
         env0 = self.envs[0]
         meta = {
@@ -148,6 +171,7 @@ class MultiAgentPPOTrainer:
             "last_reward": self.last_reward,
             "last_agent_reward": dict(self.last_agent_reward),
             "hyperparameters": dataclasses.asdict(self.cfg),
+            **extra,
         }
         common.save_checkpoint(path, self.policy.state_dict(), meta, state)
         self.ctx.emit_checkpoint(self.update, path, final=final, fmt=common.CHECKPOINT_FORMAT)
@@ -164,7 +188,7 @@ class MultiAgentPPOTrainer:
 
     @torch.no_grad()
     def rollout(self) -> dict[str, dict[str, torch.Tensor]]:
-        T, E, A = self.cfg.num_steps, self.cfg.num_envs, len(self.agents)
+        T, E, A = self.cfg.num_steps, len(self.envs), len(self.agents)
         bufs: dict[str, dict[str, list]] = {
             g: {k: [] for k in ("obs", "ids", "actions", "logprobs", "values")} for g in self.policy
         }
@@ -247,7 +271,7 @@ class MultiAgentPPOTrainer:
             batch = self._batch(g, ro[g])
             samples += len(batch)
             policy.train()
-            per_learner.append(common.ppo_update(policy, self.optimizers[g], batch, cfg, clip))
+            per_learner.append(common.ppo_update(policy, self.optimizers[g], batch, cfg, clip, dp=self.dp))
         out = {}
         for key in per_learner[0].keys() | {k for m in per_learner for k in m}:
             vals = [m[key] for m in per_learner if key in m and not math.isnan(m[key])]
@@ -255,6 +279,9 @@ class MultiAgentPPOTrainer:
         self.env_steps += cfg.batch_size
         step_s = time.perf_counter() - t0
         finished = self.episodes.pop()
+        if self.dp is not None:  # every rank's episodes (stream e * A + i: agent i) and samples
+            finished = [ep for part in self.dp.gather_objects(finished) for ep in part]
+            (samples,) = (int(x) for x in self.dp.sum(samples))
         rewards, self.last_reward = common.episode_metrics(finished, self.last_reward)
         A = len(self.agents)
         for i, a in enumerate(self.agents):

@@ -10,6 +10,11 @@ so ``micro_batch_size`` changes memory use, not the update. AdamW with gradient 
 learning rate warmed up linearly over ``warmup_steps``, then ``constant``, ``linear`` or
 ``cosine`` decay to 0 at the last step.
 
+Distributed (a task with several ranks, :mod:`opentinker_trainer.distributed`): data-parallel;
+each rank trains on its contiguous share of every batch (normalised by the whole batch's
+assistant tokens) and evaluates its share of the held-out split; gradients and the metrics' sums
+are summed over ranks, so a step of W ranks is the step of one rank on the same batch.
+
 Data: ``env_config.dataset_id`` (uploaded; fetched from the scheduler with ``NodeService.FetchDataset``
 into the node's dataset cache) or ``env_config.path`` (a file on the node). A bad line ends the
 task FAILED, not retried, naming the line number.
@@ -46,6 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from opentinker_trainer import distributed, fsdp
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.workloads import _lm
 from opentinker_trainer.workloads._loop import run_steps
@@ -129,11 +135,26 @@ class _SFTTrainer:
         )
         self.tokenizer, self.model = _lm.load_for_training(ctx, cfg, self.device, dtype, full=not cfg.lora)
         self.pad_id = int(self.tokenizer.pad_token_id)
+        # Distributed: each rank trains on its contiguous share of every batch (and evaluates its
+        # share of the held-out split); sums of tokens, losses and gradients are over ranks. All
+        # weights (lora: false) are sharded with FSDP2 (opentinker_trainer/fsdp.py); an adapter
+        # is replicated and its gradients all-reduced.
+        self.dp = distributed.world(ctx)
+        self.fsdp = self.dp is not None and not cfg.lora
+        if self.fsdp:
+            fsdp.shard_model(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self._encoded: dict[int, Encoded] = {}
         torch.manual_seed(cfg.seed)
-        self.step, _ = _lm.resume_step(ctx, self.optimizer, log)
+        if self.dp is not None:
+            if not self.fsdp:
+                self.dp.broadcast(self.params)
+            distributed.seed_rank(cfg.seed, self.dp.rank)
+        resumable = fsdp.ShardedOptimizerState(self.model, self.optimizer) if self.fsdp else self.optimizer
+        self.step, _ = _lm.resume_step(ctx, resumable, log)
+        if ctx.resume_from is not None:
+            distributed.restore_rank_rng(ctx, _lm.load_trainer_state(ctx.resume_from), reseed=cfg.seed + self.step)
         self.fresh = self.step == 0
         self.started = time.perf_counter()
 
@@ -151,17 +172,40 @@ class _SFTTrainer:
 
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
-        return _lm.save_step(
+        fmt = _lm.FORMAT_LORA if self.cfg.lora else _lm.FORMAT_FULL
+        # FSDP: the full weights and optimizer state, gathered on every rank for rank 0 to write.
+        full = fsdp.FullState(self.model, self.optimizer) if self.fsdp else None
+        return distributed.save_once(
             self.ctx,
-            self.step,
-            self.model,
-            self.optimizer,
-            self.cfg,
-            fmt=_lm.FORMAT_LORA if self.cfg.lora else _lm.FORMAT_FULL,
-            log=log,
+            lambda extra: _lm.save_step(
+                self.ctx,
+                self.step,
+                full or self.model,
+                full or self.optimizer,
+                self.cfg,
+                fmt=fmt,
+                log=log,
+                final=final,
+                tokenizer=self.tokenizer,
+                **({"extra_state": extra} if extra else {}),
+            ),
+            step=self.step,
             final=final,
-            tokenizer=self.tokenizer,
+            fmt=fmt,
         )
+
+    def _mine(self, items: list[int]) -> list[int]:
+        """This rank's contiguous share of ``items`` (all of them on one rank)."""
+        return items if self.dp is None else [items[k] for k in self.dp.shard(len(items))]
+
+    def _parts(self, items: list[int], size: int) -> list[tuple[list[int], bool]]:
+        """This rank's share of ``items`` in micro-batches of ``size``, each with ``True``; under
+        FSDP padded with dummy ones (``False``) so every rank runs as many passes."""
+        mine = self._mine(items)
+        if not self.fsdp:
+            return [(mine[i : i + size], True) for i in range(0, len(mine), size)]
+        counts = [len(distributed.shard(len(items), r, self.dp.world_size)) for r in range(self.dp.world_size)]
+        return fsdp.equal_chunks(mine, size, counts, items[:1])
 
     # --- steps ----------------------------------------------------------------------------------
     def chunks(self, items: list[int]) -> list[list[int]]:
@@ -176,10 +220,13 @@ class _SFTTrainer:
         self.model.eval()
         nll = correct = count = 0.0
         size = self.cfg.micro_batch_size or self.cfg.batch_size
-        for part in (self.eval_idx[i : i + size] for i in range(0, len(self.eval_idx), size)):
+        for part, real in self._parts(self.eval_idx, size):
             ids, attn, labels = collate([self.encoded(i) for i in part], self.pad_id, self.device)
             s, c, n = token_nll(self.model(input_ids=ids, attention_mask=attn).logits, labels)
-            nll, correct, count = nll + s.item(), correct + c.item(), count + n.item()
+            if real:
+                nll, correct, count = nll + s.item(), correct + c.item(), count + n.item()
+        if self.dp is not None:
+            nll, correct, count = self.dp.sum(nll, correct, count)
         if count == 0:
             return {}
         return {"loss/eval": nll / count, "eval/token_accuracy": correct / count}
@@ -200,13 +247,19 @@ class _SFTTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         nll = correct = 0.0
         seen_tokens = 0
-        for part in self.chunks(list(range(len(encoded)))):
+        scale = fsdp.loss_scale(self.dp) if self.fsdp else 1.0  # FSDP averages the ranks' gradients
+        for part, real in self._parts(list(range(len(encoded))), cfg.micro_batch_size or len(encoded)):
             ids, attn, labels = collate([encoded[j] for j in part], self.pad_id, self.device)
             s, c, _ = token_nll(self.model(input_ids=ids, attention_mask=attn).logits, labels)
-            (s / n_tokens).backward()
-            nll, correct = nll + s.item(), correct + c.item()
-            seen_tokens += int(attn.sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm).item()
+            (s / n_tokens * (scale if real else 0.0)).backward()
+            if real:
+                nll, correct = nll + s.item(), correct + c.item()
+                seen_tokens += int(attn.sum())
+        if self.dp is not None:  # gradients and numbers of the whole batch
+            if not self.fsdp:
+                self.dp.all_reduce_grads(self.params)
+            nll, correct, seen_tokens = self.dp.sum(nll, correct, seen_tokens)
+        grad_norm = fsdp.grad_norm(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         step_s = time.perf_counter() - t0

@@ -27,7 +27,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!opentinker/common/v1/common.proto\x12\x14opentinker.common.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x1e\n\tResources\x12\x11\n\tgpu_count\x18\x01 \x01(\x05\"N\n\x06Limits\x12.\n\x0bmax_runtime\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0cmax_attempts\x18\x02 \x01(\x05\"\xb6\x02\n\x08TaskSpec\x12\x15\n\rworkload_type\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12+\n\nenv_config\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x30\n\x0fhyperparameters\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x32\n\tresources\x18\x05 \x01(\x0b\x32\x1f.opentinker.common.v1.Resources\x12,\n\x06limits\x18\x06 \x01(\x0b\x32\x1c.opentinker.common.v1.Limits\x12\x15\n\x08priority\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04name\x18\x08 \x01(\t\x12\x11\n\tinit_from\x18\t \x01(\tB\x0b\n\t_priority\"\xb3\x01\n\x0bMetricPoint\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12=\n\x06values\x18\x03 \x03(\x0b\x32-.opentinker.common.v1.MetricPoint.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe0\x01\n\nCheckpoint\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0c\n\x04path\x18\x04 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07node_id\x18\x06 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x07 \x01(\t\x12\r\n\x05\x66inal\x18\x08 \x01(\x08\x12\x33\n\x08\x61rtifact\x18\t \x01(\x0b\x32!.opentinker.common.v1.ArtifactRef\"Y\n\x0b\x41rtifactRef\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\"b\n\x06\x44\x65vice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x03\x12\x11\n\tsimulated\x18\x05 \x01(\x08\"\x80\x04\n\x0f\x44\x65viceTelemetry\x12\r\n\x05index\x18\x01 \x01(\x05\x12 \n\x13utilization_percent\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x1e\n\x11memory_used_bytes\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12\x1f\n\x12memory_total_bytes\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x1a\n\rtemperature_c\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x14\n\x07power_w\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x19\n\x0csm_clock_mhz\x18\x07 \x01(\x05H\x05\x88\x01\x01\x12\x17\n\necc_errors\x18\x08 \x01(\x03H\x06\x88\x01\x01\x12K\n\x0bunavailable\x18\t \x03(\x0b\x32\x36.opentinker.common.v1.DeviceTelemetry.UnavailableEntry\x12\x11\n\tsimulated\x18\n \x01(\x08\x1a\x32\n\x10UnavailableEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x16\n\x14_utilization_percentB\x14\n\x12_memory_used_bytesB\x15\n\x13_memory_total_bytesB\x10\n\x0e_temperature_cB\n\n\x08_power_wB\x0f\n\r_sm_clock_mhzB\r\n\x0b_ecc_errors\"\xe4\x02\n\rHostTelemetry\x12$\n\x17\x63pu_utilization_percent\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tcpu_count\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1e\n\x11memory_used_bytes\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x1f\n\x12memory_total_bytes\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12I\n\x0bunavailable\x18\x05 \x03(\x0b\x32\x34.opentinker.common.v1.HostTelemetry.UnavailableEntry\x1a\x32\n\x10UnavailableEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x1a\n\x18_cpu_utilization_percentB\x0c\n\n_cpu_countB\x14\n\x12_memory_used_bytesB\x15\n\x13_memory_total_bytes\"\xb8\x01\n\x0bStateChange\x12\x33\n\nfrom_state\x18\x01 \x01(\x0e\x32\x1f.opentinker.common.v1.TaskState\x12\x31\n\x08to_state\x18\x02 \x01(\x0e\x32\x1f.opentinker.common.v1.TaskState\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x0f\n\x07node_id\x18\x06 \x01(\t\"\x89\x02\n\tTaskEvent\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x03\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x39\n\x0cstate_change\x18\x04 \x01(\x0b\x32!.opentinker.common.v1.StateChangeH\x00\x12\x33\n\x06metric\x18\x05 \x01(\x0b\x32!.opentinker.common.v1.MetricPointH\x00\x12\x36\n\ncheckpoint\x18\x06 \x01(\x0b\x32 .opentinker.common.v1.CheckpointH\x00\x42\x07\n\x05\x65vent\"\x98\x05\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12,\n\x04spec\x18\x03 \x01(\x0b\x32\x1e.opentinker.common.v1.TaskSpec\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.opentinker.common.v1.TaskState\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x05\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstart_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07node_id\x18\x0b \x01(\t\x12\x16\n\x0e\x64\x65vice_indices\x18\x0c \x03(\x05\x12\x16\n\x0epending_reason\x18\r \x01(\t\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12\x45\n\x0elatest_metrics\x18\x0f \x03(\x0b\x32-.opentinker.common.v1.Task.LatestMetricsEntry\x12\x13\n\x0blatest_step\x18\x10 \x01(\x03\x12;\n\x11latest_checkpoint\x18\x11 \x01(\x0b\x32 .opentinker.common.v1.Checkpoint\x12\x10\n\x08\x65ndpoint\x18\x12 \x01(\t\x1a\x34\n\x12LatestMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xbb\x01\n\tTaskState\x12\x1a\n\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12TASK_STATE_PENDING\x10\x01\x12\x17\n\x13TASK_STATE_ASSIGNED\x10\x02\x12\x16\n\x12TASK_STATE_RUNNING\x10\x03\x12\x18\n\x14TASK_STATE_SUCCEEDED\x10\x04\x12\x15\n\x11TASK_STATE_FAILED\x10\x05\x12\x18\n\x14TASK_STATE_CANCELLED\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!opentinker/common/v1/common.proto\x12\x14opentinker.common.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"-\n\tResources\x12\x11\n\tgpu_count\x18\x01 \x01(\x05\x12\r\n\x05nodes\x18\x02 \x01(\x05\"N\n\x06Limits\x12.\n\x0bmax_runtime\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0cmax_attempts\x18\x02 \x01(\x05\"\xb6\x02\n\x08TaskSpec\x12\x15\n\rworkload_type\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12+\n\nenv_config\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x30\n\x0fhyperparameters\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x32\n\tresources\x18\x05 \x01(\x0b\x32\x1f.opentinker.common.v1.Resources\x12,\n\x06limits\x18\x06 \x01(\x0b\x32\x1c.opentinker.common.v1.Limits\x12\x15\n\x08priority\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04name\x18\x08 \x01(\t\x12\x11\n\tinit_from\x18\t \x01(\tB\x0b\n\t_priority\"\xb3\x01\n\x0bMetricPoint\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12=\n\x06values\x18\x03 \x03(\x0b\x32-.opentinker.common.v1.MetricPoint.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe0\x01\n\nCheckpoint\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0c\n\x04path\x18\x04 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07node_id\x18\x06 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x07 \x01(\t\x12\r\n\x05\x66inal\x18\x08 \x01(\x08\x12\x33\n\x08\x61rtifact\x18\t \x01(\x0b\x32!.opentinker.common.v1.ArtifactRef\"Y\n\x0b\x41rtifactRef\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\"b\n\x06\x44\x65vice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x03\x12\x11\n\tsimulated\x18\x05 \x01(\x08\"\x80\x04\n\x0f\x44\x65viceTelemetry\x12\r\n\x05index\x18\x01 \x01(\x05\x12 \n\x13utilization_percent\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x1e\n\x11memory_used_bytes\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12\x1f\n\x12memory_total_bytes\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x1a\n\rtemperature_c\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x14\n\x07power_w\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x19\n\x0csm_clock_mhz\x18\x07 \x01(\x05H\x05\x88\x01\x01\x12\x17\n\necc_errors\x18\x08 \x01(\x03H\x06\x88\x01\x01\x12K\n\x0bunavailable\x18\t \x03(\x0b\x32\x36.opentinker.common.v1.DeviceTelemetry.UnavailableEntry\x12\x11\n\tsimulated\x18\n \x01(\x08\x1a\x32\n\x10UnavailableEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x16\n\x14_utilization_percentB\x14\n\x12_memory_used_bytesB\x15\n\x13_memory_total_bytesB\x10\n\x0e_temperature_cB\n\n\x08_power_wB\x0f\n\r_sm_clock_mhzB\r\n\x0b_ecc_errors\"\xe4\x02\n\rHostTelemetry\x12$\n\x17\x63pu_utilization_percent\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tcpu_count\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1e\n\x11memory_used_bytes\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x1f\n\x12memory_total_bytes\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12I\n\x0bunavailable\x18\x05 \x03(\x0b\x32\x34.opentinker.common.v1.HostTelemetry.UnavailableEntry\x1a\x32\n\x10UnavailableEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x1a\n\x18_cpu_utilization_percentB\x0c\n\n_cpu_countB\x14\n\x12_memory_used_bytesB\x15\n\x13_memory_total_bytes\"\xb8\x01\n\x0bStateChange\x12\x33\n\nfrom_state\x18\x01 \x01(\x0e\x32\x1f.opentinker.common.v1.TaskState\x12\x31\n\x08to_state\x18\x02 \x01(\x0e\x32\x1f.opentinker.common.v1.TaskState\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x0f\n\x07node_id\x18\x06 \x01(\t\"\x89\x02\n\tTaskEvent\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x03\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x39\n\x0cstate_change\x18\x04 \x01(\x0b\x32!.opentinker.common.v1.StateChangeH\x00\x12\x33\n\x06metric\x18\x05 \x01(\x0b\x32!.opentinker.common.v1.MetricPointH\x00\x12\x36\n\ncheckpoint\x18\x06 \x01(\x0b\x32 .opentinker.common.v1.CheckpointH\x00\x42\x07\n\x05\x65vent\"\x98\x05\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12,\n\x04spec\x18\x03 \x01(\x0b\x32\x1e.opentinker.common.v1.TaskSpec\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.opentinker.common.v1.TaskState\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x05\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstart_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07node_id\x18\x0b \x01(\t\x12\x16\n\x0e\x64\x65vice_indices\x18\x0c \x03(\x05\x12\x16\n\x0epending_reason\x18\r \x01(\t\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12\x45\n\x0elatest_metrics\x18\x0f \x03(\x0b\x32-.opentinker.common.v1.Task.LatestMetricsEntry\x12\x13\n\x0blatest_step\x18\x10 \x01(\x03\x12;\n\x11latest_checkpoint\x18\x11 \x01(\x0b\x32 .opentinker.common.v1.Checkpoint\x12\x10\n\x08\x65ndpoint\x18\x12 \x01(\t\x1a\x34\n\x12LatestMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xbb\x01\n\tTaskState\x12\x1a\n\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12TASK_STATE_PENDING\x10\x01\x12\x17\n\x13TASK_STATE_ASSIGNED\x10\x02\x12\x16\n\x12TASK_STATE_RUNNING\x10\x03\x12\x18\n\x14TASK_STATE_SUCCEEDED\x10\x04\x12\x15\n\x11TASK_STATE_FAILED\x10\x05\x12\x18\n\x14TASK_STATE_CANCELLED\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,38 +42,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HOSTTELEMETRY_UNAVAILABLEENTRY']._serialized_options = b'8\001'
   _globals['_TASK_LATESTMETRICSENTRY']._loaded_options = None
   _globals['_TASK_LATESTMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_TASKSTATE']._serialized_start=3176
-  _globals['_TASKSTATE']._serialized_end=3363
+  _globals['_TASKSTATE']._serialized_start=3191
+  _globals['_TASKSTATE']._serialized_end=3378
   _globals['_RESOURCES']._serialized_start=154
-  _globals['_RESOURCES']._serialized_end=184
-  _globals['_LIMITS']._serialized_start=186
-  _globals['_LIMITS']._serialized_end=264
-  _globals['_TASKSPEC']._serialized_start=267
-  _globals['_TASKSPEC']._serialized_end=577
-  _globals['_METRICPOINT']._serialized_start=580
-  _globals['_METRICPOINT']._serialized_end=759
-  _globals['_METRICPOINT_VALUESENTRY']._serialized_start=714
-  _globals['_METRICPOINT_VALUESENTRY']._serialized_end=759
-  _globals['_CHECKPOINT']._serialized_start=762
-  _globals['_CHECKPOINT']._serialized_end=986
-  _globals['_ARTIFACTREF']._serialized_start=988
-  _globals['_ARTIFACTREF']._serialized_end=1077
-  _globals['_DEVICE']._serialized_start=1079
-  _globals['_DEVICE']._serialized_end=1177
-  _globals['_DEVICETELEMETRY']._serialized_start=1180
-  _globals['_DEVICETELEMETRY']._serialized_end=1692
-  _globals['_DEVICETELEMETRY_UNAVAILABLEENTRY']._serialized_start=1511
-  _globals['_DEVICETELEMETRY_UNAVAILABLEENTRY']._serialized_end=1561
-  _globals['_HOSTTELEMETRY']._serialized_start=1695
-  _globals['_HOSTTELEMETRY']._serialized_end=2051
-  _globals['_HOSTTELEMETRY_UNAVAILABLEENTRY']._serialized_start=1511
-  _globals['_HOSTTELEMETRY_UNAVAILABLEENTRY']._serialized_end=1561
-  _globals['_STATECHANGE']._serialized_start=2054
-  _globals['_STATECHANGE']._serialized_end=2238
-  _globals['_TASKEVENT']._serialized_start=2241
-  _globals['_TASKEVENT']._serialized_end=2506
-  _globals['_TASK']._serialized_start=2509
-  _globals['_TASK']._serialized_end=3173
-  _globals['_TASK_LATESTMETRICSENTRY']._serialized_start=3121
-  _globals['_TASK_LATESTMETRICSENTRY']._serialized_end=3173
+  _globals['_RESOURCES']._serialized_end=199
+  _globals['_LIMITS']._serialized_start=201
+  _globals['_LIMITS']._serialized_end=279
+  _globals['_TASKSPEC']._serialized_start=282
+  _globals['_TASKSPEC']._serialized_end=592
+  _globals['_METRICPOINT']._serialized_start=595
+  _globals['_METRICPOINT']._serialized_end=774
+  _globals['_METRICPOINT_VALUESENTRY']._serialized_start=729
+  _globals['_METRICPOINT_VALUESENTRY']._serialized_end=774
+  _globals['_CHECKPOINT']._serialized_start=777
+  _globals['_CHECKPOINT']._serialized_end=1001
+  _globals['_ARTIFACTREF']._serialized_start=1003
+  _globals['_ARTIFACTREF']._serialized_end=1092
+  _globals['_DEVICE']._serialized_start=1094
+  _globals['_DEVICE']._serialized_end=1192
+  _globals['_DEVICETELEMETRY']._serialized_start=1195
+  _globals['_DEVICETELEMETRY']._serialized_end=1707
+  _globals['_DEVICETELEMETRY_UNAVAILABLEENTRY']._serialized_start=1526
+  _globals['_DEVICETELEMETRY_UNAVAILABLEENTRY']._serialized_end=1576
+  _globals['_HOSTTELEMETRY']._serialized_start=1710
+  _globals['_HOSTTELEMETRY']._serialized_end=2066
+  _globals['_HOSTTELEMETRY_UNAVAILABLEENTRY']._serialized_start=1526
+  _globals['_HOSTTELEMETRY_UNAVAILABLEENTRY']._serialized_end=1576
+  _globals['_STATECHANGE']._serialized_start=2069
+  _globals['_STATECHANGE']._serialized_end=2253
+  _globals['_TASKEVENT']._serialized_start=2256
+  _globals['_TASKEVENT']._serialized_end=2521
+  _globals['_TASK']._serialized_start=2524
+  _globals['_TASK']._serialized_end=3188
+  _globals['_TASK_LATESTMETRICSENTRY']._serialized_start=3136
+  _globals['_TASK_LATESTMETRICSENTRY']._serialized_end=3188
 # @@protoc_insertion_point(module_scope)

@@ -30,10 +30,12 @@ TASK_STATE_FAILED: TaskState
 TASK_STATE_CANCELLED: TaskState
 
 class Resources(_message.Message):
-    __slots__ = ("gpu_count",)
+    __slots__ = ("gpu_count", "nodes")
     GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
     gpu_count: int
-    def __init__(self, gpu_count: _Optional[int] = ...) -> None: ...
+    nodes: int
+    def __init__(self, gpu_count: _Optional[int] = ..., nodes: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_runtime", "max_attempts")

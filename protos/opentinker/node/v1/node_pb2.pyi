@@ -156,7 +156,7 @@ class Goodbye(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class AssignTask(_message.Message):
-    __slots__ = ("task_id", "attempt", "spec", "device_indices", "resume_from", "owner", "init_checkpoint", "local_paths_restricted")
+    __slots__ = ("task_id", "attempt", "spec", "device_indices", "resume_from", "owner", "init_checkpoint", "local_paths_restricted", "gang")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class AssignTask(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     INIT_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PATHS_RESTRICTED_FIELD_NUMBER: _ClassVar[int]
+    GANG_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     attempt: int
     spec: _common_pb2.TaskSpec
@@ -173,7 +174,28 @@ class AssignTask(_message.Message):
     owner: str
     init_checkpoint: _common_pb2.Checkpoint
     local_paths_restricted: bool
-    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., resume_from: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., owner: _Optional[str] = ..., init_checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., local_paths_restricted: _Optional[bool] = ...) -> None: ...
+    gang: GangMember
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., resume_from: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., owner: _Optional[str] = ..., init_checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., local_paths_restricted: _Optional[bool] = ..., gang: _Optional[_Union[GangMember, _Mapping]] = ...) -> None: ...
+
+class GangMember(_message.Message):
+    __slots__ = ("world_size", "rank_offset", "local_world_size", "member_index", "members", "rendezvous_host", "rendezvous_port", "member_nodes")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_HOST_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_PORT_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_NODES_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    rank_offset: int
+    local_world_size: int
+    member_index: int
+    members: int
+    rendezvous_host: str
+    rendezvous_port: int
+    member_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., local_world_size: _Optional[int] = ..., member_index: _Optional[int] = ..., members: _Optional[int] = ..., rendezvous_host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ..., member_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CancelTask(_message.Message):
     __slots__ = ("task_id", "attempt", "reason")

@@ -1,0 +1,109 @@
+"""Data-parallel GRPO: one step of two gloo ranks, each on half of the groups, equals one step of
+one rank on all of them (LoRA parameters and metrics within float tolerance), for each loss
+aggregation, with gradient clipping active, two epochs and the KL term."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update
+from opentinker_trainer.rl.rollout import sequence_logprobs
+
+from tests.support.distributed import run_ranks
+
+G, K, P, T = 5, 3, 5, 6  # 5 groups: ranks of 3 and 2, unequal micro-batch counts
+AGGREGATIONS = ("token_mean", "seq_mean", "dr_grpo")
+
+
+def cfg(aggregation: str) -> SimpleNamespace:
+    return SimpleNamespace(
+        ppo_epochs=2,
+        clip_eps=0.2,
+        kl_coef=0.05,
+        max_grad_norm=0.05,  # small enough to clip: the norm must be the global batch's
+        scale_rewards=True,
+        loss_aggregation=aggregation,
+        max_new_tokens=T,
+    )
+
+
+def global_batch(vocab: int) -> dict[str, torch.Tensor]:
+    """``G`` groups of ``K`` rows: shared prompts per group, completions of varied lengths, one
+    missing reward and one group without signal."""
+    g = torch.Generator().manual_seed(7)
+    prompts = torch.randint(3, vocab, (G, P), generator=g).repeat_interleave(K, 0)
+    completions = torch.randint(3, vocab, (G * K, T), generator=g)
+    lengths = torch.randint(1, T + 1, (G * K,), generator=g)
+    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    rewards = torch.rand(G, K, generator=g)
+    rewards[1, 2] = float("nan")
+    rewards[3] = 0.5  # no signal
+    return {"prompts": prompts, "completions": completions, "mask": mask, "rewards": rewards}
+
+
+def lora_model(model_dir: str):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = get_peft_model(base, config)
+    with torch.no_grad():  # a non-zero B, so the adapter changes the logits from the first step
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return model
+
+
+def step(model_dir: str, groups: range, dp=None) -> dict[str, dict]:
+    """One ``grpo_update`` per aggregation on ``groups`` of the global batch, from the same start."""
+    out = {}
+    for aggregation in AGGREGATIONS:
+        model = lora_model(model_dir)
+        data = global_batch(model.config.vocab_size)
+        rows = slice(groups.start * K, groups.stop * K)
+        prompt_mask = torch.ones(G * K, P, dtype=torch.bool)[rows]
+        prompts, completions, mask = data["prompts"][rows], data["completions"][rows], data["mask"][rows]
+
+        def logprobs(module, sl, prompts=prompts, completions=completions, mask=mask, pm=prompt_mask):
+            return sequence_logprobs(module, prompts[sl], pm[sl], completions[sl], mask[sl], group_size=K)
+
+        n = len(prompts)
+        chunks = [slice(i, min(i + K, n)) for i in range(0, n, K)]  # one group per micro-batch
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        batch = GRPOBatch(rewards=data["rewards"][groups.start : groups.stop], mask=mask, chunks=chunks)
+        metrics = grpo_update(model, opt, batch, logprobs, cfg(aggregation), reference=ADAPTER_OFF, dp=dp)
+        out[aggregation] = {
+            "metrics": metrics,
+            "params": {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad},
+        }
+    return out
+
+
+def ranked_step(dp, model_dir: str) -> dict[str, dict]:
+    torch.set_num_threads(1)
+    return step(model_dir, dp.shard(G), dp)
+
+
+def test_two_ranks_take_the_step_of_one(tiny_model_dir, tmp_path) -> None:
+    torch.set_num_threads(1)
+    one = step(str(tiny_model_dir), range(G))
+    ranks = run_ranks(ranked_step, 2, tmp_path, str(tiny_model_dir))
+    for aggregation in AGGREGATIONS:
+        ref = one[aggregation]
+        for r in ranks:
+            got = r[aggregation]
+            for k, v in ref["params"].items():
+                torch.testing.assert_close(got["params"][k], v, atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+            for k, v in ref["metrics"].items():
+                if v == v:  # NaN stays NaN
+                    assert got["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-7), (aggregation, k)
+        # the step moved the adapter (a test of something)
+        start = lora_model(str(tiny_model_dir))
+        moved = max((p - dict(start.named_parameters())[k]).abs().max().item() for k, p in ref["params"].items())
+        assert moved > 1e-4
