@@ -26,12 +26,12 @@ def test_high_priority_preempts_and_victim_resumes_from_checkpoint(cluster, tiny
         high = client.submit_task(
             workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 3}, priority=50
         )
-        task = cluster.wait_state(low, C.TASK_STATE_PENDING, timeout=90)
+        task = cluster.wait_state(low, C.TASK_STATE_PENDING)
         assert task.attempt == 2
         preempted_at = task.latest_checkpoint.step
         assert preempted_at >= 3, "the preempted worker wrote a checkpoint before stopping"
-        cluster.wait_state(high, C.TASK_STATE_SUCCEEDED, timeout=180)
-        task = cluster.wait_state(low, C.TASK_STATE_SUCCEEDED, timeout=240)
+        cluster.wait_state(high, C.TASK_STATE_SUCCEEDED)
+        task = cluster.wait_state(low, C.TASK_STATE_SUCCEEDED)
         assert task.attempt == 2
         events = list(client.watch(low))
         assert "PREEMPTED" in [e.reason for e in events if e.kind == "state"]
@@ -51,7 +51,7 @@ def test_max_runtime_fails_with_timeout_after_final_checkpoint(cluster, tiny_mod
             hyperparameters={**HP, "steps": 10000},
             max_runtime=12,
         )  # room to load and step once under load
-        task = cluster.wait_state(task_id, C.TASK_STATE_FAILED, timeout=120)
+        task = cluster.wait_state(task_id, C.TASK_STATE_FAILED)
         events = [e for e in client.watch(task_id)]
         assert [e.reason for e in events if e.kind == "state"][-1] == "TIMEOUT"
         deadline = time.monotonic() + 70
