@@ -17,6 +17,7 @@ from opentinker.node.v1 import node_pb2_grpc
 from opentinker_client import RLClient
 
 from tests.support.procs import LONG_TINY_LORA_HP
+from tests.support.waiting import wait_for
 
 TINY_HP = {"steps": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
 
@@ -72,7 +73,7 @@ class FakeNode:
         except grpc.RpcError:
             pass
 
-    def next(self, kind: str, timeout: float = 15) -> N.ConnectResponse:
+    def next(self, kind: str, timeout: float = 60) -> N.ConnectResponse:
         deadline = time.monotonic() + timeout
         while True:
             cmd = self.commands.get(timeout=max(0.01, deadline - time.monotonic()))
@@ -119,7 +120,19 @@ def test_stale_attempt_report_refused_over_real_stream(tmp_path) -> None:
             ghost = FakeNode(target, "node-old", running=[(task_id, 1)])
             ghost.report(task_id, 1, metrics=[C.MetricPoint(step=50, values={"loss": 9.0, "reward": 0.0})])
             ghost.report(task_id, 1, C.TASK_STATE_SUCCEEDED)
-            time.sleep(1.0)
+            # Both reports reached the scheduler and were refused (not merely not seen yet).
+            assert ghost.next("cancel_task").cancel_task.attempt == 1  # told to stop that attempt
+
+            def refused() -> list:
+                found = [
+                    e
+                    for e in cluster.scheduler.log_events()
+                    if e.get("event") == "stale report refused (fencing)"
+                    and (e.get("task_id"), e.get("attempt"), e.get("node_id")) == (task_id, 1, "node-old")
+                ]
+                return found if len(found) >= 2 else []
+
+            wait_for(refused, timeout=60, what="the ghost's two reports refused")
             task = cluster.get(task_id)
             assert task.state == C.TASK_STATE_RUNNING and task.attempt == 2 and task.node_id == "node-new"
             assert task.latest_step == 1 and task.latest_metrics["reward"] == 0.5
