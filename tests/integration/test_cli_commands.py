@@ -12,6 +12,7 @@ import pytest
 from opentinker_client import RLClient
 
 from tests.support.fake_scheduler import S, finished_task
+from tests.support.waiting import wait_for
 
 
 def run(*args, url=None, timeout=60):
@@ -135,12 +136,8 @@ def test_submit_watch(fake, tmp_path):
     path.write_text("workload_type: lora_finetune\nhyperparameters: {steps: 1}\n")
 
     def finish():  # the submitted task runs and succeeds while the CLI watches
-        import time
-
-        for _ in range(200):
-            if "task-0001" in servicer.tasks:
-                break
-            time.sleep(0.05)
+        # The CLI process starting and submitting: a fixed wait, long for what it takes (about 1 s).
+        wait_for(lambda: "task-0001" in servicer.tasks, timeout=60, what="the CLI submitted", interval=0.05)
         servicer.add_state("task-0001", S.TASK_STATE_RUNNING, reason="STARTED")
         servicer.add_metric("task-0001", 1, 0.1, 1.0)
         servicer.add_state("task-0001", S.TASK_STATE_SUCCEEDED, reason="COMPLETED")
