@@ -239,7 +239,9 @@ def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
     try:
         with RLClient(sched.target) as client:
             task_id = client.submit_task(workload_type="lora_finetune", model="/models/m")
-        env = {**os.environ, "SCHEDULER_URL": sched.target, "PYTHONUNBUFFERED": "1"}
+        # PYTHONFAULTHANDLER: a CLI still running 20 s after the signal is sent SIGABRT, and its
+        # threads' stacks go into the failure.
+        env = {**os.environ, "SCHEDULER_URL": sched.target, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
         proc = subprocess.Popen(
             [sys.executable, "-m", "opentinker_client.cli.commands", "logs", task_id, "--follow"],
             env=env,
@@ -252,7 +254,13 @@ def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
             assert "pending" in line
             time.sleep(0.3)
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=20) == EXIT_INTERRUPTED
+            try:
+                rc = proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)
+                _, err = proc.communicate(timeout=20)
+                pytest.fail(f"the CLI did not exit within 20 s of SIGINT; its stderr and stacks:\n{err[-8000:]}")
+            assert rc == EXIT_INTERRUPTED
             assert "interrupted" in proc.stderr.read()
         finally:
             proc.kill()
