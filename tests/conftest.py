@@ -1,10 +1,19 @@
 """Shared fixtures: a tiny randomly-initialised Llama with the real SmolLM2 tokenizer, and the
 real SmolLM2-135M-Instruct folder (``make install`` prepares it; tests that need it skip without).
+
+torch runs one CPU thread per process in the suite (``OMP_NUM_THREADS=1`` unless set already; the
+trainer and worker processes the tests start inherit it). The tests run several processes at
+once on small models, where more threads gain nothing; on a busy machine OpenMP threads that
+wait for each other spin, and a worker with two threads ran 6 times slower beside two busy loops
+on 2 cores (test_faults.py's scheduler kill -9 test: 107 s against 18 s with one thread).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before anything imports torch
 
 import pytest
 

@@ -13,10 +13,11 @@ or tensors for modules the base model does not have or with the wrong shapes. PE
 load such a file with a warning and then silently serve the base model.
 
 It is refused after loading too, and taken off the model again, unless PEFT loaded all of it
-(:func:`unloaded_keys`): every LoRA tensor of the file went into the adapter, and every module
-the adapter's config targets got its weights. Otherwise keys without the ``base_model.model.``
-prefix (PEFT matches none of them: ``lora_B`` stays 0, the outputs are the base model's), or a
-file lacking a target module or some layers, would be served as the base or a partial adapter.
+(:func:`opentinker_trainer.lora_keys.unloaded_keys`, which the training workloads use too): every
+LoRA tensor of the file went into the adapter, and every module the adapter's config targets got
+its weights. Otherwise keys without the ``base_model.model.`` prefix (PEFT matches none of them:
+``lora_B`` stays 0, the outputs are the base model's), or a file lacking a target module or some
+layers, would be served as the base or a partial adapter.
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from opentinker_trainer.lora_keys import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    lora_module_of,
+    unloaded_keys,
+    unloaded_message,
+)
+
 __all__ = [
     "AdapterError",
     "AdapterNotFound",
@@ -40,8 +49,8 @@ __all__ = [
     "validate_adapter",
 ]
 
-WEIGHTS = "adapter_model.safetensors"
-CONFIG = "adapter_config.json"
+WEIGHTS = ADAPTER_WEIGHTS
+CONFIG = ADAPTER_CONFIG
 
 
 class AdapterError(Exception):
@@ -72,21 +81,6 @@ class AdapterInfo:
     in_use: int
 
 
-def _module_of(key: str) -> tuple[str, str] | None:
-    """``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` ->
-    (``model.layers.0.self_attn.q_proj``, ``lora_A``); None for a key that is not a LoRA tensor."""
-    for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
-        marker = f".{part}."
-        if marker in key or key.endswith(f".{part}"):
-            module = key.split(marker)[0] if marker in key else key[: -len(part) - 1]
-            for prefix in ("base_model.model.", "base_model."):
-                if module.startswith(prefix):
-                    module = module[len(prefix) :]
-                    break
-            return module, part
-    return None
-
-
 def validate_adapter(path: Path, base_model) -> int:
     """Check that folder ``path`` holds a LoRA adapter for ``base_model`` (reads keys and shapes
     only, no tensor data). Returns the bytes of its LoRA tensors.
@@ -112,7 +106,7 @@ def validate_adapter(path: Path, base_model) -> int:
         with safe_open(str(weights), framework="pt") as f:
             keys = list(f.keys())
             for key in keys:
-                found = _module_of(key)
+                found = lora_module_of(key)
                 if found is None:
                     continue
                 module_name, part = found
@@ -145,35 +139,6 @@ def validate_adapter(path: Path, base_model) -> int:
             f"{' ...' if len(bad_shape) > 10 else ''}"
         )
     return size
-
-
-def unloaded_keys(model, name: str, path: Path) -> tuple[list[str], list[str]]:
-    """What PEFT did not load of the adapter file at ``path`` into adapter ``name`` of ``model`` (a
-    ``PeftModel`` that has just loaded it); reads the file's keys only.
-
-    The adapter's tensors in ``model`` are named as PEFT saves them
-    (``peft.get_peft_model_state_dict(model, adapter_name=name)``, e.g.
-    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), the names PEFT's loader
-    maps the file's keys onto; a key of one that the other lacks was not loaded.
-
-    Returns:
-        ``(missing, not_loaded)``, each sorted: ``missing`` — the adapter's tensors (one per
-        module its config targets and LoRA part) with no key in the file, so left at their initial
-        values (``lora_B`` 0); ``not_loaded`` — the file's LoRA keys that name none of them.
-    """
-    from peft import get_peft_model_state_dict
-    from safetensors import safe_open
-
-    expected = set(get_peft_model_state_dict(model, adapter_name=name))
-    with safe_open(str(Path(path) / WEIGHTS), framework="pt") as f:
-        in_file = set(f.keys())
-    missing = sorted(expected - in_file)
-    not_loaded = sorted(k for k in in_file - expected if _module_of(k) is not None)
-    return missing, not_loaded
-
-
-def _listed(keys: list[str], limit: int = 10) -> str:
-    return ", ".join(keys[:limit]) + (f" ... ({len(keys)} in all)" if len(keys) > limit else "")
 
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
@@ -328,15 +293,7 @@ class AdapterRegistry:
         missing, not_loaded = unloaded_keys(self.model, name, path)
         if missing or not_loaded:
             self._delete(name)
-            parts = []
-            if missing:
-                parts.append(f"{len(missing)} tensor(s) its config targets are not in the file: {_listed(missing)}")
-            if not_loaded:
-                parts.append(f"{len(not_loaded)} LoRA key(s) of the file match none of them: {_listed(not_loaded)}")
-            raise AdapterRefused(
-                f"adapter {name!r} ({path}): not every LoRA tensor was loaded ({'; '.join(parts)}); PEFT names "
-                "them base_model.model.<module>.lora_A.weight, one per targeted module"
-            )
+            raise AdapterRefused(f"adapter {name!r} ({path}): {unloaded_message(missing, not_loaded)}")
         self.model.eval()  # new LoRA modules (their dropout) start in train mode
         self._active = _UNKNOWN
         self.loads += 1

@@ -83,12 +83,13 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def attach_lora(model, cfg, resume_from: Path | None):
-    """Wrap ``model`` with a fresh trainable LoRA adapter, or the one saved at ``resume_from``."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+def attach_lora(model, cfg, resume_from: Path | None, *, what: str = "checkpoint"):
+    """Wrap ``model`` with a fresh trainable LoRA adapter, or the one saved at ``resume_from``
+    (checked by :func:`load_adapter`; ``what`` names that folder in its errors)."""
+    from peft import LoraConfig, get_peft_model
 
     if resume_from is not None:
-        return PeftModel.from_pretrained(model, str(resume_from), is_trainable=True)
+        return load_adapter(model, resume_from, what=what, is_trainable=True)
     config = LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
@@ -100,6 +101,32 @@ def attach_lora(model, cfg, resume_from: Path | None):
         return get_peft_model(model, config)
     except ValueError as exc:  # e.g. "Target modules {...} not found in the base model"
         raise UserError(f"hyperparameters.target_modules {list(cfg.target_modules)}: {exc}") from exc
+
+
+def load_adapter(model, path: Path, *, what: str = "checkpoint", is_trainable: bool = True):
+    """``model`` wrapped in a ``PeftModel`` with the LoRA adapter saved in folder ``path``, once
+    PEFT is seen to have loaded all of it (:func:`opentinker_trainer.lora_keys.unloaded_keys`).
+
+    PEFT itself loads a file it only partly matches with a warning and goes on, so a task would
+    train from a fresh ``lora_B`` of 0 (keys without the ``base_model.model.`` prefix) or from a
+    partial adapter (a target module or some layers missing) without a word.
+
+    Raises:
+        UserError: the folder has no ``adapter_model.safetensors``, a module its config targets got
+            no weights, or a LoRA key of the file matched nothing; the message lists the keys.
+    """
+    from peft import PeftModel
+
+    from opentinker_trainer.lora_keys import unloaded_keys, unloaded_message
+
+    loaded = PeftModel.from_pretrained(model, str(path), adapter_name="default", is_trainable=is_trainable)
+    try:
+        missing, not_loaded = unloaded_keys(loaded, "default", path)
+    except FileNotFoundError as exc:
+        raise UserError(f"{what} {path} is not a PEFT LoRA adapter: {exc}") from None
+    if missing or not_loaded:
+        raise UserError(f"{what} {path}: {unloaded_message(missing, not_loaded)}")
+    return loaded
 
 
 def rng_state(env_state: Any) -> dict[str, Any]:
@@ -217,6 +244,8 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
 #: Checkpoint formats: a PEFT LoRA adapter folder; a full transformers ``save_pretrained`` folder.
 FORMAT_LORA = "peft_lora"
 FORMAT_FULL = "hf_full"
+#: How errors name an ``init_from`` checkpoint.
+INIT_WHAT = "init_from: checkpoint"
 
 
 def _check_init(ctx) -> tuple[Path | None, str]:
@@ -254,16 +283,16 @@ def load_for_training(ctx, cfg, device: torch.device, dtype: torch.dtype, *, ful
         source = own or (init if fmt == FORMAT_FULL else None) or ctx.spec.model
         tokenizer, model = load_model(str(source), device, dtype)
         if own is None and fmt == FORMAT_LORA:
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, str(init)).merge_and_unload()
+            model = load_adapter(model, init, what=INIT_WHAT, is_trainable=False).merge_and_unload()
         model.requires_grad_(True)
         torch.manual_seed(cfg.seed)  # sampling starts from the seed, as with LoRA
         return tokenizer, model
     source = init if fmt == FORMAT_FULL else ctx.spec.model
     tokenizer, base = load_model(str(source), device, dtype)
     torch.manual_seed(cfg.seed)  # a fresh adapter's initial weights
-    return tokenizer, attach_lora(base, cfg, own or (init if fmt == FORMAT_LORA else None))
+    if own is not None:
+        return tokenizer, attach_lora(base, cfg, own, what="resume_from: checkpoint")
+    return tokenizer, attach_lora(base, cfg, init if fmt == FORMAT_LORA else None, what=INIT_WHAT)
 
 
 def frozen_reference(ctx, cfg, model, device: torch.device, dtype: torch.dtype):

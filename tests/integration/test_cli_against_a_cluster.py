@@ -60,7 +60,7 @@ def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
 def ran(tmp_path_factory, tiny_model_dir):
     """A real cluster (a CPU node and a node with 2 simulated GPUs) with one task that succeeded
     after 4 steps and one that failed at once (its model does not exist)."""
-    from opentinker_client import RLClient
+    from opentinker_client import RLClient, TaskFailedError
 
     cluster = Cluster(tmp_path_factory.mktemp("ops"))
     try:
@@ -81,8 +81,8 @@ def ran(tmp_path_factory, tiny_model_dir):
             )
             for task_id in (ok, bad):
                 try:
-                    client.wait(task_id, timeout=180, poll_interval=0.2)
-                except Exception:  # noqa: BLE001 - the bad one raises TaskFailedError
+                    cluster.wait_done(client, task_id)
+                except TaskFailedError:  # the bad one
                     pass
             assert client.get_task(ok).state == "succeeded"
             assert client.get_task(bad).state == "failed"

@@ -12,6 +12,7 @@ import pytest
 from opentinker_client import RLClient
 
 from tests.support.fake_scheduler import S, finished_task
+from tests.support.waiting import wait_for
 
 
 def run(*args, url=None, timeout=60):
@@ -135,12 +136,8 @@ def test_submit_watch(fake, tmp_path):
     path.write_text("workload_type: lora_finetune\nhyperparameters: {steps: 1}\n")
 
     def finish():  # the submitted task runs and succeeds while the CLI watches
-        import time
-
-        for _ in range(200):
-            if "task-0001" in servicer.tasks:
-                break
-            time.sleep(0.05)
+        # The CLI process starting and submitting: a fixed wait, long for what it takes (about 1 s).
+        wait_for(lambda: "task-0001" in servicer.tasks, timeout=60, what="the CLI submitted", interval=0.05)
         servicer.add_state("task-0001", S.TASK_STATE_RUNNING, reason="STARTED")
         servicer.add_metric("task-0001", 1, 0.1, 1.0)
         servicer.add_state("task-0001", S.TASK_STATE_SUCCEEDED, reason="COMPLETED")
@@ -242,7 +239,9 @@ def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
     try:
         with RLClient(sched.target) as client:
             task_id = client.submit_task(workload_type="lora_finetune", model="/models/m")
-        env = {**os.environ, "SCHEDULER_URL": sched.target, "PYTHONUNBUFFERED": "1"}
+        # PYTHONFAULTHANDLER: a CLI still running 20 s after the signal is sent SIGABRT, and its
+        # threads' stacks go into the failure.
+        env = {**os.environ, "SCHEDULER_URL": sched.target, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
         proc = subprocess.Popen(
             [sys.executable, "-m", "opentinker_client.cli.commands", "logs", task_id, "--follow"],
             env=env,
@@ -255,7 +254,13 @@ def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
             assert "pending" in line
             time.sleep(0.3)
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=20) == EXIT_INTERRUPTED
+            try:
+                rc = proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)
+                _, err = proc.communicate(timeout=20)
+                pytest.fail(f"the CLI did not exit within 20 s of SIGINT; its stderr and stacks:\n{err[-8000:]}")
+            assert rc == EXIT_INTERRUPTED
             assert "interrupted" in proc.stderr.read()
         finally:
             proc.kill()

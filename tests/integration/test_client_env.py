@@ -11,6 +11,8 @@ import pytest
 
 from opentinker_client import Environment, RLClient, TaskFailedError
 
+from tests.support.waiting import wait_for, wait_progress
+
 HP = {"steps": 2, "episodes_per_step": 2, "max_turns": 3, "max_new_tokens": 3, "lora_rank": 4}
 
 
@@ -57,7 +59,7 @@ def test_client_hosted_environment_trains_to_success(cluster, tiny_model_dir: Pa
         with client.serve_environment(Corridor()) as server:
             assert server.env_config["endpoint"].startswith("127.0.0.1:")
             task_id = submit(client, server.env_config, tiny_model_dir)
-            task = client.wait(task_id, timeout=240, poll_interval=0.2)
+            task = cluster.wait_done(client, task_id)
             assert task.state == "succeeded"
             history = client.get_metric_history(task_id)
             assert [s for s, _ in history] == [1, 2]
@@ -74,11 +76,8 @@ def test_submit_task_serves_the_environment_for_the_tasks_lifetime(cluster, tiny
         task_id = submit(client, Corridor(), tiny_model_dir, hyperparameters={**HP, "steps": 1})
         (server,) = client._env_servers
         assert client.get_task(task_id).env_config["env_id"] == "client"
-        assert client.wait(task_id, timeout=240, poll_interval=0.2).state == "succeeded"
-        deadline = time.monotonic() + 15
-        while not server.stopped and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert server.stopped  # stopped by itself once the task ended
+        assert cluster.wait_done(client, task_id).state == "succeeded"
+        wait_for(lambda: server.stopped, timeout=60, what="the environment server stops by itself once the task ended")
         assert Corridor.resets
 
 
@@ -87,7 +86,7 @@ def test_environment_that_raises_fails_the_task_with_its_message(cluster, tiny_m
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         task_id = submit(client, Exploding(), tiny_model_dir)
         with pytest.raises(TaskFailedError) as err:
-            client.wait(task_id, timeout=240, poll_interval=0.2)
+            cluster.wait_done(client, task_id)
     task = err.value.task
     assert task.state == "failed" and task.attempt == 1  # not retried: a retry cannot fix it
     assert "Exploding.reset raised RuntimeError: reactor core breach in reset" in task.error
@@ -98,7 +97,7 @@ def test_environment_that_does_not_answer_fails_naming_the_timeout(cluster, tiny
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         task_id = submit(client, Stalling(timeout_s=0.5), tiny_model_dir)
         with pytest.raises(TaskFailedError) as err:
-            client.wait(task_id, timeout=240, poll_interval=0.2)
+            cluster.wait_done(client, task_id)
     assert "did not answer reset within timeout_s=0.5 s" in err.value.task.error
 
 
@@ -116,9 +115,9 @@ def test_client_that_goes_away_fails_the_task_after_the_grace_period(cluster, ti
     task_id = submit(
         client, Watched(grace_s=2), tiny_model_dir, hyperparameters={**HP, "steps": 10_000}, max_attempts=1
     )
-    assert playing.wait(timeout=240), "the trainer never reset the environment"
+    wait_progress(playing.is_set, lambda: cluster.said_about(task_id), what="the trainer resets the environment")
     client.close()  # stops the environment server; the task must not hang
-    task = cluster.wait_state(task_id, 5, timeout=120)  # FAILED
+    task = cluster.wait_state(task_id, 5)  # FAILED
     assert "unreachable for grace_s=2 s" in task.error and "Watched" in task.error
 
 
@@ -146,7 +145,7 @@ def test_client_hosted_environment_over_tls_with_an_access_token(cluster, tiny_m
         assert (
             env["tls"] is True and env["token"] == server.token and "BEGIN CERTIFICATE" in env["tls_root_certificates"]
         )
-        assert client.wait(task_id, timeout=240, poll_interval=0.2).state == "succeeded"
+        assert cluster.wait_done(client, task_id).state == "succeeded"
         assert Corridor.resets  # the trainer played over TLS
         assert server.auth.refused == 0
     logs = "".join(p.log_text() for p in cluster.procs)  # scheduler, trainer and (inherited stderr) worker
@@ -161,7 +160,7 @@ def test_wrong_access_token_fails_the_task_at_once_naming_the_cause(cluster, tin
             env_config = {**server.env_config, "token": "not-the-servers-token-0123456789"}
             task_id = submit(client, env_config, tiny_model_dir)
             with pytest.raises(TaskFailedError) as err:
-                client.wait(task_id, timeout=240, poll_interval=0.2)
+                cluster.wait_done(client, task_id)
     task = err.value.task
     assert task.state == "failed" and task.attempt == 1  # not retried, and grace_s=120 not waited for
     assert (

@@ -39,11 +39,11 @@ def test_scheduler_kill9_and_restart_loses_nothing_and_running_work_continues(cl
         seen = _steps_logged(trainer, task_id)
         wait_for(lambda: _steps_logged(trainer, task_id) >= seen + 2, timeout=120, what="2 steps while frozen")
         cluster.scheduler.kill9()
-        time.sleep(1)
+        time.sleep(1)  # the fault: down for a while, as the worker steps on (not a wait for anything)
         cluster.start_scheduler()  # same port, same state directory
         # Every acknowledged task is still there; the running one continues as attempt 1.
         assert client.get_task(queued).task_id == queued
-        task = cluster.wait_state(task_id, C.TASK_STATE_SUCCEEDED, timeout=180)
+        task = cluster.wait_state(task_id, C.TASK_STATE_SUCCEEDED)
         assert task.attempt == 1, "the trainer re-announced the task; it must not restart"
         steps = [s for s, _ in client.get_metric_history(task_id)]
         # Nothing acknowledged is lost and nothing counts twice: reports in flight when the
@@ -85,7 +85,7 @@ class FakeNode:
         except grpc.RpcError:
             pass
 
-    def next(self, kind: str, timeout: float = 15) -> N.ConnectResponse:
+    def next(self, kind: str, timeout: float = 60) -> N.ConnectResponse:
         deadline = time.monotonic() + timeout
         while True:
             cmd = self.commands.get(timeout=max(0.01, deadline - time.monotonic()))
@@ -118,7 +118,7 @@ def test_stale_attempt_report_refused_over_real_stream(tmp_path) -> None:
             old.report(task_id, 1, C.TASK_STATE_RUNNING)
             cluster.wait_state(task_id, C.TASK_STATE_RUNNING)
             # The old node falls silent (partition): past its lease the attempt is lost.
-            task = cluster.wait_state(task_id, C.TASK_STATE_PENDING, timeout=15)
+            task = cluster.wait_state(task_id, C.TASK_STATE_PENDING)
             assert task.attempt == 2
             new = FakeNode(target, "node-new")
             assert new.next("assign_task").assign_task.attempt == 2
@@ -132,7 +132,19 @@ def test_stale_attempt_report_refused_over_real_stream(tmp_path) -> None:
             ghost = FakeNode(target, "node-old", running=[(task_id, 1)])
             ghost.report(task_id, 1, metrics=[C.MetricPoint(step=50, values={"loss": 9.0, "reward": 0.0})])
             ghost.report(task_id, 1, C.TASK_STATE_SUCCEEDED)
-            time.sleep(1.0)
+            # Both reports reached the scheduler and were refused (not merely not seen yet).
+            assert ghost.next("cancel_task").cancel_task.attempt == 1  # told to stop that attempt
+
+            def refused() -> list:
+                found = [
+                    e
+                    for e in cluster.scheduler.log_events()
+                    if e.get("event") == "stale report refused (fencing)"
+                    and (e.get("task_id"), e.get("attempt"), e.get("node_id")) == (task_id, 1, "node-old")
+                ]
+                return found if len(found) >= 2 else []
+
+            wait_for(refused, timeout=60, what="the ghost's two reports refused")
             task = cluster.get(task_id)
             assert task.state == C.TASK_STATE_RUNNING and task.attempt == 2 and task.node_id == "node-new"
             assert task.latest_step == 1 and task.latest_metrics["reward"] == 0.5

@@ -62,7 +62,7 @@ def test_inference_with_api_keys_and_tls_end_to_end(tmp_path: Path, tiny_model_d
             trained = alice.submit_task(
                 workload_type="lora_finetune", gpu_count=0, model=str(tiny_model_dir), hyperparameters=TINY_HP
             )
-            assert alice.wait(trained, timeout=240, poll_interval=0.3).state == "succeeded"
+            assert cluster.wait_done(alice, trained).state == "succeeded"
             llm = alice.serve(trained, ttl=600, timeout=180)  # alice's key and the CA go along
             endpoint = llm.endpoint
             assert endpoint.startswith("https://127.0.0.1:") and llm.tls
@@ -108,7 +108,7 @@ def test_inference_with_api_keys_and_tls_end_to_end(tmp_path: Path, tiny_model_d
         with RLClient(cluster.url, api_key=alice_key, **tls) as alice:
             alice.cancel(llm.task_id)
             with pytest.raises(TaskFailedError, match="CANCELLED"):
-                alice.wait(llm.task_id, timeout=60, poll_interval=0.3)
+                cluster.wait_done(alice, llm.task_id)
         serving = [e for e in cluster.procs[-1].log_events() if e.get("event") == "serving"]
         assert (
             serving

@@ -142,7 +142,7 @@ def test_end_to_end_with_auth_on_and_model_dirs(tmp_path: Path, tiny_model_dir: 
                 workload_type="lora_finetune", model="private-model", hyperparameters={"steps": 1, "lora_rank": 2}
             )
             with pytest.raises(TaskFailedError) as err:
-                alice.wait(stolen, timeout=180, poll_interval=0.2)
+                cluster.wait_done(alice, stolen)
             task = err.value.task
             assert task.attempt == 1  # not retried: a user error
             assert (
@@ -165,7 +165,7 @@ def test_end_to_end_with_auth_on_and_model_dirs(tmp_path: Path, tiny_model_dir: 
                     "lora_rank": 2,
                 },
             )
-            assert alice.wait(ok, timeout=240, poll_interval=0.2).state == "succeeded"
+            assert cluster.wait_done(alice, ok).state == "succeeded"
     finally:
         cluster.close()
 

@@ -55,7 +55,7 @@ def test_keys_tls_and_mtls_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> N
             task_id = alice.submit_task(
                 workload_type="lora_finetune", gpu_count=0, model=str(tiny_model_dir), hyperparameters=TINY_HP
             )
-            task = alice.wait(task_id, timeout=240, poll_interval=0.3)
+            task = cluster.wait_done(alice, task_id)
             assert task.state == "succeeded" and task.owner == "alice"
             assert alice.get_metrics(task_id)["step"] == 2
 

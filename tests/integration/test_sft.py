@@ -50,7 +50,7 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
             {"env_id": "chat_jsonl", "dataset_id": info.dataset_id, "eval_fraction": 0.25},
             workload_type="sft", model=str(tiny_model_dir), hyperparameters=SFT_HP,
         )  # fmt: skip
-        sft_task = client.wait(sft_id, timeout=180, poll_interval=0.2)
+        sft_task = sft_cluster.wait_done(client, sft_id)
         assert sft_task.state == "succeeded", sft_task.error
         history = client.get_metric_history(sft_id)
         assert [s for s, _ in history] == [1, 2, 3]
@@ -88,7 +88,7 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
         rl_id = client.submit_task(
             workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=RL_HP, init_from=sft_id
         )
-        rl_task = client.wait(rl_id, timeout=180, poll_interval=0.2)
+        rl_task = sft_cluster.wait_done(client, rl_id)
         assert rl_task.state == "succeeded", rl_task.error
         assert rl_task.init_from == sft_id
         rl_config = json.loads((Path(rl_task.checkpoint_path) / "adapter_config.json").read_text())
@@ -105,7 +105,7 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
             workload_type="sft", model=str(tiny_model_dir), dataset=data,
             hyperparameters={"steps": 1, "batch_size": 4, "lora": False, "learning_rate": 1e-3},
         )  # fmt: skip
-        full = client.wait(full_id, timeout=180, poll_interval=0.2)
+        full = sft_cluster.wait_done(client, full_id)
         assert full.state == "succeeded", full.error
         assert full.env_config["dataset_id"] == info.dataset_id
         assert (
@@ -117,7 +117,7 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
             workload_type="full_rl", model=str(tiny_model_dir), init_from=full_id,
             hyperparameters={**RL_HP, "learning_rate": 1e-4},
         )  # fmt: skip
-        grpo = client.wait(grpo_id, timeout=180, poll_interval=0.2)
+        grpo = sft_cluster.wait_done(client, grpo_id)
         assert grpo.state == "succeeded", grpo.error
         assert {"loss", "reward", "loss/policy"} <= set(client.get_metrics(grpo_id))
         assert (
@@ -190,7 +190,7 @@ def test_dataset_refusals_over_the_wire(sft_cluster: Cluster, tiny_model_dir: Pa
             hyperparameters={"steps": 1},
         )
         with pytest.raises(TaskFailedError) as failed:
-            client.wait(task_id, timeout=120, poll_interval=0.2)
+            sft_cluster.wait_done(client, task_id)
         assert failed.value.task.attempt == 1
         assert f"dataset {bad}: line 3: expected at least one assistant message" in failed.value.task.error
     assert sft_cluster.health() == {"status": "ok"}

@@ -15,7 +15,7 @@ import pytest
 from opentinker_trainer.http import StepRate
 from tests.support.http import http_get, metric_samples, metric_value as value
 from tests.support.procs import LONG_TINY_LORA_HP, free_port
-from tests.support.waiting import wait_for
+from tests.support.waiting import wait_for, wait_progress
 
 
 def get(port: int, path: str) -> tuple[int, bytes]:
@@ -63,11 +63,12 @@ def test_metrics_move_with_a_task_and_health_follows_the_scheduler(cluster, tiny
         task_id = client.submit_task(
             workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=0, hyperparameters=LONG_TINY_LORA_HP
         )
-        m = wait_for(
+        m = wait_progress(
             lambda: (lambda s: s if (value(s, "opentinker_task_step", task_id=task_id) or 0) >= 3 else None)(
                 samples(port)
             ),
-            what="3 steps",
+            lambda: cluster.said_about(task_id),
+            what="3 steps on /metrics",
         )
         assert value(m, "opentinker_trainer_running_tasks") == 1.0
         assert value(m, "opentinker_task_steps_per_second", task_id=task_id, attempt=1) > 0
@@ -75,7 +76,7 @@ def test_metrics_move_with_a_task_and_health_follows_the_scheduler(cluster, tiny
         assert value(m, "opentinker_task_loss", task_id=task_id) is not None
         assert any(labels["task_id"] == task_id for labels, _ in m["opentinker_task_perf"])
         assert value(m, "opentinker_trainer_metric_reports_total") >= 3
-        later = wait_for(
+        later = wait_progress(
             lambda: (
                 lambda s: (
                     s
@@ -84,7 +85,8 @@ def test_metrics_move_with_a_task_and_health_follows_the_scheduler(cluster, tiny
                     else None
                 )
             )(samples(port)),
-            what="step moves",
+            lambda: cluster.said_about(task_id),
+            what="the step on /metrics moves",
         )
         assert value(later, "opentinker_trainer_metric_reports_total") > value(
             m, "opentinker_trainer_metric_reports_total"

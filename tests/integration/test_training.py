@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from opentinker_client import Environment, RLClient, TaskFailedError
+
+from tests.support.waiting import wait_for
 
 TINY_HP = {
     "steps": 3,
@@ -74,12 +75,12 @@ def test_missing_model_fails_without_retry_and_services_keep_serving(cluster, ti
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
         bad = client.submit_task(workload_type="lora_finetune", model="/no/such/model", hyperparameters=TINY_HP)
         with pytest.raises(TaskFailedError) as err:
-            client.wait(bad, timeout=120, poll_interval=0.2)
+            cluster.wait_done(client, bad)
         task = err.value.task
         assert task.state == "failed" and task.attempt == 1
         assert "/no/such/model" in task.error
         good = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=TINY_HP)
-        assert client.wait(good, timeout=120, poll_interval=0.2).state == "succeeded"
+        assert cluster.wait_done(client, good).state == "succeeded"
     assert cluster.health() == {"status": "ok"}
 
 
@@ -94,11 +95,11 @@ def test_trainer_killed_mid_task_is_requeued_and_finishes_elsewhere(cluster, tin
         )
         cluster.wait_state(task_id, 3, what=lambda t: t.latest_checkpoint.step >= 2)  # RUNNING, checkpointed
         first.kill9()  # the agent and its worker, like a machine dying
-        task = cluster.wait_state(task_id, 1, timeout=30)  # PENDING again after the 3 s lease
+        task = cluster.wait_state(task_id, 1)  # PENDING again after the 3 s lease
         assert task.attempt == 2
         resume_step = task.latest_checkpoint.step
         second = cluster.start_trainer("node-b")
-        task = cluster.wait_state(task_id, 3, timeout=60, what=lambda t: t.latest_step > resume_step + 1)
+        task = cluster.wait_state(task_id, 3, what=lambda t: t.latest_step > resume_step + 1)
         assert task.node_id == "node-b" and task.attempt == 2
         client.cancel(task_id)
         # The second attempt resumed from the newest checkpoint: its first step is the next one.
@@ -113,11 +114,11 @@ def test_trainer_killed_mid_task_is_requeued_and_finishes_elsewhere(cluster, tin
         assert client.get_task(task_id).state == "cancelled"
         reasons = [e.reason for e in client.watch(task_id) if e.kind == "state"]
         assert "NODE_LOST" in reasons
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and not any(e.get("event") == "Task ended" for e in second.log_events()):
-        time.sleep(0.2)
-    ended = [e for e in second.log_events() if e.get("event") == "Task ended"]
-    assert ended and ended[0]["state"] == "TASK_STATE_CANCELLED"
+    # The cancel kills the worker (SIGTERM, then SIGKILL after the 3 s grace): a fixed wait.
+    ended = wait_for(
+        lambda: [e for e in second.log_events() if e.get("event") == "Task ended"], timeout=60, what="Task ended"
+    )
+    assert ended[0]["state"] == "TASK_STATE_CANCELLED"
     pid = [e for e in second.log_events() if e.get("event") == "Task started"][0]["pid"]
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)

@@ -170,7 +170,7 @@ def test_file_modes_and_work_folder_refusals_end_to_end(cluster: Cluster, tiny_m
             model=str(tiny_model_dir),
             hyperparameters={"steps": 1, "batch_size": 2, "lora_rank": 2},
         )
-        task = client.wait(task_id, timeout=300, poll_interval=0.2)
+        task = cluster.wait_done(client, task_id)
         assert task.state == "succeeded", task.error
 
         # Scheduler: state_dir 0700; database, WAL and uploaded datasets 0600.
@@ -195,7 +195,7 @@ def test_file_modes_and_work_folder_refusals_end_to_end(cluster: Cluster, tiny_m
         # node's own files: another task's checkpoint as a model, the dataset cache as a path.
         stolen = client.submit_task(workload_type="inference", model=str(ckpt))
         with pytest.raises(TaskFailedError) as err:
-            client.wait(stolen, timeout=120, poll_interval=0.2)
+            cluster.wait_done(client, stolen)
         assert (
             err.value.task.attempt == 1
             and "cannot be used by this task" in err.value.task.error
@@ -205,5 +205,5 @@ def test_file_modes_and_work_folder_refusals_end_to_end(cluster: Cluster, tiny_m
             {"env_id": "chat_jsonl", "path": str(cached)}, workload_type="sft", model=str(tiny_model_dir)
         )
         with pytest.raises(TaskFailedError) as err:
-            client.wait(cache_read, timeout=120, poll_interval=0.2)
+            cluster.wait_done(client, cache_read)
         assert err.value.task.error.startswith("env_config.path:") and "dataset_id" in err.value.task.error

@@ -21,7 +21,12 @@ import grpc
 from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-from tests.support.waiting import wait_for
+from tests.support.waiting import CAP_S, STALL_S, wait_for, wait_progress
+
+#: Seconds a scheduler gets to answer /health, or a trainer to connect: a fixed wait, for that
+#: does not grow with any work; about 30 times what a quiet 2-core machine needs (each imports in
+#: about 1 s, then binds or registers).
+START_S = 60.0
 
 #: A tiny LoRA task that runs long enough to be watched while it runs (400 steps, no checkpoints).
 LONG_TINY_LORA_HP = {
@@ -101,6 +106,15 @@ def run_worker(
     return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
+def task_fields(task: common_pb2.Task | None) -> tuple:
+    """What of a task moves while it makes progress: state, attempt, node, step, checkpoint step
+    (``()`` before the first answer)."""
+    if task is None:
+        return ()
+    state = common_pb2.TaskState.Name(task.state)
+    return (state, task.attempt, task.node_id, task.latest_step, task.latest_checkpoint.step)
+
+
 def wait_connected(client, n: int = 1, timeout: float = 60) -> list:
     """The connected nodes, once ``client`` (an ``RLClient``) lists at least ``n``."""
 
@@ -148,6 +162,32 @@ class Proc:
             except ValueError:
                 pass
         return out
+
+    def mentions(self, text: str) -> int:
+        """How often ``text`` (a task id, say) occurs in the log so far: the agent's lines about a
+        task and its worker's (``loading model``, one per step, ``checkpoint written`` ...)."""
+        try:
+            return self.log_path.read_bytes().count(text.encode())
+        except FileNotFoundError:
+            return 0
+
+    def log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def wait_exit(self, *, stall: float = STALL_S, what: str = "") -> int:
+        """The exit code, once the process ended; waits while its log grows (a drain writing its
+        checkpoint and ending its workers, say). ``TimeoutError`` when it stops logging for
+        ``stall`` seconds without exiting."""
+        wait_progress(
+            lambda: self.popen.poll() is not None,
+            self.log_size,
+            stall=stall,
+            what=what or f"process {self.pid} exits",
+        )
+        return self.popen.returncode
 
     def kill9(self) -> None:
         """SIGKILL the whole process group (the agent and its workers)."""
@@ -201,7 +241,7 @@ class Cluster:
         )
         self.procs.append(p)
         self.scheduler = p
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             if p.popen.poll() is not None:
                 raise RuntimeError(f"scheduler exited: {p.log_text()}")
@@ -211,7 +251,7 @@ class Cluster:
             except OSError:
                 pass
             time.sleep(0.1)
-        raise TimeoutError(f"scheduler did not become healthy: {p.log_text()}")
+        raise TimeoutError(f"scheduler did not become healthy in {START_S} s: {p.log_text()}")
 
     def admin_key(self) -> str:
         """The admin key the scheduler wrote into its state folder on first start (auth on)."""
@@ -258,31 +298,80 @@ class Cluster:
         self.procs.append(p)
         return p
 
-    def wait_nodes(self, n: int, timeout: float = 30) -> list:
+    def wait_nodes(self, n: int, timeout: float = START_S) -> list:
+        """The connected nodes, once there are ``n`` (a fixed wait, :data:`START_S`)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             nodes = [x for x in self.stub.ListNodes(scheduler_pb2.ListNodesRequest()).nodes if x.connected]
             if len(nodes) >= n:
                 return nodes
             time.sleep(0.1)
-        raise TimeoutError(f"{n} node(s) did not connect")
+        raise TimeoutError(f"{n} node(s) did not connect in {timeout} s")
 
     def get(self, task_id: str) -> common_pb2.Task:
         return self.stub.GetTask(scheduler_pb2.GetTaskRequest(task_id=task_id)).task
 
-    def wait_state(self, task_id: str, states, timeout: float = 120, what=None) -> common_pb2.Task:
+    def said_about(self, task_id: str) -> int:
+        """Lines of the cluster's logs naming ``task_id`` (the trainers log their workers' lines:
+        loading the model, each step, each checkpoint); grows while the task's work goes on,
+        even while the scheduler is down or nothing reaches it yet."""
+        return sum(p.mentions(task_id) for p in self.procs)
+
+    def wait_state(
+        self, task_id: str, states, what=None, *, stall: float = STALL_S, cap: float = CAP_S
+    ) -> common_pb2.Task:
+        """The task (as the scheduler reports it, no API key) once in one of ``states`` and, with
+        ``what``, ``what(task)`` true. Waits while the task moves (:func:`task_fields`) or the
+        cluster logs about it (:meth:`said_about`); ``TimeoutError`` after ``stall`` seconds of
+        neither (:func:`tests.support.waiting.wait_progress`)."""
         states = set(states) if isinstance(states, (set, list, tuple)) else {states}
-        deadline = time.monotonic() + timeout
-        task = None
-        while time.monotonic() < deadline:
+        seen: list = [None]
+
+        def arrived() -> common_pb2.Task | None:
             try:
-                task = self.get(task_id)
-                if task.state in states and (what is None or what(task)):
-                    return task
+                seen[0] = task = self.get(task_id)
             except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"task {task_id} not in {states} after {timeout} s: {task}")
+                return None  # the scheduler restarting, say: no news
+            return task if task.state in states and (what is None or what(task)) else None
+
+        names = sorted(common_pb2.TaskState.Name(x) for x in states)
+        return wait_progress(
+            arrived,
+            lambda: (task_fields(seen[0]), self.said_about(task_id)),
+            stall=stall,
+            cap=cap,
+            what=f"task {task_id} in {names}{' with the condition given' if what else ''}",
+        )
+
+    def wait_done(self, client, task_id: str, *, stall: float = STALL_S, cap: float = CAP_S):
+        """``client.wait(task_id)`` (an ``RLClient``, with its API key and TLS) following progress
+        as :meth:`wait_state` does: the final ``TaskInfo`` of a task that SUCCEEDED.
+
+        Raises:
+            TaskFailedError: it ended FAILED or CANCELLED. TimeoutError: no progress for ``stall`` s.
+        """
+        from opentinker_client import TaskFailedError
+        from opentinker_client.errors import DeadlineExceededError, UnavailableError
+
+        seen: list = [None]
+
+        def ended():
+            try:
+                seen[0] = info = client.get_task(task_id)
+            except (UnavailableError, DeadlineExceededError):
+                return None
+            return info if info.done else None
+
+        info = wait_progress(
+            ended,
+            lambda: (task_fields(seen[0].proto if seen[0] else None), self.said_about(task_id)),
+            stall=stall,
+            cap=cap,
+            what=f"task {task_id} ended",
+        )
+        if info.state != "succeeded":
+            raise TaskFailedError(info)
+        return info
 
     def close(self) -> None:
         self.channel.close()

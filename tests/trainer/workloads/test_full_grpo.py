@@ -192,3 +192,34 @@ def test_an_init_checkpoint_that_is_not_on_this_node_is_a_user_error(tiny_model_
     )
     with pytest.raises(UserError, match="init_from: checkpoint .*elsewhere/step_3 is not on this trainer node"):
         grpo_text.run(ctx)
+
+
+def _adapter_variant(src: Path, out: Path, change) -> Path:
+    """A copy of adapter folder ``src`` whose tensors are ``change(tensors)``, its config unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True)
+    (out / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+    save_file(change(load_file(src / "adapter_model.safetensors")), str(out / "adapter_model.safetensors"))
+    return out
+
+
+BAD_ADAPTERS = {
+    # PEFT matches none of these keys: it would warn and continue with lora_B at 0 (the base model).
+    "no-prefix": (lambda t: {k.removeprefix("base_model.model."): v for k, v in t.items()}, r"layers\.0\."),
+    "no-v_proj": (lambda t: {k: v for k, v in t.items() if "v_proj" not in k}, r"layers\.0\.self_attn\.v_proj"),
+    "layer-0-only": (lambda t: {k: v for k, v in t.items() if "layers.1." not in k}, r"layers\.1\.self_attn"),
+}
+
+
+@pytest.mark.parametrize("workload", ["lora_finetune", "full_rl"], ids=["continued", "merged"])
+@pytest.mark.parametrize("bad", list(BAD_ADAPTERS))
+def test_an_init_adapter_peft_loads_only_partly_fails_the_task_naming_the_keys(
+    tiny_model_dir, tmp_path, sft_checkpoints, bad, workload
+) -> None:
+    change, key = BAD_ADAPTERS[bad]
+    folder = _adapter_variant(sft_checkpoints["lora"], tmp_path / bad / "step_1", change)
+    ctx = make_ctx(tiny_model_dir, tmp_path, "rl", workload=workload, steps=1, init=(folder, "peft_lora"))
+    with pytest.raises(UserError, match=rf"(?s)init_from.*{folder}.*not every LoRA tensor was loaded.*{key}"):
+        grpo_text.run(ctx)
+    assert reports(ctx, "metric") == [] and reports(ctx, "checkpoint") == []  # no step trained from a wrong start
