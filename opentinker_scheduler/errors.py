@@ -47,6 +47,41 @@ class AlreadyExists(SchedulerError):
     """ALREADY_EXISTS: a node id already connected, or a request id reused for another spec."""
 
 
+class Unavailable(SchedulerError):
+    """UNAVAILABLE: this scheduler cannot do it now; the same call may succeed later or elsewhere."""
+
+
+class StoreUnavailable(Unavailable):
+    """UNAVAILABLE: the state store cannot be reached or written now (a database restarting, a
+    broken connection, a write that timed out); nothing of the call was committed."""
+
+
+class NotLeader(Unavailable):
+    """UNAVAILABLE: only the leader of several schedulers does this (writes, node streams), and
+    this one is not it. ``leader`` is the leader's ``host:port`` when known (``""`` while an
+    election is under way); it travels as a ``google.rpc.ErrorInfo`` (reason ``NOT_LEADER``,
+    metadata ``leader``) so clients and trainers follow it."""
+
+    def __init__(self, leader: str = "", message: str = "") -> None:
+        self.leader = leader
+        super().__init__(
+            message
+            or (
+                f"this scheduler is a follower; the leader is {leader}"
+                if leader
+                else "this scheduler is a follower and no leader is known yet (an election is under way); retry"
+            )
+        )
+
+
+class Fenced(NotLeader):
+    """UNAVAILABLE: the database refused a write of this scheduler because a newer leader epoch
+    holds the lease (this one lost it, e.g. while it was stopped); it has stepped down."""
+
+    def __init__(self, detail: str, leader: str = "") -> None:
+        super().__init__(leader, f"this scheduler lost the leader lease and stepped down ({detail})")
+
+
 _STATUS_CODES = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
@@ -54,6 +89,7 @@ _STATUS_CODES = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 

@@ -24,7 +24,7 @@ from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.state.core import STATE_NAMES, SchedulerCore
 from opentinker_scheduler.api.http import HttpEndpoint, Snapshot
 from opentinker_scheduler.api.service import NodeService, SchedulerService
-from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.state.store import open_store
 from opentinker_common.net.grpc_options import server_options
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -132,7 +132,7 @@ async def start_scheduler(
     if not config.state_dir.exists():  # readable by this user only (keys, datasets, the database)
         with contextlib.suppress(OSError):  # Store reports what is wrong with the folder
             config.state_dir.mkdir(mode=0o700, parents=True)
-    store = Store(config.state_dir)  # raises StateDirInUse when another scheduler holds it
+    store = open_store(config)  # SQLite: raises StateDirInUse when another scheduler holds the folder
     http = None
     try:
         if http_port is not None:

@@ -4,10 +4,14 @@ commit, audited actions are recorded with the status code's name.
 :func:`rpc` decorates every unary handler of SchedulerService, NodeService and AdminService;
 streaming handlers use :func:`abort_mapped` and :func:`record` for the same mapping and audit.
 Status codes come from :func:`opentinker_scheduler.errors.status_code` (one table); a
-``sqlite3.Error`` is UNAVAILABLE ("state store unavailable: ..."); anything else is re-raised
-(gRPC answers UNKNOWN) and audited as ``INTERNAL``. An INVALID_ARGUMENT whose message names a
-field (:attr:`~opentinker_scheduler.errors.InvalidArgument.field`) also carries it as a
-``google.rpc.BadRequest`` detail, so clients read the field path without parsing the message.
+``sqlite3.Error`` is UNAVAILABLE ("state store unavailable: ..."), as is the PostgreSQL store's
+:class:`~opentinker_scheduler.errors.StoreUnavailable`; anything else is re-raised (gRPC answers
+UNKNOWN) and audited as ``INTERNAL``. An INVALID_ARGUMENT whose message names a field
+(:attr:`~opentinker_scheduler.errors.InvalidArgument.field`) also carries it as a
+``google.rpc.BadRequest`` detail, so clients read the field path without parsing the message. A
+follower's :class:`~opentinker_scheduler.errors.NotLeader` is UNAVAILABLE with a
+``google.rpc.ErrorInfo`` (reason ``NOT_LEADER``, domain ``opentinker``, metadata ``leader``: the
+leader's ``host:port`` when known) that clients and trainers follow (:func:`not_leader_status`).
 """
 
 from __future__ import annotations
@@ -22,12 +26,16 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from opentinker_scheduler.errors import InvalidArgument, status_code
+from opentinker_scheduler.errors import InvalidArgument, NotLeader, status_code
 from opentinker_scheduler.security.auth import caller
 from opentinker_scheduler.security.bundle import Security
 from opentinker_scheduler.security.keys import Principal
 
-__all__ = ["Call", "abort_mapped", "bad_request_status", "outcome", "record", "refusal", "rpc"]
+__all__ = ["Call", "abort_mapped", "bad_request_status", "not_leader_status", "outcome", "record", "refusal", "rpc"]
+
+#: ``google.rpc.ErrorInfo`` of a follower's refusal: its reason and domain.
+NOT_LEADER_REASON = "NOT_LEADER"
+ERROR_DOMAIN = "opentinker"
 
 #: Longest ``error`` kept in an audit record's detail (characters).
 MAX_AUDIT_ERROR = 500
@@ -68,12 +76,27 @@ def bad_request_status(exc: InvalidArgument) -> grpc.Status | None:
     return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=[detail]))
 
 
+def not_leader_status(exc: NotLeader) -> grpc.Status:
+    """The UNAVAILABLE status of a follower's refusal, with a ``google.rpc.ErrorInfo`` (reason
+    ``NOT_LEADER``, domain ``opentinker``, metadata ``leader`` = the leader's ``host:port``, or
+    ``""`` while none is known)."""
+    detail = any_pb2.Any()
+    detail.Pack(
+        error_details_pb2.ErrorInfo(reason=NOT_LEADER_REASON, domain=ERROR_DOMAIN, metadata={"leader": exc.leader})
+    )
+    code = grpc.StatusCode.UNAVAILABLE.value[0]
+    return rpc_status.to_status(status_pb2.Status(code=code, message=str(exc), details=[detail]))
+
+
 async def abort_mapped(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     """Abort the RPC with the status code of a refusal (:func:`refusal`), a field-naming
-    INVALID_ARGUMENT with its BadRequest detail (:func:`bad_request_status`); re-raise anything else."""
+    INVALID_ARGUMENT with its BadRequest detail (:func:`bad_request_status`), a follower's
+    UNAVAILABLE with its ErrorInfo (:func:`not_leader_status`); re-raise anything else."""
     mapped = refusal(exc)
     if mapped is None:
         raise exc
+    if isinstance(exc, NotLeader):
+        await context.abort_with_status(not_leader_status(exc))
     status = bad_request_status(exc) if isinstance(exc, InvalidArgument) else None
     if status is not None:
         await context.abort_with_status(status)

@@ -30,6 +30,8 @@
     tls: {cert: ..., key: ...} # TLS, and mTLS for nodes with client_ca (config/tls.py)
     http_tls: {cert: ..., key: ...} # HTTPS on the HTTP port (/health, /metrics); config/tls.py
     limits: {...}             # message/spec sizes, pending tasks, submit rate, streams (security/limits.py)
+    store: {kind: sqlite}     # or {kind: postgres, dsn: ..., password_env: ...}: several schedulers,
+                              # one leader (config/store.py, state/pg_store.py, state/leadership.py)
     paths:                    # local paths a task spec may name on trainer nodes (admission/paths.py)
       model_dirs: [/models]   # spec.model may name a local folder only under these
       data_dirs: [/data]      # env_config.path (chat_jsonl) may name a file only under these
@@ -45,7 +47,7 @@ Unknown keys and wrong types are refused at start with the file, line, column an
 a string in YAML 1.2 — write false``). The file is read as YAML 1.2
 (:class:`opentinker_common.yaml12.Yaml12Loader`): only ``true``/``false`` are booleans, so
 ``default_model: no`` is the string ``"no"``. Each section's frozen value and parser lives in this package
-(:mod:`.auth`, :mod:`.tls`, :mod:`.limits`, :mod:`.paths`), so every room, :mod:`..state` included,
+(:mod:`.auth`, :mod:`.tls`, :mod:`.limits`, :mod:`.paths`, :mod:`.store`), so every room, :mod:`..state` included,
 may read the settings without importing a room above it; the rooms enforce them.
 """
 
@@ -64,6 +66,7 @@ from opentinker_common.spec import WORKLOAD_TYPES
 from opentinker_scheduler.config.auth import AuthConfig, parse_auth
 from opentinker_scheduler.config.limits import LimitsConfig, parse_limits
 from opentinker_scheduler.config.paths import PathsConfig, parse_paths
+from opentinker_scheduler.config.store import StoreConfig, parse_store
 from opentinker_scheduler.config.tls import HttpTlsConfig, TlsConfig, parse_http_tls, parse_tls
 
 
@@ -115,6 +118,8 @@ class SchedulerConfig:
     http_tls: HttpTlsConfig | None = None
     #: Local paths a spec may name (``paths:``); see opentinker_scheduler/admission/paths.py.
     paths: PathsConfig = PathsConfig()
+    #: Where the state lives (``store:``): SQLite (default) or PostgreSQL; see config/store.py.
+    store: StoreConfig = StoreConfig()
 
     def priority_of(self, workload_type: str) -> int | None:
         for w in self.workload_types:
@@ -217,6 +222,7 @@ _TOP = {
     "http_tls": "HTTPS files",
     "limits": "limits",
     "paths": "local paths",
+    "store": "state store",
 }
 
 
@@ -321,6 +327,8 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["http_tls"] = parse_http_tls(r, top["http_tls"][1], base_dir)
     if "paths" in top:
         kw["paths"] = parse_paths(r, top["paths"][1])
+    if "store" in top:
+        kw["store"] = parse_store(r, top["store"][1])
 
     cfg = SchedulerConfig(**kw)
     if cfg.lease_s <= cfg.heartbeat_interval_s:
