@@ -16,6 +16,7 @@ leader's ``host:port`` when known) that clients and trainers follow (:func:`not_
 
 from __future__ import annotations
 
+import collections
 import functools
 import sqlite3
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from opentinker_common.net.leader import ERROR_DOMAIN, NOT_LEADER_REASON
 from opentinker_scheduler.errors import InvalidArgument, NotLeader, status_code
 from opentinker_scheduler.security.auth import caller
 from opentinker_scheduler.security.bundle import Security
@@ -33,9 +35,14 @@ from opentinker_scheduler.security.keys import Principal
 
 __all__ = ["Call", "abort_mapped", "bad_request_status", "not_leader_status", "outcome", "record", "refusal", "rpc"]
 
-#: ``google.rpc.ErrorInfo`` of a follower's refusal: its reason and domain.
-NOT_LEADER_REASON = "NOT_LEADER"
-ERROR_DOMAIN = "opentinker"
+#: gRPC's own retries (A6) stop at a negative pushback: a follower's refusal goes straight back
+#: to the caller, which follows the leader it names (opentinker_common/net/leader.py).
+_NO_RETRY = (("grpc-retry-pushback-ms", "-1"),)
+
+
+class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_metadata")), grpc.Status):
+    pass
+
 
 #: Longest ``error`` kept in an audit record's detail (characters).
 MAX_AUDIT_ERROR = 500

@@ -1,4 +1,4 @@
-"""Group commit: the writes of many requests in one SQLite transaction, nothing released early.
+"""Group commit: the writes of many requests in one store transaction, nothing released early.
 
 One commit costs far more than the statements in it (its pages go to the WAL), and a task's
 life is four writes (submitted, assigned, running, finished), so a busy scheduler spent most of
@@ -79,7 +79,10 @@ class GroupCommit:
             log.error(
                 "commit failed; in-memory state reloaded from the store", error=repr(exc), dropped_commands=len(held)
             )
-            self.on_failure()
+            try:
+                self.on_failure()
+            except Exception as again:  # noqa: BLE001 - the waiters must still hear of the failure
+                log.error("reloading memory after a failed commit failed", error=repr(again))
             done.set_exception(exc)
             done.add_done_callback(lambda f: f.exception())  # no "never retrieved" noise when nobody waits
             return
@@ -88,6 +91,21 @@ class GroupCommit:
         for outbox, command in held:
             outbox.put_nowait(command)
         done.set_result(None)
+
+    def abandon(self, error: Exception) -> None:
+        """Roll the open transaction back (this scheduler stopped leading): its held commands
+        are dropped and its waiters get ``error``."""
+        tx, done, held = self._tx, self._done, self._held
+        if tx is None:
+            return
+        self._tx, self._done, self._held = None, None, []
+        try:
+            tx.__exit__(type(error), error, None)
+        except Exception as exc:  # noqa: BLE001 - the rollback of a connection that is gone
+            log.warning("rollback of the abandoned group commit failed", error=repr(exc))
+        log.warning("group commit abandoned", reason=str(error), dropped_commands=len(held))
+        done.set_exception(error)
+        done.add_done_callback(lambda f: f.exception())
 
     def hold(self, outbox: asyncio.Queue, command: object) -> bool:
         """Keep a node command until the open transaction commits; False when none is open."""
@@ -100,7 +118,9 @@ class GroupCommit:
         """Return once everything written so far is committed (at once when it is).
 
         Raises:
-            sqlite3.Error: the commit failed (those writes are gone; memory was rebuilt).
+            sqlite3.Error, StoreUnavailable: the commit failed (those writes are gone; memory was
+                rebuilt, or this scheduler stepped down when the store could not be read either).
+            NotLeader, Fenced: this scheduler stopped leading; nothing of the group was committed.
         """
         if self._done is not None:
             await asyncio.shield(self._done)

@@ -28,6 +28,7 @@ shows the DSN without it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -374,6 +375,16 @@ class PostgresStore(_PgBase):
                     log.info("state store migrated", version=m.version, description=m.description)
         except psycopg.Error as exc:
             raise self.db.failed(exc) from exc
+
+    @contextlib.contextmanager
+    def exclusive(self, name: str):
+        """A session advisory lock named ``name`` (in this schema) while the block runs."""
+        key = f"opentinker/{self.schema_name}/{name}"
+        self.db.execute("SELECT pg_advisory_lock(hashtext(?))", (key,))
+        try:
+            yield
+        finally:
+            self.db.execute("SELECT pg_advisory_unlock(hashtext(?))", (key,))
 
     def lease_channel(self) -> "LeaseChannel":
         """A second store view on its own connection, for the lease keeper's thread (the lease

@@ -22,6 +22,7 @@ SQL runs. ``setup`` (start-up, before the first election) writes without an epoc
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -263,6 +264,12 @@ class SqlStore:
                 f"UPDATE leader_lease SET expire_time={self._NOW} WHERE name=? AND holder=? AND epoch=?",
                 (LEASE_NAME, holder, epoch),
             )
+
+    def exclusive(self, name: str):
+        """A context manager holding a lock named ``name`` across all schedulers on this store
+        (start-up steps two schedulers must not run at once). SQLite: nothing to do, the state
+        directory's lock already keeps every other scheduler out."""
+        return contextlib.nullcontext()
 
     def schema_version(self) -> int:
         """The newest migration applied to this store."""

@@ -1,0 +1,130 @@
+"""Following the leader among several schedulers: ``SCHEDULER_URL=host-a:8888,host-b:8888``.
+
+Every scheduler serves reads; only the leader takes writes and node streams. A follower refuses
+those with UNAVAILABLE and a ``google.rpc.ErrorInfo`` (reason ``NOT_LEADER``, domain
+``opentinker``, metadata ``leader``: the leader's ``host:port``, or ``""`` during an election);
+:func:`not_leader` reads it from any gRPC error. :class:`SchedulerTargets` is the list of
+addresses a client or a trainer was given, with the one in use: it moves to the leader a
+follower names, or to the next address when one cannot be reached.
+
+One load-balancer address works as well: the balancer sends traffic to the instance whose
+readiness check passes (``/ready``: the leader only).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from opentinker_common.net.url import SchedulerAddress, parse_scheduler_address
+
+__all__ = ["SchedulerTargets", "not_leader", "parse_scheduler_urls", "NOT_LEADER_REASON", "ERROR_DOMAIN"]
+
+NOT_LEADER_REASON = "NOT_LEADER"
+ERROR_DOMAIN = "opentinker"
+_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def parse_scheduler_urls(text: str) -> list[SchedulerAddress]:
+    """One scheduler URL, or several separated by commas (``host-a:8888,host-b:8888``), each in
+    any form :func:`~opentinker_common.net.url.parse_scheduler_address` takes; duplicates once.
+
+    Raises:
+        ValueError: an empty entry or a bad URL (the message names it), or URLs that disagree on
+            TLS (``https://`` for some, not for others).
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"scheduler URL must be a string, got {type(text).__name__}")
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) > 1 and any(not p for p in parts):
+        raise ValueError(f"bad scheduler URL list {text!r}: an empty entry between commas")
+    out: list[SchedulerAddress] = []
+    for part in parts:
+        address = parse_scheduler_address(part)
+        if all(a.target != address.target for a in out):
+            out.append(address)
+    if len({a.tls for a in out}) > 1:
+        raise ValueError(f"bad scheduler URL list {text!r}: some entries ask for TLS (https://) and others do not")
+    return out
+
+
+def not_leader(err) -> str | None:
+    """For a gRPC error (sync or asyncio): None when it is not a follower's refusal; else the
+    leader's ``host:port`` it names, ``""`` when no leader is known yet (an election)."""
+    try:
+        metadata = err.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - an error without metadata
+        return None
+    raw = next((v for k, v in metadata if k == _DETAILS_KEY), None)
+    if raw is None:
+        return None
+    try:
+        from google.rpc import error_details_pb2, status_pb2
+
+        status = status_pb2.Status.FromString(raw if isinstance(raw, bytes) else raw.encode())
+    except Exception:  # noqa: BLE001 - not a google.rpc.Status
+        return None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.reason == NOT_LEADER_REASON and info.domain == ERROR_DOMAIN:
+                return info.metadata.get("leader", "")
+    return None
+
+
+class SchedulerTargets:
+    """The scheduler addresses given, and the one in use (thread-safe).
+
+    A leader named by a follower that is not among them (an address only the cluster knows) is
+    used as given; it is dropped again when it cannot be reached.
+    """
+
+    def __init__(self, targets: list[str] | tuple[str, ...]) -> None:
+        if not targets:
+            raise ValueError("expected at least one scheduler address")
+        self.given = tuple(targets)
+        self._extra = ""
+        self._index = 0
+        self._lock = threading.Lock()
+
+    @property
+    def current(self) -> str:
+        with self._lock:
+            return self._extra or self.given[self._index]
+
+    @property
+    def several(self) -> bool:
+        """More than one address to go to (so an unreachable one is worth leaving)."""
+        return len(self.given) > 1
+
+    def follow(self, leader: str) -> str:
+        """Use ``leader`` (a follower named it); returns the address now in use."""
+        with self._lock:
+            if leader in self.given:
+                self._index, self._extra = self.given.index(leader), ""
+            elif leader:
+                self._extra = leader
+            return self._extra or self.given[self._index]
+
+    def advance(self) -> str:
+        """Leave the address in use (unreachable, or a follower that knows no leader) for the
+        next one; returns it."""
+        with self._lock:
+            if self._extra:
+                self._extra = ""
+            else:
+                self._index = (self._index + 1) % len(self.given)
+            return self.given[self._index]
+
+    def moved(self, err) -> bool:
+        """After an UNAVAILABLE ``err``: move to the leader it names, or to the next address (a
+        follower knowing no leader; an address that could not be reached, when there are
+        several). False when there is nowhere else to go (one address, not a follower's refusal)."""
+        hint = not_leader(err)
+        if hint:
+            self.follow(hint)
+            return True
+        if hint == "" or self.several or self._extra:
+            self.advance()
+            return True
+        return False
