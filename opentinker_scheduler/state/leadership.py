@@ -74,6 +74,10 @@ class StaticLeadership:
     def step_down(self, reason: str) -> None:
         """The core stepped down on its own; :meth:`check` brings it back."""
 
+    def store_ok(self) -> bool:
+        """Whether the store answers now (for /health)."""
+        return self.core.store.writable()
+
     def check(self) -> None:
         """Each tick: lead again once the store can be read (after a failure stepped down)."""
         if self.core.leading or not self.core.store.writable():
@@ -126,6 +130,9 @@ class LeaseLeadership:
         self._handled_gen = 0
         self._thread: threading.Thread | None = None
         self._channel = None
+        #: Whether the keeper's last call reached the database (its thread sets it; /health reads it,
+        #: so a database that stops answering never blocks the event loop for a health check).
+        self._db_ok = True
         self.renewals = 0  # successful renewals (profiling)
         self.renew_seconds = 0.0  # time they took, in total
         core.on_step_down = self.step_down
@@ -159,6 +166,10 @@ class LeaseLeadership:
             self.core.demote("scheduler stopping")
         if self._channel is not None:
             self._channel.close()
+
+    def store_ok(self) -> bool:
+        """Whether the database answered the keeper's last call (no round trip here)."""
+        return self._db_ok
 
     def view(self) -> LeaderView:
         if self.core.leading:
@@ -267,7 +278,9 @@ class LeaseLeadership:
                         seen = channel.read_lease()
                         self._report("leader", seen.epoch, seen.address if seen.valid else "")
                 last_error = ""
+                self._db_ok = True
             except StoreUnavailable as exc:
+                self._db_ok = False
                 if str(exc) != last_error:
                     log.warning("leader lease: database unreachable", error=str(exc), holding=holding)
                     last_error = str(exc)

@@ -122,6 +122,9 @@ class _PgDb:
     def __init__(self, store: "_PgBase") -> None:
         self.store = store
         self.conn: psycopg.Connection | None = None
+        #: Until then (monotonic) a call fails at once: the last wait for a connection failed
+        #: (the database is down), so calls do not each block the event loop for the wait.
+        self.down_until = 0.0
         self.deadline = 0.0  # monotonic deadline of the call in progress (0: none)
         self.fd = -1
         self.expired = False  # the watchdog ended the call in progress
@@ -133,12 +136,17 @@ class _PgDb:
         if self.conn is not None and (self.conn.broken or self.conn.closed):
             self.discard()
         if self.conn is None:
-            try:
-                self.conn = self.store.pool.getconn(timeout=self.store.connect_timeout_s)
-            except PoolTimeout as exc:
+            if time.monotonic() < self.down_until:
                 raise StoreUnavailable(
-                    f"state store unavailable: no connection to PostgreSQL within {self.store.connect_timeout_s:g} s "
-                    f"({self.store.describe()}): {exc}"
+                    f"state store unavailable: no connection to PostgreSQL ({self.store.describe()})"
+                )
+            wait = min(self.store.connect_timeout_s, 1.0)
+            try:
+                self.conn = self.store.pool.getconn(timeout=wait)
+            except PoolTimeout:
+                self.down_until = time.monotonic() + 0.5
+                raise StoreUnavailable(
+                    f"state store unavailable: no connection to PostgreSQL within {wait:g} s ({self.store.describe()})"
                 ) from None
             self.fd = self.conn.pgconn.socket
         return self.conn
@@ -325,8 +333,12 @@ class PostgresStore(_PgBase):
             max_size=max(2, pool_size),
             open=False,
             kwargs={"autocommit": True, "row_factory": _row_factory, "prepare_threshold": 5},
-            check=ConnectionPool.check_connection,
-            reconnect_timeout=3600.0,
+            # No check on getconn: a check is a round trip outside the watchdog (a silent network
+            # would hang it); a dead connection fails its first statement instead, within the deadline.
+            # A failed reconnection backs off 1, 2, 4 ... s; giving up after a few seconds lets the
+            # next call start a fresh attempt at once, so a database back after a long outage is
+            # used within a second or two rather than after the backoff has grown to minutes.
+            reconnect_timeout=4.0,
             name="opentinker-store",
         )
         try:
