@@ -12,7 +12,7 @@ HTTP_PORT ?= 8889
 SCHEDULER_URL ?= http://localhost:$(PORT)
 NODE_ID ?= $(shell hostname)-trainer
 
-.PHONY: install test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-scheduler bench-service bench-inference bench-rl bench-security bench-sft bench-lm-game clean
+.PHONY: install test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-scheduler bench-service bench-inference bench-rl bench-security bench-sft bench-lm-game bench-ha clean
 
 # Stamp files make `install` a no-op when already done.
 install: $(VENV)/.installed $(MODEL_DIR)/config.json
@@ -85,6 +85,11 @@ bench-scheduler: install
 # One lora_finetune GRPO workload through scheduler + trainer against the same call in-process.
 bench-service: install
 	$(PY) scripts/bench_service.py
+
+# Several schedulers on one PostgreSQL (a server this starts on loopback): failover time with 50
+# simulated nodes (median of 5), submits/s and p99 on PostgreSQL against SQLite, lease cost.
+bench-ha: install test-deps
+	$(PY) scripts/bench_ha.py $(BENCH_ARGS)
 
 # GenerateStream against transformers generate; memory with 8 adapters against 1.
 bench-inference: install

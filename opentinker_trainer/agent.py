@@ -207,8 +207,9 @@ class NodeAgent:
             if time.monotonic() - started > 30:
                 failures = 0
             if follower:
-                # A live scheduler that is not the leader: go where it pointed soon, as a restart
-                # of the leader would be (no growing backoff: the leader is one election away).
+                # A live scheduler that is not the leader: go where it pointed (or ask it again)
+                # soon; no growing backoff, the leader is at most one election away.
+                failures = 0
                 delay = random.uniform(0.1, 0.5)
             else:
                 failures += 1

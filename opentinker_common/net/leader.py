@@ -14,6 +14,7 @@ readiness check passes (``/ready``: the leader only).
 from __future__ import annotations
 
 import threading
+import time
 
 from opentinker_common.net.url import SchedulerAddress, parse_scheduler_address
 
@@ -76,8 +77,14 @@ class SchedulerTargets:
     """The scheduler addresses given, and the one in use (thread-safe).
 
     A leader named by a follower that is not among them (an address only the cluster knows) is
-    used as given; it is dropped again when it cannot be reached.
+    used as given; it is dropped again when it cannot be reached. A leader that could not be
+    reached a moment ago (``stale_s``) is not followed: right after a leader dies, the followers
+    still name it until its lease expires, and the caller does better to keep asking the follower
+    that is about to take over than to bounce between it and the dead address.
     """
+
+    #: Seconds a named leader that could not be reached is not followed again.
+    stale_s = 3.0
 
     def __init__(self, targets: list[str] | tuple[str, ...]) -> None:
         if not targets:
@@ -85,6 +92,7 @@ class SchedulerTargets:
         self.given = tuple(targets)
         self._extra = ""
         self._index = 0
+        self._unreachable: dict[str, float] = {}  # address -> monotonic time it failed
         self._lock = threading.Lock()
 
     @property
@@ -98,8 +106,12 @@ class SchedulerTargets:
         return len(self.given) > 1
 
     def follow(self, leader: str) -> str:
-        """Use ``leader`` (a follower named it); returns the address now in use."""
+        """Use ``leader`` (a follower named it), unless it could not be reached within the last
+        ``stale_s`` seconds; returns the address now in use."""
         with self._lock:
+            failed = self._unreachable.get(leader)
+            if failed is not None and time.monotonic() - failed < self.stale_s:
+                return self._extra or self.given[self._index]
             if leader in self.given:
                 self._index, self._extra = self.given.index(leader), ""
             elif leader:
@@ -124,6 +136,9 @@ class SchedulerTargets:
         if hint:
             self.follow(hint)
             return True
+        if hint is None:
+            with self._lock:
+                self._unreachable[self._extra or self.given[self._index]] = time.monotonic()
         if hint == "" or self.several or self._extra:
             self.advance()
             return True

@@ -15,6 +15,10 @@ schedulers share it.
       leader_lease: 10          # seconds a leader's lease lasts without renewal (failover takes at most this)
       renew_interval: 2         # seconds between renewals (under a third of leader_lease)
       call_timeout: 10          # seconds one database call may take before it is abandoned
+      synchronous_commit: true  # every commit waits for its WAL flush (survives a database crash);
+                                # false: commits return before the flush, several times the submit
+                                # rate on a slow disk, but a crash of the PostgreSQL server (not of
+                                # a scheduler) may lose the last ~0.6 s of acknowledged writes
 
 The password is never part of the config value, a log line or an error: :meth:`StoreConfig.password`
 reads it when the store opens. With neither key, libpq's own ``PGPASSWORD`` / ``~/.pgpass`` apply.
@@ -45,6 +49,7 @@ class StoreConfig:
     leader_lease_s: float = 10.0
     renew_interval_s: float = 2.0
     call_timeout_s: float = 10.0
+    synchronous_commit: bool = True
 
     def password(self) -> str | None:
         """The database password from ``password_env`` or ``password_file`` (None: neither set).
@@ -103,7 +108,17 @@ def parse_store(r, node) -> StoreConfig:
             a DSN with kind sqlite or none with kind postgres, renew_interval too long for the
             lease (via ``r``).
     """
-    keys = ("kind", "dsn", "password_env", "password_file", "schema", "leader_lease", "renew_interval", "call_timeout")
+    keys = (
+        "kind",
+        "dsn",
+        "password_env",
+        "password_file",
+        "schema",
+        "leader_lease",
+        "renew_interval",
+        "call_timeout",
+        "synchronous_commit",
+    )
     m = r.mapping(node, "store", {k: "" for k in keys})
     kw: dict = {}
     if "kind" in m:
@@ -148,6 +163,8 @@ def parse_store(r, node) -> StoreConfig:
     for key, lo, hi in (("leader_lease", 1.0, 300.0), ("renew_interval", 0.1, 100.0), ("call_timeout", 0.5, 600.0)):
         if key in m:
             kw[f"{key}_s"] = r.scalar(m[key][1], f"store.{key}", float, lo, hi)
+    if "synchronous_commit" in m:
+        kw["synchronous_commit"] = r.scalar(m["synchronous_commit"][1], "store.synchronous_commit", bool)
     cfg = StoreConfig(**kw)
     if cfg.renew_interval_s * 3 > cfg.leader_lease_s:
         where = m["renew_interval"][1] if "renew_interval" in m else m.get("leader_lease", (None, node))[1]

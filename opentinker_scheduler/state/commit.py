@@ -17,6 +17,7 @@ every write commits at once.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Callable
 
 import structlog
@@ -27,6 +28,10 @@ log = structlog.get_logger("opentinker.scheduler")
 
 #: At most one commit per this many seconds under load (the added latency, at most).
 GROUP_COMMIT_INTERVAL_S = 0.002
+#: Under load the window also grows to what the recent commits took (a PostgreSQL commit that
+#: waits for its WAL flush, several ms on a slow disk, blocks the loop; the next group then
+#: gathers as many requests as arrived meanwhile instead of committing each alone), up to this.
+GROUP_COMMIT_MAX_WINDOW_S = 0.025
 
 
 class GroupCommit:
@@ -41,6 +46,7 @@ class GroupCommit:
         self._done: asyncio.Future | None = None  # resolved when it commits
         self._held: list[tuple[asyncio.Queue, object]] = []
         self._last = 0.0  # loop time of the last commit
+        self._commit_s = 0.0  # recent commits' duration (moving average), seconds
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def enable(self) -> None:
@@ -61,7 +67,8 @@ class GroupCommit:
         tx = self.store.transaction()
         tx.__enter__()
         self._loop, self._tx, self._done = loop, tx, loop.create_future()
-        wait = self._last + self.interval_s - loop.time()
+        window = max(self.interval_s, min(self._commit_s, GROUP_COMMIT_MAX_WINDOW_S))
+        wait = self._last + window - loop.time()
         if wait > 0:
             loop.call_later(wait, self.commit)
         else:
@@ -73,6 +80,7 @@ class GroupCommit:
         if tx is None:
             return
         self._tx, self._done, self._held = None, None, []
+        started = time.perf_counter()
         try:
             tx.__exit__(None, None, None)
         except Exception as exc:  # noqa: BLE001 - reported to every waiter
@@ -87,6 +95,7 @@ class GroupCommit:
             done.add_done_callback(lambda f: f.exception())  # no "never retrieved" noise when nobody waits
             return
         self.commits += 1
+        self._commit_s = 0.8 * self._commit_s + 0.2 * (time.perf_counter() - started)
         self._last = self._loop.time()
         for outbox, command in held:
             outbox.put_nowait(command)

@@ -274,6 +274,8 @@ class PostgresStore(_PgBase):
         connect_timeout_s: most seconds to wait for a connection (start-up, and after one broke).
         idle_in_transaction_s: the server ends a session idle this long inside a transaction.
         pool_size: most connections this scheduler holds (the loop's, the lease keeper's, spares).
+        synchronous_commit: False = PostgreSQL's ``synchronous_commit=off`` for this scheduler's
+            sessions (``store.synchronous_commit``): a commit returns before its WAL is flushed.
 
     Raises:
         OSError: the database cannot be reached at start (the message names the DSN, never the
@@ -292,6 +294,7 @@ class PostgresStore(_PgBase):
         idle_in_transaction_s: float = 5.0,
         pool_size: int = 4,
         application_name: str = "opentinker-scheduler",
+        synchronous_commit: bool = True,
     ) -> None:
         if not _SCHEMA_NAME.match(schema_name):
             raise OSError(f"store.schema: expected a plain identifier (letters, digits, _), got {schema_name!r}")
@@ -308,6 +311,7 @@ class PostgresStore(_PgBase):
                 f"-c idle_in_transaction_session_timeout={int(idle_in_transaction_s * 1000)}",
                 f"-c statement_timeout={int(call_timeout_s * 1000)}",
                 f"-c lock_timeout={int(min(call_timeout_s, 5.0) * 1000)}",
+                "" if synchronous_commit else "-c synchronous_commit=off",
             )
         ).strip()
         extra = {

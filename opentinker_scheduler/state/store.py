@@ -281,10 +281,10 @@ class SqlStore:
         """Insert a new task with its first event in one transaction."""
         with self._tx():
             self.db.execute(
-                f"INSERT INTO tasks ({_COLUMNS}, next_seq) VALUES ({','.join('?' * 22)}, 1)",
+                f"INSERT INTO tasks ({_COLUMNS}, next_seq) VALUES ({','.join('?' * 22)}, 2)",
                 self._task_values(task),
             )
-            self._append_event(task.task_id, first_event)
+            self._write_event(task.task_id, 1, first_event)  # a new task's first event is number 1
 
     def update_task(self, task: TaskRow, events: Iterable[common_pb2.TaskEvent] = ()) -> list[common_pb2.TaskEvent]:
         """Write ``task`` back and append ``events`` (sequence numbers assigned here), atomically.
@@ -455,7 +455,13 @@ class SqlStore:
                 self.db.execute("UPDATE tasks SET error=? WHERE task_id=?", (cancel_error(change.message), task_id))
 
     def _append_event(self, task_id: str, ev: common_pb2.TaskEvent) -> common_pb2.TaskEvent:
-        seq = self.db.execute("SELECT next_seq FROM tasks WHERE task_id=?", (task_id,)).fetchone()[0]
+        # Take the task's next sequence number and advance it in one statement (one round trip).
+        (seq,) = self.db.execute(
+            "UPDATE tasks SET next_seq=next_seq+1 WHERE task_id=? RETURNING next_seq-1", (task_id,)
+        ).fetchall()[0]
+        return self._write_event(task_id, seq, ev)
+
+    def _write_event(self, task_id: str, seq: int, ev: common_pb2.TaskEvent) -> common_pb2.TaskEvent:
         ev.task_id = task_id
         ev.sequence = seq
         if not ev.HasField("time"):
@@ -467,7 +473,6 @@ class SqlStore:
             "INSERT INTO events (task_id, seq, time, kind, step, payload) VALUES (?,?,?,?,?,?)",
             (task_id, seq, ev.time.ToNanoseconds() / 1e9, kind, step, ev.SerializeToString()),
         )
-        self.db.execute("UPDATE tasks SET next_seq=? WHERE task_id=?", (seq + 1, task_id))
         return ev
 
     def _task_values(self, t: TaskRow) -> tuple:
@@ -714,5 +719,6 @@ def open_store(config) -> SqlStore:
             schema_name=sc.schema,
             call_timeout_s=sc.call_timeout_s,
             idle_in_transaction_s=max(1.0, min(5.0, sc.leader_lease_s / 2)),
+            synchronous_commit=sc.synchronous_commit,
         )
     return Store(config.state_dir)

@@ -134,10 +134,11 @@ def test_store_defaults_to_sqlite_and_reads_postgres() -> None:
     assert parse_config("").store.kind == "sqlite"
     cfg = parse_config(
         "store:\n  kind: postgres\n  dsn: host=db dbname=opentinker user=ot\n  password_env: OT_DB_PASSWORD\n"
-        "  schema: ot\n  leader_lease: 6\n  renew_interval: 1\n",
+        "  schema: ot\n  leader_lease: 6\n  renew_interval: 1\n  synchronous_commit: false\n",
         "cfg.yaml",
     )
     s = cfg.store
+    assert s.synchronous_commit is False
     assert (s.kind, s.dsn, s.password_env, s.schema, s.leader_lease_s, s.renew_interval_s) == (
         "postgres",
         "host=db dbname=opentinker user=ot",

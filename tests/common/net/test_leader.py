@@ -55,6 +55,11 @@ def test_targets_follow_the_leader_and_move_on_from_unreachable_ones() -> None:
     assert t.moved(_refusal("elsewhere:9")) and t.current == "elsewhere:9"  # a leader nobody listed
     assert t.moved(_Err()) and t.current == "a:1"  # ... dropped once it cannot be reached
     assert t.moved(_refusal("")) and t.current == "b:1"  # an election: try another
+    # Right after a leader died, followers still name it: a named leader that just failed is not
+    # followed again for a moment; the caller keeps asking the follower.
+    t2 = SchedulerTargets(["a:1", "b:1"])
+    assert t2.moved(_Err()) and t2.current == "b:1"  # a:1 died
+    assert t2.moved(_refusal("a:1")) and t2.current == "b:1", "followed a leader that just failed"
     one = SchedulerTargets(["lb:1"])
     assert not one.moved(_Err()), "one address that cannot be reached: nowhere else to go"
     assert one.moved(_refusal("")) and one.current == "lb:1"  # a follower behind it: try again
