@@ -12,7 +12,7 @@ HTTP_PORT ?= 8889
 SCHEDULER_URL ?= http://localhost:$(PORT)
 NODE_ID ?= $(shell hostname)-trainer
 
-.PHONY: install test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-scheduler bench-service bench-inference bench-rl bench-security bench-sft bench-lm-game bench-ha clean
+.PHONY: install test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-ha clean
 
 # Stamp files make `install` a no-op when already done.
 install: $(VENV)/.installed $(MODEL_DIR)/config.json
@@ -82,6 +82,11 @@ bench: bench-scheduler bench-service bench-inference bench-rl bench-security
 bench-scheduler: install
 	$(PY) scripts/bench_scheduler.py $(BENCH_ARGS)
 
+# Artifact store: 25 MB and 540 MB checkpoints through local (gRPC) and SeaweedFS against a plain
+# copy; resume time cold vs warm cache. Options: BENCH_ARGS="--sizes-mb 25 --no-s3".
+bench-store: install
+	$(PY) scripts/bench_store.py $(BENCH_ARGS)
+
 # One lora_finetune GRPO workload through scheduler + trainer against the same call in-process.
 bench-service: install
 	$(PY) scripts/bench_service.py
@@ -98,6 +103,16 @@ bench-inference: install
 # PPO learning curves: CartPole-v1 steps to 475, Acrobot-v1 (add --only spread-shared etc.).
 bench-rl: install
 	$(PY) scripts/bench_ppo.py --only cartpole --only acrobot
+
+# The rl-zoo CartPole PPO case over 5 seeds against stable-baselines3 PPO with the same settings,
+# same seeds, same run (about 10 min on 2 cores). SB3 runs in its own venv, PEER_VENV, made once with
+#   python3 -m venv /work/peer-venv
+#   /work/peer-venv/bin/pip install torch==2.13.0 stable-baselines3==2.9.2 gymnasium
+# (a CPU build of torch is enough). Without the venv the bench runs ours alone and says so.
+PEER_VENV ?= /work/peer-venv
+bench-ppo-sb3: install
+	OMP_NUM_THREADS=1 $(PY) scripts/bench_ppo.py --only cartpole --only cartpole-before --seeds 1,2,3,4,5 \
+		--stop-at-threshold $(if $(wildcard $(PEER_VENV)/bin/python),--peer-python $(PEER_VENV)/bin/python)
 
 # What API keys, audit and TLS cost per call.
 bench-security: install

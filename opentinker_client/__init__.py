@@ -45,6 +45,7 @@ from opentinker_client.errors import (  # "X as X": re-exported; __all__ takes t
     InvalidArgumentError as InvalidArgumentError,
     NotFoundError as NotFoundError,
     OpenTinkerError as OpenTinkerError,
+    OverloadedError as OverloadedError,
     PermissionDeniedError as PermissionDeniedError,
     ResourceExhaustedError as ResourceExhaustedError,
     TaskFailedError as TaskFailedError,
@@ -59,6 +60,7 @@ from opentinker_client.types import (
     CheckpointInfo,
     DeviceInfo,
     DeviceTelemetry,
+    HostTelemetry,
     Generation,
     NodeInfo,
     StreamChunk,
@@ -79,6 +81,7 @@ __all__ = [
     "NodeInfo",
     "DeviceInfo",
     "DeviceTelemetry",
+    "HostTelemetry",
     "parse_scheduler_url",
     *_errors.EXCEPTIONS,  # OpenTinkerError and every subclass
     "InferenceClient",

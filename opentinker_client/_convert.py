@@ -24,6 +24,7 @@ from opentinker_client.types import (
     DatasetInfo,
     DeviceInfo,
     DeviceTelemetry,
+    HostTelemetry,
     Generation,
     NodeInfo,
     Sample,
@@ -322,6 +323,9 @@ def node_from_proto(node: scheduler_pb2.Node) -> NodeInfo:
         ),
         last_heartbeat_time=timestamp_to_datetime(node.last_heartbeat_time),
         notes=tuple(node.notes),
+        host=_present(HostTelemetry, node.host, unavailable=dict(node.host.unavailable))
+        if node.HasField("host")
+        else None,
         proto=node,
     )
 

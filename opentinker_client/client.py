@@ -41,6 +41,8 @@ __all__ = ["RLClient", "DEFAULT_SCHEDULER_URL"]
 
 #: Used when neither ``scheduler_url`` nor the ``SCHEDULER_URL`` environment variable is set.
 DEFAULT_SCHEDULER_URL = "localhost:8888"
+#: Seconds a task may stay PENDING before the client logs why (``pending_warning_after``).
+DEFAULT_PENDING_WARNING_AFTER = 30.0
 
 
 class RLClient:
@@ -65,6 +67,11 @@ class RLClient:
             ``https://`` URL, TLS checked against the system roots).
         client_cert, client_key: PEM files for mTLS (schedulers with ``tls.client_auth: all``);
             ``None`` reads ``OPENTINKER_TLS_CERT`` / ``OPENTINKER_TLS_KEY``.
+        pending_warning_after: once a task this client reads (:meth:`is_task_complete`,
+            :meth:`get_task`, :meth:`wait`) has been PENDING this many seconds, log a warning with
+            its pending reason (logger ``opentinker_client``; without any logging set up Python
+            prints warnings to stderr). ``None`` reads ``OPENTINKER_PENDING_WARNING_AFTER``, else
+            30; 0 turns it off.
 
     Raises:
         ValueError: ``scheduler_url`` is not a valid address (see
@@ -90,6 +97,7 @@ class RLClient:
         root_certificates: str | os.PathLike | None = None,
         client_cert: str | os.PathLike | None = None,
         client_key: str | os.PathLike | None = None,
+        pending_warning_after: float | None = None,
     ) -> None:
         if scheduler_url is None:
             scheduler_url = os.environ.get("SCHEDULER_URL") or DEFAULT_SCHEDULER_URL
@@ -105,7 +113,17 @@ class RLClient:
             client_cert=client_cert,
             client_key=client_key,
         )
-        self._tasks = TaskCalls(self._connection)
+        if pending_warning_after is None:
+            text = os.environ.get("OPENTINKER_PENDING_WARNING_AFTER") or ""
+            try:
+                pending_warning_after = float(text) if text else DEFAULT_PENDING_WARNING_AFTER
+            except ValueError:
+                raise ValueError(
+                    f"OPENTINKER_PENDING_WARNING_AFTER: expected a number of seconds, got {text!r}"
+                ) from None
+        if not (isinstance(pending_warning_after, (int, float)) and pending_warning_after >= 0):
+            raise ValueError(f"pending_warning_after must be a number of seconds >= 0, got {pending_warning_after!r}")
+        self._tasks = TaskCalls(self._connection, pending_warning_after=float(pending_warning_after))
         self._data = DataCalls(self._connection)
         self._serving = ServingCalls(self._connection, self._tasks)
         self._pacer = PollPacer()
@@ -330,6 +348,16 @@ class RLClient:
         check_task_id(task_id)
         self._pacer.pace(task_id, self.min_poll_interval)
         return self.get_task(task_id).done
+
+    def pending_reason(self, task_id: str) -> str:
+        """Why the task has not started yet, as the scheduler says it ("no node has 1 free
+        GPU(s) ..."); ``""`` once it is not PENDING.
+
+        Raises:
+            NotFoundError, InvalidArgumentError, UnavailableError: as for :meth:`get_task`.
+        """
+        info = self.get_task(task_id)
+        return info.pending_reason if info.state == "pending" else ""
 
     def get_metrics(self, task_id: str) -> dict[str, float]:
         """The newest training step's metrics.

@@ -13,8 +13,9 @@ from typing import Any, Iterator
 from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_client._convert import checkpoint_from_proto, dataset_from_proto
 from opentinker_client.connection import SchedulerConnection
-from opentinker_client.errors import OpenTinkerError
+from opentinker_client.errors import InvalidArgumentError, OpenTinkerError
 from opentinker_client.types import CheckpointInfo, DatasetInfo
+from opentinker_common.spec.sft import MAX_LINE_BYTES, DatasetError, parse_chat_line
 
 __all__ = ["DataCalls", "UPLOAD_CHUNK_BYTES"]
 
@@ -28,6 +29,26 @@ def _safe_relative(path: str) -> PurePosixPath:
     if p.is_absolute() or not p.parts or any(part in ("..", "") for part in p.parts):
         raise OpenTinkerError(f"the scheduler sent an unsafe file path {path!r} in a checkpoint manifest; refused")
     return p
+
+
+def _check_dataset_file(path: str) -> None:
+    """Check every line of a chat JSONL file with the scheduler's own rules before uploading it.
+
+    Raises:
+        InvalidArgumentError: ``path:line:column: expected ...`` (the column where JSON syntax is
+            wrong; ``path:line:`` for a line that is JSON but not a chat example; ``path:`` for a
+            file with no example), field ``dataset``.
+    """
+    examples = 0
+    try:
+        with open(path, "rb") as fh:
+            for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_LINE_BYTES + 2), b""), start=1):
+                if parse_chat_line(raw.rstrip(b"\r\n"), lineno) is not None:
+                    examples += 1
+        if not examples:
+            raise DatasetError(0, "at least one example (one JSON object per line); the file is empty")
+    except DatasetError as err:
+        raise InvalidArgumentError(err.at(path), field="dataset") from None
 
 
 class DataCalls:
@@ -47,6 +68,7 @@ class DataCalls:
             raise IsADirectoryError(f"{path}: is a folder; upload_dataset takes one JSONL file")
         size = os.path.getsize(path)
         label = name if name is not None else os.path.basename(path)
+        _check_dataset_file(path)  # here the error can name the file: train.jsonl:3:14: expected ...
 
         def chunks() -> Iterator[scheduler_pb2.UploadDatasetRequest]:
             with open(path, "rb") as fh:

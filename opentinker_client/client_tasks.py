@@ -19,21 +19,51 @@ from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_client._convert import event_from_proto, metric_points, node_from_proto, state_enum, task_from_proto
 from opentinker_client.connection import SchedulerConnection
+import grpc
+
 from opentinker_client.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     OpenTinkerError,
+    OverloadedError,
     TaskFailedError,
     UnavailableError,
 )
 from opentinker_client.types import NodeInfo, TaskEvent, TaskInfo
 
-__all__ = ["TaskCalls", "PollPacer", "check_task_id"]
+__all__ = ["TaskCalls", "PendingWarner", "PollPacer", "check_task_id"]
 
 log = logging.getLogger("opentinker_client")
 
 #: Seconds :meth:`TaskCalls.wait` rides out ``UNAVAILABLE`` in a row before it gives up.
 WAIT_OUTAGE_S = 300.0
+#: Attempts of a submit cut off (``CANCELLED``) or unreachable (``UNAVAILABLE``) before it gives up
+#: (gRPC's own retry policy for the other calls makes as many); an overloaded or stopping
+#: scheduler's refusals are retried, after the delay it asks for, while the timeout allows.
+SUBMIT_ATTEMPTS = 5
+#: Status codes with which the scheduler refuses a submit before writing anything.
+_REFUSALS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
+
+
+def submit_outcome(err: OpenTinkerError) -> bool | None:
+    """Whether a submit that ended with ``err`` created its task: ``False`` for a refusal (the
+    status codes of :data:`_REFUSALS`, or any error the scheduler marked with its reason: it
+    refuses before it writes, and a failed write is rolled back); ``None`` when it cannot be told
+    (cut off, timed out, or unreachable after the request may have arrived)."""
+    if err.code in _REFUSALS or err.reason is not None:
+        return False
+    return None
 
 
 def check_task_id(task_id: Any) -> str:
@@ -89,20 +119,96 @@ class PollPacer:
             self._last[key] = time.monotonic()
 
 
+class PendingWarner:
+    """Says through :mod:`logging` (logger ``opentinker_client``, level WARNING) why a task is
+    still pending, once it has been seen PENDING for ``after`` seconds in a row: the seed's loop
+    otherwise prints ``Loss: nan, Reward: nan`` forever with the reason only in ``opentinker get``.
+
+    Once per pending spell of a task: again only after it left PENDING and came back (a requeue).
+    ``after`` <= 0 or ``None`` turns it off. Safe to share between threads; it forgets tasks past
+    10,000."""
+
+    def __init__(self, after: float | None) -> None:
+        self.after = after
+        self._since: dict[str, float] = {}  # task id -> when first seen pending (monotonic)
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def observe(self, info: TaskInfo) -> None:
+        if not self.after or self.after <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if info.state != "pending":
+                self._since.pop(info.task_id, None)
+                self._warned.discard(info.task_id)
+                return
+            if len(self._since) > 10_000:
+                self._since.clear()
+                self._warned.clear()
+            since = self._since.setdefault(info.task_id, now)
+            if now - since < self.after or info.task_id in self._warned:
+                return
+            self._warned.add(info.task_id)
+        log.warning(
+            "task %s has been pending for %.0f s: %s (RLClient.pending_reason(task_id), or: opentinker get %s)",
+            info.task_id,
+            now - since,
+            info.pending_reason or "the scheduler gave no reason",
+            info.task_id,
+        )
+
+
 class TaskCalls:
     """``SchedulerService`` task calls over ``connection`` (see the ``RLClient`` method of each
-    name for arguments, results and errors). Task ids are taken as checked."""
+    name for arguments, results and errors). Task ids are taken as checked. Every task read
+    (:meth:`get`, so ``is_task_complete`` and ``wait`` too) goes past ``pending`` (a
+    :class:`PendingWarner`)."""
 
-    def __init__(self, connection: SchedulerConnection) -> None:
+    def __init__(self, connection: SchedulerConnection, *, pending_warning_after: float | None = None) -> None:
         self.connection = connection
+        self.pending = PendingWarner(pending_warning_after)
 
     # -- submit and change --------------------------------------------------------------------
 
     def submit(self, spec: common_pb2.TaskSpec, *, request_id: str | None = None) -> str:
         """Submit ``spec``; returns the new task's id. ``request_id`` (idempotency key) defaults
-        to a random one, so that gRPC may retry the call."""
+        to a random one, so that the call may be made again: within the connection's timeout it
+        is, after the delay the scheduler asks for when it refused as overloaded
+        (:class:`OverloadedError`) or stopping (``UNAVAILABLE``), and with backoff, at most
+        :data:`SUBMIT_ATTEMPTS` times, when it was cut off (``CANCELLED``) or unreachable.
+
+        Raises:
+            OpenTinkerError: the subclass of the last attempt's status, with ``task_created``
+                (:func:`submit_outcome`) and ``request_id`` set; when the outcome cannot be
+                told, the message says to submit again with the same ``request_id``.
+        """
         request = scheduler_pb2.SubmitTaskRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
-        return self.connection.unary("SubmitTask", request).task.task_id
+        deadline = time.monotonic() + self.connection.timeout
+        backoff = _Backoff(0.2, 2.0)
+        cut_off = 0
+        while True:
+            try:
+                left = max(0.001, deadline - time.monotonic())
+                return self.connection.unary("SubmitTask", request, timeout=left).task.task_id
+            except OpenTinkerError as err:
+                err.task_created = submit_outcome(err)
+                err.request_id = request.request_id
+                wait = None
+                if isinstance(err, OverloadedError) or (err.code == grpc.StatusCode.UNAVAILABLE and err.retry_after):
+                    wait = (err.retry_after or 0.0) * random.uniform(1.0, 1.2)
+                elif err.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+                    cut_off += 1
+                    wait = backoff.next() if cut_off < SUBMIT_ATTEMPTS else None
+                if wait is None or time.monotonic() + wait >= deadline:
+                    if err.task_created is None:
+                        err.details += (
+                            f" (the task may or may not have been created: submit again with "
+                            f"request_id={request.request_id!r}, which returns it if it was)"
+                        )
+                    raise
+                log.info("submit refused or cut off (%s); retrying in %.2f s with the same request_id", err, wait)
+                time.sleep(wait)
 
     def cancel(self, task_id: str, *, reason: str = "") -> TaskInfo:
         """Cancel; returns the task after it (``RLClient.cancel``)."""
@@ -114,7 +220,9 @@ class TaskCalls:
     def get(self, task_id: str, *, timeout: float | None = None) -> TaskInfo:
         """The task now; ``timeout`` in seconds (``None``: the connection's)."""
         response = self.connection.unary("GetTask", scheduler_pb2.GetTaskRequest(task_id=task_id), timeout=timeout)
-        return task_from_proto(response.task)
+        info = task_from_proto(response.task)
+        self.pending.observe(info)
+        return info
 
     def list(self, *, states: Iterable[str | int] | str | None, limit: int | None) -> list[TaskInfo]:
         """Tasks newest first, fetched a page of at most 1000 at a time (``RLClient.list_tasks``)."""

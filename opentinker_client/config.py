@@ -29,17 +29,20 @@ refused with :class:`~opentinker_client.errors.ConfigError` naming the file, the
 The file is read as YAML 1.2 (:class:`opentinker_common.yaml12.Yaml12Loader`): only ``true`` and
 ``false`` are booleans, so ``model: no`` is the string ``"no"``, and a key that wants a boolean
 refuses ``no``/``off``/``yes``/``on`` with a hint (``expected true or false; 'no' is a string in
-YAML 1.2 — write false``).
+YAML 1.2 — write false``). Typographic quotes (``“ ”``), bullets (``•``) and other look-alike
+characters outside comments and ASCII-quoted strings are refused with their line and column and
+what to type instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import yaml
 
@@ -47,9 +50,10 @@ from opentinker.common.v1 import common_pb2
 from opentinker_client._convert import dict_to_struct, seconds_to_duration
 from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spec_error
 from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel
-from opentinker_common.yaml12 import Yaml12Loader, yaml11_bool_hint
+from opentinker_common.spec.registry import env_kinds_for
+from opentinker_common.yaml12 import Yaml12Loader, find_typography, yaml11_bool_hint
 
-__all__ = ["TaskConfig", "load_task_config", "parse_task_config"]
+__all__ = ["TaskConfig", "apply_overrides", "load_task_config", "parse_task_config"]
 
 
 # Stand-in for an empty model while validating locally: the scheduler fills in its default.
@@ -159,6 +163,13 @@ def _check_parts(cfg: TaskConfig) -> TaskSpecModel:
     if isinstance(max_runtime, _dt.timedelta):
         max_runtime = max_runtime.total_seconds()
     env = dict(cfg.env or {})
+    if not env and not cfg.dataset and env_kinds_for(cfg.workload_type) == ("dataset",):
+        raise SpecError(  # sft with no data at all: not "env_id: expected chat_jsonl, got 'arithmetic'"
+            "spec.dataset",
+            f"a dataset: {cfg.workload_type} trains on chat examples from a JSONL file (one "
+            '{"messages": [...]} per line); pass dataset="train.jsonl" (uploaded at submit), or '
+            'env_config={"env_id": "chat_jsonl", "path": "/data/train.jsonl"} for a file on the trainer nodes',
+        )
     if cfg.dataset:  # uploaded at submit; checked here with a stand-in id
         if "dataset_id" in env or "path" in env:
             raise SpecError(
@@ -309,6 +320,9 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
             value (a YAML 1.1 boolean word such as ``no`` where a boolean is wanted is refused
             with a hint); ``err.line``, ``err.column`` (1-based) and ``err.key`` say where.
     """
+    typo = find_typography(text)  # “quotes” and • bullets pasted from a document: named, before YAML misreads them
+    if typo is not None:
+        raise ConfigError(typo.message, source=source, line=typo.line, column=typo.column)
     try:
         root = yaml.compose(text, Loader=Yaml12Loader)
     except yaml.YAMLError as err:
@@ -368,6 +382,16 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
         _check_parts(cfg)
     except SpecError as err:
         path = _spec_field_to_path(err.field)
+        if err.field == "spec.dataset":
+            # sft with neither `dataset:` nor `env:`: the env_id is the default, not anything in the file
+            raise ConfigError(
+                f"{data['workload_type']} needs a dataset: add `dataset: train.jsonl` (a local JSONL file of chat "
+                'examples, one {"messages": [...]} per line, uploaded at submit), or `env: {env_id: chat_jsonl, '
+                "path: /data/train.jsonl}` for a file on the trainer nodes",
+                source=source,
+                **_at(lines.get(("workload_type",))),
+                key="dataset",
+            ) from None
         key = _dotted(path) if path else err.field
         detail = str(err)
         if detail.startswith(err.field + ": "):
@@ -415,3 +439,76 @@ def load_task_config(path: str | os.PathLike[str]) -> TaskConfig:
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
     return parse_task_config(text, source=path)
+
+
+#: Top-level keys ``--set`` may name, with the TaskConfig field each sets.
+_SCALAR_KEYS = ("name", "workload_type", "model", "gpu_count", "priority", "max_runtime", "max_attempts", "init_from")
+
+
+def apply_overrides(cfg: TaskConfig, overrides: Iterable[str]) -> TaskConfig:
+    """``cfg`` with ``KEY=VALUE`` overrides applied, in order, then checked (``opentinker submit
+    --set``): ``KEY`` is a key of the file, dotted into ``env`` and ``hyperparameters``
+    (``hyperparameters.steps=20``, ``env.max_digits=2``, ``gpu_count=1``, ``model=Qwen/...``);
+    ``VALUE`` is read as YAML 1.2 (``20`` an int, ``2e-4`` a float, ``true`` a bool, ``x`` a string;
+    an empty value is null, which removes a key of ``env``/``hyperparameters``).
+
+    Raises:
+        ConfigError: a malformed override, an unknown key, or a value the spec refuses; the
+            message names the override (``--set hyperparameters.stesp=20: unknown key ...``).
+    """
+    given: list[tuple[str, str]] = []  # (key, "--set KEY=VALUE")
+    for item in overrides:
+        source = f"--set {item}"
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError("expected KEY=VALUE (e.g. hyperparameters.steps=20)", source=source)
+        typo = find_typography(text)
+        if typo is not None:
+            raise ConfigError(typo.message, source=source)
+        try:
+            value = yaml.load(text, Loader=Yaml12Loader) if text.strip() else None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"the value is not valid YAML: {getattr(err, 'problem', err)}", source=source) from None
+        parts = key.split(".")
+        top = parts[0]
+        if top in ("env", "hyperparameters") and len(parts) > 1:
+            tree = _deep_copy(getattr(cfg, top))
+            node = tree
+            for part in parts[1:-1]:
+                child = node.get(part)
+                if child is None:
+                    child = node[part] = {}
+                elif not isinstance(child, dict):
+                    raise ConfigError(f"{'.'.join(parts[:-1])} is {child!r}, not a mapping", source=source)
+                node = child
+            if value is None:
+                node.pop(parts[-1], None)
+            else:
+                node[parts[-1]] = value
+            cfg = dataclasses.replace(cfg, **{top: tree})
+        elif len(parts) == 1 and (top in _SCALAR_KEYS or top == "dataset"):
+            if value is not None and not _type_ok(top, value):
+                raise ConfigError(f"expected {_KEYS[top]}, got {value!r}", source=source, key=top)
+            default = None if top in ("priority", "max_runtime", "max_attempts") else ("" if top != "gpu_count" else 0)
+            new = default if value is None else value
+            if top == "max_runtime" and new is not None:
+                new = float(new)
+            cfg = dataclasses.replace(cfg, **{top: new})
+        else:
+            known = ", ".join([*_SCALAR_KEYS, "dataset", "env.KEY", "hyperparameters.KEY"])
+            raise ConfigError(f"unknown key {key!r}; expected one of {known}", source=source)
+        given.append((key, source))
+    try:  # once all are applied: two overrides may only make sense together
+        _check_parts(cfg)
+    except SpecError as err:
+        path = _spec_field_to_path(err.field)
+        dotted = _dotted(path) if path else ""
+        named = [src for key, src in given if dotted == key or dotted.startswith(key + ".") or key.startswith(dotted)]
+        source = named[-1] if named and dotted else "; ".join(src for _, src in given) or cfg.source or "<config>"
+        raise ConfigError(str(err), source=source) from None
+    return cfg
+
+
+def _deep_copy(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in mapping.items()}

@@ -21,8 +21,10 @@ from typing import Any, Iterable, Iterator
 import grpc
 
 from opentinker.scheduler.v1 import scheduler_pb2_grpc
+from opentinker_client._reach import explain_unreachable
 from opentinker_client.errors import SCHEDULER_PLAINTEXT_HINT, DeadlineExceededError, OpenTinkerError, from_rpc_error
 from opentinker_common.net.bearer import bearer_metadata, clean_api_key
+from opentinker_common.net.call_budget import budget_metadata
 from opentinker_common.net.grpc_options import client_keepalive, message_limits
 from opentinker_common.net.tls import channel_credentials
 from opentinker_common.net.leader import SchedulerTargets, parse_scheduler_urls
@@ -31,9 +33,11 @@ __all__ = ["SchedulerConnection", "StreamResponses", "resolve_api_key"]
 
 _SERVICE = "opentinker.scheduler.v1.SchedulerService"
 
-# Unary RPCs are retried by gRPC itself on UNAVAILABLE (scheduler restarting, connection refused).
-# All of them are idempotent; SubmitTask is made so by the request_id the client always sends.
-_RETRIED = ("SubmitTask", "GetTask", "ListTasks", "CancelTask", "GetMetrics", "ListNodes", "ListCheckpoints")
+# Unary RPCs are retried by gRPC itself on UNAVAILABLE (scheduler restarting, connection refused);
+# all of them are idempotent. SubmitTask is retried by TaskCalls.submit instead (made idempotent by
+# the request_id the client always sends): each attempt must carry its own budget (call_budget),
+# and it also retries an overloaded scheduler's refusal and a call cut off with CANCELLED.
+_RETRIED = ("GetTask", "ListTasks", "CancelTask", "GetMetrics", "ListNodes", "ListCheckpoints")
 _SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
@@ -208,10 +212,13 @@ class SchedulerConnection:
         """``err`` as the client's :class:`OpenTinkerError` subclass; on a plaintext channel an
         ``UNAVAILABLE`` from a server that closed the connection carries a TLS hint, unless
         ``plaintext_hint`` is false."""
-        return from_rpc_error(err, plaintext_hint=self._plaintext_hint if plaintext_hint else "")
+        mapped = from_rpc_error(err, plaintext_hint=self._plaintext_hint if plaintext_hint else "")
+        return explain_unreachable(mapped, self.target)  # "nothing is listening", "that is the HTTP port" ...
 
     def unary(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
-        """Call the unary RPC ``method`` (``"GetTask"`` ...) and return its response.
+        """Call the unary RPC ``method`` (``"GetTask"`` ...) and return its response. The call
+        carries its budget (``opentinker-timeout-ms``), so the scheduler can tell how long it
+        waited before being taken up (:mod:`opentinker_common.net.call_budget`).
 
         Args:
             timeout: seconds; ``None`` is the connection's ``timeout``.
@@ -226,7 +233,7 @@ class SchedulerConnection:
         while True:
             left = max(0.05, deadline - time.monotonic())
             try:
-                return getattr(self.stub, method)(request, timeout=left, metadata=self.metadata)
+                return getattr(self.stub, method)(request, timeout=left, metadata=self.metadata + budget_metadata(left))
             except grpc.RpcError as err:
                 # Several schedulers: a follower's refusal, or an address that cannot be reached,
                 # moves to the leader (or the next address) and the call goes again (every unary

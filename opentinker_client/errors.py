@@ -14,6 +14,12 @@ catch what they can handle::
 
 ``str(err)`` reads ``INVALID_ARGUMENT: spec.workload_type: expected one of ...``.
 
+A refusal that says when to retry carries ``err.retry_after`` (seconds, from a
+``google.rpc.RetryInfo``); an overloaded scheduler's is an :class:`OverloadedError`. An error from
+a submit says whether the task was created (``err.task_created``: ``False``, or ``None`` when it
+cannot be told, e.g. the call ended ``DEADLINE_EXCEEDED``; submitting again with the same
+``request_id`` then returns the task if it was).
+
 Validation done locally (before anything is sent) raises the same :class:`InvalidArgumentError`
 the scheduler would return, with ``code == grpc.StatusCode.INVALID_ARGUMENT``.
 """
@@ -42,6 +48,7 @@ EXCEPTIONS = [
     "UnauthenticatedError",
     "PermissionDeniedError",
     "ResourceExhaustedError",
+    "OverloadedError",
     "UnavailableError",
     "DeadlineExceededError",
     "TaskFailedError",
@@ -72,6 +79,15 @@ class OpenTinkerError(Exception):
             (for example :class:`TaskFailedError`).
         details: the human-readable message (the gRPC status details for server errors).
         status: the decoded ``google.rpc.Status`` when the server sent rich details, else ``None``.
+        retry_after: seconds the server said to wait before retrying (``google.rpc.RetryInfo``),
+            else ``None``.
+        reason: the ``google.rpc.ErrorInfo`` reason of an OpenTinker scheduler's refusal
+            (``OVERLOADED``, ``SHUTTING_DOWN``, ``STORE_UNAVAILABLE``), else ``None``.
+        task_created: set on errors of a submit: ``False`` when the scheduler refused the call
+            and created no task; ``None`` when it cannot be told (the call was cut off, or timed
+            out, after it may have reached the scheduler); for other calls always ``None``.
+        request_id: set on errors of a submit: the idempotency key it was sent with (submit
+            again with it to learn whether the task exists).
     """
 
     #: The status code this class stands for; ``None`` on the base class.
@@ -87,6 +103,9 @@ class OpenTinkerError(Exception):
         self.details = details
         self.code = code if code is not None else type(self).grpc_code
         self.status = status
+        self.retry_after, self.reason = _retry_and_reason(status)
+        self.task_created: bool | None = None
+        self.request_id: str | None = None
         super().__init__(details)
 
     def __str__(self) -> str:
@@ -181,6 +200,13 @@ class ResourceExhaustedError(OpenTinkerError, code=grpc.StatusCode.RESOURCE_EXHA
     """
 
 
+class OverloadedError(ResourceExhaustedError):
+    """The scheduler is overloaded and refused the call at once, before doing anything: a submit
+    created no task (``task_created`` is ``False``). ``retry_after`` says when to try again;
+    :meth:`RLClient.submit_task` does so by itself while its ``timeout`` allows, and raises this
+    only when it does not."""
+
+
 class UnavailableError(OpenTinkerError, code=grpc.StatusCode.UNAVAILABLE):
     """The scheduler cannot be reached (down, restarting, wrong address). Safe to retry.
 
@@ -232,6 +258,32 @@ def _rich_status(err: grpc.RpcError) -> Any:
         return None
 
 
+#: ``google.rpc.ErrorInfo.domain`` of the OpenTinker scheduler's refusals.
+SCHEDULER_ERROR_DOMAIN = "opentinker.scheduler"
+
+
+def _retry_and_reason(status: Any) -> tuple[float | None, str | None]:
+    """``(RetryInfo delay in seconds, ErrorInfo reason of the scheduler)`` of a rich status."""
+    if status is None:
+        return None, None
+    try:
+        from google.rpc import error_details_pb2
+    except ImportError:  # pragma: no cover
+        return None, None
+    retry_after = reason = None
+    for any_msg in getattr(status, "details", ()):
+        if any_msg.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            any_msg.Unpack(info)
+            retry_after = max(0.0, info.retry_delay.ToNanoseconds() / 1e9)
+        elif any_msg.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            any_msg.Unpack(info)
+            if info.domain == SCHEDULER_ERROR_DOMAIN:
+                reason = info.reason or None
+    return retry_after, reason
+
+
 def _field_from_status(status: Any) -> str | None:
     if status is None:
         return None
@@ -275,6 +327,8 @@ def from_rpc_error(err: grpc.RpcError, *, plaintext_hint: str = "") -> OpenTinke
         details = f"{details} {plaintext_hint}"
     status = _rich_status(err)
     cls = _BY_CODE.get(code, OpenTinkerError)
+    if cls is ResourceExhaustedError and _retry_and_reason(status)[1] == "OVERLOADED":
+        cls = OverloadedError
     if cls is InvalidArgumentError:
         field = _field_from_status(status)
         if field is None:

@@ -25,6 +25,7 @@ __all__ = [
     "NodeInfo",
     "DeviceInfo",
     "DeviceTelemetry",
+    "HostTelemetry",
     "DatasetInfo",
     "CheckpointInfo",
     "Sample",
@@ -190,6 +191,21 @@ class DeviceTelemetry:
 
 
 @dataclass(frozen=True)
+class HostTelemetry:
+    """CPU and memory of a node's host (psutil), from its latest heartbeat. A value it could not
+    read is ``None`` and ``unavailable[field]`` says why.
+
+    Units: ``cpu_utilization_percent`` % of all cores, memory in bytes (used = total - available).
+    """
+
+    cpu_utilization_percent: float | None = None
+    cpu_count: int | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    unavailable: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class NodeInfo:
     """A trainer node as the scheduler sees it.
 
@@ -199,6 +215,7 @@ class NodeInfo:
         max_tasks: tasks it may run at once; ``running_task_ids`` runs now.
         last_heartbeat_time: UTC datetime or ``None``.
         notes: things a person should see (simulated devices, config/NVML disagreement ...).
+        host: CPU and memory of its host (:class:`HostTelemetry`), ``None`` before a heartbeat.
     """
 
     node_id: str
@@ -212,6 +229,7 @@ class NodeInfo:
     last_heartbeat_time: _dt.datetime | None = None
     version: str = ""
     notes: tuple[str, ...] = ()
+    host: HostTelemetry | None = None
     proto: Any = field(default=None, repr=False, compare=False)
 
 

@@ -27,9 +27,9 @@ def _port(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="opentinker-scheduler", description="OpenTinker scheduler: queue, placement, state."
+        prog=prog or "opentinker-scheduler", description="OpenTinker scheduler: queue, placement, state."
     )
     parser.add_argument("--config", help="scheduler_config.yaml (seed form: resource_pool, workload_types)")
     parser.add_argument("--host", default="0.0.0.0")

@@ -7,13 +7,31 @@ import re
 
 import grpc
 
+from opentinker_common import artifacts as art
+from opentinker_common.artifacts.local import UploadIncomplete, UploadOffsetMismatch
+
 #: A message that names a request field starts with its path and ": " (``spec.hyperparameters.lr: ``,
 #: ``spec.datasets[0].uri: ``, ``page_size: ``).
+#: The ``domain`` of the ``google.rpc.ErrorInfo`` the scheduler sends with a ``reason``.
+ERROR_DOMAIN = "opentinker.scheduler"
+
 _FIELD_PATH = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+|\[\d+\])*): ")
 
 
 class SchedulerError(Exception):
-    """Base of the scheduler's domain errors."""
+    """Base of the scheduler's domain errors.
+
+    Args:
+        retry_after: seconds after which the same call may succeed; sent to the client as a
+            ``google.rpc.RetryInfo`` detail (and ``grpc-retry-pushback-ms``). None: no advice.
+        reason: a machine-readable reason in UPPER_SNAKE_CASE, sent as a ``google.rpc.ErrorInfo``
+            detail (domain :data:`ERROR_DOMAIN`) when given, e.g. ``OVERLOADED``.
+    """
+
+    def __init__(self, message: str = "", *, retry_after: float | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.reason = reason
 
 
 class NotFound(SchedulerError):
@@ -43,17 +61,23 @@ class ResourceExhausted(SchedulerError):
     """RESOURCE_EXHAUSTED: a limit was hit; the message names it."""
 
 
+class Unavailable(SchedulerError):
+    """UNAVAILABLE: the scheduler cannot take the call now (it is shutting down); nothing was
+    done, and the same call may be made again (``retry_after``)."""
+
+
 class AlreadyExists(SchedulerError):
     """ALREADY_EXISTS: a node id already connected, or a request id reused for another spec."""
 
 
-class Unavailable(SchedulerError):
-    """UNAVAILABLE: this scheduler cannot do it now; the same call may succeed later or elsewhere."""
-
-
 class StoreUnavailable(Unavailable):
     """UNAVAILABLE: the state store cannot be reached or written now (a database restarting, a
-    broken connection, a write that timed out); nothing of the call was committed."""
+    broken connection, a write that timed out); nothing of the call was committed (ErrorInfo
+    reason ``STORE_UNAVAILABLE``, as for SQLite's errors)."""
+
+    def __init__(self, message: str = "", **kw) -> None:
+        kw.setdefault("reason", "STORE_UNAVAILABLE")
+        super().__init__(message, **kw)
 
 
 class NotLeader(Unavailable):
@@ -70,7 +94,8 @@ class NotLeader(Unavailable):
                 f"this scheduler is a follower; the leader is {leader}"
                 if leader
                 else "this scheduler is a follower and no leader is known yet (an election is under way); retry"
-            )
+            ),
+            reason="NOT_LEADER",
         )
 
 
@@ -83,6 +108,15 @@ class Fenced(NotLeader):
 
 
 _STATUS_CODES = {
+    # the artifact store's errors (opentinker_common.artifacts), first the more specific ones
+    UploadOffsetMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    UploadIncomplete: grpc.StatusCode.FAILED_PRECONDITION,
+    art.InvalidArtifact: grpc.StatusCode.INVALID_ARGUMENT,
+    art.ArtifactNotFound: grpc.StatusCode.NOT_FOUND,
+    art.ArtifactCorrupt: grpc.StatusCode.DATA_LOSS,
+    art.StoreFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    art.StoreAuthError: grpc.StatusCode.FAILED_PRECONDITION,
+    art.StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,

@@ -13,20 +13,25 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from opentinker.artifact.v1 import artifact_pb2, artifact_pb2_grpc
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 
+from opentinker_scheduler.admission.load import SubmitGate
 from opentinker_scheduler.security import tls_config as tls_listen
 from opentinker_scheduler.api.admin import AdminService
+from opentinker_scheduler.api.artifacts import ArtifactService
+from opentinker_scheduler.data.artifacts import Artifacts, open_store
 from opentinker_scheduler.security.bundle import Security, build_security
 
 from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.state.core import STATE_NAMES, SchedulerCore
+from opentinker_scheduler.api.front import PortFront
 from opentinker_scheduler.api.http import HttpEndpoint, Snapshot
 from opentinker_scheduler.api.service import NodeService, SchedulerService
 from opentinker_scheduler.state.leadership import LeaseLeadership, StaticLeadership
-from opentinker_scheduler.state.store import open_store
+from opentinker_scheduler.state.store import open_store as open_state_store
 from opentinker_common.net.grpc_options import server_options
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -35,11 +40,24 @@ log = structlog.get_logger("opentinker.scheduler")
 #: every 30 s and accepts client pings no more often than every 10 s, with or without calls in
 #: flight (trainers ping every 20 s), so an idle node is never dropped with `too_many_pings`.
 SERVER_OPTIONS = server_options()
+#: gRPC core keeps a call that grpc.aio has not taken yet (it takes one per event-loop turn) in a
+#: queue, and past ``grpc.server.max_pending_requests`` (default 1000; all of them past the hard
+#: limit, default 3000) drops calls at random with a bare CANCELLED the scheduler never sees: the
+#: client cannot tell whether its task was made. Raised above what an overloaded scheduler that
+#: refuses the excess queues (admission/load.py keeps the wait near limits.max_submit_wait: ~1500
+#: calls at 3000/s taken up), so those calls reach it and get RESOURCE_EXHAUSTED with retry
+#: advice; kept finite for a flood that even refusing cannot keep up with, so the wait there stays
+#: bounded (~5000 calls) instead of growing to core's 30 s (grpc.server_max_unrequested_time_in_server).
+PENDING_OPTIONS = [
+    ("grpc.server.max_pending_requests", 5_000),
+    ("grpc.server.max_pending_requests_hard_limit", 10_000),
+]
 
 SERVICE_NAMES = (
     scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name,
     node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
     admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+    artifact_pb2.DESCRIPTOR.services_by_name["ArtifactService"].full_name,
 )
 
 
@@ -53,10 +71,23 @@ class RunningScheduler:
     security: Security | None = None
     #: The mTLS node port (tls.client_ca with client_auth: nodes), else None.
     node_port: int | None = None
+    #: The artifact store (checkpoints) and its settings.
+    artifacts: Artifacts | None = None
+    #: The front on the public port (plaintext, http_on_grpc_port), else None.
+    front: PortFront | None = None
+    #: SubmitTask's gate (admission/load.py): closed first when stopping.
+    submit_gate: SubmitGate | None = None
     #: Who leads (state/leadership.py): always this one on SQLite, the lease on PostgreSQL.
     leadership: StaticLeadership | LeaseLeadership | None = None
 
     async def stop(self, grace: float = 2.0) -> None:
+        # No new task from here on (UNAVAILABLE, retry advice: the client retries at the next
+        # scheduler); a submit that wrote its task is answered before the server stops, so no
+        # accepted call is cancelled.
+        if self.submit_gate is not None:
+            self.submit_gate.drain()
+            if not await self.submit_gate.wait_idle(grace):
+                log.warning("submits still in progress at shutdown", in_flight=self.submit_gate.in_flight)
         self.tick_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.tick_task
@@ -66,6 +97,8 @@ class RunningScheduler:
         for node in list(self.core.nodes.values()):
             node.outbox.put_nowait(None)
         await asyncio.sleep(0)
+        if self.front is not None:
+            await self.front.stop()  # no new connections; spliced ones end with the server
         await self.server.stop(grace)
         self.core.flush()
         if self.leadership is not None:
@@ -78,6 +111,7 @@ class RunningScheduler:
 def _snapshot(core: SchedulerCore, leadership=None) -> Snapshot:
     counts = {STATE_NAMES[s]: n for s, n in core.state_counts.items() if n}
     gpus = []
+    hosts = []
     for node in core.nodes.values():
         if not node.connected:
             continue
@@ -88,6 +122,14 @@ def _snapshot(core: SchedulerCore, leadership=None) -> Snapshot:
                 if t.HasField(k)
             }
             gpus.append((node.node_id, str(t.index), t.simulated, values))
+        if node.host is not None:
+            h = node.host
+            host_values = {
+                k: float(getattr(h, k))
+                for k in ("cpu_utilization_percent", "cpu_count", "memory_used_bytes", "memory_total_bytes")
+                if h.HasField(k)
+            }
+            hosts.append((node.node_id, host_values))
     view = leadership.view() if leadership is not None else None
     return Snapshot(
         role=view.role if view else "leader",
@@ -101,6 +143,7 @@ def _snapshot(core: SchedulerCore, leadership=None) -> Snapshot:
         nodes_connected=sum(1 for n in core.nodes.values() if n.connected),
         nodes_known=len(core.nodes),
         gpus=tuple(gpus),
+        hosts=tuple(hosts),
     )
 
 
@@ -148,7 +191,12 @@ async def start_scheduler(
     if not config.state_dir.exists():  # readable by this user only (keys, datasets, the database)
         with contextlib.suppress(OSError):  # Store reports what is wrong with the folder
             config.state_dir.mkdir(mode=0o700, parents=True)
-    store = open_store(config)  # SQLite: raises StateDirInUse when another scheduler holds the folder
+    store = open_state_store(config)  # SQLite: raises StateDirInUse when another scheduler holds the folder
+    try:  # an s3 store that does not answer (or refuses the credentials) stops the start, naming it
+        artifacts = Artifacts(await asyncio.to_thread(open_store, config), config.artifacts)
+    except BaseException:
+        store.close()
+        raise
     http = None
     try:
         if http_port is not None:
@@ -168,7 +216,7 @@ async def start_scheduler(
     options = [
         (k, most if k in ("grpc.max_send_message_length", "grpc.max_receive_message_length") else v)
         for k, v in SERVER_OPTIONS
-    ]
+    ] + PENDING_OPTIONS
     server = grpc.aio.server(options=options, interceptors=[security.interceptor])
     scheduler_service = SchedulerService(core, security=security)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(scheduler_service, server)
@@ -176,12 +224,34 @@ async def start_scheduler(
         NodeService(core, security=security, scheduler_service=scheduler_service), server
     )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(security, durable=core.durable), server)
+    artifact_pb2_grpc.add_ArtifactServiceServicer_to_server(
+        ArtifactService(artifacts, security=security, durable=core.durable, require_leader=core.require_leader),
+        server,
+    )
+    scheduler_service.artifacts = artifacts  # DownloadCheckpoint reads the store
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound, node_bound = tls_listen.bind(server, config.tls, host, port)
+    # Plaintext: a front owns the public port and splices gRPC to a private loopback port, so
+    # that curl http://host:PORT/health works there too (api/front.py). TLS: gRPC owns it.
+    front = None
+    if config.tls is None and config.http_on_grpc_port and http is not None:
+        # The public port first: a private port taken first could be the very number asked for.
+        front = PortFront(("127.0.0.1", 0), http.answer)
+        try:
+            bound, node_bound = await front.start(host, port), None
+        except (OSError, OverflowError):
+            bound, node_bound = 0, None
+        private = tls_listen.bind(server, None, "127.0.0.1", 0)[0] if bound else 0
+        front.upstream = ("127.0.0.1", private)
+        bound = bound if private else 0
+        security.interceptor.peer_of = front.peer_of
+    else:
+        bound, node_bound = tls_listen.bind(server, config.tls, host, port)
     if bound == 0 or node_bound == 0:
         await server.stop(None)
+        if front is not None:
+            await front.stop()
         if http is not None:
             http.stop()
         store.close()
@@ -194,14 +264,22 @@ async def start_scheduler(
         leadership = LeaseLeadership(
             core, store, address=address, lease_s=sc.leader_lease_s, renew_s=sc.renew_interval_s
         )
+        if config.artifacts.backend == "local":
+            log.warning(
+                "several schedulers share this PostgreSQL store but checkpoints are in this one's state_dir "
+                "(artifacts.backend local): after a failover the new leader cannot read them; use artifacts.backend s3",
+                state_dir=str(config.state_dir),
+            )
     else:
         leadership = StaticLeadership(core, address)
     await leadership.start()
     for name in ("", *SERVICE_NAMES):
         await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
     if http is not None:
+        http.grpc_port = bound
         http.snapshot = _snapshot(core, leadership)
         http.node_messages = core.node_messages  # live counters; the HTTP thread only reads them
+        http.submits_refused = scheduler_service.gate.refused
         http.start()
     tick = asyncio.create_task(_tick_loop(core, http, tick_interval_s, leadership))
     log.info(
@@ -215,6 +293,9 @@ async def start_scheduler(
         auth=security.enabled,
         tls=config.tls is not None,
         node_port=node_bound,
+        artifacts=artifacts.store.describe(),
+        http_on_grpc_port=front is not None,
+        grpc_private_port=front.upstream[1] if front is not None else None,
     )
     return RunningScheduler(
         server=server,
@@ -225,6 +306,9 @@ async def start_scheduler(
         security=security,
         node_port=node_bound,
         leadership=leadership,
+        artifacts=artifacts,
+        front=front,
+        submit_gate=scheduler_service.gate,
     )
 
 

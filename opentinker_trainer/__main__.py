@@ -90,8 +90,8 @@ def _http_tls_context(parser: argparse.ArgumentParser, args: argparse.Namespace)
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="opentinker-trainer", description="OpenTinker trainer node agent.")
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog or "opentinker-trainer", description="OpenTinker trainer node agent.")
     parser.add_argument(
         "--scheduler-url",
         default=None,

@@ -372,12 +372,14 @@ class NodeAgent:
     async def _heartbeats(self) -> None:
         while True:
             telemetry = await asyncio.to_thread(self.monitor.telemetry)
-            self._send(node_pb2.ConnectRequest(heartbeat=self._heartbeat(telemetry)))
+            host = await asyncio.to_thread(self.monitor.host_telemetry)
+            self._send(node_pb2.ConnectRequest(heartbeat=self._heartbeat(telemetry, host)))
             await asyncio.sleep(self._heartbeat_interval)
 
-    def _heartbeat(self, telemetry: list | None = None) -> node_pb2.Heartbeat:
+    def _heartbeat(self, telemetry: list | None = None, host=None) -> node_pb2.Heartbeat:
         hb = node_pb2.Heartbeat(
             devices=telemetry or [],
+            host=host,
             running=[node_pb2.RunningTask(task_id=w.task_id, attempt=w.attempt) for w in self.workers.values()],
             draining=self.draining,
         )
@@ -430,7 +432,8 @@ class NodeAgent:
         # Workers call the scheduler as their node does (datasets, adapter lookup): address, key, TLS.
         env.update(
             worker_env(
-                self.targets.current,
+                # Several schedulers: all of them, the leader first (the worker follows it as well).
+                ",".join(dict.fromkeys((self.targets.current, *self.targets.given))),
                 api_key=self.config.api_key,
                 tls_ca=self.config.tls_ca,
                 tls_cert=self.config.tls_cert,
@@ -441,6 +444,7 @@ class NodeAgent:
             )
         )
         env["OPENTINKER_DATASET_CACHE"] = str(self.config.work_dir / "datasets")  # shared by this node's tasks
+        env.setdefault("OPENTINKER_ARTIFACT_CACHE", str(self.config.work_dir / "artifact-cache"))  # checkpoints
         env["OPENTINKER_WORK_DIR"] = str(
             self.config.work_dir.resolve()
         )  # specs may not name paths in it (local_paths.py)
@@ -521,6 +525,12 @@ class NodeAgent:
                 report.checkpoint.format = str(msg.get("format", ""))
                 report.checkpoint.create_time.FromNanoseconds(int(msg["time"] * 1e9))
                 report.checkpoint.node_id = self.config.node_id
+                if msg.get("artifact"):  # in the artifact store: readable from every node
+                    art = msg["artifact"]
+                    report.checkpoint.artifact.key = str(art["key"])
+                    report.checkpoint.artifact.manifest_sha256 = str(art["manifest_sha256"])
+                    report.checkpoint.artifact.total_bytes = int(art.get("total_bytes", 0))
+                    report.checkpoint.artifact.backend = str(art.get("backend", ""))
             elif kind == "endpoint":
                 report.endpoint = str(msg.get("address", ""))
             elif kind in ("succeeded", "failed", "stopped"):

@@ -54,6 +54,9 @@ class WorkerContext:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     init_checkpoint: Path | None = None
     init_format: str = ""
+    #: Puts each checkpoint into the artifact store before it is reported (None: report the path
+    #: only, a worker run without a scheduler); an ``opentinker_trainer.artifacts.CheckpointPublisher``.
+    publisher: Any = None
 
     # --- reports ---------------------------------------------------------------------------
     def _emit(self, kind: str, **payload: Any) -> None:
@@ -75,8 +78,32 @@ class WorkerContext:
         self._emit("metric", step=int(step), values=clean)
 
     def emit_checkpoint(self, step: int, path: Path, *, final: bool, fmt: str) -> None:
-        """Report a checkpoint folder written after ``step`` (format e.g. ``peft_lora``)."""
-        self._emit("checkpoint", step=int(step), path=str(path), final=bool(final), format=fmt)
+        """Report a checkpoint folder written after ``step`` (format e.g. ``peft_lora``).
+
+        With a ``publisher``, the folder is first put into the artifact store (every file stored
+        and verified) and the report carries its key and manifest hash; a periodic checkpoint that
+        cannot be stored is not reported (training goes on, reported as ``checkpoint_failed``).
+
+        Raises:
+            CheckpointStoreFailed: the final checkpoint, or too many in a row, could not be stored.
+        """
+        artifact: dict[str, Any] | None = None
+        if self.publisher is not None:
+            try:
+                ref = self.publisher.publish(step, Path(path), final=final, fmt=fmt)
+            except Exception as exc:
+                self._emit("checkpoint_failed", step=int(step), error=str(exc), fatal=True)
+                raise
+            if ref is None:
+                self._emit("checkpoint_failed", step=int(step), error="not stored; training goes on", fatal=False)
+                return
+            artifact = {
+                "key": ref.key,
+                "manifest_sha256": ref.manifest_sha256,
+                "total_bytes": ref.total_bytes,
+                "backend": self.publisher.settings.backend,
+            }
+        self._emit("checkpoint", step=int(step), path=str(path), final=bool(final), format=fmt, artifact=artifact)
         if final:
             self.completed = True
 

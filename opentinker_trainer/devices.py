@@ -1,4 +1,5 @@
-"""GPU discovery and telemetry from NVML (``nvidia-ml-py``), or simulated devices for tests.
+"""GPU discovery and telemetry from NVML (``nvidia-ml-py``), or simulated devices for tests; the
+host's CPU and memory from psutil (:meth:`DeviceMonitor.host_telemetry`, every node).
 
 Units: memory in bytes, temperature in degrees Celsius, power in watts (NVML gives milliwatts),
 SM clock in MHz, utilization in percent. A field NVML cannot give (NotSupported, MIG devices,
@@ -31,6 +32,7 @@ class DeviceMonitor:
     """Finds devices once and reads their telemetry on demand (thread-safe)."""
 
     def __init__(self, *, simulate_gpus: int = 0) -> None:
+        self._prime_cpu()
         self._lock = threading.Lock()
         self._nvml = None
         self._handles: list = []
@@ -50,6 +52,16 @@ class DeviceMonitor:
             )
             return
         self.inventory = self._discover()
+
+    @staticmethod
+    def _prime_cpu() -> None:
+        """psutil's first cpu_percent() has nothing to compare with (it says 0.0): take it now."""
+        try:
+            import psutil
+
+            psutil.cpu_percent(interval=None)
+        except Exception:  # noqa: BLE001 - no psutil: host_telemetry says so
+            pass
 
     def _discover(self) -> Inventory:
         try:
@@ -124,6 +136,39 @@ class DeviceMonitor:
                     except nv.NVMLError as exc:
                         t.unavailable[field] = str(exc) or type(exc).__name__
                 out.append(t)
+        return out
+
+    def host_telemetry(self) -> common_pb2.HostTelemetry:
+        """CPU utilisation since the previous reading (% of all cores), logical CPUs and memory in
+        use (total minus available) of this host, from psutil; what psutil cannot give is absent
+        with the reason in ``unavailable``."""
+        out = common_pb2.HostTelemetry()
+        try:
+            import psutil
+        except ImportError:
+            for name in ("cpu_utilization_percent", "cpu_count", "memory_used_bytes", "memory_total_bytes"):
+                out.unavailable[name] = "psutil is not installed"
+            return out
+        readers = {
+            "cpu_utilization_percent": lambda: float(psutil.cpu_percent(interval=None)),
+            "cpu_count": lambda: int(psutil.cpu_count() or 0) or None,
+        }
+        for name, read in readers.items():
+            try:
+                value = read()
+            except Exception as exc:  # noqa: BLE001 - a reading psutil cannot make stays absent
+                out.unavailable[name] = str(exc) or type(exc).__name__
+                continue
+            if value is None:
+                out.unavailable[name] = "psutil does not know"
+            else:
+                setattr(out, name, value)
+        try:
+            mem = psutil.virtual_memory()
+            out.memory_total_bytes = int(mem.total)
+            out.memory_used_bytes = int(mem.total - mem.available)
+        except Exception as exc:  # noqa: BLE001
+            out.unavailable["memory_used_bytes"] = out.unavailable["memory_total_bytes"] = str(exc) or "error"
         return out
 
     def close(self) -> None:

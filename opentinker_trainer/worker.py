@@ -6,7 +6,9 @@ channel) in its own process group, with ``CUDA_VISIBLE_DEVICES`` set to the assi
 folder comes from ``--checkpoint-dir``.
 
 Protocol to the agent: JSON lines on stdout, one object each, with ``type``:
-``started``; ``metric`` (step, values); ``checkpoint`` (step, path, final, format); and exactly
+``started``; ``metric`` (step, values); ``checkpoint`` (step, path, final, format, and ``artifact``:
+key, manifest_sha256, total_bytes, backend once it is in the artifact store); ``checkpoint_failed``
+(step, error: a checkpoint that could not be stored); and exactly
 one of ``succeeded``, ``stopped`` (checkpointed and returned early after SIGTERM), ``failed``
 (``error``, ``retryable``). Logs go to stderr.
 Before the workload runs, a ``spec.model`` or ``env_config.path`` inside the node's work folder
@@ -32,7 +34,19 @@ from opentinker.node.v1 import node_pb2
 from opentinker_common.logs import configure_logging
 from opentinker_common.spec import SpecError, spec_from_proto
 
+from opentinker_common.artifacts import ArtifactError
+
 from opentinker_trainer._proc import die_with_parent
+from opentinker_trainer.artifacts import (
+    CACHE_BYTES_ENV,
+    CACHE_ENV,
+    DEFAULT_CACHE_BYTES,
+    ArtifactCache,
+    CheckpointPublisher,
+    CheckpointStoreFailed,
+    fetch_checkpoint,
+    open_worker_store,
+)
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.local_paths import check_model_not_local, check_spec_paths, private_dirs
 from opentinker_trainer.workloads import run_task
@@ -52,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     log = structlog.get_logger("opentinker.worker")
     device = args.device or ("cuda" if assign.device_indices else "cpu")
-    resume = Path(assign.resume_from.path) if assign.HasField("resume_from") and assign.resume_from.path else None
 
     # Keep the real stdout for the report protocol; anything a library prints goes to stderr.
     out = os.fdopen(os.dup(1), "w", buffering=1)
@@ -64,6 +77,31 @@ def main(argv: list[str] | None = None) -> int:
         ctx = WorkerContext(assign.task_id, assign.attempt, None, device, args.checkpoint_dir, out=out)  # type: ignore[arg-type]
         ctx._emit("failed", error=f"invalid spec: {exc}", retryable=False)
         return 1
+    # Checkpoints live in the artifact store: resume and init_from come from it (through the
+    # node-local cache), and every checkpoint goes into it before it is reported.
+    try:
+        store, settings = open_worker_store()
+        cache = (
+            ArtifactCache(
+                Path(os.environ.get(CACHE_ENV) or args.checkpoint_dir.parent / "artifact-cache"),
+                int(os.environ.get(CACHE_BYTES_ENV) or DEFAULT_CACHE_BYTES),
+            )
+            if store is not None
+            else None
+        )
+        resume, init = None, None
+        if assign.HasField("resume_from"):
+            resume, _ = fetch_checkpoint(store, cache, assign.resume_from)
+        if assign.HasField("init_checkpoint"):
+            init, _ = fetch_checkpoint(store, cache, assign.init_checkpoint, fallback=False)
+    except ArtifactError as exc:
+        log.error("artifact store unusable", error=str(exc))
+        bare = WorkerContext(assign.task_id, assign.attempt, spec, device, args.checkpoint_dir, out=out)
+        bare._emit("failed", error=f"artifact store: {exc}", retryable=exc.retryable)
+        return 1
+    publisher = (
+        CheckpointPublisher(store, assign.task_id, assign.attempt, settings, cache) if store is not None else None
+    )
     ctx = WorkerContext(
         task_id=assign.task_id,
         attempt=assign.attempt,
@@ -71,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         checkpoint_dir=args.checkpoint_dir,
         resume_from=resume,
-        init_checkpoint=Path(assign.init_checkpoint.path) if assign.init_checkpoint.path else None,
+        init_checkpoint=init,
         init_format=assign.init_checkpoint.format,
         out=out,
+        publisher=publisher,
     )
     signal.signal(signal.SIGTERM, lambda *_: ctx.request_stop())
     ctx._emit("started", device=device, resume_from=str(resume) if resume else None)
@@ -83,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         if assign.local_paths_restricted:  # paths.model_dirs in force: no hub-id-shaped name of a local folder
             check_model_not_local(spec.model)
         run_task(ctx)
+    except CheckpointStoreFailed as exc:
+        log.error("task failed: checkpoints cannot be stored", error=str(exc))
+        ctx._emit("failed", error=str(exc), retryable=False)
+        return 1
     except UserError as exc:
         log.error("task failed: user error", error=str(exc))
         ctx._emit("failed", error=str(exc), retryable=False)

@@ -11,8 +11,16 @@ once with a RUNNING and a SUCCEEDED ``TaskReport`` (so capacity frees up). The n
                   (one heartbeat per node per second), then a flood (``--flood-rate`` offered
                   in all) to measure how many heartbeats per second the scheduler ingests.
                   Ingested = the scheduler's own counter (``opentinker_node_messages_total``).
-  2. throughput   ``--tasks`` SubmitTask calls, closed loop with ``--concurrency`` in flight:
-                  submits/s, and submit-to-assign latency under that saturation.
+  2. throughput   first the yardstick: ``--unary-calls`` empty unary calls (``grpc.health.v1``
+                  ``Health/Check``) in the same closed loop, for the scheduler's CPU per call
+                  (run again after the submits; the two are averaged);
+                  then ``--tasks`` SubmitTask calls, closed loop with ``--concurrency`` in flight:
+                  submits/s, submit-to-assign latency under that saturation, and the scheduler's
+                  CPU per submit (the task's whole life: the call, placement, the AssignTask and
+                  two reports) as a multiple of the empty call's. Absolute rates differ from one
+                  machine to the next (432 vs ~800 submits/s on two 2-core machines); the ratio
+                  is the figure to compare. Both CPU figures are net of the scheduler's CPU at
+                  rest (heartbeats only), measured just before.
   3. latency      ``--rate-tasks`` submits paced open-loop at ``--rate`` per second (the goal
                   rate): submit-to-assign p50/p99 at that load.
   4. deep queue   every slot busy (nodes hold their tasks), ``--backlog`` more tasks submitted
@@ -22,7 +30,9 @@ once with a RUNNING and a SUCCEEDED ``TaskReport`` (so capacity frees up). The n
 Submit-to-assign latency is the time from the SubmitTask call in this process to the node
 process receiving the ``AssignTask`` for that task (both read CLOCK_MONOTONIC, which is one
 clock for all processes on Linux). Scheduler CPU comes from ``/proc/<pid>/stat`` (utime + stime,
-all threads). Figures are printed, never asserted; ``--json`` writes them as well. The machine's
+all threads). Every SubmitTask carries a request id, as ``RLClient`` sends; a call that fails
+is counted by status code (and whether its refusal carried a ``google.rpc.RetryInfo``).
+Figures are printed, never asserted; ``--json`` writes them as well. The machine's
 total CPU use is shown per phase, because other work on a shared machine shifts these numbers.
 """
 
@@ -44,24 +54,30 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker.node.v1 import node_pb2 as N
 from opentinker.node.v1 import node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2 as S
 from opentinker.scheduler.v1 import scheduler_pb2_grpc
+from opentinker_common.net.call_budget import budget_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.support.procs import free_port, scheduler_args  # noqa: E402
 
-GOALS = {"p99_ms": 50.0, "submits_per_s": 500.0, "heartbeats_per_s": 2000.0}
+GOALS = {"p99_ms": 50.0, "submits_per_s": 500.0, "heartbeats_per_s": 2000.0, "cpu_ratio": 4.0}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+SUBMIT_METADATA = budget_metadata(60)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,6 +103,14 @@ def machine_cpu() -> tuple[float, float]:
     idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
     total = sum(vals[:8])
     return (total - idle) / CLK_TCK, total / CLK_TCK
+
+
+def first_per_code(errors: list[str]) -> list[str]:
+    """The first ``CODE: details`` message of each status code, in order of appearance."""
+    seen: dict[str, str] = {}
+    for e in errors:
+        seen.setdefault(e.split(":", 1)[0], e)
+    return list(seen.values())
 
 
 def pct(sorted_vals: list[float], q: float) -> float:
@@ -313,7 +337,14 @@ def worker_main(conn, target: str, node_ids: list[str], opts: dict) -> None:
 
 class SchedulerProc:
     def __init__(
-        self, workdir: Path, *, lease_s: float, max_tasks: int, scheduler_path: str | None, profile: Path | None = None
+        self,
+        workdir: Path,
+        *,
+        lease_s: float,
+        max_tasks: int,
+        scheduler_path: str | None,
+        profile: Path | None = None,
+        http_on_grpc_port: bool = True,
     ) -> None:
         self.workdir = workdir
         self.port, self.http_port = free_port(), free_port()
@@ -325,7 +356,8 @@ class SchedulerProc:
             "allow_unknown_nodes: true\n"
             f"unknown_node_max_tasks: {max_tasks}\n"
             "heartbeat_interval: 1\n"
-            f"lease: {lease_s}\n"
+            f"lease: {lease_s}\n" + ("" if http_on_grpc_port else "http_on_grpc_port: false\n")
+            # the HTTP/1.1 front on the gRPC port (splicing gRPC to a private port); off: gRPC owns it
         )
         self.log_path = workdir / "scheduler.log"
         env = {**os.environ, "OPENTINKER_LOG_FORMAT": "json"}
@@ -377,6 +409,17 @@ class SchedulerProc:
                     except ValueError:
                         pass
         return out
+
+    def private_port(self) -> int | None:
+        """The loopback port gRPC listens on behind the front (its log says), or None."""
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "scheduler listening":
+                return event.get("grpc_private_port")
+        return None
 
     def cpu_s(self) -> float:
         return proc_cpu_s(self.pid)
@@ -446,7 +489,12 @@ class Bench:
         self.procs: list = []
         self.submits: list[tuple[str, float, float]] = []
         self.submit_errors: list[str] = []
+        #: Status code name -> how many SubmitTask calls ended with it (OK not counted).
+        self.submit_codes: Counter = Counter()
+        #: Refusals (RESOURCE_EXHAUSTED, UNAVAILABLE) that carried a google.rpc.RetryInfo.
+        self.refused_with_retry_info = 0
         self.total_submitted = 0
+        self._request_ids = iter(range(1 << 62))
 
     # --- workers ----------------------------------------------------------------------------
     async def _ask(self, conn, cmd, arg=None):
@@ -481,7 +529,7 @@ class Bench:
         return self.sched.metrics().get(HB_KEY)
 
     # --- submits ----------------------------------------------------------------------------
-    def request(self, i: int) -> S.SubmitTaskRequest:
+    def spec(self, i: int) -> C.TaskSpec:
         spec = C.TaskSpec(
             workload_type="lora_finetune",
             model="bench/dummy-model",
@@ -489,20 +537,29 @@ class Bench:
             resources=C.Resources(gpu_count=i % 2 if self.args.gpus_per_node else 0),
         )
         spec.env_config.update({"env_id": "arithmetic"})
-        return S.SubmitTaskRequest(spec=spec)
+        return spec
 
-    async def submit_one(self, stub, req) -> None:
+    async def submit_one(self, stub, spec: C.TaskSpec) -> None:
+        # A request id and the call's budget, as RLClient sends them (a retry is safe; the
+        # scheduler sees how long the call waited before it was taken up).
+        req = S.SubmitTaskRequest(spec=spec, request_id=f"bench-{next(self._request_ids)}")
         t0 = time.monotonic()
         try:
-            resp = await stub.SubmitTask(req, timeout=60)
+            resp = await stub.SubmitTask(req, timeout=60, metadata=SUBMIT_METADATA)
         except grpc.aio.AioRpcError as exc:
-            self.submit_errors.append(f"{exc.code().name}: {exc.details()}")
+            code = exc.code().name
+            self.submit_codes[code] += 1
+            status = rpc_status.from_call(exc)
+            if status is not None and any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details):
+                self.refused_with_retry_info += 1
+            if len(self.submit_errors) < 100 or code not in {e.split(":")[0] for e in self.submit_errors}:
+                self.submit_errors.append(f"{code}: {exc.details()}")
             return
         self.submits.append((resp.task.task_id, t0, time.monotonic()))
         self.total_submitted += 1
 
     async def closed_loop(self, stub, n: int, concurrency: int, gpu: bool = True) -> None:
-        reqs = [self.request(i if gpu else 0) for i in range(2)]
+        reqs = [self.spec(i if gpu else 0) for i in range(2)]
         counter = iter(range(n))
 
         async def lane() -> None:
@@ -513,7 +570,7 @@ class Bench:
 
     async def paced(self, stub, n: int, rate: float) -> float:
         """Open loop: one submit every 1/rate s regardless of replies. Returns the worst dispatch lag."""
-        reqs = [self.request(i) for i in range(2)]
+        reqs = [self.spec(i) for i in range(2)]
         start = time.monotonic()
         inflight = set()
         worst_lag = 0.0
@@ -589,19 +646,58 @@ class Bench:
         every submitted task is assigned; ``(meter result, latencies, all assigned, submit()'s result)``."""
         self.submits = []
         before = await self.total_assigns()
+        codes0 = Counter(self.submit_codes)
         async with Meter(self) as m:
             out = await submit()
         ok = await self.wait_assigns(before + len(self.submits), timeout=60 + tasks / 20)
         lat = self.latencies(self.submits, await self.collect_assign_times())
+        lat["errors"] = dict(self.submit_codes - codes0)
         return m.result, lat, ok, out
+
+    async def phase_unary(self, channel, *, name: str = "unary") -> None:
+        """The yardstick for the CPU a submit costs: the scheduler's CPU per empty unary call
+        (``grpc.health.v1.Health/Check``, through the same auth interceptor as every call), in
+        the same closed loop as the throughput phase, net of the scheduler's CPU with nothing
+        but the steady heartbeats (measured just before). Run before and after the throughput
+        phase (``unary``, ``unary_after``); the ratio uses the mean of the two."""
+        a = self.args
+        async with Meter(self) as base:
+            await asyncio.sleep(0.5 if a.quick else 2.0)
+        base_rate = base.result["scheduler_cpu_s"] / base.result["wall_s"]
+        stub = health_pb2_grpc.HealthStub(channel)
+        req = health_pb2.HealthCheckRequest()
+        counter = iter(range(a.unary_calls))
+
+        async def lane() -> None:
+            for _ in counter:
+                await stub.Check(req, timeout=60)
+
+        async with Meter(self) as m:
+            await asyncio.gather(*(lane() for _ in range(a.concurrency)))
+        cpu_net = m.result["scheduler_cpu_s"] - base_rate * m.result["wall_s"]
+        self.baseline_cpu_rate = base_rate
+        self.results["phases"][name] = {
+            **m.result,
+            "calls": a.unary_calls,
+            "calls_per_s": a.unary_calls / m.result["wall_s"],
+            "baseline_cpu_frac": base_rate,
+            "cpu_ms_per_call": cpu_net / a.unary_calls * 1000,
+        }
+        self.progress(
+            f"empty unary calls ({name}): {a.unary_calls / m.result['wall_s']:.0f}/s, scheduler CPU "
+            f"{cpu_net / a.unary_calls * 1000:.3f} ms per call (net of {base_rate:.1%} of a core at rest)"
+        )
 
     async def phase_throughput(self, stub) -> None:
         a = self.args
         meter, lat, ok, _ = await self.measured_submits(lambda: self.closed_loop(stub, a.tasks, a.concurrency), a.tasks)
         submit_wall = meter["wall_s"]
+        base_rate = getattr(self, "baseline_cpu_rate", 0.0)
+        cpu_ms = (meter["scheduler_cpu_s"] - base_rate * submit_wall) / max(1, len(self.submits)) * 1000
         self.results["phases"]["throughput"] = {
             **meter,
             **lat,
+            "cpu_ms_per_submit": cpu_ms,
             "tasks": a.tasks,
             "submitted": len(self.submits),
             "concurrency": a.concurrency,
@@ -609,8 +705,17 @@ class Bench:
             "all_assigned": ok,
         }
         self.progress(
-            f"throughput: {len(self.submits) / submit_wall:.0f} submits/s, submit->assign p99 {lat['p99_ms']:.1f} ms"
+            f"throughput: {len(self.submits) / submit_wall:.0f} submits/s, submit->assign p99 {lat['p99_ms']:.1f} ms, "
+            f"scheduler CPU {cpu_ms:.3f} ms per submit"
         )
+
+    def cpu_ratio(self) -> None:
+        """Scheduler CPU per submit over per empty call (the mean of the runs before and after)."""
+        P = self.results["phases"]
+        unary_ms = (P["unary"]["cpu_ms_per_call"] + P["unary_after"]["cpu_ms_per_call"]) / 2
+        P["throughput"]["cpu_ms_per_unary"] = unary_ms
+        P["throughput"]["cpu_ratio_to_unary"] = ratio = P["throughput"]["cpu_ms_per_submit"] / unary_ms
+        self.progress(f"scheduler CPU per submit = {ratio:.2f}x an empty unary call ({unary_ms:.3f} ms)")
 
     async def phase_latency(self, stub) -> None:
         a = self.args
@@ -629,6 +734,51 @@ class Bench:
         }
         self.progress(
             f"latency @ {a.rate:.0f}/s: submit->assign p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms"
+        )
+
+    async def phase_splice(self) -> None:
+        """What the front on the gRPC port costs: the same closed-loop SubmitTask load, in
+        alternating blocks, through the public port (the front splices to gRPC) and straight to
+        the private loopback port gRPC listens on behind it, in the same scheduler at the same
+        time, so that other work on the machine weighs on both alike."""
+        a = self.args
+        private = self.sched.private_port()
+        if private is None:
+            self.results["phases"]["splice"] = {"skipped": "no front (http_on_grpc_port off, or TLS)"}
+            self.progress("splice: skipped, the scheduler runs no front")
+            return
+        targets = {"front": self.sched.target, "direct": f"127.0.0.1:{private}"}
+        channels = {k: grpc.aio.insecure_channel(t) for k, t in targets.items()}
+        stubs = {k: scheduler_pb2_grpc.SchedulerServiceStub(c) for k, c in channels.items()}
+        blocks: dict[str, list[dict]] = {k: [] for k in targets}
+        try:
+            for k in targets:  # connect and warm up both
+                self.submits = []
+                await self.closed_loop(stubs[k], 200, a.concurrency)
+            for i in range(2 * a.splice_blocks):
+                k = ("front", "direct")[i % 2] if (i // 2) % 2 == 0 else ("direct", "front")[i % 2]  # ABBA
+                self.submits = []
+                t0 = time.monotonic()
+                await self.closed_loop(stubs[k], a.splice_tasks, a.concurrency)
+                wall = time.monotonic() - t0
+                rpc = sorted((t1 - s0) * 1000 for _, s0, t1 in self.submits)
+                blocks[k].append(
+                    {"submits_per_s": len(self.submits) / wall, "rpc_p50_ms": pct(rpc, 50), "rpc_p99_ms": pct(rpc, 99)}
+                )
+        finally:
+            for c in channels.values():
+                await c.close()
+        out = {"blocks": blocks, "tasks_per_block": a.splice_tasks, "concurrency": a.concurrency}
+        for k, rows in blocks.items():
+            for key in ("submits_per_s", "rpc_p50_ms", "rpc_p99_ms"):
+                vals = sorted(r[key] for r in rows)
+                out[f"{k}_{key}_median"] = vals[len(vals) // 2]
+        out["submits_per_s_ratio"] = out["front_submits_per_s_median"] / out["direct_submits_per_s_median"]
+        self.results["phases"]["splice"] = out
+        self.progress(
+            f"splice: front {out['front_submits_per_s_median']:.0f} submits/s (rpc p99 "
+            f"{out['front_rpc_p99_ms_median']:.1f} ms), direct {out['direct_submits_per_s_median']:.0f} submits/s "
+            f"(rpc p99 {out['direct_rpc_p99_ms_median']:.1f} ms), ratio {out['submits_per_s_ratio']:.3f}"
         )
 
     async def phase_deep_queue(self, stub) -> None:
@@ -690,7 +840,12 @@ class Bench:
         workdir = Path(tempfile.mkdtemp(prefix="opentinker-bench-"))
         self.results["workdir"] = str(workdir)
         self.sched = SchedulerProc(
-            workdir, lease_s=a.lease, max_tasks=a.max_tasks, scheduler_path=a.scheduler_path, profile=a.profile
+            workdir,
+            lease_s=a.lease,
+            max_tasks=a.max_tasks,
+            scheduler_path=a.scheduler_path,
+            profile=a.profile,
+            http_on_grpc_port=not a.no_http_on_grpc_port,
         )
         ctx = mp.get_context("spawn")
         ok = False
@@ -727,11 +882,16 @@ class Bench:
             channel = grpc.aio.insecure_channel(self.sched.target)
             stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
             if "throughput" in only:
+                await self.phase_unary(channel)
                 await self.phase_throughput(stub)
+                await self.phase_unary(channel, name="unary_after")
+                self.cpu_ratio()
             if "latency" in only:
                 await self.phase_latency(stub)
             if a.backlog and "queue" in only:
                 await self.phase_deep_queue(stub)
+            if "splice" in only:
+                await self.phase_splice()
             # Every task should end SUCCEEDED; /metrics counts refresh about once a second.
             deadline = time.monotonic() + 30
             while True:
@@ -748,8 +908,12 @@ class Bench:
                 "not_finished": sum(
                     v for k, v in m.items() if k.startswith("opentinker_tasks{") and "succeeded" not in k
                 ),
-                "submit_errors": len(self.submit_errors),
-                "first_submit_errors": self.submit_errors[:3],
+                "submit_errors": sum(self.submit_codes.values()),
+                "submit_error_codes": dict(self.submit_codes),
+                "refused_with_retry_info": self.refused_with_retry_info,
+                "first_submit_errors": list({e.split(":")[0]: e for e in reversed(self.submit_errors)}.values())[::-1][
+                    :5
+                ],
                 "reassigns": sum(s["reassigns"] for s in await self.worker_stats()),
                 "node_errors": [e for s in await self.worker_stats() for e in s["errors"]],
             }
@@ -792,7 +956,7 @@ def report(args, res: dict) -> str:
         f"{args.workers} worker process(es); scheduler is a separate process",
         "",
     ]
-    if not all(k in P for k in ("throughput", "latency", "steady", "flood")):
+    if not all(k in P for k in ("unary", "throughput", "latency", "steady", "flood")):
         return json.dumps(P, indent=1, default=str)  # a partial run (--only): raw figures
     tp, lt, st, fl = P["throughput"], P["latency"], P["steady"], P["flood"]
     hb_rate = fl["ingested_per_s"]
@@ -803,14 +967,26 @@ def report(args, res: dict) -> str:
             f"{tp['submits_per_s']:.0f}",
             f">= {GOALS['submits_per_s']:.0f}",
             verdict(tp["submits_per_s"] >= GOALS["submits_per_s"]),
-            f"{tp['submitted']} tasks, closed loop, {tp['concurrency']} in flight",
+            f"{tp['submitted']} tasks, closed loop, {tp['concurrency']} in flight (differs by machine: compare "
+            "the CPU ratio below)",
+        ),
+        (
+            "CPU per submit / empty call",
+            f"{tp['cpu_ratio_to_unary']:.2f}x",
+            f"<= {GOALS['cpu_ratio']:.0f}x",
+            verdict(tp["cpu_ratio_to_unary"] <= GOALS["cpu_ratio"]),
+            f"scheduler CPU {tp['cpu_ms_per_submit']:.3f} ms per submit (the task's whole life) vs "
+            f"{tp['cpu_ms_per_unary']:.3f} ms per Health/Check (before {P['unary']['cpu_ms_per_call']:.3f}, after "
+            f"{P['unary_after']['cpu_ms_per_call']:.3f}), same run and concurrency, net of rest",
         ),
         (
             "submit->assign p50/p99",
             f"{lt['p50_ms']:.1f} / {lt['p99_ms']:.1f} ms",
             f"p99 < {GOALS['p99_ms']:.0f} ms",
             verdict(lt["p99_ms"] < GOALS["p99_ms"]),
-            f"{lt['submitted']} tasks paced at {lt['offered_rate']:.0f}/s (achieved {lt['achieved_rate']:.0f}/s)",
+            f"{lt['submitted']} tasks paced at {lt['offered_rate']:.0f}/s (achieved {lt['achieved_rate']:.0f}/s"
+            + "".join(f"; {n} {c}" for c, n in sorted(lt.get("errors", {}).items()))
+            + ")",
         ),
         (
             "heartbeats/s ingested",
@@ -857,7 +1033,8 @@ def report(args, res: dict) -> str:
     fin = res.get("final", {})
     lines.append(
         f"    tasks: {fin.get('submitted')} submitted, {fin.get('succeeded', math.nan):.0f} succeeded, "
-        f"{fin.get('not_finished', math.nan):.0f} in other states; submit errors {fin.get('submit_errors')}; "
+        f"{fin.get('not_finished', math.nan):.0f} in other states; submit errors {fin.get('submit_errors')} "
+        f"{fin.get('submit_error_codes') or ''} ({fin.get('refused_with_retry_info')} refusals with RetryInfo); "
         f"re-assignments {fin.get('reassigns')}; node stream errors {len(fin.get('node_errors', []))}"
     )
     for err in fin.get("first_submit_errors", []) + fin.get("node_errors", [])[:3]:
@@ -869,7 +1046,7 @@ def report(args, res: dict) -> str:
         f"{'driver':>7} {'node sims':>14} {'others':>7} {'machine':>8}",
     ]
     sat = []
-    phase_rows = [(k, P[k]) for k in ("idle", "steady", "flood", "throughput", "latency")]
+    phase_rows = [(k, P[k]) for k in ("idle", "steady", "flood", "unary", "throughput", "unary_after", "latency")]
     if "deep_queue" in P:
         phase_rows += [("queue-fill", P["deep_queue"]["submit"]), ("queue-drain", P["deep_queue"]["drain"])]
     for name, r in phase_rows:
@@ -903,6 +1080,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpus-per-node", type=int, default=2)
     p.add_argument("--max-tasks", type=int, default=4, help="max_tasks of every simulated node")
     p.add_argument("--concurrency", type=int, default=16, help="SubmitTask calls in flight in the closed-loop phases")
+    p.add_argument(
+        "--unary-calls",
+        type=int,
+        default=None,
+        help="empty unary calls (Health/Check) measured as the CPU yardstick (default: --tasks)",
+    )
     p.add_argument("--rate", type=float, default=GOALS["submits_per_s"], help="offered submits/s of the latency phase")
     p.add_argument("--rate-tasks", type=int, default=None, help="tasks of the latency phase (default: 10 s at --rate)")
     p.add_argument(
@@ -913,6 +1096,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--flood-rate", type=float, default=5000.0, help="heartbeats/s offered in all during the flood")
     p.add_argument("--flood-seconds", type=float, default=5.0)
     p.add_argument("--lease", type=float, default=10.0, help="lease of the scheduler config (heartbeat_interval is 1)")
+    p.add_argument(
+        "--no-http-on-grpc-port",
+        action="store_true",
+        help="http_on_grpc_port: false (gRPC owns its port, no splicing front): to measure what the front costs",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the scheduler's state folder and log")
     p.add_argument(
@@ -922,8 +1110,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--profile", type=Path, default=None, help="run the scheduler under cProfile, writing its stats here"
     )
     p.add_argument(
-        "--only", default=None, help="comma-separated phases to run after the heartbeats: throughput,latency,queue"
+        "--only",
+        default=None,
+        help="comma-separated phases to run after the heartbeats: throughput,latency,queue,splice "
+        "(splice: the front on the gRPC port against gRPC's private port, alternating blocks; only when named)",
     )
+    p.add_argument("--splice-blocks", type=int, default=3, help="blocks per target in the splice phase")
+    p.add_argument("--splice-tasks", type=int, default=2000, help="submits per block in the splice phase")
     a = p.parse_args(argv)
     if a.quick:
         a.nodes = min(a.nodes, 8)
@@ -934,11 +1127,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.hb_seconds, a.idle_seconds, a.flood_seconds = 1.0, 0.3, 0.5
         a.flood_rate = min(a.flood_rate, 200.0)
         a.concurrency = min(a.concurrency, 8)
+        a.splice_tasks, a.splice_blocks = min(a.splice_tasks, 100), min(a.splice_blocks, 1)
     if a.workers is None:
         a.workers = 1 if a.nodes <= 50 else 2
     a.workers = max(1, min(a.workers, a.nodes))
     if a.rate_tasks is None:
         a.rate_tasks = int(a.rate * 10)
+    if a.unary_calls is None:
+        a.unary_calls = a.tasks
     if a.backlog is None:
         a.backlog = a.tasks
     if a.idle_seconds >= a.lease - 1:

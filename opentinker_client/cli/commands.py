@@ -110,13 +110,100 @@ def _total_steps(task: TaskInfo) -> int | None:
         return None
 
 
-def _metric_line(event: TaskEvent, total: int | None) -> str:
+@dataclasses.dataclass(frozen=True)
+class _Units:
+    """What a task's progress counts: ``total`` of ``unit``, read from each metric event by ``done``."""
+
+    total: int
+    unit: str  # "steps" | "env steps"
+
+    def done(self, event: TaskEvent) -> float | None:
+        if self.unit == "steps":
+            return float(event.step)
+        value = event.metrics.get("env_steps")
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+    def rate_hint(self, metrics: dict) -> float | None:
+        """Units per second that one step's own metrics tell (before two steps have been seen)."""
+        if self.unit == "steps":
+            step_s = metrics.get("perf/step_s")
+            return 1.0 / step_s if isinstance(step_s, (int, float)) and step_s > 0 else None
+        rate = metrics.get("perf/env_steps_per_s")
+        return float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
+
+
+def _units(task: TaskInfo) -> _Units | None:
+    """PPO (``full_rl`` on environments) counts env steps of ``total_timesteps``; the rest, steps."""
+    timesteps = task.hyperparameters.get("total_timesteps")
+    if isinstance(timesteps, (int, float)) and not isinstance(timesteps, bool) and timesteps > 0:
+        return _Units(int(timesteps), "env steps")
+    steps = _total_steps(task)
+    return _Units(steps, "steps") if steps else None
+
+
+class _Eta:
+    """The finish time estimated from the step times seen: the rate over the last ``window``
+    metric events (their scheduler times), or, with one event only, the rate its own metrics
+    report (``perf/step_s``, ``perf/env_steps_per_s``). Steps far slower than rich's own speed
+    window (30 s) still get an estimate."""
+
+    def __init__(self, units: _Units, window: int = 20) -> None:
+        import collections
+
+        self.units = units
+        self.points: collections.deque = collections.deque(maxlen=window)  # (epoch seconds, done)
+        self.hint: float | None = None
+
+    def add(self, event: TaskEvent) -> None:
+        done = self.units.done(event)
+        if done is None:
+            return
+        when = event.time.timestamp() if event.time is not None else _dt.datetime.now(_dt.timezone.utc).timestamp()
+        if self.points and done <= self.points[-1][1]:  # a resumed attempt reports steps again
+            self.points.clear()
+        self.points.append((when, done))
+        self.hint = self.units.rate_hint(event.metrics) or self.hint
+
+    def finish_time(self) -> float | None:
+        """Epoch seconds when the task should be done, or None when nothing tells yet."""
+        if not self.points:
+            return None
+        (t0, d0), (t1, d1) = self.points[0], self.points[-1]
+        rate = (d1 - d0) / (t1 - t0) if len(self.points) >= 2 and t1 > t0 and d1 > d0 else self.hint
+        if not rate:
+            return None
+        return t1 + max(0.0, self.units.total - d1) / rate
+
+
+def _fmt_duration(seconds: float | None) -> str:
+    """``1:02:03`` (h:mm:ss), or ``-:--:--`` when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-:--:--"
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _fmt_rate(value: Any) -> str:
+    """A throughput with its significant digits: ``1234``, ``12.3``, ``0.19``, ``0.00412``."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return "-"
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def _metric_line(event: TaskEvent, total: int | None, units: _Units | None = None) -> str:
     m = event.metrics
     step = f"step {event.step}/{total}" if total else f"step {event.step}"
-    parts = [step, f"reward {_fmt_num(m.get('reward'), '.3f')}", f"loss {_fmt_num(m.get('loss'))}"]
-    for key, label, spec in (("perf/tokens_per_s", "tok/s", ".0f"), ("perf/samples_per_s", "samples/s", ".1f")):
+    parts = [step]
+    if units is not None and units.unit == "env steps" and units.done(event) is not None:
+        parts.append(f"env steps {int(units.done(event))}/{units.total}")
+    parts += [f"reward {_fmt_num(m.get('reward'), '.3f')}", f"loss {_fmt_num(m.get('loss'))}"]
+    for key, label in (
+        ("perf/tokens_per_s", "tok/s"),
+        ("perf/samples_per_s", "samples/s"),
+        ("perf/env_steps_per_s", "env steps/s"),
+    ):
         if key in m:
-            parts.append(f"{label} {_fmt_num(m[key], spec)}")
+            parts.append(f"{label} {_fmt_rate(m[key])}")
     return "  ".join(parts)
 
 
@@ -150,7 +237,10 @@ def _checkpoint_line(event: TaskEvent) -> str:
 
 
 def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
-    task_id = client.submit_config(args.config, request_id=args.request_id)
+    from opentinker_client.config import apply_overrides, load_task_config
+
+    config = apply_overrides(load_task_config(args.config), args.set)
+    task_id = client.submit_config(config, request_id=args.request_id)
     print(task_id, flush=True)
     if args.watch:
         return _follow(client, task_id)
@@ -166,17 +256,12 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
     bar (step of total, reward, loss, elapsed, ETA) under the state changes and checkpoints;
     otherwise (pipes, logs, tests) a line per step."""
     from rich.logging import RichHandler
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
+    from rich.text import Text
 
     console = _console()
     task = client.get_task(task_id)  # NOT_FOUND exits 2 before anything is drawn
+    units = _units(task)
     total = _total_steps(task)
     name = f" {_escape(task.name)}" if task.name else ""
     resources = f"{task.gpu_count} GPU{'s' if task.gpu_count > 1 else ''}" if task.gpu_count else "CPU"
@@ -187,16 +272,35 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
     if task.state == "pending" and task.pending_reason:
         console.print(f"  pending: {_escape(task.pending_reason)}")
 
+    # Elapsed counts from when the task started (or was submitted), not from when this watch
+    # attached; the ETA comes from the step times seen (_Eta), history included.
+    started = task.start_time or task.create_time
+    started_at = started.timestamp() if started is not None else None
+    ended = [task.end_time.timestamp() if task.end_time is not None else None]  # set by a final state event
+    eta = _Eta(units) if units is not None else None
+
+    class _Clock(ProgressColumn):
+        def __init__(self, which: str) -> None:
+            super().__init__()
+            self.which = which
+
+        def render(self, _task) -> Text:
+            now = ended[0] or _dt.datetime.now(_dt.timezone.utc).timestamp()
+            if self.which == "elapsed":
+                return Text(_fmt_duration(now - started_at if started_at is not None else None), style="yellow")
+            finish = eta.finish_time() if eta is not None and not ended[0] else now if ended[0] else None
+            return Text(_fmt_duration(finish - now if finish is not None else None), style="cyan")
+
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[stats]}"),
-        TimeElapsedColumn(),
+        _Clock("elapsed"),
         TextColumn("ETA"),
-        TimeRemainingColumn(),
+        _Clock("eta"),
         console=console,
-        disable=plain or not console.is_terminal or total is None,
+        disable=plain or not console.is_terminal or units is None,
         transient=False,
     )
     handler = RichHandler(console=console, show_path=False, show_time=False)
@@ -204,19 +308,33 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
     logger.addHandler(handler)
     try:
         with progress:
-            bar = progress.add_task("steps", total=total, completed=task.latest_step, stats="")
+            done0 = task.latest_step if units is None or units.unit == "steps" else 0
+            description = units.unit if units else "steps"
+            bar = progress.add_task(description, total=units.total if units else None, completed=done0, stats="")
             for event in client.watch(task_id, after_sequence=after_sequence):
                 if event.kind == "metric":
+                    if eta is not None:
+                        eta.add(event)
                     if progress.disable:  # the bar shows the step otherwise
-                        progress.console.print(_metric_line(event, total))
+                        line = _metric_line(event, total, units)
+                        finish = eta.finish_time() if eta is not None else None
+                        if finish is not None and units is not None and (units.done(event) or 0) < units.total:
+                            left = finish - _dt.datetime.now(_dt.timezone.utc).timestamp()
+                            line += f"  eta {_fmt_duration(left)}"
+                        progress.console.print(line)
                     m = event.metrics
+                    done = units.done(event) if units is not None else None
                     progress.update(
                         bar,
-                        completed=event.step,
+                        completed=done if done is not None else event.step,
                         stats=f"reward {_fmt_num(m.get('reward'), '.3f')} loss {_fmt_num(m.get('loss'))}",
                     )
                 elif event.kind == "state":
                     progress.console.print(_state_line(event))
+                    if event.to_state in TERMINAL_STATES and event.time is not None:
+                        ended[0] = event.time.timestamp()
+                    elif event.to_state == "running" and event.time is not None and started_at is None:
+                        started_at = event.time.timestamp()
                 elif event.kind == "checkpoint":
                     progress.console.print(_checkpoint_line(event))
     finally:
@@ -254,6 +372,7 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
         "TASK ID",
         "NAME",
         "WORKLOAD",
+        "ENV",
         "STATE",
         "ATTEMPT",
         "GPUS",
@@ -271,8 +390,9 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
         reason = t.pending_reason if t.state == "pending" else t.error
         table.add_row(
             _escape(t.task_id),
-            _escape(t.name),
+            _escape(t.name) or "-",
             _escape(t.workload_type),
+            _escape(str(t.env_config.get("env_id") or "-")),
             _state(t.state),
             str(t.attempt),
             str(t.gpu_count),
@@ -342,7 +462,7 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
         ("owner", _escape(t.owner) or "-"),
         ("priority", str(t.priority)),
         ("gpus", str(t.gpu_count)),
-        ("attempt", f"{t.attempt} of {t.max_attempts or 'default'}"),
+        ("attempt", f"{t.attempt} of {t.max_attempts}" if t.max_attempts else str(t.attempt)),
         ("max runtime", f"{t.max_runtime:g} s" if t.max_runtime is not None else "none"),
         ("node", (_escape(t.node_id) + (f" devices {list(t.device_indices)}" if t.device_indices else "")) or "-"),
     ]
@@ -364,8 +484,11 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
         ("started", _fmt_time(t.start_time)),
         ("ended", _fmt_time(t.end_time)),
         ("env", _escape(json.dumps(_shown_env(t.env_config), sort_keys=True))),
-        ("hyperparameters", _escape(json.dumps(dict(t.hyperparameters), sort_keys=True))),
     ]
+    # The values the task runs with: the scheduler stores them resolved (defaults included) at submit.
+    hp = dict(t.hyperparameters)
+    rows.append(("hyperparameters", "" if hp else "-"))
+    rows += [(f"  {_escape(k)}", _escape(json.dumps(v))) for k, v in sorted(hp.items())]
     for key, value in rows:
         table.add_row(key, value)
     _console().print(table)
@@ -385,6 +508,23 @@ def _telemetry_cell(value: Any, fmt: str, name: str, unavailable: dict[str, str]
     return format(value, fmt)
 
 
+def _host_cells(n: NodeInfo) -> tuple[str, str]:
+    """The CPU (``37% of 16``) and MEMORY (``3.2 GiB / 31.3 GiB``) cells of a node's host."""
+    h = n.host
+    if h is None:
+        return "-", "-"
+    un = dict(h.unavailable)
+    if h.cpu_utilization_percent is None:
+        cpu = f"n/a ({_escape(un.get('cpu_utilization_percent', '?'))})"
+    else:
+        cpu = f"{h.cpu_utilization_percent:.0f}%" + (f" of {h.cpu_count}" if h.cpu_count else "")
+    if h.memory_used_bytes is None:
+        memory = f"n/a ({_escape(un.get('memory_used_bytes', '?'))})"
+    else:
+        memory = f"{_fmt_bytes(h.memory_used_bytes)} / {_fmt_bytes(h.memory_total_bytes)}"
+    return cpu, memory
+
+
 def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -394,15 +534,18 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
         console.print("no nodes")
         return EXIT_OK
     table = Table(box=None, header_style="bold", title="nodes", title_justify="left")
-    for col in ("NODE", "CONNECTED", "GPUS FREE", "TASKS", "VERSION", "LAST HEARTBEAT", "NOTES"):
+    for col in ("NODE", "CONNECTED", "GPUS FREE", "TASKS", "CPU", "MEMORY", "VERSION", "LAST HEARTBEAT", "NOTES"):
         table.add_column(col, no_wrap=col != "NOTES", overflow="fold")
     for n in nodes:
         simulated = any(d.simulated for d in n.devices)
+        cpu, memory = _host_cells(n)
         table.add_row(
             _escape(n.node_id),
             "[green]yes[/green]" if n.connected else "[red]no[/red]",
             f"{n.gpus_free}/{n.gpu_count}" + (" (simulated)" if simulated else ""),
             f"{len(n.running_task_ids)}/{n.max_tasks}",
+            cpu,
+            memory,
             _escape(n.version) or "-",
             _fmt_time(n.last_heartbeat_time),
             _escape("; ".join(n.notes)),
@@ -583,6 +726,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="submit a task from a YAML config; prints the task id")
     p.add_argument("config", metavar="CONFIG.yaml", help="task config file")
     p.add_argument("--watch", action="store_true", help="then follow it like `opentinker watch`")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a value of the file without editing it (repeatable): hyperparameters.steps=20, "
+        "env.max_digits=2, gpu_count=1, model=NAME; VALUE is read as YAML",
+    )
     p.add_argument(
         "--request-id", default=None, help="idempotency key: resubmitting with the same id returns the same task"
     )

@@ -2,7 +2,7 @@
 
 Every scheduler serves reads; only the leader takes writes and node streams. A follower refuses
 those with UNAVAILABLE and a ``google.rpc.ErrorInfo`` (reason ``NOT_LEADER``, domain
-``opentinker``, metadata ``leader``: the leader's ``host:port``, or ``""`` during an election);
+``opentinker.scheduler``, metadata ``leader``: the leader's ``host:port``, or ``""`` during an election);
 :func:`not_leader` reads it from any gRPC error. :class:`SchedulerTargets` is the list of
 addresses a client or a trainer was given, with the one in use: it moves to the leader a
 follower names, or to the next address when one cannot be reached.
@@ -21,7 +21,7 @@ from opentinker_common.net.url import SchedulerAddress, parse_scheduler_address
 __all__ = ["SchedulerTargets", "not_leader", "parse_scheduler_urls", "NOT_LEADER_REASON", "ERROR_DOMAIN"]
 
 NOT_LEADER_REASON = "NOT_LEADER"
-ERROR_DOMAIN = "opentinker"
+ERROR_DOMAIN = "opentinker.scheduler"  # as the scheduler's errors.ERROR_DOMAIN
 _DETAILS_KEY = "grpc-status-details-bin"
 
 
@@ -143,3 +143,100 @@ class SchedulerTargets:
             self.advance()
             return True
         return False
+
+
+class FollowingChannel:
+    """A blocking ``grpc.Channel`` look-alike over several scheduler addresses, for code that
+    holds one channel (a task worker's artifact uploads, dataset and adapter lookups): a unary
+    call refused by a follower, or whose address cannot be reached, goes again to the leader (or
+    the next address) with backoff within its timeout; a streaming call is made on the address in
+    use and, when it fails, moves there for the next call. Stubs take it as a channel.
+
+    Args:
+        targets: ``host:port`` of every scheduler.
+        make: opens a real channel to one address (plaintext or TLS, as the caller needs).
+        timeout_s: the budget of a unary call made without a timeout.
+    """
+
+    def __init__(self, targets: list[str] | tuple[str, ...], make, *, timeout_s: float = 30.0) -> None:
+        self.targets = SchedulerTargets(targets)
+        self._make = make
+        self.timeout_s = timeout_s
+        self._channels: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def _channel(self, target: str):
+        with self._lock:
+            channel = self._channels.get(target)
+            if channel is None:
+                channel = self._channels[target] = self._make(target)
+            return channel
+
+    def _moved(self, err) -> bool:
+        code = getattr(err, "code", None)
+        return callable(code) and code().name == "UNAVAILABLE" and self.targets.moved(err)
+
+    def unary_unary(self, method, *args, **kwargs):
+        import random
+
+        def call(request, timeout=None, metadata=None, **call_kw):
+            deadline = time.monotonic() + (timeout if timeout is not None else self.timeout_s)
+            delay = 0.1
+            while True:
+                stub_call = self._channel(self.targets.current).unary_unary(method, *args, **kwargs)
+                try:
+                    return stub_call(
+                        request, timeout=max(0.05, deadline - time.monotonic()), metadata=metadata, **call_kw
+                    )
+                except Exception as err:  # noqa: BLE001 - grpc.RpcError; anything else is re-raised
+                    pause = random.uniform(delay / 2, delay)
+                    if not self._moved(err) or time.monotonic() + pause >= deadline:
+                        raise
+                    time.sleep(pause)
+                    delay = min(2.0, delay * 2)
+
+        return call
+
+    def unary_stream(self, method, *args, **kwargs):
+        def call(request, *c_args, **c_kw):
+            responses = self._channel(self.targets.current).unary_stream(method, *args, **kwargs)(
+                request, *c_args, **c_kw
+            )
+
+            def iterate():
+                try:
+                    yield from responses
+                except Exception as err:  # noqa: BLE001 - grpc.RpcError: the next call goes elsewhere
+                    self._moved(err)
+                    raise
+
+            return iterate()
+
+        return call
+
+    def stream_unary(self, method, *args, **kwargs):
+        def call(requests, *c_args, **c_kw):
+            try:
+                return self._channel(self.targets.current).stream_unary(method, *args, **kwargs)(
+                    requests, *c_args, **c_kw
+                )
+            except Exception as err:  # noqa: BLE001 - grpc.RpcError: the next call goes elsewhere
+                self._moved(err)
+                raise
+
+        return call
+
+    def stream_stream(self, method, *args, **kwargs):
+        return self._channel(self.targets.current).stream_stream(method, *args, **kwargs)
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

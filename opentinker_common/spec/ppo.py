@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from opentinker_common.spec._parse import SpecError, num
 from opentinker_common.spec.registry import register_workload
 
-__all__ = ["PPOConfig"]
+__all__ = ["CLIP_SCHEDULES", "PPOConfig"]
+
+#: Values of ``PPOConfig.clip_schedule``.
+CLIP_SCHEDULES = ("constant", "linear")
 
 _HIDDEN = field(
     default=(64, 64), metadata={"min": 1, "max": 4096, "doc": "widths of the MLP hidden layers (actor and critic each)"}
@@ -29,6 +32,14 @@ class PPOConfig:
 
     ``checkpoint_every`` counts *updates* (one rollout of ``num_envs * num_steps`` environment
     steps plus its optimisation); the metric ``step`` is the update number too.
+
+    Schedules, for update ``u`` (1-based) of ``num_updates``: the learning rate when ``anneal_lr``
+    and the clip coefficient when ``clip_schedule`` is ``linear`` are ``x * (1 - (u - 1) / num_updates)``
+    (CleanRL's learning-rate annealing; SB3's ``lin_x`` schedules, which rl-baselines3-zoo uses for
+    CartPole). The value clip (``clip_vloss``) uses the same coefficient as the ratio clip of that
+    update, as OpenAI baselines' PPO2, whose one ``cliprange`` serves both. ``target_kl`` is checked
+    after every minibatch (CleanRL ``ppo.py`` computes ``approx_kl`` per minibatch; SB3 checks each
+    minibatch too, against ``1.5 * target_kl`` and before the step).
     """
 
     #: PPO builds its own MLP policy (``hidden_sizes``): ``spec.model`` is not used and may be empty.
@@ -44,13 +55,40 @@ class PPOConfig:
     num_minibatches: int = num(4, 1, 100_000)
     update_epochs: int = num(4, 1, 1000)
     norm_adv: bool = True
-    clip_coef: float = num(0.2, 0.0, 10.0, min_exclusive=True, doc="PPO ratio clip range")
-    clip_vloss: bool = True
+    clip_coef: float = num(
+        0.2, 0.0, 10.0, min_exclusive=True, doc="PPO ratio clip range (the first update's when clip_schedule is linear)"
+    )
+    clip_schedule: str = field(
+        default="constant",
+        metadata={
+            "choices": CLIP_SCHEDULES,
+            "doc": (
+                "constant: clip_coef every update; linear: clip_coef * (1 - (update - 1) / num_updates), "
+                "annealed towards 0 like the learning rate (SB3 / rl-zoo clip_range: lin_0.2)"
+            ),
+        },
+    )
+    clip_vloss: bool = field(
+        default=True,
+        metadata={
+            "doc": (
+                "clip the value loss around the rollout's values with the update's clip coefficient "
+                "(OpenAI baselines PPO2, CleanRL --clip-vloss); false: plain 0.5 * (V - R)^2 (SB3's default)"
+            )
+        },
+    )
     ent_coef: float = num(0.01, 0.0, 100.0)
     vf_coef: float = num(0.5, 0.0, 100.0)
     max_grad_norm: float = num(0.5, 0.0, 1e6, min_exclusive=True)
     target_kl: float | None = num(
-        None, 0.0, 100.0, min_exclusive=True, doc="stop the epochs of an update once approx_kl exceeds it"
+        None,
+        0.0,
+        100.0,
+        min_exclusive=True,
+        doc=(
+            "end the update after the first minibatch whose approx_kl (measured before its step) exceeds it: "
+            "no further minibatch or epoch (checked per minibatch; null: never)"
+        ),
     )
     hidden_sizes: tuple[int, ...] = _HIDDEN
     activation: str = field(default="tanh", metadata={"choices": ("tanh", "relu")})

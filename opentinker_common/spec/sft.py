@@ -53,18 +53,26 @@ class DatasetError(ValueError):
 
     Attributes:
         line: 1-based line number of the offending line; 0 for the dataset as a whole (empty).
+        column: 1-based column of a JSON syntax error on that line, else ``None``.
         expected: what a valid line looks like, for a person to read.
     """
 
-    def __init__(self, line: int, expected: str, got: Any = None) -> None:
+    def __init__(self, line: int, expected: str, got: Any = None, *, column: int | None = None) -> None:
         self.line = line
+        self.column = column
         self.expected = expected
         where = f"line {line}" if line else "dataset"
-        detail = f"{where}: expected {expected}"
+        self.detail = f"expected {expected}"
         if got is not None:
             text = repr(got)
-            detail += f", got {text[:80] + '...' if len(text) > 80 else text}"
-        super().__init__(detail)
+            self.detail += f", got {text[:80] + '...' if len(text) > 80 else text}"
+        super().__init__(f"{where}: {self.detail}")
+
+    def at(self, file: str) -> str:
+        """The error as ``file:line:column: expected ...`` (``file:line:`` without a column,
+        ``file:`` for the dataset as a whole)."""
+        where = file if not self.line else f"{file}:{self.line}" + (f":{self.column}" if self.column else "")
+        return f"{where}: {self.detail}"
 
 
 def parse_chat_line(line: str | bytes, lineno: int) -> list[dict[str, str]] | None:
@@ -93,7 +101,9 @@ def parse_chat_line(line: str | bytes, lineno: int) -> list[dict[str, str]] | No
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise DatasetError(
-            lineno, f'a JSON object such as {{"messages": [...]}} (JSON error at column {exc.colno}: {exc.msg})'
+            lineno,
+            f'a JSON object such as {{"messages": [...]}} (JSON error at column {exc.colno}: {exc.msg})',
+            column=exc.colno,
         ) from None
     if not isinstance(obj, dict):
         raise DatasetError(lineno, 'a JSON object with a "messages" list', type(obj).__name__)

@@ -93,6 +93,15 @@ def validate_hyperparameters(workload_type: str, data: Any, path: str = "spec.hy
     cls = hyperparameters_class(workload_type, kind)
     if cls is None:
         ok = [e for e in known_env_ids() if (en := env_entry(e)) is not None and en.kind in kinds]
+        if kinds == ("dataset",):  # sft: no environment at all; say how to give the data
+            raise SpecError(
+                "spec.env_config.env_id",
+                f"a dataset: {workload_type} trains on chat examples from a JSONL file (one "
+                '{"messages": [...]} per line), not on an environment; give the file as `dataset: train.jsonl` in a '
+                'task config or dataset="train.jsonl" to submit_task (uploaded at submit), or '
+                'env_config {"env_id": "chat_jsonl", "path": "/data/train.jsonl"} for a file on the trainer nodes',
+                env.env_id,
+            )
         raise SpecError(
             "spec.env_config.env_id",
             f"an environment {workload_type} runs on ({', '.join(ok) or ', '.join(kinds)})",

@@ -4,6 +4,11 @@
 decides whether a task is accepted. The stages, in the order they run (the first refusal wins,
 and a later stage costs nothing when an earlier one refuses):
 
+0. **the scheduler's load** (:class:`~opentinker_scheduler.admission.load.SubmitGate`, passed by
+   the servicer's ``rpc`` decorator before the call reaches :func:`admit`): a call that waited in
+   the server longer than ``limits.max_submit_wait``, or over ``limits.max_submits_in_flight``
+   calls in progress, RESOURCE_EXHAUSTED (reason ``OVERLOADED``, with RetryInfo); while the
+   scheduler stops, UNAVAILABLE (``SHUTTING_DOWN``), there and again just before the write.
 1. **per-caller limits** (when the scheduler has them): the caller's submit rate
    (``limits.submit_rate``, one token per call, taken even if a later stage refuses), the
    serialized spec's size (``limits.max_spec_bytes``), the owner's PENDING tasks
@@ -32,6 +37,7 @@ from typing import Callable
 
 from opentinker.common.v1 import common_pb2
 
+from opentinker_scheduler.admission.load import SubmitGate
 from opentinker_scheduler.admission.refs import check_references
 from opentinker_scheduler.admission.spec_check import check_submitted_spec
 from opentinker_scheduler.data.datasets import DatasetStore
@@ -65,6 +71,7 @@ async def admit(
     limits: Limits | None = None,
     dataset_visible: Callable[[str], bool] = lambda dataset_id: True,
     request_id: str = "",
+    gate: SubmitGate | None = None,
 ) -> TaskRow:
     """Check a submitted spec stage by stage (module docstring) and store it as a PENDING task.
 
@@ -78,14 +85,16 @@ async def admit(
         dataset_visible: whether the caller may use a dataset id (another owner's counts as
             not found).
         request_id: the client's idempotency key (at most 128 characters).
+        gate: the scheduler's submit gate; a stopping scheduler writes nothing (stage 0).
 
     Returns:
         The new PENDING task's row (the core's own: read, don't change), or the task an earlier
         call with the same ``request_id`` and spec made.
 
     Raises:
-        ResourceExhausted, InvalidArgument, NotFound, FailedPrecondition, AlreadyExists: the
-            first stage that refuses, as listed in the module docstring. Nothing is written.
+        ResourceExhausted, InvalidArgument, NotFound, FailedPrecondition, AlreadyExists,
+            Unavailable: the first stage that refuses, as listed in the module docstring.
+            Nothing is written.
     """
     if limits is not None:
         check_limits(limits, spec, caller, core=core)
@@ -100,4 +109,6 @@ async def admit(
         auth_enabled=core.config.auth.enabled,
     )
     await check_submitted_spec(core, spec)
+    if gate is not None:
+        gate.check_open()
     return core.submit(spec, owner=caller.owner, request_id=request_id)

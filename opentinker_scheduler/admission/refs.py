@@ -15,7 +15,6 @@ At assignment the ``init_from`` task's final checkpoint travels in ``AssignTask.
 
 from __future__ import annotations
 
-from google.protobuf import json_format
 
 from opentinker.common.v1 import common_pb2
 from opentinker_common.spec.sft import is_dataset_id
@@ -63,8 +62,8 @@ def check_references(
     """
     check_local_paths(spec, paths=paths, auth_enabled=auth_enabled, default_model=default_model)
     if spec.HasField("env_config"):
-        env = json_format.MessageToDict(spec.env_config)
-        dataset_id = env.get("dataset_id")
+        value = spec.env_config.fields.get("dataset_id")  # read in place: no dict of the whole env_config
+        dataset_id = value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else None
         if is_dataset_id(dataset_id) and (
             not datasets.exists(dataset_id) or not dataset_visible(dataset_id)
         ):  # a malformed id is the spec check's

@@ -27,7 +27,7 @@ from wsgiref.simple_server import WSGIRequestHandler
 
 from opentinker_common.net.side_port import SidePortServer, make_side_port_server
 
-from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
@@ -42,6 +42,7 @@ class Snapshot:
     nodes_connected: int = 0
     nodes_known: int = 0
     gpus: tuple[tuple[str, str, bool, dict[str, float]], ...] = ()  # node, index, simulated, values
+    hosts: tuple[tuple[str, dict[str, float]], ...] = ()  # node, host CPU/memory values
     role: str = "leader"  # leader | follower
     leader: str = ""  # host:port of the leader ("" unknown)
     epoch: int | None = None
@@ -71,6 +72,14 @@ class _Collector:
         for kind, n in sorted(dict(self.holder.node_messages).items()):
             received.add_metric([kind], n)
         yield received
+        refused = CounterMetricFamily(
+            "opentinker_submits_refused",
+            "SubmitTask calls refused before anything was done (OVERLOADED, SHUTTING_DOWN)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(dict(self.holder.submits_refused).items()):
+            refused.add_metric([reason.lower()], n)
+        yield refused
         fams = {
             "utilization_percent": GaugeMetricFamily(
                 "opentinker_gpu_utilization_percent", "GPU utilization (%)", labels=["node_id", "gpu", "simulated"]
@@ -93,6 +102,36 @@ class _Collector:
                 if key in values:
                     fam.add_metric([node_id, index, str(simulated).lower()], values[key])
         yield from fams.values()
+        host_fams = {
+            "cpu_utilization_percent": GaugeMetricFamily(
+                "opentinker_node_cpu_utilization_percent", "Host CPU busy, % of all cores", labels=["node_id"]
+            ),
+            "cpu_count": GaugeMetricFamily("opentinker_node_cpu_count", "Host logical CPUs", labels=["node_id"]),
+            "memory_used_bytes": GaugeMetricFamily(
+                "opentinker_node_memory_used_bytes", "Host memory in use (bytes)", labels=["node_id"]
+            ),
+            "memory_total_bytes": GaugeMetricFamily(
+                "opentinker_node_memory_total_bytes", "Host memory total (bytes)", labels=["node_id"]
+            ),
+        }
+        for node_id, values in snap.hosts:
+            for key, fam in host_fams.items():
+                if key in values:
+                    fam.add_metric([node_id], values[key])
+        yield from host_fams.values()
+
+
+#: The header of every answer that names the scheduler's gRPC port (read by the client to say
+#: "that is the scheduler's HTTP port; its gRPC port is ..." when it dials this port by mistake).
+GRPC_PORT_HEADER = "X-OpenTinker-Grpc-Port"
+_NOT_FOUND = b'{"error": "not found; try /health, /ready or /metrics"}'
+
+
+def _with_header(start_response, header: tuple[str, str]):
+    def start(status, headers, exc_info=None):
+        return start_response(status, [*headers, header], exc_info)
+
+    return start
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -118,7 +157,10 @@ class HttpEndpoint:
         self.snapshot = Snapshot()
         #: kind -> messages received on node streams; the event loop increments, this thread reads.
         self.node_messages: dict[str, int] = {}
+        self.submits_refused: dict[str, int] = {}
         self.stale_after_s = stale_after_s
+        #: The scheduler's gRPC port, sent as the X-OpenTinker-Grpc-Port header once known.
+        self.grpc_port: int | None = None
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))
         self.scheduling_latency = Histogram(
@@ -164,8 +206,21 @@ class HttpEndpoint:
             return False, {**body, "status": "follower", "reason": "not the leader"}
         return ok, body
 
+    def answer(self, method: str, path: str) -> tuple[int, list[tuple[str, str]], bytes]:
+        """``(status, headers, body)`` of ``GET path``: what the HTTP/1.1 answers on the gRPC port
+        (:mod:`.front`) send, from the same handlers as this port."""
+        headers = [] if self.grpc_port is None else [(GRPC_PORT_HEADER, str(self.grpc_port))]
+        if path in ("/health", "/ready"):
+            ok, body = self.health() if path == "/health" else self.ready()
+            return 200 if ok else 503, [("Content-Type", "application/json"), *headers], json.dumps(body).encode()
+        if path == "/metrics":
+            return 200, [("Content-Type", CONTENT_TYPE_LATEST), *headers], generate_latest(self.registry)
+        return 404, [("Content-Type", "application/json"), *headers], _NOT_FOUND
+
     def _app(self, environ, start_response):
         path = environ.get("PATH_INFO", "/")
+        if self.grpc_port is not None:  # a gRPC client dialling this port by mistake is told where gRPC is
+            start_response = _with_header(start_response, (GRPC_PORT_HEADER, str(self.grpc_port)))
         if path in ("/health", "/ready"):
             ok, body = self.health() if path == "/health" else self.ready()
             data = json.dumps(body).encode()
@@ -176,6 +231,7 @@ class HttpEndpoint:
             return [data]
         if path == "/metrics":
             return self._metrics_app(environ, start_response)
-        data = b'{"error": "not found; try /health, /ready or /metrics"}'
-        start_response("404 Not Found", [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
-        return [data]
+        start_response(
+            "404 Not Found", [("Content-Type", "application/json"), ("Content-Length", str(len(_NOT_FOUND)))]
+        )
+        return [_NOT_FOUND]

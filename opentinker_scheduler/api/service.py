@@ -15,6 +15,7 @@ from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from opentinker_scheduler.admission.admit import admit
+from opentinker_scheduler.admission.load import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_WAIT_S, SubmitGate
 from opentinker_scheduler.api.rpc import Call, abort_mapped, record, rpc
 from opentinker_scheduler.data import checkpoints
 from opentinker_scheduler.data.datasets import DatasetStore, receive_upload
@@ -72,6 +73,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.core = core
         self._datasets = datasets
         self.security = security  # API keys, limits, audit (security/bundle.py); None in bare unit tests
+        #: The artifact store (data/artifacts.py) DownloadCheckpoint reads; None in bare unit tests.
+        self.artifacts = None
+        cfg = security.limits.config if security is not None else None
+        most, wait = (cfg.max_submits_in_flight, cfg.max_submit_wait) if cfg is not None else (None, None)
+        #: SubmitTask calls in progress, and the refusal of those over the limits (admission/load.py).
+        self.gate = SubmitGate(
+            DEFAULT_MAX_IN_FLIGHT if most is None else most, max_wait_s=DEFAULT_MAX_WAIT_S if wait is None else wait
+        )
 
     async def durable(self) -> None:
         """Return once everything written so far is committed (:meth:`SchedulerCore.durable`)."""
@@ -94,7 +103,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             return out
         return task_to_proto(task, self.core.pending_reason(task.task_id) or "waiting for the next placement round")
 
-    @rpc(action="task.submit")
+    @rpc(action="task.submit", gate="gate")
     async def SubmitTask(self, request, call: Call):
         call.detail.update(workload_type=request.spec.workload_type[:64])
         self.core.require_leader()  # a follower: UNAVAILABLE naming the leader, before any work
@@ -108,6 +117,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             limits=self.security.limits if self.security is not None else None,
             dataset_visible=self._dataset_visible,
             request_id=request.request_id,
+            gate=self.gate,
         )
         call.detail.update(task_id=task.task_id)
         self.core.schedule()  # updates the row in place when it places the task
@@ -235,7 +245,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             if owner_scope() is not None:
                 self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
             ckpt = checkpoints.pick_checkpoint(self.core.store, request.task_id, request.step)
-            manifest = await asyncio.to_thread(checkpoints.build_manifest, ckpt)
+            store = self.artifacts.store if self.artifacts is not None else None
+            manifest = await asyncio.to_thread(checkpoints.build_manifest, ckpt, store)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
         yield scheduler_pb2.DownloadCheckpointResponse(manifest=manifest.message)
@@ -266,6 +277,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 telemetry=n.telemetry,
                 version=n.register.version,
                 notes=self.core.node_notes(n),
+                host=n.host,
             )
             _ts(msg.last_heartbeat_time, n.last_heartbeat_time)
             nodes.append(msg)

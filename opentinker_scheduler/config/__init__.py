@@ -29,6 +29,8 @@
     auth: {enabled: false}    # API keys and roles; production turns this on (config/auth.py, security/auth.py)
     tls: {cert: ..., key: ...} # TLS, and mTLS for nodes with client_ca (config/tls.py)
     http_tls: {cert: ..., key: ...} # HTTPS on the HTTP port (/health, /metrics); config/tls.py
+    http_on_grpc_port: true   # also answer HTTP/1.1 GET /health and /metrics on the gRPC port
+                              # (the seed curls it); plaintext only: with tls: it is off
     limits: {...}             # message/spec sizes, pending tasks, submit rate, streams (security/limits.py)
     store: {kind: sqlite}     # or {kind: postgres, dsn: ..., password_env: ...}: several schedulers,
                               # one leader (config/store.py, state/pg_store.py, state/leadership.py)
@@ -36,6 +38,9 @@
       model_dirs: [/models]   # spec.model may name a local folder only under these
       data_dirs: [/data]      # env_config.path (chat_jsonl) may name a file only under these
                               # unset: anything with auth off, no local path at all with auth on
+    artifacts:                # checkpoints: backend local (default) or s3, retention (config/artifacts.py)
+      backend: local
+      keep_checkpoints: 3
 
 **Priority**: a larger number is more important. Pending tasks are placed in order of
 priority (largest first), then age (oldest first). A workload type missing from
@@ -47,7 +52,8 @@ Unknown keys and wrong types are refused at start with the file, line, column an
 a string in YAML 1.2 — write false``). The file is read as YAML 1.2
 (:class:`opentinker_common.yaml12.Yaml12Loader`): only ``true``/``false`` are booleans, so
 ``default_model: no`` is the string ``"no"``. Each section's frozen value and parser lives in this package
-(:mod:`.auth`, :mod:`.tls`, :mod:`.limits`, :mod:`.paths`, :mod:`.store`), so every room, :mod:`..state` included,
+(:mod:`.auth`, :mod:`.tls`, :mod:`.limits`, :mod:`.paths`, :mod:`.artifacts`, :mod:`.store`), so every room,
+:mod:`..state` included,
 may read the settings without importing a room above it; the rooms enforce them.
 """
 
@@ -60,9 +66,10 @@ from typing import Any
 
 import yaml
 
-from opentinker_common.yaml12 import Yaml12Loader, yaml11_bool_hint
+from opentinker_common.yaml12 import Yaml12Loader, find_typography, tag_name, yaml11_bool_hint
 from opentinker_common.spec import WORKLOAD_TYPES
 
+from opentinker_scheduler.config.artifacts import ArtifactsConfig, parse_artifacts
 from opentinker_scheduler.config.auth import AuthConfig, parse_auth
 from opentinker_scheduler.config.limits import LimitsConfig, parse_limits
 from opentinker_scheduler.config.paths import PathsConfig, parse_paths
@@ -118,6 +125,10 @@ class SchedulerConfig:
     http_tls: HttpTlsConfig | None = None
     #: Local paths a spec may name (``paths:``); see opentinker_scheduler/admission/paths.py.
     paths: PathsConfig = PathsConfig()
+    #: Where checkpoints live and how many are kept (``artifacts:``); see config/artifacts.py.
+    artifacts: ArtifactsConfig = ArtifactsConfig()
+    #: Answer HTTP/1.1 /health and /metrics on the (plaintext) gRPC port too (api/front.py).
+    http_on_grpc_port: bool = True
     #: Where the state lives (``store:``): SQLite (default) or PostgreSQL; see config/store.py.
     store: StoreConfig = StoreConfig()
 
@@ -154,9 +165,15 @@ class _Reader:
             f"{_where(self.source, node.start_mark if node is not None else None)}: {key}: expected {expected}"
         )
 
+    def untagged(self, node: yaml.Node, key: str, want: str, tags: tuple[str, ...]) -> None:
+        """Refuse an explicit YAML tag (``!!set``, ``!!python/...``, ``!foo``) other than ``tags``."""
+        if node.tag not in tags:
+            raise self.fail(node, key, f"{want}, without a YAML tag; got the tag {tag_name(node.tag)}")
+
     def mapping(self, node: yaml.Node, key: str, allowed: dict[str, str]) -> dict[str, tuple[yaml.Node, yaml.Node]]:
         if not isinstance(node, yaml.MappingNode):
             raise self.fail(node, key, "a mapping")
+        self.untagged(node, key or "the top level", "a mapping", (_MAP_TAG,))
         out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
         for k, v in node.value:
             name = k.value if isinstance(k, yaml.ScalarNode) else None
@@ -169,7 +186,6 @@ class _Reader:
         return out
 
     def scalar(self, node: yaml.Node, key: str, kind: type, lo: float | None = None, hi: float | None = None):
-        value = yaml.load(yaml.serialize(node), Loader=Yaml12Loader) if isinstance(node, yaml.ScalarNode) else None
         want = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[kind]
         if lo is not None and hi is not None:
             want += f" in [{lo}, {hi}]"
@@ -177,6 +193,13 @@ class _Reader:
             want += f" >= {lo}"
         if not isinstance(node, yaml.ScalarNode):
             raise self.fail(node, key, want)
+        self.untagged(node, key, want, _SCALAR_TAGS)
+        try:
+            value = yaml.load(yaml.serialize(node), Loader=Yaml12Loader)
+        except (yaml.YAMLError, ValueError, TypeError):  # "!!int abc", "!!float x": the tag does not fit the text
+            hint = yaml11_bool_hint(node.value) if kind is bool else None
+            got = f"{tag_name(node.tag)} {node.value!r} ({node.value!r} is not a valid {tag_name(node.tag)})"
+            raise self.fail(node, key, f"{want}, got {got}" + (f"; {hint}" if hint else "")) from None
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if kind is float and isinstance(value, float) and not math.isfinite(value):
@@ -195,7 +218,13 @@ class _Reader:
     def sequence(self, node: yaml.Node, key: str) -> list[yaml.Node]:
         if not isinstance(node, yaml.SequenceNode):
             raise self.fail(node, key, "a list")
+        self.untagged(node, key, "a list", (_SEQ_TAG,))
         return list(node.value)
+
+
+_MAP_TAG, _SEQ_TAG = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
+#: The scalar tags a config value may carry (implicit, or written as !!str, !!int ...).
+_SCALAR_TAGS = tuple(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null"))
 
 
 def _where(source: str, mark: yaml.Mark | None) -> str:
@@ -222,6 +251,8 @@ _TOP = {
     "http_tls": "HTTPS files",
     "limits": "limits",
     "paths": "local paths",
+    "artifacts": "artifact store",
+    "http_on_grpc_port": "bool",
     "store": "state store",
 }
 
@@ -234,6 +265,9 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
             boolean word such as ``no`` for a boolean key, with a hint), with file:line:column.
     """
     r = _Reader(source)
+    typo = find_typography(text)
+    if typo is not None:  # before YAML reads it: "mapping values are not allowed here" names neither character
+        raise ConfigError(f"{source}:{typo.line}:{typo.column}: {typo.message}")
     try:
         root = yaml.compose(text, Loader=Yaml12Loader)
     except yaml.YAMLError as exc:
@@ -289,6 +323,8 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["state_dir"] = p if p.is_absolute() or base_dir is None else base_dir / p
     if "allow_unknown_nodes" in top:
         kw["allow_unknown_nodes"] = r.scalar(top["allow_unknown_nodes"][1], "allow_unknown_nodes", bool)
+    if "http_on_grpc_port" in top:
+        kw["http_on_grpc_port"] = r.scalar(top["http_on_grpc_port"][1], "http_on_grpc_port", bool)
     if "unknown_node_max_tasks" in top:
         kw["unknown_node_max_tasks"] = r.scalar(
             top["unknown_node_max_tasks"][1], "unknown_node_max_tasks", int, 1, 10_000
@@ -327,6 +363,8 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["http_tls"] = parse_http_tls(r, top["http_tls"][1], base_dir)
     if "paths" in top:
         kw["paths"] = parse_paths(r, top["paths"][1])
+    if "artifacts" in top:
+        kw["artifacts"] = parse_artifacts(r, top["artifacts"][1])
     if "store" in top:
         kw["store"] = parse_store(r, top["store"][1])
 

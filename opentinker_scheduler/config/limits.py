@@ -17,6 +17,8 @@ DEFAULTS = {
     "max_streams_per_key": 32,
     "spec_check_timeout": 10.0,
     "max_keys_per_owner": 20,
+    "max_submits_in_flight": 64,
+    "max_submit_wait": 0.5,
 }
 _PER_CALLER = ("max_pending_per_owner", "submit_rate", "submit_burst", "max_streams_per_key")
 
@@ -34,6 +36,8 @@ class LimitsConfig:
     max_streams_per_key: int | None = None
     spec_check_timeout: float | None = None
     max_keys_per_owner: int | None = None
+    max_submits_in_flight: int | None = None
+    max_submit_wait: float | None = None
 
     def resolved(self, *, auth_enabled: bool) -> "LimitsConfig":
         """Every field filled: the written value, else the default (0 = no limit for per-caller
@@ -57,6 +61,8 @@ _KEYS = {
     "max_streams_per_key": (int, 0, 100_000),
     "spec_check_timeout": (float, 0.1, 600),
     "max_keys_per_owner": (int, 0, 1_000_000),
+    "max_submits_in_flight": (int, 0, 1_000_000),
+    "max_submit_wait": (float, 0, 600),
 }
 
 

@@ -3,9 +3,10 @@
 A checkpoint is a folder (for LoRA: ``adapter_config.json``, ``adapter_model.safetensors``,
 ``trainer_state.pt``). A download is a manifest (each file's relative path, size and SHA-256)
 followed by each file's bytes in chunks of at most :data:`CHUNK_BYTES`, so no message comes near
-gRPC's size limits whatever the checkpoint's size. The folder is read on the scheduler's own
-filesystem: checkpoints must be written where the scheduler can read them (one machine, or a
-volume shared by nodes and scheduler); otherwise a download fails with FAILED_PRECONDITION.
+gRPC's size limits whatever the checkpoint's size. A checkpoint with an ``artifact`` is read from
+the artifact store (local or s3, :mod:`opentinker_scheduler.data.artifacts`), with the hashes of
+its stored manifest; one without (written by an older trainer) from its ``path`` on the
+scheduler's own filesystem, where a folder the scheduler cannot see fails with FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import scheduler_pb2
@@ -74,15 +75,25 @@ def pick_checkpoint(store, task_id: str, step: int) -> common_pb2.Checkpoint:
 @dataclass(frozen=True)
 class Manifest:
     message: scheduler_pb2.CheckpointManifest
-    paths: tuple[Path, ...]  # absolute, in manifest order
+    paths: tuple[Path, ...]  # absolute, in manifest order (a folder on this filesystem)
+    #: Bytes of file ``i`` from the artifact store, in chunks (None: read ``paths``).
+    reader: Callable[[int], Iterator[bytes]] | None = None
 
 
-def build_manifest(ckpt: common_pb2.Checkpoint) -> Manifest:
-    """Walk the checkpoint folder and hash every regular file (blocking I/O: run in a thread).
+def build_manifest(ckpt: common_pb2.Checkpoint, store=None) -> Manifest:
+    """The checkpoint's files: from the artifact ``store`` when the checkpoint has an
+    ``artifact`` (its stored manifest, checked against the recorded hash), else by walking and
+    hashing its folder (blocking I/O: run in a thread).
 
     Raises:
         FailedPrecondition: the folder does not exist or is unreadable here, or holds too many files.
+        ArtifactNotFound (NOT_FOUND), ArtifactCorrupt (DATA_LOSS), StoreUnavailable (UNAVAILABLE).
     """
+    if ckpt.artifact.key and store is not None:
+        m = store.manifest(ckpt.artifact.key, expect_sha256=ckpt.artifact.manifest_sha256)
+        entries = [scheduler_pb2.CheckpointFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in m.files]
+        msg = scheduler_pb2.CheckpointManifest(checkpoint=ckpt, files=entries, total_bytes=m.total_bytes)
+        return Manifest(msg, (), reader=lambda i: store.read_chunks(m, m.files[i]))
     root = Path(ckpt.path)
     if not root.is_dir():
         raise FailedPrecondition(
@@ -127,6 +138,9 @@ def read_chunks(manifest: Manifest, *, chunk_bytes: int = CHUNK_BYTES) -> Iterat
     Raises:
         FailedPrecondition: a file changed size since the manifest was made.
     """
+    if manifest.reader is not None:
+        yield from _store_chunks(manifest, chunk_bytes)
+        return
     for index, (path, entry) in enumerate(zip(manifest.paths, manifest.message.files)):
         offset = 0
         try:
@@ -143,3 +157,18 @@ def read_chunks(manifest: Manifest, *, chunk_bytes: int = CHUNK_BYTES) -> Iterat
             raise FailedPrecondition(f"checkpoint file {path} cannot be read: {exc.strerror or exc}") from None
         if offset != entry.size_bytes:
             raise FailedPrecondition(f"checkpoint file {path} changed while it was being downloaded; retry")
+
+
+def _store_chunks(manifest: Manifest, chunk_bytes: int) -> Iterator[scheduler_pb2.CheckpointChunk]:
+    assert manifest.reader is not None
+    for index, entry in enumerate(manifest.message.files):
+        offset = 0
+        if entry.size_bytes == 0:
+            yield scheduler_pb2.CheckpointChunk(file_index=index, offset=0, data=b"")
+        for block in manifest.reader(index):
+            for start in range(0, len(block), chunk_bytes):
+                data = block[start : start + chunk_bytes]
+                yield scheduler_pb2.CheckpointChunk(file_index=index, offset=offset, data=data)
+                offset += len(data)
+        if offset != entry.size_bytes:
+            raise FailedPrecondition(f"checkpoint file {entry.path} changed in the artifact store while downloading")

@@ -21,7 +21,8 @@ revoked (at once) or expires (within ``stream_recheck_interval`` seconds):
 **Roles** (:data:`ROLES`): ``admin`` may do everything; ``user`` may use SchedulerService on its
 owner's own tasks (another owner's task is NOT_FOUND, never confirmed to exist) and manage its own
 keys; ``node`` may call NodeService only (its stream, and the reads ``LookupTask`` and
-``FetchDataset`` that task workers make with their node's key).
+``FetchDataset`` that task workers make with their node's key) and ArtifactService (checkpoint
+uploads and downloads of the ``local`` artifact store).
 
 **Bootstrap**: on a start with ``enabled: true`` and no active admin key, the scheduler takes the
 key in ``$OPENTINKER_BOOTSTRAP_ADMIN_KEY`` when set, else makes one and writes it to
@@ -39,6 +40,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import inspect
+from typing import Callable
 
 import grpc
 import structlog
@@ -74,6 +76,8 @@ ANONYMOUS_OWNER = "anonymous"
 
 SCHEDULER_SERVICE = "opentinker.scheduler.v1.SchedulerService"
 NODE_SERVICE = "opentinker.node.v1.NodeService"
+#: Trainers' uploads and downloads of checkpoints: the node role, like NodeService.
+ARTIFACT_SERVICE = "opentinker.artifact.v1.ArtifactService"
 ADMIN_SERVICE = "opentinker.scheduler.v1.AdminService"
 #: Callable without a key: health (load balancers and orchestrators probe it) and reflection
 #: (it describes the public API that the .proto files in the repository describe anyway, and
@@ -110,7 +114,7 @@ def allowed_roles(method: str) -> frozenset[str]:
     service = method[1:].rsplit("/", 1)[0]
     if service == SCHEDULER_SERVICE:  # task workers read through NodeService (LookupTask, FetchDataset)
         return frozenset({"admin", "user"})
-    if service == NODE_SERVICE:
+    if service in (NODE_SERVICE, ARTIFACT_SERVICE):
         return frozenset({"admin", "node"})
     if service == ADMIN_SERVICE:
         return frozenset({"admin", "user"})  # per-RPC owner checks in AdminService
@@ -173,6 +177,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.keys = keys
         self.limits = limits
         self.audit = audit
+        #: The client's address for the peer gRPC reports; the server sets it when a front on the
+        #: public port splices connections (api/front.py), so audit records name the real client.
+        self.peer_of: Callable[[str], str] = lambda peer: peer
         self.node_cert_required = node_cert_required
         #: Open streams by key (None with authentication off: there are no keys to revoke).
         self.streams: KeyStreams | None = (
@@ -183,7 +190,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         """The caller of ``method``, or :class:`_Refused`."""
         service = method[1:].rsplit("/", 1)[0]
         peer_cn, peer_dns = "", ()
-        if self.node_cert_required and service == NODE_SERVICE:
+        if self.node_cert_required and service in (NODE_SERVICE, ARTIFACT_SERVICE):
             ctx = context.auth_context() or {}
             if not ctx.get("x509_pem_cert"):
                 raise _Refused(
@@ -226,7 +233,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 reason=exc.message,
                 outcome=exc.code.name,
                 key_prefix=m.group(1) if m else "",
-                peer=context.peer(),
+                peer=self.peer_of(context.peer()),
             )
             await context.abort(exc.code, exc.message)
             raise  # abort raises; this line is never reached
@@ -235,7 +242,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         """Register a stream admitted with a key (None when there is no key to watch)."""
         if self.streams is None or not principal.key_prefix:
             return None
-        return self.streams.open(principal.key_prefix, method, context.peer())
+        return self.streams.open(principal.key_prefix, method, self.peer_of(context.peer()))
 
     async def _end_revoked(self, stream, context) -> None:
         """End a stream whose key was revoked or expired: UNAUTHENTICATED with the reason."""

@@ -12,10 +12,15 @@ message naming the limit and its config key, never a crash.
       max_streams_per_key: 32       # server streams (WatchTask, downloads) open at once per key; 0 = no limit
       spec_check_timeout: 10        # seconds SubmitTask may spend building the environment to check a spec
       max_keys_per_owner: 20        # active (unrevoked, unexpired) API keys per owner; 0 = no limit
+      max_submits_in_flight: 64     # SubmitTask calls the scheduler works on at once, all callers; 0 = no limit
+      max_submit_wait: 0.5          # seconds a SubmitTask may wait in the server before it is taken up; 0 = no limit
 
 The per-caller limits (pending, rate, streams) default to the values above when ``auth.enabled``
 is true. With authentication off (one trusted user, ``make demo``, the benchmarks) they default to
-no limit; a value written in the config applies in both modes. Message and spec sizes always apply.
+no limit; a value written in the config applies in both modes. Message and spec sizes always apply,
+and so do ``max_submits_in_flight`` and ``max_submit_wait``, the scheduler's own load: over them a
+submit is refused at once with ``RESOURCE_EXHAUSTED`` (reason ``OVERLOADED``) and a ``google.rpc.RetryInfo``, before
+anything is done (:mod:`opentinker_scheduler.admission.load`).
 
 ``submit_rate``/``submit_burst`` and ``max_streams_per_key`` count per API key, not per owner: an
 owner with several keys gets each key's allowance. ``max_keys_per_owner`` (enforced by

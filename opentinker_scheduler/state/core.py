@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import time
 from typing import Callable
@@ -29,7 +30,7 @@ from typing import Callable
 import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
-from opentinker_common.spec import SpecError, spec_from_proto, task_uses_model
+from opentinker_common.spec import SpecError, TaskSpecModel, jsonable, spec_from_proto, task_uses_model
 
 from opentinker_scheduler.state.commit import GroupCommit
 from opentinker_scheduler.config import SchedulerConfig
@@ -263,6 +264,28 @@ class SchedulerCore:
         self.node_changed(node)
 
     # ------------------------------------------------------------------ client API
+    def _as_stored(
+        self, spec: common_pb2.TaskSpec, *, model: TaskSpecModel | None = None, default_model: str = ""
+    ) -> common_pb2.TaskSpec:
+        """``spec`` as the store keeps it: resolved, so every value the task runs with is written
+        down at submit (``opentinker get`` shows them; a later release's defaults change nothing):
+        the hyper-parameters with their defaults filled in, ``max_attempts`` with the config's
+        default. ``model``: the validated spec (parsed here when None; a spec that does not parse,
+        or a missing model filled from ``default_model``, is returned as given)."""
+        out = common_pb2.TaskSpec()
+        out.CopyFrom(spec)
+        if not out.model and default_model:
+            out.model = default_model
+        if model is None:
+            try:
+                model = spec_from_proto(out, allowed_workloads=self.config.workload_names)
+            except SpecError:
+                return out
+        out.hyperparameters.Clear()
+        out.hyperparameters.update(jsonable(dataclasses.asdict(model.hyperparameters)))
+        out.limits.max_attempts = out.limits.max_attempts or self.config.default_max_attempts
+        return out
+
     def submit(self, spec: common_pb2.TaskSpec, *, owner: str, request_id: str = "") -> TaskRow:
         """Validate and store a new PENDING task.
 
@@ -272,18 +295,11 @@ class SchedulerCore:
         """
         if len(request_id) > 128:
             raise InvalidArgument("request_id: expected at most 128 characters")
-        if request_id:
-            existing = self.store.find_by_request(owner, request_id)
-            if existing is not None:
-                sent = common_pb2.TaskSpec()
-                sent.CopyFrom(spec)
-                if not sent.model:
-                    sent.model = existing.spec.model
-                if sent.SerializeToString(deterministic=True) != existing.spec.SerializeToString(deterministic=True):
-                    raise AlreadyExists(
-                        f"request_id {request_id!r} was already used for task {existing.task_id} with a different spec"
-                    )
-                return self.tasks.get(existing.task_id) or existing
+        existing = self.store.find_by_request(owner, request_id) if request_id else None
+        if existing is not None and existing.spec.SerializeToString(deterministic=True) == self._as_stored(
+            spec, default_model=existing.spec.model
+        ).SerializeToString(deterministic=True):
+            return self.tasks.get(existing.task_id) or existing
         spec_copy = common_pb2.TaskSpec()
         spec_copy.CopyFrom(spec)
         if not spec_copy.model and task_uses_model(spec_copy.workload_type, _struct_dict(spec_copy, "env_config")):
@@ -297,6 +313,11 @@ class SchedulerCore:
             model = spec_from_proto(spec_copy, allowed_workloads=self.config.workload_names)
         except SpecError as exc:
             raise InvalidArgument(str(exc)) from None
+        spec_copy = self._as_stored(spec_copy, model=model)
+        if existing is not None:  # same request_id, another spec (the same one returned above)
+            raise AlreadyExists(
+                f"request_id {request_id!r} was already used for task {existing.task_id} with a different spec"
+            )
         most = self.max_possible_gpus()
         if model.gpu_count > most:
             raise FailedPrecondition(

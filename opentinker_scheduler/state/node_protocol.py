@@ -188,6 +188,7 @@ class NodeProtocol:
         node.last_heartbeat_time = time.time()
         del node.telemetry[:]
         node.telemetry.extend(hb.devices)
+        node.host = hb.host if hb.HasField("host") else None
 
     def node_report(self, node: NodeSession, rep: node_pb2.TaskReport) -> bool:
         """Apply a task report. Returns False when refused (unknown task or stale attempt).

@@ -278,32 +278,40 @@ class SqlStore:
 
     # --- tasks ---------------------------------------------------------------------------------
     def insert_task(self, task: TaskRow, first_event: common_pb2.TaskEvent) -> None:
-        """Insert a new task with its first event in one transaction."""
+        """Insert a new task with its first event (sequence 1) in one transaction."""
         with self._tx():
             self.db.execute(
                 f"INSERT INTO tasks ({_COLUMNS}, next_seq) VALUES ({','.join('?' * 22)}, 2)",
                 self._task_values(task),
             )
-            self._write_event(task.task_id, 1, first_event)  # a new task's first event is number 1
+            self._insert_event(task.task_id, 1, first_event)
 
     def update_task(self, task: TaskRow, events: Iterable[common_pb2.TaskEvent] = ()) -> list[common_pb2.TaskEvent]:
         """Write ``task`` back and append ``events`` (sequence numbers assigned here), atomically.
+        The spec is not written again: it is stored once, by :meth:`insert_task`, and never changes.
 
         Returns the events with their sequence numbers and times set.
+
+        Raises:
+            sqlite3.IntegrityError: events for a task that is not stored.
         """
-        out = []
+        events = list(events)
         with self._tx():
-            vals = self._task_values(task)
-            self.db.execute(
-                "UPDATE tasks SET owner=?, request_id=?, spec=?, state=?, attempt=?, priority=?, gpu_count=?, "
+            vals = self._task_values(task, spec=False)
+            # One statement moves next_seq past the new events and reads where they start.
+            rows = self.db.execute(
+                "UPDATE tasks SET owner=?, request_id=?, state=?, attempt=?, priority=?, gpu_count=?, "
                 "max_attempts=?, max_runtime_s=?, create_time=?, update_time=?, start_time=?, end_time=?, "
                 "not_before=?, node_id=?, device_indices=?, error=?, latest_step=?, latest_metrics=?, "
-                "latest_checkpoint=?, attempt_step=? WHERE task_id=?",
-                (*vals[1:], task.task_id),
-            )
-            for ev in events:
-                out.append(self._append_event(task.task_id, ev))
-        return out
+                "latest_checkpoint=?, attempt_step=?, next_seq=next_seq+? WHERE task_id=? RETURNING next_seq",
+                (*vals[1:], len(events), task.task_id),
+            ).fetchall()
+            if not events:
+                return []
+            if not rows:
+                raise sqlite3.IntegrityError(f"events for task {task.task_id}, which is not stored")
+            first = rows[0][0] - len(events)
+            return [self._insert_event(task.task_id, first + i, ev) for i, ev in enumerate(events)]
 
     def get_task(self, task_id: str) -> TaskRow | None:
         r = self.db.execute(f"SELECT {_COLUMNS} FROM tasks WHERE task_id=?", (task_id,)).fetchone()
@@ -454,14 +462,8 @@ class SqlStore:
                     continue
                 self.db.execute("UPDATE tasks SET error=? WHERE task_id=?", (cancel_error(change.message), task_id))
 
-    def _append_event(self, task_id: str, ev: common_pb2.TaskEvent) -> common_pb2.TaskEvent:
-        # Take the task's next sequence number and advance it in one statement (one round trip).
-        (seq,) = self.db.execute(
-            "UPDATE tasks SET next_seq=next_seq+1 WHERE task_id=? RETURNING next_seq-1", (task_id,)
-        ).fetchall()[0]
-        return self._write_event(task_id, seq, ev)
-
-    def _write_event(self, task_id: str, seq: int, ev: common_pb2.TaskEvent) -> common_pb2.TaskEvent:
+    def _insert_event(self, task_id: str, seq: int, ev: common_pb2.TaskEvent) -> common_pb2.TaskEvent:
+        """Insert ``ev`` as event ``seq`` of ``task_id`` (the caller has moved ``next_seq`` past it)."""
         ev.task_id = task_id
         ev.sequence = seq
         if not ev.HasField("time"):
@@ -475,12 +477,13 @@ class SqlStore:
         )
         return ev
 
-    def _task_values(self, t: TaskRow) -> tuple:
+    def _task_values(self, t: TaskRow, *, spec: bool = True) -> tuple:
+        """The row's values in :data:`_COLUMNS` order; without ``spec``, that column left out."""
         return (
             t.task_id,
             t.owner,
             t.request_id,
-            t.spec.SerializeToString(),
+            *((t.spec.SerializeToString(),) if spec else ()),
             t.state,
             t.attempt,
             t.priority,
@@ -493,10 +496,10 @@ class SqlStore:
             t.end_time,
             t.not_before,
             t.node_id,
-            json.dumps(t.device_indices),
+            json.dumps(t.device_indices) if t.device_indices else "[]",
             t.error,
             t.latest_step,
-            json.dumps(t.latest_metrics),
+            json.dumps(t.latest_metrics) if t.latest_metrics else "{}",
             t.latest_checkpoint.SerializeToString() if t.latest_checkpoint is not None else None,
             t.attempt_step,
         )

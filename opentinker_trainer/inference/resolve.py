@@ -50,15 +50,18 @@ class SchedulerResolver:
         target: the scheduler's ``host:port``.
         served_model: the base model this server serves; an adapter trained on another is refused.
         timeout: seconds per LookupTask call.
+        fetch: ``Checkpoint -> local folder`` for a checkpoint in the artifact store (through the
+            node-local cache); without it (or for a checkpoint with no ``artifact``) its ``path``.
     """
 
-    def __init__(self, target: str, served_model: str, *, timeout: float = 10.0) -> None:
+    def __init__(self, target: str, served_model: str, *, timeout: float = 10.0, fetch=None) -> None:
         # With the node's key and TLS: the caller's right to this adapter was checked before
         # (access.AccessChecker, with the caller's own key); loading is the node's business.
         self.channel, self.metadata = scheduler_channel(target)
         self.stub = node_pb2_grpc.NodeServiceStub(self.channel)
         self.served_model = served_model
         self.timeout = timeout
+        self.fetch = fetch
 
     def close(self) -> None:
         self.channel.close()
@@ -93,4 +96,6 @@ class SchedulerResolver:
                 f"adapter {name!r} was trained on base model {task.spec.model!r}; "
                 f"this server serves {self.served_model!r}"
             )
+        if ckpt.artifact.key and self.fetch is not None:
+            return Path(self.fetch(ckpt))
         return Path(ckpt.path)

@@ -21,6 +21,8 @@ __all__ = [
     "clip_fraction",
     "entropy_bonus",
     "explained_variance",
+    "kl_exceeded",
+    "linear_decay",
     "log_ratio",
     "normalize_advantages",
     "pg_loss",
@@ -69,9 +71,19 @@ def value_loss(
     clip_coef: float | None = None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``0.5 * mean((V - R)^2)``; with ``old_value`` and ``clip_coef``, the clipped form
-    ``0.5 * mean(max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2))`` (CleanRL
-    ``--clip-vloss``, from OpenAI baselines' PPO2). ``[B]`` inputs, ``[]`` output."""
+    """Value loss, ``[B]`` inputs, ``[]`` output.
+
+    * plain (``old_value`` or ``clip_coef`` None; CleanRL ``--no-clip-vloss``, SB3's default
+      ``clip_range_vf=None``): ``0.5 * mean((V - R)^2)``;
+    * clipped (CleanRL ``--clip-vloss``, from OpenAI baselines' PPO2):
+      ``0.5 * mean(max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2))`` with
+      ``eps = clip_coef``: once ``V`` has moved more than ``eps`` from ``V_old`` towards ``R`` the
+      clipped term is the larger and its gradient is 0, so a sample's value moves at most about
+      ``eps`` per update (in return units: a tight limit when returns are large).
+
+    SB3 computes ``F.mse_loss`` without the 0.5, so its ``vf_coef`` weighs the value loss twice
+    as much as the same ``vf_coef`` here.
+    """
     unclipped = (new_value - returns) ** 2
     if old_value is not None and clip_coef is not None:
         v_clipped = old_value + torch.clamp(new_value - old_value, -clip_coef, clip_coef)
@@ -112,3 +124,19 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     if var_r == 0:
         return float("nan")
     return float(1.0 - (r - v).var(unbiased=False) / var_r)
+
+
+def linear_decay(start: float, update: int, num_updates: int) -> float:
+    """``start * (1 - (update - 1) / num_updates)`` for update ``update`` (1-based) of
+    ``num_updates``: ``start`` at the first update, ``start / num_updates`` at the last, linear in
+    between (CleanRL's learning-rate annealing; SB3's ``lin_<start>`` schedule as rl-zoo writes
+    it, which SB3 evaluates at ``1 - steps_done / total_steps``, i.e. one update later).
+    """
+    return start * (1.0 - (update - 1.0) / num_updates)
+
+
+def kl_exceeded(kl: torch.Tensor | float, target_kl: float | None) -> bool:
+    """Whether a minibatch's :func:`approx_kl` ends the update: ``target_kl`` set and ``kl > target_kl``
+    (CleanRL ``ppo.py``'s test, applied after every minibatch; SB3 tests ``kl > 1.5 * target_kl``
+    before the step)."""
+    return target_kl is not None and float(kl) > target_kl

@@ -155,19 +155,35 @@ def gae_batch(rollout: Mapping[str, torch.Tensor], reset: torch.Tensor, cfg: Any
     )
 
 
-def ppo_update(policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any) -> dict[str, float]:
-    """``update_epochs`` passes over ``batch`` in ``num_minibatches`` shuffled minibatches, one Adam
-    step each, on ``pg_loss - ent_coef * entropy + vf_coef * value_loss`` (CleanRL ``ppo.py``:
-    advantages normalised per minibatch when ``norm_adv``, value loss clipped when
-    ``clip_vloss``, gradients clipped to ``max_grad_norm``, epochs stop early once ``approx_kl``
-    exceeds ``target_kl``).
+def ppo_update(
+    policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any, clip_coef: float | None = None
+) -> dict[str, float]:
+    """Up to ``update_epochs`` passes over ``batch`` in ``num_minibatches`` shuffled minibatches,
+    one Adam step each, on ``pg_loss - ent_coef * entropy + vf_coef * value_loss`` (CleanRL
+    ``ppo.py``): advantages normalised per minibatch when ``norm_adv``; the value loss clipped
+    around the rollout's values when ``clip_vloss``, else plain ``0.5 * (V - R)^2``; gradients
+    clipped to ``max_grad_norm``.
+
+    ``clip_coef``: this update's clip coefficient, for the ratio and (``clip_vloss``) the value
+    (:func:`clip_coef_at`); None = ``cfg.clip_coef``.
+
+    Early stop (``cfg.target_kl`` set): after each minibatch's step, when that minibatch's
+    ``approx_kl`` (k3, measured in its forward pass, before its step) exceeds ``target_kl``, the
+    update ends there: no further minibatch of that epoch, no further epoch (CleanRL computes
+    ``approx_kl`` per minibatch; SB3 checks each minibatch against ``1.5 * target_kl`` and skips
+    that minibatch's step). The first minibatch of an update has ``approx_kl`` 0 (the policy is
+    still the rollout's), so at least two steps are taken when ``num_minibatches * update_epochs >= 2``.
 
     Returns:
         Means over all minibatches taken: ``loss/total``, ``loss/policy``, ``loss/value``,
         ``loss/entropy`` (mean entropy, nats), ``ppo/approx_kl``, ``ppo/clipfrac``,
-        ``optim/grad_norm`` (before clipping); ``ppo/epochs``, ``ppo/explained_variance`` (of the
-        rollout's values); and ``loss/agent/<name>/{policy,value,entropy}`` per ``batch.groups``.
+        ``optim/grad_norm`` (before clipping); ``ppo/epochs`` (begun), ``ppo/minibatches`` (Adam
+        steps taken), ``ppo/early_stop`` (1 when ``target_kl`` ended the update), ``ppo/clip_coef``,
+        ``ppo/explained_variance`` (of the rollout's values); and
+        ``loss/agent/<name>/{policy,value,entropy}`` per ``batch.groups``.
     """
+    clip = cfg.clip_coef if clip_coef is None else float(clip_coef)
+    v_clip = clip if cfg.clip_vloss else None
     n = len(batch)
     keys = (
         "loss/total",
@@ -180,11 +196,10 @@ def ppo_update(policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any)
     )
     sums = dict.fromkeys(keys, 0.0)
     group_sums = {g: {"policy": 0.0, "value": 0.0, "entropy": 0.0, "n": 0.0} for g in batch.groups}
-    taken, epochs = 0, 0
+    taken, epochs, stopped = 0, 0, False
     params = [p for p in policy.parameters() if p.requires_grad]
     for _ in range(cfg.update_epochs):
         epochs += 1
-        epoch_kl = []
         for mb in torch.randperm(n, device=batch.logprobs.device).tensor_split(min(cfg.num_minibatches, n)):
             aid = batch.agent_ids[mb] if batch.agent_ids is not None else None
             _, newlogprob, entropy, newvalue = policy.get_action_and_value(
@@ -195,8 +210,8 @@ def ppo_update(policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any)
             if cfg.norm_adv:
                 adv = ppo_math.normalize_advantages(adv)
             old_v = batch.values[mb] if cfg.clip_vloss else None
-            pg = ppo_math.pg_loss(adv, ratio, cfg.clip_coef)
-            v = ppo_math.value_loss(newvalue, batch.returns[mb], old_v, cfg.clip_coef if cfg.clip_vloss else None)
+            pg = ppo_math.pg_loss(adv, ratio, clip)
+            v = ppo_math.value_loss(newvalue, batch.returns[mb], old_v, v_clip)
             ent = ppo_math.entropy_bonus(entropy)
             loss = pg - cfg.ent_coef * ent + cfg.vf_coef * v
             optimizer.zero_grad(set_to_none=True)
@@ -204,10 +219,7 @@ def ppo_update(policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
             kl = ppo_math.approx_kl(logratio.detach(), ratio.detach())
-            epoch_kl.append(kl.item())
-            for key, val in zip(
-                keys, (loss, pg, v, ent, kl, ppo_math.clip_fraction(ratio.detach(), cfg.clip_coef), grad_norm)
-            ):
+            for key, val in zip(keys, (loss, pg, v, ent, kl, ppo_math.clip_fraction(ratio.detach(), clip), grad_norm)):
                 sums[key] += val.detach().item()
             taken += 1
             with torch.no_grad():
@@ -217,18 +229,20 @@ def ppo_update(policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any)
                     if k == 0:
                         continue
                     gs = group_sums[g]
-                    gs["policy"] += k * float(ppo_math.pg_loss(adv, ratio, cfg.clip_coef, m))
-                    gs["value"] += k * float(
-                        ppo_math.value_loss(
-                            newvalue, batch.returns[mb], old_v, cfg.clip_coef if cfg.clip_vloss else None, m
-                        )
-                    )
+                    gs["policy"] += k * float(ppo_math.pg_loss(adv, ratio, clip, m))
+                    gs["value"] += k * float(ppo_math.value_loss(newvalue, batch.returns[mb], old_v, v_clip, m))
                     gs["entropy"] += k * float(ppo_math.entropy_bonus(entropy, m))
                     gs["n"] += k
-        if cfg.target_kl is not None and np.mean(epoch_kl) > cfg.target_kl:
+            if ppo_math.kl_exceeded(kl, cfg.target_kl):
+                stopped = True
+                break
+        if stopped:
             break
     out = {k: s / max(taken, 1) for k, s in sums.items()}
     out["ppo/epochs"] = float(epochs)
+    out["ppo/minibatches"] = float(taken)
+    out["ppo/early_stop"] = float(stopped)
+    out["ppo/clip_coef"] = clip
     out["ppo/explained_variance"] = ppo_math.explained_variance(batch.values, batch.returns)
     for g, gs in group_sums.items():
         for part in ("policy", "value", "entropy"):
@@ -238,10 +252,22 @@ def ppo_update(policy, optimizer: torch.optim.Optimizer, batch: Batch, cfg: Any)
 
 def annealed_lr(cfg: Any, update: int) -> float:
     """Learning rate of update ``update`` (1-based): linear decay from ``learning_rate`` towards 0
-    over the run when ``anneal_lr`` (CleanRL), else constant."""
+    over the run when ``anneal_lr`` (CleanRL; :func:`~opentinker_trainer.rl.ppo.linear_decay`),
+    else constant."""
     if not cfg.anneal_lr:
         return cfg.learning_rate
-    return cfg.learning_rate * (1.0 - (update - 1.0) / cfg.num_updates)
+    return ppo_math.linear_decay(cfg.learning_rate, update, cfg.num_updates)
+
+
+def clip_coef_at(cfg: Any, update: int) -> float:
+    """Clip coefficient of update ``update`` (1-based): ``clip_coef`` when ``clip_schedule`` is
+    ``constant``; ``linear``: decayed towards 0 over the run like the learning rate
+    (:func:`~opentinker_trainer.rl.ppo.linear_decay`; SB3 / rl-zoo ``clip_range: lin_0.2``)."""
+    if cfg.clip_schedule == "constant":
+        return cfg.clip_coef
+    if cfg.clip_schedule == "linear":
+        return ppo_math.linear_decay(cfg.clip_coef, update, cfg.num_updates)
+    raise ValueError(f"unknown clip_schedule {cfg.clip_schedule!r}")  # the spec refuses it first
 
 
 def episode_metrics(finished: list[tuple[int, float, int]], last_reward: float) -> tuple[dict[str, float], float]:

@@ -7,12 +7,15 @@ Each update (Schulman et al. 2017, https://arxiv.org/abs/1707.06347; CleanRL ``p
 2. GAE advantages and returns (:func:`~opentinker_trainer.rl.gae.gae`): a terminal step does
    not bootstrap, a truncated one bootstraps from the true final observation;
 3. ``update_epochs`` x ``num_minibatches`` Adam steps on the clipped surrogate, value loss and
-   entropy bonus (:func:`~opentinker_trainer.workloads._ppo_common.ppo_update`).
+   entropy bonus (:func:`~opentinker_trainer.workloads._ppo_common.ppo_update`), fewer when a
+   minibatch's ``approx_kl`` exceeds ``target_kl``; the learning rate (``anneal_lr``) and the clip
+   coefficient (``clip_schedule``) of the update follow their schedules.
 
 Metrics per update (``step`` = update number, from 1): ``loss``, ``reward`` (mean return of the
 episodes that finished in this update; when none did, the last known value, with
 ``reward/stale = 1``), ``loss/total``, ``loss/policy``, ``loss/value``, ``loss/entropy``,
 ``ppo/approx_kl``, ``ppo/clipfrac``, ``ppo/explained_variance``, ``ppo/epochs``,
+``ppo/minibatches``, ``ppo/early_stop``, ``ppo/clip_coef``,
 ``reward/episode_return_mean`` (= ``reward``), ``reward/episode_return_{std,min,max}``,
 ``reward/episode_length_mean``, ``reward/episodes``, ``reward/stale``, ``optim/lr``,
 ``optim/grad_norm``, ``env_steps`` (so far), ``wall_time_s``, ``perf/env_steps_per_s`` (of the
@@ -177,7 +180,7 @@ class PPOTrainer:
         t_roll = time.perf_counter() - t0
         batch = common.gae_batch(ro, ro["reset"], cfg)
         self.policy.train()
-        out = common.ppo_update(self.policy, self.optimizer, batch, cfg)
+        out = common.ppo_update(self.policy, self.optimizer, batch, cfg, common.clip_coef_at(cfg, self.update))
         self.env_steps += cfg.batch_size
         step_s = time.perf_counter() - t0
         rewards, self.last_reward = common.episode_metrics(self.episodes.pop(), self.last_reward)

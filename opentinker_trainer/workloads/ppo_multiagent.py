@@ -237,6 +237,7 @@ class MultiAgentPPOTrainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         lr = common.annealed_lr(cfg, self.update)
+        clip = common.clip_coef_at(cfg, self.update)
         ro = self.rollout()
         t_roll = time.perf_counter() - t0
         per_learner, samples = [], 0
@@ -246,7 +247,7 @@ class MultiAgentPPOTrainer:
             batch = self._batch(g, ro[g])
             samples += len(batch)
             policy.train()
-            per_learner.append(common.ppo_update(policy, self.optimizers[g], batch, cfg))
+            per_learner.append(common.ppo_update(policy, self.optimizers[g], batch, cfg, clip))
         out = {}
         for key in per_learner[0].keys() | {k for m in per_learner for k in m}:
             vals = [m[key] for m in per_learner if key in m and not math.isnan(m[key])]

@@ -29,6 +29,7 @@ import torch
 
 from opentinker_trainer.context import WorkerContext
 from opentinker_trainer.inference.access import DEFAULT_TTL_S, TTL_ENV, AccessChecker
+from opentinker_trainer.artifacts import fetch_checkpoint
 from opentinker_trainer.inference.resolve import SchedulerResolver
 from opentinker_trainer.inference.runtime import ModelRuntime
 from opentinker_trainer.inference.server import start_inference_server
@@ -68,7 +69,11 @@ def run(ctx: WorkerContext) -> None:
     log.info("loading model", task_id=ctx.task_id, model=ctx.spec.model, device=str(device), dtype=str(dtype))
     tokenizer, model = _lm.load_model(ctx.spec.model, device, dtype)
     scheduler = os.environ.get("OPENTINKER_SCHEDULER_URL")
-    resolver = SchedulerResolver(scheduler, ctx.spec.model) if scheduler else None
+    fetch = None
+    if ctx.publisher is not None:  # adapters come from the artifact store, through the node-local cache
+        store, cache = ctx.publisher.store, ctx.publisher.cache
+        fetch = lambda ck: fetch_checkpoint(store, cache, ck, fallback=False)[0]  # noqa: E731
+    resolver = SchedulerResolver(scheduler, ctx.spec.model, fetch=fetch) if scheduler else None
     runtime = ModelRuntime(
         model_name=ctx.spec.model,
         tokenizer=tokenizer,

@@ -336,3 +336,74 @@ def test_every_error_gives_line_and_column(tmp_path):
     assert (err.line, err.column) == (1, 1)
     err = error_of(tmp_path, "")
     assert (err.line, err.column) == (1, 1)
+
+
+def test_typographic_quotes_and_bullets_in_a_task_config_are_refused_with_line_and_column(tmp_path):
+    err = error_of(tmp_path, "workload_type: “lora_finetune”\n")
+    assert (err.line, err.column) == (1, 16) and "typographic quote" in str(err) and 'straight "' in str(err)
+    err = error_of(tmp_path, "workload_type: lora_finetune\nenv:\n• env_id: arithmetic\n")
+    assert (err.line, err.column) == (3, 1) and "'•' (U+2022 bullet)" in str(err) and '"- "' in str(err)
+    cfg = load_task_config(write(tmp_path, 'workload_type: lora_finetune\nname: "run “one”"  # • ok\n'))
+    assert cfg.name == "run “one”"
+
+
+def test_sft_without_a_dataset_says_it_needs_one_and_how_to_give_it(tmp_path):
+    err = error_of(tmp_path, "workload_type: sft\n")
+    assert (err.line, err.column, err.key) == (1, 1, "dataset")
+    assert "sft needs a dataset: add `dataset: train.jsonl`" in str(err) and "arithmetic" not in str(err)
+    err = error_of(tmp_path, "workload_type: sft\nenv: {env_id: CartPole-v1}\n")  # an environment named: where
+    assert (err.line, err.key) == (2, "env.env_id") and "expected a dataset: sft trains on chat examples" in str(err)
+
+
+def test_submit_task_sft_without_a_dataset_names_the_argument():
+    from opentinker_client import RLClient
+
+    with RLClient(scheduler_url="127.0.0.1:1") as client, pytest.raises(InvalidArgumentError) as err:
+        client.submit_task(workload_type="sft", gpu_count=0)  # refused locally: nothing is dialled
+    assert 'pass dataset="train.jsonl"' in str(err.value) and "arithmetic" not in str(err.value)
+
+
+def test_a_bad_dataset_line_names_the_file_line_and_column(tmp_path):
+    from opentinker_client import RLClient
+
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+    path = tmp_path / "train.jsonl"
+    path.write_text(good + "\n" + good.replace('"yo"', "yo") + "\n")
+    with RLClient(scheduler_url="127.0.0.1:1") as client, pytest.raises(InvalidArgumentError) as err:
+        client.upload_dataset(path)  # checked before anything is sent
+    column = good.index('"yo"') + 1
+    assert str(err.value).startswith(f"INVALID_ARGUMENT: {path}:2:{column}: expected a JSON object")
+    assert err.value.field == "dataset"
+
+
+def test_overrides_set_values_of_the_file_without_editing_it(tmp_path):
+    from opentinker_client.config import apply_overrides
+
+    cfg = load_task_config(write(tmp_path, VALID))
+    new = apply_overrides(
+        cfg, ["hyperparameters.steps=3", "hyperparameters.learning_rate=2e-4", "gpu_count=1", "name=tweaked"]
+    )
+    assert new.hyperparameters["steps"] == 3 and new.hyperparameters["learning_rate"] == 2e-4
+    assert (new.gpu_count, new.name) == (1, "tweaked")
+    assert cfg.gpu_count == 0  # the loaded config itself is unchanged
+    assert "steps" not in apply_overrides(new, ["hyperparameters.steps="]).hyperparameters  # empty: removed
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("steps", "--set steps: expected KEY=VALUE"),
+        ("bogus=1", "--set bogus=1: unknown key 'bogus'"),
+        ("gpu_count=two", "--set gpu_count=two: gpu_count: expected an integer >= 0, got 'two'"),
+        ("hyperparameters.stesp=3", "--set hyperparameters.stesp=3: spec.hyperparameters.stesp: expected one of"),
+        ("hyperparameters.steps=-1", "--set hyperparameters.steps=-1: spec.hyperparameters.steps: expected"),
+        ("name=“x”", "typographic quote"),
+    ],
+)
+def test_a_bad_override_names_itself(tmp_path, override, needle):
+    from opentinker_client.config import apply_overrides
+
+    cfg = load_task_config(write(tmp_path, VALID))
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(cfg, [override])
+    assert needle in str(err.value), str(err.value)

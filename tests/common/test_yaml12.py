@@ -55,3 +55,52 @@ def test_safe_loader_itself_is_unchanged() -> None:
 )
 def test_yaml11_bool_hint(value: object, hint: str | None) -> None:
     assert yaml11_bool_hint(value) == hint
+
+
+# --- typographic characters (what a word processor or the deployment guide puts into YAML) -----
+
+from opentinker_common.yaml12 import find_typography, tag_name  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "column", "char", "instead"),
+    [
+        ("resource_pool:\n• node_id: gpu-node-01\n", 2, 1, "•", '"- "'),
+        ("resource_pool:\n  - node_id: “gpu-node-01”\n", 2, 14, "“", 'straight "'),
+        ("name: ‘x’\n", 1, 7, "‘", "straight '"),
+        ("items:\n  – a\n", 2, 3, "–", '"- "'),
+        ("lease：3\n", 1, 6, "：", '":"'),
+        ("a:\n\u00a0 b: 1\n", 2, 1, "\u00a0", "ordinary space"),
+        ("x: it's “y”\n", 1, 9, "“", "straight"),  # an apostrophe inside a plain value opens no string
+    ],
+)
+def test_typographic_characters_are_found_with_line_column_and_what_to_type(text, line, column, char, instead) -> None:
+    typo = find_typography(text)
+    assert (typo.line, typo.column, typo.char) == (line, column, char)
+    assert repr(char) in typo.message and instead in typo.message and f"U+{ord(char):04X}" in typo.message
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'prompt: "he said “hi”"\n',  # inside ASCII quotes: text the writer chose
+        "prompt: 'it''s “fine”'\n",
+        "lease: 3  # “quoted” • comment\n",
+        "# • a comment line\nlease: 3\n",
+        "note: |\n  • a block scalar keeps anything\n  “even this”\nlease: 3\n",
+        "name: run – 2\n",  # a dash inside a value is a dash
+        "model: 模型\n",
+    ],
+)
+def test_typographic_characters_in_comments_strings_and_blocks_are_text(text) -> None:
+    assert find_typography(text) is None
+
+
+def test_after_a_block_scalar_the_check_resumes() -> None:
+    typo = find_typography("note: |\n  • kept\nnext: “x”\n")
+    assert (typo.line, typo.column) == (3, 7)
+
+
+def test_tag_names_read_as_written() -> None:
+    assert tag_name("tag:yaml.org,2002:python/name:os.system") == "!!python/name:os.system"
+    assert tag_name("!local") == "!local"

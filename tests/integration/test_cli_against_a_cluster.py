@@ -6,18 +6,16 @@ lines off one, nodes shows per-GPU telemetry."""
 from __future__ import annotations
 
 import os
-import pty
 import re
-import select
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.procs import Cluster
+from tests.support.tty import run_on_tty as _run_on_tty
 
 TINY_HP = {
     "steps": 4,
@@ -46,36 +44,7 @@ def run(url: str, *args: str, timeout: float = 60) -> subprocess.CompletedProces
 
 
 def run_on_tty(url: str, *args: str, timeout: float = 60) -> tuple[int, str]:
-    """Run the CLI with stdout on a pseudo-terminal (what a person sees); returns (rc, output)."""
-    master, slave = pty.openpty()
-    env = {**cli_env(), "TERM": "xterm-256color"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "opentinker_client", "--scheduler-url", url, *args],
-        stdout=slave,
-        stderr=subprocess.PIPE,
-        env=env,
-    )
-    os.close(slave)
-    chunks = []
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.5)
-            if ready:
-                try:
-                    data = os.read(master, 65536)
-                except OSError:  # EIO: the child closed the terminal
-                    break
-                if not data:
-                    break
-                chunks.append(data)
-            elif proc.poll() is not None:
-                break
-    finally:
-        os.close(master)
-    rc = proc.wait(timeout=10)
-    text = b"".join(chunks).decode(errors="replace")
-    return rc, re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)  # colours and cursor moves off
+    return _run_on_tty(["--scheduler-url", url, *args], env=cli_env(), timeout=timeout)
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:

@@ -261,3 +261,55 @@ def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
             proc.kill()
     finally:
         sched.close()
+
+
+def test_watch_attached_later_counts_from_the_start_and_estimates_slow_steps(fake):
+    """A task started an hour ago, 5 minutes a step: lines say the ETA from those step times; on a
+    terminal the bar's elapsed counts from the task's start, not from attaching."""
+    import time
+
+    from opentinker.common.v1 import common_pb2
+    from opentinker_client._convert import dict_to_struct
+    from tests.support.fake_scheduler import ts
+    from tests.support.tty import run_on_tty
+
+    servicer, server = fake
+    now = int(time.time())
+    spec = common_pb2.TaskSpec(workload_type="lora_finetune", hyperparameters=dict_to_struct({"steps": 10}))
+    task_id = servicer.add_task(S.TASK_STATE_RUNNING, spec=spec, start_time=ts(now - 3600)).task_id
+    servicer.add_metric(task_id, 1, 0.5, 0.25, at=now - 600, **{"perf/tokens_per_s": 0.19})
+    servicer.add_metric(task_id, 2, 0.4, 0.30, at=now - 300)  # 300 s a step, 8 to go: ETA about 2100 s
+
+    servicer.add_state(task_id, S.TASK_STATE_SUCCEEDED, at=now)  # (ends early: the watch returns)
+
+    proc = run("watch", task_id, "--plain", url=server.url)
+    assert proc.returncode == 0, proc.stderr
+    (first,) = [x for x in proc.stdout.splitlines() if x.startswith("step 1/10")]
+    assert "tok/s 0.19" in first  # not "tok/s 0"
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("step 2/10")]
+    h, m, sec = (int(x) for x in line.rsplit("eta ", 1)[1].split(":"))
+    assert 2000 <= h * 3600 + m * 60 + sec <= 2100  # (now - 300) + 8 * 300 s, read a moment later
+
+    env = {k: v for k, v in os.environ.items() if k not in ("SCHEDULER_URL", "OPENTINKER_API_KEY")}
+    rc, out = run_on_tty(["--scheduler-url", server.url, "watch", task_id], env={**env, "COLUMNS": "200"})
+    assert rc == 0 and "2/10" in out
+    assert "1:00:00" in out  # elapsed from the task's start to its end, though attached just now
+
+
+def test_watch_draws_a_bar_of_env_steps_for_full_rl(fake):
+    from opentinker.common.v1 import common_pb2
+    from opentinker_client._convert import dict_to_struct
+    from tests.support.tty import run_on_tty
+
+    servicer, server = fake
+    hp = dict_to_struct({"total_timesteps": 4096})
+    spec = common_pb2.TaskSpec(workload_type="full_rl", hyperparameters=hp)
+    task_id = servicer.add_task(S.TASK_STATE_RUNNING, spec=spec).task_id
+    servicer.add_metric(task_id, 1, 0.5, 10.0, env_steps=2048.0, **{"perf/env_steps_per_s": 512.0})
+    servicer.add_metric(task_id, 2, 0.4, 20.0, env_steps=4096.0, **{"perf/env_steps_per_s": 530.0})
+    servicer.add_state(task_id, S.TASK_STATE_SUCCEEDED)
+    env = {k: v for k, v in os.environ.items() if k not in ("SCHEDULER_URL", "OPENTINKER_API_KEY")}
+    rc, out = run_on_tty(["--scheduler-url", server.url, "watch", task_id], env={**env, "COLUMNS": "200"})
+    assert rc == 0 and "env steps" in out and "4096/4096" in out and "━" in out
+    proc = run("watch", task_id, url=server.url)  # off a terminal: a line per update
+    assert "step 2  env steps 4096/4096  reward 20.000" in proc.stdout and "env steps/s 530" in proc.stdout

@@ -28,7 +28,14 @@ DEPLOY = ROOT / "deploy"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SCRIPTS = PYPROJECT["project"]["scripts"]
 #: Variables our images set that third-party libraries read, not our code.
-THIRD_PARTY_ENV = {"HF_HOME", "PYTHONUNBUFFERED", "PIP_NO_CACHE_DIR", "PIP_DISABLE_PIP_VERSION_CHECK"}
+THIRD_PARTY_ENV = {
+    "HF_HOME",
+    "PYTHONUNBUFFERED",
+    "PIP_NO_CACHE_DIR",
+    "PIP_DISABLE_PIP_VERSION_CHECK",
+    "AWS_ACCESS_KEY_ID",  # boto3: the S3 artifact store
+    "AWS_SECRET_ACCESS_KEY",
+}
 #: Where each role's environment variables are read.
 ENV_SOURCES = {
     "opentinker-trainer": [ROOT / "opentinker_trainer" / "__main__.py", ROOT / "opentinker_common" / "logs.py"],
@@ -132,6 +139,27 @@ def test_dockerfile_entry_points_and_install(cli_flags) -> None:
     assert load_config(DEPLOY / "scheduler_config.yaml").allow_unknown_nodes
 
 
+def test_the_image_runs_the_guides_commands_in_its_working_folder() -> None:
+    """``docker run IMAGE python train_server.py`` (the guide's CMD) and ``python scheduler.py
+    --config scheduler_config.yaml --port 8888``: both scripts and the config are in the final
+    WORKDIR."""
+    ins = dockerfile_instructions()
+    workdir = [rest for word, rest in ins if word == "WORKDIR"][-1]
+    copied = {
+        f"{dest.rstrip('/')}/{Path(src).name}"
+        for word, rest in ins
+        if word == "COPY"
+        for *sources, dest in [shlex.split(rest)]
+        for src in sources
+    }
+    assert {f"{workdir}/scheduler.py", f"{workdir}/train_server.py"} <= copied
+    runs = " ".join(rest for word, rest in ins if word == "RUN")
+    assert f"ln -s /etc/opentinker/scheduler_config.yaml {workdir}/scheduler_config.yaml" in runs
+    # the scripts are the checkout's, importable without a checkout next to them (the image has none)
+    for script in ("scheduler.py", "train_server.py"):
+        assert "__main__ import main" in (ROOT / script).read_text()
+
+
 def interpolate(value: str) -> str:
     """Compose's ``${VAR:-default}`` with the variables unset."""
     return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
@@ -161,7 +189,7 @@ def test_compose_runs_a_scheduler_and_n_trainers(cli_flags) -> None:
     assert f"127.0.0.1:{env['OPENTINKER_HTTP_PORT']}/health" in " ".join(trainer["healthcheck"]["test"])
     assert trainer["depends_on"]["scheduler"]["condition"] == "service_healthy"
 
-    # volumes: named ones declared; the scheduler's state dir and the shared checkpoint volume
+    # volumes: named ones declared; the scheduler's state dir, nothing shared with the trainers
     declared = set(compose["volumes"])
     mounts = {s: {v.split(":")[0]: v.split(":")[1] for v in services[s]["volumes"]} for s in services}
     for svc, vols in mounts.items():
@@ -170,7 +198,9 @@ def test_compose_runs_a_scheduler_and_n_trainers(cli_flags) -> None:
     config_src = next(src for src, dst in mounts["scheduler"].items() if dst == flag(sched["command"], "--config"))
     config = load_config(DEPLOY / config_src)
     assert str(config.state_dir) == flag(sched["command"], "--state-dir") == mounts["scheduler"]["state"]
-    assert mounts["scheduler"]["runs"] == mounts["trainer"]["runs"] == env["OPENTINKER_WORK_DIR"]
+    # no shared checkpoint volume: checkpoints travel through the artifact store
+    assert env["OPENTINKER_WORK_DIR"] not in mounts["scheduler"].values()
+    assert env["OPENTINKER_WORK_DIR"] not in mounts["trainer"].values()
 
     gpu = docs(DEPLOY / "compose.gpu.yaml")[0]["services"]["trainer"]
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
@@ -218,7 +248,11 @@ def test_k8s_scheduler_deployment_service_and_config(cli_flags) -> None:
     for v in volumes.values():
         if "persistentVolumeClaim" in v:
             k8s("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"])
-    assert k8s("PersistentVolumeClaim", "opentinker-runs")["spec"]["accessModes"] == ["ReadWriteMany"]
+    # no volume is shared between processes: checkpoints travel through the artifact store
+    for doc in docs(DEPLOY / "k8s" / "scheduler.yaml") + docs(DEPLOY / "k8s" / "trainer.yaml"):
+        if doc and doc.get("kind") == "PersistentVolumeClaim":
+            assert "ReadWriteMany" not in doc["spec"]["accessModes"], doc["metadata"]["name"]
+    assert config.artifacts.backend == "local"
     # same keys as the compose/image config
     assert yaml.safe_load(text).keys() == yaml.safe_load((DEPLOY / "scheduler_config.yaml").read_text()).keys()
 
@@ -247,7 +281,7 @@ def test_k8s_trainer_daemonset(cli_flags) -> None:
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts["runs"] == env["OPENTINKER_WORK_DIR"]["value"]
     volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
-    assert volumes["runs"]["persistentVolumeClaim"]["claimName"] == "opentinker-runs"
+    assert "emptyDir" in volumes["runs"]  # node-local; nothing shared with the scheduler or other nodes
     assert ds["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 60  # time to drain
 
 
@@ -309,6 +343,8 @@ def test_compose_ha_runs_postgres_two_schedulers_a_balancer_and_trainers(cli_fla
         mounts = {v.split(":")[1]: v.split(":")[0] for v in s["volumes"]}
         config = load_config(DEPLOY / mounts[flag(argv, "--config")])
         assert config.store.kind == "postgres" and config.store.password_env in s["environment"]
+        assert config.artifacts.backend == "s3"  # checkpoints where every scheduler finds them
+        assert config.artifacts.s3.endpoint.split("//")[1].split(":")[0] in services
         assert interpolate(s["environment"][config.store.password_env]) == interpolate(pg_env["POSTGRES_PASSWORD"])
         dsn = dict(part.split("=", 1) for part in config.store.dsn.split())
         assert (
@@ -372,7 +408,7 @@ def test_k8s_ha_two_replicas_ready_only_on_the_leader(cli_flags) -> None:
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 2  # a follower is never Ready
     config = parse_config(cm["data"]["scheduler_config.yaml"], "configmap:scheduler_config.yaml")
-    assert config.store.kind == "postgres"
+    assert config.store.kind == "postgres" and config.artifacts.backend == "s3"
     secret_ref = env[config.store.password_env]["valueFrom"]["secretKeyRef"]
     secret = _k8s_ha("Secret", secret_ref["name"])
     assert secret_ref["key"] in secret["stringData"]

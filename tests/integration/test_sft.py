@@ -94,7 +94,11 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
         rl_config = json.loads((Path(rl_task.checkpoint_path) / "adapter_config.json").read_text())
         assert rl_config["r"] == 2
         loads = [e for e in trainer.log_events() if e.get("event") == "loading model" and e.get("task_id") == rl_id]
-        assert loads and loads[0]["init_checkpoint"] == str(sft_ckpt)
+        # init_from comes through the artifact store (the node-local cache), with the SFT adapter's bytes
+        assert loads and "artifact-cache" in loads[0]["init_checkpoint"]
+        init_dir = Path(loads[0]["init_checkpoint"])
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            assert (init_dir / name).read_bytes() == (Path(sft_ckpt) / name).read_bytes()
 
         # submit_task(dataset=...) uploads first; a full-weight SFT writes a transformers folder.
         full_id = client.submit_task(
@@ -121,7 +125,11 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
             and (Path(grpo.checkpoint_path) / "model.safetensors").exists()
         )
         loads = [e for e in trainer.log_events() if e.get("event") == "loading model" and e.get("task_id") == grpo_id]
-        assert loads and loads[0]["full_weights"] is True and loads[0]["init_checkpoint"] == full.checkpoint_path
+        assert loads and loads[0]["full_weights"] is True and "artifact-cache" in loads[0]["init_checkpoint"]
+        init_dir = Path(loads[0]["init_checkpoint"])  # the full weights, through the artifact store
+        assert (init_dir / "model.safetensors").read_bytes() == (
+            Path(full.checkpoint_path) / "model.safetensors"
+        ).read_bytes()
 
 
 def test_dataset_refusals_over_the_wire(sft_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -132,21 +140,32 @@ def test_dataset_refusals_over_the_wire(sft_cluster: Cluster, tiny_model_dir: Pa
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n  \n")
     with RLClient(scheduler_url=sft_cluster.url, min_poll_interval=0) as client:
-        with pytest.raises(
-            InvalidArgumentError, match="dataset line 3: expected at least one assistant message"
-        ) as err:
+        # The client checks the file first, so the error names it: file:line(:column).
+        with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {bad}:3: expected at least one assistant"):
             client.upload_dataset(bad)
-        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        with pytest.raises(InvalidArgumentError, match="dataset: expected at least one example"):
+        with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {empty}: expected at least one example"):
             client.upload_dataset(empty)
-        zero = tmp_path / "zero.jsonl"
-        zero.touch()
-        with pytest.raises(InvalidArgumentError, match="total_bytes: expected the file's size in bytes"):
-            client.upload_dataset(zero)
+        broken = tmp_path / "broken.jsonl"
+        broken.write_text(good_line + "\n" + good_line[:-1] + "\n")
+        with pytest.raises(
+            InvalidArgumentError, match=f"^INVALID_ARGUMENT: {broken}:2:{len(good_line)}: expected a JSON"
+        ):
+            client.upload_dataset(broken)
+        # The scheduler checks the bytes it receives just the same (a client that skips the check).
+        stub = sft_cluster.stub
+        for data, want in (
+            (bad.read_bytes(), "dataset line 3: expected at least one assistant message"),
+            (empty.read_bytes(), "dataset: expected at least one example"),
+            (b"", "total_bytes: expected the file's size in bytes"),
+        ):
+            with pytest.raises(grpc.RpcError) as rpc_err:
+                stub.UploadDataset(
+                    iter([scheduler_pb2.UploadDatasetRequest(name="x.jsonl", total_bytes=len(data), chunk=data)])
+                )
+            assert rpc_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and want in rpc_err.value.details()
         assert not [p for p in (sft_cluster.state_dir / "datasets").iterdir()]  # nothing half-written stays
 
         # Over the limit: refused from the announced size, before any byte is stored.
-        stub = sft_cluster.stub
         with pytest.raises(grpc.RpcError) as rpc_err:
             stub.UploadDataset(
                 iter([scheduler_pb2.UploadDatasetRequest(name="huge", total_bytes=300 * 1024 * 1024, chunk=b"{")])

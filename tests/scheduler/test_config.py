@@ -199,3 +199,65 @@ def test_store_password_from_env_or_file(tmp_path, monkeypatch) -> None:
     assert StoreConfig(kind="postgres", dsn="host=db").password() is None
     with pytest.raises(OSError, match="store.password_file: cannot read"):
         StoreConfig(kind="postgres", dsn="host=db", password_file=str(tmp_path / "none")).password()
+
+
+#: The deployment guide's config exactly as it is printed (bullets and typographic quotes).
+GUIDE = """\
+resource_pool:
+• node_id: “gpu-node-01”
+  gpu_count: 4
+  max_tasks: 8
+
+workload_types:
+
+• type: “lora_finetune”
+  priority: 1
+• type: “full_rl”
+  priority: 2
+"""
+
+
+def test_the_guides_bullets_and_curly_quotes_are_refused_with_the_character_and_what_to_type() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(GUIDE, "scheduler_config.yaml")
+    assert str(err.value) == (
+        "scheduler_config.yaml:2:1: '•' (U+2022 bullet) is not a YAML list marker; "
+        'expected "- " (a hyphen, then a space)'
+    )
+    with pytest.raises(ConfigError) as err:  # bullets fixed, quotes not: the id would keep its quotes
+        parse_config(GUIDE.replace("•", "-"), "scheduler_config.yaml")
+    assert str(err.value).startswith("scheduler_config.yaml:2:12: '“' (U+201C left double quotation mark)")
+    assert 'expected a straight " or no quotes' in str(err.value)
+    fixed = parse_config(GUIDE.replace("•", "-").replace("“", '"').replace("”", '"'), "scheduler_config.yaml")
+    assert fixed.pool_node("gpu-node-01").gpu_count == 4 and fixed.priority_of("full_rl") == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "expected"),
+    [
+        ("lease: !!foo 3\n", "1:8: lease", "without a YAML tag; got the tag !!foo"),
+        ("lease: !!python/name:os.system 3\n", "1:8: lease", "got the tag !!python/name:os.system"),
+        ("lease: !local 3\n", "1:8: lease", "got the tag !local"),
+        ("lease: !!int abc\n", "1:8: lease", "got !!int 'abc' ('abc' is not a valid !!int)"),
+        ("resource_pool: !!python/object:x []\n", "1:16: resource_pool", "a list, without a YAML tag"),
+        ("auth: !!omap {enabled: true}\n", "1:7: auth", "a mapping, without a YAML tag; got the tag !!omap"),
+        ("auth:\n  enabled: !!bool no\n", "2:12: auth.enabled", "'no' is a string in YAML 1.2 — write false"),
+    ],
+)
+def test_a_bad_explicit_tag_is_a_config_error_with_line_and_column(text, where, expected) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, "s.yaml")
+    assert str(err.value).startswith(f"s.yaml:{where}: expected") and expected in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_explicit_core_tags_still_work() -> None:
+    cfg = parse_config("lease: !!float 5\nheartbeat_interval: !!int 1\ndefault_model: !!str 7\n", "s.yaml")
+    assert (cfg.lease_s, cfg.heartbeat_interval_s, cfg.default_model) == (5.0, 1.0, "7")
+
+
+def test_http_on_grpc_port_is_on_unless_turned_off() -> None:
+    assert parse_config("", "s.yaml").http_on_grpc_port is True
+    assert parse_config("http_on_grpc_port: false\n", "s.yaml").http_on_grpc_port is False
+    with pytest.raises(ConfigError, match=r"s.yaml:1:20: http_on_grpc_port: expected true or false; 'no' is a string"):
+        parse_config("http_on_grpc_port: no\n", "s.yaml")

@@ -47,6 +47,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.history_page = 2  # metric points per GetMetrics response
         self.max_page_size = 1000  # tasks per ListTasks response
         self.get_task_calls = 0
+        # Fault injection for SubmitTask: the first len(list) calls store the task as usual, then
+        # end with that status code instead of the answer (the answer lost on the way back).
+        self.submit_faults: list[grpc.StatusCode] = []
         self._next = 1
 
     # -- helpers for tests ------------------------------------------------------------------
@@ -65,13 +68,13 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.points.setdefault(task_id, [])
             return task
 
-    def add_state(self, task_id, to_state, reason="", message="", error="") -> None:
+    def add_state(self, task_id, to_state, reason="", message="", error="", at: int = 1_700_000_100) -> None:
         with self.lock:
             task = self.tasks[task_id]
             ev = common_pb2.TaskEvent(
                 task_id=task_id,
                 sequence=len(self.events[task_id]) + 1,
-                time=ts(1_700_000_100),
+                time=ts(at),
                 state_change=common_pb2.StateChange(
                     from_state=task.state, to_state=to_state, attempt=task.attempt, reason=reason, message=message
                 ),
@@ -82,10 +85,13 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.events[task_id].append(ev)
             self.lock.notify_all()
 
-    def add_metric(self, task_id, step, loss, reward) -> None:
+    def add_metric(self, task_id, step, loss, reward, *, at: int | None = None, **values: float) -> None:
+        """A metric point (``at``: its time, epoch seconds; ``values``: more keys than loss and reward)."""
         with self.lock:
             point = common_pb2.MetricPoint(
-                step=step, time=ts(1_700_000_200 + step), values={"loss": loss, "reward": reward}
+                step=step,
+                time=ts(1_700_000_200 + step if at is None else at),
+                values={"loss": loss, "reward": reward, **values},
             )
             self.points[task_id].append(point)
             task = self.tasks[task_id]
@@ -143,12 +149,16 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no node could ever hold 9 GPUs; the largest has 8")
         with self.lock:
             if request.request_id in self.by_request_id:  # idempotency
-                return scheduler_pb2.SubmitTaskResponse(task=self.tasks[self.by_request_id[request.request_id]])
-            task = self.add_task(spec=request.spec, pending_reason="waiting for a node")
-            if request.request_id:
-                self.by_request_id[request.request_id] = task.task_id
-            self.add_state(task.task_id, S.TASK_STATE_PENDING, reason="SUBMITTED")
-            return scheduler_pb2.SubmitTaskResponse(task=task)
+                task = self.tasks[self.by_request_id[request.request_id]]
+            else:
+                task = self.add_task(spec=request.spec, pending_reason="waiting for a node")
+                if request.request_id:
+                    self.by_request_id[request.request_id] = task.task_id
+                self.add_state(task.task_id, S.TASK_STATE_PENDING, reason="SUBMITTED")
+            fault = self.submit_faults.pop(0) if self.submit_faults else None
+        if fault is not None:
+            context.abort(fault, "cut off by the test double")
+        return scheduler_pb2.SubmitTaskResponse(task=task)
 
     def GetTask(self, request, context):
         self._record(context)

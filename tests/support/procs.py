@@ -40,6 +40,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A free port P whose P + 1 is free too (a scheduler's default HTTP port is --port + 1)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free pair of ports")
+
+
 def scheduler_args(
     config: Path, *, port: int | str, http_port: int | str, state_dir: Path, host: str | None = None
 ) -> list[str]:
@@ -99,12 +112,25 @@ def wait_connected(client, n: int = 1, timeout: float = 60) -> list:
 
 
 class Proc:
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        *,
+        prefix: list[str] = (),
+    ) -> None:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         full_env = {**os.environ, "OPENTINKER_LOG_FORMAT": "json", **(env or {})}
         self.popen = subprocess.Popen(
-            [sys.executable, *args], stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            [*prefix, sys.executable, *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+            cwd=cwd,
         )
 
     @property
@@ -202,7 +228,17 @@ class Cluster:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=2) as resp:
             return json.loads(resp.read())
 
-    def start_trainer(self, node_id: str, *extra: str, url: str | None = None) -> Proc:
+    def start_trainer(self, node_id: str, *extra: str, url: str | None = None, private: bool = False) -> Proc:
+        """A trainer with its work dir ``runs/<node_id>``. ``private``: in its own mount namespace
+        (``unshare -m``, root only) with empty tmpfs over ``runs/`` and the scheduler's state dir,
+        so it shares no path with the scheduler or any other trainer."""
+        prefix: list[str] = []
+        if private:
+            hidden = [self.tmp / "runs", self.state_dir]
+            for d in hidden:
+                d.mkdir(parents=True, exist_ok=True)
+            mounts = " && ".join(f"mount -t tmpfs -o size=2g tmpfs '{d}'" for d in hidden)
+            prefix = ["unshare", "-m", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$0" "$@"']
         p = Proc(
             [
                 "-m",
@@ -217,6 +253,7 @@ class Cluster:
             ],
             self.tmp / f"trainer-{node_id}.log",
             env={"SCHEDULER_URL": url or self.url},
+            prefix=prefix,
         )
         self.procs.append(p)
         return p

@@ -35,7 +35,7 @@ class _Err(grpc.RpcError):
 
 def _refusal(leader: str, reason: str = "NOT_LEADER") -> _Err:
     detail = any_pb2.Any()
-    detail.Pack(error_details_pb2.ErrorInfo(reason=reason, domain="opentinker", metadata={"leader": leader}))
+    detail.Pack(error_details_pb2.ErrorInfo(reason=reason, domain="opentinker.scheduler", metadata={"leader": leader}))
     status = status_pb2.Status(code=14, message="follower", details=[detail])
     return _Err((("grpc-status-details-bin", status.SerializeToString()),))
 
@@ -63,3 +63,34 @@ def test_targets_follow_the_leader_and_move_on_from_unreachable_ones() -> None:
     one = SchedulerTargets(["lb:1"])
     assert not one.moved(_Err()), "one address that cannot be reached: nowhere else to go"
     assert one.moved(_refusal("")) and one.current == "lb:1"  # a follower behind it: try again
+
+
+class _FakeChannel:
+    """A channel whose unary calls fail with ``err`` (None: answer its name)."""
+
+    def __init__(self, name: str, err=None) -> None:
+        self.name, self.err, self.calls, self.closed = name, err, 0, False
+
+    def unary_unary(self, method, *args, **kwargs):
+        def call(request, timeout=None, metadata=None):
+            self.calls += 1
+            if self.err is not None:
+                raise self.err
+            return f"{self.name}:{method}:{request}"
+
+        return call
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_following_channel_retries_a_unary_call_on_the_leader() -> None:
+    from opentinker_common.net.leader import FollowingChannel
+
+    fakes = {"a:1": _FakeChannel("a", _refusal("b:1")), "b:1": _FakeChannel("b")}
+    channel = FollowingChannel(["a:1", "b:1"], fakes.__getitem__)
+    assert channel.unary_unary("/S/M")("req", timeout=5) == "b:/S/M:req"
+    assert fakes["a:1"].calls == 1 and channel.targets.current == "b:1"
+    assert channel.unary_unary("/S/M")("again") == "b:/S/M:again" and fakes["a:1"].calls == 1
+    channel.close()
+    assert all(f.closed for f in fakes.values())

@@ -33,8 +33,16 @@ def test_gym_env_gets_ppo_with_cleanrl_defaults() -> None:
         0.5,
     )
     assert hp.anneal_lr and hp.clip_vloss and hp.norm_adv and hp.target_kl is None and hp.hidden_sizes == (64, 64)
+    assert hp.clip_schedule == "constant"  # today's curves stay: a constant clip, value loss clipped
     assert hp.batch_size == 512 and hp.num_updates == 500_000 // 512
     assert hp.vector_mode == "sync"
+
+
+def test_rl_zoo_clip_options_are_accepted_for_single_and_multi_agent_ppo() -> None:
+    zoo = {"clip_schedule": "linear", "clip_vloss": False, "target_kl": 0.015}
+    for env in ({"env_id": "CartPole-v1"}, {"env_id": "mpe2/simple_spread_v3"}):
+        hp = spec(env, zoo).hyperparameters
+        assert (hp.clip_schedule, hp.clip_vloss, hp.target_kl) == ("linear", False, 0.015)
 
 
 def test_numbers_from_protobuf_struct_are_accepted() -> None:
@@ -66,6 +74,13 @@ def test_numbers_from_protobuf_struct_are_accepted() -> None:
             "<= num_envs * num_steps (4)",
         ),
         ({"target_kl": 0}, "spec.hyperparameters.target_kl", "(0.0, 100.0]"),
+        ({"target_kl": -0.01}, "spec.hyperparameters.target_kl", "(0.0, 100.0]"),
+        ({"target_kl": "0.01"}, "spec.hyperparameters.target_kl", "a number"),
+        ({"clip_schedule": "cosine"}, "spec.hyperparameters.clip_schedule", "one of constant, linear"),
+        ({"clip_schedule": "lin_0.2"}, "spec.hyperparameters.clip_schedule", "one of constant, linear"),
+        ({"clip_schedule": 1}, "spec.hyperparameters.clip_schedule", "a string"),
+        ({"clip_vloss": "false"}, "spec.hyperparameters.clip_vloss", "true or false"),
+        ({"clip_vloss": 0}, "spec.hyperparameters.clip_vloss", "true or false"),
         ({"lr": 0.1}, "spec.hyperparameters.lr", "one of the known keys"),
         ({"parameter_sharing": True}, "spec.hyperparameters.parameter_sharing", "one of the known keys"),
     ],

@@ -141,7 +141,7 @@ def test_sft_spec_defaults_and_kinds() -> None:
         (None, {"lr_schedule": "step"}, "spec.hyperparameters.lr_schedule", "one of constant, linear, cosine"),
         (None, {"lora": True, "target_modules": []}, "spec.hyperparameters.target_modules", "at least one module name"),
         (None, {"group_size": 4}, "spec.hyperparameters.group_size", "one of the known keys"),
-        ({"env_id": "arithmetic"}, {}, "spec.env_config.env_id", "an environment sft runs on (chat_jsonl)"),
+        ({"env_id": "arithmetic"}, {}, "spec.env_config.env_id", "expected a dataset: sft trains on chat examples"),
     ],
 )
 def test_bad_sft_specs_name_the_field(env, hp, field: str, expected: str) -> None:

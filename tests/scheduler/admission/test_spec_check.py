@@ -182,3 +182,33 @@ def test_spec_check_timeout_config() -> None:
     for bad in ("0", "-1", "1000", "soon"):
         with pytest.raises(ConfigError, match="limits.spec_check_timeout"):
             parse_config(f"limits: {{spec_check_timeout: {bad}}}\n", "x.yaml")
+
+
+def test_an_env_config_that_passed_is_not_checked_in_a_thread_again() -> None:
+    import asyncio
+
+    from opentinker_scheduler.admission.spec_check import SpecChecker
+    from opentinker_scheduler.errors import InvalidArgument
+    from opentinker_common.spec import SpecError
+
+    seen: list[dict] = []
+
+    def validate(env: dict):
+        seen.append(env)
+        if env.get("bad"):
+            raise SpecError("spec.env_config.bad", "nothing")
+        return env
+
+    async def main() -> None:
+        checker = SpecChecker(validate=validate)
+        a, b, bad = _request(x=1).spec, _request(x=2).spec, _request(bad=1).spec
+        bad.env_config.update({"bad": True})
+        for spec in (a, a, b, a, b):
+            await checker.check(spec)
+        for _ in range(2):  # a refusal is not remembered as a pass
+            with pytest.raises(InvalidArgument):
+                await checker.check(bad)
+        assert checker.running == 0
+
+    asyncio.run(main())
+    assert [e["env_kwargs"] for e in seen] == [{"x": 1}, {"x": 2}, {"bad": 1}, {"bad": 1}]

@@ -103,7 +103,11 @@ def test_one_leader_and_a_follower_that_reads_and_points_writers_to_it(pair) -> 
         assert len(infos) == 1
         detail = error_details_pb2.ErrorInfo()
         infos[0].Unpack(detail)
-        assert (detail.reason, detail.domain, detail.metadata["leader"]) == ("NOT_LEADER", "opentinker", leader_address)
+        assert (detail.reason, detail.domain, detail.metadata["leader"]) == (
+            "NOT_LEADER",
+            "opentinker.scheduler",
+            leader_address,
+        )
         assert not_leader(err) == leader_address
 
         with grpc.insecure_channel(f"127.0.0.1:{leader.port}") as lch:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -406,3 +407,21 @@ def test_pool_max_tasks_is_an_upper_bound_on_what_the_node_offers(tmp_path) -> N
         core.submit(spec(gpus=0), owner="u")
     core.schedule()
     assert len(node.allocations) == 2
+
+
+def test_the_stored_spec_is_resolved_at_submit(tmp_path) -> None:
+    """Every hyper-parameter the task runs with is written down (defaults included), and
+    max_attempts is the config's default when the spec gave none; a retry of the same request
+    still finds its task."""
+    from google.protobuf import json_format
+
+    from opentinker_common.spec import GRPOConfig
+
+    core = make_core(tmp_path)
+    task = core.submit(spec(steps=7), owner="alice", request_id="r1")
+    stored = core.store.get_task(task.task_id).spec
+    hp = json_format.MessageToDict(stored.hyperparameters)
+    assert hp["steps"] == 7 and hp["learning_rate"] == GRPOConfig().learning_rate
+    assert set(hp) == {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert stored.limits.max_attempts == 3
+    assert core.submit(spec(steps=7), owner="alice", request_id="r1").task_id == task.task_id

@@ -56,6 +56,38 @@ def test_value_loss_plain_and_clipped() -> None:
     assert ppo.value_loss(v3, ret3, torch.tensor([0.0]), 0.2).item() == pytest.approx(0.5 * max(4.0, (0.2 - 3.0) ** 2))
 
 
+def test_clip_vloss_off_is_half_the_squared_error_and_on_is_cleanrls_max_form() -> None:
+    # CleanRL ppo.py: on: 0.5 * max((v - R)^2, (v_old + clip(v - v_old, -c, c) - R)^2); off: 0.5 * (v - R)^2
+    v = torch.tensor([3.0, 0.9, 10.0, -1.0], requires_grad=True)
+    old = torch.tensor([1.0, 1.0, 9.0, 0.0])
+    ret = torch.tensor([5.0, 0.0, 20.0, -0.5])
+    c = 0.2
+    off = ppo.value_loss(v, ret)
+    on = ppo.value_loss(v, ret, old, c)
+    v_clipped = old + (v.detach() - old).clamp(-c, c)
+    want_on = 0.5 * torch.maximum((v.detach() - ret) ** 2, (v_clipped - ret) ** 2).mean()
+    assert off.item() == pytest.approx(0.5 * ((v.detach() - ret) ** 2).mean().item())
+    assert on.item() == pytest.approx(want_on.item())
+    assert on.item() > off.item()  # samples 0 and 2 moved more than c towards R: their clipped error counts
+    (grad_on,) = torch.autograd.grad(on, v)
+    (grad_off,) = torch.autograd.grad(off, v)
+    assert grad_off.tolist() == pytest.approx(((v.detach() - ret) / 4).tolist())
+    # moved past the clip range towards R (samples 0, 2): gradient 0; inside the range (1) or
+    # overshooting R so the unclipped error is the larger (3): the plain gradient
+    assert grad_on.tolist() == pytest.approx([0.0, grad_off[1].item(), 0.0, grad_off[3].item()])
+
+
+def test_linear_decay_starts_at_the_value_and_loses_one_share_per_update() -> None:
+    assert [ppo.linear_decay(0.2, u, 4) for u in (1, 2, 3, 4)] == pytest.approx([0.2, 0.15, 0.1, 0.05])
+    assert ppo.linear_decay(1e-3, 1, 390) == 1e-3 and ppo.linear_decay(1e-3, 390, 390) == pytest.approx(1e-3 / 390)
+
+
+def test_kl_exceeded_only_above_a_set_target() -> None:
+    assert not ppo.kl_exceeded(torch.tensor(5.0), None)
+    assert not ppo.kl_exceeded(torch.tensor(0.02), 0.02)  # strictly above, as CleanRL
+    assert ppo.kl_exceeded(torch.tensor(0.0201), 0.02) and ppo.kl_exceeded(0.5, 0.02)
+
+
 def test_approx_kl_is_zero_at_ratio_one_and_positive_otherwise() -> None:
     logratio = torch.tensor([0.0, 0.0])
     assert ppo.approx_kl(logratio, logratio.exp()).item() == 0.0

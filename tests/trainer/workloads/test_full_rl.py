@@ -79,6 +79,25 @@ def test_cartpole_run_reports_namespaced_metrics_and_a_final_torch_ppo_checkpoin
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_linear_clip_schedule_reaches_each_update_and_target_kl_ends_updates_early(tmp_path: Path) -> None:
+    hp = {**SMALL, "clip_schedule": "linear", "clip_vloss": False, "target_kl": 1e-6, "learning_rate": 0.01}
+    ctx = make_ctx(tmp_path, {"env_id": "CartPole-v1"}, hp)
+    run_task(ctx)
+    ms = [m["values"] for m in metrics(ctx)]
+    assert [m["ppo/clip_coef"] for m in ms] == pytest.approx([0.2, 0.15, 0.1, 0.05])  # 4 updates
+    assert [m["optim/lr"] for m in ms] == pytest.approx([0.01 * f for f in (1, 0.75, 0.5, 0.25)])
+    # 2 minibatches x 2 epochs: the first minibatch's KL is 0 (the rollout's policy), the second
+    # (after one Adam step at lr 0.01; 4e-5 .. 8e-4 seen) over 1e-6
+    assert all(m["ppo/minibatches"] == 2 and m["ppo/early_stop"] == 1 and m["ppo/epochs"] == 1 for m in ms)
+
+
+def test_default_clip_is_constant_and_every_minibatch_is_taken(tmp_path: Path) -> None:
+    ctx = make_ctx(tmp_path, {"env_id": "CartPole-v1"}, {**SMALL, "total_timesteps": 256})
+    run_task(ctx)
+    ms = [m["values"] for m in metrics(ctx)]
+    assert [(m["ppo/clip_coef"], m["ppo/minibatches"], m["ppo/early_stop"]) for m in ms] == [(0.2, 4, 0)] * 2
+
+
 def test_same_seed_same_first_rollout_other_seed_differs(tmp_path: Path) -> None:
     def first_rollout(seed: int):
         trainer = PPOTrainer(make_ctx(tmp_path, {"env_id": "CartPole-v1"}, {**SMALL, "seed": seed}))

@@ -83,7 +83,7 @@ class MetricPoint(_message.Message):
     def __init__(self, step: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("task_id", "attempt", "step", "path", "create_time", "node_id", "format", "final")
+    __slots__ = ("task_id", "attempt", "step", "path", "create_time", "node_id", "format", "final", "artifact")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class Checkpoint(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     attempt: int
     step: int
@@ -100,7 +101,20 @@ class Checkpoint(_message.Message):
     node_id: str
     format: str
     final: bool
-    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ..., format: _Optional[str] = ..., final: _Optional[bool] = ...) -> None: ...
+    artifact: ArtifactRef
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ..., format: _Optional[str] = ..., final: _Optional[bool] = ..., artifact: _Optional[_Union[ArtifactRef, _Mapping]] = ...) -> None: ...
+
+class ArtifactRef(_message.Message):
+    __slots__ = ("key", "manifest_sha256", "total_bytes", "backend")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    manifest_sha256: str
+    total_bytes: int
+    backend: str
+    def __init__(self, key: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class Device(_message.Message):
     __slots__ = ("index", "uuid", "name", "memory_total_bytes", "simulated")
@@ -146,6 +160,27 @@ class DeviceTelemetry(_message.Message):
     unavailable: _containers.ScalarMap[str, str]
     simulated: bool
     def __init__(self, index: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., sm_clock_mhz: _Optional[int] = ..., ecc_errors: _Optional[int] = ..., unavailable: _Optional[_Mapping[str, str]] = ..., simulated: _Optional[bool] = ...) -> None: ...
+
+class HostTelemetry(_message.Message):
+    __slots__ = ("cpu_utilization_percent", "cpu_count", "memory_used_bytes", "memory_total_bytes", "unavailable")
+    class UnavailableEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CPU_UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    cpu_utilization_percent: float
+    cpu_count: int
+    memory_used_bytes: int
+    memory_total_bytes: int
+    unavailable: _containers.ScalarMap[str, str]
+    def __init__(self, cpu_utilization_percent: _Optional[float] = ..., cpu_count: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., unavailable: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StateChange(_message.Message):
     __slots__ = ("from_state", "to_state", "attempt", "reason", "message", "node_id")

@@ -30,7 +30,7 @@ class SchedulerServiceStub:
     Several schedulers on one PostgreSQL: every one answers the reads (GetTask, ListTasks,
     WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask,
     UploadDataset) and ListNodes. A follower answers those UNAVAILABLE with a google.rpc.ErrorInfo
-    (reason NOT_LEADER, domain opentinker, metadata "leader": the leader's host:port, "" during an
+    (reason NOT_LEADER, domain opentinker.scheduler, metadata "leader": the leader's host:port, "" during an
     election) and grpc-retry-pushback-ms -1; clients retry on the leader it names.
     """
 
@@ -102,7 +102,7 @@ class SchedulerServiceServicer:
     Several schedulers on one PostgreSQL: every one answers the reads (GetTask, ListTasks,
     WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask,
     UploadDataset) and ListNodes. A follower answers those UNAVAILABLE with a google.rpc.ErrorInfo
-    (reason NOT_LEADER, domain opentinker, metadata "leader": the leader's host:port, "" during an
+    (reason NOT_LEADER, domain opentinker.scheduler, metadata "leader": the leader's host:port, "" during an
     election) and grpc-retry-pushback-ms -1; clients retry on the leader it names.
     """
 
@@ -110,8 +110,11 @@ class SchedulerServiceServicer:
         """Validates a task spec, stores the task as PENDING and queues it.
         Idempotent when `request_id` is set: a retry with the same id returns the first task.
         Errors: INVALID_ARGUMENT (bad spec; the message names the field path and what was expected),
-        FAILED_PRECONDITION (no node in the resource pool could ever hold the task), RESOURCE_EXHAUSTED (limits),
-        ALREADY_EXISTS (`request_id` already used for a different spec).
+        FAILED_PRECONDITION (no node in the resource pool could ever hold the task), RESOURCE_EXHAUSTED (limits;
+        with google.rpc.ErrorInfo reason OVERLOADED when the scheduler is behind: refused before anything was done,
+        with a google.rpc.RetryInfo saying when to retry), UNAVAILABLE (reason SHUTTING_DOWN, with RetryInfo:
+        nothing was created), ALREADY_EXISTS (`request_id` already used for a different spec). A client that sends
+        `opentinker-timeout-ms` (the call's deadline budget) lets the scheduler refuse a call that waited too long.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -277,7 +280,7 @@ class SchedulerService:
     Several schedulers on one PostgreSQL: every one answers the reads (GetTask, ListTasks,
     WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask,
     UploadDataset) and ListNodes. A follower answers those UNAVAILABLE with a google.rpc.ErrorInfo
-    (reason NOT_LEADER, domain opentinker, metadata "leader": the leader's host:port, "" during an
+    (reason NOT_LEADER, domain opentinker.scheduler, metadata "leader": the leader's host:port, "" during an
     election) and grpc-retry-pushback-ms -1; clients retry on the leader it names.
     """
 

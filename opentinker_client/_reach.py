@@ -1,0 +1,122 @@
+"""One-line explanations of why the scheduler could not be reached.
+
+gRPC's own ``UNAVAILABLE`` details name the address percent-encoded and say nothing of the likely
+mistake (``failed to connect to all addresses; last error: UNKNOWN: ipv6:%5B::1%5D:22999: Failed
+to connect to remote host: Connection refused``; ``Failed parsing HTTP/2 (Expected SETTINGS
+frame ...)`` from an HTTP/1.1 port). :func:`explain_unreachable` rewrites those into a line that
+names the address dialled and tried and what is probably wrong: nothing listening there, an HTTP
+port rather than the gRPC one (asking that port which gRPC port it belongs to), a host name that
+does not resolve, a connection that timed out.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from urllib.parse import unquote
+
+from opentinker_client.errors import OpenTinkerError, UnavailableError
+
+__all__ = ["GRPC_PORT_HEADER", "explain_unreachable"]
+
+#: The header the scheduler's HTTP answers carry: its gRPC port (read by :func:`explain_unreachable`).
+GRPC_PORT_HEADER = "X-OpenTinker-Grpc-Port"
+
+# "ipv6:%5B::1%5D:22999: Failed ..." -> "%5B::1%5D:22999"
+_ADDRESS = re.compile(r"\b(?:ipv4|ipv6):(\S+?):\s")
+
+
+def _tried(details: str) -> str:
+    """The address gRPC last tried, decoded (``[::1]:22999``), or ``""``."""
+    m = _ADDRESS.search(details)
+    return unquote(m.group(1)) if m else ""
+
+
+def _probe(target: str, timeout: float = 1.0) -> tuple[list[str], list[tuple[str, int | None]]]:
+    """What listens at each address ``target`` resolves to: (the addresses that refused the
+    connection, [(address, gRPC port or None)] of those that answered ``GET /health`` in HTTP/1.x).
+
+    An OpenTinker scheduler's HTTP answers name its gRPC port (:data:`GRPC_PORT_HEADER`)."""
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")
+    refused: list[str] = []
+    http: list[tuple[str, int | None]] = []
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return refused, http
+    for family, kind, proto, _name, sockaddr in infos:
+        shown = f"[{sockaddr[0]}]:{sockaddr[1]}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{sockaddr[1]}"
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.settimeout(timeout)
+                sock.connect(sockaddr)
+                sock.sendall(f"GET /health HTTP/1.0\r\nHost: {target}\r\n\r\n".encode())
+                head = b""
+                while b"\r\n\r\n" not in head and len(head) < 8192:
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    head += chunk
+        except ConnectionRefusedError:
+            refused.append(shown)
+            continue
+        except OSError:
+            continue
+        if head.startswith(b"HTTP/1."):
+            m = re.search(rb"(?im)^" + GRPC_PORT_HEADER.encode() + rb":\s*(\d+)\s*$", head)
+            http.append((shown, int(m.group(1)) if m else None))
+    return refused, http
+
+
+def _with_port(target: str, port: int) -> str:
+    host = target.rsplit(":", 1)[0] if ":" in target else target
+    return f"{host}:{port}"
+
+
+def explain_unreachable(err: OpenTinkerError, target: str) -> OpenTinkerError:
+    """``err`` with a one-line explanation when it is an ``UNAVAILABLE`` whose cause can be told
+    (``target`` is the ``host:port`` dialled); any other error is returned unchanged. The raw gRPC
+    details stay in ``raw_details``."""
+    if not isinstance(err, UnavailableError):
+        return err
+    details = err.details
+    host, _, port = target.rpartition(":")
+    message = None
+    if "Failed parsing HTTP/2" in details or "Expected SETTINGS frame" in details or "Connection refused" in details:
+        # gRPC reports only the last address it tried; ask each address what listens there.
+        refused, http = _probe(target)
+        wrong = [(a, p) for a, p in http if p is None or str(p) != port]
+        if wrong:
+            address, grpc_port = wrong[0]
+            if grpc_port is not None:
+                why = (
+                    f"that is the scheduler's HTTP port (/health, /metrics); its gRPC port is {grpc_port}: "
+                    f"use {_with_port(target, grpc_port)}"
+                )
+            else:
+                why = (
+                    "that is an HTTP/1.1 port, not gRPC: the scheduler's HTTP port (/health, /metrics; by default its "
+                    "gRPC port + 1) or a trainer's; point the client at the scheduler's gRPC port (its --port)"
+                )
+            shown = target if address == target else f"{target} ({address} answered HTTP/1.1)"
+            message = f"cannot talk gRPC to {shown}: {why}"
+        elif refused and not http:
+            message = (
+                f"cannot reach the scheduler at {target}: nothing is listening on {', '.join(refused)} "
+                f"(connection refused); is the scheduler running, and is {port} its gRPC port "
+                "(its --port, 8888 by default)?"
+            )
+    elif "Domain name not found" in details or "lookup error" in details or "DNS resolution failed" in details:
+        message = f"cannot reach the scheduler at {target}: the host name {host.strip('[]')!r} does not resolve"
+    elif "timed out" in details.lower() or "Timeout occurred" in details:
+        tried = _tried(details)
+        message = (
+            f"cannot reach the scheduler at {target}{f' (tried {tried})' if tried else ''}: the connection timed out "
+            "(the wrong host, or a firewall between here and it)"
+        )
+    if message is None:
+        return err
+    out = UnavailableError(message, code=err.code, status=err.status)
+    out.raw_details = details
+    return out

@@ -1,0 +1,48 @@
+"""Artifact stores: where checkpoints, datasets and exported policies live (torch-free).
+
+One interface (:class:`ArtifactStore`: put a folder, get a folder, list, delete, manifest) and
+its backends: :class:`LocalArtifactStore` (a folder; the scheduler's embedded default),
+:class:`S3ArtifactStore` (any S3-compatible store, boto3) and :class:`RemoteArtifactStore`
+(the scheduler's local store as trainers reach it over gRPC). Errors: :mod:`.errors`.
+"""
+
+from opentinker_common.artifacts.errors import (
+    ArtifactCorrupt,
+    ArtifactError,
+    ArtifactNotFound,
+    InvalidArtifact,
+    StoreAuthError,
+    StoreFull,
+    StoreUnavailable,
+)
+from opentinker_common.artifacts.local import LocalArtifactStore
+from opentinker_common.artifacts.manifest import (
+    ArtifactRef,
+    FileEntry,
+    Manifest,
+    check_key,
+    checkpoint_key,
+    task_prefix,
+)
+from opentinker_common.artifacts.s3 import S3ArtifactStore, S3Location
+from opentinker_common.artifacts.store import ArtifactStore
+
+__all__ = [
+    "ArtifactCorrupt",
+    "ArtifactError",
+    "ArtifactNotFound",
+    "ArtifactRef",
+    "ArtifactStore",
+    "FileEntry",
+    "InvalidArtifact",
+    "LocalArtifactStore",
+    "Manifest",
+    "S3ArtifactStore",
+    "S3Location",
+    "StoreAuthError",
+    "StoreFull",
+    "StoreUnavailable",
+    "check_key",
+    "checkpoint_key",
+    "task_prefix",
+]

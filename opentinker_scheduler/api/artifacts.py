@@ -1,0 +1,101 @@
+"""``opentinker.artifact.v1.ArtifactService``: a thin adapter over
+:class:`~opentinker_scheduler.data.artifacts.Artifacts`.
+
+Blocking store calls run in threads; errors map to status codes in one table
+(:func:`opentinker_scheduler.errors.status_code`). The node role (or admin) only
+(:mod:`opentinker_scheduler.security.auth`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from opentinker.artifact.v1 import artifact_pb2, artifact_pb2_grpc
+
+from opentinker_scheduler.api.rpc import Call, abort_mapped, rpc
+from opentinker_scheduler.data.artifacts import Artifacts
+from opentinker_scheduler.security.bundle import Security
+
+log = structlog.get_logger("opentinker.scheduler")
+
+
+class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
+    def __init__(
+        self, artifacts: Artifacts, *, security: Security | None = None, durable=None, require_leader=None
+    ) -> None:
+        self.artifacts = artifacts
+        self.security = security
+        self._durable = durable
+        #: Raises NotLeader on a follower of several schedulers: uploads go to the leader.
+        self._require_leader = require_leader or (lambda: None)
+
+    async def durable(self) -> None:
+        if self._durable is not None:
+            await self._durable()
+
+    @rpc()
+    async def DescribeStore(self, request, call: Call):
+        return self.artifacts.describe()
+
+    @rpc()
+    async def BeginUpload(self, request, call: Call):
+        self._require_leader()
+        return await asyncio.to_thread(self.artifacts.begin_upload, request)
+
+    async def UploadChunks(self, request_iterator, context):
+        upload_id = ""
+        try:
+            self._require_leader()
+            async for chunk in request_iterator:
+                upload_id = chunk.upload_id
+                await asyncio.to_thread(self.artifacts.write_chunk, chunk)
+            if not upload_id:
+                return artifact_pb2.UploadChunksResponse()
+            return await asyncio.to_thread(self.artifacts.upload_status, upload_id)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await abort_mapped(context, exc)
+
+    @rpc()
+    async def CommitUpload(self, request, call: Call):
+        self._require_leader()
+        resp = await asyncio.to_thread(self.artifacts.commit_upload, request.upload_id)
+        log.info("artifact stored", key=resp.manifest.key, total_bytes=resp.manifest.total_bytes)
+        retired = await asyncio.to_thread(self.artifacts.apply_retention, _task_of(resp.manifest.key))
+        if retired:
+            log.info("checkpoints retired", keys=retired)
+        return resp
+
+    @rpc()
+    async def StatArtifact(self, request, call: Call):
+        manifest = await asyncio.to_thread(self.artifacts.stat, request.key, request.expect_manifest_sha256)
+        return artifact_pb2.StatArtifactResponse(manifest=manifest)
+
+    async def DownloadArtifact(self, request, context):
+        try:
+            items = await asyncio.to_thread(
+                lambda: iter(self.artifacts.download(request.key, request.expect_manifest_sha256))
+            )
+            first = await asyncio.to_thread(next, items)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await abort_mapped(context, exc)
+        yield first
+        while True:
+            try:
+                item = await asyncio.to_thread(next, items, None)
+            except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+                await abort_mapped(context, exc)
+            if item is None:
+                return
+            yield item
+
+    @rpc()
+    async def ListArtifacts(self, request, call: Call):
+        keys = await asyncio.to_thread(self.artifacts.list, request.prefix)
+        return artifact_pb2.ListArtifactsResponse(keys=keys)
+
+
+def _task_of(key: str) -> str | None:
+    parts = key.split("/")
+    return parts[1] if len(parts) >= 3 and parts[0] == "tasks" else None

@@ -1,0 +1,167 @@
+"""The scheduler's artifact store: opening it, what the ArtifactService does over it, retention.
+
+Backends (``artifacts.backend`` in the config, :mod:`opentinker_scheduler.config.artifacts`):
+``local`` keeps artifacts under ``<state_dir>/artifacts`` and receives trainers' uploads over
+``opentinker.artifact.v1.ArtifactService``; ``s3`` names a bucket that trainers write directly,
+and the scheduler only reads it (client downloads) and deletes from it (retention).
+
+Retention (:func:`retention_plan`): per task, every final checkpoint and the newest
+``keep_checkpoints`` others (by step, then attempt) stay; the rest are deleted.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from opentinker.artifact.v1 import artifact_pb2
+
+from opentinker_common.artifacts import (
+    ArtifactError,
+    ArtifactStore,
+    InvalidArtifact,
+    LocalArtifactStore,
+    S3ArtifactStore,
+    S3Location,
+)
+from opentinker_common.artifacts.manifest import CHUNK_BYTES, MAX_KEY_CHARS
+from opentinker_common.artifacts.remote import manifest_from_proto, manifest_to_proto
+
+from opentinker_scheduler.config import SchedulerConfig
+from opentinker_scheduler.config.artifacts import ArtifactsConfig
+from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument
+
+__all__ = ["ArtifactStartError", "open_store", "Artifacts", "retention_plan"]
+
+_CKPT_KEY = re.compile(r"tasks/(?P<task>[^/]+)/a(?P<attempt>\d+)/(?P<kind>step|final)_(?P<step>\d+)")
+
+
+class ArtifactStartError(OSError):
+    """The configured artifact store cannot be used: the scheduler does not start."""
+
+
+def open_store(config: SchedulerConfig) -> ArtifactStore:
+    """The configured store, checked: an ``s3`` store must answer and accept the credentials.
+
+    Raises:
+        ArtifactStartError: naming the endpoint and what is wrong (never a secret).
+    """
+    cfg = config.artifacts
+    try:
+        if cfg.backend == "s3":
+            assert cfg.s3 is not None
+            store: ArtifactStore = S3ArtifactStore(
+                S3Location(bucket=cfg.s3.bucket, endpoint=cfg.s3.endpoint, prefix=cfg.s3.prefix, region=cfg.s3.region),
+                connect_timeout_s=5,
+                max_attempts=2,
+            )
+        else:
+            store = LocalArtifactStore(Path(config.state_dir) / "artifacts")
+        store.check()
+    except ArtifactError as exc:
+        raise ArtifactStartError(f"artifact store ({cfg.backend}) cannot be used: {exc}") from None
+    return store
+
+
+class Artifacts:
+    """The store and its settings, as the ArtifactService and DownloadCheckpoint use them.
+    Every method blocks (file or network I/O): call it in a thread."""
+
+    def __init__(self, store: ArtifactStore, config: ArtifactsConfig) -> None:
+        self.store = store
+        self.config = config
+
+    @property
+    def local(self) -> LocalArtifactStore:
+        if not isinstance(self.store, LocalArtifactStore):
+            raise FailedPrecondition(
+                f"the artifact store is {self.store.backend} ({self.store.describe()}): "
+                "trainers write it directly, not through the scheduler"
+            )
+        return self.store
+
+    def describe(self) -> artifact_pb2.DescribeStoreResponse:
+        resp = artifact_pb2.DescribeStoreResponse(
+            backend=self.config.backend,
+            checkpoint_retries=self.config.checkpoint_retries,
+            max_failed_checkpoints=self.config.max_failed_checkpoints,
+        )
+        if self.config.s3 is not None:
+            s3 = self.config.s3
+            resp.s3.CopyFrom(
+                artifact_pb2.S3Location(endpoint=s3.endpoint, bucket=s3.bucket, prefix=s3.prefix, region=s3.region)
+            )
+        return resp
+
+    def begin_upload(self, request: artifact_pb2.BeginUploadRequest) -> artifact_pb2.BeginUploadResponse:
+        m = manifest_from_proto(request.manifest)
+        status = self.local.begin_upload(m)
+        return artifact_pb2.BeginUploadResponse(
+            upload_id=status.upload_id, received_bytes=status.received_bytes, committed=status.committed
+        )
+
+    def write_chunk(self, chunk: artifact_pb2.UploadChunksRequest) -> None:
+        if len(chunk.data) > CHUNK_BYTES:
+            raise InvalidArgument(f"data: expected at most {CHUNK_BYTES} bytes a chunk, got {len(chunk.data)}")
+        self.local.write_chunk(chunk.upload_id, chunk.file_index, chunk.offset, chunk.data)
+
+    def upload_status(self, upload_id: str) -> artifact_pb2.UploadChunksResponse:
+        return artifact_pb2.UploadChunksResponse(received_bytes=self.local.upload_status(upload_id).received_bytes)
+
+    def commit_upload(self, upload_id: str) -> artifact_pb2.CommitUploadResponse:
+        ref = self.local.commit_upload(upload_id)
+        return artifact_pb2.CommitUploadResponse(manifest=manifest_to_proto(self.store.manifest(ref.key)))
+
+    def stat(self, key: str, expect_sha256: str = "") -> artifact_pb2.ArtifactManifest:
+        return manifest_to_proto(self.store.manifest(key, expect_sha256=expect_sha256))
+
+    def download(self, key: str, expect_sha256: str = "") -> Iterator[artifact_pb2.DownloadArtifactResponse]:
+        """Manifest, then each file's bytes (blocking: iterate in a thread)."""
+        m = self.store.manifest(key, expect_sha256=expect_sha256)
+        yield artifact_pb2.DownloadArtifactResponse(manifest=manifest_to_proto(m))
+        for index, entry in enumerate(m.files):
+            offset = 0
+            if entry.size_bytes == 0:
+                yield artifact_pb2.DownloadArtifactResponse(chunk=artifact_pb2.ArtifactChunk(file_index=index))
+            for data in self.store.read_chunks(m, entry):
+                yield artifact_pb2.DownloadArtifactResponse(
+                    chunk=artifact_pb2.ArtifactChunk(file_index=index, offset=offset, data=data)
+                )
+                offset += len(data)
+
+    def list(self, prefix: str) -> list[str]:
+        if len(prefix) > MAX_KEY_CHARS:
+            raise InvalidArtifact(f"prefix: expected at most {MAX_KEY_CHARS} characters, got {len(prefix)}")
+        return self.store.list(prefix)
+
+    def apply_retention(self, task_id: str | None = None) -> list[str]:
+        """Delete what :func:`retention_plan` says, for one task or all; returns the keys deleted."""
+        keys = self.store.list(f"tasks/{task_id}/" if task_id else "tasks/")
+        doomed = retention_plan(keys, self.config.keep_checkpoints)
+        for key in doomed:
+            self.store.delete(key)
+        return doomed
+
+    def delete_task(self, task_id: str) -> list[str]:
+        """Delete every artifact of ``task_id``; returns the keys deleted."""
+        keys = self.store.list(f"tasks/{task_id}/")
+        for key in keys:
+            self.store.delete(key)
+        return keys
+
+
+def retention_plan(keys: Iterable[str], keep: int) -> list[str]:
+    """Checkpoint keys to delete: per task, all but its final checkpoints and its ``keep``
+    newest others (by step, then attempt). Keys of another shape are never deleted."""
+    per_task: dict[str, list[tuple[int, int, str]]] = {}
+    for key in keys:
+        m = _CKPT_KEY.fullmatch(key)
+        if m is None or m["kind"] == "final":
+            continue
+        per_task.setdefault(m["task"], []).append((int(m["step"]), int(m["attempt"]), key))
+    doomed: list[str] = []
+    for items in per_task.values():
+        items.sort()
+        doomed.extend(key for _, _, key in items[: max(0, len(items) - keep)])
+    return sorted(doomed)

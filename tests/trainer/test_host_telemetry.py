@@ -1,0 +1,29 @@
+"""The node's host telemetry: psutil's readings, or every field absent with the reason."""
+
+from __future__ import annotations
+
+import builtins
+
+import psutil
+
+from opentinker_trainer.devices import DeviceMonitor
+
+
+def test_host_telemetry_reads_psutil() -> None:
+    h = DeviceMonitor(simulate_gpus=1).host_telemetry()
+    assert h.cpu_count == psutil.cpu_count() and h.HasField("cpu_utilization_percent")
+    assert h.memory_total_bytes == psutil.virtual_memory().total and not h.unavailable
+
+
+def test_without_psutil_every_field_says_why(monkeypatch) -> None:
+    real_import = builtins.__import__
+
+    def no_psutil(name, *args, **kwargs):
+        if name == "psutil":
+            raise ImportError("no psutil")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_psutil)
+    h = DeviceMonitor(simulate_gpus=1).host_telemetry()
+    assert not h.HasField("cpu_utilization_percent") and not h.HasField("memory_used_bytes")
+    assert set(h.unavailable.values()) == {"psutil is not installed"} and len(h.unavailable) == 4
