@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import threading
+import time
 from importlib import metadata as _metadata
 from typing import Any, Iterable, Iterator
 
@@ -25,7 +27,7 @@ from opentinker_common.net.bearer import bearer_metadata, clean_api_key
 from opentinker_common.net.call_budget import budget_metadata
 from opentinker_common.net.grpc_options import client_keepalive, message_limits
 from opentinker_common.net.tls import channel_credentials
-from opentinker_common.net.url import parse_scheduler_address
+from opentinker_common.net.leader import SchedulerTargets, parse_scheduler_urls
 
 __all__ = ["SchedulerConnection", "StreamResponses", "resolve_api_key"]
 
@@ -54,7 +56,9 @@ _SERVICE_CONFIG = json.dumps(
 )
 
 
-def _channel_options() -> list[tuple[str, Any]]:
+def _channel_options(*, retries: bool = True) -> list[tuple[str, Any]]:
+    """Channel options; ``retries``: gRPC retries UNAVAILABLE itself (one scheduler address; with
+    several, :meth:`SchedulerConnection.unary` moves to the next address instead of waiting)."""
     try:
         version = _metadata.version("opentinker")
     except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
@@ -65,7 +69,7 @@ def _channel_options() -> list[tuple[str, Any]]:
         # Keep pinging on a quiet watch stream (the default stops after 2 pings without data).
         ("grpc.http2.max_pings_without_data", 0),
         *message_limits(),
-        ("grpc.enable_retries", 1),
+        ("grpc.enable_retries", 1 if retries else 0),
         ("grpc.service_config", _SERVICE_CONFIG),
         ("grpc.primary_user_agent", f"opentinker-client/{version}"),
     ]
@@ -89,7 +93,11 @@ class SchedulerConnection:
     Args:
         scheduler_url: ``http://host:port``, ``grpc://host:port``, ``host:port``, ``[::1]:port``;
             ``https://`` or ``grpcs://`` mean TLS (see
-            :func:`~opentinker_common.net.url.parse_scheduler_address`).
+            :func:`~opentinker_common.net.url.parse_scheduler_address`). Several schedulers
+            (one leader, :mod:`opentinker_common.net.leader`): their URLs separated by commas,
+            ``host-a:8888,host-b:8888``; calls go to the leader, found from a follower's
+            UNAVAILABLE (NOT_LEADER) or by trying the next URL when one cannot be reached, with
+            backoff, within the call's timeout.
         timeout: default deadline of a unary call, in seconds (gRPC's own retries included).
         api_key: as :func:`resolve_api_key` takes it.
         root_certificates, client_cert, client_key: PEM files (``None``: ``$OPENTINKER_TLS_CA``,
@@ -99,7 +107,8 @@ class SchedulerConnection:
         ValueError: a bad address, TLS file or API key (naming the argument, never the key).
 
     Attributes:
-        target: the ``host:port`` dialled.
+        target: the ``host:port`` dialled now (the leader, as far as known).
+        targets: every address given, and the one in use (:class:`~opentinker_common.net.leader.SchedulerTargets`).
         api_key: the key sent (``""``: none); never shown in a repr or an error.
         metadata: the call metadata that carries it.
         root_certificates: the ``root_certificates`` argument, handed on to inference clients.
@@ -121,21 +130,61 @@ class SchedulerConnection:
         client_cert: str | os.PathLike | None = None,
         client_key: str | os.PathLike | None = None,
     ) -> None:
-        address = parse_scheduler_address(scheduler_url)  # https:// / grpcs://: TLS even without a CA (system roots)
-        self.target: str = address.target
+        addresses = parse_scheduler_urls(scheduler_url)  # https:// / grpcs://: TLS even without a CA (system roots)
+        self.targets = SchedulerTargets([a.target for a in addresses])
         self.timeout = float(timeout)
         self.api_key: str = resolve_api_key(api_key)
         self.metadata: tuple[tuple[str, str], ...] = bearer_metadata(self.api_key)
-        creds = channel_credentials(root_certificates, client_cert, client_key, tls=address.tls)
+        self._creds = channel_credentials(root_certificates, client_cert, client_key, tls=addresses[0].tls)
         # Plaintext: an UNAVAILABLE "Socket closed" gets a hint that the scheduler may serve TLS.
-        self._plaintext_hint = SCHEDULER_PLAINTEXT_HINT if creds is None else ""
+        self._plaintext_hint = SCHEDULER_PLAINTEXT_HINT if self._creds is None else ""
         self.root_certificates = root_certificates
-        if creds is None:
-            self.channel: grpc.Channel = grpc.insecure_channel(self.target, options=_channel_options())
-        else:
-            self.channel = grpc.secure_channel(self.target, creds, options=_channel_options())
-        self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
+        self._channels: dict[str, tuple[grpc.Channel, scheduler_pb2_grpc.SchedulerServiceStub]] = {}
+        self._channels_lock = threading.Lock()
         self.closed = False
+        self._open(self.targets.current)
+
+    def _open(self, target: str) -> tuple[grpc.Channel, Any]:
+        """The channel and stub of ``target`` (made on first use; kept until :meth:`close`)."""
+        with self._channels_lock:
+            found = self._channels.get(target)
+            if found is None:
+                options = _channel_options(retries=not self.targets.several)
+                if self._creds is None:
+                    channel = grpc.insecure_channel(target, options=options)
+                else:
+                    channel = grpc.secure_channel(target, self._creds, options=options)
+                found = self._channels[target] = (channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
+            return found
+
+    @property
+    def target(self) -> str:
+        return self.targets.current
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The channel to the scheduler in use."""
+        return self._open(self.targets.current)[0]
+
+    @property
+    def stub(self) -> Any:
+        """``SchedulerServiceStub`` of the scheduler in use."""
+        return self._open(self.targets.current)[1]
+
+    def moved(self, err: grpc.RpcError) -> bool:
+        """After an UNAVAILABLE ``err``: go to the leader a follower named, or to the next address
+        (:meth:`SchedulerTargets.moved`); False when there is nowhere else to try."""
+        if err.code() != grpc.StatusCode.UNAVAILABLE:
+            return False
+        before = self.targets.current
+        moved = self.targets.moved(err)
+        if moved and self.targets.current != before:
+            import logging
+
+            logging.getLogger("opentinker.client").info(
+                "scheduler %s is not the leader or cannot be reached; now using %s", before, self.targets.current
+            )
+        return moved
 
     def __repr__(self) -> str:
         return f"SchedulerConnection(target={self.target!r})"
@@ -147,10 +196,12 @@ class SchedulerConnection:
         self.close()
 
     def close(self) -> None:
-        """Close the channel; open streams end with an error. Idempotent."""
+        """Close the channels; open streams end with an error. Idempotent."""
         if not self.closed:
             self.closed = True
-            self.channel.close()
+            with self._channels_lock:
+                for channel, _ in self._channels.values():
+                    channel.close()
 
     def check_open(self) -> None:
         """Raises :class:`OpenTinkerError` ("this RLClient is closed") after :meth:`close`."""
@@ -176,13 +227,22 @@ class SchedulerConnection:
             OpenTinkerError: closed, or the subclass for the status the call ended with.
         """
         self.check_open()
-        timeout = self.timeout if timeout is None else timeout
-        try:
-            return getattr(self.stub, method)(
-                request, timeout=timeout, metadata=self.metadata + budget_metadata(timeout)
-            )
-        except grpc.RpcError as err:
-            raise self.error(err) from err
+        budget = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        delay = 0.05
+        while True:
+            left = max(0.05, deadline - time.monotonic())
+            try:
+                return getattr(self.stub, method)(request, timeout=left, metadata=self.metadata + budget_metadata(left))
+            except grpc.RpcError as err:
+                # Several schedulers: a follower's refusal, or an address that cannot be reached,
+                # moves to the leader (or the next address) and the call goes again (every unary
+                # RPC is idempotent; SubmitTask by its request_id), within the call's timeout.
+                pause = random.uniform(delay / 2, delay)
+                if not self.moved(err) or time.monotonic() + pause >= deadline - 0.05:
+                    raise self.error(err) from err
+                time.sleep(pause)
+                delay = min(2.0, delay * 2)
 
     def upload(self, method: str, requests: Iterable[Any], *, timeout: float | None = None) -> Any:
         """Call the client-streaming RPC ``method`` with ``requests``; ``timeout`` in seconds for
@@ -191,6 +251,7 @@ class SchedulerConnection:
         try:
             return getattr(self.stub, method)(requests, timeout=timeout, metadata=self.metadata)
         except grpc.RpcError as err:
+            self.moved(err)  # the requests are spent: the next call goes to the leader
             raise self.error(err, plaintext_hint=False) from err
 
     @contextlib.contextmanager
@@ -294,6 +355,7 @@ class StreamResponses:
                 self._answered.set()
                 yield response
         except grpc.RpcError as err:
+            self._connection.moved(err)  # a reopened stream goes to the leader (or the next address)
             if self._expired.is_set():  # cancelled by _expire, unanswered
                 raise DeadlineExceededError(
                     f"{self._method}: the scheduler did not answer within {self._answer_timeout:g} s"

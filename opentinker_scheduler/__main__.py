@@ -38,6 +38,13 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         "--http-port", type=_port, default=None, help="HTTP port for /health and /metrics (default: --port + 1)"
     )
     parser.add_argument("--state-dir", default=None, help="overrides state_dir of the config")
+    parser.add_argument(
+        "--advertise-address",
+        default=os.environ.get("OPENTINKER_ADVERTISE_ADDRESS") or None,
+        help="host:port clients and trainers reach this scheduler at; followers name it as the leader's "
+        "(several schedulers on PostgreSQL). Default: env OPENTINKER_ADVERTISE_ADDRESS, else this host's name "
+        "and --port",
+    )
     args = parser.parse_args(argv)
     # The database (API key hashes, env tokens in specs), uploaded datasets and the bootstrap
     # admin key are this user's only: files 0600, folders 0700.
@@ -59,7 +66,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         parser.error(f"--http-port: --port + 1 is {http_port}; give --http-port explicitly")
 
     async def run() -> None:
-        running = await start_scheduler(config, host=args.host, port=args.port, http_port=http_port)
+        running = await start_scheduler(
+            config, host=args.host, port=args.port, http_port=http_port, advertise_address=args.advertise_address
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -70,6 +70,43 @@ class AlreadyExists(SchedulerError):
     """ALREADY_EXISTS: a node id already connected, or a request id reused for another spec."""
 
 
+class StoreUnavailable(Unavailable):
+    """UNAVAILABLE: the state store cannot be reached or written now (a database restarting, a
+    broken connection, a write that timed out); nothing of the call was committed (ErrorInfo
+    reason ``STORE_UNAVAILABLE``, as for SQLite's errors)."""
+
+    def __init__(self, message: str = "", **kw) -> None:
+        kw.setdefault("reason", "STORE_UNAVAILABLE")
+        super().__init__(message, **kw)
+
+
+class NotLeader(Unavailable):
+    """UNAVAILABLE: only the leader of several schedulers does this (writes, node streams), and
+    this one is not it. ``leader`` is the leader's ``host:port`` when known (``""`` while an
+    election is under way); it travels as a ``google.rpc.ErrorInfo`` (reason ``NOT_LEADER``,
+    metadata ``leader``) so clients and trainers follow it."""
+
+    def __init__(self, leader: str = "", message: str = "") -> None:
+        self.leader = leader
+        super().__init__(
+            message
+            or (
+                f"this scheduler is a follower; the leader is {leader}"
+                if leader
+                else "this scheduler is a follower and no leader is known yet (an election is under way); retry"
+            ),
+            reason="NOT_LEADER",
+        )
+
+
+class Fenced(NotLeader):
+    """UNAVAILABLE: the database refused a write of this scheduler because a newer leader epoch
+    holds the lease (this one lost it, e.g. while it was stopped); it has stepped down."""
+
+    def __init__(self, detail: str, leader: str = "") -> None:
+        super().__init__(leader, f"this scheduler lost the leader lease and stepped down ({detail})")
+
+
 _STATUS_CODES = {
     # the artifact store's errors (opentinker_common.artifacts), first the more specific ones
     UploadOffsetMismatch: grpc.StatusCode.FAILED_PRECONDITION,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from dataclasses import dataclass
 
@@ -29,7 +30,8 @@ from opentinker_scheduler.state.core import STATE_NAMES, SchedulerCore
 from opentinker_scheduler.api.front import PortFront
 from opentinker_scheduler.api.http import HttpEndpoint, Snapshot
 from opentinker_scheduler.api.service import NodeService, SchedulerService
-from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.state.leadership import LeaseLeadership, StaticLeadership
+from opentinker_scheduler.state.store import open_store as open_state_store
 from opentinker_common.net.grpc_options import server_options
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -75,6 +77,8 @@ class RunningScheduler:
     front: PortFront | None = None
     #: SubmitTask's gate (admission/load.py): closed first when stopping.
     submit_gate: SubmitGate | None = None
+    #: Who leads (state/leadership.py): always this one on SQLite, the lease on PostgreSQL.
+    leadership: StaticLeadership | LeaseLeadership | None = None
 
     async def stop(self, grace: float = 2.0) -> None:
         # No new task from here on (UNAVAILABLE, retry advice: the client retries at the next
@@ -97,12 +101,14 @@ class RunningScheduler:
             await self.front.stop()  # no new connections; spliced ones end with the server
         await self.server.stop(grace)
         self.core.flush()
+        if self.leadership is not None:
+            await self.leadership.stop()  # a leader hands its lease back: a follower takes over at once
         if self.http is not None:
             self.http.stop()
         self.core.store.close()
 
 
-def _snapshot(core: SchedulerCore) -> Snapshot:
+def _snapshot(core: SchedulerCore, leadership=None) -> Snapshot:
     counts = {STATE_NAMES[s]: n for s, n in core.state_counts.items() if n}
     gpus = []
     hosts = []
@@ -124,9 +130,14 @@ def _snapshot(core: SchedulerCore) -> Snapshot:
                 if h.HasField(k)
             }
             hosts.append((node.node_id, host_values))
+    view = leadership.view() if leadership is not None else None
     return Snapshot(
+        role=view.role if view else "leader",
+        leader=view.leader if view else "",
+        epoch=view.epoch if view else None,
+        ha=view.ha if view else False,
         time=time.monotonic(),
-        store_writable=core.store.writable(),
+        store_writable=leadership.store_ok() if leadership is not None else core.store.writable(),
         tasks_by_state=counts,
         queue_depth=counts.get("PENDING", 0),
         nodes_connected=sum(1 for n in core.nodes.values() if n.connected),
@@ -136,7 +147,7 @@ def _snapshot(core: SchedulerCore) -> Snapshot:
     )
 
 
-async def _tick_loop(core: SchedulerCore, http: HttpEndpoint | None, interval_s: float) -> None:
+async def _tick_loop(core: SchedulerCore, http: HttpEndpoint | None, interval_s: float, leadership=None) -> None:
     last_snapshot = 0.0
     last_tick = time.monotonic()
     while True:
@@ -145,6 +156,8 @@ async def _tick_loop(core: SchedulerCore, http: HttpEndpoint | None, interval_s:
         # gives nodes a grace when it is longer than the lease, for nobody could be heard meanwhile.
         stalled_s, last_tick = max(0.0, started - last_tick - interval_s), started
         try:
+            if leadership is not None:
+                leadership.check()  # first: a leader whose lease may have run out steps down
             core.tick(stalled_s=stalled_s)
             if http is not None:
                 for latency in core.placement_latencies:
@@ -152,7 +165,7 @@ async def _tick_loop(core: SchedulerCore, http: HttpEndpoint | None, interval_s:
             core.placement_latencies.clear()  # also without HTTP, or the list would only grow
             if http is not None:
                 if time.monotonic() - last_snapshot > 1.0:
-                    http.snapshot = _snapshot(core)
+                    http.snapshot = _snapshot(core, leadership)
                     last_snapshot = time.monotonic()
         except Exception:  # noqa: BLE001 - keep scheduling; the error is logged
             log.exception("tick failed")
@@ -166,16 +179,19 @@ async def start_scheduler(
     port: int = 8888,
     http_port: int | None = 8889,
     tick_interval_s: float = 0.5,
+    advertise_address: str | None = None,
 ) -> RunningScheduler:
     """Start serving; returns a handle whose ``stop()`` shuts everything down.
 
     ``port=0`` / ``http_port=0`` pick free ports (see ``RunningScheduler.port`` / ``http.port``);
-    ``http_port=None`` disables HTTP.
+    ``http_port=None`` disables HTTP. ``advertise_address``: the ``host:port`` clients and
+    trainers reach this scheduler at, which followers name as the leader's (default: this
+    host's name, or ``host`` when it is not a wildcard, and the bound port).
     """
     if not config.state_dir.exists():  # readable by this user only (keys, datasets, the database)
         with contextlib.suppress(OSError):  # Store reports what is wrong with the folder
             config.state_dir.mkdir(mode=0o700, parents=True)
-    store = Store(config.state_dir)  # raises StateDirInUse when another scheduler holds it
+    store = open_state_store(config)  # SQLite: raises StateDirInUse when another scheduler holds the folder
     try:  # an s3 store that does not answer (or refuses the credentials) stops the start, naming it
         artifacts = Artifacts(await asyncio.to_thread(open_store, config), config.artifacts)
     except BaseException:
@@ -188,8 +204,10 @@ async def start_scheduler(
                 http = HttpEndpoint(host, http_port, tls=config.http_tls)  # http_tls: HTTPS (tls.py)
             except OSError as exc:
                 raise OSError(f"cannot listen on HTTP port {host}:{http_port}: {exc.strerror or exc}") from None
-        core = SchedulerCore(config, store)
-        security = build_security(config, store)  # before group commit: a bootstrap key commits at once
+        with store.exclusive("bootstrap"):  # schedulers started at once: one makes the bootstrap key
+            security = build_security(config, store)  # before group commit: a bootstrap key commits at once
+        # On PostgreSQL the lease decides who leads: a follower until elected (state/leadership.py).
+        core = SchedulerCore(config, store, leading=store.kind != "postgres")
     except BaseException:
         store.close()
         raise
@@ -207,7 +225,8 @@ async def start_scheduler(
     )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(security, durable=core.durable), server)
     artifact_pb2_grpc.add_ArtifactServiceServicer_to_server(
-        ArtifactService(artifacts, security=security, durable=core.durable), server
+        ArtifactService(artifacts, security=security, durable=core.durable, require_leader=core.require_leader),
+        server,
     )
     scheduler_service.artifacts = artifacts  # DownloadCheckpoint reads the store
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -239,20 +258,37 @@ async def start_scheduler(
         which = f"{host}:{port}" if bound == 0 else f"{host}:{config.tls.node_port} (tls.node_port)"
         raise OSError(f"cannot listen on gRPC port {which} (in use, or not a valid port)")
     await server.start()
+    address = advertise_address or f"{socket.gethostname() if host in ('0.0.0.0', '::', '') else host}:{bound}"
+    if store.kind == "postgres":
+        sc = config.store
+        leadership = LeaseLeadership(
+            core, store, address=address, lease_s=sc.leader_lease_s, renew_s=sc.renew_interval_s
+        )
+        if config.artifacts.backend == "local":
+            log.warning(
+                "several schedulers share this PostgreSQL store but checkpoints are in this one's state_dir "
+                "(artifacts.backend local): after a failover the new leader cannot read them; use artifacts.backend s3",
+                state_dir=str(config.state_dir),
+            )
+    else:
+        leadership = StaticLeadership(core, address)
+    await leadership.start()
     for name in ("", *SERVICE_NAMES):
         await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
     if http is not None:
         http.grpc_port = bound
-        http.snapshot = _snapshot(core)
+        http.snapshot = _snapshot(core, leadership)
         http.node_messages = core.node_messages  # live counters; the HTTP thread only reads them
         http.submits_refused = scheduler_service.gate.refused
         http.start()
-    tick = asyncio.create_task(_tick_loop(core, http, tick_interval_s))
+    tick = asyncio.create_task(_tick_loop(core, http, tick_interval_s, leadership))
     log.info(
         "scheduler listening",
         grpc_port=bound,
         http_port=http.port if http else None,
         state_dir=str(config.state_dir),
+        store=store.describe(),
+        address=address,
         config=config.source,
         auth=security.enabled,
         tls=config.tls is not None,
@@ -269,6 +305,7 @@ async def start_scheduler(
         tick_task=tick,
         security=security,
         node_port=node_bound,
+        leadership=leadership,
         artifacts=artifacts,
         front=front,
         submit_gate=scheduler_service.gate,

@@ -16,7 +16,7 @@ from pathlib import Path
 import structlog
 
 from opentinker_common.logs import configure_logging
-from opentinker_common.net.url import parse_scheduler_address
+from opentinker_common.net.leader import parse_scheduler_urls
 
 from opentinker_trainer.agent import AgentConfig, FatalRegistrationError, NodeAgent
 
@@ -92,7 +92,11 @@ def _http_tls_context(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog or "opentinker-trainer", description="OpenTinker trainer node agent.")
-    parser.add_argument("--scheduler-url", default=None, help="default: env SCHEDULER_URL, else localhost:8888")
+    parser.add_argument(
+        "--scheduler-url",
+        default=None,
+        help="default: env SCHEDULER_URL, else localhost:8888; several schedulers: host-a:8888,host-b:8888",
+    )
     parser.add_argument("--node-id", default=None, help="default: env NODE_ID, else the host name")
     parser.add_argument(
         "--max-tasks", type=_int_at_least(1), default=None, help="tasks at once (default: env MAX_TASKS, else 4)"
@@ -242,9 +246,11 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     if args.work_dir is None:
         args.work_dir = Path(os.environ.get("OPENTINKER_WORK_DIR") or "runs")
     try:
-        address = parse_scheduler_address(args.scheduler_url)  # https:// / grpcs://: TLS even without --tls-ca
+        # One URL, or several schedulers' separated by commas (the node follows their leader).
+        addresses = parse_scheduler_urls(args.scheduler_url)  # https:// / grpcs://: TLS even without --tls-ca
     except ValueError as exc:
         parser.error(f"{url_from}: {exc}")
+    address = addresses[0]
     target = address.target
     if args.tls_cert and not args.tls_ca and not address.tls:
         parser.error(
@@ -256,6 +262,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     log = structlog.get_logger("opentinker.trainer")
     config = AgentConfig(
         target=target,
+        targets=tuple(a.target for a in addresses),
         node_id=args.node_id,
         max_tasks=args.max_tasks,
         work_dir=args.work_dir.resolve(),

@@ -41,6 +41,7 @@ from opentinker_trainer.scheduler_link import worker_env
 from opentinker_trainer.devices import DeviceMonitor, cuda_visible_devices
 from opentinker_trainer.inference.address import default_advertise_host
 from opentinker_common.net.grpc_options import message_limits, node_keepalive
+from opentinker_common.net.leader import SchedulerTargets, not_leader
 
 log = structlog.get_logger("opentinker.trainer")
 
@@ -56,7 +57,7 @@ _FATAL = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT, g
 class AgentConfig:
     """Node agent settings. Times in seconds."""
 
-    target: str  # host:port of the scheduler
+    target: str  # host:port of the scheduler (the first of ``targets``)
     node_id: str
     max_tasks: int = 4
     work_dir: Path = Path("runs")
@@ -83,13 +84,18 @@ class AgentConfig:
     #: workers as OPENTINKER_SERVE_TLS_CERT / OPENTINKER_SERVE_TLS_KEY.
     serve_tls_cert: str = ""
     serve_tls_key: str = ""
+    #: Every scheduler address given (``SCHEDULER_URL=host-a:8888,host-b:8888``): the node
+    #: connects to the leader among them (a follower's refusal names it); () = ``target`` only.
+    targets: tuple[str, ...] = ()
 
-    def channel(self) -> grpc.aio.Channel:
-        """A channel to the scheduler: TLS when ``tls_ca`` or ``scheduler_tls`` is set, else plaintext.
+    def channel(self, target: str | None = None) -> grpc.aio.Channel:
+        """A channel to the scheduler at ``target`` (default ``target``): TLS when ``tls_ca`` or
+        ``scheduler_tls`` is set, else plaintext.
 
         Raises:
             ValueError: a TLS file cannot be read or is not PEM.
         """
+        target = target or self.target
         from opentinker_common.net.tls import channel_credentials
 
         creds = (
@@ -98,8 +104,8 @@ class AgentConfig:
             else None
         )
         if creds is None:
-            return grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
-        return grpc.aio.secure_channel(self.target, creds, options=CHANNEL_OPTIONS)
+            return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)
 
 
 @dataclass
@@ -129,6 +135,8 @@ class FatalRegistrationError(RuntimeError):
 class NodeAgent:
     def __init__(self, config: AgentConfig, monitor: DeviceMonitor | None = None) -> None:
         self.config = config
+        #: The scheduler addresses and the one in use (the leader, as far as known).
+        self.targets = SchedulerTargets(config.targets or (config.target,))
         self.monitor = monitor or DeviceMonitor(simulate_gpus=config.simulate_gpus)
         self.workers: dict[str, _Worker] = {}
         self.draining = False
@@ -155,7 +163,7 @@ class NodeAgent:
         inv = self.monitor.inventory
         self.log.info(
             "node agent starting",
-            scheduler=self.config.target,
+            scheduler=",".join(self.targets.given),
             gpus=len(inv.devices),
             simulated=inv.simulated,
             note=inv.note or None,
@@ -166,6 +174,7 @@ class NodeAgent:
         failures = 0
         while not self._stop.is_set():
             started = time.monotonic()
+            follower = False  # the scheduler answered: it is not the leader
             try:
                 await self._session()
             except FatalRegistrationError:
@@ -174,6 +183,14 @@ class NodeAgent:
                 code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
                 if code in _FATAL:
                     raise FatalRegistrationError(f"{code.name}: {exc.details()}") from None
+                was = self.targets.current
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    follower = not_leader(exc) is not None
+                    self.targets.moved(exc)  # to the leader it names, or the next address
+                elif self.targets.several:
+                    self.targets.advance()
+                if self.targets.current != was:
+                    self.log.info("following the scheduler leader", previous=was, now=self.targets.current)
                 if code == grpc.StatusCode.ALREADY_EXISTS:
                     self.log.error("scheduler refused this node id for now", error=exc.details())
                 self.log.warning(
@@ -190,10 +207,16 @@ class NodeAgent:
                 break
             if time.monotonic() - started > 30:
                 failures = 0
-            failures += 1
-            delay = random.uniform(
-                0, min(self.config.reconnect_max_s, self.config.reconnect_initial_s * 2 ** (failures - 1))
-            )
+            if follower:
+                # A live scheduler that is not the leader: go where it pointed (or ask it again)
+                # soon; no growing backoff, the leader is at most one election away.
+                failures = 0
+                delay = random.uniform(0.1, 0.5)
+            else:
+                failures += 1
+                delay = random.uniform(
+                    0, min(self.config.reconnect_max_s, self.config.reconnect_initial_s * 2 ** (failures - 1))
+                )
             self.log.info("reconnecting", in_s=round(delay, 2), attempt=failures)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=delay)
@@ -246,7 +269,7 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ the stream
     async def _session(self) -> None:
-        async with self.config.channel() as channel:
+        async with self.config.channel(self.targets.current) as channel:
             stub = node_pb2_grpc.NodeServiceStub(channel)
             register = node_pb2.ConnectRequest(
                 register=node_pb2.Register(
@@ -414,7 +437,8 @@ class NodeAgent:
         # Workers call the scheduler as their node does (datasets, adapter lookup): address, key, TLS.
         env.update(
             worker_env(
-                self.config.target,
+                # Several schedulers: all of them, the leader first (the worker follows it as well).
+                ",".join(dict.fromkeys((self.targets.current, *self.targets.given))),
                 api_key=self.config.api_key,
                 tls_ca=self.config.tls_ca,
                 tls_cert=self.config.tls_cert,
@@ -430,7 +454,7 @@ class NodeAgent:
             self.config.work_dir.resolve()
         )  # specs may not name paths in it (local_paths.py)
         env["OPENTINKER_ADVERTISE_HOST"] = self.config.advertise_host or default_advertise_host(
-            self.config.target
+            self.targets.current
         )  # inference servers
         cmd = [
             sys.executable,

@@ -274,7 +274,7 @@ class TrainerHttp:
             }
         if agent.connected.is_set():
             return True, {"status": "ok"}
-        reason = f"not connected to scheduler at {agent.config.target}"
+        reason = f"not connected to scheduler at {agent.targets.current}"
         if agent.last_error:
             reason += f": {agent.last_error}"
         else:

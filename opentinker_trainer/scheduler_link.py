@@ -1,8 +1,9 @@
 """How a task worker reaches the scheduler (dataset download, adapter lookup).
 
 The node agent hands its own connection settings to every worker it starts, as environment
-variables: ``OPENTINKER_SCHEDULER_URL`` (``host:port``; ``OPENTINKER_SCHEDULER_TLS=1`` when the node's
-URL was ``https://``), ``OPENTINKER_API_KEY`` (the node's key,
+variables: ``OPENTINKER_SCHEDULER_URL`` (``host:port``, or several separated by commas, the leader
+first, when the node was given several schedulers: the worker's calls then follow the leader too;
+``OPENTINKER_SCHEDULER_TLS=1`` when the node's URL was ``https://``), ``OPENTINKER_API_KEY`` (the node's key,
 when the scheduler has auth on) and ``OPENTINKER_TLS_CA`` / ``OPENTINKER_TLS_CERT`` /
 ``OPENTINKER_TLS_KEY`` (TLS, and the node's client certificate for mTLS). A worker therefore
 calls the scheduler exactly as its node does, with the node role.
@@ -74,9 +75,15 @@ def scheduler_channel(
     key = env.get("OPENTINKER_API_KEY", "")
     metadata = (("authorization", f"Bearer {key}"),) if key else ()
     creds = scheduler_credentials(env)
-    if creds is None:
-        return grpc.insecure_channel(target), metadata
-    return grpc.secure_channel(target, creds), metadata
+
+    def make(one: str) -> grpc.Channel:
+        return grpc.insecure_channel(one) if creds is None else grpc.secure_channel(one, creds)
+
+    if "," in target:  # several schedulers (the node's list, its leader first): follow the leader
+        from opentinker_common.net.leader import FollowingChannel
+
+        return FollowingChannel([t.strip() for t in target.split(",") if t.strip()], make), metadata  # type: ignore[return-value]
+    return make(target), metadata
 
 
 def scheduler_credentials(env: Mapping[str, str] | None = None) -> grpc.ChannelCredentials | None:

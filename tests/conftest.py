@@ -11,6 +11,7 @@ on 2 cores (test_faults.py's scheduler kill -9 test: 107 s against 18 s with one
 from __future__ import annotations
 
 import os
+import pwd
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before anything imports torch
@@ -41,6 +42,28 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from tests.support.models import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", REAL_MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL server on loopback for the session (:mod:`tests.support.postgres`);
+    skips when the PostgreSQL binaries are not installed (``make test`` installs them)."""
+    from tests.support.postgres import PostgresServer, find_bindir
+
+    bindir = find_bindir()
+    if bindir is None:
+        pytest.skip(
+            "PostgreSQL is not installed (no pg_config --bindir, no /usr/lib/postgresql/*/bin): "
+            "apt-get install -y postgresql, or run make test as root, which installs it"
+        )
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("PostgreSQL refuses to run as root and there is no 'postgres' user to run it as")
+    server = PostgresServer(bindir)
+    yield server
+    server.close()
 
 
 @pytest.fixture(scope="session")

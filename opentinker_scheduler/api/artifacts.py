@@ -22,10 +22,14 @@ log = structlog.get_logger("opentinker.scheduler")
 
 
 class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
-    def __init__(self, artifacts: Artifacts, *, security: Security | None = None, durable=None) -> None:
+    def __init__(
+        self, artifacts: Artifacts, *, security: Security | None = None, durable=None, require_leader=None
+    ) -> None:
         self.artifacts = artifacts
         self.security = security
         self._durable = durable
+        #: Raises NotLeader on a follower of several schedulers: uploads go to the leader.
+        self._require_leader = require_leader or (lambda: None)
 
     async def durable(self) -> None:
         if self._durable is not None:
@@ -37,11 +41,13 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
 
     @rpc()
     async def BeginUpload(self, request, call: Call):
+        self._require_leader()
         return await asyncio.to_thread(self.artifacts.begin_upload, request)
 
     async def UploadChunks(self, request_iterator, context):
         upload_id = ""
         try:
+            self._require_leader()
             async for chunk in request_iterator:
                 upload_id = chunk.upload_id
                 await asyncio.to_thread(self.artifacts.write_chunk, chunk)
@@ -53,6 +59,7 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
 
     @rpc()
     async def CommitUpload(self, request, call: Call):
+        self._require_leader()
         resp = await asyncio.to_thread(self.artifacts.commit_upload, request.upload_id)
         log.info("artifact stored", key=resp.manifest.key, total_bytes=resp.manifest.total_bytes)
         retired = await asyncio.to_thread(self.artifacts.apply_retention, _task_of(resp.manifest.key))

@@ -1,5 +1,11 @@
-"""HTTP side port: ``GET /health`` (``{"status": "ok"}``, as the seed promises) and
-``GET /metrics`` (Prometheus text format, prometheus-client).
+"""HTTP side port: ``GET /health`` (``{"status": "ok"}``, as the seed promises), ``GET /ready``
+and ``GET /metrics`` (Prometheus text format, prometheus-client).
+
+Several schedulers on one PostgreSQL (``store: {kind: postgres}``): ``/health`` also says who
+leads, ``{"status": "ok", "role": "follower", "leader": "host-a:8888", "epoch": 7}``, on every
+instance (``"degraded"``, 503, while the database cannot be reached); ``/ready`` answers 200 only
+on the leader (a load balancer or a Kubernetes readiness probe sends traffic there). With SQLite
+there is one scheduler, always the leader, and ``/health`` stays ``{"status": "ok"}``.
 
 Runs in a daemon thread (wsgiref, a thread per connection with timeouts:
 :class:`opentinker_common.net.side_port.SidePortServer`). It never touches the SQLite connection: the event
@@ -37,6 +43,11 @@ class Snapshot:
     nodes_known: int = 0
     gpus: tuple[tuple[str, str, bool, dict[str, float]], ...] = ()  # node, index, simulated, values
     hosts: tuple[tuple[str, dict[str, float]], ...] = ()  # node, host CPU/memory values
+    role: str = "leader"  # leader | follower
+    leader: str = ""  # host:port of the leader ("" unknown)
+    epoch: int | None = None
+    #: Several schedulers may share the store: /health shows role and leader.
+    ha: bool = False
 
 
 class _Collector:
@@ -54,6 +65,9 @@ class _Collector:
         nodes.add_metric(["connected"], snap.nodes_connected)
         nodes.add_metric(["disconnected"], snap.nodes_known - snap.nodes_connected)
         yield nodes
+        yield GaugeMetricFamily(
+            "opentinker_scheduler_leader", "1 when this scheduler leads, else 0", value=int(snap.role == "leader")
+        )
         received = CounterMetricFamily("opentinker_node_messages", "Messages received on node streams", labels=["kind"])
         for kind, n in sorted(dict(self.holder.node_messages).items()):
             received.add_metric([kind], n)
@@ -110,7 +124,7 @@ class _Collector:
 #: The header of every answer that names the scheduler's gRPC port (read by the client to say
 #: "that is the scheduler's HTTP port; its gRPC port is ..." when it dials this port by mistake).
 GRPC_PORT_HEADER = "X-OpenTinker-Grpc-Port"
-_NOT_FOUND = b'{"error": "not found; try /health or /metrics"}'
+_NOT_FOUND = b'{"error": "not found; try /health, /ready or /metrics"}'
 
 
 def _with_header(start_response, header: tuple[str, str]):
@@ -171,21 +185,33 @@ class HttpEndpoint:
         self.server.server_close()
 
     def health(self) -> tuple[bool, dict]:
+        """``(healthy, body)`` of ``/health``: healthy while the loop runs and the store answers."""
         snap = self.snapshot
+        role = {"role": snap.role, "leader": snap.leader or None, "epoch": snap.epoch} if snap.ha else {}
         if snap.time == 0.0:
-            return False, {"status": "starting"}
+            return False, {"status": "starting", **role}
         if time.monotonic() - snap.time > self.stale_after_s:
-            return False, {"status": "unavailable", "reason": "scheduler loop stalled"}
+            return False, {"status": "unavailable", "reason": "scheduler loop stalled", **role}
         if not snap.store_writable:
+            if snap.ha:
+                return False, {"status": "degraded", "reason": "state store unavailable (retrying)", **role}
             return False, {"status": "unavailable", "reason": "state store not writable"}
-        return True, {"status": "ok"}
+        return True, {"status": "ok", **role}
+
+    def ready(self) -> tuple[bool, dict]:
+        """``(ready, body)`` of ``/ready``: healthy and the leader (the one that takes writes and
+        node streams)."""
+        ok, body = self.health()
+        if ok and self.snapshot.role != "leader":
+            return False, {**body, "status": "follower", "reason": "not the leader"}
+        return ok, body
 
     def answer(self, method: str, path: str) -> tuple[int, list[tuple[str, str]], bytes]:
         """``(status, headers, body)`` of ``GET path``: what the HTTP/1.1 answers on the gRPC port
         (:mod:`.front`) send, from the same handlers as this port."""
         headers = [] if self.grpc_port is None else [(GRPC_PORT_HEADER, str(self.grpc_port))]
-        if path == "/health":
-            ok, body = self.health()
+        if path in ("/health", "/ready"):
+            ok, body = self.health() if path == "/health" else self.ready()
             return 200 if ok else 503, [("Content-Type", "application/json"), *headers], json.dumps(body).encode()
         if path == "/metrics":
             return 200, [("Content-Type", CONTENT_TYPE_LATEST), *headers], generate_latest(self.registry)
@@ -195,8 +221,8 @@ class HttpEndpoint:
         path = environ.get("PATH_INFO", "/")
         if self.grpc_port is not None:  # a gRPC client dialling this port by mistake is told where gRPC is
             start_response = _with_header(start_response, (GRPC_PORT_HEADER, str(self.grpc_port)))
-        if path == "/health":
-            ok, body = self.health()
+        if path in ("/health", "/ready"):
+            ok, body = self.health() if path == "/health" else self.ready()
             data = json.dumps(body).encode()
             start_response(
                 "200 OK" if ok else "503 Service Unavailable",

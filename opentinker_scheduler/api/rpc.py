@@ -12,6 +12,10 @@ A refusal that says when to retry (``retry_after``: an overloaded or stopping sc
 limit) carries a ``google.rpc.RetryInfo`` detail and the ``grpc-retry-pushback-ms`` trailer that
 gRPC's own retries obey; one with a ``reason`` a ``google.rpc.ErrorInfo`` (domain
 ``opentinker.scheduler``). A store error is ``STORE_UNAVAILABLE``: its writes were rolled back.
+A follower's :class:`~opentinker_scheduler.errors.NotLeader` (reason ``NOT_LEADER``) carries
+the leader's ``host:port`` in the ErrorInfo's metadata ``leader`` and ``grpc-retry-pushback-ms:
+-1``, so gRPC does not retry the follower itself; clients and trainers go to the leader
+(:mod:`opentinker_common.net.leader`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from opentinker_scheduler.errors import ERROR_DOMAIN, InvalidArgument, SchedulerError, status_code
+from opentinker_scheduler.errors import ERROR_DOMAIN, InvalidArgument, NotLeader, SchedulerError, status_code
 from opentinker_scheduler.security.auth import caller
 from opentinker_scheduler.security.bundle import Security
 from opentinker_scheduler.security.keys import Principal
@@ -100,13 +104,19 @@ def refusal_status(exc: BaseException) -> grpc.Status | None:
         details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
     reason = exc.reason if isinstance(exc, SchedulerError) else "STORE_UNAVAILABLE"
     if reason:
-        details.append(_pack(error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN)))
+        # A follower names the leader, for clients and trainers to go there.
+        metadata = {"leader": exc.leader} if isinstance(exc, NotLeader) else {}
+        details.append(_pack(error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata)))
     if not details:
         return None
     status = rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=details))
     if retry_after is not None:
         pushback = ("grpc-retry-pushback-ms", str(int(max(0.0, retry_after) * 1000)))
         status = _Status(status.code, status.details, (*status.trailing_metadata, pushback))
+    elif isinstance(exc, NotLeader):
+        # gRPC's own retries (A6) stop at a negative pushback: the refusal goes straight back to
+        # the caller, which follows the leader it names instead of asking this follower again.
+        status = _Status(status.code, status.details, (*status.trailing_metadata, ("grpc-retry-pushback-ms", "-1")))
     return status
 
 

@@ -30,6 +30,9 @@ log = structlog.get_logger("opentinker.scheduler")
 #: Owner of tasks submitted without authentication (API keys arrive with the security work).
 ANONYMOUS = "anonymous"
 
+#: Seconds between a follower's looks at a watched task's events (it is not told of changes).
+FOLLOWER_WATCH_POLL_S = 0.25
+
 
 def _ts(msg, seconds: float | None) -> None:
     if seconds:
@@ -103,6 +106,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     @rpc(action="task.submit", gate="gate")
     async def SubmitTask(self, request, call: Call):
         call.detail.update(workload_type=request.spec.workload_type[:64])
+        self.core.require_leader()  # a follower: UNAVAILABLE naming the leader, before any work
         if not request.HasField("spec"):
             raise InvalidArgument("spec: expected a task spec, got nothing")
         task = await admit(  # every check, in order, then the write (opentinker_scheduler/admission/admit.py)
@@ -149,6 +153,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     @rpc(action="task.cancel")
     async def CancelTask(self, request, call: Call):
         call.detail.update(task_id=request.task_id[:128])
+        self.core.require_leader()
         task = self.core.cancel(request.task_id, owner=owner_scope(), reason=request.reason)
         call.detail.update(task_id=task.task_id, reason=request.reason[:500])
         self.core.schedule()
@@ -177,7 +182,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             task = self.core.store.get_task(request.task_id)
             if task is None or task.terminal:
                 return
-            await self.core.wait_changed(timeout=1.0)
+            # A follower is never told of changes (the leader writes them): it looks again soon.
+            await self.core.wait_changed(timeout=1.0 if self.core.leading else FOLLOWER_WATCH_POLL_S)
 
     @rpc()
     async def GetMetrics(self, request, call: Call):
@@ -191,6 +197,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def UploadDataset(self, request_iterator, context):
         try:
+            self.core.require_leader()
             info = await receive_upload(self.datasets, request_iterator)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
@@ -255,6 +262,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     @rpc()
     async def ListNodes(self, request, call: Call):
+        self.core.require_leader()  # nodes and their telemetry live in the leader's memory
         nodes = []
         for n in sorted(self.core.nodes.values(), key=lambda n: n.node_id):
             cap = n.capacity()
@@ -340,6 +348,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"first message: expected register, got {first.WhichOneof('message')}"
             )
         try:
+            self.core.require_leader()  # node streams go to the leader; the node follows the error's leader
             self._check_cert_names_node(first.register.node_id)
             node, registered = self.core.node_register(first.register)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised

@@ -34,6 +34,8 @@
     http_on_grpc_port: true   # also answer HTTP/1.1 GET /health and /metrics on the gRPC port
                               # (the seed curls it); plaintext only: with tls: it is off
     limits: {...}             # message/spec sizes, pending tasks, submit rate, streams (security/limits.py)
+    store: {kind: sqlite}     # or {kind: postgres, dsn: ..., password_env: ...}: several schedulers,
+                              # one leader (config/store.py, state/pg_store.py, state/leadership.py)
     paths:                    # local paths a task spec may name on trainer nodes (admission/paths.py)
       model_dirs: [/models]   # spec.model may name a local folder only under these
       data_dirs: [/data]      # env_config.path (chat_jsonl) may name a file only under these
@@ -52,7 +54,8 @@ Unknown keys and wrong types are refused at start with the file, line, column an
 a string in YAML 1.2 — write false``). The file is read as YAML 1.2
 (:class:`opentinker_common.yaml12.Yaml12Loader`): only ``true``/``false`` are booleans, so
 ``default_model: no`` is the string ``"no"``. Each section's frozen value and parser lives in this package
-(:mod:`.auth`, :mod:`.tls`, :mod:`.limits`, :mod:`.paths`, :mod:`.artifacts`), so every room, :mod:`..state` included,
+(:mod:`.auth`, :mod:`.tls`, :mod:`.limits`, :mod:`.paths`, :mod:`.artifacts`, :mod:`.store`), so every room,
+:mod:`..state` included,
 may read the settings without importing a room above it; the rooms enforce them.
 """
 
@@ -72,6 +75,7 @@ from opentinker_scheduler.config.artifacts import ArtifactsConfig, parse_artifac
 from opentinker_scheduler.config.auth import AuthConfig, parse_auth
 from opentinker_scheduler.config.limits import LimitsConfig, parse_limits
 from opentinker_scheduler.config.paths import PathsConfig, parse_paths
+from opentinker_scheduler.config.store import StoreConfig, parse_store
 from opentinker_scheduler.config.tls import HttpTlsConfig, TlsConfig, parse_http_tls, parse_tls
 
 
@@ -129,6 +133,8 @@ class SchedulerConfig:
     artifacts: ArtifactsConfig = ArtifactsConfig()
     #: Answer HTTP/1.1 /health and /metrics on the (plaintext) gRPC port too (api/front.py).
     http_on_grpc_port: bool = True
+    #: Where the state lives (``store:``): SQLite (default) or PostgreSQL; see config/store.py.
+    store: StoreConfig = StoreConfig()
 
     def priority_of(self, workload_type: str) -> int | None:
         for w in self.workload_types:
@@ -252,6 +258,7 @@ _TOP = {
     "paths": "local paths",
     "artifacts": "artifact store",
     "http_on_grpc_port": "bool",
+    "store": "state store",
 }
 
 
@@ -372,6 +379,8 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["paths"] = parse_paths(r, top["paths"][1])
     if "artifacts" in top:
         kw["artifacts"] = parse_artifacts(r, top["artifacts"][1])
+    if "store" in top:
+        kw["store"] = parse_store(r, top["store"][1])
 
     cfg = SchedulerConfig(**kw)
     if cfg.lease_s <= cfg.heartbeat_interval_s:

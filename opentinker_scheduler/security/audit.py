@@ -4,7 +4,7 @@ Each record is written twice:
 
 * a structured log line from the ``opentinker.audit`` logger (``event="audit"``, JSON when the
   scheduler's stderr is not a terminal), for log shippers;
-* a row of the ``audit_log`` table in the scheduler's SQLite database, committed with the action
+* a row of the ``audit_log`` table in the scheduler's state store, committed with the action
   it describes, readable with ``AdminService.ListAuditEvents``.
 
 Audited actions: ``task.submit``, ``task.cancel``, ``key.create``, ``key.revoke``, ``key.rotate``,
@@ -25,20 +25,7 @@ from opentinker_scheduler.state.store import Store
 
 log = structlog.get_logger("opentinker.audit")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS audit_log (
-    id          INTEGER PRIMARY KEY AUTOINCREMENT,
-    time        REAL NOT NULL,            -- unix seconds
-    owner       TEXT NOT NULL,
-    role        TEXT NOT NULL,
-    key_prefix  TEXT NOT NULL,
-    action      TEXT NOT NULL,
-    task_id     TEXT NOT NULL DEFAULT '',
-    outcome     TEXT NOT NULL,            -- OK or a status code name
-    detail      TEXT NOT NULL DEFAULT '{}' -- JSON
-);
-CREATE INDEX IF NOT EXISTS audit_action ON audit_log(action, id);
-"""
+# The audit_log table: opentinker_scheduler/state/schema.py (migrations of both store backends).
 
 ACTIONS = ("task.submit", "task.cancel", "key.create", "key.revoke", "key.rotate", "node.join")
 
@@ -61,8 +48,6 @@ class AuditLog:
 
     def __init__(self, store: Store | None) -> None:
         self.store = store
-        if store is not None:
-            store.db.executescript(_SCHEMA)
 
     def record(
         self,
@@ -90,8 +75,8 @@ class AuditLog:
             audit_time=now,
             **detail,
         )
-        if self.store is None:
-            return
+        if self.store is None or self.store.read_only:
+            return  # a follower writes nothing; the log line stands (the leader audits what it does)
         try:
             with self.store.batch():
                 self.store.db.execute(

@@ -1,4 +1,4 @@
-"""API keys in the scheduler's SQLite database: create, list, revoke, rotate, resolve.
+"""API keys in the scheduler's state store (SQLite or PostgreSQL): create, list, revoke, rotate, resolve.
 
 Keys look like ``otk_<8 hex>_<43 url-safe characters>`` (256 random bits). The ``otk_<8 hex>``
 prefix is stored in plain text to name the key; the whole key only as its SHA-256, compared with
@@ -42,20 +42,7 @@ _KEY_RE = re.compile(r"^(otk_[0-9a-f]{8})_([A-Za-z0-9_-]{43})$")
 _PREFIX_RE = re.compile(r"^otk_[0-9a-f]{8}$")
 _OWNER_RE = re.compile(r"^[A-Za-z0-9._@-]{1,128}$")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS api_keys (
-    prefix       TEXT PRIMARY KEY,        -- otk_<8 hex>, the public part
-    key_hash     TEXT NOT NULL,           -- sha256 hex of the whole key; the key itself is never stored
-    owner        TEXT NOT NULL,
-    role         TEXT NOT NULL,           -- admin | user | node
-    description  TEXT NOT NULL DEFAULT '',
-    create_time  REAL NOT NULL,
-    revoke_time  REAL,
-    expire_time  REAL,                    -- set by a rotation with a grace period
-    replaced_by  TEXT NOT NULL DEFAULT ''
-);
-CREATE INDEX IF NOT EXISTS api_keys_owner ON api_keys (owner);
-"""
+# The api_keys table: opentinker_scheduler/state/schema.py (migrations of both store backends).
 
 
 class Unauthenticated(SchedulerError):
@@ -141,7 +128,6 @@ class KeyStore:
         self.store = store
         self.clock = clock
         self.max_keys_per_owner = max_keys_per_owner
-        store.db.executescript(_SCHEMA)
 
     @staticmethod
     def _row(r) -> KeyRow:

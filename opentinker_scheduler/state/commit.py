@@ -1,4 +1,4 @@
-"""Group commit: the writes of many requests in one SQLite transaction, nothing released early.
+"""Group commit: the writes of many requests in one store transaction, nothing released early.
 
 One commit costs far more than the statements in it (its pages go to the WAL), and a task's
 life is four writes (submitted, assigned, running, finished), so a busy scheduler spent most of
@@ -17,6 +17,7 @@ every write commits at once.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Callable
 
 import structlog
@@ -28,6 +29,10 @@ log = structlog.get_logger("opentinker.scheduler")
 #: At most one commit per this many seconds under load (the added latency, at most). 5 ms, not 2:
 #: at ~500 submits/s a commit then carries ~10 writes instead of ~5, for ~5 % less CPU per submit.
 GROUP_COMMIT_INTERVAL_S = 0.005
+#: Under load the window also grows to what the recent commits took (a PostgreSQL commit that
+#: waits for its WAL flush, several ms on a slow disk, blocks the loop; the next group then
+#: gathers as many requests as arrived meanwhile instead of committing each alone), up to this.
+GROUP_COMMIT_MAX_WINDOW_S = 0.025
 
 
 class GroupCommit:
@@ -42,6 +47,7 @@ class GroupCommit:
         self._done: asyncio.Future | None = None  # resolved when it commits
         self._held: list[tuple[asyncio.Queue, object]] = []
         self._last = 0.0  # loop time of the last commit
+        self._commit_s = 0.0  # recent commits' duration (moving average), seconds
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def enable(self) -> None:
@@ -62,7 +68,8 @@ class GroupCommit:
         tx = self.store.transaction()
         tx.__enter__()
         self._loop, self._tx, self._done = loop, tx, loop.create_future()
-        wait = self._last + self.interval_s - loop.time()
+        window = max(self.interval_s, min(self._commit_s, GROUP_COMMIT_MAX_WINDOW_S))
+        wait = self._last + window - loop.time()
         if wait > 0:
             loop.call_later(wait, self.commit)
         else:
@@ -74,21 +81,41 @@ class GroupCommit:
         if tx is None:
             return
         self._tx, self._done, self._held = None, None, []
+        started = time.perf_counter()
         try:
             tx.__exit__(None, None, None)
         except Exception as exc:  # noqa: BLE001 - reported to every waiter
             log.error(
                 "commit failed; in-memory state reloaded from the store", error=repr(exc), dropped_commands=len(held)
             )
-            self.on_failure()
+            try:
+                self.on_failure()
+            except Exception as again:  # noqa: BLE001 - the waiters must still hear of the failure
+                log.error("reloading memory after a failed commit failed", error=repr(again))
             done.set_exception(exc)
             done.add_done_callback(lambda f: f.exception())  # no "never retrieved" noise when nobody waits
             return
         self.commits += 1
+        self._commit_s = 0.8 * self._commit_s + 0.2 * (time.perf_counter() - started)
         self._last = self._loop.time()
         for outbox, command in held:
             outbox.put_nowait(command)
         done.set_result(None)
+
+    def abandon(self, error: Exception) -> None:
+        """Roll the open transaction back (this scheduler stopped leading): its held commands
+        are dropped and its waiters get ``error``."""
+        tx, done, held = self._tx, self._done, self._held
+        if tx is None:
+            return
+        self._tx, self._done, self._held = None, None, []
+        try:
+            tx.__exit__(type(error), error, None)
+        except Exception as exc:  # noqa: BLE001 - the rollback of a connection that is gone
+            log.warning("rollback of the abandoned group commit failed", error=repr(exc))
+        log.warning("group commit abandoned", reason=str(error), dropped_commands=len(held))
+        done.set_exception(error)
+        done.add_done_callback(lambda f: f.exception())
 
     def hold(self, outbox: asyncio.Queue, command: object) -> bool:
         """Keep a node command until the open transaction commits; False when none is open."""
@@ -101,7 +128,9 @@ class GroupCommit:
         """Return once everything written so far is committed (at once when it is).
 
         Raises:
-            sqlite3.Error: the commit failed (those writes are gone; memory was rebuilt).
+            sqlite3.Error, StoreUnavailable: the commit failed (those writes are gone; memory was
+                rebuilt, or this scheduler stepped down when the store could not be read either).
+            NotLeader, Fenced: this scheduler stopped leading; nothing of the group was committed.
         """
         if self._done is not None:
             await asyncio.shield(self._done)

@@ -34,7 +34,7 @@ from opentinker_common.spec import SpecError, TaskSpecModel, jsonable, spec_from
 
 from opentinker_scheduler.state.commit import GroupCommit
 from opentinker_scheduler.config import SchedulerConfig
-from opentinker_scheduler.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from opentinker_scheduler.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, NotLeader
 from opentinker_scheduler.state.node_protocol import NodeProtocol, node_size
 from opentinker_scheduler.state.nodes import NodeSession
 from opentinker_scheduler.policy.placement import (
@@ -84,39 +84,100 @@ class SchedulerCore:
     commit on (the server), writes share commits and callers await :meth:`durable`.
     """
 
-    def __init__(self, config: SchedulerConfig, store: Store, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        store: Store,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        leading: bool = True,
+    ) -> None:
         self.config = config
         self.store = store
         #: Monotonic seconds the liveness checks of :meth:`tick` read (tests move it by hand).
         self.clock = clock
+        #: Whether this scheduler leads: places, preempts, runs timeouts and node streams, writes.
+        #: A follower (several schedulers on PostgreSQL) keeps no tasks in memory and answers
+        #: reads from the store; :meth:`promote` and :meth:`demote` switch (state/leadership.py).
+        self.leading = leading
+        #: Called with a reason when this core had to step down on its own (its memory could not
+        #: be made the store's again); the leadership hands the lease back and takes it anew.
+        self.on_step_down: Callable[[str], None] | None = None
+        self.changed = asyncio.Condition()
+        self.placement_latencies: list[float] = []  # seconds from submit/requeue to assign (drained by metrics)
+        self._watchers = 0  # WatchTask streams waiting in wait_changed()
+        self._wake_pending = False
+        #: Registration, heartbeats and task reports of node streams (:class:`~.node_protocol.NodeProtocol`).
+        self.node_protocol = NodeProtocol(self)
+        self._init_memory()
+        self.commits = GroupCommit(store, on_failure=self._rebuild)
+        if leading:
+            self._recover()
+
+    def _init_memory(self) -> None:
+        """Empty the leader's memory: nodes, live tasks, the ledger and its indexes, preemptions."""
         #: Until then (``clock`` seconds) no node is declared lost: the scheduler's own loop stalled.
         self._liveness_grace_until = float("-inf")
         self.nodes: dict[str, NodeSession] = {}
         self.tasks = LiveTasks()
         self.free = FreeNodes()
         self.pending_reasons = ReasonsView(self.tasks, self.pending_reason)  # task id -> why pending
-        self.changed = asyncio.Condition()
-        self.placement_latencies: list[float] = []  # seconds from submit/requeue to assign (drained by metrics)
-        self._watchers = 0  # WatchTask streams waiting in wait_changed()
         self._queued_at: dict[str, float] = {}
         self._ledger_version = 0  # bumps whenever a node's capacity may have changed
         self._caps: tuple[int, list[NodeCapacity]] | None = None
         self._max_gpus: int | None = None  # cache of max_possible_gpus(); None = recompute
-        self._wake_pending = False
         #: Preemptions in flight (memory only; :class:`~.preemption_tracker.PreemptionTracker`).
         self.preemptions = PreemptionTracker(
-            tasks=self.tasks, nodes=self.nodes, free=self.free, config=config, notify=self.notify
+            tasks=self.tasks, nodes=self.nodes, free=self.free, config=self.config, notify=self.notify
         )
         #: Gang tasks' members, rendezvous and ends (memory only; :class:`~.gangs.Gangs`).
         self.gangs = Gangs(self)
-        #: Registration, heartbeats and task reports of node streams (:class:`~.node_protocol.NodeProtocol`).
-        self.node_protocol = NodeProtocol(self)
         #: Tasks ended by max_runtime whose worker is still stopping: task id -> (attempt, node id).
         #: The worker's final checkpoint report is still recorded for them (the node protocol reads it).
         self.timed_out: dict[str, tuple[int, str]] = {}
         self._reservation: tuple[QueueKey, str] | None = None  # (queue key, node id) of the last round
-        self.commits = GroupCommit(store, on_failure=self._rebuild)
+
+    # ------------------------------------------------------------------ leadership
+    def require_leader(self) -> None:
+        """Raises NotLeader (naming the leader when known) on a follower."""
+        if not self.leading:
+            raise NotLeader(self.store.leader_address)
+
+    def promote(self) -> None:
+        """Lead from now on: memory read from the store as after a restart (running tasks keep
+        their GPUs until their nodes re-announce them, within ``restart_grace``).
+
+        Raises:
+            sqlite3.Error, StoreUnavailable: the store cannot be read (still a follower).
+        """
+        self._init_memory()
         self._recover()
+        self.leading = True
+        log.info("leading", tasks_active=len(self.active), tasks_pending=len(self.queue))
+        self.notify()
+
+    def demote(self, reason: str) -> None:
+        """Stop leading at once: the open group commit is rolled back (its waiters get
+        NotLeader, its held commands are dropped), every node stream is ended (the trainers
+        reconnect, to the new leader) and memory is emptied. Idempotent."""
+        if not self.leading:
+            return
+        self.leading = False
+        self.commits.abandon(NotLeader(self.store.leader_address))
+        for node in self.nodes.values():
+            node.generation += 1  # what the old streams still send is ignored
+            if node.connected:
+                node.outbox.put_nowait(None)  # ends the stream now (not held for a commit)
+        log.warning("stepped down; no longer leading", reason=reason, nodes=len(self.nodes))
+        self._init_memory()
+        self.notify()
+
+    def _memory_lost(self, reason: str) -> None:
+        """Memory could not be made the store's again: step down (the leadership takes the lease
+        anew and :meth:`promote` reloads everything)."""
+        self.demote(reason)
+        if self.on_step_down is not None:
+            self.on_step_down(reason)
 
     # ------------------------------------------------------------------ durability
     def enable_group_commit(self) -> None:
@@ -137,12 +198,18 @@ class SchedulerCore:
         self.commits.commit()
 
     def _rebuild(self) -> None:
-        """After a failed commit: drop the in-memory tasks and ledger, read them from the store."""
+        """After a failed commit: drop the in-memory tasks and ledger, read them from the store;
+        when that fails too (the database is down), step down until it can be read again."""
+        if not self.leading:
+            return
         for node in self.nodes.values():
             for task_id in list(node.allocations):
                 node.release(task_id)
         self.gangs.forget_all()
-        self._recover()
+        try:
+            self._recover()
+        except Exception as exc:  # noqa: BLE001 - sqlite3.Error, StoreUnavailable: memory is unusable
+            self._memory_lost(f"memory could not be reloaded from the state store: {exc}")
 
     @property
     def queue(self) -> PendingQueue:
@@ -427,6 +494,8 @@ class SchedulerCore:
                 least one lease) from now to be heard again before it is declared lost, as after
                 a restart.
         """
+        if not self.leading:
+            return
         now_m = self.clock()
         if stalled_s > self.config.lease_s:
             grace = max(self.config.restart_grace_s, self.config.lease_s)
@@ -509,7 +578,9 @@ class SchedulerCore:
         return self.node_protocol.messages
 
     def node_register(self, reg: node_pb2.Register) -> tuple[NodeSession, node_pb2.Registered]:
-        """A node opened its stream (:meth:`NodeProtocol.node_register`: errors there)."""
+        """A node opened its stream (:meth:`NodeProtocol.node_register`: errors there; NotLeader
+        on a follower)."""
+        self.require_leader()
         return self.node_protocol.node_register(reg)
 
     def node_heartbeat(self, node: NodeSession, hb: node_pb2.Heartbeat) -> None:
@@ -527,6 +598,8 @@ class SchedulerCore:
     def preempt(self) -> int:
         """Start preemptions for blocked higher-priority tasks; returns how many got victims
         (:meth:`PreemptionTracker.preempt`)."""
+        if not self.leading:
+            return 0
         return self.preemptions.preempt()
 
     # ------------------------------------------------------------------ placement
@@ -539,7 +612,7 @@ class SchedulerCore:
         pushes them to the nodes. If a write fails, memory is rebuilt from the store and the
         error raised.
         """
-        if not self.queue or not self.free:
+        if not self.leading or not self.queue or not self.free:
             return 0
         decided: list[tuple[TaskRow, NodeSession, tuple[int, ...]]] = []
         gangs: list = []
@@ -743,8 +816,11 @@ class SchedulerCore:
         """Write a live row back with its events; if that fails, memory goes back to the store's."""
         try:
             self.store.update_task(task, events)
-        except BaseException:
-            self.tasks.reload(task.task_id, self.store)
+        except BaseException as exc:
+            try:
+                self.tasks.reload(task.task_id, self.store)
+            except Exception as again:  # noqa: BLE001 - the store is gone: memory cannot follow it
+                self._memory_lost(f"a write failed ({exc}) and the row could not be read back ({again})")
             raise
 
     def node(self, node_id: str) -> NodeSession:

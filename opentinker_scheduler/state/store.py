@@ -1,4 +1,7 @@
-"""Durable scheduler state in SQLite (WAL mode) under the configured state directory.
+"""Durable scheduler state: the store interface (:class:`SqlStore`) and its embedded backend,
+SQLite in WAL mode under the configured state directory (:class:`Store`). The PostgreSQL backend
+for several schedulers is :class:`~opentinker_scheduler.state.pg_store.PostgresStore`; which one
+runs is the config's ``store:`` (:func:`~opentinker_scheduler.state.pg_store.open_store`).
 
 Every task transition is one transaction that updates the ``tasks`` row and appends its event;
 it commits before the scheduler acknowledges the RPC or pushes a command, so ``kill -9`` of the
@@ -6,11 +9,20 @@ scheduler loses nothing that was acknowledged. WAL with ``synchronous=NORMAL`` s
 crashes (a power loss may drop the last transactions; set ``synchronous=FULL`` to cover that).
 
 Events are stored as serialized ``opentinker.common.v1.TaskEvent`` messages with a per-task
-sequence number starting at 1; metric points are events of kind ``metric``.
+sequence number starting at 1; metric points are events of kind ``metric``. The tables and their
+versions: :mod:`.schema` (one list of migrations for both backends).
+
+Roles (:attr:`SqlStore.role`): a store writes only as the ``leader``. On SQLite it always is (the
+state directory's lock keeps every other scheduler out); on PostgreSQL the leader lease decides
+(:mod:`.leadership`), and every write transaction of a leader carries its epoch, refused by the
+database once a newer epoch holds the lease (:class:`~opentinker_scheduler.errors.Fenced`). A
+``follower`` reads; its writes raise :class:`~opentinker_scheduler.errors.NotLeader` before any
+SQL runs. ``setup`` (start-up, before the first election) writes without an epoch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -22,62 +34,10 @@ from typing import Callable, Iterable
 
 from opentinker.common.v1 import common_pb2
 
+from opentinker_scheduler.errors import NotLeader, StoreUnavailable
 from opentinker_scheduler.policy.placement import share_key
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS tasks (
-    task_id        TEXT PRIMARY KEY,
-    owner          TEXT NOT NULL,
-    request_id     TEXT,
-    spec           BLOB NOT NULL,         -- serialized opentinker.common.v1.TaskSpec
-    state          INTEGER NOT NULL,      -- opentinker.common.v1.TaskState
-    attempt        INTEGER NOT NULL,
-    priority       INTEGER NOT NULL,
-    gpu_count      INTEGER NOT NULL,
-    max_attempts   INTEGER NOT NULL,
-    max_runtime_s  REAL,
-    create_time    REAL NOT NULL,         -- unix seconds
-    update_time    REAL NOT NULL,
-    start_time     REAL,
-    end_time       REAL,
-    not_before     REAL NOT NULL DEFAULT 0, -- retry backoff: not placed before this time
-    node_id        TEXT NOT NULL DEFAULT '',
-    device_indices TEXT NOT NULL DEFAULT '[]',
-    error          TEXT NOT NULL DEFAULT '',
-    latest_step    INTEGER NOT NULL DEFAULT 0,
-    latest_metrics TEXT NOT NULL DEFAULT '{}',
-    latest_checkpoint BLOB,               -- serialized Checkpoint
-    next_seq       INTEGER NOT NULL DEFAULT 1,
-    attempt_step   INTEGER NOT NULL DEFAULT 0 -- highest metric step the current attempt reported
-);
-CREATE UNIQUE INDEX IF NOT EXISTS tasks_request ON tasks(owner, request_id) WHERE request_id IS NOT NULL;
-CREATE INDEX IF NOT EXISTS tasks_state ON tasks(state);
-CREATE TABLE IF NOT EXISTS events (
-    task_id  TEXT NOT NULL,
-    seq      INTEGER NOT NULL,
-    time     REAL NOT NULL,
-    kind     TEXT NOT NULL,              -- state | metric | checkpoint
-    step     INTEGER,
-    payload  BLOB NOT NULL,              -- serialized TaskEvent
-    PRIMARY KEY (task_id, seq)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS nodes (
-    node_id     TEXT PRIMARY KEY,
-    info        BLOB NOT NULL,           -- serialized opentinker.node.v1.Register
-    first_seen  REAL NOT NULL,
-    last_seen   REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS task_endpoints (
-    task_id  TEXT PRIMARY KEY,
-    attempt  INTEGER NOT NULL,           -- the attempt whose server listens there
-    address  TEXT NOT NULL               -- host:port (an inference task's InferenceService)
-);
-CREATE TABLE IF NOT EXISTS dataset_owners (
-    dataset_id  TEXT NOT NULL,           -- sha256:<hex>
-    owner       TEXT NOT NULL,           -- an owner who uploaded these bytes
-    PRIMARY KEY (dataset_id, owner)
-) WITHOUT ROWID;
-"""
+from opentinker_scheduler.state import schema
+from opentinker_scheduler.state.schema import LEASE_NAME, SchemaTooNew  # noqa: F401  (re-exported)
 
 #: TaskState value -> name without the prefix ("PENDING" ...), for logs and metrics.
 STATE_NAMES = {v: k.removeprefix("TASK_STATE_") for k, v in common_pb2.TaskState.items()}
@@ -154,7 +114,7 @@ _COLUMNS = (
 )
 
 
-def _row_to_task(r: sqlite3.Row) -> TaskRow:
+def _row_to_task(r) -> TaskRow:
     spec = common_pb2.TaskSpec.FromString(r["spec"])
     ckpt = common_pb2.Checkpoint.FromString(r["latest_checkpoint"]) if r["latest_checkpoint"] else None
     return TaskRow(
@@ -183,75 +143,138 @@ def _row_to_task(r: sqlite3.Row) -> TaskRow:
     )
 
 
-class StateDirInUse(OSError):
-    """Another scheduler process holds the state directory's lock."""
+@dataclass(frozen=True)
+class Lease:
+    """The leader lease row as read (or just written)."""
+
+    epoch: int
+    holder: str  # instance id ("" = never held)
+    address: str  # host:port of the leader
+    expire_time: float  # unix seconds, the database's clock
+    #: Whether the lease is still held by the database's clock.
+    valid: bool
 
 
-class Store:
-    """The scheduler's SQLite database. Single-threaded use from the event loop.
+class SqlStore:
+    """The state store's interface: everything the scheduler reads and writes, one method per
+    question, in SQL shared by both backends (SQLite's dialect: ``?`` placeholders, translated
+    for PostgreSQL). Single-threaded use from the event loop.
+
+    A backend provides the connection :attr:`db` (``execute(sql, params)`` returning rows that
+    index by position and by column name; the security room keeps its tables through it) and
+    the transaction hooks ``_begin``/``_commit``/``_rollback``/``_in_transaction``, plus
+    :meth:`close` and :meth:`writable`.
 
     Raises:
-        sqlite3.Error: on I/O failure; callers turn it into UNAVAILABLE.
+        sqlite3.Error, StoreUnavailable: on I/O failure or a database that cannot be reached;
+            callers turn it into UNAVAILABLE.
+        NotLeader: a write on a store that is not the leader's (a follower; or the leader's after
+            it lost its lease: :class:`~opentinker_scheduler.errors.Fenced`).
     """
 
-    def __init__(self, state_dir: Path) -> None:
-        try:
-            state_dir.mkdir(parents=True, exist_ok=True)
-            self._lock_file = open(state_dir / "scheduler.lock", "a+")
-        except OSError as exc:
-            what = "not a folder" if state_dir.exists() and not state_dir.is_dir() else (exc.strerror or exc)
-            raise OSError(f"state_dir {state_dir}: {what}") from None
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._lock_file.seek(0)
-            holder = self._lock_file.read().strip() or "unknown"
-            self._lock_file.close()
-            raise StateDirInUse(
-                f"state_dir {state_dir} is in use by another scheduler (pid {holder}); "
-                "one scheduler per state directory"
-            ) from None
-        self._lock_file.seek(0)
-        self._lock_file.truncate()
-        self._lock_file.write(str(os.getpid()))
-        self._lock_file.flush()
-        self.path = state_dir / "scheduler.db"
-        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("PRAGMA busy_timeout=5000")
-        self.db.executescript(_SCHEMA)
-        self._add_missing_columns()
+    #: "sqlite" or "postgres".
+    kind = "sql"
+    #: SQL expression of the database's clock in unix seconds (float).
+    _NOW = ""
+
+    def _setup(self) -> None:
+        """Common start: transaction state, roles, the legacy repair of cancelled rows."""
         self._tx_depth = 0
         self._tx_failed = False
+        self._tx_fenced = True
         #: Called before every write transaction starts; the core uses it to open a group commit.
         self.before_write: Callable[[], None] | None = None
+        #: "leader", "follower" or "setup" (see the module docstring).
+        self.role = "leader"
+        #: The leader epoch writes carry (PostgreSQL; None: not fenced, SQLite).
+        self.epoch: int | None = None
+        #: Where the leader is ("host:port", "" unknown), for a follower's NotLeader.
+        self.leader_address = ""
+        #: Called (no arguments) when the database refused a write for a newer epoch.
+        self.on_fenced: Callable[[], None] | None = None
         self._fill_cancelled_errors()
 
-    def _add_missing_columns(self) -> None:
-        """A store written by an older scheduler lacks columns added since; add them (with their
-        defaults) so it opens as it is."""
-        have = {r["name"] for r in self.db.execute("PRAGMA table_info(tasks)")}
-        if "attempt_step" not in have:
-            self.db.execute("ALTER TABLE tasks ADD COLUMN attempt_step INTEGER NOT NULL DEFAULT 0")
-
     def close(self) -> None:
-        self.db.close()
-        if not self._lock_file.closed:
-            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
-            self._lock_file.close()
+        raise NotImplementedError
 
     def writable(self) -> bool:
         """Readiness probe: can we write a transaction now?"""
-        if self._tx_depth:
-            return True  # a (group) transaction is open on this connection
-        try:
-            self.db.execute("BEGIN IMMEDIATE")
-            self.db.execute("ROLLBACK")
-            return True
-        except sqlite3.Error:
-            return False
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """Where the state lives, for logs (no password)."""
+        return self.kind
+
+    # --- roles ------------------------------------------------------------------------------------
+    @property
+    def read_only(self) -> bool:
+        """Writes would be refused now (a follower)."""
+        return self.role == "follower"
+
+    def lead(self, epoch: int | None) -> None:
+        """Write from now on as the leader of ``epoch`` (None: without fencing)."""
+        self.role, self.epoch = "leader", epoch
+
+    def follow(self, leader_address: str = "") -> None:
+        """Refuse writes from now on (NotLeader naming ``leader_address``)."""
+        self.role, self.epoch, self.leader_address = "follower", None, leader_address
+
+    def _check_role(self) -> None:
+        if self.role == "follower":
+            raise NotLeader(self.leader_address)
+
+    # --- the leader lease ---------------------------------------------------------------------------
+    def read_lease(self) -> Lease:
+        """The lease row now (read in its own transaction when none is open)."""
+        r = self.db.execute(
+            f"SELECT epoch, holder, address, expire_time, expire_time > {self._NOW} FROM leader_lease WHERE name=?",
+            (LEASE_NAME,),
+        ).fetchone()
+        return Lease(int(r[0]), r[1], r[2], float(r[3]), bool(r[4]))
+
+    def acquire_lease(self, holder: str, address: str, duration_s: float) -> Lease | None:
+        """Take the lease for ``duration_s`` seconds with a new epoch, when it has expired (or
+        ``holder`` holds it already: a leader that stepped down takes it back with a new epoch).
+        Returns the lease taken, or None when another holder's lease is still valid. Its own
+        transaction, never fenced (it is what fencing is measured against)."""
+        with SqlStore._Tx(self, fenced=False):
+            cur = self.db.execute(
+                f"UPDATE leader_lease SET epoch=epoch+1, holder=?, address=?, expire_time={self._NOW}+?, "
+                f"renew_time={self._NOW} WHERE name=? AND (expire_time <= {self._NOW} OR holder=?)",
+                (holder, address, duration_s, LEASE_NAME, holder),
+            )
+            taken = cur.rowcount == 1
+        return self.read_lease() if taken else None
+
+    def renew_lease(self, holder: str, epoch: int, duration_s: float) -> bool:
+        """Extend the lease of ``epoch`` held by ``holder`` to ``duration_s`` seconds from now;
+        False when it is no longer theirs (taken over after it expired)."""
+        with SqlStore._Tx(self, fenced=False):
+            cur = self.db.execute(
+                f"UPDATE leader_lease SET expire_time={self._NOW}+?, renew_time={self._NOW} "
+                "WHERE name=? AND holder=? AND epoch=?",
+                (duration_s, LEASE_NAME, holder, epoch),
+            )
+            return cur.rowcount == 1
+
+    def release_lease(self, holder: str, epoch: int) -> None:
+        """End the lease of ``epoch`` now (a clean shutdown: a follower takes over at once)."""
+        with SqlStore._Tx(self, fenced=False):
+            self.db.execute(
+                f"UPDATE leader_lease SET expire_time={self._NOW} WHERE name=? AND holder=? AND epoch=?",
+                (LEASE_NAME, holder, epoch),
+            )
+
+    def exclusive(self, name: str):
+        """A context manager holding a lock named ``name`` across all schedulers on this store
+        (start-up steps two schedulers must not run at once). SQLite: nothing to do, the state
+        directory's lock already keeps every other scheduler out."""
+        return contextlib.nullcontext()
+
+    def schema_version(self) -> int:
+        """The newest migration applied to this store."""
+        r = self.db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
+        return int(r[0] or 0)
 
     # --- tasks ---------------------------------------------------------------------------------
     def insert_task(self, task: TaskRow, first_event: common_pb2.TaskEvent) -> None:
@@ -385,7 +408,8 @@ class Store:
         two owners belong to both)."""
         with self._tx():
             self.db.execute(
-                "INSERT OR IGNORE INTO dataset_owners (dataset_id, owner) VALUES (?,?)", (dataset_id, owner)
+                "INSERT INTO dataset_owners (dataset_id, owner) VALUES (?,?) ON CONFLICT DO NOTHING",
+                (dataset_id, owner),
             )
 
     def dataset_visible(self, dataset_id: str, owner: str) -> bool:
@@ -480,25 +504,33 @@ class Store:
             t.attempt_step,
         )
 
-    def batch(self) -> "Store._Tx":
+    def batch(self) -> "SqlStore._Tx":
         """One transaction around several writes (``with store.batch(): ...``): one commit instead
         of one per write. Nests: only the outermost block commits; an error anywhere inside rolls
         all of it back."""
         return self._tx()
 
-    def transaction(self) -> "Store._Tx":
+    def transaction(self) -> "SqlStore._Tx":
         """Like :meth:`batch` but without calling ``before_write`` (the group commit's own)."""
-        return Store._Tx(self)
+        return SqlStore._Tx(self)
 
     class _Tx:
-        def __init__(self, store: "Store") -> None:
+        """A (nestable) write transaction. The outermost one checks the role (NotLeader on a
+        follower) and begins; at its end it commits, fenced by the epoch when ``fenced`` and the
+        store leads with one, or rolls back when anything inside failed."""
+
+        def __init__(self, store: "SqlStore", *, fenced: bool = True) -> None:
             self.store = store
+            self.fenced = fenced
 
         def __enter__(self):
             s = self.store
             if s._tx_depth == 0:
-                s.db.execute("BEGIN IMMEDIATE")
+                if self.fenced:
+                    s._check_role()
+                s._begin()
                 s._tx_failed = False
+                s._tx_fenced = self.fenced
             s._tx_depth += 1
 
         def __exit__(self, exc_type, exc, tb):
@@ -508,20 +540,188 @@ class Store:
                 s._tx_failed = True
             if s._tx_depth == 0:
                 if s._tx_failed:
-                    if s.db.in_transaction:  # SQLite may have rolled back already (e.g. disk full)
-                        s.db.execute("ROLLBACK")
+                    if s._in_transaction():  # the database may have rolled back already (e.g. disk full)
+                        s._rollback()
                     if exc_type is None:
-                        raise sqlite3.OperationalError("transaction rolled back: a write inside it failed")
+                        s._raise_rolled_back()
                 else:
                     try:
-                        s.db.execute("COMMIT")
+                        s._commit(s.epoch if s._tx_fenced and s.role == "leader" else None)
                     except BaseException:
-                        if s.db.in_transaction:
-                            s.db.execute("ROLLBACK")
+                        if s._in_transaction():
+                            s._rollback()
                         raise
             return False
 
-    def _tx(self) -> "Store._Tx":
+    def _tx(self) -> "SqlStore._Tx":
         if self.before_write is not None:
             self.before_write()
-        return Store._Tx(self)
+        return SqlStore._Tx(self)
+
+    # --- backend hooks ---------------------------------------------------------------------------
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    def _commit(self, epoch: int | None) -> None:
+        """Commit the open transaction; with an ``epoch``, only if it still holds the lease."""
+        raise NotImplementedError
+
+    def _rollback(self) -> None:
+        raise NotImplementedError
+
+    def _in_transaction(self) -> bool:
+        raise NotImplementedError
+
+    def _raise_rolled_back(self) -> None:
+        raise StoreUnavailable("state store unavailable: transaction rolled back: a write inside it failed")
+
+
+class StateDirInUse(OSError):
+    """Another scheduler process holds the state directory's lock."""
+
+
+class Store(SqlStore):
+    """The embedded backend: SQLite (WAL) in ``<state_dir>/scheduler.db``, locked to this process.
+
+    Raises:
+        StateDirInUse: another scheduler holds the state directory.
+        SchemaTooNew: the database was migrated by a newer scheduler.
+        OSError: the state directory cannot be made or is not a folder.
+        sqlite3.Error: on I/O failure; callers turn it into UNAVAILABLE.
+    """
+
+    kind = "sqlite"
+    _NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+
+    def __init__(self, state_dir: Path) -> None:
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            self._lock_file = open(state_dir / "scheduler.lock", "a+")
+        except OSError as exc:
+            what = "not a folder" if state_dir.exists() and not state_dir.is_dir() else (exc.strerror or exc)
+            raise OSError(f"state_dir {state_dir}: {what}") from None
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_file.seek(0)
+            holder = self._lock_file.read().strip() or "unknown"
+            self._lock_file.close()
+            raise StateDirInUse(
+                f"state_dir {state_dir} is in use by another scheduler (pid {holder}); "
+                "one scheduler per state directory"
+            ) from None
+        self._lock_file.seek(0)
+        self._lock_file.truncate()
+        self._lock_file.write(str(os.getpid()))
+        self._lock_file.flush()
+        self.path = state_dir / "scheduler.db"
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute("PRAGMA busy_timeout=5000")
+        try:
+            self._migrate()
+        except BaseException:
+            self.close()
+            raise
+        self._setup()
+
+    def _migrate(self) -> None:
+        """Apply the migrations this database lacks (:mod:`.schema`), each in its transaction;
+        refuse a newer schema."""
+        self.db.executescript(schema.MIGRATIONS_TABLE)
+        newest = self.db.execute(
+            "SELECT version, description, scheduler_version FROM schema_migrations ORDER BY version DESC LIMIT 1"
+        ).fetchone()
+        if newest is not None and newest[0] > schema.SCHEMA_VERSION:
+            raise schema.too_new(newest[0], newest[1], newest[2])
+        done = newest[0] if newest is not None else 0
+        for m in schema.MIGRATIONS:
+            if m.version <= done:
+                continue
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _statements(m.sql):
+                    self.db.execute(statement)
+                if m.sqlite_fixup is not None:
+                    m.sqlite_fixup(self.db)
+                self.db.execute(
+                    "INSERT INTO schema_migrations (version, description, applied_time, scheduler_version) "
+                    "VALUES (?,?,?,?)",
+                    (m.version, m.description, time.time(), schema.scheduler_version()),
+                )
+                self.db.execute("COMMIT")
+            except BaseException:
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+                raise
+
+    def describe(self) -> str:
+        return f"sqlite {self.path}"
+
+    def close(self) -> None:
+        self.db.close()
+        if not self._lock_file.closed:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            self._lock_file.close()
+
+    def writable(self) -> bool:
+        """Readiness probe: can we write a transaction now?"""
+        if self._tx_depth:
+            return True  # a (group) transaction is open on this connection
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.execute("ROLLBACK")
+            return True
+        except sqlite3.Error:
+            return False
+
+    def _begin(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def _commit(self, epoch: int | None) -> None:
+        # One process holds the state directory: nothing to fence against.
+        self.db.execute("COMMIT")
+
+    def _rollback(self) -> None:
+        self.db.execute("ROLLBACK")
+
+    def _in_transaction(self) -> bool:
+        return self.db.in_transaction
+
+    def _raise_rolled_back(self) -> None:
+        raise sqlite3.OperationalError("transaction rolled back: a write inside it failed")
+
+
+#: The embedded backend by its name.
+SqliteStore = Store
+
+
+def _statements(script: str) -> list[str]:
+    """The statements of a migration script (split at ``;`` ending a line; no ``;`` inside them)."""
+    return [part.strip() for part in script.split(";\n") if part.strip() and part.strip() != ";"]
+
+
+def open_store(config) -> SqlStore:
+    """The store a :class:`~opentinker_scheduler.config.SchedulerConfig` names (``store:``):
+    SQLite under ``state_dir`` (the default), or PostgreSQL (its password read now).
+
+    Raises:
+        OSError: as :class:`Store` / :class:`~.pg_store.PostgresStore` (a state directory in use,
+            a database that cannot be reached, a password variable that is unset, ...).
+        SchemaTooNew: the store was migrated by a newer scheduler.
+    """
+    sc = config.store
+    if sc.kind == "postgres":
+        from opentinker_scheduler.state.pg_store import PostgresStore
+
+        return PostgresStore(
+            sc.dsn,
+            password=sc.password(),
+            schema_name=sc.schema,
+            call_timeout_s=sc.call_timeout_s,
+            idle_in_transaction_s=max(1.0, min(5.0, sc.leader_lease_s / 2)),
+            synchronous_commit=sc.synchronous_commit,
+        )
+    return Store(config.state_dir)

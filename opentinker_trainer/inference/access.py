@@ -122,7 +122,9 @@ class AccessChecker:
         clock=time.monotonic,
     ) -> None:
         env = os.environ if env is None else env
-        self.target = target or env.get("OPENTINKER_SCHEDULER_URL", "")
+        # Several schedulers (the node's list, the leader first): GetTask is answered by any of
+        # them, so the first is asked.
+        self.target = (target or env.get("OPENTINKER_SCHEDULER_URL", "")).split(",")[0].strip()
         if not self.target:
             raise ValueError("the scheduler's address is unknown (OPENTINKER_SCHEDULER_URL is not set)")
         if not (isinstance(ttl, (int, float)) and ttl > 0):

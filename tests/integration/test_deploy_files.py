@@ -28,7 +28,14 @@ DEPLOY = ROOT / "deploy"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SCRIPTS = PYPROJECT["project"]["scripts"]
 #: Variables our images set that third-party libraries read, not our code.
-THIRD_PARTY_ENV = {"HF_HOME", "PYTHONUNBUFFERED", "PIP_NO_CACHE_DIR", "PIP_DISABLE_PIP_VERSION_CHECK"}
+THIRD_PARTY_ENV = {
+    "HF_HOME",
+    "PYTHONUNBUFFERED",
+    "PIP_NO_CACHE_DIR",
+    "PIP_DISABLE_PIP_VERSION_CHECK",
+    "AWS_ACCESS_KEY_ID",  # boto3: the S3 artifact store
+    "AWS_SECRET_ACCESS_KEY",
+}
 #: Where each role's environment variables are read.
 ENV_SOURCES = {
     "opentinker-trainer": [ROOT / "opentinker_trainer" / "__main__.py", ROOT / "opentinker_common" / "logs.py"],
@@ -301,3 +308,121 @@ def test_trainer_reads_its_port_and_scheduler_from_the_environment(tmp_path) -> 
             cwd=ROOT,
         )
         assert proc.returncode == 2 and f"environment variable {var}" in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------------------------ several schedulers (PostgreSQL)
+
+
+def _haproxy(path: Path) -> dict[str, list[str]]:
+    """Section header -> its lines, of an haproxy.cfg."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].rstrip()
+        if not line.strip():
+            continue
+        if not raw.startswith((" ", "\t")):
+            current = line.strip()
+            sections[current] = []
+        elif current is not None:
+            sections[current].append(line.strip())
+    return sections
+
+
+def test_compose_ha_runs_postgres_two_schedulers_a_balancer_and_trainers(cli_flags) -> None:
+    compose = docs(DEPLOY / "compose.ha.yaml")[0]
+    services = compose["services"]
+    schedulers = {name: s for name, s in services.items() if name.startswith("scheduler-")}
+    assert len(schedulers) == 2 and {"postgres", "lb", "trainer"} <= set(services)
+    pg_env = services["postgres"]["environment"]
+    for name, s in schedulers.items():
+        argv = s["command"]
+        check_command(argv, cli_flags)
+        check_env("opentinker-scheduler", [k for k in s["environment"] if k != "OPENTINKER_DB_PASSWORD"])
+        assert flag(argv, "--advertise-address") == f"{name}:{flag(argv, '--port')}"
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in s["volumes"]}
+        config = load_config(DEPLOY / mounts[flag(argv, "--config")])
+        assert config.store.kind == "postgres" and config.store.password_env in s["environment"]
+        assert config.artifacts.backend == "s3"  # checkpoints where every scheduler finds them
+        assert config.artifacts.s3.endpoint.split("//")[1].split(":")[0] in services
+        assert interpolate(s["environment"][config.store.password_env]) == interpolate(pg_env["POSTGRES_PASSWORD"])
+        dsn = dict(part.split("=", 1) for part in config.store.dsn.split())
+        assert (
+            dsn["host"] == "postgres"
+            and dsn["dbname"] == pg_env["POSTGRES_DB"]
+            and dsn["user"] == pg_env["POSTGRES_USER"]
+        )
+        assert str(config.state_dir) == flag(argv, "--state-dir")
+        assert f"127.0.0.1:{flag(argv, '--http-port')}/health" in " ".join(s["healthcheck"]["test"])
+        assert s["depends_on"]["postgres"]["condition"] == "service_healthy"
+    # HAProxy: TCP, to the one scheduler that passes /ready on its HTTP port
+    lb = services["lb"]
+    cfg_src = next(v.split(":")[0] for v in lb["volumes"] if v.split(":")[1].endswith("haproxy.cfg"))
+    cfg = _haproxy(DEPLOY / cfg_src)
+    assert "mode tcp" in cfg["defaults"]
+    (frontend,) = [k for k in cfg if k.startswith("frontend")]
+    bind_port = next(line.split(":")[-1] for line in cfg[frontend] if line.startswith("bind"))
+    assert f"{bind_port}:{bind_port}" in lb["ports"]
+    backend = cfg["backend schedulers"]
+    assert "option httpchk GET /ready" in backend and "http-check expect status 200" in backend
+    default = next(line for line in backend if line.startswith("default-server"))
+    servers = {line.split()[1]: line.split()[2] for line in backend if line.startswith("server ")}
+    assert set(servers) == set(schedulers)
+    for name, s in schedulers.items():
+        assert servers[name] == f"{name}:{flag(s['command'], '--port')}"
+        assert f"check port {flag(s['command'], '--http-port')}" in default
+    assert "on-marked-down shutdown-sessions" in default
+    env = services["trainer"]["environment"]
+    check_env("opentinker-trainer", list(env))
+    assert parse_scheduler_url(env["SCHEDULER_URL"]) == f"lb:{bind_port}"
+    declared = set(compose["volumes"])
+    for name, svc in services.items():
+        for v in svc.get("volumes", []):
+            src = v.split(":")[0]
+            assert src.startswith("./") or src in declared, f"{name}: volume {src} is not declared"
+
+
+def _k8s_ha(kind: str, name: str) -> dict:
+    for path in (DEPLOY / "k8s-ha").glob("*.yaml"):
+        for d in docs(path):
+            if d.get("kind") == kind and d.get("metadata", {}).get("name") == name:
+                return d
+    raise AssertionError(f"no {kind} {name} in deploy/k8s-ha")
+
+
+def test_k8s_ha_two_replicas_ready_only_on_the_leader(cli_flags) -> None:
+    dep = _k8s_ha("Deployment", "opentinker-scheduler")
+    svc = _k8s_ha("Service", "opentinker-scheduler")
+    cm = _k8s_ha("ConfigMap", "opentinker-scheduler-config")
+    assert dep["spec"]["replicas"] == 2
+    c = container(dep)
+    argv = c["command"] + c["args"]
+    check_command(argv, cli_flags)
+    env = {e["name"]: e for e in c["env"]}
+    check_env("opentinker-scheduler", [n for n in env if n not in ("POD_IP", "OPENTINKER_DB_PASSWORD")])
+    names = [e["name"] for e in c["env"]]
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["OPENTINKER_ADVERTISE_ADDRESS"]["value"] == f"$(POD_IP):{flag(argv, '--port')}"
+    assert names.index("POD_IP") < names.index("OPENTINKER_ADVERTISE_ADDRESS")  # defined first: $(POD_IP) expands
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 2  # a follower is never Ready
+    config = parse_config(cm["data"]["scheduler_config.yaml"], "configmap:scheduler_config.yaml")
+    assert config.store.kind == "postgres" and config.artifacts.backend == "s3"
+    secret_ref = env[config.store.password_env]["valueFrom"]["secretKeyRef"]
+    secret = _k8s_ha("Secret", secret_ref["name"])
+    assert secret_ref["key"] in secret["stringData"]
+    pg_svc = dict(part.split("=", 1) for part in config.store.dsn.split())["host"]
+    pg = _k8s_ha("Service", pg_svc)
+    sts = _k8s_ha("StatefulSet", pg_svc)
+    assert pg["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    # the trainers and the namespace are those of the one-scheduler manifests
+    for same in ("trainer.yaml", "namespace.yaml"):
+        assert (DEPLOY / "k8s-ha" / same).read_text() == (DEPLOY / "k8s" / same).read_text(), same
+    kust = docs(DEPLOY / "k8s-ha" / "kustomization.yaml")[0]
+    assert set(kust["resources"]) == {p.name for p in (DEPLOY / "k8s-ha").glob("*.yaml")} - {"kustomization.yaml"}
+    # the ConfigMap and the compose config hold the same keys
+    ha_compose = yaml.safe_load((DEPLOY / "scheduler_config.ha.yaml").read_text())
+    assert yaml.safe_load(cm["data"]["scheduler_config.yaml"]).keys() == ha_compose.keys()

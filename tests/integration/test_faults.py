@@ -22,7 +22,10 @@ from tests.support.waiting import wait_for
 TINY_HP = {"steps": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
 
 
-def test_scheduler_kill9_and_restart_loses_nothing_and_running_work_continues(cluster, tiny_model_dir: Path) -> None:
+def test_scheduler_kill9_and_restart_loses_nothing_and_running_work_continues(
+    backend_cluster, tiny_model_dir: Path
+) -> None:
+    cluster = backend_cluster  # SQLite, and PostgreSQL (the restarted scheduler takes the expired lease)
     cluster.start_scheduler()
     trainer = cluster.start_trainer("node-a")
     cluster.wait_nodes(1)

@@ -84,7 +84,8 @@ def test_missing_model_fails_without_retry_and_services_keep_serving(cluster, ti
     assert cluster.health() == {"status": "ok"}
 
 
-def test_trainer_killed_mid_task_is_requeued_and_finishes_elsewhere(cluster, tiny_model_dir: Path) -> None:
+def test_trainer_killed_mid_task_is_requeued_and_finishes_elsewhere(backend_cluster, tiny_model_dir: Path) -> None:
+    cluster = backend_cluster  # on SQLite and on PostgreSQL
     cluster.start_scheduler()
     first = cluster.start_trainer("node-a")
     cluster.wait_nodes(1)

@@ -130,6 +130,77 @@ def test_forget_disconnected_after_defaults_to_ten_minutes_and_is_read() -> None
     assert parse_config(SEED + "forget_disconnected_after: 90\n", "c.yaml").forget_disconnected_after_s == 90.0
 
 
+def test_store_defaults_to_sqlite_and_reads_postgres() -> None:
+    assert parse_config("").store.kind == "sqlite"
+    cfg = parse_config(
+        "store:\n  kind: postgres\n  dsn: host=db dbname=opentinker user=ot\n  password_env: OT_DB_PASSWORD\n"
+        "  schema: ot\n  leader_lease: 6\n  renew_interval: 1\n  synchronous_commit: false\n",
+        "cfg.yaml",
+    )
+    s = cfg.store
+    assert s.synchronous_commit is False
+    assert (s.kind, s.dsn, s.password_env, s.schema, s.leader_lease_s, s.renew_interval_s) == (
+        "postgres",
+        "host=db dbname=opentinker user=ot",
+        "OT_DB_PASSWORD",
+        "ot",
+        6.0,
+        1.0,
+    )
+
+
+@pytest.mark.parametrize(
+    "text,where",
+    [
+        ("store:\n  kind: mysql\n", "cfg.yaml:2:9: store.kind: expected sqlite or postgres, got 'mysql'"),
+        (
+            "store:\n  kind: postgres\n",
+            "cfg.yaml:2:3: store.dsn: expected a libpq connection string with kind postgres",
+        ),
+        ("store:\n  dsn: host=db\n", "cfg.yaml:2:8: store.dsn: expected no dsn with kind sqlite"),
+        (
+            "store:\n  kind: postgres\n  dsn: host=db password=hunter2\n",
+            "cfg.yaml:3:8: store.dsn: expected a connection string without a password",
+        ),
+        (
+            "store:\n  kind: postgres\n  dsn: postgresql://ot:hunter2@db/ot\n",
+            "cfg.yaml:3:8: store.dsn: expected a connection string without a password",
+        ),
+        (
+            "store:\n  kind: postgres\n  dsn: host=db\n  password_env: A\n  password_file: /f\n",
+            "cfg.yaml:5:18: store.password_file: expected only one of password_env and password_file",
+        ),
+        (
+            "store:\n  kind: postgres\n  dsn: host=db\n  schema: a-b\n",
+            "cfg.yaml:4:11: store.schema: expected a plain identifier",
+        ),
+        (
+            "store:\n  kind: postgres\n  dsn: host=db\n  leader_lease: 3\n  renew_interval: 2\n",
+            "cfg.yaml:5:19: store.renew_interval: expected at most a third of store.leader_lease",
+        ),
+        ("store:\n  kind: postgres\n  dsn: host=db\n  leasee: 3\n", "cfg.yaml:4:3: store.leasee: expected one of"),
+    ],
+)
+def test_bad_store_section_names_the_field(text: str, where: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "cfg.yaml")
+    assert str(info.value).startswith(where), str(info.value)
+    assert "hunter2" not in str(info.value), "a password in the DSN was echoed"
+
+
+def test_store_password_from_env_or_file(tmp_path, monkeypatch) -> None:
+    from opentinker_scheduler.config.store import StoreConfig
+
+    monkeypatch.setenv("OT_DB_PASSWORD", "pw-from-env")
+    assert StoreConfig(kind="postgres", dsn="host=db", password_env="OT_DB_PASSWORD").password() == "pw-from-env"
+    f = tmp_path / "pw"
+    f.write_text("pw-from-file\n")
+    assert StoreConfig(kind="postgres", dsn="host=db", password_file=str(f)).password() == "pw-from-file"
+    assert StoreConfig(kind="postgres", dsn="host=db").password() is None
+    with pytest.raises(OSError, match="store.password_file: cannot read"):
+        StoreConfig(kind="postgres", dsn="host=db", password_file=str(tmp_path / "none")).password()
+
+
 #: The deployment guide's config exactly as it is printed (bullets and typographic quotes).
 GUIDE = """\
 resource_pool:

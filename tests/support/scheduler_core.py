@@ -11,12 +11,13 @@ from opentinker.common.v1 import common_pb2 as C
 from opentinker.node.v1 import node_pb2 as N
 from opentinker_scheduler.config import PoolNode, SchedulerConfig
 from opentinker_scheduler.state.core import SchedulerCore
-from opentinker_scheduler.state.store import Store
+from tests.support.stores import make_store
 
 
 def make_core(tmp: Path, **kw) -> SchedulerCore:
+    """A core on a one-node pool, its store on the current backend (tests/support/stores.py)."""
     cfg = SchedulerConfig(resource_pool=(PoolNode("gpu-node-01", 4, 8),), state_dir=tmp, **kw)
-    return SchedulerCore(cfg, Store(tmp))
+    return SchedulerCore(cfg, make_store(tmp))
 
 
 def spec(gpus: int = 0, model: str = "/models/m", **hp) -> C.TaskSpec:

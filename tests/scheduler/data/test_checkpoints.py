@@ -20,7 +20,7 @@ from opentinker_scheduler.config import PoolNode, SchedulerConfig
 from opentinker_scheduler.state.core import SchedulerCore
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
 from opentinker_scheduler.server import start_scheduler
-from opentinker_scheduler.state.store import Store
+from tests.support.stores import make_store, with_store
 
 
 def _spec() -> C.TaskSpec:
@@ -55,7 +55,8 @@ def _folder(root: Path, name: str, files: dict[str, bytes]) -> Path:
 
 def test_list_and_pick_checkpoints_with_not_found_cases(tmp_path) -> None:
     core = SchedulerCore(
-        SchedulerConfig(resource_pool=(PoolNode("n1", 0, 4),), state_dir=tmp_path / "state"), Store(tmp_path / "state")
+        SchedulerConfig(resource_pool=(PoolNode("n1", 0, 4),), state_dir=tmp_path / "state"),
+        make_store(tmp_path / "state"),
     )
     a = _folder(tmp_path, "step_2", {"a.bin": b"x"})
     b = _folder(tmp_path, "step_4", {"a.bin": b"y"})
@@ -98,7 +99,7 @@ class _SchedulerThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        cfg = SchedulerConfig(resource_pool=(PoolNode("n1", 0, 4),), state_dir=state_dir)
+        cfg = with_store(SchedulerConfig(resource_pool=(PoolNode("n1", 0, 4),), state_dir=state_dir))
         self.running = self.call(start_scheduler(cfg, host="127.0.0.1", port=0, http_port=None))
         self.core = self.running.core
 

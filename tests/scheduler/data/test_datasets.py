@@ -21,7 +21,7 @@ from opentinker_scheduler.state.core import SchedulerCore
 from opentinker_scheduler.data.datasets import DatasetStore, LineValidator, receive_upload, validate_chat_jsonl
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from opentinker_scheduler.admission.refs import check_references
-from opentinker_scheduler.state.store import Store
+from tests.support.stores import make_store
 
 
 def example(q: str, a: str) -> str:
@@ -139,7 +139,7 @@ def test_upload_stream_needs_a_header_first(tmp_path) -> None:
 
 def make_core(tmp: Path) -> SchedulerCore:
     cfg = SchedulerConfig(resource_pool=(PoolNode("node-a", 0, 8),), state_dir=tmp, default_model="/models/m")
-    return SchedulerCore(cfg, Store(tmp))
+    return SchedulerCore(cfg, make_store(tmp))
 
 
 def lm_spec(model: str = "/models/m", init_from: str = "") -> C.TaskSpec:

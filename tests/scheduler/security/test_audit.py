@@ -16,7 +16,7 @@ from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
 from opentinker.scheduler.v1 import admin_pb2 as A, admin_pb2_grpc
 from opentinker_client import InvalidArgumentError, PermissionDeniedError, RLClient
 from opentinker_scheduler.security.audit import AuditLog
-from opentinker_scheduler.state.store import Store
+from tests.support.stores import make_store
 
 from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler, metadata
 
@@ -137,11 +137,11 @@ def test_auth_off_records_the_anonymous_owner(tmp_path) -> None:
         s.close()
 
 
-def test_audit_log_unit_survives_a_restart_and_odd_detail_values(tmp_path) -> None:
-    store = Store(tmp_path / "s")
+def test_audit_log_unit_survives_a_restart_and_odd_detail_values(tmp_path, store_backend) -> None:
+    store = make_store(tmp_path / "s")
     AuditLog(store).record("task.submit", owner="o", role="user", task_id="t1", weird=object())
     store.close()
-    store = Store(tmp_path / "s")
+    store = make_store(tmp_path / "s")
     try:
         (rec,) = AuditLog(store).list()
         assert rec.task_id == "t1" and rec.owner == "o" and isinstance(rec.detail["weird"], str)

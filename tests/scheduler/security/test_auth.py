@@ -263,10 +263,10 @@ def test_bootstrap_admin_key_from_environment(tmp_path, monkeypatch) -> None:
         s.close()
 
 
-def test_keystore_unit_bad_key_formats_and_not_found(tmp_path) -> None:
-    from opentinker_scheduler.state.store import Store
+def test_keystore_unit_bad_key_formats_and_not_found(tmp_path, store_backend) -> None:
+    from tests.support.stores import make_store
 
-    store = Store(tmp_path / "s")
+    store = make_store(tmp_path / "s")
     try:
         keys = KeyStore(store)
         with pytest.raises(InvalidArgument, match="api_key"):

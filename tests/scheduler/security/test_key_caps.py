@@ -13,7 +13,7 @@ from opentinker_client.errors import ResourceExhaustedError
 from opentinker_scheduler.config import ConfigError, parse_config
 from opentinker_scheduler.errors import FailedPrecondition, ResourceExhausted
 from opentinker_scheduler.security.keys import KeyStore
-from opentinker_scheduler.state.store import Store
+from tests.support.stores import make_store
 
 from tests.support.security import LoopbackScheduler, metadata
 
@@ -27,8 +27,8 @@ def sched(tmp_path):
 
 
 @pytest.fixture
-def keys(tmp_path):
-    store = Store(tmp_path / "s")
+def keys(tmp_path, store_backend):
+    store = make_store(tmp_path / "s")
     yield KeyStore(store, max_keys_per_owner=3)
     store.close()
 
@@ -110,8 +110,8 @@ def test_keys_expired_after_their_grace_period_no_longer_count(keys) -> None:
         keys.rotate(row.prefix)
 
 
-def test_zero_means_no_limit_and_the_config_key_is_range_checked(tmp_path) -> None:
-    store = Store(tmp_path / "s")
+def test_zero_means_no_limit_and_the_config_key_is_range_checked(tmp_path, store_backend) -> None:
+    store = make_store(tmp_path / "s")
     try:
         keys = KeyStore(store, max_keys_per_owner=0)
         for _ in range(25):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -25,6 +24,7 @@ from opentinker_scheduler.policy.placement import (
 from opentinker_scheduler.state.queue import PendingQueue
 
 from tests.support.scheduler_core import drain, make_core, register, report, spec
+from tests.support.stores import committed
 
 
 def row(task_id: str, priority: int, create_time: float, gpus: int):
@@ -187,10 +187,9 @@ class _FailingCommits:
         return getattr(self._db, name)
 
 
-def _committed_state(path: Path, task_id: str):
-    with sqlite3.connect(path) as other:
-        r = other.execute("SELECT state FROM tasks WHERE task_id=?", (task_id,)).fetchone()
-    return r[0] if r else None
+def _committed_state(store, task_id: str):
+    rows = committed(store, "SELECT state FROM tasks WHERE task_id=?", (task_id,))
+    return rows[0][0] if rows else None
 
 
 def _group_commit_core(tmp_path, gpus: int):
@@ -207,9 +206,9 @@ def test_group_commit_holds_commands_until_durable(tmp_path) -> None:
         core, node, task = _group_commit_core(tmp_path, gpus=1)
         assert core.schedule() == 1
         assert node.outbox.empty(), "an assignment left before its transition was committed"
-        assert _committed_state(core.store.path, task.task_id) is None  # nothing committed yet
+        assert _committed_state(core.store, task.task_id) is None  # nothing committed yet
         await core.durable()
-        assert _committed_state(core.store.path, task.task_id) == C.TASK_STATE_ASSIGNED
+        assert _committed_state(core.store, task.task_id) == C.TASK_STATE_ASSIGNED
         (cmd,) = drain(node)
         assert cmd.assign_task.task_id == task.task_id
         assert core.commits.commits == 1  # register, submit and assignment shared one commit
@@ -218,6 +217,7 @@ def test_group_commit_holds_commands_until_durable(tmp_path) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.sqlite_only
 def test_failed_group_commit_rebuilds_memory_and_drops_commands(tmp_path) -> None:
     async def main() -> None:
         core, node, task = _group_commit_core(tmp_path, gpus=2)
@@ -234,7 +234,7 @@ def test_failed_group_commit_rebuilds_memory_and_drops_commands(tmp_path) -> Non
         failing.fail = False
         assert core.schedule() == 1
         await core.durable()
-        assert _committed_state(core.store.path, task.task_id) == C.TASK_STATE_ASSIGNED
+        assert _committed_state(core.store, task.task_id) == C.TASK_STATE_ASSIGNED
         assert [c.assign_task.task_id for c in drain(node)] == [task.task_id]
 
     asyncio.run(main())

@@ -8,7 +8,7 @@ import time
 from opentinker.common.v1 import common_pb2 as C
 from opentinker_scheduler.config import PoolNode, SchedulerConfig
 from opentinker_scheduler.state.core import SchedulerCore
-from opentinker_scheduler.state.store import Store
+from tests.support.stores import make_store
 
 from tests.support.scheduler_core import drain, register, report, spec
 
@@ -28,7 +28,7 @@ class Clock:
 
 def _core(tmp_path, clock: Clock, **kw) -> SchedulerCore:
     cfg = SchedulerConfig(resource_pool=(PoolNode("gpu-node-01", 4, 8),), state_dir=tmp_path, **kw)
-    return SchedulerCore(cfg, Store(tmp_path), clock=clock)
+    return SchedulerCore(cfg, make_store(tmp_path), clock=clock)
 
 
 def _running(core: SchedulerCore):

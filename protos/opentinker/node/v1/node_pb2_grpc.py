@@ -73,7 +73,10 @@ class NodeServiceServicer:
         PERMISSION_DENIED (node_id not in the resource pool while unknown nodes are refused, or, with
         mTLS and tls.node_id_must_match_cert, not the CN or a DNS name of the node's certificate),
         ALREADY_EXISTS (another stream with this node_id was heard from within its lease),
-        UNAUTHENTICATED (also mid-stream: the API key that opened it was revoked or expired).
+        UNAUTHENTICATED (also mid-stream: the API key that opened it was revoked or expired),
+        UNAVAILABLE (a follower of several schedulers: a google.rpc.ErrorInfo, reason NOT_LEADER,
+        names the leader in metadata "leader"; the node connects there). A leader that steps down
+        ends every stream; the nodes re-register with the new leader as after a restart.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

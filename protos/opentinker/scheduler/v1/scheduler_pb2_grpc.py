@@ -27,6 +27,11 @@ if _version_not_supported:
 
 class SchedulerServiceStub:
     """The scheduler's public API, for clients, the `opentinker` CLI and grpcurl.
+    Several schedulers on one PostgreSQL: every one answers the reads (GetTask, ListTasks,
+    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask,
+    UploadDataset) and ListNodes. A follower answers those UNAVAILABLE with a google.rpc.ErrorInfo
+    (reason NOT_LEADER, domain opentinker.scheduler, metadata "leader": the leader's host:port, "" during an
+    election) and grpc-retry-pushback-ms -1; clients retry on the leader it names.
     """
 
     def __init__(self, channel):
@@ -94,6 +99,11 @@ class SchedulerServiceStub:
 
 class SchedulerServiceServicer:
     """The scheduler's public API, for clients, the `opentinker` CLI and grpcurl.
+    Several schedulers on one PostgreSQL: every one answers the reads (GetTask, ListTasks,
+    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask,
+    UploadDataset) and ListNodes. A follower answers those UNAVAILABLE with a google.rpc.ErrorInfo
+    (reason NOT_LEADER, domain opentinker.scheduler, metadata "leader": the leader's host:port, "" during an
+    election) and grpc-retry-pushback-ms -1; clients retry on the leader it names.
     """
 
     def SubmitTask(self, request, context):
@@ -267,6 +277,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class SchedulerService:
     """The scheduler's public API, for clients, the `opentinker` CLI and grpcurl.
+    Several schedulers on one PostgreSQL: every one answers the reads (GetTask, ListTasks,
+    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask,
+    UploadDataset) and ListNodes. A follower answers those UNAVAILABLE with a google.rpc.ErrorInfo
+    (reason NOT_LEADER, domain opentinker.scheduler, metadata "leader": the leader's host:port, "" during an
+    election) and grpc-retry-pushback-ms -1; clients retry on the leader it names.
     """
 
     @staticmethod

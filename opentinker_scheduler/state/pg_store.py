@@ -1,0 +1,431 @@
+"""The PostgreSQL backend of the state store, for several schedulers on one database.
+
+:class:`PostgresStore` runs the SQL of :class:`~opentinker_scheduler.state.store.SqlStore` (the
+same statements as SQLite, placeholders translated: :func:`~.schema.postgres_query`) on one
+connection taken from a psycopg 3 pool, from the event loop; the lease keeper
+(:mod:`.leadership`) has its own connection from the same pool (:meth:`PostgresStore.lease_channel`).
+
+Durability is the same promise as SQLite's: a transition commits before it is acknowledged or
+pushed (group commit included). On top, every transaction of the leader ends with
+``SELECT ot_fence(<epoch>); COMMIT`` in one round trip: the database refuses it when a newer
+epoch holds the lease (:class:`~opentinker_scheduler.errors.Fenced`), so a leader that lost its
+lease (stopped, cut off) can never write over its successor.
+
+No call blocks the event loop for long: each statement has a deadline (``call_timeout_s``) after
+which a watchdog thread shuts the connection's socket down, so a database that stops answering
+(a network split, a stopped server) is an error, not a frozen scheduler; the server side has
+``statement_timeout``, ``lock_timeout`` and ``idle_in_transaction_session_timeout`` (a stopped
+scheduler's open transaction does not hold its locks for ever). A lost connection is replaced from
+the pool on the next call; a transaction that lost its connection fails as a whole (nothing of it
+runs outside it).
+
+Every psycopg error surfaces as :class:`~opentinker_scheduler.errors.StoreUnavailable`
+("state store unavailable: ..."), or :class:`~opentinker_scheduler.errors.Fenced`. The password
+never appears in a log line or an error: it comes from the environment or a file
+(:class:`~opentinker_scheduler.config.store.StoreConfig`), and :meth:`PostgresStore.describe`
+shows the DSN without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import socket
+import threading
+import time
+
+import psycopg
+import structlog
+from psycopg import conninfo as pg_conninfo
+from psycopg import pq
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from opentinker_scheduler.errors import Fenced, StoreUnavailable
+from opentinker_scheduler.state import schema
+from opentinker_scheduler.state.store import SqlStore
+
+log = structlog.get_logger("opentinker.scheduler")
+
+_SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+@functools.lru_cache(maxsize=256)
+def _row_class(names: tuple[str, ...]) -> type:
+    index = {n: i for i, n in enumerate(names)}
+
+    class Row(tuple):
+        """A row that indexes by position and by column name (as ``sqlite3.Row``)."""
+
+        __slots__ = ()
+
+        def __getitem__(self, key):
+            if isinstance(key, str):
+                return tuple.__getitem__(self, index[key])
+            return tuple.__getitem__(self, key)
+
+        def keys(self) -> list[str]:
+            return list(names)
+
+    return Row
+
+
+def _row_factory(cursor):
+    desc = cursor.description
+    if desc is None:
+        return tuple
+    return _row_class(tuple(d.name for d in desc))
+
+
+class _Watchdog:
+    """One daemon thread that ends calls past their deadline by shutting their socket down (the
+    blocked libpq call then fails at once with a broken connection)."""
+
+    _lock = threading.Lock()
+    _instance: "_Watchdog | None" = None
+
+    def __init__(self) -> None:
+        self.watched: set["_PgDb"] = set()
+        threading.Thread(target=self._run, name="pg-watchdog", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> "_Watchdog":
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.1)
+            now = time.monotonic()
+            for db in list(self.watched):
+                deadline, fd = db.deadline, db.fd
+                if deadline and now > deadline and fd >= 0 and not db.expired:
+                    db.expired = True
+                    try:
+                        s = socket.socket(fileno=os.dup(fd))
+                        try:
+                            s.shutdown(socket.SHUT_RDWR)
+                        finally:
+                            s.close()
+                    except OSError:
+                        pass
+
+
+class _PgDb:
+    """The store's connection as :class:`SqlStore` uses it: ``execute(sql, params)`` with ``?``
+    placeholders, rows by position or name. Takes a connection from the pool when it has none
+    (or its last one broke)."""
+
+    def __init__(self, store: "_PgBase") -> None:
+        self.store = store
+        self.conn: psycopg.Connection | None = None
+        #: Until then (monotonic) a call fails at once: the last wait for a connection failed
+        #: (the database is down), so calls do not each block the event loop for the wait.
+        self.down_until = 0.0
+        self.deadline = 0.0  # monotonic deadline of the call in progress (0: none)
+        self.fd = -1
+        self.expired = False  # the watchdog ended the call in progress
+        #: The connection of the open transaction was lost: every statement until it ends fails.
+        self.tx_lost = False
+        _Watchdog.get().watched.add(self)
+
+    def connection(self) -> psycopg.Connection:
+        if self.conn is not None and (self.conn.broken or self.conn.closed):
+            self.discard()
+        if self.conn is None:
+            if time.monotonic() < self.down_until:
+                raise StoreUnavailable(
+                    f"state store unavailable: no connection to PostgreSQL ({self.store.describe()})"
+                )
+            wait = min(self.store.connect_timeout_s, 1.0)
+            try:
+                self.conn = self.store.pool.getconn(timeout=wait)
+            except PoolTimeout:
+                self.down_until = time.monotonic() + 0.5
+                raise StoreUnavailable(
+                    f"state store unavailable: no connection to PostgreSQL within {wait:g} s ({self.store.describe()})"
+                ) from None
+            self.fd = self.conn.pgconn.socket
+        return self.conn
+
+    def discard(self) -> None:
+        """Give a (broken) connection back to the pool, which replaces it."""
+        conn, self.conn, self.fd = self.conn, None, -1
+        if conn is not None:
+            try:
+                self.store.pool.putconn(conn)
+            except Exception:  # noqa: BLE001 - a pool that is closing; the connection is gone anyway
+                pass
+
+    def execute(self, sql: str, params=(), *, prepare: bool | None = None):
+        if self.tx_lost and self.store._tx_depth:
+            raise StoreUnavailable("state store unavailable: the connection of this transaction was lost")
+        conn = self.connection()
+        query = schema.postgres_query(sql) if params else sql
+        self.expired = False
+        self.deadline = time.monotonic() + self.store.call_timeout_s
+        try:
+            return conn.execute(query, params or None, prepare=prepare)
+        except psycopg.Error as exc:
+            raise self.failed(exc) from exc
+        finally:
+            self.deadline = 0.0
+
+    def executescript(self, script: str) -> None:
+        """DDL in the SQLite dialect (translated), as one simple query."""
+        self.execute(schema.postgres_ddl(script))
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.conn is not None and self.conn.info.transaction_status != pq.TransactionStatus.IDLE
+
+    def failed(self, exc: psycopg.Error) -> Exception:
+        """The store's error for a psycopg error; a broken connection is given back."""
+        if getattr(exc, "sqlstate", None) == schema.FENCED_SQLSTATE:
+            return Fenced(exc.diag.message_primary or str(exc))
+        broken = self.conn is not None and (self.conn.broken or self.conn.closed)
+        if broken:
+            if self.store._tx_depth:
+                self.tx_lost = True
+            self.discard()
+        if self.expired:
+            return StoreUnavailable(
+                f"state store unavailable: PostgreSQL did not answer within {self.store.call_timeout_s:g} s "
+                "(connection closed)"
+            )
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return StoreUnavailable(f"state store unavailable: {first}")
+
+    def close(self) -> None:
+        _Watchdog.get().watched.discard(self)
+        self.discard()
+
+
+class _PgBase(SqlStore):
+    """The PostgreSQL side of :class:`SqlStore`: connection and transaction hooks."""
+
+    kind = "postgres"
+    _NOW = "extract(epoch from clock_timestamp())::float8"
+
+    pool: ConnectionPool
+    connect_timeout_s: float
+    call_timeout_s: float
+    _safe_dsn: str
+
+    def describe(self) -> str:
+        return f"postgres {self._safe_dsn}"
+
+    def writable(self) -> bool:
+        """Readiness probe: can we reach the database now (a round trip)?"""
+        if self._tx_depth:
+            return True
+        try:
+            self.db.execute("SELECT 1").fetchone()
+            return True
+        except StoreUnavailable:
+            return False
+
+    def _begin(self) -> None:
+        self.db.tx_lost = False
+        self.db.execute("BEGIN")
+
+    def _commit(self, epoch: int | None) -> None:
+        if self.db.tx_lost or not self.db.in_transaction:
+            raise StoreUnavailable("state store unavailable: the connection of this transaction was lost")
+        if epoch is None:
+            self.db.execute("COMMIT")
+            return
+        try:  # fence and commit in one round trip (two statements: never a prepared statement)
+            self.db.execute(f"SELECT ot_fence({int(epoch)}); COMMIT", prepare=False)
+        except Fenced:
+            self.role, self.epoch = "follower", None
+            if self.on_fenced is not None:
+                self.on_fenced()
+            raise
+
+    def _rollback(self) -> None:
+        if self.db.conn is None or self.db.tx_lost:
+            return
+        try:
+            self.db.execute("ROLLBACK")
+        except StoreUnavailable:
+            pass  # the connection went with it: so did the transaction
+
+    def _in_transaction(self) -> bool:
+        return self.db.in_transaction
+
+    def close(self) -> None:
+        self.db.close()
+
+
+class PostgresStore(_PgBase):
+    """The state in PostgreSQL (``store: {kind: postgres, ...}``).
+
+    Args:
+        dsn: libpq connection string or URI without a password (``host=db port=5432 dbname=opentinker
+            user=opentinker``).
+        password: the password (from ``password_env``/``password_file``), or None (libpq's own
+            ``PGPASSWORD``/``.pgpass``, or none).
+        schema: the PostgreSQL schema holding the tables (made when missing).
+        call_timeout_s: most seconds one statement may take before its connection is closed.
+        connect_timeout_s: most seconds to wait for a connection (start-up, and after one broke).
+        idle_in_transaction_s: the server ends a session idle this long inside a transaction.
+        pool_size: most connections this scheduler holds (the loop's, the lease keeper's, spares).
+        synchronous_commit: False = PostgreSQL's ``synchronous_commit=off`` for this scheduler's
+            sessions (``store.synchronous_commit``): a commit returns before its WAL is flushed.
+
+    Raises:
+        OSError: the database cannot be reached at start (the message names the DSN, never the
+            password), or ``schema`` is not a plain identifier.
+        SchemaTooNew: the database was migrated by a newer scheduler.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        password: str | None = None,
+        schema_name: str = "public",
+        call_timeout_s: float = 10.0,
+        connect_timeout_s: float = 5.0,
+        idle_in_transaction_s: float = 5.0,
+        pool_size: int = 4,
+        application_name: str = "opentinker-scheduler",
+        synchronous_commit: bool = True,
+    ) -> None:
+        if not _SCHEMA_NAME.match(schema_name):
+            raise OSError(f"store.schema: expected a plain identifier (letters, digits, _), got {schema_name!r}")
+        self.schema_name = schema_name
+        self.call_timeout_s = call_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        params = pg_conninfo.conninfo_to_dict(dsn)
+        params.pop("password", None)
+        self._safe_dsn = " ".join(f"{k}={v}" for k, v in sorted(params.items())) + f" schema={schema_name}"
+        server_options = " ".join(
+            (
+                params.get("options", ""),
+                f"-c search_path={schema_name}",
+                f"-c idle_in_transaction_session_timeout={int(idle_in_transaction_s * 1000)}",
+                f"-c statement_timeout={int(call_timeout_s * 1000)}",
+                f"-c lock_timeout={int(min(call_timeout_s, 5.0) * 1000)}",
+                "" if synchronous_commit else "-c synchronous_commit=off",
+            )
+        ).strip()
+        extra = {
+            "options": server_options,
+            "connect_timeout": max(1, int(connect_timeout_s)),
+            "application_name": application_name,
+            "keepalives": 1,
+            "keepalives_idle": 5,
+            "keepalives_interval": 2,
+            "keepalives_count": 3,
+        }
+        if password is not None:
+            extra["password"] = password
+        self._conninfo = pg_conninfo.make_conninfo(dsn, **extra)
+        try:  # one direct connection first: its error says why (refused, auth, no such database)
+            psycopg.connect(self._conninfo).close()
+        except psycopg.Error as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise OSError(f"state store: cannot connect to PostgreSQL ({self._safe_dsn}): {first}") from None
+        self.pool = ConnectionPool(
+            self._conninfo,
+            min_size=1,
+            max_size=max(2, pool_size),
+            open=False,
+            kwargs={"autocommit": True, "row_factory": _row_factory, "prepare_threshold": 5},
+            # No check on getconn: a check is a round trip outside the watchdog (a silent network
+            # would hang it); a dead connection fails its first statement instead, within the deadline.
+            # A failed reconnection backs off 1, 2, 4 ... s; giving up after a few seconds lets the
+            # next call start a fresh attempt at once, so a database back after a long outage is
+            # used within a second or two rather than after the backoff has grown to minutes.
+            reconnect_timeout=4.0,
+            name="opentinker-store",
+        )
+        try:
+            self.pool.open(wait=True, timeout=connect_timeout_s)
+        except PoolTimeout:
+            self.pool.close()
+            raise OSError(
+                f"state store: cannot connect to PostgreSQL ({self._safe_dsn}) within {connect_timeout_s:g} s"
+            )
+        self.db = _PgDb(self)
+        try:
+            self._migrate()
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+        self.role = "setup"
+
+    def _migrate(self) -> None:
+        """Apply the missing migrations in one transaction, under an advisory lock (schedulers
+        started at once migrate one after the other); refuse a newer schema."""
+        conn = self.db.connection()
+        try:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"opentinker-migrate/{self.schema_name}",))
+                conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema_name}"')
+                conn.execute(schema.postgres_ddl(schema.MIGRATIONS_TABLE))
+                newest = conn.execute(
+                    "SELECT version, description, scheduler_version FROM schema_migrations "
+                    "ORDER BY version DESC LIMIT 1"
+                ).fetchone()
+                if newest is not None and newest[0] > schema.SCHEMA_VERSION:
+                    raise schema.too_new(newest[0], newest[1], newest[2])
+                done = newest[0] if newest is not None else 0
+                for m in schema.MIGRATIONS:
+                    if m.version <= done:
+                        continue
+                    conn.execute(schema.postgres_ddl(m.sql))
+                    if m.postgres:
+                        conn.execute(m.postgres)
+                    conn.execute(
+                        "INSERT INTO schema_migrations (version, description, applied_time, scheduler_version) "
+                        "VALUES (%s, %s, %s, %s)",
+                        (m.version, m.description, time.time(), schema.scheduler_version()),
+                    )
+                    log.info("state store migrated", version=m.version, description=m.description)
+        except psycopg.Error as exc:
+            raise self.db.failed(exc) from exc
+
+    @contextlib.contextmanager
+    def exclusive(self, name: str):
+        """A session advisory lock named ``name`` (in this schema) while the block runs."""
+        key = f"opentinker/{self.schema_name}/{name}"
+        self.db.execute("SELECT pg_advisory_lock(hashtext(?))", (key,))
+        try:
+            yield
+        finally:
+            self.db.execute("SELECT pg_advisory_unlock(hashtext(?))", (key,))
+
+    def lease_channel(self) -> "LeaseChannel":
+        """A second store view on its own connection, for the lease keeper's thread (the lease
+        methods of :class:`SqlStore`; never the loop's connection)."""
+        return LeaseChannel(self)
+
+    def close(self) -> None:
+        self.db.close()
+        self.pool.close()
+
+
+class LeaseChannel(_PgBase):
+    """The lease methods of :class:`SqlStore` on a connection of their own (one thread's)."""
+
+    def __init__(self, main: PostgresStore, call_timeout_s: float | None = None) -> None:
+        self.pool = main.pool
+        self.connect_timeout_s = main.connect_timeout_s
+        self.call_timeout_s = call_timeout_s or main.call_timeout_s
+        self._safe_dsn = main._safe_dsn
+        self.db = _PgDb(self)
+        self._tx_depth = 0
+        self._tx_failed = False
+        self._tx_fenced = False
+        self.before_write = None
+        self.role = "setup"
+        self.epoch = None
+        self.leader_address = ""
+        self.on_fenced = None

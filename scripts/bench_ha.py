@@ -1,0 +1,411 @@
+#!/usr/bin/env python
+"""Several schedulers on one PostgreSQL (``make bench-ha``): failover time, submit throughput on
+PostgreSQL against SQLite in the same run, and what the leader lease costs.
+
+Starts its own PostgreSQL on loopback (``initdb`` in a temporary folder, as the tests do:
+``tests/support/postgres.py``; default durability, fsync and synchronous_commit on, unless
+``--pg-fsync off``) and real scheduler processes. Phases:
+
+  1. failover   two schedulers, ``--nodes`` simulated trainer nodes (each a real
+                ``NodeService.Connect`` stream from this process, given both URLs and following
+                the leader as a trainer does). ``--rounds`` times: kill -9 the leader, time until
+                the other one is the leader (its ``/ready`` answers 200) and until every node has
+                re-registered with it; restart the killed one as a follower. Medians reported.
+  2. submits    one scheduler on SQLite, then one on PostgreSQL, alternately (``--submit-rounds``
+                each): ``--tasks`` SubmitTask calls closed-loop with ``--concurrency`` in flight
+                (no nodes: tasks stay queued). submits/s and latency p50/p99; the ratio of the
+                medians PostgreSQL / SQLite (goal >= 0.7).
+  3. lease      the renewal statement's round trip (median, p99 over ``--renewals``), and the
+                CPU an idle leader and an idle follower use (both renew or look every
+                ``renew_interval``).
+
+Figures are printed, never asserted; ``--json FILE`` writes them too. Shared machines shift
+these numbers: the machine's load is printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from opentinker.common.v1 import common_pb2 as C  # noqa: E402
+from opentinker.node.v1 import node_pb2 as N  # noqa: E402
+from opentinker.node.v1 import node_pb2_grpc  # noqa: E402
+from opentinker.scheduler.v1 import scheduler_pb2 as S  # noqa: E402
+from opentinker.scheduler.v1 import scheduler_pb2_grpc  # noqa: E402
+from opentinker_common.net.leader import SchedulerTargets, not_leader  # noqa: E402
+
+from tests.support import postgres as pgsupport  # noqa: E402
+from tests.support.ha import HaCluster  # noqa: E402
+from tests.support.procs import Proc, free_port, scheduler_args  # noqa: E402
+from tests.support.waiting import wait_for  # noqa: E402
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+# ------------------------------------------------------------------------------ simulated nodes
+
+
+class _Requests:
+    """A node's request stream from a queue (None ends it); an iterator object, not an async
+    generator, so a stream cancelled mid-wait closes without noise."""
+
+    def __init__(self, queue: asyncio.Queue) -> None:
+        self.queue = queue
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        msg = await self.queue.get()
+        if msg is None:
+            raise StopAsyncIteration
+        return msg
+
+
+class SimNode:
+    """A trainer node's stream: registers, heartbeats, follows the leader like the real agent
+    (a follower's refusal: 0.1-0.5 s; an unreachable address: the next one, growing backoff)."""
+
+    def __init__(self, node_id: str, targets: list[str], heartbeat_s: float) -> None:
+        self.node_id = node_id
+        self.targets = SchedulerTargets(targets)
+        self.heartbeat_s = heartbeat_s
+        self.registered_at: list[tuple[float, str]] = []  # (monotonic, target)
+        self.stop = False
+
+    async def run(self) -> None:
+        failures = 0
+        while not self.stop:
+            follower = False
+            target = self.targets.current
+            try:
+                async with grpc.aio.insecure_channel(target) as channel:
+                    stub = node_pb2_grpc.NodeServiceStub(channel)
+                    outbox: asyncio.Queue = asyncio.Queue()
+                    outbox.put_nowait(
+                        N.ConnectRequest(register=N.Register(node_id=self.node_id, version="bench", max_tasks=4))
+                    )
+                    requests = _Requests(outbox)
+
+                    call = stub.Connect(requests)
+                    first = await call.read()
+                    if first is grpc.aio.EOF:
+                        raise ConnectionError("closed before registering")
+                    self.registered_at.append((time.monotonic(), target))
+                    failures = 0
+
+                    async def beat():
+                        while True:
+                            await asyncio.sleep(self.heartbeat_s)
+                            outbox.put_nowait(N.ConnectRequest(heartbeat=N.Heartbeat()))
+
+                    beater = asyncio.create_task(beat())
+                    try:
+                        while not self.stop:
+                            msg = await call.read()
+                            if msg is grpc.aio.EOF:
+                                break
+                    finally:
+                        beater.cancel()
+                        outbox.put_nowait(None)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    follower = not_leader(exc) is not None
+                    self.targets.moved(exc)
+                elif self.targets.several:
+                    self.targets.advance()
+            except (ConnectionError, OSError):
+                self.targets.advance()
+            if self.stop:
+                return
+            if follower:
+                failures = 0
+                delay = random.uniform(0.1, 0.5)
+            else:
+                failures += 1
+                delay = random.uniform(0, min(15.0, 0.5 * 2 ** (failures - 1)))
+            await asyncio.sleep(delay)
+
+
+# ------------------------------------------------------------------------------ phases
+
+
+async def failover_phase(args, server, tmp: Path) -> dict:
+    (tmp / "failover").mkdir(exist_ok=True)
+    ha = HaCluster(tmp / "failover", server, 2, lease=args.lease, renew=args.renew)
+    leader_s, nodes_s = [], []
+    try:
+        ha.start_all()
+        current = await asyncio.to_thread(ha.wait_leader)
+        nodes = [SimNode(f"sim-{i:03d}", ha.urls.split(","), 0.5) for i in range(args.nodes)]
+        tasks = [asyncio.create_task(n.run()) for n in nodes]
+        await asyncio.to_thread(ha.wait_nodes, current, args.nodes, 120)
+        for r in range(args.rounds):
+            other = 1 - current
+            killed = time.monotonic()
+            ha.schedulers[current].kill9()
+            while not ha.ready(other):
+                await asyncio.sleep(0.02)
+            took_lead = time.monotonic() - killed
+            address = ha.address(other)
+
+            def all_back() -> bool:
+                return all(any(t > killed and a == address for t, a in n.registered_at) for n in nodes)
+
+            while not all_back():
+                await asyncio.sleep(0.02)
+            back = max(min(t for t, a in n.registered_at if t > killed and a == address) for n in nodes) - killed
+            leader_s.append(took_lead)
+            nodes_s.append(back)
+            print(
+                f"  round {r + 1}: new leader after {took_lead:.2f} s, all {args.nodes} nodes back after {back:.2f} s"
+            )
+            ha.start(current)  # the killed one comes back as a follower
+            await asyncio.to_thread(ha.wait_up, current)
+            current = other
+        for n in nodes:
+            n.stop = True
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.5)  # the streams' own tasks end
+    finally:
+        ha.close()
+    return {
+        "lease_s": args.lease,
+        "renew_s": args.renew,
+        "nodes": args.nodes,
+        "rounds": args.rounds,
+        "new_leader_s": leader_s,
+        "all_nodes_back_s": nodes_s,
+        "new_leader_median_s": statistics.median(leader_s),
+        "all_nodes_back_median_s": statistics.median(nodes_s),
+    }
+
+
+def _start_one(tmp: Path, name: str, store_yaml: str) -> tuple[Proc, int, int]:
+    port, http_port = free_port(), free_port()
+    cfg = tmp / f"{name}.yaml"
+    cfg.write_text("heartbeat_interval: 2\nlease: 10\n" + store_yaml)
+    p = Proc(
+        scheduler_args(cfg, port=port, http_port=http_port, state_dir=tmp / f"state-{name}", host="127.0.0.1"),
+        tmp / f"{name}.log",
+    )
+
+    def ready():
+        if p.popen.poll() is not None:
+            raise RuntimeError(f"scheduler {name} exited: {p.log_text()[-2000:]}")
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/ready", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    wait_for(ready, timeout=60, what=f"scheduler {name} ready")
+    return p, port, http_port
+
+
+async def closed_loop(port: int, n: int, concurrency: int, tag: str) -> dict:
+    latencies: list[float] = []
+    spec = C.TaskSpec(workload_type="lora_finetune", model="/models/m", resources=C.Resources(gpu_count=0))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        for i in range(20):  # warm-up: connections, prepared statements
+            await stub.SubmitTask(S.SubmitTaskRequest(spec=spec, request_id=f"{tag}-warm-{i}"))
+        counter = iter(range(n))
+
+        async def lane() -> None:
+            for i in counter:
+                t = time.perf_counter()
+                await stub.SubmitTask(S.SubmitTaskRequest(spec=spec, request_id=f"{tag}-{i}"))
+                latencies.append(time.perf_counter() - t)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    return {
+        "submits_per_s": n / wall,
+        "p50_ms": pct(latencies, 0.5) * 1000,
+        "p99_ms": pct(latencies, 0.99) * 1000,
+    }
+
+
+async def submits_phase(args, server, tmp: Path) -> dict:
+    modes = ["on", "off"] if args.synchronous_commit == "both" else [args.synchronous_commit]
+    kinds = ["sqlite", *(f"postgres-sync-{m}" for m in modes)]
+    out: dict[str, list[dict]] = {k: [] for k in kinds}
+    for r in range(args.submit_rounds):
+        for kind in kinds:
+            store = ""
+            if kind.startswith("postgres"):
+                store = (
+                    f'store:\n  kind: postgres\n  dsn: "{server.dsn()}"\n  schema: {server.new_schema("bench")}\n'
+                    f"  leader_lease: {args.lease}\n  renew_interval: {args.renew}\n"
+                    f"  synchronous_commit: {'true' if kind.endswith('-on') else 'false'}\n"
+                )
+            p, port, _ = _start_one(tmp, f"{kind}-{r}", store)
+            try:
+                got = await closed_loop(port, args.tasks, args.concurrency, f"{kind}{r}")
+            finally:
+                p.terminate()
+                p.close()
+            got["load1"] = os.getloadavg()[0]
+            out[kind].append(got)
+            print(
+                f"  {kind:20s} round {r + 1}: {got['submits_per_s']:7.1f} submits/s, "
+                f"p50 {got['p50_ms']:.1f} ms, p99 {got['p99_ms']:.1f} ms (load {got['load1']:.1f})"
+            )
+    med = {k: statistics.median(x["submits_per_s"] for x in v) for k, v in out.items()}
+    p99 = {k: statistics.median(x["p99_ms"] for x in v) for k, v in out.items()}
+    return {
+        "tasks": args.tasks,
+        "concurrency": args.concurrency,
+        "rounds": out,
+        "median_submits_per_s": med,
+        "median_p99_ms": p99,
+        "ratio_over_sqlite": {k: med[k] / med["sqlite"] for k in kinds if k != "sqlite"},
+    }
+
+
+async def lease_phase(args, server, tmp: Path) -> dict:
+    from opentinker_scheduler.state.pg_store import PostgresStore
+
+    store = PostgresStore(server.dsn(), schema_name=server.new_schema("lease"))
+    channel = store.lease_channel()
+    lease = channel.acquire_lease("bench", "bench:0", 10)
+    times = []
+    for _ in range(args.renewals):
+        t = time.perf_counter()
+        assert channel.renew_lease("bench", lease.epoch, 10)
+        times.append(time.perf_counter() - t)
+    channel.close()
+    store.close()
+    # Idle schedulers: a leader renewing, a follower looking, nothing else to do.
+    (tmp / "idle").mkdir(exist_ok=True)
+    ha = HaCluster(tmp / "idle", server, 2, lease=args.lease, renew=args.renew)
+    try:
+        ha.start_all()
+        leader = await asyncio.to_thread(ha.wait_leader)
+        pids = {"leader": ha.schedulers[leader].pid, "follower": ha.schedulers[1 - leader].pid}
+        await asyncio.sleep(2)
+        before = {k: proc_cpu_s(p) for k, p in pids.items()}
+        t0 = time.monotonic()
+        await asyncio.sleep(args.idle_s)
+        wall = time.monotonic() - t0
+        cpu = {k: (proc_cpu_s(p) - before[k]) / wall * 100 for k, p in pids.items()}
+    finally:
+        ha.close()
+    return {
+        "renew_median_ms": statistics.median(times) * 1000,
+        "renew_p99_ms": pct(times, 0.99) * 1000,
+        "renewals": args.renewals,
+        "idle_cpu_percent": cpu,
+        "idle_s": args.idle_s,
+    }
+
+
+async def main(args) -> dict:
+    bindir = pgsupport.find_bindir()
+    if bindir is None:
+        raise SystemExit("PostgreSQL is not installed (pg_config --bindir): apt-get install -y postgresql")
+    if args.pg_fsync == "on":
+        pgsupport._SETTINGS.update({"fsync": "on", "full_page_writes": "on"})
+    server = pgsupport.PostgresServer(bindir)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-ha-"))
+    results = {"machine": {"cpus": os.cpu_count(), "load1_start": os.getloadavg()[0]}, "pg_fsync": args.pg_fsync}
+    try:
+        if "failover" in args.only:
+            print(f"failover: {args.nodes} simulated nodes, leader lease {args.lease} s, renew {args.renew} s")
+            results["failover"] = await failover_phase(args, server, tmp)
+        if "submits" in args.only:
+            print(f"submits: {args.tasks} closed-loop, {args.concurrency} in flight, PostgreSQL fsync {args.pg_fsync}")
+            results["submits"] = await submits_phase(args, server, tmp)
+        if "lease" in args.only:
+            print("lease: renewal round trip and idle CPU")
+            results["lease"] = await lease_phase(args, server, tmp)
+    finally:
+        server.close()
+    print()
+    if "failover" in results:
+        f = results["failover"]
+        print(
+            f"failover ({f['nodes']} nodes, lease {f['lease_s']} s): new leader median "
+            f"{f['new_leader_median_s']:.2f} s, all nodes re-registered median {f['all_nodes_back_median_s']:.2f} s "
+            f"(of {f['rounds']} rounds)"
+        )
+    if "submits" in results:
+        s = results["submits"]
+        m, p = s["median_submits_per_s"], s["median_p99_ms"]
+        print(f"submits/s: sqlite {m['sqlite']:.1f} (p99 {p['sqlite']:.1f} ms)")
+        for k, ratio in s["ratio_over_sqlite"].items():
+            print(f"           {k} {m[k]:.1f} (p99 {p[k]:.1f} ms): {ratio:.2f} x sqlite (goal >= 0.7)")
+    if "lease" in results:
+        le = results["lease"]
+        print(
+            f"lease renewal: median {le['renew_median_ms']:.2f} ms, p99 {le['renew_p99_ms']:.2f} ms; idle CPU "
+            f"leader {le['idle_cpu_percent']['leader']:.2f} %, follower {le['idle_cpu_percent']['follower']:.2f} %"
+        )
+    results["machine"]["load1_end"] = os.getloadavg()[0]
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--only", action="append", choices=["failover", "submits", "lease"], help="phases (default all)"
+    )
+    parser.add_argument("--nodes", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--lease", type=float, default=10.0, help="store.leader_lease (s)")
+    parser.add_argument("--renew", type=float, default=2.0, help="store.renew_interval (s)")
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--submit-rounds", type=int, default=2)
+    parser.add_argument("--renewals", type=int, default=500)
+    parser.add_argument("--idle-s", type=float, default=20.0)
+    parser.add_argument("--pg-fsync", choices=["on", "off"], default="on", help="the PostgreSQL server's fsync")
+    parser.add_argument(
+        "--synchronous-commit",
+        choices=["on", "off", "both"],
+        default="both",
+        help="store.synchronous_commit of the PostgreSQL scheduler in the submits phase (both: one run of each)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 5 nodes, 1 round, 200 tasks")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    a = parser.parse_args()
+    a.only = a.only or ["failover", "submits", "lease"]
+    if a.quick:
+        a.nodes, a.rounds, a.tasks, a.submit_rounds, a.renewals, a.idle_s = 5, 1, 200, 1, 50, 3.0
+        a.lease, a.renew = 3.0, 0.5
+    out = asyncio.run(main(a))
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))

@@ -1,0 +1,196 @@
+"""Several real schedulers on one real PostgreSQL, a real trainer and client given all their URLs:
+the leader killed (-9), stopped past its lease, cut off from the database; the database restarted;
+two schedulers started at once; a schema from a newer scheduler. Each time: exactly one leader,
+running work keeps running as the same attempt, nothing acknowledged is lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from opentinker.common.v1 import common_pb2 as C
+from opentinker_client import RLClient
+
+from tests.support.ha import HaCluster, registrations, wait_log
+from tests.support.procs import scheduler_args
+from tests.support.tcp_proxy import TcpProxy
+from tests.support.waiting import wait_for
+
+TINY_HP = {"steps": 3, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
+STEPS = 40
+
+
+@pytest.fixture
+def ha(tmp_path, postgres_server):
+    cluster = HaCluster(tmp_path, postgres_server, 2)
+    yield cluster
+    cluster.close()
+
+
+def _started(trainer, task_id: str) -> int:
+    return sum(1 for e in trainer.log_events() if e.get("event") == "Task started" and e.get("task_id") == task_id)
+
+
+def _check_finished_whole(client: RLClient, ha: HaCluster, trainer, task_id: str, among) -> None:
+    """The task ended SUCCEEDED as attempt 1, every metric point once, its worker started once."""
+    task = ha.wait_state(task_id, C.TASK_STATE_SUCCEEDED, timeout=300, among=among)
+    assert task.attempt == 1, "the trainer re-announced the task to the new leader; it must not restart"
+    assert [s for s, _ in client.get_metric_history(task_id)] == list(range(1, STEPS + 1))
+    reasons = [e.reason for e in client.watch(task_id, follow=False) if e.kind == "state"]
+    assert "NODE_LOST" not in reasons and reasons.count("STARTED") == 1, reasons
+    assert _started(trainer, task_id) == 1, "the worker was started once"
+
+
+def _running_task(ha: HaCluster, client: RLClient, model: Path) -> str:
+    task_id = client.submit_task(
+        workload_type="lora_finetune", model=str(model), hyperparameters={**TINY_HP, "steps": STEPS}
+    )
+    ha.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step >= 2)
+    return task_id
+
+
+def test_leader_kill9_mid_task_a_follower_takes_over_and_nothing_is_lost(ha, tiny_model_dir: Path) -> None:
+    ha.start_all()
+    first = ha.wait_leader()
+    other = 1 - first
+    trainer = ha.start_trainer("node-a")
+    ha.wait_nodes(first, 1)
+    with RLClient(scheduler_url=ha.urls, min_poll_interval=0) as client:
+        task_id = _running_task(ha, client, tiny_model_dir)
+        ha.schedulers[first].kill9()
+        # Submitted while there is no leader: the client goes from the dead address to the
+        # follower (which names the dead leader until its lease runs out) until the new leader
+        # takes it; its request id makes the retries one task.
+        during = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=TINY_HP)
+        assert ha.wait_leader(among=[other]) == other
+        assert ha.health(other)["epoch"] == 2
+        ha.wait_nodes(other, 1)  # the trainer re-registered with the new leader
+        _check_finished_whole(client, ha, trainer, task_id, among=[other])
+        assert ha.wait_state(during, C.TASK_STATE_SUCCEEDED, among=[other]).attempt == 1
+        assert sorted(t.task_id for t in client.list_tasks()) == sorted([task_id, during]), "acknowledged once"
+    assert ha.health(other) == {"status": "ok", "role": "leader", "leader": ha.address(other), "epoch": 2}
+
+
+def test_leader_stopped_past_its_lease_steps_down_when_it_wakes(ha, tiny_model_dir: Path) -> None:
+    ha.start_all()
+    first = ha.wait_leader()
+    other = 1 - first
+    trainer = ha.start_trainer("node-a")
+    ha.wait_nodes(first, 1)
+    old = ha.schedulers[first]
+    with RLClient(scheduler_url=ha.urls, min_poll_interval=0) as client:
+        task_id = _running_task(ha, client, tiny_model_dir)
+        os.kill(old.pid, signal.SIGSTOP)
+        try:
+            # The follower takes the expired lease while the leader cannot run at all.
+            ha.wait_leader(among=[other])
+        finally:
+            os.kill(old.pid, signal.SIGCONT)
+        # Awake, the old leader finds its lease gone: it steps down and ends its node streams;
+        # the trainer follows to the new leader and re-announces its task.
+        wait_log(old, "stepped down; no longer leading")
+        wait_for(lambda: (ha.health(first) or {}).get("role") == "follower", what="the old leader is a follower")
+        wait_for(lambda: (ha.health(first) or {}).get("leader") == ha.address(other), what="it names the new leader")
+        ha.wait_nodes(other, 1)
+        assert not ha.ready(first) and ha.ready(other)
+        _check_finished_whole(client, ha, trainer, task_id, among=[other])
+    assert len(registrations(trainer)) >= 2, "the trainer registered again, with the new leader"
+    assert [e["epoch"] for e in old.log_events() if e.get("event") == "leader lease taken"] == [1]
+
+
+def test_database_restart_mid_run_health_degrades_and_nothing_acknowledged_is_lost(
+    ha, postgres_server, tiny_model_dir: Path
+) -> None:
+    ha.start_all()
+    first = ha.wait_leader()
+    trainer = ha.start_trainer("node-a")
+    ha.wait_nodes(first, 1)
+    with RLClient(scheduler_url=ha.urls, min_poll_interval=0) as client:
+        task_id = _running_task(ha, client, tiny_model_dir)
+        queued = client.submit_task(workload_type="lora_finetune", model="/models/later", hyperparameters=TINY_HP)
+        postgres_server.stop("fast")
+        try:
+            for i in (0, 1):
+                wait_for(
+                    lambda i=i: (ha.health(i) or {}).get("status") == "degraded",
+                    what=f"scheduler {i} says degraded",
+                )
+        finally:
+            postgres_server.start()
+        leader = ha.wait_leader()
+        ha.wait_nodes(leader, 1)
+        assert client.get_task(queued).task_id == queued, "an acknowledged task was lost"
+        _check_finished_whole(client, ha, trainer, task_id, among=[leader])
+
+
+def test_leader_cut_off_from_the_database_is_replaced_and_follows_after(
+    tmp_path, postgres_server, tiny_model_dir
+) -> None:
+    proxy = TcpProxy("127.0.0.1", postgres_server.port)
+    ha = HaCluster(tmp_path, postgres_server, 2, db_ports=[proxy.port, postgres_server.port])
+    try:
+        ha.start(0)
+        ha.wait_up(0)
+        assert ha.wait_leader(among=[0]) == 0
+        ha.start(1)
+        ha.wait_up(1)
+        trainer = ha.start_trainer("node-a")
+        ha.wait_nodes(0, 1)
+        with RLClient(scheduler_url=ha.urls, min_poll_interval=0) as client:
+            task_id = _running_task(ha, client, tiny_model_dir)
+            proxy.pause()  # scheduler 0 can no longer reach the database; nothing tells it so
+            assert ha.wait_leader(among=[1]) == 1
+            wait_for(lambda: (ha.health(0) or {}).get("status") == "degraded", what="the cut-off one says degraded")
+            wait_log(ha.schedulers[0], "stepped down; no longer leading")
+            ha.wait_nodes(1, 1)
+            _check_finished_whole(client, ha, trainer, task_id, among=[1])
+            proxy.resume()
+            wait_for(
+                lambda: ha.health(0) == {"status": "ok", "role": "follower", "leader": ha.address(1), "epoch": 2},
+                what="scheduler 0 back as a follower of scheduler 1",
+            )
+    finally:
+        ha.close()
+        proxy.close()
+
+
+def test_two_schedulers_started_at_once_elect_exactly_one_leader(ha) -> None:
+    for i in (0, 1):
+        ha.start(i)
+    for i in (0, 1):
+        ha.wait_up(i)
+    leader = ha.wait_leader()
+    follower = 1 - leader
+    assert not ha.ready(follower)
+    wait_for(lambda: (ha.health(follower) or {}).get("leader") == ha.address(leader), what="the follower names it")
+    assert ha.health(leader)["epoch"] == ha.health(follower)["epoch"] == 1
+
+
+def test_a_schema_from_a_newer_scheduler_is_refused_at_start(ha, postgres_server) -> None:
+    ha.start(0)
+    ha.wait_up(0)
+    ha.schedulers[0].terminate()
+    with psycopg.connect(postgres_server.dsn(), autocommit=True) as conn:
+        conn.execute(
+            f'INSERT INTO "{ha.schema}".schema_migrations (version, description, applied_time, scheduler_version) '
+            "VALUES (99, 'from the future', 0, '9.0.0')"
+        )
+    out = subprocess.run(
+        [
+            sys.executable,
+            *scheduler_args(ha.configs[1], port=ha.ports[1], http_port=ha.http_ports[1], state_dir=ha.tmp / "s1"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+    )
+    assert out.returncode == 1, out.stderr
+    assert "the state store's schema is version 99 ('from the future'" in out.stderr
+    assert "newer than this scheduler understands" in out.stderr
