@@ -47,15 +47,15 @@ def test_kill9_mid_task_resumes_on_another_private_node(backend, cluster, tiny_m
             hyperparameters={**HP, "steps": 400},
             max_attempts=3,
         )
-        cluster.wait_state(task_id, 3, timeout=120, what=lambda t: t.latest_checkpoint.step >= 4)
+        cluster.wait_state(task_id, 3, what=lambda t: t.latest_checkpoint.step >= 4)
         first.kill9()  # agent and worker, like a machine dying; its disk goes with its namespace
-        task = cluster.wait_state(task_id, 1, timeout=30)
+        task = cluster.wait_state(task_id, 1)
         ck = task.latest_checkpoint
         assert ck.artifact.key.startswith(f"tasks/{task_id}/a1/step_") and ck.artifact.backend == backend
         resume_step = ck.step
         assert ck.path and not Path(ck.path).exists()  # written on node-a's private disk: gone for everyone else
         second = cluster.start_trainer("node-b", private=True)
-        task = cluster.wait_state(task_id, 3, timeout=90, what=lambda t: t.latest_step > resume_step + 2)
+        task = cluster.wait_state(task_id, 3, what=lambda t: t.latest_step > resume_step + 2)
         assert task.node_id == "node-b" and task.attempt == 2
         client.cancel(task_id)
         events = list(client.watch(task_id))

@@ -59,7 +59,7 @@ def test_a_two_node_gang_finishes(tmp_path) -> None:
     cluster = start(tmp_path)
     try:
         task_id = submit(cluster, gang_spec(updates=6, checkpoint_every=3))
-        task = cluster.wait_state(task_id, {C.TASK_STATE_SUCCEEDED, C.TASK_STATE_FAILED}, timeout=600)
+        task = cluster.wait_state(task_id, {C.TASK_STATE_SUCCEEDED, C.TASK_STATE_FAILED})
         assert task.state == C.TASK_STATE_SUCCEEDED, task.error
         a, b = cluster.procs[1], cluster.procs[2]
         assert len(started(a, task_id)) == len(started(b, task_id)) == 1  # one member on each node
@@ -74,9 +74,7 @@ def test_kill_9_of_a_member_node_ends_the_attempt_and_the_gang_resumes(tmp_path)
     cluster = start(tmp_path)
     try:
         task_id = submit(cluster, gang_spec(updates=40, checkpoint_every=4))
-        running = cluster.wait_state(
-            task_id, C.TASK_STATE_RUNNING, timeout=600, what=lambda t: t.latest_checkpoint.step >= 4
-        )
+        running = cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_checkpoint.step >= 4)
         primary = running.node_id
         trainers = {"node-a": cluster.procs[1], "node-b": cluster.procs[2]}
         other = "node-b" if primary == "node-a" else "node-a"
@@ -92,12 +90,12 @@ def test_kill_9_of_a_member_node_ends_the_attempt_and_the_gang_resumes(tmp_path)
             what="member 0's worker of attempt 1 ended",
         )
         assert ended[0]["state"] == "TASK_STATE_FAILED", ended[0]
-        task = cluster.wait_state(task_id, {C.TASK_STATE_PENDING}, timeout=120, what=lambda t: t.attempt == 2)
+        task = cluster.wait_state(task_id, {C.TASK_STATE_PENDING}, what=lambda t: t.attempt == 2)
         resume_step = task.latest_checkpoint.step
         assert resume_step >= 4
         # The node comes back (same id); the gang is placed again, whole, and resumes.
         back = cluster.start_trainer(other, "--simulate-gpus", "2")  # logs to the same file as before
-        task = cluster.wait_state(task_id, {C.TASK_STATE_SUCCEEDED, C.TASK_STATE_FAILED}, timeout=900)
+        task = cluster.wait_state(task_id, {C.TASK_STATE_SUCCEEDED, C.TASK_STATE_FAILED})
         assert task.state == C.TASK_STATE_SUCCEEDED and task.attempt == 2, task.error
         assert [e["attempt"] for e in started(trainers[primary], task_id)] == [1, 2]
         assert [e["attempt"] for e in started(back, task_id)] == [1, 2]  # before the kill, and after
@@ -130,7 +128,7 @@ def test_a_two_gpu_task_on_a_simulated_node_runs_two_ranks_and_matches_one(tmp_p
                 {"steps": 2, "batch_size": 5, "learning_rate": 1e-2, "lora_rank": 4}, spec.hyperparameters
             )
             task_id = submit(cluster, spec)
-            task = cluster.wait_state(task_id, {C.TASK_STATE_SUCCEEDED, C.TASK_STATE_FAILED}, timeout=600)
+            task = cluster.wait_state(task_id, {C.TASK_STATE_SUCCEEDED, C.TASK_STATE_FAILED})
             assert task.state == C.TASK_STATE_SUCCEEDED, task.error
             metrics = cluster.stub.GetMetrics(scheduler_pb2.GetMetricsRequest(task_id=task_id, include_history=True))
             done[gpus] = (task, metrics)
