@@ -99,8 +99,10 @@ def test_trainer_killed_mid_task_is_requeued_and_finishes_elsewhere(backend_clus
         task = cluster.wait_state(task_id, 1)  # PENDING again after the 3 s lease
         assert task.attempt == 2
         resume_step = task.latest_checkpoint.step
+        lost_at = task.latest_step  # the lost attempt's last step (its reports are refused from here)
         second = cluster.start_trainer("node-b")
-        task = cluster.wait_state(task_id, 3, what=lambda t: t.latest_step > resume_step + 1)
+        # Past every step attempt 1 reported: attempt 2 has reported steps of its own.
+        task = cluster.wait_state(task_id, 3, what=lambda t: t.latest_step > max(lost_at, resume_step + 1))
         assert task.node_id == "node-b" and task.attempt == 2
         client.cancel(task_id)
         # The second attempt resumed from the newest checkpoint: its first step is the next one.
