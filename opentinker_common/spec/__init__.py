@@ -13,7 +13,7 @@ and one import line below.
 
 from __future__ import annotations
 
-from opentinker_common.spec._parse import SpecError, jsonable, num, parse_dataclass
+from opentinker_common.spec._parse import SpecError, jsonable, num, parse_dataclass, plain
 from opentinker_common.spec.registry import WORKLOAD_TYPES, implemented_workloads
 
 # Config families: each module registers its environments and workloads on import.
@@ -59,6 +59,7 @@ __all__ = [
     "env_kind",
     "implemented_workloads",
     "jsonable",
+    "plain",
     "num",
     "parse_dataclass",
     "spec_from_proto",

@@ -12,10 +12,10 @@ import functools
 import math
 import types
 import typing
-from dataclasses import field
+from dataclasses import field, fields, is_dataclass
 from typing import Any, Mapping
 
-__all__ = ["SpecError", "num", "parse_dataclass", "jsonable", "short_repr", "name_list"]
+__all__ = ["SpecError", "num", "parse_dataclass", "jsonable", "plain", "short_repr", "name_list"]
 
 
 class SpecError(ValueError):
@@ -254,3 +254,17 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
     return value
+
+
+def plain(obj: Any) -> Any:
+    """A spec dataclass as plain JSON-able values: dataclasses become dicts (field order kept),
+    tuples lists, recursively; what ``jsonable(dataclasses.asdict(obj))`` gives, without its deep
+    copy of every leaf (spec values are immutable: numbers, strings, tuples, frozen dataclasses),
+    which made it the costliest step of resolving a submitted spec."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: plain(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from opentinker_common.spec._parse import SpecError, jsonable, parse_dataclass
+from opentinker_common.spec._parse import SpecError, parse_dataclass, plain
 from opentinker_common.spec.registry import (
     WORKLOAD_TYPES,
     env_entry,
@@ -225,7 +224,7 @@ class TaskSpecModel:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (tuples become lists)."""
-        return jsonable(dataclasses.asdict(self))
+        return plain(self)
 
 
 def spec_from_proto(spec, *, allowed_workloads: tuple[str, ...] = WORKLOAD_TYPES) -> TaskSpecModel:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import secrets
 import time
 from typing import Callable
@@ -30,7 +29,7 @@ from typing import Callable
 import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
-from opentinker_common.spec import SpecError, TaskSpecModel, jsonable, spec_from_proto, task_uses_model
+from opentinker_common.spec import SpecError, TaskSpecModel, plain, spec_from_proto, task_uses_model
 
 from opentinker_scheduler.state.commit import GroupCommit
 from opentinker_scheduler.config import SchedulerConfig
@@ -287,7 +286,7 @@ class SchedulerCore:
             except SpecError:
                 return out
         out.hyperparameters.Clear()
-        out.hyperparameters.update(jsonable(dataclasses.asdict(model.hyperparameters)))
+        out.hyperparameters.update(plain(model.hyperparameters))
         out.limits.max_attempts = out.limits.max_attempts or self.config.default_max_attempts
         return out
 
@@ -363,14 +362,8 @@ class SchedulerCore:
         self.store.insert_task(task, ev)
         self.tasks.added(task)
         self._queued_at[task.task_id] = time.monotonic()
-        log.info(
-            "task submitted",
-            task_id=task.task_id,
-            owner=owner,
-            workload_type=model.workload_type,
-            gpu_count=model.gpu_count,
-            priority=task.priority,
-        )
+        # No log line here: the servicer's audit record (``action="task.submit"``) is the
+        # submission's one line, with task id, owner, workload type, GPUs and priority.
         self.notify()
         return task
 

@@ -72,6 +72,9 @@ def test_each_action_is_recorded_with_owner_task_time_and_outcome(sched) -> None
         and ok[0].task_id == task_id
         and ok[0].key_prefix == alice_info.prefix
     )
+    # The submission's one record says what was asked for (the core logs no second line).
+    assert ok[0].detail["workload_type"] == "lora_finetune" and ok[0].detail["gpu_count"] == 0
+    assert isinstance(ok[0].detail["priority"], int)
     assert len(bad) == 1 and "spec.hyperparameters.steps" in bad[0].detail["error"]
     (cancel,) = by_action["task.cancel"]
     assert (
@@ -92,6 +95,7 @@ def test_each_action_is_recorded_with_owner_task_time_and_outcome(sched) -> None
     assert "auth.refused" not in by_action
     # The same records went out as structured log lines of the opentinker.audit logger.
     lines = [e for e in logs if e.get("event") == "audit"]
+    assert not [e for e in logs if e.get("event") == "task submitted"]  # the audit line is the one line
     assert {"task.submit", "task.cancel", "key.create", "key.rotate", "key.revoke", "node.join", "auth.refused"} <= {
         e["action"] for e in lines
     }
