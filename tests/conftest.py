@@ -77,3 +77,17 @@ def seaweedfs(tmp_path_factory):
     server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def held_env_checks(monkeypatch):
+    """The scheduler's environment check replaced by a TEST DOUBLE that holds ``block: true``
+    submits until ``.release`` is set (tests/support/env_check.py ``BlockingBuilder``)."""
+    import opentinker_common.spec.gym as gym_spec
+
+    from tests.support.env_check import BlockingBuilder
+
+    b = BlockingBuilder()
+    monkeypatch.setattr(gym_spec, "_real_spaces", b.cached)
+    yield b
+    b.release.set()

@@ -370,24 +370,12 @@ class PostgresStore(_PgBase):
                 conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"opentinker-migrate/{self.schema_name}",))
                 conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema_name}"')
                 conn.execute(schema.postgres_ddl(schema.MIGRATIONS_TABLE))
-                newest = conn.execute(
-                    "SELECT version, description, scheduler_version FROM schema_migrations "
-                    "ORDER BY version DESC LIMIT 1"
-                ).fetchone()
-                if newest is not None and newest[0] > schema.SCHEMA_VERSION:
-                    raise schema.too_new(newest[0], newest[1], newest[2])
-                done = newest[0] if newest is not None else 0
-                for m in schema.MIGRATIONS:
-                    if m.version <= done:
-                        continue
+                newest = conn.execute(schema.NEWEST_MIGRATION_SQL).fetchone()
+                for m in schema.pending_migrations(newest):
                     conn.execute(schema.postgres_ddl(m.sql))
                     if m.postgres:
                         conn.execute(m.postgres)
-                    conn.execute(
-                        "INSERT INTO schema_migrations (version, description, applied_time, scheduler_version) "
-                        "VALUES (%s, %s, %s, %s)",
-                        (m.version, m.description, time.time(), schema.scheduler_version()),
-                    )
+                    conn.execute(schema.RECORD_MIGRATION_SQL.replace("?", "%s"), schema.applied_row(m))
                     log.info("state store migrated", version=m.version, description=m.description)
         except psycopg.Error as exc:
             raise self.db.failed(exc) from exc

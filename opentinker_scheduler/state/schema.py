@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -205,6 +206,36 @@ def too_new(found: int, description: str, by: str) -> SchemaTooNew:
         f"scheduler understands (version {SCHEMA_VERSION}); run a scheduler at least as new as the one "
         "that migrated it, or restore the store from a backup taken before that upgrade"
     )
+
+
+#: The newest applied migration's row: ``(version, description, scheduler_version)`` or none.
+NEWEST_MIGRATION_SQL = (
+    "SELECT version, description, scheduler_version FROM schema_migrations ORDER BY version DESC LIMIT 1"
+)
+
+#: Records one applied migration; its parameters are :func:`applied_row`'s (``?`` placeholders:
+#: PostgreSQL callers swap them for ``%s``).
+RECORD_MIGRATION_SQL = (
+    "INSERT INTO schema_migrations (version, description, applied_time, scheduler_version) VALUES (?,?,?,?)"
+)
+
+
+def pending_migrations(newest: tuple | None) -> tuple[Migration, ...]:
+    """The migrations a store lacks, oldest first, given its :data:`NEWEST_MIGRATION_SQL` row
+    (None: a new store, every migration).
+
+    Raises:
+        SchemaTooNew: the store is at a version newer than :data:`SCHEMA_VERSION`.
+    """
+    if newest is not None and newest[0] > SCHEMA_VERSION:
+        raise too_new(newest[0], newest[1], newest[2])
+    done = newest[0] if newest is not None else 0
+    return tuple(m for m in MIGRATIONS if m.version > done)
+
+
+def applied_row(m: Migration) -> tuple:
+    """:data:`RECORD_MIGRATION_SQL`'s parameters for ``m``, applied now by this scheduler."""
+    return (m.version, m.description, time.time(), scheduler_version())
 
 
 _COMMENT = re.compile(r"--[^\n]*")

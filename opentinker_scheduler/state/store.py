@@ -631,26 +631,15 @@ class Store(SqlStore):
         """Apply the migrations this database lacks (:mod:`.schema`), each in its transaction;
         refuse a newer schema."""
         self.db.executescript(schema.MIGRATIONS_TABLE)
-        newest = self.db.execute(
-            "SELECT version, description, scheduler_version FROM schema_migrations ORDER BY version DESC LIMIT 1"
-        ).fetchone()
-        if newest is not None and newest[0] > schema.SCHEMA_VERSION:
-            raise schema.too_new(newest[0], newest[1], newest[2])
-        done = newest[0] if newest is not None else 0
-        for m in schema.MIGRATIONS:
-            if m.version <= done:
-                continue
+        newest = self.db.execute(schema.NEWEST_MIGRATION_SQL).fetchone()
+        for m in schema.pending_migrations(newest):
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 for statement in _statements(m.sql):
                     self.db.execute(statement)
                 if m.sqlite_fixup is not None:
                     m.sqlite_fixup(self.db)
-                self.db.execute(
-                    "INSERT INTO schema_migrations (version, description, applied_time, scheduler_version) "
-                    "VALUES (?,?,?,?)",
-                    (m.version, m.description, time.time(), schema.scheduler_version()),
-                )
+                self.db.execute(schema.RECORD_MIGRATION_SQL, schema.applied_row(m))
                 self.db.execute("COMMIT")
             except BaseException:
                 if self.db.in_transaction:

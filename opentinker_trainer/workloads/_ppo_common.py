@@ -28,6 +28,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from opentinker_trainer import distributed
 from opentinker_trainer.rl import ppo as ppo_math
 from opentinker_trainer.rl.gae import gae
 
@@ -415,6 +416,15 @@ def run_updates(trainer: Any, log: Any, close) -> None:
 
 
 # --- checkpoints ----------------------------------------------------------------------------
+
+
+def save_update(trainer: Any, *, final: bool) -> Path:
+    """Checkpoint a PPO trainer at its current update, once for all its ranks
+    (:func:`opentinker_trainer.distributed.save_once`: rank 0 writes with ``trainer._write(final,
+    extra)``, ``extra`` the ranks' RNG states); the folder written."""
+    return distributed.save_once(
+        trainer.ctx, lambda extra: trainer._write(final, extra), step=trainer.update, final=final, fmt=CHECKPOINT_FORMAT
+    )
 
 
 def save_checkpoint(

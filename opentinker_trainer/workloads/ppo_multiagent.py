@@ -139,13 +139,7 @@ class MultiAgentPPOTrainer:
 
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
-        return distributed.save_once(
-            self.ctx,
-            lambda extra: self._write(final, extra),
-            step=self.update,
-            final=final,
-            fmt=common.CHECKPOINT_FORMAT,
-        )
+        return common.save_update(self, final=final)
 
     def _write(self, final: bool, extra: dict) -> Path:
         path = Path(self.ctx.checkpoint_dir) / f"step_{self.update}"

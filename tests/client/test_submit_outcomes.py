@@ -17,25 +17,15 @@ from opentinker_client import RLClient
 from opentinker_client.client_tasks import SUBMIT_ATTEMPTS
 from opentinker_common.net.call_budget import BUDGET_HEADER
 
-import opentinker_common.spec.gym as gym_spec
-from tests.scheduler.admission.test_spec_check import BlockingBuilder
 from tests.support.security import LoopbackScheduler
 
 CARTPOLE = {"workload_type": "full_rl", "env_config": {"env_id": "CartPole-v1"}}
 
 
 @pytest.fixture
-def builder(monkeypatch):
-    b = BlockingBuilder()
-    monkeypatch.setattr(gym_spec, "_real_spaces", b.cached)
-    yield b
-    b.release.set()
-
-
-@pytest.fixture
-def busy(tmp_path, builder):
+def busy(tmp_path, held_env_checks):
     """A real scheduler that takes one submit at a time, with that one held in its environment
-    check until ``builder.release`` is set: ``(sched, held call)``."""
+    check until ``held_env_checks.release`` is set: ``(sched, held call)``."""
     sched = LoopbackScheduler(tmp_path / "state", "limits: {max_submits_in_flight: 1, spec_check_timeout: 30}\n")
     channel = grpc.insecure_channel(sched.target)
     spec = C.TaskSpec(workload_type="full_rl")
@@ -43,11 +33,11 @@ def busy(tmp_path, builder):
     held = scheduler_pb2_grpc.SchedulerServiceStub(channel).SubmitTask.future(
         S.SubmitTaskRequest(spec=spec, request_id="held"), timeout=60
     )
-    builder.wait_entered()
+    held_env_checks.wait_entered()
     try:
         yield sched, held
     finally:
-        builder.release.set()
+        held_env_checks.release.set()
         channel.close()
         sched.close()
 
@@ -65,9 +55,9 @@ def test_an_overloaded_scheduler_is_retried_within_the_timeout_then_overloaded_e
     assert sched.do(lambda: sched.core.store.db.execute("SELECT COUNT(*) FROM tasks").fetchone()[0]) == 0
 
 
-def test_a_submit_refused_as_overloaded_succeeds_once_there_is_room(busy, builder) -> None:
+def test_a_submit_refused_as_overloaded_succeeds_once_there_is_room(busy, held_env_checks) -> None:
     sched, held = busy
-    threading.Timer(0.5, builder.release.set).start()
+    threading.Timer(0.5, held_env_checks.release.set).start()
     with RLClient(sched.target, api_key="", timeout=30) as client:
         task_id = client.submit_task(**CARTPOLE)
         assert client.get_task(task_id).state == "pending"

@@ -12,7 +12,16 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support.datasets import arithmetic_chat_jsonl
-from tests.support.distributed import run_worker, task_spec
+from tests.support.distributed import run_worker, start_worker, task_spec
+
+#: PPO on CartPole for ever (the tests end it) on two ranks.
+CARTPOLE_TWO_RANKS = task_spec(
+    workload_type="full_rl",
+    model="",
+    env_config={"env_id": "CartPole-v1"},
+    hyperparameters={"total_timesteps": 10_000_000, "num_envs": 2, "num_steps": 8, "hidden_sizes": [8]},
+    gpu_count=2,
+)
 
 
 def adapter(checkpoint) -> dict[str, torch.Tensor]:
@@ -135,55 +144,25 @@ def test_kill_9_of_one_rank_ends_the_attempt_retryable(tmp_path) -> None:
     import json
     import os
     import signal
-    import subprocess
-    import sys
 
-    from opentinker.node.v1 import node_pb2
-    from tests.support.distributed import worker_env
-
-    hp = {"total_timesteps": 10_000_000, "num_envs": 2, "num_steps": 8, "hidden_sizes": [8]}
-    spec = task_spec(
-        workload_type="full_rl", model="", env_config={"env_id": "CartPole-v1"}, hyperparameters=hp, gpu_count=2
-    )
-    folder = tmp_path / "node" / "k"
-    folder.mkdir(parents=True)
-    (folder / "a.pb").write_bytes(
-        node_pb2.AssignTask(task_id="t-k", attempt=1, spec=spec, device_indices=[0, 1]).SerializeToString()
-    )
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "opentinker_trainer.worker",
-            str(folder / "a.pb"),
-            "--checkpoint-dir",
-            str(folder / "c"),
-            "--device",
-            "cpu",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=open(folder / "stderr.log", "w"),
-        text=True,
-        env={**worker_env()},
-        cwd=folder,
-        start_new_session=True,
-    )
-    try:
-        lines = iter(proc.stdout.readline, "")
-        next(line for line in lines if json.loads(line)["type"] == "metric")  # both ranks are training
-        (rank1,) = [
-            c for c in children(proc.pid) if "spawn_main" in cmdline(c) and "resource_tracker" not in cmdline(c)
-        ]
-        os.kill(rank1, signal.SIGKILL)
-        rest = [json.loads(line) for line in lines]
-        assert proc.wait() != 0
-        (failed,) = [r for r in rest if r["type"] == "failed"]
-        assert f"rank 1 (pid {rank1}) killed by signal 9" in failed["error"] and failed["retryable"] is True
-        assert not [r for r in rest if r["type"] in ("succeeded", "stopped")]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with open(tmp_path / "k-stderr.log", "w") as err:
+        proc = start_worker(tmp_path, "k", CARTPOLE_TWO_RANKS, devices=2, stderr=err)
+        try:
+            lines = iter(proc.stdout.readline, "")
+            next(line for line in lines if json.loads(line)["type"] == "metric")  # both ranks are training
+            (rank1,) = [
+                c for c in children(proc.pid) if "spawn_main" in cmdline(c) and "resource_tracker" not in cmdline(c)
+            ]
+            os.kill(rank1, signal.SIGKILL)
+            rest = [json.loads(line) for line in lines]
+            assert proc.wait() != 0
+            (failed,) = [r for r in rest if r["type"] == "failed"]
+            assert f"rank 1 (pid {rank1}) killed by signal 9" in failed["error"] and failed["retryable"] is True
+            assert not [r for r in rest if r["type"] in ("succeeded", "stopped")]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     assert not cmdline(rank1)  # gone (reaped)
 
 
@@ -193,40 +172,10 @@ def test_sigterm_to_the_group_stops_every_rank_after_one_checkpoint(tmp_path) ->
     import json
     import os
     import signal
-    import subprocess
-    import sys
 
-    from opentinker.node.v1 import node_pb2
-    from tests.support.distributed import worker_env
-
-    hp = {"total_timesteps": 10_000_000, "num_envs": 2, "num_steps": 8, "hidden_sizes": [8]}
-    spec = task_spec(
-        workload_type="full_rl", model="", env_config={"env_id": "CartPole-v1"}, hyperparameters=hp, gpu_count=2
-    )
     folder = tmp_path / "node" / "s"
-    folder.mkdir(parents=True)
-    (folder / "a.pb").write_bytes(
-        node_pb2.AssignTask(task_id="t-s", attempt=1, spec=spec, device_indices=[0, 1]).SerializeToString()
-    )
-    with open(folder / "stderr.log", "w") as err:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "opentinker_trainer.worker",
-                str(folder / "a.pb"),
-                "--checkpoint-dir",
-                str(folder / "c"),
-                "--device",
-                "cpu",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            env=worker_env(),
-            cwd=folder,
-            start_new_session=True,
-        )
+    with open(tmp_path / "s-stderr.log", "w") as err:
+        proc = start_worker(tmp_path, "s", CARTPOLE_TWO_RANKS, devices=2, stderr=err)
         try:
             lines = iter(proc.stdout.readline, "")
             next(line for line in lines if json.loads(line)["type"] == "metric")
@@ -242,7 +191,7 @@ def test_sigterm_to_the_group_stops_every_rank_after_one_checkpoint(tmp_path) ->
     assert kinds[-1] == "stopped" and "failed" not in kinds
     (ck,) = [r for r in rest if r["type"] == "checkpoint"]
     assert not ck["final"]
-    state = torch.load(folder / "c" / f"step_{ck['step']}" / "trainer_state.pt", weights_only=True)
+    state = torch.load(folder / "checkpoints" / f"step_{ck['step']}" / "trainer_state.pt", weights_only=True)
     assert state["world_size"] == 2
     assert ranks and not any(cmdline(r) for r in ranks)
 

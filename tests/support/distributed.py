@@ -72,31 +72,54 @@ def run_worker(
     device indices, on the CPU, as the node agent of a ``--simulate-gpus`` node does; checkpoints
     under ``tmp_path / "node" / name / checkpoints`` (the work folder is ``tmp_path / "node"``:
     a spec may name files elsewhere under ``tmp_path``). Waits for it to end."""
+    folder = _assignment(tmp_path, name, spec, devices=devices, attempt=attempt, resume_from=resume_from)
+    proc = subprocess.run(
+        _worker_argv(folder), capture_output=True, text=True, env=worker_env(), cwd=folder, timeout=timeout_s
+    )
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.strip().startswith("{")]
+    return WorkerRun(proc.returncode, reports, proc.stderr)
+
+
+def start_worker(tmp_path: Path, name: str, spec: common_pb2.TaskSpec, *, devices: int, stderr) -> subprocess.Popen:
+    """:func:`run_worker` without waiting: the worker in its own session (process group, as the
+    agent starts it), its report lines on ``stdout`` (text), its stderr to file ``stderr``;
+    checkpoints under ``tmp_path / "node" / name / checkpoints``. The caller ends and reaps it."""
+    folder = _assignment(tmp_path, name, spec, devices=devices)
+    return subprocess.Popen(
+        _worker_argv(folder),
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=worker_env(),
+        cwd=folder,
+        start_new_session=True,
+    )
+
+
+def _assignment(
+    tmp_path: Path, name: str, spec: common_pb2.TaskSpec, *, devices: int, attempt: int = 1, resume_from=None
+) -> Path:
+    """Folder ``tmp_path / "node" / name`` holding ``assignment.pb`` (task ``t-<name>``)."""
     folder = tmp_path / "node" / name
     folder.mkdir(parents=True, exist_ok=True)
     assign = node_pb2.AssignTask(task_id=f"t-{name}", attempt=attempt, spec=spec, device_indices=list(range(devices)))
     if resume_from is not None:
         assign.resume_from.path = str(resume_from)
     (folder / "assignment.pb").write_bytes(assign.SerializeToString())
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "opentinker_trainer.worker",
-            str(folder / "assignment.pb"),
-            "--checkpoint-dir",
-            str(folder / "checkpoints"),
-            "--device",
-            "cpu",
-        ],
-        capture_output=True,
-        text=True,
-        env=worker_env(),
-        cwd=folder,
-        timeout=timeout_s,
-    )
-    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.strip().startswith("{")]
-    return WorkerRun(proc.returncode, reports, proc.stderr)
+    return folder
+
+
+def _worker_argv(folder: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "opentinker_trainer.worker",
+        str(folder / "assignment.pb"),
+        "--checkpoint-dir",
+        str(folder / "checkpoints"),
+        "--device",
+        "cpu",
+    ]
 
 
 def free_port() -> int:

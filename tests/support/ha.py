@@ -18,7 +18,7 @@ import grpc
 from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-from tests.support.procs import Proc, free_port, scheduler_args
+from tests.support.procs import Proc, free_port, scheduler_args, trainer_proc
 from tests.support.waiting import wait_for
 
 
@@ -135,21 +135,7 @@ class HaCluster:
         return wait_for(one, timeout=timeout, what="exactly one leader")[0]
 
     def start_trainer(self, node_id: str, *extra: str, url: str | None = None) -> Proc:
-        p = Proc(
-            [
-                "-m",
-                "opentinker_trainer",
-                "--node-id",
-                node_id,
-                "--work-dir",
-                str(self.tmp / "runs" / node_id),
-                "--kill-grace",
-                "3",
-                *extra,
-            ],
-            self.tmp / f"trainer-{node_id}.log",
-            env={"SCHEDULER_URL": url or self.urls},
-        )
+        p = trainer_proc(self.tmp, node_id, *extra, url=url or self.urls)
         self.procs.append(p)
         return p
 

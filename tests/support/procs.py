@@ -213,6 +213,28 @@ class Proc:
         self._log.close()
 
 
+def trainer_proc(tmp: Path, node_id: str, *extra: str, url: str, prefix: list[str] = ()) -> Proc:
+    """``python -m opentinker_trainer`` as node ``node_id`` of scheduler(s) ``url`` (one URL or
+    several, comma-separated), its work dir ``tmp/runs/<node_id>``, its log ``tmp/trainer-<node_id>.log``,
+    a 3 s kill grace; ``extra``: more trainer flags; ``prefix``: a command the trainer runs under."""
+    return Proc(
+        [
+            "-m",
+            "opentinker_trainer",
+            "--node-id",
+            node_id,
+            "--work-dir",
+            str(tmp / "runs" / node_id),
+            "--kill-grace",
+            "3",
+            *extra,
+        ],
+        tmp / f"trainer-{node_id}.log",
+        env={"SCHEDULER_URL": url},
+        prefix=prefix,
+    )
+
+
 class Cluster:
     """A scheduler and any number of trainers, torn down with :meth:`close`."""
 
@@ -279,22 +301,7 @@ class Cluster:
                 d.mkdir(parents=True, exist_ok=True)
             mounts = " && ".join(f"mount -t tmpfs -o size=2g tmpfs '{d}'" for d in hidden)
             prefix = ["unshare", "-m", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$0" "$@"']
-        p = Proc(
-            [
-                "-m",
-                "opentinker_trainer",
-                "--node-id",
-                node_id,
-                "--work-dir",
-                str(self.tmp / "runs" / node_id),
-                "--kill-grace",
-                "3",
-                *extra,
-            ],
-            self.tmp / f"trainer-{node_id}.log",
-            env={"SCHEDULER_URL": url or self.url},
-            prefix=prefix,
-        )
+        p = trainer_proc(self.tmp, node_id, *extra, url=url or self.url, prefix=prefix)
         self.procs.append(p)
         return p
 

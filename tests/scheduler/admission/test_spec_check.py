@@ -9,10 +9,6 @@ how fast this machine is.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import json
-import threading
 import time
 
 import grpc
@@ -21,90 +17,31 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import opentinker_common.spec.gym as gym_spec
 from opentinker.common.v1 import common_pb2 as C
-from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
+from opentinker.scheduler.v1 import scheduler_pb2 as S
 from opentinker_scheduler.config import ConfigError, parse_config
 from opentinker_scheduler.admission.spec_check import DEFAULT_TIMEOUT_S, checker_for
 
-from tests.support.security import LoopbackScheduler
+from tests.support.env_check import cartpole_request as _request, serving as _serving
 
 
-class BlockingBuilder:
-    """TEST DOUBLE of ``gym._real_spaces``: CartPole's spaces, after waiting for :attr:`release`
-    when ``env_kwargs`` hold ``block: true``. Wrapped in ``lru_cache`` like the real one."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.entered = threading.Semaphore(0)
-        self.calls: list[tuple] = []
-        self.active = 0
-        self.max_active = 0
-        self._lock = threading.Lock()
-        self.cached = functools.lru_cache(maxsize=64)(self._build)
-
-    def _build(self, env_id: str, kwargs_items: str):  # the canonical JSON of env_kwargs (gym_spec.kwargs_key)
-        with self._lock:
-            self.calls.append(kwargs_items)
-            self.active += 1
-            self.max_active = max(self.max_active, self.active)
-        self.entered.release()
-        try:
-            if json.loads(kwargs_items).get("block"):
-                self.release.wait(60)
-            return ("Discrete(2)", "Box(-inf, inf, (4,), float32)", 2, 4)
-        finally:
-            with self._lock:
-                self.active -= 1
-
-    def wait_entered(self, n: int = 1) -> None:
-        for _ in range(n):
-            assert self.entered.acquire(timeout=30), "the check never started"
-
-
-@pytest.fixture
-def builder(monkeypatch):
-    b = BlockingBuilder()
-    monkeypatch.setattr(gym_spec, "_real_spaces", b.cached)
-    yield b
-    b.release.set()
-
-
-@contextlib.contextmanager
-def _serving(tmp_path, config_text: str = ""):
-    """A loopback scheduler with ``config_text`` (YAML) and an insecure channel to it:
-    ``(sched, channel, SchedulerService stub)``; both closed on exit, the channel first."""
-    sched = LoopbackScheduler(tmp_path / "state", config_text)
-    channel = grpc.insecure_channel(sched.target)
-    try:
-        yield sched, channel, scheduler_pb2_grpc.SchedulerServiceStub(channel)
-    finally:
-        channel.close()
-        sched.close()
-
-
-def _request(**env_kwargs) -> S.SubmitTaskRequest:
-    spec = C.TaskSpec(workload_type="full_rl")
-    spec.env_config.update({"env_id": "CartPole-v1", "env_kwargs": env_kwargs})
-    return S.SubmitTaskRequest(spec=spec)
-
-
-def test_the_loop_answers_while_an_environment_is_built_and_submit_builds_once(tmp_path, builder) -> None:
+def test_the_loop_answers_while_an_environment_is_built_and_submit_builds_once(tmp_path, held_env_checks) -> None:
     with _serving(tmp_path) as (sched, channel, stub):
         pending = stub.SubmitTask.future(_request(block=True, tag=1), timeout=60)
-        builder.wait_entered()
+        held_env_checks.wait_entered()
         # The build is blocked in its thread; the loop still serves RPCs and health.
         assert stub.ListTasks(S.ListTasksRequest(), timeout=10).tasks == []
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         assert not pending.done()
-        builder.release.set()
+        held_env_checks.release.set()
         task = pending.result().task
         assert task.state == C.TASK_STATE_PENDING
         # core.submit validated the same spec again on the loop and found the build cached.
-        assert builder.calls == ['{"block":true,"tag":1}']
+        assert held_env_checks.calls == ['{"block":true,"tag":1}']
         assert [t.task_id for t in stub.ListTasks(S.ListTasksRequest()).tasks] == [task.task_id]
 
 
-def test_a_build_past_the_budget_is_invalid_argument_and_nothing_is_stored(tmp_path, builder) -> None:
+def test_a_build_past_the_budget_is_invalid_argument_and_nothing_is_stored(tmp_path, held_env_checks) -> None:
     with _serving(tmp_path, "limits: {spec_check_timeout: 0.5}\n") as (sched, channel, stub):
         try:
             with pytest.raises(grpc.RpcError) as err:
@@ -121,17 +58,17 @@ def test_a_build_past_the_budget_is_invalid_argument_and_nothing_is_stored(tmp_p
             assert (
                 err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "took longer than 0.5 s" in err.value.details()
             )
-            assert len(builder.calls) == 1
+            assert len(held_env_checks.calls) == 1
             # Another spec is fine (one slot is still held by the blocked build, the other is free).
             assert stub.SubmitTask(_request(fast=1), timeout=30).task.state == C.TASK_STATE_PENDING
         finally:
-            builder.release.set()
+            held_env_checks.release.set()
 
 
-def test_at_most_two_builds_at_once_and_a_caller_without_a_slot_is_told_to_retry(tmp_path, builder) -> None:
+def test_at_most_two_builds_at_once_and_a_caller_without_a_slot_is_told_to_retry(tmp_path, held_env_checks) -> None:
     with _serving(tmp_path, "limits: {spec_check_timeout: 1}\n") as (sched, channel, stub):
         calls = [stub.SubmitTask.future(_request(block=True, n=i), timeout=60) for i in range(3)]
-        builder.wait_entered(2)
+        held_env_checks.wait_entered(2)
         codes = []
         for call in calls:
             with pytest.raises(grpc.RpcError) as err:
@@ -141,9 +78,9 @@ def test_at_most_two_builds_at_once_and_a_caller_without_a_slot_is_told_to_retry
                 assert "2 environment checks are already running" in err.value.details()
                 assert "limits.spec_check_timeout" in err.value.details()
         assert sorted(c.name for c in codes) == ["INVALID_ARGUMENT", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"]
-        assert builder.max_active == 2 and len(builder.calls) == 2
+        assert held_env_checks.max_active == 2 and len(held_env_checks.calls) == 2
         # The slots come back only when the runaway builds really end.
-        builder.release.set()
+        held_env_checks.release.set()
         checker = checker_for(sched.core)
         deadline = time.monotonic() + 30
         while checker.running and time.monotonic() < deadline:

@@ -10,7 +10,6 @@ stands for a loop too busy to take calls up, so they wait inside gRPC.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import grpc
@@ -18,39 +17,17 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-import opentinker_common.spec.gym as gym_spec
 from opentinker.common.v1 import common_pb2 as C
-from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
+from opentinker.scheduler.v1 import scheduler_pb2_grpc
 from opentinker_common.net.call_budget import budget_metadata
 from opentinker_scheduler.errors import ERROR_DOMAIN
 
-from tests.scheduler.admission.test_spec_check import BlockingBuilder
+from tests.support.env_check import cartpole_request, serving
 from tests.support.security import LoopbackScheduler
 
 
-@pytest.fixture
-def builder(monkeypatch):
-    b = BlockingBuilder()
-    monkeypatch.setattr(gym_spec, "_real_spaces", b.cached)
-    yield b
-    b.release.set()
-
-
-@contextlib.contextmanager
-def serving(tmp_path, config_text: str):
-    sched = LoopbackScheduler(tmp_path / "state", config_text)
-    channel = grpc.insecure_channel(sched.target)
-    try:
-        yield sched, scheduler_pb2_grpc.SchedulerServiceStub(channel)
-    finally:
-        channel.close()
-        sched.close()
-
-
-def request(n: int, **env_kwargs) -> S.SubmitTaskRequest:
-    spec = C.TaskSpec(workload_type="full_rl")
-    spec.env_config.update({"env_id": "CartPole-v1", "env_kwargs": env_kwargs})
-    return S.SubmitTaskRequest(spec=spec, request_id=f"req-{n}")
+def request(n: int, **env_kwargs):
+    return cartpole_request(f"req-{n}", **env_kwargs)
 
 
 def details(err: grpc.RpcError) -> dict[str, object]:
@@ -84,10 +61,12 @@ def stored_tasks(sched: LoopbackScheduler) -> int:
     return sched.do(lambda: sched.core.store.db.execute("SELECT COUNT(*) FROM tasks").fetchone()[0])
 
 
-def test_submits_over_the_limit_in_progress_are_refused_with_retry_info_and_create_nothing(tmp_path, builder) -> None:
-    with serving(tmp_path, "limits: {max_submits_in_flight: 2, spec_check_timeout: 30}\n") as (sched, stub):
+def test_submits_over_the_limit_in_progress_are_refused_with_retry_info_and_create_nothing(
+    tmp_path, held_env_checks
+) -> None:
+    with serving(tmp_path, "limits: {max_submits_in_flight: 2, spec_check_timeout: 30}\n") as (sched, _, stub):
         held = [stub.SubmitTask.future(request(i, block=True, k=i), timeout=60) for i in range(2)]
-        builder.wait_entered(2)  # two calls in progress, held in their environment checks
+        held_env_checks.wait_entered(2)  # two calls in progress, held in their environment checks
         flood = [stub.SubmitTask.future(request(100 + i, k=i), timeout=60) for i in range(40)]
         ok, refused = outcomes(flood)
         assert ok == [] and len(refused) == 40
@@ -99,8 +78,8 @@ def test_submits_over_the_limit_in_progress_are_refused_with_retry_info_and_crea
             assert 0.1 <= info["retry_after"] <= 10 and int(info["pushback_ms"]) == int(info["retry_after"] * 1000)
         assert stored_tasks(sched) == 0
         # Refused early: the flood built no environment and took nothing else up.
-        assert len(builder.calls) == 2
-        builder.release.set()
+        assert len(held_env_checks.calls) == 2
+        held_env_checks.release.set()
         done, failed = outcomes(held)
         assert failed == [] and len(done) == 2 and stored_tasks(sched) == 2
         # The same request again, now that there is room: accepted (the refusal created nothing to clash with).
@@ -109,7 +88,7 @@ def test_submits_over_the_limit_in_progress_are_refused_with_retry_info_and_crea
 
 
 def test_calls_that_waited_inside_grpc_past_max_submit_wait_are_refused_never_cancelled(tmp_path) -> None:
-    with serving(tmp_path, "limits: {max_submit_wait: 1.0}\n") as (sched, stub):
+    with serving(tmp_path, "limits: {max_submit_wait: 1.0}\n") as (sched, _, stub):
         stub.SubmitTask(request(0), timeout=30)  # warm: the first spec check imports gymnasium
         # A loop too busy to take calls up: 2 s of it while 1500 submits arrive. 1500 waiting
         # calls are past gRPC core's default pending limit (1000), where it drops calls at random
@@ -132,13 +111,15 @@ def test_calls_that_waited_inside_grpc_past_max_submit_wait_are_refused_never_ca
         assert stub.SubmitTask(request(5000), timeout=30).task.state == C.TASK_STATE_PENDING
 
 
-def test_a_stopping_scheduler_refuses_submits_as_unavailable_and_answers_those_in_progress(tmp_path, builder) -> None:
+def test_a_stopping_scheduler_refuses_submits_as_unavailable_and_answers_those_in_progress(
+    tmp_path, held_env_checks
+) -> None:
     sched = LoopbackScheduler(tmp_path / "state", "limits: {spec_check_timeout: 30}\n")
     channel = grpc.insecure_channel(sched.target)
     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
     try:
         held = stub.SubmitTask.future(request(1, block=True), timeout=60)
-        builder.wait_entered()
+        held_env_checks.wait_entered()
         stopping = asyncio.run_coroutine_threadsafe(sched.running.stop(10), sched.loop)
         deadline = time.monotonic() + 10
         while not sched.running.submit_gate.draining and time.monotonic() < deadline:
@@ -149,7 +130,7 @@ def test_a_stopping_scheduler_refuses_submits_as_unavailable_and_answers_those_i
         assert details(err.value)["reason"] == "SHUTTING_DOWN" and details(err.value)["retry_after"] == 1.0
         assert "no task was created" in err.value.details()
         assert not stopping.done()  # waiting for the call in progress
-        builder.release.set()
+        held_env_checks.release.set()
         # It reached the write while stopping: refused there too, not cancelled, nothing written.
         with pytest.raises(grpc.RpcError) as err:
             held.result(timeout=30)
