@@ -146,7 +146,6 @@ class NodeAgent:
         #: ``Register.pending`` on every reconnect until the scheduler has committed them.
         self._unacked: OrderedDict[int, node_pb2.TaskReport] = OrderedDict()
         self._report_seq = 0
-        self._resent_upto = 0  # reports up to this seq went out in this session's register
         #: Metrics-only reports dropped because ``unacked_limit`` was reached.
         self.dropped_reports = 0
         self._stop = asyncio.Event()
@@ -286,47 +285,62 @@ class NodeAgent:
                     pending=list(self._unacked.values()),
                 )
             )
-            self._resent_upto = self._report_seq
+            # Each session reads its own queue, made here with the register's snapshot (no await
+            # between): what is written from now on goes to this session only. The request stream
+            # of a refused or broken call may still be waiting on its queue; sharing one queue, it
+            # took the next messages (two metric points lost in a failover). Reports are safe in
+            # any case: they stay in `_unacked` until acknowledged and go in the next register.
+            queue: asyncio.Queue[node_pb2.ConnectRequest | None] = asyncio.Queue()
+            self._outbox = queue
             metadata = (("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key else None
-            call = stub.Connect(self._requests(register), metadata=metadata)
-            first = await call.read()
-            if first is grpc.aio.EOF or first.WhichOneof("command") != "registered":
-                raise ConnectionError("scheduler closed the stream before registering")
-            reg = first.registered
-            self._acknowledged(reg.report_ack)
-            self._heartbeat_interval = max(0.05, reg.heartbeat_interval.ToNanoseconds() / 1e9 or 2.0)
-            self.log.info(
-                "registered with scheduler",
-                gpu_count=reg.gpu_count,
-                max_tasks=reg.max_tasks,
-                heartbeat_s=self._heartbeat_interval,
-                stale=len(reg.stale),
-            )
-            self.connected.set()
-            for s in reg.stale:
-                w = self.workers.get(s.task_id)
-                if w is not None and w.attempt == s.attempt:
-                    self._terminate(w, "scheduler no longer runs this attempt here")
-            heartbeats = asyncio.create_task(self._heartbeats())
             try:
-                while True:
-                    command = await call.read()
-                    if command is grpc.aio.EOF:
-                        break
-                    await self._handle(command)
+                await self._stream(stub.Connect(self._requests(register, queue, self._report_seq), metadata=metadata))
             finally:
-                heartbeats.cancel()
-                self.connected.clear()
+                queue.put_nowait(None)  # ends this session's request stream if it still waits
 
-    async def _requests(self, register: node_pb2.ConnectRequest):
+    async def _stream(self, call) -> None:
+        """Read one session's commands until the scheduler ends the stream."""
+        first = await call.read()
+        if first is grpc.aio.EOF or first.WhichOneof("command") != "registered":
+            raise ConnectionError("scheduler closed the stream before registering")
+        reg = first.registered
+        self._acknowledged(reg.report_ack)
+        self._heartbeat_interval = max(0.05, reg.heartbeat_interval.ToNanoseconds() / 1e9 or 2.0)
+        self.log.info(
+            "registered with scheduler",
+            gpu_count=reg.gpu_count,
+            max_tasks=reg.max_tasks,
+            heartbeat_s=self._heartbeat_interval,
+            stale=len(reg.stale),
+        )
+        self.connected.set()
+        for s in reg.stale:
+            w = self.workers.get(s.task_id)
+            if w is not None and w.attempt == s.attempt:
+                self._terminate(w, "scheduler no longer runs this attempt here")
+        heartbeats = asyncio.create_task(self._heartbeats())
+        try:
+            while True:
+                command = await call.read()
+                if command is grpc.aio.EOF:
+                    break
+                await self._handle(command)
+        finally:
+            heartbeats.cancel()
+            self.connected.clear()
+
+    async def _requests(self, register: node_pb2.ConnectRequest, queue: asyncio.Queue, resent_upto: int):
+        """One session's request stream: ``register``, then what is written to ``queue``, minus
+        reports up to ``resent_upto`` (they went in the register's ``pending``) and reports
+        acknowledged meanwhile; ends at ``None``."""
         yield register
         while True:
-            msg = await self._outbox.get()
+            msg = await queue.get()
             if msg is None:
                 return
             if msg.WhichOneof("message") == "task_report":
                 seq = msg.task_report.seq
-                if seq <= self._resent_upto or seq not in self._unacked:
+                if seq <= resent_upto or seq not in self._unacked:
                     continue  # went out in this session's register.pending, or is acknowledged already
             yield msg
 

@@ -110,3 +110,71 @@ def test_the_oldest_metric_points_give_way_past_the_limit_never_an_end(tmp_path)
     assert agent.unacked_reports == 3 and agent.dropped_reports == 1
     assert [r.metrics[0].step for r in list(agent._unacked.values())[1:]] == [2, 3]
     assert next(iter(agent._unacked.values())).state == C.TASK_STATE_RUNNING
+
+
+class RefusingNodeService(node_pb2_grpc.NodeServiceServicer):
+    """TEST DOUBLE of schedulers that are not (yet) the leader: the first ``refusals`` sessions
+    read the register and end UNAVAILABLE, as a follower does; later ones register and
+    acknowledge every report."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.registers: list[N.Register] = []
+        self.steps: list[int] = []  # metric steps delivered, in register.pending or on the stream
+        self.got = asyncio.Condition()
+
+    async def Connect(self, request_iterator, context):
+        it = request_iterator.__aiter__()
+        reg = (await it.__anext__()).register
+        self.registers.append(reg)
+        if len(self.registers) <= self.refusals:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this scheduler is a follower")
+        async with self.got:
+            self.steps.extend(r.metrics[0].step for r in reg.pending)
+            self.got.notify_all()
+        yield N.ConnectResponse(
+            registered=N.Registered(node_id=reg.node_id, report_ack=max((r.seq for r in reg.pending), default=0))
+        )
+        async for msg in it:
+            if msg.WhichOneof("message") == "task_report":
+                async with self.got:
+                    self.steps.append(msg.task_report.metrics[0].step)
+                    self.got.notify_all()
+                yield N.ConnectResponse(report_ack=N.ReportAck(seq=msg.task_report.seq))
+
+
+def test_the_request_streams_of_refused_sessions_take_no_report_from_the_live_one(tmp_path) -> None:
+    """A node that went from scheduler to scheduler until one took it (a failover): what it
+    writes afterwards reaches the one that took it, every report (none taken by the request
+    stream of a refused call, which had lost two metric points in a failover test)."""
+
+    async def scenario() -> RefusingNodeService:
+        service = RefusingNodeService(refusals=4)
+        server = grpc.aio.server()
+        node_pb2_grpc.add_NodeServiceServicer_to_server(service, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        agent = NodeAgent(
+            AgentConfig(
+                target=f"127.0.0.1:{port}", node_id="n1", work_dir=tmp_path, reconnect_initial_s=0.01, max_tasks=1
+            )
+        )
+        run = asyncio.create_task(agent.run())
+        try:
+            agent._send_report(_metric(1))  # written before any scheduler took the node: goes in pending
+            await asyncio.wait_for(agent.connected.wait(), 30)
+            for step in range(2, 8):
+                agent._send_report(_metric(step))
+            async with service.got:
+                # No deadline sized for a quiet machine: each report arrives at once or never.
+                await asyncio.wait_for(service.got.wait_for(lambda: len(service.steps) >= 7), 30)
+        finally:
+            await agent.stop_now()
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            await server.stop(0)
+        return service
+
+    service = asyncio.run(scenario())
+    assert len(service.registers) == 5
+    assert service.steps == [1, 2, 3, 4, 5, 6, 7]
