@@ -74,6 +74,7 @@ class Limits:
         self.clock = clock
         self._buckets: dict[str, TokenBucket] = {}
         self._streams: dict[str, int] = {}
+        self._uploads = 0
         self._lock = threading.Lock()
 
     def check_spec_size(self, size_bytes: int) -> None:
@@ -122,21 +123,52 @@ class Limits:
                 "(limits.max_pending_per_owner); wait for some to start or cancel some"
             )
 
-    def acquire_stream(self, key: str) -> None:
+    def acquire_stream(self, key: str, *, locked: bool = False) -> None:
         """Take one of ``key``'s concurrent stream slots; give it back with :meth:`release_stream`.
+        ``locked``: the caller holds the limiter's lock already.
 
         Raises:
             ResourceExhausted: ``key`` already holds ``max_streams_per_key`` streams.
         """
+        if not locked:
+            with self._lock:
+                self.acquire_stream(key, locked=True)
+            return
         most = self.config.max_streams_per_key
+        open_now = self._streams.get(key, 0)
+        if most and open_now >= most:
+            raise ResourceExhausted(
+                f"too many concurrent streams: {open_now} open for this API key, the limit is {most} "
+                "(limits.max_streams_per_key); close a watch, download or upload first"
+            )
+        self._streams[key] = open_now + 1
+
+    def acquire_upload(self, key: str) -> None:
+        """Take one of ``key``'s stream slots (uploads count as streams, ``max_streams_per_key``)
+        and one of the scheduler's ``max_uploads`` upload slots (all keys together); give both
+        back with :meth:`release_upload`.
+
+        Raises:
+            ResourceExhausted: either limit is reached (the message names it and its config key).
+        """
+        most = self.config.max_uploads
         with self._lock:
-            open_now = self._streams.get(key, 0)
-            if most and open_now >= most:
+            if most and self._uploads >= most:
                 raise ResourceExhausted(
-                    f"too many concurrent streams: {open_now} open for this API key, the limit is {most} "
-                    "(limits.max_streams_per_key); close a watch or download first"
+                    f"too many uploads in progress: {self._uploads} open on this scheduler, the limit is {most} "
+                    "(limits.max_uploads); retry when some have finished"
                 )
-            self._streams[key] = open_now + 1
+            self.acquire_stream(key, locked=True)
+            self._uploads += 1
+
+    def release_upload(self, key: str) -> None:
+        with self._lock:
+            self._uploads = max(0, self._uploads - 1)
+        self.release_stream(key)
+
+    def open_uploads(self) -> int:
+        with self._lock:
+            return self._uploads
 
     def release_stream(self, key: str) -> None:
         with self._lock:
