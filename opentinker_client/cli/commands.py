@@ -448,7 +448,8 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
 
     t = client.get_task(args.task_id)
     if args.json:
-        print(json.dumps(_task_json(t), indent=2, sort_keys=True))
+        # json escapes every control character but DEL (it is ASCII); no raw one reaches the terminal.
+        print(json.dumps(_task_json(t), indent=2, sort_keys=True).replace("\x7f", "\\u007f"))
         return EXIT_OK
     table = Table(box=None, show_header=False)
     table.add_column(style="bold", no_wrap=True)

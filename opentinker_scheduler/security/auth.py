@@ -19,7 +19,8 @@ revoked (at once) or expires (within ``stream_recheck_interval`` seconds):
 :mod:`opentinker_scheduler.security.key_streams`.
 
 **Roles** (:data:`ROLES`): ``admin`` may do everything; ``user`` may use SchedulerService on its
-owner's own tasks (another owner's task is NOT_FOUND, never confirmed to exist) and manage its own
+owner's own tasks (another owner's task is NOT_FOUND, never confirmed to exist; ``ListNodes``, which
+names every owner's running tasks, is for admins: :data:`ADMIN_ONLY_METHODS`) and manage its own
 keys; ``node`` may call NodeService only (its stream, and the reads ``LookupTask`` and
 ``FetchDataset`` that task workers make with their node's key) and ArtifactService (checkpoint
 uploads and downloads of the ``local`` artifact store).
@@ -32,7 +33,8 @@ Status codes: no key, an ``authorization`` value that is not ``Bearer <key>`` ("
 authorization metadata: expected 'Bearer otk_...', got a 'Basic' value"; the value itself is never
 echoed), or an unknown, revoked or expired key -> UNAUTHENTICATED; a valid key whose role may not
 call the method -> PERMISSION_DENIED. ``grpc.health.v1.Health`` and server
-reflection need no key.
+reflection need no key. A request protobuf cannot parse (a ``Struct`` nested past protobuf's depth
+limit) -> INVALID_ARGUMENT saying what to change (:func:`undecodable_message`), after the key check.
 """
 
 from __future__ import annotations

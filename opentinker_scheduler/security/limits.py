@@ -14,13 +14,25 @@ message naming the limit and its config key, never a crash.
       max_keys_per_owner: 20        # active (unrevoked, unexpired) API keys per owner; 0 = no limit
       max_submits_in_flight: 64     # SubmitTask calls the scheduler works on at once, all callers; 0 = no limit
       max_submit_wait: 0.5          # seconds a SubmitTask may wait in the server before it is taken up; 0 = no limit
+      max_uploads: 64               # uploads in progress (UploadDataset, UploadChunks), all keys; 0 = no limit
+      upload_idle_timeout: 60       # seconds an upload may go without a message (DEADLINE_EXCEEDED after)
+      upload_deadline: 3600         # seconds an upload may stay open in all
+      max_dataset_bytes_per_owner: 10737418240  # stored dataset bytes per owner (10 GiB); 0 = no limit
+      min_free_disk_bytes: 1073741824  # free bytes the dataset disk keeps after every upload in progress
 
-The per-caller limits (pending, rate, streams) default to the values above when ``auth.enabled``
-is true. With authentication off (one trusted user, ``make demo``, the benchmarks) they default to
-no limit; a value written in the config applies in both modes. Message and spec sizes always apply,
-and so do ``max_submits_in_flight`` and ``max_submit_wait``, the scheduler's own load: over them a
-submit is refused at once with ``RESOURCE_EXHAUSTED`` (reason ``OVERLOADED``) and a ``google.rpc.RetryInfo``, before
-anything is done (:mod:`opentinker_scheduler.admission.load`).
+Uploads are streams too: each holds one of its key's ``max_streams_per_key`` slots and one of the
+scheduler's ``max_uploads`` (:meth:`Limits.acquire_upload`, taken by the auth interceptor, which
+also applies the two upload timeouts: :func:`opentinker_scheduler.security.auth.timed_uploads`);
+the dataset byte and disk checks are :meth:`opentinker_scheduler.data.datasets.DatasetStore.begin`'s.
+
+The per-caller limits (pending, rate, streams, dataset bytes per owner) default to the values above
+when ``auth.enabled`` is true. With authentication off (one trusted user, ``make demo``, the
+benchmarks) they default to no limit; a value written in the config applies in both modes. Message
+and spec sizes always apply, and so do ``max_submits_in_flight`` and ``max_submit_wait``, the
+scheduler's own load: over them a submit is refused at once with ``RESOURCE_EXHAUSTED`` (reason
+``OVERLOADED``) and a ``google.rpc.RetryInfo``, before anything is done
+(:mod:`opentinker_scheduler.admission.load`); the upload bounds (``max_uploads``, the timeouts,
+``min_free_disk_bytes``) hold in both modes too.
 
 ``submit_rate``/``submit_burst`` and ``max_streams_per_key`` count per API key, not per owner: an
 owner with several keys gets each key's allowance. ``max_keys_per_owner`` (enforced by
