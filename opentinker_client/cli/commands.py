@@ -37,7 +37,7 @@ from typing import Any, Sequence
 from opentinker_client.client import DEFAULT_SCHEDULER_URL, RLClient
 from opentinker_client.types import TERMINAL_STATES, NodeInfo, TaskEvent, TaskInfo
 from opentinker_client.errors import OpenTinkerError
-from opentinker_client.cli.render import markup, safe_text
+from opentinker_client.cli.render import SafeLogText, markup, safe_text
 
 __all__ = ["main", "build_parser"]
 
@@ -304,6 +304,7 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
         transient=False,
     )
     handler = RichHandler(console=console, show_path=False, show_time=False)
+    handler.addFilter(SafeLogText())  # client warnings quote the server (a pending reason)
     logger = logging.getLogger("opentinker_client")
     logger.addHandler(handler)
     try:

@@ -1,8 +1,9 @@
 """Showing text the scheduler sent (task names, reasons, errors, event messages, table cells,
 key descriptions) on a terminal so that the terminal shows it and never acts on it.
 
-Every server-provided string the CLI prints goes through :func:`safe_text` (plain ``print``) or
-:func:`markup` (``rich`` output, which also reads ``[...]`` as style markup). Control characters
+Every server-provided string the CLI prints goes through :func:`safe_text` (plain ``print``; log
+lines through :class:`SafeLogText`) or :func:`markup` (``rich`` output, which also reads ``[...]`` as
+style markup). Control characters
 (C0 and C1 controls, DEL, Unicode bidirectional overrides and line separators: the set
 :func:`opentinker_common.spec.is_control_character` names, which the scheduler refuses in new
 specs) are shown as escapes: ``ESC`` as ``\\x1b``, a newline as ``\\n``, U+202E as ``\\u202e``. So an
@@ -13,11 +14,12 @@ them, node notes and error texts from workers are shown the same way.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from opentinker_common.spec import is_control_character
 
-__all__ = ["markup", "safe_text"]
+__all__ = ["SafeLogText", "markup", "safe_text"]
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -40,3 +42,12 @@ def markup(value: Any) -> str:
     from rich.markup import escape
 
     return escape(safe_text(value))
+
+
+class SafeLogText(logging.Filter):
+    """A logging filter for the CLI's log handler: each record's message (which may quote the
+    server, e.g. a pending task's reason) is rendered with :func:`safe_text`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = safe_text(record.getMessage()), ()
+        return True

@@ -6,13 +6,14 @@ The task name is written into the store as one stored before the scheduler refus
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
 from opentinker.common.v1 import common_pb2
 from opentinker_client import RLClient
 from opentinker_client.cli.commands import main
-from opentinker_client.cli.render import markup, safe_text
+from opentinker_client.cli.render import SafeLogText, markup, safe_text
 
 from tests.support.security import LoopbackScheduler
 
@@ -97,3 +98,5 @@ def test_the_one_helper_escapes_every_control_character() -> None:
     assert safe_text("a\x1bb\x07c\nd\te\x7ff\x9bg\u202eh\u2028i") == "a\\x1bb\\x07c\\nd\\te\\x7ff\\x9bg\\u202eh\\u2028i"
     assert markup("[red]x\x1b[/red]") == "\\[red]x\\x1b\\[/red]"
     assert safe_text(common_pb2.TASK_STATE_RUNNING) == "3"  # not a string: str() first
+    record = logging.LogRecord("opentinker_client", logging.WARNING, "", 0, "pending: %s", ("\x1b[31mno node",), None)
+    assert SafeLogText().filter(record) and record.getMessage() == "pending: \\x1b[31mno node"
