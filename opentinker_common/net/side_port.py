@@ -21,6 +21,7 @@ __all__ = [
     "make_side_port_server",
     "read_scrape_token",
     "require_scrape_token",
+    "scrape_refusal",
 ]
 
 #: Paths a scrape token does not guard: health probes (orchestrators and load balancers send no
@@ -60,33 +61,40 @@ def read_scrape_token(path: str | os.PathLike, name: str) -> str:
     return token
 
 
+#: The header a 401 of a guarded side port carries.
+SCRAPE_CHALLENGE = ("WWW-Authenticate", 'Bearer realm="opentinker-metrics"')
+
+
+def scrape_refusal(token: str | None, path: str, authorization: str, *, open_paths=OPEN_PATHS) -> bytes | None:
+    """None when a request for ``path`` with this ``Authorization`` header value may be answered
+    (no token set, an open path, or ``Bearer <token>``, compared in constant time); else the JSON
+    body of its 401, which never echoes what was sent."""
+    if not token or path in open_paths:
+        return None
+    if hmac.compare_digest(authorization.encode("latin-1", "replace"), f"Bearer {token}".encode()):
+        return None
+    why = "wrong bearer token" if authorization else "missing bearer token"
+    return json.dumps({"error": f"{why}: send 'Authorization: Bearer <scrape token>' (see docs/security.md)"}).encode()
+
+
 def require_scrape_token(app, token: str | None, *, open_paths=OPEN_PATHS):
     """Wrap the WSGI ``app`` so that every path but ``open_paths`` answers only a request with
-    ``Authorization: Bearer <token>`` (compared in constant time); others get 401 with
-    ``WWW-Authenticate: Bearer`` and a JSON reason that never echoes what was sent. ``token``
-    None: ``app`` itself."""
+    ``Authorization: Bearer <token>`` (:func:`scrape_refusal`); others get 401 with
+    ``WWW-Authenticate: Bearer``. ``token`` None: ``app`` itself."""
     if not token:
         return app
-    expected = f"Bearer {token}".encode()
 
     def guarded(environ, start_response):
-        if environ.get("PATH_INFO", "/") in open_paths:
+        refusal = scrape_refusal(
+            token, environ.get("PATH_INFO", "/"), environ.get("HTTP_AUTHORIZATION", ""), open_paths=open_paths
+        )
+        if refusal is None:
             return app(environ, start_response)
-        sent = environ.get("HTTP_AUTHORIZATION", "")
-        if hmac.compare_digest(sent.encode("latin-1", "replace"), expected):
-            return app(environ, start_response)
-        why = "wrong bearer token" if sent else "missing bearer token"
-        body = json.dumps({"error": f"{why}: send 'Authorization: Bearer <scrape token>' (see docs/security.md)"})
-        data = body.encode()
         start_response(
             "401 Unauthorized",
-            [
-                ("Content-Type", "application/json"),
-                ("Content-Length", str(len(data))),
-                ("WWW-Authenticate", 'Bearer realm="opentinker-metrics"'),
-            ],
+            [("Content-Type", "application/json"), ("Content-Length", str(len(refusal))), SCRAPE_CHALLENGE],
         )
-        return [data]
+        return [refusal]
 
     return guarded
 
