@@ -213,9 +213,6 @@ class DatasetStore:
         #: Uploads in progress (the event loop's only; their announced bytes are promised).
         self._open: set[DatasetUpload] = set()
 
-    def uploads_in_progress(self) -> int:
-        return len(self._open)
-
     def begin(
         self,
         name: str,
