@@ -61,6 +61,11 @@ class ResourceExhausted(SchedulerError):
     """RESOURCE_EXHAUSTED: a limit was hit; the message names it."""
 
 
+class DeadlineExceeded(SchedulerError):
+    """DEADLINE_EXCEEDED: the scheduler stopped waiting for the caller (an upload stream that went
+    idle or stayed open past its deadline); the message names the limit and its config key."""
+
+
 class Unavailable(SchedulerError):
     """UNAVAILABLE: the scheduler cannot take the call now (it is shutting down); nothing was
     done, and the same call may be made again (``retry_after``)."""
@@ -123,6 +128,7 @@ _STATUS_CODES = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 

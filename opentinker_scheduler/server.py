@@ -201,7 +201,9 @@ async def start_scheduler(
     try:
         if http_port is not None:
             try:
-                http = HttpEndpoint(host, http_port, tls=config.http_tls)  # http_tls: HTTPS (tls.py)
+                http = HttpEndpoint(  # http_tls: HTTPS (tls.py); http_metrics_token_file: the scrape token
+                    host, http_port, tls=config.http_tls, scrape_token=config.http_metrics_token
+                )
             except OSError as exc:
                 raise OSError(f"cannot listen on HTTP port {host}:{http_port}: {exc.strerror or exc}") from None
         with store.exclusive("bootstrap"):  # schedulers started at once: one makes the bootstrap key

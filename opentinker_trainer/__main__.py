@@ -65,7 +65,11 @@ _ENV_OPTIONS = (
 def _http_tls_context(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """The HTTPS context of the HTTP port from --http-tls-cert/--http-tls-key (or their
     environment variables), else None; a bad pair is a one-line error (exit 2)."""
-    for dest, var in (("http_tls_cert", "OPENTINKER_HTTP_TLS_CERT"), ("http_tls_key", "OPENTINKER_HTTP_TLS_KEY")):
+    for dest, var in (
+        ("http_tls_cert", "OPENTINKER_HTTP_TLS_CERT"),
+        ("http_tls_key", "OPENTINKER_HTTP_TLS_KEY"),
+        ("http_tls_client_ca", "OPENTINKER_HTTP_TLS_CLIENT_CA"),
+    ):
         if getattr(args, dest) is None:
             setattr(args, dest, os.environ.get(var) or "")
     if not args.http_tls_cert and not args.http_tls_key:
@@ -78,16 +82,51 @@ def _http_tls_context(parser: argparse.ArgumentParser, args: argparse.Namespace)
         )
     import ssl
 
-    from opentinker_common.net.tls import server_ssl_context
+    from opentinker_common.net.tls import check_pem_path, server_ssl_context
 
     try:
-        return server_ssl_context(args.http_tls_cert, args.http_tls_key, names=("--http-tls-cert", "--http-tls-key"))
+        context = server_ssl_context(args.http_tls_cert, args.http_tls_key, names=("--http-tls-cert", "--http-tls-key"))
     except (OSError, ssl.SSLError, ValueError) as exc:  # ValueError: not a regular file, over 1 MiB, encrypted key
         parser.error(
             "--http-tls-cert/--http-tls-key: expected a readable PEM certificate and its key, "
             f"got {args.http_tls_cert!r} and {args.http_tls_key!r} "
             f"({getattr(exc, 'strerror', None) or getattr(exc, 'reason', None) or exc})"
         )
+    if args.http_tls_client_ca:  # mTLS: only scrapers (and probes) with a certificate this CA signed
+        try:
+            check_pem_path(args.http_tls_client_ca, "--http-tls-client-ca")
+            context.load_verify_locations(cafile=args.http_tls_client_ca)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            parser.error(
+                f"--http-tls-client-ca: expected a readable PEM CA certificate, got {args.http_tls_client_ca!r} "
+                f"({getattr(exc, 'strerror', None) or getattr(exc, 'reason', None) or exc})"
+            )
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def _http_scrape_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str | None, bool]:
+    """``(scrape token or None, task labels on)`` from --http-metrics-token-file and
+    --http-no-task-labels (or their environment variables); a bad file is a one-line error."""
+    if args.http_metrics_token_file is None:
+        args.http_metrics_token_file = os.environ.get("OPENTINKER_HTTP_METRICS_TOKEN_FILE") or ""
+    hide = args.http_no_task_labels or (os.environ.get("OPENTINKER_HTTP_TASK_LABELS") or "").lower() in (
+        "0",
+        "off",
+        "false",
+        "no",
+    )
+    token = None
+    if args.http_metrics_token_file:
+        if args.http_port is None:
+            parser.error("--http-metrics-token-file: expected --http-port (or OPENTINKER_HTTP_PORT) too")
+        from opentinker_common.net.side_port import read_scrape_token
+
+        try:
+            token = read_scrape_token(args.http_metrics_token_file, "--http-metrics-token-file")
+        except ValueError as exc:
+            parser.error(str(exc))
+    return token, not hide
 
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
@@ -159,6 +198,27 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         default=None,
         metavar="PEM",
         help="PEM key of --http-tls-cert (default: env OPENTINKER_HTTP_TLS_KEY)",
+    )
+    parser.add_argument(
+        "--http-tls-client-ca",
+        default=None,
+        metavar="PEM",
+        help="with --http-tls-cert: answer only clients whose certificate this CA signed (mTLS, probes included; "
+        "default: env OPENTINKER_HTTP_TLS_CLIENT_CA)",
+    )
+    parser.add_argument(
+        "--http-metrics-token-file",
+        default=None,
+        metavar="FILE",
+        help="answer /metrics only with 'Authorization: Bearer <the token in FILE>' (Prometheus: "
+        "authorization.credentials_file); /health and /live stay open (default: env "
+        "OPENTINKER_HTTP_METRICS_TOKEN_FILE)",
+    )
+    parser.add_argument(
+        "--http-no-task-labels",
+        action="store_true",
+        help="leave the per-task series (task ids with step, reward, loss) out of /metrics "
+        "(or env OPENTINKER_HTTP_TASK_LABELS=off)",
     )
     parser.add_argument(
         "--serve-tls-cert",
@@ -258,6 +318,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
             "(or an https:// scheduler URL to trust the system roots)"
         )
     http_tls = _http_tls_context(parser, args)
+    scrape_token, task_labels = _http_scrape_options(parser, args)
     configure_logging()
     log = structlog.get_logger("opentinker.trainer")
     config = AgentConfig(
@@ -294,7 +355,14 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
             from opentinker_trainer.http import TrainerHttp
 
             try:
-                http = TrainerHttp(agent, args.http_host, args.http_port, ssl_context=http_tls)
+                http = TrainerHttp(
+                    agent,
+                    args.http_host,
+                    args.http_port,
+                    ssl_context=http_tls,
+                    scrape_token=scrape_token,
+                    task_labels=task_labels,
+                )
             except (OSError, OverflowError) as exc:
                 agent.monitor.close()
                 print(

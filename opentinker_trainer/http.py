@@ -21,7 +21,13 @@ objects beyond reading flags and copying small dicts; the agent pushes metric re
 
 With ``--http-tls-cert``/``--http-tls-key`` (``$OPENTINKER_HTTP_TLS_CERT``/``_KEY``) the port speaks
 HTTPS only; the handshake runs in the connection's thread with a timeout, so a client that never
-finishes it blocks nobody.
+finishes it blocks nobody; with ``--http-tls-client-ca`` too, only clients with a certificate
+that CA signed get an answer (mTLS; probes included).
+
+The per-task series name every owner's running task ids (with step, reward, loss), which the API
+shows only to their owner. Two guards (docs/security.md): ``--http-metrics-token-file`` (a
+scraper must send ``Authorization: Bearer <token>``; ``/health`` and ``/live`` stay open for
+probes) and ``--http-no-task-labels`` (no per-task series at all; the node's counts stay).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from wsgiref.simple_server import WSGIRequestHandler
 
-from opentinker_common.net.side_port import SidePortServer, make_side_port_server
+from opentinker_common.net.side_port import SidePortServer, make_side_port_server, require_scrape_token
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -152,6 +158,8 @@ class _Collector:
         yield from fams.values()
         yield unavailable
 
+        if not http.task_labels:  # --http-no-task-labels: nothing names a task
+            return
         running = {(w.task_id, w.attempt) for w in workers.values()}
         with http.lock:
             for key in [k for k in http.rates if k not in running]:
@@ -197,6 +205,10 @@ class TrainerHttp:
         stall_after_s: ``/live`` answers 503 when the event loop has not turned for this long.
         ssl_context: serve HTTPS with it (:func:`opentinker_common.net.tls.server_ssl_context`);
             None = plain HTTP.
+        scrape_token: answer ``/metrics`` only with ``Authorization: Bearer <scrape_token>``
+            (401 otherwise; :func:`~opentinker_common.net.side_port.require_scrape_token`); None = open.
+        task_labels: export the per-task series (``opentinker_task_*`` with ``task_id``); False
+            drops them, the node-level series stay.
 
     Raises:
         OSError: the port cannot be bound (in use, no permission).
@@ -210,8 +222,11 @@ class TrainerHttp:
         *,
         stall_after_s: float = 30.0,
         ssl_context: ssl.SSLContext | None = None,
+        scrape_token: str | None = None,
+        task_labels: bool = True,
     ) -> None:
         self.agent = agent
+        self.task_labels = task_labels
         self.stall_after_s = stall_after_s
         self.lock = threading.Lock()
         self.rates: dict[tuple[str, int], StepRate] = {}
@@ -222,7 +237,7 @@ class TrainerHttp:
         self._metrics_app = make_wsgi_app(self.registry)
         self.scheme = "http" if ssl_context is None else "https"
         self.server: SidePortServer = make_side_port_server(
-            host, port, self._app, _QuietHandler, ssl_context=ssl_context
+            host, port, require_scrape_token(self._app, scrape_token), _QuietHandler, ssl_context=ssl_context
         )
         self.port = self.server.server_port
         self._thread = threading.Thread(target=self.server.serve_forever, name="trainer-http", daemon=True)

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 from opentinker_client.client import DEFAULT_SCHEDULER_URL, RLClient
 from opentinker_client.types import TERMINAL_STATES, NodeInfo, TaskEvent, TaskInfo
 from opentinker_client.errors import OpenTinkerError
+from opentinker_client.cli.render import SafeLogText, markup, safe_text
 
 __all__ = ["main", "build_parser"]
 
@@ -91,9 +92,8 @@ def _state(state: str) -> str:
 
 
 def _escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(text)
+    """Server-provided text for rich output: control characters escaped, then markup escaped."""
+    return markup(text)
 
 
 def _total_steps(task: TaskInfo) -> int | None:
@@ -241,7 +241,7 @@ def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
 
     config = apply_overrides(load_task_config(args.config), args.set)
     task_id = client.submit_config(config, request_id=args.request_id)
-    print(task_id, flush=True)
+    print(safe_text(task_id), flush=True)
     if args.watch:
         return _follow(client, task_id)
     return EXIT_OK
@@ -304,6 +304,7 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
         transient=False,
     )
     handler = RichHandler(console=console, show_path=False, show_time=False)
+    handler.addFilter(SafeLogText())  # client warnings quote the server (a pending reason)
     logger = logging.getLogger("opentinker_client")
     logger.addHandler(handler)
     try:
@@ -342,7 +343,7 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
 
     final = client.get_task(task_id)
     if final.state not in TERMINAL_STATES:  # pragma: no cover - watch() only ends when the task has
-        console.print(f"task {final.task_id} is {final.state}")
+        console.print(f"task {_escape(final.task_id)} is {_escape(final.state)}")
         return EXIT_ERROR
     summary = f"task [bold]{_escape(final.task_id)}[/bold] {_state(final.state)}"
     if final.latest_step:
@@ -448,7 +449,8 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
 
     t = client.get_task(args.task_id)
     if args.json:
-        print(json.dumps(_task_json(t), indent=2, sort_keys=True))
+        # json escapes every control character but DEL (it is ASCII); no raw one reaches the terminal.
+        print(json.dumps(_task_json(t), indent=2, sort_keys=True).replace("\x7f", "\\u007f"))
         return EXIT_OK
     table = Table(box=None, show_header=False)
     table.add_column(style="bold", no_wrap=True)
@@ -648,7 +650,7 @@ def _cmd_plot(client: RLClient, args: argparse.Namespace) -> int:
         return _error(exc)
     except ValueError as exc:
         return _error(f"task {task.task_id}: {exc}")
-    print(f"wrote {out}: " + ", ".join(f"{n} {k} point(s)" for k, n in counts.items()))
+    print(safe_text(f"wrote {out}: " + ", ".join(f"{n} {k} point(s)" for k, n in counts.items())))
     return EXIT_OK
 
 
@@ -669,8 +671,10 @@ def _cmd_export(client: RLClient, args: argparse.Namespace) -> int:
     except MissingExtraError as exc:
         return _error(exc)
     print(
-        f"wrote {written} scalar(s) over {len(history)} step(s) to {folder} (view: tensorboard --logdir "
-        f"{args.tensorboard})"
+        safe_text(
+            f"wrote {written} scalar(s) over {len(history)} step(s) to {folder} (view: tensorboard --logdir "
+            f"{args.tensorboard})"
+        )
     )
     return EXIT_OK
 
@@ -821,7 +825,7 @@ def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
     llm = client.serve(
         args.task_id, ttl=args.ttl, gpu_count=args.gpus, root_certificates=args.inference_ca
     )  # with the CLI's API key
-    print(f"adapter {args.task_id} served by inference task {llm.task_id} at {llm.endpoint}")
+    print(safe_text(f"adapter {args.task_id} served by inference task {llm.task_id} at {llm.endpoint}"))
     return 0
 
 
@@ -832,12 +836,16 @@ def _cmd_eval(client: RLClient, args: argparse.Namespace) -> int:
     llm = client.serve(args.task_id, root_certificates=args.inference_ca)  # with the CLI's API key
     for label, adapter in (("base model", None), (f"adapter {args.task_id}", args.task_id)):
         r = evaluate(llm, env=env, episodes=args.episodes, adapter=adapter, max_tokens=args.max_tokens)
-        print(f"{label}: mean reward {r.mean_reward:.3f} ± {r.stderr:.3f} over {r.episodes} episodes of {r.env_id}")
+        print(
+            safe_text(
+                f"{label}: mean reward {r.mean_reward:.3f} ± {r.stderr:.3f} over {r.episodes} episodes of {r.env_id}"
+            )
+        )
     return 0
 
 
 def _error(message: Any) -> int:
-    text = " ".join(str(message).split())  # always one line
+    text = safe_text(" ".join(str(message).split()))  # always one line; the server's words never act on the terminal
     print(f"error: {text}", file=sys.stderr, flush=True)
     return EXIT_ERROR
 

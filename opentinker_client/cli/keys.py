@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from opentinker_client.cli.render import markup, safe_text
 from opentinker_client.keys import ROLES, ApiKeyInfo
 
 
@@ -26,13 +27,13 @@ def _fmt(t) -> str:
 def _describe(info: ApiKeyInfo) -> str:
     state = "active" if info.active else ("revoked" if info.revoke_time else "expired")
     extra = f", expires {_fmt(info.expire_time)}" if info.expire_time and info.active else ""
-    return f"{info.prefix} owner={info.owner} role={info.role} {state}{extra}"
+    return safe_text(f"{info.prefix} owner={info.owner} role={info.role} {state}{extra}")
 
 
 def _cmd_create(client, args: argparse.Namespace) -> int:
     info, key = client.keys.create(args.owner, args.role, description=args.description)
     print(f"created {_describe(info)}; the key is shown only now:", file=sys.stderr)
-    print(key)
+    print(safe_text(key))
     return 0
 
 
@@ -44,14 +45,14 @@ def _cmd_list(client, args: argparse.Namespace) -> int:
     for k in client.keys.list(owner=args.owner, include_inactive=args.all):
         state = "active" if k.active else ("revoked" if k.revoke_time else "expired")
         table.add_row(
-            k.prefix,
-            k.owner,
-            k.role,
+            markup(k.prefix),
+            markup(k.owner),
+            markup(k.role),
             state,
             _fmt(k.create_time),
             _fmt(k.expire_time),
-            k.replaced_by or "-",
-            k.description or "-",
+            markup(k.replaced_by) or "-",
+            markup(k.description) or "-",
         )
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0
@@ -68,7 +69,7 @@ def _cmd_rotate(client, args: argparse.Namespace) -> int:
         f"rotated {old.prefix} -> {_describe(new)}; old key: {_describe(old)}; the new key is shown only now:",
         file=sys.stderr,
     )
-    print(key)
+    print(safe_text(key))
     return 0
 
 

@@ -13,7 +13,16 @@ and one import line below.
 
 from __future__ import annotations
 
-from opentinker_common.spec._parse import SpecError, jsonable, num, parse_dataclass, plain
+from opentinker_common.spec._parse import (
+    SpecError,
+    check_text,
+    control_character_problem,
+    is_control_character,
+    jsonable,
+    plain,
+    num,
+    parse_dataclass,
+)
 from opentinker_common.spec.registry import WORKLOAD_TYPES, implemented_workloads
 
 # Config families: each module registers its environments and workloads on import.
@@ -56,7 +65,10 @@ __all__ = [
     "DatasetError",
     "SFTConfig",
     "TaskSpecModel",
+    "check_text",
+    "control_character_problem",
     "env_kind",
+    "is_control_character",
     "implemented_workloads",
     "jsonable",
     "plain",

@@ -1,7 +1,8 @@
 """Strict mapping -> frozen dataclass conversion with field paths in every error.
 
 Field metadata understood (set with :func:`num` or ``dataclasses.field(metadata=...)``):
-``min``, ``max``, ``min_exclusive`` for numbers; ``choices`` and ``max_len`` for strings;
+``min``, ``max``, ``min_exclusive`` for numbers; ``choices``, ``max_len`` and ``multiline`` for strings
+(every string is refused with control characters in it; ``multiline`` ones may hold newlines and tabs);
 ``doc`` for people. Lists are tuples of at most 256 items.
 """
 
@@ -12,10 +13,22 @@ import functools
 import math
 import types
 import typing
+import unicodedata
 from dataclasses import field, fields, is_dataclass
 from typing import Any, Mapping
 
-__all__ = ["SpecError", "num", "parse_dataclass", "jsonable", "plain", "short_repr", "name_list"]
+__all__ = [
+    "SpecError",
+    "check_text",
+    "control_character_problem",
+    "is_control_character",
+    "num",
+    "parse_dataclass",
+    "jsonable",
+    "plain",
+    "short_repr",
+    "name_list",
+]
 
 
 class SpecError(ValueError):
@@ -70,6 +83,58 @@ def name_list(names: Any, limit: int = 10, each: int = 40) -> str:
     names = [_cut(str(n), each) for n in names]
     text = ", ".join(names[:limit])
     return text if len(names) <= limit else f"{text} and {len(names) - limit} more"
+
+
+# ---------------------------------------------------------------------------------------------
+# Control characters in text.
+
+#: Unicode characters that are not controls (category Cc) but change what a terminal shows:
+#: bidirectional embeddings, overrides and isolates (they reorder text), line and paragraph separators.
+_INVISIBLE_FORMATTING = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u2028\u2029")
+_CONTROL_NAMES = {"\x1b": "ESC", "\x07": "BEL", "\x00": "NUL", "\n": "newline", "\r": "carriage return",
+                  "\t": "tab", "\x08": "backspace", "\x7f": "DEL"}  # fmt: skip
+#: What multi-line text (a system prompt, a PEM) may hold besides printable characters.
+_MULTILINE_ALLOWED = frozenset("\n\r\t")
+
+
+def is_control_character(c: str) -> bool:
+    """True for one character a terminal acts on rather than shows (see :func:`control_character_problem`)."""
+    return c in _INVISIBLE_FORMATTING or unicodedata.category(c) == "Cc"
+
+
+def control_character_problem(text: str, *, multiline: bool = False) -> str | None:
+    """None when ``text`` holds no control characters, else what the first one is and where
+    (``"U+001B (ESC) at character 0"``).
+
+    Refused: C0 controls (U+0000..U+001F, newline and tab included unless ``multiline``), DEL,
+    C1 controls (U+0080..U+009F) and the bidirectional overrides/isolates and line separators
+    (U+202A..U+202E, U+2066..U+2069, U+2028, U+2029): a terminal acts on them (ESC sequences
+    retitle windows and recolour text; a newline forges a table row), so names and free text a
+    person will read must not carry them.
+    """
+    for i, c in enumerate(text):
+        if is_control_character(c):
+            if multiline and c in _MULTILINE_ALLOWED:
+                continue
+            name = _CONTROL_NAMES.get(c) or unicodedata.name(c, "a control character")
+            return f"U+{ord(c):04X} ({name}) at character {i}"
+    return None
+
+
+def check_text(path: str, text: str, *, multiline: bool = False) -> None:
+    """Refuse control characters in ``text`` (:func:`control_character_problem`).
+
+    Raises:
+        SpecError: ``<path>: expected text without control characters (...), got U+001B (ESC) at character 0``.
+    """
+    problem = control_character_problem(text, multiline=multiline)
+    if problem is not None:
+        kind = (
+            "text without control characters (newlines and tabs allowed)"
+            if multiline
+            else ("text on one line without control characters")
+        )
+        raise SpecError(path, f"{kind}, got {problem}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,6 +194,7 @@ def _convert(value: Any, tp: Any, f: dataclasses.Field, path: str) -> Any:
         if len(value) > max_len:
             # Only the length is echoed: a prefix could be a secret (an endpoint's user:password@).
             raise SpecError(path, f"a string of at most {max_len} characters", f"a string of {len(value)} characters")
+        check_text(path, value, multiline=f.metadata.get("multiline", False))
         return value
     if origin is tuple:
         (item_tp, _) = typing.get_args(tp)
@@ -160,6 +226,8 @@ def _convert(value: Any, tp: Any, f: dataclasses.Field, path: str) -> Any:
                 raise SpecError(where, "a finite number", v)
             if not isinstance(v, (bool, int, float, str)) or (isinstance(v, str) and len(v) > 1024):
                 raise SpecError(where, "a number, a string (at most 1024 characters) or true/false", v)
+            if isinstance(v, str):
+                check_text(where, v, multiline=True)
             out[k] = v
         return out
     if dataclasses.is_dataclass(tp):
@@ -188,6 +256,7 @@ def _plain(value: Any, path: str, depth: int, max_depth: int) -> Any:
     if isinstance(value, str):
         if len(value) > 1024:
             raise SpecError(path, "a string of at most 1024 characters", f"{value[:20]}... ({len(value)} characters)")
+        check_text(path, value, multiline=True)
         return value
     if isinstance(value, (list, tuple, Mapping)):
         if depth > max_depth:

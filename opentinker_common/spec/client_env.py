@@ -116,7 +116,7 @@ class ClientEnvConfig:
     # Secret: repr=False, and _convert must never cut it into a message (check() bounds it).
     token: str = field(default="", repr=False, metadata={"max_len": 1 << 30})
     tls: bool = False
-    tls_root_certificates: str = field(default="", repr=False, metadata={"max_len": 1 << 30})
+    tls_root_certificates: str = field(default="", repr=False, metadata={"max_len": 1 << 30, "multiline": True})
 
     def check(self, path: str) -> None:
         check_token(self.token, f"{path}.token")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentinker_common.spec._parse import SpecError, num
 from opentinker_common.spec.registry import register_env
@@ -24,7 +24,7 @@ class ArithmeticEnvConfig:
     action_space: int | None = num(None, 1, 1_000_000)
     observation_space: int | None = num(None, 1, 1_000_000)
     seed: int | None = num(None, 0, 2**31 - 1)
-    system_prompt: str | None = None
+    system_prompt: str | None = field(default=None, metadata={"multiline": True})
 
     def check(self, path: str) -> None:
         if self.min_digits > self.max_digits:

@@ -42,11 +42,12 @@ class LMGameGRPOConfig:
     top_p: float = lm_fields.rollout_top_p()
     invalid_action_reward: float = num(-0.1, -1e6, 1e6, doc="added to the return for each reply that names no action")
     reward_shaping: str = field(default="none", metadata={"choices": REWARD_SHAPING})
-    system_prompt: str | None = field(default=None, metadata={"max_len": 4096})
+    system_prompt: str | None = field(default=None, metadata={"max_len": 4096, "multiline": True})
     reply_prefix: str | None = field(
         default=None,
         metadata={
             "max_len": 256,
+            "multiline": True,
             "doc": (
                 "text the reply starts with (the model continues it); None = the renderer's, e.g. 'I move'; '' = none"
             ),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from opentinker_common.spec._parse import SpecError, parse_dataclass, plain
+from opentinker_common.spec._parse import SpecError, check_text, parse_dataclass, plain
 from opentinker_common.spec.registry import (
     WORKLOAD_TYPES,
     env_entry,
@@ -168,6 +168,7 @@ class TaskSpecModel:
             raise SpecError("spec.model", "a model folder or hub id such as Qwen/Qwen2.5-0.5B-Instruct", model)
         if len(model) > 1024:
             raise SpecError("spec.model", "at most 1024 characters")
+        check_text("spec.model", model)
         if isinstance(gpu_count, bool) or not isinstance(gpu_count, int) or not 0 <= gpu_count <= 1024:
             raise SpecError("spec.resources.gpu_count", "an integer in [0, 1024] (0 = CPU task)", gpu_count)
         nodes = 1 if nodes in (0, None) else nodes
@@ -197,6 +198,7 @@ class TaskSpecModel:
                 "a string of at most 256 characters",
                 f"{name[:20]}... ({len(name)} characters)" if isinstance(name, str) else name,
             )
+        check_text("spec.name", name)
         env = validate_env_config(env_config)
         if nodes > 1 and (workload_type, env_kind(env)) not in GANG_WORKLOADS:
             raise SpecError(

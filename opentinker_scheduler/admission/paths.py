@@ -83,9 +83,17 @@ def check_local_paths(spec: Any, *, paths: PathsConfig, auth_enabled: bool, defa
             value given, e.g. ``spec.model: expected a hub id (org/name) or a folder under
             paths.model_dirs (/models), got '/srv/runs/t1/checkpoints/step_1'``.
     """
+    from opentinker_common.spec import SpecError, check_text
+
     from opentinker_scheduler.errors import InvalidArgument
 
     model = spec.model
+    try:  # the spec check's own words (as the client's), before a path is judged by its text
+        check_text("spec.model", model)
+        if (data := _env_path(spec)) is not None:
+            check_text("spec.env_config.path", data)
+    except SpecError as exc:
+        raise InvalidArgument(str(exc)) from None
     allowed = paths.allowed("model_dirs", auth_enabled=auth_enabled)
     if (
         model

@@ -40,9 +40,10 @@ HIGH_WATER = 1 << 20
 _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 431: "Request Header Fields Too Large"}
 _REASONS[400] = "Bad Request"
 _REASONS[503] = "Service Unavailable"
+_REASONS[401] = "Unauthorized"
 
-#: (method, path) -> (status, headers, body): the HTTP handlers (HttpEndpoint.answer).
-Answer = Callable[[str, str], tuple[int, list[tuple[str, str]], bytes]]
+#: (method, path, authorization) -> (status, headers, body): the HTTP handlers (HttpEndpoint.answer).
+Answer = Callable[[str, str, str], tuple[int, list[tuple[str, str]], bytes]]
 
 
 def grpc_peer(sockname) -> str:
@@ -152,7 +153,12 @@ class _Client(asyncio.Protocol):
         if method not in ("GET", "HEAD"):
             self._respond(405, [("Allow", "GET, HEAD")], b"only GET and HEAD\n")
             return
-        status, headers, body = self.front.answer(method, target.split("?", 1)[0])
+        authorization = ""
+        for raw in bytes(self.buffer[:end]).decode("latin-1").split("\r\n")[1:]:
+            name, _, value = raw.partition(":")
+            if name.strip().lower() == "authorization":
+                authorization = value.strip()
+        status, headers, body = self.front.answer(method, target.split("?", 1)[0], authorization)
         self._respond(status, headers, b"" if method == "HEAD" else body, length=len(body))
 
     def _respond(self, status: int, headers: list[tuple[str, str]], body: bytes, length: int | None = None) -> None:

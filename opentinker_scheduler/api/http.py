@@ -25,7 +25,13 @@ import time
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIRequestHandler
 
-from opentinker_common.net.side_port import SidePortServer, make_side_port_server
+from opentinker_common.net.side_port import (
+    SCRAPE_CHALLENGE,
+    SidePortServer,
+    make_side_port_server,
+    require_scrape_token,
+    scrape_refusal,
+)
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -147,14 +153,19 @@ class HttpEndpoint:
         stale_after_s: ``/health`` answers 503 when the loop has not published for this long.
         tls: HTTPS with this ``http_tls`` pair (:class:`~opentinker_scheduler.security.tls_config.HttpTlsConfig`),
             or an :class:`ssl.SSLContext`; None = plain HTTP.
+        scrape_token: ``/metrics`` answers only ``Authorization: Bearer <scrape_token>`` (401
+            otherwise), here and on the gRPC port's HTTP answers; None = open.
 
     Raises:
         OSError: the port cannot be bound, or a TLS file cannot be read.
         ssl.SSLError: the TLS key does not match its certificate.
     """
 
-    def __init__(self, host: str, port: int, *, stale_after_s: float = 10.0, tls=None) -> None:
+    def __init__(
+        self, host: str, port: int, *, stale_after_s: float = 10.0, tls=None, scrape_token: str | None = None
+    ) -> None:
         self.snapshot = Snapshot()
+        self.scrape_token = scrape_token
         #: kind -> messages received on node streams; the event loop increments, this thread reads.
         self.node_messages: dict[str, int] = {}
         self.submits_refused: dict[str, int] = {}
@@ -172,7 +183,8 @@ class HttpEndpoint:
         self._metrics_app = make_wsgi_app(self.registry)
         context = tls if tls is None or isinstance(tls, ssl.SSLContext) else tls.server_context()
         self.scheme = "http" if context is None else "https"
-        self.server: SidePortServer = make_side_port_server(host, port, self._app, _QuietHandler, ssl_context=context)
+        app = require_scrape_token(self._app, scrape_token)
+        self.server: SidePortServer = make_side_port_server(host, port, app, _QuietHandler, ssl_context=context)
         self.port = self.server.server_port
         self._thread = threading.Thread(target=self.server.serve_forever, name="http", daemon=True)
 
@@ -206,10 +218,14 @@ class HttpEndpoint:
             return False, {**body, "status": "follower", "reason": "not the leader"}
         return ok, body
 
-    def answer(self, method: str, path: str) -> tuple[int, list[tuple[str, str]], bytes]:
-        """``(status, headers, body)`` of ``GET path``: what the HTTP/1.1 answers on the gRPC port
-        (:mod:`.front`) send, from the same handlers as this port."""
+    def answer(self, method: str, path: str, authorization: str = "") -> tuple[int, list[tuple[str, str]], bytes]:
+        """``(status, headers, body)`` of ``GET path`` (with that ``Authorization`` header value):
+        what the HTTP/1.1 answers on the gRPC port (:mod:`.front`) send, from the same handlers
+        (and the same scrape token) as this port."""
         headers = [] if self.grpc_port is None else [(GRPC_PORT_HEADER, str(self.grpc_port))]
+        refusal = scrape_refusal(self.scrape_token, path, authorization)
+        if refusal is not None:
+            return 401, [("Content-Type", "application/json"), SCRAPE_CHALLENGE, *headers], refusal
         if path in ("/health", "/ready"):
             ok, body = self.health() if path == "/health" else self.ready()
             return 200 if ok else 503, [("Content-Type", "application/json"), *headers], json.dumps(body).encode()

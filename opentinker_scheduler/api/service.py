@@ -196,12 +196,24 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         return resp
 
     async def UploadDataset(self, request_iterator, context):
+        owner = caller().owner
         try:
             self.core.require_leader()
-            info = await receive_upload(self.datasets, request_iterator)
+            cfg = self.security.limits.config if self.security is not None else None
+            quota = (cfg.max_dataset_bytes_per_owner or 0) if cfg is not None else 0
+            info = await receive_upload(
+                self.datasets,
+                request_iterator,
+                owner=owner,
+                stored_bytes=self.core.store.dataset_bytes(owner) if quota else 0,
+                max_owner_bytes=quota,
+                min_free_bytes=(cfg.min_free_disk_bytes or 0) if cfg is not None else 0,
+            )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
-        self.core.store.add_dataset_owner(info.dataset_id, caller().owner)
+        # Names are per owner: the answer carries the name this uploader gave (receive_upload),
+        # never another owner's name for the same bytes.
+        self.core.store.add_dataset_owner(info.dataset_id, owner, name=info.name, size_bytes=info.size_bytes)
         await self.core.durable()
         log.info(
             "dataset uploaded",
@@ -224,6 +236,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                     f"dataset {request.dataset_id} not found (upload it first with UploadDataset)"
                 )  # as a missing one
             info = self.datasets.info(request.dataset_id)
+            own_name = self.core.store.dataset_name(request.dataset_id, caller().owner)
+            if own_name is not None:
+                info.name = own_name  # the caller's name for it, not the first uploader's
+            elif owner_scope() is not None:
+                info.name = ""  # stored before names were kept per owner: whose name it is is unknown
             chunks = self.datasets.chunks(request.dataset_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)

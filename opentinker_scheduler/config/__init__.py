@@ -31,6 +31,8 @@
     auth: {enabled: false}    # API keys and roles; production turns this on (config/auth.py, security/auth.py)
     tls: {cert: ..., key: ...} # TLS, and mTLS for nodes with client_ca (config/tls.py)
     http_tls: {cert: ..., key: ...} # HTTPS on the HTTP port (/health, /metrics); config/tls.py
+    http_metrics_token_file: scrape.token # /metrics only with "Authorization: Bearer <token>"
+                              # (HTTP port and gRPC port's HTTP answers; /health, /ready stay open)
     http_on_grpc_port: true   # also answer HTTP/1.1 GET /health and /metrics on the gRPC port
                               # (the seed curls it); plaintext only: with tls: it is off
     limits: {...}             # message/spec sizes, pending tasks, submit rate, streams (security/limits.py)
@@ -62,7 +64,7 @@ may read the settings without importing a room above it; the rooms enforce them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +129,8 @@ class SchedulerConfig:
     limits: LimitsConfig = LimitsConfig()
     #: HTTPS on the HTTP port (``http_tls:``); None = plain HTTP.
     http_tls: HttpTlsConfig | None = None
+    #: The bearer token ``/metrics`` wants (``http_metrics_token_file:``, read at start); None = open.
+    http_metrics_token: str | None = field(default=None, repr=False)
     #: Local paths a spec may name (``paths:``); see opentinker_scheduler/admission/paths.py.
     paths: PathsConfig = PathsConfig()
     #: Where checkpoints live and how many are kept (``artifacts:``); see config/artifacts.py.
@@ -254,6 +258,7 @@ _TOP = {
     "auth": "API keys",
     "tls": "TLS files",
     "http_tls": "HTTPS files",
+    "http_metrics_token_file": "file",
     "limits": "limits",
     "paths": "local paths",
     "artifacts": "artifact store",
@@ -375,6 +380,16 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["limits"] = parse_limits(r, top["limits"][1])
     if "http_tls" in top:
         kw["http_tls"] = parse_http_tls(r, top["http_tls"][1], base_dir)
+    if "http_metrics_token_file" in top:
+        from opentinker_common.net.side_port import read_scrape_token
+
+        node = top["http_metrics_token_file"][1]
+        text = r.scalar(node, "http_metrics_token_file", str)
+        path = Path(text) if Path(text).is_absolute() or base_dir is None else base_dir / text
+        try:
+            kw["http_metrics_token"] = read_scrape_token(path, "http_metrics_token_file")
+        except ValueError as exc:
+            raise r.fail(node, "http_metrics_token_file", str(exc).split(": expected ", 1)[-1]) from None
     if "paths" in top:
         kw["paths"] = parse_paths(r, top["paths"][1])
     if "artifacts" in top:

@@ -19,8 +19,19 @@ DEFAULTS = {
     "max_keys_per_owner": 20,
     "max_submits_in_flight": 64,
     "max_submit_wait": 0.5,
+    "max_uploads": 64,
+    "upload_idle_timeout": 60.0,
+    "upload_deadline": 3600.0,
+    "max_dataset_bytes_per_owner": 10 * 1024 * MiB,
+    "min_free_disk_bytes": 1024 * MiB,
 }
-_PER_CALLER = ("max_pending_per_owner", "submit_rate", "submit_burst", "max_streams_per_key")
+_PER_CALLER = (
+    "max_pending_per_owner",
+    "submit_rate",
+    "submit_burst",
+    "max_streams_per_key",
+    "max_dataset_bytes_per_owner",
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,11 @@ class LimitsConfig:
     max_keys_per_owner: int | None = None
     max_submits_in_flight: int | None = None
     max_submit_wait: float | None = None
+    max_uploads: int | None = None
+    upload_idle_timeout: float | None = None
+    upload_deadline: float | None = None
+    max_dataset_bytes_per_owner: int | None = None
+    min_free_disk_bytes: int | None = None
 
     def resolved(self, *, auth_enabled: bool) -> "LimitsConfig":
         """Every field filled: the written value, else the default (0 = no limit for per-caller
@@ -63,6 +79,11 @@ _KEYS = {
     "max_keys_per_owner": (int, 0, 1_000_000),
     "max_submits_in_flight": (int, 0, 1_000_000),
     "max_submit_wait": (float, 0, 600),
+    "max_uploads": (int, 0, 100_000),
+    "upload_idle_timeout": (float, 0.1, 86_400),
+    "upload_deadline": (float, 0.1, 7 * 86_400),
+    "max_dataset_bytes_per_owner": (int, 0, 2**62),
+    "min_free_disk_bytes": (int, 0, 2**62),
 }
 
 

@@ -17,11 +17,13 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterable, Iterable, Iterator
 
 from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_common.spec import control_character_problem
 from opentinker_common.spec.sft import MAX_LINE_BYTES, DatasetError, is_dataset_id, parse_chat_line
 
 from opentinker_scheduler.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -116,7 +118,7 @@ def _hex_of(dataset_id: str) -> str:
     return dataset_id.removeprefix("sha256:")
 
 
-@dataclass
+@dataclass(eq=False)
 class DatasetUpload:
     """One upload in progress: bytes go to a temporary file while they are hashed and checked.
 
@@ -129,11 +131,14 @@ class DatasetUpload:
     total_bytes: int
     tmp: Path
     received: int = 0
+    #: Who uploads it (its announced bytes count against that owner's quota while it runs).
+    owner: str = ""
 
     def __post_init__(self) -> None:
         self._hash = hashlib.sha256()
         self._check = LineValidator()
         self._fh = open(self.tmp, "wb")  # noqa: SIM115 - closed in commit/abort
+        self.store._open.add(self)
 
     def write(self, chunk: bytes) -> None:
         """Append ``chunk``.
@@ -154,6 +159,10 @@ class DatasetUpload:
     def commit(self) -> scheduler_pb2.DatasetInfo:
         """Finish: check the end, rename into place (or keep the identical stored copy).
 
+        The answer carries this upload's own ``name``, also when the same bytes were stored
+        before under another owner's name (names are per owner: the store only says that
+        identical bytes exist).
+
         Raises:
             InvalidArgument: fewer bytes than announced, a bad last line, or no examples.
         """
@@ -167,10 +176,10 @@ class DatasetUpload:
         info = scheduler_pb2.DatasetInfo(
             dataset_id=f"sha256:{hex_}", name=self.name, size_bytes=self.received, num_examples=examples
         )
-        existing = self.store.info(info.dataset_id, missing_ok=True)
-        if existing is not None:
+        self.store._open.discard(self)
+        if self.store.exists(info.dataset_id):
             self.tmp.unlink(missing_ok=True)
-            return existing
+            return info
         meta = self.store.root / f"{hex_}.json"
         meta_tmp = self.tmp.with_suffix(".json.tmp")
         meta_tmp.write_text(json.dumps({"name": self.name, "size_bytes": self.received, "num_examples": examples}))
@@ -180,6 +189,7 @@ class DatasetUpload:
 
     def abort(self) -> None:
         """Drop the upload: close and remove the temporary file."""
+        self.store._open.discard(self)
         if not self._fh.closed:
             self._fh.close()
         self.tmp.unlink(missing_ok=True)
@@ -200,16 +210,38 @@ class DatasetStore:
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob("upload-*"):
             stale.unlink(missing_ok=True)
+        #: Uploads in progress (the event loop's only; their announced bytes are promised).
+        self._open: set[DatasetUpload] = set()
 
-    def begin(self, name: str, total_bytes: int) -> DatasetUpload:
-        """Start an upload of ``total_bytes`` bytes.
+    def begin(
+        self,
+        name: str,
+        total_bytes: int,
+        *,
+        owner: str = "",
+        stored_bytes: int = 0,
+        max_owner_bytes: int = 0,
+        min_free_bytes: int = 0,
+    ) -> DatasetUpload:
+        """Start an upload of ``total_bytes`` bytes by ``owner``.
+
+        Args:
+            stored_bytes: bytes of datasets ``owner`` has stored already.
+            max_owner_bytes: most bytes of datasets one owner may store, counting the uploads it has
+                in progress (0 = no limit; ``limits.max_dataset_bytes_per_owner``).
+            min_free_bytes: free bytes the dataset folder's disk must keep after this upload and
+                every one in progress (``limits.min_free_disk_bytes``).
 
         Raises:
-            InvalidArgument: a bad name or size.
-            ResourceExhausted: ``total_bytes`` is over the limit.
+            InvalidArgument: a bad name (over 256 characters, or with control characters) or size.
+            ResourceExhausted: ``total_bytes`` is over the size limit, the owner's quota or the free
+                disk; the message gives the numbers and the config key.
         """
-        if not isinstance(name, str) or len(name) > _NAME_MAX or any(c in name for c in "\n\r\0"):
-            raise InvalidArgument(f"name: expected at most {_NAME_MAX} characters on one line, got {name[:40]!r}")
+        if not isinstance(name, str) or len(name) > _NAME_MAX:
+            raise InvalidArgument(f"name: expected at most {_NAME_MAX} characters, got {len(name)} characters")
+        problem = control_character_problem(name)
+        if problem:
+            raise InvalidArgument(f"name: expected a name without control characters, got {problem}")
         if total_bytes <= 0:
             raise InvalidArgument(
                 f"total_bytes: expected the file's size in bytes (> 0), got {total_bytes} "
@@ -219,7 +251,24 @@ class DatasetStore:
             raise ResourceExhausted(
                 f"total_bytes: {total_bytes} bytes is over this scheduler's dataset limit of {self.max_bytes} bytes"
             )
-        return DatasetUpload(self, name, total_bytes, self.root / f"upload-{secrets.token_hex(8)}.part")
+        if max_owner_bytes:
+            uploading = sum(u.total_bytes for u in self._open if u.owner == owner)
+            if stored_bytes + uploading + total_bytes > max_owner_bytes:
+                more = f" and is uploading {uploading} more" if uploading else ""
+                raise ResourceExhausted(
+                    f"total_bytes: owner {owner!r} stores {stored_bytes} bytes of datasets{more}; {total_bytes} "
+                    f"more would pass the limit of {max_owner_bytes} bytes per owner "
+                    "(limits.max_dataset_bytes_per_owner)"
+                )
+        free = shutil.disk_usage(self.root).free
+        promised = sum(u.total_bytes - u.received for u in self._open)
+        if free - promised - total_bytes < min_free_bytes:
+            raise ResourceExhausted(
+                f"total_bytes: {total_bytes} bytes would leave less than {min_free_bytes} bytes free on the "
+                f"scheduler's dataset disk ({free} bytes free, {promised} promised to uploads in progress) "
+                "(limits.min_free_disk_bytes)"
+            )
+        return DatasetUpload(self, name, total_bytes, self.root / f"upload-{secrets.token_hex(8)}.part", owner=owner)
 
     def path(self, dataset_id: str) -> Path:
         """The stored file of ``dataset_id``.
@@ -267,11 +316,12 @@ class DatasetStore:
 
 
 async def receive_upload(
-    store: DatasetStore, requests: AsyncIterable[scheduler_pb2.UploadDatasetRequest]
+    store: DatasetStore, requests: AsyncIterable[scheduler_pb2.UploadDatasetRequest], **begin
 ) -> scheduler_pb2.DatasetInfo:
     """Consume an ``UploadDataset`` client stream into ``store``; return the stored dataset.
 
     The first message must carry ``total_bytes`` (and may carry ``name``); later ones only chunks.
+    ``begin``: the owner and limits, passed to :meth:`DatasetStore.begin`.
     Raises the errors of :meth:`DatasetStore.begin`, :meth:`DatasetUpload.write` and
     :meth:`DatasetUpload.commit`; on any error (also a cancelled stream) the partial upload is
     removed.
@@ -280,7 +330,7 @@ async def receive_upload(
     try:
         async for req in requests:
             if upload is None:
-                upload = store.begin(req.name, req.total_bytes)
+                upload = store.begin(req.name, req.total_bytes, **begin)
             elif req.name or req.total_bytes:
                 raise InvalidArgument("name, total_bytes: expected only in the first message of the stream")
             if req.chunk:

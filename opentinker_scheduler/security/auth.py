@@ -19,7 +19,8 @@ revoked (at once) or expires (within ``stream_recheck_interval`` seconds):
 :mod:`opentinker_scheduler.security.key_streams`.
 
 **Roles** (:data:`ROLES`): ``admin`` may do everything; ``user`` may use SchedulerService on its
-owner's own tasks (another owner's task is NOT_FOUND, never confirmed to exist) and manage its own
+owner's own tasks (another owner's task is NOT_FOUND, never confirmed to exist; ``ListNodes``, which
+names every owner's running tasks, is for admins: :data:`ADMIN_ONLY_METHODS`) and manage its own
 keys; ``node`` may call NodeService only (its stream, and the reads ``LookupTask`` and
 ``FetchDataset`` that task workers make with their node's key) and ArtifactService (checkpoint
 uploads and downloads of the ``local`` artifact store).
@@ -32,11 +33,13 @@ Status codes: no key, an ``authorization`` value that is not ``Bearer <key>`` ("
 authorization metadata: expected 'Bearer otk_...', got a 'Basic' value"; the value itself is never
 echoed), or an unknown, revoked or expired key -> UNAUTHENTICATED; a valid key whose role may not
 call the method -> PERMISSION_DENIED. ``grpc.health.v1.Health`` and server
-reflection need no key.
+reflection need no key. A request protobuf cannot parse (a ``Struct`` nested past protobuf's depth
+limit) -> INVALID_ARGUMENT saying what to change (:func:`undecodable_message`), after the key check.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import dataclasses
 import inspect
@@ -49,7 +52,7 @@ from opentinker_common.net.bearer import authorization_problem
 
 from opentinker_scheduler.config.auth import AuthConfig  # noqa: F401 - the auth: section, re-exported
 from opentinker_scheduler.security.audit import AuditLog
-from opentinker_scheduler.errors import SchedulerError
+from opentinker_scheduler.errors import DeadlineExceeded, SchedulerError
 from opentinker_scheduler.security.key_streams import (
     DEFAULT_RECHECK_INTERVAL_S,
     KeyStreams,
@@ -109,8 +112,16 @@ def owner_scope() -> str | None:
 # ------------------------------------------------------------------------------ interceptor
 
 
+#: SchedulerService methods for admins only: ``ListNodes`` names every trainer node, its notes and
+#: the ids of every owner's tasks running there, while a user never learns that another owner's
+#: task exists (a user's own task shows its node in ``GetTask``).
+ADMIN_ONLY_METHODS = frozenset({f"/{SCHEDULER_SERVICE}/ListNodes"})
+
+
 def allowed_roles(method: str) -> frozenset[str]:
     """Roles that may call ``/package.Service/Method``."""
+    if method in ADMIN_ONLY_METHODS:
+        return frozenset({"admin"})
     service = method[1:].rsplit("/", 1)[0]
     if service == SCHEDULER_SERVICE:  # task workers read through NodeService (LookupTask, FetchDataset)
         return frozenset({"admin", "user"})
@@ -125,6 +136,12 @@ _ROLE_HINT = {
     "node": "node keys may call NodeService only",
     "user": "user keys may not open a node stream or make task workers' reads (NodeService); trainers need a node key",
 }
+
+
+_ADMIN_ONLY_HINT = (
+    "it lists every trainer node and the tasks of every owner running there, so it is for admin keys; "
+    "GetTask shows the node of your own task"
+)
 
 
 MISSING_KEY = (
@@ -214,7 +231,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         except Unauthenticated as exc:
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
         if principal.role not in allowed_roles(method):
-            hint = _ROLE_HINT.get(principal.role, "")
+            hint = _ADMIN_ONLY_HINT if method in ADMIN_ONLY_METHODS else _ROLE_HINT.get(principal.role, "")
             raise _Refused(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"API key {principal.key_prefix} (role {principal.role}) may not call {method}"
@@ -260,11 +277,101 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method[1:].rsplit("/", 1)[0] in PUBLIC_SERVICES:
             return handler
-        stream_slot = handler.response_streaming and method[1:].startswith(SCHEDULER_SERVICE + "/")
-        return _wrap(handler, self, method, stream_slot)
+        service = method[1:].rsplit("/", 1)[0]
+        stream_slot = handler.response_streaming and service == SCHEDULER_SERVICE
+        # UploadDataset and ArtifactService.UploadChunks: a stream slot, an upload slot, timeouts.
+        upload = handler.request_streaming and not handler.response_streaming and service in UPLOAD_SERVICES
+        return _wrap(handler, self, method, stream_slot, upload)
 
 
-def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool):
+#: Services whose client-streaming RPCs are uploads (:meth:`Limits.acquire_upload`, :func:`timed_uploads`).
+UPLOAD_SERVICES = frozenset({SCHEDULER_SERVICE, ARTIFACT_SERVICE})
+
+#: protobuf's (upb's) limit on message nesting, which a deep ``google.protobuf.Struct`` reaches.
+PROTOBUF_MAX_DEPTH = 100
+
+
+class _Undecodable:
+    """A request whose bytes protobuf refused (:func:`_safe_deserializer`); answered INVALID_ARGUMENT."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def undecodable_message(method: str, exc: Exception) -> str:
+    """What a person reads when the request of ``method`` cannot be parsed: for protobuf's depth
+    limit (``Exceeded upb_DecodeOptions_MaxDepth``, a ``Struct`` nested too deep) which fields nest
+    and how deep the spec allows; the exception's own name never."""
+    name = method.rsplit("/", 1)[-1]
+    if "MaxDepth" in str(exc) or "recursion" in str(exc).lower():
+        return (
+            f"request: expected a {name} request nested at most {PROTOBUF_MAX_DEPTH} levels deep (protobuf's "
+            "limit), got a deeper one; a google.protobuf.Struct such as spec.env_config or spec.hyperparameters "
+            "nests too deep: task options may nest lists and mappings at most 3 levels"
+        )
+    return f"request: expected a valid protobuf {name} request, got bytes that do not parse as one"
+
+
+def _safe_deserializer(deserialize, method: str):
+    """``deserialize``, but bytes protobuf refuses become an :class:`_Undecodable` instead of an
+    exception (which gRPC would answer UNKNOWN, naming ``DecodeError``)."""
+    if deserialize is None:
+        return None
+
+    def safe(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - google.protobuf.message.DecodeError and kin
+            return _Undecodable(undecodable_message(method, exc))
+
+    return safe
+
+
+async def _decoded(requests, context):
+    """The messages of a client stream; an undecodable one aborts with INVALID_ARGUMENT."""
+    async for req in requests:
+        if isinstance(req, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, req.message)
+        yield req
+
+
+async def timed_uploads(requests, *, idle_timeout_s: float, deadline_s: float, clock=None):
+    """The messages of an upload's client stream, refusing a stream that goes ``idle_timeout_s``
+    seconds without a message or stays open ``deadline_s`` seconds in all (0 = no limit).
+
+    Raises:
+        DeadlineExceeded: either happened; the message names the limit and its config key. The
+            handler's clean-up (a dataset upload's ``.part`` file) runs as for any failed upload.
+    """
+    loop = asyncio.get_running_loop()
+    clock = clock or loop.time
+    start = clock()
+    it = requests.__aiter__()
+    while True:
+        waits = []
+        if idle_timeout_s:
+            waits.append((idle_timeout_s, "idle"))
+        if deadline_s:
+            waits.append((max(0.0, start + deadline_s - clock()), "deadline"))
+        timeout, why = min(waits) if waits else (None, "")
+        try:
+            req = await asyncio.wait_for(it.__anext__(), timeout)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            if why == "idle":
+                raise DeadlineExceeded(
+                    f"upload: no message for {idle_timeout_s:g} s (limits.upload_idle_timeout); "
+                    "the partial upload was dropped, send it again"
+                ) from None
+            raise DeadlineExceeded(
+                f"upload: still open after {deadline_s:g} s (limits.upload_deadline); "
+                "the partial upload was dropped, send it again (or ask for a longer limits.upload_deadline)"
+            ) from None
+        yield req
+
+
+def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool, upload: bool = False):
     if handler.request_streaming and handler.response_streaming:
         inner, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
     elif handler.request_streaming:
@@ -278,6 +385,10 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool)
 
         async def behavior(request, context):
             principal = await interceptor._gate(method, context)
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            if handler.request_streaming:  # bidirectional (a node's Connect)
+                request = _decoded(request, context)
             key = principal.limit_key
             if stream_slot:
                 try:
@@ -307,9 +418,19 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool)
         async def behavior(request, context):
             principal = await interceptor._gate(method, context)
             _CALLER.set(principal)
+            requests = _decoded(request, context)
+            if upload:
+                try:
+                    interceptor.limits.acquire_upload(principal.limit_key)
+                except SchedulerError as exc:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                cfg = interceptor.limits.config
+                requests = timed_uploads(
+                    requests, idle_timeout_s=cfg.upload_idle_timeout or 0, deadline_s=cfg.upload_deadline or 0
+                )
             watched = interceptor._watch(principal, method, context)
             try:
-                result = inner(request, context)
+                result = inner(requests, context)
                 if watched is None or not inspect.isawaitable(result):
                     return (await result) if inspect.isawaitable(result) else result
                 finished, value = await await_until_ended(result, watched)
@@ -319,11 +440,15 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool)
             finally:
                 if watched is not None:
                     interceptor.streams.close(watched)
+                if upload:
+                    interceptor.limits.release_upload(principal.limit_key)
 
     else:
 
         async def behavior(request, context):
             principal = await interceptor._gate(method, context)
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             _CALLER.set(principal)
             result = inner(request, context)
             if inspect.isawaitable(result):
@@ -331,5 +456,7 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool)
             return result
 
     return factory(
-        behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        behavior,
+        request_deserializer=_safe_deserializer(handler.request_deserializer, method),
+        response_serializer=handler.response_serializer,
     )

@@ -14,13 +14,25 @@ message naming the limit and its config key, never a crash.
       max_keys_per_owner: 20        # active (unrevoked, unexpired) API keys per owner; 0 = no limit
       max_submits_in_flight: 64     # SubmitTask calls the scheduler works on at once, all callers; 0 = no limit
       max_submit_wait: 0.5          # seconds a SubmitTask may wait in the server before it is taken up; 0 = no limit
+      max_uploads: 64               # uploads in progress (UploadDataset, UploadChunks), all keys; 0 = no limit
+      upload_idle_timeout: 60       # seconds an upload may go without a message (DEADLINE_EXCEEDED after)
+      upload_deadline: 3600         # seconds an upload may stay open in all
+      max_dataset_bytes_per_owner: 10737418240  # stored dataset bytes per owner (10 GiB); 0 = no limit
+      min_free_disk_bytes: 1073741824  # free bytes the dataset disk keeps after every upload in progress
 
-The per-caller limits (pending, rate, streams) default to the values above when ``auth.enabled``
-is true. With authentication off (one trusted user, ``make demo``, the benchmarks) they default to
-no limit; a value written in the config applies in both modes. Message and spec sizes always apply,
-and so do ``max_submits_in_flight`` and ``max_submit_wait``, the scheduler's own load: over them a
-submit is refused at once with ``RESOURCE_EXHAUSTED`` (reason ``OVERLOADED``) and a ``google.rpc.RetryInfo``, before
-anything is done (:mod:`opentinker_scheduler.admission.load`).
+Uploads are streams too: each holds one of its key's ``max_streams_per_key`` slots and one of the
+scheduler's ``max_uploads`` (:meth:`Limits.acquire_upload`, taken by the auth interceptor, which
+also applies the two upload timeouts: :func:`opentinker_scheduler.security.auth.timed_uploads`);
+the dataset byte and disk checks are :meth:`opentinker_scheduler.data.datasets.DatasetStore.begin`'s.
+
+The per-caller limits (pending, rate, streams, dataset bytes per owner) default to the values above
+when ``auth.enabled`` is true. With authentication off (one trusted user, ``make demo``, the
+benchmarks) they default to no limit; a value written in the config applies in both modes. Message
+and spec sizes always apply, and so do ``max_submits_in_flight`` and ``max_submit_wait``, the
+scheduler's own load: over them a submit is refused at once with ``RESOURCE_EXHAUSTED`` (reason
+``OVERLOADED``) and a ``google.rpc.RetryInfo``, before anything is done
+(:mod:`opentinker_scheduler.admission.load`); the upload bounds (``max_uploads``, the timeouts,
+``min_free_disk_bytes``) hold in both modes too.
 
 ``submit_rate``/``submit_burst`` and ``max_streams_per_key`` count per API key, not per owner: an
 owner with several keys gets each key's allowance. ``max_keys_per_owner`` (enforced by
@@ -74,6 +86,7 @@ class Limits:
         self.clock = clock
         self._buckets: dict[str, TokenBucket] = {}
         self._streams: dict[str, int] = {}
+        self._uploads = 0
         self._lock = threading.Lock()
 
     def check_spec_size(self, size_bytes: int) -> None:
@@ -122,21 +135,52 @@ class Limits:
                 "(limits.max_pending_per_owner); wait for some to start or cancel some"
             )
 
-    def acquire_stream(self, key: str) -> None:
+    def acquire_stream(self, key: str, *, locked: bool = False) -> None:
         """Take one of ``key``'s concurrent stream slots; give it back with :meth:`release_stream`.
+        ``locked``: the caller holds the limiter's lock already.
 
         Raises:
             ResourceExhausted: ``key`` already holds ``max_streams_per_key`` streams.
         """
+        if not locked:
+            with self._lock:
+                self.acquire_stream(key, locked=True)
+            return
         most = self.config.max_streams_per_key
+        open_now = self._streams.get(key, 0)
+        if most and open_now >= most:
+            raise ResourceExhausted(
+                f"too many concurrent streams: {open_now} open for this API key, the limit is {most} "
+                "(limits.max_streams_per_key); close a watch, download or upload first"
+            )
+        self._streams[key] = open_now + 1
+
+    def acquire_upload(self, key: str) -> None:
+        """Take one of ``key``'s stream slots (uploads count as streams, ``max_streams_per_key``)
+        and one of the scheduler's ``max_uploads`` upload slots (all keys together); give both
+        back with :meth:`release_upload`.
+
+        Raises:
+            ResourceExhausted: either limit is reached (the message names it and its config key).
+        """
+        most = self.config.max_uploads
         with self._lock:
-            open_now = self._streams.get(key, 0)
-            if most and open_now >= most:
+            if most and self._uploads >= most:
                 raise ResourceExhausted(
-                    f"too many concurrent streams: {open_now} open for this API key, the limit is {most} "
-                    "(limits.max_streams_per_key); close a watch or download first"
+                    f"too many uploads in progress: {self._uploads} open on this scheduler, the limit is {most} "
+                    "(limits.max_uploads); retry when some have finished"
                 )
-            self._streams[key] = open_now + 1
+            self.acquire_stream(key, locked=True)
+            self._uploads += 1
+
+    def release_upload(self, key: str) -> None:
+        with self._lock:
+            self._uploads = max(0, self._uploads - 1)
+        self.release_stream(key)
+
+    def open_uploads(self) -> int:
+        with self._lock:
+            return self._uploads
 
     def release_stream(self, key: str) -> None:
         with self._lock:

@@ -165,6 +165,14 @@ BEGIN
 END $$;
 """
 
+#: Each owner's own name for a dataset and its size: a shared (content-addressed) dataset answers
+#: every uploader with the name they gave, and an owner's stored bytes are summed for
+#: ``limits.max_dataset_bytes_per_owner``. Rows from before carry '' and 0.
+_V3 = """
+ALTER TABLE dataset_owners ADD COLUMN name TEXT NOT NULL DEFAULT '';
+ALTER TABLE dataset_owners ADD COLUMN size_bytes INTEGER NOT NULL DEFAULT 0;
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -173,6 +181,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         sqlite_fixup=_sqlite_add_missing_columns,
     ),
     Migration(2, "leader lease with an epoch (several schedulers on one database; fencing)", _V2, _V2_POSTGRES),
+    Migration(3, "dataset names and sizes per owner", _V3),
 )
 
 #: The newest schema version this scheduler knows.

@@ -403,14 +403,31 @@ class SqlStore:
         return bytes(r[0]) if r else None
 
     # --- datasets --------------------------------------------------------------------------------
-    def add_dataset_owner(self, dataset_id: str, owner: str) -> None:
-        """Record that ``owner`` uploaded ``dataset_id`` (idempotent; the same bytes uploaded by
-        two owners belong to both)."""
+    def add_dataset_owner(self, dataset_id: str, owner: str, name: str = "", size_bytes: int = 0) -> None:
+        """Record that ``owner`` uploaded ``dataset_id`` (``size_bytes`` bytes) under ``name``
+        (idempotent; the same bytes uploaded by two owners belong to both, each with its own name;
+        an owner's later upload of the same bytes renames it)."""
         with self._tx():
             self.db.execute(
-                "INSERT INTO dataset_owners (dataset_id, owner) VALUES (?,?) ON CONFLICT DO NOTHING",
-                (dataset_id, owner),
+                "INSERT INTO dataset_owners (dataset_id, owner, name, size_bytes) VALUES (?,?,?,?) "
+                "ON CONFLICT (dataset_id, owner) DO UPDATE SET name=excluded.name, size_bytes=excluded.size_bytes",
+                (dataset_id, owner, name, size_bytes),
             )
+
+    def dataset_name(self, dataset_id: str, owner: str) -> str | None:
+        """The name ``owner`` gave ``dataset_id`` at upload; None when it is not one of its uploaders
+        (or uploaded it before names were recorded per owner)."""
+        r = self.db.execute(
+            "SELECT name FROM dataset_owners WHERE dataset_id=? AND owner=?", (dataset_id, owner)
+        ).fetchone()
+        return r[0] if r and r[0] else None
+
+    def dataset_bytes(self, owner: str) -> int:
+        """Bytes of the datasets ``owner`` has uploaded (each counted once, shared ones included)."""
+        r = self.db.execute(
+            "SELECT COALESCE(SUM(size_bytes), 0) FROM dataset_owners WHERE owner=?", (owner,)
+        ).fetchone()
+        return int(r[0])
 
     def dataset_visible(self, dataset_id: str, owner: str) -> bool:
         """Whether ``owner`` may use ``dataset_id``: one of its uploaders, or a dataset stored

@@ -261,3 +261,14 @@ def test_http_on_grpc_port_is_on_unless_turned_off() -> None:
     assert parse_config("http_on_grpc_port: false\n", "s.yaml").http_on_grpc_port is False
     with pytest.raises(ConfigError, match=r"s.yaml:1:20: http_on_grpc_port: expected true or false; 'no' is a string"):
         parse_config("http_on_grpc_port: no\n", "s.yaml")
+
+
+def test_http_metrics_token_file_is_read_at_start_and_checked(tmp_path) -> None:
+    (tmp_path / "scrape.token").write_text("0123456789abcdef0123\n")
+    cfg = parse_config("http_metrics_token_file: scrape.token\n", "s.yaml", base_dir=tmp_path)
+    assert cfg.http_metrics_token == "0123456789abcdef0123" and "0123456789abcdef" not in repr(cfg)
+    (tmp_path / "short.token").write_text("abc\n")
+    with pytest.raises(ConfigError, match=r"s\.yaml:1:26: http_metrics_token_file: .*at least 16 printable"):
+        parse_config("http_metrics_token_file: short.token\n", "s.yaml", base_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"s\.yaml:1:26: http_metrics_token_file: .*readable token file"):
+        parse_config("http_metrics_token_file: missing.token\n", "s.yaml", base_dir=tmp_path)

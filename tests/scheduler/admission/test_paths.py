@@ -159,7 +159,10 @@ def test_any_accepted_model_is_a_hub_id_or_really_under_model_dirs(model: str) -
         check_local_paths(_spec(model), paths=PathsConfig(model_dirs=("/models",)), auth_enabled=True)
     except InvalidArgument as exc:
         assert str(exc).startswith(
-            "spec.model: expected a hub id (org/name) or a folder under paths.model_dirs (/models), got "
+            (
+                "spec.model: expected a hub id (org/name) or a folder under paths.model_dirs (/models), got ",
+                "spec.model: expected text on one line without control characters, got U+",
+            )
         )
         return
     if model and not is_hub_id(model):

@@ -79,7 +79,8 @@ def test_upload_is_content_addressed_idempotent_and_downloadable(tmp_path) -> No
     )
     assert store.exists(info.dataset_id) and store.path(info.dataset_id).read_bytes() == DATA
     again = upload(store, DATA, name="other.jsonl", chunk=1000)
-    assert again == info  # same bytes, same dataset (the first name kept)
+    # Same bytes, same dataset, stored once; the answer carries this upload's own name.
+    assert again.dataset_id == info.dataset_id and again.name == "other.jsonl" and again.size_bytes == info.size_bytes
     assert sorted(p.name for p in store.root.iterdir()) == [f"{hex_}.json", f"{hex_}.jsonl"]
     assert b"".join(store.chunks(info.dataset_id, size=10)) == DATA
     assert all(len(c) <= 10 for c in store.chunks(info.dataset_id, size=10))
@@ -129,8 +130,10 @@ def test_upload_stream_needs_a_header_first(tmp_path) -> None:
         asyncio.run(receive_upload(store, empty()))
     with pytest.raises(InvalidArgument, match="name, total_bytes: expected only in the first message"):
         asyncio.run(receive_upload(store, two_headers()))
-    with pytest.raises(InvalidArgument, match="name: expected at most 256 characters on one line"):
+    with pytest.raises(InvalidArgument, match=r"name: expected a name without control characters, got U\+000A"):
         store.begin("a\nb", 10)
+    with pytest.raises(InvalidArgument, match="name: expected at most 256 characters"):
+        store.begin("a" * 257, 10)
     assert not [p for p in store.root.iterdir() if p.is_file()]
 
 

@@ -119,7 +119,9 @@ class ArtifactServiceServicer:
         BeginUpload where to continue. Errors: NOT_FOUND (unknown upload id), FAILED_PRECONDITION
         (a chunk's offset is not the held size: the message says where to continue),
         INVALID_ARGUMENT (bad file index, chunk over 1 MiB, more bytes than announced),
-        RESOURCE_EXHAUSTED (disk full; the chunk is not kept).
+        RESOURCE_EXHAUSTED (disk full, the chunk is not kept; too many streams for the key or uploads in
+        all), DEADLINE_EXCEEDED (no message for limits.upload_idle_timeout, or open past
+        limits.upload_deadline; chunks written so far are kept).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

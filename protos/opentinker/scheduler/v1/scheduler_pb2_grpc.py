@@ -165,9 +165,14 @@ class SchedulerServiceServicer:
         line) for `sft` tasks to name by `dataset_id`. Client stream: the first message carries `name` and
         `total_bytes`, every message a chunk of the file. Validated while it arrives; stored
         content-addressed (`sha256:<hex>`) only once complete and valid, so nothing half-written stays.
-        Idempotent: the same bytes give the same id. Errors: INVALID_ARGUMENT (no header, a bad line,
-        naming its number and what was expected; no examples; size not as announced),
-        RESOURCE_EXHAUSTED (larger than the scheduler's limit, 256 MiB by default).
+        Idempotent: the same bytes give the same id; the answer carries the caller's own `name` (names are
+        per owner: identical bytes uploaded by another owner show only that the id exists). Holds one of the
+        key's stream slots while open. Errors: INVALID_ARGUMENT (no header, a bad line, naming its number and
+        what was expected; no examples; size not as announced; control characters in `name`),
+        RESOURCE_EXHAUSTED (larger than the scheduler's limit, 256 MiB by default; the owner's stored dataset
+        bytes or the free disk would pass their limits; too many streams for the key or uploads in all; the
+        message names the limit), DEADLINE_EXCEEDED (no message for limits.upload_idle_timeout, or open past
+        limits.upload_deadline). Nothing of a refused or broken-off upload is kept.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -203,7 +208,8 @@ class SchedulerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListNodes(self, request, context):
-        """Lists trainer nodes with their devices, capacity and latest telemetry. Idempotent.
+        """Lists trainer nodes with their devices, capacity and latest telemetry. Idempotent. Admin keys only
+        (it names every owner's running tasks): PERMISSION_DENIED for a user key.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,102 @@
+"""The CLI against a real scheduler with auth on shows server-provided text (task names, cancel
+reasons, errors, event messages, key descriptions, table cells) with control characters escaped:
+an ESC sequence cannot retitle or recolour the admin's terminal and a newline cannot forge a row.
+The task name is written into the store as one stored before the scheduler refused such names."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from opentinker.common.v1 import common_pb2
+from opentinker_client import RLClient
+from opentinker_client.cli.commands import main
+from opentinker_client.cli.render import SafeLogText, markup, safe_text
+
+from tests.support.security import LoopbackScheduler
+
+EVIL_NAME = "\x1b]0;PWNED\x07\x1b[31mRED\x1b[0m\nforged-row | running"
+EVIL_REASON = "\x1b[2Jcleared\nforged line \u202eevil"
+RAW = ("\x1b", "\x07", "\u202e")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with LoopbackScheduler(tmp_path_factory.mktemp("cli") / "state", "auth: {enabled: true}\n") as s:
+        with RLClient(s.target, api_key=s.admin_key) as root:
+            _, alice = root.keys.create("alice", "user", description="laptop \x1b[31m[bold]x[/bold]")
+        with RLClient(s.target, api_key=alice) as c:
+            task_id = c.submit_task(workload_type="lora_finetune", model="org/m", name="clean")
+
+        def rename() -> None:  # as a task stored before names were checked
+            row = s.core.get(task_id)
+            row.spec.name = EVIL_NAME
+            with s.core.store._tx():
+                s.core.store.db.execute(
+                    "UPDATE tasks SET spec=? WHERE task_id=?", (row.spec.SerializeToString(), task_id)
+                )
+
+        s.do(rename)
+        with RLClient(s.target, api_key=alice) as c:
+            c.cancel(task_id, reason=EVIL_REASON)
+        yield s, alice, task_id
+
+
+def _cli(capsys, s, key, *argv) -> tuple[int, str]:
+    code = main(["--scheduler-url", s.target, "--api-key", key, *argv])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def _assert_safe(text: str) -> None:
+    assert not [c for c in RAW if c in text], repr(text)
+    assert not any(line.lstrip().startswith(("forged", "cleared")) for line in text.splitlines()), text
+
+
+def test_list_get_and_logs_escape_names_reasons_and_messages(cluster, capsys) -> None:
+    s, alice, task_id = cluster
+    code, text = _cli(capsys, s, alice, "list")
+    assert code == 0
+    _assert_safe(text)
+    assert "\\x1b]0;PWNED\\x07" in text and "\\nforged-row" in text  # the NAME cell folds over lines
+    rows = [line for line in text.splitlines() if task_id in line]
+    assert len(rows) == 1  # the newline in the name forged no row
+
+    code, text = _cli(capsys, s, alice, "get", task_id)
+    assert code == 0
+    _assert_safe(text)
+    assert "cancelled by user: \\x1b[2Jcleared\\nforged line \\u202eevil" in text.replace("\n", "")
+
+    code, text = _cli(capsys, s, alice, "get", task_id, "--json")
+    assert code == 0
+    _assert_safe(text)
+    assert json.loads(text)["name"] == EVIL_NAME  # JSON escapes, and keeps the value exact
+
+    code, text = _cli(capsys, s, alice, "logs", task_id)
+    assert code == 0
+    _assert_safe(text)
+    assert "\\x1b[2Jcleared\\nforged line" in text
+
+
+def test_errors_and_key_listings_escape_too(cluster, capsys) -> None:
+    s, alice, _ = cluster
+    code, text = _cli(capsys, s, alice, "get", "task-\x1b[31mnope")
+    assert code == 2
+    _assert_safe(text)
+    assert text.startswith("error: NOT_FOUND") and len(text.strip().splitlines()) == 1
+
+    code, text = _cli(capsys, s, s.admin_key, "keys", "list", "--owner", "alice")
+    assert code == 0
+    _assert_safe(text)
+    assert "laptop \\x1b[31m[bold]x[/bold]" in text  # markup shown as text, not applied
+
+
+def test_the_one_helper_escapes_every_control_character() -> None:
+    assert safe_text("plain text, ünïcode ✓") == "plain text, ünïcode ✓"
+    assert safe_text("a\x1bb\x07c\nd\te\x7ff\x9bg\u202eh\u2028i") == "a\\x1bb\\x07c\\nd\\te\\x7ff\\x9bg\\u202eh\\u2028i"
+    assert markup("[red]x\x1b[/red]") == "\\[red]x\\x1b\\[/red]"
+    assert safe_text(common_pb2.TASK_STATE_RUNNING) == "3"  # not a string: str() first
+    record = logging.LogRecord("opentinker_client", logging.WARNING, "", 0, "pending: %s", ("\x1b[31mno node",), None)
+    assert SafeLogText().filter(record) and record.getMessage() == "pending: \\x1b[31mno node"

@@ -1,0 +1,170 @@
+"""What a real scheduler with auth on refuses before any work: control characters in a spec's
+names and free text (INVALID_ARGUMENT naming the field, word for word the client's own local
+check), a request protobuf cannot parse (a ``Struct`` nested past protobuf's depth limit:
+INVALID_ARGUMENT saying what to change, never UNKNOWN naming ``DecodeError``), and ``ListNodes``
+from a user key (admins only: it names every owner's running tasks)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.protobuf.internal.encoder import _VarintBytes
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from opentinker.common.v1 import common_pb2
+from opentinker.scheduler.v1 import scheduler_pb2 as S
+from opentinker.scheduler.v1 import scheduler_pb2_grpc
+from opentinker_client import InvalidArgumentError, PermissionDeniedError, RLClient
+
+from tests.support.security import LoopbackScheduler, metadata
+
+
+@pytest.fixture(scope="module")
+def sched(tmp_path_factory):
+    with LoopbackScheduler(tmp_path_factory.mktemp("checks") / "state", "auth: {enabled: true}\n") as s:
+        with RLClient(s.target, api_key=s.admin_key) as root:
+            s.user_key = root.keys.create("alice", "user")[1]
+        yield s
+
+
+def _submit(sched, spec: common_pb2.TaskSpec) -> grpc.RpcError:
+    with grpc.insecure_channel(sched.target) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            scheduler_pb2_grpc.SchedulerServiceStub(ch).SubmitTask(
+                S.SubmitTaskRequest(spec=spec), metadata=metadata(sched.user_key), timeout=30
+            )
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "name",
+            "\x1b]0;PWNED\x07\x1b[31mRED\x1b[0m",
+            "spec.name: expected text on one line without control characters, got U+001B (ESC) at character 0",
+        ),
+        (
+            "name",
+            "ok\ntask-0000 RUNNING forged",
+            "spec.name: expected text on one line without control characters, got U+000A (newline) at character 2",
+        ),
+        (
+            "name",
+            "abc\u202edef",
+            "spec.name: expected text on one line without control characters, got U+202E "
+            "(RIGHT-TO-LEFT OVERRIDE) at character 3",
+        ),
+        (
+            "model",
+            "org/m\x07",
+            "spec.model: expected text on one line without control characters, got U+0007 (BEL) at character 5",
+        ),
+        (
+            "system_prompt",
+            "Answer with a number.\n\x1b[2J",
+            "spec.env_config.system_prompt: expected text without control characters (newlines and tabs allowed), "
+            "got U+001B (ESC) at character 22",
+        ),
+    ],
+)
+def test_control_characters_are_refused_at_submit_naming_the_field(sched, field, value, message) -> None:
+    fields = {"workload_type": "lora_finetune", "model": "org/m", "name": "t", "env_config": {}}
+    if field == "system_prompt":
+        fields["env_config"] = {"env_id": "arithmetic", "system_prompt": value}
+    else:
+        fields[field] = value
+    spec = common_pb2.TaskSpec(workload_type=fields["workload_type"], model=fields["model"], name=fields["name"])
+    spec.env_config.update(fields["env_config"])
+    err = _submit(sched, spec)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details() == message
+    (detail,) = rpc_status.from_call(err).details
+    bad = error_details_pb2.BadRequest()
+    assert detail.Unpack(bad) and bad.field_violations[0].field == message.split(":", 1)[0]
+
+    # The client's local check (the same opentinker_common.spec code) gives the same words.
+    with RLClient(sched.target, api_key=sched.user_key) as alice:
+        with pytest.raises(InvalidArgumentError) as local:
+            alice.submit_task(
+                workload_type="lora_finetune",
+                model=fields["model"],
+                name=fields["name"],
+                env_config=fields["env_config"] or None,
+            )
+        assert message in str(local.value)
+        assert local.value.field == message.split(":", 1)[0]
+        assert alice.list_tasks() == []  # nothing was stored
+
+
+def test_multiline_free_text_keeps_newlines_and_tabs(sched) -> None:
+    with RLClient(sched.target, api_key=sched.user_key) as alice:
+        task_id = alice.submit_task(
+            workload_type="lora_finetune",
+            model="org/m",
+            name="ok",
+            env_config={"env_id": "arithmetic", "system_prompt": "Add the numbers.\n\tReply with digits only."},
+        )
+        assert alice.get_task(task_id).env_config["system_prompt"] == "Add the numbers.\n\tReply with digits only."
+        alice.cancel(task_id)
+
+
+def _ld(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    return _VarintBytes(number << 3 | 2) + _VarintBytes(len(payload)) + payload
+
+
+def _deep_struct(levels: int) -> bytes:
+    """A ``google.protobuf.Struct`` ``{"a": {"a": ... }}`` nested ``levels`` deep, as bytes (the
+    Python protobuf runtime refuses to build one this deep, a hostile client need not)."""
+    data = b""
+    for _ in range(levels):
+        data = _ld(1, _ld(1, b"a") + _ld(2, _ld(5, data)))  # Struct.fields entry {key, Value.struct_value}
+    return data
+
+
+def test_an_over_deep_struct_is_invalid_argument_saying_what_to_change(sched) -> None:
+    hp_field = common_pb2.TaskSpec.DESCRIPTOR.fields_by_name["hyperparameters"].number
+    spec = common_pb2.TaskSpec(workload_type="lora_finetune", model="org/m").SerializeToString()
+    request = _ld(S.SubmitTaskRequest.DESCRIPTOR.fields_by_name["spec"].number, spec + _ld(hp_field, _deep_struct(200)))
+    with grpc.insecure_channel(sched.target) as ch:
+        submit = ch.unary_unary(
+            "/opentinker.scheduler.v1.SchedulerService/SubmitTask",
+            request_serializer=lambda b: b,
+            response_deserializer=S.SubmitTaskResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            submit(request, metadata=metadata(sched.user_key), timeout=30)
+        err = info.value
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details() == (
+            "request: expected a SubmitTask request nested at most 100 levels deep (protobuf's limit), got a "
+            "deeper one; a google.protobuf.Struct such as spec.env_config or spec.hyperparameters nests too "
+            "deep: task options may nest lists and mappings at most 3 levels"
+        )
+        assert "DecodeError" not in err.details()
+        # Without a key the call is refused as any other (the key is checked first).
+        with pytest.raises(grpc.RpcError) as info:
+            submit(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Garbage bytes: INVALID_ARGUMENT too.
+        with pytest.raises(grpc.RpcError) as info:
+            submit(b"\xff\xff\xff", metadata=metadata(sched.user_key), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == (
+            "request: expected a valid protobuf SubmitTask request, got bytes that do not parse as one"
+        )
+    # The scheduler keeps answering.
+    with RLClient(sched.target, api_key=sched.user_key) as alice:
+        alice.list_tasks()
+
+
+def test_list_nodes_is_for_admin_keys(sched) -> None:
+    with RLClient(sched.target, api_key=sched.user_key) as alice:
+        with pytest.raises(PermissionDeniedError) as info:
+            alice.list_nodes()
+    assert "may not call /opentinker.scheduler.v1.SchedulerService/ListNodes: it lists every trainer node" in str(
+        info.value
+    )
+    with RLClient(sched.target, api_key=sched.admin_key) as root:
+        assert root.list_nodes() == []

@@ -1,0 +1,213 @@
+"""Uploads against a real scheduler with auth on: they hold stream slots (per key, and a bound
+for all keys), end after an idle timeout or an overall deadline, count against an owner's stored
+dataset bytes and the free disk, and leave no ``.part`` file behind when refused, timed out or
+broken off. A shared (content-addressed) dataset answers each uploader with their own name."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from opentinker.artifact.v1 import artifact_pb2_grpc
+from opentinker.scheduler.v1 import scheduler_pb2 as S
+from opentinker.scheduler.v1 import scheduler_pb2_grpc
+from opentinker_client import RLClient
+
+from tests.support.security import LoopbackScheduler, metadata
+from tests.support.waiting import wait_for
+
+LINE = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+DATA = LINE * 4
+
+
+def _parts(s: LoopbackScheduler) -> list[Path]:
+    folder = s.config.state_dir / "datasets"
+    return sorted(folder.glob("upload-*")) if folder.exists() else []
+
+
+def _open_uploads(s: LoopbackScheduler) -> int:
+    return s.do(s.security.limits.open_uploads)
+
+
+class _Upload:
+    """One UploadDataset (or UploadChunks) call in a thread: sends ``first`` messages, then
+    waits (idle) until released, or sends a chunk every ``trickle_s`` seconds."""
+
+    def __init__(self, s, key, *, first=(), trickle_s: float | None = None, artifact: bool = False) -> None:
+        self.release = threading.Event()
+        self.error: grpc.RpcError | None = None
+        self.response = None
+        self.done = threading.Event()
+        self.channel = grpc.insecure_channel(s.target)
+        if artifact:
+            call = artifact_pb2_grpc.ArtifactServiceStub(self.channel).UploadChunks
+        else:
+            call = scheduler_pb2_grpc.SchedulerServiceStub(self.channel).UploadDataset
+
+        def requests():
+            yield from first
+            while not self.release.wait(trickle_s if trickle_s is not None else 60):
+                if trickle_s is not None:
+                    yield S.UploadDatasetRequest(chunk=b" ")
+
+        def run() -> None:
+            try:
+                self.response = call(requests(), metadata=metadata(key), timeout=60)
+            except grpc.RpcError as err:
+                self.error = err
+            finally:
+                self.done.set()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def finish(self) -> grpc.RpcError | None:
+        assert self.done.wait(60), "the upload did not end"
+        self.release.set()
+        self.thread.join(10)
+        self.channel.close()
+        return self.error
+
+    def cancel(self) -> None:
+        self.release.set()
+        self.channel.close()  # the client goes away mid-stream
+        self.thread.join(10)
+
+
+def _users(s: LoopbackScheduler, *owners: str, role: str = "user") -> list[str]:
+    with RLClient(s.target, api_key=s.admin_key) as root:
+        return [root.keys.create(o, role)[1] for o in owners]
+
+
+def _upload_all(s: LoopbackScheduler, key: str, name: str, data: bytes) -> S.DatasetInfo:
+    with grpc.insecure_channel(s.target) as ch:
+        request = S.UploadDatasetRequest(name=name, total_bytes=len(data), chunk=data)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        return stub.UploadDataset(iter([request]), metadata=metadata(key), timeout=30).dataset
+
+
+def _header(total: int, name: str = "d.jsonl") -> S.UploadDatasetRequest:
+    return S.UploadDatasetRequest(name=name, total_bytes=total, chunk=b"")
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    """Two uploads per key, three in all, 2000 dataset bytes per owner."""
+    config = (
+        "auth: {enabled: true}\n"
+        "limits: {max_streams_per_key: 2, max_uploads: 3, max_dataset_bytes_per_owner: 2000, min_free_disk_bytes: 0}\n"
+    )
+    with LoopbackScheduler(tmp_path_factory.mktemp("limited") / "state", config) as s:
+        yield s
+
+
+def test_uploads_hold_stream_slots_per_key_and_in_all(limited) -> None:
+    s = limited
+    alice, bob = _users(s, "alice-slots", "bob-slots")
+    (node,) = _users(s, "rack-slots", role="node")
+    open_ = [_Upload(s, alice, first=[_header(len(DATA))]) for _ in range(2)]
+    wait_for(lambda: len(_parts(s)) == 2, what="two uploads holding .part files")
+    third = _Upload(s, alice, first=[_header(len(DATA))])
+    err = third.finish()
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "2 open for this API key, the limit is 2 (limits.max_streams_per_key)" in err.details()
+
+    # Checkpoint uploads (ArtifactService.UploadChunks, node keys) share the bounds.
+    chunks = _Upload(s, node, artifact=True)
+    wait_for(lambda: _open_uploads(s) == 3, what="three uploads open")
+    err = _Upload(s, bob, first=[_header(len(DATA))]).finish()
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "3 open on this scheduler, the limit is 3 (limits.max_uploads)" in err.details()
+
+    # Broken off mid-stream: the slots come back and nothing is left on disk.
+    for u in (*open_, chunks):
+        u.cancel()
+    wait_for(lambda: _open_uploads(s) == 0 and not _parts(s), what="slots released and .part files removed")
+    assert _upload_all(s, alice, "x.jsonl", DATA).size_bytes == len(DATA)  # a complete upload works again
+
+
+def test_an_owner_may_store_at_most_its_dataset_bytes(limited) -> None:
+    s = limited
+    (carol,) = _users(s, "carol-quota")
+    assert _upload_all(s, carol, "a.jsonl", DATA).size_bytes == len(DATA)
+    stub = scheduler_pb2_grpc.SchedulerServiceStub(grpc.insecure_channel(s.target))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.UploadDataset(iter([_header(1700)]), metadata=metadata(carol), timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.details() == (
+        f"total_bytes: owner 'carol-quota' stores {len(DATA)} bytes of datasets; 1700 more would pass the limit "
+        "of 2000 bytes per owner (limits.max_dataset_bytes_per_owner)"
+    )
+    assert not _parts(s)  # refused before anything was written
+
+
+def test_a_shared_upload_answers_each_owner_with_their_own_name(limited) -> None:
+    s = limited
+    dave, erin = _users(s, "dave-names", "erin-names")
+    data = LINE * 3
+    mine = _upload_all(s, dave, "alice.jsonl", data)
+    theirs = _upload_all(s, erin, "guess.jsonl", data)
+    assert theirs.dataset_id == mine.dataset_id  # identical bytes: one stored copy, and that is all erin learns
+    assert (mine.name, theirs.name) == ("alice.jsonl", "guess.jsonl")
+    stub = scheduler_pb2_grpc.SchedulerServiceStub(grpc.insecure_channel(s.target))
+    for key, name in ((dave, "alice.jsonl"), (erin, "guess.jsonl")):
+        first = next(iter(stub.DownloadDataset(S.DownloadDatasetRequest(dataset_id=mine.dataset_id),
+                                               metadata=metadata(key), timeout=30)))  # fmt: skip
+        assert first.dataset.name == name
+
+
+@pytest.fixture(scope="module")
+def timed(tmp_path_factory):
+    config = "auth: {enabled: true}\nlimits: {upload_idle_timeout: 0.5, upload_deadline: 1}\n"
+    with LoopbackScheduler(tmp_path_factory.mktemp("timed") / "state", config) as s:
+        yield s
+
+
+def test_an_idle_upload_ends_and_leaves_nothing(timed) -> None:
+    s = timed
+    (key,) = _users(s, "idle")
+    err = _Upload(s, key, first=[S.UploadDatasetRequest(name="d.jsonl", total_bytes=200 * 2**20, chunk=LINE)]).finish()
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert err.details() == (
+        "upload: no message for 0.5 s (limits.upload_idle_timeout); the partial upload was dropped, send it again"
+    )
+    wait_for(lambda: not _parts(s) and _open_uploads(s) == 0, what=".part removed, slot released")
+
+
+def test_a_trickling_upload_ends_at_its_deadline(timed) -> None:
+    s = timed
+    (key,) = _users(s, "trickle")
+    header = S.UploadDatasetRequest(name="d.jsonl", total_bytes=10 * 2**20, chunk=LINE)
+    err = _Upload(s, key, first=[header], trickle_s=0.1).finish()  # a message well within the idle timeout
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "still open after 1 s (limits.upload_deadline)" in err.details()
+    wait_for(lambda: not _parts(s) and _open_uploads(s) == 0, what=".part removed, slot released")
+
+
+def test_an_upload_the_disk_cannot_hold_is_refused_before_it_starts(tmp_path) -> None:
+    config = f"auth: {{enabled: true}}\nlimits: {{min_free_disk_bytes: {2**62}}}\n"
+    with LoopbackScheduler(tmp_path / "state", config) as s:
+        (key,) = _users(s, "frank")
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(grpc.insecure_channel(s.target))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.UploadDataset(iter([_header(len(DATA))]), metadata=metadata(key), timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        msg = info.value.details()
+        assert msg.startswith(f"total_bytes: {len(DATA)} bytes would leave less than {2**62} bytes free on the")
+        assert msg.endswith("promised to uploads in progress) (limits.min_free_disk_bytes)")
+        assert not _parts(s)
+
+
+def test_upload_limit_config_defaults_and_ranges() -> None:
+    from opentinker_scheduler.config import ConfigError, parse_config
+
+    on = parse_config("auth: {enabled: true}\n").limits.resolved(auth_enabled=True)
+    assert (on.max_uploads, on.upload_idle_timeout, on.upload_deadline) == (64, 60.0, 3600.0)
+    assert (on.max_dataset_bytes_per_owner, on.min_free_disk_bytes) == (10 * 2**30, 2**30)
+    off = parse_config("").limits.resolved(auth_enabled=False)
+    assert off.max_dataset_bytes_per_owner == 0 and off.upload_idle_timeout == 60.0  # timeouts hold in both modes
+    with pytest.raises(ConfigError, match=r"limits\.upload_idle_timeout: expected a number in \[0\.1, 86400\]"):
+        parse_config("limits: {upload_idle_timeout: 0}\n", "x.yaml")
