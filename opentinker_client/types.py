@@ -28,6 +28,7 @@ __all__ = [
     "HostTelemetry",
     "DatasetInfo",
     "CheckpointInfo",
+    "ActResult",
     "Sample",
     "Generation",
     "StreamChunk",
@@ -266,6 +267,24 @@ class DatasetInfo:
     name: str = ""
     size_bytes: int = 0
     num_examples: int = 0
+
+
+@dataclass(frozen=True)
+class ActResult:
+    """What a PPO policy does with a batch of observations (``InferenceClient.act``).
+
+    Attributes:
+        actions: per observation, what ``env.step`` takes: an ``int`` (Discrete action space: the
+            most probable action) or nested lists of floats of the action shape (Box: the
+            Gaussian's mean, clipped to the bounds).
+        values: the critic's ``V(s)`` per observation.
+        policy: the full_rl task whose policy acted; step: its checkpoint step.
+    """
+
+    actions: list[Any]
+    values: list[float]
+    policy: str
+    step: int
 
 
 @dataclass(frozen=True)

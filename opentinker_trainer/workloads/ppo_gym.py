@@ -142,6 +142,7 @@ class PPOTrainer:
             "format": common.CHECKPOINT_FORMAT,
             "env_id": self.env_cfg.env_id,
             "observation_space": str(self.envs.single_observation_space),
+            "observation_shape": list(self.envs.single_observation_space.shape or ()),
             "action_space": str(self.envs.single_action_space),
             "hidden_sizes": list(self.cfg.hidden_sizes),
             "activation": self.cfg.activation,
