@@ -95,7 +95,15 @@ def test_ppo_policy_is_evaluated_and_exported(cluster: Cluster, tmp_path: Path) 
             env_config=Environment(env_id="CartPole-v1"), workload_type="full_rl", model="mlp", hyperparameters=PPO_HP
         )
         task = cluster.wait_done(client, task_id)
-    assert task.checkpoint_note == "final checkpoint, step 2"
+        assert task.checkpoint_note == "final checkpoint, step 2"
+        # Served for Act by a policies-only inference task (no language model loaded).
+        obs = [[0.01 * i, -0.02, 0.03 * i, 0.0] for i in range(6)]
+        with client.serve(task_id, ttl=600) as served:
+            acted = served.act(obs)
+            server_task = served.task_id
+        assert client.get_task(server_task).hyperparameters["policies_only"] is True
+        client.cancel(server_task)
+    assert (acted.policy, acted.step) == (task_id, 2) and len(acted.values) == 6
 
     out = cli(cluster, "eval", task_id, "--episodes", "4", "--seed", "3").stdout
     m = re.search(r"mean return ([\d.]+) ± ([\d.]+) over 4 episodes of CartPole-v1", out)
@@ -108,8 +116,13 @@ def test_ppo_policy_is_evaluated_and_exported(cluster: Cluster, tmp_path: Path) 
     # The exported file alone (torch.jit.load) plays the same episodes as the CLI's evaluation.
     (tmp_path / "alone").mkdir()
     (tmp_path / "policy.pt").rename(tmp_path / "alone" / "policy.torchscript.pt")
-    r = evaluate_policy(load_policy(tmp_path / "alone"), "CartPole-v1", episodes=4, seed=3)
+    alone = load_policy(tmp_path / "alone")
+    r = evaluate_policy(alone, "CartPole-v1", episodes=4, seed=3)
     assert (f"{r.mean_return:.3f}", f"{r.stderr:.3f}") == m.groups()
+    with torch.no_grad():
+        actions, values = alone(torch.tensor(obs))
+    assert acted.actions == actions.tolist()  # the served policy is the exported one
+    assert torch.allclose(torch.tensor(acted.values, dtype=torch.float32), values, atol=1e-5)
 
     out = cli(cluster, "download", task_id, "--step", "1", "-o", str(tmp_path / "s1")).stdout
     assert f"task {task_id}'s checkpoint at step 1" in out
