@@ -705,6 +705,13 @@ def _cmd_download(client: RLClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_upload_adapter(client: RLClient, args: argparse.Namespace) -> int:
+    task = client.upload_adapter(args.folder, model=args.model, name=args.name)
+    print(task.task_id, flush=True)
+    print(f"adapter on {task.model} stored as task {task.task_id}: use it as init_from, or serve it", file=sys.stderr)
+    return EXIT_OK
+
+
 def _export_model(client: RLClient, args: argparse.Namespace) -> int:
     import shutil
     import tempfile
@@ -915,6 +922,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--base", default=None, metavar="MODEL", help="--merged: base model to load (default: the one the task named)"
     )
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser(
+        "upload-adapter",
+        help="upload a PEFT LoRA adapter folder trained elsewhere; prints the task id that names it (init_from, serve)",
+    )
+    p.add_argument("folder", metavar="DIR", help="the adapter folder (adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("--model", default=None, help="base model it was trained on (default: its adapter_config.json's)")
+    p.add_argument("--name", default=None, help="a name for people (default: the folder's name)")
+    p.set_defaults(func=_cmd_upload_adapter)
 
     p = sub.add_parser("download", help="download a task's checkpoint folder (the newest, or --step N)")
     p.add_argument("task_id", metavar="TASK_ID")

@@ -375,6 +375,55 @@ class SchedulerCore:
         self.notify()
         return task
 
+    def import_adapter(
+        self, *, task_id: str, owner: str, model: str, name: str, checkpoint: common_pb2.Checkpoint
+    ) -> TaskRow:
+        """Record an adapter folder made elsewhere, already in the artifact store, as a finished
+        ``lora_finetune`` task of ``owner`` on ``model`` (``SchedulerService.ImportAdapter``):
+        SUCCEEDED at once, ``checkpoint`` (final, ``peft_lora``, step 0) its latest, so its id
+        works as ``init_from``, as an adapter to serve and for downloads. Nothing runs.
+
+        Raises:
+            InvalidArgument: ``model`` or ``name`` does not make a valid spec (field path named).
+        """
+        spec = common_pb2.TaskSpec(workload_type="lora_finetune", model=model, name=name)
+        try:
+            parsed = spec_from_proto(spec, allowed_workloads=self.config.workload_names)
+        except SpecError as exc:
+            raise InvalidArgument(str(exc)) from None
+        spec = self._as_stored(spec, model=parsed)
+        now = time.time()
+        task = TaskRow(
+            task_id=task_id,
+            owner=owner,
+            spec=spec,
+            state=S.TASK_STATE_SUCCEEDED,
+            attempt=1,
+            priority=0,
+            gpu_count=0,
+            max_attempts=spec.limits.max_attempts,
+            max_runtime_s=None,
+            create_time=now,
+            update_time=now,
+            start_time=now,
+            end_time=now,
+            latest_checkpoint=checkpoint,
+        )
+        ev = common_pb2.TaskEvent(
+            state_change=common_pb2.StateChange(
+                from_state=S.TASK_STATE_UNSPECIFIED,
+                to_state=S.TASK_STATE_SUCCEEDED,
+                attempt=1,
+                reason="IMPORTED",
+                message=f"LoRA adapter on {model} imported by {owner} ({checkpoint.artifact.total_bytes} bytes)",
+            )
+        )
+        self.store.insert_task(task, ev)
+        self.store.update_task(task, [common_pb2.TaskEvent(checkpoint=checkpoint)])
+        log.info("adapter imported", task_id=task_id, owner=owner, model=model, key=checkpoint.artifact.key)
+        self.notify()
+        return task
+
     def get(self, task_id: str, *, owner: str | None = None) -> TaskRow:
         """The task as committed. An unfinished task's row is the core's own: read, don't change.
 

@@ -37,13 +37,56 @@ def cluster(tmp_path_factory):
     c.close()
 
 
-def cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess:
+def cli(cluster: Cluster, *args: str, rc: int = 0) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("SCHEDULER_URL", "OPENTINKER_API_KEY")}
     env["COLUMNS"] = "200"
     cmd = [sys.executable, "-m", "opentinker_client", "--scheduler-url", cluster.url, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert proc.returncode == rc, (proc.stdout, proc.stderr)
     return proc
+
+
+def test_an_adapter_made_elsewhere_is_uploaded_and_trained_on(
+    cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model.save_pretrained(tmp_path / "mine")
+    out = cli(cluster, "upload-adapter", str(tmp_path / "mine"), "--name", "from my laptop")
+    imported = out.stdout.strip()
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        task = client.get_task(imported)
+        assert (task.state, task.workload_type, task.model, task.name) == (
+            "succeeded",
+            "lora_finetune",
+            str(tiny_model_dir),  # the adapter's base_model_name_or_path
+            "from my laptop",
+        )
+        assert task.checkpoint_note == "final checkpoint, step 0"
+        # The cluster trains on from it (init_from: its rank kept, through the artifact store).
+        next_id = client.submit_task(
+            workload_type="lora_finetune",
+            model=str(tiny_model_dir),
+            init_from=imported,
+            hyperparameters={"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+        )
+        cluster.wait_done(client, next_id)
+        client.download_checkpoint(next_id, tmp_path / "trained")
+    assert json.loads((tmp_path / "trained" / "adapter_config.json").read_text())["r"] == 2
+
+    # A folder whose keys PEFT would not load is refused at upload, naming the file.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((tmp_path / "mine" / "adapter_config.json").read_text())
+    weights = load_file(tmp_path / "mine" / "adapter_model.safetensors")
+    save_file({k.removeprefix("base_model.model."): v for k, v in weights.items()}, bad / "adapter_model.safetensors")
+    err = cli(cluster, "upload-adapter", str(bad), rc=2).stderr
+    assert "INVALID_ARGUMENT" in err and "adapter_model.safetensors: expected keys named as PEFT saves them" in err
 
 
 def test_cancelled_task_keeps_its_last_checkpoint(cluster: Cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
