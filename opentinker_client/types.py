@@ -117,14 +117,17 @@ class TaskInfo:
     def checkpoint_note(self) -> str:
         """Which checkpoint of the task ``serve``, ``eval``, ``download`` and ``init_from`` use, for a
         person: ``"final checkpoint, step 20"``, or ``"last complete checkpoint, step 12 (the task
-        ended CANCELLED)"`` (a checkpoint is recorded only once all of it is stored); ``""`` when
-        the task has none."""
+        ended CANCELLED)"``, ``"... (the task ended FAILED by TIMEOUT, max_runtime)"`` (a checkpoint
+        is recorded only once all of it is stored); ``""`` when the task has none."""
         if not self.checkpoint_path:
             return ""
         ck = self.proto.latest_checkpoint if self.proto is not None else None
         if self.state == "succeeded" and (ck is None or ck.final):
             return f"final checkpoint, step {self.checkpoint_step}"
-        ended = f" (the task ended {self.state.upper()})" if self.done else f" (the task is {self.state.upper()})"
+        timeout = " by TIMEOUT, max_runtime" if self.state == "failed" and "max_runtime" in self.error else ""
+        ended = (
+            f" (the task ended {self.state.upper()}{timeout})" if self.done else f" (the task is {self.state.upper()})"
+        )
         return f"last complete checkpoint, step {self.checkpoint_step}{ended}"
 
 
