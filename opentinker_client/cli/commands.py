@@ -751,12 +751,24 @@ PLUS_MINUS = (
 )
 
 
+def _ints(value: Any) -> Any:
+    """``value`` with whole floats as ints, nested: the spec travels as a protobuf Struct, whose
+    numbers are all floats, and gymnasium's constructors want ``max_episode_steps=500``, not 500.0."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_ints(v) for v in value]
+    return value
+
+
 def _eval_policy(client: RLClient, args: argparse.Namespace, task: TaskInfo) -> int:
     import tempfile
 
     from opentinker_client.models import MissingExtraError, evaluate_policy, load_policy
 
-    env = dict(task.env_config)
+    env = _ints(dict(task.env_config))
     env_id = env.get("env_id") or ""
     note = task.checkpoint_note
     if not note:
