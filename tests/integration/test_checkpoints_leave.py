@@ -1,6 +1,7 @@
 """Results leave the cluster, through real scheduler and trainer processes and the `opentinker`
 command: a cancelled task keeps the checkpoint its worker writes on the way out (downloadable,
-mergeable, an init_from, each saying which step); a PPO task's policy is evaluated here (mean
+mergeable, an init_from, each saying which step); an adapter made elsewhere is uploaded and
+trained on; a PPO task's policy is evaluated here (mean
 return ± standard error) and exported as TorchScript."""
 
 from __future__ import annotations
