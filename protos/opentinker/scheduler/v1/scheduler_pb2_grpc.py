@@ -28,7 +28,7 @@ if _version_not_supported:
 class SchedulerServiceStub:
     """The scheduler's public API, for clients, the `opentinker` CLI and grpcurl.
     Several schedulers on one PostgreSQL: every one answers the reads (GetTask, ListTasks,
-    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask,
+    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask, ImportAdapter,
     UploadDataset) and ListNodes. A follower answers those UNAVAILABLE with a google.rpc.ErrorInfo
     (reason NOT_LEADER, domain opentinker.scheduler, metadata "leader": the leader's host:port, "" during an
     election) and grpc-retry-pushback-ms -1; clients retry on the leader it names.
@@ -105,7 +105,7 @@ class SchedulerServiceStub:
 class SchedulerServiceServicer:
     """The scheduler's public API, for clients, the `opentinker` CLI and grpcurl.
     Several schedulers on one PostgreSQL: every one answers the reads (GetTask, ListTasks,
-    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask,
+    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask, ImportAdapter,
     UploadDataset) and ListNodes. A follower answers those UNAVAILABLE with a google.rpc.ErrorInfo
     (reason NOT_LEADER, domain opentinker.scheduler, metadata "leader": the leader's host:port, "" during an
     election) and grpc-retry-pushback-ms -1; clients retry on the leader it names.
@@ -306,7 +306,7 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
 class SchedulerService:
     """The scheduler's public API, for clients, the `opentinker` CLI and grpcurl.
     Several schedulers on one PostgreSQL: every one answers the reads (GetTask, ListTasks,
-    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask,
+    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask, ImportAdapter,
     UploadDataset) and ListNodes. A follower answers those UNAVAILABLE with a google.rpc.ErrorInfo
     (reason NOT_LEADER, domain opentinker.scheduler, metadata "leader": the leader's host:port, "" during an
     election) and grpc-retry-pushback-ms -1; clients retry on the leader it names.
