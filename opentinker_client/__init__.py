@@ -57,6 +57,7 @@ from opentinker_client.hosting.server import EnvironmentServer
 from opentinker_client.inference import InferenceClient
 from opentinker_client.keys import ApiKeyInfo, KeyAdmin
 from opentinker_client.types import (
+    ActResult,
     CheckpointInfo,
     DeviceInfo,
     DeviceTelemetry,
@@ -87,6 +88,7 @@ __all__ = [
     "InferenceClient",
     "Generation",
     "StreamChunk",
+    "ActResult",
     "CheckpointInfo",
     "EvalResult",
     "evaluate",

@@ -515,6 +515,38 @@ class RLClient:
         """
         return self._data.upload_dataset(path, name=name, timeout=timeout)
 
+    def upload_adapter(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        model: str | None = None,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> TaskInfo:
+        """Upload a PEFT LoRA adapter folder trained elsewhere, so the cluster can use it: the
+        returned task (``lora_finetune``, SUCCEEDED, its final checkpoint the folder, step 0)
+        names it in ``init_from=``, :meth:`serve` and :meth:`download_checkpoint`.
+
+        The scheduler stores the files in its artifact store (each one's size and SHA-256
+        checked) and refuses a folder that is not a LoRA adapter as PEFT saves one
+        (``adapter_config.json`` with ``peft_type`` LORA; ``adapter_model.safetensors`` with
+        ``base_model.model.<module>.lora_A.weight``-style keys only). Whether its modules and
+        shapes fit ``model`` is checked when a task loads it (the task fails naming the keys).
+
+        Args:
+            folder: the adapter folder (``PeftModel.save_pretrained``'s output).
+            model: the base model it was trained on, as tasks name it (hub id or model name);
+                default: the adapter's ``base_model_name_or_path``.
+            name: a name for people (default: the folder's name).
+            timeout: seconds for the whole upload (default: none).
+
+        Raises:
+            InvalidArgumentError: not an adapter folder (here or on the scheduler; the message
+                names the file). ResourceExhaustedError: too many files or bytes.
+            FailedPreconditionError: the scheduler keeps no artifact store.
+        """
+        return self._data.upload_adapter(folder, model=model, name=name, timeout=timeout)
+
     def list_checkpoints(self, task_id: str) -> list[CheckpointInfo]:
         """The checkpoints a task recorded, oldest first
         (:class:`~opentinker_client.types.CheckpointInfo`).

@@ -11,10 +11,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
 from opentinker.scheduler.v1 import scheduler_pb2
-from opentinker_client._convert import checkpoint_from_proto, dataset_from_proto
+from opentinker_client._convert import checkpoint_from_proto, dataset_from_proto, task_from_proto
 from opentinker_client.connection import SchedulerConnection
 from opentinker_client.errors import InvalidArgumentError, OpenTinkerError
-from opentinker_client.types import CheckpointInfo, DatasetInfo
+from opentinker_client.types import CheckpointInfo, DatasetInfo, TaskInfo
 from opentinker_common.spec.sft import MAX_LINE_BYTES, DatasetError, parse_chat_line
 
 __all__ = ["DataCalls", "UPLOAD_CHUNK_BYTES"]
@@ -80,6 +80,55 @@ class DataCalls:
 
         response = self.connection.upload("UploadDataset", chunks(), timeout=timeout)
         return dataset_from_proto(response.dataset)
+
+    def upload_adapter(
+        self, folder: str | os.PathLike[str], *, model: str | None, name: str | None, timeout: float | None = None
+    ) -> TaskInfo:
+        """Stream the PEFT adapter folder ``folder`` (every regular file below it) as
+        ``ImportAdapter``: a header with each file's path, size and SHA-256, then the bytes in
+        :data:`UPLOAD_CHUNK_BYTES` pieces. ``model`` defaults to the adapter's
+        ``base_model_name_or_path``, ``name`` to the folder's name."""
+        import json
+
+        root = Path(folder)
+        if not root.is_dir():
+            raise InvalidArgumentError(f"{root}: expected a PEFT adapter folder", field="folder")
+        config = root / "adapter_config.json"
+        if not config.is_file() or not (root / "adapter_model.safetensors").is_file():
+            raise InvalidArgumentError(
+                f"{root}: expected a PEFT adapter folder (adapter_config.json and adapter_model.safetensors, as "
+                "PeftModel.save_pretrained writes them)",
+                field="folder",
+            )
+        if model is None:
+            try:
+                model = str(json.loads(config.read_text()).get("base_model_name_or_path") or "")
+            except ValueError as exc:
+                raise InvalidArgumentError(f"{config}: expected JSON ({exc})", field="folder") from None
+        files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+        header = scheduler_pb2.ImportAdapterHeader(model=model, name=name if name is not None else root.name)
+        for f in files:
+            digest = hashlib.sha256()
+            with open(f, "rb") as fh:
+                while chunk := fh.read(UPLOAD_CHUNK_BYTES):
+                    digest.update(chunk)
+            header.files.add(
+                path=f.relative_to(root).as_posix(), size_bytes=f.stat().st_size, sha256=digest.hexdigest()
+            )
+
+        def messages() -> Iterator[scheduler_pb2.ImportAdapterRequest]:
+            yield scheduler_pb2.ImportAdapterRequest(header=header)
+            for i, f in enumerate(files):
+                with open(f, "rb") as fh:
+                    offset = 0
+                    while chunk := fh.read(UPLOAD_CHUNK_BYTES):
+                        yield scheduler_pb2.ImportAdapterRequest(
+                            chunk=scheduler_pb2.CheckpointChunk(file_index=i, offset=offset, data=chunk)
+                        )
+                        offset += len(chunk)
+
+        response = self.connection.upload("ImportAdapter", messages(), timeout=timeout)
+        return task_from_proto(response.task)
 
     def list_checkpoints(self, task_id: str) -> list[CheckpointInfo]:
         """The task's checkpoints, oldest first."""

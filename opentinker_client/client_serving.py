@@ -61,10 +61,11 @@ class ServingCalls:
         it has made one ``ListAdapters`` call already, so a server it cannot reach or that
         refuses its key fails here (``RLClient.serve``)."""
         task = self.tasks.get(task_id)
-        if task.workload_type not in ADAPTER_WORKLOADS:
+        policy = task.workload_type == "full_rl"  # a PPO policy, served for Act by a policies_only server
+        if task.workload_type not in ADAPTER_WORKLOADS and not policy:
             raise FailedPreconditionError(
                 f"task {task_id} is a {task.workload_type} task; "
-                f"only {' and '.join(ADAPTER_WORKLOADS)} tasks give adapters to serve"
+                f"only {' and '.join(ADAPTER_WORKLOADS)} tasks give adapters to serve, and full_rl tasks policies"
             )
         if not task.done:
             raise FailedPreconditionError(
@@ -74,14 +75,17 @@ class ServingCalls:
             raise FailedPreconditionError(
                 f"task {task_id} ended {task.state} without a checkpoint; there is no adapter to serve"
             )
-        server_id = self._inference_task(task.model, gpu_count=gpu_count, ttl=ttl, adapters=max_resident_adapters)
+        server_id = self._inference_task(
+            task.model, gpu_count=gpu_count, ttl=ttl, adapters=max_resident_adapters, policies_only=policy
+        )
         endpoint = self.tasks.wait_for_endpoint(server_id, timeout=timeout)
         if root_certificates is None:
             root_certificates = self.connection.root_certificates
         llm = InferenceClient(
             endpoint,
-            adapter=task_id,
-            model=task.model,
+            adapter=None if policy else task_id,
+            policy=task_id if policy else None,
+            model="" if policy else task.model,
             api_key=self.connection.api_key,
             root_certificates=root_certificates,
         )
@@ -93,18 +97,28 @@ class ServingCalls:
             raise
         return llm
 
-    def _inference_task(self, model: str, *, gpu_count: int, ttl: float, adapters: int) -> str:
+    def _inference_task(
+        self, model: str, *, gpu_count: int, ttl: float, adapters: int, policies_only: bool = False
+    ) -> str:
         """The id of a running, assigned or pending ``inference`` task on ``model`` with
-        ``gpu_count`` GPUs, else of a new one."""
+        ``gpu_count`` GPUs (``policies_only``: one that serves policies only), else of a new one."""
         for t in self.tasks.list(states=["running", "assigned", "pending"], limit=1000):
-            if t.workload_type == "inference" and t.model == model and t.gpu_count == gpu_count:
+            if (
+                t.workload_type == "inference"
+                and t.model == model
+                and t.gpu_count == gpu_count
+                and bool((t.hyperparameters or {}).get("policies_only", False)) == policies_only
+            ):
                 return t.task_id
+        hyperparameters: dict = {"ttl_s": float(ttl), "max_resident_adapters": int(adapters)}
+        if policies_only:
+            hyperparameters["policies_only"] = True
         config = TaskConfig(
             workload_type="inference",
             model=model,
             gpu_count=gpu_count,
-            hyperparameters={"ttl_s": float(ttl), "max_resident_adapters": int(adapters)},
-            name=f"serve {model}",
+            hyperparameters=hyperparameters,
+            name=f"serve {'policies' if policies_only else model}",
             max_attempts=3,
         )
         config.check()

@@ -36,7 +36,15 @@ from opentinker_client._convert import adapter_from_proto, generation_from_proto
 from opentinker_client.client_tasks import TaskCalls
 from opentinker_client.connection import SchedulerConnection, resolve_api_key
 from opentinker_client.errors import INFERENCE_PLAINTEXT_HINT, InvalidArgumentError, OpenTinkerError, from_rpc_error
-from opentinker_client.types import AdapterInfo, CheckpointInfo, Generation, Sample, Sampling, StreamChunk
+from opentinker_client.types import (
+    ActResult,
+    AdapterInfo,
+    CheckpointInfo,
+    Generation,
+    Sample,
+    Sampling,
+    StreamChunk,
+)
 from opentinker_common.net.bearer import bearer_metadata
 from opentinker_common.net.grpc_options import client_keepalive, message_limits
 from opentinker_common.net.url import parse_scheduler_url, redact_userinfo
@@ -131,6 +139,7 @@ class InferenceClient:
             seconds for the task to run and report one.
         adapter: default adapter of every call (a finished lora_finetune/sft task id); ``None``
             is the base model.
+        policy: default policy of :meth:`act` (a finished single-agent full_rl task id).
         model: the base model name requests carry; ``""`` means whatever the server serves.
         timeout: deadline of each call, in seconds: a unary call, or a whole
             :meth:`generate_stream` (``DeadlineExceededError`` when it passes).
@@ -157,6 +166,7 @@ class InferenceClient:
         scheduler_url: str | None = None,
         task_id: str | None = None,
         adapter: str | None = None,
+        policy: str | None = None,
         model: str = "",
         timeout: float = 120.0,
         ready_timeout: float = 600.0,
@@ -175,6 +185,7 @@ class InferenceClient:
         self.endpoint = endpoint
         self.task_id = task_id
         self.adapter = adapter
+        self.policy = policy
         self.model = model
         self.timeout = float(timeout)
         self._api_key = api_key  # kept for with_adapter(); never shown in repr or errors
@@ -340,6 +351,81 @@ class InferenceClient:
         except grpc.RpcError as err:
             raise self._error(err) from err
         return [adapter_from_proto(a) for a in resp.adapters]
+
+    def act(self, observations: Any, *, policy: str | None = None) -> ActResult:
+        """The greedy actions and values of a trained PPO policy for a batch of observations
+        (``InferenceService.Act``).
+
+        Args:
+            observations: ``[B, *observation shape]``: nested lists, or anything with ``tolist()``
+                (a numpy array, a torch tensor); a Discrete observation space: ``[B]`` integers.
+            policy: the id of a finished single-agent full_rl task (default: this client's
+                ``policy``, set by ``RLClient.serve`` of a full_rl task).
+
+        Returns:
+            :class:`~opentinker_client.types.ActResult`: ``actions`` (``[B]`` ints for a Discrete
+            action space, else ``[B, *action shape]`` floats, clipped to the space), ``values``
+            (``V(s)``, ``[B]``), the policy and its checkpoint step.
+
+        Raises:
+            InvalidArgumentError: no policy, ragged or empty observations, or a shape the policy
+                does not observe (the message gives both). NotFoundError: no such task.
+            FailedPreconditionError: not a finished single-agent full_rl task.
+            ResourceExhaustedError, UnavailableError: as :meth:`generate`.
+        """
+        policy = policy if policy is not None else self.policy
+        if not policy:
+            raise InvalidArgumentError("policy: expected the id of a finished full_rl task", field="policy")
+        shape, flat = _flatten(observations.tolist() if hasattr(observations, "tolist") else observations)
+        request = inference_pb2.ActRequest(policy=policy, observations=inference_pb2.Tensor(shape=shape, values=flat))
+        try:
+            resp = self._stub.Act(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise self._error(err) from err
+        actions = _unflatten(list(resp.actions.values), list(resp.actions.shape))
+        if len(resp.actions.shape) == 1 and all(float(a).is_integer() for a in actions):
+            actions = [int(a) for a in actions]  # a Discrete action space: integers
+        return ActResult(actions=actions, values=list(resp.values), policy=resp.policy, step=int(resp.step))
+
+
+def _flatten(nested: Any) -> tuple[list[int], list[float]]:
+    """``(shape, row-major values)`` of a rectangular nested list (a scalar list is ``[B]``).
+
+    Raises:
+        InvalidArgumentError: ragged, empty, or not numbers (field ``observations``).
+    """
+    if not isinstance(nested, (list, tuple)) or not nested:
+        raise InvalidArgumentError("observations: expected a non-empty batch [B, ...]", field="observations")
+    shape: list[int] = []
+    level: Any = nested
+    while isinstance(level, (list, tuple)):
+        shape.append(len(level))
+        level = level[0] if level else None
+    flat: list[float] = []
+
+    def walk(x: Any, depth: int) -> None:
+        if depth == len(shape):
+            if isinstance(x, (list, tuple)) or not isinstance(x, (int, float)) or isinstance(x, bool):
+                raise InvalidArgumentError(f"observations: expected numbers, got {x!r}", field="observations")
+            flat.append(float(x))
+            return
+        if not isinstance(x, (list, tuple)) or len(x) != shape[depth]:
+            raise InvalidArgumentError(
+                f"observations: expected a rectangular batch of shape {shape}", field="observations"
+            )
+        for item in x:
+            walk(item, depth + 1)
+
+    walk(nested, 0)
+    return shape, flat
+
+
+def _unflatten(values: list[float], shape: list[int]) -> Any:
+    """Row-major ``values`` back into nested lists of ``shape``."""
+    if len(shape) <= 1:
+        return values
+    step = len(values) // shape[0] if shape[0] else 0
+    return [_unflatten(values[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 def _scheduler_endpoint(

@@ -28,6 +28,7 @@ __all__ = [
     "HostTelemetry",
     "DatasetInfo",
     "CheckpointInfo",
+    "ActResult",
     "Sample",
     "Generation",
     "StreamChunk",
@@ -111,6 +112,23 @@ class TaskInfo:
     @property
     def succeeded(self) -> bool:
         return self.state == "succeeded"
+
+    @property
+    def checkpoint_note(self) -> str:
+        """Which checkpoint of the task ``serve``, ``eval``, ``download`` and ``init_from`` use, for a
+        person: ``"final checkpoint, step 20"``, or ``"last complete checkpoint, step 12 (the task
+        ended CANCELLED)"``, ``"... (the task ended FAILED by TIMEOUT, max_runtime)"`` (a checkpoint
+        is recorded only once all of it is stored); ``""`` when the task has none."""
+        if not self.checkpoint_path:
+            return ""
+        ck = self.proto.latest_checkpoint if self.proto is not None else None
+        if self.state == "succeeded" and (ck is None or ck.final):
+            return f"final checkpoint, step {self.checkpoint_step}"
+        timeout = " by TIMEOUT, max_runtime" if self.state == "failed" and "max_runtime" in self.error else ""
+        ended = (
+            f" (the task ended {self.state.upper()}{timeout})" if self.done else f" (the task is {self.state.upper()})"
+        )
+        return f"last complete checkpoint, step {self.checkpoint_step}{ended}"
 
 
 @dataclass(frozen=True)
@@ -252,6 +270,24 @@ class DatasetInfo:
     name: str = ""
     size_bytes: int = 0
     num_examples: int = 0
+
+
+@dataclass(frozen=True)
+class ActResult:
+    """What a PPO policy does with a batch of observations (``InferenceClient.act``).
+
+    Attributes:
+        actions: per observation, what ``env.step`` takes: an ``int`` (Discrete action space: the
+            most probable action) or nested lists of floats of the action shape (Box: the
+            Gaussian's mean, clipped to the bounds).
+        values: the critic's ``V(s)`` per observation.
+        policy: the full_rl task whose policy acted; step: its checkpoint step.
+    """
+
+    actions: list[Any]
+    values: list[float]
+    policy: str
+    step: int
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,12 @@ import logging
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from opentinker_client.client import DEFAULT_SCHEDULER_URL, RLClient
 from opentinker_client.types import TERMINAL_STATES, NodeInfo, TaskEvent, TaskInfo
-from opentinker_client.errors import OpenTinkerError
+from opentinker_client.errors import FailedPreconditionError, OpenTinkerError
 from opentinker_client.cli.render import SafeLogText, markup, safe_text
 
 __all__ = ["main", "build_parser"]
@@ -242,6 +243,9 @@ def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
     config = apply_overrides(load_task_config(args.config), args.set)
     task_id = client.submit_config(config, request_id=args.request_id)
     print(safe_text(task_id), flush=True)
+    if config.init_from:  # say which checkpoint it starts from (a cancelled task's last one, ...)
+        note = client.get_task(config.init_from).checkpoint_note
+        print(safe_text(f"starting from task {config.init_from}'s {note}"), file=sys.stderr, flush=True)
     if args.watch:
         return _follow(client, task_id)
     return EXIT_OK
@@ -655,6 +659,8 @@ def _cmd_plot(client: RLClient, args: argparse.Namespace) -> int:
 
 
 def _cmd_export(client: RLClient, args: argparse.Namespace) -> int:
+    if args.merged or args.torchscript:
+        return _export_model(client, args)
     from opentinker_client.cli.export import MissingExtraError, export_tensorboard
 
     task = client.get_task(args.task_id)
@@ -676,6 +682,120 @@ def _cmd_export(client: RLClient, args: argparse.Namespace) -> int:
             f"{args.tensorboard})"
         )
     )
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints out: download, export a merged model or a policy, eval.
+
+
+def _checkpoint_task(client: RLClient, task_id: str, step: int | None) -> tuple[TaskInfo, str]:
+    """The task and a line saying which of its checkpoints is used (the newest, or ``step``)."""
+    task = client.get_task(task_id)
+    if not task.checkpoint_path:
+        raise FailedPreconditionError(f"task {task_id} is {task.state} and has no checkpoint yet")
+    if step:
+        return task, f"checkpoint at step {step}"
+    return task, task.checkpoint_note
+
+
+def _cmd_download(client: RLClient, args: argparse.Namespace) -> int:
+    task, note = _checkpoint_task(client, args.task_id, args.step)
+    dest = Path(args.output or f"{task.task_id}-step{args.step or task.checkpoint_step}")
+    client.download_checkpoint(task.task_id, dest, step=args.step)
+    files = [p for p in dest.rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    print(f"downloaded task {task.task_id}'s {note} to {dest} ({len(files)} files, {_fmt_bytes(size)})")
+    return EXIT_OK
+
+
+def _cmd_upload_adapter(client: RLClient, args: argparse.Namespace) -> int:
+    task = client.upload_adapter(args.folder, model=args.model, name=args.name)
+    print(task.task_id, flush=True)
+    print(f"adapter on {task.model} stored as task {task.task_id}: use it as init_from, or serve it", file=sys.stderr)
+    return EXIT_OK
+
+
+def _export_model(client: RLClient, args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    from opentinker_client.models import ACTING_FILE, MissingExtraError, merge_adapter
+
+    task, note = _checkpoint_task(client, args.task_id, args.step)
+    target = Path(args.merged or args.torchscript)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        return _error(f"{target} exists; name a new {'folder' if args.merged else 'file'}")
+    with tempfile.TemporaryDirectory(prefix="opentinker-export-") as tmp:
+        folder = client.download_checkpoint(task.task_id, Path(tmp) / "checkpoint", step=args.step)
+        try:
+            if args.merged:
+                merge_adapter(folder, target, base=args.base, dtype=args.dtype)
+                what = f"a {args.dtype} transformers model with the adapter merged"
+            else:
+                if not (folder / ACTING_FILE).is_file():
+                    return _error(
+                        f"task {task.task_id} ({task.workload_type}) has no exported policy in its checkpoint; "
+                        "--torchscript is for single-agent full_rl (PPO) tasks"
+                    )
+                partial = target.with_name(f".{target.name}.part")
+                shutil.copyfile(folder / ACTING_FILE, partial)
+                partial.replace(target)
+                what = "its TorchScript policy (torch.jit.load; obs [B, ...] -> (action, value))"
+        except (MissingExtraError, ValueError) as exc:
+            return _error(f"task {task.task_id}: {exc}")
+    print(f"wrote {target}: {what}, from task {task.task_id}'s {note}")
+    return EXIT_OK
+
+
+#: What the ± after a mean means, said under every evaluation.
+PLUS_MINUS = (
+    "± is one standard error of the mean over the episodes (sample std / sqrt(episodes)): about a 68% "
+    "interval for the true mean; ±2 of them about 95%"
+)
+
+
+def _ints(value: Any) -> Any:
+    """``value`` with whole floats as ints, nested: the spec travels as a protobuf Struct, whose
+    numbers are all floats, and gymnasium's constructors want ``max_episode_steps=500``, not 500.0."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_ints(v) for v in value]
+    return value
+
+
+def _eval_policy(client: RLClient, args: argparse.Namespace, task: TaskInfo) -> int:
+    import tempfile
+
+    from opentinker_client.models import MissingExtraError, evaluate_policy, load_policy
+
+    env = _ints(dict(task.env_config))
+    env_id = env.get("env_id") or ""
+    note = task.checkpoint_note
+    if not note:
+        return _error(f"task {task.task_id} is {task.state} and has no checkpoint to evaluate")
+    try:
+        with tempfile.TemporaryDirectory(prefix="opentinker-eval-") as tmp:
+            policy = load_policy(client.download_checkpoint(task.task_id, Path(tmp) / "checkpoint"))
+        r = evaluate_policy(
+            policy,
+            env_id,
+            episodes=args.episodes,
+            seed=args.seed,
+            env_kwargs=env.get("env_kwargs") or {},
+            max_episode_steps=env.get("max_episode_steps"),
+        )
+    except (MissingExtraError, FileNotFoundError, ValueError) as exc:
+        return _error(f"task {task.task_id}: {exc}")
+    print(
+        f"policy of task {task.task_id} ({note}): mean return {r.mean_return:.3f} ± {r.stderr:.3f} over "
+        f"{r.episodes} episodes of {r.env_id} (greedy actions, seeds {args.seed}..{args.seed + r.episodes - 1}, "
+        f"mean length {sum(r.lengths) / r.episodes:.1f})"
+    )
+    print(PLUS_MINUS)
     return EXIT_OK
 
 
@@ -792,12 +912,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_plot)
 
-    p = sub.add_parser("export", help="export a task's metrics (TensorBoard event files; needs the tensorboard extra)")
+    p = sub.add_parser(
+        "export",
+        help="export a task's metrics (--tensorboard), its adapter merged into the base model (--merged) or its "
+        "PPO policy (--torchscript); the last two need the models extra",
+    )
     p.add_argument("task_id", metavar="TASK_ID")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="TensorBoard log folder; the task is the run DIR/TASK_ID (tensorboard extra)",
+    )
+    what.add_argument(
+        "--merged", metavar="DIR", help="write a full transformers model with the task's LoRA adapter merged in"
+    )
+    what.add_argument(
+        "--torchscript", metavar="FILE", help="write a full_rl task's policy as TorchScript (torch.jit.load FILE)"
+    )
+    p.add_argument("--step", type=int, default=None, help="the checkpoint at this step (default: the newest)")
     p.add_argument(
-        "--tensorboard", required=True, metavar="DIR", help="TensorBoard log folder; the task is the run DIR/TASK_ID"
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="--merged weights (default %(default)s)"
+    )
+    p.add_argument(
+        "--base", default=None, metavar="MODEL", help="--merged: base model to load (default: the one the task named)"
     )
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser(
+        "upload-adapter",
+        help="upload a PEFT LoRA adapter folder trained elsewhere; prints the task id that names it (init_from, serve)",
+    )
+    p.add_argument("folder", metavar="DIR", help="the adapter folder (adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("--model", default=None, help="base model it was trained on (default: its adapter_config.json's)")
+    p.add_argument("--name", default=None, help="a name for people (default: the folder's name)")
+    p.set_defaults(func=_cmd_upload_adapter)
+
+    p = sub.add_parser("download", help="download a task's checkpoint folder (the newest, or --step N)")
+    p.add_argument("task_id", metavar="TASK_ID")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint at this step (default: the newest)")
+    p.add_argument("-o", "--output", default=None, metavar="DIR", help="folder to create (default: TASK_ID-stepN)")
+    p.set_defaults(func=_cmd_download)
 
     p = sub.add_parser("serve", help="serve a finished lora_finetune/sft task's adapter; prints the endpoint")
     p.add_argument("task_id", metavar="TASK_ID")
@@ -808,9 +963,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inference_ca(p)
     p.set_defaults(func=_cmd_serve)
 
-    p = sub.add_parser("eval", help="mean reward of a trained adapter and of its base model on the task's environment")
+    p = sub.add_parser(
+        "eval",
+        help="mean reward of a trained adapter and of its base model on the task's environment; of a full_rl "
+        "task's policy, mean episode return (here, with the models extra)",
+    )
     p.add_argument("task_id", metavar="TASK_ID")
-    p.add_argument("--episodes", type=int, default=32, help="problems per model (default %(default)s)")
+    p.add_argument("--episodes", type=int, default=32, help="problems or episodes per model (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="full_rl: episode i is reset with seed SEED + i (default 0)")
     p.add_argument("--max-tokens", type=int, default=16, help="reply length limit (default %(default)s)")
     _add_inference_ca(p)
     p.set_defaults(func=_cmd_eval)
@@ -825,15 +985,21 @@ def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
     llm = client.serve(
         args.task_id, ttl=args.ttl, gpu_count=args.gpus, root_certificates=args.inference_ca
     )  # with the CLI's API key
-    print(safe_text(f"adapter {args.task_id} served by inference task {llm.task_id} at {llm.endpoint}"))
+    note = client.get_task(args.task_id).checkpoint_note
+    print(safe_text(f"adapter {args.task_id} ({note}) served by inference task {llm.task_id} at {llm.endpoint}"))
     return 0
 
 
 def _cmd_eval(client: RLClient, args: argparse.Namespace) -> int:
     from opentinker_client.evaluate import evaluate
+    from opentinker_common.spec.gym import is_gym_id
 
-    env = dict(client.get_task(args.task_id).env_config) or "arithmetic"
+    task = client.get_task(args.task_id)
+    if task.workload_type == "full_rl" and is_gym_id(str((task.env_config or {}).get("env_id") or "")):
+        return _eval_policy(client, args, task)  # a PPO policy: episodes here, with its TorchScript
+    env = dict(task.env_config) or "arithmetic"
     llm = client.serve(args.task_id, root_certificates=args.inference_ca)  # with the CLI's API key
+    print(safe_text(f"adapter {args.task_id}: {task.checkpoint_note}"))
     for label, adapter in (("base model", None), (f"adapter {args.task_id}", args.task_id)):
         r = evaluate(llm, env=env, episodes=args.episodes, adapter=adapter, max_tokens=args.max_tokens)
         print(
@@ -841,6 +1007,7 @@ def _cmd_eval(client: RLClient, args: argparse.Namespace) -> int:
                 f"{label}: mean reward {r.mean_reward:.3f} ± {r.stderr:.3f} over {r.episodes} episodes of {r.env_id}"
             )
         )
+    print(PLUS_MINUS)
     return 0
 
 

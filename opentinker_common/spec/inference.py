@@ -16,7 +16,10 @@ class InferenceConfig:
 
     The task is RUNNING while it serves and shows its address in ``Task.endpoint``; it ends
     SUCCEEDED when ``ttl_s`` runs out, CANCELLED when cancelled. Adapters (finished
-    ``lora_finetune`` / ``sft`` tasks, by id) load on first use.
+    ``lora_finetune`` / ``sft`` tasks, by id) and PPO policies (finished single-agent ``full_rl``
+    tasks, by id, for ``Act``) load on first use, up to ``max_resident_adapters`` of each.
+    ``policies_only``: load no language model (``model`` is then only a label, e.g. ``mlp``);
+    the server answers ``Act`` and refuses ``Generate``.
     """
 
     ttl_s: float = num(3600.0, 0.0, 30 * 86400.0, min_exclusive=True, doc="seconds to serve before ending SUCCEEDED")
@@ -28,6 +31,7 @@ class InferenceConfig:
     )
     port: int = num(0, 0, 65535, doc="port to listen on; 0 picks a free one")
     dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
+    policies_only: bool = False
 
 
 # Inference needs no environment; the default env (the text task) satisfies the spec.

@@ -6,8 +6,11 @@ with a reason instead of failing later on a node:
 * ``spec.model`` and ``env_config.path`` may name local paths only where the scheduler's
   ``paths:`` policy allows (:func:`opentinker_scheduler.admission.paths.check_local_paths`);
 * ``env_config.dataset_id`` must name a dataset stored with ``UploadDataset``;
-* ``init_from`` must name a task of the same owner that SUCCEEDED with a final checkpoint of a
-  language model (``peft_lora`` or ``hf_full``) on the same ``model``.
+* ``init_from`` must name a finished task of the same owner with a checkpoint of a language model
+  (``peft_lora`` or ``hf_full``) on the same ``model``: the final one of a task that SUCCEEDED, or
+  the last complete one of a task that was CANCELLED or FAILED (a timeout is a FAILED task; a
+  cancelled or timed-out worker checkpoints on its way out). A checkpoint is recorded only once
+  every file of it is stored, so the latest recorded one is complete.
 
 At assignment the ``init_from`` task's final checkpoint travels in ``AssignTask.init_checkpoint``
 (:func:`opentinker_scheduler.state.core.init_checkpoint`).
@@ -27,6 +30,12 @@ __all__ = ["INIT_CHECKPOINT_FORMATS", "check_references"]
 
 #: Checkpoint formats a task can start from: a LoRA adapter, or full weights in transformers form.
 INIT_CHECKPOINT_FORMATS: tuple[str, ...] = ("peft_lora", "hf_full")
+#: States of a task whose last checkpoint another can start from (a timeout ends a task FAILED).
+INIT_FROM_STATES: tuple[int, ...] = (
+    common_pb2.TASK_STATE_SUCCEEDED,
+    common_pb2.TASK_STATE_CANCELLED,
+    common_pb2.TASK_STATE_FAILED,
+)
 
 
 def check_references(
@@ -55,8 +64,8 @@ def check_references(
 
     Raises:
         NotFound: no such dataset, or no such task (``spec.init_from``).
-        FailedPrecondition: the ``init_from`` task has not succeeded, or has no final checkpoint
-            a language model can start from.
+        FailedPrecondition: the ``init_from`` task has not ended, or has no checkpoint a language
+            model can start from (a SUCCEEDED one: no final checkpoint).
         InvalidArgument: the ``init_from`` task trained a different model, or ``spec.model`` /
             ``env_config.path`` names a local path the ``paths:`` policy does not allow.
     """
@@ -77,21 +86,24 @@ def check_references(
         source = get_task(spec.init_from, owner=owner)
     except NotFound:
         raise NotFound(f"spec.init_from: task {spec.init_from!r} not found") from None
-    if source.state != common_pb2.TASK_STATE_SUCCEEDED:
-        state = common_pb2.TaskState.Name(source.state).removeprefix("TASK_STATE_")
+    state = common_pb2.TaskState.Name(source.state).removeprefix("TASK_STATE_")
+    if source.state not in INIT_FROM_STATES:
         raise FailedPrecondition(
-            f"spec.init_from: task {spec.init_from} is {state}; a task can only start from one that SUCCEEDED"
+            f"spec.init_from: task {spec.init_from} is {state}; a task can only start from one that has ended "
+            "(SUCCEEDED, or the last checkpoint of one CANCELLED or FAILED)"
         )
     ck = source.latest_checkpoint
-    if ck is None or not ck.final or ck.format not in INIT_CHECKPOINT_FORMATS:
+    need_final = source.state == common_pb2.TASK_STATE_SUCCEEDED
+    if ck is None or (need_final and not ck.final) or ck.format not in INIT_CHECKPOINT_FORMATS:
         got = (
             "no checkpoint"
             if ck is None
             else f"a {'final' if ck.final else 'non-final'} {ck.format or 'unnamed'} checkpoint"
         )
+        want = "a final checkpoint" if need_final else "a checkpoint"
         raise FailedPrecondition(
-            f"spec.init_from: task {spec.init_from} has {got}; "
-            f"expected a final checkpoint in one of {', '.join(INIT_CHECKPOINT_FORMATS)}"
+            f"spec.init_from: task {spec.init_from} ({state}) has {got}; "
+            f"expected {want} in one of {', '.join(INIT_CHECKPOINT_FORMATS)}"
         )
     model = spec.model or default_model
     if source.spec.model != model:

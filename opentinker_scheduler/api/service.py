@@ -17,12 +17,15 @@ from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from opentinker_scheduler.admission.admit import admit
 from opentinker_scheduler.admission.load import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_WAIT_S, SubmitGate
 from opentinker_scheduler.api.rpc import Call, abort_mapped, record, rpc
+from opentinker_common.artifacts import checkpoint_key
+
 from opentinker_scheduler.data import checkpoints
+from opentinker_scheduler.data.adapters import receive_adapter
 from opentinker_scheduler.data.datasets import DatasetStore, receive_upload
-from opentinker_scheduler.errors import InvalidArgument, NotFound, PermissionDenied
+from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from opentinker_scheduler.security.auth import caller, owner_scope
 from opentinker_scheduler.security.bundle import Security
-from opentinker_scheduler.state.core import SchedulerCore
+from opentinker_scheduler.state.core import SchedulerCore, new_task_id
 from opentinker_scheduler.state.store import TaskRow
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -276,6 +279,37 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             if chunk is None:
                 return
             yield scheduler_pb2.DownloadCheckpointResponse(chunk=chunk)
+
+    async def ImportAdapter(self, request_iterator, context):
+        received = None
+        try:
+            self.core.require_leader()
+            store = self.artifacts.store if self.artifacts is not None else None
+            if store is None:
+                raise FailedPrecondition("ImportAdapter: this scheduler has no artifact store to keep the adapter in")
+            received = await receive_adapter(
+                request_iterator, self.core.config.state_dir / "imports", default_model=self.core.config.default_model
+            )
+            task_id = new_task_id()
+            key = checkpoint_key(task_id, 1, 0, final=True)
+            ref = await asyncio.to_thread(
+                store.put_folder, key, received.folder, meta={"format": "peft_lora", "step": "0"}
+            )
+            ck = common_pb2.Checkpoint(task_id=task_id, step=0, path=ref.key, final=True, format="peft_lora", attempt=1)
+            ck.create_time.GetCurrentTime()
+            ck.artifact.key, ck.artifact.manifest_sha256 = ref.key, ref.manifest_sha256
+            ck.artifact.total_bytes = ref.total_bytes
+            ck.artifact.backend = self.core.config.artifacts.backend
+            task = self.core.import_adapter(
+                task_id=task_id, owner=caller().owner, model=received.model, name=received.name, checkpoint=ck
+            )
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await abort_mapped(context, exc)
+        finally:
+            if received is not None:
+                received.discard()
+        await self.core.durable()
+        return scheduler_pb2.ImportAdapterResponse(task=self._task(task))
 
     @rpc()
     async def ListNodes(self, request, call: Call):

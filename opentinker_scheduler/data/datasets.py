@@ -61,9 +61,16 @@ class LineValidator:
     """Checks a JSONL byte stream line by line as chunks arrive (lines may span chunks).
 
     Holds at most one partial line (bounded by ``MAX_LINE_BYTES``) in memory.
+
+    Args:
+        name: the file's name as the uploader gave it; errors then read
+            ``dataset <name>:<line>:<column>: expected ...`` (``<name>:<line>:`` when the line is
+            JSON but not a chat example, ``<name>:`` for the file as a whole), else
+            ``dataset line <n>: expected ...``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "") -> None:
+        self.name = name
         self.lineno = 0
         self.examples = 0
         self._partial = bytearray()
@@ -79,7 +86,7 @@ class LineValidator:
             if parse_chat_line(raw.rstrip(b"\r"), self.lineno) is not None:
                 self.examples += 1
         except DatasetError as exc:
-            raise InvalidArgument(f"dataset {exc}") from None
+            raise InvalidArgument(f"dataset {exc.at(self.name) if self.name else exc}") from None
 
     def feed(self, chunk: bytes) -> None:
         """Check every line that ``chunk`` completes; keep the rest for the next chunk."""
@@ -94,7 +101,8 @@ class LineValidator:
             start = nl + 1
         self._partial += chunk[start:]
         if len(self._partial) > MAX_LINE_BYTES:
-            raise InvalidArgument(f"dataset line {self.lineno + 1}: expected a line of at most {MAX_LINE_BYTES} bytes")
+            where = f"{self.name}:{self.lineno + 1}" if self.name else f"line {self.lineno + 1}"
+            raise InvalidArgument(f"dataset {where}: expected a line of at most {MAX_LINE_BYTES} bytes")
 
     def finish(self) -> int:
         """Check the last line (a file need not end with a newline); return the example count.
@@ -106,8 +114,9 @@ class LineValidator:
             self.line(bytes(self._partial))
             self._partial.clear()
         if self.examples == 0:
+            where = f"dataset {self.name}" if self.name else "dataset"
             raise InvalidArgument(
-                "dataset: expected at least one example (one JSON object per line), got an empty dataset"
+                f"{where}: expected at least one example (one JSON object per line), got an empty dataset"
             )
         return self.examples
 
@@ -136,7 +145,7 @@ class DatasetUpload:
 
     def __post_init__(self) -> None:
         self._hash = hashlib.sha256()
-        self._check = LineValidator()
+        self._check = LineValidator(self.name)
         self._fh = open(self.tmp, "wb")  # noqa: SIM115 - closed in commit/abort
         self.store._open.add(self)
 

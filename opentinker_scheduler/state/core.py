@@ -131,9 +131,10 @@ class SchedulerCore:
         )
         #: Gang tasks' members, rendezvous and ends (memory only; :class:`~.gangs.Gangs`).
         self.gangs = Gangs(self)
-        #: Tasks ended by max_runtime whose worker is still stopping: task id -> (attempt, node id).
-        #: The worker's final checkpoint report is still recorded for them (the node protocol reads it).
-        self.timed_out: dict[str, tuple[int, str]] = {}
+        #: Tasks ended by the scheduler (cancel, max_runtime) whose worker is still stopping: task id ->
+        #: (attempt, node id). The worker checkpoints on SIGTERM within the node's grace period; that
+        #: final checkpoint report is still recorded for them (the node protocol reads it).
+        self.stopping: dict[str, tuple[int, str]] = {}
         self._reservation: tuple[QueueKey, str] | None = None  # (queue key, node id) of the last round
 
     # ------------------------------------------------------------------ leadership
@@ -367,6 +368,55 @@ class SchedulerCore:
         self.notify()
         return task
 
+    def import_adapter(
+        self, *, task_id: str, owner: str, model: str, name: str, checkpoint: common_pb2.Checkpoint
+    ) -> TaskRow:
+        """Record an adapter folder made elsewhere, already in the artifact store, as a finished
+        ``lora_finetune`` task of ``owner`` on ``model`` (``SchedulerService.ImportAdapter``):
+        SUCCEEDED at once, ``checkpoint`` (final, ``peft_lora``, step 0) its latest, so its id
+        works as ``init_from``, as an adapter to serve and for downloads. Nothing runs.
+
+        Raises:
+            InvalidArgument: ``model`` or ``name`` does not make a valid spec (field path named).
+        """
+        spec = common_pb2.TaskSpec(workload_type="lora_finetune", model=model, name=name)
+        try:
+            parsed = spec_from_proto(spec, allowed_workloads=self.config.workload_names)
+        except SpecError as exc:
+            raise InvalidArgument(str(exc)) from None
+        spec = self._as_stored(spec, model=parsed)
+        now = time.time()
+        task = TaskRow(
+            task_id=task_id,
+            owner=owner,
+            spec=spec,
+            state=S.TASK_STATE_SUCCEEDED,
+            attempt=1,
+            priority=0,
+            gpu_count=0,
+            max_attempts=spec.limits.max_attempts,
+            max_runtime_s=None,
+            create_time=now,
+            update_time=now,
+            start_time=now,
+            end_time=now,
+            latest_checkpoint=checkpoint,
+        )
+        ev = common_pb2.TaskEvent(
+            state_change=common_pb2.StateChange(
+                from_state=S.TASK_STATE_UNSPECIFIED,
+                to_state=S.TASK_STATE_SUCCEEDED,
+                attempt=1,
+                reason="IMPORTED",
+                message=f"LoRA adapter on {model} imported by {owner} ({checkpoint.artifact.total_bytes} bytes)",
+            )
+        )
+        self.store.insert_task(task, ev)
+        self.store.update_task(task, [common_pb2.TaskEvent(checkpoint=checkpoint)])
+        log.info("adapter imported", task_id=task_id, owner=owner, model=model, key=checkpoint.artifact.key)
+        self.notify()
+        return task
+
     def get(self, task_id: str, *, owner: str | None = None) -> TaskRow:
         """The task as committed. An unfinished task's row is the core's own: read, don't change.
 
@@ -385,7 +435,9 @@ class SchedulerCore:
         or ``"cancelled by user"`` when ``reason`` is ""); the CANCELLED event's message is ``reason``
         (or ``"cancelled by user"``).
 
-        A running task's GPUs stay in the ledger until its node confirms the process is gone.
+        A running task's GPUs stay in the ledger until its node confirms the process is gone; the
+        checkpoint its worker writes on the way out (within the node's grace period) is recorded
+        as the task's latest, so ``init_from``, serving and downloads can use the work done.
         """
         task = self.get(task_id, owner=owner)
         if task.terminal:
@@ -399,6 +451,9 @@ class SchedulerCore:
         self._queued_at.pop(task_id, None)
         self.preemptions.forget(task_id)
         if was_active and node_id in self.nodes:
+            # The worker checkpoints on SIGTERM (as on a drain); that checkpoint is still recorded
+            # (node_report) until the node reports the worker gone, so cancelling keeps the work.
+            self.stopping[task_id] = (attempt, node_id)
             self.nodes[node_id].seal(task_id)
             self.nodes[node_id].push(
                 node_pb2.ConnectResponse(
@@ -523,7 +578,7 @@ class SchedulerCore:
                 if node is not None:
                     # The worker checkpoints on SIGTERM; that final checkpoint is still recorded
                     # (see node_report) until the node reports the worker gone.
-                    self.timed_out[task.task_id] = (attempt, node.node_id)
+                    self.stopping[task.task_id] = (attempt, node.node_id)
                     node.seal(task.task_id)
                     node.push(
                         node_pb2.ConnectResponse(
@@ -710,7 +765,7 @@ class SchedulerCore:
         """``task_id``'s ``attempt`` on ``node`` is gone: end its preemption or timeout record,
         requeue it when it is still the current attempt, release its GPUs."""
         self.preemptions.victim_ended(task_id)  # a preemption in flight ends with the node
-        self.timed_out.pop(task_id, None)
+        self.stopping.pop(task_id, None)
         task = self.active.get(task_id)
         if task is not None and task.attempt == attempt:
             log.warning("task attempt lost", task_id=task_id, attempt=attempt, node_id=node.node_id, why=message)

@@ -36,8 +36,9 @@ class NodeHost(Protocol):
     tasks: LiveTasks
     nodes: dict[str, NodeSession]
     preemptions: PreemptionTracker
-    #: Tasks ended by max_runtime whose worker is still stopping: task id -> (attempt, node id).
-    timed_out: dict[str, tuple[int, str]]
+    #: Tasks ended by the scheduler (cancel, max_runtime) whose worker is still stopping: task id ->
+    #: (attempt, node id).
+    stopping: dict[str, tuple[int, str]]
 
     def node(self, node_id: str) -> NodeSession: ...
     def node_changed(self, node: NodeSession, *, membership: bool = False) -> None: ...
@@ -212,14 +213,14 @@ class NodeProtocol:
         held = node.allocations.get(rep.task_id)
         ends = rep.state in TERMINAL_STATES
         if task.terminal:
-            timed_out = self.core.timed_out.get(rep.task_id)
+            stopping = self.core.stopping.get(rep.task_id)
             if (
-                timed_out == (rep.attempt, node.node_id)
+                stopping == (rep.attempt, node.node_id)
                 and task.attempt == rep.attempt
                 and rep.HasField("checkpoint")
                 and rep.checkpoint.path
             ):
-                # max_runtime ended it; the worker's final checkpoint (written on SIGTERM) still counts.
+                # Cancelled or max_runtime ended it; the worker's last checkpoint (written on SIGTERM) still counts.
                 ck = _checkpoint_of(rep, task, node)
                 if _same_checkpoint(ck, task.latest_checkpoint):
                     self.duplicates += 1
@@ -229,14 +230,14 @@ class NodeProtocol:
                 self.core.write(task, [common_pb2.TaskEvent(checkpoint=ck)])
                 self.core.notify()
                 log.info(
-                    "final checkpoint of timed-out task recorded",
+                    "last checkpoint of a stopping task recorded",
                     task_id=task.task_id,
                     attempt=rep.attempt,
                     step=ck.step,
                     path=ck.path,
                 )
             if ends:
-                self.core.timed_out.pop(rep.task_id, None)
+                self.core.stopping.pop(rep.task_id, None)
             # Cancelled (or already finished) while the worker ran: only release its GPUs.
             if ends and held is not None and held[0] == rep.attempt:
                 node.release(rep.task_id)

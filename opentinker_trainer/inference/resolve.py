@@ -20,7 +20,7 @@ from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker_trainer.scheduler_link import scheduler_channel
 from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRefused
 
-__all__ = ["SchedulerResolver", "ADAPTER_WORKLOADS", "same_model", "adapter_not_found"]
+__all__ = ["SchedulerResolver", "ADAPTER_WORKLOADS", "same_model", "adapter_not_found", "policy_not_found"]
 
 #: Workloads whose checkpoints are LoRA adapters that can be served.
 ADAPTER_WORKLOADS = ("lora_finetune", "sft")
@@ -33,6 +33,11 @@ def adapter_not_found(name: str) -> AdapterNotFound:
     return AdapterNotFound(
         f"adapter {name!r}: no task with that id (adapters are named by a finished lora_finetune or sft task's id)"
     )
+
+
+def policy_not_found(name: str) -> str:
+    """The words for a policy name that names no task the caller may use (as for adapters)."""
+    return f"policy {name!r}: no task with that id (policies are named by a finished full_rl task's id)"
 
 
 def same_model(a: str, b: str) -> bool:
@@ -99,3 +104,36 @@ class SchedulerResolver:
         if ckpt.artifact.key and self.fetch is not None:
             return Path(self.fetch(ckpt))
         return Path(ckpt.path)
+
+    def policy(self, name: str) -> tuple[Path, int]:
+        """``(checkpoint folder, step)`` of the PPO policy of task ``name`` (``InferenceService.Act``).
+
+        Raises:
+            PolicyNotFound: no such task (or not the caller's: checked before this is called).
+            PolicyRefused: not a full_rl task, not finished, no checkpoint, not a ``torch_ppo`` one.
+            grpc.RpcError: the scheduler cannot be reached.
+        """
+        from opentinker_trainer.inference.policies import PolicyNotFound, PolicyRefused
+
+        try:
+            task = self.stub.LookupTask(
+                node_pb2.LookupTaskRequest(task_id=name), timeout=self.timeout, metadata=self.metadata
+            ).task
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise PolicyNotFound(policy_not_found(name)) from None
+            raise
+        if task.spec.workload_type != "full_rl":
+            raise PolicyRefused(
+                f"policy {name!r}: task is a {task.spec.workload_type} task; policies are full_rl tasks"
+            )
+        if task.state not in _TERMINAL:
+            state = common_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
+            raise PolicyRefused(f"policy {name!r}: task is {state}; its policy can be served once it has finished")
+        ckpt = task.latest_checkpoint
+        if not task.HasField("latest_checkpoint") or not ckpt.path:
+            raise PolicyRefused(f"policy {name!r}: task has no checkpoint")
+        if ckpt.format != "torch_ppo":
+            raise PolicyRefused(f"policy {name!r}: its checkpoint is {ckpt.format!r}, not a PPO policy (torch_ppo)")
+        folder = Path(self.fetch(ckpt)) if ckpt.artifact.key and self.fetch is not None else Path(ckpt.path)
+        return folder, int(ckpt.step)

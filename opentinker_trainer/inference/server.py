@@ -24,7 +24,14 @@ from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc
 from opentinker_trainer.inference.access import AccessChecker, AccessRefused
 from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRefused, AdaptersBusy
 from opentinker_trainer.inference.engine import FINISH_LENGTH, FINISH_STOP, SamplingParams
-from opentinker_trainer.inference.resolve import adapter_not_found
+from opentinker_trainer.inference.policies import (
+    BadObservations,
+    PolicyBusy,
+    PolicyNotFound,
+    PolicyRefused,
+    PolicyRegistry,
+)
+from opentinker_trainer.inference.resolve import adapter_not_found, policy_not_found
 from opentinker_trainer.inference.runtime import BadRequest, Busy, ModelRuntime, Prepared, WrongModel
 from opentinker_trainer.inference.serve_tls import ServerTLS
 from opentinker_common.net.grpc_options import server_options
@@ -35,8 +42,19 @@ SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].ful
 SERVER_OPTIONS = server_options(max_pings_without_data=False)
 
 _FINISH = {FINISH_STOP: inference_pb2.FINISH_REASON_STOP, FINISH_LENGTH: inference_pb2.FINISH_REASON_LENGTH}
+
+
+class NoModel(Exception):
+    """This server holds no language model (an inference task with ``policies_only``): FAILED_PRECONDITION."""
+
+
 _STATUS = (
     (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (BadObservations, grpc.StatusCode.INVALID_ARGUMENT),
+    (PolicyNotFound, grpc.StatusCode.NOT_FOUND),
+    (PolicyRefused, grpc.StatusCode.FAILED_PRECONDITION),
+    (PolicyBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NoModel, grpc.StatusCode.FAILED_PRECONDITION),
     (WrongModel, grpc.StatusCode.NOT_FOUND),
     (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
     (AdapterRefused, grpc.StatusCode.FAILED_PRECONDITION),
@@ -66,14 +84,25 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     ``task_id`` (UNAUTHENTICATED / PERMISSION_DENIED / UNAVAILABLE otherwise) and, for a request
     naming an adapter, that adapter's task too (NOT_FOUND otherwise, worded as for an adapter that
     does not exist). ``access=None``: no checks (in-process tests, a server without a scheduler).
+
+    ``runtime`` None: no language model (``policies_only``); Generate and GenerateStream are refused.
+    ``policies``: the PPO policies ``Act`` serves (None: Act is refused, FAILED_PRECONDITION).
     """
 
-    def __init__(self, runtime: ModelRuntime, *, access: AccessChecker | None = None, task_id: str = "") -> None:
+    def __init__(
+        self,
+        runtime: ModelRuntime | None,
+        *,
+        access: AccessChecker | None = None,
+        task_id: str = "",
+        policies: PolicyRegistry | None = None,
+    ) -> None:
         if access is not None and not task_id:
             raise ValueError("task_id: expected the serving task's id when access is checked")
         self.runtime = runtime
         self.access = access
         self.task_id = task_id
+        self.policies = policies
 
     async def _admit(self, context) -> None:
         """The caller may use this server, else AccessRefused."""
@@ -92,6 +121,11 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             raise
 
     def _prepare(self, request) -> Prepared:
+        if self.runtime is None:
+            raise NoModel(
+                "this inference server serves PPO policies only (policies_only: no language model is loaded); "
+                "call Act, or generate on a server of a base model"
+            )
         which = request.WhichOneof("prompt")
         messages = [(m.role, m.content) for m in request.messages.messages] if which == "messages" else None
         text = request.text if which == "text" else None
@@ -173,9 +207,37 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         finally:
             await events.aclose()  # a cancelled client: stop generating, free the slot
 
+    async def Act(self, request, context):
+        try:
+            await self._admit(context)
+            if self.policies is None:
+                raise NoModel("this inference server does not serve policies")
+            if request.policy and self.access is not None:
+                try:
+                    await self.access.check(context.invocation_metadata(), request.policy)
+                except AccessRefused as exc:
+                    if exc.code == grpc.StatusCode.PERMISSION_DENIED:
+                        raise PolicyNotFound(policy_not_found(request.policy)) from None
+                    raise
+            shape, actions, values, step = await asyncio.to_thread(
+                self.policies.act, request.policy, list(request.observations.shape), list(request.observations.values)
+            )
+        except grpc.RpcError as exc:  # asking the scheduler about the policy's task failed
+            detail = exc.details() if hasattr(exc, "details") else str(exc)
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"policy {request.policy!r}: cannot ask the scheduler about it: {detail}"
+            )
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await self._abort(context, exc)
+        return inference_pb2.ActResponse(
+            actions=inference_pb2.Tensor(shape=shape, values=actions), values=values, policy=request.policy, step=step
+        )
+
     async def ListAdapters(self, request, context):
         try:
             await self._admit(context)
+            if self.runtime is None:
+                return inference_pb2.ListAdaptersResponse()
             loaded = self.runtime.registry.list()
             visible = await asyncio.gather(*(self._sees(context, a.name) for a in loaded))
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
@@ -221,15 +283,17 @@ class RunningInferenceServer:
 
 
 async def start_inference_server(
-    runtime: ModelRuntime,
+    runtime: ModelRuntime | None,
     *,
     host: str = "0.0.0.0",
     port: int = 0,
     tls: ServerTLS | None = None,
     access: AccessChecker | None = None,
     task_id: str = "",
+    policies: PolicyRegistry | None = None,
 ) -> RunningInferenceServer:
-    """Serve ``runtime`` on ``host:port`` (0 = any free port); returns the handle with the port.
+    """Serve ``runtime`` (None: no language model) and ``policies`` (``Act``) on ``host:port``
+    (0 = any free port); returns the handle with the port.
 
     Args:
         tls: ``(certificate chain PEM, private key PEM)``: the port speaks TLS only
@@ -248,7 +312,7 @@ async def start_inference_server(
         check_tls_pair(tls)  # before binding: gRPC only says "Handshaker factory creation failed" in its log
     server = grpc.aio.server(options=SERVER_OPTIONS)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceService(runtime, access=access, task_id=task_id), server
+        InferenceService(runtime, access=access, task_id=task_id, policies=policies), server
     )
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

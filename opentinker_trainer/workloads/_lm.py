@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -141,11 +142,19 @@ def restore_rng(state: dict[str, Any]) -> Any:
     return state.get("env")
 
 
-def save_checkpoint(path: Path, model, trainer_state: dict[str, Any], *, tokenizer=None) -> Path:
+def save_checkpoint(
+    path: Path, model, trainer_state: dict[str, Any], *, tokenizer=None, base_model: str | None = None
+) -> Path:
     """Write the adapter (PEFT format) and ``trainer_state.pt`` to ``path`` atomically.
 
     For a plain (non-PEFT) model ``save_pretrained`` writes the full weights; pass ``tokenizer``
     too so the folder loads on its own with ``from_pretrained`` (format ``hf_full``).
+
+    ``base_model``: the base model as the user named it (``spec.model``: a hub id or model name).
+    PEFT writes the folder the base weights were loaded from into ``adapter_config.json``
+    (``base_model_name_or_path``), which may be a path on this node (an ``init_from`` full-weight
+    checkpoint, a resolved model folder); the saved adapter names ``base_model`` instead, so it
+    means the same thing once downloaded elsewhere.
 
     The folder is written beside its final name and renamed into place, so a reader (or a resume
     after a crash) never sees half a checkpoint.
@@ -156,6 +165,11 @@ def save_checkpoint(path: Path, model, trainer_state: dict[str, Any], *, tokeniz
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     model.save_pretrained(str(tmp))
+    adapter_config = tmp / "adapter_config.json"
+    if base_model and adapter_config.exists():
+        config = json.loads(adapter_config.read_text())
+        config["base_model_name_or_path"] = base_model
+        adapter_config.write_text(json.dumps(config, indent=2, sort_keys=True))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     torch.save({"version": TRAINER_STATE_VERSION, **trainer_state}, tmp / TRAINER_STATE)
@@ -202,7 +216,9 @@ def save_step(
         "hyperparameters": dataclasses.asdict(cfg),
         **(extra_state or {}),
     }
-    save_checkpoint(path, model, state, tokenizer=tokenizer if fmt == FORMAT_FULL else None)
+    save_checkpoint(
+        path, model, state, tokenizer=tokenizer if fmt == FORMAT_FULL else None, base_model=ctx.spec.model or None
+    )
     ctx.emit_checkpoint(step, path, final=final, fmt=fmt)
     log.info("checkpoint written", task_id=ctx.task_id, step=step, path=str(path), final=final, format=fmt)
     return path

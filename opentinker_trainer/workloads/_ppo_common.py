@@ -23,7 +23,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -428,14 +428,23 @@ def save_update(trainer: Any, *, final: bool) -> Path:
 
 
 def save_checkpoint(
-    path: Path, policy_state: Mapping[str, torch.Tensor], meta: Mapping[str, Any], trainer_state: Mapping[str, Any]
+    path: Path,
+    policy_state: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any],
+    trainer_state: Mapping[str, Any],
+    *,
+    extra: Callable[[Path], object] | None = None,
 ) -> Path:
-    """Write ``policy.pt``, ``policy.json`` and ``trainer_state.pt`` to folder ``path`` atomically."""
+    """Write ``policy.pt``, ``policy.json`` and ``trainer_state.pt`` to folder ``path`` atomically;
+    ``extra(folder)`` writes further files into the folder before it is renamed into place (the
+    TorchScript acting policy, :func:`opentinker_trainer.rl.policy_export.export_torchscript`)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    if extra is not None:
+        extra(tmp)
     torch.save(dict(policy_state), tmp / POLICY_FILE)
     (tmp / POLICY_META).write_text(json.dumps(meta, indent=1, sort_keys=True))
     torch.save({"version": TRAINER_STATE_VERSION, **trainer_state}, tmp / TRAINER_STATE)

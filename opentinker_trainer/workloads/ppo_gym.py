@@ -55,6 +55,7 @@ from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.envs.gym import make_vector_env
 from opentinker_trainer.rl.gae import autoreset_mask
 from opentinker_trainer.rl.policy import ActorCritic, UnsupportedSpaceError
+from opentinker_trainer.rl.policy_export import ACTING_FILE, export_torchscript
 from opentinker_trainer.workloads import _ppo_common as common
 from opentinker_trainer.workloads import _rng
 from opentinker_trainer.workloads._lm import get_logger
@@ -135,10 +136,12 @@ class PPOTrainer:
             "format": common.CHECKPOINT_FORMAT,
             "env_id": self.env_cfg.env_id,
             "observation_space": str(self.envs.single_observation_space),
+            "observation_shape": list(self.envs.single_observation_space.shape or ()),
             "action_space": str(self.envs.single_action_space),
             "hidden_sizes": list(self.cfg.hidden_sizes),
             "activation": self.cfg.activation,
             "step": self.update,
+            "acting": ACTING_FILE,  # torch.jit.load it: obs [B, ...] -> (greedy action, value)
         }
         state = {
             "step": self.update,
@@ -149,7 +152,14 @@ class PPOTrainer:
             "hyperparameters": dataclasses.asdict(self.cfg),
             **extra,
         }
-        common.save_checkpoint(path, self.policy.state_dict(), meta, state)
+        example = self.next_obs[:1]
+        common.save_checkpoint(
+            path,
+            self.policy.state_dict(),
+            meta,
+            state,
+            extra=lambda folder: export_torchscript(self.policy, folder / ACTING_FILE, example),
+        )
         self.ctx.emit_checkpoint(self.update, path, final=final, fmt=common.CHECKPOINT_FORMAT)
         log.info("checkpoint written", task_id=self.ctx.task_id, step=self.update, path=str(path), final=final)
         return path

@@ -30,6 +30,7 @@ import torch
 from opentinker_trainer.context import WorkerContext
 from opentinker_trainer.inference.access import DEFAULT_TTL_S, TTL_ENV, AccessChecker
 from opentinker_trainer.artifacts import fetch_checkpoint
+from opentinker_trainer.inference.policies import PolicyRegistry
 from opentinker_trainer.inference.resolve import SchedulerResolver
 from opentinker_trainer.inference.runtime import ModelRuntime
 from opentinker_trainer.inference.server import start_inference_server
@@ -64,16 +65,16 @@ def run(ctx: WorkerContext) -> None:
     cfg = ctx.spec.hyperparameters
     tls = server_tls_from_env()  # checked at trainer start too; a bad file fails before the model loads
     ttl = auth_ttl()
+    if getattr(cfg, "policies_only", False):
+        _run_policies_only(ctx, cfg, tls=tls, ttl=ttl)
+        return
     device = torch.device(ctx.device)
     dtype = _lm.resolve_dtype(cfg.dtype, device)
     log.info("loading model", task_id=ctx.task_id, model=ctx.spec.model, device=str(device), dtype=str(dtype))
     tokenizer, model = _lm.load_model(ctx.spec.model, device, dtype)
     scheduler = os.environ.get("OPENTINKER_SCHEDULER_URL")
-    fetch = None
-    if ctx.publisher is not None:  # adapters come from the artifact store, through the node-local cache
-        store, cache = ctx.publisher.store, ctx.publisher.cache
-        fetch = lambda ck: fetch_checkpoint(store, cache, ck, fallback=False)[0]  # noqa: E731
-    resolver = SchedulerResolver(scheduler, ctx.spec.model, fetch=fetch) if scheduler else None
+    # Adapters and policies come from the artifact store, through the node-local cache.
+    resolver = SchedulerResolver(scheduler, ctx.spec.model, fetch=_fetcher(ctx)) if scheduler else None
     runtime = ModelRuntime(
         model_name=ctx.spec.model,
         tokenizer=tokenizer,
@@ -83,15 +84,55 @@ def run(ctx: WorkerContext) -> None:
         max_resident_adapters=cfg.max_resident_adapters,
         max_concurrent=cfg.max_concurrent_requests,
     )
+    policies = _policies(resolver, cfg)
     try:
-        asyncio.run(_serve(ctx, runtime, cfg, tls=tls, access_ttl=ttl if scheduler else None))
+        asyncio.run(_serve(ctx, runtime, cfg, tls=tls, access_ttl=ttl if scheduler else None, policies=policies))
     finally:
         runtime.close()
         if resolver is not None:
             resolver.close()
 
 
-async def _serve(ctx: WorkerContext, runtime: ModelRuntime, cfg, *, tls=None, access_ttl: float | None = None) -> None:
+def _fetcher(ctx: WorkerContext):
+    """``Checkpoint -> folder`` through the artifact store and the node-local cache (None without a store)."""
+    if ctx.publisher is None:
+        return None
+    store, cache = ctx.publisher.store, ctx.publisher.cache
+    return lambda ck: fetch_checkpoint(store, cache, ck, fallback=False)[0]
+
+
+def _policies(resolver: SchedulerResolver | None, cfg) -> PolicyRegistry | None:
+    """The PPO policies ``Act`` serves, resolved through the scheduler (None without one)."""
+    if resolver is None:
+        return None
+    return PolicyRegistry(
+        resolver.policy, max_resident=cfg.max_resident_adapters, max_concurrent=cfg.max_concurrent_requests
+    )
+
+
+def _run_policies_only(ctx: WorkerContext, cfg, *, tls, ttl: float) -> None:
+    """``policies_only``: no language model; serve ``Act`` for PPO policies until stopped or the TTL."""
+    scheduler = os.environ.get("OPENTINKER_SCHEDULER_URL")
+    resolver = SchedulerResolver(scheduler, ctx.spec.model, fetch=_fetcher(ctx)) if scheduler else None
+    log.info("serving policies only", task_id=ctx.task_id, model=ctx.spec.model or None)
+    try:
+        asyncio.run(
+            _serve(ctx, None, cfg, tls=tls, access_ttl=ttl if scheduler else None, policies=_policies(resolver, cfg))
+        )
+    finally:
+        if resolver is not None:
+            resolver.close()
+
+
+async def _serve(
+    ctx: WorkerContext,
+    runtime: ModelRuntime | None,
+    cfg,
+    *,
+    tls=None,
+    access_ttl: float | None = None,
+    policies: PolicyRegistry | None = None,
+) -> None:
     # The checker asks the scheduler with the caller's key over the node's TLS settings.
     access = AccessChecker(ttl=access_ttl) if access_ttl is not None else None
     server = await start_inference_server(
@@ -101,6 +142,7 @@ async def _serve(ctx: WorkerContext, runtime: ModelRuntime, cfg, *, tls=None, ac
         tls=tls,
         access=access,
         task_id=ctx.task_id,
+        policies=policies,
     )
     address = f"{os.environ.get('OPENTINKER_ADVERTISE_HOST') or '127.0.0.1'}:{server.port}"
     if tls is not None:
@@ -126,5 +168,5 @@ async def _serve(ctx: WorkerContext, runtime: ModelRuntime, cfg, *, tls=None, ac
         "stopped serving",
         task_id=ctx.task_id,
         reason="stop requested" if ctx.should_stop() else "ttl",
-        steps=runtime.steps,
+        steps=runtime.steps if runtime is not None else 0,
     )

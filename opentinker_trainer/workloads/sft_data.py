@@ -128,7 +128,7 @@ def read_chat_jsonl(path: Path, *, max_bytes: int = MAX_DATASET_BYTES) -> list[M
                 if messages is not None:
                     examples.append(messages)
     except DatasetError as exc:
-        raise UserError(f"dataset {path}: {exc}") from None
+        raise UserError(f"dataset {exc.at(str(path))}") from None
     except OSError as exc:
         raise UserError(
             f"dataset {path} cannot be used by this task: "

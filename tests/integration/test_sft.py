@@ -66,7 +66,7 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
         with pytest.raises(
             FailedPreconditionError,
             match=rf"spec.init_from: task {running} is (PENDING|ASSIGNED|RUNNING); "
-            r"a task can only start from one that SUCCEEDED",
+            r"a task can only start from one that has ended",
         ):
             client.submit_task(
                 workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=RL_HP, init_from=running
@@ -154,8 +154,10 @@ def test_dataset_refusals_over_the_wire(sft_cluster: Cluster, tiny_model_dir: Pa
         # The scheduler checks the bytes it receives just the same (a client that skips the check).
         stub = sft_cluster.stub
         for data, want in (
-            (bad.read_bytes(), "dataset line 3: expected at least one assistant message"),
-            (empty.read_bytes(), "dataset: expected at least one example"),
+            # ... and its errors name the file as uploaded, the line and (for JSON syntax) the column.
+            (bad.read_bytes(), "dataset x.jsonl:3: expected at least one assistant message"),
+            (empty.read_bytes(), "dataset x.jsonl: expected at least one example"),
+            (broken.read_bytes(), f"dataset x.jsonl:2:{len(good_line)}: expected a JSON"),
             (b"", "total_bytes: expected the file's size in bytes"),
         ):
             with pytest.raises(grpc.RpcError) as rpc_err:
@@ -192,5 +194,5 @@ def test_dataset_refusals_over_the_wire(sft_cluster: Cluster, tiny_model_dir: Pa
         with pytest.raises(TaskFailedError) as failed:
             sft_cluster.wait_done(client, task_id)
         assert failed.value.task.attempt == 1
-        assert f"dataset {bad}: line 3: expected at least one assistant message" in failed.value.task.error
+        assert f"dataset {bad}:3: expected at least one assistant message" in failed.value.task.error
     assert sft_cluster.health() == {"status": "ok"}

@@ -61,7 +61,9 @@ def greedy_generate(model, ids: torch.Tensor, n_tokens: int, pad_token_id: int) 
 class ServerThread:
     """An InferenceService on a loopback port, its event loop in a background thread."""
 
-    def __init__(self, runtime) -> None:
+    def __init__(self, runtime, *, policies=None) -> None:
+        """``runtime`` None: no language model (a ``policies_only`` server); ``policies``: a
+        :class:`~opentinker_trainer.inference.policies.PolicyRegistry` for ``Act``."""
         from opentinker_trainer.inference.server import start_inference_server
 
         self.runtime = runtime
@@ -69,7 +71,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.server = asyncio.run_coroutine_threadsafe(
-            start_inference_server(runtime, host="127.0.0.1", port=0), self.loop
+            start_inference_server(runtime, host="127.0.0.1", port=0, policies=policies), self.loop
         ).result(30)
         self.address = f"127.0.0.1:{self.server.port}"
 
@@ -80,7 +82,8 @@ class ServerThread:
         self.call(self.server.stop(0))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
-        self.runtime.close()
+        if self.runtime is not None:
+            self.runtime.close()
 
 
 def tiny_runtime(model_dir: Path, adapters: dict[str, Path] | None = None, **kw):

@@ -98,8 +98,8 @@ def test_upload_is_content_addressed_idempotent_and_downloadable(tmp_path) -> No
 @pytest.mark.parametrize(
     ("data", "total", "error", "message"),
     [
-        (DATA + b"{bad\n" + DATA, None, InvalidArgument, "dataset line 6: expected a JSON object"),
-        (b"\n\n  \n", None, InvalidArgument, "dataset: expected at least one example"),
+        (DATA + b"{bad\n" + DATA, None, InvalidArgument, "dataset d.jsonl:6:2: expected a JSON object"),
+        (b"\n\n  \n", None, InvalidArgument, "dataset d.jsonl: expected at least one example"),
         (b"", 0, InvalidArgument, "total_bytes: expected the file's size in bytes (> 0)"),
         (DATA, len(DATA) - 3, InvalidArgument, f"total_bytes: announced {len(DATA) - 3} bytes, received more"),
         (DATA, len(DATA) + 3, InvalidArgument, f"total_bytes: announced {len(DATA) + 3} bytes, received {len(DATA)}"),
@@ -185,7 +185,7 @@ def test_dataset_id_must_be_uploaded(env) -> None:
         check(spec)
 
 
-def test_init_from_needs_a_succeeded_task_with_a_final_lm_checkpoint_of_the_same_model(env) -> None:
+def test_init_from_needs_an_ended_task_with_an_lm_checkpoint_of_the_same_model(env) -> None:
     core, node, store, check = env
     with pytest.raises(NotFound, match="spec.init_from: task 'task-nope' not found"):
         check(lm_spec(init_from="task-nope"))
@@ -194,19 +194,40 @@ def test_init_from_needs_a_succeeded_task_with_a_final_lm_checkpoint_of_the_same
     core.schedule()
     with pytest.raises(
         FailedPrecondition,
-        match=f"spec.init_from: task {running.task_id} is ASSIGNED; a task can only start from one that SUCCEEDED",
+        match=f"spec.init_from: task {running.task_id} is ASSIGNED; a task can only start from one that has ended",
     ):
         check(lm_spec(init_from=running.task_id))
 
     failed = core.submit(lm_spec(), owner="u")
     core.node_report(node, N.TaskReport(task_id=running.task_id, attempt=1, state=C.TASK_STATE_SUCCEEDED))
     finish(core, node, failed.task_id, C.TASK_STATE_FAILED)
-    with pytest.raises(FailedPrecondition, match="is FAILED"):
+    with pytest.raises(
+        FailedPrecondition, match=r"\(FAILED\) has no checkpoint; expected a checkpoint in one of peft_lora, hf_full"
+    ):
         check(lm_spec(init_from=failed.task_id))
     with pytest.raises(
-        FailedPrecondition, match="has no checkpoint; expected a final checkpoint in one of peft_lora, hf_full"
+        FailedPrecondition,
+        match=r"\(SUCCEEDED\) has no checkpoint; expected a final checkpoint in one of peft_lora, hf_full",
     ):
         check(lm_spec(init_from=running.task_id))
+
+    # A FAILED (or timed-out) or CANCELLED task's last checkpoint will do, final or not.
+    ended = core.submit(lm_spec(), owner="u")
+    ck1 = C.Checkpoint(step=1, path="/ck/e/step_1", format="peft_lora")
+    finish(core, node, ended.task_id, C.TASK_STATE_FAILED, checkpoint=ck1)
+    check(lm_spec(init_from=ended.task_id))
+    cut = core.submit(lm_spec(), owner="u")
+    core.schedule()
+    core.node_report(node, N.TaskReport(task_id=cut.task_id, attempt=1, state=C.TASK_STATE_RUNNING))
+    core.cancel(cut.task_id)
+    core.node_report(  # the checkpoint its worker wrote on SIGTERM, after the cancel
+        node,
+        N.TaskReport(
+            task_id=cut.task_id, attempt=1, checkpoint=C.Checkpoint(step=3, path="/ck/c/step_3", format="peft_lora")
+        ),
+    )
+    check(lm_spec(init_from=cut.task_id))
+    assert core.get(cut.task_id).latest_checkpoint.step == 3
 
     odd = core.submit(lm_spec(), owner="u")
     finish(core, node, odd.task_id, checkpoint=C.Checkpoint(step=2, path="/ck/odd", final=True, format="torch_state"))

@@ -141,6 +141,33 @@ def test_cancel_pending_and_running_is_idempotent(tmp_path) -> None:
     assert c.task_id
 
 
+def test_cancelled_running_task_keeps_the_checkpoint_its_worker_writes_on_the_way_out(tmp_path) -> None:
+    core = make_core(tmp_path)
+    node, _ = register(core)
+    task = core.submit(spec(gpus=1), owner="u")
+    core.schedule()
+    drain(node)
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    report(core, node, task.task_id, 1, checkpoint=C.Checkpoint(step=2, path="/ck/step_2", format="peft_lora"))
+    core.cancel(task.task_id, reason="enough")
+    (cmd,) = drain(node)
+    assert cmd.cancel_task.task_id == task.task_id
+    # The worker checkpoints on SIGTERM within its grace period; that report still counts.
+    report(core, node, task.task_id, 1, checkpoint=C.Checkpoint(step=3, path="/ck/step_3", format="peft_lora"))
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_CANCELLED and (t.latest_checkpoint.step, t.latest_checkpoint.path) == (
+        3,
+        "/ck/step_3",
+    )
+    assert core.store.get_task(task.task_id).latest_checkpoint.step == 3  # written through
+    assert [e.WhichOneof("event") for e in core.store.events_after(task.task_id, 0)][-1] == "checkpoint"
+    report(core, node, task.task_id, 1, C.TASK_STATE_CANCELLED, error="enough")
+    assert core.stopping == {} and node.allocations == {}
+    # Once the worker is gone, nothing more is taken for the task.
+    report(core, node, task.task_id, 1, checkpoint=C.Checkpoint(step=4, path="/ck/step_4", format="peft_lora"))
+    assert core.get(task.task_id).latest_checkpoint.step == 3
+
+
 def test_cancelled_task_error_says_who_and_why(tmp_path) -> None:
     core = make_core(tmp_path)
     a = core.submit(spec(), owner="u")

@@ -174,7 +174,7 @@ def test_max_runtime_timeout_keeps_final_checkpoint(tmp_path) -> None:
     assert kinds[-1] == "checkpoint"
     assert task.task_id in node.allocations  # GPUs held until the worker is gone
     report(core, node, task.task_id, 1, C.TASK_STATE_CANCELLED, error="TIMEOUT")
-    assert node.allocations == {} and core.timed_out == {}
+    assert node.allocations == {} and core.stopping == {}
     # After that, no more checkpoints are taken for it, nor from another attempt.
     report(core, node, task.task_id, 1, checkpoint=C.Checkpoint(step=9, path="/ck/step_9"))
     assert core.get(task.task_id).latest_checkpoint.path == "/ck/step_7"

@@ -139,10 +139,13 @@ def test_lr_schedules() -> None:
 def test_read_names_the_bad_line_and_refuses_empty_files(tmp_path) -> None:
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"messages": CONVERSATION}) + "\n\n" + '{"messages": [{"role": "user", "content": "x"}]}\n')
-    with pytest.raises(UserError, match=rf"dataset {f}: line 3: expected at least one assistant message"):
+    with pytest.raises(UserError, match=rf"dataset {f}:3: expected at least one assistant message"):
         read_chat_jsonl(f)
     f.write_text("\n \n")
     with pytest.raises(UserError, match="expected at least one example"):
+        read_chat_jsonl(f)
+    f.write_text('{"messages": [}\n')  # JSON syntax: the column too
+    with pytest.raises(UserError, match=rf"dataset {f}:1:15: expected"):
         read_chat_jsonl(f)
     with pytest.raises(UserError, match="cannot be read on this trainer node"):
         read_chat_jsonl(tmp_path / "missing.jsonl")
@@ -258,7 +261,7 @@ def test_bad_dataset_line_fails_the_task_naming_the_line(tiny_model_dir, tmp_pat
     data = arithmetic_chat_jsonl(tmp_path / "d.jsonl", n=3)
     with open(data, "a") as fh:
         fh.write('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 5}]}\n')
-    with pytest.raises(UserError, match=r"line 4: expected messages\[1\]\.content to be a string"):
+    with pytest.raises(UserError, match=r"d\.jsonl:4: expected messages\[1\]\.content to be a string"):
         sft.run(make_ctx(tiny_model_dir, tmp_path, "bad", data, steps=1))
     assert not (tmp_path / "bad").exists()  # nothing written
 

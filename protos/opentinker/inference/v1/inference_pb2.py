@@ -25,39 +25,45 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'opentinker/inference/v1/inference.proto\x12\x17opentinker.inference.v1\x1a\x1fgoogle/protobuf/timestamp.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"F\n\x0c\x43hatMessages\x12\x36\n\x08messages\x18\x01 \x03(\x0b\x32$.opentinker.inference.v1.ChatMessage\"\xc4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x88\x01\n\x06Sample\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12<\n\rfinish_reason\x18\x05 \x01(\x0e\x32%.opentinker.inference.v1.FinishReason\"\xc1\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x39\n\x08messages\x18\x03 \x01(\x0b\x32%.opentinker.inference.v1.ChatMessagesH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12\x39\n\x08sampling\x18\x05 \x01(\x0b\x32\'.opentinker.inference.v1.SamplingParamsB\x08\n\x06prompt\"\x93\x01\n\x10GenerateResponse\x12\x30\n\x07samples\x18\x01 \x03(\x0b\x32\x1f.opentinker.inference.v1.Sample\x12-\n\x05usage\x18\x02 \x01(\x0b\x32\x1e.opentinker.inference.v1.Usage\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\"\xc7\x01\n\x15GenerateStreamRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x39\n\x08messages\x18\x03 \x01(\x0b\x32%.opentinker.inference.v1.ChatMessagesH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12\x39\n\x08sampling\x18\x05 \x01(\x0b\x32\'.opentinker.inference.v1.SamplingParamsB\x08\n\x06prompt\"\xc7\x01\n\x16GenerateStreamResponse\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12<\n\rfinish_reason\x18\x05 \x01(\x0e\x32%.opentinker.inference.v1.FinishReason\x12-\n\x05usage\x18\x06 \x01(\x0b\x32\x1e.opentinker.inference.v1.Usage\"\x15\n\x13ListAdaptersRequest\"\xac\x01\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12-\n\tload_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0elast_used_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06in_use\x18\x06 \x01(\x05\"\x90\x01\n\x14ListAdaptersResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x32\n\x08\x61\x64\x61pters\x18\x02 \x03(\x0b\x32 .opentinker.inference.v1.Adapter\x12\x1d\n\x15max_resident_adapters\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\x05*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xd5\x02\n\x10InferenceService\x12_\n\x08Generate\x12(.opentinker.inference.v1.GenerateRequest\x1a).opentinker.inference.v1.GenerateResponse\x12s\n\x0eGenerateStream\x12..opentinker.inference.v1.GenerateStreamRequest\x1a/.opentinker.inference.v1.GenerateStreamResponse0\x01\x12k\n\x0cListAdapters\x12,.opentinker.inference.v1.ListAdaptersRequest\x1a-.opentinker.inference.v1.ListAdaptersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'opentinker/inference/v1/inference.proto\x12\x17opentinker.inference.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\'\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0e\n\x06values\x18\x02 \x03(\x01\"S\n\nActRequest\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x35\n\x0cobservations\x18\x02 \x01(\x0b\x32\x1f.opentinker.inference.v1.Tensor\"m\n\x0b\x41\x63tResponse\x12\x30\n\x07\x61\x63tions\x18\x01 \x01(\x0b\x32\x1f.opentinker.inference.v1.Tensor\x12\x0e\n\x06values\x18\x02 \x03(\x01\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"F\n\x0c\x43hatMessages\x12\x36\n\x08messages\x18\x01 \x03(\x0b\x32$.opentinker.inference.v1.ChatMessage\"\xc4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x88\x01\n\x06Sample\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12<\n\rfinish_reason\x18\x05 \x01(\x0e\x32%.opentinker.inference.v1.FinishReason\"\xc1\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x39\n\x08messages\x18\x03 \x01(\x0b\x32%.opentinker.inference.v1.ChatMessagesH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12\x39\n\x08sampling\x18\x05 \x01(\x0b\x32\'.opentinker.inference.v1.SamplingParamsB\x08\n\x06prompt\"\x93\x01\n\x10GenerateResponse\x12\x30\n\x07samples\x18\x01 \x03(\x0b\x32\x1f.opentinker.inference.v1.Sample\x12-\n\x05usage\x18\x02 \x01(\x0b\x32\x1e.opentinker.inference.v1.Usage\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\"\xc7\x01\n\x15GenerateStreamRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x39\n\x08messages\x18\x03 \x01(\x0b\x32%.opentinker.inference.v1.ChatMessagesH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12\x39\n\x08sampling\x18\x05 \x01(\x0b\x32\'.opentinker.inference.v1.SamplingParamsB\x08\n\x06prompt\"\xc7\x01\n\x16GenerateStreamResponse\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12<\n\rfinish_reason\x18\x05 \x01(\x0e\x32%.opentinker.inference.v1.FinishReason\x12-\n\x05usage\x18\x06 \x01(\x0b\x32\x1e.opentinker.inference.v1.Usage\"\x15\n\x13ListAdaptersRequest\"\xac\x01\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12-\n\tload_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0elast_used_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06in_use\x18\x06 \x01(\x05\"\x90\x01\n\x14ListAdaptersResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x32\n\x08\x61\x64\x61pters\x18\x02 \x03(\x0b\x32 .opentinker.inference.v1.Adapter\x12\x1d\n\x15max_resident_adapters\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\x05*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa7\x03\n\x10InferenceService\x12_\n\x08Generate\x12(.opentinker.inference.v1.GenerateRequest\x1a).opentinker.inference.v1.GenerateResponse\x12s\n\x0eGenerateStream\x12..opentinker.inference.v1.GenerateStreamRequest\x1a/.opentinker.inference.v1.GenerateStreamResponse0\x01\x12k\n\x0cListAdapters\x12,.opentinker.inference.v1.ListAdaptersRequest\x1a-.opentinker.inference.v1.ListAdaptersResponse\x12P\n\x03\x41\x63t\x12#.opentinker.inference.v1.ActRequest\x1a$.opentinker.inference.v1.ActResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'opentinker.inference.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1711
-  _globals['_FINISHREASON']._serialized_end=1806
-  _globals['_CHATMESSAGE']._serialized_start=101
-  _globals['_CHATMESSAGE']._serialized_end=145
-  _globals['_CHATMESSAGES']._serialized_start=147
-  _globals['_CHATMESSAGES']._serialized_end=217
-  _globals['_SAMPLINGPARAMS']._serialized_start=220
-  _globals['_SAMPLINGPARAMS']._serialized_end=416
-  _globals['_USAGE']._serialized_start=418
-  _globals['_USAGE']._serialized_end=475
-  _globals['_SAMPLE']._serialized_start=478
-  _globals['_SAMPLE']._serialized_end=614
-  _globals['_GENERATEREQUEST']._serialized_start=617
-  _globals['_GENERATEREQUEST']._serialized_end=810
-  _globals['_GENERATERESPONSE']._serialized_start=813
-  _globals['_GENERATERESPONSE']._serialized_end=960
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=963
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1162
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1165
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1364
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=1366
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1387
-  _globals['_ADAPTER']._serialized_start=1390
-  _globals['_ADAPTER']._serialized_end=1562
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1565
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1709
-  _globals['_INFERENCESERVICE']._serialized_start=1809
-  _globals['_INFERENCESERVICE']._serialized_end=2150
+  _globals['_FINISHREASON']._serialized_start=1948
+  _globals['_FINISHREASON']._serialized_end=2043
+  _globals['_TENSOR']._serialized_start=101
+  _globals['_TENSOR']._serialized_end=140
+  _globals['_ACTREQUEST']._serialized_start=142
+  _globals['_ACTREQUEST']._serialized_end=225
+  _globals['_ACTRESPONSE']._serialized_start=227
+  _globals['_ACTRESPONSE']._serialized_end=336
+  _globals['_CHATMESSAGE']._serialized_start=338
+  _globals['_CHATMESSAGE']._serialized_end=382
+  _globals['_CHATMESSAGES']._serialized_start=384
+  _globals['_CHATMESSAGES']._serialized_end=454
+  _globals['_SAMPLINGPARAMS']._serialized_start=457
+  _globals['_SAMPLINGPARAMS']._serialized_end=653
+  _globals['_USAGE']._serialized_start=655
+  _globals['_USAGE']._serialized_end=712
+  _globals['_SAMPLE']._serialized_start=715
+  _globals['_SAMPLE']._serialized_end=851
+  _globals['_GENERATEREQUEST']._serialized_start=854
+  _globals['_GENERATEREQUEST']._serialized_end=1047
+  _globals['_GENERATERESPONSE']._serialized_start=1050
+  _globals['_GENERATERESPONSE']._serialized_end=1197
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1200
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1399
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1402
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1601
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=1603
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=1624
+  _globals['_ADAPTER']._serialized_start=1627
+  _globals['_ADAPTER']._serialized_end=1799
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1802
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1946
+  _globals['_INFERENCESERVICE']._serialized_start=2046
+  _globals['_INFERENCESERVICE']._serialized_end=2469
 # @@protoc_insertion_point(module_scope)

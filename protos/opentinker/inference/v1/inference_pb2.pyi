@@ -19,6 +19,34 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
+class Tensor(_message.Message):
+    __slots__ = ("shape", "values")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ActRequest(_message.Message):
+    __slots__ = ("policy", "observations")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    observations: Tensor
+    def __init__(self, policy: _Optional[str] = ..., observations: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ActResponse(_message.Message):
+    __slots__ = ("actions", "values", "policy", "step")
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    actions: Tensor
+    values: _containers.RepeatedScalarFieldContainer[float]
+    policy: str
+    step: int
+    def __init__(self, actions: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Iterable[float]] = ..., policy: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]

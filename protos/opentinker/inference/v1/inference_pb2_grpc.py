@@ -56,6 +56,11 @@ class InferenceServiceStub:
                 request_serializer=opentinker_dot_inference_dot_v1_dot_inference__pb2.ListAdaptersRequest.SerializeToString,
                 response_deserializer=opentinker_dot_inference_dot_v1_dot_inference__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
+        self.Act = channel.unary_unary(
+                '/opentinker.inference.v1.InferenceService/Act',
+                request_serializer=opentinker_dot_inference_dot_v1_dot_inference__pb2.ActRequest.SerializeToString,
+                response_deserializer=opentinker_dot_inference_dot_v1_dot_inference__pb2.ActResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -101,6 +106,23 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Act(self, request, context):
+        """Acts with a trained PPO policy: a batch of observations in, the policy's greedy actions and
+        the critic's values out. The policy is named by the id of a finished single-agent full_rl
+        task (the newest checkpoint of one that SUCCEEDED, else its last complete one), loaded on
+        first use next to any base model (an inference task with `policies_only` loads none) and kept
+        like an adapter. Idempotent (no sampling: the same observations give the same answer).
+        Errors: INVALID_ARGUMENT (no policy named; observations empty, more than 4096 of them, values
+        that do not fill `shape`, or a shape other than [B, *the policy's observation shape]; the
+        message gives both shapes), NOT_FOUND (no such task, or not the caller's), FAILED_PRECONDITION
+        (not a full_rl task, not finished, no checkpoint, or one with no exported policy: a
+        multi-agent task), RESOURCE_EXHAUSTED (max_concurrent_requests reached), UNAVAILABLE (the
+        server is shutting down, or the scheduler cannot be asked about the task).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -118,6 +140,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.ListAdapters,
                     request_deserializer=opentinker_dot_inference_dot_v1_dot_inference__pb2.ListAdaptersRequest.FromString,
                     response_serializer=opentinker_dot_inference_dot_v1_dot_inference__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'Act': grpc.unary_unary_rpc_method_handler(
+                    servicer.Act,
+                    request_deserializer=opentinker_dot_inference_dot_v1_dot_inference__pb2.ActRequest.FromString,
+                    response_serializer=opentinker_dot_inference_dot_v1_dot_inference__pb2.ActResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -208,6 +235,33 @@ class InferenceService:
             '/opentinker.inference.v1.InferenceService/ListAdapters',
             opentinker_dot_inference_dot_v1_dot_inference__pb2.ListAdaptersRequest.SerializeToString,
             opentinker_dot_inference_dot_v1_dot_inference__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Act(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.inference.v1.InferenceService/Act',
+            opentinker_dot_inference_dot_v1_dot_inference__pb2.ActRequest.SerializeToString,
+            opentinker_dot_inference_dot_v1_dot_inference__pb2.ActResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -233,6 +233,30 @@ class CheckpointManifest(_message.Message):
     total_bytes: int
     def __init__(self, checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
+class ImportAdapterRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ImportAdapterHeader
+    chunk: CheckpointChunk
+    def __init__(self, header: _Optional[_Union[ImportAdapterHeader, _Mapping]] = ..., chunk: _Optional[_Union[CheckpointChunk, _Mapping]] = ...) -> None: ...
+
+class ImportAdapterHeader(_message.Message):
+    __slots__ = ("model", "name", "files")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    name: str
+    files: _containers.RepeatedCompositeFieldContainer[CheckpointFile]
+    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ...) -> None: ...
+
+class ImportAdapterResponse(_message.Message):
+    __slots__ = ("task",)
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    task: _common_pb2.Task
+    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ...) -> None: ...
+
 class CheckpointChunk(_message.Message):
     __slots__ = ("file_index", "offset", "data")
     FILE_INDEX_FIELD_NUMBER: _ClassVar[int]

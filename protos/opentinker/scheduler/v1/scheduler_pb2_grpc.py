@@ -28,7 +28,7 @@ if _version_not_supported:
 class SchedulerServiceStub:
     """The scheduler's public API, for clients, the `opentinker` CLI and grpcurl.
     Several schedulers on one PostgreSQL: every one answers the reads (GetTask, ListTasks,
-    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask,
+    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask, ImportAdapter,
     UploadDataset) and ListNodes. A follower answers those UNAVAILABLE with a google.rpc.ErrorInfo
     (reason NOT_LEADER, domain opentinker.scheduler, metadata "leader": the leader's host:port, "" during an
     election) and grpc-retry-pushback-ms -1; clients retry on the leader it names.
@@ -90,6 +90,11 @@ class SchedulerServiceStub:
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadCheckpointRequest.SerializeToString,
                 response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadCheckpointResponse.FromString,
                 _registered_method=True)
+        self.ImportAdapter = channel.stream_unary(
+                '/opentinker.scheduler.v1.SchedulerService/ImportAdapter',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ImportAdapterRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ImportAdapterResponse.FromString,
+                _registered_method=True)
         self.ListNodes = channel.unary_unary(
                 '/opentinker.scheduler.v1.SchedulerService/ListNodes',
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesRequest.SerializeToString,
@@ -100,7 +105,7 @@ class SchedulerServiceStub:
 class SchedulerServiceServicer:
     """The scheduler's public API, for clients, the `opentinker` CLI and grpcurl.
     Several schedulers on one PostgreSQL: every one answers the reads (GetTask, ListTasks,
-    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask,
+    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask, ImportAdapter,
     UploadDataset) and ListNodes. A follower answers those UNAVAILABLE with a google.rpc.ErrorInfo
     (reason NOT_LEADER, domain opentinker.scheduler, metadata "leader": the leader's host:port, "" during an
     election) and grpc-retry-pushback-ms -1; clients retry on the leader it names.
@@ -207,6 +212,24 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ImportAdapter(self, request_iterator, context):
+        """Imports a PEFT LoRA adapter folder made elsewhere (adapter_config.json with peft_type LORA, and
+        adapter_model.safetensors whose tensors are PEFT-named LoRA weights,
+        `base_model.model.<module>.lora_A.weight`) as a finished lora_finetune task of the caller's on
+        `model`: its id then names the adapter in `init_from`, serving and downloads. Client stream:
+        the first message is the header (model, name, every file's path, size and SHA-256), then each
+        file's bytes in chunks of at most 1 MiB, files in header order. The files go to the artifact
+        store, checked against the header; the task exists only once they are all stored, so nothing
+        half-written stays. Not idempotent (each call makes a task). Errors: INVALID_ARGUMENT (no
+        header, a missing or unsafe file path, sizes or hashes not as announced, not a LoRA adapter:
+        the message names the file and what was expected), RESOURCE_EXHAUSTED (more than 64 files or
+        4 GiB), FAILED_PRECONDITION (the scheduler has no artifact store), UNAVAILABLE (a follower:
+        NOT_LEADER, as for writes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListNodes(self, request, context):
         """Lists trainer nodes with their devices, capacity and latest telemetry. Idempotent. Admin keys only
         (it names every owner's running tasks): PERMISSION_DENIED for a user key.
@@ -268,6 +291,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadCheckpointRequest.FromString,
                     response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadCheckpointResponse.SerializeToString,
             ),
+            'ImportAdapter': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportAdapter,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ImportAdapterRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ImportAdapterResponse.SerializeToString,
+            ),
             'ListNodes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListNodes,
                     request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesRequest.FromString,
@@ -284,7 +312,7 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
 class SchedulerService:
     """The scheduler's public API, for clients, the `opentinker` CLI and grpcurl.
     Several schedulers on one PostgreSQL: every one answers the reads (GetTask, ListTasks,
-    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask,
+    WatchTask, GetMetrics, ListCheckpoints); only the leader takes writes (SubmitTask, CancelTask, ImportAdapter,
     UploadDataset) and ListNodes. A follower answers those UNAVAILABLE with a google.rpc.ErrorInfo
     (reason NOT_LEADER, domain opentinker.scheduler, metadata "leader": the leader's host:port, "" during an
     election) and grpc-retry-pushback-ms -1; clients retry on the leader it names.
@@ -550,6 +578,33 @@ class SchedulerService:
             '/opentinker.scheduler.v1.SchedulerService/DownloadCheckpoint',
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadCheckpointRequest.SerializeToString,
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DownloadCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportAdapter(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/ImportAdapter',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ImportAdapterRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ImportAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
