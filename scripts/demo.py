@@ -195,6 +195,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--port", type=int, default=8888, help="gRPC port (another free one if taken)")
     parser.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "demo")
+    parser.add_argument(
+        "--stay",
+        action="store_true",
+        help="after the task ends, keep the scheduler (and its dashboard) running until Ctrl-C",
+    )
     args = parser.parse_args()
 
     from opentinker_client import Environment, RLClient
@@ -234,6 +239,7 @@ def main() -> int:
             f"scheduler  grpc localhost:{port}   GET http://localhost:{http_port}/health -> {json.dumps(health)}",
             flush=True,
         )
+        print(f"dashboard  http://localhost:{http_port}/  (cluster, queue, tasks, compare)", flush=True)
         scheduler_url = f"http://localhost:{port}"
         trainer = start_trainer("demo-node", run_dir / "runs", scheduler_url, trainer_log, env, procs)
 
@@ -261,9 +267,10 @@ def main() -> int:
         )
         print(
             f"submitted  {task_id}: LoRA GRPO on {model.name}, arithmetic "
-            f"(a + b, one digit), {args.steps} steps, gpu_count={gpu_count}\n",
+            f"(a + b, one digit), {args.steps} steps, gpu_count={gpu_count}",
             flush=True,
         )
+        print(f"live       http://localhost:{http_port}/ui/task/{task_id}  (curves update as steps arrive)\n")
         print(
             f"{'step':>4}  {'reward':>6}  {'±std':>5}  {'loss':>8}  "
             f"{'kl':>7}  {'zero-std':>8}  {'tok/s':>6}  {'step s':>6}"
@@ -300,6 +307,10 @@ def main() -> int:
             print(
                 f'trainer log: "Task started" task_id={s.get("task_id")} attempt={s.get("attempt")} pid={s.get("pid")}'
             )
+        if args.stay:
+            print(f"\ndashboard stays up at http://localhost:{http_port}/ui/task/{task_id}; Ctrl-C to stop", flush=True)
+            while True:
+                time.sleep(3600)
         return 0 if task.state == "succeeded" else 1
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP
         SIGNALS.cleaning_up()
