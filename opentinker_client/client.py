@@ -189,6 +189,7 @@ class RLClient:
         env_tls_key: str | os.PathLike[str] | None = None,
         env_tls_ca: str | os.PathLike[str] | None = None,
         nodes: int = 1,
+        tracking: Mapping[str, Any] | None = None,
     ) -> str:
         """Submit a task; it starts PENDING and runs when a node has room.
 
@@ -223,6 +224,10 @@ class RLClient:
                 only: ``token``, ``tls_cert``, ``tls_key``, ``tls_ca`` of
                 :meth:`serve_environment` (the server always requires an access token; a random
                 one unless ``env_token`` is given).
+            tracking: live experiment tracking the worker writes as steps happen, e.g.
+                ``{"tensorboard": "/runs/tb"}``, ``{"mlflow": {"uri": "file:///runs/mlruns",
+                "experiment": "grpo"}}``, ``{"wandb": {"project": "p", "mode": "offline"}}``
+                (``spec.tracking``; the node needs the logger's extra installed).
 
         Returns:
             The new task's id.
@@ -276,6 +281,7 @@ class RLClient:
             hyperparameters=dict(hyperparameters or {}),
             init_from=init_from,
             dataset=os.fspath(dataset) if dataset is not None else "",
+            tracking=dict(tracking or {}),
         )
         if hosted is None:
             return self.submit_config(config, request_id=request_id)
