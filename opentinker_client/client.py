@@ -395,6 +395,13 @@ class RLClient:
         """
         return self._tasks.metric_history(check_task_id(task_id), after_step=after_step)
 
+    def get_timed_metric_history(
+        self, task_id: str, *, after_step: int = 0
+    ) -> list[tuple[int, float, dict[str, float]]]:
+        """As :meth:`get_metric_history`, as ``(step, unix seconds, values)``: the time the step was
+        reported, for curves against wall time (``opentinker plot --x time``)."""
+        return self._tasks.timed_metric_history(check_task_id(task_id), after_step=after_step)
+
     def list_nodes(self) -> list[NodeInfo]:
         """Trainer nodes with their devices, free GPUs, running tasks and latest telemetry.
 
