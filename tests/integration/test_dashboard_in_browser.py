@@ -1,7 +1,9 @@
 """The web dashboard in a real browser (Debian's Chromium driven by selenium through chromedriver)
 against a real scheduler and trainer with auth on: log in with a user's key, see the cluster, a
 running task's curve gaining points without a reload, two tasks on one compare chart, cancel from
-the page, and never another owner's task.
+the page, and never another owner's task. The same running task also carries ``spec.tracking``:
+its TensorBoard and MLflow runs are read back with those tools' own readers while it runs (one
+cluster for both keeps the suite's time down).
 
 Chromium comes from the system (``make test-deps`` installs ``chromium chromium-driver`` when root);
 without it the module skips, saying so. Screenshots go to the test's tmp folder; with
@@ -11,6 +13,7 @@ without it the module skips, saying so. Screenshots go to the test's tmp folder;
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import tarfile
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from opentinker_client import RLClient
+from opentinker_client import InvalidArgumentError, RLClient
 from tests.support.procs import Cluster
 from tests.support.waiting import wait_progress
 
@@ -33,7 +36,7 @@ DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 
 # PPO on CartPole: 2 envs x 32 steps = 64 env steps an update, a fraction of a second each.
 SHORT = {"total_timesteps": 64 * 6, "num_envs": 2, "num_steps": 32, "checkpoint_every": 3, "hidden_sizes": [16]}
-LONG = {**SHORT, "total_timesteps": 64 * 5000, "checkpoint_every": 0}
+LONG = {**SHORT, "total_timesteps": 64 * 5000, "checkpoint_every": 2}
 ENV = {"env_id": "CartPole-v1"}
 #: Seconds a page load after a click may take (the driver's page-load timeout too).
 PAGE_LOAD_S = 60
@@ -76,7 +79,10 @@ def browser(tmp_path_factory):
 def dash(tmp_path_factory):
     """A scheduler with auth on, one trainer, and three tasks: alice's short and long ones, and bob's."""
     tmp = tmp_path_factory.mktemp("dashboard")
-    cluster = Cluster(tmp, "heartbeat_interval: 0.5\nlease: 3\nauth: {enabled: true}\n")
+    track = tmp / "tracking"
+    cluster = Cluster(
+        tmp, f"heartbeat_interval: 0.5\nlease: 3\nauth: {{enabled: true}}\npaths: {{tracking_dirs: [{track}]}}\n"
+    )
     try:
         cluster.start_scheduler()
         with RLClient(cluster.url, api_key=cluster.admin_key()) as root:
@@ -93,14 +99,26 @@ def dash(tmp_path_factory):
             short = alice.submit_task(
                 workload_type="full_rl", model="mlp", env_config=ENV, hyperparameters=SHORT, name=TRICKY_NAME
             )
+            tracking = {
+                "tensorboard": str(track / "tb"),
+                "mlflow": {"uri": f"file://{track / 'mlruns'}", "experiment": "ppo-cartpole"},
+            }
             long = alice.submit_task(
-                workload_type="full_rl", model="mlp", env_config=ENV, hyperparameters=LONG, name="long run"
+                workload_type="full_rl",
+                model="mlp",
+                env_config=ENV,
+                hyperparameters=LONG,
+                name="long run",
+                tracking=tracking,
             )
+            with pytest.raises(InvalidArgumentError, match=r"spec.tracking.tensorboard: expected a folder under"):
+                alice.submit_task(workload_type="full_rl", model="mlp", env_config=ENV, tracking={"tensorboard": "/x"})
             hidden = bob.submit_task(
                 workload_type="full_rl", model="mlp", env_config=ENV, hyperparameters=LONG, name="bob's secret"
             )
         with RLClient(cluster.url, api_key=cluster.admin_key(), min_poll_interval=0) as admin:
             yield dict(
+                track=track,
                 cluster=cluster,
                 admin=admin,
                 alice=alice_key,
@@ -247,6 +265,55 @@ def test_another_owners_task_is_not_visible(browser, dash) -> None:
     assert "not found" in browser.find_element(By.TAG_NAME, "body").text
     browser.get(f"{dash['base']}/ui/task/{hidden}/checkpoint/0")
     assert "not found" in browser.find_element(By.TAG_NAME, "body").text
+
+
+def _tensorboard_steps(folder) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return [e.step for e in acc.Scalars("reward")] if "reward" in acc.Tags()["scalars"] else []
+
+
+def _mlflow_checkpoints(mlruns, run) -> list | None:
+    path = mlruns / run.info.experiment_id / run.info.run_id / "artifacts" / "checkpoints.json"
+    return json.loads(path.read_text())["checkpoints"] if path.exists() else None
+
+
+def test_running_task_writes_tensorboard_and_mlflow_as_steps_happen(dash) -> None:
+    pytest.importorskip("tensorboard", reason="the dev extra installs tensorboard")
+    pytest.importorskip("mlflow", reason="the dev extra installs mlflow-skinny")
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store behind this
+    from mlflow.tracking import MlflowClient
+
+    long, tb, mlruns = dash["long"], dash["track"] / "tb", dash["track"] / "mlruns"
+    ml = MlflowClient(tracking_uri=f"file://{mlruns}")
+
+    def run_and_history():
+        exp = ml.get_experiment_by_name("ppo-cartpole")
+        runs = ml.search_runs([exp.experiment_id]) if exp is not None else []
+        if not runs:
+            return None
+        history = ml.get_metric_history(runs[0].info.run_id, "reward")
+        return (runs[0], history) if len(history) >= 3 and len(_tensorboard_steps(tb / long)) >= 3 else None
+
+    run, history = wait_progress(
+        run_and_history, lambda: dash["cluster"].said_about(long), what="3 steps in TensorBoard and MLflow"
+    )
+    assert dash["admin"].get_task(long).state == "running"  # written live, not exported at the end
+    assert [m.step for m in history][:3] == [1, 2, 3]
+    assert _tensorboard_steps(tb / long)[:3] == [1, 2, 3]
+    assert run.info.run_name == long and run.data.tags["opentinker_task_id"] == long
+    assert run.data.params["num_envs"] == "2" and run.data.params["learning_rate"]  # resolved: defaults too
+    assert "loss.entropy" in ml.get_run(run.info.run_id).data.metrics  # loss/entropy: "/" becomes "."
+    spec = json.loads((mlruns / run.info.experiment_id / run.info.run_id / "artifacts" / "spec.json").read_text())
+    assert spec["tracking"]["mlflow"]["experiment"] == "ppo-cartpole" and spec["env"]["env_id"] == "CartPole-v1"
+    checkpoints = wait_progress(
+        lambda: _mlflow_checkpoints(mlruns, run),
+        lambda: dash["cluster"].said_about(long),
+        what="a checkpoint in MLflow",
+    )
+    assert checkpoints[0]["step"] == LONG["checkpoint_every"] and checkpoints[0]["path"].endswith("step_2")
 
 
 def test_cancel_needs_the_page_token_then_cancels(browser, dash) -> None:
