@@ -11,6 +11,7 @@ once). The task asks for 1 GPU when the node has one and runs on the CPU (gpu_co
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -258,12 +259,19 @@ def main() -> int:
 
         # The seed's client API, as written in the deployment guide.
         env_spec = Environment(action_space=4, observation_space=100, env_id="arithmetic", min_digits=1, max_digits=1)
+        # Live experiment tracking where this Python has the loggers (make install's dev extra does).
+        tracking: dict = {}
+        if importlib.util.find_spec("tensorboardX"):
+            tracking["tensorboard"] = str(run_dir / "tensorboard")
+        if importlib.util.find_spec("mlflow"):
+            tracking["mlflow"] = {"uri": f"file://{run_dir / 'mlruns'}", "experiment": "demo"}
         task_id = client.submit_task(
             env_config=env_spec.to_dict(),
             workload_type="lora_finetune",
             gpu_count=gpu_count,
             name="demo-arithmetic-lora",
             hyperparameters={"steps": args.steps},
+            tracking=tracking or None,
         )
         print(
             f"submitted  {task_id}: LoRA GRPO on {model.name}, arithmetic "
@@ -301,6 +309,12 @@ def main() -> int:
             print(f"mean reward, last 3 steps:  {last:.3f}   ({'+' if last >= first else ''}{last - first:.3f})")
         print(f"final state: {task.state.upper()}" + (f" — {task.error}" if task.error else ""))
         print(f"checkpoint (PEFT LoRA adapter): {checkpoint or task.checkpoint_path or 'none'}")
+        if "tensorboard" in tracking:
+            print(f"tensorboard: tensorboard --logdir {tracking['tensorboard']}")
+        if "mlflow" in tracking:
+            print(
+                f"mlflow:      MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {tracking['mlflow']['uri']}"
+            )
         started = [json.loads(line) for line in trainer_log.read_text().splitlines() if '"Task started"' in line]
         if started:
             s = started[0]
