@@ -6,7 +6,8 @@ Pages (all read-only but one form):
 * ``/ui/cluster`` (``/`` redirects here): nodes, connected and not, with per-GPU and host CPU
   telemetry and a sparkline of its last minutes (:class:`TelemetryHistory`).
 * ``/ui/queue``: pending tasks in placement order with their position and why each waits; running
-  tasks with progress (step of ``hyperparameters.steps``) and an ETA from the pace so far.
+  tasks with progress (step of ``hyperparameters.steps``, or of PPO's updates) and an ETA from
+  the pace so far.
 * ``/ui/tasks``: the caller's tasks (an admin's: everyone's), ticked to compare.
 * ``/ui/task/<id>``: the resolved spec, attempts, events, live reward/loss/KL/throughput curves
   (``/ui/task/<id>/charts`` is the fragment a few lines of JavaScript fetch every 2 s while the
@@ -158,6 +159,17 @@ def _resolved(spec: common_pb2.TaskSpec) -> dict:
         return spec_from_proto(spec).to_dict()
     except (SpecError, Exception):  # noqa: BLE001 - an old spec a newer build no longer parses
         return MessageToDict(spec, preserving_proto_field_name=True)
+
+
+def _total_steps(spec: common_pb2.TaskSpec) -> int | None:
+    """Steps the whole run takes: ``hyperparameters.steps``, or PPO's updates
+    (``total_timesteps // (num_envs * num_steps)``); None when the workload does not say."""
+    try:
+        hp = spec_from_proto(spec).hyperparameters
+    except Exception:  # noqa: BLE001 - an old spec a newer build no longer parses
+        return None
+    total = getattr(hp, "num_updates", None) or getattr(hp, "steps", None)
+    return int(total) if isinstance(total, (int, float)) and not isinstance(total, bool) and total > 0 else None
 
 
 def _kind(spec: common_pb2.TaskSpec) -> str:
@@ -493,10 +505,9 @@ class Dashboard:
         )
         run_rows = []
         for t in running:
-            steps = _resolved(t.spec).get("hyperparameters", {}) or {}
-            total_steps = steps.get("steps") if isinstance(steps, dict) else None
+            total_steps = _total_steps(t.spec)
             progress, eta = f"step {t.latest_step}", "-"
-            if isinstance(total_steps, (int, float)) and total_steps > 0:
+            if total_steps:
                 frac = min(1.0, t.latest_step / total_steps)
                 progress = (
                     f'<progress max="{int(total_steps)}" value="{t.latest_step}"></progress> '

@@ -258,6 +258,11 @@ def test_another_owners_task_is_not_visible(browser, dash) -> None:
     for page in ("/ui/tasks", "/ui/queue", "/ui/cluster"):
         browser.get(dash["base"] + page)
         assert hidden not in browser.page_source and "bob" not in browser.page_source, page
+    browser.get(dash["base"] + "/ui/queue")  # alice's running task: progress of PPO's updates, and an ETA
+    progress = browser.find_element(By.CSS_SELECTOR, f'tr.running[data-task="{dash["long"]}"] progress')
+    assert progress.get_attribute("max") == str(LONG["total_timesteps"] // (LONG["num_envs"] * LONG["num_steps"]))
+    assert progress.find_element(By.XPATH, "../following-sibling::td[1]").text != "-"  # the ETA
+    browser.get(dash["base"] + "/ui/cluster")
     assert "1 task(s) of other owners" in browser.find_element(By.CSS_SELECTOR, 'section.node[data-node="node-a"]').text
     browser.get(f"{dash['base']}/ui/task/{hidden}")
     assert "not found" in browser.find_element(By.TAG_NAME, "body").text
