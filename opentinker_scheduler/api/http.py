@@ -1,5 +1,6 @@
-"""HTTP side port: ``GET /health`` (``{"status": "ok"}``, as the seed promises), ``GET /ready``
-and ``GET /metrics`` (Prometheus text format, prometheus-client).
+"""HTTP side port: ``GET /health`` (``{"status": "ok"}``, as the seed promises), ``GET /ready``,
+``GET /metrics`` (Prometheus text format, prometheus-client), and the web dashboard at ``/`` and
+``/ui/...`` (:mod:`.dashboard`, whose store reads run on the event loop, not in these threads).
 
 Several schedulers on one PostgreSQL (``store: {kind: postgres}``): ``/health`` also says who
 leads, ``{"status": "ok", "role": "follower", "leader": "host-a:8888", "epoch": 7}``, on every
