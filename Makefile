@@ -29,7 +29,8 @@ $(MODEL_DIR)/config.json: $(VENV)/.installed scripts/prepare_model.py
 
 # The store tests run every case on PostgreSQL too, against a real server on loopback
 # (tests/support/postgres.py). Its binaries come from the system: installed here when missing
-# and we are root (CI, a fresh machine); otherwise those tests skip, saying why.
+# and we are root (CI, a fresh machine); otherwise those tests skip, saying why. The same for
+# Chromium and chromedriver, which the dashboard's browser test drives.
 test-deps:
 	@if [ -z "$$(command -v pg_config)" ] && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -37,6 +38,15 @@ test-deps:
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql; \
 	  else \
 	    echo "note: PostgreSQL is not installed and this is not root: its store tests will skip"; \
+	  fi; \
+	fi
+	@# The dashboard's browser test (tests/integration/test_dashboard_in_browser.py) drives Chromium.
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Chromium for the dashboard's browser test (apt-get install chromium chromium-driver)"; \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	  else \
+	    echo "note: Chromium is not installed and this is not root: the dashboard's browser test will skip"; \
 	  fi; \
 	fi
 
@@ -54,7 +64,7 @@ trainer: install
 	SCHEDULER_URL=$(SCHEDULER_URL) $(PY) -m opentinker_trainer --node-id $(NODE_ID)
 
 demo: install
-	$(PY) scripts/demo.py --model $(MODEL_DIR)
+	$(PY) scripts/demo.py --model $(MODEL_DIR) $(DEMO_ARGS)
 
 # ruff (rules E, F, W; line length 120), the house formatter, and the import contracts in
 # pyproject.toml ([tool.importlinter]: the roles never import each other, and so on).

@@ -335,6 +335,11 @@ def metric_points(points: Iterable[common_pb2.MetricPoint]) -> list[tuple[int, d
     return [(p.step, dict(p.values)) for p in points]
 
 
+def timed_metric_points(points: Iterable[common_pb2.MetricPoint]) -> list[tuple[int, float, dict[str, float]]]:
+    """MetricPoints -> ``[(step, unix seconds, {key: value})]`` in the order given (time 0.0 when unset)."""
+    return [(p.step, p.time.ToNanoseconds() / 1e9 if p.HasField("time") else 0.0, dict(p.values)) for p in points]
+
+
 # ---------------------------------------------------------------------------------------------
 # Datasets and checkpoints.
 

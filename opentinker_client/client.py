@@ -189,6 +189,7 @@ class RLClient:
         env_tls_key: str | os.PathLike[str] | None = None,
         env_tls_ca: str | os.PathLike[str] | None = None,
         nodes: int = 1,
+        tracking: Mapping[str, Any] | None = None,
     ) -> str:
         """Submit a task; it starts PENDING and runs when a node has room.
 
@@ -223,6 +224,10 @@ class RLClient:
                 only: ``token``, ``tls_cert``, ``tls_key``, ``tls_ca`` of
                 :meth:`serve_environment` (the server always requires an access token; a random
                 one unless ``env_token`` is given).
+            tracking: live experiment tracking the worker writes as steps happen, e.g.
+                ``{"tensorboard": "/runs/tb"}``, ``{"mlflow": {"uri": "file:///runs/mlruns",
+                "experiment": "grpo"}}``, ``{"wandb": {"project": "p", "mode": "offline"}}``
+                (``spec.tracking``; the node needs the logger's extra installed).
 
         Returns:
             The new task's id.
@@ -276,6 +281,7 @@ class RLClient:
             hyperparameters=dict(hyperparameters or {}),
             init_from=init_from,
             dataset=os.fspath(dataset) if dataset is not None else "",
+            tracking=dict(tracking or {}),
         )
         if hosted is None:
             return self.submit_config(config, request_id=request_id)
@@ -388,6 +394,13 @@ class RLClient:
             NotFoundError, InvalidArgumentError, UnavailableError: as for :meth:`get_task`.
         """
         return self._tasks.metric_history(check_task_id(task_id), after_step=after_step)
+
+    def get_timed_metric_history(
+        self, task_id: str, *, after_step: int = 0
+    ) -> list[tuple[int, float, dict[str, float]]]:
+        """As :meth:`get_metric_history`, as ``(step, unix seconds, values)``: the time the step was
+        reported, for curves against wall time (``opentinker plot --x time``)."""
+        return self._tasks.timed_metric_history(check_task_id(task_id), after_step=after_step)
 
     def list_nodes(self) -> list[NodeInfo]:
         """Trainer nodes with their devices, free GPUs, running tasks and latest telemetry.

@@ -17,7 +17,13 @@ from typing import Any, Iterable, Iterator
 
 from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import scheduler_pb2
-from opentinker_client._convert import event_from_proto, metric_points, node_from_proto, state_enum, task_from_proto
+from opentinker_client._convert import (
+    event_from_proto,
+    node_from_proto,
+    state_enum,
+    task_from_proto,
+    timed_metric_points,
+)
 from opentinker_client.connection import SchedulerConnection
 import grpc
 
@@ -258,25 +264,29 @@ class TaskCalls:
 
     def metric_history(self, task_id: str, *, after_step: int = 0) -> list[tuple[int, dict[str, float]]]:
         """``(step, values)`` after ``after_step``, oldest first, each step once (its newest report)."""
-        out: list[tuple[int, dict[str, float]]] = []
+        return [(s, v) for s, _, v in self.timed_metric_history(task_id, after_step=after_step)]
+
+    def timed_metric_history(self, task_id: str, *, after_step: int = 0) -> list[tuple[int, float, dict[str, float]]]:
+        """``(step, unix seconds, values)`` after ``after_step``, oldest first, each step once (its newest report)."""
+        out: list[tuple[int, float, dict[str, float]]] = []
         step = int(after_step)
         while True:
             response = self.connection.unary(
                 "GetMetrics", scheduler_pb2.GetMetricsRequest(task_id=task_id, after_step=step, include_history=True)
             )
-            points = [(s, v) for s, v in metric_points(response.points) if s > step]
+            points = [p for p in timed_metric_points(response.points) if p[0] > step]
             if not points:
                 break
             out.extend(points)
-            step = max(s for s, _ in points)
+            step = max(p[0] for p in points)
             if step >= response.latest_step:
                 break
         # After a resume from a checkpoint the new attempt reports again the steps the old one
         # ran past that checkpoint: the newest report of each step wins.
-        latest: dict[int, dict[str, float]] = {}
-        for s, v in out:
-            latest[s] = v
-        return sorted(latest.items())
+        latest: dict[int, tuple[int, float, dict[str, float]]] = {}
+        for p in out:
+            latest[p[0]] = p
+        return [latest[s] for s in sorted(latest)]
 
     def nodes(self) -> list[NodeInfo]:
         """The trainer nodes (``RLClient.list_nodes``)."""

@@ -74,6 +74,7 @@ _KEYS: dict[str, str] = {
     "env": "a mapping (env_id and options)",
     "hyperparameters": "a mapping of hyper-parameter names to values",
     "init_from": "the id of a finished task to start from (a string)",
+    "tracking": "a mapping of loggers (tensorboard, mlflow, wandb) the worker writes metrics to",
     "dataset": "a local JSONL file of chat examples to upload for sft (a path, relative to this file)",
 }
 
@@ -96,6 +97,8 @@ class TaskConfig:
         init_from: id of a SUCCEEDED task whose final checkpoint this one starts from; ``""`` = none.
         dataset: a local JSONL file of chat examples (``sft``); ``RLClient.submit_config`` uploads
             it and names it in ``env`` as ``dataset_id`` (``env_id`` defaults to ``chat_jsonl``).
+        tracking: live experiment tracking (``spec.tracking``): ``tensorboard: /abs/folder``,
+            ``mlflow: {uri, experiment}``, ``wandb: {project, mode}``.
         source: file it was read from, if any (not compared).
     """
 
@@ -111,6 +114,7 @@ class TaskConfig:
     hyperparameters: Mapping[str, Any] = field(default_factory=dict)
     init_from: str = ""
     dataset: str = ""
+    tracking: Mapping[str, Any] = field(default_factory=dict)
     source: str | None = field(default=None, compare=False)
 
     def check(self) -> TaskSpecModel:
@@ -145,6 +149,10 @@ class TaskConfig:
             hp = dict_to_struct(self.hyperparameters)
         except ValueError as err:
             raise InvalidArgumentError(f"spec.hyperparameters: {err}", field="spec.hyperparameters") from None
+        try:
+            tracking = dict_to_struct(self.tracking) if self.tracking else None
+        except ValueError as err:
+            raise InvalidArgumentError(f"spec.tracking: {err}", field="spec.tracking") from None
         spec = common_pb2.TaskSpec(
             workload_type=self.workload_type,
             model=self.model or "",
@@ -154,6 +162,7 @@ class TaskConfig:
             resources=common_pb2.Resources(gpu_count=self.gpu_count, nodes=self.nodes if self.nodes > 1 else 0),
             limits=common_pb2.Limits(max_attempts=self.max_attempts or 0),
             init_from=self.init_from or "",
+            tracking=tracking,
         )
         if self.max_runtime is not None:
             spec.limits.max_runtime.CopyFrom(seconds_to_duration(self.max_runtime))
@@ -194,6 +203,7 @@ def _check_parts(cfg: TaskConfig) -> TaskSpecModel:
         priority=cfg.priority,
         name=cfg.name or "",
         init_from=cfg.init_from or "",
+        tracking=dict(cfg.tracking or {}) or None,
     )
 
 
@@ -262,6 +272,7 @@ _SPEC_PREFIXES: tuple[tuple[str, Path], ...] = (
     ("spec.limits.max_runtime", ("max_runtime",)),
     ("spec.limits.max_attempts", ("max_attempts",)),
     ("spec.init_from", ("init_from",)),
+    ("spec.tracking", ("tracking",)),
     ("spec", ()),
 )
 _PATH_PART = re.compile(r"\.([^.\[\]]+)|\[(\d+)\]")
@@ -309,7 +320,7 @@ def _type_ok(key: str, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if key == "max_runtime":
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if key in ("env", "hyperparameters"):
+    if key in ("env", "hyperparameters", "tracking"):
         return isinstance(value, Mapping)
     return False  # pragma: no cover
 
@@ -382,6 +393,7 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
         env=dict(opt("env", {})),
         hyperparameters=dict(opt("hyperparameters", {})),
         init_from=opt("init_from", ""),
+        tracking=dict(opt("tracking", {})),
         dataset=_beside(source, opt("dataset", "")),
         source=source,
     )

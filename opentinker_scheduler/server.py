@@ -27,6 +27,7 @@ from opentinker_scheduler.security.bundle import Security, build_security
 
 from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.state.core import STATE_NAMES, SchedulerCore
+from opentinker_scheduler.api.dashboard import Dashboard
 from opentinker_scheduler.api.front import PortFront
 from opentinker_scheduler.api.http import HttpEndpoint, Snapshot
 from opentinker_scheduler.api.service import NodeService, SchedulerService
@@ -165,7 +166,7 @@ async def _tick_loop(core: SchedulerCore, http: HttpEndpoint | None, interval_s:
             core.placement_latencies.clear()  # also without HTTP, or the list would only grow
             if http is not None:
                 if time.monotonic() - last_snapshot > 1.0:
-                    http.snapshot = _snapshot(core, leadership)
+                    http.publish(_snapshot(core, leadership))
                     last_snapshot = time.monotonic()
         except Exception:  # noqa: BLE001 - keep scheduling; the error is logged
             log.exception("tick failed")
@@ -282,6 +283,9 @@ async def start_scheduler(
         http.snapshot = _snapshot(core, leadership)
         http.node_messages = core.node_messages  # live counters; the HTTP thread only reads them
         http.submits_refused = scheduler_service.gate.refused
+        http.dashboard = Dashboard(
+            core, asyncio.get_running_loop(), security=security, artifacts=artifacts, secure=http.scheme == "https"
+        )
         http.start()
     tick = asyncio.create_task(_tick_loop(core, http, tick_interval_s, leadership))
     log.info(

@@ -57,6 +57,9 @@ class WorkerContext:
     #: Puts each checkpoint into the artifact store before it is reported (None: report the path
     #: only, a worker run without a scheduler); an ``opentinker_trainer.artifacts.CheckpointPublisher``.
     publisher: Any = None
+    #: Live experiment tracking of ``spec.tracking`` (an ``opentinker_trainer.tracking.Trackers``),
+    #: fed every metric and checkpoint as it is reported; None = none.
+    tracker: Any = None
 
     # --- reports ---------------------------------------------------------------------------
     def _emit(self, kind: str, **payload: Any) -> None:
@@ -76,6 +79,8 @@ class WorkerContext:
             if v is not None and float(v) == float(v) and abs(float(v)) != float("inf")
         }
         self._emit("metric", step=int(step), values=clean)
+        if self.tracker is not None:
+            self.tracker.log(step, clean)
 
     def emit_checkpoint(self, step: int, path: Path, *, final: bool, fmt: str) -> None:
         """Report a checkpoint folder written after ``step`` (format e.g. ``peft_lora``).
@@ -104,6 +109,8 @@ class WorkerContext:
                 "backend": self.publisher.settings.backend,
             }
         self._emit("checkpoint", step=int(step), path=str(path), final=bool(final), format=fmt, artifact=artifact)
+        if self.tracker is not None:
+            self.tracker.checkpoint(step, path, final)
         if final:
             self.completed = True
 

@@ -51,6 +51,7 @@ from opentinker_trainer.artifacts import (
 )
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.local_paths import check_model_not_local, check_spec_paths, private_dirs
+from opentinker_trainer.tracking import open_trackers
 from opentinker_trainer.workloads import run_task
 
 
@@ -123,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         check_spec_paths(spec, private_dirs(args.checkpoint_dir))
         if assign.local_paths_restricted:  # paths.model_dirs in force: no hub-id-shaped name of a local folder
             check_model_not_local(spec.model)
+        # spec.tracking: a logger whose package this node lacks fails the task here (UserError).
+        ctx.tracker = open_trackers(
+            spec.tracking,
+            task_id=assign.task_id,
+            attempt=assign.attempt,
+            spec=spec.to_dict(),
+            work_dir=args.checkpoint_dir.parent,
+        )
         _run(ctx, assign, device)
     except CheckpointStoreFailed as exc:
         log.error("task failed: checkpoints cannot be stored", error=str(exc))
@@ -136,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("task failed", error=repr(exc), traceback=traceback.format_exc())
         ctx._emit("failed", error=f"{type(exc).__name__}: {exc}", retryable=True)
         return 1
+    finally:
+        if ctx.tracker is not None:
+            ctx.tracker.close(ok=ctx.completed)
     if ctx.should_stop() and not ctx.completed:
         ctx._emit("stopped")
     else:

@@ -11,6 +11,7 @@ once). The task asks for 1 GPU when the node has one and runs on the CPU (gpu_co
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -195,6 +196,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--port", type=int, default=8888, help="gRPC port (another free one if taken)")
     parser.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "demo")
+    parser.add_argument(
+        "--stay",
+        action="store_true",
+        help="after the task ends, keep the scheduler (and its dashboard) running until Ctrl-C",
+    )
     args = parser.parse_args()
 
     from opentinker_client import Environment, RLClient
@@ -234,6 +240,7 @@ def main() -> int:
             f"scheduler  grpc localhost:{port}   GET http://localhost:{http_port}/health -> {json.dumps(health)}",
             flush=True,
         )
+        print(f"dashboard  http://localhost:{http_port}/  (cluster, queue, tasks, compare)", flush=True)
         scheduler_url = f"http://localhost:{port}"
         trainer = start_trainer("demo-node", run_dir / "runs", scheduler_url, trainer_log, env, procs)
 
@@ -252,18 +259,26 @@ def main() -> int:
 
         # The seed's client API, as written in the deployment guide.
         env_spec = Environment(action_space=4, observation_space=100, env_id="arithmetic", min_digits=1, max_digits=1)
+        # Live experiment tracking where this Python has the loggers (make install's dev extra does).
+        tracking: dict = {}
+        if importlib.util.find_spec("tensorboardX"):
+            tracking["tensorboard"] = str(run_dir / "tensorboard")
+        if importlib.util.find_spec("mlflow"):
+            tracking["mlflow"] = {"uri": f"file://{run_dir / 'mlruns'}", "experiment": "demo"}
         task_id = client.submit_task(
             env_config=env_spec.to_dict(),
             workload_type="lora_finetune",
             gpu_count=gpu_count,
             name="demo-arithmetic-lora",
             hyperparameters={"steps": args.steps},
+            tracking=tracking or None,
         )
         print(
             f"submitted  {task_id}: LoRA GRPO on {model.name}, arithmetic "
-            f"(a + b, one digit), {args.steps} steps, gpu_count={gpu_count}\n",
+            f"(a + b, one digit), {args.steps} steps, gpu_count={gpu_count}",
             flush=True,
         )
+        print(f"live       http://localhost:{http_port}/ui/task/{task_id}  (curves update as steps arrive)\n")
         print(
             f"{'step':>4}  {'reward':>6}  {'±std':>5}  {'loss':>8}  "
             f"{'kl':>7}  {'zero-std':>8}  {'tok/s':>6}  {'step s':>6}"
@@ -294,12 +309,22 @@ def main() -> int:
             print(f"mean reward, last 3 steps:  {last:.3f}   ({'+' if last >= first else ''}{last - first:.3f})")
         print(f"final state: {task.state.upper()}" + (f" — {task.error}" if task.error else ""))
         print(f"checkpoint (PEFT LoRA adapter): {checkpoint or task.checkpoint_path or 'none'}")
+        if "tensorboard" in tracking:
+            print(f"tensorboard: tensorboard --logdir {tracking['tensorboard']}")
+        if "mlflow" in tracking:
+            print(
+                f"mlflow:      MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {tracking['mlflow']['uri']}"
+            )
         started = [json.loads(line) for line in trainer_log.read_text().splitlines() if '"Task started"' in line]
         if started:
             s = started[0]
             print(
                 f'trainer log: "Task started" task_id={s.get("task_id")} attempt={s.get("attempt")} pid={s.get("pid")}'
             )
+        if args.stay:
+            print(f"\ndashboard stays up at http://localhost:{http_port}/ui/task/{task_id}; Ctrl-C to stop", flush=True)
+            while True:
+                time.sleep(3600)
         return 0 if task.state == "succeeded" else 1
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP
         SIGNALS.cleaning_up()

@@ -10,6 +10,8 @@
     opentinker nodes                         # nodes and per-GPU telemetry
     opentinker logs TASK_ID [--follow]       # state changes, errors, checkpoints as lines
     opentinker plot TASK_ID -o curves.png    # reward and loss vs step (extra: plot)
+    opentinker plot A B --x env_steps --smooth 0.6   # several tasks overlaid
+    opentinker compare A B                   # final/best metrics, wall time, settings that differ
     opentinker export TASK_ID --tensorboard runs/tb   # TensorBoard event files (extra: tensorboard)
 
 The scheduler is ``--scheduler-url``, else ``$SCHEDULER_URL``, else ``localhost:8888``; the API key
@@ -33,7 +35,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from opentinker_client.client import DEFAULT_SCHEDULER_URL, RLClient
 from opentinker_client.types import TERMINAL_STATES, NodeInfo, TaskEvent, TaskInfo
@@ -641,20 +643,116 @@ def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_plot(client: RLClient, args: argparse.Namespace) -> int:
-    from opentinker_client.cli.plot import MissingExtraError, plot_history
+def _env_kind(task: TaskInfo) -> str:
+    from opentinker_common.spec.registry import env_entry
 
-    task = client.get_task(args.task_id)
-    history = client.get_metric_history(task.task_id)
-    out = args.output or f"{task.task_id}.png"
-    title = f"{task.task_id}" + (f" {task.name}" if task.name else "") + f" ({task.workload_type}, {task.state})"
+    entry = env_entry(str((task.env_config or {}).get("env_id", "arithmetic")))
+    return entry.kind if entry is not None else ""
+
+
+def _default_x(tasks: Sequence[TaskInfo]) -> str:
+    """``env_steps`` when every task is PPO on an environment (sample efficiency), else ``step``."""
+    from opentinker_common import curves
+
+    axes = {curves.default_x_axis(t.workload_type, _env_kind(t)) for t in tasks}
+    return axes.pop() if len(axes) == 1 else "step"
+
+
+def _cmd_plot(client: RLClient, args: argparse.Namespace) -> int:
+    from opentinker_client.cli.plot import MissingExtraError, plot_runs
+
+    tasks = [client.get_task(t) for t in dict.fromkeys(args.task_id)]
+    runs = [
+        ((f"{t.task_id} {t.name}".strip() if len(tasks) > 1 else ""), client.get_timed_metric_history(t.task_id))
+        for t in tasks
+    ]
+    x = args.x or _default_x(tasks)
+    out = args.output or (f"{tasks[0].task_id}.png" if len(tasks) == 1 else "compare.png")
+    if len(tasks) == 1:
+        t = tasks[0]
+        title = f"{t.task_id}" + (f" {t.name}" if t.name else "") + f" ({t.workload_type}, {t.state})"
+    else:
+        title = f"{len(tasks)} tasks"
     try:
-        counts = plot_history(history, out, title=title, keys=tuple(args.key or ("reward", "loss")))
+        counts = plot_runs(runs, out, title=title, keys=tuple(args.key or ("reward", "loss")), x=x, smooth=args.smooth)
     except MissingExtraError as exc:
         return _error(exc)
     except ValueError as exc:
-        return _error(f"task {task.task_id}: {exc}")
-    print(safe_text(f"wrote {out}: " + ", ".join(f"{n} {k} point(s)" for k, n in counts.items())))
+        which = f"task {tasks[0].task_id}" if len(tasks) == 1 else "tasks " + ", ".join(t.task_id for t in tasks)
+        return _error(f"{which}: {exc}")
+    print(safe_text(f"wrote {out}: " + ", ".join(f"{n} {k} point(s)" for k, n in counts.items()) + f" against {x}"))
+    return EXIT_OK
+
+
+#: Metrics ``compare`` reports, and whether larger is better.
+_COMPARE_KEYS = (("reward", True), ("loss", False))
+
+
+def compare_rows(
+    tasks: Sequence[TaskInfo], histories: Sequence[Sequence[tuple[int, Mapping[str, float]]]], *, now: float
+) -> tuple[list[str], list[list[str]], list[tuple[str, list[str]]]]:
+    """The ``compare`` table: ``(header, one row per task, [(hyperparameter, value per task)])``
+    with final and best reward/loss, steps, wall time, and only the resolved hyper-parameters
+    (and model, env) whose values differ between the tasks."""
+    header = ["task", "name", "state", "steps", "wall time"]
+    for key, _ in _COMPARE_KEYS:
+        header += [f"final {key}", f"best {key}"]
+    rows = []
+    for task, history in zip(tasks, histories):
+        start = task.start_time.timestamp() if task.start_time else None
+        end = task.end_time.timestamp() if task.end_time else now
+        row = [task.task_id, task.name, task.state, str(task.latest_step), _seconds(end - start) if start else "-"]
+        for key, larger in _COMPARE_KEYS:
+            values = [v[key] for _, v in history if key in v and math.isfinite(v[key])]
+            row.append(f"{values[-1]:.4g}" if values else "-")
+            row.append(f"{(max(values) if larger else min(values)):.4g}" if values else "-")
+        rows.append(row)
+    flat = [
+        _flatten({"model": t.model, "env": dict(t.env_config or {}), **dict(t.hyperparameters or {})}) for t in tasks
+    ]
+    names = sorted(set().union(*flat)) if flat else []
+    differing = [
+        (n, [json.dumps(f.get(n), default=str) if n in f else "-" for f in flat])
+        for n in names
+        if len({json.dumps(f.get(n), sort_keys=True, default=str) for f in flat}) > 1
+    ]
+    return header, rows, differing
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def _cmd_compare(client: RLClient, args: argparse.Namespace) -> int:
+    import time
+
+    from rich.table import Table
+
+    tasks = [client.get_task(t) for t in dict.fromkeys(args.task_id)]
+    histories = [client.get_metric_history(t.task_id) for t in tasks]
+    header, rows, differing = compare_rows(tasks, histories, now=time.time())
+    console = _console()
+    table = Table(*header, title="tasks")
+    for row in rows:
+        table.add_row(*(_escape(c) for c in row))
+    console.print(table)
+    if differing:
+        hp = Table("setting", *(t.task_id for t in tasks), title="settings that differ (resolved)")
+        for name, values in differing:
+            hp.add_row(_escape(name), *(_escape(v) for v in values))
+        console.print(hp)
+    else:
+        console.print("settings: the same for every task (resolved model, env and hyper-parameters)")
     return EXIT_OK
 
 
@@ -898,8 +996,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", action="store_true", help="also a line per training step")
     p.set_defaults(func=_cmd_logs)
 
-    p = sub.add_parser("plot", help="write a PNG of a task's reward and loss curves (needs the plot extra: matplotlib)")
-    p.add_argument("task_id", metavar="TASK_ID")
+    p = sub.add_parser(
+        "plot", help="write a PNG of tasks' reward and loss curves, overlaid (needs the plot extra: matplotlib)"
+    )
+    p.add_argument("task_id", metavar="TASK_ID", nargs="+", help="one or more tasks, overlaid on each panel")
     p.add_argument(
         "-o", "--output", default=None, metavar="FILE", help="image file, .png/.svg/.pdf (default: TASK_ID.png)"
     )
@@ -910,7 +1010,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="metric to draw, one panel each (repeatable; default: reward and loss)",
     )
+    p.add_argument(
+        "--x",
+        choices=("step", "env_steps", "tokens", "time"),
+        default=None,
+        help="x axis (default: env_steps for PPO on environments, else step)",
+    )
+    p.add_argument(
+        "--smooth", type=float, default=0.0, metavar="W", help="EMA smoothing weight in [0, 1), as TensorBoard's"
+    )
     p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("compare", help="a table of tasks' final and best metrics, wall time and differing settings")
+    p.add_argument("task_id", metavar="TASK_ID", nargs="+")
+    p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser(
         "export",

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from opentinker_common.spec._parse import SpecError, check_text, parse_dataclass, plain
+from opentinker_common.spec.tracking import TrackingConfig, parse_tracking
 from opentinker_common.spec.registry import (
     WORKLOAD_TYPES,
     env_entry,
@@ -136,6 +137,8 @@ class TaskSpecModel:
     init_from: str = ""
     #: Nodes the task spans (``resources.nodes``; a gang of ``nodes`` x ``gpu_count`` ranks); 1 = one node.
     nodes: int = 1
+    #: Live experiment tracking (``spec.tracking``: TensorBoard, MLflow, W&B); none by default.
+    tracking: TrackingConfig = TrackingConfig()
 
     @classmethod
     def from_parts(
@@ -153,6 +156,7 @@ class TaskSpecModel:
         allowed_workloads: tuple[str, ...] = WORKLOAD_TYPES,
         init_from: Any = "",
         nodes: Any = 1,
+        tracking: Any = None,
     ) -> "TaskSpecModel":
         """Validate every part; raises :class:`SpecError` on the first bad field."""
         if not isinstance(workload_type, str) or workload_type not in allowed_workloads:
@@ -210,6 +214,7 @@ class TaskSpecModel:
             )
         hp = validate_hyperparameters(workload_type, hyperparameters, env=env)
         _check_init_from(init_from, env)
+        tracked = parse_tracking(tracking)
         return cls(
             workload_type=workload_type,
             model=model,
@@ -222,6 +227,7 @@ class TaskSpecModel:
             name=name,
             init_from=init_from,
             nodes=nodes,
+            tracking=tracked,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -239,6 +245,7 @@ def spec_from_proto(spec, *, allowed_workloads: tuple[str, ...] = WORKLOAD_TYPES
 
     env = json_format.MessageToDict(spec.env_config) if spec.HasField("env_config") else {}
     hp = json_format.MessageToDict(spec.hyperparameters) if spec.HasField("hyperparameters") else {}
+    tracking = json_format.MessageToDict(spec.tracking) if spec.HasField("tracking") else None
     max_runtime_s = None
     if spec.HasField("limits") and spec.limits.HasField("max_runtime"):
         max_runtime_s = spec.limits.max_runtime.ToNanoseconds() / 1e9
@@ -255,6 +262,7 @@ def spec_from_proto(spec, *, allowed_workloads: tuple[str, ...] = WORKLOAD_TYPES
         allowed_workloads=allowed_workloads,
         init_from=spec.init_from,
         nodes=spec.resources.nodes,
+        tracking=tracking,
     )
 
 

@@ -5,6 +5,7 @@
     paths:
       model_dirs: [/models]   # spec.model may name a local folder only under these
       data_dirs: [/data]      # env_config.path (chat_jsonl) may name a file only under these
+      tracking_dirs: [/runs]  # spec.tracking may write (TensorBoard, MLflow file store, W&B) only under these
 
 A spec names local paths in two places: ``spec.model`` (a model folder instead of a hub id) and
 ``spec.env_config.path`` (an ``sft`` dataset file instead of an uploaded ``dataset_id``). On a
@@ -57,7 +58,7 @@ def is_under(path: str, folders: tuple[str, ...]) -> bool:
 
 def _describe(dirs: tuple[str, ...], key: str) -> str:
     if dirs:
-        return f"a {'folder' if key == 'model_dirs' else 'file'} under paths.{key} ({', '.join(dirs)})"
+        return f"a {'file' if key == 'data_dirs' else 'folder'} under paths.{key} ({', '.join(dirs)})"
     return f"no local path (auth is on and paths.{key} lists no folder)"
 
 
@@ -114,6 +115,28 @@ def check_local_paths(spec: Any, *, paths: PathsConfig, auth_enabled: bool, defa
             f"{_describe(allowed, 'data_dirs')}, "
             f"got {data!r}{_why(data)}"
         )
+    allowed = paths.allowed("tracking_dirs", auth_enabled=auth_enabled)
+    if allowed is not None:
+        for where, folder in _tracking_paths(spec):
+            if not is_under(folder, allowed):
+                raise InvalidArgument(
+                    f"{where}: expected {_describe(allowed, 'tracking_dirs')}, got {folder!r}{_why(folder)}"
+                )
+
+
+def _tracking_paths(spec: Any) -> list[tuple[str, str]]:
+    """Folders ``spec.tracking`` writes to on the node (a malformed section is the spec check's to refuse)."""
+    if not spec.HasField("tracking"):
+        return []
+    from google.protobuf.json_format import MessageToDict
+
+    from opentinker_common.spec import SpecError
+    from opentinker_common.spec.tracking import parse_tracking
+
+    try:
+        return parse_tracking(MessageToDict(spec.tracking)).local_paths()
+    except SpecError:
+        return []
 
 
 def _env_path(spec: Any) -> str | None:

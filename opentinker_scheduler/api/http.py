@@ -1,5 +1,6 @@
-"""HTTP side port: ``GET /health`` (``{"status": "ok"}``, as the seed promises), ``GET /ready``
-and ``GET /metrics`` (Prometheus text format, prometheus-client).
+"""HTTP side port: ``GET /health`` (``{"status": "ok"}``, as the seed promises), ``GET /ready``,
+``GET /metrics`` (Prometheus text format, prometheus-client), and the web dashboard at ``/`` and
+``/ui/...`` (:mod:`.dashboard`, whose store reads run on the event loop, not in these threads).
 
 Several schedulers on one PostgreSQL (``store: {kind: postgres}``): ``/health`` also says who
 leads, ``{"status": "ok", "role": "follower", "leader": "host-a:8888", "epoch": 7}``, on every
@@ -130,7 +131,7 @@ class _Collector:
 #: The header of every answer that names the scheduler's gRPC port (read by the client to say
 #: "that is the scheduler's HTTP port; its gRPC port is ..." when it dials this port by mistake).
 GRPC_PORT_HEADER = "X-OpenTinker-Grpc-Port"
-_NOT_FOUND = b'{"error": "not found; try /health, /ready or /metrics"}'
+_NOT_FOUND = b'{"error": "not found; try /health, /ready, /metrics or the dashboard at /"}'
 
 
 def _with_header(start_response, header: tuple[str, str]):
@@ -187,6 +188,15 @@ class HttpEndpoint:
         self.server: SidePortServer = make_side_port_server(host, port, app, _QuietHandler, ssl_context=context)
         self.port = self.server.server_port
         self._thread = threading.Thread(target=self.server.serve_forever, name="http", daemon=True)
+        #: The web dashboard (``/``, ``/ui/...``: :mod:`.dashboard`), set by the server once its loop runs.
+        self.dashboard = None
+
+    def publish(self, snapshot: Snapshot) -> None:
+        """Replace the snapshot (the event loop, about once a second); the dashboard keeps its
+        telemetry as the sparklines' history."""
+        self.snapshot = snapshot
+        if self.dashboard is not None:
+            self.dashboard.history.add(snapshot.gpus, snapshot.hosts)
 
     def start(self) -> None:
         self._thread.start()
@@ -231,6 +241,12 @@ class HttpEndpoint:
             return 200 if ok else 503, [("Content-Type", "application/json"), *headers], json.dumps(body).encode()
         if path == "/metrics":
             return 200, [("Content-Type", CONTENT_TYPE_LATEST), *headers], generate_latest(self.registry)
+        if self.dashboard is not None and self.dashboard.handles(path):
+            page = (
+                "<!doctype html><title>OpenTinker</title><p>This is the scheduler's gRPC port. The dashboard is on "
+                f"its HTTP port, {self.port}: <code>{self.scheme}://&lt;this host&gt;:{self.port}/</code></p>"
+            ).encode()
+            return 200, [("Content-Type", "text/html; charset=utf-8"), *headers], page
         return 404, [("Content-Type", "application/json"), *headers], _NOT_FOUND
 
     def _app(self, environ, start_response):
@@ -247,6 +263,8 @@ class HttpEndpoint:
             return [data]
         if path == "/metrics":
             return self._metrics_app(environ, start_response)
+        if self.dashboard is not None and self.dashboard.handles(path):
+            return self.dashboard.wsgi(environ, start_response)
         start_response(
             "404 Not Found", [("Content-Type", "application/json"), ("Content-Length", str(len(_NOT_FOUND)))]
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-_EXAMPLE = {"model_dirs": "/models", "data_dirs": "/data"}
+_EXAMPLE = {"model_dirs": "/models", "data_dirs": "/data", "tracking_dirs": "/runs"}
 
 
 @dataclass(frozen=True)
@@ -17,9 +17,11 @@ class PathsConfig:
     model_dirs: tuple[str, ...] | None = None
     #: Folders ``env_config.path`` may name a dataset file under.
     data_dirs: tuple[str, ...] | None = None
+    #: Folders ``spec.tracking`` may write under (TensorBoard logdir, MLflow ``file:`` store, W&B dir).
+    tracking_dirs: tuple[str, ...] | None = None
 
     def allowed(self, field: str, *, auth_enabled: bool) -> tuple[str, ...] | None:
-        """Folders allowed for ``field`` (``model_dirs`` or ``data_dirs``); None = unrestricted."""
+        """Folders allowed for ``field`` (``model_dirs``, ``data_dirs`` or ``tracking_dirs``); None = unrestricted."""
         dirs = getattr(self, field)
         if dirs is None:
             return () if auth_enabled else None
@@ -42,9 +44,9 @@ def parse_paths(r, node) -> PathsConfig:
 
     Each list holds absolute, normalized folders (``/models``, not ``models`` or ``/models/``).
     """
-    m = r.mapping(node, "paths", {"model_dirs": "", "data_dirs": ""})
+    m = r.mapping(node, "paths", {"model_dirs": "", "data_dirs": "", "tracking_dirs": ""})
     kw: dict[str, tuple[str, ...]] = {}
-    for key in ("model_dirs", "data_dirs"):
+    for key in ("model_dirs", "data_dirs", "tracking_dirs"):
         if key not in m:
             continue
         dirs: list[str] = []

@@ -99,13 +99,31 @@ def test_plot_writes_a_png(ran, tmp_path) -> None:
     out = tmp_path / "curves.png"
     proc = run(cluster.url, "plot", ok, "-o", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == f"wrote {out}: 4 reward point(s), 4 loss point(s)"
+    assert proc.stdout.strip() == f"wrote {out}: 4 reward point(s), 4 loss point(s) against step"
     from PIL import Image
 
     with Image.open(out) as img:
         assert img.format == "PNG" and img.size == (800, 520)  # 8 x 5.2 inches at 100 dpi
         assert len(img.convert("RGB").getcolors(1 << 20)) > 2  # something was drawn
     assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]  # no temporary file left
+
+
+def test_plot_overlays_tasks_and_compare_tables_them(ran, tmp_path, capsys, monkeypatch) -> None:
+    from opentinker_client.cli import commands
+
+    cluster, ok, bad = ran
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "both.svg"
+    argv = ["--scheduler-url", cluster.url, "plot", ok, bad, "--x", "time", "--smooth", "0.5", "-o", str(out)]
+    assert commands.main(argv) == 0  # in process: the CLI's own code, without a Python start per call
+    assert capsys.readouterr().out.strip() == f"wrote {out}: 4 reward point(s), 4 loss point(s) against time"
+    assert 'id="curve-reward-0"' in out.read_text()  # the first task's curve; the failed one has none
+    assert commands.main(["--scheduler-url", cluster.url, "compare", ok, bad]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    row = next(line for line in lines if ok in line and "succeeded" in line)
+    assert "final reward" in text and "best loss" in text and " s " in row
+    assert any(line.split("│")[1].strip() == "model" for line in lines if line.count("│") >= 3)  # models differ
 
 
 def test_plot_errors_are_one_line(ran, tmp_path) -> None:

@@ -121,14 +121,22 @@ class LoopbackScheduler:
 
     Usable as a context manager: ``with LoopbackScheduler(...) as s:`` closes it on exit."""
 
-    def __init__(self, state_dir: Path, config_text: str = "", *, base_dir: Path | None = None, **overrides) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        config_text: str = "",
+        *,
+        base_dir: Path | None = None,
+        http_port: int | None = None,
+        **overrides,
+    ) -> None:
         cfg = parse_config(config_text, "test.yaml", base_dir=base_dir) if config_text else SchedulerConfig()
         self.config = replace(cfg, state_dir=state_dir, **overrides)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         try:
-            self.running = self.call(start_scheduler(self.config, host="127.0.0.1", port=0, http_port=None))
+            self.running = self.call(start_scheduler(self.config, host="127.0.0.1", port=0, http_port=http_port))
         except BaseException:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)

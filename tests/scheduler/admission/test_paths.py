@@ -198,7 +198,7 @@ def test_paths_section_parses() -> None:
         ("paths:\n  model_dirs: /models\n", "x.yaml:2:15: paths.model_dirs: expected a list"),
         (
             "paths:\n  model_dir: [/models]\n",
-            "x.yaml:2:3: paths.model_dir: expected one of the known keys (data_dirs, model_dirs)",
+            "x.yaml:2:3: paths.model_dir: expected one of the known keys (data_dirs, model_dirs, tracking_dirs)",
         ),
         ("paths: [/models]\n", "x.yaml:1:8: paths: expected a mapping"),
         ("paths:\n  model_dirs: [1]\n", "x.yaml:2:16: paths.model_dirs[0]: expected a string"),
@@ -305,3 +305,25 @@ def test_auth_off_is_unrestricted(tmp_path) -> None:
             assert _submit(s, None, spec) == (grpc.StatusCode.OK, "")
     finally:
         s.close()
+
+
+def _tracked(tracking: dict) -> C.TaskSpec:
+    spec = _spec("org/m")
+    spec.tracking.update(tracking)
+    return spec
+
+
+def test_tracking_folders_must_lie_under_paths_tracking_dirs() -> None:
+    paths = PathsConfig(tracking_dirs=("/runs",))
+    check_local_paths(
+        _tracked({"tensorboard": "/runs/tb", "mlflow": {"uri": "file:///runs/mlruns"}}), paths=paths, auth_enabled=True
+    )
+    check_local_paths(_tracked({"mlflow": {"uri": "http://mlflow:5000"}}), paths=paths, auth_enabled=True)
+    with pytest.raises(
+        InvalidArgument,
+        match=r"spec.tracking.tensorboard: expected a folder under paths.tracking_dirs \(/runs\), got '/home/x/tb'",
+    ):
+        check_local_paths(_tracked({"tensorboard": "/home/x/tb"}), paths=paths, auth_enabled=False)
+    with pytest.raises(InvalidArgument, match=r"spec.tracking.mlflow.uri: expected no local path \(auth is on"):
+        check_local_paths(_tracked({"mlflow": {"uri": "file:///tmp/m"}}), paths=PathsConfig(), auth_enabled=True)
+    check_local_paths(_tracked({"tensorboard": "/anywhere"}), paths=PathsConfig(), auth_enabled=False)

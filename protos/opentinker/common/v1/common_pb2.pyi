@@ -46,7 +46,7 @@ class Limits(_message.Message):
     def __init__(self, max_runtime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_attempts: _Optional[int] = ...) -> None: ...
 
 class TaskSpec(_message.Message):
-    __slots__ = ("workload_type", "model", "env_config", "hyperparameters", "resources", "limits", "priority", "name", "init_from")
+    __slots__ = ("workload_type", "model", "env_config", "hyperparameters", "resources", "limits", "priority", "name", "init_from", "tracking")
     WORKLOAD_TYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENV_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class TaskSpec(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     INIT_FROM_FIELD_NUMBER: _ClassVar[int]
+    TRACKING_FIELD_NUMBER: _ClassVar[int]
     workload_type: str
     model: str
     env_config: _struct_pb2.Struct
@@ -65,7 +66,8 @@ class TaskSpec(_message.Message):
     priority: int
     name: str
     init_from: str
-    def __init__(self, workload_type: _Optional[str] = ..., model: _Optional[str] = ..., env_config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., hyperparameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., priority: _Optional[int] = ..., name: _Optional[str] = ..., init_from: _Optional[str] = ...) -> None: ...
+    tracking: _struct_pb2.Struct
+    def __init__(self, workload_type: _Optional[str] = ..., model: _Optional[str] = ..., env_config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., hyperparameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., priority: _Optional[int] = ..., name: _Optional[str] = ..., init_from: _Optional[str] = ..., tracking: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class MetricPoint(_message.Message):
     __slots__ = ("step", "time", "values")
