@@ -35,6 +35,7 @@ from opentinker_client.errors import InvalidArgumentError
 from opentinker_client.hosting.server import EnvironmentServer
 from opentinker_client.inference import InferenceClient
 from opentinker_client.keys import KeyAdmin
+from opentinker_client.queues import QueueAdmin
 from opentinker_client.types import CheckpointInfo, DatasetInfo, NodeInfo, TaskEvent, TaskInfo
 
 __all__ = ["RLClient", "DEFAULT_SCHEDULER_URL"]
@@ -163,6 +164,14 @@ class RLClient:
         ``list()``, ``revoke(prefix)``, ``rotate(prefix)``."""
         self._connection.check_open()
         return KeyAdmin(self._connection.channel, metadata=self._connection.metadata, timeout=self.timeout)
+
+    @property
+    def queues(self) -> QueueAdmin:
+        """Quota queues and the scale signal (:class:`~opentinker_client.queues.QueueAdmin`):
+        ``client.queues.list()``, ``set(name, gpu_quota=..., cpu_task_quota=...)``,
+        ``desired_trainers()``."""
+        self._connection.check_open()
+        return QueueAdmin(self._connection.channel, metadata=self._connection.metadata, timeout=self.timeout)
 
     def __repr__(self) -> str:
         return f"RLClient(scheduler_url={self.scheduler_url!r})"

@@ -223,7 +223,7 @@ async def start_scheduler(
     node_pb2_grpc.add_NodeServiceServicer_to_server(
         NodeService(core, security=security, scheduler_service=scheduler_service), server
     )
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(security, durable=core.durable), server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(security, durable=core.durable, core=core), server)
     artifact_pb2_grpc.add_ArtifactServiceServicer_to_server(
         ArtifactService(artifacts, security=security, durable=core.durable, require_leader=core.require_leader),
         server,

@@ -16,7 +16,7 @@ The scheduler is ``--scheduler-url``, else ``$SCHEDULER_URL``, else ``localhost:
 is ``--api-key``, else ``$OPENTINKER_API_KEY``. TLS: ``--tls-ca`` or ``$OPENTINKER_TLS_CA`` (the
 scheduler's CA; for mTLS also ``--tls-cert``/``--tls-key`` or ``$OPENTINKER_TLS_CERT``/``$OPENTINKER_TLS_KEY``);
 an ``https://`` scheduler URL always means TLS (the system roots when no CA is given).
-``opentinker keys ...`` manages API keys.
+``opentinker keys ...`` manages API keys; ``opentinker queues [set]`` shows and changes quota queues.
 
 Exit codes: 0 success (for ``watch``: the task SUCCEEDED); 1 the task ended FAILED or CANCELLED;
 2 an error (one line on stderr: ``error: INVALID_ARGUMENT: ...``); 130 interrupted.
@@ -814,6 +814,9 @@ def build_parser() -> argparse.ArgumentParser:
     from opentinker_client.cli.keys import add_keys_parser
 
     add_keys_parser(sub)  # opentinker keys create|list|revoke|rotate
+    from opentinker_client.cli.queues import add_queues_parser
+
+    add_queues_parser(sub)  # opentinker queues [set]
     return parser
 
 

@@ -40,6 +40,8 @@
       model_dirs: [/models]   # spec.model may name a local folder only under these
       data_dirs: [/data]      # env_config.path (chat_jsonl) may name a file only under these
                               # unset: anything with auth off, no local path at all with auth on
+    queues: [...]             # quota queues shared by teams, fair share, borrowing (config/queues.py)
+    default_queue: ""         # the queue of owners no queue lists ("": each is a queue of its own)
     artifacts:                # checkpoints: backend local (default) or s3, retention (config/artifacts.py)
       backend: local
       keep_checkpoints: 3
@@ -75,6 +77,7 @@ from opentinker_scheduler.config.artifacts import ArtifactsConfig, parse_artifac
 from opentinker_scheduler.config.auth import AuthConfig, parse_auth
 from opentinker_scheduler.config.limits import LimitsConfig, parse_limits
 from opentinker_scheduler.config.paths import PathsConfig, parse_paths
+from opentinker_scheduler.config.queues import QueueConfig, check_queue_name, parse_queues
 from opentinker_scheduler.config.store import StoreConfig, parse_store
 from opentinker_scheduler.config.tls import HttpTlsConfig, TlsConfig, parse_http_tls, parse_tls
 
@@ -135,6 +138,10 @@ class SchedulerConfig:
     http_on_grpc_port: bool = True
     #: Where the state lives (``store:``): SQLite (default) or PostgreSQL; see config/store.py.
     store: StoreConfig = StoreConfig()
+    #: Quota queues (``queues:``); see config/queues.py and policy/quota.py.
+    queues: tuple[QueueConfig, ...] = ()
+    #: The queue of owners that no queue lists ("": each owner is a queue of its own, no quota).
+    default_queue: str = ""
 
     def priority_of(self, workload_type: str) -> int | None:
         for w in self.workload_types:
@@ -259,6 +266,8 @@ _TOP = {
     "artifacts": "artifact store",
     "http_on_grpc_port": "bool",
     "store": "state store",
+    "queues": "quota queues",
+    "default_queue": "queue name",
 }
 
 
@@ -381,6 +390,14 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["artifacts"] = parse_artifacts(r, top["artifacts"][1])
     if "store" in top:
         kw["store"] = parse_store(r, top["store"][1])
+    if "queues" in top:
+        kw["queues"] = parse_queues(r, top["queues"][1])
+    if "default_queue" in top:
+        name = r.scalar(top["default_queue"][1], "default_queue", str)
+        bad = check_queue_name(name) if name else None
+        if bad:
+            raise r.fail(top["default_queue"][1], "default_queue", f"{bad}, got {name!r}")
+        kw["default_queue"] = name
 
     cfg = SchedulerConfig(**kw)
     if cfg.lease_s <= cfg.heartbeat_interval_s:

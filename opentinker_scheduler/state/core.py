@@ -48,6 +48,7 @@ from opentinker_scheduler.policy.placement import (
     why_pending,
 )
 from opentinker_scheduler.policy.gang import gang_never_fits
+from opentinker_scheduler.policy.quota import QueueQuota, QuotaBook, task_need
 from opentinker_scheduler.state.gangs import Gangs, gang_nodes
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
 from opentinker_scheduler.state.queue import LiveTasks, PendingQueue, QueueKey, ReasonsView, queue_key
@@ -109,6 +110,14 @@ class SchedulerCore:
         self._wake_pending = False
         #: Registration, heartbeats and task reports of node streams (:class:`~.node_protocol.NodeProtocol`).
         self.node_protocol = NodeProtocol(self)
+        #: Quota queues and their usage (:mod:`..policy.quota`); changed at run time by :meth:`set_queue`.
+        self.quotas = QuotaBook.of(
+            (
+                QueueQuota(q.name, q.gpus, q.cpu_tasks, q.borrowing_gpus, q.borrowing_cpu_tasks, q.owners)
+                for q in config.queues
+            ),
+            config.default_queue,
+        )
         self._init_memory()
         self.commits = GroupCommit(store, on_failure=self._rebuild)
         if leading:
@@ -119,7 +128,8 @@ class SchedulerCore:
         #: Until then (``clock`` seconds) no node is declared lost: the scheduler's own loop stalled.
         self._liveness_grace_until = float("-inf")
         self.nodes: dict[str, NodeSession] = {}
-        self.tasks = LiveTasks()
+        self.tasks = LiveTasks(self.quotas.queue_of)
+        self.quotas.used.clear()
         self.free = FreeNodes()
         self.pending_reasons = ReasonsView(self.tasks, self.pending_reason)  # task id -> why pending
         self._queued_at: dict[str, float] = {}
@@ -128,7 +138,12 @@ class SchedulerCore:
         self._max_gpus: int | None = None  # cache of max_possible_gpus(); None = recompute
         #: Preemptions in flight (memory only; :class:`~.preemption_tracker.PreemptionTracker`).
         self.preemptions = PreemptionTracker(
-            tasks=self.tasks, nodes=self.nodes, free=self.free, config=self.config, notify=self.notify
+            tasks=self.tasks,
+            nodes=self.nodes,
+            free=self.free,
+            config=self.config,
+            notify=self.notify,
+            quotas=lambda: self.quotas,
         )
         #: Gang tasks' members, rendezvous and ends (memory only; :class:`~.gangs.Gangs`).
         self.gangs = Gangs(self)
@@ -230,6 +245,7 @@ class SchedulerCore:
         ``restart_grace`` passes without it (a trainer may be a few reconnect backoffs away from
         noticing the restart), so a scheduler restart kills no running work."""
         self.tasks.load(self.store)
+        self._recount_usage()
         grace = max(0.0, self.config.restart_grace_s - self.config.lease_s)
         for task in self.active.values():
             if task.node_id not in self.nodes:
@@ -452,6 +468,9 @@ class SchedulerCore:
                 f"preempting {', '.join(left)} on {node_id} to make room (waiting for the node to confirm they "
                 f"checkpointed and stopped; queue position {position} of {length})"
             )
+        over = self.quotas.why_not(self.quotas.queue_of(task.owner), self.need(task))
+        if over is not None:
+            return f"{over} (queue position {position} of {length})"
         if gang_nodes(task) > 1:
             return self.gangs.why(task, [n.capacity() for n in self.nodes.values()], position, length)
         reserver, reserved = self._reservation_ahead_of(task)
@@ -560,6 +579,7 @@ class SchedulerCore:
         self.free.remove(node.node_id)
         self._ledger_version += 1
         self._max_gpus = None
+        self._cluster_changed()
 
     def node_notes(self, node: NodeSession) -> list[str]:
         """What ListNodes says of ``node``: its registration notes, and when it will be forgotten."""
@@ -602,6 +622,58 @@ class SchedulerCore:
             return 0
         return self.preemptions.preempt()
 
+    # ------------------------------------------------------------------ quotas
+    @staticmethod
+    def need(task: TaskRow) -> tuple[int, int]:
+        """What ``task`` takes of its queue's quota while active: (GPUs, CPU-task slots)."""
+        return task_need(task.gpu_count, gang_nodes(task))
+
+    def _recount_usage(self) -> None:
+        """Quota usage from the active tasks (after a reload, or owners moved between queues)."""
+        self.quotas.used.clear()
+        for task in self.active.values():
+            self.quotas.add(self.quotas.queue_of(task.owner), self.need(task))
+
+    def _cluster_changed(self) -> None:
+        """The cluster's size, the dominant-share denominator of queues with no quota."""
+        live = [n for n in self.nodes.values() if n.connected]
+        self.quotas.cluster = (max(1, sum(n.gpu_count for n in live)), max(1, sum(n.max_tasks for n in live)))
+
+    def set_queue(self, quota: QueueQuota) -> QueueQuota | None:
+        """Add or change a quota queue now (no restart): its quota, borrowing limits and owners
+        (owners listed move to it from any other queue). Pending tasks are regrouped and usage
+        recounted; the next placement round decides with it. Returns the queue as it was (None:
+        new). The caller audits the change."""
+        self.require_leader()
+        before = self.quotas.queues.get(quota.name)
+        cluster = self.quotas.cluster
+        self.quotas = self.quotas.with_queue(quota)
+        self.quotas.cluster = cluster
+        self.tasks.regroup(self.quotas.queue_of)
+        self._recount_usage()
+        log.info("queue quota set", queue=quota.name, gpus=quota.gpus, cpu_tasks=quota.cpu_tasks, owners=quota.owners)
+        self.notify()
+        return before
+
+    def queue_rows(self) -> list[tuple[str, QueueQuota | None, tuple[int, int], int, float]]:
+        """Every queue with a quota or with tasks now: ``(name, quota or None, usage (GPUs,
+        CPU tasks), pending tasks, dominant share)``, by name."""
+        pending: dict[str, int] = {}
+        for task in self.queue:
+            q = self.quotas.queue_of(task.owner)
+            pending[q] = pending.get(q, 0) + 1
+        names = sorted(set(self.quotas.queues) | set(self.quotas.used) | set(pending))
+        return [
+            (
+                n,
+                self.quotas.queues.get(n),
+                self.quotas.usage(n),
+                pending.get(n, 0),
+                self.quotas.dominant_share(n),
+            )
+            for n in names
+        ]
+
     # ------------------------------------------------------------------ placement
     def schedule(self) -> int:
         """Place what fits now; push assignments. Returns the number placed.
@@ -617,11 +689,23 @@ class SchedulerCore:
         decided: list[tuple[TaskRow, NodeSession, tuple[int, ...]]] = []
         gangs: list = []
 
+        quotas = self.quotas
+        booked: list[tuple[str, tuple[int, int]]] = []  # what this round booked on the quotas, undone below
+
         def take(key: QueueKey, group: Group, node_id: str) -> None:
             task, node = self.queue.row(key), self.nodes[node_id]
-            devices = node.capacity().choose_devices(*group)
+            devices = node.capacity().choose_devices(group[0], group[1])
             node.allocate(task.task_id, task.attempt, devices, group[1])
             decided.append((task, node, devices))
+            need = task_need(group[0])
+            quotas.add(group[2], need)
+            booked.append((group[2], need))
+
+        def admit(key: QueueKey, group) -> bool:
+            return quotas.admits(group[2], task_need(group[0]))
+
+        def rank(group, key: QueueKey) -> tuple:
+            return (key[0], quotas.dominant_share(group[2]), key[1], key[2])
 
         def reserve(key: QueueKey, gpu_count: int) -> str | None:
             node_id = reservation_node(gpu_count, (n.capacity() for n in self.nodes.values()))
@@ -633,7 +717,16 @@ class SchedulerCore:
         now = time.time()
 
         def round_of(groups) -> None:
-            place_round(groups, self.free, now, lambda key: self.queue.row(key).not_before, take, reserve)
+            place_round(
+                groups,
+                self.free,
+                now,
+                lambda key: self.queue.row(key).not_before,
+                take,
+                reserve,
+                admit=admit if quotas.queues else None,
+                rank=rank,
+            )
 
         gang_keys = [k for k in self.queue.gang_keys() if self.queue.row(k).not_before <= now]
         if not gang_keys:
@@ -651,6 +744,8 @@ class SchedulerCore:
             finally:
                 for node_id in reserved:
                     self.node_changed(self.nodes[node_id])
+        for queue, need in booked:  # the transitions below book them for good
+            quotas.add(queue, need, -1)
         if not decided and not gangs:
             return 0
         try:
@@ -799,6 +894,9 @@ class SchedulerCore:
         )
         self.write(task, [*extra, ev])
         self.tasks.moved(task, from_state)
+        was, now_active = from_state in ACTIVE_STATES, to_state in ACTIVE_STATES
+        if was != now_active:
+            self.quotas.add(self.quotas.queue_of(task.owner), self.need(task), 1 if now_active else -1)
         if task.task_id in self.gangs.live:
             self.gangs.task_moved(task)
         log.info(
@@ -841,6 +939,7 @@ class SchedulerCore:
         self._ledger_version += 1
         if membership:
             self._max_gpus = None
+            self._cluster_changed()
         self.free.update(node.capacity())
 
     async def wait_changed(self, timeout: float) -> None:
