@@ -324,6 +324,36 @@ class RLClient:
             )
         return self._tasks.submit(config.to_proto(), request_id=request_id)
 
+    def estimate(self, config_or_path: TaskConfig | str | os.PathLike[str]) -> tuple[TaskInfo, dict[str, float], str]:
+        """Validate a task config on the scheduler and estimate what it would use, without
+        submitting it (``opentinker submit --dry-run``).
+
+        Returns:
+            ``(task, usage, basis)``: the task as it would be stored (no id; ``pending_reason``
+            says when its queue's quota would hold it back now), the expected usage
+            (``gpu_seconds``, ``cost`` ...: from the spec's steps and the recent step times of
+            the same workload type and model; zeros when there are none) and how it was made.
+
+        Raises:
+            ConfigError, InvalidArgumentError: as for :meth:`submit_config`.
+        """
+        config = config_or_path if isinstance(config_or_path, TaskConfig) else load_task_config(config_or_path)
+        config.check()
+        if config.dataset:  # not uploaded for an estimate: stand in the file's name
+            config = dataclasses.replace(
+                config, env={"env_id": "chat_jsonl", **config.env, "path": str(config.dataset)}, dataset=""
+            )
+        return self._tasks.estimate(config.to_proto())
+
+    def usage(self, *, owner: str = "", since: _dt.datetime | float | None = None) -> dict[str, Any]:
+        """Accounted usage (GPU-seconds, CPU-task seconds, tokens, env steps, cost) of attempts
+        assigned since ``since`` (a datetime or unix seconds; None: all), per owner and queue:
+        ``{"currency": "USD", "owners": {owner: {"queue": ..., "gpu_seconds": ...}}, "queues":
+        {queue: {...}}}``. A user key sees its own owner's only."""
+        if isinstance(since, _dt.datetime):
+            since = since.timestamp()
+        return self._tasks.usage(owner=owner, since=since)
+
     # -- read ---------------------------------------------------------------------------------
 
     def get_task(self, task_id: str) -> TaskInfo:

@@ -190,7 +190,10 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     async def ListQueues(self, request, call: Call):
         self._no_node(call.who, "list queues")
         core = self._core()
-        return admin_pb2.ListQueuesResponse(queues=[queue_to_proto(core, row) for row in core.queue_rows()])
+        usage = core.usage_rollup()[1]
+        return admin_pb2.ListQueuesResponse(
+            queues=[queue_to_proto(core, row, usage.get(row[0])) for row in core.queue_rows()]
+        )
 
     @rpc(action="queue.set")
     async def SetQueueQuota(self, request, call: Call):
@@ -213,10 +216,27 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             previous=None if before is None else {"gpus": before.gpus, "cpu_tasks": before.cpu_tasks},
         )
         rows = {row[0]: row for row in core.queue_rows()}
-        out = admin_pb2.SetQueueQuotaResponse(queue=queue_to_proto(core, rows[quota.name]))
+        out = admin_pb2.SetQueueQuotaResponse(
+            queue=queue_to_proto(core, rows[quota.name], core.usage_rollup()[1].get(quota.name))
+        )
         if before is not None:
             out.previous.CopyFrom(_quota_proto(before))
         return out
+
+    @rpc()
+    async def GetDesiredTrainers(self, request, call: Call):
+        self._no_node(call.who, "read the scale signal")
+        return admin_pb2.GetDesiredTrainersResponse(
+            node_classes=[
+                admin_pb2.NodeClassDemand(
+                    node_class=d.node_class,
+                    desired_trainers=d.desired,
+                    connected_trainers=d.connected,
+                    pending_gpus=d.pending_gpus,
+                )
+                for d in self._core().desired_trainers()
+            ]
+        )
 
 
 def quota_from_proto(q: admin_pb2.Queue) -> QueueQuota:
@@ -260,7 +280,7 @@ def _quota_proto(quota: QueueQuota) -> admin_pb2.Queue:
     return out
 
 
-def queue_to_proto(core, row) -> admin_pb2.Queue:
+def queue_to_proto(core, row, usage=None) -> admin_pb2.Queue:
     """One row of :meth:`SchedulerCore.queue_rows` as a ``Queue``, with the per-owner limits and
     the accounted usage."""
     name, quota, (gpus, cpu_tasks), pending, share = row
@@ -271,4 +291,6 @@ def queue_to_proto(core, row) -> admin_pb2.Queue:
     out.max_pending_per_owner = limits.max_pending_per_owner or 0
     out.submit_rate = limits.submit_rate or 0.0
     out.submit_burst = limits.submit_burst or 0
+    if usage is not None:
+        out.usage.CopyFrom(usage)
     return out

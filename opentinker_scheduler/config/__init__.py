@@ -42,6 +42,7 @@
                               # unset: anything with auth off, no local path at all with auth on
     queues: [...]             # quota queues shared by teams, fair share, borrowing (config/queues.py)
     default_queue: ""         # the queue of owners no queue lists ("": each is a queue of its own)
+    usage: {prices: {spot: 0.9}} # price per GPU-hour by node class, for usage accounting (config/usage.py)
     artifacts:                # checkpoints: backend local (default) or s3, retention (config/artifacts.py)
       backend: local
       keep_checkpoints: 3
@@ -78,6 +79,7 @@ from opentinker_scheduler.config.auth import AuthConfig, parse_auth
 from opentinker_scheduler.config.limits import LimitsConfig, parse_limits
 from opentinker_scheduler.config.paths import PathsConfig, parse_paths
 from opentinker_scheduler.config.queues import QueueConfig, check_queue_name, parse_queues
+from opentinker_scheduler.config.usage import UsageConfig, parse_usage
 from opentinker_scheduler.config.store import StoreConfig, parse_store
 from opentinker_scheduler.config.tls import HttpTlsConfig, TlsConfig, parse_http_tls, parse_tls
 
@@ -142,6 +144,8 @@ class SchedulerConfig:
     queues: tuple[QueueConfig, ...] = ()
     #: The queue of owners that no queue lists ("": each owner is a queue of its own, no quota).
     default_queue: str = ""
+    #: Prices per GPU-hour by node class (``usage:``); see config/usage.py and state/usage.py.
+    usage: UsageConfig = UsageConfig()
 
     def priority_of(self, workload_type: str) -> int | None:
         for w in self.workload_types:
@@ -268,6 +272,7 @@ _TOP = {
     "store": "state store",
     "queues": "quota queues",
     "default_queue": "queue name",
+    "usage": "usage accounting",
 }
 
 
@@ -392,6 +397,8 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["store"] = parse_store(r, top["store"][1])
     if "queues" in top:
         kw["queues"] = parse_queues(r, top["queues"][1])
+    if "usage" in top:
+        kw["usage"] = parse_usage(r, top["usage"][1])
     if "default_queue" in top:
         name = r.scalar(top["default_queue"][1], "default_queue", str)
         bad = check_queue_name(name) if name else None

@@ -171,7 +171,7 @@ def test_a_queue_within_nominal_quota_regains_it_in_one_preemption_round(gpus, b
             running.append(RunningAlloc(f"b{i}", 0, size, float(i)))
             rows.append((f"b{i}", "b", (size, 0), float(i)))
     while free and quotas.admits("b", (1, 0)):  # and fills the node with 1-GPU tasks
-        i = len(running)
+        i = len(borrower_tasks) + len(running)
         quotas.add("b", (1, 0))
         free -= 1
         running.append(RunningAlloc(f"b{i}", 0, 1, float(i)))
