@@ -288,9 +288,15 @@ def queue_to_proto(core, row, usage=None) -> admin_pb2.Queue:
     out.gpus_in_use, out.cpu_tasks_in_use, out.pending_tasks = gpus, cpu_tasks, pending
     out.dominant_share = share if share != float("inf") else 1e9
     limits = core.config.limits.resolved(auth_enabled=core.config.auth.enabled)
-    out.max_pending_per_owner = limits.max_pending_per_owner or 0
-    out.submit_rate = limits.submit_rate or 0.0
-    out.submit_burst = limits.submit_burst or 0
+    own = next((q for q in core.config.queues if q.name == name), None)  # queues[i].limits override them
+
+    def pick(key: str, default):
+        mine = getattr(own, key) if own is not None else None
+        return default if mine is None else mine
+
+    out.max_pending_per_owner = pick("max_pending_per_owner", limits.max_pending_per_owner) or 0
+    out.submit_rate = pick("submit_rate", limits.submit_rate) or 0.0
+    out.submit_burst = pick("submit_burst", limits.submit_burst) or 0
     if usage is not None:
         out.usage.CopyFrom(usage)
     return out

@@ -11,6 +11,10 @@
           gpus: 4              #   quota; a resource left out may borrow all there is idle, 0 never
           cpu_tasks: 0
         owners: [alice, bob]   # API key owners whose tasks count against this queue
+        limits:                # optional: the per-owner limits (limits: section) for its owners
+          max_pending_per_owner: 200
+          submit_rate: 5       #   per API key, as limits.submit_rate
+          submit_burst: 20
     default_queue: team-a      # owners in no queue's list go here; unset: each is a queue of its own
                                # with no quota
 """
@@ -33,6 +37,10 @@ class QueueConfig:
     borrowing_gpus: int | None = None
     borrowing_cpu_tasks: int | None = None
     owners: tuple[str, ...] = ()
+    #: Per-owner limits for this queue's owners (None: the ``limits:`` section's).
+    max_pending_per_owner: int | None = None
+    submit_rate: float | None = None
+    submit_burst: int | None = None
 
 
 def check_queue_name(name: str) -> str | None:
@@ -54,7 +62,9 @@ def parse_queues(r, node) -> tuple[QueueConfig, ...]:
     owner_of: dict[str, str] = {}
     for i, item in enumerate(r.sequence(node, "queues")):
         path = f"queues[{i}]"
-        m = r.mapping(item, path, {"name": "", "gpus": "", "cpu_tasks": "", "borrowing_limit": "", "owners": ""})
+        m = r.mapping(
+            item, path, {"name": "", "gpus": "", "cpu_tasks": "", "borrowing_limit": "", "owners": "", "limits": ""}
+        )
         if "name" not in m:
             raise r.fail(item, f"{path}.name", "a queue name (required)")
         name = r.scalar(m["name"][1], f"{path}.name", str)
@@ -88,5 +98,12 @@ def parse_queues(r, node) -> tuple[QueueConfig, ...]:
                 owner_of[owner] = name
                 owners.append(owner)
         kw["owners"] = tuple(owners)
+        if "limits" in m:
+            keys = {"max_pending_per_owner": (int, 0, 10_000_000), "submit_rate": (float, 0, 1e6),
+                    "submit_burst": (int, 1, 1_000_000)}  # fmt: skip
+            lm = r.mapping(m["limits"][1], f"{path}.limits", dict.fromkeys(keys, ""))
+            for key, (kind, lo, hi) in keys.items():
+                if key in lm:
+                    kw[key] = r.scalar(lm[key][1], f"{path}.limits.{key}", kind, lo, hi)
         out.append(QueueConfig(**kw))
     return tuple(out)

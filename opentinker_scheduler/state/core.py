@@ -792,6 +792,17 @@ class SchedulerCore:
         self.notify()
         return before
 
+    def queue_config(self, owner: str):
+        """``(index, QueueConfig)`` of the configured queue ``owner``'s tasks go to, when it sets
+        per-owner limits (``queues[i].limits``), else None."""
+        name = self.quotas.queue_of(owner)
+        for i, q in enumerate(self.config.queues):
+            if q.name == name and (
+                q.max_pending_per_owner is not None or q.submit_rate is not None or q.submit_burst is not None
+            ):
+                return i, q
+        return None
+
     def queue_rows(self) -> list[tuple[str, QueueQuota | None, tuple[int, int], int, float]]:
         """Every queue with a quota or with tasks now: ``(name, quota or None, usage (GPUs,
         CPU tasks), pending tasks, dominant share)``, by name."""

@@ -272,6 +272,7 @@ queues:
     owners: [alice, bob]
   - name: team-b
     gpus: 4
+    limits: {max_pending_per_owner: 5, submit_rate: 0.5}
 default_queue: team-b
 """
 
@@ -288,6 +289,7 @@ def test_queues_section_reads_quotas_borrowing_and_owners() -> None:
         ("alice", "bob"),
     )
     assert (b.gpus, b.cpu_tasks, b.owners) == (4, 0, ()) and cfg.default_queue == "team-b"
+    assert (b.max_pending_per_owner, b.submit_rate, b.submit_burst, a.submit_rate) == (5, 0.5, None, None)
     assert parse_config("", "cfg.yaml").queues == ()
 
 
@@ -299,7 +301,8 @@ def test_queues_section_reads_quotas_borrowing_and_owners() -> None:
         (QUEUES.replace("{gpus: 4}", "{gpu: 4}"), "cfg.yaml:5:23: queues[0].borrowing_limit.gpu: expected one of"),
         (QUEUES.replace("gpus: 4\n", "gpus: 4\n    owners: [bob]\n"), "cfg.yaml:9:14: queues[1].owners[0]: expected"),
         (QUEUES.replace("name: team-a", "name: 'team a'"), "cfg.yaml:2:11: queues[0].name: expected a queue name"),
-        (QUEUES.replace("default_queue: team-b", "default_queue: '#'"), "cfg.yaml:9:16: default_queue: expected"),
+        (QUEUES.replace("default_queue: team-b", "default_queue: '#'"), "cfg.yaml:10:16: default_queue: expected"),
+        (QUEUES.replace("submit_rate: 0.5", "submit_rate: -1"), "cfg.yaml:9:53: queues[1].limits.submit_rate"),
     ],
 )
 def test_bad_queues_section_names_the_field(text: str, where: str) -> None:
