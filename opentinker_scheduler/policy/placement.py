@@ -1,7 +1,10 @@
 """Placement: which pending task goes on which node's GPUs. Pure functions, no I/O.
 
 Policy:
-  * Order: larger priority first, then older (create time), then task id.
+  * Order: larger priority first, then older (create time), then task id. The scheduler's rounds
+    (:func:`place_round` with ``rank``) put fair share between the two: at equal priority the task
+    of the quota queue with the lowest dominant share goes first (:mod:`.quota`), and a task its
+    queue's quota does not admit waits (``admit``).
   * Gang: a task gets all ``gpu_count`` GPUs on one node at once, or nothing.
   * A node runs at most ``max_tasks`` tasks (CPU tasks, ``gpu_count == 0``, need only a slot).
   * Best fit: among nodes that fit, the one with the fewest free GPUs left over (packs small

@@ -6,7 +6,7 @@ or out of PENDING, so a placement round never reads the store to find its candid
 
 Order (see :mod:`opentinker_scheduler.policy.placement`): larger priority first, then older create
 time, then task id. Besides the whole order the queue keeps one ordered list per ``gpu_count``
-(and GPU-sharing key),
+(and GPU-sharing key, and quota queue: fair share and quotas decide per queue),
 so a round can skip every task that asks for more GPUs than any node has free without looking
 at them one by one. Adding and removing cost O(log n) comparisons plus a memmove of the list.
 """
