@@ -136,6 +136,7 @@ class PreemptionTracker:
         reclaim = self._reclaimable(quotas) if quotas is not None else set()
         now = time.time()
         started = looked = 0
+        verdicts: dict[tuple[str, tuple[int, int]], bool] = {}  # (queue, need) -> admitted, for this call
         for key in queue.ordered_keys():
             task = queue.row(key)
             if looked >= PREEMPT_CANDIDATES_PER_TICK or (task.priority <= lowest and not reclaim):
@@ -149,8 +150,12 @@ class PreemptionTracker:
                 continue
             queue_name = quotas.queue_of(task.owner) if quotas is not None else ""
             need = task_need(task.gpu_count)
-            if quotas is not None and not quotas.admits(queue_name, need):
-                continue  # over its queue's quota: it waits, and stops nobody
+            if quotas is not None:
+                admitted = verdicts.get((queue_name, need))
+                if admitted is None:
+                    admitted = verdicts[(queue_name, need)] = quotas.admits(queue_name, need)
+                if not admitted:
+                    continue  # over its queue's quota: it waits, and stops nobody
             reclaiming = quotas is not None and quotas.within_nominal(queue_name, need) and bool(reclaim)
             if task.priority <= lowest and not reclaiming:
                 continue
