@@ -117,3 +117,14 @@ def test_desired_trainers_counts_busy_nodes_and_pending_admitted_work(tmp_path) 
         core.submit(spec(gpus=1), owner="c")  # over its 2-GPU quota: only 2 count
     want = {d.node_class: (d.desired, d.connected, d.pending_gpus) for d in core.desired_trainers()}
     assert want == {"default": (3, 1, 14), "spot": (1, 1, 0)}
+
+
+def test_a_bad_node_class_is_refused_at_register(tmp_path) -> None:
+    import pytest
+
+    from opentinker_scheduler.errors import InvalidArgument
+
+    core = make_core(tmp_path)
+    with pytest.raises(InvalidArgument, match=r"^register.node_class: expected a node class"):
+        core.node_register(N.Register(node_id="n1", max_tasks=1, node_class="spot instance"))
+    assert "n1" not in core.nodes or not core.nodes["n1"].connected
