@@ -12,7 +12,7 @@ HTTP_PORT ?= 8889
 SCHEDULER_URL ?= http://localhost:$(PORT)
 NODE_ID ?= $(shell hostname)-trainer
 
-.PHONY: install test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-ha bench-distributed gpu-check clean
+.PHONY: install test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-ha bench-distributed gpu-check clean
 
 # Stamp files make `install` a no-op when already done.
 install: $(VENV)/.installed $(MODEL_DIR)/config.json
@@ -91,6 +91,10 @@ bench: bench-scheduler bench-service bench-inference bench-rl bench-security
 # Options: make bench-scheduler BENCH_ARGS="--nodes 1000" (see scripts/bench_scheduler.py --help).
 bench-scheduler: install
 	$(PY) scripts/bench_scheduler.py $(BENCH_ARGS)
+
+# Sharing a cluster: 20 quota queues and 100 owners against no quotas, same run (BENCHMARKS.md).
+bench-sharing: install
+	$(PY) scripts/bench_scheduler.py --queues 20 --owners 100 --nodes 100 --tasks 2000 --rate 150 --rate-tasks 1000 $(BENCH_ARGS)
 
 # Artifact store: 25 MB and 540 MB checkpoints through local (gRPC) and SeaweedFS against a plain
 # copy; resume time cold vs warm cache. Options: BENCH_ARGS="--sizes-mb 25 --no-s3".

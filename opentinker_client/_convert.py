@@ -243,8 +243,27 @@ def task_from_proto(task: common_pb2.Task) -> TaskInfo:
         max_runtime=duration_to_seconds(limits.max_runtime) if limits.HasField("max_runtime") else None,
         max_attempts=limits.max_attempts,
         init_from=spec.init_from,
+        queue=task.queue,
+        usage=usage_dict(task.usage) if task.HasField("usage") else {},
         proto=task,
     )
+
+
+#: The fields of ``common_pb2.Usage``, in the order they are shown.
+USAGE_FIELDS = (
+    "gpu_seconds",
+    "cpu_task_seconds",
+    "tokens_generated",
+    "tokens_trained",
+    "env_steps",
+    "cost",
+    "attempts",
+)
+
+
+def usage_dict(usage: common_pb2.Usage) -> dict[str, float]:
+    """``common_pb2.Usage`` -> a plain dict of its fields (:data:`USAGE_FIELDS`)."""
+    return {k: getattr(usage, k) for k in USAGE_FIELDS}
 
 
 # ---------------------------------------------------------------------------------------------

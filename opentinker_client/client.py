@@ -35,6 +35,7 @@ from opentinker_client.errors import InvalidArgumentError
 from opentinker_client.hosting.server import EnvironmentServer
 from opentinker_client.inference import InferenceClient
 from opentinker_client.keys import KeyAdmin
+from opentinker_client.queues import QueueAdmin
 from opentinker_client.types import CheckpointInfo, DatasetInfo, NodeInfo, TaskEvent, TaskInfo
 
 __all__ = ["RLClient", "DEFAULT_SCHEDULER_URL"]
@@ -163,6 +164,14 @@ class RLClient:
         ``list()``, ``revoke(prefix)``, ``rotate(prefix)``."""
         self._connection.check_open()
         return KeyAdmin(self._connection.channel, metadata=self._connection.metadata, timeout=self.timeout)
+
+    @property
+    def queues(self) -> QueueAdmin:
+        """Quota queues and the scale signal (:class:`~opentinker_client.queues.QueueAdmin`):
+        ``client.queues.list()``, ``set(name, gpu_quota=..., cpu_task_quota=...)``,
+        ``desired_trainers()``."""
+        self._connection.check_open()
+        return QueueAdmin(self._connection.channel, metadata=self._connection.metadata, timeout=self.timeout)
 
     def __repr__(self) -> str:
         return f"RLClient(scheduler_url={self.scheduler_url!r})"
@@ -320,6 +329,36 @@ class RLClient:
                 config, env={"env_id": "chat_jsonl", **config.env, "dataset_id": info.dataset_id}, dataset=""
             )
         return self._tasks.submit(config.to_proto(), request_id=request_id)
+
+    def estimate(self, config_or_path: TaskConfig | str | os.PathLike[str]) -> tuple[TaskInfo, dict[str, float], str]:
+        """Validate a task config on the scheduler and estimate what it would use, without
+        submitting it (``opentinker submit --dry-run``).
+
+        Returns:
+            ``(task, usage, basis)``: the task as it would be stored (no id; ``pending_reason``
+            says when its queue's quota would hold it back now), the expected usage
+            (``gpu_seconds``, ``cost`` ...: from the spec's steps and the recent step times of
+            the same workload type and model; zeros when there are none) and how it was made.
+
+        Raises:
+            ConfigError, InvalidArgumentError: as for :meth:`submit_config`.
+        """
+        config = config_or_path if isinstance(config_or_path, TaskConfig) else load_task_config(config_or_path)
+        config.check()
+        if config.dataset:  # not uploaded for an estimate: stand in the file's name
+            config = dataclasses.replace(
+                config, env={"env_id": "chat_jsonl", **config.env, "path": str(config.dataset)}, dataset=""
+            )
+        return self._tasks.estimate(config.to_proto())
+
+    def usage(self, *, owner: str = "", since: _dt.datetime | float | None = None) -> dict[str, Any]:
+        """Accounted usage (GPU-seconds, CPU-task seconds, tokens, env steps, cost) of attempts
+        assigned since ``since`` (a datetime or unix seconds; None: all), per owner and queue:
+        ``{"currency": "USD", "owners": {owner: {"queue": ..., "gpu_seconds": ...}}, "queues":
+        {queue: {...}}}``. A user key sees its own owner's only."""
+        if isinstance(since, _dt.datetime):
+            since = since.timestamp()
+        return self._tasks.usage(owner=owner, since=since)
 
     # -- read ---------------------------------------------------------------------------------
 

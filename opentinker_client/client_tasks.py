@@ -23,6 +23,7 @@ from opentinker_client._convert import (
     state_enum,
     task_from_proto,
     timed_metric_points,
+    usage_dict,
 )
 from opentinker_client.connection import SchedulerConnection
 import grpc
@@ -215,6 +216,24 @@ class TaskCalls:
                     raise
                 log.info("submit refused or cut off (%s); retrying in %.2f s with the same request_id", err, wait)
                 time.sleep(wait)
+
+    def estimate(self, spec: common_pb2.TaskSpec) -> tuple[TaskInfo, dict[str, float], str]:
+        """A dry-run submit (``RLClient.estimate``): ``(the task as it would be stored, expected
+        usage, how it was estimated)``; nothing is created."""
+        response = self.connection.unary("SubmitTask", scheduler_pb2.SubmitTaskRequest(spec=spec, dry_run=True))
+        return task_from_proto(response.task), usage_dict(response.estimate), response.estimate_basis
+
+    def usage(self, *, owner: str = "", since: float | None = None) -> dict[str, Any]:
+        """Accounted usage per owner and queue (``RLClient.usage``)."""
+        request = scheduler_pb2.GetUsageRequest(owner=owner)
+        if since is not None:
+            request.since.FromNanoseconds(int(since * 1e9))
+        response = self.connection.unary("GetUsage", request)
+        return {
+            "currency": response.currency,
+            "owners": {r.name: {"queue": r.queue, **usage_dict(r.usage)} for r in response.owners},
+            "queues": {r.name: usage_dict(r.usage) for r in response.queues},
+        }
 
     def cancel(self, task_id: str, *, reason: str = "") -> TaskInfo:
         """Cancel; returns the task after it (``RLClient.cancel``)."""

@@ -72,6 +72,10 @@ class TaskInfo:
         max_runtime: wall-clock limit of one attempt in seconds, ``None`` for none.
         max_attempts: attempts allowed (0 = scheduler default).
         init_from: id of the task whose final checkpoint this one started from, ``""`` for none.
+        queue: the quota queue its owner's tasks count against (``""`` when not told).
+        usage: what it used, all attempts (``get_task`` only; empty otherwise): ``gpu_seconds``,
+            ``cpu_task_seconds``, ``tokens_generated``, ``tokens_trained``, ``env_steps``, ``cost``
+            (in the scheduler's ``usage.currency``), ``attempts``.
         proto: the underlying ``common_pb2.Task`` (not compared, not shown).
     """
 
@@ -102,6 +106,8 @@ class TaskInfo:
     max_runtime: float | None = None
     max_attempts: int = 0
     init_from: str = ""
+    queue: str = ""
+    usage: Mapping[str, float] = field(default_factory=dict)
     proto: Any = field(default=None, repr=False, compare=False)
 
     @property

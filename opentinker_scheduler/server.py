@@ -132,7 +132,9 @@ def _snapshot(core: SchedulerCore, leadership=None) -> Snapshot:
             }
             hosts.append((node.node_id, host_values))
     view = leadership.view() if leadership is not None else None
+    sharing = _sharing(core) if core.leading else {}
     return Snapshot(
+        **sharing,
         role=view.role if view else "leader",
         leader=view.leader if view else "",
         epoch=view.epoch if view else None,
@@ -146,6 +148,40 @@ def _snapshot(core: SchedulerCore, leadership=None) -> Snapshot:
         gpus=tuple(gpus),
         hosts=tuple(hosts),
     )
+
+
+#: Seconds between recomputations of the usage rollups exported on /metrics (a store query).
+USAGE_EXPORT_INTERVAL_S = 5.0
+_usage_cache: dict[int, tuple[float, tuple]] = {}
+
+
+def _sharing(core: SchedulerCore) -> dict:
+    """The Snapshot's quota queues, usage per owner (recomputed every USAGE_EXPORT_INTERVAL_S) and
+    scale signal."""
+    queues = tuple(
+        (name, used[0], used[1], q.gpus if q else -1, q.cpu_tasks if q else -1, pending)
+        for name, q, used, pending, _ in core.queue_rows()
+    )
+    now = time.monotonic()
+    cached = _usage_cache.get(id(core))
+    if cached is None or now - cached[0] > USAGE_EXPORT_INTERVAL_S:
+        by_owner, _, owner_queue = core.usage_rollup()
+        usage = tuple(
+            (
+                owner,
+                owner_queue.get(owner, ""),
+                u.gpu_seconds,
+                u.cpu_task_seconds,
+                u.tokens_generated,
+                u.tokens_trained,
+                u.env_steps,
+                u.cost,
+            )
+            for owner, u in sorted(by_owner.items())
+        )
+        cached = _usage_cache[id(core)] = (now, usage)
+    desired = tuple((d.node_class, d.desired, d.connected) for d in core.desired_trainers())
+    return {"queues": queues, "usage": cached[1], "desired_trainers": desired}
 
 
 async def _tick_loop(core: SchedulerCore, http: HttpEndpoint | None, interval_s: float, leadership=None) -> None:
@@ -226,7 +262,7 @@ async def start_scheduler(
     node_pb2_grpc.add_NodeServiceServicer_to_server(
         NodeService(core, security=security, scheduler_service=scheduler_service), server
     )
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(security, durable=core.durable), server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(security, durable=core.durable, core=core), server)
     artifact_pb2_grpc.add_ArtifactServiceServicer_to_server(
         ArtifactService(artifacts, security=security, durable=core.durable, require_leader=core.require_leader),
         server,

@@ -154,6 +154,12 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         help="pretend to have N GPUs (tests and scale runs; marked simulated everywhere)",
     )
     parser.add_argument(
+        "--node-class",
+        default=None,
+        help="the node's class for the scheduler's prices per GPU-hour and scale signal, e.g. spot "
+        "(default: env NODE_CLASS, else the scheduler's usage.default_node_class)",
+    )
+    parser.add_argument(
         "--kill-grace", type=_seconds, default=10.0, help="seconds between SIGTERM and SIGKILL of a cancelled worker"
     )
     parser.add_argument(
@@ -337,6 +343,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         scheduler_tls=address.tls,
         serve_tls_cert=args.serve_tls_cert,
         serve_tls_key=args.serve_tls_key,
+        node_class=args.node_class if args.node_class is not None else os.environ.get("NODE_CLASS", ""),
     )
     if args.tls_ca or address.tls:
         from opentinker_common.net.tls import channel_credentials

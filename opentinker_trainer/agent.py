@@ -87,6 +87,8 @@ class AgentConfig:
     #: Every scheduler address given (``SCHEDULER_URL=host-a:8888,host-b:8888``): the node
     #: connects to the leader among them (a follower's refusal names it); () = ``target`` only.
     targets: tuple[str, ...] = ()
+    #: The node's class, for the scheduler's prices and scale signal ("" = its default class).
+    node_class: str = ""
 
     def channel(self, target: str | None = None) -> grpc.aio.Channel:
         """A channel to the scheduler at ``target`` (default ``target``): TLS when ``tls_ca`` or
@@ -280,6 +282,7 @@ class NodeAgent:
                     hostname=socket.gethostname(),
                     cpu_count=os.cpu_count() or 1,
                     gpu_note=self.monitor.inventory.note,
+                    node_class=self.config.node_class,
                     # Finals among them also in `finished`, for a scheduler that predates `pending`.
                     finished=[r for r in self._unacked.values() if r.state in _ENDED],
                     pending=list(self._unacked.values()),

@@ -27,6 +27,13 @@ once with a RUNNING and a SUCCEEDED ``TaskReport`` (so capacity frees up). The n
                   so the queue grows that deep (submits/s at depth), then the nodes let go and
                   the queue drains (assignments/s).
 
+Sharing mode (``--queues Q --owners O``): API keys on, O owners (one user key each) submit in
+turn, and the throughput (closed loop) and latency (open loop at ``--rate``) phases run twice in
+one invocation, each on a fresh scheduler: without quota queues (each owner is a queue of its own
+with no quota: fair share still orders them) and with Q queues (owners spread over them, nominal
+quotas splitting the cluster, borrowing unlimited). The report gives both and their ratios
+(goals: submits/s at least 0.9x, submit-to-assign p99 at most 1.2x).
+
 Submit-to-assign latency is the time from the SubmitTask call in this process to the node
 process receiving the ``AssignTask`` for that task (both read CLOCK_MONOTONIC, which is one
 clock for all processes on Linux). Scheduler CPU comes from ``/proc/<pid>/stat`` (utime + stime,
@@ -182,7 +189,8 @@ class SimNode:
     async def run(self, channel: grpc.aio.Channel) -> None:
         stub = node_pb2_grpc.NodeServiceStub(channel)
         try:
-            call = stub.Connect(self.requests())
+            key = self.w.opts.get("api_key")
+            call = stub.Connect(self.requests(), metadata=(("authorization", f"Bearer {key}"),) if key else None)
             async for resp in call:
                 kind = resp.WhichOneof("command")
                 if kind == "assign_task":
@@ -345,6 +353,7 @@ class SchedulerProc:
         scheduler_path: str | None,
         profile: Path | None = None,
         http_on_grpc_port: bool = True,
+        extra_config: str = "",
     ) -> None:
         self.workdir = workdir
         self.port, self.http_port = free_port(), free_port()
@@ -356,8 +365,10 @@ class SchedulerProc:
             "allow_unknown_nodes: true\n"
             f"unknown_node_max_tasks: {max_tasks}\n"
             "heartbeat_interval: 1\n"
-            f"lease: {lease_s}\n" + ("" if http_on_grpc_port else "http_on_grpc_port: false\n")
+            f"lease: {lease_s}\n"
+            + ("" if http_on_grpc_port else "http_on_grpc_port: false\n")
             # the HTTP/1.1 front on the gRPC port (splicing gRPC to a private port); off: gRPC owns it
+            + extra_config
         )
         self.log_path = workdir / "scheduler.log"
         env = {**os.environ, "OPENTINKER_LOG_FORMAT": "json"}
@@ -480,9 +491,30 @@ class Meter:
         }
 
 
+def sharing_config(args: argparse.Namespace, queues: int) -> str:
+    """Config of the sharing mode: keys on, per-caller limits off, ``queues`` quota queues over
+    ``args.owners`` owners (0: none)."""
+    text = (
+        "auth: {enabled: true}\n"
+        "limits: {submit_rate: 0, max_pending_per_owner: 0, max_streams_per_key: 0, max_keys_per_owner: 0}\n"
+    )
+    if queues:
+        gpus = max(1, args.nodes * args.gpus_per_node // queues)
+        cpus = max(1, args.nodes * args.max_tasks // queues)
+        text += "queues:\n"
+        for q in range(queues):
+            owners = ", ".join(f"owner-{o:03d}" for o in range(q, args.owners, queues))
+            text += f"  - {{name: queue-{q:02d}, gpus: {gpus}, cpu_tasks: {cpus}, owners: [{owners}]}}\n"
+    return text
+
+
 class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, *, queues: int = 0) -> None:
         self.args = args
+        #: Quota queues of this run (sharing mode); owners' keys once made.
+        self.queues = queues
+        self.owner_metadata: list[tuple] = []
+        self._owner_turn = iter(range(1 << 62))
         self.results: dict = {"phases": {}}
         self.sched: SchedulerProc
         self.conns: list = []
@@ -544,8 +576,11 @@ class Bench:
         # scheduler sees how long the call waited before it was taken up).
         req = S.SubmitTaskRequest(spec=spec, request_id=f"bench-{next(self._request_ids)}")
         t0 = time.monotonic()
+        metadata = SUBMIT_METADATA
+        if self.owner_metadata:  # sharing mode: the owners submit in turn
+            metadata = SUBMIT_METADATA + self.owner_metadata[next(self._owner_turn) % len(self.owner_metadata)]
         try:
-            resp = await stub.SubmitTask(req, timeout=60, metadata=SUBMIT_METADATA)
+            resp = await stub.SubmitTask(req, timeout=60, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             code = exc.code().name
             self.submit_codes[code] += 1
@@ -834,6 +869,25 @@ class Bench:
     def progress(self, msg: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
+    async def make_keys(self, admin_key_file: Path) -> str:
+        """Sharing mode: a user key per owner (``owner-000`` ...) and a node key; returns the
+        node key."""
+        from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
+
+        admin = (("authorization", f"Bearer {admin_key_file.read_text().strip()}"),)
+        async with grpc.aio.insecure_channel(self.sched.target) as channel:
+            stub = admin_pb2_grpc.AdminServiceStub(channel)
+
+            async def create(owner: str, role) -> str:
+                req = admin_pb2.CreateApiKeyRequest(owner=owner, role=role)
+                return (await stub.CreateApiKey(req, metadata=admin, timeout=60)).api_key
+
+            keys = await asyncio.gather(
+                *(create(f"owner-{o:03d}", admin_pb2.API_KEY_ROLE_USER) for o in range(self.args.owners))
+            )
+            self.owner_metadata = [(("authorization", f"Bearer {k}"),) for k in keys]
+            return await create("bench-nodes", admin_pb2.API_KEY_ROLE_NODE)
+
     # --- run --------------------------------------------------------------------------------
     async def run(self) -> dict:
         a = self.args
@@ -846,6 +900,7 @@ class Bench:
             scheduler_path=a.scheduler_path,
             profile=a.profile,
             http_on_grpc_port=not a.no_http_on_grpc_port,
+            extra_config=sharing_config(a, self.queues) if a.owners else "",
         )
         ctx = mp.get_context("spawn")
         ok = False
@@ -854,6 +909,8 @@ class Bench:
             self.progress(f"scheduler pid {self.sched.pid} on {self.sched.target}; log {self.sched.log_path}")
             ids = [f"sim-node-{i:04d}" for i in range(a.nodes)]
             opts = {"gpus_per_node": a.gpus_per_node, "max_tasks": a.max_tasks}
+            if a.owners:
+                opts["api_key"] = await self.make_keys(workdir / "state" / "admin.key")
             for w in range(a.workers):
                 parent, child = ctx.Pipe()
                 p = ctx.Process(
@@ -881,7 +938,9 @@ class Bench:
                 await self.broadcast("hb", 1.0)
             channel = grpc.aio.insecure_channel(self.sched.target)
             stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-            if "throughput" in only:
+            if "throughput" in only and a.owners:  # sharing mode: no CPU yardstick (keys on)
+                await self.phase_throughput(stub)
+            elif "throughput" in only:
                 await self.phase_unary(channel)
                 await self.phase_throughput(stub)
                 await self.phase_unary(channel, name="unary_after")
@@ -1101,6 +1160,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="http_on_grpc_port: false (gRPC owns its port, no splicing front): to measure what the front costs",
     )
+    p.add_argument(
+        "--queues", type=int, default=0, help="sharing mode: quota queues of the run with quotas (with --owners)"
+    )
+    p.add_argument(
+        "--owners",
+        type=int,
+        default=0,
+        help="sharing mode: owners (API keys) submitting in turn; runs throughput and latency without and with "
+        "--queues quota queues and reports the ratios",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="sharing mode: runs of each configuration (medians)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the scheduler's state folder and log")
     p.add_argument(
@@ -1142,8 +1212,69 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def sharing(args: argparse.Namespace) -> dict:
+    """Sharing mode: the throughput and latency phases without and with quota queues."""
+    args.only = "throughput,latency"
+    order = [("no_quotas", 0), ("quotas", args.queues)]
+    blocks: dict[str, list[dict]] = {"no_quotas": [], "quotas": []}
+    for rep in range(args.repeat):  # ABBA...: drift of a shared machine weighs on both alike
+        for name, queues in order if rep % 2 == 0 else order[::-1]:
+            bench = Bench(args, queues=queues)
+            bench.progress(f"--- run {name} ({rep + 1} of {args.repeat}): {args.owners} owners, {queues} quota queues")
+            blocks[name].append(asyncio.run(bench.run()))
+
+    def median_phases(results: list[dict]) -> dict:
+        out: dict = {}
+        for phase in ("throughput", "latency"):
+            rows = [r["phases"][phase] for r in results]
+            out[phase] = {
+                k: sorted(row[k] for row in rows)[len(rows) // 2]
+                for k in ("submits_per_s", "p50_ms", "p99_ms")
+                if all(isinstance(row.get(k), (int, float)) for row in rows)
+            }
+        return out
+
+    runs = {
+        name: {"phases": median_phases(rs), "blocks": rs, "final": rs[-1].get("final", {})}
+        for name, rs in blocks.items()
+    }
+    P0, P1 = runs["no_quotas"]["phases"], runs["quotas"]["phases"]
+    out = {"runs": runs, "ratios": {}}
+    r = out["ratios"]
+    r["submits_per_s"] = P1["throughput"]["submits_per_s"] / P0["throughput"]["submits_per_s"]
+    r["throughput_p99"] = P1["throughput"]["p99_ms"] / P0["throughput"]["p99_ms"]
+    r["latency_p99"] = P1["latency"]["p99_ms"] / P0["latency"]["p99_ms"]
+    lines = [
+        "",
+        f"OpenTinker scheduler, sharing mode: {args.owners} owners (API keys), {args.nodes} simulated nodes "
+        f"({args.gpus_per_node} GPUs, max_tasks {args.max_tasks}); {os.cpu_count()} CPU(s); medians of "
+        f"{args.repeat} run(s) each, ABBA order",
+        f"  {'':<28}{'no quotas':>14}{f'{args.queues} queues':>14}{'ratio':>9}   goal",
+    ]
+    for label, phase, key, ratio, goal in (
+        ("closed-loop submits/s", "throughput", "submits_per_s", r["submits_per_s"], ">= 0.9x"),
+        ("  submit->assign p99 ms", "throughput", "p99_ms", r["throughput_p99"], ""),
+        (f"submit->assign p99 ms @{args.rate:.0f}/s", "latency", "p99_ms", r["latency_p99"], "<= 1.2x"),
+        ("  submit->assign p50 ms", "latency", "p50_ms", P1["latency"]["p50_ms"] / P0["latency"]["p50_ms"], ""),
+    ):
+        lines.append(f"  {label:<28}{P0[phase][key]:>14.1f}{P1[phase][key]:>14.1f}{ratio:>8.2f}x   {goal}")
+    for name in runs:
+        errors = runs[name].get("final", {}).get("submit_error_codes")
+        if errors:
+            lines.append(f"  {name}: submit errors {errors}")
+    out["report"] = "\n".join(lines)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.owners:
+        res = sharing(args)
+        res["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        print(res["report"], flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=2, default=str))
+        return 0
     res = asyncio.run(Bench(args).run())
     res["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     res["goals"] = GOALS

@@ -18,7 +18,7 @@ The scheduler is ``--scheduler-url``, else ``$SCHEDULER_URL``, else ``localhost:
 is ``--api-key``, else ``$OPENTINKER_API_KEY``. TLS: ``--tls-ca`` or ``$OPENTINKER_TLS_CA`` (the
 scheduler's CA; for mTLS also ``--tls-cert``/``--tls-key`` or ``$OPENTINKER_TLS_CERT``/``$OPENTINKER_TLS_KEY``);
 an ``https://`` scheduler URL always means TLS (the system roots when no CA is given).
-``opentinker keys ...`` manages API keys.
+``opentinker keys ...`` manages API keys; ``opentinker queues [set]`` shows and changes quota queues.
 
 Exit codes: 0 success (for ``watch``: the task SUCCEEDED); 1 the task ended FAILED or CANCELLED;
 2 an error (one line on stderr: ``error: INVALID_ARGUMENT: ...``); 130 interrupted.
@@ -243,6 +243,15 @@ def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
     from opentinker_client.config import apply_overrides, load_task_config
 
     config = apply_overrides(load_task_config(args.config), args.set)
+    if args.dry_run:
+        task, usage, basis = client.estimate(config)
+        print(f"valid: {task.workload_type} on {task.model or '-'}, {task.gpu_count} GPU(s), priority {task.priority}")
+        print(
+            f"queue: {task.queue or '-'}" + (f" (would wait now: {task.pending_reason})" if task.pending_reason else "")
+        )
+        print(f"estimate: {usage_line(usage)}, cost {usage['cost']:.4f}")
+        print(f"basis: {basis}")
+        return EXIT_OK
     task_id = client.submit_config(config, request_id=args.request_id)
     print(safe_text(task_id), flush=True)
     if config.init_from:  # say which checkpoint it starts from (a cancelled task's last one, ...)
@@ -450,6 +459,58 @@ def _task_json(task: TaskInfo) -> dict[str, Any]:
     return out
 
 
+def _since(text: str | None) -> _dt.datetime | None:
+    """``--since``: ``7d``, ``12h``, ``30m`` ago, or an ISO date/time (local time when no zone)."""
+    if text is None:
+        return None
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+    if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
+        return _dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(seconds=float(text[:-1]) * units[text[-1]])
+    try:
+        when = _dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(
+            f"--since: expected 7d, 12h, 30m or an ISO date/time such as 2026-01-31, got {text!r}"
+        ) from None
+    return when if when.tzinfo else when.astimezone()
+
+
+def _cmd_usage(client: RLClient, args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    report = client.usage(owner=args.owner, since=_since(args.since))
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return EXIT_OK
+    currency = report["currency"]
+    console = _console()
+    for title, rows in (("OWNER", report["owners"]), ("QUEUE", report["queues"])):
+        table = Table(title, "GPU-HOURS", "CPU-TASK HOURS", "TOKENS GEN", "TOKENS TRAINED", "ENV STEPS", "ATTEMPTS",
+                      f"COST ({currency})")  # fmt: skip
+        for name, u in sorted(rows.items()):
+            table.add_row(
+                _escape(name) + (f" ({_escape(u['queue'])})" if u.get("queue") and u["queue"] != name else ""),
+                f"{u['gpu_seconds'] / 3600:.3f}",
+                f"{u['cpu_task_seconds'] / 3600:.3f}",
+                f"{u['tokens_generated']:.0f}",
+                f"{u['tokens_trained']:.0f}",
+                f"{u['env_steps']:.0f}",
+                str(int(u["attempts"])),
+                f"{u['cost']:.2f}",
+            )
+        console.print(table)
+    return EXIT_OK
+
+
+def usage_line(u) -> str:
+    """A usage dict (TaskInfo.usage) in one line: ``0.125 GPU-h (450 GPU-s), 0 CPU-task s, ...``."""
+    return (
+        f"{u['gpu_seconds'] / 3600:.3f} GPU-h ({u['gpu_seconds']:.0f} GPU-s), {u['cpu_task_seconds']:.0f} CPU-task s, "
+        f"{u['tokens_generated']:.0f} tokens generated, {u['tokens_trained']:.0f} trained, "
+        f"{u['env_steps']:.0f} env steps, {int(u['attempts'])} attempt(s)"
+    )
+
+
 def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -487,6 +548,11 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
     rows.append(
         ("checkpoint", f"{_escape(t.checkpoint_path)} (step {t.checkpoint_step})" if t.checkpoint_path else "-")
     )
+    if t.queue:
+        rows.append(("queue", _escape(t.queue)))
+    if t.usage:
+        rows.append(("usage", _escape(usage_line(t.usage))))
+        rows.append(("cost", f"{t.usage['cost']:.4f}"))
     rows += [
         ("created", _fmt_time(t.create_time)),
         ("started", _fmt_time(t.start_time)),
@@ -959,6 +1025,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--request-id", default=None, help="idempotency key: resubmitting with the same id returns the same task"
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate on the scheduler and estimate GPU-hours and cost; submit nothing",
+    )
     p.set_defaults(func=_cmd_submit)
 
     p = sub.add_parser(
@@ -988,6 +1059,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("nodes", help="list trainer nodes and per-GPU telemetry")
     p.set_defaults(func=_cmd_nodes)
+
+    p = sub.add_parser("usage", help="accounted usage per owner and queue: GPU-hours, tokens, env steps, cost")
+    p.add_argument("--owner", default="", help="only this owner (user keys: their own only)")
+    p.add_argument(
+        "--since", default=None, metavar="WHEN", help="only attempts assigned since: 2026-01-31, an ISO time, or 7d/12h"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_usage)
 
     # Operations: logs, plot, export (opentinker_client/cli/plot.py, opentinker_client/cli/export.py).
     p = sub.add_parser("logs", help="a task's state changes, errors and checkpoints as lines (--follow to keep going)")
@@ -1091,6 +1170,9 @@ def build_parser() -> argparse.ArgumentParser:
     from opentinker_client.cli.keys import add_keys_parser
 
     add_keys_parser(sub)  # opentinker keys create|list|revoke|rotate
+    from opentinker_client.cli.queues import add_queues_parser
+
+    add_queues_parser(sub)  # opentinker queues [set]
     return parser
 
 

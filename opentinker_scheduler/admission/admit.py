@@ -55,10 +55,15 @@ def check_limits(limits: Limits, spec: common_pb2.TaskSpec, caller: Principal, *
     Raises:
         ResourceExhausted: a limit is reached; the message names it and its config key.
     """
-    limits.check_submit_rate(caller.limit_key)
+    queue = core.queue_config(caller.owner)  # its quota queue may set the per-owner limits
+    where = f"queues[{queue[0]}].limits" if queue is not None else ""
+    rate = (queue[1].submit_rate, queue[1].submit_burst, f"{where}.submit_rate") if queue is not None else None
+    limits.check_submit_rate(caller.limit_key, override=rate)
     limits.check_spec_size(spec.ByteSize())
     limits.check_pending(
-        caller.owner, lambda: core.store.count_tasks(owner=caller.owner, states=(common_pb2.TASK_STATE_PENDING,))
+        caller.owner,
+        lambda: core.store.count_tasks(owner=caller.owner, states=(common_pb2.TASK_STATE_PENDING,)),
+        override=(queue[1].max_pending_per_owner, f"{where}.max_pending_per_owner") if queue is not None else None,
     )
 
 

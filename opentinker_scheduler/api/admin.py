@@ -1,6 +1,6 @@
-"""``opentinker.scheduler.v1.AdminService``: API keys and the audit log (see admin.proto for the
-contract). The :class:`~opentinker_scheduler.security.bundle.Security` it serves is assembled by
-the server (:func:`~opentinker_scheduler.security.bundle.build_security`)."""
+"""``opentinker.scheduler.v1.AdminService``: API keys, the audit log, quota queues and the scale
+signal (see admin.proto for the contract). The :class:`~opentinker_scheduler.security.bundle.Security`
+it serves is assembled by the server (:func:`~opentinker_scheduler.security.bundle.build_security`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import json
 from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 
 from opentinker_scheduler.api.rpc import Call, rpc
+from opentinker_scheduler.config.queues import MAX_QUOTA, check_queue_name
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from opentinker_scheduler.policy.quota import QueueQuota
 from opentinker_scheduler.security.audit import ACTIONS
 from opentinker_scheduler.security.bundle import Security
 from opentinker_scheduler.security.keys import KeyRow, KeyStore, Principal, key_prefix
@@ -42,9 +44,11 @@ def key_to_proto(row: KeyRow, now: float) -> admin_pb2.ApiKey:
 class AdminService(admin_pb2_grpc.AdminServiceServicer):
     """``opentinker.scheduler.v1.AdminService`` (see admin.proto for the contract)."""
 
-    def __init__(self, security: Security, durable=None) -> None:
+    def __init__(self, security: Security, durable=None, core=None) -> None:
         self.security = security
         self._durable = durable
+        #: The scheduler core (quota queues, desired trainers); None where only keys are served.
+        self.core = core
 
     async def durable(self) -> None:
         if self._durable is not None:
@@ -170,3 +174,129 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             ev.time.FromNanoseconds(int(rec.time * 1e9))
             out.append(ev)
         return admin_pb2.ListAuditEventsResponse(events=out)
+
+    # ------------------------------------------------------------------ quota queues
+    def _core(self):
+        if self.core is None:
+            raise FailedPrecondition("quota queues are not served here")
+        return self.core
+
+    @staticmethod
+    def _no_node(who: Principal, what: str) -> None:
+        if who.role == "node":
+            raise PermissionDenied(f"API key {who.key_prefix} (role node) may not {what}: admin and user keys only")
+
+    @rpc()
+    async def ListQueues(self, request, call: Call):
+        self._no_node(call.who, "list queues")
+        core = self._core()
+        usage = core.usage_rollup()[1]
+        return admin_pb2.ListQueuesResponse(
+            queues=[queue_to_proto(core, row, usage.get(row[0])) for row in core.queue_rows()]
+        )
+
+    @rpc(action="queue.set")
+    async def SetQueueQuota(self, request, call: Call):
+        who = call.who
+        q = request.queue
+        call.detail.update(queue=q.name[:64])
+        if not who.is_admin:
+            raise PermissionDenied(
+                f"API key {who.key_prefix} (role {who.role}) may not change quota queues: admin keys only"
+            )
+        quota = quota_from_proto(q)
+        core = self._core()
+        before = core.set_queue(quota)
+        call.detail.update(
+            gpus=quota.gpus,
+            cpu_tasks=quota.cpu_tasks,
+            borrowing_gpus=quota.borrowing_gpus,
+            borrowing_cpu_tasks=quota.borrowing_cpu_tasks,
+            owners=list(quota.owners),
+            previous=None if before is None else {"gpus": before.gpus, "cpu_tasks": before.cpu_tasks},
+        )
+        rows = {row[0]: row for row in core.queue_rows()}
+        out = admin_pb2.SetQueueQuotaResponse(
+            queue=queue_to_proto(core, rows[quota.name], core.usage_rollup()[1].get(quota.name))
+        )
+        if before is not None:
+            out.previous.CopyFrom(_quota_proto(before))
+        return out
+
+    @rpc()
+    async def GetDesiredTrainers(self, request, call: Call):
+        self._no_node(call.who, "read the scale signal")
+        return admin_pb2.GetDesiredTrainersResponse(
+            node_classes=[
+                admin_pb2.NodeClassDemand(
+                    node_class=d.node_class,
+                    desired_trainers=d.desired,
+                    connected_trainers=d.connected,
+                    pending_gpus=d.pending_gpus,
+                )
+                for d in self._core().desired_trainers()
+            ]
+        )
+
+
+def quota_from_proto(q: admin_pb2.Queue) -> QueueQuota:
+    """A queue's quota from a request, checked field by field.
+
+    Raises:
+        InvalidArgument: naming the field (``queue.name``, ``queue.gpu_quota`` ...).
+    """
+    bad = check_queue_name(q.name)
+    if bad:
+        raise InvalidArgument(f"queue.name: expected {bad}, got {q.name[:80]!r}")
+    for name in ("gpu_quota", "cpu_task_quota", "gpu_borrowing_limit", "cpu_task_borrowing_limit"):
+        value = getattr(q, name)
+        if not 0 <= value <= MAX_QUOTA:
+            raise InvalidArgument(f"queue.{name}: expected 0..{MAX_QUOTA}, got {value}")
+    for i, owner in enumerate(q.owners):
+        if not owner or len(owner) > 128:
+            raise InvalidArgument(f"queue.owners[{i}]: expected an owner of 1 to 128 characters")
+    return QueueQuota(
+        q.name,
+        q.gpu_quota,
+        q.cpu_task_quota,
+        q.gpu_borrowing_limit if q.HasField("gpu_borrowing_limit") else None,
+        q.cpu_task_borrowing_limit if q.HasField("cpu_task_borrowing_limit") else None,
+        tuple(dict.fromkeys(q.owners)),
+    )
+
+
+def _quota_proto(quota: QueueQuota) -> admin_pb2.Queue:
+    out = admin_pb2.Queue(
+        name=quota.name,
+        gpu_quota=quota.gpus,
+        cpu_task_quota=quota.cpu_tasks,
+        owners=list(quota.owners),
+        limited=True,
+    )
+    if quota.borrowing_gpus is not None:
+        out.gpu_borrowing_limit = quota.borrowing_gpus
+    if quota.borrowing_cpu_tasks is not None:
+        out.cpu_task_borrowing_limit = quota.borrowing_cpu_tasks
+    return out
+
+
+def queue_to_proto(core, row, usage=None) -> admin_pb2.Queue:
+    """One row of :meth:`SchedulerCore.queue_rows` as a ``Queue``, with the per-owner limits and
+    the accounted usage."""
+    name, quota, (gpus, cpu_tasks), pending, share = row
+    out = _quota_proto(quota) if quota is not None else admin_pb2.Queue(name=name, limited=False)
+    out.gpus_in_use, out.cpu_tasks_in_use, out.pending_tasks = gpus, cpu_tasks, pending
+    out.dominant_share = share if share != float("inf") else 1e9
+    limits = core.config.limits.resolved(auth_enabled=core.config.auth.enabled)
+    own = next((q for q in core.config.queues if q.name == name), None)  # queues[i].limits override them
+
+    def pick(key: str, default):
+        mine = getattr(own, key) if own is not None else None
+        return default if mine is None else mine
+
+    out.max_pending_per_owner = pick("max_pending_per_owner", limits.max_pending_per_owner) or 0
+    out.submit_rate = pick("submit_rate", limits.submit_rate) or 0.0
+    out.submit_burst = pick("submit_burst", limits.submit_burst) or 0
+    if usage is not None:
+        out.usage.CopyFrom(usage)
+    return out

@@ -55,6 +55,13 @@ class Snapshot:
     epoch: int | None = None
     #: Several schedulers may share the store: /health shows role and leader.
     ha: bool = False
+    #: Quota queues: (queue, GPUs in use, CPU tasks in use, GPU quota or -1, CPU-task quota or -1, pending).
+    queues: tuple[tuple[str, int, int, int, int, int], ...] = ()
+    #: Accounted usage per owner: (owner, queue, GPU-seconds, CPU-task seconds, tokens generated,
+    #: tokens trained, env steps, cost).
+    usage: tuple[tuple[str, str, float, float, float, float, float, float], ...] = ()
+    #: The scale signal: (node class, desired trainers, connected trainers).
+    desired_trainers: tuple[tuple[str, int, int], ...] = ()
 
 
 class _Collector:
@@ -126,6 +133,51 @@ class _Collector:
                 if key in values:
                     fam.add_metric([node_id], values[key])
         yield from host_fams.values()
+        yield from _sharing_families(snap)
+
+
+def _sharing_families(snap: Snapshot):
+    """Quota queues, accounted usage and the scale signal (docs/operations.md, "Sharing a cluster")."""
+    q_fams = [
+        GaugeMetricFamily("opentinker_queue_gpus_in_use", "GPUs a quota queue's tasks hold", labels=["queue"]),
+        GaugeMetricFamily("opentinker_queue_cpu_tasks_in_use", "CPU tasks of a quota queue running", labels=["queue"]),
+        GaugeMetricFamily("opentinker_queue_gpu_quota", "Nominal GPU quota of a queue", labels=["queue"]),
+        GaugeMetricFamily("opentinker_queue_cpu_task_quota", "Nominal CPU-task quota of a queue", labels=["queue"]),
+        GaugeMetricFamily("opentinker_queue_pending_tasks", "Pending tasks of a quota queue", labels=["queue"]),
+    ]
+    for queue, gpus, cpus, gpu_quota, cpu_quota, pending in snap.queues:
+        q_fams[0].add_metric([queue], gpus)
+        q_fams[1].add_metric([queue], cpus)
+        if gpu_quota >= 0:
+            q_fams[2].add_metric([queue], gpu_quota)
+            q_fams[3].add_metric([queue], cpu_quota)
+        q_fams[4].add_metric([queue], pending)
+    yield from q_fams
+    names = (
+        ("gpu_seconds", "GPU-seconds used (per GPU, assignment to stop)"),
+        ("cpu_task_seconds", "Seconds CPU tasks held a task slot"),
+        ("tokens_generated", "Tokens sampled in rollouts"),
+        ("tokens_trained", "Tokens trained on"),
+        ("env_steps", "Environment steps taken"),
+        ("cost", "Cost of GPU time at the configured price per GPU-hour of each node class"),
+    )
+    u_fams = [
+        CounterMetricFamily(f"opentinker_usage_{name}", help_text, labels=["owner", "queue"])
+        for name, help_text in names
+    ]
+    for owner, queue, *values in snap.usage:
+        for fam, value in zip(u_fams, values):
+            fam.add_metric([owner, queue], value)
+    yield from u_fams
+    desired = GaugeMetricFamily(
+        "opentinker_desired_trainers", "Trainers the pending and running work needs", labels=["node_class"]
+    )
+    connected = GaugeMetricFamily("opentinker_connected_trainers", "Trainers connected", labels=["node_class"])
+    for node_class, want, have in snap.desired_trainers:
+        desired.add_metric([node_class], want)
+        connected.add_metric([node_class], have)
+    yield desired
+    yield connected
 
 
 #: The header of every answer that names the scheduler's gRPC port (read by the client to say

@@ -112,6 +112,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.core.require_leader()  # a follower: UNAVAILABLE naming the leader, before any work
         if not request.HasField("spec"):
             raise InvalidArgument("spec: expected a task spec, got nothing")
+        if request.dry_run:
+            call.detail.update(dry_run=True)
+            row, usage, basis = self.core.estimate(request.spec, owner=call.who.owner)
+            out = task_to_proto(row)
+            out.queue = self.core.quotas.queue_of(row.owner)
+            out.pending_reason = row.error
+            out.error = ""
+            return scheduler_pb2.SubmitTaskResponse(task=out, estimate=usage, estimate_basis=basis)
         task = await admit(  # every check, in order, then the write (opentinker_scheduler/admission/admit.py)
             request.spec,
             call.who,
@@ -128,7 +136,30 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     @rpc()
     async def GetTask(self, request, call: Call):
-        return scheduler_pb2.GetTaskResponse(task=self._task(self.core.get(request.task_id, owner=owner_scope())))
+        task = self.core.get(request.task_id, owner=owner_scope())
+        out = self._task(task)
+        out.usage.CopyFrom(self.core.task_usage(task))
+        out.queue = self.core.quotas.queue_of(task.owner)
+        return scheduler_pb2.GetTaskResponse(task=out)
+
+    @rpc()
+    async def GetUsage(self, request, call: Call):
+        scope = owner_scope()
+        owner = request.owner or scope
+        if scope is not None and owner != scope:
+            raise PermissionDenied(
+                f"API key {call.who.key_prefix} (role {call.who.role}) may not read the usage of another owner: "
+                "user keys read their own owner's only (leave owner empty)"
+            )
+        since = request.since.ToNanoseconds() / 1e9 if request.HasField("since") else None
+        by_owner, by_queue, queues = self.core.usage_rollup(owner=owner, since=since)
+        return scheduler_pb2.GetUsageResponse(
+            owners=[
+                scheduler_pb2.UsageRow(name=k, usage=v, queue=queues.get(k, "")) for k, v in sorted(by_owner.items())
+            ],
+            queues=[scheduler_pb2.UsageRow(name=k, usage=v) for k, v in sorted(by_queue.items())],
+            currency=self.core.config.usage.currency,
+        )
 
     @rpc()
     async def ListTasks(self, request, call: Call):

@@ -42,6 +42,9 @@
       model_dirs: [/models]   # spec.model may name a local folder only under these
       data_dirs: [/data]      # env_config.path (chat_jsonl) may name a file only under these
                               # unset: anything with auth off, no local path at all with auth on
+    queues: [...]             # quota queues shared by teams, fair share, borrowing (config/queues.py)
+    default_queue: ""         # the queue of owners no queue lists ("": each is a queue of its own)
+    usage: {prices: {spot: 0.9}} # price per GPU-hour by node class, for usage accounting (config/usage.py)
     artifacts:                # checkpoints: backend local (default) or s3, retention (config/artifacts.py)
       backend: local
       keep_checkpoints: 3
@@ -77,6 +80,8 @@ from opentinker_scheduler.config.artifacts import ArtifactsConfig, parse_artifac
 from opentinker_scheduler.config.auth import AuthConfig, parse_auth
 from opentinker_scheduler.config.limits import LimitsConfig, parse_limits
 from opentinker_scheduler.config.paths import PathsConfig, parse_paths
+from opentinker_scheduler.config.queues import QueueConfig, check_queue_name, parse_queues
+from opentinker_scheduler.config.usage import UsageConfig, parse_usage
 from opentinker_scheduler.config.store import StoreConfig, parse_store
 from opentinker_scheduler.config.tls import HttpTlsConfig, TlsConfig, parse_http_tls, parse_tls
 
@@ -139,6 +144,12 @@ class SchedulerConfig:
     http_on_grpc_port: bool = True
     #: Where the state lives (``store:``): SQLite (default) or PostgreSQL; see config/store.py.
     store: StoreConfig = StoreConfig()
+    #: Quota queues (``queues:``); see config/queues.py and policy/quota.py.
+    queues: tuple[QueueConfig, ...] = ()
+    #: The queue of owners that no queue lists ("": each owner is a queue of its own, no quota).
+    default_queue: str = ""
+    #: Prices per GPU-hour by node class (``usage:``); see config/usage.py and state/usage.py.
+    usage: UsageConfig = UsageConfig()
 
     def priority_of(self, workload_type: str) -> int | None:
         for w in self.workload_types:
@@ -264,6 +275,9 @@ _TOP = {
     "artifacts": "artifact store",
     "http_on_grpc_port": "bool",
     "store": "state store",
+    "queues": "quota queues",
+    "default_queue": "queue name",
+    "usage": "usage accounting",
 }
 
 
@@ -396,6 +410,16 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["artifacts"] = parse_artifacts(r, top["artifacts"][1])
     if "store" in top:
         kw["store"] = parse_store(r, top["store"][1])
+    if "queues" in top:
+        kw["queues"] = parse_queues(r, top["queues"][1])
+    if "usage" in top:
+        kw["usage"] = parse_usage(r, top["usage"][1])
+    if "default_queue" in top:
+        name = r.scalar(top["default_queue"][1], "default_queue", str)
+        bad = check_queue_name(name) if name else None
+        if bad:
+            raise r.fail(top["default_queue"][1], "default_queue", f"{bad}, got {name!r}")
+        kw["default_queue"] = name
 
     cfg = SchedulerConfig(**kw)
     if cfg.lease_s <= cfg.heartbeat_interval_s:

@@ -1,7 +1,10 @@
 """Placement: which pending task goes on which node's GPUs. Pure functions, no I/O.
 
 Policy:
-  * Order: larger priority first, then older (create time), then task id.
+  * Order: larger priority first, then older (create time), then task id. The scheduler's rounds
+    (:func:`place_round` with ``rank``) put fair share between the two: at equal priority the task
+    of the quota queue with the lowest dominant share goes first (:mod:`.quota`), and a task its
+    queue's quota does not admit waits (``admit``).
   * Gang: a task gets all ``gpu_count`` GPUs on one node at once, or nothing.
   * A node runs at most ``max_tasks`` tasks (CPU tasks, ``gpu_count == 0``, need only a slot).
   * Best fit: among nodes that fit, the one with the fewest free GPUs left over (packs small
@@ -377,6 +380,8 @@ def place_round(
     not_before: Callable[[Hashable], float],
     take: Callable[[Hashable, Group, str], None],
     reserve: Callable[[Hashable, int], str | None] | None = None,
+    admit: Callable[[Hashable, Group], bool] | None = None,
+    rank: Callable[[Group, Hashable], tuple] | None = None,
 ) -> int:
     """One placement round of :func:`plan`'s policy, over indexes instead of lists.
 
@@ -393,6 +398,16 @@ def place_round(
             node could ever hold it (then the next blocked task is asked). Tasks after it are
             not placed on that node, except CPU tasks in its spare slots
             (:meth:`FreeNodes.closed_to`). None: no reservation.
+        admit: ``admit(key, group)`` says whether the task may start under its queue's quota
+            (:meth:`~opentinker_scheduler.policy.quota.QuotaBook.admits`, with ``take`` booking
+            what it starts). A group is a queue's tasks of one size, and usage only grows within
+            a round, so a refused task's whole group is dropped for the round. None: no quotas.
+        rank: ``rank(group, key)`` -> the sort key the next task is chosen by among the groups'
+            first tasks (default: ``key``, queue order). Fair share passes ``(-priority, dominant
+            share of the group's queue, create time, id)``, worked out afresh at every choice.
+
+    Groups may carry more than ``(gpu_count, share key)`` (the core adds the queue): only their
+    first two items are read here.
 
     Returns:
         How many tasks were placed. Tasks are considered in queue order; a group whose GPU
@@ -402,6 +417,7 @@ def place_round(
     """
     live = {g: keys for g, keys in groups.items() if keys}
     cursor = dict.fromkeys(live, 0)
+    order = rank if rank is not None else (lambda g, key: key)
     placed = 0
     reserved: str | None = None
     blocked: list[tuple[Hashable, int]] = []  # heap of dropped groups' first eligible keys
@@ -413,10 +429,15 @@ def place_round(
                 while i < len(keys) and not_before(keys[i]) > now:
                     i += 1
                 if i < len(keys):
-                    heapq.heappush(blocked, (keys[i], g))
-        g = min(live, key=lambda g: live[g][cursor[g]]) if live else None
-        if reserve is not None and reserved is None and blocked and (g is None or blocked[0][0] < live[g][cursor[g]]):
-            bkey, bg = heapq.heappop(blocked)
+                    heapq.heappush(blocked, (order(g, keys[i]), keys[i], g))
+        g = min(live, key=lambda g: order(g, live[g][cursor[g]])) if live else None
+        if (
+            reserve is not None
+            and reserved is None
+            and blocked
+            and (g is None or blocked[0][0] < order(g, live[g][cursor[g]]))
+        ):
+            _, bkey, bg = heapq.heappop(blocked)
             reserved = reserve(bkey, bg[0])
             if reserved is not None:
                 blocked.clear()
@@ -428,6 +449,9 @@ def place_round(
         if cursor[g] == len(live[g]):
             del live[g]
         if not_before(key) > now:
+            continue
+        if admit is not None and not admit(key, g):
+            live.pop(g, None)  # the rest of the group is over the same quota
             continue
         node_id = free.best_fit_for(g[0], g[1], free.closed_to(g[0], reserved))
         assert node_id is not None  # the group fits on a node with a free slot

@@ -8,8 +8,8 @@ Each record is written twice:
   it describes, readable with ``AdminService.ListAuditEvents``.
 
 Audited actions: ``task.submit``, ``task.cancel``, ``key.create``, ``key.revoke``, ``key.rotate``,
-``node.join``. Refused authentication (``auth.refused``) is logged only, never stored, so a
-caller spraying bad keys cannot grow the database.
+``node.join``, ``queue.set`` (a quota queue changed at run time). Refused authentication
+(``auth.refused``) is logged only, never stored, so a caller spraying bad keys cannot grow the database.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ log = structlog.get_logger("opentinker.audit")
 
 # The audit_log table: opentinker_scheduler/state/schema.py (migrations of both store backends).
 
-ACTIONS = ("task.submit", "task.cancel", "key.create", "key.revoke", "key.rotate", "node.join")
+ACTIONS = ("task.submit", "task.cancel", "key.create", "key.revoke", "key.rotate", "node.join", "queue.set")
 
 
 @dataclass(frozen=True)

@@ -97,13 +97,21 @@ class Limits:
                 f"spec: {size_bytes} bytes serialized, more than the limit of {most} (limits.max_spec_bytes)"
             )
 
-    def check_submit_rate(self, key: str) -> None:
+    def check_submit_rate(self, key: str, *, override: tuple[float | None, int | None, str] | None = None) -> None:
         """Take a SubmitTask token for ``key``.
+
+        Args:
+            override: ``(rate, burst, config key)`` of the caller's quota queue
+                (``queues[i].limits``); a None value keeps the ``limits:`` section's.
 
         Raises:
             ResourceExhausted: the key's bucket is empty; the message says when to retry.
         """
-        rate = self.config.submit_rate
+        rate, burst, where = self.config.submit_rate, self.config.submit_burst, "limits.submit_rate"
+        if override is not None:
+            rate = override[0] if override[0] is not None else rate
+            burst = override[1] if override[1] is not None else burst
+            where = override[2]
         if not rate:
             return
         now = self.clock()
@@ -112,27 +120,33 @@ class Limits:
             if bucket is None:
                 if len(self._buckets) >= self._MAX_BUCKETS:
                     self._buckets.clear()  # full buckets again: at worst one extra burst each
-                bucket = self._buckets[key] = TokenBucket(rate, int(self.config.submit_burst or 1), now)
+                bucket = self._buckets[key] = TokenBucket(rate, int(burst or 1), now)
+            elif (bucket.rate, bucket.burst) != (rate, int(burst or 1)):  # the queue's limits changed
+                bucket.rate, bucket.burst = rate, int(burst or 1)
             wait = bucket.take(now)
         if wait:
             raise ResourceExhausted(
                 f"submit rate limit: at most {rate:g} SubmitTask calls per second per API key "
-                f"(burst {self.config.submit_burst}) (limits.submit_rate); retry in {wait:.2f} s"
+                f"(burst {burst}) ({where}); retry in {wait:.2f} s"
             )
 
-    def check_pending(self, owner: str, count) -> None:
+    def check_pending(self, owner: str, count, *, override: tuple[int | None, str] | None = None) -> None:
         """Raises ResourceExhausted when ``owner`` already has the limit of PENDING tasks queued.
 
-        ``count`` is an int or a function returning one (called only when a limit is set).
+        ``count`` is an int or a function returning one (called only when a limit is set);
+        ``override``: ``(limit, config key)`` of the owner's quota queue (None limit: the
+        ``limits:`` section's).
         """
-        most = self.config.max_pending_per_owner
+        most, where = self.config.max_pending_per_owner, "limits.max_pending_per_owner"
+        if override is not None and override[0] is not None:
+            most, where = override
         if not most:
             return
         pending = count() if callable(count) else count
         if pending >= most:
             raise ResourceExhausted(
                 f"owner {owner!r} already has {pending} PENDING task(s), the limit is {most} "
-                "(limits.max_pending_per_owner); wait for some to start or cancel some"
+                f"({where}); wait for some to start or cancel some"
             )
 
     def acquire_stream(self, key: str, *, locked: bool = False) -> None:

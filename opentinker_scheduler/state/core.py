@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import time
 from typing import Callable
@@ -47,8 +48,11 @@ from opentinker_scheduler.policy.placement import (
     why_pending,
 )
 from opentinker_scheduler.policy.gang import gang_never_fits
+from opentinker_scheduler.policy.quota import QueueQuota, QuotaBook, task_need
+from opentinker_scheduler.policy.scale import ClassNode, Demand, desired_trainers
 from opentinker_scheduler.state.gangs import Gangs, gang_nodes
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
+from opentinker_scheduler.state.usage import UsageMeters, usage_proto
 from opentinker_scheduler.state.queue import LiveTasks, PendingQueue, QueueKey, ReasonsView, queue_key
 from opentinker_scheduler.state.store import (  # noqa: F401  (STATE_NAMES re-exported)
     ACTIVE_STATES,
@@ -108,6 +112,14 @@ class SchedulerCore:
         self._wake_pending = False
         #: Registration, heartbeats and task reports of node streams (:class:`~.node_protocol.NodeProtocol`).
         self.node_protocol = NodeProtocol(self)
+        #: Quota queues and their usage (:mod:`..policy.quota`); changed at run time by :meth:`set_queue`.
+        self.quotas = QuotaBook.of(
+            (
+                QueueQuota(q.name, q.gpus, q.cpu_tasks, q.borrowing_gpus, q.borrowing_cpu_tasks, q.owners)
+                for q in config.queues
+            ),
+            config.default_queue,
+        )
         self._init_memory()
         self.commits = GroupCommit(store, on_failure=self._rebuild)
         if leading:
@@ -118,7 +130,10 @@ class SchedulerCore:
         #: Until then (``clock`` seconds) no node is declared lost: the scheduler's own loop stalled.
         self._liveness_grace_until = float("-inf")
         self.nodes: dict[str, NodeSession] = {}
-        self.tasks = LiveTasks()
+        self.tasks = LiveTasks(self.quotas.queue_of)
+        self.quotas.used.clear()
+        #: Meters of the live attempts; ended ones are rows of the store (:mod:`.usage`).
+        self.usage = UsageMeters(self.store, self.config.usage, self.node_class)
         self.free = FreeNodes()
         self.pending_reasons = ReasonsView(self.tasks, self.pending_reason)  # task id -> why pending
         self._queued_at: dict[str, float] = {}
@@ -127,7 +142,12 @@ class SchedulerCore:
         self._max_gpus: int | None = None  # cache of max_possible_gpus(); None = recompute
         #: Preemptions in flight (memory only; :class:`~.preemption_tracker.PreemptionTracker`).
         self.preemptions = PreemptionTracker(
-            tasks=self.tasks, nodes=self.nodes, free=self.free, config=self.config, notify=self.notify
+            tasks=self.tasks,
+            nodes=self.nodes,
+            free=self.free,
+            config=self.config,
+            notify=self.notify,
+            quotas=lambda: self.quotas,
         )
         #: Gang tasks' members, rendezvous and ends (memory only; :class:`~.gangs.Gangs`).
         self.gangs = Gangs(self)
@@ -230,6 +250,12 @@ class SchedulerCore:
         ``restart_grace`` passes without it (a trainer may be a few reconnect backoffs away from
         noticing the restart), so a scheduler restart kills no running work."""
         self.tasks.load(self.store)
+        self._recount_usage()
+        for task in self.active.values():  # meters run again from the attempt's start (see state/usage.py)
+            if task.task_id in self.usage.live:
+                continue  # reloaded after a failed commit: the meter runs on
+            self.usage.start(task, queue=self.quotas.queue_of(task.owner), gpus=self.need(task)[0],
+                             start_time=task.start_time or task.update_time)  # fmt: skip
         grace = max(0.0, self.config.restart_grace_s - self.config.lease_s)
         for task in self.active.values():
             if task.node_id not in self.nodes:
@@ -417,6 +443,64 @@ class SchedulerCore:
         self.notify()
         return task
 
+    def estimate(self, spec: common_pb2.TaskSpec, *, owner: str) -> tuple[TaskRow, common_pb2.Usage, str]:
+        """What ``spec`` would be stored as (no id, nothing written), what it would use and how
+        that was estimated: the spec's ``steps`` times the mean seconds per step of the newest
+        recorded attempts of the same workload type and model (at most 20), times its GPUs, at
+        the price of ``usage.default_node_class``. The row's ``error`` says when its queue's quota
+        would hold it back now.
+
+        Raises:
+            InvalidArgument: bad spec (as :meth:`submit`).
+        """
+        spec_copy = common_pb2.TaskSpec()
+        spec_copy.CopyFrom(spec)
+        if not spec_copy.model and self.config.default_model:
+            spec_copy.model = self.config.default_model
+        try:
+            model = spec_from_proto(spec_copy, allowed_workloads=self.config.workload_names)
+        except SpecError as exc:
+            raise InvalidArgument(str(exc)) from None
+        spec_copy = self._as_stored(spec_copy, model=model)
+        priority = model.priority if model.priority is not None else self.config.priority_of(model.workload_type)
+        now = time.time()
+        row = TaskRow(
+            task_id="",
+            owner=owner,
+            spec=spec_copy,
+            state=S.TASK_STATE_PENDING,
+            attempt=0,
+            priority=int(priority or 0),
+            gpu_count=model.gpu_count,
+            max_attempts=spec_copy.limits.max_attempts,
+            max_runtime_s=model.max_runtime_s,
+            create_time=now,
+            update_time=now,
+        )
+        queue = self.quotas.queue_of(owner)
+        row.error = self.quotas.why_not(queue, self.need(row)) or ""
+        steps = int(getattr(model.hyperparameters, "steps", 0) or 0)
+        gpus = self.need(row)[0]
+        recent = self.store.recent_step_seconds(spec_copy.workload_type, spec_copy.model)
+        what = f"{spec_copy.workload_type} on {spec_copy.model or model.env.env_id}"
+        if not recent or not steps:
+            why = "the spec has no steps" if not steps else f"no recorded attempt of {what} that reported steps"
+            return row, common_pb2.Usage(), f"no estimate: {why}"
+        per_step = sum(r[0] for r in recent) / max(1, sum(r[1] for r in recent))
+        seconds = per_step * steps
+        node_class = self.config.usage.default_node_class
+        price = self.config.usage.price(node_class)
+        usage = common_pb2.Usage(
+            gpu_seconds=gpus * seconds,
+            cpu_task_seconds=seconds if gpus == 0 else 0.0,
+            cost=gpus * seconds / 3600.0 * price,
+        )
+        basis = (
+            f"{steps} steps x {per_step:.2f} s per step (mean of the {len(recent)} newest attempts of {what}) x "
+            f"{gpus} GPU(s) at {price:g} {self.config.usage.currency} per GPU-hour ({node_class})"
+        )
+        return row, usage, basis
+
     def get(self, task_id: str, *, owner: str | None = None) -> TaskRow:
         """The task as committed. An unfinished task's row is the core's own: read, don't change.
 
@@ -500,6 +584,9 @@ class SchedulerCore:
                 f"preempting {', '.join(left)} on {node_id} to make room (waiting for the node to confirm they "
                 f"checkpointed and stopped; queue position {position} of {length})"
             )
+        over = self.quotas.why_not(self.quotas.queue_of(task.owner), self.need(task))
+        if over is not None:
+            return f"{over} (queue position {position} of {length})"
         if gang_nodes(task) > 1:
             return self.gangs.why(task, [n.capacity() for n in self.nodes.values()], position, length)
         reserver, reserved = self._reservation_ahead_of(task)
@@ -608,6 +695,7 @@ class SchedulerCore:
         self.free.remove(node.node_id)
         self._ledger_version += 1
         self._max_gpus = None
+        self._cluster_changed()
 
     def node_notes(self, node: NodeSession) -> list[str]:
         """What ListNodes says of ``node``: its registration notes, and when it will be forgotten."""
@@ -650,6 +738,139 @@ class SchedulerCore:
             return 0
         return self.preemptions.preempt()
 
+    # ------------------------------------------------------------------ quotas
+    @staticmethod
+    def need(task: TaskRow) -> tuple[int, int]:
+        """What ``task`` takes of its queue's quota while active: (GPUs, CPU-task slots)."""
+        return task_need(task.gpu_count, gang_nodes(task))
+
+    def _recount_usage(self) -> None:
+        """Quota usage from the active tasks (after a reload, or owners moved between queues)."""
+        self.quotas.used.clear()
+        for task in self.active.values():
+            self.quotas.add(self.quotas.queue_of(task.owner), self.need(task))
+
+    def _cluster_changed(self) -> None:
+        """The cluster's size, the dominant-share denominator of queues with no quota."""
+        live = [n for n in self.nodes.values() if n.connected]
+        self.quotas.cluster = (max(1, sum(n.gpu_count for n in live)), max(1, sum(n.max_tasks for n in live)))
+
+    # ------------------------------------------------------------------ the scale signal
+    def desired_trainers(self) -> list[ClassDemand]:
+        """Trainers each node class needs now (:func:`~..policy.scale.desired_trainers`): pending
+        tasks that their queue's quota admits (booked in queue order on a copy of the quotas),
+        packed into connected nodes' free room, the rest into new trainers of
+        ``usage.default_node_class`` sized like the largest node of that class (else of any)."""
+        live = [n for n in self.nodes.values() if n.connected]
+        nodes = []
+        for n in live:
+            cap = n.capacity()
+            free = len(cap.free_gpus) if cap.accepting else 0
+            slots = cap.free_slots if cap.accepting else 0
+            nodes.append(ClassNode(n.node_id, self.node_class(n.node_id), free, slots, len(n.allocations)))
+        book = QuotaBook(self.quotas.queues, self.quotas.default_queue, self.quotas.cluster,
+                         {k: list(v) for k, v in self.quotas.used.items()})  # fmt: skip
+        counts: dict[tuple[int, int], int] = {}
+        pending_gpus: dict[str, int] = {}
+        for key in self.queue.ordered_keys():
+            task = self.queue.row(key)
+            queue, need = book.queue_of(task.owner), self.need(task)
+            if book.queues and not book.admits(queue, need):
+                continue
+            book.add(queue, need)
+            size = (task.gpu_count, gang_nodes(task))
+            counts[size] = counts.get(size, 0) + 1
+        scale_class = self.config.usage.default_node_class
+        same = [n for n in live if self.node_class(n.node_id) == scale_class] or live
+        sizes = [(n.gpu_count, n.max_tasks) for n in same] or [
+            (p.gpu_count, p.max_tasks) for p in self.config.resource_pool
+        ]
+        template = max(sizes, default=(0, 0))
+        pending_gpus[scale_class] = sum(g * m * c for (g, m), c in counts.items())
+        want = desired_trainers(
+            nodes, [Demand(g, m, c) for (g, m), c in counts.items()], scale_class=scale_class, template=template
+        )
+        connected: dict[str, int] = {}
+        for n in nodes:
+            connected[n.node_class] = connected.get(n.node_class, 0) + 1
+        return [ClassDemand(c, want[c], connected.get(c, 0), pending_gpus.get(c, 0)) for c in sorted(want)]
+
+    # ------------------------------------------------------------------ usage accounting
+    def node_class(self, node_id: str) -> str:
+        """The class ``node_id`` announced (``--node-class``), else ``usage.default_node_class``."""
+        node = self.nodes.get(node_id)
+        reg = node.register if node is not None else None
+        return (reg.node_class if reg is not None else "") or self.config.usage.default_node_class
+
+    def task_usage(self, task: TaskRow) -> common_pb2.Usage:
+        """What ``task`` used, all attempts, the running one up to now."""
+        return usage_proto(self.store.task_usage(task.task_id), self.usage.so_far(task))
+
+    def usage_rollup(
+        self, *, owner: str | None = None, since: float | None = None
+    ) -> tuple[dict[str, common_pb2.Usage], dict[str, common_pb2.Usage], dict[str, str]]:
+        """``(per owner, per queue, owner -> queue)`` of recorded attempts plus the running ones
+        (assigned at or after ``since`` when given; only ``owner``'s when given)."""
+        by_owner = {k: usage_proto(v) for k, v in self.store.usage_by("owner", owner=owner, since=since).items()}
+        by_queue = {k: usage_proto(v) for k, v in self.store.usage_by("queue", owner=owner, since=since).items()}
+        queues = self.store.owner_queues(owner=owner, since=since)
+        for task in self.active.values():
+            if owner is not None and task.owner != owner:
+                continue
+            live = self.usage.so_far(task)
+            if live is None or (since is not None and live.start_time < since):
+                continue
+            for table, key in ((by_owner, live.owner), (by_queue, live.queue)):
+                table[key] = usage_proto(_usage_sums(table.get(key)), live)
+            queues[live.owner] = live.queue
+        return by_owner, by_queue, queues
+
+    def set_queue(self, quota: QueueQuota) -> QueueQuota | None:
+        """Add or change a quota queue now (no restart): its quota, borrowing limits and owners
+        (owners listed move to it from any other queue). Pending tasks are regrouped and usage
+        recounted; the next placement round decides with it. Returns the queue as it was (None:
+        new). The caller audits the change."""
+        self.require_leader()
+        before = self.quotas.queues.get(quota.name)
+        cluster = self.quotas.cluster
+        self.quotas = self.quotas.with_queue(quota)
+        self.quotas.cluster = cluster
+        self.tasks.regroup(self.quotas.queue_of)
+        self._recount_usage()
+        log.info("queue quota set", queue=quota.name, gpus=quota.gpus, cpu_tasks=quota.cpu_tasks, owners=quota.owners)
+        self.notify()
+        return before
+
+    def queue_config(self, owner: str):
+        """``(index, QueueConfig)`` of the configured queue ``owner``'s tasks go to, when it sets
+        per-owner limits (``queues[i].limits``), else None."""
+        name = self.quotas.queue_of(owner)
+        for i, q in enumerate(self.config.queues):
+            if q.name == name and (
+                q.max_pending_per_owner is not None or q.submit_rate is not None or q.submit_burst is not None
+            ):
+                return i, q
+        return None
+
+    def queue_rows(self) -> list[tuple[str, QueueQuota | None, tuple[int, int], int, float]]:
+        """Every queue with a quota or with tasks now: ``(name, quota or None, usage (GPUs,
+        CPU tasks), pending tasks, dominant share)``, by name."""
+        pending: dict[str, int] = {}
+        for task in self.queue:
+            q = self.quotas.queue_of(task.owner)
+            pending[q] = pending.get(q, 0) + 1
+        names = sorted(set(self.quotas.queues) | set(self.quotas.used) | set(pending))
+        return [
+            (
+                n,
+                self.quotas.queues.get(n),
+                self.quotas.usage(n),
+                pending.get(n, 0),
+                self.quotas.dominant_share(n),
+            )
+            for n in names
+        ]
+
     # ------------------------------------------------------------------ placement
     def schedule(self) -> int:
         """Place what fits now; push assignments. Returns the number placed.
@@ -665,11 +886,23 @@ class SchedulerCore:
         decided: list[tuple[TaskRow, NodeSession, tuple[int, ...]]] = []
         gangs: list = []
 
+        quotas = self.quotas
+        booked: list[tuple[str, tuple[int, int]]] = []  # what this round booked on the quotas, undone below
+
         def take(key: QueueKey, group: Group, node_id: str) -> None:
             task, node = self.queue.row(key), self.nodes[node_id]
-            devices = node.capacity().choose_devices(*group)
+            devices = node.capacity().choose_devices(group[0], group[1])
             node.allocate(task.task_id, task.attempt, devices, group[1])
             decided.append((task, node, devices))
+            need = task_need(group[0])
+            quotas.add(group[2], need)
+            booked.append((group[2], need))
+
+        def admit(key: QueueKey, group) -> bool:
+            return quotas.admits(group[2], task_need(group[0]))
+
+        def rank(group, key: QueueKey) -> tuple:
+            return (key[0], quotas.dominant_share(group[2]), key[1], key[2])
 
         def reserve(key: QueueKey, gpu_count: int) -> str | None:
             node_id = reservation_node(gpu_count, (n.capacity() for n in self.nodes.values()))
@@ -681,7 +914,16 @@ class SchedulerCore:
         now = time.time()
 
         def round_of(groups) -> None:
-            place_round(groups, self.free, now, lambda key: self.queue.row(key).not_before, take, reserve)
+            place_round(
+                groups,
+                self.free,
+                now,
+                lambda key: self.queue.row(key).not_before,
+                take,
+                reserve,
+                admit=admit if quotas.queues else None,
+                rank=rank,
+            )
 
         gang_keys = [k for k in self.queue.gang_keys() if self.queue.row(k).not_before <= now]
         if not gang_keys:
@@ -699,6 +941,8 @@ class SchedulerCore:
             finally:
                 for node_id in reserved:
                     self.node_changed(self.nodes[node_id])
+        for queue, need in booked:  # the transitions below book them for good
+            quotas.add(queue, need, -1)
         if not decided and not gangs:
             return 0
         try:
@@ -847,6 +1091,14 @@ class SchedulerCore:
         )
         self.write(task, [*extra, ev])
         self.tasks.moved(task, from_state)
+        was, now_active = from_state in ACTIVE_STATES, to_state in ACTIVE_STATES
+        if was != now_active:
+            queue = self.quotas.queue_of(task.owner)
+            self.quotas.add(queue, self.need(task), 1 if now_active else -1)
+            if now_active:
+                self.usage.start(task, queue=queue, gpus=self.need(task)[0], start_time=now)
+            else:
+                self.usage.end(task, end_time=now)
         if task.task_id in self.gangs.live:
             self.gangs.task_moved(task)
         log.info(
@@ -889,6 +1141,7 @@ class SchedulerCore:
         self._ledger_version += 1
         if membership:
             self._max_gpus = None
+            self._cluster_changed()
         self.free.update(node.capacity())
 
     async def wait_changed(self, timeout: float) -> None:
@@ -916,6 +1169,23 @@ class SchedulerCore:
         self._wake_pending = False
         async with self.changed:
             self.changed.notify_all()
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassDemand:
+    """One node class in the scale signal: trainers needed, connected now, pending GPUs admitted."""
+
+    node_class: str
+    desired: int
+    connected: int
+    pending_gpus: int
+
+
+def _usage_sums(u: common_pb2.Usage | None) -> tuple:
+    """A ``Usage`` as the sums tuple of :meth:`~.store.SqlStore.task_usage` (zeros for None)."""
+    if u is None:
+        return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
+    return (u.gpu_seconds, u.cpu_task_seconds, u.tokens_generated, u.tokens_trained, u.env_steps, u.cost, u.attempts)
 
 
 def _struct_dict(spec: common_pb2.TaskSpec, name: str) -> dict:

@@ -117,6 +117,10 @@ class Gangs:
             task = self.core.queue.row(key)
             if task.not_before > now:
                 continue
+            quotas, need = self.core.quotas, self.core.need(task)
+            queue = quotas.queue_of(task.owner)
+            if not quotas.admits(queue, need):
+                continue  # over its queue's quota: it waits (the core's pending reason says so)
             caps = [n.capacity() for n in self.core.nodes.values()]
             gt = gang_task(task)
             placement: GangPlacement | None = place_gang(gt, caps, exclude=reserved)
@@ -132,6 +136,9 @@ class Gangs:
             for node_id, devices in placement.members:
                 self.core.nodes[node_id].allocate(task.task_id, task.attempt, devices, None)
             decided.append((task, Gang(task.task_id, task.attempt, placement.members, port)))
+            quotas.add(queue, need)  # booked for the rest of this call; the core books it for good
+        for task, _ in decided:
+            self.core.quotas.add(self.core.quotas.queue_of(task.owner), self.core.need(task), -1)
         self.reserved = reserved
         return decided, reserved
 

@@ -15,6 +15,7 @@ from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
 
 from opentinker_scheduler.config import PoolNode, SchedulerConfig
+from opentinker_scheduler.config.usage import check_node_class
 from opentinker_scheduler.errors import AlreadyExists, InvalidArgument, PermissionDenied
 from opentinker_scheduler.state.nodes import NodeSession
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
@@ -100,6 +101,10 @@ class NodeProtocol:
         node_id = reg.node_id
         if not node_id or len(node_id) > 128:
             raise InvalidArgument("register.node_id: expected a non-empty id of at most 128 characters")
+        if reg.node_class and check_node_class(reg.node_class):
+            raise InvalidArgument(
+                f"register.node_class: expected {check_node_class(reg.node_class)}, got {reg.node_class[:80]!r}"
+            )
         pool = self.core.config.pool_node(node_id)
         if pool is None and not self.core.config.allow_unknown_nodes:
             raise PermissionDenied(
@@ -280,6 +285,7 @@ class NodeProtocol:
                 continue
             task.attempt_step = point.step
             events.append(common_pb2.TaskEvent(metric=point))
+            self.core.usage.metric(task.task_id, rep.attempt, point.values)
             if point.step >= task.latest_step:
                 task.latest_step = point.step
                 task.latest_metrics = dict(point.values)

@@ -15,6 +15,7 @@ from opentinker.node.v1 import node_pb2
 
 from opentinker_scheduler.policy.placement import FreeNodes
 from opentinker_scheduler.policy.preemption import NodeState, RunningAlloc, choose_victims
+from opentinker_scheduler.policy.quota import QuotaBook, task_need
 from opentinker_scheduler.state.nodes import NodeSession
 from opentinker_scheduler.state.queue import LiveTasks
 
@@ -71,6 +72,7 @@ class PreemptionTracker:
         config: _Timeouts,
         notify: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
+        quotas: Callable[[], QuotaBook | None] = lambda: None,
     ) -> None:
         self._tasks = tasks
         self._nodes = nodes
@@ -78,6 +80,7 @@ class PreemptionTracker:
         self._config = config
         self._notify = notify
         self._clock = clock
+        self._quotas = quotas
         self.victims: dict[str, Victim] = {}
         self.waiting: dict[str, tuple[str, tuple[str, ...]]] = {}
         self.deadlines: dict[str, float] = {}
@@ -128,11 +131,15 @@ class PreemptionTracker:
         lowest = self._lowest_running()
         if lowest is None:
             return 0
+        book = self._quotas()
+        quotas = book if book is not None and book.queues else None
+        reclaim = self._reclaimable(quotas) if quotas is not None else set()
         now = time.time()
         started = looked = 0
+        verdicts: dict[tuple[str, tuple[int, int]], bool] = {}  # (queue, need) -> admitted, for this call
         for key in queue.ordered_keys():
             task = queue.row(key)
-            if task.priority <= lowest or looked >= PREEMPT_CANDIDATES_PER_TICK:
+            if looked >= PREEMPT_CANDIDATES_PER_TICK or (task.priority <= lowest and not reclaim):
                 break
             if (
                 task.not_before > now
@@ -141,8 +148,29 @@ class PreemptionTracker:
                 or self._free.best_fit_for(task.gpu_count, task.share_key) is not None
             ):
                 continue
+            queue_name = quotas.queue_of(task.owner) if quotas is not None else ""
+            need = task_need(task.gpu_count)
+            if quotas is not None:
+                admitted = verdicts.get((queue_name, need))
+                if admitted is None:
+                    admitted = verdicts[(queue_name, need)] = quotas.admits(queue_name, need)
+                if not admitted:
+                    continue  # over its queue's quota: it waits, and stops nobody
+            reclaiming = quotas is not None and quotas.within_nominal(queue_name, need) and bool(reclaim)
+            if task.priority <= lowest and not reclaiming:
+                continue
             looked += 1
-            choice = choose_victims(task.priority, task.gpu_count, self._node_states(task.priority))
+
+            def eligible(t, prio=task.priority, q=queue_name, reclaiming=reclaiming) -> bool:
+                """Whether running task ``t`` may be stopped for this one: lower priority (in the same
+                queue when there are quotas, or borrowed), or borrowed quota this queue reclaims."""
+                if reclaiming and t.task_id in reclaim:
+                    return True
+                if t.priority >= prio:
+                    return False
+                return quotas is None or t.task_id in reclaim or quotas.queue_of(t.owner) == q
+
+            choice = choose_victims(task.priority, task.gpu_count, self._node_states(task.priority, eligible))
             if choice is None:
                 continue
             node = self._nodes[choice.node_id]
@@ -187,10 +215,20 @@ class PreemptionTracker:
             default=None,
         )
 
-    def _node_states(self, priority: int) -> list[NodeState]:
+    def _reclaimable(self, quotas: QuotaBook) -> set[str]:
+        """Running tasks (not already victims) that use borrowed quota
+        (:meth:`~opentinker_scheduler.policy.quota.QuotaBook.reclaimable`)."""
+        return quotas.reclaimable(
+            (t.task_id, quotas.queue_of(t.owner), task_need(t.gpu_count), t.start_time or 0.0)
+            for t in self._tasks.active.values()
+            if t.state == S.TASK_STATE_RUNNING and t.task_id not in self.victims and t.spec.resources.nodes <= 1
+        )
+
+    def _node_states(self, priority: int, eligible: Callable | None = None) -> list[NodeState]:
         """Accepting nodes as :func:`choose_victims` sees them. Allocations that may not be
-        preempted (not RUNNING, already a victim, a cancelled task not yet confirmed gone) are
-        given ``priority`` so they hold their GPUs and slot but are never chosen."""
+        preempted (not RUNNING, already a victim, a cancelled task not yet confirmed gone, or not
+        ``eligible(row)`` when given) are given ``priority`` so they hold their GPUs and slot but
+        are never chosen; eligible ones at least one below it."""
         active = self._tasks.active
         out = []
         for node in self._nodes.values():
@@ -206,9 +244,12 @@ class PreemptionTracker:
                     and task_id not in self.victims
                 )
                 started = (t.start_time or 0.0) if t is not None else 0.0
-                running.append(
-                    RunningAlloc(task_id, t.priority if ok else priority, len(devices), started, tuple(devices))
-                )
+                prio = priority
+                if ok and eligible is None:
+                    prio = t.priority
+                elif ok and eligible(t):
+                    prio = min(t.priority, priority - 1)
+                running.append(RunningAlloc(task_id, prio, len(devices), started, tuple(devices)))
             cap = node.capacity()
             out.append(NodeState(node.node_id, node.gpu_count, node.max_tasks, len(cap.free_gpus), tuple(running)))
         return out

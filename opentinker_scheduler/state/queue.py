@@ -6,7 +6,7 @@ or out of PENDING, so a placement round never reads the store to find its candid
 
 Order (see :mod:`opentinker_scheduler.policy.placement`): larger priority first, then older create
 time, then task id. Besides the whole order the queue keeps one ordered list per ``gpu_count``
-(and GPU-sharing key),
+(and GPU-sharing key, and quota queue: fair share and quotas decide per queue),
 so a round can skip every task that asks for more GPUs than any node has free without looking
 at them one by one. Adding and removing cost O(log n) comparisons plus a memmove of the list.
 """
@@ -18,7 +18,6 @@ from typing import Callable, Iterator, Mapping
 
 from opentinker.common.v1 import common_pb2
 
-from opentinker_scheduler.policy.placement import Group
 from opentinker_scheduler.state.store import ACTIVE_STATES, Store, TaskRow
 
 QueueKey = tuple[int, float, str]  # (-priority, create_time, task_id)
@@ -34,19 +33,31 @@ def is_gang(task: TaskRow) -> bool:
     return task.spec.resources.nodes > 1
 
 
-def group_of(task: TaskRow) -> Group:
-    """The placement group of a task: tasks in one group fit in exactly the same places."""
-    return (task.gpu_count, task.share_key)
+#: A queue's placement group: ``(gpu_count, share key, quota queue)``. Tasks in one group fit in
+#: exactly the same places and count against the same quota (policy/quota.py), so a placement
+#: round may drop a group whole (:func:`~opentinker_scheduler.policy.placement.place_round`).
+QueueGroup = tuple[int, "str | None", str]
+
+
+def group_of(task: TaskRow, queue_of: Callable[[str], str]) -> QueueGroup:
+    """The placement group of a task, its quota queue from its owner by ``queue_of``."""
+    return (task.gpu_count, task.share_key, queue_of(task.owner))
+
+
+def _no_queues(owner: str) -> str:
+    return owner
 
 
 class PendingQueue:
     """PENDING tasks by id, in placement order overall and per placement group."""
 
-    def __init__(self) -> None:
+    def __init__(self, queue_of: Callable[[str], str] = _no_queues) -> None:
+        #: owner -> quota queue (:meth:`~opentinker_scheduler.policy.quota.QuotaBook.queue_of`).
+        self.queue_of = queue_of
         self._rows: dict[str, TaskRow] = {}
         self._keys: dict[str, QueueKey] = {}
         self._order: list[QueueKey] = []
-        self._by_gpus: dict[Group, list[QueueKey]] = {}
+        self._by_gpus: dict[QueueGroup, list[QueueKey]] = {}
         self._gangs: list[QueueKey] = []  # gang tasks, in placement order (not in _by_gpus)
 
     def __len__(self) -> int:
@@ -77,7 +88,7 @@ class PendingQueue:
         if is_gang(task):
             bisect.insort(self._gangs, key)
             return
-        bisect.insort(self._by_gpus.setdefault(group_of(task), []), key)
+        bisect.insort(self._by_gpus.setdefault(group_of(task, self.queue_of), []), key)
 
     def discard(self, task_id: str) -> TaskRow | None:
         task = self._rows.pop(task_id, None)
@@ -88,7 +99,7 @@ class PendingQueue:
         if is_gang(task):
             _remove(self._gangs, key)
             return task
-        g = group_of(task)
+        g = group_of(task, self.queue_of)
         group = self._by_gpus[g]
         _remove(group, key)
         if not group:
@@ -100,8 +111,8 @@ class PendingQueue:
         key = self._keys.get(task_id)
         return bisect.bisect_left(self._order, key) + 1 if key is not None else 0
 
-    def groups(self) -> dict[Group, list[QueueKey]]:
-        """``(gpu_count, share key)`` -> ordered keys. Read-only: a placement round walks these lists while it
+    def groups(self) -> dict[QueueGroup, list[QueueKey]]:
+        """``(gpu_count, share key, queue)`` -> ordered keys. Read-only: a placement round walks these lists while it
         decides, and the core removes placed tasks only after the round has decided."""
         return self._by_gpus
 
@@ -133,14 +144,15 @@ class LiveTasks:
     then calls :meth:`moved` so membership and counts follow the committed state.
     """
 
-    def __init__(self) -> None:
-        self.queue = PendingQueue()
+    def __init__(self, queue_of: Callable[[str], str] = _no_queues) -> None:
+        self.queue_of = queue_of
+        self.queue = PendingQueue(queue_of)
         self.active: dict[str, TaskRow] = {}
         self.counts: dict[int, int] = {}  # TaskState -> number of tasks, finished ones included
 
     def load(self, store: Store) -> None:
         """(Re)read the unfinished tasks and the counts from the store."""
-        self.queue = PendingQueue()
+        self.queue = PendingQueue(self.queue_of)
         self.active = {t.task_id: t for t in store.tasks_in_states(ACTIVE_STATES)}
         for task in store.tasks_in_states([common_pb2.TASK_STATE_PENDING]):
             self.queue.put(task)
@@ -148,6 +160,14 @@ class LiveTasks:
 
     def get(self, task_id: str) -> TaskRow | None:
         return self.active.get(task_id) or self.queue.get(task_id)
+
+    def regroup(self, queue_of: Callable[[str], str]) -> None:
+        """Owners moved between quota queues: rebuild the queue's groups with ``queue_of``."""
+        self.queue_of = queue_of
+        rows = list(self.queue)
+        self.queue = PendingQueue(queue_of)
+        for row in rows:
+            self.queue.put(row)
 
     def added(self, task: TaskRow) -> None:
         """A new task was committed as PENDING."""

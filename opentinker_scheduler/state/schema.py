@@ -173,6 +173,33 @@ ALTER TABLE dataset_owners ADD COLUMN name TEXT NOT NULL DEFAULT '';
 ALTER TABLE dataset_owners ADD COLUMN size_bytes INTEGER NOT NULL DEFAULT 0;
 """
 
+#: Usage accounting (state/usage.py): one row per attempt that left ASSIGNED/RUNNING.
+_V4 = """
+CREATE TABLE IF NOT EXISTS attempt_usage (
+    task_id           TEXT NOT NULL,
+    attempt           INTEGER NOT NULL,
+    owner             TEXT NOT NULL,
+    queue             TEXT NOT NULL,
+    node_id           TEXT NOT NULL,
+    node_class        TEXT NOT NULL,
+    workload_type     TEXT NOT NULL,
+    model             TEXT NOT NULL,
+    gpus              INTEGER NOT NULL,   -- GPUs held (gpu_count x nodes); 0 = a CPU task
+    start_time        REAL NOT NULL,      -- unix seconds: assigned
+    end_time          REAL NOT NULL,      -- unix seconds: stopped
+    gpu_seconds       REAL NOT NULL,
+    cpu_task_seconds  REAL NOT NULL,
+    tokens_generated  REAL NOT NULL,
+    tokens_trained    REAL NOT NULL,
+    env_steps         REAL NOT NULL,
+    steps             INTEGER NOT NULL,   -- metric steps the attempt reported
+    cost              REAL NOT NULL,
+    PRIMARY KEY (task_id, attempt)
+);
+CREATE INDEX IF NOT EXISTS attempt_usage_by_start ON attempt_usage (start_time);
+CREATE INDEX IF NOT EXISTS attempt_usage_by_kind ON attempt_usage (workload_type, model, end_time);
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -182,6 +209,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(2, "leader lease with an epoch (several schedulers on one database; fencing)", _V2, _V2_POSTGRES),
     Migration(3, "dataset names and sizes per owner", _V3),
+    Migration(4, "usage accounting per attempt (GPU-seconds, tokens, env steps, cost)", _V4),
 )
 
 #: The newest schema version this scheduler knows.

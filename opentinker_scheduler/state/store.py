@@ -155,6 +155,37 @@ class Lease:
     valid: bool
 
 
+def _sums(r) -> tuple[float, float, float, float, float, float, int]:
+    if r is None:
+        return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
+    return (*(float(v or 0.0) for v in r[:6]), int(r[6] or 0))
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """One attempt's accounted usage, as :meth:`SqlStore.record_usage` writes it (units: seconds,
+    GPUs, tokens, env steps; cost in ``usage.currency``)."""
+
+    task_id: str
+    attempt: int
+    owner: str
+    queue: str
+    node_id: str
+    node_class: str
+    workload_type: str
+    model: str
+    gpus: int
+    start_time: float
+    end_time: float
+    gpu_seconds: float
+    cpu_task_seconds: float
+    tokens_generated: float
+    tokens_trained: float
+    env_steps: float
+    steps: int
+    cost: float
+
+
 class SqlStore:
     """The state store's interface: everything the scheduler reads and writes, one method per
     question, in SQL shared by both backends (SQLite's dialect: ``?`` placeholders, translated
@@ -367,6 +398,92 @@ class SqlStore:
 
     def count_by_state(self) -> dict[int, int]:
         return {r[0]: r[1] for r in self.db.execute("SELECT state, COUNT(*) FROM tasks GROUP BY state")}
+
+    # --- usage accounting (state/usage.py) ---------------------------------------------------
+    def record_usage(self, row: "UsageRecord") -> None:
+        """Write one attempt's accounted usage (replaces a row of the same task and attempt)."""
+        with self._tx():
+            self.db.execute(
+                "INSERT INTO attempt_usage (task_id, attempt, owner, queue, node_id, node_class, workload_type, "
+                "model, gpus, start_time, end_time, gpu_seconds, cpu_task_seconds, tokens_generated, tokens_trained, "
+                "env_steps, steps, cost) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) "
+                "ON CONFLICT(task_id, attempt) DO UPDATE SET end_time=excluded.end_time, "
+                "gpu_seconds=excluded.gpu_seconds, cpu_task_seconds=excluded.cpu_task_seconds, "
+                "tokens_generated=excluded.tokens_generated, tokens_trained=excluded.tokens_trained, "
+                "env_steps=excluded.env_steps, steps=excluded.steps, cost=excluded.cost",
+                (
+                    row.task_id,
+                    row.attempt,
+                    row.owner,
+                    row.queue,
+                    row.node_id,
+                    row.node_class,
+                    row.workload_type,
+                    row.model,
+                    row.gpus,
+                    row.start_time,
+                    row.end_time,
+                    row.gpu_seconds,
+                    row.cpu_task_seconds,
+                    row.tokens_generated,
+                    row.tokens_trained,
+                    row.env_steps,
+                    row.steps,
+                    row.cost,
+                ),
+            )
+
+    _USAGE_SUMS = (
+        "SUM(gpu_seconds), SUM(cpu_task_seconds), SUM(tokens_generated), SUM(tokens_trained), "
+        "SUM(env_steps), SUM(cost), COUNT(*)"
+    )
+
+    def task_usage(self, task_id: str) -> tuple[float, float, float, float, float, float, int]:
+        """Sums over a task's recorded attempts: (GPU-seconds, CPU-task seconds, tokens generated,
+        tokens trained, env steps, cost, attempts)."""
+        r = self.db.execute(f"SELECT {self._USAGE_SUMS} FROM attempt_usage WHERE task_id=?", (task_id,)).fetchone()
+        return _sums(r)
+
+    def usage_by(self, column: str, *, owner: str | None = None, since: float | None = None) -> dict[str, tuple]:
+        """Sums of recorded attempts per ``column`` (``owner`` or ``queue``), only ``owner``'s
+        attempts when given, only those assigned at or after ``since`` (unix seconds) when given."""
+        assert column in ("owner", "queue")
+        where, args = [], []
+        if owner is not None:
+            where.append("owner=?")
+            args.append(owner)
+        if since is not None:
+            where.append("start_time>=?")
+            args.append(since)
+        sql = f"SELECT {column}, {self._USAGE_SUMS} FROM attempt_usage"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = self.db.execute(sql + f" GROUP BY {column}", tuple(args))
+        return {r[0]: _sums(r[1:]) for r in rows}
+
+    def owner_queues(self, *, owner: str | None = None, since: float | None = None) -> dict[str, str]:
+        """owner -> the queue of its latest recorded attempt."""
+        sql, args = "SELECT owner, queue, MAX(end_time) FROM attempt_usage", []
+        where = []
+        if owner is not None:
+            where.append("owner=?")
+            args.append(owner)
+        if since is not None:
+            where.append("start_time>=?")
+            args.append(since)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        return {r[0]: r[1] for r in self.db.execute(sql + " GROUP BY owner, queue ORDER BY 3", tuple(args))}
+
+    def recent_step_seconds(self, workload_type: str, model: str, *, limit: int = 20) -> list[tuple[float, int, int]]:
+        """``(seconds, steps, gpus)`` of the newest recorded attempts of finished work of this
+        workload type and model that reported steps (for estimates)."""
+        rows = self.db.execute(
+            "SELECT end_time - start_time, steps, gpus FROM attempt_usage WHERE workload_type=? AND model=? "
+            "AND steps>0 ORDER BY end_time DESC LIMIT ?",
+            (workload_type, model, limit),
+        )
+        return [(float(r[0]), int(r[1]), int(r[2])) for r in rows]
 
     # --- events --------------------------------------------------------------------------------
     def events_after(self, task_id: str, after_seq: int, *, limit: int = 1000) -> list[common_pb2.TaskEvent]:

@@ -272,3 +272,51 @@ def test_http_metrics_token_file_is_read_at_start_and_checked(tmp_path) -> None:
         parse_config("http_metrics_token_file: short.token\n", "s.yaml", base_dir=tmp_path)
     with pytest.raises(ConfigError, match=r"s\.yaml:1:26: http_metrics_token_file: .*readable token file"):
         parse_config("http_metrics_token_file: missing.token\n", "s.yaml", base_dir=tmp_path)
+
+
+QUEUES = """\
+queues:
+  - name: team-a
+    gpus: 8
+    cpu_tasks: 16
+    borrowing_limit: {gpus: 4}
+    owners: [alice, bob]
+  - name: team-b
+    gpus: 4
+    limits: {max_pending_per_owner: 5, submit_rate: 0.5}
+default_queue: team-b
+"""
+
+
+def test_queues_section_reads_quotas_borrowing_and_owners() -> None:
+    cfg = parse_config(QUEUES, "cfg.yaml")
+    a, b = cfg.queues
+    assert (a.name, a.gpus, a.cpu_tasks, a.borrowing_gpus, a.borrowing_cpu_tasks, a.owners) == (
+        "team-a",
+        8,
+        16,
+        4,
+        None,
+        ("alice", "bob"),
+    )
+    assert (b.gpus, b.cpu_tasks, b.owners) == (4, 0, ()) and cfg.default_queue == "team-b"
+    assert (b.max_pending_per_owner, b.submit_rate, b.submit_burst, a.submit_rate) == (5, 0.5, None, None)
+    assert parse_config("", "cfg.yaml").queues == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (QUEUES.replace("gpus: 8", "gpus: -1"), "cfg.yaml:3:11: queues[0].gpus: expected an integer in [0, 1000000]"),
+        (QUEUES.replace("team-b\n    gpus", "team-a\n    gpus"), "cfg.yaml:7:11: queues[1].name: expected a unique"),
+        (QUEUES.replace("{gpus: 4}", "{gpu: 4}"), "cfg.yaml:5:23: queues[0].borrowing_limit.gpu: expected one of"),
+        (QUEUES.replace("gpus: 4\n", "gpus: 4\n    owners: [bob]\n"), "cfg.yaml:9:14: queues[1].owners[0]: expected"),
+        (QUEUES.replace("name: team-a", "name: 'team a'"), "cfg.yaml:2:11: queues[0].name: expected a queue name"),
+        (QUEUES.replace("default_queue: team-b", "default_queue: '#'"), "cfg.yaml:10:16: default_queue: expected"),
+        (QUEUES.replace("submit_rate: 0.5", "submit_rate: -1"), "cfg.yaml:9:53: queues[1].limits.submit_rate"),
+    ],
+)
+def test_bad_queues_section_names_the_field(text: str, where: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "cfg.yaml")
+    assert str(info.value).startswith(where), str(info.value)

@@ -120,3 +120,22 @@ def test_an_admitted_spec_is_one_pending_task_of_the_caller(env) -> None:
     assert (task.state, task.owner, task.attempt) == (C.TASK_STATE_PENDING, "alice", 1)
     again = run(core, datasets, spec(), request_id="once")  # same request id and spec: the same task
     assert again.task_id == task.task_id and pending(core) == 1
+
+
+def test_a_quota_queue_sets_the_per_owner_limits_of_its_owners(tmp_path) -> None:
+    from opentinker_scheduler.config import QueueConfig
+
+    queue = QueueConfig("team-a", gpus=4, owners=("alice",), max_pending_per_owner=1, submit_rate=1, submit_burst=2)
+    core = make_core(tmp_path, paths=PathsConfig(model_dirs=("/models",)), queues=(queue,))
+    datasets = DatasetStore(tmp_path / "datasets")
+    clock = Clock()
+    limits = Limits(LimitsConfig(submit_rate=100, max_pending_per_owner=100).resolved(auth_enabled=True), clock=clock)
+    run(core, datasets, spec(), limits=limits)
+    with pytest.raises(ResourceExhausted, match=r"the limit is 1 \(queues\[0\]\.limits\.max_pending_per_owner\)"):
+        run(core, datasets, spec(), limits=limits)
+    with pytest.raises(
+        ResourceExhausted, match=r"at most 1 SubmitTask .*burst 2\) \(queues\[0\]\.limits\.submit_rate\)"
+    ):
+        run(core, datasets, spec(), limits=limits)  # the queue's burst of 2 is used up
+    assert pending(core) == 1
+    core.store.close()

@@ -51,13 +51,16 @@ def test_pending_queue_order_position_and_groups() -> None:
         q.put(row(tid, prio, t, g))
     assert [r.task_id for r in q] == ["d", "b", "c", "a"]  # priority desc, then oldest
     assert [q.position(t) for t in "dbca"] == [1, 2, 3, 4]
-    assert {g: [k[2] for k in keys] for g, keys in q.groups().items()} == {(0, None): ["d", "a"], (1, None): ["b", "c"]}
+    assert {g: [k[2] for k in keys] for g, keys in q.groups().items()} == {
+        (0, None, "u"): ["d", "a"],
+        (1, None, "u"): ["b", "c"],
+    }
     q.put(row("b", 2, 5.0, 1))  # replacing a row keeps one entry
     assert len(q) == 4
     assert q.discard("b").task_id == "b" and q.discard("b") is None
     assert [r.task_id for r in q] == ["d", "c", "a"] and q.position("c") == 2 and q.position("b") == 0
     q.discard("c")
-    assert (1, None) not in q.groups()
+    assert (1, None, "u") not in q.groups()
 
 
 def test_free_nodes_best_fit_matches_policy() -> None:

@@ -219,7 +219,7 @@ class TaskEvent(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_change: _Optional[_Union[StateChange, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "owner", "spec", "state", "attempt", "priority", "create_time", "update_time", "start_time", "end_time", "node_id", "device_indices", "pending_reason", "error", "latest_metrics", "latest_step", "latest_checkpoint", "endpoint")
+    __slots__ = ("task_id", "owner", "spec", "state", "attempt", "priority", "create_time", "update_time", "start_time", "end_time", "node_id", "device_indices", "pending_reason", "error", "latest_metrics", "latest_step", "latest_checkpoint", "endpoint", "usage", "queue")
     class LatestMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,8 @@ class Task(_message.Message):
     LATEST_STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     owner: str
     spec: TaskSpec
@@ -263,4 +265,24 @@ class Task(_message.Message):
     latest_step: int
     latest_checkpoint: Checkpoint
     endpoint: str
-    def __init__(self, task_id: _Optional[str] = ..., owner: _Optional[str] = ..., spec: _Optional[_Union[TaskSpec, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., attempt: _Optional[int] = ..., priority: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ..., device_indices: _Optional[_Iterable[int]] = ..., pending_reason: _Optional[str] = ..., error: _Optional[str] = ..., latest_metrics: _Optional[_Mapping[str, float]] = ..., latest_step: _Optional[int] = ..., latest_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., endpoint: _Optional[str] = ...) -> None: ...
+    usage: Usage
+    queue: str
+    def __init__(self, task_id: _Optional[str] = ..., owner: _Optional[str] = ..., spec: _Optional[_Union[TaskSpec, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., attempt: _Optional[int] = ..., priority: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ..., device_indices: _Optional[_Iterable[int]] = ..., pending_reason: _Optional[str] = ..., error: _Optional[str] = ..., latest_metrics: _Optional[_Mapping[str, float]] = ..., latest_step: _Optional[int] = ..., latest_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., endpoint: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., queue: _Optional[str] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("gpu_seconds", "cpu_task_seconds", "tokens_generated", "tokens_trained", "env_steps", "cost", "attempts")
+    GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_TASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    gpu_seconds: float
+    cpu_task_seconds: float
+    tokens_generated: float
+    tokens_trained: float
+    env_steps: float
+    cost: float
+    attempts: int
+    def __init__(self, gpu_seconds: _Optional[float] = ..., cpu_task_seconds: _Optional[float] = ..., tokens_generated: _Optional[float] = ..., tokens_trained: _Optional[float] = ..., env_steps: _Optional[float] = ..., cost: _Optional[float] = ..., attempts: _Optional[int] = ...) -> None: ...

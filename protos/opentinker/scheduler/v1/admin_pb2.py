@@ -24,41 +24,58 @@ _sym_db = _symbol_database.Default()
 
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from opentinker.common.v1 import common_pb2 as opentinker_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#opentinker/scheduler/v1/admin.proto\x12\x17opentinker.scheduler.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa7\x02\n\x06\x41piKey\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x31\n\x04role\x18\x03 \x01(\x0e\x32#.opentinker.scheduler.v1.ApiKeyRole\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0brevoke_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65xpire_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x61\x63tive\x18\x08 \x01(\x08\x12\x13\n\x0breplaced_by\x18\t \x01(\t\"l\n\x13\x43reateApiKeyRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x31\n\x04role\x18\x02 \x01(\x0e\x32#.opentinker.scheduler.v1.ApiKeyRole\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"U\n\x14\x43reateApiKeyResponse\x12,\n\x03key\x18\x01 \x01(\x0b\x32\x1f.opentinker.scheduler.v1.ApiKey\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\"=\n\x12ListApiKeysRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x18\n\x10include_inactive\x18\x02 \x01(\x08\"D\n\x13ListApiKeysResponse\x12-\n\x04keys\x18\x01 \x03(\x0b\x32\x1f.opentinker.scheduler.v1.ApiKey\"%\n\x13RevokeApiKeyRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\"D\n\x14RevokeApiKeyResponse\x12,\n\x03key\x18\x01 \x01(\x0b\x32\x1f.opentinker.scheduler.v1.ApiKey\"O\n\x13RotateApiKeyRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12(\n\x05grace\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x87\x01\n\x14RotateApiKeyResponse\x12,\n\x03key\x18\x01 \x01(\x0b\x32\x1f.opentinker.scheduler.v1.ApiKey\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x30\n\x07old_key\x18\x03 \x01(\x0b\x32\x1f.opentinker.scheduler.v1.ApiKey\"N\n\x16ListAuditEventsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x11\n\tbefore_id\x18\x02 \x01(\x03\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\"\xba\x01\n\nAuditEvent\x12\n\n\x02id\x18\x01 \x01(\x03\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x12\n\nkey_prefix\x18\x05 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x06 \x01(\t\x12\x0f\n\x07task_id\x18\x07 \x01(\t\x12\x0f\n\x07outcome\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65tail_json\x18\t \x01(\t\"N\n\x17ListAuditEventsResponse\x12\x33\n\x06\x65vents\x18\x01 \x03(\x0b\x32#.opentinker.scheduler.v1.AuditEvent*p\n\nApiKeyRole\x12\x1c\n\x18\x41PI_KEY_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41PI_KEY_ROLE_ADMIN\x10\x01\x12\x15\n\x11\x41PI_KEY_ROLE_USER\x10\x02\x12\x15\n\x11\x41PI_KEY_ROLE_NODE\x10\x03\x32\xb5\x04\n\x0c\x41\x64minService\x12k\n\x0c\x43reateApiKey\x12,.opentinker.scheduler.v1.CreateApiKeyRequest\x1a-.opentinker.scheduler.v1.CreateApiKeyResponse\x12h\n\x0bListApiKeys\x12+.opentinker.scheduler.v1.ListApiKeysRequest\x1a,.opentinker.scheduler.v1.ListApiKeysResponse\x12k\n\x0cRevokeApiKey\x12,.opentinker.scheduler.v1.RevokeApiKeyRequest\x1a-.opentinker.scheduler.v1.RevokeApiKeyResponse\x12k\n\x0cRotateApiKey\x12,.opentinker.scheduler.v1.RotateApiKeyRequest\x1a-.opentinker.scheduler.v1.RotateApiKeyResponse\x12t\n\x0fListAuditEvents\x12/.opentinker.scheduler.v1.ListAuditEventsRequest\x1a\x30.opentinker.scheduler.v1.ListAuditEventsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#opentinker/scheduler/v1/admin.proto\x12\x17opentinker.scheduler.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!opentinker/common/v1/common.proto\"\xa7\x02\n\x06\x41piKey\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x31\n\x04role\x18\x03 \x01(\x0e\x32#.opentinker.scheduler.v1.ApiKeyRole\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0brevoke_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65xpire_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x61\x63tive\x18\x08 \x01(\x08\x12\x13\n\x0breplaced_by\x18\t \x01(\t\"l\n\x13\x43reateApiKeyRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x31\n\x04role\x18\x02 \x01(\x0e\x32#.opentinker.scheduler.v1.ApiKeyRole\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"U\n\x14\x43reateApiKeyResponse\x12,\n\x03key\x18\x01 \x01(\x0b\x32\x1f.opentinker.scheduler.v1.ApiKey\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\"=\n\x12ListApiKeysRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x18\n\x10include_inactive\x18\x02 \x01(\x08\"D\n\x13ListApiKeysResponse\x12-\n\x04keys\x18\x01 \x03(\x0b\x32\x1f.opentinker.scheduler.v1.ApiKey\"%\n\x13RevokeApiKeyRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\"D\n\x14RevokeApiKeyResponse\x12,\n\x03key\x18\x01 \x01(\x0b\x32\x1f.opentinker.scheduler.v1.ApiKey\"O\n\x13RotateApiKeyRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12(\n\x05grace\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x87\x01\n\x14RotateApiKeyResponse\x12,\n\x03key\x18\x01 \x01(\x0b\x32\x1f.opentinker.scheduler.v1.ApiKey\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x30\n\x07old_key\x18\x03 \x01(\x0b\x32\x1f.opentinker.scheduler.v1.ApiKey\"N\n\x16ListAuditEventsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x11\n\tbefore_id\x18\x02 \x01(\x03\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\"\xba\x01\n\nAuditEvent\x12\n\n\x02id\x18\x01 \x01(\x03\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x12\n\nkey_prefix\x18\x05 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x06 \x01(\t\x12\x0f\n\x07task_id\x18\x07 \x01(\t\x12\x0f\n\x07outcome\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65tail_json\x18\t \x01(\t\"N\n\x17ListAuditEventsResponse\x12\x33\n\x06\x65vents\x18\x01 \x03(\x0b\x32#.opentinker.scheduler.v1.AuditEvent\"\xb3\x03\n\x05Queue\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tgpu_quota\x18\x02 \x01(\x05\x12\x16\n\x0e\x63pu_task_quota\x18\x03 \x01(\x05\x12 \n\x13gpu_borrowing_limit\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12%\n\x18\x63pu_task_borrowing_limit\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0e\n\x06owners\x18\x06 \x03(\t\x12\x13\n\x0bgpus_in_use\x18\x07 \x01(\x05\x12\x18\n\x10\x63pu_tasks_in_use\x18\x08 \x01(\x05\x12\x15\n\rpending_tasks\x18\t \x01(\x05\x12\x16\n\x0e\x64ominant_share\x18\n \x01(\x01\x12\x0f\n\x07limited\x18\x0b \x01(\x08\x12\x1d\n\x15max_pending_per_owner\x18\x0c \x01(\x05\x12\x13\n\x0bsubmit_rate\x18\r \x01(\x01\x12\x14\n\x0csubmit_burst\x18\x0e \x01(\x05\x12*\n\x05usage\x18\x0f \x01(\x0b\x32\x1b.opentinker.common.v1.UsageB\x16\n\x14_gpu_borrowing_limitB\x1b\n\x19_cpu_task_borrowing_limit\"\x13\n\x11ListQueuesRequest\"D\n\x12ListQueuesResponse\x12.\n\x06queues\x18\x01 \x03(\x0b\x32\x1e.opentinker.scheduler.v1.Queue\"E\n\x14SetQueueQuotaRequest\x12-\n\x05queue\x18\x01 \x01(\x0b\x32\x1e.opentinker.scheduler.v1.Queue\"x\n\x15SetQueueQuotaResponse\x12-\n\x05queue\x18\x01 \x01(\x0b\x32\x1e.opentinker.scheduler.v1.Queue\x12\x30\n\x08previous\x18\x02 \x01(\x0b\x32\x1e.opentinker.scheduler.v1.Queue\"\x1b\n\x19GetDesiredTrainersRequest\"q\n\x0fNodeClassDemand\x12\x12\n\nnode_class\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65sired_trainers\x18\x02 \x01(\x05\x12\x1a\n\x12\x63onnected_trainers\x18\x03 \x01(\x05\x12\x14\n\x0cpending_gpus\x18\x04 \x01(\x05\"\\\n\x1aGetDesiredTrainersResponse\x12>\n\x0cnode_classes\x18\x01 \x03(\x0b\x32(.opentinker.scheduler.v1.NodeClassDemand*p\n\nApiKeyRole\x12\x1c\n\x18\x41PI_KEY_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41PI_KEY_ROLE_ADMIN\x10\x01\x12\x15\n\x11\x41PI_KEY_ROLE_USER\x10\x02\x12\x15\n\x11\x41PI_KEY_ROLE_NODE\x10\x03\x32\x8b\x07\n\x0c\x41\x64minService\x12k\n\x0c\x43reateApiKey\x12,.opentinker.scheduler.v1.CreateApiKeyRequest\x1a-.opentinker.scheduler.v1.CreateApiKeyResponse\x12h\n\x0bListApiKeys\x12+.opentinker.scheduler.v1.ListApiKeysRequest\x1a,.opentinker.scheduler.v1.ListApiKeysResponse\x12k\n\x0cRevokeApiKey\x12,.opentinker.scheduler.v1.RevokeApiKeyRequest\x1a-.opentinker.scheduler.v1.RevokeApiKeyResponse\x12k\n\x0cRotateApiKey\x12,.opentinker.scheduler.v1.RotateApiKeyRequest\x1a-.opentinker.scheduler.v1.RotateApiKeyResponse\x12t\n\x0fListAuditEvents\x12/.opentinker.scheduler.v1.ListAuditEventsRequest\x1a\x30.opentinker.scheduler.v1.ListAuditEventsResponse\x12\x65\n\nListQueues\x12*.opentinker.scheduler.v1.ListQueuesRequest\x1a+.opentinker.scheduler.v1.ListQueuesResponse\x12n\n\rSetQueueQuota\x12-.opentinker.scheduler.v1.SetQueueQuotaRequest\x1a..opentinker.scheduler.v1.SetQueueQuotaResponse\x12}\n\x12GetDesiredTrainers\x12\x32.opentinker.scheduler.v1.GetDesiredTrainersRequest\x1a\x33.opentinker.scheduler.v1.GetDesiredTrainersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'opentinker.scheduler.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_APIKEYROLE']._serialized_start=1434
-  _globals['_APIKEYROLE']._serialized_end=1546
-  _globals['_APIKEY']._serialized_start=130
-  _globals['_APIKEY']._serialized_end=425
-  _globals['_CREATEAPIKEYREQUEST']._serialized_start=427
-  _globals['_CREATEAPIKEYREQUEST']._serialized_end=535
-  _globals['_CREATEAPIKEYRESPONSE']._serialized_start=537
-  _globals['_CREATEAPIKEYRESPONSE']._serialized_end=622
-  _globals['_LISTAPIKEYSREQUEST']._serialized_start=624
-  _globals['_LISTAPIKEYSREQUEST']._serialized_end=685
-  _globals['_LISTAPIKEYSRESPONSE']._serialized_start=687
-  _globals['_LISTAPIKEYSRESPONSE']._serialized_end=755
-  _globals['_REVOKEAPIKEYREQUEST']._serialized_start=757
-  _globals['_REVOKEAPIKEYREQUEST']._serialized_end=794
-  _globals['_REVOKEAPIKEYRESPONSE']._serialized_start=796
-  _globals['_REVOKEAPIKEYRESPONSE']._serialized_end=864
-  _globals['_ROTATEAPIKEYREQUEST']._serialized_start=866
-  _globals['_ROTATEAPIKEYREQUEST']._serialized_end=945
-  _globals['_ROTATEAPIKEYRESPONSE']._serialized_start=948
-  _globals['_ROTATEAPIKEYRESPONSE']._serialized_end=1083
-  _globals['_LISTAUDITEVENTSREQUEST']._serialized_start=1085
-  _globals['_LISTAUDITEVENTSREQUEST']._serialized_end=1163
-  _globals['_AUDITEVENT']._serialized_start=1166
-  _globals['_AUDITEVENT']._serialized_end=1352
-  _globals['_LISTAUDITEVENTSRESPONSE']._serialized_start=1354
-  _globals['_LISTAUDITEVENTSRESPONSE']._serialized_end=1432
-  _globals['_ADMINSERVICE']._serialized_start=1549
-  _globals['_ADMINSERVICE']._serialized_end=2114
+  _globals['_APIKEYROLE']._serialized_start=2429
+  _globals['_APIKEYROLE']._serialized_end=2541
+  _globals['_APIKEY']._serialized_start=165
+  _globals['_APIKEY']._serialized_end=460
+  _globals['_CREATEAPIKEYREQUEST']._serialized_start=462
+  _globals['_CREATEAPIKEYREQUEST']._serialized_end=570
+  _globals['_CREATEAPIKEYRESPONSE']._serialized_start=572
+  _globals['_CREATEAPIKEYRESPONSE']._serialized_end=657
+  _globals['_LISTAPIKEYSREQUEST']._serialized_start=659
+  _globals['_LISTAPIKEYSREQUEST']._serialized_end=720
+  _globals['_LISTAPIKEYSRESPONSE']._serialized_start=722
+  _globals['_LISTAPIKEYSRESPONSE']._serialized_end=790
+  _globals['_REVOKEAPIKEYREQUEST']._serialized_start=792
+  _globals['_REVOKEAPIKEYREQUEST']._serialized_end=829
+  _globals['_REVOKEAPIKEYRESPONSE']._serialized_start=831
+  _globals['_REVOKEAPIKEYRESPONSE']._serialized_end=899
+  _globals['_ROTATEAPIKEYREQUEST']._serialized_start=901
+  _globals['_ROTATEAPIKEYREQUEST']._serialized_end=980
+  _globals['_ROTATEAPIKEYRESPONSE']._serialized_start=983
+  _globals['_ROTATEAPIKEYRESPONSE']._serialized_end=1118
+  _globals['_LISTAUDITEVENTSREQUEST']._serialized_start=1120
+  _globals['_LISTAUDITEVENTSREQUEST']._serialized_end=1198
+  _globals['_AUDITEVENT']._serialized_start=1201
+  _globals['_AUDITEVENT']._serialized_end=1387
+  _globals['_LISTAUDITEVENTSRESPONSE']._serialized_start=1389
+  _globals['_LISTAUDITEVENTSRESPONSE']._serialized_end=1467
+  _globals['_QUEUE']._serialized_start=1470
+  _globals['_QUEUE']._serialized_end=1905
+  _globals['_LISTQUEUESREQUEST']._serialized_start=1907
+  _globals['_LISTQUEUESREQUEST']._serialized_end=1926
+  _globals['_LISTQUEUESRESPONSE']._serialized_start=1928
+  _globals['_LISTQUEUESRESPONSE']._serialized_end=1996
+  _globals['_SETQUEUEQUOTAREQUEST']._serialized_start=1998
+  _globals['_SETQUEUEQUOTAREQUEST']._serialized_end=2067
+  _globals['_SETQUEUEQUOTARESPONSE']._serialized_start=2069
+  _globals['_SETQUEUEQUOTARESPONSE']._serialized_end=2189
+  _globals['_GETDESIREDTRAINERSREQUEST']._serialized_start=2191
+  _globals['_GETDESIREDTRAINERSREQUEST']._serialized_end=2218
+  _globals['_NODECLASSDEMAND']._serialized_start=2220
+  _globals['_NODECLASSDEMAND']._serialized_end=2333
+  _globals['_GETDESIREDTRAINERSRESPONSE']._serialized_start=2335
+  _globals['_GETDESIREDTRAINERSRESPONSE']._serialized_end=2427
+  _globals['_ADMINSERVICE']._serialized_start=2544
+  _globals['_ADMINSERVICE']._serialized_end=3451
 # @@protoc_insertion_point(module_scope)

@@ -2,6 +2,7 @@ import datetime
 
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from opentinker.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -143,3 +144,83 @@ class ListAuditEventsResponse(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[AuditEvent]
     def __init__(self, events: _Optional[_Iterable[_Union[AuditEvent, _Mapping]]] = ...) -> None: ...
+
+class Queue(_message.Message):
+    __slots__ = ("name", "gpu_quota", "cpu_task_quota", "gpu_borrowing_limit", "cpu_task_borrowing_limit", "owners", "gpus_in_use", "cpu_tasks_in_use", "pending_tasks", "dominant_share", "limited", "max_pending_per_owner", "submit_rate", "submit_burst", "usage")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GPU_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    CPU_TASK_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    GPU_BORROWING_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CPU_TASK_BORROWING_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    CPU_TASKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TASKS_FIELD_NUMBER: _ClassVar[int]
+    DOMINANT_SHARE_FIELD_NUMBER: _ClassVar[int]
+    LIMITED_FIELD_NUMBER: _ClassVar[int]
+    MAX_PENDING_PER_OWNER_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_BURST_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    gpu_quota: int
+    cpu_task_quota: int
+    gpu_borrowing_limit: int
+    cpu_task_borrowing_limit: int
+    owners: _containers.RepeatedScalarFieldContainer[str]
+    gpus_in_use: int
+    cpu_tasks_in_use: int
+    pending_tasks: int
+    dominant_share: float
+    limited: bool
+    max_pending_per_owner: int
+    submit_rate: float
+    submit_burst: int
+    usage: _common_pb2.Usage
+    def __init__(self, name: _Optional[str] = ..., gpu_quota: _Optional[int] = ..., cpu_task_quota: _Optional[int] = ..., gpu_borrowing_limit: _Optional[int] = ..., cpu_task_borrowing_limit: _Optional[int] = ..., owners: _Optional[_Iterable[str]] = ..., gpus_in_use: _Optional[int] = ..., cpu_tasks_in_use: _Optional[int] = ..., pending_tasks: _Optional[int] = ..., dominant_share: _Optional[float] = ..., limited: _Optional[bool] = ..., max_pending_per_owner: _Optional[int] = ..., submit_rate: _Optional[float] = ..., submit_burst: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class ListQueuesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListQueuesResponse(_message.Message):
+    __slots__ = ("queues",)
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    queues: _containers.RepeatedCompositeFieldContainer[Queue]
+    def __init__(self, queues: _Optional[_Iterable[_Union[Queue, _Mapping]]] = ...) -> None: ...
+
+class SetQueueQuotaRequest(_message.Message):
+    __slots__ = ("queue",)
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    queue: Queue
+    def __init__(self, queue: _Optional[_Union[Queue, _Mapping]] = ...) -> None: ...
+
+class SetQueueQuotaResponse(_message.Message):
+    __slots__ = ("queue", "previous")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    queue: Queue
+    previous: Queue
+    def __init__(self, queue: _Optional[_Union[Queue, _Mapping]] = ..., previous: _Optional[_Union[Queue, _Mapping]] = ...) -> None: ...
+
+class GetDesiredTrainersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeClassDemand(_message.Message):
+    __slots__ = ("node_class", "desired_trainers", "connected_trainers", "pending_gpus")
+    NODE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_TRAINERS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_TRAINERS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_GPUS_FIELD_NUMBER: _ClassVar[int]
+    node_class: str
+    desired_trainers: int
+    connected_trainers: int
+    pending_gpus: int
+    def __init__(self, node_class: _Optional[str] = ..., desired_trainers: _Optional[int] = ..., connected_trainers: _Optional[int] = ..., pending_gpus: _Optional[int] = ...) -> None: ...
+
+class GetDesiredTrainersResponse(_message.Message):
+    __slots__ = ("node_classes",)
+    NODE_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    node_classes: _containers.RepeatedCompositeFieldContainer[NodeClassDemand]
+    def __init__(self, node_classes: _Optional[_Iterable[_Union[NodeClassDemand, _Mapping]]] = ...) -> None: ...

@@ -64,6 +64,21 @@ class AdminServiceStub:
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ListAuditEventsRequest.SerializeToString,
                 response_deserializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ListAuditEventsResponse.FromString,
                 _registered_method=True)
+        self.ListQueues = channel.unary_unary(
+                '/opentinker.scheduler.v1.AdminService/ListQueues',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ListQueuesRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ListQueuesResponse.FromString,
+                _registered_method=True)
+        self.SetQueueQuota = channel.unary_unary(
+                '/opentinker.scheduler.v1.AdminService/SetQueueQuota',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.SetQueueQuotaRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.SetQueueQuotaResponse.FromString,
+                _registered_method=True)
+        self.GetDesiredTrainers = channel.unary_unary(
+                '/opentinker.scheduler.v1.AdminService/GetDesiredTrainers',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.GetDesiredTrainersRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.GetDesiredTrainersResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -127,6 +142,36 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListQueues(self, request, context):
+        """Lists the quota queues (configured ones, and owners' own queues that have tasks now) with
+        their quotas, usage now, pending tasks, dominant share, per-owner limits and accounted usage.
+        Idempotent. Errors: PERMISSION_DENIED (a node key), UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetQueueQuota(self, request, context):
+        """Adds or changes a quota queue at once, without a restart: nominal quotas, borrowing limits and
+        owners (listed owners move to it from any other queue). Pending tasks are regrouped and the
+        next placement round decides with it; running tasks are never stopped by a lowered quota (a
+        queue over it borrows until its tasks end, or is reclaimed from). Audited as `queue.set`.
+        Idempotent. Errors: INVALID_ARGUMENT (bad name, a quota or limit out of 0..1000000, an empty
+        owner), PERMISSION_DENIED (not an admin key), UNAUTHENTICATED, NOT_LEADER (UNAVAILABLE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetDesiredTrainers(self, request, context):
+        """How many trainers of each node class the pending and running work needs now (gang sizes,
+        quotas and the reservation rule included); the figure `opentinker_desired_trainers` on
+        /metrics is the same. Idempotent. Errors: PERMISSION_DENIED (a node key), UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +199,21 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ListAuditEvents,
                     request_deserializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ListAuditEventsRequest.FromString,
                     response_serializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ListAuditEventsResponse.SerializeToString,
+            ),
+            'ListQueues': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListQueues,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ListQueuesRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ListQueuesResponse.SerializeToString,
+            ),
+            'SetQueueQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQueueQuota,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.SetQueueQuotaRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.SetQueueQuotaResponse.SerializeToString,
+            ),
+            'GetDesiredTrainers': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDesiredTrainers,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.GetDesiredTrainersRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.GetDesiredTrainersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -296,6 +356,87 @@ class AdminService:
             '/opentinker.scheduler.v1.AdminService/ListAuditEvents',
             opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ListAuditEventsRequest.SerializeToString,
             opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ListAuditEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListQueues(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.AdminService/ListQueues',
+            opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ListQueuesRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ListQueuesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetQueueQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.AdminService/SetQueueQuota',
+            opentinker_dot_scheduler_dot_v1_dot_admin__pb2.SetQueueQuotaRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_admin__pb2.SetQueueQuotaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDesiredTrainers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.AdminService/GetDesiredTrainers',
+            opentinker_dot_scheduler_dot_v1_dot_admin__pb2.GetDesiredTrainersRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_admin__pb2.GetDesiredTrainersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,18 +11,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitTaskRequest(_message.Message):
-    __slots__ = ("spec", "request_id")
+    __slots__ = ("spec", "request_id", "dry_run")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     spec: _common_pb2.TaskSpec
     request_id: str
-    def __init__(self, spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    dry_run: bool
+    def __init__(self, spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., request_id: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class SubmitTaskResponse(_message.Message):
-    __slots__ = ("task",)
+    __slots__ = ("task", "estimate", "estimate_basis")
     TASK_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_BASIS_FIELD_NUMBER: _ClassVar[int]
     task: _common_pb2.Task
-    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ...) -> None: ...
+    estimate: _common_pb2.Usage
+    estimate_basis: str
+    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ..., estimate: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., estimate_basis: _Optional[str] = ...) -> None: ...
 
 class GetTaskRequest(_message.Message):
     __slots__ = ("task_id",)
@@ -274,3 +280,31 @@ class DownloadCheckpointResponse(_message.Message):
     manifest: CheckpointManifest
     chunk: CheckpointChunk
     def __init__(self, manifest: _Optional[_Union[CheckpointManifest, _Mapping]] = ..., chunk: _Optional[_Union[CheckpointChunk, _Mapping]] = ...) -> None: ...
+
+class GetUsageRequest(_message.Message):
+    __slots__ = ("owner", "since")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    since: _timestamp_pb2.Timestamp
+    def __init__(self, owner: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class UsageRow(_message.Message):
+    __slots__ = ("name", "usage", "queue")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    usage: _common_pb2.Usage
+    queue: str
+    def __init__(self, name: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., queue: _Optional[str] = ...) -> None: ...
+
+class GetUsageResponse(_message.Message):
+    __slots__ = ("owners", "queues", "currency")
+    OWNERS_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    CURRENCY_FIELD_NUMBER: _ClassVar[int]
+    owners: _containers.RepeatedCompositeFieldContainer[UsageRow]
+    queues: _containers.RepeatedCompositeFieldContainer[UsageRow]
+    currency: str
+    def __init__(self, owners: _Optional[_Iterable[_Union[UsageRow, _Mapping]]] = ..., queues: _Optional[_Iterable[_Union[UsageRow, _Mapping]]] = ..., currency: _Optional[str] = ...) -> None: ...

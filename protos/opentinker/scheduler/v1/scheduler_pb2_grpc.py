@@ -100,6 +100,11 @@ class SchedulerServiceStub:
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesRequest.SerializeToString,
                 response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesResponse.FromString,
                 _registered_method=True)
+        self.GetUsage = channel.unary_unary(
+                '/opentinker.scheduler.v1.SchedulerService/GetUsage',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetUsageRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetUsageResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -238,6 +243,15 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetUsage(self, request, context):
+        """Accounted usage (GPU-seconds, CPU-task seconds, tokens, env steps, cost) of attempts that
+        started at or after `since`, summed per owner and per queue. A user key sees its own owner's
+        only. Idempotent. Errors: PERMISSION_DENIED (a user key naming another owner).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -300,6 +314,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesRequest.FromString,
                     response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'GetUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUsage,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetUsageRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetUsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -632,6 +651,33 @@ class SchedulerService:
             '/opentinker.scheduler.v1.SchedulerService/ListNodes',
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesRequest.SerializeToString,
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/GetUsage',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetUsageRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,132 @@
+"""Quota queues and the scale signal over ``opentinker.scheduler.v1.AdminService`` (``RLClient.queues``).
+
+::
+
+    with RLClient(api_key=admin_key) as client:
+        for q in client.queues.list():
+            print(q.name, q.gpus_in_use, "/", q.gpu_quota, q.pending_tasks)
+        client.queues.set("team-a", gpu_quota=8, cpu_task_quota=16, gpu_borrowing_limit=4, owners=["alice"])
+        client.queues.desired_trainers()          # {"default": 3, "spot": 0}
+
+A queue's quota is what its owners' tasks may use at once; a task over it waits (PENDING, with the
+reason). Changing a quota needs an admin key and takes effect at once (audited as ``queue.set``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import grpc
+
+from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
+from opentinker_client.errors import from_rpc_error
+
+__all__ = ["QueueAdmin", "QueueInfo", "UsageInfo"]
+
+
+@dataclass(frozen=True)
+class UsageInfo:
+    """Accounted use: GPU-seconds (per GPU, assignment to confirmed stop), CPU-task seconds,
+    tokens sampled and trained, env steps, cost (in the scheduler's ``usage.currency``)."""
+
+    gpu_seconds: float = 0.0
+    cpu_task_seconds: float = 0.0
+    tokens_generated: float = 0.0
+    tokens_trained: float = 0.0
+    env_steps: float = 0.0
+    cost: float = 0.0
+    attempts: int = 0
+
+    @classmethod
+    def from_proto(cls, u) -> "UsageInfo":
+        return cls(
+            u.gpu_seconds, u.cpu_task_seconds, u.tokens_generated, u.tokens_trained, u.env_steps, u.cost, u.attempts
+        )
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    """A quota queue, its use now and its per-owner limits. ``*_borrowing_limit`` None: may borrow
+    any idle quota; ``limited`` False: an owner's own queue with no quota."""
+
+    name: str
+    gpu_quota: int
+    cpu_task_quota: int
+    gpu_borrowing_limit: int | None
+    cpu_task_borrowing_limit: int | None
+    owners: tuple[str, ...]
+    gpus_in_use: int
+    cpu_tasks_in_use: int
+    pending_tasks: int
+    dominant_share: float
+    limited: bool
+    max_pending_per_owner: int
+    submit_rate: float
+    submit_burst: int
+    usage: UsageInfo = field(default_factory=UsageInfo)
+
+    @classmethod
+    def from_proto(cls, q: admin_pb2.Queue) -> "QueueInfo":
+        return cls(
+            q.name,
+            q.gpu_quota,
+            q.cpu_task_quota,
+            q.gpu_borrowing_limit if q.HasField("gpu_borrowing_limit") else None,
+            q.cpu_task_borrowing_limit if q.HasField("cpu_task_borrowing_limit") else None,
+            tuple(q.owners),
+            q.gpus_in_use,
+            q.cpu_tasks_in_use,
+            q.pending_tasks,
+            q.dominant_share,
+            q.limited,
+            q.max_pending_per_owner,
+            q.submit_rate,
+            q.submit_burst,
+            UsageInfo.from_proto(q.usage),
+        )
+
+
+class QueueAdmin:
+    """Calls AdminService's queue RPCs on an open channel with the caller's metadata."""
+
+    def __init__(self, channel: grpc.Channel, *, metadata=(), timeout: float = 30.0) -> None:
+        self._stub = admin_pb2_grpc.AdminServiceStub(channel)
+        self._metadata = tuple(metadata)
+        self._timeout = timeout
+
+    def _call(self, name: str, request):
+        try:
+            return getattr(self._stub, name)(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+
+    def list(self) -> list[QueueInfo]:
+        """Every queue with a quota, or with tasks now, by name."""
+        return [QueueInfo.from_proto(q) for q in self._call("ListQueues", admin_pb2.ListQueuesRequest()).queues]
+
+    def set(
+        self,
+        name: str,
+        *,
+        gpu_quota: int,
+        cpu_task_quota: int,
+        gpu_borrowing_limit: int | None = None,
+        cpu_task_borrowing_limit: int | None = None,
+        owners: Sequence[str] = (),
+    ) -> tuple[QueueInfo, QueueInfo | None]:
+        """Add or change a queue now (admin keys); returns (the queue now, as it was or None)."""
+        q = admin_pb2.Queue(name=name, gpu_quota=gpu_quota, cpu_task_quota=cpu_task_quota, owners=list(owners))
+        if gpu_borrowing_limit is not None:
+            q.gpu_borrowing_limit = gpu_borrowing_limit
+        if cpu_task_borrowing_limit is not None:
+            q.cpu_task_borrowing_limit = cpu_task_borrowing_limit
+        resp = self._call("SetQueueQuota", admin_pb2.SetQueueQuotaRequest(queue=q))
+        return QueueInfo.from_proto(resp.queue), (
+            QueueInfo.from_proto(resp.previous) if resp.HasField("previous") else None
+        )
+
+    def desired_trainers(self) -> dict[str, int]:
+        """Node class -> trainers the pending and running work needs now."""
+        resp = self._call("GetDesiredTrainers", admin_pb2.GetDesiredTrainersRequest())
+        return {d.node_class: d.desired_trainers for d in resp.node_classes}

@@ -1,0 +1,168 @@
+"""Usage accounting: what each attempt used, rolled up per task, owner and queue.
+
+Per attempt, from its assignment (ASSIGNED) until it leaves ASSIGNED/RUNNING (the node reported it
+ended, or the scheduler ended it: lost node, cancel, max_runtime):
+
+* GPU-seconds: GPUs held (``gpu_count x nodes``) times those seconds; CPU-task seconds for a CPU
+  task (``gpu_count 0``) instead;
+* tokens generated and trained, env steps: summed from the worker's per-step metrics
+  (:data:`GENERATED_KEYS`, :data:`TRAINED_KEYS`; ``env_steps`` is cumulative, its newest value
+  counts);
+* cost: GPU-hours times ``usage.prices[node class]`` (config/usage.py), the node class being what
+  the trainer announced (``--node-class``) or ``usage.default_node_class``.
+
+The running attempt's meter lives in memory (:class:`UsageMeters`); when it ends one row goes to
+the store (``attempt_usage``), written with the transition that ended it. A scheduler restart
+starts a running attempt's meter again from the attempt's start time (RUNNING), so its
+accounting stays within one heartbeat interval of the truth for the time before the restart.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from opentinker.common.v1 import common_pb2
+
+from opentinker_scheduler.config.usage import UsageConfig
+from opentinker_scheduler.state.store import SqlStore, TaskRow, UsageRecord
+
+#: Per-step metric keys that count tokens sampled (rollouts), first present wins.
+GENERATED_KEYS = ("grpo/tokens", "rollout/tokens", "tokens_generated")
+#: Per-step metric keys that count tokens trained on, first present wins.
+TRAINED_KEYS = ("train/tokens", "tokens_trained")
+
+
+@dataclass
+class Meter:
+    """One live attempt's counters."""
+
+    task_id: str
+    attempt: int
+    owner: str
+    queue: str
+    node_id: str
+    node_class: str
+    gpus: int
+    start_time: float
+    tokens_generated: float = 0.0
+    tokens_trained: float = 0.0
+    env_steps: float = 0.0
+    steps: int = 0
+
+    def record(self, task: TaskRow, end_time: float, price_per_gpu_hour: float) -> UsageRecord:
+        seconds = max(0.0, end_time - self.start_time)
+        gpu_seconds = self.gpus * seconds
+        return UsageRecord(
+            task_id=self.task_id,
+            attempt=self.attempt,
+            owner=self.owner,
+            queue=self.queue,
+            node_id=self.node_id,
+            node_class=self.node_class,
+            workload_type=task.spec.workload_type,
+            model=task.spec.model,
+            gpus=self.gpus,
+            start_time=self.start_time,
+            end_time=end_time,
+            gpu_seconds=gpu_seconds,
+            cpu_task_seconds=seconds if self.gpus == 0 else 0.0,
+            tokens_generated=self.tokens_generated,
+            tokens_trained=self.tokens_trained,
+            env_steps=self.env_steps,
+            steps=self.steps,
+            cost=gpu_seconds / 3600.0 * price_per_gpu_hour,
+        )
+
+
+def usage_proto(sums: tuple, extra: UsageRecord | None = None) -> common_pb2.Usage:
+    """``opentinker.common.v1.Usage`` of store sums (:meth:`SqlStore.task_usage`), plus a live
+    attempt's ``extra`` record when given."""
+    gpu_s, cpu_s, gen, trained, env, cost, attempts = sums
+    if extra is not None:
+        gpu_s += extra.gpu_seconds
+        cpu_s += extra.cpu_task_seconds
+        gen += extra.tokens_generated
+        trained += extra.tokens_trained
+        env += extra.env_steps
+        cost += extra.cost
+        attempts += 1
+    return common_pb2.Usage(
+        gpu_seconds=gpu_s,
+        cpu_task_seconds=cpu_s,
+        tokens_generated=gen,
+        tokens_trained=trained,
+        env_steps=env,
+        cost=cost,
+        attempts=attempts,
+    )
+
+
+class UsageMeters:
+    """Meters of the live attempts (memory) and their records in ``store``.
+
+    Args:
+        store: where ended attempts are written (``attempt_usage``).
+        config: prices and the default node class.
+        node_class_of: node id -> its class, asked when an attempt ends (a node that re-registers
+            after a scheduler restart is known by then).
+    """
+
+    def __init__(self, store: SqlStore, config: UsageConfig, node_class_of: Callable[[str], str]) -> None:
+        self.store = store
+        self.config = config
+        self.node_class_of = node_class_of
+        self.live: dict[str, Meter] = {}
+
+    def price(self, node_class: str) -> float:
+        return self.config.price(node_class)
+
+    def start(self, task: TaskRow, *, queue: str, gpus: int, start_time: float | None = None) -> None:
+        """``task``'s current attempt was assigned (or is found active after a restart)."""
+        self.live[task.task_id] = Meter(
+            task.task_id,
+            task.attempt,
+            task.owner,
+            queue,
+            task.node_id,
+            "",
+            gpus,
+            time.time() if start_time is None else start_time,
+        )
+
+    def metric(self, task_id: str, attempt: int, values) -> None:
+        """Count one applied metric point of ``attempt``."""
+        m = self.live.get(task_id)
+        if m is None or m.attempt != attempt:
+            return
+        m.steps += 1
+        for key in GENERATED_KEYS:
+            if key in values:
+                m.tokens_generated += float(values[key])
+                break
+        for key in TRAINED_KEYS:
+            if key in values:
+                m.tokens_trained += float(values[key])
+                break
+        if "env_steps" in values:
+            m.env_steps = max(m.env_steps, float(values["env_steps"]))
+
+    def end(self, task: TaskRow, end_time: float | None = None) -> UsageRecord | None:
+        """``task``'s live attempt left ASSIGNED/RUNNING: write its record (returned); None when it
+        had no meter."""
+        m = self.live.pop(task.task_id, None)
+        if m is None:
+            return None
+        rec = self._record(m, task, time.time() if end_time is None else end_time)
+        self.store.record_usage(rec)
+        return rec
+
+    def so_far(self, task: TaskRow) -> UsageRecord | None:
+        """The running attempt's usage up to now (not written), or None."""
+        m = self.live.get(task.task_id)
+        return self._record(m, task, time.time()) if m is not None else None
+
+    def _record(self, m: Meter, task: TaskRow, end_time: float) -> UsageRecord:
+        m.node_class = self.node_class_of(m.node_id) or self.config.default_node_class
+        return m.record(task, end_time, self.price(m.node_class))

@@ -1,0 +1,130 @@
+"""Usage accounting in the core: per attempt GPU-seconds from assignment to stop, tokens and env
+steps from the metrics, cost by node class; rolled up per task, owner and queue, persisted (both
+store backends); the dry-run estimate from recent step times; the desired-trainers signal."""
+
+from __future__ import annotations
+
+import time
+
+from opentinker.common.v1 import common_pb2 as C
+from opentinker.node.v1 import node_pb2 as N
+
+from opentinker_scheduler.config import QueueConfig
+from opentinker_scheduler.config.usage import UsageConfig
+from tests.support.scheduler_core import drain, make_core, register, report, spec
+
+
+def _assigned(node) -> list[str]:
+    return [c.assign_task.task_id for c in drain(node) if c.WhichOneof("command") == "assign_task"]
+
+
+def _state_times(core, task_id) -> list[tuple[str, int, float]]:
+    """(reason, attempt, unix seconds) of each state change of a task, from its stored events."""
+    return [
+        (e.state_change.reason, e.state_change.attempt, e.time.ToNanoseconds() / 1e9)
+        for e in core.store.events_after(task_id, 0)
+        if e.WhichOneof("event") == "state_change"
+    ]
+
+
+def test_finished_task_usage_is_its_attempts_gpu_seconds(tmp_path) -> None:
+    usage = UsageConfig(currency="EUR", default_node_class="on-demand", prices={"on-demand": 3.6, "spot": 1.8})
+    core = make_core(tmp_path, usage=usage, max_tasks_per_gpu=1,
+                     queues=(QueueConfig("team-a", gpus=4, cpu_tasks=2, owners=("alice",)),))  # fmt: skip
+    node, _ = register(core)
+    task = core.submit(spec(gpus=2), owner="alice")
+    core.schedule()
+    assert _assigned(node) == [task.task_id]
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    point = C.MetricPoint(step=1, values={"grpo/tokens": 120.0, "train/tokens": 40.0, "env_steps": 8.0})
+    report(core, node, task.task_id, 1, metrics=[point])
+    time.sleep(0.05)
+    # The node is lost: attempt 1 ends (NODE_LOST), attempt 2 runs to the end.
+    node.connected = False  # as the liveness check does past the lease
+    core.node_changed(node, membership=True)
+    core.lose_node(node, "test")
+    node, _ = register(core)
+    core.schedule()
+    assert _assigned(node) == [task.task_id]
+    report(core, node, task.task_id, 2, C.TASK_STATE_RUNNING)
+    report(core, node, task.task_id, 2, metrics=[C.MetricPoint(step=2, values={"grpo/tokens": 30.0})])
+    time.sleep(0.05)
+    report(core, node, task.task_id, 2, C.TASK_STATE_SUCCEEDED)
+    got = core.task_usage(core.get(task.task_id))
+    times = _state_times(core, task.task_id)
+    spans = []
+    for attempt in (1, 2):
+        start = next(t for r, a, t in times if r == "ASSIGNED" and a == attempt)
+        end = next(t for r, a, t in times if a >= attempt and t > start and r in ("NODE_LOST", "COMPLETED"))
+        spans.append(end - start)
+    expected = 2 * sum(spans)
+    assert got.attempts == 2 and abs(got.gpu_seconds - expected) <= core.config.heartbeat_interval_s
+    assert got.gpu_seconds > 0.1  # two GPUs for at least 0.1 s: the waits above
+    assert (got.tokens_generated, got.tokens_trained, got.env_steps) == (150.0, 40.0, 8.0)
+    assert abs(got.cost - got.gpu_seconds / 3600 * 3.6) < 1e-9
+    by_owner, by_queue, queues = core.usage_rollup()
+    assert by_owner["alice"].gpu_seconds == by_queue["team-a"].gpu_seconds == got.gpu_seconds
+    assert queues == {"alice": "team-a"}
+    assert core.usage_rollup(since=time.time() + 60)[0] == {}
+    # Persisted: a new core on the same store reads the same figures.
+    core.store.close()
+    again = make_core(tmp_path, usage=usage)
+    assert again.task_usage(again.get(task.task_id)).gpu_seconds == got.gpu_seconds
+
+
+def test_running_attempt_counts_up_to_now_and_cpu_tasks_count_slot_seconds(tmp_path) -> None:
+    core = make_core(tmp_path)
+    node, _ = register(core)
+    cpu = core.submit(spec(gpus=0), owner="bob")
+    core.schedule()
+    report(core, node, cpu.task_id, 1, C.TASK_STATE_RUNNING)
+    first = core.task_usage(core.get(cpu.task_id))
+    time.sleep(0.02)
+    second = core.task_usage(core.get(cpu.task_id))
+    assert first.gpu_seconds == 0 and 0 < first.cpu_task_seconds < second.cpu_task_seconds
+    assert first.attempts == 1 and first.cost == 0
+
+
+def test_dry_run_estimate_from_recent_step_times(tmp_path) -> None:
+    usage = UsageConfig(prices={"default": 2.0})
+    core = make_core(tmp_path, usage=usage, max_tasks_per_gpu=1)
+    node, _ = register(core)
+    row, est, basis = core.estimate(spec(gpus=1, steps=10), owner="u")
+    assert row.task_id == "" and est.gpu_seconds == 0 and basis.startswith("no estimate: no recorded attempt")
+    done = core.submit(spec(gpus=1, steps=4), owner="u")
+    core.schedule()
+    report(core, node, done.task_id, 1, C.TASK_STATE_RUNNING)
+    report(core, node, done.task_id, 1, metrics=[C.MetricPoint(step=s, values={"loss": 1.0}) for s in (1, 2, 3, 4)])
+    report(core, node, done.task_id, 1, C.TASK_STATE_SUCCEEDED)
+    (recorded,) = core.store.recent_step_seconds("lora_finetune", "/models/m")
+    per_step = recorded[0] / 4
+    row, est, basis = core.estimate(spec(gpus=2, steps=10), owner="u")
+    assert abs(est.gpu_seconds - 2 * 10 * per_step) < 1e-6 and abs(est.cost - est.gpu_seconds / 3600 * 2.0) < 1e-9
+    assert basis.startswith("10 steps x") and "at 2 USD per GPU-hour (default)" in basis
+    assert core.store.count_tasks(owner="u", states=(C.TASK_STATE_PENDING,)) == 0  # nothing was submitted
+
+
+def test_desired_trainers_counts_busy_nodes_and_pending_admitted_work(tmp_path) -> None:
+    core = make_core(tmp_path, max_tasks_per_gpu=1,
+                     queues=(QueueConfig("capped", gpus=2, cpu_tasks=0, borrowing_gpus=0, owners=("c",)),))  # fmt: skip
+    devices = [C.Device(index=i, uuid=f"s{i}", name="g", simulated=True) for i in range(4)]
+    core.node_register(N.Register(node_id="spot-1", devices=devices, max_tasks=8, node_class="spot"))
+    node, _ = register(core)  # gpu-node-01, the default class
+    assert {d.node_class: d.desired for d in core.desired_trainers()} == {"default": 0, "spot": 0}  # idle
+    for _ in range(3):
+        core.submit(spec(gpus=4), owner="u")  # 3 whole nodes of work: 2 fit now, 1 more node needed
+    for _ in range(5):
+        core.submit(spec(gpus=1), owner="c")  # over its 2-GPU quota: only 2 count
+    want = {d.node_class: (d.desired, d.connected, d.pending_gpus) for d in core.desired_trainers()}
+    assert want == {"default": (3, 1, 14), "spot": (1, 1, 0)}
+
+
+def test_a_bad_node_class_is_refused_at_register(tmp_path) -> None:
+    import pytest
+
+    from opentinker_scheduler.errors import InvalidArgument
+
+    core = make_core(tmp_path)
+    with pytest.raises(InvalidArgument, match=r"^register.node_class: expected a node class"):
+        core.node_register(N.Register(node_id="n1", max_tasks=1, node_class="spot instance"))
+    assert "n1" not in core.nodes or not core.nodes["n1"].connected
