@@ -82,6 +82,9 @@ def run(ctx: WorkerContext) -> None:
         resolve=resolver,
         max_resident_adapters=cfg.max_resident_adapters,
         max_concurrent=cfg.max_concurrent_requests,
+        max_batch_sequences=cfg.max_batch_sequences,
+        max_batch_tokens=cfg.max_batch_tokens,
+        max_queued=cfg.max_queued_requests,
     )
     try:
         asyncio.run(_serve(ctx, runtime, cfg, tls=tls, access_ttl=ttl if scheduler else None))
