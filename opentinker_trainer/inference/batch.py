@@ -6,9 +6,10 @@ one left-padded key/value cache (``transformers`` ``DynamicCache``, ``[B, heads,
 per layer) with an attention mask ``[B, W]`` and per-row positions, exactly as the rollout code
 runs padded batches (:func:`opentinker_trainer.rl.rollout.position_ids_from_mask`):
 
-* **admit** (:meth:`DecodeBatch.prefill` then :meth:`DecodeBatch.add`): the prompt ``[1, P]``
-  runs alone (as a solo request would), its cache is repeated to ``n`` rows, left-padded (or the
-  batch is) to the common width and concatenated on the batch axis;
+* **admit** (:meth:`DecodeBatch.prefill` then :meth:`DecodeBatch.add`): the prompts admitted in
+  one step run in one left-padded pass ``[k, P_max]`` (per-row adapters as below), each cache row
+  is repeated to its request's ``n`` rows, left-padded (or the batch is) to the common width and
+  concatenated on the batch axis;
 * **step** (:meth:`DecodeBatch.forward`): ``[B, 1]`` last tokens, mask ``[B, W + 1]``,
   ``position_ids[b]`` = real tokens of row ``b`` so far; rows of different adapters run in the
   same pass through PEFT's per-row ``adapter_names`` (``"__base__"`` for base-model rows), or the
@@ -174,32 +175,48 @@ class DecodeBatch:
         return [m.adapter or BASE_ROW for m in members for _ in range(m.n)]
 
     @torch.inference_mode()
-    def prefill(self, member: Member):
-        """Run ``member``'s prompt alone; returns ``(logits [n, V] float32, cache with n rows)``."""
-        prompt = torch.tensor([member.prompt_ids], dtype=torch.long, device=self.device)
-        model, kw = self.model_for([member.adapter or BASE_ROW] if self.mixed else None)
-        out = model(input_ids=prompt, attention_mask=torch.ones_like(prompt), use_cache=True, logits_to_keep=1, **kw)
-        cache = _cache_of(out)
-        if member.n > 1:
-            cache.batch_repeat_interleave(member.n)
-        return out.logits[:, -1, :].float().expand(member.n, -1), cache
+    def prefill(self, members: list[Member]):
+        """Run the prompts of ``members`` in one left-padded pass ``[k, P_max]``.
 
-    def add(self, member: Member, cache) -> None:
-        """Append ``member``'s rows (after :meth:`prefill` and its first :meth:`Member.sample`)."""
-        p = len(member.prompt_ids)
-        new_mask = torch.ones((member.n, p), dtype=torch.long, device=self.device)
+        Returns ``(logits per member [n, V] float32, cache with each member's n rows, mask)``."""
+        width = max(len(m.prompt_ids) for m in members)
+        ids = torch.zeros((len(members), width), dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        for r, m in enumerate(members):
+            p = len(m.prompt_ids)
+            ids[r, width - p :] = torch.tensor(m.prompt_ids, dtype=torch.long)
+            mask[r, width - p :] = 1
+        model, kw = self.model_for([m.adapter or BASE_ROW for m in members] if self.mixed else None)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+            **kw,
+        )
+        cache = _cache_of(out)
+        rows = [r for r, m in enumerate(members) for _ in range(m.n)]
+        if len(rows) != len(members):
+            cache.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=self.device))
+        last = out.logits[:, -1, :].float()
+        logits = [last[r : r + 1].expand(m.n, -1) for r, m in enumerate(members)]
+        return logits, cache, mask[rows]
+
+    def add(self, members: list[Member], cache, mask: torch.Tensor) -> None:
+        """Append ``members``' rows (after :meth:`prefill` and their first :meth:`Member.sample`)."""
         if self.cache is None:
-            self.cache, self.mask = cache, new_mask
-            self.members = [member]
+            self.cache, self.mask, self.members = cache, mask, list(members)
             return
-        w = self.width
+        w, p = self.width, int(mask.shape[1])
         width = max(w, p)
         for mine, theirs in zip(_layers(self.cache), _layers(cache)):
             for attr in ("keys", "values"):
                 a, b = getattr(mine, attr), getattr(theirs, attr)
                 setattr(mine, attr, torch.cat([_left_pad(a, width - w), _left_pad(b, width - p)], dim=0))
-        self.mask = torch.cat([_left_pad_mask(self.mask, width - w), _left_pad_mask(new_mask, width - p)], dim=0)
-        self.members.append(member)
+        self.mask = torch.cat([_left_pad_mask(self.mask, width - w), _left_pad_mask(mask, width - p)], dim=0)
+        self.members.extend(members)
+        self._trim()
 
     @torch.inference_mode()
     def forward(self) -> list[torch.Tensor]:
@@ -238,6 +255,9 @@ class DecodeBatch:
         self.cache.batch_select_indices(idx)
         self.mask = self.mask.index_select(0, idx)
         self.members = keep_members
+        self._trim()
+
+    def _trim(self) -> None:
         pad = int((self.mask.cumsum(dim=1) == 0).sum(dim=1).min())  # leading padding shared by every row
         if pad:
             self.mask = self.mask[:, pad:]
