@@ -34,6 +34,12 @@ class InferenceConfig:
         64, 0, 65536, doc="requests waiting for room in the batch; more are refused with RESOURCE_EXHAUSTED"
     )
     port: int = num(0, 0, 65535, doc="port to listen on; 0 picks a free one")
+    openai_port: int = num(
+        -1,
+        -1,
+        65535,
+        doc="port of the OpenAI-compatible HTTP endpoint (/v1/...) on this host; -1 (default): off, 0: any free",
+    )
     dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
 
 
