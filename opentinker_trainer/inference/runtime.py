@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Sequence
 
 from opentinker_trainer.inference.adapters import AdapterRegistry
-from opentinker_trainer.inference.batch import DecodeBatch, Member
+from opentinker_trainer.inference.batch import BASE_ROW, DecodeBatch, Member
 from opentinker_trainer.inference.engine import FINISH_STOP, SamplingParams, cache_kwarg
 from opentinker_trainer.inference.text import TextStream
 
@@ -397,9 +397,16 @@ class ModelRuntime:
         return events
 
     def _model_for(self, names):
+        """The model to call and its extra arguments for rows of adapters ``names`` (``None``: the
+        caller activated the one adapter). Rows all of one adapter run it activated (no per-row
+        hooks); mixed rows pass PEFT's ``adapter_names``."""
         reg = self.registry
         if names is None or reg.model is reg.base:
             return reg.base, {}
+        if len(set(names)) == 1:
+            reg.activate(None if names[0] == BASE_ROW else names[0])
+            return reg.base, {}
+        reg.activate_mixed()
         return reg.model, {"adapter_names": names}
 
     def _step(self, admit: list["_Job"], gone: set[Member]) -> dict:
@@ -450,8 +457,6 @@ class ModelRuntime:
     def _activate(self, adapter: str | None) -> None:
         if self.group_by_adapter:
             self.registry.activate(adapter)
-        else:
-            self.registry.activate_mixed()
 
 
 _END = object()
