@@ -10,9 +10,10 @@
 4. Continuous batching: aggregate tokens/s and p50/p99 time to first token with 1, 4 and 16
    concurrent streams (closed loop: each stream sends ``--requests`` requests one after the
    other, ``--conc-tokens`` new tokens each; stream ``i`` uses the base model or one of the 8
-   adapters in turn), through GenerateStream with per-row ``adapter_names`` and with one batch
-   per adapter, against ``transformers``' ``ContinuousBatchingManager`` (paged CPU cache, base
-   model only: it cannot choose an adapter per request) driven the same way, and one padded
+   adapters in turn), through GenerateStream with per-row ``adapter_names``, with one batch per
+   adapter, and with every stream on the base model (the like-for-like peer of the next two),
+   against ``transformers``' ``ContinuousBatchingManager`` (paged CPU cache, base model only: it
+   cannot choose an adapter per request) driven the same way, and one padded
    ``model.generate`` batch of the same prompts.
 
 Prints one line per figure with its ratio and the goal; exit 0 always (figures, not tests).
@@ -194,11 +195,12 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
     names = [None, *adapters]  # stream i: the base or an adapter, in turn
     levels = [int(x) for x in args.streams.split(",")]
 
-    def ours(i: int) -> tuple[int, float]:
+    def ours(i: int, *, base_only: bool = False) -> tuple[int, float]:
         t0 = time.perf_counter()
         first, count = None, 0
+        adapter = None if base_only else names[i % len(names)]
         for chunk in client.generate_stream(
-            messages=messages, adapter=names[i % len(names)], temperature=0, max_tokens=k, ignore_eos=True
+            messages=messages, adapter=adapter, temperature=0, max_tokens=k, ignore_eos=True
         ):
             if chunk.token_ids and first is None:
                 first = time.perf_counter() - t0
@@ -272,6 +274,7 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
     for c in levels:
         runtime.group_by_adapter = False
         results[("ours", c)] = closed_loop(c, args.requests, ours)
+        results[("base", c)] = closed_loop(c, args.requests, lambda i: ours(i, base_only=True))
         runtime.group_by_adapter = True
         results[("grouped", c)] = closed_loop(c, args.requests, ours)
         runtime.group_by_adapter = False
@@ -283,6 +286,7 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
             f"p99 {1000 * percentile(results[(key, c)][1], 0.99):.0f} ms)"
             for key, label in (
                 ("ours", "adapter_names per row"),
+                ("base", "ours, every stream the base"),
                 ("grouped", "batch per adapter"),
                 ("cb", "transformers CB (base only)"),
                 ("padded", "padded generate (base only)"),
@@ -304,7 +308,9 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
         print(
             f"{c} streams vs 1: {tps / one:.2f}x{goal}; vs transformers CB {tps / results[('cb', c)][0]:.2f}x "
             f"(goal >= 1.0); vs padded generate {tps / results[('padded', c)][0]:.2f}x; "
-            f"batch per adapter / adapter_names {results[('grouped', c)][0] / tps:.2f}x"
+            f"batch per adapter / adapter_names {results[('grouped', c)][0] / tps:.2f}x; "
+            f"ours with every stream on the base vs transformers CB (both base only) "
+            f"{results[('base', c)][0] / results[('cb', c)][0]:.2f}x"
         )
     if 4 in levels:
         ttft4 = percentile(results[("ours", 4)][1], 0.5)
