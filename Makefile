@@ -110,9 +110,11 @@ bench-service: install
 bench-ha: install test-deps
 	$(PY) scripts/bench_ha.py $(BENCH_ARGS)
 
-# GenerateStream against transformers generate; memory with 8 adapters against 1.
+# GenerateStream against transformers generate; memory with 8 adapters against 1; continuous
+# batching at 1/4/16 streams (base + 8 adapters) against transformers' continuous batching and a
+# padded generate batch. Options: BENCH_ARGS="--no-single --streams 1,4" (scripts/bench_inference.py --help).
 bench-inference: install
-	$(PY) scripts/bench_inference.py
+	$(PY) scripts/bench_inference.py $(BENCH_ARGS)
 
 # PPO learning curves: CartPole-v1 steps to 475, Acrobot-v1 (add --only spread-shared etc.).
 bench-rl: install

@@ -7,11 +7,17 @@
    ``--repeats``; both generate exactly ``--tokens`` tokens (``ignore_eos`` / ``min_new_tokens``).
 2. Time to first token: first streamed chunk against ``generate(max_new_tokens=1)``.
 3. Resident memory (RSS) with 8 LoRA adapters loaded (rank ``--rank`` on q/k/v/o) against 1.
-4. Aggregate tokens/s of 4 concurrent streams against 1 (steps interleave; no cross-request
-   batching yet).
+4. Continuous batching: aggregate tokens/s and p50/p99 time to first token with 1, 4 and 16
+   concurrent streams (closed loop: each stream sends ``--requests`` requests one after the
+   other, ``--conc-tokens`` new tokens each; stream ``i`` uses the base model or one of the 8
+   adapters in turn), through GenerateStream with per-row ``adapter_names``, with one batch per
+   adapter, and with every stream on the base model (the like-for-like peer of the next two),
+   against ``transformers``' ``ContinuousBatchingManager`` (paged CPU cache, base model only: it
+   cannot choose an adapter per request) driven the same way, and one padded
+   ``model.generate`` batch of the same prompts.
 
 Prints one line per figure with its ratio and the goal; exit 0 always (figures, not tests).
-Usage: .venv/bin/python scripts/bench_inference.py [--tokens 128] [--repeats 3]
+Usage: .venv/bin/python scripts/bench_inference.py [--tokens 128] [--repeats 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -43,6 +49,11 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the issue's figures: 1)")
+    parser.add_argument("--conc-tokens", type=int, default=32, help="new tokens per request in the concurrency runs")
+    parser.add_argument("--requests", type=int, default=2, help="requests per stream in the concurrency runs")
+    parser.add_argument("--streams", default="1,4,16")
+    parser.add_argument("--no-single", action="store_true", help="skip figures 1 and 2 (single stream vs generate)")
     args = parser.parse_args()
 
     import torch
@@ -54,6 +65,7 @@ def main() -> int:
     from tests.support.inference import ServerThread, greedy_generate
 
     torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(args.model)
     messages = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
     prompt_ids = tok(
@@ -114,24 +126,25 @@ def main() -> int:
         assert count == max_new, count
         return time.perf_counter() - t0, first or 0.0, count
 
-    direct(8), streamed(8)  # warm up both paths
-    d_tps, s_tps, d_ttft, s_ttft = [], [], [], []
-    for _ in range(args.repeats):
-        d_tps.append(n / direct(n))
-        total, first, _ = streamed(n)
-        s_tps.append(n / total)
-        d_ttft.append(direct(1))
-        s_ttft.append(streamed(1)[1])
-    d, s = statistics.median(d_tps), statistics.median(s_tps)
-    print(
-        f"throughput: GenerateStream {s:.1f} tok/s vs transformers "
-        f"generate {d:.1f} tok/s -> ratio {s / d:.3f} (goal >= 0.95)"
-    )
-    dt, st = statistics.median(d_ttft), statistics.median(s_ttft)
-    print(
-        f"time to first token: GenerateStream {st * 1000:.1f} ms vs "
-        f"generate(max_new_tokens=1) {dt * 1000:.1f} ms -> added {1000 * (st - dt):+.1f} ms"
-    )
+    if not args.no_single:
+        direct(8), streamed(8)  # warm up both paths
+        d_tps, s_tps, d_ttft, s_ttft = [], [], [], []
+        for _ in range(args.repeats):
+            d_tps.append(n / direct(n))
+            total, first, _ = streamed(n)
+            s_tps.append(n / total)
+            d_ttft.append(direct(1))
+            s_ttft.append(streamed(1)[1])
+        d, s = statistics.median(d_tps), statistics.median(s_tps)
+        print(
+            f"throughput: GenerateStream {s:.1f} tok/s vs transformers "
+            f"generate {d:.1f} tok/s -> ratio {s / d:.3f} (goal >= 0.95)"
+        )
+        dt, st = statistics.median(d_ttft), statistics.median(s_ttft)
+        print(
+            f"time to first token: GenerateStream {st * 1000:.1f} ms vs "
+            f"generate(max_new_tokens=1) {dt * 1000:.1f} ms -> added {1000 * (st - dt):+.1f} ms"
+        )
 
     # Memory: 1 adapter resident and used, then 8.
     streamed(4, "task-a0")
@@ -145,18 +158,163 @@ def main() -> int:
         f"{rss1 / 2**20:.0f} MiB -> ratio {rss8 / rss1:.3f} (goal <= 1.1); "
         f"LoRA tensors of the 8: {lora_bytes / 2**20:.1f} MiB (rank {args.rank}, q/k/v/o)"
     )
-    one = statistics.median(n // 2 / streamed(n // 2)[0] for _ in range(2))
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda i: streamed(n // 2, f"task-a{i}"), range(4)))
-    four = 4 * (n // 2) / (time.perf_counter() - t0)
-    print(
-        f"concurrency: 4 streams (4 adapters) {four:.1f} tok/s in all vs 1 stream {one:.1f} "
-        f"tok/s -> ratio {four / one:.2f} (steps interleave, no batching across requests)"
-    )
+    concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapters)
     client.close()
     server.close()
     return 0
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+
+def closed_loop(streams: int, requests: int, one_request) -> tuple[float, list[float]]:
+    """``streams`` threads, each sending ``requests`` requests one after the other through
+    ``one_request(stream) -> (tokens, ttft_s)``; returns (tokens/s in all, every TTFT)."""
+    ttfts: list[float] = []
+    total = 0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        for got in pool.map(lambda i: [one_request(i) for _ in range(requests)], range(streams)):
+            for tokens, ttft in got:
+                total += tokens
+                ttfts.append(ttft)
+    return total / (time.perf_counter() - t0), ttfts
+
+
+def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapters) -> None:
+    import queue
+    import threading
+
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    k = args.conc_tokens
+    names = [None, *adapters]  # stream i: the base or an adapter, in turn
+    levels = [int(x) for x in args.streams.split(",")]
+
+    def ours(i: int, *, base_only: bool = False) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        first, count = None, 0
+        adapter = None if base_only else names[i % len(names)]
+        for chunk in client.generate_stream(
+            messages=messages, adapter=adapter, temperature=0, max_tokens=k, ignore_eos=True
+        ):
+            if chunk.token_ids and first is None:
+                first = time.perf_counter() - t0
+            count += len(chunk.token_ids)
+        return count, first or 0.0
+
+    # transformers' continuous batching: one manager, a router thread hands results to the streams.
+    gen_cfg = GenerationConfig(max_new_tokens=k, do_sample=False, eos_token_id=-1, pad_token_id=tok.eos_token_id)
+    manager = model.init_continuous_batching(
+        generation_config=gen_cfg,
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=256, page_size=32, max_batch_tokens=1024),
+    )
+    manager.start()
+    inboxes: dict[str, queue.Queue] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def route() -> None:
+        while not stop.is_set():
+            r = manager.get_result(timeout=0.1)
+            if r is not None:
+                with lock:
+                    box = inboxes.get(r.request_id)
+                if box is not None:
+                    box.put(r)
+
+    router = threading.Thread(target=route, daemon=True)
+    router.start()
+    counter = iter(range(10**9))
+
+    def theirs(i: int) -> tuple[int, float]:
+        rid = f"bench-{next(counter)}"
+        box: queue.Queue = queue.Queue()
+        with lock:
+            inboxes[rid] = box
+        t0 = time.perf_counter()
+        manager.add_request(prompt_ids, request_id=rid, max_new_tokens=k, streaming=True)
+        first = None
+        while True:
+            r = box.get(timeout=600)
+            if first is None:
+                first = time.perf_counter() - t0
+            if r.is_finished():
+                with lock:
+                    inboxes.pop(rid, None)
+                return len(r.generated_tokens), first
+
+    def padded(streams: int) -> tuple[float, float]:
+        ids = torch.tensor([prompt_ids] * streams)
+        mask = torch.ones_like(ids)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=1, pad_token_id=tok.eos_token_id
+            )
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=k,
+                min_new_tokens=k,
+                pad_token_id=tok.eos_token_id,
+            )
+            wall = time.perf_counter() - t0
+        return streams * (out.shape[1] - ids.shape[1]) / wall, ttft
+
+    closed_loop(2, 1, ours), closed_loop(2, 1, theirs)  # warm up both
+    results: dict[tuple[str, int], tuple[float, list[float]]] = {}
+    for c in levels:
+        runtime.group_by_adapter = False
+        results[("ours", c)] = closed_loop(c, args.requests, ours)
+        results[("base", c)] = closed_loop(c, args.requests, lambda i: ours(i, base_only=True))
+        runtime.group_by_adapter = True
+        results[("grouped", c)] = closed_loop(c, args.requests, ours)
+        runtime.group_by_adapter = False
+        results[("cb", c)] = closed_loop(c, args.requests, theirs)
+        tps, ttft = padded(c)
+        results[("padded", c)] = (tps, [ttft])
+        line = ", ".join(
+            f"{label} {results[(key, c)][0]:.1f} tok/s (TTFT p50 {1000 * percentile(results[(key, c)][1], 0.5):.0f} "
+            f"p99 {1000 * percentile(results[(key, c)][1], 0.99):.0f} ms)"
+            for key, label in (
+                ("ours", "adapter_names per row"),
+                ("base", "ours, every stream the base"),
+                ("grouped", "batch per adapter"),
+                ("cb", "transformers CB (base only)"),
+                ("padded", "padded generate (base only)"),
+            )
+        )
+        print(f"{c} streams: {line}", flush=True)
+    stop.set()
+    router.join(5)
+    manager.stop(block=True, timeout=10)
+    print(f"most rows in one step: {runtime.max_batch_rows_seen}")
+    one = results[("ours", 1)][0]
+    ttft1 = percentile(results[("ours", 1)][1], 0.5)
+    goals = {4: 2.2, 16: 4.0}
+    for c in levels:
+        if c == 1:
+            continue
+        tps = results[("ours", c)][0]
+        goal = f" (goal >= {goals[c]})" if c in goals else ""
+        print(
+            f"{c} streams vs 1: {tps / one:.2f}x{goal}; vs transformers CB {tps / results[('cb', c)][0]:.2f}x "
+            f"(goal >= 1.0); vs padded generate {tps / results[('padded', c)][0]:.2f}x; "
+            f"batch per adapter / adapter_names {results[('grouped', c)][0] / tps:.2f}x; "
+            f"ours with every stream on the base vs transformers CB (both base only) "
+            f"{results[('base', c)][0] / results[('cb', c)][0]:.2f}x"
+        )
+    if 4 in levels:
+        ttft4 = percentile(results[("ours", 4)][1], 0.5)
+        print(f"TTFT p50 under 4-stream load vs 1 stream: {ttft4 / ttft1:.2f}x (goal <= 1.5)")
 
 
 if __name__ == "__main__":

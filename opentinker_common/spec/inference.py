@@ -27,9 +27,22 @@ class InferenceConfig:
         8, 1, 1024, doc="adapters kept loaded; the least recently used idle one is unloaded first"
     )
     max_concurrent_requests: int = num(
-        16, 1, 4096, doc="requests running at once; more are refused with RESOURCE_EXHAUSTED"
+        16, 1, 4096, doc="requests decoding together in one batch; more wait in the queue"
+    )
+    max_batch_sequences: int = num(64, 1, 4096, doc="sequences (rows; n per request) decoding together")
+    max_batch_tokens: int = num(
+        65536, 1, 1 << 24, doc="key/value tokens the batch reserves, n * (prompt + max_tokens) per request"
+    )
+    max_queued_requests: int = num(
+        64, 0, 65536, doc="requests waiting for room in the batch; more are refused with RESOURCE_EXHAUSTED"
     )
     port: int = num(0, 0, 65535, doc="port to listen on; 0 picks a free one")
+    openai_port: int = num(
+        -1,
+        -1,
+        65535,
+        doc="port of the OpenAI-compatible HTTP endpoint (/v1/...) on this host; -1 (default): off, 0: any free",
+    )
     dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
     policies_only: bool = False
 

@@ -3,9 +3,10 @@
 * :mod:`.sampling` — next-token choice (temperature, top-k, top-p as ``transformers`` does it)
   and raw log-probabilities;
 * :mod:`.engine` — one request's decode loop (prefill once, ``n`` samples per step);
+* :mod:`.batch` — continuous batching: many requests' rows (any adapters) in one forward pass;
 * :mod:`.text` — incremental detokenization and stop strings;
 * :mod:`.adapters` — adapter validation, loading on demand, least-recently-used bound;
-* :mod:`.runtime` — the served model: one model thread, request slots, step interleaving;
+* :mod:`.runtime` — the served model: one engine task, bounded queue, first-in-first-out admission;
 * :mod:`.resolve` — adapter name (a finished task's id) -> checkpoint folder, via the scheduler;
 * :mod:`.access` — who may call: the scheduler asked with the caller's own API key, cached;
 * :mod:`.tls` — the server's certificate and key (``--serve-tls-cert`` / ``--serve-tls-key``);

@@ -259,10 +259,19 @@ class AdapterRegistry:
         elif name is None:
             self.model.base_model.disable_adapter_layers()
         else:
-            if self._active is None or self._active is _UNKNOWN:
+            if self._active is None or self._active is _UNKNOWN or self._active is _MIXED:
                 self.model.base_model.enable_adapter_layers()
             self.model.set_adapter(name, inference_mode=True)
         self._active = name
+
+    def activate_mixed(self) -> None:
+        """Let the next forward passes choose adapters per row (PEFT's ``adapter_names``): LoRA
+        layers enabled; each row names its adapter or ``"__base__"``."""
+        if self._active is _MIXED:
+            return
+        if self.model is not self.base:
+            self.model.base_model.enable_adapter_layers()
+        self._active = _MIXED
 
     def list(self) -> list[AdapterInfo]:
         """Resident adapters, most recently used first."""
@@ -314,6 +323,7 @@ class AdapterRegistry:
 
 
 _UNKNOWN = object()
+_MIXED = object()
 
 
 def _no_resolver(name: str) -> Path:

@@ -1,20 +1,37 @@
-"""The served model: one base model, its adapters, one model thread, bounded concurrent requests.
+"""The served model: one base model, its adapters, one engine task, continuous batching.
 
-Every forward pass and every adapter load runs on a single model thread, one decode step at a
-time; concurrent requests take turns step by step (first come, first served per step), and each
-step first activates its own request's adapter (or none). So requests never see each other's
-adapter, and a long request does not hold back a short one for its whole length.
+One asyncio task (the engine) owns the model; requests only enqueue and read their events. Every
+forward pass and every adapter load runs on a single model thread. Each engine iteration:
 
-Request flow (:meth:`ModelRuntime.run`): validate and tokenize (:meth:`ModelRuntime.prepare`),
-take a request slot (``RESOURCE_EXHAUSTED`` beyond ``max_concurrent``), resolve the adapter
-(asks the resolver off the model thread) and pin it, then yield one :class:`StepEvent` per step.
-Cancelling the consumer (a client that went away) stops after the step in flight and frees the
-slot and the adapter pin.
+1. drops the rows of requests that finished or were cancelled (a client that went away loses
+   its row before the next forward pass; its adapter pin is released after that);
+2. admits queued requests **first in, first out** while they fit the bounds:
+   ``max_concurrent`` requests, ``max_batch_sequences`` rows (``n`` per request) and
+   ``max_batch_tokens`` reserved key/value tokens (``n * (prompt + max_tokens)`` per request);
+   at most ``max_prefill_tokens`` prompt tokens are prefilled per step (always at least one
+   request), so a burst of long prompts does not stall the running streams for long;
+3. prefills the admitted prompts in one left-padded pass, then runs **one decode step of every running row in one
+   forward pass** (:class:`~.batch.DecodeBatch`; rows of different adapters together through
+   PEFT's per-row ``adapter_names``, or one batch per adapter with ``group_by_adapter``), samples
+   each request with its own settings and generator, and hands every request its tokens; stop
+   strings are checked right away, so a stopped sample ends before the next step.
+
+No starvation: every running row advances by one token on every step, whatever its length, so
+a long generation slows a short one by its share of the batch but never blocks it; and the
+queue is strictly first in, first out (a request that does not fit yet is not overtaken by
+smaller ones behind it), so every queued request is admitted once the requests ahead of it have
+room. Beyond ``max_queued`` waiting requests a new one is refused at once with :class:`Busy`
+(``RESOURCE_EXHAUSTED``, the numbers in the message).
+
+Greedy output is the same as the request's solo output: padding is masked out and positions
+count real tokens only, so a row's numbers differ from its solo run by float rounding only
+(tested: 16 interleaved requests over 3 adapters and the base).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import math
 from dataclasses import dataclass, field
@@ -22,7 +39,8 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Sequence
 
 from opentinker_trainer.inference.adapters import AdapterRegistry
-from opentinker_trainer.inference.engine import FINISH_STOP, Decode, SamplingParams, cache_kwarg
+from opentinker_trainer.inference.batch import BASE_ROW, DecodeBatch, Member
+from opentinker_trainer.inference.engine import FINISH_STOP, SamplingParams, cache_kwarg
 from opentinker_trainer.inference.text import TextStream
 
 __all__ = ["BadRequest", "WrongModel", "Busy", "Prepared", "StepEvent", "ModelRuntime"]
@@ -40,7 +58,7 @@ class WrongModel(LookupError):
 
 
 class Busy(RuntimeError):
-    """RESOURCE_EXHAUSTED: ``max_concurrent`` requests already run."""
+    """RESOURCE_EXHAUSTED: the batch is full and ``max_queued`` requests already wait."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +102,14 @@ class ModelRuntime:
         resolve: adapter name -> checkpoint folder (may block: runs off the model thread);
             raises :class:`~.adapters.AdapterNotFound` / :class:`~.adapters.AdapterRefused`.
         max_resident_adapters: adapters kept loaded at most (least recently used evicted).
-        max_concurrent: requests running at once; more are refused with :class:`Busy`.
+        max_concurrent: requests decoding in the batch at once.
+        max_batch_sequences: rows decoding at once (a request with ``n`` samples takes ``n``).
+        max_batch_tokens: key/value tokens reserved by the batch, ``n * (prompt + max_tokens)``
+            per request; a request needing more on its own is refused (:class:`BadRequest`).
+        max_queued: requests waiting for room; beyond, :class:`Busy`.
+        max_prefill_tokens: prompt tokens prefilled per step (at least one request per step).
+        group_by_adapter: one batch per adapter (activated per forward pass) instead of one
+            batch with per-row ``adapter_names``.
     """
 
     def __init__(
@@ -97,7 +122,22 @@ class ModelRuntime:
         resolve: Callable[[str], Path] | None = None,
         max_resident_adapters: int = 8,
         max_concurrent: int = 16,
+        max_batch_sequences: int = 64,
+        max_batch_tokens: int = 65536,
+        max_queued: int = 64,
+        max_prefill_tokens: int = 2048,
+        group_by_adapter: bool = False,
     ) -> None:
+        for name, value in (
+            ("max_concurrent", max_concurrent),
+            ("max_batch_sequences", max_batch_sequences),
+            ("max_batch_tokens", max_batch_tokens),
+            ("max_prefill_tokens", max_prefill_tokens),
+        ):
+            if value < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {value}")
+        if max_queued < 0:
+            raise ValueError(f"max_queued: expected an integer >= 0, got {max_queued}")
         model.eval()
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -105,14 +145,35 @@ class ModelRuntime:
         self.stop_token_ids = list(stop_token_ids)
         self.context_length = _context_length(model)
         self.max_concurrent = max_concurrent
-        self.running = 0
-        self.steps = 0  # decode steps run (all requests)
+        self.max_batch_sequences = max_batch_sequences
+        self.max_batch_tokens = max_batch_tokens
+        self.max_queued = max_queued
+        self.max_prefill_tokens = max_prefill_tokens
+        self.group_by_adapter = group_by_adapter
+        self.running = 0  # requests between their start and the release of their row and adapter
+        self.steps = 0  # batch steps run (all requests)
+        self.max_batch_rows_seen = 0  # most rows one step decoded (a figure for tests and benchmarks)
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._admitted: list[_Job] = []
+        self._batches: dict[str, DecodeBatch] = {}
+        self._engine: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
         self._device = next(model.parameters()).device
         self._cache_kw = cache_kwarg(model)
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
+
+    async def stop_engine(self) -> None:
+        """Cancel the engine task (the server is stopping); waiting requests get cancelled."""
+        if self._engine is not None and not self._engine.done():
+            self._engine.cancel()
+            try:
+                await self._engine
+            except asyncio.CancelledError:
+                pass
+        self._engine = None
 
     async def _on_model_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -162,56 +223,257 @@ class ModelRuntime:
                 f"{len(prompt_ids) + params.max_tokens} in all, "
                 f"beyond the model's context of {self.context_length} tokens"
             )
+        need = params.n * (len(prompt_ids) + params.max_tokens)
+        if need > self.max_batch_tokens:
+            raise BadRequest(
+                f"sampling.max_tokens: n * (prompt + max_tokens) = {params.n} * ({len(prompt_ids)} + "
+                f"{params.max_tokens}) = {need} tokens, more than this server's batch holds "
+                f"(max_batch_tokens {self.max_batch_tokens})"
+            )
+        if params.n > self.max_batch_sequences:
+            raise BadRequest(
+                f"sampling.n: expected at most {self.max_batch_sequences} (max_batch_sequences), got {params.n}"
+            )
         return Prepared(prompt_ids, params, adapter or None)
 
     # --- running -----------------------------------------------------------------------------
     async def run(self, req: Prepared) -> AsyncIterator[StepEvent]:
         """Generate; yields events as tokens are chosen, the last one carrying ``usage``.
 
-        Raises (before the first event): :class:`Busy`, and the adapter errors of
-        :meth:`AdapterRegistry.acquire` (not found, refused, all slots busy).
+        The request joins the running batch at the next step when it fits
+        (``max_concurrent`` requests, ``max_batch_sequences`` rows, ``max_batch_tokens``
+        reserved tokens), else waits in the queue (first in, first out).
+
+        Raises (before the first event): :class:`Busy` (the queue is full), and the adapter
+        errors of :meth:`AdapterRegistry.acquire` (not found, refused, all slots busy).
         """
-        if self.running >= self.max_concurrent:
-            raise Busy(f"{self.running} requests are running, the most this server takes (max_concurrent_requests)")
+        self._start_engine()
+        job = _Job(req, asyncio.Queue())
+        if self._must_wait(job) and len(self._queue) >= self.max_queued:
+            raise Busy(self._full_message())
         self.running += 1
-        pinned = False
         try:
             if req.adapter is not None:
                 path = None
                 if not self.registry.is_resident(req.adapter):
                     path = await asyncio.to_thread(self.registry.resolve, req.adapter)
                 await self._on_model_thread(self.registry.acquire, req.adapter, path)
-                pinned = True
-            async for event in self._decode(req):
-                yield event
+                job.pinned = True
+            if self._must_wait(job) and len(self._queue) >= self.max_queued:
+                raise Busy(self._full_message())  # the queue filled while the adapter loaded
+            decode_text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+            job.member = Member.create(req.prompt_ids, req.params, req.adapter, self.stop_token_ids, self._device)
+            job.streams = [TextStream(decode_text, req.params.stop) for _ in range(req.params.n)]
+            self._queue.append(job)
+            self._wake.set()
+            while True:
+                item = await job.events.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
-            if pinned:
-                self.registry.release(req.adapter)
-            self.running -= 1
+            job.cancelled = True
+            if job.admitted:
+                self._wake.set()  # the engine drops its rows before the next step, then finalizes
+            else:
+                self._finalize(job)
 
-    async def _decode(self, req: Prepared) -> AsyncIterator[StepEvent]:
+    @property
+    def queued(self) -> int:
+        """Requests waiting for room in the batch."""
+        return sum(1 for j in self._queue if not j.cancelled)
+
+    @property
+    def batch_rows(self) -> int:
+        """Sequences (rows) in the running batch now."""
+        return sum(b.rows for b in self._batches.values())
+
+    def _finalize(self, job: "_Job") -> None:
+        if job.finalized:
+            return
+        job.finalized = True
+        if job.pinned:
+            self.registry.release(job.req.adapter)
+        self.running -= 1
+
+    def _load(self, jobs) -> tuple[int, int, int]:
+        live = [j for j in jobs if not (j.cancelled or j.member.done)]
+        return len(live), sum(j.member.n for j in live), sum(j.member.reserved_tokens() for j in live)
+
+    def _fits(self, load: tuple[int, int, int], req: Prepared) -> bool:
+        count, rows, tokens = load
         p = req.params
-        decode = Decode(
-            self.registry.base, req.prompt_ids, p, self.stop_token_ids, device=self._device, cache_kw=self._cache_kw
+        return (
+            count + 1 <= self.max_concurrent
+            and rows + p.n <= self.max_batch_sequences
+            and tokens + p.n * (len(req.prompt_ids) + p.max_tokens) <= self.max_batch_tokens
         )
-        decode_text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        streams = [TextStream(decode_text, p.stop) for _ in range(p.n)]
-        while not decode.done:
-            result = await self._on_model_thread(self._step, decode, req.adapter)
-            for i, tok, lp in zip(result.rows, result.tokens, result.logprobs):
-                reason = result.finished.get(i)
-                delta = streams[i].update(decode.sample_tokens(i), final=reason is not None)
-                if streams[i].stopped and reason is None:
-                    reason = FINISH_STOP
-                    decode.finish_sample(i, reason)
-                yield StepEvent(i, delta, [tok], [lp], reason)
-        completion = sum(len(decode.sample_tokens(i)) for i in range(p.n))
-        yield StepEvent(0, usage=(len(req.prompt_ids), completion))
 
-    def _step(self, decode: Decode, adapter: str | None):
-        self.registry.activate(adapter)
-        self.steps += 1
-        return decode.step()
+    def _must_wait(self, job: "_Job") -> bool:
+        if any(not j.cancelled for j in self._queue):
+            return True
+        return not self._fits(self._load(self._admitted), job.req)
+
+    def _full_message(self) -> str:
+        count, rows, tokens = self._load(self._admitted)
+        return (
+            f"the request queue is full: {self.queued} requests waiting (max_queued_requests {self.max_queued}) "
+            f"behind {count} decoding (max_concurrent_requests {self.max_concurrent}; "
+            f"{rows} of {self.max_batch_sequences} sequences, {tokens} of {self.max_batch_tokens} batch tokens); "
+            "retry later"
+        )
+
+    def _start_engine(self) -> None:
+        if self._engine is None or self._engine.done():
+            self._wake = asyncio.Event()
+            self._engine = asyncio.get_running_loop().create_task(self._engine_loop(), name="inference-engine")
+
+    async def _engine_loop(self) -> None:
+        """Owns the batch: every iteration drops finished and cancelled rows, admits queued
+        requests first in first out, runs one step on the model thread and hands out its tokens."""
+        while True:
+            if not self._admitted and not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            gone = [j for j in self._admitted if j.cancelled or j.member.done]
+            kept = [j for j in self._admitted if j not in gone]
+            admit: list[_Job] = []
+            budget = self.max_prefill_tokens
+            load = self._load(kept)
+            while self._queue:
+                job = self._queue[0]
+                if job.cancelled:
+                    self._queue.popleft()
+                    continue
+                size = len(job.req.prompt_ids)
+                if not self._fits(load, job.req) or (admit and size > budget):
+                    break  # strict FIFO: nothing overtakes the head of the queue
+                self._queue.popleft()
+                admit.append(job)
+                budget -= size
+                load = self._load([*kept, *admit])
+            for job in admit:
+                job.admitted = True
+            self._admitted = kept + admit
+            try:
+                results = await self._on_model_thread(self._step, admit, {j.member for j in gone})
+            except Exception as exc:  # noqa: BLE001 - every request in the batch gets the error
+                self._batches = {}
+                for job in gone + self._admitted:
+                    job.events.put_nowait(exc)
+                    self._finalize(job)
+                self._admitted = []
+                continue
+            for job in gone:
+                self._finalize(job)
+            for job, events in results.items():
+                if job.member.done:
+                    self._finalize(job)  # its rows left the batch in that step: release before answering
+                if job.cancelled:
+                    continue
+                for event in events:
+                    job.events.put_nowait(event)
+                if job.member.done:
+                    job.events.put_nowait(_END)
+            self._admitted = [j for j in self._admitted if not j.finalized]
+
+    def _events(self, job: "_Job", chosen) -> list[StepEvent]:
+        """Model thread: text deltas and stop strings of the tokens one step chose for ``job``."""
+        m = job.member
+        events = []
+        for i, tok, lp, reason in chosen:
+            stream = job.streams[i]
+            delta = stream.update(m.tokens[i], final=reason is not None)
+            if stream.stopped and reason is None:
+                reason = FINISH_STOP
+                m.finish_sample(i, reason)
+            events.append(StepEvent(i, delta, [tok], [lp], reason))
+        if m.done:
+            completion = sum(len(t) for t in m.tokens)
+            events.append(StepEvent(0, usage=(len(job.req.prompt_ids), completion)))
+        return events
+
+    def _model_for(self, names):
+        """The model to call and its extra arguments for rows of adapters ``names`` (``None``: the
+        caller activated the one adapter). Rows all of one adapter run it activated (no per-row
+        hooks); mixed rows pass PEFT's ``adapter_names``."""
+        reg = self.registry
+        if names is None or reg.model is reg.base:
+            return reg.base, {}
+        if len(set(names)) == 1:
+            reg.activate(None if names[0] == BASE_ROW else names[0])
+            return reg.base, {}
+        reg.activate_mixed()
+        return reg.model, {"adapter_names": names}
+
+    def _step(self, admit: list["_Job"], gone: set[Member]) -> dict:
+        """Model thread: drop the ``gone`` rows, prefill ``admit``, one decode step of the other
+        rows; returns each request's events. Rows of requests that ended leave the batch here."""
+        self._drop(gone)
+        chosen: dict = {}
+        new = []
+        groups: dict[str, list[_Job]] = {}  # one prefill pass per batch (per adapter when grouped)
+        for job in admit:
+            groups.setdefault(job.member.adapter or "" if self.group_by_adapter else "", []).append(job)
+        for key, jobs_in in groups.items():
+            batch = self._batches.get(key) or DecodeBatch(
+                model_for=self._model_for,
+                cache_kw=self._cache_kw,
+                device=self._device,
+                mixed=not self.group_by_adapter,
+            )
+            self._activate(key or None)
+            members = [j.member for j in jobs_in]
+            logits, cache, mask = batch.prefill(members)
+            for job, lg in zip(jobs_in, logits):
+                chosen[job] = job.member.sample(lg)
+            new.append((key, batch, members, cache, mask))
+        jobs = {j.member: j for j in self._admitted}
+        for key, batch in self._batches.items():
+            self._activate(key or None)
+            for m, logits in zip(batch.members, batch.forward()):
+                chosen[jobs[m]] = m.sample(logits)
+        for key, batch, members, cache, mask in new:
+            batch.add(members, cache, mask)
+            self._batches[key] = batch
+        if chosen:
+            self.steps += 1
+            self.max_batch_rows_seen = max(self.max_batch_rows_seen, sum(b.rows for b in self._batches.values()))
+        events = {job: self._events(job, picked) for job, picked in chosen.items()}
+        self._drop({job.member for job in events if job.member.done})
+        return events
+
+    def _drop(self, gone: set[Member]) -> None:
+        if not gone:
+            return
+        for key in list(self._batches):
+            self._batches[key].remove(gone)
+            if not self._batches[key].members:
+                del self._batches[key]
+
+    def _activate(self, adapter: str | None) -> None:
+        if self.group_by_adapter:
+            self.registry.activate(adapter)
+
+
+_END = object()
+
+
+@dataclass(eq=False)
+class _Job:
+    """A request inside the runtime: its batch member, text streams and event queue."""
+
+    req: Prepared
+    events: asyncio.Queue
+    member: Member | None = None
+    streams: list[TextStream] = field(default_factory=list)
+    pinned: bool = False
+    admitted: bool = False
+    cancelled: bool = False
+    finalized: bool = False
 
 
 def _check_params(p: SamplingParams) -> None:

@@ -274,10 +274,13 @@ class RunningInferenceServer:
     #: Whether the port speaks TLS (clients then dial ``https://host:port``).
     tls: bool = False
     access: AccessChecker | None = None
+    runtime: ModelRuntime | None = None
 
     async def stop(self, grace: float = 2.0) -> None:
         await _maybe_await(self.health.enter_graceful_shutdown())
         await self.server.stop(grace)
+        if self.runtime is not None:
+            await self.runtime.stop_engine()
         if self.access is not None:
             await self.access.close()
 
@@ -335,7 +338,9 @@ async def start_inference_server(
     await server.start()
     for name in ("", SERVICE_NAME):
         await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
-    return RunningInferenceServer(server=server, port=bound, health=health_servicer, tls=tls is not None, access=access)
+    return RunningInferenceServer(
+        server=server, port=bound, health=health_servicer, tls=tls is not None, access=access, runtime=runtime
+    )
 
 
 def check_tls_pair(tls: ServerTLS) -> None:

@@ -17,6 +17,10 @@ InferenceService call is checked against the scheduler with the caller's own API
 ``OPENTINKER_INFERENCE_AUTH_TTL_S`` seconds, default 10). With ``OPENTINKER_SERVE_TLS_CERT`` /
 ``OPENTINKER_SERVE_TLS_KEY`` (the trainer's ``--serve-tls-cert`` / ``--serve-tls-key``) the port
 speaks TLS and the reported endpoint is ``https://host:port``.
+
+With ``hyperparameters.openai_port`` >= 0 an OpenAI-compatible HTTP endpoint
+(:mod:`opentinker_trainer.inference.openai_http`) serves the same runtime on that port, with the
+same API-key checks and TLS (``https://``); its base URL is logged (``openai_base_url``).
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ def run(ctx: WorkerContext) -> None:
         resolve=resolver,
         max_resident_adapters=cfg.max_resident_adapters,
         max_concurrent=cfg.max_concurrent_requests,
+        max_batch_sequences=cfg.max_batch_sequences,
+        max_batch_tokens=cfg.max_batch_tokens,
+        max_queued=cfg.max_queued_requests,
     )
     policies = _policies(resolver, cfg)
     try:
@@ -144,7 +151,24 @@ async def _serve(
         task_id=ctx.task_id,
         policies=policies,
     )
-    address = f"{os.environ.get('OPENTINKER_ADVERTISE_HOST') or '127.0.0.1'}:{server.port}"
+    openai = None
+    if cfg.openai_port >= 0:
+        from opentinker_trainer.inference.openai_http import start_openai_server
+
+        try:
+            openai = await start_openai_server(
+                runtime,
+                host=os.environ.get("OPENTINKER_BIND_HOST", "0.0.0.0"),
+                port=cfg.openai_port,
+                tls=tls,
+                access=access,
+                task_id=ctx.task_id,
+            )
+        except BaseException:
+            await server.stop(grace=0)
+            raise
+    host = os.environ.get("OPENTINKER_ADVERTISE_HOST") or "127.0.0.1"
+    address = f"{host}:{server.port}"
     if tls is not None:
         address = f"https://{address}"  # tells clients to dial with TLS (InferenceClient does)
     ctx.emit_endpoint(address)
@@ -157,12 +181,15 @@ async def _serve(
         tls=tls is not None,
         api_key_check=access is not None,
         auth_cache_ttl_s=access_ttl,
+        openai_base_url=f"{openai.scheme}://{host}:{openai.port}/v1" if openai is not None else None,
     )
     deadline = time.monotonic() + cfg.ttl_s
     try:
         while not ctx.should_stop() and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)
     finally:
+        if openai is not None:
+            await openai.stop()
         await server.stop(grace=2.0)
     log.info(
         "stopped serving",

@@ -1,5 +1,7 @@
 """From training to serving through real scheduler and trainer processes on loopback: train a
-tiny LoRA task, serve its adapter with RLClient.serve, generate, download its checkpoint, cancel."""
+tiny LoRA task, serve its adapter with RLClient.serve, generate (gRPC, and the real ``openai``
+client streaming a chat completion over the OpenAI-compatible endpoint), download its
+checkpoint, cancel."""
 
 from __future__ import annotations
 
@@ -68,6 +70,15 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(
         first = client.download_checkpoint(trained, tmp_path / "step1", step=1)
         assert _sha(first / "adapter_model.safetensors") == _sha(ckpt.parent / "step_1" / "adapter_model.safetensors")
 
+        # An inference task with the OpenAI-compatible endpoint on; serve() reuses it for the adapter.
+        from tests.support.procs import free_port
+
+        openai_port = free_port()
+        client.submit_task(
+            workload_type="inference",
+            model=str(tiny_model_dir),
+            hyperparameters={"ttl_s": 600, "openai_port": openai_port},
+        )
         # One call from a finished task to a served adapter; a second call reuses the server.
         llm = client.serve(trained, ttl=600, timeout=180)
         server_task = client.get_task(llm.task_id)
@@ -96,6 +107,18 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(
         assert llm.generate("What is 2 + 3?", temperature=0, max_tokens=5).samples == out.samples
         assert [a.name for a in llm.list_adapters()] == [trained]
         assert llm.generate("What is 2 + 3?", adapter=None, temperature=0, max_tokens=5).adapter is None
+        # The trained adapter through the real openai client: a streamed chat completion.
+        import openai
+
+        messages = [{"role": "user", "content": "What is 2 + 3?"}]
+        expected = llm.generate(messages=messages, temperature=0, max_tokens=6)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{openai_port}/v1", api_key="unused", max_retries=0) as oai:
+            assert trained in [m.id for m in oai.models.list().data]
+            chunks = list(
+                oai.chat.completions.create(model=trained, messages=messages, temperature=0, max_tokens=6, stream=True)
+            )
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+        assert chunks[-1].choices[0].finish_reason == expected.samples[0].finish_reason
         again = client.serve(trained, timeout=60)
         assert again.task_id == llm.task_id
         report = evaluate(llm, episodes=3, max_tokens=4)

@@ -424,3 +424,44 @@ def test_workers_get_the_serve_tls_files_through_the_worker_env() -> None:
         "OPENTINKER_SERVE_TLS_KEY": "/pki/serve.key",
     }
     assert "OPENTINKER_SERVE_TLS_CERT" not in worker_env("127.0.0.1:1")
+
+
+def test_the_openai_endpoint_checks_the_same_keys_over_tls(world: World, served: SecureServer, certs) -> None:
+    openai = pytest.importorskip("openai")
+    from opentinker_trainer.inference.openai_http import start_openai_server
+
+    tls = read_server_tls(certs.server_cert, certs.server_key)
+    start = start_openai_server(
+        served.runtime, host="127.0.0.1", port=0, tls=tls, access=served.access, task_id=world.serving
+    )
+    http = asyncio.run_coroutine_threadsafe(start, served.loop).result(30)
+    url = f"https://localhost:{http.port}/v1"
+
+    def client(key: str) -> "openai.OpenAI":
+        return openai.OpenAI(
+            base_url=url, api_key=key, max_retries=0, http_client=openai.DefaultHttpxClient(verify=str(certs.ca))
+        )
+
+    messages = [{"role": "user", "content": "Hi"}]
+    try:
+        with client(world.alice) as alice:
+            chunks = list(
+                alice.chat.completions.create(
+                    model=world.alice_adapter, messages=messages, temperature=0, max_tokens=3, stream=True
+                )
+            )
+            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+            assert [m.id for m in alice.models.list().data] == [served.runtime.model_name, world.alice_adapter]
+            with pytest.raises(openai.NotFoundError, match="no task with that id"):
+                alice.chat.completions.create(model=world.bob_adapter, messages=messages, max_tokens=2)
+        with client(world.bob) as bob:
+            with pytest.raises(openai.PermissionDeniedError, match=f"may not use inference task {world.serving}"):
+                bob.completions.create(model=served.runtime.model_name, prompt=PROMPT, max_tokens=2)
+        with client("otk_00000000_" + "x" * 43) as stranger:
+            with pytest.raises(openai.AuthenticationError, match="unknown API key"):
+                stranger.models.list()
+        with openai.OpenAI(base_url=url, api_key=world.alice, max_retries=0) as untrusting:  # system roots only
+            with pytest.raises(openai.APIConnectionError):
+                untrusting.models.list()
+    finally:
+        asyncio.run_coroutine_threadsafe(http.stop(), served.loop).result(30)

@@ -58,7 +58,7 @@ def test_concurrent_requests_for_different_adapters_never_see_each_others(server
     alone = {name: _greedy(client, name) for name in names}
     assert len(set(alone.values())) == len(names)  # every adapter really changes the answer
     assert alone["task-a1"] == _peft_reference(tiny_model_dir, adapters["task-a1"])  # the adapter, applied as PEFT does
-    order = names * 3  # 15 requests at once (the default max_concurrent is 16)
+    order = names * 3  # 15 requests at once, decoding in one batch (the default max_concurrent is 16)
     with ThreadPoolExecutor(max_workers=len(order)) as pool:
         got = list(pool.map(lambda name: _greedy(client, name), order))
     for name, tokens in zip(order, got):
@@ -176,14 +176,14 @@ def test_bad_requests_get_the_right_status_and_name_the_field(server, tiny_model
     assert server.runtime.running == 0
 
 
-@pytest.mark.parametrize("server", [{"max_concurrent": 1}], indirect=True)
+@pytest.mark.parametrize("server", [{"max_concurrent": 1, "max_queued": 0}], indirect=True)
 def test_a_client_that_goes_away_mid_stream_stops_generation_and_frees_its_slot(server) -> None:
     client = InferenceClient(server.address)
     stream = client.generate_stream(PROMPT, adapter="task-a0", temperature=0, max_tokens=400, ignore_eos=True)
     for _ in range(3):
         next(stream)
     assert server.runtime.running == 1
-    with pytest.raises(ResourceExhaustedError, match="requests are running"):
+    with pytest.raises(ResourceExhaustedError, match=r"queue is full: 0 requests waiting \(max_queued_requests 0\)"):
         client.generate(PROMPT, max_tokens=2)
     stream.close()  # cancels the call, like a client that disconnects
     deadline = time.monotonic() + 10

@@ -82,7 +82,7 @@ class InferenceServiceServicer:
         one served here; unknown adapter), FAILED_PRECONDITION (the adapter's task has not finished,
         was trained on another base model, or its files are not a LoRA adapter of this model: no
         LoRA tensors, or keys/shapes that do not match, listed in the message), RESOURCE_EXHAUSTED
-        (max_concurrent_requests reached, or every adapter slot pinned by running requests),
+        (the batch is full and max_queued_requests already wait, or every adapter slot is pinned),
         UNAVAILABLE (the server is shutting down).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

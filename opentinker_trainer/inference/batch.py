@@ -1,0 +1,286 @@
+"""Continuous batching on the model thread: many requests' rows decode in one forward pass.
+
+A :class:`Member` is one request in the batch: its ``n`` sample rows, its sampling settings, its
+own ``torch.Generator`` and its adapter. A :class:`DecodeBatch` holds the rows of its members in
+one left-padded key/value cache (``transformers`` ``DynamicCache``, ``[B, heads, W, head_dim]``
+per layer) with an attention mask ``[B, W]`` and per-row positions, exactly as the rollout code
+runs padded batches (:func:`opentinker_trainer.rl.rollout.position_ids_from_mask`):
+
+* **admit** (:meth:`DecodeBatch.prefill` then :meth:`DecodeBatch.add`): the prompts admitted in
+  one step run in one left-padded pass ``[k, P_max]`` (per-row adapters as below), each cache row
+  is repeated to its request's ``n`` rows, left-padded (or the batch is) to the common width and
+  concatenated on the batch axis;
+* **step** (:meth:`DecodeBatch.forward`): ``[B, 1]`` last tokens, mask ``[B, W + 1]``,
+  ``position_ids[b]`` = real tokens of row ``b`` so far; rows of different adapters run in the
+  same pass through PEFT's per-row ``adapter_names`` (``"__base__"`` for base-model rows), or the
+  caller keeps one batch per adapter and activates it (``group_by_adapter``; both measured in
+  ``scripts/bench_inference.py``);
+* **retire** (:meth:`DecodeBatch.remove`): ``batch_select_indices`` keeps the other rows, and
+  leading columns that are padding in every remaining row are cut.
+
+Sampling stays per request (:meth:`Member.sample`): the request's logits ``[n, V]`` go through
+:func:`~.sampling.select` with the request's generator, so a request draws the same random
+numbers in a batch as alone, and the same tokens as ``model.generate`` with that seed. A
+request's rows stay until all its ``n`` samples ended (finished rows keep being fed, their
+outputs ignored), as ``generate`` does, which keeps the random stream identical.
+
+Why not ``transformers``' own continuous batching (``ContinuousBatchingManager``, installed
+5.x): it runs the model from its own background thread on its paged cache with one
+``GenerationConfig`` for all requests, so (1) a per-request LoRA adapter cannot be chosen per row
+(its batch processor calls the model's forward without PEFT's ``adapter_names``, and adapter
+loads could not be ordered with its steps), (2) sampling settings and a seeded
+``torch.Generator`` per request are not supported (no seeded parity with ``generate``), (3)
+stop strings and our streaming/cancellation would sit on top of its output queue polled from
+another thread. Its paged cache is faster on GPUs; on CPU the benchmark compares the two.
+
+Every method here runs on the model thread only; nothing is thread-safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from opentinker_trainer.inference.engine import FINISH_LENGTH, FINISH_STOP, SamplingParams, _cache_of
+from opentinker_trainer.inference.sampling import raw_logprobs, select
+
+__all__ = ["BASE_ROW", "Member", "DecodeBatch"]
+
+#: PEFT's ``adapter_names`` entry for a row that runs the base model (no LoRA).
+BASE_ROW = "__base__"
+
+
+@dataclass(eq=False)
+class Member:
+    """One request's rows in a batch.
+
+    Attributes:
+        prompt_ids: the prompt's token ids.
+        params: its sampling settings (``params.n`` rows).
+        adapter: adapter name, ``None`` for the base model.
+        stop_ids: token ids that end a sample (empty with ``ignore_eos``).
+        tokens, logprobs: per sample, what was chosen so far (a sample's lists stop growing
+            when it ends; :attr:`fed` keeps every row's full length for the cache).
+        finish: per sample, ``None`` while running, else ``"stop"`` / ``"length"``.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    finish: list[str | None] = field(default_factory=list)
+    fed: int = 0  # tokens fed per row after the prompt (every row of a member has the same)
+    last: list[int] = field(default_factory=list)  # per row, the token to feed on the next step
+
+    @classmethod
+    def create(cls, prompt_ids, params: SamplingParams, adapter, stop_token_ids, device) -> "Member":
+        gen = None
+        if params.temperature > 0:
+            gen = torch.Generator(device=device)
+            if params.seed is not None:
+                gen.manual_seed(int(params.seed))
+            else:
+                gen.seed()
+        n = params.n
+        return cls(
+            prompt_ids=list(prompt_ids),
+            params=params,
+            adapter=adapter,
+            stop_ids=frozenset() if params.ignore_eos else frozenset(int(i) for i in stop_token_ids),
+            generator=gen,
+            tokens=[[] for _ in range(n)],
+            logprobs=[[] for _ in range(n)],
+            finish=[None] * n,
+        )
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
+    def done(self) -> bool:
+        return all(f is not None for f in self.finish)
+
+    def reserved_tokens(self) -> int:
+        """Key/value tokens this request may need at most: ``n * (prompt + max_tokens)``."""
+        return self.n * (len(self.prompt_ids) + self.params.max_tokens)
+
+    def finish_sample(self, i: int, reason: str) -> None:
+        if self.finish[i] is None:
+            self.finish[i] = reason
+
+    def sample(self, logits: torch.Tensor) -> list[tuple[int, int, float, str | None]]:
+        """Choose the next token of every row from ``logits [n, V]`` (float32).
+
+        Returns ``(sample index, token, logprob, finish reason or None)`` for each sample that
+        was still running."""
+        p = self.params
+        chosen = select(logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=self.generator)
+        lps = raw_logprobs(logits, chosen)
+        self.last = chosen.tolist()
+        self.fed += 1
+        out = []
+        for i, (tok, lp) in enumerate(zip(self.last, lps.tolist())):
+            if self.finish[i] is not None:
+                continue
+            self.tokens[i].append(tok)
+            self.logprobs[i].append(lp)
+            reason = None
+            if tok in self.stop_ids:
+                reason = FINISH_STOP
+            elif len(self.tokens[i]) >= p.max_tokens:
+                reason = FINISH_LENGTH
+            if reason is not None:
+                self.finish[i] = reason
+            out.append((i, tok, lp, reason))
+        return out
+
+
+class DecodeBatch:
+    """Rows of several requests decoding together in one left-padded key/value cache.
+
+    Args:
+        model_for: ``adapter_names or None -> callable model`` (the served model; the PEFT model
+            when adapters are loaded).
+        cache_kw: the model's key/value-cache argument name (``cache`` or ``past_key_values``).
+        device: the model's device.
+        mixed: pass per-row ``adapter_names`` (rows of any adapter in one pass); ``False``: the
+            caller activated the one adapter all rows use before :meth:`forward`.
+    """
+
+    def __init__(self, *, model_for, cache_kw: str, device: torch.device, mixed: bool) -> None:
+        self.model_for = model_for
+        self.cache_kw = cache_kw
+        self.device = device
+        self.mixed = mixed
+        self.members: list[Member] = []
+        self.cache = None
+        self.mask: torch.Tensor | None = None  # [B, W] long, 1 = real token
+
+    @property
+    def rows(self) -> int:
+        return sum(m.n for m in self.members)
+
+    @property
+    def width(self) -> int:
+        return 0 if self.mask is None else int(self.mask.shape[1])
+
+    def _names(self, members) -> list[str] | None:
+        if not self.mixed:
+            return None
+        return [m.adapter or BASE_ROW for m in members for _ in range(m.n)]
+
+    @torch.inference_mode()
+    def prefill(self, members: list[Member]):
+        """Run the prompts of ``members`` in one left-padded pass ``[k, P_max]``.
+
+        Returns ``(logits per member [n, V] float32, cache with each member's n rows, mask)``."""
+        width = max(len(m.prompt_ids) for m in members)
+        ids = torch.zeros((len(members), width), dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        for r, m in enumerate(members):
+            p = len(m.prompt_ids)
+            ids[r, width - p :] = torch.tensor(m.prompt_ids, dtype=torch.long)
+            mask[r, width - p :] = 1
+        model, kw = self.model_for([m.adapter or BASE_ROW for m in members] if self.mixed else None)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+            **kw,
+        )
+        cache = _cache_of(out)
+        rows = [r for r, m in enumerate(members) for _ in range(m.n)]
+        if len(rows) != len(members):
+            cache.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=self.device))
+        last = out.logits[:, -1, :].float()
+        logits = [last[r : r + 1].expand(m.n, -1) for r, m in enumerate(members)]
+        return logits, cache, mask[rows]
+
+    def add(self, members: list[Member], cache, mask: torch.Tensor) -> None:
+        """Append ``members``' rows (after :meth:`prefill` and their first :meth:`Member.sample`)."""
+        if self.cache is None:
+            self.cache, self.mask, self.members = cache, mask, list(members)
+            return
+        w, p = self.width, int(mask.shape[1])
+        width = max(w, p)
+        for mine, theirs in zip(_layers(self.cache), _layers(cache)):
+            for attr in ("keys", "values"):
+                a, b = getattr(mine, attr), getattr(theirs, attr)
+                setattr(mine, attr, torch.cat([_left_pad(a, width - w), _left_pad(b, width - p)], dim=0))
+        self.mask = torch.cat([_left_pad_mask(self.mask, width - w), _left_pad_mask(mask, width - p)], dim=0)
+        self.members.extend(members)
+        self._trim()
+
+    @torch.inference_mode()
+    def forward(self) -> list[torch.Tensor]:
+        """One decode step of every row; returns each member's logits ``[n, V]`` (float32), in order."""
+        rows = self.rows
+        last = torch.tensor([t for m in self.members for t in m.last], dtype=torch.long, device=self.device)
+        positions = self.mask.sum(dim=1, keepdim=True)  # [B, 1]: real tokens so far = the new token's position
+        self.mask = torch.cat([self.mask, torch.ones((rows, 1), dtype=torch.long, device=self.device)], dim=1)
+        model, kw = self.model_for(self._names(self.members))
+        out = model(
+            input_ids=last.unsqueeze(1),
+            attention_mask=self.mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self.cache_kw: self.cache},
+            **kw,
+        )
+        self.cache = _cache_of(out)
+        logits = out.logits[:, -1, :].float()
+        return list(torch.split(logits, [m.n for m in self.members]))
+
+    def remove(self, gone: set[Member]) -> None:
+        """Drop the rows of members in ``gone`` and the padding columns no remaining row needs."""
+        if not any(m in gone for m in self.members):
+            return
+        keep_members = [m for m in self.members if m not in gone]
+        if not keep_members:
+            self.members, self.cache, self.mask = [], None, None
+            return
+        keep, start = [], 0
+        for m in self.members:
+            if m not in gone:
+                keep.extend(range(start, start + m.n))
+            start += m.n
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.cache.batch_select_indices(idx)
+        self.mask = self.mask.index_select(0, idx)
+        self.members = keep_members
+        self._trim()
+
+    def _trim(self) -> None:
+        pad = int((self.mask.cumsum(dim=1) == 0).sum(dim=1).min())  # leading padding shared by every row
+        if pad:
+            self.mask = self.mask[:, pad:]
+            for layer in _layers(self.cache):
+                layer.keys = layer.keys[:, :, pad:]
+                layer.values = layer.values[:, :, pad:]
+
+
+def _layers(cache):
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(cache).__name__}: continuous batching needs a transformers Cache with .layers")
+    return layers
+
+
+def _left_pad(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``[B, H, T, D]`` -> ``[B, H, k + T, D]`` with zeros first."""
+    if k == 0:
+        return t
+    return torch.cat([t.new_zeros((*t.shape[:2], k, t.shape[3])), t], dim=2)
+
+
+def _left_pad_mask(mask: torch.Tensor, k: int) -> torch.Tensor:
+    if k == 0:
+        return mask
+    return torch.cat([mask.new_zeros((mask.shape[0], k)), mask], dim=1)

@@ -1,0 +1,111 @@
+"""The OpenAI-compatible HTTP endpoint, driven by the real ``openai`` Python client on loopback:
+models list, completions and chat completions (streamed over server-sent events and not), n,
+stop, max_tokens, logprobs, the same answers as the gRPC service, errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from opentinker_client.inference import InferenceClient
+
+from tests.support.inference import ServerThread, make_adapter, tiny_runtime
+
+openai = pytest.importorskip("openai")
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path, tmp_path_factory):
+    from opentinker_trainer.inference.openai_http import start_openai_server
+
+    root = tmp_path_factory.mktemp("openai-adapters")
+    adapters = {"task-o1": make_adapter(tiny_model_dir, root / "o1", seed=31)}
+    grpc_server = ServerThread(tiny_runtime(tiny_model_dir, adapters))
+    http = grpc_server.call(start_openai_server(grpc_server.runtime, host="127.0.0.1", port=0))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http.port}/v1", api_key="unused", max_retries=0)
+    yield grpc_server, client, str(tiny_model_dir)
+    client.close()
+    grpc_server.call(http.stop())
+    grpc_server.close()
+
+
+def test_models_list_the_base_and_resident_adapters(served) -> None:
+    grpc_server, client, base = served
+    InferenceClient(grpc_server.address).generate(PROMPT, adapter="task-o1", max_tokens=1)  # load it
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [base, "task-o1"]
+
+
+def test_openai_client_streams_a_chat_completion_from_an_adapter_as_grpc_answers(served) -> None:
+    grpc_server, client, _ = served
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    expected = InferenceClient(grpc_server.address).generate(
+        messages=messages, adapter="task-o1", temperature=0, max_tokens=12, n=2
+    )
+    stream = client.chat.completions.create(
+        model="task-o1",
+        messages=messages,
+        temperature=0,
+        max_tokens=12,
+        n=2,
+        stream=True,
+        logprobs=True,
+        stream_options={"include_usage": True},
+    )
+    texts, finish, logprobs, usage = ["", ""], [None, None], [[], []], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+            if choice.logprobs and choice.logprobs.content:
+                logprobs[choice.index] += [t.logprob for t in choice.logprobs.content]
+    for i in range(2):
+        assert texts[i] == expected.samples[i].text
+        assert finish[i] == expected.samples[i].finish_reason
+        assert logprobs[i] == pytest.approx(list(expected.samples[i].logprobs), abs=1e-5)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (expected.prompt_tokens, expected.completion_tokens)
+    # Not streamed: the same answer in one response.
+    whole = client.chat.completions.create(model="task-o1", messages=messages, temperature=0, max_tokens=12)
+    assert whole.choices[0].message.content == expected.samples[0].text and whole.model == "task-o1"
+
+
+def test_completions_with_stop_seed_top_p_and_logprobs(served) -> None:
+    grpc_server, client, base = served
+    grpc = InferenceClient(grpc_server.address)
+    ref = grpc.generate(PROMPT, temperature=0.8, top_p=0.9, seed=4, max_tokens=10, ignore_eos=True)
+    text = ref.samples[0].text
+    out = client.completions.create(
+        model=base, prompt=PROMPT, temperature=0.8, top_p=0.9, seed=4, max_tokens=10, logprobs=0
+    )
+    assert out.choices[0].text == text or out.choices[0].finish_reason == "stop"
+    assert out.choices[0].logprobs.token_logprobs == pytest.approx(
+        list(ref.samples[0].logprobs[: len(out.choices[0].logprobs.token_logprobs)]), abs=1e-5
+    )
+    word = text.split()[1] if len(text.split()) > 1 else text[-2:]
+    cut = client.completions.create(
+        model=base, prompt=PROMPT, temperature=0.8, top_p=0.9, seed=4, max_tokens=10, stop=[word]
+    )
+    assert cut.choices[0].text == text[: text.find(word)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=base, prompt=PROMPT, temperature=0, max_tokens=6, stream=True)
+        if c.choices
+    )
+    assert streamed == client.completions.create(model=base, prompt=PROMPT, temperature=0, max_tokens=6).choices[0].text
+
+
+def test_errors_come_in_the_openai_shape(served) -> None:
+    _, client, base = served
+    with pytest.raises(openai.NotFoundError, match="task-nope"):
+        client.chat.completions.create(model="task-nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match=r"sampling.temperature: expected a number in \[0, 10\]"):
+        client.completions.create(model=base, prompt=PROMPT, temperature=11)
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\].role"):
+        client.chat.completions.create(model=base, messages=[{"role": "robot", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="beyond the model's context of 512 tokens"):
+        client.completions.create(model=base, prompt=PROMPT, max_tokens=600)
