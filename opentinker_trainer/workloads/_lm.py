@@ -155,7 +155,7 @@ def save_checkpoint(path: Path, model, trainer_state: dict[str, Any], *, tokeniz
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    model.save_pretrained(str(tmp))
+    _save_weights(model, tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     torch.save({"version": TRAINER_STATE_VERSION, **trainer_state}, tmp / TRAINER_STATE)
@@ -163,6 +163,22 @@ def save_checkpoint(path: Path, model, trainer_state: dict[str, Any], *, tokeniz
         shutil.rmtree(path)
     os.replace(tmp, path)
     return path
+
+
+def _save_weights(model, folder: Path) -> None:
+    """``model.save_pretrained(folder)``; for a PEFT model with several adapters (a model host's
+    tenants, :mod:`opentinker_trainer.host`) only the active one, its files at the top of
+    ``folder`` exactly as a model with that adapter alone writes them (PEFT puts an adapter not
+    named ``default`` in a subfolder of its name)."""
+    adapter = getattr(model, "active_adapter", None) if hasattr(model, "peft_config") else None
+    if adapter is None or adapter == "default":
+        model.save_pretrained(str(folder))
+        return
+    model.save_pretrained(str(folder), selected_adapters=[adapter])
+    sub = folder / adapter
+    for f in sub.iterdir():
+        os.replace(f, folder / f.name)
+    sub.rmdir()
 
 
 def save_step(
