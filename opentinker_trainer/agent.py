@@ -418,6 +418,19 @@ class NodeAgent:
             host=host,
             running=[node_pb2.RunningTask(task_id=w.task_id, attempt=w.attempt) for w in self.workers.values()],
             draining=self.draining,
+            model_hosts=[
+                common_pb2.ModelHost(
+                    model=h.key[0],
+                    device_indices=h.key[1],
+                    dtype=h.key[2],
+                    task_ids=sorted(t for t, _ in h.tenants),
+                    pid=h.proc.pid,
+                    max_tenants=self.config.tenants_per_host,
+                )
+                for hosts in self.hosts.values()
+                for h in hosts
+                if h.proc.returncode is None
+            ],
         )
         hb.time.GetCurrentTime()
         return hb

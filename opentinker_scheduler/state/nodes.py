@@ -28,6 +28,8 @@ class NodeSession:
     last_heartbeat_time: float = 0.0  # unix seconds
     telemetry: list[common_pb2.DeviceTelemetry] = field(default_factory=list)
     host: common_pb2.HostTelemetry | None = None  # CPU and memory of its host, latest heartbeat
+    #: Its model hosts and their LoRA tenants (``common_pb2.ModelHost``), latest heartbeat.
+    model_hosts: list = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     max_tasks_per_gpu: int = 1  # LoRA tasks on one base model may share a GPU up to this
     # The GPU ledger: task_id -> (attempt, device indices) of everything occupying this node,

@@ -93,7 +93,17 @@ def test_owners_tasks_share_one_host_survive_its_kill9_and_cancel_alone(tmp_path
             _, node_key = root.keys.create("rack-1", "node")
             keys = {o: root.keys.create(o, "user")[1] for o in OWNERS}
         trainer = cluster.start_trainer(
-            "node-a", "--simulate-gpus", "1", "--max-tasks", "8", "--tenants-per-host", "8", "--api-key", node_key
+            "node-a",
+            "--simulate-gpus",
+            "1",
+            "--max-tasks",
+            "8",
+            "--tenants-per-host",
+            "8",
+            "--host-idle",
+            "1",
+            "--api-key",
+            node_key,
         )
         clients = {o: RLClient(cluster.url, api_key=k, min_poll_interval=0) for o, k in keys.items()}
         wait_for(lambda: clients["alice"].list_nodes(), what="the node connected")
@@ -112,6 +122,13 @@ def test_owners_tasks_share_one_host_survive_its_kill9_and_cancel_alone(tmp_path
             _wait(cluster, clients[tasks[tid]], tid, RUNNING, lambda t: t.latest_checkpoint.step >= 2)
         # One host process holds every tenant: no worker, one copy of the base model.
         (host,) = _hosts(trainer.pid)
+        # ListNodes (and `opentinker nodes`) show the host, its base model and tenants.
+        shown = wait_for(
+            lambda: [h for n in clients["alice"].list_nodes() for h in n.model_hosts if len(h.task_ids) == len(tasks)],
+            what="the model host in ListNodes",
+        )
+        assert shown[0].pid == host and shown[0].model == str(tiny_model_dir) and set(shown[0].task_ids) == set(tasks)
+        assert shown[0].device_indices == (0,) and shown[0].max_tenants == 8
         started = [e for e in trainer.log_events() if e.get("event") == "Task started"]
         assert {e["task_id"] for e in started} == set(tasks) and {e["pid"] for e in started} == {host}
         for tid, owner in tasks.items():
@@ -153,6 +170,8 @@ def test_owners_tasks_share_one_host_survive_its_kill9_and_cancel_alone(tmp_path
             assert all(torch.allclose(a[k], adapters[0][k], atol=1e-6) for k in a)
         resumed = [e for e in trainer.log_events() if e.get("event") == "resumed"]
         assert {e["task_id"] for e in resumed} == set(tasks)
+        # No tenant left: the host exits after --host-idle, freeing its memory.
+        wait_for(lambda: not _hosts(trainer.pid), what="the idle model host exits")
         for c in clients.values():
             c.close()
     finally:

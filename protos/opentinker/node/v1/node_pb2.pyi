@@ -114,18 +114,20 @@ class Registered(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., gpu_count: _Optional[int] = ..., max_tasks: _Optional[int] = ..., stale: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., report_ack: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("time", "devices", "running", "draining", "host")
+    __slots__ = ("time", "devices", "running", "draining", "host", "model_hosts")
     TIME_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_HOSTS_FIELD_NUMBER: _ClassVar[int]
     time: _timestamp_pb2.Timestamp
     devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.DeviceTelemetry]
     running: _containers.RepeatedCompositeFieldContainer[RunningTask]
     draining: bool
     host: _common_pb2.HostTelemetry
-    def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.DeviceTelemetry, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., draining: _Optional[bool] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ...) -> None: ...
+    model_hosts: _containers.RepeatedCompositeFieldContainer[_common_pb2.ModelHost]
+    def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.DeviceTelemetry, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., draining: _Optional[bool] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., model_hosts: _Optional[_Iterable[_Union[_common_pb2.ModelHost, _Mapping]]] = ...) -> None: ...
 
 class TaskReport(_message.Message):
     __slots__ = ("task_id", "attempt", "state", "metrics", "checkpoint", "error", "retryable", "endpoint", "seq")
