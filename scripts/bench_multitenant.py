@@ -233,6 +233,16 @@ def run_workers(model: str, n: int, hp: dict, work: Path) -> dict:
     return {"rss": rss, "rate": rate, "cold_first_step_s": min(firsts)}
 
 
+def _brief(result: dict) -> str:
+    return ", ".join(
+        f"{k} {v / 2**20:.0f} MiB" if k == "rss" else f"{k} {v:.3f}" for k, v in result.items() if v is not None
+    )
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -258,10 +268,16 @@ def main() -> int:
     mib = 1024 * 1024
     with tempfile.TemporaryDirectory(prefix="bench-multitenant-") as tmp:
         work = Path(tmp)
-        print(f"model {args.model}; tasks: LoRA GRPO arithmetic, {hp}; OMP_NUM_THREADS=1 in every process")
-        host = {n: run_host(args.model, n, hp, work) for n in counts}
+        print(f"model {args.model}; tasks: LoRA GRPO arithmetic, {hp}; OMP_NUM_THREADS=1 in every process", flush=True)
+        host, workers = {}, {}
+        for n in counts:  # each phase's figures as it ends, so a run cut short still says something
+            host[n] = run_host(args.model, n, hp, work)
+            print(f"host, {n} tasks: {_brief(host[n])}  load average {_load()}", flush=True)
         seq = run_host(args.model, args.sequential, hp, work, one_at_a_time=True)
-        workers = {n: run_workers(args.model, n, hp, work) for n in counts}
+        print(f"host, {args.sequential} tasks one at a time: {_brief(seq)}  load average {_load()}", flush=True)
+        for n in counts:
+            workers[n] = run_workers(args.model, n, hp, work)
+            print(f"workers, {n} processes: {_brief(workers[n])}  load average {_load()}", flush=True)
     print("\n| tasks | host RSS MiB | host / 1 tenant | workers RSS MiB | workers / 1 worker | host / workers |")
     print("|---|---|---|---|---|---|")
     for n in counts:

@@ -21,7 +21,7 @@ from tests.support.waiting import wait_for, wait_progress
 
 #: Every task the same, seed included: with neighbours that leave no trace, their curves agree.
 HP = {
-    "steps": 6,
+    "steps": 4,
     "prompts_per_step": 2,
     "group_size": 2,
     "max_new_tokens": 4,

@@ -71,7 +71,7 @@ def test_a_tenant_trains_as_it_would_alone(tiny_model_dir: Path, tmp_path: Path,
     out = io.StringIO()
     host = ModelHost(str(tiny_model_dir), "cpu", "auto", out)
     neighbours = {
-        "n-rank8": {**HP, "seed": 3, "lora_rank": 8, "steps": 6},
+        "n-rank8": {**HP, "seed": 3, "lora_rank": 8, "steps": 5},
         "x": {**HP, "checkpoint_every": 0},
         "n-bad": {**HP, "target_modules": ["no_such_proj"]},  # a user error: ends this tenant only
         "n-stop": {**HP, "seed": 4, "steps": 400, "checkpoint_every": 0},
@@ -97,7 +97,7 @@ def test_a_tenant_trains_as_it_would_alone(tiny_model_dir: Path, tmp_path: Path,
 
     (bad,) = _lines(out, "n-bad", "failed")
     assert not bad["retryable"] and "no_such_proj" in bad["error"]
-    assert _lines(out, "n-rank8", "succeeded") and len(_lines(out, "n-rank8", "metric")) == 6
+    assert _lines(out, "n-rank8", "succeeded") and len(_lines(out, "n-rank8", "metric")) == 5
     assert _lines(out, "n-stop", "stopped") and _lines(out, "n-stop", "checkpoint")[-1]["final"] is False
     # Every tenant released its adapter and its turn; the model holds no adapter now.
     released = {m["task_id"] for m in (json.loads(x) for x in out.getvalue().splitlines()) if m["type"] == "released"}
