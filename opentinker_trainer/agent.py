@@ -312,6 +312,7 @@ class NodeAgent:
                     version=VERSION,
                     devices=self.monitor.inventory.devices,
                     max_tasks=self.config.max_tasks,
+                    tenants_per_host=self.config.tenants_per_host,
                     running=[node_pb2.RunningTask(task_id=w.task_id, attempt=w.attempt) for w in self.workers.values()],
                     hostname=socket.gethostname(),
                     cpu_count=os.cpu_count() or 1,

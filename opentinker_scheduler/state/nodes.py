@@ -94,7 +94,8 @@ class NodeSession:
             free_gpus=[i for i in range(self.gpu_count) if i not in used],
             accepting=self.connected and not self.draining,
             gpu_share=self.gpu_share(),
-            max_tasks_per_gpu=self.max_tasks_per_gpu,
+            # A node with model hosts shares a GPU among as many LoRA tasks as a host takes.
+            max_tasks_per_gpu=max(self.max_tasks_per_gpu, self.register.tenants_per_host),
         )
 
     def push(self, command: node_pb2.ConnectResponse | None) -> None:

@@ -84,7 +84,8 @@ def _curve(client, task_id: str) -> dict[int, tuple[float, float]]:
 def test_owners_tasks_share_one_host_survive_its_kill9_and_cancel_alone(tmp_path: Path, tiny_model_dir: Path):
     cluster = Cluster(
         tmp_path,
-        "heartbeat_interval: 0.5\nlease: 3\nmax_tasks_per_gpu: 8\nauth: {enabled: true}\n"
+        # No max_tasks_per_gpu: the node's --tenants-per-host lets its 8 tenants share the GPU.
+        "heartbeat_interval: 0.5\nlease: 3\nauth: {enabled: true}\n"
         f"paths: {{model_dirs: [{tiny_model_dir.parent}]}}\n",
     )
     try:

@@ -72,7 +72,7 @@ class RunningTask(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "version", "devices", "max_tasks", "running", "hostname", "cpu_count", "gpu_note", "finished", "pending")
+    __slots__ = ("node_id", "version", "devices", "max_tasks", "running", "hostname", "cpu_count", "gpu_note", "finished", "pending", "tenants_per_host")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class Register(_message.Message):
     GPU_NOTE_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_PER_HOST_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.Device]
@@ -93,7 +94,8 @@ class Register(_message.Message):
     gpu_note: str
     finished: _containers.RepeatedCompositeFieldContainer[TaskReport]
     pending: _containers.RepeatedCompositeFieldContainer[TaskReport]
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., max_tasks: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., gpu_note: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ...) -> None: ...
+    tenants_per_host: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., max_tasks: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., gpu_note: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., tenants_per_host: _Optional[int] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node_id", "heartbeat_interval", "lease", "gpu_count", "max_tasks", "stale", "report_ack")
