@@ -13,9 +13,12 @@ LoRA GRPO arithmetic task with different seeds. Measured in one run, reported as
   the last task's first step and the first task's last step, over that time), against one task at
   a time on the same host (``--sequential`` tasks one after another in one process, the median of
   their rates: one at a time does not depend on how many; goal >= 1.0x), and against N worker
-  processes started together;
-* **time to first step**: from handing an attempt over to its first metric, joining a warm host
-  (base model loaded) vs a cold worker process (start, imports, model load): goal >= 5x.
+  processes started together. On a shared machine whose load changes between phases, the
+  load-independent figure is :func:`busy_fraction`: the share of the host's wall time spent
+  inside its tenants' steps, i.e. host / one-at-a-time throughput under the same load;
+* **time to first step**: from handing an attempt over to its first metric (and to the start of
+  that step: less its own ``perf/step_s``), joining a warm host (base model loaded) vs a cold
+  worker process (start, imports, model load): goal >= 5x.
 
 Usage::
 
@@ -143,6 +146,20 @@ def metric_times(lines: list[tuple[float, dict]], task_id: str | None = None) ->
     return [t for t, m in lines if m["type"] == "metric" and (task_id is None or m.get("task_id") == task_id)]
 
 
+def busy_fraction(lines: list[tuple[float, dict]], task_ids) -> float:
+    """Of the window :func:`steady_rate` counts, the share spent inside the tenants' steps (the sum
+    of their ``perf/step_s``): host / one-at-a-time throughput at the same machine load, since one
+    at a time would run exactly those steps back to back. 1.0 = sharing costs nothing."""
+    times = [metric_times(lines, tid) for tid in task_ids]
+    start, end = max(t[0] for t in times), min(t[-1] for t in times)
+    inside = sum(
+        m["values"]["perf/step_s"]
+        for t, m in lines
+        if m["type"] == "metric" and m.get("task_id") in task_ids and start < t <= end
+    )
+    return inside / (end - start) if end > start else float("nan")
+
+
 def start_host(model: str, out_dir: Path) -> tuple[subprocess.Popen, Lines, float]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(
@@ -183,13 +200,16 @@ def run_host(model: str, n: int, hp: dict, work: Path, *, one_at_a_time: bool = 
     else:
         rate = steady_rate(times)
     result = {"rss": peak.stop(), "rate": rate, "load_s": load_s}
+    if not one_at_a_time and n > 1:
+        result["busy"] = busy_fraction(lines.lines, set(ids))
     # Warm join: one more tenant on this host, whose base model is loaded already.
     if not one_at_a_time:
         t0 = time.perf_counter()
         tid = f"warm-{n}"
         add(proc, assignment(work, tid, model, {**hp, "seed": 99}), work / "ck" / tid)
-        t1, _ = lines.wait(lambda m: m["type"] == "metric" and m.get("task_id") == tid)
+        t1, first = lines.wait(lambda m: m["type"] == "metric" and m.get("task_id") == tid)
         result["warm_first_step_s"] = t1 - t0
+        result["warm_to_step_start_s"] = t1 - t0 - first["values"]["perf/step_s"]
         lines.wait(lambda m: m["type"] == "released" and m.get("task_id") == tid)
     proc.stdin.close()
     proc.wait(timeout=120)
@@ -222,7 +242,9 @@ def run_workers(model: str, n: int, hp: dict, work: Path) -> dict:
         procs.append(p)
         readers.append(Lines(p))
     peak = Peak(lambda: [p.pid for p in procs if p.poll() is None])
-    firsts = [r.wait(lambda m: m["type"] == "metric")[0] - s for r, s in zip(readers, starts)]
+    firsts = [r.wait(lambda m: m["type"] == "metric") for r in readers]
+    to_start = [t - s - m["values"]["perf/step_s"] for (t, m), s in zip(firsts, starts)]
+    firsts = [t - s for (t, _), s in zip(firsts, starts)]
     for p in procs:
         p.wait(timeout=1800)
     rss = peak.stop()
@@ -230,7 +252,7 @@ def run_workers(model: str, n: int, hp: dict, work: Path) -> dict:
         r.wait(lambda m: m["type"] == "eof")
         assert any(m["type"] == "succeeded" for _, m in r.lines), [m for _, m in r.lines][-3:]
     rate = steady_rate([metric_times(r.lines) for r in readers])
-    return {"rss": rss, "rate": rate, "cold_first_step_s": min(firsts)}
+    return {"rss": rss, "rate": rate, "cold_first_step_s": min(firsts), "cold_to_step_start_s": min(to_start)}
 
 
 def _brief(result: dict) -> str:
@@ -292,11 +314,18 @@ def main() -> int:
         f"(host / sequential {agg_host / agg_seq:.2f}x), {top} worker processes {agg_workers:.3f} "
         f"(host / processes {agg_host / agg_workers:.2f}x)"
     )
+    print(
+        f"share of the {top}-tenant host's wall time inside tenant steps (host / one at a time at the same "
+        f"load): {host[top].get('busy', float('nan')):.3f}"
+    )
     # Both alone on the machine: a tenant joining the idle 1-tenant host, and the lone worker.
     warm = host[counts[0]]["warm_first_step_s"]
     cold = workers[counts[0]]["cold_first_step_s"]
+    warm0, cold0 = host[counts[0]]["warm_to_step_start_s"], workers[counts[0]]["cold_to_step_start_s"]
     print(
-        f"time to first step: warm host {warm:.2f} s, cold worker process {cold:.2f} s ({cold / warm:.1f}x faster); "
+        f"time to first step's end: warm host {warm:.2f} s, cold worker process {cold:.2f} s "
+        f"({cold / warm:.1f}x faster); to its start (less the step's own perf/step_s): warm {warm0:.2f} s, "
+        f"cold {cold0:.2f} s ({cold0 / warm0:.1f}x faster); "
         f"host start + base load {statistics.median(h['load_s'] for h in host.values()):.2f} s"
     )
     return 0
