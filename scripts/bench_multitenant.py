@@ -270,7 +270,7 @@ def main() -> int:
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--tenants", default="1,4,8", help="comma-separated tenant counts (default %(default)s)")
     ap.add_argument("--steps", type=int, default=3, help="GRPO steps per task, at least 3 (default %(default)s)")
-    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--prompts-per-step", type=int, default=1)
     ap.add_argument("--group-size", type=int, default=2)
     ap.add_argument(
