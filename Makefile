@@ -12,7 +12,7 @@ HTTP_PORT ?= 8889
 SCHEDULER_URL ?= http://localhost:$(PORT)
 NODE_ID ?= $(shell hostname)-trainer
 
-.PHONY: install test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-ha bench-distributed gpu-check clean
+.PHONY: install test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-ha bench-distributed bench-multitenant gpu-check clean
 
 # Stamp files make `install` a no-op when already done.
 install: $(VENV)/.installed $(MODEL_DIR)/config.json
@@ -147,6 +147,11 @@ bench-lm-game: install
 # Distributed tasks: throughput of world size 1 and 2 (gloo ranks on the CPUs).
 bench-distributed: install
 	$(PY) scripts/bench_distributed.py
+
+# Many LoRA GRPO tasks on one model host vs a worker process each, on the real model (CPU, ~10 min
+# on 2 loaded cores): node RSS with 1/4/8 tasks, aggregate steps/s, warm-join vs cold-start time.
+bench-multitenant: install
+	OMP_NUM_THREADS=1 $(PY) scripts/bench_multitenant.py --model $(MODEL_DIR)
 
 # On NVIDIA GPUs: a GRPO task of SmolLM2-135M's shape on 1 GPU and on all, NVML utilization and
 # memory, and the scheduler's telemetry of the GPU the rank uses. Refuses (exit 2) without a GPU.

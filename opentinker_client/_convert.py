@@ -26,6 +26,7 @@ from opentinker_client.types import (
     DeviceTelemetry,
     HostTelemetry,
     Generation,
+    ModelHostInfo,
     NodeInfo,
     Sample,
     StreamChunk,
@@ -345,6 +346,17 @@ def node_from_proto(node: scheduler_pb2.Node) -> NodeInfo:
         host=_present(HostTelemetry, node.host, unavailable=dict(node.host.unavailable))
         if node.HasField("host")
         else None,
+        model_hosts=tuple(
+            ModelHostInfo(
+                model=h.model,
+                device_indices=tuple(h.device_indices),
+                task_ids=tuple(h.task_ids),
+                pid=h.pid,
+                max_tenants=h.max_tenants,
+                dtype=h.dtype,
+            )
+            for h in node.model_hosts
+        ),
         proto=node,
     )
 

@@ -230,6 +230,25 @@ class HostTelemetry:
 
 
 @dataclass(frozen=True)
+class ModelHostInfo:
+    """A model host on a node: one process holding one frozen copy of a base model, whose tenants
+    are LoRA tasks with an adapter each (a node started with ``--tenants-per-host``).
+
+    Attributes:
+        model: the base model; device_indices: its GPUs on the node (empty: the CPU).
+        task_ids: its tenants; max_tenants: most it takes; pid: its process id on the node.
+        dtype: torch dtype of the base weights (``auto``, ``float32``, ...).
+    """
+
+    model: str
+    device_indices: tuple[int, ...] = ()
+    task_ids: tuple[str, ...] = ()
+    pid: int = 0
+    max_tenants: int = 0
+    dtype: str = ""
+
+
+@dataclass(frozen=True)
 class NodeInfo:
     """A trainer node as the scheduler sees it.
 
@@ -240,6 +259,7 @@ class NodeInfo:
         last_heartbeat_time: UTC datetime or ``None``.
         notes: things a person should see (simulated devices, config/NVML disagreement ...).
         host: CPU and memory of its host (:class:`HostTelemetry`), ``None`` before a heartbeat.
+        model_hosts: its model hosts and their LoRA tenants (:class:`ModelHostInfo`).
     """
 
     node_id: str
@@ -254,6 +274,7 @@ class NodeInfo:
     version: str = ""
     notes: tuple[str, ...] = ()
     host: HostTelemetry | None = None
+    model_hosts: tuple[ModelHostInfo, ...] = ()
     proto: Any = field(default=None, repr=False, compare=False)
 
 

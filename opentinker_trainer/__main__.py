@@ -163,6 +163,22 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         "--kill-grace", type=_seconds, default=10.0, help="seconds between SIGTERM and SIGKILL of a cancelled worker"
     )
     parser.add_argument(
+        "--tenants-per-host",
+        type=_int_at_least(0),
+        default=0,
+        metavar="N",
+        help="run shareable LoRA tasks (lora_finetune on text) on the same base model and GPUs as tenants of one "
+        "model host process holding one copy of the base, at most N per host; 0 = off, a worker process per task "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--host-idle",
+        type=_seconds,
+        default=30.0,
+        metavar="S",
+        help="seconds a model host with no tenants waits for a new one before it exits (default %(default)s)",
+    )
+    parser.add_argument(
         "--http-port",
         type=_port,
         default=None,
@@ -335,6 +351,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         work_dir=args.work_dir.resolve(),
         simulate_gpus=args.simulate_gpus,
         kill_grace_s=args.kill_grace,
+        tenants_per_host=args.tenants_per_host,
+        host_idle_s=args.host_idle,
         advertise_host=args.advertise_host,
         api_key=args.api_key,
         tls_ca=args.tls_ca,

@@ -28,7 +28,7 @@ import socket
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -89,6 +89,12 @@ class AgentConfig:
     targets: tuple[str, ...] = ()
     #: The node's class, for the scheduler's prices and scale signal ("" = its default class).
     node_class: str = ""
+    #: Most tenants of one model host: shareable LoRA tasks (:func:`opentinker_trainer.host.shareable`)
+    #: on the same base model, GPUs and dtype run in one host process holding one copy of the
+    #: base (:mod:`opentinker_trainer.host`); 0 = off, every task gets a worker process.
+    tenants_per_host: int = 0
+    #: Seconds a model host with no tenants left waits for a new one before it is told to exit.
+    host_idle_s: float = 30.0
 
     def channel(self, target: str | None = None) -> grpc.aio.Channel:
         """A channel to the scheduler at ``target`` (default ``target``): TLS when ``tls_ca`` or
@@ -118,8 +124,33 @@ class _Worker:
     devices: tuple[int, ...]
     cancel_reason: str | None = None
     outcome: dict | None = None
-    watcher: asyncio.Task | None = None
+    watcher: asyncio.Future | None = None
     killer: asyncio.Task | None = None
+    #: The model host this attempt is a tenant of; None for a worker process of its own.
+    host: "_Host | None" = None
+
+
+@dataclass
+class _Host:
+    """A model host process (``python -m opentinker_trainer.host``) and its tenants."""
+
+    key: tuple[str, tuple[int, ...], str]  # (base model, device indices, dtype)
+    proc: asyncio.subprocess.Process
+    tenants: dict[tuple[str, int], _Worker] = field(default_factory=dict)
+    #: Told to exit (idle, drain): takes no new tenants.
+    closing: bool = False
+    #: Why the host could not load its base model ("" = it did, or has not said yet).
+    failed: str = ""
+    failed_retryable: bool = True
+    watcher: asyncio.Task | None = None
+    idle: asyncio.Task | None = None
+
+    def send(self, **msg) -> None:
+        """One JSON line to the host's stdin (lost with a host that is gone: its watcher reports)."""
+        if self.proc.stdin is None or self.proc.stdin.is_closing():
+            return
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
 
 
 #: Logged once per streak of failed connections when the scheduler closes a TLS connection.
@@ -141,6 +172,8 @@ class NodeAgent:
         self.targets = SchedulerTargets(config.targets or (config.target,))
         self.monitor = monitor or DeviceMonitor(simulate_gpus=config.simulate_gpus)
         self.workers: dict[str, _Worker] = {}
+        #: Model hosts by (base model, devices, dtype) (:mod:`opentinker_trainer.host`), oldest first.
+        self.hosts: dict[tuple[str, tuple[int, ...], str], list[_Host]] = {}
         self.draining = False
         self.connected = asyncio.Event()
         self._outbox: asyncio.Queue[node_pb2.ConnectRequest] = asyncio.Queue()
@@ -254,6 +287,7 @@ class NodeAgent:
             self._terminate(w, None)
         if self.workers:
             await asyncio.gather(*(w.watcher for w in self.workers.values() if w.watcher), return_exceptions=True)
+        self._close_hosts(kill=False)
         # Stop first, so the end of the stream that the goodbye causes is not "reconnected".
         self._stop.set()
         if self.connected.is_set():
@@ -265,6 +299,7 @@ class NodeAgent:
         self._stop.set()
         for w in list(self.workers.values()):
             self._terminate(w, "agent stopped")
+        self._close_hosts(kill=True)
         await asyncio.gather(*(w.watcher for w in self.workers.values() if w.watcher), return_exceptions=True)
         self._outbox.put_nowait(None)  # type: ignore[arg-type]
 
@@ -278,6 +313,7 @@ class NodeAgent:
                     version=VERSION,
                     devices=self.monitor.inventory.devices,
                     max_tasks=self.config.max_tasks,
+                    tenants_per_host=self.config.tenants_per_host,
                     running=[node_pb2.RunningTask(task_id=w.task_id, attempt=w.attempt) for w in self.workers.values()],
                     hostname=socket.gethostname(),
                     cpu_count=os.cpu_count() or 1,
@@ -400,6 +436,19 @@ class NodeAgent:
             host=host,
             running=[node_pb2.RunningTask(task_id=w.task_id, attempt=w.attempt) for w in self.workers.values()],
             draining=self.draining,
+            model_hosts=[
+                common_pb2.ModelHost(
+                    model=h.key[0],
+                    device_indices=h.key[1],
+                    dtype=h.key[2],
+                    task_ids=sorted(t for t, _ in h.tenants),
+                    pid=h.proc.pid,
+                    max_tenants=self.config.tenants_per_host,
+                )
+                for hosts in self.hosts.values()
+                for h in hosts
+                if h.proc.returncode is None
+            ],
         )
         hb.time.GetCurrentTime()
         return hb
@@ -442,11 +491,63 @@ class NodeAgent:
         assignment = attempt_dir / "assignment.pb"
         assignment.write_bytes(a.SerializeToString())
         simulated = self.monitor.inventory.simulated
+        env = self._child_env(a.device_indices)
+        checkpoints = self.config.work_dir / a.task_id / "checkpoints"
+        key = self._host_key(a)
+        if key is not None:
+            await self._start_tenant(a, key, env, assignment, checkpoints)
+            return
+        cmd = [
+            sys.executable,
+            "-m",
+            "opentinker_trainer.worker",
+            str(assignment),
+            "--checkpoint-dir",
+            str(checkpoints),
+        ]
+        if simulated or not a.device_indices:
+            cmd += ["--device", "cpu"]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=None,
+                env=env,
+                start_new_session=True,
+                limit=16 * 1024 * 1024,
+            )
+        except OSError as exc:
+            bound.error("worker failed to start", error=str(exc))
+            self._start_failed(a, f"worker failed to start: {exc}")
+            return
+        w = _Worker(a.task_id, a.attempt, proc, tuple(a.device_indices))
+        self.workers[a.task_id] = w
+        bound.info(
+            "Task started",
+            pid=proc.pid,
+            workload_type=a.spec.workload_type,
+            model=a.spec.model,
+            devices=list(a.device_indices) or "cpu",
+            simulated_gpus=simulated or None,
+            resume_from=a.resume_from.path or None,
+        )
+        w.watcher = asyncio.create_task(self._watch(w))
+
+    def _start_failed(self, a: node_pb2.AssignTask, error: str) -> None:
+        self._report_final(
+            node_pb2.TaskReport(
+                task_id=a.task_id, attempt=a.attempt, state=common_pb2.TASK_STATE_FAILED, error=error, retryable=True
+            )
+        )
+
+    def _child_env(self, device_indices) -> dict[str, str]:
+        """The environment of a worker or model host on ``device_indices``."""
+        simulated = self.monitor.inventory.simulated
         env = dict(os.environ)
         # GPUs by NVML UUID, numbers (if any) in PCI bus order as NVML counts them.
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = (
-            "" if simulated else cuda_visible_devices(self.monitor.inventory.devices, a.device_indices)
+            "" if simulated else cuda_visible_devices(self.monitor.inventory.devices, device_indices)
         )
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["OPENTINKER_AGENT_PID"] = str(os.getpid())  # the worker dies with the agent
@@ -473,50 +574,146 @@ class NodeAgent:
         env["OPENTINKER_ADVERTISE_HOST"] = self.config.advertise_host or default_advertise_host(
             self.targets.current
         )  # inference servers
-        cmd = [
-            sys.executable,
-            "-m",
-            "opentinker_trainer.worker",
-            str(assignment),
-            "--checkpoint-dir",
-            str(self.config.work_dir / a.task_id / "checkpoints"),
-        ]
-        if simulated or not a.device_indices:
-            cmd += ["--device", "cpu"]
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *cmd,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=None,
-                env=env,
-                start_new_session=True,
-                limit=16 * 1024 * 1024,
-            )
-        except OSError as exc:
-            bound.error("worker failed to start", error=str(exc))
-            self._report_final(
-                node_pb2.TaskReport(
-                    task_id=a.task_id,
-                    attempt=a.attempt,
-                    state=common_pb2.TASK_STATE_FAILED,
-                    error=f"worker failed to start: {exc}",
-                    retryable=True,
+        return env
+
+    # ------------------------------------------------------------------ model hosts
+    def _host_key(self, a: node_pb2.AssignTask) -> tuple[str, tuple[int, ...], str] | None:
+        """The model host key of a shareable attempt when model hosts are on, else None."""
+        if self.config.tenants_per_host <= 0:
+            return None
+        from opentinker_trainer.host import shareable  # torch-free
+
+        return shareable(a)
+
+    async def _start_tenant(
+        self, a: node_pb2.AssignTask, key, env: dict[str, str], assignment: Path, checkpoints: Path
+    ) -> None:
+        """Hand ``a`` to the running host for ``key`` with room, else to a new one."""
+        bound = self.log.bind(task_id=a.task_id, attempt=a.attempt)
+        host = next(
+            (
+                h
+                for h in self.hosts.get(key, [])
+                if not h.closing and h.proc.returncode is None and len(h.tenants) < self.config.tenants_per_host
+            ),
+            None,
+        )
+        warm = host is not None
+        if host is None:
+            model, devices, dtype = key
+            simulated = self.monitor.inventory.simulated
+            device = "cpu" if simulated or not devices else "cuda"
+            cmd = [sys.executable, "-m", "opentinker_trainer.host", "--model", model, "--device", device]
+            cmd += ["--dtype", dtype]
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *cmd,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=None,
+                    env=env,
+                    start_new_session=True,
+                    limit=16 * 1024 * 1024,
                 )
-            )
-            return
-        w = _Worker(a.task_id, a.attempt, proc, tuple(a.device_indices))
+            except OSError as exc:
+                bound.error("model host failed to start", error=str(exc))
+                self._start_failed(a, f"model host failed to start: {exc}")
+                return
+            host = _Host(key, proc)
+            self.hosts.setdefault(key, []).append(host)
+            host.watcher = asyncio.create_task(self._watch_host(host))
+            self.log.info("model host started", pid=proc.pid, model=model, devices=list(devices) or "cpu")
+        if host.idle is not None:
+            host.idle.cancel()
+            host.idle = None
+        w = _Worker(a.task_id, a.attempt, host.proc, tuple(a.device_indices), host=host)
+        w.watcher = asyncio.get_running_loop().create_future()
         self.workers[a.task_id] = w
+        host.tenants[(a.task_id, a.attempt)] = w
+        host.send(op="add", assignment=str(assignment), checkpoint_dir=str(checkpoints))
         bound.info(
             "Task started",
-            pid=proc.pid,
+            pid=host.proc.pid,
+            model_host=True,
+            warm_host=warm,
+            tenants=len(host.tenants),
             workload_type=a.spec.workload_type,
             model=a.spec.model,
             devices=list(a.device_indices) or "cpu",
-            simulated_gpus=simulated or None,
+            simulated_gpus=self.monitor.inventory.simulated or None,
             resume_from=a.resume_from.path or None,
         )
-        w.watcher = asyncio.create_task(self._watch(w))
 
+    async def _watch_host(self, host: _Host) -> None:
+        """Turn a host's lines into its tenants' reports; when it is gone, end every tenant left."""
+        assert host.proc.stdout is not None
+        while True:
+            line = await host.proc.stdout.readline()
+            if not line:
+                break
+            try:
+                msg = json.loads(line)
+                kind = msg["type"]
+            except (ValueError, KeyError, TypeError):
+                self.log.warning("unreadable line from model host", line=line[:200].decode(errors="replace"))
+                continue
+            if kind == "host_failed":
+                host.failed = str(msg.get("error", "model host failed"))
+                host.failed_retryable = bool(msg.get("retryable", True))
+                continue
+            if kind == "host_ready" or "task_id" not in msg:
+                continue
+            w = host.tenants.get((str(msg["task_id"]), int(msg.get("attempt", 0))))
+            if w is None:
+                continue  # an attempt this agent already ended (cancel past its grace): fenced off
+            if kind == "released":
+                self._end_tenant(w, "model host released the tenant without a result")
+            else:
+                self._on_line(w, kind, msg)
+        rc = await host.proc.wait()
+        host.closing = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(host.proc.pid, signal.SIGKILL)
+        if host.idle is not None:
+            host.idle.cancel()
+        left = self.hosts.get(host.key, [])
+        if host in left:
+            left.remove(host)
+            if not left:
+                del self.hosts[host.key]
+        how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        self.log.info("model host ended", pid=host.proc.pid, returncode=rc, tenants_lost=len(host.tenants))
+        for w in list(host.tenants.values()):
+            if host.failed:
+                w.outcome = w.outcome or {"type": "failed", "error": host.failed, "retryable": host.failed_retryable}
+            self._end_tenant(w, f"model host process {how} without a result")
+
+    def _end_tenant(self, w: _Worker, failure: str) -> None:
+        host = w.host
+        assert host is not None
+        if host.tenants.get((w.task_id, w.attempt)) is not w:
+            return
+        del host.tenants[(w.task_id, w.attempt)]
+        if w.killer is not None:
+            w.killer.cancel()
+        self._finish(w, failure, None)
+        if w.watcher is not None and not w.watcher.done():
+            w.watcher.set_result(None)
+        if not host.tenants and not host.closing and host.proc.returncode is None:
+            host.idle = asyncio.create_task(self._idle_exit(host))
+
+    async def _idle_exit(self, host: _Host) -> None:
+        """Tell a host with no tenants to exit after ``host_idle_s`` unless one joins first."""
+        if not self.draining and not self._stop.is_set():
+            await asyncio.sleep(self.config.host_idle_s)
+        if host.tenants or host.closing:
+            return
+        host.closing = True
+        self.log.info("model host idle: telling it to exit", pid=host.proc.pid, idle_s=self.config.host_idle_s)
+        if host.proc.stdin is not None:
+            host.proc.stdin.close()
+
+    # ------------------------------------------------------------------ workers
     async def _watch(self, w: _Worker) -> None:
         bound = self.log.bind(task_id=w.task_id, attempt=w.attempt)
         assert w.proc.stdout is not None
@@ -530,44 +727,52 @@ class NodeAgent:
             except (ValueError, KeyError, TypeError):
                 bound.warning("unreadable line from worker", line=line[:200].decode(errors="replace"))
                 continue
-            report = node_pb2.TaskReport(task_id=w.task_id, attempt=w.attempt)
-            if kind == "started":
-                report.state = common_pb2.TASK_STATE_RUNNING
-            elif kind == "metric":
-                point = report.metrics.add(
-                    step=int(msg["step"]), values={k: float(v) for k, v in msg["values"].items()}
-                )
-                point.time.FromNanoseconds(int(msg["time"] * 1e9))
-                for listener in self.metric_listeners:
-                    listener(w.task_id, w.attempt, point.step, dict(point.values), float(msg["time"]))
-            elif kind == "checkpoint":
-                report.checkpoint.step = int(msg["step"])
-                report.checkpoint.path = str(Path(msg["path"]).resolve())
-                report.checkpoint.final = bool(msg.get("final"))
-                report.checkpoint.format = str(msg.get("format", ""))
-                report.checkpoint.create_time.FromNanoseconds(int(msg["time"] * 1e9))
-                report.checkpoint.node_id = self.config.node_id
-                if msg.get("artifact"):  # in the artifact store: readable from every node
-                    art = msg["artifact"]
-                    report.checkpoint.artifact.key = str(art["key"])
-                    report.checkpoint.artifact.manifest_sha256 = str(art["manifest_sha256"])
-                    report.checkpoint.artifact.total_bytes = int(art.get("total_bytes", 0))
-                    report.checkpoint.artifact.backend = str(art.get("backend", ""))
-            elif kind == "endpoint":
-                report.endpoint = str(msg.get("address", ""))
-            elif kind in ("succeeded", "failed", "stopped"):
-                w.outcome = msg
-                continue
-            else:
-                continue
-            if w.cancel_reason is None or kind != "started":
-                self._send_report(report)
+            self._on_line(w, kind, msg)
         rc = await w.proc.wait()
         if w.killer is not None:
             w.killer.cancel()
         # The worker is gone; make sure nothing it started lingers in its process group.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(w.proc.pid, signal.SIGKILL)
+        how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        self._finish(w, f"worker process {how} without a result", rc)
+
+    def _on_line(self, w: _Worker, kind: str, msg: dict) -> None:
+        """One report line of an attempt's worker (or host tenant) as a ``TaskReport``."""
+        report = node_pb2.TaskReport(task_id=w.task_id, attempt=w.attempt)
+        if kind == "started":
+            report.state = common_pb2.TASK_STATE_RUNNING
+        elif kind == "metric":
+            point = report.metrics.add(step=int(msg["step"]), values={k: float(v) for k, v in msg["values"].items()})
+            point.time.FromNanoseconds(int(msg["time"] * 1e9))
+            for listener in self.metric_listeners:
+                listener(w.task_id, w.attempt, point.step, dict(point.values), float(msg["time"]))
+        elif kind == "checkpoint":
+            report.checkpoint.step = int(msg["step"])
+            report.checkpoint.path = str(Path(msg["path"]).resolve())
+            report.checkpoint.final = bool(msg.get("final"))
+            report.checkpoint.format = str(msg.get("format", ""))
+            report.checkpoint.create_time.FromNanoseconds(int(msg["time"] * 1e9))
+            report.checkpoint.node_id = self.config.node_id
+            if msg.get("artifact"):  # in the artifact store: readable from every node
+                art = msg["artifact"]
+                report.checkpoint.artifact.key = str(art["key"])
+                report.checkpoint.artifact.manifest_sha256 = str(art["manifest_sha256"])
+                report.checkpoint.artifact.total_bytes = int(art.get("total_bytes", 0))
+                report.checkpoint.artifact.backend = str(art.get("backend", ""))
+        elif kind == "endpoint":
+            report.endpoint = str(msg.get("address", ""))
+        elif kind in ("succeeded", "failed", "stopped"):
+            w.outcome = msg
+            return
+        else:
+            return
+        if w.cancel_reason is None or kind != "started":
+            self._send_report(report)
+
+    def _finish(self, w: _Worker, failure: str, rc: int | None) -> None:
+        """Report how the attempt of ``w`` ended; ``failure`` is the error when it said nothing."""
+        bound = self.log.bind(task_id=w.task_id, attempt=w.attempt)
         final = node_pb2.TaskReport(task_id=w.task_id, attempt=w.attempt)
         outcome = w.outcome or {}
         if w.cancel_reason is not None:
@@ -585,19 +790,26 @@ class NodeAgent:
             final.retryable = True
         else:
             final.state = common_pb2.TASK_STATE_FAILED
-            how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-            final.error = f"worker process {how} without a result"
+            final.error = failure
             final.retryable = True
         if self.workers.get(w.task_id) is w:
             del self.workers[w.task_id]
-        bound.info("Task ended", state=common_pb2.TaskState.Name(final.state), returncode=rc, error=final.error or None)
+        bound.info(
+            "Task ended",
+            state=common_pb2.TaskState.Name(final.state),
+            returncode=rc,
+            model_host=w.host is not None or None,
+            error=final.error or None,
+        )
         self._report_final(final)
 
     def _report_final(self, report: node_pb2.TaskReport) -> None:
         self._send_report(report)
 
     def _terminate(self, w: _Worker, reason: str | None) -> None:
-        """SIGTERM the worker's process group; SIGKILL after the grace period.
+        """SIGTERM the worker's process group; SIGKILL after the grace period. A model host's
+        tenant is asked to stop instead; past the grace period it is reported ended and fenced
+        off (its host stops it at its next step boundary and frees its adapter).
 
         ``reason`` None means drain (the worker checkpoints and is handed back)."""
         if w.cancel_reason is None and reason is not None:
@@ -605,6 +817,16 @@ class NodeAgent:
         if w.killer is not None:
             return
         self.log.info("stopping worker", task_id=w.task_id, attempt=w.attempt, reason=reason or "drain")
+        host = w.host
+        if host is not None:
+            host.send(op="stop", task_id=w.task_id, attempt=w.attempt)
+
+            async def give_up_later() -> None:
+                await asyncio.sleep(self.config.kill_grace_s)
+                self._end_tenant(w, "tenant did not stop within the grace period")
+
+            w.killer = asyncio.create_task(give_up_later())
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(w.proc.pid, signal.SIGTERM)
 
@@ -614,3 +836,14 @@ class NodeAgent:
                 os.killpg(w.proc.pid, signal.SIGKILL)
 
         w.killer = asyncio.create_task(kill_later())
+
+    def _close_hosts(self, *, kill: bool) -> None:
+        """Tell every model host to exit (close its stdin), or SIGKILL them (``kill``)."""
+        for hosts in list(self.hosts.values()):
+            for h in hosts:
+                h.closing = True
+                if kill:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(h.proc.pid, signal.SIGKILL)
+                elif h.proc.stdin is not None and not h.proc.stdin.is_closing():
+                    h.proc.stdin.close()

@@ -7,6 +7,7 @@ worker's stdout (see :mod:`opentinker_trainer.worker`); logs go to stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -60,10 +61,16 @@ class WorkerContext:
     #: Live experiment tracking of ``spec.tracking`` (an ``opentinker_trainer.tracking.Trackers``),
     #: fed every metric and checkpoint as it is reported; None = none.
     tracker: Any = None
+    #: Fields added to every report line: a model host's tenant stamps its lines with
+    #: ``task_id`` and ``attempt`` (:mod:`opentinker_trainer.host`); empty in a worker process.
+    stamp: dict[str, Any] = field(default_factory=dict)
+    #: A tenant of a model host (:class:`opentinker_trainer.host.Tenant`): the shared base model
+    #: and this attempt's adapter on it; None in a worker process (the workload loads its own).
+    tenant: Any = None
 
     # --- reports ---------------------------------------------------------------------------
     def _emit(self, kind: str, **payload: Any) -> None:
-        line = json.dumps({"type": kind, "time": time.time(), **payload}, allow_nan=False)
+        line = json.dumps({"type": kind, "time": time.time(), **self.stamp, **payload}, allow_nan=False)
         with self._lock:
             self.out.write(line + "\n")
             self.out.flush()
@@ -127,3 +134,12 @@ class WorkerContext:
     def should_stop(self) -> bool:
         """True once a stop was requested; a workload checks it between steps."""
         return self._stop.is_set()
+
+    def turn(self) -> contextlib.AbstractContextManager:
+        """The span in which this attempt may use the model: a step, a checkpoint, loading.
+
+        In a worker process the model is the attempt's own: nothing to wait for. A tenant of a
+        model host waits for its round-robin turn on the shared base model, with its adapter
+        active and its RNG streams in place (:meth:`opentinker_trainer.host.Tenant.turn`).
+        """
+        return self.tenant.turn() if self.tenant is not None else contextlib.nullcontext()

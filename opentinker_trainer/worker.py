@@ -29,6 +29,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -74,19 +75,33 @@ def main(argv: list[str] | None = None) -> int:
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    ctx = prepare(assign, args.checkpoint_dir, device, out, log)
+    if ctx is None:
+        return 1
+    signal.signal(signal.SIGTERM, lambda *_: ctx.request_stop())
+    return execute(ctx, assign, device, log)
+
+
+def prepare(
+    assign: node_pb2.AssignTask, checkpoint_dir: Path, device: str, out, log, **context: Any
+) -> WorkerContext | None:
+    """The :class:`WorkerContext` of one attempt: its spec checked, its ``resume_from`` and
+    ``init_from`` checkpoints fetched from the artifact store, its checkpoint publisher; None
+    when that failed (then the ``failed`` report went out already). ``context``: further
+    :class:`WorkerContext` fields (a model host's tenant passes ``stamp``, ``tenant``, ``_lock``)."""
     try:
         spec = spec_from_proto(assign.spec)
     except SpecError as exc:
-        ctx = WorkerContext(assign.task_id, assign.attempt, None, device, args.checkpoint_dir, out=out)  # type: ignore[arg-type]
+        ctx = WorkerContext(assign.task_id, assign.attempt, None, device, checkpoint_dir, out=out, **context)  # type: ignore[arg-type]
         ctx._emit("failed", error=f"invalid spec: {exc}", retryable=False)
-        return 1
+        return None
     # Checkpoints live in the artifact store: resume and init_from come from it (through the
     # node-local cache), and every checkpoint goes into it before it is reported.
     try:
         store, settings = open_worker_store()
         cache = (
             ArtifactCache(
-                Path(os.environ.get(CACHE_ENV) or args.checkpoint_dir.parent / "artifact-cache"),
+                Path(os.environ.get(CACHE_ENV) or checkpoint_dir.parent / "artifact-cache"),
                 int(os.environ.get(CACHE_BYTES_ENV) or DEFAULT_CACHE_BYTES),
             )
             if store is not None
@@ -99,38 +114,43 @@ def main(argv: list[str] | None = None) -> int:
             init, _ = fetch_checkpoint(store, cache, assign.init_checkpoint, fallback=False)
     except ArtifactError as exc:
         log.error("artifact store unusable", error=str(exc))
-        bare = WorkerContext(assign.task_id, assign.attempt, spec, device, args.checkpoint_dir, out=out)
+        bare = WorkerContext(assign.task_id, assign.attempt, spec, device, checkpoint_dir, out=out, **context)
         bare._emit("failed", error=f"artifact store: {exc}", retryable=exc.retryable)
-        return 1
+        return None
     publisher = (
         CheckpointPublisher(store, assign.task_id, assign.attempt, settings, cache) if store is not None else None
     )
-    ctx = WorkerContext(
+    return WorkerContext(
         task_id=assign.task_id,
         attempt=assign.attempt,
         spec=spec,
         device=device,
-        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_dir=checkpoint_dir,
         resume_from=resume,
         init_checkpoint=init,
         init_format=assign.init_checkpoint.format,
         out=out,
         publisher=publisher,
+        **context,
     )
-    signal.signal(signal.SIGTERM, lambda *_: ctx.request_stop())
-    ctx._emit("started", device=device, resume_from=str(resume) if resume else None)
+
+
+def execute(ctx: WorkerContext, assign: node_pb2.AssignTask, device: str, log) -> int:
+    """Run the attempt of ``ctx`` and report how it ended (exactly one of ``succeeded``,
+    ``stopped``, ``failed``); the exit code a worker process returns (0 or 1)."""
+    ctx._emit("started", device=device, resume_from=str(ctx.resume_from) if ctx.resume_from else None)
     try:
         # Not another task's checkpoint or the dataset cache by path (init_from, dataset_id instead).
-        check_spec_paths(spec, private_dirs(args.checkpoint_dir))
+        check_spec_paths(ctx.spec, private_dirs(ctx.checkpoint_dir))
         if assign.local_paths_restricted:  # paths.model_dirs in force: no hub-id-shaped name of a local folder
-            check_model_not_local(spec.model)
+            check_model_not_local(ctx.spec.model)
         # spec.tracking: a logger whose package this node lacks fails the task here (UserError).
         ctx.tracker = open_trackers(
-            spec.tracking,
+            ctx.spec.tracking,
             task_id=assign.task_id,
             attempt=assign.attempt,
-            spec=spec.to_dict(),
-            work_dir=args.checkpoint_dir.parent,
+            spec=ctx.spec.to_dict(),
+            work_dir=Path(ctx.checkpoint_dir).parent,
         )
         _run(ctx, assign, device)
     except CheckpointStoreFailed as exc:

@@ -681,6 +681,22 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
         console.print(gpus)
     else:
         console.print("no GPUs (CPU nodes)")
+    hosts = [(n, h) for n in nodes for h in n.model_hosts]
+    if hosts:  # nodes started with --tenants-per-host: LoRA tasks sharing one copy of a base model
+        table = Table(box=None, header_style="bold", title="model hosts", title_justify="left")
+        for col in ("NODE", "BASE MODEL", "GPUS", "TENANTS", "PID", "TASKS"):
+            table.add_column(col, no_wrap=col != "TASKS", overflow="fold")
+        for n, h in hosts:
+            table.add_row(
+                _escape(n.node_id),
+                _escape(h.model),
+                ",".join(str(i) for i in h.device_indices) or "cpu",
+                f"{len(h.task_ids)}/{h.max_tenants}",
+                str(h.pid),
+                _escape(" ".join(h.task_ids)),
+            )
+        console.print()
+        console.print(table)
     return EXIT_OK
 
 

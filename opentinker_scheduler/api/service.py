@@ -360,6 +360,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 version=n.register.version,
                 notes=self.core.node_notes(n),
                 host=n.host,
+                model_hosts=n.model_hosts,
             )
             _ts(msg.last_heartbeat_time, n.last_heartbeat_time)
             nodes.append(msg)

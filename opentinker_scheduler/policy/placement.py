@@ -23,7 +23,8 @@ Policy:
     held back by the reservation says so (:func:`reserved_reason`).
   * A task whose retry backoff has not elapsed waits (``not_before``).
   * GPU sharing: LoRA tasks on the same base model (:func:`share_key`) may share GPUs, at most
-    ``max_tasks_per_gpu`` tasks on one GPU and always within the node's ``max_tasks``. A GPU is
+    ``max_tasks_per_gpu`` tasks on one GPU (per node: the config's, or the tenants a node's model
+    host takes when larger, ``Register.tenants_per_host``) and always within the node's ``max_tasks``. A GPU is
     open to a task with key ``k`` when every task on it has key ``k`` and it has room
     (``NodeCapacity.shared[k]``). A shareable task goes where it uses the fewest free GPUs
     (packing onto open GPUs keeps whole GPUs free for gang tasks and other models), then best

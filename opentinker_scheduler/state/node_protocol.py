@@ -195,6 +195,7 @@ class NodeProtocol:
         del node.telemetry[:]
         node.telemetry.extend(hb.devices)
         node.host = hb.host if hb.HasField("host") else None
+        node.model_hosts = list(hb.model_hosts)
 
     def node_report(self, node: NodeSession, rep: node_pb2.TaskReport) -> bool:
         """Apply a task report. Returns False when refused (unknown task or stale attempt).

@@ -28,6 +28,8 @@ class NodeSession:
     last_heartbeat_time: float = 0.0  # unix seconds
     telemetry: list[common_pb2.DeviceTelemetry] = field(default_factory=list)
     host: common_pb2.HostTelemetry | None = None  # CPU and memory of its host, latest heartbeat
+    #: Its model hosts and their LoRA tenants (``common_pb2.ModelHost``), latest heartbeat.
+    model_hosts: list = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     max_tasks_per_gpu: int = 1  # LoRA tasks on one base model may share a GPU up to this
     # The GPU ledger: task_id -> (attempt, device indices) of everything occupying this node,
@@ -92,7 +94,8 @@ class NodeSession:
             free_gpus=[i for i in range(self.gpu_count) if i not in used],
             accepting=self.connected and not self.draining,
             gpu_share=self.gpu_share(),
-            max_tasks_per_gpu=self.max_tasks_per_gpu,
+            # A node with model hosts shares a GPU among as many LoRA tasks as a host takes.
+            max_tasks_per_gpu=max(self.max_tasks_per_gpu, self.register.tenants_per_host),
         )
 
     def push(self, command: node_pb2.ConnectResponse | None) -> None:

@@ -164,7 +164,7 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    model.save_pretrained(str(tmp))
+    _save_weights(model, tmp)
     adapter_config = tmp / "adapter_config.json"
     if base_model and adapter_config.exists():
         config = json.loads(adapter_config.read_text())
@@ -177,6 +177,22 @@ def save_checkpoint(
         shutil.rmtree(path)
     os.replace(tmp, path)
     return path
+
+
+def _save_weights(model, folder: Path) -> None:
+    """``model.save_pretrained(folder)``; for a PEFT model with several adapters (a model host's
+    tenants, :mod:`opentinker_trainer.host`) only the active one, its files at the top of
+    ``folder`` exactly as a model with that adapter alone writes them (PEFT puts an adapter not
+    named ``default`` in a subfolder of its name)."""
+    adapter = getattr(model, "active_adapter", None) if hasattr(model, "peft_config") else None
+    if adapter is None or adapter == "default":
+        model.save_pretrained(str(folder))
+        return
+    model.save_pretrained(str(folder), selected_adapters=[adapter])
+    sub = folder / adapter
+    for f in sub.iterdir():
+        os.replace(f, folder / f.name)
+    sub.rmdir()
 
 
 def save_step(

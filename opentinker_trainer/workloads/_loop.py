@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Mapping
 
 import structlog
@@ -30,13 +31,18 @@ def run_steps(
     periodic one every ``checkpoint_every`` steps (0 = none). Nothing left to run writes the final
     checkpoint at once; a stop requested before the first step writes nothing.
     ``before_first()`` runs once before the first step of this attempt.
+    Each step and each checkpoint runs inside ``ctx.turn()`` (a model host's tenants take turns
+    on the shared base model; a worker process's context has nothing to wait for).
     """
     # A distributed rank agrees on stopping with the other ranks (a collective at the same points
     # on every rank), so all of them checkpoint after the same step.
     stop = getattr(ctx, "stop_together", ctx.should_stop)
+    # A tenant of a model host steps in turns with its neighbours (WorkerContext.turn).
+    turn = getattr(ctx, "turn", contextlib.nullcontext)
     if done >= total:
         log.info("nothing left to train", task_id=ctx.task_id, step=done, steps=total)
-        save(final=True)
+        with turn():
+            save(final=True)
         return
     if stop():
         log.info("stop requested before the first step", task_id=ctx.task_id, step=done)
@@ -44,18 +50,22 @@ def run_steps(
     if before_first is not None:
         before_first()
     for n in range(done + 1, total + 1):
-        metrics = step(n)
+        with turn():
+            metrics = step(n)
         ctx.emit_metric(n, metrics)
         if log_step is not None:
             log_step(n, metrics)
         if n >= total:
-            save(final=True)
+            with turn():
+                save(final=True)
         elif stop():
             log.info("stop requested: checkpointing", task_id=ctx.task_id, step=n)
-            save(final=False)
+            with turn():
+                save(final=False)
             return
         elif checkpoint_every and n % checkpoint_every == 0:
-            save(final=False)
+            with turn():
+                save(final=False)
 
 
 def run_trainer(

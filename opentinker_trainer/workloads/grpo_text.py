@@ -45,6 +45,7 @@ saved ones are reseeded).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -78,7 +79,12 @@ class _Trainer:
             full_weights=self.full,
             init_checkpoint=str(ctx.init_checkpoint) if ctx.init_checkpoint else None,
         )
-        self.tokenizer, self.model = _lm.load_for_training(ctx, cfg, self.device, dtype, full=self.full)
+        # A tenant of a model host: the host's shared base model with this attempt's own adapter.
+        tenant = getattr(ctx, "tenant", None)
+        if tenant is not None:
+            self.tokenizer, self.model = tenant.attach(cfg)
+        else:
+            self.tokenizer, self.model = _lm.load_for_training(ctx, cfg, self.device, dtype, full=self.full)
         self.stop_ids = _lm.stop_token_ids(self.tokenizer, self.model)
         self.pad_id = int(self.tokenizer.pad_token_id)
         # KL reference: the adapter switched off (LoRA), or a frozen copy of the starting weights
@@ -87,7 +93,9 @@ class _Trainer:
             _lm.frozen_reference(ctx, cfg, self.model, self.device, dtype) if self.full and cfg.kl_coef > 0 else None
         )
         self.has_reference = not self.full or self.ref_model is not None
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = (
+            tenant.parameters() if tenant is not None else [p for p in self.model.parameters() if p.requires_grad]
+        )
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self.env = ArithmeticEnv(ctx.spec.env, self.tokenizer, seed=cfg.seed)
         # Distributed: every rank draws the step's problems from the same environment stream and
@@ -234,4 +242,7 @@ def run(ctx: WorkerContext) -> None:
     Raises:
         UserError: the model cannot be loaded, or the hyper-parameters do not fit it.
     """
-    _Trainer(ctx).run()
+    turn = getattr(ctx, "turn", contextlib.nullcontext)  # a model host's tenant: build it in its turn
+    with turn():
+        trainer = _Trainer(ctx)
+    trainer.run()

@@ -194,6 +194,11 @@ def test_nodes(fake):
             gpus_free=1,
             max_tasks=8,
             running_task_ids=["t1"],
+            model_hosts=[
+                common_pb2.ModelHost(
+                    model="SmolLM2-135M", device_indices=[1], task_ids=["t7", "t8"], pid=4242, max_tenants=8
+                )
+            ],
             devices=[
                 common_pb2.Device(index=0, name="NVIDIA H200", memory_total_bytes=150 * 2**30),
                 common_pb2.Device(index=1, name="NVIDIA H200"),
@@ -225,6 +230,8 @@ def test_nodes(fake):
     assert "87%" in out and "40.0 GiB / 150.0 GiB" in out and "61 C" in out and "1980 MHz" in out
     assert "n/a (NotSupported)" in out
     assert "simulated" in out
+    host_row = next(line for line in out.splitlines() if "SmolLM2-135M" in line)  # the model hosts table
+    assert "2/8" in host_row and "4242" in host_row and "t7 t8" in host_row and "gpu-node-01" in host_row
 
 
 def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:

@@ -1,5 +1,6 @@
-"""GPU sharing: LoRA tasks on the same base model may share a GPU, up to max_tasks_per_gpu and
-within max_tasks; other tasks, other base models and tasks being stopped never share."""
+"""GPU sharing: LoRA tasks on the same base model may share a GPU, up to max_tasks_per_gpu (or
+the tenants a node's model host takes) and within max_tasks; other tasks, other base models and
+tasks being stopped never share."""
 
 from __future__ import annotations
 
@@ -141,3 +142,13 @@ def test_unconfirmed_preemption_times_out_and_is_chosen_again(tmp_path) -> None:
     again = [c.cancel_task for c in drain(node) if c.WhichOneof("command") == "cancel_task"]
     assert [(c.task_id, c.reason) for c in again] == [(low.task_id, "PREEMPTED")]
     assert f"preempting {low.task_id}" in core.pending_reason(high.task_id)
+
+
+def test_a_node_with_model_hosts_shares_a_gpu_among_as_many_tenants(tmp_path) -> None:
+    core = make_core(tmp_path, max_tasks_per_gpu=2)
+    hosts = N.Register(node_id="host-node", devices=[C.Device(index=0)], max_tasks=8, tenants_per_host=5)
+    node, _ = core.node_register(hosts)
+    ts = [core.submit(spec(gpus=1), owner=f"u{i % 3}") for i in range(6)]
+    assert core.schedule() == 5  # the node's tenants per host, not the config's 2
+    assert set(_assigned(node).values()) == {(0,)}
+    assert "free or shareable with LoRA tasks on /models/m" in core.pending_reason(ts[5].task_id)

@@ -72,7 +72,7 @@ class RunningTask(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "version", "devices", "max_tasks", "running", "hostname", "cpu_count", "gpu_note", "finished", "pending", "node_class")
+    __slots__ = ("node_id", "version", "devices", "max_tasks", "running", "hostname", "cpu_count", "gpu_note", "finished", "pending", "node_class", "tenants_per_host")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class Register(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     NODE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_PER_HOST_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.Device]
@@ -95,7 +96,8 @@ class Register(_message.Message):
     finished: _containers.RepeatedCompositeFieldContainer[TaskReport]
     pending: _containers.RepeatedCompositeFieldContainer[TaskReport]
     node_class: str
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., max_tasks: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., gpu_note: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., node_class: _Optional[str] = ...) -> None: ...
+    tenants_per_host: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., max_tasks: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., gpu_note: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., node_class: _Optional[str] = ..., tenants_per_host: _Optional[int] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node_id", "heartbeat_interval", "lease", "gpu_count", "max_tasks", "stale", "report_ack")
@@ -116,18 +118,20 @@ class Registered(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., gpu_count: _Optional[int] = ..., max_tasks: _Optional[int] = ..., stale: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., report_ack: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("time", "devices", "running", "draining", "host")
+    __slots__ = ("time", "devices", "running", "draining", "host", "model_hosts")
     TIME_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_HOSTS_FIELD_NUMBER: _ClassVar[int]
     time: _timestamp_pb2.Timestamp
     devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.DeviceTelemetry]
     running: _containers.RepeatedCompositeFieldContainer[RunningTask]
     draining: bool
     host: _common_pb2.HostTelemetry
-    def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.DeviceTelemetry, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., draining: _Optional[bool] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ...) -> None: ...
+    model_hosts: _containers.RepeatedCompositeFieldContainer[_common_pb2.ModelHost]
+    def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.DeviceTelemetry, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., draining: _Optional[bool] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., model_hosts: _Optional[_Iterable[_Union[_common_pb2.ModelHost, _Mapping]]] = ...) -> None: ...
 
 class TaskReport(_message.Message):
     __slots__ = ("task_id", "attempt", "state", "metrics", "checkpoint", "error", "retryable", "endpoint", "seq")

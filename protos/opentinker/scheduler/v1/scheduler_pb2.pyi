@@ -124,7 +124,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "connected", "devices", "gpu_count", "gpus_free", "max_tasks", "running_task_ids", "telemetry", "last_heartbeat_time", "version", "notes", "host")
+    __slots__ = ("node_id", "connected", "devices", "gpu_count", "gpus_free", "max_tasks", "running_task_ids", "telemetry", "last_heartbeat_time", "version", "notes", "host", "model_hosts")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class Node(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NOTES_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_HOSTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     connected: bool
     devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.Device]
@@ -149,7 +150,8 @@ class Node(_message.Message):
     version: str
     notes: _containers.RepeatedScalarFieldContainer[str]
     host: _common_pb2.HostTelemetry
-    def __init__(self, node_id: _Optional[str] = ..., connected: _Optional[bool] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., gpu_count: _Optional[int] = ..., gpus_free: _Optional[int] = ..., max_tasks: _Optional[int] = ..., running_task_ids: _Optional[_Iterable[str]] = ..., telemetry: _Optional[_Iterable[_Union[_common_pb2.DeviceTelemetry, _Mapping]]] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ...) -> None: ...
+    model_hosts: _containers.RepeatedCompositeFieldContainer[_common_pb2.ModelHost]
+    def __init__(self, node_id: _Optional[str] = ..., connected: _Optional[bool] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., gpu_count: _Optional[int] = ..., gpus_free: _Optional[int] = ..., max_tasks: _Optional[int] = ..., running_task_ids: _Optional[_Iterable[str]] = ..., telemetry: _Optional[_Iterable[_Union[_common_pb2.DeviceTelemetry, _Mapping]]] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., model_hosts: _Optional[_Iterable[_Union[_common_pb2.ModelHost, _Mapping]]] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
     __slots__ = ("nodes",)

@@ -1,0 +1,416 @@
+"""Model host: many LoRA tasks (tenants) on one copy of a base model.
+``python -m opentinker_trainer.host --model M --device D --dtype T``.
+
+The node agent starts one host per (GPU set, base model, dtype) for shareable LoRA work
+(:func:`shareable`) and hands it task attempts instead of starting a worker process for each
+(:mod:`opentinker_trainer.agent`). The host loads the base model once (frozen: no gradients,
+eval mode) and wraps it in one PEFT ``PeftModel``; every tenant is one task attempt with
+
+* its own named adapter on that model (``add_adapter``; the name is ``t<task>-a<attempt>``),
+  freshly initialised from the task's seed, or loaded from its ``resume_from`` / ``init_from``
+  LoRA checkpoint;
+* its own optimizer over that adapter's parameters only (:meth:`Tenant.parameters`);
+* its own RNG streams: the global generators (torch, numpy, Python) are saved when its turn
+  ends and restored when its next turn starts, so it draws exactly what it would draw alone;
+* its own environment, data position, report stamp and checkpoints, written in the same PEFT
+  format as a worker's (only its adapter, files at the top of ``step_<n>``) through the same
+  artifact upload (:func:`opentinker_trainer.worker.prepare`).
+
+Each tenant runs the ordinary trainer (``workloads/grpo_text.py``) in a thread of its own; the
+threads take **turns** on the model (:class:`RoundRobin`): a step, a checkpoint or the adapter's
+creation is one turn, and turns go round in the order tenants asked for them (first come, first
+served, which with every tenant asking again right after its turn is round-robin). Only one turn
+runs at a time, with only that tenant's adapter active, so a tenant's numbers do not depend on
+its neighbours: with a fixed seed its reward curve and final adapter are those of the same task
+alone (tested), up to float rounding. Rollouts are not batched across tenants (one tenant's
+generation per turn); batching several adapters' rows into one forward is future work.
+
+Isolation: an exception in a tenant ends only that tenant (``failed``, retryable unless it is a
+user error); its adapter and optimizer are then freed (``delete_adapter``, garbage collection).
+A crash of the whole process ends all tenants; the agent then reports each attempt failed
+(retryable), and the scheduler requeues each to resume from its own newest checkpoint.
+
+Protocol, JSON lines. Agent to host on stdin:
+``{"op": "add", "assignment": PATH, "checkpoint_dir": PATH}`` (a serialized ``AssignTask``, as a
+worker gets it) and ``{"op": "stop", "task_id": ..., "attempt": ...}`` (checkpoint and stop at
+the next step boundary: cancel, drain, preemption, max_runtime). End of stdin: stop every tenant,
+wait for them, exit. Host to agent on stdout: ``{"type": "host_ready", "pid": ...}`` once the base
+model is loaded, or ``{"type": "host_failed", "error", "retryable"}`` and exit 1; every worker
+report (:mod:`opentinker_trainer.worker`) with ``task_id`` and ``attempt`` added; and
+``{"type": "released", "task_id", "attempt"}`` once a tenant ended and its memory is freed.
+The host dies with the agent (``PR_SET_PDEATHSIG``), like a worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import structlog
+
+from opentinker.node.v1 import node_pb2
+from opentinker_common.logs import configure_logging
+
+from opentinker_trainer._proc import die_with_parent
+from opentinker_trainer.context import UserError
+
+__all__ = ["RoundRobin", "Tenant", "ModelHost", "shareable", "adapter_name"]
+
+log = structlog.get_logger("opentinker.host")
+
+#: ``(workload_type, env kind)`` of tasks a model host runs as tenants.
+SHAREABLE: frozenset[tuple[str, str]] = frozenset({("lora_finetune", "text")})
+
+
+def shareable(assign: node_pb2.AssignTask) -> tuple[str, tuple[int, ...], str] | None:
+    """The host key ``(spec.model, device indices, dtype)`` of ``assign`` when it can run as a
+    tenant of a model host, else None. Shareable: a LoRA GRPO task on a text environment
+    (:data:`SHAREABLE`), one rank (at most one device, no gang), whose base weights are
+    ``spec.model`` (not an ``init_from`` full-weight checkpoint), with a valid spec (an invalid
+    one goes to a worker, which reports the error)."""
+    from opentinker_common.spec import SpecError, env_kind, spec_from_proto
+
+    try:
+        spec = spec_from_proto(assign.spec)
+        kind = (spec.workload_type, env_kind(spec.env))
+    except SpecError:
+        return None
+    if (
+        kind not in SHAREABLE
+        or len(assign.device_indices) > 1
+        or (assign.HasField("gang") and assign.gang.world_size > 1)
+        or assign.init_checkpoint.format == "hf_full"
+    ):
+        return None
+    return (spec.model, tuple(assign.device_indices), str(getattr(spec.hyperparameters, "dtype", "auto")))
+
+
+def adapter_name(task_id: str, attempt: int) -> str:
+    """The adapter name of a tenant: ``t<task id>-a<attempt>`` with characters PEFT module
+    names cannot hold (``.``) replaced."""
+    return f"t{task_id}-a{attempt}".replace(".", "_")
+
+
+class RoundRobin:
+    """Turns on one model, one at a time, in the order they were asked for.
+
+    A tenant that asks again right after its turn queues behind every tenant already waiting,
+    so tenants that keep asking take turns in a fixed cycle (round-robin by steps).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: collections.deque[object] = collections.deque()
+        self._holder: object | None = None
+        #: How many turns ran, for tests and logs.
+        self.turns = 0
+
+    @contextlib.contextmanager
+    def turn(self, who: object) -> Iterator[None]:
+        """Wait for ``who``'s turn, hold it for the ``with`` block."""
+        with self._cond:
+            self._queue.append(who)
+            while self._holder is not None or self._queue[0] is not who:
+                self._cond.wait()
+            self._queue.popleft()
+            self._holder = who
+            self.turns += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holder = None
+                self._cond.notify_all()
+
+
+class Tenant:
+    """One task attempt on a :class:`ModelHost`: its adapter, RNG streams and turn.
+
+    The trainer calls :meth:`attach` (inside a turn) to get the shared model with this tenant's
+    adapter active, and :meth:`parameters` for its optimizer; every later use of the model runs
+    inside :meth:`turn` (``WorkerContext.turn``).
+    """
+
+    def __init__(self, host: "ModelHost", task_id: str, attempt: int) -> None:
+        self.host = host
+        self.task_id = task_id
+        self.attempt = attempt
+        self.name = adapter_name(task_id, attempt)
+        self._rng: dict[str, Any] | None = None
+        self.attached = False
+        self.ctx = None  # its WorkerContext, set by the host
+        self.stop_early = False  # a stop that came before its context existed
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """This tenant's span on the model: its adapter active and its RNG streams in place."""
+        from opentinker_trainer.workloads import _rng
+
+        with self.host.turns.turn(self):
+            if self._rng is not None:
+                _rng.restore_rng_state(self._rng)
+            if self.attached:
+                self.host.model.set_adapter(self.name)
+            try:
+                yield
+            finally:
+                self._rng = _rng.rng_state()
+
+    def attach(self, cfg) -> tuple[Any, Any]:
+        """``(tokenizer, model)``: the host's model with this tenant's adapter added and active.
+
+        A fresh adapter is initialised right after ``torch.manual_seed(cfg.seed)``, as a worker
+        does (``workloads/_lm.py::load_for_training``), so it starts from the same weights; a
+        resumed attempt loads its ``resume_from`` adapter, else an ``init_from`` LoRA adapter.
+        Call it inside :meth:`turn`.
+
+        Raises:
+            UserError: the target modules are not in the model, or a checkpoint is not a
+                complete LoRA adapter of it.
+        """
+        import torch
+
+        from opentinker_trainer.workloads import _lm
+
+        ctx = self.ctx
+        torch.manual_seed(cfg.seed)
+        source, what = None, ""
+        if ctx.resume_from is not None:
+            source, what = ctx.resume_from, "resume_from: checkpoint"
+        elif ctx.init_checkpoint is not None and ctx.init_format == _lm.FORMAT_LORA:
+            source, what = Path(ctx.init_checkpoint), _lm.INIT_WHAT
+        self.host.add_adapter(self.name, cfg, source, what)
+        self.attached = True
+        self.host.model.set_adapter(self.name)
+        return self.host.tokenizer, self.host.model
+
+    def parameters(self) -> list:
+        """This tenant's adapter's parameters (and no other tenant's)."""
+        marker = f".{self.name}."
+        return [p for n, p in self.host.model.named_parameters() if marker in n]
+
+    def detach(self) -> None:
+        """Free this tenant's adapter (its optimizer goes with its trainer)."""
+        if self.attached:
+            with self.host.turns.turn(self):
+                self.host.delete_adapter(self.name)
+            self.attached = False
+
+
+class ModelHost:
+    """One frozen base model and its tenants (see the module docstring).
+
+    Raises:
+        UserError: the base model cannot be loaded (from :func:`opentinker_trainer.workloads._lm.load_model`).
+    """
+
+    def __init__(self, model: str, device: str, dtype: str, out) -> None:
+        import torch
+
+        from opentinker_trainer.workloads import _lm
+
+        self.device = device
+        self.out = out
+        self.lock = threading.Lock()  # one lock for every line on ``out``
+        self.turns = RoundRobin()
+        torch_device = torch.device(device)
+        self.tokenizer, base = _lm.load_model(model, torch_device, _lm.resolve_dtype(dtype, torch_device))
+        base.requires_grad_(False)
+        base.eval()
+        self.base = base
+        self.model = None  # the PeftModel, made with the first adapter
+        self.tenants: dict[tuple[str, int], Tenant] = {}
+        self.threads: dict[tuple[str, int], threading.Thread] = {}
+
+    # --- adapters --------------------------------------------------------------------------
+    def add_adapter(self, name: str, cfg, source: Path | None, what: str) -> None:
+        """Add adapter ``name``: fresh from ``cfg`` (rank, alpha, dropout, targets), or loaded
+        from the PEFT folder ``source`` (checked complete, as ``_lm.load_adapter`` does)."""
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        from opentinker_trainer.lora_keys import unloaded_keys, unloaded_message
+
+        if source is None:
+            config = LoraConfig(
+                r=cfg.lora_rank,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=cfg.lora_dropout,
+                target_modules=list(cfg.target_modules),
+                task_type="CAUSAL_LM",
+            )
+            try:
+                if self.model is None:
+                    self.model = get_peft_model(self.base, config, adapter_name=name)
+                else:
+                    self.model.add_adapter(name, config)
+            except ValueError as exc:
+                raise UserError(f"hyperparameters.target_modules {list(cfg.target_modules)}: {exc}") from exc
+            return
+        if self.model is None:
+            self.model = PeftModel.from_pretrained(self.base, str(source), adapter_name=name, is_trainable=True)
+        else:
+            self.model.load_adapter(str(source), adapter_name=name, is_trainable=True)
+        try:
+            missing, not_loaded = unloaded_keys(self.model, name, source)
+        except FileNotFoundError as exc:
+            self.delete_adapter(name)
+            raise UserError(f"{what} {source} is not a PEFT LoRA adapter: {exc}") from None
+        if missing or not_loaded:
+            self.delete_adapter(name)
+            raise UserError(f"{what} {source}: {unloaded_message(missing, not_loaded)}")
+
+    def delete_adapter(self, name: str) -> None:
+        if self.model is not None and name in self.model.peft_config:
+            self.model.delete_adapter(name)
+        gc.collect()
+
+    # --- tenants ---------------------------------------------------------------------------
+    def emit(self, kind: str, **payload: Any) -> None:
+        line = json.dumps({"type": kind, "time": time.time(), **payload}, allow_nan=False)
+        with self.lock:
+            self.out.write(line + "\n")
+            self.out.flush()
+
+    def add(self, assignment: Path, checkpoint_dir: Path) -> None:
+        """Start a tenant for the ``AssignTask`` in file ``assignment`` (a duplicate is ignored)."""
+        assign = node_pb2.AssignTask.FromString(Path(assignment).read_bytes())
+        key = (assign.task_id, assign.attempt)
+        if key in self.tenants:
+            return
+        tenant = Tenant(self, assign.task_id, assign.attempt)
+        self.tenants[key] = tenant
+        thread = threading.Thread(
+            target=self._run_tenant, args=(tenant, assign, Path(checkpoint_dir)), name=tenant.name, daemon=True
+        )
+        self.threads[key] = thread
+        thread.start()
+
+    def stop(self, task_id: str, attempt: int) -> None:
+        """Ask a tenant to checkpoint and stop at its next step boundary."""
+        tenant = self.tenants.get((task_id, int(attempt)))
+        if tenant is not None and tenant.ctx is not None:
+            tenant.ctx.request_stop()
+        elif tenant is not None:
+            tenant.stop_early = True
+
+    def stop_all(self) -> None:
+        for task_id, attempt in list(self.tenants):
+            self.stop(task_id, attempt)
+
+    def _run_tenant(self, tenant: Tenant, assign: node_pb2.AssignTask, checkpoint_dir: Path) -> None:
+        from opentinker_trainer.worker import execute, prepare
+
+        structlog.contextvars.bind_contextvars(task_id=assign.task_id, attempt=assign.attempt)
+        bound = log.bind(task_id=assign.task_id, attempt=assign.attempt, adapter=tenant.name)
+        stamp = {"task_id": assign.task_id, "attempt": assign.attempt}
+        try:
+            ctx = prepare(
+                assign, checkpoint_dir, self.device, self.out, bound, stamp=stamp, tenant=tenant, _lock=self.lock
+            )
+            if ctx is not None:
+                tenant.ctx = ctx
+                if tenant.stop_early:
+                    ctx.request_stop()
+                bound.info("tenant joined", tenants=len(self.tenants))
+                execute(ctx, assign, self.device, bound)
+        except Exception as exc:  # noqa: BLE001 - never let one tenant take the host down
+            bound.error("tenant failed outside its trainer", error=repr(exc))
+            self.emit("failed", error=f"{type(exc).__name__}: {exc}", retryable=True, **stamp)
+        finally:
+            tenant.ctx = None
+            try:
+                tenant.detach()
+            finally:
+                del self.tenants[(assign.task_id, assign.attempt)]
+                self.threads.pop((assign.task_id, assign.attempt), None)
+                gc.collect()
+                bound.info("tenant released", tenants=len(self.tenants))
+                self.emit("released", **stamp)
+
+    def join(self) -> None:
+        for thread in list(self.threads.values()):
+            thread.join()
+
+
+#: ``mallopt`` parameter number of ``M_ARENA_MAX`` (glibc ``malloc.h``).
+_M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas(n: int = 2) -> bool:
+    """Cap glibc's malloc arenas at ``n`` (``mallopt(M_ARENA_MAX, n)``; False where that is not
+    glibc). glibc gives each thread that allocates its own arena, up to 8 per core, and memory
+    freed in one is not reused by another: tenant threads that take turns would each keep a
+    step's worth of activations resident. Tenants never run at once, so a couple of shared arenas
+    cost no contention."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_ARENA_MAX, int(n)))
+    except (OSError, AttributeError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="opentinker-model-host")
+    parser.add_argument("--model", required=True, help="base model: a folder or hub id (spec.model)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (hyperparameters.dtype)")
+    args = parser.parse_args(argv)
+    os.umask(0o077)
+    limit_malloc_arenas()  # before any tenant thread allocates
+    configure_logging()
+    structlog.contextvars.bind_contextvars(node_id=os.environ.get("OPENTINKER_NODE_ID", ""), host_pid=os.getpid())
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    started = time.perf_counter()
+    try:
+        host = ModelHost(args.model, args.device, args.dtype, out)
+    except UserError as exc:
+        json.dump({"type": "host_failed", "error": str(exc), "retryable": False}, out)
+        out.write("\n")
+        out.flush()
+        return 1
+    except Exception as exc:  # noqa: BLE001 - reported to the agent, which fails the attempts waiting
+        json.dump({"type": "host_failed", "error": f"{type(exc).__name__}: {exc}", "retryable": True}, out)
+        out.write("\n")
+        out.flush()
+        return 1
+    log.info("model host ready", model=args.model, device=args.device, load_s=round(time.perf_counter() - started, 2))
+    host.emit("host_ready", pid=os.getpid(), model=args.model)
+    signal.signal(signal.SIGTERM, lambda *_: host.stop_all())
+    for line in sys.stdin:
+        try:
+            msg = json.loads(line)
+            op = msg["op"]
+            if op == "add":
+                host.add(Path(msg["assignment"]), Path(msg["checkpoint_dir"]))
+            elif op == "stop":
+                host.stop(str(msg["task_id"]), int(msg["attempt"]))
+            else:
+                log.warning("unknown op from the agent", op=op)
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            log.warning("unreadable line from the agent", error=repr(exc), line=line[:200])
+    host.stop_all()
+    host.join()
+    log.info("model host exiting: its agent closed the channel")
+    return 0
+
+
+if __name__ == "__main__":
+    die_with_parent()
+    sys.exit(main())
