@@ -107,7 +107,8 @@ def test_owners_tasks_share_one_host_survive_its_kill9_and_cancel_alone(tmp_path
             node_key,
         )
         clients = {o: RLClient(cluster.url, api_key=k, min_poll_interval=0) for o, k in keys.items()}
-        wait_for(lambda: clients["alice"].list_nodes(), what="the node connected")
+        admin = RLClient(cluster.url, api_key=cluster.admin_key(), min_poll_interval=0)  # ListNodes is for admins
+        wait_for(lambda: admin.list_nodes(), what="the node connected")
         tasks: dict[str, str] = {}  # task id -> owner
         for owner in OWNERS:
             for _ in range(2):
@@ -125,7 +126,7 @@ def test_owners_tasks_share_one_host_survive_its_kill9_and_cancel_alone(tmp_path
         (host,) = _hosts(trainer.pid)
         # ListNodes (and `opentinker nodes`) show the host, its base model and tenants.
         shown = wait_for(
-            lambda: [h for n in clients["alice"].list_nodes() for h in n.model_hosts if len(h.task_ids) == len(tasks)],
+            lambda: [h for n in admin.list_nodes() for h in n.model_hosts if len(h.task_ids) == len(tasks)],
             what="the model host in ListNodes",
         )
         assert shown[0].pid == host and shown[0].model == str(tiny_model_dir) and set(shown[0].task_ids) == set(tasks)
@@ -173,7 +174,7 @@ def test_owners_tasks_share_one_host_survive_its_kill9_and_cancel_alone(tmp_path
         assert {e["task_id"] for e in resumed} == set(tasks)
         # No tenant left: the host exits after --host-idle, freeing its memory.
         wait_for(lambda: not _hosts(trainer.pid), what="the idle model host exits")
-        for c in clients.values():
+        for c in [*clients.values(), admin]:
             c.close()
     finally:
         cluster.close()
