@@ -1,4 +1,4 @@
-"""Uploaded datasets: JSONL chat examples for ``sft``, validated on arrival, stored by content.
+"""Uploaded datasets: JSONL chat examples for ``sft`` or RL prompts, validated on arrival, stored by content.
 
 Layout under ``<state_dir>/datasets``: ``<hex>.jsonl`` (the bytes as uploaded) and
 ``<hex>.json`` (name, size, example count), where ``<hex>`` is the file's SHA-256; the dataset id
@@ -6,9 +6,12 @@ is ``sha256:<hex>``. An upload is written to a temporary file in the same folder
 are checked and its hash computed, and renamed into place only when it is complete and valid:
 nothing half-written is ever visible, and the same bytes uploaded twice are stored once.
 
-The line rules are :func:`opentinker_common.spec.sft.parse_chat_line` (shared with the client
-and the trainer). Errors are the scheduler's domain errors (``InvalidArgument`` naming the line,
-``ResourceExhausted``, ``NotFound``), which the servicer maps to gRPC status codes.
+The line rules are :func:`opentinker_common.spec.sft.parse_chat_line` for the ``chat`` format
+and :func:`opentinker_common.spec.prompts.parse_prompt_line` for ``prompts`` (both shared with
+the client and the trainer); the metadata records every format the bytes passed as
+(``formats``), so the same file uploaded as both is stored once and usable as either. Errors are
+the scheduler's domain errors (``InvalidArgument`` naming the line, ``ResourceExhausted``,
+``NotFound``), which the servicer maps to gRPC status codes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import AsyncIterable, Iterable, Iterator
 
 from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_common.spec.prompts import DATASET_FORMATS, parse_prompt_line
 from opentinker_common.spec.sft import MAX_LINE_BYTES, DatasetError, is_dataset_id, parse_chat_line
 
 from opentinker_scheduler.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -58,10 +62,12 @@ def validate_chat_jsonl(lines: Iterable[str | bytes]) -> int:
 class LineValidator:
     """Checks a JSONL byte stream line by line as chunks arrive (lines may span chunks).
 
-    Holds at most one partial line (bounded by ``MAX_LINE_BYTES``) in memory.
+    Holds at most one partial line (bounded by ``MAX_LINE_BYTES``) in memory. ``format``:
+    ``chat`` (sft examples) or ``prompts`` (RL prompts).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, format: str = "chat") -> None:
+        self.parse = parse_prompt_line if format == "prompts" else parse_chat_line
         self.lineno = 0
         self.examples = 0
         self._partial = bytearray()
@@ -74,7 +80,7 @@ class LineValidator:
         """
         self.lineno += 1
         try:
-            if parse_chat_line(raw.rstrip(b"\r"), self.lineno) is not None:
+            if self.parse(raw.rstrip(b"\r"), self.lineno) is not None:
                 self.examples += 1
         except DatasetError as exc:
             raise InvalidArgument(f"dataset {exc}") from None
@@ -129,10 +135,11 @@ class DatasetUpload:
     total_bytes: int
     tmp: Path
     received: int = 0
+    format: str = "chat"
 
     def __post_init__(self) -> None:
         self._hash = hashlib.sha256()
-        self._check = LineValidator()
+        self._check = LineValidator(self.format)
         self._fh = open(self.tmp, "wb")  # noqa: SIM115 - closed in commit/abort
 
     def write(self, chunk: bytes) -> None:
@@ -165,15 +172,36 @@ class DatasetUpload:
         self._fh.close()
         hex_ = self._hash.hexdigest()
         info = scheduler_pb2.DatasetInfo(
-            dataset_id=f"sha256:{hex_}", name=self.name, size_bytes=self.received, num_examples=examples
+            dataset_id=f"sha256:{hex_}",
+            name=self.name,
+            size_bytes=self.received,
+            num_examples=examples,
+            format=self.format,
         )
+        meta = self.store.root / f"{hex_}.json"
         existing = self.store.info(info.dataset_id, missing_ok=True)
         if existing is not None:
             self.tmp.unlink(missing_ok=True)
+            formats = self.store.formats(info.dataset_id)
+            if self.format not in formats:  # the same bytes, now checked as this format too
+                m = json.loads(meta.read_text())
+                m["formats"] = [*formats, self.format]
+                meta_tmp = meta.with_name(f".{hex_}.{secrets.token_hex(4)}.json.tmp")
+                meta_tmp.write_text(json.dumps(m))
+                os.replace(meta_tmp, meta)
+            existing.format = self.format
             return existing
-        meta = self.store.root / f"{hex_}.json"
         meta_tmp = self.tmp.with_suffix(".json.tmp")
-        meta_tmp.write_text(json.dumps({"name": self.name, "size_bytes": self.received, "num_examples": examples}))
+        meta_tmp.write_text(
+            json.dumps(
+                {
+                    "name": self.name,
+                    "size_bytes": self.received,
+                    "num_examples": examples,
+                    "formats": [self.format],
+                }
+            )
+        )
         os.replace(self.tmp, self.store.root / f"{hex_}.jsonl")
         os.replace(meta_tmp, meta)  # the metadata last: a dataset counts as stored once it exists
         return info
@@ -201,13 +229,17 @@ class DatasetStore:
         for stale in self.root.glob("upload-*"):
             stale.unlink(missing_ok=True)
 
-    def begin(self, name: str, total_bytes: int) -> DatasetUpload:
-        """Start an upload of ``total_bytes`` bytes.
+    def begin(self, name: str, total_bytes: int, format: str = "chat") -> DatasetUpload:
+        """Start an upload of ``total_bytes`` bytes whose lines are checked as ``format``
+        (``chat``, the default, or ``prompts``; ``""`` means ``chat``).
 
         Raises:
-            InvalidArgument: a bad name or size.
+            InvalidArgument: a bad name, size or format.
             ResourceExhausted: ``total_bytes`` is over the limit.
         """
+        format = format or "chat"
+        if format not in DATASET_FORMATS:
+            raise InvalidArgument(f"format: expected one of {', '.join(DATASET_FORMATS)}, got {format[:40]!r}")
         if not isinstance(name, str) or len(name) > _NAME_MAX or any(c in name for c in "\n\r\0"):
             raise InvalidArgument(f"name: expected at most {_NAME_MAX} characters on one line, got {name[:40]!r}")
         if total_bytes <= 0:
@@ -219,7 +251,7 @@ class DatasetStore:
             raise ResourceExhausted(
                 f"total_bytes: {total_bytes} bytes is over this scheduler's dataset limit of {self.max_bytes} bytes"
             )
-        return DatasetUpload(self, name, total_bytes, self.root / f"upload-{secrets.token_hex(8)}.part")
+        return DatasetUpload(self, name, total_bytes, self.root / f"upload-{secrets.token_hex(8)}.part", format=format)
 
     def path(self, dataset_id: str) -> Path:
         """The stored file of ``dataset_id``.
@@ -247,8 +279,35 @@ class DatasetStore:
             raise NotFound(f"dataset {dataset_id} not found (upload it first with UploadDataset)")
         m = json.loads(meta.read_text())
         return scheduler_pb2.DatasetInfo(
-            dataset_id=dataset_id, name=m["name"], size_bytes=m["size_bytes"], num_examples=m["num_examples"]
+            dataset_id=dataset_id,
+            name=m["name"],
+            size_bytes=m["size_bytes"],
+            num_examples=m["num_examples"],
+            format=m.get("formats", ["chat"])[0],
         )
+
+    def formats(self, dataset_id: str) -> list[str]:
+        """The formats ``dataset_id``'s lines passed as at upload (a dataset stored before formats
+        existed is ``chat``); empty when there is no such dataset."""
+        if not self.exists(dataset_id):
+            return []
+        meta = self.root / f"{dataset_id.removeprefix('sha256:')}.json"
+        return list(json.loads(meta.read_text()).get("formats", ["chat"]))
+
+    def head(self, dataset_id: str, max_lines: int, max_bytes: int = 8 * 1024 * 1024) -> list[bytes]:
+        """The first ``max_lines`` lines of ``dataset_id`` (newlines stripped), reading at most
+        ``max_bytes`` bytes (the sample checked at submit).
+
+        Raises:
+            InvalidArgument, NotFound: as :meth:`path`.
+        """
+        lines: list[bytes] = []
+        read = 0
+        with open(self.path(dataset_id), "rb") as fh:
+            while len(lines) < max_lines and read < max_bytes and (raw := fh.readline(max_bytes - read)):
+                read += len(raw)
+                lines.append(raw.rstrip(b"\r\n"))
+        return lines
 
     def exists(self, dataset_id: str) -> bool:
         """True when ``dataset_id`` is a stored dataset (False for ids of the wrong shape too)."""
@@ -280,9 +339,9 @@ async def receive_upload(
     try:
         async for req in requests:
             if upload is None:
-                upload = store.begin(req.name, req.total_bytes)
-            elif req.name or req.total_bytes:
-                raise InvalidArgument("name, total_bytes: expected only in the first message of the stream")
+                upload = store.begin(req.name, req.total_bytes, req.format)
+            elif req.name or req.total_bytes or req.format:
+                raise InvalidArgument("name, total_bytes, format: expected only in the first message of the stream")
             if req.chunk:
                 upload.write(req.chunk)
         if upload is None:
