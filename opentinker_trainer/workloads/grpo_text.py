@@ -298,7 +298,7 @@ class _Trainer:
             return {}
         if self.dp is not None and self.dp.rank != 0:
             return {}
-        return {f"{k}_start": v for k, v in self.evaluate().items() if k != "eval/prompts"}
+        return {f"{k}_start": v for k, v in self.evaluate(updates=0).items() if k != "eval/prompts"}
 
     def env_metrics(self) -> dict[str, float]:
         if not isinstance(self.env, PromptsEnv):
@@ -307,18 +307,19 @@ class _Trainer:
         every = self.env.config.eval_every
         if self.env.eval_problems and ((every and self.step % every == 0) or self.step == self.cfg.steps):
             if self.dp is None or self.dp.rank == 0:  # only rank 0 reports
-                out.update(self.evaluate())
+                out.update(self.evaluate(updates=self.step))
         if self.client_reward is not None:  # this step's calls, the evaluation's included
             out.update(self.client_reward.take_counts())
         return out
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, updates: int) -> dict[str, float]:
         """Greedy replies to the held-out prompts (``max_new_tokens`` each), scored by the reward.
 
         Returns ``eval/accuracy`` (share judged right: the verifier alone gives 1.0; for a
         client reward, reward >= ``eval_threshold``), ``eval/reward`` (mean reward, verifier and
-        shaping terms; missing client rewards left out), ``eval/prompts``.
+        shaping terms; missing client rewards left out), ``eval/prompts``. ``updates``: how many
+        steps the model has been trained for (for the log line).
         """
         env: PromptsEnv = self.env
         problems = env.eval_problems
@@ -348,6 +349,7 @@ class _Trainer:
         out = {"eval/accuracy": sum(right) / len(problems), "eval/prompts": float(len(problems))}
         if got:  # none when every client reward of the evaluation is missing
             out["eval/reward"] = sum(got) / len(got)
+        log.info("eval", task_id=self.ctx.task_id, updates=updates, accuracy=round(out["eval/accuracy"], 4))
         return out
 
     # --- the loop -------------------------------------------------------------------------------

@@ -155,3 +155,18 @@ def test_a_client_reward_that_times_out_counts_as_a_failure(tiny_model_dir, tmp_
         release.set()
     assert [m["step"] for m in reports(ctx, "metric")] == [1]
     assert time.monotonic() - t0 < 30  # it did not wait for the hung function
+
+
+def test_full_weight_grpo_runs_on_a_prompt_dataset(tiny_model_dir, tmp_path, dataset) -> None:
+    ctx = worker_ctx(
+        tmp_path,
+        "full",
+        workload_type="full_rl",
+        model=tiny_model_dir,
+        env_config={"env_id": "prompts", "path": str(dataset), "eval_fraction": 0.25},
+        hyperparameters={"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3},
+    )
+    grpo_text.run(ctx)
+    (m,) = [m["values"] for m in reports(ctx, "metric")]
+    assert m["eval/prompts"] == 2.0 and 0.0 <= m["eval/accuracy_start"] <= 1.0 and "eval/accuracy" in m
+    assert [c["format"] for c in reports(ctx, "checkpoint")] == ["hf_full"]
