@@ -22,7 +22,7 @@ the trainer gets (environment.proto, ``Score``):
 
 * a finite number -> that reward; ``NaN``, an infinity, ``None`` or a non-number (``"0.5"``, a
   list) -> no reward for that item, with the reason (the trainer counts it missing);
-* ``fn`` raising -> ``UNKNOWN`` ``"reward raised ValueError: <text>"``: no reward for the batch;
+* ``fn`` raising -> ``UNKNOWN`` ``"<fn's name> raised ValueError: <text>"``: no reward for the batch;
 * a result that is not a list of one value per item -> ``INTERNAL`` saying what came back;
 * no token or another token -> ``UNAUTHENTICATED`` before ``fn`` runs.
 
