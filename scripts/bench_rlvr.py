@@ -6,7 +6,9 @@ or three steps, numeric answers, fixed seed; nothing downloaded), then runs ``lo
 (LoRA GRPO) on them in this process exactly as a trainer worker would (same code, same metrics),
 twice on the same data and seed:
 
-* ``numeric``: the built-in numeric verifier (last number / ``\\boxed{}`` / ``####``);
+* ``numeric``: the built-in numeric verifier (last number / ``\\boxed{}`` / ``####``), plus a
+  format term (0.5 when the reply is just a number; shaping only: ``eval/accuracy`` counts the
+  verifier alone);
 * ``client``: the same score computed client-side — a Python function served from this process
   by a :class:`~opentinker_client.hosting.reward.RewardServer` (real gRPC on loopback, access
   token) and called by the trainer over ``EnvironmentService.Score``.
@@ -39,11 +41,20 @@ sys.path.insert(0, str(ROOT / "scripts"))
 DEFAULT_MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 
 
-def client_reward(prompts, completions, metadata):
-    """The client-side reward: the numeric verifier, run in this process (as a user's own code)."""
-    from opentinker_common.verifiers import numeric
+#: A reply that is just a number: the format term's pattern (a small bonus, not counted as accuracy).
+JUST_A_NUMBER = r"^\s*-?[0-9][0-9,]*(\.[0-9]+)?\s*\.?\s*$"
 
-    return [numeric(c, m["answer"]) for c, m in zip(completions, metadata)]
+
+def client_reward(prompts, completions, metadata):
+    """The client-side reward: the same numeric verifier and format term, run in this process (as
+    a user's own code would)."""
+    from opentinker_common.verifiers import Term, make_reward
+
+    score = make_reward("numeric", {}, terms=[Term("format", FORMAT_WEIGHT, {"pattern": JUST_A_NUMBER})])
+    return [score(c, m["answer"]) for c, m in zip(completions, metadata)]
+
+
+FORMAT_WEIGHT = 0.5
 
 
 def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
@@ -54,7 +65,8 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
 
     server = RewardServer(client_reward).start() if mode == "client" else None
     try:
-        reward = server.reward_config if server else {"verifier": "numeric"}
+        terms = [{"kind": "format", "weight": FORMAT_WEIGHT, "pattern": JUST_A_NUMBER}]
+        reward = server.reward_config if server else {"verifier": "numeric", "terms": terms}
         env = {
             "env_id": "prompts",
             "path": str(data),
@@ -63,6 +75,7 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
             "max_eval_prompts": args.eval_prompts,
             "eval_every": args.eval_every,
             "seed": args.seed,
+            "system_prompt": args.system_prompt or None,
         }
         hp = {
             "steps": args.steps,
@@ -116,15 +129,16 @@ def main() -> int:
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--only", choices=("numeric", "client"), action="append", help="run only this (repeatable)")
     ap.add_argument("-n", type=int, default=3000, help="word problems generated")
-    ap.add_argument("--eval-prompts", type=int, default=64, help="held-out problems scored per evaluation")
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--eval-every", type=int, default=6)
+    ap.add_argument("--eval-prompts", type=int, default=32, help="held-out problems scored per evaluation")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--prompts-per-step", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=12)
-    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=0.5)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--system-prompt", default="Reply with only the final number.")
     args = ap.parse_args()
 
     import torch

@@ -40,7 +40,7 @@ def _pick(rng: random.Random) -> tuple[str, str, str]:
 
 def buy_then_give(rng: random.Random) -> tuple[str, int, int]:
     name, thing, _ = _pick(rng)
-    a, b = rng.randint(2, 20), rng.randint(2, 20)
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
     c = rng.randint(1, a + b - 1)
     text = (
         f"{name} has {a} {thing}. {name} buys {b} more and then gives {c} to a friend. "
@@ -51,7 +51,7 @@ def buy_then_give(rng: random.Random) -> tuple[str, int, int]:
 
 def groups_then_give(rng: random.Random) -> tuple[str, int, int]:
     name, thing, box = _pick(rng)
-    n, k = rng.randint(2, 6), rng.randint(2, 6)
+    n, k = rng.randint(2, 4), rng.randint(2, 4)
     c = rng.randint(1, n * k - 1)
     text = (
         f"{name} has {n} {box} with {k} {thing} in each. {name} gives away {c} {thing}. "
@@ -62,8 +62,8 @@ def groups_then_give(rng: random.Random) -> tuple[str, int, int]:
 
 def share_equally(rng: random.Random) -> tuple[str, int, int]:
     name, thing, _ = _pick(rng)
-    friends, each = rng.randint(2, 5), rng.randint(2, 6)
-    extra = rng.randint(1, 10)
+    friends, each = rng.randint(2, 4), rng.randint(2, 5)
+    extra = rng.randint(1, friends * each - 1)
     total = friends * each
     text = (
         f"{name} has {total - extra} {thing} and finds {extra} more. {name} shares all of them equally among "
@@ -75,15 +75,15 @@ def share_equally(rng: random.Random) -> tuple[str, int, int]:
 def two_people(rng: random.Random) -> tuple[str, int, int]:
     a, b = rng.sample(NAMES, 2)
     thing = rng.choice(THINGS)
-    x, more = rng.randint(2, 15), rng.randint(1, 10)
+    x, more = rng.randint(2, 9), rng.randint(1, 5)
     text = f"{a} has {x} {thing}. {b} has {more} more {thing} than {a}. How many {thing} do they have together?"
     return text, x + (x + more), 2
 
 
 def price_change(rng: random.Random) -> tuple[str, int, int]:
     name, thing, _ = _pick(rng)
-    n, price = rng.randint(2, 6), rng.randint(2, 9)
-    paid = n * price + rng.randint(0, 10)
+    n, price = rng.randint(2, 4), rng.randint(2, 5)
+    paid = n * price + rng.randint(0, 9)
     paid = max(paid, n * price)
     text = (
         f"{name} buys {n} {thing} at {price} dollars each and pays with {paid} dollars. "
@@ -94,8 +94,8 @@ def price_change(rng: random.Random) -> tuple[str, int, int]:
 
 def three_steps(rng: random.Random) -> tuple[str, int, int]:
     name, thing, box = _pick(rng)
-    n, k = rng.randint(2, 5), rng.randint(2, 5)
-    more, c = rng.randint(1, 10), rng.randint(1, 5)
+    n, k = rng.randint(2, 4), rng.randint(2, 4)
+    more, c = rng.randint(1, 5), rng.randint(1, 5)
     text = (
         f"{name} has {n} {box} of {k} {thing}. {name} gets {more} more {thing}, then eats or loses {c}. "
         f"How many {thing} are left?"
@@ -106,7 +106,7 @@ def three_steps(rng: random.Random) -> tuple[str, int, int]:
 def double_then_add(rng: random.Random) -> tuple[str, int, int]:
     a, b = rng.sample(NAMES, 2)
     thing = rng.choice(THINGS)
-    x, y, z = rng.randint(2, 12), rng.randint(1, 9), rng.randint(1, 9)
+    x, y, z = rng.randint(2, 6), rng.randint(1, 5), rng.randint(1, 5)
     text = (
         f"{a} has {x} {thing}. {b} has twice as many as {a}, then {b} gets {y} more and gives {z} back to {a}. "
         f"How many {thing} does {b} have now?"
