@@ -12,7 +12,7 @@ HTTP_PORT ?= 8889
 SCHEDULER_URL ?= http://localhost:$(PORT)
 NODE_ID ?= $(shell hostname)-trainer
 
-.PHONY: install test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-ha bench-distributed bench-multitenant gpu-check clean
+.PHONY: install test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant gpu-check clean
 
 # Stamp files make `install` a no-op when already done.
 install: $(VENV)/.installed $(MODEL_DIR)/config.json
@@ -143,6 +143,11 @@ bench-sft: install
 
 bench-lm-game: install
 	$(PY) scripts/bench_lm_game.py
+
+# RL with a verifiable reward on generated word problems: held-out accuracy before/after LoRA GRPO,
+# the numeric verifier and the same score computed client-side (docs/rlvr.md). Options: BENCH_ARGS="--steps 8".
+bench-rlvr: install
+	OMP_NUM_THREADS=2 $(PY) scripts/bench_rlvr.py $(BENCH_ARGS)
 
 # Distributed tasks: throughput of world size 1 and 2 (gloo ranks on the CPUs).
 bench-distributed: install

@@ -32,6 +32,7 @@ from opentinker_client.config import TaskConfig, load_task_config
 from opentinker_client.connection import SchedulerConnection
 from opentinker_client.environment import Environment
 from opentinker_client.errors import InvalidArgumentError
+from opentinker_client.hosting.reward import RewardFn, RewardServer
 from opentinker_client.hosting.server import EnvironmentServer
 from opentinker_client.inference import InferenceClient
 from opentinker_client.keys import KeyAdmin
@@ -323,8 +324,9 @@ class RLClient:
         else:
             config = load_task_config(config_or_path)
         config.check()
-        if config.dataset:  # sft: upload the local file first, then name it by its id
-            info = self.upload_dataset(config.dataset)
+        if config.dataset:  # sft or prompts: upload the local file first, then name it by its id
+            env_id = config.env.get("env_id", "chat_jsonl")
+            info = self.upload_dataset(config.dataset, format="prompts" if env_id == "prompts" else "chat")
             config = dataclasses.replace(
                 config, env={"env_id": "chat_jsonl", **config.env, "dataset_id": info.dataset_id}, dataset=""
             )
@@ -539,10 +541,17 @@ class RLClient:
     # -- datasets and checkpoints -------------------------------------------------------------
 
     def upload_dataset(
-        self, path: str | os.PathLike[str], *, name: str | None = None, timeout: float | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        timeout: float | None = None,
+        format: str = "chat",
     ) -> DatasetInfo:
         """Upload a JSONL file of chat examples for ``sft`` tasks (one
-        ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line), streamed in 1 MiB chunks.
+        ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line), or with
+        ``format="prompts"`` of prompts for RL (one ``{"prompt": ..., "answer": ...}`` per line,
+        docs/rlvr.md), streamed in 1 MiB chunks.
 
         The scheduler checks every line while it arrives and stores the file by content, so
         uploading the same bytes twice returns the same id and stores them once. Name it in a
@@ -553,6 +562,9 @@ class RLClient:
             path: the local file.
             name: a name for people (default: the file name).
             timeout: seconds for the whole upload (default: none).
+            format: ``chat`` (sft examples) or ``prompts`` (RL prompts,
+                :func:`opentinker_common.spec.prompts.parse_prompt_line`); name a ``prompts``
+                dataset with ``env_config={"env_id": "prompts", "dataset_id": ..., "reward": ...}``.
 
         Returns:
             :class:`~opentinker_client.types.DatasetInfo` (``dataset_id`` ``sha256:<hex>``,
@@ -565,7 +577,7 @@ class RLClient:
             ResourceExhaustedError: larger than the scheduler's limit (256 MiB by default).
             UnavailableError: the scheduler cannot be reached.
         """
-        return self._data.upload_dataset(path, name=name, timeout=timeout)
+        return self._data.upload_dataset(path, name=name, timeout=timeout, format=format)
 
     def upload_adapter(
         self,
@@ -680,6 +692,68 @@ class RLClient:
             tls_cert=tls_cert,
             tls_key=tls_key,
             tls_ca=tls_ca,
+        )
+        return self._serving.host(server)
+
+    def serve_reward(
+        self,
+        fn: RewardFn,
+        *,
+        host: str | None = None,
+        port: int = 0,
+        advertise_host: str | None = None,
+        token: str | None = None,
+        require_token: bool = True,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
+        timeout_s: float = 30.0,
+        grace_s: float = 30.0,
+        max_consecutive_failures: int = 3,
+    ) -> RewardServer:
+        """Serve a reward function from this process to trainers (a client-hosted reward) and
+        return the started :class:`~opentinker_client.hosting.reward.RewardServer`; a ``prompts``
+        task names it with ``env_config["reward"] = server.reward_config``::
+
+            def reward(prompts, completions, metadata):
+                return [float(str(m["answer"]) in c) for c, m in zip(completions, metadata)]
+
+            with client.serve_reward(reward) as server:
+                task_id = client.submit_task(workload_type="lora_finetune", env_config={
+                    "env_id": "prompts", "dataset_id": info.dataset_id, "reward": server.reward_config})
+                client.wait(task_id)
+
+        ``fn(prompts, completions, metadata)`` gets lists of equal length (the prompt as text, the
+        model's reply, the dataset line's other fields) and returns one number per item; the
+        missing-reward policy (NaN, a non-number, raising, timing out) is in
+        :mod:`opentinker_client.hosting.reward`. The server stops on leaving the ``with`` block,
+        on ``server.stop()`` or on :meth:`close`.
+
+        Args:
+            host, port, advertise_host, token, require_token, tls_cert, tls_key, tls_ca: as for
+                :meth:`serve_environment`.
+            timeout_s: seconds the trainer waits for one batch to be scored.
+            grace_s: seconds the trainer retries while this server is unreachable.
+            max_consecutive_failures: failed calls in a row after which the task ends FAILED.
+
+        Raises:
+            InvalidArgumentError: ``fn`` not callable, a bad token, TLS file or option.
+            OSError: the port cannot be bound.
+        """
+        self._connection.check_open()
+        server = RewardServer(
+            fn,
+            host=host,
+            port=port,
+            advertise_host=advertise_host,
+            token=token,
+            require_token=require_token,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_ca=tls_ca,
+            timeout_s=timeout_s,
+            grace_s=grace_s,
+            max_consecutive_failures=max_consecutive_failures,
         )
         return self._serving.host(server)
 

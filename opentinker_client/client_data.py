@@ -15,6 +15,7 @@ from opentinker_client._convert import checkpoint_from_proto, dataset_from_proto
 from opentinker_client.connection import SchedulerConnection
 from opentinker_client.errors import InvalidArgumentError, OpenTinkerError
 from opentinker_client.types import CheckpointInfo, DatasetInfo, TaskInfo
+from opentinker_common.spec.prompts import DATASET_FORMATS, parse_prompt_line
 from opentinker_common.spec.sft import MAX_LINE_BYTES, DatasetError, parse_chat_line
 
 __all__ = ["DataCalls", "UPLOAD_CHUNK_BYTES"]
@@ -31,8 +32,9 @@ def _safe_relative(path: str) -> PurePosixPath:
     return p
 
 
-def _check_dataset_file(path: str) -> None:
-    """Check every line of a chat JSONL file with the scheduler's own rules before uploading it.
+def _check_dataset_file(path: str, format: str = "chat") -> None:
+    """Check every line of a JSONL file (``format`` ``chat`` or ``prompts``) with the scheduler's
+    own rules before uploading it.
 
     Raises:
         InvalidArgumentError: ``path:line:column: expected ...`` (the column where JSON syntax is
@@ -40,10 +42,11 @@ def _check_dataset_file(path: str) -> None:
             file with no example), field ``dataset``.
     """
     examples = 0
+    parse = parse_prompt_line if format == "prompts" else parse_chat_line
     try:
         with open(path, "rb") as fh:
             for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_LINE_BYTES + 2), b""), start=1):
-                if parse_chat_line(raw.rstrip(b"\r\n"), lineno) is not None:
+                if parse(raw.rstrip(b"\r\n"), lineno) is not None:
                     examples += 1
         if not examples:
             raise DatasetError(0, "at least one example (one JSON object per line); the file is empty")
@@ -59,21 +62,31 @@ class DataCalls:
         self.connection = connection
 
     def upload_dataset(
-        self, path: str | os.PathLike[str], *, name: str | None = None, timeout: float | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        timeout: float | None = None,
+        format: str = "chat",
     ) -> DatasetInfo:
         """Stream the JSONL file at ``path`` in :data:`UPLOAD_CHUNK_BYTES` pieces; ``name``
-        defaults to the file name, ``timeout`` (seconds, whole upload) to none."""
+        defaults to the file name, ``timeout`` (seconds, whole upload) to none, ``format`` (how the
+        lines are checked) to ``chat``."""
+        if format not in DATASET_FORMATS:
+            raise InvalidArgumentError(
+                f"format: expected one of {', '.join(DATASET_FORMATS)}, got {format!r}", field="format"
+            )
         path = os.fspath(path)
         if os.path.isdir(path):
             raise IsADirectoryError(f"{path}: is a folder; upload_dataset takes one JSONL file")
         size = os.path.getsize(path)
         label = name if name is not None else os.path.basename(path)
-        _check_dataset_file(path)  # here the error can name the file: train.jsonl:3:14: expected ...
+        _check_dataset_file(path, format)  # here the error can name the file: train.jsonl:3:14: expected ...
 
         def chunks() -> Iterator[scheduler_pb2.UploadDatasetRequest]:
             with open(path, "rb") as fh:
                 yield scheduler_pb2.UploadDatasetRequest(
-                    name=label, total_bytes=size, chunk=fh.read(UPLOAD_CHUNK_BYTES)
+                    name=label, total_bytes=size, chunk=fh.read(UPLOAD_CHUNK_BYTES), format=format
                 )
                 while chunk := fh.read(UPLOAD_CHUNK_BYTES):
                     yield scheduler_pb2.UploadDatasetRequest(chunk=chunk)

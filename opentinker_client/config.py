@@ -13,7 +13,7 @@ Format (every key but ``workload_type`` is optional)::
     env: {env_id: arithmetic, min_digits: 1, max_digits: 1}
     hyperparameters: {steps: 15, learning_rate: 2e-4}
     init_from: task-0192f3c4d5e6f7a8b9c            # start from this SUCCEEDED task's final checkpoint
-    dataset: train.jsonl                          # sft: a local JSONL file, uploaded at submit
+    dataset: train.jsonl                          # sft (or env_id: prompts): a local JSONL file, uploaded at submit
 
 ``env`` is the ``env_config`` (what ``Environment(...).to_dict()`` gives: ``env_id`` plus that
 environment's options; omitted: the built-in ``arithmetic`` task). ``hyperparameters`` are the
@@ -75,7 +75,8 @@ _KEYS: dict[str, str] = {
     "hyperparameters": "a mapping of hyper-parameter names to values",
     "init_from": "the id of a finished task to start from (a string)",
     "tracking": "a mapping of loggers (tensorboard, mlflow, wandb) the worker writes metrics to",
-    "dataset": "a local JSONL file of chat examples to upload for sft (a path, relative to this file)",
+    "dataset": "a local JSONL file to upload: chat examples for sft, or prompts with env_id: prompts (a path, "
+    "relative to this file)",
 }
 
 

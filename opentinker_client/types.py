@@ -291,12 +291,14 @@ class DatasetInfo:
         name: the name given at upload (the file name by default).
         size_bytes: bytes.
         num_examples: examples (non-blank lines).
+        format: how its lines were checked: ``chat`` (sft examples) or ``prompts`` (RL prompts).
     """
 
     dataset_id: str
     name: str = ""
     size_bytes: int = 0
     num_examples: int = 0
+    format: str = ""
 
 
 @dataclass(frozen=True)

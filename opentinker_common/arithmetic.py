@@ -25,9 +25,10 @@ import random
 import re
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from opentinker_common.spec import ArithmeticEnvConfig
+if TYPE_CHECKING:  # a type only: the verifiers (which the spec imports) read numbers with last_number
+    from opentinker_common.spec import ArithmeticEnvConfig
 
 __all__ = ["ArithmeticEnv", "Problem", "last_number", "reward"]
 
@@ -123,6 +124,10 @@ class ArithmeticEnv:
 
     def score(self, reply: str | None, problem: Problem) -> float:
         return reward(reply, problem)
+
+    def score_batch(self, replies: list[str], problems: list[Problem]) -> list[float]:
+        """:meth:`score` of each reply (``problems[i]`` is the problem of ``replies[i]``)."""
+        return [self.score(r, p) for r, p in zip(replies, problems)]
 
     # --- resume ---------------------------------------------------------------------------------
     def get_state(self) -> Any:

@@ -430,7 +430,8 @@ _SECRET_ENV_KEYS = ("token",)
 
 
 def _shown_env(env_config: Any) -> dict[str, Any]:
-    """``env_config`` for printing: the access token redacted, a PEM shown by its size."""
+    """``env_config`` for printing: the access token redacted, a PEM shown by its size; the same
+    inside ``reward`` (a client-hosted reward of a ``prompts`` task has its own token)."""
     out = dict(env_config)
     for key in _SECRET_ENV_KEYS:
         if out.get(key):
@@ -438,6 +439,8 @@ def _shown_env(env_config: Any) -> dict[str, Any]:
     pem = out.get("tls_root_certificates")
     if isinstance(pem, str) and pem:
         out["tls_root_certificates"] = f"<PEM, {len(pem)} characters>"
+    if isinstance(out.get("reward"), dict):
+        out["reward"] = _shown_env(out["reward"])
     return out
 
 

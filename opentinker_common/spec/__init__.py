@@ -36,6 +36,7 @@ from opentinker_common.spec.lm_game import LMGameGRPOConfig
 from opentinker_common.spec.grpo import FullGRPOConfig
 from opentinker_common.spec.sft import ChatDatasetConfig, DatasetError, SFTConfig
 from opentinker_common.spec.inference import InferenceConfig
+from opentinker_common.spec.prompts import PromptsEnvConfig, RewardConfig
 
 from opentinker_common.spec.task import (
     TaskSpecModel,
@@ -51,6 +52,8 @@ __all__ = [
     "WORKLOAD_TYPES",
     "TEXT_ENVIRONMENTS",
     "ArithmeticEnvConfig",
+    "PromptsEnvConfig",
+    "RewardConfig",
     "GRPOConfig",
     "GymEnvConfig",
     "InferenceConfig",

@@ -34,4 +34,4 @@ class ArithmeticEnvConfig:
 register_env("arithmetic", ArithmeticEnvConfig, kind="text", description='"What is a + b?", reward 1 for the right sum')
 
 #: Built-in text environments for language models.
-TEXT_ENVIRONMENTS: tuple[str, ...] = ("arithmetic",)
+TEXT_ENVIRONMENTS: tuple[str, ...] = ("arithmetic", "prompts")

@@ -5,7 +5,11 @@ with a reason instead of failing later on a node:
 
 * ``spec.model`` and ``env_config.path`` may name local paths only where the scheduler's
   ``paths:`` policy allows (:func:`opentinker_scheduler.admission.paths.check_local_paths`);
-* ``env_config.dataset_id`` must name a dataset stored with ``UploadDataset``;
+* ``env_config.dataset_id`` must name a dataset stored with ``UploadDataset``, uploaded in the
+  format the environment reads (``chat`` for ``chat_jsonl``, ``prompts`` for ``prompts``); for a
+  ``prompts`` task the reward must fit the data: the first
+  :data:`~opentinker_common.spec.prompts.SAMPLE_LINES` lines are checked with
+  :func:`~opentinker_common.spec.prompts.check_sample` (INVALID_ARGUMENT naming the lines);
 * ``init_from`` must name a finished task of the same owner with a checkpoint of a language model
   (``peft_lora`` or ``hf_full``) on the same ``model``: the final one of a task that SUCCEEDED, or
   the last complete one of a task that was CANCELLED or FAILED (a timeout is a FAILED task; a
@@ -19,7 +23,11 @@ At assignment the ``init_from`` task's final checkpoint travels in ``AssignTask.
 from __future__ import annotations
 
 
+from google.protobuf import json_format
+
 from opentinker.common.v1 import common_pb2
+from opentinker_common.spec import SpecError, validate_env_config
+from opentinker_common.spec.prompts import SAMPLE_LINES, check_sample
 from opentinker_common.spec.sft import is_dataset_id
 
 from opentinker_scheduler.data.datasets import DatasetStore
@@ -80,6 +88,8 @@ def check_references(
                 f"spec.env_config.dataset_id: dataset {dataset_id} not found on this scheduler "
                 "(upload it first with UploadDataset)"
             )
+        if is_dataset_id(dataset_id):
+            _check_dataset_fits(spec, dataset_id, datasets)
     if not spec.init_from or _check_init_from_shape(spec.init_from):
         return  # unset, or malformed: the spec check refuses it with INVALID_ARGUMENT
     try:
@@ -116,3 +126,38 @@ def check_references(
 def _check_init_from_shape(init_from: str) -> bool:
     """True when ``init_from`` is malformed (left to the spec check)."""
     return len(init_from) > 128 or not init_from.replace("-", "").replace("_", "").isalnum()
+
+
+#: The dataset format each dataset-reading environment takes.
+_FORMAT_OF_ENV = {"chat_jsonl": "chat", "prompts": "prompts"}
+
+
+def _check_dataset_fits(spec: common_pb2.TaskSpec, dataset_id: str, datasets: DatasetStore) -> None:
+    """The stored dataset is of the format the environment reads and, for ``prompts``, the
+    reward can score its first lines.
+
+    Raises:
+        InvalidArgument: ``spec.env_config.dataset_id`` (uploaded in another format) or
+            ``spec.env_config.reward...`` (the reward does not fit, naming the lines).
+    """
+    env_id = spec.env_config.fields.get("env_id")
+    want = _FORMAT_OF_ENV.get(env_id.string_value if env_id is not None else "")
+    if want is None:
+        return
+    formats = datasets.formats(dataset_id)
+    if want not in formats:
+        how = 'upload_dataset(path, format="prompts")' if want == "prompts" else "upload_dataset(path)"
+        raise InvalidArgument(
+            f"spec.env_config.dataset_id: expected a dataset uploaded as {want} for env_id "
+            f"{env_id.string_value}, got one uploaded as {', '.join(formats)} (upload the file again with {how})"
+        )
+    if want != "prompts":
+        return
+    try:
+        env = validate_env_config(json_format.MessageToDict(spec.env_config))
+    except SpecError:
+        return  # the spec check refuses it next, naming its field
+    try:
+        check_sample(env.reward, datasets.head(dataset_id, SAMPLE_LINES))
+    except SpecError as err:
+        raise InvalidArgument(str(err)) from None

@@ -1,4 +1,4 @@
-"""Uploaded datasets: JSONL chat examples for ``sft``, validated on arrival, stored by content.
+"""Uploaded datasets: JSONL chat examples for ``sft`` or RL prompts, validated on arrival, stored by content.
 
 Layout under ``<state_dir>/datasets``: ``<hex>.jsonl`` (the bytes as uploaded) and
 ``<hex>.json`` (name, size, example count), where ``<hex>`` is the file's SHA-256; the dataset id
@@ -6,9 +6,12 @@ is ``sha256:<hex>``. An upload is written to a temporary file in the same folder
 are checked and its hash computed, and renamed into place only when it is complete and valid:
 nothing half-written is ever visible, and the same bytes uploaded twice are stored once.
 
-The line rules are :func:`opentinker_common.spec.sft.parse_chat_line` (shared with the client
-and the trainer). Errors are the scheduler's domain errors (``InvalidArgument`` naming the line,
-``ResourceExhausted``, ``NotFound``), which the servicer maps to gRPC status codes.
+The line rules are :func:`opentinker_common.spec.sft.parse_chat_line` for the ``chat`` format
+and :func:`opentinker_common.spec.prompts.parse_prompt_line` for ``prompts`` (both shared with
+the client and the trainer); the metadata records every format the bytes passed as
+(``formats``), so the same file uploaded as both is stored once and usable as either. Errors are
+the scheduler's domain errors (``InvalidArgument`` naming the line, ``ResourceExhausted``,
+``NotFound``), which the servicer maps to gRPC status codes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import AsyncIterable, Iterable, Iterator
 
 from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_common.spec import control_character_problem
+from opentinker_common.spec.prompts import DATASET_FORMATS, parse_prompt_line
 from opentinker_common.spec.sft import MAX_LINE_BYTES, DatasetError, is_dataset_id, parse_chat_line
 
 from opentinker_scheduler.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -67,10 +71,12 @@ class LineValidator:
             ``dataset <name>:<line>:<column>: expected ...`` (``<name>:<line>:`` when the line is
             JSON but not a chat example, ``<name>:`` for the file as a whole), else
             ``dataset line <n>: expected ...``.
+        format: ``chat`` (sft examples) or ``prompts`` (RL prompts).
     """
 
-    def __init__(self, name: str = "") -> None:
+    def __init__(self, name: str = "", format: str = "chat") -> None:
         self.name = name
+        self.parse = parse_prompt_line if format == "prompts" else parse_chat_line
         self.lineno = 0
         self.examples = 0
         self._partial = bytearray()
@@ -83,7 +89,7 @@ class LineValidator:
         """
         self.lineno += 1
         try:
-            if parse_chat_line(raw.rstrip(b"\r"), self.lineno) is not None:
+            if self.parse(raw.rstrip(b"\r"), self.lineno) is not None:
                 self.examples += 1
         except DatasetError as exc:
             raise InvalidArgument(f"dataset {exc.at(self.name) if self.name else exc}") from None
@@ -142,10 +148,11 @@ class DatasetUpload:
     received: int = 0
     #: Who uploads it (its announced bytes count against that owner's quota while it runs).
     owner: str = ""
+    format: str = "chat"
 
     def __post_init__(self) -> None:
         self._hash = hashlib.sha256()
-        self._check = LineValidator(self.name)
+        self._check = LineValidator(self.name, self.format)
         self._fh = open(self.tmp, "wb")  # noqa: SIM115 - closed in commit/abort
         self.store._open.add(self)
 
@@ -183,15 +190,36 @@ class DatasetUpload:
         self._fh.close()
         hex_ = self._hash.hexdigest()
         info = scheduler_pb2.DatasetInfo(
-            dataset_id=f"sha256:{hex_}", name=self.name, size_bytes=self.received, num_examples=examples
+            dataset_id=f"sha256:{hex_}",
+            name=self.name,
+            size_bytes=self.received,
+            num_examples=examples,
+            format=self.format,
         )
         self.store._open.discard(self)
-        if self.store.exists(info.dataset_id):
-            self.tmp.unlink(missing_ok=True)
-            return info
         meta = self.store.root / f"{hex_}.json"
+        if self.store.exists(info.dataset_id):
+            # Stored already (by this owner or another): answered with this uploader's own name.
+            self.tmp.unlink(missing_ok=True)
+            formats = self.store.formats(info.dataset_id)
+            if self.format not in formats:  # the same bytes, now checked as this format too
+                m = json.loads(meta.read_text())
+                m["formats"] = [*formats, self.format]
+                meta_tmp = meta.with_name(f".{hex_}.{secrets.token_hex(4)}.json.tmp")
+                meta_tmp.write_text(json.dumps(m))
+                os.replace(meta_tmp, meta)
+            return info
         meta_tmp = self.tmp.with_suffix(".json.tmp")
-        meta_tmp.write_text(json.dumps({"name": self.name, "size_bytes": self.received, "num_examples": examples}))
+        meta_tmp.write_text(
+            json.dumps(
+                {
+                    "name": self.name,
+                    "size_bytes": self.received,
+                    "num_examples": examples,
+                    "formats": [self.format],
+                }
+            )
+        )
         os.replace(self.tmp, self.store.root / f"{hex_}.jsonl")
         os.replace(meta_tmp, meta)  # the metadata last: a dataset counts as stored once it exists
         return info
@@ -226,13 +254,15 @@ class DatasetStore:
         self,
         name: str,
         total_bytes: int,
+        format: str = "chat",
         *,
         owner: str = "",
         stored_bytes: int = 0,
         max_owner_bytes: int = 0,
         min_free_bytes: int = 0,
     ) -> DatasetUpload:
-        """Start an upload of ``total_bytes`` bytes by ``owner``.
+        """Start an upload of ``total_bytes`` bytes by ``owner`` whose lines are checked as
+        ``format`` (``chat``, the default, or ``prompts``; ``""`` means ``chat``).
 
         Args:
             stored_bytes: bytes of datasets ``owner`` has stored already.
@@ -242,10 +272,13 @@ class DatasetStore:
                 every one in progress (``limits.min_free_disk_bytes``).
 
         Raises:
-            InvalidArgument: a bad name (over 256 characters, or with control characters) or size.
+            InvalidArgument: a bad name (over 256 characters, or with control characters), size or format.
             ResourceExhausted: ``total_bytes`` is over the size limit, the owner's quota or the free
                 disk; the message gives the numbers and the config key.
         """
+        format = format or "chat"
+        if format not in DATASET_FORMATS:
+            raise InvalidArgument(f"format: expected one of {', '.join(DATASET_FORMATS)}, got {format[:40]!r}")
         if not isinstance(name, str) or len(name) > _NAME_MAX:
             raise InvalidArgument(f"name: expected at most {_NAME_MAX} characters, got {len(name)} characters")
         problem = control_character_problem(name)
@@ -277,7 +310,9 @@ class DatasetStore:
                 f"scheduler's dataset disk ({free} bytes free, {promised} promised to uploads in progress) "
                 "(limits.min_free_disk_bytes)"
             )
-        return DatasetUpload(self, name, total_bytes, self.root / f"upload-{secrets.token_hex(8)}.part", owner=owner)
+        return DatasetUpload(
+            self, name, total_bytes, self.root / f"upload-{secrets.token_hex(8)}.part", owner=owner, format=format
+        )
 
     def path(self, dataset_id: str) -> Path:
         """The stored file of ``dataset_id``.
@@ -305,8 +340,35 @@ class DatasetStore:
             raise NotFound(f"dataset {dataset_id} not found (upload it first with UploadDataset)")
         m = json.loads(meta.read_text())
         return scheduler_pb2.DatasetInfo(
-            dataset_id=dataset_id, name=m["name"], size_bytes=m["size_bytes"], num_examples=m["num_examples"]
+            dataset_id=dataset_id,
+            name=m["name"],
+            size_bytes=m["size_bytes"],
+            num_examples=m["num_examples"],
+            format=m.get("formats", ["chat"])[0],
         )
+
+    def formats(self, dataset_id: str) -> list[str]:
+        """The formats ``dataset_id``'s lines passed as at upload (a dataset stored before formats
+        existed is ``chat``); empty when there is no such dataset."""
+        if not self.exists(dataset_id):
+            return []
+        meta = self.root / f"{dataset_id.removeprefix('sha256:')}.json"
+        return list(json.loads(meta.read_text()).get("formats", ["chat"]))
+
+    def head(self, dataset_id: str, max_lines: int, max_bytes: int = 8 * 1024 * 1024) -> list[bytes]:
+        """The first ``max_lines`` lines of ``dataset_id`` (newlines stripped), reading at most
+        ``max_bytes`` bytes (the sample checked at submit).
+
+        Raises:
+            InvalidArgument, NotFound: as :meth:`path`.
+        """
+        lines: list[bytes] = []
+        read = 0
+        with open(self.path(dataset_id), "rb") as fh:
+            while len(lines) < max_lines and read < max_bytes and (raw := fh.readline(max_bytes - read)):
+                read += len(raw)
+                lines.append(raw.rstrip(b"\r\n"))
+        return lines
 
     def exists(self, dataset_id: str) -> bool:
         """True when ``dataset_id`` is a stored dataset (False for ids of the wrong shape too)."""
@@ -339,9 +401,9 @@ async def receive_upload(
     try:
         async for req in requests:
             if upload is None:
-                upload = store.begin(req.name, req.total_bytes, **begin)
-            elif req.name or req.total_bytes:
-                raise InvalidArgument("name, total_bytes: expected only in the first message of the stream")
+                upload = store.begin(req.name, req.total_bytes, req.format, **begin)
+            elif req.name or req.total_bytes or req.format:
+                raise InvalidArgument("name, total_bytes, format: expected only in the first message of the stream")
             if req.chunk:
                 upload.write(req.chunk)
         if upload is None:

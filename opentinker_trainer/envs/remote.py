@@ -53,7 +53,12 @@ from opentinker_common.net.grpc_options import message_limits
 
 log = structlog.get_logger("opentinker.trainer.env")
 
-__all__ = ["ClientEnv", "RemoteSession", "close_all_sessions", "make_client_env"]
+__all__ = ["AccessRefused", "ClientEnv", "RemoteSession", "close_all_sessions", "make_client_env"]
+
+
+class AccessRefused(UserError):
+    """The client's server refused the access token (UNAUTHENTICATED): no retry can fix it."""
+
 
 # UNAVAILABLE: nobody listens (client gone, network). CANCELLED: the client's server shut down with
 # this call in flight (the trainer never cancels its own calls). Both: retry until grace_s.
@@ -166,7 +171,7 @@ class RemoteSession:
                             f"the environment server at {self.endpoint} requires an access token but the task's "
                             f"env_config.token is empty ({code.name}: {err.details()})"
                         )
-                    raise UserError(message) from None
+                    raise AccessRefused(message) from None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and not self._answered:
                     raise UserError(self._unreachable(where, code, err.details(), waited=False)) from None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -1,4 +1,9 @@
-"""``lora_finetune``: GRPO on a causal LM with a PEFT LoRA adapter, on a built-in text environment.
+"""``lora_finetune``: GRPO on a causal LM with a PEFT LoRA adapter, on a text environment.
+
+The environment comes from :data:`TEXT_ENVS` by ``env_id``: ``arithmetic`` (the built-in sums,
+:mod:`opentinker_common.arithmetic`) or ``prompts`` (the prompts of a user's JSONL dataset scored
+by a built-in verifier or the client's own reward, :mod:`opentinker_common.prompts`,
+:mod:`opentinker_trainer.envs.client_reward`).
 
 Each step (Shao et al. 2024, DeepSeekMath, https://arxiv.org/abs/2402.03300):
 
@@ -27,6 +32,14 @@ Reports per step (``ctx.emit_metric``, steps from 1):
   ``perf/samples`` (completions this step), ``perf/tokens_per_s`` (completion tokens sampled per
   second of the whole step).
 
+On ``prompts`` also: ``data/skipped_lines`` (lines the reward cannot score, left out),
+``reward/client_failures`` and ``reward/client_missing`` (a client reward's failed calls and
+items without a reward this step, the evaluation's included), and every ``eval_every`` steps and
+after the last the held-out split answered greedily: ``eval/accuracy``, ``eval/reward``,
+``eval/prompts`` (:meth:`_Trainer.evaluate`); with step 1 of a fresh run also
+``eval/accuracy_start`` and ``eval/reward_start``, the same evaluation of the starting model
+before any update.
+
 Distributed (a task with several ranks, :mod:`opentinker_trainer.distributed`): data-parallel.
 Every rank holds the adapter (or all weights, replicated), draws the step's ``prompts_per_step``
 problems from the same environment stream and rolls out its contiguous share of the groups with
@@ -46,20 +59,82 @@ saved ones are reseeded).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from opentinker_trainer import distributed
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_common.arithmetic import ArithmeticEnv
+from opentinker_common.prompts import PromptsEnv
+from opentinker_common.spec.prompts import parse_prompt_line
 from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, headline_metrics, rewards_tensor
 from opentinker_trainer.rl.rollout import Rollout, generate, left_pad, sequence_logprobs
 from opentinker_trainer.workloads import _lm
 from opentinker_trainer.workloads._loop import run_trainer
 
 log = _lm.get_logger("opentinker.trainer.lora_finetune")
+
+#: Held-out prompts answered per forward batch of an evaluation.
+EVAL_BATCH = 16
+
+
+def _arithmetic_env(trainer: "_Trainer") -> ArithmeticEnv:
+    return ArithmeticEnv(trainer.ctx.spec.env, trainer.tokenizer, seed=trainer.cfg.seed)
+
+
+def _prompts_env(trainer: "_Trainer") -> PromptsEnv:
+    """The ``prompts`` environment: the dataset read (or fetched), its prompts checked against the
+    model's context, the client reward connected when the reward is the client's.
+
+    Raises:
+        UserError: the dataset cannot be read or has a bad line; no line the reward can score; a
+            prompt with ``max_new_tokens`` longer than the model's context (naming the lines).
+    """
+    from opentinker_trainer.workloads.sft_data import fetch_dataset, read_jsonl
+
+    ctx, cfg, env = trainer.ctx, trainer.cfg, trainer.ctx.spec.env
+    if env.path is not None:
+        file = Path(env.path)
+    else:
+        cache = Path(os.environ.get("OPENTINKER_DATASET_CACHE") or Path(ctx.checkpoint_dir).parent / "datasets")
+        file = fetch_dataset(env.dataset_id, os.environ.get("OPENTINKER_SCHEDULER_URL"), cache)
+    lines = read_jsonl(file, parse_prompt_line)
+    scorer = None
+    if env.reward.is_client:
+        from opentinker_trainer.envs.client_reward import ClientReward
+
+        scorer = trainer.client_reward = ClientReward(env.reward)
+    try:
+        prompts = PromptsEnv(env, lines, trainer.tokenizer, scorer=scorer)
+    except ValueError as exc:
+        raise UserError(f"env_config.dataset: {exc}") from None
+    context = getattr(trainer.model.config, "max_position_embeddings", None)
+    if context:
+        limit = int(context) - cfg.max_new_tokens
+        long = prompts.too_long(limit)
+        if long:
+            shown = ", ".join(f"line {n} ({t} tokens)" for n, t in long[:5])
+            raise UserError(
+                f"env_config.dataset: {len(long)} prompt(s) do not fit the model's context of {context} tokens with "
+                f"max_new_tokens={cfg.max_new_tokens} (at most {limit} prompt tokens): {shown}"
+                + (f" and {len(long) - 5} more" if len(long) > 5 else "")
+            )
+    if prompts.skipped:
+        log.warning(
+            "prompt lines skipped: the reward cannot score them",
+            task_id=ctx.task_id,
+            skipped=prompts.skipped,
+            first_lines=prompts.skipped_lines[:10],
+        )
+    return prompts
+
+
+#: Text environments by ``env_id``: a builder taking the trainer (model and tokenizer loaded).
+TEXT_ENVS: dict[str, Callable[["_Trainer"], Any]] = {"arithmetic": _arithmetic_env, "prompts": _prompts_env}
 
 
 class _Trainer:
@@ -97,7 +172,8 @@ class _Trainer:
             tenant.parameters() if tenant is not None else [p for p in self.model.parameters() if p.requires_grad]
         )
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-        self.env = ArithmeticEnv(ctx.spec.env, self.tokenizer, seed=cfg.seed)
+        self.client_reward = None
+        self.env = TEXT_ENVS[ctx.spec.env.env_id](self)
         # Distributed: every rank draws the step's problems from the same environment stream and
         # rolls out its own share of the groups, sampling with its own seed (seed + rank).
         self.dp = distributed.world(ctx)
@@ -158,7 +234,7 @@ class _Trainer:
             group_size=cfg.group_size,
         )
         replies = self.tokenizer.batch_decode(ro.completion_token_lists(), skip_special_tokens=True)
-        rewards = [self.env.score(text, problems[i // cfg.group_size]) for i, text in enumerate(replies)]
+        rewards = self.env.score_batch(replies, [problems[i // cfg.group_size] for i in range(len(replies))])
         if self.step == 0 or cfg.steps <= 20 or self.step % 10 == 0:
             log.debug("sample", problem=problems[0].question, reply=replies[0], reward=rewards[0])
         return ro, rewards_tensor(rewards, len(problems), cfg.group_size)
@@ -181,6 +257,7 @@ class _Trainer:
 
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
+        start = self.eval_start()
         t0 = time.perf_counter()
         ro, rewards = self.rollout()
         t_gen = time.perf_counter() - t0
@@ -203,8 +280,10 @@ class _Trainer:
         truncated = float(ro.truncated.float().sum())
         if self.dp is not None:  # the global batch's numbers
             completion_tokens, n, truncated = (int(x) for x in self.dp.sum(completion_tokens, n, truncated))
+        extra = {**start, **self.env_metrics()}
         return {
             **headline_metrics(out),
+            **extra,
             "samples": float(self.step * n),
             "tokens_per_s": completion_tokens / step_s,
             "wall_time_s": time.perf_counter() - self.started,
@@ -218,6 +297,68 @@ class _Trainer:
             "perf/samples": float(n),
             "perf/tokens_per_s": completion_tokens / step_s,
         }
+
+    # --- prompts: data counts and the held-out evaluation ---------------------------------------
+    def eval_start(self) -> dict[str, float]:
+        """Before the first update of a fresh run: the held-out evaluation of the starting model,
+        as ``eval/accuracy_start``, ``eval/reward_start`` (reported with step 1)."""
+        if self.step != 1 or not isinstance(self.env, PromptsEnv) or not self.env.eval_problems:
+            return {}
+        if self.dp is not None and self.dp.rank != 0:
+            return {}
+        return {f"{k}_start": v for k, v in self.evaluate(updates=0).items() if k != "eval/prompts"}
+
+    def env_metrics(self) -> dict[str, float]:
+        if not isinstance(self.env, PromptsEnv):
+            return {}
+        out = {"data/skipped_lines": float(self.env.skipped)}
+        every = self.env.config.eval_every
+        if self.env.eval_problems and ((every and self.step % every == 0) or self.step == self.cfg.steps):
+            if self.dp is None or self.dp.rank == 0:  # only rank 0 reports
+                out.update(self.evaluate(updates=self.step))
+        if self.client_reward is not None:  # this step's calls, the evaluation's included
+            out.update(self.client_reward.take_counts())
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, updates: int) -> dict[str, float]:
+        """Greedy replies to the held-out prompts (``max_new_tokens`` each), scored by the reward.
+
+        Returns ``eval/accuracy`` (share judged right: the verifier alone gives 1.0; for a
+        client reward, reward >= ``eval_threshold``), ``eval/reward`` (mean reward, verifier and
+        shaping terms; missing client rewards left out), ``eval/prompts``. ``updates``: how many
+        steps the model has been trained for (for the log line).
+        """
+        env: PromptsEnv = self.env
+        problems = env.eval_problems
+        self.model.eval()
+        replies: list[str] = []
+        for i in range(0, len(problems), EVAL_BATCH):
+            batch = problems[i : i + EVAL_BATCH]
+            ids, mask = left_pad([env.encode(p) for p in batch], self.pad_id, self.device)
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask.long(),
+                do_sample=False,
+                max_new_tokens=self.cfg.max_new_tokens,
+                eos_token_id=list(self.stop_ids),
+                pad_token_id=self.pad_id,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )
+            replies.extend(self.tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True))
+        rewards = env.score_batch(replies, problems)
+        if env.config.reward.is_client:
+            right = [r is not None and r >= env.config.eval_threshold for r in rewards]
+        else:
+            right = [env.correct(r, p) for r, p in zip(replies, problems)]
+        got = [r for r in rewards if r is not None]
+        out = {"eval/accuracy": sum(right) / len(problems), "eval/prompts": float(len(problems))}
+        if got:  # none when every client reward of the evaluation is missing
+            out["eval/reward"] = sum(got) / len(got)
+        log.info("eval", task_id=self.ctx.task_id, updates=updates, accuracy=round(out["eval/accuracy"], 4))
+        return out
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:

@@ -19,7 +19,7 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ __all__ = [
     "encode_chat",
     "fetch_dataset",
     "read_chat_jsonl",
+    "read_jsonl",
     "split_indices",
 ]
 
@@ -112,7 +113,15 @@ def read_chat_jsonl(path: Path, *, max_bytes: int = MAX_DATASET_BYTES) -> list[M
             regular file, too large), a line is not a chat example (naming its number and what
             was expected), or there is no example at all.
     """
-    examples: list[Messages] = []
+    return read_jsonl(path, parse_chat_line, max_bytes=max_bytes)
+
+
+def read_jsonl(path: Path, parse: Callable[[bytes, int], Any], *, max_bytes: int = MAX_DATASET_BYTES) -> list[Any]:
+    """``parse(line, lineno)`` of every line of the JSONL file at ``path`` that gives not None
+    (blank lines), with the file checks and errors of :func:`read_chat_jsonl`; ``parse`` raises
+    :class:`~opentinker_common.spec.sft.DatasetError` for a bad line (e.g.
+    :func:`~opentinker_common.spec.prompts.parse_prompt_line` for a prompt dataset)."""
+    examples: list[Any] = []
     try:
         with _open_dataset(path, max_bytes) as fh:
             read, lineno = 0, 0
@@ -124,9 +133,9 @@ def read_chat_jsonl(path: Path, *, max_bytes: int = MAX_DATASET_BYTES) -> list[M
                         f"dataset {path} cannot be used by this task: expected at most {max_bytes} bytes, "
                         "and it grew past that while being read"
                     )
-                messages = parse_chat_line(raw.rstrip(b"\r\n"), lineno)
-                if messages is not None:
-                    examples.append(messages)
+                item = parse(raw.rstrip(b"\r\n"), lineno)
+                if item is not None:
+                    examples.append(item)
     except DatasetError as exc:
         raise UserError(f"dataset {exc.at(str(path))}") from None
     except OSError as exc:

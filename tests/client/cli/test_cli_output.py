@@ -42,3 +42,15 @@ def test_the_cli_never_prints_a_client_environment_token() -> None:
     assert shown["tls_root_certificates"].startswith("<PEM, ") and shown["endpoint"] == env["endpoint"]
     assert env["token"] == "s3cret-token-value-123456"  # the task's own value is untouched
     assert _shown_env({"env_id": "arithmetic"}) == {"env_id": "arithmetic"}
+
+
+def test_the_cli_never_prints_a_client_reward_token() -> None:
+    from opentinker_client.cli.commands import _shown_env
+
+    env = {
+        "env_id": "prompts",
+        "reward": {"verifier": "client", "endpoint": "h:1", "token": "s3cret-token-value-123456"},
+    }
+    shown = _shown_env(env)
+    assert "s3cret" not in repr(shown) and shown["reward"]["token"] == "<redacted>"
+    assert env["reward"]["token"] == "s3cret-token-value-123456"

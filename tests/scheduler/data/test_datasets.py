@@ -128,7 +128,7 @@ def test_upload_stream_needs_a_header_first(tmp_path) -> None:
 
     with pytest.raises(InvalidArgument, match="expected a first message with name and total_bytes"):
         asyncio.run(receive_upload(store, empty()))
-    with pytest.raises(InvalidArgument, match="name, total_bytes: expected only in the first message"):
+    with pytest.raises(InvalidArgument, match="name, total_bytes, format: expected only in the first message"):
         asyncio.run(receive_upload(store, two_headers()))
     with pytest.raises(InvalidArgument, match=r"name: expected a name without control characters, got U\+000A"):
         store.begin("a\nb", 10)

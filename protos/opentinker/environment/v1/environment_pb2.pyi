@@ -146,3 +146,33 @@ class CloseRequest(_message.Message):
 class CloseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ScoreItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ...) -> None: ...
+
+class ScoreItem(_message.Message):
+    __slots__ = ("prompt", "completion", "metadata")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    completion: str
+    metadata: _struct_pb2.Struct
+    def __init__(self, prompt: _Optional[str] = ..., completion: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ScoreResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ScoreResult, _Mapping]]] = ...) -> None: ...
+
+class ScoreResult(_message.Message):
+    __slots__ = ("reward", "error")
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    reward: float
+    error: str
+    def __init__(self, reward: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...

@@ -65,6 +65,11 @@ class EnvironmentServiceStub:
                 request_serializer=opentinker_dot_environment_dot_v1_dot_environment__pb2.CloseRequest.SerializeToString,
                 response_deserializer=opentinker_dot_environment_dot_v1_dot_environment__pb2.CloseResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/opentinker.environment.v1.EnvironmentService/Score',
+                request_serializer=opentinker_dot_environment_dot_v1_dot_environment__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=opentinker_dot_environment_dot_v1_dot_environment__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServiceServicer:
@@ -122,6 +127,22 @@ class EnvironmentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Scores a batch of replies with the user's own reward function (a client-hosted reward: a
+        `prompts` task whose env_config.reward.verifier is `client`; RLClient.serve_reward hosts it).
+        Idempotent as far as the server goes (the trainer may call again after a timeout; the user's
+        function should not depend on being called once). Returns OK with one ScoreResult per item, in
+        request order: `reward` set, or `error` saying why that item has none (the function gave NaN,
+        an infinity, None or a non-number); INVALID_ARGUMENT (no items, or more than the server's
+        limit), UNKNOWN (the user's function raised; the message carries its exception type and text),
+        INTERNAL (it returned something other than one value per item; the message says what),
+        UNIMPLEMENTED (the server hosts an environment, not a reward). A reward server answers
+        Describe with its function's name only (no spaces) and Reset, Step, Close UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +165,11 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=opentinker_dot_environment_dot_v1_dot_environment__pb2.CloseRequest.FromString,
                     response_serializer=opentinker_dot_environment_dot_v1_dot_environment__pb2.CloseResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=opentinker_dot_environment_dot_v1_dot_environment__pb2.ScoreRequest.FromString,
+                    response_serializer=opentinker_dot_environment_dot_v1_dot_environment__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +291,33 @@ class EnvironmentService:
             '/opentinker.environment.v1.EnvironmentService/Close',
             opentinker_dot_environment_dot_v1_dot_environment__pb2.CloseRequest.SerializeToString,
             opentinker_dot_environment_dot_v1_dot_environment__pb2.CloseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.environment.v1.EnvironmentService/Score',
+            opentinker_dot_environment_dot_v1_dot_environment__pb2.ScoreRequest.SerializeToString,
+            opentinker_dot_environment_dot_v1_dot_environment__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -160,26 +160,30 @@ class ListNodesResponse(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
 
 class UploadDatasetRequest(_message.Message):
-    __slots__ = ("name", "total_bytes", "chunk")
+    __slots__ = ("name", "total_bytes", "chunk", "format")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     name: str
     total_bytes: int
     chunk: bytes
-    def __init__(self, name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    format: str
+    def __init__(self, name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., chunk: _Optional[bytes] = ..., format: _Optional[str] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("dataset_id", "name", "size_bytes", "num_examples")
+    __slots__ = ("dataset_id", "name", "size_bytes", "num_examples", "format")
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     dataset_id: str
     name: str
     size_bytes: int
     num_examples: int
-    def __init__(self, dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., num_examples: _Optional[int] = ...) -> None: ...
+    format: str
+    def __init__(self, dataset_id: _Optional[str] = ..., name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., num_examples: _Optional[int] = ..., format: _Optional[str] = ...) -> None: ...
 
 class UploadDatasetResponse(_message.Message):
     __slots__ = ("dataset",)

@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Learning check for RL on a prompt dataset with a verifiable reward (``env_id: prompts``).
+
+Generates the grade-school word problems of ``scripts/make_word_problems.py`` (templates, two
+or three steps, numeric answers, fixed seed; nothing downloaded), then runs ``lora_finetune``
+(LoRA GRPO) on them in this process exactly as a trainer worker would (same code, same metrics),
+twice on the same data and seed:
+
+* ``numeric``: the built-in numeric verifier (last number / ``\\boxed{}`` / ``####``), plus a
+  format term (0.5 when the reply is just a number; shaping only: ``eval/accuracy`` counts the
+  verifier alone);
+* ``client``: the same score computed client-side — a Python function served from this process
+  by a :class:`~opentinker_client.hosting.reward.RewardServer` (real gRPC on loopback, access
+  token) and called by the trainer over ``EnvironmentService.Score``.
+
+Prints the held-out greedy accuracy (``eval/accuracy``: the model's reply to each held-out
+problem, the verifier's judgement) before the first update (``eval/accuracy_start``) and every
+``--eval-every`` steps, the sampled reward per step, seconds per step, and a JSON line with
+everything. Exits 0 when the held-out accuracy rose in every run.
+
+Usage::
+
+    .venv/bin/python scripts/bench_rlvr.py                               # SmolLM2-135M-Instruct, both runs
+    .venv/bin/python scripts/bench_rlvr.py --only numeric --steps 10
+    .venv/bin/python scripts/bench_rlvr.py --model /path/to/tiny --steps 2 --eval-prompts 4   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+DEFAULT_MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
+
+
+#: A reply that is just a number: the format term's pattern (a small bonus, not counted as accuracy).
+JUST_A_NUMBER = r"^\s*-?[0-9][0-9,]*(\.[0-9]+)?\s*\.?\s*$"
+
+
+def client_reward(prompts, completions, metadata):
+    """The client-side reward: the same numeric verifier and format term, run in this process (as
+    a user's own code would)."""
+    from opentinker_common.verifiers import Term, make_reward
+
+    score = make_reward("numeric", {}, terms=[Term("format", FORMAT_WEIGHT, {"pattern": JUST_A_NUMBER})])
+    return [score(c, m["answer"]) for c, m in zip(completions, metadata)]
+
+
+FORMAT_WEIGHT = 0.5
+
+
+def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
+    from opentinker_client.hosting.reward import RewardServer
+    from opentinker_common.spec import TaskSpecModel
+    from opentinker_trainer.context import WorkerContext
+    from opentinker_trainer.workloads import grpo_text
+
+    server = RewardServer(client_reward).start() if mode == "client" else None
+    try:
+        terms = [{"kind": "format", "weight": FORMAT_WEIGHT, "pattern": JUST_A_NUMBER}]
+        reward = server.reward_config if server else {"verifier": "numeric", "terms": terms}
+        env = {
+            "env_id": "prompts",
+            "path": str(data),
+            "reward": reward,
+            "eval_fraction": args.eval_prompts / args.n,
+            "max_eval_prompts": args.eval_prompts,
+            "eval_every": args.eval_every,
+            "seed": args.seed,
+            "system_prompt": args.system_prompt or None,
+        }
+        hp = {
+            "steps": args.steps,
+            "prompts_per_step": args.prompts_per_step,
+            "group_size": args.group_size,
+            "max_new_tokens": args.max_new_tokens,
+            "learning_rate": args.lr,
+            "temperature": args.temperature,
+            "seed": args.seed,
+        }
+        spec = TaskSpecModel.from_parts(
+            workload_type="lora_finetune", model=args.model, env_config=env, hyperparameters=hp
+        )
+        ctx = WorkerContext(
+            task_id=f"bench-rlvr-{mode}",
+            attempt=1,
+            spec=spec,
+            device="cpu",
+            checkpoint_dir=tmp / mode,
+            out=io.StringIO(),
+        )
+        t0 = time.perf_counter()
+        grpo_text.run(ctx)
+        wall = time.perf_counter() - t0
+    finally:
+        if server is not None:
+            server.stop(grace=0)
+    metrics = [json.loads(line) for line in ctx.out.getvalue().splitlines()]
+    metrics = [m for m in metrics if m["type"] == "metric"]
+    first = metrics[0]["values"]
+    curve = [(0, first["eval/accuracy_start"])] + [
+        (m["step"], m["values"]["eval/accuracy"]) for m in metrics if "eval/accuracy" in m["values"]
+    ]
+    rewards = [round(m["values"]["reward"], 3) for m in metrics]
+    steps_s = [m["values"]["perf/step_s"] for m in metrics]
+    return {
+        "mode": mode,
+        "accuracy_curve": [(s, round(a, 4)) for s, a in curve],
+        "accuracy_before": curve[0][1],
+        "accuracy_after": curve[-1][1],
+        "reward_per_step": rewards,
+        "eval_prompts": int(metrics[-1]["values"]["eval/prompts"]),
+        "step_s": sum(steps_s) / len(steps_s),
+        "wall_s": wall,
+        "client_missing": sum(m["values"].get("reward/client_missing", 0.0) for m in metrics),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--only", choices=("numeric", "client"), action="append", help="run only this (repeatable)")
+    ap.add_argument("-n", type=int, default=3000, help="word problems generated")
+    ap.add_argument("--eval-prompts", type=int, default=32, help="held-out problems scored per evaluation")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--eval-every", type=int, default=4)
+    ap.add_argument("--prompts-per-step", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=0.5)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--system-prompt", default="Reply with only the final number.")
+    args = ap.parse_args()
+
+    import torch
+
+    from make_word_problems import write
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench_rlvr_") as tmp:
+        data = write(Path(tmp) / "word_problems.jsonl", n=args.n, seed=args.seed)
+        for mode in args.only or ("numeric", "client"):
+            r = run_one(mode, args, data, Path(tmp))
+            results.append(r)
+            print(
+                f"{mode:8s} held-out accuracy ({r['eval_prompts']} problems, greedy): "
+                f"{r['accuracy_before']:.3f} before -> {r['accuracy_after']:.3f} after {args.steps} steps; "
+                f"curve {r['accuracy_curve']}",
+                flush=True,
+            )
+            print(f"         sampled reward per step {r['reward_per_step']}", flush=True)
+            print(f"         {r['step_s']:.1f} s/step, {r['wall_s']:.0f} s in all (incl. loading and evaluation)")
+    print(
+        f"lora_finetune on {Path(args.model).name}, {args.steps} steps x {args.prompts_per_step} prompts x "
+        f"{args.group_size} samples, {args.max_new_tokens} new tokens, lr {args.lr:g}, seed {args.seed}"
+    )
+    print(json.dumps({"args": vars(args), "results": results}))
+    return 0 if all(r["accuracy_after"] > r["accuracy_before"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
