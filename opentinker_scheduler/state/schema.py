@@ -13,7 +13,11 @@ writing rows it does not understand. A database written before versioning existe
 ``sqlite_fixup`` adds the columns such a database may lack.
 
 A new table or column is a new migration appended to :data:`MIGRATIONS` (never an edit of an
-applied one): ``CREATE TABLE IF NOT EXISTS ...`` or ``ALTER TABLE ... ADD COLUMN ...``.
+applied one): ``CREATE TABLE IF NOT EXISTS ...`` or ``ALTER TABLE ... ADD COLUMN ...``. Both are
+idempotent on both backends (an added column that exists already is left as it is: PostgreSQL's
+``ADD COLUMN IF NOT EXISTS``, and :func:`sqlite_adds_existing_column` on SQLite, which has no such
+clause), so a store that carries part of a migration (adopted without ``schema_migrations``, say)
+still opens.
 """
 
 from __future__ import annotations
@@ -288,7 +292,18 @@ def postgres_ddl(sql: str) -> str:
     out = re.sub(r"\bREAL\b", "DOUBLE PRECISION", out)
     out = re.sub(r"\bINTEGER\b", "BIGINT", out)
     out = re.sub(r"\bTEXT\b", 'TEXT COLLATE "C"', out)
+    out = re.sub(r"\bADD COLUMN (?!IF NOT EXISTS)", "ADD COLUMN IF NOT EXISTS ", out)
     return out
+
+
+_ADD_COLUMN = re.compile(r"^\s*ALTER\s+TABLE\s+(\w+)\s+ADD\s+COLUMN\s+(\w+)", re.I)
+
+
+def sqlite_adds_existing_column(db, statement: str) -> bool:
+    """Whether ``statement`` is an ``ALTER TABLE t ADD COLUMN c`` whose column ``t.c`` exists
+    already in SQLite database ``db`` (the migration then skips it)."""
+    m = _ADD_COLUMN.match(statement)
+    return bool(m) and any(r[1] == m.group(2) for r in db.execute(f'PRAGMA table_info("{m.group(1)}")'))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -770,7 +770,8 @@ class Store(SqlStore):
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 for statement in _statements(m.sql):
-                    self.db.execute(statement)
+                    if not schema.sqlite_adds_existing_column(self.db, statement):
+                        self.db.execute(statement)
                 if m.sqlite_fixup is not None:
                     m.sqlite_fixup(self.db)
                 self.db.execute(schema.RECORD_MIGRATION_SQL, schema.applied_row(m))

@@ -63,9 +63,9 @@ def test_lines_are_checked_as_the_format_uploaded(tmp_path) -> None:
     store = DatasetStore(tmp_path / "d")
     info = upload(store, PROMPTS, "prompts")
     assert (info.num_examples, info.format) == (4, "prompts")
-    with pytest.raises(InvalidArgument, match=r"dataset line 1: expected a non-empty \"messages\" list"):
+    with pytest.raises(InvalidArgument, match=r"dataset d.jsonl:1: expected a non-empty \"messages\" list"):
         upload(store, PROMPTS)  # as chat: a prompt line is no sft example
-    with pytest.raises(InvalidArgument, match=r'dataset line 2: expected a "prompt" \(text\) or "messages"'):
+    with pytest.raises(InvalidArgument, match=r'dataset d.jsonl:2: expected a "prompt" \(text\) or "messages"'):
         upload(store, PROMPTS.replace(b'"prompt": "3+3?"', b'"question": "3+3?"'), "prompts")
     with pytest.raises(InvalidArgument, match="format: expected one of chat, prompts"):
         upload(store, PROMPTS, "csv")
