@@ -104,10 +104,12 @@ def test_trainer_metrics_need_a_token_and_a_certificate_and_can_drop_task_labels
                 assert http_get(f"{base_url}/health")[0] == 200  # probes need none
             status, sched_body = _get(f"{cluster.url}/metrics", None, TOKEN)
             assert status == 200
-            # ... and its /metrics has counts by state and node telemetry, never a task id or owner.
+            # ... and its /metrics has counts by state, node telemetry and per-owner accounting (the
+            # usage and quota-queue series name owners and queues), never a task.
             text = sched_body.decode()
             assert metric_value(metric_samples(text), "opentinker_tasks", state="running") == 1.0
-            assert task_id not in text and "alice" not in text and "task_id" not in text
+            assert task_id not in text and "task_id" not in text
+            assert metric_value(metric_samples(text), "opentinker_queue_cpu_tasks_in_use", queue="alice") == 1.0
             alice.cancel(task_id)
     finally:
         cluster.close()
