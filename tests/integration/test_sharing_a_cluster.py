@@ -18,7 +18,7 @@ from pathlib import Path
 from opentinker_client import RLClient
 
 from tests.support.procs import Cluster, task_fields, wait_connected
-from tests.support.waiting import wait_progress
+from tests.support.waiting import wait_for, wait_progress
 
 CONFIG = """\
 heartbeat_interval: 0.5
@@ -109,9 +109,14 @@ def test_two_owners_share_a_node_fairly_with_quotas_usage_and_scale_signal(tmp_p
         assert set(report["owners"]) == {"alice"} and report["owners"]["alice"]["gpu_seconds"] > 0
         assert "alice" in cli(cluster, admin_key, "usage", "--since", "1d")
 
-        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/metrics", timeout=10) as resp:
-            metrics = resp.read().decode()
-        assert 'opentinker_usage_gpu_seconds_total{owner="alice",queue="alice"}' in metrics
+        def scrape() -> str | None:
+            with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+            return text if 'opentinker_usage_gpu_seconds_total{owner="alice",queue="alice"}' in text else None
+
+        # The usage rollup on /metrics is recomputed every USAGE_EXPORT_INTERVAL_S (a store query):
+        # the series appears at the next recomputation after the attempts were accounted.
+        metrics = wait_for(scrape, what="alice's usage on /metrics")
         # The busy node, and 16 queued one-GPU tasks of alice (carol's is over quota): 4 nodes more.
         assert 'opentinker_desired_trainers{node_class="default"} 5.0' in metrics, metrics
         for client in clients.values():
