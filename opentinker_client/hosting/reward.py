@@ -38,7 +38,6 @@ import math
 import numbers
 import os
 import threading
-from concurrent import futures
 from typing import Any, Callable, Sequence
 
 import grpc
@@ -47,10 +46,9 @@ from google.protobuf import json_format
 from opentinker.environment.v1 import environment_pb2 as pb
 from opentinker.environment.v1 import environment_pb2_grpc as pb_grpc
 from opentinker_client.errors import InvalidArgumentError
-from opentinker_client.hosting.auth import TokenInterceptor, checked_token, server_credentials
-from opentinker_client.hosting.server import ADVERTISE_HOST_ENV, _add_health_and_reflection, _bracket, _default_host
+from opentinker_client.hosting.auth import TokenInterceptor
+from opentinker_client.hosting.server import _access, _advertised, _bound_server, _bracket, _default_host
 from opentinker_client.hosting.service import SERVICE_NAME
-from opentinker_common.net.grpc_options import message_limits
 
 __all__ = ["MAX_ITEMS", "RewardFn", "RewardServer", "RewardServicer"]
 
@@ -166,18 +164,8 @@ class RewardServer:
         self.fn = fn
         self.name = getattr(fn, "__qualname__", None) or type(fn).__name__
         self.host = host or _default_host()
-        advertise = advertise_host or os.environ.get(ADVERTISE_HOST_ENV) or self.host
-        if advertise in ("0.0.0.0", "::", "[::]", ""):
-            import socket
-
-            advertise = socket.getfqdn()
-        if require_token:
-            self._token = checked_token(token)
-        elif token is not None:
-            raise InvalidArgumentError("token: not used with require_token=False; give one or the other", field="token")
-        else:
-            self._token = ""
-        credentials, roots = server_credentials(tls_cert, tls_key, tls_ca)
+        advertise = _advertised(advertise_host, self.host)
+        self._token, credentials, roots = _access(token, require_token, tls_cert, tls_key, tls_ca)
         self.tls = credentials is not None
         self._options = {
             "timeout_s": float(timeout_s),
@@ -187,24 +175,9 @@ class RewardServer:
         self._roots = roots
         self.servicer = RewardServicer(fn, self.name)
         self.auth = TokenInterceptor(self._token, self.name) if require_token else None
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="opentinker-reward"),
-            interceptors=[self.auth] if self.auth is not None else None,
-            options=[("grpc.so_reuseport", 0), *message_limits()],
+        self._server, self._health, bound = _bound_server(
+            self.servicer, self.auth, self.host, port, credentials, max_workers, "opentinker-reward", "reward server"
         )
-        pb_grpc.add_EnvironmentServiceServicer_to_server(self.servicer, self._server)
-        self._health = _add_health_and_reflection(self._server)
-        address = f"{_bracket(self.host)}:{int(port)}"
-        try:
-            bound = (
-                self._server.add_secure_port(address, credentials)
-                if credentials
-                else self._server.add_insecure_port(address)
-            )
-        except RuntimeError:
-            bound = 0
-        if bound == 0:
-            raise OSError(f"cannot bind the reward server to {self.host}:{port}")
         self.port = bound
         self.endpoint = f"{_bracket(advertise)}:{bound}"
         self.reward_config  # validated now, as the scheduler will  # noqa: B018

@@ -137,20 +137,12 @@ class EnvironmentServer:
 
         self.env = env
         self.host = host or _default_host()
-        advertise = advertise_host or os.environ.get(ADVERTISE_HOST_ENV) or self.host
-        if advertise in ("0.0.0.0", "::", "[::]", ""):
-            advertise = socket.getfqdn()
+        advertise = _advertised(advertise_host, self.host)
         self._advertise = advertise
         # Validate everything (declared config with a placeholder endpoint, token, TLS files)
         # before binding anything.
         cfg = client_env_config(env, endpoint=f"{_bracket(advertise)}:1")
-        if require_token:
-            self._token = checked_token(token)
-        elif token is not None:
-            raise InvalidArgumentError("token: not used with require_token=False; give one or the other", field="token")
-        else:
-            self._token = ""
-        credentials, roots = server_credentials(tls_cert, tls_key, tls_ca)
+        self._token, credentials, roots = _access(token, require_token, tls_cert, tls_key, tls_ca)
         self.tls = credentials is not None
         self._security = {"token": self._token, "tls": self.tls, "tls_root_certificates": roots}
         self.spaces = Spaces(cfg.action_space, cfg.observation_space, cfg.observation_type, cfg.action_names)
@@ -163,24 +155,9 @@ class EnvironmentServer:
                 "serving %s WITHOUT an access token (require_token=False): anyone who can reach the port can drive it",
                 self.name,
             )
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="opentinker-env"),
-            interceptors=[self.auth] if self.auth is not None else None,
-            options=[("grpc.so_reuseport", 0), *message_limits()],
+        self._server, self._health, bound = _bound_server(
+            self.servicer, self.auth, self.host, port, credentials, max_workers, "opentinker-env", "environment server"
         )
-        pb_grpc.add_EnvironmentServiceServicer_to_server(self.servicer, self._server)
-        self._health = _add_health_and_reflection(self._server)
-        address = f"{_bracket(self.host)}:{int(port)}"
-        try:
-            bound = (
-                self._server.add_secure_port(address, credentials)
-                if credentials
-                else self._server.add_insecure_port(address)
-            )
-        except RuntimeError:  # newer grpcio raises instead of returning 0
-            bound = 0
-        if bound == 0:
-            raise OSError(f"cannot bind the environment server to {self.host}:{port}")
         self.port = bound
         self.endpoint = f"{_bracket(advertise)}:{bound}"
         self._config = self._validated(client_env_config(env, endpoint=self.endpoint))
@@ -273,6 +250,53 @@ class EnvironmentServer:
 
     def __repr__(self) -> str:
         return f"EnvironmentServer({self.name}, endpoint={self.endpoint!r}, tls={self.tls}, stopped={self.stopped})"
+
+
+def _advertised(advertise_host: str | None, host: str) -> str:
+    """The host trainers dial: ``advertise_host``, else ``$OPENTINKER_ENV_ADVERTISE_HOST``, else
+    ``host``; a wildcard (``0.0.0.0``, ``::``) becomes this machine's FQDN."""
+    advertise = advertise_host or os.environ.get(ADVERTISE_HOST_ENV) or host
+    return socket.getfqdn() if advertise in ("0.0.0.0", "::", "[::]", "") else advertise
+
+
+def _access(token, require_token: bool, tls_cert, tls_key, tls_ca) -> tuple[str, Any, str]:
+    """``(token, server credentials or None, CA text for trainers)`` of a hosted server's options.
+
+    Raises:
+        InvalidArgumentError: a bad token, a token with ``require_token=False``, or bad TLS files.
+    """
+    if require_token:
+        checked = checked_token(token)
+    elif token is not None:
+        raise InvalidArgumentError("token: not used with require_token=False; give one or the other", field="token")
+    else:
+        checked = ""
+    credentials, roots = server_credentials(tls_cert, tls_key, tls_ca)
+    return checked, credentials, roots
+
+
+def _bound_server(servicer, auth, host: str, port: int, credentials, max_workers: int, threads: str, what: str):
+    """A gRPC server of ``servicer`` (the EnvironmentService, with health and reflection) bound to
+    ``host:port``: ``(server, health servicer, bound port)``.
+
+    Raises:
+        OSError: the port cannot be bound (naming ``what``).
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=threads),
+        interceptors=[auth] if auth is not None else None,
+        options=[("grpc.so_reuseport", 0), *message_limits()],
+    )
+    pb_grpc.add_EnvironmentServiceServicer_to_server(servicer, server)
+    health = _add_health_and_reflection(server)
+    address = f"{_bracket(host)}:{int(port)}"
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # newer grpcio raises instead of returning 0
+        bound = 0
+    if bound == 0:
+        raise OSError(f"cannot bind the {what} to {host}:{port}")
+    return server, health, bound
 
 
 def _bracket(host: str) -> str:

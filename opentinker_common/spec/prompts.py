@@ -23,7 +23,6 @@ answer field) is refused naming the lines.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -31,7 +30,7 @@ from opentinker_common.net.url import redact_userinfo
 from opentinker_common.spec._parse import SpecError, num
 from opentinker_common.spec.client_env import ClientEnvConfig, check_token, parse_endpoint
 from opentinker_common.spec.registry import register_env
-from opentinker_common.spec.sft import CHAT_ROLES, MAX_LINE_BYTES, DatasetError, is_dataset_id
+from opentinker_common.spec.sft import CHAT_ROLES, DatasetError, is_dataset_id, json_object_line
 from opentinker_common.verifiers import EXTRACT_MODES, TERMS, VERIFIERS, VerifierError, check_expected
 
 __all__ = [
@@ -87,25 +86,9 @@ def parse_prompt_line(line: str | bytes, lineno: int) -> PromptLine | None:
         DatasetError: naming ``lineno`` and what was expected (no prompt, an empty prompt,
             malformed messages, not JSON).
     """
-    if isinstance(line, bytes):
-        if len(line) > MAX_LINE_BYTES:
-            raise DatasetError(lineno, f"a line of at most {MAX_LINE_BYTES} bytes", f"{len(line)} bytes")
-        try:
-            line = line.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise DatasetError(lineno, f"UTF-8 text (byte {exc.start} is not)") from None
-    if not line.strip():
+    obj = json_object_line(line, lineno, example='{"prompt": "...", "answer": ...}', wanted='a "prompt" or "messages"')
+    if obj is None:
         return None
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DatasetError(
-            lineno,
-            f'a JSON object such as {{"prompt": "...", "answer": ...}} (JSON error at column {exc.colno}: {exc.msg})',
-            column=exc.colno,
-        ) from None
-    if not isinstance(obj, dict):
-        raise DatasetError(lineno, 'a JSON object with a "prompt" or "messages"', type(obj).__name__)
     has = [k for k in PROMPT_KEYS if k in obj]
     if not has:
         raise DatasetError(

@@ -75,16 +75,13 @@ class DatasetError(ValueError):
         return f"{where}: {self.detail}"
 
 
-def parse_chat_line(line: str | bytes, lineno: int) -> list[dict[str, str]] | None:
-    """Check one JSONL line; return its messages, or None for a blank line (skipped).
-
-    A valid line is a JSON object with a ``messages`` list (other top-level keys, such as an
-    ``id``, are ignored); each message is ``{"role": "system"|"user"|"assistant", "content":
-    str}`` and nothing else; ``system`` may only come first; at least one ``assistant`` message
-    has non-empty content (the tokens SFT trains on).
+def json_object_line(line: str | bytes, lineno: int, *, example: str, wanted: str) -> dict | None:
+    """One JSONL line as a JSON object; None for a blank line. ``example`` (``{"messages":
+    [...]}``) and ``wanted`` (``a "messages" list``) word the errors.
 
     Raises:
-        DatasetError: naming ``lineno`` and what was expected.
+        DatasetError: naming ``lineno``: over :data:`MAX_LINE_BYTES`, not UTF-8, not JSON (with
+            its column), or JSON that is not an object.
     """
     if isinstance(line, bytes):
         if len(line) > MAX_LINE_BYTES:
@@ -101,12 +98,27 @@ def parse_chat_line(line: str | bytes, lineno: int) -> list[dict[str, str]] | No
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise DatasetError(
-            lineno,
-            f'a JSON object such as {{"messages": [...]}} (JSON error at column {exc.colno}: {exc.msg})',
-            column=exc.colno,
+            lineno, f"a JSON object such as {example} (JSON error at column {exc.colno}: {exc.msg})", column=exc.colno
         ) from None
     if not isinstance(obj, dict):
-        raise DatasetError(lineno, 'a JSON object with a "messages" list', type(obj).__name__)
+        raise DatasetError(lineno, f"a JSON object with {wanted}", type(obj).__name__)
+    return obj
+
+
+def parse_chat_line(line: str | bytes, lineno: int) -> list[dict[str, str]] | None:
+    """Check one JSONL line; return its messages, or None for a blank line (skipped).
+
+    A valid line is a JSON object with a ``messages`` list (other top-level keys, such as an
+    ``id``, are ignored); each message is ``{"role": "system"|"user"|"assistant", "content":
+    str}`` and nothing else; ``system`` may only come first; at least one ``assistant`` message
+    has non-empty content (the tokens SFT trains on).
+
+    Raises:
+        DatasetError: naming ``lineno`` and what was expected.
+    """
+    obj = json_object_line(line, lineno, example='{"messages": [...]}', wanted='a "messages" list')
+    if obj is None:
+        return None
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         raise DatasetError(lineno, 'a non-empty "messages" list', messages)
