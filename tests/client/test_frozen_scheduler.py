@@ -73,17 +73,18 @@ def test_watch_timeout_bounds_a_quiet_live_stream(fake):
 
 
 def test_watch_keeps_a_quiet_live_stream_past_the_answer_bound(fake):
-    # The per-open answer bound (here min(timeout=1, reconnect_timeout=0.5)) must not turn a
-    # healthy, quiet stream into an outage: the scheduler still answers GetTask.
+    # The per-open answer bound (half of reconnect_timeout=2) must not turn a healthy, quiet
+    # stream into an outage: the scheduler still answers GetTask. The stream stays quiet for
+    # several such bounds; each GetTask has a whole second, enough on a loaded machine.
     servicer, server = fake
     task_id = servicer.add_task(S.TASK_STATE_RUNNING).task_id
     servicer.add_metric(task_id, 1, 1.0, 0.1)
-    with RLClient(server.url, timeout=1, api_key="", min_poll_interval=0) as client:
+    with RLClient(server.url, timeout=5, api_key="", min_poll_interval=0) as client:
         client.reconnect_backoff = (0.01, 0.05)
-        it = client.watch(task_id, after_sequence=1, reconnect_timeout=0.5)
+        it = client.watch(task_id, after_sequence=1, reconnect_timeout=2)
 
         def later() -> None:
-            time.sleep(3)
+            time.sleep(5)
             servicer.add_state(task_id, S.TASK_STATE_SUCCEEDED, reason="COMPLETED")
 
         t = threading.Thread(target=later)
