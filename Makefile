@@ -77,7 +77,7 @@ lint: install
 	exit $$rc
 
 test: install test-deps proto-check lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: install test-deps
 	$(PY) -m pytest -q -m "not e2e"
