@@ -528,13 +528,20 @@ class SchedulerCore:
             return task
         was_active = task.state in ACTIVE_STATES
         node_id, attempt = task.node_id, task.attempt
+        stops = was_active and node_id in self.nodes  # its worker is told to stop, and confirms
         task.error = cancel_error(reason)
         self.transition(
-            task, S.TASK_STATE_CANCELLED, "CANCELLED", reason or CANCELLED_BY_USER, end=True, keep_node=True
+            task,
+            S.TASK_STATE_CANCELLED,
+            "CANCELLED",
+            reason or CANCELLED_BY_USER,
+            end=True,
+            keep_node=True,
+            until_confirmed=stops,
         )
         self._queued_at.pop(task_id, None)
         self.preemptions.forget(task_id)
-        if was_active and node_id in self.nodes:
+        if stops:
             # The worker checkpoints on SIGTERM (as on a drain); that checkpoint is still recorded
             # (node_report) until the node reports the worker gone, so cancelling keeps the work.
             self.stopping[task_id] = (attempt, node_id)
@@ -660,7 +667,15 @@ class SchedulerCore:
                 node = self.nodes.get(task.node_id)
                 attempt = task.attempt
                 task.error = f"max_runtime of {task.max_runtime_s:.0f} s exceeded"
-                self.transition(task, S.TASK_STATE_FAILED, "TIMEOUT", task.error, end=True, keep_node=True)
+                self.transition(
+                    task,
+                    S.TASK_STATE_FAILED,
+                    "TIMEOUT",
+                    task.error,
+                    end=True,
+                    keep_node=True,
+                    until_confirmed=node is not None,
+                )
                 self.preemptions.victim_ended(task.task_id)
                 if node is not None:
                     # The worker checkpoints on SIGTERM; that final checkpoint is still recorded
@@ -1009,12 +1024,20 @@ class SchedulerCore:
         """``task_id``'s ``attempt`` on ``node`` is gone: end its preemption or timeout record,
         requeue it when it is still the current attempt, release its GPUs."""
         self.preemptions.victim_ended(task_id)  # a preemption in flight ends with the node
-        self.stopping.pop(task_id, None)
+        if task_id in self.stopping:  # ended by the scheduler; the node is gone before confirming the stop
+            self.stop_confirmed(task_id, self.stopping[task_id][0])
         task = self.active.get(task_id)
         if task is not None and task.attempt == attempt:
             log.warning("task attempt lost", task_id=task_id, attempt=attempt, node_id=node.node_id, why=message)
             self.requeue(task, reason, message, backoff=False)
         node.release(task_id)
+
+    def stop_confirmed(self, task_id: str, attempt: int) -> None:
+        """The worker of ``task_id``'s ``attempt``, which the scheduler ended (cancel,
+        max_runtime), is gone: its node reported it ended, or the node was declared lost. The
+        attempt's usage ends now (GPU-seconds run from assignment to confirmed stop)."""
+        self.stopping.pop(task_id, None)
+        self.usage.confirmed(task_id, attempt)
 
     def fail_or_retry(self, task: TaskRow, reason: str, message: str, *, retryable: bool, extra=()) -> None:
         """A failed attempt: requeued with backoff while ``retryable`` and attempts are left, else
@@ -1071,8 +1094,12 @@ class SchedulerCore:
         extra=(),
         end: bool = False,
         keep_node: bool = False,
+        until_confirmed: bool = False,
     ) -> None:
-        """Commit ``task`` in ``to_state`` with a state-change event (after ``extra`` events)."""
+        """Commit ``task`` in ``to_state`` with a state-change event (after ``extra`` events).
+
+        ``until_confirmed``: the scheduler ends an active attempt whose worker it tells to stop
+        (cancel, max_runtime); its usage runs on until :meth:`stop_confirmed`."""
         from_state = task.state
         now = time.time()
         task.state = to_state
@@ -1098,7 +1125,7 @@ class SchedulerCore:
             if now_active:
                 self.usage.start(task, queue=queue, gpus=self.need(task)[0], start_time=now)
             else:
-                self.usage.end(task, end_time=now)
+                self.usage.end(task, end_time=now, until_confirmed=until_confirmed)
         if task.task_id in self.gangs.live:
             self.gangs.task_moved(task)
         log.info(

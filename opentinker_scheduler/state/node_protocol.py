@@ -70,6 +70,7 @@ class NodeHost(Protocol):
         self, task: TaskRow, reason: str, message: str, *, retryable: bool, extra: Sequence[common_pb2.TaskEvent] = ()
     ) -> None: ...
     def lose_allocation(self, node: NodeSession, task_id: str, attempt: int, reason: str, message: str) -> None: ...
+    def stop_confirmed(self, task_id: str, attempt: int) -> None: ...
     def lose_node(self, node: NodeSession, why: str) -> None: ...
 
 
@@ -242,8 +243,11 @@ class NodeProtocol:
                     step=ck.step,
                     path=ck.path,
                 )
-            if ends:
-                self.core.stopping.pop(rep.task_id, None)
+            if ends and rep.task_id in self.core.stopping:
+                if stopping == (rep.attempt, node.node_id):
+                    self.core.stop_confirmed(rep.task_id, rep.attempt)  # its usage ends now
+                else:
+                    self.core.stopping.pop(rep.task_id, None)
             # Cancelled (or already finished) while the worker ran: only release its GPUs.
             if ends and held is not None and held[0] == rep.attempt:
                 node.release(rep.task_id)

@@ -1,7 +1,10 @@
 """Usage accounting: what each attempt used, rolled up per task, owner and queue.
 
-Per attempt, from its assignment (ASSIGNED) until it leaves ASSIGNED/RUNNING (the node reported it
-ended, or the scheduler ended it: lost node, cancel, max_runtime):
+Per attempt, from its assignment (ASSIGNED) until its stop is confirmed: the node reported it
+ended, or the node was declared lost. An attempt the scheduler ends itself (cancel, max_runtime)
+leaves ASSIGNED/RUNNING at once but keeps its GPUs until its worker is gone (it checkpoints on
+SIGTERM within the node's grace period), so its meter runs on until the node confirms the stop
+(or is lost): :meth:`UsageMeters.end` with ``until_confirmed``, then :meth:`UsageMeters.confirmed`.
 
 * GPU-seconds: GPUs held (``gpu_count x nodes``) times those seconds; CPU-task seconds for a CPU
   task (``gpu_count 0``) instead;
@@ -12,9 +15,12 @@ ended, or the scheduler ended it: lost node, cancel, max_runtime):
   the trainer announced (``--node-class``) or ``usage.default_node_class``.
 
 The running attempt's meter lives in memory (:class:`UsageMeters`); when it ends one row goes to
-the store (``attempt_usage``), written with the transition that ended it. A scheduler restart
-starts a running attempt's meter again from the attempt's start time (RUNNING), so its
-accounting stays within one heartbeat interval of the truth for the time before the restart.
+the store (``attempt_usage``), written with the transition that ended it. For an attempt that is
+still stopping that row ends at the transition, and is rewritten to end at the confirmation when
+it comes (until then, and for ever when the scheduler restarts in between, the attempt's usage is
+counted up to the transition). A scheduler restart starts a running attempt's meter again from
+the attempt's start time (RUNNING), so its accounting stays within one heartbeat interval of the
+truth for the time before the restart.
 """
 
 from __future__ import annotations
@@ -114,6 +120,8 @@ class UsageMeters:
         self.config = config
         self.node_class_of = node_class_of
         self.live: dict[str, Meter] = {}
+        #: Attempts ended by the scheduler whose worker is still stopping: task id -> (meter, row).
+        self.stopping: dict[str, tuple[Meter, TaskRow]] = {}
 
     def price(self, node_class: str) -> float:
         return self.config.price(node_class)
@@ -148,12 +156,28 @@ class UsageMeters:
         if "env_steps" in values:
             m.env_steps = max(m.env_steps, float(values["env_steps"]))
 
-    def end(self, task: TaskRow, end_time: float | None = None) -> UsageRecord | None:
+    def end(self, task: TaskRow, end_time: float | None = None, *, until_confirmed: bool = False) -> UsageRecord | None:
         """``task``'s live attempt left ASSIGNED/RUNNING: write its record (returned); None when it
-        had no meter."""
+        had no meter. ``until_confirmed``: the scheduler ended it and its worker is still
+        stopping; the record is rewritten by :meth:`confirmed` to end when the stop is confirmed."""
         m = self.live.pop(task.task_id, None)
         if m is None:
             return None
+        rec = self._record(m, task, time.time() if end_time is None else end_time)
+        self.store.record_usage(rec)
+        if until_confirmed:
+            self.stopping[task.task_id] = (m, task)
+        return rec
+
+    def confirmed(self, task_id: str, attempt: int, end_time: float | None = None) -> UsageRecord | None:
+        """The worker of ``task_id``'s ``attempt``, ended by the scheduler, is gone (its node said
+        so, or the node was declared lost): rewrite the attempt's record to end at ``end_time``
+        (default now) and return it; None when that attempt was not waiting for a confirmation."""
+        held = self.stopping.get(task_id)
+        if held is None or held[0].attempt != attempt:
+            return None
+        del self.stopping[task_id]
+        m, task = held
         rec = self._record(m, task, time.time() if end_time is None else end_time)
         self.store.record_usage(rec)
         return rec

@@ -1,6 +1,7 @@
-"""Usage accounting in the core: per attempt GPU-seconds from assignment to stop, tokens and env
-steps from the metrics, cost by node class; rolled up per task, owner and queue, persisted (both
-store backends); the dry-run estimate from recent step times; the desired-trainers signal."""
+"""Usage accounting in the core: per attempt GPU-seconds from assignment to confirmed stop (a
+cancelled or timed-out attempt until its node confirms the worker is gone, or is lost), tokens and
+env steps from the metrics, cost by node class; rolled up per task, owner and queue, persisted
+(both store backends); the dry-run estimate from recent step times; the desired-trainers signal."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from opentinker.node.v1 import node_pb2 as N
 from opentinker_scheduler.config import QueueConfig
 from opentinker_scheduler.config.usage import UsageConfig
 from tests.support.scheduler_core import drain, make_core, register, report, spec
+from tests.support.stores import committed
 
 
 def _assigned(node) -> list[str]:
@@ -70,6 +72,67 @@ def test_finished_task_usage_is_its_attempts_gpu_seconds(tmp_path) -> None:
     core.store.close()
     again = make_core(tmp_path, usage=usage)
     assert again.task_usage(again.get(task.task_id)).gpu_seconds == got.gpu_seconds
+
+
+def _usage_rows(core, task_id) -> list[tuple[int, float, float, float]]:
+    """(attempt, start, end, GPU-seconds) of each committed usage record of a task."""
+    sql = "SELECT attempt, start_time, end_time, gpu_seconds FROM attempt_usage WHERE task_id=? ORDER BY attempt"
+    return committed(core.store, sql, (task_id,))
+
+
+#: How long the worker takes to checkpoint and stop after the scheduler ended its attempt.
+STOPPING_S = 0.3
+
+
+def test_a_cancelled_attempt_is_accounted_until_its_node_confirms_the_stop(tmp_path) -> None:
+    core = make_core(tmp_path, max_tasks_per_gpu=1)
+    node, _ = register(core)
+    task = core.submit(spec(gpus=2), owner="alice")
+    core.schedule()
+    assert _assigned(node) == [task.task_id]
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    core.cancel(task.task_id)
+    assert core.get(task.task_id).state == C.TASK_STATE_CANCELLED
+    ((_, start, at_cancel, gpu_s_at_cancel),) = _usage_rows(core, task.task_id)  # written with the transition
+    time.sleep(STOPPING_S)  # the worker checkpoints on SIGTERM and takes a while to go
+    assert task.task_id in node.allocations  # its GPUs are still held
+    confirm_from = time.time()
+    report(core, node, task.task_id, 1, C.TASK_STATE_CANCELLED)
+    confirm_to = time.time()
+    assert node.allocations == {} and core.stopping == {}
+    ((attempt, start_again, end, gpu_s),) = _usage_rows(core, task.task_id)
+    assigned = next(t for r, a, t in _state_times(core, task.task_id) if r == "ASSIGNED")
+    assert attempt == 1 and start_again == start and abs(start - assigned) < 0.01
+    assert confirm_from <= end <= confirm_to, "the attempt's usage ends at the node's confirmation"
+    assert abs(gpu_s - 2 * (end - start)) < 1e-6 and gpu_s >= gpu_s_at_cancel + 2 * STOPPING_S
+    assert at_cancel < confirm_from
+    got = core.task_usage(core.get(task.task_id))
+    assert got.attempts == 1 and got.gpu_seconds == gpu_s
+    # A report of the ended attempt after the confirmation changes nothing.
+    report(core, node, task.task_id, 1, C.TASK_STATE_CANCELLED)
+    assert _usage_rows(core, task.task_id) == [(attempt, start, end, gpu_s)]
+
+
+def test_a_timed_out_attempt_is_accounted_until_its_node_is_declared_lost(tmp_path) -> None:
+    core = make_core(tmp_path, max_tasks_per_gpu=1)
+    node, _ = register(core)
+    s = spec(gpus=1)
+    s.limits.max_runtime.FromSeconds(5)
+    task = core.submit(s, owner="bob")
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    core.active[task.task_id].start_time = time.time() - 10  # past max_runtime
+    core.tick()
+    assert core.get(task.task_id).state == C.TASK_STATE_FAILED and task.task_id in core.stopping
+    time.sleep(STOPPING_S)  # the node goes silent before confirming
+    lost_from = time.time()
+    node.connected = False  # as the liveness check does past the lease
+    core.node_changed(node, membership=True)
+    core.lose_node(node, "test")
+    lost_to = time.time()
+    ((_, start, end, gpu_s),) = _usage_rows(core, task.task_id)
+    assert lost_from <= end <= lost_to and abs(gpu_s - (end - start)) < 1e-6
+    assert core.stopping == {} and core.usage.stopping == {}
 
 
 def test_running_attempt_counts_up_to_now_and_cpu_tasks_count_slot_seconds(tmp_path) -> None:
