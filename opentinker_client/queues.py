@@ -6,10 +6,13 @@
         for q in client.queues.list():
             print(q.name, q.gpus_in_use, "/", q.gpu_quota, q.pending_tasks)
         client.queues.set("team-a", gpu_quota=8, cpu_task_quota=16, gpu_borrowing_limit=4, owners=["alice"])
+        client.queues.reset("team-a")             # back to the scheduler config's values
         client.queues.desired_trainers()          # {"default": 3, "spot": 0}
 
 A queue's quota is what its owners' tasks may use at once; a task over it waits (PENDING, with the
-reason). Changing a quota needs an admin key and takes effect at once (audited as ``queue.set``).
+reason). Changing a quota needs an admin key and takes effect at once (audited as ``queue.set``);
+the change is a runtime override that the scheduler keeps across restarts until it is reset
+(``queue.reset``). :meth:`QueueInfo.overrides` says which values differ from the config.
 """
 
 from __future__ import annotations
@@ -65,6 +68,27 @@ class QueueInfo:
     submit_rate: float
     submit_burst: int
     usage: UsageInfo = field(default_factory=UsageInfo)
+    #: Whether a runtime override (``set``, kept across restarts until ``reset``) set its values,
+    #: when (unix seconds) and by whom (an API key owner).
+    overridden: bool = False
+    override_time: float | None = None
+    override_by: str = ""
+    #: The queue as the scheduler config defines it (None: not in the config).
+    configured: "QueueInfo | None" = None
+
+    def overrides(self) -> dict[str, tuple[object, object]]:
+        """Values that differ from the config: field -> (config's value, value now); every set
+        field of a queue that is not in the config (config's value None). Owners compare as sets."""
+        fields = ("gpu_quota", "cpu_task_quota", "gpu_borrowing_limit", "cpu_task_borrowing_limit", "owners")
+        c = self.configured
+        if c is None:
+            return {f: (None, getattr(self, f)) for f in fields} if self.overridden else {}
+        out: dict[str, tuple[object, object]] = {}
+        for f in fields:
+            was, now = getattr(c, f), getattr(self, f)
+            if (set(was) != set(now)) if f == "owners" else was != now:
+                out[f] = (was, now)
+        return out
 
     @classmethod
     def from_proto(cls, q: admin_pb2.Queue) -> "QueueInfo":
@@ -84,6 +108,10 @@ class QueueInfo:
             q.submit_rate,
             q.submit_burst,
             UsageInfo.from_proto(q.usage),
+            q.overridden,
+            q.override_time.ToNanoseconds() / 1e9 if q.HasField("override_time") else None,
+            q.override_by,
+            cls.from_proto(q.configured) if q.HasField("configured") else None,
         )
 
 
@@ -124,6 +152,20 @@ class QueueAdmin:
         resp = self._call("SetQueueQuota", admin_pb2.SetQueueQuotaRequest(queue=q))
         return QueueInfo.from_proto(resp.queue), (
             QueueInfo.from_proto(resp.previous) if resp.HasField("previous") else None
+        )
+
+    def reset(self, name: str) -> tuple[QueueInfo | None, QueueInfo | None]:
+        """Remove a queue's runtime override now (admin keys): it goes back to the scheduler
+        config's values, or is removed when the config has no such queue. Returns (the queue now or
+        None when removed, the override removed or None when there was none).
+
+        Raises:
+            NotFoundError: the queue is neither overridden nor in the config.
+        """
+        resp = self._call("ResetQueueQuota", admin_pb2.ResetQueueQuotaRequest(name=name))
+        return (
+            QueueInfo.from_proto(resp.queue) if resp.HasField("queue") else None,
+            QueueInfo.from_proto(resp.removed) if resp.HasField("removed") else None,
         )
 
     def desired_trainers(self) -> dict[str, int]:

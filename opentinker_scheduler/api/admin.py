@@ -206,7 +206,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             )
         quota = quota_from_proto(q)
         core = self._core()
-        before = core.set_queue(quota)
+        before = core.set_queue(quota, by=who.owner)
         call.detail.update(
             gpus=quota.gpus,
             cpu_tasks=quota.cpu_tasks,
@@ -221,6 +221,46 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         )
         if before is not None:
             out.previous.CopyFrom(_quota_proto(before))
+        return out
+
+    @rpc(action="queue.reset")
+    async def ResetQueueQuota(self, request, call: Call):
+        who = call.who
+        call.detail.update(queue=request.name[:64])
+        if not who.is_admin:
+            raise PermissionDenied(
+                f"API key {who.key_prefix} (role {who.role}) may not change quota queues: admin keys only"
+            )
+        bad = check_queue_name(request.name)
+        if bad:
+            raise InvalidArgument(f"name: expected {bad}, got {request.name[:80]!r}")
+        core = self._core()
+        now, removed = core.reset_queue(request.name)
+        call.detail.update(
+            removed=None
+            if removed is None
+            else {"gpus": removed.gpus, "cpu_tasks": removed.cpu_tasks, "owners": list(removed.owners)},
+            now=None if now is None else {"gpus": now.gpus, "cpu_tasks": now.cpu_tasks, "owners": list(now.owners)},
+        )
+        out = admin_pb2.ResetQueueQuotaResponse()
+        if removed is not None:
+            out.removed.CopyFrom(
+                _quota_proto(
+                    QueueQuota(
+                        removed.name,
+                        removed.gpus,
+                        removed.cpu_tasks,
+                        removed.borrowing_gpus,
+                        removed.borrowing_cpu_tasks,
+                        removed.owners,
+                    )  # fmt: skip
+                )
+            )
+            out.removed.overridden = True
+            _stamp(out.removed, removed)
+        rows = {row[0]: row for row in core.queue_rows()}
+        if now is not None and request.name in rows:
+            out.queue.CopyFrom(queue_to_proto(core, rows[request.name], core.usage_rollup()[1].get(request.name)))
         return out
 
     @rpc()
@@ -280,9 +320,15 @@ def _quota_proto(quota: QueueQuota) -> admin_pb2.Queue:
     return out
 
 
+def _stamp(out: admin_pb2.Queue, override) -> None:
+    """When and by whom a runtime override (``QueueOverride``) was set."""
+    out.override_time.FromNanoseconds(int(override.set_time * 1e9))
+    out.override_by = override.set_by
+
+
 def queue_to_proto(core, row, usage=None) -> admin_pb2.Queue:
-    """One row of :meth:`SchedulerCore.queue_rows` as a ``Queue``, with the per-owner limits and
-    the accounted usage."""
+    """One row of :meth:`SchedulerCore.queue_rows` as a ``Queue``, with the per-owner limits, the
+    accounted usage, the config's values and the runtime override (when and by whom)."""
     name, quota, (gpus, cpu_tasks), pending, share = row
     out = _quota_proto(quota) if quota is not None else admin_pb2.Queue(name=name, limited=False)
     out.gpus_in_use, out.cpu_tasks_in_use, out.pending_tasks = gpus, cpu_tasks, pending
@@ -294,6 +340,16 @@ def queue_to_proto(core, row, usage=None) -> admin_pb2.Queue:
         mine = getattr(own, key) if own is not None else None
         return default if mine is None else mine
 
+    if own is not None:
+        out.configured.CopyFrom(
+            _quota_proto(
+                QueueQuota(own.name, own.gpus, own.cpu_tasks, own.borrowing_gpus, own.borrowing_cpu_tasks, own.owners)
+            )
+        )
+    override = core.queue_override(name)
+    if override is not None:
+        out.overridden = True
+        _stamp(out, override)
     out.max_pending_per_owner = pick("max_pending_per_owner", limits.max_pending_per_owner) or 0
     out.submit_rate = pick("submit_rate", limits.submit_rate) or 0.0
     out.submit_burst = pick("submit_burst", limits.submit_burst) or 0

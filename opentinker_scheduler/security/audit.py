@@ -8,7 +8,8 @@ Each record is written twice:
   it describes, readable with ``AdminService.ListAuditEvents``.
 
 Audited actions: ``task.submit``, ``task.cancel``, ``key.create``, ``key.revoke``, ``key.rotate``,
-``node.join``, ``queue.set`` (a quota queue changed at run time). Refused authentication
+``node.join``, ``queue.set`` (a quota queue changed at run time), ``queue.reset`` (its runtime
+override removed). Refused authentication
 (``auth.refused``) is logged only, never stored, so a caller spraying bad keys cannot grow the database.
 """
 
@@ -27,7 +28,16 @@ log = structlog.get_logger("opentinker.audit")
 
 # The audit_log table: opentinker_scheduler/state/schema.py (migrations of both store backends).
 
-ACTIONS = ("task.submit", "task.cancel", "key.create", "key.revoke", "key.rotate", "node.join", "queue.set")
+ACTIONS = (
+    "task.submit",
+    "task.cancel",
+    "key.create",
+    "key.revoke",
+    "key.rotate",
+    "node.join",
+    "queue.set",
+    "queue.reset",
+)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from opentinker_scheduler.state.store import (  # noqa: F401  (STATE_NAMES re-ex
     ACTIVE_STATES,
     CANCELLED_BY_USER,
     STATE_NAMES,
+    QueueOverride,
     Store,
     TaskRow,
     cancel_error,
@@ -112,18 +113,17 @@ class SchedulerCore:
         self._wake_pending = False
         #: Registration, heartbeats and task reports of node streams (:class:`~.node_protocol.NodeProtocol`).
         self.node_protocol = NodeProtocol(self)
-        #: Quota queues and their usage (:mod:`..policy.quota`); changed at run time by :meth:`set_queue`.
-        self.quotas = QuotaBook.of(
-            (
-                QueueQuota(q.name, q.gpus, q.cpu_tasks, q.borrowing_gpus, q.borrowing_cpu_tasks, q.owners)
-                for q in config.queues
-            ),
-            config.default_queue,
-        )
+        #: Queues changed at run time (:meth:`set_queue`), oldest first, as the store keeps them.
+        self.queue_overrides: list[QueueOverride] = []
+        #: Quota queues and their usage (:mod:`..policy.quota`): the config's ``queues:`` with
+        #: :attr:`queue_overrides` applied over them (read from the store at every start).
+        self.quotas = self._quota_book([])
         self._init_memory()
         self.commits = GroupCommit(store, on_failure=self._rebuild)
         if leading:
             self._recover()
+        else:  # a follower answers ListQueues from the store's overrides too
+            self._use_queue_overrides(store.queue_overrides())
 
     def _init_memory(self) -> None:
         """Empty the leader's memory: nodes, live tasks, the ledger and its indexes, preemptions."""
@@ -249,6 +249,7 @@ class SchedulerCore:
         ones. They keep their node's GPUs until the node re-announces them, or until
         ``restart_grace`` passes without it (a trainer may be a few reconnect backoffs away from
         noticing the restart), so a scheduler restart kills no running work."""
+        self._use_queue_overrides(self.store.queue_overrides(), start=True)
         self.tasks.load(self.store)
         self._recount_usage()
         for task in self.active.values():  # meters run again from the attempt's start (see state/usage.py)
@@ -840,21 +841,100 @@ class SchedulerCore:
             queues[live.owner] = live.queue
         return by_owner, by_queue, queues
 
-    def set_queue(self, quota: QueueQuota) -> QueueQuota | None:
+    def set_queue(self, quota: QueueQuota, *, by: str = "") -> QueueQuota | None:
         """Add or change a quota queue now (no restart): its quota, borrowing limits and owners
-        (owners listed move to it from any other queue). Pending tasks are regrouped and usage
-        recounted; the next placement round decides with it. Returns the queue as it was (None:
-        new). The caller audits the change."""
+        (owners listed move to it from any other queue). The change is a runtime override, written
+        to the store first (nothing changes when that fails) and applied over the config at every
+        start until :meth:`reset_queue`. Pending tasks are regrouped and usage recounted; the next
+        placement round decides with it. ``by``: who set it (an API key owner). Returns the queue
+        as it was (None: new). The caller audits the change."""
         self.require_leader()
         before = self.quotas.queues.get(quota.name)
-        cluster = self.quotas.cluster
-        self.quotas = self.quotas.with_queue(quota)
-        self.quotas.cluster = cluster
-        self.tasks.regroup(self.quotas.queue_of)
-        self._recount_usage()
-        log.info("queue quota set", queue=quota.name, gpus=quota.gpus, cpu_tasks=quota.cpu_tasks, owners=quota.owners)
+        row = QueueOverride(quota.name, quota.gpus, quota.cpu_tasks, quota.borrowing_gpus,
+                            quota.borrowing_cpu_tasks, tuple(quota.owners), time.time(), by)  # fmt: skip
+        self.store.set_queue_override(row)
+        self._use_queue_overrides([*(o for o in self.queue_overrides if o.name != quota.name), row])
+        log.info(
+            "queue quota set (runtime override)",
+            queue=quota.name,
+            gpus=quota.gpus,
+            cpu_tasks=quota.cpu_tasks,
+            owners=quota.owners,
+            by=by,
+        )
         self.notify()
         return before
+
+    def reset_queue(self, name: str) -> tuple[QueueQuota | None, QueueOverride | None]:
+        """Remove queue ``name``'s runtime override now: it goes back to the config's values, or
+        is removed when the config has no such queue (its owners go back to where the config and
+        the other overrides put them). Returns ``(the queue now or None, the override removed or
+        None)``; a configured queue with no override is returned as it is. The caller audits it.
+
+        Raises:
+            NotFound: ``name`` is neither overridden nor in the config.
+        """
+        self.require_leader()
+        removed = self.queue_override(name)
+        if removed is None and all(q.name != name for q in self.config.queues):
+            known = sorted({q.name for q in self.config.queues} | {o.name for o in self.queue_overrides})
+            raise NotFound(
+                f"queue {name!r} has no runtime override and is not in the scheduler config "
+                f"(queues: {', '.join(known) or 'none'})"
+            )
+        if removed is not None:
+            self.store.delete_queue_override(name)
+            self._use_queue_overrides([o for o in self.queue_overrides if o.name != name])
+            log.info("queue override removed", queue=name, configured=self.quotas.queues.get(name) is not None)
+            self.notify()
+        return self.quotas.queues.get(name), removed
+
+    def queue_override(self, name: str) -> QueueOverride | None:
+        """The runtime override of queue ``name``, or None."""
+        return next((o for o in self.queue_overrides if o.name == name), None)
+
+    def _quota_book(self, overrides: list[QueueOverride]) -> QuotaBook:
+        """The config's queues with ``overrides`` applied over them in order (no usage)."""
+        book = QuotaBook.of(
+            (
+                QueueQuota(q.name, q.gpus, q.cpu_tasks, q.borrowing_gpus, q.borrowing_cpu_tasks, q.owners)
+                for q in self.config.queues
+            ),
+            self.config.default_queue,
+        )
+        for o in overrides:
+            book = book.with_queue(
+                QueueQuota(o.name, o.gpus, o.cpu_tasks, o.borrowing_gpus, o.borrowing_cpu_tasks, o.owners)
+            )
+        return book
+
+    def _use_queue_overrides(self, overrides: list[QueueOverride], *, start: bool = False) -> None:
+        """Decide with the config's queues and ``overrides`` from now on: pending tasks regrouped,
+        usage recounted. ``start``: read from the store (start, promotion, reload); each override
+        that changes what the config says is logged."""
+        if start and overrides and overrides != self.queue_overrides:
+            configured = {q.name: q for q in self.config.queues}
+            for o in overrides:
+                was = configured.get(o.name)
+                log.info(
+                    "quota queue override applied over the config",
+                    queue=o.name,
+                    gpus=o.gpus,
+                    cpu_tasks=o.cpu_tasks,
+                    borrowing_gpus=o.borrowing_gpus,
+                    borrowing_cpu_tasks=o.borrowing_cpu_tasks,
+                    owners=o.owners,
+                    config=None
+                    if was is None
+                    else {"gpus": was.gpus, "cpu_tasks": was.cpu_tasks, "owners": was.owners},
+                    set_by=o.set_by,
+                    set_time=o.set_time,
+                )
+        book = self._quota_book(overrides)
+        book.cluster = self.quotas.cluster
+        self.quotas, self.queue_overrides = book, list(overrides)
+        self.tasks.regroup(book.queue_of)
+        self._recount_usage()
 
     def queue_config(self, owner: str):
         """``(index, QueueConfig)`` of the configured queue ``owner``'s tasks go to, when it sets

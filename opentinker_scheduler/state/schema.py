@@ -204,6 +204,21 @@ CREATE INDEX IF NOT EXISTS attempt_usage_by_start ON attempt_usage (start_time);
 CREATE INDEX IF NOT EXISTS attempt_usage_by_kind ON attempt_usage (workload_type, model, end_time);
 """
 
+#: Quota queues changed at run time (``AdminService.SetQueueQuota``), applied over the config's
+#: ``queues:`` at every start, oldest first, until ``ResetQueueQuota`` removes them.
+_V5 = """
+CREATE TABLE IF NOT EXISTS queue_overrides (
+    name                 TEXT PRIMARY KEY,
+    gpus                 INTEGER NOT NULL,   -- nominal GPU quota
+    cpu_tasks            INTEGER NOT NULL,   -- nominal quota of CPU tasks at once
+    borrowing_gpus       INTEGER,            -- NULL: may borrow any idle quota
+    borrowing_cpu_tasks  INTEGER,
+    owners               TEXT NOT NULL DEFAULT '[]', -- JSON list of API key owners
+    set_time             REAL NOT NULL,      -- unix seconds; overrides apply in this order
+    set_by               TEXT NOT NULL DEFAULT '' -- owner of the admin key that set it
+);
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -214,6 +229,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "leader lease with an epoch (several schedulers on one database; fencing)", _V2, _V2_POSTGRES),
     Migration(3, "dataset names and sizes per owner", _V3),
     Migration(4, "usage accounting per attempt (GPU-seconds, tokens, env steps, cost)", _V4),
+    Migration(5, "quota queues set at run time (overrides of the config, kept across restarts)", _V5),
 )
 
 #: The newest schema version this scheduler knows.

@@ -155,6 +155,10 @@ class Lease:
     valid: bool
 
 
+def _int_or_none(v) -> int | None:
+    return None if v is None else int(v)
+
+
 def _sums(r) -> tuple[float, float, float, float, float, float, int]:
     if r is None:
         return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
@@ -184,6 +188,22 @@ class UsageRecord:
     env_steps: float
     steps: int
     cost: float
+
+
+@dataclass(frozen=True)
+class QueueOverride:
+    """A quota queue set at run time (``SetQueueQuota``), as :meth:`SqlStore.set_queue_override`
+    keeps it: applied over the config's ``queues:`` at every start, in ``set_time`` order.
+    ``borrowing_*`` None: may borrow any idle quota."""
+
+    name: str
+    gpus: int
+    cpu_tasks: int
+    borrowing_gpus: int | None
+    borrowing_cpu_tasks: int | None
+    owners: tuple[str, ...]
+    set_time: float  # unix seconds
+    set_by: str  # owner of the admin key that set it
 
 
 class SqlStore:
@@ -432,6 +452,53 @@ class SqlStore:
                     row.cost,
                 ),
             )
+
+    # --- quota queues set at run time (state/core.py set_queue) ------------------------------
+    def queue_overrides(self) -> list[QueueOverride]:
+        """Every queue override, oldest first (the order they apply in)."""
+        rows = self.db.execute(
+            "SELECT name, gpus, cpu_tasks, borrowing_gpus, borrowing_cpu_tasks, owners, set_time, set_by "
+            "FROM queue_overrides ORDER BY set_time, name"
+        )
+        return [
+            QueueOverride(
+                r[0],
+                int(r[1]),
+                int(r[2]),
+                _int_or_none(r[3]),
+                _int_or_none(r[4]),
+                tuple(json.loads(r[5] or "[]")),
+                float(r[6]),
+                r[7],
+            )  # fmt: skip
+            for r in rows
+        ]
+
+    def set_queue_override(self, row: QueueOverride) -> None:
+        """Write (or replace) the override of queue ``row.name``."""
+        with self._tx():
+            self.db.execute(
+                "INSERT INTO queue_overrides (name, gpus, cpu_tasks, borrowing_gpus, borrowing_cpu_tasks, owners, "
+                "set_time, set_by) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(name) DO UPDATE SET gpus=excluded.gpus, "
+                "cpu_tasks=excluded.cpu_tasks, borrowing_gpus=excluded.borrowing_gpus, "
+                "borrowing_cpu_tasks=excluded.borrowing_cpu_tasks, owners=excluded.owners, "
+                "set_time=excluded.set_time, set_by=excluded.set_by",
+                (
+                    row.name,
+                    row.gpus,
+                    row.cpu_tasks,
+                    row.borrowing_gpus,
+                    row.borrowing_cpu_tasks,
+                    json.dumps(list(row.owners)),
+                    row.set_time,
+                    row.set_by,
+                ),  # fmt: skip
+            )
+
+    def delete_queue_override(self, name: str) -> None:
+        """Remove the override of queue ``name`` (none: nothing happens)."""
+        with self._tx():
+            self.db.execute("DELETE FROM queue_overrides WHERE name=?", (name,))
 
     _USAGE_SUMS = (
         "SUM(gpu_seconds), SUM(cpu_task_seconds), SUM(tokens_generated), SUM(tokens_trained), "

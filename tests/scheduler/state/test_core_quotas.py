@@ -1,12 +1,15 @@
 """Quota queues in the core: a task over its queue's quota waits with a reason naming the queue,
 usage and quota; borrowing of idle quota and its reclaim by checkpoint-and-requeue preemption;
-quota changes at run time; fair share between two owners at equal priority."""
+quota changes at run time, kept in the store across restarts (both backends) until reset; fair
+share between two owners at equal priority."""
 
 from __future__ import annotations
 
+import pytest
 from opentinker.common.v1 import common_pb2 as C
 
 from opentinker_scheduler.config import QueueConfig
+from opentinker_scheduler.errors import NotFound
 from opentinker_scheduler.policy.quota import QueueQuota
 from tests.support.scheduler_core import drain, make_core, register, report, spec
 
@@ -63,6 +66,47 @@ def test_quota_change_applies_without_restart(tmp_path) -> None:
     waiting = core.submit(spec(gpus=1), owner="carol")
     core.schedule()
     assert "queue team-c is at its quota" in core.pending_reason(waiting.task_id)
+
+
+def _quotas(core) -> dict[str, tuple[int, int, tuple[str, ...]]]:
+    return {n: (q.gpus, q.cpu_tasks, q.owners) for n, q in core.quotas.queues.items()}
+
+
+def test_runtime_quota_changes_survive_a_restart_until_reset(tmp_path) -> None:
+    core = make_core(tmp_path, queues=QUEUES, max_tasks_per_gpu=1)
+    core.set_queue(QueueQuota("team-a", 3, 1, 0, None, ("alice",)), by="root")
+    core.set_queue(QueueQuota("team-c", 0, 0, 0, 0, ("bob", "carol")), by="root")  # bob leaves team-b
+    core.set_queue(QueueQuota("team-b", 2, 1, None, None, ("bob",)), by="ops")  # ... and comes back: newest wins
+    waiting = core.submit(spec(gpus=1), owner="carol")
+    want = {"team-a": (3, 1, ("alice",)), "team-b": (2, 1, ("bob",)), "team-c": (0, 0, ("carol",))}
+    assert _quotas(core) == want
+    core.store.close()
+
+    # A restart: the config's queues, with the overrides applied over them in the order they were set.
+    core = make_core(tmp_path, queues=QUEUES, max_tasks_per_gpu=1)
+    assert _quotas(core) == want
+    assert core.quotas.queues["team-a"].borrowing == (0, None)
+    override = core.queue_override("team-a")
+    assert override is not None and override.set_by == "root" and override.set_time > 0
+    assert [o.name for o in core.queue_overrides] == ["team-a", "team-c", "team-b"]
+    node, _ = register(core)
+    core.schedule()
+    assert _assigned(node) == [] and core.pending_reason(waiting.task_id).startswith("queue team-c is at its quota")
+
+    # Reset: back to the config's values; a queue the config lacks goes, and its owners with it.
+    now, removed = core.reset_queue("team-c")
+    assert now is None and removed is not None and removed.owners == ("bob", "carol")
+    core.schedule()
+    assert _assigned(node) == [waiting.task_id]  # carol is a queue of her own again, with no quota
+    now, removed = core.reset_queue("team-a")
+    assert (now.gpus, now.owners, removed.gpus) == (2, ("alice",), 3)
+    assert core.reset_queue("team-a") == (core.quotas.queues["team-a"], None)  # nothing left to reset
+    with pytest.raises(NotFound, match=r"^queue 'team-z' has no runtime override and is not in the scheduler config"):
+        core.reset_queue("team-z")
+    core.store.close()
+    core = make_core(tmp_path, queues=QUEUES, max_tasks_per_gpu=1)
+    assert _quotas(core) == {"team-a": (2, 1, ("alice",)), "team-b": (2, 1, ("bob",))}
+    assert [o.name for o in core.queue_overrides] == ["team-b"]
 
 
 def test_borrowed_quota_is_reclaimed_by_preemption(tmp_path) -> None:

@@ -146,7 +146,7 @@ class ListAuditEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[AuditEvent, _Mapping]]] = ...) -> None: ...
 
 class Queue(_message.Message):
-    __slots__ = ("name", "gpu_quota", "cpu_task_quota", "gpu_borrowing_limit", "cpu_task_borrowing_limit", "owners", "gpus_in_use", "cpu_tasks_in_use", "pending_tasks", "dominant_share", "limited", "max_pending_per_owner", "submit_rate", "submit_burst", "usage")
+    __slots__ = ("name", "gpu_quota", "cpu_task_quota", "gpu_borrowing_limit", "cpu_task_borrowing_limit", "owners", "gpus_in_use", "cpu_tasks_in_use", "pending_tasks", "dominant_share", "limited", "max_pending_per_owner", "submit_rate", "submit_burst", "usage", "overridden", "override_time", "override_by", "configured")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GPU_QUOTA_FIELD_NUMBER: _ClassVar[int]
     CPU_TASK_QUOTA_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,10 @@ class Queue(_message.Message):
     SUBMIT_RATE_FIELD_NUMBER: _ClassVar[int]
     SUBMIT_BURST_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDDEN_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDE_TIME_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDE_BY_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_FIELD_NUMBER: _ClassVar[int]
     name: str
     gpu_quota: int
     cpu_task_quota: int
@@ -177,7 +181,11 @@ class Queue(_message.Message):
     submit_rate: float
     submit_burst: int
     usage: _common_pb2.Usage
-    def __init__(self, name: _Optional[str] = ..., gpu_quota: _Optional[int] = ..., cpu_task_quota: _Optional[int] = ..., gpu_borrowing_limit: _Optional[int] = ..., cpu_task_borrowing_limit: _Optional[int] = ..., owners: _Optional[_Iterable[str]] = ..., gpus_in_use: _Optional[int] = ..., cpu_tasks_in_use: _Optional[int] = ..., pending_tasks: _Optional[int] = ..., dominant_share: _Optional[float] = ..., limited: _Optional[bool] = ..., max_pending_per_owner: _Optional[int] = ..., submit_rate: _Optional[float] = ..., submit_burst: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+    overridden: bool
+    override_time: _timestamp_pb2.Timestamp
+    override_by: str
+    configured: Queue
+    def __init__(self, name: _Optional[str] = ..., gpu_quota: _Optional[int] = ..., cpu_task_quota: _Optional[int] = ..., gpu_borrowing_limit: _Optional[int] = ..., cpu_task_borrowing_limit: _Optional[int] = ..., owners: _Optional[_Iterable[str]] = ..., gpus_in_use: _Optional[int] = ..., cpu_tasks_in_use: _Optional[int] = ..., pending_tasks: _Optional[int] = ..., dominant_share: _Optional[float] = ..., limited: _Optional[bool] = ..., max_pending_per_owner: _Optional[int] = ..., submit_rate: _Optional[float] = ..., submit_burst: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., overridden: _Optional[bool] = ..., override_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., override_by: _Optional[str] = ..., configured: _Optional[_Union[Queue, _Mapping]] = ...) -> None: ...
 
 class ListQueuesRequest(_message.Message):
     __slots__ = ()
@@ -202,6 +210,20 @@ class SetQueueQuotaResponse(_message.Message):
     queue: Queue
     previous: Queue
     def __init__(self, queue: _Optional[_Union[Queue, _Mapping]] = ..., previous: _Optional[_Union[Queue, _Mapping]] = ...) -> None: ...
+
+class ResetQueueQuotaRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ResetQueueQuotaResponse(_message.Message):
+    __slots__ = ("queue", "removed")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    queue: Queue
+    removed: Queue
+    def __init__(self, queue: _Optional[_Union[Queue, _Mapping]] = ..., removed: _Optional[_Union[Queue, _Mapping]] = ...) -> None: ...
 
 class GetDesiredTrainersRequest(_message.Message):
     __slots__ = ()

@@ -74,6 +74,11 @@ class AdminServiceStub:
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.SetQueueQuotaRequest.SerializeToString,
                 response_deserializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.SetQueueQuotaResponse.FromString,
                 _registered_method=True)
+        self.ResetQueueQuota = channel.unary_unary(
+                '/opentinker.scheduler.v1.AdminService/ResetQueueQuota',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ResetQueueQuotaRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ResetQueueQuotaResponse.FromString,
+                _registered_method=True)
         self.GetDesiredTrainers = channel.unary_unary(
                 '/opentinker.scheduler.v1.AdminService/GetDesiredTrainers',
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.GetDesiredTrainersRequest.SerializeToString,
@@ -155,9 +160,23 @@ class AdminServiceServicer:
         """Adds or changes a quota queue at once, without a restart: nominal quotas, borrowing limits and
         owners (listed owners move to it from any other queue). Pending tasks are regrouped and the
         next placement round decides with it; running tasks are never stopped by a lowered quota (a
-        queue over it borrows until its tasks end, or is reclaimed from). Audited as `queue.set`.
+        queue over it borrows until its tasks end, or is reclaimed from). The change is a runtime
+        override kept in the state store: every start applies the overrides over the config's
+        `queues:`, oldest first, until ResetQueueQuota removes one. Audited as `queue.set`.
         Idempotent. Errors: INVALID_ARGUMENT (bad name, a quota or limit out of 0..1000000, an empty
         owner), PERMISSION_DENIED (not an admin key), UNAUTHENTICATED, NOT_LEADER (UNAVAILABLE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetQueueQuota(self, request, context):
+        """Removes a queue's runtime override (SetQueueQuota's): the queue goes back to its values in the
+        scheduler config at once, or, when the config has no queue of that name, is removed (its owners
+        go back to their config queue, the default queue, or a queue of their own). Audited as
+        `queue.reset`. Idempotent (a configured queue with no override is answered as it is). Errors:
+        INVALID_ARGUMENT (bad name), NOT_FOUND (neither overridden nor in the config),
+        PERMISSION_DENIED (not an admin key), UNAUTHENTICATED, NOT_LEADER (UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -209,6 +228,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.SetQueueQuota,
                     request_deserializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.SetQueueQuotaRequest.FromString,
                     response_serializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.SetQueueQuotaResponse.SerializeToString,
+            ),
+            'ResetQueueQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetQueueQuota,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ResetQueueQuotaRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ResetQueueQuotaResponse.SerializeToString,
             ),
             'GetDesiredTrainers': grpc.unary_unary_rpc_method_handler(
                     servicer.GetDesiredTrainers,
@@ -410,6 +434,33 @@ class AdminService:
             '/opentinker.scheduler.v1.AdminService/SetQueueQuota',
             opentinker_dot_scheduler_dot_v1_dot_admin__pb2.SetQueueQuotaRequest.SerializeToString,
             opentinker_dot_scheduler_dot_v1_dot_admin__pb2.SetQueueQuotaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetQueueQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.AdminService/ResetQueueQuota',
+            opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ResetQueueQuotaRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_admin__pb2.ResetQueueQuotaResponse.FromString,
             options,
             channel_credentials,
             insecure,
