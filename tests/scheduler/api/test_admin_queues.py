@@ -1,13 +1,16 @@
 """AdminService's quota-queue requests: a bad SetQueueQuota is refused field by field (nothing
-changes); a good one becomes the policy's QueueQuota, borrowing limits unset meaning "any"."""
+changes); a good one becomes the policy's QueueQuota, borrowing limits unset meaning "any";
+ResetQueueQuota refuses a non-admin key, a bad name and an unknown queue."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
-from opentinker.scheduler.v1 import admin_pb2
+from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 from opentinker_scheduler.api.admin import quota_from_proto
 from opentinker_scheduler.errors import InvalidArgument
+from tests.support.security import LoopbackScheduler, metadata
 
 
 def test_a_queue_request_becomes_a_quota() -> None:
@@ -33,3 +36,30 @@ def test_a_bad_queue_request_names_the_field(queue, field) -> None:
     with pytest.raises(InvalidArgument) as info:
         quota_from_proto(queue)
     assert str(info.value).startswith(f"{field}: expected"), str(info.value)
+
+
+def test_reset_queue_quota_refuses_by_name_and_role(tmp_path) -> None:
+    config = "auth: {enabled: true}\nqueues:\n  - {name: team-a, gpus: 2, owners: [alice]}\n"
+    with LoopbackScheduler(tmp_path / "state", config) as sched, sched.channel() as ch:
+        stub = admin_pb2_grpc.AdminServiceStub(ch)
+        root = metadata(sched.admin_key)
+        user = stub.CreateApiKey(
+            admin_pb2.CreateApiKeyRequest(owner="alice", role=admin_pb2.API_KEY_ROLE_USER), metadata=root
+        )
+        refused = {}
+        for name, md in (("team-a", metadata(user.api_key)), ("team a", root), ("team-z", root)):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ResetQueueQuota(admin_pb2.ResetQueueQuotaRequest(name=name), metadata=md)
+            refused[name] = (err.value.code(), err.value.details())
+        assert refused["team-a"][0] == grpc.StatusCode.PERMISSION_DENIED and "admin keys only" in refused["team-a"][1]
+        assert refused["team a"][0] == grpc.StatusCode.INVALID_ARGUMENT and refused["team a"][1].startswith(
+            "name: expected"
+        )
+        assert (
+            refused["team-z"][0] == grpc.StatusCode.NOT_FOUND
+            and "not in the scheduler config (queues: team-a)" in refused["team-z"][1]
+        )
+        # A configured queue with no override is answered as it is; nothing changed.
+        resp = stub.ResetQueueQuota(admin_pb2.ResetQueueQuotaRequest(name="team-a"), metadata=root)
+        assert resp.queue.gpu_quota == 2 and not resp.queue.overridden and not resp.HasField("removed")
+        assert resp.queue.configured.gpu_quota == 2
