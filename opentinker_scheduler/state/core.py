@@ -788,10 +788,14 @@ class SchedulerCore:
                          {k: list(v) for k, v in self.quotas.used.items()})  # fmt: skip
         counts: dict[tuple[int, int], int] = {}
         pending_gpus: dict[str, int] = {}
+        # Usage only grows below, so a (queue, need) refused once stays refused: one quota verdict
+        # each, not one per pending task (a deep queue over its quota cost O(tasks x queues)).
+        refused: set[tuple[str, tuple[int, int]]] = set()
         for key in self.queue.ordered_keys():
             task = self.queue.row(key)
             queue, need = book.queue_of(task.owner), self.need(task)
-            if book.queues and not book.admits(queue, need):
+            if book.queues and ((queue, need) in refused or not book.admits(queue, need)):
+                refused.add((queue, need))
                 continue
             book.add(queue, need)
             size = (task.gpu_count, gang_nodes(task))
