@@ -26,9 +26,17 @@ once with a RUNNING and a SUCCEEDED ``TaskReport`` (so capacity frees up). The n
   4. deep queue   every slot busy (nodes hold their tasks), ``--backlog`` more tasks submitted
                   so the queue grows that deep (submits/s at depth), then the nodes let go and
                   the queue drains (assignments/s).
+  5. scale        how fast the scale signal follows a burst: with the nodes holding their
+                  tasks, ``--scale-burst`` one-GPU tasks (default: twice the cluster's task slots) are
+                  submitted at once; the time from the burst's first submit (and from its last
+                  answer) until ``AdminService.GetDesiredTrainers`` (polled every 20 ms) and
+                  ``opentinker_desired_trainers{node_class}`` on /metrics (every 100 ms) first
+                  change and until they reach the burst's figure; then the nodes let go, and
+                  the time from the burst's last assignment until both fall back to where they
+                  were before the burst.
 
 Sharing mode (``--queues Q --owners O``): API keys on, O owners (one user key each) submit in
-turn, and the throughput (closed loop) and latency (open loop at ``--rate``) phases run twice in
+turn, and the throughput (closed loop), latency (open loop at ``--rate``) and scale phases run twice in
 one invocation, each on a fresh scheduler: without quota queues (each owner is a queue of its own
 with no quota: fair share still orders them) and with Q queues (owners spread over them, nominal
 quotas splitting the cluster, borrowing unlimited). The report gives both and their ratios
@@ -514,6 +522,8 @@ class Bench:
         #: Quota queues of this run (sharing mode); owners' keys once made.
         self.queues = queues
         self.owner_metadata: list[tuple] = []
+        #: Metadata of AdminService calls (sharing mode: the admin key).
+        self.admin_metadata: tuple = ()
         self._owner_turn = iter(range(1 << 62))
         self.results: dict = {"phases": {}}
         self.sched: SchedulerProc
@@ -866,6 +876,111 @@ class Bench:
             f"drained at {len(waits) / drain_wall if drain_wall else math.nan:.0f} assigns/s"
         )
 
+    async def phase_scale_signal(self, channel) -> None:
+        """How fast the desired-trainers figure follows a burst of submits and its draining (see
+        the module docstring, phase 5). Times are from samples: the RPC every 20 ms, /metrics
+        every 100 ms, so each is late by up to that much."""
+        from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
+
+        a = self.args
+        admin = admin_pb2_grpc.AdminServiceStub(channel)
+        request = admin_pb2.GetDesiredTrainersRequest()
+
+        async def by_rpc() -> int:
+            resp = await admin.GetDesiredTrainers(request, metadata=self.admin_metadata, timeout=30)
+            return sum(d.desired_trainers for d in resp.node_classes)
+
+        async def by_metric() -> int:
+            m = await asyncio.to_thread(self.sched.metrics)
+            return int(sum(v for k, v in m.items() if k.startswith("opentinker_desired_trainers{")))
+
+        samples: dict[str, list[tuple[float, int]]] = {"rpc": [], "metric": []}
+        stop = asyncio.Event()
+
+        async def poll(name: str, read, every: float) -> None:
+            while not stop.is_set():
+                t = time.monotonic()
+                samples[name].append((t, await read()))
+                await asyncio.sleep(max(0.0, every - (time.monotonic() - t)))
+
+        def first(name: str, since: float, pred) -> float:
+            """Seconds from ``since`` to the first sample at or after it that ``pred`` accepts."""
+            return next((t - since for t, v in samples[name] if t >= since and pred(v)), math.nan)
+
+        async def until(pred_rpc, pred_metric, timeout: float) -> bool:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                r, m = samples["rpc"][-1:], samples["metric"][-1:]
+                if r and m and pred_rpc(r[0][1]) and pred_metric(m[0][1]):
+                    return True
+                await asyncio.sleep(0.05)
+            return False
+
+        await self.broadcast("hold", True)
+        base_rpc, base_metric = await by_rpc(), await by_metric()
+        settle = time.monotonic() + 10  # /metrics is a snapshot (about 1 s old): let it catch up first
+        while base_metric != base_rpc and time.monotonic() < settle:
+            await asyncio.sleep(0.1)
+            base_rpc, base_metric = await by_rpc(), await by_metric()
+        burst = a.scale_burst or 2 * a.nodes * a.max_tasks  # twice what the nodes hold at once
+        spec = self.spec(1)  # one GPU each (a CPU task when the nodes have no GPUs)
+        pollers = [
+            asyncio.create_task(poll("rpc", by_rpc, 0.02)),
+            asyncio.create_task(poll("metric", by_metric, 0.1)),
+        ]
+        before = await self.total_assigns()
+        try:
+            self.submits = []
+            counter = iter(range(burst))
+
+            async def lane() -> None:
+                for _ in counter:
+                    await self.submit_one(stub, spec)
+
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+            t0 = time.monotonic()
+            await asyncio.gather(*(lane() for _ in range(a.concurrency)))
+            t_end = time.monotonic()
+            await asyncio.sleep(0.5)  # the figure of the whole burst, read once it is in
+            peak = await by_rpc()
+            reached = await until(lambda v: v == peak, lambda v: v == peak, 30)
+            burst_wall = t_end - t0
+            await self.broadcast("release")
+            t_release = time.monotonic()
+            drained = await self.wait_assigns(before + len(self.submits), timeout=60 + burst / 20)
+            assigned = await self.collect_assign_times()
+            t_drained = max((assigned[t] for t, _, _ in self.submits if t in assigned), default=t_release)
+            back = await until(lambda v: v == base_rpc, lambda v: v == base_metric, 30)
+        finally:
+            stop.set()
+            await asyncio.gather(*pollers, return_exceptions=True)
+        out = {
+            "burst_tasks": burst,
+            "submitted": len(self.submits),
+            "burst_wall_s": burst_wall,
+            "desired_before": {"rpc": base_rpc, "metric": base_metric},
+            "desired_at_burst": peak,
+            "reached": reached,
+            "drained": drained,
+            "fell_back": back,
+            "drain_s": t_drained - t_release,
+            "samples": {k: len(v) for k, v in samples.items()},
+            # (seconds from the first submit, value) at each change of each source
+            "changes": {
+                k: [(round(t - t0, 3), val) for i, (t, val) in enumerate(v) if i == 0 or val != v[i - 1][1]]
+                for k, v in samples.items()
+            },
+            "release_s": t_release - t0,
+            "drained_s": t_drained - t0,
+        }
+        for name, base in (("rpc", base_rpc), ("metric", base_metric)):
+            out[f"{name}_change_from_first_submit_s"] = first(name, t0, lambda v, b=base: v != b)
+            out[f"{name}_reach_from_first_submit_s"] = first(name, t0, lambda v: v == peak)
+            out[f"{name}_reach_from_last_submit_s"] = first(name, t_end, lambda v: v == peak)
+            out[f"{name}_fall_from_drained_s"] = first(name, t_drained, lambda v, b=base: v == b)
+        self.results["phases"]["scale"] = out
+        self.progress(f"scale signal: {scale_line(out)}")
+
     def progress(self, msg: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -874,7 +989,7 @@ class Bench:
         node key."""
         from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 
-        admin = (("authorization", f"Bearer {admin_key_file.read_text().strip()}"),)
+        admin = self.admin_metadata = (("authorization", f"Bearer {admin_key_file.read_text().strip()}"),)
         async with grpc.aio.insecure_channel(self.sched.target) as channel:
             stub = admin_pb2_grpc.AdminServiceStub(channel)
 
@@ -931,7 +1046,7 @@ class Bench:
             if failed:
                 raise RuntimeError(f"{failed} node stream(s) failed: {[e for s in st for e in s['errors']]}")
             self.progress(f"{a.nodes} simulated nodes connected in {a.workers} worker process(es)")
-            only = set(a.only.split(",")) if a.only else {"heartbeats", "throughput", "latency", "queue"}
+            only = set(a.only.split(",")) if a.only else {"heartbeats", "throughput", "latency", "queue", "scale"}
             if "heartbeats" in only:
                 await self.phase_heartbeats()
             else:
@@ -949,6 +1064,8 @@ class Bench:
                 await self.phase_latency(stub)
             if a.backlog and "queue" in only:
                 await self.phase_deep_queue(stub)
+            if "scale" in only:
+                await self.phase_scale_signal(channel)
             if "splice" in only:
                 await self.phase_splice()
             # Every task should end SUCCEEDED; /metrics counts refresh about once a second.
@@ -995,6 +1112,22 @@ class Bench:
 
 # ---------------------------------------------------------------------------------------------
 # Report
+
+
+def scale_line(sc: dict) -> str:
+    """The scale phase in one line."""
+
+    def ms(key: str) -> str:
+        return f"{sc[key] * 1000:.0f}"
+
+    return (
+        f"burst of {sc['submitted']} in {sc['burst_wall_s']:.2f} s, desired trainers {sc['desired_before']['rpc']} -> "
+        f"{sc['desired_at_burst']}; GetDesiredTrainers changed {ms('rpc_change_from_first_submit_s')} ms after the "
+        f"first submit, reached it {ms('rpc_reach_from_last_submit_s')} ms after the last; /metrics "
+        f"{ms('metric_change_from_first_submit_s')} / {ms('metric_reach_from_last_submit_s')} ms; drained "
+        f"{sc['drain_s']:.2f} s after release, then back in {ms('rpc_fall_from_drained_s')} ms (RPC), "
+        f"{ms('metric_fall_from_drained_s')} ms (/metrics)"
+    )
 
 
 def report(args, res: dict) -> str:
@@ -1089,6 +1222,8 @@ def report(args, res: dict) -> str:
             f"placed while full: {dq['submit']['placed_while_full']}); "
             f"drained {dq['drain']['assigned']} at {dq['drain']['assigns_per_s']:.0f} assigns/s"
         )
+    if "scale" in P:
+        lines.append(f"    scale signal: {scale_line(P['scale'])}")
     fin = res.get("final", {})
     lines.append(
         f"    tasks: {fin.get('submitted')} submitted, {fin.get('succeeded', math.nan):.0f} succeeded, "
@@ -1185,6 +1320,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated phases to run after the heartbeats: throughput,latency,queue,splice "
         "(splice: the front on the gRPC port against gRPC's private port, alternating blocks; only when named)",
     )
+    p.add_argument(
+        "--scale-burst",
+        type=int,
+        default=0,
+        help="one-GPU tasks of the scale phase's burst (default: 2x the nodes' task slots)",
+    )
     p.add_argument("--splice-blocks", type=int, default=3, help="blocks per target in the splice phase")
     p.add_argument("--splice-tasks", type=int, default=2000, help="submits per block in the splice phase")
     a = p.parse_args(argv)
@@ -1214,7 +1355,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def sharing(args: argparse.Namespace) -> dict:
     """Sharing mode: the throughput and latency phases without and with quota queues."""
-    args.only = "throughput,latency"
+    args.only = "throughput,latency,scale"
     order = [("no_quotas", 0), ("quotas", args.queues)]
     blocks: dict[str, list[dict]] = {"no_quotas": [], "quotas": []}
     for rep in range(args.repeat):  # ABBA...: drift of a shared machine weighs on both alike
@@ -1232,6 +1373,14 @@ def sharing(args: argparse.Namespace) -> dict:
                 for k in ("submits_per_s", "p50_ms", "p99_ms")
                 if all(isinstance(row.get(k), (int, float)) for row in rows)
             }
+        scale = [r["phases"]["scale"] for r in results if "scale" in r["phases"]]
+        if scale:
+            out["scale"] = {
+                k: sorted(row[k] for row in scale)[len(scale) // 2]
+                for k in scale[0]
+                if k.endswith("_s") and all(isinstance(row.get(k), (int, float)) for row in scale)
+            }
+            out["scale"]["desired"] = [(row["desired_before"]["rpc"], row["desired_at_burst"]) for row in scale]
         return out
 
     runs = {
@@ -1258,6 +1407,18 @@ def sharing(args: argparse.Namespace) -> dict:
         ("  submit->assign p50 ms", "latency", "p50_ms", P1["latency"]["p50_ms"] / P0["latency"]["p50_ms"], ""),
     ):
         lines.append(f"  {label:<28}{P0[phase][key]:>14.1f}{P1[phase][key]:>14.1f}{ratio:>8.2f}x   {goal}")
+    for name in runs:
+        sc = runs[name]["phases"].get("scale")
+        if sc:
+            ms = {k: f"{v * 1000:.0f}" for k, v in sc.items() if k.endswith("_s")}
+            lines.append(
+                f"  scale signal, {name} (medians): desired trainers {sc['desired']}; GetDesiredTrainers changed "
+                f"{ms['rpc_change_from_first_submit_s']} ms after the burst's first submit, reached the burst's "
+                f"figure {ms['rpc_reach_from_last_submit_s']} ms after its last (burst {sc['burst_wall_s']:.2f} s); "
+                f"/metrics {ms['metric_change_from_first_submit_s']} / {ms['metric_reach_from_last_submit_s']} ms; "
+                f"fell back {ms['rpc_fall_from_drained_s']} ms (RPC) / {ms['metric_fall_from_drained_s']} ms "
+                "(/metrics) after the last assignment"
+            )
     for name in runs:
         errors = runs[name].get("final", {}).get("submit_error_codes")
         if errors:

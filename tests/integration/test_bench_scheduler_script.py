@@ -29,6 +29,7 @@ def test_bench_quick_run_prints_the_figures(tmp_path) -> None:
         "heartbeats/s ingested",
         "CPU s per 1000 heartbeats",
         "deep queue:",
+        "scale signal:",
     ):
         assert label in text, f"{label!r} missing from the report:\n{text}"
     res = json.loads(out.read_text())
@@ -38,6 +39,9 @@ def test_bench_quick_run_prints_the_figures(tmp_path) -> None:
     assert phases["throughput"]["all_assigned"] and phases["latency"]["all_assigned"]
     assert phases["steady"]["ingested_source"] == "scheduler counter"
     assert phases["flood"]["ingested_per_s"] > 0 and phases["steady"]["cpu_s_per_1000_hb"] >= 0
+    scale = phases["scale"]  # the desired-trainers figure rose with the burst and fell back after it
+    assert scale["reached"] and scale["fell_back"] and scale["desired_at_burst"] > scale["desired_before"]["rpc"]
+    assert scale["rpc_change_from_first_submit_s"] >= 0 and scale["metric_fall_from_drained_s"] >= 0
     assert res["final"]["submit_errors"] == 0 and res["final"]["node_errors"] == []
     assert res["final"]["succeeded"] == res["final"]["submitted"], "every simulated task should finish"
 
