@@ -29,7 +29,7 @@ once with a RUNNING and a SUCCEEDED ``TaskReport`` (so capacity frees up). The n
   5. scale        how fast the scale signal follows a burst: with the nodes holding their
                   tasks, ``--scale-burst`` one-GPU tasks (default: twice the cluster's task slots) are
                   submitted at once; the time from the burst's first submit (and from its last
-                  answer) until ``AdminService.GetDesiredTrainers`` (polled every 20 ms) and
+                  answer) until ``AdminService.GetDesiredTrainers`` (polled every 50 ms) and
                   ``opentinker_desired_trainers{node_class}`` on /metrics (every 100 ms) first
                   change and until they reach the burst's figure; then the nodes let go, and
                   the time from the burst's last assignment until both fall back to where they
@@ -878,7 +878,7 @@ class Bench:
 
     async def phase_scale_signal(self, channel) -> None:
         """How fast the desired-trainers figure follows a burst of submits and its draining (see
-        the module docstring, phase 5). Times are from samples: the RPC every 20 ms, /metrics
+        the module docstring, phase 5). Times are from samples: the RPC every 50 ms, /metrics
         every 100 ms, so each is late by up to that much."""
         from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 
@@ -925,7 +925,7 @@ class Bench:
         burst = a.scale_burst or 2 * a.nodes * a.max_tasks  # twice what the nodes hold at once
         spec = self.spec(1)  # one GPU each (a CPU task when the nodes have no GPUs)
         pollers = [
-            asyncio.create_task(poll("rpc", by_rpc, 0.02)),
+            asyncio.create_task(poll("rpc", by_rpc, 0.05)),
             asyncio.create_task(poll("metric", by_metric, 0.1)),
         ]
         before = await self.total_assigns()
