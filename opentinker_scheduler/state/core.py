@@ -953,7 +953,12 @@ class SchedulerCore:
 
     def queue_rows(self) -> list[tuple[str, QueueQuota | None, tuple[int, int], int, float]]:
         """Every queue with a quota or with tasks now: ``(name, quota or None, usage (GPUs,
-        CPU tasks), pending tasks, dominant share)``, by name."""
+        CPU tasks), pending tasks, dominant share)``, by name. A follower reads the overrides
+        from the store first (the leader may have changed them since)."""
+        if not self.leading:
+            overrides = self.store.queue_overrides()
+            if overrides != self.queue_overrides:
+                self._use_queue_overrides(overrides)
         pending: dict[str, int] = {}
         for task in self.queue:
             q = self.quotas.queue_of(task.owner)

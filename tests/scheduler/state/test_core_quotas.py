@@ -9,9 +9,11 @@ import pytest
 from opentinker.common.v1 import common_pb2 as C
 
 from opentinker_scheduler.config import QueueConfig
-from opentinker_scheduler.errors import NotFound
+from opentinker_scheduler.errors import NotFound, NotLeader
 from opentinker_scheduler.policy.quota import QueueQuota
+from opentinker_scheduler.state.core import SchedulerCore
 from tests.support.scheduler_core import drain, make_core, register, report, spec
+from tests.support.stores import make_store
 
 QUEUES = (
     QueueConfig("team-a", gpus=2, cpu_tasks=1, borrowing_gpus=0, borrowing_cpu_tasks=0, owners=("alice",)),
@@ -107,6 +109,21 @@ def test_runtime_quota_changes_survive_a_restart_until_reset(tmp_path) -> None:
     core = make_core(tmp_path, queues=QUEUES, max_tasks_per_gpu=1)
     assert _quotas(core) == {"team-a": (2, 1, ("alice",)), "team-b": (2, 1, ("bob",))}
     assert [o.name for o in core.queue_overrides] == ["team-b"]
+
+
+@pytest.mark.postgres_only
+def test_a_follower_lists_the_queues_the_leader_set(tmp_path) -> None:
+    leader = make_core(tmp_path, queues=QUEUES)
+    config = leader.config
+    follower = SchedulerCore(config, make_store(tmp_path, lead=False), leading=False)
+    leader.set_queue(QueueQuota("team-c", 1, 0, 0, 0, ("carol",)), by="root")
+    rows = {name: quota for name, quota, *_ in follower.queue_rows()}
+    assert rows["team-c"] is not None and rows["team-c"].owners == ("carol",)
+    assert follower.queue_override("team-c").set_by == "root"
+    leader.reset_queue("team-c")
+    assert "team-c" not in {name for name, *_ in follower.queue_rows()}
+    with pytest.raises(NotLeader):
+        follower.set_queue(QueueQuota("team-d", 1, 0), by="root")
 
 
 def test_borrowed_quota_is_reclaimed_by_preemption(tmp_path) -> None:
