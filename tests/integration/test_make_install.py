@@ -1,0 +1,108 @@
+"""`make install` (which `make scheduler`, `make trainer` and `make test` run first) installs into
+the venv only when it is missing or its package set is out of date, and says why in one line.
+
+The real Makefile runs under real `make` in a copy of the repository's install inputs; the venv's
+python is a recording stand-in (FAKE: it logs its arguments instead of running pip), so nothing is
+installed and no network is used."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    for name in ("Makefile", "pyproject.toml", "constraints.txt", "scripts/venv_stamp.py", "scripts/prepare_model.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, tmp_path / name)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    old = time.time() - 3600
+    os.utime(tmp_path / "scripts/prepare_model.py", (old, old))
+    return tmp_path
+
+
+def _fake_venv(checkout: Path) -> Path:
+    """FAKE venv python: records each call (``-m pip install ...``) in pip.log."""
+    python = checkout / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\necho "$@" >> {checkout / "pip.log"}\n')
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return python
+
+
+def _make_install(checkout: Path) -> tuple[str, list[str]]:
+    log = checkout / "pip.log"
+    log.unlink(missing_ok=True)
+    proc = subprocess.run(
+        ["make", "-s", "--no-print-directory", "install", f"PYTHON={sys.executable}", "MODEL_DIR=model"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines() if log.exists() else []
+    return proc.stdout, calls
+
+
+def test_install_runs_only_when_the_package_set_is_out_of_date(checkout: Path) -> None:
+    _fake_venv(checkout)
+    out, calls = _make_install(checkout)  # a venv without a record of its install
+    assert out.splitlines() == ["installing into .venv: no record of an install there (.venv/.installed is missing)"]
+    assert any("pip install" in c and ".[scheduler,trainer,dev" in c for c in calls), calls
+
+    # A newer pyproject.toml with the same content (a checkout, `touch`, an editor) changes nothing.
+    future = time.time() + 60
+    os.utime(checkout / "pyproject.toml", (future, future))
+    os.utime(checkout / "constraints.txt", (future, future))
+    out, calls = _make_install(checkout)
+    assert (out, calls) == ("", []), "an unchanged package set was reinstalled"
+
+    # A changed pin reinstalls, and says so in one line.
+    with (checkout / "constraints.txt").open("a") as f:
+        f.write("example-pin==1.0\n")
+    out, calls = _make_install(checkout)
+    assert out.splitlines() == [
+        "installing into .venv: pyproject.toml or constraints.txt (or the install command) "
+        "changed since its last install"
+    ]
+    assert any("pip install" in c for c in calls)
+    out, calls = _make_install(checkout)
+    assert (out, calls) == ("", [])
+
+
+def test_install_creates_a_missing_venv_and_says_so(checkout: Path) -> None:
+    fake_python = checkout / "python3"
+    fake_python.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = "-m" ] && [ "$2" = "venv" ] || exec ' + sys.executable + ' "$@"\n'
+        f'mkdir -p "$3/bin" && cp {checkout / "fake-venv-python"} "$3/bin/python"\n'
+    )
+    fake_python.chmod(0o755)
+    (checkout / "fake-venv-python").write_text(f'#!/bin/sh\necho "$@" >> {checkout / "pip.log"}\n')
+    (checkout / "fake-venv-python").chmod(0o755)
+    proc = subprocess.run(
+        ["make", "-s", "--no-print-directory", "install", f"PYTHON={fake_python}", "MODEL_DIR=model"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["installing into .venv: it has no bin/python yet (a new venv)"]
+    assert (checkout / ".venv/.installed").is_file()
+    assert "pip install" in (checkout / "pip.log").read_text()
