@@ -1036,7 +1036,8 @@ class SchedulerCore:
         With ``backoff`` the task is not placed for ``min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S
         * 2 ** (failed attempt - 1))`` seconds and the event says so: ``"attempt 2 queued; retrying
         in 2 s (backoff after attempt 1 failed: <message>)"``; without it, ``"<message>; attempt 2
-        queued"``. Either ends in ``"; resumes from step N"`` when there is a checkpoint."""
+        queued"``. Either ends in ``"; resumes from step N"`` when there is a checkpoint, else in
+        ``"; no checkpoint: starts from scratch"``."""
         if not failure:
             task.max_attempts += 1
         if task.attempt >= task.max_attempts:
@@ -1058,7 +1059,10 @@ class SchedulerCore:
             )
         else:
             queued = f"{message}; attempt {task.attempt} queued"
-        resume = f"; resumes from step {task.latest_checkpoint.step}" if task.latest_checkpoint is not None else ""
+        if task.latest_checkpoint is not None:
+            resume = f"; resumes from step {task.latest_checkpoint.step}"
+        else:
+            resume = "; no checkpoint: starts from scratch"
         self.transition(task, S.TASK_STATE_PENDING, reason, queued + resume, extra=extra, keep_node=True)
 
     def transition(

@@ -108,7 +108,10 @@ def test_failure_retry_then_user_error_not_retried(tmp_path) -> None:
     assert t.state == C.TASK_STATE_PENDING and t.attempt == 2 and t.not_before > time.time()
     requeued = [e.state_change for e in core.store.events_after(task.task_id, 0) if e.HasField("state_change")][-1]
     assert requeued.reason == "ATTEMPT_FAILED"
-    assert requeued.message == "attempt 2 queued; retrying in 2 s (backoff after attempt 1 failed: CUDA OOM)"
+    assert requeued.message == (
+        "attempt 2 queued; retrying in 2 s (backoff after attempt 1 failed: CUDA OOM); "
+        "no checkpoint: starts from scratch"
+    )
     assert core.pending_reasons[task.task_id].endswith("before retrying as attempt 2 (backoff after attempt 1 failed)")
     t2 = core.submit(spec(), owner="u")
     core.schedule()
