@@ -1048,6 +1048,10 @@ class SchedulerCore:
         delay = min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S * 2 ** (failed - 1)) if backoff else 0.0
         task.attempt += 1
         task.attempt_step = 0
+        # Progress is the new attempt's: it starts where its checkpoint is (or at step 0), with
+        # no metrics of its own yet (the old attempt's steps past the checkpoint run again).
+        task.latest_step = task.latest_checkpoint.step if task.latest_checkpoint is not None else 0
+        task.latest_metrics = {}
         task.node_id = ""
         task.device_indices = []
         task.not_before = time.time() + delay
