@@ -375,52 +375,97 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
     return EXIT_OK if final.state == "succeeded" else EXIT_TASK_FAILED
 
 
+#: ``opentinker list`` columns: (header, may wrap). Ids, names and values never wrap or fold (a
+#: task id split over two lines cannot be copied); CREATED wraps at its space and REASON at words.
+_LIST_COLUMNS: tuple[tuple[str, bool], ...] = (
+    ("TASK ID", False),
+    ("NAME", False),
+    ("WORKLOAD", False),
+    ("ENV", False),
+    ("STATE", False),
+    ("ATTEMPT", False),
+    ("GPUS", False),
+    ("PRIO", False),
+    ("STEP", False),
+    ("REWARD", False),
+    ("LOSS", False),
+    ("NODE", False),
+    ("CREATED", True),
+    ("REASON", True),
+)
+#: Left out, in this order, while the table cannot fit the terminal with its ids and names whole.
+_LIST_DROP_ORDER = ("PRIO", "GPUS", "ATTEMPT", "CREATED", "ENV", "NODE", "LOSS", "WORKLOAD", "REWARD", "REASON")
+#: The narrowest a wrapping column is counted at when fitting the table.
+_LIST_WRAP_MIN = 20
+
+
+def _fit_columns(widths: dict[str, int], width: int) -> list[str]:
+    """The ``_LIST_COLUMNS`` headers to show in ``width`` cells, given each column's widest cell
+    (header included): all when they fit with the non-wrapping ones whole, else fewer
+    (``_LIST_DROP_ORDER``)."""
+    shown = [name for name, _ in _LIST_COLUMNS]
+    wraps = dict(_LIST_COLUMNS)
+
+    def need() -> int:
+        return sum(min(widths[c], _LIST_WRAP_MIN) if wraps[c] else widths[c] for c in shown) + 2 * len(shown)
+
+    for name in _LIST_DROP_ORDER:
+        if need() <= width:
+            break
+        shown.remove(name)
+    return shown
+
+
 def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
     from rich.table import Table
+    from rich.text import Text
 
     tasks = client.list_tasks(states=args.state or None, limit=args.limit)
     console = _console()
     if not tasks:
         console.print("no tasks")
         return EXIT_OK
-    table = Table(box=None, header_style="bold")
-    for col in (
-        "TASK ID",
-        "NAME",
-        "WORKLOAD",
-        "ENV",
-        "STATE",
-        "ATTEMPT",
-        "GPUS",
-        "PRIO",
-        "STEP",
-        "REWARD",
-        "LOSS",
-        "NODE",
-        "CREATED",
-        "REASON",
-    ):
-        table.add_column(col, no_wrap=col not in ("NAME", "REASON"), overflow="fold")
+    rows = []
     for t in tasks:
         m = t.latest_metrics
         reason = t.pending_reason if t.state == "pending" else t.error
-        table.add_row(
-            _escape(t.task_id),
-            _escape(t.name) or "-",
-            _escape(t.workload_type),
-            _escape(str(t.env_config.get("env_id") or "-")),
-            _state(t.state),
-            str(t.attempt),
-            str(t.gpu_count),
-            str(t.priority),
-            str(t.latest_step),
-            _fmt_num(m.get("reward"), ".3f"),
-            _fmt_num(m.get("loss")),
-            _escape(t.node_id) or "-",
-            _fmt_time(t.create_time),
-            _escape(reason),
+        rows.append(
+            (
+                _escape(t.task_id),
+                _escape(t.name) or "-",
+                _escape(t.workload_type),
+                _escape(str(t.env_config.get("env_id") or "-")),
+                _state(t.state),
+                str(t.attempt),
+                str(t.gpu_count),
+                str(t.priority),
+                str(t.latest_step),
+                _fmt_num(m.get("reward"), ".3f"),
+                _fmt_num(m.get("loss")),
+                _escape(t.node_id) or "-",
+                _fmt_time(t.create_time),
+                _escape(reason),
+            )
         )
+    headers = [name for name, _ in _LIST_COLUMNS]
+    widths = {
+        name: max([len(name)] + [Text.from_markup(row[i]).cell_len for row in rows]) for i, name in enumerate(headers)
+    }
+    shown = _fit_columns(widths, console.width)
+    table = Table(box=None, header_style="bold")
+    for name, wraps in _LIST_COLUMNS:
+        if name in shown:
+            # no_wrap: never broken over lines (rich shrinks the wrapping columns first); REASON
+            # wraps at spaces and folds only a word longer than its column.
+            table.add_column(name, no_wrap=not wraps, overflow="fold" if wraps else "ellipsis")
+    keep = [headers.index(name) for name in shown]
+    for row in rows:
+        table.add_row(*(row[i] for i in keep))
     console.print(table)
+    hidden = [name for name in headers if name not in shown]
+    if hidden and console.is_terminal:
+        left_out = f"{', '.join(hidden)} left out to fit {console.width} columns"
+        console.print(f"[dim]{left_out}; `opentinker get TASK_ID` shows all[/dim]")
     return EXIT_OK
 
 
