@@ -748,11 +748,37 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _hidden_line(events: Sequence[TaskEvent]) -> str:
+    """One line for a run of events ``logs`` does not print one by one: ``"3 training steps
+    (1-3; --metrics shows each)"``, and a count of events of kinds this client does not know."""
+    steps = [e.step for e in events if e.kind == "metric"]
+    parts = []
+    if steps:
+        span = str(steps[0]) if len(steps) == 1 else f"{min(steps)}-{max(steps)}"
+        parts.append(f"{len(steps)} training step{'s' if len(steps) != 1 else ''} ({span}; --metrics shows each)")
+    other = len(events) - len(steps)
+    if other:
+        parts.append(f"{other} event{'s' if other != 1 else ''} of a kind this client does not show")
+    return "[dim]" + ", ".join(parts) + "[/dim]"
+
+
 def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
     task = client.get_task(args.task_id)  # NOT_FOUND exits 2
     console = _console()
     # Following ends by itself after the terminal event; otherwise just the history so far.
+    # `#N` is the task's event sequence, which state changes, checkpoints and training steps
+    # share; the events not printed one per line (steps without --metrics, kinds this client does
+    # not know) are summed up in one line per run, so the numbers shown never skip.
     events = client.watch(task.task_id, follow=bool(args.follow or task.done))
+    hidden: list[TaskEvent] = []
+
+    def flush() -> None:
+        if hidden:
+            first, last = hidden[0].sequence, hidden[-1].sequence
+            seqs = f"#{first}" if first == last else f"#{first}-#{last}"
+            console.print(f"{_fmt_time(hidden[-1].time)}  {seqs}  {_hidden_line(hidden)}")
+            hidden.clear()
+
     for event in events:
         if event.kind == "state":
             line = _state_line(event)
@@ -760,13 +786,14 @@ def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
                 line = f"[red]{line}[/red]"
         elif event.kind == "checkpoint":
             line = _checkpoint_line(event)
-        elif event.kind == "metric":
-            if not args.metrics:
-                continue
+        elif event.kind == "metric" and args.metrics:
             line = _metric_line(event, None)
         else:
+            hidden.append(event)
             continue
+        flush()
         console.print(f"{_fmt_time(event.time)}  #{event.sequence}  {line}")
+    flush()
     final = client.get_task(task.task_id) if (args.follow or task.done) else task
     if final.error and final.done:
         console.print(f"error: {_escape(final.error)}")

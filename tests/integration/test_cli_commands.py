@@ -218,6 +218,29 @@ def test_list_keeps_task_ids_and_names_whole(fake):
     assert "REASON left out to fit 100 columns; `opentinker get TASK_ID` shows all" in " ".join(out.split())
 
 
+def shown_sequences(out: str) -> list[int]:
+    """The event numbers `opentinker logs` printed (``#3`` and ranges ``#3-#5``), in order."""
+    import re
+
+    seqs: list[int] = []
+    for first, last in re.findall(r"  #(\d+)(?:-#(\d+))?  ", out):
+        seqs.extend(range(int(first), int(last or first) + 1))
+    return seqs
+
+
+def test_logs_numbers_never_skip(fake):
+    servicer, server = fake
+    task_id = finished_task(servicer, steps=3)  # 2 states, 3 steps, a checkpoint, the end: #1-#7
+    proc = run("logs", task_id, url=server.url)
+    assert proc.returncode == 0, proc.stderr
+    assert shown_sequences(proc.stdout) == list(range(1, 8)), proc.stdout
+    assert "#3-#5  3 training steps (1-3; --metrics shows each)" in proc.stdout
+    assert "reward" not in proc.stdout
+    proc = run("logs", task_id, "--metrics", url=server.url)
+    assert shown_sequences(proc.stdout) == list(range(1, 8)), proc.stdout
+    assert "training steps" not in proc.stdout
+
+
 def test_nodes(fake):
     from opentinker.common.v1 import common_pb2
     from opentinker.scheduler.v1 import scheduler_pb2
