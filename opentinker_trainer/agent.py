@@ -778,6 +778,10 @@ class NodeAgent:
                 report.checkpoint.artifact.backend = str(art.get("backend", ""))
         elif kind == "endpoint":
             report.endpoint = str(msg.get("address", ""))
+        elif kind == "phase":
+            report.phase.attempt = w.attempt
+            report.phase.phase = str(msg.get("phase", ""))[:100]
+            report.phase.detail = str(msg.get("detail", ""))[:1000]
         elif kind in ("succeeded", "failed", "stopped"):
             w.outcome = msg
             return

@@ -210,6 +210,12 @@ def _metric_line(event: TaskEvent, total: int | None, units: _Units | None = Non
     return "  ".join(parts)
 
 
+def _phase_line(event: TaskEvent) -> str:
+    """``"loading model /models/SmolLM2 (attempt 1)"``: what an attempt does before its first step."""
+    detail = f" {_escape(event.message)}" if event.message else ""
+    return f"{_escape(event.phase)}{detail} (attempt {event.attempt})"
+
+
 def _state_line(event: TaskEvent) -> str:
     if event.from_state in ("", "unspecified"):  # the first event of every task: it was submitted
         text = f"state {_state(event.to_state)} (submitted)"
@@ -353,6 +359,10 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
                         started_at = event.time.timestamp()
                 elif event.kind == "checkpoint":
                     progress.console.print(_checkpoint_line(event))
+                elif event.kind == "phase":
+                    progress.console.print(_phase_line(event))
+                    if event.phase == "loading model":  # the bar's stats say so until the first step
+                        progress.update(bar, stats=f"[dim]{_escape(event.phase)}...[/dim]")
     finally:
         logger.removeHandler(handler)
 
@@ -786,6 +796,8 @@ def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
                 line = f"[red]{line}[/red]"
         elif event.kind == "checkpoint":
             line = _checkpoint_line(event)
+        elif event.kind == "phase":
+            line = _phase_line(event)
         elif event.kind == "metric" and args.metrics:
             line = _metric_line(event, None)
         else:

@@ -280,6 +280,11 @@ class NodeProtocol:
             self.core.store.set_endpoint(task.task_id, rep.attempt, rep.endpoint)
             self.core.notify()
         events: list[common_pb2.TaskEvent] = []
+        if rep.HasField("phase") and rep.phase.phase:
+            phase = common_pb2.TaskPhase()
+            phase.CopyFrom(rep.phase)
+            phase.attempt = task.attempt
+            events.append(common_pb2.TaskEvent(phase=phase))
         for point in rep.metrics:
             if point.step <= task.attempt_step:
                 self.duplicates += 1

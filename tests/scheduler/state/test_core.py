@@ -127,6 +127,19 @@ def test_latest_step_is_the_current_attempts_after_a_requeue(tmp_path) -> None:
     assert (t.attempt, t.latest_step, t.latest_metrics) == (2, 2, {"loss": 0.5, "reward": 2.0})
 
 
+def test_a_phase_report_becomes_a_task_event_of_the_current_attempt(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    drain(node)
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    phase = C.TaskPhase(phase="loading model", detail="/models/m")
+    assert report(core, node, task.task_id, 1, phase=phase)
+    (event,) = [e for e in core.store.events_after(task.task_id, 0) if e.HasField("phase")]
+    assert (event.phase.attempt, event.phase.phase, event.phase.detail) == (1, "loading model", "/models/m")
+
+
 def test_failure_retry_then_user_error_not_retried(tmp_path) -> None:
     core = make_core(tmp_path)
     task = core.submit(spec(), owner="u")
