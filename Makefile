@@ -10,7 +10,10 @@ SCHEDULER_CONFIG ?= scheduler_config.yaml
 PORT ?= 8888
 HTTP_PORT ?= 8889
 SCHEDULER_URL ?= http://localhost:$(PORT)
-NODE_ID ?= $(shell hostname)-trainer
+# `make trainer` joins as the first resource_pool node of the config `make scheduler` reads
+# (gpu-node-01 in scheduler_config.yaml), so `opentinker nodes` shows it as that pool node, not
+# "joined dynamically"; the host name only when the config names no node. NODE_ID=... for another.
+NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]\#]*\).*/\1/p' $(SCHEDULER_CONFIG) 2>/dev/null | head -n 1),$(shell hostname)-trainer)
 
 .PHONY: install venv test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant gpu-check clean
 

@@ -106,3 +106,28 @@ def test_install_creates_a_missing_venv_and_says_so(checkout: Path) -> None:
     assert proc.stdout.splitlines() == ["installing into .venv: it has no bin/python yet (a new venv)"]
     assert (checkout / ".venv/.installed").is_file()
     assert "pip install" in (checkout / "pip.log").read_text()
+
+
+def _trainer_node_id(*make_args: str) -> str:
+    proc = subprocess.run(
+        ["make", "-n", "-s", "--no-print-directory", "trainer", *make_args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = [line for line in proc.stdout.splitlines() if "-m opentinker_trainer" in line]
+    return line.split("--node-id", 1)[1].split()[0]
+
+
+def test_make_trainer_joins_as_the_pool_node_of_make_schedulers_config(tmp_path: Path) -> None:
+    from opentinker_scheduler.config import load_config
+
+    pool = [n.node_id for n in load_config(ROOT / "scheduler_config.yaml").resource_pool]
+    # Not "not in resource_pool (joined dynamically)" in `opentinker nodes`: the pool's own node.
+    assert _trainer_node_id() == pool[0]
+    other = tmp_path / "cluster.yaml"
+    other.write_text('resource_pool:\n  - node_id: "rack-2-node-7"  # quoted, with a comment\n    gpu_count: 8\n')
+    assert _trainer_node_id(f"SCHEDULER_CONFIG={other}") == "rack-2-node-7"
+    assert _trainer_node_id("NODE_ID=mine") == "mine"
