@@ -30,7 +30,14 @@ from typing import Callable
 import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
-from opentinker_common.spec import SpecError, TaskSpecModel, plain, spec_from_proto, task_uses_model
+from opentinker_common.spec import (
+    SpecError,
+    TaskSpecModel,
+    control_character_problem,
+    plain,
+    spec_from_proto,
+    task_uses_model,
+)
 
 from opentinker_scheduler.state.commit import GroupCommit
 from opentinker_scheduler.config import SchedulerConfig
@@ -522,7 +529,14 @@ class SchedulerCore:
         A running task's GPUs stay in the ledger until its node confirms the process is gone; the
         checkpoint its worker writes on the way out (within the node's grace period) is recorded
         as the task's latest, so ``init_from``, serving and downloads can use the work done.
+
+        Raises:
+            InvalidArgument: ``reason`` holds control characters (``reason: expected text on one
+                line without control characters, got U+001B (ESC) at character 0``); nothing changes.
         """
+        problem = control_character_problem(reason)
+        if problem is not None:
+            raise InvalidArgument(f"reason: expected text on one line without control characters, got {problem}")
         task = self.get(task_id, owner=owner)
         if task.terminal:
             return task
