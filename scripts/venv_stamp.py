@@ -36,6 +36,10 @@ def inputs_hash(root: Path, spec: str = "") -> str:
     return h.hexdigest()
 
 
+def _mtime(path: Path) -> float:
+    return path.stat().st_mtime if path.exists() else 0.0
+
+
 def why_install(venv: Path, root: Path, spec: str = "") -> str | None:
     """None when ``venv`` holds what the inputs ask for; otherwise the one-line reason to install."""
     python = venv / "bin" / "python"
@@ -45,6 +49,11 @@ def why_install(venv: Path, root: Path, spec: str = "") -> str | None:
     if not stamp.is_file():
         return f"installing into {venv}: no record of an install there ({stamp} is missing)"
     recorded = stamp.read_text(encoding="utf-8", errors="replace").split()
+    if not recorded and stamp.stat().st_mtime >= max(_mtime(root / name) for name in INPUTS):
+        # An empty stamp of the Makefile before hashes (``touch``) that is newer than the inputs:
+        # that install is current; record its hash instead of reinstalling into a shared venv.
+        stamp.write_text(inputs_hash(root, spec) + "\n", encoding="utf-8")
+        return None
     if not recorded or recorded[0] != inputs_hash(root, spec):
         return f"installing into {venv}: {' or '.join(INPUTS)} (or the install command) changed since its last install"
     return None

@@ -131,3 +131,15 @@ def test_make_trainer_joins_as_the_pool_node_of_make_schedulers_config(tmp_path:
     other.write_text('resource_pool:\n  - node_id: "rack-2-node-7"  # quoted, with a comment\n    gpu_count: 8\n')
     assert _trainer_node_id(f"SCHEDULER_CONFIG={other}") == "rack-2-node-7"
     assert _trainer_node_id("NODE_ID=mine") == "mine"
+
+
+def test_a_venv_stamped_by_the_older_makefile_is_not_reinstalled(checkout: Path) -> None:
+    _fake_venv(checkout)
+    (checkout / ".venv/.installed").touch()  # what `touch $@` left, newer than the inputs
+    out, calls = _make_install(checkout)
+    assert (out, calls) == ("", []), "an install that was current got redone"
+    assert len((checkout / ".venv/.installed").read_text().split()[0]) == 64  # its hash is recorded now
+    with (checkout / "pyproject.toml").open("a") as f:
+        f.write("\n# changed\n")
+    out, calls = _make_install(checkout)
+    assert out.startswith("installing into .venv: pyproject.toml or constraints.txt") and calls
