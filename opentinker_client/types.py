@@ -148,6 +148,8 @@ class TaskEvent:
     - ``"metric"``: ``step`` and ``metrics`` (``loss``, ``reward``, namespaced keys ...).
     - ``"checkpoint"``: ``step``, ``attempt``, ``node_id``, ``checkpoint_path``,
       ``checkpoint_format`` (``peft_lora`` ...) and ``final``.
+    - ``"phase"``: ``phase`` (``loading model``, ``model loaded``: what the attempt does before
+      its first step), ``message`` (the model; how long it took once loaded) and ``attempt``.
     - ``"unknown"``: an event kind this client does not know (a newer scheduler).
 
     Attributes:
@@ -171,6 +173,7 @@ class TaskEvent:
     checkpoint_path: str = ""
     checkpoint_format: str = ""
     final: bool = False
+    phase: str = ""
 
     @property
     def is_terminal(self) -> bool:

@@ -128,6 +128,15 @@ class _Worker:
     killer: asyncio.Task | None = None
     #: The model host this attempt is a tenant of; None for a worker process of its own.
     host: "_Host | None" = None
+    #: Step of the checkpoint this attempt resumed from (0: none, it started from scratch).
+    resume_step: int = 0
+    #: Step of the newest checkpoint this attempt reported, and whether it came after the stop
+    #: request (drain, preemption): what the hand-back message says was saved.
+    checkpoint_step: int | None = None
+    checkpointed_after_stop: bool = False
+    #: Set when the stop was asked (``_terminate``); set ``killed`` when the grace ran out.
+    stop_asked: bool = False
+    killed: bool = False
 
 
 @dataclass
@@ -159,6 +168,11 @@ TLS_REFUSAL_HINT = (
     "scheduler's tls.client_ca and --tls-ca is the CA of the scheduler's certificate, and that this node dials "
     "the scheduler's node_port (the mTLS port)"
 )
+
+
+def _resume_step(a: node_pb2.AssignTask) -> int:
+    """Step of the checkpoint an attempt resumes from; 0 when it starts from scratch."""
+    return int(a.resume_from.step) if a.HasField("resume_from") and a.resume_from.path else 0
 
 
 class FatalRegistrationError(RuntimeError):
@@ -520,7 +534,7 @@ class NodeAgent:
             bound.error("worker failed to start", error=str(exc))
             self._start_failed(a, f"worker failed to start: {exc}")
             return
-        w = _Worker(a.task_id, a.attempt, proc, tuple(a.device_indices))
+        w = _Worker(a.task_id, a.attempt, proc, tuple(a.device_indices), resume_step=_resume_step(a))
         self.workers[a.task_id] = w
         bound.info(
             "Task started",
@@ -626,7 +640,7 @@ class NodeAgent:
         if host.idle is not None:
             host.idle.cancel()
             host.idle = None
-        w = _Worker(a.task_id, a.attempt, host.proc, tuple(a.device_indices), host=host)
+        w = _Worker(a.task_id, a.attempt, host.proc, tuple(a.device_indices), host=host, resume_step=_resume_step(a))
         w.watcher = asyncio.get_running_loop().create_future()
         self.workers[a.task_id] = w
         host.tenants[(a.task_id, a.attempt)] = w
@@ -754,6 +768,8 @@ class NodeAgent:
             report.checkpoint.format = str(msg.get("format", ""))
             report.checkpoint.create_time.FromNanoseconds(int(msg["time"] * 1e9))
             report.checkpoint.node_id = self.config.node_id
+            w.checkpoint_step = report.checkpoint.step
+            w.checkpointed_after_stop = w.stop_asked
             if msg.get("artifact"):  # in the artifact store: readable from every node
                 art = msg["artifact"]
                 report.checkpoint.artifact.key = str(art["key"])
@@ -762,6 +778,10 @@ class NodeAgent:
                 report.checkpoint.artifact.backend = str(art.get("backend", ""))
         elif kind == "endpoint":
             report.endpoint = str(msg.get("address", ""))
+        elif kind == "phase":
+            report.phase.attempt = w.attempt
+            report.phase.phase = str(msg.get("phase", ""))[:100]
+            report.phase.detail = str(msg.get("detail", ""))[:1000]
         elif kind in ("succeeded", "failed", "stopped"):
             w.outcome = msg
             return
@@ -786,7 +806,7 @@ class NodeAgent:
             final.retryable = bool(outcome.get("retryable", True))
         elif outcome.get("type") == "stopped" or self.draining:
             final.state = common_pb2.TASK_STATE_CANCELLED
-            final.error = f"node {self.config.node_id} drained; checkpointed and handed back"
+            final.error = self._handed_back(w)
             final.retryable = True
         else:
             final.state = common_pb2.TASK_STATE_FAILED
@@ -803,6 +823,28 @@ class NodeAgent:
         )
         self._report_final(final)
 
+    def _handed_back(self, w: _Worker) -> str:
+        """What a drained attempt saved, for its hand-back report (the task event and the log):
+        ``"node n1 drained; checkpointed at step 12 and handed back"``, or, when the worker wrote
+        no checkpoint after the stop (killed at ``--kill-grace``, or it stopped without one),
+        which checkpoint the task still has from this attempt or the one it resumed from, or that
+        there is none. The scheduler's requeue event adds where the next attempt resumes."""
+        node = f"node {self.config.node_id} drained"
+        if w.checkpointed_after_stop and w.checkpoint_step is not None:
+            return f"{node}; checkpointed at step {w.checkpoint_step} and handed back"
+        if w.killed:
+            grace = f"--kill-grace ({self.config.kill_grace_s:g} s)"
+            how = f"the worker was killed after {grace} before it wrote a checkpoint"
+        else:
+            how = "the worker stopped without writing a checkpoint"
+        if w.checkpoint_step is not None:
+            kept = f"the newest checkpoint is this attempt's step {w.checkpoint_step}"
+        elif w.resume_step:
+            kept = f"the newest checkpoint is step {w.resume_step}, which this attempt resumed from"
+        else:
+            kept = "no checkpoint was written"
+        return f"{node}; {how}; handed back ({kept})"
+
     def _report_final(self, report: node_pb2.TaskReport) -> None:
         self._send_report(report)
 
@@ -816,6 +858,7 @@ class NodeAgent:
             w.cancel_reason = reason
         if w.killer is not None:
             return
+        w.stop_asked = True
         self.log.info("stopping worker", task_id=w.task_id, attempt=w.attempt, reason=reason or "drain")
         host = w.host
         if host is not None:
@@ -823,6 +866,7 @@ class NodeAgent:
 
             async def give_up_later() -> None:
                 await asyncio.sleep(self.config.kill_grace_s)
+                w.killed = True
                 self._end_tenant(w, "tenant did not stop within the grace period")
 
             w.killer = asyncio.create_task(give_up_later())
@@ -832,6 +876,7 @@ class NodeAgent:
 
         async def kill_later() -> None:
             await asyncio.sleep(self.config.kill_grace_s)
+            w.killed = w.proc.returncode is None
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(w.proc.pid, signal.SIGKILL)
 

@@ -121,6 +121,21 @@ class WorkerContext:
         if final:
             self.completed = True
 
+    def emit_phase(self, phase: str, detail: str = "") -> None:
+        """Report what the attempt is doing before its first step (``"loading model"``, then
+        ``"model loaded"``); the scheduler records it as a task event that ``opentinker watch``
+        and ``logs`` print, so a long first model load is not silence."""
+        self._emit("phase", phase=str(phase), detail=str(detail))
+
+    @contextlib.contextmanager
+    def loading_model(self, name: str):
+        """``with ctx.loading_model(name):`` around a model load: the ``loading model`` phase
+        before, ``model loaded`` with the seconds it took after (nothing more when it raises)."""
+        self.emit_phase("loading model", name)
+        start = time.monotonic()
+        yield
+        self.emit_phase("model loaded", f"{name} in {time.monotonic() - start:.1f} s")
+
     def emit_endpoint(self, address: str) -> None:
         """Report the ``host:port`` a server of this attempt listens on (an ``inference`` task's
         InferenceService); the scheduler shows it as ``Task.endpoint`` while the task runs."""

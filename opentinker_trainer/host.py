@@ -239,6 +239,7 @@ class ModelHost:
         from peft import LoraConfig, PeftModel, get_peft_model
 
         from opentinker_trainer.lora_keys import unloaded_keys, unloaded_message
+        from opentinker_trainer.workloads import _lm
 
         if source is None:
             config = LoraConfig(
@@ -250,14 +251,16 @@ class ModelHost:
             )
             try:
                 if self.model is None:
-                    self.model = get_peft_model(self.base, config, adapter_name=name)
+                    with _lm.peft_wrapping():
+                        self.model = get_peft_model(self.base, config, adapter_name=name)
                 else:
                     self.model.add_adapter(name, config)
             except ValueError as exc:
                 raise UserError(f"hyperparameters.target_modules {list(cfg.target_modules)}: {exc}") from exc
             return
         if self.model is None:
-            self.model = PeftModel.from_pretrained(self.base, str(source), adapter_name=name, is_trainable=True)
+            with _lm.peft_wrapping():
+                self.model = PeftModel.from_pretrained(self.base, str(source), adapter_name=name, is_trainable=True)
         else:
             self.model.load_adapter(str(source), adapter_name=name, is_trainable=True)
         try:

@@ -18,8 +18,9 @@ runs (a full disk, a tracking server gone) is logged and dropped; training goes 
   paths as ``checkpoints.json``. A ``file:///...`` URI is MLflow's local file store, which MLflow 3
   keeps in maintenance mode behind ``MLFLOW_ALLOW_FILE_STORE`` (set here for ``file:`` URIs).
 * **W&B** (``wandb: {project, mode}``): ``wandb.init(id=task_id, resume="allow", config=spec)``,
-  ``wandb.log(values, step=step)``; offline runs go under ``dir`` (default: the attempt's folder).
-  Not exercised by the test suite (the ``wandb`` package is not installed there).
+  ``wandb.log(values, step=step)``; offline runs go under ``dir`` (default: the attempt's folder),
+  in ``<dir>/wandb/offline-run-<time>-<task_id>/run-<task_id>.wandb`` (``wandb sync`` uploads it).
+  Tested in offline mode: the run file read back holds every step's metrics and the spec.
 """
 
 from __future__ import annotations

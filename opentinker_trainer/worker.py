@@ -6,11 +6,12 @@ channel) in its own process group, with ``CUDA_VISIBLE_DEVICES`` set to the assi
 folder comes from ``--checkpoint-dir``.
 
 Protocol to the agent: JSON lines on stdout, one object each, with ``type``:
-``started``; ``metric`` (step, values); ``checkpoint`` (step, path, final, format, and ``artifact``:
-key, manifest_sha256, total_bytes, backend once it is in the artifact store); ``checkpoint_failed``
-(step, error: a checkpoint that could not be stored); and exactly
-one of ``succeeded``, ``stopped`` (checkpointed and returned early after SIGTERM), ``failed``
-(``error``, ``retryable``). Logs go to stderr.
+``started``; ``phase`` (phase, detail: ``loading model`` before the first step); ``metric``
+(step, values); ``checkpoint`` (step, path, final, format, and ``artifact``: key,
+manifest_sha256, total_bytes, backend once it is in the artifact store); ``checkpoint_failed``
+(step, error: a checkpoint that could not be stored); and exactly one of ``succeeded``,
+``stopped`` (checkpointed and returned early after SIGTERM), ``failed`` (``error``,
+``retryable``). Logs go to stderr.
 Before the workload runs, a ``spec.model`` or ``env_config.path`` inside the node's work folder
 is refused, and so is (when ``AssignTask.local_paths_restricted``) a relative ``spec.model`` that
 exists in the worker's folder (:mod:`opentinker_trainer.local_paths`). Files are created with umask 077.

@@ -210,6 +210,12 @@ def _metric_line(event: TaskEvent, total: int | None, units: _Units | None = Non
     return "  ".join(parts)
 
 
+def _phase_line(event: TaskEvent) -> str:
+    """``"loading model /models/SmolLM2 (attempt 1)"``: what an attempt does before its first step."""
+    detail = f" {_escape(event.message)}" if event.message else ""
+    return f"{_escape(event.phase)}{detail} (attempt {event.attempt})"
+
+
 def _state_line(event: TaskEvent) -> str:
     if event.from_state in ("", "unspecified"):  # the first event of every task: it was submitted
         text = f"state {_state(event.to_state)} (submitted)"
@@ -353,6 +359,10 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
                         started_at = event.time.timestamp()
                 elif event.kind == "checkpoint":
                     progress.console.print(_checkpoint_line(event))
+                elif event.kind == "phase":
+                    progress.console.print(_phase_line(event))
+                    if event.phase == "loading model":  # the bar's stats say so until the first step
+                        progress.update(bar, stats=f"[dim]{_escape(event.phase)}...[/dim]")
     finally:
         logger.removeHandler(handler)
 
@@ -375,52 +385,97 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
     return EXIT_OK if final.state == "succeeded" else EXIT_TASK_FAILED
 
 
+#: ``opentinker list`` columns: (header, may wrap). Ids, names and values never wrap or fold (a
+#: task id split over two lines cannot be copied); CREATED wraps at its space and REASON at words.
+_LIST_COLUMNS: tuple[tuple[str, bool], ...] = (
+    ("TASK ID", False),
+    ("NAME", False),
+    ("WORKLOAD", False),
+    ("ENV", False),
+    ("STATE", False),
+    ("ATTEMPT", False),
+    ("GPUS", False),
+    ("PRIO", False),
+    ("STEP", False),
+    ("REWARD", False),
+    ("LOSS", False),
+    ("NODE", False),
+    ("CREATED", True),
+    ("REASON", True),
+)
+#: Left out, in this order, while the table cannot fit the terminal with its ids and names whole.
+_LIST_DROP_ORDER = ("PRIO", "GPUS", "ATTEMPT", "CREATED", "ENV", "NODE", "LOSS", "WORKLOAD", "REWARD", "REASON")
+#: The narrowest a wrapping column is counted at when fitting the table.
+_LIST_WRAP_MIN = 20
+
+
+def _fit_columns(widths: dict[str, int], width: int) -> list[str]:
+    """The ``_LIST_COLUMNS`` headers to show in ``width`` cells, given each column's widest cell
+    (header included): all when they fit with the non-wrapping ones whole, else fewer
+    (``_LIST_DROP_ORDER``)."""
+    shown = [name for name, _ in _LIST_COLUMNS]
+    wraps = dict(_LIST_COLUMNS)
+
+    def need() -> int:
+        return sum(min(widths[c], _LIST_WRAP_MIN) if wraps[c] else widths[c] for c in shown) + 2 * len(shown)
+
+    for name in _LIST_DROP_ORDER:
+        if need() <= width:
+            break
+        shown.remove(name)
+    return shown
+
+
 def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
     from rich.table import Table
+    from rich.text import Text
 
     tasks = client.list_tasks(states=args.state or None, limit=args.limit)
     console = _console()
     if not tasks:
         console.print("no tasks")
         return EXIT_OK
-    table = Table(box=None, header_style="bold")
-    for col in (
-        "TASK ID",
-        "NAME",
-        "WORKLOAD",
-        "ENV",
-        "STATE",
-        "ATTEMPT",
-        "GPUS",
-        "PRIO",
-        "STEP",
-        "REWARD",
-        "LOSS",
-        "NODE",
-        "CREATED",
-        "REASON",
-    ):
-        table.add_column(col, no_wrap=col not in ("NAME", "REASON"), overflow="fold")
+    rows = []
     for t in tasks:
         m = t.latest_metrics
         reason = t.pending_reason if t.state == "pending" else t.error
-        table.add_row(
-            _escape(t.task_id),
-            _escape(t.name) or "-",
-            _escape(t.workload_type),
-            _escape(str(t.env_config.get("env_id") or "-")),
-            _state(t.state),
-            str(t.attempt),
-            str(t.gpu_count),
-            str(t.priority),
-            str(t.latest_step),
-            _fmt_num(m.get("reward"), ".3f"),
-            _fmt_num(m.get("loss")),
-            _escape(t.node_id) or "-",
-            _fmt_time(t.create_time),
-            _escape(reason),
+        rows.append(
+            (
+                _escape(t.task_id),
+                _escape(t.name) or "-",
+                _escape(t.workload_type),
+                _escape(str(t.env_config.get("env_id") or "-")),
+                _state(t.state),
+                str(t.attempt),
+                str(t.gpu_count),
+                str(t.priority),
+                str(t.latest_step),
+                _fmt_num(m.get("reward"), ".3f"),
+                _fmt_num(m.get("loss")),
+                _escape(t.node_id) or "-",
+                _fmt_time(t.create_time),
+                _escape(reason),
+            )
         )
+    headers = [name for name, _ in _LIST_COLUMNS]
+    widths = {
+        name: max([len(name)] + [Text.from_markup(row[i]).cell_len for row in rows]) for i, name in enumerate(headers)
+    }
+    shown = _fit_columns(widths, console.width)
+    table = Table(box=None, header_style="bold")
+    for name, wraps in _LIST_COLUMNS:
+        if name in shown:
+            # no_wrap: never broken over lines (rich shrinks the wrapping columns first); REASON
+            # wraps at spaces and folds only a word longer than its column.
+            table.add_column(name, no_wrap=not wraps, overflow="fold" if wraps else "ellipsis")
+    keep = [headers.index(name) for name in shown]
+    for row in rows:
+        table.add_row(*(row[i] for i in keep))
     console.print(table)
+    hidden = [name for name in headers if name not in shown]
+    if hidden and console.is_terminal:
+        left_out = f"{', '.join(hidden)} left out to fit {console.width} columns"
+        console.print(f"[dim]{left_out}; `opentinker get TASK_ID` shows all[/dim]")
     return EXIT_OK
 
 
@@ -703,11 +758,37 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _hidden_line(events: Sequence[TaskEvent]) -> str:
+    """One line for a run of events ``logs`` does not print one by one: ``"3 training steps
+    (1-3; --metrics shows each)"``, and a count of events of kinds this client does not know."""
+    steps = [e.step for e in events if e.kind == "metric"]
+    parts = []
+    if steps:
+        span = str(steps[0]) if len(steps) == 1 else f"{min(steps)}-{max(steps)}"
+        parts.append(f"{len(steps)} training step{'s' if len(steps) != 1 else ''} ({span}; --metrics shows each)")
+    other = len(events) - len(steps)
+    if other:
+        parts.append(f"{other} event{'s' if other != 1 else ''} of a kind this client does not show")
+    return "[dim]" + ", ".join(parts) + "[/dim]"
+
+
 def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
     task = client.get_task(args.task_id)  # NOT_FOUND exits 2
     console = _console()
     # Following ends by itself after the terminal event; otherwise just the history so far.
+    # `#N` is the task's event sequence, which state changes, checkpoints and training steps
+    # share; the events not printed one per line (steps without --metrics, kinds this client does
+    # not know) are summed up in one line per run, so the numbers shown never skip.
     events = client.watch(task.task_id, follow=bool(args.follow or task.done))
+    hidden: list[TaskEvent] = []
+
+    def flush() -> None:
+        if hidden:
+            first, last = hidden[0].sequence, hidden[-1].sequence
+            seqs = f"#{first}" if first == last else f"#{first}-#{last}"
+            console.print(f"{_fmt_time(hidden[-1].time)}  {seqs}  {_hidden_line(hidden)}")
+            hidden.clear()
+
     for event in events:
         if event.kind == "state":
             line = _state_line(event)
@@ -715,13 +796,16 @@ def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
                 line = f"[red]{line}[/red]"
         elif event.kind == "checkpoint":
             line = _checkpoint_line(event)
-        elif event.kind == "metric":
-            if not args.metrics:
-                continue
+        elif event.kind == "phase":
+            line = _phase_line(event)
+        elif event.kind == "metric" and args.metrics:
             line = _metric_line(event, None)
         else:
+            hidden.append(event)
             continue
+        flush()
         console.print(f"{_fmt_time(event.time)}  #{event.sequence}  {line}")
+    flush()
     final = client.get_task(task.task_id) if (args.follow or task.done) else task
     if final.error and final.done:
         console.print(f"error: {_escape(final.error)}")

@@ -46,7 +46,7 @@ from opentinker_scheduler.security.limits import Limits
 from opentinker_scheduler.state.core import SchedulerCore
 from opentinker_scheduler.state.store import TaskRow
 
-__all__ = ["admit", "check_limits"]
+__all__ = ["admit", "check_limits", "check_submit_rate"]
 
 
 def check_limits(limits: Limits, spec: common_pb2.TaskSpec, caller: Principal, *, core: SchedulerCore) -> None:
@@ -57,14 +57,29 @@ def check_limits(limits: Limits, spec: common_pb2.TaskSpec, caller: Principal, *
     """
     queue = core.queue_config(caller.owner)  # its quota queue may set the per-owner limits
     where = f"queues[{queue[0]}].limits" if queue is not None else ""
-    rate = (queue[1].submit_rate, queue[1].submit_burst, f"{where}.submit_rate") if queue is not None else None
-    limits.check_submit_rate(caller.limit_key, override=rate)
+    check_submit_rate(limits, caller, core=core)
     limits.check_spec_size(spec.ByteSize())
     limits.check_pending(
         caller.owner,
         lambda: core.store.count_tasks(owner=caller.owner, states=(common_pb2.TASK_STATE_PENDING,)),
         override=(queue[1].max_pending_per_owner, f"{where}.max_pending_per_owner") if queue is not None else None,
     )
+
+
+def check_submit_rate(limits: Limits, caller: Principal, *, core: SchedulerCore) -> None:
+    """Take one of the caller's task-creation tokens (``limits.submit_rate``, or its quota queue's):
+    SubmitTask and ImportAdapter, which makes a task too, share the bucket of an API key.
+
+    Raises:
+        ResourceExhausted: the bucket is empty; the message says when to retry and the config key.
+    """
+    queue = core.queue_config(caller.owner)
+    rate = (
+        (queue[1].submit_rate, queue[1].submit_burst, f"queues[{queue[0]}].limits.submit_rate")
+        if queue is not None
+        else None
+    )
+    limits.check_submit_rate(caller.limit_key, override=rate)
 
 
 async def admit(

@@ -42,7 +42,9 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
     @rpc()
     async def BeginUpload(self, request, call: Call):
         self._require_leader()
-        return await asyncio.to_thread(self.artifacts.begin_upload, request)
+        cfg = self.security.limits.config if self.security is not None else None
+        min_free = (cfg.min_free_disk_bytes or 0) if cfg is not None else 0
+        return await asyncio.to_thread(self.artifacts.begin_upload, request, min_free_bytes=min_free)
 
     async def UploadChunks(self, request_iterator, context):
         upload_id = ""

@@ -616,6 +616,8 @@ class Dashboard:
                 detail = sc.message
             elif kind == "checkpoint":
                 what, detail = f"checkpoint at step {ev.checkpoint.step}", ev.checkpoint.path
+            elif kind == "phase":
+                what, detail = f"{ev.phase.phase} (attempt {ev.phase.attempt})", ev.phase.detail
             else:
                 continue  # metric points are the charts
             rows.append(

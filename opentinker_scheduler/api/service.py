@@ -14,7 +14,7 @@ from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-from opentinker_scheduler.admission.admit import admit
+from opentinker_scheduler.admission.admit import admit, check_submit_rate
 from opentinker_scheduler.admission.load import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_WAIT_S, SubmitGate
 from opentinker_scheduler.api.rpc import Call, abort_mapped, record, rpc
 from opentinker_common.artifacts import checkpoint_key
@@ -312,15 +312,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             yield scheduler_pb2.DownloadCheckpointResponse(chunk=chunk)
 
     async def ImportAdapter(self, request_iterator, context):
+        """A new task of the caller's, as a submit is: it takes a submit-rate token of the key
+        (before any byte is read) and is audited as ``adapter.import``, refusals included."""
+        who = caller()
+        detail: dict = {}
         received = None
         try:
             self.core.require_leader()
+            if self.security is not None:
+                check_submit_rate(self.security.limits, who, core=self.core)
             store = self.artifacts.store if self.artifacts is not None else None
             if store is None:
                 raise FailedPrecondition("ImportAdapter: this scheduler has no artifact store to keep the adapter in")
             received = await receive_adapter(
                 request_iterator, self.core.config.state_dir / "imports", default_model=self.core.config.default_model
             )
+            detail.update(model=received.model[:256], name=received.name[:256])
             task_id = new_task_id()
             key = checkpoint_key(task_id, 1, 0, final=True)
             ref = await asyncio.to_thread(
@@ -331,14 +338,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             ck.artifact.key, ck.artifact.manifest_sha256 = ref.key, ref.manifest_sha256
             ck.artifact.total_bytes = ref.total_bytes
             ck.artifact.backend = self.core.config.artifacts.backend
+            detail.update(total_bytes=ref.total_bytes)
             task = self.core.import_adapter(
-                task_id=task_id, owner=caller().owner, model=received.model, name=received.name, checkpoint=ck
+                task_id=task_id, owner=who.owner, model=received.model, name=received.name, checkpoint=ck
             )
+            detail.update(task_id=task.task_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            record(self.security, "adapter.import", who, exc, **detail)
             await abort_mapped(context, exc)
         finally:
             if received is not None:
                 received.discard()
+        record(self.security, "adapter.import", who, None, **detail)
         await self.core.durable()
         return scheduler_pb2.ImportAdapterResponse(task=self._task(task))
 

@@ -12,6 +12,7 @@ Retention (:func:`retention_plan`): per task, every final checkpoint and the new
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -30,7 +31,7 @@ from opentinker_common.artifacts.remote import manifest_from_proto, manifest_to_
 
 from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.config.artifacts import ArtifactsConfig
-from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument
+from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 __all__ = ["ArtifactStartError", "open_store", "Artifacts", "retention_plan"]
 
@@ -94,9 +95,31 @@ class Artifacts:
             )
         return resp
 
-    def begin_upload(self, request: artifact_pb2.BeginUploadRequest) -> artifact_pb2.BeginUploadResponse:
+    def begin_upload(
+        self, request: artifact_pb2.BeginUploadRequest, *, min_free_bytes: int = 0
+    ) -> artifact_pb2.BeginUploadResponse:
+        """Announce a checkpoint upload (idempotent: a resumed one says what is held).
+
+        Refused before any byte is sent when the bytes still to come would leave less than
+        ``min_free_bytes`` (``limits.min_free_disk_bytes``) free on the store's disk, as a dataset
+        upload is: a full disk mid-upload would fail it after the transfer.
+
+        Raises:
+            ResourceExhausted: ``manifest: 209715200 bytes still to upload would leave less than
+                1073741824 bytes free on the scheduler's artifact disk (524288000 bytes free)
+                (limits.min_free_disk_bytes)``. InvalidArtifact: a bad manifest.
+        """
         m = manifest_from_proto(request.manifest)
         status = self.local.begin_upload(m)
+        needed = sum(f.size_bytes for f in m.files) - sum(status.received_bytes)
+        if not status.committed and needed > 0:
+            free = shutil.disk_usage(self.local.root).free
+            if free - needed < min_free_bytes:
+                raise ResourceExhausted(
+                    f"manifest: {needed} bytes still to upload would leave less than {min_free_bytes} bytes free "
+                    f"on the scheduler's artifact disk ({free} bytes free) (limits.min_free_disk_bytes); "
+                    f"{m.key} was not stored"
+                )
         return artifact_pb2.BeginUploadResponse(
             upload_id=status.upload_id, received_bytes=status.received_bytes, committed=status.committed
         )

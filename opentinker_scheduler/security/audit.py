@@ -7,9 +7,10 @@ Each record is written twice:
 * a row of the ``audit_log`` table in the scheduler's state store, committed with the action
   it describes, readable with ``AdminService.ListAuditEvents``.
 
-Audited actions: ``task.submit``, ``task.cancel``, ``key.create``, ``key.revoke``, ``key.rotate``,
-``node.join``, ``queue.set`` (a quota queue changed at run time), ``queue.reset`` (its runtime
-override removed). Refused authentication
+Audited actions: ``task.submit``, ``adapter.import`` (``ImportAdapter``: a task made from an
+adapter folder), ``task.cancel``, ``key.create``, ``key.revoke``, ``key.rotate``, ``node.join``,
+``queue.set`` (a quota queue changed at run time), ``queue.reset`` (its runtime override
+removed). Refused authentication
 (``auth.refused``) is logged only, never stored, so a caller spraying bad keys cannot grow the database.
 """
 
@@ -30,6 +31,7 @@ log = structlog.get_logger("opentinker.audit")
 
 ACTIONS = (
     "task.submit",
+    "adapter.import",
     "task.cancel",
     "key.create",
     "key.revoke",

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import structlog
 
+from opentinker_common.spec import control_character_problem
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SchedulerError
 from opentinker_scheduler.state.store import Store
 
@@ -143,6 +144,9 @@ class KeyStore:
             raise InvalidArgument(f"role: expected one of {', '.join(ROLES)}, got {role!r}")
         if len(description) > 256:
             raise InvalidArgument(f"description: expected at most 256 characters, got {len(description)}")
+        problem = control_character_problem(description)
+        if problem is not None:
+            raise InvalidArgument(f"description: expected text on one line without control characters, got {problem}")
 
     def _insert(self, api_key: str, owner: str, role: str, description: str, now: float) -> KeyRow:
         prefix = _KEY_RE.match(api_key).group(1)  # type: ignore[union-attr]

@@ -30,7 +30,14 @@ from typing import Callable
 import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
-from opentinker_common.spec import SpecError, TaskSpecModel, plain, spec_from_proto, task_uses_model
+from opentinker_common.spec import (
+    SpecError,
+    TaskSpecModel,
+    control_character_problem,
+    plain,
+    spec_from_proto,
+    task_uses_model,
+)
 
 from opentinker_scheduler.state.commit import GroupCommit
 from opentinker_scheduler.config import SchedulerConfig
@@ -523,7 +530,14 @@ class SchedulerCore:
         A running task's GPUs stay in the ledger until its node confirms the process is gone; the
         checkpoint its worker writes on the way out (within the node's grace period) is recorded
         as the task's latest, so ``init_from``, serving and downloads can use the work done.
+
+        Raises:
+            InvalidArgument: ``reason`` holds control characters (``reason: expected text on one
+                line without control characters, got U+001B (ESC) at character 0``); nothing changes.
         """
+        problem = control_character_problem(reason)
+        if problem is not None:
+            raise InvalidArgument(f"reason: expected text on one line without control characters, got {problem}")
         task = self.get(task_id, owner=owner)
         if task.terminal:
             return task
@@ -1148,7 +1162,8 @@ class SchedulerCore:
         With ``backoff`` the task is not placed for ``min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S
         * 2 ** (failed attempt - 1))`` seconds and the event says so: ``"attempt 2 queued; retrying
         in 2 s (backoff after attempt 1 failed: <message>)"``; without it, ``"<message>; attempt 2
-        queued"``. Either ends in ``"; resumes from step N"`` when there is a checkpoint."""
+        queued"``. Either ends in ``"; resumes from step N"`` when there is a checkpoint, else in
+        ``"; no checkpoint: starts from scratch"``."""
         if not failure:
             task.max_attempts += 1
         if task.attempt >= task.max_attempts:
@@ -1159,6 +1174,10 @@ class SchedulerCore:
         delay = min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S * 2 ** (failed - 1)) if backoff else 0.0
         task.attempt += 1
         task.attempt_step = 0
+        # Progress is the new attempt's: it starts where its checkpoint is (or at step 0), with
+        # no metrics of its own yet (the old attempt's steps past the checkpoint run again).
+        task.latest_step = task.latest_checkpoint.step if task.latest_checkpoint is not None else 0
+        task.latest_metrics = {}
         task.node_id = ""
         task.device_indices = []
         task.not_before = time.time() + delay
@@ -1170,7 +1189,10 @@ class SchedulerCore:
             )
         else:
             queued = f"{message}; attempt {task.attempt} queued"
-        resume = f"; resumes from step {task.latest_checkpoint.step}" if task.latest_checkpoint is not None else ""
+        if task.latest_checkpoint is not None:
+            resume = f"; resumes from step {task.latest_checkpoint.step}"
+        else:
+            resume = "; no checkpoint: starts from scratch"
         self.transition(task, S.TASK_STATE_PENDING, reason, queued + resume, extra=extra, keep_node=True)
 
     def transition(

@@ -284,6 +284,11 @@ class NodeProtocol:
             self.core.store.set_endpoint(task.task_id, rep.attempt, rep.endpoint)
             self.core.notify()
         events: list[common_pb2.TaskEvent] = []
+        if rep.HasField("phase") and rep.phase.phase:
+            phase = common_pb2.TaskPhase()
+            phase.CopyFrom(rep.phase)
+            phase.attempt = task.attempt
+            events.append(common_pb2.TaskEvent(phase=phase))
         for point in rep.metrics:
             if point.step <= task.attempt_step:
                 self.duplicates += 1
@@ -291,9 +296,9 @@ class NodeProtocol:
             task.attempt_step = point.step
             events.append(common_pb2.TaskEvent(metric=point))
             self.core.usage.metric(task.task_id, rep.attempt, point.values)
-            if point.step >= task.latest_step:
-                task.latest_step = point.step
-                task.latest_metrics = dict(point.values)
+            # The current attempt's progress: after a requeue its steps may be below the last attempt's.
+            task.latest_step = point.step
+            task.latest_metrics = dict(point.values)
         if rep.HasField("checkpoint") and rep.checkpoint.path:
             ck = _checkpoint_of(rep, task, node)
             if _same_checkpoint(ck, task.latest_checkpoint):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,21 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
+@contextlib.contextmanager
+def peft_wrapping():
+    """``with peft_wrapping():`` around ``get_peft_model`` / ``PeftModel.from_pretrained``.
+
+    PEFT 0.21's ``PeftModel.__init__`` asks ``getattr(model, "is_gradient_checkpointing", True)``
+    (peft/peft_model.py), a property transformers 5 keeps only as a deprecated alias of
+    ``is_activation_checkpointing`` and that warns (``FutureWarning``) on every read: one warning
+    at every task start, about code that is not ours. This ignores exactly that message, only
+    while PEFT wraps the model; every other warning still shows. Drop it once PEFT reads
+    ``is_activation_checkpointing``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def attach_lora(model, cfg, resume_from: Path | None, *, what: str = "checkpoint"):
     """Wrap ``model`` with a fresh trainable LoRA adapter, or the one saved at ``resume_from``
     (checked by :func:`load_adapter`; ``what`` names that folder in its errors)."""
@@ -99,7 +116,8 @@ def attach_lora(model, cfg, resume_from: Path | None, *, what: str = "checkpoint
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, config)
+        with peft_wrapping():
+            return get_peft_model(model, config)
     except ValueError as exc:  # e.g. "Target modules {...} not found in the base model"
         raise UserError(f"hyperparameters.target_modules {list(cfg.target_modules)}: {exc}") from exc
 
@@ -120,7 +138,8 @@ def load_adapter(model, path: Path, *, what: str = "checkpoint", is_trainable: b
 
     from opentinker_trainer.lora_keys import unloaded_keys, unloaded_message
 
-    loaded = PeftModel.from_pretrained(model, str(path), adapter_name="default", is_trainable=is_trainable)
+    with peft_wrapping():
+        loaded = PeftModel.from_pretrained(model, str(path), adapter_name="default", is_trainable=is_trainable)
     try:
         missing, not_loaded = unloaded_keys(loaded, "default", path)
     except FileNotFoundError as exc:
@@ -313,18 +332,20 @@ def load_for_training(ctx, cfg, device: torch.device, dtype: torch.dtype, *, ful
     own = ctx.resume_from if resume else None
     if full:
         source = own or (init if fmt == FORMAT_FULL else None) or ctx.spec.model
-        tokenizer, model = load_model(str(source), device, dtype)
+        with ctx.loading_model(str(source)):
+            tokenizer, model = load_model(str(source), device, dtype)
         if own is None and fmt == FORMAT_LORA:
             model = load_adapter(model, init, what=INIT_WHAT, is_trainable=False).merge_and_unload()
         model.requires_grad_(True)
         torch.manual_seed(cfg.seed)  # sampling starts from the seed, as with LoRA
         return tokenizer, model
     source = init if fmt == FORMAT_FULL else ctx.spec.model
-    tokenizer, base = load_model(str(source), device, dtype)
-    torch.manual_seed(cfg.seed)  # a fresh adapter's initial weights
-    if own is not None:
-        return tokenizer, attach_lora(base, cfg, own, what="resume_from: checkpoint")
-    return tokenizer, attach_lora(base, cfg, init if fmt == FORMAT_LORA else None, what=INIT_WHAT)
+    with ctx.loading_model(str(source)):
+        tokenizer, base = load_model(str(source), device, dtype)
+        torch.manual_seed(cfg.seed)  # a fresh adapter's initial weights
+        if own is not None:
+            return tokenizer, attach_lora(base, cfg, own, what="resume_from: checkpoint")
+        return tokenizer, attach_lora(base, cfg, init if fmt == FORMAT_LORA else None, what=INIT_WHAT)
 
 
 def frozen_reference(ctx, cfg, model, device: torch.device, dtype: torch.dtype):

@@ -75,7 +75,8 @@ def run(ctx: WorkerContext) -> None:
     device = torch.device(ctx.device)
     dtype = _lm.resolve_dtype(cfg.dtype, device)
     log.info("loading model", task_id=ctx.task_id, model=ctx.spec.model, device=str(device), dtype=str(dtype))
-    tokenizer, model = _lm.load_model(ctx.spec.model, device, dtype)
+    with ctx.loading_model(ctx.spec.model):
+        tokenizer, model = _lm.load_model(ctx.spec.model, device, dtype)
     scheduler = os.environ.get("OPENTINKER_SCHEDULER_URL")
     # Adapters and policies come from the artifact store, through the node-local cache.
     resolver = SchedulerResolver(scheduler, ctx.spec.model, fetch=_fetcher(ctx)) if scheduler else None

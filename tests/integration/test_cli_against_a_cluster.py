@@ -216,6 +216,13 @@ def test_logs_of_finished_tasks(ran) -> None:
     assert any(re.search(r"#\d+  checkpoint step 2: ", line) for line in lines)
     assert any("checkpoint step 4 (final): " in line for line in lines)
     assert "reward" not in proc.stdout  # metric lines only with --metrics
+    # The model load is reported before the first step (a long first load is not silence).
+    loading = next(i for i, line in enumerate(lines) if "loading model " in line)
+    loaded = next(i for i, line in enumerate(lines) if re.search(r"model loaded .* in \d+\.\d s \(attempt 1\)", line))
+    assert loading < loaded < next(i for i, line in enumerate(lines) if "checkpoint step 2" in line)
+    # Every event is accounted for: the steps not shown are summed up under their numbers.
+    numbers = [(int(a), int(b or a)) for a, b in re.findall(r"  #(\d+)(?:-#(\d+))?  ", proc.stdout)]
+    assert [n for a, b in numbers for n in range(a, b + 1)] == list(range(1, numbers[-1][1] + 1)), proc.stdout
     with_metrics = run(cluster.url, "logs", ok, "--metrics")
     assert [int(m) for m in re.findall(r"step (\d+)  reward", with_metrics.stdout)] == [1, 2, 3, 4]
 

@@ -179,6 +179,68 @@ def test_list_get_cancel(fake):
     one_line_error(run("cancel", "missing", url=server.url), "NOT_FOUND")
 
 
+def test_list_keeps_task_ids_and_names_whole(fake):
+    from opentinker.common.v1 import common_pb2
+
+    from tests.support.tty import run_on_tty
+
+    servicer, server = fake
+    name = "arithmetic-lora-rank16-with-a-long-descriptive-name"
+    reason = "no node has 4 free GPUs; largest free block is 2 on gpu-node-01 (queue position 3 of 7)"
+    ids = [
+        servicer.add_task(
+            S.TASK_STATE_PENDING,
+            task_id=f"task-1a2332c291bd4cf30a{i}",
+            spec=common_pb2.TaskSpec(workload_type="lora_finetune", model="m", name=name),
+            pending_reason=reason,
+            node_id="gpu-node-01",
+        ).task_id
+        for i in range(2)
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("SCHEDULER_URL", "OPENTINKER_API_KEY")}
+    for columns in (200, 120, 100):
+        if columns == 200:  # a pipe (off a terminal the CLI allows lines of 160 or COLUMNS)
+            proc = run("list", url=server.url)
+            assert proc.returncode == 0, proc.stderr
+            out = proc.stdout
+        else:  # a terminal this wide
+            rc, out = run_on_tty(["--scheduler-url", server.url, "list"], env={**env, "COLUMNS": str(columns)})
+            assert rc == 0, out
+        lines = out.splitlines()
+        for task_id in ids:
+            (row,) = [line for line in lines if task_id in line]
+            assert name in row, f"at {columns} columns the name was broken:\n{out}"
+        assert all(len(line.rstrip()) <= columns for line in lines), out
+        if columns >= 120:
+            words = " ".join(lines).split()
+            assert "position" in words and "gpu-node-01" in words, f"the reason wraps at words:\n{out}"
+    # Too narrow for the ids, the name and a readable reason: columns are left out, and it says so.
+    assert "REASON left out to fit 100 columns; `opentinker get TASK_ID` shows all" in " ".join(out.split())
+
+
+def shown_sequences(out: str) -> list[int]:
+    """The event numbers `opentinker logs` printed (``#3`` and ranges ``#3-#5``), in order."""
+    import re
+
+    seqs: list[int] = []
+    for first, last in re.findall(r"  #(\d+)(?:-#(\d+))?  ", out):
+        seqs.extend(range(int(first), int(last or first) + 1))
+    return seqs
+
+
+def test_logs_numbers_never_skip(fake):
+    servicer, server = fake
+    task_id = finished_task(servicer, steps=3)  # 2 states, 3 steps, a checkpoint, the end: #1-#7
+    proc = run("logs", task_id, url=server.url)
+    assert proc.returncode == 0, proc.stderr
+    assert shown_sequences(proc.stdout) == list(range(1, 8)), proc.stdout
+    assert "#3-#5  3 training steps (1-3; --metrics shows each)" in proc.stdout
+    assert "reward" not in proc.stdout
+    proc = run("logs", task_id, "--metrics", url=server.url)
+    assert shown_sequences(proc.stdout) == list(range(1, 8)), proc.stdout
+    assert "training steps" not in proc.stdout
+
+
 def test_nodes(fake):
     from opentinker.common.v1 import common_pb2
     from opentinker.scheduler.v1 import scheduler_pb2

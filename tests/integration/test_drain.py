@@ -30,6 +30,9 @@ def test_sigterm_drains_and_task_resumes_from_checkpoint_on_another_node(cluster
         events = list(client.watch(task_id))
         reasons = [e.reason for e in events if e.kind == "state"]
         assert "HANDED_BACK" in reasons
+        handed = next(e.message for e in events if e.kind == "state" and e.reason == "HANDED_BACK")
+        assert handed.startswith(f"node node-a drained; checkpointed at step {handed_at} and handed back"), handed
+        assert handed.endswith(f"resumes from step {handed_at}"), handed
         steps = [e.step for e in events if e.kind == "metric"]
         # The second attempt continues after the checkpoint's step instead of starting over.
         rest = HP["steps"] - handed_at

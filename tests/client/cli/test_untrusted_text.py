@@ -1,7 +1,8 @@
 """The CLI against a real scheduler with auth on shows server-provided text (task names, cancel
 reasons, errors, event messages, key descriptions, table cells) with control characters escaped:
 an ESC sequence cannot retitle or recolour the admin's terminal and a newline cannot forge a row.
-The task name is written into the store as one stored before the scheduler refused such names."""
+The task name, the cancel reason and the key description are written into the store as ones
+stored before the scheduler refused control characters in them."""
 
 from __future__ import annotations
 
@@ -26,21 +27,35 @@ RAW = ("\x1b", "\x07", "\u202e")
 def cluster(tmp_path_factory):
     with LoopbackScheduler(tmp_path_factory.mktemp("cli") / "state", "auth: {enabled: true}\n") as s:
         with RLClient(s.target, api_key=s.admin_key) as root:
-            _, alice = root.keys.create("alice", "user", description="laptop \x1b[31m[bold]x[/bold]")
+            _, alice = root.keys.create("alice", "user", description="laptop")
         with RLClient(s.target, api_key=alice) as c:
             task_id = c.submit_task(workload_type="lora_finetune", model="org/m", name="clean")
+            c.cancel(task_id, reason="clean")
 
-        def rename() -> None:  # as a task stored before names were checked
+        def tamper() -> None:  # as a task, a cancel and a key stored before such text was refused
+            from opentinker.common.v1 import common_pb2 as C
+            from opentinker_scheduler.state.store import cancel_error
+
             row = s.core.get(task_id)
             row.spec.name = EVIL_NAME
+            row.error = cancel_error(EVIL_REASON)
+            db = s.core.store.db
+            seq, payload = db.execute(
+                "SELECT seq, payload FROM events WHERE task_id=? AND kind='state' ORDER BY seq DESC LIMIT 1", (task_id,)
+            ).fetchone()
+            event = C.TaskEvent.FromString(payload)
+            event.state_change.message = EVIL_REASON
             with s.core.store._tx():
-                s.core.store.db.execute(
-                    "UPDATE tasks SET spec=? WHERE task_id=?", (row.spec.SerializeToString(), task_id)
+                db.execute(
+                    "UPDATE tasks SET spec=?, error=? WHERE task_id=?",
+                    (row.spec.SerializeToString(), row.error, task_id),
                 )
+                db.execute(
+                    "UPDATE events SET payload=? WHERE task_id=? AND seq=?", (event.SerializeToString(), task_id, seq)
+                )
+                db.execute("UPDATE api_keys SET description=? WHERE owner='alice'", ("laptop \x1b[31m[bold]x[/bold]",))
 
-        s.do(rename)
-        with RLClient(s.target, api_key=alice) as c:
-            c.cancel(task_id, reason=EVIL_REASON)
+        s.do(tamper)
         yield s, alice, task_id
 
 

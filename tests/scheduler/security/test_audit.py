@@ -151,3 +151,35 @@ def test_audit_log_unit_survives_a_restart_and_odd_detail_values(tmp_path, store
         assert rec.task_id == "t1" and rec.owner == "o" and isinstance(rec.detail["weird"], str)
     finally:
         store.close()
+
+
+def test_an_adapter_import_is_audited_and_takes_a_submit_token(tmp_path) -> None:
+    """ImportAdapter makes a task as SubmitTask does: the same per-key submit rate (one bucket for
+    both) and an ``adapter.import`` audit record, refusals included."""
+    from opentinker_client import ResourceExhaustedError
+
+    from tests.scheduler.data.test_adapter_import import good_files
+
+    folder = tmp_path / "adapter"
+    for path, data in good_files().items():
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        (folder / path).write_bytes(data)
+    config = AUTH_LOCAL_MODELS + "limits: {submit_rate: 0.001, submit_burst: 2}\n"
+    with LoopbackScheduler(tmp_path / "state", config) as s:
+        with RLClient(s.target, api_key=s.admin_key) as root:
+            alice_info, alice_key = root.keys.create("alice", "user")
+        with RLClient(s.target, api_key=alice_key) as alice:
+            alice.upload_adapter(folder, model="acme/tiny", name="first")
+            imported = alice.upload_adapter(folder, model="acme/tiny", name="mine")  # the burst of 2 is used
+            with pytest.raises(ResourceExhaustedError, match=r"\(limits.submit_rate\)"):
+                alice.upload_adapter(folder, model="acme/tiny", name="third")
+            with pytest.raises(ResourceExhaustedError, match=r"submit rate limit"):
+                alice.submit_task(workload_type="lora_finetune", model="/models/m")  # the same bucket
+        with RLClient(s.target, api_key=s.admin_key) as root:
+            records = [r for r in root.keys.audit(limit=100) if r.action == "adapter.import"]  # newest first
+    ok = [r for r in records if r.outcome == "OK"]
+    refused = [r for r in records if r.outcome == "RESOURCE_EXHAUSTED"]
+    assert len(ok) == 2 and ok[0].task_id == imported.task_id and ok[0].owner == "alice"
+    assert ok[0].key_prefix == alice_info.prefix and ok[0].detail["model"] == "acme/tiny"
+    assert ok[0].detail["total_bytes"] == sum(len(v) for v in good_files().values())
+    assert len(refused) == 1 and "limits.submit_rate" in refused[0].detail["error"]

@@ -1,8 +1,9 @@
 """What a real scheduler with auth on refuses before any work: control characters in a spec's
-names and free text (INVALID_ARGUMENT naming the field, word for word the client's own local
-check), a request protobuf cannot parse (a ``Struct`` nested past protobuf's depth limit:
-INVALID_ARGUMENT saying what to change, never UNKNOWN naming ``DecodeError``), and ``ListNodes``
-from a user key (admins only: it names every owner's running tasks)."""
+names and free text, a cancel reason and an API key's description (INVALID_ARGUMENT naming the
+field, word for word the client's own local check for a spec), a request protobuf cannot parse
+(a ``Struct`` nested past protobuf's depth limit: INVALID_ARGUMENT saying what to change, never
+UNKNOWN naming ``DecodeError``), and ``ListNodes`` from a user key (admins only: it names every
+owner's running tasks)."""
 
 from __future__ import annotations
 
@@ -168,3 +169,45 @@ def test_list_nodes_is_for_admin_keys(sched) -> None:
     )
     with RLClient(sched.target, api_key=sched.admin_key) as root:
         assert root.list_nodes() == []
+
+
+def test_control_characters_in_a_cancel_reason_or_key_description_are_refused(sched) -> None:
+    from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
+
+    with RLClient(sched.target, api_key=sched.user_key) as alice:
+        task_id = alice.submit_task(workload_type="lora_finetune", model="org/m")
+    with grpc.insecure_channel(sched.target) as ch:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.CancelTask(
+                S.CancelTaskRequest(task_id=task_id, reason="done\x1b]0;PWNED\x07"),
+                metadata=metadata(sched.user_key),
+                timeout=30,
+            )
+        err = info.value
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details() == (
+            "reason: expected text on one line without control characters, got U+001B (ESC) at character 4"
+        )
+        (detail,) = rpc_status.from_call(err).details
+        bad = error_details_pb2.BadRequest()
+        assert detail.Unpack(bad) and bad.field_violations[0].field == "reason"
+        task = stub.GetTask(S.GetTaskRequest(task_id=task_id), metadata=metadata(sched.user_key), timeout=30).task
+        assert task.state == common_pb2.TASK_STATE_PENDING  # nothing changed
+        stub.CancelTask(S.CancelTaskRequest(task_id=task_id, reason="done"), metadata=metadata(sched.user_key))
+
+        admin = admin_pb2_grpc.AdminServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            admin.CreateApiKey(
+                admin_pb2.CreateApiKeyRequest(
+                    owner="bob", role=admin_pb2.API_KEY_ROLE_USER, description="ci\nbob-admin  ADMIN  active"
+                ),
+                metadata=metadata(sched.admin_key),
+                timeout=30,
+            )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == (
+            "description: expected text on one line without control characters, got U+000A (newline) at character 2"
+        )
+    with RLClient(sched.target, api_key=sched.admin_key) as root:
+        assert [k for k in root.keys.list() if k.owner == "bob"] == []  # no key was made

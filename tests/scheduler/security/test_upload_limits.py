@@ -200,6 +200,24 @@ def test_an_upload_the_disk_cannot_hold_is_refused_before_it_starts(tmp_path) ->
         assert msg.endswith("promised to uploads in progress) (limits.min_free_disk_bytes)")
         assert not _parts(s)
 
+        # A trainer's checkpoint upload (ArtifactService.BeginUpload) is refused the same way,
+        # before a byte is sent, saying how many bytes it needs and how many are free.
+        import hashlib
+
+        from opentinker.artifact.v1 import artifact_pb2 as A
+        from opentinker_common.artifacts import FileEntry, Manifest
+        from opentinker_common.artifacts.remote import manifest_to_proto
+
+        (node,) = _users(s, "rack-full", role="node")
+        m = Manifest("tasks/t1/a1/step_1", (FileEntry("w.bin", len(DATA), hashlib.sha256(DATA).hexdigest()),))
+        artifacts = artifact_pb2_grpc.ArtifactServiceStub(grpc.insecure_channel(s.target))
+        with pytest.raises(grpc.RpcError) as info:
+            artifacts.BeginUpload(A.BeginUploadRequest(manifest=manifest_to_proto(m)), metadata=metadata(node))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        msg = info.value.details()
+        assert msg.startswith(f"manifest: {len(DATA)} bytes still to upload would leave less than {2**62} bytes free")
+        assert " bytes free) (limits.min_free_disk_bytes); tasks/t1/a1/step_1 was not stored" in msg
+
 
 def test_upload_limit_config_defaults_and_ranges() -> None:
     from opentinker_scheduler.config import ConfigError, parse_config

@@ -97,6 +97,49 @@ def test_stale_attempt_report_is_refused(tmp_path) -> None:
     assert report(core, node, task.task_id, 2, C.TASK_STATE_RUNNING)
 
 
+def _points(*steps: int) -> list:
+    return [C.MetricPoint(step=s, values={"loss": 1.0 / s, "reward": float(s)}) for s in steps]
+
+
+def test_latest_step_is_the_current_attempts_after_a_requeue(tmp_path) -> None:
+    core = make_core(tmp_path)
+    with_ck, without = core.submit(spec(), owner="u"), core.submit(spec(), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    drain(node)
+    for task in (with_ck, without):
+        report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING, metrics=_points(1, 2, 3, 4, 5, 6))
+    report(core, node, with_ck.task_id, 1, checkpoint=C.Checkpoint(step=4, path="/ck/step_4"))
+    for task in (with_ck, without):
+        report(core, node, task.task_id, 1, C.TASK_STATE_CANCELLED, error="node drained", retryable=True)
+    # Handed back: the progress shown is where attempt 2 starts, not attempt 1's step 6.
+    t = core.get(with_ck.task_id)
+    assert (t.attempt, t.latest_step, t.latest_metrics) == (2, 4, {})
+    t = core.get(without.task_id)
+    assert (t.attempt, t.latest_step, t.latest_metrics) == (2, 0, {})
+    core.schedule()
+    drain(node)
+    report(core, node, with_ck.task_id, 2, C.TASK_STATE_RUNNING, metrics=_points(5))
+    report(core, node, without.task_id, 2, C.TASK_STATE_RUNNING, metrics=_points(1, 2))
+    t = core.get(with_ck.task_id)
+    assert (t.attempt, t.latest_step, t.latest_metrics) == (2, 5, {"loss": 0.2, "reward": 5.0})
+    t = core.get(without.task_id)
+    assert (t.attempt, t.latest_step, t.latest_metrics) == (2, 2, {"loss": 0.5, "reward": 2.0})
+
+
+def test_a_phase_report_becomes_a_task_event_of_the_current_attempt(tmp_path) -> None:
+    core = make_core(tmp_path)
+    task = core.submit(spec(), owner="u")
+    node, _ = register(core)
+    core.schedule()
+    drain(node)
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    phase = C.TaskPhase(phase="loading model", detail="/models/m")
+    assert report(core, node, task.task_id, 1, phase=phase)
+    (event,) = [e for e in core.store.events_after(task.task_id, 0) if e.HasField("phase")]
+    assert (event.phase.attempt, event.phase.phase, event.phase.detail) == (1, "loading model", "/models/m")
+
+
 def test_failure_retry_then_user_error_not_retried(tmp_path) -> None:
     core = make_core(tmp_path)
     task = core.submit(spec(), owner="u")
@@ -108,7 +151,10 @@ def test_failure_retry_then_user_error_not_retried(tmp_path) -> None:
     assert t.state == C.TASK_STATE_PENDING and t.attempt == 2 and t.not_before > time.time()
     requeued = [e.state_change for e in core.store.events_after(task.task_id, 0) if e.HasField("state_change")][-1]
     assert requeued.reason == "ATTEMPT_FAILED"
-    assert requeued.message == "attempt 2 queued; retrying in 2 s (backoff after attempt 1 failed: CUDA OOM)"
+    assert requeued.message == (
+        "attempt 2 queued; retrying in 2 s (backoff after attempt 1 failed: CUDA OOM); "
+        "no checkpoint: starts from scratch"
+    )
     assert core.pending_reasons[task.task_id].endswith("before retrying as attempt 2 (backoff after attempt 1 failed)")
     t2 = core.submit(spec(), owner="u")
     core.schedule()

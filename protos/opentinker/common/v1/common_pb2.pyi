@@ -218,21 +218,33 @@ class StateChange(_message.Message):
     node_id: str
     def __init__(self, from_state: _Optional[_Union[TaskState, str]] = ..., to_state: _Optional[_Union[TaskState, str]] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
+class TaskPhase(_message.Message):
+    __slots__ = ("attempt", "phase", "detail")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    attempt: int
+    phase: str
+    detail: str
+    def __init__(self, attempt: _Optional[int] = ..., phase: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
 class TaskEvent(_message.Message):
-    __slots__ = ("task_id", "sequence", "time", "state_change", "metric", "checkpoint")
+    __slots__ = ("task_id", "sequence", "time", "state_change", "metric", "checkpoint", "phase")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     STATE_CHANGE_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     sequence: int
     time: _timestamp_pb2.Timestamp
     state_change: StateChange
     metric: MetricPoint
     checkpoint: Checkpoint
-    def __init__(self, task_id: _Optional[str] = ..., sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_change: _Optional[_Union[StateChange, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
+    phase: TaskPhase
+    def __init__(self, task_id: _Optional[str] = ..., sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_change: _Optional[_Union[StateChange, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., phase: _Optional[_Union[TaskPhase, _Mapping]] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("task_id", "owner", "spec", "state", "attempt", "priority", "create_time", "update_time", "start_time", "end_time", "node_id", "device_indices", "pending_reason", "error", "latest_metrics", "latest_step", "latest_checkpoint", "endpoint", "usage", "queue")
