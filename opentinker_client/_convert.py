@@ -302,6 +302,18 @@ def event_from_proto(event: common_pb2.TaskEvent) -> TaskEvent:
             checkpoint_format=ck.format,
             final=ck.final,
         )
+    if which == "checkpoint_failed":
+        cf = event.checkpoint_failed
+        return TaskEvent(
+            **base,
+            kind="checkpoint_failed",
+            step=cf.step,
+            attempt=cf.attempt,
+            node_id=cf.node_id,
+            message=cf.error,
+            fatal=cf.fatal,
+            failures_in_a_row=cf.failures_in_a_row,
+        )
     return TaskEvent(**base, kind="unknown")
 
 

@@ -148,6 +148,9 @@ class TaskEvent:
     - ``"metric"``: ``step`` and ``metrics`` (``loss``, ``reward``, namespaced keys ...).
     - ``"checkpoint"``: ``step``, ``attempt``, ``node_id``, ``checkpoint_path``,
       ``checkpoint_format`` (``peft_lora`` ...) and ``final``.
+    - ``"checkpoint_failed"``: a checkpoint that could not be stored in the artifact store after
+      its retries: ``step``, ``attempt``, ``node_id``, ``message`` (why), ``fatal`` (the attempt
+      ends FAILED because of it) and ``failures_in_a_row``. Training goes on unless ``fatal``.
     - ``"unknown"``: an event kind this client does not know (a newer scheduler).
 
     Attributes:
@@ -171,6 +174,8 @@ class TaskEvent:
     checkpoint_path: str = ""
     checkpoint_format: str = ""
     final: bool = False
+    fatal: bool = False
+    failures_in_a_row: int = 0
 
     @property
     def is_terminal(self) -> bool:

@@ -61,10 +61,8 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
     async def CommitUpload(self, request, call: Call):
         self._require_leader()
         resp = await asyncio.to_thread(self.artifacts.commit_upload, request.upload_id)
+        # Retention follows the trainer's report of the checkpoint (data/artifacts.py Retention).
         log.info("artifact stored", key=resp.manifest.key, total_bytes=resp.manifest.total_bytes)
-        retired = await asyncio.to_thread(self.artifacts.apply_retention, _task_of(resp.manifest.key))
-        if retired:
-            log.info("checkpoints retired", keys=retired)
         return resp
 
     @rpc()
@@ -94,8 +92,3 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
     async def ListArtifacts(self, request, call: Call):
         keys = await asyncio.to_thread(self.artifacts.list, request.prefix)
         return artifact_pb2.ListArtifactsResponse(keys=keys)
-
-
-def _task_of(key: str) -> str | None:
-    parts = key.split("/")
-    return parts[1] if len(parts) >= 3 and parts[0] == "tasks" else None

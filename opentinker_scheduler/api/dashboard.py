@@ -616,6 +616,9 @@ class Dashboard:
                 detail = sc.message
             elif kind == "checkpoint":
                 what, detail = f"checkpoint at step {ev.checkpoint.step}", ev.checkpoint.path
+            elif kind == "checkpoint_failed":
+                cf = ev.checkpoint_failed
+                what, detail = f"checkpoint at step {cf.step} not stored", cf.error
             else:
                 continue  # metric points are the charts
             rows.append(

@@ -193,6 +193,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.core.schedule()
         return scheduler_pb2.CancelTaskResponse(task=self._task(task))
 
+    @rpc(action="task.delete_artifacts")
+    async def DeleteTaskArtifacts(self, request, call: Call):
+        call.detail.update(task_id=request.task_id[:128])
+        self.core.require_leader()
+        task = self.core.artifacts_deletable(request.task_id, owner=owner_scope())  # owner rules, task ended
+        if self.artifacts is None:
+            raise FailedPrecondition("DeleteTaskArtifacts: this scheduler has no artifact store")
+        keys, size = await asyncio.to_thread(self.artifacts.delete_task, task.task_id)
+        task = self.core.artifacts_deleted(task.task_id)
+        call.detail.update(keys=len(keys), bytes=size)
+        log.info("task artifacts deleted", task_id=task.task_id, keys=len(keys), bytes=size)
+        return scheduler_pb2.DeleteTaskArtifactsResponse(task=self._task(task), deleted_keys=keys, deleted_bytes=size)
+
     async def WatchTask(self, request, context) -> AsyncIterator[scheduler_pb2.WatchTaskResponse]:
         try:
             self.core.get(request.task_id, owner=owner_scope())

@@ -7,8 +7,8 @@ Each record is written twice:
 * a row of the ``audit_log`` table in the scheduler's state store, committed with the action
   it describes, readable with ``AdminService.ListAuditEvents``.
 
-Audited actions: ``task.submit``, ``task.cancel``, ``key.create``, ``key.revoke``, ``key.rotate``,
-``node.join``, ``queue.set`` (a quota queue changed at run time). Refused authentication
+Audited actions: ``task.submit``, ``task.cancel``, ``task.delete_artifacts``, ``key.create``, ``key.revoke``,
+``key.rotate``, ``node.join``, ``queue.set`` (a quota queue changed at run time). Refused authentication
 (``auth.refused``) is logged only, never stored, so a caller spraying bad keys cannot grow the database.
 """
 
@@ -27,7 +27,16 @@ log = structlog.get_logger("opentinker.audit")
 
 # The audit_log table: opentinker_scheduler/state/schema.py (migrations of both store backends).
 
-ACTIONS = ("task.submit", "task.cancel", "key.create", "key.revoke", "key.rotate", "node.join", "queue.set")
+ACTIONS = (
+    "task.submit",
+    "task.cancel",
+    "task.delete_artifacts",
+    "key.create",
+    "key.revoke",
+    "key.rotate",
+    "node.join",
+    "queue.set",
+)
 
 
 @dataclass(frozen=True)

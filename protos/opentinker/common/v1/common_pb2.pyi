@@ -219,20 +219,38 @@ class StateChange(_message.Message):
     def __init__(self, from_state: _Optional[_Union[TaskState, str]] = ..., to_state: _Optional[_Union[TaskState, str]] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class TaskEvent(_message.Message):
-    __slots__ = ("task_id", "sequence", "time", "state_change", "metric", "checkpoint")
+    __slots__ = ("task_id", "sequence", "time", "state_change", "metric", "checkpoint", "checkpoint_failed")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     STATE_CHANGE_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FAILED_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     sequence: int
     time: _timestamp_pb2.Timestamp
     state_change: StateChange
     metric: MetricPoint
     checkpoint: Checkpoint
-    def __init__(self, task_id: _Optional[str] = ..., sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_change: _Optional[_Union[StateChange, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
+    checkpoint_failed: CheckpointFailure
+    def __init__(self, task_id: _Optional[str] = ..., sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_change: _Optional[_Union[StateChange, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., checkpoint_failed: _Optional[_Union[CheckpointFailure, _Mapping]] = ...) -> None: ...
+
+class CheckpointFailure(_message.Message):
+    __slots__ = ("step", "attempt", "node_id", "error", "fatal", "failures_in_a_row")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FATAL_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_IN_A_ROW_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    attempt: int
+    node_id: str
+    error: str
+    fatal: bool
+    failures_in_a_row: int
+    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., node_id: _Optional[str] = ..., error: _Optional[str] = ..., fatal: _Optional[bool] = ..., failures_in_a_row: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("task_id", "owner", "spec", "state", "attempt", "priority", "create_time", "update_time", "start_time", "end_time", "node_id", "device_indices", "pending_reason", "error", "latest_metrics", "latest_step", "latest_checkpoint", "endpoint", "usage", "queue")

@@ -60,6 +60,11 @@ class SchedulerServiceStub:
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.CancelTaskRequest.SerializeToString,
                 response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.CancelTaskResponse.FromString,
                 _registered_method=True)
+        self.DeleteTaskArtifacts = channel.unary_unary(
+                '/opentinker.scheduler.v1.SchedulerService/DeleteTaskArtifacts',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsResponse.FromString,
+                _registered_method=True)
         self.WatchTask = channel.unary_stream(
                 '/opentinker.scheduler.v1.SchedulerService/WatchTask',
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.WatchTaskRequest.SerializeToString,
@@ -147,6 +152,19 @@ class SchedulerServiceServicer:
     def CancelTask(self, request, context):
         """Cancels a pending or running task; a running task's worker process is killed.
         Idempotent: cancelling a finished task returns it unchanged. Errors: NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTaskArtifacts(self, request, context):
+        """Deletes every artifact of a finished task from the artifact store (its checkpoints of all
+        attempts, final ones included); the task and its event log stay, with no latest checkpoint,
+        so it can no longer be an `init_from`, served or downloaded. Owner rules as for CancelTask (an
+        admin key may delete any task's). Idempotent: a second call deletes nothing. Errors: NOT_FOUND
+        (no such task, or another owner's), FAILED_PRECONDITION (the task has not ended, its worker is
+        still stopping, or an unfinished task names it as `init_from`), UNAVAILABLE (the store cannot be
+        reached, naming it; a follower: NOT_LEADER).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -274,6 +292,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.CancelTask,
                     request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.CancelTaskRequest.FromString,
                     response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.CancelTaskResponse.SerializeToString,
+            ),
+            'DeleteTaskArtifacts': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTaskArtifacts,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsResponse.SerializeToString,
             ),
             'WatchTask': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchTask,
@@ -435,6 +458,33 @@ class SchedulerService:
             '/opentinker.scheduler.v1.SchedulerService/CancelTask',
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.CancelTaskRequest.SerializeToString,
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.CancelTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTaskArtifacts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/DeleteTaskArtifacts',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsResponse.FromString,
             options,
             channel_credentials,
             insecure,
