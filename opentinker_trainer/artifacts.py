@@ -243,6 +243,7 @@ class CheckpointPublisher:
                 self.sleep(min(2.0 ** (i - 1), 30.0))
             try:
                 started = time.monotonic()
+                log.info("checkpoint upload", step=step, key=key, try_=i + 1)
                 ref = self.store.put_folder(key, folder, meta=meta)
             except ArtifactError as exc:
                 last = exc

@@ -2,14 +2,18 @@
 server (PostgreSQL), without root or iptables.
 
 ``pause()`` stops moving bytes both ways and holds new connections unanswered (what a silent
-network does: nothing is refused, nothing arrives); ``resume()`` moves them again. ``close()``
-ends everything. Runs in one daemon thread (selectors).
+network does: nothing is refused, nothing arrives); ``resume()`` moves them again;
+``unread_bytes()`` says how much is waiting meanwhile. ``close()`` ends everything (new
+connections are then refused, as by a server that is gone). Runs in one daemon thread (selectors).
 """
 
 from __future__ import annotations
 
+import fcntl
 import selectors
 import socket
+import struct
+import termios
 import threading
 
 from tests.support.procs import free_port
@@ -38,6 +42,25 @@ class TcpProxy:
 
     def resume(self) -> None:
         self._paused.clear()
+
+    def unread_bytes(self) -> int:
+        """Bytes waiting in the proxy's sockets, not yet moved (while paused: what the peers sent
+        into the silent network, e.g. the body of an upload that cannot arrive)."""
+        total = 0
+        for _ in range(5):  # the forwarding thread may change the sockets meanwhile
+            try:
+                socks = [*self._peer, *self._held]
+                break
+            except RuntimeError:
+                continue
+        else:
+            return 0
+        for sock in socks:
+            try:
+                total += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+            except (OSError, ValueError):
+                pass
+        return total
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,140 @@
+"""The artifact store failing under a running task, with real parts: a scheduler and trainers
+whose ``s3`` store is a real SeaweedFS reached through a loopback TCP proxy the test cuts.
+
+* A trainer killed (kill -9) while its checkpoint upload hangs in a silent network: that
+  half-written checkpoint is never offered; the task resumes on another node from the previous
+  complete one, and a task started from its final checkpoint (``init_from``) gets it from S3.
+* The store gone mid-task (the proxy closed: connections refused, as when SeaweedFS dies): each
+  checkpoint that cannot be stored after its retries is a ``checkpoint_failed`` task event while
+  training goes on; after ``max_failed_checkpoints`` in a row the task ends FAILED with the
+  reason, its last complete checkpoint kept in the store.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from opentinker.common.v1 import common_pb2 as C
+from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_client import RLClient
+
+from tests.support.procs import Cluster
+from tests.support.tcp_proxy import TcpProxy
+from tests.support.waiting import wait_for
+
+HP = {"steps": 400, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4, "checkpoint_every": 2}
+
+
+@pytest.fixture(scope="module")
+def store_cluster(seaweedfs, tmp_path_factory):
+    proxy = TcpProxy("127.0.0.1", seaweedfs.s3_port)
+    prefix = f"faults-{uuid.uuid4().hex[:8]}/"
+    config = (
+        "heartbeat_interval: 0.5\nlease: 3\n"
+        "artifacts: {backend: s3, keep_checkpoints: 2, checkpoint_retries: 2, max_failed_checkpoints: 2, "
+        f"s3: {{endpoint: 'http://127.0.0.1:{proxy.port}', bucket: {seaweedfs.bucket}, prefix: '{prefix}'}}}}\n"
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in seaweedfs.env().items():  # the operator's credentials, for scheduler and trainers
+            mp.setenv(k, v)
+        cluster = Cluster(tmp_path_factory.mktemp("store-faults"), config)
+        try:
+            cluster.start_scheduler()
+            cluster.proxy, cluster.prefix, cluster.s3 = proxy, prefix, seaweedfs.client()
+            cluster.bucket = seaweedfs.bucket
+            yield cluster
+        finally:
+            cluster.close()
+            proxy.close()
+
+
+def _committed(cluster, task_id: str) -> list[str]:
+    """Keys of the task's committed artifacts, read from SeaweedFS directly (not through the proxy)."""
+    resp = cluster.s3.list_objects_v2(Bucket=cluster.bucket, Prefix=f"{cluster.prefix}tasks/{task_id}/")
+    names = [o["Key"][len(cluster.prefix) :] for o in resp.get("Contents", ())]
+    return sorted(n.removesuffix("/.manifest.json") for n in names if n.endswith("/.manifest.json"))
+
+
+def _uploads(proc) -> tuple[set[int], set[int]]:
+    """Steps whose upload the worker began, and those it stored (its log)."""
+    events = proc.log_events()
+    began = {e["step"] for e in events if e.get("event") == "checkpoint upload"}
+    return began, {e["step"] for e in events if e.get("event") == "checkpoint stored"}
+
+
+def test_a_trainer_killed_during_an_upload_resumes_elsewhere_from_the_previous_checkpoint(
+    store_cluster, tiny_model_dir
+) -> None:
+    cluster, proxy = store_cluster, store_cluster.proxy
+    running = C.TASK_STATE_RUNNING
+    first = cluster.start_trainer("node-a")
+    cluster.wait_nodes(1)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        task_id = client.submit_task(
+            workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters={**HP, "steps": 12}
+        )
+        cluster.wait_state(task_id, running, what=lambda t: t.node_id == "node-a")
+        second = cluster.start_trainer("node-b")  # ready to take over (it loads while node-a trains)
+        cluster.wait_state(task_id, running, what=lambda t: t.latest_checkpoint.step >= 2)
+        proxy.pause()  # a silent network: the next upload hangs
+
+        def stuck() -> int | None:
+            began, stored = _uploads(first)
+            return max(began - stored, default=None)
+
+        half = cluster.wait_state(task_id, running, what=lambda t: stuck() is not None) and stuck()
+        wait_for(lambda: proxy.unread_bytes() > 0, what="the upload's requests held in the silent network")
+        prev = max(_uploads(first)[1])
+        assert prev < half
+        cluster.wait_state(task_id, running, what=lambda t: t.latest_checkpoint.step == prev)
+        first.kill9()  # the machine dies mid-upload
+        proxy.resume()
+        assert f"tasks/{task_id}/a1/step_{half}" not in _committed(cluster, task_id)  # half-written: invisible
+        done = cluster.wait_done(client, task_id)  # finished on node-b
+        assert done.node_id in ("", "node-b") and done.attempt == 2
+        events = list(client.watch(task_id))
+        lost = max(i for i, e in enumerate(events) if e.kind == "state" and e.reason == "NODE_LOST")
+        after = [e.step for e in events[lost:] if e.kind == "metric"]
+        assert after[0] == prev + 1, (prev, half, after[:5])  # resumed from the previous complete one
+        resumed = [e for e in second.log_events() if e.get("event") == "resumed"]
+        assert resumed and resumed[0]["step"] == prev
+        assert not [e for e in second.log_events() if e.get("event") == "artifact cache: hit"]  # read from S3
+        # retention there too: the final one plus the newest 2 of the rest
+        kept = [f"tasks/{task_id}/a2/final_12", f"tasks/{task_id}/a2/step_10", f"tasks/{task_id}/a2/step_8"]
+        wait_for(lambda: _committed(cluster, task_id) == kept, what=f"only {kept} left")
+        # init_from its final checkpoint (an S3 artifact)
+        warm = client.submit_task(
+            workload_type="lora_finetune",
+            model=str(tiny_model_dir),
+            init_from=task_id,
+            hyperparameters={**HP, "steps": 1, "checkpoint_every": 0},
+        )
+        cluster.wait_done(client, warm)
+        assert _committed(cluster, warm) == [f"tasks/{warm}/a1/final_1"]
+
+
+def test_an_unreachable_store_is_a_task_event_then_fails_the_task_keeping_its_last_checkpoint(
+    store_cluster, tiny_model_dir
+) -> None:
+    cluster, proxy = store_cluster, store_cluster.proxy
+    if not any(n.connected for n in cluster.stub.ListNodes(scheduler_pb2.ListNodesRequest()).nodes):
+        cluster.start_trainer("node-c")  # the test before left none (it failed, or ran alone)
+        cluster.wait_nodes(1)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        task_id = client.submit_task(workload_type="lora_finetune", model=str(tiny_model_dir), hyperparameters=HP)
+        cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_checkpoint.step >= 2)
+        proxy.close()  # the store is gone: every connection refused
+        task = cluster.wait_state(task_id, C.TASK_STATE_FAILED)
+        kept = task.latest_checkpoint
+        assert "2 checkpoints in a row could not be stored" in task.error, task.error
+        assert f"the last complete checkpoint is step {kept.step}" in task.error, task.error
+        assert f"127.0.0.1:{proxy.port}" in task.error  # names the endpoint
+        events = list(client.watch(task_id))
+    failed = [e for e in events if e.kind == "checkpoint_failed"]
+    assert [(e.fatal, e.failures_in_a_row) for e in failed] == [(False, 1), (True, 2)], failed
+    assert all(e.step > kept.step and "unreachable" in e.message for e in failed)
+    trained_on = [e.step for e in events if e.kind == "metric" and failed[0].step < e.step <= failed[1].step]
+    assert trained_on, "training went on after the first checkpoint that could not be stored"
+    assert kept.artifact.key in _committed(cluster, task_id)  # the last complete checkpoint stays
