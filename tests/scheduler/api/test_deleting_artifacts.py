@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from opentinker_client import RLClient
+from opentinker_client.cli.commands import main as cli_main
 from opentinker_client.errors import FailedPreconditionError, NotFoundError
 from opentinker_common.artifacts import LocalArtifactStore, S3ArtifactStore, S3Location
 from opentinker_scheduler.config.artifacts import ArtifactsConfig
@@ -52,7 +53,7 @@ def _config(backend: str, request, monkeypatch) -> str:
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
-def test_owners_delete_their_finished_tasks_artifacts(backend, tmp_path, request, monkeypatch) -> None:
+def test_owners_delete_their_finished_tasks_artifacts(backend, tmp_path, request, monkeypatch, capsys) -> None:
     with LoopbackScheduler(tmp_path / "state", _config(backend, request, monkeypatch)) as s:
         with RLClient(s.target, api_key=s.admin_key) as root:
             alice_key = root.keys.create("alice", "user")[1]
@@ -82,8 +83,12 @@ def test_owners_delete_their_finished_tasks_artifacts(backend, tmp_path, request
             with pytest.raises(FailedPreconditionError):  # no checkpoint left to start from
                 alice.submit_task(workload_type="lora_finetune", model=MODEL, init_from=mine)
             assert alice.delete_artifacts(mine)[1:] == ([], 0)  # idempotent
+        # `opentinker rm`, with an admin key: another owner's task is theirs to delete too
+        assert cli_main(["--scheduler-url", s.target, "--api-key", s.admin_key, "rm", theirs]) == 0
+        assert f"task {theirs}: deleted 1 artifact(s)" in capsys.readouterr().out
+        assert store.list(f"tasks/{theirs}/") == []
+        assert cli_main(["--scheduler-url", s.target, "--api-key", alice_key, "rm", warm]) == 0  # nothing left
         with RLClient(s.target, api_key=s.admin_key) as root:
-            assert root.delete_artifacts(theirs)[1] == [f"tasks/{theirs}/a1/final_0"]  # an admin may
             records = root.keys.audit(action="task.delete_artifacts")
         outcomes = sorted((r.owner, r.task_id == theirs, r.outcome) for r in records)
         assert ("alice", True, "NOT_FOUND") in outcomes and ("alice", False, "FAILED_PRECONDITION") in outcomes
