@@ -226,10 +226,13 @@ class SchedulerServiceServicer:
     def DownloadCheckpoint(self, request, context):
         """Streams one checkpoint folder: the first message is a manifest (every file's relative path,
         size and SHA-256), then each file's bytes in chunks of at most 1 MiB, files in manifest order.
-        Reads the folder on the scheduler's filesystem, so checkpoints must live on storage the
-        scheduler shares with the nodes. Idempotent. Errors: NOT_FOUND (no such task, no checkpoint,
-        or no checkpoint at `step`; the message lists the steps there are), FAILED_PRECONDITION (the
-        folder is not readable from the scheduler), INVALID_ARGUMENT (empty id, negative step).
+        Reads the checkpoint from the artifact store (local or s3), checked against its recorded
+        manifest hash; a checkpoint of an old trainer, with no artifact, from its folder on the
+        scheduler's filesystem. Idempotent. Errors: NOT_FOUND (no such task, no checkpoint, no
+        checkpoint at `step`, the message listing the steps there are; or its artifact deleted by
+        retention or DeleteTaskArtifacts), DATA_LOSS (the stored bytes do not match the manifest),
+        UNAVAILABLE (the store cannot be reached), FAILED_PRECONDITION (an old trainer's folder not
+        readable from the scheduler), INVALID_ARGUMENT (empty id, negative step).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
