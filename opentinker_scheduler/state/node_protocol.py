@@ -94,6 +94,9 @@ class NodeProtocol:
         #: recorded (committed) as a task's latest; the server applies retention there. A
         #: listener must not block (hand store I/O to a thread) and must not raise.
         self.checkpoint_listeners: list[Callable[[str, common_pb2.Checkpoint], None]] = []
+        #: The newest checkpoint failure recorded per running task, ``(attempt, step, failures
+        #: in a row)``: the same report resent after a reconnect is not a second event.
+        self._failures: dict[str, tuple[int, int, int]] = {}
 
     def node_register(self, reg: node_pb2.Register) -> tuple[NodeSession, node_pb2.Registered]:
         """A node opened its stream. Re-announced tasks that are still its own continue.
@@ -303,8 +306,12 @@ class NodeProtocol:
             else:
                 task.latest_checkpoint = recorded = ck
                 events.append(common_pb2.TaskEvent(checkpoint=ck))
-        if rep.HasField("checkpoint_failed"):
+        failure_seen = (rep.attempt, rep.checkpoint_failed.step, rep.checkpoint_failed.failures_in_a_row)
+        if rep.HasField("checkpoint_failed") and self._failures.get(task.task_id) == failure_seen:
+            self.duplicates += 1  # resent after a reconnect
+        elif rep.HasField("checkpoint_failed"):
             # Not stored after its retries: an event; the latest complete checkpoint stays as it was.
+            self._failures[task.task_id] = failure_seen
             failure = common_pb2.CheckpointFailure()
             failure.CopyFrom(rep.checkpoint_failed)
             failure.attempt, failure.node_id = task.attempt, node.node_id
@@ -360,6 +367,8 @@ class NodeProtocol:
             self.core.notify()
         if recorded is not None:
             self._recorded(task.task_id, recorded)
+        if ends:
+            self._failures.pop(task.task_id, None)
         return True
 
     def _recorded(self, task_id: str, ck: common_pb2.Checkpoint) -> None:

@@ -38,6 +38,7 @@ def test_a_checkpoint_that_could_not_be_stored_is_an_event_and_keeps_the_last_co
     assert heard == [(task.task_id, 2)]  # recorded, then retention
     failure = C.CheckpointFailure(step=4, error="S3 endpoint http://s3:8333 unreachable", failures_in_a_row=1)
     report(core, node, task.task_id, 1, checkpoint_failed=failure)
+    report(core, node, task.task_id, 1, checkpoint_failed=failure)  # resent after a reconnect: once
     t = core.get(task.task_id)
     assert t.state == C.TASK_STATE_RUNNING and t.latest_checkpoint.step == 2
     events = core.store.events_after(task.task_id, 0, limit=100)
