@@ -305,6 +305,18 @@ def event_from_proto(event: common_pb2.TaskEvent) -> TaskEvent:
     if which == "phase":
         ph = event.phase
         return TaskEvent(**base, kind="phase", attempt=ph.attempt, phase=ph.phase, message=ph.detail)
+    if which == "checkpoint_failed":
+        cf = event.checkpoint_failed
+        return TaskEvent(
+            **base,
+            kind="checkpoint_failed",
+            step=cf.step,
+            attempt=cf.attempt,
+            node_id=cf.node_id,
+            message=cf.error,
+            fatal=cf.fatal,
+            failures_in_a_row=cf.failures_in_a_row,
+        )
     return TaskEvent(**base, kind="unknown")
 
 

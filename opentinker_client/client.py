@@ -538,6 +538,24 @@ class RLClient:
         """
         return self._tasks.cancel(check_task_id(task_id), reason=reason)
 
+    def delete_artifacts(self, task_id: str) -> tuple[TaskInfo, list[str], int]:
+        """Delete every artifact of a finished task from the scheduler's artifact store: its
+        checkpoints of all attempts, the final one included (``opentinker rm``). The task and its
+        event log stay; it has no checkpoint afterwards (no ``init_from``, serving or download).
+
+        Idempotent: a second call deletes nothing.
+
+        Returns:
+            The task after it, the keys deleted (sorted) and their bytes.
+
+        Raises:
+            NotFoundError: no such task, or another owner's (admins may delete any task's).
+            FailedPreconditionError: the task has not ended (cancel it first), its worker is still
+                stopping, or an unfinished task names it as ``init_from``.
+            UnavailableError: the scheduler or its artifact store cannot be reached.
+        """
+        return self._tasks.delete_artifacts(check_task_id(task_id))
+
     # -- datasets and checkpoints -------------------------------------------------------------
 
     def upload_dataset(

@@ -240,6 +240,13 @@ class TaskCalls:
         response = self.connection.unary("CancelTask", scheduler_pb2.CancelTaskRequest(task_id=task_id, reason=reason))
         return task_from_proto(response.task)
 
+    def delete_artifacts(self, task_id: str) -> tuple[TaskInfo, list[str], int]:
+        """Delete a finished task's artifacts (``RLClient.delete_artifacts``)."""
+        response = self.connection.unary(
+            "DeleteTaskArtifacts", scheduler_pb2.DeleteTaskArtifactsRequest(task_id=task_id)
+        )
+        return task_from_proto(response.task), list(response.deleted_keys), response.deleted_bytes
+
     # -- read ---------------------------------------------------------------------------------
 
     def get(self, task_id: str, *, timeout: float | None = None) -> TaskInfo:

@@ -150,6 +150,9 @@ class TaskEvent:
       ``checkpoint_format`` (``peft_lora`` ...) and ``final``.
     - ``"phase"``: ``phase`` (``loading model``, ``model loaded``: what the attempt does before
       its first step), ``message`` (the model; how long it took once loaded) and ``attempt``.
+    - ``"checkpoint_failed"``: a checkpoint that could not be stored in the artifact store after
+      its retries: ``step``, ``attempt``, ``node_id``, ``message`` (why), ``fatal`` (the attempt
+      ends FAILED because of it) and ``failures_in_a_row``. Training goes on unless ``fatal``.
     - ``"unknown"``: an event kind this client does not know (a newer scheduler).
 
     Attributes:
@@ -174,6 +177,8 @@ class TaskEvent:
     checkpoint_format: str = ""
     final: bool = False
     phase: str = ""
+    fatal: bool = False
+    failures_in_a_row: int = 0
 
     @property
     def is_terminal(self) -> bool:

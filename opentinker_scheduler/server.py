@@ -22,7 +22,7 @@ from opentinker_scheduler.admission.load import SubmitGate
 from opentinker_scheduler.security import tls_config as tls_listen
 from opentinker_scheduler.api.admin import AdminService
 from opentinker_scheduler.api.artifacts import ArtifactService
-from opentinker_scheduler.data.artifacts import Artifacts, open_store
+from opentinker_scheduler.data.artifacts import Artifacts, Retention, open_store
 from opentinker_scheduler.security.bundle import Security, build_security
 
 from opentinker_scheduler.config import SchedulerConfig
@@ -74,6 +74,8 @@ class RunningScheduler:
     node_port: int | None = None
     #: The artifact store (checkpoints) and its settings.
     artifacts: Artifacts | None = None
+    #: Checkpoint retention (keep_checkpoints), run after each recorded checkpoint.
+    retention: Retention | None = None
     #: The front on the public port (plaintext, http_on_grpc_port), else None.
     front: PortFront | None = None
     #: SubmitTask's gate (admission/load.py): closed first when stopping.
@@ -268,6 +270,8 @@ async def start_scheduler(
         server,
     )
     scheduler_service.artifacts = artifacts  # DownloadCheckpoint reads the store
+    retention = Retention(artifacts)  # keep_checkpoints per task, after each recorded checkpoint
+    core.node_protocol.checkpoint_listeners.append(retention)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -349,6 +353,7 @@ async def start_scheduler(
         node_port=node_bound,
         leadership=leadership,
         artifacts=artifacts,
+        retention=retention,
         front=front,
         submit_gate=scheduler_service.gate,
     )

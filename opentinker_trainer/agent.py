@@ -776,6 +776,13 @@ class NodeAgent:
                 report.checkpoint.artifact.manifest_sha256 = str(art["manifest_sha256"])
                 report.checkpoint.artifact.total_bytes = int(art.get("total_bytes", 0))
                 report.checkpoint.artifact.backend = str(art.get("backend", ""))
+        elif kind == "checkpoint_failed":  # not stored after its retries: a task event
+            failed = report.checkpoint_failed
+            failed.step = int(msg.get("step", 0))
+            failed.error = str(msg.get("error", ""))[:4000]
+            failed.fatal = bool(msg.get("fatal"))
+            failed.failures_in_a_row = int(msg.get("failures_in_a_row", 0))
+            failed.node_id = self.config.node_id
         elif kind == "endpoint":
             report.endpoint = str(msg.get("address", ""))
         elif kind == "phase":

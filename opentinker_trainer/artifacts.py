@@ -225,6 +225,8 @@ class CheckpointPublisher:
     sleep: Callable[[float], None] = time.sleep
     failed_in_a_row: int = 0
     last_stored_step: int | None = None
+    #: Why the newest checkpoint that could not be stored failed, in words ("" when none did).
+    last_error: str = ""
 
     def publish(self, step: int, folder: Path, *, final: bool, fmt: str) -> ArtifactRef | None:
         """The stored checkpoint's ref, or None when a periodic one could not be stored.
@@ -241,6 +243,7 @@ class CheckpointPublisher:
                 self.sleep(min(2.0 ** (i - 1), 30.0))
             try:
                 started = time.monotonic()
+                log.info("checkpoint upload", step=step, key=key, try_=i + 1)
                 ref = self.store.put_folder(key, folder, meta=meta)
             except ArtifactError as exc:
                 last = exc
@@ -262,6 +265,7 @@ class CheckpointPublisher:
                 self.cache.adopt(folder, ref)
             return ref
         self.failed_in_a_row += 1
+        self.last_error = f"checkpoint at step {step} not stored after {i + 1} tries: {last}"
         kept = (
             f"the last complete checkpoint is step {self.last_stored_step}"
             if self.last_stored_step is not None

@@ -104,10 +104,17 @@ class WorkerContext:
             try:
                 ref = self.publisher.publish(step, Path(path), final=final, fmt=fmt)
             except Exception as exc:
-                self._emit("checkpoint_failed", step=int(step), error=str(exc), fatal=True)
+                failures = getattr(self.publisher, "failed_in_a_row", 0)
+                self._emit("checkpoint_failed", step=int(step), error=str(exc), fatal=True, failures_in_a_row=failures)
                 raise
             if ref is None:
-                self._emit("checkpoint_failed", step=int(step), error="not stored; training goes on", fatal=False)
+                self._emit(
+                    "checkpoint_failed",
+                    step=int(step),
+                    error=f"{self.publisher.last_error}; training goes on",
+                    fatal=False,
+                    failures_in_a_row=self.publisher.failed_in_a_row,
+                )
                 return
             artifact = {
                 "key": ref.key,

@@ -7,6 +7,7 @@
     opentinker list --state running
     opentinker get TASK_ID
     opentinker cancel TASK_ID
+    opentinker rm TASK_ID                    # delete a finished task's checkpoints from the store
     opentinker nodes                         # nodes and per-GPU telemetry
     opentinker logs TASK_ID [--follow]       # state changes, errors, checkpoints as lines
     opentinker plot TASK_ID -o curves.png    # reward and loss vs step (extra: plot)
@@ -241,6 +242,14 @@ def _checkpoint_line(event: TaskEvent) -> str:
     return f"checkpoint step {event.step}{final}: {_escape(event.checkpoint_path)}{fmt}"
 
 
+def _checkpoint_failed_line(event: TaskEvent) -> str:
+    then = "the task fails" if event.fatal else "training goes on"
+    return (
+        f"[yellow]checkpoint step {event.step} not stored ({event.failures_in_a_row} in a row; {then}): "
+        f"{_escape(event.message)}[/yellow]"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Commands.
 
@@ -363,6 +372,8 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
                     progress.console.print(_phase_line(event))
                     if event.phase == "loading model":  # the bar's stats say so until the first step
                         progress.update(bar, stats=f"[dim]{_escape(event.phase)}...[/dim]")
+                elif event.kind == "checkpoint_failed":
+                    progress.console.print(_checkpoint_failed_line(event))
     finally:
         logger.removeHandler(handler)
 
@@ -633,6 +644,17 @@ def _cmd_cancel(client: RLClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_rm(client: RLClient, args: argparse.Namespace) -> int:
+    t, keys, size = client.delete_artifacts(args.task_id)
+    what = f"{len(keys)} artifact(s), {_mib(size)}" if keys else "nothing (no artifacts left)"
+    _console().print(f"task {_escape(t.task_id)}: deleted {what}")
+    return EXIT_OK
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size} bytes"
+
+
 def _telemetry_cell(value: Any, fmt: str, name: str, unavailable: dict[str, str]) -> str:
     if value is None:
         why = unavailable.get(name)
@@ -798,6 +820,8 @@ def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
             line = _checkpoint_line(event)
         elif event.kind == "phase":
             line = _phase_line(event)
+        elif event.kind == "checkpoint_failed":
+            line = _checkpoint_failed_line(event)
         elif event.kind == "metric" and args.metrics:
             line = _metric_line(event, None)
         else:
@@ -1159,6 +1183,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument("--reason", default="", help="why, recorded on the task")
     p.set_defaults(func=_cmd_cancel)
+
+    p = sub.add_parser(
+        "rm", help="delete a finished task's checkpoints from the artifact store (the task's record stays)"
+    )
+    p.add_argument("task_id", metavar="TASK_ID")
+    p.set_defaults(func=_cmd_rm)
 
     p = sub.add_parser("nodes", help="list trainer nodes and per-GPU telemetry")
     p.set_defaults(func=_cmd_nodes)

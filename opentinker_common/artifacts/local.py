@@ -24,6 +24,7 @@ import errno
 import hashlib
 import os
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -102,6 +103,11 @@ class LocalArtifactStore(ArtifactStore):
         for name in (".staging", ".trash"):
             for leftover in (self.root / name).iterdir():
                 shutil.rmtree(leftover, ignore_errors=True)
+        #: SHA-256 of each upload file's bytes as they arrived: ``(upload_id, file index) ->
+        #: (bytes hashed, hash)``, so a commit need not read the file again (a file whose bytes
+        #: did not all arrive through this object, e.g. before a restart, is hashed at commit).
+        self._digests: dict[tuple[str, int], tuple[int, object]] = {}
+        self._digests_lock = threading.Lock()
 
     def describe(self) -> str:
         return f"local artifact store {self.root}"
@@ -321,13 +327,33 @@ class LocalArtifactStore(ArtifactStore):
                 f.write(data)
                 f.flush()
         except OSError as exc:
+            with self._digests_lock:
+                self._digests.pop((upload_id, file_index), None)
             with _suppress_os():
                 os.truncate(part, held)
             if _is_enospc(exc):
                 raise self._full(exc, m.key) from None
             why = exc.strerror or exc
             raise StoreUnavailable(f"{self.describe()}: cannot write upload of {m.key}: {why}") from None
+        with self._digests_lock:
+            hashed, digest = self._digests.get((upload_id, file_index), (0, None))
+            if held == 0:  # the file starts here: hash it from its first byte
+                hashed, digest = 0, hashlib.sha256()
+            if digest is not None and hashed == held:
+                digest.update(data)  # type: ignore[attr-defined]
+                self._digests[(upload_id, file_index)] = (held + len(data), digest)
+            else:
+                self._digests.pop((upload_id, file_index), None)
         return held + len(data)
+
+    def _sha256_of_part(self, upload_id: str, index: int, part: Path, size: int) -> str:
+        """The SHA-256 of an upload file: as hashed on arrival when every byte came through
+        :meth:`write_chunk` here, else read from disk."""
+        with self._digests_lock:
+            hashed, digest = self._digests.pop((upload_id, index), (0, None))
+        if digest is not None and hashed == size:
+            return digest.hexdigest()  # type: ignore[attr-defined]
+        return sha256_file(part)[1]
 
     def commit_upload(self, upload_id: str) -> ArtifactRef:
         """Check every file of the upload (size, SHA-256) and commit the artifact.
@@ -347,7 +373,7 @@ class LocalArtifactStore(ArtifactStore):
                 raise UploadIncomplete(
                     f"upload {upload_id}: file {entry.path} holds {held} of {entry.size_bytes} bytes; send the rest"
                 )
-            _, sha = sha256_file(part)
+            sha = self._sha256_of_part(upload_id, i, part, held)
             if sha != entry.sha256:
                 part.unlink()
                 raise ArtifactCorrupt(

@@ -618,6 +618,9 @@ class Dashboard:
                 what, detail = f"checkpoint at step {ev.checkpoint.step}", ev.checkpoint.path
             elif kind == "phase":
                 what, detail = f"{ev.phase.phase} (attempt {ev.phase.attempt})", ev.phase.detail
+            elif kind == "checkpoint_failed":
+                cf = ev.checkpoint_failed
+                what, detail = f"checkpoint at step {cf.step} not stored", cf.error
             else:
                 continue  # metric points are the charts
             rows.append(

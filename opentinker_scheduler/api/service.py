@@ -18,6 +18,7 @@ from opentinker_scheduler.admission.admit import admit, check_submit_rate
 from opentinker_scheduler.admission.load import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_WAIT_S, SubmitGate
 from opentinker_scheduler.api.rpc import Call, abort_mapped, record, rpc
 from opentinker_common.artifacts import checkpoint_key
+from opentinker_common.spec.sft import is_dataset_id
 
 from opentinker_scheduler.data import checkpoints
 from opentinker_scheduler.data.adapters import receive_adapter
@@ -93,8 +94,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     def datasets(self) -> DatasetStore:
         """Uploaded datasets, under ``<state_dir>/datasets`` unless given (made on first use)."""
         if self._datasets is None:
-            self._datasets = DatasetStore(self.core.config.state_dir / "datasets")
+            # An s3 artifact store keeps every dataset too, for schedulers without this disk.
+            store = self.artifacts.store if self.artifacts is not None else None
+            mirror = store if store is not None and store.backend == "s3" else None
+            self._datasets = DatasetStore(self.core.config.state_dir / "datasets", mirror=mirror)
         return self._datasets
+
+    async def _dataset_here(self, dataset_id: str) -> None:
+        """Fetch ``dataset_id`` from the artifact store when this scheduler's disk lacks it
+        (uploaded to another scheduler of the cluster); nothing when it is here or unknown."""
+        datasets = self.datasets
+        if datasets.mirror is not None and is_dataset_id(dataset_id) and not datasets.exists(dataset_id):
+            if await asyncio.to_thread(datasets.restore, dataset_id):
+                log.info("dataset fetched from the artifact store", dataset_id=dataset_id)
 
     def _task(self, task: TaskRow) -> common_pb2.Task:
         if task.state != common_pb2.TASK_STATE_PENDING:
@@ -120,6 +132,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             out.pending_reason = row.error
             out.error = ""
             return scheduler_pb2.SubmitTaskResponse(task=out, estimate=usage, estimate_basis=basis)
+        if request.spec.HasField("env_config"):  # a dataset uploaded to another scheduler: from the store
+            value = request.spec.env_config.fields.get("dataset_id")
+            if value is not None and value.WhichOneof("kind") == "string_value":
+                await self._dataset_here(value.string_value)
         task = await admit(  # every check, in order, then the write (opentinker_scheduler/admission/admit.py)
             request.spec,
             call.who,
@@ -193,6 +209,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.core.schedule()
         return scheduler_pb2.CancelTaskResponse(task=self._task(task))
 
+    @rpc(action="task.delete_artifacts")
+    async def DeleteTaskArtifacts(self, request, call: Call):
+        call.detail.update(task_id=request.task_id[:128])
+        self.core.require_leader()
+        task = self.core.artifacts_deletable(request.task_id, owner=owner_scope())  # owner rules, task ended
+        if self.artifacts is None:
+            raise FailedPrecondition("DeleteTaskArtifacts: this scheduler has no artifact store")
+        keys, size = await asyncio.to_thread(self.artifacts.delete_task, task.task_id)
+        task = self.core.artifacts_deleted(task.task_id)
+        call.detail.update(keys=len(keys), bytes=size)
+        log.info("task artifacts deleted", task_id=task.task_id, keys=len(keys), bytes=size)
+        return scheduler_pb2.DeleteTaskArtifactsResponse(task=self._task(task), deleted_keys=keys, deleted_bytes=size)
+
     async def WatchTask(self, request, context) -> AsyncIterator[scheduler_pb2.WatchTaskResponse]:
         try:
             self.core.get(request.task_id, owner=owner_scope())
@@ -243,6 +272,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 max_owner_bytes=quota,
                 min_free_bytes=(cfg.min_free_disk_bytes or 0) if cfg is not None else 0,
             )
+            # Into the s3 artifact store too before it counts as uploaded (other schedulers read it there).
+            await asyncio.to_thread(self.datasets.publish, info.dataset_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
         # Names are per owner: the answer carries the name this uploader gave (receive_upload),
@@ -265,6 +296,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def DownloadDataset(self, request, context):
         try:
+            await self._dataset_here(request.dataset_id)
             if self.datasets.exists(request.dataset_id) and not self._dataset_visible(request.dataset_id):
                 raise NotFound(
                     f"dataset {request.dataset_id} not found (upload it first with UploadDataset)"
@@ -516,6 +548,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
     async def FetchDataset(self, request, context):
         datasets = self._views.datasets
         try:
+            await self._views._dataset_here(request.dataset_id)
             info = datasets.info(request.dataset_id)
             chunks = datasets.chunks(request.dataset_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised

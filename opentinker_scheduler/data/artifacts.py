@@ -5,21 +5,27 @@ Backends (``artifacts.backend`` in the config, :mod:`opentinker_scheduler.config
 ``opentinker.artifact.v1.ArtifactService``; ``s3`` names a bucket that trainers write directly,
 and the scheduler only reads it (client downloads) and deletes from it (retention).
 
-Retention (:func:`retention_plan`): per task, every final checkpoint and the newest
-``keep_checkpoints`` others (by step, then attempt) stay; the rest are deleted.
+Retention (:func:`retention_plan`, run by :class:`Retention` after every checkpoint a trainer
+reports, on both backends): per task, every final checkpoint and the newest
+``keep_checkpoints`` others (latest attempt, then highest step) stay; the rest are deleted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import structlog
 from opentinker.artifact.v1 import artifact_pb2
 
 from opentinker_common.artifacts import (
+    ArtifactCorrupt,
     ArtifactError,
+    ArtifactNotFound,
     ArtifactStore,
     InvalidArtifact,
     LocalArtifactStore,
@@ -33,7 +39,9 @@ from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.config.artifacts import ArtifactsConfig
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
-__all__ = ["ArtifactStartError", "open_store", "Artifacts", "retention_plan"]
+__all__ = ["ArtifactStartError", "open_store", "Artifacts", "Retention", "retention_plan"]
+
+log = structlog.get_logger("opentinker.scheduler")
 
 _CKPT_KEY = re.compile(r"tasks/(?P<task>[^/]+)/a(?P<attempt>\d+)/(?P<kind>step|final)_(?P<step>\d+)")
 
@@ -166,23 +174,73 @@ class Artifacts:
             self.store.delete(key)
         return doomed
 
-    def delete_task(self, task_id: str) -> list[str]:
-        """Delete every artifact of ``task_id``; returns the keys deleted."""
+    def delete_task(self, task_id: str) -> tuple[list[str], int]:
+        """Delete every artifact of ``task_id`` (``DeleteTaskArtifacts``).
+
+        Returns:
+            The keys deleted (sorted) and their bytes, all files together.
+
+        Raises:
+            InvalidArgument: a task id that cannot be part of a key. StoreUnavailable,
+                StoreAuthError: the store cannot be used (what was deleted so far stays deleted;
+                a second call finishes the rest).
+        """
+        if not task_id or "/" in task_id or task_id.startswith("."):
+            raise InvalidArgument(f"task_id: expected a task id, got {task_id[:80]!r}")
         keys = self.store.list(f"tasks/{task_id}/")
+        total = 0
         for key in keys:
+            with contextlib.suppress(ArtifactNotFound, ArtifactCorrupt):
+                total += self.store.manifest(key).total_bytes
             self.store.delete(key)
-        return keys
+        return keys, total
+
+
+class Retention:
+    """Applies retention to a task after each of its checkpoints is recorded (a listener of
+    :attr:`~opentinker_scheduler.state.node_protocol.NodeProtocol.checkpoint_listeners`), on
+    either backend: the store's listing and deletes run in a thread, never on the event loop. A
+    store that cannot be reached is logged and left as it is; the next checkpoint tries again."""
+
+    def __init__(self, artifacts: Artifacts) -> None:
+        self.artifacts = artifacts
+        self._jobs: set[asyncio.Task] = set()
+        #: Keys deleted so far, for logs and tests.
+        self.retired = 0
+
+    def __call__(self, task_id: str, checkpoint=None) -> None:
+        job = asyncio.get_running_loop().create_task(self._run(task_id))
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+
+    async def _run(self, task_id: str) -> None:
+        try:
+            doomed = await asyncio.to_thread(self.artifacts.apply_retention, task_id)
+        except ArtifactError as exc:
+            log.warning("checkpoint retention failed; the next checkpoint tries again", task_id=task_id, error=str(exc))
+            return
+        if doomed:
+            self.retired += len(doomed)
+            log.info("checkpoints retired", task_id=task_id, keys=doomed, store=self.artifacts.store.describe())
+
+    async def drain(self) -> None:
+        """Wait for the retention runs started so far."""
+        while self._jobs:
+            await asyncio.gather(*list(self._jobs), return_exceptions=True)
 
 
 def retention_plan(keys: Iterable[str], keep: int) -> list[str]:
     """Checkpoint keys to delete: per task, all but its final checkpoints and its ``keep``
-    newest others (by step, then attempt). Keys of another shape are never deleted."""
+    newest others. Newest means the latest attempt, then the highest step: a later attempt
+    resumed from an earlier one's checkpoint, so its checkpoints came after all of that
+    attempt's (even at lower steps, when it resumed from an older one). Keys of another shape
+    are never deleted."""
     per_task: dict[str, list[tuple[int, int, str]]] = {}
     for key in keys:
         m = _CKPT_KEY.fullmatch(key)
         if m is None or m["kind"] == "final":
             continue
-        per_task.setdefault(m["task"], []).append((int(m["step"]), int(m["attempt"]), key))
+        per_task.setdefault(m["task"], []).append((int(m["attempt"]), int(m["step"]), key))
     doomed: list[str] = []
     for items in per_task.values():
         items.sort()

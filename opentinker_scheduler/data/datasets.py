@@ -2,7 +2,10 @@
 
 Layout under ``<state_dir>/datasets``: ``<hex>.jsonl`` (the bytes as uploaded) and
 ``<hex>.json`` (name, size, example count), where ``<hex>`` is the file's SHA-256; the dataset id
-is ``sha256:<hex>``. An upload is written to a temporary file in the same folder while its lines
+is ``sha256:<hex>``. With an ``s3`` artifact store every dataset is also kept there
+(``datasets/<hex>``, :meth:`DatasetStore.publish` before the upload is answered), and a
+scheduler that lacks one on its disk (another one, after a failover) takes it from there
+(:meth:`DatasetStore.restore`). An upload is written to a temporary file in the same folder while its lines
 are checked and its hash computed, and renamed into place only when it is complete and valid:
 nothing half-written is ever visible, and the same bytes uploaded twice are stored once.
 
@@ -241,9 +244,13 @@ class DatasetStore:
         max_bytes: largest dataset accepted, in bytes.
     """
 
-    def __init__(self, root: Path, *, max_bytes: int = DEFAULT_MAX_DATASET_BYTES) -> None:
+    def __init__(self, root: Path, *, max_bytes: int = DEFAULT_MAX_DATASET_BYTES, mirror=None) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
+        #: An artifact store every dataset is also kept in (``datasets/<hex>``: ``data.jsonl``,
+        #: ``meta.json``), so a scheduler that does not hold it on its disk (another one, after a
+        #: failover) fetches it from there (:meth:`restore`); None: this folder only.
+        self.mirror = mirror
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob("upload-*"):
             stale.unlink(missing_ok=True)
@@ -373,6 +380,63 @@ class DatasetStore:
     def exists(self, dataset_id: str) -> bool:
         """True when ``dataset_id`` is a stored dataset (False for ids of the wrong shape too)."""
         return is_dataset_id(dataset_id) and (self.root / f"{dataset_id.removeprefix('sha256:')}.json").exists()
+
+    def publish(self, dataset_id: str) -> None:
+        """Put the stored dataset (bytes and metadata) into the :attr:`mirror` under
+        ``datasets/<hex>``. Blocking (network I/O): call it in a thread.
+
+        Raises:
+            NotFound: no such dataset here. StoreUnavailable, StoreAuthError, StoreFull: it is
+                not in the mirror (a dataset that is not there must not be recorded as uploaded).
+        """
+        if self.mirror is None:
+            return
+        hex_ = _hex_of(dataset_id)
+        self.path(dataset_id)  # NotFound
+        folder = self.root / f".publish-{hex_}-{secrets.token_hex(4)}"
+        folder.mkdir()
+        try:
+            for src, name in ((f"{hex_}.jsonl", "data.jsonl"), (f"{hex_}.json", "meta.json")):
+                try:
+                    os.link(self.root / src, folder / name)
+                except OSError:
+                    shutil.copyfile(self.root / src, folder / name)
+            self.mirror.put_folder(f"datasets/{hex_}", folder, meta={"dataset_id": dataset_id})
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def restore(self, dataset_id: str) -> bool:
+        """Fetch ``dataset_id`` from the :attr:`mirror` into this folder when it is not here
+        (every file's SHA-256 checked, and the bytes against the id); True when it is here now.
+        Blocking (network I/O): call it in a thread.
+
+        Raises:
+            StoreUnavailable, StoreAuthError: the mirror cannot be read now. ArtifactCorrupt:
+                the mirrored bytes are not the dataset's (nothing is kept).
+        """
+        from opentinker_common.artifacts import ArtifactCorrupt, ArtifactNotFound
+
+        if self.exists(dataset_id) or self.mirror is None or not is_dataset_id(dataset_id):
+            return self.exists(dataset_id)
+        hex_ = _hex_of(dataset_id)
+        folder = self.root / f".restore-{hex_}-{secrets.token_hex(4)}"
+        try:
+            try:
+                self.mirror.get_folder(f"datasets/{hex_}", folder)
+            except ArtifactNotFound:
+                return False
+            digest = hashlib.sha256()
+            with open(folder / "data.jsonl", "rb") as fh:
+                while block := fh.read(DOWNLOAD_CHUNK_BYTES):
+                    digest.update(block)
+            if digest.hexdigest() != hex_:
+                got = digest.hexdigest()
+                raise ArtifactCorrupt(f"datasets/{hex_}: its bytes hash to sha256:{got}, not {dataset_id}")
+            os.replace(folder / "data.jsonl", self.root / f"{hex_}.jsonl")
+            os.replace(folder / "meta.json", self.root / f"{hex_}.json")  # the metadata last, as on upload
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return True
 
     def chunks(self, dataset_id: str, size: int = DOWNLOAD_CHUNK_BYTES) -> Iterator[bytes]:
         """The stored bytes of ``dataset_id`` in chunks of at most ``size`` bytes.

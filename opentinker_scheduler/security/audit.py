@@ -8,9 +8,9 @@ Each record is written twice:
   it describes, readable with ``AdminService.ListAuditEvents``.
 
 Audited actions: ``task.submit``, ``adapter.import`` (``ImportAdapter``: a task made from an
-adapter folder), ``task.cancel``, ``key.create``, ``key.revoke``, ``key.rotate``, ``node.join``,
-``queue.set`` (a quota queue changed at run time), ``queue.reset`` (its runtime override
-removed). Refused authentication
+adapter folder), ``task.cancel``, ``task.delete_artifacts``, ``key.create``, ``key.revoke``,
+``key.rotate``, ``node.join``, ``queue.set`` (a quota queue changed at run time), ``queue.reset``
+(its runtime override removed). Refused authentication
 (``auth.refused``) is logged only, never stored, so a caller spraying bad keys cannot grow the database.
 """
 
@@ -33,6 +33,7 @@ ACTIONS = (
     "task.submit",
     "adapter.import",
     "task.cancel",
+    "task.delete_artifacts",
     "key.create",
     "key.revoke",
     "key.rotate",

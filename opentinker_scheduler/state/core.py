@@ -570,6 +570,47 @@ class SchedulerCore:
             )
         return task
 
+    def artifacts_deletable(self, task_id: str, *, owner: str | None = None) -> TaskRow:
+        """The task whose artifacts may be deleted now (``DeleteTaskArtifacts``).
+
+        Raises:
+            NotFound: no such task, or another owner's (``owner`` set).
+            FailedPrecondition: the task has not ended, its worker is still stopping (its last
+                checkpoint may still arrive), or an unfinished task names it as ``init_from``.
+        """
+        task = self.get(task_id, owner=owner)
+        if not task.terminal:
+            raise FailedPrecondition(
+                f"task {short_id(task.task_id)} is {STATE_NAMES[task.state]}: its artifacts can be deleted once it "
+                "has ended (cancel it first)"
+            )
+        if task.task_id in self.stopping:
+            raise FailedPrecondition(
+                f"task {short_id(task.task_id)} was cancelled but its worker is still stopping (its last checkpoint "
+                "may still arrive); try again once the node reports it gone"
+            )
+        live = [*self.tasks.queue, *self.tasks.active.values()]
+        users = sorted(t.task_id for t in live if t.spec.init_from == task_id)
+        if users:
+            raise FailedPrecondition(
+                f"task {short_id(task.task_id)} is the init_from of unfinished task(s) "
+                f"{', '.join(short_id(u) for u in users[:5])}: delete its artifacts once they have ended"
+            )
+        return task
+
+    def artifacts_deleted(self, task_id: str) -> TaskRow:
+        """Record that ``task_id``'s artifacts are gone: it has no latest checkpoint any more
+        (so it is no ``init_from``, nothing to serve or download)."""
+        task = self.store.get_task(task_id)
+        if task is None:
+            raise NotFound(f"task {short_id(task_id)} not found")
+        if task.latest_checkpoint is not None:
+            task.latest_checkpoint = None
+            task.update_time = time.time()
+            self.store.update_task(task, [])
+            self.notify()
+        return task
+
     def node_sizes(self) -> dict[str, int]:
         """GPUs of every node the cluster may have: resource_pool entries and connected nodes."""
         sizes = {n.node_id: n.gpu_count for n in self.config.resource_pool}

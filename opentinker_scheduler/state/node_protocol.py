@@ -91,6 +91,13 @@ class NodeProtocol:
         self.messages: dict[str, int] = {"register": 0, "heartbeat": 0, "task_report": 0}
         #: Metric points and checkpoints skipped because they had been applied already.
         self.duplicates = 0
+        #: Called with ``(task_id, checkpoint)`` after a checkpoint in the artifact store was
+        #: recorded (committed) as a task's latest; the server applies retention there. A
+        #: listener must not block (hand store I/O to a thread) and must not raise.
+        self.checkpoint_listeners: list[Callable[[str, common_pb2.Checkpoint], None]] = []
+        #: The newest checkpoint failure recorded per running task, ``(attempt, step, failures
+        #: in a row)``: the same report resent after a reconnect is not a second event.
+        self._failures: dict[str, tuple[int, int, int]] = {}
 
     def node_register(self, reg: node_pb2.Register) -> tuple[NodeSession, node_pb2.Registered]:
         """A node opened its stream. Re-announced tasks that are still its own continue.
@@ -236,6 +243,7 @@ class NodeProtocol:
                 task.update_time = time.time()
                 self.core.write(task, [common_pb2.TaskEvent(checkpoint=ck)])
                 self.core.notify()
+                self._recorded(task.task_id, ck)
                 log.info(
                     "last checkpoint of a stopping task recorded",
                     task_id=task.task_id,
@@ -299,13 +307,34 @@ class NodeProtocol:
             # The current attempt's progress: after a requeue its steps may be below the last attempt's.
             task.latest_step = point.step
             task.latest_metrics = dict(point.values)
+        recorded: common_pb2.Checkpoint | None = None
         if rep.HasField("checkpoint") and rep.checkpoint.path:
             ck = _checkpoint_of(rep, task, node)
             if _same_checkpoint(ck, task.latest_checkpoint):
                 self.duplicates += 1
             else:
-                task.latest_checkpoint = ck
+                task.latest_checkpoint = recorded = ck
                 events.append(common_pb2.TaskEvent(checkpoint=ck))
+        failure_seen = (rep.attempt, rep.checkpoint_failed.step, rep.checkpoint_failed.failures_in_a_row)
+        if rep.HasField("checkpoint_failed") and self._failures.get(task.task_id) == failure_seen:
+            self.duplicates += 1  # resent after a reconnect
+        elif rep.HasField("checkpoint_failed"):
+            # Not stored after its retries: an event; the latest complete checkpoint stays as it was.
+            self._failures[task.task_id] = failure_seen
+            failure = common_pb2.CheckpointFailure()
+            failure.CopyFrom(rep.checkpoint_failed)
+            failure.attempt, failure.node_id = task.attempt, node.node_id
+            events.append(common_pb2.TaskEvent(checkpoint_failed=failure))
+            log.warning(
+                "checkpoint could not be stored",
+                task_id=task.task_id,
+                attempt=task.attempt,
+                node_id=node.node_id,
+                step=failure.step,
+                fatal=failure.fatal,
+                failures_in_a_row=failure.failures_in_a_row,
+                error=failure.error[:500],
+            )
 
         preempted = self.core.preemptions.victim_ended(task.task_id) if ends else None
         if rep.state == S.TASK_STATE_RUNNING and task.state == S.TASK_STATE_ASSIGNED:
@@ -345,7 +374,20 @@ class NodeProtocol:
             task.update_time = time.time()
             self.core.write(task, events)
             self.core.notify()
+        if recorded is not None:
+            self._recorded(task.task_id, recorded)
+        if ends:
+            self._failures.pop(task.task_id, None)
         return True
+
+    def _recorded(self, task_id: str, ck: common_pb2.Checkpoint) -> None:
+        if not ck.artifact.key:
+            return
+        for listener in self.checkpoint_listeners:
+            try:
+                listener(task_id, ck)
+            except Exception:  # noqa: BLE001 - a listener's fault is not the report's
+                log.exception("checkpoint listener failed", task_id=task_id, step=ck.step)
 
     def node_disconnected(self, node: NodeSession, generation: int, *, goodbye: bool) -> None:
         """The stream ended. Without a goodbye the node may come back within its lease."""

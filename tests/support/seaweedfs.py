@@ -115,6 +115,7 @@ def start_seaweedfs(folder: Path, *, timeout_s: float = 90.0) -> SeaweedFS:
         f"-s3.port={ports['s3']}",
         f"-s3.config={s3_config}",
         "-s3.port.iceberg=0",  # its Iceberg catalog takes a fixed port (8181): two servers at once collide
+        "-s3.port.lance=0",  # and its Lance namespace server another (9101)
         *(f"-{name}.port.grpc={port}" for name, port in grpc_ports.items()),
         "-master.volumeSizeLimitMB=64",
         "-master.telemetry=false",

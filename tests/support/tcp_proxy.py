@@ -2,14 +2,19 @@
 server (PostgreSQL), without root or iptables.
 
 ``pause()`` stops moving bytes both ways and holds new connections unanswered (what a silent
-network does: nothing is refused, nothing arrives); ``resume()`` moves them again. ``close()``
-ends everything. Runs in one daemon thread (selectors).
+network does: nothing is refused, nothing arrives); ``resume()`` moves them again;
+``unread_bytes()`` says how much is waiting meanwhile. ``refuse()`` ends every connection and
+closes new ones at once (a server that is gone) until ``resume()``. ``close()`` ends everything.
+Runs in one daemon thread (selectors).
 """
 
 from __future__ import annotations
 
+import fcntl
 import selectors
 import socket
+import struct
+import termios
 import threading
 
 from tests.support.procs import free_port
@@ -27,6 +32,7 @@ class TcpProxy:
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._peer: dict[socket.socket, socket.socket] = {}
         self._paused = threading.Event()
+        self._refusing = threading.Event()
         self._stop = threading.Event()
         self._held: list[socket.socket] = []  # accepted while paused, not yet connected on
         self._thread = threading.Thread(target=self._run, name="tcp-proxy", daemon=True)
@@ -36,8 +42,33 @@ class TcpProxy:
         """Stop forwarding (both ways); new connections are accepted and left unanswered."""
         self._paused.set()
 
+    def refuse(self) -> None:
+        """End every connection and close each new one at once (a store that is gone: every
+        request fails fast) until :meth:`resume`."""
+        self._refusing.set()
+
     def resume(self) -> None:
+        self._refusing.clear()
         self._paused.clear()
+
+    def unread_bytes(self) -> int:
+        """Bytes waiting in the proxy's sockets, not yet moved (while paused: what the peers sent
+        into the silent network, e.g. the body of an upload that cannot arrive)."""
+        total = 0
+        for _ in range(5):  # the forwarding thread may change the sockets meanwhile
+            try:
+                socks = [*self._peer, *self._held]
+                break
+            except RuntimeError:
+                continue
+        else:
+            return 0
+        for sock in socks:
+            try:
+                total += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+            except (OSError, ValueError):
+                pass
+        return total
 
     def close(self) -> None:
         self._stop.set()
@@ -74,6 +105,16 @@ class TcpProxy:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._refusing.is_set():
+                for sock in [*self._peer, *self._held]:
+                    self._drop(sock)
+                self._held.clear()
+                try:
+                    self._listener.accept()[0].close()
+                except (BlockingIOError, OSError):
+                    pass
+                self._stop.wait(0.02)
+                continue
             if self._paused.is_set():
                 # Accept (so the peer's connect succeeds, as through a silent network), move nothing.
                 try:

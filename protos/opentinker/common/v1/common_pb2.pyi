@@ -229,7 +229,7 @@ class TaskPhase(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., phase: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class TaskEvent(_message.Message):
-    __slots__ = ("task_id", "sequence", "time", "state_change", "metric", "checkpoint", "phase")
+    __slots__ = ("task_id", "sequence", "time", "state_change", "metric", "checkpoint", "phase", "checkpoint_failed")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class TaskEvent(_message.Message):
     METRIC_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FAILED_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     sequence: int
     time: _timestamp_pb2.Timestamp
@@ -244,7 +245,24 @@ class TaskEvent(_message.Message):
     metric: MetricPoint
     checkpoint: Checkpoint
     phase: TaskPhase
-    def __init__(self, task_id: _Optional[str] = ..., sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_change: _Optional[_Union[StateChange, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., phase: _Optional[_Union[TaskPhase, _Mapping]] = ...) -> None: ...
+    checkpoint_failed: CheckpointFailure
+    def __init__(self, task_id: _Optional[str] = ..., sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_change: _Optional[_Union[StateChange, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., phase: _Optional[_Union[TaskPhase, _Mapping]] = ..., checkpoint_failed: _Optional[_Union[CheckpointFailure, _Mapping]] = ...) -> None: ...
+
+class CheckpointFailure(_message.Message):
+    __slots__ = ("step", "attempt", "node_id", "error", "fatal", "failures_in_a_row")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FATAL_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_IN_A_ROW_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    attempt: int
+    node_id: str
+    error: str
+    fatal: bool
+    failures_in_a_row: int
+    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., node_id: _Optional[str] = ..., error: _Optional[str] = ..., fatal: _Optional[bool] = ..., failures_in_a_row: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("task_id", "owner", "spec", "state", "attempt", "priority", "create_time", "update_time", "start_time", "end_time", "node_id", "device_indices", "pending_reason", "error", "latest_metrics", "latest_step", "latest_checkpoint", "endpoint", "usage", "queue")

@@ -74,6 +74,22 @@ class CancelTaskResponse(_message.Message):
     task: _common_pb2.Task
     def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ...) -> None: ...
 
+class DeleteTaskArtifactsRequest(_message.Message):
+    __slots__ = ("task_id",)
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    def __init__(self, task_id: _Optional[str] = ...) -> None: ...
+
+class DeleteTaskArtifactsResponse(_message.Message):
+    __slots__ = ("task", "deleted_keys", "deleted_bytes")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    DELETED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    DELETED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    task: _common_pb2.Task
+    deleted_keys: _containers.RepeatedScalarFieldContainer[str]
+    deleted_bytes: int
+    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ..., deleted_keys: _Optional[_Iterable[str]] = ..., deleted_bytes: _Optional[int] = ...) -> None: ...
+
 class WatchTaskRequest(_message.Message):
     __slots__ = ("task_id", "after_sequence", "history_only")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]

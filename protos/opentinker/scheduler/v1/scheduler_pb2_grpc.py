@@ -60,6 +60,11 @@ class SchedulerServiceStub:
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.CancelTaskRequest.SerializeToString,
                 response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.CancelTaskResponse.FromString,
                 _registered_method=True)
+        self.DeleteTaskArtifacts = channel.unary_unary(
+                '/opentinker.scheduler.v1.SchedulerService/DeleteTaskArtifacts',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsResponse.FromString,
+                _registered_method=True)
         self.WatchTask = channel.unary_stream(
                 '/opentinker.scheduler.v1.SchedulerService/WatchTask',
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.WatchTaskRequest.SerializeToString,
@@ -152,6 +157,19 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteTaskArtifacts(self, request, context):
+        """Deletes every artifact of a finished task from the artifact store (its checkpoints of all
+        attempts, final ones included); the task and its event log stay, with no latest checkpoint,
+        so it can no longer be an `init_from`, served or downloaded. Owner rules as for CancelTask (an
+        admin key may delete any task's). Idempotent: a second call deletes nothing. Errors: NOT_FOUND
+        (no such task, or another owner's), FAILED_PRECONDITION (the task has not ended, its worker is
+        still stopping, or an unfinished task names it as `init_from`), UNAVAILABLE (the store cannot be
+        reached, naming it; a follower: NOT_LEADER).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchTask(self, request, context):
         """Streams a task's events (state changes, metric points, checkpoints) from `after_sequence`,
         then live ones until the task ends (with `history_only`, only the events stored so far).
@@ -208,10 +226,13 @@ class SchedulerServiceServicer:
     def DownloadCheckpoint(self, request, context):
         """Streams one checkpoint folder: the first message is a manifest (every file's relative path,
         size and SHA-256), then each file's bytes in chunks of at most 1 MiB, files in manifest order.
-        Reads the folder on the scheduler's filesystem, so checkpoints must live on storage the
-        scheduler shares with the nodes. Idempotent. Errors: NOT_FOUND (no such task, no checkpoint,
-        or no checkpoint at `step`; the message lists the steps there are), FAILED_PRECONDITION (the
-        folder is not readable from the scheduler), INVALID_ARGUMENT (empty id, negative step).
+        Reads the checkpoint from the artifact store (local or s3), checked against its recorded
+        manifest hash; a checkpoint of an old trainer, with no artifact, from its folder on the
+        scheduler's filesystem. Idempotent. Errors: NOT_FOUND (no such task, no checkpoint, no
+        checkpoint at `step`, the message listing the steps there are; or its artifact deleted by
+        retention or DeleteTaskArtifacts), DATA_LOSS (the stored bytes do not match the manifest),
+        UNAVAILABLE (the store cannot be reached), FAILED_PRECONDITION (an old trainer's folder not
+        readable from the scheduler), INVALID_ARGUMENT (empty id, negative step).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -274,6 +295,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.CancelTask,
                     request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.CancelTaskRequest.FromString,
                     response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.CancelTaskResponse.SerializeToString,
+            ),
+            'DeleteTaskArtifacts': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTaskArtifacts,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsResponse.SerializeToString,
             ),
             'WatchTask': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchTask,
@@ -435,6 +461,33 @@ class SchedulerService:
             '/opentinker.scheduler.v1.SchedulerService/CancelTask',
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.CancelTaskRequest.SerializeToString,
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.CancelTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTaskArtifacts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/DeleteTaskArtifacts',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsResponse.FromString,
             options,
             channel_credentials,
             insecure,

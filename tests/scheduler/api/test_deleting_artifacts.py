@@ -1,0 +1,129 @@
+"""DeleteTaskArtifacts (``opentinker rm``) and checkpoint retention through a real scheduler on
+loopback, on both artifact backends (``local`` under the state dir; ``s3`` on a real SeaweedFS):
+owner rules as for every call (another owner's task is NOT_FOUND, an admin may), a task that has
+not ended or that an unfinished task starts from is refused with FAILED_PRECONDITION, every call
+is audited; retention keeps the newest ``keep_checkpoints`` plus the final one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import pytest
+
+from opentinker_client import RLClient
+from opentinker_client.cli.commands import main as cli_main
+from opentinker_client.errors import FailedPreconditionError, NotFoundError
+from opentinker_common.artifacts import LocalArtifactStore, S3ArtifactStore, S3Location
+from opentinker_scheduler.config.artifacts import ArtifactsConfig
+from opentinker_scheduler.data.artifacts import Artifacts, Retention
+
+from tests.support.security import LoopbackScheduler
+
+MODEL = "HuggingFaceTB/SmolLM2-135M"
+
+
+def _adapter(folder):
+    """A PEFT-shaped LoRA adapter folder (two tiny tensors), as ImportAdapter accepts it."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file(
+        {f"{prefix}.lora_A.weight": torch.zeros(2, 8), f"{prefix}.lora_B.weight": torch.zeros(8, 2)},
+        folder / "adapter_model.safetensors",
+    )
+    return folder
+
+
+def _config(backend: str, request, monkeypatch) -> str:
+    if backend == "local":
+        return "auth: {enabled: true}\n"
+    s3 = request.getfixturevalue("seaweedfs")
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    prefix = f"rm-{uuid.uuid4().hex[:8]}/"
+    return (
+        "auth: {enabled: true}\n"
+        f"artifacts: {{backend: s3, s3: {{endpoint: '{s3.endpoint}', bucket: {s3.bucket}, prefix: '{prefix}'}}}}\n"
+    )
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_owners_delete_their_finished_tasks_artifacts(backend, tmp_path, request, monkeypatch, capsys) -> None:
+    with LoopbackScheduler(tmp_path / "state", _config(backend, request, monkeypatch)) as s:
+        with RLClient(s.target, api_key=s.admin_key) as root:
+            alice_key = root.keys.create("alice", "user")[1]
+            bob_key = root.keys.create("bob", "user")[1]
+        store = s.running.artifacts.store
+        with RLClient(s.target, api_key=alice_key) as alice, RLClient(s.target, api_key=bob_key) as bob:
+            mine = alice.upload_adapter(_adapter(tmp_path / "a1"), model=MODEL).task_id
+            theirs = bob.upload_adapter(_adapter(tmp_path / "b1"), model=MODEL).task_id
+            assert store.list(f"tasks/{mine}/") == [f"tasks/{mine}/a1/final_0"]
+            with pytest.raises(NotFoundError):
+                alice.delete_artifacts(theirs)  # another owner's: not confirmed to exist
+            assert store.list(f"tasks/{theirs}/")  # untouched
+            # an unfinished task that starts from it keeps it
+            warm = alice.submit_task(
+                workload_type="lora_finetune", model=MODEL, init_from=mine, hyperparameters={"steps": 1}
+            )
+            with pytest.raises(FailedPreconditionError, match="init_from of unfinished task"):
+                alice.delete_artifacts(mine)
+            with pytest.raises(FailedPreconditionError, match="has ended"):
+                alice.delete_artifacts(warm)  # pending: not ended
+            alice.cancel(warm)
+            task, keys, size = alice.delete_artifacts(mine)
+            assert keys == [f"tasks/{mine}/a1/final_0"] and size > 0 and task.checkpoint_path == ""
+            assert store.list(f"tasks/{mine}/") == []
+            with pytest.raises(NotFoundError):
+                alice.download_checkpoint(mine, tmp_path / "gone")
+            with pytest.raises(FailedPreconditionError):  # no checkpoint left to start from
+                alice.submit_task(workload_type="lora_finetune", model=MODEL, init_from=mine)
+            assert alice.delete_artifacts(mine)[1:] == ([], 0)  # idempotent
+        # `opentinker rm`, with an admin key: another owner's task is theirs to delete too
+        assert cli_main(["--scheduler-url", s.target, "--api-key", s.admin_key, "rm", theirs]) == 0
+        assert f"task {theirs}: deleted 1 artifact(s)" in capsys.readouterr().out
+        assert store.list(f"tasks/{theirs}/") == []
+        assert cli_main(["--scheduler-url", s.target, "--api-key", alice_key, "rm", warm]) == 0  # nothing left
+        with RLClient(s.target, api_key=s.admin_key) as root:
+            records = root.keys.audit(action="task.delete_artifacts")
+        outcomes = sorted((r.owner, r.task_id == theirs, r.outcome) for r in records)
+        assert ("alice", True, "NOT_FOUND") in outcomes and ("alice", False, "FAILED_PRECONDITION") in outcomes
+        assert ("alice", False, "OK") in outcomes and any(r.role == "admin" and r.outcome == "OK" for r in records)
+
+
+def _stores(backend, tmp_path, request, monkeypatch):
+    if backend == "local":
+        return LocalArtifactStore(tmp_path / "artifacts")
+    s3 = request.getfixturevalue("seaweedfs")
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    return S3ArtifactStore(S3Location(bucket=s3.bucket, endpoint=s3.endpoint, prefix=f"ret-{uuid.uuid4().hex[:8]}"))
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_retention_keeps_the_newest_n_plus_the_final_one(backend, tmp_path, request, monkeypatch) -> None:
+    store = _stores(backend, tmp_path, request, monkeypatch)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "adapter_model.safetensors").write_bytes(b"w" * 100)
+    retention = Retention(Artifacts(store, ArtifactsConfig(keep_checkpoints=2)))
+
+    async def report_each() -> None:
+        # attempt 2 resumed from step 4 of attempt 1, so its step 5 is newer than attempt 1's step 6
+        for key in ("a1/step_2", "a1/step_4", "a1/step_6", "a2/step_5", "a2/step_7", "a2/final_8"):
+            store.put_folder(f"tasks/t1/{key}", tmp_path / "ck")
+            retention("t1")
+            await retention.drain()
+
+    store.put_folder("tasks/t2/a1/step_1", tmp_path / "ck")  # another task's: not this one's retention
+    asyncio.run(report_each())
+    assert store.list("tasks/") == [
+        "tasks/t1/a2/final_8",
+        "tasks/t1/a2/step_5",
+        "tasks/t1/a2/step_7",
+        "tasks/t2/a1/step_1",
+    ]
+    assert retention.retired == 3

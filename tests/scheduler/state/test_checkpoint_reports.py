@@ -1,0 +1,89 @@
+"""What a node's checkpoint reports do to a task: a checkpoint that could not be stored is a task
+event and leaves the latest complete checkpoint as it was; a stored one is recorded, then handed
+to the checkpoint listeners (retention); a task's artifacts may be deleted only once it has ended
+and no unfinished task starts from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from opentinker.common.v1 import common_pb2 as C
+from opentinker_scheduler.errors import FailedPrecondition, NotFound
+
+from tests.support.scheduler_core import make_core, register, report, spec
+
+
+def _stored(task_id: str, step: int, *, final: bool = False) -> C.Checkpoint:
+    ck = C.Checkpoint(step=step, path=f"/work/ck/step_{step}", format="peft_lora", final=final)
+    ck.artifact.key = f"tasks/{task_id}/a1/{'final' if final else 'step'}_{step}"
+    ck.artifact.manifest_sha256 = "ab" * 32
+    ck.artifact.backend = "s3"
+    return ck
+
+
+def _running(tmp_path):
+    core = make_core(tmp_path)
+    task = core.submit(spec(), owner="alice")
+    node, _ = register(core)
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    heard: list[tuple[str, int]] = []
+    core.node_protocol.checkpoint_listeners.append(lambda task_id, ck: heard.append((task_id, ck.step)))
+    return core, node, task, heard
+
+
+def test_a_checkpoint_that_could_not_be_stored_is_an_event_and_keeps_the_last_complete_one(tmp_path) -> None:
+    core, node, task, heard = _running(tmp_path)
+    report(core, node, task.task_id, 1, checkpoint=_stored(task.task_id, 2))
+    assert heard == [(task.task_id, 2)]  # recorded, then retention
+    failure = C.CheckpointFailure(step=4, error="S3 endpoint http://s3:8333 unreachable", failures_in_a_row=1)
+    report(core, node, task.task_id, 1, checkpoint_failed=failure)
+    report(core, node, task.task_id, 1, checkpoint_failed=failure)  # resent after a reconnect: once
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_RUNNING and t.latest_checkpoint.step == 2
+    events = core.store.events_after(task.task_id, 0, limit=100)
+    failed = [e.checkpoint_failed for e in events if e.WhichOneof("event") == "checkpoint_failed"]
+    assert len(failed) == 1
+    assert (failed[0].step, failed[0].attempt, failed[0].node_id, failed[0].fatal) == (4, 1, "gpu-node-01", False)
+    assert "unreachable" in failed[0].error
+    assert heard == [(task.task_id, 2)]  # nothing new to retain
+    # the fatal one arrives with the attempt's FAILED end: both in one write, the task FAILED
+    fatal = C.CheckpointFailure(step=6, error="2 checkpoints in a row could not be stored", fatal=True)
+    report(
+        core,
+        node,
+        task.task_id,
+        1,
+        C.TASK_STATE_FAILED,
+        checkpoint_failed=fatal,
+        error="2 checkpoints in a row could not be stored; the last complete checkpoint is step 2",
+        retryable=False,
+    )
+    t = core.get(task.task_id)
+    assert t.state == C.TASK_STATE_FAILED and t.latest_checkpoint.step == 2 and "step 2" in t.error
+    kinds = [e.WhichOneof("event") for e in core.store.events_after(task.task_id, 0, limit=100)]
+    assert kinds.count("checkpoint_failed") == 2 and kinds[-1] == "state_change"
+
+
+def test_a_checkpoint_without_an_artifact_is_not_handed_to_retention(tmp_path) -> None:
+    core, node, task, heard = _running(tmp_path)
+    report(core, node, task.task_id, 1, checkpoint=C.Checkpoint(step=3, path="/shared/ck/step_3"))
+    assert core.get(task.task_id).latest_checkpoint.step == 3 and heard == []
+
+
+def test_artifacts_are_deletable_only_once_the_task_ended_and_nothing_starts_from_it(tmp_path) -> None:
+    core, node, task, _ = _running(tmp_path)
+    with pytest.raises(FailedPrecondition, match="RUNNING: its artifacts can be deleted once it has ended"):
+        core.artifacts_deletable(task.task_id, owner="alice")
+    report(core, node, task.task_id, 1, C.TASK_STATE_SUCCEEDED, checkpoint=_stored(task.task_id, 8, final=True))
+    with pytest.raises(NotFound):
+        core.artifacts_deletable(task.task_id, owner="bob")  # another owner's: as if it did not exist
+    warm = spec()
+    warm.init_from = task.task_id
+    follower = core.submit(warm, owner="alice")  # a pending task that starts from it
+    with pytest.raises(FailedPrecondition, match="init_from of unfinished task"):
+        core.artifacts_deletable(task.task_id, owner="alice")
+    core.cancel(follower.task_id, owner="alice")
+    assert core.artifacts_deletable(task.task_id, owner=None).task_id == task.task_id  # an admin (no owner scope)
+    after = core.artifacts_deleted(task.task_id)
+    assert after.latest_checkpoint is None and core.store.get_task(task.task_id).latest_checkpoint is None
