@@ -89,8 +89,9 @@ class WorkerContext:
         if self.tracker is not None:
             self.tracker.log(step, clean)
 
-    def emit_checkpoint(self, step: int, path: Path, *, final: bool, fmt: str) -> None:
-        """Report a checkpoint folder written after ``step`` (format e.g. ``peft_lora``).
+    def emit_checkpoint(self, step: int, path: Path, *, final: bool, fmt: str) -> dict[str, Any] | None:
+        """Report a checkpoint folder written after ``step`` (format e.g. ``peft_lora``); returns
+        the stored artifact (``key``, ``manifest_sha256`` ...), None without a publisher.
 
         With a ``publisher``, the folder is first put into the artifact store (every file stored
         and verified) and the report carries its key and manifest hash; a periodic checkpoint that
@@ -108,7 +109,7 @@ class WorkerContext:
                 raise
             if ref is None:
                 self._emit("checkpoint_failed", step=int(step), error="not stored; training goes on", fatal=False)
-                return
+                return None
             artifact = {
                 "key": ref.key,
                 "manifest_sha256": ref.manifest_sha256,
@@ -120,6 +121,7 @@ class WorkerContext:
             self.tracker.checkpoint(step, path, final)
         if final:
             self.completed = True
+        return artifact
 
     def emit_endpoint(self, address: str) -> None:
         """Report the ``host:port`` a server of this attempt listens on (an ``inference`` task's
