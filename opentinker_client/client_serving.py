@@ -6,12 +6,13 @@ runs for trainers (``RLClient.serve_environment``) and serving a trained adapter
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING
 
 from opentinker_client.client_tasks import TaskCalls
 from opentinker_client.config import TaskConfig
 from opentinker_client.connection import SchedulerConnection
-from opentinker_client.errors import FailedPreconditionError
+from opentinker_client.errors import FailedPreconditionError, UnavailableError
 from opentinker_client.inference import ADAPTER_WORKLOADS, InferenceClient
 from opentinker_client.training import TrainingSession
 
@@ -152,9 +153,19 @@ class ServingCalls:
         return self._connect(task_id, timeout=timeout, root_certificates=root_certificates)
 
     def _connect(self, task_id: str, *, timeout: float, root_certificates) -> TrainingSession:
-        endpoint = self.tasks.wait_for_endpoint(task_id, timeout=timeout)
+        """A session on ``task_id``'s endpoint once it answers. An endpoint that does not answer
+        (the attempt of a node just lost, still shown until the scheduler sees the loss) is asked
+        again until ``timeout``."""
         if root_certificates is None:
             root_certificates = self.connection.root_certificates
-        return TrainingSession(
-            endpoint, task_id=task_id, api_key=self.connection.api_key, root_certificates=root_certificates
-        )
+        deadline = time.monotonic() + timeout
+        while True:
+            endpoint = self.tasks.wait_for_endpoint(task_id, timeout=max(0.1, deadline - time.monotonic()))
+            try:
+                return TrainingSession(
+                    endpoint, task_id=task_id, api_key=self.connection.api_key, root_certificates=root_certificates
+                )
+            except UnavailableError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
