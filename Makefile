@@ -162,7 +162,7 @@ bench-multitenant: install
 # a few minutes): per-step seconds of each and their ratio, one-token ForwardBackward round trip.
 # Options: BENCH_ARGS="--steps 6 --calls 50" (scripts/bench_primitives.py --help).
 bench-primitives: install
-	OMP_NUM_THREADS=2 $(PY) scripts/bench_primitives.py --model $(MODEL_DIR) $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 $(PY) scripts/bench_primitives.py --model $(MODEL_DIR) $(BENCH_ARGS)
 
 # On NVIDIA GPUs: a GRPO task of SmolLM2-135M's shape on 1 GPU and on all, NVML utilization and
 # memory, and the scheduler's telemetry of the GPU the rank uses. Refuses (exit 2) without a GPU.

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -283,9 +282,12 @@ class TrainingSession:
         self._stub = training_pb2_grpc.TrainingServiceStub(self._channel)
         self._metadata = bearer_metadata(resolve_api_key(api_key))
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training-session")
-        self._lock = threading.Lock()
-        self.next_sequence = self.get_info().next_sequence
         self._unsure = False
+        try:
+            self.next_sequence = self.get_info().next_sequence
+        except BaseException:
+            self._channel.close()
+            raise
 
     # --- plumbing ---------------------------------------------------------------------------
     def close(self) -> None:

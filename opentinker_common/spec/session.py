@@ -29,7 +29,7 @@ class LoraSessionConfig:
     lora_alpha: float = lm_fields.lora_alpha()
     lora_dropout: float = lm_fields.lora_dropout()
     target_modules: tuple[str, ...] = lm_fields.target_modules()
-    seed: int = num(0, 0, 2**31 - 1, doc="seeds the adapter's initial weights and unseeded sampling")
+    seed: int = num(0, 0, 2**31 - 1, doc="seeds the adapter's initial weights")
     idle_timeout_s: float = num(
         1800.0, 0.0, 30 * 86400.0, min_exclusive=True, doc="seconds without a call before the session ends SUCCEEDED"
     )

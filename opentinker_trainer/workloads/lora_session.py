@@ -95,7 +95,7 @@ async def _serve(ctx: WorkerContext, session: TrainingSession, next_sequence: in
     servicer = TrainingServicer(
         session,
         sequencer=Sequencer(next_sequence, max_in_flight=cfg.max_in_flight_calls),
-        access=AccessChecker(ttl=access_ttl) if access_ttl is not None else None,
+        access=AccessChecker(ttl=access_ttl, what="training session") if access_ttl is not None else None,
         task_id=ctx.task_id,
         attempt=ctx.attempt,
         touch=touch,

@@ -41,7 +41,7 @@ class Served:
         servicer = TrainingServicer(
             session,
             sequencer=Sequencer(0, max_in_flight=session.limits.max_in_flight_calls),
-            access=AccessChecker(sched_target, env={}, ttl=30),
+            access=AccessChecker(sched_target, env={}, ttl=30, what="training session"),
             task_id=task_id,
         )
         self.running = asyncio.run_coroutine_threadsafe(
@@ -157,7 +157,7 @@ def test_bad_calls_are_typed_errors_and_use_no_sequence_number(world) -> None:
 def test_only_the_owner_or_an_admin_may_call_the_session(world) -> None:
     with TrainingSession(world["served"].address, api_key=world["admin"]) as admin:
         assert admin.get_info().model
-    with pytest.raises(PermissionDeniedError, match=f"may not use .* {world['task']}"):
+    with pytest.raises(PermissionDeniedError, match=f"may not use training session {world['task']}"):
         TrainingSession(world["served"].address, api_key=world["bob"])
     with pytest.raises(UnauthenticatedError):
         TrainingSession(world["served"].address, api_key="")

@@ -198,8 +198,9 @@ class TrainingServiceServicer:
 
     def SaveWeightsForSampler(self, request, context):
         """Writes a frozen copy of the current adapter (PEFT format, no optimizer) as checkpoint
-        `name` into the artifact store, for an inference task to serve by the session task's id.
-        Idempotent by sequence number. Errors: as SaveState.
+        `name` of the session task into the artifact store, for a sampler: any PEFT consumer loads it
+        (SchedulerService.DownloadCheckpoint fetches it). Idempotent by sequence number.
+        Errors: as SaveState.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
