@@ -80,7 +80,8 @@ def test_cross_entropy_step_gives_the_adapter_of_the_builtin_sft_step(tiny_model
     trainer = sft._SFTTrainer(ctx)
     batch = [trainer.encoded(trainer.train_idx[k]) for k in batch_indices(1, 4, len(trainer.train_idx), 0)]
     session = new_session(tiny_model_dir, tmp_module, "ce")
-    assert same(adapter(session), {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad})
+    initial = adapter(session)
+    assert same(initial, {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad})
     trainer.step = 1
     trainer.train_step()
 
@@ -101,7 +102,7 @@ def test_cross_entropy_step_gives_the_adapter_of_the_builtin_sft_step(tiny_model
     assert step == 1 and norm > 0.05  # the clip acted
     sft_adapter = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert same(adapter(session), sft_adapter, atol=1e-6)
-    assert not same(adapter(session), adapter(new_session(tiny_model_dir, tmp_module, "fresh")))
+    assert not same(adapter(session), initial)
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +326,29 @@ def test_sequence_numbers_order_calls_and_answer_retries_from_the_cache() -> Non
         assert ran == [0, 1, 2]
 
     asyncio.run(scenario())
+
+
+def test_the_workload_serves_until_idle_then_ends(tiny_model_dir, tmp_path) -> None:
+    import threading
+
+    from opentinker_client.training import TrainingSession
+    from opentinker_trainer.workloads import lora_session
+
+    from tests.support.waiting import wait_for
+    from tests.support.workers import reports
+
+    ctx = worker_ctx(
+        tmp_path,
+        "idle",
+        workload_type="lora_session",
+        model=tiny_model_dir,
+        env_config={},
+        hyperparameters={**HP, "idle_timeout_s": 0.5},
+    )
+    runner = threading.Thread(target=lora_session.run, args=(ctx,))
+    runner.start()
+    endpoint = wait_for(lambda: (reports(ctx, "endpoint") or [None])[0], timeout=120)["address"]
+    with TrainingSession(endpoint, api_key="") as client:  # a call; then nothing for idle_timeout_s
+        assert client.get_info().lora_rank == 4
+    runner.join(300)  # returns on its own: idle
+    assert not runner.is_alive() and not ctx.should_stop()
