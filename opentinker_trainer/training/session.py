@@ -32,6 +32,7 @@ import torch
 
 from opentinker_trainer.inference.engine import FINISH_STOP, Decode, SamplingParams
 from opentinker_trainer.rl.grpo import token_logprobs
+from opentinker_trainer.rl.rollout import left_pad, prefix_logprobs, right_pad
 from opentinker_trainer.training.datums import Datum, Limits, check_batch
 from opentinker_trainer.training.errors import BadRequest, NotReady, OverLimit, StateNotFound
 from opentinker_trainer.training.losses import datum_loss
@@ -210,6 +211,51 @@ class TrainingSession:
         logp = token_logprobs(logits, targets)
         return [logp[r, : len(datums[i])] for r, i in enumerate(rows)]
 
+    def _scored_from(self, d: Datum, loss_fn: str) -> int:
+        """First position whose loss coefficient (weight, or advantage) is not 0 (``len(d)`` if none)."""
+        coeff = d.weights if loss_fn == "cross_entropy" else d.advantages
+        if loss_fn == "cross_entropy" and not len(coeff):
+            return 0
+        for t, c in enumerate(coeff):
+            if c != 0:
+                return t
+        return len(d)
+
+    def _shared_logprobs(self, datums: Sequence[Datum], rows: list[int], loss_fn: str) -> dict[int, torch.Tensor]:
+        """Log-probs (with grad where they count) of the next-token datums of ``rows`` whose
+        unscored prefix (the tokens before the first non-zero weight or advantage) they share with
+        others: each such prefix runs once, its key/value cache serves its group
+        (:func:`opentinker_trainer.rl.rollout.prefix_logprobs`, exact up to float rounding), and the
+        prefix positions' log-probs come from one no-grad pass over the distinct prefixes. Returns
+        ``{datum index: [N] log-probs}`` for the datums done so (the rest run flat)."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i in rows:
+            d = datums[i]
+            start = self._scored_from(d, loss_fn)
+            if start < 1 or start >= len(d) or list(d.target_tokens[:-1]) != list(d.input_tokens[1:]):
+                continue
+            groups.setdefault(tuple(d.input_tokens[:start]), []).append(i)
+        groups = {k: v for k, v in groups.items() if len(v) > 1}
+        if not groups:
+            return {}
+        prefixes = list(groups)
+        members = [(g, i) for g, key in enumerate(prefixes) for i in groups[key]]
+        prefix_ids, prefix_mask = left_pad(prefixes, self.pad_id, self.device)
+        completions = [list(datums[i].target_tokens[len(prefixes[g]) - 1 :]) for g, i in members]
+        comp_ids, comp_mask = right_pad(completions, self.pad_id, self.device)
+        index = torch.tensor([g for g, _ in members], dtype=torch.long, device=self.device)
+        scored = prefix_logprobs(self.model, prefix_ids, prefix_mask, index, comp_ids, comp_mask)
+        if scored is None:
+            return {}
+        with torch.no_grad():  # the prefix positions (coefficient 0): values only
+            flat = [Datum(list(k[:-1]) or [k[0]], list(k[1:]) or [k[0]]) for k in prefixes]
+            head = self._logprobs(flat, list(range(len(flat))))
+        out = {}
+        for r, (g, i) in enumerate(members):
+            n_prefix = len(prefixes[g]) - 1
+            out[i] = torch.cat([head[g][:n_prefix].detach(), scored[r, : len(completions[r])]])
+        return out
+
     def forward(self, datums: Sequence[Datum]) -> list[list[float]]:
         """Log-prob of each target token of each datum under the current weights; no state change.
 
@@ -253,7 +299,11 @@ class TrainingSession:
             self.model.train()
             for rows in self._micro_batches(datums):
                 parts = []
-                for i, lp in zip(rows, self._logprobs(datums, rows)):
+                shared = self._shared_logprobs(datums, rows, loss_fn)
+                flat = [i for i in rows if i not in shared]
+                computed = {**shared, **dict(zip(flat, self._logprobs(datums, flat) if flat else []))}
+                for i in rows:
+                    lp = computed[i]
                     d = datums[i]
                     loss, diag = datum_loss(
                         loss_fn,

@@ -352,3 +352,30 @@ def test_the_workload_serves_until_idle_then_ends(tiny_model_dir, tmp_path) -> N
         assert client.get_info().lora_rank == 4
     runner.join(300)  # returns on its own: idle
     assert not runner.is_alive() and not ctx.should_stop()
+
+
+def test_datums_sharing_an_unscored_prompt_run_it_once_with_the_same_gradient(session) -> None:
+    prompt = [31, 200, 77, 5, 140, 9]
+    completions = [[50, 61, 72], [50, 88], [301, 12, 13, 14], [45]]
+    batch = []
+    for k, c in enumerate(completions):
+        seq = prompt + c
+        n = len(seq) - 1
+        adv = [0.0] * (len(prompt) - 1) + [0.7 - 0.5 * k] * len(c)
+        batch.append(Datum(seq[:-1], seq[1:], (), adv, [-2.0] * n))
+    batch.append(datums(1)[0])  # a datum of its own prompt runs flat beside them
+    assert len(session._shared_logprobs(batch, list(range(len(batch))), "importance_sampling")) == 4
+    session.optimizer.zero_grad(set_to_none=True)
+    session.accumulated_calls = 0
+    out = session.forward_backward(batch, "importance_sampling")
+    flat = session.forward(batch)
+    assert all(max(abs(a - b) for a, b in zip(x, y)) < 1e-4 for x, y in zip(out.logprobs, flat))
+
+    def loss(i, lp):
+        d = batch[i]
+        return -(torch.exp(lp - torch.tensor(d.sampling_logprobs)) * torch.tensor(d.advantages)).sum()
+
+    want = reference_grads(session, batch, loss)
+    assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-4) for g, w in zip(grads(session), want))
+    session.optimizer.zero_grad(set_to_none=True)
+    session.accumulated_calls = 0
