@@ -15,7 +15,7 @@ SCHEDULER_URL ?= http://localhost:$(PORT)
 # "joined dynamically"; the host name only when the config names no node. NODE_ID=... for another.
 NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]\#]*\).*/\1/p' $(SCHEDULER_CONFIG) 2>/dev/null | head -n 1),$(shell hostname)-trainer)
 
-.PHONY: install venv test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant gpu-check clean
+.PHONY: install venv test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-primitives gpu-check clean
 
 # `install` is a no-op when done: it installs only when the venv is missing or its package set is
 # out of date, i.e. the SHA-256 of pyproject.toml, constraints.txt and INSTALL_SPEC differs from the
@@ -166,6 +166,12 @@ bench-distributed: install
 # on 2 loaded cores): node RSS with 1/4/8 tasks, aggregate steps/s, warm-join vs cold-start time.
 bench-multitenant: install
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_multitenant.py --model $(MODEL_DIR)
+
+# Your own loop on training primitives vs the built-in GRPO, same model, batch shape and seed (CPU,
+# a few minutes): per-step seconds of each and their ratio, one-token ForwardBackward round trip.
+# Options: BENCH_ARGS="--steps 6 --calls 50" (scripts/bench_primitives.py --help).
+bench-primitives: install
+	OMP_NUM_THREADS=1 $(PY) scripts/bench_primitives.py --model $(MODEL_DIR) $(BENCH_ARGS)
 
 # On NVIDIA GPUs: a GRPO task of SmolLM2-135M's shape on 1 GPU and on all, NVML utilization and
 # memory, and the scheduler's telemetry of the GPU the rank uses. Refuses (exit 2) without a GPU.

@@ -45,6 +45,7 @@ from opentinker_client.errors import (  # "X as X": re-exported; __all__ takes t
     InvalidArgumentError as InvalidArgumentError,
     NotFoundError as NotFoundError,
     OpenTinkerError as OpenTinkerError,
+    OutOfOrderError as OutOfOrderError,
     OverloadedError as OverloadedError,
     PermissionDeniedError as PermissionDeniedError,
     ResourceExhaustedError as ResourceExhaustedError,
@@ -56,6 +57,7 @@ from opentinker_client.evaluate import EvalResult, evaluate
 from opentinker_client.hosting.server import EnvironmentServer
 from opentinker_client.inference import InferenceClient
 from opentinker_client.keys import ApiKeyInfo, KeyAdmin
+from opentinker_client.training import Datum, TrainingSession
 from opentinker_client.types import (
     ActResult,
     CheckpointInfo,
@@ -96,4 +98,6 @@ __all__ = [
     "evaluate",
     "KeyAdmin",
     "ApiKeyInfo",
+    "TrainingSession",
+    "Datum",
 ]

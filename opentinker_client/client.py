@@ -35,6 +35,7 @@ from opentinker_client.errors import InvalidArgumentError
 from opentinker_client.hosting.reward import RewardFn, RewardServer
 from opentinker_client.hosting.server import EnvironmentServer
 from opentinker_client.inference import InferenceClient
+from opentinker_client.training import TrainingSession
 from opentinker_client.keys import KeyAdmin
 from opentinker_client.queues import QueueAdmin
 from opentinker_client.types import CheckpointInfo, DatasetInfo, NodeInfo, TaskEvent, TaskInfo
@@ -774,6 +775,77 @@ class RLClient:
             max_consecutive_failures=max_consecutive_failures,
         )
         return self._serving.host(server)
+
+    def create_training_session(
+        self,
+        model: str,
+        *,
+        lora_rank: int = 16,
+        lora_alpha: float = 32.0,
+        target_modules: Iterable[str] | None = None,
+        seed: int = 0,
+        idle_timeout: float = 1800.0,
+        gpu_count: int = 0,
+        priority: int | None = None,
+        max_runtime: float | None = None,
+        max_attempts: int | None = None,
+        name: str = "",
+        hyperparameters: Mapping[str, Any] | None = None,
+        timeout: float = 600.0,
+        root_certificates: str | os.PathLike | None = None,
+    ) -> "TrainingSession":
+        """Start a training session on ``model`` and connect to it: your own training loop with
+        Tinker-style primitives (``forward_backward``, ``optim_step``, ``sample``,
+        ``save_state`` ...; docs/primitives.md).
+
+        Submits a ``lora_session`` task (a LoRA adapter of ``lora_rank`` / ``lora_alpha`` on
+        ``target_modules``, seeded by ``seed``; it ends after ``idle_timeout`` seconds without a
+        call, or at ``max_runtime``), placed like any task (``gpu_count``, ``priority``), waits up
+        to ``timeout`` seconds until it serves and returns a
+        :class:`~opentinker_client.training.TrainingSession` that sends this client's API key.
+        ``hyperparameters``: further ``lora_session`` settings (``max_datums_per_call``,
+        ``max_tokens_per_call``, ``max_in_flight_calls``, ``micro_batch_tokens``, ``dtype``).
+
+        Raises:
+            InvalidArgumentError: a bad setting (its field path). TaskFailedError: the session
+            task ended before serving. DeadlineExceededError: not serving within ``timeout``.
+        """
+        hp: dict[str, Any] = {
+            "lora_rank": int(lora_rank),
+            "lora_alpha": float(lora_alpha),
+            "seed": int(seed),
+            "idle_timeout_s": float(idle_timeout),
+            **dict(hyperparameters or {}),
+        }
+        if target_modules is not None:
+            hp["target_modules"] = list(target_modules)
+        config = TaskConfig(
+            workload_type="lora_session",
+            model=model,
+            name=name or f"session {model}",
+            gpu_count=gpu_count,
+            priority=priority,
+            max_runtime=max_runtime,
+            max_attempts=max_attempts,
+            hyperparameters=hp,
+        )
+        return self._serving.create_training_session(config, timeout=timeout, root_certificates=root_certificates)
+
+    def resume_training_session(
+        self, task_id: str, *, timeout: float = 600.0, root_certificates: str | os.PathLike | None = None
+    ) -> "TrainingSession":
+        """Connect again to training session ``task_id``, e.g. after its node was lost: the
+        scheduler requeued the task and its next attempt resumed from the newest ``save_state``
+        (adapter, optimizer, step); the returned session continues from the sequence number that
+        state was saved at (calls after it are lost; redo them). Waits up to ``timeout`` seconds.
+
+        Raises:
+            NotFoundError: no such task. FailedPreconditionError: not a ``lora_session`` task, or
+            it ended. TaskFailedError, DeadlineExceededError: as :meth:`create_training_session`.
+        """
+        return self._serving.resume_training_session(
+            check_task_id(task_id), timeout=timeout, root_certificates=root_certificates
+        )
 
     def serve(
         self,

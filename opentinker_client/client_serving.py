@@ -6,13 +6,15 @@ runs for trainers (``RLClient.serve_environment``) and serving a trained adapter
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING
 
 from opentinker_client.client_tasks import TaskCalls
 from opentinker_client.config import TaskConfig
 from opentinker_client.connection import SchedulerConnection
-from opentinker_client.errors import FailedPreconditionError
+from opentinker_client.errors import FailedPreconditionError, UnavailableError
 from opentinker_client.inference import ADAPTER_WORKLOADS, InferenceClient
+from opentinker_client.training import TrainingSession
 
 if TYPE_CHECKING:  # pragma: no cover
     from opentinker_client.hosting.server import EnvironmentServer
@@ -123,3 +125,47 @@ class ServingCalls:
         )
         config.check()
         return self.tasks.submit(config.to_proto())
+
+    # --- training sessions ------------------------------------------------------------------------
+    def create_training_session(
+        self, config: TaskConfig, *, timeout: float, root_certificates: str | os.PathLike | None
+    ) -> TrainingSession:
+        """Submit the ``lora_session`` task ``config``, wait up to ``timeout`` seconds until it
+        serves, and connect to it (``RLClient.create_training_session``)."""
+        config.check()
+        task_id = self.tasks.submit(config.to_proto())
+        return self._connect(task_id, timeout=timeout, root_certificates=root_certificates)
+
+    def resume_training_session(
+        self, task_id: str, *, timeout: float, root_certificates: str | os.PathLike | None
+    ) -> TrainingSession:
+        """Connect to session task ``task_id`` again: after a node loss its next attempt resumes
+        from the task's newest SaveState; the connection continues from the sequence number that
+        state was saved at (``RLClient.resume_training_session``)."""
+        task = self.tasks.get(task_id)
+        if task.workload_type != "lora_session":
+            raise FailedPreconditionError(f"task {task_id} is a {task.workload_type} task, not a lora_session")
+        if task.done:
+            raise FailedPreconditionError(
+                f"session task {task_id} ended {task.state}; its states stay in its checkpoints "
+                "(list_checkpoints), but a session that ended cannot be resumed: start a new one"
+            )
+        return self._connect(task_id, timeout=timeout, root_certificates=root_certificates)
+
+    def _connect(self, task_id: str, *, timeout: float, root_certificates) -> TrainingSession:
+        """A session on ``task_id``'s endpoint once it answers. An endpoint that does not answer
+        (the attempt of a node just lost, still shown until the scheduler sees the loss) is asked
+        again until ``timeout``."""
+        if root_certificates is None:
+            root_certificates = self.connection.root_certificates
+        deadline = time.monotonic() + timeout
+        while True:
+            endpoint = self.tasks.wait_for_endpoint(task_id, timeout=max(0.1, deadline - time.monotonic()))
+            try:
+                return TrainingSession(
+                    endpoint, task_id=task_id, api_key=self.connection.api_key, root_certificates=root_certificates
+                )
+            except UnavailableError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)

@@ -3,7 +3,7 @@
 Format (every key but ``workload_type`` is optional)::
 
     name: arithmetic-demo                         # a short name for people (at most 256 characters)
-    workload_type: lora_finetune                  # lora_finetune | full_rl | sft | inference
+    workload_type: lora_finetune                  # lora_finetune | full_rl | sft | inference | lora_session
     model: .cache/models/SmolLM2-135M-Instruct    # local folder or hub id; omitted: scheduler default
     gpu_count: 0                                  # GPUs, all from one node; 0 = CPU task (default 0)
     nodes: 1                                      # nodes of a gang task, gpu_count GPUs on each (default 1)

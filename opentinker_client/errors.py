@@ -44,6 +44,7 @@ EXCEPTIONS = [
     "ConfigError",
     "NotFoundError",
     "FailedPreconditionError",
+    "OutOfOrderError",
     "AlreadyExistsError",
     "UnauthenticatedError",
     "PermissionDeniedError",
@@ -175,6 +176,14 @@ class NotFoundError(OpenTinkerError, code=grpc.StatusCode.NOT_FOUND):
 
 class FailedPreconditionError(OpenTinkerError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """The request is well formed but cannot be met, e.g. ``gpu_count`` larger than any node offers."""
+
+
+class OutOfOrderError(FailedPreconditionError):
+    """A training-session call whose sequence number was not the one the session expected next
+    (``expected_sequence``; ``opentinker_client.training``). The call did not apply."""
+
+    #: The sequence number the session expects (from the refusal's ``google.rpc.ErrorInfo``).
+    expected_sequence: int | None = None
 
 
 class AlreadyExistsError(OpenTinkerError, code=grpc.StatusCode.ALREADY_EXISTS):

@@ -89,8 +89,9 @@ class WorkerContext:
         if self.tracker is not None:
             self.tracker.log(step, clean)
 
-    def emit_checkpoint(self, step: int, path: Path, *, final: bool, fmt: str) -> None:
-        """Report a checkpoint folder written after ``step`` (format e.g. ``peft_lora``).
+    def emit_checkpoint(self, step: int, path: Path, *, final: bool, fmt: str) -> dict[str, Any] | None:
+        """Report a checkpoint folder written after ``step`` (format e.g. ``peft_lora``); returns
+        the stored artifact (``key``, ``manifest_sha256`` ...), None without a publisher.
 
         With a ``publisher``, the folder is first put into the artifact store (every file stored
         and verified) and the report carries its key and manifest hash; a periodic checkpoint that
@@ -115,7 +116,7 @@ class WorkerContext:
                     fatal=False,
                     failures_in_a_row=self.publisher.failed_in_a_row,
                 )
-                return
+                return None
             artifact = {
                 "key": ref.key,
                 "manifest_sha256": ref.manifest_sha256,
@@ -127,6 +128,7 @@ class WorkerContext:
             self.tracker.checkpoint(step, path, final)
         if final:
             self.completed = True
+        return artifact
 
     def emit_phase(self, phase: str, detail: str = "") -> None:
         """Report what the attempt is doing before its first step (``"loading model"``, then

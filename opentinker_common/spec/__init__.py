@@ -36,6 +36,7 @@ from opentinker_common.spec.lm_game import LMGameGRPOConfig
 from opentinker_common.spec.grpo import FullGRPOConfig
 from opentinker_common.spec.sft import ChatDatasetConfig, DatasetError, SFTConfig
 from opentinker_common.spec.inference import InferenceConfig
+from opentinker_common.spec.session import LoraSessionConfig
 from opentinker_common.spec.prompts import PromptsEnvConfig, RewardConfig
 
 from opentinker_common.spec.task import (
@@ -57,6 +58,7 @@ __all__ = [
     "GRPOConfig",
     "GymEnvConfig",
     "InferenceConfig",
+    "LoraSessionConfig",
     "PPOConfig",
     "MULTIAGENT_ENVIRONMENTS",
     "MultiAgentEnvConfig",

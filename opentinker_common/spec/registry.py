@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 #: Workload types of the system (README, "What happens to a task"). A scheduler may configure a subset.
-WORKLOAD_TYPES: tuple[str, ...] = ("lora_finetune", "full_rl", "sft", "inference")
+WORKLOAD_TYPES: tuple[str, ...] = ("lora_finetune", "full_rl", "sft", "inference", "lora_session")
 
 
 @dataclass(frozen=True)

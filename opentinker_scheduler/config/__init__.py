@@ -52,7 +52,7 @@
 **Priority**: a larger number is more important. Pending tasks are placed in order of
 priority (largest first), then age (oldest first). A workload type missing from
 ``workload_types`` cannot be submitted. Priorities are integers in [-1000, 1000]. A config
-without ``workload_types`` allows all four: lora_finetune 1, full_rl 2, sft 1, inference 3.
+without ``workload_types`` allows all five: lora_finetune 1, full_rl 2, sft 1, inference 3, lora_session 3.
 
 Unknown keys and wrong types are refused at start with the file, line, column and key named
 (:class:`ConfigError`, e.g. ``scheduler_config.yaml:2:12: auth.enabled: expected true or false; 'no' is
@@ -114,6 +114,7 @@ class SchedulerConfig:
         WorkloadTypeConfig("full_rl", 2),
         WorkloadTypeConfig("sft", 1),
         WorkloadTypeConfig("inference", 3),
+        WorkloadTypeConfig("lora_session", 3),
     )
     state_dir: Path = Path("state")
     allow_unknown_nodes: bool = True

@@ -103,6 +103,8 @@ class AccessChecker:
         ttl: seconds a decision is cached (> 0).
         timeout: seconds per GetTask call.
         max_entries: cached decisions kept at most (expired ones go first, then the oldest).
+        what: how a refusal names the task (``"inference task"``; a training session's server
+            says ``"training session"``).
 
     Raises:
         ValueError: no scheduler address, a bad ``ttl``, or a TLS file that cannot be read.
@@ -120,6 +122,7 @@ class AccessChecker:
         timeout: float = 5.0,
         max_entries: int = 10_000,
         clock=time.monotonic,
+        what: str = "inference task",
     ) -> None:
         env = os.environ if env is None else env
         # Several schedulers (the node's list, the leader first): GetTask is answered by any of
@@ -136,6 +139,7 @@ class AccessChecker:
         self.timeout = float(timeout)
         self.max_entries = int(max_entries)
         self.clock = clock
+        self.what = what
         self._cache: dict[tuple[str, str], _Decision] = {}
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
         self._channel: grpc.aio.Channel | None = None
@@ -216,7 +220,7 @@ class AccessChecker:
             if code in _DENY:
                 return AccessRefused(
                     grpc.StatusCode.PERMISSION_DENIED,
-                    f"API key {key_prefix_of(auth)} may not use inference task {task_id}",
+                    f"API key {key_prefix_of(auth)} may not use {self.what} {task_id}",
                 )
             return AccessRefused(
                 grpc.StatusCode.UNAVAILABLE,

@@ -29,6 +29,7 @@ TRAINERS: dict[tuple[str, str], str] = {
     ("full_rl", "multiagent"): "opentinker_trainer.workloads.ppo_multiagent:run",  # PPO per agent, PettingZoo
     ("sft", "dataset"): "opentinker_trainer.workloads.sft:run",  # supervised fine-tuning, LoRA or full
     ("inference", "text"): "opentinker_trainer.workloads.serving:run",  # a base model and its adapters
+    ("lora_session", "text"): "opentinker_trainer.workloads.lora_session:run",  # TrainingService primitives
 }
 
 

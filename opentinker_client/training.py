@@ -1,0 +1,529 @@
+"""Write your own training loop: a client of a ``lora_session`` task's ``TrainingService``.
+
+Tinker-style primitives (docs/primitives.md)::
+
+    from opentinker_client import RLClient
+
+    with RLClient(scheduler_url="http://scheduler-host:8888") as client:
+        session = client.create_training_session("HuggingFaceTB/SmolLM2-135M-Instruct", lora_rank=16)
+        out = session.sample(prompt_tokens, n=8, max_tokens=32, seed=0).result()
+        fb = session.forward_backward(datums, "importance_sampling")   # queued ...
+        step = session.optim_step(learning_rate=1e-4)                   # ... behind it
+        print(fb.result().loss, step.result().step)
+
+Every method but :meth:`TrainingSession.get_info` returns a :class:`concurrent.futures.Future`
+at once; the calls go to the server one after another in the order they were made (one worker
+thread per session), each with the session's next sequence number, so queued calls apply in that
+order. A call the server refused (a bad datum: ``InvalidArgumentError``) did not apply and uses
+no number. A call that failed in transit (``UnavailableError``, ``DeadlineExceededError``) is
+retried with the same number (idempotent: an applied call is answered from the server's cache),
+up to ``retries`` times; after that the next call first asks the server which number it expects.
+
+``future.result(timeout=...)`` raises the call's typed error (:mod:`opentinker_client.errors`);
+an out-of-order call is :class:`OutOfOrderError` (a ``FailedPreconditionError``) with the
+number the server expects.
+
+The tokenizer: :meth:`TrainingSession.get_tokenizer` loads it with ``transformers``'
+``AutoTokenizer`` (no torch needed) from a folder of the model's tokenizer files, or the hub id
+(:attr:`SessionInfo.tokenizer` names it). Nothing else here needs transformers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import grpc
+
+from opentinker.training.v1 import training_pb2, training_pb2_grpc
+from opentinker_client.connection import resolve_api_key
+from opentinker_client.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    OpenTinkerError,
+    OutOfOrderError,
+    UnavailableError,
+    from_rpc_error,
+)
+from opentinker_client.inference import parse_endpoint
+from opentinker_common.net.bearer import bearer_metadata
+from opentinker_common.net.grpc_options import client_keepalive, message_limits
+
+__all__ = [
+    "Datum",
+    "ForwardBackwardOutput",
+    "OptimStepOutput",
+    "OutOfOrderError",
+    "SampleOutput",
+    "SampledSequence",
+    "SavedStateInfo",
+    "SessionInfo",
+    "TrainingSession",
+    "LOSS_FNS",
+]
+
+#: Loss names ``forward_backward`` takes.
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
+_LOSS = {
+    "cross_entropy": training_pb2.LOSS_FN_CROSS_ENTROPY,
+    "importance_sampling": training_pb2.LOSS_FN_IMPORTANCE_SAMPLING,
+    "ppo": training_pb2.LOSS_FN_PPO,
+}
+#: Bytes of datums per stream message (far under gRPC's 64 MiB messages).
+CHUNK_BYTES = 1 << 20
+#: ``google.rpc.ErrorInfo.domain`` of a session's refusals.
+ERROR_DOMAIN = "opentinker.training"
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One training sequence; every per-token field has ``len(input_tokens)`` values (or none).
+
+    Position ``t`` reads ``input_tokens[:t+1]`` and predicts ``target_tokens[t]``.
+    ``weights``: ``cross_entropy``'s per-token weights (empty = all 1). ``advantages``,
+    ``sampling_logprobs``: ``importance_sampling`` and ``ppo``'s.
+    """
+
+    input_tokens: Sequence[int]
+    target_tokens: Sequence[int]
+    weights: Sequence[float] = ()
+    advantages: Sequence[float] = ()
+    sampling_logprobs: Sequence[float] = ()
+
+    @classmethod
+    def from_sequence(
+        cls,
+        tokens: Sequence[int],
+        *,
+        prompt_length: int,
+        advantage: float | None = None,
+        sampling_logprobs: Sequence[float] | None = None,
+        weight: float | None = None,
+    ) -> "Datum":
+        """A next-token datum of ``tokens`` (prompt then completion) that trains on the
+        completion only: ``input_tokens = tokens[:-1]``, ``target_tokens = tokens[1:]``; the
+        completion's positions get ``advantage`` (and its ``sampling_logprobs``, one per
+        completion token) or ``weight``, the prompt's 0."""
+        tokens = list(tokens)
+        n = len(tokens) - 1
+        k = n - (prompt_length - 1)  # completion tokens
+        if prompt_length < 1 or k < 1:
+            raise ValueError(f"tokens: expected a prompt of {prompt_length} >= 1 tokens and a completion after it")
+        pad = [0.0] * (n - k)
+        d: dict[str, Any] = {"input_tokens": tokens[:-1], "target_tokens": tokens[1:]}
+        if weight is not None:
+            d["weights"] = pad + [float(weight)] * k
+        if advantage is not None:
+            d["advantages"] = pad + [float(advantage)] * k
+            lps = list(sampling_logprobs) if sampling_logprobs is not None else [0.0] * k
+            if len(lps) != k:
+                raise ValueError(f"sampling_logprobs: expected {k} values (one per completion token), got {len(lps)}")
+            d["sampling_logprobs"] = pad + [float(x) for x in lps]
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class ForwardBackwardOutput:
+    """Per datum: ``logprobs`` of its target tokens and its ``losses``; ``loss`` their sum."""
+
+    sequence: int
+    logprobs: list[list[float]]
+    losses: list[float]
+    loss: float
+    metrics: dict[str, float]
+    accumulated_calls: int
+
+
+@dataclass(frozen=True)
+class OptimStepOutput:
+    sequence: int
+    step: int
+    grad_norm: float
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    text: str
+    stop_reason: str  # "stop" | "length"
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    sequence: int
+    prompt_tokens: list[int]
+    samples: list[SampledSequence]
+    step: int
+
+
+@dataclass(frozen=True)
+class SavedStateInfo:
+    sequence: int
+    name: str
+    step: int
+    artifact_key: str = ""
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    model: str
+    tokenizer: str
+    chat_template: str
+    model_config_json: str
+    lora_rank: int
+    lora_alpha: float
+    target_modules: list[str]
+    next_sequence: int
+    step: int
+    attempt: int
+    resumed_from: str
+    max_datums_per_call: int
+    max_tokens_per_call: int
+    max_in_flight_calls: int
+    stop_token_ids: list[int]
+    accumulated_calls: int
+    states: list[str] = field(default_factory=list)
+
+
+_STOP = {training_pb2.STOP_REASON_STOP: "stop", training_pb2.STOP_REASON_LENGTH: "length"}
+
+
+def _datum_proto(d: Datum | Mapping[str, Any], i: int) -> training_pb2.Datum:
+    get = d.get if isinstance(d, Mapping) else (lambda k, default=(): getattr(d, k, default))
+    try:
+        return training_pb2.Datum(
+            input_tokens=get("input_tokens", ()),
+            target_tokens=get("target_tokens", ()),
+            weights=get("weights", ()) or (),
+            advantages=get("advantages", ()) or (),
+            sampling_logprobs=get("sampling_logprobs", ()) or (),
+        )
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"datums[{i}]: {exc}", field=f"datums[{i}]") from None
+
+
+def batch_messages(header: training_pb2.BatchHeader, datums: Sequence[Any], request_cls) -> Iterator[Any]:
+    """The stream of one batch: the header, then the datums in chunks of about :data:`CHUNK_BYTES`."""
+    protos = [_datum_proto(d, i) for i, d in enumerate(datums)]
+    header.datum_count = len(protos)
+    yield request_cls(header=header)
+    chunk: list[training_pb2.Datum] = []
+    size = 0
+    for p in protos:
+        chunk.append(p)
+        size += p.ByteSize()
+        if size >= CHUNK_BYTES:
+            yield request_cls(chunk=training_pb2.DatumChunk(datums=chunk))
+            chunk, size = [], 0
+    if chunk:
+        yield request_cls(chunk=training_pb2.DatumChunk(datums=chunk))
+
+
+def _error(err: grpc.RpcError) -> OpenTinkerError:
+    mapped = from_rpc_error(err)
+    if isinstance(mapped, FailedPreconditionError) and mapped.status is not None:
+        from google.rpc import error_details_pb2
+
+        for any_msg in mapped.status.details:
+            if any_msg.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                any_msg.Unpack(info)
+                if info.domain == ERROR_DOMAIN and info.reason == "OUT_OF_ORDER":
+                    out = OutOfOrderError(mapped.details, code=mapped.code, status=mapped.status)
+                    out.expected_sequence = int(info.metadata.get("expected_sequence", "-1"))
+                    return out
+    return mapped
+
+
+class TrainingSession:
+    """A connection to one training session (a ``lora_session`` task's endpoint).
+
+    Args:
+        endpoint: ``host:port`` or ``https://host:port`` (the task's ``Task.endpoint``).
+        task_id: the session task (for messages and :meth:`RLClient.resume_training_session`).
+        api_key: sent as ``authorization: Bearer <key>``; ``None`` reads ``$OPENTINKER_API_KEY``.
+        root_certificates: CA of the server's certificate for ``https://`` endpoints.
+        timeout: seconds per call on the wire (a call's future waits as long as you ask).
+        retries: resends of a call that failed in transit (same sequence number).
+
+    The session's sequence number is taken from the server (:meth:`get_info`) when it opens.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        task_id: str = "",
+        api_key: str | None = None,
+        root_certificates: str | os.PathLike | None = None,
+        timeout: float = 600.0,
+        retries: int = 3,
+    ) -> None:
+        self.endpoint = endpoint
+        self.task_id = task_id
+        self.timeout = float(timeout)
+        self.retries = int(retries)
+        target, tls = parse_endpoint(endpoint)
+        options = [*client_keepalive(), *message_limits()]
+        if tls:
+            from opentinker_common.net.tls import ENV_CA, channel_credentials
+
+            ca = root_certificates if root_certificates is not None else os.environ.get(ENV_CA, "")
+            creds = (channel_credentials(ca, "", "") if ca else None) or grpc.ssl_channel_credentials()
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = training_pb2_grpc.TrainingServiceStub(self._channel)
+        self._metadata = bearer_metadata(resolve_api_key(api_key))
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training-session")
+        self._unsure = False
+        try:
+            self.next_sequence = self.get_info().next_sequence
+        except BaseException:
+            self._channel.close()
+            raise
+
+    # --- plumbing ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for queued calls, then close the channel."""
+        self._worker.shutdown(wait=True)
+        self._channel.close()
+
+    def __enter__(self) -> "TrainingSession":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TrainingSession(task_id={self.task_id!r}, endpoint={self.endpoint!r})"
+
+    def _submit(self, call: Callable[[int], Any], convert: Callable[[Any], Any]) -> Future:
+        return self._worker.submit(self._ordered, call, convert)
+
+    def _ordered(self, call: Callable[[int], Any], convert: Callable[[Any], Any]) -> Any:
+        """Run ``call(sequence)`` with the next number (in the worker thread), retrying in transit."""
+        if self._unsure:  # a call's fate is unknown: ask which number the server expects now
+            self.next_sequence = self.get_info().next_sequence
+            self._unsure = False
+        sequence = self.next_sequence
+        for attempt in range(self.retries + 1):
+            try:
+                response = call(sequence)
+            except grpc.RpcError as err:
+                mapped = _error(err)
+                if isinstance(mapped, (UnavailableError, DeadlineExceededError)) and attempt < self.retries:
+                    time.sleep(min(2.0**attempt * 0.2, 5.0))
+                    continue
+                if isinstance(mapped, (UnavailableError, DeadlineExceededError)):
+                    self._unsure = True
+                raise mapped from None
+            self.next_sequence = sequence + 1
+            return convert(response)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _unary(self, method: str, request_of: Callable[[int], Any]) -> Callable[[int], Any]:
+        stub = getattr(self._stub, method)
+        return lambda seq: stub(request_of(seq), timeout=self.timeout, metadata=self._metadata)
+
+    def _stream(self, method: str, header_of: Callable[[int], Any], datums: Sequence[Any], request_cls):
+        stub = getattr(self._stub, method)
+        datums = list(datums)
+        return lambda seq: stub(
+            batch_messages(header_of(seq), datums, request_cls), timeout=self.timeout, metadata=self._metadata
+        )
+
+    # --- the primitives ---------------------------------------------------------------------
+    def forward_backward(
+        self,
+        datums: Iterable[Datum | Mapping[str, Any]],
+        loss_fn: str = "cross_entropy",
+        *,
+        clip_epsilon: float | None = None,
+    ) -> "Future[ForwardBackwardOutput]":
+        """Add the gradient of ``loss_fn`` (``cross_entropy``, ``importance_sampling``, ``ppo``)
+        summed over ``datums`` to the session's accumulated gradient. ``clip_epsilon``: ppo's clip
+        range (default 0.2). Errors: InvalidArgumentError (names ``datums[i].field``),
+        ResourceExhaustedError (the session's bounds), OutOfOrderError."""
+        if loss_fn not in _LOSS:
+            raise InvalidArgumentError(
+                f"loss_fn: expected one of {', '.join(LOSS_FNS)}, got {loss_fn!r}", field="loss_fn"
+            )
+        config = training_pb2.LossFnConfig()
+        if clip_epsilon is not None:
+            config.clip_epsilon = float(clip_epsilon)
+
+        def header(seq):
+            return training_pb2.BatchHeader(sequence=seq, loss_fn=_LOSS[loss_fn], loss_fn_config=config)
+
+        def convert(r):
+            return ForwardBackwardOutput(
+                sequence=r.sequence,
+                logprobs=[list(o.logprobs) for o in r.outputs],
+                losses=[o.loss for o in r.outputs],
+                loss=r.loss,
+                metrics=dict(r.metrics),
+                accumulated_calls=r.accumulated_calls,
+            )
+
+        datums = list(datums)
+        return self._submit(
+            self._stream("ForwardBackward", header, datums, training_pb2.ForwardBackwardRequest), convert
+        )
+
+    def forward(self, datums: Iterable[Datum | Mapping[str, Any]]) -> "Future[list[list[float]]]":
+        """Log-probabilities of each datum's target tokens under the current weights (no gradient)."""
+        datums = list(datums)
+        return self._submit(
+            self._stream(
+                "Forward", lambda seq: training_pb2.BatchHeader(sequence=seq), datums, training_pb2.ForwardRequest
+            ),
+            lambda r: [list(o.logprobs) for o in r.outputs],
+        )
+
+    def optim_step(
+        self,
+        learning_rate: float,
+        *,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 1.0,
+    ) -> "Future[OptimStepOutput]":
+        """Apply the accumulated gradient with AdamW (clipping its norm to ``max_grad_norm``; 0 = off)."""
+        if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate > 0):
+            raise InvalidArgumentError(
+                f"adam.learning_rate: expected a finite number > 0, got {learning_rate!r}", field="adam.learning_rate"
+            )
+        adam = training_pb2.AdamParams(
+            learning_rate=float(learning_rate),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(eps),
+            weight_decay=float(weight_decay),
+            max_grad_norm=float(max_grad_norm),
+        )
+        return self._submit(
+            self._unary("OptimStep", lambda seq: training_pb2.OptimStepRequest(sequence=seq, adam=adam)),
+            lambda r: OptimStepOutput(r.sequence, r.step, r.grad_norm),
+        )
+
+    def sample(
+        self,
+        prompt_tokens: Sequence[int] | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        n: int = 1,
+        max_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        return_logprobs: bool = True,
+    ) -> "Future[SampleOutput]":
+        """``n`` completions of a prompt (tokens, or chat ``messages`` through the chat template)
+        from the session's current weights; each token's log-probability is that of the raw
+        logits (what :meth:`forward` gives), whatever the temperature."""
+        if (prompt_tokens is None) == (messages is None):
+            raise InvalidArgumentError("prompt: give exactly one of prompt_tokens or messages", field="prompt")
+
+        def request(seq):
+            req = training_pb2.SampleRequest(
+                sequence=seq,
+                n=int(n),
+                max_tokens=int(max_tokens),
+                temperature=float(temperature),
+                top_p=float(top_p),
+                stop=list(stop),
+                return_logprobs=bool(return_logprobs),
+            )
+            if seed is not None:
+                req.seed = int(seed)
+            if prompt_tokens is not None:
+                req.tokens.tokens.extend(int(t) for t in prompt_tokens)
+            else:
+                for m in messages:
+                    req.messages.messages.add(role=str(m.get("role", "user")), content=str(m["content"]))
+            return req
+
+        def convert(r):
+            return SampleOutput(
+                r.sequence,
+                list(r.prompt_tokens),
+                [
+                    SampledSequence(list(s.tokens), list(s.logprobs), s.text, _STOP.get(s.stop_reason, ""))
+                    for s in r.samples
+                ],
+                r.step,
+            )
+
+        return self._submit(self._unary("Sample", request), convert)
+
+    def save_state(self, name: str) -> "Future[SavedStateInfo]":
+        """Save adapter, optimizer and counters as state ``name`` (the task's newest checkpoint)."""
+        return self._submit(
+            self._unary("SaveState", lambda seq: training_pb2.SaveStateRequest(sequence=seq, name=name)),
+            lambda r: SavedStateInfo(r.sequence, r.name, r.step, r.artifact_key),
+        )
+
+    def load_state(self, name: str, *, with_optimizer: bool = True) -> "Future[int]":
+        """Load state ``name`` (and its optimizer and step); the future gives the step."""
+        return self._submit(
+            self._unary(
+                "LoadState",
+                lambda seq: training_pb2.LoadStateRequest(sequence=seq, name=name, with_optimizer=with_optimizer),
+            ),
+            lambda r: r.step,
+        )
+
+    def save_weights_for_sampler(self, name: str) -> "Future[SavedStateInfo]":
+        """Save a frozen copy of the adapter (PEFT, no optimizer) as checkpoint ``name``."""
+        return self._submit(
+            self._unary(
+                "SaveWeightsForSampler", lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=name)
+            ),
+            lambda r: SavedStateInfo(r.sequence, r.name, r.step, r.artifact_key),
+        )
+
+    def get_info(self) -> SessionInfo:
+        """The session now (synchronous; not ordered with queued calls)."""
+        try:
+            r = self._stub.GetInfo(
+                training_pb2.GetInfoRequest(), timeout=min(self.timeout, 60.0), metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            raise _error(err) from None
+        return SessionInfo(
+            model=r.model,
+            tokenizer=r.tokenizer,
+            chat_template=r.chat_template,
+            model_config_json=r.model_config_json,
+            lora_rank=r.lora_rank,
+            lora_alpha=r.lora_alpha,
+            target_modules=list(r.target_modules),
+            next_sequence=r.next_sequence,
+            step=r.step,
+            attempt=r.attempt,
+            resumed_from=r.resumed_from,
+            max_datums_per_call=r.max_datums_per_call,
+            max_tokens_per_call=r.max_tokens_per_call,
+            max_in_flight_calls=r.max_in_flight_calls,
+            stop_token_ids=list(r.stop_token_ids),
+            accumulated_calls=r.accumulated_calls,
+            states=list(r.states),
+        )
+
+    def get_tokenizer(self, source: str | os.PathLike | None = None):
+        """The session's tokenizer, loaded client-side with ``transformers.AutoTokenizer`` from
+        ``source`` (a folder with the model's tokenizer files, or a hub id; default: the
+        session's base model name). Needs ``transformers`` and ``tokenizers``, not torch."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(source) if source is not None else self.get_info().model)

@@ -1,0 +1,55 @@
+"""Hyper-parameters of ``lora_session``: a training session that serves ``TrainingService``.
+
+A ``lora_session`` task holds one LoRA adapter on its base model (``spec.model``) and lets its
+owner run their own training loop client-side with primitives (forward_backward, optim_step,
+sample, save/load state; ``docs/primitives.md``). The scheduler places it like any task (owner,
+priority, ``max_runtime``); it is RUNNING while it serves, shows its address in
+``Task.endpoint``, and ends SUCCEEDED after ``idle_timeout_s`` seconds without a call, CANCELLED
+when cancelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from opentinker_common.spec import lm_fields
+from opentinker_common.spec._parse import num
+from opentinker_common.spec.registry import register_workload
+
+__all__ = ["LoraSessionConfig"]
+
+
+@dataclass(frozen=True)
+class LoraSessionConfig:
+    """A ``lora_session`` task: an adapter of ``lora_rank`` / ``lora_alpha`` on ``target_modules``,
+    initialised from ``seed``, trained by the owner's calls; bounds per call on datums, tokens and
+    calls in flight (RESOURCE_EXHAUSTED beyond them)."""
+
+    lora_rank: int = lm_fields.lora_rank()
+    lora_alpha: float = lm_fields.lora_alpha()
+    lora_dropout: float = lm_fields.lora_dropout()
+    target_modules: tuple[str, ...] = lm_fields.target_modules()
+    seed: int = num(0, 0, 2**31 - 1, doc="seeds the adapter's initial weights")
+    idle_timeout_s: float = num(
+        1800.0, 0.0, 30 * 86400.0, min_exclusive=True, doc="seconds without a call before the session ends SUCCEEDED"
+    )
+    max_datums_per_call: int = num(1024, 1, 1 << 20, doc="datums per ForwardBackward / Forward call")
+    max_tokens_per_call: int = num(
+        262_144,
+        1,
+        1 << 26,
+        doc="input tokens per ForwardBackward / Forward call, and n * (prompt + max_tokens) per Sample",
+    )
+    max_in_flight_calls: int = num(4, 1, 1024, doc="calls running or waiting for the session at once")
+    micro_batch_tokens: int = num(
+        8192, 1, 1 << 24, doc="padded tokens per forward pass; a call's datums run in micro-batches of this many"
+    )
+    port: int = num(0, 0, 65535, doc="port to listen on; 0 picks a free one")
+    dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
+
+    def check(self, path: str) -> None:
+        lm_fields.check_target_modules(self.target_modules, path)
+
+
+# A session needs no environment; the default env (the text task) satisfies the spec.
+register_workload("lora_session", LoraSessionConfig, env_kinds=("text",))

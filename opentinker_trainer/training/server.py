@@ -1,0 +1,376 @@
+"""``opentinker.training.v1.TrainingService`` over grpc.aio, with health and reflection.
+
+Thin: protobuf in and out, the call ordered by the session's :class:`~.sequencing.Sequencer`
+and run on a worker thread, refusals mapped to status codes (:data:`~.errors.STATUS`); the work
+is :class:`~.session.TrainingSession`'s. With an ``access`` checker every call is checked against
+the scheduler with the caller's own API key, as the inference server does
+(:class:`opentinker_trainer.inference.access.AccessChecker`): only the session task's owner or an
+admin may call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+
+from opentinker.training.v1 import training_pb2, training_pb2_grpc
+
+from opentinker_common.net.grpc_options import server_options
+from opentinker_trainer.inference.access import AccessChecker, AccessRefused
+from opentinker_trainer.training.datums import Datum, check_count
+from opentinker_trainer.training.errors import BadRequest, OutOfOrder, SessionError, Stopping
+from opentinker_trainer.training.sequencing import Sequencer
+from opentinker_trainer.training.session import KIND_SAMPLER, AdamParams, TrainingSession
+
+__all__ = ["ERROR_DOMAIN", "SERVICE_NAME", "RunningTrainingServer", "TrainingServicer", "start_training_server"]
+
+SERVICE_NAME = training_pb2.DESCRIPTOR.services_by_name["TrainingService"].full_name
+#: ``google.rpc.ErrorInfo.domain`` of a session's refusals (reason ``OUT_OF_ORDER``).
+ERROR_DOMAIN = "opentinker.training"
+
+_LOSS = {
+    training_pb2.LOSS_FN_CROSS_ENTROPY: "cross_entropy",
+    training_pb2.LOSS_FN_IMPORTANCE_SAMPLING: "importance_sampling",
+    training_pb2.LOSS_FN_PPO: "ppo",
+}
+_STOP = {"stop": training_pb2.STOP_REASON_STOP, "length": training_pb2.STOP_REASON_LENGTH}
+
+
+def datum_from_proto(d: training_pb2.Datum) -> Datum:
+    return Datum(
+        input_tokens=list(d.input_tokens),
+        target_tokens=list(d.target_tokens),
+        weights=list(d.weights),
+        advantages=list(d.advantages),
+        sampling_logprobs=list(d.sampling_logprobs),
+    )
+
+
+class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
+    """The servicer of one session.
+
+    Args:
+        session: the session (its methods run on a worker thread, one at a time).
+        sequencer: orders the calls; ``Sequencer(next_sequence)`` of a resumed session.
+        access, task_id: check every call with the caller's key for task ``task_id`` (None: no checks).
+        attempt: the task attempt serving the session (GetInfo).
+        touch: called at each call (the workload's idle clock).
+    """
+
+    def __init__(
+        self,
+        session: TrainingSession,
+        *,
+        sequencer: Sequencer,
+        access: AccessChecker | None = None,
+        task_id: str = "",
+        attempt: int = 1,
+        touch: Callable[[], None] | None = None,
+    ) -> None:
+        if access is not None and not task_id:
+            raise ValueError("task_id: expected the session task's id when access is checked")
+        self.session = session
+        self.seq = sequencer
+        self.access = access
+        self.task_id = task_id
+        self.attempt = int(attempt)
+        self.touch = touch or (lambda: None)
+        self.stopping = False
+        self.calls = 0
+
+    # --- plumbing ---------------------------------------------------------------------------
+    async def _admit(self, context) -> None:
+        self.touch()
+        self.calls += 1
+        if self.access is not None:
+            await self.access.check(context.invocation_metadata(), self.task_id)
+        if self.stopping:
+            raise Stopping("the session is stopping (cancelled, idle or past max_runtime); resume it to go on")
+
+    async def _ordered(self, sequence: int, work: Callable[[], Any], respond: Callable[[Any], Any]) -> Any:
+        """``respond(work())`` as call ``sequence`` of the session, ``work`` on a worker thread."""
+        self.seq.admit()
+        try:
+
+            async def call():
+                result = await asyncio.to_thread(work)
+                return respond(result)
+
+            return await self.seq.run(sequence, call)
+        finally:
+            self.seq.release()
+
+    @staticmethod
+    async def _abort(context, exc: BaseException) -> None:
+        if isinstance(exc, AccessRefused):
+            await context.abort(exc.code, exc.message)
+        if isinstance(exc, OutOfOrder):
+            info = error_details_pb2.ErrorInfo(
+                reason="OUT_OF_ORDER", domain=ERROR_DOMAIN, metadata={"expected_sequence": str(exc.expected)}
+            )
+            packed = any_pb2.Any()
+            packed.Pack(info)
+            code = grpc.StatusCode.FAILED_PRECONDITION
+            status = status_pb2.Status(code=code.value[0], message=str(exc), details=[packed])
+            await context.abort_with_status(rpc_status.to_status(status))
+        if isinstance(exc, SessionError):
+            await context.abort(getattr(grpc.StatusCode, exc.status), str(exc))
+        raise exc
+
+    async def _read_batch(self, requests: AsyncIterator) -> tuple[training_pb2.BatchHeader, list[Datum]]:
+        header = None
+        datums: list[Datum] = []
+        tokens = 0
+        async for msg in requests:
+            which = msg.WhichOneof("part")
+            if header is None:
+                if which != "header":
+                    raise BadRequest("header: expected the batch header as the first message of the stream")
+                header = msg.header
+                if header.datum_count < 0:
+                    raise BadRequest(f"header.datum_count: expected >= 0, got {header.datum_count}")
+                check_count(header.datum_count, 0, self.session.limits)
+                continue
+            if which != "chunk":
+                raise BadRequest("header: expected one header, at the start of the stream; got a second one")
+            for d in msg.chunk.datums:
+                datums.append(datum_from_proto(d))
+                tokens += len(d.input_tokens)
+            check_count(len(datums), tokens, self.session.limits)  # refuse early, before the rest arrives
+        if header is None:
+            raise BadRequest("header: expected the batch header as the first message of the stream, got no message")
+        if header.datum_count and header.datum_count != len(datums):
+            raise BadRequest(
+                f"header.datum_count: the header announced {header.datum_count} datums, "
+                f"the stream carried {len(datums)}"
+            )
+        return header, datums
+
+    # --- the RPCs ---------------------------------------------------------------------------
+    async def ForwardBackward(self, request_iterator, context):
+        try:
+            await self._admit(context)
+            header, datums = await self._read_batch(request_iterator)
+            loss_fn = _LOSS.get(header.loss_fn)
+            if loss_fn is None:
+                raise BadRequest(
+                    f"header.loss_fn: expected one of {', '.join(training_pb2.LossFn.keys()[1:])}, got {header.loss_fn}"
+                )
+            cfg = header.loss_fn_config
+            clip = cfg.clip_epsilon if cfg.HasField("clip_epsilon") else None
+            sequence = header.sequence
+
+            def respond(r):
+                return training_pb2.ForwardBackwardResponse(
+                    sequence=sequence,
+                    outputs=[
+                        training_pb2.DatumOutput(logprobs=lp, loss=loss) for lp, loss in zip(r.logprobs, r.losses)
+                    ],
+                    loss=r.loss,
+                    metrics=r.metrics,
+                    accumulated_calls=r.accumulated_calls,
+                )
+
+            return await self._ordered(
+                sequence, lambda: self.session.forward_backward(datums, loss_fn, clip_epsilon=clip), respond
+            )
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await self._abort(context, exc)
+
+    async def Forward(self, request_iterator, context):
+        try:
+            await self._admit(context)
+            header, datums = await self._read_batch(request_iterator)
+            sequence = header.sequence
+            return await self._ordered(
+                sequence,
+                lambda: self.session.forward(datums),
+                lambda out: training_pb2.ForwardResponse(
+                    sequence=sequence, outputs=[training_pb2.DatumOutput(logprobs=lp) for lp in out]
+                ),
+            )
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await self._abort(context, exc)
+
+    async def OptimStep(self, request, context):
+        try:
+            await self._admit(context)
+            a = request.adam
+            adam = AdamParams(
+                learning_rate=a.learning_rate,
+                beta1=a.beta1 if a.HasField("beta1") else 0.9,
+                beta2=a.beta2 if a.HasField("beta2") else 0.999,
+                eps=a.eps if a.HasField("eps") else 1e-8,
+                weight_decay=a.weight_decay if a.HasField("weight_decay") else 0.0,
+                max_grad_norm=a.max_grad_norm if a.HasField("max_grad_norm") else 1.0,
+            )
+            return await self._ordered(
+                request.sequence,
+                lambda: self.session.optim_step(adam),
+                lambda r: training_pb2.OptimStepResponse(sequence=request.sequence, step=r[0], grad_norm=r[1]),
+            )
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await self._abort(context, exc)
+
+    async def Sample(self, request, context):
+        try:
+            await self._admit(context)
+            which = request.WhichOneof("prompt")
+            tokens = list(request.tokens.tokens) if which == "tokens" else None
+            messages = [(m.role, m.content) for m in request.messages.messages] if which == "messages" else None
+
+            def work():
+                prompt = self.session.prompt_tokens(tokens, messages)
+                return self.session.sample(
+                    prompt,
+                    n=request.n or 1,
+                    max_tokens=request.max_tokens or 64,
+                    temperature=request.temperature if request.HasField("temperature") else 1.0,
+                    top_p=request.top_p if request.HasField("top_p") else 1.0,
+                    stop=tuple(request.stop),
+                    seed=request.seed if request.HasField("seed") else None,
+                    return_logprobs=request.return_logprobs,
+                )
+
+            def respond(r):
+                return training_pb2.SampleResponse(
+                    sequence=request.sequence,
+                    prompt_tokens=r.prompt_tokens,
+                    samples=[
+                        training_pb2.SampledSequence(
+                            tokens=s.tokens, logprobs=s.logprobs, text=s.text, stop_reason=_STOP[s.stop_reason]
+                        )
+                        for s in r.samples
+                    ],
+                    step=r.step,
+                )
+
+            return await self._ordered(request.sequence, work, respond)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await self._abort(context, exc)
+
+    async def SaveState(self, request, context):
+        try:
+            await self._admit(context)
+            seq = request.sequence
+            return await self._ordered(
+                seq,
+                lambda: self.session.save_state(request.name, next_sequence=seq + 1),
+                lambda s: training_pb2.SaveStateResponse(
+                    sequence=seq, name=s.name, step=s.step, artifact_key=s.artifact_key
+                ),
+            )
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await self._abort(context, exc)
+
+    async def SaveWeightsForSampler(self, request, context):
+        try:
+            await self._admit(context)
+            seq = request.sequence
+            return await self._ordered(
+                seq,
+                lambda: self.session.save_state(request.name, next_sequence=seq + 1, kind=KIND_SAMPLER),
+                lambda s: training_pb2.SaveWeightsForSamplerResponse(
+                    sequence=seq, name=s.name, step=s.step, artifact_key=s.artifact_key
+                ),
+            )
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await self._abort(context, exc)
+
+    async def LoadState(self, request, context):
+        try:
+            await self._admit(context)
+            seq = request.sequence
+            return await self._ordered(
+                seq,
+                lambda: self.session.load_state(request.name, with_optimizer=request.with_optimizer),
+                lambda step: training_pb2.LoadStateResponse(sequence=seq, name=request.name, step=step),
+            )
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await self._abort(context, exc)
+
+    async def GetInfo(self, request, context):
+        try:
+            await self._admit(context)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await self._abort(context, exc)
+        info = self.session.info()
+        limits = self.session.limits
+        return training_pb2.GetInfoResponse(
+            model=info["model"],
+            tokenizer=info["tokenizer"],
+            chat_template=info["chat_template"],
+            model_config_json=info["model_config_json"],
+            lora_rank=int(info["lora"]["lora_rank"]),
+            lora_alpha=float(info["lora"]["lora_alpha"]),
+            target_modules=list(info["lora"]["target_modules"]),
+            next_sequence=self.seq.next,
+            step=info["step"],
+            attempt=self.attempt,
+            resumed_from=info["resumed_from"],
+            max_datums_per_call=limits.max_datums_per_call,
+            max_tokens_per_call=limits.max_tokens_per_call,
+            max_in_flight_calls=limits.max_in_flight_calls,
+            stop_token_ids=info["stop_token_ids"],
+            accumulated_calls=info["accumulated_calls"],
+            states=info["states"],
+        )
+
+
+@dataclass
+class RunningTrainingServer:
+    server: grpc.aio.Server
+    port: int
+    servicer: TrainingServicer
+    health: Any
+    started: float = 0.0
+
+    async def stop(self, grace: float = 2.0) -> None:
+        self.servicer.stopping = True
+        await _maybe_await(self.health.enter_graceful_shutdown())
+        await self.server.stop(grace)
+        if self.servicer.access is not None:
+            await self.servicer.access.close()
+
+
+async def start_training_server(servicer: TrainingServicer, *, host: str = "0.0.0.0", port: int = 0, tls=None):
+    """Serve ``servicer`` on ``host:port`` (0 = any free port), with health and reflection.
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    server = grpc.aio.server(options=server_options(max_pings_without_data=False))
+    training_pb2_grpc.add_TrainingServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    try:
+        if tls is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(tls[1], tls[0])]))
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        await server.stop(None)
+        raise OSError(f"cannot listen on {host}:{port} (in use, or not a valid address)")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
+    return RunningTrainingServer(
+        server=server, port=bound, servicer=servicer, health=health_servicer, started=time.monotonic()
+    )
+
+
+async def _maybe_await(value) -> None:
+    if asyncio.iscoroutine(value):
+        await value

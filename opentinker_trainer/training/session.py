@@ -1,0 +1,565 @@
+"""One training session: a LoRA adapter on a base model, trained by its owner's calls.
+
+Usable without a channel (the tests drive it directly); :mod:`.server` adapts it to gRPC and
+:mod:`opentinker_trainer.workloads.lora_session` runs it as a task.
+
+* :meth:`TrainingSession.forward_backward` adds the gradient of a loss (:mod:`.losses`) over a
+  batch of datums (:mod:`.datums`) to the session's accumulated gradient; calls add up until
+  :meth:`~TrainingSession.optim_step` applies AdamW (decoupled weight decay, Loshchilov & Hutter
+  2019, ``torch.optim.AdamW``) after clipping the global gradient norm. A refused call (a bad
+  datum, a non-finite loss, an error half-way through the micro-batches) leaves the accumulated
+  gradient as it was: the call's gradient is built apart and added only once all of it exists.
+* :meth:`~TrainingSession.forward` returns log-probabilities only; :meth:`~TrainingSession.sample`
+  draws completions from the current weights with the inference server's sampler
+  (:class:`opentinker_trainer.inference.engine.Decode`), whose log-probabilities are those of the
+  raw logits, i.e. what ``forward`` returns for the same tokens.
+* :meth:`~TrainingSession.save_state` / :meth:`~TrainingSession.load_state` write and read a
+  checkpoint folder: the adapter in PEFT format (``adapter_config.json`` +
+  ``adapter_model.safetensors``) and ``trainer_state.pt`` (step, AdamW state, the name, the
+  next sequence number), the folder a ``lora_finetune`` task writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from opentinker_trainer.inference.engine import FINISH_STOP, Decode, SamplingParams
+from opentinker_trainer.rl.grpo import token_logprobs
+from opentinker_trainer.rl.rollout import left_pad, prefix_logprobs, right_pad
+from opentinker_trainer.training.datums import Datum, Limits, check_batch
+from opentinker_trainer.training.errors import BadRequest, NotReady, OverLimit, StateNotFound
+from opentinker_trainer.training.losses import datum_loss
+from opentinker_trainer.workloads import _lm
+
+__all__ = [
+    "AdamParams",
+    "ForwardBackwardResult",
+    "Sampled",
+    "SampleResult",
+    "SavedState",
+    "TrainingSession",
+    "check_state_name",
+]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+#: ``trainer_state.pt`` ``kind`` of a full state and of a frozen copy for a sampler.
+KIND_STATE, KIND_SAMPLER = "session_state", "sampler_weights"
+
+
+def check_state_name(name: str) -> str:
+    """``name`` if it is 1 to 64 of ``[A-Za-z0-9._-]`` (not ``.`` or ``..``), else :class:`BadRequest`."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
+        raise BadRequest(f"name: expected 1 to 64 characters of [A-Za-z0-9._-], got {name!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """AdamW hyper-parameters of one optimizer step (``torch.optim.AdamW``'s, plus the clip)."""
+
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    #: Clip the global L2 norm of the gradient to this; 0 = no clipping.
+    max_grad_norm: float = 1.0
+
+    def check(self) -> None:
+        """Raises :class:`BadRequest` naming ``adam.<field>`` and what was expected."""
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise BadRequest(f"adam.learning_rate: expected a finite number > 0, got {self.learning_rate}")
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            if not (0.0 <= v < 1.0):
+                raise BadRequest(f"adam.{name}: expected a number in [0, 1), got {v}")
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise BadRequest(f"adam.eps: expected a finite number > 0, got {self.eps}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise BadRequest(f"adam.weight_decay: expected a finite number >= 0, got {self.weight_decay}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            raise BadRequest(
+                f"adam.max_grad_norm: expected a finite number >= 0 (0 = no clipping), got {self.max_grad_norm}"
+            )
+
+
+@dataclass
+class ForwardBackwardResult:
+    """Per datum, in order: ``logprobs`` (``N`` floats) and ``losses``; ``loss`` their sum."""
+
+    logprobs: list[list[float]]
+    losses: list[float]
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    accumulated_calls: int = 0
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[float]
+    text: str
+    stop_reason: str  # "stop" | "length"
+
+
+@dataclass
+class SampleResult:
+    prompt_tokens: list[int]
+    samples: list[Sampled]
+    step: int
+
+
+@dataclass(frozen=True)
+class SavedState:
+    name: str
+    step: int
+    folder: Path
+    artifact_key: str = ""
+
+
+class TrainingSession:
+    """The state of one session: ``model`` (a PEFT model whose trainable parameters are the
+    adapter), its AdamW optimizer, the accumulated gradient and the counters.
+
+    Args:
+        model, tokenizer: the PEFT model and its tokenizer (``_lm.load_for_training``).
+        model_name: the base model as the task names it (written into saved adapters).
+        lora: ``{"lora_rank", "lora_alpha", "target_modules"}`` of the adapter.
+        limits: bounds per call (:class:`~.datums.Limits`).
+        micro_batch_tokens: padded tokens per forward pass.
+        checkpoint_dir: where states are written (``state_<name>``, ``sampler_<name>``).
+        publish: ``(step, folder, kind) -> artifact key`` puts a written state into the artifact
+            store (the workload's; None: folders only).
+
+    Not thread-safe: one call at a time (the servicer's :class:`~.sequencing.Sequencer` sees to it).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        model_name: str,
+        lora: dict[str, Any],
+        limits: Limits = Limits(),
+        micro_batch_tokens: int = 8192,
+        checkpoint_dir: Path | None = None,
+        publish: Callable[[int, Path, str], str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.lora = dict(lora)
+        self.limits = limits
+        self.micro_batch_tokens = int(micro_batch_tokens)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.publish = publish
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("model: expected trainable (adapter) parameters, found none")
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.0)
+        self.device = self.params[0].device
+        self.step = 0
+        self.accumulated_calls = 0
+        self.states: dict[str, SavedState] = {}
+        self.resumed_from = ""
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        emb = model.get_input_embeddings().num_embeddings
+        out = getattr(model.get_output_embeddings(), "out_features", emb)
+        self.vocab_size = int(min(emb, out))
+        self.context = int(getattr(model.config, "max_position_embeddings", 1 << 20) or (1 << 20))
+        self.stop_token_ids = (
+            list(stop_token_ids) if stop_token_ids is not None else _lm.stop_token_ids(tokenizer, model)
+        )
+
+    # --- forward passes -------------------------------------------------------------------------
+    def _micro_batches(self, datums: Sequence[Datum]) -> list[list[int]]:
+        """Consecutive datum indices whose padded size stays within ``micro_batch_tokens``."""
+        groups: list[list[int]] = []
+        width = 0
+        for i, d in enumerate(datums):
+            n = len(d)
+            if groups and (len(groups[-1]) + 1) * max(width, n) <= self.micro_batch_tokens:
+                groups[-1].append(i)
+                width = max(width, n)
+            else:
+                groups.append([i])
+                width = n
+        return groups
+
+    def _logprobs(self, datums: Sequence[Datum], rows: list[int]) -> list[torch.Tensor]:
+        """Log-prob of each target token of ``datums[rows]``: one ``[N_i]`` float32 tensor each."""
+        width = max(len(datums[i]) for i in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        targets = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            n = len(datums[i])
+            ids[r, :n] = torch.as_tensor(list(datums[i].input_tokens), dtype=torch.long)
+            targets[r, :n] = torch.as_tensor(list(datums[i].target_tokens), dtype=torch.long)
+            mask[r, :n] = 1
+        ids, targets, mask = ids.to(self.device), targets.to(self.device), mask.to(self.device)
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        logp = token_logprobs(logits, targets)
+        return [logp[r, : len(datums[i])] for r, i in enumerate(rows)]
+
+    def _scored_from(self, d: Datum, loss_fn: str) -> int:
+        """First position whose loss coefficient (weight, or advantage) is not 0 (``len(d)`` if none)."""
+        coeff = d.weights if loss_fn == "cross_entropy" else d.advantages
+        if loss_fn == "cross_entropy" and not len(coeff):
+            return 0
+        for t, c in enumerate(coeff):
+            if c != 0:
+                return t
+        return len(d)
+
+    def _shared_logprobs(self, datums: Sequence[Datum], rows: list[int], loss_fn: str) -> dict[int, torch.Tensor]:
+        """Log-probs (with grad where they count) of the next-token datums of ``rows`` whose
+        unscored prefix (the tokens before the first non-zero weight or advantage) they share with
+        others: each such prefix runs once, its key/value cache serves its group
+        (:func:`opentinker_trainer.rl.rollout.prefix_logprobs`, exact up to float rounding), and the
+        prefix positions' log-probs come from one no-grad pass over the distinct prefixes. Returns
+        ``{datum index: [N] log-probs}`` for the datums done so (the rest run flat)."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i in rows:
+            d = datums[i]
+            start = self._scored_from(d, loss_fn)
+            if start < 1 or start >= len(d) or list(d.target_tokens[:-1]) != list(d.input_tokens[1:]):
+                continue
+            groups.setdefault(tuple(d.input_tokens[:start]), []).append(i)
+        groups = {k: v for k, v in groups.items() if len(v) > 1}
+        if not groups:
+            return {}
+        prefixes = list(groups)
+        members = [(g, i) for g, key in enumerate(prefixes) for i in groups[key]]
+        prefix_ids, prefix_mask = left_pad(prefixes, self.pad_id, self.device)
+        completions = [list(datums[i].target_tokens[len(prefixes[g]) - 1 :]) for g, i in members]
+        comp_ids, comp_mask = right_pad(completions, self.pad_id, self.device)
+        index = torch.tensor([g for g, _ in members], dtype=torch.long, device=self.device)
+        scored = prefix_logprobs(self.model, prefix_ids, prefix_mask, index, comp_ids, comp_mask)
+        if scored is None:
+            return {}
+        with torch.no_grad():  # the prefix positions (coefficient 0): values only
+            flat = [Datum(list(k[:-1]) or [k[0]], list(k[1:]) or [k[0]]) for k in prefixes]
+            head = self._logprobs(flat, list(range(len(flat))))
+        out = {}
+        for r, (g, i) in enumerate(members):
+            n_prefix = len(prefixes[g]) - 1
+            out[i] = torch.cat([head[g][:n_prefix].detach(), scored[r, : len(completions[r])]])
+        return out
+
+    def forward(self, datums: Sequence[Datum]) -> list[list[float]]:
+        """Log-prob of each target token of each datum under the current weights; no state change.
+
+        Raises:
+            BadRequest, OverLimit: see :func:`~.datums.check_batch`.
+        """
+        check_batch(datums, "forward", vocab_size=self.vocab_size, limits=self.limits, context=self.context)
+        out: list[list[float]] = [[] for _ in datums]
+        self.model.eval()
+        with torch.no_grad():
+            for rows in self._micro_batches(datums):
+                for i, lp in zip(rows, self._logprobs(datums, rows)):
+                    out[i] = lp.tolist()
+        return out
+
+    def forward_backward(
+        self, datums: Sequence[Datum], loss_fn: str, *, clip_epsilon: float | None = None
+    ) -> ForwardBackwardResult:
+        """Add the gradient of ``loss_fn`` summed over ``datums`` to the accumulated gradient.
+
+        Args:
+            loss_fn: ``cross_entropy``, ``importance_sampling`` or ``ppo`` (:mod:`.losses`).
+            clip_epsilon: ``ppo``'s clip range, in (0, 1]; default 0.2.
+
+        Raises:
+            BadRequest: a bad batch (:func:`~.datums.check_batch`), a clip range out of range, or
+                a loss that is not finite (naming the datum); nothing accumulated.
+            OverLimit: over the bounds per call.
+        """
+        check_batch(datums, loss_fn, vocab_size=self.vocab_size, limits=self.limits, context=self.context)
+        eps = 0.2 if clip_epsilon is None else float(clip_epsilon)
+        if loss_fn == "ppo" and not (0.0 < eps <= 1.0):
+            raise BadRequest(f"loss_fn_config.clip_epsilon: expected a number in (0, 1], got {clip_epsilon}")
+        saved = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        logprobs: list[list[float]] = [[] for _ in datums]
+        losses = [0.0] * len(datums)
+        ratio_sum = clipped = 0.0
+        try:
+            self.model.train()
+            for rows in self._micro_batches(datums):
+                parts = []
+                shared = self._shared_logprobs(datums, rows, loss_fn)
+                flat = [i for i in rows if i not in shared]
+                computed = {**shared, **dict(zip(flat, self._logprobs(datums, flat) if flat else []))}
+                for i in rows:
+                    lp = computed[i]
+                    d = datums[i]
+                    loss, diag = datum_loss(
+                        loss_fn,
+                        lp,
+                        weights=_tensor(d.weights, lp),
+                        advantages=_tensor(d.advantages, lp),
+                        sampling_logp=_tensor(d.sampling_logprobs, lp),
+                        clip_epsilon=eps,
+                    )
+                    value = float(loss.detach())
+                    if not math.isfinite(value):
+                        raise BadRequest(
+                            f"datums[{i}]: the {loss_fn} loss is not finite ({value}); check its sampling_logprobs "
+                            "(an importance ratio exp(logp - sampling_logprobs) overflowed?) and advantages"
+                        )
+                    losses[i] = value
+                    logprobs[i] = lp.detach().tolist()
+                    ratio_sum += float(diag.get("ratio_sum", 0.0))
+                    clipped += float(diag.get("clipped", 0.0))
+                    parts.append(loss)
+                torch.stack(parts).sum().backward()
+        except BaseException:
+            for p, g in zip(self.params, saved):
+                p.grad = g
+            raise
+        for p, g in zip(self.params, saved):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        self.accumulated_calls += 1
+        tokens = sum(len(d) for d in datums)
+        metrics = {"tokens": float(tokens)}
+        if loss_fn != "cross_entropy":
+            metrics["ratio_mean"] = ratio_sum / tokens
+        if loss_fn == "ppo":
+            metrics["clip_fraction"] = clipped / tokens
+        return ForwardBackwardResult(logprobs, losses, float(sum(losses)), metrics, self.accumulated_calls)
+
+    def optim_step(self, adam: AdamParams) -> tuple[int, float]:
+        """Apply the accumulated gradient with AdamW; returns ``(step, grad_norm before clipping)``.
+
+        Raises:
+            BadRequest: a bad hyper-parameter (``adam.<field>``).
+            NotReady: nothing accumulated since the last step; or the gradient norm is not finite
+                (the gradient is then discarded and the weights unchanged).
+        """
+        adam.check()
+        if self.accumulated_calls == 0:
+            raise NotReady(
+                "optim_step: no gradient accumulated since the last optimizer step; call forward_backward first"
+            )
+        limit = adam.max_grad_norm if adam.max_grad_norm > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, limit))
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.accumulated_calls = 0
+            raise NotReady(f"optim_step: the gradient norm is {norm}; the gradient was discarded, weights unchanged")
+        for group in self.optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accumulated_calls = 0
+        self.step += 1
+        return self.step, norm
+
+    # --- sampling -------------------------------------------------------------------------------
+    def prompt_tokens(self, tokens: Sequence[int] | None, messages: Sequence[tuple[str, str]] | None) -> list[int]:
+        """The prompt as token ids: ``tokens``, or ``messages`` through the chat template."""
+        if messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise NotReady("messages: this model's tokenizer has no chat template; send prompt tokens")
+            if not messages:
+                raise BadRequest("messages: expected at least one message")
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if not tokens:
+            raise BadRequest("prompt: expected prompt tokens or chat messages, got none")
+        for t, tok in enumerate(tokens):
+            if not 0 <= tok < self.vocab_size:
+                raise BadRequest(f"prompt.tokens[{t}]: expected a token id in [0, {self.vocab_size}), got {tok}")
+        return list(tokens)
+
+    def sample(
+        self,
+        prompt: list[int],
+        *,
+        n: int = 1,
+        max_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        return_logprobs: bool = False,
+    ) -> SampleResult:
+        """``n`` completions of ``prompt`` from the current weights.
+
+        Raises:
+            BadRequest: ``n`` outside 1..64, ``max_tokens`` outside 1..4096, temperature <= 0,
+                top_p outside (0, 1], prompt plus max_tokens past the context.
+            OverLimit: ``n * (prompt + max_tokens)`` over ``max_tokens_per_call``.
+        """
+        if not 1 <= n <= 64:
+            raise BadRequest(f"n: expected 1 to 64 completions, got {n}")
+        if not 1 <= max_tokens <= 4096:
+            raise BadRequest(f"max_tokens: expected 1 to 4096, got {max_tokens}")
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise BadRequest(f"temperature: expected a number > 0, got {temperature}")
+        if not (0.0 < top_p <= 1.0):
+            raise BadRequest(f"top_p: expected a number in (0, 1], got {top_p}")
+        if len(prompt) + max_tokens > self.context:
+            raise BadRequest(
+                f"max_tokens: the prompt's {len(prompt)} tokens plus max_tokens {max_tokens} exceed the model's "
+                f"context of {self.context}"
+            )
+        budget = n * (len(prompt) + max_tokens)
+        if budget > self.limits.max_tokens_per_call:
+            raise OverLimit(
+                f"sample: n * (prompt + max_tokens) = {budget} tokens, more than max_tokens_per_call "
+                f"{self.limits.max_tokens_per_call}"
+            )
+        params = SamplingParams(
+            temperature=float(temperature),
+            top_p=float(top_p),
+            max_tokens=int(max_tokens),
+            stop=tuple(stop),
+            seed=seed,
+            n=int(n),
+        )
+        self.model.eval()
+        decode = Decode(self.model, prompt, params, self.stop_token_ids, device=self.device)
+        while not decode.done:
+            result = decode.step()
+            for i in result.rows if stop else ():
+                text = self.tokenizer.decode(decode.sample_tokens(i))
+                if decode.finish[i] is None and any(s and s in text for s in stop):
+                    decode.finish_sample(i, FINISH_STOP)
+        samples = []
+        for i in range(n):
+            toks = decode.sample_tokens(i)
+            samples.append(
+                Sampled(
+                    tokens=toks,
+                    logprobs=list(decode.logprobs[i]) if return_logprobs else [],
+                    text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                    stop_reason="stop" if decode.finish[i] == FINISH_STOP else "length",
+                )
+            )
+        return SampleResult(prompt_tokens=list(prompt), samples=samples, step=self.step)
+
+    # --- states ---------------------------------------------------------------------------------
+    def _folder(self, prefix: str, name: str) -> Path:
+        if self.checkpoint_dir is None:
+            raise NotReady("this session has no checkpoint folder; it cannot save states")
+        return self.checkpoint_dir / f"{prefix}_{name}"
+
+    def save_state(self, name: str, *, next_sequence: int, kind: str = KIND_STATE) -> SavedState:
+        """Write state ``name`` (``kind`` :data:`KIND_SAMPLER`: the adapter only, no optimizer) and
+        publish it; returns what was saved. ``next_sequence``: the sequence number a session
+        resumed from this state expects first."""
+        check_state_name(name)
+        folder = self._folder("state" if kind == KIND_STATE else "sampler", name)
+        state: dict[str, Any] = {
+            "kind": kind,
+            "name": name,
+            "step": self.step,
+            "next_sequence": int(next_sequence),
+            "model": self.model_name,
+            "lora": self.lora,
+        }
+        if kind == KIND_STATE:
+            state["optimizer"] = self.optimizer.state_dict()
+        _lm.save_checkpoint(folder, self.model, state, base_model=self.model_name or None)
+        key = self.publish(self.step, folder, kind) if self.publish is not None else ""
+        saved = SavedState(name, self.step, folder, key or "")
+        if kind == KIND_STATE:
+            self.states[name] = saved
+        return saved
+
+    def adopt(self, folder: Path) -> int:
+        """Take the state in ``folder`` (a resumed attempt's ``resume_from``, whose adapter the
+        model was loaded with) as this session's: its optimizer and step; returns its
+        ``next_sequence``."""
+        state = _lm.load_trainer_state(folder)
+        name = str(state.get("name") or folder.name)
+        self.states[name] = SavedState(name, int(state["step"]), Path(folder))
+        self.resumed_from = name
+        self.load_state(name, with_optimizer=True)
+        return int(state.get("next_sequence", 0))
+
+    def load_state(self, name: str, *, with_optimizer: bool) -> int:
+        """Load state ``name``'s adapter (and optimizer and step); clear the accumulated gradient.
+        Returns the step.
+
+        Raises:
+            BadRequest: a bad name. StateNotFound: no state of that name.
+            NotReady: it was saved with another LoRA shape (rank, alpha, target modules).
+        """
+        check_state_name(name)
+        saved = self.states.get(name)
+        if saved is None:
+            known = ", ".join(sorted(self.states)) or "none yet"
+            raise StateNotFound(f"state {name!r}: no such state of this session (saved: {known})")
+        folder = saved.folder
+        config = json.loads((folder / "adapter_config.json").read_text())
+        mine = (int(self.lora["lora_rank"]), float(self.lora["lora_alpha"]), sorted(self.lora["target_modules"]))
+        theirs = (
+            int(config.get("r", -1)),
+            float(config.get("lora_alpha", -1)),
+            sorted(config.get("target_modules") or []),
+        )
+        if mine != theirs:
+            raise NotReady(
+                f"state {name!r} has LoRA rank/alpha/targets {theirs}, this session {mine}; it cannot be loaded here"
+            )
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        weights = load_file(str(folder / "adapter_model.safetensors"), device=str(self.device))
+        trainer = _lm.load_trainer_state(folder)
+        with torch.no_grad():
+            result = set_peft_model_state_dict(self.model, weights, adapter_name="default")
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected:
+            raise NotReady(f"state {name!r}: keys that match no adapter weight: {unexpected[:5]}")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accumulated_calls = 0
+        if with_optimizer and "optimizer" in trainer:
+            self.optimizer.load_state_dict(trainer["optimizer"])
+            self.step = int(trainer["step"])
+        else:
+            self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.0)
+        return self.step
+
+    def info(self) -> dict[str, Any]:
+        """What GetInfo shows (less the sequence and attempt, which the servicer adds)."""
+        config = getattr(self.model, "config", None)
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        config = getattr(base, "config", config)
+        return {
+            "model": self.model_name,
+            "tokenizer": str(getattr(self.tokenizer, "name_or_path", "")),
+            "chat_template": str(getattr(self.tokenizer, "chat_template", "") or ""),
+            "model_config_json": config.to_json_string() if config is not None else "{}",
+            "lora": self.lora,
+            "step": self.step,
+            "accumulated_calls": self.accumulated_calls,
+            "states": sorted(self.states),
+            "resumed_from": self.resumed_from,
+            "stop_token_ids": list(self.stop_token_ids),
+        }
+
+
+def _tensor(values: Sequence[float], like: torch.Tensor) -> torch.Tensor | None:
+    if not len(values):
+        return None
+    return torch.as_tensor(list(values), dtype=torch.float32, device=like.device)

@@ -1,0 +1,90 @@
+"""A training session through real scheduler and trainer processes on loopback: the client-side
+SFT and GRPO examples run on a tiny model, the loss falls, a saved state becomes a checkpoint of
+the task in the artifact store and survives the loss of the node (kill -9):
+resume_training_session continues from it on another node."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from opentinker.common.v1 import common_pb2
+from opentinker_client import RLClient
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = """heartbeat_interval: 0.5
+lease: 3
+workload_types:
+  - type: lora_session
+    priority: 3
+"""
+
+
+def example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    from tests.support.procs import Cluster
+
+    cluster = Cluster(tmp_path, CONFIG)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def test_own_loops_train_a_session_that_resumes_after_its_node_is_lost(cluster, tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    cluster.start_scheduler()
+    first = cluster.start_trainer("node-a")
+    cluster.wait_nodes(1)
+    with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+        session = client.create_training_session(str(tiny_model_dir), lora_rank=4, max_attempts=3, timeout=300)
+        task = client.get_task(session.task_id)
+        assert task.workload_type == "lora_session" and task.state == "running" and task.endpoint == session.endpoint
+
+        # SFT client-side: the same kind of batch, step after step; the loss falls.
+        sft = example("own_loop_sft")
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        losses = sft.train(
+            session,
+            tokenizer,
+            steps=4,
+            batch_size=4,
+            learning_rate=2e-2,
+            log=lambda _: None,
+        )
+        assert losses[-1] < losses[0]
+        # GRPO client-side: sample, score, importance_sampling, optim_step.
+        rewards = example("own_loop_rl").train(
+            session, steps=2, problems_per_step=2, group_size=4, max_tokens=4, log=lambda _: None
+        )
+        assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards)
+        saved = session.save_state("after-sft").result(timeout=120)
+        assert saved.step == session.get_info().step >= 4 and saved.artifact_key
+        # The state is a checkpoint of the task in the artifact store (what a resumed attempt loads).
+        assert [c.step for c in client.list_checkpoints(session.task_id)][-1] == saved.step
+        info = session.get_info()
+        session.close()
+
+        # The node dies; the task is requeued and resumes from the saved state on another node.
+        first.kill9()
+        cluster.wait_state(session.task_id, common_pb2.TASK_STATE_PENDING)
+        cluster.start_trainer("node-b")
+        resumed = client.resume_training_session(session.task_id, timeout=300)
+        again = resumed.get_info()
+        assert (again.attempt, again.step, again.resumed_from) == (2, saved.step, "after-sft")
+        assert again.next_sequence == saved.sequence + 1 == info.next_sequence
+        more = sft.train(resumed, tokenizer, steps=1, batch_size=4, log=lambda _: None)  # step 1's batch again
+        assert more[0] < losses[0] and resumed.get_info().step == saved.step + 1
+        resumed.close()
+        client.cancel(session.task_id)
+        assert client.get_task(session.task_id).node_id == "node-b"

@@ -1,0 +1,163 @@
+"""TrainingService over real gRPC on loopback: the session of a tiny Llama behind the servicer,
+called by the real client (futures, chunked datum streams, typed errors), with API keys checked
+against a real scheduler as an inference server checks them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from opentinker.training.v1 import training_pb2, training_pb2_grpc
+from opentinker_client import (
+    InvalidArgumentError,
+    OutOfOrderError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    RLClient,
+    TrainingSession,
+    UnauthenticatedError,
+)
+from opentinker_client import training as client_training
+from opentinker_client.training import Datum
+from opentinker_trainer.inference.access import AccessChecker
+from opentinker_trainer.training.sequencing import Sequencer
+from opentinker_trainer.training.server import TrainingServicer, start_training_server
+from opentinker_trainer.workloads.lora_session import open_session
+
+from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler
+from tests.support.workers import worker_ctx
+
+
+class Served:
+    """A session server in a background event loop."""
+
+    def __init__(self, session, sched_target: str, task_id: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        servicer = TrainingServicer(
+            session,
+            sequencer=Sequencer(0, max_in_flight=session.limits.max_in_flight_calls),
+            access=AccessChecker(sched_target, env={}, ttl=30, what="training session"),
+            task_id=task_id,
+        )
+        self.running = asyncio.run_coroutine_threadsafe(
+            start_training_server(servicer, host="127.0.0.1"), self.loop
+        ).result(30)
+        self.address = f"127.0.0.1:{self.running.port}"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.running.stop(0), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("served")
+    sched = LoopbackScheduler(tmp / "state", AUTH_LOCAL_MODELS)
+    try:
+        with RLClient(sched.target, api_key=sched.admin_key) as root:
+            _, alice = root.keys.create("alice", "user")
+            _, bob = root.keys.create("bob", "user")
+        with RLClient(sched.target, api_key=alice) as c:
+            task = c.submit_task(workload_type="lora_session", model="/models/m")
+        ctx = worker_ctx(
+            tmp,
+            "session",
+            workload_type="lora_session",
+            model=tiny_model_dir,
+            env_config={},
+            hyperparameters={"lora_rank": 4, "max_datums_per_call": 64, "max_tokens_per_call": 4096},
+            task_id=task,
+        )
+        served = Served(open_session(ctx)[0], sched.target, task)
+        try:
+            yield {"served": served, "alice": alice, "bob": bob, "admin": sched.admin_key, "task": task}
+        finally:
+            served.close()
+    finally:
+        sched.close()
+
+
+def batch(n: int = 4, length: int = 9, advantage: float = 1.0) -> list[Datum]:
+    out = []
+    for i in range(n):
+        toks = [(13 * i + 7 * t + 3) % 300 + 30 for t in range(length + 1)]
+        out.append(Datum.from_sequence(toks, prompt_length=4, advantage=advantage * (1 - 2 * (i % 2))))
+    return out
+
+
+def test_queued_calls_apply_in_order_and_retries_are_idempotent(world, monkeypatch) -> None:
+    with TrainingSession(world["served"].address, api_key=world["alice"], task_id=world["task"]) as s:
+        start = s.get_info()
+        assert start.lora_rank == 4 and start.next_sequence == s.next_sequence
+        # Queued before waiting: forward_backward, then optim_step behind it, then a forward.
+        monkeypatch.setattr(client_training, "CHUNK_BYTES", 64)  # several chunks per stream
+        data = batch()
+        fb = s.forward_backward(data, "importance_sampling")
+        step = s.optim_step(learning_rate=1e-2)
+        after = s.forward(data)
+        out = fb.result(timeout=60)
+        assert len(out.logprobs) == 4 and all(len(lp) == 9 for lp in out.logprobs) and out.accumulated_calls == 1
+        assert step.result(timeout=60).step == start.step + 1
+        assert after.result(timeout=60) != out.logprobs  # the step changed the weights
+        info = s.get_info()
+        assert info.next_sequence == start.next_sequence + 3 and info.accumulated_calls == 0
+
+        # A retry of the applied optim_step (same number): its kept response, no second step.
+        stub = training_pb2_grpc.TrainingServiceStub(s._channel)
+        md = (("authorization", f"Bearer {world['alice']}"),)
+        again = stub.OptimStep(
+            training_pb2.OptimStepRequest(
+                sequence=start.next_sequence + 1, adam=training_pb2.AdamParams(learning_rate=1)
+            ),
+            metadata=md,
+        )
+        assert again.step == start.step + 1 and s.get_info().step == start.step + 1
+
+        # A number ahead of the expected one: OUT_OF_ORDER with the expected number, nothing applied.
+        ahead = training_pb2.OptimStepRequest(
+            sequence=info.next_sequence + 5, adam=training_pb2.AdamParams(learning_rate=1)
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            stub.OptimStep(ahead, metadata=md)
+        mapped = client_training._error(err.value)
+        assert isinstance(mapped, OutOfOrderError) and mapped.expected_sequence == info.next_sequence
+        assert f"sequence {info.next_sequence + 5}: expected {info.next_sequence}" in str(mapped)
+
+
+def test_bad_calls_are_typed_errors_and_use_no_sequence_number(world) -> None:
+    with TrainingSession(world["served"].address, api_key=world["alice"]) as s:
+        before = s.get_info()
+        good = batch(2)
+        bad = [good[0], Datum(good[1].input_tokens, good[1].target_tokens[:-2], advantages=good[1].advantages)]
+        with pytest.raises(InvalidArgumentError, match=r"datums\[1\].target_tokens: expected 9 values"):
+            s.forward_backward(bad, "cross_entropy").result(timeout=60)
+        with pytest.raises(InvalidArgumentError, match="datums: expected at least one datum"):
+            s.forward_backward([], "ppo").result(timeout=60)
+        with pytest.raises(ResourceExhaustedError, match=r"at most 64 per call \(max_datums_per_call\), got 65"):
+            s.forward([good[0]] * 65).result(timeout=60)
+        with pytest.raises(ResourceExhaustedError, match=r"at most 4096 input tokens per call .* got 4500"):
+            s.forward(batch(10, length=450)).result(timeout=60)
+        with pytest.raises(Exception, match="no gradient accumulated"):
+            s.optim_step(learning_rate=1e-3).result(timeout=60)
+        after = s.get_info()
+        assert after.next_sequence == before.next_sequence and after.step == before.step
+        assert after.accumulated_calls == before.accumulated_calls
+        # Sampling from chat messages, with the sampler's logprobs.
+        out = s.sample(messages=[{"role": "user", "content": "2+2?"}], n=2, max_tokens=3, seed=1).result(timeout=60)
+        assert len(out.samples) == 2 and all(len(x.logprobs) == len(x.tokens) for x in out.samples)
+        assert s.get_info().next_sequence == before.next_sequence + 1
+
+
+def test_only_the_owner_or_an_admin_may_call_the_session(world) -> None:
+    with TrainingSession(world["served"].address, api_key=world["admin"]) as admin:
+        assert admin.get_info().model
+    with pytest.raises(PermissionDeniedError, match=f"may not use training session {world['task']}"):
+        TrainingSession(world["served"].address, api_key=world["bob"])
+    with pytest.raises(UnauthenticatedError):
+        TrainingSession(world["served"].address, api_key="")
