@@ -107,3 +107,63 @@ def test_two_ranks_take_the_step_of_one(tiny_model_dir, tmp_path) -> None:
         start = lora_model(str(tiny_model_dir))
         moved = max((p - dict(start.named_parameters())[k]).abs().max().item() for k, p in ref["params"].items())
         assert moved > 1e-4
+
+
+def full_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def full_weight_step(model_dir: str, groups: range, dp=None) -> dict:
+    """One full-weight ``grpo_update`` (token means, KL to a frozen copy) on ``groups`` of the
+    global batch; with ``dp``, the policy and the reference sharded with FSDP2."""
+    from opentinker_trainer import fsdp
+
+    model, reference = full_model(model_dir), full_model(model_dir).requires_grad_(False).eval()
+    if dp is not None:
+        fsdp.shard_model(model)
+        fsdp.shard_model(reference)
+    data = global_batch(model.config.vocab_size)
+    rows = slice(groups.start * K, groups.stop * K)
+    prompt_mask = torch.ones(G * K, P, dtype=torch.bool)[rows]
+    prompts, completions, mask = data["prompts"][rows], data["completions"][rows], data["mask"][rows]
+
+    def logprobs(module, sl):
+        return sequence_logprobs(module, prompts[sl], prompt_mask[sl], completions[sl], mask[sl], group_size=K)
+
+    n = len(prompts)
+    chunks = [slice(i, min(i + K, n)) for i in range(0, n, K)]  # ranks of 3 and 2 chunks: dummies
+    opt = torch.optim.AdamW(list(model.parameters()), lr=1e-3)
+    batch = GRPOBatch(rewards=data["rewards"][groups.start : groups.stop], mask=mask, chunks=chunks)
+    metrics = grpo_update(
+        model, opt, batch, logprobs, cfg("token_mean"), reference=reference, dp=dp, sharded=dp is not None
+    )
+    # sharded: each parameter a DTensor, gathered whole on every rank (a tied lm_head once)
+    params = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.named_parameters()
+    }
+    return {"metrics": metrics, "params": params}
+
+
+def ranked_full_weight_step(dp, model_dir: str) -> dict:
+    torch.set_num_threads(1)
+    return full_weight_step(model_dir, dp.shard(G), dp)
+
+
+def test_two_fsdp_ranks_take_the_full_weight_step_of_one(tiny_model_dir, tmp_path) -> None:
+    """Full weights sharded with FSDP2 over two gloo ranks (unequal chunk counts, clipping, two
+    epochs, the KL to a sharded frozen copy): the step and metrics of one unsharded rank."""
+    torch.set_num_threads(1)
+    one = full_weight_step(str(tiny_model_dir), range(G))
+    ranks = run_ranks(ranked_full_weight_step, 2, tmp_path, str(tiny_model_dir))
+    start = dict(full_model(str(tiny_model_dir)).named_parameters())
+    moved = max((v - start[k]).abs().max().item() for k, v in one["params"].items())
+    assert moved > 1e-4  # the step moved the weights (a test of something)
+    for r in ranks:
+        assert r["params"].keys() == one["params"].keys()
+        for k, v in one["params"].items():
+            torch.testing.assert_close(r["params"][k], v, atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+        for k, v in one["metrics"].items():
+            if v == v:
+                assert r["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
