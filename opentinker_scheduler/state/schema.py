@@ -204,6 +204,20 @@ CREATE INDEX IF NOT EXISTS attempt_usage_by_start ON attempt_usage (start_time);
 CREATE INDEX IF NOT EXISTS attempt_usage_by_kind ON attempt_usage (workload_type, model, end_time);
 """
 
+#: Gang attempts (state/gangs.py): one row per gang task's assigned attempt, written with its
+#: ASSIGNED transition, so that a restarted scheduler knows every member (a restart kills no gang).
+#: Numbered 6: another change adds version 5. Ship 5 no later than 6 (a store migrated to 6
+#: first would never apply 5: only versions above the newest applied one run).
+_V6 = """
+CREATE TABLE IF NOT EXISTS gang_attempts (
+    task_id   TEXT PRIMARY KEY,
+    attempt   INTEGER NOT NULL,
+    port      INTEGER NOT NULL,       -- rendezvous port on member 0
+    members   TEXT NOT NULL,          -- JSON [[node id, [device index, ...]], ...], member 0 first
+    ended     TEXT NOT NULL DEFAULT '[]' -- JSON [node id, ...]: members whose worker ended
+);
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -214,6 +228,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "leader lease with an epoch (several schedulers on one database; fencing)", _V2, _V2_POSTGRES),
     Migration(3, "dataset names and sizes per owner", _V3),
     Migration(4, "usage accounting per attempt (GPU-seconds, tokens, env steps, cost)", _V4),
+    Migration(6, "gang attempts: members, devices and rendezvous port (kept across a restart)", _V6),
 )
 
 #: The newest schema version this scheduler knows.
