@@ -16,6 +16,7 @@ from google.protobuf import json_format
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_client import RLClient
 
 from tests.support.procs import Cluster, free_port
 from tests.support.waiting import wait_for
@@ -103,6 +104,32 @@ def test_kill_9_of_a_member_node_ends_the_attempt_and_the_gang_resumes(tmp_path)
             e for e in trainers[primary].log_events() if e.get("event") == "resumed" and e.get("task_id") == task_id
         ]
         assert resumed and resumed[0]["step"] == resume_step
+    finally:
+        cluster.close()
+
+
+def test_kill_9_of_the_scheduler_keeps_a_running_gang_attempt(tmp_path) -> None:
+    """The gang attempt is in the store: a restarted scheduler knows both members, each node
+    re-announces its worker and carries on (no stale cancel, no NODE_LOST), the same attempt
+    finishes."""
+    cluster = start(tmp_path)
+    try:
+        task_id = submit(cluster, gang_spec(updates=60, checkpoint_every=30))
+        cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step >= 2)
+        cluster.scheduler.kill9()
+        cluster.start_scheduler()  # same port, same state directory
+        task = cluster.wait_state(task_id, {C.TASK_STATE_SUCCEEDED, C.TASK_STATE_FAILED, C.TASK_STATE_PENDING})
+        assert task.state == C.TASK_STATE_SUCCEEDED and task.attempt == 1, task.error
+        a, b = cluster.procs[1], cluster.procs[2]
+        assert len(started(a, task_id)) == len(started(b, task_id)) == 1  # each member started once
+        for trainer in (a, b):  # registered again after the restart, told nothing is stale
+            regs = [e for e in trainer.log_events() if e.get("event") == "registered with scheduler"]
+            assert len(regs) >= 2 and all(e["stale"] == 0 for e in regs), regs
+            assert not trainer.mentions("scheduler no longer runs this attempt here")
+        with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+            reasons = [e.reason for e in client.watch(task_id, follow=False) if e.kind == "state"]
+        assert "NODE_LOST" not in reasons and "ATTEMPT_FAILED" not in reasons, reasons
+        assert task.latest_checkpoint.step == 60 and task.latest_checkpoint.final
     finally:
         cluster.close()
 
