@@ -16,6 +16,10 @@ end; dropped when the attempt ends).
 * A member's end (:meth:`Gangs.member_report`): its GPUs are released; a member that failed or
   was stopped ends the whole attempt (requeued as attempt + 1 when retryable, from the newest
   checkpoint). Member 0's reports are the task's, as for any task.
+* Preemption: a gang is one victim spanning its nodes
+  (:func:`~opentinker_scheduler.policy.preemption.choose_victims`); every member is told to
+  checkpoint and stop, the members other than member 0 only hand back their GPUs, and member
+  0's CANCELLED report requeues the attempt once (PREEMPTED, from that checkpoint).
 * The attempt's end, however it came (a member's failure, a lost node, a cancel, a timeout,
   success): every member still running is told to stop (:meth:`Gangs.task_moved`).
 
@@ -224,7 +228,10 @@ class Gangs:
         self._store(gang)  # a restart from here on does not wait for this member
         held = node.allocations.get(rep.task_id)
         current = task.attempt == rep.attempt and task.state in ACTIVE_STATES
-        if current and rep.state != S.TASK_STATE_SUCCEEDED:
+        # Preempted (every member was told to stop): member 0's CANCELLED report, with its last
+        # checkpoint, requeues the task once (as PREEMPTED); the others only hand back their GPUs.
+        preempted = rep.state == S.TASK_STATE_CANCELLED and rep.task_id in self.core.preemptions
+        if current and rep.state != S.TASK_STATE_SUCCEEDED and not preempted:
             what = f"gang member {node.node_id} (member {gang.index_of(node.node_id)} of {len(gang.members)})"
             if rep.state == S.TASK_STATE_FAILED:
                 reason = "ATTEMPT_FAILED" if rep.retryable else "USER_ERROR"
