@@ -1,6 +1,7 @@
 """Full-weight training sharded across a task's ranks with FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
-Used by full-weight SFT on several ranks (:mod:`opentinker_trainer.workloads.sft`): each decoder
+Used by full-weight SFT and full-weight GRPO on several ranks (:mod:`opentinker_trainer.workloads.sft`,
+:mod:`opentinker_trainer.workloads.grpo_text`): each decoder
 layer and then the whole model are wrapped with ``fully_shard`` (ZeRO-3 style: parameters,
 gradients and optimizer state sharded over ranks, parameters all-gathered per layer for each
 forward and backward, gradients reduce-scattered). FSDP2 averages gradients over ranks, so a
@@ -17,8 +18,10 @@ gathers both on every rank (``torch.distributed.checkpoint.state_dict`` with
 ``full_state_dict=True, cpu_offload=True``) before rank 0 writes them; a resume loads the full
 weights on every rank before sharding and the optimizer state with ``set_optimizer_state_dict``.
 
-Not used for GRPO yet: sampling would need every rank to take the same number of decoding steps
-(FSDP all-gathers per forward), so full-weight GRPO runs replicated (data-parallel).
+GRPO (:func:`opentinker_trainer.rl.grpo.grpo_update` with ``sharded=True``) samples with
+``synced_gpus`` (every rank takes as many decoding steps: FSDP all-gathers per forward), pads
+completions to the widest rank's and runs dummy micro-batches likewise
+(:func:`opentinker_trainer.rl.rollout.generate`'s ``synced``, ``pad_completions``).
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ after the last the held-out split answered greedily: ``eval/accuracy``, ``eval/r
 before any update.
 
 Distributed (a task with several ranks, :mod:`opentinker_trainer.distributed`): data-parallel.
-Every rank holds the adapter (or all weights, replicated), draws the step's ``prompts_per_step``
+Every rank holds the adapter (all weights: sharded with FSDP2, :mod:`opentinker_trainer.fsdp`,
+the frozen KL reference too; sampling and evaluation synced across ranks), draws the step's ``prompts_per_step``
 problems from the same environment stream and rolls out its contiguous share of the groups with
 its own sampling seed (``seed + rank``); the loss is normalised over the global batch and the
 gradients summed over ranks before clipping (:func:`~opentinker_trainer.rl.grpo.grpo_update`
