@@ -1,6 +1,7 @@
 """Data-parallel GRPO: one step of two gloo ranks, each on half of the groups, equals one step of
 one rank on all of them (LoRA parameters and metrics within float tolerance), for each loss
-aggregation, with gradient clipping active, two epochs and the KL term."""
+aggregation, with gradient clipping active, two epochs and the KL term; and full-weight GRPO
+with the policy and its KL reference sharded over the two ranks with FSDP2 likewise."""
 
 from __future__ import annotations
 
@@ -85,15 +86,48 @@ def step(model_dir: str, groups: range, dp=None) -> dict[str, dict]:
     return out
 
 
-def ranked_step(dp, model_dir: str) -> dict[str, dict]:
+def ranked_steps(dp, model_dir: str) -> dict[str, dict]:
+    """Both equivalence cases on this rank (one spawn of the ranks for the module)."""
     torch.set_num_threads(1)
-    return step(model_dir, dp.shard(G), dp)
+    return {
+        "lora": step(model_dir, dp.shard(G), dp),
+        "full": full_weight_step(model_dir, dp.shard(G), dp),
+        "checkpoint": optimizer_round_trip(model_dir),
+    }
 
 
-def test_two_ranks_take_the_step_of_one(tiny_model_dir, tmp_path) -> None:
+def plain_optimizer_state(model_dir: str) -> dict:
+    """One unsharded rank's AdamW ``state_dict()`` after one step on a fixed input."""
+    model = full_model(model_dir)
+    opt = torch.optim.AdamW(list(model.parameters()), lr=1e-3)
+    model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits.square().mean().backward()
+    opt.step()
+    return opt.state_dict()
+
+
+def optimizer_round_trip(model_dir: str) -> dict | None:
+    """A one-rank checkpoint's optimizer state loaded into a model sharded over the ranks
+    (a resume at another world size), then gathered for a checkpoint again (rank 0's; None on
+    the others): what a checkpoint of either world size holds."""
+    from opentinker_trainer import fsdp
+
+    model = full_model(model_dir)
+    fsdp.shard_model(model)
+    opt = torch.optim.AdamW(list(model.parameters()), lr=1e-3)
+    fsdp.ShardedOptimizerState(model, opt).load_state_dict(plain_optimizer_state(model_dir))
+    full = fsdp.FullState(model, opt)  # a collective: every rank gathers, rank 0 keeps it
+    return full.state_dict() if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_dir, tmp_path_factory) -> list[dict[str, dict]]:
+    return run_ranks(ranked_steps, 2, tmp_path_factory.mktemp("ranks"), str(tiny_model_dir))
+
+
+def test_two_ranks_take_the_step_of_one(tiny_model_dir, two_ranks) -> None:
     torch.set_num_threads(1)
     one = step(str(tiny_model_dir), range(G))
-    ranks = run_ranks(ranked_step, 2, tmp_path, str(tiny_model_dir))
+    ranks = [r["lora"] for r in two_ranks]
     for aggregation in AGGREGATIONS:
         ref = one[aggregation]
         for r in ranks:
@@ -146,17 +180,12 @@ def full_weight_step(model_dir: str, groups: range, dp=None) -> dict:
     return {"metrics": metrics, "params": params}
 
 
-def ranked_full_weight_step(dp, model_dir: str) -> dict:
-    torch.set_num_threads(1)
-    return full_weight_step(model_dir, dp.shard(G), dp)
-
-
-def test_two_fsdp_ranks_take_the_full_weight_step_of_one(tiny_model_dir, tmp_path) -> None:
+def test_two_fsdp_ranks_take_the_full_weight_step_of_one(tiny_model_dir, two_ranks) -> None:
     """Full weights sharded with FSDP2 over two gloo ranks (unequal chunk counts, clipping, two
     epochs, the KL to a sharded frozen copy): the step and metrics of one unsharded rank."""
     torch.set_num_threads(1)
     one = full_weight_step(str(tiny_model_dir), range(G))
-    ranks = run_ranks(ranked_full_weight_step, 2, tmp_path, str(tiny_model_dir))
+    ranks = [r["full"] for r in two_ranks]
     start = dict(full_model(str(tiny_model_dir)).named_parameters())
     moved = max((v - start[k]).abs().max().item() for k, v in one["params"].items())
     assert moved > 1e-4  # the step moved the weights (a test of something)
@@ -167,3 +196,18 @@ def test_two_fsdp_ranks_take_the_full_weight_step_of_one(tiny_model_dir, tmp_pat
         for k, v in one["metrics"].items():
             if v == v:
                 assert r["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
+
+
+def test_an_fsdp_checkpoint_holds_one_ranks_optimizer_state_so_any_world_size_resumes(
+    tiny_model_dir, two_ranks
+) -> None:
+    """One rank's optimizer ``state_dict()`` sharded into two ranks and gathered back is the same
+    dict (parameters by number): a 1-rank checkpoint resumes on 2 ranks and a 2-rank one on 1."""
+    plain = plain_optimizer_state(str(tiny_model_dir))
+    gathered = two_ranks[0]["checkpoint"]
+    assert gathered["param_groups"][0]["params"] == plain["param_groups"][0]["params"]
+    assert gathered["state"].keys() == plain["state"].keys()
+    for i, st in plain["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(gathered["state"][i][k], st[k], atol=0, rtol=0)
+    assert any(st["exp_avg"].abs().max() > 0 for st in plain["state"].values())
