@@ -279,3 +279,43 @@ def test_full_weight_grpo_sharded_with_fsdp_checkpoints_once_and_resumes(tiny_mo
     one = run_worker(tmp_path, "fg-1", spec, devices=1, attempt=3, resume_from=step1)  # another world size
     assert one.returncode == 0, one.stderr[-3000:]
     assert [m["step"] for m in one.of("metric")] == [2]
+
+
+def test_lm_game_grpo_on_two_ranks_plays_its_share_of_the_groups(tiny_model_dir, tmp_path) -> None:
+    """GRPO on an LM game (FrozenLake) with two ranks: each plays whole groups of episodes, the
+    metrics are of all ranks' turns, rank 0 checkpoints with both ranks' RNG states; fewer
+    groups than ranks is refused naming the field."""
+    hp = {
+        "steps": 2,
+        "groups_per_step": 3,
+        "episodes_per_step": 2,
+        "max_turns": 2,
+        "max_new_tokens": 3,
+        "lora_rank": 4,
+        "checkpoint_every": 1,
+    }
+    lake = {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}}
+    spec = task_spec(
+        workload_type="lora_finetune", model=tiny_model_dir, env_config=lake, hyperparameters=hp, gpu_count=2
+    )
+    run = run_worker(tmp_path, "game", spec, devices=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "starting ranks" in run.stderr
+    metrics = run.of("metric")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:  # 6 episodes over both ranks, each 1 or 2 turns
+        assert 6 <= m["values"]["perf/turns"] <= 12
+        assert m["values"]["episode/turns"] == pytest.approx(m["values"]["perf/turns"] / 6)
+    assert [c["step"] for c in run.of("checkpoint")] == [1, 2]
+    state = torch.load(tmp_path / "node/game/checkpoints/step_2/trainer_state.pt", weights_only=True)
+    assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2
+    few = task_spec(
+        workload_type="lora_finetune",
+        model=tiny_model_dir,
+        env_config=lake,
+        hyperparameters={**hp, "groups_per_step": 1},
+        gpu_count=2,
+    )
+    (failed,) = run_worker(tmp_path, "game-few", few, devices=2).of("failed")
+    assert "hyperparameters.groups_per_step 1: fewer groups than the task's 2 ranks" in failed["error"]
+    assert failed["retryable"] is False

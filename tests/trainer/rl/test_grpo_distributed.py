@@ -1,7 +1,8 @@
 """Data-parallel GRPO: one step of two gloo ranks, each on half of the groups, equals one step of
 one rank on all of them (LoRA parameters and metrics within float tolerance), for each loss
-aggregation, with gradient clipping active, two epochs and the KL term; and full-weight GRPO
-with the policy and its KL reference sharded over the two ranks with FSDP2 likewise."""
+aggregation, with gradient clipping active, two epochs and the KL term; full-weight GRPO with
+the policy and its KL reference sharded over the two ranks with FSDP2 likewise; and the LM game
+trainer's update (turns mapped to episodes) likewise."""
 
 from __future__ import annotations
 
@@ -93,6 +94,42 @@ def ranked_steps(dp, model_dir: str) -> dict[str, dict]:
         "lora": step(model_dir, dp.shard(G), dp),
         "full": full_weight_step(model_dir, dp.shard(G), dp),
         "checkpoint": optimizer_round_trip(model_dir),
+        "game": game_step(model_dir, dp.shard(G), dp),
+    }
+
+
+def game_step(model_dir: str, groups: range, dp=None) -> dict:
+    """One ``grpo_update`` as the LM game trainer takes it on ``groups`` of the global batch:
+    rows are turns (1 to 3 per episode, each its own prompt), ``sample_of_row`` maps them to
+    their episode, whose return every turn's tokens share."""
+    model = lora_model(model_dir)
+    data = global_batch(model.config.vocab_size)
+    turns_of = [1 + (e * 7) % 3 for e in range(G * K)]  # episode e's turns
+    rows = [e for e in range(groups.start * K, groups.stop * K) for _ in range(turns_of[e])]
+    g = torch.Generator().manual_seed(11)
+    all_prompts = torch.randint(3, model.config.vocab_size, (sum(turns_of), P), generator=g)
+    first = [sum(turns_of[:e]) for e in range(G * K)]
+    index = torch.tensor([first[e] + t for e in range(groups.start * K, groups.stop * K) for t in range(turns_of[e])])
+    prompts, completions = all_prompts[index], data["completions"][torch.tensor(rows)]
+    mask = data["mask"][torch.tensor(rows)]
+    prompt_mask = torch.ones_like(prompts, dtype=torch.bool)
+
+    def logprobs(module, sl):
+        return sequence_logprobs(module, prompts[sl], prompt_mask[sl], completions[sl], mask[sl])
+
+    n = len(rows)
+    chunks = [slice(i, min(i + 4, n)) for i in range(0, n, 4)]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = GRPOBatch(
+        rewards=data["rewards"][groups.start : groups.stop],
+        mask=mask,
+        chunks=chunks,
+        sample_of_row=torch.tensor(rows) - groups.start * K,
+    )
+    metrics = grpo_update(model, opt, batch, logprobs, cfg("token_mean"), reference=ADAPTER_OFF, dp=dp)
+    return {
+        "metrics": metrics,
+        "params": {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad},
     }
 
 
@@ -211,3 +248,19 @@ def test_an_fsdp_checkpoint_holds_one_ranks_optimizer_state_so_any_world_size_re
         for k in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(gathered["state"][i][k], st[k], atol=0, rtol=0)
     assert any(st["exp_avg"].abs().max() > 0 for st in plain["state"].values())
+
+
+def test_two_ranks_take_the_game_step_of_one(tiny_model_dir, two_ranks) -> None:
+    """The LM game's update (turn rows mapped to episodes by ``sample_of_row``, 5 groups of
+    episodes of 1 to 3 turns split 3/2 over the ranks): two ranks take one rank's step."""
+    torch.set_num_threads(1)
+    one = game_step(str(tiny_model_dir), range(G))
+    start = dict(lora_model(str(tiny_model_dir)).named_parameters())
+    assert max((v - start[k]).abs().max().item() for k, v in one["params"].items()) > 1e-4
+    for r in two_ranks:
+        got = r["game"]
+        for k, v in one["params"].items():
+            torch.testing.assert_close(got["params"][k], v, atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+        for k, v in one["metrics"].items():
+            if v == v:
+                assert got["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
