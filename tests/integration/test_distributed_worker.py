@@ -244,7 +244,8 @@ def test_multi_agent_ppo_on_two_ranks(tmp_path) -> None:
 def test_full_weight_grpo_sharded_with_fsdp_checkpoints_once_and_resumes(tiny_model_dir, tmp_path) -> None:
     """full_rl GRPO on two ranks, weights and the KL reference sharded with FSDP2: one hf_full
     checkpoint per step written by rank 0 with both ranks' RNG states; a resume at the same
-    world size retakes step 2 exactly, and one at world size 1 works."""
+    world size retakes step 2 exactly. (A resume at another world size reads the same format:
+    tests/trainer/rl/test_grpo_distributed.py, the optimizer state round trip.)"""
     hp = {
         "steps": 2,
         "prompts_per_step": 3,  # ranks of 2 and 1 groups: unequal micro-batch counts
@@ -276,9 +277,6 @@ def test_full_weight_grpo_sharded_with_fsdp_checkpoints_once_and_resumes(tiny_mo
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.of("metric")[0]["values"]["loss"] == pytest.approx(metrics[1]["values"]["loss"], rel=1e-5)
     assert_same_tensors(moved, weights(tmp_path / "node/fg-r/checkpoints/step_2"), atol=1e-6)
-    one = run_worker(tmp_path, "fg-1", spec, devices=1, attempt=3, resume_from=step1)  # another world size
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert [m["step"] for m in one.of("metric")] == [2]
 
 
 def test_lm_game_grpo_on_two_ranks_plays_its_share_of_the_groups(tiny_model_dir, tmp_path) -> None:
