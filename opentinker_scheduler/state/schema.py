@@ -206,8 +206,8 @@ CREATE INDEX IF NOT EXISTS attempt_usage_by_kind ON attempt_usage (workload_type
 
 #: Gang attempts (state/gangs.py): one row per gang task's assigned attempt, written with its
 #: ASSIGNED transition, so that a restarted scheduler knows every member (a restart kills no gang).
-#: Numbered 6: another change adds version 5. Ship 5 no later than 6 (a store migrated to 6
-#: first would never apply 5: only versions above the newest applied one run).
+#: Numbered 6: version 5 is another change's (quota queues set at run time). Ship 5 no later than
+#: 6 (a store migrated to 6 first would never apply 5: only versions above the newest applied run).
 _V6 = """
 CREATE TABLE IF NOT EXISTS gang_attempts (
     task_id   TEXT PRIMARY KEY,
