@@ -77,7 +77,8 @@ __all__ = [
 DISTRIBUTED_TRAINERS = frozenset(
     {
         ("lora_finetune", "text"),  # GRPO, LoRA adapter replicated, rollout groups sharded
-        ("full_rl", "text"),  # GRPO on all weights, replicated (not sharded: no FSDP yet)
+        ("lora_finetune", "gym"),  # GRPO on an LM game, LoRA adapter replicated, groups of episodes sharded
+        ("full_rl", "text"),  # GRPO on all weights sharded with FSDP2 (fsdp.py), rollout groups sharded
         ("sft", "dataset"),  # examples of each batch sharded; all weights sharded with FSDP2 (fsdp.py)
         ("full_rl", "gym"),  # PPO: each rank steps its share of the vector envs
         ("full_rl", "multiagent"),  # multi-agent PPO: each rank steps its share of the env copies

@@ -1,6 +1,7 @@
 """Full-weight training sharded across a task's ranks with FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
-Used by full-weight SFT on several ranks (:mod:`opentinker_trainer.workloads.sft`): each decoder
+Used by full-weight SFT and full-weight GRPO on several ranks (:mod:`opentinker_trainer.workloads.sft`,
+:mod:`opentinker_trainer.workloads.grpo_text`): each decoder
 layer and then the whole model are wrapped with ``fully_shard`` (ZeRO-3 style: parameters,
 gradients and optimizer state sharded over ranks, parameters all-gathered per layer for each
 forward and backward, gradients reduce-scattered). FSDP2 averages gradients over ranks, so a
@@ -12,13 +13,16 @@ Every rank must run the same number of forward and backward passes (each is a co
 :func:`equal_chunks` pads a rank's micro-batches with dummy ones (counted zero).
 
 Checkpoints stay in the one-rank format (``hf_full``: ``save_pretrained`` with the full
-weights, and the optimizer state with the parameters' names as keys): :class:`FullState`
+weights, and the optimizer state as one rank's ``state_dict()``, parameters by number), so a
+checkpoint of any world size resumes at any other: :class:`FullState`
 gathers both on every rank (``torch.distributed.checkpoint.state_dict`` with
 ``full_state_dict=True, cpu_offload=True``) before rank 0 writes them; a resume loads the full
 weights on every rank before sharding and the optimizer state with ``set_optimizer_state_dict``.
 
-Not used for GRPO yet: sampling would need every rank to take the same number of decoding steps
-(FSDP all-gathers per forward), so full-weight GRPO runs replicated (data-parallel).
+GRPO (:func:`opentinker_trainer.rl.grpo.grpo_update` with ``sharded=True``) samples with
+``synced_gpus`` (every rank takes as many decoding steps: FSDP all-gathers per forward), pads
+completions to the widest rank's and runs dummy micro-batches likewise
+(:func:`opentinker_trainer.rl.rollout.generate`'s ``synced``, ``pad_completions``).
 """
 
 from __future__ import annotations
@@ -94,12 +98,40 @@ class FullState:
         self.model.save_pretrained(path, state_dict=weights, **kw)
 
     def state_dict(self) -> dict:
-        return self.optimizer
+        """The optimizer state as one unsharded rank's ``optimizer.state_dict()`` has it
+        (parameters numbered in ``model.parameters()`` order), so a resume at any world size,
+        one rank included, reads it."""
+        return by_number(self.optimizer, trained_names(self.model))
+
+
+def trained_names(model) -> list[str]:
+    """The names of ``model``'s trained parameters, in ``parameters()`` order (the optimizer's)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def by_number(state: dict, names: Sequence[str]) -> dict:
+    """An optimizer state keyed by parameter name (``get_optimizer_state_dict``) keyed by number
+    instead (``Optimizer.state_dict``): ``names[i]`` is parameter ``i``."""
+    number = {n: i for i, n in enumerate(names)}
+    return {
+        "state": {number[k]: v for k, v in state["state"].items()},
+        "param_groups": [{**g, "params": [number[k] for k in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def by_name(state: dict, names: Sequence[str]) -> dict:
+    """The inverse of :func:`by_number` (a state keyed by name passes through)."""
+    key = lambda k: names[k] if isinstance(k, int) else k  # noqa: E731
+    return {
+        "state": {key(k): v for k, v in state["state"].items()},
+        "param_groups": [{**g, "params": [key(k) for k in g["params"]]} for g in state["param_groups"]],
+    }
 
 
 class ShardedOptimizerState:
     """An optimizer of an FSDP model as :func:`opentinker_trainer.workloads._lm.resume_step` sees
-    it: ``load_state_dict`` of a full state (as :class:`FullState` saved it) shards it in."""
+    it: ``load_state_dict`` of a full state (as :class:`FullState` or one unsharded rank saved it:
+    parameters by number) shards it in."""
 
     def __init__(self, model, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
@@ -108,5 +140,8 @@ class ShardedOptimizerState:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(
-            self.model, self.optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True)
+            self.model,
+            self.optimizer,
+            optim_state_dict=by_name(state, trained_names(self.model)),
+            options=StateDictOptions(full_state_dict=True),
         )

@@ -6,6 +6,8 @@ then 2 simulated devices, as a ``--simulate-gpus`` node does, for
 
 * ``grpo``: ``lora_finetune`` GRPO on a small random Llama (SmolLM2's tokenizer, hidden 256,
   4 layers; LoRA r 8), 8 groups x 4 samples, 16 new tokens;
+* ``grpo-full``: the same GRPO on all weights (``full_rl``; at world size 2 the weights are
+  sharded with FSDP2 and sampling is synced across ranks);
 * ``ppo``: ``full_rl`` PPO on CartPole-v1, 8 envs x 128 steps per update;
 
 and prints, per world size, the median over steps (the first, warm-up, left out) of the step
@@ -13,7 +15,7 @@ time, completion tokens or env steps per second of the global batch (the workers
 ``perf/*`` metrics), the wall time of the run (start-up of the ranks included), and the load
 average before and after (other processes share the machine). Each rank runs one torch thread.
 
-    .venv/bin/python scripts/bench_distributed.py [--only grpo|ppo] [--steps N]
+    .venv/bin/python scripts/bench_distributed.py [--only grpo|grpo-full|ppo] [--steps N]
 
 Not a test: nothing is asserted.
 """
@@ -81,7 +83,7 @@ def bench(tmp: Path, name: str, spec, rate_key: str, world: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("grpo", "ppo"), action="append")
+    parser.add_argument("--only", choices=("grpo", "grpo-full", "ppo"), action="append")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -90,8 +92,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         cases = []
+        model = small_llama(tmp / "small-llama") if {"grpo", "grpo-full"} & set(only) else None
         if "grpo" in only:
-            model = small_llama(tmp / "small-llama")
             hp = {
                 "steps": args.steps,
                 "prompts_per_step": 8,
@@ -104,6 +106,19 @@ def main() -> None:
                 workload_type="lora_finetune", model=model, env_config={"env_id": "arithmetic"}, hyperparameters=hp
             )
             cases.append(("grpo", spec, "perf/tokens_per_s", "completion tokens/s"))
+        if "grpo-full" in only:
+            hp = {
+                "steps": args.steps,
+                "prompts_per_step": 8,
+                "group_size": 4,
+                "max_new_tokens": 16,
+                "learning_rate": 1e-5,
+                "checkpoint_every": 0,
+            }
+            spec = task_spec(
+                workload_type="full_rl", model=model, env_config={"env_id": "arithmetic"}, hyperparameters=hp
+            )
+            cases.append(("grpo-full", spec, "perf/tokens_per_s", "completion tokens/s"))
         if "ppo" in only:
             hp = {"total_timesteps": 1024 * args.steps, "num_envs": 8, "num_steps": 128, "checkpoint_every": 0}
             spec = task_spec(

@@ -116,7 +116,14 @@ MAX_GANG_NODES = 64
 #: ``(workload_type, env kind)`` of the trainers that run data-parallel across nodes (the
 #: trainer's ``opentinker_trainer.distributed.DISTRIBUTED_TRAINERS``, checked equal by a test).
 GANG_WORKLOADS: frozenset[tuple[str, str]] = frozenset(
-    {("lora_finetune", "text"), ("full_rl", "text"), ("sft", "dataset"), ("full_rl", "gym"), ("full_rl", "multiagent")}
+    {
+        ("lora_finetune", "text"),
+        ("lora_finetune", "gym"),
+        ("full_rl", "text"),
+        ("sft", "dataset"),
+        ("full_rl", "gym"),
+        ("full_rl", "multiagent"),
+    }
 )
 
 

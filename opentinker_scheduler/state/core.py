@@ -156,7 +156,7 @@ class SchedulerCore:
             notify=self.notify,
             quotas=lambda: self.quotas,
         )
-        #: Gang tasks' members, rendezvous and ends (memory only; :class:`~.gangs.Gangs`).
+        #: Gang tasks' members, rendezvous and ends (also in the store; :class:`~.gangs.Gangs`).
         self.gangs = Gangs(self)
         #: Tasks ended by the scheduler (cancel, max_runtime) whose worker is still stopping: task id ->
         #: (attempt, node id). The worker checkpoints on SIGTERM within the node's grace period; that
@@ -265,11 +265,14 @@ class SchedulerCore:
             self.usage.start(task, queue=self.quotas.queue_of(task.owner), gpus=self.need(task)[0],
                              start_time=task.start_time or task.update_time)  # fmt: skip
         grace = max(0.0, self.config.restart_grace_s - self.config.lease_s)
-        for task in self.active.values():
-            if task.node_id not in self.nodes:
-                self._recover_node(task.node_id)
-            node = self.node(task.node_id)
-            node.allocate(task.task_id, task.attempt, tuple(task.device_indices), task.share_key)
+        holdings = [(t.node_id, t, tuple(t.device_indices), t.share_key) for t in self.active.values()]
+        # A gang's other members (member 0 is the row's node): each holds its GPUs within the grace.
+        holdings += [(n, t, devices, None) for n, t, devices in self.gangs.recover(self.active)]
+        for node_id, task, devices, share in holdings:
+            if node_id not in self.nodes:
+                self._recover_node(node_id)
+            node = self.node(node_id)
+            node.allocate(task.task_id, task.attempt, devices, share)
             if not node.connected:
                 node.last_seen = self.clock() + grace
         self._queued_at = {t.task_id: time.monotonic() for t in self.queue}

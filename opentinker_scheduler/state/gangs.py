@@ -2,8 +2,10 @@
 
 A collaborator of :class:`~opentinker_scheduler.state.core.SchedulerCore`. The task's row keeps
 member 0 (its ``node_id`` and ``device_indices``: global rank 0, which reports metrics and
-writes checkpoints); :class:`Gangs` keeps, in memory, every member of each gang attempt that was
-assigned, the rendezvous port, and which members' workers have ended.
+writes checkpoints); :class:`Gangs` keeps every member of each gang attempt that was assigned,
+the rendezvous port, and which members' workers have ended, in memory and in the store's
+``gang_attempts`` table (written in the same commit as the ASSIGNED transition, and as members
+end; dropped when the attempt ends).
 
 * Placement (:meth:`Gangs.place`): all members at once or none
   (:func:`~opentinker_scheduler.policy.gang.place_gang`); a blocked gang reserves its nodes
@@ -14,12 +16,18 @@ assigned, the rendezvous port, and which members' workers have ended.
 * A member's end (:meth:`Gangs.member_report`): its GPUs are released; a member that failed or
   was stopped ends the whole attempt (requeued as attempt + 1 when retryable, from the newest
   checkpoint). Member 0's reports are the task's, as for any task.
+* Preemption: a gang is one victim spanning its nodes
+  (:func:`~opentinker_scheduler.policy.preemption.choose_victims`); every member is told to
+  checkpoint and stop, the members other than member 0 only hand back their GPUs, and member
+  0's CANCELLED report requeues the attempt once (PREEMPTED, from that checkpoint).
 * The attempt's end, however it came (a member's failure, a lost node, a cancel, a timeout,
   success): every member still running is told to stop (:meth:`Gangs.task_moved`).
 
-Not kept across a scheduler restart: after one, members other than member 0 are unknown to the
-ledger, their nodes are told the attempt is stale, and the attempt ends (the gang is requeued
-and resumes from its checkpoint).
+Kept across a scheduler restart (:meth:`Gangs.recover`): every member that had not ended holds
+its GPUs again in the ledger, and its node, when it reconnects within ``restart_grace`` and
+re-announces the attempt, carries on with it (not told it is stale): a restart kills no running
+gang. A member whose node does not come back within the grace is lost as any task is, and that
+ends the attempt everywhere (requeued as attempt + 1 from its newest checkpoint).
 """
 
 from __future__ import annotations
@@ -82,7 +90,7 @@ class Gang:
 
 
 class Gangs:
-    """The gang attempts the core has assigned (memory only; see the module docstring)."""
+    """The gang attempts the core has assigned (in memory and the store; see the module docstring)."""
 
     def __init__(self, core: SchedulerCore) -> None:
         self.core = core
@@ -143,8 +151,32 @@ class Gangs:
         return decided, reserved
 
     def assigned(self, task: TaskRow, gang: Gang) -> None:
-        """``gang`` (``task``'s current attempt) was committed ASSIGNED."""
+        """``gang`` (``task``'s current attempt) is being committed ASSIGNED: recorded in memory
+        and in the store (call inside the transition's batch, so both commit together)."""
         self.live[task.task_id] = gang
+        self._store(gang)
+
+    def _store(self, gang: Gang) -> None:
+        self.core.store.set_gang(gang.task_id, gang.attempt, gang.port, gang.members, gang.ended)
+
+    def recover(self, active: dict[str, TaskRow]) -> list[tuple[str, TaskRow, tuple[int, ...]]]:
+        """Read the recorded gang attempts back (a restart, or a rebuild after a failed commit):
+        those that are the current attempt of an ``active`` task become live again.
+
+        Returns:
+            ``[(node id, task, devices)]`` of every member other than member 0 whose worker had
+            not ended: the core holds their GPUs again (member 0's are the task row's).
+            Rows of attempts that are over are ignored (replaced when the task is next placed).
+        """
+        held = []
+        for task_id, attempt, port, members, ended in self.core.store.gangs():
+            task = active.get(task_id)
+            if task is None or task.attempt != attempt or not members:
+                continue
+            gang = Gang(task_id, attempt, tuple(members), port, set(ended))
+            self.live[task_id] = gang
+            held.extend((n, task, d) for n, d in gang.members[1:] if n not in gang.ended)
+        return held
 
     def assignments(self, gang: Gang, base: node_pb2.AssignTask) -> list[tuple[NodeSession, node_pb2.AssignTask]]:
         """One ``AssignTask`` per member: ``base`` (spec, attempt, checkpoints) with that member's
@@ -193,9 +225,13 @@ class Gangs:
         if rep.state not in TERMINAL_STATES:
             return True
         gang.ended.add(node.node_id)
+        self._store(gang)  # a restart from here on does not wait for this member
         held = node.allocations.get(rep.task_id)
         current = task.attempt == rep.attempt and task.state in ACTIVE_STATES
-        if current and rep.state != S.TASK_STATE_SUCCEEDED:
+        # Preempted (every member was told to stop): member 0's CANCELLED report, with its last
+        # checkpoint, requeues the task once (as PREEMPTED); the others only hand back their GPUs.
+        preempted = rep.state == S.TASK_STATE_CANCELLED and rep.task_id in self.core.preemptions
+        if current and rep.state != S.TASK_STATE_SUCCEEDED and not preempted:
             what = f"gang member {node.node_id} (member {gang.index_of(node.node_id)} of {len(gang.members)})"
             if rep.state == S.TASK_STATE_FAILED:
                 reason = "ATTEMPT_FAILED" if rep.retryable else "USER_ERROR"
@@ -222,6 +258,7 @@ class Gangs:
         if gang is None or (task.attempt == gang.attempt and task.state in ACTIVE_STATES):
             return
         del self.live[task.task_id]
+        self.core.store.forget_gang(task.task_id)
         if task.state == S.TASK_STATE_SUCCEEDED and task.attempt == gang.attempt:
             return
         for node_id, _ in gang.members:

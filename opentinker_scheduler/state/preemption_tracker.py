@@ -176,6 +176,11 @@ class PreemptionTracker:
             node = self._nodes[choice.node_id]
             for victim_id in choice.victims:
                 victim = active[victim_id]
+                # Every node the attempt runs on (a gang's members; member 0 checkpoints, its
+                # CANCELLED report requeues the task once).
+                members = [
+                    n for n in self._nodes.values() if n.allocations.get(victim_id, (None,))[0] == victim.attempt
+                ]
                 self.victims[victim_id] = Victim(victim.attempt, node.node_id, task.task_id)
                 self.deadlines[victim_id] = self._clock() + self._config.preemption_timeout_s
                 log.info(
@@ -186,12 +191,16 @@ class PreemptionTracker:
                     priority=victim.priority,
                     for_task=task.task_id,
                     for_priority=task.priority,
+                    nodes=[n.node_id for n in members] if len(members) > 1 else None,
                 )
-                node.push(
-                    node_pb2.ConnectResponse(
-                        cancel_task=node_pb2.CancelTask(task_id=victim_id, attempt=victim.attempt, reason="PREEMPTED")
+                for member in members or [node]:
+                    member.push(
+                        node_pb2.ConnectResponse(
+                            cancel_task=node_pb2.CancelTask(
+                                task_id=victim_id, attempt=victim.attempt, reason="PREEMPTED"
+                            )
+                        )
                     )
-                )
             self.waiting[task.task_id] = (node.node_id, choice.victims)
             started += 1
             self._notify()
@@ -230,6 +239,10 @@ class PreemptionTracker:
         ``eligible(row)`` when given) are given ``priority`` so they hold their GPUs and slot but
         are never chosen; eligible ones at least one below it."""
         active = self._tasks.active
+        spans: dict[tuple[str, int], int] = {}  # (task id, attempt) -> nodes holding it (a gang's members)
+        for node in self._nodes.values():
+            for task_id, (attempt, _) in node.allocations.items():
+                spans[(task_id, attempt)] = spans.get((task_id, attempt), 0) + 1
         out = []
         for node in self._nodes.values():
             if not node.connected or node.draining:
@@ -249,7 +262,9 @@ class PreemptionTracker:
                     prio = t.priority
                 elif ok and eligible(t):
                     prio = min(t.priority, priority - 1)
-                running.append(RunningAlloc(task_id, prio, len(devices), started, tuple(devices)))
+                running.append(
+                    RunningAlloc(task_id, prio, len(devices), started, tuple(devices), spans[(task_id, attempt)])
+                )
             cap = node.capacity()
             out.append(NodeState(node.node_id, node.gpu_count, node.max_tasks, len(cap.free_gpus), tuple(running)))
         return out

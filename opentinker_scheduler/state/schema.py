@@ -219,6 +219,18 @@ CREATE TABLE IF NOT EXISTS queue_overrides (
 );
 """
 
+#: Gang attempts (state/gangs.py): one row per gang task's assigned attempt, written with its
+#: ASSIGNED transition, so that a restarted scheduler knows every member (a restart kills no gang).
+_V6 = """
+CREATE TABLE IF NOT EXISTS gang_attempts (
+    task_id   TEXT PRIMARY KEY,
+    attempt   INTEGER NOT NULL,
+    port      INTEGER NOT NULL,       -- rendezvous port on member 0
+    members   TEXT NOT NULL,          -- JSON [[node id, [device index, ...]], ...], member 0 first
+    ended     TEXT NOT NULL DEFAULT '[]' -- JSON [node id, ...]: members whose worker ended
+);
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -230,6 +242,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(3, "dataset names and sizes per owner", _V3),
     Migration(4, "usage accounting per attempt (GPU-seconds, tokens, env steps, cost)", _V4),
     Migration(5, "quota queues set at run time (overrides of the config, kept across restarts)", _V5),
+    Migration(6, "gang attempts: members, devices and rendezvous port (kept across a restart)", _V6),
 )
 
 #: The newest schema version this scheduler knows.

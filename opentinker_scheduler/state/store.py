@@ -30,7 +30,7 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from opentinker.common.v1 import common_pb2
 
@@ -633,6 +633,35 @@ class SqlStore:
         """``(attempt, address)`` last recorded for a task, or None."""
         r = self.db.execute("SELECT attempt, address FROM task_endpoints WHERE task_id=?", (task_id,)).fetchone()
         return (r[0], r[1]) if r else None
+
+    # --- gang attempts (state/gangs.py) -------------------------------------------------------
+    def set_gang(
+        self, task_id: str, attempt: int, port: int, members: Sequence[tuple[str, Sequence[int]]], ended=()
+    ) -> None:
+        """Record gang ``attempt`` of a task: ``members`` ``[(node id, device indices)]`` (member
+        0 first), the rendezvous ``port``, the node ids of members whose worker ended (replaces
+        the task's older attempt)."""
+        row = (task_id, attempt, port, json.dumps([[n, list(d)] for n, d in members]), json.dumps(sorted(ended)))
+        with self._tx():
+            self.db.execute(
+                "INSERT INTO gang_attempts (task_id, attempt, port, members, ended) VALUES (?,?,?,?,?) "
+                "ON CONFLICT(task_id) DO UPDATE SET attempt=excluded.attempt, port=excluded.port, "
+                "members=excluded.members, ended=excluded.ended",
+                row,
+            )
+
+    def forget_gang(self, task_id: str) -> None:
+        """The task's gang attempt ended: drop its row."""
+        with self._tx():
+            self.db.execute("DELETE FROM gang_attempts WHERE task_id=?", (task_id,))
+
+    def gangs(self) -> list[tuple[str, int, int, list[tuple[str, tuple[int, ...]]], set[str]]]:
+        """Every recorded gang attempt: ``(task id, attempt, port, members, ended)``."""
+        out = []
+        for r in self.db.execute("SELECT task_id, attempt, port, members, ended FROM gang_attempts ORDER BY task_id"):
+            members = [(str(n), tuple(int(i) for i in d)) for n, d in json.loads(r[3])]
+            out.append((r[0], int(r[1]), int(r[2]), members, set(json.loads(r[4]))))
+        return out
 
     def checkpoints(self, task_id: str) -> list[common_pb2.Checkpoint]:
         """Every checkpoint a task recorded, oldest first."""

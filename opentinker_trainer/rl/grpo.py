@@ -326,12 +326,15 @@ class GRPOBatch:
 
 
 @torch.no_grad()
-def _no_grad_logprobs(logprobs: Callable, model, batch: GRPOBatch, reference: Any = None) -> torch.Tensor:
+def _no_grad_logprobs(
+    logprobs: Callable, model, batch: GRPOBatch, reference: Any = None, dummies: int = 0
+) -> torch.Tensor:
     """``[B, T]`` log-probs of every row, chunk by chunk, in eval mode, under ``model`` or, when
-    given, under ``reference`` (a module, or :data:`ADAPTER_OFF`)."""
+    given, under ``reference`` (a module, or :data:`ADAPTER_OFF`); then ``dummies`` more passes of
+    the first chunk, discarded (a sharded model's ranks run as many forwards)."""
     model.eval()
     parts = []
-    for sl in batch.chunks:
+    for sl in list(batch.chunks) + [batch.chunks[0]] * dummies:
         if reference is None:
             parts.append(logprobs(model, sl))
         elif isinstance(reference, str):
@@ -341,7 +344,7 @@ def _no_grad_logprobs(logprobs: Callable, model, batch: GRPOBatch, reference: An
                 parts.append(logprobs(model, sl))
         else:
             parts.append(logprobs(reference, sl))
-    return torch.cat(parts)
+    return torch.cat(parts[: len(parts) - dummies])
 
 
 def grpo_update(
@@ -353,6 +356,7 @@ def grpo_update(
     *,
     reference: Any = None,
     dp: Any = None,
+    sharded: bool = False,
 ) -> dict[str, float]:
     """``ppo_epochs`` optimizer steps of GRPO on one step's samples; returns the metrics.
 
@@ -418,6 +422,13 @@ def grpo_update(
             sums over ranks, the gradients are summed over ranks before clipping, and every
             metric is of the global batch. So each rank takes the step one rank would take on
             the union of the ranks' batches (up to float summation order).
+        sharded: with ``dp``, ``model`` (and a module ``reference``) is sharded with FSDP2
+            (:mod:`opentinker_trainer.fsdp`): every forward and backward is a collective, so a rank
+            with fewer micro-batches than another runs dummy ones (its first chunk again, weighted
+            0) up to the most any rank has; FSDP averages the ranks' gradients itself (reduce-
+            scatter), so each loss is multiplied by the world size before ``backward`` (the sum
+            the one-rank step takes) and no ``all_reduce_grads`` follows. ``logprobs`` must run
+            the same forwards on every rank for the same chunk count (same completion width).
 
     Returns:
         Means over epochs of ``loss/policy``, ``loss/kl``, ``grpo/clipfrac``, ``grpo/approx_kl``
@@ -448,8 +459,12 @@ def grpo_update(
     normalizer = loss_normalizer(mask, aggregation, max_len)
     if dp is not None:  # every normaliser is a sum over rows or tokens: the global one is the ranks' sum
         normalizer, n_tokens = dp.sum_tensor(normalizer), dp.sum_tensor(n_tokens)
-    ref_logp = _no_grad_logprobs(logprobs, model, batch, reference) if reference is not None else None
-    old_logp = _no_grad_logprobs(logprobs, model, batch) if cfg.ppo_epochs > 1 else None
+    sharded = sharded and dp is not None
+    # Sharded: every rank runs the most chunks any rank has (dummies repeat chunk 0, weighted 0).
+    dummies = int(dp.max(len(batch.chunks))[0]) - len(batch.chunks) if sharded else 0
+    scale = float(dp.world_size) if sharded else 1.0
+    ref_logp = _no_grad_logprobs(logprobs, model, batch, reference, dummies) if reference is not None else None
+    old_logp = _no_grad_logprobs(logprobs, model, batch, None, dummies) if cfg.ppo_epochs > 1 else None
 
     model.eval()  # the loss's forwards too: the same dropout-free policy as old_logp and the sampler
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -470,17 +485,20 @@ def grpo_update(
             else:
                 kl_loss = torch.zeros(())
             loss = policy_loss + cfg.kl_coef * kl_loss if cfg.kl_coef > 0 else policy_loss
-            loss.backward()
+            (loss * scale).backward()
             weight = (m.sum() / n_tokens).item()
             sums["loss/policy"] += policy_loss.item()
             sums["loss/kl"] += kl_loss.item()
             sums["grpo/clipfrac"] += stats["clipfrac"].item() * weight
             sums["grpo/approx_kl"] += stats["approx_kl"].item() * weight
+        for _ in range(dummies):  # the same backward collectives as the ranks with more chunks
+            (logprobs(model, batch.chunks[0]).sum() * 0.0).backward()
         if sampling_logp is None:
             sampling_logp = torch.cat(epoch_logp)
-        if dp is not None:
+        if dp is not None and not sharded:
             dp.all_reduce_grads(params)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+        total_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        grad_norm = float(total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     model.train()

@@ -246,6 +246,7 @@ def generate(
     top_p: float = 1.0,
     group_size: int = 1,
     seed: int | None = None,
+    synced: bool = False,
 ) -> Rollout:
     """Sample ``group_size`` completions of each (left-padded) prompt with ``model.generate``.
 
@@ -264,13 +265,19 @@ def generate(
 
     Randomness comes from torch's global generator (``generate`` takes no ``torch.Generator``);
     ``seed`` re-seeds it first (``torch.manual_seed``, which seeds CUDA too).
+
+    ``synced``: the model is sharded over ranks (FSDP, every forward a collective), so every rank
+    must take as many forwards: ``generate`` runs with ``synced_gpus`` (a rank that has finished
+    keeps stepping until all have) and the prompts are not prefilled separately (the number of
+    forwards must not depend on this rank's prompt length). The completions' width ``T`` still
+    differs by rank: :func:`pad_completions` evens it out.
     """
     if seed is not None:
         torch.manual_seed(seed)
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     extra = {}
-    if group_size > 1 and prompt_ids.shape[1] >= 2:
+    if group_size > 1 and prompt_ids.shape[1] >= 2 and not synced:
         # Prefill all but the last prompt token once per prompt; generate() runs the rest.
         shared = _prompt_cache(model, prompt_ids[:, :-1], prompt_mask[:, :-1], group_size)
         if shared is not None:
@@ -290,6 +297,7 @@ def generate(
         min_new_tokens=0,
         eos_token_id=list(stop_token_ids),
         pad_token_id=int(pad_token_id),
+        **({"synced_gpus": True} if synced else {}),
         **extra,
     )
     completion_ids = out[:, prompt_ids.shape[1] :]
@@ -298,6 +306,17 @@ def generate(
     stops = torch.as_tensor(sorted(set(stop_token_ids)), dtype=completion_ids.dtype, device=device)
     truncated = ~torch.isin(completion_ids, stops).any(dim=1)
     return Rollout(prompt_ids, prompt_mask, completion_ids, mask, lengths, truncated)
+
+
+def pad_completions(ro: Rollout, width: int, pad_token_id: int) -> Rollout:
+    """``ro`` with its completions right-padded (masked out) to ``width`` tokens (``>= T``), so
+    that ranks of a sharded model run forwards of the same shapes (:func:`generate`'s ``synced``)."""
+    extra = width - ro.completion_ids.shape[1]
+    if extra <= 0:
+        return ro
+    ids = torch.nn.functional.pad(ro.completion_ids, (0, extra), value=pad_token_id)
+    mask = torch.nn.functional.pad(ro.completion_mask, (0, extra), value=False)
+    return Rollout(ro.prompt_ids, ro.prompt_mask, ids, mask, ro.completion_lengths, ro.truncated)
 
 
 def sequence_logprobs(

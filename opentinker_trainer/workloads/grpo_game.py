@@ -30,6 +30,15 @@ over all turns of the step, plus ``kl_coef`` times the k3 KL to the base model (
 Start seeds are a function of (seed, step, group), and the RNG states are checkpointed, so a
 resumed run plays and samples what an uninterrupted one would have.
 
+Distributed (a task with several ranks, :mod:`opentinker_trainer.distributed`): data-parallel,
+as the text trainer. Every rank holds the adapter and plays its contiguous share of the step's
+``groups_per_step`` groups (whole groups, with the start seeds of their global group numbers, so
+advantages stay per group), sampling with its own seed (``seed + rank``); the loss is normalised
+over all ranks' turns and the gradients summed before clipping
+(:func:`~opentinker_trainer.rl.grpo.grpo_update` with ``dp``), and every metric is of the global
+step (``perf/turns`` = all ranks' turns). Checkpoints are written once, by rank 0, with every
+rank's RNG state (a resume at the same world size is exact; at another it works, not bit-exact).
+
 Metrics per step: ``loss``, ``reward`` (mean episode return), ``reward_std``, ``zero_std_frac``,
 ``loss/policy``, ``loss/kl``, ``kl`` (= ``grpo/kl_ref``: k3 of KL(sampling policy || base model) on
 this step's turns), ``grpo/no_signal``, ``grpo/missing_rewards``, ``grpo/tokens`` (see
@@ -52,6 +61,7 @@ import numpy as np
 import torch
 
 from opentinker_common.spec.gym import space_size
+from opentinker_trainer import distributed
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.envs.text_render import parse_action, renderer_for
 from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, headline_metrics, rewards_tensor
@@ -102,7 +112,15 @@ class GameTrainer:
 
         self.ctx = ctx
         self.cfg = cfg = ctx.spec.hyperparameters
-        self.n_envs = cfg.groups_per_step * cfg.episodes_per_step
+        # Distributed: this rank plays its contiguous share of the step's groups (whole groups).
+        self.dp = distributed.world(ctx)
+        if self.dp is not None and cfg.groups_per_step < self.dp.world_size:
+            raise UserError(
+                f"hyperparameters.groups_per_step {cfg.groups_per_step}: fewer groups than the task's "
+                f"{self.dp.world_size} ranks (each rank plays whole groups)"
+            )
+        self.groups = range(cfg.groups_per_step) if self.dp is None else self.dp.shard(cfg.groups_per_step)
+        self.n_envs = len(self.groups) * cfg.episodes_per_step
         env_cfg = ctx.spec.env
         try:
             self.envs = [make_env(env_cfg, seed=None) for _ in range(self.n_envs)]
@@ -136,7 +154,12 @@ class GameTrainer:
         self.system_prompt = cfg.system_prompt if cfg.system_prompt is not None else self.renderer.system_prompt()
         self.reply_prefix = cfg.reply_prefix if cfg.reply_prefix is not None else self.renderer.reply_prefix
         self._prompt_cache: dict[Any, list[int]] = {}
+        if self.dp is not None:
+            self.dp.broadcast(self.params)
+            distributed.seed_rank(cfg.seed, self.dp.rank)
         self.step, _ = _lm.resume_step(ctx, self.optimizer, log)
+        if ctx.resume_from is not None:
+            distributed.restore_rank_rng(ctx, _lm.load_trainer_state(ctx.resume_from), reseed=cfg.seed + self.step)
         self.started = time.perf_counter()
 
     def _check_spaces(self, env) -> None:
@@ -196,7 +219,8 @@ class GameTrainer:
         t0 = time.perf_counter()
         obs = []
         for i, env in enumerate(self.envs):
-            o, _ = env.reset(seed=start_seed(self.seed_base, self.step, i // k, cfg.groups_per_step))
+            group = self.groups.start + i // k  # the global group number
+            o, _ = env.reset(seed=start_seed(self.seed_base, self.step, group, cfg.groups_per_step))
             obs.append(self._obs(o))
         shaping = cfg.reward_shaping == "distance"
         start_pot = [self.renderer.potential(o) for o in obs] if shaping else None
@@ -284,7 +308,7 @@ class GameTrainer:
         t_play = time.perf_counter() - t0
         ids, mask = self.batch(ep)
         batch = GRPOBatch(
-            rewards=rewards_tensor(ep.returns, cfg.groups_per_step, cfg.episodes_per_step),
+            rewards=rewards_tensor(ep.returns, len(self.groups), cfg.episodes_per_step),
             mask=mask,
             chunks=self.chunks(len(ep.prompts)),
             sample_of_row=torch.tensor(ep.turn_episode, dtype=torch.long),
@@ -296,27 +320,40 @@ class GameTrainer:
             lambda model, sl: self.logprobs(ep.prompts[sl], ids[sl], mask[sl], model=model),
             cfg,
             reference=ADAPTER_OFF,
+            dp=self.dp,
         )
 
         step_s = time.perf_counter() - t0
-        n_turns = len(ep.prompts)
-        tokens = int(mask.sum())
+        totals = [
+            float(len(ep.env_returns)),
+            sum(ep.env_returns),
+            float(sum(r > 0 for r in ep.env_returns)),
+            float(sum(ep.turns)),
+            float(sum(ep.terminated)),
+            float(sum(ep.invalid)),
+            float(len(ep.prompts)),
+            float(mask.sum()),
+            float(ep.truncated_replies),
+        ]
+        if self.dp is not None:  # the global step's numbers
+            totals = self.dp.sum(*totals)
+        episodes, env_return, successes, turns, terminated, invalid, n_turns, tokens, truncated = totals
         out = {
             **headline_metrics(out),
             **out,
-            "episode/env_return": sum(ep.env_returns) / len(ep.env_returns),
-            "episode/success_rate": sum(r > 0 for r in ep.env_returns) / len(ep.env_returns),
-            "episode/turns": sum(ep.turns) / len(ep.turns),
-            "episode/terminated_frac": sum(ep.terminated) / len(ep.terminated),
-            "episode/invalid_action_frac": sum(ep.invalid) / max(1, n_turns),
+            "episode/env_return": env_return / episodes,
+            "episode/success_rate": successes / episodes,
+            "episode/turns": turns / episodes,
+            "episode/terminated_frac": terminated / episodes,
+            "episode/invalid_action_frac": invalid / max(1, n_turns),
             "completion/mean_tokens": tokens / max(1, n_turns),
-            "completion/truncated_frac": ep.truncated_replies / max(1, n_turns),
+            "completion/truncated_frac": truncated / max(1, n_turns),
             "optim/lr": cfg.learning_rate,
             "perf/step_s": step_s,
             "perf/generate_s": t_gen,
             "perf/env_s": t_env,
             "perf/train_s": step_s - t_play,
-            "perf/turns": float(n_turns),
+            "perf/turns": n_turns,
             "perf/tokens_per_s": tokens / step_s,
         }
         if self.step <= 2 or self.step % 10 == 0:
@@ -325,8 +362,22 @@ class GameTrainer:
 
     # --- checkpoints and the loop -------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
-        return _lm.save_step(
-            self.ctx, self.step, self.model, self.optimizer, self.cfg, fmt=_lm.FORMAT_LORA, log=log, final=final
+        return distributed.save_once(
+            self.ctx,
+            lambda extra: _lm.save_step(
+                self.ctx,
+                self.step,
+                self.model,
+                self.optimizer,
+                self.cfg,
+                fmt=_lm.FORMAT_LORA,
+                log=log,
+                final=final,
+                **({"extra_state": extra} if extra else {}),
+            ),
+            step=self.step,
+            final=final,
+            fmt=_lm.FORMAT_LORA,
         )
 
     def run(self) -> None:

@@ -41,7 +41,8 @@ after the last the held-out split answered greedily: ``eval/accuracy``, ``eval/r
 before any update.
 
 Distributed (a task with several ranks, :mod:`opentinker_trainer.distributed`): data-parallel.
-Every rank holds the adapter (or all weights, replicated), draws the step's ``prompts_per_step``
+Every rank holds the adapter (all weights: sharded with FSDP2, :mod:`opentinker_trainer.fsdp`,
+the frozen KL reference too; sampling and evaluation synced across ranks), draws the step's ``prompts_per_step``
 problems from the same environment stream and rolls out its contiguous share of the groups with
 its own sampling seed (``seed + rank``); the loss is normalised over the global batch and the
 gradients summed over ranks before clipping (:func:`~opentinker_trainer.rl.grpo.grpo_update`
@@ -66,13 +67,13 @@ from typing import Any, Callable
 
 import torch
 
-from opentinker_trainer import distributed
+from opentinker_trainer import distributed, fsdp
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_common.arithmetic import ArithmeticEnv
 from opentinker_common.prompts import PromptsEnv
 from opentinker_common.spec.prompts import parse_prompt_line
 from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, headline_metrics, rewards_tensor
-from opentinker_trainer.rl.rollout import Rollout, generate, left_pad, sequence_logprobs
+from opentinker_trainer.rl.rollout import Rollout, generate, left_pad, pad_completions, sequence_logprobs
 from opentinker_trainer.workloads import _lm
 from opentinker_trainer.workloads._loop import run_trainer
 
@@ -168,24 +169,33 @@ class _Trainer:
             _lm.frozen_reference(ctx, cfg, self.model, self.device, dtype) if self.full and cfg.kl_coef > 0 else None
         )
         self.has_reference = not self.full or self.ref_model is not None
+        # Distributed: every rank draws the step's problems from the same environment stream and
+        # rolls out its own share of the groups, sampling with its own seed (seed + rank). All
+        # weights (full_rl) are sharded with FSDP2 (opentinker_trainer/fsdp.py), the reference
+        # copy too; an adapter is replicated and its gradients all-reduced.
+        self.dp = distributed.world(ctx)
+        self.fsdp = self.dp is not None and self.full and tenant is None
+        if self.fsdp:
+            fsdp.shard_model(self.model)
+            if self.ref_model is not None:
+                fsdp.shard_model(self.ref_model)
         self.params = (
             tenant.parameters() if tenant is not None else [p for p in self.model.parameters() if p.requires_grad]
         )
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self.client_reward = None
         self.env = TEXT_ENVS[ctx.spec.env.env_id](self)
-        # Distributed: every rank draws the step's problems from the same environment stream and
-        # rolls out its own share of the groups, sampling with its own seed (seed + rank).
-        self.dp = distributed.world(ctx)
         if self.dp is not None:
             if cfg.prompts_per_step < self.dp.world_size:
                 raise UserError(
                     f"hyperparameters.prompts_per_step {cfg.prompts_per_step}: fewer groups than the task's "
                     f"{self.dp.world_size} ranks (each rank rolls out whole groups)"
                 )
-            self.dp.broadcast(self.params)
+            if not self.fsdp:  # sharded weights are loaded from the same files on every rank
+                self.dp.broadcast(self.params)
             distributed.seed_rank(cfg.seed, self.dp.rank)
-        self.step, env_state = _lm.resume_step(ctx, self.optimizer, log)
+        resumable = fsdp.ShardedOptimizerState(self.model, self.optimizer) if self.fsdp else self.optimizer
+        self.step, env_state = _lm.resume_step(ctx, resumable, log)
         if ctx.resume_from is not None:
             self.env.set_state(env_state)
             distributed.restore_rank_rng(ctx, _lm.load_trainer_state(ctx.resume_from), reseed=cfg.seed + self.step)
@@ -194,13 +204,15 @@ class _Trainer:
     # --- checkpoints --------------------------------------------------------------------------
     def save(self, *, final: bool) -> Path:
         fmt = _lm.FORMAT_FULL if self.full else _lm.FORMAT_LORA
+        # FSDP: the full weights and optimizer state, gathered on every rank for rank 0 to write.
+        full = fsdp.FullState(self.model, self.optimizer) if self.fsdp else None
         return distributed.save_once(
             self.ctx,
             lambda extra: _lm.save_step(
                 self.ctx,
                 self.step,
-                self.model,
-                self.optimizer,
+                full or self.model,
+                full or self.optimizer,
                 self.cfg,
                 fmt=fmt,
                 log=log,
@@ -232,7 +244,10 @@ class _Trainer:
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             group_size=cfg.group_size,
+            synced=self.fsdp,
         )
+        if self.fsdp:  # the same completion width on every rank: the same forwards' shapes
+            ro = pad_completions(ro, int(self.dp.max(ro.completion_ids.shape[1])[0]), self.pad_id)
         replies = self.tokenizer.batch_decode(ro.completion_token_lists(), skip_special_tokens=True)
         rewards = self.env.score_batch(replies, [problems[i // cfg.group_size] for i in range(len(replies))])
         if self.step == 0 or cfg.steps <= 20 or self.step % 10 == 0:
@@ -272,6 +287,7 @@ class _Trainer:
             cfg,
             reference=reference,
             dp=self.dp,
+            sharded=self.fsdp,
         )
 
         step_s = time.perf_counter() - t0
@@ -304,9 +320,10 @@ class _Trainer:
         as ``eval/accuracy_start``, ``eval/reward_start`` (reported with step 1)."""
         if self.step != 1 or not isinstance(self.env, PromptsEnv) or not self.env.eval_problems:
             return {}
-        if self.dp is not None and self.dp.rank != 0:
+        if not self._reports() and not self.fsdp:
             return {}
-        return {f"{k}_start": v for k, v in self.evaluate(updates=0).items() if k != "eval/prompts"}
+        out = self.evaluate(updates=0)  # sharded: every rank generates, rank 0 alone scores
+        return {f"{k}_start": v for k, v in out.items() if k != "eval/prompts"}
 
     def env_metrics(self) -> dict[str, float]:
         if not isinstance(self.env, PromptsEnv):
@@ -314,11 +331,15 @@ class _Trainer:
         out = {"data/skipped_lines": float(self.env.skipped)}
         every = self.env.config.eval_every
         if self.env.eval_problems and ((every and self.step % every == 0) or self.step == self.cfg.steps):
-            if self.dp is None or self.dp.rank == 0:  # only rank 0 reports
+            if self._reports() or self.fsdp:  # only rank 0 reports; sharded, every rank generates
                 out.update(self.evaluate(updates=self.step))
         if self.client_reward is not None:  # this step's calls, the evaluation's included
             out.update(self.client_reward.take_counts())
         return out
+
+    def _reports(self) -> bool:
+        """Whether this rank reports the evaluation (rank 0, or the only rank)."""
+        return self.dp is None or self.dp.rank == 0
 
     @torch.no_grad()
     def evaluate(self, updates: int) -> dict[str, float]:
@@ -327,7 +348,9 @@ class _Trainer:
         Returns ``eval/accuracy`` (share judged right: the verifier alone gives 1.0; for a
         client reward, reward >= ``eval_threshold``), ``eval/reward`` (mean reward, verifier and
         shaping terms; missing client rewards left out), ``eval/prompts``. ``updates``: how many
-        steps the model has been trained for (for the log line).
+        steps the model has been trained for (for the log line). Sharded (FSDP), every rank
+        generates (each forward a collective, ``synced_gpus``) and only rank 0 scores: the others
+        return ``{}``.
         """
         env: PromptsEnv = self.env
         problems = env.eval_problems
@@ -346,8 +369,11 @@ class _Trainer:
                 temperature=None,
                 top_p=None,
                 top_k=None,
+                **({"synced_gpus": True} if self.fsdp else {}),
             )
             replies.extend(self.tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True))
+        if not self._reports():
+            return {}
         rewards = env.score_batch(replies, problems)
         if env.config.reward.is_client:
             right = [r is not None and r >= env.config.eval_threshold for r in rewards]

@@ -239,3 +239,81 @@ def test_multi_agent_ppo_on_two_ranks(tmp_path) -> None:
     assert [m["values"]["env_steps"] for m in metrics] == [50, 100]  # 2 copies x 25 steps, over both ranks
     state = torch.load(tmp_path / "node/ma/checkpoints/step_2/trainer_state.pt", weights_only=True)
     assert state["world_size"] == 2
+
+
+def test_full_weight_grpo_sharded_with_fsdp_checkpoints_once_and_resumes(tiny_model_dir, tmp_path) -> None:
+    """full_rl GRPO on two ranks, weights and the KL reference sharded with FSDP2: one hf_full
+    checkpoint per step written by rank 0 with both ranks' RNG states; a resume at the same
+    world size retakes step 2 exactly. (A resume at another world size reads the same format:
+    tests/trainer/rl/test_grpo_distributed.py, the optimizer state round trip.)"""
+    hp = {
+        "steps": 2,
+        "prompts_per_step": 3,  # ranks of 2 and 1 groups: unequal micro-batch counts
+        "group_size": 2,
+        "micro_batch_size": 2,
+        "max_new_tokens": 3,
+        "kl_coef": 0.05,
+        "learning_rate": 1e-3,
+        "checkpoint_every": 1,
+    }
+    spec = task_spec(
+        workload_type="full_rl",
+        model=tiny_model_dir,
+        env_config={"env_id": "arithmetic"},
+        hyperparameters=hp,
+        gpu_count=2,
+    )
+    run = run_worker(tmp_path, "fg", spec, devices=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = run.of("metric")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["values"]["perf/samples"] == 6 for m in metrics)
+    assert [(c["step"], c["format"]) for c in run.of("checkpoint")] == [(1, "hf_full"), (2, "hf_full")]
+    step1, step2 = tmp_path / "node/fg/checkpoints/step_1", tmp_path / "node/fg/checkpoints/step_2"
+    state = torch.load(step1 / "trainer_state.pt", weights_only=True)
+    assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2
+    moved = weights(step2)
+    again = run_worker(tmp_path, "fg-r", spec, devices=2, attempt=2, resume_from=step1)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.of("metric")[0]["values"]["loss"] == pytest.approx(metrics[1]["values"]["loss"], rel=1e-5)
+    assert_same_tensors(moved, weights(tmp_path / "node/fg-r/checkpoints/step_2"), atol=1e-6)
+
+
+def test_lm_game_grpo_on_two_ranks_plays_its_share_of_the_groups(tiny_model_dir, tmp_path) -> None:
+    """GRPO on an LM game (FrozenLake) with two ranks: each plays whole groups of episodes, the
+    metrics are of all ranks' turns, rank 0 checkpoints with both ranks' RNG states; fewer
+    groups than ranks is refused naming the field."""
+    hp = {
+        "steps": 2,
+        "groups_per_step": 3,
+        "episodes_per_step": 2,
+        "max_turns": 2,
+        "max_new_tokens": 3,
+        "lora_rank": 4,
+        "checkpoint_every": 1,
+    }
+    lake = {"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}}
+    spec = task_spec(
+        workload_type="lora_finetune", model=tiny_model_dir, env_config=lake, hyperparameters=hp, gpu_count=2
+    )
+    run = run_worker(tmp_path, "game", spec, devices=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "starting ranks" in run.stderr
+    metrics = run.of("metric")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:  # 6 episodes over both ranks, each 1 or 2 turns
+        assert 6 <= m["values"]["perf/turns"] <= 12
+        assert m["values"]["episode/turns"] == pytest.approx(m["values"]["perf/turns"] / 6)
+    assert [c["step"] for c in run.of("checkpoint")] == [1, 2]
+    state = torch.load(tmp_path / "node/game/checkpoints/step_2/trainer_state.pt", weights_only=True)
+    assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2
+    few = task_spec(
+        workload_type="lora_finetune",
+        model=tiny_model_dir,
+        env_config=lake,
+        hyperparameters={**hp, "groups_per_step": 1},
+        gpu_count=2,
+    )
+    (failed,) = run_worker(tmp_path, "game-few", few, devices=2).of("failed")
+    assert "hyperparameters.groups_per_step 1: fewer groups than the task's 2 ranks" in failed["error"]
+    assert failed["retryable"] is False

@@ -1,7 +1,8 @@
 """A task across two trainer nodes (a gang) on loopback: two trainer processes with
 ``--simulate-gpus 2`` each, 4 gloo ranks of PPO on CartPole in one process group.
 
-It finishes; and after ``kill -9`` of one member node mid-task, the other member's ranks end on
+It finishes, across a ``kill -9`` of the scheduler (the same attempt); and after ``kill -9`` of
+one member node mid-task, the other member's ranks end on
 their own (their collective breaks), the attempt ends everywhere, and once the node is back the
 task runs again as one gang, attempt 2, from its newest checkpoint.
 """
@@ -16,6 +17,7 @@ from google.protobuf import json_format
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_client import RLClient
 
 from tests.support.procs import Cluster, free_port
 from tests.support.waiting import wait_for
@@ -55,17 +57,34 @@ def started(trainer, task_id: str) -> list[dict]:
     return [e for e in trainer.log_events() if e.get("event") == "Task started" and e.get("task_id") == task_id]
 
 
-def test_a_two_node_gang_finishes(tmp_path) -> None:
+def test_a_two_node_gang_finishes_across_a_kill_9_of_the_scheduler(tmp_path) -> None:
+    """The gang attempt is in the store: a scheduler killed mid-task and restarted knows both
+    members, each node re-announces its worker and carries on (nobody is told its attempt is
+    stale, no NODE_LOST), and the same attempt finishes with one checkpoint of all 4 ranks."""
     cluster = start(tmp_path)
     try:
-        task_id = submit(cluster, gang_spec(updates=6, checkpoint_every=3))
-        task = cluster.wait_state(task_id, {C.TASK_STATE_SUCCEEDED, C.TASK_STATE_FAILED})
-        assert task.state == C.TASK_STATE_SUCCEEDED, task.error
+        task_id = submit(cluster, gang_spec(updates=120, checkpoint_every=60))
+        cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: t.latest_step >= 2)
+        cluster.scheduler.kill9()
+        restarted = cluster.start_scheduler()  # same port, same state directory, same log file
+        task = cluster.wait_state(task_id, {C.TASK_STATE_SUCCEEDED, C.TASK_STATE_FAILED, C.TASK_STATE_PENDING})
+        assert task.state == C.TASK_STATE_SUCCEEDED and task.attempt == 1, task.error
         a, b = cluster.procs[1], cluster.procs[2]
-        assert len(started(a, task_id)) == len(started(b, task_id)) == 1  # one member on each node
+        assert len(started(a, task_id)) == len(started(b, task_id)) == 1  # one member on each node, once
+        for trainer in (a, b):  # registered again after the restart, told nothing is stale
+            regs = [e for e in trainer.log_events() if e.get("event") == "registered with scheduler"]
+            assert len(regs) >= 2 and all(e["stale"] == 0 for e in regs), regs
+            assert not trainer.mentions("scheduler no longer runs this attempt here")
+        with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+            reasons = [e.reason for e in client.watch(task_id, follow=False) if e.kind == "state"]
+        assert "NODE_LOST" not in reasons and "ATTEMPT_FAILED" not in reasons, reasons
+        # Both members were still running when they re-registered with the new scheduler (each
+        # node's last registration is that one).
+        last = {e["node_id"]: e for e in restarted.log_events() if e.get("event") == "node registered"}
+        assert {n: (e["running"], e["stale"]) for n, e in last.items()} == {"node-a": (1, 0), "node-b": (1, 0)}, last
         state = torch.load(Path(task.latest_checkpoint.path) / "trainer_state.pt", weights_only=True)
-        assert state["world_size"] == 4 and len(state["rng_ranks"]) == 4 and state["env_steps"] == 64 * 6
-        assert task.latest_checkpoint.step == 6 and task.latest_checkpoint.final
+        assert state["world_size"] == 4 and len(state["rng_ranks"]) == 4 and state["env_steps"] == 64 * 120
+        assert task.latest_checkpoint.step == 120 and task.latest_checkpoint.final
     finally:
         cluster.close()
 

@@ -30,6 +30,19 @@ def test_fewest_victims_across_nodes_and_slots() -> None:
     assert choose_victims(1, 8, [a, b]) is None
 
 
+def test_a_gang_is_one_victim_that_stops_every_node_it_spans() -> None:
+    gang = RunningAlloc("gang", 0, 2, 20.0, nodes=2)  # a member of a 2-node gang: 2 GPUs here
+    solo = RunningAlloc("solo", 0, 2, 10.0)  # older, otherwise the youngest would go first
+    node = NodeState("a", 4, 8, 0, (gang, solo))
+    assert choose_victims(5, 2, [node]).victims == ("solo",)  # one node stopped, not two
+    assert choose_victims(5, 4, [node]).victims == ("solo", "gang")  # the gang last
+    # Across nodes: a node where one ordinary task makes room wins over one where the gang must go.
+    b = NodeState("b", 2, 8, 0, (RunningAlloc("b1", 0, 2, 1.0),))
+    only_gang = NodeState("c", 2, 8, 0, (RunningAlloc("gang", 0, 2, 20.0, nodes=2),))
+    assert choose_victims(5, 2, [only_gang, b]).node_id == "b"
+    assert choose_victims(5, 2, [only_gang]).victims == ("gang",)  # still a victim when it is the only one
+
+
 @given(
     st.integers(-2, 3),
     st.integers(0, 4),

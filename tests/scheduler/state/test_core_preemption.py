@@ -179,3 +179,43 @@ def test_max_runtime_timeout_keeps_final_checkpoint(tmp_path) -> None:
     report(core, node, task.task_id, 1, checkpoint=C.Checkpoint(step=9, path="/ck/step_9"))
     assert core.get(task.task_id).latest_checkpoint.path == "/ck/step_7"
     assert core.get(task.task_id).state == C.TASK_STATE_FAILED
+
+
+def test_a_gang_is_preempted_whole_and_requeued_once(tmp_path) -> None:
+    """A high-priority task that needs a 2-node gang's GPUs on one node: every member is told to
+    checkpoint and stop; the members other than member 0 only hand back their GPUs; member 0's
+    CANCELLED report requeues the gang once (PREEMPTED, from its checkpoint); no member keeps GPUs."""
+    from opentinker_scheduler.config import PoolNode, SchedulerConfig
+    from opentinker_scheduler.state.core import SchedulerCore
+
+    from tests.support.stores import make_store
+
+    pool = (PoolNode("node-a", 2, 8), PoolNode("node-b", 2, 8))
+    core = SchedulerCore(SchedulerConfig(resource_pool=pool, state_dir=tmp_path), make_store(tmp_path))
+    nodes = {n: register(core, n, gpus=2)[0] for n in ("node-a", "node-b")}
+    g = prio_spec(2, 0)
+    g.resources.nodes = 2
+    gang = core.submit(g, owner="u")
+    core.schedule()
+    t = core.get(gang.task_id)
+    primary, other = nodes[t.node_id], nodes["node-b" if t.node_id == "node-a" else "node-a"]
+    for n in (primary, other):
+        drain(n)
+        report(core, n, gang.task_id, 1, C.TASK_STATE_RUNNING)
+    report(core, primary, gang.task_id, 1, checkpoint=C.Checkpoint(step=4, path="/ck/step_4"))
+    high = core.submit(prio_spec(2, 10), owner="u")
+    core.tick()
+    for n in (primary, other):  # every member, once
+        assert [(c.task_id, c.attempt, c.reason) for c in _cancels(n)] == [(gang.task_id, 1, "PREEMPTED")]
+    report(core, other, gang.task_id, 1, C.TASK_STATE_CANCELLED, error="PREEMPTED")  # a member first
+    assert gang.task_id not in other.allocations and core.get(gang.task_id).state == C.TASK_STATE_RUNNING
+    report(
+        core, primary, gang.task_id, 1, C.TASK_STATE_CANCELLED, error="PREEMPTED",
+        checkpoint=C.Checkpoint(step=5, path="/ck/step_5"),
+    )  # fmt: skip
+    t = core.get(gang.task_id)
+    assert t.state == C.TASK_STATE_PENDING and t.attempt == 2 and t.latest_checkpoint.step == 5
+    reasons = [e.state_change.reason for e in core.store.events_after(gang.task_id, 0) if e.HasField("state_change")]
+    assert reasons.count("PREEMPTED") == 1 and "HANDED_BACK" not in reasons
+    assert not any(gang.task_id in n.allocations for n in (primary, other))
+    assert core.schedule() == 1 and core.get(high.task_id).state == C.TASK_STATE_ASSIGNED

@@ -223,3 +223,62 @@ def test_ledger_with_gangs_never_half_places_or_overbooks(tmp_path_factory, sequ
             else:
                 assert not holders, "a pending gang holds GPUs of its current attempt"
     core.store.close()
+
+
+def make_on_backend(tmp, **kw) -> SchedulerCore:
+    """:func:`make` on the current store backend (SQLite or PostgreSQL): the same data again
+    for the same folder, as a restarted scheduler opens it."""
+    from tests.support.stores import make_store
+
+    pool = tuple(PoolNode(n, 2, 8) for n in NODES[:2])
+    return SchedulerCore(SchedulerConfig(resource_pool=pool, state_dir=tmp, **kw), make_store(tmp))
+
+
+def running_gang(tmp_path, **kw):
+    """A 2-node gang running on node-a and node-b: ``(core, task id, primary id, other id)``."""
+    core = make_on_backend(tmp_path, **kw)
+    register(core, "node-a", gpus=2), register(core, "node-b", gpus=2)
+    gang = core.submit(gang_spec(), owner="u")
+    t, members = placed(core, gang.task_id)
+    other = [m for m in members if m != t.node_id][0]
+    for n in members:
+        drain(core.nodes[n])
+        report(core, core.nodes[n], gang.task_id, 1, C.TASK_STATE_RUNNING)
+    return core, gang.task_id, t.node_id, other
+
+
+def test_a_scheduler_restart_keeps_every_gang_member_running(tmp_path) -> None:
+    core, task_id, primary, other = running_gang(tmp_path)
+    assert [(r[0], r[1]) for r in core.store.gangs()] == [(task_id, 1)]  # committed with the assignment
+    core.store.close()  # kill -9: a new core on the same store
+    core2 = make_on_backend(tmp_path)
+    # Before the members reconnect: both hold their GPUs (nothing else is placed on them).
+    assert all(core2.nodes[n].allocations[task_id] == (1, (0, 1)) for n in (primary, other))
+    assert core2.gangs.live[task_id].members == ((primary, (0, 1)), (other, (0, 1)))
+    for n in (other, primary):
+        node, registered = register(core2, n, gpus=2, running=[(task_id, 1)])
+        assert list(registered.stale) == [] and not cancels(node)
+    t = core2.get(task_id)
+    assert t.state == C.TASK_STATE_RUNNING and t.attempt == 1
+    report(core2, core2.nodes[other], task_id, 1, C.TASK_STATE_SUCCEEDED)
+    assert task_id not in core2.nodes[other].allocations and core2.get(task_id).state == C.TASK_STATE_RUNNING
+    report(core2, core2.nodes[primary], task_id, 1, C.TASK_STATE_SUCCEEDED)
+    assert core2.get(task_id).state == C.TASK_STATE_SUCCEEDED and core2.store.gangs() == []
+    assert not any(task_id in core2.nodes[n].allocations for n in (primary, other))
+
+
+def test_a_member_missing_after_a_restart_ends_the_attempt_everywhere(tmp_path) -> None:
+    core, task_id, primary, other = running_gang(tmp_path, lease_s=5, restart_grace_s=10)
+    report(core, core.nodes[primary], task_id, 1, checkpoint=C.Checkpoint(step=2, path="/ck/step_2"))
+    core.store.close()
+    core2 = make_on_backend(tmp_path, lease_s=5, restart_grace_s=10)
+    node, registered = register(core2, primary, gpus=2, running=[(task_id, 1)])  # member 0 is back
+    assert list(registered.stale) == []
+    core2.tick()
+    assert core2.get(task_id).state == C.TASK_STATE_RUNNING  # the other member still has its grace
+    core2.nodes[other].last_seen -= 60  # past the grace: lost
+    core2.tick()
+    t = core2.get(task_id)
+    assert t.state == C.TASK_STATE_PENDING and t.attempt == 2 and t.latest_checkpoint.step == 2
+    assert [(c.task_id, c.attempt) for c in cancels(node)] == [(task_id, 1)]  # member 0 told to stop
+    assert task_id not in core2.nodes[other].allocations and core2.store.gangs() == []
