@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import sys
 import tempfile
 import time
@@ -55,6 +56,35 @@ def client_reward(prompts, completions, metadata):
 
 
 FORMAT_WEIGHT = 0.5
+
+
+def std_err(p: float, n: int) -> float:
+    """The binomial standard error of an accuracy ``p`` measured on ``n`` problems."""
+    return math.sqrt(p * (1.0 - p) / n) if n else 0.0
+
+
+class Progress(io.StringIO):
+    """The worker's report stream, kept for the summary and echoed as one short line per step
+    (a run takes minutes: show where it is)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            m = json.loads(line) if line.startswith("{") else {}
+            if m.get("type") == "metric":
+                v = m["values"]
+                acc = "".join(
+                    f" {k.removeprefix('eval/')} {v[k]:.3f}" for k in ("eval/accuracy_start", "eval/accuracy") if k in v
+                )
+                print(
+                    f"  [{self.mode}] step {m['step']}: reward {v['reward']:.3f}, {v['perf/step_s']:.1f} s{acc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return super().write(text)
 
 
 def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
@@ -95,7 +125,7 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
             spec=spec,
             device="cpu",
             checkpoint_dir=tmp / mode,
-            out=io.StringIO(),
+            out=Progress(mode),
         )
         t0 = time.perf_counter()
         grpo_text.run(ctx)
@@ -106,6 +136,7 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
     metrics = [json.loads(line) for line in ctx.out.getvalue().splitlines()]
     metrics = [m for m in metrics if m["type"] == "metric"]
     first = metrics[0]["values"]
+    n_eval = int(metrics[-1]["values"]["eval/prompts"])
     curve = [(0, first["eval/accuracy_start"])] + [
         (m["step"], m["values"]["eval/accuracy"]) for m in metrics if "eval/accuracy" in m["values"]
     ]
@@ -113,11 +144,12 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
     steps_s = [m["values"]["perf/step_s"] for m in metrics]
     return {
         "mode": mode,
-        "accuracy_curve": [(s, round(a, 4)) for s, a in curve],
+        # (step, held-out greedy accuracy, its binomial standard error)
+        "accuracy_curve": [(s, round(a, 4), round(std_err(a, n_eval), 4)) for s, a in curve],
         "accuracy_before": curve[0][1],
         "accuracy_after": curve[-1][1],
         "reward_per_step": rewards,
-        "eval_prompts": int(metrics[-1]["values"]["eval/prompts"]),
+        "eval_prompts": n_eval,
         "step_s": sum(steps_s) / len(steps_s),
         "wall_s": wall,
         "client_missing": sum(m["values"].get("reward/client_missing", 0.0) for m in metrics),
@@ -141,21 +173,21 @@ def main() -> int:
     ap.add_argument("--system-prompt", default="Reply with only the final number.")
     args = ap.parse_args()
 
-    import torch
-
     from make_word_problems import write
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_rlvr_") as tmp:
         data = write(Path(tmp) / "word_problems.jsonl", n=args.n, seed=args.seed)
         for mode in args.only or ("numeric", "client"):
             r = run_one(mode, args, data, Path(tmp))
             results.append(r)
+            n_eval = r["eval_prompts"]
+            curve = ", ".join(f"{s}: {a:.3f} ± {e:.3f}" for s, a, e in r["accuracy_curve"])
             print(
-                f"{mode:8s} held-out accuracy ({r['eval_prompts']} problems, greedy): "
-                f"{r['accuracy_before']:.3f} before -> {r['accuracy_after']:.3f} after {args.steps} steps; "
-                f"curve {r['accuracy_curve']}",
+                f"{mode:8s} held-out accuracy ({n_eval} problems, greedy; ± binomial std err): "
+                f"{r['accuracy_before']:.3f} ± {std_err(r['accuracy_before'], n_eval):.3f} before -> "
+                f"{r['accuracy_after']:.3f} ± {std_err(r['accuracy_after'], n_eval):.3f} after {args.steps} steps; "
+                f"by step {curve}",
                 flush=True,
             )
             print(f"         sampled reward per step {r['reward_per_step']}", flush=True)
