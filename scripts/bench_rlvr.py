@@ -45,17 +45,30 @@ DEFAULT_MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 #: A reply that is just a number: the format term's pattern (a small bonus, not counted as accuracy).
 JUST_A_NUMBER = r"^\s*-?[0-9][0-9,]*(\.[0-9]+)?\s*\.?\s*$"
 
+#: The shaping terms added to the numeric verifier, in the spec's form (``reward.terms``); set
+#: from the arguments by :func:`shaping_terms` and used by both runs.
+TERMS: list[dict] = []
+
+
+def shaping_terms(args) -> list[dict]:
+    """The format term (``--format-weight`` x "the reply is just a number") and the length term
+    (``--length-weight`` x 0 up to ``--length-max-chars`` characters, falling to -1 at twice that)."""
+    terms = []
+    if args.format_weight:
+        terms.append({"kind": "format", "weight": args.format_weight, "pattern": JUST_A_NUMBER})
+    if args.length_weight:
+        terms.append({"kind": "length", "weight": args.length_weight, "max_chars": args.length_max_chars})
+    return terms
+
 
 def client_reward(prompts, completions, metadata):
-    """The client-side reward: the same numeric verifier and format term, run in this process (as
-    a user's own code would)."""
+    """The client-side reward: the same numeric verifier and shaping terms, run in this process
+    (as a user's own code would)."""
     from opentinker_common.verifiers import Term, make_reward
 
-    score = make_reward("numeric", {}, terms=[Term("format", FORMAT_WEIGHT, {"pattern": JUST_A_NUMBER})])
+    terms = [Term(t["kind"], t["weight"], {k: v for k, v in t.items() if k not in ("kind", "weight")}) for t in TERMS]
+    score = make_reward("numeric", {}, terms=terms)
     return [score(c, m["answer"]) for c, m in zip(completions, metadata)]
-
-
-FORMAT_WEIGHT = 0.5
 
 
 def std_err(p: float, n: int) -> float:
@@ -95,8 +108,7 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
 
     server = RewardServer(client_reward).start() if mode == "client" else None
     try:
-        terms = [{"kind": "format", "weight": FORMAT_WEIGHT, "pattern": JUST_A_NUMBER}]
-        reward = server.reward_config if server else {"verifier": "numeric", "terms": terms}
+        reward = server.reward_config if server else {"verifier": "numeric", "terms": TERMS}
         env = {
             "env_id": "prompts",
             "path": str(data),
@@ -161,20 +173,24 @@ def main() -> int:
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--only", choices=("numeric", "client"), action="append", help="run only this (repeatable)")
     ap.add_argument("-n", type=int, default=3000, help="word problems generated")
-    ap.add_argument("--eval-prompts", type=int, default=32, help="held-out problems scored per evaluation")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--eval-every", type=int, default=4)
+    ap.add_argument("--eval-prompts", type=int, default=160, help="held-out problems scored per evaluation")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--eval-every", type=int, default=8)
     ap.add_argument("--prompts-per-step", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--temperature", type=float, default=0.5)
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--format-weight", type=float, default=0.5, help='weight of "the reply is just a number"')
+    ap.add_argument("--length-weight", type=float, default=0.5, help="weight of the length term (0: none)")
+    ap.add_argument("--length-max-chars", type=int, default=30, help="the length term is 0 up to this many characters")
     ap.add_argument("--system-prompt", default="Reply with only the final number.")
     args = ap.parse_args()
 
     from make_word_problems import write
 
+    TERMS[:] = shaping_terms(args)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_rlvr_") as tmp:
         data = write(Path(tmp) / "word_problems.jsonl", n=args.n, seed=args.seed)
