@@ -7,8 +7,9 @@ or three steps, numeric answers, fixed seed; nothing downloaded), then runs ``lo
 twice on the same data and seed:
 
 * ``numeric``: the built-in numeric verifier (last number / ``\\boxed{}`` / ``####``), plus a
-  format term (0.5 when the reply is just a number; shaping only: ``eval/accuracy`` counts the
-  verifier alone);
+  format term (0.5 when the reply is just a number) and a length term (0 up to 30 characters,
+  -0.5 at 60: the lengths of a group's replies differ, so every group has a signal from the first
+  step); shaping only: ``eval/accuracy`` counts the verifier alone;
 * ``client``: the same score computed client-side — a Python function served from this process
   by a :class:`~opentinker_client.hosting.reward.RewardServer` (real gRPC on loopback, access
   token) and called by the trainer over ``EnvironmentService.Score``.
@@ -16,12 +17,14 @@ twice on the same data and seed:
 Prints the held-out greedy accuracy (``eval/accuracy``: the model's reply to each held-out
 problem, the verifier's judgement) before the first update (``eval/accuracy_start``) and every
 ``--eval-every`` steps, the sampled reward per step, seconds per step, and a JSON line with
-everything. Exits 0 when the held-out accuracy rose in every run.
+everything; accuracies with their binomial standard error. Exits 0 when the held-out accuracy
+after the last step is above the starting one in every run. One torch thread
+(``OMP_NUM_THREADS=1``): on a shared 2-core box two threads made the evaluation 3-4x slower.
 
 Usage::
 
-    .venv/bin/python scripts/bench_rlvr.py                               # SmolLM2-135M-Instruct, both runs
-    .venv/bin/python scripts/bench_rlvr.py --only numeric --steps 10
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py             # SmolLM2-135M-Instruct, both runs
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py --only numeric --length-weight 0   # format term only
     .venv/bin/python scripts/bench_rlvr.py --model /path/to/tiny --steps 2 --eval-prompts 4   # smoke run
 """
 
