@@ -183,7 +183,7 @@ def main() -> int:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--format-weight", type=float, default=0.5, help='weight of "the reply is just a number"')
     ap.add_argument("--length-weight", type=float, default=0.5, help="weight of the length term (0: none)")
