@@ -7,8 +7,9 @@ or three steps, numeric answers, fixed seed; nothing downloaded), then runs ``lo
 twice on the same data and seed:
 
 * ``numeric``: the built-in numeric verifier (last number / ``\\boxed{}`` / ``####``), plus a
-  format term (0.5 when the reply is just a number; shaping only: ``eval/accuracy`` counts the
-  verifier alone);
+  format term (0.5 when the reply is just a number) and a length term (0 up to 30 characters,
+  -0.5 at 60: the lengths of a group's replies differ, so every group has a signal from the first
+  step); shaping only: ``eval/accuracy`` counts the verifier alone;
 * ``client``: the same score computed client-side — a Python function served from this process
   by a :class:`~opentinker_client.hosting.reward.RewardServer` (real gRPC on loopback, access
   token) and called by the trainer over ``EnvironmentService.Score``.
@@ -16,12 +17,14 @@ twice on the same data and seed:
 Prints the held-out greedy accuracy (``eval/accuracy``: the model's reply to each held-out
 problem, the verifier's judgement) before the first update (``eval/accuracy_start``) and every
 ``--eval-every`` steps, the sampled reward per step, seconds per step, and a JSON line with
-everything. Exits 0 when the held-out accuracy rose in every run.
+everything; accuracies with their binomial standard error. Exits 0 when the held-out accuracy
+after the last step is above the starting one in every run. One torch thread
+(``OMP_NUM_THREADS=1``): on a shared 2-core box two threads made the evaluation 3-4x slower.
 
 Usage::
 
-    .venv/bin/python scripts/bench_rlvr.py                               # SmolLM2-135M-Instruct, both runs
-    .venv/bin/python scripts/bench_rlvr.py --only numeric --steps 10
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py             # SmolLM2-135M-Instruct, both runs
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py --only numeric --length-weight 0   # format term only
     .venv/bin/python scripts/bench_rlvr.py --model /path/to/tiny --steps 2 --eval-prompts 4   # smoke run
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import sys
 import tempfile
 import time
@@ -44,17 +48,59 @@ DEFAULT_MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 #: A reply that is just a number: the format term's pattern (a small bonus, not counted as accuracy).
 JUST_A_NUMBER = r"^\s*-?[0-9][0-9,]*(\.[0-9]+)?\s*\.?\s*$"
 
+#: The shaping terms added to the numeric verifier, in the spec's form (``reward.terms``); set
+#: from the arguments by :func:`shaping_terms` and used by both runs.
+TERMS: list[dict] = []
+
+
+def shaping_terms(args) -> list[dict]:
+    """The format term (``--format-weight`` x "the reply is just a number") and the length term
+    (``--length-weight`` x 0 up to ``--length-max-chars`` characters, falling to -1 at twice that)."""
+    terms = []
+    if args.format_weight:
+        terms.append({"kind": "format", "weight": args.format_weight, "pattern": JUST_A_NUMBER})
+    if args.length_weight:
+        terms.append({"kind": "length", "weight": args.length_weight, "max_chars": args.length_max_chars})
+    return terms
+
 
 def client_reward(prompts, completions, metadata):
-    """The client-side reward: the same numeric verifier and format term, run in this process (as
-    a user's own code would)."""
+    """The client-side reward: the same numeric verifier and shaping terms, run in this process
+    (as a user's own code would)."""
     from opentinker_common.verifiers import Term, make_reward
 
-    score = make_reward("numeric", {}, terms=[Term("format", FORMAT_WEIGHT, {"pattern": JUST_A_NUMBER})])
+    terms = [Term(t["kind"], t["weight"], {k: v for k, v in t.items() if k not in ("kind", "weight")}) for t in TERMS]
+    score = make_reward("numeric", {}, terms=terms)
     return [score(c, m["answer"]) for c, m in zip(completions, metadata)]
 
 
-FORMAT_WEIGHT = 0.5
+def std_err(p: float, n: int) -> float:
+    """The binomial standard error of an accuracy ``p`` measured on ``n`` problems."""
+    return math.sqrt(p * (1.0 - p) / n) if n else 0.0
+
+
+class Progress(io.StringIO):
+    """The worker's report stream, kept for the summary and echoed as one short line per step
+    (a run takes minutes: show where it is)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            m = json.loads(line) if line.startswith("{") else {}
+            if m.get("type") == "metric":
+                v = m["values"]
+                acc = "".join(
+                    f" {k.removeprefix('eval/')} {v[k]:.3f}" for k in ("eval/accuracy_start", "eval/accuracy") if k in v
+                )
+                print(
+                    f"  [{self.mode}] step {m['step']}: reward {v['reward']:.3f}, {v['perf/step_s']:.1f} s{acc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return super().write(text)
 
 
 def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
@@ -65,8 +111,7 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
 
     server = RewardServer(client_reward).start() if mode == "client" else None
     try:
-        terms = [{"kind": "format", "weight": FORMAT_WEIGHT, "pattern": JUST_A_NUMBER}]
-        reward = server.reward_config if server else {"verifier": "numeric", "terms": terms}
+        reward = server.reward_config if server else {"verifier": "numeric", "terms": TERMS}
         env = {
             "env_id": "prompts",
             "path": str(data),
@@ -95,7 +140,7 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
             spec=spec,
             device="cpu",
             checkpoint_dir=tmp / mode,
-            out=io.StringIO(),
+            out=Progress(mode),
         )
         t0 = time.perf_counter()
         grpo_text.run(ctx)
@@ -106,6 +151,7 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
     metrics = [json.loads(line) for line in ctx.out.getvalue().splitlines()]
     metrics = [m for m in metrics if m["type"] == "metric"]
     first = metrics[0]["values"]
+    n_eval = int(metrics[-1]["values"]["eval/prompts"])
     curve = [(0, first["eval/accuracy_start"])] + [
         (m["step"], m["values"]["eval/accuracy"]) for m in metrics if "eval/accuracy" in m["values"]
     ]
@@ -113,11 +159,12 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
     steps_s = [m["values"]["perf/step_s"] for m in metrics]
     return {
         "mode": mode,
-        "accuracy_curve": [(s, round(a, 4)) for s, a in curve],
+        # (step, held-out greedy accuracy, its binomial standard error)
+        "accuracy_curve": [(s, round(a, 4), round(std_err(a, n_eval), 4)) for s, a in curve],
         "accuracy_before": curve[0][1],
         "accuracy_after": curve[-1][1],
         "reward_per_step": rewards,
-        "eval_prompts": int(metrics[-1]["values"]["eval/prompts"]),
+        "eval_prompts": n_eval,
         "step_s": sum(steps_s) / len(steps_s),
         "wall_s": wall,
         "client_missing": sum(m["values"].get("reward/client_missing", 0.0) for m in metrics),
@@ -129,33 +176,37 @@ def main() -> int:
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--only", choices=("numeric", "client"), action="append", help="run only this (repeatable)")
     ap.add_argument("-n", type=int, default=3000, help="word problems generated")
-    ap.add_argument("--eval-prompts", type=int, default=32, help="held-out problems scored per evaluation")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--eval-every", type=int, default=4)
+    ap.add_argument("--eval-prompts", type=int, default=160, help="held-out problems scored per evaluation")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--eval-every", type=int, default=8)
     ap.add_argument("--prompts-per-step", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--temperature", type=float, default=0.5)
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--format-weight", type=float, default=0.5, help='weight of "the reply is just a number"')
+    ap.add_argument("--length-weight", type=float, default=0.5, help="weight of the length term (0: none)")
+    ap.add_argument("--length-max-chars", type=int, default=30, help="the length term is 0 up to this many characters")
     ap.add_argument("--system-prompt", default="Reply with only the final number.")
     args = ap.parse_args()
 
-    import torch
-
     from make_word_problems import write
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    TERMS[:] = shaping_terms(args)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_rlvr_") as tmp:
         data = write(Path(tmp) / "word_problems.jsonl", n=args.n, seed=args.seed)
         for mode in args.only or ("numeric", "client"):
             r = run_one(mode, args, data, Path(tmp))
             results.append(r)
+            n_eval = r["eval_prompts"]
+            curve = ", ".join(f"{s}: {a:.3f} ± {e:.3f}" for s, a, e in r["accuracy_curve"])
             print(
-                f"{mode:8s} held-out accuracy ({r['eval_prompts']} problems, greedy): "
-                f"{r['accuracy_before']:.3f} before -> {r['accuracy_after']:.3f} after {args.steps} steps; "
-                f"curve {r['accuracy_curve']}",
+                f"{mode:8s} held-out accuracy ({n_eval} problems, greedy; ± binomial std err): "
+                f"{r['accuracy_before']:.3f} ± {std_err(r['accuracy_before'], n_eval):.3f} before -> "
+                f"{r['accuracy_after']:.3f} ± {std_err(r['accuracy_after'], n_eval):.3f} after {args.steps} steps; "
+                f"by step {curve}",
                 flush=True,
             )
             print(f"         sampled reward per step {r['reward_per_step']}", flush=True)
