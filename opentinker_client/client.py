@@ -857,7 +857,8 @@ class RLClient:
         timeout: float = 600.0,
         root_certificates: str | os.PathLike | None = None,
     ) -> InferenceClient:
-        """Serve the adapter of a finished ``lora_finetune`` or ``sft`` task, in one call.
+        """Serve the adapter of a finished ``lora_finetune`` or ``sft`` task, or of an ended
+        ``lora_session`` (its newest ``save_weights_for_sampler`` or ``save_state``), in one call.
 
         Reuses a running (or queued) ``inference`` task for the same base model, else submits
         one (``ttl`` seconds, ``gpu_count`` GPUs), waits until it serves, and returns an

@@ -67,11 +67,17 @@ class ServingCalls:
         if task.workload_type not in ADAPTER_WORKLOADS and not policy:
             raise FailedPreconditionError(
                 f"task {task_id} is a {task.workload_type} task; "
-                f"only {' and '.join(ADAPTER_WORKLOADS)} tasks give adapters to serve, and full_rl tasks policies"
+                f"only {', '.join(ADAPTER_WORKLOADS[:-1])} and {ADAPTER_WORKLOADS[-1]} tasks give adapters to serve, "
+                "and full_rl tasks policies"
             )
         if not task.done:
             raise FailedPreconditionError(
-                f"task {task_id} is {task.state}; wait for it to finish (RLClient.wait) before serving its adapter"
+                f"task {task_id} is {task.state}; "
+                + (
+                    "end the session (RLClient.cancel) before serving its adapter"
+                    if task.workload_type == "lora_session"
+                    else "wait for it to finish (RLClient.wait) before serving its adapter"
+                )
             )
         if not task.checkpoint_path:
             raise FailedPreconditionError(

@@ -64,8 +64,9 @@ __all__ = [
     "parse_endpoint",
 ]
 
-#: Workloads whose checkpoints are LoRA adapters an inference server can load.
-ADAPTER_WORKLOADS = ("lora_finetune", "sft")
+#: Workloads whose checkpoints are LoRA adapters an inference server can load (a ``lora_session``
+#: once it has ended: its newest ``save_weights_for_sampler`` or ``save_state``).
+ADAPTER_WORKLOADS = ("lora_finetune", "sft", "lora_session")
 _BASE = object()  # "the client's default adapter" marker
 
 #: What each :class:`~opentinker_client.types.Sampling` key is when a call leaves it out.
@@ -137,7 +138,7 @@ class InferenceClient:
             inference task reports. Or give ``scheduler_url`` and ``task_id`` (an
             ``inference`` task) and the endpoint is looked up, waiting up to ``ready_timeout``
             seconds for the task to run and report one.
-        adapter: default adapter of every call (a finished lora_finetune/sft task id); ``None``
+        adapter: default adapter of every call (a finished lora_finetune/sft/lora_session task id); ``None``
             is the base model.
         policy: default policy of :meth:`act` (a finished single-agent full_rl task id).
         model: the base model name requests carry; ``""`` means whatever the server serves.

@@ -15,6 +15,9 @@ with a reason instead of failing later on a node:
   the last complete one of a task that was CANCELLED or FAILED (a timeout is a FAILED task; a
   cancelled or timed-out worker checkpoints on its way out). A checkpoint is recorded only once
   every file of it is stored, so the latest recorded one is complete.
+  A training session (``lora_session``) writes no final checkpoint: each ``SaveState`` and
+  ``SaveWeightsForSampler`` is a complete adapter, so its newest one will do in any ended state
+  (one that SUCCEEDED ended idle).
 
 At assignment the ``init_from`` task's final checkpoint travels in ``AssignTask.init_checkpoint``
 (:func:`opentinker_scheduler.state.core.init_checkpoint`).
@@ -44,6 +47,8 @@ INIT_FROM_STATES: tuple[int, ...] = (
     common_pb2.TASK_STATE_CANCELLED,
     common_pb2.TASK_STATE_FAILED,
 )
+#: Workloads whose every checkpoint is complete (no final one is written): the newest will do.
+NO_FINAL_CHECKPOINT_WORKLOADS: frozenset[str] = frozenset({"lora_session"})
 
 
 def check_references(
@@ -103,7 +108,10 @@ def check_references(
             "(SUCCEEDED, or the last checkpoint of one CANCELLED or FAILED)"
         )
     ck = source.latest_checkpoint
-    need_final = source.state == common_pb2.TASK_STATE_SUCCEEDED
+    need_final = (
+        source.state == common_pb2.TASK_STATE_SUCCEEDED
+        and source.spec.workload_type not in NO_FINAL_CHECKPOINT_WORKLOADS
+    )
     if ck is None or (need_final and not ck.final) or ck.format not in INIT_CHECKPOINT_FORMATS:
         got = (
             "no checkpoint"

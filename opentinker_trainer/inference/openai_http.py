@@ -6,7 +6,7 @@ Routes (the OpenAI API reference, https://platform.openai.com/docs/api-reference
 
 * ``GET /v1/models``: the base model (its name, the task's ``spec.model``) and every resident
   adapter the caller may use, each a model id (an adapter's id is its training task's id; any
-  finished ``lora_finetune``/``sft`` task of the caller is accepted as ``model`` even before it
+  finished ``lora_finetune``/``sft``/``lora_session`` task of the caller is accepted as ``model`` even before it
   is loaded).
 * ``POST /v1/completions``: ``prompt`` (a string, or a list of one), ``max_tokens`` (default 16,
   as OpenAI), ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logprobs`` (an integer:

@@ -1,8 +1,9 @@
 """Adapter name -> checkpoint folder, by asking the scheduler (``NodeService.LookupTask``, with the
 node's key) about the task of that id.
 
-An adapter is named by the id of a finished ``lora_finetune`` or ``sft`` task; it is served from
-that task's newest checkpoint (its final one when it succeeded). The folder is read directly, so
+An adapter is named by the id of a finished ``lora_finetune``, ``sft`` or ``lora_session`` task;
+it is served from that task's newest checkpoint (its final one when it succeeded; for a training
+session the newest ``SaveWeightsForSampler`` or ``SaveState``, whichever came last). The folder is read directly, so
 checkpoints must be on a filesystem the inference node shares with the node that trained (one
 machine, or a shared volume).
 """
@@ -20,10 +21,20 @@ from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker_trainer.scheduler_link import scheduler_channel
 from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRefused
 
-__all__ = ["SchedulerResolver", "ADAPTER_WORKLOADS", "same_model", "adapter_not_found", "policy_not_found"]
+__all__ = [
+    "SchedulerResolver",
+    "ADAPTER_WORKLOADS",
+    "adapter_checkpoint",
+    "same_model",
+    "adapter_not_found",
+    "policy_not_found",
+]
 
-#: Workloads whose checkpoints are LoRA adapters that can be served.
-ADAPTER_WORKLOADS = ("lora_finetune", "sft")
+#: Workloads whose checkpoints are LoRA adapters that can be served (a ``lora_session``'s
+#: ``SaveWeightsForSampler`` and ``SaveState`` checkpoints are PEFT adapters too).
+ADAPTER_WORKLOADS = ("lora_finetune", "sft", "lora_session")
+#: ``ADAPTER_WORKLOADS`` as messages list them.
+ADAPTER_WORKLOADS_TEXT = "lora_finetune, sft and lora_session"
 _TERMINAL = (common_pb2.TASK_STATE_SUCCEEDED, common_pb2.TASK_STATE_FAILED, common_pb2.TASK_STATE_CANCELLED)
 
 
@@ -31,7 +42,8 @@ def adapter_not_found(name: str) -> AdapterNotFound:
     """The error for an adapter name that names no task the caller may use: the same words whether
     the task does not exist or belongs to someone else (its existence is never confirmed)."""
     return AdapterNotFound(
-        f"adapter {name!r}: no task with that id (adapters are named by a finished lora_finetune or sft task's id)"
+        f"adapter {name!r}: no task with that id "
+        "(adapters are named by a finished lora_finetune, sft or lora_session task's id)"
     )
 
 
@@ -46,6 +58,37 @@ def same_model(a: str, b: str) -> bool:
         return True
     pa, pb = Path(a).expanduser(), Path(b).expanduser()
     return pa.exists() and pb.exists() and os.path.realpath(pa) == os.path.realpath(pb)
+
+
+def adapter_checkpoint(name: str, task: common_pb2.Task, served_model: str) -> common_pb2.Checkpoint:
+    """The checkpoint adapter ``name`` (task ``task``, as ``LookupTask`` gives it) is served from,
+    on a server of base model ``served_model``: the task's newest checkpoint.
+
+    Raises:
+        AdapterRefused: the task is not of a workload in :data:`ADAPTER_WORKLOADS`, has not
+            finished (a training session serves its adapters once it has ended: cancelled, or
+            idle), its checkpoint is not ``peft_lora``, or it trained another base model.
+        AdapterNotFound: the task has no checkpoint.
+    """
+    workload = task.spec.workload_type
+    if workload not in ADAPTER_WORKLOADS:
+        raise AdapterRefused(
+            f"adapter {name!r}: task is a {workload} task; only {ADAPTER_WORKLOADS_TEXT} tasks give adapters"
+        )
+    if task.state not in _TERMINAL:
+        state = common_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
+        end = "the session has ended (cancel it)" if workload == "lora_session" else "it has finished"
+        raise AdapterRefused(f"adapter {name!r}: task is {state}; its adapter can be served once {end}")
+    if not task.HasField("latest_checkpoint") or not task.latest_checkpoint.path:
+        raise AdapterNotFound(f"adapter {name!r}: task has no checkpoint")
+    ckpt = task.latest_checkpoint
+    if ckpt.format and ckpt.format != "peft_lora":
+        raise AdapterRefused(f"adapter {name!r}: its checkpoint is {ckpt.format!r}, not a LoRA adapter (peft_lora)")
+    if not same_model(task.spec.model, served_model):
+        raise AdapterRefused(
+            f"adapter {name!r} was trained on base model {task.spec.model!r}; this server serves {served_model!r}"
+        )
+    return ckpt
 
 
 class SchedulerResolver:
@@ -82,25 +125,7 @@ class SchedulerResolver:
             if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise adapter_not_found(name) from None
             raise
-        workload = task.spec.workload_type
-        if workload not in ADAPTER_WORKLOADS:
-            raise AdapterRefused(
-                f"adapter {name!r}: task is a {workload} task; "
-                f"only {' and '.join(ADAPTER_WORKLOADS)} tasks give adapters"
-            )
-        if task.state not in _TERMINAL:
-            state = common_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
-            raise AdapterRefused(f"adapter {name!r}: task is {state}; its adapter can be served once it has finished")
-        if not task.HasField("latest_checkpoint") or not task.latest_checkpoint.path:
-            raise AdapterNotFound(f"adapter {name!r}: task has no checkpoint")
-        ckpt = task.latest_checkpoint
-        if ckpt.format and ckpt.format != "peft_lora":
-            raise AdapterRefused(f"adapter {name!r}: its checkpoint is {ckpt.format!r}, not a LoRA adapter (peft_lora)")
-        if not same_model(task.spec.model, self.served_model):
-            raise AdapterRefused(
-                f"adapter {name!r} was trained on base model {task.spec.model!r}; "
-                f"this server serves {self.served_model!r}"
-            )
+        ckpt = adapter_checkpoint(name, task, self.served_model)
         if ckpt.artifact.key and self.fetch is not None:
             return Path(self.fetch(ckpt))
         return Path(ckpt.path)

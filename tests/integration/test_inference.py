@@ -127,7 +127,7 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(
         # Unknown adapter (task), and an inference task is no adapter.
         with pytest.raises(NotFoundError, match="task-unknown"):
             llm.generate("hi", adapter="task-unknown", max_tokens=2)
-        with pytest.raises(OpenTinkerError, match="only lora_finetune and sft tasks"):
+        with pytest.raises(OpenTinkerError, match="only lora_finetune, sft and lora_session tasks"):
             llm.generate("hi", adapter=llm.task_id, max_tokens=2)
 
         # The server also answers grpcurl-style health checks and reflection.

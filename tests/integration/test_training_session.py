@@ -1,7 +1,8 @@
 """A training session through real scheduler and trainer processes on loopback: the client-side
 SFT and GRPO examples run on a tiny model, the loss falls, a saved state becomes a checkpoint of
 the task in the artifact store and survives the loss of the node (kill -9):
-resume_training_session continues from it on another node."""
+resume_training_session continues from it on another node; the sampler weights it saves last are
+served by an inference task once the session has ended."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import pytest
 
 from opentinker.common.v1 import common_pb2
 from opentinker_client import RLClient
+from opentinker_client.errors import OpenTinkerError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = """heartbeat_interval: 0.5
 lease: 3
 workload_types:
   - type: lora_session
+    priority: 3
+  - type: inference
     priority: 3
 """
 
@@ -85,6 +89,26 @@ def test_own_loops_train_a_session_that_resumes_after_its_node_is_lost(cluster, 
         assert again.next_sequence == saved.sequence + 1 == info.next_sequence
         more = sft.train(resumed, tokenizer, steps=1, batch_size=4, log=lambda _: None)  # step 1's batch again
         assert more[0] < losses[0] and resumed.get_info().step == saved.step + 1
+        sampler = resumed.save_weights_for_sampler("for-serving").result(timeout=120)
+        assert sampler.step == saved.step + 1 and sampler.artifact_key
+        newest = client.list_checkpoints(session.task_id)[-1]  # what an inference task serves
+        assert (Path(newest.path).name, newest.step, newest.format) == (
+            "sampler_for-serving",
+            sampler.step,
+            "peft_lora",
+        )
         resumed.close()
+        with pytest.raises(OpenTinkerError, match="end the session"):  # a running session is not served
+            client.serve(session.task_id, timeout=60)
         client.cancel(session.task_id)
+        cluster.wait_state(session.task_id, common_pb2.TASK_STATE_CANCELLED)
         assert client.get_task(session.task_id).node_id == "node-b"
+
+        # The ended session's sampler weights (its newest checkpoint) served by an inference task.
+        llm = client.serve(session.task_id, timeout=300)
+        answer = llm.generate(messages=[{"role": "user", "content": "What is 2 + 3?"}], max_tokens=4, temperature=0)
+        assert answer.adapter == session.task_id and answer.completion_tokens >= 1
+        [adapter] = llm.list_adapters()
+        assert adapter.name == session.task_id and adapter.size_bytes > 0
+        llm.close()
+        client.cancel(llm.task_id)

@@ -244,6 +244,20 @@ def test_init_from_needs_an_ended_task_with_an_lm_checkpoint_of_the_same_model(e
     ):
         check(lm_spec(model="/models/other", init_from=good.task_id))
 
+    # A training session writes no final checkpoint; its newest (a state or sampler weights) will
+    # do once it has ended, idle (SUCCEEDED) or cancelled.
+    session_spec = C.TaskSpec(workload_type="lora_session", model="/models/m")
+    session = core.submit(session_spec, owner="u")
+    sampler = C.Checkpoint(step=4, path="/ck/s/sampler_w", format="peft_lora")
+    finish(core, node, session.task_id, checkpoint=sampler)
+    assert core.get(session.task_id).state == C.TASK_STATE_SUCCEEDED and not sampler.final
+    check(lm_spec(init_from=session.task_id))
+    still = core.submit(session_spec, owner="u")
+    core.schedule()
+    core.node_report(node, N.TaskReport(task_id=still.task_id, attempt=1, state=C.TASK_STATE_RUNNING, checkpoint=ck1))
+    with pytest.raises(FailedPrecondition, match=f"task {still.task_id} is RUNNING"):
+        check(lm_spec(init_from=still.task_id))
+
     # At assignment the worker gets the init_from task's final checkpoint.
     task = core.submit(lm_spec(init_from=good.task_id), owner="u")
     while not node.outbox.empty():
