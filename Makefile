@@ -169,8 +169,9 @@ bench-multitenant: install
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_multitenant.py --model $(MODEL_DIR)
 
 # Your own loop on training primitives vs the built-in GRPO, same model, batch shape and seed (CPU,
-# a few minutes): per-step seconds of each and their ratio, one-token ForwardBackward round trip.
-# Options: BENCH_ARGS="--steps 6 --calls 50" (scripts/bench_primitives.py --help).
+# a few minutes): per-step seconds of each and their ratio, one-token ForwardBackward round trip,
+# tokens/s of 4 sessions trained at once vs 1.
+# Options: BENCH_ARGS="--steps 6 --calls 50", "--phases sessions --sessions 4" (scripts/bench_primitives.py --help).
 bench-primitives: install
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_primitives.py --model $(MODEL_DIR) $(BENCH_ARGS)
 

@@ -10,14 +10,24 @@ samples, ``--max-tokens`` new tokens, temperature 1, LoRA r=16 on q/k/v/o) and s
   (the real servicer, grpc.aio on loopback, the real client with futures); per-step wall seconds
   as the client sees them (sample + reward + forward_backward + optim_step);
 * **empty ForwardBackward round trip**: a one-token datum through gRPC (median of ``--calls``),
-  against the same call on the session directly (no gRPC) and an empty ``GetInfo`` round trip.
+  against the same call on the session directly (no gRPC) and an empty ``GetInfo`` round trip;
+* **sessions at once** (``--sessions``, default 4): that many ``lora_session`` servicers in this
+  process, each its own model copy and grpc.aio server on loopback, and as many client threads,
+  each running ``own_loop_rl.train`` against its own session at the same time; against one
+  session alone (the same code, one thread). Throughput in tokens per second summed over the
+  sessions (completion tokens sampled + tokens of the datums sent to ``forward_backward``) over
+  the whole run, first step included (from the moment all threads start to the last one's end:
+  the sessions drift apart, so there is no common window after the first step), and the ratio
+  n sessions / 1.
 
-The first step of each loop is left out (warm-up). Prints the figures and the ratio
-client-side / built-in (goal <= 1.15). Also prints the mean reward of the first and last 3 steps
+``--phases`` picks the parts (default all: ``builtin,client,sessions``).
+In the first two the first step of each loop is left out (warm-up). Prints the figures and the
+ratio client-side / built-in (goal <= 1.15). Also prints the mean reward of the first and last 3 steps
 of each loop (``--steps`` >= 6 for that to mean anything).
 
     .venv/bin/python scripts/bench_primitives.py                       # SmolLM2-135M-Instruct
     .venv/bin/python scripts/bench_primitives.py --model /path/tiny --steps 2 --calls 5   # smoke run
+    .venv/bin/python scripts/bench_primitives.py --phases sessions --steps 2             # 4 sessions vs 1
 """
 
 from __future__ import annotations
@@ -94,9 +104,7 @@ def client_side(args, folder: Path):
     from opentinker_client.training import Datum, TrainingSession
     from opentinker_trainer.workloads.lora_session import open_session
 
-    spec = importlib.util.spec_from_file_location("own_loop_rl", ROOT / "examples" / "own_loop_rl.py")
-    own_loop = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(own_loop)
+    own_loop = _own_loop()
     hp = {"lora_rank": 16, "lora_alpha": 32.0, "seed": args.seed}
     session, _ = open_session(_ctx("lora_session", args.model, hp, folder / "session"))
     served = Served(session)
@@ -140,6 +148,103 @@ def client_side(args, folder: Path):
     return step_s, rewards, rtt, info, direct
 
 
+def _own_loop():
+    spec = importlib.util.spec_from_file_location("own_loop_rl", ROOT / "examples" / "own_loop_rl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class CountingSession:
+    """A client ``TrainingSession`` that counts the tokens the session works on (``tokens``, a
+    running total): each completion token it samples, and each token of the datums sent to
+    ``forward_backward`` (GRPO trains only the groups whose rewards differ)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.tokens = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def sample(self, *args, **kwargs):
+        future = self.inner.sample(*args, **kwargs)
+        counter = self
+
+        class Counted:
+            def result(self, timeout=None):
+                out = future.result(timeout=timeout)
+                counter.tokens += sum(len(s.tokens) for s in out.samples)
+                return out
+
+        return Counted()
+
+    def forward_backward(self, datums, *args, **kwargs):
+        self.tokens += sum(len(d.input_tokens) for d in datums)
+        return self.inner.forward_backward(datums, *args, **kwargs)
+
+
+def sessions_at_once(args, folder: Path, n: int) -> tuple[float, list[list[float]]]:
+    """``(tokens per second over all steps, per-session step seconds)``
+    of ``n`` sessions trained at the same time, each by its own client thread."""
+    from opentinker_client.training import TrainingSession
+    from opentinker_trainer.workloads.lora_session import open_session
+
+    own_loop = _own_loop()
+    hp = {"lora_rank": 16, "lora_alpha": 32.0, "seed": args.seed}
+    served = []
+    try:
+        for i in range(n):
+            session, _ = open_session(_ctx("lora_session", args.model, hp, folder / f"sessions{n}-{i}"))
+            served.append(Served(session))
+        steps: list[list[tuple[float, float, int]]] = [[] for _ in range(n)]
+        errors: list[BaseException] = []
+        start = threading.Barrier(n)
+
+        def one(i: int) -> None:
+            client = CountingSession(TrainingSession(served[i].address, api_key=""))
+            try:
+                start.wait()
+                mark = [time.perf_counter(), 0]
+
+                def log(_line: str) -> None:
+                    now = time.perf_counter()
+                    steps[i].append((mark[0], now, client.tokens - mark[1]))
+                    mark[:] = [now, client.tokens]
+
+                own_loop.train(
+                    client,
+                    steps=args.steps,
+                    problems_per_step=args.prompts,
+                    group_size=args.group,
+                    max_tokens=args.max_tokens,
+                    learning_rate=args.lr,
+                    seed=args.seed + i,
+                    log=log,
+                )
+            except BaseException as exc:  # reported after the join
+                errors.append(exc)
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+    finally:
+        for s in served:
+            s.close()
+    # Every step, from the start (all threads released at once) to the last session's end: the
+    # sessions drift apart, so "the steps after the first" are no common window.
+    begin = min(st[0][0] for st in steps)
+    end = max(st[-1][1] for st in steps)
+    tokens = sum(x[2] for st in steps for x in st)
+    return tokens / (end - begin), [[b - a for a, b, _ in st] for st in steps]
+
+
 def _mean(xs):
     return statistics.fmean(xs) if xs else float("nan")
 
@@ -154,7 +259,12 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--sessions", type=int, default=4, help="sessions trained at once (the last phase)")
+    p.add_argument("--phases", default="builtin,client,sessions", help="comma-separated: builtin, client, sessions")
     args = p.parse_args()
+    phases = set(args.phases.split(","))
+    if not phases or phases - {"builtin", "client", "sessions"} or args.steps < 2 or args.sessions < 2:
+        p.error("--phases: builtin, client and/or sessions; --steps >= 2 (the first is left out); --sessions >= 2")
     if not Path(args.model).exists():
         print(f"{args.model} does not exist (make install prepares SmolLM2-135M-Instruct)", file=sys.stderr)
         return 2
@@ -167,20 +277,33 @@ def main() -> int:
     )
     with tempfile.TemporaryDirectory(prefix="bench-primitives-") as tmp:
         folder = Path(tmp)
-        b_steps, b_rewards = builtin_grpo(args, folder)
-        print("built-in step_s", [round(x, 2) for x in b_steps], flush=True)
-        c_steps, c_rewards, rtt, info, direct = client_side(args, folder)
-    b, c = _mean(b_steps[1:]), _mean(c_steps[1:])
-    print(f"per step (first left out): built-in GRPO {b:.2f} s, client-side GRPO {c:.2f} s, ratio {c / b:.2f}x")
-    print(
-        f"reward first-3 / last-3: built-in {_mean(b_rewards[:3]):.3f} / {_mean(b_rewards[-3:]):.3f}; "
-        f"client-side {_mean(c_rewards[:3]):.3f} / {_mean(c_rewards[-3:]):.3f}"
-    )
-    print(
-        f"one-token ForwardBackward: gRPC round trip p50 {statistics.median(rtt) * 1e3:.1f} ms, "
-        f"in-process {statistics.median(direct) * 1e3:.1f} ms, empty GetInfo round trip "
-        f"{statistics.median(info) * 1e3:.1f} ms ({args.calls} calls each)"
-    )
+        if "builtin" in phases:
+            b_steps, b_rewards = builtin_grpo(args, folder)
+            print("built-in step_s", [round(x, 2) for x in b_steps], flush=True)
+        if "client" in phases:
+            c_steps, c_rewards, rtt, info, direct = client_side(args, folder)
+        if "sessions" in phases:
+            alone, alone_steps = sessions_at_once(args, folder, 1)
+            print("1 session step_s", [[round(x, 2) for x in st] for st in alone_steps], flush=True)
+            together, together_steps = sessions_at_once(args, folder, args.sessions)
+            print(f"{args.sessions} sessions step_s", [[round(x, 2) for x in st] for st in together_steps], flush=True)
+    if "builtin" in phases and "client" in phases:
+        b, c = _mean(b_steps[1:]), _mean(c_steps[1:])
+        print(f"per step (first left out): built-in GRPO {b:.2f} s, client-side GRPO {c:.2f} s, ratio {c / b:.2f}x")
+    if "builtin" in phases:
+        print(f"reward first-3 / last-3: built-in {_mean(b_rewards[:3]):.3f} / {_mean(b_rewards[-3:]):.3f}")
+    if "client" in phases:
+        print(f"reward first-3 / last-3: client-side {_mean(c_rewards[:3]):.3f} / {_mean(c_rewards[-3:]):.3f}")
+        print(
+            f"one-token ForwardBackward: gRPC round trip p50 {statistics.median(rtt) * 1e3:.1f} ms, "
+            f"in-process {statistics.median(direct) * 1e3:.1f} ms, empty GetInfo round trip "
+            f"{statistics.median(info) * 1e3:.1f} ms ({args.calls} calls each)"
+        )
+    if "sessions" in phases:
+        print(
+            f"tokens/s (sampled + trained, all steps): 1 session {alone:.0f}, "
+            f"{args.sessions} sessions at once {together:.0f} in all, ratio {together / alone:.2f}x"
+        )
     return 0
 
 
