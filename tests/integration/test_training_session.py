@@ -2,11 +2,12 @@
 SFT and GRPO examples run on a tiny model, the loss falls, a saved state becomes a checkpoint of
 the task in the artifact store and survives the loss of the node (kill -9):
 resume_training_session continues from it on another node; the sampler weights it saves last are
-served by an inference task once the session has ended."""
+served by an inference task once the session has ended, and a new task starts from them."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from opentinker.common.v1 import common_pb2
 from opentinker_client import RLClient
 from opentinker_client.errors import OpenTinkerError
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = """heartbeat_interval: 0.5
@@ -23,6 +25,8 @@ workload_types:
     priority: 3
   - type: inference
     priority: 3
+  - type: lora_finetune
+    priority: 1
 """
 
 
@@ -91,18 +95,27 @@ def test_own_loops_train_a_session_that_resumes_after_its_node_is_lost(cluster, 
         assert more[0] < losses[0] and resumed.get_info().step == saved.step + 1
         sampler = resumed.save_weights_for_sampler("for-serving").result(timeout=120)
         assert sampler.step == saved.step + 1 and sampler.artifact_key
-        newest = client.list_checkpoints(session.task_id)[-1]  # what an inference task serves
-        assert (Path(newest.path).name, newest.step, newest.format) == (
-            "sampler_for-serving",
-            sampler.step,
-            "peft_lora",
-        )
+        # The scheduler records it as the task's newest checkpoint (what an inference task serves)
+        # once the node's report arrives.
+        newest = wait_for(
+            lambda: [c for c in client.list_checkpoints(session.task_id)[-1:] if c.step == sampler.step],
+            what="the sampler weights recorded as the newest checkpoint",
+        )[0]
+        assert (Path(newest.path).name, newest.format) == ("sampler_for-serving", "peft_lora")
         resumed.close()
         with pytest.raises(OpenTinkerError, match="end the session"):  # a running session is not served
             client.serve(session.task_id, timeout=60)
         client.cancel(session.task_id)
         cluster.wait_state(session.task_id, common_pb2.TASK_STATE_CANCELLED)
         assert client.get_task(session.task_id).node_id == "node-b"
+        # A new task starts from the ended session's newest save (init_from): it continues its
+        # rank-4 adapter (checked below, after serving).
+        rl_id = client.submit_task(
+            workload_type="lora_finetune",
+            model=str(tiny_model_dir),
+            hyperparameters={"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+            init_from=session.task_id,
+        )
 
         # The ended session's sampler weights (its newest checkpoint) served by an inference task.
         llm = client.serve(session.task_id, timeout=300)
@@ -112,3 +125,7 @@ def test_own_loops_train_a_session_that_resumes_after_its_node_is_lost(cluster, 
         assert adapter.name == session.task_id and adapter.size_bytes > 0
         llm.close()
         client.cancel(llm.task_id)
+
+        rl_task = cluster.wait_done(client, rl_id)  # submitted above, run meanwhile
+        assert rl_task.state == "succeeded", rl_task.error
+        assert json.loads((Path(rl_task.checkpoint_path) / "adapter_config.json").read_text())["r"] == 4
