@@ -1279,7 +1279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, metavar="DIR", help="folder to create (default: TASK_ID-stepN)")
     p.set_defaults(func=_cmd_download)
 
-    p = sub.add_parser("serve", help="serve a finished lora_finetune/sft task's adapter; prints the endpoint")
+    p = sub.add_parser(
+        "serve", help="serve a finished lora_finetune/sft task's (or ended lora_session's) adapter; prints the endpoint"
+    )
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument(
         "--ttl", type=float, default=3600.0, help="seconds a newly started server runs (default %(default)s)"
