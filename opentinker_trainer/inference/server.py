@@ -317,9 +317,29 @@ async def start_inference_server(
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(
         InferenceService(runtime, access=access, task_id=task_id, policies=policies), server
     )
+    bound, health_servicer = await serve_with_health(server, SERVICE_NAME, host=host, port=port, tls=tls)
+    return RunningInferenceServer(
+        server=server, port=bound, health=health_servicer, tls=tls is not None, access=access, runtime=runtime
+    )
+
+
+async def serve_with_health(
+    server: grpc.aio.Server, service_name: str, *, host: str, port: int, tls: ServerTLS | None
+) -> tuple[int, object]:
+    """Add health (``""`` and ``service_name`` SERVING once started) and reflection to
+    ``server`` (its service already added), bind ``host:port`` (0 = any free port; TLS when
+    ``tls``) and start it. The inference and training servers share this.
+
+    Returns:
+        ``(bound port, health servicer)``.
+
+    Raises:
+        OSError: the port cannot be bound ("in use, or not a valid address"), or gRPC refused the
+            TLS credentials on a free port ("TLS credentials refused by gRPC"); the server is stopped.
+    """
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         if tls is None:
             bound = server.add_insecure_port(f"{host}:{port}")
@@ -336,11 +356,9 @@ async def start_inference_server(
             )
         raise OSError(f"cannot listen on {host}:{port} (in use, or not a valid address)")
     await server.start()
-    for name in ("", SERVICE_NAME):
+    for name in ("", service_name):
         await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
-    return RunningInferenceServer(
-        server=server, port=bound, health=health_servicer, tls=tls is not None, access=access, runtime=runtime
-    )
+    return bound, health_servicer
 
 
 def check_tls_pair(tls: ServerTLS) -> None:

@@ -18,14 +18,13 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from opentinker.training.v1 import training_pb2, training_pb2_grpc
 
 from opentinker_common.net.grpc_options import server_options
 from opentinker_trainer.inference.access import AccessChecker, AccessRefused
+from opentinker_trainer.inference.server import serve_with_health
 from opentinker_trainer.training.datums import Datum, check_count
 from opentinker_trainer.training.errors import BadRequest, OutOfOrder, SessionError, Stopping
 from opentinker_trainer.training.sequencing import Sequencer
@@ -350,22 +349,7 @@ async def start_training_server(servicer: TrainingServicer, *, host: str = "0.0.
     """
     server = grpc.aio.server(options=server_options(max_pings_without_data=False))
     training_pb2_grpc.add_TrainingServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    try:
-        if tls is None:
-            bound = server.add_insecure_port(f"{host}:{port}")
-        else:
-            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(tls[1], tls[0])]))
-    except RuntimeError:
-        bound = 0
-    if bound == 0:
-        await server.stop(None)
-        raise OSError(f"cannot listen on {host}:{port} (in use, or not a valid address)")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await _maybe_await(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
+    bound, health_servicer = await serve_with_health(server, SERVICE_NAME, host=host, port=port, tls=tls)
     return RunningTrainingServer(
         server=server, port=bound, servicer=servicer, health=health_servicer, started=time.monotonic()
     )
