@@ -118,10 +118,18 @@ def test_kill_9_of_a_member_node_ends_the_attempt_and_the_gang_resumes(tmp_path)
         assert task.state == C.TASK_STATE_SUCCEEDED and task.attempt == 2, task.error
         assert [e["attempt"] for e in started(trainers[primary], task_id)] == [1, 2]
         assert [e["attempt"] for e in started(back, task_id)] == [1, 2]  # before the kill, and after
+        # Each member's worker of attempt 2 was handed the checkpoint, and its ranks loaded it.
+        for trainer in (trainers[primary], back):
+            second = [e for e in started(trainer, task_id) if e["attempt"] == 2]
+            assert second[0]["resume_from"], second
         resumed = [
-            e for e in trainers[primary].log_events() if e.get("event") == "resumed" and e.get("task_id") == task_id
+            e
+            for trainer in (trainers[primary], back)
+            for e in trainer.log_events()
+            if e.get("event") == "resumed" and e.get("task_id") == task_id and e.get("attempt") == 2
         ]
-        assert resumed and resumed[0]["step"] == resume_step
+        tail = [e for t in (trainers[primary], back) for e in t.log_events() if e.get("task_id") == task_id][-20:]
+        assert resumed and {e["step"] for e in resumed} == {resume_step}, tail
     finally:
         cluster.close()
 
