@@ -57,7 +57,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
     path = tmp_path / "task.yaml"
     path.write_text("workload_type: lora_finetune\nhyperparameters:\n  steps: 15\n  lr: 0.1\n")
     line = one_line_error(run("submit", str(path)), "INVALID_ARGUMENT", f"{path}:4:3: hyperparameters.lr: unknown key")
-    assert line.startswith("error: INVALID_ARGUMENT: ")
+    assert line.startswith(f"error: {path}:4:3: ") and line.endswith(" [INVALID_ARGUMENT]")
     path.write_text("workload_type: lora_finetun\n")
     one_line_error(run("submit", str(path)), f"{path}:1:1: workload_type: expected one of lora_finetune")
 

@@ -100,7 +100,7 @@ def test_errors_and_key_listings_escape_too(cluster, capsys) -> None:
     code, text = _cli(capsys, s, alice, "get", "task-\x1b[31mnope")
     assert code == 2
     _assert_safe(text)
-    assert text.startswith("error: NOT_FOUND") and len(text.strip().splitlines()) == 1
+    assert text.startswith("error: ") and text.rstrip().endswith("[NOT_FOUND]") and len(text.strip().splitlines()) == 1
 
     code, text = _cli(capsys, s, s.admin_key, "keys", "list", "--owner", "alice")
     assert code == 0
