@@ -102,6 +102,23 @@ def _escape(text: str) -> str:
     return markup(text)
 
 
+def _why_ended(task: TaskInfo) -> tuple[str, str]:
+    """``(heading, text)`` for a task's ``error``: a cancel is not an error, so a CANCELLED task's
+    reads ``("cancelled", "by user: enough")`` (``cancelled by user: enough`` as a line); any
+    other ``("error", error)``."""
+    if task.state == "cancelled":
+        text = task.error[len("cancelled ") :] if task.error.startswith("cancelled ") else task.error
+        return "cancelled", text
+    return "error", task.error
+
+
+def _ended_line(task: TaskInfo) -> str:
+    """``"cancelled by user: enough"`` or ``"error: CUDA out of memory"`` (escaped for rich)."""
+    heading, text = _why_ended(task)
+    sep = " " if heading == "cancelled" and task.error.startswith("cancelled ") else ": "
+    return f"{heading}{sep}{_escape(text)}"
+
+
 def _total_steps(task: TaskInfo) -> int | None:
     """Steps the task will run, from its hyper-parameters (defaults filled in) when known."""
     steps = task.hyperparameters.get("steps")
@@ -392,7 +409,7 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
         )
     console.print(summary)
     if final.error:
-        console.print(f"  error: {_escape(final.error)}")
+        console.print(f"  {_ended_line(final)}")
     if final.checkpoint_path:
         console.print(f"  checkpoint: {_escape(final.checkpoint_path)} (step {final.checkpoint_step})")
     return EXIT_OK if final.state == "succeeded" else EXIT_TASK_FAILED
@@ -611,7 +628,8 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
     if t.pending_reason:
         rows.append(("pending reason", _escape(t.pending_reason)))
     if t.error:
-        rows.append(("error", f"[red]{_escape(t.error)}[/red]"))
+        heading, text = _why_ended(t)
+        rows.append((heading, f"[red]{_escape(text)}[/red]" if heading == "error" else _escape(text)))
     rows.append(("step", str(t.latest_step)))
     if t.latest_metrics:
         metrics = ", ".join(f"{k}={_fmt_num(v, '.4g')}" for k, v in sorted(t.latest_metrics.items()))
@@ -834,7 +852,7 @@ def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
     flush()
     final = client.get_task(task.task_id) if (args.follow or task.done) else task
     if final.error and final.done:
-        console.print(f"error: {_escape(final.error)}")
+        console.print(_ended_line(final))
     return EXIT_OK
 
 

@@ -228,29 +228,11 @@ class NodeProtocol:
         ends = rep.state in TERMINAL_STATES
         if task.terminal:
             stopping = self.core.stopping.get(rep.task_id)
-            if (
-                stopping == (rep.attempt, node.node_id)
-                and task.attempt == rep.attempt
-                and rep.HasField("checkpoint")
-                and rep.checkpoint.path
-            ):
-                # Cancelled or max_runtime ended it; the worker's last checkpoint (written on SIGTERM) still counts.
-                ck = _checkpoint_of(rep, task, node)
-                if _same_checkpoint(ck, task.latest_checkpoint):
-                    self.duplicates += 1
-                    return False
-                task.latest_checkpoint = ck
-                task.update_time = time.time()
-                self.core.write(task, [common_pb2.TaskEvent(checkpoint=ck)])
-                self.core.notify()
-                self._recorded(task.task_id, ck)
-                log.info(
-                    "last checkpoint of a stopping task recorded",
-                    task_id=task.task_id,
-                    attempt=rep.attempt,
-                    step=ck.step,
-                    path=ck.path,
-                )
+            if stopping == (rep.attempt, node.node_id) and task.attempt == rep.attempt:
+                # Cancelled or max_runtime ended it while a step was running: the worker finishes
+                # that step and checkpoints it (on SIGTERM). Both still count, so the task's step
+                # and its last checkpoint's step agree (`opentinker get`: step 9, checkpoint step 9).
+                self._record_stopping(node, rep, task)
             if ends and rep.task_id in self.core.stopping:
                 if stopping == (rep.attempt, node.node_id):
                     self.core.stop_confirmed(rep.task_id, rep.attempt)  # its usage ends now
@@ -379,6 +361,45 @@ class NodeProtocol:
         if ends:
             self._failures.pop(task.task_id, None)
         return True
+
+    def _record_stopping(self, node: NodeSession, rep: node_pb2.TaskReport, task: TaskRow) -> None:
+        """Apply what the stopping worker of an ended task (cancel, max_runtime) still reports:
+        the metric points of steps it finished after the end (``latest_step`` and
+        ``latest_metrics`` follow them) and its last checkpoint, as events after the terminal one.
+        Duplicates (a resent report) are skipped as for a running task."""
+        events: list[common_pb2.TaskEvent] = []
+        for point in rep.metrics:
+            if point.step <= task.attempt_step:
+                self.duplicates += 1
+                continue
+            task.attempt_step = task.latest_step = point.step
+            task.latest_metrics = dict(point.values)
+            events.append(common_pb2.TaskEvent(metric=point))
+            self.core.usage.metric(task.task_id, rep.attempt, point.values)
+        ck = None
+        if rep.HasField("checkpoint") and rep.checkpoint.path:
+            ck = _checkpoint_of(rep, task, node)
+            if _same_checkpoint(ck, task.latest_checkpoint):
+                self.duplicates += 1
+                ck = None
+            else:
+                task.latest_checkpoint = ck
+                events.append(common_pb2.TaskEvent(checkpoint=ck))
+        if not events:
+            return
+        task.update_time = time.time()
+        self.core.write(task, events)
+        self.core.notify()
+        if ck is not None:
+            self._recorded(task.task_id, ck)
+            log.info(
+                "last checkpoint of a stopping task recorded",
+                task_id=task.task_id,
+                attempt=rep.attempt,
+                step=ck.step,
+                task_step=task.latest_step,
+                path=ck.path,
+            )
 
     def _recorded(self, task_id: str, ck: common_pb2.Checkpoint) -> None:
         if not ck.artifact.key:
