@@ -396,9 +396,9 @@ class TaskCalls:
                     finally:
                         answered = responses.answered
             except (UnavailableError, DeadlineExceededError) as err:
-                if self.connection.closed or ended:
-                    if ended:
-                        return  # the terminal event was seen; what follows it is not worth a reconnect
+                if ended:
+                    return  # the terminal event was seen; what follows it is not worth a reconnect
+                if self.connection.closed:
                     raise
                 failure = err
             if ended:

@@ -125,7 +125,6 @@ class NodeProtocol:
         gpu_count, max_tasks, notes = node_size(
             reg, pool, unknown_node_max_tasks=self.core.config.unknown_node_max_tasks
         )
-        self._warn_gpu_count_mismatch(reg, pool)
         self.messages["register"] += 1
         node = self.core.nodes.get(node_id)
         if node is None:
@@ -146,6 +145,7 @@ class NodeProtocol:
         node.connected, node.draining = True, False
         node.last_seen = self.core.clock()
         node.notes = notes
+        self._warn_gpu_count_mismatch(reg, pool)  # a registration refused above says nothing
         self.core.node_changed(node, membership=True)
         self.core.store.upsert_node(node_id, reg.SerializeToString())
 
