@@ -365,6 +365,7 @@ class TaskCalls:
             return max(0.01, bound)
 
         failure: OpenTinkerError | None = None
+        ended = False  # the terminal event was yielded
         while True:
             if down_since is None:
                 down_since = time.monotonic()  # until this stream answers
@@ -388,14 +389,20 @@ class TaskCalls:
                             delays.reset()
                             event = event_from_proto(response.event)
                             yield event
-                            if event.is_terminal:
-                                return
+                            # What the ended task still records comes after its terminal event
+                            # (a cancelled worker's last checkpoint): the scheduler ends the
+                            # stream once nothing more can come.
+                            ended = ended or event.is_terminal
                     finally:
                         answered = responses.answered
             except (UnavailableError, DeadlineExceededError) as err:
+                if ended:
+                    return  # the terminal event was seen; what follows it is not worth a reconnect
                 if self.connection.closed:
                     raise
                 failure = err
+            if ended:
+                return
             if answered:
                 down_since = None
                 delays.reset()

@@ -27,6 +27,10 @@ refused with :class:`~opentinker_client.errors.ConfigError` naming the file, the
 
     INVALID_ARGUMENT: task.yaml:9:5: hyperparameters.lr: unknown key, expected one of the known keys (...)
 
+An unknown key close to a known one ends with a suggestion (``difflib.get_close_matches``, in
+:func:`opentinker_common.spec.did_you_mean`): ``...; did you mean 'learning_rate'?``, the same
+from the scheduler for a spec sent without a file.
+
 The file is read as YAML 1.2 (:class:`opentinker_common.yaml12.Yaml12Loader`): only ``true`` and
 ``false`` are booleans, so ``model: no`` is the string ``"no"``, and a key that wants a boolean
 refuses ``no``/``off``/``yes``/``on`` with a hint (``expected true or false; 'no' is a string in
@@ -50,7 +54,7 @@ import yaml
 from opentinker.common.v1 import common_pb2
 from opentinker_client._convert import dict_to_struct, seconds_to_duration
 from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spec_error
-from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel
+from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel, did_you_mean
 from opentinker_common.spec.registry import env_kinds_for
 from opentinker_common.yaml12 import Yaml12Loader, find_typography, yaml11_bool_hint
 
@@ -367,7 +371,8 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
     for key in data:
         if key not in _KEYS:
             raise ConfigError(
-                f"unknown key, expected one of the known keys ({', '.join(_KEYS)})",
+                f"unknown key, expected one of the known keys ({', '.join(_KEYS)})"
+                + (f"; {hint}" if (hint := did_you_mean(key, _KEYS)) else ""),
                 source=source,
                 **_at(lines.get((str(key),))),
                 key=str(key),
@@ -517,7 +522,10 @@ def apply_overrides(cfg: TaskConfig, overrides: Iterable[str]) -> TaskConfig:
             cfg = dataclasses.replace(cfg, **{top: new})
         else:
             known = ", ".join([*_SCALAR_KEYS, "dataset", "env.KEY", "hyperparameters.KEY"])
-            raise ConfigError(f"unknown key {key!r}; expected one of {known}", source=source)
+            hint = did_you_mean(top, [*_SCALAR_KEYS, "dataset", "env", "hyperparameters"])
+            raise ConfigError(
+                f"unknown key {key!r}; expected one of {known}" + (f"; {hint}" if hint else ""), source=source
+            )
         given.append((key, source))
     try:  # once all are applied: two overrides may only make sense together
         _check_parts(cfg)

@@ -22,7 +22,9 @@ an ``https://`` scheduler URL always means TLS (the system roots when no CA is g
 ``opentinker keys ...`` manages API keys; ``opentinker queues [set]`` shows and changes quota queues.
 
 Exit codes: 0 success (for ``watch``: the task SUCCEEDED); 1 the task ended FAILED or CANCELLED;
-2 an error (one line on stderr: ``error: INVALID_ARGUMENT: ...``); 130 interrupted.
+2 an error (one line on stderr, the message first and the gRPC status code last:
+``error: spec.hyperparameters.stesp: expected one of the known keys (...); did you mean 'steps'? [INVALID_ARGUMENT]``);
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any, Mapping, Sequence
 from opentinker_client.client import DEFAULT_SCHEDULER_URL, RLClient
 from opentinker_client.types import TERMINAL_STATES, NodeInfo, TaskEvent, TaskInfo
 from opentinker_client.errors import FailedPreconditionError, OpenTinkerError
-from opentinker_client.cli.render import SafeLogText, markup, safe_text
+from opentinker_client.cli.render import SafeLogText, error_text, markup, safe_text
 
 __all__ = ["main", "build_parser"]
 
@@ -98,6 +100,23 @@ def _state(state: str) -> str:
 def _escape(text: str) -> str:
     """Server-provided text for rich output: control characters escaped, then markup escaped."""
     return markup(text)
+
+
+def _why_ended(task: TaskInfo) -> tuple[str, str]:
+    """``(heading, text)`` for a task's ``error``: a cancel is not an error, so a CANCELLED task's
+    reads ``("cancelled", "by user: enough")`` (``cancelled by user: enough`` as a line); any
+    other ``("error", error)``."""
+    if task.state == "cancelled":
+        text = task.error[len("cancelled ") :] if task.error.startswith("cancelled ") else task.error
+        return "cancelled", text
+    return "error", task.error
+
+
+def _ended_line(task: TaskInfo) -> str:
+    """``"cancelled by user: enough"`` or ``"error: CUDA out of memory"`` (escaped for rich)."""
+    heading, text = _why_ended(task)
+    sep = " " if heading == "cancelled" and task.error.startswith("cancelled ") else ": "
+    return f"{heading}{sep}{_escape(text)}"
 
 
 def _total_steps(task: TaskInfo) -> int | None:
@@ -390,7 +409,7 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
         )
     console.print(summary)
     if final.error:
-        console.print(f"  error: {_escape(final.error)}")
+        console.print(f"  {_ended_line(final)}")
     if final.checkpoint_path:
         console.print(f"  checkpoint: {_escape(final.checkpoint_path)} (step {final.checkpoint_step})")
     return EXIT_OK if final.state == "succeeded" else EXIT_TASK_FAILED
@@ -609,7 +628,8 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
     if t.pending_reason:
         rows.append(("pending reason", _escape(t.pending_reason)))
     if t.error:
-        rows.append(("error", f"[red]{_escape(t.error)}[/red]"))
+        heading, text = _why_ended(t)
+        rows.append((heading, f"[red]{_escape(text)}[/red]" if heading == "error" else _escape(text)))
     rows.append(("step", str(t.latest_step)))
     if t.latest_metrics:
         metrics = ", ".join(f"{k}={_fmt_num(v, '.4g')}" for k, v in sorted(t.latest_metrics.items()))
@@ -832,7 +852,7 @@ def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
     flush()
     final = client.get_task(task.task_id) if (args.follow or task.done) else task
     if final.error and final.done:
-        console.print(f"error: {_escape(final.error)}")
+        console.print(_ended_line(final))
     return EXIT_OK
 
 
@@ -872,7 +892,7 @@ def _cmd_plot(client: RLClient, args: argparse.Namespace) -> int:
         return _error(exc)
     except ValueError as exc:
         which = f"task {tasks[0].task_id}" if len(tasks) == 1 else "tasks " + ", ".join(t.task_id for t in tasks)
-        return _error(f"{which}: {exc}")
+        return _error(f"{which}: {error_text(exc)}")
     print(safe_text(f"wrote {out}: " + ", ".join(f"{n} {k} point(s)" for k, n in counts.items()) + f" against {x}"))
     return EXIT_OK
 
@@ -1034,7 +1054,7 @@ def _export_model(client: RLClient, args: argparse.Namespace) -> int:
                 partial.replace(target)
                 what = "its TorchScript policy (torch.jit.load; obs [B, ...] -> (action, value))"
         except (MissingExtraError, ValueError) as exc:
-            return _error(f"task {task.task_id}: {exc}")
+            return _error(f"task {task.task_id}: {error_text(exc)}")
     print(f"wrote {target}: {what}, from task {task.task_id}'s {note}")
     return EXIT_OK
 
@@ -1080,7 +1100,7 @@ def _eval_policy(client: RLClient, args: argparse.Namespace, task: TaskInfo) -> 
             max_episode_steps=env.get("max_episode_steps"),
         )
     except (MissingExtraError, FileNotFoundError, ValueError) as exc:
-        return _error(f"task {task.task_id}: {exc}")
+        return _error(f"task {task.task_id}: {error_text(exc)}")
     print(
         f"policy of task {task.task_id} ({note}): mean return {r.mean_return:.3f} ± {r.stderr:.3f} over "
         f"{r.episodes} episodes of {r.env_id} (greedy actions, seeds {args.seed}..{args.seed + r.episodes - 1}, "
@@ -1107,35 +1127,13 @@ def _add_inference_ca(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="opentinker",
-        description="Submit and follow OpenTinker reinforcement-learning tasks.",
+        description="Submit and follow OpenTinker reinforcement-learning tasks. The scheduler is "
+        "--scheduler-url (before or after the command), else $SCHEDULER_URL, else "
+        f"{DEFAULT_SCHEDULER_URL}: e.g. `opentinker --scheduler-url sched-host:9000 list` or "
+        "`export SCHEDULER_URL=http://sched-host:9000`.",
         epilog="Exit codes: 0 ok; 1 the task ended FAILED or CANCELLED; 2 error; 130 interrupted.",
     )
-    parser.add_argument(
-        "--scheduler-url",
-        default=os.environ.get("SCHEDULER_URL") or DEFAULT_SCHEDULER_URL,
-        help="scheduler address, http://host:port, https://host:port (TLS) or host:port (default: "
-        "$SCHEDULER_URL, else %(default)s)"
-        if not os.environ.get("SCHEDULER_URL")
-        else "scheduler address, http://host:port, https://host:port (TLS) or host:port (default: "
-        "$SCHEDULER_URL = %(default)s)",
-    )
-    parser.add_argument(
-        "--api-key", default=None, help="API key (default: $OPENTINKER_API_KEY, preferred: arguments show in ps)"
-    )
-    parser.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="PEM",
-        help="CA of the scheduler's certificate; turns TLS on (default: $OPENTINKER_TLS_CA; an https:// URL "
-        "without one trusts the system roots)",
-    )
-    parser.add_argument(
-        "--tls-cert", default=None, metavar="PEM", help="client certificate for mTLS (default: $OPENTINKER_TLS_CERT)"
-    )
-    parser.add_argument(
-        "--tls-key", default=None, metavar="PEM", help="key of --tls-cert (default: $OPENTINKER_TLS_KEY)"
-    )
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per call (default: %(default)s)")
+    _add_connection_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("submit", help="submit a task from a YAML config; prints the task id")
@@ -1308,7 +1306,65 @@ def build_parser() -> argparse.ArgumentParser:
     from opentinker_client.cli.queues import add_queues_parser
 
     add_queues_parser(sub)  # opentinker queues [set]
+    _connection_options_after_commands(parser)
     return parser
+
+
+#: The options every command shares (where the scheduler is, how to talk to it).
+_CONNECTION_OPTIONS = ("--scheduler-url", "--api-key", "--tls-ca", "--tls-cert", "--tls-key", "--timeout")
+
+
+def _add_connection_options(parser: argparse.ArgumentParser, *, suppress: bool = False) -> None:
+    """The options of :data:`_CONNECTION_OPTIONS` on ``parser``: with their defaults on the top
+    parser; with ``suppress`` (a command's parser) without any, so one given after the command
+    (``opentinker list --scheduler-url host:9000``) overrides the top parser's and one left out
+    leaves it alone."""
+    env_url = os.environ.get("SCHEDULER_URL")
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if suppress else value
+
+    parser.add_argument(
+        "--scheduler-url",
+        default=default(env_url or DEFAULT_SCHEDULER_URL),
+        metavar="URL",
+        help="the scheduler's gRPC address: host:port, http://host:port or https://host:port (TLS); before or "
+        "after the command (default: $SCHEDULER_URL, "
+        + (f"now {safe_text(env_url).replace('%', '%%')!r})" if env_url else f"else {DEFAULT_SCHEDULER_URL})"),
+    )
+    parser.add_argument(
+        "--api-key",
+        default=default(None),
+        help="API key (default: $OPENTINKER_API_KEY, preferred: arguments show in ps)",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=default(None),
+        metavar="PEM",
+        help="CA of the scheduler's certificate; turns TLS on (default: $OPENTINKER_TLS_CA; an https:// URL "
+        "without one trusts the system roots)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=default(None),
+        metavar="PEM",
+        help="client certificate for mTLS (default: $OPENTINKER_TLS_CERT)",
+    )
+    parser.add_argument(
+        "--tls-key", default=default(None), metavar="PEM", help="key of --tls-cert (default: $OPENTINKER_TLS_KEY)"
+    )
+    parser.add_argument("--timeout", type=float, default=default(30.0), help="seconds per call (default: 30)")
+
+
+def _connection_options_after_commands(parser: argparse.ArgumentParser) -> None:
+    """Give every command's parser (and its subcommands', e.g. ``keys create``) the connection
+    options too, so they work after the command as well as before it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in set(action.choices.values()):
+                if not any(o in command._option_string_actions for o in _CONNECTION_OPTIONS):
+                    _add_connection_options(command, suppress=True)
+                _connection_options_after_commands(command)
 
 
 def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
@@ -1342,7 +1398,11 @@ def _cmd_eval(client: RLClient, args: argparse.Namespace) -> int:
 
 
 def _error(message: Any) -> int:
-    text = safe_text(" ".join(str(message).split()))  # always one line; the server's words never act on the terminal
+    """One line ``error: ...`` on stderr (an exception worded by :func:`error_text`: the message,
+    then its status code in brackets); returns :data:`EXIT_ERROR`."""
+    text = safe_text(
+        " ".join(error_text(message).split())
+    )  # always one line; the server's words never act on the terminal
     print(f"error: {text}", file=sys.stderr, flush=True)
     return EXIT_ERROR
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from opentinker_common.spec import is_control_character
 
-__all__ = ["SafeLogText", "markup", "safe_text"]
+__all__ = ["SafeLogText", "error_text", "markup", "safe_text"]
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -35,6 +35,20 @@ def safe_text(value: Any) -> str:
     if not any(is_control_character(c) for c in text):
         return text
     return "".join(_escaped(c) if is_control_character(c) else c for c in text)
+
+
+def error_text(err: Any) -> str:
+    """How the CLI words an error for a person: the message first, the gRPC status code last in
+    brackets (``"spec.hyperparameters.stesp: expected one of the known keys (...); did you mean
+    'steps'? [INVALID_ARGUMENT]"``), so the line reads as a sentence and the code is still there to
+    search for. An error without a status code (a local one, ``TaskFailedError``) is its message.
+    Scripts tell errors apart by the exit code (2), which does not change."""
+    code = getattr(err, "code", None)
+    details = getattr(err, "details", None)
+    name = getattr(code, "name", None)
+    if isinstance(details, str) and isinstance(name, str):
+        return f"{details} [{name}]"
+    return str(err)
 
 
 def markup(value: Any) -> str:

@@ -9,6 +9,7 @@ Field metadata understood (set with :func:`num` or ``dataclasses.field(metadata=
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import types
@@ -21,6 +22,8 @@ __all__ = [
     "SpecError",
     "check_text",
     "control_character_problem",
+    "did_you_mean",
+    "did_you_mean_each",
     "is_control_character",
     "num",
     "parse_dataclass",
@@ -37,9 +40,12 @@ class SpecError(ValueError):
     Attributes:
         field: dotted path of the offending field, e.g. ``spec.hyperparameters.steps``.
         expected: what a valid value looks like, for a person to read.
+        hint: a suggestion after it (``"did you mean 'steps'?"``, :func:`did_you_mean`), or ``""``;
+            the message ends ``; <hint>``, outside the cap on ``expected`` so a long key list never
+            cuts it off.
     """
 
-    def __init__(self, field: str, expected: str, got: Any = dataclasses.MISSING) -> None:
+    def __init__(self, field: str, expected: str, got: Any = dataclasses.MISSING, *, hint: str = "") -> None:
         # Every part is capped (the path holds user-chosen keys; ``got`` is the user's value), so
         # no message passes ~1 KB: it travels as gRPC status details, and a 20 KB one exceeded
         # the metadata limit (the client saw RESOURCE_EXHAUSTED instead of INVALID_ARGUMENT).
@@ -48,6 +54,9 @@ class SpecError(ValueError):
         detail = f"{self.field}: expected {self.expected}"
         if got is not dataclasses.MISSING:
             detail += f", got {short_repr(got)}"
+        self.hint = _cut(hint, MAX_HINT_CHARS)
+        if self.hint:
+            detail += f"; {self.hint}"
         super().__init__(detail)
 
 
@@ -55,6 +64,40 @@ class SpecError(ValueError):
 MAX_FIELD_CHARS = 200
 MAX_EXPECTED_CHARS = 600
 MAX_GOT_CHARS = 100
+MAX_HINT_CHARS = 100
+
+
+def did_you_mean(word: Any, choices: Any) -> str:
+    """``"did you mean 'steps'?"`` for an unknown key ``word`` (``"did you mean 'lr' or 'lora_rank'?"``
+    for two or three close ones), or ``""`` when no choice is close.
+
+    Close means :func:`difflib.get_close_matches` at its default cutoff (0.6, a similarity ratio
+    in [0, 1]), at most 3, best first; ``choices`` are any names (keys of a mapping, a list).
+    """
+    if not isinstance(word, str) or not word:
+        return ""
+    close = difflib.get_close_matches(word[:100], [str(c) for c in choices], n=3)
+    if not close:
+        return ""
+    quoted = [repr(_cut(c, 40)) for c in close]
+    names = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+    return f"did you mean {names}?"
+
+
+def did_you_mean_each(words: Any, choices: Any) -> str:
+    """:func:`did_you_mean` for several unknown keys: for one, its answer; for more, the closest
+    choice of each that has one (``"did you mean 'lora_rank' for 'lora_rnk', 'steps' for 'stesp'?"``),
+    or ``""``."""
+    words = [w for w in words if isinstance(w, str)]
+    if len(words) == 1:
+        return did_you_mean(words[0], choices)
+    names = [str(c) for c in choices]
+    pairs = []
+    for word in words[:3]:
+        close = difflib.get_close_matches(word[:100], names, n=1)
+        if close:
+            pairs.append(f"{_cut(close[0], 40)!r} for {_cut(word, 40)!r}")
+    return f"did you mean {', '.join(pairs)}?" if pairs else ""
 
 
 def _cut(text: str, limit: int) -> str:
@@ -297,7 +340,7 @@ def parse_dataclass(cls: type, data: Any, path: str):
         expected = f"one of the known keys ({', '.join(sorted(fields))})"
         if len(unknown) > 1:
             expected += f"; unknown keys: {name_list(unknown)}"
-        raise SpecError(f"{path}.{_cut(unknown[0], 60)}", expected)
+        raise SpecError(f"{path}.{_cut(unknown[0], 60)}", expected, hint=did_you_mean_each(unknown, fields))
     kwargs = {}
     for name, f in fields.items():
         if name in data:

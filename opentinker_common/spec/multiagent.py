@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentinker_common.spec._parse import SpecError, num, short_repr
+from opentinker_common.spec._parse import SpecError, did_you_mean, num, short_repr
 from opentinker_common.spec.gym import kwargs_key, space_size
 from opentinker_common.spec.ppo import PPOConfig
 from opentinker_common.spec.registry import register_env_family, register_workload
@@ -130,7 +130,10 @@ def check_env_kwargs(env_id: str, env_kwargs: dict[str, Any], path: str) -> None
             names = ", ".join(accepted) or "none"
             # The field stays ``env_kwargs`` (the mapping is what is wrong); the key is named.
             raise SpecError(
-                path, f"options {env_id} accepts ({names}); {short_repr(key, 60)} is not one of them", dict(env_kwargs)
+                path,
+                f"options {env_id} accepts ({names}); {short_repr(key, 60)} is not one of them",
+                dict(env_kwargs),
+                hint=did_you_mean(key, accepted),
             )
         if not rule.accepts(value):
             raise SpecError(f"{path}.{key}", rule.describe(), value)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from opentinker_common.spec._parse import SpecError
+from opentinker_common.spec._parse import SpecError, did_you_mean
 
 __all__ = ["TrackingConfig", "MlflowTracking", "WandbTracking", "parse_tracking", "EXTRAS"]
 
@@ -89,7 +89,9 @@ def _mapping(value: Any, path: str, keys: tuple[str, ...]) -> dict:
         raise SpecError(path, f"a mapping with {', '.join(keys)}", value)
     for key in value:
         if key not in keys:
-            raise SpecError(f"{path}.{key}", f"one of the known keys ({', '.join(keys)})", key)
+            raise SpecError(
+                f"{path}.{key}", f"one of the known keys ({', '.join(keys)})", key, hint=did_you_mean(key, keys)
+            )
     return value
 
 

@@ -243,7 +243,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             if request.history_only:
                 return
             task = self.core.store.get_task(request.task_id)
-            if task is None or task.terminal:
+            # An ended task whose worker is still stopping (cancel, max_runtime) may still record
+            # its last checkpoint (and the step it finished): the stream stays open for it.
+            if task is None or (task.terminal and request.task_id not in self.core.stopping):
                 return
             # A follower is never told of changes (the leader writes them): it looks again soon.
             await self.core.wait_changed(timeout=1.0 if self.core.leading else FOLLOWER_WATCH_POLL_S)

@@ -74,7 +74,7 @@ from typing import Any
 import yaml
 
 from opentinker_common.yaml12 import Yaml12Loader, find_typography, tag_name, yaml11_bool_hint
-from opentinker_common.spec import WORKLOAD_TYPES
+from opentinker_common.spec import WORKLOAD_TYPES, did_you_mean
 
 from opentinker_scheduler.config.artifacts import ArtifactsConfig, parse_artifacts
 from opentinker_scheduler.config.auth import AuthConfig, parse_auth
@@ -199,7 +199,13 @@ class _Reader:
             name = k.value if isinstance(k, yaml.ScalarNode) else None
             path = f"{key}.{name}" if key else str(name)
             if name not in allowed:
-                raise self.fail(k, path, f"one of the known keys ({', '.join(sorted(allowed))}); unknown key")
+                hint = did_you_mean(name, allowed)
+                raise self.fail(
+                    k,
+                    path,
+                    f"one of the known keys ({', '.join(sorted(allowed))}); unknown key"
+                    + (f"; {hint}" if hint else ""),
+                )
             if name in out:
                 raise self.fail(k, path, "each key once; duplicate key")
             out[name] = (k, v)

@@ -1185,6 +1185,7 @@ class SchedulerCore:
         attempt's usage ends now (GPU-seconds run from assignment to confirmed stop)."""
         self.stopping.pop(task_id, None)
         self.usage.confirmed(task_id, attempt)
+        self.notify()  # a WatchTask stream held open for its last checkpoint can end now
 
     def fail_or_retry(self, task: TaskRow, reason: str, message: str, *, retryable: bool, extra=()) -> None:
         """A failed attempt: requeued with backoff while ``retryable`` and attempts are left, else

@@ -98,6 +98,8 @@ class NodeProtocol:
         #: The newest checkpoint failure recorded per running task, ``(attempt, step, failures
         #: in a row)``: the same report resent after a reconnect is not a second event.
         self._failures: dict[str, tuple[int, int, int]] = {}
+        #: The GPU-count warning last given per node id (:meth:`_warn_gpu_count_mismatch`).
+        self._gpu_warned: dict[str, str] = {}
 
     def node_register(self, reg: node_pb2.Register) -> tuple[NodeSession, node_pb2.Registered]:
         """A node opened its stream. Re-announced tasks that are still its own continue.
@@ -143,6 +145,7 @@ class NodeProtocol:
         node.connected, node.draining = True, False
         node.last_seen = self.core.clock()
         node.notes = notes
+        self._warn_gpu_count_mismatch(reg, pool)  # a registration refused above says nothing
         self.core.node_changed(node, membership=True)
         self.core.store.upsert_node(node_id, reg.SerializeToString())
 
@@ -190,6 +193,28 @@ class NodeProtocol:
         registered.lease.FromNanoseconds(int(self.core.config.lease_s * 1e9))
         return node, registered
 
+    def _warn_gpu_count_mismatch(self, reg: node_pb2.Register, pool: PoolNode | None) -> None:
+        """Warn once per node and mismatch (:func:`gpu_count_mismatch`): a trainer that reconnects,
+        or re-registers after a scheduler restart, with the same devices is not warned of again;
+        a node whose devices or entry change is (and one that comes to agree clears it)."""
+        source = self.core.config.source
+        advice = gpu_count_mismatch(
+            reg, pool, config=source if source and not source.startswith("<") else "the scheduler config"
+        )
+        if advice is None:
+            self._gpu_warned.pop(reg.node_id, None)
+            return
+        if self._gpu_warned.get(reg.node_id) == advice:
+            return
+        self._gpu_warned[reg.node_id] = advice
+        log.warning(
+            "resource_pool gpu_count differs from the GPUs the node reports",
+            node_id=reg.node_id,
+            config_gpu_count=pool.gpu_count if pool is not None else None,
+            reported_gpus=len(reg.devices),
+            advice=advice,
+        )
+
     def node_heartbeat(self, node: NodeSession, hb: node_pb2.Heartbeat) -> None:
         """Memory only (no store write): liveness, drain flag and the latest telemetry."""
         self.messages["heartbeat"] += 1
@@ -228,29 +253,11 @@ class NodeProtocol:
         ends = rep.state in TERMINAL_STATES
         if task.terminal:
             stopping = self.core.stopping.get(rep.task_id)
-            if (
-                stopping == (rep.attempt, node.node_id)
-                and task.attempt == rep.attempt
-                and rep.HasField("checkpoint")
-                and rep.checkpoint.path
-            ):
-                # Cancelled or max_runtime ended it; the worker's last checkpoint (written on SIGTERM) still counts.
-                ck = _checkpoint_of(rep, task, node)
-                if _same_checkpoint(ck, task.latest_checkpoint):
-                    self.duplicates += 1
-                    return False
-                task.latest_checkpoint = ck
-                task.update_time = time.time()
-                self.core.write(task, [common_pb2.TaskEvent(checkpoint=ck)])
-                self.core.notify()
-                self._recorded(task.task_id, ck)
-                log.info(
-                    "last checkpoint of a stopping task recorded",
-                    task_id=task.task_id,
-                    attempt=rep.attempt,
-                    step=ck.step,
-                    path=ck.path,
-                )
+            if stopping == (rep.attempt, node.node_id) and task.attempt == rep.attempt:
+                # Cancelled or max_runtime ended it while a step was running: the worker finishes
+                # that step and checkpoints it (on SIGTERM). Both still count, so the task's step
+                # and its last checkpoint's step agree (`opentinker get`: step 9, checkpoint step 9).
+                self._record_stopping(node, rep, task)
             if ends and rep.task_id in self.core.stopping:
                 if stopping == (rep.attempt, node.node_id):
                     self.core.stop_confirmed(rep.task_id, rep.attempt)  # its usage ends now
@@ -380,6 +387,45 @@ class NodeProtocol:
             self._failures.pop(task.task_id, None)
         return True
 
+    def _record_stopping(self, node: NodeSession, rep: node_pb2.TaskReport, task: TaskRow) -> None:
+        """Apply what the stopping worker of an ended task (cancel, max_runtime) still reports:
+        the metric points of steps it finished after the end (``latest_step`` and
+        ``latest_metrics`` follow them) and its last checkpoint, as events after the terminal one.
+        Duplicates (a resent report) are skipped as for a running task."""
+        events: list[common_pb2.TaskEvent] = []
+        for point in rep.metrics:
+            if point.step <= task.attempt_step:
+                self.duplicates += 1
+                continue
+            task.attempt_step = task.latest_step = point.step
+            task.latest_metrics = dict(point.values)
+            events.append(common_pb2.TaskEvent(metric=point))
+            self.core.usage.metric(task.task_id, rep.attempt, point.values)
+        ck = None
+        if rep.HasField("checkpoint") and rep.checkpoint.path:
+            ck = _checkpoint_of(rep, task, node)
+            if _same_checkpoint(ck, task.latest_checkpoint):
+                self.duplicates += 1
+                ck = None
+            else:
+                task.latest_checkpoint = ck
+                events.append(common_pb2.TaskEvent(checkpoint=ck))
+        if not events:
+            return
+        task.update_time = time.time()
+        self.core.write(task, events)
+        self.core.notify()
+        if ck is not None:
+            self._recorded(task.task_id, ck)
+            log.info(
+                "last checkpoint of a stopping task recorded",
+                task_id=task.task_id,
+                attempt=rep.attempt,
+                step=ck.step,
+                task_step=task.latest_step,
+                path=ck.path,
+            )
+
     def _recorded(self, task_id: str, ck: common_pb2.Checkpoint) -> None:
         if not ck.artifact.key:
             return
@@ -425,8 +471,8 @@ def node_size(
 ) -> tuple[int, int, list[str]]:
     """``(gpu_count, max_tasks, notes)`` of a registering node: its resource_pool entry, never
     more GPUs than it found nor more tasks than its own ``--max-tasks``; else what it announced
-    (``unknown_node_max_tasks`` when it announced no limit)."""
-    node_id = reg.node_id
+    (``unknown_node_max_tasks`` when it announced no limit). Pure: it logs nothing (the warning
+    for a GPU count that differs from the config is :func:`gpu_count_mismatch`'s, said once)."""
     found = len(reg.devices)
     notes: list[str] = []
     if pool is not None:
@@ -439,13 +485,6 @@ def node_size(
             )
         if pool.gpu_count != found:
             notes.append(f"config gpu_count {pool.gpu_count} but node found {found} GPU(s); using {gpu_count}")
-            log.warning(
-                "gpu_count disagrees with devices",
-                node_id=node_id,
-                config_gpu_count=pool.gpu_count,
-                devices=found,
-                using=gpu_count,
-            )
     else:
         gpu_count = found
         max_tasks = reg.max_tasks or unknown_node_max_tasks
@@ -455,3 +494,37 @@ def node_size(
     if not reg.devices:
         notes.append("CPU only" + (f": {reg.gpu_note}" if reg.gpu_note else ""))
     return gpu_count, max_tasks, notes
+
+
+def gpu_count_mismatch(reg: node_pb2.Register, pool: PoolNode | None, *, config: str) -> str | None:
+    """What to tell the operator when a resource_pool node registers with another number of GPUs
+    than ``config`` (the config file's name) declares for it, or None when they agree (or the node
+    is not in resource_pool). Names both numbers, which one the scheduler uses (the smaller:
+    resource_pool is an upper bound) and which to change.
+
+    Pure, so :class:`NodeProtocol` can say it once per node and mismatch, not at each
+    re-registration."""
+    found = len(reg.devices)
+    if pool is None or pool.gpu_count == found:
+        return None
+    node = reg.node_id
+    declared = f"{config} declares {node} with gpu_count {pool.gpu_count}"
+    if found == 0:
+        why = f" ({reg.gpu_note})" if reg.gpu_note else ""
+        return (
+            f"{declared}, but the node reports no GPU{why}, so it takes only CPU tasks (gpu_count 0). "
+            f"If that machine has GPUs, make them visible to the trainer (nvidia-smi, the driver, "
+            f"CUDA_VISIBLE_DEVICES); if it is a CPU machine, set gpu_count: 0 for {node} in {config}, "
+            "or start the trainer with a --node-id that is not in resource_pool"
+        )
+    simulated = " simulated" if all(d.simulated for d in reg.devices) else ""
+    if found < pool.gpu_count:
+        return (
+            f"{declared}, but the node reports {found}{simulated} GPU(s); using {found}. If that machine has "
+            f"{pool.gpu_count}, make them all visible to the trainer (nvidia-smi, CUDA_VISIBLE_DEVICES"
+            f"{', --simulate-gpus' if simulated else ''}); else set gpu_count: {found} for {node} in {config}"
+        )
+    return (
+        f"{declared}, but the node reports {found}{simulated} GPU(s); using {pool.gpu_count} (resource_pool "
+        f"is an upper bound). To use all {found}, set gpu_count: {found} for {node} in {config}"
+    )

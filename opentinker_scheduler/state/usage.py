@@ -140,8 +140,11 @@ class UsageMeters:
         )
 
     def metric(self, task_id: str, attempt: int, values) -> None:
-        """Count one applied metric point of ``attempt``."""
+        """Count one applied metric point of ``attempt`` (live, or still stopping: a step its
+        worker finished after a cancel counts in the record :meth:`confirmed` rewrites)."""
         m = self.live.get(task_id)
+        if m is None and task_id in self.stopping:
+            m = self.stopping[task_id][0]
         if m is None or m.attempt != attempt:
             return
         m.steps += 1

@@ -250,7 +250,14 @@ def test_logs_of_a_running_task_returns_without_follow(ran, tiny_model_dir) -> N
         assert "state assigned -> running" in proc.stdout and "succeeded" not in proc.stdout
         client.cancel(task_id, reason="test over")
         followed = run(cluster.url, "logs", task_id, "--follow", timeout=60)
-        assert "-> cancelled" in followed.stdout
+        lines = followed.stdout.splitlines()
+        at = next(i for i, line in enumerate(lines) if "-> cancelled" in line)
+        # The worker checkpoints the step it finished on SIGTERM, after the CANCELLED event; logs
+        # shows it, and the task's step is that checkpoint's step.
+        assert any("checkpoint step" in line for line in lines[at + 1 :]), followed.stdout
+        assert lines[-1] == "cancelled by user: test over", followed.stdout
+        task = client.get_task(task_id)
+        assert task.checkpoint_step >= 1 and task.latest_step == task.checkpoint_step, task
 
 
 # ------------------------------------------------------------------------------- watch, nodes

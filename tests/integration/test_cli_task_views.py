@@ -63,5 +63,5 @@ def test_submit_set_then_get_and_list_show_what_the_task_runs_with(cluster: Clus
     assert row[:4] == [task_id, "from-cli", "lora_finetune", "arithmetic"]
 
     bad = run(cluster.url, "submit", str(config), "--set", "hyperparameters.stesp=3")
-    assert bad.returncode == 2 and bad.stderr.startswith("error: INVALID_ARGUMENT: --set hyperparameters.stesp=3: ")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --set hyperparameters.stesp=3: ")
     assert len(bad.stderr.strip().splitlines()) == 1

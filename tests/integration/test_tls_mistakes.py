@@ -245,7 +245,12 @@ def test_serve_fails_at_once_with_a_wrong_inference_ca_in_the_library_and_the_cl
         capsys.readouterr()
         assert cli_main(["--scheduler-url", s.target, "serve", trained, "--inference-ca", str(certs.other_ca)]) == 2
         out, err = capsys.readouterr()
-        assert "served by" not in out and err.startswith("error: UNAVAILABLE:") and err.count("\n") == 1
+        assert (
+            "served by" not in out
+            and err.startswith("error: ")
+            and err.rstrip().endswith("[UNAVAILABLE]")
+            and err.count("\n") == 1
+        )
         assert cli_main(["--scheduler-url", s.target, "serve", trained, "--inference-ca", str(certs.ca)]) == 0
         assert "served by inference task" in capsys.readouterr().out
     finally:
@@ -269,7 +274,7 @@ def test_the_cli_prints_one_error_line_without_grpc_log_lines(tls_sched, certs) 
         )
         assert r.returncode == 2
         lines = r.stderr.splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: UNAVAILABLE:"), r.stderr
+        assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith("[UNAVAILABLE]"), r.stderr
         assert "Handshake failed" not in r.stderr
     assert lines[0].count("CERTIFICATE_VERIFY_FAILED") == 1
     r = subprocess.run(

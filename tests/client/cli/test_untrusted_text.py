@@ -82,7 +82,8 @@ def test_list_get_and_logs_escape_names_reasons_and_messages(cluster, capsys) ->
     code, text = _cli(capsys, s, alice, "get", task_id)
     assert code == 0
     _assert_safe(text)
-    assert "cancelled by user: \\x1b[2Jcleared\\nforged line \\u202eevil" in text.replace("\n", "")
+    flat = " ".join(text.replace("\n", "").split())
+    assert "cancelled by user: \\x1b[2Jcleared\\nforged line \\u202eevil" in flat  # the row "cancelled  by user: ..."
 
     code, text = _cli(capsys, s, alice, "get", task_id, "--json")
     assert code == 0
@@ -100,7 +101,7 @@ def test_errors_and_key_listings_escape_too(cluster, capsys) -> None:
     code, text = _cli(capsys, s, alice, "get", "task-\x1b[31mnope")
     assert code == 2
     _assert_safe(text)
-    assert text.startswith("error: NOT_FOUND") and len(text.strip().splitlines()) == 1
+    assert text.startswith("error: ") and text.rstrip().endswith("[NOT_FOUND]") and len(text.strip().splitlines()) == 1
 
     code, text = _cli(capsys, s, s.admin_key, "keys", "list", "--owner", "alice")
     assert code == 0

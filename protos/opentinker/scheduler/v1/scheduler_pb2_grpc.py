@@ -172,7 +172,10 @@ class SchedulerServiceServicer:
 
     def WatchTask(self, request, context):
         """Streams a task's events (state changes, metric points, checkpoints) from `after_sequence`,
-        then live ones until the task ends (with `history_only`, only the events stored so far).
+        then live ones until the task ends (with `history_only`, only the events stored so far). A task
+        ended by the scheduler (cancel, max_runtime) while its worker still stops gets the step that
+        worker finishes and its last checkpoint after the terminal event; the stream ends once the node
+        confirms the worker is gone.
         Resumable: pass the last sequence seen. Errors: NOT_FOUND; UNAUTHENTICATED also mid-stream,
         once the API key that opened it is revoked or expires. The response headers are sent at once,
         before any event, so a client can tell a quiet stream from a frozen scheduler.

@@ -1,0 +1,56 @@
+"""The CLI in-process: where it finds the scheduler (``--scheduler-url`` before or after the
+command, else ``$SCHEDULER_URL``), and how it words an error (the message first, the gRPC code
+last in brackets, exit 2; a typo'd key in a task file gets a "did you mean" at its line and
+column)."""
+
+from __future__ import annotations
+
+import pytest
+
+from opentinker_client.cli.commands import build_parser, main
+
+
+def _run(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_scheduler_url_works_before_or_after_the_command_and_from_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv("SCHEDULER_URL", raising=False)
+    assert build_parser().parse_args(["list"]).scheduler_url == "localhost:8888"
+    assert build_parser().parse_args(["--scheduler-url", "a:1", "list"]).scheduler_url == "a:1"
+    assert build_parser().parse_args(["list", "--scheduler-url", "b:2"]).scheduler_url == "b:2"
+    assert build_parser().parse_args(["keys", "list", "--scheduler-url", "c:3"]).scheduler_url == "c:3"
+    args = build_parser().parse_args(["get", "task-1", "--timeout", "5", "--api-key", "k"])
+    assert (args.timeout, args.api_key, args.task_id) == (5.0, "k", "task-1")
+    monkeypatch.setenv("SCHEDULER_URL", "http://env-host:9000")
+    assert build_parser().parse_args(["list"]).scheduler_url == "http://env-host:9000"
+    assert build_parser().parse_args(["list", "--scheduler-url", "d:4"]).scheduler_url == "d:4"
+
+
+def test_help_says_where_the_scheduler_is_taken_from(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("SCHEDULER_URL", raising=False)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--scheduler-url (before or after the command), else $SCHEDULER_URL, else localhost:8888" in text
+
+
+def test_a_typod_top_level_key_gets_did_you_mean_at_its_line(capsys, tmp_path) -> None:
+    path = tmp_path / "task.yaml"
+    path.write_text("workload_type: lora_finetune\nenv: {env_id: arithmetic}\nhyperparamters:\n  steps: 3\n")
+    code, err = _run(capsys, "submit", str(path))
+    assert code == 2
+    assert err.startswith(f"error: {path}:3:1: hyperparamters: unknown key, expected one of the known keys (")
+    assert err.rstrip().endswith("; did you mean 'hyperparameters'? [INVALID_ARGUMENT]")
+
+
+def test_a_typod_hyperparameter_gets_did_you_mean_at_its_line_and_column(capsys, tmp_path) -> None:
+    path = tmp_path / "task.yaml"
+    path.write_text("workload_type: lora_finetune\nenv: {env_id: arithmetic}\nhyperparameters:\n  stesp: 3\n")
+    code, err = _run(capsys, "submit", str(path))
+    assert code == 2
+    assert err.startswith(f"error: {path}:4:3: hyperparameters.stesp: unknown key, expected one of the known keys (")
+    assert err.rstrip().endswith("; did you mean 'steps'? [INVALID_ARGUMENT]")
+    code, err = _run(capsys, "submit", str(path).replace("task.yaml", "none.yaml"))
+    assert code == 2 and err.startswith("error: cannot read ")  # no status code: the message alone
