@@ -553,5 +553,8 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             chunks = datasets.chunks(request.dataset_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
+        # With the s3 store, trainers read datasets from the bucket; this is for the local store
+        # (and datasets the bucket lacks). Logged so an operator sees who still asks here.
+        log.info("dataset sent to a trainer", dataset_id=request.dataset_id, size_bytes=info.size_bytes)
         for chunk in chunks:
             yield node_pb2.FetchDatasetResponse(chunk=chunk, size_bytes=info.size_bytes)

@@ -1,16 +1,20 @@
 """Checkpoints without a shared filesystem: a real scheduler, two trainers whose work dirs are
 private tmpfs mounts (``unshare -m``), a LoRA GRPO task with ``checkpoint_every``, kill -9 of the
 first trainer mid-task; the task finishes on the second trainer, resumed from the newest complete
-checkpoint in the artifact store (``local`` over gRPC, or ``s3`` on a real SeaweedFS)."""
+checkpoint in the artifact store (``local`` over gRPC, or ``s3`` on a real SeaweedFS). Its newest
+checkpoint is then downloaded (``opentinker download``), served (``RLClient.serve``: an inference
+task on the private node) and started from (``init_from``), each through the same store."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 
+from opentinker.common.v1 import common_pb2
 from opentinker_client import RLClient
 
 pytestmark = pytest.mark.skipif(
@@ -74,9 +78,50 @@ def test_kill9_mid_task_resumes_on_another_private_node(backend, cluster, tiny_m
         # the optimizer continued too: AdamW counted every update of both attempts, not only the second's
         moments = next(iter(state["optimizer"]["state"].values()))
         assert int(moments["step"]) == newest.step, (int(moments["step"]), newest.step, resume_step)
-    resumed = [e for e in second.log_events() if e.get("event") == "resumed"]
+        if backend == "s3":
+            _serve_and_start_from(cluster, client, second, task_id, tiny_model_dir)
+    mine = [e for e in second.log_events() if e.get("task_id") == task_id]
+    resumed = [e for e in mine if e.get("event") == "resumed"]
     assert resumed and resumed[0]["step"] == resume_step
-    fetched = [e for e in second.log_events() if e.get("event") == "artifact cache: hit"]
+    fetched = [e for e in mine if e.get("event") == "artifact cache: hit"]
     assert not fetched  # a new node: downloaded, not cached
-    stored = [e for e in second.log_events() if e.get("event") == "checkpoint stored"]
+    stored = [e for e in mine if e.get("event") == "checkpoint stored"]
     assert stored and all(e["key"].startswith(f"tasks/{task_id}/a2/") for e in stored)
+
+
+def _serve_and_start_from(cluster, client: RLClient, node, task_id: str, model: Path) -> None:
+    """On the s3 backend (the local backend's serve and init_from: test_inference.py, test_sft.py,
+    test_checkpoints_leave.py): serve the cancelled task's adapter and start a task from it
+    (init_from) on ``node``, whose disk is private, both workers at once. The new task trains on an
+    uploaded prompts dataset, which its worker reads from the bucket, not from the scheduler."""
+    rows = [{"prompt": f"What is {i} + 1?", "answer": i + 1} for i in range(4)]
+    data = cluster.tmp / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = client.upload_dataset(data, format="prompts")
+    warm = client.submit_task(
+        workload_type="lora_finetune",
+        model=str(model),
+        init_from=task_id,
+        env_config={"env_id": "prompts", "dataset_id": dataset.dataset_id, "reward": {"verifier": "numeric"}},
+        hyperparameters={**HP, "steps": 1, "checkpoint_every": 0},
+    )
+    with client.serve(task_id, ttl=600, timeout=300) as llm:
+        out = llm.generate("What is 2 + 3?", temperature=0, max_tokens=3)
+        assert out.adapter == task_id and 1 <= len(out.samples[0].token_ids) <= 3
+        server = cluster.get(llm.task_id)
+    assert server.node_id == "node-b"
+    client.cancel(llm.task_id)  # neither worker's exit is waited for: teardown ends them
+    trained = (common_pb2.TASK_STATE_RUNNING, common_pb2.TASK_STATE_SUCCEEDED)
+    assert cluster.wait_state(warm, trained, what=lambda t: t.latest_step >= 1).spec.init_from == task_id
+    events = node.log_events()
+    # the init_from task and the server read the cancelled task's checkpoint by its key in the store
+    loads = [e for e in events if e.get("event") == "loading model" and e.get("task_id") == warm]
+    assert loads and "artifact-cache" in loads[0]["init_checkpoint"]
+    served = [e.get("key") for e in events if e.get("task_id") == server.task_id and e.get("key")]
+    assert served and all(k.startswith(f"tasks/{task_id}/a2/") for k in served), served
+    # the dataset came from the bucket (datasets/<hex>), and the scheduler never sent it
+    hex_ = dataset.dataset_id.removeprefix("sha256:")
+    read = [e for e in events if e.get("event") == "dataset from the artifact store" and e.get("task_id") == warm]
+    assert read and read[0]["key"] == f"datasets/{hex_}", read
+    sent = [e for e in cluster.scheduler.log_events() if e.get("event") == "dataset sent to a trainer"]
+    assert not sent, sent
