@@ -467,10 +467,11 @@ class RLClient:
 
         Starts with the history after ``after_sequence`` (0: all of it), then live events, and
         ends after the event that moves the task to SUCCEEDED, FAILED or CANCELLED (or at once
-        if the task had already ended). If the connection drops (``UNAVAILABLE``: scheduler
-        restart, network) it reconnects with backoff and resumes after the last sequence seen,
-        so no event is yielded twice or skipped. Closing the iterator (``break``) cancels the
-        stream.
+        if the task had already ended), with the events the scheduler recorded after it in the
+        same stream (a checkpoint the stopping worker wrote, ``artifacts_deleted``). If the
+        connection drops (``UNAVAILABLE``: scheduler restart, network) it reconnects with backoff
+        and resumes after the last sequence seen, so no event is yielded twice or skipped.
+        Closing the iterator (``break``) cancels the stream.
 
         Args:
             after_sequence: resume after this event sequence number.

@@ -341,6 +341,7 @@ class TaskCalls:
         ``reconnect_timeout``, so a frozen scheduler ends the watch at ``reconnect_timeout``.
         """
         last = int(after_sequence)
+        ended = False
         delays = _Backoff(*backoff)
         deadline = None if timeout is None else time.monotonic() + timeout
         down_since: float | None = None
@@ -388,8 +389,10 @@ class TaskCalls:
                             delays.reset()
                             event = event_from_proto(response.event)
                             yield event
-                            if event.is_terminal:
-                                return
+                            # What the log holds after the terminal event (a checkpoint the
+                            # stopping worker wrote, artifacts deleted) comes in this stream too:
+                            # the scheduler ends it once it has sent all of an ended task's events.
+                            ended = ended or event.is_terminal
                     finally:
                         answered = responses.answered
             except (UnavailableError, DeadlineExceededError) as err:
@@ -399,6 +402,8 @@ class TaskCalls:
             if answered:
                 down_since = None
                 delays.reset()
+            if ended:
+                return  # a stream lost after the terminal event: what came after it is not waited for
             left()  # the whole watch's timeout, checked before anything else is tried
 
             if failure is None and not follow:

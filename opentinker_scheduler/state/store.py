@@ -664,11 +664,28 @@ class SqlStore:
         return out
 
     def checkpoints(self, task_id: str) -> list[common_pb2.Checkpoint]:
-        """Every checkpoint a task recorded, oldest first."""
+        """Every checkpoint a task recorded, oldest first, but none from before its newest
+        ``artifacts_deleted`` event (those are gone from the artifact store)."""
         rows = self.db.execute(
-            "SELECT payload FROM events WHERE task_id=? AND kind='checkpoint' ORDER BY seq", (task_id,)
+            "SELECT kind, payload FROM events WHERE task_id=? AND kind IN ('checkpoint', 'artifacts_deleted') "
+            "ORDER BY seq",
+            (task_id,),
         )
-        return [common_pb2.TaskEvent.FromString(r[0]).checkpoint for r in rows]
+        out: list[common_pb2.Checkpoint] = []
+        for kind, payload in rows:
+            if kind == "artifacts_deleted":
+                out.clear()
+            else:
+                out.append(common_pb2.TaskEvent.FromString(payload).checkpoint)
+        return out
+
+    def artifacts_deleted(self, task_id: str) -> common_pb2.TaskEvent | None:
+        """The task's newest ``artifacts_deleted`` event (DeleteTaskArtifacts), or None."""
+        r = self.db.execute(
+            "SELECT payload FROM events WHERE task_id=? AND kind='artifacts_deleted' ORDER BY seq DESC LIMIT 1",
+            (task_id,),
+        ).fetchone()
+        return common_pb2.TaskEvent.FromString(r[0]) if r else None
 
     # --- internals -----------------------------------------------------------------------------
     def _fill_cancelled_errors(self) -> None:
