@@ -3,9 +3,9 @@ node's key) about the task of that id.
 
 An adapter is named by the id of a finished ``lora_finetune``, ``sft`` or ``lora_session`` task;
 it is served from that task's newest checkpoint (its final one when it succeeded; for a training
-session the newest ``SaveWeightsForSampler`` or ``SaveState``, whichever came last). The folder is read directly, so
-checkpoints must be on a filesystem the inference node shares with the node that trained (one
-machine, or a shared volume).
+session the newest ``SaveWeightsForSampler`` or ``SaveState``, whichever came last), fetched from
+the artifact store by its key (``fetch``: through the node-local cache); only a checkpoint without
+an ``artifact`` (an old trainer's) is read at its ``path``.
 """
 
 from __future__ import annotations
