@@ -623,10 +623,13 @@ class Dashboard:
                 what, detail = f"checkpoint at step {cf.step} not stored", cf.error
             elif kind == "artifacts_deleted":
                 ad = ev.artifacts_deleted
-                what = "artifacts deleted"
-                detail = f"{ad.deleted_keys} key(s), {ad.deleted_bytes} bytes" + (
-                    f", by {ad.deleted_by}" if ad.deleted_by else ""
-                )
+                if ad.by_retention:
+                    what, detail = "older checkpoints retired", ", ".join(ad.keys)
+                else:
+                    what = "artifacts deleted"
+                    detail = f"{ad.deleted_keys} key(s), {ad.deleted_bytes} bytes" + (
+                        f", by {ad.deleted_by}" if ad.deleted_by else ""
+                    )
             else:
                 continue  # metric points are the charts
             rows.append(

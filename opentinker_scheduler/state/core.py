@@ -629,6 +629,24 @@ class SchedulerCore:
             self.notify()
         return task
 
+    def checkpoints_retired(self, task_id: str, keys: list[str]) -> None:
+        """Record that retention deleted the checkpoints with artifact ``keys`` of ``task_id``
+        (an ``artifacts_deleted`` event ``by_retention``): they are listed no more. Nothing is
+        recorded for no keys, a task gone, or a scheduler that does not lead."""
+        if not keys or not self.leading:
+            return
+        task = self.tasks.get(task_id)
+        gone = common_pb2.ArtifactsDeleted(deleted_keys=len(keys), deleted_by="retention", by_retention=True, keys=keys)
+        event = common_pb2.TaskEvent(artifacts_deleted=gone)
+        if task is not None:  # a live task: the core's own row, written through
+            self.write(task, [event])
+        else:
+            stored = self.store.get_task(task_id)
+            if stored is None:
+                return
+            self.store.update_task(stored, [event])
+        self.notify()
+
     def node_sizes(self) -> dict[str, int]:
         """GPUs of every node the cluster may have: resource_pool entries and connected nodes."""
         sizes = {n.node_id: n.gpu_count for n in self.config.resource_pool}

@@ -145,7 +145,10 @@ def test_retention_keeps_the_newest_n_plus_the_final_one(backend, tmp_path, requ
     store = _stores(backend, tmp_path, request, monkeypatch)
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "adapter_model.safetensors").write_bytes(b"w" * 100)
-    retention = Retention(Artifacts(store, ArtifactsConfig(keep_checkpoints=2)))
+    recorded: list[tuple[str, list[str]]] = []
+    retention = Retention(
+        Artifacts(store, ArtifactsConfig(keep_checkpoints=2)), on_retired=lambda t, keys: recorded.append((t, keys))
+    )
 
     async def report_each() -> None:
         # attempt 2 resumed from step 4 of attempt 1, so its step 5 is newer than attempt 1's step 6
@@ -163,3 +166,5 @@ def test_retention_keeps_the_newest_n_plus_the_final_one(backend, tmp_path, requ
         "tasks/t2/a1/step_1",
     ]
     assert retention.retired == 3
+    # each run's deletions are handed on (the core records them: ListCheckpoints leaves them out)
+    assert recorded == [("t1", ["tasks/t1/a1/step_2"]), ("t1", ["tasks/t1/a1/step_4"]), ("t1", ["tasks/t1/a1/step_6"])]

@@ -97,3 +97,16 @@ def test_artifacts_are_deletable_only_once_the_task_ended_and_nothing_starts_fro
     core.artifacts_deleted(task.task_id)  # a second rm deleted nothing: nothing more recorded
     kinds = [e.WhichOneof("event") for e in core.store.events_after(task.task_id, 0, limit=100)]
     assert kinds.count("artifacts_deleted") == 1 and kinds[-1] == "artifacts_deleted"
+
+
+def test_checkpoints_retention_deleted_are_listed_no_more(tmp_path) -> None:
+    core, node, task, _ = _running(tmp_path)
+    for step in (2, 4, 6):
+        report(core, node, task.task_id, 1, checkpoint=_stored(task.task_id, step))
+    core.checkpoints_retired(task.task_id, [f"tasks/{task.task_id}/a1/step_2"])
+    assert [c.step for c in core.store.checkpoints(task.task_id)] == [4, 6]
+    assert core.get(task.task_id).latest_checkpoint.step == 6  # the newest is untouched
+    assert core.store.artifacts_deleted(task.task_id) is None  # retention is no deletion of the task's artifacts
+    core.checkpoints_retired(task.task_id, [])  # nothing deleted: nothing recorded
+    kinds = [e.WhichOneof("event") for e in core.store.events_after(task.task_id, 0, limit=100)]
+    assert kinds.count("artifacts_deleted") == 1

@@ -251,14 +251,18 @@ class TaskEvent(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_change: _Optional[_Union[StateChange, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., phase: _Optional[_Union[TaskPhase, _Mapping]] = ..., checkpoint_failed: _Optional[_Union[CheckpointFailure, _Mapping]] = ..., artifacts_deleted: _Optional[_Union[ArtifactsDeleted, _Mapping]] = ...) -> None: ...
 
 class ArtifactsDeleted(_message.Message):
-    __slots__ = ("deleted_keys", "deleted_bytes", "deleted_by")
+    __slots__ = ("deleted_keys", "deleted_bytes", "deleted_by", "by_retention", "keys")
     DELETED_KEYS_FIELD_NUMBER: _ClassVar[int]
     DELETED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DELETED_BY_FIELD_NUMBER: _ClassVar[int]
+    BY_RETENTION_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     deleted_keys: int
     deleted_bytes: int
     deleted_by: str
-    def __init__(self, deleted_keys: _Optional[int] = ..., deleted_bytes: _Optional[int] = ..., deleted_by: _Optional[str] = ...) -> None: ...
+    by_retention: bool
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, deleted_keys: _Optional[int] = ..., deleted_bytes: _Optional[int] = ..., deleted_by: _Optional[str] = ..., by_retention: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CheckpointFailure(_message.Message):
     __slots__ = ("step", "attempt", "node_id", "error", "fatal", "failures_in_a_row")
