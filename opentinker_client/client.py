@@ -467,11 +467,14 @@ class RLClient:
 
         Starts with the history after ``after_sequence`` (0: all of it), then live events, and
         ends after the event that moves the task to SUCCEEDED, FAILED or CANCELLED (or at once
-        if the task had already ended), with the events the scheduler recorded after it in the
-        same stream (a checkpoint the stopping worker wrote, ``artifacts_deleted``). If the
-        connection drops (``UNAVAILABLE``: scheduler restart, network) it reconnects with backoff
-        and resumes after the last sequence seen, so no event is yielded twice or skipped.
-        Closing the iterator (``break``) cancels the stream.
+        if the task had already ended) and what the ended task still records: a task cancelled
+        or timed out while running gets the step its worker finishes on the way out and the
+        checkpoint it writes then (``metric`` and ``checkpoint`` events after the terminal one);
+        the scheduler ends the stream once the node says the worker is gone. A break in the
+        stream after the terminal event ends the watch (no reconnect). If the connection drops
+        (``UNAVAILABLE``: scheduler restart, network) it reconnects with backoff and resumes after
+        the last sequence seen, so no event is yielded twice or skipped. Closing the iterator
+        (``break``) cancels the stream.
 
         Args:
             after_sequence: resume after this event sequence number.

@@ -341,7 +341,6 @@ class TaskCalls:
         ``reconnect_timeout``, so a frozen scheduler ends the watch at ``reconnect_timeout``.
         """
         last = int(after_sequence)
-        ended = False
         delays = _Backoff(*backoff)
         deadline = None if timeout is None else time.monotonic() + timeout
         down_since: float | None = None
@@ -366,6 +365,7 @@ class TaskCalls:
             return max(0.01, bound)
 
         failure: OpenTinkerError | None = None
+        ended = False  # the terminal event was yielded
         while True:
             if down_since is None:
                 down_since = time.monotonic()  # until this stream answers
@@ -389,21 +389,23 @@ class TaskCalls:
                             delays.reset()
                             event = event_from_proto(response.event)
                             yield event
-                            # What the log holds after the terminal event (a checkpoint the
-                            # stopping worker wrote, artifacts deleted) comes in this stream too:
-                            # the scheduler ends it once it has sent all of an ended task's events.
+                            # What the ended task still records comes after its terminal event
+                            # (a cancelled worker's last checkpoint): the scheduler ends the
+                            # stream once nothing more can come.
                             ended = ended or event.is_terminal
                     finally:
                         answered = responses.answered
             except (UnavailableError, DeadlineExceededError) as err:
+                if ended:
+                    return  # the terminal event was seen; what follows it is not worth a reconnect
                 if self.connection.closed:
                     raise
                 failure = err
+            if ended:
+                return
             if answered:
                 down_since = None
                 delays.reset()
-            if ended:
-                return  # a stream lost after the terminal event: what came after it is not waited for
             left()  # the whole watch's timeout, checked before anything else is tried
 
             if failure is None and not follow:
