@@ -317,6 +317,14 @@ def event_from_proto(event: common_pb2.TaskEvent) -> TaskEvent:
             fatal=cf.fatal,
             failures_in_a_row=cf.failures_in_a_row,
         )
+    if which == "artifacts_deleted":
+        ad = event.artifacts_deleted
+        by = f" by {ad.deleted_by}" if ad.deleted_by else ""
+        if ad.by_retention:
+            message = f"{ad.deleted_keys} older checkpoint(s) deleted by retention: {', '.join(ad.keys)}"
+        else:
+            message = f"{ad.deleted_keys} artifact(s), {ad.deleted_bytes} bytes deleted from the store{by}"
+        return TaskEvent(**base, kind="artifacts_deleted", message=message)
     return TaskEvent(**base, kind="unknown")
 
 

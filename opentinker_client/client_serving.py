@@ -9,6 +9,9 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_common.artifacts.deleted import deleted_words
+
 from opentinker_client.client_tasks import TaskCalls
 from opentinker_client.config import TaskConfig
 from opentinker_client.connection import SchedulerConnection
@@ -80,8 +83,15 @@ class ServingCalls:
                 )
             )
         if not task.checkpoint_path:
+            what = "policy" if policy else "adapter"
+            listed = self.connection.unary("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id))
+            if listed.HasField("artifacts_deleted"):
+                raise FailedPreconditionError(
+                    f"task {task_id} has no checkpoint: {deleted_words(listed.artifacts_deleted)}; "
+                    f"there is no {what} to serve"
+                )
             raise FailedPreconditionError(
-                f"task {task_id} ended {task.state} without a checkpoint; there is no adapter to serve"
+                f"task {task_id} ended {task.state} without a checkpoint; there is no {what} to serve"
             )
         server_id = self._inference_task(
             task.model, gpu_count=gpu_count, ttl=ttl, adapters=max_resident_adapters, policies_only=policy

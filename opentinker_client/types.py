@@ -153,6 +153,9 @@ class TaskEvent:
     - ``"checkpoint_failed"``: a checkpoint that could not be stored in the artifact store after
       its retries: ``step``, ``attempt``, ``node_id``, ``message`` (why), ``fatal`` (the attempt
       ends FAILED because of it) and ``failures_in_a_row``. Training goes on unless ``fatal``.
+    - ``"artifacts_deleted"``: the task's artifacts were deleted (``RLClient.delete_artifacts``,
+      ``opentinker rm``: ``message`` says how many, their bytes and by whom; the checkpoints
+      before it are gone), or retention deleted older checkpoints (``message`` names their keys).
     - ``"unknown"``: an event kind this client does not know (a newer scheduler).
 
     Attributes:

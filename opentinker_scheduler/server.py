@@ -270,7 +270,8 @@ async def start_scheduler(
         server,
     )
     scheduler_service.artifacts = artifacts  # DownloadCheckpoint reads the store
-    retention = Retention(artifacts)  # keep_checkpoints per task, after each recorded checkpoint
+    # keep_checkpoints per task, after each recorded checkpoint; what it deletes is listed no more
+    retention = Retention(artifacts, on_retired=core.checkpoints_retired)
     core.node_protocol.checkpoint_listeners.append(retention)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -13,12 +13,16 @@
   checkpoint that cannot be stored, the task fails with the reason.
 * :func:`fetch_checkpoint` gets the folder of an ``AssignTask`` checkpoint: a corrupt or missing
   one falls back to the task's previous complete checkpoint in the store.
+* :func:`fetch_dataset_artifact` gets an uploaded dataset from the ``s3`` store directly
+  (``datasets/<hex>``, where the scheduler puts every upload), through the same cache, its bytes
+  checked against the dataset id's SHA-256 before they are cached.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import re
 import shutil
@@ -51,6 +55,7 @@ __all__ = [
     "CheckpointPublisher",
     "StoreSettings",
     "fetch_checkpoint",
+    "fetch_dataset_artifact",
     "open_worker_store",
 ]
 
@@ -153,8 +158,13 @@ class ArtifactCache:
             total -= size
             log.info("artifact cache: evicted", folder=d.name[:16], size_bytes=size)
 
-    def fetch(self, store: ArtifactStore, ref: ArtifactRef) -> Path:
+    def fetch(self, store: ArtifactStore, ref: ArtifactRef, *, check: Callable[[Path], None] | None = None) -> Path:
         """The folder of ``ref``, from the cache or else the store (then cached).
+
+        A ``ref`` without its manifest hash costs one manifest read (to find the cache entry).
+        ``check(folder)`` runs on a downloaded folder before it enters the cache (every file
+        already matches the manifest): it raises ``ArtifactCorrupt`` to refuse the download (a
+        dataset whose bytes are not its id's hash, say), and nothing is cached.
 
         Raises:
             ArtifactNotFound, ArtifactCorrupt (nothing is cached), StoreUnavailable ...
@@ -171,10 +181,13 @@ class ArtifactCache:
             tmp = self.root / f".fetch-{uuid.uuid4().hex[:8]}"
             try:
                 store.get_folder(ref.key, tmp, expect_sha256=ref.manifest_sha256)
+                if check is not None:
+                    check(tmp)
                 os.rename(tmp, d)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             self.downloads += 1
+            log.info("artifact cache: fetched", key=ref.key, total_bytes=ref.total_bytes, store=store.describe())
             self._touch(d)
             self._evict(keep=d)
         return d
@@ -334,3 +347,49 @@ def fetch_checkpoint(
         return folder, used
     log.warning("no complete checkpoint left in the store; starting afresh", task=prefix)
     return None, None
+
+
+# ------------------------------------------------------------------------------------ datasets
+
+#: The file of a dataset artifact ``datasets/<hex>`` (beside ``meta.json``), as the scheduler stores it.
+DATASET_FILE = "data.jsonl"
+
+
+def fetch_dataset_artifact(store: ArtifactStore, cache: ArtifactCache, dataset_id: str) -> Path | None:
+    """The local file of the uploaded dataset ``dataset_id`` (``sha256:<hex>``), read from
+    ``store`` (the artifact ``datasets/<hex>``) through the node-local ``cache``: a second task on
+    this node reads the manifest only. A downloaded copy is checked file by file against its
+    manifest and then its ``data.jsonl`` against the id's SHA-256 before it is cached.
+
+    Returns:
+        The file, or None when the store has no such artifact (a dataset uploaded before the
+        scheduler used this store): the caller asks the scheduler instead.
+
+    Raises:
+        ArtifactCorrupt: the stored bytes do not match their manifest or do not hash to the id
+            (refused; nothing is cached). StoreUnavailable, StoreAuthError: the store cannot be read.
+    """
+    hex_ = dataset_id.removeprefix("sha256:")
+    key = f"datasets/{hex_}"
+
+    def check(folder: Path) -> None:
+        file = folder / DATASET_FILE
+        if not file.is_file():
+            raise ArtifactCorrupt(f"artifact {key}: no {DATASET_FILE}; refusing it as dataset {dataset_id}")
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            while block := f.read(1024 * 1024):
+                digest.update(block)
+        if digest.hexdigest() != hex_:
+            raise ArtifactCorrupt(
+                f"artifact {key}: its {DATASET_FILE} hashes to sha256:{digest.hexdigest()[:16]}..., "
+                f"not {dataset_id}; refusing it"
+            )
+
+    try:
+        folder = cache.fetch(store, ArtifactRef(key, "", 0), check=check)
+    except ArtifactNotFound:
+        log.warning("dataset not in the artifact store", dataset_id=dataset_id, key=key, store=store.describe())
+        return None
+    log.info("dataset from the artifact store", dataset_id=dataset_id, key=key, store=store.describe())
+    return folder / DATASET_FILE

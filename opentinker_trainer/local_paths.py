@@ -12,9 +12,10 @@ naming the field and the sanctioned alternative. The scheduler's ``paths:`` poli
 (:mod:`opentinker_scheduler.admission.paths`) is the first line; this one holds when the policy is loose
 (auth off, or a ``model_dirs`` entry that contains or links to the work folder).
 
-The agent hands each worker its absolute work folder as ``OPENTINKER_WORK_DIR`` and the cache as
-``OPENTINKER_DATASET_CACHE``; a worker started without them falls back to the agent's layout
-(``--checkpoint-dir`` = ``<work_dir>/<task_id>/checkpoints``).
+The agent hands each worker its absolute work folder as ``OPENTINKER_WORK_DIR`` and the caches as
+``OPENTINKER_DATASET_CACHE`` and ``OPENTINKER_ARTIFACT_CACHE`` (downloaded checkpoints and, with
+the ``s3`` store, datasets; under the work folder unless the operator moved it); a worker started
+without them falls back to the agent's layout (``--checkpoint-dir`` = ``<work_dir>/<task_id>/checkpoints``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = ["WORK_DIR_ENV", "check_model_not_local", "check_spec_paths", "private
 #: Environment variable with the node's absolute work folder (set by the agent for each worker).
 WORK_DIR_ENV = "OPENTINKER_WORK_DIR"
 _CACHE_ENV = "OPENTINKER_DATASET_CACHE"
+_ARTIFACT_CACHE_ENV = "OPENTINKER_ARTIFACT_CACHE"
 
 
 def private_dirs(checkpoint_dir: Path, env: Mapping[str, str] | None = None) -> tuple[str, ...]:
@@ -37,18 +39,20 @@ def private_dirs(checkpoint_dir: Path, env: Mapping[str, str] | None = None) -> 
 
     Args:
         checkpoint_dir: this attempt's ``--checkpoint-dir``.
-        env: where to read ``OPENTINKER_WORK_DIR`` / ``OPENTINKER_DATASET_CACHE`` (default ``os.environ``).
+        env: where to read ``OPENTINKER_WORK_DIR`` / ``OPENTINKER_DATASET_CACHE`` /
+            ``OPENTINKER_ARTIFACT_CACHE`` (default ``os.environ``).
 
     Returns:
         The work folder (from the variable, else ``checkpoint_dir/../..`` when ``checkpoint_dir``
-        is named ``checkpoints`` as the agent lays it out) and the dataset cache, when known.
+        is named ``checkpoints`` as the agent lays it out), the dataset cache and the artifact
+        cache, when known.
     """
     env = os.environ if env is None else env
     out: list[str] = []
     work = env.get(WORK_DIR_ENV, "")
     if not work and Path(checkpoint_dir).name == "checkpoints":
         work = str(Path(checkpoint_dir).parent.parent)
-    for folder in (work, env.get(_CACHE_ENV, "")):
+    for folder in (work, env.get(_CACHE_ENV, ""), env.get(_ARTIFACT_CACHE_ENV, "")):
         if folder:
             real = os.path.realpath(folder)
             if real not in out:

@@ -842,6 +842,8 @@ def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
             line = _phase_line(event)
         elif event.kind == "checkpoint_failed":
             line = _checkpoint_failed_line(event)
+        elif event.kind == "artifacts_deleted":
+            line = f"artifacts deleted: {_escape(event.message)}"
         elif event.kind == "metric" and args.metrics:
             line = _metric_line(event, None)
         else:

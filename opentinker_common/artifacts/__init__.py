@@ -15,6 +15,7 @@ from opentinker_common.artifacts.errors import (
     StoreFull,
     StoreUnavailable,
 )
+from opentinker_common.artifacts.deleted import deleted_words
 from opentinker_common.artifacts.local import LocalArtifactStore
 from opentinker_common.artifacts.manifest import (
     ArtifactRef,
@@ -44,5 +45,6 @@ __all__ = [
     "StoreUnavailable",
     "check_key",
     "checkpoint_key",
+    "deleted_words",
     "task_prefix",
 ]

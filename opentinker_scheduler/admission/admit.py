@@ -127,6 +127,7 @@ async def admit(
         dataset_visible=dataset_visible,
         paths=core.config.paths,
         auth_enabled=core.config.auth.enabled,
+        artifacts_deleted=core.store.artifacts_deleted,
     )
     await check_submitted_spec(core, spec)
     if gate is not None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 from google.protobuf import json_format
 
 from opentinker.common.v1 import common_pb2
+from opentinker_common.artifacts.deleted import deleted_words
 from opentinker_common.spec import SpecError, validate_env_config
 from opentinker_common.spec.prompts import SAMPLE_LINES, check_sample
 from opentinker_common.spec.sft import is_dataset_id
@@ -61,6 +62,7 @@ def check_references(
     dataset_visible=lambda dataset_id: True,
     paths: PathsConfig = PathsConfig(),
     auth_enabled: bool = False,
+    artifacts_deleted=lambda task_id: None,
 ) -> None:
     """Refuse a (validated) spec whose dataset or ``init_from`` task cannot be used.
 
@@ -74,6 +76,8 @@ def check_references(
             another owner's dataset counts as not found.
         paths, auth_enabled: the ``paths:`` policy and whether auth is on (which local model
             folders and dataset files the spec may name).
+        artifacts_deleted: ``task_id -> TaskEvent | None``, the task's ``artifacts_deleted``
+            event (``Store.artifacts_deleted``), named when the ``init_from`` task has no checkpoint.
 
     Raises:
         NotFound: no such dataset, or no such task (``spec.init_from``).
@@ -112,6 +116,11 @@ def check_references(
         source.state == common_pb2.TASK_STATE_SUCCEEDED
         and source.spec.workload_type not in NO_FINAL_CHECKPOINT_WORKLOADS
     )
+    deleted = artifacts_deleted(source.task_id) if ck is None else None
+    if deleted is not None:
+        raise FailedPrecondition(
+            f"spec.init_from: task {spec.init_from} ({state}) has no checkpoint to start from: {deleted_words(deleted)}"
+        )
     if ck is None or (need_final and not ck.final) or ck.format not in INIT_CHECKPOINT_FORMATS:
         got = (
             "no checkpoint"

@@ -621,6 +621,15 @@ class Dashboard:
             elif kind == "checkpoint_failed":
                 cf = ev.checkpoint_failed
                 what, detail = f"checkpoint at step {cf.step} not stored", cf.error
+            elif kind == "artifacts_deleted":
+                ad = ev.artifacts_deleted
+                if ad.by_retention:
+                    what, detail = "older checkpoints retired", ", ".join(ad.keys)
+                else:
+                    what = "artifacts deleted"
+                    detail = f"{ad.deleted_keys} key(s), {ad.deleted_bytes} bytes" + (
+                        f", by {ad.deleted_by}" if ad.deleted_by else ""
+                    )
             else:
                 continue  # metric points are the charts
             rows.append(

@@ -216,8 +216,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         task = self.core.artifacts_deletable(request.task_id, owner=owner_scope())  # owner rules, task ended
         if self.artifacts is None:
             raise FailedPrecondition("DeleteTaskArtifacts: this scheduler has no artifact store")
+        self.core.artifacts_deleting(task.task_id)  # no init_from or assignment takes it while it goes
         keys, size = await asyncio.to_thread(self.artifacts.delete_task, task.task_id)
-        task = self.core.artifacts_deleted(task.task_id)
+        task = self.core.artifacts_deleted(task.task_id, keys=len(keys), size_bytes=size, by=call.who.owner)
         call.detail.update(keys=len(keys), bytes=size)
         log.info("task artifacts deleted", task_id=task.task_id, keys=len(keys), bytes=size)
         return scheduler_pb2.DeleteTaskArtifactsResponse(task=self._task(task), deleted_keys=keys, deleted_bytes=size)
@@ -322,7 +323,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         if owner_scope() is not None:
             self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
         return scheduler_pb2.ListCheckpointsResponse(
-            checkpoints=checkpoints.list_checkpoints(self.core.store, request.task_id)
+            checkpoints=checkpoints.list_checkpoints(self.core.store, request.task_id),
+            artifacts_deleted=self.core.store.artifacts_deleted(request.task_id),
         )
 
     async def DownloadCheckpoint(self, request, context):
@@ -545,7 +547,9 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
     async def LookupTask(self, request, call: Call):
         if not request.task_id:
             raise InvalidArgument("task_id: expected a task id, got an empty string")
-        return node_pb2.LookupTaskResponse(task=self._views._task(self.core.get(request.task_id)))
+        task = self._views._task(self.core.get(request.task_id))
+        deleted = None if task.HasField("latest_checkpoint") else self.core.store.artifacts_deleted(task.task_id)
+        return node_pb2.LookupTaskResponse(task=task, artifacts_deleted=deleted)
 
     async def FetchDataset(self, request, context):
         datasets = self._views.datasets
@@ -555,5 +559,8 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             chunks = datasets.chunks(request.dataset_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
+        # With the s3 store, trainers read datasets from the bucket; this is for the local store
+        # (and datasets the bucket lacks). Logged so an operator sees who still asks here.
+        log.info("dataset sent to a trainer", dataset_id=request.dataset_id, size_bytes=info.size_bytes)
         for chunk in chunks:
             yield node_pb2.FetchDatasetResponse(chunk=chunk, size_bytes=info.size_bytes)

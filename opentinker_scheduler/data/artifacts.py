@@ -202,8 +202,11 @@ class Retention:
     either backend: the store's listing and deletes run in a thread, never on the event loop. A
     store that cannot be reached is logged and left as it is; the next checkpoint tries again."""
 
-    def __init__(self, artifacts: Artifacts) -> None:
+    def __init__(self, artifacts: Artifacts, on_retired=None) -> None:
         self.artifacts = artifacts
+        #: ``on_retired(task_id, keys)``, on the event loop after a run deleted ``keys`` (the core
+        #: records them, so the task's checkpoint list leaves them out).
+        self.on_retired = on_retired
         self._jobs: set[asyncio.Task] = set()
         #: Keys deleted so far, for logs and tests.
         self.retired = 0
@@ -222,6 +225,11 @@ class Retention:
         if doomed:
             self.retired += len(doomed)
             log.info("checkpoints retired", task_id=task_id, keys=doomed, store=self.artifacts.store.describe())
+            if self.on_retired is not None:
+                try:
+                    self.on_retired(task_id, doomed)
+                except Exception as exc:  # noqa: BLE001 - the store's state write; the keys are gone anyway
+                    log.warning("retired checkpoints not recorded", task_id=task_id, error=str(exc))
 
     async def drain(self) -> None:
         """Wait for the retention runs started so far."""

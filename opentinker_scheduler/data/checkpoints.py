@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_common.artifacts.deleted import deleted_words
 
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
 
@@ -31,7 +32,7 @@ MAX_FILES = 10_000
 
 def list_checkpoints(store, task_id: str) -> list[common_pb2.Checkpoint]:
     """Checkpoints the task recorded, oldest first; a step written twice (a resumed attempt)
-    appears once, as its newest record.
+    appears once, as its newest record; none from before its artifacts were deleted.
 
     Raises:
         InvalidArgument: empty id. NotFound: no such task.
@@ -51,15 +52,17 @@ def pick_checkpoint(store, task_id: str, step: int) -> common_pb2.Checkpoint:
     """The task's checkpoint at ``step`` (0 = its newest).
 
     Raises:
-        InvalidArgument: empty id or negative step. NotFound: no such task, no checkpoint, or
-            none at ``step`` (the message lists the steps there are).
+        InvalidArgument: empty id or negative step. NotFound: no such task, no checkpoint (the
+            message says when its artifacts were deleted, if they were), or none at ``step`` (the
+            message lists the steps there are).
     """
     if step < 0:
         raise InvalidArgument(f"step: expected 0 (the newest) or a step >= 1, got {step}")
     task = store.get_task(task_id) if task_id else None
     cks = list_checkpoints(store, task_id)
     if not cks:
-        raise NotFound(f"task {task_id!r} has no checkpoint")
+        deleted = store.artifacts_deleted(task_id)
+        raise NotFound(f"task {task_id!r} has no checkpoint" + (f": {deleted_words(deleted)}" if deleted else ""))
     if step == 0:
         if task is not None and task.latest_checkpoint is not None and task.latest_checkpoint.path:
             return task.latest_checkpoint

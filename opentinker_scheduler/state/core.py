@@ -601,18 +601,51 @@ class SchedulerCore:
             )
         return task
 
-    def artifacts_deleted(self, task_id: str) -> TaskRow:
-        """Record that ``task_id``'s artifacts are gone: it has no latest checkpoint any more
-        (so it is no ``init_from``, nothing to serve or download)."""
+    def artifacts_deleting(self, task_id: str) -> None:
+        """Before the store deletes ``task_id``'s artifacts: from now on it has no latest
+        checkpoint, so no submit naming it as ``init_from`` is admitted and no assignment carries
+        a checkpoint that is being deleted (the deletion runs in a thread, other calls meanwhile)."""
         task = self.store.get_task(task_id)
-        if task is None:
-            raise NotFound(f"task {short_id(task_id)} not found")
-        if task.latest_checkpoint is not None:
+        if task is not None and task.latest_checkpoint is not None:
             task.latest_checkpoint = None
             task.update_time = time.time()
             self.store.update_task(task, [])
             self.notify()
+
+    def artifacts_deleted(self, task_id: str, *, keys: int = 0, size_bytes: int = 0, by: str = "") -> TaskRow:
+        """Record that ``task_id``'s artifacts are gone: it has no latest checkpoint any more (so
+        it is no ``init_from``, nothing to serve or download), and an ``artifacts_deleted`` event
+        (``keys`` deleted, ``size_bytes``, ``by`` whom) ends the list of its checkpoints
+        (``Store.checkpoints``). A call that deleted nothing from a task with no checkpoint listed
+        (a second ``opentinker rm``) records nothing."""
+        task = self.store.get_task(task_id)
+        if task is None:
+            raise NotFound(f"task {short_id(task_id)} not found")
+        if task.latest_checkpoint is not None or keys or self.store.checkpoints(task_id):
+            task.latest_checkpoint = None
+            task.update_time = time.time()
+            gone = common_pb2.ArtifactsDeleted(deleted_keys=keys, deleted_bytes=size_bytes, deleted_by=by)
+            self.store.update_task(task, [common_pb2.TaskEvent(artifacts_deleted=gone)])
+            self.notify()
         return task
+
+    def checkpoints_retired(self, task_id: str, keys: list[str]) -> None:
+        """Record that retention deleted the checkpoints with artifact ``keys`` of ``task_id``
+        (an ``artifacts_deleted`` event ``by_retention``): they are listed no more. Nothing is
+        recorded for no keys, a task gone, or a scheduler that does not lead."""
+        if not keys or not self.leading:
+            return
+        task = self.tasks.get(task_id)
+        gone = common_pb2.ArtifactsDeleted(deleted_keys=len(keys), deleted_by="retention", by_retention=True, keys=keys)
+        event = common_pb2.TaskEvent(artifacts_deleted=gone)
+        if task is not None:  # a live task: the core's own row, written through
+            self.write(task, [event])
+        else:
+            stored = self.store.get_task(task_id)
+            if stored is None:
+                return
+            self.store.update_task(stored, [event])
+        self.notify()
 
     def node_sizes(self) -> dict[str, int]:
         """GPUs of every node the cluster may have: resource_pool entries and connected nodes."""

@@ -664,11 +664,37 @@ class SqlStore:
         return out
 
     def checkpoints(self, task_id: str) -> list[common_pb2.Checkpoint]:
-        """Every checkpoint a task recorded, oldest first."""
+        """Every checkpoint a task recorded that is still in the artifact store, oldest first:
+        none from before its newest ``artifacts_deleted`` event of ``DeleteTaskArtifacts``, and
+        none that retention deleted (an ``artifacts_deleted`` event ``by_retention`` names its key)."""
         rows = self.db.execute(
-            "SELECT payload FROM events WHERE task_id=? AND kind='checkpoint' ORDER BY seq", (task_id,)
+            "SELECT kind, payload FROM events WHERE task_id=? AND kind IN ('checkpoint', 'artifacts_deleted') "
+            "ORDER BY seq",
+            (task_id,),
         )
-        return [common_pb2.TaskEvent.FromString(r[0]).checkpoint for r in rows]
+        out: list[common_pb2.Checkpoint] = []
+        for kind, payload in rows:
+            ev = common_pb2.TaskEvent.FromString(payload)
+            if kind == "checkpoint":
+                out.append(ev.checkpoint)
+            elif ev.artifacts_deleted.by_retention:
+                gone = set(ev.artifacts_deleted.keys)
+                out = [c for c in out if not (c.artifact.key and c.artifact.key in gone)]
+            else:
+                out.clear()
+        return out
+
+    def artifacts_deleted(self, task_id: str) -> common_pb2.TaskEvent | None:
+        """The task's newest ``artifacts_deleted`` event of ``DeleteTaskArtifacts`` (not
+        retention's), or None."""
+        rows = self.db.execute(
+            "SELECT payload FROM events WHERE task_id=? AND kind='artifacts_deleted' ORDER BY seq DESC", (task_id,)
+        )
+        for (payload,) in rows:
+            ev = common_pb2.TaskEvent.FromString(payload)
+            if not ev.artifacts_deleted.by_retention:
+                return ev
+        return None
 
     # --- internals -----------------------------------------------------------------------------
     def _fill_cancelled_errors(self) -> None:

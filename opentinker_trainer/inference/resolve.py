@@ -3,9 +3,9 @@ node's key) about the task of that id.
 
 An adapter is named by the id of a finished ``lora_finetune``, ``sft`` or ``lora_session`` task;
 it is served from that task's newest checkpoint (its final one when it succeeded; for a training
-session the newest ``SaveWeightsForSampler`` or ``SaveState``, whichever came last). The folder is read directly, so
-checkpoints must be on a filesystem the inference node shares with the node that trained (one
-machine, or a shared volume).
+session the newest ``SaveWeightsForSampler`` or ``SaveState``, whichever came last), fetched from
+the artifact store by its key (``fetch``: through the node-local cache); only a checkpoint without
+an ``artifact`` (an old trainer's) is read at its ``path``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import grpc
 
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
+from opentinker_common.artifacts.deleted import deleted_words
 
 from opentinker_trainer.scheduler_link import scheduler_channel
 from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRefused
@@ -60,15 +61,18 @@ def same_model(a: str, b: str) -> bool:
     return pa.exists() and pb.exists() and os.path.realpath(pa) == os.path.realpath(pb)
 
 
-def adapter_checkpoint(name: str, task: common_pb2.Task, served_model: str) -> common_pb2.Checkpoint:
+def adapter_checkpoint(
+    name: str, task: common_pb2.Task, served_model: str, deleted: common_pb2.TaskEvent | None = None
+) -> common_pb2.Checkpoint:
     """The checkpoint adapter ``name`` (task ``task``, as ``LookupTask`` gives it) is served from,
-    on a server of base model ``served_model``: the task's newest checkpoint.
+    on a server of base model ``served_model``: the task's newest checkpoint. ``deleted``: the
+    task's ``artifacts_deleted`` event (``LookupTaskResponse``), named when it has no checkpoint.
 
     Raises:
         AdapterRefused: the task is not of a workload in :data:`ADAPTER_WORKLOADS`, has not
             finished (a training session serves its adapters once it has ended: cancelled, or
             idle), its checkpoint is not ``peft_lora``, or it trained another base model.
-        AdapterNotFound: the task has no checkpoint.
+        AdapterNotFound: the task has no checkpoint (its artifacts were deleted, say).
     """
     workload = task.spec.workload_type
     if workload not in ADAPTER_WORKLOADS:
@@ -80,7 +84,7 @@ def adapter_checkpoint(name: str, task: common_pb2.Task, served_model: str) -> c
         end = "the session has ended (cancel it)" if workload == "lora_session" else "it has finished"
         raise AdapterRefused(f"adapter {name!r}: task is {state}; its adapter can be served once {end}")
     if not task.HasField("latest_checkpoint") or not task.latest_checkpoint.path:
-        raise AdapterNotFound(f"adapter {name!r}: task has no checkpoint")
+        raise AdapterNotFound(f"adapter {name!r}: task has no checkpoint{_deleted(deleted)}")
     ckpt = task.latest_checkpoint
     if ckpt.format and ckpt.format != "peft_lora":
         raise AdapterRefused(f"adapter {name!r}: its checkpoint is {ckpt.format!r}, not a LoRA adapter (peft_lora)")
@@ -89,6 +93,10 @@ def adapter_checkpoint(name: str, task: common_pb2.Task, served_model: str) -> c
             f"adapter {name!r} was trained on base model {task.spec.model!r}; this server serves {served_model!r}"
         )
     return ckpt
+
+
+def _deleted(event: common_pb2.TaskEvent | None) -> str:
+    return f": {deleted_words(event)}" if event is not None else ""
 
 
 class SchedulerResolver:
@@ -118,14 +126,15 @@ class SchedulerResolver:
         """Raises AdapterNotFound (no such task, no checkpoint), AdapterRefused (not finished, not
         a LoRA checkpoint, another base model); grpc.RpcError when the scheduler is unreachable."""
         try:
-            task = self.stub.LookupTask(
+            found = self.stub.LookupTask(
                 node_pb2.LookupTaskRequest(task_id=name), timeout=self.timeout, metadata=self.metadata
-            ).task
+            )
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise adapter_not_found(name) from None
             raise
-        ckpt = adapter_checkpoint(name, task, self.served_model)
+        deleted = found.artifacts_deleted if found.HasField("artifacts_deleted") else None
+        ckpt = adapter_checkpoint(name, found.task, self.served_model, deleted)
         if ckpt.artifact.key and self.fetch is not None:
             return Path(self.fetch(ckpt))
         return Path(ckpt.path)
@@ -141,13 +150,15 @@ class SchedulerResolver:
         from opentinker_trainer.inference.policies import PolicyNotFound, PolicyRefused
 
         try:
-            task = self.stub.LookupTask(
+            found = self.stub.LookupTask(
                 node_pb2.LookupTaskRequest(task_id=name), timeout=self.timeout, metadata=self.metadata
-            ).task
+            )
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise PolicyNotFound(policy_not_found(name)) from None
             raise
+        task = found.task
+        deleted = found.artifacts_deleted if found.HasField("artifacts_deleted") else None
         if task.spec.workload_type != "full_rl":
             raise PolicyRefused(
                 f"policy {name!r}: task is a {task.spec.workload_type} task; policies are full_rl tasks"
@@ -157,7 +168,7 @@ class SchedulerResolver:
             raise PolicyRefused(f"policy {name!r}: task is {state}; its policy can be served once it has finished")
         ckpt = task.latest_checkpoint
         if not task.HasField("latest_checkpoint") or not ckpt.path:
-            raise PolicyRefused(f"policy {name!r}: task has no checkpoint")
+            raise PolicyRefused(f"policy {name!r}: task has no checkpoint{_deleted(deleted)}")
         if ckpt.format != "torch_ppo":
             raise PolicyRefused(f"policy {name!r}: its checkpoint is {ckpt.format!r}, not a PPO policy (torch_ppo)")
         folder = Path(self.fetch(ckpt)) if ckpt.artifact.key and self.fetch is not None else Path(ckpt.path)

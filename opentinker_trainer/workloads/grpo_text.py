@@ -60,7 +60,6 @@ saved ones are reseeded).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -95,14 +94,13 @@ def _prompts_env(trainer: "_Trainer") -> PromptsEnv:
         UserError: the dataset cannot be read or has a bad line; no line the reward can score; a
             prompt with ``max_new_tokens`` longer than the model's context (naming the lines).
     """
-    from opentinker_trainer.workloads.sft_data import fetch_dataset, read_jsonl
+    from opentinker_trainer.workloads.sft_data import read_jsonl, task_dataset
 
     ctx, cfg, env = trainer.ctx, trainer.cfg, trainer.ctx.spec.env
     if env.path is not None:
         file = Path(env.path)
     else:
-        cache = Path(os.environ.get("OPENTINKER_DATASET_CACHE") or Path(ctx.checkpoint_dir).parent / "datasets")
-        file = fetch_dataset(env.dataset_id, os.environ.get("OPENTINKER_SCHEDULER_URL"), cache)
+        file = task_dataset(ctx, env.dataset_id)
     lines = read_jsonl(file, parse_prompt_line)
     scorer = None
     if env.reward.is_client:

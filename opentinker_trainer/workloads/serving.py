@@ -8,8 +8,9 @@ runs out (the task ends SUCCEEDED).
 
 The advertised host is ``OPENTINKER_ADVERTISE_HOST`` (the node agent sets it from its
 ``--advertise-host``). Adapters are resolved through the scheduler at
-``OPENTINKER_SCHEDULER_URL`` (set by the agent); their checkpoint folders are read directly, so
-they must be on a filesystem this node shares with the nodes that trained them.
+``OPENTINKER_SCHEDULER_URL`` (set by the agent); their checkpoints are fetched from the artifact
+store (the scheduler's ``local`` store or the ``s3`` bucket) through the node-local cache, so no
+filesystem is shared with the nodes that trained them.
 
 Security (docs/inference.md, "Security"): with ``OPENTINKER_SCHEDULER_URL`` set, every
 InferenceService call is checked against the scheduler with the caller's own API key

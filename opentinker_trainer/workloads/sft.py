@@ -44,7 +44,6 @@ task starts from one with ``init_from`` (see :func:`opentinker_trainer.workloads
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
@@ -61,9 +60,9 @@ from opentinker_trainer.workloads.sft_data import (
     batch_indices,
     collate,
     encode_chat,
-    fetch_dataset,
     read_chat_jsonl,
     split_indices,
+    task_dataset,
 )
 
 log = _lm.get_logger("opentinker.trainer.sft")
@@ -161,8 +160,7 @@ class _SFTTrainer:
     def _dataset_file(self) -> Path:
         if self.env.path is not None:
             return Path(self.env.path)
-        cache = Path(os.environ.get("OPENTINKER_DATASET_CACHE") or Path(self.ctx.checkpoint_dir).parent / "datasets")
-        return fetch_dataset(self.env.dataset_id, os.environ.get("OPENTINKER_SCHEDULER_URL"), cache)
+        return task_dataset(self.ctx, self.env.dataset_id)
 
     def encoded(self, i: int) -> Encoded:
         enc = self._encoded.get(i)

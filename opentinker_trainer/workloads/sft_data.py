@@ -38,6 +38,7 @@ __all__ = [
     "encode_chat",
     "fetch_dataset",
     "read_chat_jsonl",
+    "task_dataset",
     "read_jsonl",
     "split_indices",
 ]
@@ -148,16 +149,39 @@ def read_jsonl(path: Path, parse: Callable[[bytes, int], Any], *, max_bytes: int
     return examples
 
 
-def fetch_dataset(dataset_id: str, scheduler_target: str | None, cache_dir: Path) -> Path:
-    """The local file of an uploaded dataset: from ``cache_dir`` when there, else downloaded
-    from the scheduler (``NodeService.FetchDataset``, with the node's key) and checked against its SHA-256.
+def task_dataset(ctx, dataset_id: str) -> Path:
+    """:func:`fetch_dataset` for the worker of ``ctx`` (a ``WorkerContext``): its artifact store
+    and node-local cache (``ctx.publisher``), the scheduler and the dataset cache the agent set."""
+    cache = Path(os.environ.get("OPENTINKER_DATASET_CACHE") or Path(ctx.checkpoint_dir).parent / "datasets")
+    publisher = getattr(ctx, "publisher", None)
+    return fetch_dataset(
+        dataset_id,
+        os.environ.get("OPENTINKER_SCHEDULER_URL"),
+        cache,
+        store=getattr(publisher, "store", None),
+        artifact_cache=getattr(publisher, "cache", None),
+    )
 
-    The download goes to a temporary file renamed into place once complete and verified, so
+
+def fetch_dataset(
+    dataset_id: str, scheduler_target: str | None, cache_dir: Path, *, store=None, artifact_cache=None
+) -> Path:
+    """The local file of an uploaded dataset.
+
+    With an ``s3`` artifact ``store`` (and the node's ``artifact_cache``), read from the bucket
+    directly with this process's credentials (:func:`~opentinker_trainer.artifacts.fetch_dataset_artifact`:
+    the artifact ``datasets/<hex>``, cached by hash, checked against the id); the scheduler is
+    asked only for a dataset the bucket does not have. Otherwise (the ``local`` store, or no
+    store): from ``cache_dir`` when there, else downloaded from the scheduler
+    (``NodeService.FetchDataset``, with the node's key) and checked against its SHA-256. The
+    download goes to a temporary file renamed into place once complete and verified, so
     concurrent workers on one node and crashed downloads never leave a wrong file behind.
 
     Raises:
-        UserError: no scheduler address is known, or the scheduler has no such dataset.
-        RuntimeError: the download failed or did not match its hash (a retry may succeed).
+        UserError: no scheduler address is known, the scheduler has no such dataset, or the
+            store's copy is corrupt (its bytes do not hash to the id: refused, not retried).
+        RuntimeError: the download failed or did not match its hash, or the store cannot be
+            read now (a retry may succeed).
     """
     import grpc
 
@@ -167,6 +191,21 @@ def fetch_dataset(dataset_id: str, scheduler_target: str | None, cache_dir: Path
     if not is_dataset_id(dataset_id):
         raise UserError(f"env_config.dataset_id: expected sha256:<64 hex digits>, got {dataset_id!r}")
     hex_ = dataset_id.removeprefix("sha256:")
+    if store is not None and artifact_cache is not None and store.backend == "s3":
+        from opentinker_common.artifacts import ArtifactCorrupt, ArtifactError
+        from opentinker_trainer.artifacts import fetch_dataset_artifact
+
+        try:
+            got = fetch_dataset_artifact(store, artifact_cache, dataset_id)
+        except ArtifactCorrupt as exc:
+            raise UserError(
+                f"env_config.dataset_id: dataset {dataset_id} in the {store.describe()} is corrupt: {exc} "
+                "(uploading the dataset again repairs the store)"
+            ) from None
+        except ArtifactError as exc:
+            raise RuntimeError(f"reading dataset {dataset_id} from the {store.describe()} failed: {exc}") from None
+        if got is not None:
+            return got
     cache_dir = Path(cache_dir)
     final = cache_dir / f"{hex_}.jsonl"
     if final.exists():

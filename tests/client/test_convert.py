@@ -175,6 +175,12 @@ def test_events():
     )
     assert ev.is_terminal
     assert event_from_proto(common_pb2.TaskEvent(task_id="t", sequence=8)).kind == "unknown"
+    gone = common_pb2.ArtifactsDeleted(deleted_keys=3, deleted_bytes=4096, deleted_by="alice")
+    ev = event_from_proto(common_pb2.TaskEvent(task_id="t", sequence=9, artifacts_deleted=gone))
+    assert (ev.kind, ev.message) == ("artifacts_deleted", "3 artifact(s), 4096 bytes deleted from the store by alice")
+    retired = common_pb2.ArtifactsDeleted(deleted_keys=1, by_retention=True, keys=["tasks/t/a1/step_2"])
+    ev = event_from_proto(common_pb2.TaskEvent(task_id="t", sequence=10, artifacts_deleted=retired))
+    assert ev.message == "1 older checkpoint(s) deleted by retention: tasks/t/a1/step_2"
 
 
 def test_node_from_proto():

@@ -72,6 +72,9 @@ def test_prompt_dataset_refusals_and_a_client_reward_run(cluster: Cluster, tiny_
             )  # fmt: skip
             task = cluster.wait_done(client, task_id)
         assert task.state == "succeeded", task.error
+        # the local artifact store: the worker fetched the dataset from the scheduler (FetchDataset)
+        sent = [e for e in cluster.scheduler.log_events() if e.get("event") == "dataset sent to a trainer"]
+        assert [e["dataset_id"] for e in sent] == [info.dataset_id], sent
         history = dict(client.get_metric_history(task_id))
     assert sorted(history) == [1, 2]
     assert "eval/accuracy_start" in history[1] and history[2]["eval/prompts"] == 2.0

@@ -9,7 +9,8 @@ cuts. One task lives through both faults (each worker start costs seconds):
    checkpoint that cannot be stored after its retries is a ``checkpoint_failed`` task event while
    training goes on; after ``max_failed_checkpoints`` in a row the task ends FAILED with the
    reason naming the endpoint, its last complete checkpoint kept in the store and downloadable
-   once the store is back. Retention (keep 2) deletes attempt 1's checkpoints on the way.
+   once the store is back. Retention (keep 2) deletes attempt 1's checkpoints on the way (and
+   ListCheckpoints lists them no more).
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ def test_a_kill_during_an_upload_then_the_store_going_away(store_cluster, tiny_m
         wait_for(
             lambda: not [k for k in _committed(cluster, task_id) if "/a1/" in k], what="attempt 1's checkpoints retired"
         )
+
+        # and listed no more (the scheduler records what retention deleted)
+        def listed() -> set[int]:
+            return {c.attempt for c in client.list_checkpoints(task_id)}
+
+        wait_for(lambda: listed() == {2}, what="attempt 1's checkpoints unlisted")
         resumed = [e for e in second.log_events() if e.get("event") == "resumed"]
         assert resumed and resumed[0]["step"] == prev
         assert not [e for e in second.log_events() if e.get("event") == "artifact cache: hit"]

@@ -41,6 +41,9 @@ def test_private_dirs_from_the_agents_variables_or_the_checkpoint_layout(tmp_pat
     work = tmp_path / "runs"
     env = {"OPENTINKER_WORK_DIR": str(work), "OPENTINKER_DATASET_CACHE": str(tmp_path / "cache")}
     assert private_dirs(tmp_path / "x", env) == (str(work), str(tmp_path / "cache"))
+    # an artifact cache the operator moved out of the work folder (other tasks' checkpoints, datasets)
+    moved = {**env, "OPENTINKER_ARTIFACT_CACHE": str(tmp_path / "artifacts")}
+    assert private_dirs(tmp_path / "x", moved) == (str(work), str(tmp_path / "cache"), str(tmp_path / "artifacts"))
     assert private_dirs(work / "t1" / "checkpoints", {}) == (str(work),)  # the agent's layout
     assert private_dirs(tmp_path / "ck", {}) == ()  # unknown: nothing to protect
 

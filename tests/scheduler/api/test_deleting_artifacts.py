@@ -2,7 +2,9 @@
 loopback, on both artifact backends (``local`` under the state dir; ``s3`` on a real SeaweedFS):
 owner rules as for every call (another owner's task is NOT_FOUND, an admin may), a task that has
 not ended or that an unfinished task starts from is refused with FAILED_PRECONDITION, every call
-is audited; retention keeps the newest ``keep_checkpoints`` plus the final one."""
+is audited; a deleted task lists no checkpoint, and downloading, starting from (``init_from``) or
+serving it (the client's ``serve`` and a server's lookup) are refused naming the deletion;
+retention keeps the newest ``keep_checkpoints`` plus the final one."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from opentinker_client.errors import FailedPreconditionError, NotFoundError
 from opentinker_common.artifacts import LocalArtifactStore, S3ArtifactStore, S3Location
 from opentinker_scheduler.config.artifacts import ArtifactsConfig
 from opentinker_scheduler.data.artifacts import Artifacts, Retention
+from opentinker_trainer.inference.adapters import AdapterNotFound
+from opentinker_trainer.inference.resolve import SchedulerResolver
 
 from tests.support.security import LoopbackScheduler
 
@@ -39,6 +43,18 @@ def _adapter(folder):
     return folder
 
 
+def _list_checkpoints(target: str, key: str, task_id: str):
+    """The raw ListCheckpointsResponse (``artifacts_deleted`` is not in the client's list)."""
+    import grpc
+
+    from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        return scheduler_pb2_grpc.SchedulerServiceStub(ch).ListCheckpoints(
+            scheduler_pb2.ListCheckpointsRequest(task_id=task_id), metadata=(("authorization", f"Bearer {key}"),)
+        )
+
+
 def _config(backend: str, request, monkeypatch) -> str:
     if backend == "local":
         return "auth: {enabled: true}\n"
@@ -58,6 +74,7 @@ def test_owners_delete_their_finished_tasks_artifacts(backend, tmp_path, request
         with RLClient(s.target, api_key=s.admin_key) as root:
             alice_key = root.keys.create("alice", "user")[1]
             bob_key = root.keys.create("bob", "user")[1]
+            node_key = root.keys.create("node-a", "node")[1]
         store = s.running.artifacts.store
         with RLClient(s.target, api_key=alice_key) as alice, RLClient(s.target, api_key=bob_key) as bob:
             mine = alice.upload_adapter(_adapter(tmp_path / "a1"), model=MODEL).task_id
@@ -75,14 +92,33 @@ def test_owners_delete_their_finished_tasks_artifacts(backend, tmp_path, request
             with pytest.raises(FailedPreconditionError, match="has ended"):
                 alice.delete_artifacts(warm)  # pending: not ended
             alice.cancel(warm)
+            assert [c.step for c in alice.list_checkpoints(mine)] == [0]
             task, keys, size = alice.delete_artifacts(mine)
             assert keys == [f"tasks/{mine}/a1/final_0"] and size > 0 and task.checkpoint_path == ""
             assert store.list(f"tasks/{mine}/") == []
-            with pytest.raises(NotFoundError):
+            # listed no more; the deletion itself is on record (ListCheckpoints, the event log)
+            assert alice.list_checkpoints(mine) == []
+            listed = _list_checkpoints(s.target, alice_key, mine)
+            gone = listed.artifacts_deleted.artifacts_deleted
+            assert (gone.deleted_keys, gone.deleted_bytes, gone.deleted_by) == (1, size, "alice")
+            assert [e.kind for e in alice.watch(mine)][-1] == "artifacts_deleted"
+            deleted = r"has no checkpoint.*: its artifacts were deleted at 20\d\d-.* UTC by alice \(DeleteTaskArtifacts"
+            with pytest.raises(NotFoundError, match=deleted):
                 alice.download_checkpoint(mine, tmp_path / "gone")
-            with pytest.raises(FailedPreconditionError):  # no checkpoint left to start from
+            with pytest.raises(FailedPreconditionError, match=rf"spec.init_from: task {mine} \(SUCCEEDED\) {deleted}"):
                 alice.submit_task(workload_type="lora_finetune", model=MODEL, init_from=mine)
+            with pytest.raises(FailedPreconditionError, match=rf"{deleted}.*there is no adapter to serve"):
+                alice.serve(mine)
+            # a running server asked for it (the node's LookupTask) says so too
+            monkeypatch.setenv("OPENTINKER_API_KEY", node_key)
+            resolver = SchedulerResolver(s.target, MODEL)
+            try:
+                with pytest.raises(AdapterNotFound, match=rf"adapter '{mine}': task {deleted}"):
+                    resolver(mine)
+            finally:
+                resolver.close()
             assert alice.delete_artifacts(mine)[1:] == ([], 0)  # idempotent
+            assert [e.kind for e in alice.watch(mine)].count("artifacts_deleted") == 1  # recorded once
         # `opentinker rm`, with an admin key: another owner's task is theirs to delete too
         assert cli_main(["--scheduler-url", s.target, "--api-key", s.admin_key, "rm", theirs]) == 0
         assert f"task {theirs}: deleted 1 artifact(s)" in capsys.readouterr().out
@@ -109,7 +145,10 @@ def test_retention_keeps_the_newest_n_plus_the_final_one(backend, tmp_path, requ
     store = _stores(backend, tmp_path, request, monkeypatch)
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "adapter_model.safetensors").write_bytes(b"w" * 100)
-    retention = Retention(Artifacts(store, ArtifactsConfig(keep_checkpoints=2)))
+    recorded: list[tuple[str, list[str]]] = []
+    retention = Retention(
+        Artifacts(store, ArtifactsConfig(keep_checkpoints=2)), on_retired=lambda t, keys: recorded.append((t, keys))
+    )
 
     async def report_each() -> None:
         # attempt 2 resumed from step 4 of attempt 1, so its step 5 is newer than attempt 1's step 6
@@ -127,3 +166,5 @@ def test_retention_keeps_the_newest_n_plus_the_final_one(backend, tmp_path, requ
         "tasks/t2/a1/step_1",
     ]
     assert retention.retired == 3
+    # each run's deletions are handed on (the core records them: ListCheckpoints leaves them out)
+    assert recorded == [("t1", ["tasks/t1/a1/step_2"]), ("t1", ["tasks/t1/a1/step_4"]), ("t1", ["tasks/t1/a1/step_6"])]

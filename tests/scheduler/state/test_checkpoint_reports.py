@@ -1,7 +1,7 @@
 """What a node's checkpoint reports do to a task: a checkpoint that could not be stored is a task
 event and leaves the latest complete checkpoint as it was; a stored one is recorded, then handed
 to the checkpoint listeners (retention); a task's artifacts may be deleted only once it has ended
-and no unfinished task starts from it."""
+and no unfinished task starts from it, and once deleted its checkpoints are listed no more."""
 
 from __future__ import annotations
 
@@ -85,5 +85,28 @@ def test_artifacts_are_deletable_only_once_the_task_ended_and_nothing_starts_fro
         core.artifacts_deletable(task.task_id, owner="alice")
     core.cancel(follower.task_id, owner="alice")
     assert core.artifacts_deletable(task.task_id, owner=None).task_id == task.task_id  # an admin (no owner scope)
-    after = core.artifacts_deleted(task.task_id)
+    core.artifacts_deleting(task.task_id)  # before the store deletes: no latest checkpoint to hand out
+    assert core.store.get_task(task.task_id).latest_checkpoint is None
+    assert [c.step for c in core.store.checkpoints(task.task_id)] == [8]  # still listed until deleted
+    after = core.artifacts_deleted(task.task_id, keys=1, size_bytes=422, by="alice")
     assert after.latest_checkpoint is None and core.store.get_task(task.task_id).latest_checkpoint is None
+    # the deletion is an event, and the checkpoints recorded before it are listed no more
+    gone = core.store.artifacts_deleted(task.task_id)
+    assert (gone.artifacts_deleted.deleted_keys, gone.artifacts_deleted.deleted_by) == (1, "alice")
+    assert core.store.checkpoints(task.task_id) == []
+    core.artifacts_deleted(task.task_id)  # a second rm deleted nothing: nothing more recorded
+    kinds = [e.WhichOneof("event") for e in core.store.events_after(task.task_id, 0, limit=100)]
+    assert kinds.count("artifacts_deleted") == 1 and kinds[-1] == "artifacts_deleted"
+
+
+def test_checkpoints_retention_deleted_are_listed_no_more(tmp_path) -> None:
+    core, node, task, _ = _running(tmp_path)
+    for step in (2, 4, 6):
+        report(core, node, task.task_id, 1, checkpoint=_stored(task.task_id, step))
+    core.checkpoints_retired(task.task_id, [f"tasks/{task.task_id}/a1/step_2"])
+    assert [c.step for c in core.store.checkpoints(task.task_id)] == [4, 6]
+    assert core.get(task.task_id).latest_checkpoint.step == 6  # the newest is untouched
+    assert core.store.artifacts_deleted(task.task_id) is None  # retention is no deletion of the task's artifacts
+    core.checkpoints_retired(task.task_id, [])  # nothing deleted: nothing recorded
+    kinds = [e.WhichOneof("event") for e in core.store.events_after(task.task_id, 0, limit=100)]
+    assert kinds.count("artifacts_deleted") == 1

@@ -229,7 +229,7 @@ class TaskPhase(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., phase: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class TaskEvent(_message.Message):
-    __slots__ = ("task_id", "sequence", "time", "state_change", "metric", "checkpoint", "phase", "checkpoint_failed")
+    __slots__ = ("task_id", "sequence", "time", "state_change", "metric", "checkpoint", "phase", "checkpoint_failed", "artifacts_deleted")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class TaskEvent(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FAILED_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_DELETED_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     sequence: int
     time: _timestamp_pb2.Timestamp
@@ -246,7 +247,22 @@ class TaskEvent(_message.Message):
     checkpoint: Checkpoint
     phase: TaskPhase
     checkpoint_failed: CheckpointFailure
-    def __init__(self, task_id: _Optional[str] = ..., sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_change: _Optional[_Union[StateChange, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., phase: _Optional[_Union[TaskPhase, _Mapping]] = ..., checkpoint_failed: _Optional[_Union[CheckpointFailure, _Mapping]] = ...) -> None: ...
+    artifacts_deleted: ArtifactsDeleted
+    def __init__(self, task_id: _Optional[str] = ..., sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_change: _Optional[_Union[StateChange, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., phase: _Optional[_Union[TaskPhase, _Mapping]] = ..., checkpoint_failed: _Optional[_Union[CheckpointFailure, _Mapping]] = ..., artifacts_deleted: _Optional[_Union[ArtifactsDeleted, _Mapping]] = ...) -> None: ...
+
+class ArtifactsDeleted(_message.Message):
+    __slots__ = ("deleted_keys", "deleted_bytes", "deleted_by", "by_retention", "keys")
+    DELETED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    DELETED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELETED_BY_FIELD_NUMBER: _ClassVar[int]
+    BY_RETENTION_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    deleted_keys: int
+    deleted_bytes: int
+    deleted_by: str
+    by_retention: bool
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, deleted_keys: _Optional[int] = ..., deleted_bytes: _Optional[int] = ..., deleted_by: _Optional[str] = ..., by_retention: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CheckpointFailure(_message.Message):
     __slots__ = ("step", "attempt", "node_id", "error", "fatal", "failures_in_a_row")

@@ -18,10 +18,12 @@ class LookupTaskRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ...) -> None: ...
 
 class LookupTaskResponse(_message.Message):
-    __slots__ = ("task",)
+    __slots__ = ("task", "artifacts_deleted")
     TASK_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_DELETED_FIELD_NUMBER: _ClassVar[int]
     task: _common_pb2.Task
-    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ...) -> None: ...
+    artifacts_deleted: _common_pb2.TaskEvent
+    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ..., artifacts_deleted: _Optional[_Union[_common_pb2.TaskEvent, _Mapping]] = ...) -> None: ...
 
 class FetchDatasetRequest(_message.Message):
     __slots__ = ("dataset_id",)

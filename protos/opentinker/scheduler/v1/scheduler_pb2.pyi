@@ -228,10 +228,12 @@ class ListCheckpointsRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
-    __slots__ = ("checkpoints",)
+    __slots__ = ("checkpoints", "artifacts_deleted")
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_DELETED_FIELD_NUMBER: _ClassVar[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[_common_pb2.Checkpoint]
-    def __init__(self, checkpoints: _Optional[_Iterable[_Union[_common_pb2.Checkpoint, _Mapping]]] = ...) -> None: ...
+    artifacts_deleted: _common_pb2.TaskEvent
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[_common_pb2.Checkpoint, _Mapping]]] = ..., artifacts_deleted: _Optional[_Union[_common_pb2.TaskEvent, _Mapping]] = ...) -> None: ...
 
 class DownloadCheckpointRequest(_message.Message):
     __slots__ = ("task_id", "step")

@@ -160,7 +160,9 @@ class SchedulerServiceServicer:
     def DeleteTaskArtifacts(self, request, context):
         """Deletes every artifact of a finished task from the artifact store (its checkpoints of all
         attempts, final ones included); the task and its event log stay, with no latest checkpoint,
-        so it can no longer be an `init_from`, served or downloaded. Owner rules as for CancelTask (an
+        so it can no longer be an `init_from`, served or downloaded (each refusal names the deletion),
+        and an `artifacts_deleted` event records it (ListCheckpoints then lists none of the checkpoints
+        recorded before it). Owner rules as for CancelTask (an
         admin key may delete any task's). Idempotent: a second call deletes nothing. Errors: NOT_FOUND
         (no such task, or another owner's), FAILED_PRECONDITION (the task has not ended, its worker is
         still stopping, or an unfinished task names it as `init_from`), UNAVAILABLE (the store cannot be
@@ -219,8 +221,9 @@ class SchedulerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListCheckpoints(self, request, context):
-        """Lists the checkpoints a task recorded, oldest first. Idempotent. Errors: NOT_FOUND (no such
-        task), INVALID_ARGUMENT (empty id).
+        """Lists the checkpoints a task recorded, oldest first, none from before its artifacts were
+        deleted (DeleteTaskArtifacts: then `artifacts_deleted` says when and by whom). Idempotent.
+        Errors: NOT_FOUND (no such task), INVALID_ARGUMENT (empty id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
