@@ -1355,7 +1355,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def sharing(args: argparse.Namespace) -> dict:
     """Sharing mode: the throughput and latency phases without and with quota queues."""
-    args.only = "throughput,latency,scale"
+    args.only = args.only or "throughput,latency,scale"
     order = [("no_quotas", 0), ("quotas", args.queues)]
     blocks: dict[str, list[dict]] = {"no_quotas": [], "quotas": []}
     for rep in range(args.repeat):  # ABBA...: drift of a shared machine weighs on both alike
@@ -1367,7 +1367,9 @@ def sharing(args: argparse.Namespace) -> dict:
     def median_phases(results: list[dict]) -> dict:
         out: dict = {}
         for phase in ("throughput", "latency"):
-            rows = [r["phases"][phase] for r in results]
+            rows = [r["phases"][phase] for r in results if phase in r["phases"]]
+            if not rows:
+                continue
             out[phase] = {
                 k: sorted(row[k] for row in rows)[len(rows) // 2]
                 for k in ("submits_per_s", "p50_ms", "p99_ms")
@@ -1388,25 +1390,41 @@ def sharing(args: argparse.Namespace) -> dict:
         for name, rs in blocks.items()
     }
     P0, P1 = runs["no_quotas"]["phases"], runs["quotas"]["phases"]
-    out = {"runs": runs, "ratios": {}}
-    r = out["ratios"]
-    r["submits_per_s"] = P1["throughput"]["submits_per_s"] / P0["throughput"]["submits_per_s"]
-    r["throughput_p99"] = P1["throughput"]["p99_ms"] / P0["throughput"]["p99_ms"]
-    r["latency_p99"] = P1["latency"]["p99_ms"] / P0["latency"]["p99_ms"]
+    out = {"runs": runs, "ratios": {}, "pair_ratios": {}}
+    r, pairs = out["ratios"], out["pair_ratios"]
+    rows = (
+        ("closed-loop submits/s", "throughput", "submits_per_s", "submits_per_s", ">= 0.9x"),
+        ("  submit->assign p99 ms", "throughput", "p99_ms", "throughput_p99", ""),
+        (f"submit->assign p99 ms @{args.rate:.0f}/s", "latency", "p99_ms", "latency_p99", "<= 1.2x"),
+        ("  submit->assign p50 ms", "latency", "p50_ms", "latency_p50", ""),
+    )
+    for _, phase, key, name, _ in rows:
+        if phase in P0 and phase in P1:
+            r[name] = P1[phase][key] / P0[phase][key]
+            # Run i of one configuration against run i of the other: the two ran back to back
+            # (ABBA), so the load of a shared machine weighs on both sides of each ratio alike.
+            pairs[name] = sorted(
+                b["phases"][phase][key] / a["phases"][phase][key]
+                for a, b in zip(blocks["no_quotas"], blocks["quotas"])
+                if a["phases"][phase][key] > 0
+            )
     lines = [
         "",
         f"OpenTinker scheduler, sharing mode: {args.owners} owners (API keys), {args.nodes} simulated nodes "
         f"({args.gpus_per_node} GPUs, max_tasks {args.max_tasks}); {os.cpu_count()} CPU(s); medians of "
-        f"{args.repeat} run(s) each, ABBA order",
-        f"  {'':<28}{'no quotas':>14}{f'{args.queues} queues':>14}{'ratio':>9}   goal",
+        f"{args.repeat} run(s) each, ABBA order; 'pairs': the median (min-max) of the {args.repeat} ratios of "
+        "back-to-back runs",
+        f"  {'':<28}{'no quotas':>12}{f'{args.queues} queues':>12}{'ratio':>8}{'pairs':>8}  {'(min-max)':<14} goal",
     ]
-    for label, phase, key, ratio, goal in (
-        ("closed-loop submits/s", "throughput", "submits_per_s", r["submits_per_s"], ">= 0.9x"),
-        ("  submit->assign p99 ms", "throughput", "p99_ms", r["throughput_p99"], ""),
-        (f"submit->assign p99 ms @{args.rate:.0f}/s", "latency", "p99_ms", r["latency_p99"], "<= 1.2x"),
-        ("  submit->assign p50 ms", "latency", "p50_ms", P1["latency"]["p50_ms"] / P0["latency"]["p50_ms"], ""),
-    ):
-        lines.append(f"  {label:<28}{P0[phase][key]:>14.1f}{P1[phase][key]:>14.1f}{ratio:>8.2f}x   {goal}")
+    for label, phase, key, name, goal in rows:
+        if name not in r:
+            continue
+        pr = pairs[name]
+        spread = f"({pr[0]:.2f}-{pr[-1]:.2f})" if pr else ""
+        lines.append(
+            f"  {label:<28}{P0[phase][key]:>12.1f}{P1[phase][key]:>12.1f}{r[name]:>7.2f}x"
+            f"{pr[len(pr) // 2] if pr else math.nan:>7.2f}x  {spread:<14} {goal}"
+        )
     for name in runs:
         sc = runs[name]["phases"].get("scale")
         if sc:
