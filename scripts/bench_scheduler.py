@@ -790,6 +790,7 @@ class Bench:
 
         a = self.args
         if on == getattr(self, "_quotas_on", False):
+            self.limited_queues = getattr(self, "limited_queues", 0)
             return
         self._quotas_on = on
         gpus = max(1, a.nodes * a.gpus_per_node // a.queues)
@@ -806,6 +807,9 @@ class Bench:
                 else:
                     req = admin_pb2.ResetQueueQuotaRequest(name=name)
                     await admin.ResetQueueQuota(req, metadata=self.admin_metadata, timeout=30)
+            listed = await admin.ListQueues(admin_pb2.ListQueuesRequest(), metadata=self.admin_metadata, timeout=30)
+            #: Queues with a quota the scheduler reports now (the switch took effect).
+            self.limited_queues = sum(1 for q in listed.queues if q.limited)
 
     async def phase_quota_ab(self, stub) -> None:
         """Quotas on against off in one scheduler at the same time (``--ab-blocks``): blocks of
@@ -848,6 +852,7 @@ class Bench:
                     "cpu_ms_per_submit": meter["scheduler_cpu_s"] / max(1, n) * 1000,
                     "others_cores": meter["others_cores"],
                     "all_assigned": ok and pok,
+                    "limited_queues": self.limited_queues,
                 }
             )
             self.progress(
