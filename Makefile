@@ -15,7 +15,7 @@ SCHEDULER_URL ?= http://localhost:$(PORT)
 # "joined dynamically"; the host name only when the config names no node. NODE_ID=... for another.
 NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]\#]*\).*/\1/p' $(SCHEDULER_CONFIG) 2>/dev/null | head -n 1),$(shell hostname)-trainer)
 
-.PHONY: install venv test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-primitives gpu-check clean
+.PHONY: install venv test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-primitives gpu-check clean
 
 # `install` is a no-op when done: it installs only when the venv is missing or its package set is
 # out of date, i.e. the SHA-256 of pyproject.toml, constraints.txt and INSTALL_SPEC differs from the
@@ -104,6 +104,10 @@ bench-scheduler: install
 # Sharing a cluster: 20 quota queues and 100 owners against no quotas, same run (BENCHMARKS.md).
 bench-sharing: install
 	$(PY) scripts/bench_scheduler.py --queues 20 --owners 100 --nodes 100 --tasks 2000 --rate 150 --rate-tasks 1000 $(BENCH_ARGS)
+
+# What a placement round costs the core (in-process) with 20 quota queues at quota and 600 pending.
+bench-placement-round: install
+	$(PY) scripts/bench_placement_round.py $(BENCH_ARGS)
 
 # Artifact store: 25 MB and 540 MB checkpoints through local (gRPC) and SeaweedFS against a plain
 # copy; resume time cold vs warm cache. Options: BENCH_ARGS="--sizes-mb 25 --no-s3".

@@ -64,6 +64,7 @@ import platform
 import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -781,6 +782,100 @@ class Bench:
             f"latency @ {a.rate:.0f}/s: submit->assign p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms"
         )
 
+    async def quota_mode(self, on: bool) -> None:
+        """Sharing mode, one scheduler: put ``--queues`` quota queues over the owners (as
+        :func:`sharing_config` would configure them) by ``AdminService.SetQueueQuota``, or take
+        them away again (``ResetQueueQuota``: each owner back in a queue of its own)."""
+        from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
+
+        a = self.args
+        if on == getattr(self, "_quotas_on", False):
+            self.limited_queues = getattr(self, "limited_queues", 0)
+            return
+        self._quotas_on = on
+        gpus = max(1, a.nodes * a.gpus_per_node // a.queues)
+        cpus = max(1, a.nodes * a.max_tasks // a.queues)
+        async with grpc.aio.insecure_channel(self.sched.target) as channel:
+            admin = admin_pb2_grpc.AdminServiceStub(channel)
+            for q in range(a.queues):
+                name = f"queue-{q:02d}"
+                if on:
+                    owners = [f"owner-{o:03d}" for o in range(q, a.owners, a.queues)]
+                    queue = admin_pb2.Queue(name=name, gpu_quota=gpus, cpu_task_quota=cpus, owners=owners)
+                    req = admin_pb2.SetQueueQuotaRequest(queue=queue)
+                    await admin.SetQueueQuota(req, metadata=self.admin_metadata, timeout=30)
+                else:
+                    req = admin_pb2.ResetQueueQuotaRequest(name=name)
+                    await admin.ResetQueueQuota(req, metadata=self.admin_metadata, timeout=30)
+            listed = await admin.ListQueues(admin_pb2.ListQueuesRequest(), metadata=self.admin_metadata, timeout=30)
+            #: Queues with a quota the scheduler reports now (the switch took effect).
+            self.limited_queues = sum(1 for q in listed.queues if q.limited)
+
+    async def phase_quota_ab(self, stub) -> None:
+        """Quotas on against off in one scheduler at the same time (``--ab-blocks``): blocks of
+        the throughput load (closed loop) and the latency load (paced at ``--rate``), the quota
+        queues switched on and off between blocks (ABBA), so that other work on a shared machine
+        weighs on both alike. Per mode: submits/s and p50/p99 over all its blocks' submits pooled,
+        and per pair of adjacent blocks the ratio (on / off)."""
+        a = self.args
+        n_closed, n_paced = max(1, a.tasks // a.ab_blocks), max(1, a.rate_tasks // a.ab_blocks)
+        blocks: dict[str, list[dict]] = {"no_quotas": [], "quotas": []}
+        pooled: dict[str, dict[str, list]] = {k: {"closed": [], "paced": []} for k in blocks}
+        walls: dict[str, float] = dict.fromkeys(blocks, 0.0)
+
+        async def block(submit, n: int) -> tuple[dict, list[float], bool, int]:
+            self.submits = []
+            before = await self.total_assigns()
+            async with Meter(self) as m:
+                await submit()
+            ok = await self.wait_assigns(before + len(self.submits), timeout=60 + n / 20)
+            assigned = await self.collect_assign_times()
+            lat = sorted((assigned[t] - t0) * 1000 for t, t0, _ in self.submits if t in assigned)
+            return m.result, lat, ok, len(self.submits)
+
+        await block(lambda: self.closed_loop(stub, 200, a.concurrency), 200)  # warm up
+        for i in range(2 * a.ab_blocks):
+            mode = ("no_quotas", "quotas")[i % 2] if (i // 2) % 2 == 0 else ("quotas", "no_quotas")[i % 2]
+            await self.quota_mode(mode == "quotas")
+            meter, closed, ok, n = await block(lambda: self.closed_loop(stub, n_closed, a.concurrency), n_closed)
+            _, paced, pok, _ = await block(lambda: self.paced(stub, n_paced, a.rate), n_paced)
+            wall = meter["wall_s"]
+            pooled[mode]["closed"] += closed
+            pooled[mode]["paced"] += paced
+            walls[mode] += wall
+            blocks[mode].append(
+                {
+                    "submits_per_s": n / wall,
+                    "closed_p99_ms": pct(closed, 99),
+                    "p50_ms": pct(paced, 50),
+                    "p99_ms": pct(paced, 99),
+                    "cpu_ms_per_submit": meter["scheduler_cpu_s"] / max(1, n) * 1000,
+                    "others_cores": meter["others_cores"],
+                    "all_assigned": ok and pok,
+                    "limited_queues": self.limited_queues,
+                }
+            )
+            self.progress(
+                f"quota A/B block {i + 1} of {2 * a.ab_blocks} ({mode}): {n / wall:.0f} submits/s, "
+                f"p99 @{a.rate:.0f}/s {pct(paced, 99):.1f} ms, others {meter['others_cores']:.2f} cores"
+            )
+        out: dict = {"blocks": blocks, "closed_per_block": n_closed, "paced_per_block": n_paced}
+        for mode in blocks:
+            closed, paced = sorted(pooled[mode]["closed"]), sorted(pooled[mode]["paced"])
+            out[mode] = {
+                "submits_per_s": len(closed) / walls[mode] if walls[mode] else math.nan,  # assigned ones
+                "closed_p99_ms": pct(closed, 99),
+                "p50_ms": pct(paced, 50),
+                "p99_ms": pct(paced, 99),
+                "cpu_ms_per_submit": statistics.median(b["cpu_ms_per_submit"] for b in blocks[mode]),
+            }
+        out["ratios"] = {k: out["quotas"][k] / out["no_quotas"][k] for k in out["quotas"]}
+        out["pair_ratios"] = {
+            k: sorted(b[k] / a_[k] for a_, b in zip(blocks["no_quotas"], blocks["quotas"]) if a_[k] > 0)
+            for k in ("submits_per_s", "closed_p99_ms", "p50_ms", "p99_ms", "cpu_ms_per_submit")
+        }
+        self.results["phases"]["quota_ab"] = out
+
     async def phase_splice(self) -> None:
         """What the front on the gRPC port costs: the same closed-loop SubmitTask load, in
         alternating blocks, through the public port (the front splices to gRPC) and straight to
@@ -1068,6 +1163,8 @@ class Bench:
                 await self.phase_scale_signal(channel)
             if "splice" in only:
                 await self.phase_splice()
+            if "quota_ab" in only:
+                await self.phase_quota_ab(stub)
             # Every task should end SUCCEEDED; /metrics counts refresh about once a second.
             deadline = time.monotonic() + 30
             while True:
@@ -1326,6 +1423,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="one-GPU tasks of the scale phase's burst (default: 2x the nodes' task slots)",
     )
+    p.add_argument(
+        "--ab-blocks",
+        type=int,
+        default=0,
+        help="sharing mode: instead of fresh schedulers per configuration, one scheduler with the quota queues "
+        "switched on and off between this many blocks each (ABBA; --tasks and --rate-tasks split over them)",
+    )
     p.add_argument("--splice-blocks", type=int, default=3, help="blocks per target in the splice phase")
     p.add_argument("--splice-tasks", type=int, default=2000, help="submits per block in the splice phase")
     a = p.parse_args(argv)
@@ -1355,7 +1459,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def sharing(args: argparse.Namespace) -> dict:
     """Sharing mode: the throughput and latency phases without and with quota queues."""
-    args.only = "throughput,latency,scale"
+    if args.ab_blocks:
+        return sharing_ab(args)
+    args.only = args.only or "throughput,latency,scale"
     order = [("no_quotas", 0), ("quotas", args.queues)]
     blocks: dict[str, list[dict]] = {"no_quotas": [], "quotas": []}
     for rep in range(args.repeat):  # ABBA...: drift of a shared machine weighs on both alike
@@ -1367,7 +1473,9 @@ def sharing(args: argparse.Namespace) -> dict:
     def median_phases(results: list[dict]) -> dict:
         out: dict = {}
         for phase in ("throughput", "latency"):
-            rows = [r["phases"][phase] for r in results]
+            rows = [r["phases"][phase] for r in results if phase in r["phases"]]
+            if not rows:
+                continue
             out[phase] = {
                 k: sorted(row[k] for row in rows)[len(rows) // 2]
                 for k in ("submits_per_s", "p50_ms", "p99_ms")
@@ -1388,25 +1496,41 @@ def sharing(args: argparse.Namespace) -> dict:
         for name, rs in blocks.items()
     }
     P0, P1 = runs["no_quotas"]["phases"], runs["quotas"]["phases"]
-    out = {"runs": runs, "ratios": {}}
-    r = out["ratios"]
-    r["submits_per_s"] = P1["throughput"]["submits_per_s"] / P0["throughput"]["submits_per_s"]
-    r["throughput_p99"] = P1["throughput"]["p99_ms"] / P0["throughput"]["p99_ms"]
-    r["latency_p99"] = P1["latency"]["p99_ms"] / P0["latency"]["p99_ms"]
+    out = {"runs": runs, "ratios": {}, "pair_ratios": {}}
+    r, pairs = out["ratios"], out["pair_ratios"]
+    rows = (
+        ("closed-loop submits/s", "throughput", "submits_per_s", "submits_per_s", ">= 0.9x"),
+        ("  submit->assign p99 ms", "throughput", "p99_ms", "throughput_p99", ""),
+        (f"submit->assign p99 ms @{args.rate:.0f}/s", "latency", "p99_ms", "latency_p99", "<= 1.2x"),
+        ("  submit->assign p50 ms", "latency", "p50_ms", "latency_p50", ""),
+    )
+    for _, phase, key, name, _ in rows:
+        if phase in P0 and phase in P1:
+            r[name] = P1[phase][key] / P0[phase][key]
+            # Run i of one configuration against run i of the other: the two ran back to back
+            # (ABBA), so the load of a shared machine weighs on both sides of each ratio alike.
+            pairs[name] = sorted(
+                b["phases"][phase][key] / a["phases"][phase][key]
+                for a, b in zip(blocks["no_quotas"], blocks["quotas"])
+                if a["phases"][phase][key] > 0
+            )
     lines = [
         "",
         f"OpenTinker scheduler, sharing mode: {args.owners} owners (API keys), {args.nodes} simulated nodes "
         f"({args.gpus_per_node} GPUs, max_tasks {args.max_tasks}); {os.cpu_count()} CPU(s); medians of "
-        f"{args.repeat} run(s) each, ABBA order",
-        f"  {'':<28}{'no quotas':>14}{f'{args.queues} queues':>14}{'ratio':>9}   goal",
+        f"{args.repeat} run(s) each, ABBA order; 'pairs': the median (min-max) of the {args.repeat} ratios of "
+        "back-to-back runs",
+        f"  {'':<28}{'no quotas':>12}{f'{args.queues} queues':>12}{'ratio':>8}{'pairs':>8}  {'(min-max)':<14} goal",
     ]
-    for label, phase, key, ratio, goal in (
-        ("closed-loop submits/s", "throughput", "submits_per_s", r["submits_per_s"], ">= 0.9x"),
-        ("  submit->assign p99 ms", "throughput", "p99_ms", r["throughput_p99"], ""),
-        (f"submit->assign p99 ms @{args.rate:.0f}/s", "latency", "p99_ms", r["latency_p99"], "<= 1.2x"),
-        ("  submit->assign p50 ms", "latency", "p50_ms", P1["latency"]["p50_ms"] / P0["latency"]["p50_ms"], ""),
-    ):
-        lines.append(f"  {label:<28}{P0[phase][key]:>14.1f}{P1[phase][key]:>14.1f}{ratio:>8.2f}x   {goal}")
+    for label, phase, key, name, goal in rows:
+        if name not in r:
+            continue
+        pr = pairs[name]
+        spread = f"({pr[0]:.2f}-{pr[-1]:.2f})" if pr else ""
+        lines.append(
+            f"  {label:<28}{P0[phase][key]:>12.1f}{P1[phase][key]:>12.1f}{r[name]:>7.2f}x"
+            f"{pr[len(pr) // 2] if pr else math.nan:>7.2f}x  {spread:<14} {goal}"
+        )
     for name in runs:
         sc = runs[name]["phases"].get("scale")
         if sc:
@@ -1425,6 +1549,40 @@ def sharing(args: argparse.Namespace) -> dict:
             lines.append(f"  {name}: submit errors {errors}")
     out["report"] = "\n".join(lines)
     return out
+
+
+def sharing_ab(args: argparse.Namespace) -> dict:
+    """Sharing mode with ``--ab-blocks``: quotas on and off in one scheduler, alternating blocks."""
+    args.only = "quota_ab"
+    res = asyncio.run(Bench(args, queues=0).run())
+    q = res["phases"]["quota_ab"]
+    off, on, r, pairs = q["no_quotas"], q["quotas"], q["ratios"], q["pair_ratios"]
+    lines = [
+        "",
+        f"OpenTinker scheduler, sharing mode, quotas on/off in one scheduler: {args.owners} owners (API keys), "
+        f"{args.queues} queues when on, {args.nodes} simulated nodes ({args.gpus_per_node} GPUs, max_tasks "
+        f"{args.max_tasks}); {os.cpu_count()} CPU(s); {args.ab_blocks} blocks each, ABBA, each block "
+        f"{q['closed_per_block']} closed-loop + {q['paced_per_block']} paced submits; figures over all blocks "
+        "pooled, 'pairs': the median (min-max) of adjacent blocks' ratios",
+        f"  {'':<28}{'no quotas':>12}{f'{args.queues} queues':>12}{'ratio':>8}{'pairs':>8}  {'(min-max)':<14} goal",
+    ]
+    for label, key, goal in (
+        ("closed-loop submits/s", "submits_per_s", ">= 0.9x"),
+        ("  submit->assign p99 ms", "closed_p99_ms", ""),
+        (f"submit->assign p99 ms @{args.rate:.0f}/s", "p99_ms", "<= 1.2x"),
+        ("  submit->assign p50 ms", "p50_ms", ""),
+        ("scheduler CPU ms per submit", "cpu_ms_per_submit", ""),
+    ):
+        pr = pairs[key]
+        spread = f"({pr[0]:.2f}-{pr[-1]:.2f})" if pr else ""
+        lines.append(
+            f"  {label:<28}{off[key]:>12.2f}{on[key]:>12.2f}{r[key]:>7.2f}x"
+            f"{pr[len(pr) // 2] if pr else math.nan:>7.2f}x  {spread:<14} {goal}"
+        )
+    errors = res.get("final", {}).get("submit_error_codes")
+    if errors:
+        lines.append(f"  submit errors {errors}")
+    return {"runs": {"ab": res}, "ratios": r, "pair_ratios": pairs, "report": "\n".join(lines)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -405,14 +405,17 @@ def place_round(
             a round, so a refused task's whole group is dropped for the round. None: no quotas.
         rank: ``rank(group, key)`` -> the sort key the next task is chosen by among the groups'
             first tasks (default: ``key``, queue order). Fair share passes ``(-priority, dominant
-            share of the group's queue, create time, id)``, worked out afresh at every choice.
+            share of the group's queue, create time, id)``. It may change only through ``take``
+            (which books usage): every group's rank is read again after each ``take``, a group's
+            alone when its first task changes otherwise (skipped, refused).
 
     Groups may carry more than ``(gpu_count, share key)`` (the core adds the queue): only their
     first two items are read here.
 
     Returns:
         How many tasks were placed. Tasks are considered in queue order; a group whose GPU
-        count no node can offer any more is dropped whole (capacity only shrinks in a round),
+        count no node can offer any more is dropped whole (capacity only shrinks in a round, and
+        only at a ``take`` or a reservation, so groups are checked again only then),
         which gives the same placements as :func:`plan`. A dropped group's first task not in
         backoff is the group's candidate for the reservation.
     """
@@ -422,40 +425,45 @@ def place_round(
     placed = 0
     reserved: str | None = None
     blocked: list[tuple[Hashable, int]] = []  # heap of dropped groups' first eligible keys
+    heads: dict[Group, tuple] = {}  # group -> order(group, its first key)
+    stale = True  # capacity (a take, a reservation) or ranks (a take) changed since the last check
     while True:
-        for g in [g for g in live if g[0] > free.most_open(g[1], free.closed_to(g[0], reserved))]:
-            keys = live.pop(g)
-            if reserve is not None and reserved is None:
-                i = cursor[g]
-                while i < len(keys) and not_before(keys[i]) > now:
-                    i += 1
-                if i < len(keys):
-                    heapq.heappush(blocked, (order(g, keys[i]), keys[i], g))
-        g = min(live, key=lambda g: order(g, live[g][cursor[g]])) if live else None
-        if (
-            reserve is not None
-            and reserved is None
-            and blocked
-            and (g is None or blocked[0][0] < order(g, live[g][cursor[g]]))
-        ):
+        if stale:  # else no group can have stopped fitting, and no rank can have changed
+            for g in [g for g in live if g[0] > free.most_open(g[1], free.closed_to(g[0], reserved))]:
+                keys = live.pop(g)
+                if reserve is not None and reserved is None:
+                    i = cursor[g]
+                    while i < len(keys) and not_before(keys[i]) > now:
+                        i += 1
+                    if i < len(keys):
+                        heapq.heappush(blocked, (order(g, keys[i]), keys[i], g))
+            heads = {g: order(g, keys[cursor[g]]) for g, keys in live.items()}
+            stale = False
+        g = min(live, key=heads.__getitem__) if live else None
+        if reserve is not None and reserved is None and blocked and (g is None or blocked[0][0] < heads[g]):
             _, bkey, bg = heapq.heappop(blocked)
             reserved = reserve(bkey, bg[0])
             if reserved is not None:
                 blocked.clear()
-            continue  # capacity outside the reserved node is less: drop groups again
+                stale = True  # capacity outside the reserved node is less: drop groups again
+            continue
         if g is None:
             break
         key = live[g][cursor[g]]
         cursor[g] += 1
         if cursor[g] == len(live[g]):
-            del live[g]
+            del live[g], heads[g]
+        else:
+            heads[g] = order(g, live[g][cursor[g]])
         if not_before(key) > now:
             continue
         if admit is not None and not admit(key, g):
             live.pop(g, None)  # the rest of the group is over the same quota
+            heads.pop(g, None)
             continue
         node_id = free.best_fit_for(g[0], g[1], free.closed_to(g[0], reserved))
         assert node_id is not None  # the group fits on a node with a free slot
         take(key, g, node_id)
         placed += 1
+        stale = True
     return placed

@@ -74,6 +74,13 @@ class QuotaBook:
             unmapped owner is a queue of its own, named by the owner, with no quota.
         cluster: total (GPUs, CPU-task slots) of the cluster, the denominator of the dominant
             share of a queue with no quota (at least 1 each).
+        used: queue -> [GPUs, CPU-task slots] in use; change it only through :meth:`add` and
+            :meth:`clear_usage`, which keep the cohort's sums current.
+
+    The cohort's idle and borrowed amounts per resource (what :meth:`why_not` weighs a borrowing
+    task against) are kept as running sums over the limited queues, updated by :meth:`add`, so a
+    quota verdict costs O(1) instead of O(queues): a placement round over a deep queue asks it
+    once per group (:func:`~.placement.place_round`), and every submit may start a round.
     """
 
     queues: Mapping[str, QueueQuota] = field(default_factory=dict)
@@ -84,6 +91,12 @@ class QuotaBook:
     def __post_init__(self) -> None:
         self.queues = dict(self.queues)
         self._owner_queue = {o: q.name for q in self.queues.values() for o in q.owners}
+        #: Per resource: sum over limited queues of nominal quota left unused, and of use beyond it.
+        self._idle_sum = [0, 0]
+        self._borrowed_sum = [0, 0]
+        for name in self.queues:
+            self._count(name, 1)
+        self._shares: dict[str, tuple[Need, float]] = {}  # queue -> (cluster then, dominant share)
 
     @classmethod
     def of(cls, queues: Iterable[QueueQuota], default_queue: str = "", cluster: Need = (1, 1)) -> QuotaBook:
@@ -110,20 +123,44 @@ class QuotaBook:
 
     def add(self, queue: str, need: Need, sign: int = 1) -> None:
         """Book (``sign`` 1) or release (-1) ``need`` on ``queue``."""
+        limited = queue in self.queues
+        if limited:
+            self._count(queue, -1)
         u = self.used.setdefault(queue, [0, 0])
         u[0] += sign * need[0]
         u[1] += sign * need[1]
         if u == [0, 0]:
             del self.used[queue]
+        self._shares.pop(queue, None)
+        if limited:
+            self._count(queue, 1)
+
+    def clear_usage(self) -> None:
+        """Forget all usage (before recounting it from the active tasks)."""
+        self.used.clear()
+        self._shares.clear()
+        self._idle_sum = [0, 0]
+        self._borrowed_sum = [0, 0]
+        for name in self.queues:
+            self._count(name, 1)
+
+    def _count(self, queue: str, sign: int) -> None:
+        """Add (1) or take out (-1) limited ``queue``'s part of the cohort's idle and borrowed sums."""
+        nominal, used = self.queues[queue].nominal, self.usage(queue)
+        for r in (0, 1):
+            self._idle_sum[r] += sign * max(0, nominal[r] - used[r])
+            self._borrowed_sum[r] += sign * max(0, used[r] - nominal[r])
 
     def _idle(self, r: int, but: str = "") -> int:
         """Nominal quota of resource ``r`` that limited queues other than ``but`` leave unused
         (what may be lent)."""
-        return sum(max(0, q.nominal[r] - self.usage(n)[r]) for n, q in self.queues.items() if n != but)
+        q = self.queues.get(but)
+        return self._idle_sum[r] - (max(0, q.nominal[r] - self.usage(but)[r]) if q is not None else 0)
 
     def _borrowed(self, r: int, but: str = "") -> int:
         """Resource ``r`` used beyond nominal quota by limited queues other than ``but``."""
-        return sum(max(0, self.usage(n)[r] - q.nominal[r]) for n, q in self.queues.items() if n != but)
+        q = self.queues.get(but)
+        return self._borrowed_sum[r] - (max(0, self.usage(but)[r] - q.nominal[r]) if q is not None else 0)
 
     # ------------------------------------------------------------------ decisions
     def admits(self, queue: str, need: Need) -> bool:
@@ -168,7 +205,13 @@ class QuotaBook:
     def dominant_share(self, queue: str) -> float:
         """The larger of the queue's used fractions of GPUs and CPU-task slots: of its nominal
         quota, or of the cluster for a queue with no quota (DRF, Ghodsi et al. 2011). A queue
-        with a zero quota that uses something has share ``inf``."""
+        with a zero quota that uses something has share ``inf``.
+
+        Remembered per queue until its usage (:meth:`add`) or the cluster's size changes: a
+        placement round ranks every group by it at every choice."""
+        hit = self._shares.get(queue)
+        if hit is not None and hit[0] == self.cluster:
+            return hit[1]
         used = self.usage(queue)
         q = self.queues.get(queue)
         denom = q.nominal if q is not None else self.cluster
@@ -176,6 +219,7 @@ class QuotaBook:
         for r in (0, 1):
             if used[r]:
                 share = max(share, used[r] / denom[r] if denom[r] else float("inf"))
+        self._shares[queue] = (self.cluster, share)
         return share
 
     def reclaimable(self, running: Iterable[tuple[str, str, Need, float]]) -> set[str]:

@@ -138,7 +138,7 @@ class SchedulerCore:
         self._liveness_grace_until = float("-inf")
         self.nodes: dict[str, NodeSession] = {}
         self.tasks = LiveTasks(self.quotas.queue_of)
-        self.quotas.used.clear()
+        self.quotas.clear_usage()
         #: Meters of the live attempts; ended ones are rows of the store (:mod:`.usage`).
         self.usage = UsageMeters(self.store, self.config.usage, self.node_class)
         self.free = FreeNodes()
@@ -853,7 +853,7 @@ class SchedulerCore:
 
     def _recount_usage(self) -> None:
         """Quota usage from the active tasks (after a reload, or owners moved between queues)."""
-        self.quotas.used.clear()
+        self.quotas.clear_usage()
         for task in self.active.values():
             self.quotas.add(self.quotas.queue_of(task.owner), self.need(task))
 

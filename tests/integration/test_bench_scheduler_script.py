@@ -61,3 +61,26 @@ def test_bench_splice_phase_compares_the_front_with_grpcs_own_port(tmp_path) -> 
     assert len(splice["blocks"]["front"]) == len(splice["blocks"]["direct"]) == 1
     assert splice["front_submits_per_s_median"] > 0 and splice["direct_submits_per_s_median"] > 0
     assert splice["submits_per_s_ratio"] > 0
+
+
+def test_bench_quota_ab_switches_quotas_in_one_scheduler(tmp_path) -> None:
+    """--ab-blocks: the quota queues are on (the scheduler lists them as limited) in the quotas
+    blocks and gone in the others, ABBA, and the report gives pooled and per-pair ratios."""
+    out = tmp_path / "bench.json"
+    args = ["--queues", "2", "--owners", "4", "--nodes", "4", "--tasks", "60", "--rate", "100", "--rate-tasks", "40"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), *args, "--ab-blocks", "2", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "quotas on/off in one scheduler" in proc.stdout and "<= 1.2x" in proc.stdout
+    res = json.loads(out.read_text())
+    ab = res["runs"]["ab"]["phases"]["quota_ab"]
+    assert [b["limited_queues"] for b in ab["blocks"]["quotas"]] == [2, 2]
+    assert [b["limited_queues"] for b in ab["blocks"]["no_quotas"]] == [0, 0]
+    assert all(b["all_assigned"] for bs in ab["blocks"].values() for b in bs)
+    assert len(res["pair_ratios"]["p99_ms"]) == 2 and res["ratios"]["submits_per_s"] > 0
+    assert res["runs"]["ab"]["final"]["succeeded"] == res["runs"]["ab"]["final"]["submitted"]

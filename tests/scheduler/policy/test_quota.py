@@ -5,10 +5,12 @@ preemption round, and fair share at equal priority."""
 
 from __future__ import annotations
 
+import heapq
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opentinker_scheduler.policy.placement import FreeNodes, NodeCapacity, place_round
+from opentinker_scheduler.policy.placement import FreeNodes, NodeCapacity, place_round, reservation_node
 from opentinker_scheduler.policy.preemption import NodeState, RunningAlloc, choose_victims
 from opentinker_scheduler.policy.quota import QueueQuota, QuotaBook, task_need
 
@@ -216,3 +218,180 @@ def test_higher_priority_still_goes_first_under_fair_share() -> None:
     tasks = [("b0", "b", 1, 0, 0.0), ("a0", "a", 1, 5, 1.0)]
     quotas.add("a", (3, 0))
     assert run_round(quotas, [NodeCapacity("n0", 4, 8, 3, [3])], tasks) == ["a0"]
+
+
+# ---------------------------------------------------------------- kept sums against a recount
+
+
+def recounted_why_not(b: QuotaBook, queue: str, need: tuple[int, int]) -> str | None:
+    """:meth:`QuotaBook.why_not` worked out from scratch: the cohort's idle and borrowed amounts
+    summed over every limited queue at the time of asking (what the book keeps as running sums)."""
+    q = b.queues.get(queue)
+    if q is None:
+        return None
+    used = b.usage(queue)
+    for r in (0, 1):
+        after = used[r] + need[r]
+        if need[r] == 0 or after <= q.nominal[r]:
+            continue
+        borrowed, limit = after - q.nominal[r], q.borrowing[r]
+        if limit is not None and borrowed > limit:
+            return "limit"
+        others = [(n, p) for n, p in b.queues.items() if n != queue]
+        idle = sum(max(0, p.nominal[r] - b.usage(n)[r]) for n, p in others)
+        lent = sum(max(0, b.usage(n)[r] - p.nominal[r]) for n, p in others)
+        if borrowed > idle - lent:
+            return "idle"
+    return None
+
+
+def recounted_share(b: QuotaBook, queue: str) -> float:
+    used, q = b.usage(queue), b.queues.get(queue)
+    denom = q.nominal if q is not None else b.cluster
+    return max([used[r] / denom[r] if denom[r] else float("inf") for r in (0, 1) if used[r]], default=0.0)
+
+
+book_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(0, 4), st.integers(0, 3), st.integers(0, 2), st.sampled_from([1, -1])),
+        st.tuples(st.just("cluster"), st.integers(1, 12), st.integers(1, 12)),
+        st.tuples(st.just("clear")),
+        st.tuples(st.just("requota"), st.integers(0, 4), st.integers(0, 4), st.one_of(st.none(), st.integers(0, 2))),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(queue_specs, book_ops)
+def test_kept_sums_and_shares_equal_a_recount(qs, ops) -> None:
+    """After any sequence of bookings, releases, cluster changes, clears and quota changes, every
+    quota verdict and dominant share the book gives (from its running sums and remembered
+    shares) equals the one recounted from scratch, for queues with and without a quota."""
+    b = QuotaBook.of(
+        [QueueQuota(f"q{i}", g, c, borrowing_gpus=lim, borrowing_cpu_tasks=lim) for i, (g, c, lim) in enumerate(qs)],
+        cluster=(8, 8),
+    )
+    names = [f"q{i}" for i in range(5)]  # q{len(qs)}.. have no quota
+    for op in ops:
+        if op[0] == "add":
+            _, q, gpus, cpus, sign = op
+            if sign < 0:  # release at most what is in use
+                used = b.usage(names[q])
+                gpus, cpus = min(gpus, used[0]), min(cpus, used[1])
+            b.add(names[q], (gpus, cpus), sign)
+        elif op[0] == "cluster":
+            b.cluster = (op[1], op[2])
+        elif op[0] == "clear":
+            b.clear_usage()
+        else:
+            _, q, gpus, lim = op
+            b = b.with_queue(QueueQuota(names[q], gpus, gpus, borrowing_gpus=lim, borrowing_cpu_tasks=lim))
+        for name in names:
+            assert b.dominant_share(name) == recounted_share(b, name)
+            for need in ((1, 0), (2, 0), (5, 0), (0, 1), (0, 3)):
+                got, want = b.why_not(name, need), recounted_why_not(b, name, need)
+                assert (got is None) == (want is None), (name, need, got, want)
+                if got is not None:
+                    assert ("borrowing_limit" in got) == (want == "limit"), (got, want)
+
+
+def recomputed_round(groups, free, now, not_before, take, reserve, admit, rank) -> int:
+    """:func:`place_round` as first written: every group checked against the capacity and ranked
+    afresh at every choice (the round now does either only when a take or a reservation may have
+    changed it)."""
+    live = {g: keys for g, keys in groups.items() if keys}
+    cursor = dict.fromkeys(live, 0)
+    placed, reserved, blocked = 0, None, []
+    while True:
+        for g in [g for g in live if g[0] > free.most_open(g[1], free.closed_to(g[0], reserved))]:
+            keys = live.pop(g)
+            if reserved is None:
+                i = cursor[g]
+                while i < len(keys) and not_before(keys[i]) > now:
+                    i += 1
+                if i < len(keys):
+                    heapq.heappush(blocked, (rank(g, keys[i]), keys[i], g))
+        g = min(live, key=lambda g: rank(g, live[g][cursor[g]])) if live else None
+        if reserved is None and blocked and (g is None or blocked[0][0] < rank(g, live[g][cursor[g]])):
+            _, bkey, bg = heapq.heappop(blocked)
+            reserved = reserve(bkey, bg[0])
+            if reserved is not None:
+                blocked.clear()
+            continue
+        if g is None:
+            break
+        key = live[g][cursor[g]]
+        cursor[g] += 1
+        if cursor[g] == len(live[g]):
+            del live[g]
+        if not_before(key) > now:
+            continue
+        if not admit(key, g):
+            live.pop(g, None)
+            continue
+        take(key, g, free.best_fit_for(g[0], g[1], free.closed_to(g[0], reserved)))
+        placed += 1
+    return placed
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    queue_specs,
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(0, 1), st.booleans()), max_size=30),
+    node_specs,
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), max_size=4),
+)
+def test_round_with_kept_ranks_places_what_a_recomputed_round_places(qs, ts, ns, running) -> None:
+    """With quotas, fair share, backoff and the reservation in play (queues already using some
+    quota), the round that re-reads ranks and capacity only after a take or a reservation takes
+    the same tasks, in the same order, on the same nodes and devices, reserving the same node, as
+    the round that re-reads them at every choice."""
+
+    def run(round_fn):
+        quotas = QuotaBook.of(
+            [QueueQuota(f"q{i}", g, c, borrowing_gpus=b, borrowing_cpu_tasks=b) for i, (g, c, b) in enumerate(qs)],
+            cluster=(8, 8),
+        )
+        for q, gpus in running:
+            quotas.add(f"q{q}", task_need(gpus))  # q4, q5: no quota
+        caps = {f"n{i}": NodeCapacity(f"n{i}", g, m, 0, list(range(g))) for i, (g, m) in enumerate(ns)}
+        free = FreeNodes()
+        for c in caps.values():
+            free.update(c)
+        groups: dict = {}
+        waiting = {}
+        for i, (q, gpus, prio, backoff) in enumerate(ts):
+            key = (-prio, float(i % 5), f"t{i:02d}")
+            waiting[key] = 50.0 if backoff else 0.0
+            groups.setdefault((gpus, None, f"q{q}"), []).append(key)
+        for keys in groups.values():
+            keys.sort()
+        out = []
+
+        def take(key, g, node_id):
+            cap = caps[node_id]
+            devices = cap.choose_devices(g[0], g[1])
+            cap.book(devices, g[1])
+            free.update(cap)
+            quotas.add(g[2], task_need(g[0]))
+            out.append((key[2], node_id, devices))
+
+        def reserve(key, gpu_count):
+            node_id = reservation_node(gpu_count, caps.values())
+            out.append(("reserved", key[2], node_id))
+            return node_id
+
+        n = round_fn(
+            groups,
+            free,
+            10.0,
+            waiting.__getitem__,
+            take,
+            reserve,
+            lambda key, g: quotas.admits(g[2], task_need(g[0])),
+            lambda g, key: (key[0], quotas.dominant_share(g[2]), key[1], key[2]),
+        )
+        return n, out, {q: quotas.usage(q) for q in quotas.used}
+
+    assert run(place_round) == run(recomputed_round)
