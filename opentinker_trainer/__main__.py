@@ -154,6 +154,14 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         help="pretend to have N GPUs (tests and scale runs; marked simulated everywhere)",
     )
     parser.add_argument(
+        "--simulate-gpu-memory",
+        type=_int_at_least(1),
+        default=80,
+        metavar="GIB",
+        help="memory of each simulated GPU in GiB, what the scheduler places shared LoRA tenants "
+        "against (default %(default)s)",
+    )
+    parser.add_argument(
         "--node-class",
         default=None,
         help="the node's class for the scheduler's prices per GPU-hour and scale signal, e.g. spot "
@@ -350,6 +358,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         max_tasks=args.max_tasks,
         work_dir=args.work_dir.resolve(),
         simulate_gpus=args.simulate_gpus,
+        simulate_gpu_memory_bytes=args.simulate_gpu_memory * 1024**3,
         kill_grace_s=args.kill_grace,
         tenants_per_host=args.tenants_per_host,
         host_idle_s=args.host_idle,
