@@ -161,6 +161,8 @@ def test_lora_tenants_are_placed_by_the_memory_estimate(tmp_path) -> None:
     the node's model host would take."""
     import json
 
+    from opentinker_scheduler.api.service import _with_estimate
+
     model = tmp_path / "smollm2-shape"
     model.mkdir()
     config = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -177,5 +179,9 @@ def test_lora_tenants_are_placed_by_the_memory_estimate(tmp_path) -> None:
         "moments) on a GPU that holds"
     )
     assert "the most free is 60.9 MiB of 1.00 GiB on gpu-node-01 GPU 0" in core.pending_reason(tasks[4].task_id)
+    # What ListNodes shows of the host: the base once, the tenants' bytes summed, the GPU's booking.
+    host = _with_estimate(node, C.ModelHost(model=str(model), task_ids=[t.task_id for t in tasks[:4]]))
+    assert (host.base_bytes_estimate, host.tenant_bytes_estimate) == (4 * 134_515_008, 4 * 30 * 64 * 3840 * 16)
+    assert node.capacity().gpu_booked == {0: host.base_bytes_estimate + host.tenant_bytes_estimate}
     report(core, node, tasks[0].task_id, 1, C.TASK_STATE_SUCCEEDED)  # a tenant's bytes free again
     assert core.schedule() == 1 and set(_assigned(node)) == {tasks[4].task_id}
