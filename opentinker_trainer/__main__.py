@@ -20,6 +20,9 @@ from opentinker_common.net.leader import parse_scheduler_urls
 
 from opentinker_trainer.agent import AgentConfig, FatalRegistrationError, NodeAgent
 
+#: Tenants per model host when ``--tenants-per-host`` is given without a number.
+DEFAULT_TENANTS_PER_HOST = 8
+
 
 def _int_at_least(lo: int):
     def parse(text: str) -> int:
@@ -173,11 +176,14 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     parser.add_argument(
         "--tenants-per-host",
         type=_int_at_least(0),
+        nargs="?",
+        const=DEFAULT_TENANTS_PER_HOST,
         default=0,
         metavar="N",
         help="run shareable LoRA tasks (lora_finetune on text) on the same base model and GPUs as tenants of one "
-        "model host process holding one copy of the base, at most N per host; 0 = off, a worker process per task "
-        "(default %(default)s)",
+        "model host process holding one copy of the base, at most N per host (the flag alone: "
+        f"{DEFAULT_TENANTS_PER_HOST}); the scheduler also places them by its GPU memory estimate; 0 = off, a "
+        "worker process per task (default %(default)s)",
     )
     parser.add_argument(
         "--host-idle",
