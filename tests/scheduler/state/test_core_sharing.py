@@ -152,36 +152,3 @@ def test_a_node_with_model_hosts_shares_a_gpu_among_as_many_tenants(tmp_path) ->
     assert core.schedule() == 5  # the node's tenants per host, not the config's 2
     assert set(_assigned(node).values()) == {(0,)}
     assert "free or shareable with LoRA tasks on /models/m" in core.pending_reason(ts[5].task_id)
-
-
-def test_lora_tenants_are_placed_by_the_memory_estimate(tmp_path) -> None:
-    """A real core reads the base model's config.json and places tenants on a node's reported GPU
-    memory: SmolLM2-135M's shape in float32 (513.1 MiB base, rank 64 adapters of 112.5 MiB each
-    with their AdamW state) on a 1 GiB GPU takes the base once and four tenants, not the eight
-    the node's model host would take."""
-    import json
-
-    from opentinker_scheduler.api.service import _with_estimate
-
-    model = tmp_path / "smollm2-shape"
-    model.mkdir()
-    config = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-              "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}  # fmt: skip
-    (model / "config.json").write_text(json.dumps(config))
-    core = make_core(tmp_path, max_tasks_per_gpu=2)
-    devices = [C.Device(index=0, uuid="u0", name="g", simulated=True, memory_total_bytes=1024**3)]
-    node, _ = core.node_register(N.Register(node_id="gpu-node-01", devices=devices, max_tasks=8, tenants_per_host=8))
-    tasks = [core.submit(spec(gpus=1, model=str(model), lora_rank=64, dtype="float32"), owner="u") for _ in range(5)]
-    assert core.schedule() == 4
-    assert set(_assigned(node)) == {t.task_id for t in tasks[:4]}
-    assert core.pending_reason(tasks[4].task_id).startswith(
-        f"not enough GPU memory for a LoRA tenant on {model}: it needs 112.5 MiB (adapter, gradients, AdamW "
-        "moments) on a GPU that holds"
-    )
-    assert "the most free is 60.9 MiB of 1.00 GiB on gpu-node-01 GPU 0" in core.pending_reason(tasks[4].task_id)
-    # What ListNodes shows of the host: the base once, the tenants' bytes summed, the GPU's booking.
-    host = _with_estimate(node, C.ModelHost(model=str(model), task_ids=[t.task_id for t in tasks[:4]]))
-    assert (host.base_bytes_estimate, host.tenant_bytes_estimate) == (4 * 134_515_008, 4 * 30 * 64 * 3840 * 16)
-    assert node.capacity().gpu_booked == {0: host.base_bytes_estimate + host.tenant_bytes_estimate}
-    report(core, node, tasks[0].task_id, 1, C.TASK_STATE_SUCCEEDED)  # a tenant's bytes free again
-    assert core.schedule() == 1 and set(_assigned(node)) == {tasks[4].task_id}
