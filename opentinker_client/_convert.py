@@ -24,6 +24,7 @@ from opentinker_client.types import (
     DatasetInfo,
     DeviceInfo,
     DeviceTelemetry,
+    GpuMemoryEstimate,
     HostTelemetry,
     Generation,
     ModelHostInfo,
@@ -377,9 +378,12 @@ def node_from_proto(node: scheduler_pb2.Node) -> NodeInfo:
                 pid=h.pid,
                 max_tenants=h.max_tenants,
                 dtype=h.dtype,
+                base_bytes_estimate=h.base_bytes_estimate,
+                tenant_bytes_estimate=h.tenant_bytes_estimate,
             )
             for h in node.model_hosts
         ),
+        gpu_memory_estimates=tuple(_by_name(GpuMemoryEstimate, g) for g in node.gpu_memory_estimates),
         proto=node,
     )
 

@@ -249,6 +249,9 @@ class ModelHostInfo:
         model: the base model; device_indices: its GPUs on the node (empty: the CPU).
         task_ids: its tenants; max_tenants: most it takes; pid: its process id on the node.
         dtype: torch dtype of the base weights (``auto``, ``float32``, ...).
+        base_bytes_estimate, tenant_bytes_estimate: the scheduler's GPU memory estimate for it, in
+            bytes per GPU: its base model once, and its tenants' adapters, gradients and AdamW
+            moments together (0: the scheduler does not know the model's shape).
     """
 
     model: str
@@ -257,6 +260,18 @@ class ModelHostInfo:
     pid: int = 0
     max_tenants: int = 0
     dtype: str = ""
+    base_bytes_estimate: int = 0
+    tenant_bytes_estimate: int = 0
+
+
+@dataclass(frozen=True)
+class GpuMemoryEstimate:
+    """What placement books on one GPU for shared LoRA tasks: ``booked_bytes`` (each base model
+    once plus each tenant) of the GPU's ``total_bytes``; ``index`` is the device on its node."""
+
+    index: int
+    booked_bytes: int
+    total_bytes: int
 
 
 @dataclass(frozen=True)
@@ -271,6 +286,8 @@ class NodeInfo:
         notes: things a person should see (simulated devices, config/NVML disagreement ...).
         host: CPU and memory of its host (:class:`HostTelemetry`), ``None`` before a heartbeat.
         model_hosts: its model hosts and their LoRA tenants (:class:`ModelHostInfo`).
+        gpu_memory_estimates: per GPU holding shared LoRA tasks, the memory placement books
+            there (:class:`GpuMemoryEstimate`).
     """
 
     node_id: str
@@ -286,6 +303,7 @@ class NodeInfo:
     notes: tuple[str, ...] = ()
     host: HostTelemetry | None = None
     model_hosts: tuple[ModelHostInfo, ...] = ()
+    gpu_memory_estimates: tuple[GpuMemoryEstimate, ...] = ()
     proto: Any = field(default=None, repr=False, compare=False)
 
 

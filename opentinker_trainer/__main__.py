@@ -20,6 +20,9 @@ from opentinker_common.net.leader import parse_scheduler_urls
 
 from opentinker_trainer.agent import AgentConfig, FatalRegistrationError, NodeAgent
 
+#: Tenants per model host when ``--tenants-per-host`` is given without a number.
+DEFAULT_TENANTS_PER_HOST = 8
+
 
 def _int_at_least(lo: int):
     def parse(text: str) -> int:
@@ -154,6 +157,14 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         help="pretend to have N GPUs (tests and scale runs; marked simulated everywhere)",
     )
     parser.add_argument(
+        "--simulate-gpu-memory",
+        type=_int_at_least(1),
+        default=80,
+        metavar="GIB",
+        help="memory of each simulated GPU in GiB, what the scheduler places shared LoRA tenants "
+        "against (default %(default)s)",
+    )
+    parser.add_argument(
         "--node-class",
         default=None,
         help="the node's class for the scheduler's prices per GPU-hour and scale signal, e.g. spot "
@@ -165,11 +176,14 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     parser.add_argument(
         "--tenants-per-host",
         type=_int_at_least(0),
+        nargs="?",
+        const=DEFAULT_TENANTS_PER_HOST,
         default=0,
         metavar="N",
         help="run shareable LoRA tasks (lora_finetune on text) on the same base model and GPUs as tenants of one "
-        "model host process holding one copy of the base, at most N per host; 0 = off, a worker process per task "
-        "(default %(default)s)",
+        "model host process holding one copy of the base, at most N per host (the flag alone: "
+        f"{DEFAULT_TENANTS_PER_HOST}); the scheduler also places them by its GPU memory estimate; 0 = off, a "
+        "worker process per task (default %(default)s)",
     )
     parser.add_argument(
         "--host-idle",
@@ -350,6 +364,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         max_tasks=args.max_tasks,
         work_dir=args.work_dir.resolve(),
         simulate_gpus=args.simulate_gpus,
+        simulate_gpu_memory_bytes=args.simulate_gpu_memory * 1024**3,
         kill_grace_s=args.kill_grace,
         tenants_per_host=args.tenants_per_host,
         host_idle_s=args.host_idle,

@@ -62,6 +62,7 @@ class AgentConfig:
     max_tasks: int = 4
     work_dir: Path = Path("runs")
     simulate_gpus: int = 0
+    simulate_gpu_memory_bytes: int = 80 * 1024**3  # each simulated GPU's (--simulate-gpu-memory)
     kill_grace_s: float = 10.0
     reconnect_initial_s: float = 0.5
     reconnect_max_s: float = 15.0
@@ -184,7 +185,9 @@ class NodeAgent:
         self.config = config
         #: The scheduler addresses and the one in use (the leader, as far as known).
         self.targets = SchedulerTargets(config.targets or (config.target,))
-        self.monitor = monitor or DeviceMonitor(simulate_gpus=config.simulate_gpus)
+        self.monitor = monitor or DeviceMonitor(
+            simulate_gpus=config.simulate_gpus, simulated_memory_bytes=config.simulate_gpu_memory_bytes
+        )
         self.workers: dict[str, _Worker] = {}
         #: Model hosts by (base model, devices, dtype) (:mod:`opentinker_trainer.host`), oldest first.
         self.hosts: dict[tuple[str, tuple[int, ...], str], list[_Host]] = {}

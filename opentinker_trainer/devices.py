@@ -31,7 +31,8 @@ class Inventory:
 class DeviceMonitor:
     """Finds devices once and reads their telemetry on demand (thread-safe)."""
 
-    def __init__(self, *, simulate_gpus: int = 0) -> None:
+    def __init__(self, *, simulate_gpus: int = 0, simulated_memory_bytes: int = SIMULATED_MEMORY_BYTES) -> None:
+        """Find the devices: NVML's, or ``simulate_gpus`` simulated ones of ``simulated_memory_bytes`` each."""
         self._prime_cpu()
         self._lock = threading.Lock()
         self._nvml = None
@@ -42,7 +43,7 @@ class DeviceMonitor:
                     index=i,
                     uuid=f"SIM-GPU-{i}",
                     name="Simulated GPU",
-                    memory_total_bytes=SIMULATED_MEMORY_BYTES,
+                    memory_total_bytes=simulated_memory_bytes,
                     simulated=True,
                 )
                 for i in range(simulate_gpus)

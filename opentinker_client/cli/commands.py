@@ -784,7 +784,7 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
     hosts = [(n, h) for n in nodes for h in n.model_hosts]
     if hosts:  # nodes started with --tenants-per-host: LoRA tasks sharing one copy of a base model
         table = Table(box=None, header_style="bold", title="model hosts", title_justify="left")
-        for col in ("NODE", "BASE MODEL", "GPUS", "TENANTS", "PID", "TASKS"):
+        for col in ("NODE", "BASE MODEL", "GPUS", "TENANTS", "MEMORY (EST.)", "PID", "TASKS"):
             table.add_column(col, no_wrap=col != "TASKS", overflow="fold")
         for n, h in hosts:
             table.add_row(
@@ -792,12 +792,30 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
                 _escape(h.model),
                 ",".join(str(i) for i in h.device_indices) or "cpu",
                 f"{len(h.task_ids)}/{h.max_tenants}",
+                _host_memory(n, h),
                 str(h.pid),
                 _escape(" ".join(h.task_ids)),
             )
         console.print()
         console.print(table)
     return EXIT_OK
+
+
+def _host_memory(node, host) -> str:
+    """A model host's memory estimate per GPU: ``base + tenants = booked / total`` of its first
+    GPU as placement books it (``-`` when the scheduler does not know the model's shape)."""
+    if not host.base_bytes_estimate:
+        return "-"
+    base, tenants = _fmt_mib(host.base_bytes_estimate), _fmt_mib(host.tenant_bytes_estimate)
+    out = f"{base} + {tenants}"
+    gpu = next((g for g in node.gpu_memory_estimates if g.index in host.device_indices), None)
+    if gpu is not None:
+        out += f" ({_fmt_mib(gpu.booked_bytes)} of {_fmt_bytes(gpu.total_bytes)} booked on GPU {gpu.index})"
+    return out
+
+
+def _fmt_mib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _hidden_line(events: Sequence[TaskEvent]) -> str:

@@ -407,11 +407,27 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 version=n.register.version,
                 notes=self.core.node_notes(n),
                 host=n.host,
-                model_hosts=n.model_hosts,
+                model_hosts=[_with_estimate(n, h) for h in n.model_hosts],
+                gpu_memory_estimates=[
+                    scheduler_pb2.GpuMemoryEstimate(index=d, booked_bytes=cap.gpu_booked[d], total_bytes=total)
+                    for d, total in sorted(cap.gpu_memory.items())
+                    if d in cap.gpu_booked
+                ],
             )
             _ts(msg.last_heartbeat_time, n.last_heartbeat_time)
             nodes.append(msg)
         return scheduler_pb2.ListNodesResponse(nodes=nodes)
+
+
+def _with_estimate(node, host: common_pb2.ModelHost) -> common_pb2.ModelHost:
+    """A copy of a node's ``host`` with the scheduler's memory estimate of its tenants: the base
+    once (the largest a tenant booked) and the sum of their tenant bytes (0 where unknown)."""
+    out = common_pb2.ModelHost()
+    out.CopyFrom(host)
+    needs = [m for m in (node.memory_of(t) for t in host.task_ids) if m is not None]
+    out.base_bytes_estimate = max((m.base_bytes for m in needs), default=0)
+    out.tenant_bytes_estimate = sum(m.tenant_bytes for m in needs)
+    return out
 
 
 class NodeService(node_pb2_grpc.NodeServiceServicer):

@@ -30,6 +30,13 @@ Policy:
     (packing onto open GPUs keeps whole GPUs free for gang tasks and other models), then best
     fit on the free GPUs left, then fewest running tasks, then node id; on the node it takes open
     GPUs first (fewest co-tenants first), then free ones. Other tasks only ever take free GPUs.
+  * GPU memory of shared LoRA work: a shareable task whose :class:`MemoryNeed` is known (its base
+    model's bytes and its tenant's adapter + optimizer bytes, :mod:`opentinker_common.lora_memory`)
+    goes only on a GPU whose memory (``NodeCapacity.gpu_memory``, as the node reported it) less the
+    estimates already booked there (``gpu_booked``) holds it: the tenant's bytes on a GPU open to
+    its base model (the base is loaded once per GPU), the base's and the tenant's on a free GPU
+    (:meth:`NodeCapacity.fits`). Since open GPUs are taken first, a task prefers a GPU that already
+    hosts its base model. A GPU of unknown memory, or a task of unknown need, is counted in tasks only.
 Every task left pending gets a reason a person can act on, in the style of Kubernetes
 ("no node has 4 free GPUs; largest free block is 2 on gpu-node-01").
 
@@ -47,6 +54,8 @@ from dataclasses import dataclass, field
 import heapq
 from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
+from opentinker_common.lora_memory import fmt_bytes
+
 
 @dataclass
 class NodeCapacity:
@@ -62,6 +71,10 @@ class NodeCapacity:
     #: tasks that need them to themselves are neither here nor free.
     gpu_share: dict[int, tuple[str, int]] = field(default_factory=dict)
     max_tasks_per_gpu: int = 1
+    #: device -> its memory in bytes, as the node reported it (a device not here: unknown).
+    gpu_memory: dict[int, int] = field(default_factory=dict)
+    #: device -> bytes the estimates of its shared LoRA tasks take (their base once + each tenant).
+    gpu_booked: dict[int, int] = field(default_factory=dict)
 
     def copy(self) -> NodeCapacity:
         """An independent copy to book against: ``free_gpus`` sorted ascending and ``gpu_share``
@@ -75,20 +88,49 @@ class NodeCapacity:
             self.accepting,
             dict(self.gpu_share),
             self.max_tasks_per_gpu,
+            dict(self.gpu_memory),
+            dict(self.gpu_booked),
         )
 
     @property
     def free_slots(self) -> int:
         return max(0, self.max_tasks - self.running)
 
-    def open_gpus(self, key: str | None) -> list[int]:
-        """Busy GPUs a task with share key ``key`` may join, fewest co-tenants first, then index."""
+    def memory_free(self, device: int) -> int | None:
+        """Bytes of ``device`` not booked by estimates (None: its memory is unknown)."""
+        total = self.gpu_memory.get(device)
+        return None if total is None else total - self.gpu_booked.get(device, 0)
+
+    def needs_on(self, device: int, key: str | None, need: MemoryNeed) -> int:
+        """Bytes a task with ``need`` and share key ``key`` adds on ``device``: its tenant's alone
+        where the GPU already holds its base model (open to ``key``), else the base's too."""
+        shared = key is not None and self.gpu_share.get(device, (None, 0))[0] == key
+        return need.tenant_bytes if shared else need.base_bytes + need.tenant_bytes
+
+    def fits(self, device: int, key: str | None, need: MemoryNeed | None) -> bool:
+        """Whether a task with ``need`` fits ``device``'s memory (always, when either is unknown)."""
+        free = self.memory_free(device)
+        return need is None or free is None or self.needs_on(device, key, need) <= free
+
+    def open_gpus(self, key: str | None, need: MemoryNeed | None = None) -> list[int]:
+        """Busy GPUs a task with share key ``key`` (and memory ``need``) may join, fewest
+        co-tenants first, then index."""
         if key is None:
             return []
         return sorted(
-            (d for d, (k, n) in self.gpu_share.items() if k == key and n < self.max_tasks_per_gpu),
+            (
+                d
+                for d, (k, n) in self.gpu_share.items()
+                if k == key and n < self.max_tasks_per_gpu and self.fits(d, key, need)
+            ),
             key=lambda d: (self.gpu_share[d][1], d),
         )
+
+    def usable_free(self, need: MemoryNeed | None = None) -> list[int]:
+        """Free GPUs a task with memory ``need`` fits on (all of them when ``need`` is None)."""
+        if need is None:
+            return self.free_gpus
+        return [d for d in self.free_gpus if self.fits(d, None, need)]
 
     def shared_keys(self) -> dict[str, int]:
         """share key -> how many busy GPUs are open to it."""
@@ -98,18 +140,23 @@ class NodeCapacity:
                 out[k] = out.get(k, 0) + 1
         return out
 
-    def open_to(self, key: str | None) -> int:
-        """GPUs a task with share key ``key`` could take here now (free plus open to ``key``)."""
-        return len(self.free_gpus) + len(self.open_gpus(key))
+    def open_to(self, key: str | None, need: MemoryNeed | None = None) -> int:
+        """GPUs a task with share key ``key`` (and memory ``need``) could take here now (free plus
+        open to ``key``)."""
+        return len(self.usable_free(need)) + len(self.open_gpus(key, need))
 
-    def choose_devices(self, gpu_count: int, key: str | None) -> tuple[int, ...]:
-        """The devices a task gets here: GPUs open to ``key`` first, then free ones (lowest index)."""
-        opened = self.open_gpus(key)[:gpu_count]
-        return tuple(opened + self.free_gpus[: gpu_count - len(opened)])
+    def choose_devices(self, gpu_count: int, key: str | None, need: MemoryNeed | None = None) -> tuple[int, ...]:
+        """The devices a task gets here: GPUs open to ``key`` first, then free ones (lowest index),
+        each with room for ``need``."""
+        opened = self.open_gpus(key, need)[:gpu_count]
+        return tuple(opened + self.usable_free(need)[: gpu_count - len(opened)])
 
-    def book(self, devices: tuple[int, ...], key: str | None) -> None:
-        """Record a task with share key ``key`` placed on ``devices``."""
+    def book(self, devices: tuple[int, ...], key: str | None, need: MemoryNeed | None = None) -> None:
+        """Record a task with share key ``key`` and memory ``need`` placed on ``devices``."""
         self.running += 1
+        if need is not None:
+            for d in devices:
+                self.gpu_booked[d] = self.gpu_booked.get(d, 0) + self.needs_on(d, key, need)
         for d in devices:
             if d in self.free_gpus:
                 self.free_gpus.remove(d)
@@ -134,9 +181,22 @@ def share_key(workload_type: str, model: str, gpu_count: int) -> str | None:
     return None
 
 
-def _fit_key(cap: NodeCapacity, gpu_count: int, key: str | None) -> tuple[int, int, int, str]:
+@dataclass(frozen=True)
+class MemoryNeed:
+    """GPU memory a shareable LoRA task needs on each of its GPUs, in bytes: ``base_bytes`` for its
+    base model (once per GPU: nothing more where the base is loaded already) and ``tenant_bytes``
+    for its own adapter, gradients and optimizer state
+    (:func:`opentinker_common.lora_memory.base_bytes`, :func:`~opentinker_common.lora_memory.tenant_bytes`)."""
+
+    base_bytes: int
+    tenant_bytes: int
+
+
+def _fit_key(
+    cap: NodeCapacity, gpu_count: int, key: str | None, need: MemoryNeed | None = None
+) -> tuple[int, int, int, str]:
     """Sort key of a node that fits: free GPUs used, free GPUs left, running tasks, node id."""
-    opened = len(cap.open_gpus(key))
+    opened = len(cap.open_gpus(key, need))
     used = max(0, gpu_count - opened)
     return (used, len(cap.free_gpus) - used, cap.running, cap.node_id)
 
@@ -149,6 +209,7 @@ class PendingTask:
     gpu_count: int
     not_before: float = 0.0
     share_key: str | None = None  # see share_key(); None = needs its GPUs to itself
+    memory: MemoryNeed | None = None  # a shareable task's GPU memory; None = counted in tasks only
 
 
 @dataclass(frozen=True)
@@ -186,13 +247,13 @@ def plan(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> tup
                 f"waiting {task.not_before - now:.0f} s more before retrying (backoff after a failed attempt)"
             )
             continue
-        key = task.share_key
-        room = [n for n in caps if n.accepting and n.free_slots > 0 and n.open_to(key) >= task.gpu_count]
+        key, need = task.share_key, task.memory
+        room = [n for n in caps if n.accepting and n.free_slots > 0 and n.open_to(key, need) >= task.gpu_count]
         fits = [n for n in room if n.node_id != reserved or may_use_reserved(task.gpu_count, n)]
         if fits:
-            best = min(fits, key=lambda n: _fit_key(n, task.gpu_count, key))
-            devices = best.choose_devices(task.gpu_count, key)
-            best.book(devices, key)
+            best = min(fits, key=lambda n: _fit_key(n, task.gpu_count, key, need))
+            devices = best.choose_devices(task.gpu_count, key, need)
+            best.book(devices, key, need)
             placements.append(Placement(task.task_id, best.node_id, devices))
             continue
         if room and reserver is not None and reserved is not None:  # room only on the reserved node
@@ -263,6 +324,8 @@ def why_pending(task: PendingTask, caps: list[NodeCapacity], position: int, queu
     if not with_slots:
         return f"every node with {task.gpu_count}+ GPU(s) is at max_tasks" + where
     key = task.share_key if any(n.max_tasks_per_gpu > 1 for n in with_slots) else None
+    if task.memory is not None and max(n.open_to(key) for n in with_slots) >= task.gpu_count:
+        return memory_reason(task, with_slots) + where
     largest = max(with_slots, key=lambda n: (n.open_to(key), n.node_id))
     if key is None:
         return (
@@ -272,6 +335,31 @@ def why_pending(task: PendingTask, caps: list[NodeCapacity], position: int, queu
     return (
         f"no node has {task.gpu_count} GPU(s) free or shareable with LoRA tasks on {key}; the most is "
         f"{largest.open_to(key)} on {largest.node_id}" + where
+    )
+
+
+def memory_reason(task: PendingTask, caps: Sequence[NodeCapacity]) -> str:
+    """Why a shareable task that has GPUs by count waits for memory: what it needs (where its base
+    is loaded, and where it is not) against the most a GPU has free by the estimates."""
+    need = task.memory
+    assert need is not None and task.share_key is not None
+    key = task.share_key
+    best: tuple[int, str, int, int] | None = None  # (free, node, device, total)
+    for n in caps:
+        for d in n.free_gpus + [d for d, (k, _) in n.gpu_share.items() if k == key]:
+            free = n.memory_free(d)
+            if free is not None and (best is None or (free, n.node_id) > best[:2]):
+                best = (free, n.node_id, d, n.gpu_memory[d])
+    most = (
+        f"the most free is {fmt_bytes(best[0])} of {fmt_bytes(best[3])} on {best[1]} GPU {best[2]}"
+        if best is not None
+        else "no GPU reports its memory"
+    )
+    return (
+        f"not enough GPU memory for a LoRA tenant on {key}: it needs {fmt_bytes(need.tenant_bytes)} "
+        f"(adapter, gradients, AdamW moments) on a GPU that holds {key}, or "
+        f"{fmt_bytes(need.base_bytes + need.tenant_bytes)} with the base model ({fmt_bytes(need.base_bytes)}) "
+        f"on one that does not; {most} by the scheduler's estimates"
     )
 
 
@@ -319,9 +407,12 @@ class FreeNodes:
             if not nodes:
                 del self._shared[k]
 
-    def most_open(self, share_key: str | None, exclude: str | None = None) -> int:
-        """Most GPUs a task with ``share_key`` could take on one node now (free plus open to the
-        key; -1 when no node can take a task), leaving out node ``exclude``."""
+    def most_open(self, share_key: str | None, exclude: str | None = None, need: MemoryNeed | None = None) -> int:
+        """Most GPUs a task with ``share_key`` (and memory ``need``) could take on one node now
+        (free plus open to the key; -1 when no node can take a task), leaving out node ``exclude``.
+        With a ``need`` every indexed node is looked at (memory is not indexed)."""
+        if need is not None:
+            return max((c.open_to(share_key, need) for c in self._cap_of.values() if c.node_id != exclude), default=-1)
         most = self.most_free_gpus(exclude)
         if share_key is not None:
             for cap in self._shared.get(share_key, {}).values():
@@ -329,11 +420,20 @@ class FreeNodes:
                     most = max(most, cap.open_to(share_key))
         return most
 
-    def best_fit_for(self, gpu_count: int, share_key: str | None, exclude: str | None = None) -> str | None:
-        """The node :func:`plan` picks for a task of ``gpu_count`` GPUs and ``share_key``, or None.
+    def best_fit_for(
+        self, gpu_count: int, share_key: str | None, exclude: str | None = None, need: MemoryNeed | None = None
+    ) -> str | None:
+        """The node :func:`plan` picks for a task of ``gpu_count`` GPUs, ``share_key`` and memory
+        ``need``, or None.
 
         A node with GPUs open to the key uses fewer free GPUs than any node without, so those
-        are tried first (by :func:`plan`'s order); otherwise it is :meth:`best_fit`."""
+        are tried first (by :func:`plan`'s order); otherwise it is :meth:`best_fit`. With a
+        ``need``, every indexed node is looked at in :func:`plan`'s order."""
+        if need is not None:
+            fits = [
+                c for c in self._cap_of.values() if c.node_id != exclude and c.open_to(share_key, need) >= gpu_count
+            ]
+            return min(fits, key=lambda c: _fit_key(c, gpu_count, share_key, need)).node_id if fits else None
         if share_key is not None:
             fits = [
                 c
@@ -383,6 +483,7 @@ def place_round(
     reserve: Callable[[Hashable, int], str | None] | None = None,
     admit: Callable[[Hashable, Group], bool] | None = None,
     rank: Callable[[Group, Hashable], tuple] | None = None,
+    need: Callable[[Group], MemoryNeed | None] | None = None,
 ) -> int:
     """One placement round of :func:`plan`'s policy, over indexes instead of lists.
 
@@ -408,6 +509,8 @@ def place_round(
             share of the group's queue, create time, id)``. It may change only through ``take``
             (which books usage): every group's rank is read again after each ``take``, a group's
             alone when its first task changes otherwise (skipped, refused).
+        need: ``need(group)`` -> the GPU memory each task of the group needs (:class:`MemoryNeed`;
+            the core keeps it as the group's fourth item), or None: counted in tasks only.
 
     Groups may carry more than ``(gpu_count, share key)`` (the core adds the queue): only their
     first two items are read here.
@@ -423,13 +526,14 @@ def place_round(
     cursor = dict.fromkeys(live, 0)
     order = rank if rank is not None else (lambda g, key: key)
     placed = 0
+    need_of = need if need is not None else (lambda g: None)
     reserved: str | None = None
     blocked: list[tuple[Hashable, int]] = []  # heap of dropped groups' first eligible keys
     heads: dict[Group, tuple] = {}  # group -> order(group, its first key)
     stale = True  # capacity (a take, a reservation) or ranks (a take) changed since the last check
     while True:
         if stale:  # else no group can have stopped fitting, and no rank can have changed
-            for g in [g for g in live if g[0] > free.most_open(g[1], free.closed_to(g[0], reserved))]:
+            for g in [g for g in live if g[0] > free.most_open(g[1], free.closed_to(g[0], reserved), need_of(g))]:
                 keys = live.pop(g)
                 if reserve is not None and reserved is None:
                     i = cursor[g]
@@ -461,7 +565,7 @@ def place_round(
             live.pop(g, None)  # the rest of the group is over the same quota
             heads.pop(g, None)
             continue
-        node_id = free.best_fit_for(g[0], g[1], free.closed_to(g[0], reserved))
+        node_id = free.best_fit_for(g[0], g[1], free.closed_to(g[0], reserved), need_of(g))
         assert node_id is not None  # the group fits on a node with a free slot
         take(key, g, node_id)
         placed += 1

@@ -60,7 +60,7 @@ from opentinker_scheduler.policy.scale import ClassNode, Demand, desired_trainer
 from opentinker_scheduler.state.gangs import Gangs, gang_nodes
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
 from opentinker_scheduler.state.usage import UsageMeters, usage_proto
-from opentinker_scheduler.state.queue import LiveTasks, PendingQueue, QueueKey, ReasonsView, queue_key
+from opentinker_scheduler.state.queue import LiveTasks, PendingQueue, QueueKey, ReasonsView, group_memory, queue_key
 from opentinker_scheduler.state.store import (  # noqa: F401  (STATE_NAMES re-exported)
     ACTIVE_STATES,
     CANCELLED_BY_USER,
@@ -272,7 +272,7 @@ class SchedulerCore:
             if node_id not in self.nodes:
                 self._recover_node(node_id)
             node = self.node(node_id)
-            node.allocate(task.task_id, task.attempt, devices, share)
+            node.allocate(task.task_id, task.attempt, devices, share, task.memory_need if share else None)
             if not node.connected:
                 node.last_seen = self.clock() + grace
         self._queued_at = {t.task_id: time.monotonic() for t in self.queue}
@@ -690,14 +690,19 @@ class SchedulerCore:
             return self.gangs.why(task, [n.capacity() for n in self.nodes.values()], position, length)
         reserver, reserved = self._reservation_ahead_of(task)
         closed = self.free.closed_to(task.gpu_count, reserved)
-        if self.free.best_fit_for(task.gpu_count, task.share_key, closed) is not None:
+        memory = task.memory_need
+        if self.free.best_fit_for(task.gpu_count, task.share_key, closed, memory) is not None:
             return f"waiting for the next placement round (queue position {position} of {length})"
-        if reserver is not None and reserved is not None and self.free.best_fit_for(task.gpu_count, task.share_key):
+        if (
+            reserver is not None
+            and reserved is not None
+            and self.free.best_fit_for(task.gpu_count, task.share_key, need=memory)
+        ):
             return reserved_reason(reserved, reserver, position, length)  # room only on the reserved node
         if self._caps is None or self._caps[0] != self._ledger_version:
             self._caps = (self._ledger_version, [n.capacity() for n in self.nodes.values()])
         pending = PendingTask(
-            task.task_id, task.priority, task.create_time, task.gpu_count, task.not_before, task.share_key
+            task.task_id, task.priority, task.create_time, task.gpu_count, task.not_before, task.share_key, memory
         )
         why = why_pending(pending, self._caps[1], position, length)
         if self._reservation is not None and self._reservation[0][2] == task_id:
@@ -1086,8 +1091,9 @@ class SchedulerCore:
 
         def take(key: QueueKey, group: Group, node_id: str) -> None:
             task, node = self.queue.row(key), self.nodes[node_id]
-            devices = node.capacity().choose_devices(group[0], group[1])
-            node.allocate(task.task_id, task.attempt, devices, group[1])
+            memory = group_memory(group)
+            devices = node.capacity().choose_devices(group[0], group[1], memory)
+            node.allocate(task.task_id, task.attempt, devices, group[1], memory)
             decided.append((task, node, devices))
             need = task_need(group[0])
             quotas.add(group[2], need)
@@ -1118,6 +1124,7 @@ class SchedulerCore:
                 reserve,
                 admit=admit if quotas.queues else None,
                 rank=rank,
+                need=group_memory,
             )
 
         gang_keys = [k for k in self.queue.gang_keys() if self.queue.row(k).not_before <= now]

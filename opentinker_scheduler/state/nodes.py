@@ -11,7 +11,7 @@ from typing import Callable, Mapping
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
 
-from opentinker_scheduler.policy.placement import NodeCapacity
+from opentinker_scheduler.policy.placement import MemoryNeed, NodeCapacity
 
 
 @dataclass
@@ -38,6 +38,8 @@ class NodeSession:
     # and release(), which tell the core (on_change) to re-index the node.
     _ledger: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict, repr=False)
     _share: dict[str, str | None] = field(default_factory=dict, repr=False)
+    #: task_id -> the GPU memory estimate of a shared LoRA task (None or absent: not counted).
+    _memory: dict[str, MemoryNeed | None] = field(default_factory=dict, repr=False)
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     generation: int = 0  # bumps on every (re)connect; stale streams' events are ignored
     on_change: Callable[["NodeSession"], None] | None = field(default=None, repr=False, compare=False)
@@ -49,10 +51,19 @@ class NodeSession:
         """The ledger, read-only."""
         return MappingProxyType(self._ledger)
 
-    def allocate(self, task_id: str, attempt: int, devices: tuple[int, ...], share_key: str | None = None) -> None:
-        """Book ``devices`` for ``task_id``'s ``attempt`` (replacing what it held)."""
+    def allocate(
+        self,
+        task_id: str,
+        attempt: int,
+        devices: tuple[int, ...],
+        share_key: str | None = None,
+        memory: MemoryNeed | None = None,
+    ) -> None:
+        """Book ``devices`` for ``task_id``'s ``attempt`` (replacing what it held), with the GPU
+        memory estimate ``memory`` of a shared LoRA task."""
         self._ledger[task_id] = (attempt, tuple(devices))
         self._share[task_id] = share_key
+        self._memory[task_id] = memory
         if self.on_change is not None:
             self.on_change(self)
 
@@ -67,6 +78,7 @@ class NodeSession:
     def release(self, task_id: str) -> tuple[int, tuple[int, ...]] | None:
         held = self._ledger.pop(task_id, None)
         self._share.pop(task_id, None)
+        self._memory.pop(task_id, None)
         if held is not None and self.on_change is not None:
             self.on_change(self)
         return held
@@ -84,6 +96,35 @@ class NodeSession:
                 counts[d] = counts.get(d, 0) + 1
         return {d: (next(iter(k)), counts[d]) for d, k in keys.items() if len(k) == 1 and None not in k}  # type: ignore[misc]
 
+    def memory_of(self, task_id: str) -> MemoryNeed | None:
+        """The GPU memory estimate booked for ``task_id`` (None: not counted)."""
+        return self._memory.get(task_id)
+
+    def gpu_memory(self) -> dict[int, int]:
+        """device -> its memory in bytes as the node registered it, for the GPUs placed on."""
+        return {
+            d.index: d.memory_total_bytes
+            for d in self.register.devices
+            if d.memory_total_bytes > 0 and 0 <= d.index < self.gpu_count
+        }
+
+    def gpu_booked(self) -> dict[int, int]:
+        """device -> bytes the estimates of the tasks on it take: each task's tenant bytes, plus
+        its base model's bytes once per share key (the largest, should two differ)."""
+        tenants: dict[int, int] = {}
+        bases: dict[tuple[int, str | None], int] = {}
+        for task_id, (_, devs) in self._ledger.items():
+            need = self._memory.get(task_id)
+            if need is None:
+                continue
+            for d in devs:
+                tenants[d] = tenants.get(d, 0) + need.tenant_bytes
+                k = (d, self._share.get(task_id))
+                bases[k] = max(bases.get(k, 0), need.base_bytes)
+        for (d, _), b in bases.items():
+            tenants[d] += b
+        return tenants
+
     def capacity(self) -> NodeCapacity:
         used = self.used_gpus()
         return NodeCapacity(
@@ -96,6 +137,8 @@ class NodeSession:
             gpu_share=self.gpu_share(),
             # A node with model hosts shares a GPU among as many LoRA tasks as a host takes.
             max_tasks_per_gpu=max(self.max_tasks_per_gpu, self.register.tenants_per_host),
+            gpu_memory=self.gpu_memory(),
+            gpu_booked=self.gpu_booked(),
         )
 
     def push(self, command: node_pb2.ConnectResponse | None) -> None:

@@ -33,15 +33,25 @@ def is_gang(task: TaskRow) -> bool:
     return task.spec.resources.nodes > 1
 
 
-#: A queue's placement group: ``(gpu_count, share key, quota queue)``. Tasks in one group fit in
+#: A queue's placement group: ``(gpu_count, share key, quota queue)``, and for a shareable LoRA
+#: task whose GPU memory is estimated a fourth item, that estimate
+#: (:class:`~opentinker_scheduler.policy.placement.MemoryNeed`). Tasks in one group fit in
 #: exactly the same places and count against the same quota (policy/quota.py), so a placement
 #: round may drop a group whole (:func:`~opentinker_scheduler.policy.placement.place_round`).
-QueueGroup = tuple[int, "str | None", str]
+QueueGroup = tuple
 
 
 def group_of(task: TaskRow, queue_of: Callable[[str], str]) -> QueueGroup:
     """The placement group of a task, its quota queue from its owner by ``queue_of``."""
-    return (task.gpu_count, task.share_key, queue_of(task.owner))
+    need = task.memory_need
+    if need is None:
+        return (task.gpu_count, task.share_key, queue_of(task.owner))
+    return (task.gpu_count, task.share_key, queue_of(task.owner), need)
+
+
+def group_memory(group: QueueGroup):
+    """The memory estimate a group carries (its fourth item), or None."""
+    return group[3] if len(group) > 3 else None
 
 
 def _no_queues(owner: str) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import sqlite3
@@ -35,7 +36,8 @@ from typing import Callable, Iterable, Sequence
 from opentinker.common.v1 import common_pb2
 
 from opentinker_scheduler.errors import NotLeader, StoreUnavailable
-from opentinker_scheduler.policy.placement import share_key
+from opentinker_scheduler.policy.placement import MemoryNeed, share_key
+from opentinker_scheduler.state.tenant_memory import memory_need
 from opentinker_scheduler.state import schema
 from opentinker_scheduler.state.schema import LEASE_NAME, SchemaTooNew  # noqa: F401  (re-exported)
 
@@ -105,6 +107,12 @@ class TaskRow:
         """GPU-sharing key (:func:`~opentinker_scheduler.policy.placement.share_key`): the base model of
         a LoRA task on GPUs, None for a task that needs its GPUs to itself."""
         return share_key(self.spec.workload_type, self.spec.model, self.gpu_count)
+
+    @functools.cached_property
+    def memory_need(self) -> MemoryNeed | None:
+        """GPU memory estimate of a shareable LoRA task (:func:`.tenant_memory.memory_need`; the
+        spec never changes, so it is worked out once), None when it is counted in tasks only."""
+        return memory_need(self.spec, self.share_key)
 
 
 _COLUMNS = (

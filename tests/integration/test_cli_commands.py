@@ -259,8 +259,17 @@ def test_nodes(fake):
             running_task_ids=["t1"],
             model_hosts=[
                 common_pb2.ModelHost(
-                    model="SmolLM2-135M", device_indices=[1], task_ids=["t7", "t8"], pid=4242, max_tenants=8
+                    model="SmolLM2-135M",
+                    device_indices=[1],
+                    task_ids=["t7", "t8"],
+                    pid=4242,
+                    max_tenants=8,
+                    base_bytes_estimate=269_030_016,
+                    tenant_bytes_estimate=2 * 29_491_200,
                 )
+            ],
+            gpu_memory_estimates=[
+                scheduler_pb2.GpuMemoryEstimate(index=1, booked_bytes=328_012_416, total_bytes=150 * 2**30)
             ],
             devices=[
                 common_pb2.Device(index=0, name="NVIDIA H200", memory_total_bytes=150 * 2**30),
@@ -295,6 +304,8 @@ def test_nodes(fake):
     assert "simulated" in out
     host_row = next(line for line in out.splitlines() if "SmolLM2-135M" in line)  # the model hosts table
     assert "2/8" in host_row and "4242" in host_row and "t7 t8" in host_row and "gpu-node-01" in host_row
+    # the scheduler's memory estimate: base once + both tenants, and what that books of GPU 1
+    assert "257 MiB + 56 MiB (313 MiB of 150.0 GiB booked on GPU 1)" in " ".join(out.split())
 
 
 def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:

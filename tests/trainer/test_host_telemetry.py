@@ -1,4 +1,5 @@
-"""The node's host telemetry: psutil's readings, or every field absent with the reason."""
+"""The node's host telemetry: psutil's readings, or every field absent with the reason; and the memory
+simulated GPUs report."""
 
 from __future__ import annotations
 
@@ -27,3 +28,11 @@ def test_without_psutil_every_field_says_why(monkeypatch) -> None:
     h = DeviceMonitor(simulate_gpus=1).host_telemetry()
     assert not h.HasField("cpu_utilization_percent") and not h.HasField("memory_used_bytes")
     assert set(h.unavailable.values()) == {"psutil is not installed"} and len(h.unavailable) == 4
+
+
+def test_simulated_gpus_report_the_memory_they_are_given() -> None:
+    """``--simulate-gpu-memory``: what each simulated GPU registers (and the scheduler places
+    shared LoRA tenants against); the default is 80 GiB."""
+    devices = DeviceMonitor(simulate_gpus=2, simulated_memory_bytes=3 * 2**30).inventory.devices
+    assert [(d.memory_total_bytes, d.simulated) for d in devices] == [(3 * 2**30, True)] * 2
+    assert DeviceMonitor(simulate_gpus=1).inventory.devices[0].memory_total_bytes == 80 * 2**30

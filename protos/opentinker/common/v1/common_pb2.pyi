@@ -166,20 +166,24 @@ class DeviceTelemetry(_message.Message):
     def __init__(self, index: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., sm_clock_mhz: _Optional[int] = ..., ecc_errors: _Optional[int] = ..., unavailable: _Optional[_Mapping[str, str]] = ..., simulated: _Optional[bool] = ...) -> None: ...
 
 class ModelHost(_message.Message):
-    __slots__ = ("model", "device_indices", "task_ids", "pid", "max_tenants", "dtype")
+    __slots__ = ("model", "device_indices", "task_ids", "pid", "max_tenants", "dtype", "base_bytes_estimate", "tenant_bytes_estimate")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     TASK_IDS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     MAX_TENANTS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BASE_BYTES_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_BYTES_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     device_indices: _containers.RepeatedScalarFieldContainer[int]
     task_ids: _containers.RepeatedScalarFieldContainer[str]
     pid: int
     max_tenants: int
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., device_indices: _Optional[_Iterable[int]] = ..., task_ids: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., max_tenants: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    base_bytes_estimate: int
+    tenant_bytes_estimate: int
+    def __init__(self, model: _Optional[str] = ..., device_indices: _Optional[_Iterable[int]] = ..., task_ids: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., max_tenants: _Optional[int] = ..., dtype: _Optional[str] = ..., base_bytes_estimate: _Optional[int] = ..., tenant_bytes_estimate: _Optional[int] = ...) -> None: ...
 
 class HostTelemetry(_message.Message):
     __slots__ = ("cpu_utilization_percent", "cpu_count", "memory_used_bytes", "memory_total_bytes", "unavailable")

@@ -140,7 +140,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "connected", "devices", "gpu_count", "gpus_free", "max_tasks", "running_task_ids", "telemetry", "last_heartbeat_time", "version", "notes", "host", "model_hosts")
+    __slots__ = ("node_id", "connected", "devices", "gpu_count", "gpus_free", "max_tasks", "running_task_ids", "telemetry", "last_heartbeat_time", "version", "notes", "host", "model_hosts", "gpu_memory_estimates")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class Node(_message.Message):
     NOTES_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     MODEL_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_ESTIMATES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     connected: bool
     devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.Device]
@@ -167,7 +168,18 @@ class Node(_message.Message):
     notes: _containers.RepeatedScalarFieldContainer[str]
     host: _common_pb2.HostTelemetry
     model_hosts: _containers.RepeatedCompositeFieldContainer[_common_pb2.ModelHost]
-    def __init__(self, node_id: _Optional[str] = ..., connected: _Optional[bool] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., gpu_count: _Optional[int] = ..., gpus_free: _Optional[int] = ..., max_tasks: _Optional[int] = ..., running_task_ids: _Optional[_Iterable[str]] = ..., telemetry: _Optional[_Iterable[_Union[_common_pb2.DeviceTelemetry, _Mapping]]] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., model_hosts: _Optional[_Iterable[_Union[_common_pb2.ModelHost, _Mapping]]] = ...) -> None: ...
+    gpu_memory_estimates: _containers.RepeatedCompositeFieldContainer[GpuMemoryEstimate]
+    def __init__(self, node_id: _Optional[str] = ..., connected: _Optional[bool] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., gpu_count: _Optional[int] = ..., gpus_free: _Optional[int] = ..., max_tasks: _Optional[int] = ..., running_task_ids: _Optional[_Iterable[str]] = ..., telemetry: _Optional[_Iterable[_Union[_common_pb2.DeviceTelemetry, _Mapping]]] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., version: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., model_hosts: _Optional[_Iterable[_Union[_common_pb2.ModelHost, _Mapping]]] = ..., gpu_memory_estimates: _Optional[_Iterable[_Union[GpuMemoryEstimate, _Mapping]]] = ...) -> None: ...
+
+class GpuMemoryEstimate(_message.Message):
+    __slots__ = ("index", "booked_bytes", "total_bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BOOKED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    booked_bytes: int
+    total_bytes: int
+    def __init__(self, index: _Optional[int] = ..., booked_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
     __slots__ = ("nodes",)

@@ -1,0 +1,53 @@
+"""The GPU memory estimate of a shareable LoRA task (:class:`~opentinker_scheduler.policy.placement.MemoryNeed`),
+from its spec and its base model's ``config.json`` (:mod:`opentinker_common.lora_memory`).
+
+The scheduler reads ``config.json`` where it can see it: ``spec.model`` a model folder on its disk,
+or a hub id in its local Hugging Face cache (it never downloads). A model it cannot read, a shape
+it does not know (a ``target_modules`` name the estimate has no size for, a config without the
+sizes), gives None: that task is counted in tasks per GPU only. Reads are cached per model and
+dtype for the scheduler's life.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from google.protobuf import json_format
+
+from opentinker_common import lora_memory
+from opentinker_common.spec.lm_fields import DEFAULT_TARGET_MODULES
+from opentinker_scheduler.policy.placement import MemoryNeed
+
+
+@functools.lru_cache(maxsize=256)
+def _shape(model: str, dtype: str) -> lora_memory.ModelShape | None:
+    config = lora_memory.read_model_config(model)
+    if config is None:
+        return None
+    try:
+        return lora_memory.ModelShape.from_config(config, dtype)
+    except ValueError:
+        return None
+
+
+def memory_need(spec, key: str | None) -> MemoryNeed | None:
+    """The estimate of a ``TaskSpec`` (``common_pb2.TaskSpec``) whose share key is ``key``
+    (:func:`~opentinker_scheduler.policy.placement.share_key`): None unless ``key`` is set (a
+    shareable LoRA task) and the model's shape is known. Its ``hyperparameters`` give
+    ``lora_rank`` (default 16), ``target_modules`` (default the attention projections) and
+    ``dtype`` (default auto)."""
+    if key is None:
+        return None
+    hp = json_format.MessageToDict(spec.hyperparameters) if spec.HasField("hyperparameters") else {}
+    dtype = hp.get("dtype", "auto")
+    shape = _shape(spec.model, dtype if isinstance(dtype, str) else "auto")
+    if shape is None:
+        return None
+    rank, modules = hp.get("lora_rank", 16), hp.get("target_modules", DEFAULT_TARGET_MODULES)
+    if isinstance(modules, str):
+        modules = (modules,)
+    try:
+        tenant = lora_memory.tenant_bytes(shape, int(rank), tuple(modules))
+    except (TypeError, ValueError):
+        return None
+    return MemoryNeed(base_bytes=lora_memory.base_bytes(shape), tenant_bytes=tenant)

@@ -1,0 +1,41 @@
+"""A task's GPU memory estimate from its spec: the LoRA fields and the model's config.json, or None
+(counted in tasks only) where the scheduler cannot know it."""
+
+from __future__ import annotations
+
+import json
+
+from opentinker_scheduler.policy.placement import MemoryNeed
+from opentinker_scheduler.state.tenant_memory import memory_need
+
+from tests.support.scheduler_core import spec
+
+CONFIG = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_estimate_from_spec_and_config(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    model = str(tmp_path)
+    # base: 2*1000*64 embeddings + head, 2 layers of (2*64*64 + 2*64*32 + 3*64*128 + 2*64), final norm; bf16
+    base = 2 * (2 * 1000 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64)
+    # defaults: rank 16 on q, k, v, o: 2 layers * 16 * ((64+64) + 2*(64+32) + (64+64)); 16 bytes each
+    assert memory_need(spec(1, model), model) == MemoryNeed(base, 16 * 2 * 16 * 448)
+    got = memory_need(spec(1, model, lora_rank=4, target_modules=["down_proj"], dtype="float32"), model)
+    assert got == MemoryNeed(2 * base, 16 * 2 * 4 * (128 + 64))
+
+
+def test_unknown_means_counted_in_tasks_only(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    model = str(tmp_path)
+    assert memory_need(spec(1, model), None) is None  # not shareable
+    assert memory_need(spec(1, model, target_modules=["lm_head"]), model) is None  # no size for the module
+    assert memory_need(spec(1, str(tmp_path / "absent")), str(tmp_path / "absent")) is None
