@@ -20,6 +20,12 @@ class InferenceConfig:
     tasks, by id, for ``Act``) load on first use, up to ``max_resident_adapters`` of each.
     ``policies_only``: load no language model (``model`` is then only a label, e.g. ``mlp``);
     the server answers ``Act`` and refuses ``Generate``.
+
+    ``checkpoint_task_id``: serve a full-weight (``hf_full``) checkpoint of that finished task
+    (``sft`` with ``lora: false``, ``full_rl`` GRPO on a text environment) as the base model
+    instead of ``model`` (then the label of the model it was trained from): its checkpoint at
+    ``checkpoint_step`` (0: its newest), fetched from the artifact store; requests name the
+    served model by that task's id.
     """
 
     ttl_s: float = num(3600.0, 0.0, 30 * 86400.0, min_exclusive=True, doc="seconds to serve before ending SUCCEEDED")
@@ -45,6 +51,10 @@ class InferenceConfig:
     )
     dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
     policies_only: bool = False
+    checkpoint_task_id: str = field(
+        default="", metadata={"max_len": 200, "doc": "a finished full-weight task whose checkpoint is served"}
+    )
+    checkpoint_step: int = num(0, 0, 1 << 53, doc="step of that task's checkpoint; 0: its newest")
 
 
 # Inference needs no environment; the default env (the text task) satisfies the spec.
