@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_common.artifacts.deleted import deleted_words
+from opentinker_common.artifacts.full_weights import FULL_FORMAT, weights_problem
 
 from opentinker_client.client_tasks import TaskCalls
 from opentinker_client.config import TaskConfig
@@ -24,16 +25,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from opentinker_client.hosting.server import EnvironmentServer
 
 __all__ = ["ServingCalls"]
-
-#: Format of a full-weight checkpoint (a transformers ``save_pretrained`` folder), and the files of
-#: which it holds at least one (its weights, whole or sharded).
-FULL_FORMAT = "hf_full"
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 
 
 class ServingCalls:
@@ -182,12 +173,9 @@ class ServingCalls:
                 manifest = next(iter(msgs)).manifest
         except NotFoundError as err:
             raise NotFoundError(f"task {task_id} step {step}: its checkpoint is not in the artifact store: {err}")
-        names = {f.path for f in manifest.files}
-        if "config.json" not in names or not names & set(WEIGHT_FILES):
-            raise FailedPreconditionError(
-                f"task {task_id} step {step}: its checkpoint lacks config.json or a weights file "
-                f"({', '.join(WEIGHT_FILES)}); it holds {', '.join(sorted(names)[:10]) or 'nothing'}"
-            )
+        problem = weights_problem(task_id, step, (f.path for f in manifest.files))
+        if problem is not None:
+            raise FailedPreconditionError(problem)
 
     def _full_weights_task(self, task, step: int, *, gpu_count: int, ttl: float) -> str:
         """The id of a running, assigned or pending ``inference`` task serving ``task``'s

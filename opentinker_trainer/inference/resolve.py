@@ -25,6 +25,7 @@ from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker_common.artifacts.deleted import deleted_words
 from opentinker_common.artifacts.errors import ArtifactCorrupt, ArtifactNotFound
+from opentinker_common.artifacts.full_weights import FULL_FORMAT, WEIGHT_FILES, weights_problem
 
 from opentinker_trainer.context import UserError
 from opentinker_trainer.scheduler_link import scheduler_channel
@@ -44,16 +45,6 @@ __all__ = [
     "full_weight_checkpoint",
     "check_weights",
 ]
-
-#: Format of a full-weight checkpoint: a transformers ``save_pretrained`` folder (with the tokenizer).
-FULL_FORMAT = "hf_full"
-#: Files of which a full-weight checkpoint holds at least one: its weights, whole or sharded.
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 
 
 class CheckpointNotFound(UserError, LookupError):
@@ -175,12 +166,10 @@ def check_weights(folder: Path, name: str, step: int) -> Path:
         CheckpointRefused: either is missing (the message names the task, the step and the files).
     """
     folder = Path(folder)
-    if not (folder / "config.json").is_file() or not any((folder / f).is_file() for f in WEIGHT_FILES):
-        present = sorted(p.name for p in folder.iterdir())[:10] if folder.is_dir() else []
-        raise CheckpointRefused(
-            f"task {name} step {step}: its checkpoint lacks config.json or a weights file "
-            f"({', '.join(WEIGHT_FILES)}); it holds {', '.join(present) or 'nothing'}"
-        )
+    present = [p.name for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
+    problem = weights_problem(name, step, present)
+    if problem is not None:
+        raise CheckpointRefused(problem)
     return folder
 
 

@@ -107,7 +107,7 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
         # submit_task(dataset=...) uploads first; a full-weight SFT writes a transformers folder.
         full_id = client.submit_task(
             workload_type="sft", model=str(tiny_model_dir), dataset=data,
-            hyperparameters={"steps": 2, "batch_size": 4, "lora": False, "learning_rate": 1e-2, "checkpoint_every": 1},
+            hyperparameters={"steps": 1, "batch_size": 4, "lora": False, "learning_rate": 1e-3},
         )  # fmt: skip
         full = sft_cluster.wait_done(client, full_id)
         assert full.state == "succeeded", full.error
@@ -179,13 +179,13 @@ def _serve_full_weights(cluster, client, full_id: str, ckpt: Path, trainer, adap
         loads = [
             e for e in trainer.log_events() if e.get("event") == "loading model" and e.get("task_id") == llm.task_id
         ]
-        assert loads and loads[0]["checkpoint_task_id"] == full_id and loads[0]["checkpoint_step"] == 2
+        assert loads and loads[0]["checkpoint_task_id"] == full_id and loads[0]["checkpoint_step"] == 1
         assert "artifact-cache" in loads[0]["model"]
         assert (Path(loads[0]["model"]) / "model.safetensors").read_bytes() == (ckpt / "model.safetensors").read_bytes()
-        again = client.serve(full_id, step=2, ttl=120)  # the same checkpoint: the same server
+        again = client.serve(full_id, step=1, ttl=120)  # the same checkpoint: the same server
         assert again.task_id == llm.task_id
         again.close()
-        with pytest.raises(NotFoundError, match=rf"task {full_id} has no checkpoint at step 7; steps with one: 1, 2"):
+        with pytest.raises(NotFoundError, match=rf"task {full_id} has no checkpoint at step 7; steps with one: 1"):
             client.serve(full_id, step=7)
         with pytest.raises(FailedPreconditionError, match=rf"task {adapter_task} step 3: .*'peft_lora', not full"):
             client.serve(adapter_task, step=3)
