@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from opentinker_common.spec._parse import num
+from opentinker_common.spec._parse import SpecError, num
 from opentinker_common.spec.registry import register_workload
 
 __all__ = ["InferenceConfig"]
@@ -55,6 +55,22 @@ class InferenceConfig:
         default="", metadata={"max_len": 200, "doc": "a finished full-weight task whose checkpoint is served"}
     )
     checkpoint_step: int = num(0, 0, 1 << 53, doc="step of that task's checkpoint; 0: its newest")
+
+    def check(self, path: str) -> None:
+        """Raises :class:`SpecError`: ``checkpoint_task_id`` with ``policies_only`` (no language
+        model is loaded), or ``checkpoint_step`` without ``checkpoint_task_id``."""
+        if self.checkpoint_task_id and self.policies_only:
+            raise SpecError(
+                f"{path}.policies_only",
+                "false with checkpoint_task_id (a served checkpoint is a language model)",
+                self.policies_only,
+            )
+        if self.checkpoint_step and not self.checkpoint_task_id:
+            raise SpecError(
+                f"{path}.checkpoint_step",
+                "0 without checkpoint_task_id (the step of that task's checkpoint)",
+                self.checkpoint_step,
+            )
 
 
 # Inference needs no environment; the default env (the text task) satisfies the spec.

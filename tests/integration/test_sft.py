@@ -13,6 +13,7 @@ import pytest
 
 from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_client import RLClient, TaskFailedError
+from opentinker_client.cli.commands import main as cli_main
 from opentinker_client.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 from tests.support.datasets import arithmetic_chat_jsonl
@@ -42,7 +43,9 @@ def sft_cluster(tmp_path):
     c.close()
 
 
-def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_sft_then_rl_from_its_checkpoint(
+    sft_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     trainer = sft_cluster.start_with_trainer()
     data = arithmetic_chat_jsonl(tmp_path / "train.jsonl", n=12)
     with RLClient(scheduler_url=sft_cluster.url, min_poll_interval=0) as client:
@@ -115,7 +118,7 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
         assert (
             full.proto.latest_checkpoint.format == "hf_full" and (Path(full.checkpoint_path) / "config.json").exists()
         )
-        _serve_full_weights(sft_cluster, client, full_id, Path(full.checkpoint_path), trainer, sft_id)
+        _serve_full_weights(sft_cluster, client, full_id, Path(full.checkpoint_path), trainer, sft_id, capsys)
 
         # full_rl on a text environment from those weights: GRPO on all of them, a full checkpoint.
         grpo_id = client.submit_task(
@@ -160,7 +163,7 @@ def _greedy_reference(folder: Path, prompt_ids: list[int], n: int) -> tuple[list
     return ids[len(prompt_ids) :], logprobs
 
 
-def _serve_full_weights(cluster, client, full_id: str, ckpt: Path, trainer, adapter_task: str) -> None:
+def _serve_full_weights(cluster, client, full_id: str, ckpt: Path, trainer, adapter_task: str, capsys) -> None:
     """A full-weight SFT checkpoint served as the base model: the served greedy tokens and their
     log-probabilities equal those of the checkpoint loaded directly; the server is reused for the
     same checkpoint; a missing step or an adapter task's step is refused."""
@@ -185,6 +188,9 @@ def _serve_full_weights(cluster, client, full_id: str, ckpt: Path, trainer, adap
         again = client.serve(full_id, step=1, ttl=120)  # the same checkpoint: the same server
         assert again.task_id == llm.task_id
         again.close()
+        capsys.readouterr()
+        assert cli_main(["--scheduler-url", cluster.url, "serve", full_id, "--step", "1"]) == 0
+        assert f"model {full_id} (step 1) served by inference task {llm.task_id} at " in capsys.readouterr().out
         with pytest.raises(NotFoundError, match=rf"task {full_id} has no checkpoint at step 7; steps with one: 1"):
             client.serve(full_id, step=7)
         with pytest.raises(FailedPreconditionError, match=rf"task {adapter_task} step 3: .*'peft_lora', not full"):
