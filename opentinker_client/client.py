@@ -855,6 +855,7 @@ class RLClient:
         self,
         task_id: str,
         *,
+        step: int = 0,
         gpu_count: int = 0,
         ttl: float = 3600.0,
         max_resident_adapters: int = 8,
@@ -872,18 +873,29 @@ class RLClient:
         ``root_certificates`` (the CA of the inference servers' certificate; default: this
         client's CA, else ``$OPENTINKER_TLS_CA``, else the system's roots).
 
+        A task that trained all weights (``sft`` with ``lora: false``, ``full_rl`` GRPO on text:
+        ``hf_full`` checkpoints) is served as the base model itself: its newest checkpoint, or
+        the one at ``step`` (> 0), on an ``inference`` task of its own (reused only while it
+        serves that same checkpoint), fetched there from the artifact store; the client's
+        requests name the model by ``task_id``.
+
         Before it returns, it makes one ``ListAdapters`` call on the server, so a wrong CA, a
         TLS/plaintext mix-up or a refused key fails here rather than on the first request.
 
         Raises:
-            NotFoundError: no such task. FailedPreconditionError: not an adapter task, not
-            finished, or no checkpoint. TaskFailedError: the inference task ended before
+            NotFoundError: no such task, no checkpoint at ``step``, or its files are gone from
+            the artifact store. FailedPreconditionError: not an adapter or full-weight task, not
+            finished, no checkpoint (its artifacts deleted, say), or a full-weight checkpoint
+            without its weights file. TaskFailedError: the inference task ended before
             serving. DeadlineExceededError: not serving within ``timeout`` seconds.
             UnavailableError, UnauthenticatedError, PermissionDeniedError: the check call failed
             (certificate, TLS mode, key).
         """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidArgumentError(f"step: expected 0 (the newest) or a step >= 1, got {step!r}", field="step")
         return self._serving.serve(
             check_task_id(task_id),
+            step=step,
             gpu_count=gpu_count,
             ttl=ttl,
             max_resident_adapters=max_resident_adapters,

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING
 
 from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_common.artifacts.deleted import deleted_words
+from opentinker_common.artifacts.full_weights import FULL_FORMAT, weights_problem
 
 from opentinker_client.client_tasks import TaskCalls
 from opentinker_client.config import TaskConfig
 from opentinker_client.connection import SchedulerConnection
-from opentinker_client.errors import FailedPreconditionError, UnavailableError
+from opentinker_client.errors import FailedPreconditionError, NotFoundError, UnavailableError
 from opentinker_client.inference import ADAPTER_WORKLOADS, InferenceClient
+
 from opentinker_client.training import TrainingSession
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,6 +54,7 @@ class ServingCalls:
         self,
         task_id: str,
         *,
+        step: int = 0,
         gpu_count: int,
         ttl: float,
         max_resident_adapters: int,
@@ -64,8 +67,13 @@ class ServingCalls:
         serves. The client sends the connection's API key and trusts ``root_certificates``
         (``None``: the connection's CA, else ``$OPENTINKER_TLS_CA``, else the system's roots);
         it has made one ``ListAdapters`` call already, so a server it cannot reach or that
-        refuses its key fails here (``RLClient.serve``)."""
+        refuses its key fails here (``RLClient.serve``). A task whose newest checkpoint (or whose
+        checkpoint at ``step`` > 0) is full weights is served as the base model of its own server."""
         task = self.tasks.get(task_id)
+        if step or task.proto.latest_checkpoint.format == FULL_FORMAT:
+            return self._serve_full_weights(
+                task, step, gpu_count=gpu_count, ttl=ttl, timeout=timeout, root_certificates=root_certificates
+            )
         policy = task.workload_type == "full_rl"  # a PPO policy, served for Act by a policies_only server
         if task.workload_type not in ADAPTER_WORKLOADS and not policy:
             raise FailedPreconditionError(
@@ -84,29 +92,121 @@ class ServingCalls:
             )
         if not task.checkpoint_path:
             what = "policy" if policy else "adapter"
+            if task.workload_type == "sft" and (task.hyperparameters or {}).get("lora") is False:
+                what = "weights"  # a full-weight SFT
             listed = self.connection.unary("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id))
             if listed.HasField("artifacts_deleted"):
                 raise FailedPreconditionError(
                     f"task {task_id} has no checkpoint: {deleted_words(listed.artifacts_deleted)}; "
-                    f"there is no {what} to serve"
+                    f"there {'are' if what == 'weights' else 'is'} no {what} to serve"
                 )
             raise FailedPreconditionError(
-                f"task {task_id} ended {task.state} without a checkpoint; there is no {what} to serve"
+                f"task {task_id} ended {task.state} without a checkpoint; "
+                f"there {'are' if what == 'weights' else 'is'} no {what} to serve"
             )
         server_id = self._inference_task(
             task.model, gpu_count=gpu_count, ttl=ttl, adapters=max_resident_adapters, policies_only=policy
         )
-        endpoint = self.tasks.wait_for_endpoint(server_id, timeout=timeout)
-        if root_certificates is None:
-            root_certificates = self.connection.root_certificates
-        llm = InferenceClient(
-            endpoint,
+        return self._client(
+            server_id,
+            timeout=timeout,
+            root_certificates=root_certificates,
             adapter=None if policy else task_id,
             policy=task_id if policy else None,
             model="" if policy else task.model,
-            api_key=self.connection.api_key,
-            root_certificates=root_certificates,
         )
+
+    def _serve_full_weights(
+        self, task, step: int, *, gpu_count: int, ttl: float, timeout: float, root_certificates
+    ) -> InferenceClient:
+        """:meth:`serve` for a full-weight (``hf_full``) checkpoint of ``task`` at ``step`` (0: its
+        newest): an ``inference`` task serving that checkpoint as its base model
+        (``checkpoint_task_id``, ``checkpoint_step``), reused when one serves the same checkpoint;
+        the client names the model by the task's id.
+
+        Raises:
+            FailedPreconditionError: not finished, no checkpoint (deleted artifacts named), the
+                chosen one is not full weights or lacks its weights file.
+            NotFoundError: no checkpoint at ``step``, or its files are gone from the artifact store.
+        """
+        task_id = task.task_id
+        if not task.done:
+            raise FailedPreconditionError(
+                f"task {task_id} is {task.state}; wait for it to finish (RLClient.wait) before serving its weights"
+            )
+        listed = self.connection.unary("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id))
+        checkpoints = list(listed.checkpoints)
+        if not checkpoints:
+            if listed.HasField("artifacts_deleted"):
+                raise FailedPreconditionError(
+                    f"task {task_id} has no checkpoint: {deleted_words(listed.artifacts_deleted)}; "
+                    "there are no weights to serve"
+                )
+            raise FailedPreconditionError(
+                f"task {task_id} ended {task.state} without a checkpoint; there are no weights to serve"
+            )
+        latest = task.proto.latest_checkpoint
+        chosen = [c for c in checkpoints if (c.step == step if step else c.path == latest.path)] or (
+            [] if step else checkpoints[-1:]
+        )
+        if not chosen:
+            raise NotFoundError(
+                f"task {task_id} has no checkpoint at step {step}; "
+                f"steps with one: {', '.join(str(c.step) for c in checkpoints)}"
+            )
+        ckpt = chosen[-1]
+        if ckpt.format != FULL_FORMAT:
+            raise FailedPreconditionError(
+                f"task {task_id} step {ckpt.step}: its checkpoint is {ckpt.format or 'of no format'!r}, "
+                f"not full weights ({FULL_FORMAT}); serve(task_id) without step serves a task's newest adapter"
+            )
+        self._check_weights(task_id, int(ckpt.step))
+        server_id = self._full_weights_task(task, int(ckpt.step), gpu_count=gpu_count, ttl=ttl)
+        return self._client(server_id, timeout=timeout, root_certificates=root_certificates, model=task_id)
+
+    def _check_weights(self, task_id: str, step: int) -> None:
+        """Read the manifest (the first message of ``DownloadCheckpoint``) of ``task_id``'s
+        checkpoint at ``step`` and refuse one without ``config.json`` and a weights file."""
+        request = scheduler_pb2.DownloadCheckpointRequest(task_id=task_id, step=step)
+        try:
+            with self.connection.stream("DownloadCheckpoint", request, plaintext_hint=False) as msgs:
+                manifest = next(iter(msgs)).manifest
+        except NotFoundError as err:
+            raise NotFoundError(f"task {task_id} step {step}: its checkpoint is not in the artifact store: {err}")
+        problem = weights_problem(task_id, step, (f.path for f in manifest.files))
+        if problem is not None:
+            raise FailedPreconditionError(problem)
+
+    def _full_weights_task(self, task, step: int, *, gpu_count: int, ttl: float) -> str:
+        """The id of a running, assigned or pending ``inference`` task serving ``task``'s
+        checkpoint at ``step`` with ``gpu_count`` GPUs, else of a new one."""
+        for t in self.tasks.list(states=["running", "assigned", "pending"], limit=1000):
+            hp = t.hyperparameters or {}
+            if (
+                t.workload_type == "inference"
+                and hp.get("checkpoint_task_id") == task.task_id
+                and int(hp.get("checkpoint_step") or 0) == step
+                and t.gpu_count == gpu_count
+            ):
+                return t.task_id
+        config = TaskConfig(
+            workload_type="inference",
+            model=task.model,
+            gpu_count=gpu_count,
+            hyperparameters={"ttl_s": float(ttl), "checkpoint_task_id": task.task_id, "checkpoint_step": step},
+            name=f"serve {task.task_id} step {step}",
+            max_attempts=3,
+        )
+        config.check()
+        return self.tasks.submit(config.to_proto())
+
+    def _client(self, server_id: str, *, timeout: float, root_certificates, **binding) -> InferenceClient:
+        """An :class:`InferenceClient` of inference task ``server_id`` once it serves, bound as
+        ``binding`` says (``adapter``, ``policy``, ``model``), checked with one call."""
+        endpoint = self.tasks.wait_for_endpoint(server_id, timeout=timeout)
+        if root_certificates is None:
+            root_certificates = self.connection.root_certificates
+        llm = InferenceClient(endpoint, api_key=self.connection.api_key, root_certificates=root_certificates, **binding)
         llm.task_id = server_id
         try:  # one real call: a wrong CA, a plaintext/TLS mix-up or a refused key fails here, not on first use
             llm.list_adapters()
@@ -124,6 +224,7 @@ class ServingCalls:
             if (
                 t.workload_type == "inference"
                 and t.model == model
+                and not (t.hyperparameters or {}).get("checkpoint_task_id")  # serves a task's weights
                 and t.gpu_count == gpu_count
                 and bool((t.hyperparameters or {}).get("policies_only", False)) == policies_only
             ):

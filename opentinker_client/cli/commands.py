@@ -1298,13 +1298,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_download)
 
     p = sub.add_parser(
-        "serve", help="serve a finished lora_finetune/sft task's (or ended lora_session's) adapter; prints the endpoint"
+        "serve",
+        help="serve a finished lora_finetune/sft task's (or ended lora_session's) adapter, or a full-weight "
+        "sft/full_rl task's weights; prints the endpoint",
     )
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument(
         "--ttl", type=float, default=3600.0, help="seconds a newly started server runs (default %(default)s)"
     )
     p.add_argument("--gpus", type=int, default=0, help="GPUs for a newly started server (default 0)")
+    p.add_argument(
+        "--step", type=int, default=0, help="a full-weight task's checkpoint at this step (default: its newest)"
+    )
     _add_inference_ca(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -1389,10 +1394,12 @@ def _connection_options_after_commands(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
     llm = client.serve(
-        args.task_id, ttl=args.ttl, gpu_count=args.gpus, root_certificates=args.inference_ca
+        args.task_id, step=args.step, ttl=args.ttl, gpu_count=args.gpus, root_certificates=args.inference_ca
     )  # with the CLI's API key
-    note = client.get_task(args.task_id).checkpoint_note
-    print(safe_text(f"adapter {args.task_id} ({note}) served by inference task {llm.task_id} at {llm.endpoint}"))
+    task = client.get_task(args.task_id)
+    what = "model" if args.step or task.proto.latest_checkpoint.format == "hf_full" else "adapter"
+    note = f"step {args.step}" if args.step else task.checkpoint_note
+    print(safe_text(f"{what} {args.task_id} ({note}) served by inference task {llm.task_id} at {llm.endpoint}"))
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from opentinker_common.spec._parse import num
+from opentinker_common.spec._parse import SpecError, num
 from opentinker_common.spec.registry import register_workload
 
 __all__ = ["InferenceConfig"]
@@ -20,6 +20,12 @@ class InferenceConfig:
     tasks, by id, for ``Act``) load on first use, up to ``max_resident_adapters`` of each.
     ``policies_only``: load no language model (``model`` is then only a label, e.g. ``mlp``);
     the server answers ``Act`` and refuses ``Generate``.
+
+    ``checkpoint_task_id``: serve a full-weight (``hf_full``) checkpoint of that finished task
+    (``sft`` with ``lora: false``, ``full_rl`` GRPO on a text environment) as the base model
+    instead of ``model`` (then the label of the model it was trained from): its checkpoint at
+    ``checkpoint_step`` (0: its newest), fetched from the artifact store; requests name the
+    served model by that task's id.
     """
 
     ttl_s: float = num(3600.0, 0.0, 30 * 86400.0, min_exclusive=True, doc="seconds to serve before ending SUCCEEDED")
@@ -45,6 +51,26 @@ class InferenceConfig:
     )
     dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
     policies_only: bool = False
+    checkpoint_task_id: str = field(
+        default="", metadata={"max_len": 200, "doc": "a finished full-weight task whose checkpoint is served"}
+    )
+    checkpoint_step: int = num(0, 0, 1 << 53, doc="step of that task's checkpoint; 0: its newest")
+
+    def check(self, path: str) -> None:
+        """Raises :class:`SpecError`: ``checkpoint_task_id`` with ``policies_only`` (no language
+        model is loaded), or ``checkpoint_step`` without ``checkpoint_task_id``."""
+        if self.checkpoint_task_id and self.policies_only:
+            raise SpecError(
+                f"{path}.policies_only",
+                "false with checkpoint_task_id (a served checkpoint is a language model)",
+                self.policies_only,
+            )
+        if self.checkpoint_step and not self.checkpoint_task_id:
+            raise SpecError(
+                f"{path}.checkpoint_step",
+                "0 without checkpoint_task_id (the step of that task's checkpoint)",
+                self.checkpoint_step,
+            )
 
 
 # Inference needs no environment; the default env (the text task) satisfies the spec.

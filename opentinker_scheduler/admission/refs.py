@@ -10,6 +10,8 @@ with a reason instead of failing later on a node:
   ``prompts`` task the reward must fit the data: the first
   :data:`~opentinker_common.spec.prompts.SAMPLE_LINES` lines are checked with
   :func:`~opentinker_common.spec.prompts.check_sample` (INVALID_ARGUMENT naming the lines);
+* an ``inference`` task's ``hyperparameters.checkpoint_task_id`` must name a task of the same
+  owner (its server loads that task's full weights with the node's key);
 * ``init_from`` must name a finished task of the same owner with a checkpoint of a language model
   (``peft_lora`` or ``hf_full``) on the same ``model``: the final one of a task that SUCCEEDED, or
   the last complete one of a task that was CANCELLED or FAILED (a timeout is a FAILED task; a
@@ -80,7 +82,8 @@ def check_references(
             event (``Store.artifacts_deleted``), named when the ``init_from`` task has no checkpoint.
 
     Raises:
-        NotFound: no such dataset, or no such task (``spec.init_from``).
+        NotFound: no such dataset, or no such task (``spec.init_from``, an inference task's
+            ``hyperparameters.checkpoint_task_id``).
         FailedPrecondition: the ``init_from`` task has not ended, or has no checkpoint a language
             model can start from (a SUCCEEDED one: no final checkpoint).
         InvalidArgument: the ``init_from`` task trained a different model, or ``spec.model`` /
@@ -99,6 +102,7 @@ def check_references(
             )
         if is_dataset_id(dataset_id):
             _check_dataset_fits(spec, dataset_id, datasets)
+    _check_served_checkpoint(spec, get_task, owner)
     if not spec.init_from or _check_init_from_shape(spec.init_from):
         return  # unset, or malformed: the spec check refuses it with INVALID_ARGUMENT
     try:
@@ -138,6 +142,27 @@ def check_references(
             f"spec.model: expected {source.spec.model!r}, the model task {spec.init_from} (spec.init_from) trained, "
             f"got {model!r}"
         )
+
+
+def _check_served_checkpoint(spec: common_pb2.TaskSpec, get_task, owner: str) -> None:
+    """An ``inference`` task's ``hyperparameters.checkpoint_task_id`` (full weights served as its
+    base model, which its server loads with the node's key) must name a task of the submitter:
+    another owner's counts as not found, so nobody serves someone else's weights. Whether that
+    task has a full-weight checkpoint the server (and ``RLClient.serve``, before submitting) says.
+
+    Raises:
+        NotFound: no such task of this owner.
+    """
+    if spec.workload_type != "inference" or not spec.HasField("hyperparameters"):
+        return
+    value = spec.hyperparameters.fields.get("checkpoint_task_id")
+    task_id = value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else ""
+    if not task_id:
+        return
+    try:
+        get_task(task_id, owner=owner)
+    except NotFound:
+        raise NotFound(f"spec.hyperparameters.checkpoint_task_id: task {task_id[:128]!r} not found") from None
 
 
 def _check_init_from_shape(init_from: str) -> bool:

@@ -565,7 +565,8 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             raise InvalidArgument("task_id: expected a task id, got an empty string")
         task = self._views._task(self.core.get(request.task_id))
         deleted = None if task.HasField("latest_checkpoint") else self.core.store.artifacts_deleted(task.task_id)
-        return node_pb2.LookupTaskResponse(task=task, artifacts_deleted=deleted)
+        listed = checkpoints.list_checkpoints(self.core.store, task.task_id) if request.include_checkpoints else []
+        return node_pb2.LookupTaskResponse(task=task, artifacts_deleted=deleted, checkpoints=listed)
 
     async def FetchDataset(self, request, context):
         datasets = self._views.datasets

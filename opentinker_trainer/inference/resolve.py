@@ -6,6 +6,12 @@ it is served from that task's newest checkpoint (its final one when it succeeded
 session the newest ``SaveWeightsForSampler`` or ``SaveState``, whichever came last), fetched from
 the artifact store by its key (``fetch``: through the node-local cache); only a checkpoint without
 an ``artifact`` (an old trainer's) is read at its ``path``.
+
+A full-weight checkpoint (``hf_full``: a finished ``sft`` with ``lora: false`` or a ``full_rl``
+GRPO task on text) is served as the base model of an inference task
+(``InferenceConfig.checkpoint_task_id``): :func:`full_weight_checkpoint` picks it,
+:meth:`SchedulerResolver.full_weights` fetches it the same way and :func:`check_weights` checks
+the folder holds its weights.
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ import grpc
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker_common.artifacts.deleted import deleted_words
+from opentinker_common.artifacts.errors import ArtifactCorrupt, ArtifactNotFound
+from opentinker_common.artifacts.full_weights import FULL_FORMAT, WEIGHT_FILES, weights_problem
 
+from opentinker_trainer.context import UserError
 from opentinker_trainer.scheduler_link import scheduler_channel
 from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRefused
 
@@ -29,7 +38,24 @@ __all__ = [
     "same_model",
     "adapter_not_found",
     "policy_not_found",
+    "FULL_FORMAT",
+    "WEIGHT_FILES",
+    "CheckpointNotFound",
+    "CheckpointRefused",
+    "full_weight_checkpoint",
+    "check_weights",
 ]
+
+
+class CheckpointNotFound(UserError, LookupError):
+    """NOT_FOUND: no such task, or it has no checkpoint at the step asked for. The inference
+    task serving it ends FAILED with this message (a :class:`UserError`: not retried)."""
+
+
+class CheckpointRefused(UserError, ValueError):
+    """FAILED_PRECONDITION: the task has not finished, its checkpoint is not full weights, it has
+    none (its artifacts were deleted, say), or the checkpoint folder lacks its weights file."""
+
 
 #: Workloads whose checkpoints are LoRA adapters that can be served (a ``lora_session``'s
 #: ``SaveWeightsForSampler`` and ``SaveState`` checkpoints are PEFT adapters too).
@@ -95,6 +121,58 @@ def adapter_checkpoint(
     return ckpt
 
 
+def full_weight_checkpoint(
+    name: str,
+    task: common_pb2.Task,
+    step: int = 0,
+    checkpoints=(),
+    deleted: common_pb2.TaskEvent | None = None,
+) -> common_pb2.Checkpoint:
+    """The full-weight checkpoint of task ``name`` (``task``, as ``LookupTask`` gives it) to
+    serve: at ``step`` (one of ``checkpoints``, ``LookupTaskResponse.checkpoints``), or with
+    ``step`` 0 the task's newest (its final one when it succeeded). ``deleted``: the task's
+    ``artifacts_deleted`` event, named when it has no checkpoint.
+
+    Raises:
+        CheckpointRefused: the task has not finished, has no checkpoint, or the chosen one is not
+            ``hf_full`` (a LoRA adapter is served as an adapter, a PPO policy for ``Act``).
+        CheckpointNotFound: no checkpoint at ``step`` (the message lists the steps there are).
+    """
+    if task.state not in _TERMINAL:
+        state = common_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
+        raise CheckpointRefused(f"task {name}: it is {state}; its weights can be served once it has finished")
+    if step > 0:
+        ckpt = next((c for c in reversed(list(checkpoints)) if c.step == step), None)
+        if ckpt is None:
+            steps = ", ".join(str(c.step) for c in checkpoints) or "none"
+            raise CheckpointNotFound(f"task {name}: no checkpoint at step {step}; steps with one: {steps}")
+    elif task.HasField("latest_checkpoint") and task.latest_checkpoint.path:
+        ckpt = task.latest_checkpoint
+    else:
+        raise CheckpointRefused(f"task {name}: it has no checkpoint{_deleted(deleted)}; there are no weights to serve")
+    if ckpt.format != FULL_FORMAT:
+        raise CheckpointRefused(
+            f"task {name} step {ckpt.step}: its checkpoint is {ckpt.format or 'of no format'!r}, not full weights "
+            f"({FULL_FORMAT}); serve a LoRA adapter as an adapter and a PPO policy with Act"
+        )
+    return ckpt
+
+
+def check_weights(folder: Path, name: str, step: int) -> Path:
+    """``folder`` when it holds a full-weight checkpoint's weights (one of :data:`WEIGHT_FILES`)
+    and ``config.json``.
+
+    Raises:
+        CheckpointRefused: either is missing (the message names the task, the step and the files).
+    """
+    folder = Path(folder)
+    present = [p.name for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
+    problem = weights_problem(name, step, present)
+    if problem is not None:
+        raise CheckpointRefused(problem)
+    return folder
+
+
 def _deleted(event: common_pb2.TaskEvent | None) -> str:
     return f": {deleted_words(event)}" if event is not None else ""
 
@@ -138,6 +216,35 @@ class SchedulerResolver:
         if ckpt.artifact.key and self.fetch is not None:
             return Path(self.fetch(ckpt))
         return Path(ckpt.path)
+
+    def full_weights(self, name: str, step: int = 0) -> tuple[Path, common_pb2.Checkpoint]:
+        """``(checkpoint folder, checkpoint)`` of task ``name``'s full weights at ``step`` (0: the
+        newest), fetched from the artifact store (through the node-local cache, hash-checked).
+
+        Raises:
+            CheckpointNotFound: no such task, or no checkpoint at ``step``.
+            CheckpointRefused: see :func:`full_weight_checkpoint`; or the folder lacks its weights.
+            CheckpointRefused also when the stored checkpoint is corrupt or gone (hash check).
+            ArtifactError: the store cannot be reached.
+            grpc.RpcError: the scheduler cannot be reached.
+        """
+        try:
+            found = self.stub.LookupTask(
+                node_pb2.LookupTaskRequest(task_id=name, include_checkpoints=step > 0),
+                timeout=self.timeout,
+                metadata=self.metadata,
+            )
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise CheckpointNotFound(f"task {name}: no task with that id; there are no weights to serve") from None
+            raise
+        deleted = found.artifacts_deleted if found.HasField("artifacts_deleted") else None
+        ckpt = full_weight_checkpoint(name, found.task, step, found.checkpoints, deleted)
+        try:
+            folder = Path(self.fetch(ckpt)) if ckpt.artifact.key and self.fetch is not None else Path(ckpt.path)
+        except (ArtifactNotFound, ArtifactCorrupt) as exc:
+            raise CheckpointRefused(f"task {name} step {ckpt.step}: its checkpoint cannot be read: {exc}") from exc
+        return check_weights(folder, name, int(ckpt.step)), ckpt
 
     def policy(self, name: str) -> tuple[Path, int]:
         """``(checkpoint folder, step)`` of the PPO policy of task ``name`` (``InferenceService.Act``).

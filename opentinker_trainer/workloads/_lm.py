@@ -43,8 +43,9 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or (os.sep != "/" and os.sep in name)
 
 
-def load_model(name: str, device: torch.device, dtype: torch.dtype):
-    """``(tokenizer, model)`` from a model folder or hub id, via the ordinary ``from_pretrained``.
+def load_model(name: str, device: torch.device, dtype: torch.dtype, *, tokenizer_from: str | None = None):
+    """``(tokenizer, model)`` from a model folder or hub id, via the ordinary ``from_pretrained``;
+    the tokenizer from ``tokenizer_from`` when given (a checkpoint saved without one).
 
     Raises:
         UserError: the folder does not exist, or the id/folder cannot be loaded (not found, not a
@@ -57,7 +58,7 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
         raise UserError(f"model {name!r} does not exist: no such folder on this trainer node")
     source = str(path) if path.exists() else name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from or source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

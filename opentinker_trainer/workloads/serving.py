@@ -10,7 +10,9 @@ The advertised host is ``OPENTINKER_ADVERTISE_HOST`` (the node agent sets it fro
 ``--advertise-host``). Adapters are resolved through the scheduler at
 ``OPENTINKER_SCHEDULER_URL`` (set by the agent); their checkpoints are fetched from the artifact
 store (the scheduler's ``local`` store or the ``s3`` bucket) through the node-local cache, so no
-filesystem is shared with the nodes that trained them.
+filesystem is shared with the nodes that trained them. With ``hyperparameters.checkpoint_task_id``
+the base model served is that finished task's full-weight (``hf_full``) checkpoint, fetched the
+same way and served under the task's id (``resolve.SchedulerResolver.full_weights``).
 
 Security (docs/inference.md, "Security"): with ``OPENTINKER_SCHEDULER_URL`` set, every
 InferenceService call is checked against the scheduler with the caller's own API key
@@ -32,7 +34,7 @@ import time
 
 import torch
 
-from opentinker_trainer.context import WorkerContext
+from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.inference.access import DEFAULT_TTL_S, TTL_ENV, AccessChecker
 from opentinker_trainer.artifacts import fetch_checkpoint
 from opentinker_trainer.inference.policies import PolicyRegistry
@@ -75,14 +77,19 @@ def run(ctx: WorkerContext) -> None:
         return
     device = torch.device(ctx.device)
     dtype = _lm.resolve_dtype(cfg.dtype, device)
-    log.info("loading model", task_id=ctx.task_id, model=ctx.spec.model, device=str(device), dtype=str(dtype))
-    with ctx.loading_model(ctx.spec.model):
-        tokenizer, model = _lm.load_model(ctx.spec.model, device, dtype)
     scheduler = os.environ.get("OPENTINKER_SCHEDULER_URL")
-    # Adapters and policies come from the artifact store, through the node-local cache.
-    resolver = SchedulerResolver(scheduler, ctx.spec.model, fetch=_fetcher(ctx)) if scheduler else None
+    # Served under the full-weight task's id, when it is one: adapters of the base model are refused.
+    served = cfg.checkpoint_task_id or ctx.spec.model
+    # Adapters, policies and full weights come from the artifact store, through the node-local cache.
+    resolver = SchedulerResolver(scheduler, served, fetch=_fetcher(ctx)) if scheduler else None
+    try:
+        tokenizer, model = _load_served_model(ctx, cfg, resolver, device, dtype)
+    except BaseException:
+        if resolver is not None:
+            resolver.close()
+        raise
     runtime = ModelRuntime(
-        model_name=ctx.spec.model,
+        model_name=served,
         tokenizer=tokenizer,
         model=model,
         stop_token_ids=_lm.stop_token_ids(tokenizer, model),
@@ -100,6 +107,43 @@ def run(ctx: WorkerContext) -> None:
         runtime.close()
         if resolver is not None:
             resolver.close()
+
+
+def _load_served_model(ctx: WorkerContext, cfg, resolver: SchedulerResolver | None, device, dtype):
+    """``(tokenizer, model)``: ``spec.model``, or with ``checkpoint_task_id`` that task's full-weight
+    checkpoint at ``checkpoint_step`` (fetched hash-checked through the node-local cache; the
+    tokenizer saved with it, else ``spec.model``'s).
+
+    Raises:
+        UserError: the model cannot be loaded; CheckpointNotFound / CheckpointRefused (both
+            UserErrors) for a checkpoint that is not there or not full weights; also without a
+            scheduler to resolve the checkpoint through.
+    """
+    if not cfg.checkpoint_task_id:
+        log.info("loading model", task_id=ctx.task_id, model=ctx.spec.model, device=str(device), dtype=str(dtype))
+        with ctx.loading_model(ctx.spec.model):
+            return _lm.load_model(ctx.spec.model, device, dtype)
+    if resolver is None:
+        raise UserError(
+            f"hyperparameters.checkpoint_task_id {cfg.checkpoint_task_id!r}: serving a task's checkpoint needs "
+            "the scheduler (OPENTINKER_SCHEDULER_URL, set by the node agent)"
+        )
+    folder, ckpt = resolver.full_weights(cfg.checkpoint_task_id, cfg.checkpoint_step)
+    own_tokenizer = (folder / "tokenizer_config.json").is_file()
+    log.info(
+        "loading model",
+        task_id=ctx.task_id,
+        model=str(folder),
+        checkpoint_task_id=cfg.checkpoint_task_id,
+        checkpoint_step=int(ckpt.step),
+        tokenizer=str(folder) if own_tokenizer else ctx.spec.model,
+        device=str(device),
+        dtype=str(dtype),
+    )
+    with ctx.loading_model(f"task {cfg.checkpoint_task_id} step {ckpt.step}"):
+        return _lm.load_model(
+            str(folder), device, dtype, tokenizer_from=None if own_tokenizer or not ctx.spec.model else ctx.spec.model
+        )
 
 
 def _fetcher(ctx: WorkerContext):

@@ -372,3 +372,12 @@ def test_upload_dataset_refuses_a_folder_before_any_call(tmp_path) -> None:
     with RLClient("127.0.0.1:1", min_poll_interval=0) as client:  # refused before any call
         with pytest.raises(IsADirectoryError, match="is a folder"):
             client.upload_dataset(tmp_path)
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, True, "2"])
+def test_serve_refuses_a_bad_step_before_any_call(client, fake, step):
+    servicer, _ = fake
+    with pytest.raises(ot.InvalidArgumentError) as exc:
+        client.serve("task-0001", step=step)
+    assert exc.value.field == "step" and "expected 0 (the newest) or a step >= 1" in str(exc.value)
+    assert servicer.submits == []

@@ -1,5 +1,7 @@
 """sft through real scheduler and trainer processes: upload a dataset, fine-tune the tiny model,
-then start an RL task from its checkpoint (``init_from``); refusals over the wire."""
+then start an RL task from its checkpoint (``init_from``), serve the full-weight SFT checkpoint as
+a base model (``RLClient.serve``) and check it answers as the checkpoint loaded with
+transformers does; refusals over the wire."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 
 from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_client import RLClient, TaskFailedError
+from opentinker_client.cli.commands import main as cli_main
 from opentinker_client.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 from tests.support.datasets import arithmetic_chat_jsonl
@@ -25,6 +28,8 @@ workload_types:
     priority: 1
   - type: sft
     priority: 1
+  - type: inference
+    priority: 3
 """
 
 SFT_HP = {"steps": 3, "batch_size": 4, "lora_rank": 2, "learning_rate": 1e-2, "eval_every": 3}
@@ -38,7 +43,9 @@ def sft_cluster(tmp_path):
     c.close()
 
 
-def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_sft_then_rl_from_its_checkpoint(
+    sft_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     trainer = sft_cluster.start_with_trainer()
     data = arithmetic_chat_jsonl(tmp_path / "train.jsonl", n=12)
     with RLClient(scheduler_url=sft_cluster.url, min_poll_interval=0) as client:
@@ -111,6 +118,7 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
         assert (
             full.proto.latest_checkpoint.format == "hf_full" and (Path(full.checkpoint_path) / "config.json").exists()
         )
+        _serve_full_weights(sft_cluster, client, full_id, Path(full.checkpoint_path), trainer, sft_id, capsys)
 
         # full_rl on a text environment from those weights: GRPO on all of them, a full checkpoint.
         grpo_id = client.submit_task(
@@ -130,6 +138,67 @@ def test_sft_then_rl_from_its_checkpoint(sft_cluster: Cluster, tiny_model_dir: P
         assert (init_dir / "model.safetensors").read_bytes() == (
             Path(full.checkpoint_path) / "model.safetensors"
         ).read_bytes()
+
+        # Once its artifacts are deleted, a full-weight task has no weights to serve.
+        client.delete_artifacts(full_id)
+        with pytest.raises(
+            FailedPreconditionError, match=rf"task {full_id} has no checkpoint: its artifacts were deleted .*weights"
+        ):
+            client.serve(full_id)
+
+
+def _greedy_reference(folder: Path, prompt_ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probabilities from the checkpoint loaded with transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids, logprobs = list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            token = int(logits.argmax())
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            ids.append(token)
+    return ids[len(prompt_ids) :], logprobs
+
+
+def _serve_full_weights(cluster, client, full_id: str, ckpt: Path, trainer, adapter_task: str, capsys) -> None:
+    """A full-weight SFT checkpoint served as the base model: the served greedy tokens and their
+    log-probabilities equal those of the checkpoint loaded directly; the server is reused for the
+    same checkpoint; a missing step or an adapter task's step is refused."""
+    from transformers import AutoTokenizer
+
+    llm = client.serve(full_id, ttl=120)
+    try:
+        gen = llm.generate("2 + 3 =", temperature=0, max_tokens=6)
+        assert gen.model == full_id and gen.adapter is None
+        got = gen.samples[0]
+        prompt_ids = AutoTokenizer.from_pretrained(str(ckpt))("2 + 3 =")["input_ids"]
+        want_ids, want_lp = _greedy_reference(ckpt, prompt_ids, len(got.token_ids))
+        assert list(got.token_ids) == want_ids
+        assert got.logprobs == pytest.approx(want_lp, abs=1e-4)
+        # the weights came through the artifact store (the node-local cache), at the final step
+        loads = [
+            e for e in trainer.log_events() if e.get("event") == "loading model" and e.get("task_id") == llm.task_id
+        ]
+        assert loads and loads[0]["checkpoint_task_id"] == full_id and loads[0]["checkpoint_step"] == 1
+        assert "artifact-cache" in loads[0]["model"]
+        assert (Path(loads[0]["model"]) / "model.safetensors").read_bytes() == (ckpt / "model.safetensors").read_bytes()
+        again = client.serve(full_id, step=1, ttl=120)  # the same checkpoint: the same server
+        assert again.task_id == llm.task_id
+        again.close()
+        capsys.readouterr()
+        assert cli_main(["--scheduler-url", cluster.url, "serve", full_id, "--step", "1"]) == 0
+        assert f"model {full_id} (step 1) served by inference task {llm.task_id} at " in capsys.readouterr().out
+        with pytest.raises(NotFoundError, match=rf"task {full_id} has no checkpoint at step 7; steps with one: 1"):
+            client.serve(full_id, step=7)
+        with pytest.raises(FailedPreconditionError, match=rf"task {adapter_task} step 3: .*'peft_lora', not full"):
+            client.serve(adapter_task, step=3)
+    finally:
+        llm.close()
+        client.cancel(llm.task_id)
+    cluster.wait_state(llm.task_id, 6)  # CANCELLED
 
 
 def test_dataset_refusals_over_the_wire(sft_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path) -> None:

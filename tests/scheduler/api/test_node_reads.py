@@ -57,6 +57,11 @@ def test_node_key_reads_through_node_service_only(sched, tmp_path) -> None:
         # The node role reads any owner's task and dataset through NodeService ...
         got = nodes.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(keys["node"])).task
         assert got.task_id == task_id and got.owner == "alice"
+        # checkpoints are listed only when asked for (a new task has none)
+        asked = nodes.LookupTask(
+            N.LookupTaskRequest(task_id=task_id, include_checkpoints=True), metadata=metadata(keys["node"])
+        )
+        assert asked.task.task_id == task_id and list(asked.checkpoints) == []
         chunks = list(nodes.FetchDataset(N.FetchDatasetRequest(dataset_id=dataset_id), metadata=metadata(keys["node"])))
         assert b"".join(c.chunk for c in chunks) == path.read_bytes() and chunks[0].size_bytes == path.stat().st_size
         # ... and may not call SchedulerService at all (not even its reads).

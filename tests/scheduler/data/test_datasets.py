@@ -268,3 +268,20 @@ def test_init_from_needs_an_ended_task_with_an_lm_checkpoint_of_the_same_model(e
     assert assign.init_checkpoint.path == "/ck/sft/step_2" and assign.init_checkpoint.format == "peft_lora"
     assert assign.init_checkpoint.task_id == good.task_id
     assert not assign.HasField("resume_from")
+
+
+def test_an_inference_task_serves_only_its_owners_full_weights(env) -> None:
+    core, node, store, check = env
+
+    def serving(task_id: str) -> C.TaskSpec:
+        s = C.TaskSpec(workload_type="inference", model="/models/m")
+        s.hyperparameters.update({"checkpoint_task_id": task_id})
+        return s
+
+    mine = core.submit(lm_spec(), owner="u")
+    theirs = core.submit(lm_spec(), owner="v")
+    check(serving(mine.task_id))
+    check(C.TaskSpec(workload_type="inference", model="/models/m"))  # the base model: nothing to check
+    for other in (theirs.task_id, "task-nope"):  # another owner's task reads as no task at all
+        with pytest.raises(NotFound, match=rf"^spec.hyperparameters.checkpoint_task_id: task '{other}' not found$"):
+            check(serving(other))

@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from opentinker.common.v1 import common_pb2 as opentinker_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dopentinker/node/v1/node.proto\x12\x12opentinker.node.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!opentinker/common/v1/common.proto\"$\n\x11LookupTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"z\n\x12LookupTaskResponse\x12(\n\x04task\x18\x01 \x01(\x0b\x32\x1a.opentinker.common.v1.Task\x12:\n\x11\x61rtifacts_deleted\x18\x02 \x01(\x0b\x32\x1f.opentinker.common.v1.TaskEvent\")\n\x13\x46\x65tchDatasetRequest\x12\x12\n\ndataset_id\x18\x01 \x01(\t\"9\n\x14\x46\x65tchDatasetResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"\xe8\x01\n\x0e\x43onnectRequest\x12\x30\n\x08register\x18\x01 \x01(\x0b\x32\x1c.opentinker.node.v1.RegisterH\x00\x12\x32\n\theartbeat\x18\x02 \x01(\x0b\x32\x1d.opentinker.node.v1.HeartbeatH\x00\x12\x35\n\x0btask_report\x18\x03 \x01(\x0b\x32\x1e.opentinker.node.v1.TaskReportH\x00\x12.\n\x07goodbye\x18\x04 \x01(\x0b\x32\x1b.opentinker.node.v1.GoodbyeH\x00\x42\t\n\x07message\"\xa1\x02\n\x0f\x43onnectResponse\x12\x34\n\nregistered\x18\x01 \x01(\x0b\x32\x1e.opentinker.node.v1.RegisteredH\x00\x12\x35\n\x0b\x61ssign_task\x18\x02 \x01(\x0b\x32\x1e.opentinker.node.v1.AssignTaskH\x00\x12\x35\n\x0b\x63\x61ncel_task\x18\x03 \x01(\x0b\x32\x1e.opentinker.node.v1.CancelTaskH\x00\x12*\n\x05\x64rain\x18\x04 \x01(\x0b\x32\x19.opentinker.node.v1.DrainH\x00\x12\x33\n\nreport_ack\x18\x05 \x01(\x0b\x32\x1d.opentinker.node.v1.ReportAckH\x00\x42\t\n\x07\x63ommand\"/\n\x0bRunningTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\"\xe8\x02\n\x08Register\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12-\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x1c.opentinker.common.v1.Device\x12\x11\n\tmax_tasks\x18\x04 \x01(\x05\x12\x30\n\x07running\x18\x05 \x03(\x0b\x32\x1f.opentinker.node.v1.RunningTask\x12\x10\n\x08hostname\x18\x06 \x01(\t\x12\x11\n\tcpu_count\x18\x07 \x01(\x05\x12\x10\n\x08gpu_note\x18\x08 \x01(\t\x12\x30\n\x08\x66inished\x18\t \x03(\x0b\x32\x1e.opentinker.node.v1.TaskReport\x12/\n\x07pending\x18\n \x03(\x0b\x32\x1e.opentinker.node.v1.TaskReport\x12\x12\n\nnode_class\x18\x0b \x01(\t\x12\x18\n\x10tenants_per_host\x18\x0c \x01(\x05\"\xe8\x01\n\nRegistered\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05lease\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\tgpu_count\x18\x04 \x01(\x05\x12\x11\n\tmax_tasks\x18\x05 \x01(\x05\x12.\n\x05stale\x18\x06 \x03(\x0b\x32\x1f.opentinker.node.v1.RunningTask\x12\x12\n\nreport_ack\x18\x07 \x01(\x04\"\x9a\x02\n\tHeartbeat\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x36\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32%.opentinker.common.v1.DeviceTelemetry\x12\x30\n\x07running\x18\x03 \x03(\x0b\x32\x1f.opentinker.node.v1.RunningTask\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x31\n\x04host\x18\x05 \x01(\x0b\x32#.opentinker.common.v1.HostTelemetry\x12\x34\n\x0bmodel_hosts\x18\x06 \x03(\x0b\x32\x1f.opentinker.common.v1.ModelHost\"\xfd\x02\n\nTaskReport\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12.\n\x05state\x18\x03 \x01(\x0e\x32\x1f.opentinker.common.v1.TaskState\x12\x32\n\x07metrics\x18\x04 \x03(\x0b\x32!.opentinker.common.v1.MetricPoint\x12\x34\n\ncheckpoint\x18\x05 \x01(\x0b\x32 .opentinker.common.v1.Checkpoint\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x11\n\tretryable\x18\x07 \x01(\x08\x12\x10\n\x08\x65ndpoint\x18\x08 \x01(\t\x12\x0b\n\x03seq\x18\t \x01(\x04\x12.\n\x05phase\x18\n \x01(\x0b\x32\x1f.opentinker.common.v1.TaskPhase\x12\x42\n\x11\x63heckpoint_failed\x18\x0b \x01(\x0b\x32\'.opentinker.common.v1.CheckpointFailure\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xc3\x02\n\nAssignTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12,\n\x04spec\x18\x03 \x01(\x0b\x32\x1e.opentinker.common.v1.TaskSpec\x12\x16\n\x0e\x64\x65vice_indices\x18\x04 \x03(\x05\x12\x35\n\x0bresume_from\x18\x05 \x01(\x0b\x32 .opentinker.common.v1.Checkpoint\x12\r\n\x05owner\x18\x06 \x01(\t\x12\x39\n\x0finit_checkpoint\x18\x07 \x01(\x0b\x32 .opentinker.common.v1.Checkpoint\x12\x1e\n\x16local_paths_restricted\x18\x08 \x01(\x08\x12,\n\x04gang\x18\x14 \x01(\x0b\x32\x1e.opentinker.node.v1.GangMember\"\xbe\x01\n\nGangMember\x12\x12\n\nworld_size\x18\x01 \x01(\x05\x12\x13\n\x0brank_offset\x18\x02 \x01(\x05\x12\x18\n\x10local_world_size\x18\x03 \x01(\x05\x12\x14\n\x0cmember_index\x18\x04 \x01(\x05\x12\x0f\n\x07members\x18\x05 \x01(\x05\x12\x17\n\x0frendezvous_host\x18\x06 \x01(\t\x12\x17\n\x0frendezvous_port\x18\x07 \x01(\x05\x12\x14\n\x0cmember_nodes\x18\x08 \x03(\t\">\n\nCancelTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x18\n\tReportAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x17\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t2\xa7\x02\n\x0bNodeService\x12V\n\x07\x43onnect\x12\".opentinker.node.v1.ConnectRequest\x1a#.opentinker.node.v1.ConnectResponse(\x01\x30\x01\x12[\n\nLookupTask\x12%.opentinker.node.v1.LookupTaskRequest\x1a&.opentinker.node.v1.LookupTaskResponse\x12\x63\n\x0c\x46\x65tchDataset\x12\'.opentinker.node.v1.FetchDatasetRequest\x1a(.opentinker.node.v1.FetchDatasetResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dopentinker/node/v1/node.proto\x12\x12opentinker.node.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!opentinker/common/v1/common.proto\"A\n\x11LookupTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x1b\n\x13include_checkpoints\x18\x02 \x01(\x08\"\xb1\x01\n\x12LookupTaskResponse\x12(\n\x04task\x18\x01 \x01(\x0b\x32\x1a.opentinker.common.v1.Task\x12:\n\x11\x61rtifacts_deleted\x18\x02 \x01(\x0b\x32\x1f.opentinker.common.v1.TaskEvent\x12\x35\n\x0b\x63heckpoints\x18\x03 \x03(\x0b\x32 .opentinker.common.v1.Checkpoint\")\n\x13\x46\x65tchDatasetRequest\x12\x12\n\ndataset_id\x18\x01 \x01(\t\"9\n\x14\x46\x65tchDatasetResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"\xe8\x01\n\x0e\x43onnectRequest\x12\x30\n\x08register\x18\x01 \x01(\x0b\x32\x1c.opentinker.node.v1.RegisterH\x00\x12\x32\n\theartbeat\x18\x02 \x01(\x0b\x32\x1d.opentinker.node.v1.HeartbeatH\x00\x12\x35\n\x0btask_report\x18\x03 \x01(\x0b\x32\x1e.opentinker.node.v1.TaskReportH\x00\x12.\n\x07goodbye\x18\x04 \x01(\x0b\x32\x1b.opentinker.node.v1.GoodbyeH\x00\x42\t\n\x07message\"\xa1\x02\n\x0f\x43onnectResponse\x12\x34\n\nregistered\x18\x01 \x01(\x0b\x32\x1e.opentinker.node.v1.RegisteredH\x00\x12\x35\n\x0b\x61ssign_task\x18\x02 \x01(\x0b\x32\x1e.opentinker.node.v1.AssignTaskH\x00\x12\x35\n\x0b\x63\x61ncel_task\x18\x03 \x01(\x0b\x32\x1e.opentinker.node.v1.CancelTaskH\x00\x12*\n\x05\x64rain\x18\x04 \x01(\x0b\x32\x19.opentinker.node.v1.DrainH\x00\x12\x33\n\nreport_ack\x18\x05 \x01(\x0b\x32\x1d.opentinker.node.v1.ReportAckH\x00\x42\t\n\x07\x63ommand\"/\n\x0bRunningTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\"\xe8\x02\n\x08Register\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12-\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x1c.opentinker.common.v1.Device\x12\x11\n\tmax_tasks\x18\x04 \x01(\x05\x12\x30\n\x07running\x18\x05 \x03(\x0b\x32\x1f.opentinker.node.v1.RunningTask\x12\x10\n\x08hostname\x18\x06 \x01(\t\x12\x11\n\tcpu_count\x18\x07 \x01(\x05\x12\x10\n\x08gpu_note\x18\x08 \x01(\t\x12\x30\n\x08\x66inished\x18\t \x03(\x0b\x32\x1e.opentinker.node.v1.TaskReport\x12/\n\x07pending\x18\n \x03(\x0b\x32\x1e.opentinker.node.v1.TaskReport\x12\x12\n\nnode_class\x18\x0b \x01(\t\x12\x18\n\x10tenants_per_host\x18\x0c \x01(\x05\"\xe8\x01\n\nRegistered\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05lease\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\tgpu_count\x18\x04 \x01(\x05\x12\x11\n\tmax_tasks\x18\x05 \x01(\x05\x12.\n\x05stale\x18\x06 \x03(\x0b\x32\x1f.opentinker.node.v1.RunningTask\x12\x12\n\nreport_ack\x18\x07 \x01(\x04\"\x9a\x02\n\tHeartbeat\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x36\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32%.opentinker.common.v1.DeviceTelemetry\x12\x30\n\x07running\x18\x03 \x03(\x0b\x32\x1f.opentinker.node.v1.RunningTask\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x31\n\x04host\x18\x05 \x01(\x0b\x32#.opentinker.common.v1.HostTelemetry\x12\x34\n\x0bmodel_hosts\x18\x06 \x03(\x0b\x32\x1f.opentinker.common.v1.ModelHost\"\xfd\x02\n\nTaskReport\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12.\n\x05state\x18\x03 \x01(\x0e\x32\x1f.opentinker.common.v1.TaskState\x12\x32\n\x07metrics\x18\x04 \x03(\x0b\x32!.opentinker.common.v1.MetricPoint\x12\x34\n\ncheckpoint\x18\x05 \x01(\x0b\x32 .opentinker.common.v1.Checkpoint\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x11\n\tretryable\x18\x07 \x01(\x08\x12\x10\n\x08\x65ndpoint\x18\x08 \x01(\t\x12\x0b\n\x03seq\x18\t \x01(\x04\x12.\n\x05phase\x18\n \x01(\x0b\x32\x1f.opentinker.common.v1.TaskPhase\x12\x42\n\x11\x63heckpoint_failed\x18\x0b \x01(\x0b\x32\'.opentinker.common.v1.CheckpointFailure\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xc3\x02\n\nAssignTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12,\n\x04spec\x18\x03 \x01(\x0b\x32\x1e.opentinker.common.v1.TaskSpec\x12\x16\n\x0e\x64\x65vice_indices\x18\x04 \x03(\x05\x12\x35\n\x0bresume_from\x18\x05 \x01(\x0b\x32 .opentinker.common.v1.Checkpoint\x12\r\n\x05owner\x18\x06 \x01(\t\x12\x39\n\x0finit_checkpoint\x18\x07 \x01(\x0b\x32 .opentinker.common.v1.Checkpoint\x12\x1e\n\x16local_paths_restricted\x18\x08 \x01(\x08\x12,\n\x04gang\x18\x14 \x01(\x0b\x32\x1e.opentinker.node.v1.GangMember\"\xbe\x01\n\nGangMember\x12\x12\n\nworld_size\x18\x01 \x01(\x05\x12\x13\n\x0brank_offset\x18\x02 \x01(\x05\x12\x18\n\x10local_world_size\x18\x03 \x01(\x05\x12\x14\n\x0cmember_index\x18\x04 \x01(\x05\x12\x0f\n\x07members\x18\x05 \x01(\x05\x12\x17\n\x0frendezvous_host\x18\x06 \x01(\t\x12\x17\n\x0frendezvous_port\x18\x07 \x01(\x05\x12\x14\n\x0cmember_nodes\x18\x08 \x03(\t\">\n\nCancelTask\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x18\n\tReportAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x17\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t2\xa7\x02\n\x0bNodeService\x12V\n\x07\x43onnect\x12\".opentinker.node.v1.ConnectRequest\x1a#.opentinker.node.v1.ConnectResponse(\x01\x30\x01\x12[\n\nLookupTask\x12%.opentinker.node.v1.LookupTaskRequest\x1a&.opentinker.node.v1.LookupTaskResponse\x12\x63\n\x0c\x46\x65tchDataset\x12\'.opentinker.node.v1.FetchDatasetRequest\x1a(.opentinker.node.v1.FetchDatasetResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,39 +35,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'opentinker.node.v1.node_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOOKUPTASKREQUEST']._serialized_start=153
-  _globals['_LOOKUPTASKREQUEST']._serialized_end=189
-  _globals['_LOOKUPTASKRESPONSE']._serialized_start=191
-  _globals['_LOOKUPTASKRESPONSE']._serialized_end=313
-  _globals['_FETCHDATASETREQUEST']._serialized_start=315
-  _globals['_FETCHDATASETREQUEST']._serialized_end=356
-  _globals['_FETCHDATASETRESPONSE']._serialized_start=358
-  _globals['_FETCHDATASETRESPONSE']._serialized_end=415
-  _globals['_CONNECTREQUEST']._serialized_start=418
-  _globals['_CONNECTREQUEST']._serialized_end=650
-  _globals['_CONNECTRESPONSE']._serialized_start=653
-  _globals['_CONNECTRESPONSE']._serialized_end=942
-  _globals['_RUNNINGTASK']._serialized_start=944
-  _globals['_RUNNINGTASK']._serialized_end=991
-  _globals['_REGISTER']._serialized_start=994
-  _globals['_REGISTER']._serialized_end=1354
-  _globals['_REGISTERED']._serialized_start=1357
-  _globals['_REGISTERED']._serialized_end=1589
-  _globals['_HEARTBEAT']._serialized_start=1592
-  _globals['_HEARTBEAT']._serialized_end=1874
-  _globals['_TASKREPORT']._serialized_start=1877
-  _globals['_TASKREPORT']._serialized_end=2258
-  _globals['_GOODBYE']._serialized_start=2260
-  _globals['_GOODBYE']._serialized_end=2285
-  _globals['_ASSIGNTASK']._serialized_start=2288
-  _globals['_ASSIGNTASK']._serialized_end=2611
-  _globals['_GANGMEMBER']._serialized_start=2614
-  _globals['_GANGMEMBER']._serialized_end=2804
-  _globals['_CANCELTASK']._serialized_start=2806
-  _globals['_CANCELTASK']._serialized_end=2868
-  _globals['_REPORTACK']._serialized_start=2870
-  _globals['_REPORTACK']._serialized_end=2894
-  _globals['_DRAIN']._serialized_start=2896
-  _globals['_DRAIN']._serialized_end=2919
-  _globals['_NODESERVICE']._serialized_start=2922
-  _globals['_NODESERVICE']._serialized_end=3217
+  _globals['_LOOKUPTASKREQUEST']._serialized_end=218
+  _globals['_LOOKUPTASKRESPONSE']._serialized_start=221
+  _globals['_LOOKUPTASKRESPONSE']._serialized_end=398
+  _globals['_FETCHDATASETREQUEST']._serialized_start=400
+  _globals['_FETCHDATASETREQUEST']._serialized_end=441
+  _globals['_FETCHDATASETRESPONSE']._serialized_start=443
+  _globals['_FETCHDATASETRESPONSE']._serialized_end=500
+  _globals['_CONNECTREQUEST']._serialized_start=503
+  _globals['_CONNECTREQUEST']._serialized_end=735
+  _globals['_CONNECTRESPONSE']._serialized_start=738
+  _globals['_CONNECTRESPONSE']._serialized_end=1027
+  _globals['_RUNNINGTASK']._serialized_start=1029
+  _globals['_RUNNINGTASK']._serialized_end=1076
+  _globals['_REGISTER']._serialized_start=1079
+  _globals['_REGISTER']._serialized_end=1439
+  _globals['_REGISTERED']._serialized_start=1442
+  _globals['_REGISTERED']._serialized_end=1674
+  _globals['_HEARTBEAT']._serialized_start=1677
+  _globals['_HEARTBEAT']._serialized_end=1959
+  _globals['_TASKREPORT']._serialized_start=1962
+  _globals['_TASKREPORT']._serialized_end=2343
+  _globals['_GOODBYE']._serialized_start=2345
+  _globals['_GOODBYE']._serialized_end=2370
+  _globals['_ASSIGNTASK']._serialized_start=2373
+  _globals['_ASSIGNTASK']._serialized_end=2696
+  _globals['_GANGMEMBER']._serialized_start=2699
+  _globals['_GANGMEMBER']._serialized_end=2889
+  _globals['_CANCELTASK']._serialized_start=2891
+  _globals['_CANCELTASK']._serialized_end=2953
+  _globals['_REPORTACK']._serialized_start=2955
+  _globals['_REPORTACK']._serialized_end=2979
+  _globals['_DRAIN']._serialized_start=2981
+  _globals['_DRAIN']._serialized_end=3004
+  _globals['_NODESERVICE']._serialized_start=3007
+  _globals['_NODESERVICE']._serialized_end=3302
 # @@protoc_insertion_point(module_scope)

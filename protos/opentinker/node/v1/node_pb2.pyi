@@ -12,18 +12,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LookupTaskRequest(_message.Message):
-    __slots__ = ("task_id",)
+    __slots__ = ("task_id", "include_checkpoints")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
-    def __init__(self, task_id: _Optional[str] = ...) -> None: ...
+    include_checkpoints: bool
+    def __init__(self, task_id: _Optional[str] = ..., include_checkpoints: _Optional[bool] = ...) -> None: ...
 
 class LookupTaskResponse(_message.Message):
-    __slots__ = ("task", "artifacts_deleted")
+    __slots__ = ("task", "artifacts_deleted", "checkpoints")
     TASK_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     task: _common_pb2.Task
     artifacts_deleted: _common_pb2.TaskEvent
-    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ..., artifacts_deleted: _Optional[_Union[_common_pb2.TaskEvent, _Mapping]] = ...) -> None: ...
+    checkpoints: _containers.RepeatedCompositeFieldContainer[_common_pb2.Checkpoint]
+    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ..., artifacts_deleted: _Optional[_Union[_common_pb2.TaskEvent, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[_common_pb2.Checkpoint, _Mapping]]] = ...) -> None: ...
 
 class FetchDatasetRequest(_message.Message):
     __slots__ = ("dataset_id",)
