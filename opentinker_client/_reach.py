@@ -15,7 +15,7 @@ import re
 import socket
 from urllib.parse import unquote
 
-from opentinker_client.errors import OpenTinkerError, UnavailableError
+from opentinker_client.errors import DeadlineExceededError, OpenTinkerError, UnavailableError
 
 __all__ = ["GRPC_PORT_HEADER", "explain_unreachable"]
 
@@ -78,6 +78,8 @@ def explain_unreachable(err: OpenTinkerError, target: str) -> OpenTinkerError:
     """``err`` with a one-line explanation when it is an ``UNAVAILABLE`` whose cause can be told
     (``target`` is the ``host:port`` dialled); any other error is returned unchanged. The raw gRPC
     details stay in ``raw_details``."""
+    if isinstance(err, DeadlineExceededError) and err.details == "Deadline Exceeded":
+        return _explain_deadline(err, target)
     if not isinstance(err, UnavailableError):
         return err
     details = err.details
@@ -119,4 +121,23 @@ def explain_unreachable(err: OpenTinkerError, target: str) -> OpenTinkerError:
         return err
     out = UnavailableError(message, code=err.code, status=err.status)
     out.raw_details = details
+    return out
+
+
+def _explain_deadline(err: DeadlineExceededError, target: str) -> OpenTinkerError:
+    """A bare ``DEADLINE_EXCEEDED`` (gRPC kept retrying a connection until the call's timeout):
+    when nothing listens at ``target`` the error says so, still a deadline error (its class, its
+    exit code); otherwise it is returned unchanged (the scheduler is there but slow)."""
+    refused, http = _probe(target)
+    if not refused or http:
+        return err
+    port = target.rpartition(":")[2]
+    out = DeadlineExceededError(
+        f"no answer within the call's timeout: cannot reach the scheduler at {target}: nothing is listening on "
+        f"{', '.join(refused)} (connection refused); is the scheduler running, and is {port} its gRPC port "
+        "(its --port, 8888 by default)?",
+        code=err.code,
+        status=err.status,
+    )
+    out.raw_details = err.details
     return out

@@ -165,7 +165,7 @@ class RLClient:
         """API key management (:class:`~opentinker_client.keys.KeyAdmin`): ``client.keys.create(...)``,
         ``list()``, ``revoke(prefix)``, ``rotate(prefix)``."""
         self._connection.check_open()
-        return KeyAdmin(self._connection.channel, metadata=self._connection.metadata, timeout=self.timeout)
+        return KeyAdmin(self._connection)
 
     @property
     def queues(self) -> QueueAdmin:
@@ -173,7 +173,7 @@ class RLClient:
         ``client.queues.list()``, ``set(name, gpu_quota=..., cpu_task_quota=...)``,
         ``desired_trainers()``."""
         self._connection.check_open()
-        return QueueAdmin(self._connection.channel, metadata=self._connection.metadata, timeout=self.timeout)
+        return QueueAdmin(self._connection)
 
     def __repr__(self) -> str:
         return f"RLClient(scheduler_url={self.scheduler_url!r})"

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator
 
 import grpc
 
-from opentinker.scheduler.v1 import scheduler_pb2_grpc
+from opentinker.scheduler.v1 import admin_pb2_grpc, scheduler_pb2_grpc
 from opentinker_client._reach import explain_unreachable
 from opentinker_client.errors import SCHEDULER_PLAINTEXT_HINT, DeadlineExceededError, OpenTinkerError, from_rpc_error
 from opentinker_common.net.bearer import bearer_metadata, clean_api_key
@@ -141,6 +141,7 @@ class SchedulerConnection:
         self.root_certificates = root_certificates
         self._channels: dict[str, tuple[grpc.Channel, scheduler_pb2_grpc.SchedulerServiceStub]] = {}
         self._channels_lock = threading.Lock()
+        self._admin_stubs: dict[str, Any] = {}
         self.closed = False
         self._open(self.targets.current)
 
@@ -215,13 +216,25 @@ class SchedulerConnection:
         mapped = from_rpc_error(err, plaintext_hint=self._plaintext_hint if plaintext_hint else "")
         return explain_unreachable(mapped, self.target)  # "nothing is listening", "that is the HTTP port" ...
 
-    def unary(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+    def unary(
+        self,
+        method: str,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        service: str = "scheduler",
+        retry: bool = True,
+    ) -> Any:
         """Call the unary RPC ``method`` (``"GetTask"`` ...) and return its response. The call
         carries its budget (``opentinker-timeout-ms``), so the scheduler can tell how long it
         waited before being taken up (:mod:`opentinker_common.net.call_budget`).
 
         Args:
             timeout: seconds; ``None`` is the connection's ``timeout``.
+            service: ``"scheduler"`` (SchedulerService) or ``"admin"`` (AdminService: keys,
+                queues); both follow the leader and explain an unreachable address alike.
+            retry: False for a call that is not idempotent (creating or rotating a key): it goes
+                once; after a follower's refusal the next call goes to the leader.
 
         Raises:
             OpenTinkerError: closed, or the subclass for the status the call ended with.
@@ -233,16 +246,25 @@ class SchedulerConnection:
         while True:
             left = max(0.05, deadline - time.monotonic())
             try:
-                return getattr(self.stub, method)(request, timeout=left, metadata=self.metadata + budget_metadata(left))
+                stub = self.stub if service == "scheduler" else self._admin_stub()
+                return getattr(stub, method)(request, timeout=left, metadata=self.metadata + budget_metadata(left))
             except grpc.RpcError as err:
                 # Several schedulers: a follower's refusal, or an address that cannot be reached,
                 # moves to the leader (or the next address) and the call goes again (every unary
                 # RPC is idempotent; SubmitTask by its request_id), within the call's timeout.
                 pause = random.uniform(delay / 2, delay)
-                if not self.moved(err) or time.monotonic() + pause >= deadline - 0.05:
+                if not self.moved(err) or not retry or time.monotonic() + pause >= deadline - 0.05:
                     raise self.error(err) from err
                 time.sleep(pause)
                 delay = min(2.0, delay * 2)
+
+    def _admin_stub(self) -> Any:
+        """``AdminServiceStub`` on the channel in use (made on first use per address)."""
+        target = self.targets.current
+        stub = self._admin_stubs.get(target)
+        if stub is None:
+            stub = self._admin_stubs[target] = admin_pb2_grpc.AdminServiceStub(self._open(target)[0])
+        return stub
 
     def upload(self, method: str, requests: Iterable[Any], *, timeout: float | None = None) -> Any:
         """Call the client-streaming RPC ``method`` with ``requests``; ``timeout`` in seconds for

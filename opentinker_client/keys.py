@@ -18,13 +18,14 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
+from opentinker.scheduler.v1 import admin_pb2
 from opentinker_client._convert import timestamp_to_datetime
-from opentinker_client.errors import InvalidArgumentError, from_rpc_error
+from opentinker_client.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from opentinker_client.connection import SchedulerConnection
 
 __all__ = ["KeyAdmin", "ApiKeyInfo", "AuditRecord", "ROLES"]
 
@@ -80,18 +81,16 @@ class AuditRecord:
 
 
 class KeyAdmin:
-    """Calls AdminService on an open channel with the caller's metadata (its API key)."""
+    """Calls AdminService through the client's connection (its API key, the leader among
+    several schedulers, an unreachable address explained as for every other call)."""
 
-    def __init__(self, channel: grpc.Channel, *, metadata=(), timeout: float = 30.0) -> None:
-        self._stub = admin_pb2_grpc.AdminServiceStub(channel)
-        self._metadata = tuple(metadata)
-        self._timeout = timeout
+    def __init__(self, connection: SchedulerConnection) -> None:
+        self._connection = connection
 
     def _call(self, name: str, request):
-        try:
-            return getattr(self._stub, name)(request, timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
+        # Creating or rotating a key is not idempotent: never sent twice.
+        retry = name not in ("CreateApiKey", "RotateApiKey")
+        return self._connection.unary(name, request, service="admin", retry=retry)
 
     def create(self, owner: str, role: str, *, description: str = "") -> tuple[ApiKeyInfo, str]:
         """A new key for ``owner`` with ``role``; returns (record, full key). Admin keys only."""

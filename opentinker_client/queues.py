@@ -18,12 +18,12 @@ the change is a runtime override that the scheduler keeps across restarts until 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import grpc
+from opentinker.scheduler.v1 import admin_pb2
 
-from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
-from opentinker_client.errors import from_rpc_error
+if TYPE_CHECKING:
+    from opentinker_client.connection import SchedulerConnection
 
 __all__ = ["QueueAdmin", "QueueInfo", "UsageInfo"]
 
@@ -116,18 +116,14 @@ class QueueInfo:
 
 
 class QueueAdmin:
-    """Calls AdminService's queue RPCs on an open channel with the caller's metadata."""
+    """Calls AdminService's queue RPCs through the client's connection (as
+    :class:`~opentinker_client.keys.KeyAdmin` does)."""
 
-    def __init__(self, channel: grpc.Channel, *, metadata=(), timeout: float = 30.0) -> None:
-        self._stub = admin_pb2_grpc.AdminServiceStub(channel)
-        self._metadata = tuple(metadata)
-        self._timeout = timeout
+    def __init__(self, connection: SchedulerConnection) -> None:
+        self._connection = connection
 
     def _call(self, name: str, request):
-        try:
-            return getattr(self._stub, name)(request, timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
+        return self._connection.unary(name, request, service="admin")
 
     def list(self) -> list[QueueInfo]:
         """Every queue with a quota, or with tasks now, by name."""

@@ -54,3 +54,35 @@ def test_a_typod_hyperparameter_gets_did_you_mean_at_its_line_and_column(capsys,
     assert err.rstrip().endswith("; did you mean 'steps'? [INVALID_ARGUMENT]")
     code, err = _run(capsys, "submit", str(path).replace("task.yaml", "none.yaml"))
     assert code == 2 and err.startswith("error: cannot read ")  # no status code: the message alone
+
+
+def _dead_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_admin_commands_explain_an_unreachable_scheduler_as_every_other_command(capsys) -> None:
+    port = _dead_port()
+    for argv in (["list"], ["keys", "list"], ["queues", "reset", "team-a"]):
+        code, err = _run(capsys, "--scheduler-url", f"127.0.0.1:{port}", *argv, "--timeout", "5")
+        assert code == 2, argv
+        expected = f"error: cannot reach the scheduler at 127.0.0.1:{port}: nothing is listening"
+        assert err.startswith(expected), (argv, err)
+        assert err.rstrip().endswith("[UNAVAILABLE]") and "failed to connect to all addresses" not in err
+
+
+def test_a_timeout_against_a_dead_port_names_the_dead_port_not_only_the_deadline(capsys) -> None:
+    port = _dead_port()
+    code, err = _run(capsys, "--scheduler-url", f"127.0.0.1:{port}", "get", "task-x", "--timeout", "0.5")
+    assert code == 2
+    # gRPC keeps retrying the connection until the deadline (or gives up first, on a slow
+    # machine); either way the error says why nothing answered.
+    assert f"cannot reach the scheduler at 127.0.0.1:{port}: nothing is listening" in err, err
+    if err.rstrip().endswith("[DEADLINE_EXCEEDED]"):
+        assert err.startswith("error: no answer within the call's timeout: "), err
+    else:
+        assert err.rstrip().endswith("[UNAVAILABLE]"), err
