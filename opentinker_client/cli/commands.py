@@ -1397,6 +1397,15 @@ def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
         args.task_id, step=args.step, ttl=args.ttl, gpu_count=args.gpus, root_certificates=args.inference_ca
     )  # with the CLI's API key
     task = client.get_task(args.task_id)
+    if task.workload_type == "lora_session" and llm.adapter and "@" in llm.adapter:  # a running session's save
+        step = llm.adapter.rpartition("@")[2]
+        print(
+            safe_text(
+                f"adapter {llm.adapter} (the running session's sampler save at step {step}) "
+                f"served by inference task {llm.task_id} at {llm.endpoint}"
+            )
+        )
+        return 0
     what = "model" if args.step or task.proto.latest_checkpoint.format == "hf_full" else "adapter"
     note = f"step {args.step}" if args.step else task.checkpoint_note
     print(safe_text(f"{what} {args.task_id} ({note}) served by inference task {llm.task_id} at {llm.endpoint}"))
