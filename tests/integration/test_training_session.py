@@ -16,6 +16,7 @@ import pytest
 
 from opentinker.common.v1 import common_pb2
 from opentinker_client import RLClient
+from opentinker_client.cli.commands import main as cli_main
 from opentinker_client.errors import FailedPreconditionError
 from tests.support.waiting import wait_for
 
@@ -50,7 +51,7 @@ def cluster(tmp_path):
         cluster.close()
 
 
-def test_own_loops_train_a_session_that_resumes_after_its_node_is_lost(cluster, tiny_model_dir: Path) -> None:
+def test_own_loops_train_a_session_that_resumes_after_its_node_is_lost(cluster, tiny_model_dir: Path, capsys) -> None:
     from transformers import AutoTokenizer
 
     cluster.start_scheduler()
@@ -139,6 +140,12 @@ def test_own_loops_train_a_session_that_resumes_after_its_node_is_lost(cluster, 
         served, own = greedy_pair(llm2)
         assert served == own
         assert {a.name for a in llm2.list_adapters()} == {sampler.adapter, newer.adapter}
+        capsys.readouterr()
+        assert cli_main(["--scheduler-url", cluster.url, "serve", session.task_id]) == 0  # the newest: `newer`
+        assert (
+            f"adapter {newer.adapter} (the running session's sampler save at step {newer.step}) "
+            f"served by inference task {llm.task_id} at "
+        ) in capsys.readouterr().out
         answer = llm.generate(prompt, max_tokens=2, temperature=0)  # the old client keeps its version
         assert answer.adapter == sampler.adapter
         llm2.close()
