@@ -17,7 +17,7 @@ import pytest
 from opentinker.common.v1 import common_pb2
 from opentinker_client import RLClient
 from opentinker_client.cli.commands import main as cli_main
-from opentinker_client.errors import FailedPreconditionError
+from opentinker_client.errors import FailedPreconditionError, NotFoundError
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,6 +140,9 @@ def test_own_loops_train_a_session_that_resumes_after_its_node_is_lost(cluster, 
         served, own = greedy_pair(llm2)
         assert served == own
         assert {a.name for a in llm2.list_adapters()} == {sampler.adapter, newer.adapter}
+        steps = f"{sampler.step}, {newer.step}"  # the sampler saves, not the SaveState
+        with pytest.raises(NotFoundError, match=rf"no sampler save at step 99; steps with one: {steps}"):
+            client.serve(session.task_id, step=99, timeout=1)  # (waited for a second: none comes)
         capsys.readouterr()
         assert cli_main(["--scheduler-url", cluster.url, "serve", session.task_id]) == 0  # the newest: `newer`
         assert (
