@@ -879,15 +879,25 @@ class RLClient:
         serves that same checkpoint), fetched there from the artifact store; the client's
         requests name the model by ``task_id``.
 
+        A ``lora_session`` that is still running serves its sampler saves
+        (``TrainingSession.save_weights_for_sampler``): its newest one the scheduler has
+        recorded, or the one at ``step`` (waited for up to ``timeout`` seconds: the node reports a
+        save just after it returns). The client is bound to adapter ``<task id>@<step>``, that
+        version: a later save is a new version, served by calling ``serve`` again (the same
+        inference task loads it next to the old one; docs/inference.md, "Serving a running
+        training session").
+
         Before it returns, it makes one ``ListAdapters`` call on the server, so a wrong CA, a
         TLS/plaintext mix-up or a refused key fails here rather than on the first request.
 
         Raises:
-            NotFoundError: no such task, no checkpoint at ``step``, or its files are gone from
+            NotFoundError: no such task, no checkpoint at ``step`` (a running session: no sampler
+            save at ``step`` within ``timeout``), or its files are gone from
             the artifact store. FailedPreconditionError: not an adapter or full-weight task, not
-            finished, no checkpoint (its artifacts deleted, say), or a full-weight checkpoint
-            without its weights file. TaskFailedError: the inference task ended before
-            serving. DeadlineExceededError: not serving within ``timeout`` seconds.
+            finished, no checkpoint (its artifacts deleted, say), a running training session
+            with no sampler save yet, or a full-weight checkpoint without its weights file.
+            TaskFailedError: the inference task ended before serving.
+            DeadlineExceededError: not serving within ``timeout`` seconds.
             UnavailableError, UnauthenticatedError, PermissionDeniedError: the check call failed
             (certificate, TLS mode, key).
         """

@@ -68,8 +68,19 @@ class ServingCalls:
         (``None``: the connection's CA, else ``$OPENTINKER_TLS_CA``, else the system's roots);
         it has made one ``ListAdapters`` call already, so a server it cannot reach or that
         refuses its key fails here (``RLClient.serve``). A task whose newest checkpoint (or whose
-        checkpoint at ``step`` > 0) is full weights is served as the base model of its own server."""
+        checkpoint at ``step`` > 0) is full weights is served as the base model of its own server.
+        A running ``lora_session`` serves its sampler saves (:meth:`_serve_running_session`)."""
         task = self.tasks.get(task_id)
+        if task.workload_type == "lora_session" and not task.done:
+            return self._serve_running_session(
+                task,
+                step,
+                gpu_count=gpu_count,
+                ttl=ttl,
+                max_resident_adapters=max_resident_adapters,
+                timeout=timeout,
+                root_certificates=root_certificates,
+            )
         if step or task.proto.latest_checkpoint.format == FULL_FORMAT:
             return self._serve_full_weights(
                 task, step, gpu_count=gpu_count, ttl=ttl, timeout=timeout, root_certificates=root_certificates
@@ -83,12 +94,7 @@ class ServingCalls:
             )
         if not task.done:
             raise FailedPreconditionError(
-                f"task {task_id} is {task.state}; "
-                + (
-                    "end the session (RLClient.cancel) before serving its adapter"
-                    if task.workload_type == "lora_session"
-                    else "wait for it to finish (RLClient.wait) before serving its adapter"
-                )
+                f"task {task_id} is {task.state}; wait for it to finish (RLClient.wait) before serving its adapter"
             )
         if not task.checkpoint_path:
             what = "policy" if policy else "adapter"
@@ -114,6 +120,55 @@ class ServingCalls:
             adapter=None if policy else task_id,
             policy=task_id if policy else None,
             model="" if policy else task.model,
+        )
+
+    def _serve_running_session(
+        self,
+        task,
+        step: int,
+        *,
+        gpu_count: int,
+        ttl: float,
+        max_resident_adapters: int,
+        timeout: float,
+        root_certificates,
+    ) -> InferenceClient:
+        """:meth:`serve` for a running training session: a client bound to adapter
+        ``<task id>@<step>``, the session's sampler save (``SaveWeightsForSampler``) at ``step``
+        (waited for up to ``timeout`` seconds until the scheduler records it: the node reports it
+        just after the save returns), or with ``step`` 0 its newest one the scheduler has recorded.
+        Each call binds the version it found; an older client keeps serving its own.
+
+        Raises:
+            FailedPreconditionError: no sampler save yet (call SaveWeightsForSampler first).
+            NotFoundError: none at ``step`` within ``timeout`` (the message lists those there are).
+        """
+        task_id = task.task_id
+        deadline = time.monotonic() + timeout
+        while True:
+            listed = self.connection.unary("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id))
+            saves = [c for c in listed.checkpoints if os.path.basename(os.path.normpath(c.path)).startswith("sampler_")]
+            chosen = [c for c in saves if c.step == step] if step else saves[-1:]
+            if chosen:
+                break
+            if not step:
+                raise FailedPreconditionError(
+                    f"task {task_id} is a running training session with no sampler save yet; "
+                    "call SaveWeightsForSampler (TrainingSession.save_weights_for_sampler) first"
+                )
+            if time.monotonic() >= deadline:
+                raise NotFoundError(
+                    f"task {task_id}: no sampler save at step {step}; "
+                    f"steps with one: {', '.join(str(c.step) for c in saves) or 'none'}"
+                )
+            time.sleep(0.2)
+        server_id = self._inference_task(task.model, gpu_count=gpu_count, ttl=ttl, adapters=max_resident_adapters)
+        return self._client(
+            server_id,
+            timeout=max(1.0, deadline - time.monotonic()),
+            root_certificates=root_certificates,
+            adapter=f"{task_id}@{chosen[-1].step}",
+            model=task.model,
         )
 
     def _serve_full_weights(

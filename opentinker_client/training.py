@@ -164,10 +164,15 @@ class SampleOutput:
 
 @dataclass(frozen=True)
 class SavedStateInfo:
+    """A saved state or sampler save: its name, the optimizer step it was saved at, its key in
+    the artifact store; for a sampler save ``adapter``, the name an inference task serves it by
+    (``<task id>@<step>``: ``RLClient.serve(task_id, step=step)`` binds a client to it)."""
+
     sequence: int
     name: str
     step: int
     artifact_key: str = ""
+    adapter: str = ""
 
 
 @dataclass(frozen=True)
@@ -484,12 +489,14 @@ class TrainingSession:
         )
 
     def save_weights_for_sampler(self, name: str) -> "Future[SavedStateInfo]":
-        """Save a frozen copy of the adapter (PEFT, no optimizer) as checkpoint ``name``."""
+        """Save a frozen copy of the adapter (PEFT, no optimizer) as checkpoint ``name``: servable
+        while the session runs (``RLClient.serve(session.task_id)``: the newest such save;
+        ``step=info.step``: this one, also named by ``info.adapter``)."""
         return self._submit(
             self._unary(
                 "SaveWeightsForSampler", lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=name)
             ),
-            lambda r: SavedStateInfo(r.sequence, r.name, r.step, r.artifact_key),
+            lambda r: SavedStateInfo(r.sequence, r.name, r.step, r.artifact_key, r.adapter),
         )
 
     def get_info(self) -> SessionInfo:

@@ -1299,8 +1299,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "serve",
-        help="serve a finished lora_finetune/sft task's (or ended lora_session's) adapter, or a full-weight "
-        "sft/full_rl task's weights; prints the endpoint",
+        help="serve a finished lora_finetune/sft task's (or a lora_session's: ended, its newest checkpoint; "
+        "running, its newest sampler save) adapter, or a full-weight sft/full_rl task's weights; prints the endpoint",
     )
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument(
@@ -1308,7 +1308,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpus", type=int, default=0, help="GPUs for a newly started server (default 0)")
     p.add_argument(
-        "--step", type=int, default=0, help="a full-weight task's checkpoint at this step (default: its newest)"
+        "--step",
+        type=int,
+        default=0,
+        help="a full-weight task's checkpoint, or a running session's sampler save, at this step (default: the newest)",
     )
     _add_inference_ca(p)
     p.set_defaults(func=_cmd_serve)
@@ -1397,6 +1400,15 @@ def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
         args.task_id, step=args.step, ttl=args.ttl, gpu_count=args.gpus, root_certificates=args.inference_ca
     )  # with the CLI's API key
     task = client.get_task(args.task_id)
+    if task.workload_type == "lora_session" and llm.adapter and "@" in llm.adapter:  # a running session's save
+        step = llm.adapter.rpartition("@")[2]
+        print(
+            safe_text(
+                f"adapter {llm.adapter} (the running session's sampler save at step {step}) "
+                f"served by inference task {llm.task_id} at {llm.endpoint}"
+            )
+        )
+        return 0
     what = "model" if args.step or task.proto.latest_checkpoint.format == "hf_full" else "adapter"
     note = f"step {args.step}" if args.step else task.checkpoint_note
     print(safe_text(f"{what} {args.task_id} ({note}) served by inference task {llm.task_id} at {llm.endpoint}"))

@@ -46,7 +46,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentinker_trainer.inference.access import AccessChecker, AccessRefused
 from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRefused, AdaptersBusy
 from opentinker_trainer.inference.engine import SamplingParams
-from opentinker_trainer.inference.resolve import adapter_not_found
+from opentinker_trainer.inference.resolve import adapter_not_found, split_adapter_name
 from opentinker_trainer.inference.runtime import BadRequest, Busy, ModelRuntime, Prepared, WrongModel
 from opentinker_trainer.inference.serve_tls import ServerTLS
 
@@ -167,7 +167,7 @@ def build_openai_app(runtime: ModelRuntime, *, access: AccessChecker | None = No
         await access.check(metadata, task_id)
         if adapter:
             try:
-                await access.check(metadata, adapter)
+                await access.check(metadata, split_adapter_name(adapter)[0])
             except AccessRefused as exc:
                 if exc.code == grpc.StatusCode.PERMISSION_DENIED:
                     raise adapter_not_found(adapter) from None

@@ -7,6 +7,14 @@ session the newest ``SaveWeightsForSampler`` or ``SaveState``, whichever came la
 the artifact store by its key (``fetch``: through the node-local cache); only a checkpoint without
 an ``artifact`` (an old trainer's) is read at its ``path``.
 
+A ``lora_session`` that is still running serves its sampler saves (``SaveWeightsForSampler``;
+a ``SaveState`` is not a frozen copy for a sampler): ``<task id>`` is its newest one,
+``<task id>@<step>`` the one at that step (what ``SaveWeightsForSamplerResponse.adapter``
+names). A server resolves a name once, when it loads it, and keeps serving that version while it
+is resident; a later save is a new version, asked for by its own ``<task id>@<step>`` name
+(:func:`split_adapter_name`). ``@<step>`` also names a finished adapter task's checkpoint at a
+step.
+
 A full-weight checkpoint (``hf_full``: a finished ``sft`` with ``lora: false`` or a ``full_rl``
 GRPO task on text) is served as the base model of an inference task
 (``InferenceConfig.checkpoint_task_id``): :func:`full_weight_checkpoint` picks it,
@@ -35,6 +43,8 @@ __all__ = [
     "SchedulerResolver",
     "ADAPTER_WORKLOADS",
     "adapter_checkpoint",
+    "split_adapter_name",
+    "SAMPLER_PREFIX",
     "same_model",
     "adapter_not_found",
     "policy_not_found",
@@ -62,6 +72,8 @@ class CheckpointRefused(UserError, ValueError):
 ADAPTER_WORKLOADS = ("lora_finetune", "sft", "lora_session")
 #: ``ADAPTER_WORKLOADS`` as messages list them.
 ADAPTER_WORKLOADS_TEXT = "lora_finetune, sft and lora_session"
+#: Folder-name prefix of a training session's ``SaveWeightsForSampler`` checkpoints (``sampler_<name>``).
+SAMPLER_PREFIX = "sampler_"
 _TERMINAL = (common_pb2.TASK_STATE_SUCCEEDED, common_pb2.TASK_STATE_FAILED, common_pb2.TASK_STATE_CANCELLED)
 
 
@@ -79,6 +91,28 @@ def policy_not_found(name: str) -> str:
     return f"policy {name!r}: no task with that id (policies are named by a finished full_rl task's id)"
 
 
+def split_adapter_name(name: str) -> tuple[str, int]:
+    """``(task id, step)`` of adapter name ``name``: ``<task id>`` gives step 0 (the newest
+    checkpoint; a running session's newest sampler save), ``<task id>@<step>`` (``step`` >= 1)
+    the checkpoint at that step. The task id is what owner and API-key checks are made on.
+
+    Raises:
+        AdapterNotFound: ``@`` not followed by a whole number >= 1 (no task has such a checkpoint).
+    """
+    task_id, at, step = name.partition("@")
+    if not at:
+        return name, 0
+    if not step.isdigit() or int(step) < 1 or not task_id:
+        raise AdapterNotFound(
+            f"adapter {name!r}: expected <task id> or <task id>@<step> with a step >= 1 (a checkpoint's step)"
+        )
+    return task_id, int(step)
+
+
+def _sampler_saves(checkpoints) -> list[common_pb2.Checkpoint]:
+    return [c for c in checkpoints if os.path.basename(os.path.normpath(c.path)).startswith(SAMPLER_PREFIX)]
+
+
 def same_model(a: str, b: str) -> bool:
     """Whether two model names (hub ids or folders) name the same model."""
     if a == b:
@@ -88,30 +122,59 @@ def same_model(a: str, b: str) -> bool:
 
 
 def adapter_checkpoint(
-    name: str, task: common_pb2.Task, served_model: str, deleted: common_pb2.TaskEvent | None = None
+    name: str,
+    task: common_pb2.Task,
+    served_model: str,
+    deleted: common_pb2.TaskEvent | None = None,
+    *,
+    step: int = 0,
+    checkpoints=(),
 ) -> common_pb2.Checkpoint:
-    """The checkpoint adapter ``name`` (task ``task``, as ``LookupTask`` gives it) is served from,
-    on a server of base model ``served_model``: the task's newest checkpoint. ``deleted``: the
-    task's ``artifacts_deleted`` event (``LookupTaskResponse``), named when it has no checkpoint.
+    """The checkpoint adapter ``name`` (task ``task``, as ``LookupTask`` gives it, with its
+    ``checkpoints``, oldest first) is served from, on a server of base model ``served_model``: a
+    finished task's newest checkpoint (``step`` 0) or the one at ``step``; a running
+    ``lora_session``'s newest sampler save (``SaveWeightsForSampler``), or the one at ``step``.
+    ``deleted``: the task's ``artifacts_deleted`` event (``LookupTaskResponse``), named when it
+    has no checkpoint.
 
     Raises:
         AdapterRefused: the task is not of a workload in :data:`ADAPTER_WORKLOADS`, has not
-            finished (a training session serves its adapters once it has ended: cancelled, or
-            idle), its checkpoint is not ``peft_lora``, or it trained another base model.
-        AdapterNotFound: the task has no checkpoint (its artifacts were deleted, say).
+            finished (a running training session: serves its sampler saves only, and has none
+            yet), its checkpoint is not ``peft_lora``, or it trained another base model.
+        AdapterNotFound: the task has no checkpoint (its artifacts were deleted, say), or none at
+            ``step`` (a running session: no sampler save at ``step``; the message lists them).
     """
     workload = task.spec.workload_type
     if workload not in ADAPTER_WORKLOADS:
         raise AdapterRefused(
             f"adapter {name!r}: task is a {workload} task; only {ADAPTER_WORKLOADS_TEXT} tasks give adapters"
         )
-    if task.state not in _TERMINAL:
+    running_session = task.state not in _TERMINAL and workload == "lora_session"
+    if task.state not in _TERMINAL and not running_session:
         state = common_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
-        end = "the session has ended (cancel it)" if workload == "lora_session" else "it has finished"
-        raise AdapterRefused(f"adapter {name!r}: task is {state}; its adapter can be served once {end}")
-    if not task.HasField("latest_checkpoint") or not task.latest_checkpoint.path:
+        raise AdapterRefused(f"adapter {name!r}: task is {state}; its adapter can be served once it has finished")
+    if running_session:
+        saves = _sampler_saves(checkpoints)
+        if not saves:
+            raise AdapterRefused(
+                f"adapter {name!r}: the training session is running and has no sampler save yet; "
+                "call SaveWeightsForSampler first (a running session serves its sampler saves)"
+            )
+        ckpt = saves[-1] if not step else next((c for c in saves if c.step == step), None)
+        if ckpt is None:
+            raise AdapterNotFound(
+                f"adapter {name!r}: the running session has no sampler save at step {step}; "
+                f"steps with one: {', '.join(str(c.step) for c in saves)}"
+            )
+    elif step:
+        ckpt = next((c for c in reversed(list(checkpoints)) if c.step == step), None)
+        if ckpt is None:
+            steps = ", ".join(str(c.step) for c in checkpoints) or "none"
+            raise AdapterNotFound(f"adapter {name!r}: task has no checkpoint at step {step}; steps with one: {steps}")
+    elif not task.HasField("latest_checkpoint") or not task.latest_checkpoint.path:
         raise AdapterNotFound(f"adapter {name!r}: task has no checkpoint{_deleted(deleted)}")
-    ckpt = task.latest_checkpoint
+    else:
+        ckpt = task.latest_checkpoint
     if ckpt.format and ckpt.format != "peft_lora":
         raise AdapterRefused(f"adapter {name!r}: its checkpoint is {ckpt.format!r}, not a LoRA adapter (peft_lora)")
     if not same_model(task.spec.model, served_model):
@@ -201,18 +264,25 @@ class SchedulerResolver:
         self.channel.close()
 
     def __call__(self, name: str) -> Path:
-        """Raises AdapterNotFound (no such task, no checkpoint), AdapterRefused (not finished, not
-        a LoRA checkpoint, another base model); grpc.RpcError when the scheduler is unreachable."""
+        """Raises AdapterNotFound (no such task, no checkpoint, none at the step named),
+        AdapterRefused (not finished, a running session without a sampler save, not a LoRA
+        checkpoint, another base model); grpc.RpcError when the scheduler is unreachable.
+        ``name``: see :func:`split_adapter_name`."""
+        task_id, step = split_adapter_name(name)
         try:
             found = self.stub.LookupTask(
-                node_pb2.LookupTaskRequest(task_id=name), timeout=self.timeout, metadata=self.metadata
+                node_pb2.LookupTaskRequest(task_id=task_id, include_checkpoints=True),
+                timeout=self.timeout,
+                metadata=self.metadata,
             )
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise adapter_not_found(name) from None
             raise
         deleted = found.artifacts_deleted if found.HasField("artifacts_deleted") else None
-        ckpt = adapter_checkpoint(name, found.task, self.served_model, deleted)
+        ckpt = adapter_checkpoint(
+            name, found.task, self.served_model, deleted, step=step, checkpoints=found.checkpoints
+        )
         if ckpt.artifact.key and self.fetch is not None:
             return Path(self.fetch(ckpt))
         return Path(ckpt.path)

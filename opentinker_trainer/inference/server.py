@@ -31,7 +31,7 @@ from opentinker_trainer.inference.policies import (
     PolicyRefused,
     PolicyRegistry,
 )
-from opentinker_trainer.inference.resolve import adapter_not_found, policy_not_found
+from opentinker_trainer.inference.resolve import adapter_not_found, policy_not_found, split_adapter_name
 from opentinker_trainer.inference.runtime import BadRequest, Busy, ModelRuntime, Prepared, WrongModel
 from opentinker_trainer.inference.serve_tls import ServerTLS
 from opentinker_common.net.grpc_options import server_options
@@ -110,11 +110,12 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             await self.access.check(context.invocation_metadata(), self.task_id)
 
     async def _admit_adapter(self, context, adapter: str | None) -> None:
-        """The caller may use ``adapter``, else AdapterNotFound (never confirming that it exists)."""
+        """The caller may use ``adapter`` (its task: ``<task id>`` or ``<task id>@<step>``), else
+        AdapterNotFound (never confirming that it exists)."""
         if self.access is None or not adapter:
             return
         try:
-            await self.access.check(context.invocation_metadata(), adapter)
+            await self.access.check(context.invocation_metadata(), split_adapter_name(adapter)[0])
         except AccessRefused as exc:
             if exc.code == grpc.StatusCode.PERMISSION_DENIED:
                 raise adapter_not_found(adapter) from None

@@ -279,7 +279,11 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 seq,
                 lambda: self.session.save_state(request.name, next_sequence=seq + 1, kind=KIND_SAMPLER),
                 lambda s: training_pb2.SaveWeightsForSamplerResponse(
-                    sequence=seq, name=s.name, step=s.step, artifact_key=s.artifact_key
+                    sequence=seq,
+                    name=s.name,
+                    step=s.step,
+                    artifact_key=s.artifact_key,
+                    adapter=f"{self.task_id}@{s.step}" if self.task_id else "",
                 ),
             )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised

@@ -1,7 +1,8 @@
 """Which task's checkpoint an inference server serves as an adapter (``resolve.adapter_checkpoint``,
 the decision ``SchedulerResolver`` makes on ``LookupTask``'s answer): finished ``lora_finetune``
-and ``sft`` tasks, and ended training sessions (``lora_session``: their newest
-``SaveWeightsForSampler`` or ``SaveState``); anything else is refused naming the accepted workloads."""
+and ``sft`` tasks, ended training sessions (``lora_session``: their newest
+``SaveWeightsForSampler`` or ``SaveState``) and running ones (their sampler saves only, the newest
+or the one at a step, ``<task id>@<step>``); anything else is refused naming the accepted workloads."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRefused
-from opentinker_trainer.inference.resolve import ADAPTER_WORKLOADS, adapter_checkpoint
+from opentinker_trainer.inference.resolve import ADAPTER_WORKLOADS, adapter_checkpoint, split_adapter_name
 
 MODEL = "/models/m"
 
@@ -31,9 +32,45 @@ def test_an_ended_training_session_serves_its_newest_adapter(state) -> None:
     assert (got.path, got.step) == ("/ck/sampler_w", 3)
 
 
-def test_a_running_session_is_refused_until_it_ends() -> None:
-    with pytest.raises(AdapterRefused, match=r"task is RUNNING; its adapter can be served once the session has ended"):
-        adapter_checkpoint("task-1", task("lora_session", C.TASK_STATE_RUNNING, checkpoint=SAMPLER), MODEL)
+STATE = C.Checkpoint(step=4, path="/ck/state_s", format="peft_lora")  # SaveState: adapter + optimizer
+LATER = C.Checkpoint(step=5, path="/ck/sampler_v", format="peft_lora")
+
+
+def test_a_running_session_serves_its_newest_sampler_save_or_the_one_at_a_step() -> None:
+    running = task("lora_session", C.TASK_STATE_RUNNING, checkpoint=STATE)  # a SaveState came last
+    assert adapter_checkpoint("task-1", running, MODEL, checkpoints=[SAMPLER, STATE]).path == "/ck/sampler_w"
+    assert adapter_checkpoint("task-1", running, MODEL, checkpoints=[SAMPLER, STATE, LATER]).step == 5
+    got = adapter_checkpoint("task-1@3", running, MODEL, step=3, checkpoints=[SAMPLER, STATE, LATER])
+    assert (got.path, got.step) == ("/ck/sampler_w", 3)
+
+
+def test_a_running_session_without_a_sampler_save_is_refused_saying_what_to_call() -> None:
+    running = task("lora_session", C.TASK_STATE_RUNNING, checkpoint=STATE)
+    for checkpoints in ([], [STATE]):  # a SaveState is not a frozen copy for a sampler
+        with pytest.raises(AdapterRefused, match="no sampler save yet; call SaveWeightsForSampler first"):
+            adapter_checkpoint("task-1", running, MODEL, checkpoints=checkpoints)
+    with pytest.raises(AdapterNotFound, match="no sampler save at step 4; steps with one: 3, 5"):
+        adapter_checkpoint("task-1@4", running, MODEL, step=4, checkpoints=[SAMPLER, STATE, LATER])
+
+
+def test_other_running_tasks_are_refused_until_they_finish() -> None:
+    with pytest.raises(AdapterRefused, match=r"task is RUNNING; its adapter can be served once it has finished"):
+        adapter_checkpoint("task-1", task("lora_finetune", C.TASK_STATE_RUNNING, checkpoint=SAMPLER), MODEL)
+
+
+def test_a_finished_task_serves_its_checkpoint_at_a_step() -> None:
+    ended = task("lora_session", C.TASK_STATE_CANCELLED, checkpoint=LATER)
+    assert adapter_checkpoint("task-1@4", ended, MODEL, step=4, checkpoints=[SAMPLER, STATE, LATER]).path == STATE.path
+    with pytest.raises(AdapterNotFound, match="no checkpoint at step 9; steps with one: 3, 4, 5"):
+        adapter_checkpoint("task-1@9", ended, MODEL, step=9, checkpoints=[SAMPLER, STATE, LATER])
+
+
+def test_adapter_names_are_a_task_id_with_an_optional_step() -> None:
+    assert split_adapter_name("task-1") == ("task-1", 0)
+    assert split_adapter_name("task-1@12") == ("task-1", 12)
+    for bad in ("task-1@", "task-1@0", "task-1@x", "@3", "task-1@-2"):
+        with pytest.raises(AdapterNotFound, match="expected <task id> or <task id>@<step>"):
+            split_adapter_name(bad)
 
 
 def test_other_workloads_are_refused_naming_the_accepted_ones() -> None:

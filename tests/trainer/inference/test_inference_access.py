@@ -338,7 +338,12 @@ def test_another_owners_adapter_reads_exactly_like_one_that_does_not_exist(
             alice.generate(PROMPT, adapter=missing, max_tokens=2)
         with pytest.raises(NotFoundError) as streamed:
             list(alice.generate_stream(PROMPT, adapter=world.bob_adapter, max_tokens=2))
+        with pytest.raises(NotFoundError) as versioned:  # a version of it (<task id>@<step>): checked as its task
+            alice.generate(PROMPT, adapter=f"{world.bob_adapter}@3", max_tokens=2)
     assert theirs.value.details.replace(world.bob_adapter, "X") == nothing.value.details.replace(missing, "X")
+    assert versioned.value.details.replace(f"{world.bob_adapter}@3", "X") == theirs.value.details.replace(
+        world.bob_adapter, "X"
+    )
     assert streamed.value.details == theirs.value.details
     assert "no task with that id" in theirs.value.details
     # An admin may serve bob's adapter; alice's listing still does not show it, the admin's does.

@@ -30,9 +30,13 @@ class InferenceServiceStub:
     task on a trainer node. Clients find the server's address in the task (`Task.endpoint`, from
     SchedulerService.GetTask) and call it directly.
 
-    Adapters are named by the id of a finished `lora_finetune` or `sft` task; the server loads that
-    task's newest checkpoint on first use and keeps at most `max_resident_adapters` loaded (least
-    recently used go first). A request runs with exactly its own adapter, or none.
+    Adapters are named by the id of a finished `lora_finetune` or `sft` task (or a `lora_session`);
+    the server loads that task's newest checkpoint on first use and keeps at most
+    `max_resident_adapters` loaded (least recently used go first). `<task id>@<step>` names the
+    checkpoint at that step; a running `lora_session` serves its SaveWeightsForSampler saves only
+    (`<task id>`: the newest when the server loads the name; a loaded version never changes, a
+    newer one is asked for by its own `<task id>@<step>`). A request runs with exactly its own
+    adapter, or none.
     """
 
     def __init__(self, channel):
@@ -68,9 +72,13 @@ class InferenceServiceServicer:
     task on a trainer node. Clients find the server's address in the task (`Task.endpoint`, from
     SchedulerService.GetTask) and call it directly.
 
-    Adapters are named by the id of a finished `lora_finetune` or `sft` task; the server loads that
-    task's newest checkpoint on first use and keeps at most `max_resident_adapters` loaded (least
-    recently used go first). A request runs with exactly its own adapter, or none.
+    Adapters are named by the id of a finished `lora_finetune` or `sft` task (or a `lora_session`);
+    the server loads that task's newest checkpoint on first use and keeps at most
+    `max_resident_adapters` loaded (least recently used go first). `<task id>@<step>` names the
+    checkpoint at that step; a running `lora_session` serves its SaveWeightsForSampler saves only
+    (`<task id>`: the newest when the server loads the name; a loaded version never changes, a
+    newer one is asked for by its own `<task id>@<step>`). A request runs with exactly its own
+    adapter, or none.
     """
 
     def Generate(self, request, context):
@@ -79,7 +87,8 @@ class InferenceServiceServicer:
         temperature 0, the same request gives the same answer.
         Errors: INVALID_ARGUMENT (no prompt, bad sampling values, prompt tokens + max_tokens beyond
         the model's context; the message gives the numbers), NOT_FOUND (the base model is not the
-        one served here; unknown adapter), FAILED_PRECONDITION (the adapter's task has not finished,
+        one served here; unknown adapter, no checkpoint at its step), FAILED_PRECONDITION (the
+        adapter's task has not finished (a running session: it has no sampler save yet),
         was trained on another base model, or its files are not a LoRA adapter of this model: no
         LoRA tensors, or keys/shapes that do not match, listed in the message), RESOURCE_EXHAUSTED
         (the batch is full and max_queued_requests already wait, or every adapter slot is pinned),
@@ -159,9 +168,13 @@ class InferenceService:
     task on a trainer node. Clients find the server's address in the task (`Task.endpoint`, from
     SchedulerService.GetTask) and call it directly.
 
-    Adapters are named by the id of a finished `lora_finetune` or `sft` task; the server loads that
-    task's newest checkpoint on first use and keeps at most `max_resident_adapters` loaded (least
-    recently used go first). A request runs with exactly its own adapter, or none.
+    Adapters are named by the id of a finished `lora_finetune` or `sft` task (or a `lora_session`);
+    the server loads that task's newest checkpoint on first use and keeps at most
+    `max_resident_adapters` loaded (least recently used go first). `<task id>@<step>` names the
+    checkpoint at that step; a running `lora_session` serves its SaveWeightsForSampler saves only
+    (`<task id>`: the newest when the server loads the name; a loaded version never changes, a
+    newer one is asked for by its own `<task id>@<step>`). A request runs with exactly its own
+    adapter, or none.
     """
 
     @staticmethod

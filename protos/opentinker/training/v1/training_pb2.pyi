@@ -269,16 +269,18 @@ class SaveWeightsForSamplerRequest(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class SaveWeightsForSamplerResponse(_message.Message):
-    __slots__ = ("sequence", "name", "step", "artifact_key")
+    __slots__ = ("sequence", "name", "step", "artifact_key", "adapter")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_KEY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     name: str
     step: int
     artifact_key: str
-    def __init__(self, sequence: _Optional[int] = ..., name: _Optional[str] = ..., step: _Optional[int] = ..., artifact_key: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, sequence: _Optional[int] = ..., name: _Optional[str] = ..., step: _Optional[int] = ..., artifact_key: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

@@ -199,8 +199,11 @@ class TrainingServiceServicer:
     def SaveWeightsForSampler(self, request, context):
         """Writes a frozen copy of the current adapter (PEFT format, no optimizer) as checkpoint
         `name` of the session task into the artifact store, for a sampler: any PEFT consumer loads it
-        (SchedulerService.DownloadCheckpoint fetches it). Idempotent by sequence number.
-        Errors: as SaveState.
+        (SchedulerService.DownloadCheckpoint fetches it). An inference task serves it while the
+        session runs: the response's `adapter` (`<task id>@<step>`) names this version; the plain
+        task id names the newest sampler save the server saw when it loaded it (a server keeps a
+        loaded version; a newer one is asked for by its own `adapter` name). Idempotent by sequence
+        number. Errors: as SaveState.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
