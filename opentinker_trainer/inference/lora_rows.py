@@ -9,7 +9,7 @@ own low-rank update, computed over only the rows of that adapter:
   first row, giving a gather index ``src [G * m]`` and a weight ``keep [G, m]`` (1 for a real
   row, 0 for padding);
 * per LoRA module: ``x[src]`` ``[G, m * T, in]`` goes through one ``bmm`` with the groups'
-  stacked ``A`` ``[G, in, r]`` and one with their ``B`` ``[G, r, out]``, is scaled by each
+  stacked ``A`` ``[G, r, in]`` (transposed) and one with their ``B`` ``[G, out, r]``, is scaled by each
   adapter's ``lora_alpha / r`` (times ``keep``) and added back to its rows (``index_add_``).
 
 That is Punica's segmented gather matrix-vector product (SGMV; Chen et al. 2023, "Punica:
@@ -109,7 +109,9 @@ class RowLoRA:
             while :attr:`plan` is set, so each LoRA layer returns its base output).
         adapters: adapter names; a row's stack index is its position here.
 
-    Memory: one float copy of every adapter's ``A`` and ``B`` (the LoRA tensors' size again).
+    Memory: none added beyond rank padding: each adapter's PEFT ``lora_A`` / ``lora_B`` weight is
+    re-pointed to its slice of the stacks ``A [N, r, in]`` / ``B [N, out, r]`` (values unchanged,
+    so PEFT's own paths keep working on them).
     """
 
     def __init__(self, peft_model, adapters: Sequence[str]) -> None:
@@ -118,6 +120,12 @@ class RowLoRA:
         self.plan: RowPlan | None = None
         self._weights: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._handles = []
+        # Built as ordinary tensors even when called inside inference mode (a forward pass):
+        # PEFT's parameters become views of them, and later adapter loads touch those.
+        with torch.inference_mode(False), torch.no_grad():
+            self._stack(peft_model)
+
+    def _stack(self, peft_model) -> None:
         linear = _lora_linear_type()
         n = len(self.adapters)
         for module in peft_model.modules():
@@ -130,15 +138,18 @@ class RowLoRA:
             fan_in = ref.shape[1]
             fan_out = module.lora_B[present[0]].weight.shape[0]
             rank = max(module.lora_A[a].weight.shape[0] for a in present)
-            a_stack = torch.zeros((n, fan_in, rank), dtype=ref.dtype, device=ref.device)
-            b_stack = torch.zeros((n, rank, fan_out), dtype=ref.dtype, device=ref.device)
+            a_stack = torch.zeros((n, rank, fan_in), dtype=ref.dtype, device=ref.device)
+            b_stack = torch.zeros((n, fan_out, rank), dtype=ref.dtype, device=ref.device)
             scale = torch.zeros(n, dtype=torch.float32, device=ref.device)
-            with torch.no_grad():
-                for a in present:
-                    i, wa, wb = self.index[a], module.lora_A[a].weight, module.lora_B[a].weight
-                    a_stack[i, :, : wa.shape[0]] = wa.t()
-                    b_stack[i, : wb.shape[1], :] = wb.t()
-                    scale[i] = float(module.scaling[a])
+            for a in present:
+                i, wa, wb = self.index[a], module.lora_A[a].weight, module.lora_B[a].weight
+                r = wa.shape[0]
+                a_stack[i, :r] = wa
+                b_stack[i, :, :r] = wb
+                # PEFT's own tensors become views of the stack: no second copy of any adapter.
+                wa.data = a_stack[i, :r]
+                wb.data = b_stack[i, :, :r]
+                scale[i] = float(module.scaling[a])
             self._weights[id(module)] = (a_stack, b_stack, scale)
             self._handles.append(module.register_forward_hook(self._hook))
 
@@ -165,8 +176,8 @@ class RowLoRA:
         t = per_row.shape[1]
         groups, size = int(plan.adapters.shape[0]), plan.size
         xs = per_row.index_select(0, plan.src).reshape(groups, size * t, fan_in).to(a_stack.dtype)
-        h = torch.bmm(xs, a_stack.index_select(0, plan.adapters))  # [G, m * T, r]
-        delta = torch.bmm(h, b_stack.index_select(0, plan.adapters))  # [G, m * T, out]
+        h = torch.bmm(xs, a_stack.index_select(0, plan.adapters).transpose(1, 2))  # [G, m * T, r]
+        delta = torch.bmm(h, b_stack.index_select(0, plan.adapters).transpose(1, 2))  # [G, m * T, out]
         weight = (plan.keep * scale.index_select(0, plan.adapters)[:, None]).to(delta.dtype)  # [G, m]
         delta = delta.reshape(groups, size, t, -1) * weight[:, :, None, None]
         out = output.reshape(rows, t, -1)
