@@ -287,7 +287,7 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
 
         def background(i: int) -> None:
             it = client.generate_stream(
-                messages=messages, adapter=names[i % len(names)], temperature=0, max_tokens=4096, ignore_eos=True
+                messages=messages, adapter=names[i % len(names)], temperature=0, max_tokens=1024, ignore_eos=True
             )
             next(it)
             started.wait()
@@ -320,26 +320,26 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
         ("cb", "transformers CB (base only)"),
         ("padded", "padded generate (base only)"),
     )
+
+    def run_engine(key: str, c: int):
+        runtime.group_by_adapter = key == "grouped"
+        runtime.grouped_lora = key != "peft"
+        try:
+            if key == "base":
+                return closed_loop(c, args.requests, lambda i: ours(i, base_only=True))
+            if key == "cb":
+                return closed_loop(c, args.requests, theirs)
+            if key == "padded":
+                tps, ttft = padded(c)
+                return tps, [ttft]
+            return closed_loop(c, args.requests, ours)
+        finally:
+            runtime.group_by_adapter, runtime.grouped_lora = False, True
+
+    order = [e for e in args.engines.split(",") if e]  # run in the order given (alternate it across runs)
     for c in levels:
-        runtime.group_by_adapter = False
-        runtime.grouped_lora = True
-        if "ours" in engines:
-            results[("ours", c)] = closed_loop(c, args.requests, ours)
-        if "peft" in engines:
-            runtime.grouped_lora = False
-            results[("peft", c)] = closed_loop(c, args.requests, ours)
-            runtime.grouped_lora = True
-        if "base" in engines:
-            results[("base", c)] = closed_loop(c, args.requests, lambda i: ours(i, base_only=True))
-        if "grouped" in engines:
-            runtime.group_by_adapter = True
-            results[("grouped", c)] = closed_loop(c, args.requests, ours)
-            runtime.group_by_adapter = False
-        if "cb" in engines:
-            results[("cb", c)] = closed_loop(c, args.requests, theirs)
-        if "padded" in engines:
-            tps, ttft = padded(c)
-            results[("padded", c)] = (tps, [ttft])
+        for key in order:
+            results[(key, c)] = run_engine(key, c)
         line = ", ".join(
             f"{label} {results[(key, c)][0]:.1f} tok/s (TTFT p50 {1000 * percentile(results[(key, c)][1], 0.5):.0f} "
             f"p99 {1000 * percentile(results[(key, c)][1], 0.99):.0f} ms)"
@@ -347,7 +347,7 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
             if (key, c) in results
         )
         print(f"{c} streams: {line}", flush=True)
-    for c in sorted({0, *levels}):
+    for c in sorted({0, *(c for c in levels if c <= 4)}):
         probes[c] = probe_ttft(c)
         if probes[c]:
             print(
