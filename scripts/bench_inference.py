@@ -54,6 +54,13 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2, help="requests per stream in the concurrency runs")
     parser.add_argument("--streams", default="1,4,16")
     parser.add_argument("--no-single", action="store_true", help="skip figures 1 and 2 (single stream vs generate)")
+    parser.add_argument(
+        "--engines",
+        default="ours,peft,base,grouped,cb,padded",
+        help="concurrency runs to do: ours (mixed adapters, grouped LoRA), peft (mixed, PEFT adapter_names), "
+        "base (every stream the base), grouped (one batch per adapter), cb (transformers), padded (generate)",
+    )
+    parser.add_argument("--probes", type=int, default=4, help="requests sent mid-decode per load level (0: none)")
     args = parser.parse_args()
 
     import torch
@@ -195,12 +202,12 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
     names = [None, *adapters]  # stream i: the base or an adapter, in turn
     levels = [int(x) for x in args.streams.split(",")]
 
-    def ours(i: int, *, base_only: bool = False) -> tuple[int, float]:
+    def ours(i: int, *, base_only: bool = False, max_tokens: int | None = None) -> tuple[int, float]:
         t0 = time.perf_counter()
         first, count = None, 0
         adapter = None if base_only else names[i % len(names)]
         for chunk in client.generate_stream(
-            messages=messages, adapter=adapter, temperature=0, max_tokens=k, ignore_eos=True
+            messages=messages, adapter=adapter, temperature=0, max_tokens=max_tokens or k, ignore_eos=True
         ):
             if chunk.token_ids and first is None:
                 first = time.perf_counter() - t0
@@ -269,52 +276,116 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
             wall = time.perf_counter() - t0
         return streams * (out.shape[1] - ids.shape[1]) / wall, ttft
 
-    closed_loop(2, 1, ours), closed_loop(2, 1, theirs)  # warm up both
+    def probe_ttft(streams: int) -> list[float]:
+        """TTFT of requests that arrive while ``streams`` others decode (mixed adapters): the
+        background streams start and get their first tokens, then ``--probes`` requests of one
+        token each are sent one after the other, each with the next adapter in turn."""
+        if args.probes <= 0:
+            return []
+        started = threading.Barrier(streams + 1) if streams else None
+        done = threading.Event()
+
+        def background(i: int) -> None:
+            it = client.generate_stream(
+                messages=messages, adapter=names[i % len(names)], temperature=0, max_tokens=1024, ignore_eos=True
+            )
+            next(it)
+            started.wait()
+            done.wait()
+            it.close()
+
+        threads = [threading.Thread(target=background, args=(i,), daemon=True) for i in range(streams)]
+        for t in threads:
+            t.start()
+        if started is not None:
+            started.wait()
+        try:
+            return [closed_loop(1, 1, lambda _: ours(streams + j, max_tokens=1))[1][0] for j in range(args.probes)]
+        finally:
+            done.set()
+            for t in threads:
+                t.join(60)
+
+    engines = set(args.engines.split(","))
+    closed_loop(2, 1, ours)  # warm up
+    if "cb" in engines:
+        closed_loop(2, 1, theirs)
     results: dict[tuple[str, int], tuple[float, list[float]]] = {}
+    probes: dict[int, list[float]] = {}
+    labels = (
+        ("ours", "mixed adapters, grouped LoRA"),
+        ("peft", "mixed adapters, PEFT adapter_names"),
+        ("base", "ours, every stream the base"),
+        ("grouped", "batch per adapter"),
+        ("cb", "transformers CB (base only)"),
+        ("padded", "padded generate (base only)"),
+    )
+
+    def run_engine(key: str, c: int):
+        runtime.group_by_adapter = key == "grouped"
+        runtime.grouped_lora = key != "peft"
+        try:
+            if key == "base":
+                return closed_loop(c, args.requests, lambda i: ours(i, base_only=True))
+            if key == "cb":
+                return closed_loop(c, args.requests, theirs)
+            if key == "padded":
+                tps, ttft = padded(c)
+                return tps, [ttft]
+            return closed_loop(c, args.requests, ours)
+        finally:
+            runtime.group_by_adapter, runtime.grouped_lora = False, True
+
+    order = [e for e in args.engines.split(",") if e]  # run in the order given (alternate it across runs)
     for c in levels:
-        runtime.group_by_adapter = False
-        results[("ours", c)] = closed_loop(c, args.requests, ours)
-        results[("base", c)] = closed_loop(c, args.requests, lambda i: ours(i, base_only=True))
-        runtime.group_by_adapter = True
-        results[("grouped", c)] = closed_loop(c, args.requests, ours)
-        runtime.group_by_adapter = False
-        results[("cb", c)] = closed_loop(c, args.requests, theirs)
-        tps, ttft = padded(c)
-        results[("padded", c)] = (tps, [ttft])
+        for key in order:
+            results[(key, c)] = run_engine(key, c)
         line = ", ".join(
             f"{label} {results[(key, c)][0]:.1f} tok/s (TTFT p50 {1000 * percentile(results[(key, c)][1], 0.5):.0f} "
             f"p99 {1000 * percentile(results[(key, c)][1], 0.99):.0f} ms)"
-            for key, label in (
-                ("ours", "adapter_names per row"),
-                ("base", "ours, every stream the base"),
-                ("grouped", "batch per adapter"),
-                ("cb", "transformers CB (base only)"),
-                ("padded", "padded generate (base only)"),
-            )
+            for key, label in labels
+            if (key, c) in results
         )
         print(f"{c} streams: {line}", flush=True)
+    for c in sorted({0, *(c for c in levels if c <= 4)}):
+        probes[c] = probe_ttft(c)
+        if probes[c]:
+            print(
+                f"TTFT of a request arriving while {c} streams decode: "
+                + ", ".join(f"{1000 * t:.0f}" for t in probes[c])
+                + f" ms (median {1000 * statistics.median(probes[c]):.0f})",
+                flush=True,
+            )
     stop.set()
     router.join(5)
     manager.stop(block=True, timeout=10)
     print(f"most rows in one step: {runtime.max_batch_rows_seen}")
-    one = results[("ours", 1)][0]
-    ttft1 = percentile(results[("ours", 1)][1], 0.5)
     goals = {4: 2.2, 16: 4.0}
+
+    def ratio(a, b) -> str:
+        return f"{results[a][0] / results[b][0]:.2f}x" if a in results and b in results else "-"
+
     for c in levels:
         if c == 1:
             continue
-        tps = results[("ours", c)][0]
         goal = f" (goal >= {goals[c]})" if c in goals else ""
         print(
-            f"{c} streams vs 1: {tps / one:.2f}x{goal}; vs transformers CB {tps / results[('cb', c)][0]:.2f}x "
-            f"(goal >= 1.0); vs padded generate {tps / results[('padded', c)][0]:.2f}x; "
-            f"batch per adapter / adapter_names {results[('grouped', c)][0] / tps:.2f}x; "
-            f"ours with every stream on the base vs transformers CB (both base only) "
-            f"{results[('base', c)][0] / results[('cb', c)][0]:.2f}x"
+            f"{c} streams vs 1, mixed adapters: grouped LoRA {ratio(('ours', c), ('ours', 1))}{goal}, "
+            f"PEFT adapter_names {ratio(('peft', c), ('peft', 1))}; vs transformers CB (goal >= 1.0): grouped "
+            f"{ratio(('ours', c), ('cb', c))}, PEFT {ratio(('peft', c), ('cb', c))}; grouped / PEFT "
+            f"{ratio(('ours', c), ('peft', c))}; vs padded generate {ratio(('ours', c), ('padded', c))}; "
+            f"batch per adapter / grouped {ratio(('grouped', c), ('ours', c))}; ours with every stream on the "
+            f"base vs transformers CB (both base only) {ratio(('base', c), ('cb', c))}"
         )
-    if 4 in levels:
+    if 4 in levels and ("ours", 1) in results and ("ours", 4) in results:
+        ttft1 = percentile(results[("ours", 1)][1], 0.5)
         ttft4 = percentile(results[("ours", 4)][1], 0.5)
-        print(f"TTFT p50 under 4-stream load vs 1 stream: {ttft4 / ttft1:.2f}x (goal <= 1.5)")
+        print(f"TTFT p50 of the closed loop (4 streams asking together) vs 1 stream: {ttft4 / ttft1:.2f}x")
+    if probes.get(0) and probes.get(4):
+        print(
+            "TTFT of a request arriving while 4 streams decode vs arriving idle (medians): "
+            f"{statistics.median(probes[4]) / statistics.median(probes[0]):.2f}x (goal <= 1.5)"
+        )
 
 
 if __name__ == "__main__":

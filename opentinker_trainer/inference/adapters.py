@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from opentinker_trainer.inference.lora_rows import RowLoRA
+from opentinker_trainer.inference.lora_rows import supports as row_lora_supports
 from opentinker_trainer.lora_keys import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -198,6 +200,8 @@ class AdapterRegistry:
         self._resident: OrderedDict[str, _Resident] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self._active: str | None | object = _UNKNOWN
+        self._rows: RowLoRA | None = None  # stacked weights of the loaded adapters, built on first use
+        self._rows_unsupported = False
         self.loads = 0
         self.evictions = 0
 
@@ -215,15 +219,8 @@ class AdapterRegistry:
             AdapterNotFound, AdapterRefused: from resolving or validating it.
             AdaptersBusy: the registry is full and every resident adapter is in use.
         """
-        if name is None:
+        if name is None or self.pin_resident(name):
             return
-        with self._lock:
-            entry = self._resident.get(name)
-            if entry is not None:
-                entry.in_use += 1
-                entry.last_used = time.time()
-                self._resident.move_to_end(name)
-                return
         path = Path(path if path is not None else self.resolve(name))
         size = validate_adapter(path, self.base)
         with self._lock:
@@ -239,6 +236,19 @@ class AdapterRegistry:
             now = time.time()
             self._resident[name] = _Resident(name, str(path), size, now, now, in_use=1)
 
+    def pin_resident(self, name: str) -> bool:
+        """Pin adapter ``name`` until :meth:`release` if it is resident (any thread: a pinned
+        adapter is never evicted, and eviction runs under the same lock). False when it is not
+        resident: call :meth:`acquire` on the model thread to load it."""
+        with self._lock:
+            entry = self._resident.get(name)
+            if entry is None:
+                return False
+            entry.in_use += 1
+            entry.last_used = time.time()
+            self._resident.move_to_end(name)
+            return True
+
     def release(self, name: str | None) -> None:
         """Unpin an adapter taken with :meth:`acquire`."""
         if name is None:
@@ -251,6 +261,8 @@ class AdapterRegistry:
 
     def activate(self, name: str | None) -> None:
         """Make the next forward pass use adapter ``name`` alone, or no adapter for ``None``."""
+        if self._rows is not None:
+            self._rows.plan = None
         if name == self._active:
             return
         if self.model is self.base:
@@ -259,7 +271,7 @@ class AdapterRegistry:
         elif name is None:
             self.model.base_model.disable_adapter_layers()
         else:
-            if self._active is None or self._active is _UNKNOWN or self._active is _MIXED:
+            if self._active is None or self._active is _UNKNOWN or self._active is _MIXED or self._active is _ROWS:
                 self.model.base_model.enable_adapter_layers()
             self.model.set_adapter(name, inference_mode=True)
         self._active = name
@@ -267,11 +279,32 @@ class AdapterRegistry:
     def activate_mixed(self) -> None:
         """Let the next forward passes choose adapters per row (PEFT's ``adapter_names``): LoRA
         layers enabled; each row names its adapter or ``"__base__"``."""
+        if self._rows is not None:
+            self._rows.plan = None
         if self._active is _MIXED:
             return
         if self.model is not self.base:
             self.model.base_model.enable_adapter_layers()
         self._active = _MIXED
+
+    def activate_rows(self, names: list[str | None]) -> bool:
+        """Let the next forward passes run row ``b`` with adapter ``names[b]`` (``None``: the base
+        model), grouped by adapter (:class:`~.lora_rows.RowLoRA`: the base once for all rows, each
+        adapter's LoRA over only its rows). Returns False, changing nothing, when no adapter is
+        loaded or one cannot run grouped (DoRA, LoRA bias, ``modules_to_save``, non-Linear
+        layers): the caller then uses PEFT's ``adapter_names``."""
+        if self.model is self.base:
+            return False
+        if self._rows is None:
+            if self._rows_unsupported or not row_lora_supports(self.model):
+                self._rows_unsupported = True
+                return False
+            self._rows = RowLoRA(self.model, list(self.model.peft_config))
+        if self._active is not _ROWS:
+            self.model.base_model.disable_adapter_layers()
+            self._active = _ROWS
+        self._rows.set_rows(names)
+        return True
 
     def list(self) -> list[AdapterInfo]:
         """Resident adapters, most recently used first."""
@@ -305,6 +338,7 @@ class AdapterRegistry:
             raise AdapterRefused(f"adapter {name!r} ({path}): {unloaded_message(missing, not_loaded)}")
         self.model.eval()  # new LoRA modules (their dropout) start in train mode
         self._active = _UNKNOWN
+        self._forget_rows()
         self.loads += 1
 
     def _unload(self, name: str) -> None:
@@ -320,10 +354,19 @@ class AdapterRegistry:
         else:
             self.model.delete_adapter(name)
         self._active = _UNKNOWN
+        self._forget_rows()
+
+    def _forget_rows(self) -> None:
+        """The adapters changed: the stacked weights are rebuilt on the next grouped pass."""
+        if self._rows is not None:
+            self._rows.close()
+        self._rows = None
+        self._rows_unsupported = False
 
 
 _UNKNOWN = object()
 _MIXED = object()
+_ROWS = object()
 
 
 def _no_resolver(name: str) -> Path:

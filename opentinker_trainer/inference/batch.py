@@ -12,7 +12,8 @@ runs padded batches (:func:`opentinker_trainer.rl.rollout.position_ids_from_mask
   concatenated on the batch axis;
 * **step** (:meth:`DecodeBatch.forward`): ``[B, 1]`` last tokens, mask ``[B, W + 1]``,
   ``position_ids[b]`` = real tokens of row ``b`` so far; rows of different adapters run in the
-  same pass through PEFT's per-row ``adapter_names`` (``"__base__"`` for base-model rows), or the
+  same pass (``model_for`` gets each row's adapter name, ``"__base__"`` for base-model rows: the
+  runtime groups them by adapter, :mod:`~.lora_rows`, or passes PEFT's ``adapter_names``), or the
   caller keeps one batch per adapter and activates it (``group_by_adapter``; both measured in
   ``scripts/bench_inference.py``);
 * **retire** (:meth:`DecodeBatch.remove`): ``batch_select_indices`` keeps the other rows, and

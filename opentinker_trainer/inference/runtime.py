@@ -10,11 +10,20 @@ forward pass and every adapter load runs on a single model thread. Each engine i
    ``max_batch_tokens`` reserved key/value tokens (``n * (prompt + max_tokens)`` per request);
    at most ``max_prefill_tokens`` prompt tokens are prefilled per step (always at least one
    request), so a burst of long prompts does not stall the running streams for long;
-3. prefills the admitted prompts in one left-padded pass, then runs **one decode step of every running row in one
-   forward pass** (:class:`~.batch.DecodeBatch`; rows of different adapters together through
-   PEFT's per-row ``adapter_names``, or one batch per adapter with ``group_by_adapter``), samples
-   each request with its own settings and generator, and hands every request its tokens; stop
-   strings are checked right away, so a stopped sample ends before the next step.
+3. **prefill first**: the admitted prompts run in one left-padded pass on their own, and their
+   first tokens are handed out right away; the new rows join the batch;
+4. runs **one decode step of every running row in one forward pass** (:class:`~.batch.DecodeBatch`;
+   rows of different adapters together, or one batch per adapter with ``group_by_adapter``),
+   samples each request with its own settings and generator, and hands every request its
+   tokens; stop strings are checked right away, so a stopped sample ends before the next step.
+
+Time to first token under load (the scheduling rule, as vLLM's and SGLang's schedulers admit
+waiting prefills at the next step): a request that arrives while the batch decodes, and fits,
+waits for at most the one decode step in flight, then its prefill, before its first token; it
+never waits behind a decode step that starts after it arrived (tested in engine steps,
+:attr:`ModelRuntime.first_token_waits`). A resident adapter is pinned on arrival without a
+model-thread hop. The prefill is not chunked: on one CPU thread a prompt's prefill is
+compute-bound, so chunking it would only spread the same work over more steps.
 
 No starvation: every running row advances by one token on every step, whatever its length, so
 a long generation slows a short one by its share of the batch but never blocks it; and the
@@ -109,7 +118,10 @@ class ModelRuntime:
         max_queued: requests waiting for room; beyond, :class:`Busy`.
         max_prefill_tokens: prompt tokens prefilled per step (at least one request per step).
         group_by_adapter: one batch per adapter (activated per forward pass) instead of one
-            batch with per-row ``adapter_names``.
+            batch of mixed rows.
+        grouped_lora: mixed rows compute their LoRA grouped by adapter
+            (:mod:`~.lora_rows`); ``False``: PEFT's per-row ``adapter_names`` (the benchmark's
+            comparison).
     """
 
     def __init__(
@@ -127,6 +139,7 @@ class ModelRuntime:
         max_queued: int = 64,
         max_prefill_tokens: int = 2048,
         group_by_adapter: bool = False,
+        grouped_lora: bool = True,
     ) -> None:
         for name, value in (
             ("max_concurrent", max_concurrent),
@@ -150,8 +163,13 @@ class ModelRuntime:
         self.max_queued = max_queued
         self.max_prefill_tokens = max_prefill_tokens
         self.group_by_adapter = group_by_adapter
+        self.grouped_lora = grouped_lora
         self.running = 0  # requests between their start and the release of their row and adapter
-        self.steps = 0  # batch steps run (all requests)
+        self.steps = 0  # batch steps run (all requests): prefill passes and decode steps
+        self.decode_steps = 0  # decode steps of the whole batch run
+        #: For recent requests: decode steps the batch ran between the request's arrival in the
+        #: queue and its first token (0 or 1 when it did not have to wait for room).
+        self.first_token_waits: collections.deque[int] = collections.deque(maxlen=1024)
         self.max_batch_rows_seen = 0  # most rows one step decoded (a figure for tests and benchmarks)
         self._queue: collections.deque[_Job] = collections.deque()
         self._admitted: list[_Job] = []
@@ -254,16 +272,18 @@ class ModelRuntime:
         self.running += 1
         try:
             if req.adapter is not None:
-                path = None
-                if not self.registry.is_resident(req.adapter):
+                # A resident adapter is pinned right here (a lock, no model-thread hop behind the
+                # step in flight); only a load runs on the model thread.
+                if not self.registry.pin_resident(req.adapter):
                     path = await asyncio.to_thread(self.registry.resolve, req.adapter)
-                await self._on_model_thread(self.registry.acquire, req.adapter, path)
+                    await self._on_model_thread(self.registry.acquire, req.adapter, path)
                 job.pinned = True
             if self._must_wait(job) and len(self._queue) >= self.max_queued:
                 raise Busy(self._full_message())  # the queue filled while the adapter loaded
             decode_text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
             job.member = Member.create(req.prompt_ids, req.params, req.adapter, self.stop_token_ids, self._device)
             job.streams = [TextStream(decode_text, req.params.stop) for _ in range(req.params.n)]
+            job.arrived_at = self.decode_steps
             self._queue.append(job)
             self._wake.set()
             while True:
@@ -332,7 +352,9 @@ class ModelRuntime:
 
     async def _engine_loop(self) -> None:
         """Owns the batch: every iteration drops finished and cancelled rows, admits queued
-        requests first in first out, runs one step on the model thread and hands out its tokens."""
+        requests first in first out and prefills them (their first tokens are handed out at
+        once), then runs one decode step of every row on the model thread and hands out its
+        tokens."""
         while True:
             if not self._admitted and not self._queue:
                 self._wake.clear()
@@ -359,7 +381,20 @@ class ModelRuntime:
                 job.admitted = True
             self._admitted = kept + admit
             try:
-                results = await self._on_model_thread(self._step, admit, {j.member for j in gone})
+                if admit or gone:
+                    # Prefill first, on its own: the new requests' first tokens go out before the
+                    # running rows' next decode step (which then includes the new rows).
+                    results = await self._on_model_thread(self._prefill_step, admit, {j.member for j in gone})
+                    for job in gone:
+                        self._finalize(job)
+                    self._deliver(results)
+                    for job in admit:
+                        if not job.cancelled and job.member.tokens[0]:
+                            self.first_token_waits.append(self.decode_steps - job.arrived_at)
+                if any(not j.finalized for j in self._admitted):
+                    results = await self._on_model_thread(self._decode_step)
+                    self.decode_steps += 1
+                    self._deliver(results)
             except Exception as exc:  # noqa: BLE001 - every request in the batch gets the error
                 self._batches = {}
                 for job in gone + self._admitted:
@@ -367,18 +402,19 @@ class ModelRuntime:
                     self._finalize(job)
                 self._admitted = []
                 continue
-            for job in gone:
-                self._finalize(job)
-            for job, events in results.items():
-                if job.member.done:
-                    self._finalize(job)  # its rows left the batch in that step: release before answering
-                if job.cancelled:
-                    continue
-                for event in events:
-                    job.events.put_nowait(event)
-                if job.member.done:
-                    job.events.put_nowait(_END)
             self._admitted = [j for j in self._admitted if not j.finalized]
+
+    def _deliver(self, results: dict) -> None:
+        """Hand each request the events of one model-thread call (its rows left the batch when done)."""
+        for job, events in results.items():
+            if job.member.done:
+                self._finalize(job)  # its rows left the batch in that step: release before answering
+            if job.cancelled:
+                continue
+            for event in events:
+                job.events.put_nowait(event)
+            if job.member.done:
+                job.events.put_nowait(_END)
 
     def _events(self, job: "_Job", chosen) -> list[StepEvent]:
         """Model thread: text deltas and stop strings of the tokens one step chose for ``job``."""
@@ -398,10 +434,18 @@ class ModelRuntime:
 
     def _model_for(self, names):
         """The model to call and its extra arguments for rows of adapters ``names`` (``None``: the
-        caller activated the one adapter). Rows all of one adapter run it activated (no per-row
-        hooks); mixed rows pass PEFT's ``adapter_names``."""
+        caller activated the one adapter). Rows with adapters run grouped by adapter
+        (:meth:`AdapterRegistry.activate_rows`: the base once for all rows, each adapter's LoRA
+        over its rows only), rows all on the base with LoRA off; where the adapters cannot run
+        grouped, rows all of one adapter run it activated and mixed rows pass PEFT's
+        ``adapter_names``."""
         reg = self.registry
         if names is None or reg.model is reg.base:
+            return reg.base, {}
+        if all(n == BASE_ROW for n in names):
+            reg.activate(None)
+            return reg.base, {}
+        if self.grouped_lora and reg.activate_rows([None if n == BASE_ROW else n for n in names]):
             return reg.base, {}
         if len(set(names)) == 1:
             reg.activate(None if names[0] == BASE_ROW else names[0])
@@ -409,36 +453,41 @@ class ModelRuntime:
         reg.activate_mixed()
         return reg.model, {"adapter_names": names}
 
-    def _step(self, admit: list["_Job"], gone: set[Member]) -> dict:
-        """Model thread: drop the ``gone`` rows, prefill ``admit``, one decode step of the other
-        rows; returns each request's events. Rows of requests that ended leave the batch here."""
+    def _new_batch(self) -> DecodeBatch:
+        return DecodeBatch(
+            model_for=self._model_for, cache_kw=self._cache_kw, device=self._device, mixed=not self.group_by_adapter
+        )
+
+    def _prefill_step(self, admit: list["_Job"], gone: set[Member]) -> dict:
+        """Model thread: drop the ``gone`` rows, prefill ``admit`` (one pass per batch) and choose
+        each one's first token; the new rows join the batch. Returns each admitted request's events."""
         self._drop(gone)
         chosen: dict = {}
-        new = []
         groups: dict[str, list[_Job]] = {}  # one prefill pass per batch (per adapter when grouped)
         for job in admit:
             groups.setdefault(job.member.adapter or "" if self.group_by_adapter else "", []).append(job)
         for key, jobs_in in groups.items():
-            batch = self._batches.get(key) or DecodeBatch(
-                model_for=self._model_for,
-                cache_kw=self._cache_kw,
-                device=self._device,
-                mixed=not self.group_by_adapter,
-            )
+            batch = self._batches.get(key) or self._new_batch()
             self._activate(key or None)
             members = [j.member for j in jobs_in]
             logits, cache, mask = batch.prefill(members)
             for job, lg in zip(jobs_in, logits):
                 chosen[job] = job.member.sample(lg)
-            new.append((key, batch, members, cache, mask))
+            batch.add(members, cache, mask)
+            self._batches[key] = batch
+        return self._finish_step(chosen)
+
+    def _decode_step(self) -> dict:
+        """Model thread: one decode step of every row in the batch; returns each request's events."""
+        chosen: dict = {}
         jobs = {j.member: j for j in self._admitted}
         for key, batch in self._batches.items():
             self._activate(key or None)
             for m, logits in zip(batch.members, batch.forward()):
                 chosen[jobs[m]] = m.sample(logits)
-        for key, batch, members, cache, mask in new:
-            batch.add(members, cache, mask)
-            self._batches[key] = batch
+        return self._finish_step(chosen)
+
+    def _finish_step(self, chosen: dict) -> dict:
         if chosen:
             self.steps += 1
             self.max_batch_rows_seen = max(self.max_batch_rows_seen, sum(b.rows for b in self._batches.values()))
@@ -471,6 +520,7 @@ class _Job:
     member: Member | None = None
     streams: list[TextStream] = field(default_factory=list)
     pinned: bool = False
+    arrived_at: int = 0  # ModelRuntime.decode_steps when it joined the queue
     admitted: bool = False
     cancelled: bool = False
     finalized: bool = False
