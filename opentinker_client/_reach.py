@@ -104,11 +104,7 @@ def explain_unreachable(err: OpenTinkerError, target: str) -> OpenTinkerError:
             shown = target if address == target else f"{target} ({address} answered HTTP/1.1)"
             message = f"cannot talk gRPC to {shown}: {why}"
         elif refused and not http:
-            message = (
-                f"cannot reach the scheduler at {target}: nothing is listening on {', '.join(refused)} "
-                f"(connection refused); is the scheduler running, and is {port} its gRPC port "
-                "(its --port, 8888 by default)?"
-            )
+            message = _nothing_listening(target, refused)
     elif "Domain name not found" in details or "lookup error" in details or "DNS resolution failed" in details:
         message = f"cannot reach the scheduler at {target}: the host name {host.strip('[]')!r} does not resolve"
     elif "timed out" in details.lower() or "Timeout occurred" in details:
@@ -131,13 +127,18 @@ def _explain_deadline(err: DeadlineExceededError, target: str) -> OpenTinkerErro
     refused, http = _probe(target)
     if not refused or http:
         return err
-    port = target.rpartition(":")[2]
     out = DeadlineExceededError(
-        f"no answer within the call's timeout: cannot reach the scheduler at {target}: nothing is listening on "
-        f"{', '.join(refused)} (connection refused); is the scheduler running, and is {port} its gRPC port "
-        "(its --port, 8888 by default)?",
-        code=err.code,
-        status=err.status,
+        f"no answer within the call's timeout: {_nothing_listening(target, refused)}", code=err.code, status=err.status
     )
     out.raw_details = err.details
     return out
+
+
+def _nothing_listening(target: str, refused: list[str]) -> str:
+    """The words for ``target`` (``host:port``) whose addresses ``refused`` all refused the connection."""
+    port = target.rpartition(":")[2]
+    return (
+        f"cannot reach the scheduler at {target}: nothing is listening on {', '.join(refused)} "
+        f"(connection refused); is the scheduler running, and is {port} its gRPC port "
+        "(its --port, 8888 by default)?"
+    )

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_common.artifacts.checkpoint_lists import at_step, sampler_saves, steps_text
 from opentinker_common.artifacts.deleted import deleted_words
 from opentinker_common.artifacts.full_weights import FULL_FORMAT, weights_problem
 
@@ -100,16 +101,7 @@ class ServingCalls:
             what = "policy" if policy else "adapter"
             if task.workload_type == "sft" and (task.hyperparameters or {}).get("lora") is False:
                 what = "weights"  # a full-weight SFT
-            listed = self.connection.unary("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id))
-            if listed.HasField("artifacts_deleted"):
-                raise FailedPreconditionError(
-                    f"task {task_id} has no checkpoint: {deleted_words(listed.artifacts_deleted)}; "
-                    f"there {'are' if what == 'weights' else 'is'} no {what} to serve"
-                )
-            raise FailedPreconditionError(
-                f"task {task_id} ended {task.state} without a checkpoint; "
-                f"there {'are' if what == 'weights' else 'is'} no {what} to serve"
-            )
+            self._refuse_without_checkpoint(task, what, self._checkpoints(task_id))
         server_id = self._inference_task(
             task.model, gpu_count=gpu_count, ttl=ttl, adapters=max_resident_adapters, policies_only=policy
         )
@@ -146,10 +138,10 @@ class ServingCalls:
         task_id = task.task_id
         deadline = time.monotonic() + timeout
         while True:
-            listed = self.connection.unary("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id))
-            saves = [c for c in listed.checkpoints if os.path.basename(os.path.normpath(c.path)).startswith("sampler_")]
-            chosen = [c for c in saves if c.step == step] if step else saves[-1:]
-            if chosen:
+            listed = self._checkpoints(task_id)
+            saves = sampler_saves(listed.checkpoints)
+            chosen = at_step(saves, step) if step else (saves[-1] if saves else None)
+            if chosen is not None:
                 break
             if not step:
                 raise FailedPreconditionError(
@@ -158,8 +150,7 @@ class ServingCalls:
                 )
             if time.monotonic() >= deadline:
                 raise NotFoundError(
-                    f"task {task_id}: no sampler save at step {step}; "
-                    f"steps with one: {', '.join(str(c.step) for c in saves) or 'none'}"
+                    f"task {task_id}: no sampler save at step {step}; steps with one: {steps_text(saves)}"
                 )
             time.sleep(0.2)
         server_id = self._inference_task(task.model, gpu_count=gpu_count, ttl=ttl, adapters=max_resident_adapters)
@@ -167,7 +158,7 @@ class ServingCalls:
             server_id,
             timeout=max(1.0, deadline - time.monotonic()),
             root_certificates=root_certificates,
-            adapter=f"{task_id}@{chosen[-1].step}",
+            adapter=f"{task_id}@{chosen.step}",
             model=task.model,
         )
 
@@ -189,27 +180,19 @@ class ServingCalls:
             raise FailedPreconditionError(
                 f"task {task_id} is {task.state}; wait for it to finish (RLClient.wait) before serving its weights"
             )
-        listed = self.connection.unary("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id))
+        listed = self._checkpoints(task_id)
         checkpoints = list(listed.checkpoints)
         if not checkpoints:
-            if listed.HasField("artifacts_deleted"):
-                raise FailedPreconditionError(
-                    f"task {task_id} has no checkpoint: {deleted_words(listed.artifacts_deleted)}; "
-                    "there are no weights to serve"
+            self._refuse_without_checkpoint(task, "weights", listed)
+        if step:
+            ckpt = at_step(checkpoints, step)
+            if ckpt is None:
+                raise NotFoundError(
+                    f"task {task_id} has no checkpoint at step {step}; steps with one: {steps_text(checkpoints)}"
                 )
-            raise FailedPreconditionError(
-                f"task {task_id} ended {task.state} without a checkpoint; there are no weights to serve"
-            )
-        latest = task.proto.latest_checkpoint
-        chosen = [c for c in checkpoints if (c.step == step if step else c.path == latest.path)] or (
-            [] if step else checkpoints[-1:]
-        )
-        if not chosen:
-            raise NotFoundError(
-                f"task {task_id} has no checkpoint at step {step}; "
-                f"steps with one: {', '.join(str(c.step) for c in checkpoints)}"
-            )
-        ckpt = chosen[-1]
+        else:  # the task's newest, as the task records it
+            latest = task.proto.latest_checkpoint.path
+            ckpt = next((c for c in reversed(checkpoints) if c.path == latest), checkpoints[-1])
         if ckpt.format != FULL_FORMAT:
             raise FailedPreconditionError(
                 f"task {task_id} step {ckpt.step}: its checkpoint is {ckpt.format or 'of no format'!r}, "
@@ -218,6 +201,22 @@ class ServingCalls:
         self._check_weights(task_id, int(ckpt.step))
         server_id = self._full_weights_task(task, int(ckpt.step), gpu_count=gpu_count, ttl=ttl)
         return self._client(server_id, timeout=timeout, root_certificates=root_certificates, model=task_id)
+
+    def _checkpoints(self, task_id: str):
+        """``ListCheckpointsResponse`` of ``task_id``: its checkpoints, oldest first, and the
+        deletion of its artifacts if there was one."""
+        return self.connection.unary("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id))
+
+    @staticmethod
+    def _refuse_without_checkpoint(task, what: str, listed) -> NoReturn:
+        """Raises FailedPreconditionError: ``task`` has no checkpoint, so no ``what`` ("adapter",
+        "policy", "weights") to serve; its artifacts' deletion is named when ``listed`` records one."""
+        nothing = f"there {'are' if what == 'weights' else 'is'} no {what} to serve"
+        if listed.HasField("artifacts_deleted"):
+            raise FailedPreconditionError(
+                f"task {task.task_id} has no checkpoint: {deleted_words(listed.artifacts_deleted)}; {nothing}"
+            )
+        raise FailedPreconditionError(f"task {task.task_id} ended {task.state} without a checkpoint; {nothing}")
 
     def _check_weights(self, task_id: str, step: int) -> None:
         """Read the manifest (the first message of ``DownloadCheckpoint``) of ``task_id``'s

@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_common.artifacts.checkpoint_lists import at_step, steps_text
 from opentinker_common.artifacts.deleted import deleted_words
 
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -67,12 +68,10 @@ def pick_checkpoint(store, task_id: str, step: int) -> common_pb2.Checkpoint:
         if task is not None and task.latest_checkpoint is not None and task.latest_checkpoint.path:
             return task.latest_checkpoint
         return cks[-1]
-    for ck in reversed(cks):
-        if ck.step == step:
-            return ck
-    raise NotFound(
-        f"task {task_id!r} has no checkpoint at step {step}; steps with one: {', '.join(str(c.step) for c in cks)}"
-    )
+    found = at_step(cks, step)
+    if found is not None:
+        return found
+    raise NotFound(f"task {task_id!r} has no checkpoint at step {step}; steps with one: {steps_text(cks)}")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ import grpc
 
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
+from opentinker_common.artifacts.checkpoint_lists import SAMPLER_PREFIX, at_step, sampler_saves, steps_text
 from opentinker_common.artifacts.deleted import deleted_words
 from opentinker_common.artifacts.errors import ArtifactCorrupt, ArtifactNotFound
 from opentinker_common.artifacts.full_weights import FULL_FORMAT, WEIGHT_FILES, weights_problem
@@ -72,8 +73,6 @@ class CheckpointRefused(UserError, ValueError):
 ADAPTER_WORKLOADS = ("lora_finetune", "sft", "lora_session")
 #: ``ADAPTER_WORKLOADS`` as messages list them.
 ADAPTER_WORKLOADS_TEXT = "lora_finetune, sft and lora_session"
-#: Folder-name prefix of a training session's ``SaveWeightsForSampler`` checkpoints (``sampler_<name>``).
-SAMPLER_PREFIX = "sampler_"
 _TERMINAL = (common_pb2.TASK_STATE_SUCCEEDED, common_pb2.TASK_STATE_FAILED, common_pb2.TASK_STATE_CANCELLED)
 
 
@@ -107,10 +106,6 @@ def split_adapter_name(name: str) -> tuple[str, int]:
             f"adapter {name!r}: expected <task id> or <task id>@<step> with a step >= 1 (a checkpoint's step)"
         )
     return task_id, int(step)
-
-
-def _sampler_saves(checkpoints) -> list[common_pb2.Checkpoint]:
-    return [c for c in checkpoints if os.path.basename(os.path.normpath(c.path)).startswith(SAMPLER_PREFIX)]
 
 
 def same_model(a: str, b: str) -> bool:
@@ -154,23 +149,24 @@ def adapter_checkpoint(
         state = common_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
         raise AdapterRefused(f"adapter {name!r}: task is {state}; its adapter can be served once it has finished")
     if running_session:
-        saves = _sampler_saves(checkpoints)
+        saves = sampler_saves(checkpoints)
         if not saves:
             raise AdapterRefused(
                 f"adapter {name!r}: the training session is running and has no sampler save yet; "
                 "call SaveWeightsForSampler first (a running session serves its sampler saves)"
             )
-        ckpt = saves[-1] if not step else next((c for c in saves if c.step == step), None)
+        ckpt = saves[-1] if not step else at_step(saves, step)
         if ckpt is None:
             raise AdapterNotFound(
                 f"adapter {name!r}: the running session has no sampler save at step {step}; "
-                f"steps with one: {', '.join(str(c.step) for c in saves)}"
+                f"steps with one: {steps_text(saves)}"
             )
     elif step:
-        ckpt = next((c for c in reversed(list(checkpoints)) if c.step == step), None)
+        ckpt = at_step(checkpoints, step)
         if ckpt is None:
-            steps = ", ".join(str(c.step) for c in checkpoints) or "none"
-            raise AdapterNotFound(f"adapter {name!r}: task has no checkpoint at step {step}; steps with one: {steps}")
+            raise AdapterNotFound(
+                f"adapter {name!r}: task has no checkpoint at step {step}; steps with one: {steps_text(checkpoints)}"
+            )
     elif not task.HasField("latest_checkpoint") or not task.latest_checkpoint.path:
         raise AdapterNotFound(f"adapter {name!r}: task has no checkpoint{_deleted(deleted)}")
     else:
@@ -205,10 +201,11 @@ def full_weight_checkpoint(
         state = common_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
         raise CheckpointRefused(f"task {name}: it is {state}; its weights can be served once it has finished")
     if step > 0:
-        ckpt = next((c for c in reversed(list(checkpoints)) if c.step == step), None)
+        ckpt = at_step(checkpoints, step)
         if ckpt is None:
-            steps = ", ".join(str(c.step) for c in checkpoints) or "none"
-            raise CheckpointNotFound(f"task {name}: no checkpoint at step {step}; steps with one: {steps}")
+            raise CheckpointNotFound(
+                f"task {name}: no checkpoint at step {step}; steps with one: {steps_text(checkpoints)}"
+            )
     elif task.HasField("latest_checkpoint") and task.latest_checkpoint.path:
         ckpt = task.latest_checkpoint
     else:
