@@ -259,7 +259,13 @@ async def closed_loop(port: int, n: int, concurrency: int, tag: str) -> dict:
 
 async def submits_phase(args, server, tmp: Path) -> dict:
     modes = ["on", "off"] if args.synchronous_commit == "both" else [args.synchronous_commit]
-    kinds = ["sqlite", *(f"postgres-sync-{m}" for m in modes)]
+    flushes = ["background", "inline"] if args.flush == "both" else [args.flush]
+    kinds = ["sqlite"]
+    for m in modes:
+        if m == "on":
+            kinds += ["postgres-sync-on" if f == "background" else "postgres-sync-on-inline" for f in flushes]
+        else:
+            kinds.append("postgres-sync-off")
     out: dict[str, list[dict]] = {k: [] for k in kinds}
     for r in range(args.submit_rounds):
         for kind in kinds:
@@ -268,7 +274,8 @@ async def submits_phase(args, server, tmp: Path) -> dict:
                 store = (
                     f'store:\n  kind: postgres\n  dsn: "{server.dsn()}"\n  schema: {server.new_schema("bench")}\n'
                     f"  leader_lease: {args.lease}\n  renew_interval: {args.renew}\n"
-                    f"  synchronous_commit: {'true' if kind.endswith('-on') else 'false'}\n"
+                    f"  synchronous_commit: {'false' if kind.endswith('-off') else 'true'}\n"
+                    + ("  flush: inline\n" if kind.endswith("-inline") else "")
                 )
             p, port, _ = _start_one(tmp, f"{kind}-{r}", store)
             try:
@@ -398,6 +405,12 @@ if __name__ == "__main__":
         choices=["on", "off", "both"],
         default="both",
         help="store.synchronous_commit of the PostgreSQL scheduler in the submits phase (both: one run of each)",
+    )
+    parser.add_argument(
+        "--flush",
+        choices=["background", "inline", "both"],
+        default="both",
+        help="store.flush of the synchronous_commit run(s) (both: one run of each)",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 5 nodes, 1 round, 200 tasks")
     parser.add_argument("--json", type=Path, help="also write the figures here")

@@ -19,6 +19,10 @@ schedulers share it.
                                 # false: commits return before the flush, several times the submit
                                 # rate on a slow disk, but a crash of the PostgreSQL server (not of
                                 # a scheduler) may lose the last ~0.6 s of acknowledged writes
+      flush: background         # with synchronous_commit: a group of writes commits at once and
+                                # a second connection flushes the WAL behind it (the scheduler
+                                # goes on meanwhile; nothing is acknowledged before the flush);
+                                # inline: the scheduler waits in each COMMIT for its flush
 
 The password is never part of the config value, a log line or an error: :meth:`StoreConfig.password`
 reads it when the store opens. With neither key, libpq's own ``PGPASSWORD`` / ``~/.pgpass`` apply.
@@ -50,6 +54,7 @@ class StoreConfig:
     renew_interval_s: float = 2.0
     call_timeout_s: float = 10.0
     synchronous_commit: bool = True
+    flush: str = "background"
 
     def password(self) -> str | None:
         """The database password from ``password_env`` or ``password_file`` (None: neither set).
@@ -118,6 +123,7 @@ def parse_store(r, node) -> StoreConfig:
         "renew_interval",
         "call_timeout",
         "synchronous_commit",
+        "flush",
     )
     m = r.mapping(node, "store", {k: "" for k in keys})
     kw: dict = {}
@@ -165,6 +171,13 @@ def parse_store(r, node) -> StoreConfig:
             kw[f"{key}_s"] = r.scalar(m[key][1], f"store.{key}", float, lo, hi)
     if "synchronous_commit" in m:
         kw["synchronous_commit"] = r.scalar(m["synchronous_commit"][1], "store.synchronous_commit", bool)
+    if "flush" in m:
+        value = r.scalar(m["flush"][1], "store.flush", str)
+        if value not in ("background", "inline"):
+            raise r.fail(m["flush"][1], "store.flush", f"background or inline, got {value!r}")
+        if kind != "postgres":
+            raise r.fail(m["flush"][1], "store.flush", "nothing with kind sqlite")
+        kw["flush"] = value
     cfg = StoreConfig(**kw)
     if cfg.renew_interval_s * 3 > cfg.leader_lease_s:
         where = m["renew_interval"][1] if "renew_interval" in m else m.get("leader_lease", (None, node))[1]

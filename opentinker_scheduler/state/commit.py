@@ -12,11 +12,20 @@ node commands wait in :meth:`hold` until the commit, and RPC handlers await :met
 before they answer. If a commit fails, ``on_failure`` rebuilds memory from the store, the held
 commands are dropped and every waiter gets the error. Off (unit tests, or no running loop),
 every write commits at once.
+
+A backend may commit a group without waiting for durability (PostgreSQL with synchronous commit:
+the group commits asynchronously, and a second connection's synchronous commit flushes the WAL up
+to it, off the event loop: :meth:`~.store.SqlStore.flush_pending`). The group's waiters and held
+commands are then released once that flush is done, in commit order, while the loop goes on with
+the next group; a failed flush is handled as a failed commit. So the loop never sits in a WAL
+flush, and "durable before acknowledged" still holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import time
 from typing import Callable
 
@@ -49,6 +58,9 @@ class GroupCommit:
         self._last = 0.0  # loop time of the last commit
         self._commit_s = 0.0  # recent commits' duration (moving average), seconds
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Groups committed but not yet durable (their flush is running), oldest first:
+        #: ``[done future, held commands]``; released by :meth:`_flushed` in this order.
+        self._unflushed: list[list] = []
 
     def enable(self) -> None:
         self.store.before_write = self.open
@@ -65,7 +77,7 @@ class GroupCommit:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # no loop: the write commits on its own
-        tx = self.store.transaction()
+        tx = self.store.transaction(flush_behind=True)
         tx.__enter__()
         self._loop, self._tx, self._done = loop, tx, loop.create_future()
         window = max(self.interval_s, min(self._commit_s, GROUP_COMMIT_MAX_WINDOW_S))
@@ -98,9 +110,54 @@ class GroupCommit:
         self.commits += 1
         self._commit_s = 0.8 * self._commit_s + 0.2 * (time.perf_counter() - started)
         self._last = self._loop.time()
+        try:
+            pending = self.store.flush_pending()
+        except Exception as exc:  # noqa: BLE001 - as a failed flush
+            pending = concurrent.futures.Future()
+            pending.set_exception(exc)
+        if pending is None and not self._unflushed:
+            self._release(held, done)
+            return
+        group = [done, held]
+        self._unflushed.append(group)
+        if pending is None:  # durable already, but released after the older groups
+            pending = concurrent.futures.Future()
+            pending.set_result(None)
+        loop = self._loop
+
+        def on_loop(f: concurrent.futures.Future) -> None:  # in the flusher's thread
+            with contextlib.suppress(RuntimeError):  # the loop closed (shutdown): nobody waits
+                loop.call_soon_threadsafe(self._flushed, group, f)
+
+        pending.add_done_callback(on_loop)
+
+    @staticmethod
+    def _release(held: list, done: asyncio.Future) -> None:
         for outbox, command in held:
             outbox.put_nowait(command)
         done.set_result(None)
+
+    def _flushed(self, group: list, flush: concurrent.futures.Future) -> None:
+        """On the loop, once ``group``'s flush ended: release it and every older group whose flush
+        ended too, in commit order; a failed flush fails its group (and rebuilds memory)."""
+        group.append(flush)
+        while self._unflushed and len(self._unflushed[0]) == 3:
+            done, held, result = self._unflushed.pop(0)
+            exc = result.exception()
+            if exc is None:
+                self._release(held, done)
+                continue
+            log.error(
+                "the WAL flush of a group commit failed; in-memory state reloaded from the store",
+                error=repr(exc),
+                dropped_commands=len(held),
+            )
+            try:
+                self.on_failure()
+            except Exception as again:  # noqa: BLE001 - the waiters must still hear of the failure
+                log.error("reloading memory after a failed flush failed", error=repr(again))
+            done.set_exception(exc)
+            done.add_done_callback(lambda f: f.exception())
 
     def abandon(self, error: Exception) -> None:
         """Roll the open transaction back (this scheduler stopped leading): its held commands
@@ -118,11 +175,15 @@ class GroupCommit:
         done.add_done_callback(lambda f: f.exception())
 
     def hold(self, outbox: asyncio.Queue, command: object) -> bool:
-        """Keep a node command until the open transaction commits; False when none is open."""
-        if self._tx is None:
-            return False
-        self._held.append((outbox, command))
-        return True
+        """Keep a node command until the open transaction commits (and is durable), or until the
+        newest committed group's flush is done; False when neither is pending."""
+        if self._tx is not None:
+            self._held.append((outbox, command))
+            return True
+        if self._unflushed:
+            self._unflushed[-1][1].append((outbox, command))
+            return True
+        return False
 
     async def durable(self) -> None:
         """Return once everything written so far is committed (at once when it is).
@@ -134,3 +195,5 @@ class GroupCommit:
         """
         if self._done is not None:
             await asyncio.shield(self._done)
+        elif self._unflushed:
+            await asyncio.shield(self._unflushed[-1][0])

@@ -6,7 +6,8 @@ connection taken from a psycopg 3 pool, from the event loop; the lease keeper
 (:mod:`.leadership`) has its own connection from the same pool (:meth:`PostgresStore.lease_channel`).
 
 Durability is the same promise as SQLite's: a transition commits before it is acknowledged or
-pushed (group commit included). On top, every transaction of the leader ends with
+pushed (group commit included; with synchronous commit a group's WAL flush runs behind the event
+loop, :class:`_WalFlusher`, and the group's waiters are released after it). On top, every transaction of the leader ends with
 ``SELECT ot_fence(<epoch>); COMMIT`` in one round trip: the database refuses it when a newer
 epoch holds the lease (:class:`~opentinker_scheduler.errors.Fenced`), so a leader that lost its
 lease (stopped, cut off) can never write over its successor.
@@ -28,6 +29,7 @@ shows the DSN without it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -161,6 +163,8 @@ class _PgDb:
                 pass
 
     def execute(self, sql: str, params=(), *, prepare: bool | None = None):
+        """Run one statement (``?`` placeholders) within the call deadline. An error inside a
+        transaction fails the transaction as a whole (PostgreSQL aborts it): it rolls back at its end."""
         if self.tx_lost and self.store._tx_depth:
             raise StoreUnavailable("state store unavailable: the connection of this transaction was lost")
         conn = self.connection()
@@ -170,6 +174,8 @@ class _PgDb:
         try:
             return conn.execute(query, params or None, prepare=prepare)
         except psycopg.Error as exc:
+            if self.store._tx_depth:
+                self.store._tx_failed = True
             raise self.failed(exc) from exc
         finally:
             self.deadline = 0.0
@@ -181,6 +187,11 @@ class _PgDb:
     @property
     def in_transaction(self) -> bool:
         return self.conn is not None and self.conn.info.transaction_status != pq.TransactionStatus.IDLE
+
+    @property
+    def in_failed_transaction(self) -> bool:
+        """The open transaction was aborted by an error (its COMMIT would only roll back)."""
+        return self.conn is not None and self.conn.info.transaction_status == pq.TransactionStatus.INERROR
 
     def failed(self, exc: psycopg.Error) -> Exception:
         """The store's error for a psycopg error; a broken connection is given back."""
@@ -228,23 +239,44 @@ class _PgBase(SqlStore):
         except StoreUnavailable:
             return False
 
-    def _begin(self) -> None:
+    #: Makes asynchronously committed groups durable (:class:`_WalFlusher`); None: every commit
+    #: waits for its own flush (or, with synchronous_commit off, for none).
+    _flusher: "_WalFlusher | None" = None
+    _tx_flush_behind = False  # the open transaction commits asynchronously
+    _unflushed = False  # the last commit was asynchronous and nobody has asked for its flush yet
+
+    def _begin(self, flush_behind: bool = False) -> None:
         self.db.tx_lost = False
-        self.db.execute("BEGIN")
+        self._tx_flush_behind = flush_behind and self._flusher is not None
+        if self._tx_flush_behind:  # one round trip, as the plain BEGIN
+            self.db.execute("BEGIN; SET LOCAL synchronous_commit TO off", prepare=False)
+        else:
+            self.db.execute("BEGIN")
 
     def _commit(self, epoch: int | None) -> None:
         if self.db.tx_lost or not self.db.in_transaction:
             raise StoreUnavailable("state store unavailable: the connection of this transaction was lost")
-        if epoch is None:
-            self.db.execute("COMMIT")
-            return
-        try:  # fence and commit in one round trip (two statements: never a prepared statement)
-            self.db.execute(f"SELECT ot_fence({int(epoch)}); COMMIT", prepare=False)
+        if self.db.in_failed_transaction:  # PostgreSQL would answer the COMMIT with a ROLLBACK
+            raise StoreUnavailable("state store unavailable: the transaction was aborted by an error inside it")
+        try:
+            if epoch is None:
+                self.db.execute("COMMIT")
+            else:  # fence and commit in one round trip (two statements: never a prepared statement)
+                self.db.execute(f"SELECT ot_fence({int(epoch)}); COMMIT", prepare=False)
         except Fenced:
             self.role, self.epoch = "follower", None
             if self.on_fenced is not None:
                 self.on_fenced()
             raise
+        self._unflushed = self._tx_flush_behind
+
+    def flush_pending(self):
+        """See :meth:`SqlStore.flush_pending`: a :class:`_WalFlusher` future after an
+        asynchronous group commit, else None."""
+        if not self._unflushed:
+            return None
+        self._unflushed = False
+        return self._flusher.request()
 
     def _rollback(self) -> None:
         if self.db.conn is None or self.db.tx_lost:
@@ -276,6 +308,11 @@ class PostgresStore(_PgBase):
         pool_size: most connections this scheduler holds (the loop's, the lease keeper's, spares).
         synchronous_commit: False = PostgreSQL's ``synchronous_commit=off`` for this scheduler's
             sessions (``store.synchronous_commit``): a commit returns before its WAL is flushed.
+        flush: with synchronous_commit, how a group commit (:mod:`.commit`) waits for its WAL
+            flush (``store.flush``): ``"background"`` (the default) commits the group
+            asynchronously and has :class:`_WalFlusher` flush it on a connection of its own, so
+            the event loop goes on with the next group meanwhile; ``"inline"`` waits in the COMMIT.
+            Either way nothing is acknowledged before its flush.
 
     Raises:
         OSError: the database cannot be reached at start (the message names the DSN, never the
@@ -295,7 +332,10 @@ class PostgresStore(_PgBase):
         pool_size: int = 4,
         application_name: str = "opentinker-scheduler",
         synchronous_commit: bool = True,
+        flush: str = "background",
     ) -> None:
+        if flush not in ("background", "inline"):
+            raise ValueError(f"flush: expected background or inline, got {flush!r}")
         if not _SCHEMA_NAME.match(schema_name):
             raise OSError(f"store.schema: expected a plain identifier (letters, digits, _), got {schema_name!r}")
         self.schema_name = schema_name
@@ -334,7 +374,7 @@ class PostgresStore(_PgBase):
         self.pool = ConnectionPool(
             self._conninfo,
             min_size=1,
-            max_size=max(2, pool_size),
+            max_size=max(2, pool_size) + (1 if synchronous_commit and flush == "background" else 0),
             open=False,
             kwargs={"autocommit": True, "row_factory": _row_factory, "prepare_threshold": 5},
             # No check on getconn: a check is a round trip outside the watchdog (a silent network
@@ -360,6 +400,8 @@ class PostgresStore(_PgBase):
             self.close()
             raise
         self.role = "setup"
+        if synchronous_commit and flush == "background":
+            self._flusher = _WalFlusher(self)
 
     def _migrate(self) -> None:
         """Apply the missing migrations in one transaction, under an advisory lock (schedulers
@@ -396,8 +438,84 @@ class PostgresStore(_PgBase):
         return LeaseChannel(self)
 
     def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.close()
         self.db.close()
         self.pool.close()
+
+
+class _WalFlusher:
+    """Flushes PostgreSQL's WAL past asynchronously committed group commits, in a thread of its
+    own on a connection of its own, so the event loop never waits in a flush.
+
+    A group commits with ``SET LOCAL synchronous_commit TO off``: its COMMIT returns once its
+    commit record is in the WAL buffers, not on disk. :meth:`request` then asks for a flush; the
+    thread answers every request that arrived before it started with one synchronous commit of its
+    own (an update of the one ``wal_flush`` row). PostgreSQL writes and flushes the WAL in order, so
+    once that commit is on disk so is every commit record before it: the group is as durable as a
+    synchronous commit of its own would have made it (PostgreSQL docs, "Asynchronous Commit"). One
+    flush carries every group committed meanwhile (a group commit of flushes); requests that arrive
+    while one runs wait for the next.
+
+    A failed flush (the database went away, or did not answer within the call timeout) fails its
+    requests with :class:`~opentinker_scheduler.errors.StoreUnavailable`: whether those groups
+    survived is then unknown, and the caller treats them as a failed commit.
+    """
+
+    _FLUSH = "BEGIN; SET LOCAL synchronous_commit TO on; UPDATE wal_flush SET n = n + 1 WHERE id = 1; COMMIT"
+
+    def __init__(self, main: "PostgresStore") -> None:
+        self._channel = LeaseChannel(main)  # a store view with its own connection (any thread's)
+        self._cv = threading.Condition()
+        self._waiting: list[concurrent.futures.Future] = []
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.flushes = 0  # how many flushes ran (tests, profiling)
+
+    def request(self) -> concurrent.futures.Future:
+        """A future resolved once every commit made before this call is flushed."""
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._closed:
+                f.set_exception(StoreUnavailable("state store unavailable: the store is closed"))
+                return f
+            self._waiting.append(f)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pg-wal-flush", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return f
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._closed:
+                    self._cv.wait()
+                if not self._waiting:
+                    return
+                batch, self._waiting = self._waiting, []
+            try:
+                self._channel.db.execute(self._FLUSH, prepare=False)
+            except Exception as exc:  # noqa: BLE001 - StoreUnavailable in practice; every waiter hears it
+                if self._channel.db.in_transaction:
+                    with contextlib.suppress(StoreUnavailable):
+                        self._channel.db.execute("ROLLBACK")
+                for f in batch:
+                    f.set_exception(exc)
+            else:
+                self.flushes += 1
+                for f in batch:
+                    f.set_result(None)
+
+    def close(self) -> None:
+        """Answer what is waiting (one last flush), then end the thread and its connection."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=self._channel.call_timeout_s + 1.0)
+        self._channel.db.close()
 
 
 class LeaseChannel(_PgBase):

@@ -231,6 +231,16 @@ CREATE TABLE IF NOT EXISTS gang_attempts (
 );
 """
 
+#: One row the leader updates on a connection of its own to flush the WAL of group commits that
+#: committed asynchronously (``pg_store._WalFlusher``); unused by SQLite.
+_V7 = """
+CREATE TABLE IF NOT EXISTS wal_flush (
+    id  INTEGER PRIMARY KEY,
+    n   INTEGER NOT NULL DEFAULT 0      -- how many flushes (only its WAL record matters)
+);
+INSERT INTO wal_flush (id, n) VALUES (1, 0) ON CONFLICT (id) DO NOTHING;
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -243,6 +253,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "usage accounting per attempt (GPU-seconds, tokens, env steps, cost)", _V4),
     Migration(5, "quota queues set at run time (overrides of the config, kept across restarts)", _V5),
     Migration(6, "gang attempts: members, devices and rendezvous port (kept across a restart)", _V6),
+    Migration(7, "a row whose update flushes the WAL of asynchronously committed groups (PostgreSQL)", _V7),
 )
 
 #: The newest schema version this scheduler knows.

@@ -22,6 +22,7 @@ SQL runs. ``setup`` (start-up, before the first election) writes without an epoc
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import fcntl
 import functools
@@ -774,25 +775,37 @@ class SqlStore:
         all of it back."""
         return self._tx()
 
-    def transaction(self) -> "SqlStore._Tx":
-        """Like :meth:`batch` but without calling ``before_write`` (the group commit's own)."""
-        return SqlStore._Tx(self)
+    def transaction(self, *, flush_behind: bool = False) -> "SqlStore._Tx":
+        """Like :meth:`batch` but without calling ``before_write`` (the group commit's own).
+
+        With ``flush_behind`` the backend may commit without waiting for durability (PostgreSQL
+        with synchronous commit: its WAL flush); the caller must then wait on
+        :meth:`flush_pending` before it acknowledges anything the transaction wrote."""
+        return SqlStore._Tx(self, flush_behind=flush_behind)
+
+    def flush_pending(self) -> concurrent.futures.Future | None:
+        """After a ``transaction(flush_behind=True)`` committed: None when it is durable already
+        (SQLite, or a PostgreSQL commit that waited for its flush), else a future that resolves
+        (in another thread) once it is, or fails with
+        :class:`~opentinker_scheduler.errors.StoreUnavailable` when that cannot be known."""
+        return None
 
     class _Tx:
         """A (nestable) write transaction. The outermost one checks the role (NotLeader on a
         follower) and begins; at its end it commits, fenced by the epoch when ``fenced`` and the
         store leads with one, or rolls back when anything inside failed."""
 
-        def __init__(self, store: "SqlStore", *, fenced: bool = True) -> None:
+        def __init__(self, store: "SqlStore", *, fenced: bool = True, flush_behind: bool = False) -> None:
             self.store = store
             self.fenced = fenced
+            self.flush_behind = flush_behind
 
         def __enter__(self):
             s = self.store
             if s._tx_depth == 0:
                 if self.fenced:
                     s._check_role()
-                s._begin()
+                s._begin(self.flush_behind)
                 s._tx_failed = False
                 s._tx_fenced = self.fenced
             s._tx_depth += 1
@@ -823,7 +836,9 @@ class SqlStore:
         return SqlStore._Tx(self)
 
     # --- backend hooks ---------------------------------------------------------------------------
-    def _begin(self) -> None:
+    def _begin(self, flush_behind: bool = False) -> None:
+        """Begin a transaction; ``flush_behind``: its commit need not wait for durability
+        (:meth:`transaction`)."""
         raise NotImplementedError
 
     def _commit(self, epoch: int | None) -> None:
@@ -931,7 +946,7 @@ class Store(SqlStore):
         except sqlite3.Error:
             return False
 
-    def _begin(self) -> None:
+    def _begin(self, flush_behind: bool = False) -> None:
         self.db.execute("BEGIN IMMEDIATE")
 
     def _commit(self, epoch: int | None) -> None:
@@ -977,5 +992,6 @@ def open_store(config) -> SqlStore:
             call_timeout_s=sc.call_timeout_s,
             idle_in_transaction_s=max(1.0, min(5.0, sc.leader_lease_s / 2)),
             synchronous_commit=sc.synchronous_commit,
+            flush=sc.flush,
         )
     return Store(config.state_dir)

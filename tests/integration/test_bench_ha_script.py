@@ -25,4 +25,9 @@ def test_bench_ha_quick_run_prints_the_figures(tmp_path, postgres_server) -> Non
         assert label in proc.stdout, (label, proc.stdout[-2000:])
     figures = json.loads(out.read_text())
     assert len(figures["failover"]["new_leader_s"]) == 1
-    assert set(figures["submits"]["median_submits_per_s"]) == {"sqlite", "postgres-sync-on", "postgres-sync-off"}
+    assert set(figures["submits"]["median_submits_per_s"]) == {
+        "sqlite",
+        "postgres-sync-on",
+        "postgres-sync-on-inline",
+        "postgres-sync-off",
+    }

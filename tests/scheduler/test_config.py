@@ -139,6 +139,8 @@ def test_store_defaults_to_sqlite_and_reads_postgres() -> None:
     )
     s = cfg.store
     assert s.synchronous_commit is False
+    assert s.flush == "background"
+    assert parse_config("store:\n  kind: postgres\n  dsn: host=db\n  flush: inline\n").store.flush == "inline"
     assert (s.kind, s.dsn, s.password_env, s.schema, s.leader_lease_s, s.renew_interval_s) == (
         "postgres",
         "host=db dbname=opentinker user=ot",
@@ -179,6 +181,11 @@ def test_store_defaults_to_sqlite_and_reads_postgres() -> None:
             "cfg.yaml:5:19: store.renew_interval: expected at most a third of store.leader_lease",
         ),
         ("store:\n  kind: postgres\n  dsn: host=db\n  leasee: 3\n", "cfg.yaml:4:3: store.leasee: expected one of"),
+        (
+            "store:\n  kind: postgres\n  dsn: host=db\n  flush: later\n",
+            "cfg.yaml:4:10: store.flush: expected background or inline, got 'later'",
+        ),
+        ("store:\n  flush: inline\n", "cfg.yaml:2:10: store.flush: expected nothing with kind sqlite"),
     ],
 )
 def test_bad_store_section_names_the_field(text: str, where: str) -> None:
