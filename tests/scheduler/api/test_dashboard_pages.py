@@ -1,7 +1,9 @@
 """The dashboard's pages over real HTTP against a real in-process scheduler with auth off and no
 trainer: pending tasks say their position and why they wait, bad query values are 400 with the
 field, cancel needs the page's token, server strings are escaped, and the gRPC port points to the
-HTTP port."""
+HTTP port. With auth on (keys as ``Authorization: Bearer``; nodes registered on the scheduler's
+loop, no trainer process): the cluster page shows disconnected nodes and each node's model hosts
+and LoRA tenants, naming only the visitor's own tasks and models."""
 
 from __future__ import annotations
 
@@ -12,13 +14,16 @@ import urllib.request
 
 import pytest
 
+from opentinker.common.v1 import common_pb2 as C
+from opentinker.node.v1 import node_pb2 as N
 from opentinker_client import RLClient
 from tests.support.security import LoopbackScheduler
 
 
-def _get(url: str) -> tuple[int, str]:
+def _get(url: str, key: str | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
+        with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode()
@@ -80,3 +85,48 @@ def test_bad_requests_say_what_was_expected(sched, path, code, needle) -> None:
 def test_grpc_port_points_to_the_dashboard(sched) -> None:
     status, page = _get(f"http://{sched.target}/")
     assert status == 200 and f"HTTP port, {sched.running.http.port}" in page
+
+
+def _node_section(page: str, node_id: str) -> str:
+    match = re.search(rf'<section class="node [a-z]+" data-node="{node_id}">.*?</section>', page, re.S)
+    assert match, page[-2000:]
+    return match.group(0)
+
+
+def test_cluster_shows_model_hosts_and_disconnected_nodes_naming_only_the_visitors_tasks(tmp_path) -> None:
+    config = "auth: {enabled: true}\nheartbeat_interval: 0.5\n"
+    with LoopbackScheduler(tmp_path / "state", config, http_port=0) as s:
+        base = f"http://127.0.0.1:{s.running.http.port}"
+        with RLClient(s.target, api_key=s.admin_key) as root:
+            alice_key, bob_key = root.keys.create("alice", "user")[1], root.keys.create("bob", "user")[1]
+        devices = [C.Device(index=i, uuid=f"u{i}", name="g", simulated=True) for i in (0, 1)]
+        node, _ = s.do(s.core.node_register, N.Register(node_id="host-node", devices=devices, max_tasks=8,
+                                                         tenants_per_host=4))  # fmt: skip
+        gone, _ = s.do(s.core.node_register, N.Register(node_id="gone-node", max_tasks=1))
+        s.do(s.core.node_disconnected, gone, gone.generation, goodbye=False)
+        with RLClient(s.target, api_key=alice_key) as alice, RLClient(s.target, api_key=bob_key) as bob:
+            a = alice.submit_task(workload_type="lora_finetune", model="org/shared", gpu_count=1)
+            b = bob.submit_task(workload_type="lora_finetune", model="org/shared", gpu_count=1)
+            c = bob.submit_task(workload_type="lora_finetune", model="bob/private-model", gpu_count=1)
+            assert {alice.get_task(a).state, bob.get_task(b).state, bob.get_task(c).state} == {"assigned"}
+        shared = C.ModelHost(model="org/shared", device_indices=[0], task_ids=[a, b], pid=1, max_tenants=4,
+                             dtype="bfloat16")  # fmt: skip
+        private = C.ModelHost(model="bob/private-model", device_indices=[1], task_ids=[c], pid=2, max_tenants=4)
+        s.do(setattr, node, "model_hosts", [shared, private])
+
+        status, page = _get(f"{base}/ui/cluster", alice_key)
+        assert status == 200 and "alice (user)" in page
+        assert "1 node(s) connected, 1 disconnected" in page
+        assert '<span class="badge disconnected">disconnected</span>' in _node_section(page, "gone-node")
+        section = _node_section(page, "host-node")
+        rows = re.findall(r'<tr class="model-host".*?</tr>', section, re.S)
+        assert len(rows) == 2
+        assert 'data-model="org/shared"' in rows[0] and "bfloat16" in rows[0]
+        assert f'<a href="/ui/task/{a}">{a}</a>, 1 of other owners' in rows[0] and "2 of 4" in rows[0]
+        assert "(another owner's model)" in rows[1] and "1 of 4: 1 of other owners" in rows[1]
+        assert b not in page and c not in page and "bob/private-model" not in page  # bob's names stay bob's
+
+        status, page = _get(f"{base}/ui/cluster", s.admin_key)
+        assert status == 200 and all(t in page for t in (a, b, c)) and "bob/private-model" in page
+        status, page = _get(f"{base}/ui/cluster")  # no key: the login form, nothing else
+        assert 'id="login"' in page and "host-node" not in page
