@@ -673,7 +673,8 @@ class Dashboard:
             )
             + "<h2>Attempts</h2>"
             + (
-                "<table><tr><th>attempt</th><th>started</th><th>node</th><th>last state</th><th>why</th></tr>"
+                '<table id="attempts"><tr><th>attempt</th><th>started</th><th>node</th><th>last state</th>'
+                "<th>why</th></tr>"
                 f"{att}</table>"
                 if att
                 else ""

@@ -128,5 +128,44 @@ def test_cluster_shows_model_hosts_and_disconnected_nodes_naming_only_the_visito
 
         status, page = _get(f"{base}/ui/cluster", s.admin_key)
         assert status == 200 and all(t in page for t in (a, b, c)) and "bob/private-model" in page
+
+        # Her task's page: attempts, events, the spec as resolved, nothing fetched from outside.
+        status, page = _get(f"{base}/ui/task/{a}", alice_key)
+        assert status == 200 and 'id="state">assigned' in page
+        attempts = re.search(r'<table id="attempts">.*?</table>', page, re.S).group(0)
+        assert re.search(r"<tr><td>1</td><td>[0-9:]+</td><td>host-node</td><td>assigned</td>", attempts), attempts
+        events = re.search(r'<table id="events">.*?</table>', page, re.S).group(0)
+        assert "pending → assigned" in events and "placed on host-node GPUs [0]" in events
+        assert "&quot;lora_rank&quot;: 16" in page  # a default she did not set
+        assert not re.search(r'(?:src|href|action)="(?:[a-z]+:)?//', page)  # works offline
+        # Her page's cancel token does not cancel bob's task: "not found", as over gRPC; nothing changes.
+        token = re.search(r'name="csrf" value="([0-9a-f]+)"', page).group(1)
+        post = urllib.request.Request(
+            f"{base}/ui/task/{b}/cancel",
+            data=urllib.parse.urlencode({"csrf": token}).encode(),
+            headers={"Authorization": f"Bearer {alice_key}"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(post, timeout=30)
+        assert err.value.code == 404 and "not found" in err.value.read().decode()
+        with RLClient(s.target, api_key=bob_key) as bob:
+            assert bob.get_task(b).state == "assigned"
+
+        # The compare view smooths: a reward alternating 0, 1, 0, 1 ... is two levels raw, more smoothed.
+        def run_and_report() -> None:
+            s.core.node_report(node, N.TaskReport(task_id=a, attempt=1, state=C.TASK_STATE_RUNNING))
+            points = [C.MetricPoint(step=n, values={"reward": float(n % 2)}) for n in range(1, 9)]
+            s.core.node_report(node, N.TaskReport(task_id=a, attempt=1, metrics=points))
+
+        s.do(run_and_report)
+
+        def reward_ys(smooth: float) -> list[float]:
+            status, page = _get(f"{base}/ui/compare?task={a}&x=step&smooth={smooth}", alice_key)
+            assert status == 200
+            d = re.search(r'id="compare-reward".*?<path class="curve"[^>]*d="([^"]+)"', page, re.S).group(1)
+            return [float(y) for _, y in re.findall(r"[ML]([-\d.]+),([-\d.]+)", d)]
+
+        raw, smoothed = reward_ys(0), reward_ys(0.9)
+        assert len(raw) == len(smoothed) == 8 and len(set(raw)) == 2 and len(set(smoothed)) > 2
         status, page = _get(f"{base}/ui/cluster")  # no key: the login form, nothing else
         assert 'id="login"' in page and "host-node" not in page
