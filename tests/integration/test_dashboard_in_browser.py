@@ -206,6 +206,15 @@ def test_login_then_cluster_shows_the_node(browser, dash) -> None:
         lambda: dash["cluster"].said_about("node-a"),
         what="host telemetry sparkline",
     )
+    # ... per GPU too: node-a's two (simulated) GPUs, each with a utilization series.
+    gpu_points = browser.execute_script(
+        "return Array.from(document.querySelectorAll('section.node[data-node=\"node-a\"] svg.spark'))"
+        ".filter(s => s.querySelector('title').textContent === 'utilization %')"
+        ".map(s => s.querySelector('polyline') ? s.querySelector('polyline').points.numberOfItems : 0)"
+    )
+    assert len(gpu_points) == 2 and min(gpu_points) >= 2, gpu_points
+    section = browser.find_element(By.CSS_SELECTOR, 'section.node[data-node="node-a"]')
+    assert section.text.count("(simulated)") == 2  # each simulated GPU is marked
     _shot(browser, dash, "cluster")
 
 
