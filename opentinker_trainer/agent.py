@@ -337,7 +337,8 @@ class NodeAgent:
                     running=[node_pb2.RunningTask(task_id=w.task_id, attempt=w.attempt) for w in self.workers.values()],
                     hostname=socket.gethostname(),
                     cpu_count=os.cpu_count() or 1,
-                    gpu_note=self.monitor.inventory.note,
+                    # One line: the scheduler refuses control characters (an NVML error's newline too).
+                    gpu_note=" ".join(self.monitor.inventory.note.split()),
                     node_class=self.config.node_class,
                     # Finals among them also in `finished`, for a scheduler that predates `pending`.
                     finished=[r for r in self._unacked.values() if r.state in _ENDED],
