@@ -901,10 +901,11 @@ def _model_hosts_table(hosts: list[dict], who: Principal) -> str:
         more = f"{', ' if mine else ''}{others} of other owners" if others else ""
         gpus = ", ".join(str(d) for d in mh["devices"]) or "CPU"
         count = f"{len(mh['tenants'])} of {mh['max_tenants'] or '?'}"
-        if not mine:
+        if not mine:  # another owner's (or, with no tenant left, nobody's now): no model named
+            what = "(another owner's model)" if others else "(no tenants)"
             rows.append(
-                f'<tr class="model-host"><td>(another owner\'s model)</td><td>-</td><td>{h(gpus)}</td>'
-                f"<td>{count}: {more}</td><td>-</td></tr>"
+                f'<tr class="model-host"><td>{what}</td><td>-</td><td>{h(gpus)}</td>'
+                f"<td>{count}{': ' + more if more else ''}</td><td>-</td></tr>"
             )
             continue
         est = (

@@ -112,7 +112,8 @@ def test_cluster_shows_model_hosts_and_disconnected_nodes_naming_only_the_visito
         shared = C.ModelHost(model="org/shared", device_indices=[0], task_ids=[a, b], pid=1, max_tenants=4,
                              dtype="bfloat16")  # fmt: skip
         private = C.ModelHost(model="bob/private-model", device_indices=[1], task_ids=[c], pid=2, max_tenants=4)
-        s.do(setattr, node, "model_hosts", [shared, private])
+        idle = C.ModelHost(model="carol/left-model", device_indices=[1], pid=3, max_tenants=4)  # its tenants gone
+        s.do(setattr, node, "model_hosts", [shared, private, idle])
 
         status, page = _get(f"{base}/ui/cluster", alice_key)
         assert status == 200 and "alice (user)" in page
@@ -120,10 +121,11 @@ def test_cluster_shows_model_hosts_and_disconnected_nodes_naming_only_the_visito
         assert '<span class="badge disconnected">disconnected</span>' in _node_section(page, "gone-node")
         section = _node_section(page, "host-node")
         rows = re.findall(r'<tr class="model-host".*?</tr>', section, re.S)
-        assert len(rows) == 2
+        assert len(rows) == 3
         assert 'data-model="org/shared"' in rows[0] and "bfloat16" in rows[0]
         assert f'<a href="/ui/task/{a}">{a}</a>, 1 of other owners' in rows[0] and "2 of 4" in rows[0]
         assert "(another owner's model)" in rows[1] and "1 of 4: 1 of other owners" in rows[1]
+        assert "(no tenants)" in rows[2] and "0 of 4" in rows[2] and "carol/left-model" not in page
         assert b not in page and c not in page and "bob/private-model" not in page  # bob's names stay bob's
 
         status, page = _get(f"{base}/ui/cluster", s.admin_key)
