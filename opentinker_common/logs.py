@@ -2,6 +2,11 @@
 
 Context (``task_id``, ``node_id``, ``attempt``) is bound per RPC or loop with
 ``structlog.contextvars.bound_contextvars`` or ``log.bind``.
+
+On a terminal, control characters in logged strings are written as escapes (``\\x1b``, ``\\n``;
+:func:`escape_control_characters`): a value a client or node sent (a refused registration's node
+id, a worker's error text) must not retitle or recolour the operator's terminal or forge a log
+line. JSON lines escape them already.
 """
 
 from __future__ import annotations
@@ -13,6 +18,43 @@ import sys
 import structlog
 
 _configured = False
+
+#: Logged fields that are multi-line by nature (tracebacks): their newlines and tabs stay.
+_MULTILINE_FIELDS = frozenset({"exception", "stack"})
+#: structlog's ConsoleRenderer shows a value holding one of these with ``repr()`` (which escapes
+#: control characters itself); the others, and the event text, as they are.
+_REPR_TRIGGERS = frozenset(" \t=\r\n\"'")
+
+
+def _escaped(text: str, *, multiline: bool) -> str:
+    from opentinker_common.spec import is_control_character
+
+    if not any(is_control_character(c) for c in text):
+        return text
+    out = []
+    for c in text:
+        if not is_control_character(c) or (multiline and c in "\n\t"):
+            out.append(c)
+        elif c in "\n\r\t":
+            out.append({"\n": "\\n", "\r": "\\r", "\t": "\\t"}[c])
+        else:
+            out.append(f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+    return "".join(out)
+
+
+def escape_control_characters(_logger, _method: str, event: dict) -> dict:
+    """A structlog processor for console output: string values with their control characters (the
+    set :func:`opentinker_common.spec.is_control_character` names) written as escapes.
+    ``exception`` and ``stack`` keep their newlines and tabs; a value the renderer will show with
+    ``repr()`` anyway (:data:`_REPR_TRIGGERS`) is left to it, so nothing is escaped twice."""
+    for key, value in event.items():
+        if not isinstance(value, str):
+            continue
+        if key in _MULTILINE_FIELDS:
+            event[key] = _escaped(value, multiline=True)
+        elif key == "event" or not (_REPR_TRIGGERS & set(value)):
+            event[key] = _escaped(value, multiline=False)
+    return event
 
 
 def configure_logging(*, level: str | None = None, json: bool | None = None) -> None:
@@ -32,7 +74,9 @@ def configure_logging(*, level: str | None = None, json: bool | None = None) -> 
     if json is None:
         fmt = os.environ.get("OPENTINKER_LOG_FORMAT")
         json = (fmt == "json") if fmt else not sys.stderr.isatty()
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    renderers = (
+        [structlog.processors.JSONRenderer()] if json else [escape_control_characters, structlog.dev.ConsoleRenderer()]
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -40,7 +84,7 @@ def configure_logging(*, level: str | None = None, json: bool | None = None) -> 
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
-            renderer,
+            *renderers,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),

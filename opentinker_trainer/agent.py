@@ -38,6 +38,7 @@ from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 
 from opentinker_trainer.scheduler_link import worker_env
+from opentinker_trainer.tracking import writable_loggers
 from opentinker_trainer.devices import DeviceMonitor, cuda_visible_devices
 from opentinker_trainer.inference.address import default_advertise_host
 from opentinker_common.net.grpc_options import message_limits, node_keepalive
@@ -331,10 +332,13 @@ class NodeAgent:
                     devices=self.monitor.inventory.devices,
                     max_tasks=self.config.max_tasks,
                     tenants_per_host=self.config.tenants_per_host,
+                    tracking_loggers=writable_loggers(),
+                    tracking_reported=True,
                     running=[node_pb2.RunningTask(task_id=w.task_id, attempt=w.attempt) for w in self.workers.values()],
                     hostname=socket.gethostname(),
                     cpu_count=os.cpu_count() or 1,
-                    gpu_note=self.monitor.inventory.note,
+                    # One line: the scheduler refuses control characters (an NVML error's newline too).
+                    gpu_note=" ".join(self.monitor.inventory.note.split()),
                     node_class=self.config.node_class,
                     # Finals among them also in `finished`, for a scheduler that predates `pending`.
                     finished=[r for r in self._unacked.values() if r.state in _ENDED],

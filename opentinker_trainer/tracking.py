@@ -2,10 +2,12 @@
 by the worker as each step's metrics are reported (:meth:`WorkerContext.emit_metric` calls
 :meth:`Trackers.log`), with the resolved spec as the run's config and each checkpoint recorded.
 
-Which node has which logger: the scheduler does not know a node's packages, so the worker
-checks at start (:func:`open_trackers`). A node without the package fails the attempt with a
-:class:`~opentinker_trainer.context.UserError` (not retried) that names the extra to install,
-``pip install 'opentinker[mlflow]'``, before any training. A logger that fails while the task
+Which node has which logger: each node tells the scheduler at register which loggers its Python
+can write (:func:`writable_loggers`, ``Register.tracking_loggers``), so a task naming one that no
+connected node can write is refused at submit. The worker still checks at start
+(:func:`open_trackers`; a task placed on a node of a mixed cluster that lacks the package): it
+fails the attempt with a :class:`~opentinker_trainer.context.UserError` (not retried) that names
+the extra to install, ``pip install 'opentinker[mlflow]'``, before any training. A logger that fails while the task
 runs (a full disk, a tracking server gone) is logged and dropped; training goes on.
 
 * **TensorBoard** (``tensorboard: DIR``, tensorboardX): event files in ``DIR/<task_id>``; every
@@ -26,6 +28,7 @@ runs (a full disk, a tracking server gone) is logged and dropped; training goes 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import time
@@ -37,9 +40,23 @@ import structlog
 from opentinker_common.spec.tracking import EXTRAS, TrackingConfig
 from opentinker_trainer.context import UserError
 
-__all__ = ["Trackers", "open_trackers"]
+__all__ = ["Trackers", "open_trackers", "writable_loggers"]
 
 log = structlog.get_logger("opentinker.worker")
+
+
+def writable_loggers() -> list[str]:
+    """The ``spec.tracking`` loggers whose package this Python has (``"tensorboard"``, ``"mlflow"``,
+    ``"wandb"``, in that order), found without importing them (:func:`importlib.util.find_spec`)."""
+    out = []
+    for logger, (module, _) in EXTRAS.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a broken or half-removed install: as missing
+            found = False
+        if found:
+            out.append(logger)
+    return out
 
 
 def _need(logger: str):

@@ -2,10 +2,12 @@
 """`make demo`: the main job on localhost, every byte through our gRPC services.
 
 Starts a scheduler and one trainer node as real processes, submits the arithmetic LoRA GRPO
-task on SmolLM2-135M-Instruct with the seed's client API, shows per-step reward and loss as
-they stream in, prints the mean reward of the first and last three steps and the checkpoint
-path, and stops its processes, also on Ctrl-C, SIGTERM and SIGHUP (a second one kills them at
-once). The task asks for 1 GPU when the node has one and runs on the CPU (gpu_count 0) otherwise.
+task on SmolLM2-135M-Instruct with the seed's client API, prints the dashboard's URL and the
+task's page there, and the TensorBoard and MLflow runs the worker writes as steps happen (where
+this Python has those loggers), shows per-step reward and loss as they stream in, prints the
+mean reward of the first and last three steps and the checkpoint path, and stops its processes,
+also on Ctrl-C, SIGTERM and SIGHUP (a second one kills them at once). The task asks for 1 GPU
+when the node has one and runs on the CPU (gpu_count 0) otherwise.
 """
 
 from __future__ import annotations
@@ -278,7 +280,15 @@ def main() -> int:
             f"(a + b, one digit), {args.steps} steps, gpu_count={gpu_count}",
             flush=True,
         )
-        print(f"live       http://localhost:{http_port}/ui/task/{task_id}  (curves update as steps arrive)\n")
+        print(f"live       http://localhost:{http_port}/ui/task/{task_id}  (curves update as steps arrive)")
+        # Written by the worker as steps happen: open them while the task runs.
+        if "tensorboard" in tracking:
+            print(f"tensorboard: tensorboard --logdir {tracking['tensorboard']}")
+        if "mlflow" in tracking:
+            print(
+                f"mlflow:      MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {tracking['mlflow']['uri']}"
+            )
+        print(flush=True)
         print(
             f"{'step':>4}  {'reward':>6}  {'±std':>5}  {'loss':>8}  "
             f"{'kl':>7}  {'zero-std':>8}  {'tok/s':>6}  {'step s':>6}"
@@ -309,12 +319,6 @@ def main() -> int:
             print(f"mean reward, last 3 steps:  {last:.3f}   ({'+' if last >= first else ''}{last - first:.3f})")
         print(f"final state: {task.state.upper()}" + (f" — {task.error}" if task.error else ""))
         print(f"checkpoint (PEFT LoRA adapter): {checkpoint or task.checkpoint_path or 'none'}")
-        if "tensorboard" in tracking:
-            print(f"tensorboard: tensorboard --logdir {tracking['tensorboard']}")
-        if "mlflow" in tracking:
-            print(
-                f"mlflow:      MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {tracking['mlflow']['uri']}"
-            )
         started = [json.loads(line) for line in trainer_log.read_text().splitlines() if '"Task started"' in line]
         if started:
             s = started[0]

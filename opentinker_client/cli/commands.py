@@ -924,10 +924,13 @@ _COMPARE_KEYS = (("reward", True), ("loss", False))
 def compare_rows(
     tasks: Sequence[TaskInfo], histories: Sequence[Sequence[tuple[int, Mapping[str, float]]]], *, now: float
 ) -> tuple[list[str], list[list[str]], list[tuple[str, list[str]]]]:
-    """The ``compare`` table: ``(header, one row per task, [(hyperparameter, value per task)])``
-    with final and best reward/loss, steps, wall time, and only the resolved hyper-parameters
-    (and model, env) whose values differ between the tasks."""
-    header = ["task", "name", "state", "steps", "wall time"]
+    """The ``compare`` table: ``(header, one row per task, [(setting, value per task)])`` with
+    final and best reward/loss, steps, wall time, usage (GPU-seconds, CPU-task seconds and cost
+    over all attempts, from ``TaskInfo.usage``; ``-`` where the scheduler did not say), and only
+    the settings (model, env, hyper-parameters) whose values differ between the tasks, compared
+    as the scheduler resolved them (defaults filled in: a task that left ``learning_rate`` at its
+    default and one that set it to that value do not differ; :func:`_resolved_settings`)."""
+    header = ["task", "name", "state", "steps", "wall time", "GPU-s", "CPU-task s", "cost"]
     for key, _ in _COMPARE_KEYS:
         header += [f"final {key}", f"best {key}"]
     rows = []
@@ -935,14 +938,14 @@ def compare_rows(
         start = task.start_time.timestamp() if task.start_time else None
         end = task.end_time.timestamp() if task.end_time else now
         row = [task.task_id, task.name, task.state, str(task.latest_step), _seconds(end - start) if start else "-"]
+        u = task.usage or {}
+        row += [f"{u['gpu_seconds']:.0f}", f"{u['cpu_task_seconds']:.0f}", f"{u['cost']:.4f}"] if u else ["-"] * 3
         for key, larger in _COMPARE_KEYS:
             values = [v[key] for _, v in history if key in v and math.isfinite(v[key])]
             row.append(f"{values[-1]:.4g}" if values else "-")
             row.append(f"{(max(values) if larger else min(values)):.4g}" if values else "-")
         rows.append(row)
-    flat = [
-        _flatten({"model": t.model, "env": dict(t.env_config or {}), **dict(t.hyperparameters or {})}) for t in tasks
-    ]
+    flat = [_flatten(_resolved_settings(t)) for t in tasks]
     names = sorted(set().union(*flat)) if flat else []
     differing = [
         (n, [json.dumps(f.get(n), default=str) if n in f else "-" for f in flat])
@@ -950,6 +953,23 @@ def compare_rows(
         if len({json.dumps(f.get(n), sort_keys=True, default=str) for f in flat}) > 1
     ]
     return header, rows, differing
+
+
+def _resolved_settings(task: TaskInfo) -> dict[str, Any]:
+    """``{"model", "env", hyper-parameter: value ...}`` of ``task`` as its worker runs it (the spec
+    parsed by :func:`opentinker_common.spec.spec_from_proto`, defaults filled in); as submitted
+    when there is no spec or it no longer parses (a task stored by an older scheduler)."""
+    from opentinker_common.spec import SpecError, spec_from_proto
+
+    spec = getattr(task.proto, "spec", None)
+    if spec is not None:
+        try:
+            resolved = spec_from_proto(spec).to_dict()
+        except (SpecError, ValueError, TypeError):
+            pass
+        else:
+            return {"model": task.model or resolved["model"], "env": resolved["env"], **resolved["hyperparameters"]}
+    return {"model": task.model, "env": dict(task.env_config or {}), **dict(task.hyperparameters or {})}
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

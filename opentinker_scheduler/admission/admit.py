@@ -25,7 +25,9 @@ and a later stage costs nothing when an earlier one refuses):
    ``request_id`` length and reuse (INVALID_ARGUMENT, ALREADY_EXISTS; a reuse with the same spec
    returns the task it made), the default model, the whole spec (INVALID_ARGUMENT naming the
    field path; the environment is found cached from stage 4), a GPU count some node could ever
-   offer (FAILED_PRECONDITION). Only then is the PENDING row written.
+   offer, ``spec.tracking`` loggers some connected node can write
+   (:mod:`~opentinker_scheduler.policy.tracking`; FAILED_PRECONDITION). Only then is the PENDING
+   row written.
 
 Stages 2 and 3 pass over what the spec check refuses later (a malformed ``dataset_id`` or
 ``init_from``), so each refusal names its own field.

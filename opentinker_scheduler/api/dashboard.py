@@ -4,7 +4,8 @@ with SVG charts drawn here (:mod:`.svg_chart`; no JavaScript framework, no CDN: 
 Pages (all read-only but one form):
 
 * ``/ui/cluster`` (``/`` redirects here): nodes, connected and not, with per-GPU and host CPU
-  telemetry and a sparkline of its last minutes (:class:`TelemetryHistory`).
+  telemetry and a sparkline of its last minutes (:class:`TelemetryHistory`), and each node's
+  model hosts (a base model shared by LoRA tenants) with their tenants.
 * ``/ui/queue``: pending tasks in placement order with their position and why each waits; running
   tasks with progress (step of ``hyperparameters.steps``, or of PPO's updates) and an ETA from
   the pace so far.
@@ -409,6 +410,7 @@ class Dashboard:
                         version=n.register.version,
                         hostname=n.register.hostname,
                         notes=list(core.node_notes(n)),
+                        model_hosts=[_model_host(core, n, mh) for mh in n.model_hosts],
                     )
                 )
             return rows, dict(core.state_counts), core.leading
@@ -442,6 +444,8 @@ class Dashboard:
                 body.append(f"<p>running: {links}{more}</p>")
             for note in r["notes"]:
                 body.append(f'<p class="note">{h(note)}</p>')
+            if r["model_hosts"]:
+                body.append(_model_hosts_table(r["model_hosts"], who))
             host = r["host"]
             if host:
                 cpu = self.history.host(r["node_id"], "cpu_utilization_percent")
@@ -669,7 +673,8 @@ class Dashboard:
             )
             + "<h2>Attempts</h2>"
             + (
-                "<table><tr><th>attempt</th><th>started</th><th>node</th><th>last state</th><th>why</th></tr>"
+                '<table id="attempts"><tr><th>attempt</th><th>started</th><th>node</th><th>last state</th>'
+                "<th>why</th></tr>"
                 f"{att}</table>"
                 if att
                 else ""
@@ -866,6 +871,61 @@ def _tar_stream(manifest, prefix: str) -> Iterator[bytes]:
         buf.truncate()
     tar.close()
     yield buf.getvalue()
+
+
+def _model_host(core, node, host: common_pb2.ModelHost) -> dict:
+    """One of ``node``'s model hosts (a base model its LoRA tenants share) for the cluster page:
+    its tenants as ``(task id, owner)`` and the scheduler's memory estimate, read on the loop."""
+    needs = [m for m in (node.memory_of(t) for t in host.task_ids) if m is not None]
+    return dict(
+        model=host.model,
+        dtype=host.dtype,
+        devices=list(host.device_indices),
+        max_tenants=host.max_tenants,
+        tenants=[(t, getattr(core.active.get(t), "owner", "")) for t in host.task_ids],
+        base_bytes=max((m.base_bytes for m in needs), default=0),
+        tenant_bytes=sum(m.tenant_bytes for m in needs),
+    )
+
+
+def _model_hosts_table(hosts: list[dict], who: Principal) -> str:
+    """A node's model hosts: base model, dtype, GPUs, tenants (``k of max``) and the memory
+    estimate. A user sees links to its own tenants and only a count of other owners'; a host
+    without any of its tenants shows neither its model nor its tasks (another owner's model
+    folder or hub id is theirs), as ``ListNodes`` is for admin keys."""
+    rows = []
+    for mh in hosts:
+        mine = [t for t, owner in mh["tenants"] if who.is_admin or owner == who.owner]
+        others = len(mh["tenants"]) - len(mine)
+        links = ", ".join(f'<a href="/ui/task/{quote(t)}">{h(t)}</a>' for t in mine)
+        more = f"{', ' if mine else ''}{others} of other owners" if others else ""
+        gpus = ", ".join(str(d) for d in mh["devices"]) or "CPU"
+        count = f"{len(mh['tenants'])} of {mh['max_tenants'] or '?'}"
+        if not mine:  # another owner's (or, with no tenant left, nobody's now): no model named
+            what = "(another owner's model)" if others else "(no tenants)"
+            rows.append(
+                f'<tr class="model-host"><td>{what}</td><td>-</td><td>{h(gpus)}</td>'
+                f"<td>{count}{': ' + more if more else ''}</td><td>-</td></tr>"
+            )
+            continue
+        est = (
+            f"base {_mib(mh['base_bytes'])} MiB + tenants {_mib(mh['tenant_bytes'])} MiB"
+            if mh["base_bytes"] or mh["tenant_bytes"]
+            else "-"
+        )
+        rows.append(
+            f'<tr class="model-host" data-model="{h(mh["model"])}"><td>{h(mh["model"])}</td>'
+            f"<td>{h(mh['dtype'] or 'auto')}</td><td>{h(gpus)}</td><td>{count}: {links}{more}</td>"
+            f"<td>{h(est)}</td></tr>"
+        )
+    return (
+        '<table class="model-hosts"><tr><th>model host</th><th>dtype</th><th>GPUs</th><th>LoRA tenants</th>'
+        "<th>memory estimate</th></tr>" + "".join(rows) + "</table>"
+    )
+
+
+def _mib(v: int) -> str:
+    return f"{v / 2**20:.1f}"
 
 
 def _gib(v) -> str:

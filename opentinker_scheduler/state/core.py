@@ -30,6 +30,7 @@ from typing import Callable
 import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
+from opentinker_common.spec.tracking import EXTRAS as TRACKING_LOGGERS
 from opentinker_common.spec import (
     SpecError,
     TaskSpecModel,
@@ -55,6 +56,7 @@ from opentinker_scheduler.policy.placement import (
     why_pending,
 )
 from opentinker_scheduler.policy.gang import gang_never_fits
+from opentinker_scheduler.policy.tracking import NodeLoggers, unwritable_logger
 from opentinker_scheduler.policy.quota import QueueQuota, QuotaBook, task_need
 from opentinker_scheduler.policy.scale import ClassNode, Demand, desired_trainers
 from opentinker_scheduler.state.gangs import Gangs, gang_nodes
@@ -333,7 +335,9 @@ class SchedulerCore:
 
         Raises:
             InvalidArgument: bad spec (message names the field path).
-            FailedPrecondition: no node in the pool could ever hold it.
+            FailedPrecondition: no node in the pool could ever hold it, or it names a
+                ``spec.tracking`` logger that no connected node can write
+                (:func:`~opentinker_scheduler.policy.tracking.unwritable_logger`).
         """
         if len(request_id) > 128:
             raise InvalidArgument("request_id: expected at most 128 characters")
@@ -370,6 +374,11 @@ class SchedulerCore:
             never = gang_never_fits(model.nodes, model.gpu_count, self.node_sizes())
             if never is not None:
                 raise FailedPrecondition(never)
+        named = [k for k in TRACKING_LOGGERS if getattr(model.tracking, k, None)]
+        if named:
+            refusal = unwritable_logger(named, self._node_loggers())
+            if refusal is not None:
+                raise FailedPrecondition(refusal)
         priority = model.priority if model.priority is not None else self.config.priority_of(model.workload_type)
         max_attempts = spec.limits.max_attempts or self.config.default_max_attempts
         now = time.time()
@@ -646,6 +655,14 @@ class SchedulerCore:
                 return
             self.store.update_task(stored, [event])
         self.notify()
+
+    def _node_loggers(self) -> list[NodeLoggers]:
+        """What each connected node said it can write of ``spec.tracking`` (None: it did not say)."""
+        return [
+            NodeLoggers(n.node_id, frozenset(n.register.tracking_loggers) if n.register.tracking_reported else None)
+            for n in self.nodes.values()
+            if n.connected
+        ]
 
     def node_sizes(self) -> dict[str, int]:
         """GPUs of every node the cluster may have: resource_pool entries and connected nodes."""

@@ -13,6 +13,7 @@ from typing import Callable, Protocol, Sequence
 import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
+from opentinker_common.spec import control_character_problem
 
 from opentinker_scheduler.config import PoolNode, SchedulerConfig
 from opentinker_scheduler.config.usage import check_node_class
@@ -105,12 +106,20 @@ class NodeProtocol:
         """A node opened its stream. Re-announced tasks that are still its own continue.
 
         Raises:
-            InvalidArgument: empty node id.
+            InvalidArgument: empty node id; control characters in the node id, hostname, version or
+                GPU note (``register.node_id: expected text on one line without control characters,
+                got U+001B (ESC) at character 4``: they reach logs, pending reasons and terminals).
             PermissionDenied: node not in resource_pool while unknown nodes are refused.
         """
         node_id = reg.node_id
         if not node_id or len(node_id) > 128:
             raise InvalidArgument("register.node_id: expected a non-empty id of at most 128 characters")
+        for name in ("node_id", "hostname", "version", "gpu_note"):
+            problem = control_character_problem(getattr(reg, name))
+            if problem is not None:
+                raise InvalidArgument(
+                    f"register.{name}: expected text on one line without control characters, got {problem}"
+                )
         if reg.node_class and check_node_class(reg.node_class):
             raise InvalidArgument(
                 f"register.node_class: expected {check_node_class(reg.node_class)}, got {reg.node_class[:80]!r}"

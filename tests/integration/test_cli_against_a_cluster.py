@@ -123,6 +123,8 @@ def test_plot_overlays_tasks_and_compare_tables_them(ran, tmp_path, capsys, monk
     lines = text.splitlines()
     row = next(line for line in lines if ok in line and "succeeded" in line)
     assert "final reward" in text and "best loss" in text and " s " in row
+    cells = [c.strip() for c in row.split("│")]
+    assert "CPU-task s" in text and float(cells[cells.index("succeeded") + 4]) > 0  # a CPU task's usage
     assert any(line.split("│")[1].strip() == "model" for line in lines if line.count("│") >= 3)  # models differ
 
 

@@ -2,7 +2,7 @@
 task runs: the trainer's /metrics wants a client certificate (mTLS) and the scrape token, and
 with --http-no-task-labels names no task; /health stays open to probes (with a certificate).
 The scheduler's /metrics (its HTTP port and the HTTP answers of its gRPC port) wants the token of
-http_metrics_token_file, and names no task and no owner either."""
+http_metrics_token_file, and names no task either (owners and queues only, in its accounting)."""
 
 from __future__ import annotations
 

@@ -87,3 +87,15 @@ def test_a_short_task_writes_a_wandb_offline_run_of_its_steps_and_spec(tmp_path,
     assert config["hyperparameters"]["num_envs"] == 2
     assert "learning_rate" in config["hyperparameters"]  # resolved: the defaults are there too
     assert config["tracking"]["wandb"]["mode"] == "offline"
+
+
+def test_the_node_reports_the_loggers_its_python_has(monkeypatch) -> None:
+    import importlib.util
+
+    from opentinker_trainer.tracking import writable_loggers
+
+    if importlib.util.find_spec("mlflow") is None or importlib.util.find_spec("tensorboardX") is None:
+        pytest.skip("the dev extra installs mlflow-skinny and tensorboardX")
+    assert {"tensorboard", "mlflow"} <= set(writable_loggers())  # found without importing them
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as on a node without it
+    assert "mlflow" not in writable_loggers() and "tensorboard" in writable_loggers()

@@ -111,3 +111,19 @@ def test_step_axes_get_whole_number_ticks(tmp_path) -> None:
     finally:
         Figure.savefig = real
     assert seen and all(float(t).is_integer() for t in seen)
+
+
+def test_plot_draws_ppo_on_environments_against_env_steps_by_default() -> None:
+    from opentinker.common.v1 import common_pb2
+    from opentinker_client._convert import task_from_proto
+    from opentinker_client.cli.commands import _default_x
+
+    def task(workload: str, env: dict):
+        spec = common_pb2.TaskSpec(workload_type=workload, model="mlp" if workload == "full_rl" else "org/m")
+        spec.env_config.update(env)
+        return task_from_proto(common_pb2.Task(task_id=f"task-{workload}", spec=spec))
+
+    ppo = task("full_rl", {"env_id": "CartPole-v1"})
+    grpo = task("lora_finetune", {"env_id": "arithmetic"})
+    assert _default_x([ppo]) == _default_x([ppo, ppo]) == "env_steps"  # sample efficiency
+    assert _default_x([grpo]) == "step" and _default_x([ppo, grpo]) == "step"  # no common unit: steps

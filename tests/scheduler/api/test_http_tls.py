@@ -1,6 +1,7 @@
 """HTTPS on the scheduler's HTTP port (``http_tls:``): a real scheduler on loopback serves /health
 and /metrics over TLS to clients that trust its CA, refuses plain HTTP, is not blocked by a client
-that never finishes its handshake, and bad files are refused at start with file:line:key."""
+that never finishes its handshake, and bad files are refused at start with file:line:key; the
+dashboard's login cookie is marked Secure there (HttpOnly and SameSite=Strict always)."""
 
 from __future__ import annotations
 
@@ -126,3 +127,24 @@ def test_bad_http_tls_files_are_refused_at_start_with_file_line_and_key(tmp_path
         with pytest.raises(ConfigError) as err:
             parse_config(text, "x.yaml", base_dir=tmp_path)
         assert re.match(rf"x\.yaml:1:\d+: {re.escape(message)}", str(err.value)), str(err.value)
+
+
+def test_the_dashboards_login_cookie_is_secure_over_https(tmp_path, certs) -> None:
+    import http.client
+    import urllib.parse
+
+    cfg = _config(tmp_path, "auth: {enabled: true}\nhttp_tls: {cert: certs/server.pem, key: certs/server.key}\n")
+    trust = ssl.create_default_context(cafile=str(certs.ca))
+    with running(cfg) as sched:
+        key = (tmp_path / "state" / "admin.key").read_text().strip()
+        conn = http.client.HTTPSConnection("localhost", sched.http.port, context=trust, timeout=30)
+        try:
+            form = urllib.parse.urlencode({"api_key": key, "next": "/ui/queue"})
+            conn.request("POST", "/ui/login", form, {"Content-Type": "application/x-www-form-urlencoded"})
+            resp = conn.getresponse()
+            resp.read()
+        finally:
+            conn.close()
+        assert resp.status == 303 and resp.getheader("Location") == "/ui/queue"
+        attrs = [a.strip() for a in resp.getheader("Set-Cookie").split(";")]
+        assert attrs[0] == f"otk_key={key}" and {"HttpOnly", "SameSite=Strict", "Secure", "Path=/"} <= set(attrs)

@@ -211,3 +211,34 @@ def test_control_characters_in_a_cancel_reason_or_key_description_are_refused(sc
         )
     with RLClient(sched.target, api_key=sched.admin_key) as root:
         assert [k for k in root.keys.list() if k.owner == "bob"] == []  # no key was made
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("node_id", "rack\x1b]0;PWNED\x07", "U+001B (ESC) at character 4"),
+        ("hostname", "host\nnode-b  connected", "U+000A (newline) at character 4"),
+        ("version", "1.0\u202e", "U+202E (RIGHT-TO-LEFT OVERRIDE) at character 3"),
+        ("gpu_note", "NVML \x9b31m", "U+009B (a control character) at character 5"),
+    ],
+)
+def test_control_characters_in_a_node_registration_are_refused(sched, field, value, message) -> None:
+    """A node key's Register is text that reaches logs, pending reasons and every terminal that
+    lists nodes: the scheduler refuses control characters in it, naming the field."""
+    from opentinker.node.v1 import node_pb2, node_pb2_grpc
+
+    with RLClient(sched.target, api_key=sched.admin_key) as root:
+        _, node_key = root.keys.create(f"rack-{field}", "node")
+    register = node_pb2.Register(node_id=f"node-{field}", max_tasks=1)
+    setattr(register, field, value)
+    with grpc.insecure_channel(sched.target) as ch:
+        call = node_pb2_grpc.NodeServiceStub(ch).Connect(
+            iter([node_pb2.ConnectRequest(register=register)]), metadata=metadata(node_key), timeout=30
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            next(call)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == (
+        f"register.{field}: expected text on one line without control characters, got {message}"
+    )
+    assert f"node-{field}" not in sched.do(lambda: set(sched.core.nodes))  # nothing registered

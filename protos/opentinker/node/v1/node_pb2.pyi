@@ -78,7 +78,7 @@ class RunningTask(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "version", "devices", "max_tasks", "running", "hostname", "cpu_count", "gpu_note", "finished", "pending", "node_class", "tenants_per_host")
+    __slots__ = ("node_id", "version", "devices", "max_tasks", "running", "hostname", "cpu_count", "gpu_note", "finished", "pending", "node_class", "tenants_per_host", "tracking_loggers", "tracking_reported")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,8 @@ class Register(_message.Message):
     PENDING_FIELD_NUMBER: _ClassVar[int]
     NODE_CLASS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_PER_HOST_FIELD_NUMBER: _ClassVar[int]
+    TRACKING_LOGGERS_FIELD_NUMBER: _ClassVar[int]
+    TRACKING_REPORTED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     devices: _containers.RepeatedCompositeFieldContainer[_common_pb2.Device]
@@ -103,7 +105,9 @@ class Register(_message.Message):
     pending: _containers.RepeatedCompositeFieldContainer[TaskReport]
     node_class: str
     tenants_per_host: int
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., max_tasks: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., gpu_note: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., node_class: _Optional[str] = ..., tenants_per_host: _Optional[int] = ...) -> None: ...
+    tracking_loggers: _containers.RepeatedScalarFieldContainer[str]
+    tracking_reported: bool
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.Device, _Mapping]]] = ..., max_tasks: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., gpu_note: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[TaskReport, _Mapping]]] = ..., node_class: _Optional[str] = ..., tenants_per_host: _Optional[int] = ..., tracking_loggers: _Optional[_Iterable[str]] = ..., tracking_reported: _Optional[bool] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node_id", "heartbeat_interval", "lease", "gpu_count", "max_tasks", "stale", "report_ack")
