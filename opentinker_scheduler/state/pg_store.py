@@ -7,10 +7,10 @@ connection taken from a psycopg 3 pool, from the event loop; the lease keeper
 
 Durability is the same promise as SQLite's: a transition commits before it is acknowledged or
 pushed (group commit included; with synchronous commit a group's WAL flush runs behind the event
-loop, :class:`_WalFlusher`, and the group's waiters are released after it). On top, every transaction of the leader ends with
-``SELECT ot_fence(<epoch>); COMMIT`` in one round trip: the database refuses it when a newer
-epoch holds the lease (:class:`~opentinker_scheduler.errors.Fenced`), so a leader that lost its
-lease (stopped, cut off) can never write over its successor.
+loop, :class:`_WalFlusher`, and the group's waiters are released after it). On top, every
+transaction of the leader ends with ``SELECT ot_fence(<epoch>); COMMIT`` in one round trip: the
+database refuses it when a newer epoch holds the lease (:class:`~opentinker_scheduler.errors.Fenced`),
+so a leader that lost its lease (stopped, cut off) can never write over its successor.
 
 No call blocks the event loop for long: each statement has a deadline (``call_timeout_s``) after
 which a watchdog thread shuts the connection's socket down, so a database that stops answering
