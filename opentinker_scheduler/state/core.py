@@ -341,11 +341,42 @@ class SchedulerCore:
         """
         if len(request_id) > 128:
             raise InvalidArgument("request_id: expected at most 128 characters")
-        existing = self.store.find_by_request(owner, request_id) if request_id else None
-        if existing is not None and existing.spec.SerializeToString(deterministic=True) == self._as_stored(
+        try:
+            task, ev = self._new_task(spec, owner=owner, request_id=request_id)
+        except (InvalidArgument, FailedPrecondition):
+            # A retry of a submit accepted before the config or the cluster changed gets its task.
+            existing = self.store.find_by_request(owner, request_id) if request_id else None
+            if existing is not None and self._same_request(existing, spec):
+                return self.tasks.get(existing.task_id) or existing
+            raise
+        existing = self.store.insert_new_task(task, ev)  # nothing written when the request id is used
+        if existing is not None:
+            if self._same_request(existing, spec):
+                return self.tasks.get(existing.task_id) or existing
+            raise AlreadyExists(
+                f"request_id {request_id!r} was already used for task {existing.task_id} with a different spec"
+            )
+        self.tasks.added(task)
+        self._queued_at[task.task_id] = time.monotonic()
+        # No log line here: the servicer's audit record (``action="task.submit"``) is the
+        # submission's one line, with task id, owner, workload type, GPUs and priority.
+        self.notify()
+        return task
+
+    def _same_request(self, existing: TaskRow, spec: common_pb2.TaskSpec) -> bool:
+        """Whether ``spec`` is what ``existing`` was submitted with (a retried submit)."""
+        return existing.spec.SerializeToString(deterministic=True) == self._as_stored(
             spec, default_model=existing.spec.model
-        ).SerializeToString(deterministic=True):
-            return self.tasks.get(existing.task_id) or existing
+        ).SerializeToString(deterministic=True)
+
+    def _new_task(
+        self, spec: common_pb2.TaskSpec, *, owner: str, request_id: str
+    ) -> tuple[TaskRow, common_pb2.TaskEvent]:
+        """The PENDING row of a new submit and its first event, validated (nothing stored).
+
+        Raises:
+            InvalidArgument, FailedPrecondition: as :meth:`submit`.
+        """
         spec_copy = common_pb2.TaskSpec()
         spec_copy.CopyFrom(spec)
         if not spec_copy.model and task_uses_model(spec_copy.workload_type, _struct_dict(spec_copy, "env_config")):
@@ -360,10 +391,6 @@ class SchedulerCore:
         except SpecError as exc:
             raise InvalidArgument(str(exc)) from None
         spec_copy = self._as_stored(spec_copy, model=model)
-        if existing is not None:  # same request_id, another spec (the same one returned above)
-            raise AlreadyExists(
-                f"request_id {request_id!r} was already used for task {existing.task_id} with a different spec"
-            )
         most = self.max_possible_gpus()
         if model.gpu_count > most:
             raise FailedPrecondition(
@@ -406,13 +433,7 @@ class SchedulerCore:
                 f"submitted by {owner}",
             )
         )
-        self.store.insert_task(task, ev)
-        self.tasks.added(task)
-        self._queued_at[task.task_id] = time.monotonic()
-        # No log line here: the servicer's audit record (``action="task.submit"``) is the
-        # submission's one line, with task id, owner, workload type, GPUs and priority.
-        self.notify()
-        return task
+        return task, ev
 
     def import_adapter(
         self, *, task_id: str, owner: str, model: str, name: str, checkpoint: common_pb2.Checkpoint

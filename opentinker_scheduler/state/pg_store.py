@@ -46,7 +46,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from opentinker_scheduler.errors import Fenced, StoreUnavailable
 from opentinker_scheduler.state import schema
-from opentinker_scheduler.state.store import SqlStore
+from opentinker_scheduler.state.store import _COLUMNS, SqlStore
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -288,6 +288,19 @@ class _PgBase(SqlStore):
 
     def _in_transaction(self) -> bool:
         return self.db.in_transaction
+
+    def _insert_task_unless_requested(self, task, first_event) -> bool:
+        # The task row and its first event in one statement (one round trip); the event only when
+        # the row went in (no conflict on the owner's request id).
+        t, e = self._task_values(task), self._event_values(task.task_id, 1, first_event)
+        rows = self.db.execute(
+            f"WITH t AS (INSERT INTO tasks ({_COLUMNS}, next_seq) VALUES ({','.join('?' * len(t))}, 2) "
+            "ON CONFLICT DO NOTHING RETURNING task_id) "
+            "INSERT INTO events (task_id, seq, time, kind, step, payload) "
+            "SELECT task_id, 1, ?::float8, ?::text, ?::bigint, ?::bytea FROM t RETURNING seq",
+            (*t, *e),
+        ).fetchall()
+        return bool(rows)
 
     def close(self) -> None:
         self.db.close()

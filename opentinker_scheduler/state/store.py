@@ -346,6 +346,34 @@ class SqlStore:
             )
             self._insert_event(task.task_id, 1, first_event)
 
+    def insert_new_task(self, task: TaskRow, first_event: common_pb2.TaskEvent) -> TaskRow | None:
+        """Insert a new task with its first event, unless its owner already has a task with its
+        ``request_id``: then nothing is written and that task is returned (a retried submit).
+        None when inserted. On PostgreSQL one round trip (a data-modifying CTE), not a lookup
+        and two inserts.
+
+        Raises:
+            StoreUnavailable: not inserted and no task with that request id (its task id is taken).
+        """
+        with self._tx():
+            inserted = self._insert_task_unless_requested(task, first_event)
+        if inserted:
+            return None
+        existing = self.find_by_request(task.owner, task.request_id) if task.request_id else None
+        if existing is None:
+            raise StoreUnavailable(f"state store unavailable: task {task.task_id} was not stored (its id is taken)")
+        return existing
+
+    def _insert_task_unless_requested(self, task: TaskRow, first_event: common_pb2.TaskEvent) -> bool:
+        cur = self.db.execute(
+            f"INSERT INTO tasks ({_COLUMNS}, next_seq) VALUES ({','.join('?' * 22)}, 2) ON CONFLICT DO NOTHING",
+            self._task_values(task),
+        )
+        if cur.rowcount != 1:
+            return False
+        self._insert_event(task.task_id, 1, first_event)
+        return True
+
     def update_task(self, task: TaskRow, events: Iterable[common_pb2.TaskEvent] = ()) -> list[common_pb2.TaskEvent]:
         """Write ``task`` back and append ``events`` (sequence numbers assigned here), atomically.
         The spec is not written again: it is stored once, by :meth:`insert_task`, and never changes.
@@ -729,6 +757,15 @@ class SqlStore:
 
     def _insert_event(self, task_id: str, seq: int, ev: common_pb2.TaskEvent) -> common_pb2.TaskEvent:
         """Insert ``ev`` as event ``seq`` of ``task_id`` (the caller has moved ``next_seq`` past it)."""
+        self.db.execute(
+            "INSERT INTO events (task_id, seq, time, kind, step, payload) VALUES (?,?,?,?,?,?)",
+            (task_id, seq, *self._event_values(task_id, seq, ev)),
+        )
+        return ev
+
+    @staticmethod
+    def _event_values(task_id: str, seq: int, ev: common_pb2.TaskEvent) -> tuple:
+        """Stamp ``ev`` (task id, sequence, time when unset); its ``(time, kind, step, payload)`` columns."""
         ev.task_id = task_id
         ev.sequence = seq
         if not ev.HasField("time"):
@@ -736,11 +773,7 @@ class SqlStore:
         kind = ev.WhichOneof("event")
         kind = {"state_change": "state"}.get(kind, kind)
         step = ev.metric.step if kind == "metric" else (ev.checkpoint.step if kind == "checkpoint" else None)
-        self.db.execute(
-            "INSERT INTO events (task_id, seq, time, kind, step, payload) VALUES (?,?,?,?,?,?)",
-            (task_id, seq, ev.time.ToNanoseconds() / 1e9, kind, step, ev.SerializeToString()),
-        )
-        return ev
+        return ev.time.ToNanoseconds() / 1e9, kind, step, ev.SerializeToString()
 
     def _task_values(self, t: TaskRow, *, spec: bool = True) -> tuple:
         """The row's values in :data:`_COLUMNS` order; without ``spec``, that column left out."""

@@ -262,3 +262,22 @@ def test_the_password_comes_from_the_config_and_never_shows(tmp_path, monkeypatc
     with pytest.raises(OSError, match="store.password_env: environment variable OT_TEST_DB_PASSWORD is not set"):
         open_store(cfg)
     admin.close()
+
+
+def test_a_new_task_goes_in_once_per_owner_and_request_id(tmp_path) -> None:
+    store = make_store(tmp_path)
+    first, ev = _row("task-1")
+    first.request_id = "r1"
+    assert store.insert_new_task(first, ev) is None
+    again, ev2 = _row("task-2")
+    again.request_id = "r1"
+    existing = store.insert_new_task(again, ev2)  # a retried submit: nothing written
+    assert existing is not None and existing.task_id == "task-1"
+    assert store.get_task("task-2") is None
+    assert committed(store, "SELECT COUNT(*) FROM events WHERE task_id=?", ("task-2",)) == [(0,)]
+    events = committed(store, "SELECT seq, kind FROM events WHERE task_id=?", ("task-1",))
+    assert events == [(1, "state")]
+    other, ev3 = _row("task-3")  # another owner may use the same request id
+    other.owner, other.request_id = "v", "r1"
+    assert store.insert_new_task(other, ev3) is None
+    assert [e.sequence for e in store.events_after("task-3", 0)] == [1]
