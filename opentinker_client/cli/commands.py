@@ -283,7 +283,7 @@ def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
         print(
             f"queue: {task.queue or '-'}" + (f" (would wait now: {task.pending_reason})" if task.pending_reason else "")
         )
-        print(f"estimate: {usage_line(usage)}, cost {usage['cost']:.4f}")
+        print(f"estimate: {_estimate_line(usage)}")
         print(f"basis: {basis}")
         return EXIT_OK
     task_id = client.submit_config(config, request_id=args.request_id)
@@ -597,6 +597,19 @@ def usage_line(u) -> str:
         f"{u['tokens_generated']:.0f} tokens generated, {u['tokens_trained']:.0f} trained, "
         f"{u['env_steps']:.0f} env steps, {int(u['attempts'])} attempt(s)"
     )
+
+
+def _estimate_line(u) -> str:
+    """A dry run's estimate (of one attempt) in one line: ``0.125 GPU-h (450 GPU-s) for one
+    attempt, cost 0.2500``, a CPU task's seconds, or ``none`` when the scheduler had nothing to
+    go on (its basis says why)."""
+    if not u.get("attempts"):
+        return "none (no step times to go on; see basis)"
+    if u["gpu_seconds"]:
+        used = f"{u['gpu_seconds'] / 3600:.3f} GPU-h ({u['gpu_seconds']:.0f} GPU-s)"
+    else:
+        used = f"{u['cpu_task_seconds']:.0f} CPU-task s"
+    return f"{used} for one attempt, cost {u['cost']:.4f}"
 
 
 def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
@@ -1020,18 +1033,23 @@ def _cmd_export(client: RLClient, args: argparse.Namespace) -> int:
 # Checkpoints out: download, export a merged model or a policy, eval.
 
 
-def _checkpoint_task(client: RLClient, task_id: str, step: int | None) -> tuple[TaskInfo, str]:
-    """The task and a line saying which of its checkpoints is used (the newest, or ``step``)."""
+def _checkpoint_task(client: RLClient, task_id: str, step: int | None, nothing: str) -> tuple[TaskInfo, str]:
+    """The task and a line saying which of its checkpoints is used (the newest, or ``step``).
+
+    Raises:
+        FailedPreconditionError: the task has no checkpoint (:meth:`TaskInfo.without_checkpoint`,
+            ending in ``nothing``).
+    """
     task = client.get_task(task_id)
     if not task.checkpoint_path:
-        raise FailedPreconditionError(f"task {task_id} is {task.state} and has no checkpoint yet")
+        raise FailedPreconditionError(task.without_checkpoint(nothing))
     if step:
         return task, f"checkpoint at step {step}"
     return task, task.checkpoint_note
 
 
 def _cmd_download(client: RLClient, args: argparse.Namespace) -> int:
-    task, note = _checkpoint_task(client, args.task_id, args.step)
+    task, note = _checkpoint_task(client, args.task_id, args.step, "there is nothing to download")
     dest = Path(args.output or f"{task.task_id}-step{args.step or task.checkpoint_step}")
     client.download_checkpoint(task.task_id, dest, step=args.step)
     files = [p for p in dest.rglob("*") if p.is_file()]
@@ -1053,7 +1071,7 @@ def _export_model(client: RLClient, args: argparse.Namespace) -> int:
 
     from opentinker_client.models import ACTING_FILE, MissingExtraError, merge_adapter
 
-    task, note = _checkpoint_task(client, args.task_id, args.step)
+    task, note = _checkpoint_task(client, args.task_id, args.step, "there is nothing to export")
     target = Path(args.merged or args.torchscript)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         return _error(f"{target} exists; name a new {'folder' if args.merged else 'file'}")
@@ -1107,7 +1125,7 @@ def _eval_policy(client: RLClient, args: argparse.Namespace, task: TaskInfo) -> 
     env_id = env.get("env_id") or ""
     note = task.checkpoint_note
     if not note:
-        return _error(f"task {task.task_id} is {task.state} and has no checkpoint to evaluate")
+        return _error(task.without_checkpoint("there is no policy to evaluate"))
     try:
         with tempfile.TemporaryDirectory(prefix="opentinker-eval-") as tmp:
             policy = load_policy(client.download_checkpoint(task.task_id, Path(tmp) / "checkpoint"))
@@ -1164,8 +1182,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a value of the file without editing it (repeatable): hyperparameters.steps=20, "
-        "env.max_digits=2, gpu_count=1, model=NAME; VALUE is read as YAML",
+        help="override a value of the file without editing it (repeatable): any top-level key (gpu_count=1, "
+        "nodes=2, model=NAME, ...) or one inside env, hyperparameters or tracking (hyperparameters.steps=20, "
+        "env.max_digits=2); VALUE is read as YAML",
     )
     p.add_argument(
         "--request-id", default=None, help="idempotency key: resubmitting with the same id returns the same task"
