@@ -433,23 +433,25 @@ _LIST_COLUMNS: tuple[tuple[str, bool], ...] = (
     ("CREATED", True),
     ("REASON", True),
 )
-#: Left out, in this order, while the table cannot fit the terminal with its ids and names whole.
-_LIST_DROP_ORDER = ("PRIO", "GPUS", "ATTEMPT", "CREATED", "ENV", "NODE", "LOSS", "WORKLOAD", "REWARD", "REASON")
 #: The narrowest a wrapping column is counted at when fitting the table.
 _LIST_WRAP_MIN = 20
+#: Columns a narrow terminal moves out of the table into a line under each task, in this order,
+#: until the table fits; the rest of a task's values stay in the table.
+_LIST_MOVE_ORDER = ("REASON", "CREATED", "NODE", "ENV", "WORKLOAD", "PRIO", "LOSS", "REWARD", "NAME", "STEP")
 
 
 def _fit_columns(widths: dict[str, int], width: int) -> list[str]:
-    """The ``_LIST_COLUMNS`` headers to show in ``width`` cells, given each column's widest cell
-    (header included): all when they fit with the non-wrapping ones whole, else fewer
-    (``_LIST_DROP_ORDER``)."""
+    """The ``_LIST_COLUMNS`` headers that stay in the table in ``width`` cells, given each
+    column's widest cell (header included): all when they fit with the non-wrapping ones whole,
+    else fewer (``_LIST_MOVE_ORDER``); the others go to a line under each task, so every value
+    is shown (TASK ID, STATE, ATTEMPT and GPUS always stay in the table)."""
     shown = [name for name, _ in _LIST_COLUMNS]
     wraps = dict(_LIST_COLUMNS)
 
     def need() -> int:
         return sum(min(widths[c], _LIST_WRAP_MIN) if wraps[c] else widths[c] for c in shown) + 2 * len(shown)
 
-    for name in _LIST_DROP_ORDER:
+    for name in _LIST_MOVE_ORDER:
         if need() <= width:
             break
         shown.remove(name)
@@ -457,6 +459,8 @@ def _fit_columns(widths: dict[str, int], width: int) -> list[str]:
 
 
 def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
+    from rich.padding import Padding
+    from rich.segment import Segment, Segments
     from rich.table import Table
     from rich.text import Text
 
@@ -492,6 +496,7 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
         name: max([len(name)] + [Text.from_markup(row[i]).cell_len for row in rows]) for i, name in enumerate(headers)
     }
     shown = _fit_columns(widths, console.width)
+    moved = [i for i, name in enumerate(headers) if name not in shown]
     table = Table(box=None, header_style="bold")
     for name, wraps in _LIST_COLUMNS:
         if name in shown:
@@ -501,12 +506,43 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
     keep = [headers.index(name) for name in shown]
     for row in rows:
         table.add_row(*(row[i] for i in keep))
-    console.print(table)
-    hidden = [name for name in headers if name not in shown]
-    if hidden and console.is_terminal:
-        left_out = f"{', '.join(hidden)} left out to fit {console.width} columns"
-        console.print(f"[dim]{left_out}; `opentinker get TASK_ID` shows all[/dim]")
+    if not moved:
+        console.print(table)
+        return EXIT_OK
+    # A narrow terminal: the columns that did not fit go on a line under each task ("node n1
+    # created 12-02 01:53 <reason>"), wrapped at words, so no value is left out. The table left has
+    # no wrapping column (REASON and CREATED move first), so each task is one line of it.
+    lines = console.render_lines(table, console.options, pad=False)
+    console.print(Segments([*lines[0], Segment.line()]))
+    for row, line in zip(rows, lines[1:]):
+        console.print(Segments([*line, Segment.line()]))
+        units = []  # "label value" pairs kept whole on a line, then the reason's words
+        for i in moved:
+            if headers[i] == "REASON":
+                units += [(w, " ") for w in row[i].split()]
+            else:
+                units.append((f"{headers[i].lower()} {row[i]}", "  "))
+        for text in _pack(units, console.width - 3):
+            console.print(Padding(Text.from_markup(text), (0, 0, 0, 3)), no_wrap=True, overflow="fold")
     return EXIT_OK
+
+
+def _pack(units: list[tuple[str, str]], width: int) -> list[str]:
+    """Lines of at most ``width`` cells from ``units`` (``(markup, separator before the next)``),
+    each kept whole on one line (one longer than ``width`` gets a line of its own)."""
+    from rich.text import Text
+
+    lines: list[str] = []
+    line, used, sep = "", 0, ""
+    for unit, after in units:
+        cells = Text.from_markup(unit).cell_len
+        if line and used + len(sep) + cells > width:
+            lines.append(line)
+            line, used, sep = "", 0, ""
+        line, used, sep = line + sep + unit, used + len(sep) + cells, after
+    if line:
+        lines.append(line)
+    return lines
 
 
 #: env_config keys never printed as they are: the client-hosted environment's access token and
