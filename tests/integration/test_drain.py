@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from opentinker.common.v1 import common_pb2 as C
@@ -38,4 +41,15 @@ def test_sigterm_drains_and_task_resumes_from_checkpoint_on_another_node(cluster
         rest = HP["steps"] - handed_at
         assert steps[-rest:] == list(range(handed_at + 1, HP["steps"] + 1))
         assert steps.count(1) == 1, "step 1 ran once: the second attempt did not start from scratch"
+        # `opentinker logs` says where the second attempt resumed, not only where it would.
+        env = {k: v for k, v in os.environ.items() if k not in ("SCHEDULER_URL", "OPENTINKER_API_KEY")}
+        logs = subprocess.run(
+            [sys.executable, "-m", "opentinker_client", "--scheduler-url", cluster.url, "logs", task_id],
+            capture_output=True,
+            text=True,
+            env={**env, "COLUMNS": "200"},
+            timeout=120,
+        )
+        assert logs.returncode == 0, logs.stderr
+        assert f"resumed from step {handed_at} (attempt 2)" in logs.stdout, logs.stdout
     assert any(e.get("event") == "draining" for e in first.log_events())
