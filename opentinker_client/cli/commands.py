@@ -1116,7 +1116,10 @@ def _export_model(client: RLClient, args: argparse.Namespace) -> int:
         try:
             if args.merged:
                 merge_adapter(folder, target, base=args.base, dtype=args.dtype)
-                what = f"a {args.dtype} transformers model with the adapter merged"
+                what = (
+                    f"a {args.dtype} transformers model with the adapter merged (its logits checked against the "
+                    "adapter's)"
+                )
             else:
                 if not (folder / ACTING_FILE).is_file():
                     return _error(

@@ -1,8 +1,8 @@
 """Results leave the cluster, through real scheduler and trainer processes and the `opentinker`
 command: a cancelled task keeps the checkpoint its worker writes on the way out (downloadable,
-mergeable, an init_from, each saying which step); an adapter made elsewhere is uploaded and
-trained on; a PPO task's policy is evaluated here (mean
-return ± standard error) and exported as TorchScript."""
+mergeable, evaluated through a server, an init_from, each saying which step); an adapter made
+elsewhere is uploaded and trained on; a PPO task's policy is evaluated here (mean return ±
+standard error) and exported as TorchScript."""
 
 from __future__ import annotations
 
@@ -119,6 +119,16 @@ def test_cancelled_task_keeps_its_last_checkpoint(cluster: Cluster, tiny_model_d
         assert (tmp_path / "merged" / "config.json").exists() and not (
             tmp_path / "merged" / "adapter_config.json"
         ).exists()
+
+        # eval serves it (an inference task on the cluster) and says which checkpoint it is: mean
+        # reward ± standard error before and after, and what ± means, for an LM task too.
+        out = cli(cluster, "eval", task_id, "--episodes", "2", "--max-tokens", "4").stdout
+        assert f"adapter {task_id}: {note}" in out, out
+        assert re.search(rf"adapter {task_id}: mean reward [\d.]+ ± [\d.]+ over 2 episodes of arithmetic", out), out
+        assert "± is one standard error of the mean over the episodes" in out
+        for served in client.list_tasks(states=["pending", "assigned", "running"]):
+            if served.workload_type == "inference":
+                client.cancel(served.task_id)
 
         # init_from takes it (the scheduler accepts it at submit), and says which checkpoint it starts from.
         yaml = tmp_path / "next.yaml"

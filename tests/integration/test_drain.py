@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker_client import RLClient
+from opentinker_client.cli.commands import main
 
 HP = {"steps": 40, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
 
 
-def test_sigterm_drains_and_task_resumes_from_checkpoint_on_another_node(cluster, tiny_model_dir: Path) -> None:
+def test_sigterm_drains_and_task_resumes_from_checkpoint_on_another_node(cluster, tiny_model_dir: Path, capsys) -> None:
     cluster.start_scheduler()
     first = cluster.start_trainer("node-a", "--kill-grace", "60")  # time to checkpoint under load
     cluster.wait_nodes(1)
@@ -42,14 +40,7 @@ def test_sigterm_drains_and_task_resumes_from_checkpoint_on_another_node(cluster
         assert steps[-rest:] == list(range(handed_at + 1, HP["steps"] + 1))
         assert steps.count(1) == 1, "step 1 ran once: the second attempt did not start from scratch"
         # `opentinker logs` says where the second attempt resumed, not only where it would.
-        env = {k: v for k, v in os.environ.items() if k not in ("SCHEDULER_URL", "OPENTINKER_API_KEY")}
-        logs = subprocess.run(
-            [sys.executable, "-m", "opentinker_client", "--scheduler-url", cluster.url, "logs", task_id],
-            capture_output=True,
-            text=True,
-            env={**env, "COLUMNS": "200"},
-            timeout=120,
-        )
-        assert logs.returncode == 0, logs.stderr
-        assert f"resumed from step {handed_at} (attempt 2)" in logs.stdout, logs.stdout
+        assert main(["--scheduler-url", cluster.url, "logs", task_id]) == 0
+        logs = capsys.readouterr().out
+        assert f"resumed from step {handed_at} (attempt 2)" in logs, logs
     assert any(e.get("event") == "draining" for e in first.log_events())
