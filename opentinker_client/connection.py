@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator
 import grpc
 
 from opentinker.scheduler.v1 import admin_pb2_grpc, scheduler_pb2_grpc
-from opentinker_client._reach import explain_unreachable
+from opentinker_client._reach import accepts_connections, explain_unreachable
 from opentinker_client.errors import SCHEDULER_PLAINTEXT_HINT, DeadlineExceededError, OpenTinkerError, from_rpc_error
 from opentinker_common.net.bearer import bearer_metadata, clean_api_key
 from opentinker_common.net.call_budget import budget_metadata
@@ -38,7 +38,8 @@ log = logging.getLogger("opentinker_client")
 
 #: Seconds a unary call waits before it warns (``logging``, once per call; the CLI prints it on
 #: stderr) that the scheduler has not answered yet and is still waited on: a stopped (SIGSTOP)
-#: or overloaded scheduler accepts the connection and says nothing until the call's timeout.
+#: or overloaded scheduler accepts the connection and says nothing until the call's timeout. (An
+#: address where nothing listens gets no such warning: its UNAVAILABLE says so.)
 WAITING_NOTICE_S = 3.0
 
 # Unary RPCs are retried by gRPC itself on UNAVAILABLE (scheduler restarting, connection refused);
@@ -265,6 +266,7 @@ class SchedulerConnection:
                         return call.result(timeout=max(0.0, started + WAITING_NOTICE_S - time.monotonic()))
                     except grpc.FutureTimeoutError:  # still running: say so once, then wait on
                         noticed = True
+                    if accepts_connections(target):  # there, but silent (nothing listening: gRPC says so soon)
                         log.warning(
                             "the scheduler at %s has not answered %s in %.0f s; still waiting for it (up to %.0f s "
                             "in all: the call's timeout, opentinker --timeout or RLClient(timeout=))",

@@ -77,6 +77,8 @@ def test_an_adapter_made_elsewhere_is_uploaded_and_trained_on(
             hyperparameters={"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
         )
         cluster.wait_done(client, next_id)
+        # A LoRA task's usage counts the tokens it trained on (GRPO's train/tokens), not 0.
+        assert client.get_task(next_id).usage["tokens_trained"] > 0
         client.download_checkpoint(next_id, tmp_path / "trained")
     assert json.loads((tmp_path / "trained" / "adapter_config.json").read_text())["r"] == 2
 
