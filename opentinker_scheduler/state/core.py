@@ -342,12 +342,34 @@ class SchedulerCore:
             spec, default_model=existing.spec.model
         ).SerializeToString(deterministic=True):
             return self.tasks.get(existing.task_id) or existing
-        spec_copy, model = self._resolved(spec)
+        spec_copy = common_pb2.TaskSpec()
+        spec_copy.CopyFrom(spec)
+        if not spec_copy.model and task_uses_model(spec_copy.workload_type, _struct_dict(spec_copy, "env_config")):
+            if not self.config.default_model:
+                raise InvalidArgument(
+                    "spec.model: expected a model folder or hub id "
+                    "(the scheduler config has no default_model to fall back on)"
+                )
+            spec_copy.model = self.config.default_model
+        try:
+            model = spec_from_proto(spec_copy, allowed_workloads=self.config.workload_names)
+        except SpecError as exc:
+            raise InvalidArgument(str(exc)) from None
+        spec_copy = self._as_stored(spec_copy, model=model)
         if existing is not None:  # same request_id, another spec (the same one returned above)
             raise AlreadyExists(
                 f"request_id {request_id!r} was already used for task {existing.task_id} with a different spec"
             )
-        self._check_could_ever_fit(model)
+        most = self.max_possible_gpus()
+        if model.gpu_count > most:
+            raise FailedPrecondition(
+                f"spec.resources.gpu_count: {model.gpu_count} GPU(s) asked, but no node in the resource pool "
+                f"could ever offer more than {most} (gang placement needs all GPUs on one node)"
+            )
+        if model.nodes > 1:
+            never = gang_never_fits(model.nodes, model.gpu_count, self.node_sizes())
+            if never is not None:
+                raise FailedPrecondition(never)
         priority = model.priority if model.priority is not None else self.config.priority_of(model.workload_type)
         max_attempts = spec.limits.max_attempts or self.config.default_max_attempts
         now = time.time()
@@ -432,13 +454,16 @@ class SchedulerCore:
         self.notify()
         return task
 
-    def _resolved(self, spec: common_pb2.TaskSpec) -> tuple[common_pb2.TaskSpec, TaskSpecModel]:
-        """``spec`` as it would be stored (a copy: the default model filled in, every value
-        resolved) and its validated model.
+    def estimate(self, spec: common_pb2.TaskSpec, *, owner: str) -> tuple[TaskRow, common_pb2.Usage, str]:
+        """What ``spec`` would be stored as (no id, nothing written), what it would use and how
+        that was estimated: the spec's ``steps`` times the mean seconds per step of the newest
+        recorded attempts of the same workload type and model (at most 20), times its GPUs, at
+        the price of ``usage.default_node_class``. The row's ``error`` says when its queue's quota
+        would hold it back now.
 
         Raises:
-            InvalidArgument: bad spec (the message names the field path), or no model and no
-                ``default_model`` to fall back on.
+            InvalidArgument, FailedPrecondition: as :meth:`submit` (its checks: the default model,
+                the whole spec, a GPU count and gang some node could ever hold).
         """
         spec_copy = common_pb2.TaskSpec()
         spec_copy.CopyFrom(spec)
@@ -453,11 +478,7 @@ class SchedulerCore:
             model = spec_from_proto(spec_copy, allowed_workloads=self.config.workload_names)
         except SpecError as exc:
             raise InvalidArgument(str(exc)) from None
-        return self._as_stored(spec_copy, model=model), model
-
-    def _check_could_ever_fit(self, model: TaskSpecModel) -> None:
-        """Raises FailedPrecondition: no node (or set of nodes, for a gang) in the resource pool
-        could ever hold the task."""
+        spec_copy = self._as_stored(spec_copy, model=model)
         most = self.max_possible_gpus()
         if model.gpu_count > most:
             raise FailedPrecondition(
@@ -468,19 +489,6 @@ class SchedulerCore:
             never = gang_never_fits(model.nodes, model.gpu_count, self.node_sizes())
             if never is not None:
                 raise FailedPrecondition(never)
-
-    def estimate(self, spec: common_pb2.TaskSpec, *, owner: str) -> tuple[TaskRow, common_pb2.Usage, str]:
-        """What ``spec`` would be stored as (no id, nothing written), what it would use and how
-        that was estimated: the spec's ``steps`` times the mean seconds per step of the newest
-        recorded attempts of the same workload type and model (at most 20), times its GPUs, at
-        the price of ``usage.default_node_class``. The row's ``error`` says when its queue's quota
-        would hold it back now.
-
-        Raises:
-            InvalidArgument, FailedPrecondition: as :meth:`submit` (the same checks).
-        """
-        spec_copy, model = self._resolved(spec)
-        self._check_could_ever_fit(model)
         priority = model.priority if model.priority is not None else self.config.priority_of(model.workload_type)
         now = time.time()
         row = TaskRow(
