@@ -17,7 +17,7 @@ from urllib.parse import unquote
 
 from opentinker_client.errors import DeadlineExceededError, OpenTinkerError, UnavailableError
 
-__all__ = ["GRPC_PORT_HEADER", "explain_unreachable"]
+__all__ = ["GRPC_PORT_HEADER", "accepts_connections", "explain_unreachable"]
 
 #: The header the scheduler's HTTP answers carry: its gRPC port (read by :func:`explain_unreachable`).
 GRPC_PORT_HEADER = "X-OpenTinker-Grpc-Port"
@@ -30,6 +30,26 @@ def _tried(details: str) -> str:
     """The address gRPC last tried, decoded (``[::1]:22999``), or ``""``."""
     m = _ADDRESS.search(details)
     return unquote(m.group(1)) if m else ""
+
+
+def accepts_connections(target: str, timeout: float = 1.0) -> bool:
+    """Whether some address ``target`` (``host:port``) resolves to accepts a TCP connection within
+    ``timeout`` seconds: a scheduler that is there but does not answer (stopped, overloaded) does;
+    a port with nothing listening, or a host that does not resolve, does not."""
+    host, _, port = target.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return False
+    for family, kind, proto, _name, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.settimeout(timeout)
+                sock.connect(sockaddr)
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _probe(target: str, timeout: float = 1.0) -> tuple[list[str], list[tuple[str, int | None]]]:

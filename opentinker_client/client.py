@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
-from opentinker_client.client_data import DataCalls
+from opentinker_client.client_data import DataCalls, check_task_dataset, dataset_format
 from opentinker_client.client_serving import ServingCalls
 from opentinker_client.client_tasks import PollPacer, TaskCalls, check_task_id
 from opentinker_client.config import TaskConfig, load_task_config
@@ -308,8 +308,8 @@ class RLClient:
         self, config_or_path: TaskConfig | str | os.PathLike[str], *, request_id: str | None = None
     ) -> str:
         """Submit a task from a :class:`TaskConfig` or a YAML file (see
-        :mod:`opentinker_client.config` for the format). A ``dataset`` file is uploaded first
-        (:meth:`upload_dataset`) and named in ``env`` as ``dataset_id``.
+        :mod:`opentinker_client.config` for the format). A ``dataset`` file is checked here, then
+        uploaded (:meth:`upload_dataset`) and named in ``env`` as ``dataset_id``.
 
         Returns:
             The new task's id.
@@ -317,42 +317,57 @@ class RLClient:
         Raises:
             OSError: the file cannot be read.
             ConfigError: the file is not a valid task config (names file, line and key).
-            InvalidArgumentError, FailedPreconditionError, ResourceExhaustedError,
-            UnavailableError: as for :meth:`submit_task`.
+            InvalidArgumentError: also a ``dataset`` file that is not there (the message names the
+                path tried and what it is relative to) or has a bad line.
+            FailedPreconditionError, ResourceExhaustedError, UnavailableError: as for :meth:`submit_task`.
         """
         if isinstance(config_or_path, TaskConfig):
             config = config_or_path
         else:
             config = load_task_config(config_or_path)
+        return self._tasks.submit(self._with_dataset(config, upload=True).to_proto(), request_id=request_id)
+
+    def _with_dataset(self, config: TaskConfig, *, upload: bool) -> TaskConfig:
+        """``config`` checked (:meth:`TaskConfig.check`), with its local ``dataset`` file checked
+        (:func:`~opentinker_client.client_data.check_task_dataset`: there, every line, a prompts
+        reward against its first lines) and named in ``env`` as ``dataset_id``: uploaded first
+        with ``upload`` (a submit), else only its id (a dry run: nothing leaves this machine).
+        Submit and :meth:`estimate` share it, so a dry run resolves and refuses what a submit does."""
         config.check()
-        if config.dataset:  # sft or prompts: upload the local file first, then name it by its id
-            env_id = config.env.get("env_id", "chat_jsonl")
-            info = self.upload_dataset(config.dataset, format="prompts" if env_id == "prompts" else "chat")
-            config = dataclasses.replace(
-                config, env={"env_id": "chat_jsonl", **config.env, "dataset_id": info.dataset_id}, dataset=""
-            )
-        return self._tasks.submit(config.to_proto(), request_id=request_id)
+        if not config.dataset:
+            return config
+        dataset_id = check_task_dataset(config.dataset, config.env, source=config.source)
+        if upload:
+            fmt = dataset_format(config.env)
+            dataset_id = self._data.upload_dataset(config.dataset, format=fmt, checked=True).dataset_id
+        return dataclasses.replace(
+            config, env={"env_id": "chat_jsonl", **config.env, "dataset_id": dataset_id}, dataset=""
+        )
 
     def estimate(self, config_or_path: TaskConfig | str | os.PathLike[str]) -> tuple[TaskInfo, dict[str, float], str]:
         """Validate a task config on the scheduler and estimate what it would use, without
         submitting it (``opentinker submit --dry-run``).
 
+        The config goes through the same checks as :meth:`submit_config`, here and on the
+        scheduler (a ``dataset`` file is found and checked here and named by its id, but not
+        uploaded; the scheduler checks the rest as for a submit: limits, paths, ``init_from``,
+        the environment), so a config that passes is one a submit accepts.
+
         Returns:
             ``(task, usage, basis)``: the task as it would be stored (no id; ``pending_reason``
-            says when its queue's quota would hold it back now), the expected usage
-            (``gpu_seconds``, ``cost`` ...: from the spec's steps and the recent step times of
-            the same workload type and model; zeros when there are none) and how it was made.
+            says when its queue's quota would hold it back now), the expected usage of one
+            attempt (``gpu_seconds``, ``cost``, ``attempts`` 1 ...: from the spec's steps and the
+            recent step times of the same workload type and model; zeros when there are none)
+            and how it was made.
 
         Raises:
-            ConfigError, InvalidArgumentError: as for :meth:`submit_config`.
+            As :meth:`submit_config` (nothing is uploaded or created).
         """
         config = config_or_path if isinstance(config_or_path, TaskConfig) else load_task_config(config_or_path)
-        config.check()
-        if config.dataset:  # not uploaded for an estimate: stand in the file's name
-            config = dataclasses.replace(
-                config, env={"env_id": "chat_jsonl", **config.env, "path": str(config.dataset)}, dataset=""
-            )
-        return self._tasks.estimate(config.to_proto())
+        local_dataset = bool(config.dataset)  # checked here and named by its id; uploaded only at submit
+        return self._tasks.estimate(
+            self._with_dataset(config, upload=False).to_proto(), dataset_uploaded_at_submit=local_dataset
+        )
 
     def usage(self, *, owner: str = "", since: _dt.datetime | float | None = None) -> dict[str, Any]:
         """Accounted usage (GPU-seconds, CPU-task seconds, tokens, env steps, cost) of attempts

@@ -8,17 +8,19 @@ import hashlib
 import os
 import shutil
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_client._convert import checkpoint_from_proto, dataset_from_proto, task_from_proto
 from opentinker_client.connection import SchedulerConnection
 from opentinker_client.errors import InvalidArgumentError, OpenTinkerError
 from opentinker_client.types import CheckpointInfo, DatasetInfo, TaskInfo
-from opentinker_common.spec.prompts import DATASET_FORMATS, parse_prompt_line
+from opentinker_client.errors import from_spec_error
+from opentinker_common.spec import SpecError, validate_env_config
+from opentinker_common.spec.prompts import DATASET_FORMATS, SAMPLE_LINES, check_sample, parse_prompt_line
 from opentinker_common.spec.sft import MAX_LINE_BYTES, DatasetError, parse_chat_line
 
-__all__ = ["DataCalls", "UPLOAD_CHUNK_BYTES"]
+__all__ = ["DataCalls", "UPLOAD_CHUNK_BYTES", "check_task_dataset", "dataset_format"]
 
 #: Bytes per UploadDataset message.
 UPLOAD_CHUNK_BYTES = 1024 * 1024
@@ -30,6 +32,73 @@ def _safe_relative(path: str) -> PurePosixPath:
     if p.is_absolute() or not p.parts or any(part in ("..", "") for part in p.parts):
         raise OpenTinkerError(f"the scheduler sent an unsafe file path {path!r} in a checkpoint manifest; refused")
     return p
+
+
+def dataset_format(env: Mapping[str, Any]) -> str:
+    """The upload format of a task's ``dataset`` file for its environment: ``prompts`` for
+    ``env_id: prompts``, else ``chat`` (sft's ``chat_jsonl``)."""
+    return "prompts" if env.get("env_id") == "prompts" else "chat"
+
+
+def _missing_dataset(path: str, source: str | None) -> str:
+    """Why a task's ``dataset`` file at ``path`` is not there, naming the path tried and what it
+    is relative to; when the task file ``source`` has a comment naming the file (as
+    examples/word_problems_numeric.yaml does, with the command that makes it), that comment too."""
+    tried = os.path.abspath(path)
+    if source and os.path.isfile(source):
+        folder = os.path.dirname(source) or "."
+        where = f"a relative dataset: is read from the folder of {source} ({os.path.abspath(folder)})"
+    else:
+        where = f"a relative path is read from the current folder ({os.getcwd()})"
+    text = f"dataset: {path}: no such file (tried {tried}; {where})"
+    if source and os.path.isfile(source):
+        name = os.path.basename(path)
+        with open(source, encoding="utf-8", errors="replace") as fh:
+            hints = [line.strip().lstrip("#").strip() for line in fh if line.lstrip().startswith("#") and name in line]
+        if hints:
+            text += f"; {source} says how to make it: {hints[0]}"
+    return text
+
+
+def check_task_dataset(path: str, env: Mapping[str, Any], *, source: str | None = None) -> str:
+    """Check a task's local ``dataset`` file as a submit does before uploading it, and return the
+    id it has once uploaded (``sha256:<hex>`` of its bytes; the scheduler stores datasets by
+    content). The checks: the file is there; every line, as :meth:`DataCalls.upload_dataset`
+    checks them (:func:`dataset_format` of ``env``); for ``env_id: prompts``, the reward of
+    ``env`` against the first :data:`~opentinker_common.spec.prompts.SAMPLE_LINES` lines, with
+    the scheduler's own :func:`~opentinker_common.spec.prompts.check_sample`. ``RLClient``'s
+    submit and its dry run (``estimate``) both go through here.
+
+    Args:
+        path: the file (relative to the current folder; a task file's ``dataset`` is already
+            joined to that file's folder).
+        env: the task's ``env`` mapping.
+        source: the task file it was named in, if any (named when the file is missing).
+
+    Raises:
+        InvalidArgumentError: field ``dataset``: no such file (the message names the path tried
+            and what it was relative to), a folder, a bad line (``path:line:column``), an empty
+            file; or field ``spec.env_config.reward...``: a reward that cannot score the sample.
+    """
+    if not os.path.exists(path):
+        raise InvalidArgumentError(_missing_dataset(path, source), field="dataset")
+    if os.path.isdir(path):
+        raise InvalidArgumentError(f"dataset: {path}: is a folder; expected one JSONL file", field="dataset")
+    fmt = dataset_format(env)
+    _check_dataset_file(path, fmt)
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(UPLOAD_CHUNK_BYTES):
+            digest.update(chunk)
+    dataset_id = f"sha256:{digest.hexdigest()}"
+    if fmt == "prompts":
+        try:
+            reward = validate_env_config({**env, "dataset_id": dataset_id}).reward
+            with open(path, "rb") as fh:
+                check_sample(reward, (fh.readline(MAX_LINE_BYTES + 2).rstrip(b"\r\n") for _ in range(SAMPLE_LINES)))
+        except SpecError as err:
+            raise from_spec_error(err) from None
+    return dataset_id
 
 
 def _check_dataset_file(path: str, format: str = "chat") -> None:
@@ -68,10 +137,12 @@ class DataCalls:
         name: str | None = None,
         timeout: float | None = None,
         format: str = "chat",
+        checked: bool = False,
     ) -> DatasetInfo:
         """Stream the JSONL file at ``path`` in :data:`UPLOAD_CHUNK_BYTES` pieces; ``name``
         defaults to the file name, ``timeout`` (seconds, whole upload) to none, ``format`` (how the
-        lines are checked) to ``chat``."""
+        lines are checked) to ``chat``; ``checked``: :func:`check_task_dataset` checked the lines
+        already (a submit), so they are not read twice here."""
         if format not in DATASET_FORMATS:
             raise InvalidArgumentError(
                 f"format: expected one of {', '.join(DATASET_FORMATS)}, got {format!r}", field="format"
@@ -81,7 +152,8 @@ class DataCalls:
             raise IsADirectoryError(f"{path}: is a folder; upload_dataset takes one JSONL file")
         size = os.path.getsize(path)
         label = name if name is not None else os.path.basename(path)
-        _check_dataset_file(path, format)  # here the error can name the file: train.jsonl:3:14: expected ...
+        if not checked:
+            _check_dataset_file(path, format)  # here the error can name the file: train.jsonl:3:14: expected ...
 
         def chunks() -> Iterator[scheduler_pb2.UploadDatasetRequest]:
             with open(path, "rb") as fh:

@@ -216,7 +216,7 @@ class ServingCalls:
             raise FailedPreconditionError(
                 f"task {task.task_id} has no checkpoint: {deleted_words(listed.artifacts_deleted)}; {nothing}"
             )
-        raise FailedPreconditionError(f"task {task.task_id} ended {task.state} without a checkpoint; {nothing}")
+        raise FailedPreconditionError(task.without_checkpoint(nothing))
 
     def _check_weights(self, task_id: str, step: int) -> None:
         """Read the manifest (the first message of ``DownloadCheckpoint``) of ``task_id``'s

@@ -217,10 +217,16 @@ class TaskCalls:
                 log.info("submit refused or cut off (%s); retrying in %.2f s with the same request_id", err, wait)
                 time.sleep(wait)
 
-    def estimate(self, spec: common_pb2.TaskSpec) -> tuple[TaskInfo, dict[str, float], str]:
+    def estimate(
+        self, spec: common_pb2.TaskSpec, *, dataset_uploaded_at_submit: bool = False
+    ) -> tuple[TaskInfo, dict[str, float], str]:
         """A dry-run submit (``RLClient.estimate``): ``(the task as it would be stored, expected
-        usage, how it was estimated)``; nothing is created."""
-        response = self.connection.unary("SubmitTask", scheduler_pb2.SubmitTaskRequest(spec=spec, dry_run=True))
+        usage, how it was estimated)``; nothing is created. ``dataset_uploaded_at_submit``: the
+        spec's ``dataset_id`` is a local file's, checked here and not uploaded."""
+        request = scheduler_pb2.SubmitTaskRequest(
+            spec=spec, dry_run=True, dataset_uploaded_at_submit=dataset_uploaded_at_submit
+        )
+        response = self.connection.unary("SubmitTask", request)
         return task_from_proto(response.task), usage_dict(response.estimate), response.estimate_basis
 
     def usage(self, *, owner: str = "", since: float | None = None) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from opentinker.common.v1 import common_pb2
 from opentinker_client._convert import dict_to_struct, seconds_to_duration
 from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spec_error
 from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel, did_you_mean
+from opentinker_common.spec.task import EXPECTED
 from opentinker_common.spec.registry import env_kinds_for
 from opentinker_common.yaml12 import Yaml12Loader, find_typography, yaml11_bool_hint
 
@@ -70,11 +71,11 @@ _KEYS: dict[str, str] = {
     "name": "a string",
     "workload_type": f"one of {', '.join(WORKLOAD_TYPES)}",
     "model": "a model folder or hub id (a string)",
-    "gpu_count": "an integer >= 0",
-    "nodes": "an integer >= 1 (nodes of a gang task)",
-    "priority": "an integer",
-    "max_runtime": "a number of seconds > 0",
-    "max_attempts": "an integer >= 0",
+    "gpu_count": EXPECTED["gpu_count"],
+    "nodes": EXPECTED["nodes"],
+    "priority": EXPECTED["priority"],
+    "max_runtime": f"a number of seconds, {EXPECTED['max_runtime']}",
+    "max_attempts": EXPECTED["max_attempts"],
     "env": "a mapping (env_id and options)",
     "hyperparameters": "a mapping of hyper-parameter names to values",
     "init_from": "the id of a finished task to start from (a string)",
@@ -418,11 +419,7 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
                 key="dataset",
             ) from None
         key = _dotted(path) if path else err.field
-        detail = str(err)
-        if detail.startswith(err.field + ": "):
-            detail = detail[len(err.field) + 2 :]
-        if err.expected.startswith("one of the known keys"):
-            detail = "unknown key, " + detail
+        detail = _detail(err)
         hint = yaml11_bool_hint(_value_at(data, path)) if path and err.expected == "true or false" else None
         if hint:
             detail = f"expected {err.expected}; {hint}"
@@ -443,6 +440,12 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
                 msg.split(": ", 1)[-1], source=source, **_at(_line_for(path, lines)), key=f"{part}.{sub}"
             ) from None
     return cfg
+
+
+def _detail(err: SpecError) -> str:
+    """A spec refusal's words without its field path (the caller names the key as the file does)."""
+    detail = str(err).removeprefix(err.field + ": ")
+    return "unknown key, " + detail if err.expected.startswith("one of the known keys") else detail
 
 
 def _beside(source: str, file: str) -> str:
@@ -466,16 +469,22 @@ def load_task_config(path: str | os.PathLike[str]) -> TaskConfig:
     return parse_task_config(text, source=path)
 
 
-#: Top-level keys ``--set`` may name, with the TaskConfig field each sets.
-_SCALAR_KEYS = ("name", "workload_type", "model", "gpu_count", "priority", "max_runtime", "max_attempts", "init_from")
+#: Keys of the file that hold a mapping: ``--set`` names a value inside one, dotted (``env.max_digits``).
+_MAPPING_KEYS = ("env", "hyperparameters", "tracking")
+#: Keys of the file ``--set`` sets whole (each a TaskConfig field of the same name).
+_SCALAR_KEYS = tuple(k for k in _KEYS if k not in _MAPPING_KEYS)
+#: What an empty ``--set KEY=`` sets each scalar key back to (the TaskConfig default).
+_UNSET = {"gpu_count": 0, "nodes": 1, "priority": None, "max_runtime": None, "max_attempts": None}
 
 
 def apply_overrides(cfg: TaskConfig, overrides: Iterable[str]) -> TaskConfig:
     """``cfg`` with ``KEY=VALUE`` overrides applied, in order, then checked (``opentinker submit
-    --set``): ``KEY`` is a key of the file, dotted into ``env`` and ``hyperparameters``
-    (``hyperparameters.steps=20``, ``env.max_digits=2``, ``gpu_count=1``, ``model=Qwen/...``);
-    ``VALUE`` is read as YAML 1.2 (``20`` an int, ``2e-4`` a float, ``true`` a bool, ``x`` a string;
-    an empty value is null, which removes a key of ``env``/``hyperparameters``).
+    --set``): ``KEY`` is a key of the file, dotted into ``env``, ``hyperparameters`` and ``tracking``
+    (``hyperparameters.steps=20``, ``env.max_digits=2``, ``tracking.tensorboard=/runs``,
+    ``gpu_count=1``, ``nodes=2``, ``model=Qwen/...``); ``VALUE`` is read as YAML 1.2 (``20`` an int,
+    ``2e-4`` a float, ``true`` a bool, ``x`` a string; an empty value is null, which removes a key
+    of a mapping and sets a top-level key back to its default). A bad value is refused in the same
+    words as in the file.
 
     Raises:
         ConfigError: a malformed override, an unknown key, or a value the spec refuses; the
@@ -497,7 +506,7 @@ def apply_overrides(cfg: TaskConfig, overrides: Iterable[str]) -> TaskConfig:
             raise ConfigError(f"the value is not valid YAML: {getattr(err, 'problem', err)}", source=source) from None
         parts = key.split(".")
         top = parts[0]
-        if top in ("env", "hyperparameters") and len(parts) > 1:
+        if top in _MAPPING_KEYS and len(parts) > 1:
             tree = _deep_copy(getattr(cfg, top))
             node = tree
             for part in parts[1:-1]:
@@ -512,17 +521,16 @@ def apply_overrides(cfg: TaskConfig, overrides: Iterable[str]) -> TaskConfig:
             else:
                 node[parts[-1]] = value
             cfg = dataclasses.replace(cfg, **{top: tree})
-        elif len(parts) == 1 and (top in _SCALAR_KEYS or top == "dataset"):
+        elif len(parts) == 1 and top in _SCALAR_KEYS:
             if value is not None and not _type_ok(top, value):
                 raise ConfigError(f"expected {_KEYS[top]}, got {value!r}", source=source, key=top)
-            default = None if top in ("priority", "max_runtime", "max_attempts") else ("" if top != "gpu_count" else 0)
-            new = default if value is None else value
+            new = _UNSET.get(top, "") if value is None else value
             if top == "max_runtime" and new is not None:
                 new = float(new)
             cfg = dataclasses.replace(cfg, **{top: new})
         else:
-            known = ", ".join([*_SCALAR_KEYS, "dataset", "env.KEY", "hyperparameters.KEY"])
-            hint = did_you_mean(top, [*_SCALAR_KEYS, "dataset", "env", "hyperparameters"])
+            known = ", ".join([*_SCALAR_KEYS, *(f"{k}.KEY" for k in _MAPPING_KEYS)])
+            hint = did_you_mean(top, list(_KEYS))
             raise ConfigError(
                 f"unknown key {key!r}; expected one of {known}" + (f"; {hint}" if hint else ""), source=source
             )
@@ -534,7 +542,9 @@ def apply_overrides(cfg: TaskConfig, overrides: Iterable[str]) -> TaskConfig:
         dotted = _dotted(path) if path else ""
         named = [src for key, src in given if dotted == key or dotted.startswith(key + ".") or key.startswith(dotted)]
         source = named[-1] if named and dotted else "; ".join(src for _, src in given) or cfg.source or "<config>"
-        raise ConfigError(str(err), source=source) from None
+        raise ConfigError(  # in the words of the file's errors
+            _detail(err) if dotted else str(err), source=source, key=dotted or None
+        ) from None
     return cfg
 
 

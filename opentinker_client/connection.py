@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import threading
@@ -21,7 +22,7 @@ from typing import Any, Iterable, Iterator
 import grpc
 
 from opentinker.scheduler.v1 import admin_pb2_grpc, scheduler_pb2_grpc
-from opentinker_client._reach import explain_unreachable
+from opentinker_client._reach import accepts_connections, explain_unreachable
 from opentinker_client.errors import SCHEDULER_PLAINTEXT_HINT, DeadlineExceededError, OpenTinkerError, from_rpc_error
 from opentinker_common.net.bearer import bearer_metadata, clean_api_key
 from opentinker_common.net.call_budget import budget_metadata
@@ -32,6 +33,14 @@ from opentinker_common.net.leader import SchedulerTargets, parse_scheduler_urls
 __all__ = ["SchedulerConnection", "StreamResponses", "resolve_api_key"]
 
 _SERVICE = "opentinker.scheduler.v1.SchedulerService"
+
+log = logging.getLogger("opentinker_client")
+
+#: Seconds a unary call waits before it warns (``logging``, once per call; the CLI prints it on
+#: stderr) that the scheduler has not answered yet and is still waited on: a stopped (SIGSTOP)
+#: or overloaded scheduler accepts the connection and says nothing until the call's timeout. (An
+#: address where nothing listens gets no such warning: its UNAVAILABLE says so.)
+WAITING_NOTICE_S = 3.0
 
 # Unary RPCs are retried by gRPC itself on UNAVAILABLE (scheduler restarting, connection refused);
 # all of them are idempotent. SubmitTask is retried by TaskCalls.submit instead (made idempotent by
@@ -241,14 +250,42 @@ class SchedulerConnection:
         """
         self.check_open()
         budget = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
+        started = time.monotonic()
+        deadline = started + budget
         delay = 0.05
+        noticed = False
         while True:
             left = max(0.05, deadline - time.monotonic())
+            target = self.targets.current
             try:
                 stub = self.stub if service == "scheduler" else self._admin_stub()
-                return getattr(stub, method)(request, timeout=left, metadata=self.metadata + budget_metadata(left))
+                metadata = self.metadata + budget_metadata(left)
+                call = getattr(stub, method).future(request, timeout=left, metadata=metadata)
+                if not noticed and deadline - time.monotonic() > WAITING_NOTICE_S:
+                    try:
+                        return call.result(timeout=max(0.0, started + WAITING_NOTICE_S - time.monotonic()))
+                    except grpc.FutureTimeoutError:  # still running: say so once, then wait on
+                        noticed = True
+                    if accepts_connections(target):  # there, but silent (nothing listening: gRPC says so soon)
+                        log.warning(
+                            "the scheduler at %s has not answered %s in %.0f s; still waiting for it (up to %.0f s "
+                            "in all: the call's timeout, opentinker --timeout or RLClient(timeout=))",
+                            target,
+                            method,
+                            WAITING_NOTICE_S,
+                            budget,
+                        )
+                return call.result()
             except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline - 0.05:
+                    mapped = self.error(err)  # nothing listening there: _reach says so
+                    if mapped.details != "Deadline Exceeded":
+                        raise mapped from err
+                    raise DeadlineExceededError(  # it is there and took the call, but never answered
+                        f"the scheduler at {target} did not answer {method} within {budget:g} s (the call's timeout: "
+                        "opentinker --timeout, RLClient(timeout=)); it may be stopped (SIGSTOP, a debugger), "
+                        "overloaded, or behind a firewall that drops its packets"
+                    ) from err
                 # Several schedulers: a follower's refusal, or an address that cannot be reached,
                 # moves to the leader (or the next address) and the call goes again (every unary
                 # RPC is idempotent; SubmitTask by its request_id), within the call's timeout.

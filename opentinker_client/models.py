@@ -27,6 +27,7 @@ from typing import Any, Mapping
 __all__ = [
     "ACTING_FILE",
     "MERGE_DTYPES",
+    "MERGE_LOGITS_RTOL",
     "MissingExtraError",
     "PolicyEvalResult",
     "evaluate_policy",
@@ -38,6 +39,9 @@ __all__ = [
 ACTING_FILE = "policy.torchscript.pt"
 #: Weight types :func:`merge_adapter` writes.
 MERGE_DTYPES = ("bfloat16", "float32")
+#: How far (relative to the largest logit) the merged model's float32 logits may be from the
+#: adapter-wrapped model's on :func:`merge_adapter`'s probe before the merge is refused.
+MERGE_LOGITS_RTOL = 1e-3
 #: Most episodes one :func:`evaluate_policy` call plays.
 MAX_EPISODES = 10_000
 
@@ -67,9 +71,11 @@ def merge_adapter(
 
     The base weights are loaded in float32 and the adapter merged there (``W + B A * alpha / r``,
     PEFT's ``merge_and_unload``), then cast to ``dtype``, so a bfloat16 result is rounded once,
-    not merged in bfloat16. The tokenizer comes from ``adapter_dir`` when it has one, else from the
-    base. The folder is written beside ``out_dir`` and renamed into place: a failed merge leaves
-    nothing.
+    not merged in bfloat16. Before anything is written the merge is checked: the merged float32
+    model's logits on a probe of 16 token ids must be those of the base with the adapter applied,
+    within :data:`MERGE_LOGITS_RTOL` of the largest logit. The tokenizer comes from ``adapter_dir``
+    when it has one, else from the base. The folder is written beside ``out_dir`` and renamed into
+    place: a failed merge leaves nothing.
 
     Args:
         adapter_dir: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
@@ -83,7 +89,8 @@ def merge_adapter(
 
     Raises:
         MissingExtraError: torch, transformers or peft is not installed.
-        ValueError: a bad ``dtype``, or ``adapter_dir`` is not a PEFT LoRA adapter folder.
+        ValueError: a bad ``dtype``, ``adapter_dir`` is not a PEFT LoRA adapter folder, or the
+            merged model's logits are not the adapter's (the message gives both figures).
         FileExistsError: ``out_dir`` exists and is not empty.
         OSError: the base model cannot be loaded (transformers' error, naming it).
     """
@@ -107,7 +114,19 @@ def merge_adapter(
     if not base:
         raise ValueError(f"{config_file}: names no base model (base_model_name_or_path); pass base=")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    wrapped = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    probe = torch.linspace(0, vocab - 1, 16).long().unsqueeze(0)  # token ids across the vocabulary
+    with torch.no_grad():
+        want = wrapped(probe).logits.float()
+        merged = wrapped.merge_and_unload().eval()
+        got = merged(probe).logits.float()
+    off, scale = float((got - want).abs().max()), float(want.abs().max())
+    if not off <= MERGE_LOGITS_RTOL * max(scale, 1e-6):
+        raise ValueError(
+            f"the merged model's logits differ from the adapter's by up to {off:.3g} (largest logit {scale:.3g}, "
+            f"tolerance {MERGE_LOGITS_RTOL:g} of it): the merge is wrong, nothing was written"
+        )
     merged = merged.to(getattr(torch, dtype))
     has_tokenizer = (adapter_dir / "tokenizer_config.json").is_file()
     tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir) if has_tokenizer else base)

@@ -283,7 +283,7 @@ def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
         print(
             f"queue: {task.queue or '-'}" + (f" (would wait now: {task.pending_reason})" if task.pending_reason else "")
         )
-        print(f"estimate: {usage_line(usage)}, cost {usage['cost']:.4f}")
+        print(f"estimate: {_estimate_line(usage)}")
         print(f"basis: {basis}")
         return EXIT_OK
     task_id = client.submit_config(config, request_id=args.request_id)
@@ -433,23 +433,25 @@ _LIST_COLUMNS: tuple[tuple[str, bool], ...] = (
     ("CREATED", True),
     ("REASON", True),
 )
-#: Left out, in this order, while the table cannot fit the terminal with its ids and names whole.
-_LIST_DROP_ORDER = ("PRIO", "GPUS", "ATTEMPT", "CREATED", "ENV", "NODE", "LOSS", "WORKLOAD", "REWARD", "REASON")
 #: The narrowest a wrapping column is counted at when fitting the table.
 _LIST_WRAP_MIN = 20
+#: Columns a narrow terminal moves out of the table into a line under each task, in this order,
+#: until the table fits; the rest of a task's values stay in the table.
+_LIST_MOVE_ORDER = ("REASON", "CREATED", "NODE", "ENV", "WORKLOAD", "PRIO", "LOSS", "REWARD", "NAME", "STEP")
 
 
 def _fit_columns(widths: dict[str, int], width: int) -> list[str]:
-    """The ``_LIST_COLUMNS`` headers to show in ``width`` cells, given each column's widest cell
-    (header included): all when they fit with the non-wrapping ones whole, else fewer
-    (``_LIST_DROP_ORDER``)."""
+    """The ``_LIST_COLUMNS`` headers that stay in the table in ``width`` cells, given each
+    column's widest cell (header included): all when they fit with the non-wrapping ones whole,
+    else fewer (``_LIST_MOVE_ORDER``); the others go to a line under each task, so every value
+    is shown (TASK ID, STATE, ATTEMPT and GPUS always stay in the table)."""
     shown = [name for name, _ in _LIST_COLUMNS]
     wraps = dict(_LIST_COLUMNS)
 
     def need() -> int:
         return sum(min(widths[c], _LIST_WRAP_MIN) if wraps[c] else widths[c] for c in shown) + 2 * len(shown)
 
-    for name in _LIST_DROP_ORDER:
+    for name in _LIST_MOVE_ORDER:
         if need() <= width:
             break
         shown.remove(name)
@@ -457,6 +459,8 @@ def _fit_columns(widths: dict[str, int], width: int) -> list[str]:
 
 
 def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
+    from rich.padding import Padding
+    from rich.segment import Segment, Segments
     from rich.table import Table
     from rich.text import Text
 
@@ -492,6 +496,7 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
         name: max([len(name)] + [Text.from_markup(row[i]).cell_len for row in rows]) for i, name in enumerate(headers)
     }
     shown = _fit_columns(widths, console.width)
+    moved = [i for i, name in enumerate(headers) if name not in shown]
     table = Table(box=None, header_style="bold")
     for name, wraps in _LIST_COLUMNS:
         if name in shown:
@@ -501,12 +506,43 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
     keep = [headers.index(name) for name in shown]
     for row in rows:
         table.add_row(*(row[i] for i in keep))
-    console.print(table)
-    hidden = [name for name in headers if name not in shown]
-    if hidden and console.is_terminal:
-        left_out = f"{', '.join(hidden)} left out to fit {console.width} columns"
-        console.print(f"[dim]{left_out}; `opentinker get TASK_ID` shows all[/dim]")
+    if not moved:
+        console.print(table)
+        return EXIT_OK
+    # A narrow terminal: the columns that did not fit go on a line under each task ("node n1
+    # created 12-02 01:53 <reason>"), wrapped at words, so no value is left out. The table left has
+    # no wrapping column (REASON and CREATED move first), so each task is one line of it.
+    lines = console.render_lines(table, console.options, pad=False)
+    console.print(Segments([*lines[0], Segment.line()]))
+    for row, line in zip(rows, lines[1:]):
+        console.print(Segments([*line, Segment.line()]))
+        units = []  # "label value" pairs kept whole on a line, then the reason's words
+        for i in moved:
+            if headers[i] == "REASON":
+                units += [(w, " ") for w in row[i].split()]
+            else:
+                units.append((f"{headers[i].lower()} {row[i]}", "  "))
+        for text in _pack(units, console.width - 3):
+            console.print(Padding(Text.from_markup(text), (0, 0, 0, 3)), no_wrap=True, overflow="fold")
     return EXIT_OK
+
+
+def _pack(units: list[tuple[str, str]], width: int) -> list[str]:
+    """Lines of at most ``width`` cells from ``units`` (``(markup, separator before the next)``),
+    each kept whole on one line (one longer than ``width`` gets a line of its own)."""
+    from rich.text import Text
+
+    lines: list[str] = []
+    line, used, sep = "", 0, ""
+    for unit, after in units:
+        cells = Text.from_markup(unit).cell_len
+        if line and used + len(sep) + cells > width:
+            lines.append(line)
+            line, used, sep = "", 0, ""
+        line, used, sep = line + sep + unit, used + len(sep) + cells, after
+    if line:
+        lines.append(line)
+    return lines
 
 
 #: env_config keys never printed as they are: the client-hosted environment's access token and
@@ -597,6 +633,19 @@ def usage_line(u) -> str:
         f"{u['tokens_generated']:.0f} tokens generated, {u['tokens_trained']:.0f} trained, "
         f"{u['env_steps']:.0f} env steps, {int(u['attempts'])} attempt(s)"
     )
+
+
+def _estimate_line(u) -> str:
+    """A dry run's estimate (of one attempt) in one line: ``0.125 GPU-h (450 GPU-s) for one
+    attempt, cost 0.2500``, a CPU task's seconds, or ``none`` when the scheduler had nothing to
+    go on (its basis says why)."""
+    if not u.get("attempts"):
+        return "none (no step times to go on; see basis)"
+    if u["gpu_seconds"]:
+        used = f"{u['gpu_seconds'] / 3600:.3f} GPU-h ({u['gpu_seconds']:.0f} GPU-s)"
+    else:
+        used = f"{u['cpu_task_seconds']:.0f} CPU-task s"
+    return f"{used} for one attempt, cost {u['cost']:.4f}"
 
 
 def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
@@ -1040,18 +1089,23 @@ def _cmd_export(client: RLClient, args: argparse.Namespace) -> int:
 # Checkpoints out: download, export a merged model or a policy, eval.
 
 
-def _checkpoint_task(client: RLClient, task_id: str, step: int | None) -> tuple[TaskInfo, str]:
-    """The task and a line saying which of its checkpoints is used (the newest, or ``step``)."""
+def _checkpoint_task(client: RLClient, task_id: str, step: int | None, nothing: str) -> tuple[TaskInfo, str]:
+    """The task and a line saying which of its checkpoints is used (the newest, or ``step``).
+
+    Raises:
+        FailedPreconditionError: the task has no checkpoint (:meth:`TaskInfo.without_checkpoint`,
+            ending in ``nothing``).
+    """
     task = client.get_task(task_id)
     if not task.checkpoint_path:
-        raise FailedPreconditionError(f"task {task_id} is {task.state} and has no checkpoint yet")
+        raise FailedPreconditionError(task.without_checkpoint(nothing))
     if step:
         return task, f"checkpoint at step {step}"
     return task, task.checkpoint_note
 
 
 def _cmd_download(client: RLClient, args: argparse.Namespace) -> int:
-    task, note = _checkpoint_task(client, args.task_id, args.step)
+    task, note = _checkpoint_task(client, args.task_id, args.step, "there is nothing to download")
     dest = Path(args.output or f"{task.task_id}-step{args.step or task.checkpoint_step}")
     client.download_checkpoint(task.task_id, dest, step=args.step)
     files = [p for p in dest.rglob("*") if p.is_file()]
@@ -1073,7 +1127,7 @@ def _export_model(client: RLClient, args: argparse.Namespace) -> int:
 
     from opentinker_client.models import ACTING_FILE, MissingExtraError, merge_adapter
 
-    task, note = _checkpoint_task(client, args.task_id, args.step)
+    task, note = _checkpoint_task(client, args.task_id, args.step, "there is nothing to export")
     target = Path(args.merged or args.torchscript)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         return _error(f"{target} exists; name a new {'folder' if args.merged else 'file'}")
@@ -1082,7 +1136,10 @@ def _export_model(client: RLClient, args: argparse.Namespace) -> int:
         try:
             if args.merged:
                 merge_adapter(folder, target, base=args.base, dtype=args.dtype)
-                what = f"a {args.dtype} transformers model with the adapter merged"
+                what = (
+                    f"a {args.dtype} transformers model with the adapter merged (its logits checked against the "
+                    "adapter's)"
+                )
             else:
                 if not (folder / ACTING_FILE).is_file():
                     return _error(
@@ -1127,7 +1184,7 @@ def _eval_policy(client: RLClient, args: argparse.Namespace, task: TaskInfo) -> 
     env_id = env.get("env_id") or ""
     note = task.checkpoint_note
     if not note:
-        return _error(f"task {task.task_id} is {task.state} and has no checkpoint to evaluate")
+        return _error(task.without_checkpoint("there is no policy to evaluate"))
     try:
         with tempfile.TemporaryDirectory(prefix="opentinker-eval-") as tmp:
             policy = load_policy(client.download_checkpoint(task.task_id, Path(tmp) / "checkpoint"))
@@ -1184,8 +1241,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a value of the file without editing it (repeatable): hyperparameters.steps=20, "
-        "env.max_digits=2, gpu_count=1, model=NAME; VALUE is read as YAML",
+        help="override a value of the file without editing it (repeatable): any top-level key (gpu_count=1, "
+        "nodes=2, model=NAME, ...) or one inside env, hyperparameters or tracking (hyperparameters.steps=20, "
+        "env.max_digits=2); VALUE is read as YAML",
     )
     p.add_argument(
         "--request-id", default=None, help="idempotency key: resubmitting with the same id returns the same task"

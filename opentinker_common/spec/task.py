@@ -18,6 +18,7 @@ from opentinker_common.spec.registry import (
 )
 
 __all__ = [
+    "EXPECTED",
     "TaskSpecModel",
     "spec_from_proto",
     "validate_env_config",
@@ -113,6 +114,16 @@ def validate_hyperparameters(workload_type: str, data: Any, path: str = "spec.hy
 #: Most nodes of one gang task (``resources.nodes``).
 MAX_GANG_NODES = 64
 
+#: What the task-level fields take, in the words every refusal uses: the scheduler's and the
+#: client's spec check, a task file and ``opentinker submit --set`` (one wording, from here).
+EXPECTED: dict[str, str] = {
+    "gpu_count": "an integer in [0, 1024] (0 = CPU task)",
+    "nodes": f"an integer in [1, {MAX_GANG_NODES}] (nodes of a gang task)",
+    "max_runtime": "a duration in (0 s, 30 days]",
+    "max_attempts": "an integer in [1, 100] (0 = default 3)",
+    "priority": "an integer in [-1000, 1000]",
+}
+
 #: ``(workload_type, env kind)`` of the trainers that run data-parallel across nodes (the
 #: trainer's ``opentinker_trainer.distributed.DISTRIBUTED_TRAINERS``, checked equal by a test).
 GANG_WORKLOADS: frozenset[tuple[str, str]] = frozenset(
@@ -181,12 +192,10 @@ class TaskSpecModel:
             raise SpecError("spec.model", "at most 1024 characters")
         check_text("spec.model", model)
         if isinstance(gpu_count, bool) or not isinstance(gpu_count, int) or not 0 <= gpu_count <= 1024:
-            raise SpecError("spec.resources.gpu_count", "an integer in [0, 1024] (0 = CPU task)", gpu_count)
+            raise SpecError("spec.resources.gpu_count", EXPECTED["gpu_count"], gpu_count)
         nodes = 1 if nodes in (0, None) else nodes
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_GANG_NODES:
-            raise SpecError(
-                "spec.resources.nodes", f"an integer in [1, {MAX_GANG_NODES}] (nodes of a gang task)", nodes
-            )
+            raise SpecError("spec.resources.nodes", EXPECTED["nodes"], nodes)
         if nodes > 1 and gpu_count < 1:
             raise SpecError(
                 "spec.resources.gpu_count",
@@ -196,13 +205,13 @@ class TaskSpecModel:
         if max_runtime_s is not None and (
             not isinstance(max_runtime_s, (int, float)) or not 0 < max_runtime_s <= 30 * 86400
         ):
-            raise SpecError("spec.limits.max_runtime", "a duration in (0 s, 30 days]", max_runtime_s)
+            raise SpecError("spec.limits.max_runtime", EXPECTED["max_runtime"], max_runtime_s)
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or not 0 <= max_attempts <= 100:
-            raise SpecError("spec.limits.max_attempts", "an integer in [1, 100] (0 = default 3)", max_attempts)
+            raise SpecError("spec.limits.max_attempts", EXPECTED["max_attempts"], max_attempts)
         if priority is not None and (
             isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000
         ):
-            raise SpecError("spec.priority", "an integer in [-1000, 1000]", priority)
+            raise SpecError("spec.priority", EXPECTED["priority"], priority)
         if not isinstance(name, str) or len(name) > 256:
             raise SpecError(
                 "spec.name",

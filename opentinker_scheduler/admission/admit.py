@@ -48,7 +48,7 @@ from opentinker_scheduler.security.limits import Limits
 from opentinker_scheduler.state.core import SchedulerCore
 from opentinker_scheduler.state.store import TaskRow
 
-__all__ = ["admit", "check_limits", "check_submit_rate"]
+__all__ = ["admit", "admit_dry_run", "check_limits", "check_submit_rate"]
 
 
 def check_limits(limits: Limits, spec: common_pb2.TaskSpec, caller: Principal, *, core: SchedulerCore) -> None:
@@ -95,7 +95,8 @@ async def admit(
     request_id: str = "",
     gate: SubmitGate | None = None,
 ) -> TaskRow:
-    """Check a submitted spec stage by stage (module docstring) and store it as a PENDING task.
+    """Check a submitted spec stage by stage (module docstring) and store it as a PENDING task
+    (:func:`admit_dry_run` runs the same stages and estimates instead).
 
     Args:
         spec: the submitted ``TaskSpec``.
@@ -118,6 +119,60 @@ async def admit(
             Unavailable: the first stage that refuses, as listed in the module docstring.
             Nothing is written.
     """
+    await _check(spec, caller, core=core, datasets=datasets, limits=limits, dataset_visible=dataset_visible)
+    if gate is not None:
+        gate.check_open()
+    return core.submit(spec, owner=caller.owner, request_id=request_id)
+
+
+async def admit_dry_run(
+    spec: common_pb2.TaskSpec,
+    caller: Principal,
+    *,
+    core: SchedulerCore,
+    datasets: DatasetStore,
+    limits: Limits | None = None,
+    dataset_visible: Callable[[str], bool] = lambda dataset_id: True,
+    dataset_uploaded_at_submit: bool = False,
+) -> tuple[TaskRow, common_pb2.Usage, str]:
+    """The stages of :func:`admit` up to the write, then the estimate instead of the write
+    (``SubmitTask`` with ``dry_run``): a spec that passes here is one a submit accepts, as the
+    cluster is now.
+
+    Args:
+        dataset_uploaded_at_submit: ``env_config.dataset_id`` names a local file the client checked
+            and uploads at submit (see :func:`~opentinker_scheduler.admission.refs.check_references`).
+        Others: as for :func:`admit`.
+
+    Returns:
+        :meth:`~opentinker_scheduler.state.core.SchedulerCore.estimate`'s ``(row, usage, basis)``.
+
+    Raises:
+        As :func:`admit`; nothing is written.
+    """
+    await _check(
+        spec,
+        caller,
+        core=core,
+        datasets=datasets,
+        limits=limits,
+        dataset_visible=dataset_visible,
+        dataset_uploaded_at_submit=dataset_uploaded_at_submit,
+    )
+    return core.estimate(spec, owner=caller.owner)
+
+
+async def _check(
+    spec: common_pb2.TaskSpec,
+    caller: Principal,
+    *,
+    core: SchedulerCore,
+    datasets: DatasetStore,
+    limits: Limits | None,
+    dataset_visible: Callable[[str], bool],
+    dataset_uploaded_at_submit: bool = False,
+) -> None:
+    """Stages 1 to 4 (the module docstring): everything before the core's own checks and write."""
     if limits is not None:
         check_limits(limits, spec, caller, core=core)
     check_references(  # local paths first (stage 2), then the dataset and init_from (stage 3)
@@ -130,8 +185,6 @@ async def admit(
         paths=core.config.paths,
         auth_enabled=core.config.auth.enabled,
         artifacts_deleted=core.store.artifacts_deleted,
+        dataset_uploaded_at_submit=dataset_uploaded_at_submit,
     )
     await check_submitted_spec(core, spec)
-    if gate is not None:
-        gate.check_open()
-    return core.submit(spec, owner=caller.owner, request_id=request_id)

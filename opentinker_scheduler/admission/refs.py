@@ -65,6 +65,7 @@ def check_references(
     paths: PathsConfig = PathsConfig(),
     auth_enabled: bool = False,
     artifacts_deleted=lambda task_id: None,
+    dataset_uploaded_at_submit: bool = False,
 ) -> None:
     """Refuse a (validated) spec whose dataset or ``init_from`` task cannot be used.
 
@@ -80,6 +81,9 @@ def check_references(
             folders and dataset files the spec may name).
         artifacts_deleted: ``task_id -> TaskEvent | None``, the task's ``artifacts_deleted``
             event (``Store.artifacts_deleted``), named when the ``init_from`` task has no checkpoint.
+        dataset_uploaded_at_submit: a dry run's ``dataset_id`` is the SHA-256 of a file the client
+            checked and uploads only at submit (``SubmitTaskRequest.dataset_uploaded_at_submit``):
+            checked as for a submit when this scheduler holds it already, else not refused as missing.
 
     Raises:
         NotFound: no such dataset, or no such task (``spec.init_from``, an inference task's
@@ -93,6 +97,8 @@ def check_references(
     if spec.HasField("env_config"):
         value = spec.env_config.fields.get("dataset_id")  # read in place: no dict of the whole env_config
         dataset_id = value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else None
+        if is_dataset_id(dataset_id) and dataset_uploaded_at_submit and not datasets.exists(dataset_id):
+            dataset_id = None  # not uploaded yet: the client checked its file (a dry run)
         if is_dataset_id(dataset_id) and (
             not datasets.exists(dataset_id) or not dataset_visible(dataset_id)
         ):  # a malformed id is the spec check's

@@ -14,7 +14,7 @@ from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-from opentinker_scheduler.admission.admit import admit, check_submit_rate
+from opentinker_scheduler.admission.admit import admit, admit_dry_run, check_submit_rate
 from opentinker_scheduler.admission.load import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_WAIT_S, SubmitGate
 from opentinker_scheduler.api.rpc import Call, abort_mapped, record, rpc
 from opentinker_common.artifacts import checkpoint_key
@@ -124,18 +124,26 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.core.require_leader()  # a follower: UNAVAILABLE naming the leader, before any work
         if not request.HasField("spec"):
             raise InvalidArgument("spec: expected a task spec, got nothing")
+        if request.spec.HasField("env_config"):  # a dataset uploaded to another scheduler: from the store
+            value = request.spec.env_config.fields.get("dataset_id")
+            if value is not None and value.WhichOneof("kind") == "string_value":
+                await self._dataset_here(value.string_value)
         if request.dry_run:
             call.detail.update(dry_run=True)
-            row, usage, basis = self.core.estimate(request.spec, owner=call.who.owner)
+            row, usage, basis = await admit_dry_run(  # the same checks as a submit, then an estimate
+                request.spec,
+                call.who,
+                core=self.core,
+                datasets=self.datasets,
+                limits=self.security.limits if self.security is not None else None,
+                dataset_visible=self._dataset_visible,
+                dataset_uploaded_at_submit=request.dataset_uploaded_at_submit,
+            )
             out = task_to_proto(row)
             out.queue = self.core.quotas.queue_of(row.owner)
             out.pending_reason = row.error
             out.error = ""
             return scheduler_pb2.SubmitTaskResponse(task=out, estimate=usage, estimate_basis=basis)
-        if request.spec.HasField("env_config"):  # a dataset uploaded to another scheduler: from the store
-            value = request.spec.env_config.fields.get("dataset_id")
-            if value is not None and value.WhichOneof("kind") == "string_value":
-                await self._dataset_here(value.string_value)
         task = await admit(  # every check, in order, then the write (opentinker_scheduler/admission/admit.py)
             request.spec,
             call.who,

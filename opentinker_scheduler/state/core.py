@@ -492,17 +492,33 @@ class SchedulerCore:
         would hold it back now.
 
         Raises:
-            InvalidArgument: bad spec (as :meth:`submit`).
+            InvalidArgument, FailedPrecondition: as :meth:`submit` (its checks: the default model,
+                the whole spec, a GPU count and gang some node could ever hold).
         """
         spec_copy = common_pb2.TaskSpec()
         spec_copy.CopyFrom(spec)
-        if not spec_copy.model and self.config.default_model:
+        if not spec_copy.model and task_uses_model(spec_copy.workload_type, _struct_dict(spec_copy, "env_config")):
+            if not self.config.default_model:
+                raise InvalidArgument(
+                    "spec.model: expected a model folder or hub id "
+                    "(the scheduler config has no default_model to fall back on)"
+                )
             spec_copy.model = self.config.default_model
         try:
             model = spec_from_proto(spec_copy, allowed_workloads=self.config.workload_names)
         except SpecError as exc:
             raise InvalidArgument(str(exc)) from None
         spec_copy = self._as_stored(spec_copy, model=model)
+        most = self.max_possible_gpus()
+        if model.gpu_count > most:
+            raise FailedPrecondition(
+                f"spec.resources.gpu_count: {model.gpu_count} GPU(s) asked, but no node in the resource pool "
+                f"could ever offer more than {most} (gang placement needs all GPUs on one node)"
+            )
+        if model.nodes > 1:
+            never = gang_never_fits(model.nodes, model.gpu_count, self.node_sizes())
+            if never is not None:
+                raise FailedPrecondition(never)
         priority = model.priority if model.priority is not None else self.config.priority_of(model.workload_type)
         now = time.time()
         row = TaskRow(
@@ -535,10 +551,11 @@ class SchedulerCore:
             gpu_seconds=gpus * seconds,
             cpu_task_seconds=seconds if gpus == 0 else 0.0,
             cost=gpus * seconds / 3600.0 * price,
+            attempts=1,  # the estimate is of one attempt that runs every step: no retry, no resume
         )
         basis = (
-            f"{steps} steps x {per_step:.2f} s per step (mean of the {len(recent)} newest attempts of {what}) x "
-            f"{gpus} GPU(s) at {price:g} {self.config.usage.currency} per GPU-hour ({node_class})"
+            f"one attempt of {steps} steps x {per_step:.2f} s per step (mean of the {len(recent)} newest attempts "
+            f"of {what}) x {gpus} GPU(s) at {price:g} {self.config.usage.currency} per GPU-hour ({node_class})"
         )
         return row, usage, basis
 

@@ -436,6 +436,8 @@ def grpo_update(
         kl_coef * loss/kl``), ``optim/grad_norm`` (the last epoch's, before clipping),
         ``kl`` and ``grpo/kl_ref``, ``grpo/zero_std_frac``, ``grpo/no_signal``,
         ``grpo/missing_rewards`` (how many rewards were NaN), ``grpo/tokens`` (tokens counted),
+        ``train/tokens`` (the same count: the completion tokens the loss trained on, which the
+        scheduler's usage accounts as ``tokens_trained``),
         ``reward/mean``, ``reward/std`` (population std).
 
     Raises:
@@ -517,6 +519,7 @@ def grpo_update(
             "grpo/no_signal": float(bool(zero_std.all())),
             "grpo/missing_rewards": float((~valid_sample).sum()),
             "grpo/tokens": float(mask.sum()),
+            "train/tokens": float(mask.sum()),  # the tokens the loss trained on (usage's tokens_trained)
             "optim/grad_norm": grad_norm,
             "reward/mean": finite.mean().item() if finite.numel() else math.nan,
             "reward/std": finite.std(unbiased=False).item() if finite.numel() else math.nan,
@@ -560,6 +563,7 @@ def _global_metrics(dp, cfg, sums, grad_norm, rewards, valid_sample, zero_std, m
             "grpo/no_signal": float(zero == groups),
             "grpo/missing_rewards": missing,
             "grpo/tokens": tokens,
+            "train/tokens": tokens,
             "optim/grad_norm": grad_norm,
             "reward/mean": mean,
             "reward/std": math.sqrt(max(r_sq / r_n - mean**2, 0.0)) if r_n else math.nan,

@@ -30,7 +30,9 @@ def run_steps(
     or a checkpoint and return when a stop was requested (drain, preemption, timeout), or a
     periodic one every ``checkpoint_every`` steps (0 = none). Nothing left to run writes the final
     checkpoint at once; a stop requested before the first step writes nothing.
-    ``before_first()`` runs once before the first step of this attempt.
+    ``before_first()`` runs once before the first step of this attempt. An attempt that resumed
+    (``done`` > 0: its checkpoint's step) says so first, as the phase ``resumed`` ``from step N``,
+    which ``opentinker logs`` and ``watch`` print.
     Each step and each checkpoint runs inside ``ctx.turn()`` (a model host's tenants take turns
     on the shared base model; a worker process's context has nothing to wait for).
     """
@@ -47,6 +49,8 @@ def run_steps(
     if stop():
         log.info("stop requested before the first step", task_id=ctx.task_id, step=done)
         return
+    if done > 0:
+        ctx.emit_phase("resumed", f"from step {done}")
     if before_first is not None:
         before_first()
     for n in range(done + 1, total + 1):

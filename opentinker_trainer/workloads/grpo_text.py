@@ -26,7 +26,7 @@ Reports per step (``ctx.emit_metric``, steps from 1):
   ``reward/std``, ``grpo/zero_std_frac`` (groups with all-equal rewards: no signal),
   ``grpo/clipfrac``, ``grpo/approx_kl`` (k3 of KL(old || new), how far the updates moved),
   ``grpo/kl_ref`` (= ``kl``: k3 of KL(sampling policy || reference) on this step's samples; not
-  reported without a reference), ``grpo/no_signal``, ``grpo/missing_rewards``, ``grpo/tokens``,
+  reported without a reference), ``grpo/no_signal``, ``grpo/missing_rewards``, ``grpo/tokens``, ``train/tokens``,
   ``completion/mean_tokens``, ``completion/truncated_frac``, ``optim/grad_norm`` (before
   clipping), ``optim/lr``, ``perf/step_s``, ``perf/generate_s``, ``perf/train_s``,
   ``perf/samples`` (completions this step), ``perf/tokens_per_s`` (completion tokens sampled per

@@ -31,3 +31,19 @@ def test_checkpoint_note_says_which_checkpoint_and_why() -> None:
         timed_out.checkpoint_note == "last complete checkpoint, step 12 (the task ended FAILED by TIMEOUT, max_runtime)"
     )
     assert info("running", final=False).checkpoint_note.endswith("(the task is RUNNING)")
+
+
+def test_without_a_checkpoint_an_ended_task_is_said_to_have_ended_so() -> None:
+    from opentinker_client.types import TaskInfo
+
+    def info(state: str, error: str = "") -> TaskInfo:
+        return TaskInfo(
+            task_id="t", state=state, attempt=1, name="", workload_type="lora_finetune", model="m", gpu_count=0,
+            error=error,
+        )  # fmt: skip
+
+    assert info("cancelled").without_checkpoint("x") == "task t ended CANCELLED without a checkpoint; x"
+    assert info("failed", "max_runtime of 60 s exceeded").without_checkpoint("x") == (
+        "task t ended FAILED by TIMEOUT, max_runtime without a checkpoint; x"
+    )
+    assert info("running").without_checkpoint("x") == "task t is RUNNING and has no checkpoint yet; x"

@@ -387,6 +387,22 @@ def test_overrides_set_values_of_the_file_without_editing_it(tmp_path):
     assert (new.gpu_count, new.name) == (1, "tweaked")
     assert cfg.gpu_count == 0  # the loaded config itself is unchanged
     assert "steps" not in apply_overrides(new, ["hyperparameters.steps="]).hyperparameters  # empty: removed
+    both = apply_overrides(cfg, ["nodes=2", "gpu_count=1", "tracking.tensorboard=/runs/tb"])
+    assert (both.nodes, both.tracking) == (2, {"tensorboard": "/runs/tb"})
+    assert apply_overrides(both, ["nodes="]).nodes == 1  # empty: back to the default
+
+
+@pytest.mark.parametrize(("text", "override"), [("abc", "abc"), ("-1", "-1"), ("5000", "5000")])
+def test_a_bad_gpu_count_reads_the_same_in_the_file_and_in_set(tmp_path, text, override):
+    """One wording, from the spec (opentinker_common.spec.task.EXPECTED), wherever the value came from."""
+    from opentinker_client.config import apply_overrides
+
+    with pytest.raises(ConfigError) as in_file:
+        load_task_config(write(tmp_path, VALID.replace("gpu_count: 0", f"gpu_count: {text}")))
+    with pytest.raises(ConfigError) as in_set:
+        apply_overrides(load_task_config(write(tmp_path, VALID)), [f"gpu_count={override}"])
+    assert str(in_file.value).split(": ", 2)[2] == str(in_set.value).split(": ", 2)[2]
+    assert "gpu_count: expected an integer in [0, 1024] (0 = CPU task)" in str(in_set.value)
 
 
 @pytest.mark.parametrize(
@@ -394,9 +410,20 @@ def test_overrides_set_values_of_the_file_without_editing_it(tmp_path):
     [
         ("steps", "--set steps: expected KEY=VALUE"),
         ("bogus=1", "--set bogus=1: unknown key 'bogus'"),
-        ("gpu_count=two", "--set gpu_count=two: gpu_count: expected an integer >= 0, got 'two'"),
-        ("hyperparameters.stesp=3", "--set hyperparameters.stesp=3: spec.hyperparameters.stesp: expected one of"),
-        ("hyperparameters.steps=-1", "--set hyperparameters.steps=-1: spec.hyperparameters.steps: expected"),
+        (
+            "bogus=1",
+            "gpu_count, nodes, priority, max_runtime, max_attempts, init_from, dataset, env.KEY, "
+            "hyperparameters.KEY, tracking.KEY",
+        ),
+        ("gpu_count=two", "--set gpu_count=two: gpu_count: expected an integer in [0, 1024] (0 = CPU task), got 'two'"),
+        ("gpu_count=-1", "--set gpu_count=-1: gpu_count: expected an integer in [0, 1024] (0 = CPU task), got -1"),
+        ("nodes=x", "--set nodes=x: nodes: expected an integer in [1, 64] (nodes of a gang task), got 'x'"),
+        (
+            "hyperparameters.stesp=3",
+            "--set hyperparameters.stesp=3: hyperparameters.stesp: unknown key, expected one of",
+        ),
+        ("hyperparameters.steps=-1", "--set hyperparameters.steps=-1: hyperparameters.steps: expected"),
+        ("tracking.tensorboard=rel", "--set tracking.tensorboard=rel: tracking.tensorboard: expected an absolute"),
         ("name=“x”", "typographic quote"),
     ],
 )

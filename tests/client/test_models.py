@@ -77,6 +77,18 @@ def test_merge_refusals_leave_nothing(adapter, tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # nothing half-written
 
 
+def test_a_merge_that_loses_the_adapter_is_refused_before_anything_is_written(adapter, tmp_path, monkeypatch) -> None:
+    """merge_adapter checks the merged logits itself: a merge that drops the adapter (as a PEFT
+    version that merged nothing would) is refused, and no folder is left."""
+    from peft.tuners.tuners_utils import BaseTuner
+
+    folder, _ = adapter
+    monkeypatch.setattr(BaseTuner, "merge_and_unload", lambda self: self.unload())  # the base, unmerged
+    with pytest.raises(ValueError, match="the merged model's logits differ from the adapter's by up to"):
+        merge_adapter(folder, tmp_path / "out", dtype="float32")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_mean_and_stderr() -> None:
     assert mean_and_stderr([3.0]) == (3.0, 0.0)
     mean, se = mean_and_stderr([1.0, 2.0, 3.0, 4.0])

@@ -1,8 +1,8 @@
 """Results leave the cluster, through real scheduler and trainer processes and the `opentinker`
 command: a cancelled task keeps the checkpoint its worker writes on the way out (downloadable,
-mergeable, an init_from, each saying which step); an adapter made elsewhere is uploaded and
-trained on; a PPO task's policy is evaluated here (mean
-return ± standard error) and exported as TorchScript."""
+mergeable, evaluated through a server, an init_from, each saying which step); an adapter made
+elsewhere is uploaded and trained on; a PPO task's policy is evaluated here (mean return ±
+standard error) and exported as TorchScript."""
 
 from __future__ import annotations
 
@@ -77,6 +77,8 @@ def test_an_adapter_made_elsewhere_is_uploaded_and_trained_on(
             hyperparameters={"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
         )
         cluster.wait_done(client, next_id)
+        # A LoRA task's usage counts the tokens it trained on (GRPO's train/tokens), not 0.
+        assert client.get_task(next_id).usage["tokens_trained"] > 0
         client.download_checkpoint(next_id, tmp_path / "trained")
     assert json.loads((tmp_path / "trained" / "adapter_config.json").read_text())["r"] == 2
 
@@ -119,6 +121,16 @@ def test_cancelled_task_keeps_its_last_checkpoint(cluster: Cluster, tiny_model_d
         assert (tmp_path / "merged" / "config.json").exists() and not (
             tmp_path / "merged" / "adapter_config.json"
         ).exists()
+
+        # eval serves it (an inference task on the cluster) and says which checkpoint it is: mean
+        # reward ± standard error before and after, and what ± means, for an LM task too.
+        out = cli(cluster, "eval", task_id, "--episodes", "2", "--max-tokens", "4").stdout
+        assert f"adapter {task_id}: {note}" in out, out
+        assert re.search(rf"adapter {task_id}: mean reward [\d.]+ ± [\d.]+ over 2 episodes of arithmetic", out), out
+        assert "± is one standard error of the mean over the episodes" in out
+        for served in client.list_tasks(states=["pending", "assigned", "running"]):
+            if served.workload_type == "inference":
+                client.cancel(served.task_id)
 
         # init_from takes it (the scheduler accepts it at submit), and says which checkpoint it starts from.
         yaml = tmp_path / "next.yaml"

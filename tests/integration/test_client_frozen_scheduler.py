@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -44,8 +46,19 @@ def test_client_calls_end_within_their_timeouts_against_a_stopped_scheduler(tmp_
                 client.timeout = 1
                 exc = raises_within(lambda: client.get_task(task_id), 1 + SLACK)
                 assert isinstance(exc, ot.DeadlineExceededError), exc
+                assert str(exc).startswith(f"DEADLINE_EXCEEDED: the scheduler at {cluster.url.split('//')[-1]} did ")
                 exc = raises_within(lambda: client.wait(task_id, timeout=1, poll_interval=0.2), 1 + SLACK)
                 assert isinstance(exc, ot.DeadlineExceededError), exc
+                # `opentinker list` says early that it is waiting (stderr), then why it gave up.
+                env = {k: v for k, v in os.environ.items() if k not in ("SCHEDULER_URL", "OPENTINKER_API_KEY")}
+                cmd = [sys.executable, "-m", "opentinker_client", "--scheduler-url", cluster.url, "list"]
+                listed = subprocess.run([*cmd, "--timeout", "4"], capture_output=True, text=True, env=env, timeout=60)
+                address = cluster.url.split("//")[-1]
+                assert listed.returncode == 2 and listed.stdout == "", listed
+                waiting, error = listed.stderr.strip().splitlines()
+                assert waiting.startswith(f"the scheduler at {address} has not answered ListTasks in 3 s; still wait")
+                assert error.startswith(f"error: the scheduler at {address} did not answer ListTasks within 4 s")
+                assert error.endswith("[DEADLINE_EXCEEDED]")
             finally:
                 os.kill(cluster.scheduler.pid, signal.SIGCONT)
             client.timeout = 30

@@ -7,11 +7,12 @@ from pathlib import Path
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker_client import RLClient
+from opentinker_client.cli.commands import main
 
 HP = {"steps": 40, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "lora_rank": 4}
 
 
-def test_sigterm_drains_and_task_resumes_from_checkpoint_on_another_node(cluster, tiny_model_dir: Path) -> None:
+def test_sigterm_drains_and_task_resumes_from_checkpoint_on_another_node(cluster, tiny_model_dir: Path, capsys) -> None:
     cluster.start_scheduler()
     first = cluster.start_trainer("node-a", "--kill-grace", "60")  # time to checkpoint under load
     cluster.wait_nodes(1)
@@ -38,4 +39,8 @@ def test_sigterm_drains_and_task_resumes_from_checkpoint_on_another_node(cluster
         rest = HP["steps"] - handed_at
         assert steps[-rest:] == list(range(handed_at + 1, HP["steps"] + 1))
         assert steps.count(1) == 1, "step 1 ran once: the second attempt did not start from scratch"
+        # `opentinker logs` says where the second attempt resumed, not only where it would.
+        assert main(["--scheduler-url", cluster.url, "logs", task_id]) == 0
+        logs = capsys.readouterr().out
+        assert f"resumed from step {handed_at} (attempt 2)" in logs, logs
     assert any(e.get("event") == "draining" for e in first.log_events())

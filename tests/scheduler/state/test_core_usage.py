@@ -163,7 +163,8 @@ def test_dry_run_estimate_from_recent_step_times(tmp_path) -> None:
     per_step = recorded[0] / 4
     row, est, basis = core.estimate(spec(gpus=2, steps=10), owner="u")
     assert abs(est.gpu_seconds - 2 * 10 * per_step) < 1e-6 and abs(est.cost - est.gpu_seconds / 3600 * 2.0) < 1e-9
-    assert basis.startswith("10 steps x") and "at 2 USD per GPU-hour (default)" in basis
+    assert basis.startswith("one attempt of 10 steps x") and "at 2 USD per GPU-hour (default)" in basis
+    assert est.attempts == 1  # an estimate of one attempt, not of none
     assert core.store.count_tasks(owner="u", states=(C.TASK_STATE_PENDING,)) == 0  # nothing was submitted
 
 

@@ -168,6 +168,7 @@ def test_rows_of_one_sample_share_its_advantage_like_one_row_each():
     want, _ = pg_loss(logp, logp, adv, mask)
     assert out["loss/policy"] == pytest.approx(want.item(), rel=1e-5)
     assert out["grpo/tokens"] == float(mask.sum())
+    assert out["train/tokens"] == float(mask.sum())  # what usage counts as tokens trained
 
 
 # --- rule: a batch without signal ---------------------------------------------------------------
@@ -237,6 +238,7 @@ def test_missing_rewards_are_left_out_of_loss_normaliser_and_kl(missing):
     # (The groups differ, [1, _, 0] against [1, 0] and [0, 1]: compare what does not depend on them.)
     assert out["grpo/missing_rewards"] == 1.0 and want["grpo/missing_rewards"] == 0.0
     assert out["grpo/tokens"] == float(mask[keep].sum())
+    assert out["train/tokens"] == float(mask[keep].sum())  # rows without a reward are not trained on
     assert out["reward/mean"] == pytest.approx(3.0 / 5.0) and math.isfinite(out["reward/std"])
     assert out["kl"] == pytest.approx(want["kl"], abs=1e-7)
     assert out["loss/kl"] == pytest.approx(want["loss/kl"], rel=1e-6)

@@ -11,14 +11,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitTaskRequest(_message.Message):
-    __slots__ = ("spec", "request_id", "dry_run")
+    __slots__ = ("spec", "request_id", "dry_run", "dataset_uploaded_at_submit")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    DATASET_UPLOADED_AT_SUBMIT_FIELD_NUMBER: _ClassVar[int]
     spec: _common_pb2.TaskSpec
     request_id: str
     dry_run: bool
-    def __init__(self, spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., request_id: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    dataset_uploaded_at_submit: bool
+    def __init__(self, spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., request_id: _Optional[str] = ..., dry_run: _Optional[bool] = ..., dataset_uploaded_at_submit: _Optional[bool] = ...) -> None: ...
 
 class SubmitTaskResponse(_message.Message):
     __slots__ = ("task", "estimate", "estimate_basis")

@@ -124,6 +124,7 @@ class SchedulerServiceServicer:
     def SubmitTask(self, request, context):
         """Validates a task spec, stores the task as PENDING and queues it.
         Idempotent when `request_id` is set: a retry with the same id returns the first task.
+        With `dry_run`: the same checks and errors, then an estimate; nothing is stored.
         Errors: INVALID_ARGUMENT (bad spec; the message names the field path and what was expected),
         FAILED_PRECONDITION (no node in the resource pool could ever hold the task), RESOURCE_EXHAUSTED (limits;
         with google.rpc.ErrorInfo reason OVERLOADED when the scheduler is behind: refused before anything was done,

@@ -1,0 +1,119 @@
+"""`opentinker submit --dry-run` resolves and checks a task as `submit` does, against a real
+scheduler (in this process, no trainer), and creates nothing: the `dataset:` file relative to the
+task file (README's word-problems example), a missing one refused by both with the path tried and
+the task file's own note on how to make it, a reward that cannot score the data, an `init_from`
+that does not exist; and the estimate is of one attempt, or says there is none."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from opentinker_client.cli.commands import main
+from tests.support.security import LoopbackScheduler
+
+ROOT = Path(__file__).resolve().parents[3]
+MAKE = ROOT / "scripts" / "make_word_problems.py"
+
+
+@pytest.fixture(scope="module")
+def scheduler(tmp_path_factory):
+    with LoopbackScheduler(tmp_path_factory.mktemp("state"), "default_model: /models/m\n") as s:
+        yield s
+
+
+@pytest.fixture
+def example(tmp_path: Path) -> Path:
+    """README's word-problems example laid out as in the repository: examples/ holds the task file."""
+    (tmp_path / "examples").mkdir()
+    shutil.copy(ROOT / "examples" / "word_problems_numeric.yaml", tmp_path / "examples")
+    return tmp_path / "examples" / "word_problems_numeric.yaml"
+
+
+def cli(capsys, scheduler, *args: str) -> tuple[int, str, str]:
+    code = main(["--scheduler-url", scheduler.target, *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def stored(scheduler) -> tuple[int, list[str]]:
+    """Tasks in the scheduler's store and files under its datasets folder: what a dry run must not add."""
+    datasets = scheduler.config.state_dir / "datasets"
+    files = sorted(p.name for p in datasets.rglob("*") if p.is_file()) if datasets.exists() else []
+    return len(scheduler.core.store.tasks_in_states(range(1, 8))), files
+
+
+def test_the_word_problems_example_dry_runs_as_it_submits(capsys, scheduler, example, monkeypatch) -> None:
+    monkeypatch.chdir(example.parents[1])  # README's commands run from the repository root
+    made = subprocess.run(
+        [sys.executable, str(MAKE), "--out", "examples/word_problems.jsonl", "-n", "300"],
+        capture_output=True,
+        text=True,
+    )
+    assert made.returncode == 0, made.stderr
+    before = stored(scheduler)
+    code, out, err = cli(capsys, scheduler, "submit", "examples/word_problems_numeric.yaml", "--dry-run")
+    assert code == 0, err
+    assert "\nvalid: lora_finetune on /models/m, 0 GPU(s)" in "\n" + out  # (the scheduler logs here too)
+    assert "estimate: none (" in out and "attempt(s)" not in out
+    assert stored(scheduler) == before  # nothing uploaded, nothing created
+
+    code, out, err = cli(capsys, scheduler, "submit", "examples/word_problems_numeric.yaml")
+    assert code == 0, err
+    task_id = out.strip().splitlines()[-1]
+    task = scheduler.core.get(task_id)
+    dataset_id = task.spec.env_config.fields["dataset_id"].string_value
+    # A dry run names the file by the id the upload gives it (the scheduler now holds those bytes).
+    code, _, err = cli(capsys, scheduler, "submit", "examples/word_problems_numeric.yaml", "--dry-run")
+    assert code == 0, err
+    assert dataset_id.startswith("sha256:") and stored(scheduler)[0] == before[0] + 1
+
+
+def test_a_missing_dataset_is_refused_alike_naming_the_path_and_how_to_make_it(
+    capsys, scheduler, example, monkeypatch
+) -> None:
+    monkeypatch.chdir(example.parents[1])
+    before = stored(scheduler)
+    errors = []
+    for extra in (["--dry-run"], []):
+        code, _, err = cli(capsys, scheduler, "submit", "examples/word_problems_numeric.yaml", *extra)
+        assert code == 2
+        errors.append(err)
+    assert errors[0] == errors[1]  # one check for both
+    tried = example.parent / "word_problems.jsonl"
+    assert errors[0] == (
+        "error: dataset: examples/word_problems.jsonl: no such file (tried "
+        f"{tried}; a relative dataset: is read from the folder of examples/word_problems_numeric.yaml "
+        f"({example.parent})); examples/word_problems_numeric.yaml says how to make it: "
+        ".venv/bin/python scripts/make_word_problems.py --out examples/word_problems.jsonl [INVALID_ARGUMENT]\n"
+    )
+    assert stored(scheduler) == before
+
+
+def test_a_reward_that_cannot_score_the_data_is_refused_by_the_dry_run_too(capsys, scheduler, tmp_path) -> None:
+    rows = [{"prompt": "What is 1 + 1?", "answer": 2}, {"prompt": "What is two + 1?", "answer": "three"}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = tmp_path / "task.yaml"
+    task.write_text(
+        "workload_type: lora_finetune\ndataset: data.jsonl\nenv: {env_id: prompts, reward: {verifier: numeric}}\n"
+    )
+    before = stored(scheduler)
+    for extra in (["--dry-run"], []):
+        code, _, err = cli(capsys, scheduler, "submit", str(task), *extra)
+        assert code == 2
+        assert err.startswith("error: spec.env_config.reward.verifier: expected a reward that fits the dataset")
+        assert "line 2: \"answer\": expected a number, got 'three'" in err
+    assert stored(scheduler) == before
+
+
+def test_a_dry_run_checks_references_as_a_submit_does(capsys, scheduler, tmp_path) -> None:
+    task = tmp_path / "task.yaml"
+    task.write_text("workload_type: lora_finetune\ninit_from: task-nope\n")
+    for extra in (["--dry-run"], []):
+        code, _, err = cli(capsys, scheduler, "submit", str(task), *extra)
+        assert (code, err) == (2, "error: spec.init_from: task 'task-nope' not found [NOT_FOUND]\n")
