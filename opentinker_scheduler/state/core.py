@@ -342,7 +342,7 @@ class SchedulerCore:
         if len(request_id) > 128:
             raise InvalidArgument("request_id: expected at most 128 characters")
         try:
-            task, ev = self._new_task(spec, owner=owner, request_id=request_id)
+            task, ev, _ = self._new_task(spec, owner=owner, request_id=request_id)
         except (InvalidArgument, FailedPrecondition):
             # A retry of a submit accepted before the config or the cluster changed gets its task.
             existing = self.store.find_by_request(owner, request_id) if request_id else None
@@ -371,8 +371,9 @@ class SchedulerCore:
 
     def _new_task(
         self, spec: common_pb2.TaskSpec, *, owner: str, request_id: str
-    ) -> tuple[TaskRow, common_pb2.TaskEvent]:
-        """The PENDING row of a new submit and its first event, validated (nothing stored).
+    ) -> tuple[TaskRow, common_pb2.TaskEvent, TaskSpecModel]:
+        """The PENDING row of a new submit, its first event and its parsed spec, validated
+        (nothing stored; :meth:`submit` and :meth:`estimate` share it).
 
         Raises:
             InvalidArgument, FailedPrecondition: as :meth:`submit`.
@@ -433,7 +434,7 @@ class SchedulerCore:
                 f"submitted by {owner}",
             )
         )
-        return task, ev
+        return task, ev, model
 
     def import_adapter(
         self, *, task_id: str, owner: str, model: str, name: str, checkpoint: common_pb2.Checkpoint
@@ -495,45 +496,9 @@ class SchedulerCore:
             InvalidArgument, FailedPrecondition: as :meth:`submit` (its checks: the default model,
                 the whole spec, a GPU count and gang some node could ever hold).
         """
-        spec_copy = common_pb2.TaskSpec()
-        spec_copy.CopyFrom(spec)
-        if not spec_copy.model and task_uses_model(spec_copy.workload_type, _struct_dict(spec_copy, "env_config")):
-            if not self.config.default_model:
-                raise InvalidArgument(
-                    "spec.model: expected a model folder or hub id "
-                    "(the scheduler config has no default_model to fall back on)"
-                )
-            spec_copy.model = self.config.default_model
-        try:
-            model = spec_from_proto(spec_copy, allowed_workloads=self.config.workload_names)
-        except SpecError as exc:
-            raise InvalidArgument(str(exc)) from None
-        spec_copy = self._as_stored(spec_copy, model=model)
-        most = self.max_possible_gpus()
-        if model.gpu_count > most:
-            raise FailedPrecondition(
-                f"spec.resources.gpu_count: {model.gpu_count} GPU(s) asked, but no node in the resource pool "
-                f"could ever offer more than {most} (gang placement needs all GPUs on one node)"
-            )
-        if model.nodes > 1:
-            never = gang_never_fits(model.nodes, model.gpu_count, self.node_sizes())
-            if never is not None:
-                raise FailedPrecondition(never)
-        priority = model.priority if model.priority is not None else self.config.priority_of(model.workload_type)
-        now = time.time()
-        row = TaskRow(
-            task_id="",
-            owner=owner,
-            spec=spec_copy,
-            state=S.TASK_STATE_PENDING,
-            attempt=0,
-            priority=int(priority or 0),
-            gpu_count=model.gpu_count,
-            max_attempts=spec_copy.limits.max_attempts,
-            max_runtime_s=model.max_runtime_s,
-            create_time=now,
-            update_time=now,
-        )
+        row, _, model = self._new_task(spec, owner=owner, request_id="")
+        row.task_id, row.attempt, row.max_attempts = "", 0, spec.limits.max_attempts
+        spec_copy = row.spec
         queue = self.quotas.queue_of(owner)
         row.error = self.quotas.why_not(queue, self.need(row)) or ""
         steps = int(getattr(model.hyperparameters, "steps", 0) or 0)

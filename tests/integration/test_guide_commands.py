@@ -46,6 +46,16 @@ def guide_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def _connected(client) -> list:
+    """The connected nodes; none while the scheduler is still starting (not listening yet)."""
+    from opentinker_client.errors import DeadlineExceededError, UnavailableError
+
+    try:
+        return [n for n in client.list_nodes() if n.connected]
+    except (UnavailableError, DeadlineExceededError):
+        return []
+
+
 def test_the_guides_config_as_printed_is_refused_naming_the_bullet_and_what_to_type(guide_dir: Path) -> None:
     (guide_dir / "scheduler_config.yaml").write_text(GUIDE_CONFIG)
     r = subprocess.run(
@@ -92,9 +102,7 @@ def test_python_scheduler_py_and_train_server_py_run_a_cluster(guide_dir: Path) 
         from opentinker_client import RLClient
 
         with RLClient(scheduler_url=f"http://127.0.0.1:{port}") as client:
-            nodes = wait_for(
-                lambda: [n for n in client.list_nodes() if n.connected], timeout=60, what="train_server.py connected"
-            )
+            nodes = wait_for(lambda: _connected(client), timeout=60, what="train_server.py connected")
         assert [n.node_id for n in nodes] == ["gpu-node-01"]
         assert (guide_dir / "state").is_dir()  # the config's folder: state_dir defaults to ./state
     finally:
@@ -158,7 +166,7 @@ def test_the_guides_client_snippet_says_why_its_task_waits_on_a_cluster_without_
         from opentinker_client import RLClient
 
         with RLClient(scheduler_url=url) as client:
-            wait_for(lambda: [n for n in client.list_nodes() if n.connected], timeout=60, what="trainer connected")
+            wait_for(lambda: _connected(client), timeout=60, what="trainer connected")
         snippet = Proc(
             ["snippet.py"], guide_dir / "snippet.log", env={"OPENTINKER_PENDING_WARNING_AFTER": "2"}, cwd=guide_dir
         )
