@@ -4,8 +4,8 @@ by the worker as each step's metrics are reported (:meth:`WorkerContext.emit_met
 
 Which node has which logger: each node tells the scheduler at register which loggers its Python
 can write (:func:`writable_loggers`, ``Register.tracking_loggers``), so a task naming one that no
-connected node can write is refused at submit. The worker still checks at start
-(:func:`open_trackers`; a task placed on a node of a mixed cluster that lacks the package): it
+connected node can write is refused at submit, and a task is placed only on nodes that can write
+its loggers. The worker still checks at start (:func:`open_trackers`; an agent too old to say): it
 fails the attempt with a :class:`~opentinker_trainer.context.UserError` (not retried) that names
 the extra to install, ``pip install 'opentinker[mlflow]'``, before any training. A logger that fails while the task
 runs (a full disk, a tracking server gone) is logged and dropped; training goes on.

@@ -363,6 +363,25 @@ def memory_reason(task: PendingTask, caps: Sequence[NodeCapacity]) -> str:
     )
 
 
+#: Nodes a lookup leaves out: one node id (a reservation), several, or None.
+Exclude = "str | frozenset[str] | None"
+
+
+def _left_out(exclude) -> frozenset[str] | tuple[str, ...]:
+    if exclude is None:
+        return ()
+    if isinstance(exclude, str):
+        return (exclude,)
+    return exclude
+
+
+def with_left_out(closed: str | None, left_out: frozenset[str]) -> "str | frozenset[str] | None":
+    """A reservation's closed node together with nodes left out for a group."""
+    if not left_out:
+        return closed
+    return left_out | {closed} if closed is not None else left_out
+
+
 class FreeNodes:
     """Nodes that can take a task now (accepting, with a free slot), in best-fit order: fewest
     free GPUs, then fewest running tasks, then node id. The owner calls :meth:`update` whenever a
@@ -407,56 +426,64 @@ class FreeNodes:
             if not nodes:
                 del self._shared[k]
 
-    def most_open(self, share_key: str | None, exclude: str | None = None, need: MemoryNeed | None = None) -> int:
+    def most_open(self, share_key: str | None, exclude: Exclude = None, need: MemoryNeed | None = None) -> int:
         """Most GPUs a task with ``share_key`` (and memory ``need``) could take on one node now
-        (free plus open to the key; -1 when no node can take a task), leaving out node ``exclude``.
-        With a ``need`` every indexed node is looked at (memory is not indexed)."""
+        (free plus open to the key; -1 when no node can take a task), leaving out the node(s)
+        ``exclude``. With a ``need`` every indexed node is looked at (memory is not indexed)."""
+        left_out = _left_out(exclude)
         if need is not None:
-            return max((c.open_to(share_key, need) for c in self._cap_of.values() if c.node_id != exclude), default=-1)
+            return max(
+                (c.open_to(share_key, need) for c in self._cap_of.values() if c.node_id not in left_out), default=-1
+            )
         most = self.most_free_gpus(exclude)
         if share_key is not None:
             for cap in self._shared.get(share_key, {}).values():
-                if cap.node_id != exclude:
+                if cap.node_id not in left_out:
                     most = max(most, cap.open_to(share_key))
         return most
 
     def best_fit_for(
-        self, gpu_count: int, share_key: str | None, exclude: str | None = None, need: MemoryNeed | None = None
+        self, gpu_count: int, share_key: str | None, exclude: Exclude = None, need: MemoryNeed | None = None
     ) -> str | None:
         """The node :func:`plan` picks for a task of ``gpu_count`` GPUs, ``share_key`` and memory
         ``need``, or None.
 
         A node with GPUs open to the key uses fewer free GPUs than any node without, so those
         are tried first (by :func:`plan`'s order); otherwise it is :meth:`best_fit`. With a
-        ``need``, every indexed node is looked at in :func:`plan`'s order."""
+        ``need``, every indexed node is looked at in :func:`plan`'s order. ``exclude``: node(s) left out."""
+        left_out = _left_out(exclude)
         if need is not None:
             fits = [
-                c for c in self._cap_of.values() if c.node_id != exclude and c.open_to(share_key, need) >= gpu_count
+                c
+                for c in self._cap_of.values()
+                if c.node_id not in left_out and c.open_to(share_key, need) >= gpu_count
             ]
             return min(fits, key=lambda c: _fit_key(c, gpu_count, share_key, need)).node_id if fits else None
         if share_key is not None:
             fits = [
                 c
                 for c in self._shared.get(share_key, {}).values()
-                if c.node_id != exclude and c.open_to(share_key) >= gpu_count
+                if c.node_id not in left_out and c.open_to(share_key) >= gpu_count
             ]
             if fits:
                 return min(fits, key=lambda c: _fit_key(c, gpu_count, share_key)).node_id
         return self.best_fit(gpu_count, exclude)
 
-    def most_free_gpus(self, exclude: str | None = None) -> int:
+    def most_free_gpus(self, exclude: Exclude = None) -> int:
         """Largest free GPU block on a node that can take a task (-1 when none can), leaving
-        out node ``exclude`` (a reserved node)."""
-        for key in reversed(self._keys):  # at most two steps: one node is left out
-            if key[2] != exclude:
+        out the node(s) ``exclude`` (a reserved node; nodes a task cannot run on)."""
+        left_out = _left_out(exclude)
+        for key in reversed(self._keys):  # one step more per node left out
+            if key[2] not in left_out:
                 return key[0]
         return -1
 
-    def best_fit(self, gpu_count: int, exclude: str | None = None) -> str | None:
+    def best_fit(self, gpu_count: int, exclude: Exclude = None) -> str | None:
         """The node :func:`plan` would pick for a task of ``gpu_count`` GPUs, or None, leaving
-        out node ``exclude``."""
+        out the node(s) ``exclude``."""
+        left_out = _left_out(exclude)
         i = bisect.bisect_left(self._keys, (gpu_count, -1, ""))
-        if i < len(self._keys) and self._keys[i][2] == exclude:
+        while i < len(self._keys) and self._keys[i][2] in left_out:
             i += 1
         return self._keys[i][2] if i < len(self._keys) else None
 
@@ -484,6 +511,7 @@ def place_round(
     admit: Callable[[Hashable, Group], bool] | None = None,
     rank: Callable[[Group, Hashable], tuple] | None = None,
     need: Callable[[Group], MemoryNeed | None] | None = None,
+    left_out: Callable[[Group], frozenset[str]] | None = None,
 ) -> int:
     """One placement round of :func:`plan`'s policy, over indexes instead of lists.
 
@@ -511,6 +539,9 @@ def place_round(
             alone when its first task changes otherwise (skipped, refused).
         need: ``need(group)`` -> the GPU memory each task of the group needs (:class:`MemoryNeed`;
             the core keeps it as the group's fourth item), or None: counted in tasks only.
+        left_out: ``left_out(group)`` -> nodes the group's tasks may not run on (e.g. nodes that
+            cannot write the ``spec.tracking`` loggers they name), kept out like a reserved node.
+            None: every node.
 
     Groups may carry more than ``(gpu_count, share key)`` (the core adds the queue): only their
     first two items are read here.
@@ -527,13 +558,18 @@ def place_round(
     order = rank if rank is not None else (lambda g, key: key)
     placed = 0
     need_of = need if need is not None else (lambda g: None)
+    out_of = left_out if left_out is not None else (lambda g: frozenset())
     reserved: str | None = None
     blocked: list[tuple[Hashable, int]] = []  # heap of dropped groups' first eligible keys
     heads: dict[Group, tuple] = {}  # group -> order(group, its first key)
     stale = True  # capacity (a take, a reservation) or ranks (a take) changed since the last check
     while True:
         if stale:  # else no group can have stopped fitting, and no rank can have changed
-            for g in [g for g in live if g[0] > free.most_open(g[1], free.closed_to(g[0], reserved), need_of(g))]:
+            for g in [
+                g
+                for g in live
+                if g[0] > free.most_open(g[1], with_left_out(free.closed_to(g[0], reserved), out_of(g)), need_of(g))
+            ]:
                 keys = live.pop(g)
                 if reserve is not None and reserved is None:
                     i = cursor[g]
@@ -565,7 +601,7 @@ def place_round(
             live.pop(g, None)  # the rest of the group is over the same quota
             heads.pop(g, None)
             continue
-        node_id = free.best_fit_for(g[0], g[1], free.closed_to(g[0], reserved), need_of(g))
+        node_id = free.best_fit_for(g[0], g[1], with_left_out(free.closed_to(g[0], reserved), out_of(g)), need_of(g))
         assert node_id is not None  # the group fits on a node with a free slot
         take(key, g, node_id)
         placed += 1

@@ -5,8 +5,8 @@ the optional extras installed with it). A task that names a logger none of the c
 can write is refused at submit, naming the field and the extra to install, instead of waiting to
 be placed and then failing at its worker's start. Nothing is refused while no node is connected
 (the task waits for one, which may have the extra) or while any connected node did not say (an
-agent older than the field). In a mixed cluster a task may still be placed on a node without the
-package; its worker then fails the attempt at start, naming the extra (the node-side check).
+agent older than the field). In a mixed cluster the core leaves the nodes without a task's loggers
+out of its placement (``SchedulerCore._nodes_without``, ``place_round(left_out=...)``).
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ from opentinker_scheduler.policy.placement import (
     reservation_node,
     reserved_reason,
     why_pending,
+    with_left_out,
 )
 from opentinker_scheduler.policy.gang import gang_never_fits
 from opentinker_scheduler.policy.tracking import NodeLoggers, unwritable_logger
@@ -62,7 +63,15 @@ from opentinker_scheduler.policy.scale import ClassNode, Demand, desired_trainer
 from opentinker_scheduler.state.gangs import Gangs, gang_nodes
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
 from opentinker_scheduler.state.usage import UsageMeters, usage_proto
-from opentinker_scheduler.state.queue import LiveTasks, PendingQueue, QueueKey, ReasonsView, group_memory, queue_key
+from opentinker_scheduler.state.queue import (
+    LiveTasks,
+    PendingQueue,
+    QueueKey,
+    ReasonsView,
+    group_loggers,
+    group_memory,
+    queue_key,
+)
 from opentinker_scheduler.state.store import (  # noqa: F401  (STATE_NAMES re-exported)
     ACTIVE_STATES,
     CANCELLED_BY_USER,
@@ -659,6 +668,17 @@ class SchedulerCore:
             self.store.update_task(stored, [event])
         self.notify()
 
+    def _nodes_without(self, loggers: frozenset[str]) -> frozenset[str]:
+        """Connected nodes that said they cannot write one of ``loggers`` (``spec.tracking``):
+        a task naming them is not placed there. A node that did not say is not counted."""
+        if not loggers:
+            return frozenset()
+        return frozenset(
+            n.node_id
+            for n in self.nodes.values()
+            if n.connected and n.register.tracking_reported and not loggers <= set(n.register.tracking_loggers)
+        )
+
     def _node_loggers(self) -> list[NodeLoggers]:
         """What each connected node said it can write of ``spec.tracking`` (None: it did not say)."""
         return [
@@ -711,8 +731,17 @@ class SchedulerCore:
         reserver, reserved = self._reservation_ahead_of(task)
         closed = self.free.closed_to(task.gpu_count, reserved)
         memory = task.memory_need
-        if self.free.best_fit_for(task.gpu_count, task.share_key, closed, memory) is not None:
+        unable = self._nodes_without(task.tracking_loggers)
+        if self.free.best_fit_for(task.gpu_count, task.share_key, with_left_out(closed, unable), memory) is not None:
             return f"waiting for the next placement round (queue position {position} of {length})"
+        if unable and self.free.best_fit_for(task.gpu_count, task.share_key, closed, memory) is not None:
+            named = sorted(task.tracking_loggers)
+            extras = ", ".join(f"opentinker[{TRACKING_LOGGERS[k][1]}]" for k in named)
+            return (
+                f"waiting for a node that can write its spec.tracking loggers ({', '.join(named)}): "
+                f"the nodes with room cannot ({', '.join(sorted(unable))}; install {extras} there) "
+                f"(queue position {position} of {length})"
+            )
         if (
             reserver is not None
             and reserved is not None
@@ -1126,13 +1155,27 @@ class SchedulerCore:
             return (key[0], quotas.dominant_share(group[2]), key[1], key[2])
 
         def reserve(key: QueueKey, gpu_count: int) -> str | None:
-            node_id = reservation_node(gpu_count, (n.capacity() for n in self.nodes.values()))
+            unable = unable_for(self.queue.row(key).tracking_loggers)  # never reserve a node it cannot run on
+            node_id = reservation_node(
+                gpu_count, (n.capacity() for n in self.nodes.values() if n.node_id not in unable)
+            )
             if node_id is not None:
                 self._reservation = (key, node_id)
             return node_id
 
         self._reservation = None
         now = time.time()
+        without: dict[frozenset[str], frozenset[str]] = {}
+
+        def unable_for(loggers: frozenset[str]) -> frozenset[str]:
+            if not loggers:
+                return frozenset()
+            if loggers not in without:
+                without[loggers] = self._nodes_without(loggers)
+            return without[loggers]
+
+        def left_out(group) -> frozenset[str]:
+            return unable_for(group_loggers(group))
 
         def round_of(groups) -> None:
             place_round(
@@ -1145,6 +1188,7 @@ class SchedulerCore:
                 admit=admit if quotas.queues else None,
                 rank=rank,
                 need=group_memory,
+                left_out=left_out,
             )
 
         gang_keys = [k for k in self.queue.gang_keys() if self.queue.row(k).not_before <= now]

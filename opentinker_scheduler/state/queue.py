@@ -35,7 +35,8 @@ def is_gang(task: TaskRow) -> bool:
 
 #: A queue's placement group: ``(gpu_count, share key, quota queue)``, and for a shareable LoRA
 #: task whose GPU memory is estimated a fourth item, that estimate
-#: (:class:`~opentinker_scheduler.policy.placement.MemoryNeed`). Tasks in one group fit in
+#: (:class:`~opentinker_scheduler.policy.placement.MemoryNeed`); for a task naming
+#: ``spec.tracking`` loggers a fifth, those loggers (the fourth then None when not estimated). Tasks in one group fit in
 #: exactly the same places and count against the same quota (policy/quota.py), so a placement
 #: round may drop a group whole (:func:`~opentinker_scheduler.policy.placement.place_round`).
 QueueGroup = tuple
@@ -43,7 +44,9 @@ QueueGroup = tuple
 
 def group_of(task: TaskRow, queue_of: Callable[[str], str]) -> QueueGroup:
     """The placement group of a task, its quota queue from its owner by ``queue_of``."""
-    need = task.memory_need
+    need, loggers = task.memory_need, task.tracking_loggers
+    if loggers:
+        return (task.gpu_count, task.share_key, queue_of(task.owner), need, loggers)
     if need is None:
         return (task.gpu_count, task.share_key, queue_of(task.owner))
     return (task.gpu_count, task.share_key, queue_of(task.owner), need)
@@ -52,6 +55,12 @@ def group_of(task: TaskRow, queue_of: Callable[[str], str]) -> QueueGroup:
 def group_memory(group: QueueGroup):
     """The memory estimate a group carries (its fourth item), or None."""
     return group[3] if len(group) > 3 else None
+
+
+def group_loggers(group: QueueGroup) -> frozenset[str]:
+    """The ``spec.tracking`` loggers a group's tasks name (its fifth item; a node must be able
+    to write them), or none."""
+    return group[4] if len(group) > 4 else frozenset()
 
 
 def _no_queues(owner: str) -> str:

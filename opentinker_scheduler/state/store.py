@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Sequence
 from opentinker.common.v1 import common_pb2
 
 from opentinker_scheduler.errors import NotLeader, StoreUnavailable
+from opentinker_common.spec.tracking import EXTRAS as TRACKING_EXTRAS
 from opentinker_scheduler.policy.placement import MemoryNeed, share_key
 from opentinker_scheduler.state.tenant_memory import memory_need
 from opentinker_scheduler.state import schema
@@ -108,6 +109,12 @@ class TaskRow:
         """GPU-sharing key (:func:`~opentinker_scheduler.policy.placement.share_key`): the base model of
         a LoRA task on GPUs, None for a task that needs its GPUs to itself."""
         return share_key(self.spec.workload_type, self.spec.model, self.gpu_count)
+
+    @functools.cached_property
+    def tracking_loggers(self) -> frozenset[str]:
+        """The ``spec.tracking`` loggers the task names (``"tensorboard"``, ``"mlflow"``,
+        ``"wandb"``): a node must be able to write them to run it."""
+        return frozenset(k for k in self.spec.tracking.fields if k in TRACKING_EXTRAS)
 
     @functools.cached_property
     def memory_need(self) -> MemoryNeed | None:

@@ -110,3 +110,32 @@ def test_cpu_tasks_take_spare_slots_on_a_reserved_node() -> None:
     assert "n is reserved for it" in reasons["big"]
     assert reasons["cpu1"] == "node n is reserved for big (4 GPUs, priority 3) until it starts; queue position 4 of 5"
     assert reasons["small"].startswith("node n is reserved for big")
+
+
+def test_a_round_keeps_a_group_off_the_nodes_left_out_for_it() -> None:
+    from opentinker_scheduler.policy.placement import FreeNodes, place_round
+
+    ledger = {c.node_id: c for c in (node("a", 1), node("b", 2), node("c", 4))}
+    free = FreeNodes()
+    for c in ledger.values():
+        free.update(c)
+    assert free.best_fit(1, frozenset({"a", "b"})) == "c" and free.most_free_gpus(frozenset({"c"})) == 2
+    groups = {(1, None, "q", None, frozenset({"mlflow"})): [(0.0, "logs")], (1, None, "q"): [(1.0, "plain")]}
+    got = []
+
+    def take(key, group, node_id) -> None:
+        cap = ledger[node_id]
+        cap.book(cap.choose_devices(group[0], group[1]), group[1])
+        free.update(cap)
+        got.append((key[1], node_id))
+
+    left_out = {frozenset({"mlflow"}): frozenset({"a", "b"})}
+    place_round(
+        groups,
+        free,
+        0.0,
+        lambda key: 0.0,
+        take,
+        left_out=lambda g: left_out.get(g[4] if len(g) > 4 else None, frozenset()),
+    )
+    assert got == [("logs", "c"), ("plain", "a")]  # best fit "a" for the one it may use
