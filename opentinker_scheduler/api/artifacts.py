@@ -52,16 +52,29 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
 
     async def UploadChunks(self, request_iterator, context):
         upload_id = ""
+        pending: asyncio.Future | None = None
         try:
             self._require_leader()
+            # One chunk is written (appended and hashed, in a thread) while the next is received:
+            # in order, at most one write in flight, a failed write ends the stream with its status.
             async for chunk in request_iterator:
+                if pending is not None:
+                    await pending
                 upload_id = chunk.upload_id
-                await asyncio.to_thread(self.artifacts.write_chunk, chunk)
+                pending = asyncio.ensure_future(asyncio.to_thread(self.artifacts.write_chunk, chunk))
+            if pending is not None:
+                await pending
+                pending = None
             if not upload_id:
                 return artifact_pb2.UploadChunksResponse()
             return await asyncio.to_thread(self.artifacts.upload_status, upload_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
+        finally:
+            if pending is not None and not pending.done():
+                # the stream broke while a chunk was being written: let that write finish, so
+                # the next stream of this upload sees the bytes held when it asks
+                await asyncio.gather(pending, return_exceptions=True)
 
     @rpc()
     async def CommitUpload(self, request, call: Call):
@@ -85,15 +98,30 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
         yield first
-        while True:
-            try:  # a few chunks per trip to the thread: one hop per 1 MiB costs more than the read
-                batch = await asyncio.to_thread(lambda: list(itertools.islice(items, DOWNLOAD_BATCH)))
-            except Exception as exc:  # noqa: BLE001 - mapped or re-raised
-                await abort_mapped(context, exc)
-            for item in batch:
-                yield item
-            if len(batch) < DOWNLOAD_BATCH:
-                return
+
+        def read_batch() -> list:
+            return list(itertools.islice(items, DOWNLOAD_BATCH))
+
+        # A few chunks per trip to the thread (one hop per 1 MiB costs more than the read), the
+        # next batch read while this one is sent.
+        ahead = asyncio.ensure_future(asyncio.to_thread(read_batch))
+        try:
+            while True:
+                try:
+                    batch = await ahead
+                except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+                    await abort_mapped(context, exc)
+                if len(batch) < DOWNLOAD_BATCH:
+                    ahead = None
+                    for item in batch:
+                        yield item
+                    return
+                ahead = asyncio.ensure_future(asyncio.to_thread(read_batch))
+                for item in batch:
+                    yield item
+        finally:
+            if ahead is not None and not ahead.done():
+                await asyncio.gather(ahead, return_exceptions=True)
 
     @rpc()
     async def ListArtifacts(self, request, call: Call):
