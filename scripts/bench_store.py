@@ -62,7 +62,9 @@ def _serve_empty(port_q, total: int) -> None:
 
     from opentinker_common.artifacts.manifest import CHUNK_BYTES
     from opentinker_common.net.grpc_options import server_options
+    from opentinker_common.net.malloc import reuse_stream_buffers
 
+    reuse_stream_buffers()  # as the scheduler does (unless the run keeps glibc's settings)
     block = os.urandom(CHUNK_BYTES)
 
     class Empty(artifact_pb2_grpc.ArtifactServiceServicer):
@@ -142,9 +144,20 @@ def main() -> int:
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[25, 540])
     parser.add_argument("--repeat", type=int, default=3, help="best of N rounds")
     parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc's heap settings as they are here and in the scheduler (what main did before)",
+    )
     args = parser.parse_args()
 
     import grpc
+
+    from opentinker_common.net.malloc import KEEP_MALLOC_ENV, reuse_stream_buffers
+
+    if args.default_malloc:
+        os.environ[KEEP_MALLOC_ENV] = "1"  # the scheduler started below inherits it
+    reuse_stream_buffers()  # as a task worker does at start (this process plays the trainer)
 
     from opentinker_common.artifacts import S3ArtifactStore, S3Location
     from opentinker_common.artifacts.remote import RemoteArtifactStore
