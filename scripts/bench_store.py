@@ -3,7 +3,8 @@
 (25 MB) and a full-weight-sized (540 MB) checkpoint through the ``local`` store (the scheduler's,
 in its own process, over gRPC from a trainer, as in production) and ``s3`` (a real SeaweedFS on
 loopback), against a plain file copy (``shutil.copytree``) of the same folder in the same run;
-the ceiling of the transport (an empty gRPC stream: the same ``UploadChunks`` /
+one SHA-256 pass over the files (what a put hashes before it sends: the manifest is announced
+first); the ceiling of the transport (an empty gRPC stream: the same ``UploadChunks`` /
 ``DownloadArtifact`` messages to a server in its own process that keeps nothing, hashes nothing);
 and the added resume time, cold cache (download) against warm cache (a hit: nothing downloaded).
 
@@ -160,6 +161,7 @@ def main() -> int:
     reuse_stream_buffers()  # as a task worker does at start (this process plays the trainer)
 
     from opentinker_common.artifacts import S3ArtifactStore, S3Location
+    from opentinker_common.artifacts.manifest import scan_folder
     from opentinker_common.artifacts.remote import RemoteArtifactStore
     from opentinker_trainer.artifacts import ArtifactCache
 
@@ -202,6 +204,7 @@ def main() -> int:
                 copied = fresh("copy")
                 keep("plain copy", timed(lambda: shutil.copytree(src, copied)), float("inf"))
                 shutil.rmtree(copied)
+                keep("sha256, one pass", timed(lambda: scan_folder(src)), float("inf"))
                 keep("empty gRPC stream", timed(lambda: empty.upload(src)), timed(empty.download))
                 for name, store in stores.items():
                     # A new key each round: a put of content already committed under the key sends
@@ -216,6 +219,8 @@ def main() -> int:
                         store.delete(key)  # the test SeaweedFS has room for a few checkpoints only
             copy = best["plain copy"][0]
             results.append((size, "plain copy", mb / copy, mb / copy, None, None))
+            sha = best["sha256, one pass"][0]
+            results.append((size, "sha256, one pass", mb / sha, float("nan"), None, None))
             e_put, e_get = best["empty gRPC stream"]
             results.append((size, "empty gRPC stream", mb / e_put, mb / e_get, None, None))
             for name, store in stores.items():
@@ -239,7 +244,8 @@ def main() -> int:
         c = f"{cold:13.2f}" if cold is not None else f"{'':>13}"
         h = f"{warm:7.3f}" if warm is not None else f"{'':>7}"
         base = next(x for x in results if x[0] == size and x[1] == "plain copy")[2]
-        print(f"{size:>8}MB {name:<18} {w:10.0f} {w / base:6.2f} {r:10.0f} {r / base:6.2f} {c} {h}")
+        read = f"{r:10.0f} {r / base:6.2f}" if r == r else f"{'':>10} {'':>6}"  # nan: no read
+        print(f"{size:>8}MB {name:<18} {w:10.0f} {w / base:6.2f} {read} {c} {h}")
     return 0
 
 
