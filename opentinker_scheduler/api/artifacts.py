@@ -9,20 +9,17 @@ Blocking store calls run in threads; errors map to status codes in one table
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import structlog
 
 from opentinker.artifact.v1 import artifact_pb2, artifact_pb2_grpc
 
 from opentinker_scheduler.api.rpc import Call, abort_mapped, rpc
+from opentinker_scheduler.api.streams import read_ahead
 from opentinker_scheduler.data.artifacts import Artifacts
 from opentinker_scheduler.security.bundle import Security
 
 log = structlog.get_logger("opentinker.scheduler")
-
-#: Download chunks (1 MiB each) read per trip to a thread.
-DOWNLOAD_BATCH = 8
 
 
 class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
@@ -91,37 +88,11 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
 
     async def DownloadArtifact(self, request, context):
         try:
-            items = await asyncio.to_thread(
-                lambda: iter(self.artifacts.download(request.key, request.expect_manifest_sha256))
-            )
-            first = await asyncio.to_thread(next, items)
+            items = iter(self.artifacts.download(request.key, request.expect_manifest_sha256))
+            async for item in read_ahead(items):
+                yield item
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
-        yield first
-
-        def read_batch() -> list:
-            return list(itertools.islice(items, DOWNLOAD_BATCH))
-
-        # A few chunks per trip to the thread (one hop per 1 MiB costs more than the read), the
-        # next batch read while this one is sent.
-        ahead = asyncio.ensure_future(asyncio.to_thread(read_batch))
-        try:
-            while True:
-                try:
-                    batch = await ahead
-                except Exception as exc:  # noqa: BLE001 - mapped or re-raised
-                    await abort_mapped(context, exc)
-                if len(batch) < DOWNLOAD_BATCH:
-                    ahead = None
-                    for item in batch:
-                        yield item
-                    return
-                ahead = asyncio.ensure_future(asyncio.to_thread(read_batch))
-                for item in batch:
-                    yield item
-        finally:
-            if ahead is not None and not ahead.done():
-                await asyncio.gather(ahead, return_exceptions=True)
 
     @rpc()
     async def ListArtifacts(self, request, call: Call):
