@@ -13,6 +13,8 @@ from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_common.artifacts.checkpoint_lists import at_step, sampler_saves, steps_text
 from opentinker_common.artifacts.deleted import deleted_words
 from opentinker_common.artifacts.full_weights import FULL_FORMAT, weights_problem
+from opentinker_common.spec.registry import env_entry
+from opentinker_common.spec.task import DEFAULT_ENV_ID
 
 from opentinker_client.client_tasks import TaskCalls
 from opentinker_client.config import TaskConfig
@@ -82,11 +84,14 @@ class ServingCalls:
                 timeout=timeout,
                 root_certificates=root_certificates,
             )
-        if step or task.proto.latest_checkpoint.format == FULL_FORMAT:
+        # full_rl on a text environment trains all weights of its model: full weights to serve,
+        # also once its checkpoints are gone (no latest checkpoint to tell it by)
+        full_text = task.workload_type == "full_rl" and _env_kind(task.env_config) == "text"
+        if step or task.proto.latest_checkpoint.format == FULL_FORMAT or full_text:
             return self._serve_full_weights(
                 task, step, gpu_count=gpu_count, ttl=ttl, timeout=timeout, root_certificates=root_certificates
             )
-        policy = task.workload_type == "full_rl"  # a PPO policy, served for Act by a policies_only server
+        policy = task.workload_type == "full_rl"  # PPO (gym, multiagent): served for Act by a policies_only server
         if task.workload_type not in ADAPTER_WORKLOADS and not policy:
             raise FailedPreconditionError(
                 f"task {task_id} is a {task.workload_type} task; "
@@ -340,3 +345,11 @@ class ServingCalls:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.5)
+
+
+def _env_kind(env_config) -> str:
+    """The registered kind (``text``, ``gym``, ``multiagent``) of a task's environment; "" when
+    this client does not know its ``env_id``."""
+    env_id = (env_config or {}).get("env_id") or DEFAULT_ENV_ID
+    entry = env_entry(env_id) if isinstance(env_id, str) else None
+    return entry.kind if entry is not None else ""

@@ -38,7 +38,7 @@ from opentinker_common.artifacts.manifest import (
     check_key,
     scan_folder,
 )
-from opentinker_common.artifacts.store import ArtifactStore, verify
+from opentinker_common.artifacts.store import ArtifactStore, WriteBehind, append_hashing, verify
 
 __all__ = ["RemoteArtifactStore", "manifest_to_proto", "manifest_from_proto", "error_from_rpc"]
 
@@ -198,6 +198,9 @@ class RemoteArtifactStore(ArtifactStore):
         tmp.mkdir()
         m: Manifest | None = None
         state: dict = {}
+        # chunks are hashed and written in a worker thread (in order) while the next arrives;
+        # ``state`` is only touched there
+        behind = WriteBehind()
         try:
             for msg in self._download(key, expect_sha256):
                 if msg.WhichOneof("item") == "manifest":
@@ -207,15 +210,18 @@ class RemoteArtifactStore(ArtifactStore):
                     continue
                 if m is None:
                     raise ArtifactCorrupt(f"artifact {key}: data before the manifest")
-                _write_chunk(tmp, m, msg.chunk, state)
+                behind.submit(_write_chunk, tmp, m, msg.chunk, state)
+            behind.wait()
             if m is None:
                 raise ArtifactCorrupt(f"artifact {key}: the download ended before its manifest")
             _finish(tmp, m, state, upto=len(m.files))
             os.rename(tmp, dest)
         except BaseException:
+            behind.close()
             _close(state)
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        behind.close()
         return m
 
     def list(self, prefix: str = "") -> list[str]:
@@ -251,12 +257,12 @@ def _write_chunk(tmp: Path, m: Manifest, chunk, state: dict) -> None:
         entry = m.files[index]
         target = tmp / entry.path
         target.parent.mkdir(parents=True, exist_ok=True)
-        state.update(index=index, f=open(target, "wb"), digest=hashlib.sha256(), size=0)
+        state.update(index=index, f=open(target, "wb", buffering=0), digest=hashlib.sha256(), size=0)
     if chunk.offset != state["size"]:
         raise ArtifactCorrupt(f"artifact {m.key}: chunk at offset {chunk.offset}, expected {state['size']}")
-    state["f"].write(chunk.data)
-    state["digest"].update(chunk.data)
-    state["size"] += len(chunk.data)
+    data = chunk.data
+    append_hashing(state["f"], state["digest"], data)
+    state["size"] += len(data)
 
 
 def _finish(tmp: Path, m: Manifest, state: dict, *, upto: int) -> None:

@@ -128,9 +128,14 @@ class S3ArtifactStore(ArtifactStore):
         """A store error for a botocore/boto3 exception, in words without secrets."""
         from botocore import exceptions as bx
 
+        from boto3.exceptions import S3UploadFailedError
+
         endpoint = self.location.endpoint or "AWS S3"
         if isinstance(exc, ArtifactError):
             return exc
+        if isinstance(exc, S3UploadFailedError) and isinstance(exc.__context__, bx.ClientError):
+            # upload_file wraps the store's refusal (a 500 on a part, a 403) in its own error
+            return self._error(exc.__context__, what)
         if isinstance(exc, bx.NoCredentialsError):
             return StoreAuthError(
                 f"{self.describe()}: no credentials found while {what}; set AWS_ACCESS_KEY_ID and "

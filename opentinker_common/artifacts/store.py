@@ -21,13 +21,14 @@ import hashlib
 import os
 import shutil
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 from opentinker_common.artifacts.errors import ArtifactCorrupt, InvalidArtifact
 from opentinker_common.artifacts.manifest import ArtifactRef, FileEntry, Manifest, check_key
 
-__all__ = ["ArtifactStore"]
+__all__ = ["ArtifactStore", "WriteBehind", "append_hashing"]
 
 
 class ArtifactStore(abc.ABC):
@@ -103,23 +104,63 @@ class ArtifactStore(abc.ABC):
         m = self.manifest(key, expect_sha256=expect_sha256)
         tmp = dest.with_name(f".{dest.name}.part-{uuid.uuid4().hex[:8]}")
         tmp.mkdir()
+        behind = WriteBehind()
         try:
             for entry in m.files:
                 target = tmp / entry.path
                 target.parent.mkdir(parents=True, exist_ok=True)
                 digest = hashlib.sha256()
-                size = 0
-                with open(target, "wb") as f:
+                with open(target, "wb", buffering=0) as f:
                     for chunk in self.read_chunks(m, entry):
-                        digest.update(chunk)
-                        size += len(chunk)
-                        f.write(chunk)
+                        behind.submit(append_hashing, f, digest, chunk)
+                    behind.wait()
+                    size = f.tell()
                 verify(m, entry, size, digest.hexdigest())
             os.rename(tmp, dest)
         except BaseException:
+            behind.close()
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        behind.close()
         return m
+
+
+class WriteBehind:
+    """Runs calls one after another in one worker thread, one at a time and in order, so the
+    caller receives the next chunk while the last is hashed and written (both release the GIL).
+    :meth:`submit` waits for the call before (raising its error); :meth:`wait` for the last."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+
+    def submit(self, fn: Callable[..., object], *args: object) -> None:
+        self.wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="artifact-write")
+        self._pending = self._pool.submit(fn, *args)
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the call in flight (its error dropped: the caller is failing already or has
+        waited) and stop the thread."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.exception()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def append_hashing(f, digest, chunk: bytes) -> None:
+    digest.update(chunk)
+    view = memoryview(chunk)
+    while view:  # a raw file may write less than asked
+        view = view[f.write(view) :]
 
 
 def verify(m: Manifest, entry: FileEntry, size: int, sha256: str) -> None:

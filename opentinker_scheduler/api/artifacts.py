@@ -9,20 +9,17 @@ Blocking store calls run in threads; errors map to status codes in one table
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import structlog
 
 from opentinker.artifact.v1 import artifact_pb2, artifact_pb2_grpc
 
 from opentinker_scheduler.api.rpc import Call, abort_mapped, rpc
+from opentinker_scheduler.api.streams import read_ahead
 from opentinker_scheduler.data.artifacts import Artifacts
 from opentinker_scheduler.security.bundle import Security
 
 log = structlog.get_logger("opentinker.scheduler")
-
-#: Download chunks (1 MiB each) read per trip to a thread.
-DOWNLOAD_BATCH = 8
 
 
 class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
@@ -52,16 +49,29 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
 
     async def UploadChunks(self, request_iterator, context):
         upload_id = ""
+        pending: asyncio.Future | None = None
         try:
             self._require_leader()
+            # One chunk is written (appended and hashed, in a thread) while the next is received:
+            # in order, at most one write in flight, a failed write ends the stream with its status.
             async for chunk in request_iterator:
+                if pending is not None:
+                    await pending
                 upload_id = chunk.upload_id
-                await asyncio.to_thread(self.artifacts.write_chunk, chunk)
+                pending = asyncio.ensure_future(asyncio.to_thread(self.artifacts.write_chunk, chunk))
+            if pending is not None:
+                await pending
+                pending = None
             if not upload_id:
                 return artifact_pb2.UploadChunksResponse()
             return await asyncio.to_thread(self.artifacts.upload_status, upload_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
+        finally:
+            if pending is not None and not pending.done():
+                # the stream broke while a chunk was being written: let that write finish, so
+                # the next stream of this upload sees the bytes held when it asks
+                await asyncio.gather(pending, return_exceptions=True)
 
     @rpc()
     async def CommitUpload(self, request, call: Call):
@@ -78,22 +88,11 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
 
     async def DownloadArtifact(self, request, context):
         try:
-            items = await asyncio.to_thread(
-                lambda: iter(self.artifacts.download(request.key, request.expect_manifest_sha256))
-            )
-            first = await asyncio.to_thread(next, items)
+            items = iter(self.artifacts.download(request.key, request.expect_manifest_sha256))
+            async for item in read_ahead(items):
+                yield item
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
-        yield first
-        while True:
-            try:  # a few chunks per trip to the thread: one hop per 1 MiB costs more than the read
-                batch = await asyncio.to_thread(lambda: list(itertools.islice(items, DOWNLOAD_BATCH)))
-            except Exception as exc:  # noqa: BLE001 - mapped or re-raised
-                await abort_mapped(context, exc)
-            for item in batch:
-                yield item
-            if len(batch) < DOWNLOAD_BATCH:
-                return
 
     @rpc()
     async def ListArtifacts(self, request, call: Call):

@@ -17,6 +17,7 @@ from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from opentinker_scheduler.admission.admit import admit, admit_dry_run, check_submit_rate
 from opentinker_scheduler.admission.load import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_WAIT_S, SubmitGate
 from opentinker_scheduler.api.rpc import Call, abort_mapped, record, rpc
+from opentinker_scheduler.api.streams import read_ahead
 from opentinker_common.artifacts import checkpoint_key
 from opentinker_common.spec.sft import is_dataset_id
 
@@ -345,15 +346,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
         yield scheduler_pb2.DownloadCheckpointResponse(manifest=manifest.message)
-        chunks = checkpoints.read_chunks(manifest)
-        while True:
-            try:
-                chunk = await asyncio.to_thread(next, chunks, None)
-            except Exception as exc:  # noqa: BLE001 - mapped or re-raised
-                await abort_mapped(context, exc)
-            if chunk is None:
-                return
-            yield scheduler_pb2.DownloadCheckpointResponse(chunk=chunk)
+        try:
+            async for chunk in read_ahead(checkpoints.read_chunks(manifest)):
+                yield scheduler_pb2.DownloadCheckpointResponse(chunk=chunk)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await abort_mapped(context, exc)
 
     async def ImportAdapter(self, request_iterator, context):
         """A new task of the caller's, as a submit is: it takes a submit-rate token of the key

@@ -133,9 +133,10 @@ class Artifacts:
         )
 
     def write_chunk(self, chunk: artifact_pb2.UploadChunksRequest) -> None:
-        if len(chunk.data) > CHUNK_BYTES:
-            raise InvalidArgument(f"data: expected at most {CHUNK_BYTES} bytes a chunk, got {len(chunk.data)}")
-        self.local.write_chunk(chunk.upload_id, chunk.file_index, chunk.offset, chunk.data)
+        data = chunk.data  # each read of a bytes field copies it
+        if len(data) > CHUNK_BYTES:
+            raise InvalidArgument(f"data: expected at most {CHUNK_BYTES} bytes a chunk, got {len(data)}")
+        self.local.write_chunk(chunk.upload_id, chunk.file_index, chunk.offset, data)
 
     def upload_status(self, upload_id: str) -> artifact_pb2.UploadChunksResponse:
         return artifact_pb2.UploadChunksResponse(received_bytes=self.local.upload_status(upload_id).received_bytes)

@@ -145,6 +145,12 @@ def test_sft_then_rl_from_its_checkpoint(
             FailedPreconditionError, match=rf"task {full_id} has no checkpoint: its artifacts were deleted .*weights"
         ):
             client.serve(full_id)
+        # So has the full_rl GRPO task on a text environment: its weights, not a PPO "policy".
+        client.delete_artifacts(grpo_id)
+        with pytest.raises(
+            FailedPreconditionError, match=rf"task {grpo_id} has no checkpoint: .*; there are no weights"
+        ):
+            client.serve(grpo_id)
 
 
 def _greedy_reference(folder: Path, prompt_ids: list[int], n: int) -> tuple[list[int], list[float]]:

@@ -73,8 +73,9 @@ class SeaweedFS:
             self.proc.wait(10)
 
 
-def start_seaweedfs(folder: Path, *, timeout_s: float = 90.0) -> SeaweedFS:
-    """Start SeaweedFS under ``folder``; returns once the bucket exists.
+def start_seaweedfs(folder: Path, *, timeout_s: float = 90.0, max_volumes: int = 30) -> SeaweedFS:
+    """Start SeaweedFS under ``folder``; returns once the bucket exists. It holds at most
+    ``max_volumes`` volumes of 64 MB (deleted objects free theirs only when SeaweedFS vacuums).
 
     Raises:
         FileNotFoundError: no ``weed`` binary. TimeoutError: S3 did not answer in ``timeout_s``
@@ -119,7 +120,7 @@ def start_seaweedfs(folder: Path, *, timeout_s: float = 90.0) -> SeaweedFS:
         *(f"-{name}.port.grpc={port}" for name, port in grpc_ports.items()),
         "-master.volumeSizeLimitMB=64",
         "-master.telemetry=false",
-        "-volume.max=30",
+        f"-volume.max={max_volumes}",
     ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
