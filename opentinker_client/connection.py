@@ -150,6 +150,9 @@ class SchedulerConnection:
         self.root_certificates = root_certificates
         self._channels: dict[str, tuple[grpc.Channel, scheduler_pb2_grpc.SchedulerServiceStub]] = {}
         self._channels_lock = threading.Lock()
+        #: target -> monotonic time its channel last failed to connect (TRANSIENT_FAILURE: refused,
+        #: a TLS handshake that failed): a call that waits after that is not a silent scheduler.
+        self._failed_at: dict[str, float] = {}
         self._admin_stubs: dict[str, Any] = {}
         self.closed = False
         self._open(self.targets.current)
@@ -165,11 +168,16 @@ class SchedulerConnection:
                 else:
                     channel = grpc.secure_channel(target, self._creds, options=options)
                 found = self._channels[target] = (channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
+                channel.subscribe(lambda state, t=target: self._seen_state(t, state))
             return found
 
     @property
     def target(self) -> str:
         return self.targets.current
+
+    def _seen_state(self, target: str, state: grpc.ChannelConnectivity) -> None:
+        if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            self._failed_at[target] = time.monotonic()
 
     @property
     def channel(self) -> grpc.Channel:
@@ -266,7 +274,9 @@ class SchedulerConnection:
                         return call.result(timeout=max(0.0, started + WAITING_NOTICE_S - time.monotonic()))
                     except grpc.FutureTimeoutError:  # still running: say so once, then wait on
                         noticed = True
-                    if accepts_connections(target):  # there, but silent (nothing listening: gRPC says so soon)
+                    # There, but silent: it took the connection and says nothing. Not when nothing
+                    # listens or the connection fails (a TLS mismatch): gRPC says why soon.
+                    if self._failed_at.get(target, 0.0) < started and accepts_connections(target):
                         log.warning(
                             "the scheduler at %s has not answered %s in %.0f s; still waiting for it (up to %.0f s "
                             "in all: the call's timeout, opentinker --timeout or RLClient(timeout=))",
