@@ -18,10 +18,15 @@ eval mode) and wraps it in one PEFT ``PeftModel``; every tenant is one task atte
 
 Each tenant runs the ordinary trainer (``workloads/grpo_text.py``) in a thread of its own; the
 threads take **turns** on the model (:class:`RoundRobin`): a step, a checkpoint or the adapter's
-creation is one turn, and turns go round in the order tenants asked for them (first come, first
-served, which with every tenant asking again right after its turn is round-robin). Only one turn
-runs at a time, with only that tenant's adapter active, so a tenant's numbers do not depend on
-its neighbours: with a fixed seed its reward curve and final adapter are those of the same task
+creation is one turn, and for a serving tenant (an ``inference`` task, ``workloads/serving.py``,
+which serves the host's base and the adapters it loads under its :attr:`Tenant.serving_prefix`)
+each call of its model thread: an adapter load, a prefill pass, one decode step of its batch.
+Turns go round in the order tenants asked for them (first come, first served, which with every
+tenant asking again right after its turn is round-robin), so a serving tenant's requests get one
+token per decode step per cycle of the training tenants' steps. Only one turn runs at a time,
+with only that tenant's adapter active (a serving turn ends with the adapter layers on again and
+no row plan, ``AdapterRegistry.leave_turn``), so a tenant's numbers do not depend on its
+neighbours: with a fixed seed its reward curve and final adapter are those of the same task
 alone (tested), up to float rounding. Rollouts are not batched across tenants (one tenant's
 generation per turn); batching several adapters' rows into one forward is future work.
 
@@ -68,16 +73,19 @@ __all__ = ["RoundRobin", "Tenant", "ModelHost", "shareable", "adapter_name"]
 
 log = structlog.get_logger("opentinker.host")
 
-#: ``(workload_type, env kind)`` of tasks a model host runs as tenants.
-SHAREABLE: frozenset[tuple[str, str]] = frozenset({("lora_finetune", "text")})
+#: ``(workload_type, env kind)`` of tasks a model host runs as tenants: LoRA GRPO on text, and
+#: serving the base model's LoRA adapters (``inference``; not ``policies_only``, which loads no
+#: language model, nor ``checkpoint_task_id``, whose base is another task's full weights).
+SHAREABLE: frozenset[tuple[str, str]] = frozenset({("lora_finetune", "text"), ("inference", "text")})
 
 
 def shareable(assign: node_pb2.AssignTask) -> tuple[str, tuple[int, ...], str] | None:
     """The host key ``(spec.model, device indices, dtype)`` of ``assign`` when it can run as a
-    tenant of a model host, else None. Shareable: a LoRA GRPO task on a text environment
-    (:data:`SHAREABLE`), one rank (at most one device, no gang), whose base weights are
-    ``spec.model`` (not an ``init_from`` full-weight checkpoint), with a valid spec (an invalid
-    one goes to a worker, which reports the error)."""
+    tenant of a model host, else None. Shareable: a LoRA GRPO task on a text environment or an
+    inference task serving the base model's adapters (:data:`SHAREABLE`), one rank (at most one
+    device, no gang), whose base weights are ``spec.model`` (not an ``init_from`` full-weight
+    checkpoint; for serving, neither ``policies_only`` nor ``checkpoint_task_id``), with a valid
+    spec (an invalid one goes to a worker, which reports the error)."""
     from opentinker_common.spec import SpecError, env_kind, spec_from_proto
 
     try:
@@ -85,8 +93,11 @@ def shareable(assign: node_pb2.AssignTask) -> tuple[str, tuple[int, ...], str] |
         kind = (spec.workload_type, env_kind(spec.env))
     except SpecError:
         return None
+    hp = spec.hyperparameters
     if (
         kind not in SHAREABLE
+        or getattr(hp, "policies_only", False)
+        or getattr(hp, "checkpoint_task_id", "")
         or len(assign.device_indices) > 1
         or (assign.HasField("gang") and assign.gang.world_size > 1)
         or assign.init_checkpoint.format == "hf_full"
@@ -146,6 +157,9 @@ class Tenant:
         self.task_id = task_id
         self.attempt = attempt
         self.name = adapter_name(task_id, attempt)
+        #: A serving tenant's PEFT adapter names start with this (``s<task>-a<attempt>-``): never
+        #: a training tenant's ``t...`` name nor another serving tenant's.
+        self.serving_prefix = "s" + self.name[1:] + "-"
         self._rng: dict[str, Any] | None = None
         self.attached = False
         self.ctx = None  # its WorkerContext, set by the host

@@ -186,15 +186,38 @@ class AdapterRegistry:
             :class:`AdapterRefused` (the workload asks the scheduler; tests pass a dict lookup).
         max_resident: most adapters kept loaded; the least recently used idle one goes first.
 
+        shared: a model host (:class:`opentinker_trainer.host.ModelHost`) whose ``PeftModel``
+            (its ``model`` attribute, None until its first adapter) this registry adds its
+            adapters to, next to the host's training tenants' adapters; ``model`` is then the
+            host's base. None: the registry owns the model.
+        prefix: with ``shared``, the start of every PEFT adapter name this registry loads
+            (``<prefix><name>~``, ``.`` written ``_``): a serving tenant's own, so its names never
+            collide with a training tenant's (``t<task>-a<attempt>``) or another registry's, and
+            no name is a substring of another (PEFT picks an adapter's tensors by substring).
+
     :meth:`acquire`, :meth:`activate` and the model's forward passes must run on one thread (the
-    server's model thread); :meth:`release` and :meth:`list` may be called from any thread.
+    server's model thread); :meth:`release` and :meth:`list` may be called from any thread. On a
+    shared model every model-thread call runs in the serving tenant's turn and ends with
+    :meth:`leave_turn`.
     """
 
-    def __init__(self, model, resolve: Callable[[str], Path] | None = None, *, max_resident: int = 8) -> None:
+    def __init__(
+        self,
+        model,
+        resolve: Callable[[str], Path] | None = None,
+        *,
+        max_resident: int = 8,
+        shared=None,
+        prefix: str = "",
+    ) -> None:
         if max_resident < 1:
             raise ValueError(f"max_resident must be >= 1, got {max_resident}")
+        if shared is not None and not prefix:
+            raise ValueError("prefix: expected a non-empty adapter name prefix on a shared model")
         self.base = model
-        self.model = model  # becomes a PeftModel with the first adapter
+        self._shared = shared
+        self.prefix = prefix if shared is not None else ""
+        self._model = model  # becomes a PeftModel with the first adapter
         self.resolve = resolve or _no_resolver
         self.max_resident = max_resident
         self._resident: OrderedDict[str, _Resident] = OrderedDict()  # least recently used first
@@ -204,6 +227,31 @@ class AdapterRegistry:
         self._rows_unsupported = False
         self.loads = 0
         self.evictions = 0
+
+    @property
+    def model(self):
+        """The served model: the base, or the ``PeftModel`` once an adapter was added (on a
+        shared model: the host's, whoever added its first adapter)."""
+        if self._shared is not None:
+            return self._shared.model if self._shared.model is not None else self.base
+        return self._model
+
+    @model.setter
+    def model(self, value) -> None:
+        if self._shared is not None:
+            self._shared.model = None if value is self.base else value
+        else:
+            self._model = value
+
+    def peft_name(self, name: str) -> str:
+        """The PEFT adapter name of adapter ``name`` (the name itself unless on a shared model)."""
+        if not self.prefix:
+            return name
+        return f"{self.prefix}{name.replace('.', '_')}~"
+
+    def peft_names(self, names: list[str]) -> list[str]:
+        """:meth:`peft_name` of each name, ``"__base__"`` (PEFT's base row) kept as it is."""
+        return [n if n == "__base__" else self.peft_name(n) for n in names]
 
     # --- requests --------------------------------------------------------------------------
     def is_resident(self, name: str) -> bool:
@@ -273,7 +321,7 @@ class AdapterRegistry:
         else:
             if self._active is None or self._active is _UNKNOWN or self._active is _MIXED or self._active is _ROWS:
                 self.model.base_model.enable_adapter_layers()
-            self.model.set_adapter(name, inference_mode=True)
+            self.model.set_adapter(self.peft_name(name), inference_mode=True)
         self._active = name
 
     def activate_mixed(self) -> None:
@@ -299,11 +347,12 @@ class AdapterRegistry:
             if self._rows_unsupported or not row_lora_supports(self.model):
                 self._rows_unsupported = True
                 return False
-            self._rows = RowLoRA(self.model, list(self.model.peft_config))
+            own = list(self.model.peft_config) if self._shared is None else [self.peft_name(n) for n in self._resident]
+            self._rows = RowLoRA(self.model, own)
         if self._active is not _ROWS:
             self.model.base_model.disable_adapter_layers()
             self._active = _ROWS
-        self._rows.set_rows(names)
+        self._rows.set_rows([None if n is None else self.peft_name(n) for n in names])
         return True
 
     def list(self) -> list[AdapterInfo]:
@@ -314,6 +363,23 @@ class AdapterRegistry:
                 for e in reversed(self._resident.values())
             ]
 
+    def leave_turn(self) -> None:
+        """End a model-thread call on a shared model: the next turn is a training tenant's, which
+        expects the adapter layers on and no row plan, and this registry's next call starts from
+        an unknown active adapter (the tenant sets its own). Nothing to do on an own model."""
+        if self._shared is None:
+            return
+        if self._rows is not None:
+            self._rows.plan = None
+        if self._active is not _UNKNOWN and self.model is not self.base:
+            self.model.base_model.enable_adapter_layers()
+        self._active = _UNKNOWN
+
+    def unload_all(self) -> None:
+        """Take every resident adapter off the model (model thread; the serving tenant ends)."""
+        for name in list(self._resident):
+            self._unload(name)
+
     def modules_in_eval(self) -> bool:
         """True when every module of the served model is in eval mode (dropout off)."""
         return not any(m.training for m in self.model.modules())
@@ -322,17 +388,18 @@ class AdapterRegistry:
     def _load(self, name: str, path: Path) -> None:
         from peft import PeftModel
 
+        peft = self.peft_name(name)
         try:
             if self.model is self.base:
-                self.model = PeftModel.from_pretrained(self.base, str(path), adapter_name=name, is_trainable=False)
+                self.model = PeftModel.from_pretrained(self.base, str(path), adapter_name=peft, is_trainable=False)
             else:
-                self.model.load_adapter(str(path), adapter_name=name, is_trainable=False)
+                self.model.load_adapter(str(path), adapter_name=peft, is_trainable=False)
         except (ValueError, KeyError, RuntimeError, OSError) as exc:
             # e.g. a rank or target module PEFT cannot build on this model
-            if name in getattr(self.model, "peft_config", {}):
+            if peft in getattr(self.model, "peft_config", {}):
                 self._delete(name)
             raise AdapterRefused(f"adapter {name!r} ({path}) cannot be loaded on this base model: {exc}") from None
-        missing, not_loaded = unloaded_keys(self.model, name, path)
+        missing, not_loaded = unloaded_keys(self.model, peft, path)
         if missing or not_loaded:
             self._delete(name)
             raise AdapterRefused(f"adapter {name!r} ({path}): {unloaded_message(missing, not_loaded)}")
@@ -347,7 +414,10 @@ class AdapterRegistry:
         self.evictions += 1
 
     def _delete(self, name: str) -> None:
-        if list(self.model.peft_config) == [name]:
+        if self._shared is not None:
+            # The host's model: its PeftModel stays (the training tenants' adapters live on it).
+            self.model.delete_adapter(self.peft_name(name))
+        elif list(self.model.peft_config) == [name]:
             # The last one: back to the bare base model (a PeftModel without adapters cannot run).
             self.model.unload()
             self.model = self.base

@@ -42,6 +42,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +124,18 @@ class ModelRuntime:
         grouped_lora: mixed rows compute their LoRA grouped by adapter
             (:mod:`~.lora_rows`); ``False``: PEFT's per-row ``adapter_names`` (the benchmark's
             comparison).
+        turn: on a model host's shared model, the serving tenant's turn
+            (``WorkerContext.turn``): every model-thread call (an adapter load, a prefill pass,
+            a decode step of the batch) runs as one turn, so no training tenant's step runs in the
+            middle of it, and no forward pass of this runtime in the middle of a training step.
+            The caller builds the runtime inside a turn too (it puts the model in eval mode).
+        shared, adapter_prefix: the host and the PEFT name prefix of this runtime's adapters
+            (:class:`~.adapters.AdapterRegistry`); None: the runtime owns ``model``.
+
+    Versions: a request naming an adapter by its task id alone is pinned, when it arrives, to the
+    version ``resolve.current(name)`` names (a running training task's newest checkpoint,
+    ``<task id>@<step>``; :meth:`~.resolve.SchedulerResolver.current`), and keeps it to its
+    last token; a resolver without ``current`` leaves the name as it is.
     """
 
     def __init__(
@@ -140,6 +154,9 @@ class ModelRuntime:
         max_prefill_tokens: int = 2048,
         group_by_adapter: bool = False,
         grouped_lora: bool = True,
+        turn: Callable[[], "contextlib.AbstractContextManager"] | None = None,
+        shared=None,
+        adapter_prefix: str = "",
     ) -> None:
         for name, value in (
             ("max_concurrent", max_concurrent),
@@ -154,7 +171,10 @@ class ModelRuntime:
         model.eval()
         self.model_name = model_name
         self.tokenizer = tokenizer
-        self.registry = AdapterRegistry(model, resolve, max_resident=max_resident_adapters)
+        self.registry = AdapterRegistry(
+            model, resolve, max_resident=max_resident_adapters, shared=shared, prefix=adapter_prefix
+        )
+        self._turn = turn
         self.stop_token_ids = list(stop_token_ids)
         self.context_length = _context_length(model)
         self.max_concurrent = max_concurrent
@@ -194,7 +214,32 @@ class ModelRuntime:
         self._engine = None
 
     async def _on_model_thread(self, fn, *args):
+        if self._turn is not None:
+            fn, args = self._in_turn, (fn, *args)
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def _in_turn(self, fn, *args):
+        """Model thread, on a shared model: ``fn(*args)`` as one turn of the serving tenant."""
+        with self._turn():
+            try:
+                return fn(*args)
+            finally:
+                self.registry.leave_turn()
+
+    def unload_adapters(self) -> None:
+        """Take this runtime's adapters off the model (in a turn on a shared model); after
+        :meth:`close`, when the serving tenant ends."""
+        if self._turn is None:
+            self.registry.unload_all()
+            return
+        self._in_turn(self.registry.unload_all)
+
+    async def current_adapter(self, name: str | None) -> str | None:
+        """The adapter version a request naming ``name`` is served (see the class docstring)."""
+        current = getattr(self.registry.resolve, "current", None)
+        if name is None or current is None:
+            return name
+        return await asyncio.to_thread(current, name)
 
     # --- validation ------------------------------------------------------------------------
     def prepare(
@@ -266,6 +311,11 @@ class ModelRuntime:
         errors of :meth:`AdapterRegistry.acquire` (not found, refused, all slots busy).
         """
         self._start_engine()
+        if req.adapter is not None:
+            # The version is fixed now, on arrival: a running task's newest checkpoint.
+            version = await self.current_adapter(req.adapter)
+            if version != req.adapter:
+                req = dataclasses.replace(req, adapter=version)
         job = _Job(req, asyncio.Queue())
         if self._must_wait(job) and len(self._queue) >= self.max_queued:
             raise Busy(self._full_message())
@@ -451,7 +501,7 @@ class ModelRuntime:
             reg.activate(None if names[0] == BASE_ROW else names[0])
             return reg.base, {}
         reg.activate_mixed()
-        return reg.model, {"adapter_names": names}
+        return reg.model, {"adapter_names": reg.peft_names(names)}
 
     def _new_batch(self) -> DecodeBatch:
         return DecodeBatch(

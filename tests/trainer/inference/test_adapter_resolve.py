@@ -2,7 +2,8 @@
 the decision ``SchedulerResolver`` makes on ``LookupTask``'s answer): finished ``lora_finetune``
 and ``sft`` tasks, ended training sessions (``lora_session``: their newest
 ``SaveWeightsForSampler`` or ``SaveState``) and running ones (their sampler saves only, the newest
-or the one at a step, ``<task id>@<step>``); anything else is refused naming the accepted workloads."""
+or the one at a step, ``<task id>@<step>``), running lora_finetune / sft tasks once they have a
+checkpoint (the newest, or the one at a step); anything else is refused naming the accepted workloads."""
 
 from __future__ import annotations
 
@@ -53,9 +54,16 @@ def test_a_running_session_without_a_sampler_save_is_refused_saying_what_to_call
         adapter_checkpoint("task-1@4", running, MODEL, step=4, checkpoints=[SAMPLER, STATE, LATER])
 
 
-def test_other_running_tasks_are_refused_until_they_finish() -> None:
-    with pytest.raises(AdapterRefused, match=r"task is RUNNING; its adapter can be served once it has finished"):
-        adapter_checkpoint("task-1", task("lora_finetune", C.TASK_STATE_RUNNING, checkpoint=SAMPLER), MODEL)
+def test_a_running_training_task_serves_its_published_checkpoints_once_it_has_one() -> None:
+    for workload in ("lora_finetune", "sft"):
+        running = task(workload, C.TASK_STATE_RUNNING, checkpoint=LATER)
+        assert adapter_checkpoint("task-1", running, MODEL).path == LATER.path
+        got = adapter_checkpoint("task-1@3", running, MODEL, step=3, checkpoints=[SAMPLER, LATER])
+        assert (got.path, got.step) == (SAMPLER.path, 3)
+        with pytest.raises(AdapterRefused, match=r"task is RUNNING and has no checkpoint yet; .*checkpoint_every"):
+            adapter_checkpoint("task-1", task(workload, C.TASK_STATE_RUNNING), MODEL)
+        with pytest.raises(AdapterRefused, match=r"task is PENDING and has no checkpoint yet"):
+            adapter_checkpoint("task-1", task(workload, C.TASK_STATE_PENDING), MODEL)
 
 
 def test_a_finished_task_serves_its_checkpoint_at_a_step() -> None:
