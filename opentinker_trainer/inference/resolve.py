@@ -51,6 +51,7 @@ __all__ = [
     "SchedulerResolver",
     "ADAPTER_WORKLOADS",
     "adapter_checkpoint",
+    "current_version",
     "split_adapter_name",
     "SAMPLER_PREFIX",
     "same_model",
@@ -194,6 +195,17 @@ def adapter_checkpoint(
     return ckpt
 
 
+def current_version(name: str, task: common_pb2.Task) -> str:
+    """The version of adapter ``name`` (a plain ``<task id>``) a request arriving now is served,
+    given its task as ``LookupTask`` gives it: ``<task id>@<step>`` of a running ``lora_finetune``
+    / ``sft`` task's newest checkpoint (:data:`TRAINING_WORKLOADS`), else ``name`` (a finished
+    task; a running session; a running task without a checkpoint, refused when it is loaded)."""
+    running = task.state not in _TERMINAL
+    if running and task.spec.workload_type in TRAINING_WORKLOADS and task.latest_checkpoint.path:
+        return f"{split_adapter_name(name)[0]}@{task.latest_checkpoint.step}"
+    return name
+
+
 def full_weight_checkpoint(
     name: str,
     task: common_pb2.Task,
@@ -321,13 +333,9 @@ class SchedulerResolver:
             if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 return name
             raise
-        task = found.task
-        if task.state in _TERMINAL:
+        if found.task.state in _TERMINAL:
             self._settled.add(task_id)  # a finished task's newest checkpoint is its last
-            return name
-        if task.spec.workload_type in TRAINING_WORKLOADS and task.latest_checkpoint.path:
-            return f"{task_id}@{task.latest_checkpoint.step}"
-        return name
+        return current_version(name, found.task)
 
     def full_weights(self, name: str, step: int = 0) -> tuple[Path, common_pb2.Checkpoint]:
         """``(checkpoint folder, checkpoint)`` of task ``name``'s full weights at ``step`` (0: the

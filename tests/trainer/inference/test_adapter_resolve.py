@@ -11,7 +11,12 @@ import pytest
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRefused
-from opentinker_trainer.inference.resolve import ADAPTER_WORKLOADS, adapter_checkpoint, split_adapter_name
+from opentinker_trainer.inference.resolve import (
+    ADAPTER_WORKLOADS,
+    adapter_checkpoint,
+    current_version,
+    split_adapter_name,
+)
 
 MODEL = "/models/m"
 
@@ -100,3 +105,12 @@ def test_a_session_without_a_checkpoint_or_on_another_model_is_refused() -> None
     full = C.Checkpoint(step=1, path="/ck/full", format="hf_full")
     with pytest.raises(AdapterRefused, match="not a LoRA adapter"):
         adapter_checkpoint("task-1", task("lora_session", checkpoint=full), MODEL)
+
+
+def test_a_request_for_a_running_training_task_is_pinned_to_its_newest_checkpoint_on_arrival() -> None:
+    for workload in ("lora_finetune", "sft"):
+        assert current_version("task-1", task(workload, C.TASK_STATE_RUNNING, checkpoint=LATER)) == "task-1@5"
+        assert current_version("task-1", task(workload, C.TASK_STATE_RUNNING)) == "task-1"  # none yet: refused on load
+        assert current_version("task-1", task(workload, checkpoint=LATER)) == "task-1"  # finished: never changes
+    # A running session keeps its rule: its newest sampler save, resolved when loaded.
+    assert current_version("task-1", task("lora_session", C.TASK_STATE_RUNNING, checkpoint=LATER)) == "task-1"
