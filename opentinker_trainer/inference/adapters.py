@@ -363,10 +363,20 @@ class AdapterRegistry:
                 for e in reversed(self._resident.values())
             ]
 
-    def leave_turn(self) -> None:
+    def enter_turn(self) -> bool:
+        """Start a model-thread call on a shared model: a training tenant may have left the
+        model in ``train()`` mode (dropout on); serving runs in eval mode. Returns whether the
+        model was in train mode, for :meth:`leave_turn` (False on an own model: always eval)."""
+        if self._shared is None or not self.model.training:
+            return False
+        self.model.eval()
+        return True
+
+    def leave_turn(self, training: bool = False) -> None:
         """End a model-thread call on a shared model: the next turn is a training tenant's, which
-        expects the adapter layers on and no row plan, and this registry's next call starts from
-        an unknown active adapter (the tenant sets its own). Nothing to do on an own model."""
+        expects the adapter layers on, no row plan and the mode it left (``training``: back to
+        ``train()``), and this registry's next call starts from an unknown active adapter (the
+        tenant sets its own). Nothing to do on an own model."""
         if self._shared is None:
             return
         if self._rows is not None:
@@ -374,6 +384,8 @@ class AdapterRegistry:
         if self._active is not _UNKNOWN and self.model is not self.base:
             self.model.base_model.enable_adapter_layers()
         self._active = _UNKNOWN
+        if training:
+            self.model.train()
 
     def unload_all(self) -> None:
         """Take every resident adapter off the model (model thread; the serving tenant ends)."""

@@ -221,10 +221,11 @@ class ModelRuntime:
     def _in_turn(self, fn, *args):
         """Model thread, on a shared model: ``fn(*args)`` as one turn of the serving tenant."""
         with self._turn():
+            training = self.registry.enter_turn()
             try:
                 return fn(*args)
             finally:
-                self.registry.leave_turn()
+                self.registry.leave_turn(training)
 
     def unload_adapters(self) -> None:
         """Take this runtime's adapters off the model (in a turn on a shared model); after

@@ -183,7 +183,7 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
 ) -> None:
     """A serving tenant's runtime on the host's base model (no second load): its answers are a
     model of its own's, every model-thread call runs in its turn (between the training tenant's
-    steps), its adapters carry its own names (one named like the training tenant's adapter does
+    steps) in eval mode, its adapters carry its own names (one named like the training tenant's adapter does
     not touch it) and leave the model with it; the training tenant's curve is the one it has alone."""
     from opentinker_trainer.host import Tenant
     from opentinker_trainer.inference.runtime import ModelRuntime
@@ -213,7 +213,9 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
             turn=serving.turn, shared=host, adapter_prefix=serving.serving_prefix,
         )  # fmt: skip
     decode = runtime._decode_step
-    runtime._decode_step = lambda: (in_turn.append(host.turns._holder is serving), decode())[1]
+    runtime._decode_step = lambda: (in_turn.append(host.turns._holder is serving and not host.base.training), decode())[
+        1
+    ]
     # The serving tenant makes the host's PeftModel (its first adapter), then the trainer joins.
     assert _generate(runtime, "tx-a1") == want["tx-a1"]
     assert list(host.model.peft_config) == ["ssrv-a1-tx-a1~"]
@@ -233,6 +235,8 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
     ours = load_file(tmp_path / "host" / "x" / "step_4" / "adapter_model.safetensors")
     theirs = load_file(tmp_path / "alone" / "step_4" / "adapter_model.safetensors")
     assert sorted(ours) == sorted(theirs) and all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in ours)
+    host.model.train()  # as a training tenant's update leaves it: serving runs in eval mode, then restores it
+    assert _generate(runtime, "tx-a1") == want["tx-a1"] and all(in_turn) and host.model.training
     runtime.close()
     runtime.unload_adapters()  # the serving tenant ends: its adapter leaves the host's model
     assert list(host.model.peft_config) == []
