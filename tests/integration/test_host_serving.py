@@ -2,11 +2,13 @@
 trainer with model hosts on. A LoRA GRPO task and an inference task on the same tiny base share
 one host process (one load of the base, no worker); the inference endpoint answers Generate for
 the training task's adapter from its newest checkpoint at each request's arrival (a later
-checkpoint is a new version); cancelling the inference task leaves the training task running,
-and cancelling the training task leaves a second inference task serving."""
+checkpoint is a new version); ``kill -9`` of the host requeues both onto a new host; cancelling
+the inference task leaves the training task running, and cancelling the training task leaves a
+second inference task serving."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,15 @@ def test_an_inference_task_serves_a_training_tasks_adapter_from_its_model_host(t
         assert max(_versions(llm, trained)) > version
         llm.close()
 
+        # The host dies (kill -9): both tenants requeue and come back together on a new host.
+        os.kill(host, 9)
+        server = _wait(cluster, client, served, RUNNING, lambda t: t.attempt == 2 and bool(t.endpoint))
+        (host,) = _hosts(trainer.pid)
+        assert len(_events(trainer, "model host ready")) == 2
+        with InferenceClient(server.endpoint, adapter=trained) as llm:
+            assert llm.generate("What is 2 + 3?", temperature=0, max_tokens=4).samples[0].token_ids
+        assert client.get_task(trained).proto.attempt == 2
+
         # Cancelling the inference task ends only it: the training task keeps stepping.
         client.cancel(served)
         _wait(cluster, client, served, CANCELLED)
@@ -102,7 +113,7 @@ def test_an_inference_task_serves_a_training_tasks_adapter_from_its_model_host(t
         assert client.get_task(again).proto.state == RUNNING
         with InferenceClient(second.endpoint, adapter=trained) as llm2:
             assert llm2.generate("What is 2 + 3?", temperature=0, max_tokens=4).samples[0].token_ids
-        assert _hosts(trainer.pid) == [host] and len(_events(trainer, "model host ready")) == 1
+        assert _hosts(trainer.pid) == [host] and len(_events(trainer, "model host ready")) == 2
         client.cancel(again)
         _wait(cluster, client, again, CANCELLED)
         wait_for(lambda: not _hosts(trainer.pid), what="the idle model host exits")
