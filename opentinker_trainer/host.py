@@ -123,8 +123,22 @@ class RoundRobin:
         self._cond = threading.Condition()
         self._queue: collections.deque[object] = collections.deque()
         self._holder: object | None = None
+        self._last_s: dict[object, float] = {}  # who -> seconds its last turn lasted
         #: How many turns ran, for tests and logs.
         self.turns = 0
+
+    def slice_for(self, who: object) -> float:
+        """Seconds a turn of ``who`` may last to take as long as its neighbours' do: the longest
+        last turn of any other (0.0 alone). A serving tenant holds its turn over several decode
+        steps up to this (``ModelRuntime``'s ``turn_slice``), so it gets the model about as long
+        per cycle as each training tenant does (time-fair), not one decode step per training step."""
+        with self._cond:
+            return max((s for w, s in self._last_s.items() if w is not who), default=0.0)
+
+    def forget(self, who: object) -> None:
+        """``who`` left: its turn length no longer sets anyone's slice."""
+        with self._cond:
+            self._last_s.pop(who, None)
 
     @contextlib.contextmanager
     def turn(self, who: object) -> Iterator[None]:
@@ -136,11 +150,13 @@ class RoundRobin:
             self._queue.popleft()
             self._holder = who
             self.turns += 1
+        started = time.perf_counter()
         try:
             yield
         finally:
             with self._cond:
                 self._holder = None
+                self._last_s[who] = time.perf_counter() - started
                 self._cond.notify_all()
 
 
@@ -179,6 +195,10 @@ class Tenant:
                 yield
             finally:
                 self._rng = _rng.rng_state()
+
+    def turn_slice(self) -> float:
+        """Seconds this tenant's turn may last (:meth:`RoundRobin.slice_for`)."""
+        return self.host.turns.slice_for(self)
 
     def attach(self, cfg) -> tuple[Any, Any]:
         """``(tokenizer, model)``: the host's model with this tenant's adapter added and active.
@@ -345,6 +365,7 @@ class ModelHost:
             self.emit("failed", error=f"{type(exc).__name__}: {exc}", retryable=True, **stamp)
         finally:
             tenant.ctx = None
+            self.turns.forget(tenant)
             try:
                 tenant.detach()
             finally:

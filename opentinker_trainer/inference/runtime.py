@@ -45,6 +45,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Sequence
@@ -129,6 +130,10 @@ class ModelRuntime:
             a decode step of the batch) runs as one turn, so no training tenant's step runs in the
             middle of it, and no forward pass of this runtime in the middle of a training step.
             The caller builds the runtime inside a turn too (it puts the model in eval mode).
+        turn_slice: seconds a turn may be kept over several such calls while the batch has work
+            (the serving tenant's ``Tenant.turn_slice``: as long as a training tenant's last
+            turn, so serving and each training tenant get about equal model time per cycle);
+            None: each call is a turn of its own.
         shared, adapter_prefix: the host and the PEFT name prefix of this runtime's adapters
             (:class:`~.adapters.AdapterRegistry`); None: the runtime owns ``model``.
 
@@ -155,6 +160,7 @@ class ModelRuntime:
         group_by_adapter: bool = False,
         grouped_lora: bool = True,
         turn: Callable[[], "contextlib.AbstractContextManager"] | None = None,
+        turn_slice: Callable[[], float] | None = None,
         shared=None,
         adapter_prefix: str = "",
     ) -> None:
@@ -175,6 +181,8 @@ class ModelRuntime:
             model, resolve, max_resident=max_resident_adapters, shared=shared, prefix=adapter_prefix
         )
         self._turn = turn
+        self._turn_slice = turn_slice
+        self._held: tuple | None = None  # (the turn's context manager, when taken, was training)
         self.stop_token_ids = list(stop_token_ids)
         self.context_length = _context_length(model)
         self.max_concurrent = max_concurrent
@@ -202,6 +210,7 @@ class ModelRuntime:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
+        self._release_turn()  # the model thread is gone: a turn it held goes back from here
 
     async def stop_engine(self) -> None:
         """Cancel the engine task (the server is stopping); waiting requests get cancelled."""
@@ -212,6 +221,8 @@ class ModelRuntime:
             except asyncio.CancelledError:
                 pass
         self._engine = None
+        if self._held is not None:  # a turn kept for the next step goes back with the engine
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._release_turn)
 
     async def _on_model_thread(self, fn, *args):
         if self._turn is not None:
@@ -219,13 +230,34 @@ class ModelRuntime:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     def _in_turn(self, fn, *args):
-        """Model thread, on a shared model: ``fn(*args)`` as one turn of the serving tenant."""
-        with self._turn():
-            training = self.registry.enter_turn()
-            try:
-                return fn(*args)
-            finally:
-                self.registry.leave_turn(training)
+        """Model thread, on a shared model: ``fn(*args)`` inside the serving tenant's turn. The
+        turn is taken if not held, and kept for the next call while it has lasted less than
+        ``turn_slice()`` seconds; it is given back after that, after an error, and when the
+        engine has nothing left to run (:meth:`_release_turn`)."""
+        if self._held is None:
+            cm = self._turn()
+            cm.__enter__()
+            self._held = (cm, time.perf_counter(), self.registry.enter_turn())
+        done = False
+        try:
+            result = fn(*args)
+            done = True
+            return result
+        finally:
+            since = self._held[1]
+            if not done or self._turn_slice is None or time.perf_counter() - since >= self._turn_slice():
+                self._release_turn()
+
+    def _release_turn(self) -> None:
+        """Give the serving tenant's turn back (the model as the next tenant expects it)."""
+        if self._held is None:
+            return
+        cm, _, training = self._held
+        self._held = None
+        try:
+            self.registry.leave_turn(training)
+        finally:
+            cm.__exit__(None, None, None)
 
     def unload_adapters(self) -> None:
         """Take this runtime's adapters off the model (in a turn on a shared model); after
@@ -234,6 +266,7 @@ class ModelRuntime:
             self.registry.unload_all()
             return
         self._in_turn(self.registry.unload_all)
+        self._release_turn()
 
     async def current_adapter(self, name: str | None) -> str | None:
         """The adapter version a request naming ``name`` is served (see the class docstring)."""
@@ -408,6 +441,9 @@ class ModelRuntime:
         tokens."""
         while True:
             if not self._admitted and not self._queue:
+                if self._held is not None:  # nothing to run: the other tenants get the model
+                    await asyncio.get_running_loop().run_in_executor(self._thread, self._release_turn)
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue

@@ -94,7 +94,12 @@ def run(ctx: WorkerContext) -> None:
     try:
         if tenant is not None:
             tokenizer, model = tenant.host.tokenizer, tenant.host.base
-            shared = {"turn": ctx.turn, "shared": tenant.host, "adapter_prefix": tenant.serving_prefix}
+            shared = {
+                "turn": ctx.turn,
+                "turn_slice": tenant.turn_slice,
+                "shared": tenant.host,
+                "adapter_prefix": tenant.serving_prefix,
+            }
             log.info(
                 "serving from the model host",
                 task_id=ctx.task_id,

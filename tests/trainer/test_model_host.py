@@ -129,6 +129,18 @@ def test_round_robin_gives_turns_in_the_order_asked() -> None:
     assert turns.turns == 9
 
 
+def test_a_turn_may_last_as_long_as_the_longest_last_turn_of_the_others() -> None:
+    turns = RoundRobin()
+    assert turns.slice_for("serve") == 0.0  # alone: nothing to be fair to
+    with turns.turn("train"):
+        time.sleep(0.05)
+    with turns.turn("serve"):
+        pass
+    assert turns.slice_for("serve") >= 0.05 and turns.slice_for("train") < 0.05
+    turns.forget("train")  # it left: its turns set no slice any more
+    assert turns.slice_for("serve") == 0.0
+
+
 def test_shareable_is_lora_grpo_on_text_with_one_rank(tiny_model_dir: Path) -> None:
     one = _assign("t", tiny_model_dir, HP)
     assert shareable(one) == (str(tiny_model_dir), (), "auto")
@@ -210,7 +222,7 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
         runtime = ModelRuntime(
             model_name=str(tiny_model_dir), tokenizer=host.tokenizer, model=host.base,
             stop_token_ids=[host.tokenizer.eos_token_id], resolve={"tx-a1": folder}.__getitem__,
-            turn=serving.turn, shared=host, adapter_prefix=serving.serving_prefix,
+            turn=serving.turn, turn_slice=serving.turn_slice, shared=host, adapter_prefix=serving.serving_prefix,
         )  # fmt: skip
     decode = runtime._decode_step
     runtime._decode_step = lambda: (in_turn.append(host.turns._holder is serving and not host.base.training), decode())[
