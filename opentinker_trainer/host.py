@@ -20,10 +20,10 @@ Each tenant runs the ordinary trainer (``workloads/grpo_text.py``) in a thread o
 threads take **turns** on the model (:class:`RoundRobin`): a step, a checkpoint or the adapter's
 creation is one turn, and for a serving tenant (an ``inference`` task, ``workloads/serving.py``,
 which serves the host's base and the adapters it loads under its :attr:`Tenant.serving_prefix`)
-each call of its model thread: an adapter load, a prefill pass, one decode step of its batch.
-Turns go round in the order tenants asked for them (first come, first served, which with every
-tenant asking again right after its turn is round-robin), so a serving tenant's requests get one
-token per decode step per cycle of the training tenants' steps. Only one turn runs at a time,
+calls of its model thread (an adapter load, a prefill pass, a decode step of its batch) while it
+has work, for up to as long as the longest last turn of a neighbour (:meth:`RoundRobin.slice_for`:
+time-fair). Turns go round in the order tenants asked for them (first come, first served, which
+with every tenant asking again right after its turn is round-robin). Only one turn runs at a time,
 with only that tenant's adapter active (a serving turn ends with the adapter layers on again and
 no row plan, ``AdapterRegistry.leave_turn``), so a tenant's numbers do not depend on its
 neighbours: with a fixed seed its reward curve and final adapter are those of the same task
