@@ -311,6 +311,16 @@ class ModelHost:
             self.model.delete_adapter(name)
         gc.collect()
 
+    def live_tenant(self, task_id: str) -> Tenant | None:
+        """The training tenant of ``task_id`` whose adapter is on the model and has taken a step
+        (its newest attempt), else None. Read its ``ctx.steps_done`` and adapter inside a turn."""
+        found = [
+            t
+            for (tid, _), t in list(self.tenants.items())
+            if tid == task_id and t.attached and t.ctx is not None and t.ctx.steps_done > 0
+        ]
+        return max(found, key=lambda t: t.attempt) if found else None
+
     # --- tenants ---------------------------------------------------------------------------
     def emit(self, kind: str, **payload: Any) -> None:
         line = json.dumps({"type": kind, "time": time.time(), **payload}, allow_nan=False)

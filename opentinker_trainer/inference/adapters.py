@@ -284,6 +284,66 @@ class AdapterRegistry:
             now = time.time()
             self._resident[name] = _Resident(name, str(path), size, now, now, in_use=1)
 
+    def acquire_copy(self, name: str, source: str) -> bool:
+        """On a shared model: make ``name`` a resident copy of the host's adapter ``source`` (a
+        training tenant's PEFT name) as it is now, pinned until :meth:`release` (already
+        resident: just pinned). Model thread, inside a turn (so between the tenant's steps).
+        Returns False, changing nothing, when ``source`` is not a plain LoRA adapter on
+        ``Linear`` layers (the caller serves a checkpoint instead).
+
+        Raises:
+            AdaptersBusy: the registry is full and every resident adapter is in use.
+        """
+        import copy
+
+        import torch
+
+        from opentinker_trainer.inference.lora_rows import _lora_linear_type
+
+        if self.pin_resident(name):
+            return True
+        model = self.model
+        if self._shared is None or model is self.base or source not in model.peft_config:
+            return False
+        config = model.peft_config[source]
+        linear = _lora_linear_type()
+        layers = [m for m in model.modules() if hasattr(m, "lora_A") and source in m.lora_A]
+        if (
+            getattr(config, "modules_to_save", None)
+            or getattr(config, "bias", "none") != "none"
+            or getattr(config, "use_dora", False)
+            or not layers
+            or not all(isinstance(m, linear) for m in layers)
+        ):
+            return False
+        with self._lock:
+            if len(self._resident) >= self.max_resident:
+                victim = next((e for e in self._resident.values() if e.in_use == 0), None)
+                if victim is None:
+                    raise AdaptersBusy(
+                        f"all {self.max_resident} adapter slots are in use by running requests; retry later "
+                        "(or raise max_resident_adapters)"
+                    )
+                self._unload(victim.name)
+            frozen = copy.deepcopy(config)
+            frozen.inference_mode = True
+            peft = self.peft_name(name)
+            model.add_adapter(peft, frozen)
+            size = 0
+            with torch.no_grad():
+                for m in layers:
+                    for part in (m.lora_A, m.lora_B):
+                        part[peft].weight.copy_(part[source].weight)
+                        part[peft].weight.requires_grad_(False)
+                        size += part[peft].weight.numel() * part[peft].weight.element_size()
+            model.eval()
+            self._active = _UNKNOWN
+            self._forget_rows()
+            self.loads += 1
+            now = time.time()
+            self._resident[name] = _Resident(name, f"live:{source}", size, now, now, in_use=1)
+        return True
+
     def pin_resident(self, name: str) -> bool:
         """Pin adapter ``name`` until :meth:`release` if it is resident (any thread: a pinned
         adapter is never evicted, and eviction runs under the same lock). False when it is not

@@ -12,7 +12,9 @@ host as the server) serves its published checkpoints: a request naming ``<task i
 when it arrives to ``<task id>@<step>`` of the task's newest checkpoint then
 (:meth:`SchedulerResolver.current`), and keeps that version to its last token; a request after
 the next checkpoint gets that one. It never sees a half-applied optimizer step: a checkpoint is
-written between steps and is in the artifact store before the scheduler lists it.
+written between steps and is in the artifact store before the scheduler lists it. (A server
+that is a tenant of the model host the task trains on serves its live adapter instead, copied
+between two steps: ``workloads/serving.py`` ``_live_copy``.)
 
 A ``lora_session`` that is still running serves its sampler saves (``SaveWeightsForSampler``;
 a ``SaveState`` is not a frozen copy for a sampler): ``<task id>`` is its newest one,

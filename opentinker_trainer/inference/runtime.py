@@ -136,9 +136,15 @@ class ModelRuntime:
             None: each call is a turn of its own.
         shared, adapter_prefix: the host and the PEFT name prefix of this runtime's adapters
             (:class:`~.adapters.AdapterRegistry`); None: the runtime owns ``model``.
+        live: on a model host, ``adapter name -> pinned version or None``, called on the model
+            thread (in a turn) when a request arrives: for a training tenant of the host, its
+            adapter copied as it is now, between two of its steps, and pinned under
+            ``<task id>@<step>`` (:meth:`~.adapters.AdapterRegistry.acquire_copy`); None: no
+            such tenant, the request goes by ``resolve`` as anywhere.
 
     Versions: a request naming an adapter by its task id alone is pinned, when it arrives, to the
-    version ``resolve.current(name)`` names (a running training task's newest checkpoint,
+    version ``live(name)`` gives (a training tenant's adapter on the same host, after its newest
+    step) or else ``resolve.current(name)`` names (a running training task's newest checkpoint,
     ``<task id>@<step>``; :meth:`~.resolve.SchedulerResolver.current`), and keeps it to its
     last token; a resolver without ``current`` leaves the name as it is.
     """
@@ -161,6 +167,7 @@ class ModelRuntime:
         grouped_lora: bool = True,
         turn: Callable[[], "contextlib.AbstractContextManager"] | None = None,
         turn_slice: Callable[[], float] | None = None,
+        live: Callable[[str], str | None] | None = None,
         shared=None,
         adapter_prefix: str = "",
     ) -> None:
@@ -182,6 +189,7 @@ class ModelRuntime:
         )
         self._turn = turn
         self._turn_slice = turn_slice
+        self._live = live
         self._held: tuple | None = None  # (the turn's context manager, when taken, was training)
         self.stop_token_ids = list(stop_token_ids)
         self.context_length = _context_length(model)
@@ -345,20 +353,26 @@ class ModelRuntime:
         errors of :meth:`AdapterRegistry.acquire` (not found, refused, all slots busy).
         """
         self._start_engine()
-        if req.adapter is not None:
-            # The version is fixed now, on arrival: a running task's newest checkpoint.
-            version = await self.current_adapter(req.adapter)
-            if version != req.adapter:
-                req = dataclasses.replace(req, adapter=version)
         job = _Job(req, asyncio.Queue())
         if self._must_wait(job) and len(self._queue) >= self.max_queued:
             raise Busy(self._full_message())
         self.running += 1
         try:
             if req.adapter is not None:
+                # The version is fixed now, on arrival: on a model host the training tenant's
+                # adapter as it is between its steps (a pinned copy), else a running task's
+                # newest checkpoint.
+                live = await self._on_model_thread(self._live, req.adapter) if self._live is not None else None
+                if live is not None:
+                    job.req = req = dataclasses.replace(req, adapter=live)
+                    job.pinned = True
+                else:
+                    version = await self.current_adapter(req.adapter)
+                    if version != req.adapter:
+                        job.req = req = dataclasses.replace(req, adapter=version)
                 # A resident adapter is pinned right here (a lock, no model-thread hop behind the
                 # step in flight); only a load runs on the model thread.
-                if not self.registry.pin_resident(req.adapter):
+                if not job.pinned and not self.registry.pin_resident(req.adapter):
                     path = await asyncio.to_thread(self.registry.resolve, req.adapter)
                     await self._on_model_thread(self.registry.acquire, req.adapter, path)
                 job.pinned = True

@@ -25,8 +25,10 @@ On a model host (:mod:`opentinker_trainer.host`; ``ctx.tenant`` set) the task is
 tenant: it serves the host's base model, loaded once for all its tenants, instead of loading its
 own; its adapters go onto the host's ``PeftModel`` under names of its own
 (``Tenant.serving_prefix``) and leave it when the task ends; every model-thread call of its
-runtime (an adapter load, a prefill pass, a decode step) is one turn (``ctx.turn``), taken in
-round-robin order with the training tenants' steps.
+runtime (an adapter load, a prefill pass, a decode step) runs in its turn (``ctx.turn``), taken
+in round-robin order with the training tenants' steps. A request naming a training tenant's task
+is served that tenant's live adapter: copied in the serving turn, so between two of its steps,
+and named by the step it has reached (:func:`_live_copy`).
 
 With ``hyperparameters.openai_port`` >= 0 an OpenAI-compatible HTTP endpoint
 (:mod:`opentinker_trainer.inference.openai_http`) serves the same runtime on that port, with the
@@ -45,7 +47,7 @@ from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.inference.access import DEFAULT_TTL_S, TTL_ENV, AccessChecker
 from opentinker_trainer.artifacts import fetch_checkpoint
 from opentinker_trainer.inference.policies import PolicyRegistry
-from opentinker_trainer.inference.resolve import SchedulerResolver
+from opentinker_trainer.inference.resolve import SchedulerResolver, split_adapter_name
 from opentinker_trainer.inference.runtime import ModelRuntime
 from opentinker_trainer.inference.server import start_inference_server
 from opentinker_trainer.inference.serve_tls import server_tls_from_env
@@ -99,6 +101,7 @@ def run(ctx: WorkerContext) -> None:
                 "turn_slice": tenant.turn_slice,
                 "shared": tenant.host,
                 "adapter_prefix": tenant.serving_prefix,
+                "live": lambda name: _live_copy(tenant.host, runtime, name),
             }
             log.info(
                 "serving from the model host",
@@ -136,6 +139,21 @@ def run(ctx: WorkerContext) -> None:
             runtime.unload_adapters()  # its adapters leave the host's model with it
         if resolver is not None:
             resolver.close()
+
+
+def _live_copy(host, runtime: ModelRuntime, name: str) -> str | None:
+    """On a model host, in the serving tenant's turn: for adapter ``name`` naming a training
+    tenant of this host (``<task id>``, no step), its adapter as it is now, between two of its
+    steps, copied and pinned as ``<task id>@<step>`` (``step``: its last step, whose update is
+    in the model); None when no tenant of the host trains that task (or it has taken no step
+    yet), or its adapter cannot be copied: the request then goes by checkpoints."""
+    task_id, step = split_adapter_name(name)
+    tenant = None if step else host.live_tenant(task_id)
+    ctx = tenant.ctx if tenant is not None else None
+    if ctx is None or ctx.steps_done < 1:
+        return None
+    version = f"{task_id}@{ctx.steps_done}"
+    return version if runtime.registry.acquire_copy(version, tenant.name) else None
 
 
 def _load_served_model(ctx: WorkerContext, cfg, resolver: SchedulerResolver | None, device, dtype):

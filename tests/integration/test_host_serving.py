@@ -1,8 +1,8 @@
 """Serving from the model host a LoRA task trains on: a real scheduler and one ``--simulate-gpus 1``
 trainer with model hosts on. A LoRA GRPO task and an inference task on the same tiny base share
 one host process (one load of the base, no worker); the inference endpoint answers Generate for
-the training task's adapter from its newest checkpoint at each request's arrival (a later
-checkpoint is a new version); ``kill -9`` of the host requeues both onto a new host; cancelling
+the training task's adapter as of its newest step at each request's arrival (a later step is a
+new version); ``kill -9`` of the host requeues both onto a new host; cancelling
 the inference task leaves the training task running, and cancelling the training task leaves a
 second inference task serving."""
 
@@ -76,13 +76,13 @@ def test_an_inference_task_serves_a_training_tasks_adapter_from_its_model_host(t
         (shown,) = [h for n in client.list_nodes() for h in n.model_hosts]
         assert shown.pid == host and set(shown.task_ids) == {trained, served}
 
-        # The training task's adapter, from its newest checkpoint when the request arrives.
+        # The training task's adapter as it is when the request arrives (between two of its steps).
         llm = InferenceClient(server.endpoint, adapter=trained)
         out = llm.generate("What is 2 + 3?", temperature=0, max_tokens=4)
         assert out.adapter == trained and 1 <= len(out.samples[0].token_ids) <= 4
         (version,) = _versions(llm, trained)
         assert version >= first.latest_checkpoint.step
-        # A later checkpoint is a new version for later requests.
+        # A later step is a new version for later requests.
         _wait(cluster, client, trained, RUNNING, lambda t: t.latest_checkpoint.step > version)
         llm.generate("What is 2 + 3?", temperature=0, max_tokens=4)
         assert max(_versions(llm, trained)) > version

@@ -252,3 +252,62 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
     runtime.close()
     runtime.unload_adapters()  # the serving tenant ends: its adapter leaves the host's model
     assert list(host.model.peft_config) == []
+
+
+def test_a_serving_tenant_serves_a_training_tenants_live_adapter_as_of_its_last_step(
+    tiny_model_dir: Path, tmp_path: Path, reply_rewards
+) -> None:
+    """A request naming a training tenant's task, on its host, gets that tenant's adapter copied
+    between two of its steps and named by the last one (``x@<step>``): the same answers as its
+    checkpoint at that step, loaded by a server of its own."""
+    from opentinker_trainer.host import Tenant
+    from opentinker_trainer.inference.adapters import AdapterNotFound
+    from opentinker_trainer.inference.runtime import ModelRuntime
+    from opentinker_trainer.workloads.serving import _live_copy
+
+    from tests.support.inference import tiny_runtime
+
+    out = io.StringIO()
+    host = ModelHost(str(tiny_model_dir), "cpu", "auto", out)
+    serving = Tenant(host, "srv", 1)
+    with serving.turn():
+        runtime = ModelRuntime(
+            model_name=str(tiny_model_dir), tokenizer=host.tokenizer, model=host.base,
+            stop_token_ids=[host.tokenizer.eos_token_id], turn=serving.turn, turn_slice=serving.turn_slice,
+            shared=host, adapter_prefix=serving.serving_prefix, live=lambda n: _live_copy(host, runtime, n),
+        )  # fmt: skip
+    path = tmp_path / "x.pb"
+    path.write_bytes(_assign("x", tiny_model_dir, {**HP, "checkpoint_every": 1}).SerializeToString())
+    host.add(path, tmp_path / "host" / "x")
+    while host.threads and not _lines(out, "x", "metric"):
+        time.sleep(0.01)  # its first step: before it, "x" names no adapter on this host
+    seen: dict[str, list[int]] = {}
+    weights: dict[str, dict[str, torch.Tensor]] = {}
+    while host.threads:
+        try:
+            tokens = _generate(runtime, "x")
+        except AdapterNotFound:  # no resolver here: only once the tenant has left the host
+            assert host.live_tenant("x") is None
+            break
+        version = runtime.registry.list()[0].name  # the one that request used, most recently
+        assert seen.setdefault(version, tokens) == tokens  # a version never changes
+        marker = "." + runtime.registry.peft_name(version)
+        with serving.turn():
+            copy = {n.replace(marker, ""): p.detach().clone() for n, p in host.model.named_parameters() if marker in n}
+        assert weights.setdefault(version, copy).keys() == copy.keys()
+    host.join()
+    assert seen and all(v.startswith("x@") for v in seen)
+    for version, tokens in seen.items():
+        step = int(version.split("@")[1])
+        saved = load_file(tmp_path / "host" / "x" / f"step_{step}" / "adapter_model.safetensors")
+        assert sorted(saved) == sorted(weights[version])
+        assert all(torch.equal(saved[k], weights[version][k]) for k in saved), version  # the step's own adapter
+        own = tiny_runtime(tiny_model_dir, {version: tmp_path / "host" / "x" / f"step_{step}"})
+        assert _generate(own, version) == tokens, version
+        own.close()
+    first = load_file(tmp_path / "host" / "x" / "step_1" / "adapter_model.safetensors")
+    last = load_file(tmp_path / "host" / "x" / f"step_{HP['steps']}" / "adapter_model.safetensors")
+    assert any(not torch.equal(first[k], last[k]) for k in first)  # the adapter moved: a stale copy shows
+    runtime.close()
+    runtime.unload_adapters()
+    assert list(host.model.peft_config) == []
