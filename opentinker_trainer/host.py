@@ -124,6 +124,7 @@ class RoundRobin:
         self._queue: collections.deque[object] = collections.deque()
         self._holder: object | None = None
         self._last_s: dict[object, float] = {}  # who -> seconds its last turn lasted
+        self._sliced: set[object] = set()  # who asked for a slice (holds turns over several calls)
         #: How many turns ran, for tests and logs.
         self.turns = 0
 
@@ -131,14 +132,18 @@ class RoundRobin:
         """Seconds a turn of ``who`` may last to take as long as its neighbours' do: the longest
         last turn of any other (0.0 alone). A serving tenant holds its turn over several decode
         steps up to this (``ModelRuntime``'s ``turn_slice``), so it gets the model about as long
-        per cycle as each training tenant does (time-fair), not one decode step per training step."""
+        per cycle as each training tenant does (time-fair), not one decode step per training step.
+        Turns of tenants that ask for slices themselves are not counted: two serving tenants
+        would otherwise lengthen each other's slices without end."""
         with self._cond:
-            return max((s for w, s in self._last_s.items() if w is not who), default=0.0)
+            self._sliced.add(who)
+            return max((s for w, s in self._last_s.items() if w not in self._sliced), default=0.0)
 
     def forget(self, who: object) -> None:
         """``who`` left: its turn length no longer sets anyone's slice."""
         with self._cond:
             self._last_s.pop(who, None)
+            self._sliced.discard(who)
 
     @contextlib.contextmanager
     def turn(self, who: object) -> Iterator[None]:

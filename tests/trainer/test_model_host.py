@@ -136,7 +136,11 @@ def test_a_turn_may_last_as_long_as_the_longest_last_turn_of_the_others() -> Non
         time.sleep(0.05)
     with turns.turn("serve"):
         pass
-    assert turns.slice_for("serve") >= 0.05 and turns.slice_for("train") < 0.05
+    assert turns.slice_for("serve") >= 0.05
+    with turns.turn("serve-2"):
+        time.sleep(0.5)
+    assert turns.slice_for("serve-2") >= 0.05
+    assert turns.slice_for("serve") < 0.5  # another sliced tenant's turns do not lengthen it
     turns.forget("train")  # it left: its turns set no slice any more
     assert turns.slice_for("serve") == 0.0
 
