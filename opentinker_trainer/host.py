@@ -21,7 +21,7 @@ threads take **turns** on the model (:class:`RoundRobin`): a step, a checkpoint 
 creation is one turn, and for a serving tenant (an ``inference`` task, ``workloads/serving.py``,
 which serves the host's base and the adapters it loads under its :attr:`Tenant.serving_prefix`)
 calls of its model thread (an adapter load, a prefill pass, a decode step of its batch) while it
-has work, for up to as long as the longest last turn of a neighbour (:meth:`RoundRobin.slice_for`:
+has work, for up to as long as the longest last turn of a training neighbour (:meth:`RoundRobin.slice_for`:
 time-fair). Turns go round in the order tenants asked for them (first come, first served, which
 with every tenant asking again right after its turn is round-robin). Only one turn runs at a time,
 with only that tenant's adapter active (a serving turn ends with the adapter layers on again and
