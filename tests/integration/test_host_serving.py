@@ -23,7 +23,7 @@ from tests.support.waiting import wait_for
 #: Long enough to outlive the test (it is cancelled); a checkpoint after every step.
 TRAIN_HP = {
     "steps": 10000,
-    "prompts_per_step": 2,
+    "prompts_per_step": 1,
     "group_size": 2,
     "max_new_tokens": 4,
     "lora_rank": 4,
