@@ -15,7 +15,7 @@ SCHEDULER_URL ?= http://localhost:$(PORT)
 # "joined dynamically"; the host name only when the config names no node. NODE_ID=... for another.
 NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]\#]*\).*/\1/p' $(SCHEDULER_CONFIG) 2>/dev/null | head -n 1),$(shell hostname)-trainer)
 
-.PHONY: install venv test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-primitives gpu-check clean
+.PHONY: install venv test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives gpu-check clean
 
 # `install` is a no-op when done: it installs only when the venv is missing or its package set is
 # out of date, i.e. the SHA-256 of pyproject.toml, constraints.txt and INSTALL_SPEC differs from the
@@ -178,6 +178,11 @@ bench-distributed: install
 # on 2 loaded cores): node RSS with 1/4/8 tasks, aggregate steps/s, warm-join vs cold-start time.
 bench-multitenant: install
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_multitenant.py --model $(MODEL_DIR)
+
+# An inference task as a tenant of the model host a LoRA task trains on vs its own worker process
+# (CPU, a few minutes): peak RSS separate / shared, median Generate seconds shared / separate.
+bench-host-serving: install
+	OMP_NUM_THREADS=1 $(PY) scripts/bench_host_serving.py --model $(MODEL_DIR)
 
 # Your own loop on training primitives vs the built-in GRPO, same model, batch shape and seed (CPU,
 # a few minutes): per-step seconds of each and their ratio, one-token ForwardBackward round trip,

@@ -141,6 +141,29 @@ def tenant_bytes(shape: ModelShape, rank: int, target_modules: Iterable[str]) ->
     return lora_parameters(shape, rank, target_modules) * TENANT_BYTES_PER_PARAMETER
 
 
+#: Bytes per adapter parameter a serving tenant holds: the float32 weight alone (no gradient,
+#: no optimizer state).
+SERVING_BYTES_PER_PARAMETER = 4
+#: Rank and target modules assumed for adapters a serving tenant will load (not known when it is
+#: placed): the training workloads' defaults.
+SERVING_RANK = 16
+SERVING_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def serving_bytes(shape: ModelShape, adapters: int) -> int:
+    """Bytes a serving tenant (an ``inference`` task on a model host) adds: ``adapters`` resident
+    adapters (``max_resident_adapters``) of rank :data:`SERVING_RANK` on :data:`SERVING_TARGETS`,
+    ``lora_parameters * SERVING_BYTES_PER_PARAMETER`` each. Not counted: the KV cache of its
+    batch (it scales with ``max_batch_tokens``, left to the GPU's headroom like activations).
+
+    Raises:
+        ValueError: ``adapters`` < 1.
+    """
+    if adapters < 1:
+        raise ValueError(f"max_resident_adapters: expected a positive integer, got {adapters}")
+    return adapters * lora_parameters(shape, SERVING_RANK, SERVING_TARGETS) * SERVING_BYTES_PER_PARAMETER
+
+
 def fmt_bytes(n: int) -> str:
     """``n`` bytes for a person: GiB with two decimals from 1 GiB up, else MiB with one."""
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"

@@ -67,6 +67,10 @@ class WorkerContext:
     #: A tenant of a model host (:class:`opentinker_trainer.host.Tenant`): the shared base model
     #: and this attempt's adapter on it; None in a worker process (the workload loads its own).
     tenant: Any = None
+    #: The last step of this attempt whose update is in the model, set inside that step's turn
+    #: (``_loop.run_steps``); 0 before the first. A serving neighbour on a model host copies the
+    #: adapter between steps and names the copy by it (``<task id>@<step>``).
+    steps_done: int = 0
 
     # --- reports ---------------------------------------------------------------------------
     def _emit(self, kind: str, **payload: Any) -> None:

@@ -18,10 +18,15 @@ eval mode) and wraps it in one PEFT ``PeftModel``; every tenant is one task atte
 
 Each tenant runs the ordinary trainer (``workloads/grpo_text.py``) in a thread of its own; the
 threads take **turns** on the model (:class:`RoundRobin`): a step, a checkpoint or the adapter's
-creation is one turn, and turns go round in the order tenants asked for them (first come, first
-served, which with every tenant asking again right after its turn is round-robin). Only one turn
-runs at a time, with only that tenant's adapter active, so a tenant's numbers do not depend on
-its neighbours: with a fixed seed its reward curve and final adapter are those of the same task
+creation is one turn, and for a serving tenant (an ``inference`` task, ``workloads/serving.py``,
+which serves the host's base and the adapters it loads under its :attr:`Tenant.serving_prefix`)
+calls of its model thread (an adapter load, a prefill pass, a decode step of its batch) while it
+has work, for up to as long as the longest last turn of a training neighbour (:meth:`RoundRobin.slice_for`:
+time-fair). Turns go round in the order tenants asked for them (first come, first served, which
+with every tenant asking again right after its turn is round-robin). Only one turn runs at a time,
+with only that tenant's adapter active (a serving turn ends with the adapter layers on again and
+no row plan, ``AdapterRegistry.leave_turn``), so a tenant's numbers do not depend on its
+neighbours: with a fixed seed its reward curve and final adapter are those of the same task
 alone (tested), up to float rounding. Rollouts are not batched across tenants (one tenant's
 generation per turn); batching several adapters' rows into one forward is future work.
 
@@ -68,16 +73,19 @@ __all__ = ["RoundRobin", "Tenant", "ModelHost", "shareable", "adapter_name"]
 
 log = structlog.get_logger("opentinker.host")
 
-#: ``(workload_type, env kind)`` of tasks a model host runs as tenants.
-SHAREABLE: frozenset[tuple[str, str]] = frozenset({("lora_finetune", "text")})
+#: ``(workload_type, env kind)`` of tasks a model host runs as tenants: LoRA GRPO on text, and
+#: serving the base model's LoRA adapters (``inference``; not ``policies_only``, which loads no
+#: language model, nor ``checkpoint_task_id``, whose base is another task's full weights).
+SHAREABLE: frozenset[tuple[str, str]] = frozenset({("lora_finetune", "text"), ("inference", "text")})
 
 
 def shareable(assign: node_pb2.AssignTask) -> tuple[str, tuple[int, ...], str] | None:
     """The host key ``(spec.model, device indices, dtype)`` of ``assign`` when it can run as a
-    tenant of a model host, else None. Shareable: a LoRA GRPO task on a text environment
-    (:data:`SHAREABLE`), one rank (at most one device, no gang), whose base weights are
-    ``spec.model`` (not an ``init_from`` full-weight checkpoint), with a valid spec (an invalid
-    one goes to a worker, which reports the error)."""
+    tenant of a model host, else None. Shareable: a LoRA GRPO task on a text environment or an
+    inference task serving the base model's adapters (:data:`SHAREABLE`), one rank (at most one
+    device, no gang), whose base weights are ``spec.model`` (not an ``init_from`` full-weight
+    checkpoint; for serving, neither ``policies_only`` nor ``checkpoint_task_id``), with a valid
+    spec (an invalid one goes to a worker, which reports the error)."""
     from opentinker_common.spec import SpecError, env_kind, spec_from_proto
 
     try:
@@ -85,8 +93,11 @@ def shareable(assign: node_pb2.AssignTask) -> tuple[str, tuple[int, ...], str] |
         kind = (spec.workload_type, env_kind(spec.env))
     except SpecError:
         return None
+    hp = spec.hyperparameters
     if (
         kind not in SHAREABLE
+        or getattr(hp, "policies_only", False)
+        or getattr(hp, "checkpoint_task_id", "")
         or len(assign.device_indices) > 1
         or (assign.HasField("gang") and assign.gang.world_size > 1)
         or assign.init_checkpoint.format == "hf_full"
@@ -112,8 +123,27 @@ class RoundRobin:
         self._cond = threading.Condition()
         self._queue: collections.deque[object] = collections.deque()
         self._holder: object | None = None
+        self._last_s: dict[object, float] = {}  # who -> seconds its last turn lasted
+        self._sliced: set[object] = set()  # who asked for a slice (holds turns over several calls)
         #: How many turns ran, for tests and logs.
         self.turns = 0
+
+    def slice_for(self, who: object) -> float:
+        """Seconds a turn of ``who`` may last to take as long as its neighbours' do: the longest
+        last turn of any other (0.0 alone). A serving tenant holds its turn over several decode
+        steps up to this (``ModelRuntime``'s ``turn_slice``), so it gets the model about as long
+        per cycle as each training tenant does (time-fair), not one decode step per training step.
+        Turns of tenants that ask for slices themselves are not counted: two serving tenants
+        would otherwise lengthen each other's slices without end."""
+        with self._cond:
+            self._sliced.add(who)
+            return max((s for w, s in self._last_s.items() if w not in self._sliced), default=0.0)
+
+    def forget(self, who: object) -> None:
+        """``who`` left: its turn length no longer sets anyone's slice."""
+        with self._cond:
+            self._last_s.pop(who, None)
+            self._sliced.discard(who)
 
     @contextlib.contextmanager
     def turn(self, who: object) -> Iterator[None]:
@@ -125,11 +155,13 @@ class RoundRobin:
             self._queue.popleft()
             self._holder = who
             self.turns += 1
+        started = time.perf_counter()
         try:
             yield
         finally:
             with self._cond:
                 self._holder = None
+                self._last_s[who] = time.perf_counter() - started
                 self._cond.notify_all()
 
 
@@ -146,6 +178,9 @@ class Tenant:
         self.task_id = task_id
         self.attempt = attempt
         self.name = adapter_name(task_id, attempt)
+        #: A serving tenant's PEFT adapter names start with this (``s<task>-a<attempt>-``): never
+        #: a training tenant's ``t...`` name nor another serving tenant's.
+        self.serving_prefix = "s" + self.name[1:] + "-"
         self._rng: dict[str, Any] | None = None
         self.attached = False
         self.ctx = None  # its WorkerContext, set by the host
@@ -165,6 +200,10 @@ class Tenant:
                 yield
             finally:
                 self._rng = _rng.rng_state()
+
+    def turn_slice(self) -> float:
+        """Seconds this tenant's turn may last (:meth:`RoundRobin.slice_for`)."""
+        return self.host.turns.slice_for(self)
 
     def attach(self, cfg) -> tuple[Any, Any]:
         """``(tokenizer, model)``: the host's model with this tenant's adapter added and active.
@@ -277,6 +316,16 @@ class ModelHost:
             self.model.delete_adapter(name)
         gc.collect()
 
+    def live_tenant(self, task_id: str) -> Tenant | None:
+        """The training tenant of ``task_id`` whose adapter is on the model and has taken a step
+        (its newest attempt), else None. Read its ``ctx.steps_done`` and adapter inside a turn."""
+        found = [
+            t
+            for (tid, _), t in list(self.tenants.items())
+            if tid == task_id and t.attached and t.ctx is not None and t.ctx.steps_done > 0
+        ]
+        return max(found, key=lambda t: t.attempt) if found else None
+
     # --- tenants ---------------------------------------------------------------------------
     def emit(self, kind: str, **payload: Any) -> None:
         line = json.dumps({"type": kind, "time": time.time(), **payload}, allow_nan=False)
@@ -331,6 +380,7 @@ class ModelHost:
             self.emit("failed", error=f"{type(exc).__name__}: {exc}", retryable=True, **stamp)
         finally:
             tenant.ctx = None
+            self.turns.forget(tenant)
             try:
                 tenant.detach()
             finally:

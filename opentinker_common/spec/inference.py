@@ -16,8 +16,10 @@ class InferenceConfig:
 
     The task is RUNNING while it serves and shows its address in ``Task.endpoint``; it ends
     SUCCEEDED when ``ttl_s`` runs out, CANCELLED when cancelled. Adapters (finished
-    ``lora_finetune`` / ``sft`` / ``lora_session`` tasks, by id) and PPO policies (finished single-agent ``full_rl``
-    tasks, by id, for ``Act``) load on first use, up to ``max_resident_adapters`` of each.
+    ``lora_finetune`` / ``sft`` / ``lora_session`` tasks, by id; running ``lora_finetune`` /
+    ``sft`` ones from their newest checkpoint when a request arrives) and PPO policies
+    (finished single-agent ``full_rl`` tasks, by id, for ``Act``) load on first use, up to
+    ``max_resident_adapters`` of each.
     ``policies_only``: load no language model (``model`` is then only a label, e.g. ``mlp``);
     the server answers ``Act`` and refuses ``Generate``.
 

@@ -22,7 +22,8 @@ Policy:
     (:func:`may_use_reserved`); the reserving task still finds its slot once its GPUs free. A task
     held back by the reservation says so (:func:`reserved_reason`).
   * A task whose retry backoff has not elapsed waits (``not_before``).
-  * GPU sharing: LoRA tasks on the same base model (:func:`share_key`) may share GPUs, at most
+  * GPU sharing: LoRA tasks on the same base model (:func:`share_key`; an inference task on one
+    GPU serving that base model's adapters counts as one) may share GPUs, at most
     ``max_tasks_per_gpu`` tasks on one GPU (per node: the config's, or the tenants a node's model
     host takes when larger, ``Register.tenants_per_host``) and always within the node's ``max_tasks``. A GPU is
     open to a task with key ``k`` when every task on it has key ``k`` and it has room
@@ -173,10 +174,19 @@ class NodeCapacity:
 LORA_WORKLOADS: frozenset[str] = frozenset({"lora_finetune"})
 
 
-def share_key(workload_type: str, model: str, gpu_count: int) -> str | None:
-    """The GPU-sharing key of a task: its base model for a LoRA workload on GPUs, else None
-    (the task needs its GPUs to itself)."""
+#: Workload types that serve a base model and its LoRA adapters: an inference task on one GPU
+#: shares it (and the node's model host) with LoRA tasks on the same base model.
+SERVING_WORKLOADS: frozenset[str] = frozenset({"inference"})
+
+
+def share_key(workload_type: str, model: str, gpu_count: int, *, own_weights: bool = False) -> str | None:
+    """The GPU-sharing key of a task: its base model for a LoRA workload on GPUs, or for an
+    inference task on one GPU serving that model's adapters (``own_weights`` False: not
+    ``policies_only``, not another task's full weights); else None (the task needs its GPUs to
+    itself)."""
     if gpu_count > 0 and workload_type in LORA_WORKLOADS:
+        return model
+    if gpu_count == 1 and workload_type in SERVING_WORKLOADS and not own_weights:
         return model
     return None
 

@@ -30,12 +30,27 @@ def _shape(model: str, dtype: str) -> lora_memory.ModelShape | None:
         return None
 
 
+def serves_own_weights(spec) -> bool:
+    """Whether an ``inference`` ``TaskSpec`` serves weights other than its base model's with
+    adapters (``policies_only``: no language model; ``checkpoint_task_id``: another task's full
+    weights), so it cannot share a model host (False for every other workload)."""
+    if spec.workload_type != "inference" or not spec.HasField("hyperparameters"):
+        return False
+    fields = spec.hyperparameters.fields
+    policies = fields["policies_only"].bool_value if "policies_only" in fields else False
+    full = fields["checkpoint_task_id"].string_value if "checkpoint_task_id" in fields else ""
+    return bool(policies or full)
+
+
 def memory_need(spec, key: str | None) -> MemoryNeed | None:
     """The estimate of a ``TaskSpec`` (``common_pb2.TaskSpec``) whose share key is ``key``
     (:func:`~opentinker_scheduler.policy.placement.share_key`): None unless ``key`` is set (a
     shareable LoRA task) and the model's shape is known. Its ``hyperparameters`` give
     ``lora_rank`` (default 16), ``target_modules`` (default the attention projections) and
-    ``dtype`` (default auto)."""
+    ``dtype`` (default auto). An ``inference`` task's tenant bytes are its resident adapters'
+    (:func:`opentinker_common.lora_memory.serving_bytes`: ``max_resident_adapters``, default 8,
+    adapters of rank 16 on the attention projections, the rank and targets being those of
+    adapters it has not seen yet)."""
     if key is None:
         return None
     hp = json_format.MessageToDict(spec.hyperparameters) if spec.HasField("hyperparameters") else {}
@@ -43,11 +58,14 @@ def memory_need(spec, key: str | None) -> MemoryNeed | None:
     shape = _shape(spec.model, dtype if isinstance(dtype, str) else "auto")
     if shape is None:
         return None
-    rank, modules = hp.get("lora_rank", 16), hp.get("target_modules", DEFAULT_TARGET_MODULES)
-    if isinstance(modules, str):
-        modules = (modules,)
     try:
-        tenant = lora_memory.tenant_bytes(shape, int(rank), tuple(modules))
+        if spec.workload_type == "inference":
+            tenant = lora_memory.serving_bytes(shape, int(hp.get("max_resident_adapters", 8)))
+        else:
+            rank, modules = hp.get("lora_rank", 16), hp.get("target_modules", DEFAULT_TARGET_MODULES)
+            if isinstance(modules, str):
+                modules = (modules,)
+            tenant = lora_memory.tenant_bytes(shape, int(rank), tuple(modules))
     except (TypeError, ValueError):
         return None
     return MemoryNeed(base_bytes=lora_memory.base_bytes(shape), tenant_bytes=tenant)

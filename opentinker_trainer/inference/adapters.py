@@ -186,15 +186,38 @@ class AdapterRegistry:
             :class:`AdapterRefused` (the workload asks the scheduler; tests pass a dict lookup).
         max_resident: most adapters kept loaded; the least recently used idle one goes first.
 
+        shared: a model host (:class:`opentinker_trainer.host.ModelHost`) whose ``PeftModel``
+            (its ``model`` attribute, None until its first adapter) this registry adds its
+            adapters to, next to the host's training tenants' adapters; ``model`` is then the
+            host's base. None: the registry owns the model.
+        prefix: with ``shared``, the start of every PEFT adapter name this registry loads
+            (``<prefix><name>~``, ``.`` written ``_``): a serving tenant's own, so its names never
+            collide with a training tenant's (``t<task>-a<attempt>``) or another registry's, and
+            no name is a substring of another (PEFT picks an adapter's tensors by substring).
+
     :meth:`acquire`, :meth:`activate` and the model's forward passes must run on one thread (the
-    server's model thread); :meth:`release` and :meth:`list` may be called from any thread.
+    server's model thread); :meth:`release` and :meth:`list` may be called from any thread. On a
+    shared model every model-thread call runs in the serving tenant's turn and ends with
+    :meth:`leave_turn`.
     """
 
-    def __init__(self, model, resolve: Callable[[str], Path] | None = None, *, max_resident: int = 8) -> None:
+    def __init__(
+        self,
+        model,
+        resolve: Callable[[str], Path] | None = None,
+        *,
+        max_resident: int = 8,
+        shared=None,
+        prefix: str = "",
+    ) -> None:
         if max_resident < 1:
             raise ValueError(f"max_resident must be >= 1, got {max_resident}")
+        if shared is not None and not prefix:
+            raise ValueError("prefix: expected a non-empty adapter name prefix on a shared model")
         self.base = model
-        self.model = model  # becomes a PeftModel with the first adapter
+        self._shared = shared
+        self.prefix = prefix if shared is not None else ""
+        self._model = model  # becomes a PeftModel with the first adapter
         self.resolve = resolve or _no_resolver
         self.max_resident = max_resident
         self._resident: OrderedDict[str, _Resident] = OrderedDict()  # least recently used first
@@ -204,6 +227,31 @@ class AdapterRegistry:
         self._rows_unsupported = False
         self.loads = 0
         self.evictions = 0
+
+    @property
+    def model(self):
+        """The served model: the base, or the ``PeftModel`` once an adapter was added (on a
+        shared model: the host's, whoever added its first adapter)."""
+        if self._shared is not None:
+            return self._shared.model if self._shared.model is not None else self.base
+        return self._model
+
+    @model.setter
+    def model(self, value) -> None:
+        if self._shared is not None:
+            self._shared.model = None if value is self.base else value
+        else:
+            self._model = value
+
+    def peft_name(self, name: str) -> str:
+        """The PEFT adapter name of adapter ``name`` (the name itself unless on a shared model)."""
+        if not self.prefix:
+            return name
+        return f"{self.prefix}{name.replace('.', '_')}~"
+
+    def peft_names(self, names: list[str]) -> list[str]:
+        """:meth:`peft_name` of each name, ``"__base__"`` (PEFT's base row) kept as it is."""
+        return [n if n == "__base__" else self.peft_name(n) for n in names]
 
     # --- requests --------------------------------------------------------------------------
     def is_resident(self, name: str) -> bool:
@@ -235,6 +283,66 @@ class AdapterRegistry:
             self._load(name, path)
             now = time.time()
             self._resident[name] = _Resident(name, str(path), size, now, now, in_use=1)
+
+    def acquire_copy(self, name: str, source: str) -> bool:
+        """On a shared model: make ``name`` a resident copy of the host's adapter ``source`` (a
+        training tenant's PEFT name) as it is now, pinned until :meth:`release` (already
+        resident: just pinned). Model thread, inside a turn (so between the tenant's steps).
+        Returns False, changing nothing, when ``source`` is not a plain LoRA adapter on
+        ``Linear`` layers (the caller serves a checkpoint instead).
+
+        Raises:
+            AdaptersBusy: the registry is full and every resident adapter is in use.
+        """
+        import copy
+
+        import torch
+
+        from opentinker_trainer.inference.lora_rows import _lora_linear_type
+
+        if self.pin_resident(name):
+            return True
+        model = self.model
+        if self._shared is None or model is self.base or source not in model.peft_config:
+            return False
+        config = model.peft_config[source]
+        linear = _lora_linear_type()
+        layers = [m for m in model.modules() if hasattr(m, "lora_A") and source in m.lora_A]
+        if (
+            getattr(config, "modules_to_save", None)
+            or getattr(config, "bias", "none") != "none"
+            or getattr(config, "use_dora", False)
+            or not layers
+            or not all(isinstance(m, linear) for m in layers)
+        ):
+            return False
+        with self._lock:
+            if len(self._resident) >= self.max_resident:
+                victim = next((e for e in self._resident.values() if e.in_use == 0), None)
+                if victim is None:
+                    raise AdaptersBusy(
+                        f"all {self.max_resident} adapter slots are in use by running requests; retry later "
+                        "(or raise max_resident_adapters)"
+                    )
+                self._unload(victim.name)
+            frozen = copy.deepcopy(config)
+            frozen.inference_mode = True
+            peft = self.peft_name(name)
+            model.add_adapter(peft, frozen)
+            size = 0
+            with torch.no_grad():
+                for m in layers:
+                    for part in (m.lora_A, m.lora_B):
+                        part[peft].weight.copy_(part[source].weight)
+                        part[peft].weight.requires_grad_(False)
+                        size += part[peft].weight.numel() * part[peft].weight.element_size()
+            model.eval()
+            self._active = _UNKNOWN
+            self._forget_rows()
+            self.loads += 1
+            now = time.time()
+            self._resident[name] = _Resident(name, f"live:{source}", size, now, now, in_use=1)
+        return True
 
     def pin_resident(self, name: str) -> bool:
         """Pin adapter ``name`` until :meth:`release` if it is resident (any thread: a pinned
@@ -273,7 +381,7 @@ class AdapterRegistry:
         else:
             if self._active is None or self._active is _UNKNOWN or self._active is _MIXED or self._active is _ROWS:
                 self.model.base_model.enable_adapter_layers()
-            self.model.set_adapter(name, inference_mode=True)
+            self.model.set_adapter(self.peft_name(name), inference_mode=True)
         self._active = name
 
     def activate_mixed(self) -> None:
@@ -299,11 +407,12 @@ class AdapterRegistry:
             if self._rows_unsupported or not row_lora_supports(self.model):
                 self._rows_unsupported = True
                 return False
-            self._rows = RowLoRA(self.model, list(self.model.peft_config))
+            own = list(self.model.peft_config) if self._shared is None else [self.peft_name(n) for n in self._resident]
+            self._rows = RowLoRA(self.model, own)
         if self._active is not _ROWS:
             self.model.base_model.disable_adapter_layers()
             self._active = _ROWS
-        self._rows.set_rows(names)
+        self._rows.set_rows([None if n is None else self.peft_name(n) for n in names])
         return True
 
     def list(self) -> list[AdapterInfo]:
@@ -314,6 +423,35 @@ class AdapterRegistry:
                 for e in reversed(self._resident.values())
             ]
 
+    def enter_turn(self) -> bool:
+        """Start a model-thread call on a shared model: a training tenant may have left the
+        model in ``train()`` mode (dropout on); serving runs in eval mode. Returns whether the
+        model was in train mode, for :meth:`leave_turn` (False on an own model: always eval)."""
+        if self._shared is None or not self.model.training:
+            return False
+        self.model.eval()
+        return True
+
+    def leave_turn(self, training: bool = False) -> None:
+        """End a model-thread call on a shared model: the next turn is a training tenant's, which
+        expects the adapter layers on, no row plan and the mode it left (``training``: back to
+        ``train()``), and this registry's next call starts from an unknown active adapter (the
+        tenant sets its own). Nothing to do on an own model."""
+        if self._shared is None:
+            return
+        if self._rows is not None:
+            self._rows.plan = None
+        if self._active is not _UNKNOWN and self.model is not self.base:
+            self.model.base_model.enable_adapter_layers()
+        self._active = _UNKNOWN
+        if training:
+            self.model.train()
+
+    def unload_all(self) -> None:
+        """Take every resident adapter off the model (model thread; the serving tenant ends)."""
+        for name in list(self._resident):
+            self._unload(name)
+
     def modules_in_eval(self) -> bool:
         """True when every module of the served model is in eval mode (dropout off)."""
         return not any(m.training for m in self.model.modules())
@@ -322,17 +460,18 @@ class AdapterRegistry:
     def _load(self, name: str, path: Path) -> None:
         from peft import PeftModel
 
+        peft = self.peft_name(name)
         try:
             if self.model is self.base:
-                self.model = PeftModel.from_pretrained(self.base, str(path), adapter_name=name, is_trainable=False)
+                self.model = PeftModel.from_pretrained(self.base, str(path), adapter_name=peft, is_trainable=False)
             else:
-                self.model.load_adapter(str(path), adapter_name=name, is_trainable=False)
+                self.model.load_adapter(str(path), adapter_name=peft, is_trainable=False)
         except (ValueError, KeyError, RuntimeError, OSError) as exc:
             # e.g. a rank or target module PEFT cannot build on this model
-            if name in getattr(self.model, "peft_config", {}):
+            if peft in getattr(self.model, "peft_config", {}):
                 self._delete(name)
             raise AdapterRefused(f"adapter {name!r} ({path}) cannot be loaded on this base model: {exc}") from None
-        missing, not_loaded = unloaded_keys(self.model, name, path)
+        missing, not_loaded = unloaded_keys(self.model, peft, path)
         if missing or not_loaded:
             self._delete(name)
             raise AdapterRefused(f"adapter {name!r} ({path}): {unloaded_message(missing, not_loaded)}")
@@ -347,7 +486,10 @@ class AdapterRegistry:
         self.evictions += 1
 
     def _delete(self, name: str) -> None:
-        if list(self.model.peft_config) == [name]:
+        if self._shared is not None:
+            # The host's model: its PeftModel stays (the training tenants' adapters live on it).
+            self.model.delete_adapter(self.peft_name(name))
+        elif list(self.model.peft_config) == [name]:
             # The last one: back to the bare base model (a PeftModel without adapters cannot run).
             self.model.unload()
             self.model = self.base

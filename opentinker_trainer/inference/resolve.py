@@ -7,6 +7,15 @@ session the newest ``SaveWeightsForSampler`` or ``SaveState``, whichever came la
 the artifact store by its key (``fetch``: through the node-local cache); only a checkpoint without
 an ``artifact`` (an old trainer's) is read at its ``path``.
 
+A ``lora_finetune`` or ``sft`` task that is still running (say, training on the same model
+host as the server) serves its published checkpoints: a request naming ``<task id>`` is pinned
+when it arrives to ``<task id>@<step>`` of the task's newest checkpoint then
+(:meth:`SchedulerResolver.current`), and keeps that version to its last token; a request after
+the next checkpoint gets that one. It never sees a half-applied optimizer step: a checkpoint is
+written between steps and is in the artifact store before the scheduler lists it. (A server
+that is a tenant of the model host the task trains on serves its live adapter instead, copied
+between two steps: ``workloads/serving.py`` ``_live_copy``.)
+
 A ``lora_session`` that is still running serves its sampler saves (``SaveWeightsForSampler``;
 a ``SaveState`` is not a frozen copy for a sampler): ``<task id>`` is its newest one,
 ``<task id>@<step>`` the one at that step (what ``SaveWeightsForSamplerResponse.adapter``
@@ -44,6 +53,7 @@ __all__ = [
     "SchedulerResolver",
     "ADAPTER_WORKLOADS",
     "adapter_checkpoint",
+    "current_version",
     "split_adapter_name",
     "SAMPLER_PREFIX",
     "same_model",
@@ -71,6 +81,9 @@ class CheckpointRefused(UserError, ValueError):
 #: Workloads whose checkpoints are LoRA adapters that can be served (a ``lora_session``'s
 #: ``SaveWeightsForSampler`` and ``SaveState`` checkpoints are PEFT adapters too).
 ADAPTER_WORKLOADS = ("lora_finetune", "sft", "lora_session")
+#: Adapter workloads whose running tasks serve their newest published checkpoint
+#: (:meth:`SchedulerResolver.current`); a running ``lora_session`` serves its sampler saves.
+TRAINING_WORKLOADS = ("lora_finetune", "sft")
 #: ``ADAPTER_WORKLOADS`` as messages list them.
 ADAPTER_WORKLOADS_TEXT = "lora_finetune, sft and lora_session"
 _TERMINAL = (common_pb2.TASK_STATE_SUCCEEDED, common_pb2.TASK_STATE_FAILED, common_pb2.TASK_STATE_CANCELLED)
@@ -145,9 +158,13 @@ def adapter_checkpoint(
             f"adapter {name!r}: task is a {workload} task; only {ADAPTER_WORKLOADS_TEXT} tasks give adapters"
         )
     running_session = task.state not in _TERMINAL and workload == "lora_session"
-    if task.state not in _TERMINAL and not running_session:
+    if task.state not in _TERMINAL and not running_session and not task.latest_checkpoint.path:
+        # A training task still running serves its published checkpoints (see SchedulerResolver.current).
         state = common_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
-        raise AdapterRefused(f"adapter {name!r}: task is {state}; its adapter can be served once it has finished")
+        raise AdapterRefused(
+            f"adapter {name!r}: task is {state} and has no checkpoint yet; its adapter can be served once it "
+            "has written one (hyperparameters.checkpoint_every) or has finished"
+        )
     if running_session:
         saves = sampler_saves(checkpoints)
         if not saves:
@@ -178,6 +195,17 @@ def adapter_checkpoint(
             f"adapter {name!r} was trained on base model {task.spec.model!r}; this server serves {served_model!r}"
         )
     return ckpt
+
+
+def current_version(name: str, task: common_pb2.Task) -> str:
+    """The version of adapter ``name`` (a plain ``<task id>``) a request arriving now is served,
+    given its task as ``LookupTask`` gives it: ``<task id>@<step>`` of a running ``lora_finetune``
+    / ``sft`` task's newest checkpoint (:data:`TRAINING_WORKLOADS`), else ``name`` (a finished
+    task; a running session; a running task without a checkpoint, refused when it is loaded)."""
+    running = task.state not in _TERMINAL
+    if running and task.spec.workload_type in TRAINING_WORKLOADS and task.latest_checkpoint.path:
+        return f"{split_adapter_name(name)[0]}@{task.latest_checkpoint.step}"
+    return name
 
 
 def full_weight_checkpoint(
@@ -256,6 +284,7 @@ class SchedulerResolver:
         self.served_model = served_model
         self.timeout = timeout
         self.fetch = fetch
+        self._settled: set[str] = set()  # task ids seen finished: current() asks no more
 
     def close(self) -> None:
         self.channel.close()
@@ -283,6 +312,32 @@ class SchedulerResolver:
         if ckpt.artifact.key and self.fetch is not None:
             return Path(self.fetch(ckpt))
         return Path(ckpt.path)
+
+    def current(self, name: str) -> str:
+        """The adapter version a request naming ``name`` is served, fixed when it arrives:
+        ``<task id>@<step>`` of a running training task's newest checkpoint (``lora_finetune``,
+        ``sft``: what it has published so far; a later checkpoint is a new version for later
+        requests), else ``name`` itself (a name with a step, a finished task: its version never
+        changes; a running session: its newest sampler save at load, as before). Errors are left
+        to loading (:meth:`__call__`), which raises them with their words.
+
+        Raises:
+            grpc.RpcError: the scheduler cannot be reached.
+        """
+        task_id, step = split_adapter_name(name)
+        if step or task_id in self._settled:
+            return name
+        try:
+            found = self.stub.LookupTask(
+                node_pb2.LookupTaskRequest(task_id=task_id), timeout=self.timeout, metadata=self.metadata
+            )
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                return name
+            raise
+        if found.task.state in _TERMINAL:
+            self._settled.add(task_id)  # a finished task's newest checkpoint is its last
+        return current_version(name, found.task)
 
     def full_weights(self, name: str, step: int = 0) -> tuple[Path, common_pb2.Checkpoint]:
         """``(checkpoint folder, checkpoint)`` of task ``name``'s full weights at ``step`` (0: the

@@ -42,7 +42,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
+import dataclasses
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Sequence
@@ -122,6 +125,28 @@ class ModelRuntime:
         grouped_lora: mixed rows compute their LoRA grouped by adapter
             (:mod:`~.lora_rows`); ``False``: PEFT's per-row ``adapter_names`` (the benchmark's
             comparison).
+        turn: on a model host's shared model, the serving tenant's turn
+            (``WorkerContext.turn``): every model-thread call (an adapter load, a prefill pass,
+            a decode step of the batch) runs as one turn, so no training tenant's step runs in the
+            middle of it, and no forward pass of this runtime in the middle of a training step.
+            The caller builds the runtime inside a turn too (it puts the model in eval mode).
+        turn_slice: seconds a turn may be kept over several such calls while the batch has work
+            (the serving tenant's ``Tenant.turn_slice``: as long as a training tenant's last
+            turn, so serving and each training tenant get about equal model time per cycle);
+            None: each call is a turn of its own.
+        shared, adapter_prefix: the host and the PEFT name prefix of this runtime's adapters
+            (:class:`~.adapters.AdapterRegistry`); None: the runtime owns ``model``.
+        live: on a model host, ``adapter name -> pinned version or None``, called on the model
+            thread (in a turn) when a request arrives: for a training tenant of the host, its
+            adapter copied as it is now, between two of its steps, and pinned under
+            ``<task id>@<step>`` (:meth:`~.adapters.AdapterRegistry.acquire_copy`); None: no
+            such tenant, the request goes by ``resolve`` as anywhere.
+
+    Versions: a request naming an adapter by its task id alone is pinned, when it arrives, to the
+    version ``live(name)`` gives (a training tenant's adapter on the same host, after its newest
+    step) or else ``resolve.current(name)`` names (a running training task's newest checkpoint,
+    ``<task id>@<step>``; :meth:`~.resolve.SchedulerResolver.current`), and keeps it to its
+    last token; a resolver without ``current`` leaves the name as it is.
     """
 
     def __init__(
@@ -140,6 +165,11 @@ class ModelRuntime:
         max_prefill_tokens: int = 2048,
         group_by_adapter: bool = False,
         grouped_lora: bool = True,
+        turn: Callable[[], "contextlib.AbstractContextManager"] | None = None,
+        turn_slice: Callable[[], float] | None = None,
+        live: Callable[[str], str | None] | None = None,
+        shared=None,
+        adapter_prefix: str = "",
     ) -> None:
         for name, value in (
             ("max_concurrent", max_concurrent),
@@ -154,7 +184,13 @@ class ModelRuntime:
         model.eval()
         self.model_name = model_name
         self.tokenizer = tokenizer
-        self.registry = AdapterRegistry(model, resolve, max_resident=max_resident_adapters)
+        self.registry = AdapterRegistry(
+            model, resolve, max_resident=max_resident_adapters, shared=shared, prefix=adapter_prefix
+        )
+        self._turn = turn
+        self._turn_slice = turn_slice
+        self._live = live
+        self._held: tuple | None = None  # (the turn's context manager, when taken, was training)
         self.stop_token_ids = list(stop_token_ids)
         self.context_length = _context_length(model)
         self.max_concurrent = max_concurrent
@@ -182,6 +218,7 @@ class ModelRuntime:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
+        self._release_turn()  # the model thread is gone: a turn it held goes back from here
 
     async def stop_engine(self) -> None:
         """Cancel the engine task (the server is stopping); waiting requests get cancelled."""
@@ -192,9 +229,59 @@ class ModelRuntime:
             except asyncio.CancelledError:
                 pass
         self._engine = None
+        if self._held is not None:  # a turn kept for the next step goes back with the engine
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._release_turn)
 
     async def _on_model_thread(self, fn, *args):
+        if self._turn is not None:
+            fn, args = self._in_turn, (fn, *args)
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def _in_turn(self, fn, *args):
+        """Model thread, on a shared model: ``fn(*args)`` inside the serving tenant's turn. The
+        turn is taken if not held, and kept for the next call while it has lasted less than
+        ``turn_slice()`` seconds; it is given back after that, after an error, and when the
+        engine has nothing left to run (:meth:`_release_turn`)."""
+        if self._held is None:
+            cm = self._turn()
+            cm.__enter__()
+            self._held = (cm, time.perf_counter(), self.registry.enter_turn())
+        done = False
+        try:
+            result = fn(*args)
+            done = True
+            return result
+        finally:
+            since = self._held[1]
+            if not done or self._turn_slice is None or time.perf_counter() - since >= self._turn_slice():
+                self._release_turn()
+
+    def _release_turn(self) -> None:
+        """Give the serving tenant's turn back (the model as the next tenant expects it)."""
+        if self._held is None:
+            return
+        cm, _, training = self._held
+        self._held = None
+        try:
+            self.registry.leave_turn(training)
+        finally:
+            cm.__exit__(None, None, None)
+
+    def unload_adapters(self) -> None:
+        """Take this runtime's adapters off the model (in a turn on a shared model); after
+        :meth:`close`, when the serving tenant ends."""
+        if self._turn is None:
+            self.registry.unload_all()
+            return
+        self._in_turn(self.registry.unload_all)
+        self._release_turn()
+
+    async def current_adapter(self, name: str | None) -> str | None:
+        """The adapter version a request naming ``name`` is served (see the class docstring)."""
+        current = getattr(self.registry.resolve, "current", None)
+        if name is None or current is None:
+            return name
+        return await asyncio.to_thread(current, name)
 
     # --- validation ------------------------------------------------------------------------
     def prepare(
@@ -272,9 +359,20 @@ class ModelRuntime:
         self.running += 1
         try:
             if req.adapter is not None:
+                # The version is fixed now, on arrival: on a model host the training tenant's
+                # adapter as it is between its steps (a pinned copy), else a running task's
+                # newest checkpoint.
+                live = await self._on_model_thread(self._live, req.adapter) if self._live is not None else None
+                if live is not None:
+                    job.req = req = dataclasses.replace(req, adapter=live)
+                    job.pinned = True
+                else:
+                    version = await self.current_adapter(req.adapter)
+                    if version != req.adapter:
+                        job.req = req = dataclasses.replace(req, adapter=version)
                 # A resident adapter is pinned right here (a lock, no model-thread hop behind the
                 # step in flight); only a load runs on the model thread.
-                if not self.registry.pin_resident(req.adapter):
+                if not job.pinned and not self.registry.pin_resident(req.adapter):
                     path = await asyncio.to_thread(self.registry.resolve, req.adapter)
                     await self._on_model_thread(self.registry.acquire, req.adapter, path)
                 job.pinned = True
@@ -357,6 +455,9 @@ class ModelRuntime:
         tokens."""
         while True:
             if not self._admitted and not self._queue:
+                if self._held is not None:  # nothing to run: the other tenants get the model
+                    await asyncio.get_running_loop().run_in_executor(self._thread, self._release_turn)
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -451,7 +552,7 @@ class ModelRuntime:
             reg.activate(None if names[0] == BASE_ROW else names[0])
             return reg.base, {}
         reg.activate_mixed()
-        return reg.model, {"adapter_names": names}
+        return reg.model, {"adapter_names": reg.peft_names(names)}
 
     def _new_batch(self) -> DecodeBatch:
         return DecodeBatch(

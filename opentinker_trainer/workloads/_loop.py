@@ -56,6 +56,7 @@ def run_steps(
     for n in range(done + 1, total + 1):
         with turn():
             metrics = step(n)
+            ctx.steps_done = n  # still in the turn: the adapter in the model is step n's
         ctx.emit_metric(n, metrics)
         if log_step is not None:
             log_step(n, metrics)

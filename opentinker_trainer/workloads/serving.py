@@ -21,6 +21,15 @@ InferenceService call is checked against the scheduler with the caller's own API
 ``OPENTINKER_SERVE_TLS_KEY`` (the trainer's ``--serve-tls-cert`` / ``--serve-tls-key``) the port
 speaks TLS and the reported endpoint is ``https://host:port``.
 
+On a model host (:mod:`opentinker_trainer.host`; ``ctx.tenant`` set) the task is a serving
+tenant: it serves the host's base model, loaded once for all its tenants, instead of loading its
+own; its adapters go onto the host's ``PeftModel`` under names of its own
+(``Tenant.serving_prefix``) and leave it when the task ends; every model-thread call of its
+runtime (an adapter load, a prefill pass, a decode step) runs in its turn (``ctx.turn``), taken
+in round-robin order with the training tenants' steps. A request naming a training tenant's task
+is served that tenant's live adapter: copied in the serving turn, so between two of its steps,
+and named by the step it has reached (:func:`_live_copy`).
+
 With ``hyperparameters.openai_port`` >= 0 an OpenAI-compatible HTTP endpoint
 (:mod:`opentinker_trainer.inference.openai_http`) serves the same runtime on that port, with the
 same API-key checks and TLS (``https://``); its base URL is logged (``openai_base_url``).
@@ -38,7 +47,7 @@ from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.inference.access import DEFAULT_TTL_S, TTL_ENV, AccessChecker
 from opentinker_trainer.artifacts import fetch_checkpoint
 from opentinker_trainer.inference.policies import PolicyRegistry
-from opentinker_trainer.inference.resolve import SchedulerResolver
+from opentinker_trainer.inference.resolve import SchedulerResolver, split_adapter_name
 from opentinker_trainer.inference.runtime import ModelRuntime
 from opentinker_trainer.inference.server import start_inference_server
 from opentinker_trainer.inference.serve_tls import server_tls_from_env
@@ -82,31 +91,69 @@ def run(ctx: WorkerContext) -> None:
     served = cfg.checkpoint_task_id or ctx.spec.model
     # Adapters, policies and full weights come from the artifact store, through the node-local cache.
     resolver = SchedulerResolver(scheduler, served, fetch=_fetcher(ctx)) if scheduler else None
+    tenant = getattr(ctx, "tenant", None)  # a model host's serving tenant: its base is loaded already
+    shared: dict = {}
     try:
-        tokenizer, model = _load_served_model(ctx, cfg, resolver, device, dtype)
+        if tenant is not None:
+            tokenizer, model = tenant.host.tokenizer, tenant.host.base
+            shared = {
+                "turn": ctx.turn,
+                "turn_slice": tenant.turn_slice,
+                "shared": tenant.host,
+                "adapter_prefix": tenant.serving_prefix,
+                "live": lambda name: _live_copy(tenant.host, runtime, name),
+            }
+            log.info(
+                "serving from the model host",
+                task_id=ctx.task_id,
+                model=ctx.spec.model,
+                adapter_prefix=tenant.serving_prefix,
+            )
+        else:
+            tokenizer, model = _load_served_model(ctx, cfg, resolver, device, dtype)
     except BaseException:
         if resolver is not None:
             resolver.close()
         raise
-    runtime = ModelRuntime(
-        model_name=served,
-        tokenizer=tokenizer,
-        model=model,
-        stop_token_ids=_lm.stop_token_ids(tokenizer, model),
-        resolve=resolver,
-        max_resident_adapters=cfg.max_resident_adapters,
-        max_concurrent=cfg.max_concurrent_requests,
-        max_batch_sequences=cfg.max_batch_sequences,
-        max_batch_tokens=cfg.max_batch_tokens,
-        max_queued=cfg.max_queued_requests,
-    )
+    # On a host the runtime is built in a turn: it puts the shared model in eval mode.
+    with ctx.turn():
+        runtime = ModelRuntime(
+            model_name=served,
+            tokenizer=tokenizer,
+            model=model,
+            stop_token_ids=_lm.stop_token_ids(tokenizer, model),
+            resolve=resolver,
+            max_resident_adapters=cfg.max_resident_adapters,
+            max_concurrent=cfg.max_concurrent_requests,
+            max_batch_sequences=cfg.max_batch_sequences,
+            max_batch_tokens=cfg.max_batch_tokens,
+            max_queued=cfg.max_queued_requests,
+            **shared,
+        )
     policies = _policies(resolver, cfg)
     try:
         asyncio.run(_serve(ctx, runtime, cfg, tls=tls, access_ttl=ttl if scheduler else None, policies=policies))
     finally:
         runtime.close()
+        if tenant is not None:
+            runtime.unload_adapters()  # its adapters leave the host's model with it
         if resolver is not None:
             resolver.close()
+
+
+def _live_copy(host, runtime: ModelRuntime, name: str) -> str | None:
+    """On a model host, in the serving tenant's turn: for adapter ``name`` naming a training
+    tenant of this host (``<task id>``, no step), its adapter as it is now, between two of its
+    steps, copied and pinned as ``<task id>@<step>`` (``step``: its last step, whose update is
+    in the model); None when no tenant of the host trains that task (or it has taken no step
+    yet), or its adapter cannot be copied: the request then goes by checkpoints."""
+    task_id, step = split_adapter_name(name)
+    tenant = None if step else host.live_tenant(task_id)
+    ctx = tenant.ctx if tenant is not None else None
+    if ctx is None or ctx.steps_done < 1:
+        return None
+    version = f"{task_id}@{ctx.steps_done}"
+    return version if runtime.registry.acquire_copy(version, tenant.name) else None
 
 
 def _load_served_model(ctx: WorkerContext, cfg, resolver: SchedulerResolver | None, device, dtype):

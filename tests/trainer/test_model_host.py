@@ -5,6 +5,7 @@ adapter; turns go round-robin."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import threading
@@ -128,6 +129,22 @@ def test_round_robin_gives_turns_in_the_order_asked() -> None:
     assert turns.turns == 9
 
 
+def test_a_turn_may_last_as_long_as_the_longest_last_turn_of_the_others() -> None:
+    turns = RoundRobin()
+    assert turns.slice_for("serve") == 0.0  # alone: nothing to be fair to
+    with turns.turn("train"):
+        time.sleep(0.05)
+    with turns.turn("serve"):
+        pass
+    assert turns.slice_for("serve") >= 0.05
+    with turns.turn("serve-2"):
+        time.sleep(0.5)
+    assert turns.slice_for("serve-2") >= 0.05
+    assert turns.slice_for("serve") < 0.5  # another sliced tenant's turns do not lengthen it
+    turns.forget("train")  # it left: its turns set no slice any more
+    assert turns.slice_for("serve") == 0.0
+
+
 def test_shareable_is_lora_grpo_on_text_with_one_rank(tiny_model_dir: Path) -> None:
     one = _assign("t", tiny_model_dir, HP)
     assert shareable(one) == (str(tiny_model_dir), (), "auto")
@@ -143,3 +160,158 @@ def test_shareable_is_lora_grpo_on_text_with_one_rank(tiny_model_dir: Path) -> N
     init_full.init_checkpoint.format = "hf_full"
     assert shareable(init_full) is None
     assert adapter_name("task.1", 2) == "ttask_1-a2"
+
+
+def test_shareable_inference_serves_the_base_models_adapters_on_one_device(tiny_model_dir: Path) -> None:
+    serve = _assign("s", tiny_model_dir, {})
+    serve.spec.workload_type = "inference"
+    serve.device_indices.extend([0])
+    assert shareable(serve) == (str(tiny_model_dir), (0,), "auto")
+    for hp in ({"policies_only": True}, {"checkpoint_task_id": "full-1"}):
+        own = _assign("s", tiny_model_dir, hp)
+        own.spec.workload_type = "inference"
+        assert shareable(own) is None  # no language model, or another task's full weights
+    two = _assign("s", tiny_model_dir, {})
+    two.spec.workload_type = "inference"
+    two.device_indices.extend([0, 1])
+    assert shareable(two) is None
+
+
+def _generate(runtime, adapter: str | None, prompt: str = "2 + 3 =") -> list[int]:
+    """Greedy tokens of one request on ``runtime`` (its own event loop)."""
+    from opentinker_trainer.inference.engine import SamplingParams
+
+    async def go() -> list[int]:
+        req = runtime.prepare(
+            model="", adapter=adapter or "", text=prompt, messages=None, params=SamplingParams(0.0, max_tokens=6)
+        )
+        got: list[int] = []
+        async for ev in runtime.run(req):
+            got += ev.token_ids
+        await runtime.stop_engine()
+        return got
+
+    return asyncio.run(go())
+
+
+def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_alone(
+    tiny_model_dir: Path, tmp_path: Path, reply_rewards
+) -> None:
+    """A serving tenant's runtime on the host's base model (no second load): its answers are a
+    model of its own's, every model-thread call runs in its turn (between the training tenant's
+    steps) in eval mode, its adapters carry its own names (one named like the training tenant's adapter does
+    not touch it) and leave the model with it; the training tenant's curve is the one it has alone."""
+    from opentinker_trainer.host import Tenant
+    from opentinker_trainer.inference.runtime import ModelRuntime
+
+    from tests.support.inference import make_adapter, tiny_runtime
+
+    folder = make_adapter(tiny_model_dir, tmp_path / "served", seed=1)
+    hp = {**HP, "checkpoint_every": 0}
+    alone = worker_ctx(
+        tmp_path, "alone", workload_type="lora_finetune", model=tiny_model_dir,
+        env_config={"env_id": "arithmetic"}, hyperparameters=hp, task_id="x",
+    )  # fmt: skip
+    grpo_text.run(alone)
+    expected = _curve(reports(alone, "metric"))
+    own = tiny_runtime(tiny_model_dir, {"tx-a1": folder})
+    want = {name: _generate(own, name) for name in ("tx-a1", None)}
+    own.close()
+
+    out = io.StringIO()
+    host = ModelHost(str(tiny_model_dir), "cpu", "auto", out)
+    serving = Tenant(host, "srv", 1)
+    in_turn: list[bool] = []
+    with serving.turn():
+        runtime = ModelRuntime(
+            model_name=str(tiny_model_dir), tokenizer=host.tokenizer, model=host.base,
+            stop_token_ids=[host.tokenizer.eos_token_id], resolve={"tx-a1": folder}.__getitem__,
+            turn=serving.turn, turn_slice=serving.turn_slice, shared=host, adapter_prefix=serving.serving_prefix,
+        )  # fmt: skip
+    decode = runtime._decode_step
+    runtime._decode_step = lambda: (in_turn.append(host.turns._holder is serving and not host.base.training), decode())[
+        1
+    ]
+    # The serving tenant makes the host's PeftModel (its first adapter), then the trainer joins.
+    assert _generate(runtime, "tx-a1") == want["tx-a1"]
+    assert list(host.model.peft_config) == ["ssrv-a1-tx-a1~"]
+    path = tmp_path / "x.pb"
+    path.write_bytes(_assign("x", tiny_model_dir, hp).SerializeToString())
+    host.add(path, tmp_path / "host" / "x")
+    answers = []
+    while host.threads:  # requests keep coming while it trains: turns alternate with its steps
+        answers.append((_generate(runtime, "tx-a1"), _generate(runtime, None)))
+        time.sleep(0.01)
+    host.join()
+
+    assert answers and all(a == (want["tx-a1"], want[None]) for a in answers)
+    assert in_turn and all(in_turn)
+    got = _curve(_lines(out, "x", "metric"))
+    assert [v for c in got for v in c[1:]] == pytest.approx([v for c in expected for v in c[1:]], abs=1e-6)
+    ours = load_file(tmp_path / "host" / "x" / "step_4" / "adapter_model.safetensors")
+    theirs = load_file(tmp_path / "alone" / "step_4" / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(theirs) and all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in ours)
+    host.model.train()  # as a training tenant's update leaves it: serving runs in eval mode, then restores it
+    assert _generate(runtime, "tx-a1") == want["tx-a1"] and all(in_turn) and host.model.training
+    runtime.close()
+    runtime.unload_adapters()  # the serving tenant ends: its adapter leaves the host's model
+    assert list(host.model.peft_config) == []
+
+
+def test_a_serving_tenant_serves_a_training_tenants_live_adapter_as_of_its_last_step(
+    tiny_model_dir: Path, tmp_path: Path, reply_rewards
+) -> None:
+    """A request naming a training tenant's task, on its host, gets that tenant's adapter copied
+    between two of its steps and named by the last one (``x@<step>``): the same answers as its
+    checkpoint at that step, loaded by a server of its own."""
+    from opentinker_trainer.host import Tenant
+    from opentinker_trainer.inference.adapters import AdapterNotFound
+    from opentinker_trainer.inference.runtime import ModelRuntime
+    from opentinker_trainer.workloads.serving import _live_copy
+
+    from tests.support.inference import tiny_runtime
+
+    out = io.StringIO()
+    host = ModelHost(str(tiny_model_dir), "cpu", "auto", out)
+    serving = Tenant(host, "srv", 1)
+    with serving.turn():
+        runtime = ModelRuntime(
+            model_name=str(tiny_model_dir), tokenizer=host.tokenizer, model=host.base,
+            stop_token_ids=[host.tokenizer.eos_token_id], turn=serving.turn, turn_slice=serving.turn_slice,
+            shared=host, adapter_prefix=serving.serving_prefix, live=lambda n: _live_copy(host, runtime, n),
+        )  # fmt: skip
+    path = tmp_path / "x.pb"
+    path.write_bytes(_assign("x", tiny_model_dir, {**HP, "checkpoint_every": 1}).SerializeToString())
+    host.add(path, tmp_path / "host" / "x")
+    while host.threads and not _lines(out, "x", "metric"):
+        time.sleep(0.01)  # its first step: before it, "x" names no adapter on this host
+    seen: dict[str, list[int]] = {}
+    weights: dict[str, dict[str, torch.Tensor]] = {}
+    while host.threads:
+        try:
+            tokens = _generate(runtime, "x")
+        except AdapterNotFound:  # no resolver here: only once the tenant has left the host
+            assert host.live_tenant("x") is None
+            break
+        version = runtime.registry.list()[0].name  # the one that request used, most recently
+        assert seen.setdefault(version, tokens) == tokens  # a version never changes
+        marker = "." + runtime.registry.peft_name(version)
+        with serving.turn():
+            copy = {n.replace(marker, ""): p.detach().clone() for n, p in host.model.named_parameters() if marker in n}
+        assert weights.setdefault(version, copy).keys() == copy.keys()
+    host.join()
+    assert seen and all(v.startswith("x@") for v in seen)
+    for version, tokens in seen.items():
+        step = int(version.split("@")[1])
+        saved = load_file(tmp_path / "host" / "x" / f"step_{step}" / "adapter_model.safetensors")
+        assert sorted(saved) == sorted(weights[version])
+        assert all(torch.equal(saved[k], weights[version][k]) for k in saved), version  # the step's own adapter
+        own = tiny_runtime(tiny_model_dir, {version: tmp_path / "host" / "x" / f"step_{step}"})
+        assert _generate(own, version) == tokens, version
+        own.close()
+    first = load_file(tmp_path / "host" / "x" / "step_1" / "adapter_model.safetensors")
+    last = load_file(tmp_path / "host" / "x" / f"step_{HP['steps']}" / "adapter_model.safetensors")
+    assert any(not torch.equal(first[k], last[k]) for k in first)  # the adapter moved: a stale copy shows
+    runtime.close()
+    runtime.unload_adapters()
+    assert list(host.model.peft_config) == []

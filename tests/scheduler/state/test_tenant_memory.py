@@ -39,3 +39,23 @@ def test_unknown_means_counted_in_tasks_only(tmp_path) -> None:
     assert memory_need(spec(1, model), None) is None  # not shareable
     assert memory_need(spec(1, model, target_modules=["lm_head"]), model) is None  # no size for the module
     assert memory_need(spec(1, str(tmp_path / "absent")), str(tmp_path / "absent")) is None
+
+
+def test_an_inference_task_serving_adapters_shares_like_lora_work_counting_its_resident_adapters(tmp_path) -> None:
+    from opentinker_scheduler.policy.placement import share_key
+    from opentinker_scheduler.state.tenant_memory import serves_own_weights
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    model = str(tmp_path)
+    base = 2 * (2 * 1000 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64)
+    serve = spec(1, model, max_resident_adapters=3)
+    serve.workload_type = "inference"
+    assert not serves_own_weights(serve) and share_key("inference", model, 1) == model
+    # 3 resident adapters of rank 16 on q, k, v, o, float32 weights only (4 bytes: no gradient, no optimizer)
+    assert memory_need(serve, model) == MemoryNeed(base, 3 * 4 * 2 * 16 * 448)
+    assert share_key("inference", model, 2) is None and share_key("inference", model, 0) is None  # one GPU only
+    for hp in ({"policies_only": True}, {"checkpoint_task_id": "full-1"}):
+        own = spec(1, model, **hp)
+        own.workload_type = "inference"
+        assert serves_own_weights(own) and share_key("inference", model, 1, own_weights=True) is None
+    assert not serves_own_weights(spec(1, model, policies_only=True))  # not an inference task

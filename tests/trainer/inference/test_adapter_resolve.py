@@ -2,7 +2,8 @@
 the decision ``SchedulerResolver`` makes on ``LookupTask``'s answer): finished ``lora_finetune``
 and ``sft`` tasks, ended training sessions (``lora_session``: their newest
 ``SaveWeightsForSampler`` or ``SaveState``) and running ones (their sampler saves only, the newest
-or the one at a step, ``<task id>@<step>``); anything else is refused naming the accepted workloads."""
+or the one at a step, ``<task id>@<step>``), running lora_finetune / sft tasks once they have a
+checkpoint (the newest, or the one at a step); anything else is refused naming the accepted workloads."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import pytest
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRefused
-from opentinker_trainer.inference.resolve import ADAPTER_WORKLOADS, adapter_checkpoint, split_adapter_name
+from opentinker_trainer.inference.resolve import (
+    ADAPTER_WORKLOADS,
+    adapter_checkpoint,
+    current_version,
+    split_adapter_name,
+)
 
 MODEL = "/models/m"
 
@@ -53,9 +59,16 @@ def test_a_running_session_without_a_sampler_save_is_refused_saying_what_to_call
         adapter_checkpoint("task-1@4", running, MODEL, step=4, checkpoints=[SAMPLER, STATE, LATER])
 
 
-def test_other_running_tasks_are_refused_until_they_finish() -> None:
-    with pytest.raises(AdapterRefused, match=r"task is RUNNING; its adapter can be served once it has finished"):
-        adapter_checkpoint("task-1", task("lora_finetune", C.TASK_STATE_RUNNING, checkpoint=SAMPLER), MODEL)
+def test_a_running_training_task_serves_its_published_checkpoints_once_it_has_one() -> None:
+    for workload in ("lora_finetune", "sft"):
+        running = task(workload, C.TASK_STATE_RUNNING, checkpoint=LATER)
+        assert adapter_checkpoint("task-1", running, MODEL).path == LATER.path
+        got = adapter_checkpoint("task-1@3", running, MODEL, step=3, checkpoints=[SAMPLER, LATER])
+        assert (got.path, got.step) == (SAMPLER.path, 3)
+        with pytest.raises(AdapterRefused, match=r"task is RUNNING and has no checkpoint yet; .*checkpoint_every"):
+            adapter_checkpoint("task-1", task(workload, C.TASK_STATE_RUNNING), MODEL)
+        with pytest.raises(AdapterRefused, match=r"task is PENDING and has no checkpoint yet"):
+            adapter_checkpoint("task-1", task(workload, C.TASK_STATE_PENDING), MODEL)
 
 
 def test_a_finished_task_serves_its_checkpoint_at_a_step() -> None:
@@ -92,3 +105,12 @@ def test_a_session_without_a_checkpoint_or_on_another_model_is_refused() -> None
     full = C.Checkpoint(step=1, path="/ck/full", format="hf_full")
     with pytest.raises(AdapterRefused, match="not a LoRA adapter"):
         adapter_checkpoint("task-1", task("lora_session", checkpoint=full), MODEL)
+
+
+def test_a_request_for_a_running_training_task_is_pinned_to_its_newest_checkpoint_on_arrival() -> None:
+    for workload in ("lora_finetune", "sft"):
+        assert current_version("task-1", task(workload, C.TASK_STATE_RUNNING, checkpoint=LATER)) == "task-1@5"
+        assert current_version("task-1", task(workload, C.TASK_STATE_RUNNING)) == "task-1"  # none yet: refused on load
+        assert current_version("task-1", task(workload, checkpoint=LATER)) == "task-1"  # finished: never changes
+    # A running session keeps its rule: its newest sampler save, resolved when loaded.
+    assert current_version("task-1", task("lora_session", C.TASK_STATE_RUNNING, checkpoint=LATER)) == "task-1"
