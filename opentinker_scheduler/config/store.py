@@ -19,10 +19,11 @@ schedulers share it.
                                 # false: commits return before the flush, several times the submit
                                 # rate on a slow disk, but a crash of the PostgreSQL server (not of
                                 # a scheduler) may lose the last ~0.6 s of acknowledged writes
-      flush: background         # with synchronous_commit: a group of writes commits at once and
-                                # a second connection flushes the WAL behind it (the scheduler
-                                # goes on meanwhile; nothing is acknowledged before the flush);
-                                # inline: the scheduler waits in each COMMIT for its flush
+      flush: inline             # with synchronous_commit: the scheduler waits in each group's
+                                # COMMIT for its WAL flush (the default); background: the group
+                                # commits at once and a second connection flushes the WAL behind
+                                # it while the scheduler goes on (nothing is acknowledged before
+                                # the flush; measured slower here, BENCHMARKS.md)
 
 The password is never part of the config value, a log line or an error: :meth:`StoreConfig.password`
 reads it when the store opens. With neither key, libpq's own ``PGPASSWORD`` / ``~/.pgpass`` apply.
@@ -54,7 +55,7 @@ class StoreConfig:
     renew_interval_s: float = 2.0
     call_timeout_s: float = 10.0
     synchronous_commit: bool = True
-    flush: str = "background"
+    flush: str = "inline"
 
     def password(self) -> str | None:
         """The database password from ``password_env`` or ``password_file`` (None: neither set).

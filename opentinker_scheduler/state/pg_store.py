@@ -322,9 +322,10 @@ class PostgresStore(_PgBase):
         synchronous_commit: False = PostgreSQL's ``synchronous_commit=off`` for this scheduler's
             sessions (``store.synchronous_commit``): a commit returns before its WAL is flushed.
         flush: with synchronous_commit, how a group commit (:mod:`.commit`) waits for its WAL
-            flush (``store.flush``): ``"background"`` (the default) commits the group
+            flush (``store.flush``): ``"background"`` commits the group
             asynchronously and has :class:`_WalFlusher` flush it on a connection of its own, so
-            the event loop goes on with the next group meanwhile; ``"inline"`` waits in the COMMIT.
+            the event loop goes on with the next group meanwhile; ``"inline"`` (the default)
+            waits in the COMMIT.
             Either way nothing is acknowledged before its flush.
 
     Raises:
@@ -345,7 +346,7 @@ class PostgresStore(_PgBase):
         pool_size: int = 4,
         application_name: str = "opentinker-scheduler",
         synchronous_commit: bool = True,
-        flush: str = "background",
+        flush: str = "inline",
     ) -> None:
         if flush not in ("background", "inline"):
             raise ValueError(f"flush: expected background or inline, got {flush!r}")

@@ -139,8 +139,8 @@ def test_store_defaults_to_sqlite_and_reads_postgres() -> None:
     )
     s = cfg.store
     assert s.synchronous_commit is False
-    assert s.flush == "background"
-    assert parse_config("store:\n  kind: postgres\n  dsn: host=db\n  flush: inline\n").store.flush == "inline"
+    assert s.flush == "inline"
+    assert parse_config("store:\n  kind: postgres\n  dsn: host=db\n  flush: background\n").store.flush == "background"
     assert (s.kind, s.dsn, s.password_env, s.schema, s.leader_lease_s, s.renew_interval_s) == (
         "postgres",
         "host=db dbname=opentinker user=ot",

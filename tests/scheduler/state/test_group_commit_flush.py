@@ -15,7 +15,7 @@ import pytest
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker_scheduler.errors import StoreUnavailable
-from tests.support.scheduler_core import drain, make_core, register, spec
+from tests.support.scheduler_core import drain, register, spec
 from tests.support import stores
 from tests.support.stores import committed
 
@@ -43,8 +43,17 @@ def _blocker(store) -> psycopg.Connection:
     return conn
 
 
-def _core(tmp_path):
-    core = make_core(tmp_path)
+def _core(tmp_path, flush: str = "background"):
+    """A core with group commit on a fresh PostgreSQL schema with ``store.flush: flush``, leading,
+    one node registered."""
+    from opentinker_scheduler.config import PoolNode, SchedulerConfig
+    from opentinker_scheduler.state.core import SchedulerCore
+    from opentinker_scheduler.state.pg_store import PostgresStore
+
+    store = PostgresStore(stores.current.server.dsn(), schema_name=stores.current.server.new_schema(), flush=flush)
+    stores.current.opened.append(store)
+    stores.take_lead(store)
+    core = SchedulerCore(SchedulerConfig(resource_pool=(PoolNode("gpu-node-01", 4, 8),), state_dir=tmp_path), store)
     core.enable_group_commit()
     node, _ = register(core)
     return core, node
@@ -123,17 +132,8 @@ def test_a_failed_flush_fails_its_group_and_reloads_memory(tmp_path) -> None:
 
 
 def test_inline_flush_commits_synchronously(tmp_path) -> None:
-    from opentinker_scheduler.config import PoolNode, SchedulerConfig
-    from opentinker_scheduler.state.core import SchedulerCore
-    from opentinker_scheduler.state.pg_store import PostgresStore
-
-    store = PostgresStore(stores.current.server.dsn(), schema_name=stores.current.server.new_schema(), flush="inline")
-    stores.current.opened.append(store)
-    stores.take_lead(store)
-    assert store._flusher is None
-    core = SchedulerCore(SchedulerConfig(resource_pool=(PoolNode("gpu-node-01", 4, 8),), state_dir=tmp_path), store)
-    core.enable_group_commit()
-    node, _ = register(core)
+    core, node = _core(tmp_path, flush="inline")
+    assert core.store._flusher is None
 
     async def main() -> None:
         task = core.submit(spec(gpus=1), owner="u")
