@@ -28,6 +28,7 @@ Usage::
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py             # SmolLM2-135M-Instruct, both runs
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py --only numeric --length-weight 0   # format term only
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py --only numeric --steps 32 --lr 2e-3 --kl-coef 0.1
     .venv/bin/python scripts/bench_rlvr.py --model /path/to/tiny --steps 2 --eval-prompts 4   # smoke run
 """
 
