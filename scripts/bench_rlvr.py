@@ -17,7 +17,10 @@ twice on the same data and seed:
 Prints the held-out greedy accuracy (``eval/accuracy``: the model's reply to each held-out
 problem, the verifier's judgement) before the first update (``eval/accuracy_start``) and every
 ``--eval-every`` steps, the sampled reward per step, seconds per step, and a JSON line with
-everything; accuracies with their binomial standard error. Exits 0 when the held-out accuracy
+everything; accuracies with their binomial standard error. The evaluations score the same
+held-out problems, so each is also compared *paired* with the starting model's
+(:func:`paired_comparison`): how many problems went wrong -> right and right -> wrong, and the exact
+McNemar test's two-sided p-value (:func:`mcnemar_exact`). Exits 0 when the held-out accuracy
 after the last step is above the starting one in every run. One torch thread
 (``OMP_NUM_THREADS=1``): on a shared 2-core box two threads made the evaluation 3-4x slower.
 
@@ -25,6 +28,7 @@ Usage::
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py             # SmolLM2-135M-Instruct, both runs
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py --only numeric --length-weight 0   # format term only
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py --only numeric --steps 32 --lr 2e-3 --kl-coef 0.1
     .venv/bin/python scripts/bench_rlvr.py --model /path/to/tiny --steps 2 --eval-prompts 4   # smoke run
 """
 
@@ -79,6 +83,43 @@ def std_err(p: float, n: int) -> float:
     return math.sqrt(p * (1.0 - p) / n) if n else 0.0
 
 
+def mcnemar_exact(gained: int, lost: int) -> float:
+    """The exact McNemar test's two-sided p-value for paired right/wrong judgements.
+
+    ``gained``: problems wrong before and right after; ``lost``: right before and wrong after (the
+    problems judged alike both times carry no information). Under "no change" each of the
+    ``n = gained + lost`` discordant problems is equally likely to go either way, so the smaller
+    count is Binomial(n, 1/2); the p-value is twice its lower tail, at most 1 (1.0 when n = 0).
+    The same as ``scipy.stats.binomtest(gained, n, 0.5).pvalue`` (McNemar 1947, Psychometrika 12;
+    the exact form: Fagerland, Lydersen and Laake 2013, BMC Med Res Methodol 13:91).
+
+    Raises:
+        ValueError: a negative count.
+    """
+    if gained < 0 or lost < 0:
+        raise ValueError(f"counts must be >= 0, got gained={gained}, lost={lost}")
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(gained, lost) + 1)) / 2**n
+    return min(1.0, 2.0 * tail)
+
+
+def paired_comparison(before: list[bool], after: list[bool]) -> dict:
+    """Two evaluations of the same problems (``before[i]`` and ``after[i]``: problem ``i`` judged
+    right) compared problem by problem: ``gained`` (wrong -> right), ``lost`` (right -> wrong) and
+    the exact McNemar two-sided ``p`` (:func:`mcnemar_exact`).
+
+    Raises:
+        ValueError: the two lists are of different lengths (not the same problems).
+    """
+    if len(before) != len(after):
+        raise ValueError(f"paired evaluations must score the same problems: {len(before)} vs {len(after)} judgements")
+    gained = sum(1 for b, a in zip(before, after) if a and not b)
+    lost = sum(1 for b, a in zip(before, after) if b and not a)
+    return {"gained": gained, "lost": lost, "p": mcnemar_exact(gained, lost)}
+
+
 class Progress(io.StringIO):
     """The worker's report stream, kept for the summary and echoed as one short line per step
     (a run takes minutes: show where it is)."""
@@ -109,6 +150,25 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
     from opentinker_trainer.context import WorkerContext
     from opentinker_trainer.workloads import grpo_text
 
+    # Each evaluation's per-problem judgements (the trainer keeps them on ``eval_right``), by the
+    # number of updates before it: the paired comparison needs them, the metrics carry only means.
+    judged: dict[int, list[bool]] = {}
+    original = grpo_text._Trainer.evaluate
+
+    def evaluate(trainer, updates: int) -> dict:
+        out = original(trainer, updates)
+        judged[updates] = list(trainer.eval_right)
+        if updates and 0 in judged:
+            c = paired_comparison(judged[0], judged[updates])
+            print(
+                f"  [{mode}] eval after {updates} steps vs step 0: +{c['gained']} -{c['lost']} "
+                f"(McNemar p {c['p']:.3g})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return out
+
+    grpo_text._Trainer.evaluate = evaluate
     server = RewardServer(client_reward).start() if mode == "client" else None
     try:
         reward = server.reward_config if server else {"verifier": "numeric", "terms": TERMS}
@@ -128,6 +188,7 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
             "group_size": args.group_size,
             "max_new_tokens": args.max_new_tokens,
             "learning_rate": args.lr,
+            "kl_coef": args.kl_coef,
             "temperature": args.temperature,
             "seed": args.seed,
         }
@@ -146,6 +207,7 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
         grpo_text.run(ctx)
         wall = time.perf_counter() - t0
     finally:
+        grpo_text._Trainer.evaluate = original
         if server is not None:
             server.stop(grace=0)
     metrics = [json.loads(line) for line in ctx.out.getvalue().splitlines()]
@@ -155,6 +217,9 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
     curve = [(0, first["eval/accuracy_start"])] + [
         (m["step"], m["values"]["eval/accuracy"]) for m in metrics if "eval/accuracy" in m["values"]
     ]
+    paired = [
+        {"step": s, "right": sum(judged[s]), **paired_comparison(judged[0], judged[s])} for s in sorted(judged) if s
+    ]
     rewards = [round(m["values"]["reward"], 3) for m in metrics]
     steps_s = [m["values"]["perf/step_s"] for m in metrics]
     return {
@@ -163,6 +228,8 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
         "accuracy_curve": [(s, round(a, 4), round(std_err(a, n_eval), 4)) for s, a in curve],
         "accuracy_before": curve[0][1],
         "accuracy_after": curve[-1][1],
+        # each evaluation against step 0, problem by problem: wrong->right, right->wrong, McNemar p
+        "paired_vs_start": paired,
         "reward_per_step": rewards,
         "eval_prompts": n_eval,
         "step_s": sum(steps_s) / len(steps_s),
@@ -184,6 +251,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the base model (adapter off); 0: none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--format-weight", type=float, default=0.5, help='weight of "the reply is just a number"')
     ap.add_argument("--length-weight", type=float, default=0.5, help="weight of the length term (0: none)")
@@ -209,11 +277,14 @@ def main() -> int:
                 f"by step {curve}",
                 flush=True,
             )
+            pairs = ", ".join(f"{c['step']}: +{c['gained']} -{c['lost']} p {c['p']:.3g}" for c in r["paired_vs_start"])
+            print(f"         paired vs step 0 (wrong->right, right->wrong, exact McNemar p): {pairs}", flush=True)
             print(f"         sampled reward per step {r['reward_per_step']}", flush=True)
             print(f"         {r['step_s']:.1f} s/step, {r['wall_s']:.0f} s in all (incl. loading and evaluation)")
     print(
         f"lora_finetune on {Path(args.model).name}, {args.steps} steps x {args.prompts_per_step} prompts x "
-        f"{args.group_size} samples, {args.max_new_tokens} new tokens, lr {args.lr:g}, seed {args.seed}"
+        f"{args.group_size} samples, {args.max_new_tokens} new tokens, lr {args.lr:g}, kl_coef {args.kl_coef:g}, "
+        f"seed {args.seed}"
     )
     print(json.dumps({"args": vars(args), "results": results}))
     return 0 if all(r["accuracy_after"] > r["accuracy_before"] for r in results) else 1

@@ -182,6 +182,7 @@ class _Trainer:
         )
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self.client_reward = None
+        self.eval_right: list[bool] = []  # the last held-out evaluation, per problem (evaluate)
         self.env = TEXT_ENVS[ctx.spec.env.env_id](self)
         if self.dp is not None:
             if cfg.prompts_per_step < self.dp.world_size:
@@ -349,6 +350,10 @@ class _Trainer:
         steps the model has been trained for (for the log line). Sharded (FSDP), every rank
         generates (each forward a collective, ``synced_gpus``) and only rank 0 scores: the others
         return ``{}``.
+
+        Also keeps the per-problem judgements on ``self.eval_right`` (one bool per held-out
+        problem, in ``env.eval_problems`` order, the same problems every evaluation) for a paired
+        comparison between evaluations (``scripts/bench_rlvr.py``); not a metric.
         """
         env: PromptsEnv = self.env
         problems = env.eval_problems
@@ -377,6 +382,7 @@ class _Trainer:
             right = [r is not None and r >= env.config.eval_threshold for r in rewards]
         else:
             right = [env.correct(r, p) for r, p in zip(replies, problems)]
+        self.eval_right = right
         got = [r for r in rewards if r is not None]
         out = {"eval/accuracy": sum(right) / len(problems), "eval/prompts": float(len(problems))}
         if got:  # none when every client reward of the evaluation is missing

@@ -45,7 +45,8 @@ def test_eval_accuracy_is_the_share_of_held_out_prompts_the_verifier_passes(tiny
     data = write(tmp_path / "p.jsonl", [*lines, {"prompt": "no answer"}])
     env = {"path": str(data), "reward": {"verifier": "regex"}, "eval_fraction": 0.5, "eval_every": 1}
     ctx = make_ctx(tiny_model_dir, tmp_path, "eval", env, steps=2)
-    grpo_text.run(ctx)
+    trainer = grpo_text._Trainer(ctx)  # what grpo_text.run does, keeping the trainer to look at
+    trainer.run()
 
     held_out = PromptsEnv(ctx.spec.env, load_lines(data.read_text().splitlines())).eval_problems
     want = sum(p.expected == ANYTHING for p in held_out) / len(held_out)
@@ -55,6 +56,8 @@ def test_eval_accuracy_is_the_share_of_held_out_prompts_the_verifier_passes(tiny
     assert metrics[0]["eval/accuracy_start"] == want and "eval/accuracy_start" not in metrics[1]
     assert [m["eval/prompts"] for m in metrics] == [6.0, 6.0]
     assert all(m["data/skipped_lines"] == 1.0 for m in metrics)  # the line without an answer
+    # The last evaluation's judgements, problem by problem in held-out order (for paired comparisons).
+    assert trainer.eval_right == [p.expected == ANYTHING for p in held_out]
 
 
 def test_eval_runs_every_n_steps_and_after_the_last(tiny_model_dir, tmp_path) -> None:
