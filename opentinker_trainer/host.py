@@ -301,6 +301,15 @@ class ModelHost:
             with _lm.peft_wrapping():
                 self.model = PeftModel.from_pretrained(self.base, str(source), adapter_name=name, is_trainable=True)
         else:
+            if getattr(self.model, "active_adapter", None) not in self.model.peft_config:
+                # Every adapter was deleted (the last tenant ended, e.g. preempted): PEFT keeps the
+                # deleted name active and load_adapter then fails (KeyError, peft 0.21). Add the
+                # adapter from its config first, the RNG untouched (its weights are loaded next).
+                import torch
+
+                with torch.random.fork_rng():
+                    self.model.add_adapter(name, LoraConfig.from_pretrained(str(source)))
+                self.model.set_adapter(name)  # a live name active again; its parameters trainable
             self.model.load_adapter(str(source), adapter_name=name, is_trainable=True)
         try:
             missing, not_loaded = unloaded_keys(self.model, name, source)

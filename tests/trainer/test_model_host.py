@@ -315,3 +315,28 @@ def test_a_serving_tenant_serves_a_training_tenants_live_adapter_as_of_its_last_
     runtime.close()
     runtime.unload_adapters()
     assert list(host.model.peft_config) == []
+
+
+def test_an_adapter_is_loaded_from_a_checkpoint_after_every_other_was_deleted(tiny_model_dir: Path, tmp_path) -> None:
+    # A preempted task's next attempt lands on the same host after its first attempt's adapter,
+    # the host's last one, was deleted: loading it from the checkpoint must work (PEFT keeps a
+    # deleted last adapter's name active, and its load_adapter then raised KeyError).
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import load_file
+
+    host = ModelHost(str(tiny_model_dir), "cpu", "auto", io.StringIO())
+    cfg = SimpleNamespace(lora_rank=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    host.add_adapter("ta-a1", cfg, None, "fresh")
+    host.model.save_pretrained(str(tmp_path / "ck"), selected_adapters=["ta-a1"])
+    saved_dir = tmp_path / "ck" / "ta-a1"
+    host.delete_adapter("ta-a1")
+    assert list(host.model.peft_config) == []
+    rng = torch.random.get_rng_state()
+    host.add_adapter("ta-a2", cfg, saved_dir, "resume_from")
+    assert torch.equal(rng, torch.random.get_rng_state()), "loading drew from the tenant's RNG stream"
+    saved = load_file(str(saved_dir / "adapter_model.safetensors"))
+    state = host.model.state_dict()
+    assert saved and all(torch.equal(v, state[k.replace(".weight", ".ta-a2.weight")]) for k, v in saved.items())
+    assert all(p.requires_grad for n, p in host.model.named_parameters() if "ta-a2" in n)
