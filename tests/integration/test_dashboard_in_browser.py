@@ -176,11 +176,12 @@ def _loaded(browser, condition, what: str):
 
 
 def _points(browser, chart_id: str) -> list[int]:
-    from selenium.webdriver.common.by import By
-
-    return [
-        int(p.get_attribute("data-points")) for p in browser.find_elements(By.CSS_SELECTOR, f"#{chart_id} path.curve")
-    ]
+    """The point counts of a chart's curves, read in one script: the page redraws a live chart
+    between two WebDriver calls (a curve found by one call may be gone by the next)."""
+    return browser.execute_script(
+        "return Array.from(document.querySelectorAll(arguments[0]), p => parseInt(p.getAttribute('data-points')))",
+        f"#{chart_id} path.curve",
+    )
 
 
 def test_login_then_cluster_shows_the_node(browser, dash) -> None:
