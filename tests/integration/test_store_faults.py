@@ -59,11 +59,6 @@ def _committed(cluster, task_id: str) -> list[str]:
     return sorted(n.removesuffix("/.manifest.json") for n in names if n.endswith("/.manifest.json"))
 
 
-def _began(proc) -> list[int]:
-    """Steps of the uploads the worker began, in order (a retry of one again)."""
-    return [e["step"] for e in proc.log_events() if e.get("event") == "checkpoint upload"]
-
-
 def _uploads(proc) -> tuple[set[int], set[int]]:
     """Steps whose upload the worker began, and those it stored (its log)."""
     events = proc.log_events()
@@ -85,16 +80,17 @@ def test_a_kill_during_an_upload_then_the_store_going_away(store_cluster, tiny_m
         cluster.wait_state(task_id, running, what=lambda t: t.latest_checkpoint.step >= 2)
 
         # 1. kill -9 of the trainer while its upload hangs in a silent network
-        began_before = len(_began(first))
-        proxy.pause()  # an upload begun from here on cannot finish
+        proxy.pause()  # an upload with bytes still to send from here on cannot finish
 
-        def began_since() -> int | None:
-            later = _began(first)[began_before:]
-            return later[0] if later else None
+        def held() -> int | None:
+            """The step of the upload begun and not stored while the network holds its bytes (one
+            begun before the pause counts too: it may have been caught mid-way)."""
+            began, stored = _uploads(first)
+            pending = began - stored
+            return min(pending) if pending and proxy.unread_bytes() > 0 else None
 
-        cluster.wait_state(task_id, running, what=lambda t: began_since() is not None)
-        half = began_since()
-        wait_for(lambda: proxy.unread_bytes() > 0, what="the upload's requests held in the silent network")
+        cluster.wait_state(task_id, running, what=lambda t: held() is not None)
+        half = held()
         prev = max(_uploads(first)[1])  # the worker stores one checkpoint at a time: all before it
         assert prev < half
         cluster.wait_state(task_id, running, what=lambda t: t.latest_checkpoint.step == prev)
