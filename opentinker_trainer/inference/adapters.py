@@ -272,17 +272,25 @@ class AdapterRegistry:
         path = Path(path if path is not None else self.resolve(name))
         size = validate_adapter(path, self.base)
         with self._lock:
-            if len(self._resident) >= self.max_resident:
-                victim = next((e for e in self._resident.values() if e.in_use == 0), None)
-                if victim is None:
-                    raise AdaptersBusy(
-                        f"all {self.max_resident} adapter slots are in use by running requests; retry later "
-                        "(or raise max_resident_adapters)"
-                    )
-                self._unload(victim.name)
+            self._make_room()
             self._load(name, path)
             now = time.time()
             self._resident[name] = _Resident(name, str(path), size, now, now, in_use=1)
+
+    def _make_room(self) -> None:
+        """With the lock held: unload the first idle resident adapter when every slot is taken.
+
+        Raises:
+            AdaptersBusy: every resident adapter is in use by running requests.
+        """
+        if len(self._resident) >= self.max_resident:
+            victim = next((e for e in self._resident.values() if e.in_use == 0), None)
+            if victim is None:
+                raise AdaptersBusy(
+                    f"all {self.max_resident} adapter slots are in use by running requests; retry later "
+                    "(or raise max_resident_adapters)"
+                )
+            self._unload(victim.name)
 
     def acquire_copy(self, name: str, source: str) -> bool:
         """On a shared model: make ``name`` a resident copy of the host's adapter ``source`` (a
@@ -317,14 +325,7 @@ class AdapterRegistry:
         ):
             return False
         with self._lock:
-            if len(self._resident) >= self.max_resident:
-                victim = next((e for e in self._resident.values() if e.in_use == 0), None)
-                if victim is None:
-                    raise AdaptersBusy(
-                        f"all {self.max_resident} adapter slots are in use by running requests; retry later "
-                        "(or raise max_resident_adapters)"
-                    )
-                self._unload(victim.name)
+            self._make_room()
             frozen = copy.deepcopy(config)
             frozen.inference_mode = True
             peft = self.peft_name(name)
