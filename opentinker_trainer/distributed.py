@@ -42,6 +42,7 @@ import multiprocessing.connection
 import os
 import signal
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -478,6 +479,9 @@ class _Watchdog(threading.Thread):
         super().__init__(name="rank-watchdog", daemon=True)
         self.ctx, self.procs, self.errors, self.plan = ctx, procs, errors, plan
         self.done = threading.Event()
+        #: ``local rank -> exit code`` of every child this thread reaped (read by :func:`_lost_rank`:
+        #: once this thread has reaped a child, another ``waitpid`` on it learns nothing).
+        self.exitcodes: dict[int, int] = {}
 
     def run(self) -> None:
         live = {p.sentinel: (i + 1, p) for i, p in enumerate(self.procs)}
@@ -486,6 +490,7 @@ class _Watchdog(threading.Thread):
             for s in ready:
                 local_rank, p = live.pop(s)
                 p.join()
+                self.exitcodes[local_rank] = p.exitcode
                 if p.exitcode == 0 or self.done.is_set():
                     continue
                 self._fail(local_rank, p)
@@ -592,27 +597,40 @@ def launch(
     except BaseException as exc:
         watchdog.done.set()
         # A collective that broke because a local rank died: say which rank, not only gloo's words.
-        lost = _lost_rank(procs, plan)
+        lost = _lost_rank(procs, plan, watchdog.exitcodes)
         _kill(procs)
         if lost is not None and not isinstance(exc, UserError):
             raise RuntimeError(f"{lost}; the other ranks' collective broke ({type(exc).__name__})") from exc
         raise
 
 
-def _lost_rank(procs: list, plan: RankPlan, wait_s: float = 2.0) -> str | None:
+def _lost_rank(procs: list, plan: RankPlan, reaped: dict[int, int], wait_s: float = 5.0) -> str | None:
     """``"rank R (pid P) killed by signal S"`` of the first local rank a signal ended, waiting up
-    to ``wait_s`` for one to finish dying; None when none did (a rank that raised exits with a
-    code: most likely the same broken collective, e.g. after a remote member was lost)."""
-    live = [p for p in procs if p.exitcode is None]
-    if live:
-        ready = multiprocessing.connection.wait([p.sentinel for p in live], timeout=wait_s)
-        for p in live:
-            if p.sentinel in ready:
-                p.join(timeout=wait_s)  # reap it: the sentinel is ready before waitpid has a status
-    for i, p in enumerate(procs):
-        if p.exitcode is not None and p.exitcode < 0:
-            return f"rank {plan.rank_offset + i + 1} (pid {p.pid}) killed by signal {-p.exitcode}"
-    return None
+    to ``wait_s`` seconds for one to finish dying; None when none did (a rank that raised exits
+    with a code: most likely the same broken collective, e.g. after a remote member was lost).
+
+    ``reaped``: exit codes the watchdog thread already collected (``local rank -> code``). A child
+    is reaped once: when the watchdog's ``waitpid`` won, this thread's sees no status, so the code
+    is read from there. The wait ends early once every child's end is known."""
+    deadline = time.monotonic() + wait_s
+
+    def code(i: int, p) -> int | None:
+        c = p.exitcode
+        return c if c is not None else reaped.get(i + 1)
+
+    while True:
+        codes = [code(i, p) for i, p in enumerate(procs)]
+        for i, c in enumerate(codes):
+            if c is not None and c < 0:
+                return f"rank {plan.rank_offset + i + 1} (pid {procs[i].pid}) killed by signal {-c}"
+        left = deadline - time.monotonic()
+        if all(c is not None for c in codes) or left <= 0:
+            return None
+        live = [p.sentinel for p, c in zip(procs, codes) if c is None]
+        # A ready sentinel may precede the status by a moment (waitpid in the other thread):
+        # wait at most 50 ms at a time and look again.
+        if multiprocessing.connection.wait(live, timeout=min(left, 0.05)):
+            time.sleep(0.005)
 
 
 def per_rank_count(total: int, dp: DataParallel | None, field: str) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 
 from opentinker.node.v1 import node_pb2
@@ -67,3 +70,47 @@ def test_the_trainers_that_run_distributed_are_those_the_spec_lets_span_nodes() 
     from opentinker_trainer.distributed import DISTRIBUTED_TRAINERS
 
     assert DISTRIBUTED_TRAINERS == GANG_WORKLOADS
+
+
+def _sleeper() -> None:
+    import time
+
+    time.sleep(60)
+
+
+def test_a_rank_killed_by_a_signal_is_named_even_when_another_thread_reaped_it() -> None:
+    """The watchdog thread may ``waitpid`` a dead rank first; the launcher's own look then sees
+    no status (the ``Process`` says its exit code is None), and must take the watchdog's record
+    instead of reporting the surviving rank's broken collective."""
+    import multiprocessing
+    import signal
+
+    from opentinker_trainer.distributed import _lost_rank
+
+    plan = plan_for(node_pb2.AssignTask(spec=GRPO, device_indices=[0, 1]), "cpu")
+    p = multiprocessing.get_context("spawn").Process(target=_sleeper)
+    p.start()
+    try:
+        os.kill(p.pid, signal.SIGKILL)
+        _, status = os.waitpid(p.pid, 0)  # reaped behind the Process's back, as by another thread
+        assert p.exitcode is None
+        assert _lost_rank([p], plan, {}, wait_s=0.2) is None  # nothing known: no rank named
+        code = os.waitstatus_to_exitcode(status)
+        assert _lost_rank([p], plan, {1: code}, wait_s=0.2) == f"rank 1 (pid {p.pid}) killed by signal 9"
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(p.pid, signal.SIGKILL)
+            os.waitpid(p.pid, 0)
+
+
+def test_a_rank_that_exited_with_a_code_is_not_named_as_lost() -> None:
+    import multiprocessing
+
+    from opentinker_trainer.distributed import _lost_rank
+
+    plan = plan_for(node_pb2.AssignTask(spec=GRPO, device_indices=[0, 1]), "cpu")
+    p = multiprocessing.get_context("spawn").Process(target=os._exit, args=(3,))
+    p.start()
+    p.join()
+    assert p.exitcode == 3
+    assert _lost_rank([p], plan, {}, wait_s=5.0) is None  # returns at once: every end is known
