@@ -73,10 +73,13 @@ __all__ = ["RoundRobin", "Tenant", "ModelHost", "shareable", "adapter_name"]
 
 log = structlog.get_logger("opentinker.host")
 
-#: ``(workload_type, env kind)`` of tasks a model host runs as tenants: LoRA GRPO on text, and
-#: serving the base model's LoRA adapters (``inference``; not ``policies_only``, which loads no
+#: ``(workload_type, env kind)`` of tasks a model host runs as tenants: LoRA GRPO on text, training
+#: sessions (``lora_session``, :mod:`opentinker_trainer.workloads.lora_session`), and serving the
+#: base model's LoRA adapters (``inference``; not ``policies_only``, which loads no
 #: language model, nor ``checkpoint_task_id``, whose base is another task's full weights).
-SHAREABLE: frozenset[tuple[str, str]] = frozenset({("lora_finetune", "text"), ("inference", "text")})
+SHAREABLE: frozenset[tuple[str, str]] = frozenset(
+    {("lora_finetune", "text"), ("inference", "text"), ("lora_session", "text")}
+)
 
 
 def shareable(assign: node_pb2.AssignTask) -> tuple[str, tuple[int, ...], str] | None:

@@ -18,7 +18,10 @@ samples, ``--max-tokens`` new tokens, temperature 1, LoRA r=16 on q/k/v/o) and s
   sessions (completion tokens sampled + tokens of the datums sent to ``forward_backward``) over
   the whole run, first step included (from the moment all threads start to the last one's end:
   the sessions drift apart, so there is no common window after the first step), and the ratio
-  n sessions / 1.
+  n sessions / 1; with the memory (resident, MiB) the sessions added to the process;
+* **sessions on one host** (``hosted``): the same ``n`` sessions as tenants of one model host
+  (one copy of the base model, an adapter and optimizer each, calls in turns), throughput and
+  memory against the ``n`` separate copies and the one session alone.
 
 ``--phases`` picks the parts (default all: ``builtin,client,sessions``).
 In the first two the first step of each loop is left out (warm-up). Prints the figures and the
@@ -28,6 +31,7 @@ of each loop (``--steps`` >= 6 for that to mean anything).
     .venv/bin/python scripts/bench_primitives.py                       # SmolLM2-135M-Instruct
     .venv/bin/python scripts/bench_primitives.py --model /path/tiny --steps 2 --calls 5   # smoke run
     .venv/bin/python scripts/bench_primitives.py --phases sessions --steps 2             # 4 sessions vs 1
+    .venv/bin/python scripts/bench_primitives.py --phases sessions,hosted --steps 2      # and on one model host
 """
 
 from __future__ import annotations
@@ -184,59 +188,136 @@ class CountingSession:
         return self.inner.forward_backward(datums, *args, **kwargs)
 
 
-def sessions_at_once(args, folder: Path, n: int) -> tuple[float, list[list[float]]]:
-    """``(tokens per second over all steps, per-session step seconds)``
-    of ``n`` sessions trained at the same time, each by its own client thread."""
-    from opentinker_client.training import TrainingSession
+def _rss_mib() -> float:
+    """Resident memory of this process, MiB (``/proc/self/statm``)."""
+    import os
+
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def separate_sessions(args, folder: Path, n: int) -> list:
+    """``n`` sessions, each its own model copy and server (as ``n`` workers would hold them)."""
     from opentinker_trainer.workloads.lora_session import open_session
 
-    own_loop = _own_loop()
     hp = {"lora_rank": 16, "lora_alpha": 32.0, "seed": args.seed}
     served = []
+    for i in range(n):
+        session, _ = open_session(_ctx("lora_session", args.model, hp, folder / f"sessions{n}-{i}"))
+        served.append(Served(session))
+    return served
+
+
+def sessions_at_once(args, folder: Path, n: int) -> tuple[float, list[list[float]]]:
+    """``(tokens per second over all steps, per-session step seconds)`` of ``n`` separate
+    sessions (:func:`separate_sessions`) trained at the same time, each by its own client thread."""
+    served = []
     try:
-        for i in range(n):
-            session, _ = open_session(_ctx("lora_session", args.model, hp, folder / f"sessions{n}-{i}"))
-            served.append(Served(session))
-        steps: list[list[tuple[float, float, int]]] = [[] for _ in range(n)]
-        errors: list[BaseException] = []
-        start = threading.Barrier(n)
-
-        def one(i: int) -> None:
-            client = CountingSession(TrainingSession(served[i].address, api_key=""))
-            try:
-                start.wait()
-                mark = [time.perf_counter(), 0]
-
-                def log(_line: str) -> None:
-                    now = time.perf_counter()
-                    steps[i].append((mark[0], now, client.tokens - mark[1]))
-                    mark[:] = [now, client.tokens]
-
-                own_loop.train(
-                    client,
-                    steps=args.steps,
-                    problems_per_step=args.prompts,
-                    group_size=args.group,
-                    max_tokens=args.max_tokens,
-                    learning_rate=args.lr,
-                    seed=args.seed + i,
-                    log=log,
-                )
-            except BaseException as exc:  # reported after the join
-                errors.append(exc)
-            finally:
-                client.close()
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        served = separate_sessions(args, folder, n)
+        return _train_at_once(args, [s.address for s in served])
     finally:
         for s in served:
             s.close()
+
+
+def hosted_sessions(args, folder: Path, n: int):
+    """``(host, addresses)``: ``n`` sessions as tenants of one model host, serving."""
+    from opentinker.common.v1 import common_pb2
+    from opentinker.node.v1 import node_pb2
+    from opentinker_trainer.host import ModelHost
+
+    out = io.StringIO()
+    host = ModelHost(args.model, "cpu", "auto", out)
+    ids = [f"hosted{n}-{i}" for i in range(n)]
+    for task_id in ids:
+        spec = common_pb2.TaskSpec(workload_type="lora_session", model=args.model)
+        spec.hyperparameters.update({"lora_rank": 16, "lora_alpha": 32.0, "seed": args.seed})
+        path = folder / f"{task_id}.pb"
+        path.write_bytes(node_pb2.AssignTask(task_id=task_id, attempt=1, spec=spec).SerializeToString())
+        host.add(path, folder / task_id)
+    addresses: dict[str, str] = {}
+    while len(addresses) < n:
+        for line in out.getvalue().splitlines():
+            r = json.loads(line) if line.strip() else {}
+            if r.get("type") == "endpoint":
+                addresses[r["task_id"]] = r["address"]
+            elif r.get("type") == "failed":
+                host.stop_all()
+                raise RuntimeError(f"session {r.get('task_id')} failed on the host: {r.get('error')}")
+        time.sleep(0.1)
+    return host, [addresses[t] for t in ids]
+
+
+def memory_of(args, kind: str, n: int) -> float:
+    """Resident MiB of a fresh process holding ``n`` sessions (``kind`` ``separate`` or
+    ``hosted``), serving, before any call: this script run again with ``--memory-of``."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, __file__, "--model", args.model, "--memory-of", f"{kind}:{n}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def sessions_on_host(args, folder: Path, n: int) -> tuple[float, list[list[float]]]:
+    """As :func:`sessions_at_once`, the ``n`` sessions tenants of one model host
+    (:class:`opentinker_trainer.host.ModelHost`): one copy of the base, an adapter and optimizer
+    each, every call in its tenant's turn, the servers in this process as in a host's."""
+    host, addresses = hosted_sessions(args, folder, n)
+    try:
+        return _train_at_once(args, addresses)
+    finally:
+        host.stop_all()
+        host.join()
+
+
+def _train_at_once(args, addresses: list[str]) -> tuple[float, list[list[float]]]:
+    """Train one session per address at the same time, each by its own client thread running
+    ``own_loop_rl.train``; ``(tokens per second, per-session step seconds)``."""
+    from opentinker_client.training import TrainingSession
+
+    own_loop = _own_loop()
+    n = len(addresses)
+    steps: list[list[tuple[float, float, int]]] = [[] for _ in range(n)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        client = CountingSession(TrainingSession(addresses[i], api_key=""))
+        try:
+            start.wait()
+            mark = [time.perf_counter(), 0]
+
+            def log(_line: str) -> None:
+                now = time.perf_counter()
+                steps[i].append((mark[0], now, client.tokens - mark[1]))
+                mark[:] = [now, client.tokens]
+
+            own_loop.train(
+                client,
+                steps=args.steps,
+                problems_per_step=args.prompts,
+                group_size=args.group,
+                max_tokens=args.max_tokens,
+                learning_rate=args.lr,
+                seed=args.seed + i,
+                log=log,
+            )
+        except BaseException as exc:  # reported after the join
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
     # Every step, from the start (all threads released at once) to the last session's end: the
     # sessions drift apart, so "the steps after the first" are no common window.
     begin = min(st[0][0] for st in steps)
@@ -260,11 +341,25 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--sessions", type=int, default=4, help="sessions trained at once (the last phase)")
-    p.add_argument("--phases", default="builtin,client,sessions", help="comma-separated: builtin, client, sessions")
+    p.add_argument("--memory-of", default="", help=argparse.SUPPRESS)  # KIND:N, the child of memory_of()
+    p.add_argument(
+        "--phases", default="builtin,client,sessions", help="comma-separated: builtin, client, sessions, hosted"
+    )
     args = p.parse_args()
+    if args.memory_of:
+        kind, n = args.memory_of.split(":")
+        with tempfile.TemporaryDirectory(prefix="bench-primitives-memory-") as tmp:
+            held = (separate_sessions if kind == "separate" else hosted_sessions)(args, Path(tmp), int(n))
+            print(f"{_rss_mib():.1f}", flush=True)
+            del held
+            import os
+
+            os._exit(0)  # the servers' threads need no goodbye
     phases = set(args.phases.split(","))
-    if not phases or phases - {"builtin", "client", "sessions"} or args.steps < 2 or args.sessions < 2:
-        p.error("--phases: builtin, client and/or sessions; --steps >= 2 (the first is left out); --sessions >= 2")
+    if not phases or phases - {"builtin", "client", "sessions", "hosted"} or args.steps < 2 or args.sessions < 2:
+        p.error(
+            "--phases: builtin, client, sessions and/or hosted; --steps >= 2 (the first is left out); --sessions >= 2"
+        )
     if not Path(args.model).exists():
         print(f"{args.model} does not exist (make install prepares SmolLM2-135M-Instruct)", file=sys.stderr)
         return 2
@@ -287,6 +382,19 @@ def main() -> int:
             print("1 session step_s", [[round(x, 2) for x in st] for st in alone_steps], flush=True)
             together, together_steps = sessions_at_once(args, folder, args.sessions)
             print(f"{args.sessions} sessions step_s", [[round(x, 2) for x in st] for st in together_steps], flush=True)
+        if "hosted" in phases:
+            mib = {
+                "1 session": memory_of(args, "separate", 1),
+                f"{args.sessions} separate": memory_of(args, "separate", args.sessions),
+                f"{args.sessions} on one host": memory_of(args, "hosted", args.sessions),
+            }
+            print("resident MiB of a process holding them:", {k: round(v) for k, v in mib.items()}, flush=True)
+            hosted, hosted_steps = sessions_on_host(args, folder, args.sessions)
+            print(
+                f"{args.sessions} sessions on one host step_s",
+                [[round(x, 2) for x in st] for st in hosted_steps],
+                flush=True,
+            )
     if "builtin" in phases and "client" in phases:
         b, c = _mean(b_steps[1:]), _mean(c_steps[1:])
         print(f"per step (first left out): built-in GRPO {b:.2f} s, client-side GRPO {c:.2f} s, ratio {c / b:.2f}x")
@@ -304,6 +412,17 @@ def main() -> int:
             f"tokens/s (sampled + trained, all steps): 1 session {alone:.0f}, "
             f"{args.sessions} sessions at once {together:.0f} in all, ratio {together / alone:.2f}x"
         )
+    if "hosted" in phases:
+        k = args.sessions
+        one, separate, shared = mib["1 session"], mib[f"{k} separate"], mib[f"{k} on one host"]
+        line = (
+            f"{k} sessions on one model host: tokens/s {hosted:.0f} in all; resident memory {shared:.0f} MiB = "
+            f"{shared / one:.2f}x one session's {one:.0f} MiB ({k} separate copies: {separate:.0f} MiB, "
+            f"{separate / one:.2f}x)"
+        )
+        if "sessions" in phases:
+            line += f"; throughput vs {k} separate copies {hosted / together:.2f}x, vs 1 session {hosted / alone:.2f}x"
+        print(line)
     return 0
 
 

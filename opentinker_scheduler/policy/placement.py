@@ -170,8 +170,9 @@ class NodeCapacity:
 
 
 #: Workload types whose tasks train a LoRA adapter on a frozen base model, so several may share
-#: a GPU when they use the same base model.
-LORA_WORKLOADS: frozenset[str] = frozenset({"lora_finetune"})
+#: a GPU when they use the same base model: ``lora_finetune`` runs (GRPO) and training
+#: sessions (``lora_session``, each a tenant of the node's model host).
+LORA_WORKLOADS: frozenset[str] = frozenset({"lora_finetune", "lora_session"})
 
 
 #: Workload types that serve a base model and its LoRA adapters: an inference task on one GPU

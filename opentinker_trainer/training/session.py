@@ -17,10 +17,17 @@ Usable without a channel (the tests drive it directly); :mod:`.server` adapts it
   checkpoint folder: the adapter in PEFT format (``adapter_config.json`` +
   ``adapter_model.safetensors``) and ``trainer_state.pt`` (step, AdamW state, the name, the
   next sequence number), the folder a ``lora_finetune`` task writes.
+
+On a model host (:mod:`opentinker_trainer.host`) the model is the host's shared base with this
+session's adapter among other tenants' (``adapter_name``, ``params``); every call that uses the
+model then runs inside the tenant's turn (``turn``): its adapter active, its RNG streams in place,
+no other tenant's step in between.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import re
@@ -51,6 +58,24 @@ __all__ = [
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 #: ``trainer_state.pt`` ``kind`` of a full state and of a frozen copy for a sampler.
 KIND_STATE, KIND_SAMPLER = "session_state", "sampler_weights"
+
+
+def _in_turn(method):
+    """Run ``method`` inside the session's turn on the model (once: a call within a call, such as
+    :meth:`TrainingSession.adopt` loading a state, holds the turn it is in)."""
+
+    @functools.wraps(method)
+    def in_turn(self: "TrainingSession", *args, **kwargs):
+        if self._holding:
+            return method(self, *args, **kwargs)
+        with self._turn():
+            self._holding = True
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._holding = False
+
+    return in_turn
 
 
 def check_state_name(name: str) -> str:
@@ -137,6 +162,15 @@ class TrainingSession:
         checkpoint_dir: where states are written (``state_<name>``, ``sampler_<name>``).
         publish: ``(step, folder, kind) -> artifact key`` puts a written state into the artifact
             store (the workload's; None: folders only).
+        params: the adapter's parameters, for the optimizer and the gradient (default: every
+            parameter of ``model`` that requires a gradient; a model host's tenant passes its own,
+            :meth:`opentinker_trainer.host.Tenant.parameters`).
+        adapter_name: the PEFT name of the session's adapter in ``model`` (``default`` alone).
+        turn: a context manager factory each call that uses the model runs in (a model host's
+            :meth:`~opentinker_trainer.host.Tenant.turn`; default: none).
+
+    Raises:
+        ValueError: ``model`` has no trainable (adapter) parameters.
 
     Not thread-safe: one call at a time (the servicer's :class:`~.sequencing.Sequencer` sees to it).
     """
@@ -153,8 +187,14 @@ class TrainingSession:
         checkpoint_dir: Path | None = None,
         publish: Callable[[int, Path, str], str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        params: Sequence[torch.nn.Parameter] | None = None,
+        adapter_name: str = "default",
+        turn: Callable[[], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         self.model = model
+        self.adapter_name = adapter_name
+        self._turn = turn or contextlib.nullcontext
+        self._holding = False
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.lora = dict(lora)
@@ -162,7 +202,7 @@ class TrainingSession:
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.publish = publish
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = list(params) if params is not None else [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("model: expected trainable (adapter) parameters, found none")
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.0)
@@ -256,6 +296,7 @@ class TrainingSession:
             out[i] = torch.cat([head[g][:n_prefix].detach(), scored[r, : len(completions[r])]])
         return out
 
+    @_in_turn
     def forward(self, datums: Sequence[Datum]) -> list[list[float]]:
         """Log-prob of each target token of each datum under the current weights; no state change.
 
@@ -271,6 +312,7 @@ class TrainingSession:
                     out[i] = lp.tolist()
         return out
 
+    @_in_turn
     def forward_backward(
         self, datums: Sequence[Datum], loss_fn: str, *, clip_epsilon: float | None = None
     ) -> ForwardBackwardResult:
@@ -341,6 +383,7 @@ class TrainingSession:
             metrics["clip_fraction"] = clipped / tokens
         return ForwardBackwardResult(logprobs, losses, float(sum(losses)), metrics, self.accumulated_calls)
 
+    @_in_turn
     def optim_step(self, adam: AdamParams) -> tuple[int, float]:
         """Apply the accumulated gradient with AdamW; returns ``(step, grad_norm before clipping)``.
 
@@ -389,6 +432,7 @@ class TrainingSession:
                 raise BadRequest(f"prompt.tokens[{t}]: expected a token id in [0, {self.vocab_size}), got {tok}")
         return list(tokens)
 
+    @_in_turn
     def sample(
         self,
         prompt: list[int],
@@ -462,6 +506,7 @@ class TrainingSession:
             raise NotReady("this session has no checkpoint folder; it cannot save states")
         return self.checkpoint_dir / f"{prefix}_{name}"
 
+    @_in_turn
     def save_state(self, name: str, *, next_sequence: int, kind: str = KIND_STATE) -> SavedState:
         """Write state ``name`` (``kind`` :data:`KIND_SAMPLER`: the adapter only, no optimizer) and
         publish it; returns what was saved. ``next_sequence``: the sequence number a session
@@ -485,6 +530,7 @@ class TrainingSession:
             self.states[name] = saved
         return saved
 
+    @_in_turn
     def adopt(self, folder: Path) -> int:
         """Take the state in ``folder`` (a resumed attempt's ``resume_from``, whose adapter the
         model was loaded with) as this session's: its optimizer and step; returns its
@@ -496,6 +542,7 @@ class TrainingSession:
         self.load_state(name, with_optimizer=True)
         return int(state.get("next_sequence", 0))
 
+    @_in_turn
     def load_state(self, name: str, *, with_optimizer: bool) -> int:
         """Load state ``name``'s adapter (and optimizer and step); clear the accumulated gradient.
         Returns the step.
@@ -527,7 +574,7 @@ class TrainingSession:
         weights = load_file(str(folder / "adapter_model.safetensors"), device=str(self.device))
         trainer = _lm.load_trainer_state(folder)
         with torch.no_grad():
-            result = set_peft_model_state_dict(self.model, weights, adapter_name="default")
+            result = set_peft_model_state_dict(self.model, weights, adapter_name=self.adapter_name)
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
         if unexpected:
             raise NotReady(f"state {name!r}: keys that match no adapter weight: {unexpected[:5]}")

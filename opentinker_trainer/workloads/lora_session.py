@@ -14,6 +14,12 @@ Security and TLS as the ``inference`` workload (:mod:`opentinker_trainer.workloa
 API key, so only the task's owner (or an admin) may use the session; with
 ``OPENTINKER_SERVE_TLS_CERT`` / ``_KEY`` the port speaks TLS and the endpoint is ``https://``.
 
+On a model host (:mod:`opentinker_trainer.host`; ``ctx.tenant`` set) the session is a tenant: its
+adapter is one of the host's on the base model the host loaded once (fresh from the seed, or the
+state it resumes from, as above), its optimizer is over that adapter alone, and every call that uses
+the model runs in its turn (:class:`~opentinker_trainer.training.session.TrainingSession`'s
+``turn``), between its neighbours' steps and serving turns; its server runs in the host process.
+
 States (``SaveState``) are written under ``ctx.checkpoint_dir`` and put into the artifact store
 before they are reported as checkpoints of the task (format ``peft_lora``).
 """
@@ -53,9 +59,16 @@ def open_session(ctx: WorkerContext) -> tuple[TrainingSession, int]:
         UserError: the model or the state resumed from cannot be loaded.
     """
     cfg = ctx.spec.hyperparameters
-    device = torch.device(ctx.device)
-    dtype = _lm.resolve_dtype(cfg.dtype, device)
-    tokenizer, model = _lm.load_for_training(ctx, cfg, device, dtype, full=False)
+    tenant = getattr(ctx, "tenant", None)
+    shared: dict = {}
+    if tenant is not None:  # a model host's tenant: the host's base with this attempt's adapter
+        with ctx.turn():
+            tokenizer, model = tenant.attach(cfg)
+        shared = {"params": tenant.parameters(), "adapter_name": tenant.name, "turn": ctx.turn}
+    else:
+        device = torch.device(ctx.device)
+        dtype = _lm.resolve_dtype(cfg.dtype, device)
+        tokenizer, model = _lm.load_for_training(ctx, cfg, device, dtype, full=False)
 
     def publish(step: int, folder: Path, kind: str) -> str:
         artifact = ctx.emit_checkpoint(step, folder, final=False, fmt=_lm.FORMAT_LORA)
@@ -72,6 +85,7 @@ def open_session(ctx: WorkerContext) -> tuple[TrainingSession, int]:
         micro_batch_tokens=cfg.micro_batch_tokens,
         checkpoint_dir=Path(ctx.checkpoint_dir),
         publish=publish,
+        **shared,
     )
     next_sequence = session.adopt(Path(ctx.resume_from)) if ctx.resume_from is not None else 0
     return session, next_sequence
