@@ -15,7 +15,12 @@ Starts its own PostgreSQL on loopback (``initdb`` in a temporary folder, as the 
                 each): ``--tasks`` SubmitTask calls closed-loop with ``--concurrency`` in flight
                 (no nodes: tasks stay queued). submits/s and latency p50/p99; the ratio of the
                 medians PostgreSQL / SQLite (goal >= 0.7).
-  3. lease      the renewal statement's round trip (median, p99 over ``--renewals``), and the
+  3. core       the scheduler's core alone, in this process, no gRPC: ``--tasks`` submits through
+                ``SchedulerCore.submit`` and its group commit (``durable``), ``--concurrency`` in
+                flight, on SQLite and on PostgreSQL (synchronous_commit on, flush inline)
+                alternately (``--submit-rounds`` each): this process's CPU per submit (the
+                scheduler's share; PostgreSQL's own process is not counted) and submits/s.
+  4. lease      the renewal statement's round trip (median, p99 over ``--renewals``), and the
                 CPU an idle leader and an idle follower use (both renew or look every
                 ``renew_interval``).
 
@@ -301,6 +306,57 @@ async def submits_phase(args, server, tmp: Path) -> dict:
     }
 
 
+async def _core_run(store, tmp: Path, tasks: int, concurrency: int, tag: str) -> dict:
+    """``tasks`` submits through a fresh :class:`SchedulerCore` on ``store`` (group commit on, no
+    nodes: the tasks stay queued), ``concurrency`` at once, each awaited until durable."""
+    from opentinker_scheduler.config import PoolNode, SchedulerConfig
+    from opentinker_scheduler.state.core import SchedulerCore
+    from tests.support.scheduler_core import spec
+
+    pool = (PoolNode("gpu-node-01", 4, 8),)  # in the pool, never connected: the tasks wait for it
+    core = SchedulerCore(SchedulerConfig(resource_pool=pool, state_dir=tmp), store)
+    core.enable_group_commit()
+    todo = iter(range(tasks))
+
+    async def worker() -> None:
+        for i in todo:
+            core.submit(spec(gpus=1), owner="bench", request_id=f"{tag}-{i}")
+            await core.durable()
+
+    cpu, t = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - t
+    store.close()
+    return {"cpu_us_per_submit": cpu / tasks * 1e6, "submits_per_s": tasks / wall}
+
+
+async def core_phase(args, server, tmp: Path) -> dict:
+    from opentinker_scheduler.state.pg_store import PostgresStore
+    from opentinker_scheduler.state.store import Store
+    from tests.support.stores import take_lead
+
+    out: dict[str, list[dict]] = {"sqlite": [], "postgres": []}
+    for r in range(args.submit_rounds):
+        for kind in out:
+            folder = tmp / f"core-{kind}-{r}"
+            folder.mkdir(parents=True)
+            if kind == "sqlite":
+                store = Store(folder)
+            else:
+                store = PostgresStore(server.dsn(), schema_name=server.new_schema("core"), flush="inline")
+                take_lead(store)
+            got = await _core_run(store, folder, args.tasks, args.concurrency, f"{kind}{r}")
+            got["load1"] = os.getloadavg()[0]
+            out[kind].append(got)
+            print(
+                f"  {kind:10s} round {r + 1}: {got['cpu_us_per_submit']:6.0f} us CPU per submit, "
+                f"{got['submits_per_s']:7.1f} submits/s (load {got['load1']:.1f})"
+            )
+    cpu = {k: statistics.median(x["cpu_us_per_submit"] for x in v) for k, v in out.items()}
+    rate = {k: statistics.median(x["submits_per_s"] for x in v) for k, v in out.items()}
+    return {"rounds": out, "median_cpu_us_per_submit": cpu, "median_submits_per_s": rate}
+
+
 async def lease_phase(args, server, tmp: Path) -> dict:
     from opentinker_scheduler.state.pg_store import PostgresStore
 
@@ -354,6 +410,9 @@ async def main(args) -> dict:
         if "submits" in args.only:
             print(f"submits: {args.tasks} closed-loop, {args.concurrency} in flight, PostgreSQL fsync {args.pg_fsync}")
             results["submits"] = await submits_phase(args, server, tmp)
+        if "core" in args.only:
+            print(f"core: {args.tasks} submits in this process, {args.concurrency} in flight, no gRPC")
+            results["core"] = await core_phase(args, server, tmp)
         if "lease" in args.only:
             print("lease: renewal round trip and idle CPU")
             results["lease"] = await lease_phase(args, server, tmp)
@@ -373,6 +432,13 @@ async def main(args) -> dict:
         print(f"submits/s: sqlite {m['sqlite']:.1f} (p99 {p['sqlite']:.1f} ms)")
         for k, ratio in s["ratio_over_sqlite"].items():
             print(f"           {k} {m[k]:.1f} (p99 {p[k]:.1f} ms): {ratio:.2f} x sqlite (goal >= 0.7)")
+    if "core" in results:
+        c = results["core"]
+        cpu, rate = c["median_cpu_us_per_submit"], c["median_submits_per_s"]
+        print(
+            f"core alone: CPU per submit sqlite {cpu['sqlite']:.0f} us, postgres {cpu['postgres']:.0f} us "
+            f"({cpu['postgres'] / cpu['sqlite']:.2f} x); submits/s {rate['sqlite']:.0f} / {rate['postgres']:.0f}"
+        )
     if "lease" in results:
         le = results["lease"]
         print(
@@ -388,7 +454,7 @@ if __name__ == "__main__":
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument(
-        "--only", action="append", choices=["failover", "submits", "lease"], help="phases (default all)"
+        "--only", action="append", choices=["failover", "submits", "core", "lease"], help="phases (default all)"
     )
     parser.add_argument("--nodes", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=5)
@@ -415,7 +481,7 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="a smoke run: 5 nodes, 1 round, 200 tasks")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     a = parser.parse_args()
-    a.only = a.only or ["failover", "submits", "lease"]
+    a.only = a.only or ["failover", "submits", "core", "lease"]
     if a.quick:
         a.nodes, a.rounds, a.tasks, a.submit_rounds, a.renewals, a.idle_s = 5, 1, 200, 1, 50, 3.0
         a.lease, a.renew = 3.0, 0.5
