@@ -74,8 +74,10 @@ class AuditLog:
         **detail: Any,
     ) -> None:
         """Log and store one record. ``detail`` values must be JSON-serializable (others are
-        stored as their ``str``). A failing database write is logged, never raised: the action
-        itself already happened (or was refused) and the log line stands."""
+        stored as their ``str``). The row joins the store's open transaction (a group commit's:
+        :meth:`~opentinker_scheduler.state.store.SqlStore.add_audit`), so it commits with the
+        action's own writes. A failing database write is logged, never raised: the action itself
+        already happened (or was refused) and the log line stands."""
         now = time.time()
         log.info(
             "audit",
@@ -91,11 +93,9 @@ class AuditLog:
         if self.store is None or self.store.read_only:
             return  # a follower writes nothing; the log line stands (the leader audits what it does)
         try:
-            with self.store.batch():
-                self.store.db.execute(
-                    "INSERT INTO audit_log (time, owner, role, key_prefix, action, task_id, outcome, detail) "
-                    "VALUES (?,?,?,?,?,?,?,?)",
-                    (now, owner, role, key_prefix, action, task_id, outcome, json.dumps(detail, default=str)),
+            with self.store.batch():  # written with the open (group) transaction's other writes
+                self.store.add_audit(
+                    (now, owner, role, key_prefix, action, task_id, outcome, json.dumps(detail, default=str))
                 )
         except Exception as exc:  # noqa: BLE001 - see docstring
             log.error("audit record not stored", action=action, error=repr(exc))

@@ -544,6 +544,7 @@ class LeaseChannel(_PgBase):
         self._tx_depth = 0
         self._tx_failed = False
         self._tx_fenced = False
+        self._audit_rows = []
         self.before_write = None
         self.role = "setup"
         self.epoch = None

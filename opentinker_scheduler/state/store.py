@@ -251,6 +251,7 @@ class SqlStore:
         self._tx_depth = 0
         self._tx_failed = False
         self._tx_fenced = True
+        self._audit_rows: list[tuple] = []
         #: Called before every write transaction starts; the core uses it to open a group commit.
         self.before_write: Callable[[], None] | None = None
         #: "leader", "follower" or "setup" (see the module docstring).
@@ -817,6 +818,34 @@ class SqlStore:
         all of it back."""
         return self._tx()
 
+    #: Audit rows per INSERT statement (8 parameters each: within SQLite's 999 and far within
+    #: PostgreSQL's 65,535).
+    AUDIT_ROWS_PER_INSERT = 100
+
+    def add_audit(self, row: tuple) -> None:
+        """Add one ``audit_log`` row ``(time, owner, role, key_prefix, action, task_id, outcome,
+        detail_json)`` to the open transaction (``with store.batch(): ...``). The rows of a
+        transaction are written together, in one multi-row INSERT, just before it commits (on
+        PostgreSQL one round trip for a whole group commit instead of one per record), so they
+        commit or roll back with the writes of the actions they describe.
+
+        Raises:
+            RuntimeError: no transaction is open."""
+        if not self._tx_depth:
+            raise RuntimeError("add_audit: expected an open transaction (with store.batch(): ...)")
+        self._audit_rows.append(row)
+
+    def _write_audit_rows(self, rows: list[tuple]) -> None:
+        step = self.AUDIT_ROWS_PER_INSERT
+        for i in range(0, len(rows), step):
+            chunk = rows[i : i + step]
+            values = ",".join(["(?,?,?,?,?,?,?,?)"] * len(chunk))
+            self.db.execute(
+                "INSERT INTO audit_log (time, owner, role, key_prefix, action, task_id, outcome, detail) "
+                f"VALUES {values}",
+                tuple(v for row in chunk for v in row),
+            )
+
     def transaction(self, *, flush_behind: bool = False) -> "SqlStore._Tx":
         """Like :meth:`batch` but without calling ``before_write`` (the group commit's own).
 
@@ -850,6 +879,7 @@ class SqlStore:
                 s._begin(self.flush_behind)
                 s._tx_failed = False
                 s._tx_fenced = self.fenced
+                s._audit_rows = []
             s._tx_depth += 1
 
         def __exit__(self, exc_type, exc, tb):
@@ -858,6 +888,7 @@ class SqlStore:
             if exc_type is not None:
                 s._tx_failed = True
             if s._tx_depth == 0:
+                audit, s._audit_rows = s._audit_rows, []
                 if s._tx_failed:
                     if s._in_transaction():  # the database may have rolled back already (e.g. disk full)
                         s._rollback()
@@ -865,6 +896,8 @@ class SqlStore:
                         s._raise_rolled_back()
                 else:
                     try:
+                        if audit:
+                            s._write_audit_rows(audit)
                         s._commit(s.epoch if s._tx_fenced and s.role == "leader" else None)
                     except BaseException:
                         if s._in_transaction():

@@ -183,3 +183,27 @@ def test_an_adapter_import_is_audited_and_takes_a_submit_token(tmp_path) -> None
     assert ok[0].key_prefix == alice_info.prefix and ok[0].detail["model"] == "acme/tiny"
     assert ok[0].detail["total_bytes"] == sum(len(v) for v in good_files().values())
     assert len(refused) == 1 and "limits.submit_rate" in refused[0].detail["error"]
+
+
+def test_the_records_of_a_transaction_commit_or_roll_back_with_it_in_order(tmp_path, store_backend) -> None:
+    """Records made inside a (group) transaction are written when it commits, together, in the
+    order they were made, more of them than one INSERT carries; a transaction that fails takes
+    its records with it, and nothing is written before the commit."""
+    store = make_store(tmp_path / "s")
+    audit = AuditLog(store)
+    n = store.AUDIT_ROWS_PER_INSERT + 5
+    try:
+        with store.batch():
+            for i in range(n):
+                audit.record("task.submit", owner=f"o{i}", role="user", task_id=f"t{i}")
+            assert store._audit_rows and len(store._audit_rows) == n  # held for the commit
+        with pytest.raises(RuntimeError), store.batch():
+            audit.record("task.cancel", owner="x", role="user", task_id="lost")
+            raise RuntimeError("a later write of the same transaction failed")
+        records = audit.list(limit=1000)
+        assert [r.task_id for r in reversed(records)] == [f"t{i}" for i in range(n)]
+        assert "lost" not in {r.task_id for r in records}
+        with pytest.raises(RuntimeError, match="open transaction"):
+            store.add_audit((0.0, "o", "user", "", "task.submit", "t", "OK", "{}"))
+    finally:
+        store.close()
