@@ -799,6 +799,7 @@ class RLClient:
         self,
         model: str,
         *,
+        lora: bool = True,
         lora_rank: int = 16,
         lora_alpha: float = 32.0,
         target_modules: Iterable[str] | None = None,
@@ -818,7 +819,9 @@ class RLClient:
         ``save_state`` ...; docs/primitives.md).
 
         Submits a ``lora_session`` task (a LoRA adapter of ``lora_rank`` / ``lora_alpha`` on
-        ``target_modules``, seeded by ``seed``; it ends after ``idle_timeout`` seconds without a
+        ``target_modules``, seeded by ``seed``; with ``lora=False`` every weight of the model
+        trains instead, where the device's memory allows: about 16 bytes per parameter in
+        float32 with AdamW; it ends after ``idle_timeout`` seconds without a
         call, or at ``max_runtime``), placed like any task (``gpu_count``, ``priority``), waits up
         to ``timeout`` seconds until it serves and returns a
         :class:`~opentinker_client.training.TrainingSession` that sends this client's API key.
@@ -830,6 +833,7 @@ class RLClient:
             task ended before serving. DeadlineExceededError: not serving within ``timeout``.
         """
         hp: dict[str, Any] = {
+            "lora": bool(lora),
             "lora_rank": int(lora_rank),
             "lora_alpha": float(lora_alpha),
             "seed": int(seed),

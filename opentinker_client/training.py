@@ -194,6 +194,8 @@ class SessionInfo:
     stop_token_ids: list[int]
     accumulated_calls: int
     states: list[str] = field(default_factory=list)
+    #: Every weight of the model trains (``lora=False``): no adapter, ``lora_rank`` 0.
+    full_weights: bool = False
 
 
 _STOP = {training_pb2.STOP_REASON_STOP: "stop", training_pb2.STOP_REASON_LENGTH: "length"}
@@ -525,6 +527,7 @@ class TrainingSession:
             stop_token_ids=list(r.stop_token_ids),
             accumulated_calls=r.accumulated_calls,
             states=list(r.states),
+            full_weights=r.full_weights,
         )
 
     def get_tokenizer(self, source: str | os.PathLike | None = None):

@@ -84,10 +84,12 @@ SHAREABLE: frozenset[tuple[str, str]] = frozenset(
 
 def shareable(assign: node_pb2.AssignTask) -> tuple[str, tuple[int, ...], str] | None:
     """The host key ``(spec.model, device indices, dtype)`` of ``assign`` when it can run as a
-    tenant of a model host, else None. Shareable: a LoRA GRPO task on a text environment or an
+    tenant of a model host, else None. Shareable: a LoRA GRPO task on a text environment, a
+    training session (``lora_session``) or an
     inference task serving the base model's adapters (:data:`SHAREABLE`), one rank (at most one
     device, no gang), whose base weights are ``spec.model`` (not an ``init_from`` full-weight
-    checkpoint; for serving, neither ``policies_only`` nor ``checkpoint_task_id``), with a valid
+    checkpoint; for serving, neither ``policies_only`` nor ``checkpoint_task_id``; for a training
+    session, not ``lora: false``), with a valid
     spec (an invalid one goes to a worker, which reports the error)."""
     from opentinker_common.spec import SpecError, env_kind, spec_from_proto
 
@@ -101,6 +103,7 @@ def shareable(assign: node_pb2.AssignTask) -> tuple[str, tuple[int, ...], str] |
         kind not in SHAREABLE
         or getattr(hp, "policies_only", False)
         or getattr(hp, "checkpoint_task_id", "")
+        or getattr(hp, "lora", True) is False  # a full-weight session: weights of its own
         or len(assign.device_indices) > 1
         or (assign.HasField("gang") and assign.gang.world_size > 1)
         or assign.init_checkpoint.format == "hf_full"

@@ -1,8 +1,10 @@
 """Hyper-parameters of ``lora_session``: a training session that serves ``TrainingService``.
 
-A ``lora_session`` task holds one LoRA adapter on its base model (``spec.model``) and lets its
-owner run their own training loop client-side with primitives (forward_backward, optim_step,
-sample, save/load state; ``docs/primitives.md``). The scheduler places it like any task (owner,
+A ``lora_session`` task holds one LoRA adapter on its base model (``spec.model``), or with
+``lora: false`` all of the model's weights (where the device's memory allows: float32 weights,
+gradients and AdamW's two moments are about 16 bytes per parameter), and lets its owner run
+their own training loop client-side with primitives (forward_backward, optim_step, sample,
+save/load state; ``docs/primitives.md``). The scheduler places it like any task (owner,
 priority, ``max_runtime``); it is RUNNING while it serves, shows its address in
 ``Task.endpoint``, and ends SUCCEEDED after ``idle_timeout_s`` seconds without a call, CANCELLED
 when cancelled.
@@ -22,9 +24,14 @@ __all__ = ["LoraSessionConfig"]
 @dataclass(frozen=True)
 class LoraSessionConfig:
     """A ``lora_session`` task: an adapter of ``lora_rank`` / ``lora_alpha`` on ``target_modules``,
-    initialised from ``seed``, trained by the owner's calls; bounds per call on datums, tokens and
+    initialised from ``seed`` (or, with ``lora: false``, every weight of the model: the LoRA
+    fields are then unused), trained by the owner's calls; bounds per call on datums, tokens and
     calls in flight (RESOURCE_EXHAUSTED beyond them)."""
 
+    lora: bool = field(
+        default=True,
+        metadata={"doc": "train a LoRA adapter (true) or all weights (false: states are full hf_full checkpoints)"},
+    )
     lora_rank: int = lm_fields.lora_rank()
     lora_alpha: float = lm_fields.lora_alpha()
     lora_dropout: float = lm_fields.lora_dropout()
@@ -48,7 +55,8 @@ class LoraSessionConfig:
     dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
 
     def check(self, path: str) -> None:
-        lm_fields.check_target_modules(self.target_modules, path)
+        if self.lora:
+            lm_fields.check_target_modules(self.target_modules, path)
 
 
 # A session needs no environment; the default env (the text task) satisfies the spec.

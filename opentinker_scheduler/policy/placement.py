@@ -182,9 +182,12 @@ SERVING_WORKLOADS: frozenset[str] = frozenset({"inference"})
 
 def share_key(workload_type: str, model: str, gpu_count: int, *, own_weights: bool = False) -> str | None:
     """The GPU-sharing key of a task: its base model for a LoRA workload on GPUs, or for an
-    inference task on one GPU serving that model's adapters (``own_weights`` False: not
-    ``policies_only``, not another task's full weights); else None (the task needs its GPUs to
-    itself)."""
+    inference task on one GPU serving that model's adapters; else None (the task needs its GPUs
+    to itself). ``own_weights``: the task holds weights of its own rather than an adapter on the
+    shared base (an inference task's ``policies_only`` or another task's full weights; a
+    training session with ``lora: false``), so it never shares."""
+    if own_weights:
+        return None
     if gpu_count > 0 and workload_type in LORA_WORKLOADS:
         return model
     if gpu_count == 1 and workload_type in SERVING_WORKLOADS and not own_weights:

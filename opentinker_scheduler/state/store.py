@@ -39,7 +39,7 @@ from opentinker.common.v1 import common_pb2
 from opentinker_scheduler.errors import NotLeader, StoreUnavailable
 from opentinker_common.spec.tracking import EXTRAS as TRACKING_EXTRAS
 from opentinker_scheduler.policy.placement import MemoryNeed, share_key
-from opentinker_scheduler.state.tenant_memory import memory_need, serves_own_weights
+from opentinker_scheduler.state.tenant_memory import memory_need, serves_own_weights, trains_all_weights
 from opentinker_scheduler.state import schema
 from opentinker_scheduler.state.schema import LEASE_NAME, SchemaTooNew  # noqa: F401  (re-exported)
 
@@ -108,9 +108,8 @@ class TaskRow:
     def share_key(self) -> str | None:
         """GPU-sharing key (:func:`~opentinker_scheduler.policy.placement.share_key`): the base model of
         a LoRA task on GPUs, None for a task that needs its GPUs to itself."""
-        return share_key(
-            self.spec.workload_type, self.spec.model, self.gpu_count, own_weights=serves_own_weights(self.spec)
-        )
+        own = serves_own_weights(self.spec) or trains_all_weights(self.spec)
+        return share_key(self.spec.workload_type, self.spec.model, self.gpu_count, own_weights=own)
 
     @functools.cached_property
     def tracking_loggers(self) -> frozenset[str]:

@@ -42,6 +42,15 @@ def serves_own_weights(spec) -> bool:
     return bool(policies or full)
 
 
+def trains_all_weights(spec) -> bool:
+    """Whether a ``lora_session`` ``TaskSpec`` trains every weight of its model (``lora: false``),
+    so it cannot share a model host (False for every other workload)."""
+    if spec.workload_type != "lora_session" or not spec.HasField("hyperparameters"):
+        return False
+    fields = spec.hyperparameters.fields
+    return "lora" in fields and not fields["lora"].bool_value
+
+
 def memory_need(spec, key: str | None) -> MemoryNeed | None:
     """The estimate of a ``TaskSpec`` (``common_pb2.TaskSpec``) whose share key is ``key``
     (:func:`~opentinker_scheduler.policy.placement.share_key`): None unless ``key`` is set (a

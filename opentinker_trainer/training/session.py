@@ -156,7 +156,9 @@ class TrainingSession:
     Args:
         model, tokenizer: the PEFT model and its tokenizer (``_lm.load_for_training``).
         model_name: the base model as the task names it (written into saved adapters).
-        lora: ``{"lora_rank", "lora_alpha", "target_modules"}`` of the adapter.
+        lora: ``{"lora_rank", "lora_alpha", "target_modules"}`` of the adapter; None: the model is
+            a plain one whose every weight trains (full weights; states are ``hf_full`` folders:
+            ``config.json`` + ``model*.safetensors``, the tokenizer, ``trainer_state.pt``).
         limits: bounds per call (:class:`~.datums.Limits`).
         micro_batch_tokens: padded tokens per forward pass.
         checkpoint_dir: where states are written (``state_<name>``, ``sampler_<name>``).
@@ -181,7 +183,7 @@ class TrainingSession:
         tokenizer,
         *,
         model_name: str,
-        lora: dict[str, Any],
+        lora: dict[str, Any] | None,
         limits: Limits = Limits(),
         micro_batch_tokens: int = 8192,
         checkpoint_dir: Path | None = None,
@@ -197,7 +199,8 @@ class TrainingSession:
         self._holding = False
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.lora = dict(lora)
+        self.full = lora is None
+        self.lora = dict(lora) if lora is not None else {}
         self.limits = limits
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -519,11 +522,12 @@ class TrainingSession:
             "step": self.step,
             "next_sequence": int(next_sequence),
             "model": self.model_name,
-            "lora": self.lora,
+            "lora": self.lora or None,
         }
         if kind == KIND_STATE:
             state["optimizer"] = self.optimizer.state_dict()
-        _lm.save_checkpoint(folder, self.model, state, base_model=self.model_name or None)
+        tokenizer = self.tokenizer if self.full else None  # an hf_full folder loads on its own
+        _lm.save_checkpoint(folder, self.model, state, tokenizer=tokenizer, base_model=self.model_name or None)
         key = self.publish(self.step, folder, kind) if self.publish is not None else ""
         saved = SavedState(name, self.step, folder, key or "")
         if kind == KIND_STATE:
@@ -539,24 +543,49 @@ class TrainingSession:
         name = str(state.get("name") or folder.name)
         self.states[name] = SavedState(name, int(state["step"]), Path(folder))
         self.resumed_from = name
-        self.load_state(name, with_optimizer=True)
+        # Full weights were loaded from the folder itself (``_lm.load_for_training``): not again.
+        self._load(name, with_optimizer=True, weights=not self.full)
         return int(state.get("next_sequence", 0))
 
     @_in_turn
     def load_state(self, name: str, *, with_optimizer: bool) -> int:
-        """Load state ``name``'s adapter (and optimizer and step); clear the accumulated gradient.
+        """Load state ``name``'s weights (the adapter, or all weights of a full-weight session),
+        and its optimizer and step with ``with_optimizer``; clear the accumulated gradient.
         Returns the step.
 
         Raises:
             BadRequest: a bad name. StateNotFound: no state of that name.
-            NotReady: it was saved with another LoRA shape (rank, alpha, target modules).
+            NotReady: it was saved with another LoRA shape (rank, alpha, target modules), or it
+                holds full weights and this session trains an adapter (or the other way round).
         """
+        return self._load(name, with_optimizer=with_optimizer, weights=True)
+
+    def _load(self, name: str, *, with_optimizer: bool, weights: bool) -> int:
         check_state_name(name)
         saved = self.states.get(name)
         if saved is None:
             known = ", ".join(sorted(self.states)) or "none yet"
             raise StateNotFound(f"state {name!r}: no such state of this session (saved: {known})")
         folder = saved.folder
+        lora_state = (folder / "adapter_config.json").exists()
+        if lora_state == self.full:
+            theirs, mine = ("a LoRA adapter", "all weights") if lora_state else ("full weights", "a LoRA adapter")
+            raise NotReady(f"state {name!r} holds {theirs} and this session trains {mine}; it cannot be loaded here")
+        trainer = _lm.load_trainer_state(folder)
+        if weights and self.full:
+            self._load_full_weights(name, folder)
+        elif weights:
+            self._load_adapter(name, folder)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accumulated_calls = 0
+        if with_optimizer and "optimizer" in trainer:
+            self.optimizer.load_state_dict(trainer["optimizer"])
+            self.step = int(trainer["step"])
+        else:
+            self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.0)
+        return self.step
+
+    def _load_adapter(self, name: str, folder: Path) -> None:
         config = json.loads((folder / "adapter_config.json").read_text())
         mine = (int(self.lora["lora_rank"]), float(self.lora["lora_alpha"]), sorted(self.lora["target_modules"]))
         theirs = (
@@ -572,20 +601,38 @@ class TrainingSession:
         from safetensors.torch import load_file
 
         weights = load_file(str(folder / "adapter_model.safetensors"), device=str(self.device))
-        trainer = _lm.load_trainer_state(folder)
         with torch.no_grad():
             result = set_peft_model_state_dict(self.model, weights, adapter_name=self.adapter_name)
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
         if unexpected:
             raise NotReady(f"state {name!r}: keys that match no adapter weight: {unexpected[:5]}")
-        self.optimizer.zero_grad(set_to_none=True)
-        self.accumulated_calls = 0
-        if with_optimizer and "optimizer" in trainer:
-            self.optimizer.load_state_dict(trainer["optimizer"])
-            self.step = int(trainer["step"])
-        else:
-            self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.0)
-        return self.step
+
+    def _load_full_weights(self, name: str, folder: Path) -> None:
+        """Every weight of the model from the ``model*.safetensors`` files of ``folder``
+        (``save_pretrained``'s, one file or shards); weights tied to another (a tied output
+        embedding) may be absent, any other missing or unknown key refuses the state, the model
+        unchanged."""
+        from safetensors.torch import load_file
+
+        files = sorted(folder.glob("model*.safetensors"))
+        if not files:
+            raise NotReady(f"state {name!r}: no model*.safetensors in {folder.name}; not a full-weight state")
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            weights.update(load_file(str(f), device=str(self.device)))
+        own = dict(self.model.state_dict())
+        tied = {k for k, v in own.items() if any(v is not w and v.data_ptr() == w.data_ptr() for w in own.values())}
+        missing = sorted(set(own) - set(weights) - tied)
+        unexpected = sorted(set(weights) - set(own))
+        wrong = sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape)
+        if missing or unexpected or wrong:
+            raise NotReady(
+                f"state {name!r} does not fit this model: missing {missing[:5]}, unknown {unexpected[:5]}, "
+                f"other shapes {wrong[:5]}"
+            )
+        with torch.no_grad():
+            for k, v in weights.items():
+                own[k].copy_(v)
 
     def info(self) -> dict[str, Any]:
         """What GetInfo shows (less the sequence and attempt, which the servicer adds)."""
@@ -598,6 +645,7 @@ class TrainingSession:
             "chat_template": str(getattr(self.tokenizer, "chat_template", "") or ""),
             "model_config_json": config.to_json_string() if config is not None else "{}",
             "lora": self.lora,
+            "full": self.full,
             "step": self.step,
             "accumulated_calls": self.accumulated_calls,
             "states": sorted(self.states),

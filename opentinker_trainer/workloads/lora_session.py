@@ -2,8 +2,10 @@
 
 Loads the base model and a fresh LoRA adapter (``lora_rank`` / ``lora_alpha`` /
 ``target_modules``, initialised after ``torch.manual_seed(seed)`` as every LoRA trainer does), or
-the state it resumes from (``ctx.resume_from``, the newest ``SaveState`` of the task: adapter,
-AdamW state, step and the next sequence number); starts a grpc.aio server on
+with ``lora: false`` the base model with every weight trainable (states are then ``hf_full``
+checkpoints: all weights, the tokenizer and ``trainer_state.pt``), or the state it resumes
+from (``ctx.resume_from``, the newest ``SaveState`` of the task: adapter or weights, AdamW
+state, step and the next sequence number); starts a grpc.aio server on
 ``hyperparameters.port`` (0 = any free port), reports ``host:port`` upward (``ctx.emit_endpoint``;
 the scheduler shows it as ``Task.endpoint``) and serves until the task is cancelled or stopped
 (SIGTERM -> ``ctx.should_stop()``), or no call came for ``idle_timeout_s`` seconds (the task then
@@ -68,10 +70,11 @@ def open_session(ctx: WorkerContext) -> tuple[TrainingSession, int]:
     else:
         device = torch.device(ctx.device)
         dtype = _lm.resolve_dtype(cfg.dtype, device)
-        tokenizer, model = _lm.load_for_training(ctx, cfg, device, dtype, full=False)
+        tokenizer, model = _lm.load_for_training(ctx, cfg, device, dtype, full=not cfg.lora)
+    fmt = _lm.FORMAT_LORA if cfg.lora else _lm.FORMAT_FULL
 
     def publish(step: int, folder: Path, kind: str) -> str:
-        artifact = ctx.emit_checkpoint(step, folder, final=False, fmt=_lm.FORMAT_LORA)
+        artifact = ctx.emit_checkpoint(step, folder, final=False, fmt=fmt)
         if ctx.publisher is not None and artifact is None:
             raise Stopping(f"state at step {step}: the artifact store did not take it; nothing was recorded, try again")
         return (artifact or {}).get("key", "")
@@ -80,7 +83,11 @@ def open_session(ctx: WorkerContext) -> tuple[TrainingSession, int]:
         model,
         tokenizer,
         model_name=ctx.spec.model,
-        lora={"lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": list(cfg.target_modules)},
+        lora=(
+            {"lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": list(cfg.target_modules)}
+            if cfg.lora
+            else None
+        ),
         limits=Limits(cfg.max_datums_per_call, cfg.max_tokens_per_call, cfg.max_in_flight_calls),
         micro_batch_tokens=cfg.micro_batch_tokens,
         checkpoint_dir=Path(ctx.checkpoint_dir),

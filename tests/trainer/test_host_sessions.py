@@ -73,6 +73,9 @@ def test_a_training_session_is_shareable_on_one_device(tiny_model_dir: Path) -> 
     two = _session_assign("s", tiny_model_dir)
     two.device_indices[:] = [0, 1]
     assert shareable(two) is None
+    full = _session_assign("s", tiny_model_dir)
+    full.spec.hyperparameters.update({"lora": False})
+    assert shareable(full) is None  # full weights: weights of its own, a worker of its own
 
 
 @pytest.mark.usefixtures("reply_rewards")

@@ -59,3 +59,26 @@ def test_an_inference_task_serving_adapters_shares_like_lora_work_counting_its_r
         own.workload_type = "inference"
         assert serves_own_weights(own) and share_key("inference", model, 1, own_weights=True) is None
     assert not serves_own_weights(spec(1, model, policies_only=True))  # not an inference task
+
+
+def test_a_training_session_shares_like_lora_work_unless_it_trains_all_weights(tmp_path) -> None:
+    from opentinker_scheduler.policy.placement import share_key
+    from opentinker_scheduler.state.store import TaskRow
+    from opentinker_scheduler.state.tenant_memory import trains_all_weights
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    model = str(tmp_path)
+    session = spec(1, model, lora_rank=8)
+    session.workload_type = "lora_session"
+    assert not trains_all_weights(session) and share_key("lora_session", model, 1) == model
+    assert memory_need(session, model) == memory_need(spec(1, model, lora_rank=8), model)  # as a LoRA task's
+    assert share_key("lora_session", model, 0) is None  # on the CPU: a worker of its own
+    full = spec(1, model, lora=False)
+    full.workload_type = "lora_session"
+    assert trains_all_weights(full) and share_key("lora_session", model, 1, own_weights=True) is None
+    assert not trains_all_weights(spec(1, model, lora=False))  # not a session
+
+    def row(s) -> TaskRow:
+        return TaskRow("t", "o", s, 1, 1, 1, 1, 3, None, 0.0, 0.0)
+
+    assert row(session).share_key == model and row(full).share_key is None  # what placement uses

@@ -76,7 +76,14 @@ def world(tmp_path_factory, tiny_model_dir):
         )
         served = Served(open_session(ctx)[0], sched.target, task)
         try:
-            yield {"served": served, "alice": alice, "bob": bob, "admin": sched.admin_key, "task": task}
+            yield {
+                "served": served,
+                "alice": alice,
+                "bob": bob,
+                "admin": sched.admin_key,
+                "task": task,
+                "target": sched.target,
+            }
         finally:
             served.close()
     finally:
@@ -161,3 +168,24 @@ def test_only_the_owner_or_an_admin_may_call_the_session(world) -> None:
         TrainingSession(world["served"].address, api_key=world["bob"])
     with pytest.raises(UnauthenticatedError):
         TrainingSession(world["served"].address, api_key="")
+
+
+def test_a_full_weight_session_says_so_and_trains_over_grpc(world, tiny_model_dir, tmp_path) -> None:
+    ctx = worker_ctx(
+        tmp_path, "full", workload_type="lora_session", model=tiny_model_dir, env_config={},
+        hyperparameters={"lora": False}, task_id=world["task"],
+    )  # fmt: skip
+    served = Served(open_session(ctx)[0], world["target"], world["task"])
+    try:
+        with TrainingSession(served.address, api_key=world["alice"], task_id=world["task"]) as s:
+            info = s.get_info()
+            assert info.full_weights and (info.lora_rank, info.target_modules) == (0, [])
+            data = batch()
+            before = s.forward(data).result(timeout=60)
+            s.forward_backward(data, "cross_entropy").result(timeout=60)
+            assert s.optim_step(learning_rate=1e-3).result(timeout=60).step == 1
+            assert s.forward(data).result(timeout=60) != before
+            saved = s.save_state("full").result(timeout=60)
+            assert saved.step == 1 and (tmp_path / "full" / "state_full" / "model.safetensors").exists()
+    finally:
+        served.close()

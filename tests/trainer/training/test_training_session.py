@@ -379,3 +379,58 @@ def test_datums_sharing_an_unscored_prompt_run_it_once_with_the_same_gradient(se
     assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-4) for g, w in zip(grads(session), want))
     session.optimizer.zero_grad(set_to_none=True)
     session.accumulated_calls = 0
+
+
+def test_a_full_weight_session_trains_saves_and_resumes_every_weight(tiny_model_dir, tmp_path) -> None:
+    """``lora: false``: no adapter, every weight trains; a state is an ``hf_full`` folder that
+    loads on its own with ``from_pretrained``; resuming from it then one step equals the
+    uninterrupted run; a LoRA state is refused by a full session and the other way round."""
+    from transformers import AutoModelForCausalLM
+
+    batch = datums()
+    adam = AdamParams(learning_rate=5e-3)
+    run = new_session(tiny_model_dir, tmp_path, "full", lora=False)
+    assert run.full and not hasattr(run.model, "peft_config")
+    assert len(run.params) == len(list(run.model.parameters()))
+    before = adapter(run)
+    run.forward_backward(batch, "cross_entropy")
+    run.optim_step(adam)
+    moved = adapter(run)
+    assert moved.keys() == before.keys() and all(not torch.equal(before[k], moved[k]) for k in moved)
+    saved = run.save_state("one", next_sequence=3)
+    files = {f.name for f in saved.folder.iterdir()}
+    assert {"config.json", "model.safetensors", "trainer_state.pt", "tokenizer_config.json"} <= files
+    assert "adapter_config.json" not in files
+    loaded = AutoModelForCausalLM.from_pretrained(saved.folder)
+    assert same({n: p.detach() for n, p in loaded.named_parameters()}, moved, atol=0)
+    run.forward_backward(batch, "cross_entropy")
+    run.optim_step(adam)
+    uninterrupted = adapter(run)
+    info = run.info()
+    assert info["full"] and info["lora"] == {}
+
+    ctx = worker_ctx(
+        tmp_path, "full-resumed", workload_type="lora_session", model=tiny_model_dir, env_config={},
+        hyperparameters={**HP, "lora": False}, resume_from=saved.folder,
+    )  # fmt: skip
+    resumed, next_sequence = open_session(ctx)
+    assert (next_sequence, resumed.step, resumed.resumed_from) == (3, 1, "one")
+    assert same(adapter(resumed), moved, atol=0)
+    resumed.forward_backward(batch, "cross_entropy")
+    resumed.optim_step(adam)
+    assert same(adapter(resumed), uninterrupted, atol=1e-7)
+    run.load_state("one", with_optimizer=True)  # in the same session: back to step 1
+    assert run.step == 1 and same(adapter(run), moved, atol=0)
+
+    lora = new_session(tiny_model_dir, tmp_path, "lora-one")
+    lora.forward_backward(batch, "cross_entropy")
+    lora.optim_step(adam)
+    lora_state = lora.save_state("lora", next_sequence=2)
+    run.states["lora"] = lora_state
+    lora.states["one"] = saved
+    kept = adapter(run)
+    with pytest.raises(NotReady, match="holds a LoRA adapter and this session trains all weights"):
+        run.load_state("lora", with_optimizer=True)
+    with pytest.raises(NotReady, match="holds full weights and this session trains a LoRA adapter"):
+        lora.load_state("one", with_optimizer=True)
+    assert same(adapter(run), kept, atol=0)  # refused: unchanged

@@ -287,7 +287,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "tokenizer", "chat_template", "model_config_json", "lora_rank", "lora_alpha", "target_modules", "next_sequence", "step", "attempt", "resumed_from", "max_datums_per_call", "max_tokens_per_call", "max_in_flight_calls", "stop_token_ids", "accumulated_calls", "states")
+    __slots__ = ("model", "tokenizer", "chat_template", "model_config_json", "lora_rank", "lora_alpha", "target_modules", "next_sequence", "step", "attempt", "resumed_from", "max_datums_per_call", "max_tokens_per_call", "max_in_flight_calls", "stop_token_ids", "accumulated_calls", "states", "full_weights")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +305,7 @@ class GetInfoResponse(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCUMULATED_CALLS_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    FULL_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer: str
     chat_template: str
@@ -322,4 +323,5 @@ class GetInfoResponse(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     accumulated_calls: int
     states: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., chat_template: _Optional[str] = ..., model_config_json: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., next_sequence: _Optional[int] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., resumed_from: _Optional[str] = ..., max_datums_per_call: _Optional[int] = ..., max_tokens_per_call: _Optional[int] = ..., max_in_flight_calls: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., accumulated_calls: _Optional[int] = ..., states: _Optional[_Iterable[str]] = ...) -> None: ...
+    full_weights: bool
+    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., chat_template: _Optional[str] = ..., model_config_json: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., next_sequence: _Optional[int] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., resumed_from: _Optional[str] = ..., max_datums_per_call: _Optional[int] = ..., max_tokens_per_call: _Optional[int] = ..., max_in_flight_calls: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., accumulated_calls: _Optional[int] = ..., states: _Optional[_Iterable[str]] = ..., full_weights: _Optional[bool] = ...) -> None: ...
