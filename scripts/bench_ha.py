@@ -308,19 +308,23 @@ async def submits_phase(args, server, tmp: Path) -> dict:
 
 async def _core_run(store, tmp: Path, tasks: int, concurrency: int, tag: str) -> dict:
     """``tasks`` submits through a fresh :class:`SchedulerCore` on ``store`` (group commit on, no
-    nodes: the tasks stay queued), ``concurrency`` at once, each awaited until durable."""
+    nodes: the tasks stay queued), ``concurrency`` at once, each with its audit record (as the
+    servicer writes it) and awaited until durable."""
     from opentinker_scheduler.config import PoolNode, SchedulerConfig
+    from opentinker_scheduler.security.audit import AuditLog
     from opentinker_scheduler.state.core import SchedulerCore
     from tests.support.scheduler_core import spec
 
     pool = (PoolNode("gpu-node-01", 4, 8),)  # in the pool, never connected: the tasks wait for it
     core = SchedulerCore(SchedulerConfig(resource_pool=pool, state_dir=tmp), store)
     core.enable_group_commit()
+    audit = AuditLog(store)
     todo = iter(range(tasks))
 
     async def worker() -> None:
         for i in todo:
-            core.submit(spec(gpus=1), owner="bench", request_id=f"{tag}-{i}")
+            task = core.submit(spec(gpus=1), owner="bench", request_id=f"{tag}-{i}")
+            audit.record("task.submit", owner="bench", role="user", task_id=task.task_id, gpu_count=1, priority=1)
             await core.durable()
 
     cpu, t = time.process_time(), time.perf_counter()
