@@ -170,6 +170,11 @@ class TrainingSession:
         adapter_name: the PEFT name of the session's adapter in ``model`` (``default`` alone).
         turn: a context manager factory each call that uses the model runs in (a model host's
             :meth:`~opentinker_trainer.host.Tenant.turn`; default: none).
+        report: ``(step, values)`` called after each optimizer step with that step's metrics
+            (the workload's ``ctx.emit_metric``: the task's curve and its usage accounting):
+            ``loss`` (summed over the step's ``forward_backward`` calls), ``train/tokens`` (tokens
+            of their datums), ``tokens_generated`` (completion tokens sampled since the step
+            before), ``grad_norm`` (before clipping), ``learning_rate``, ``forward_backward_calls``.
 
     Raises:
         ValueError: ``model`` has no trainable (adapter) parameters.
@@ -192,11 +197,15 @@ class TrainingSession:
         params: Sequence[torch.nn.Parameter] | None = None,
         adapter_name: str = "default",
         turn: Callable[[], contextlib.AbstractContextManager] | None = None,
+        report: Callable[[int, dict[str, float]], None] | None = None,
     ) -> None:
         self.model = model
         self.adapter_name = adapter_name
         self._turn = turn or contextlib.nullcontext
         self._holding = False
+        self.report = report
+        #: What the next optimizer step's metrics sum: loss, tokens trained, tokens sampled.
+        self._since_step = {"loss": 0.0, "train/tokens": 0.0, "tokens_generated": 0.0}
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.full = lora is None
@@ -379,6 +388,8 @@ class TrainingSession:
                 p.grad = g if p.grad is None else p.grad + g
         self.accumulated_calls += 1
         tokens = sum(len(d) for d in datums)
+        self._since_step["loss"] += float(sum(losses))
+        self._since_step["train/tokens"] += float(tokens)
         metrics = {"tokens": float(tokens)}
         if loss_fn != "cross_entropy":
             metrics["ratio_mean"] = ratio_sum / tokens
@@ -412,8 +423,12 @@ class TrainingSession:
             )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.accumulated_calls = 0
+        calls, self.accumulated_calls = self.accumulated_calls, 0
         self.step += 1
+        values, self._since_step = self._since_step, dict.fromkeys(self._since_step, 0.0)
+        if self.report is not None:
+            values.update(grad_norm=norm, learning_rate=adam.learning_rate, forward_backward_calls=float(calls))
+            self.report(self.step, values)
         return self.step, norm
 
     # --- sampling -------------------------------------------------------------------------------
@@ -493,6 +508,7 @@ class TrainingSession:
         samples = []
         for i in range(n):
             toks = decode.sample_tokens(i)
+            self._since_step["tokens_generated"] += len(toks)
             samples.append(
                 Sampled(
                     tokens=toks,
@@ -572,6 +588,7 @@ class TrainingSession:
             theirs, mine = ("a LoRA adapter", "all weights") if lora_state else ("full weights", "a LoRA adapter")
             raise NotReady(f"state {name!r} holds {theirs} and this session trains {mine}; it cannot be loaded here")
         trainer = _lm.load_trainer_state(folder)
+        self._since_step["loss"] = 0.0  # the accumulated gradient goes; what was trained still counts
         if weights and self.full:
             self._load_full_weights(name, folder)
         elif weights:

@@ -6,10 +6,11 @@ with ``lora: false`` the base model with every weight trainable (states are then
 checkpoints: all weights, the tokenizer and ``trainer_state.pt``), or the state it resumes
 from (``ctx.resume_from``, the newest ``SaveState`` of the task: adapter or weights, AdamW
 state, step and the next sequence number); starts a grpc.aio server on
-``hyperparameters.port`` (0 = any free port), reports ``host:port`` upward (``ctx.emit_endpoint``;
-the scheduler shows it as ``Task.endpoint``) and serves until the task is cancelled or stopped
-(SIGTERM -> ``ctx.should_stop()``), or no call came for ``idle_timeout_s`` seconds (the task then
-ends SUCCEEDED). ``max_runtime`` is the scheduler's, as for any task.
+``hyperparameters.port`` (0 = any free port), reports each optimizer step's metrics (loss,
+tokens trained and sampled, gradient norm: the task's curve and usage), reports ``host:port``
+upward (``ctx.emit_endpoint``; the scheduler shows it as ``Task.endpoint``) and serves until
+the task is cancelled or stopped (SIGTERM -> ``ctx.should_stop()``), or no call came for
+``idle_timeout_s`` seconds (the task then ends SUCCEEDED). ``max_runtime`` is the scheduler's, as for any task.
 
 Security and TLS as the ``inference`` workload (:mod:`opentinker_trainer.workloads.serving`): with
 ``OPENTINKER_SCHEDULER_URL`` set every call is checked against the scheduler with the caller's own
@@ -92,6 +93,7 @@ def open_session(ctx: WorkerContext) -> tuple[TrainingSession, int]:
         micro_batch_tokens=cfg.micro_batch_tokens,
         checkpoint_dir=Path(ctx.checkpoint_dir),
         publish=publish,
+        report=ctx.emit_metric,
         **shared,
     )
     next_sequence = session.adopt(Path(ctx.resume_from)) if ctx.resume_from is not None else 0

@@ -434,3 +434,31 @@ def test_a_full_weight_session_trains_saves_and_resumes_every_weight(tiny_model_
     with pytest.raises(NotReady, match="holds full weights and this session trains a LoRA adapter"):
         lora.load_state("one", with_optimizer=True)
     assert same(adapter(run), kept, atol=0)  # refused: unchanged
+
+
+def test_each_optimizer_step_reports_its_loss_tokens_and_gradient_norm(tiny_model_dir, tmp_path) -> None:
+    """The session task's curve and usage: one metric point per optimizer step, summing the
+    step's forward_backward calls and the completions sampled since the step before."""
+    from tests.support.workers import reports
+
+    ctx = worker_ctx(
+        tmp_path, "metrics", workload_type="lora_session", model=tiny_model_dir, env_config={}, hyperparameters=HP
+    )
+    s = open_session(ctx)[0]
+    batch = datums(n=2, length=5)
+    first = s.forward_backward(batch, "importance_sampling")
+    second = s.forward_backward(batch[:1], "cross_entropy")
+    sampled = s.sample([20, 21, 22], n=2, max_tokens=3, seed=1)
+    step, norm = s.optim_step(AdamParams(learning_rate=1e-3))
+    (point,) = reports(ctx, "metric")
+    assert point["step"] == step == 1
+    values = point["values"]
+    assert values["loss"] == pytest.approx(first.loss + second.loss, rel=1e-6)
+    assert values["train/tokens"] == 15  # 2 x 5 + 1 x 5 target tokens
+    assert values["tokens_generated"] == sum(len(x.tokens) for x in sampled.samples) > 0
+    assert values["grad_norm"] == pytest.approx(norm) and values["learning_rate"] == 1e-3
+    assert values["forward_backward_calls"] == 2
+    s.forward_backward(batch, "cross_entropy")
+    s.optim_step(AdamParams(learning_rate=1e-3))
+    second_point = reports(ctx, "metric")[1]
+    assert second_point["step"] == 2 and second_point["values"]["tokens_generated"] == 0  # counted once
