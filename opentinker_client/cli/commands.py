@@ -44,6 +44,7 @@ from opentinker_client.client import DEFAULT_SCHEDULER_URL, RLClient
 from opentinker_client.types import TERMINAL_STATES, NodeInfo, TaskEvent, TaskInfo
 from opentinker_client.errors import FailedPreconditionError, OpenTinkerError
 from opentinker_client.cli.render import SafeLogText, error_text, markup, safe_text
+from opentinker_common.attempts import attempts_text
 
 __all__ = ["main", "build_parser"]
 
@@ -668,7 +669,7 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
         ("owner", _escape(t.owner) or "-"),
         ("priority", str(t.priority)),
         ("gpus", str(t.gpu_count)),
-        ("attempt", f"{t.attempt} of {t.max_attempts}" if t.max_attempts else str(t.attempt)),
+        ("attempt", attempts_text(t.attempt, t.max_attempts, t.handed_back)),
         ("max runtime", f"{t.max_runtime:g} s" if t.max_runtime is not None else "none"),
         ("node", (_escape(t.node_id) + (f" devices {list(t.device_indices)}" if t.device_indices else "")) or "-"),
     ]

@@ -104,6 +104,13 @@ class TaskRow:
     def workload_type(self) -> str:
         return self.spec.workload_type
 
+    @property
+    def handed_back(self) -> int:
+        """Attempts handed back (preemption, drain), each of which raised ``max_attempts`` by one
+        above the spec's (0 for a spec stored without its limit)."""
+        limit = self.spec.limits.max_attempts
+        return max(0, self.max_attempts - limit) if limit else 0
+
     @functools.cached_property
     def share_key(self) -> str | None:
         """GPU-sharing key (:func:`~opentinker_scheduler.policy.placement.share_key`): the base model of
