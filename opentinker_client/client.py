@@ -877,8 +877,13 @@ class RLClient:
         timeout: float = 600.0,
         root_certificates: str | os.PathLike | None = None,
     ) -> InferenceClient:
-        """Serve the adapter of a finished ``lora_finetune`` or ``sft`` task, or of an ended
+        """Serve the adapter of a ``lora_finetune`` or ``sft`` task, or of an ended
         ``lora_session`` (its newest ``save_weights_for_sampler`` or ``save_state``), in one call.
+
+        A ``lora_finetune`` or ``sft`` task that is still training is served once it has a
+        checkpoint: each request is pinned, when the server accepts it, to the task's newest
+        checkpoint, or to its live adapter when the server is a tenant of the model host the task
+        trains on (docs/inference.md, "Serving a task while it trains"); once it ends, its final one.
 
         Reuses a running (or queued) ``inference`` task for the same base model, else submits
         one (``ttl`` seconds, ``gpu_count`` GPUs), waits until it serves, and returns an
@@ -908,8 +913,9 @@ class RLClient:
         Raises:
             NotFoundError: no such task, no checkpoint at ``step`` (a running session: no sampler
             save at ``step`` within ``timeout``), or its files are gone from
-            the artifact store. FailedPreconditionError: not an adapter or full-weight task, not
-            finished, no checkpoint (its artifacts deleted, say), a running training session
+            the artifact store. FailedPreconditionError: not an adapter or full-weight task, a
+            policy or full-weight task not finished, no checkpoint (none yet while it trains, or
+            its artifacts deleted), a running training session
             with no sampler save yet, or a full-weight checkpoint without its weights file.
             TaskFailedError: the inference task ended before serving.
             DeadlineExceededError: not serving within ``timeout`` seconds.

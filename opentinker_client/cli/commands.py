@@ -1378,8 +1378,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "serve",
-        help="serve a finished lora_finetune/sft task's (or a lora_session's: ended, its newest checkpoint; "
-        "running, its newest sampler save) adapter, or a full-weight sft/full_rl task's weights; prints the endpoint",
+        help="serve a lora_finetune/sft task's adapter (its newest checkpoint; while it trains, each request gets "
+        "the newest), a lora_session's (ended: its newest checkpoint; running: its newest sampler save), or a "
+        "finished full-weight sft/full_rl task's weights; prints the endpoint",
     )
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument(
@@ -1490,6 +1491,8 @@ def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
         return 0
     what = "model" if args.step or task.proto.latest_checkpoint.format == "hf_full" else "adapter"
     note = f"step {args.step}" if args.step else task.checkpoint_note
+    if not task.done and what == "adapter":  # served while it trains: each request gets the newest
+        note += "; later requests get its newer checkpoints, or its live adapter on its own model host"
     print(safe_text(f"{what} {args.task_id} ({note}) served by inference task {llm.task_id} at {llm.endpoint}"))
     return 0
 
