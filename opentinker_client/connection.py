@@ -148,6 +148,7 @@ class SchedulerConnection:
         # Plaintext: an UNAVAILABLE "Socket closed" gets a hint that the scheduler may serve TLS.
         self._plaintext_hint = SCHEDULER_PLAINTEXT_HINT if self._creds is None else ""
         self.root_certificates = root_certificates
+        self._ca_given = bool(root_certificates or os.environ.get("OPENTINKER_TLS_CA"))
         self._channels: dict[str, tuple[grpc.Channel, scheduler_pb2_grpc.SchedulerServiceStub]] = {}
         self._channels_lock = threading.Lock()
         #: target -> monotonic time its channel last failed to connect (TRANSIENT_FAILURE: refused,
@@ -231,7 +232,8 @@ class SchedulerConnection:
         ``UNAVAILABLE`` from a server that closed the connection carries a TLS hint, unless
         ``plaintext_hint`` is false."""
         mapped = from_rpc_error(err, plaintext_hint=self._plaintext_hint if plaintext_hint else "")
-        return explain_unreachable(mapped, self.target)  # "nothing is listening", "that is the HTTP port" ...
+        # "nothing is listening", "that is the HTTP port", "pass its CA: --tls-ca" ...
+        return explain_unreachable(mapped, self.target, tls=self._creds is not None, ca_given=self._ca_given)
 
     def unary(
         self,
