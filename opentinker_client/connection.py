@@ -23,7 +23,13 @@ import grpc
 
 from opentinker.scheduler.v1 import admin_pb2_grpc, scheduler_pb2_grpc
 from opentinker_client._reach import accepts_connections, explain_unreachable
-from opentinker_client.errors import SCHEDULER_PLAINTEXT_HINT, DeadlineExceededError, OpenTinkerError, from_rpc_error
+from opentinker_client.errors import (
+    SCHEDULER_PLAINTEXT_HINT,
+    DeadlineExceededError,
+    OpenTinkerError,
+    UnavailableError,
+    from_rpc_error,
+)
 from opentinker_common.net.bearer import bearer_metadata, clean_api_key
 from opentinker_common.net.call_budget import budget_metadata
 from opentinker_common.net.grpc_options import client_keepalive, message_limits
@@ -264,6 +270,7 @@ class SchedulerConnection:
         deadline = started + budget
         delay = 0.05
         noticed = False
+        silent = False  # it took the connection and said nothing for WAITING_NOTICE_S
         while True:
             left = max(0.05, deadline - time.monotonic())
             target = self.targets.current
@@ -278,7 +285,8 @@ class SchedulerConnection:
                         noticed = True
                     # There, but silent: it took the connection and says nothing. Not when nothing
                     # listens or the connection fails (a TLS mismatch): gRPC says why soon.
-                    if self._failed_at.get(target, 0.0) < started and accepts_connections(target):
+                    silent = self._failed_at.get(target, 0.0) < started and accepts_connections(target)
+                    if silent:
                         log.warning(
                             "the scheduler at %s has not answered %s in %.0f s; still waiting for it (up to %.0f s "
                             "in all: the call's timeout, opentinker --timeout or RLClient(timeout=))",
@@ -298,6 +306,19 @@ class SchedulerConnection:
                         "opentinker --timeout, RLClient(timeout=)); it may be stopped (SIGSTOP, a debugger), "
                         "overloaded, or behind a firewall that drops its packets"
                     ) from err
+                if err.code() == grpc.StatusCode.UNAVAILABLE and silent and accepts_connections(target):
+                    # gRPC gave up on a connection the scheduler accepted but never answered (its
+                    # HTTP/2 handshake timed out) and names the last address it tried: with
+                    # localhost, often ::1 refusing. The scheduler is there and silent.
+                    out = UnavailableError(
+                        f"the scheduler at {target} took the connection but did not answer {method} in "
+                        f"{time.monotonic() - started:.0f} s (gRPC gave up on the connection before the call's "
+                        f"{budget:g} s timeout); it may be stopped (SIGSTOP, a debugger), overloaded, or behind a "
+                        "firewall that drops its packets",
+                        code=err.code(),
+                    )
+                    out.raw_details = err.details()
+                    raise out from err
                 # Several schedulers: a follower's refusal, or an address that cannot be reached,
                 # moves to the leader (or the next address) and the call goes again (every unary
                 # RPC is idempotent; SubmitTask by its request_id), within the call's timeout.
