@@ -157,6 +157,8 @@ class SchedulerConnection:
         self._ca_given = bool(root_certificates or os.environ.get("OPENTINKER_TLS_CA"))
         self._channels: dict[str, tuple[grpc.Channel, scheduler_pb2_grpc.SchedulerServiceStub]] = {}
         self._channels_lock = threading.Lock()
+        #: target -> the connectivity callback its channel was subscribed with (unsubscribed on close).
+        self._watchers: dict[str, Any] = {}
         #: target -> monotonic time its channel last failed to connect (TRANSIENT_FAILURE: refused,
         #: a TLS handshake that failed): a call that waits after that is not a silent scheduler.
         self._failed_at: dict[str, float] = {}
@@ -175,8 +177,18 @@ class SchedulerConnection:
                 else:
                     channel = grpc.secure_channel(target, self._creds, options=options)
                 found = self._channels[target] = (channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
-                channel.subscribe(lambda state, t=target: self._seen_state(t, state))
             return found
+
+    def _used(self, target: str) -> tuple[grpc.Channel, Any]:
+        """:meth:`_open`, and watch the channel's connectivity from its first use (not before: a
+        client closed unused, as a CLI refusing a bad file is, leaves no gRPC polling thread to
+        trip over the closed channel)."""
+        found = self._open(target)
+        with self._channels_lock:
+            if target not in self._watchers and not self.closed:
+                watcher = self._watchers[target] = lambda state, t=target: self._seen_state(t, state)
+                found[0].subscribe(watcher)
+        return found
 
     @property
     def target(self) -> str:
@@ -189,12 +201,12 @@ class SchedulerConnection:
     @property
     def channel(self) -> grpc.Channel:
         """The channel to the scheduler in use."""
-        return self._open(self.targets.current)[0]
+        return self._used(self.targets.current)[0]
 
     @property
     def stub(self) -> Any:
         """``SchedulerServiceStub`` of the scheduler in use."""
-        return self._open(self.targets.current)[1]
+        return self._used(self.targets.current)[1]
 
     def moved(self, err: grpc.RpcError) -> bool:
         """After an UNAVAILABLE ``err``: go to the leader a follower named, or to the next address
@@ -225,7 +237,12 @@ class SchedulerConnection:
         if not self.closed:
             self.closed = True
             with self._channels_lock:
-                for channel, _ in self._channels.values():
+                for target, (channel, _) in self._channels.items():
+                    # Unsubscribed first: gRPC's polling thread then ends at its next wake-up
+                    # instead of watching a closed channel ("Cannot monitor channel state").
+                    watcher = self._watchers.pop(target, None)
+                    if watcher is not None:
+                        channel.unsubscribe(watcher)
                     channel.close()
 
     def check_open(self) -> None:
@@ -333,7 +350,7 @@ class SchedulerConnection:
         target = self.targets.current
         stub = self._admin_stubs.get(target)
         if stub is None:
-            stub = self._admin_stubs[target] = admin_pb2_grpc.AdminServiceStub(self._open(target)[0])
+            stub = self._admin_stubs[target] = admin_pb2_grpc.AdminServiceStub(self._used(target)[0])
         return stub
 
     def upload(self, method: str, requests: Iterable[Any], *, timeout: float | None = None) -> Any:
