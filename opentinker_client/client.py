@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from opentinker_client.client_data import DataCalls, check_task_dataset, dataset_format
 from opentinker_client.client_serving import ServingCalls
 from opentinker_client.client_tasks import PollPacer, TaskCalls, check_task_id
-from opentinker_client.config import TaskConfig, load_task_config
+from opentinker_client.config import TaskConfig, dataset_env, load_task_config
 from opentinker_client.connection import SchedulerConnection
 from opentinker_client.environment import Environment
 from opentinker_client.errors import InvalidArgumentError
@@ -336,13 +336,11 @@ class RLClient:
         config.check()
         if not config.dataset:
             return config
-        dataset_id = check_task_dataset(config.dataset, config.env, source=config.source)
+        env = dataset_env(config.workload_type, config.env)  # env_id: chat_jsonl for sft, else prompts
+        dataset_id = check_task_dataset(config.dataset, env, source=config.source)
         if upload:
-            fmt = dataset_format(config.env)
-            dataset_id = self._data.upload_dataset(config.dataset, format=fmt, checked=True).dataset_id
-        return dataclasses.replace(
-            config, env={"env_id": "chat_jsonl", **config.env, "dataset_id": dataset_id}, dataset=""
-        )
+            dataset_id = self._data.upload_dataset(config.dataset, format=dataset_format(env), checked=True).dataset_id
+        return dataclasses.replace(config, env={**env, "dataset_id": dataset_id}, dataset="")
 
     def estimate(self, config_or_path: TaskConfig | str | os.PathLike[str]) -> tuple[TaskInfo, dict[str, float], str]:
         """Validate a task config on the scheduler and estimate what it would use, without
