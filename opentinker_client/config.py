@@ -514,9 +514,10 @@ def apply_overrides(cfg: TaskConfig, overrides: Iterable[str]) -> TaskConfig:
     --set``): ``KEY`` is a key of the file, dotted into ``env``, ``hyperparameters`` and ``tracking``
     (``hyperparameters.steps=20``, ``env.max_digits=2``, ``tracking.tensorboard=/runs``,
     ``gpu_count=1``, ``nodes=2``, ``model=Qwen/...``); ``VALUE`` is read as YAML 1.2 (``20`` an int,
-    ``2e-4`` a float, ``true`` a bool, ``x`` a string; an empty value is null, which removes a key
-    of a mapping and sets a top-level key back to its default). A bad value is refused in the same
-    words as in the file.
+    ``2e-4`` a float, ``true`` a bool, ``x`` a string; ``null`` (or ``~``) removes a key of a mapping
+    and sets a top-level key back to its default; an empty value is refused, as is a mapping key
+    without a key inside it, ``hyperparameters=3``). A bad value is refused in the same words as
+    in the file.
 
     Raises:
         ConfigError: a malformed override, an unknown key, or a value the spec refuses; the
@@ -532,12 +533,26 @@ def apply_overrides(cfg: TaskConfig, overrides: Iterable[str]) -> TaskConfig:
         typo = find_typography(text)
         if typo is not None:
             raise ConfigError(typo.message, source=source)
-        try:
-            value = yaml.load(text, Loader=Yaml12Loader) if text.strip() else None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"the value is not valid YAML: {getattr(err, 'problem', err)}", source=source) from None
         parts = key.split(".")
         top = parts[0]
+        if top in _MAPPING_KEYS and len(parts) == 1:  # `--set hyperparameters=3`: the mapping itself
+            example = {"env": "env.max_digits=2", "tracking": "tracking.tensorboard=/runs"}.get(top, f"{top}.steps=20")
+            raise ConfigError(
+                f"expected a key inside it, dotted: {top}.KEY=VALUE (e.g. {example}); {top} is a mapping",
+                source=source,
+                key=top,
+            )
+        if not text.strip():  # `--set KEY=` (an unset shell variable, say): never silently a default
+            raise ConfigError(
+                f"no value after '='; expected {key}=VALUE, or {key}=null to "
+                + ("remove it and use its default" if len(parts) > 1 else "set it back to its default"),
+                source=source,
+                key=key,
+            )
+        try:
+            value = yaml.load(text, Loader=Yaml12Loader)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"the value is not valid YAML: {getattr(err, 'problem', err)}", source=source) from None
         if top in _MAPPING_KEYS and len(parts) > 1:
             tree = _deep_copy(getattr(cfg, top))
             node = tree

@@ -1290,7 +1290,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a value of the file without editing it (repeatable): any top-level key (gpu_count=1, "
         "nodes=2, model=NAME, ...) or one inside env, hyperparameters or tracking (hyperparameters.steps=20, "
-        "env.max_digits=2); VALUE is read as YAML",
+        "env.max_digits=2); VALUE is read as YAML (null removes a key or sets a top-level one back to its default)",
     )
     p.add_argument(
         "--request-id", default=None, help="idempotency key: resubmitting with the same id returns the same task"

@@ -65,3 +65,13 @@ def test_submit_set_then_get_and_list_show_what_the_task_runs_with(cluster: Clus
     bad = run(cluster.url, "submit", str(config), "--set", "hyperparameters.stesp=3")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --set hyperparameters.stesp=3: ")
     assert len(bad.stderr.strip().splitlines()) == 1
+    # An empty value is never silently the default; a mapping is set key by key.
+    for override, words in (
+        ("hyperparameters.steps=", "no value after '='; expected hyperparameters.steps=VALUE, or"),
+        ("hyperparameters=3", "expected a key inside it, dotted: hyperparameters.KEY=VALUE"),
+    ):
+        bad = run(cluster.url, "submit", str(config), "--set", override)
+        assert bad.returncode == 2 and bad.stdout == "", bad
+        assert bad.stderr.startswith(f"error: --set {override}: ") and words in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and "did you mean" not in bad.stderr
+    assert len(run(cluster.url, "list").stdout.strip().splitlines()) == 2  # nothing more was submitted
