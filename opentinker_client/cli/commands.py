@@ -286,6 +286,9 @@ def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
         )
         print(f"estimate: {_estimate_line(usage)}")
         print(f"basis: {basis}")
+        note = _missing_model_note(task.model)
+        if note:
+            print(safe_text(note), file=sys.stderr)
         return EXIT_OK
     task_id = client.submit_config(config, request_id=args.request_id)
     print(safe_text(task_id), flush=True)
@@ -295,6 +298,20 @@ def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
     if args.watch:
         return _follow(client, task_id)
     return EXIT_OK
+
+
+def _missing_model_note(model: str) -> str:
+    """For a dry run: a note when ``model`` names a folder (not a hub id: ``org/name``) that is not
+    on this machine; the scheduler cannot see the trainer nodes' disks, so neither it nor the dry
+    run can tell whether the folder is there (``""`` when there is nothing to say)."""
+    if not model or not (model.startswith((".", "/", "~")) or model.count("/") > 1):
+        return ""
+    if os.path.isdir(os.path.expanduser(model)):
+        return ""
+    return (
+        f"note: model {model!r} is a folder that is not on this machine; the dry run cannot check the trainer "
+        "nodes' disks: it must be there (else the task fails as it starts: no such folder on this trainer node)"
+    )
 
 
 def _cmd_watch(client: RLClient, args: argparse.Namespace) -> int:

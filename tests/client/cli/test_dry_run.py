@@ -159,3 +159,21 @@ def test_dataset_mistakes_get_one_line_saying_what_takes_a_dataset(capsys, sched
         "[INVALID_ARGUMENT]\n"
     )
     assert stored(scheduler) == before
+
+
+def test_a_dry_run_notes_a_model_folder_that_is_not_on_this_machine(capsys, scheduler, tmp_path) -> None:
+    task = tmp_path / "task.yaml"
+    task.write_text("workload_type: lora_finetune\nmodel: /models/not-here\n")
+    code, out, err = cli(capsys, scheduler, "submit", str(task), "--dry-run")
+    assert code == 0 and "valid: lora_finetune on /models/not-here" in out, err
+    note = [line for line in err.splitlines() if line.startswith("note: ")]
+    assert note == [
+        "note: model '/models/not-here' is a folder that is not on this machine; the dry run cannot check the "
+        "trainer nodes' disks: it must be there (else the task fails as it starts: no such folder on this trainer "
+        "node)"
+    ]
+    # A folder that is here, and a hub id, get no note.
+    for model in (str(tmp_path), "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        task.write_text(f"workload_type: lora_finetune\nmodel: {model}\n")
+        code, out, err = cli(capsys, scheduler, "submit", str(task), "--dry-run")
+        assert code == 0 and "note: " not in err, err
