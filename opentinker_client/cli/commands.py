@@ -296,8 +296,25 @@ def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
         note = client.get_task(config.init_from).checkpoint_note
         print(safe_text(f"starting from task {config.init_from}'s {note}"), file=sys.stderr, flush=True)
     if args.watch:
-        return _follow(client, task_id)
+        return _watching(task_id, lambda: _follow(client, task_id))
     return EXIT_OK
+
+
+class _StoppedWatching(KeyboardInterrupt):
+    """Ctrl-C while following ``task_id``: only the watch stops; the task goes on."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__(task_id)
+        self.task_id = task_id
+
+
+def _watching(task_id: str, follow) -> int:
+    """``follow()``, with a Ctrl-C turned into :class:`_StoppedWatching` for ``task_id`` (whose
+    message says the task keeps running on the scheduler and how to cancel it)."""
+    try:
+        return follow()
+    except KeyboardInterrupt:
+        raise _StoppedWatching(task_id) from None
 
 
 def _missing_model_note(model: str) -> str:
@@ -315,7 +332,9 @@ def _missing_model_note(model: str) -> str:
 
 
 def _cmd_watch(client: RLClient, args: argparse.Namespace) -> int:
-    return _follow(client, args.task_id, after_sequence=args.after_sequence, plain=args.plain)
+    return _watching(
+        args.task_id, lambda: _follow(client, args.task_id, after_sequence=args.after_sequence, plain=args.plain)
+    )
 
 
 def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: bool = False) -> int:
@@ -1621,6 +1640,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = getattr(err, "filename", None)
         reason = err.strerror or str(err)
         return _error(f"cannot read {name}: {reason}" if name else reason)
+    except _StoppedWatching as stop:
+        interrupted = True
+        task = safe_text(stop.task_id)
+        print(
+            f"interrupted: stopped watching; task {task} keeps running on the scheduler "
+            f"(opentinker watch {task} follows it again, opentinker cancel {task} stops it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted", file=sys.stderr)

@@ -384,6 +384,43 @@ def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
         sched.close()
 
 
+def test_ctrl_c_during_submit_watch_says_the_task_goes_on_and_how_to_cancel_it(tmp_path) -> None:
+    """A real scheduler without trainers: `submit --watch` of a task that stays pending, then SIGINT."""
+    import signal
+
+    from opentinker_client.cli.commands import EXIT_INTERRUPTED
+
+    from tests.support.security import LoopbackScheduler
+
+    task_file = tmp_path / "task.yaml"
+    task_file.write_text("workload_type: lora_finetune\nmodel: /models/m\n")
+    sched = LoopbackScheduler(tmp_path / "state")
+    try:
+        env = {**os.environ, "SCHEDULER_URL": sched.target, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "opentinker_client", "submit", str(task_file), "--watch"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # Ctrl-C as on a terminal
+        )
+        try:
+            task_id = proc.stdout.readline().strip()  # submitted: its id, then the watch
+            assert proc.stdout.readline().startswith(f"task {task_id} ")  # the watch is on
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == EXIT_INTERRUPTED
+            assert proc.stderr.read().strip().splitlines()[-1] == (
+                f"interrupted: stopped watching; task {task_id} keeps running on the scheduler (opentinker watch "
+                f"{task_id} follows it again, opentinker cancel {task_id} stops it)"
+            )
+        finally:
+            proc.kill()
+        assert sched.core.get(task_id).state == S.TASK_STATE_PENDING  # it goes on
+    finally:
+        sched.close()
+
+
 def test_watch_attached_later_counts_from_the_start_and_estimates_slow_steps(fake):
     """A task started an hour ago, 5 minutes a step: lines say the ETA from those step times; on a
     terminal the bar's elapsed counts from the task's start, not from attaching."""
