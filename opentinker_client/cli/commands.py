@@ -555,6 +555,21 @@ def _print_fitted(
             console.print(Padding(Text.from_markup(text), (0, 0, 0, 3)), no_wrap=True, overflow="fold")
 
 
+#: Workloads that train on ``env_config`` and so on the default environment when it names none.
+_ENV_WORKLOADS = ("lora_finetune", "full_rl")
+
+
+def _env_id_shown(task: TaskInfo) -> str:
+    """``list``'s ENV cell: the task's ``env_id``, the default one (arithmetic) for a training
+    task whose ``env_config`` names none, else ``-`` (inference, sessions)."""
+    from opentinker_common.spec.task import DEFAULT_ENV_ID
+
+    env_id = task.env_config.get("env_id")
+    if env_id:
+        return str(env_id)
+    return DEFAULT_ENV_ID if task.workload_type in _ENV_WORKLOADS else "-"
+
+
 def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
     tasks = client.list_tasks(states=args.state or None, limit=args.limit)
     console = _console()
@@ -570,7 +585,7 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
                 _escape(t.task_id),
                 _escape(t.name) or "-",
                 _escape(t.workload_type),
-                _escape(str(t.env_config.get("env_id") or "-")),
+                _escape(_env_id_shown(t)),
                 _state(t.state),
                 str(t.attempt),
                 str(t.gpu_count),
