@@ -244,6 +244,7 @@ def task_from_proto(task: common_pb2.Task) -> TaskInfo:
         hyperparameters=struct_to_dict(spec.hyperparameters),
         max_runtime=duration_to_seconds(limits.max_runtime) if limits.HasField("max_runtime") else None,
         max_attempts=limits.max_attempts,
+        handed_back=task.handed_back,
         init_from=spec.init_from,
         queue=task.queue,
         usage=usage_dict(task.usage) if task.HasField("usage") else {},

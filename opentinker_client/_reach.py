@@ -6,7 +6,9 @@ to connect to remote host: Connection refused``; ``Failed parsing HTTP/2 (Expect
 frame ...)`` from an HTTP/1.1 port). :func:`explain_unreachable` rewrites those into a line that
 names the address dialled and tried and what is probably wrong: nothing listening there, an HTTP
 port rather than the gRPC one (asking that port which gRPC port it belongs to), a host name that
-does not resolve, a connection that timed out.
+does not resolve, a connection that timed out, and on a TLS channel (``https://``, ``--tls-ca``) a
+handshake that failed: a plaintext scheduler, a certificate no trusted CA signed (the
+``--tls-ca`` fix), one that does not name the host dialled.
 """
 
 from __future__ import annotations
@@ -94,15 +96,67 @@ def _with_port(target: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-def explain_unreachable(err: OpenTinkerError, target: str) -> OpenTinkerError:
+# "...CERTIFICATE_VERIFY_FAILED: unable to get local issuer certificate: OK" -> the reason in words.
+_VERIFY_REASON = re.compile(r"CERTIFICATE_VERIFY_FAILED:\s*([^:]+)")
+
+
+def _tls_mistake(details: str, target: str, ca_given: bool) -> str | None:
+    """The words for a failed TLS handshake with ``target`` (gRPC's ``details``), naming the fix
+    (``--tls-ca`` / ``$OPENTINKER_TLS_CA``, ``http://``), or None when it is no TLS failure."""
+    where = f"cannot talk TLS to the scheduler at {target}"
+    if "WRONG_VERSION_NUMBER" in details or "PACKET_LENGTH_TOO_LONG" in details or "HTTP_REQUEST" in details:
+        return (
+            f"{where}: it answered without TLS (the scheduler serves plaintext when its config has no tls:); "
+            f"use http://{target} (or {target}), or turn tls: on in the scheduler's config"
+        )
+    if "Hostname Verification" in details or "not in peer certificate" in details:
+        host = target.rpartition(":")[0].strip("[]")
+        return (
+            f"{where}: its certificate does not name {host!r}; dial the host name (or IP) the certificate was "
+            "issued for (its subjectAltName), or issue one that names this one"
+        )
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        m = _VERIFY_REASON.search(details)
+        reason = f" ({m.group(1).strip()})" if m else ""
+        trusted = "the CA given (--tls-ca / $OPENTINKER_TLS_CA)" if ca_given else "a CA this client trusts"
+        return (
+            f"{where}: its certificate is not signed by {trusted}{reason}; pass the CA that signed the "
+            "scheduler's certificate: --tls-ca CA.pem or $OPENTINKER_TLS_CA (RLClient(root_certificates=...))"
+        )
+    if "handshake failed" in details.lower():
+        reason = re.sub(r":\s*OK$", "", details).rsplit(": ", 1)[-1]
+        return (
+            f"{where}: the TLS handshake failed ({reason}); "
+            "check the scheduler's CA (--tls-ca / $OPENTINKER_TLS_CA) and, for mTLS, --tls-cert / --tls-key"
+        )
+    return None
+
+
+def explain_unreachable(
+    err: OpenTinkerError, target: str, *, tls: bool = False, ca_given: bool = False
+) -> OpenTinkerError:
     """``err`` with a one-line explanation when it is an ``UNAVAILABLE`` whose cause can be told
-    (``target`` is the ``host:port`` dialled); any other error is returned unchanged. The raw gRPC
-    details stay in ``raw_details``."""
+    (``target`` is the ``host:port`` dialled; ``tls``: the channel is TLS, ``ca_given``: with a CA
+    the caller named); any other error is returned unchanged. The raw gRPC details stay in
+    ``raw_details``."""
     if isinstance(err, DeadlineExceededError) and err.details == "Deadline Exceeded":
         return _explain_deadline(err, target)
     if not isinstance(err, UnavailableError):
         return err
     details = err.details
+    message = _tls_mistake(details, target, ca_given) if tls else None
+    if message is None:
+        message = _plain_mistake(details, target)
+    if message is None:
+        return err
+    out = UnavailableError(message, code=err.code, status=err.status)
+    out.raw_details = details
+    return out
+
+
+def _plain_mistake(details: str, target: str) -> str | None:
+    """The words for gRPC's ``details`` of an unreachable ``target`` that are no TLS failure:
+    nothing listening, an HTTP port, a name that does not resolve, a timeout (None: none of those)."""
     host, _, port = target.rpartition(":")
     message = None
     if "Failed parsing HTTP/2" in details or "Expected SETTINGS frame" in details or "Connection refused" in details:
@@ -133,11 +187,7 @@ def explain_unreachable(err: OpenTinkerError, target: str) -> OpenTinkerError:
             f"cannot reach the scheduler at {target}{f' (tried {tried})' if tried else ''}: the connection timed out "
             "(the wrong host, or a firewall between here and it)"
         )
-    if message is None:
-        return err
-    out = UnavailableError(message, code=err.code, status=err.status)
-    out.raw_details = details
-    return out
+    return message
 
 
 def _explain_deadline(err: DeadlineExceededError, target: str) -> OpenTinkerError:

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from opentinker_client.client_data import DataCalls, check_task_dataset, dataset_format
 from opentinker_client.client_serving import ServingCalls
 from opentinker_client.client_tasks import PollPacer, TaskCalls, check_task_id
-from opentinker_client.config import TaskConfig, load_task_config
+from opentinker_client.config import TaskConfig, dataset_env, load_task_config
 from opentinker_client.connection import SchedulerConnection
 from opentinker_client.environment import Environment
 from opentinker_client.errors import InvalidArgumentError
@@ -336,13 +336,11 @@ class RLClient:
         config.check()
         if not config.dataset:
             return config
-        dataset_id = check_task_dataset(config.dataset, config.env, source=config.source)
+        env = dataset_env(config.workload_type, config.env)  # env_id: chat_jsonl for sft, else prompts
+        dataset_id = check_task_dataset(config.dataset, env, source=config.source)
         if upload:
-            fmt = dataset_format(config.env)
-            dataset_id = self._data.upload_dataset(config.dataset, format=fmt, checked=True).dataset_id
-        return dataclasses.replace(
-            config, env={"env_id": "chat_jsonl", **config.env, "dataset_id": dataset_id}, dataset=""
-        )
+            dataset_id = self._data.upload_dataset(config.dataset, format=dataset_format(env), checked=True).dataset_id
+        return dataclasses.replace(config, env={**env, "dataset_id": dataset_id}, dataset="")
 
     def estimate(self, config_or_path: TaskConfig | str | os.PathLike[str]) -> tuple[TaskInfo, dict[str, float], str]:
         """Validate a task config on the scheduler and estimate what it would use, without
@@ -881,8 +879,13 @@ class RLClient:
         timeout: float = 600.0,
         root_certificates: str | os.PathLike | None = None,
     ) -> InferenceClient:
-        """Serve the adapter of a finished ``lora_finetune`` or ``sft`` task, or of an ended
+        """Serve the adapter of a ``lora_finetune`` or ``sft`` task, or of an ended
         ``lora_session`` (its newest ``save_weights_for_sampler`` or ``save_state``), in one call.
+
+        A ``lora_finetune`` or ``sft`` task that is still training is served once it has a
+        checkpoint: each request is pinned, when the server accepts it, to the task's newest
+        checkpoint, or to its live adapter when the server is a tenant of the model host the task
+        trains on (docs/inference.md, "Serving a task while it trains"); once it ends, its final one.
 
         Reuses a running (or queued) ``inference`` task for the same base model, else submits
         one (``ttl`` seconds, ``gpu_count`` GPUs), waits until it serves, and returns an
@@ -912,8 +915,9 @@ class RLClient:
         Raises:
             NotFoundError: no such task, no checkpoint at ``step`` (a running session: no sampler
             save at ``step`` within ``timeout``), or its files are gone from
-            the artifact store. FailedPreconditionError: not an adapter or full-weight task, not
-            finished, no checkpoint (its artifacts deleted, say), a running training session
+            the artifact store. FailedPreconditionError: not an adapter or full-weight task, a
+            policy or full-weight task not finished, no checkpoint (none yet while it trains, or
+            its artifacts deleted), a running training session
             with no sampler save yet, or a full-weight checkpoint without its weights file.
             TaskFailedError: the inference task ended before serving.
             DeadlineExceededError: not serving within ``timeout`` seconds.

@@ -45,12 +45,16 @@ def _missing_dataset(path: str, source: str | None) -> str:
     is relative to; when the task file ``source`` has a comment naming the file (as
     examples/word_problems_numeric.yaml does, with the command that makes it), that comment too."""
     tried = os.path.abspath(path)
-    if source and os.path.isfile(source):
+    shown, where = path, ""
+    if os.path.isabs(path):  # as given (a --set dataset= is made absolute from the current folder)
+        pass
+    elif source and os.path.isfile(source):  # a task file's `dataset:`, joined to the file's folder
         folder = os.path.dirname(source) or "."
-        where = f"a relative dataset: is read from the folder of {source} ({os.path.abspath(folder)})"
+        shown = os.path.relpath(path, folder)  # as the file writes it
+        where = f"; a relative dataset: is read from the folder of {source} ({os.path.abspath(folder)})"
     else:
-        where = f"a relative path is read from the current folder ({os.getcwd()})"
-    text = f"dataset: {path}: no such file (tried {tried}; {where})"
+        where = f"; a relative path is read from the current folder ({os.getcwd()})"
+    text = f"dataset: {shown}: no such file (tried {tried}{where})"
     if source and os.path.isfile(source):
         name = os.path.basename(path)
         with open(source, encoding="utf-8", errors="replace") as fh:

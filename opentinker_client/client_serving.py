@@ -64,7 +64,9 @@ class ServingCalls:
         timeout: float,
         root_certificates: str | os.PathLike | None,
     ) -> InferenceClient:
-        """A client bound to the adapter of finished task ``task_id``: reuses a running (or
+        """A client bound to the adapter of task ``task_id`` (finished, or a ``lora_finetune`` or
+        ``sft`` task still training once it has a checkpoint: each request gets its newest one,
+        or its live adapter on its own model host, docs/inference.md): reuses a running (or
         pending) ``inference`` task on the same base model, else submits one (``ttl`` seconds,
         ``gpu_count`` GPUs, ``max_resident_adapters``); waits up to ``timeout`` seconds until it
         serves. The client sends the connection's API key and trusts ``root_certificates``
@@ -98,14 +100,23 @@ class ServingCalls:
                 f"only {', '.join(ADAPTER_WORKLOADS[:-1])} and {ADAPTER_WORKLOADS[-1]} tasks give adapters to serve, "
                 "and full_rl tasks policies"
             )
-        if not task.done:
+        if not task.done and policy:
             raise FailedPreconditionError(
-                f"task {task_id} is {task.state}; wait for it to finish (RLClient.wait) before serving its adapter"
+                f"task {task_id} is {task.state}; wait for it to finish (RLClient.wait) before serving its policy"
+            )
+        what = "policy" if policy else "adapter"
+        if task.workload_type == "sft" and (task.hyperparameters or {}).get("lora") is False:
+            what = "weights"  # a full-weight SFT
+        if not task.done and not task.checkpoint_path:
+            # A training task is served from its newest checkpoint while it trains (or its live
+            # adapter on its own model host); before the first one there is nothing to serve.
+            every = (task.hyperparameters or {}).get("checkpoint_every")
+            when = f" (it writes one every {every} steps, checkpoint_every)" if every else ""
+            verb = "are" if what == "weights" else "is"
+            raise FailedPreconditionError(
+                task.without_checkpoint(f"there {verb} no {what} to serve until its first checkpoint{when}")
             )
         if not task.checkpoint_path:
-            what = "policy" if policy else "adapter"
-            if task.workload_type == "sft" and (task.hyperparameters or {}).get("lora") is False:
-                what = "weights"  # a full-weight SFT
             self._refuse_without_checkpoint(task, what, self._checkpoints(task_id))
         server_id = self._inference_task(
             task.model, gpu_count=gpu_count, ttl=ttl, adapters=max_resident_adapters, policies_only=policy

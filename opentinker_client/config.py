@@ -80,7 +80,7 @@ _KEYS: dict[str, str] = {
     "hyperparameters": "a mapping of hyper-parameter names to values",
     "init_from": "the id of a finished task to start from (a string)",
     "tracking": "a mapping of loggers (tensorboard, mlflow, wandb) the worker writes metrics to",
-    "dataset": "a local JSONL file to upload: chat examples for sft, or prompts with env_id: prompts (a path, "
+    "dataset": "a local JSONL file to upload: chat examples for sft, prompts for lora_finetune and full_rl (a path, "
     "relative to this file)",
 }
 
@@ -101,8 +101,10 @@ class TaskConfig:
         env: the ``env_config`` mapping (``env_id`` + options); empty means ``arithmetic``.
         hyperparameters: the workload's hyper-parameters; omitted ones take their defaults.
         init_from: id of a SUCCEEDED task whose final checkpoint this one starts from; ``""`` = none.
-        dataset: a local JSONL file of chat examples (``sft``); ``RLClient.submit_config`` uploads
-            it and names it in ``env`` as ``dataset_id`` (``env_id`` defaults to ``chat_jsonl``).
+        dataset: a local JSONL file: chat examples (``sft``) or prompts (``lora_finetune``,
+            ``full_rl``); ``RLClient.submit_config`` uploads it and names it in ``env`` as
+            ``dataset_id`` (``env_id`` defaults to ``chat_jsonl`` for sft, else ``prompts``:
+            :data:`DATASET_ENV_IDS`).
         tracking: live experiment tracking (``spec.tracking``): ``tensorboard: /abs/folder``,
             ``mlflow: {uri, experiment}``, ``wandb: {project, mode}``.
         source: file it was read from, if any (not compared).
@@ -177,6 +179,36 @@ class TaskConfig:
         return spec
 
 
+#: The environment a task's ``dataset`` file feeds, by workload type, when ``env`` names none:
+#: sft's chat examples, the RL workloads' prompts (scored by ``env.reward``, numeric by default).
+DATASET_ENV_IDS: dict[str, str] = {"sft": "chat_jsonl", "lora_finetune": "prompts", "full_rl": "prompts"}
+
+
+def dataset_env(workload_type: str, env: Mapping[str, Any]) -> dict[str, Any]:
+    """``env`` with the ``env_id`` a ``dataset`` file of ``workload_type`` feeds filled in when
+    it has none (:data:`DATASET_ENV_IDS`).
+
+    Raises:
+        SpecError: field ``spec.dataset``: the workload takes no dataset file, or ``env.env_id``
+            names an environment that reads none (only ``chat_jsonl`` and ``prompts`` do).
+    """
+    default = DATASET_ENV_IDS.get(workload_type)
+    takes = " or ".join(f"{w} ({e})" for w, e in DATASET_ENV_IDS.items())
+    if default is None:
+        raise SpecError(
+            "spec.dataset", f"no dataset file for {workload_type} (one is read by {takes} only); leave it out"
+        )
+    env_id = env.get("env_id") or default
+    if env_id not in set(DATASET_ENV_IDS.values()):
+        raise SpecError(
+            "spec.dataset",
+            f"env.env_id {'prompts' if default == 'prompts' else default} with a dataset file "
+            f"(env_id {env_id!r} reads none: a dataset is prompts for lora_finetune and full_rl, chat examples "
+            "for sft); set env.env_id: prompts (scored by env.reward) or leave the dataset out",
+        )
+    return {**env, "env_id": env_id}
+
+
 def _check_parts(cfg: TaskConfig) -> TaskSpecModel:
     max_runtime = cfg.max_runtime
     if isinstance(max_runtime, _dt.timedelta):
@@ -196,7 +228,7 @@ def _check_parts(cfg: TaskConfig) -> TaskSpecModel:
                 "nothing here when `dataset` names a file to upload (it fills in dataset_id)",
                 env.get("dataset_id", env.get("path")),
             )
-        env = {"env_id": "chat_jsonl", **env, "dataset_id": _DATASET_ID_PLACEHOLDER}
+        env = {**dataset_env(cfg.workload_type, env), "dataset_id": _DATASET_ID_PLACEHOLDER}
     return TaskSpecModel.from_parts(
         workload_type=cfg.workload_type,
         model=cfg.model or _DEFAULT_MODEL_PLACEHOLDER,
@@ -408,7 +440,7 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
         _check_parts(cfg)
     except SpecError as err:
         path = _spec_field_to_path(err.field)
-        if err.field == "spec.dataset":
+        if err.field == "spec.dataset" and not cfg.dataset:
             # sft with neither `dataset:` nor `env:`: the env_id is the default, not anything in the file
             raise ConfigError(
                 f"{data['workload_type']} needs a dataset: add `dataset: train.jsonl` (a local JSONL file of chat "
@@ -482,9 +514,10 @@ def apply_overrides(cfg: TaskConfig, overrides: Iterable[str]) -> TaskConfig:
     --set``): ``KEY`` is a key of the file, dotted into ``env``, ``hyperparameters`` and ``tracking``
     (``hyperparameters.steps=20``, ``env.max_digits=2``, ``tracking.tensorboard=/runs``,
     ``gpu_count=1``, ``nodes=2``, ``model=Qwen/...``); ``VALUE`` is read as YAML 1.2 (``20`` an int,
-    ``2e-4`` a float, ``true`` a bool, ``x`` a string; an empty value is null, which removes a key
-    of a mapping and sets a top-level key back to its default). A bad value is refused in the same
-    words as in the file.
+    ``2e-4`` a float, ``true`` a bool, ``x`` a string; ``null`` (or ``~``) removes a key of a mapping
+    and sets a top-level key back to its default; an empty value is refused, as is a mapping key
+    without a key inside it, ``hyperparameters=3``). A bad value is refused in the same words as
+    in the file.
 
     Raises:
         ConfigError: a malformed override, an unknown key, or a value the spec refuses; the
@@ -500,12 +533,26 @@ def apply_overrides(cfg: TaskConfig, overrides: Iterable[str]) -> TaskConfig:
         typo = find_typography(text)
         if typo is not None:
             raise ConfigError(typo.message, source=source)
-        try:
-            value = yaml.load(text, Loader=Yaml12Loader) if text.strip() else None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"the value is not valid YAML: {getattr(err, 'problem', err)}", source=source) from None
         parts = key.split(".")
         top = parts[0]
+        if top in _MAPPING_KEYS and len(parts) == 1:  # `--set hyperparameters=3`: the mapping itself
+            example = {"env": "env.max_digits=2", "tracking": "tracking.tensorboard=/runs"}.get(top, f"{top}.steps=20")
+            raise ConfigError(
+                f"expected a key inside it, dotted: {top}.KEY=VALUE (e.g. {example}); {top} is a mapping",
+                source=source,
+                key=top,
+            )
+        if not text.strip():  # `--set KEY=` (an unset shell variable, say): never silently a default
+            raise ConfigError(
+                f"no value after '='; expected {key}=VALUE, or {key}=null to "
+                + ("remove it and use its default" if len(parts) > 1 else "set it back to its default"),
+                source=source,
+                key=key,
+            )
+        try:
+            value = yaml.load(text, Loader=Yaml12Loader)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"the value is not valid YAML: {getattr(err, 'problem', err)}", source=source) from None
         if top in _MAPPING_KEYS and len(parts) > 1:
             tree = _deep_copy(getattr(cfg, top))
             node = tree
@@ -527,6 +574,8 @@ def apply_overrides(cfg: TaskConfig, overrides: Iterable[str]) -> TaskConfig:
             new = _UNSET.get(top, "") if value is None else value
             if top == "max_runtime" and new is not None:
                 new = float(new)
+            if top == "dataset" and new:  # a path on the command line: from the current folder
+                new = os.path.abspath(new)
             cfg = dataclasses.replace(cfg, **{top: new})
         else:
             known = ", ".join([*_SCALAR_KEYS, *(f"{k}.KEY" for k in _MAPPING_KEYS)])

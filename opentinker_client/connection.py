@@ -23,7 +23,13 @@ import grpc
 
 from opentinker.scheduler.v1 import admin_pb2_grpc, scheduler_pb2_grpc
 from opentinker_client._reach import accepts_connections, explain_unreachable
-from opentinker_client.errors import SCHEDULER_PLAINTEXT_HINT, DeadlineExceededError, OpenTinkerError, from_rpc_error
+from opentinker_client.errors import (
+    SCHEDULER_PLAINTEXT_HINT,
+    DeadlineExceededError,
+    OpenTinkerError,
+    UnavailableError,
+    from_rpc_error,
+)
 from opentinker_common.net.bearer import bearer_metadata, clean_api_key
 from opentinker_common.net.call_budget import budget_metadata
 from opentinker_common.net.grpc_options import client_keepalive, message_limits
@@ -148,8 +154,11 @@ class SchedulerConnection:
         # Plaintext: an UNAVAILABLE "Socket closed" gets a hint that the scheduler may serve TLS.
         self._plaintext_hint = SCHEDULER_PLAINTEXT_HINT if self._creds is None else ""
         self.root_certificates = root_certificates
+        self._ca_given = bool(root_certificates or os.environ.get("OPENTINKER_TLS_CA"))
         self._channels: dict[str, tuple[grpc.Channel, scheduler_pb2_grpc.SchedulerServiceStub]] = {}
         self._channels_lock = threading.Lock()
+        #: target -> the connectivity callback its channel was subscribed with (unsubscribed on close).
+        self._watchers: dict[str, Any] = {}
         #: target -> monotonic time its channel last failed to connect (TRANSIENT_FAILURE: refused,
         #: a TLS handshake that failed): a call that waits after that is not a silent scheduler.
         self._failed_at: dict[str, float] = {}
@@ -168,8 +177,18 @@ class SchedulerConnection:
                 else:
                     channel = grpc.secure_channel(target, self._creds, options=options)
                 found = self._channels[target] = (channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
-                channel.subscribe(lambda state, t=target: self._seen_state(t, state))
             return found
+
+    def _used(self, target: str) -> tuple[grpc.Channel, Any]:
+        """:meth:`_open`, and watch the channel's connectivity from its first use (not before: a
+        client closed unused, as a CLI refusing a bad file is, leaves no gRPC polling thread to
+        trip over the closed channel)."""
+        found = self._open(target)
+        with self._channels_lock:
+            if target not in self._watchers and not self.closed:
+                watcher = self._watchers[target] = lambda state, t=target: self._seen_state(t, state)
+                found[0].subscribe(watcher)
+        return found
 
     @property
     def target(self) -> str:
@@ -182,12 +201,12 @@ class SchedulerConnection:
     @property
     def channel(self) -> grpc.Channel:
         """The channel to the scheduler in use."""
-        return self._open(self.targets.current)[0]
+        return self._used(self.targets.current)[0]
 
     @property
     def stub(self) -> Any:
         """``SchedulerServiceStub`` of the scheduler in use."""
-        return self._open(self.targets.current)[1]
+        return self._used(self.targets.current)[1]
 
     def moved(self, err: grpc.RpcError) -> bool:
         """After an UNAVAILABLE ``err``: go to the leader a follower named, or to the next address
@@ -218,7 +237,12 @@ class SchedulerConnection:
         if not self.closed:
             self.closed = True
             with self._channels_lock:
-                for channel, _ in self._channels.values():
+                for target, (channel, _) in self._channels.items():
+                    # Unsubscribed first: gRPC's polling thread then ends at its next wake-up
+                    # instead of watching a closed channel ("Cannot monitor channel state").
+                    watcher = self._watchers.pop(target, None)
+                    if watcher is not None:
+                        channel.unsubscribe(watcher)
                     channel.close()
 
     def check_open(self) -> None:
@@ -231,7 +255,8 @@ class SchedulerConnection:
         ``UNAVAILABLE`` from a server that closed the connection carries a TLS hint, unless
         ``plaintext_hint`` is false."""
         mapped = from_rpc_error(err, plaintext_hint=self._plaintext_hint if plaintext_hint else "")
-        return explain_unreachable(mapped, self.target)  # "nothing is listening", "that is the HTTP port" ...
+        # "nothing is listening", "that is the HTTP port", "pass its CA: --tls-ca" ...
+        return explain_unreachable(mapped, self.target, tls=self._creds is not None, ca_given=self._ca_given)
 
     def unary(
         self,
@@ -262,6 +287,7 @@ class SchedulerConnection:
         deadline = started + budget
         delay = 0.05
         noticed = False
+        silent = False  # it took the connection and said nothing for WAITING_NOTICE_S
         while True:
             left = max(0.05, deadline - time.monotonic())
             target = self.targets.current
@@ -276,7 +302,8 @@ class SchedulerConnection:
                         noticed = True
                     # There, but silent: it took the connection and says nothing. Not when nothing
                     # listens or the connection fails (a TLS mismatch): gRPC says why soon.
-                    if self._failed_at.get(target, 0.0) < started and accepts_connections(target):
+                    silent = self._failed_at.get(target, 0.0) < started and accepts_connections(target)
+                    if silent:
                         log.warning(
                             "the scheduler at %s has not answered %s in %.0f s; still waiting for it (up to %.0f s "
                             "in all: the call's timeout, opentinker --timeout or RLClient(timeout=))",
@@ -296,6 +323,19 @@ class SchedulerConnection:
                         "opentinker --timeout, RLClient(timeout=)); it may be stopped (SIGSTOP, a debugger), "
                         "overloaded, or behind a firewall that drops its packets"
                     ) from err
+                if err.code() == grpc.StatusCode.UNAVAILABLE and silent and accepts_connections(target):
+                    # gRPC gave up on a connection the scheduler accepted but never answered (its
+                    # HTTP/2 handshake timed out) and names the last address it tried: with
+                    # localhost, often ::1 refusing. The scheduler is there and silent.
+                    out = UnavailableError(
+                        f"the scheduler at {target} took the connection but did not answer {method} in "
+                        f"{time.monotonic() - started:.0f} s (gRPC gave up on the connection before the call's "
+                        f"{budget:g} s timeout); it may be stopped (SIGSTOP, a debugger), overloaded, or behind a "
+                        "firewall that drops its packets",
+                        code=err.code(),
+                    )
+                    out.raw_details = err.details()
+                    raise out from err
                 # Several schedulers: a follower's refusal, or an address that cannot be reached,
                 # moves to the leader (or the next address) and the call goes again (every unary
                 # RPC is idempotent; SubmitTask by its request_id), within the call's timeout.
@@ -310,7 +350,7 @@ class SchedulerConnection:
         target = self.targets.current
         stub = self._admin_stubs.get(target)
         if stub is None:
-            stub = self._admin_stubs[target] = admin_pb2_grpc.AdminServiceStub(self._open(target)[0])
+            stub = self._admin_stubs[target] = admin_pb2_grpc.AdminServiceStub(self._used(target)[0])
         return stub
 
     def upload(self, method: str, requests: Iterable[Any], *, timeout: float | None = None) -> Any:

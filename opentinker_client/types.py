@@ -70,7 +70,9 @@ class TaskInfo:
         create_time, update_time, start_time, end_time: UTC datetimes or ``None``.
         env_config, hyperparameters: the spec's mappings as plain dicts.
         max_runtime: wall-clock limit of one attempt in seconds, ``None`` for none.
-        max_attempts: attempts allowed (0 = scheduler default).
+        max_attempts: attempts allowed (0 = scheduler default); a hand-back does not count.
+        handed_back: attempts handed back (preemption, drain), not counted against
+            ``max_attempts``: the task has used ``attempt - handed_back`` of them.
         init_from: id of the task whose final checkpoint this one started from, ``""`` for none.
         queue: the quota queue its owner's tasks count against (``""`` when not told).
         usage: what it used, all attempts (``get_task`` only; empty otherwise): ``gpu_seconds``,
@@ -105,6 +107,7 @@ class TaskInfo:
     hyperparameters: Mapping[str, Any] = field(default_factory=dict)
     max_runtime: float | None = None
     max_attempts: int = 0
+    handed_back: int = 0
     init_from: str = ""
     queue: str = ""
     usage: Mapping[str, float] = field(default_factory=dict)

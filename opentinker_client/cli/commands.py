@@ -44,6 +44,7 @@ from opentinker_client.client import DEFAULT_SCHEDULER_URL, RLClient
 from opentinker_client.types import TERMINAL_STATES, NodeInfo, TaskEvent, TaskInfo
 from opentinker_client.errors import FailedPreconditionError, OpenTinkerError
 from opentinker_client.cli.render import SafeLogText, error_text, markup, safe_text
+from opentinker_common.attempts import attempts_text
 
 __all__ = ["main", "build_parser"]
 
@@ -285,6 +286,9 @@ def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
         )
         print(f"estimate: {_estimate_line(usage)}")
         print(f"basis: {basis}")
+        note = _missing_model_note(task.model)
+        if note:
+            print(safe_text(note), file=sys.stderr)
         return EXIT_OK
     task_id = client.submit_config(config, request_id=args.request_id)
     print(safe_text(task_id), flush=True)
@@ -292,12 +296,45 @@ def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
         note = client.get_task(config.init_from).checkpoint_note
         print(safe_text(f"starting from task {config.init_from}'s {note}"), file=sys.stderr, flush=True)
     if args.watch:
-        return _follow(client, task_id)
+        return _watching(task_id, lambda: _follow(client, task_id))
     return EXIT_OK
 
 
+class _StoppedWatching(KeyboardInterrupt):
+    """Ctrl-C while following ``task_id``: only the watch stops; the task goes on."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__(task_id)
+        self.task_id = task_id
+
+
+def _watching(task_id: str, follow) -> int:
+    """``follow()``, with a Ctrl-C turned into :class:`_StoppedWatching` for ``task_id`` (whose
+    message says the task keeps running on the scheduler and how to cancel it)."""
+    try:
+        return follow()
+    except KeyboardInterrupt:
+        raise _StoppedWatching(task_id) from None
+
+
+def _missing_model_note(model: str) -> str:
+    """For a dry run: a note when ``model`` names a folder (not a hub id: ``org/name``) that is not
+    on this machine; the scheduler cannot see the trainer nodes' disks, so neither it nor the dry
+    run can tell whether the folder is there (``""`` when there is nothing to say)."""
+    if not model or not (model.startswith((".", "/", "~")) or model.count("/") > 1):
+        return ""
+    if os.path.isdir(os.path.expanduser(model)):
+        return ""
+    return (
+        f"note: model {model!r} is a folder that is not on this machine; the dry run cannot check the trainer "
+        "nodes' disks: it must be there (else the task fails as it starts: no such folder on this trainer node)"
+    )
+
+
 def _cmd_watch(client: RLClient, args: argparse.Namespace) -> int:
-    return _follow(client, args.task_id, after_sequence=args.after_sequence, plain=args.plain)
+    return _watching(
+        args.task_id, lambda: _follow(client, args.task_id, after_sequence=args.after_sequence, plain=args.plain)
+    )
 
 
 def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: bool = False) -> int:
@@ -440,30 +477,100 @@ _LIST_WRAP_MIN = 20
 _LIST_MOVE_ORDER = ("REASON", "CREATED", "NODE", "ENV", "WORKLOAD", "PRIO", "LOSS", "REWARD", "NAME", "STEP")
 
 
-def _fit_columns(widths: dict[str, int], width: int) -> list[str]:
-    """The ``_LIST_COLUMNS`` headers that stay in the table in ``width`` cells, given each
-    column's widest cell (header included): all when they fit with the non-wrapping ones whole,
-    else fewer (``_LIST_MOVE_ORDER``); the others go to a line under each task, so every value
-    is shown (TASK ID, STATE, ATTEMPT and GPUS always stay in the table)."""
-    shown = [name for name, _ in _LIST_COLUMNS]
-    wraps = dict(_LIST_COLUMNS)
+def _fit_columns(
+    widths: dict[str, int],
+    width: int,
+    columns: tuple[tuple[str, bool], ...] = _LIST_COLUMNS,
+    move_order: tuple[str, ...] = _LIST_MOVE_ORDER,
+) -> list[str]:
+    """The ``columns`` headers that stay in the table in ``width`` cells, given each column's
+    widest cell (header included): all when they fit with the non-wrapping ones whole, else fewer
+    (``move_order``); the others go to a line under each row, so every value is shown (a column
+    not in ``move_order`` always stays in the table: for ``list``, TASK ID, STATE, ATTEMPT, GPUS)."""
+    shown = [name for name, _ in columns]
+    wraps = dict(columns)
 
     def need() -> int:
         return sum(min(widths[c], _LIST_WRAP_MIN) if wraps[c] else widths[c] for c in shown) + 2 * len(shown)
 
-    for name in _LIST_MOVE_ORDER:
+    for name in move_order:
         if need() <= width:
             break
         shown.remove(name)
     return shown
 
 
-def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
+def _print_fitted(
+    console,
+    columns: tuple[tuple[str, bool], ...],
+    rows: list[tuple[str, ...]],
+    move_order: tuple[str, ...],
+    *,
+    title: str = "",
+    unlabelled: frozenset[str] = frozenset(),
+) -> None:
+    """Print ``rows`` (rich markup cells, one per ``columns`` header: ``(header, may wrap)``) as a
+    table that fits ``console.width``: no value is cut or folded mid-word. A narrow terminal moves
+    columns out of the table in ``move_order`` (:func:`_fit_columns`) onto a line under each row
+    (``"node n1  created 12-02 01:53 <reason>"``), wrapped at words; a column in ``unlabelled``
+    goes there as its words alone (a reason), the others as ``"header value"``."""
     from rich.padding import Padding
     from rich.segment import Segment, Segments
     from rich.table import Table
     from rich.text import Text
 
+    if title:
+        console.print(title, style="italic")
+    headers = [name for name, _ in columns]
+    widths = {
+        name: max([len(name)] + [Text.from_markup(row[i]).cell_len for row in rows]) for i, name in enumerate(headers)
+    }
+    shown = _fit_columns(widths, console.width, columns, move_order)
+    moved = [i for i, name in enumerate(headers) if name not in shown]
+    table = Table(box=None, header_style="bold")
+    for name, wraps in columns:
+        if name in shown:
+            # no_wrap: never broken over lines (rich shrinks the wrapping columns first); a
+            # wrapping column wraps at spaces and folds only a word longer than its column.
+            table.add_column(name, no_wrap=not wraps, overflow="fold" if wraps else "ellipsis")
+    keep = [headers.index(name) for name in shown]
+    for row in rows:
+        table.add_row(*(row[i] for i in keep))
+    if not moved:
+        console.print(table)
+        return
+    # The columns that did not fit go on a line under each row, wrapped at words, so no value is
+    # left out. The table left has no wrapping column (those move first), so each row is one line.
+    lines = console.render_lines(table, console.options, pad=False)
+    console.print(Segments([*lines[0], Segment.line()]))
+    for row, line in zip(rows, lines[1:]):
+        console.print(Segments([*line, Segment.line()]))
+        units = []  # "label value" pairs kept whole on a line, then the words of an unlabelled one
+        for i in moved:
+            if headers[i] in unlabelled:
+                units += [(w, " ") for w in row[i].split()]
+            elif row[i]:  # an empty cell (no notes) says nothing
+                units.append((f"{headers[i].lower()} {row[i]}", "  "))
+        for text in _pack(units, console.width - 3):
+            console.print(Padding(Text.from_markup(text), (0, 0, 0, 3)), no_wrap=True, overflow="fold")
+
+
+#: Workloads that train on ``env_config`` and so on the default environment when it names none.
+_ENV_WORKLOADS = ("lora_finetune", "full_rl")
+
+
+def _env_id_shown(task: TaskInfo) -> str:
+    """``list``'s ENV cell: the task's ``env_id``, the default one (arithmetic) for a training
+    task whose ``env_config`` names none, else ``-`` (inference, sessions)."""
+    from opentinker_common.spec.task import DEFAULT_ENV_ID
+
+    env_id = task.env_config.get("env_id")
+    if env_id:
+        return str(env_id)
+    return DEFAULT_ENV_ID if task.workload_type in _ENV_WORKLOADS else "-"
+
+
+def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
     tasks = client.list_tasks(states=args.state or None, limit=args.limit)
     console = _console()
     if not tasks:
@@ -478,7 +585,7 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
                 _escape(t.task_id),
                 _escape(t.name) or "-",
                 _escape(t.workload_type),
-                _escape(str(t.env_config.get("env_id") or "-")),
+                _escape(_env_id_shown(t)),
                 _state(t.state),
                 str(t.attempt),
                 str(t.gpu_count),
@@ -491,39 +598,7 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
                 _escape(reason),
             )
         )
-    headers = [name for name, _ in _LIST_COLUMNS]
-    widths = {
-        name: max([len(name)] + [Text.from_markup(row[i]).cell_len for row in rows]) for i, name in enumerate(headers)
-    }
-    shown = _fit_columns(widths, console.width)
-    moved = [i for i, name in enumerate(headers) if name not in shown]
-    table = Table(box=None, header_style="bold")
-    for name, wraps in _LIST_COLUMNS:
-        if name in shown:
-            # no_wrap: never broken over lines (rich shrinks the wrapping columns first); REASON
-            # wraps at spaces and folds only a word longer than its column.
-            table.add_column(name, no_wrap=not wraps, overflow="fold" if wraps else "ellipsis")
-    keep = [headers.index(name) for name in shown]
-    for row in rows:
-        table.add_row(*(row[i] for i in keep))
-    if not moved:
-        console.print(table)
-        return EXIT_OK
-    # A narrow terminal: the columns that did not fit go on a line under each task ("node n1
-    # created 12-02 01:53 <reason>"), wrapped at words, so no value is left out. The table left has
-    # no wrapping column (REASON and CREATED move first), so each task is one line of it.
-    lines = console.render_lines(table, console.options, pad=False)
-    console.print(Segments([*lines[0], Segment.line()]))
-    for row, line in zip(rows, lines[1:]):
-        console.print(Segments([*line, Segment.line()]))
-        units = []  # "label value" pairs kept whole on a line, then the reason's words
-        for i in moved:
-            if headers[i] == "REASON":
-                units += [(w, " ") for w in row[i].split()]
-            else:
-                units.append((f"{headers[i].lower()} {row[i]}", "  "))
-        for text in _pack(units, console.width - 3):
-            console.print(Padding(Text.from_markup(text), (0, 0, 0, 3)), no_wrap=True, overflow="fold")
+    _print_fitted(console, _LIST_COLUMNS, rows, _LIST_MOVE_ORDER, unlabelled=frozenset({"REASON"}))
     return EXIT_OK
 
 
@@ -668,7 +743,7 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
         ("owner", _escape(t.owner) or "-"),
         ("priority", str(t.priority)),
         ("gpus", str(t.gpu_count)),
-        ("attempt", f"{t.attempt} of {t.max_attempts}" if t.max_attempts else str(t.attempt)),
+        ("attempt", attempts_text(t.attempt, t.max_attempts, t.handed_back)),
         ("max runtime", f"{t.max_runtime:g} s" if t.max_runtime is not None else "none"),
         ("node", (_escape(t.node_id) + (f" devices {list(t.device_indices)}" if t.device_indices else "")) or "-"),
     ]
@@ -748,37 +823,70 @@ def _host_cells(n: NodeInfo) -> tuple[str, str]:
     return cpu, memory
 
 
-def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
-    from rich.table import Table
+#: ``opentinker nodes`` tables: (header, may wrap) and the order a narrow terminal moves columns
+#: onto a line under each row (as ``list`` does); node ids, GPU indices and counts stay.
+_NODE_COLUMNS: tuple[tuple[str, bool], ...] = (
+    ("NODE", False),
+    ("CONNECTED", False),
+    ("GPUS FREE", False),
+    ("TASKS", False),
+    ("CPU", False),
+    ("MEMORY", False),
+    ("VERSION", False),
+    ("LAST HEARTBEAT", True),
+    ("NOTES", True),
+)
+_NODE_MOVE_ORDER = ("NOTES", "LAST HEARTBEAT", "VERSION", "MEMORY", "CPU", "CONNECTED")
+_GPU_COLUMNS: tuple[tuple[str, bool], ...] = (
+    ("NODE", False),
+    ("GPU", False),
+    ("NAME", False),
+    ("UTIL", False),
+    ("MEMORY", False),
+    ("TEMP", False),
+    ("POWER", False),
+    ("SM CLOCK", False),
+    ("ECC", False),
+)
+_GPU_MOVE_ORDER = ("ECC", "SM CLOCK", "POWER", "TEMP", "NAME", "MEMORY")
+_HOST_COLUMNS: tuple[tuple[str, bool], ...] = (
+    ("NODE", False),
+    ("BASE MODEL", False),
+    ("GPUS", False),
+    ("TENANTS", False),
+    ("MEMORY (EST.)", False),
+    ("PID", False),
+    ("TASKS", True),
+)
+_HOST_MOVE_ORDER = ("TASKS", "MEMORY (EST.)", "PID", "BASE MODEL")
 
+
+def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
     nodes: list[NodeInfo] = client.list_nodes()
     console = _console()
     if not nodes:
         console.print("no nodes")
         return EXIT_OK
-    table = Table(box=None, header_style="bold", title="nodes", title_justify="left")
-    for col in ("NODE", "CONNECTED", "GPUS FREE", "TASKS", "CPU", "MEMORY", "VERSION", "LAST HEARTBEAT", "NOTES"):
-        table.add_column(col, no_wrap=col != "NOTES", overflow="fold")
+    rows = []
     for n in nodes:
         simulated = any(d.simulated for d in n.devices)
         cpu, memory = _host_cells(n)
-        table.add_row(
-            _escape(n.node_id),
-            "[green]yes[/green]" if n.connected else "[red]no[/red]",
-            f"{n.gpus_free}/{n.gpu_count}" + (" (simulated)" if simulated else ""),
-            f"{len(n.running_task_ids)}/{n.max_tasks}",
-            cpu,
-            memory,
-            _escape(n.version) or "-",
-            _fmt_time(n.last_heartbeat_time),
-            _escape("; ".join(n.notes)),
+        rows.append(
+            (
+                _escape(n.node_id),
+                "[green]yes[/green]" if n.connected else "[red]no[/red]",
+                f"{n.gpus_free}/{n.gpu_count}" + (" (simulated)" if simulated else ""),
+                f"{len(n.running_task_ids)}/{n.max_tasks}",
+                cpu,
+                memory,
+                _escape(n.version) or "-",
+                _fmt_time(n.last_heartbeat_time),
+                _escape("; ".join(n.notes)),
+            )
         )
-    console.print(table)
+    _print_fitted(console, _NODE_COLUMNS, rows, _NODE_MOVE_ORDER, title="nodes")
 
-    gpus = Table(box=None, header_style="bold", title="gpus", title_justify="left")
-    for col in ("NODE", "GPU", "NAME", "UTIL", "MEMORY", "TEMP", "POWER", "SM CLOCK", "ECC"):
-        gpus.add_column(col, overflow="fold")
-    any_gpu = False
+    gpu_rows = []
     for n in nodes:
         names = {d.index: d for d in n.devices}
         seen = set()
@@ -795,48 +903,36 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
             name = _escape(dev.name if dev else "")
             if t.simulated or (dev is not None and dev.simulated):
                 name += " (simulated)"
-            gpus.add_row(
-                _escape(n.node_id),
-                str(t.index),
-                name,
-                _telemetry_cell(t.utilization_percent, ".0f", "utilization_percent", un)
-                + ("%" if t.utilization_percent is not None else ""),
-                mem,
-                _telemetry_cell(t.temperature_c, ".0f", "temperature_c", un)
-                + (" C" if t.temperature_c is not None else ""),
-                _telemetry_cell(t.power_w, ".0f", "power_w", un) + (" W" if t.power_w is not None else ""),
-                _telemetry_cell(t.sm_clock_mhz, "d", "sm_clock_mhz", un)
-                + (" MHz" if t.sm_clock_mhz is not None else ""),
-                _telemetry_cell(t.ecc_errors, "d", "ecc_errors", un),
+            gpu_rows.append(
+                (
+                    _escape(n.node_id),
+                    str(t.index),
+                    name,
+                    _telemetry_cell(t.utilization_percent, ".0f", "utilization_percent", un)
+                    + ("%" if t.utilization_percent is not None else ""),
+                    mem,
+                    _telemetry_cell(t.temperature_c, ".0f", "temperature_c", un)
+                    + (" C" if t.temperature_c is not None else ""),
+                    _telemetry_cell(t.power_w, ".0f", "power_w", un) + (" W" if t.power_w is not None else ""),
+                    _telemetry_cell(t.sm_clock_mhz, "d", "sm_clock_mhz", un)
+                    + (" MHz" if t.sm_clock_mhz is not None else ""),
+                    _telemetry_cell(t.ecc_errors, "d", "ecc_errors", un),
+                )
             )
-            any_gpu = True
         for d in n.devices:  # devices with no telemetry yet
             if d.index not in seen:
                 name = _escape(d.name) + (" (simulated)" if d.simulated else "")
-                gpus.add_row(
-                    _escape(n.node_id),
-                    str(d.index),
-                    name,
-                    "-",
-                    f"- / {_fmt_bytes(d.memory_total_bytes)}",
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                )
-                any_gpu = True
-    if any_gpu:
+                total = f"- / {_fmt_bytes(d.memory_total_bytes)}" if d.memory_total_bytes else "-"
+                gpu_rows.append((_escape(n.node_id), str(d.index), name, "-", total, "-", "-", "-", "-"))
+    if gpu_rows:
         console.print()
-        console.print(gpus)
+        _print_fitted(console, _GPU_COLUMNS, gpu_rows, _GPU_MOVE_ORDER, title="gpus")
     else:
         console.print("no GPUs (CPU nodes)")
     hosts = [(n, h) for n in nodes for h in n.model_hosts]
     if hosts:  # nodes started with --tenants-per-host: LoRA tasks sharing one copy of a base model
-        table = Table(box=None, header_style="bold", title="model hosts", title_justify="left")
-        for col in ("NODE", "BASE MODEL", "GPUS", "TENANTS", "MEMORY (EST.)", "PID", "TASKS"):
-            table.add_column(col, no_wrap=col != "TASKS", overflow="fold")
-        for n, h in hosts:
-            table.add_row(
+        host_rows = [
+            (
                 _escape(n.node_id),
                 _escape(h.model),
                 ",".join(str(i) for i in h.device_indices) or "cpu",
@@ -845,8 +941,10 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
                 str(h.pid),
                 _escape(" ".join(h.task_ids)),
             )
+            for n, h in hosts
+        ]
         console.print()
-        console.print(table)
+        _print_fitted(console, _HOST_COLUMNS, host_rows, _HOST_MOVE_ORDER, title="model hosts")
     return EXIT_OK
 
 
@@ -1243,7 +1341,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a value of the file without editing it (repeatable): any top-level key (gpu_count=1, "
         "nodes=2, model=NAME, ...) or one inside env, hyperparameters or tracking (hyperparameters.steps=20, "
-        "env.max_digits=2); VALUE is read as YAML",
+        "env.max_digits=2); VALUE is read as YAML (null removes a key or sets a top-level one back to its default)",
     )
     p.add_argument(
         "--request-id", default=None, help="idempotency key: resubmitting with the same id returns the same task"
@@ -1377,8 +1475,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "serve",
-        help="serve a finished lora_finetune/sft task's (or a lora_session's: ended, its newest checkpoint; "
-        "running, its newest sampler save) adapter, or a full-weight sft/full_rl task's weights; prints the endpoint",
+        help="serve a lora_finetune/sft task's adapter (its newest checkpoint; while it trains, each request gets "
+        "the newest), a lora_session's (ended: its newest checkpoint; running: its newest sampler save), or a "
+        "finished full-weight sft/full_rl task's weights; prints the endpoint",
     )
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument(
@@ -1489,6 +1588,8 @@ def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
         return 0
     what = "model" if args.step or task.proto.latest_checkpoint.format == "hf_full" else "adapter"
     note = f"step {args.step}" if args.step else task.checkpoint_note
+    if not task.done and what == "adapter":  # served while it trains: each request gets the newest
+        note += "; later requests get its newer checkpoints, or its live adapter on its own model host"
     print(safe_text(f"{what} {args.task_id} ({note}) served by inference task {llm.task_id} at {llm.endpoint}"))
     return 0
 
@@ -1554,6 +1655,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = getattr(err, "filename", None)
         reason = err.strerror or str(err)
         return _error(f"cannot read {name}: {reason}" if name else reason)
+    except _StoppedWatching as stop:
+        interrupted = True
+        task = safe_text(stop.task_id)
+        print(
+            f"interrupted: stopped watching; task {task} keeps running on the scheduler "
+            f"(opentinker watch {task} follows it again, opentinker cancel {task} stops it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted", file=sys.stderr)

@@ -77,6 +77,11 @@ def env_entry(env_id: str) -> EnvEntry | None:
     return None
 
 
+def exact_env_ids() -> list[str]:
+    """The ids registered one by one (not the families'), sorted: the did-you-mean choices."""
+    return sorted(_ENVS)
+
+
 def known_env_ids() -> list[str]:
     """Exact ids plus the names of families, for error messages."""
     return sorted(_ENVS) + [name for name, _, _ in _FAMILIES]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from opentinker_common.spec._parse import SpecError, check_text, parse_dataclass, plain
+from opentinker_common.spec._parse import SpecError, check_text, did_you_mean, parse_dataclass, plain
 from opentinker_common.spec.tracking import TrackingConfig, parse_tracking
 from opentinker_common.spec.registry import (
     WORKLOAD_TYPES,
@@ -13,6 +13,7 @@ from opentinker_common.spec.registry import (
     env_kinds_for,
     hyperparameters_class,
     implemented_workloads,
+    exact_env_ids,
     known_env_ids,
     uses_model,
 )
@@ -54,7 +55,8 @@ def validate_env_config(data: Any, path: str = "spec.env_config") -> Any:
         )
     entry = env_entry(env_id) if isinstance(env_id, str) else None
     if entry is None:
-        raise SpecError(f"{path}.env_id", f"one of {', '.join(known_env_ids())}", env_id)
+        hint = did_you_mean(env_id, exact_env_ids())
+        raise SpecError(f"{path}.env_id", f"one of {', '.join(known_env_ids())}", env_id, hint=hint)
     return parse_dataclass(entry.cls, {**data, "env_id": env_id}, path)
 
 
@@ -178,7 +180,8 @@ class TaskSpecModel:
     ) -> "TaskSpecModel":
         """Validate every part; raises :class:`SpecError` on the first bad field."""
         if not isinstance(workload_type, str) or workload_type not in allowed_workloads:
-            raise SpecError("spec.workload_type", f"one of {', '.join(allowed_workloads)}", workload_type)
+            hint = did_you_mean(workload_type, allowed_workloads)
+            raise SpecError("spec.workload_type", f"one of {', '.join(allowed_workloads)}", workload_type, hint=hint)
         if not env_kinds_for(workload_type):
             raise SpecError(
                 "spec.workload_type",

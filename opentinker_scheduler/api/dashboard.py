@@ -53,6 +53,7 @@ from google.protobuf.json_format import MessageToDict
 
 from opentinker.common.v1 import common_pb2
 from opentinker_common import curves
+from opentinker_common.attempts import attempts_text
 from opentinker_common.spec import SpecError, env_kind, spec_from_proto
 
 from opentinker_scheduler.api.rpc import record
@@ -588,8 +589,9 @@ class Dashboard:
         task, events, ckpts, reason = self._on_loop(read)
         now = time.time()
         state = STATE.get(task.state, str(task.state)).lower()
+        attempts = attempts_text(task.attempt, task.spec.limits.max_attempts or task.max_attempts, task.handed_back)
         info = [
-            f'<p>state <b id="state">{h(state)}</b> · attempt {task.attempt} of {task.max_attempts} · owner '
+            f'<p>state <b id="state">{h(state)}</b> · attempt {h(attempts)} · owner '
             f"{h(task.owner)} · {h(task.workload_type)} · priority {task.priority} · node {h(task.node_id or '-')} · "
             f"step {task.latest_step} · submitted {h(_ago(task.create_time, now))}</p>"
         ]

@@ -59,6 +59,7 @@ def task_to_proto(task: TaskRow, pending_reason: str = "") -> common_pb2.Task:
         error=task.error,
         latest_metrics=task.latest_metrics,
         latest_step=task.latest_step,
+        handed_back=task.handed_back,
     )
     _ts(out.create_time, task.create_time)
     _ts(out.update_time, task.update_time)

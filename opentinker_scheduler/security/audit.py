@@ -113,9 +113,10 @@ class AuditLog:
         )
 
     def list(self, *, limit: int = 100, before_id: int = 0, action: str = "") -> list[AuditRecord]:
-        """Records newest first."""
+        """Records newest first, those of the open (group) transaction included."""
         if self.store is None:
             return []
+        self.store.flush_audit()
         sql = "SELECT id, time, owner, role, key_prefix, action, task_id, outcome, detail FROM audit_log"
         where, args = [], []
         if before_id:

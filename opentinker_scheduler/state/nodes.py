@@ -96,6 +96,10 @@ class NodeSession:
                 counts[d] = counts.get(d, 0) + 1
         return {d: (next(iter(k)), counts[d]) for d, k in keys.items() if len(k) == 1 and None not in k}  # type: ignore[misc]
 
+    def share_key_of(self, task_id: str) -> str | None:
+        """The GPU-sharing key booked for ``task_id`` (None: it holds its GPUs alone, or is sealed)."""
+        return self._share.get(task_id)
+
     def memory_of(self, task_id: str) -> MemoryNeed | None:
         """The GPU memory estimate booked for ``task_id`` (None: not counted)."""
         return self._memory.get(task_id)

@@ -145,7 +145,7 @@ class PreemptionTracker:
                 task.not_before > now
                 or task.spec.resources.nodes > 1  # a gang does not preempt (victims are chosen on one node)
                 or task.task_id in self.waiting
-                or self._free.best_fit_for(task.gpu_count, task.share_key) is not None
+                or self._free.best_fit_for(task.gpu_count, task.share_key, need=task.memory_need) is not None
             ):
                 continue
             queue_name = quotas.queue_of(task.owner) if quotas is not None else ""
@@ -170,7 +170,13 @@ class PreemptionTracker:
                     return False
                 return quotas is None or t.task_id in reclaim or quotas.queue_of(t.owner) == q
 
-            choice = choose_victims(task.priority, task.gpu_count, self._node_states(task.priority, eligible))
+            choice = choose_victims(
+                task.priority,
+                task.gpu_count,
+                self._node_states(task.priority, eligible),
+                share_key=task.share_key,
+                memory=task.memory_need,
+            )
             if choice is None:
                 continue
             node = self._nodes[choice.node_id]
@@ -263,10 +269,30 @@ class PreemptionTracker:
                 elif ok and eligible(t):
                     prio = min(t.priority, priority - 1)
                 running.append(
-                    RunningAlloc(task_id, prio, len(devices), started, tuple(devices), spans[(task_id, attempt)])
+                    RunningAlloc(
+                        task_id,
+                        prio,
+                        len(devices),
+                        started,
+                        tuple(devices),
+                        spans[(task_id, attempt)],
+                        node.share_key_of(task_id),
+                        node.memory_of(task_id),
+                    )
                 )
             cap = node.capacity()
-            out.append(NodeState(node.node_id, node.gpu_count, node.max_tasks, len(cap.free_gpus), tuple(running)))
+            out.append(
+                NodeState(
+                    node.node_id,
+                    node.gpu_count,
+                    node.max_tasks,
+                    len(cap.free_gpus),
+                    tuple(running),
+                    cap.max_tasks_per_gpu,
+                    cap.gpu_memory,
+                    tuple(cap.free_gpus),
+                )
+            )
         return out
 
     def _prune(self) -> None:

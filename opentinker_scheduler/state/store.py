@@ -104,6 +104,13 @@ class TaskRow:
     def workload_type(self) -> str:
         return self.spec.workload_type
 
+    @property
+    def handed_back(self) -> int:
+        """Attempts handed back (preemption, drain), each of which raised ``max_attempts`` by one
+        above the spec's (0 for a spec stored without its limit)."""
+        limit = self.spec.limits.max_attempts
+        return max(0, self.max_attempts - limit) if limit else 0
+
     @functools.cached_property
     def share_key(self) -> str | None:
         """GPU-sharing key (:func:`~opentinker_scheduler.policy.placement.share_key`): the base model of
@@ -833,6 +840,13 @@ class SqlStore:
         if not self._tx_depth:
             raise RuntimeError("add_audit: expected an open transaction (with store.batch(): ...)")
         self._audit_rows.append(row)
+
+    def flush_audit(self) -> None:
+        """Write the open transaction's audit rows now (still inside it), so a read of
+        ``audit_log`` on this connection sees them, as it sees the transaction's other writes."""
+        if self._tx_depth and self._audit_rows:
+            rows, self._audit_rows = self._audit_rows, []
+            self._write_audit_rows(rows)
 
     def _write_audit_rows(self, rows: list[tuple]) -> None:
         step = self.AUDIT_ROWS_PER_INSERT

@@ -386,10 +386,10 @@ def test_overrides_set_values_of_the_file_without_editing_it(tmp_path):
     assert new.hyperparameters["steps"] == 3 and new.hyperparameters["learning_rate"] == 2e-4
     assert (new.gpu_count, new.name) == (1, "tweaked")
     assert cfg.gpu_count == 0  # the loaded config itself is unchanged
-    assert "steps" not in apply_overrides(new, ["hyperparameters.steps="]).hyperparameters  # empty: removed
+    assert "steps" not in apply_overrides(new, ["hyperparameters.steps=null"]).hyperparameters  # null: removed
     both = apply_overrides(cfg, ["nodes=2", "gpu_count=1", "tracking.tensorboard=/runs/tb"])
     assert (both.nodes, both.tracking) == (2, {"tensorboard": "/runs/tb"})
-    assert apply_overrides(both, ["nodes="]).nodes == 1  # empty: back to the default
+    assert apply_overrides(both, ["nodes=~"]).nodes == 1  # null: back to the default
 
 
 @pytest.mark.parametrize(("text", "override"), [("abc", "abc"), ("-1", "-1"), ("5000", "5000")])
@@ -425,6 +425,18 @@ def test_a_bad_gpu_count_reads_the_same_in_the_file_and_in_set(tmp_path, text, o
         ("hyperparameters.steps=-1", "--set hyperparameters.steps=-1: hyperparameters.steps: expected"),
         ("tracking.tensorboard=rel", "--set tracking.tensorboard=rel: tracking.tensorboard: expected an absolute"),
         ("name=“x”", "typographic quote"),
+        (
+            "hyperparameters.steps=",
+            "--set hyperparameters.steps=: hyperparameters.steps: no value after '='; expected "
+            "hyperparameters.steps=VALUE, or hyperparameters.steps=null to remove it and use its default",
+        ),
+        ("gpu_count=", "--set gpu_count=: gpu_count: no value after '='; expected gpu_count=VALUE, or gpu_count=null"),
+        (
+            "hyperparameters=3",
+            "--set hyperparameters=3: hyperparameters: expected a key inside it, dotted: hyperparameters.KEY=VALUE "
+            "(e.g. hyperparameters.steps=20); hyperparameters is a mapping",
+        ),
+        ("env=x", "--set env=x: env: expected a key inside it, dotted: env.KEY=VALUE (e.g. env.max_digits=2)"),
     ],
 )
 def test_a_bad_override_names_itself(tmp_path, override, needle):

@@ -244,14 +244,12 @@ def test_logs_numbers_never_skip(fake):
     assert "training steps" not in proc.stdout
 
 
-def test_nodes(fake):
+def _two_nodes() -> list:
+    """A GPU node with telemetry and a model host, and a disconnected simulated one."""
     from opentinker.common.v1 import common_pb2
     from opentinker.scheduler.v1 import scheduler_pb2
 
-    servicer, server = fake
-    proc = run("nodes", url=server.url)
-    assert proc.returncode == 0 and "no nodes" in proc.stdout
-    servicer.nodes = [
+    return [
         scheduler_pb2.Node(
             node_id="gpu-node-01",
             connected=True,
@@ -297,6 +295,13 @@ def test_nodes(fake):
             notes=["simulated GPUs"],
         ),
     ]
+
+
+def test_nodes(fake):
+    servicer, server = fake
+    proc = run("nodes", url=server.url)
+    assert proc.returncode == 0 and "no nodes" in proc.stdout
+    servicer.nodes = _two_nodes()
     proc = run("nodes", url=server.url)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -308,6 +313,29 @@ def test_nodes(fake):
     assert "2/8" in host_row and "4242" in host_row and "t7 t8" in host_row and "gpu-node-01" in host_row
     # the scheduler's memory estimate: base once + both tenants, and what that books of GPU 1
     assert "257 MiB + 56 MiB (313 MiB of 150.0 GiB booked on GPU 1)" in " ".join(out.split())
+
+
+def test_nodes_fit_a_narrow_terminal_with_every_value_whole(fake):
+    from tests.support.tty import run_on_tty
+
+    servicer, server = fake
+    servicer.nodes = _two_nodes()
+    env = {k: v for k, v in os.environ.items() if k not in ("SCHEDULER_URL", "OPENTINKER_API_KEY")}
+    for columns in (120, 80):
+        rc, out = run_on_tty(["--scheduler-url", server.url, "nodes"], env={**env, "COLUMNS": str(columns)})
+        assert rc == 0, out
+        lines = out.splitlines()
+        assert all(len(line.rstrip()) <= columns for line in lines), out
+        # Ids, names and values are never cut, folded or wrapped mid-value; what does not fit in a
+        # table goes on a line under its row.
+        for value in ("gpu-node-01", "sim-node", "0/1 (simulated)", "NVIDIA H200", "40.0 GiB / 150.0 GiB"):
+            assert any(value in line for line in lines), f"{value!r} at {columns} columns:\n{out}"
+        for value in ("n/a (NotSupported)", "1980 MHz", "SmolLM2-135M", "simulated GPUs", "t7 t8", "4242"):
+            assert any(value in line for line in lines), f"{value!r} at {columns} columns:\n{out}"
+        assert "257 MiB + 56 MiB (313 MiB of 150.0 GiB booked on GPU 1)" in " ".join(out.split())
+        assert "…" not in out, out
+        for header in ("NODE", "GPUS FREE", "TASKS", "GPU", "UTIL", "TENANTS"):
+            assert header in out
 
 
 def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
@@ -352,6 +380,43 @@ def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
             assert "interrupted" in proc.stderr.read()
         finally:
             proc.kill()
+    finally:
+        sched.close()
+
+
+def test_ctrl_c_during_submit_watch_says_the_task_goes_on_and_how_to_cancel_it(tmp_path) -> None:
+    """A real scheduler without trainers: `submit --watch` of a task that stays pending, then SIGINT."""
+    import signal
+
+    from opentinker_client.cli.commands import EXIT_INTERRUPTED
+
+    from tests.support.security import LoopbackScheduler
+
+    task_file = tmp_path / "task.yaml"
+    task_file.write_text("workload_type: lora_finetune\nmodel: /models/m\n")
+    sched = LoopbackScheduler(tmp_path / "state")
+    try:
+        env = {**os.environ, "SCHEDULER_URL": sched.target, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "opentinker_client", "submit", str(task_file), "--watch"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # Ctrl-C as on a terminal
+        )
+        try:
+            task_id = proc.stdout.readline().strip()  # submitted: its id, then the watch
+            assert proc.stdout.readline().startswith(f"task {task_id} ")  # the watch is on
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == EXIT_INTERRUPTED
+            assert proc.stderr.read().strip().splitlines()[-1] == (
+                f"interrupted: stopped watching; task {task_id} keeps running on the scheduler (opentinker watch "
+                f"{task_id} follows it again, opentinker cancel {task_id} stops it)"
+            )
+        finally:
+            proc.kill()
+        assert sched.core.get(task_id).state == S.TASK_STATE_PENDING  # it goes on
     finally:
         sched.close()
 

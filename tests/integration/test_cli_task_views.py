@@ -65,3 +65,22 @@ def test_submit_set_then_get_and_list_show_what_the_task_runs_with(cluster: Clus
     bad = run(cluster.url, "submit", str(config), "--set", "hyperparameters.stesp=3")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --set hyperparameters.stesp=3: ")
     assert len(bad.stderr.strip().splitlines()) == 1
+    # An empty value is never silently the default; a mapping is set key by key.
+    for override, words in (
+        ("hyperparameters.steps=", "no value after '='; expected hyperparameters.steps=VALUE, or"),
+        ("hyperparameters=3", "expected a key inside it, dotted: hyperparameters.KEY=VALUE"),
+    ):
+        bad = run(cluster.url, "submit", str(config), "--set", override)
+        assert bad.returncode == 2 and bad.stdout == "", bad
+        assert bad.stderr.startswith(f"error: --set {override}: ") and words in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and "did you mean" not in bad.stderr
+    assert len(run(cluster.url, "list").stdout.strip().splitlines()) == 2  # nothing more was submitted
+    # A typo'd workload type gets a did-you-mean; a task on the default environment lists it by name.
+    bad = run(cluster.url, "submit", str(config), "--set", "workload_type=lora_finetun")
+    assert bad.returncode == 2 and bad.stderr.rstrip().endswith("; did you mean 'lora_finetune'? [INVALID_ARGUMENT]")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("workload_type: lora_finetune\nmodel: /models/m\n")
+    sub = run(cluster.url, "submit", str(plain))
+    assert sub.returncode == 0, sub.stderr
+    (row,) = [line.split() for line in run(cluster.url, "list").stdout.splitlines() if sub.stdout.strip() in line]
+    assert row[3] == "arithmetic", row  # ENV: the default it runs on, not "-"

@@ -59,6 +59,17 @@ def test_client_calls_end_within_their_timeouts_against_a_stopped_scheduler(tmp_
                 assert waiting.startswith(f"the scheduler at {address} has not answered ListTasks in 3 s; still wait")
                 assert error.startswith(f"error: the scheduler at {address} did not answer ListTasks within 4 s")
                 assert error.endswith("[DEADLINE_EXCEEDED]")
+                # With localhost and a timeout longer than gRPC's connection handshake (20 s), gRPC
+                # gives up first and names the last address it tried (::1, refusing): still the
+                # scheduler is there and silent, and the error says so.
+                port = address.rpartition(":")[2]
+                local = [sys.executable, "-m", "opentinker_client", "--scheduler-url", f"localhost:{port}", "list"]
+                listed = subprocess.run(local, capture_output=True, text=True, env=env, timeout=120)
+                assert listed.returncode == 2 and listed.stdout == "", listed
+                error = listed.stderr.strip().splitlines()[-1]
+                assert "Connection refused" not in error and "failed to connect" not in error, error
+                assert error.startswith(f"error: the scheduler at localhost:{port} "), error
+                assert "it may be stopped (SIGSTOP, a debugger)" in error, error
             finally:
                 os.kill(cluster.scheduler.pid, signal.SIGCONT)
             client.timeout = 30

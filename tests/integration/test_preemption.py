@@ -5,6 +5,9 @@ checkpoint recorded."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,19 @@ def test_high_priority_preempts_and_victim_resumes_from_checkpoint(cluster, tiny
         )
         task = cluster.wait_state(low, C.TASK_STATE_PENDING)
         assert task.attempt == 2
+        # `get` says what is true: the preemption handed its attempt back, one of three is used.
+        got = subprocess.run(
+            [sys.executable, "-m", "opentinker_client", "--scheduler-url", cluster.url, "get", low],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**{k: v for k, v in os.environ.items() if k != "SCHEDULER_URL"}, "COLUMNS": "200"},
+        )
+        assert got.returncode == 0, got.stderr
+        (attempt_row,) = [line.strip() for line in got.stdout.splitlines() if line.split()[:1] == ["attempt"]]
+        assert attempt_row.split(None, 1)[1].strip() == (
+            "2: 1 of 3 used, 1 handed back (preempted or drained; not counted)"
+        )
         preempted_at = task.latest_checkpoint.step
         assert preempted_at >= 3, "the preempted worker wrote a checkpoint before stopping"
         cluster.wait_state(high, C.TASK_STATE_SUCCEEDED)

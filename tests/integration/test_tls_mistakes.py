@@ -182,7 +182,8 @@ def test_plaintext_against_a_tls_scheduler_says_it_may_serve_tls(tls_sched, cert
     with RLClient(tls_sched.target, root_certificates=certs.other_ca, timeout=20) as c:
         with pytest.raises(UnavailableError) as err:
             c.list_tasks()
-    assert SCHEDULER_PLAINTEXT_HINT not in err.value.details and "CERTIFICATE_VERIFY_FAILED" in err.value.details
+    assert SCHEDULER_PLAINTEXT_HINT not in err.value.details and "CERTIFICATE_VERIFY_FAILED" in err.value.raw_details
+    assert "its certificate is not signed by the CA given (--tls-ca / $OPENTINKER_TLS_CA)" in err.value.details
     # A scheduler that is simply not there is not "closed by the peer": no hint either.
     with RLClient("127.0.0.1:1", timeout=20) as c:
         with pytest.raises(UnavailableError) as err:
@@ -276,7 +277,7 @@ def test_the_cli_prints_one_error_line_without_grpc_log_lines(tls_sched, certs) 
         lines = r.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith("[UNAVAILABLE]"), r.stderr
         assert "Handshake failed" not in r.stderr
-    assert lines[0].count("CERTIFICATE_VERIFY_FAILED") == 1
+    assert lines[0].count("--tls-ca CA.pem") == 1  # the fix, said once
     r = subprocess.run(
         [sys.executable, "-m", "opentinker_client", "--scheduler-url", tls_sched.target, "--timeout", "20", "list"],
         capture_output=True,
@@ -286,6 +287,53 @@ def test_the_cli_prints_one_error_line_without_grpc_log_lines(tls_sched, certs) 
         timeout=120,
     )
     assert r.returncode == 2 and r.stderr.splitlines() == [r.stderr.strip()] and SCHEDULER_PLAINTEXT_HINT in r.stderr
+
+
+def test_https_mistakes_get_one_line_naming_the_fix(tls_sched, certs, tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPC_", "OPENTINKER_", "SCHEDULER_URL"))}
+
+    def cli(*argv: str) -> str:
+        r = subprocess.run(
+            [sys.executable, "-m", "opentinker_client", "--timeout", "20", *argv, "list"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=120,
+        )
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+        assert "SSL_ERROR" not in r.stderr and "failed to connect to all addresses" not in r.stderr, r.stderr
+        return r.stderr.strip()
+
+    target = tls_sched.target
+    where = f"error: cannot talk TLS to the scheduler at {target}: "
+    # https:// to a TLS scheduler whose CA the client was not given (a private CA).
+    assert cli("--scheduler-url", f"https://{target}") == (
+        f"{where}its certificate is not signed by a CA this client trusts (unable to get local issuer certificate); "
+        "pass the CA that signed the scheduler's certificate: --tls-ca CA.pem or $OPENTINKER_TLS_CA "
+        "(RLClient(root_certificates=...)) [UNAVAILABLE]"
+    )
+    # The wrong CA given.
+    assert cli("--scheduler-url", f"https://{target}", "--tls-ca", str(certs.other_ca)).startswith(
+        f"{where}its certificate is not signed by the CA given (--tls-ca / $OPENTINKER_TLS_CA)"
+    )
+    # https:// to a scheduler that serves plaintext; and one whose certificate names another host
+    # (the node's certificate: CN node-a, no 127.0.0.1).
+    base = certs.ca.parent.parent
+    plain = LoopbackScheduler(tmp_path / "plain", "")
+    named = LoopbackScheduler(tmp_path / "named", "tls: {cert: certs/node.pem, key: certs/node.key}\n", base_dir=base)
+    try:
+        assert cli("--scheduler-url", f"https://{named.target}", "--tls-ca", str(certs.ca)).startswith(
+            f"error: cannot talk TLS to the scheduler at {named.target}: its certificate does not name '127.0.0.1'"
+        )
+        assert cli("--scheduler-url", f"https://{plain.target}") == (
+            f"error: cannot talk TLS to the scheduler at {plain.target}: it answered without TLS (the scheduler serves "
+            f"plaintext when its config has no tls:); use http://{plain.target} (or {plain.target}), or turn tls: on "
+            "in the scheduler's config [UNAVAILABLE]"
+        )
+    finally:
+        plain.close()
+        named.close()
 
 
 def test_library_users_keep_grpcs_own_verbosity() -> None:

@@ -87,7 +87,7 @@ def test_a_missing_dataset_is_refused_alike_naming_the_path_and_how_to_make_it(
     assert errors[0] == errors[1]  # one check for both
     tried = example.parent / "word_problems.jsonl"
     assert errors[0] == (
-        "error: dataset: examples/word_problems.jsonl: no such file (tried "
+        "error: dataset: word_problems.jsonl: no such file (tried "
         f"{tried}; a relative dataset: is read from the folder of examples/word_problems_numeric.yaml "
         f"({example.parent})); examples/word_problems_numeric.yaml says how to make it: "
         ".venv/bin/python scripts/make_word_problems.py --out examples/word_problems.jsonl [INVALID_ARGUMENT]\n"
@@ -117,3 +117,63 @@ def test_a_dry_run_checks_references_as_a_submit_does(capsys, scheduler, tmp_pat
     for extra in (["--dry-run"], []):
         code, _, err = cli(capsys, scheduler, "submit", str(task), *extra)
         assert (code, err) == (2, "error: spec.init_from: task 'task-nope' not found [NOT_FOUND]\n")
+
+
+def test_a_dataset_without_env_feeds_the_workloads_own_environment(capsys, scheduler, tmp_path) -> None:
+    # lora_finetune's dataset is prompts (numeric reward by default), not sft's chat examples.
+    (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "What is 1 + 1?", "answer": 2}) + "\n")
+    task = tmp_path / "task.yaml"
+    task.write_text("workload_type: lora_finetune\ndataset: data.jsonl\n")
+    code, out, err = cli(capsys, scheduler, "submit", str(task), "--dry-run")
+    assert code == 0, err
+    assert "valid: lora_finetune" in out
+    code, out, err = cli(capsys, scheduler, "submit", str(task))
+    assert code == 0, err
+    env = scheduler.core.get(out.strip().splitlines()[-1]).spec.env_config.fields
+    assert env["env_id"].string_value == "prompts" and env["dataset_id"].string_value.startswith("sha256:")
+
+
+def test_dataset_mistakes_get_one_line_saying_what_takes_a_dataset(capsys, scheduler, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "What is 1 + 1?", "answer": 2}) + "\n")
+    (tmp_path / "arith.yaml").write_text("workload_type: lora_finetune\nenv: {env_id: arithmetic}\n")
+    (tmp_path / "serve.yaml").write_text("workload_type: inference\ndataset: data.jsonl\n")
+    before = stored(scheduler)
+    code, _, err = cli(capsys, scheduler, "submit", "arith.yaml", "--set", "dataset=data.jsonl")
+    assert code == 2 and err == (
+        "error: --set dataset=data.jsonl: dataset: expected env.env_id prompts with a dataset file (env_id "
+        "'arithmetic' reads none: a dataset is prompts for lora_finetune and full_rl, chat examples for sft); set "
+        "env.env_id: prompts (scored by env.reward) or leave the dataset out [INVALID_ARGUMENT]\n"
+    )
+    code, _, err = cli(capsys, scheduler, "submit", "serve.yaml")
+    assert code == 2 and err == (
+        "error: serve.yaml:2:1: dataset: expected no dataset file for inference (one is read by sft (chat_jsonl) or "
+        "lora_finetune (prompts) or full_rl (prompts) only); leave it out [INVALID_ARGUMENT]\n"
+    )
+    # A --set path is read from the current folder, and the error says the one it tried.
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "task.yaml").write_text("workload_type: lora_finetune\n")
+    code, _, err = cli(capsys, scheduler, "submit", "sub/task.yaml", "--set", "dataset=nothere.jsonl", "--dry-run")
+    assert code == 2 and err == (
+        f"error: dataset: {tmp_path / 'nothere.jsonl'}: no such file (tried {tmp_path / 'nothere.jsonl'}) "
+        "[INVALID_ARGUMENT]\n"
+    )
+    assert stored(scheduler) == before
+
+
+def test_a_dry_run_notes_a_model_folder_that_is_not_on_this_machine(capsys, scheduler, tmp_path) -> None:
+    task = tmp_path / "task.yaml"
+    task.write_text("workload_type: lora_finetune\nmodel: /models/not-here\n")
+    code, out, err = cli(capsys, scheduler, "submit", str(task), "--dry-run")
+    assert code == 0 and "valid: lora_finetune on /models/not-here" in out, err
+    note = [line for line in err.splitlines() if line.startswith("note: ")]
+    assert note == [
+        "note: model '/models/not-here' is a folder that is not on this machine; the dry run cannot check the "
+        "trainer nodes' disks: it must be there (else the task fails as it starts: no such folder on this trainer "
+        "node)"
+    ]
+    # A folder that is here, and a hub id, get no note.
+    for model in (str(tmp_path), "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        task.write_text(f"workload_type: lora_finetune\nmodel: {model}\n")
+        code, out, err = cli(capsys, scheduler, "submit", str(task), "--dry-run")
+        assert code == 0 and "note: " not in err, err

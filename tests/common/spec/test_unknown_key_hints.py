@@ -53,3 +53,21 @@ def test_the_scheduler_config_suggests_with_file_and_line() -> None:
         parse_config("resource_pol:\n  - node_id: a\n", "sched.yaml")
     assert str(err.value).startswith("sched.yaml:1:1: resource_pol: expected one of the known keys (")
     assert str(err.value).endswith("unknown key; did you mean 'resource_pool'?")
+
+
+def test_a_typod_workload_type_or_env_id_gets_a_suggestion() -> None:
+    from opentinker_common.spec import TaskSpecModel
+
+    with pytest.raises(SpecError) as err:
+        TaskSpecModel.from_parts(workload_type="lora_finetun", model="m", env_config={}, hyperparameters={})
+    assert err.value.field == "spec.workload_type" and str(err.value).endswith("; did you mean 'lora_finetune'?")
+    with pytest.raises(SpecError) as err:
+        TaskSpecModel.from_parts(
+            workload_type="lora_finetune", model="m", env_config={"env_id": "arithmetc"}, hyperparameters={}
+        )
+    assert err.value.field == "spec.env_config.env_id" and str(err.value).endswith("; did you mean 'arithmetic'?")
+    with pytest.raises(SpecError) as err:  # nothing close: no suggestion
+        TaskSpecModel.from_parts(
+            workload_type="lora_finetune", model="m", env_config={"env_id": "zzzz"}, hyperparameters={}
+        )
+    assert "did you mean" not in str(err.value)

@@ -58,3 +58,36 @@ def test_victims_always_make_room_and_are_lower(priority, gpus, running, free) -
     by_id = {a.task_id: a for a in allocs}
     assert all(by_id[v].priority < priority for v in choice.victims)
     assert free + sum(by_id[v].gpu_count for v in choice.victims) >= gpus
+
+
+def _tenant(task_id: str, start: float, device: int = 0, key: str = "base", memory=None) -> RunningAlloc:
+    return RunningAlloc(task_id, 0, 1, start, (device,), share_key=key, memory=memory)
+
+
+def test_a_shareable_task_stops_one_tenant_of_a_full_host_not_the_whole_gpu() -> None:
+    # A model host holding two LoRA tenants on its one GPU, at its two tenants per GPU.
+    host = NodeState("host", 1, 8, 0, (_tenant("old", 1.0), _tenant("young", 2.0)), max_tasks_per_gpu=2)
+    # An inference task on the same base model needs one tenant place: the youngest tenant goes.
+    assert choose_victims(10, 1, [host], share_key="base").victims == ("young",)
+    # A task on another base model, or one that needs its GPU alone, still needs the GPU emptied.
+    assert set(choose_victims(10, 1, [host], share_key="other").victims) == {"old", "young"}
+    assert set(choose_victims(10, 1, [host]).victims) == {"old", "young"}
+
+
+def test_a_shareable_task_stops_as_many_tenants_as_its_memory_needs() -> None:
+    from opentinker_scheduler.policy.placement import MemoryNeed
+
+    gib = 1 << 30
+    tenant = MemoryNeed(base_bytes=4 * gib, tenant_bytes=2 * gib)
+    running = (_tenant("a", 1.0, memory=tenant), _tenant("b", 2.0, memory=tenant), _tenant("c", 3.0, memory=tenant))
+    # 4 GiB of base + 3 tenants of 2 GiB = 10 of 11 GiB booked; room for 8 tenants by count.
+    host = NodeState("host", 1, 8, 0, running, max_tasks_per_gpu=8, gpu_memory={0: 11 * gib})
+    big = MemoryNeed(base_bytes=4 * gib, tenant_bytes=3 * gib)
+    assert choose_victims(10, 1, [host], share_key="base", memory=big).victims == ("c",)  # 1 + 2 free: enough
+    bigger = MemoryNeed(base_bytes=4 * gib, tenant_bytes=5 * gib)
+    assert choose_victims(10, 1, [host], share_key="base", memory=bigger).victims == ("c", "b")
+    # A free GPU whose memory cannot hold the task's base and tenant is no room either.
+    two = NodeState(
+        "two", 2, 8, 1, running, max_tasks_per_gpu=8, gpu_memory={0: 11 * gib, 1: 4 * gib}, free_devices=(1,)
+    )
+    assert choose_victims(10, 1, [two], share_key="base", memory=big).victims == ("c",)

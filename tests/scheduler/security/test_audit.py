@@ -207,3 +207,19 @@ def test_the_records_of_a_transaction_commit_or_roll_back_with_it_in_order(tmp_p
             store.add_audit((0.0, "o", "user", "", "task.submit", "t", "OK", "{}"))
     finally:
         store.close()
+
+
+def test_a_record_of_the_open_transaction_is_read_back_before_it_commits(tmp_path, store_backend) -> None:
+    """A read of the audit log on the store's connection sees the records of its open group
+    transaction, as it sees the transaction's other writes (a refusal's record, answered before
+    its group commits, is listed at once)."""
+    store = make_store(tmp_path / "s")
+    audit = AuditLog(store)
+    try:
+        with store.batch():
+            audit.record("key.create", owner="a", role="user", outcome="PERMISSION_DENIED")
+            assert [r.outcome for r in audit.list()] == ["PERMISSION_DENIED"]
+            audit.record("key.revoke", owner="a", role="user", outcome="PERMISSION_DENIED")
+        assert [r.action for r in audit.list()] == ["key.revoke", "key.create"]
+    finally:
+        store.close()

@@ -63,6 +63,7 @@ def test_higher_priority_preempts_lower_then_runs(tmp_path) -> None:
     assert report(core, node, low.task_id, 1, C.TASK_STATE_CANCELLED, error="PREEMPTED")
     t = core.get(low.task_id)
     assert t.state == C.TASK_STATE_PENDING and t.attempt == 2 and t.max_attempts == 4  # hand-back: attempt not used up
+    assert t.handed_back == 1 and t.spec.limits.max_attempts == 3  # what `get` shows: 1 of 3 used
     last = list(core.store.events_after(low.task_id, 0))[-1].state_change
     assert last.reason == "PREEMPTED" and high.task_id in last.message
     assert low.task_id not in node.allocations

@@ -152,3 +152,24 @@ def test_a_node_with_model_hosts_shares_a_gpu_among_as_many_tenants(tmp_path) ->
     assert core.schedule() == 5  # the node's tenants per host, not the config's 2
     assert set(_assigned(node).values()) == {(0,)}
     assert "free or shareable with LoRA tasks on /models/m" in core.pending_reason(ts[5].task_id)
+
+
+def test_an_inference_task_preempts_one_tenant_of_a_full_model_host(tmp_path) -> None:
+    core = make_core(tmp_path, max_tasks_per_gpu=1)
+    hosts = N.Register(node_id="host-node", devices=[C.Device(index=0)], max_tasks=8, tenants_per_host=2)
+    node, _ = core.node_register(hosts)
+    old, young = core.submit(spec(gpus=1), owner="u"), core.submit(spec(gpus=1), owner="u")
+    assert core.schedule() == 2 and set(_assigned(node).values()) == {(0,)}
+    report(core, node, old.task_id, 1, C.TASK_STATE_RUNNING)
+    time.sleep(0.01)  # start times differ: the younger tenant is the cheaper victim
+    report(core, node, young.task_id, 1, C.TASK_STATE_RUNNING)
+    serving = C.TaskSpec(workload_type="inference", model="/models/m", resources=C.Resources(gpu_count=1), priority=10)
+    inf = core.submit(serving, owner="u")
+    core.tick()
+    stops = [c.cancel_task for c in drain(node) if c.WhichOneof("command") == "cancel_task"]
+    assert [(c.task_id, c.reason) for c in stops] == [(young.task_id, "PREEMPTED")]  # one place, one victim
+    assert core.get(old.task_id).state == C.TASK_STATE_RUNNING
+    report(core, node, young.task_id, 1, C.TASK_STATE_CANCELLED, error="PREEMPTED")
+    assert core.schedule() == 1
+    assert _assigned(node) == {inf.task_id: (0,)}  # beside the tenant that kept running
+    assert set(node.allocations) == {old.task_id, inf.task_id}
