@@ -55,6 +55,8 @@ class GroupCommit:
         self._tx = None  # the open transaction
         self._done: asyncio.Future | None = None  # resolved when it commits
         self._held: list[tuple[asyncio.Queue, object]] = []
+        #: ``id(outbox) -> index`` in ``_held`` of that outbox's cumulative command in the open group.
+        self._cumulative: dict[int, int] = {}
         self._last = 0.0  # loop time of the last commit
         self._commit_s = 0.0  # recent commits' duration (moving average), seconds
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -93,6 +95,7 @@ class GroupCommit:
         if tx is None:
             return
         self._tx, self._done, self._held = None, None, []
+        self._cumulative = {}
         started = time.perf_counter()
         try:
             tx.__exit__(None, None, None)
@@ -166,6 +169,7 @@ class GroupCommit:
         if tx is None:
             return
         self._tx, self._done, self._held = None, None, []
+        self._cumulative = {}
         try:
             tx.__exit__(type(error), error, None)
         except Exception as exc:  # noqa: BLE001 - the rollback of a connection that is gone
@@ -174,10 +178,20 @@ class GroupCommit:
         done.set_exception(error)
         done.add_done_callback(lambda f: f.exception())
 
-    def hold(self, outbox: asyncio.Queue, command: object) -> bool:
+    def hold(self, outbox: asyncio.Queue, command: object, *, cumulative: bool = False) -> bool:
         """Keep a node command until the open transaction commits (and is durable), or until the
-        newest committed group's flush is done; False when neither is pending."""
+        newest committed group's flush is done; False when neither is pending.
+
+        ``cumulative``: the command says everything an earlier cumulative command of the same
+        outbox said (a cumulative acknowledgement): within the open group it takes that one's
+        place, so the group sends one of them, the newest, where the first was."""
         if self._tx is not None:
+            at = self._cumulative.get(id(outbox)) if cumulative else None
+            if at is not None:
+                self._held[at] = (outbox, command)
+                return True
+            if cumulative:
+                self._cumulative[id(outbox)] = len(self._held)
             self._held.append((outbox, command))
             return True
         if self._unflushed:

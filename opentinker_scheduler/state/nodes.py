@@ -146,6 +146,8 @@ class NodeSession:
         )
 
     def push(self, command: node_pb2.ConnectResponse | None) -> None:
-        """Send a command down the stream (None ends it), after any uncommitted write commits."""
-        if self.defer is None or not self.defer(self.outbox, command):
+        """Send a command down the stream (None ends it), after any uncommitted write commits.
+        A ``report_ack`` is cumulative: the acks of one group commit go as one, the newest."""
+        cumulative = command is not None and command.WhichOneof("command") == "report_ack"
+        if self.defer is None or not self.defer(self.outbox, command, cumulative=cumulative):
             self.outbox.put_nowait(command)
