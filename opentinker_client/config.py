@@ -59,7 +59,7 @@ from opentinker_common.spec.task import EXPECTED
 from opentinker_common.spec.registry import env_kinds_for
 from opentinker_common.yaml12 import Yaml12Loader, find_typography, yaml11_bool_hint
 
-__all__ = ["TaskConfig", "apply_overrides", "load_task_config", "parse_task_config"]
+__all__ = ["TaskConfig", "apply_overrides", "load_task_config", "load_with_overrides", "parse_task_config"]
 
 
 # Stand-in for an empty model while validating locally: the scheduler fills in its default.
@@ -363,12 +363,14 @@ def _type_ok(key: str, value: Any) -> bool:
     return False  # pragma: no cover
 
 
-def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
+def parse_task_config(text: str, *, source: str = "<string>", check: bool = True) -> TaskConfig:
     """Parse and validate a task config from YAML text (see the module docs for the format).
 
     Args:
         text: the YAML document.
         source: name used in error messages (the file name).
+        check: False leaves out the spec check (values and their combination), keeping the YAML,
+            key and type checks: for a file that overrides complete (:func:`load_with_overrides`).
 
     Raises:
         ConfigError: not YAML, not a mapping, an unknown or duplicate key, a wrong type or a bad
@@ -436,6 +438,8 @@ def parse_task_config(text: str, *, source: str = "<string>") -> TaskConfig:
         dataset=_beside(source, opt("dataset", "")),
         source=source,
     )
+    if not check:
+        return cfg
     try:
         _check_parts(cfg)
     except SpecError as err:
@@ -499,6 +503,33 @@ def load_task_config(path: str | os.PathLike[str]) -> TaskConfig:
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
     return parse_task_config(text, source=path)
+
+
+def load_with_overrides(path: str | os.PathLike[str], overrides: Iterable[str]) -> TaskConfig:
+    """The task file at ``path`` with ``KEY=VALUE`` ``overrides`` applied (``opentinker submit
+    --set``): :func:`load_task_config`, then :func:`apply_overrides`. A file that is valid only
+    with its overrides (a template whose ``dataset`` or ``env.env_id`` comes from ``--set``) is
+    taken too: when the file alone is refused, it is read without the spec check and checked
+    once the overrides are in.
+
+    Raises:
+        OSError: the file cannot be read.
+        ConfigError: an override's own error (naming the override) when the file alone is valid;
+            when it is not, the file's error (file:line:col) unless the overrides complete it.
+    """
+    overrides = list(overrides)
+    try:
+        cfg = load_task_config(path)
+    except ConfigError as file_error:
+        if not overrides:
+            raise
+        with open(os.fspath(path), encoding="utf-8") as fh:
+            text = fh.read()
+        try:
+            return apply_overrides(parse_task_config(text, source=os.fspath(path), check=False), overrides)
+        except ConfigError:
+            raise file_error from None
+    return apply_overrides(cfg, overrides)
 
 
 #: Keys of the file that hold a mapping: ``--set`` names a value inside one, dotted (``env.max_digits``).

@@ -323,7 +323,12 @@ class SchedulerConnection:
                         "opentinker --timeout, RLClient(timeout=)); it may be stopped (SIGSTOP, a debugger), "
                         "overloaded, or behind a firewall that drops its packets"
                     ) from err
-                if err.code() == grpc.StatusCode.UNAVAILABLE and silent and accepts_connections(target):
+                if (
+                    err.code() == grpc.StatusCode.UNAVAILABLE
+                    and silent
+                    and "failed to connect" in (err.details() or "")  # gRPC's own words, not the scheduler's answer
+                    and accepts_connections(target)
+                ):
                     # gRPC gave up on a connection the scheduler accepted but never answered (its
                     # HTTP/2 handshake timed out) and names the last address it tried: with
                     # localhost, often ::1 refusing. The scheduler is there and silent.

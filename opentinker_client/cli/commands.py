@@ -275,9 +275,9 @@ def _checkpoint_failed_line(event: TaskEvent) -> str:
 
 
 def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
-    from opentinker_client.config import apply_overrides, load_task_config
+    from opentinker_client.config import load_with_overrides
 
-    config = apply_overrides(load_task_config(args.config), args.set)
+    config = load_with_overrides(args.config, args.set)
     if args.dry_run:
         task, usage, basis = client.estimate(config)
         print(f"valid: {task.workload_type} on {task.model or '-'}, {task.gpu_count} GPU(s), priority {task.priority}")

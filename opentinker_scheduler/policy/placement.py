@@ -206,6 +206,30 @@ class MemoryNeed:
     tenant_bytes: int
 
 
+def share_and_booked(
+    holdings: Iterable[tuple[tuple[int, ...], str | None, MemoryNeed | None]],
+) -> tuple[dict[int, tuple[str, int]], dict[int, int]]:
+    """``(gpu_share, gpu_booked)`` of :class:`NodeCapacity` for the tasks on a node, each given as
+    ``(devices, share key, memory estimate)``: device -> (share key, tasks) for busy GPUs whose
+    tasks all share one key, and device -> bytes their estimates take there (each task's tenant
+    bytes, plus its base model's once per share key, the largest should two differ)."""
+    keys: dict[int, set[str | None]] = {}
+    counts: dict[int, int] = {}
+    booked: dict[int, int] = {}
+    bases: dict[tuple[int, str | None], int] = {}
+    for devices, key, need in holdings:
+        for d in devices:
+            keys.setdefault(d, set()).add(key)
+            counts[d] = counts.get(d, 0) + 1
+            if need is not None:
+                booked[d] = booked.get(d, 0) + need.tenant_bytes
+                bases[(d, key)] = max(bases.get((d, key), 0), need.base_bytes)
+    for (d, _), b in bases.items():
+        booked[d] += b
+    share = {d: (next(iter(k)), counts[d]) for d, k in keys.items() if len(k) == 1 and None not in k}
+    return share, booked  # type: ignore[return-value]
+
+
 def _fit_key(
     cap: NodeCapacity, gpu_count: int, key: str | None, need: MemoryNeed | None = None
 ) -> tuple[int, int, int, str]:

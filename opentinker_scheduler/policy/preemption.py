@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from opentinker_scheduler.policy.placement import MemoryNeed, NodeCapacity
+from opentinker_scheduler.policy.placement import MemoryNeed, NodeCapacity, share_and_booked
 
 
 @dataclass(frozen=True)
@@ -75,29 +75,17 @@ def _room_after(node: NodeState, chosen: set[str], key: str | None, need: Memory
     left = [r for r in node.running if r.task_id not in chosen]
     indexed = {d for r in node.running for d in r.devices}
     held = {d for r in left for d in r.devices}
-    keys: dict[int, set[str | None]] = {}
-    counts: dict[int, int] = {}
-    tenants: dict[int, int] = {}
-    bases: dict[tuple[int, str | None], int] = {}
-    for r in left:
-        for d in r.devices:
-            keys.setdefault(d, set()).add(r.share_key)
-            counts[d] = counts.get(d, 0) + 1
-            if r.memory is not None:
-                tenants[d] = tenants.get(d, 0) + r.memory.tenant_bytes
-                bases[(d, r.share_key)] = max(bases.get((d, r.share_key), 0), r.memory.base_bytes)
-    for (d, _), b in bases.items():
-        tenants[d] += b
+    share, booked = share_and_booked((r.devices, r.share_key, r.memory) for r in left)
     cap = NodeCapacity(
         node.node_id,
         node.gpu_count,
         node.max_tasks,
         len(left),
         sorted(set(node.free_devices) | (indexed - held)),
-        gpu_share={d: (next(iter(k)), counts[d]) for d, k in keys.items() if len(k) == 1 and None not in k},  # type: ignore[misc]
+        gpu_share=share,
         max_tasks_per_gpu=node.max_tasks_per_gpu,
         gpu_memory=dict(node.gpu_memory),
-        gpu_booked=tenants,
+        gpu_booked=booked,
     )
     # GPUs counted but not indexed: free ones of unknown index, and those held by tasks of their own.
     unindexed = max(0, node.free_gpus - len(node.free_devices)) + sum(

@@ -11,7 +11,7 @@ from typing import Callable, Mapping
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
 
-from opentinker_scheduler.policy.placement import MemoryNeed, NodeCapacity
+from opentinker_scheduler.policy.placement import MemoryNeed, NodeCapacity, share_and_booked
 
 
 @dataclass
@@ -86,15 +86,12 @@ class NodeSession:
     def used_gpus(self) -> set[int]:
         return {d for _, devs in self._ledger.values() for d in devs}
 
+    def _holdings(self) -> list[tuple[tuple[int, ...], str | None, MemoryNeed | None]]:
+        return [(devs, self._share.get(t), self._memory.get(t)) for t, (_, devs) in self._ledger.items()]
+
     def gpu_share(self) -> dict[int, tuple[str, int]]:
         """device -> (share key, tasks) for busy GPUs whose tasks all have the same share key."""
-        keys: dict[int, set[str | None]] = {}
-        counts: dict[int, int] = {}
-        for task_id, (_, devs) in self._ledger.items():
-            for d in devs:
-                keys.setdefault(d, set()).add(self._share.get(task_id))
-                counts[d] = counts.get(d, 0) + 1
-        return {d: (next(iter(k)), counts[d]) for d, k in keys.items() if len(k) == 1 and None not in k}  # type: ignore[misc]
+        return share_and_booked(self._holdings())[0]
 
     def share_key_of(self, task_id: str) -> str | None:
         """The GPU-sharing key booked for ``task_id`` (None: it holds its GPUs alone, or is sealed)."""
@@ -115,19 +112,7 @@ class NodeSession:
     def gpu_booked(self) -> dict[int, int]:
         """device -> bytes the estimates of the tasks on it take: each task's tenant bytes, plus
         its base model's bytes once per share key (the largest, should two differ)."""
-        tenants: dict[int, int] = {}
-        bases: dict[tuple[int, str | None], int] = {}
-        for task_id, (_, devs) in self._ledger.items():
-            need = self._memory.get(task_id)
-            if need is None:
-                continue
-            for d in devs:
-                tenants[d] = tenants.get(d, 0) + need.tenant_bytes
-                k = (d, self._share.get(task_id))
-                bases[k] = max(bases.get(k, 0), need.base_bytes)
-        for (d, _), b in bases.items():
-            tenants[d] += b
-        return tenants
+        return share_and_booked(self._holdings())[1]
 
     def capacity(self) -> NodeCapacity:
         used = self.used_gpus()

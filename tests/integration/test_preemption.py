@@ -84,3 +84,53 @@ def test_max_runtime_fails_with_timeout_after_final_checkpoint(cluster, tiny_mod
         assert task.latest_checkpoint.path and task.latest_checkpoint.attempt == 1, "the final checkpoint was recorded"
         # Written on SIGTERM, after the scheduler ended the task: not an earlier periodic one.
         assert task.latest_checkpoint.create_time.ToNanoseconds() >= task.end_time.ToNanoseconds()
+
+
+def test_an_inference_task_preempts_one_tenant_of_a_full_model_host(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A real scheduler and one ``--simulate-gpus 1`` node whose model host takes 2 tenants, both
+    taken by low-priority LoRA tasks: a higher-priority inference task on the same base needs one
+    tenant place, so one LoRA task is preempted and the other keeps training beside it."""
+    from tests.integration.test_model_host import _wait
+    from tests.support.procs import Cluster
+
+    cluster = Cluster(tmp_path, "heartbeat_interval: 0.5\nlease: 3\n")
+    try:
+        cluster.start_scheduler()
+        cluster.start_trainer(
+            "node-a", "--simulate-gpus", "1", "--max-tasks", "4", "--tenants-per-host", "2", "--kill-grace", "60"
+        )
+        cluster.wait_nodes(1)
+        with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+            hp = {**HP, "steps": 10000, "checkpoint_every": 1}
+            lora = [
+                client.submit_task(
+                    workload_type="lora_finetune",
+                    model=str(tiny_model_dir),
+                    gpu_count=1,
+                    hyperparameters=hp,
+                    priority=0,
+                )
+                for _ in range(2)
+            ]
+            for task_id in lora:
+                _wait(cluster, client, task_id, C.TASK_STATE_RUNNING, lambda t: t.latest_step >= 1)
+            served = client.submit_task(
+                workload_type="inference",
+                model=str(tiny_model_dir),
+                gpu_count=1,
+                hyperparameters={"ttl_s": 600},
+                priority=50,
+            )
+            _wait(cluster, client, served, C.TASK_STATE_RUNNING, lambda t: bool(t.endpoint))
+            tasks = {t: client.get_task(t).proto for t in lora}
+            preempted = [t for t, p in tasks.items() if p.attempt == 2]
+            kept = [t for t, p in tasks.items() if p.attempt == 1]
+            assert len(preempted) == 1 and len(kept) == 1, {t: (p.state, p.attempt) for t, p in tasks.items()}
+            assert tasks[kept[0]].state == C.TASK_STATE_RUNNING
+            assert tasks[preempted[0]].state == C.TASK_STATE_PENDING
+            events = [e for e in client.watch(preempted[0], follow=False) if e.kind == "state"]
+            assert [e.reason for e in events].count("PREEMPTED") == 1
+            for task_id in (*lora, served):
+                client.cancel(task_id)
+    finally:
+        cluster.close()

@@ -177,3 +177,19 @@ def test_a_dry_run_notes_a_model_folder_that_is_not_on_this_machine(capsys, sche
         task.write_text(f"workload_type: lora_finetune\nmodel: {model}\n")
         code, out, err = cli(capsys, scheduler, "submit", str(task), "--dry-run")
         assert code == 0 and "note: " not in err, err
+
+
+def test_a_template_that_set_completes_is_taken_and_one_it_does_not_names_the_file(
+    capsys, scheduler, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "What is 1 + 1?", "answer": 2}) + "\n")
+    # The file alone is refused (a prompts env names no data); --set dataset= completes it.
+    (tmp_path / "template.yaml").write_text("workload_type: lora_finetune\nenv:\n  env_id: prompts\n")
+    code, _, err = cli(capsys, scheduler, "submit", "template.yaml")
+    assert code == 2 and err.startswith("error: template.yaml:2:1: env.dataset_id: expected exactly one of"), err
+    code, out, err = cli(capsys, scheduler, "submit", "template.yaml", "--set", "dataset=data.jsonl", "--dry-run")
+    assert code == 0 and "valid: lora_finetune" in out, err
+    # Overrides that do not complete it: the file's own error, with its line and column.
+    code, _, err = cli(capsys, scheduler, "submit", "template.yaml", "--set", "gpu_count=0", "--dry-run")
+    assert code == 2 and err.startswith("error: template.yaml:2:1: env.dataset_id: expected exactly one of"), err
