@@ -44,6 +44,7 @@ from opentinker_client.client import DEFAULT_SCHEDULER_URL, RLClient
 from opentinker_client.types import TERMINAL_STATES, NodeInfo, TaskEvent, TaskInfo
 from opentinker_client.errors import FailedPreconditionError, OpenTinkerError
 from opentinker_client.cli.render import SafeLogText, error_text, markup, safe_text
+from opentinker_client.cli.tables import print_fitted
 from opentinker_common.attempts import attempts_text
 
 __all__ = ["main", "build_parser"]
@@ -470,89 +471,9 @@ _LIST_COLUMNS: tuple[tuple[str, bool], ...] = (
     ("CREATED", True),
     ("REASON", True),
 )
-#: The narrowest a wrapping column is counted at when fitting the table.
-_LIST_WRAP_MIN = 20
 #: Columns a narrow terminal moves out of the table into a line under each task, in this order,
 #: until the table fits; the rest of a task's values stay in the table.
 _LIST_MOVE_ORDER = ("REASON", "CREATED", "NODE", "ENV", "WORKLOAD", "PRIO", "LOSS", "REWARD", "NAME", "STEP")
-
-
-def _fit_columns(
-    widths: dict[str, int],
-    width: int,
-    columns: tuple[tuple[str, bool], ...] = _LIST_COLUMNS,
-    move_order: tuple[str, ...] = _LIST_MOVE_ORDER,
-) -> list[str]:
-    """The ``columns`` headers that stay in the table in ``width`` cells, given each column's
-    widest cell (header included): all when they fit with the non-wrapping ones whole, else fewer
-    (``move_order``); the others go to a line under each row, so every value is shown (a column
-    not in ``move_order`` always stays in the table: for ``list``, TASK ID, STATE, ATTEMPT, GPUS)."""
-    shown = [name for name, _ in columns]
-    wraps = dict(columns)
-
-    def need() -> int:
-        return sum(min(widths[c], _LIST_WRAP_MIN) if wraps[c] else widths[c] for c in shown) + 2 * len(shown)
-
-    for name in move_order:
-        if need() <= width:
-            break
-        shown.remove(name)
-    return shown
-
-
-def _print_fitted(
-    console,
-    columns: tuple[tuple[str, bool], ...],
-    rows: list[tuple[str, ...]],
-    move_order: tuple[str, ...],
-    *,
-    title: str = "",
-    unlabelled: frozenset[str] = frozenset(),
-) -> None:
-    """Print ``rows`` (rich markup cells, one per ``columns`` header: ``(header, may wrap)``) as a
-    table that fits ``console.width``: no value is cut or folded mid-word. A narrow terminal moves
-    columns out of the table in ``move_order`` (:func:`_fit_columns`) onto a line under each row
-    (``"node n1  created 12-02 01:53 <reason>"``), wrapped at words; a column in ``unlabelled``
-    goes there as its words alone (a reason), the others as ``"header value"``."""
-    from rich.padding import Padding
-    from rich.segment import Segment, Segments
-    from rich.table import Table
-    from rich.text import Text
-
-    if title:
-        console.print(title, style="italic")
-    headers = [name for name, _ in columns]
-    widths = {
-        name: max([len(name)] + [Text.from_markup(row[i]).cell_len for row in rows]) for i, name in enumerate(headers)
-    }
-    shown = _fit_columns(widths, console.width, columns, move_order)
-    moved = [i for i, name in enumerate(headers) if name not in shown]
-    table = Table(box=None, header_style="bold")
-    for name, wraps in columns:
-        if name in shown:
-            # no_wrap: never broken over lines (rich shrinks the wrapping columns first); a
-            # wrapping column wraps at spaces and folds only a word longer than its column.
-            table.add_column(name, no_wrap=not wraps, overflow="fold" if wraps else "ellipsis")
-    keep = [headers.index(name) for name in shown]
-    for row in rows:
-        table.add_row(*(row[i] for i in keep))
-    if not moved:
-        console.print(table)
-        return
-    # The columns that did not fit go on a line under each row, wrapped at words, so no value is
-    # left out. The table left has no wrapping column (those move first), so each row is one line.
-    lines = console.render_lines(table, console.options, pad=False)
-    console.print(Segments([*lines[0], Segment.line()]))
-    for row, line in zip(rows, lines[1:]):
-        console.print(Segments([*line, Segment.line()]))
-        units = []  # "label value" pairs kept whole on a line, then the words of an unlabelled one
-        for i in moved:
-            if headers[i] in unlabelled:
-                units += [(w, " ") for w in row[i].split()]
-            elif row[i]:  # an empty cell (no notes) says nothing
-                units.append((f"{headers[i].lower()} {row[i]}", "  "))
-        for text in _pack(units, console.width - 3):
-            console.print(Padding(Text.from_markup(text), (0, 0, 0, 3)), no_wrap=True, overflow="fold")
 
 
 #: Workloads that train on ``env_config`` and so on the default environment when it names none.
@@ -598,26 +519,8 @@ def _cmd_list(client: RLClient, args: argparse.Namespace) -> int:
                 _escape(reason),
             )
         )
-    _print_fitted(console, _LIST_COLUMNS, rows, _LIST_MOVE_ORDER, unlabelled=frozenset({"REASON"}))
+    print_fitted(console, _LIST_COLUMNS, rows, _LIST_MOVE_ORDER, unlabelled=frozenset({"REASON"}))
     return EXIT_OK
-
-
-def _pack(units: list[tuple[str, str]], width: int) -> list[str]:
-    """Lines of at most ``width`` cells from ``units`` (``(markup, separator before the next)``),
-    each kept whole on one line (one longer than ``width`` gets a line of its own)."""
-    from rich.text import Text
-
-    lines: list[str] = []
-    line, used, sep = "", 0, ""
-    for unit, after in units:
-        cells = Text.from_markup(unit).cell_len
-        if line and used + len(sep) + cells > width:
-            lines.append(line)
-            line, used, sep = "", 0, ""
-        line, used, sep = line + sep + unit, used + len(sep) + cells, after
-    if line:
-        lines.append(line)
-    return lines
 
 
 #: env_config keys never printed as they are: the client-hosted environment's access token and
@@ -674,9 +577,12 @@ def _since(text: str | None) -> _dt.datetime | None:
     return when if when.tzinfo else when.astimezone()
 
 
-def _cmd_usage(client: RLClient, args: argparse.Namespace) -> int:
-    from rich.table import Table
+#: ``opentinker usage`` columns after the first (OWNER or QUEUE); on a narrow terminal the
+#: counts move under each row first, the hours and the cost stay.
+_USAGE_MOVE_ORDER = ("ENV STEPS", "ATTEMPTS", "TOKENS GEN", "TOKENS TRAINED", "CPU-TASK HOURS")
 
+
+def _cmd_usage(client: RLClient, args: argparse.Namespace) -> int:
     report = client.usage(owner=args.owner, since=_since(args.since))
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
@@ -684,10 +590,10 @@ def _cmd_usage(client: RLClient, args: argparse.Namespace) -> int:
     currency = report["currency"]
     console = _console()
     for title, rows in (("OWNER", report["owners"]), ("QUEUE", report["queues"])):
-        table = Table(title, "GPU-HOURS", "CPU-TASK HOURS", "TOKENS GEN", "TOKENS TRAINED", "ENV STEPS", "ATTEMPTS",
-                      f"COST ({currency})")  # fmt: skip
-        for name, u in sorted(rows.items()):
-            table.add_row(
+        headers = (title, "GPU-HOURS", "CPU-TASK HOURS", "TOKENS GEN", "TOKENS TRAINED", "ENV STEPS", "ATTEMPTS",
+                   f"COST ({currency})")  # fmt: skip
+        cells = [
+            (
                 _escape(name) + (f" ({_escape(u['queue'])})" if u.get("queue") and u["queue"] != name else ""),
                 f"{u['gpu_seconds'] / 3600:.3f}",
                 f"{u['cpu_task_seconds'] / 3600:.3f}",
@@ -697,7 +603,9 @@ def _cmd_usage(client: RLClient, args: argparse.Namespace) -> int:
                 str(int(u["attempts"])),
                 f"{u['cost']:.2f}",
             )
-        console.print(table)
+            for name, u in sorted(rows.items())
+        ]
+        print_fitted(console, tuple((h, False) for h in headers), cells, _USAGE_MOVE_ORDER)
     return EXIT_OK
 
 
@@ -884,7 +792,7 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
                 _escape("; ".join(n.notes)),
             )
         )
-    _print_fitted(console, _NODE_COLUMNS, rows, _NODE_MOVE_ORDER, title="nodes")
+    print_fitted(console, _NODE_COLUMNS, rows, _NODE_MOVE_ORDER, title="nodes")
 
     gpu_rows = []
     for n in nodes:
@@ -926,7 +834,7 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
                 gpu_rows.append((_escape(n.node_id), str(d.index), name, "-", total, "-", "-", "-", "-"))
     if gpu_rows:
         console.print()
-        _print_fitted(console, _GPU_COLUMNS, gpu_rows, _GPU_MOVE_ORDER, title="gpus")
+        print_fitted(console, _GPU_COLUMNS, gpu_rows, _GPU_MOVE_ORDER, title="gpus")
     else:
         console.print("no GPUs (CPU nodes)")
     hosts = [(n, h) for n in nodes for h in n.model_hosts]
@@ -944,7 +852,7 @@ def _cmd_nodes(client: RLClient, args: argparse.Namespace) -> int:
             for n, h in hosts
         ]
         console.print()
-        _print_fitted(console, _HOST_COLUMNS, host_rows, _HOST_MOVE_ORDER, title="model hosts")
+        print_fitted(console, _HOST_COLUMNS, host_rows, _HOST_MOVE_ORDER, title="model hosts")
     return EXIT_OK
 
 

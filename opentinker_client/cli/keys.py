@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from opentinker_client.cli.render import markup, safe_text
+from opentinker_client.cli.tables import print_fitted
 from opentinker_client.keys import ROLES, ApiKeyInfo
 
 
@@ -37,24 +38,46 @@ def _cmd_create(client, args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``opentinker keys list`` columns (DESCRIPTION wraps at words); on a narrow terminal they move
+#: under each row in ``_MOVE_ORDER``, PREFIX, OWNER, ROLE and STATE stay.
+_COLUMNS = (
+    ("PREFIX", False),
+    ("OWNER", False),
+    ("ROLE", False),
+    ("STATE", False),
+    ("CREATED", False),
+    ("EXPIRES", False),
+    ("REPLACED BY", False),
+    ("DESCRIPTION", True),
+)
+_MOVE_ORDER = ("DESCRIPTION", "REPLACED BY", "EXPIRES", "CREATED")
+
+
 def _cmd_list(client, args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table("PREFIX", "OWNER", "ROLE", "STATE", "CREATED", "EXPIRES", "REPLACED BY", "DESCRIPTION")
+    rows = []
     for k in client.keys.list(owner=args.owner, include_inactive=args.all):
         state = "active" if k.active else ("revoked" if k.revoke_time else "expired")
-        table.add_row(
-            markup(k.prefix),
-            markup(k.owner),
-            markup(k.role),
-            state,
-            _fmt(k.create_time),
-            _fmt(k.expire_time),
-            markup(k.replaced_by) or "-",
-            markup(k.description) or "-",
+        rows.append(
+            (
+                markup(k.prefix),
+                markup(k.owner),
+                markup(k.role),
+                state,
+                _fmt(k.create_time),
+                _fmt(k.expire_time),
+                markup(k.replaced_by) or "-",
+                markup(k.description) or "-",
+            )
         )
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    print_fitted(
+        Console(width=None if sys.stdout.isatty() else 200),
+        _COLUMNS,
+        rows,
+        _MOVE_ORDER,
+        unlabelled=frozenset({"DESCRIPTION"}),
+    )
     return 0
 
 

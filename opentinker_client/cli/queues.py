@@ -18,6 +18,9 @@ import argparse
 import sys
 import time
 
+from opentinker_client.cli.render import markup
+from opentinker_client.cli.tables import print_fitted
+
 
 def _limit(n: int | None) -> str:
     return "any" if n is None else str(n)
@@ -72,11 +75,11 @@ def _describe(q) -> str:
     )
 
 
-def _cmd_list(client, args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(
+#: ``opentinker queues`` columns (none wraps); on a narrow terminal they move under each row in
+#: ``_MOVE_ORDER``, QUEUE, GPUS, CPU TASKS and PENDING stay.
+_COLUMNS = tuple(
+    (h, False)
+    for h in (
         "QUEUE",
         "GPUS",
         "CPU TASKS",
@@ -89,6 +92,14 @@ def _cmd_list(client, args: argparse.Namespace) -> int:
         "COST",
         "SOURCE",
     )
+)
+_MOVE_ORDER = ("SOURCE", "PER-OWNER LIMITS", "OWNERS", "BORROW", "COST", "GPU-H", "SHARE")
+
+
+def _cmd_list(client, args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    rows = []
     for q in client.queues.list():
         if q.limited:
             gpus, cpus = f"{q.gpus_in_use}/{q.gpu_quota}", f"{q.cpu_tasks_in_use}/{q.cpu_task_quota}"
@@ -96,20 +107,22 @@ def _cmd_list(client, args: argparse.Namespace) -> int:
             share = f"{q.dominant_share:.2f}"
         else:
             gpus, cpus, borrow, share = f"{q.gpus_in_use}/-", f"{q.cpu_tasks_in_use}/-", "no quota", "-"
-        table.add_row(
-            q.name,
-            gpus,
-            cpus,
-            borrow,
-            str(q.pending_tasks),
-            share,
-            ", ".join(q.owners) or "-",
-            _rate(q),
-            f"{q.usage.gpu_seconds / 3600:.2f}",
-            f"{q.usage.cost:.2f}",
-            _source(q),
+        rows.append(
+            (
+                markup(q.name),
+                gpus,
+                cpus,
+                borrow,
+                str(q.pending_tasks),
+                share,
+                markup(", ".join(q.owners)) or "-",
+                markup(_rate(q)),
+                f"{q.usage.gpu_seconds / 3600:.2f}",
+                f"{q.usage.cost:.2f}",
+                markup(_source(q)),
+            )
         )
-    Console(width=None if sys.stdout.isatty() else 220).print(table)
+    print_fitted(Console(width=None if sys.stdout.isatty() else 220), _COLUMNS, rows, _MOVE_ORDER)
     return 0
 
 
