@@ -155,6 +155,8 @@ class _Trainer:
         )
         # A tenant of a model host: the host's shared base model with this attempt's own adapter.
         tenant = getattr(ctx, "tenant", None)
+        # Its rollouts go through the host (batched with its neighbours' where that is exact).
+        self.generate = tenant.generate if tenant is not None else generate
         if tenant is not None:
             self.tokenizer, self.model = tenant.attach(cfg)
         else:
@@ -233,7 +235,7 @@ class _Trainer:
             problems = [problems[i] for i in self.dp.shard(len(problems))]
         prompt_ids, prompt_mask = left_pad([self.env.encode(p) for p in problems], self.pad_id, self.device)
         self.model.eval()
-        ro = generate(
+        ro = self.generate(
             self.model,
             prompt_ids,
             prompt_mask,

@@ -1,7 +1,9 @@
 """A model host's tenants in this process (threads on one tiny base model): a task's reward curve
 and final adapter are those of the same task run alone by the ordinary worker path, whoever its
 neighbours are; a neighbour that fails ends alone, and a stopped one checkpoints and frees its
-adapter; turns go round-robin."""
+adapter; turns go round-robin, and the rollouts of the tenants waiting run as one batch (each
+tenant's rows on its own adapter, its draws from its own RNG stream) that leaves every tenant's
+numbers as they are alone, within float tolerance."""
 
 from __future__ import annotations
 
@@ -106,6 +108,97 @@ def test_a_tenant_trains_as_it_would_alone(tiny_model_dir: Path, tmp_path: Path,
     assert list(host.model.peft_config) == []
 
 
+def _alone(tmp_path: Path, model: Path, task_id: str, hp: dict) -> tuple[list[tuple], dict[str, torch.Tensor]]:
+    """A task's curve and final adapter from the ordinary worker path (its own model)."""
+    ctx = worker_ctx(
+        tmp_path, f"alone-{task_id}", workload_type="lora_finetune", model=model,
+        env_config={"env_id": "arithmetic"}, hyperparameters=hp, task_id=task_id,
+    )  # fmt: skip
+    grpo_text.run(ctx)
+    return _curve(reports(ctx, "metric")), load_file(
+        tmp_path / f"alone-{task_id}" / f"step_{hp['steps']}" / "adapter_model.safetensors"
+    )
+
+
+def test_batched_rollouts_leave_every_tenant_as_it_is_alone_and_a_diverged_one_fails_alone(
+    tiny_model_dir: Path, tmp_path: Path, reply_rewards
+) -> None:
+    """Four tenants with different seeds, prompts per step, group sizes, lengths, temperatures
+    and adapter ranks, their rollouts batched (mixed-adapter rows in one forward): each one's
+    curve and final adapter are those of the same task alone, within float tolerance. A fifth,
+    whose adapter is NaN (a diverged task's checkpoint), fails at its first rollout, alone."""
+    from tests.support.inference import make_adapter
+    from safetensors.torch import save_file
+
+    tasks = {
+        "x": {**HP, "checkpoint_every": 0},
+        "n1": {
+            **HP,
+            "seed": 3,
+            "lora_rank": 8,
+            "group_size": 3,
+            "prompts_per_step": 1,
+            "max_new_tokens": 6,
+            "steps": 5,
+        },
+        "n2": {**HP, "seed": 5, "group_size": 4, "prompts_per_step": 1, "max_new_tokens": 3, "temperature": 0.8},
+        "n3": {**HP, "seed": 7, "prompts_per_step": 3, "steps": 3, "lora_alpha": 4},
+    }
+    expected = {tid: _alone(tmp_path, tiny_model_dir, tid, hp) for tid, hp in tasks.items()}
+
+    nan = make_adapter(tiny_model_dir, tmp_path / "diverged", seed=2)
+    weights = load_file(nan / "adapter_model.safetensors")
+    save_file({k: torch.full_like(v, float("nan")) for k, v in weights.items()}, nan / "adapter_model.safetensors")
+
+    out = io.StringIO()
+    host = ModelHost(str(tiny_model_dir), "cpu", "auto", out)
+    assert host.batch_rollouts and host.unbatchable is None
+    runs: list[list[str]] = []  # the adapters of each rollout run, recorded on the way through
+    run_rollouts = host.run_rollouts
+    host.run_rollouts = lambda requests: (runs.append([r.adapter for r in requests]), run_rollouts(requests))[1]
+    for tid, hp in {**tasks, "n-nan": {**HP, "seed": 9}}.items():
+        assign = _assign(tid, tiny_model_dir, hp)
+        if tid == "n-nan":
+            assign.init_checkpoint.path, assign.init_checkpoint.format = str(nan), "peft_lora"
+        path = tmp_path / f"{tid}.pb"
+        path.write_bytes(assign.SerializeToString())
+        host.add(path, tmp_path / "host" / tid)
+    host.join()
+
+    assert host.turns.rollout_requests > host.turns.rollout_runs == len(runs)
+    assert max(map(len, runs)) >= 3, runs  # runs took several tenants' rollouts
+    assert any(len(r) > 1 for r in runs if adapter_name("n-nan", 1) in r), runs  # it failed in a shared run
+    (failed,) = _lines(out, "n-nan", "failed")
+    assert "probability tensor contains" in failed["error"] and not _lines(out, "n-nan", "metric")
+    for tid, hp in tasks.items():
+        curve, adapter = expected[tid]
+        got = _curve(_lines(out, tid, "metric"))
+        assert [c[0] for c in got] == [c[0] for c in curve] == list(range(1, hp["steps"] + 1)), tid
+        assert [v for c in got for v in c[1:]] == pytest.approx([v for c in curve for v in c[1:]], abs=1e-5), tid
+        ours = load_file(tmp_path / "host" / tid / f"step_{hp['steps']}" / "adapter_model.safetensors")
+        assert sorted(ours) == sorted(adapter), tid
+        assert all(torch.allclose(ours[k], adapter[k], atol=1e-5) for k in ours), tid
+        assert _lines(out, tid, "succeeded"), tid
+    assert not host.tenants and list(host.model.peft_config) == []
+
+
+def test_with_batching_off_each_rollout_runs_alone_in_its_turn(
+    tiny_model_dir: Path, tmp_path: Path, reply_rewards
+) -> None:
+    hp = {**HP, "steps": 2, "checkpoint_every": 0}
+    expected, _ = _alone(tmp_path, tiny_model_dir, "x", hp)
+    out = io.StringIO()
+    host = ModelHost(str(tiny_model_dir), "cpu", "auto", out, batch_rollouts=False)
+    for tid, seed in (("x", 11), ("y", 12)):
+        path = tmp_path / f"{tid}.pb"
+        path.write_bytes(_assign(tid, tiny_model_dir, {**hp, "seed": seed}).SerializeToString())
+        host.add(path, tmp_path / "host" / tid)
+    host.join()
+    assert host.turns.rollout_runs == 0
+    got = _curve(_lines(out, "x", "metric"))
+    assert [v for c in got for v in c[1:]] == pytest.approx([v for c in expected for v in c[1:]], abs=1e-6)
+
+
 def test_round_robin_gives_turns_in_the_order_asked() -> None:
     turns = RoundRobin()
     order: list[str] = []
@@ -127,6 +220,122 @@ def test_round_robin_gives_turns_in_the_order_asked() -> None:
         t.join()
     assert order == list("abc" * 3)
     assert turns.turns == 9
+
+
+def _queued(turns: RoundRobin, n: int) -> None:
+    """Wait until ``n`` tenants wait or hold a turn (progress, not time)."""
+    while len(turns._queue) + (turns._holder is not None) < n:
+        time.sleep(0.001)
+
+
+def test_the_rollouts_of_waiting_tenants_run_as_one_and_each_continues_in_its_place() -> None:
+    turns = RoundRobin()
+    runs: list[list[str]] = []
+    got: dict[str, object] = {}
+    order: list[str] = []
+    gate = threading.Event()
+
+    def run(requests: list) -> list:
+        runs.append(list(requests))
+        return [f"rolled {r}" for r in requests]
+
+    def tenant(name: str) -> None:
+        with turns.turn(name):
+            gate.wait()
+            got[name] = turns.rollout(name, name, run)
+            order.append(name)  # the rest of its step, in its turn again
+            assert turns._holder == name
+
+    threads = [threading.Thread(target=tenant, args=(n,)) for n in "abc"]
+    for i, t in enumerate(threads):
+        t.start()
+        _queued(turns, i + 1)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert runs == [["a", "b", "c"]]  # a's rollout took b's and c's along: one run
+    assert got == {n: f"rolled {n}" for n in "abc"} and order == list("abc")
+    assert (turns.rollout_runs, turns.rollout_requests, turns.turns) == (1, 3, 3)
+
+
+def test_a_rollout_takes_along_only_tenants_ready_for_one_and_ordinary_turns_keep_their_place() -> None:
+    turns = RoundRobin()
+    runs: list[list[str]] = []
+    order: list[str] = []
+    a_holds, b_may_ask, c_may_ask = threading.Event(), threading.Event(), threading.Event()
+
+    def run(requests: list) -> list:
+        runs.append(list(requests))
+        return list(requests)
+
+    def a() -> None:
+        with turns.turn("a"):
+            a_holds.set()
+            b_may_ask.wait()
+            _queued(turns, 2)  # b waits for a turn
+            turns.rollout("a", "a", run)  # queue: b, a's rollout
+            order.append("a")
+
+    def b() -> None:
+        a_holds.wait()
+        b_may_ask.set()
+        with turns.turn("b"):
+            _queued(turns, 3)  # a's rollout and s's ordinary turn wait: queue a(rollout), s
+            turns.rollout("b", "b", run)  # queue: a(rollout), s, b(rollout)
+            order.append("b")
+
+    def s() -> None:  # a serving tenant's ordinary turn, asked for between a's rollout and b's
+        while not (len(turns._queue) == 1 and turns._holder == "b"):
+            time.sleep(0.001)
+        with turns.turn("s"):
+            order.append("s")
+
+    def c() -> None:  # busy elsewhere (not asking): nobody waits for it
+        c_may_ask.wait()
+        with turns.turn("c"):
+            turns.rollout("c", "c", run)
+            order.append("c")
+
+    threads = [threading.Thread(target=f) for f in (a, b, s, c)]
+    for t in threads:
+        t.start()
+    for t in threads[:3]:
+        t.join()
+    assert runs == [["a", "b"]]  # b's rollout, behind s, taken along; c was not ready: not waited for
+    assert order == ["a", "s", "b"]  # s kept its place before b's continuation
+    c_may_ask.set()
+    threads[3].join()
+    assert runs == [["a", "b"], ["c"]] and order[-1] == "c"
+
+
+def test_a_failed_rollout_run_reaches_every_tenant_it_took_and_the_turns_go_on() -> None:
+    turns = RoundRobin()
+    got: dict[str, object] = {}
+    gate = threading.Event()
+
+    def run(requests: list) -> list:
+        time.sleep(0.3)
+        raise MemoryError("out of memory in the shared pass")
+
+    def tenant(name: str) -> None:
+        with turns.turn(name):
+            gate.wait()
+            got[name] = turns.rollout(name, name, run)
+
+    threads = [threading.Thread(target=tenant, args=(n,)) for n in "ab"]
+    for i, t in enumerate(threads):
+        t.start()
+        _queued(turns, i + 1)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert all(isinstance(got[n], MemoryError) for n in "ab")
+    # The run's time is split between the two: each one's turn counts at least its half.
+    assert turns._last_s["a"] >= 0.15 and turns._last_s["b"] >= 0.15
+    with turns.turn("a"):
+        pass  # the model is free again
+    with pytest.raises(RuntimeError, match="inside the caller's own turn"):
+        turns.rollout("a", "a", lambda r: r)
 
 
 def test_a_turn_may_last_as_long_as_the_longest_last_turn_of_the_others() -> None:
