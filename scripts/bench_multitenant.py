@@ -20,6 +20,9 @@ LoRA GRPO arithmetic task with different seeds. Measured in one run, reported as
   its wall time spent inside its tenants' steps, i.e. host / one-at-a-time throughput under the
   same load (not of the batched host: there a step's ``perf/step_s`` spans its neighbours' turns
   between its rollout and its update);
+* **steps per CPU second** of the host process over the same window (:func:`cpu_rate`; user +
+  system time from ``/proc``): the model runs on one thread at a time, so this counts the work a
+  step costs, which other jobs on a shared machine slow much less than wall time;
 * **time to first step**: from handing an attempt over to its first metric (and to the start of
   that step: less its own ``perf/step_s``), joining a warm host (base model loaded) vs a cold
   worker process (start, imports, model load): goal >= 5x.
@@ -82,6 +85,15 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (``/proc/PID/stat`` fields 14 and 15)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 class Peak:
     """The peak of the summed RSS of ``pids()``, sampled every 0.2 s until stopped."""
 
@@ -106,6 +118,8 @@ class Lines:
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.proc, self.lines, self.cond = proc, [], threading.Condition()
+        #: The process's CPU seconds (user + system, :func:`cpu_seconds`) as each line arrived.
+        self.cpu: dict[int, float] = {}
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -114,8 +128,10 @@ class Lines:
                 msg = json.loads(raw)
             except ValueError:
                 continue
+            cpu = cpu_seconds(self.proc.pid)
             with self.cond:
                 self.lines.append((time.perf_counter(), msg))
+                self.cpu[id(msg)] = cpu
                 self.cond.notify_all()
         with self.cond:
             self.lines.append((time.perf_counter(), {"type": "eof"}))
@@ -164,6 +180,20 @@ def busy_fraction(lines: list[tuple[float, dict]], task_ids) -> float:
     return inside / (end - start) if end > start else float("nan")
 
 
+def cpu_rate(lines: "Lines", task_ids) -> float:
+    """Steps per CPU second of the host over :func:`steady_rate`'s window: the steps ending in it
+    over the CPU time the host process used between its first and last line (one thread runs the
+    model at a time, ``OMP_NUM_THREADS=1``), which other jobs on the machine slow less than wall time."""
+    metrics = [(t, m) for t, m in lines.lines if m["type"] == "metric" and m.get("task_id") in task_ids]
+    by_task = [[t for t, m in metrics if m["task_id"] == tid] for tid in task_ids]
+    start, end = max(t[0] for t in by_task), min(t[-1] for t in by_task)
+    first = next(m for t, m in metrics if t == start)
+    last = next(m for t, m in metrics if t == end)
+    steps = sum(1 for t, _ in metrics if start < t <= end)
+    used = lines.cpu[id(last)] - lines.cpu[id(first)]
+    return steps / used if used > 0 else float("nan")
+
+
 def start_host(model: str, out_dir: Path, *, batch: bool = True) -> tuple[subprocess.Popen, Lines, float]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(
@@ -205,7 +235,8 @@ def run_host(model: str, n: int, hp: dict, work: Path, *, one_at_a_time: bool = 
         rate = statistics.median(steady_rate([t]) for t in times)
     else:
         rate = steady_rate(times)
-    result = {"rss": peak.stop(), "rate": rate, "load_s": load_s}
+    cpu = statistics.median(cpu_rate(lines, [t]) for t in ids) if one_at_a_time else cpu_rate(lines, ids)
+    result = {"rss": peak.stop(), "rate": rate, "cpu_rate": cpu, "load_s": load_s}
     if not one_at_a_time and n > 1 and not batch:  # batched, a step's perf/step_s spans others' turns
         result["busy"] = busy_fraction(lines.lines, set(ids))
     # Warm join: one more tenant on this host, whose base model is loaded already.
@@ -325,6 +356,12 @@ def main() -> int:
         f"(batched / not {agg_host / agg_unb:.2f}x); one at a time in one process {agg_seq:.3f} "
         f"(batched / sequential {agg_host / agg_seq:.2f}x, not batched / sequential {agg_unb / agg_seq:.2f}x); "
         f"{top} worker processes {agg_workers:.3f} (batched / processes {agg_host / agg_workers:.2f}x)"
+    )
+    cpu_host, cpu_unb, cpu_seq = host[top]["cpu_rate"], unbatched["cpu_rate"], seq["cpu_rate"]
+    print(
+        f"steps per CPU second of the host process (less sensitive to the machine's load), {top} tasks: batched "
+        f"{cpu_host:.3f}, not batched {cpu_unb:.3f} (batched / not {cpu_host / cpu_unb:.2f}x), one at a time "
+        f"{cpu_seq:.3f} (batched / sequential {cpu_host / cpu_seq:.2f}x)"
     )
     print(
         f"share of the unbatched {top}-tenant host's wall time inside tenant steps (unbatched host / one at a "

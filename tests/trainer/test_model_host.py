@@ -167,7 +167,8 @@ def test_batched_rollouts_leave_every_tenant_as_it_is_alone_and_a_diverged_one_f
 
     assert host.turns.rollout_requests > host.turns.rollout_runs == len(runs)
     assert max(map(len, runs)) >= 3, runs  # runs took several tenants' rollouts
-    assert any(len(r) > 1 for r in runs if adapter_name("n-nan", 1) in r), runs  # it failed in a shared run
+    # (Whether n-nan's one rollout shared a run depends on thread timing; a NaN request in a
+    # shared run failing alone is tests/trainer/rl/test_rollout_batch.py's.)
     (failed,) = _lines(out, "n-nan", "failed")
     assert "probability tensor contains" in failed["error"] and not _lines(out, "n-nan", "metric")
     for tid, hp in tasks.items():
