@@ -25,11 +25,11 @@ prefill pass, a decode step of its batch) while it has work, for up to as long a
 last turn of a training neighbour (:meth:`RoundRobin.slice_for`: time-fair; a batched rollout's
 time is shared among the tenants it served). Turns go round in the order tenants asked for
 them (first come, first served, which with every tenant asking again right after its turn is
-round-robin). Only one turn runs at a time,
-with only that tenant's adapter active (a serving turn ends with the adapter layers on again and
-no row plan, ``AdapterRegistry.leave_turn``), so a tenant's numbers do not depend on its
-neighbours: with a fixed seed its reward curve and final adapter are those of the same task
-alone (tested), up to float rounding.
+round-robin). Only one turn runs at a time, with only that tenant's adapter active (a serving
+turn ends with the adapter layers on again and no row plan, ``AdapterRegistry.leave_turn``; a
+batched rollout's passes run each row on its own tenant's adapter), so a tenant's numbers do not
+depend on its neighbours: with a fixed seed its reward curve and final adapter are those of the
+same task alone (tested, with three neighbours batched with it), up to float rounding.
 
 Rollouts are batched across tenants (:meth:`Tenant.generate`, :meth:`RoundRobin.rollout`): a
 tenant's rollout gives up its turn and queues with its request; the first rollout to come up in
