@@ -550,3 +550,22 @@ def test_an_adapter_is_loaded_from_a_checkpoint_after_every_other_was_deleted(ti
     state = host.model.state_dict()
     assert saved and all(torch.equal(v, state[k.replace(".weight", ".ta-a2.weight")]) for k, v in saved.items())
     assert all(p.requires_grad for n, p in host.model.named_parameters() if "ta-a2" in n)
+
+
+def test_the_agents_host_command_can_turn_batching_off(tiny_model_dir: Path) -> None:
+    """``--no-host-batch-rollouts`` on the node agent starts hosts with ``--no-batch-rollouts``,
+    which the host process takes: it starts, says it is ready and exits when its stdin closes."""
+    import os
+    import subprocess
+
+    from opentinker_trainer.agent import host_command
+
+    assert "--no-batch-rollouts" not in host_command("m", "cpu", "auto")
+    cmd = host_command(str(tiny_model_dir), "cpu", "auto", batch_rollouts=False)
+    assert cmd[-1] == "--no-batch-rollouts"
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}:{root / 'protos'}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+    first = json.loads(proc.stdout.readline())
+    proc.stdin.close()
+    assert first["type"] == "host_ready" and proc.wait(timeout=60) == 0
