@@ -404,13 +404,16 @@ def _generate(runtime, adapter: str | None, prompt: str = "2 + 3 =") -> list[int
     return asyncio.run(go())
 
 
+@pytest.mark.parametrize("trainers", [1, 2], ids=["one-trainer", "two-trainers-batched"])
 def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_alone(
-    tiny_model_dir: Path, tmp_path: Path, reply_rewards
+    tiny_model_dir: Path, tmp_path: Path, reply_rewards, trainers: int
 ) -> None:
     """A serving tenant's runtime on the host's base model (no second load): its answers are a
     model of its own's, every model-thread call runs in its turn (between the training tenant's
     steps) in eval mode, its adapters carry its own names (one named like the training tenant's adapter does
-    not touch it) and leave the model with it; the training tenant's curve is the one it has alone."""
+    not touch it) and leave the model with it; the training tenant's curve is the one it has alone.
+    With a second training tenant their rollouts run batched between the serving turns, and all
+    of that still holds."""
     from opentinker_trainer.host import Tenant
     from opentinker_trainer.inference.runtime import ModelRuntime
 
@@ -424,6 +427,8 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
     )  # fmt: skip
     grpo_text.run(alone)
     expected = _curve(reports(alone, "metric"))
+    second = {**hp, "seed": 12, "group_size": 3}
+    expected_y = _alone(tmp_path, tiny_model_dir, "y", second) if trainers == 2 else None
     own = tiny_runtime(tiny_model_dir, {"tx-a1": folder})
     want = {name: _generate(own, name) for name in ("tx-a1", None)}
     own.close()
@@ -445,9 +450,10 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
     # The serving tenant makes the host's PeftModel (its first adapter), then the trainer joins.
     assert _generate(runtime, "tx-a1") == want["tx-a1"]
     assert list(host.model.peft_config) == ["ssrv-a1-tx-a1~"]
-    path = tmp_path / "x.pb"
-    path.write_bytes(_assign("x", tiny_model_dir, hp).SerializeToString())
-    host.add(path, tmp_path / "host" / "x")
+    for tid, task_hp in [("x", hp), ("y", second)][:trainers]:
+        path = tmp_path / f"{tid}.pb"
+        path.write_bytes(_assign(tid, tiny_model_dir, task_hp).SerializeToString())
+        host.add(path, tmp_path / "host" / tid)
     answers = []
     while host.threads:  # requests keep coming while it trains: turns alternate with its steps
         answers.append((_generate(runtime, "tx-a1"), _generate(runtime, None)))
@@ -461,6 +467,12 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
     ours = load_file(tmp_path / "host" / "x" / "step_4" / "adapter_model.safetensors")
     theirs = load_file(tmp_path / "alone" / "step_4" / "adapter_model.safetensors")
     assert sorted(ours) == sorted(theirs) and all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in ours)
+    if expected_y is not None:
+        assert host.turns.rollout_requests > host.turns.rollout_runs  # x's and y's rollouts ran together
+        got_y = _curve(_lines(out, "y", "metric"))
+        assert [v for c in got_y for v in c[1:]] == pytest.approx([v for c in expected_y[0] for v in c[1:]], abs=1e-5)
+        y_adapter = load_file(tmp_path / "host" / "y" / "step_4" / "adapter_model.safetensors")
+        assert all(torch.allclose(y_adapter[k], expected_y[1][k], atol=1e-5) for k in expected_y[1])
     host.model.train()  # as a training tenant's update leaves it: serving runs in eval mode, then restores it
     assert _generate(runtime, "tx-a1") == want["tx-a1"] and all(in_turn) and host.model.training
     runtime.close()
