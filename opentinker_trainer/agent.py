@@ -97,6 +97,9 @@ class AgentConfig:
     tenants_per_host: int = 0
     #: Seconds a model host with no tenants left waits for a new one before it is told to exit.
     host_idle_s: float = 30.0
+    #: Model hosts batch their tenants' rollouts (one forward per token for every waiting
+    #: tenant's rows); False: each rollout alone in its tenant's turn (``--no-batch-rollouts``).
+    host_batch_rollouts: bool = True
 
     def channel(self, target: str | None = None) -> grpc.aio.Channel:
         """A channel to the scheduler at ``target`` (default ``target``): TLS when ``tls_ca`` or
@@ -170,6 +173,13 @@ TLS_REFUSAL_HINT = (
     "scheduler's tls.client_ca and --tls-ca is the CA of the scheduler's certificate, and that this node dials "
     "the scheduler's node_port (the mTLS port)"
 )
+
+
+def host_command(model: str, device: str, dtype: str, *, batch_rollouts: bool = True) -> list[str]:
+    """The command line of a model host process (:mod:`opentinker_trainer.host`) for base
+    ``model`` on ``device`` (``cpu`` or ``cuda``) in ``dtype``."""
+    cmd = [sys.executable, "-m", "opentinker_trainer.host", "--model", model, "--device", device, "--dtype", dtype]
+    return cmd if batch_rollouts else [*cmd, "--no-batch-rollouts"]
 
 
 def _resume_step(a: node_pb2.AssignTask) -> int:
@@ -624,8 +634,7 @@ class NodeAgent:
             model, devices, dtype = key
             simulated = self.monitor.inventory.simulated
             device = "cpu" if simulated or not devices else "cuda"
-            cmd = [sys.executable, "-m", "opentinker_trainer.host", "--model", model, "--device", device]
-            cmd += ["--dtype", dtype]
+            cmd = host_command(model, device, dtype, batch_rollouts=self.config.host_batch_rollouts)
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *cmd,

@@ -17,18 +17,34 @@ eval mode) and wraps it in one PEFT ``PeftModel``; every tenant is one task atte
   artifact upload (:func:`opentinker_trainer.worker.prepare`).
 
 Each tenant runs the ordinary trainer (``workloads/grpo_text.py``) in a thread of its own; the
-threads take **turns** on the model (:class:`RoundRobin`): a step, a checkpoint or the adapter's
-creation is one turn, and for a serving tenant (an ``inference`` task, ``workloads/serving.py``,
-which serves the host's base and the adapters it loads under its :attr:`Tenant.serving_prefix`)
-calls of its model thread (an adapter load, a prefill pass, a decode step of its batch) while it
-has work, for up to as long as the longest last turn of a training neighbour (:meth:`RoundRobin.slice_for`:
-time-fair). Turns go round in the order tenants asked for them (first come, first served, which
-with every tenant asking again right after its turn is round-robin). Only one turn runs at a time,
-with only that tenant's adapter active (a serving turn ends with the adapter layers on again and
-no row plan, ``AdapterRegistry.leave_turn``), so a tenant's numbers do not depend on its
-neighbours: with a fixed seed its reward curve and final adapter are those of the same task
-alone (tested), up to float rounding. Rollouts are not batched across tenants (one tenant's
-generation per turn); batching several adapters' rows into one forward is future work.
+threads take **turns** on the model (:class:`RoundRobin`): a step (a batched rollout splits it
+in two, see below), a checkpoint or the adapter's creation is one turn, and for a serving tenant
+(an ``inference`` task, ``workloads/serving.py``, which serves the host's base and the adapters
+it loads under its :attr:`Tenant.serving_prefix`) calls of its model thread (an adapter load, a
+prefill pass, a decode step of its batch) while it has work, for up to as long as the longest
+last turn of a training neighbour (:meth:`RoundRobin.slice_for`: time-fair; a batched rollout's
+time is shared among the tenants it served). Turns go round in the order tenants asked for
+them (first come, first served, which with every tenant asking again right after its turn is
+round-robin). Only one turn runs at a time, with only that tenant's adapter active (a serving
+turn ends with the adapter layers on again and no row plan, ``AdapterRegistry.leave_turn``; a
+batched rollout's passes run each row on its own tenant's adapter), so a tenant's numbers do not
+depend on its neighbours: with a fixed seed its reward curve and final adapter are those of the
+same task alone (tested, with three neighbours batched with it), up to float rounding.
+
+Rollouts are batched across tenants (:meth:`Tenant.generate`, :meth:`RoundRobin.rollout`): a
+tenant's rollout gives up its turn and queues with its request; the first rollout to come up in
+line takes along every rollout request then waiting, wherever it waits, and samples them all at
+once, one forward pass per token with each row on its own tenant's adapter
+(:func:`opentinker_trainer.rl.rollout_batch.generate_batched`: rows grouped by adapter, or PEFT's
+per-row ``adapter_names``) and each tenant's draws taken from its own torch RNG stream exactly as
+``generate`` alone would take them (same shapes, same order), so its tokens are those it samples
+alone up to float rounding of the shared pass. The tenants taken along keep their places in the
+queue and continue their steps there (scoring, the update's backward and optimizer step, with
+only their own adapter active). It is opportunistic: nobody waits for a tenant that is not ready
+to roll out; in a steady cycle of N training tenants each round is one batched rollout and N
+updates. A rollout run alone is ``generate`` itself (a worker's numbers exactly); tenants that
+are not batched: ``--no-batch-rollouts``, a model whose generation config adds logits
+processors (:func:`~opentinker_trainer.rl.rollout_batch.unbatchable`).
 
 Isolation: an exception in a tenant ends only that tenant (``failed``, retryable unless it is a
 user error); its adapter and optimizer are then freed (``delete_adapter``, garbage collection).
@@ -59,7 +75,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import structlog
 
@@ -118,8 +134,22 @@ def adapter_name(task_id: str, attempt: int) -> str:
     return f"t{task_id}-a{attempt}".replace(".", "_")
 
 
+class _Ask:
+    """One wait in a :class:`RoundRobin` queue: ``who`` asks for the model, for a rollout with
+    ``request`` (None: an ordinary turn); a rollout taken along by another's turn is ``taken``,
+    and ``done`` with its ``outcome`` once run."""
+
+    __slots__ = ("who", "request", "taken", "done", "outcome")
+
+    def __init__(self, who: object, request: object = None) -> None:
+        self.who, self.request = who, request
+        self.taken = self.done = False
+        self.outcome: object = None
+
+
 class RoundRobin:
-    """Turns on one model, one at a time, in the order they were asked for.
+    """Turns on one model, one at a time, in the order they were asked for; rollouts of the
+    tenants waiting are run together (:meth:`rollout`).
 
     A tenant that asks again right after its turn queues behind every tenant already waiting,
     so tenants that keep asking take turns in a fixed cycle (round-robin by steps).
@@ -127,12 +157,17 @@ class RoundRobin:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._queue: collections.deque[object] = collections.deque()
+        self._queue: collections.deque[_Ask] = collections.deque()
         self._holder: object | None = None
+        self._since = 0.0  # when the holder's current hold began (perf_counter)
+        self._held: dict[object, float] = {}  # who -> seconds held so far in its current turn
         self._last_s: dict[object, float] = {}  # who -> seconds its last turn lasted
         self._sliced: set[object] = set()  # who asked for a slice (holds turns over several calls)
         #: How many turns ran, for tests and logs.
         self.turns = 0
+        #: Rollout runs (:meth:`rollout`) and the requests they took, for tests and logs.
+        self.rollout_runs = 0
+        self.rollout_requests = 0
 
     def slice_for(self, who: object) -> float:
         """Seconds a turn of ``who`` may last to take as long as its neighbours' do: the longest
@@ -140,7 +175,9 @@ class RoundRobin:
         steps up to this (``ModelRuntime``'s ``turn_slice``), so it gets the model about as long
         per cycle as each training tenant does (time-fair), not one decode step per training step.
         Turns of tenants that ask for slices themselves are not counted: two serving tenants
-        would otherwise lengthen each other's slices without end."""
+        would otherwise lengthen each other's slices without end. A turn's length is the time
+        its tenant held the model, with a shared rollout run (:meth:`rollout`) split evenly
+        among the tenants it served."""
         with self._cond:
             self._sliced.add(who)
             return max((s for w, s in self._last_s.items() if w not in self._sliced), default=0.0)
@@ -151,24 +188,83 @@ class RoundRobin:
             self._last_s.pop(who, None)
             self._sliced.discard(who)
 
+    # --- under self._cond ------------------------------------------------------------------
+    def _take(self, ask: _Ask) -> None:
+        """Wait until ``ask`` is first in line and the model is free; hold it."""
+        while self._holder is not None or self._queue[0] is not ask:
+            self._cond.wait()
+        self._queue.popleft()
+        self._holder = ask.who
+        self._since = time.perf_counter()
+
+    def _give(self, who: object) -> None:
+        """``who`` lets go of the model (its hold counted into its turn's length)."""
+        self._held[who] = self._held.get(who, 0.0) + time.perf_counter() - self._since
+        self._holder = None
+        self._cond.notify_all()
+
     @contextlib.contextmanager
     def turn(self, who: object) -> Iterator[None]:
         """Wait for ``who``'s turn, hold it for the ``with`` block."""
+        ask = _Ask(who)
         with self._cond:
-            self._queue.append(who)
-            while self._holder is not None or self._queue[0] is not who:
-                self._cond.wait()
-            self._queue.popleft()
-            self._holder = who
+            self._queue.append(ask)
+            self._take(ask)
+            self._held[who] = 0.0
             self.turns += 1
-        started = time.perf_counter()
         try:
             yield
         finally:
             with self._cond:
-                self._holder = None
-                self._last_s[who] = time.perf_counter() - started
-                self._cond.notify_all()
+                self._give(who)
+                self._last_s[who] = self._held.pop(who, 0.0)
+
+    def rollout(self, who: object, request: object, run: Callable[[list], list]) -> object:
+        """Inside ``who``'s turn: run ``request`` together with the rollouts of every tenant
+        waiting for one, and return ``who``'s outcome, ``who`` holding its turn again.
+
+        ``who`` lets go of the model and queues at the back with its request, as if asking for a
+        new turn (whoever waited goes first, and may ask for a rollout in its turn too). When a
+        waiting rollout comes first in line, its tenant takes the turn and runs
+        ``run(requests)`` (a list of outcomes, one per request, in order) on its own request and
+        every other rollout request then in the queue, wherever it waits; those tenants keep
+        their places in the queue and, when their turn comes, continue with their outcome (no
+        second run). So a rollout never waits for a tenant that is not ready to roll out, every
+        wait ends (each queue entry is served in order), and in a steady cycle of N tenants the
+        N rollouts run as one and the N updates one after another. A rollout taken along runs
+        earlier than its place in line, never later; the tenants waiting in between for
+        ordinary turns (a serving tenant, a checkpoint) wait that much longer once. If ``run``
+        raises, every request of that run gets the exception as its outcome.
+        """
+        with self._cond:
+            if self._holder is not who:
+                raise RuntimeError("RoundRobin.rollout is called inside the caller's own turn")
+            self._give(who)
+            ask = _Ask(who, request)
+            self._queue.append(ask)
+            self._take(ask)
+            if ask.done:
+                return ask.outcome
+            batch = [ask] + [a for a in self._queue if a.request is not None and not a.taken]
+            for a in batch:
+                a.taken = True
+        started = time.perf_counter()
+        try:
+            outcomes = list(run([a.request for a in batch]))
+            if len(outcomes) != len(batch):
+                raise RuntimeError(f"a rollout run returned {len(outcomes)} outcomes for {len(batch)} requests")
+        except Exception as exc:  # noqa: BLE001 - handed to every tenant of the run, never lost
+            outcomes = [exc] * len(batch)
+        with self._cond:
+            spent = time.perf_counter() - started
+            self._since += spent  # the run is everyone's: split below, not the runner's alone
+            for a, outcome in zip(batch, outcomes):
+                a.outcome, a.done = outcome, True
+                self._held[a.who] = self._held.get(a.who, 0.0) + spent / len(batch)
+            self.rollout_runs += 1
+            self.rollout_requests += len(batch)
+            self._cond.notify_all()
+        return ask.outcome
 
 
 class Tenant:
@@ -206,6 +302,71 @@ class Tenant:
                 yield
             finally:
                 self._rng = _rng.rng_state()
+
+    def generate(
+        self,
+        model,
+        prompt_ids,
+        prompt_mask,
+        *,
+        max_new_tokens: int,
+        stop_token_ids,
+        pad_token_id: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        group_size: int = 1,
+        seed: int | None = None,
+        synced: bool = False,
+    ):
+        """:func:`opentinker_trainer.rl.rollout.generate` for this tenant (the same arguments and
+        :class:`~opentinker_trainer.rl.rollout.Rollout`), called inside its turn; batched with
+        the rollouts of the tenants waiting (:meth:`RoundRobin.rollout`,
+        :func:`opentinker_trainer.rl.rollout_batch.generate_batched`) unless the host's
+        ``batch_rollouts`` is off, the model is in train mode (a batch samples in eval mode, as the
+        trainers do) or its generation config adds processors a batch does not apply
+        (:func:`~opentinker_trainer.rl.rollout_batch.unbatchable`). Its draws come from
+        its own torch RNG stream exactly as ``generate``'s would, which continues from where
+        they end; its numpy and Python streams, the model's mode and its active adapter are as
+        ``generate`` leaves them.
+
+        Raises:
+            Exception: whatever its own rollout raised (another tenant's failure is not raised here).
+        """
+        from opentinker_trainer.rl import rollout_batch
+        from opentinker_trainer.rl.rollout import generate
+        from opentinker_trainer.workloads import _rng
+
+        kw = dict(
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            pad_token_id=pad_token_id,
+            temperature=temperature,
+            top_p=top_p,
+            group_size=group_size,
+        )
+        host = self.host
+        if not host.batch_rollouts or seed is not None or synced or model.training or host.unbatchable is not None:
+            return generate(model, prompt_ids, prompt_mask, seed=seed, synced=synced, **kw)
+        device = next(model.parameters()).device
+        request = rollout_batch.RolloutRequest(
+            adapter=self.name,
+            prompt_ids=prompt_ids.to(device),
+            prompt_mask=prompt_mask.to(device),
+            rng_state=rollout_batch.rng_state(device),
+            **kw,
+        )
+        training = host.model.training
+        self._rng = _rng.rng_state()  # its streams while others hold the model
+        outcome = host.turns.rollout(self, request, host.run_rollouts)
+        _rng.restore_rng_state(self._rng)
+        host.model.set_adapter(self.name)
+        host.model.train(training)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if outcome.error is not None:
+            raise outcome.error
+        rollout_batch.set_rng_state(outcome.rng_state, device)
+        return outcome.rollout
 
     def turn_slice(self) -> float:
         """Seconds this tenant's turn may last (:meth:`RoundRobin.slice_for`)."""
@@ -259,13 +420,17 @@ class ModelHost:
         UserError: the base model cannot be loaded (from :func:`opentinker_trainer.workloads._lm.load_model`).
     """
 
-    def __init__(self, model: str, device: str, dtype: str, out) -> None:
+    def __init__(self, model: str, device: str, dtype: str, out, *, batch_rollouts: bool = True) -> None:
         import torch
 
+        from opentinker_trainer.rl.rollout_batch import unbatchable
         from opentinker_trainer.workloads import _lm
 
         self.device = device
         self.out = out
+        #: Tenants' rollouts run together, one forward per token (:meth:`Tenant.generate`);
+        #: False: each tenant's rollout alone in its turn (``--no-batch-rollouts``).
+        self.batch_rollouts = batch_rollouts
         self.lock = threading.Lock()  # one lock for every line on ``out``
         self.turns = RoundRobin()
         torch_device = torch.device(device)
@@ -273,6 +438,10 @@ class ModelHost:
         base.requires_grad_(False)
         base.eval()
         self.base = base
+        #: Why rollouts cannot be batched on this model (:func:`~.rl.rollout_batch.unbatchable`), or None.
+        self.unbatchable = unbatchable(base)
+        if batch_rollouts and self.unbatchable is not None:
+            log.info("rollouts are not batched across tenants on this model", reason=self.unbatchable)
         self.model = None  # the PeftModel, made with the first adapter
         self.tenants: dict[tuple[str, int], Tenant] = {}
         self.threads: dict[tuple[str, int], threading.Thread] = {}
@@ -340,6 +509,13 @@ class ModelHost:
             if tid == task_id and t.attached and t.ctx is not None and t.ctx.steps_done > 0
         ]
         return max(found, key=lambda t: t.attempt) if found else None
+
+    def run_rollouts(self, requests: list) -> list:
+        """Run tenants' rollout requests together on the model (in the turn of one of them):
+        :func:`opentinker_trainer.rl.rollout_batch.generate_batched`, one outcome per request."""
+        from opentinker_trainer.rl.rollout_batch import generate_batched
+
+        return generate_batched(self.model, requests)
 
     # --- tenants ---------------------------------------------------------------------------
     def emit(self, kind: str, **payload: Any) -> None:
@@ -437,6 +613,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="base model: a folder or hub id (spec.model)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (hyperparameters.dtype)")
+    parser.add_argument(
+        "--no-batch-rollouts",
+        dest="batch_rollouts",
+        action="store_false",
+        help="run each tenant's rollout alone in its turn (default: the waiting tenants' rollouts in one batch)",
+    )
     args = parser.parse_args(argv)
     os.umask(0o077)
     limit_malloc_arenas()  # before any tenant thread allocates
@@ -447,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     started = time.perf_counter()
     try:
-        host = ModelHost(args.model, args.device, args.dtype, out)
+        host = ModelHost(args.model, args.device, args.dtype, out, batch_rollouts=args.batch_rollouts)
     except UserError as exc:
         json.dump({"type": "host_failed", "error": str(exc), "retryable": False}, out)
         out.write("\n")

@@ -13,9 +13,16 @@ LoRA GRPO arithmetic task with different seeds. Measured in one run, reported as
   the last task's first step and the first task's last step, over that time), against one task at
   a time on the same host (``--sequential`` tasks one after another in one process, the median of
   their rates: one at a time does not depend on how many; goal >= 1.0x), and against N worker
-  processes started together. On a shared machine whose load changes between phases, the
-  load-independent figure is :func:`busy_fraction`: the share of the host's wall time spent
-  inside its tenants' steps, i.e. host / one-at-a-time throughput under the same load;
+  processes started together; for the largest N both with the tenants' rollouts batched (the
+  host's default: one forward per token for every waiting tenant's rows) and not
+  (``--no-batch-rollouts``), in the same run. On a shared machine whose load changes between
+  phases, a load-independent figure of the unbatched host is :func:`busy_fraction`: the share of
+  its wall time spent inside its tenants' steps, i.e. host / one-at-a-time throughput under the
+  same load (not of the batched host: there a step's ``perf/step_s`` spans its neighbours' turns
+  between its rollout and its update);
+* **steps per CPU second** of the host process over the same window (:func:`cpu_rate`; user +
+  system time from ``/proc``): the model runs on one thread at a time, so this counts the work a
+  step costs, which other jobs on a shared machine slow much less than wall time;
 * **time to first step**: from handing an attempt over to its first metric (and to the start of
   that step: less its own ``perf/step_s``), joining a warm host (base model loaded) vs a cold
   worker process (start, imports, model load): goal >= 5x.
@@ -78,6 +85,15 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (``/proc/PID/stat`` fields 14 and 15)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 class Peak:
     """The peak of the summed RSS of ``pids()``, sampled every 0.2 s until stopped."""
 
@@ -102,6 +118,8 @@ class Lines:
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.proc, self.lines, self.cond = proc, [], threading.Condition()
+        #: The process's CPU seconds (user + system, :func:`cpu_seconds`) as each line arrived.
+        self.cpu: dict[int, float] = {}
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -110,8 +128,10 @@ class Lines:
                 msg = json.loads(raw)
             except ValueError:
                 continue
+            cpu = cpu_seconds(self.proc.pid)
             with self.cond:
                 self.lines.append((time.perf_counter(), msg))
+                self.cpu[id(msg)] = cpu
                 self.cond.notify_all()
         with self.cond:
             self.lines.append((time.perf_counter(), {"type": "eof"}))
@@ -160,10 +180,25 @@ def busy_fraction(lines: list[tuple[float, dict]], task_ids) -> float:
     return inside / (end - start) if end > start else float("nan")
 
 
-def start_host(model: str, out_dir: Path) -> tuple[subprocess.Popen, Lines, float]:
+def cpu_rate(lines: "Lines", task_ids) -> float:
+    """Steps per CPU second of the host over :func:`steady_rate`'s window: the steps ending in it
+    over the CPU time the host process used between its first and last line (one thread runs the
+    model at a time, ``OMP_NUM_THREADS=1``), which other jobs on the machine slow less than wall time."""
+    metrics = [(t, m) for t, m in lines.lines if m["type"] == "metric" and m.get("task_id") in task_ids]
+    by_task = [[t for t, m in metrics if m["task_id"] == tid] for tid in task_ids]
+    start, end = max(t[0] for t in by_task), min(t[-1] for t in by_task)
+    first = next(m for t, m in metrics if t == start)
+    last = next(m for t, m in metrics if t == end)
+    steps = sum(1 for t, _ in metrics if start < t <= end)
+    used = lines.cpu[id(last)] - lines.cpu[id(first)]
+    return steps / used if used > 0 else float("nan")
+
+
+def start_host(model: str, out_dir: Path, *, batch: bool = True) -> tuple[subprocess.Popen, Lines, float]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "opentinker_trainer.host", "--model", model, "--device", "cpu"],
+        [sys.executable, "-m", "opentinker_trainer.host", "--model", model, "--device", "cpu"]
+        + ([] if batch else ["--no-batch-rollouts"]),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=open(out_dir / f"host-{t0:.0f}.log", "w"),
@@ -181,11 +216,12 @@ def add(proc: subprocess.Popen, path: Path, ckpt: Path) -> None:
     proc.stdin.flush()
 
 
-def run_host(model: str, n: int, hp: dict, work: Path, *, one_at_a_time: bool = False) -> dict:
-    """N tenants on one host, all at once (or one after another)."""
-    proc, lines, load_s = start_host(model, work)
+def run_host(model: str, n: int, hp: dict, work: Path, *, one_at_a_time: bool = False, batch: bool = True) -> dict:
+    """N tenants on one host, all at once (or one after another); ``batch``: their rollouts
+    batched (the host's default) or each alone in its turn (``--no-batch-rollouts``)."""
+    proc, lines, load_s = start_host(model, work, batch=batch)
     peak = Peak(lambda: [proc.pid])
-    ids = [f"h{n}{'s' if one_at_a_time else ''}-{i}" for i in range(n)]
+    ids = [f"h{n}{'s' if one_at_a_time else ''}{'' if batch else 'u'}-{i}" for i in range(n)]
     for i, tid in enumerate(ids):
         add(proc, assignment(work, tid, model, {**hp, "seed": 100 + i}), work / "ck" / tid)
         if one_at_a_time:
@@ -199,11 +235,12 @@ def run_host(model: str, n: int, hp: dict, work: Path, *, one_at_a_time: bool = 
         rate = statistics.median(steady_rate([t]) for t in times)
     else:
         rate = steady_rate(times)
-    result = {"rss": peak.stop(), "rate": rate, "load_s": load_s}
-    if not one_at_a_time and n > 1:
+    cpu = statistics.median(cpu_rate(lines, [t]) for t in ids) if one_at_a_time else cpu_rate(lines, ids)
+    result = {"rss": peak.stop(), "rate": rate, "cpu_rate": cpu, "load_s": load_s}
+    if not one_at_a_time and n > 1 and not batch:  # batched, a step's perf/step_s spans others' turns
         result["busy"] = busy_fraction(lines.lines, set(ids))
     # Warm join: one more tenant on this host, whose base model is loaded already.
-    if not one_at_a_time:
+    if not one_at_a_time and batch:
         t0 = time.perf_counter()
         tid = f"warm-{n}"
         add(proc, assignment(work, tid, model, {**hp, "seed": 99}), work / "ck" / tid)
@@ -276,6 +313,7 @@ def main() -> int:
     ap.add_argument(
         "--sequential", type=int, default=2, help="tasks run one after another for the baseline (default %(default)s)"
     )
+    ap.add_argument("--no-workers", action="store_true", help="skip the worker-process phases (a quicker run)")
     args = ap.parse_args()
     counts = [int(x) for x in args.tenants.split(",")]
     hp = {
@@ -295,29 +333,42 @@ def main() -> int:
         for n in counts:  # each phase's figures as it ends, so a run cut short still says something
             host[n] = run_host(args.model, n, hp, work)
             print(f"host, {n} tasks: {_brief(host[n])}  load average {_load()}", flush=True)
+        unbatched = run_host(args.model, top, hp, work, batch=False)
+        print(f"host, {top} tasks, rollouts not batched: {_brief(unbatched)}  load average {_load()}", flush=True)
         seq = run_host(args.model, args.sequential, hp, work, one_at_a_time=True)
         print(f"host, {args.sequential} tasks one at a time: {_brief(seq)}  load average {_load()}", flush=True)
-        for n in counts:
+        for n in counts if not args.no_workers else []:
             workers[n] = run_workers(args.model, n, hp, work)
             print(f"workers, {n} processes: {_brief(workers[n])}  load average {_load()}", flush=True)
-    print("\n| tasks | host RSS MiB | host / 1 tenant | workers RSS MiB | workers / 1 worker | host / workers |")
-    print("|---|---|---|---|---|---|")
-    for n in counts:
-        h, w = host[n]["rss"], workers[n]["rss"]
-        print(
-            f"| {n} | {h / mib:.0f} | {h / host[counts[0]]['rss']:.2f}x | {w / mib:.0f} | "
-            f"{w / workers[counts[0]]['rss']:.2f}x | {h / w:.2f}x |"
-        )
-    agg_host, agg_seq, agg_workers = host[top]["rate"], seq["rate"], workers[top]["rate"]
+    if workers:
+        print("\n| tasks | host RSS MiB | host / 1 tenant | workers RSS MiB | workers / 1 worker | host / workers |")
+        print("|---|---|---|---|---|---|")
+        for n in counts:
+            h, w = host[n]["rss"], workers[n]["rss"]
+            print(
+                f"| {n} | {h / mib:.0f} | {h / host[counts[0]]['rss']:.2f}x | {w / mib:.0f} | "
+                f"{w / workers[counts[0]]['rss']:.2f}x | {h / w:.2f}x |"
+            )
+    agg_host, agg_unb, agg_seq = host[top]["rate"], unbatched["rate"], seq["rate"]
+    agg_workers = workers[top]["rate"] if workers else float("nan")
     print(
-        f"\naggregate steps/s, {top} tasks: host {agg_host:.3f}, one at a time in one process {agg_seq:.3f} "
-        f"(host / sequential {agg_host / agg_seq:.2f}x), {top} worker processes {agg_workers:.3f} "
-        f"(host / processes {agg_host / agg_workers:.2f}x)"
+        f"\naggregate steps/s, {top} tasks: host, rollouts batched {agg_host:.3f}; host, not batched {agg_unb:.3f} "
+        f"(batched / not {agg_host / agg_unb:.2f}x); one at a time in one process {agg_seq:.3f} "
+        f"(batched / sequential {agg_host / agg_seq:.2f}x, not batched / sequential {agg_unb / agg_seq:.2f}x); "
+        f"{top} worker processes {agg_workers:.3f} (batched / processes {agg_host / agg_workers:.2f}x)"
+    )
+    cpu_host, cpu_unb, cpu_seq = host[top]["cpu_rate"], unbatched["cpu_rate"], seq["cpu_rate"]
+    print(
+        f"steps per CPU second of the host process (less sensitive to the machine's load), {top} tasks: batched "
+        f"{cpu_host:.3f}, not batched {cpu_unb:.3f} (batched / not {cpu_host / cpu_unb:.2f}x), one at a time "
+        f"{cpu_seq:.3f} (batched / sequential {cpu_host / cpu_seq:.2f}x)"
     )
     print(
-        f"share of the {top}-tenant host's wall time inside tenant steps (host / one at a time at the same "
-        f"load): {host[top].get('busy', float('nan')):.3f}"
+        f"share of the unbatched {top}-tenant host's wall time inside tenant steps (unbatched host / one at a "
+        f"time at the same load): {unbatched.get('busy', float('nan')):.3f}"
     )
+    if not workers:
+        return 0
     # Both alone on the machine: a tenant joining the idle 1-tenant host, and the lone worker.
     warm = host[counts[0]]["warm_first_step_s"]
     cold = workers[counts[0]]["cold_first_step_s"]

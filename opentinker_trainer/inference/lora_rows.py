@@ -108,13 +108,19 @@ class RowLoRA:
         peft_model: the served ``PeftModel`` (its adapter layers are disabled by the caller
             while :attr:`plan` is set, so each LoRA layer returns its base output).
         adapters: adapter names; a row's stack index is its position here.
+        alias: re-point the adapters' own weights into the stacks (below); ``False``: the stacks
+            are copies, and the adapters' parameters are not touched (a model host's rollout
+            stacks adapters that are being trained, whose parameters an optimizer holds: the
+            copies are valid while the weights do not change, i.e. for the rollout's passes).
 
     Memory: none added beyond rank padding: each adapter's PEFT ``lora_A`` / ``lora_B`` weight is
     re-pointed to its slice of the stacks ``A [N, r, in]`` / ``B [N, out, r]`` (values unchanged,
-    so PEFT's own paths keep working on them).
+    so PEFT's own paths keep working on them). With ``alias=False`` the stacks are a second copy
+    of the adapters' LoRA weights.
     """
 
-    def __init__(self, peft_model, adapters: Sequence[str]) -> None:
+    def __init__(self, peft_model, adapters: Sequence[str], *, alias: bool = True) -> None:
+        self.alias = alias
         self.adapters = list(adapters)
         self.index = {name: i for i, name in enumerate(self.adapters)}
         self.plan: RowPlan | None = None
@@ -146,9 +152,9 @@ class RowLoRA:
                 r = wa.shape[0]
                 a_stack[i, :r] = wa
                 b_stack[i, :, :r] = wb
-                # PEFT's own tensors become views of the stack: no second copy of any adapter.
-                wa.data = a_stack[i, :r]
-                wb.data = b_stack[i, :, :r]
+                if self.alias:  # PEFT's own tensors become views of the stack: no second copy
+                    wa.data = a_stack[i, :r]
+                    wb.data = b_stack[i, :, :r]
                 scale[i] = float(module.scaling[a])
             self._weights[id(module)] = (a_stack, b_stack, scale)
             self._handles.append(module.register_forward_hook(self._hook))

@@ -36,6 +36,7 @@ __all__ = [
     "position_ids_from_mask",
     "prefix_logprobs",
     "right_pad",
+    "rollout_of",
     "sequence_logprobs",
 ]
 
@@ -300,10 +301,22 @@ def generate(
         **({"synced_gpus": True} if synced else {}),
         **extra,
     )
-    completion_ids = out[:, prompt_ids.shape[1] :]
-    mask, lengths = completion_mask(completion_ids, stop_token_ids)
-    completion_ids = torch.where(mask, completion_ids, torch.full_like(completion_ids, pad_token_id))
-    stops = torch.as_tensor(sorted(set(stop_token_ids)), dtype=completion_ids.dtype, device=device)
+    return rollout_of(prompt_ids, prompt_mask, out[:, prompt_ids.shape[1] :], stop_token_ids, pad_token_id)
+
+
+def rollout_of(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    sampled: torch.Tensor,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+) -> Rollout:
+    """The :class:`Rollout` of rows ``[B, P]`` (left-padded prompts, each row's own) and the tokens
+    sampled after them, ``sampled [B, T]`` (whatever came after a row's first stop token is
+    replaced by ``pad_token_id`` and masked out)."""
+    mask, lengths = completion_mask(sampled, stop_token_ids)
+    completion_ids = torch.where(mask, sampled, torch.full_like(sampled, pad_token_id))
+    stops = torch.as_tensor(sorted(set(stop_token_ids)), dtype=completion_ids.dtype, device=completion_ids.device)
     truncated = ~torch.isin(completion_ids, stops).any(dim=1)
     return Rollout(prompt_ids, prompt_mask, completion_ids, mask, lengths, truncated)
 

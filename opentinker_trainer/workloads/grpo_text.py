@@ -30,7 +30,9 @@ Reports per step (``ctx.emit_metric``, steps from 1):
   ``completion/mean_tokens``, ``completion/truncated_frac``, ``optim/grad_norm`` (before
   clipping), ``optim/lr``, ``perf/step_s``, ``perf/generate_s``, ``perf/train_s``,
   ``perf/samples`` (completions this step), ``perf/tokens_per_s`` (completion tokens sampled per
-  second of the whole step).
+  second of the whole step). Times are wall time of this attempt's thread: on a model host that
+  batches its tenants' rollouts (:meth:`opentinker_trainer.host.Tenant.generate`) ``perf/step_s``
+  and ``perf/generate_s`` include the turns of neighbours it waited for within its step.
 
 On ``prompts`` also: ``data/skipped_lines`` (lines the reward cannot score, left out),
 ``reward/client_failures`` and ``reward/client_missing`` (a client reward's failed calls and
@@ -155,6 +157,8 @@ class _Trainer:
         )
         # A tenant of a model host: the host's shared base model with this attempt's own adapter.
         tenant = getattr(ctx, "tenant", None)
+        # Its rollouts go through the host (batched with its neighbours' where that is exact).
+        self.generate = tenant.generate if tenant is not None else generate
         if tenant is not None:
             self.tokenizer, self.model = tenant.attach(cfg)
         else:
@@ -233,7 +237,7 @@ class _Trainer:
             problems = [problems[i] for i in self.dp.shard(len(problems))]
         prompt_ids, prompt_mask = left_pad([self.env.encode(p) for p in problems], self.pad_id, self.device)
         self.model.eval()
-        ro = generate(
+        ro = self.generate(
             self.model,
             prompt_ids,
             prompt_mask,

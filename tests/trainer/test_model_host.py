@@ -1,7 +1,9 @@
 """A model host's tenants in this process (threads on one tiny base model): a task's reward curve
 and final adapter are those of the same task run alone by the ordinary worker path, whoever its
 neighbours are; a neighbour that fails ends alone, and a stopped one checkpoints and frees its
-adapter; turns go round-robin."""
+adapter; turns go round-robin, and the rollouts of the tenants waiting run as one batch (each
+tenant's rows on its own adapter, its draws from its own RNG stream) that leaves every tenant's
+numbers as they are alone, within float tolerance."""
 
 from __future__ import annotations
 
@@ -106,6 +108,98 @@ def test_a_tenant_trains_as_it_would_alone(tiny_model_dir: Path, tmp_path: Path,
     assert list(host.model.peft_config) == []
 
 
+def _alone(tmp_path: Path, model: Path, task_id: str, hp: dict) -> tuple[list[tuple], dict[str, torch.Tensor]]:
+    """A task's curve and final adapter from the ordinary worker path (its own model)."""
+    ctx = worker_ctx(
+        tmp_path, f"alone-{task_id}", workload_type="lora_finetune", model=model,
+        env_config={"env_id": "arithmetic"}, hyperparameters=hp, task_id=task_id,
+    )  # fmt: skip
+    grpo_text.run(ctx)
+    return _curve(reports(ctx, "metric")), load_file(
+        tmp_path / f"alone-{task_id}" / f"step_{hp['steps']}" / "adapter_model.safetensors"
+    )
+
+
+def test_batched_rollouts_leave_every_tenant_as_it_is_alone_and_a_diverged_one_fails_alone(
+    tiny_model_dir: Path, tmp_path: Path, reply_rewards
+) -> None:
+    """Four tenants with different seeds, prompts per step, group sizes, lengths, temperatures
+    and adapter ranks, their rollouts batched (mixed-adapter rows in one forward): each one's
+    curve and final adapter are those of the same task alone, within float tolerance. A fifth,
+    whose adapter is NaN (a diverged task's checkpoint), fails at its first rollout, alone."""
+    from tests.support.inference import make_adapter
+    from safetensors.torch import save_file
+
+    tasks = {
+        "x": {**HP, "checkpoint_every": 0},
+        "n1": {
+            **HP,
+            "seed": 3,
+            "lora_rank": 8,
+            "group_size": 3,
+            "prompts_per_step": 1,
+            "max_new_tokens": 6,
+            "steps": 5,
+        },
+        "n2": {**HP, "seed": 5, "group_size": 4, "prompts_per_step": 1, "max_new_tokens": 3, "temperature": 0.8},
+        "n3": {**HP, "seed": 7, "prompts_per_step": 3, "steps": 3, "lora_alpha": 4},
+    }
+    expected = {tid: _alone(tmp_path, tiny_model_dir, tid, hp) for tid, hp in tasks.items()}
+
+    nan = make_adapter(tiny_model_dir, tmp_path / "diverged", seed=2)
+    weights = load_file(nan / "adapter_model.safetensors")
+    save_file({k: torch.full_like(v, float("nan")) for k, v in weights.items()}, nan / "adapter_model.safetensors")
+
+    out = io.StringIO()
+    host = ModelHost(str(tiny_model_dir), "cpu", "auto", out)
+    assert host.batch_rollouts and host.unbatchable is None
+    runs: list[list[str]] = []  # the adapters of each rollout run, recorded on the way through
+    run_rollouts = host.run_rollouts
+    host.run_rollouts = lambda requests: (runs.append([r.adapter for r in requests]), run_rollouts(requests))[1]
+    for tid, hp in {**tasks, "n-nan": {**HP, "seed": 9}}.items():
+        assign = _assign(tid, tiny_model_dir, hp)
+        if tid == "n-nan":
+            assign.init_checkpoint.path, assign.init_checkpoint.format = str(nan), "peft_lora"
+        path = tmp_path / f"{tid}.pb"
+        path.write_bytes(assign.SerializeToString())
+        host.add(path, tmp_path / "host" / tid)
+    host.join()
+
+    assert host.turns.rollout_requests > host.turns.rollout_runs == len(runs)
+    assert max(map(len, runs)) >= 3, runs  # runs took several tenants' rollouts
+    # (Whether n-nan's one rollout shared a run depends on thread timing; a NaN request in a
+    # shared run failing alone is tests/trainer/rl/test_rollout_batch.py's.)
+    (failed,) = _lines(out, "n-nan", "failed")
+    assert "probability tensor contains" in failed["error"] and not _lines(out, "n-nan", "metric")
+    for tid, hp in tasks.items():
+        curve, adapter = expected[tid]
+        got = _curve(_lines(out, tid, "metric"))
+        assert [c[0] for c in got] == [c[0] for c in curve] == list(range(1, hp["steps"] + 1)), tid
+        assert [v for c in got for v in c[1:]] == pytest.approx([v for c in curve for v in c[1:]], abs=1e-5), tid
+        ours = load_file(tmp_path / "host" / tid / f"step_{hp['steps']}" / "adapter_model.safetensors")
+        assert sorted(ours) == sorted(adapter), tid
+        assert all(torch.allclose(ours[k], adapter[k], atol=1e-5) for k in ours), tid
+        assert _lines(out, tid, "succeeded"), tid
+    assert not host.tenants and list(host.model.peft_config) == []
+
+
+def test_with_batching_off_each_rollout_runs_alone_in_its_turn(
+    tiny_model_dir: Path, tmp_path: Path, reply_rewards
+) -> None:
+    hp = {**HP, "steps": 2, "checkpoint_every": 0}
+    expected, _ = _alone(tmp_path, tiny_model_dir, "x", hp)
+    out = io.StringIO()
+    host = ModelHost(str(tiny_model_dir), "cpu", "auto", out, batch_rollouts=False)
+    for tid, seed in (("x", 11), ("y", 12)):
+        path = tmp_path / f"{tid}.pb"
+        path.write_bytes(_assign(tid, tiny_model_dir, {**hp, "seed": seed}).SerializeToString())
+        host.add(path, tmp_path / "host" / tid)
+    host.join()
+    assert host.turns.rollout_runs == 0
+    got = _curve(_lines(out, "x", "metric"))
+    assert [v for c in got for v in c[1:]] == pytest.approx([v for c in expected for v in c[1:]], abs=1e-6)
+
+
 def test_round_robin_gives_turns_in_the_order_asked() -> None:
     turns = RoundRobin()
     order: list[str] = []
@@ -127,6 +221,122 @@ def test_round_robin_gives_turns_in_the_order_asked() -> None:
         t.join()
     assert order == list("abc" * 3)
     assert turns.turns == 9
+
+
+def _queued(turns: RoundRobin, n: int) -> None:
+    """Wait until ``n`` tenants wait or hold a turn (progress, not time)."""
+    while len(turns._queue) + (turns._holder is not None) < n:
+        time.sleep(0.001)
+
+
+def test_the_rollouts_of_waiting_tenants_run_as_one_and_each_continues_in_its_place() -> None:
+    turns = RoundRobin()
+    runs: list[list[str]] = []
+    got: dict[str, object] = {}
+    order: list[str] = []
+    gate = threading.Event()
+
+    def run(requests: list) -> list:
+        runs.append(list(requests))
+        return [f"rolled {r}" for r in requests]
+
+    def tenant(name: str) -> None:
+        with turns.turn(name):
+            gate.wait()
+            got[name] = turns.rollout(name, name, run)
+            order.append(name)  # the rest of its step, in its turn again
+            assert turns._holder == name
+
+    threads = [threading.Thread(target=tenant, args=(n,)) for n in "abc"]
+    for i, t in enumerate(threads):
+        t.start()
+        _queued(turns, i + 1)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert runs == [["a", "b", "c"]]  # a's rollout took b's and c's along: one run
+    assert got == {n: f"rolled {n}" for n in "abc"} and order == list("abc")
+    assert (turns.rollout_runs, turns.rollout_requests, turns.turns) == (1, 3, 3)
+
+
+def test_a_rollout_takes_along_only_tenants_ready_for_one_and_ordinary_turns_keep_their_place() -> None:
+    turns = RoundRobin()
+    runs: list[list[str]] = []
+    order: list[str] = []
+    a_holds, b_may_ask, c_may_ask = threading.Event(), threading.Event(), threading.Event()
+
+    def run(requests: list) -> list:
+        runs.append(list(requests))
+        return list(requests)
+
+    def a() -> None:
+        with turns.turn("a"):
+            a_holds.set()
+            b_may_ask.wait()
+            _queued(turns, 2)  # b waits for a turn
+            turns.rollout("a", "a", run)  # queue: b, a's rollout
+            order.append("a")
+
+    def b() -> None:
+        a_holds.wait()
+        b_may_ask.set()
+        with turns.turn("b"):
+            _queued(turns, 3)  # a's rollout and s's ordinary turn wait: queue a(rollout), s
+            turns.rollout("b", "b", run)  # queue: a(rollout), s, b(rollout)
+            order.append("b")
+
+    def s() -> None:  # a serving tenant's ordinary turn, asked for between a's rollout and b's
+        while not (len(turns._queue) == 1 and turns._holder == "b"):
+            time.sleep(0.001)
+        with turns.turn("s"):
+            order.append("s")
+
+    def c() -> None:  # busy elsewhere (not asking): nobody waits for it
+        c_may_ask.wait()
+        with turns.turn("c"):
+            turns.rollout("c", "c", run)
+            order.append("c")
+
+    threads = [threading.Thread(target=f) for f in (a, b, s, c)]
+    for t in threads:
+        t.start()
+    for t in threads[:3]:
+        t.join()
+    assert runs == [["a", "b"]]  # b's rollout, behind s, taken along; c was not ready: not waited for
+    assert order == ["a", "s", "b"]  # s kept its place before b's continuation
+    c_may_ask.set()
+    threads[3].join()
+    assert runs == [["a", "b"], ["c"]] and order[-1] == "c"
+
+
+def test_a_failed_rollout_run_reaches_every_tenant_it_took_and_the_turns_go_on() -> None:
+    turns = RoundRobin()
+    got: dict[str, object] = {}
+    gate = threading.Event()
+
+    def run(requests: list) -> list:
+        time.sleep(0.3)
+        raise MemoryError("out of memory in the shared pass")
+
+    def tenant(name: str) -> None:
+        with turns.turn(name):
+            gate.wait()
+            got[name] = turns.rollout(name, name, run)
+
+    threads = [threading.Thread(target=tenant, args=(n,)) for n in "ab"]
+    for i, t in enumerate(threads):
+        t.start()
+        _queued(turns, i + 1)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert all(isinstance(got[n], MemoryError) for n in "ab")
+    # The run's time is split between the two: each one's turn counts at least its half.
+    assert turns._last_s["a"] >= 0.15 and turns._last_s["b"] >= 0.15
+    with turns.turn("a"):
+        pass  # the model is free again
+    with pytest.raises(RuntimeError, match="inside the caller's own turn"):
+        turns.rollout("a", "a", lambda r: r)
 
 
 def test_a_turn_may_last_as_long_as_the_longest_last_turn_of_the_others() -> None:
@@ -194,13 +404,16 @@ def _generate(runtime, adapter: str | None, prompt: str = "2 + 3 =") -> list[int
     return asyncio.run(go())
 
 
+@pytest.mark.parametrize("trainers", [1, 2], ids=["one-trainer", "two-trainers-batched"])
 def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_alone(
-    tiny_model_dir: Path, tmp_path: Path, reply_rewards
+    tiny_model_dir: Path, tmp_path: Path, reply_rewards, trainers: int
 ) -> None:
     """A serving tenant's runtime on the host's base model (no second load): its answers are a
     model of its own's, every model-thread call runs in its turn (between the training tenant's
     steps) in eval mode, its adapters carry its own names (one named like the training tenant's adapter does
-    not touch it) and leave the model with it; the training tenant's curve is the one it has alone."""
+    not touch it) and leave the model with it; the training tenant's curve is the one it has alone.
+    With a second training tenant their rollouts run batched between the serving turns, and all
+    of that still holds."""
     from opentinker_trainer.host import Tenant
     from opentinker_trainer.inference.runtime import ModelRuntime
 
@@ -214,6 +427,8 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
     )  # fmt: skip
     grpo_text.run(alone)
     expected = _curve(reports(alone, "metric"))
+    second = {**hp, "seed": 12, "group_size": 3}
+    expected_y = _alone(tmp_path, tiny_model_dir, "y", second) if trainers == 2 else None
     own = tiny_runtime(tiny_model_dir, {"tx-a1": folder})
     want = {name: _generate(own, name) for name in ("tx-a1", None)}
     own.close()
@@ -235,9 +450,10 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
     # The serving tenant makes the host's PeftModel (its first adapter), then the trainer joins.
     assert _generate(runtime, "tx-a1") == want["tx-a1"]
     assert list(host.model.peft_config) == ["ssrv-a1-tx-a1~"]
-    path = tmp_path / "x.pb"
-    path.write_bytes(_assign("x", tiny_model_dir, hp).SerializeToString())
-    host.add(path, tmp_path / "host" / "x")
+    for tid, task_hp in [("x", hp), ("y", second)][:trainers]:
+        path = tmp_path / f"{tid}.pb"
+        path.write_bytes(_assign(tid, tiny_model_dir, task_hp).SerializeToString())
+        host.add(path, tmp_path / "host" / tid)
     answers = []
     while host.threads:  # requests keep coming while it trains: turns alternate with its steps
         answers.append((_generate(runtime, "tx-a1"), _generate(runtime, None)))
@@ -251,6 +467,12 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
     ours = load_file(tmp_path / "host" / "x" / "step_4" / "adapter_model.safetensors")
     theirs = load_file(tmp_path / "alone" / "step_4" / "adapter_model.safetensors")
     assert sorted(ours) == sorted(theirs) and all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in ours)
+    if expected_y is not None:
+        assert host.turns.rollout_requests > host.turns.rollout_runs  # x's and y's rollouts ran together
+        got_y = _curve(_lines(out, "y", "metric"))
+        assert [v for c in got_y for v in c[1:]] == pytest.approx([v for c in expected_y[0] for v in c[1:]], abs=1e-5)
+        y_adapter = load_file(tmp_path / "host" / "y" / "step_4" / "adapter_model.safetensors")
+        assert all(torch.allclose(y_adapter[k], expected_y[1][k], atol=1e-5) for k in expected_y[1])
     host.model.train()  # as a training tenant's update leaves it: serving runs in eval mode, then restores it
     assert _generate(runtime, "tx-a1") == want["tx-a1"] and all(in_turn) and host.model.training
     runtime.close()
@@ -340,3 +562,22 @@ def test_an_adapter_is_loaded_from_a_checkpoint_after_every_other_was_deleted(ti
     state = host.model.state_dict()
     assert saved and all(torch.equal(v, state[k.replace(".weight", ".ta-a2.weight")]) for k, v in saved.items())
     assert all(p.requires_grad for n, p in host.model.named_parameters() if "ta-a2" in n)
+
+
+def test_the_agents_host_command_can_turn_batching_off(tiny_model_dir: Path) -> None:
+    """``--no-host-batch-rollouts`` on the node agent starts hosts with ``--no-batch-rollouts``,
+    which the host process takes: it starts, says it is ready and exits when its stdin closes."""
+    import os
+    import subprocess
+
+    from opentinker_trainer.agent import host_command
+
+    assert "--no-batch-rollouts" not in host_command("m", "cpu", "auto")
+    cmd = host_command(str(tiny_model_dir), "cpu", "auto", batch_rollouts=False)
+    assert cmd[-1] == "--no-batch-rollouts"
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}:{root / 'protos'}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+    first = json.loads(proc.stdout.readline())
+    proc.stdin.close()
+    assert first["type"] == "host_ready" and proc.wait(timeout=60) == 0
