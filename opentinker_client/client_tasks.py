@@ -474,8 +474,10 @@ class TaskCalls:
             time.sleep(poll_interval if deadline is None else max(0.0, min(poll_interval, deadline - now)))
 
     def wait_for_endpoint(self, task_id: str, *, timeout: float, poll_interval: float = 0.25) -> str:
-        """Poll an ``inference`` task every ``poll_interval`` seconds until it is RUNNING with
-        an endpoint; return the endpoint (``host:port`` or ``https://host:port``).
+        """Poll an ``inference`` or ``lora_session`` task every ``poll_interval`` seconds until it
+        is RUNNING with an endpoint; return the endpoint (``host:port`` or ``https://host:port``).
+        A task not serving by the deadline is left as it is (the message says it is still queued
+        and how to cancel it).
 
         Raises:
             InvalidArgumentError: an empty ``task_id``. NotFoundError: no such task.
@@ -484,7 +486,7 @@ class TaskCalls:
         """
         check_task_id(task_id)
         deadline = time.monotonic() + timeout
-        state = "unknown"
+        state, workload = "unknown", ""
         while True:
             # Each GetTask gets what is left of ``timeout`` at most, so a frozen scheduler cannot
             # hold this past it; a call that ran out of it is the DeadlineExceededError below.
@@ -495,14 +497,21 @@ class TaskCalls:
                 if time.monotonic() < deadline:
                     raise
             else:
-                state = info.state
+                state, workload = info.state, info.workload_type
                 if info.state == "running" and info.endpoint:
                     return info.endpoint
                 if info.done:
                     raise TaskFailedError(info)
             now = time.monotonic()
             if now >= deadline:
+                kind = {"lora_session": "training session", "inference": "inference task"}.get(workload, "task")
+                still = (
+                    f"; it is still {state} on the scheduler: wait for it with a longer timeout, or "
+                    f"opentinker cancel {task_id}"
+                    if state in ("pending", "assigned", "running")
+                    else ""
+                )
                 raise DeadlineExceededError(
-                    f"inference task {task_id} did not start serving within {timeout:g} s (state: {state})"
+                    f"{kind} {task_id} did not start serving within {timeout:.3g} s (state: {state}){still}"
                 )
             time.sleep(max(0.0, min(poll_interval, deadline - now)))

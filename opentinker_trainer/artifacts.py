@@ -46,6 +46,7 @@ from opentinker_common.artifacts import (
     checkpoint_key,
 )
 from opentinker_common.artifacts.remote import RemoteArtifactStore
+from opentinker_common.artifacts.checkpoint_lists import SAMPLER_PREFIX, STATE_PREFIX
 
 __all__ = [
     "CACHE_ENV",
@@ -248,7 +249,9 @@ class CheckpointPublisher:
             CheckpointStoreFailed: the final checkpoint could not be stored, or
                 ``max_failed_checkpoints`` in a row could not.
         """
-        key = checkpoint_key(self.task_id, self.attempt, step, final=final)
+        # A session's states and sampler saves are named (several at one step): keyed by name.
+        named = folder.name.startswith((STATE_PREFIX, SAMPLER_PREFIX))
+        key = checkpoint_key(self.task_id, self.attempt, step, final=final, name=folder.name if named else "")
         meta = {"format": fmt, "step": str(step), "final": "1" if final else "0"}
         last: ArtifactError | None = None
         for i in range(max(1, self.settings.checkpoint_retries)):

@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 from typing import Iterable, Sequence, TypeVar
 
-__all__ = ["SAMPLER_PREFIX", "at_step", "sampler_saves", "steps_text"]
+__all__ = ["SAMPLER_PREFIX", "STATE_PREFIX", "at_step", "resumable", "sampler_saves", "steps_text"]
 
 #: Folder-name prefix of a training session's ``SaveWeightsForSampler`` checkpoints (``sampler_<name>``).
 SAMPLER_PREFIX = "sampler_"
+#: Folder-name prefix of a training session's ``SaveState`` checkpoints (``state_<name>``).
+STATE_PREFIX = "state_"
 
 C = TypeVar("C")  # a common.v1.Checkpoint (``.path``, ``.step``)
 
@@ -23,6 +25,14 @@ C = TypeVar("C")  # a common.v1.Checkpoint (``.path``, ``.step``)
 def sampler_saves(checkpoints: Iterable[C]) -> list[C]:
     """The checkpoints of ``checkpoints`` that are sampler saves (their folder is ``sampler_*``), in order."""
     return [c for c in checkpoints if os.path.basename(os.path.normpath(c.path)).startswith(SAMPLER_PREFIX)]
+
+
+def resumable(checkpoints: Sequence[C]) -> C | None:
+    """The newest of ``checkpoints`` (oldest first) a new attempt may resume from: not a sampler
+    save, which holds the weights alone (no optimizer, no step, no sequence number); None when
+    there is none."""
+    saves = {id(c) for c in sampler_saves(checkpoints)}
+    return next((c for c in reversed(list(checkpoints)) if id(c) not in saves), None)
 
 
 def at_step(checkpoints: Sequence[C], step: int) -> C | None:

@@ -226,10 +226,16 @@ def _hash_all(paths: list[Path]) -> list[tuple[int, str]]:
         return [futures[i].result() if i in futures else sha256_file(p) for i, p in enumerate(paths)]
 
 
-def checkpoint_key(task_id: str, attempt: int, step: int, *, final: bool = False) -> str:
+def checkpoint_key(task_id: str, attempt: int, step: int, *, final: bool = False, name: str = "") -> str:
     """Key of a task's checkpoint: ``tasks/<task_id>/a<attempt>/step_<step>`` (``.../final_<step>``
-    for the final one). The attempt keeps a resumed attempt's writes apart from complete ones."""
-    return check_key(f"tasks/{task_id}/a{int(attempt)}/{'final' if final else 'step'}_{int(step)}")
+    for the final one), or ``.../<name>`` for a checkpoint that has a name of its own (a training
+    session's ``state_<name>`` and ``sampler_<name>``: several may be written at one step, each its
+    own). The attempt keeps a resumed attempt's writes apart from complete ones.
+
+    Raises:
+        InvalidArtifact: a key the store cannot hold (:func:`check_key`)."""
+    last = name or f"{'final' if final else 'step'}_{int(step)}"
+    return check_key(f"tasks/{task_id}/a{int(attempt)}/{last}")
 
 
 def task_prefix(task_id: str) -> str:

@@ -8,6 +8,8 @@ looks at the first bytes of each connection:
 * the HTTP/2 client preface (``PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n``, which every gRPC client
   sends first) -> the connection is spliced, byte for byte, to the real gRPC server on a private
   loopback port (:attr:`PortFront.upstream`);
+* a TLS handshake (an ``https://`` URL to this plaintext port) -> answered at once with a
+  plaintext HTTP 400 and closed (the client's TLS library then reports a wrong version number);
 * anything else is read as an HTTP/1.x request and answered from the same handlers as the HTTP
   side port (:meth:`~opentinker_scheduler.api.http.HttpEndpoint.answer`), then closed.
 
@@ -30,6 +32,8 @@ log = structlog.get_logger("opentinker.scheduler")
 
 #: What an HTTP/2 client (every gRPC client) sends first (RFC 9113, section 3.4).
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+#: The first byte of a TLS handshake record (RFC 8446, section 5.1: content type 22).
+TLS_HANDSHAKE = b"\x16"
 #: Most bytes of an HTTP/1.x request head read before answering 431.
 MAX_HEAD = 8192
 #: Seconds a new connection may take to show which protocol it speaks (and to send its HTTP head).
@@ -77,6 +81,13 @@ class _Client(asyncio.Protocol):
             self.upstream.transport.write(data)
             return
         self.buffer += data
+        if self.mode == "peek" and self.buffer[:1] == TLS_HANDSHAKE:
+            # A TLS ClientHello (an https:// URL to this plaintext port): no request head will
+            # follow, so answer now instead of waiting for one. Plaintext bytes where a TLS record
+            # should be make the client's TLS library fail at once with "wrong version number",
+            # which the client reads as "use http://" (opentinker_client/_reach.py).
+            self._respond(400, [], b"this port speaks plaintext gRPC and HTTP/1.1, not TLS: use http://\n")
+            return
         if self.mode == "peek":
             head = bytes(self.buffer[: len(PREFACE)])
             if head == PREFACE:

@@ -30,6 +30,7 @@ from typing import Callable
 import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
+from opentinker_common.artifacts.checkpoint_lists import resumable, sampler_saves
 from opentinker_common.spec.tracking import EXTRAS as TRACKING_LOGGERS
 from opentinker_common.spec import (
     SpecError,
@@ -1247,6 +1248,15 @@ class SchedulerCore:
             node.push(node_pb2.ConnectResponse(assign_task=self._assignment(task, devices)))
         return len(decided) + len(gangs)
 
+    def _resume_checkpoint(self, task: TaskRow) -> common_pb2.Checkpoint | None:
+        """The checkpoint ``task``'s next attempt resumes from: its newest, unless that is a
+        training session's sampler save, which holds weights alone (no optimizer, step or
+        sequence number): then its newest state (``SaveState``), or None."""
+        resume = task.latest_checkpoint
+        if resume is not None and sampler_saves([resume]):
+            resume = resumable(self.store.checkpoints(task.task_id))
+        return resume
+
     def _assignment(self, task: TaskRow, devices: tuple[int, ...]) -> node_pb2.AssignTask:
         """The ``AssignTask`` of ``task``'s current attempt on ``devices``."""
         assign = node_pb2.AssignTask(
@@ -1258,8 +1268,9 @@ class SchedulerCore:
             self.config.paths.allowed("model_dirs", auth_enabled=self.config.auth.enabled) is not None
             and task.spec.model != self.config.default_model
         )
-        if task.latest_checkpoint is not None:
-            assign.resume_from.CopyFrom(task.latest_checkpoint)
+        resume = self._resume_checkpoint(task)
+        if resume is not None:
+            assign.resume_from.CopyFrom(resume)
         init = init_checkpoint(self.store, task.spec)  # spec.init_from's final checkpoint
         if init is not None:
             assign.init_checkpoint.CopyFrom(init)
@@ -1325,7 +1336,8 @@ class SchedulerCore:
         task.attempt_step = 0
         # Progress is the new attempt's: it starts where its checkpoint is (or at step 0), with
         # no metrics of its own yet (the old attempt's steps past the checkpoint run again).
-        task.latest_step = task.latest_checkpoint.step if task.latest_checkpoint is not None else 0
+        resume_from = self._resume_checkpoint(task)
+        task.latest_step = resume_from.step if resume_from is not None else 0
         task.latest_metrics = {}
         task.node_id = ""
         task.device_indices = []
@@ -1338,8 +1350,8 @@ class SchedulerCore:
             )
         else:
             queued = f"{message}; attempt {task.attempt} queued"
-        if task.latest_checkpoint is not None:
-            resume = f"; resumes from step {task.latest_checkpoint.step}"
+        if resume_from is not None:
+            resume = f"; resumes from step {resume_from.step}"
         else:
             resume = "; no checkpoint: starts from scratch"
         self.transition(task, S.TASK_STATE_PENDING, reason, queued + resume, extra=extra, keep_node=True)

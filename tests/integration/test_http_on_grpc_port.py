@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -81,6 +82,22 @@ def test_other_http_requests_get_a_clear_http_answer(cluster: Cluster) -> None:
     assert raw(cluster.port, b"GET /" + b"x" * 9000).startswith(b"HTTP/1.1 431")
     with RLClient(scheduler_url=cluster.url) as client:  # gRPC still fine after all of that
         assert client.list_tasks() == []
+
+
+def test_an_https_url_to_the_plaintext_port_is_told_to_use_http_at_once(cluster: Cluster) -> None:
+    """A TLS ClientHello on the plaintext front is answered at once (not after the 10 s wait for
+    a request head), so the client says "use http://" instead of "it may be stopped"."""
+    cluster.start_scheduler()
+    hello = bytes.fromhex("16030100") + b"\x00" * 40  # a TLS handshake record's start
+    answer = raw(cluster.port, hello)
+    assert answer.startswith(b"HTTP/1.1 400") and b"use http://" in answer
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPC_", "OPENTINKER_", "SCHEDULER_URL"))}
+    r = subprocess.run(
+        [sys.executable, "-m", "opentinker_client", "--scheduler-url", f"https://127.0.0.1:{cluster.port}", "list"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "it answered without TLS" in r.stderr, r.stderr
+    assert f"use http://127.0.0.1:{cluster.port}" in r.stderr and "may be stopped" not in r.stderr
 
 
 def _clients_of(port: int) -> set[int]:

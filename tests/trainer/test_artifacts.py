@@ -43,6 +43,20 @@ def test_publish_stores_and_caches_so_a_resume_downloads_nothing(tmp_path):
     assert cache.downloads == 0  # adopted when written
 
 
+def test_a_sessions_state_and_sampler_save_of_one_step_are_stored_apart(tmp_path):
+    """A training session may save a state and a sampler copy at the same step: each is stored
+    under its own name, neither replaces the other."""
+    store = LocalArtifactStore(tmp_path / "store")
+    pub = CheckpointPublisher(store, "t", 2, StoreSettings(), None, sleep=lambda s: None)
+    state = pub.publish(5, _ckpt(tmp_path / "state_after5", b"s" * 500), final=False, fmt="peft_lora")
+    sampler = pub.publish(5, _ckpt(tmp_path / "sampler_samp5", b"w" * 50), final=False, fmt="peft_lora")
+    assert (state.key, sampler.key) == ("tasks/t/a2/state_after5", "tasks/t/a2/sampler_samp5")
+    assert sorted(store.list()) == sorted([state.key, sampler.key])
+    folder, _ = fetch_checkpoint(store, ArtifactCache(tmp_path / "cache", 10**9), _report(store, state, 5))
+    assert (folder / "adapter_model.safetensors").read_bytes() == b"s" * 500  # the state, whole
+    assert checkpoint_key("t", 2, 5) == "tasks/t/a2/step_5"  # a trainer's periodic ones: by step
+
+
 def test_a_store_that_keeps_failing_skips_then_fails_the_task(tmp_path):
     store = LocalArtifactStore(tmp_path / "store")
     sleeps: list[float] = []

@@ -110,3 +110,41 @@ def test_checkpoints_retention_deleted_are_listed_no_more(tmp_path) -> None:
     core.checkpoints_retired(task.task_id, [])  # nothing deleted: nothing recorded
     kinds = [e.WhichOneof("event") for e in core.store.events_after(task.task_id, 0, limit=100)]
     assert kinds.count("artifacts_deleted") == 1
+
+
+def _session_save(task_id: str, step: int, folder: str) -> C.Checkpoint:
+    ck = C.Checkpoint(step=step, path=f"/work/ck/{folder}", format="peft_lora")
+    ck.artifact.key = f"tasks/{task_id}/a1/{folder}"
+    ck.artifact.manifest_sha256 = "cd" * 32
+    return ck
+
+
+def test_a_session_resumes_from_its_newest_state_not_a_later_sampler_save(tmp_path) -> None:
+    """A sampler save holds weights alone: a requeued training session starts from its newest
+    ``SaveState`` even when a sampler save (of the same step, or later) was recorded after it."""
+    from tests.support.scheduler_core import drain
+
+    core = make_core(tmp_path)
+    session = spec()
+    session.workload_type = "lora_session"
+    task = core.submit(session, owner="alice")
+    node, _ = register(core)
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    for step, folder in ((3, "state_early"), (5, "state_after5"), (5, "sampler_samp5"), (6, "sampler_samp6")):
+        report(core, node, task.task_id, 1, checkpoint=_session_save(task.task_id, step, folder))
+    assert core.get(task.task_id).latest_checkpoint.path.endswith("sampler_samp6")  # what serving reads
+    drain(node)
+    # Handed back (a drain): placed again at once, from the newest state.
+    report(core, node, task.task_id, 1, C.TASK_STATE_CANCELLED, error="node drained", retryable=True)
+    t = core.get(task.task_id)
+    assert (t.attempt, t.latest_step) == (2, 5)  # where attempt 2 starts: the state's step
+    queued = [
+        e.state_change.message
+        for e in core.store.events_after(task.task_id, 0, limit=100)
+        if e.HasField("state_change")
+    ]
+    assert queued[-1].endswith("resumes from step 5")
+    core.schedule()
+    (assign,) = [c.assign_task for c in drain(node) if c.WhichOneof("command") == "assign_task"]
+    assert assign.attempt == 2 and assign.resume_from.path.endswith("state_after5") and assign.resume_from.step == 5
