@@ -227,6 +227,9 @@ class AdapterRegistry:
         self._rows_unsupported = False
         self.loads = 0
         self.evictions = 0
+        #: Called with an adapter's name when it leaves the model (model thread): caches of
+        #: what it computed are stale (:meth:`~.prefix_cache.PrefixCache.forget`).
+        self.on_delete: Callable[[str], None] | None = None
 
     @property
     def model(self):
@@ -487,6 +490,8 @@ class AdapterRegistry:
         self.evictions += 1
 
     def _delete(self, name: str) -> None:
+        if self.on_delete is not None:
+            self.on_delete(name)
         if self._shared is not None:
             # The host's model: its PeftModel stays (the training tenants' adapters live on it).
             self.model.delete_adapter(self.peft_name(name))

@@ -53,6 +53,7 @@ from typing import AsyncIterator, Callable, Sequence
 from opentinker_trainer.inference.adapters import AdapterRegistry
 from opentinker_trainer.inference.batch import BASE_ROW, DecodeBatch, Member
 from opentinker_trainer.inference.engine import FINISH_STOP, SamplingParams, cache_kwarg
+from opentinker_trainer.inference.prefix_cache import PrefixCache
 from opentinker_trainer.inference.text import TextStream
 
 __all__ = ["BadRequest", "WrongModel", "Busy", "Prepared", "StepEvent", "ModelRuntime"]
@@ -125,6 +126,10 @@ class ModelRuntime:
         grouped_lora: mixed rows compute their LoRA grouped by adapter
             (:mod:`~.lora_rows`); ``False``: PEFT's per-row ``adapter_names`` (the benchmark's
             comparison).
+        prefix_cache_tokens, prefix_block: prompt-prefix key/values kept for reuse, in tokens
+            (0: off), and the reuse granularity (:mod:`~.prefix_cache`: a prompt starting with
+            the same complete blocks of tokens as an earlier one on the same adapter prefills
+            only the rest).
         turn: on a model host's shared model, the serving tenant's turn
             (``WorkerContext.turn``): every model-thread call (an adapter load, a prefill pass,
             a decode step of the batch) runs as one turn, so no training tenant's step runs in the
@@ -165,6 +170,8 @@ class ModelRuntime:
         max_prefill_tokens: int = 2048,
         group_by_adapter: bool = False,
         grouped_lora: bool = True,
+        prefix_cache_tokens: int = 1024,
+        prefix_block: int = 16,
         turn: Callable[[], "contextlib.AbstractContextManager"] | None = None,
         turn_slice: Callable[[], float] | None = None,
         live: Callable[[str], str | None] | None = None,
@@ -215,6 +222,9 @@ class ModelRuntime:
         self._device = next(model.parameters()).device
         self._cache_kw = cache_kwarg(model)
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._config = getattr(model, "config", None)
+        self.prefix = PrefixCache(block=prefix_block, max_tokens=prefix_cache_tokens)
+        self.registry.on_delete = self.prefix.forget
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
@@ -262,6 +272,7 @@ class ModelRuntime:
             return
         cm, _, training = self._held
         self._held = None
+        self.prefix.clear()  # the next tenants may change the weights the cached prefixes came from
         try:
             self.registry.leave_turn(training)
         finally:
@@ -556,7 +567,12 @@ class ModelRuntime:
 
     def _new_batch(self) -> DecodeBatch:
         return DecodeBatch(
-            model_for=self._model_for, cache_kw=self._cache_kw, device=self._device, mixed=not self.group_by_adapter
+            model_for=self._model_for,
+            cache_kw=self._cache_kw,
+            device=self._device,
+            mixed=not self.group_by_adapter,
+            prefix=self.prefix,
+            config=self._config,
         )
 
     def _prefill_step(self, admit: list["_Job"], gone: set[Member]) -> dict:
