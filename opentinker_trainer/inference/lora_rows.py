@@ -124,6 +124,7 @@ class RowLoRA:
         self._handles = []
         self._slot_weights: dict[int, torch.Tensor] = {}  # id(scale) -> [G, m, 1, 1] for the plan
         self._in_order = False  # the plan's groups are the whole stack, in stack order
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # (last input, its rows by group)
         # Built as ordinary tensors even when called inside inference mode (a forward pass):
         # PEFT's parameters become views of them, and later adapter loads touch those.
         with torch.inference_mode(False), torch.no_grad():
@@ -169,12 +170,14 @@ class RowLoRA:
             handle.remove()
         self._handles = []
         self.plan = None
+        self._gathered = None
 
     def set_rows(self, names: Sequence[str | None]) -> None:
         """Plan the next passes for rows of adapters ``names`` (``None``: the base model)."""
         device = next(iter(self._weights.values()))[0].device if self._weights else "cpu"
         self.plan = plan_rows([None if a is None else self.index[a] for a in names], device)
         self._slot_weights = {}
+        self._gathered = None
         self._in_order = self.plan is not None and self.plan.adapters.tolist() == list(range(len(self.adapters)))
 
     def _hook(self, module, args, output):
@@ -191,7 +194,11 @@ class RowLoRA:
             # Only some adapters have rows: their weights are gathered (``[G, r, in]``, small).
             a_stack = a_stack.index_select(0, plan.adapters)
             b_stack = b_stack.index_select(0, plan.adapters)
-        xs = per_row.index_select(0, plan.src).reshape(groups, size * t, fan_in).to(a_stack.dtype)
+        if self._gathered is not None and self._gathered[0] is x:
+            xs = self._gathered[1]  # q, k and v projections share their input: gathered once
+        else:
+            xs = per_row.index_select(0, plan.src).reshape(groups, size * t, fan_in).to(a_stack.dtype)
+            self._gathered = (x, xs)
         h = torch.bmm(xs, a_stack.transpose(1, 2))  # [G, m * T, r]
         delta = torch.bmm(h, b_stack.transpose(1, 2))  # [G, m * T, out]
         # Slot weights (adapter scale, 0 for padding), once per pass for modules sharing scales.
