@@ -180,6 +180,17 @@ class RowLoRA:
         self._gathered = None
         self._in_order = self.plan is not None and self.plan.adapters.tolist() == list(range(len(self.adapters)))
 
+    def state(self) -> tuple:
+        """The current plan and its per-pass caches, for :meth:`restore`."""
+        return self.plan, self._slot_weights, self._gathered, self._in_order
+
+    def restore(self, state: tuple) -> None:
+        self.plan, self._slot_weights, self._gathered, self._in_order = state
+
+    def set_state_none(self) -> None:
+        """No plan (the hooks do nothing)."""
+        self.restore((None, {}, None, False))
+
     def _hook(self, module, args, output):
         plan = self.plan
         if plan is None:

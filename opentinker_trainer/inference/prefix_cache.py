@@ -29,6 +29,14 @@ layout of :mod:`~.batch`:
   have changed weights). Reused keys and values were computed in another batch, so a reused row
   differs from a fresh prefill by float rounding only, as any batched row does.
 
+Why not ``transformers``' own block sharing: it lives in ``PagedAttentionCache`` and its
+allocators, whose blocks are read only by the paged attention functions with the manager's
+flattened batch layout (one row of all requests' tokens, ``cu_seq_lens``); the batch here is the
+ordinary ``[B, W]`` layout of ``DynamicCache`` (so PEFT, the grouped LoRA hooks and any model's
+own attention run unchanged), and a reused prefix is simply copied into a ``DynamicCache`` that
+the pass starts from. The matching rule (complete blocks chained from the first, at least one
+token left to run) is the same.
+
 Runs on the model thread only; nothing is thread-safe.
 """
 
