@@ -566,10 +566,9 @@ class ModelRuntime:
     def _layer_hook(self, module, args) -> None:
         """Forward pre-hook of every decoder layer during a decode step: a request that arrived
         meanwhile (and fits) is prefilled right here, its first token handed out, and its rows
-        join the batch when the step ends (:meth:`_prefill_mid_step`). Once per step at most."""
-        if self._arrivals.is_set() and not self._in_early and not self._early_rows:
-            # At most one such prefill per step: later arrivals in the step are prefilled together
-            # after it (a prefill pass per arrival would read the weights once per request).
+        join the batch when the step ends (:meth:`_prefill_mid_step`)."""
+        if self._arrivals.is_set() and not self._in_early:
+            # Requests arriving while such a prefill runs are admitted together at the next layer.
             self._in_early = True
             try:
                 self._prefill_mid_step()
