@@ -306,9 +306,16 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
             for t in threads:
                 t.join(60)
 
+    def base_model_state() -> None:
+        """Leave the shared model as the plain base before transformers' manager runs it: one
+        base-only request through our server turns the LoRA layers off and clears the grouped-LoRA
+        row plan (else its hooks would add our last batch's adapters to the manager's rows)."""
+        ours(0, base_only=True, max_tokens=1)
+
     engines = set(args.engines.split(","))
     closed_loop(2, 1, ours)  # warm up
     if "cb" in engines:
+        base_model_state()
         closed_loop(2, 1, theirs)
     results: dict[tuple[str, int], tuple[float, list[float]]] = {}
     probes: dict[int, list[float]] = {}
@@ -328,6 +335,7 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
             if key == "base":
                 return closed_loop(c, args.requests, lambda i: ours(i, base_only=True))
             if key == "cb":
+                base_model_state()
                 return closed_loop(c, args.requests, theirs)
             if key == "padded":
                 tps, ttft = padded(c)

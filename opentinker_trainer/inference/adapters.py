@@ -227,6 +227,9 @@ class AdapterRegistry:
         self._rows_unsupported = False
         self.loads = 0
         self.evictions = 0
+        #: Called with an adapter's name when it leaves the model (model thread): caches of
+        #: what it computed are stale (:meth:`~.prefix_cache.PrefixCache.forget`).
+        self.on_delete: Callable[[str], None] | None = None
 
     @property
     def model(self):
@@ -416,6 +419,30 @@ class AdapterRegistry:
         self._rows.set_rows([None if n is None else self.peft_name(n) for n in names])
         return True
 
+    def rows_mode(self) -> bool:
+        """True when the next pass runs the base with LoRA layers off: no adapter loaded, all
+        rows on the base (:meth:`activate` ``None``), or grouped rows (:meth:`activate_rows`)."""
+        if self.model is self.base:
+            return True
+        return (self._active is None or self._active is _ROWS) and not self._rows_unsupported
+
+    def save_rows(self) -> tuple:
+        """What :meth:`restore_rows` puts back: the active mode and the grouped row plan (a pass
+        of other rows may run in the middle of a pass in :meth:`rows_mode`, model thread)."""
+        return self._active, self._rows, None if self._rows is None else self._rows.state()
+
+    def restore_rows(self, saved: tuple) -> None:
+        active, rows, state = saved
+        if self.model is not self.base and (active is None or active is _ROWS):
+            if not (self._active is None or self._active is _ROWS):
+                self.model.base_model.disable_adapter_layers()  # a fallback pass turned them on
+        self._active = active
+        if self._rows is not None:
+            if rows is self._rows:
+                self._rows.restore(state)
+            else:
+                self._rows.set_state_none()
+
     def list(self) -> list[AdapterInfo]:
         """Resident adapters, most recently used first."""
         with self._lock:
@@ -487,6 +514,8 @@ class AdapterRegistry:
         self.evictions += 1
 
     def _delete(self, name: str) -> None:
+        if self.on_delete is not None:
+            self.on_delete(name)
         if self._shared is not None:
             # The host's model: its PeftModel stays (the training tenants' adapters live on it).
             self.model.delete_adapter(self.peft_name(name))

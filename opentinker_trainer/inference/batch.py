@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opentinker_trainer.inference.engine import FINISH_LENGTH, FINISH_STOP, SamplingParams, _cache_of
+from opentinker_trainer.inference.prefix_cache import PrefixCache
 from opentinker_trainer.inference.sampling import raw_logprobs, select
 
 __all__ = ["BASE_ROW", "Member", "DecodeBatch"]
@@ -151,10 +152,23 @@ class DecodeBatch:
         device: the model's device.
         mixed: pass per-row ``adapter_names`` (rows of any adapter in one pass); ``False``: the
             caller activated the one adapter all rows use before :meth:`forward`.
+        prefix: cached prompt prefixes to reuse in :meth:`prefill` (None: every prompt runs whole).
+        config: the model's config (builds the key/value cache of a reused prefix).
     """
 
-    def __init__(self, *, model_for, cache_kw: str, device: torch.device, mixed: bool) -> None:
+    def __init__(
+        self,
+        *,
+        model_for,
+        cache_kw: str,
+        device: torch.device,
+        mixed: bool,
+        prefix: PrefixCache | None = None,
+        config=None,
+    ) -> None:
         self.model_for = model_for
+        self.prefix = prefix if prefix is not None and prefix.max_blocks else None
+        self.config = config
         self.cache_kw = cache_kw
         self.device = device
         self.mixed = mixed
@@ -177,26 +191,48 @@ class DecodeBatch:
 
     @torch.inference_mode()
     def prefill(self, members: list[Member]):
-        """Run the prompts of ``members`` in one left-padded pass ``[k, P_max]``.
+        """Run the prompts of ``members`` in one left-padded pass ``[k, S_max]``.
+
+        With a :class:`~.prefix_cache.PrefixCache`, each prompt's longest cached prefix (``L_i``
+        tokens on its adapter) is not run again: the pass starts from a cache holding those keys
+        and values (left-padded to ``L_max``), and runs only the rest of each prompt (``S_i``
+        tokens, left-padded to ``S_max``), at positions ``L_i ..``. A row's columns are then
+        ``[pad, prefix, pad, rest]``; the mask marks the padding, positions count real tokens.
+        The complete blocks of each prompt are cached for later prompts.
 
         Returns ``(logits per member [n, V] float32, cache with each member's n rows, mask)``."""
-        width = max(len(m.prompt_ids) for m in members)
-        ids = torch.zeros((len(members), width), dtype=torch.long, device=self.device)
-        mask = torch.zeros_like(ids)
-        for r, m in enumerate(members):
-            p = len(m.prompt_ids)
-            ids[r, width - p :] = torch.tensor(m.prompt_ids, dtype=torch.long)
-            mask[r, width - p :] = 1
+        k = len(members)
+        found = [self.prefix.match(m.adapter, m.prompt_ids) if self.prefix else (0, []) for m in members]
+        past = max(length for length, _ in found)
+        rest = [len(m.prompt_ids) - length for m, (length, _) in zip(members, found)]
+        width = max(rest)
+        ids = torch.zeros((k, width), dtype=torch.long, device=self.device)
+        mask = torch.zeros((k, past + width), dtype=torch.long, device=self.device)
+        for r, (m, (length, _)) in enumerate(zip(members, found)):
+            s = rest[r]
+            ids[r, width - s :] = torch.tensor(m.prompt_ids[length:], dtype=torch.long)
+            mask[r, past - length : past] = 1
+            mask[r, past + width - s :] = 1
+        extra = {}
+        if past:
+            extra[self.cache_kw] = _cache_from(self.config, found, past)
         model, kw = self.model_for([m.adapter or BASE_ROW for m in members] if self.mixed else None)
         out = model(
             input_ids=ids,
             attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, past:],
             use_cache=True,
             logits_to_keep=1,
+            **extra,
             **kw,
         )
         cache = _cache_of(out)
+        if self.prefix is not None:
+            layers = _layers(cache)
+            for r, (m, (length, _)) in enumerate(zip(members, found)):
+                start = past + width - rest[r]  # column of prompt token ``length``
+                columns = [-1] * length + list(range(start, start + rest[r]))
+                self.prefix.store(m.adapter, m.prompt_ids, layers, r, columns)
         rows = [r for r, m in enumerate(members) for _ in range(m.n)]
         if len(rows) != len(members):
             cache.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=self.device))
@@ -272,6 +308,26 @@ def _layers(cache):
     if layers is None:
         raise TypeError(f"{type(cache).__name__}: continuous batching needs a transformers Cache with .layers")
     return layers
+
+
+def _cache_from(config, found, past: int):
+    """A ``DynamicCache`` of ``past`` columns: row ``r`` holds ``found[r]``'s reused keys and
+    values (``(L, per layer (keys, values) [heads, L, head_dim])``) left-padded with zeros."""
+    from transformers import DynamicCache
+
+    ref = next(kv for length, kv in found if length)
+    cache = DynamicCache(config=config)
+    for i, (ref_k, ref_v) in enumerate(ref):
+        rows_k, rows_v = [], []
+        for length, kv in found:
+            if length:
+                rows_k.append(_left_pad(kv[i][0].unsqueeze(0), past - length))
+                rows_v.append(_left_pad(kv[i][1].unsqueeze(0), past - length))
+            else:
+                rows_k.append(ref_k.new_zeros((1, ref_k.shape[0], past, ref_k.shape[2])))
+                rows_v.append(ref_v.new_zeros((1, ref_v.shape[0], past, ref_v.shape[2])))
+        cache.update(torch.cat(rows_k), torch.cat(rows_v), i)
+    return cache
 
 
 def _left_pad(t: torch.Tensor, k: int) -> torch.Tensor:

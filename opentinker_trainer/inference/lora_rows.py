@@ -53,14 +53,15 @@ class RowPlan:
 
 def plan_rows(row_adapters: Sequence[int | None], device: torch.device | str = "cpu") -> RowPlan | None:
     """Group rows by adapter: ``row_adapters[b]`` is row ``b``'s adapter stack index, ``None`` for
-    the base model. Returns ``None`` when no row uses an adapter. Groups are in the order their
-    adapters first appear."""
+    the base model. Returns ``None`` when no row uses an adapter. Groups are in stack order
+    (when every adapter has rows, the stacks are used as they are, without a gather)."""
     groups: dict[int, list[int]] = {}
     for row, adapter in enumerate(row_adapters):
         if adapter is not None:
             groups.setdefault(int(adapter), []).append(row)
     if not groups:
         return None
+    groups = dict(sorted(groups.items()))
     size = max(len(rows) for rows in groups.values())
     src, keep = [], []
     for rows in groups.values():
@@ -125,7 +126,11 @@ class RowLoRA:
         self.index = {name: i for i, name in enumerate(self.adapters)}
         self.plan: RowPlan | None = None
         self._weights: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._scales: list[torch.Tensor] = []  # distinct per-adapter scale vectors [N]
         self._handles = []
+        self._slot_weights: dict[int, torch.Tensor] = {}  # id(scale) -> [G, m, 1, 1] for the plan
+        self._in_order = False  # the plan's groups are the whole stack, in stack order
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # (last input, its rows by group)
         # Built as ordinary tensors even when called inside inference mode (a forward pass):
         # PEFT's parameters become views of them, and later adapter loads touch those.
         with torch.inference_mode(False), torch.no_grad():
@@ -156,6 +161,12 @@ class RowLoRA:
                     wa.data = a_stack[i, :r]
                     wb.data = b_stack[i, :, :r]
                 scale[i] = float(module.scaling[a])
+            for known in self._scales:  # most modules share their adapters' scales: one tensor
+                if torch.equal(known, scale):
+                    scale = known
+                    break
+            else:
+                self._scales.append(scale)
             self._weights[id(module)] = (a_stack, b_stack, scale)
             self._handles.append(module.register_forward_hook(self._hook))
 
@@ -165,11 +176,26 @@ class RowLoRA:
             handle.remove()
         self._handles = []
         self.plan = None
+        self._gathered = None
 
     def set_rows(self, names: Sequence[str | None]) -> None:
         """Plan the next passes for rows of adapters ``names`` (``None``: the base model)."""
         device = next(iter(self._weights.values()))[0].device if self._weights else "cpu"
         self.plan = plan_rows([None if a is None else self.index[a] for a in names], device)
+        self._slot_weights = {}
+        self._gathered = None
+        self._in_order = self.plan is not None and self.plan.adapters.tolist() == list(range(len(self.adapters)))
+
+    def state(self) -> tuple:
+        """The current plan and its per-pass caches, for :meth:`restore`."""
+        return self.plan, self._slot_weights, self._gathered, self._in_order
+
+    def restore(self, state: tuple) -> None:
+        self.plan, self._slot_weights, self._gathered, self._in_order = state
+
+    def set_state_none(self) -> None:
+        """No plan (the hooks do nothing)."""
+        self.restore((None, {}, None, False))
 
     def _hook(self, module, args, output):
         plan = self.plan
@@ -181,11 +207,23 @@ class RowLoRA:
         per_row = x.reshape(rows, -1, fan_in)  # [B, T, in]
         t = per_row.shape[1]
         groups, size = int(plan.adapters.shape[0]), plan.size
-        xs = per_row.index_select(0, plan.src).reshape(groups, size * t, fan_in).to(a_stack.dtype)
-        h = torch.bmm(xs, a_stack.index_select(0, plan.adapters).transpose(1, 2))  # [G, m * T, r]
-        delta = torch.bmm(h, b_stack.index_select(0, plan.adapters).transpose(1, 2))  # [G, m * T, out]
-        weight = (plan.keep * scale.index_select(0, plan.adapters)[:, None]).to(delta.dtype)  # [G, m]
-        delta = delta.reshape(groups, size, t, -1) * weight[:, :, None, None]
+        if groups != a_stack.shape[0] or not self._in_order:
+            # Only some adapters have rows: their weights are gathered (``[G, r, in]``, small).
+            a_stack = a_stack.index_select(0, plan.adapters)
+            b_stack = b_stack.index_select(0, plan.adapters)
+        if self._gathered is not None and self._gathered[0] is x:
+            xs = self._gathered[1]  # q, k and v projections share their input: gathered once
+        else:
+            xs = per_row.index_select(0, plan.src).reshape(groups, size * t, fan_in).to(a_stack.dtype)
+            self._gathered = (x, xs)
+        h = torch.bmm(xs, a_stack.transpose(1, 2))  # [G, m * T, r]
+        delta = torch.bmm(h, b_stack.transpose(1, 2))  # [G, m * T, out]
+        # Slot weights (adapter scale, 0 for padding), once per pass for modules sharing scales.
+        weight = self._slot_weights.get(id(scale))
+        if weight is None:
+            weight = (plan.keep * scale.index_select(0, plan.adapters)[:, None]).to(delta.dtype)[:, :, None, None]
+            self._slot_weights[id(scale)] = weight
+        delta = delta.reshape(groups, size, t, -1) * weight
         out = output.reshape(rows, t, -1)
         out.index_add_(0, plan.src, delta.reshape(groups * size, t, -1).to(out.dtype))
         return out.reshape(output.shape)

@@ -21,9 +21,18 @@ Time to first token under load (the scheduling rule, as vLLM's and SGLang's sche
 waiting prefills at the next step): a request that arrives while the batch decodes, and fits,
 waits for at most the one decode step in flight, then its prefill, before its first token; it
 never waits behind a decode step that starts after it arrived (tested in engine steps,
-:attr:`ModelRuntime.first_token_waits`). A resident adapter is pinned on arrival without a
-model-thread hop. The prefill is not chunked: on one CPU thread a prompt's prefill is
-compute-bound, so chunking it would only spread the same work over more steps.
+:attr:`ModelRuntime.first_token_waits`). By default (``admit_mid_step``) it does not even wait
+for the rest of the step in flight: a forward pre-hook on every decoder layer, on only during
+decode steps, sees the arrival at the next layer boundary, admits the queue's head by the same
+first-in-first-out rule and bounds, and runs its prefill right there, nested in the step (the
+step's rows are paused between two layers, their hidden states untouched); the first token goes
+out at once and the new rows join the batch when the step ends. The nested pass must run in the
+step's LoRA mode (base with LoRA layers off, or grouped rows), whose row plan is saved and put
+back around it; with ``group_by_adapter`` or PEFT's ``adapter_names`` the request waits for the
+step instead. A resident adapter is pinned on arrival without a model-thread hop. The prefill is
+not chunked: on one CPU thread a prompt's prefill is compute-bound, so chunking it would only
+spread the same work over more steps; a reused prompt prefix (:mod:`~.prefix_cache`) is what
+makes it shorter.
 
 No starvation: every running row advances by one token on every step, whatever its length, so
 a long generation slows a short one by its share of the batch but never blocks it; and the
@@ -45,6 +54,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +63,7 @@ from typing import AsyncIterator, Callable, Sequence
 from opentinker_trainer.inference.adapters import AdapterRegistry
 from opentinker_trainer.inference.batch import BASE_ROW, DecodeBatch, Member
 from opentinker_trainer.inference.engine import FINISH_STOP, SamplingParams, cache_kwarg
+from opentinker_trainer.inference.prefix_cache import PrefixCache
 from opentinker_trainer.inference.text import TextStream
 
 __all__ = ["BadRequest", "WrongModel", "Busy", "Prepared", "StepEvent", "ModelRuntime"]
@@ -125,6 +136,13 @@ class ModelRuntime:
         grouped_lora: mixed rows compute their LoRA grouped by adapter
             (:mod:`~.lora_rows`); ``False``: PEFT's per-row ``adapter_names`` (the benchmark's
             comparison).
+        prefix_cache_tokens, prefix_block: prompt-prefix key/values kept for reuse, in tokens
+            (0: off), and the reuse granularity (:mod:`~.prefix_cache`: a prompt starting with
+            the same complete blocks of tokens as an earlier one on the same adapter prefills
+            only the rest).
+        admit_mid_step: a request arriving during a decode step is prefilled between two of
+            the step's layers (its first token does not wait for the rest of the step); False:
+            at the next engine step.
         turn: on a model host's shared model, the serving tenant's turn
             (``WorkerContext.turn``): every model-thread call (an adapter load, a prefill pass,
             a decode step of the batch) runs as one turn, so no training tenant's step runs in the
@@ -165,6 +183,9 @@ class ModelRuntime:
         max_prefill_tokens: int = 2048,
         group_by_adapter: bool = False,
         grouped_lora: bool = True,
+        prefix_cache_tokens: int = 1024,
+        prefix_block: int = 16,
+        admit_mid_step: bool = True,
         turn: Callable[[], "contextlib.AbstractContextManager"] | None = None,
         turn_slice: Callable[[], float] | None = None,
         live: Callable[[str], str | None] | None = None,
@@ -206,6 +227,7 @@ class ModelRuntime:
         #: For recent requests: decode steps the batch ran between the request's arrival in the
         #: queue and its first token (0 or 1 when it did not have to wait for room).
         self.first_token_waits: collections.deque[int] = collections.deque(maxlen=1024)
+        self.admitted_mid_step = 0  # requests prefilled between two layers of a decode step
         self.max_batch_rows_seen = 0  # most rows one step decoded (a figure for tests and benchmarks)
         self._queue: collections.deque[_Job] = collections.deque()
         self._admitted: list[_Job] = []
@@ -215,6 +237,18 @@ class ModelRuntime:
         self._device = next(model.parameters()).device
         self._cache_kw = cache_kwarg(model)
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._config = getattr(model, "config", None)
+        # Admission between two layers of a decode step (see _layer_hook): set on arrival.
+        self._arrivals = threading.Event()
+        self._admit_lock = threading.Lock()
+        self._early_jobs: list[_Job] = []  # admitted during the decode step in flight
+        self._early_rows: list[tuple] = []  # their prefilled rows, added when it ends
+        self._in_early = False
+        self._early_off = not admit_mid_step
+        self._layers = _decoder_layers(model)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.prefix = PrefixCache(block=prefix_block, max_tokens=prefix_cache_tokens)
+        self.registry.on_delete = self.prefix.forget
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
@@ -262,6 +296,7 @@ class ModelRuntime:
             return
         cm, _, training = self._held
         self._held = None
+        self.prefix.clear()  # the next tenants may change the weights the cached prefixes came from
         try:
             self.registry.leave_turn(training)
         finally:
@@ -384,6 +419,7 @@ class ModelRuntime:
             job.arrived_at = self.decode_steps
             self._queue.append(job)
             self._wake.set()
+            self._arrivals.set()
             while True:
                 item = await job.events.get()
                 if item is _END:
@@ -392,7 +428,8 @@ class ModelRuntime:
                     raise item
                 yield item
         finally:
-            job.cancelled = True
+            with self._admit_lock:  # against an admission mid-step on the model thread
+                job.cancelled = True
             if job.admitted:
                 self._wake.set()  # the engine drops its rows before the next step, then finalizes
             else:
@@ -401,7 +438,7 @@ class ModelRuntime:
     @property
     def queued(self) -> int:
         """Requests waiting for room in the batch."""
-        return sum(1 for j in self._queue if not j.cancelled)
+        return sum(1 for j in list(self._queue) if not j.cancelled)
 
     @property
     def batch_rows(self) -> int:
@@ -430,7 +467,7 @@ class ModelRuntime:
         )
 
     def _must_wait(self, job: "_Job") -> bool:
-        if any(not j.cancelled for j in self._queue):
+        if any(not j.cancelled for j in list(self._queue)):
             return True
         return not self._fits(self._load(self._admitted), job.req)
 
@@ -446,6 +483,7 @@ class ModelRuntime:
     def _start_engine(self) -> None:
         if self._engine is None or self._engine.done():
             self._wake = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
             self._engine = asyncio.get_running_loop().create_task(self._engine_loop(), name="inference-engine")
 
     async def _engine_loop(self) -> None:
@@ -463,23 +501,7 @@ class ModelRuntime:
                 continue
             gone = [j for j in self._admitted if j.cancelled or j.member.done]
             kept = [j for j in self._admitted if j not in gone]
-            admit: list[_Job] = []
-            budget = self.max_prefill_tokens
-            load = self._load(kept)
-            while self._queue:
-                job = self._queue[0]
-                if job.cancelled:
-                    self._queue.popleft()
-                    continue
-                size = len(job.req.prompt_ids)
-                if not self._fits(load, job.req) or (admit and size > budget):
-                    break  # strict FIFO: nothing overtakes the head of the queue
-                self._queue.popleft()
-                admit.append(job)
-                budget -= size
-                load = self._load([*kept, *admit])
-            for job in admit:
-                job.admitted = True
+            admit = self._take(kept)
             self._admitted = kept + admit
             try:
                 if admit or gone:
@@ -493,7 +515,11 @@ class ModelRuntime:
                         if not job.cancelled and job.member.tokens[0]:
                             self.first_token_waits.append(self.decode_steps - job.arrived_at)
                 if any(not j.finalized for j in self._admitted):
-                    results = await self._on_model_thread(self._decode_step)
+                    try:
+                        results = await self._on_model_thread(self._decode_step)
+                    finally:
+                        early, self._early_jobs = self._early_jobs, []
+                        self._admitted.extend(early)  # admitted mid-step: their rows joined the batch
                     self.decode_steps += 1
                     self._deliver(results)
             except Exception as exc:  # noqa: BLE001 - every request in the batch gets the error
@@ -504,6 +530,80 @@ class ModelRuntime:
                 self._admitted = []
                 continue
             self._admitted = [j for j in self._admitted if not j.finalized]
+
+    def _take(self, kept: list["_Job"]) -> list["_Job"]:
+        """Pop from the queue the requests that join next to ``kept``: first in, first out while
+        they fit the bounds, at most ``max_prefill_tokens`` prompt tokens (at least one request).
+        Marks them admitted. Engine loop, or the model thread while the engine loop waits for it
+        (the loop thread then only appends to the queue)."""
+        admit: list[_Job] = []
+        budget = self.max_prefill_tokens
+        load = self._load(kept)
+        while self._queue:
+            job = self._queue[0]
+            with self._admit_lock:
+                if job.cancelled:
+                    self._queue.popleft()
+                    continue
+                size = len(job.req.prompt_ids)
+                if not self._fits(load, job.req) or (admit and size > budget):
+                    break  # strict FIFO: nothing overtakes the head of the queue
+                self._queue.popleft()
+                job.admitted = True
+            admit.append(job)
+            budget -= size
+            load = self._load([*kept, *admit])
+        return admit
+
+    def _can_admit_mid_step(self) -> bool:
+        """Model thread, in a decode step: whether a prefill may run between two of its layers.
+        Only when the step's rows run the base with LoRA off (all on the base, or grouped LoRA):
+        the prefill then runs in that same mode, and the step's row plan is put back after it."""
+        if self.group_by_adapter or not self.grouped_lora or self._early_off:
+            return False
+        return self.registry.rows_mode()
+
+    def _layer_hook(self, module, args) -> None:
+        """Forward pre-hook of every decoder layer during a decode step: a request that arrived
+        meanwhile (and fits) is prefilled right here, its first token handed out, and its rows
+        join the batch when the step ends (:meth:`_prefill_mid_step`)."""
+        if self._arrivals.is_set() and not self._in_early:
+            # Requests arriving while such a prefill runs are admitted together at the next layer.
+            self._in_early = True
+            try:
+                self._prefill_mid_step()
+            finally:
+                self._in_early = False
+        return None
+
+    def _prefill_mid_step(self) -> None:
+        self._arrivals.clear()
+        if not self._queue or not self._can_admit_mid_step():
+            return
+        kept = [j for j in [*self._admitted, *self._early_jobs] if not (j.cancelled or j.member.done)]
+        jobs = self._take(kept)
+        if not jobs:
+            return
+        self._early_jobs.extend(jobs)
+        self.admitted_mid_step += len(jobs)
+        batch = self._batches.get("") or self._new_batch()
+        saved = self.registry.save_rows()
+        try:
+            members = [j.member for j in jobs]
+            logits, cache, mask = batch.prefill(members)
+            chosen = {job: job.member.sample(lg) for job, lg in zip(jobs, logits)}
+        finally:
+            self.registry.restore_rows(saved)
+        self._early_rows.append((members, cache, mask))
+        self.steps += 1
+        events = {job: self._events(job, picked) for job, picked in chosen.items()}
+        self._loop.call_soon_threadsafe(self._deliver_early, events)
+
+    def _deliver_early(self, results: dict) -> None:
+        for job in results:
+            if not job.cancelled and job.member.tokens[0]:
+                self.first_token_waits.append(self.decode_steps - job.arrived_at)
+        self._deliver(results)
 
     def _deliver(self, results: dict) -> None:
         """Hand each request the events of one model-thread call (its rows left the batch when done)."""
@@ -556,7 +656,12 @@ class ModelRuntime:
 
     def _new_batch(self) -> DecodeBatch:
         return DecodeBatch(
-            model_for=self._model_for, cache_kw=self._cache_kw, device=self._device, mixed=not self.group_by_adapter
+            model_for=self._model_for,
+            cache_kw=self._cache_kw,
+            device=self._device,
+            mixed=not self.group_by_adapter,
+            prefix=self.prefix,
+            config=self._config,
         )
 
     def _prefill_step(self, admit: list["_Job"], gone: set[Member]) -> dict:
@@ -579,13 +684,30 @@ class ModelRuntime:
         return self._finish_step(chosen)
 
     def _decode_step(self) -> dict:
-        """Model thread: one decode step of every row in the batch; returns each request's events."""
+        """Model thread: one decode step of every row in the batch; returns each request's events.
+
+        Requests that arrive during the step are prefilled between two of its layers
+        (:meth:`_layer_hook`); their rows join the batch after it."""
         chosen: dict = {}
         jobs = {j.member: j for j in self._admitted}
-        for key, batch in self._batches.items():
-            self._activate(key or None)
-            for m, logits in zip(batch.members, batch.forward()):
-                chosen[jobs[m]] = m.sample(logits)
+        handles = [layer.register_forward_pre_hook(self._layer_hook) for layer in self._layers]
+        try:
+            for key, batch in self._batches.items():
+                self._activate(key or None)
+                for m, logits in zip(batch.members, batch.forward()):
+                    chosen[jobs[m]] = m.sample(logits)
+        finally:
+            for handle in handles:
+                handle.remove()
+            early, self._early_rows = self._early_rows, []
+        if early:
+            batch = self._batches.get("") or self._new_batch()
+            for members, cache, mask in early:
+                batch.add(members, cache, mask)
+            self._batches[""] = batch
+            batch.remove({m for members, _, _ in early for m in members if m.done})
+            if not batch.members:
+                del self._batches[""]
         return self._finish_step(chosen)
 
     def _finish_step(self, chosen: dict) -> dict:
@@ -610,6 +732,15 @@ class ModelRuntime:
 
 
 _END = object()
+
+
+def _decoder_layers(model) -> list:
+    """The decoder layers of ``model`` (``get_decoder().layers``), or none when not found."""
+    try:
+        layers = getattr(model.get_decoder(), "layers", None)
+    except (AttributeError, NotImplementedError, ValueError):
+        return []
+    return list(layers) if layers is not None else []
 
 
 @dataclass(eq=False)
