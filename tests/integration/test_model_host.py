@@ -1,5 +1,5 @@
 """LoRA tasks of several owners as tenants of one model host: a real scheduler (API keys on), a
-``--simulate-gpus 1`` trainer with ``--tenants-per-host``, six identical LoRA GRPO tasks from three
+``--simulate-gpus 1`` trainer with ``--tenants-per-host``, eight identical LoRA GRPO tasks from three
 owners. They share one host process (the process table shows one host and no worker), run in
 turns with identical curves, all requeue and resume when the host is killed with ``kill -9``, and
 cancelling one leaves the others running to the end."""
@@ -110,8 +110,8 @@ def test_owners_tasks_share_one_host_survive_its_kill9_and_cancel_alone(tmp_path
         admin = RLClient(cluster.url, api_key=cluster.admin_key(), min_poll_interval=0)  # ListNodes is for admins
         wait_for(lambda: admin.list_nodes(), what="the node connected")
         tasks: dict[str, str] = {}  # task id -> owner
-        for owner in OWNERS:
-            for _ in range(2):
+        for owner, n in zip(OWNERS, (3, 3, 2)):  # eight tenants: the host's --tenants-per-host
+            for _ in range(n):
                 tid = clients[owner].submit_task(
                     workload_type="lora_finetune",
                     model=str(tiny_model_dir),
