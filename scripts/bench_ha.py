@@ -19,7 +19,8 @@ Starts its own PostgreSQL on loopback (``initdb`` in a temporary folder, as the 
                 ``SchedulerCore.submit`` and its group commit (``durable``), ``--concurrency`` in
                 flight, on SQLite and on PostgreSQL (synchronous_commit on, flush inline)
                 alternately (``--submit-rounds`` each): this process's CPU per submit (the
-                scheduler's share; PostgreSQL's own process is not counted) and submits/s.
+                scheduler's share; PostgreSQL's own process is not counted) and submits/s;
+                ``--profile P`` writes a cProfile of each backend's first round to P.<backend>.
   4. lease      the renewal statement's round trip (median, p99 over ``--renewals``), and the
                 CPU an idle leader and an idle follower use (both renew or look every
                 ``renew_interval``).
@@ -349,7 +350,17 @@ async def core_phase(args, server, tmp: Path) -> dict:
             else:
                 store = PostgresStore(server.dsn(), schema_name=server.new_schema("core"), flush="inline")
                 take_lead(store)
+            profile = None
+            if args.profile and r == 0:  # the first round of each backend, under cProfile
+                import cProfile
+
+                profile = cProfile.Profile()
+                profile.enable()
             got = await _core_run(store, folder, args.tasks, args.concurrency, f"{kind}{r}")
+            if profile is not None:
+                profile.disable()
+                profile.dump_stats(f"{args.profile}.{kind}")
+                print(f"  profile of {kind} round 1: {args.profile}.{kind} (python -m pstats)")
             got["load1"] = os.getloadavg()[0]
             out[kind].append(got)
             print(
@@ -481,6 +492,9 @@ if __name__ == "__main__":
         choices=["background", "inline", "both"],
         default="both",
         help="store.flush of the synchronous_commit run(s) (both: one run of each)",
+    )
+    parser.add_argument(
+        "--profile", help="core phase: write a cProfile of each backend's first round to PROFILE.<backend>"
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 5 nodes, 1 round, 200 tasks")
     parser.add_argument("--json", type=Path, help="also write the figures here")

@@ -26,6 +26,7 @@ no other tenant's step in between.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -638,7 +639,8 @@ class TrainingSession:
         for f in files:
             weights.update(load_file(str(f), device=str(self.device)))
         own = dict(self.model.state_dict())
-        tied = {k for k, v in own.items() if any(v is not w and v.data_ptr() == w.data_ptr() for w in own.values())}
+        sharing = collections.Counter(v.data_ptr() for v in own.values())
+        tied = {k for k, v in own.items() if sharing[v.data_ptr()] > 1}  # weights that share storage
         missing = sorted(set(own) - set(weights) - tied)
         unexpected = sorted(set(weights) - set(own))
         wrong = sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape)

@@ -16,8 +16,7 @@ import pytest
 from opentinker.common.v1 import common_pb2
 from opentinker_client import InferenceClient, RLClient
 
-from tests.integration.test_model_host import _hosts, _wait
-from tests.support.procs import Cluster
+from tests.integration.test_model_host import _hosts, _wait, one_gpu_host_node
 from tests.support.waiting import wait_for
 
 #: Long enough to outlive the test (it is cancelled); a checkpoint after every step.
@@ -50,14 +49,8 @@ def _versions(llm: InferenceClient, task_id: str) -> set[int]:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
 def test_an_inference_task_serves_a_training_tasks_adapter_from_its_model_host(tmp_path: Path, tiny_model_dir: Path):
-    cluster = Cluster(tmp_path, "heartbeat_interval: 0.5\nlease: 3\n")
+    cluster, trainer, client = one_gpu_host_node(tmp_path)
     try:
-        cluster.start_scheduler()
-        trainer = cluster.start_trainer(
-            "node-a", "--simulate-gpus", "1", "--max-tasks", "4", "--tenants-per-host", "4", "--host-idle", "1"
-        )
-        client = RLClient(cluster.url, min_poll_interval=0)
-        wait_for(lambda: client.list_nodes(), what="the node connected")
         trained = client.submit_task(
             workload_type="lora_finetune", model=str(tiny_model_dir), gpu_count=1, hyperparameters=TRAIN_HP
         )

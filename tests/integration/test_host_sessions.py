@@ -13,11 +13,9 @@ from pathlib import Path
 import pytest
 
 from opentinker.common.v1 import common_pb2
-from opentinker_client import RLClient
 from opentinker_client.training import Datum
 
-from tests.integration.test_model_host import _hosts, _wait
-from tests.support.procs import Cluster
+from tests.integration.test_model_host import _hosts, _wait, one_gpu_host_node
 from tests.support.waiting import wait_for
 
 RUNNING, CANCELLED = common_pb2.TASK_STATE_RUNNING, common_pb2.TASK_STATE_CANCELLED
@@ -37,14 +35,8 @@ def _sft_step(session) -> float:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
 def test_sessions_share_a_model_host_and_resume_after_it_is_killed(tmp_path: Path, tiny_model_dir: Path) -> None:
-    cluster = Cluster(tmp_path, "heartbeat_interval: 0.5\nlease: 3\n")
+    cluster, trainer, client = one_gpu_host_node(tmp_path)
     try:
-        cluster.start_scheduler()
-        trainer = cluster.start_trainer(
-            "node-a", "--simulate-gpus", "1", "--max-tasks", "4", "--tenants-per-host", "4", "--host-idle", "1"
-        )
-        client = RLClient(cluster.url, min_poll_interval=0)
-        wait_for(lambda: client.list_nodes(), what="the node connected")
         model = str(tiny_model_dir)
         grpo = client.submit_task(
             workload_type="lora_finetune", model=model, gpu_count=1, env_config={"env_id": "arithmetic"},

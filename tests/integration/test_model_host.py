@@ -55,6 +55,24 @@ def _hosts(trainer_pid: int) -> list[int]:
     return [p for p, c in kids.items() if "opentinker_trainer.host" in c]
 
 
+def one_gpu_host_node(tmp_path: Path) -> tuple[Cluster, object, RLClient]:
+    """``(cluster, trainer, client)``: a real scheduler and one connected ``--simulate-gpus 1``
+    trainer with model hosts on (4 tenants, 1 s idle exit), no API keys. The caller closes the
+    cluster."""
+    cluster = Cluster(tmp_path, "heartbeat_interval: 0.5\nlease: 3\n")
+    try:
+        cluster.start_scheduler()
+        trainer = cluster.start_trainer(
+            "node-a", "--simulate-gpus", "1", "--max-tasks", "4", "--tenants-per-host", "4", "--host-idle", "1"
+        )
+        client = RLClient(cluster.url, min_poll_interval=0)
+        wait_for(lambda: client.list_nodes(), what="the node connected")
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster, trainer, client
+
+
 def _wait(cluster: Cluster, client, task_id: str, state: int, what=None) -> common_pb2.Task:
     """The task (as ``client``, its owner, sees it) once in ``state`` and ``what(task)``; waits
     while it moves or the cluster logs about it."""

@@ -229,6 +229,18 @@ def _queued(turns: RoundRobin, n: int) -> None:
         time.sleep(0.001)
 
 
+def _run_in_line(turns: RoundRobin, gate: threading.Event, tenant, names: str) -> None:
+    """Start a ``tenant(name)`` thread per name, each once the one before it waits or holds a
+    turn (so they queue in that order), then open ``gate`` and wait for all of them."""
+    threads = [threading.Thread(target=tenant, args=(n,)) for n in names]
+    for i, t in enumerate(threads):
+        t.start()
+        _queued(turns, i + 1)
+    gate.set()
+    for t in threads:
+        t.join()
+
+
 def test_the_rollouts_of_waiting_tenants_run_as_one_and_each_continues_in_its_place() -> None:
     turns = RoundRobin()
     runs: list[list[str]] = []
@@ -247,13 +259,7 @@ def test_the_rollouts_of_waiting_tenants_run_as_one_and_each_continues_in_its_pl
             order.append(name)  # the rest of its step, in its turn again
             assert turns._holder == name
 
-    threads = [threading.Thread(target=tenant, args=(n,)) for n in "abc"]
-    for i, t in enumerate(threads):
-        t.start()
-        _queued(turns, i + 1)
-    gate.set()
-    for t in threads:
-        t.join()
+    _run_in_line(turns, gate, tenant, "abc")
     assert runs == [["a", "b", "c"]]  # a's rollout took b's and c's along: one run
     assert got == {n: f"rolled {n}" for n in "abc"} and order == list("abc")
     assert (turns.rollout_runs, turns.rollout_requests, turns.turns) == (1, 3, 3)
@@ -323,13 +329,7 @@ def test_a_failed_rollout_run_reaches_every_tenant_it_took_and_the_turns_go_on()
             gate.wait()
             got[name] = turns.rollout(name, name, run)
 
-    threads = [threading.Thread(target=tenant, args=(n,)) for n in "ab"]
-    for i, t in enumerate(threads):
-        t.start()
-        _queued(turns, i + 1)
-    gate.set()
-    for t in threads:
-        t.join()
+    _run_in_line(turns, gate, tenant, "ab")
     assert all(isinstance(got[n], MemoryError) for n in "ab")
     # The run's time is split between the two: each one's turn counts at least its half.
     assert turns._last_s["a"] >= 0.15 and turns._last_s["b"] >= 0.15
