@@ -87,7 +87,8 @@ def configure_logging(*, level: str | None = None, json: bool | None = None) -> 
             *renderers,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # WriteLogger: one write() and flush per line, without print()'s extra work.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(

@@ -180,6 +180,26 @@ class _PgDb:
         finally:
             self.deadline = 0.0
 
+    def executemany(self, sql: str, rows: list[tuple]) -> None:
+        """Run one statement (``?`` placeholders) for each of ``rows`` within the call deadline,
+        pipelined (psycopg sends them all, then reads the answers: one round trip); errors as
+        :meth:`execute`."""
+        if self.tx_lost and self.store._tx_depth:
+            raise StoreUnavailable("state store unavailable: the connection of this transaction was lost")
+        conn = self.connection()
+        query = schema.postgres_query(sql)
+        self.expired = False
+        self.deadline = time.monotonic() + self.store.call_timeout_s
+        try:
+            with conn.cursor() as cur:
+                cur.executemany(query, rows)
+        except psycopg.Error as exc:
+            if self.store._tx_depth:
+                self.store._tx_failed = True
+            raise self.failed(exc) from exc
+        finally:
+            self.deadline = 0.0
+
     def executescript(self, script: str) -> None:
         """DDL in the SQLite dialect (translated), as one simple query."""
         self.execute(schema.postgres_ddl(script))
@@ -545,6 +565,7 @@ class LeaseChannel(_PgBase):
         self._tx_failed = False
         self._tx_fenced = False
         self._audit_rows = []
+        self._pending_rows, self._pending_events, self._next_seq = {}, [], {}
         self.before_write = None
         self.role = "setup"
         self.epoch = None

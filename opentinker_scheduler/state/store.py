@@ -5,8 +5,11 @@ runs is the config's ``store:`` (:func:`~opentinker_scheduler.state.pg_store.ope
 
 Every task transition is one transaction that updates the ``tasks`` row and appends its event;
 it commits before the scheduler acknowledges the RPC or pushes a command, so ``kill -9`` of the
-scheduler loses nothing that was acknowledged. WAL with ``synchronous=NORMAL`` survives process
-crashes (a power loss may drop the last transactions; set ``synchronous=FULL`` to cover that).
+scheduler loses nothing that was acknowledged. Inside a transaction (a group commit's) the row
+and event writes wait until it ends and then go in one ``executemany`` each, a task's row once
+however often it moved (:meth:`SqlStore.update_task`); reads on the store write them first.
+WAL with ``synchronous=NORMAL`` survives process crashes (a power loss may drop the last
+transactions; set ``synchronous=FULL`` to cover that).
 
 Events are stored as serialized ``opentinker.common.v1.TaskEvent`` messages with a per-task
 sequence number starting at 1; metric points are events of kind ``metric``. The tables and their
@@ -136,6 +139,14 @@ _COLUMNS = (
     "create_time, update_time, start_time, end_time, not_before, node_id, device_indices, error, "
     "latest_step, latest_metrics, latest_checkpoint, attempt_step"
 )
+#: A task row written back (every column but ``task_id`` and ``spec``), ``next_seq`` as a value.
+_UPDATE_TASK_SQL = (
+    "UPDATE tasks SET owner=?, request_id=?, state=?, attempt=?, priority=?, gpu_count=?, "
+    "max_attempts=?, max_runtime_s=?, create_time=?, update_time=?, start_time=?, end_time=?, "
+    "not_before=?, node_id=?, device_indices=?, error=?, latest_step=?, latest_metrics=?, "
+    "latest_checkpoint=?, attempt_step=?, next_seq=? WHERE task_id=?"
+)
+_INSERT_EVENT_SQL = "INSERT INTO events (task_id, seq, time, kind, step, payload) VALUES (?,?,?,?,?,?)"
 
 
 def _row_to_task(r) -> TaskRow:
@@ -258,6 +269,14 @@ class SqlStore:
         self._tx_failed = False
         self._tx_fenced = True
         self._audit_rows: list[tuple] = []
+        #: Task rows (``task_id`` -> the values of :data:`_UPDATE_TASK_SQL`) and events
+        #: (:data:`_INSERT_EVENT_SQL`) of the open transaction not written yet (:meth:`update_task`).
+        self._pending_rows: dict[str, tuple] = {}
+        self._pending_events: list[tuple] = []
+        #: task_id -> the next event sequence number, for the tasks this store inserted or wrote
+        #: (cleared when a transaction rolls back, the role changes or it grows past
+        #: :attr:`NEXT_SEQ_CACHE`); a task not here is written with ``RETURNING next_seq``.
+        self._next_seq: dict[str, int] = {}
         #: Called before every write transaction starts; the core uses it to open a group commit.
         self.before_write: Callable[[], None] | None = None
         #: "leader", "follower" or "setup" (see the module docstring).
@@ -289,11 +308,14 @@ class SqlStore:
 
     def lead(self, epoch: int | None) -> None:
         """Write from now on as the leader of ``epoch`` (None: without fencing)."""
+        if self.epoch != epoch:
+            self._next_seq.clear()  # another leader may have written in between
         self.role, self.epoch = "leader", epoch
 
     def follow(self, leader_address: str = "") -> None:
         """Refuse writes from now on (NotLeader naming ``leader_address``)."""
         self.role, self.epoch, self.leader_address = "follower", None, leader_address
+        self._next_seq.clear()
 
     def _check_role(self) -> None:
         if self.role == "follower":
@@ -361,6 +383,7 @@ class SqlStore:
                 self._task_values(task),
             )
             self._insert_event(task.task_id, 1, first_event)
+            self._next_seq[task.task_id] = 2
 
     def insert_new_task(self, task: TaskRow, first_event: common_pb2.TaskEvent) -> TaskRow | None:
         """Insert a new task with its first event, unless its owner already has a task with its
@@ -373,6 +396,8 @@ class SqlStore:
         """
         with self._tx():
             inserted = self._insert_task_unless_requested(task, first_event)
+            if inserted:
+                self._next_seq[task.task_id] = 2
         if inserted:
             return None
         existing = self.find_by_request(task.owner, task.request_id) if task.request_id else None
@@ -394,6 +419,16 @@ class SqlStore:
         """Write ``task`` back and append ``events`` (sequence numbers assigned here), atomically.
         The spec is not written again: it is stored once, by :meth:`insert_task`, and never changes.
 
+        Within a transaction the row and the events are not written at once: the row waits, the
+        newest values of each task only, and the events wait, until the outermost transaction
+        ends (or a read of ``tasks``/``events`` on this store comes first), and then go in one
+        ``executemany`` each (:meth:`_flush_writes`). A task a group commit moves three times is
+        then one ``UPDATE``, and a group of a hundred events one statement (on PostgreSQL one
+        pipelined round trip) instead of a hundred. The sequence numbers come from
+        :attr:`_next_seq`, this store's own count per task (it is the only writer: the state
+        directory's lock, or the leader lease with epoch fencing); a task it does not know yet
+        is written at once, with ``RETURNING next_seq``.
+
         Returns the events with their sequence numbers and times set.
 
         Raises:
@@ -402,26 +437,31 @@ class SqlStore:
         events = list(events)
         with self._tx():
             vals = self._task_values(task, spec=False)
-            # One statement moves next_seq past the new events and reads where they start.
-            rows = self.db.execute(
-                "UPDATE tasks SET owner=?, request_id=?, state=?, attempt=?, priority=?, gpu_count=?, "
-                "max_attempts=?, max_runtime_s=?, create_time=?, update_time=?, start_time=?, end_time=?, "
-                "not_before=?, node_id=?, device_indices=?, error=?, latest_step=?, latest_metrics=?, "
-                "latest_checkpoint=?, attempt_step=?, next_seq=next_seq+? WHERE task_id=? RETURNING next_seq",
-                (*vals[1:], len(events), task.task_id),
-            ).fetchall()
-            if not events:
-                return []
-            if not rows:
-                raise sqlite3.IntegrityError(f"events for task {task.task_id}, which is not stored")
-            first = rows[0][0] - len(events)
+            first = self._next_seq.get(task.task_id)
+            if first is None:
+                self._flush_writes()  # the row read back below must include what waits
+                # One statement moves next_seq past the new events and reads where they start.
+                rows = self.db.execute(
+                    _UPDATE_TASK_SQL.replace("next_seq=?", "next_seq=next_seq+?") + " RETURNING next_seq",
+                    (*vals[1:], len(events), task.task_id),
+                ).fetchall()
+                if not rows:
+                    if events:
+                        raise sqlite3.IntegrityError(f"events for task {task.task_id}, which is not stored")
+                    return []
+                first = rows[0][0] - len(events)
+            else:
+                self._pending_rows[task.task_id] = (*vals[1:], first + len(events), task.task_id)
+            self._next_seq[task.task_id] = first + len(events)
             return [self._insert_event(task.task_id, first + i, ev) for i, ev in enumerate(events)]
 
     def get_task(self, task_id: str) -> TaskRow | None:
+        self._flush_writes()
         r = self.db.execute(f"SELECT {_COLUMNS} FROM tasks WHERE task_id=?", (task_id,)).fetchone()
         return _row_to_task(r) if r else None
 
     def find_by_request(self, owner: str, request_id: str) -> TaskRow | None:
+        self._flush_writes()
         r = self.db.execute(
             f"SELECT {_COLUMNS} FROM tasks WHERE owner=? AND request_id=?", (owner, request_id)
         ).fetchone()
@@ -437,6 +477,7 @@ class SqlStore:
     ) -> list[TaskRow]:
         """Tasks newest first; ``before`` = (create_time, task_id) of the last row of the previous page;
         ``owner`` = only that owner's tasks (None = everyone's)."""
+        self._flush_writes()
         sql = f"SELECT {_COLUMNS} FROM tasks"
         where, args = [], []
         if owner is not None:
@@ -456,6 +497,7 @@ class SqlStore:
         return [_row_to_task(r) for r in self.db.execute(sql, args)]
 
     def tasks_in_states(self, states: Iterable[int]) -> list[TaskRow]:
+        self._flush_writes()
         states = list(states)
         rows = self.db.execute(
             f"SELECT {_COLUMNS} FROM tasks WHERE state IN ({','.join('?' * len(states))}) ORDER BY create_time",
@@ -465,11 +507,13 @@ class SqlStore:
 
     def count_tasks(self, *, owner: str, states: Iterable[int]) -> int:
         """How many of ``owner``'s tasks are in ``states`` (the pending-per-owner limit)."""
+        self._flush_writes()
         states = list(states)
         sql = f"SELECT COUNT(*) FROM tasks WHERE owner=? AND state IN ({','.join('?' * len(states))})"
         return int(self.db.execute(sql, (owner, *states)).fetchone()[0])
 
     def count_by_state(self) -> dict[int, int]:
+        self._flush_writes()
         return {r[0]: r[1] for r in self.db.execute("SELECT state, COUNT(*) FROM tasks GROUP BY state")}
 
     # --- usage accounting (state/usage.py) ---------------------------------------------------
@@ -607,12 +651,14 @@ class SqlStore:
 
     # --- events --------------------------------------------------------------------------------
     def events_after(self, task_id: str, after_seq: int, *, limit: int = 1000) -> list[common_pb2.TaskEvent]:
+        self._flush_writes()
         rows = self.db.execute(
             "SELECT payload FROM events WHERE task_id=? AND seq>? ORDER BY seq LIMIT ?", (task_id, after_seq, limit)
         )
         return [common_pb2.TaskEvent.FromString(r[0]) for r in rows]
 
     def metric_points(self, task_id: str, after_step: int = 0) -> list[common_pb2.MetricPoint]:
+        self._flush_writes()
         rows = self.db.execute(
             "SELECT payload FROM events WHERE task_id=? AND kind='metric' AND step>? ORDER BY seq",
             (task_id, after_step),
@@ -720,6 +766,7 @@ class SqlStore:
         """Every checkpoint a task recorded that is still in the artifact store, oldest first:
         none from before its newest ``artifacts_deleted`` event of ``DeleteTaskArtifacts``, and
         none that retention deleted (an ``artifacts_deleted`` event ``by_retention`` names its key)."""
+        self._flush_writes()
         rows = self.db.execute(
             "SELECT kind, payload FROM events WHERE task_id=? AND kind IN ('checkpoint', 'artifacts_deleted') "
             "ORDER BY seq",
@@ -740,6 +787,7 @@ class SqlStore:
     def artifacts_deleted(self, task_id: str) -> common_pb2.TaskEvent | None:
         """The task's newest ``artifacts_deleted`` event of ``DeleteTaskArtifacts`` (not
         retention's), or None."""
+        self._flush_writes()
         rows = self.db.execute(
             "SELECT payload FROM events WHERE task_id=? AND kind='artifacts_deleted' ORDER BY seq DESC", (task_id,)
         )
@@ -772,12 +820,34 @@ class SqlStore:
                 self.db.execute("UPDATE tasks SET error=? WHERE task_id=?", (cancel_error(change.message), task_id))
 
     def _insert_event(self, task_id: str, seq: int, ev: common_pb2.TaskEvent) -> common_pb2.TaskEvent:
-        """Insert ``ev`` as event ``seq`` of ``task_id`` (the caller has moved ``next_seq`` past it)."""
-        self.db.execute(
-            "INSERT INTO events (task_id, seq, time, kind, step, payload) VALUES (?,?,?,?,?,?)",
-            (task_id, seq, *self._event_values(task_id, seq, ev)),
-        )
+        """Insert ``ev`` as event ``seq`` of ``task_id`` (the caller has moved ``next_seq`` past it):
+        inside a transaction when it ends (:meth:`_flush_writes`), else at once."""
+        row = (task_id, seq, *self._event_values(task_id, seq, ev))
+        if self._tx_depth:
+            self._pending_events.append(row)
+        else:
+            self.db.execute(_INSERT_EVENT_SQL, row)
         return ev
+
+    def _flush_writes(self) -> None:
+        """Write the open transaction's waiting task rows and events now (still inside it), so a
+        read on this connection sees them, as it sees the transaction's other writes."""
+        if self._pending_rows:
+            rows, self._pending_rows = list(self._pending_rows.values()), {}
+            self._executemany(_UPDATE_TASK_SQL, rows)
+        if self._pending_events:
+            events, self._pending_events = self._pending_events, []
+            self._executemany(_INSERT_EVENT_SQL, events)
+
+    def _executemany(self, sql: str, rows: list[tuple]) -> None:
+        """Run ``sql`` once per row of ``rows`` (a backend hook; SQLite's own ``executemany``)."""
+        self.db.executemany(sql, rows)
+
+    def _forget_writes(self) -> None:
+        """A transaction rolled back (or the role changed): what waited is dropped, and the counts
+        of :attr:`_next_seq` are no longer known to match the database."""
+        self._pending_rows, self._pending_events = {}, []
+        self._next_seq.clear()
 
     @staticmethod
     def _event_values(task_id: str, seq: int, ev: common_pb2.TaskEvent) -> tuple:
@@ -823,6 +893,9 @@ class SqlStore:
         of one per write. Nests: only the outermost block commits; an error anywhere inside rolls
         all of it back."""
         return self._tx()
+
+    #: Most tasks :attr:`_next_seq` counts before it starts again (a few MB at most).
+    NEXT_SEQ_CACHE = 100_000
 
     #: Audit rows per INSERT statement (8 parameters each: within SQLite's 999 and far within
     #: PostgreSQL's 65,535).
@@ -893,6 +966,9 @@ class SqlStore:
                 s._tx_failed = False
                 s._tx_fenced = self.fenced
                 s._audit_rows = []
+                s._pending_rows, s._pending_events = {}, []
+                if len(s._next_seq) > s.NEXT_SEQ_CACHE:
+                    s._next_seq.clear()
             s._tx_depth += 1
 
         def __exit__(self, exc_type, exc, tb):
@@ -903,16 +979,19 @@ class SqlStore:
             if s._tx_depth == 0:
                 audit, s._audit_rows = s._audit_rows, []
                 if s._tx_failed:
+                    s._forget_writes()
                     if s._in_transaction():  # the database may have rolled back already (e.g. disk full)
                         s._rollback()
                     if exc_type is None:
                         s._raise_rolled_back()
                 else:
                     try:
+                        s._flush_writes()
                         if audit:
                             s._write_audit_rows(audit)
                         s._commit(s.epoch if s._tx_fenced and s.role == "leader" else None)
                     except BaseException:
+                        s._forget_writes()
                         if s._in_transaction():
                             s._rollback()
                         raise
