@@ -69,9 +69,8 @@ def test_a_rolled_back_transaction_leaves_no_writes_and_the_next_sequence_is_the
     assert _seqs(store, "task-a") == [1, 2]
 
 
-def test_a_task_moved_three_times_in_one_transaction_is_one_update(tmp_path, store_backend) -> None:
-    if store_backend != "sqlite":
-        pytest.skip("counts statements with sqlite3's trace callback")
+@pytest.mark.sqlite_only  # counts statements with sqlite3's trace callback
+def test_a_task_moved_three_times_in_one_transaction_is_one_update(tmp_path) -> None:
     store = make_store(tmp_path)
     tasks = [_task(f"task-{i}") for i in range(3)]
     for t in tasks:
