@@ -165,34 +165,31 @@ class _PgDb:
     def execute(self, sql: str, params=(), *, prepare: bool | None = None):
         """Run one statement (``?`` placeholders) within the call deadline. An error inside a
         transaction fails the transaction as a whole (PostgreSQL aborts it): it rolls back at its end."""
-        if self.tx_lost and self.store._tx_depth:
-            raise StoreUnavailable("state store unavailable: the connection of this transaction was lost")
-        conn = self.connection()
         query = schema.postgres_query(sql) if params else sql
-        self.expired = False
-        self.deadline = time.monotonic() + self.store.call_timeout_s
-        try:
-            return conn.execute(query, params or None, prepare=prepare)
-        except psycopg.Error as exc:
-            if self.store._tx_depth:
-                self.store._tx_failed = True
-            raise self.failed(exc) from exc
-        finally:
-            self.deadline = 0.0
+        return self._call(lambda conn: conn.execute(query, params or None, prepare=prepare))
 
     def executemany(self, sql: str, rows: list[tuple]) -> None:
         """Run one statement (``?`` placeholders) for each of ``rows`` within the call deadline,
         pipelined (psycopg sends them all, then reads the answers: one round trip); errors as
         :meth:`execute`."""
+        query = schema.postgres_query(sql)
+
+        def run(conn: psycopg.Connection) -> None:
+            with conn.cursor() as cur:
+                cur.executemany(query, rows)
+
+        self._call(run)
+
+    def _call(self, fn):
+        """``fn(connection)`` under the call deadline (the watchdog closes a connection past it);
+        a psycopg error fails the open transaction and becomes the store's error (:meth:`failed`)."""
         if self.tx_lost and self.store._tx_depth:
             raise StoreUnavailable("state store unavailable: the connection of this transaction was lost")
         conn = self.connection()
-        query = schema.postgres_query(sql)
         self.expired = False
         self.deadline = time.monotonic() + self.store.call_timeout_s
         try:
-            with conn.cursor() as cur:
-                cur.executemany(query, rows)
+            return fn(conn)
         except psycopg.Error as exc:
             if self.store._tx_depth:
                 self.store._tx_failed = True

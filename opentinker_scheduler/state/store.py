@@ -146,6 +146,9 @@ _UPDATE_TASK_SQL = (
     "not_before=?, node_id=?, device_indices=?, error=?, latest_step=?, latest_metrics=?, "
     "latest_checkpoint=?, attempt_step=?, next_seq=? WHERE task_id=?"
 )
+#: The same, for a task whose ``next_seq`` this store does not know: moves it past ``?`` new
+#: events and reads where it ends.
+_UPDATE_TASK_RETURNING_SQL = _UPDATE_TASK_SQL.replace("next_seq=?", "next_seq=next_seq+?") + " RETURNING next_seq"
 _INSERT_EVENT_SQL = "INSERT INTO events (task_id, seq, time, kind, step, payload) VALUES (?,?,?,?,?,?)"
 
 
@@ -247,7 +250,8 @@ class SqlStore:
     for PostgreSQL). Single-threaded use from the event loop.
 
     A backend provides the connection :attr:`db` (``execute(sql, params)`` returning rows that
-    index by position and by column name; the security room keeps its tables through it) and
+    index by position and by column name, and ``executemany(sql, rows)``; the security room
+    keeps its tables through it) and
     the transaction hooks ``_begin``/``_commit``/``_rollback``/``_in_transaction``, plus
     :meth:`close` and :meth:`writable`.
 
@@ -441,10 +445,7 @@ class SqlStore:
             if first is None:
                 self._flush_writes()  # the row read back below must include what waits
                 # One statement moves next_seq past the new events and reads where they start.
-                rows = self.db.execute(
-                    _UPDATE_TASK_SQL.replace("next_seq=?", "next_seq=next_seq+?") + " RETURNING next_seq",
-                    (*vals[1:], len(events), task.task_id),
-                ).fetchall()
+                rows = self.db.execute(_UPDATE_TASK_RETURNING_SQL, (*vals[1:], len(events), task.task_id)).fetchall()
                 if not rows:
                     if events:
                         raise sqlite3.IntegrityError(f"events for task {task.task_id}, which is not stored")
@@ -834,18 +835,14 @@ class SqlStore:
         read on this connection sees them, as it sees the transaction's other writes."""
         if self._pending_rows:
             rows, self._pending_rows = list(self._pending_rows.values()), {}
-            self._executemany(_UPDATE_TASK_SQL, rows)
+            self.db.executemany(_UPDATE_TASK_SQL, rows)
         if self._pending_events:
             events, self._pending_events = self._pending_events, []
-            self._executemany(_INSERT_EVENT_SQL, events)
-
-    def _executemany(self, sql: str, rows: list[tuple]) -> None:
-        """Run ``sql`` once per row of ``rows`` (a backend hook; SQLite's own ``executemany``)."""
-        self.db.executemany(sql, rows)
+            self.db.executemany(_INSERT_EVENT_SQL, events)
 
     def _forget_writes(self) -> None:
-        """A transaction rolled back (or the role changed): what waited is dropped, and the counts
-        of :attr:`_next_seq` are no longer known to match the database."""
+        """A transaction rolled back: what waited is dropped, and the counts of :attr:`_next_seq`
+        are no longer known to match the database."""
         self._pending_rows, self._pending_events = {}, []
         self._next_seq.clear()
 
@@ -966,7 +963,6 @@ class SqlStore:
                 s._tx_failed = False
                 s._tx_fenced = self.fenced
                 s._audit_rows = []
-                s._pending_rows, s._pending_events = {}, []
                 if len(s._next_seq) > s.NEXT_SEQ_CACHE:
                     s._next_seq.clear()
             s._tx_depth += 1
