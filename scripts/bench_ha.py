@@ -309,8 +309,8 @@ async def submits_phase(args, server, tmp: Path) -> dict:
 
 async def _core_run(store, tmp: Path, tasks: int, concurrency: int, tag: str) -> dict:
     """``tasks`` submits through a fresh :class:`SchedulerCore` on ``store`` (group commit on, no
-    nodes: the tasks stay queued), ``concurrency`` at once, each with its audit record (as the
-    servicer writes it) and awaited until durable."""
+    nodes: the tasks stay queued), ``concurrency`` at once, each written in its group commit and
+    with its audit record (as the servicer does it), awaited until durable."""
     from opentinker_scheduler.config import PoolNode, SchedulerConfig
     from opentinker_scheduler.security.audit import AuditLog
     from opentinker_scheduler.state.core import SchedulerCore
@@ -324,7 +324,7 @@ async def _core_run(store, tmp: Path, tasks: int, concurrency: int, tag: str) ->
 
     async def worker() -> None:
         for i in todo:
-            task = core.submit(spec(gpus=1), owner="bench", request_id=f"{tag}-{i}")
+            task = await core.submit_grouped(spec(gpus=1), owner="bench", request_id=f"{tag}-{i}")
             audit.record("task.submit", owner="bench", role="user", task_id=task.task_id, gpu_count=1, priority=1)
             await core.durable()
 
@@ -332,7 +332,7 @@ async def _core_run(store, tmp: Path, tasks: int, concurrency: int, tag: str) ->
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     cpu, wall = time.process_time() - cpu, time.perf_counter() - t
     store.close()
-    return {"cpu_us_per_submit": cpu / tasks * 1e6, "submits_per_s": tasks / wall}
+    return {"cpu_us_per_submit": cpu / tasks * 1e6, "submits_per_s": tasks / wall, "commits": core.commits.commits}
 
 
 async def core_phase(args, server, tmp: Path) -> dict:
@@ -365,7 +365,7 @@ async def core_phase(args, server, tmp: Path) -> dict:
             out[kind].append(got)
             print(
                 f"  {kind:10s} round {r + 1}: {got['cpu_us_per_submit']:6.0f} us CPU per submit, "
-                f"{got['submits_per_s']:7.1f} submits/s (load {got['load1']:.1f})"
+                f"{got['submits_per_s']:7.1f} submits/s, {got['commits']} commits (load {got['load1']:.1f})"
             )
     cpu = {k: statistics.median(x["cpu_us_per_submit"] for x in v) for k, v in out.items()}
     rate = {k: statistics.median(x["submits_per_s"] for x in v) for k, v in out.items()}

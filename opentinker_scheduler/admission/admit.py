@@ -21,13 +21,14 @@ and a later stage costs nothing when an earlier one refuses):
 4. **the environment**, built off the event loop under ``limits.spec_check_timeout``
    (:mod:`~opentinker_scheduler.admission.spec_check`): INVALID_ARGUMENT, or RESOURCE_EXHAUSTED
    when no check slot comes free in time.
-5. **the core's own checks, then the write** (:meth:`~opentinker_scheduler.state.core.SchedulerCore.submit`):
-   ``request_id`` length and reuse (INVALID_ARGUMENT, ALREADY_EXISTS; a reuse with the same spec
-   returns the task it made), the default model, the whole spec (INVALID_ARGUMENT naming the
-   field path; the environment is found cached from stage 4), a GPU count some node could ever
-   offer, ``spec.tracking`` loggers some connected node can write
+5. **the core's own checks, then the write**
+   (:meth:`~opentinker_scheduler.state.core.SchedulerCore.submit_grouped`): ``request_id``
+   length and reuse (INVALID_ARGUMENT, ALREADY_EXISTS; a reuse with the same spec returns the
+   task it made), the default model, the whole spec (INVALID_ARGUMENT naming the field path; the
+   environment is found cached from stage 4), a GPU count some node could ever offer,
+   ``spec.tracking`` loggers some connected node can write
    (:mod:`~opentinker_scheduler.policy.tracking`; FAILED_PRECONDITION). Only then is the PENDING
-   row written.
+   row written, with the other submits of its group commit in one statement.
 
 Stages 2 and 3 pass over what the spec check refuses later (a malformed ``dataset_id`` or
 ``init_from``), so each refusal names its own field.
@@ -63,7 +64,10 @@ def check_limits(limits: Limits, spec: common_pb2.TaskSpec, caller: Principal, *
     limits.check_spec_size(spec.ByteSize())
     limits.check_pending(
         caller.owner,
-        lambda: core.store.count_tasks(owner=caller.owner, states=(common_pb2.TASK_STATE_PENDING,)),
+        lambda: (
+            core.store.count_tasks(owner=caller.owner, states=(common_pb2.TASK_STATE_PENDING,))
+            + core.waiting_new_tasks(caller.owner)
+        ),
         override=(queue[1].max_pending_per_owner, f"{where}.max_pending_per_owner") if queue is not None else None,
     )
 
@@ -122,7 +126,7 @@ async def admit(
     await _check(spec, caller, core=core, datasets=datasets, limits=limits, dataset_visible=dataset_visible)
     if gate is not None:
         gate.check_open()
-    return core.submit(spec, owner=caller.owner, request_id=request_id)
+    return await core.submit_grouped(spec, owner=caller.owner, request_id=request_id)
 
 
 async def admit_dry_run(

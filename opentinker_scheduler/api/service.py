@@ -156,8 +156,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             request_id=request.request_id,
             gate=self.gate,
         )
+        # Placed already when it could be (the group commit that wrote it ran a placement round).
         call.detail.update(task_id=task.task_id, gpu_count=task.gpu_count, priority=task.priority)
-        self.core.schedule()  # updates the row in place when it places the task
         return scheduler_pb2.SubmitTaskResponse(task=self._task(task))
 
     @rpc()

@@ -63,9 +63,33 @@ class GroupCommit:
         #: Groups committed but not yet durable (their flush is running), oldest first:
         #: ``[done future, held commands]``; released by :meth:`_flushed` in this order.
         self._unflushed: list[list] = []
+        self.enabled = False
+        self._prepared = False  # the open group's before_commit calls ran (one loop turn ago)
+        self._prepare_s = 0.0  # how long they took, seconds
+        #: :meth:`group`'s ``before_commit`` calls of the open group.
+        self._before_commit: list[Callable[[], None]] = []
 
     def enable(self) -> None:
+        self.enabled = True
         self.store.before_write = self.open
+
+    def group(self, before_commit: Callable[[], None] | None = None) -> asyncio.Future | None:
+        """The open group's future (opening one), resolved once it is committed and durable, or
+        failed with the commit's error; None when writes commit at once (group commit off, or no
+        running loop).
+
+        ``before_commit``: called once when this group commits, before its transaction ends, so
+        what it writes joins the group (a group's new tasks, written in one statement:
+        :meth:`SchedulerCore.submit_grouped`). If it raises, the group fails as a failed commit
+        does. A group abandoned (:meth:`abandon`) never calls it."""
+        if not self.enabled:
+            return None
+        self.open()
+        if self._tx is None:
+            return None
+        if before_commit is not None:
+            self._before_commit.append(before_commit)
+        return self._done
 
     @property
     def open_now(self) -> bool:
@@ -84,35 +108,77 @@ class GroupCommit:
         self._loop, self._tx, self._done = loop, tx, loop.create_future()
         window = max(self.interval_s, min(self._commit_s, GROUP_COMMIT_MAX_WINDOW_S))
         wait = self._last + window - loop.time()
+        self._prepared, self._prepare_s = False, 0.0
         if wait > 0:
-            loop.call_later(wait, self.commit)
+            loop.call_later(wait, self._commit_due)
         else:
-            loop.call_soon(self.commit)
+            loop.call_soon(self._commit_due)
 
-    def commit(self) -> None:
-        """Commit the open transaction (if any), then release what waited for it."""
-        tx, done, held = self._tx, self._done, self._held
-        if tx is None:
+    def _commit_due(self) -> None:
+        """The group's window ended: commit it. When it has ``before_commit`` calls, they run
+        first and the commit one loop turn later, so what they woke (a submit's audit record,
+        written once its row is) still joins this group; at most one such turn per group."""
+        if self._tx is None:
             return
-        self._tx, self._done, self._held = None, None, []
-        self._cumulative = {}
+        if self._before_commit and not self._prepared:
+            self._prepared = True
+            started = time.perf_counter()
+            try:
+                self._run_before_commit()
+            except Exception as exc:  # noqa: BLE001 - the group fails as a failed commit
+                self.commit(failed=exc)
+                return
+            # Their work is the group's requests' own (written at once, it would have been done
+            # within the window): the next window does not wait for it again.
+            self._prepare_s = time.perf_counter() - started
+            self._loop.call_soon(self.commit)
+            return
+        self.commit()
+
+    def _run_before_commit(self) -> None:
+        while self._before_commit:  # the group is still open: their writes and commands join it
+            calls, self._before_commit = self._before_commit, []
+            for call in calls:
+                call()
+
+    def commit(self, *, failed: Exception | None = None) -> None:
+        """Commit the open transaction (if any), its ``before_commit`` calls first, then release
+        what waited for it; with ``failed`` (a ``before_commit`` call raised), roll it back and
+        fail it instead."""
+        if self._tx is None:
+            return
         started = time.perf_counter()
         try:
-            tx.__exit__(None, None, None)
+            if failed is None:
+                self._run_before_commit()
+        except Exception as exc:  # noqa: BLE001 - the group fails as a failed commit
+            failed = exc
+        tx, done, held = self._tx, self._done, self._held
+        self._tx, self._done, self._held = None, None, []
+        self._cumulative, self._before_commit = {}, []
+        try:
+            if failed is not None:
+                tx.__exit__(type(failed), failed, failed.__traceback__)  # rolls back
+            else:
+                tx.__exit__(None, None, None)
         except Exception as exc:  # noqa: BLE001 - reported to every waiter
+            failed = failed or exc
+        if failed is not None:
             log.error(
-                "commit failed; in-memory state reloaded from the store", error=repr(exc), dropped_commands=len(held)
+                "commit failed; in-memory state reloaded from the store",
+                error=repr(failed),
+                dropped_commands=len(held),
             )
             try:
                 self.on_failure()
             except Exception as again:  # noqa: BLE001 - the waiters must still hear of the failure
                 log.error("reloading memory after a failed commit failed", error=repr(again))
-            done.set_exception(exc)
+            done.set_exception(failed)
             done.add_done_callback(lambda f: f.exception())  # no "never retrieved" noise when nobody waits
             return
         self.commits += 1
         self._commit_s = 0.8 * self._commit_s + 0.2 * (time.perf_counter() - started)
-        self._last = self._loop.time()
+        self._last = self._loop.time() - self._prepare_s
         try:
             pending = self.store.flush_pending()
         except Exception as exc:  # noqa: BLE001 - as a failed flush
@@ -169,7 +235,7 @@ class GroupCommit:
         if tx is None:
             return
         self._tx, self._done, self._held = None, None, []
-        self._cumulative = {}
+        self._cumulative, self._before_commit = {}, []
         try:
             tx.__exit__(type(error), error, None)
         except Exception as exc:  # noqa: BLE001 - the rollback of a connection that is gone

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import secrets
 import time
 from typing import Callable
@@ -43,7 +44,14 @@ from opentinker_common.spec import (
 
 from opentinker_scheduler.state.commit import GroupCommit
 from opentinker_scheduler.config import SchedulerConfig
-from opentinker_scheduler.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, NotLeader
+from opentinker_scheduler.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    NotLeader,
+    StoreUnavailable,
+)
 from opentinker_scheduler.state.node_protocol import NodeProtocol, node_size
 from opentinker_scheduler.state.nodes import NodeSession
 from opentinker_scheduler.policy.placement import (
@@ -139,6 +147,8 @@ class SchedulerCore:
         self.quotas = self._quota_book([])
         self._init_memory()
         self.commits = GroupCommit(store, on_failure=self._rebuild)
+        #: Submits waiting for their group commit to write them (:meth:`submit_grouped`).
+        self._new_tasks = _NewTasks()
         if leading:
             self._recover()
         else:  # a follower answers ListQueues from the store's overrides too
@@ -203,6 +213,7 @@ class SchedulerCore:
             return
         self.leading = False
         self.commits.abandon(NotLeader(self.store.leader_address))
+        self._new_tasks = _NewTasks()  # their group was rolled back: its submits got NotLeader
         for node in self.nodes.values():
             node.generation += 1  # what the old streams still send is ignored
             if node.connected:
@@ -341,30 +352,103 @@ class SchedulerCore:
         return out
 
     def submit(self, spec: common_pb2.TaskSpec, *, owner: str, request_id: str = "") -> TaskRow:
-        """Validate and store a new PENDING task.
+        """Validate and store a new PENDING task (written at once; a server's submits go through
+        :meth:`submit_grouped`).
 
         Raises:
             InvalidArgument: bad spec (message names the field path).
             FailedPrecondition: no node in the pool could ever hold it, or it names a
                 ``spec.tracking`` logger that no connected node can write
                 (:func:`~opentinker_scheduler.policy.tracking.unwritable_logger`).
+            AlreadyExists: ``request_id`` was used for a task with a different spec.
         """
+        task, ev, retried = self._submitted_row(spec, owner=owner, request_id=request_id)
+        if retried is not None:
+            return retried
+        return self._stored(task, spec, self.store.insert_new_task(task, ev))
+
+    async def submit_grouped(self, spec: common_pb2.TaskSpec, *, owner: str, request_id: str = "") -> TaskRow:
+        """:meth:`submit`, with the row written by the group commit (:mod:`.commit`) together
+        with the other submits of its group: when the group's window ends, one ``INSERT`` for all
+        of them (on PostgreSQL one round trip instead of one per submit), each joins memory in
+        submit order, one placement round runs for them, and the group commits a loop turn later
+        (so what the caller writes next, its audit record, joins the same commit). Returns once
+        the row is written and in memory, not yet committed: as after :meth:`submit`, await
+        :meth:`durable` before acknowledging. Until then the task is in no list and placed by
+        nothing. With group commit off (no running loop), as :meth:`submit`.
+
+        Raises:
+            as :meth:`submit`; also the group's error when it failed or was abandoned before
+            writing the row (``sqlite3.Error``, StoreUnavailable; NotLeader when this scheduler
+            stepped down): nothing of the submit was kept.
+        """
+        task, ev, retried = self._submitted_row(spec, owner=owner, request_id=request_id)
+        if retried is not None:
+            return retried
+        group = self.commits.group()
+        if group is None:
+            stored = self._stored(task, spec, self.store.insert_new_task(task, ev))
+            self.schedule()
+            return stored
+        if self._new_tasks.group is not group:  # the group's first submit
+            self._new_tasks = _NewTasks(group=group)
+            self.commits.group(before_commit=self._write_new_tasks)
+        stored: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._new_tasks.rows.append((task, ev, spec, stored))
+        group.add_done_callback(functools.partial(_fail_with_group, stored))
+        # Awaited directly: this call resumes on the loop turn after the row is written, before
+        # the group's commit (one turn later), so what the caller writes next joins that commit.
+        return await stored
+
+    def _write_new_tasks(self) -> None:
+        """In the group commit, before it ends: every new task of the group in one statement
+        (:meth:`~.store.SqlStore.insert_new_tasks`), then into memory in submit order."""
+        rows, self._new_tasks = self._new_tasks.rows, _NewTasks()
+        results = self.store.insert_new_tasks([(task, ev) for task, ev, _, _ in rows])
+        for (task, _, spec, stored), existing in zip(rows, results):
+            try:
+                if isinstance(existing, Exception):
+                    raise existing
+                outcome = self._stored(task, spec, existing)
+            except (AlreadyExists, StoreUnavailable) as exc:
+                stored.set_exception(exc)
+                stored.add_done_callback(lambda f: f.exception())
+            else:
+                stored.set_result(outcome)
+        self.schedule()  # their assignments join this group, as a submit's did when written at once
+
+    def waiting_new_tasks(self, owner: str) -> int:
+        """How many of ``owner``'s submits wait for their group commit (PENDING, not stored yet)."""
+        return sum(1 for task, _, _, _ in self._new_tasks.rows if task.owner == owner)
+
+    def _submitted_row(
+        self, spec: common_pb2.TaskSpec, *, owner: str, request_id: str
+    ) -> tuple[TaskRow | None, common_pb2.TaskEvent | None, TaskRow | None]:
+        """The new PENDING row and its first event; or, for a retry of a submit accepted before
+        the config or the cluster changed (validation refuses it now), that task (third)."""
         if len(request_id) > 128:
             raise InvalidArgument("request_id: expected at most 128 characters")
         try:
             task, ev, _ = self._new_task(spec, owner=owner, request_id=request_id)
         except (InvalidArgument, FailedPrecondition):
-            # A retry of a submit accepted before the config or the cluster changed gets its task.
             existing = self.store.find_by_request(owner, request_id) if request_id else None
             if existing is not None and self._same_request(existing, spec):
-                return self.tasks.get(existing.task_id) or existing
+                return None, None, self.tasks.get(existing.task_id) or existing
             raise
-        existing = self.store.insert_new_task(task, ev)  # nothing written when the request id is used
+        return task, ev, None
+
+    def _stored(self, task: TaskRow, spec: common_pb2.TaskSpec, existing: TaskRow | None) -> TaskRow:
+        """After the insert: ``task`` joins memory (``existing`` None), or the retried request's
+        task is returned (same spec).
+
+        Raises:
+            AlreadyExists: the request id named a task with a different spec.
+        """
         if existing is not None:
             if self._same_request(existing, spec):
                 return self.tasks.get(existing.task_id) or existing
             raise AlreadyExists(
-                f"request_id {request_id!r} was already used for task {existing.task_id} with a different spec"
+                f"request_id {task.request_id!r} was already used for task {existing.task_id} with a different spec"
             )
         self.tasks.added(task)
         self._queued_at[task.task_id] = time.monotonic()
@@ -1468,6 +1552,27 @@ class SchedulerCore:
         self._wake_pending = False
         async with self.changed:
             self.changed.notify_all()
+
+
+def _fail_with_group(stored: asyncio.Future, group: asyncio.Future) -> None:
+    """A group ended before it wrote a submit's row (it failed or was abandoned): the submit
+    gets the group's error."""
+    if not stored.done():
+        stored.set_exception(
+            group.exception() or StoreUnavailable("state store unavailable: the submit was not written")
+        )
+        stored.add_done_callback(lambda f: f.exception())
+
+
+@dataclasses.dataclass
+class _NewTasks:
+    """The submits of one open group commit, waiting to be written (:meth:`SchedulerCore.submit_grouped`):
+    per submit its row, first event, spec and the future its result goes to."""
+
+    group: asyncio.Future | None = None
+    rows: list[tuple[TaskRow, common_pb2.TaskEvent, common_pb2.TaskSpec, asyncio.Future]] = dataclasses.field(
+        default_factory=list
+    )
 
 
 @dataclasses.dataclass(frozen=True)

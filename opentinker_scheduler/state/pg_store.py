@@ -319,6 +319,43 @@ class _PgBase(SqlStore):
         ).fetchall()
         return bool(rows)
 
+    #: New tasks per multi-row INSERT (27 parameters each, within PostgreSQL's 65,535).
+    TASKS_PER_INSERT = 500
+
+    def _insert_tasks_unless_requested(self, items) -> list[bool]:
+        # Every item's row and first event in one statement (one round trip however many):
+        # the rows whose request id or task id is free go in, then the events of those rows.
+        # A later row naming an earlier row's request id conflicts with it and is left out.
+        if len(items) == 1:
+            return [self._insert_task_unless_requested(*items[0])]
+        if len(items) > self.TASKS_PER_INSERT:
+            step = self.TASKS_PER_INSERT
+            return [
+                ok
+                for at in range(0, len(items), step)
+                for ok in self._insert_tasks_unless_requested(items[at : at + step])
+            ]
+        rows, events = [], []
+        for task, ev in items:
+            rows.append(self._task_values(task))
+            events.append((task.task_id, *self._event_values(task.task_id, 1, ev)))
+        width = len(rows[0])
+        task_values = ",".join(["(" + ",".join("?" * width) + ", 2)"] * len(rows))
+        event_values = ",".join(["(?::text, ?::float8, ?::text, ?::bigint, ?::bytea)"] * len(events))
+        params = [v for row in rows for v in row] + [v for e in events for v in e]
+        went_in = {
+            r[0]
+            for r in self.db.execute(
+                f"WITH t AS (INSERT INTO tasks ({_COLUMNS}, next_seq) VALUES {task_values} "
+                "ON CONFLICT DO NOTHING RETURNING task_id) "
+                "INSERT INTO events (task_id, seq, time, kind, step, payload) "
+                f"SELECT e.task_id, 1, e.time, e.kind, e.step, e.payload FROM (VALUES {event_values}) "
+                "AS e (task_id, time, kind, step, payload) JOIN t ON t.task_id = e.task_id RETURNING task_id",
+                params,
+            ).fetchall()
+        }
+        return [task.task_id in went_in for task, _ in items]
+
     def close(self) -> None:
         self.db.close()
 

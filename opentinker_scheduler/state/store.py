@@ -409,6 +409,47 @@ class SqlStore:
             raise StoreUnavailable(f"state store unavailable: task {task.task_id} was not stored (its id is taken)")
         return existing
 
+    def insert_new_tasks(
+        self, items: list[tuple[TaskRow, common_pb2.TaskEvent]]
+    ) -> list[TaskRow | StoreUnavailable | None]:
+        """:meth:`insert_new_task` for several new tasks in one transaction, in order; a request
+        id used by an earlier item is found as used by a later one. On PostgreSQL one statement
+        for all of them (:meth:`_insert_tasks_unless_requested`), not one round trip each: a
+        group commit's submits are written together (:meth:`SchedulerCore.submit_grouped`).
+
+        Returns, per item: None when inserted; the task its owner's ``request_id`` already named
+        (nothing written for this item); or a :class:`StoreUnavailable` to raise for this item
+        alone (not inserted and no task with that request id: its task id is taken).
+
+        Raises:
+            StoreUnavailable, sqlite3.Error: the statement itself failed (nothing of it is kept
+                once the transaction rolls back).
+        """
+        if not items:
+            return []
+        with self._tx():
+            inserted = self._insert_tasks_unless_requested(items)
+            out: list[TaskRow | StoreUnavailable | None] = []
+            for (task, _), ok in zip(items, inserted):
+                if ok:
+                    self._next_seq[task.task_id] = 2
+                    out.append(None)
+                    continue
+                existing = self.find_by_request(task.owner, task.request_id) if task.request_id else None
+                out.append(
+                    existing
+                    if existing is not None
+                    else StoreUnavailable(
+                        f"state store unavailable: task {task.task_id} was not stored (its id is taken)"
+                    )
+                )
+        return out
+
+    def _insert_tasks_unless_requested(self, items: list[tuple[TaskRow, common_pb2.TaskEvent]]) -> list[bool]:
+        """Per item, whether its row and first event went in (False: its request id or task id
+        was taken). SQLite runs in this process: one statement each costs no round trip."""
+        return [self._insert_task_unless_requested(task, ev) for task, ev in items]
+
     def _insert_task_unless_requested(self, task: TaskRow, first_event: common_pb2.TaskEvent) -> bool:
         cur = self.db.execute(
             f"INSERT INTO tasks ({_COLUMNS}, next_seq) VALUES ({','.join('?' * 22)}, 2) ON CONFLICT DO NOTHING",

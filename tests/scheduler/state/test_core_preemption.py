@@ -109,12 +109,12 @@ def test_lowest_priority_victim_and_only_enough(tmp_path) -> None:
 
 
 def test_node_loss_clears_preemption_in_flight(tmp_path) -> None:
-    core = make_core(tmp_path, lease_s=0.05)
+    core = make_core(tmp_path)  # a 10 s lease: the first tick finds the node alive however slow the store
     node, low, high = _running_and_waiting(core, 0, 10)
     core.tick()
     assert len(_cancels(node)) == 1
     assert core.preemptions.victims and core.preemptions.waiting
-    node.last_seen -= 1
+    node.last_seen -= core.config.lease_s + 1  # silent past its lease
     core.tick()  # the node is lost: the victim is requeued as NODE_LOST, the record goes
     assert core.preemptions.victims == {} and core.preemptions.waiting == {}
     t = core.get(low.task_id)
