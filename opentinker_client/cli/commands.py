@@ -6,7 +6,7 @@
     opentinker watch TASK_ID                 # a line per step (reward, loss) and per state change
     opentinker list --state running
     opentinker get TASK_ID
-    opentinker cancel TASK_ID
+    opentinker cancel TASK_ID [TASK_ID ...]
     opentinker rm TASK_ID                    # delete a finished task's checkpoints from the store
     opentinker nodes                         # nodes and per-GPU telemetry
     opentinker logs TASK_ID [--follow]       # state changes, errors, checkpoints as lines
@@ -691,9 +691,19 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
 
 
 def _cmd_cancel(client: RLClient, args: argparse.Namespace) -> int:
-    t = client.cancel(args.task_id, reason=args.reason)
-    _console().print(f"task {_escape(t.task_id)} is {_state(t.state)}")
-    return EXIT_OK
+    """Cancel each task named, in order: a line per task, ``error: TASK_ID: ...`` on stderr for
+    one that cannot be (the others are still cancelled); the exit code is an error's when any was."""
+    code = EXIT_OK
+    for task_id in dict.fromkeys(args.task_id):  # each once, in the order given
+        try:
+            t = client.cancel(task_id, reason=args.reason)
+        except (OpenTinkerError, ValueError) as err:
+            if len(args.task_id) == 1:
+                raise
+            code = _error(f"{task_id}: {error_text(err)}")
+            continue
+        _console().print(f"task {_escape(t.task_id)} is {_state(t.state)}")
+    return code
 
 
 def _cmd_rm(client: RLClient, args: argparse.Namespace) -> int:
@@ -1281,8 +1291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_get)
 
-    p = sub.add_parser("cancel", help="cancel a pending or running task")
-    p.add_argument("task_id", metavar="TASK_ID")
+    p = sub.add_parser("cancel", help="cancel pending or running tasks")
+    p.add_argument("task_id", metavar="TASK_ID", nargs="+", help="one or more task ids")
     p.add_argument("--reason", default="", help="why, recorded on the task")
     p.set_defaults(func=_cmd_cancel)
 
