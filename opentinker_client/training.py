@@ -330,6 +330,15 @@ class TrainingSession:
                     continue
                 if isinstance(mapped, (UnavailableError, DeadlineExceededError)):
                     self._unsure = True
+                    mapped = type(mapped)(
+                        f"training session {self.task_id or self.endpoint} at {self.endpoint} did not answer "
+                        f"after {self.retries + 1} tries ({mapped.details}); if its worker or node was lost, "
+                        f"the scheduler runs the task again: RLClient.resume_training_session("
+                        f"{self.task_id or 'TASK_ID'!r}) connects to the new attempt, which resumes from the "
+                        "newest save_state",
+                        code=mapped.code,
+                        status=mapped.status,
+                    )
                 raise mapped from None
             self.next_sequence = sequence + 1
             return convert(response)

@@ -19,6 +19,7 @@ from opentinker_client import (
     RLClient,
     TrainingSession,
     UnauthenticatedError,
+    UnavailableError,
 )
 from opentinker_client import training as client_training
 from opentinker_client.training import Datum
@@ -189,3 +190,22 @@ def test_a_full_weight_session_says_so_and_trains_over_grpc(world, tiny_model_di
             assert saved.step == 1 and (tmp_path / "full" / "state_full" / "model.safetensors").exists()
     finally:
         served.close()
+
+
+def test_a_session_whose_worker_went_away_says_how_to_resume(world) -> None:
+    """A call that cannot reach the session after its retries (the worker or its node is gone: here
+    the endpoint's port refuses connections) names the task and points to resume_training_session."""
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    with TrainingSession(
+        world["served"].address, api_key=world["alice"], task_id=world["task"], retries=1, timeout=5
+    ) as s:
+        s._stub = training_pb2_grpc.TrainingServiceStub(grpc.insecure_channel(dead))
+        with pytest.raises(UnavailableError) as err:
+            s.optim_step(learning_rate=1e-2).result(timeout=60)
+    text = str(err.value)
+    assert text.startswith("UNAVAILABLE: training session " + world["task"])
+    assert "after 2 tries" in text and f"RLClient.resume_training_session('{world['task']}')" in text
