@@ -1393,7 +1393,7 @@ class SchedulerCore:
             self.requeue(task, reason, message, extra=extra, backoff=True)
         else:
             if retryable:
-                message = f"{message} (max_attempts {task.max_attempts} used)"
+                message = f"{message} ({_attempts_used(task)})"
             task.error = message
             self.transition(task, S.TASK_STATE_FAILED, reason, message, extra=extra, end=True, keep_node=True)
 
@@ -1411,7 +1411,7 @@ class SchedulerCore:
         if not failure:
             task.max_attempts += 1
         if task.attempt >= task.max_attempts:
-            task.error = f"{message}; max_attempts ({task.max_attempts}) exhausted"
+            task.error = f"{message}; {_attempts_used(task)}"
             self.transition(task, S.TASK_STATE_FAILED, reason, task.error, extra=extra, end=True, keep_node=True)
             return
         failed = task.attempt
@@ -1552,6 +1552,19 @@ class SchedulerCore:
         self._wake_pending = False
         async with self.changed:
             self.changed.notify_all()
+
+
+def _attempts_used(task: TaskRow) -> str:
+    """Why no attempt is left, in the spec's terms (hand-backs raise the row's ``max_attempts``
+    but are not counted): ``"max_attempts (3) exhausted"``, or ``"max_attempts (3) exhausted;
+    1 more attempt was handed back (preempted or drained; not counted)"``."""
+    back = task.handed_back
+    text = f"max_attempts ({task.max_attempts - back}) exhausted"
+    if back:
+        text += (
+            f"; {back} more attempt{'s were' if back > 1 else ' was'} handed back (preempted or drained; not counted)"
+        )
+    return text
 
 
 def _fail_with_group(stored: asyncio.Future, group: asyncio.Future) -> None:

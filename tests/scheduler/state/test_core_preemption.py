@@ -220,3 +220,27 @@ def test_a_gang_is_preempted_whole_and_requeued_once(tmp_path) -> None:
     assert reasons.count("PREEMPTED") == 1 and "HANDED_BACK" not in reasons
     assert not any(gang.task_id in n.allocations for n in (primary, other))
     assert core.schedule() == 1 and core.get(high.task_id).state == C.TASK_STATE_ASSIGNED
+
+
+def test_exhausted_attempts_are_counted_as_the_spec_counts_them_with_hand_backs_apart(tmp_path) -> None:
+    core = make_core(tmp_path, default_max_attempts=2)
+    node, _ = register(core)
+    low = core.submit(prio_spec(3, 0), owner="u")
+    _run(core, node, low.task_id)
+    high = core.submit(prio_spec(2, 10), owner="u")
+    core.tick()
+    assert report(core, node, low.task_id, 1, C.TASK_STATE_CANCELLED, error="PREEMPTED")  # handed back
+    assert core.schedule() == 1
+    drain(node)
+    assert report(core, node, high.task_id, 1, C.TASK_STATE_SUCCEEDED)
+    for attempt in (2, 3):  # the two attempts max_attempts allows, each lost with its node
+        _run(core, node, low.task_id)
+        assert core.get(low.task_id).attempt == attempt
+        node.last_seen -= core.config.lease_s + 1
+        core.tick()
+        node, _ = register(core)
+    t = core.get(low.task_id)
+    assert t.state == C.TASK_STATE_FAILED
+    assert t.error.endswith(
+        "max_attempts (2) exhausted; 1 more attempt was handed back (preempted or drained; not counted)"
+    ), t.error
