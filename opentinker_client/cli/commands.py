@@ -69,9 +69,21 @@ def _console(stderr: bool = False):
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    # Off a terminal (pipes, CI logs) rich would squeeze tables into 80 columns; allow wider lines.
-    width = None if stream.isatty() else max(160, int(os.environ.get("COLUMNS", "0") or 0))
-    return Console(file=stream, width=width, highlight=False)
+    return Console(file=stream, width=_width(stream), highlight=False)
+
+
+#: Columns of output off a terminal without ``$COLUMNS`` (rich's own default there, 80, squeezes tables).
+PIPE_COLUMNS = 160
+
+
+def _width(stream) -> int | None:
+    """The output's width in columns: ``$COLUMNS`` when it is a positive whole number (on a
+    terminal or a pipe: ``COLUMNS=100 opentinker list | less``), else the terminal's own (None:
+    rich asks it), or :data:`PIPE_COLUMNS` off a terminal (pipes, CI logs)."""
+    text = os.environ.get("COLUMNS", "").strip()
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    return None if stream.isatty() else PIPE_COLUMNS
 
 
 def _fmt_num(value: Any, spec: str = ".4f") -> str:
