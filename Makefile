@@ -69,11 +69,12 @@ proto: venv
 proto-check: venv
 	$(PY) scripts/gen_protos.py --check
 
+# SCHEDULER_ARGS / TRAINER_ARGS: more flags, e.g. make trainer TRAINER_ARGS="--max-tasks 2".
 scheduler: install
-	$(PY) -m opentinker_scheduler --config $(SCHEDULER_CONFIG) --port $(PORT) --http-port $(HTTP_PORT)
+	$(PY) -m opentinker_scheduler --config $(SCHEDULER_CONFIG) --port $(PORT) --http-port $(HTTP_PORT) $(SCHEDULER_ARGS)
 
 trainer: install
-	SCHEDULER_URL=$(SCHEDULER_URL) $(PY) -m opentinker_trainer --node-id $(NODE_ID)
+	SCHEDULER_URL=$(SCHEDULER_URL) $(PY) -m opentinker_trainer --node-id $(NODE_ID) $(TRAINER_ARGS)
 
 demo: install
 	$(PY) scripts/demo.py --model $(MODEL_DIR) $(DEMO_ARGS)

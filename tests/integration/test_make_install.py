@@ -133,6 +133,26 @@ def test_make_trainer_joins_as_the_pool_node_of_make_schedulers_config(tmp_path:
     assert _trainer_node_id("NODE_ID=mine") == "mine"
 
 
+def _make_line(target: str, module: str, *make_args: str) -> str:
+    proc = subprocess.run(
+        ["make", "-n", "-s", "--no-print-directory", target, *make_args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = [line for line in proc.stdout.splitlines() if f"-m {module}" in line]
+    return line
+
+
+def test_make_trainer_and_scheduler_pass_extra_flags_on() -> None:
+    line = _make_line("trainer", "opentinker_trainer", "TRAINER_ARGS=--max-tasks 2 --simulate-gpus 4")
+    assert line.endswith("--max-tasks 2 --simulate-gpus 4")
+    line = _make_line("scheduler", "opentinker_scheduler", "SCHEDULER_ARGS=--host 0.0.0.0")
+    assert line.endswith("--host 0.0.0.0")
+
+
 def test_a_venv_stamped_by_the_older_makefile_is_not_reinstalled(checkout: Path) -> None:
     _fake_venv(checkout)
     (checkout / ".venv/.installed").touch()  # what `touch $@` left, newer than the inputs
