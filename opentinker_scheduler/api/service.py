@@ -422,6 +422,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             )
             _ts(msg.last_heartbeat_time, n.last_heartbeat_time)
             nodes.append(msg)
+        for p in self.core.pool_nodes_not_seen():
+            nodes.append(
+                scheduler_pb2.Node(
+                    node_id=p.node_id,
+                    connected=False,
+                    gpu_count=p.gpu_count,
+                    max_tasks=p.max_tasks,
+                    notes=["in resource_pool; has not connected since this scheduler started"],
+                )
+            )
+        nodes.sort(key=lambda m: m.node_id)
         return scheduler_pb2.ListNodesResponse(nodes=nodes)
 
 

@@ -43,7 +43,7 @@ from opentinker_common.spec import (
 )
 
 from opentinker_scheduler.state.commit import GroupCommit
-from opentinker_scheduler.config import SchedulerConfig
+from opentinker_scheduler.config import PoolNode, SchedulerConfig
 from opentinker_scheduler.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -952,6 +952,11 @@ class SchedulerCore:
             *node.notes,
             f"disconnected; forgotten in {max(0, round(forget_in))} s unless it reconnects (forget_disconnected_after)",
         ]
+
+    def pool_nodes_not_seen(self) -> list[PoolNode]:
+        """The ``resource_pool`` nodes that have not connected since this scheduler started
+        leading (ListNodes lists them as not connected, so a node that never came is seen)."""
+        return [p for p in self.config.resource_pool if p.node_id not in self.nodes]
 
     # ------------------------------------------------------------------ node streams
     @property

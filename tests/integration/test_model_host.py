@@ -66,7 +66,7 @@ def one_gpu_host_node(tmp_path: Path) -> tuple[Cluster, object, RLClient]:
             "node-a", "--simulate-gpus", "1", "--max-tasks", "4", "--tenants-per-host", "4", "--host-idle", "1"
         )
         client = RLClient(cluster.url, min_poll_interval=0)
-        wait_for(lambda: client.list_nodes(), what="the node connected")
+        wait_for(lambda: [n for n in client.list_nodes() if n.connected], what="the node connected")
     except BaseException:
         cluster.close()
         raise
@@ -126,7 +126,7 @@ def test_owners_tasks_share_one_host_survive_its_kill9_and_cancel_alone(tmp_path
         )
         clients = {o: RLClient(cluster.url, api_key=k, min_poll_interval=0) for o, k in keys.items()}
         admin = RLClient(cluster.url, api_key=cluster.admin_key(), min_poll_interval=0)  # ListNodes is for admins
-        wait_for(lambda: admin.list_nodes(), what="the node connected")
+        wait_for(lambda: [n for n in admin.list_nodes() if n.connected], what="the node connected")
         tasks: dict[str, str] = {}  # task id -> owner
         for owner, n in zip(OWNERS, (3, 3, 2)):  # eight tenants: the host's --tenants-per-host
             for _ in range(n):
