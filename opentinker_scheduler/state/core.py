@@ -31,12 +31,12 @@ import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
 from opentinker_common.artifacts.checkpoint_lists import resumable, sampler_saves
+from opentinker_common.spec.structs import struct_to_dict, update_struct
 from opentinker_common.spec.tracking import EXTRAS as TRACKING_LOGGERS
 from opentinker_common.spec import (
     SpecError,
     TaskSpecModel,
     control_character_problem,
-    plain,
     spec_from_proto,
     task_uses_model,
 )
@@ -336,7 +336,7 @@ class SchedulerCore:
             except SpecError:
                 return out
         out.hyperparameters.Clear()
-        out.hyperparameters.update(plain(model.hyperparameters))
+        update_struct(out.hyperparameters, model.hyperparameters)  # = .update(plain(...)), in one pass
         out.limits.max_attempts = out.limits.max_attempts or self.config.default_max_attempts
         return out
 
@@ -1489,9 +1489,7 @@ def _usage_sums(u: common_pb2.Usage | None) -> tuple:
 
 def _struct_dict(spec: common_pb2.TaskSpec, name: str) -> dict:
     """A ``google.protobuf.Struct`` field of a spec as a plain dict ({} when unset)."""
-    from google.protobuf import json_format
-
-    return json_format.MessageToDict(getattr(spec, name)) if spec.HasField(name) else {}
+    return struct_to_dict(getattr(spec, name)) if spec.HasField(name) else {}
 
 
 def init_checkpoint(store: Store, spec: common_pb2.TaskSpec) -> common_pb2.Checkpoint | None:
