@@ -1392,10 +1392,10 @@ class SchedulerCore:
         self.tasks.moved(task, from_state)
         was, now_active = from_state in ACTIVE_STATES, to_state in ACTIVE_STATES
         if was != now_active:
-            queue = self.quotas.queue_of(task.owner)
-            self.quotas.add(queue, self.need(task), 1 if now_active else -1)
+            queue, need = self.quotas.queue_of(task.owner), self.need(task)
+            self.quotas.add(queue, need, 1 if now_active else -1)
             if now_active:
-                self.usage.start(task, queue=queue, gpus=self.need(task)[0], start_time=now)
+                self.usage.start(task, queue=queue, gpus=need[0], start_time=now)
             else:
                 self.usage.end(task, end_time=now, until_confirmed=until_confirmed)
         if task.task_id in self.gangs.live:

@@ -867,12 +867,17 @@ class SqlStore:
         """Stamp ``ev`` (task id, sequence, time when unset); its ``(time, kind, step, payload)`` columns."""
         ev.task_id = task_id
         ev.sequence = seq
-        if not ev.HasField("time"):
-            ev.time.FromNanoseconds(time.time_ns())
+        if ev.HasField("time"):
+            at = ev.time.ToNanoseconds() / 1e9
+        else:  # now: what FromNanoseconds(time_ns()) sets, without its checks of a time that is valid
+            now = time.time_ns()
+            ev.time.seconds, ev.time.nanos = divmod(now, 1_000_000_000)
+            at = now / 1e9
         kind = ev.WhichOneof("event")
-        kind = {"state_change": "state"}.get(kind, kind)
+        if kind == "state_change":
+            kind = "state"
         step = ev.metric.step if kind == "metric" else (ev.checkpoint.step if kind == "checkpoint" else None)
-        return ev.time.ToNanoseconds() / 1e9, kind, step, ev.SerializeToString()
+        return at, kind, step, ev.SerializeToString()
 
     def _task_values(self, t: TaskRow, *, spec: bool = True) -> tuple:
         """The row's values in :data:`_COLUMNS` order; without ``spec``, that column left out."""
