@@ -11,9 +11,13 @@ line. JSON lines escape them already.
 
 from __future__ import annotations
 
+import datetime
+import json as pyjson
 import logging
 import os
 import sys
+import time
+from typing import Any
 
 import structlog
 
@@ -57,6 +61,44 @@ def escape_control_characters(_logger, _method: str, event: dict) -> dict:
     return event
 
 
+class _UtcTimestamp:
+    """structlog's ``TimeStamper(fmt="iso", utc=True)`` (``timestamp``: ``2026-12-02T14:06:43.933425Z``,
+    no fraction when the microseconds are 0), with the date and time to the second formatted once
+    a second instead of once a line."""
+
+    def __init__(self) -> None:
+        self._second: tuple[int, str] = (-1, "")
+
+    def __call__(self, _logger, _method: str, event: dict) -> dict:
+        second, ns = divmod(time.time_ns(), 1_000_000_000)
+        cached = self._second
+        if cached[0] != second:  # one tuple: a thread sees an old or a new pair, never a mix
+            text = datetime.datetime.fromtimestamp(second, datetime.timezone.utc).replace(tzinfo=None).isoformat()
+            cached = self._second = (second, text)
+        micro = ns // 1000
+        event["timestamp"] = f"{cached[1]}.{micro:06d}Z" if micro else f"{cached[1]}Z"
+        return event
+
+
+def _json_fallback(value: Any) -> Any:
+    """What structlog's ``JSONRenderer`` writes for a value JSON has no type for."""
+    try:
+        return value.__structlog__()
+    except AttributeError:
+        return repr(value)
+
+
+class _JsonLine:
+    """structlog's ``JSONRenderer()`` (``json.dumps(event, default=...)``) with one encoder made
+    at start instead of one per line."""
+
+    def __init__(self) -> None:
+        self._encode = pyjson.JSONEncoder(default=_json_fallback).encode
+
+    def __call__(self, _logger, _method: str, event: dict) -> str:
+        return self._encode(event)
+
+
 def configure_logging(*, level: str | None = None, json: bool | None = None) -> None:
     """Configure structlog and stdlib logging to write to stderr. Idempotent.
 
@@ -74,14 +116,12 @@ def configure_logging(*, level: str | None = None, json: bool | None = None) -> 
     if json is None:
         fmt = os.environ.get("OPENTINKER_LOG_FORMAT")
         json = (fmt == "json") if fmt else not sys.stderr.isatty()
-    renderers = (
-        [structlog.processors.JSONRenderer()] if json else [escape_control_characters, structlog.dev.ConsoleRenderer()]
-    )
+    renderers = [_JsonLine()] if json else [escape_control_characters, structlog.dev.ConsoleRenderer()]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _UtcTimestamp(),
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
             *renderers,

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import re
 import types
 import typing
 import unicodedata
@@ -138,6 +139,14 @@ _CONTROL_NAMES = {"\x1b": "ESC", "\x07": "BEL", "\x00": "NUL", "\n": "newline", 
                   "\t": "tab", "\x08": "backspace", "\x7f": "DEL"}  # fmt: skip
 #: What multi-line text (a system prompt, a PEM) may hold besides printable characters.
 _MULTILINE_ALLOWED = frozenset("\n\r\t")
+#: Every character :func:`is_control_character` is true for, as one regular expression: category
+#: Cc is exactly U+0000..U+001F and U+007F..U+009F (Unicode never changes it), then
+#: :data:`_INVISIBLE_FORMATTING`. Searching a string with it is one C call instead of a Python
+#: step and a category look-up per character (names and models are checked on every submit);
+#: ``tests/common/spec/test_control_characters.py`` checks it against every code point.
+_CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
+#: The same without :data:`_MULTILINE_ALLOWED` (tab U+0009, newline U+000A, carriage return U+000D).
+_CONTROL_RE_MULTILINE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
 
 
 def is_control_character(c: str) -> bool:
@@ -155,13 +164,12 @@ def control_character_problem(text: str, *, multiline: bool = False) -> str | No
     retitle windows and recolour text; a newline forges a table row), so names and free text a
     person will read must not carry them.
     """
-    for i, c in enumerate(text):
-        if is_control_character(c):
-            if multiline and c in _MULTILINE_ALLOWED:
-                continue
-            name = _CONTROL_NAMES.get(c) or unicodedata.name(c, "a control character")
-            return f"U+{ord(c):04X} ({name}) at character {i}"
-    return None
+    found = (_CONTROL_RE_MULTILINE if multiline else _CONTROL_RE).search(text)
+    if found is None:
+        return None
+    i, c = found.start(), found.group()
+    name = _CONTROL_NAMES.get(c) or unicodedata.name(c, "a control character")
+    return f"U+{ord(c):04X} ({name}) at character {i}"
 
 
 def check_text(path: str, text: str, *, multiline: bool = False) -> None:

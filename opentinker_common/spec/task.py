@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from opentinker_common.spec._parse import SpecError, check_text, did_you_mean, parse_dataclass, plain
+from opentinker_common.spec.structs import struct_to_dict
 from opentinker_common.spec.tracking import TrackingConfig, parse_tracking
 from opentinker_common.spec.registry import (
     WORKLOAD_TYPES,
@@ -260,11 +261,9 @@ def spec_from_proto(spec, *, allowed_workloads: tuple[str, ...] = WORKLOAD_TYPES
     Raises:
         SpecError: naming the field path (``spec.hyperparameters.steps`` ...).
     """
-    from google.protobuf import json_format
-
-    env = json_format.MessageToDict(spec.env_config) if spec.HasField("env_config") else {}
-    hp = json_format.MessageToDict(spec.hyperparameters) if spec.HasField("hyperparameters") else {}
-    tracking = json_format.MessageToDict(spec.tracking) if spec.HasField("tracking") else None
+    env = struct_to_dict(spec.env_config) if spec.HasField("env_config") else {}
+    hp = struct_to_dict(spec.hyperparameters) if spec.HasField("hyperparameters") else {}
+    tracking = struct_to_dict(spec.tracking) if spec.HasField("tracking") else None
     max_runtime_s = None
     if spec.HasField("limits") and spec.limits.HasField("max_runtime"):
         max_runtime_s = spec.limits.max_runtime.ToNanoseconds() / 1e9

@@ -32,12 +32,12 @@ import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
 from opentinker_common.artifacts.checkpoint_lists import resumable, sampler_saves
+from opentinker_common.spec.structs import struct_to_dict, update_struct
 from opentinker_common.spec.tracking import EXTRAS as TRACKING_LOGGERS
 from opentinker_common.spec import (
     SpecError,
     TaskSpecModel,
     control_character_problem,
-    plain,
     spec_from_proto,
     task_uses_model,
 )
@@ -347,7 +347,7 @@ class SchedulerCore:
             except SpecError:
                 return out
         out.hyperparameters.Clear()
-        out.hyperparameters.update(plain(model.hyperparameters))
+        update_struct(out.hyperparameters, model.hyperparameters)  # = .update(plain(...)), in one pass
         out.limits.max_attempts = out.limits.max_attempts or self.config.default_max_attempts
         return out
 
@@ -1481,10 +1481,10 @@ class SchedulerCore:
         self.tasks.moved(task, from_state)
         was, now_active = from_state in ACTIVE_STATES, to_state in ACTIVE_STATES
         if was != now_active:
-            queue = self.quotas.queue_of(task.owner)
-            self.quotas.add(queue, self.need(task), 1 if now_active else -1)
+            queue, need = self.quotas.queue_of(task.owner), self.need(task)
+            self.quotas.add(queue, need, 1 if now_active else -1)
             if now_active:
-                self.usage.start(task, queue=queue, gpus=self.need(task)[0], start_time=now)
+                self.usage.start(task, queue=queue, gpus=need[0], start_time=now)
             else:
                 self.usage.end(task, end_time=now, until_confirmed=until_confirmed)
         if task.task_id in self.gangs.live:
@@ -1612,9 +1612,7 @@ def _usage_sums(u: common_pb2.Usage | None) -> tuple:
 
 def _struct_dict(spec: common_pb2.TaskSpec, name: str) -> dict:
     """A ``google.protobuf.Struct`` field of a spec as a plain dict ({} when unset)."""
-    from google.protobuf import json_format
-
-    return json_format.MessageToDict(getattr(spec, name)) if spec.HasField(name) else {}
+    return struct_to_dict(getattr(spec, name)) if spec.HasField(name) else {}
 
 
 def init_checkpoint(store: Store, spec: common_pb2.TaskSpec) -> common_pb2.Checkpoint | None:

@@ -40,6 +40,8 @@ class NodeSession:
     _share: dict[str, str | None] = field(default_factory=dict, repr=False)
     #: task_id -> the GPU memory estimate of a shared LoRA task (None or absent: not counted).
     _memory: dict[str, MemoryNeed | None] = field(default_factory=dict, repr=False)
+    #: (register, gpu_count, :meth:`gpu_memory`) as last worked out.
+    _gpu_memory: tuple | None = field(default=None, repr=False, compare=False)
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     generation: int = 0  # bumps on every (re)connect; stale streams' events are ignored
     on_change: Callable[["NodeSession"], None] | None = field(default=None, repr=False, compare=False)
@@ -102,12 +104,19 @@ class NodeSession:
         return self._memory.get(task_id)
 
     def gpu_memory(self) -> dict[int, int]:
-        """device -> its memory in bytes as the node registered it, for the GPUs placed on."""
-        return {
-            d.index: d.memory_total_bytes
-            for d in self.register.devices
-            if d.memory_total_bytes > 0 and 0 <= d.index < self.gpu_count
-        }
+        """device -> its memory in bytes as the node registered it, for the GPUs placed on.
+
+        Worked out once per registration and GPU count (both change only when the node
+        registers), not on every re-index of the node (two per task placed); a copy is returned."""
+        cached = self._gpu_memory
+        if cached is None or cached[0] is not self.register or cached[1] != self.gpu_count:
+            memory = {
+                d.index: d.memory_total_bytes
+                for d in self.register.devices
+                if d.memory_total_bytes > 0 and 0 <= d.index < self.gpu_count
+            }
+            cached = self._gpu_memory = (self.register, self.gpu_count, memory)
+        return dict(cached[2])
 
     def gpu_booked(self) -> dict[int, int]:
         """device -> bytes the estimates of the tasks on it take: each task's tenant bytes, plus
@@ -116,6 +125,7 @@ class NodeSession:
 
     def capacity(self) -> NodeCapacity:
         used = self.used_gpus()
+        share, booked = share_and_booked(self._holdings())  # gpu_share() and gpu_booked() in one pass
         return NodeCapacity(
             node_id=self.node_id,
             gpu_count=self.gpu_count,
@@ -123,11 +133,11 @@ class NodeSession:
             running=len(self._ledger),
             free_gpus=[i for i in range(self.gpu_count) if i not in used],
             accepting=self.connected and not self.draining,
-            gpu_share=self.gpu_share(),
+            gpu_share=share,
             # A node with model hosts shares a GPU among as many LoRA tasks as a host takes.
             max_tasks_per_gpu=max(self.max_tasks_per_gpu, self.register.tenants_per_host),
             gpu_memory=self.gpu_memory(),
-            gpu_booked=self.gpu_booked(),
+            gpu_booked=booked,
         )
 
     def push(self, command: node_pb2.ConnectResponse | None) -> None:

@@ -599,7 +599,7 @@ class LeaseChannel(_PgBase):
         self._tx_failed = False
         self._tx_fenced = False
         self._audit_rows = []
-        self._pending_rows, self._pending_events, self._next_seq = {}, [], {}
+        self._pending_rows, self._pending_events, self._pending_usage, self._next_seq = {}, [], [], {}
         self.before_write = None
         self.role = "setup"
         self.epoch = None

@@ -5,9 +5,9 @@ runs is the config's ``store:`` (:func:`~opentinker_scheduler.state.pg_store.ope
 
 Every task transition is one transaction that updates the ``tasks`` row and appends its event;
 it commits before the scheduler acknowledges the RPC or pushes a command, so ``kill -9`` of the
-scheduler loses nothing that was acknowledged. Inside a transaction (a group commit's) the row
-and event writes wait until it ends and then go in one ``executemany`` each, a task's row once
-however often it moved (:meth:`SqlStore.update_task`); reads on the store write them first.
+scheduler loses nothing that was acknowledged. Inside a transaction (a group commit's) the row,
+event and usage-record writes wait until it ends and then go in one ``executemany`` each, a task's
+row once however often it moved (:meth:`SqlStore.update_task`); reads on the store write them first.
 WAL with ``synchronous=NORMAL`` survives process crashes (a power loss may drop the last
 transactions; set ``synchronous=FULL`` to cover that).
 
@@ -150,6 +150,16 @@ _UPDATE_TASK_SQL = (
 #: events and reads where it ends.
 _UPDATE_TASK_RETURNING_SQL = _UPDATE_TASK_SQL.replace("next_seq=?", "next_seq=next_seq+?") + " RETURNING next_seq"
 _INSERT_EVENT_SQL = "INSERT INTO events (task_id, seq, time, kind, step, payload) VALUES (?,?,?,?,?,?)"
+#: An attempt's usage record, replacing the one of the same task and attempt (:meth:`SqlStore.record_usage`).
+_RECORD_USAGE_SQL = (
+    "INSERT INTO attempt_usage (task_id, attempt, owner, queue, node_id, node_class, workload_type, "
+    "model, gpus, start_time, end_time, gpu_seconds, cpu_task_seconds, tokens_generated, tokens_trained, "
+    "env_steps, steps, cost) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) "
+    "ON CONFLICT(task_id, attempt) DO UPDATE SET end_time=excluded.end_time, "
+    "gpu_seconds=excluded.gpu_seconds, cpu_task_seconds=excluded.cpu_task_seconds, "
+    "tokens_generated=excluded.tokens_generated, tokens_trained=excluded.tokens_trained, "
+    "env_steps=excluded.env_steps, steps=excluded.steps, cost=excluded.cost"
+)
 
 
 def _row_to_task(r) -> TaskRow:
@@ -277,6 +287,9 @@ class SqlStore:
         #: (:data:`_INSERT_EVENT_SQL`) of the open transaction not written yet (:meth:`update_task`).
         self._pending_rows: dict[str, tuple] = {}
         self._pending_events: list[tuple] = []
+        #: Usage records (:data:`_RECORD_USAGE_SQL`) of the open transaction not written yet
+        #: (:meth:`record_usage`).
+        self._pending_usage: list[tuple] = []
         #: task_id -> the next event sequence number, for the tasks this store inserted or wrote
         #: (cleared when a transaction rolls back, the role changes or it grows past
         #: :attr:`NEXT_SEQ_CACHE`); a task not here is written with ``RETURNING next_seq``.
@@ -560,37 +573,33 @@ class SqlStore:
 
     # --- usage accounting (state/usage.py) ---------------------------------------------------
     def record_usage(self, row: "UsageRecord") -> None:
-        """Write one attempt's accounted usage (replaces a row of the same task and attempt)."""
+        """Write one attempt's accounted usage (replaces a row of the same task and attempt).
+
+        Inside a transaction the row waits, as task rows and events do (:meth:`update_task`),
+        until the transaction ends or a read of ``attempt_usage`` comes first, and then goes in
+        one ``executemany`` with the transaction's other records (one per task that ended)."""
+        values = (
+            row.task_id,
+            row.attempt,
+            row.owner,
+            row.queue,
+            row.node_id,
+            row.node_class,
+            row.workload_type,
+            row.model,
+            row.gpus,
+            row.start_time,
+            row.end_time,
+            row.gpu_seconds,
+            row.cpu_task_seconds,
+            row.tokens_generated,
+            row.tokens_trained,
+            row.env_steps,
+            row.steps,
+            row.cost,
+        )
         with self._tx():
-            self.db.execute(
-                "INSERT INTO attempt_usage (task_id, attempt, owner, queue, node_id, node_class, workload_type, "
-                "model, gpus, start_time, end_time, gpu_seconds, cpu_task_seconds, tokens_generated, tokens_trained, "
-                "env_steps, steps, cost) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) "
-                "ON CONFLICT(task_id, attempt) DO UPDATE SET end_time=excluded.end_time, "
-                "gpu_seconds=excluded.gpu_seconds, cpu_task_seconds=excluded.cpu_task_seconds, "
-                "tokens_generated=excluded.tokens_generated, tokens_trained=excluded.tokens_trained, "
-                "env_steps=excluded.env_steps, steps=excluded.steps, cost=excluded.cost",
-                (
-                    row.task_id,
-                    row.attempt,
-                    row.owner,
-                    row.queue,
-                    row.node_id,
-                    row.node_class,
-                    row.workload_type,
-                    row.model,
-                    row.gpus,
-                    row.start_time,
-                    row.end_time,
-                    row.gpu_seconds,
-                    row.cpu_task_seconds,
-                    row.tokens_generated,
-                    row.tokens_trained,
-                    row.env_steps,
-                    row.steps,
-                    row.cost,
-                ),
-            )
+            self._pending_usage.append(values)
 
     # --- quota queues set at run time (state/core.py set_queue) ------------------------------
     def queue_overrides(self) -> list[QueueOverride]:
@@ -647,12 +656,14 @@ class SqlStore:
     def task_usage(self, task_id: str) -> tuple[float, float, float, float, float, float, int]:
         """Sums over a task's recorded attempts: (GPU-seconds, CPU-task seconds, tokens generated,
         tokens trained, env steps, cost, attempts)."""
+        self._flush_writes()
         r = self.db.execute(f"SELECT {self._USAGE_SUMS} FROM attempt_usage WHERE task_id=?", (task_id,)).fetchone()
         return _sums(r)
 
     def usage_by(self, column: str, *, owner: str | None = None, since: float | None = None) -> dict[str, tuple]:
         """Sums of recorded attempts per ``column`` (``owner`` or ``queue``), only ``owner``'s
         attempts when given, only those assigned at or after ``since`` (unix seconds) when given."""
+        self._flush_writes()
         assert column in ("owner", "queue")
         where, args = [], []
         if owner is not None:
@@ -669,6 +680,7 @@ class SqlStore:
 
     def owner_queues(self, *, owner: str | None = None, since: float | None = None) -> dict[str, str]:
         """owner -> the queue of its latest recorded attempt."""
+        self._flush_writes()
         sql, args = "SELECT owner, queue, MAX(end_time) FROM attempt_usage", []
         where = []
         if owner is not None:
@@ -684,6 +696,7 @@ class SqlStore:
     def recent_step_seconds(self, workload_type: str, model: str, *, limit: int = 20) -> list[tuple[float, int, int]]:
         """``(seconds, steps, gpus)`` of the newest recorded attempts of finished work of this
         workload type and model that reported steps (for estimates)."""
+        self._flush_writes()
         rows = self.db.execute(
             "SELECT end_time - start_time, steps, gpus FROM attempt_usage WHERE workload_type=? AND model=? "
             "AND steps>0 ORDER BY end_time DESC LIMIT ?",
@@ -880,11 +893,14 @@ class SqlStore:
         if self._pending_events:
             events, self._pending_events = self._pending_events, []
             self.db.executemany(_INSERT_EVENT_SQL, events)
+        if self._pending_usage:
+            usage, self._pending_usage = self._pending_usage, []
+            self.db.executemany(_RECORD_USAGE_SQL, usage)
 
     def _forget_writes(self) -> None:
         """A transaction rolled back: what waited is dropped, and the counts of :attr:`_next_seq`
         are no longer known to match the database."""
-        self._pending_rows, self._pending_events = {}, []
+        self._pending_rows, self._pending_events, self._pending_usage = {}, [], []
         self._next_seq.clear()
 
     @staticmethod
@@ -892,12 +908,17 @@ class SqlStore:
         """Stamp ``ev`` (task id, sequence, time when unset); its ``(time, kind, step, payload)`` columns."""
         ev.task_id = task_id
         ev.sequence = seq
-        if not ev.HasField("time"):
-            ev.time.FromNanoseconds(time.time_ns())
+        if ev.HasField("time"):
+            at = ev.time.ToNanoseconds() / 1e9
+        else:  # now: what FromNanoseconds(time_ns()) sets, without its checks of a time that is valid
+            now = time.time_ns()
+            ev.time.seconds, ev.time.nanos = divmod(now, 1_000_000_000)
+            at = now / 1e9
         kind = ev.WhichOneof("event")
-        kind = {"state_change": "state"}.get(kind, kind)
+        if kind == "state_change":
+            kind = "state"
         step = ev.metric.step if kind == "metric" else (ev.checkpoint.step if kind == "checkpoint" else None)
-        return ev.time.ToNanoseconds() / 1e9, kind, step, ev.SerializeToString()
+        return at, kind, step, ev.SerializeToString()
 
     def _task_values(self, t: TaskRow, *, spec: bool = True) -> tuple:
         """The row's values in :data:`_COLUMNS` order; without ``spec``, that column left out."""

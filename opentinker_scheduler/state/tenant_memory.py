@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import functools
 
-from google.protobuf import json_format
-
 from opentinker_common import lora_memory
+from opentinker_common.spec.structs import struct_value
 from opentinker_common.spec.lm_fields import DEFAULT_TARGET_MODULES
 from opentinker_scheduler.policy.placement import MemoryNeed
 
@@ -62,16 +61,21 @@ def memory_need(spec, key: str | None) -> MemoryNeed | None:
     adapters it has not seen yet)."""
     if key is None:
         return None
-    hp = json_format.MessageToDict(spec.hyperparameters) if spec.HasField("hyperparameters") else {}
-    dtype = hp.get("dtype", "auto")
+    # Only the keys read below are converted (the resolved hyperparameters hold every default).
+    fields = spec.hyperparameters.fields if spec.HasField("hyperparameters") else {}
+
+    def hp(key: str, default):
+        return struct_value(fields[key]) if key in fields else default
+
+    dtype = hp("dtype", "auto")
     shape = _shape(spec.model, dtype if isinstance(dtype, str) else "auto")
     if shape is None:
         return None
     try:
         if spec.workload_type == "inference":
-            tenant = lora_memory.serving_bytes(shape, int(hp.get("max_resident_adapters", 8)))
+            tenant = lora_memory.serving_bytes(shape, int(hp("max_resident_adapters", 8)))
         else:
-            rank, modules = hp.get("lora_rank", 16), hp.get("target_modules", DEFAULT_TARGET_MODULES)
+            rank, modules = hp("lora_rank", 16), hp("target_modules", DEFAULT_TARGET_MODULES)
             if isinstance(modules, str):
                 modules = (modules,)
             tenant = lora_memory.tenant_bytes(shape, int(rank), tuple(modules))

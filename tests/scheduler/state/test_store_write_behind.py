@@ -105,3 +105,33 @@ def test_a_leader_again_after_another_wrote_takes_the_sequence_from_the_database
     take_lead(first)
     assert [e.sequence for e in _move(first, task, C.TASK_STATE_SUCCEEDED)] == [4]
     assert _seqs(first, "task-a") == [1, 2, 3, 4]
+
+
+def _usage(task_id: str, gpu_seconds: float):
+    from opentinker_scheduler.state.store import UsageRecord
+
+    return UsageRecord(
+        task_id=task_id, attempt=1, owner="u", queue="q", node_id="n", node_class="c", workload_type="w",
+        model="m", gpus=1, start_time=1.0, end_time=1.0 + gpu_seconds, gpu_seconds=gpu_seconds,
+        cpu_task_seconds=0.0, tokens_generated=0.0, tokens_trained=0.0, env_steps=0.0, steps=1, cost=0.0,
+    )  # fmt: skip
+
+
+def test_usage_records_wait_for_the_transactions_end_and_reads_see_them(tmp_path) -> None:
+    store = make_store(tmp_path)
+    store.insert_task(_task("task-a"), _state(C.TASK_STATE_PENDING))
+    usage_rows = "SELECT gpu_seconds FROM attempt_usage WHERE task_id=?"
+    with store.batch():
+        store.record_usage(_usage("task-a", 5.0))
+        assert committed(store, usage_rows, ("task-a",)) == []  # not committed yet
+        assert store.task_usage("task-a")[0] == 5.0  # but read on this store
+        store.record_usage(_usage("task-a", 7.0))  # the same attempt again: replaces it
+        assert store.usage_by("owner") == {"u": (7.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1)}
+    assert committed(store, usage_rows, ("task-a",)) == [(7.0,)]
+    with pytest.raises(RuntimeError, match="boom"):
+        with store.batch():
+            store.record_usage(_usage("task-a", 9.0))
+            raise RuntimeError("boom")
+    assert committed(store, usage_rows, ("task-a",)) == [(7.0,)]
+    store.record_usage(_usage("task-a", 11.0))  # outside a transaction: at once
+    assert committed(store, usage_rows, ("task-a",)) == [(11.0,)]
