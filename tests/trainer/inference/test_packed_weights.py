@@ -85,3 +85,27 @@ def test_grouped_lora_rows_on_packed_layers_match_peft_alone(tiny_model_dir: Pat
     for r in range(len(names)):
         real = mask[r].bool()
         torch.testing.assert_close(rows[r, real], alone[r][0, real], rtol=1e-4, atol=1e-4)
+
+
+def test_the_runtime_serves_on_packed_layers_and_gives_them_back_plain(tiny_model_dir: Path) -> None:
+    from opentinker_client.inference import InferenceClient
+
+    from tests.support.inference import ServerThread, tiny_runtime
+
+    outputs = {}
+    for packed_weights in (False, True):
+        server = ServerThread(tiny_runtime(tiny_model_dir, packed_weights=packed_weights))
+        model = server.runtime.registry.base
+        try:
+            client = InferenceClient(server.address)
+            chunks = list(client.generate_stream("Once upon a time", temperature=0.0, max_tokens=6, ignore_eos=True))
+            outputs[packed_weights] = [t for c in chunks for t in c.token_ids]
+            linear_types = {type(m) for m in model.modules() if isinstance(m, nn.Linear)}
+            assert linear_types == ({PackedLinear} if packed_weights else {nn.Linear})
+            if packed_weights:  # every layer ran on its packed weight
+                assert len(server.runtime._packed._store) == len(server.runtime._packed.modules)
+            client.close()
+        finally:
+            server.close()
+        assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+    assert outputs[True] == outputs[False] and len(outputs[True]) == 6
