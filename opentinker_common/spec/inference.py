@@ -52,6 +52,10 @@ class InferenceConfig:
         doc="port of the OpenAI-compatible HTTP endpoint (/v1/...) on this host; -1 (default): off, 0: any free",
     )
     dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
+    packed_weights: bool = field(
+        default=True,
+        metadata={"doc": "on CPU, float32 Linear layers run on oneDNN-packed weight copies (memory once more)"},
+    )
     policies_only: bool = False
     checkpoint_task_id: str = field(
         default="", metadata={"max_len": 200, "doc": "a finished full-weight task whose checkpoint is served"}

@@ -9,8 +9,9 @@ own low-rank update, computed over only the rows of that adapter:
   first row, giving a gather index ``src [G * m]`` and a weight ``keep [G, m]`` (1 for a real
   row, 0 for padding);
 * per LoRA module: ``x[src]`` ``[G, m * T, in]`` goes through one ``bmm`` with the groups'
-  stacked ``A`` ``[G, r, in]`` (transposed) and one with their ``B`` ``[G, out, r]``, is scaled by each
-  adapter's ``lora_alpha / r`` (times ``keep``) and added back to its rows (``index_add_``).
+  stacked ``A`` ``[G, r, in]`` (transposed) and one with their ``B`` ``[G, out, r]`` (transposed,
+  times each adapter's ``lora_alpha / r``; both laid out once per plan), is multiplied by
+  ``keep`` where groups are padded, and added back to its rows (``index_add_``).
 
 That is Punica's segmented gather matrix-vector product (SGMV; Chen et al. 2023, "Punica:
 Multi-Tenant LoRA Serving") and S-LoRA's batched LoRA computation (Sheng et al. 2023) in plain
@@ -43,12 +44,14 @@ class RowPlan:
         src: batch row of each group slot, ``[G * m]`` (long; padding repeats the group's first row).
         keep: ``[G, m]`` float, 1.0 for a real row, 0.0 for padding.
         size: ``m``, the largest group's row count.
+        padded: whether any slot is padding (groups of different sizes).
     """
 
     adapters: torch.Tensor
     src: torch.Tensor
     keep: torch.Tensor
     size: int
+    padded: bool = False
 
 
 def plan_rows(row_adapters: Sequence[int | None], device: torch.device | str = "cpu") -> RowPlan | None:
@@ -73,6 +76,7 @@ def plan_rows(row_adapters: Sequence[int | None], device: torch.device | str = "
         src=torch.tensor(src, dtype=torch.long, device=device),
         keep=torch.tensor(keep, dtype=torch.float32, device=device),
         size=size,
+        padded=size * len(groups) != sum(len(rows) for rows in groups.values()),
     )
 
 
@@ -114,10 +118,13 @@ class RowLoRA:
             stacks adapters that are being trained, whose parameters an optimizer holds: the
             copies are valid while the weights do not change, i.e. for the rollout's passes).
 
-    Memory: none added beyond rank padding: each adapter's PEFT ``lora_A`` / ``lora_B`` weight is
-    re-pointed to its slice of the stacks ``A [N, r, in]`` / ``B [N, out, r]`` (values unchanged,
-    so PEFT's own paths keep working on them). With ``alias=False`` the stacks are a second copy
-    of the adapters' LoRA weights.
+    Memory: each adapter's PEFT ``lora_A`` / ``lora_B`` weight is re-pointed to its slice of the
+    stacks ``A [N, r, in]`` / ``B [N, out, r]`` (values unchanged, so PEFT's own paths keep
+    working on them; nothing added beyond rank padding). With ``alias=False`` the stacks are a
+    second copy of the adapters' LoRA weights. While a plan is set, the weights of its groups are
+    kept once more, laid out for the two products (``A^T [G, in, r]`` and ``B^T`` times the
+    adapter's scale, ``[G, r, out]``): consecutive decode steps of the same rows reuse them
+    (:meth:`set_rows` keeps a plan for the same row adapters), so a step gathers nothing.
     """
 
     def __init__(self, peft_model, adapters: Sequence[str], *, alias: bool = True) -> None:
@@ -128,8 +135,9 @@ class RowLoRA:
         self._weights: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._scales: list[torch.Tensor] = []  # distinct per-adapter scale vectors [N]
         self._handles = []
-        self._slot_weights: dict[int, torch.Tensor] = {}  # id(scale) -> [G, m, 1, 1] for the plan
-        self._in_order = False  # the plan's groups are the whole stack, in stack order
+        self._names: list | None = None  # the row adapters the plan was made for
+        # Per plan, id(module) -> (stack versions, A^T [G, in, r], scaled B^T [G, r, out]) of its groups.
+        self._prepared: dict[int, tuple] = {}
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # (last input, its rows by group)
         # Built as ordinary tensors even when called inside inference mode (a forward pass):
         # PEFT's parameters become views of them, and later adapter loads touch those.
@@ -175,55 +183,70 @@ class RowLoRA:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self.plan = None
-        self._gathered = None
+        self.set_state_none()
 
     def set_rows(self, names: Sequence[str | None]) -> None:
-        """Plan the next passes for rows of adapters ``names`` (``None``: the base model)."""
+        """Plan the next passes for rows of adapters ``names`` (``None``: the base model); the
+        same ``names`` as the current plan's keep it and its prepared weights."""
+        names = list(names)
+        self._gathered = None
+        if self.plan is not None and names == self._names:
+            return
         device = next(iter(self._weights.values()))[0].device if self._weights else "cpu"
         self.plan = plan_rows([None if a is None else self.index[a] for a in names], device)
-        self._slot_weights = {}
-        self._gathered = None
-        self._in_order = self.plan is not None and self.plan.adapters.tolist() == list(range(len(self.adapters)))
+        self._names = names
+        self._prepared = {}
 
     def state(self) -> tuple:
-        """The current plan and its per-pass caches, for :meth:`restore`."""
-        return self.plan, self._slot_weights, self._gathered, self._in_order
+        """The current plan and its caches, for :meth:`restore`."""
+        return self.plan, self._names, self._prepared, self._gathered
 
     def restore(self, state: tuple) -> None:
-        self.plan, self._slot_weights, self._gathered, self._in_order = state
+        self.plan, self._names, self._prepared, self._gathered = state
 
     def set_state_none(self) -> None:
         """No plan (the hooks do nothing)."""
-        self.restore((None, {}, None, False))
+        self.restore((None, None, {}, None))
+
+    def _prepare(self, module, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """``module``'s ``A^T [G, in, r]`` and scaled ``B^T [G, r, out]`` for the plan's groups,
+        made once per plan (again if a stack changed in place: its version counter)."""
+        a_stack, b_stack, scale = self._weights[id(module)]
+        versions = (a_stack._version, b_stack._version, scale._version)
+        entry = self._prepared.get(id(module))
+        if entry is not None and entry[0] == versions:
+            return entry[1], entry[2]
+        # Plain tensors even inside inference mode (a plan may serve a later pass outside it).
+        with torch.inference_mode(False), torch.no_grad():
+            a = a_stack.index_select(0, plan.adapters)
+            b = b_stack.index_select(0, plan.adapters)
+            s = scale.index_select(0, plan.adapters).to(b.dtype)
+            a_t = a.transpose(1, 2).contiguous()
+            b_t = (b * s[:, None, None]).transpose(1, 2).contiguous()
+        self._prepared[id(module)] = (versions, a_t, b_t)
+        return a_t, b_t
 
     def _hook(self, module, args, output):
         plan = self.plan
         if plan is None:
             return None
-        a_stack, b_stack, scale = self._weights[id(module)]
+        a_t, b_t = self._prepare(module, plan)
         x = args[0]
         rows, fan_in = x.shape[0], x.shape[-1]
         per_row = x.reshape(rows, -1, fan_in)  # [B, T, in]
         t = per_row.shape[1]
         groups, size = int(plan.adapters.shape[0]), plan.size
-        if groups != a_stack.shape[0] or not self._in_order:
-            # Only some adapters have rows: their weights are gathered (``[G, r, in]``, small).
-            a_stack = a_stack.index_select(0, plan.adapters)
-            b_stack = b_stack.index_select(0, plan.adapters)
         if self._gathered is not None and self._gathered[0] is x:
             xs = self._gathered[1]  # q, k and v projections share their input: gathered once
         else:
-            xs = per_row.index_select(0, plan.src).reshape(groups, size * t, fan_in).to(a_stack.dtype)
+            xs = per_row.index_select(0, plan.src).reshape(groups, size * t, fan_in)
+            if xs.dtype != a_t.dtype:
+                xs = xs.to(a_t.dtype)
             self._gathered = (x, xs)
-        h = torch.bmm(xs, a_stack.transpose(1, 2))  # [G, m * T, r]
-        delta = torch.bmm(h, b_stack.transpose(1, 2))  # [G, m * T, out]
-        # Slot weights (adapter scale, 0 for padding), once per pass for modules sharing scales.
-        weight = self._slot_weights.get(id(scale))
-        if weight is None:
-            weight = (plan.keep * scale.index_select(0, plan.adapters)[:, None]).to(delta.dtype)[:, :, None, None]
-            self._slot_weights[id(scale)] = weight
-        delta = delta.reshape(groups, size, t, -1) * weight
+        delta = torch.bmm(torch.bmm(xs, a_t), b_t)  # [G, m * T, r] then [G, m * T, out], scaled
+        if plan.padded:  # padding slots (a repeated row) add nothing
+            delta = delta.reshape(groups, size, t, -1) * plan.keep.to(delta.dtype)[:, :, None, None]
         out = output.reshape(rows, t, -1)
-        out.index_add_(0, plan.src, delta.reshape(groups * size, t, -1).to(out.dtype))
+        delta = delta.reshape(groups * size, t, -1)
+        out.index_add_(0, plan.src, delta if delta.dtype == out.dtype else delta.to(out.dtype))
         return out.reshape(output.shape)

@@ -63,6 +63,8 @@ from typing import AsyncIterator, Callable, Sequence
 from opentinker_trainer.inference.adapters import AdapterRegistry
 from opentinker_trainer.inference.batch import BASE_ROW, DecodeBatch, Member
 from opentinker_trainer.inference.engine import FINISH_STOP, SamplingParams, cache_kwarg
+from opentinker_trainer.inference.packed import PackedLinears
+from opentinker_trainer.inference.packed import available as packing_available
 from opentinker_trainer.inference.prefix_cache import PrefixCache
 from opentinker_trainer.inference.text import TextStream
 
@@ -143,6 +145,10 @@ class ModelRuntime:
         admit_mid_step: a request arriving during a decode step is prefilled between two of
             the step's layers (its first token does not wait for the rest of the step); False:
             at the next engine step.
+        packed_weights: on CPU, the prefill and decode passes run the model's float32
+            ``Linear`` layers on oneDNN-packed copies of their weights (:mod:`~.packed`: a
+            few rows cost about what one row costs; the weights' memory once more); elsewhere,
+            and with ``False``, the layers run as they are.
         turn: on a model host's shared model, the serving tenant's turn
             (``WorkerContext.turn``): every model-thread call (an adapter load, a prefill pass,
             a decode step of the batch) runs as one turn, so no training tenant's step runs in the
@@ -186,6 +192,7 @@ class ModelRuntime:
         prefix_cache_tokens: int = 1024,
         prefix_block: int = 16,
         admit_mid_step: bool = True,
+        packed_weights: bool = True,
         turn: Callable[[], "contextlib.AbstractContextManager"] | None = None,
         turn_slice: Callable[[], float] | None = None,
         live: Callable[[str], str | None] | None = None,
@@ -249,10 +256,21 @@ class ModelRuntime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.prefix = PrefixCache(block=prefix_block, max_tokens=prefix_cache_tokens)
         self.registry.on_delete = self.prefix.forget
+        self._packed: PackedLinears | None = None
+        if packed_weights and packing_available(self._device):
+            self._packed = PackedLinears(model)
+            self._packed.pack_all()
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
         self._release_turn()  # the model thread is gone: a turn it held goes back from here
+        if self._packed is not None:  # the model's Linear layers are plain ones again
+            self._packed.close()
+            self._packed = None
+
+    def _passes(self):
+        """Model thread: the context of this runtime's forward passes (packed weights or none)."""
+        return self._packed.use() if self._packed is not None else contextlib.nullcontext()
 
     async def stop_engine(self) -> None:
         """Cancel the engine task (the server is stopping); waiting requests get cancelled."""
@@ -667,6 +685,10 @@ class ModelRuntime:
     def _prefill_step(self, admit: list["_Job"], gone: set[Member]) -> dict:
         """Model thread: drop the ``gone`` rows, prefill ``admit`` (one pass per batch) and choose
         each one's first token; the new rows join the batch. Returns each admitted request's events."""
+        with self._passes():
+            return self._prefill_passes(admit, gone)
+
+    def _prefill_passes(self, admit: list["_Job"], gone: set[Member]) -> dict:
         self._drop(gone)
         chosen: dict = {}
         groups: dict[str, list[_Job]] = {}  # one prefill pass per batch (per adapter when grouped)
@@ -688,6 +710,10 @@ class ModelRuntime:
 
         Requests that arrive during the step are prefilled between two of its layers
         (:meth:`_layer_hook`); their rows join the batch after it."""
+        with self._passes():
+            return self._decode_passes()
+
+    def _decode_passes(self) -> dict:
         chosen: dict = {}
         jobs = {j.member: j for j in self._admitted}
         handles = [layer.register_forward_pre_hook(self._layer_hook) for layer in self._layers]

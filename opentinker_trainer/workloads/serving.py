@@ -128,6 +128,7 @@ def run(ctx: WorkerContext) -> None:
             max_batch_sequences=cfg.max_batch_sequences,
             max_batch_tokens=cfg.max_batch_tokens,
             max_queued=cfg.max_queued_requests,
+            packed_weights=cfg.packed_weights,
             **shared,
         )
     policies = _policies(resolver, cfg)
