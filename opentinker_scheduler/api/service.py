@@ -399,7 +399,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def ListNodes(self, request, call: Call):
         self.core.require_leader()  # nodes and their telemetry live in the leader's memory
         nodes = []
-        for n in sorted(self.core.nodes.values(), key=lambda n: n.node_id):
+        for n in self.core.nodes.values():  # sorted below, with the pool nodes not seen
             cap = n.capacity()
             msg = scheduler_pb2.Node(
                 node_id=n.node_id,

@@ -66,30 +66,28 @@ class GroupCommit:
         self.enabled = False
         self._prepared = False  # the open group's before_commit calls ran (one loop turn ago)
         self._prepare_s = 0.0  # how long they took, seconds
-        #: :meth:`group`'s ``before_commit`` calls of the open group.
+        #: :meth:`before_commit` calls of the open group.
         self._before_commit: list[Callable[[], None]] = []
 
     def enable(self) -> None:
         self.enabled = True
         self.store.before_write = self.open
 
-    def group(self, before_commit: Callable[[], None] | None = None) -> asyncio.Future | None:
+    def group(self) -> asyncio.Future | None:
         """The open group's future (opening one), resolved once it is committed and durable, or
         failed with the commit's error; None when writes commit at once (group commit off, or no
-        running loop).
-
-        ``before_commit``: called once when this group commits, before its transaction ends, so
-        what it writes joins the group (a group's new tasks, written in one statement:
-        :meth:`SchedulerCore.submit_grouped`). If it raises, the group fails as a failed commit
-        does. A group abandoned (:meth:`abandon`) never calls it."""
+        running loop)."""
         if not self.enabled:
             return None
         self.open()
-        if self._tx is None:
-            return None
-        if before_commit is not None:
-            self._before_commit.append(before_commit)
         return self._done
+
+    def before_commit(self, call: Callable[[], None]) -> None:
+        """Have the open group (:meth:`group`) call ``call`` once when it commits, before its
+        transaction ends, so what ``call`` writes joins the group (a group's new tasks, written
+        in one statement: :meth:`SchedulerCore.submit_grouped`). If it raises, the group fails
+        as a failed commit does; a group abandoned (:meth:`abandon`) never calls it."""
+        self._before_commit.append(call)
 
     @property
     def open_now(self) -> bool:

@@ -392,7 +392,7 @@ class SchedulerCore:
             return stored
         if self._new_tasks.group is not group:  # the group's first submit
             self._new_tasks = _NewTasks(group=group)
-            self.commits.group(before_commit=self._write_new_tasks)
+            self.commits.before_commit(self._write_new_tasks)
         stored: asyncio.Future = asyncio.get_running_loop().create_future()
         self._new_tasks.rows.append((task, ev, spec, stored))
         group.add_done_callback(functools.partial(_fail_with_group, stored))

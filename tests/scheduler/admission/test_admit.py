@@ -139,3 +139,23 @@ def test_a_quota_queue_sets_the_per_owner_limits_of_its_owners(tmp_path) -> None
         run(core, datasets, spec(), limits=limits)  # the queue's burst of 2 is used up
     assert pending(core) == 1
     core.store.close()
+
+
+def test_a_submit_waiting_for_its_group_commit_counts_towards_max_pending_per_owner(env) -> None:
+    from opentinker_scheduler.admission.admit import check_limits
+
+    core, _ = env
+    limits = Limits(LimitsConfig(submit_rate=100, max_pending_per_owner=1).resolved(auth_enabled=True), clock=Clock())
+
+    async def main() -> None:
+        core.enable_group_commit()
+        waiting = asyncio.ensure_future(core.submit_grouped(spec(), owner="alice"))
+        await asyncio.sleep(0)  # validated, its row waits for the group commit
+        assert pending(core) == 0 and not waiting.done()
+        with pytest.raises(ResourceExhausted, match="already has 1 PENDING task"):
+            check_limits(limits, spec(), ALICE, core=core)
+        await waiting
+        await core.durable()
+        assert pending(core) == 1
+
+    asyncio.run(main())

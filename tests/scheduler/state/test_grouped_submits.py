@@ -35,6 +35,14 @@ def _pending() -> C.TaskEvent:
     return C.TaskEvent(state_change=C.StateChange(to_state=C.TASK_STATE_PENDING, attempt=1, reason="SUBMITTED"))
 
 
+async def _grouped_core(tmp_path, **kw):
+    """A core with group commit on (its start-up writes committed)."""
+    core = make_core(tmp_path, **kw)
+    core.enable_group_commit()
+    await core.durable()
+    return core
+
+
 class _CountingDb:
     """Wraps the store's connection and counts the statements that write tasks."""
 
@@ -121,8 +129,7 @@ def test_a_groups_submits_are_one_insert_placed_in_one_round_and_committed_with_
 
 def test_a_request_id_submitted_twice_in_one_group_or_again_later_gives_the_first_task(tmp_path) -> None:
     async def main() -> None:
-        core = make_core(tmp_path)
-        core.enable_group_commit()
+        core = await _grouped_core(tmp_path)
         a, b = await asyncio.gather(
             core.submit_grouped(spec(), owner="u", request_id="same"),
             core.submit_grouped(spec(), owner="u", request_id="same"),
@@ -142,9 +149,7 @@ def test_a_request_id_submitted_twice_in_one_group_or_again_later_gives_the_firs
 @pytest.mark.sqlite_only  # fails sqlite3's COMMIT through a wrapped connection
 def test_a_failed_group_fails_every_submit_and_keeps_none(tmp_path) -> None:
     async def main() -> None:
-        core = make_core(tmp_path)
-        core.enable_group_commit()
-        await core.durable()
+        core = await _grouped_core(tmp_path)
         core.store.db = db = _CountingDb(core.store.db)
         db.fail_commit = True
 
@@ -165,9 +170,7 @@ def test_a_failed_group_fails_every_submit_and_keeps_none(tmp_path) -> None:
 
 def test_a_group_abandoned_before_it_wrote_its_submits_fails_them_with_not_leader(tmp_path) -> None:
     async def main() -> None:
-        core = make_core(tmp_path)
-        core.enable_group_commit()
-        await core.durable()
+        core = await _grouped_core(tmp_path)
         submits = [asyncio.ensure_future(core.submit_grouped(spec(), owner="u", request_id=f"r{i}")) for i in range(3)]
         await asyncio.sleep(0)  # each has validated its spec and waits for the group to write it
         assert not any(s.done() for s in submits)
@@ -181,9 +184,7 @@ def test_a_group_abandoned_before_it_wrote_its_submits_fails_them_with_not_leade
 
 def test_submits_waiting_for_their_group_count_towards_the_owners_pending_tasks(tmp_path) -> None:
     async def main() -> None:
-        core = make_core(tmp_path)
-        core.enable_group_commit()
-        await core.durable()
+        core = await _grouped_core(tmp_path)
         waiting = [asyncio.ensure_future(core.submit_grouped(spec(), owner="u")) for _ in range(2)]
         other = asyncio.ensure_future(core.submit_grouped(spec(), owner="v"))
         await asyncio.sleep(0)
