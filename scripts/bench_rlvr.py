@@ -144,7 +144,136 @@ class Progress(io.StringIO):
         return super().write(text)
 
 
-def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
+def task_parts(args, data: Path, reward: dict, system_prompt: str) -> tuple[dict, dict]:
+    """The ``env_config`` and ``hyperparameters`` of the GRPO task (and of the baseline's
+    evaluation): the same data, held-out split, token budget and seed in every run."""
+    env = {
+        "env_id": "prompts",
+        "path": str(data),
+        "reward": reward,
+        "eval_fraction": args.eval_prompts / args.n,
+        "max_eval_prompts": args.eval_prompts,
+        "eval_every": args.eval_every,
+        "seed": args.seed,
+        "system_prompt": system_prompt or None,
+    }
+    hp = {
+        "steps": args.steps,
+        "prompts_per_step": args.prompts_per_step,
+        "group_size": args.group_size,
+        "max_new_tokens": args.max_new_tokens,
+        "learning_rate": args.lr,
+        "kl_coef": args.kl_coef,
+        "temperature": args.temperature,
+        "seed": args.seed,
+    }
+    return env, hp
+
+
+def baseline_judgements(args, data: Path, tmp: Path) -> list[bool]:
+    """The starting model (``--model``, no adapter trained) on the same held-out problems, under
+    ``--baseline-system-prompt`` and the same token budget: one greedy evaluation, the numeric
+    verifier's judgement per problem (in the order every evaluation of :func:`run_one` uses)."""
+    from opentinker_common.spec import TaskSpecModel
+    from opentinker_trainer.context import WorkerContext
+    from opentinker_trainer.workloads import grpo_text
+
+    env, hp = task_parts(args, data, {"verifier": "numeric"}, args.baseline_system_prompt)
+    spec = TaskSpecModel.from_parts(workload_type="lora_finetune", model=args.model, env_config=env, hyperparameters=hp)
+    ctx = WorkerContext(
+        task_id="bench-rlvr-baseline",
+        attempt=1,
+        spec=spec,
+        device="cpu",
+        checkpoint_dir=tmp / "baseline",
+        out=io.StringIO(),
+    )
+    trainer = grpo_text._Trainer(ctx)
+    trainer.evaluate(updates=0)
+    return list(trainer.eval_right)
+
+
+def warm_start_rows(args, data: Path) -> list[dict]:
+    """The warm start's chat examples: ``--warm-start-examples`` *other* generated problems (a
+    different seed, and no text that is in the RL file, so no held-out problem is trained on),
+    each a system prompt (``--system-prompt``), the problem and its worked ``solution``."""
+    import random
+
+    from make_word_problems import SUFFIX, generate
+
+    seen = {json.loads(line)["prompt"].removesuffix(SUFFIX) for line in data.read_text().splitlines() if line}
+    rows = generate(args.warm_start_examples, random.Random(args.seed + 1_000_003), seen)
+    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    return [
+        {
+            "messages": system
+            + [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["solution"]}]
+        }
+        for r in rows
+    ]
+
+
+def warm_start(args, data: Path, tmp: Path) -> Path:
+    """Supervised fine-tuning (``sft``, LoRA r=16, batch 8) for ``--warm-start-steps`` steps on
+    :func:`warm_start_rows`, in this process as a trainer worker runs it; returns the final
+    adapter's folder (format ``peft_lora``), which GRPO then continues as an ``init_from``
+    checkpoint would be. Deterministic, so the adapter is kept under ``--cache-dir`` by a hash of
+    what made it (model, examples, hyper-parameters) and reused by later runs with the same settings."""
+    import hashlib
+    import shutil
+
+    from opentinker_common.spec import TaskSpecModel
+    from opentinker_trainer.context import WorkerContext
+    from opentinker_trainer.workloads import sft
+
+    rows = warm_start_rows(args, data)
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    hp = {
+        "steps": args.warm_start_steps,
+        "batch_size": 8,
+        "learning_rate": args.warm_start_lr,
+        "lora_rank": 16,
+        "seed": args.seed,
+    }
+    key = hashlib.sha256(json.dumps([str(Path(args.model).resolve()), text, hp]).encode()).hexdigest()[:16]
+    cached = Path(args.cache_dir) / f"warm_start_{key}"
+    if (cached / "adapter_config.json").exists():
+        print(f"  [warm start] reusing {cached}", file=sys.stderr, flush=True)
+        return cached
+    path = tmp / "warm_start.jsonl"
+    path.write_text(text)
+    spec = TaskSpecModel.from_parts(
+        workload_type="sft",
+        model=args.model,
+        env_config={"env_id": "chat_jsonl", "path": str(path), "eval_fraction": 0.05, "seed": args.seed},
+        hyperparameters=hp,
+    )
+    ctx = WorkerContext(
+        task_id="bench-rlvr-warm-start",
+        attempt=1,
+        spec=spec,
+        device="cpu",
+        checkpoint_dir=tmp / "warm_start",
+        out=io.StringIO(),
+    )
+    t0 = time.perf_counter()
+    sft.run(ctx)
+    final = tmp / "warm_start" / f"step_{args.warm_start_steps}"
+    reports = [json.loads(line) for line in ctx.out.getvalue().splitlines() if line.startswith("{")]
+    losses = [m["values"]["loss/eval"] for m in reports if m.get("type") == "metric" and "loss/eval" in m["values"]]
+    print(
+        f"  [warm start] {args.warm_start_steps} sft steps on {len(rows)} worked solutions, "
+        f"{time.perf_counter() - t0:.0f} s; held-out loss {losses[-1] if losses else float('nan'):.3f}",
+        file=sys.stderr,
+        flush=True,
+    )
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(final, cached.with_suffix(".tmp"), dirs_exist_ok=True)
+    cached.with_suffix(".tmp").rename(cached)
+    return cached
+
+
+def run_one(mode: str, args, data: Path, tmp: Path, init: Path | None = None) -> dict:
     from opentinker_client.hosting.reward import RewardServer
     from opentinker_common.spec import TaskSpecModel
     from opentinker_trainer.context import WorkerContext
@@ -172,26 +301,7 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
     server = RewardServer(client_reward).start() if mode == "client" else None
     try:
         reward = server.reward_config if server else {"verifier": "numeric", "terms": TERMS}
-        env = {
-            "env_id": "prompts",
-            "path": str(data),
-            "reward": reward,
-            "eval_fraction": args.eval_prompts / args.n,
-            "max_eval_prompts": args.eval_prompts,
-            "eval_every": args.eval_every,
-            "seed": args.seed,
-            "system_prompt": args.system_prompt or None,
-        }
-        hp = {
-            "steps": args.steps,
-            "prompts_per_step": args.prompts_per_step,
-            "group_size": args.group_size,
-            "max_new_tokens": args.max_new_tokens,
-            "learning_rate": args.lr,
-            "kl_coef": args.kl_coef,
-            "temperature": args.temperature,
-            "seed": args.seed,
-        }
+        env, hp = task_parts(args, data, reward, args.system_prompt)
         spec = TaskSpecModel.from_parts(
             workload_type="lora_finetune", model=args.model, env_config=env, hyperparameters=hp
         )
@@ -202,6 +312,8 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
             device="cpu",
             checkpoint_dir=tmp / mode,
             out=Progress(mode),
+            init_checkpoint=init,
+            init_format="peft_lora" if init else "",
         )
         t0 = time.perf_counter()
         grpo_text.run(ctx)
@@ -235,6 +347,9 @@ def run_one(mode: str, args, data: Path, tmp: Path) -> dict:
         "step_s": sum(steps_s) / len(steps_s),
         "wall_s": wall,
         "client_missing": sum(m["values"].get("reward/client_missing", 0.0) for m in metrics),
+        # the last evaluation's per-problem judgements (for the baseline comparison; not reported)
+        "final_right": judged[max(judged)],
+        "start_right": judged[0],
     }
 
 
@@ -257,6 +372,20 @@ def main() -> int:
     ap.add_argument("--length-weight", type=float, default=0.5, help="weight of the length term (0: none)")
     ap.add_argument("--length-max-chars", type=int, default=30, help="the length term is 0 up to this many characters")
     ap.add_argument("--system-prompt", default="Reply with only the final number.")
+    ap.add_argument(
+        "--baseline-system-prompt",
+        default="Reply with only the final number.",
+        help="also evaluate the starting model under this system prompt and compare the numeric run's last "
+        "evaluation with it, paired; '' skips it",
+    )
+    ap.add_argument(
+        "--warm-start-steps", type=int, default=0, help="sft steps on worked solutions before GRPO (0: none)"
+    )
+    ap.add_argument("--warm-start-examples", type=int, default=1000, help="worked solutions the warm start trains on")
+    ap.add_argument("--warm-start-lr", type=float, default=1e-3, help="the warm start's LoRA learning rate")
+    ap.add_argument(
+        "--cache-dir", default=str(ROOT / ".cache" / "bench_rlvr"), help="where warm-start adapters are kept for reuse"
+    )
     args = ap.parse_args()
 
     from make_word_problems import write
@@ -265,8 +394,24 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_rlvr_") as tmp:
         data = write(Path(tmp) / "word_problems.jsonl", n=args.n, seed=args.seed)
+        baseline = None
+        if args.baseline_system_prompt and "numeric" in (args.only or ("numeric",)):
+            baseline = baseline_judgements(args, data, Path(tmp))
+            print(
+                f"baseline  the starting model under {args.baseline_system_prompt!r}: held-out accuracy "
+                f"{sum(baseline) / len(baseline):.3f} ({sum(baseline)}/{len(baseline)})",
+                flush=True,
+            )
+        init = warm_start(args, data, Path(tmp)) if args.warm_start_steps else None
         for mode in args.only or ("numeric", "client"):
-            r = run_one(mode, args, data, Path(tmp))
+            r = run_one(mode, args, data, Path(tmp), init)
+            final_right, start_right = r.pop("final_right"), r.pop("start_right")
+            if baseline is not None and mode == "numeric":
+                r["baseline"] = {"right": sum(baseline), "of": len(baseline)}
+                r["vs_baseline_prompt"] = {
+                    "start": paired_comparison(baseline, start_right),
+                    "final": paired_comparison(baseline, final_right),
+                }
             results.append(r)
             n_eval = r["eval_prompts"]
             curve = ", ".join(f"{s}: {a:.3f} ± {e:.3f}" for s, a, e in r["accuracy_curve"])
@@ -279,6 +424,13 @@ def main() -> int:
             )
             pairs = ", ".join(f"{c['step']}: +{c['gained']} -{c['lost']} p {c['p']:.3g}" for c in r["paired_vs_start"])
             print(f"         paired vs step 0 (wrong->right, right->wrong, exact McNemar p): {pairs}", flush=True)
+            if "vs_baseline_prompt" in r:
+                for when, c in r["vs_baseline_prompt"].items():
+                    print(
+                        f"         {when} vs the starting model under the baseline prompt: +{c['gained']} -{c['lost']} "
+                        f"p {c['p']:.3g}",
+                        flush=True,
+                    )
             print(f"         sampled reward per step {r['reward_per_step']}", flush=True)
             print(f"         {r['step_s']:.1f} s/step, {r['wall_s']:.0f} s in all (incl. loading and evaluation)")
     print(

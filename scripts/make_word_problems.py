@@ -6,7 +6,11 @@ with two or three steps of addition, subtraction, multiplication or (exact) divi
 
     {"prompt": "Mia has 4 boxes with 3 pencils in each. She gives away 5 pencils. How many
      pencils does Mia have now? Answer with just the number.", "answer": 7, "steps": 2,
-     "template": "groups_then_give"}
+     "template": "groups_then_give", "solution": "4 x 3 = 12. 12 - 5 = 7."}
+
+``solution`` is the worked answer, one equation per step ending in the answer: what a warm start
+by supervised fine-tuning trains on (``scripts/bench_rlvr.py --warm-start-steps``); the RL
+verifier reads only ``answer``.
 
 A fixed seed gives the same file every time (``--seed``); every problem text is distinct, and
 answers are whole numbers >= 0. The train/eval split is the task's: ``env_config.eval_fraction``
@@ -31,14 +35,14 @@ THINGS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "shell
 CONTAINERS = ("boxes", "bags", "jars", "baskets", "packs")
 SUFFIX = " Answer with just the number."
 
-Template = Callable[[random.Random], tuple[str, int, int]]
+Template = Callable[[random.Random], tuple[str, int, int, str]]
 
 
 def _pick(rng: random.Random) -> tuple[str, str, str]:
     return rng.choice(NAMES), rng.choice(THINGS), rng.choice(CONTAINERS)
 
 
-def buy_then_give(rng: random.Random) -> tuple[str, int, int]:
+def buy_then_give(rng: random.Random) -> tuple[str, int, int, str]:
     name, thing, _ = _pick(rng)
     a, b = rng.randint(2, 9), rng.randint(2, 9)
     c = rng.randint(1, a + b - 1)
@@ -46,10 +50,10 @@ def buy_then_give(rng: random.Random) -> tuple[str, int, int]:
         f"{name} has {a} {thing}. {name} buys {b} more and then gives {c} to a friend. "
         f"How many {thing} does {name} have now?"
     )
-    return text, a + b - c, 2
+    return text, a + b - c, 2, f"{a} + {b} = {a + b}. {a + b} - {c} = {a + b - c}."
 
 
-def groups_then_give(rng: random.Random) -> tuple[str, int, int]:
+def groups_then_give(rng: random.Random) -> tuple[str, int, int, str]:
     name, thing, box = _pick(rng)
     n, k = rng.randint(2, 4), rng.randint(2, 4)
     c = rng.randint(1, n * k - 1)
@@ -57,10 +61,10 @@ def groups_then_give(rng: random.Random) -> tuple[str, int, int]:
         f"{name} has {n} {box} with {k} {thing} in each. {name} gives away {c} {thing}. "
         f"How many {thing} does {name} have now?"
     )
-    return text, n * k - c, 2
+    return text, n * k - c, 2, f"{n} x {k} = {n * k}. {n * k} - {c} = {n * k - c}."
 
 
-def share_equally(rng: random.Random) -> tuple[str, int, int]:
+def share_equally(rng: random.Random) -> tuple[str, int, int, str]:
     name, thing, _ = _pick(rng)
     friends, each = rng.randint(2, 4), rng.randint(2, 5)
     extra = rng.randint(1, friends * each - 1)
@@ -69,18 +73,18 @@ def share_equally(rng: random.Random) -> tuple[str, int, int]:
         f"{name} has {total - extra} {thing} and finds {extra} more. {name} shares all of them equally among "
         f"{friends} friends. How many {thing} does each friend get?"
     )
-    return text, each, 2
+    return text, each, 2, f"{total - extra} + {extra} = {total}. {total} / {friends} = {each}."
 
 
-def two_people(rng: random.Random) -> tuple[str, int, int]:
+def two_people(rng: random.Random) -> tuple[str, int, int, str]:
     a, b = rng.sample(NAMES, 2)
     thing = rng.choice(THINGS)
     x, more = rng.randint(2, 9), rng.randint(1, 5)
     text = f"{a} has {x} {thing}. {b} has {more} more {thing} than {a}. How many {thing} do they have together?"
-    return text, x + (x + more), 2
+    return text, x + (x + more), 2, f"{x} + {more} = {x + more}. {x} + {x + more} = {x + x + more}."
 
 
-def price_change(rng: random.Random) -> tuple[str, int, int]:
+def price_change(rng: random.Random) -> tuple[str, int, int, str]:
     name, thing, _ = _pick(rng)
     n, price = rng.randint(2, 4), rng.randint(2, 5)
     paid = n * price + rng.randint(0, 9)
@@ -89,10 +93,10 @@ def price_change(rng: random.Random) -> tuple[str, int, int]:
         f"{name} buys {n} {thing} at {price} dollars each and pays with {paid} dollars. "
         f"How much change does {name} get, in dollars?"
     )
-    return text, paid - n * price, 2
+    return text, paid - n * price, 2, f"{n} x {price} = {n * price}. {paid} - {n * price} = {paid - n * price}."
 
 
-def three_steps(rng: random.Random) -> tuple[str, int, int]:
+def three_steps(rng: random.Random) -> tuple[str, int, int, str]:
     name, thing, box = _pick(rng)
     n, k = rng.randint(2, 4), rng.randint(2, 4)
     more, c = rng.randint(1, 5), rng.randint(1, 5)
@@ -100,10 +104,15 @@ def three_steps(rng: random.Random) -> tuple[str, int, int]:
         f"{name} has {n} {box} of {k} {thing}. {name} gets {more} more {thing}, then eats or loses {c}. "
         f"How many {thing} are left?"
     )
-    return text, n * k + more - c, 3
+    return (
+        text,
+        n * k + more - c,
+        3,
+        f"{n} x {k} = {n * k}. {n * k} + {more} = {n * k + more}. {n * k + more} - {c} = {n * k + more - c}.",
+    )
 
 
-def double_then_add(rng: random.Random) -> tuple[str, int, int]:
+def double_then_add(rng: random.Random) -> tuple[str, int, int, str]:
     a, b = rng.sample(NAMES, 2)
     thing = rng.choice(THINGS)
     x, y, z = rng.randint(2, 6), rng.randint(1, 5), rng.randint(1, 5)
@@ -111,7 +120,12 @@ def double_then_add(rng: random.Random) -> tuple[str, int, int]:
         f"{a} has {x} {thing}. {b} has twice as many as {a}, then {b} gets {y} more and gives {z} back to {a}. "
         f"How many {thing} does {b} have now?"
     )
-    return text, 2 * x + y - z, 3
+    return (
+        text,
+        2 * x + y - z,
+        3,
+        f"2 x {x} = {2 * x}. {2 * x} + {y} = {2 * x + y}. {2 * x + y} - {z} = {2 * x + y - z}.",
+    )
 
 
 TEMPLATES: dict[str, Template] = {
@@ -121,16 +135,17 @@ TEMPLATES: dict[str, Template] = {
 
 
 def generate(n: int, rng: random.Random, seen: set[str]) -> list[dict]:
-    """``n`` distinct problems (texts not in ``seen``, which is updated)."""
+    """``n`` distinct problems (texts not in ``seen``, which is updated): dicts with ``prompt``,
+    ``answer`` (int >= 0), ``steps`` (2 or 3), ``template`` and ``solution``."""
     out: list[dict] = []
     names = sorted(TEMPLATES)
     while len(out) < n:
         name = rng.choice(names)
-        text, answer, steps = TEMPLATES[name](rng)
+        text, answer, steps, solution = TEMPLATES[name](rng)
         if text in seen or answer < 0:
             continue
         seen.add(text)
-        out.append({"prompt": text + SUFFIX, "answer": answer, "steps": steps, "template": name})
+        out.append({"prompt": text + SUFFIX, "answer": answer, "steps": steps, "template": name, "solution": solution})
     return out
 
 
