@@ -21,7 +21,14 @@ everything; accuracies with their binomial standard error. The evaluations score
 held-out problems, so each is also compared *paired* with the starting model's
 (:func:`paired_comparison`): how many problems went wrong -> right and right -> wrong, and the exact
 McNemar test's two-sided p-value (:func:`mcnemar_exact`). Exits 0 when the held-out accuracy
-after the last step is above the starting one in every run. One torch thread
+after the last step is above the starting one in every run.
+
+Two further comparisons: ``--baseline-system-prompt`` (on by default) also evaluates the starting
+model under that prompt, same problems and token budget, and compares the numeric run's start and
+end with it, paired (so a run under another system prompt, or from a warm start, is judged
+against the plain model too); ``--warm-start-steps N`` first runs ``sft`` for ``N`` steps on
+worked solutions to *other* generated problems (:func:`warm_start`) and starts GRPO from that
+adapter, as a task with ``init_from`` would (docs/rlvr.md, "A warm start"). One torch thread
 (``OMP_NUM_THREADS=1``): on a shared 2-core box two threads made the evaluation 3-4x slower.
 
 Usage::
@@ -29,6 +36,9 @@ Usage::
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py             # SmolLM2-135M-Instruct, both runs
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py --only numeric --length-weight 0   # format term only
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py --only numeric --steps 32 --lr 2e-3 --kl-coef 0.1
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_rlvr.py --only numeric --warm-start-steps 20 --lr 1e-4 \\
+        --temperature 0.7 --max-new-tokens 32 --format-weight 0 --length-weight 0 \\
+        --system-prompt 'Show each step as an equation.'                   # sft warm start, then GRPO
     .venv/bin/python scripts/bench_rlvr.py --model /path/to/tiny --steps 2 --eval-prompts 4   # smoke run
 """
 
@@ -194,23 +204,12 @@ def baseline_judgements(args, data: Path, tmp: Path) -> list[bool]:
 
 
 def warm_start_rows(args, data: Path) -> list[dict]:
-    """The warm start's chat examples: ``--warm-start-examples`` *other* generated problems (a
-    different seed, and no text that is in the RL file, so no held-out problem is trained on),
-    each a system prompt (``--system-prompt``), the problem and its worked ``solution``."""
-    import random
+    """The warm start's chat examples: ``--warm-start-examples`` worked solutions to *other*
+    problems (:func:`make_word_problems.worked_examples`: none is in the RL file, so no held-out
+    problem is trained on), answering ``--system-prompt``."""
+    from make_word_problems import worked_examples
 
-    from make_word_problems import SUFFIX, generate
-
-    seen = {json.loads(line)["prompt"].removesuffix(SUFFIX) for line in data.read_text().splitlines() if line}
-    rows = generate(args.warm_start_examples, random.Random(args.seed + 1_000_003), seen)
-    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-    return [
-        {
-            "messages": system
-            + [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["solution"]}]
-        }
-        for r in rows
-    ]
+    return worked_examples(data, n=args.warm_start_examples, seed=args.seed, system_prompt=args.system_prompt)
 
 
 def warm_start(args, data: Path, tmp: Path) -> Path:

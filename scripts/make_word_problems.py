@@ -20,6 +20,7 @@ Usage::
 
     python scripts/make_word_problems.py --out .cache/word_problems.jsonl          # 3000 lines, seed 0
     python scripts/make_word_problems.py --out /tmp/wp.jsonl -n 200 --seed 1
+    python scripts/make_word_problems.py --out examples/word_problems.jsonl --worked-out examples/word_solutions.jsonl
 """
 
 from __future__ import annotations
@@ -157,13 +158,49 @@ def write(path: Path, *, n: int, seed: int) -> Path:
     return path
 
 
+#: Added to the seed of the problems a warm start trains on, so they are other problems.
+WARM_START_SEED_OFFSET = 1_000_003
+#: The system prompt the worked solutions answer: one equation per step.
+WORKED_SYSTEM_PROMPT = "Show each step as an equation."
+
+
+def worked_examples(rl_file: Path, *, n: int, seed: int, system_prompt: str = WORKED_SYSTEM_PROMPT) -> list[dict]:
+    """``n`` chat examples for a warm start by ``sft`` (``env_id: chat_jsonl``): *other* problems
+    (seed ``seed + WARM_START_SEED_OFFSET``, and no problem text that is in ``rl_file``, so none
+    of the RL task's held-out problems is trained on), each ``{"messages": [system, user,
+    assistant]}`` with the problem as the user's turn and its worked ``solution`` as the reply
+    (no system message when ``system_prompt`` is empty)."""
+    seen = {json.loads(line)["prompt"].removesuffix(SUFFIX) for line in rl_file.read_text().splitlines() if line}
+    rows = generate(n, random.Random(seed + WARM_START_SEED_OFFSET), seen)
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [
+        {
+            "messages": system
+            + [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["solution"]}]
+        }
+        for r in rows
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
     ap.add_argument("-n", type=int, default=3000, help="problems (default 3000)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--worked-out",
+        type=Path,
+        default=None,
+        help="also write a chat dataset of worked solutions to other problems here (an sft warm start)",
+    )
+    ap.add_argument("--worked-n", type=int, default=1000, help="worked solutions (default 1000)")
     args = ap.parse_args()
     print(write(args.out, n=args.n, seed=args.seed))
+    if args.worked_out is not None:
+        rows = worked_examples(args.out, n=args.worked_n, seed=args.seed)
+        args.worked_out.parent.mkdir(parents=True, exist_ok=True)
+        args.worked_out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(args.worked_out)
 
 
 if __name__ == "__main__":
