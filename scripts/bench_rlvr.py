@@ -180,52 +180,54 @@ def task_parts(args, data: Path, reward: dict, system_prompt: str) -> tuple[dict
     return env, hp
 
 
+def worker_context(name: str, workload_type: str, args, env: dict, hp: dict, tmp: Path, out, init: Path | None = None):
+    """The :class:`~opentinker_trainer.context.WorkerContext` a trainer worker would build for
+    one attempt of task ``bench-rlvr-<name>`` on ``--model`` (CPU; checkpoints under
+    ``tmp/<name>``; reports written to ``out``; starting from the ``peft_lora`` adapter ``init``
+    when given, as an ``init_from`` task would)."""
+    from opentinker_common.spec import TaskSpecModel
+    from opentinker_trainer.context import WorkerContext
+
+    spec = TaskSpecModel.from_parts(workload_type=workload_type, model=args.model, env_config=env, hyperparameters=hp)
+    return WorkerContext(
+        task_id=f"bench-rlvr-{name}",
+        attempt=1,
+        spec=spec,
+        device="cpu",
+        checkpoint_dir=tmp / name,
+        out=out,
+        init_checkpoint=init,
+        init_format="peft_lora" if init else "",
+    )
+
+
 def baseline_judgements(args, data: Path, tmp: Path) -> list[bool]:
     """The starting model (``--model``, no adapter trained) on the same held-out problems, under
     ``--baseline-system-prompt`` and the same token budget: one greedy evaluation, the numeric
     verifier's judgement per problem (in the order every evaluation of :func:`run_one` uses)."""
-    from opentinker_common.spec import TaskSpecModel
-    from opentinker_trainer.context import WorkerContext
     from opentinker_trainer.workloads import grpo_text
 
     env, hp = task_parts(args, data, {"verifier": "numeric"}, args.baseline_system_prompt)
-    spec = TaskSpecModel.from_parts(workload_type="lora_finetune", model=args.model, env_config=env, hyperparameters=hp)
-    ctx = WorkerContext(
-        task_id="bench-rlvr-baseline",
-        attempt=1,
-        spec=spec,
-        device="cpu",
-        checkpoint_dir=tmp / "baseline",
-        out=io.StringIO(),
-    )
-    trainer = grpo_text._Trainer(ctx)
+    trainer = grpo_text._Trainer(worker_context("baseline", "lora_finetune", args, env, hp, tmp, io.StringIO()))
     trainer.evaluate(updates=0)
     return list(trainer.eval_right)
 
 
-def warm_start_rows(args, data: Path) -> list[dict]:
-    """The warm start's chat examples: ``--warm-start-examples`` worked solutions to *other*
-    problems (:func:`make_word_problems.worked_examples`: none is in the RL file, so no held-out
-    problem is trained on), answering ``--system-prompt``."""
-    from make_word_problems import worked_examples
-
-    return worked_examples(data, n=args.warm_start_examples, seed=args.seed, system_prompt=args.system_prompt)
-
-
 def warm_start(args, data: Path, tmp: Path) -> Path:
     """Supervised fine-tuning (``sft``, LoRA r=16, batch 8) for ``--warm-start-steps`` steps on
-    :func:`warm_start_rows`, in this process as a trainer worker runs it; returns the final
+    worked solutions to ``--warm-start-examples`` *other* problems
+    (:func:`make_word_problems.worked_examples`: none is in the RL file, so no held-out problem is
+    trained on) answering ``--system-prompt``, in this process as a trainer worker runs it; returns the final
     adapter's folder (format ``peft_lora``), which GRPO then continues as an ``init_from``
     checkpoint would be. Deterministic, so the adapter is kept under ``--cache-dir`` by a hash of
     what made it (model, examples, hyper-parameters) and reused by later runs with the same settings."""
     import hashlib
     import shutil
 
-    from opentinker_common.spec import TaskSpecModel
-    from opentinker_trainer.context import WorkerContext
+    from make_word_problems import worked_examples
     from opentinker_trainer.workloads import sft
 
-    rows = warm_start_rows(args, data)
+    rows = worked_examples(data, n=args.warm_start_examples, seed=args.seed, system_prompt=args.system_prompt)
     text = "".join(json.dumps(r) + "\n" for r in rows)
     hp = {
         "steps": args.warm_start_steps,
@@ -241,20 +243,8 @@ def warm_start(args, data: Path, tmp: Path) -> Path:
         return cached
     path = tmp / "warm_start.jsonl"
     path.write_text(text)
-    spec = TaskSpecModel.from_parts(
-        workload_type="sft",
-        model=args.model,
-        env_config={"env_id": "chat_jsonl", "path": str(path), "eval_fraction": 0.05, "seed": args.seed},
-        hyperparameters=hp,
-    )
-    ctx = WorkerContext(
-        task_id="bench-rlvr-warm-start",
-        attempt=1,
-        spec=spec,
-        device="cpu",
-        checkpoint_dir=tmp / "warm_start",
-        out=io.StringIO(),
-    )
+    env = {"env_id": "chat_jsonl", "path": str(path), "eval_fraction": 0.05, "seed": args.seed}
+    ctx = worker_context("warm_start", "sft", args, env, hp, tmp, io.StringIO())
     t0 = time.perf_counter()
     sft.run(ctx)
     final = tmp / "warm_start" / f"step_{args.warm_start_steps}"
@@ -274,8 +264,6 @@ def warm_start(args, data: Path, tmp: Path) -> Path:
 
 def run_one(mode: str, args, data: Path, tmp: Path, init: Path | None = None) -> dict:
     from opentinker_client.hosting.reward import RewardServer
-    from opentinker_common.spec import TaskSpecModel
-    from opentinker_trainer.context import WorkerContext
     from opentinker_trainer.workloads import grpo_text
 
     # Each evaluation's per-problem judgements (the trainer keeps them on ``eval_right``), by the
@@ -301,19 +289,7 @@ def run_one(mode: str, args, data: Path, tmp: Path, init: Path | None = None) ->
     try:
         reward = server.reward_config if server else {"verifier": "numeric", "terms": TERMS}
         env, hp = task_parts(args, data, reward, args.system_prompt)
-        spec = TaskSpecModel.from_parts(
-            workload_type="lora_finetune", model=args.model, env_config=env, hyperparameters=hp
-        )
-        ctx = WorkerContext(
-            task_id=f"bench-rlvr-{mode}",
-            attempt=1,
-            spec=spec,
-            device="cpu",
-            checkpoint_dir=tmp / mode,
-            out=Progress(mode),
-            init_checkpoint=init,
-            init_format="peft_lora" if init else "",
-        )
+        ctx = worker_context(mode, "lora_finetune", args, env, hp, tmp, Progress(mode), init)
         t0 = time.perf_counter()
         grpo_text.run(ctx)
         wall = time.perf_counter() - t0

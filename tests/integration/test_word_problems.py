@@ -1,8 +1,10 @@
 """`scripts/make_word_problems.py`: distinct problems, whole answers >= 0, the same file for the
-same seed, and a worked solution whose every equation holds and whose last result is the answer."""
+same seed, and a worked solution whose every equation holds and whose last result is the answer;
+the warm start's worked examples are other problems than the RL file's (none of its held-out ones)."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import sys
@@ -43,3 +45,15 @@ def test_seen_texts_are_never_generated_again() -> None:
     first = wp.generate(500, random.Random(0), seen := set())
     more = wp.generate(500, random.Random(0), seen)
     assert not {r["prompt"] for r in first} & {r["prompt"] for r in more}
+
+
+def test_warm_start_examples_are_other_problems_with_their_worked_solutions(tmp_path) -> None:
+    data = wp.write(tmp_path / "wp.jsonl", n=300, seed=0)
+    rows = wp.worked_examples(data, n=200, seed=0, system_prompt="Show each step as an equation.")
+    rl_prompts = {json.loads(line)["prompt"] for line in data.read_text().splitlines()}
+    assert len(rows) == 200
+    for row in rows:
+        system, user, assistant = row["messages"]
+        assert system == {"role": "system", "content": "Show each step as an equation."}
+        assert user["role"] == "user" and user["content"] not in rl_prompts
+        assert assistant["role"] == "assistant" and assistant["content"].endswith(".")
