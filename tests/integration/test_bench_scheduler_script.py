@@ -34,7 +34,8 @@ def test_bench_quick_run_prints_the_figures(tmp_path) -> None:
         assert label in text, f"{label!r} missing from the report:\n{text}"
     res = json.loads(out.read_text())
     phases = res["phases"]
-    assert phases["throughput"]["submitted"] == res["args"]["tasks"]
+    throughput = phases["throughput"]
+    assert throughput["submitted"] + throughput["errors"].get("RESOURCE_EXHAUSTED", 0) == res["args"]["tasks"]
     assert phases["unary"]["cpu_ms_per_call"] > 0 and phases["throughput"]["cpu_ratio_to_unary"] > 0
     assert phases["throughput"]["all_assigned"] and phases["latency"]["all_assigned"]
     assert phases["steady"]["ingested_source"] == "scheduler counter"
@@ -42,8 +43,14 @@ def test_bench_quick_run_prints_the_figures(tmp_path) -> None:
     scale = phases["scale"]  # the desired-trainers figure rose with the burst and fell back after it
     assert scale["reached"] and scale["fell_back"] and scale["desired_at_burst"] > scale["desired_before"]["rpc"]
     assert scale["rpc_change_from_first_submit_s"] >= 0 and scale["metric_fall_from_drained_s"] >= 0
-    assert res["final"]["submit_errors"] == 0 and res["final"]["node_errors"] == []
-    assert res["final"]["succeeded"] == res["final"]["submitted"], "every simulated task should finish"
+    # A loaded machine may starve the scheduler past its submit-wait bound: those submits are
+    # refused as the gate documents (RESOURCE_EXHAUSTED OVERLOADED, with RetryInfo), never
+    # dropped or failed in any other way; every submit the scheduler took finishes.
+    fin = res["final"]
+    assert set(fin["submit_error_codes"]) <= {"RESOURCE_EXHAUSTED"}, fin["first_submit_errors"]
+    assert fin["submit_errors"] == fin["refused_with_retry_info"], fin["first_submit_errors"]
+    assert fin["node_errors"] == []
+    assert fin["submitted"] > 0 and fin["succeeded"] == fin["submitted"], "every simulated task should finish"
 
 
 def test_bench_splice_phase_compares_the_front_with_grpcs_own_port(tmp_path) -> None:
