@@ -704,7 +704,9 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
 
 def _cmd_cancel(client: RLClient, args: argparse.Namespace) -> int:
     """Cancel each task named, in order: a line per task, ``error: TASK_ID: ...`` on stderr for
-    one that cannot be (the others are still cancelled); the exit code is an error's when any was."""
+    one that cannot be (the others are still cancelled); the exit code is an error's when any was.
+    A task that had already succeeded or failed cannot be cancelled: ``error: TASK_ID had already
+    succeeded: nothing to cancel`` (exit 2); one already cancelled is fine (exit 0)."""
     code = EXIT_OK
     for task_id in dict.fromkeys(args.task_id):  # each once, in the order given
         try:
@@ -713,6 +715,9 @@ def _cmd_cancel(client: RLClient, args: argparse.Namespace) -> int:
             if len(args.task_id) == 1:
                 raise
             code = _error(f"{task_id}: {error_text(err)}")
+            continue
+        if t.state in ("succeeded", "failed"):
+            code = _error(f"{t.task_id} had already {t.state}: nothing to cancel")
             continue
         _console().print(f"task {_escape(t.task_id)} is {_state(t.state)}")
     return code

@@ -80,9 +80,15 @@ def print_fitted(
         console.print(Segments([*line, Segment.line()]))
         units = []  # "label value" pairs kept whole on a line, then the words of an unlabelled one
         for i in moved:
+            words = row[i].split()
+            if not words:  # an empty cell (no notes) says nothing
+                continue
             if headers[i] in unlabelled:
-                units += [(w, " ") for w in row[i].split()]
-            elif row[i]:  # an empty cell (no notes) says nothing
+                units += [(w, " ") for w in words]
+            elif columns[i][1]:  # a wrapping value (notes) breaks between its words, never inside one
+                units += [(f"{headers[i].lower()} {words[0]}", " "), *((w, " ") for w in words[1:])]
+                units[-1] = (units[-1][0], "  ")
+            else:
                 units.append((f"{headers[i].lower()} {row[i]}", "  "))
         for text in pack(units, console.width - 3):
             console.print(Padding(Text.from_markup(text), (0, 0, 0, 3)), no_wrap=True, overflow="fold")

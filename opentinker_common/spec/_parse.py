@@ -30,6 +30,7 @@ __all__ = [
     "parse_dataclass",
     "jsonable",
     "plain",
+    "quoted_value_hint",
     "short_repr",
     "name_list",
 ]
@@ -55,6 +56,7 @@ class SpecError(ValueError):
         detail = f"{self.field}: expected {self.expected}"
         if got is not dataclasses.MISSING:
             detail += f", got {short_repr(got)}"
+            hint = hint or quoted_value_hint(expected, got)
         self.hint = _cut(hint, MAX_HINT_CHARS)
         if self.hint:
             detail += f"; {self.hint}"
@@ -66,6 +68,24 @@ MAX_FIELD_CHARS = 200
 MAX_EXPECTED_CHARS = 600
 MAX_GOT_CHARS = 100
 MAX_HINT_CHARS = 100
+
+
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+_BOOLEAN = {"true", "false", "yes", "no", "on", "off"}
+
+
+def quoted_value_hint(expected: str, got: Any) -> str:
+    """``"that is text (a quoted value): write 5, without quotes"`` when a number or true/false
+    was expected and ``got`` is a string that spells one (``steps: "5"`` in YAML, or a JSON
+    ``"5"``), else ``""``."""
+    if not isinstance(got, str):
+        return ""
+    text = got.strip()
+    wants_number = expected.startswith(("an integer", "a number", "a float", "a positive"))
+    wants_bool = expected.startswith("true or false")
+    if (wants_number and _NUMBER.fullmatch(text)) or (wants_bool and text.lower() in _BOOLEAN):
+        return f"that is text (a quoted value): write {_cut(text.lower() if wants_bool else text, 40)}, without quotes"
+    return ""
 
 
 def did_you_mean(word: Any, choices: Any) -> str:

@@ -35,3 +35,24 @@ def test_cancel_of_one_id_reports_its_error_as_before(capsys, scheduler) -> None
     assert (
         code == 2 and err.startswith("error: ") and "task-nosuch" in err and not err.startswith("error: task-nosuch: ")
     )
+
+
+def test_cancel_of_a_task_that_already_failed_says_so_and_exits_2(capsys, scheduler) -> None:
+    with RLClient(scheduler_url=scheduler.target) as client:
+        t = client.submit_task(workload_type="lora_finetune", hyperparameters={"steps": 3})
+        core = scheduler.core
+        scheduler.do(lambda: core.fail_or_retry(core.get(t), "WORKER_ERROR", "boom", retryable=False))
+        assert client.get_task(t).state == "failed"
+        code = main(["--scheduler-url", scheduler.target, "cancel", t])
+        out, err = capsys.readouterr()
+        assert code == 2 and err == f"error: {t} had already failed: nothing to cancel\n"
+        assert client.get_task(t).state == "failed"  # unchanged
+
+
+def test_cancel_of_a_task_already_cancelled_is_fine(capsys, scheduler) -> None:
+    with RLClient(scheduler_url=scheduler.target) as client:
+        t = client.submit_task(workload_type="lora_finetune", hyperparameters={"steps": 3})
+        assert main(["--scheduler-url", scheduler.target, "cancel", t]) == 0
+        assert main(["--scheduler-url", scheduler.target, "cancel", t]) == 0
+        out, _ = capsys.readouterr()
+        assert [line for line in out.splitlines() if line.startswith("task ")] == [f"task {t} is cancelled"] * 2
