@@ -132,6 +132,11 @@ class _PgDb:
         self.expired = False  # the watchdog ended the call in progress
         #: The connection of the open transaction was lost: every statement until it ends fails.
         self.tx_lost = False
+        #: Statements that open the transaction (``BEGIN`` ...), not sent yet: they go out in one
+        #: pipeline with the transaction's first statement (a deferred BEGIN: no round trip of its own).
+        self.pending_begin: list[str] = []
+        #: Calls that waited for the server's answer (each one round trip), for tests and profiling.
+        self.round_trips = 0
         _Watchdog.get().watched.add(self)
 
     def connection(self) -> psycopg.Connection:
@@ -180,12 +185,41 @@ class _PgDb:
 
         self._call(run)
 
+    def pipelined(self, statements: list[tuple[str, list[tuple] | None]]) -> None:
+        """Run ``statements`` in one pipeline (one round trip): each ``(sql, rows)`` is a
+        statement with ``?`` placeholders run once per row of ``rows``, or ``(sql, None)`` a
+        statement without parameters (one SQL command, never a script). PostgreSQL runs them in
+        order; after the first error it skips the rest (an open transaction is then aborted and
+        rolls back at its end). Errors as :meth:`execute`."""
+
+        def run(conn: psycopg.Connection) -> None:
+            with conn.pipeline():
+                for sql, rows in statements:
+                    if rows is None:
+                        conn.execute(sql, prepare=False)
+                    elif rows:
+                        with conn.cursor() as cur:
+                            cur.executemany(schema.postgres_query(sql), rows)
+
+        self._call(run)
+
     def _call(self, fn):
         """``fn(connection)`` under the call deadline (the watchdog closes a connection past it);
-        a psycopg error fails the open transaction and becomes the store's error (:meth:`failed`)."""
+        a psycopg error fails the open transaction and becomes the store's error (:meth:`failed`).
+        A deferred BEGIN (:attr:`pending_begin`) goes out first, in the same pipeline."""
         if self.tx_lost and self.store._tx_depth:
             raise StoreUnavailable("state store unavailable: the connection of this transaction was lost")
         conn = self.connection()
+        if self.pending_begin:
+            begin, self.pending_begin, inner = self.pending_begin, [], fn
+
+            def fn(conn: psycopg.Connection):
+                with conn.pipeline():  # the results reach their cursors when the block ends
+                    for sql in begin:
+                        conn.execute(sql, prepare=False)
+                    return inner(conn)
+
+        self.round_trips += 1
         self.expired = False
         self.deadline = time.monotonic() + self.store.call_timeout_s
         try:
@@ -198,8 +232,17 @@ class _PgDb:
             self.deadline = 0.0
 
     def executescript(self, script: str) -> None:
-        """DDL in the SQLite dialect (translated), as one simple query."""
+        """DDL in the SQLite dialect (translated), as one simple query (a script never joins a
+        pipeline: a deferred BEGIN goes out on its own first)."""
+        if self.pending_begin:
+            begin, self.pending_begin = self.pending_begin, []
+            self.pipelined([(sql, None) for sql in begin])
         self.execute(schema.postgres_ddl(script))
+
+    @property
+    def begun(self) -> bool:
+        """A transaction is open here: begun on the server, or its BEGIN deferred."""
+        return bool(self.pending_begin) or self.in_transaction
 
     @property
     def in_transaction(self) -> bool:
@@ -263,23 +306,33 @@ class _PgBase(SqlStore):
     _unflushed = False  # the last commit was asynchronous and nobody has asked for its flush yet
 
     def _begin(self, flush_behind: bool = False) -> None:
+        # Deferred: BEGIN goes out with the transaction's first statement (_PgDb._call), or with
+        # its commit when nothing needed an answer before it; no round trip of its own.
         self.db.tx_lost = False
         self._tx_flush_behind = flush_behind and self._flusher is not None
-        if self._tx_flush_behind:  # one round trip, as the plain BEGIN
-            self.db.execute("BEGIN; SET LOCAL synchronous_commit TO off", prepare=False)
-        else:
-            self.db.execute("BEGIN")
+        self.db.pending_begin = ["BEGIN"]
+        if self._tx_flush_behind:
+            self.db.pending_begin.append("SET LOCAL synchronous_commit TO off")
 
     def _commit(self, epoch: int | None) -> None:
-        if self.db.tx_lost or not self.db.in_transaction:
+        self._commit_writes([], epoch)
+
+    def _commit_writes(self, audit: list[tuple], epoch: int | None) -> None:
+        """The transaction's waiting writes (task rows, events, usage; :meth:`_flush_writes`),
+        its ``audit`` rows, the fence (``SELECT ot_fence(epoch)``, refused with
+        :class:`~opentinker_scheduler.errors.Fenced` when a newer epoch holds the lease) and the
+        COMMIT, in one pipeline: one round trip (a deferred BEGIN too, when nothing went before).
+        After any error nothing of it commits."""
+        if self.db.tx_lost or not self.db.begun:
             raise StoreUnavailable("state store unavailable: the connection of this transaction was lost")
         if self.db.in_failed_transaction:  # PostgreSQL would answer the COMMIT with a ROLLBACK
             raise StoreUnavailable("state store unavailable: the transaction was aborted by an error inside it")
+        statements = self._take_writes() + self._audit_statements(audit)
+        if epoch is not None:
+            statements.append((f"SELECT ot_fence({int(epoch)})", None))
+        statements.append(("COMMIT", None))
         try:
-            if epoch is None:
-                self.db.execute("COMMIT")
-            else:  # fence and commit in one round trip (two statements: never a prepared statement)
-                self.db.execute(f"SELECT ot_fence({int(epoch)}); COMMIT", prepare=False)
+            self.db.pipelined(statements)
         except Fenced:
             self.role, self.epoch = "follower", None
             if self.on_fenced is not None:
@@ -296,6 +349,9 @@ class _PgBase(SqlStore):
         return self._flusher.request()
 
     def _rollback(self) -> None:
+        if self.db.pending_begin:  # nothing was sent: nothing to roll back
+            self.db.pending_begin = []
+            return
         if self.db.conn is None or self.db.tx_lost:
             return
         try:
@@ -304,7 +360,7 @@ class _PgBase(SqlStore):
             pass  # the connection went with it: so did the transaction
 
     def _in_transaction(self) -> bool:
-        return self.db.in_transaction
+        return self.db.begun
 
     def _insert_task_unless_requested(self, task, first_event) -> bool:
         # The task row and its first event in one statement (one round trip); the event only when

@@ -140,6 +140,7 @@ _COLUMNS = (
     "latest_step, latest_metrics, latest_checkpoint, attempt_step"
 )
 #: A task row written back (every column but ``task_id`` and ``spec``), ``next_seq`` as a value.
+_AUDIT_COLUMNS = "time, owner, role, key_prefix, action, task_id, outcome, detail"
 _UPDATE_TASK_SQL = (
     "UPDATE tasks SET owner=?, request_id=?, state=?, attempt=?, priority=?, gpu_count=?, "
     "max_attempts=?, max_runtime_s=?, create_time=?, update_time=?, start_time=?, end_time=?, "
@@ -262,7 +263,7 @@ class SqlStore:
     A backend provides the connection :attr:`db` (``execute(sql, params)`` returning rows that
     index by position and by column name, and ``executemany(sql, rows)``; the security room
     keeps its tables through it) and
-    the transaction hooks ``_begin``/``_commit``/``_rollback``/``_in_transaction``, plus
+    the transaction hooks ``_begin``/``_commit``/``_commit_writes``/``_rollback``/``_in_transaction``, plus
     :meth:`close` and :meth:`writable`.
 
     Raises:
@@ -887,15 +888,21 @@ class SqlStore:
     def _flush_writes(self) -> None:
         """Write the open transaction's waiting task rows and events now (still inside it), so a
         read on this connection sees them, as it sees the transaction's other writes."""
+        for sql, rows in self._take_writes():
+            self.db.executemany(sql, rows)
+
+    def _take_writes(self) -> list[tuple[str, list[tuple]]]:
+        """The open transaction's waiting writes as ``(sql, rows)`` statements, in the order they
+        must run, no longer waiting."""
+        out = []
         if self._pending_rows:
-            rows, self._pending_rows = list(self._pending_rows.values()), {}
-            self.db.executemany(_UPDATE_TASK_SQL, rows)
+            out.append((_UPDATE_TASK_SQL, list(self._pending_rows.values())))
         if self._pending_events:
-            events, self._pending_events = self._pending_events, []
-            self.db.executemany(_INSERT_EVENT_SQL, events)
+            out.append((_INSERT_EVENT_SQL, self._pending_events))
         if self._pending_usage:
-            usage, self._pending_usage = self._pending_usage, []
-            self.db.executemany(_RECORD_USAGE_SQL, usage)
+            out.append((_RECORD_USAGE_SQL, self._pending_usage))
+        self._pending_rows, self._pending_events, self._pending_usage = {}, [], []
+        return out
 
     def _forget_writes(self) -> None:
         """A transaction rolled back: what waited is dropped, and the counts of :attr:`_next_seq`
@@ -981,15 +988,20 @@ class SqlStore:
             self._write_audit_rows(rows)
 
     def _write_audit_rows(self, rows: list[tuple]) -> None:
+        for sql, params in self._audit_statements(rows):
+            self.db.execute(sql, params[0])
+
+    def _audit_statements(self, rows: list[tuple]) -> list[tuple[str, list[tuple]]]:
+        """``audit_log`` rows as multi-row INSERTs of :attr:`AUDIT_ROWS_PER_INSERT` rows each:
+        ``(sql, [params])`` statements."""
         step = self.AUDIT_ROWS_PER_INSERT
+        out = []
         for i in range(0, len(rows), step):
             chunk = rows[i : i + step]
             values = ",".join(["(?,?,?,?,?,?,?,?)"] * len(chunk))
-            self.db.execute(
-                "INSERT INTO audit_log (time, owner, role, key_prefix, action, task_id, outcome, detail) "
-                f"VALUES {values}",
-                tuple(v for row in chunk for v in row),
-            )
+            sql = f"INSERT INTO audit_log ({_AUDIT_COLUMNS}) VALUES {values}"
+            out.append((sql, [tuple(v for row in chunk for v in row)]))
+        return out
 
     def transaction(self, *, flush_behind: bool = False) -> "SqlStore._Tx":
         """Like :meth:`batch` but without calling ``before_write`` (the group commit's own).
@@ -1044,10 +1056,7 @@ class SqlStore:
                         s._raise_rolled_back()
                 else:
                     try:
-                        s._flush_writes()
-                        if audit:
-                            s._write_audit_rows(audit)
-                        s._commit(s.epoch if s._tx_fenced and s.role == "leader" else None)
+                        s._commit_writes(audit, s.epoch if s._tx_fenced and s.role == "leader" else None)
                     except BaseException:
                         s._forget_writes()
                         if s._in_transaction():
@@ -1061,6 +1070,14 @@ class SqlStore:
         return SqlStore._Tx(self)
 
     # --- backend hooks ---------------------------------------------------------------------------
+    def _commit_writes(self, audit: list[tuple], epoch: int | None) -> None:
+        """Write what waits (:meth:`_flush_writes`) and ``audit``'s rows, then :meth:`_commit`.
+        A backend may send them together (PostgreSQL: one pipeline)."""
+        self._flush_writes()
+        if audit:
+            self._write_audit_rows(audit)
+        self._commit(epoch)
+
     def _begin(self, flush_behind: bool = False) -> None:
         """Begin a transaction; ``flush_behind``: its commit need not wait for durability
         (:meth:`transaction`)."""

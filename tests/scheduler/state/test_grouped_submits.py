@@ -46,6 +46,8 @@ async def _grouped_core(tmp_path, **kw):
 class _CountingDb:
     """Wraps the store's connection and counts the statements that write tasks."""
 
+    _OWN = ("_db", "task_inserts", "fail_commit")
+
     def __init__(self, db) -> None:
         self._db = db
         self.task_inserts = 0
@@ -58,8 +60,18 @@ class _CountingDb:
             raise sqlite3.OperationalError("disk I/O error (test)")
         return self._db.execute(sql, *args, **kw)
 
+    def pipelined(self, statements):  # PostgreSQL: the writes, fence and COMMIT of a transaction
+        self.task_inserts += sum("INSERT INTO tasks" in sql for sql, _ in statements)
+        return self._db.pipelined(statements)
+
     def __getattr__(self, name):
         return getattr(self._db, name)
+
+    def __setattr__(self, name, value):  # the store's own state of its connection (a deferred BEGIN)
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._db, name, value)
 
 
 def test_insert_new_tasks_writes_each_row_and_first_event_and_names_used_request_ids(tmp_path) -> None:
@@ -103,6 +115,7 @@ def test_a_groups_submits_are_one_insert_placed_in_one_round_and_committed_with_
         await core.durable()
         commits = core.commits.commits
         core.store.db = db = _CountingDb(core.store.db)
+        trips = getattr(db, "round_trips", 0)
         audit = AuditLog(core.store)
 
         async def submit(i: int) -> TaskRow:
@@ -117,6 +130,10 @@ def test_a_groups_submits_are_one_insert_placed_in_one_round_and_committed_with_
         tasks = await asyncio.gather(*(submit(i) for i in range(6)))
         assert db.task_inserts == (1 if isinstance(core.store, PostgresStore) else 6)  # SQLite: in-process, one each
         assert core.commits.commits == commits + 1  # rows, assignments and audit records: one commit
+        if isinstance(core.store, PostgresStore):
+            # The deferred BEGIN goes with the INSERT; the assignments, audit rows, fence and
+            # COMMIT go in one pipeline: two round trips for the whole group.
+            assert db.round_trips - trips == 2
         states = dict(committed(core.store, "SELECT task_id, state FROM tasks"))
         assert sorted(states.values()) == sorted([C.TASK_STATE_ASSIGNED] * 4 + [C.TASK_STATE_PENDING] * 2)
         assert [t.task_id for t in tasks if t.state == C.TASK_STATE_ASSIGNED] == [t.task_id for t in tasks[:4]]
