@@ -39,7 +39,7 @@ $(MODEL_DIR)/config.json: scripts/prepare_model.py | venv
 # The store tests run every case on PostgreSQL too, against a real server on loopback
 # (tests/support/postgres.py). Its binaries come from the system: installed here when missing
 # and we are root (CI, a fresh machine); otherwise those tests skip, saying why. The same for
-# Chromium and chromedriver, which the dashboard's browser test drives.
+# HAProxy (the balancer test) and Chromium and chromedriver, which the dashboard's browser test drives.
 test-deps:
 	@if [ -z "$$(command -v pg_config)" ] && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -47,6 +47,15 @@ test-deps:
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql; \
 	  else \
 	    echo "note: PostgreSQL is not installed and this is not root: its store tests will skip"; \
+	  fi; \
+	fi
+	@# HAProxy runs deploy/haproxy.cfg in front of two schedulers (tests/integration/test_balancer.py).
+	@if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing HAProxy for the balancer test (apt-get install haproxy)"; \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q haproxy; \
+	  else \
+	    echo "note: HAProxy is not installed and this is not root: the balancer test will skip"; \
 	  fi; \
 	fi
 	@# The dashboard's browser test (tests/integration/test_dashboard_in_browser.py) drives Chromium:
