@@ -40,3 +40,12 @@ def test_the_readme_example_checkpoints_often_enough_to_resume() -> None:
     config = load_task_config(EXAMPLES / "arithmetic_lora.yaml")
     steps, every = config.hyperparameters["steps"], config.hyperparameters.get("checkpoint_every", 0)
     assert 0 < every < steps, f"checkpoint_every {every} with {steps} steps: a killed attempt restarts from scratch"
+
+
+def test_the_warm_start_recipe_continues_the_sft_adapter_with_its_prompt_and_rank() -> None:
+    sft = load_task_config(EXAMPLES / "word_problems_sft.yaml")
+    rl = load_task_config(EXAMPLES / "word_problems_grpo_from_sft.yaml")
+    assert sft.workload_type == "sft" and rl.workload_type == "lora_finetune"
+    assert rl.env["system_prompt"] == "Show each step as an equation."  # what the worked solutions answer
+    assert rl.hyperparameters["lora_rank"] == sft.hyperparameters["lora_rank"]  # the adapter it continues
+    assert not rl.env["reward"].get("terms")  # the verifier alone: a worked solution is long by design
