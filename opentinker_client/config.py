@@ -403,20 +403,29 @@ def parse_task_config(text: str, *, source: str = "<string>", check: bool = True
             f"not valid YAML: {getattr(err, 'problem', err)}", source=source, **_at(_pos(mark) if mark else None)
         ) from None
 
+    problems: list[ConfigError] = []  # every top-level problem, then raised together
     for key in data:
         if key not in _KEYS:
-            raise ConfigError(
-                f"unknown key, expected one of the known keys ({', '.join(_KEYS)})"
-                + (f"; {hint}" if (hint := did_you_mean(key, _KEYS)) else ""),
-                source=source,
-                **_at(lines.get((str(key),))),
-                key=str(key),
+            problems.append(
+                ConfigError(
+                    f"unknown key, expected one of the known keys ({', '.join(_KEYS)})"
+                    + (f"; {hint}" if (hint := did_you_mean(key, _KEYS)) else ""),
+                    source=source,
+                    **_at(lines.get((str(key),))),
+                    key=str(key),
+                )
             )
     if "workload_type" not in data:
-        raise ConfigError(f"missing workload_type ({_KEYS['workload_type']})", source=source, **_at(root_pos))
+        problems.append(
+            ConfigError(f"missing workload_type ({_KEYS['workload_type']})", source=source, **_at(root_pos))
+        )
     for key, value in data.items():
-        if not _type_ok(key, value):
-            raise ConfigError(f"expected {_KEYS[key]}, got {value!r}", source=source, **_at(lines.get((key,))), key=key)
+        if key in _KEYS and not _type_ok(key, value):
+            problems.append(
+                ConfigError(f"expected {_KEYS[key]}, got {value!r}", source=source, **_at(lines.get((key,))), key=key)
+            )
+    if problems:
+        raise ConfigError.combine(problems)
 
     def opt(key: str, default: Any) -> Any:
         value = data.get(key)
@@ -443,7 +452,6 @@ def parse_task_config(text: str, *, source: str = "<string>", check: bool = True
     try:
         _check_parts(cfg)
     except SpecError as err:
-        path = _spec_field_to_path(err.field)
         if err.field == "spec.dataset" and not cfg.dataset:
             # sft with neither `dataset:` nor `env:`: the env_id is the default, not anything in the file
             raise ConfigError(
@@ -454,14 +462,7 @@ def parse_task_config(text: str, *, source: str = "<string>", check: bool = True
                 **_at(lines.get(("workload_type",))),
                 key="dataset",
             ) from None
-        key = _dotted(path) if path else err.field
-        detail = _detail(err)
-        hint = yaml11_bool_hint(_value_at(data, path)) if path and err.expected == "true or false" else None
-        if hint:
-            detail = f"expected {err.expected}; {hint}"
-        raise ConfigError(
-            detail, source=source, **_at(_line_for(path, lines) if path else root_pos), key=key or None
-        ) from None
+        raise ConfigError.combine([_file_problem(p, data, lines, source, root_pos) for p in err.problems]) from None
     # Values a Struct cannot carry (dates, huge integers) are refused here, with their line.
     for part in ("env", "hyperparameters"):
         try:
@@ -478,9 +479,20 @@ def parse_task_config(text: str, *, source: str = "<string>", check: bool = True
     return cfg
 
 
+def _file_problem(err: SpecError, data: Mapping[str, Any], lines: dict, source: str, root_pos: Pos) -> ConfigError:
+    """One spec refusal as the file's error: the key as the file spells it, at its line."""
+    path = _spec_field_to_path(err.field)
+    key = _dotted(path) if path else err.field
+    detail = _detail(err)
+    hint = yaml11_bool_hint(_value_at(data, path)) if path and err.expected == "true or false" else None
+    if hint:
+        detail = f"expected {err.expected}; {hint}"
+    return ConfigError(detail, source=source, **_at(_line_for(path, lines) if path else root_pos), key=key or None)
+
+
 def _detail(err: SpecError) -> str:
     """A spec refusal's words without its field path (the caller names the key as the file does)."""
-    detail = str(err).removeprefix(err.field + ": ")
+    detail = err.detail.removeprefix(err.field + ": ")
     return "unknown key, " + detail if err.expected.startswith("one of the known keys") else detail
 
 
@@ -618,13 +630,18 @@ def apply_overrides(cfg: TaskConfig, overrides: Iterable[str]) -> TaskConfig:
     try:  # once all are applied: two overrides may only make sense together
         _check_parts(cfg)
     except SpecError as err:
-        path = _spec_field_to_path(err.field)
-        dotted = _dotted(path) if path else ""
-        named = [src for key, src in given if dotted == key or dotted.startswith(key + ".") or key.startswith(dotted)]
-        source = named[-1] if named and dotted else "; ".join(src for _, src in given) or cfg.source or "<config>"
-        raise ConfigError(  # in the words of the file's errors
-            _detail(err) if dotted else str(err), source=source, key=dotted or None
-        ) from None
+        problems = []
+        for problem in err.problems:
+            path = _spec_field_to_path(problem.field)
+            dotted = _dotted(path) if path else ""
+            named = [
+                src for key, src in given if dotted == key or dotted.startswith(key + ".") or key.startswith(dotted)
+            ]
+            source = named[-1] if named and dotted else "; ".join(src for _, src in given) or cfg.source or "<config>"
+            problems.append(  # in the words of the file's errors
+                ConfigError(_detail(problem) if dotted else problem.detail, source=source, key=dotted or None)
+            )
+        raise ConfigError.combine(problems) from None
     return cfg
 
 

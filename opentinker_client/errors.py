@@ -27,7 +27,7 @@ the scheduler would return, with ``code == grpc.StatusCode.INVALID_ARGUMENT``.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import grpc
 
@@ -128,13 +128,23 @@ class InvalidArgumentError(OpenTinkerError, code=grpc.StatusCode.INVALID_ARGUMEN
     Attributes:
         field: dotted path of the offending field (``spec.hyperparameters.learning_rate``) when
             known, else ``None``.
+        violations: every bad field the check found, as ``(field, description)`` pairs, the
+            first being ``field``'s (the scheduler's ``google.rpc.BadRequest`` field violations;
+            for a local check, the spec refusal's problems); ``()`` when none is named.
     """
 
     def __init__(
-        self, details: str, *, code: grpc.StatusCode | None = None, status: Any = None, field: str | None = None
+        self,
+        details: str,
+        *,
+        code: grpc.StatusCode | None = None,
+        status: Any = None,
+        field: str | None = None,
+        violations: "Sequence[tuple[str, str]]" = (),
     ) -> None:
         super().__init__(details, code=code, status=status)
         self.field = field
+        self.violations: tuple[tuple[str, str], ...] = tuple(violations) or _violations_from_status(status)
 
 
 class ConfigError(InvalidArgumentError):
@@ -168,6 +178,29 @@ class ConfigError(InvalidArgumentError):
         self.line = line
         self.column = column
         self.key = key
+        self.problems: tuple[ConfigError, ...] = (self,)
+
+    @classmethod
+    def combine(cls, problems: "Sequence[ConfigError]") -> "ConfigError":
+        """One error for every problem found in one pass over a file, ordered by line and column
+        (those without a line keep their order, after the others; one message said twice is said
+        once). Its ``source``, ``line``, ``column``, ``key`` and ``field`` are the first problem's;
+        ``details`` is each problem's on a line of its own; ``problems`` holds them all.
+        ``problems`` must not be empty."""
+        unique: list[ConfigError] = []
+        for problem in problems:
+            if all(problem.details != seen.details for seen in unique):
+                unique.append(problem)
+        ordered = sorted(unique, key=lambda p: (p.line is None, p.line or 0, p.column or 0))
+        if len(ordered) == 1:
+            return ordered[0]
+        first = ordered[0]
+        out = type(first).__new__(type(first))  # copy.copy would call the constructor with args
+        out.__dict__.update(first.__dict__)
+        out.details = "\n".join(p.details for p in ordered)
+        out.problems = tuple(ordered)
+        out.args = (out.details,)
+        return out
 
 
 class NotFoundError(OpenTinkerError, code=grpc.StatusCode.NOT_FOUND):
@@ -293,6 +326,22 @@ def _retry_and_reason(status: Any) -> tuple[float | None, str | None]:
     return retry_after, reason
 
 
+def _violations_from_status(status: Any) -> tuple[tuple[str, str], ...]:
+    """The ``(field, description)`` pairs of a ``google.rpc.BadRequest`` detail of ``status``."""
+    if status is None:
+        return ()
+    try:
+        from google.rpc import error_details_pb2
+    except ImportError:  # pragma: no cover
+        return ()
+    for any_msg in status.details:
+        if any_msg.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            any_msg.Unpack(bad)
+            return tuple((v.field, v.description) for v in bad.field_violations)
+    return ()
+
+
 def _field_from_status(status: Any) -> str | None:
     if status is None:
         return None
@@ -354,4 +403,5 @@ def from_spec_error(err: SpecError) -> InvalidArgumentError:
     prefix = f"{err.field}: "
     if err.expected.startswith("one of the known keys") and message.startswith(prefix):
         message = f"{prefix}unknown key, {message[len(prefix) :]}"
-    return InvalidArgumentError(message, field=err.field)
+    violations = [(p.field, p.detail.removeprefix(f"{p.field}: ")) for p in err.problems]
+    return InvalidArgumentError(message, field=err.field, violations=violations)

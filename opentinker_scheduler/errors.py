@@ -15,6 +15,10 @@ from opentinker_common.artifacts.local import UploadIncomplete, UploadOffsetMism
 #: The ``domain`` of the ``google.rpc.ErrorInfo`` the scheduler sends with a ``reason``.
 ERROR_DOMAIN = "opentinker.scheduler"
 
+#: Most field violations one INVALID_ARGUMENT carries (each under ~1 KB: the status details
+#: travel as trailing metadata, whose size gRPC limits).
+MAX_VIOLATIONS = 8
+
 _FIELD_PATH = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+|\[\d+\])*): ")
 
 
@@ -39,7 +43,23 @@ class NotFound(SchedulerError):
 
 
 class InvalidArgument(SchedulerError):
-    """INVALID_ARGUMENT: a request field is bad; the message names its path."""
+    """INVALID_ARGUMENT: a request field is bad; the message names its path.
+
+    Args:
+        violations: every bad field, as ``(field, description)`` pairs, the first the message's;
+            sent as the ``google.rpc.BadRequest`` detail's field violations (at most
+            :data:`MAX_VIOLATIONS`). ``()``: the one field the message starts with.
+    """
+
+    def __init__(self, message: str = "", *, violations=(), **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.violations: tuple[tuple[str, str], ...] = tuple(violations)[:MAX_VIOLATIONS]
+
+    @classmethod
+    def from_spec(cls, exc) -> "InvalidArgument":
+        """The refusal of a :class:`~opentinker_common.spec.SpecError`: its message, and each of
+        its problems (``exc.problems``) as a violation."""
+        return cls(str(exc), violations=[(p.field, p.detail.removeprefix(f"{p.field}: ")) for p in exc.problems])
 
     @property
     def field(self) -> str | None:

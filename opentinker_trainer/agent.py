@@ -821,6 +821,8 @@ class NodeAgent:
         if w.cancel_reason is not None:
             final.state = common_pb2.TASK_STATE_CANCELLED
             final.error = w.cancel_reason
+            if (killed := self._killed_before_exit_checkpoint(w)) is not None:
+                self._send_report(killed)  # before the final report: the scheduler records it while the task stops
         elif outcome.get("type") == "succeeded":
             final.state = common_pb2.TASK_STATE_SUCCEEDED
         elif outcome.get("type") == "failed":
@@ -860,13 +862,29 @@ class NodeAgent:
             how = f"the worker was killed after {grace} before it wrote a checkpoint"
         else:
             how = "the worker stopped without writing a checkpoint"
+        return f"{node}; {how}; handed back ({self._checkpoint_kept(w)})"
+
+    @staticmethod
+    def _checkpoint_kept(w: _Worker) -> str:
+        """Which checkpoint the task has from this attempt or the one it resumed from."""
         if w.checkpoint_step is not None:
-            kept = f"the newest checkpoint is this attempt's step {w.checkpoint_step}"
-        elif w.resume_step:
-            kept = f"the newest checkpoint is step {w.resume_step}, which this attempt resumed from"
-        else:
-            kept = "no checkpoint was written"
-        return f"{node}; {how}; handed back ({kept})"
+            return f"the newest checkpoint is this attempt's step {w.checkpoint_step}"
+        if w.resume_step:
+            return f"the newest checkpoint is step {w.resume_step}, which this attempt resumed from"
+        return "no checkpoint was written"
+
+    def _killed_before_exit_checkpoint(self, w: _Worker) -> node_pb2.TaskReport | None:
+        """For a cancelled (or timed-out) worker that ``--kill-grace`` ended before it wrote its
+        exit checkpoint, a ``killed`` phase report saying so and which checkpoint the task has:
+        the scheduler adds it to the ended task's events (after the CANCELLED one), so ``watch``
+        and ``logs`` tell the user the last steps were not saved. None otherwise."""
+        if not w.killed or w.checkpointed_after_stop:
+            return None
+        grace = f"--kill-grace ({self.config.kill_grace_s:g} s)"
+        detail = f"after {grace}, before its exit checkpoint; {self._checkpoint_kept(w)}"
+        report = node_pb2.TaskReport(task_id=w.task_id, attempt=w.attempt)
+        report.phase.attempt, report.phase.phase, report.phase.detail = w.attempt, "killed", detail
+        return report
 
     def _report_final(self, report: node_pb2.TaskReport) -> None:
         self._send_report(report)

@@ -1551,12 +1551,22 @@ def _cmd_eval(client: RLClient, args: argparse.Namespace) -> int:
 
 
 def _error(message: Any) -> int:
-    """One line ``error: ...`` on stderr (an exception worded by :func:`error_text`: the message,
-    then its status code in brackets); returns :data:`EXIT_ERROR`."""
-    text = safe_text(
-        " ".join(error_text(message).split())
-    )  # always one line; the server's words never act on the terminal
-    print(f"error: {text}", file=sys.stderr, flush=True)
+    """One line ``error: ...`` on stderr per problem (an exception worded by :func:`error_text`:
+    the message, then its status code in brackets); returns :data:`EXIT_ERROR`. A task file with
+    several bad keys gives a line for each (``ConfigError.problems``, each ``file:line:col: key:
+    ...``, as a compiler lists its errors), and so does a scheduler refusal naming several fields
+    (``InvalidArgumentError.violations``)."""
+    lines = [message]
+    problems = getattr(message, "problems", ())
+    violations = getattr(message, "violations", ())
+    if len(problems) > 1:
+        lines = list(problems)
+    elif not problems and len(violations) > 1:
+        code = getattr(getattr(message, "code", None), "name", None)
+        lines = [f"{field}: {description}" + (f" [{code}]" if code else "") for field, description in violations]
+    for line in lines:  # one line each; the server's words never act on the terminal
+        text = safe_text(" ".join((line if isinstance(line, str) else error_text(line)).split()))
+        print(f"error: {text}", file=sys.stderr, flush=True)
     return EXIT_ERROR
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "jsonable",
     "plain",
     "quoted_value_hint",
+    "raise_if_any",
     "short_repr",
     "name_list",
 ]
@@ -45,7 +46,15 @@ class SpecError(ValueError):
         hint: a suggestion after it (``"did you mean 'steps'?"``, :func:`did_you_mean`), or ``""``;
             the message ends ``; <hint>``, outside the cap on ``expected`` so a long key list never
             cuts it off.
+        detail: this refusal's own message (``field: expected ...``), without the others.
+        also: the other refusals found in the same check, in the order found (``()``: none).
+            A spec is checked whole: every field of a mapping, and the independent parts of a task
+            (resources, limits, ``env_config``, ``hyperparameters``, ``tracking``), so one pass names
+            every bad field; checks that combine fields run only once each of them is valid.
+            ``str(err)`` is :attr:`detail`, then ``(and N more: <their fields>)`` when there are others.
     """
+
+    also: tuple["SpecError", ...] = ()
 
     def __init__(self, field: str, expected: str, got: Any = dataclasses.MISSING, *, hint: str = "") -> None:
         # Every part is capped (the path holds user-chosen keys; ``got`` is the user's value), so
@@ -60,7 +69,58 @@ class SpecError(ValueError):
         self.hint = _cut(hint, MAX_HINT_CHARS)
         if self.hint:
             detail += f"; {self.hint}"
+        self.detail = detail
         super().__init__(detail)
+
+    @property
+    def problems(self) -> tuple["SpecError", ...]:
+        """This refusal and :attr:`also`: every refusal of the check, the first first."""
+        return (self, *self.also)
+
+    @classmethod
+    def combine(cls, errors: "list[SpecError]") -> "SpecError":
+        """One error for several (each flattened to its :attr:`problems`): the first, with the
+        rest as its :attr:`also` and named after its message (at most :data:`MAX_NAMED_OTHERS`
+        field paths, so the message stays under ~1.5 KB). ``errors`` must not be empty."""
+        flat: list[SpecError] = []
+        for err in errors:
+            for problem in err.problems:
+                if problem not in flat:
+                    flat.append(problem)
+        first = flat[0]
+        rest = tuple(p.without_others() if p.also else p for p in flat[1:])
+        out = first.without_others() if first.also else first
+        if rest:
+            out = out._clone()
+            out.also = rest
+            names = ", ".join(_cut(p.field, 80) for p in rest[:MAX_NAMED_OTHERS])
+            more = f", ... {len(rest) - MAX_NAMED_OTHERS} more" if len(rest) > MAX_NAMED_OTHERS else ""
+            out.args = (f"{out.detail} (and {len(rest)} more: {names}{more})",)
+        return out
+
+    def without_others(self) -> "SpecError":
+        """A copy of this refusal alone (no :attr:`also`)."""
+        out = self._clone()
+        out.also = ()
+        out.args = (self.detail,)
+        return out
+
+    def _clone(self) -> "SpecError":
+        # copy.copy would call type(self)(*args), which is not this constructor's signature
+        out = type(self).__new__(type(self))
+        out.__dict__.update(self.__dict__)
+        out.args = self.args
+        return out
+
+
+def raise_if_any(errors: "list[SpecError]") -> None:
+    """Raise :meth:`SpecError.combine` of ``errors`` when there are any.
+
+    Raises:
+        SpecError: the first of ``errors``, the others as its ``also``.
+    """
+    if errors:
+        raise SpecError.combine(errors) from None
 
 
 #: Caps on the parts of a :class:`SpecError` message, in characters (together well under 1 KB).
@@ -68,6 +128,8 @@ MAX_FIELD_CHARS = 200
 MAX_EXPECTED_CHARS = 600
 MAX_GOT_CHARS = 100
 MAX_HINT_CHARS = 100
+#: Most field paths of the other refusals named in a :class:`SpecError`'s message.
+MAX_NAMED_OTHERS = 8
 
 
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
@@ -355,26 +417,35 @@ def _dataclass_fields(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.
 def parse_dataclass(cls: type, data: Any, path: str):
     """Build frozen dataclass ``cls`` from a mapping, refusing unknown keys and wrong types.
 
+    Every key is checked before anything is raised: unknown keys (one refusal naming them all),
+    each field's value, each missing required key; the class's ``check(path)`` (rules that
+    combine fields) runs once all of them are valid.
+
     Raises:
-        SpecError: naming ``path.<key>`` and what was expected.
+        SpecError: naming ``path.<key>`` and what was expected; the other bad keys as its ``also``.
     """
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
         raise SpecError(path, "a mapping of keys to values", data)
     hints, fields = _dataclass_fields(cls)
+    errors: list[SpecError] = []
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         expected = f"one of the known keys ({', '.join(sorted(fields))})"
         if len(unknown) > 1:
             expected += f"; unknown keys: {name_list(unknown)}"
-        raise SpecError(f"{path}.{_cut(unknown[0], 60)}", expected, hint=did_you_mean_each(unknown, fields))
+        errors.append(SpecError(f"{path}.{_cut(unknown[0], 60)}", expected, hint=did_you_mean_each(unknown, fields)))
     kwargs = {}
     for name, f in fields.items():
         if name in data:
-            kwargs[name] = _convert(data[name], hints[name], f, f"{path}.{name}")
+            try:
+                kwargs[name] = _convert(data[name], hints[name], f, f"{path}.{name}")
+            except SpecError as err:  # the other fields are still checked: one pass names them all
+                errors.append(err)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise SpecError(f"{path}.{name}", "a value (this key is required)")
+            errors.append(SpecError(f"{path}.{name}", "a value (this key is required)"))
+    raise_if_any(errors)
     obj = cls(**kwargs)
     check = getattr(obj, "check", None)
     if check is not None:

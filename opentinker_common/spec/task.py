@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from opentinker_common.spec._parse import SpecError, check_text, did_you_mean, parse_dataclass, plain
+from opentinker_common.spec._parse import SpecError, check_text, did_you_mean, parse_dataclass, plain, raise_if_any
 from opentinker_common.spec.structs import struct_to_dict
 from opentinker_common.spec.tracking import TrackingConfig, parse_tracking
 from opentinker_common.spec.registry import (
@@ -61,6 +61,14 @@ def validate_env_config(data: Any, path: str = "spec.env_config") -> Any:
     return parse_dataclass(entry.cls, {**data, "env_id": env_id}, path)
 
 
+def _named_env_kind(env_config: Any) -> str | None:
+    """The kind of the environment an unvalidated ``env_config`` names (the default's when it
+    names none), or None when it names no known one."""
+    env_id = (env_config.get("env_id") if isinstance(env_config, Mapping) else None) or DEFAULT_ENV_ID
+    entry = env_entry(env_id) if isinstance(env_id, str) else None
+    return entry.kind if entry is not None else None
+
+
 def task_uses_model(workload_type: str, env_config: Any) -> bool:
     """Whether a task of ``workload_type`` on ``env_config`` (an unvalidated mapping) needs
     ``spec.model`` (a causal LM). True when that cannot be told yet (validation then says why)."""
@@ -77,9 +85,12 @@ def env_kind(env: Any) -> str:
     return entry.kind
 
 
-def validate_hyperparameters(workload_type: str, data: Any, path: str = "spec.hyperparameters", *, env: Any = None):
+def validate_hyperparameters(
+    workload_type: str, data: Any, path: str = "spec.hyperparameters", *, env: Any = None, kind: str | None = None
+):
     """Parse ``hyperparameters`` for ``workload_type`` on ``env`` (a parsed env config; None =
-    the workload's only or first environment kind) into its typed config, defaults filled in.
+    the environment kind ``kind``, or the workload's only or first one) into its typed config,
+    defaults filled in.
 
     Raises:
         SpecError: workload not implemented or not runnable on this kind of environment; unknown
@@ -93,7 +104,7 @@ def validate_hyperparameters(workload_type: str, data: Any, path: str = "spec.hy
             "implemented yet",
             workload_type,
         )
-    kind = env_kind(env) if env is not None else kinds[0]
+    kind = env_kind(env) if env is not None else kind or kinds[0]
     cls = hyperparameters_class(workload_type, kind)
     if cls is None:
         ok = [e for e in known_env_ids() if (en := env_entry(e)) is not None and en.kind in kinds]
@@ -179,62 +190,113 @@ class TaskSpecModel:
         nodes: Any = 1,
         tracking: Any = None,
     ) -> "TaskSpecModel":
-        """Validate every part; raises :class:`SpecError` on the first bad field."""
+        """Validate every part.
+
+        The parts that do not depend on each other are all checked before anything is raised
+        (the workload, the model, resources, limits, priority, name, ``env_config``,
+        ``hyperparameters``, ``init_from``, ``tracking``), so one refusal names every bad field;
+        a check that combines parts (a gang's GPUs, the workload on that environment) runs once
+        those parts are valid. ``hyperparameters`` are checked against the class of the named
+        ``env_id`` even when another key of ``env_config`` is bad.
+
+        Raises:
+            SpecError: the first bad field, the others as its ``also`` (:meth:`SpecError.combine`).
+        """
+        errors: list[SpecError] = []
+        workload_ok = True
         if not isinstance(workload_type, str) or workload_type not in allowed_workloads:
             hint = did_you_mean(workload_type, allowed_workloads)
-            raise SpecError("spec.workload_type", f"one of {', '.join(allowed_workloads)}", workload_type, hint=hint)
-        if not env_kinds_for(workload_type):
-            raise SpecError(
-                "spec.workload_type",
-                f"a workload this release runs ({', '.join(implemented_workloads())}); {workload_type} is not "
-                "implemented yet",
-                workload_type,
+            errors.append(
+                SpecError("spec.workload_type", f"one of {', '.join(allowed_workloads)}", workload_type, hint=hint)
             )
-        if not isinstance(model, str) or (not model.strip() and task_uses_model(workload_type, env_config)):
-            raise SpecError("spec.model", "a model folder or hub id such as Qwen/Qwen2.5-0.5B-Instruct", model)
-        if len(model) > 1024:
-            raise SpecError("spec.model", "at most 1024 characters")
-        check_text("spec.model", model)
-        if isinstance(gpu_count, bool) or not isinstance(gpu_count, int) or not 0 <= gpu_count <= 1024:
-            raise SpecError("spec.resources.gpu_count", EXPECTED["gpu_count"], gpu_count)
+            workload_ok = False
+        elif not env_kinds_for(workload_type):
+            errors.append(
+                SpecError(
+                    "spec.workload_type",
+                    f"a workload this release runs ({', '.join(implemented_workloads())}); {workload_type} is not "
+                    "implemented yet",
+                    workload_type,
+                )
+            )
+            workload_ok = False
+        try:
+            if not isinstance(model, str) or (
+                not model.strip() and workload_ok and task_uses_model(workload_type, env_config)
+            ):
+                raise SpecError("spec.model", "a model folder or hub id such as Qwen/Qwen2.5-0.5B-Instruct", model)
+            if len(model) > 1024:
+                raise SpecError("spec.model", "at most 1024 characters")
+            check_text("spec.model", model)
+        except SpecError as err:
+            errors.append(err)
+        gpu_ok = not isinstance(gpu_count, bool) and isinstance(gpu_count, int) and 0 <= gpu_count <= 1024
+        if not gpu_ok:
+            errors.append(SpecError("spec.resources.gpu_count", EXPECTED["gpu_count"], gpu_count))
         nodes = 1 if nodes in (0, None) else nodes
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_GANG_NODES:
-            raise SpecError("spec.resources.nodes", EXPECTED["nodes"], nodes)
-        if nodes > 1 and gpu_count < 1:
-            raise SpecError(
-                "spec.resources.gpu_count",
-                "at least 1 with resources.nodes > 1 (a gang task runs gpu_count ranks on each node)",
-                gpu_count,
+        nodes_ok = not isinstance(nodes, bool) and isinstance(nodes, int) and 1 <= nodes <= MAX_GANG_NODES
+        if not nodes_ok:
+            errors.append(SpecError("spec.resources.nodes", EXPECTED["nodes"], nodes))
+        elif gpu_ok and nodes > 1 and gpu_count < 1:
+            errors.append(
+                SpecError(
+                    "spec.resources.gpu_count",
+                    "at least 1 with resources.nodes > 1 (a gang task runs gpu_count ranks on each node)",
+                    gpu_count,
+                )
             )
         if max_runtime_s is not None and (
             not isinstance(max_runtime_s, (int, float)) or not 0 < max_runtime_s <= 30 * 86400
         ):
-            raise SpecError("spec.limits.max_runtime", EXPECTED["max_runtime"], max_runtime_s)
+            errors.append(SpecError("spec.limits.max_runtime", EXPECTED["max_runtime"], max_runtime_s))
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or not 0 <= max_attempts <= 100:
-            raise SpecError("spec.limits.max_attempts", EXPECTED["max_attempts"], max_attempts)
+            errors.append(SpecError("spec.limits.max_attempts", EXPECTED["max_attempts"], max_attempts))
         if priority is not None and (
             isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000
         ):
-            raise SpecError("spec.priority", EXPECTED["priority"], priority)
-        if not isinstance(name, str) or len(name) > 256:
-            raise SpecError(
-                "spec.name",
-                "a string of at most 256 characters",
-                f"{name[:20]}... ({len(name)} characters)" if isinstance(name, str) else name,
+            errors.append(SpecError("spec.priority", EXPECTED["priority"], priority))
+        try:
+            if not isinstance(name, str) or len(name) > 256:
+                raise SpecError(
+                    "spec.name",
+                    "a string of at most 256 characters",
+                    f"{name[:20]}... ({len(name)} characters)" if isinstance(name, str) else name,
+                )
+            check_text("spec.name", name)
+        except SpecError as err:
+            errors.append(err)
+        env = hp = None
+        kind = None  # the environment kind, for the hyperparameters' class
+        try:
+            env = validate_env_config(env_config)
+            kind = env_kind(env)
+        except SpecError as err:
+            errors.append(err)
+            kind = _named_env_kind(env_config)
+        if env is not None and workload_ok and nodes_ok and nodes > 1 and (workload_type, kind) not in GANG_WORKLOADS:
+            errors.append(
+                SpecError(
+                    "spec.resources.nodes",
+                    "1 for this workload: only "
+                    + ", ".join(f"{w} on {k} environments" for w, k in sorted(GANG_WORKLOADS))
+                    + " run across nodes",
+                    nodes,
+                )
             )
-        check_text("spec.name", name)
-        env = validate_env_config(env_config)
-        if nodes > 1 and (workload_type, env_kind(env)) not in GANG_WORKLOADS:
-            raise SpecError(
-                "spec.resources.nodes",
-                "1 for this workload: only "
-                + ", ".join(f"{w} on {k} environments" for w, k in sorted(GANG_WORKLOADS))
-                + " run across nodes",
-                nodes,
-            )
-        hp = validate_hyperparameters(workload_type, hyperparameters, env=env)
-        _check_init_from(init_from, env)
-        tracked = parse_tracking(tracking)
+        if workload_ok and (env is not None or hyperparameters_class(workload_type, kind) is not None):
+            try:
+                hp = validate_hyperparameters(workload_type, hyperparameters, env=env, kind=kind)
+            except SpecError as err:
+                errors.append(err)
+        try:
+            _check_init_from(init_from, env)
+        except SpecError as err:
+            errors.append(err)
+        try:
+            tracked = parse_tracking(tracking)
+        except SpecError as err:
+            errors.append(err)
+        raise_if_any(errors)
         return cls(
             workload_type=workload_type,
             model=model,
@@ -289,7 +351,8 @@ INIT_FROM_ENV_KINDS: tuple[str, ...] = ("text", "dataset")
 
 
 def _check_init_from(init_from: Any, env: Any) -> None:
-    """``init_from`` is a task id (or empty), on a workload that can start from an LM checkpoint."""
+    """``init_from`` is a task id (or empty), on a workload that can start from an LM checkpoint
+    (that part is left out while ``env`` is None: the environment was refused)."""
     if (
         not isinstance(init_from, str)
         or len(init_from) > 128
@@ -298,7 +361,7 @@ def _check_init_from(init_from: Any, env: Any) -> None:
         raise SpecError(
             "spec.init_from", "the id of a finished task (such as task-0192f3c4d5e6f7a8b9c) or empty", init_from
         )
-    if init_from and env_kind(env) not in INIT_FROM_ENV_KINDS:
+    if init_from and env is not None and env_kind(env) not in INIT_FROM_ENV_KINDS:
         raise SpecError(
             "spec.init_from",
             "empty: starting from another task's checkpoint works for language-model workloads on "

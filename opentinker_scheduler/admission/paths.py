@@ -94,7 +94,7 @@ def check_local_paths(spec: Any, *, paths: PathsConfig, auth_enabled: bool, defa
         if (data := _env_path(spec)) is not None:
             check_text("spec.env_config.path", data)
     except SpecError as exc:
-        raise InvalidArgument(str(exc)) from None
+        raise InvalidArgument.from_spec(exc) from None
     allowed = paths.allowed("model_dirs", auth_enabled=auth_enabled)
     if (
         model

@@ -208,4 +208,4 @@ def _check_dataset_fits(spec: common_pb2.TaskSpec, dataset_id: str, datasets: Da
     try:
         check_sample(env.reward, datasets.head(dataset_id, SAMPLE_LINES))
     except SpecError as err:
-        raise InvalidArgument(str(err)) from None
+        raise InvalidArgument.from_spec(err) from None

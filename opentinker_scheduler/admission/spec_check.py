@@ -22,6 +22,10 @@ The env-building checks are ``functools.lru_cache``-d on (env id, env_kwargs), s
 and builds nothing. An ``env_config`` that passed once is not sent to a thread again (the last
 :data:`REMEMBER_PASSED` are kept): the check is a pre-check of what ``SchedulerCore.submit``
 validates anyway, and the hop to a thread and back was a fifth of a typical submit's CPU.
+
+A refused ``env_config`` is refused with its own problems (every bad key of it, as field
+violations), without the rest of the spec's: checking those too would build the environment a
+second time on the loop.
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ class SpecChecker:
                 self._too_slow.popitem(last=False)
             raise InvalidArgument(_too_slow_message(timeout_s)) from None
         except SpecError as exc:
-            raise InvalidArgument(str(exc)) from None
+            raise InvalidArgument.from_spec(exc) from None
         self._passed[key] = None
         while len(self._passed) > REMEMBER_PASSED:
             self._passed.popitem(last=False)

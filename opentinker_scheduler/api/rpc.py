@@ -82,7 +82,9 @@ def refusal_status(exc: BaseException) -> grpc.Status | None:
     anything that is no refusal). Its details, in this order, each when it applies:
 
     * ``google.rpc.BadRequest``: an INVALID_ARGUMENT whose message names a field (``field``: the
-      path its message starts with; ``description``: the rest of the message);
+      path its message starts with; ``description``: the rest of the message), or one violation
+      per bad field when the refusal lists them (``InvalidArgument.violations``: a spec check
+      that found several);
     * ``google.rpc.RetryInfo``: ``retry_after`` seconds (also as the ``grpc-retry-pushback-ms``
       trailer, which gRPC's retry policy obeys);
     * ``google.rpc.ErrorInfo``: ``reason`` (domain :data:`~opentinker_scheduler.errors.ERROR_DOMAIN`);
@@ -94,7 +96,13 @@ def refusal_status(exc: BaseException) -> grpc.Status | None:
     code, message = mapped
     details = []
     field = exc.field if isinstance(exc, InvalidArgument) else None
-    if field is not None:
+    if isinstance(exc, InvalidArgument) and exc.violations:
+        violations = [
+            error_details_pb2.BadRequest.FieldViolation(field=name, description=description)
+            for name, description in exc.violations
+        ]
+        details.append(_pack(error_details_pb2.BadRequest(field_violations=violations)))
+    elif field is not None:
         violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=message[len(field) + 2 :])
         details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
     retry_after = exc.retry_after if isinstance(exc, SchedulerError) else None

@@ -484,7 +484,7 @@ class SchedulerCore:
         try:
             model = spec_from_proto(spec_copy, allowed_workloads=self.config.workload_names)
         except SpecError as exc:
-            raise InvalidArgument(str(exc)) from None
+            raise InvalidArgument.from_spec(exc) from None
         spec_copy = self._as_stored(spec_copy, model=model)
         most = self.max_possible_gpus()
         if model.gpu_count > most:
@@ -545,7 +545,7 @@ class SchedulerCore:
         try:
             parsed = spec_from_proto(spec, allowed_workloads=self.config.workload_names)
         except SpecError as exc:
-            raise InvalidArgument(str(exc)) from None
+            raise InvalidArgument.from_spec(exc) from None
         spec = self._as_stored(spec, model=parsed)
         now = time.time()
         task = TaskRow(

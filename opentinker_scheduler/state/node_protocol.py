@@ -400,8 +400,15 @@ class NodeProtocol:
         """Apply what the stopping worker of an ended task (cancel, max_runtime) still reports:
         the metric points of steps it finished after the end (``latest_step`` and
         ``latest_metrics`` follow them) and its last checkpoint, as events after the terminal one.
-        Duplicates (a resent report) are skipped as for a running task."""
+        Duplicates (a resent report) are skipped as for a running task. A phase it reports (the
+        trainer's ``killed``: ``--kill-grace`` ended the worker before its exit checkpoint) is
+        kept too, before its final report ends the stop."""
         events: list[common_pb2.TaskEvent] = []
+        if rep.HasField("phase") and rep.phase.phase:
+            phase = common_pb2.TaskPhase()
+            phase.CopyFrom(rep.phase)
+            phase.attempt = task.attempt
+            events.append(common_pb2.TaskEvent(phase=phase))
         for point in rep.metrics:
             if point.step <= task.attempt_step:
                 self.duplicates += 1

@@ -121,3 +121,17 @@ def test_config_error():
     err = ot.ConfigError("unknown key", source="t.yaml", line=3, column=5, key="foo")
     assert (err.line, err.column) == (3, 5)
     assert str(err) == "INVALID_ARGUMENT: t.yaml:3:5: foo: unknown key"
+
+
+def test_a_local_spec_refusal_with_several_problems_lists_each_as_a_violation():
+    from opentinker_common.spec import TaskSpecModel
+
+    with pytest.raises(SpecError) as spec_err:
+        TaskSpecModel.from_parts(
+            workload_type="lora_finetune", model="/m", env_config={}, hyperparameters={"steps": 0, "seed": "x"}
+        )
+    err = from_spec_error(spec_err.value)
+    assert [f for f, _ in err.violations] == ["spec.hyperparameters.steps", "spec.hyperparameters.seed"]
+    assert err.field == "spec.hyperparameters.steps"
+    assert err.violations[1][1].startswith("expected an integer")
+    assert from_spec_error(SpecError("spec.x", "y")).violations == (("spec.x", "expected y"),)

@@ -76,3 +76,41 @@ def test_a_worker_killed_at_kill_grace_is_not_reported_as_checkpointed(tmp_path)
     )
     _, error = _drain_one(tmp_path, "stubborn", resume_step=5)
     assert error.endswith("handed back (the newest checkpoint is step 5, which this attempt resumed from)")
+
+
+def _cancel_one(tmp_path, behaviour: str) -> list:
+    """The stand-in worker cancelled by the user (not a drain), 0.3 s kill grace: every report
+    the agent sent after the start, in order."""
+
+    async def scenario():
+        agent = NodeAgent(AgentConfig(target="127.0.0.1:1", node_id="n1", work_dir=tmp_path, kill_grace_s=0.3))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _WORKER, behaviour, stdout=asyncio.subprocess.PIPE, start_new_session=True
+        )
+        w = _Worker("t1", 1, proc, ())
+        agent.workers["t1"] = w
+        assert b"started" in await proc.stdout.readline()
+        w.watcher = asyncio.create_task(agent._watch(w))
+        agent._terminate(w, "cancelled by user: enough")
+        await asyncio.wait_for(w.watcher, 60)
+        return list(agent._unacked.values())
+
+    return asyncio.run(scenario())
+
+
+def test_a_cancelled_worker_killed_before_its_exit_checkpoint_is_reported_as_such(tmp_path) -> None:
+    reports = _cancel_one(tmp_path, "stubborn")
+    phases = [r.phase for r in reports if r.HasField("phase")]
+    assert [(p.phase, p.attempt, p.detail) for p in phases] == [
+        ("killed", 1, "after --kill-grace (0.3 s), before its exit checkpoint; no checkpoint was written")
+    ]
+    final = reports[-1]
+    assert (final.state, final.error) == (C.TASK_STATE_CANCELLED, "cancelled by user: enough")
+    assert reports.index(next(r for r in reports if r.HasField("phase"))) < len(reports) - 1  # before the final
+
+
+def test_a_cancelled_worker_that_checkpoints_in_time_reports_no_kill(tmp_path) -> None:
+    reports = _cancel_one(tmp_path, "obliging")
+    assert not any(r.HasField("phase") for r in reports)
+    assert [r.checkpoint.step for r in reports if r.HasField("checkpoint")] == [7]
+    assert reports[-1].state == C.TASK_STATE_CANCELLED

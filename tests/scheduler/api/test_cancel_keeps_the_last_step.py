@@ -94,3 +94,40 @@ def test_get_and_logs_of_a_cancelled_task(sched, capsys) -> None:
     at = next(i for i, line in enumerate(lines) if "-> cancelled" in line)
     assert any("checkpoint step 9: /ck/step_9" in line for line in lines[at + 1 :]), lines
     assert lines[-1] == "cancelled by user: enough" and not any(line.startswith("error") for line in lines)
+
+
+def test_a_worker_killed_before_its_exit_checkpoint_says_so_after_the_cancel(tmp_path, capsys) -> None:
+    with LoopbackScheduler(tmp_path / "state") as sched:  # its own: no other test's node takes the task
+        _killed_after_the_cancel(sched, capsys)
+
+
+def _killed_after_the_cancel(sched, capsys) -> None:
+    node, task_id = _running_task(sched, "cpu-killed")
+    with RLClient(sched.target) as client:
+        events = client.watch(task_id, after_sequence=0)
+        client.cancel(task_id, reason="enough")
+        for event in events:
+            if event.is_terminal:
+                break
+        # --kill-grace ended the worker before it checkpointed: the trainer's `killed` phase
+        kept = "the newest checkpoint is this attempt's step 8"
+        killed = C.TaskPhase(
+            attempt=1, phase="killed", detail=f"after --kill-grace (10 s), before its exit checkpoint; {kept}"
+        )
+        _report(sched, node, task_id, phase=killed)
+        after = next(events)
+        assert (after.kind, after.phase, after.attempt) == ("phase", "killed", 1)
+        assert after.message.endswith("the newest checkpoint is this attempt's step 8")
+        _report(sched, node, task_id, state=C.TASK_STATE_CANCELLED, error="enough")
+        assert list(events) == []
+        task = client.get_task(task_id)
+    assert (task.state, task.latest_step, task.checkpoint_step) == ("cancelled", 8, 8)
+    capsys.readouterr()
+    assert main(["--scheduler-url", sched.target, "logs", task_id]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if "-> cancelled" in line)
+    assert any(
+        "killed after --kill-grace (10 s), before its exit checkpoint; the newest checkpoint is this attempt's step 8 "
+        "(attempt 1)" in line
+        for line in lines[at + 1 :]
+    ), lines

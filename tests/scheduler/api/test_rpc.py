@@ -119,3 +119,33 @@ def test_invalid_arguments_carry_their_field_as_a_bad_request_detail(tmp_path) -
         with pytest.raises(grpc.RpcError) as err:  # other refusals keep a plain status
             stub.GetTask(S.GetTaskRequest(task_id="task-nope"))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and rpc_status.from_call(err.value) is None
+
+
+def test_a_spec_with_several_bad_fields_is_refused_once_with_a_violation_for_each(tmp_path) -> None:
+    bad = spec(learning_rate="fast", steps=0, stesp=3)
+    bad.resources.gpu_count = 5000
+    with LoopbackScheduler(tmp_path / "state") as sched, sched.channel() as ch:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SubmitTask(S.SubmitTaskRequest(spec=bad))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        violations = dict(_bad_request(err.value))
+        assert set(violations) == {
+            "spec.resources.gpu_count",
+            "spec.hyperparameters.stesp",
+            "spec.hyperparameters.learning_rate",
+            "spec.hyperparameters.steps",
+        }
+        assert violations["spec.hyperparameters.steps"].startswith("expected an integer in [1, ")
+        assert "did you mean 'steps'?" in violations["spec.hyperparameters.stesp"]
+        # the message is the first refusal's, then the others' fields
+        first = err.value.details().split(" (and ")[0]
+        field, _, description = first.partition(": ")
+        assert violations[field] == description
+        assert err.value.details().endswith("(and 3 more: " + ", ".join(f for f in violations if f != field) + ")")
+        # the client's error carries them all, and the CLI prints a line for each
+        from opentinker_client.errors import from_rpc_error
+
+        assert dict(from_rpc_error(err.value).violations) == violations
+        # nothing was kept of it
+        assert list(stub.ListTasks(S.ListTasksRequest()).tasks) == []
