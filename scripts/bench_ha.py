@@ -14,7 +14,10 @@ Starts its own PostgreSQL on loopback (``initdb`` in a temporary folder, as the 
   2. submits    one scheduler on SQLite, then one on PostgreSQL, alternately (``--submit-rounds``
                 each): ``--tasks`` SubmitTask calls closed-loop with ``--concurrency`` in flight
                 (no nodes: tasks stay queued). submits/s and latency p50/p99; the ratio of the
-                medians PostgreSQL / SQLite (goal >= 0.7).
+                medians PostgreSQL / SQLite (goal >= 0.7); and CPU microseconds per submit of the
+                scheduler process, of PostgreSQL's processes (postmaster and its children) and of
+                this load generator, over the timed loop (``CpuMeter``): on a small machine the
+                three share the cores, so a backend's CPU is throughput the scheduler loses.
   3. core       the scheduler's core alone, in this process, no gRPC: ``--tasks`` submits through
                 ``SchedulerCore.submit`` and its group commit (``durable``), ``--concurrency`` in
                 flight, on SQLite and on PostgreSQL (synchronous_commit on, flush inline)
@@ -66,6 +69,58 @@ def proc_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _cpu_s(pids) -> dict[int, float]:
+    """User + system CPU seconds of each live process of ``pids`` (gone ones left out)."""
+    import psutil
+
+    out = {}
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        out[pid] = t.user + t.system
+    return out
+
+
+def _postgres_pids(server) -> list[int]:
+    """The postmaster and its children (backends, WAL writer, checkpointer...)."""
+    import psutil
+
+    try:
+        master = psutil.Process(server.pid())
+        return [master.pid, *(c.pid for c in master.children(recursive=True))]
+    except (psutil.Error, OSError):
+        return []
+
+
+class CpuMeter:
+    """CPU seconds that the scheduler, PostgreSQL's processes (when ``server``) and this load
+    generator spend between :meth:`start` and :meth:`stop` (PostgreSQL's backends are read
+    before they exit: the scheduler must still be running at :meth:`stop`)."""
+
+    def __init__(self, scheduler_pid: int, server=None) -> None:
+        self.scheduler_pid, self.server = scheduler_pid, server
+
+    def _read(self) -> tuple[float, dict[int, float], float]:
+        sched = _cpu_s([self.scheduler_pid]).get(self.scheduler_pid, 0.0)
+        pg = _cpu_s(_postgres_pids(self.server)) if self.server is not None else {}
+        return sched, pg, time.process_time()
+
+    def start(self) -> None:
+        self.before = self._read()
+
+    def stop(self, n: int) -> dict:
+        """Microseconds of CPU per submit over ``n`` submits: scheduler, postgres, client."""
+        (s0, pg0, c0), (s1, pg1, c1) = self.before, self._read()
+        pg = sum(t - pg0.get(pid, 0.0) for pid, t in pg1.items())
+        return {
+            "scheduler_cpu_us": (s1 - s0) / n * 1e6,
+            "postgres_cpu_us": pg / n * 1e6,
+            "client_cpu_us": (c1 - c0) / n * 1e6,
+        }
 
 
 def pct(values: list[float], q: float) -> float:
@@ -238,7 +293,7 @@ def _start_one(tmp: Path, name: str, store_yaml: str) -> tuple[Proc, int, int]:
     return p, port, http_port
 
 
-async def closed_loop(port: int, n: int, concurrency: int, tag: str) -> dict:
+async def closed_loop(port: int, n: int, concurrency: int, tag: str, meter: "CpuMeter | None" = None) -> dict:
     latencies: list[float] = []
     spec = C.TaskSpec(workload_type="lora_finetune", model="/models/m", resources=C.Resources(gpu_count=0))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -253,13 +308,17 @@ async def closed_loop(port: int, n: int, concurrency: int, tag: str) -> dict:
                 await stub.SubmitTask(S.SubmitTaskRequest(spec=spec, request_id=f"{tag}-{i}"))
                 latencies.append(time.perf_counter() - t)
 
+        if meter is not None:
+            meter.start()
         started = time.perf_counter()
         await asyncio.gather(*(lane() for _ in range(concurrency)))
         wall = time.perf_counter() - started
+        cpu = meter.stop(n) if meter is not None else {}
     return {
         "submits_per_s": n / wall,
         "p50_ms": pct(latencies, 0.5) * 1000,
         "p99_ms": pct(latencies, 0.99) * 1000,
+        **cpu,
     }
 
 
@@ -285,7 +344,8 @@ async def submits_phase(args, server, tmp: Path) -> dict:
                 )
             p, port, _ = _start_one(tmp, f"{kind}-{r}", store)
             try:
-                got = await closed_loop(port, args.tasks, args.concurrency, f"{kind}{r}")
+                meter = CpuMeter(p.popen.pid, server if kind.startswith("postgres") else None)
+                got = await closed_loop(port, args.tasks, args.concurrency, f"{kind}{r}", meter)
             finally:
                 p.terminate()
                 p.close()
@@ -293,16 +353,26 @@ async def submits_phase(args, server, tmp: Path) -> dict:
             out[kind].append(got)
             print(
                 f"  {kind:20s} round {r + 1}: {got['submits_per_s']:7.1f} submits/s, "
-                f"p50 {got['p50_ms']:.1f} ms, p99 {got['p99_ms']:.1f} ms (load {got['load1']:.1f})"
+                f"p50 {got['p50_ms']:.1f} ms, p99 {got['p99_ms']:.1f} ms; CPU per submit: scheduler "
+                f"{got['scheduler_cpu_us']:.0f} us, postgres {got['postgres_cpu_us']:.0f} us, client "
+                f"{got['client_cpu_us']:.0f} us (load {got['load1']:.1f})"
             )
     med = {k: statistics.median(x["submits_per_s"] for x in v) for k, v in out.items()}
     p99 = {k: statistics.median(x["p99_ms"] for x in v) for k, v in out.items()}
+    cpu = {
+        k: {
+            part: statistics.median(x[part] for x in v)
+            for part in ("scheduler_cpu_us", "postgres_cpu_us", "client_cpu_us")
+        }
+        for k, v in out.items()
+    }
     return {
         "tasks": args.tasks,
         "concurrency": args.concurrency,
         "rounds": out,
         "median_submits_per_s": med,
         "median_p99_ms": p99,
+        "median_cpu_us_per_submit": cpu,
         "ratio_over_sqlite": {k: med[k] / med["sqlite"] for k in kinds if k != "sqlite"},
     }
 
@@ -447,6 +517,12 @@ async def main(args) -> dict:
         print(f"submits/s: sqlite {m['sqlite']:.1f} (p99 {p['sqlite']:.1f} ms)")
         for k, ratio in s["ratio_over_sqlite"].items():
             print(f"           {k} {m[k]:.1f} (p99 {p[k]:.1f} ms): {ratio:.2f} x sqlite (goal >= 0.7)")
+        for k, c in s["median_cpu_us_per_submit"].items():
+            total = sum(c.values())
+            print(
+                f"  CPU per submit, {k}: scheduler {c['scheduler_cpu_us']:.0f} us + postgres "
+                f"{c['postgres_cpu_us']:.0f} us + client {c['client_cpu_us']:.0f} us = {total:.0f} us"
+            )
     if "core" in results:
         c = results["core"]
         cpu, rate = c["median_cpu_us_per_submit"], c["median_submits_per_s"]
