@@ -928,7 +928,7 @@ def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
         if hidden:
             first, last = hidden[0].sequence, hidden[-1].sequence
             seqs = f"#{first}" if first == last else f"#{first}-#{last}"
-            console.print(f"{_fmt_time(hidden[-1].time)}  {seqs}  {_hidden_line(hidden)}")
+            console.print(f"{_fmt_time(hidden[-1].time)}  {seqs}  {_hidden_line(hidden)}", soft_wrap=True)
             hidden.clear()
 
     for event in events:
@@ -950,11 +950,13 @@ def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
             hidden.append(event)
             continue
         flush()
-        console.print(f"{_fmt_time(event.time)}  #{event.sequence}  {line}")
+        # One event, one line at any width (soft_wrap: the terminal folds it, rich does not break
+        # it), so `opentinker logs ID | grep` finds every word of an event on the line it is on.
+        console.print(f"{_fmt_time(event.time)}  #{event.sequence}  {line}", soft_wrap=True)
     flush()
     final = client.get_task(task.task_id) if (args.follow or task.done) else task
     if final.error and final.done:
-        console.print(_ended_line(final))
+        console.print(_ended_line(final), soft_wrap=True)
     return EXIT_OK
 
 

@@ -96,7 +96,9 @@ def test_get_and_logs_of_a_cancelled_task(sched, capsys) -> None:
     assert lines[-1] == "cancelled by user: enough" and not any(line.startswith("error") for line in lines)
 
 
-def test_a_worker_killed_before_its_exit_checkpoint_says_so_after_the_cancel(tmp_path, capsys) -> None:
+def test_a_worker_killed_before_its_exit_checkpoint_says_so_after_the_cancel(tmp_path, capsys, monkeypatch) -> None:
+    # A narrow output (a CI log's $COLUMNS): each event stays on one line of `logs`, whole.
+    monkeypatch.setenv("COLUMNS", "60")
     with LoopbackScheduler(tmp_path / "state") as sched:  # its own: no other test's node takes the task
         _killed_after_the_cancel(sched, capsys)
 
