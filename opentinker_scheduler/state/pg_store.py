@@ -29,9 +29,12 @@ shows the DSN without it.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import contextlib
 import functools
+import json
+import math
 import os
 import re
 import socket
@@ -278,40 +281,82 @@ class _PgDb:
 
 
 #: PostgreSQL types of :data:`~opentinker_scheduler.state.store._COLUMNS` (the tasks table), of
-#: an event's ``(task_id, time, kind, step, payload)`` and of an audit row, for ``unnest`` arrays.
+#: an event's ``(task_id, time, kind, step, payload)`` and of an audit row, for a group's rows sent
+#: as one JSON parameter (:func:`_json_rows`).
 _TASK_TYPES = (
     "text text text bytea int8 int8 int8 int8 int8 float8 float8 float8 float8 float8 float8 "
     "text text text int8 text bytea int8"
 ).split()
 _EVENT_TYPES = "text float8 text int8 bytea".split()
 _AUDIT_TYPES = "float8 text text text text text text text".split()
+
+
+def _json_select(types: list[str], alias: str) -> str:
+    """The columns of a row ``alias`` of ``jsonb_array_elements``: element ``i`` read as text
+    (``->>``) and cast to its column's type; a bytea column travels as base64. jsonb, not json:
+    the server parses the parameter once (``->>`` on json parses the row's text again for every
+    column: in the same benchmark run PostgreSQL's CPU per submit nearly doubled)."""
+    return ", ".join(
+        f"decode({alias}->>{i}, 'base64')" if kind == "bytea" else f"({alias}->>{i})::{kind}"
+        for i, kind in enumerate(types)
+    )
+
+
 _INSERT_TASKS_SQL = (
     f"WITH t AS (INSERT INTO tasks ({_COLUMNS}, next_seq) "
-    f"SELECT *, 2 FROM unnest({', '.join(f'?::{t}[]' for t in _TASK_TYPES)}) "
-    "ON CONFLICT DO NOTHING RETURNING task_id) "
+    f"SELECT {_json_select(_TASK_TYPES, 'r')}, 2 FROM jsonb_array_elements(?::jsonb) AS a (r) "
+    "ON CONFLICT DO NOTHING RETURNING task_id), "
+    f"e (task_id, time, kind, step, payload) AS (SELECT {_json_select(_EVENT_TYPES, 'r')} "
+    "FROM jsonb_array_elements(?::jsonb) AS b (r)) "
     "INSERT INTO events (task_id, seq, time, kind, step, payload) "
     "SELECT e.task_id, 1, e.time, e.kind, e.step, e.payload "
-    f"FROM unnest({', '.join(f'?::{t}[]' for t in _EVENT_TYPES)}) AS e (task_id, time, kind, step, payload) "
-    "JOIN t ON t.task_id = e.task_id RETURNING task_id"
+    "FROM e JOIN t ON t.task_id = e.task_id RETURNING task_id"
 )
 _INSERT_AUDIT_SQL = (
-    f"INSERT INTO audit_log ({_AUDIT_COLUMNS}) SELECT * FROM unnest({', '.join(f'?::{t}[]' for t in _AUDIT_TYPES)})"
+    f"INSERT INTO audit_log ({_AUDIT_COLUMNS}) "
+    f"SELECT {_json_select(_AUDIT_TYPES, 'r')} FROM jsonb_array_elements(?::jsonb) AS a (r)"
 )
 
 
-def _columns(rows: list[tuple], types: list[str]) -> list[list]:
-    """``rows`` as one list per column, each value as its column's type wants it (a float8
-    column's ints as floats: psycopg dumps a list by its values' Python type)."""
+def _json_float(v) -> float | str | None:
+    # JSON has no infinities or NaN; PostgreSQL's float8 input reads them as these words.
+    if v is None:
+        return None
+    v = float(v)
+    if v != v:
+        return "NaN"
+    if v in (math.inf, -math.inf):
+        return "Infinity" if v > 0 else "-Infinity"
+    return v
+
+
+def _json_bytes(v) -> str | None:
+    return None if v is None else base64.b64encode(v).decode("ascii")
+
+
+def _json_int(v) -> int | None:
+    return None if v is None else int(v)
+
+
+_JSON_CONVERT = {"float8": _json_float, "bytea": _json_bytes, "int8": _json_int}
+
+
+def _json_rows(rows: list[tuple], types: list[str]) -> str:
+    """``rows`` as one JSON array of arrays, each value as :func:`_json_select` reads it back:
+    bytes as base64, non-finite floats as PostgreSQL's words for them, text as JSON strings.
+
+    One text parameter per table whatever the number of rows: the statement stays the same, so
+    psycopg prepares it once, and ``json.dumps`` (C) replaces psycopg's per-value Python array
+    dumper, which was the largest part of a group's CPU on the scheduler's loop."""
     assert all(len(r) == len(types) for r in rows), "a row of the wrong width"
+    convert = [(i, _JSON_CONVERT[kind]) for i, kind in enumerate(types) if kind in _JSON_CONVERT]
     out = []
-    for i, kind in enumerate(types):
-        values = [r[i] for r in rows]
-        if kind == "float8":
-            values = [None if v is None else float(v) for v in values]
-        elif kind == "int8":
-            values = [None if v is None else int(v) for v in values]
-        out.append(values)
-    return out
+    for r in rows:
+        r = list(r)
+        for i, fn in convert:
+            r[i] = fn(r[i])
+        out.append(r)
+    return json.dumps(out, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 class _PgBase(SqlStore):
@@ -414,16 +459,17 @@ class _PgBase(SqlStore):
         ).fetchall()
         return bool(rows)
 
-    #: New tasks per INSERT (a bound on one statement's arrays, not on parameters: 27 in all).
+    #: New tasks per INSERT (a bound on one statement's JSON parameters, two in all).
     TASKS_PER_INSERT = 500
 
     def _insert_tasks_unless_requested(self, items) -> list[bool]:
         # Every item's row and first event in one statement (one round trip however many):
         # the rows whose request id or task id is free go in, then the events of those rows.
         # A later row naming an earlier row's request id conflicts with it and is left out.
-        # Each column travels as one array (unnest): the statement's text and its 27 parameters
-        # are the same for any number of rows, so psycopg converts it once (a multi-row VALUES
-        # list of 27 parameters a row was parsed anew each time: a fifth of the CPU per submit).
+        # The rows travel as one JSON parameter (_json_rows) and the first events as another: the
+        # statement's text is the same for any number of rows, so it is prepared once (a
+        # multi-row VALUES list was parsed anew each time, a fifth of the CPU per submit; one
+        # array per column, 27 in all, spent as much in psycopg's Python array dumper).
         if len(items) == 1:
             return [self._insert_task_unless_requested(*items[0])]
         if len(items) > self.TASKS_PER_INSERT:
@@ -437,14 +483,14 @@ class _PgBase(SqlStore):
         for task, ev in items:
             rows.append(self._task_values(task))
             events.append((task.task_id, *self._event_values(task.task_id, 1, ev)))
-        params = _columns(rows, _TASK_TYPES) + _columns(events, _EVENT_TYPES)
-        went_in = {r[0] for r in self.db.execute(_INSERT_TASKS_SQL, params, binary=True).fetchall()}
+        params = (_json_rows(rows, _TASK_TYPES), _json_rows(events, _EVENT_TYPES))
+        went_in = {r[0] for r in self.db.execute(_INSERT_TASKS_SQL, params).fetchall()}
         return [task.task_id in went_in for task, _ in items]
 
     def _audit_statements(self, rows: list[tuple]) -> list[tuple[str, list[tuple]]]:
-        """Every audit row in one INSERT of one array per column (see
+        """Every audit row in one INSERT of one JSON parameter (see
         :meth:`_insert_tasks_unless_requested`)."""
-        return [(_INSERT_AUDIT_SQL, [tuple(_columns(rows, _AUDIT_TYPES))])] if rows else []
+        return [(_INSERT_AUDIT_SQL, [(_json_rows(rows, _AUDIT_TYPES),)])] if rows else []
 
     def close(self) -> None:
         self.db.close()

@@ -8,6 +8,7 @@ keeps none of them."""
 from __future__ import annotations
 
 import asyncio
+import math
 import sqlite3
 import time
 
@@ -211,3 +212,42 @@ def test_submits_waiting_for_their_group_count_towards_the_owners_pending_tasks(
         await core.durable()
 
     asyncio.run(main())
+
+
+def test_a_groups_rows_and_audit_records_read_back_exactly_as_written(tmp_path) -> None:
+    # Text that needs escaping or is not ASCII, floats that need every digit or are not finite,
+    # large integers, NULLs and bytes: on PostgreSQL a group's rows travel as JSON, and a value
+    # comes back as the one written.
+    store = make_store(tmp_path)
+    odd = _row("task-odd", 'req "1"\\\n\t☃ δ', owner="ünïcode 用户")
+    odd.max_runtime_s = math.inf
+    odd.create_time, odd.update_time = 1796322483.123456789, 0.1 + 0.2
+    odd.not_before = -math.inf
+    odd.error = "line one\nline two \x01 'quoted' \"double\""
+    odd.latest_step, odd.attempt_step = 2**62, 2**40
+    odd.latest_checkpoint = C.Checkpoint(step=7, path="/ck/\u00e9\u0000x", format="peft_lora")
+    event = C.TaskEvent(
+        state_change=C.StateChange(to_state=C.TASK_STATE_PENDING, attempt=1, reason="SUBMITTED", message="\x00\xff")
+    )
+    event.time.FromNanoseconds(1796322483_987654321)
+    plain = _row("task-plain")
+    assert store.insert_new_tasks([(odd, event), (plain, _pending())]) == [None, None]
+    got = store.get_task("task-odd")
+    for (
+        field
+    ) in "owner request_id max_runtime_s create_time update_time not_before error latest_step attempt_step".split():
+        assert getattr(got, field) == getattr(odd, field), field
+    assert got.latest_checkpoint == odd.latest_checkpoint and got.spec == odd.spec
+    assert got.start_time is None and store.get_task("task-plain").latest_checkpoint is None
+    (first,) = store.events_after("task-odd", 0)
+    assert first.state_change.message == "\x00\xff" and first.time.ToNanoseconds() // 1000 == 1796322483_987654
+
+    records = [
+        (1796322483.5, "ünïcode 用户", "user", "ot_ab", "task.submit", "task-odd", "OK", '{"why": "a\\nb ☃"}'),
+        (1796322484.000001, "u", "admin", "", "task.cancel", "", "PERMISSION_DENIED", "{}"),
+    ]
+    with store.batch():
+        for record in records:
+            store.add_audit(record)
+    back = committed(store, "SELECT time, owner, role, key_prefix, action, task_id, outcome, detail FROM audit_log")
+    assert back == records
