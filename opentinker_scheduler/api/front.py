@@ -22,6 +22,7 @@ client). With ``tls:`` there is no front: the gRPC server owns the public port, 
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Callable
 
 import structlog
@@ -227,24 +228,34 @@ class PortFront:
         self.upstream = upstream
         self.answer = answer
         self.server: asyncio.Server | None = None
+        self.server_v6: asyncio.Server | None = None  # the IPv6 wildcard beside an IPv4 one
         self.port = 0
         self._peers: dict[str, str] = {}  # the front's own end towards gRPC -> the client's address
 
     async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0: any free port); returns the bound port.
+        """Listen on ``host:port`` (0: any free port); returns the bound port. The IPv4 wildcard
+        (``0.0.0.0``, or empty) also listens on IPv6's (``::``) at the same port where the host
+        has IPv6, as gRPC's own wildcard does: ``localhost`` often resolves to ``::1`` first.
 
         Raises:
-            OSError: the port cannot be bound.
+            OSError: the port cannot be bound (on IPv6 alone: not raised, IPv4 is served).
         """
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: _Client(self), host, port, reuse_address=True, backlog=1024)
+        factory = lambda: _Client(self)  # noqa: E731
+        self.server = await loop.create_server(factory, host or "0.0.0.0", port, reuse_address=True, backlog=1024)
         self.port = self.server.sockets[0].getsockname()[1]
+        if host in ("0.0.0.0", "") and socket.has_ipv6:
+            try:  # asyncio sets IPV6_V6ONLY: this socket takes IPv6 alone, beside the IPv4 one
+                self.server_v6 = await loop.create_server(factory, "::", self.port, reuse_address=True, backlog=1024)
+            except OSError as exc:  # no IPv6 here (disabled, or the port taken on IPv6 only)
+                log.info("port front: IPv4 only", port=self.port, why=exc.strerror or str(exc))
         return self.port
 
     async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        for server in (self.server, self.server_v6):
+            if server is not None:
+                server.close()
+        self.server = self.server_v6 = None
 
     def remember(self, local: str, peer: str) -> None:
         self._peers[local] = peer

@@ -84,20 +84,38 @@ def test_other_http_requests_get_a_clear_http_answer(cluster: Cluster) -> None:
         assert client.list_tasks() == []
 
 
-def test_an_https_url_to_the_plaintext_port_is_told_to_use_http_at_once(cluster: Cluster) -> None:
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
+def test_an_https_url_to_the_plaintext_port_is_told_to_use_http_at_once(cluster: Cluster, host: str) -> None:
     """A TLS ClientHello on the plaintext front is answered at once (not after the 10 s wait for
-    a request head), so the client says "use http://" instead of "it may be stopped"."""
-    cluster.start_scheduler()
+    a request head), so the client says "use http://" instead of "it may be stopped". The front
+    listens on IPv6 too (``localhost`` often resolves to ``::1`` first), as gRPC's port does."""
+    if host == "[::1]" and not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback on this machine")
+    cluster.start_scheduler(host=None)  # the default address: every one, IPv4 and IPv6
+    if host == "[::1]":
+        r = curl(f"http://[::1]:{cluster.port}/health")
+        assert r.returncode == 0 and json.loads(r.stdout) == {"status": "ok"}, r.stderr
+        with RLClient(scheduler_url=f"[::1]:{cluster.port}") as client:
+            assert client.list_tasks() == []
     hello = bytes.fromhex("16030100") + b"\x00" * 40  # a TLS handshake record's start
     answer = raw(cluster.port, hello)
     assert answer.startswith(b"HTTP/1.1 400") and b"use http://" in answer
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPC_", "OPENTINKER_", "SCHEDULER_URL"))}
     r = subprocess.run(
-        [sys.executable, "-m", "opentinker_client", "--scheduler-url", f"https://127.0.0.1:{cluster.port}", "list"],
+        [sys.executable, "-m", "opentinker_client", "--scheduler-url", f"https://{host}:{cluster.port}", "list"],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2 and "it answered without TLS" in r.stderr, r.stderr
-    assert f"use http://127.0.0.1:{cluster.port}" in r.stderr and "may be stopped" not in r.stderr
+    assert f"use http://{host}:{cluster.port}" in r.stderr and "may be stopped" not in r.stderr
 
 
 def _clients_of(port: int) -> set[int]:

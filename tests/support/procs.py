@@ -254,10 +254,11 @@ class Cluster:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start_scheduler(self) -> Proc:
+    def start_scheduler(self, *, host: str | None = "127.0.0.1") -> Proc:
+        """The scheduler on ``host`` (None: its default, every address), once /health says ok."""
         p = Proc(
             scheduler_args(
-                self.config_path, port=self.port, http_port=self.http_port, state_dir=self.state_dir, host="127.0.0.1"
+                self.config_path, port=self.port, http_port=self.http_port, state_dir=self.state_dir, host=host
             ),
             self.tmp / "scheduler.log",
         )
