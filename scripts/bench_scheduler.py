@@ -403,6 +403,18 @@ class SchedulerProc:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def store(self) -> str:
+        """The state store the scheduler says it opened (its "scheduler listening" log line:
+        ``sqlite PATH`` or ``postgres host=... schema=...``)."""
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("event") == "scheduler listening":
+                return str(rec.get("store", "?"))
+        return "?"
+
     def wait_healthy(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -518,8 +530,10 @@ def sharing_config(args: argparse.Namespace, queues: int) -> str:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, *, queues: int = 0) -> None:
+    def __init__(self, args: argparse.Namespace, *, queues: int = 0, store_config: str = "") -> None:
         self.args = args
+        #: The scheduler config's ``store:`` section of this run ("": the SQLite default).
+        self.store_config = store_config
         #: Quota queues of this run (sharing mode); owners' keys once made.
         self.queues = queues
         self.owner_metadata: list[tuple] = []
@@ -1110,13 +1124,17 @@ class Bench:
             scheduler_path=a.scheduler_path,
             profile=a.profile,
             http_on_grpc_port=not a.no_http_on_grpc_port,
-            extra_config=sharing_config(a, self.queues) if a.owners else "",
+            extra_config=(sharing_config(a, self.queues) if a.owners else "") + self.store_config,
         )
         ctx = mp.get_context("spawn")
         ok = False
         try:
             self.sched.wait_healthy()
-            self.progress(f"scheduler pid {self.sched.pid} on {self.sched.target}; log {self.sched.log_path}")
+            self.results["store"] = self.sched.store()
+            self.progress(
+                f"scheduler pid {self.sched.pid} on {self.sched.target}, store {self.results['store']}; "
+                f"log {self.sched.log_path}"
+            )
             ids = [f"sim-node-{i:04d}" for i in range(a.nodes)]
             opts = {"gpus_per_node": a.gpus_per_node, "max_tasks": a.max_tasks}
             if a.owners:
@@ -1402,7 +1420,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="sharing mode: owners (API keys) submitting in turn; runs throughput and latency without and with "
         "--queues quota queues and reports the ratios",
     )
-    p.add_argument("--repeat", type=int, default=3, help="sharing mode: runs of each configuration (medians)")
+    p.add_argument(
+        "--repeat", type=int, default=3, help="sharing and backends modes: runs of each configuration (medians)"
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the scheduler's state folder and log")
     p.add_argument(
@@ -1429,6 +1449,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="sharing mode: instead of fresh schedulers per configuration, one scheduler with the quota queues "
         "switched on and off between this many blocks each (ABBA; --tasks and --rate-tasks split over them)",
+    )
+    p.add_argument(
+        "--backends",
+        action="store_true",
+        help="B1 on SQLite and on PostgreSQL (a fresh server on loopback) in one run, --repeat blocks each, "
+        "ABBA; the latency phase at half SQLite's measured capacity unless --rate is given",
+    )
+    p.add_argument(
+        "--pg-synchronous-commit",
+        choices=["on", "off"],
+        default="on",
+        help="backends mode: store.synchronous_commit of the PostgreSQL scheduler (default %(default)s, the config's)",
+    )
+    p.add_argument(
+        "--pg-flush",
+        choices=["inline", "background"],
+        default="inline",
+        help="backends mode: store.flush of the PostgreSQL scheduler (default %(default)s, the config's)",
     )
     p.add_argument("--splice-blocks", type=int, default=3, help="blocks per target in the splice phase")
     p.add_argument("--splice-tasks", type=int, default=2000, help="submits per block in the splice phase")
@@ -1551,6 +1589,106 @@ def sharing(args: argparse.Namespace) -> dict:
     return out
 
 
+def backends(args: argparse.Namespace) -> dict:
+    """Backends mode (``--backends``): B1 on SQLite and on PostgreSQL in one run. A fresh
+    PostgreSQL 15 on loopback (fsync on, as ``scripts/bench_ha.py``), the scheduler with
+    ``store: {kind: postgres}`` and its defaults (synchronous_commit on, flush inline; or
+    ``--pg-synchronous-commit``, ``--pg-flush``). First one
+    SQLite run of the throughput phase measures SQLite's closed-loop capacity; the latency phase
+    then offers half of it (unless ``--rate`` is given), as the goal says. Then ``--repeat``
+    blocks of each backend in ABBA order, each a fresh scheduler: heartbeats, throughput and
+    latency (``--only`` to choose). Ratios are PostgreSQL over SQLite, of the medians and of back-to-back pairs.
+
+    Goals (issue "several schedulers on PostgreSQL"): closed-loop submits/s >= 0.7x SQLite's,
+    submit->assign p99 < 50 ms at half SQLite's capacity.
+
+    Raises:
+        SystemExit: PostgreSQL is not installed.
+    """
+    sys.path.insert(0, str(REPO))
+    from tests.support import postgres as pgsupport
+
+    bindir = pgsupport.find_bindir()
+    if bindir is None:
+        raise SystemExit("PostgreSQL is not installed (pg_config --bindir): apt-get install -y postgresql")
+    pgsupport._SETTINGS.update({"fsync": "on", "full_page_writes": "on"})
+    server = pgsupport.PostgresServer(bindir)
+    try:
+        rate_given = "--rate" in sys.argv[1:] or any(x.startswith("--rate=") for x in sys.argv[1:])
+        if not rate_given:
+            only, args.only = args.only, "throughput"
+            calib = Bench(args)
+            calib.progress("--- calibration: SQLite's closed-loop capacity")
+            got = asyncio.run(calib.run())
+            args.only = only
+            args.rate = round(got["phases"]["throughput"]["submits_per_s"] / 2)
+            args.rate_tasks = args.rate_tasks if args.quick else int(args.rate * 10)
+        args.only = args.only or "heartbeats,throughput,latency"
+        order = [("sqlite", ""), ("postgres", None)]
+        blocks: dict[str, list[dict]] = {"sqlite": [], "postgres": []}
+        for rep in range(args.repeat):
+            for name, store in order if rep % 2 == 0 else order[::-1]:
+                if store is None:
+                    store = (
+                        f'store:\n  kind: postgres\n  dsn: "{server.dsn()}"\n'
+                        f"  schema: {server.new_schema('b1')}\n"
+                        f"  synchronous_commit: {'true' if args.pg_synchronous_commit == 'on' else 'false'}\n"
+                        f"  flush: {args.pg_flush}\n"
+                    )
+                bench = Bench(args, store_config=store)
+                bench.progress(f"--- run {name} ({rep + 1} of {args.repeat}), latency phase at {args.rate:.0f}/s")
+                blocks[name].append(asyncio.run(bench.run()))
+    finally:
+        server.close()
+    rows = (
+        ("closed-loop submits/s", "throughput", "submits_per_s", ">= 0.7x"),
+        ("  submit->assign p99 ms (saturated)", "throughput", "p99_ms", ""),
+        (f"submit->assign p99 ms @{args.rate:.0f}/s", "latency", "p99_ms", "< 50 ms"),
+        ("  submit->assign p50 ms", "latency", "p50_ms", ""),
+        ("  achieved submits/s", "latency", "achieved_rate", ""),
+        ("heartbeats/s ingested (flood)", "flood", "ingested_per_s", ""),
+    )
+    med = {
+        name: {
+            (phase, key): statistics.median(b["phases"][phase][key] for b in bs)
+            for _, phase, key, _ in rows
+            if all(phase in b["phases"] for b in bs)
+        }
+        for name, bs in blocks.items()
+    }
+    lines = [
+        "",
+        f"OpenTinker scheduler, SQLite against PostgreSQL (fsync on, synchronous_commit "
+        f"{args.pg_synchronous_commit}, flush {args.pg_flush}): "
+        f"{args.nodes} simulated nodes; {os.cpu_count()} CPU(s); medians of {args.repeat} run(s) each, ABBA; "
+        f"'pairs': median (min-max) of the back-to-back ratios",
+        f"  {'':<38}{'SQLite':>10}{'PostgreSQL':>12}{'ratio':>8}{'pairs':>8}  {'(min-max)':<14} goal",
+    ]
+    out: dict = {"rate": args.rate, "blocks": blocks, "ratios": {}, "pair_ratios": {}}
+    for label, phase, key, goal in rows:
+        if (phase, key) not in med["sqlite"] or (phase, key) not in med["postgres"]:
+            continue
+        a, b = med["sqlite"][(phase, key)], med["postgres"][(phase, key)]
+        pairs = sorted(
+            y["phases"][phase][key] / x["phases"][phase][key]
+            for x, y in zip(blocks["sqlite"], blocks["postgres"])
+            if x["phases"][phase][key] > 0
+        )
+        out["ratios"][f"{phase}.{key}"] = b / a if a else math.nan
+        out["pair_ratios"][f"{phase}.{key}"] = pairs
+        spread = f"({pairs[0]:.2f}-{pairs[-1]:.2f})" if pairs else ""
+        lines.append(
+            f"  {label:<38}{a:>10.1f}{b:>12.1f}{(b / a if a else math.nan):>7.2f}x"
+            f"{pairs[len(pairs) // 2] if pairs else math.nan:>7.2f}x  {spread:<14} {goal}"
+        )
+    for name, bs in blocks.items():
+        errors = [b.get("final", {}).get("submit_error_codes") for b in bs]
+        if any(errors):
+            lines.append(f"  {name}: submit errors {errors}")
+    out["report"] = "\n".join(lines)
+    return out
+
+
 def sharing_ab(args: argparse.Namespace) -> dict:
     """Sharing mode with ``--ab-blocks``: quotas on and off in one scheduler, alternating blocks."""
     args.only = "quota_ab"
@@ -1587,6 +1725,13 @@ def sharing_ab(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.backends:
+        res = backends(args)
+        res["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        print(res["report"], flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=2, default=str))
+        return 0
     if args.owners:
         res = sharing(args)
         res["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

@@ -49,7 +49,14 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from opentinker_scheduler.errors import Fenced, StoreUnavailable
 from opentinker_scheduler.state import schema
-from opentinker_scheduler.state.store import _AUDIT_COLUMNS, _COLUMNS, SqlStore
+from opentinker_scheduler.state.store import (
+    _AUDIT_COLUMNS,
+    _COLUMNS,
+    _INSERT_EVENT_SQL,
+    _RECORD_USAGE_SQL,
+    _UPDATE_TASK_SQL,
+    SqlStore,
+)
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -318,6 +325,40 @@ _INSERT_AUDIT_SQL = (
 )
 
 
+#: A task row written back (:data:`~opentinker_scheduler.state.store._UPDATE_TASK_SQL`'s
+#: parameters: every column but ``task_id`` and ``spec``, then ``next_seq`` and ``task_id``).
+_UPDATE_TYPES = [*_TASK_TYPES[1:3], *_TASK_TYPES[4:], "int8", "text"]
+_UPDATE_COLUMNS = [
+    c.split("=")[0].strip() for c in _UPDATE_TASK_SQL.split(" SET ", 1)[1].split(" WHERE ")[0].split(",")
+]
+_USAGE_COLUMNS = _RECORD_USAGE_SQL.split("(", 1)[1].split(")", 1)[0]
+_USAGE_TYPES = (
+    "text int8 text text text text text text int8 float8 float8 float8 float8 float8 float8 float8 int8 float8".split()
+)
+#: The write-behind statements of a transaction (:meth:`SqlStore._take_writes`) as one statement
+#: each over a jsonb array of their rows, in place of one statement per row (``executemany``
+#: sends and reads each one: per row a socket write and psycopg's pipeline bookkeeping).
+_JSON_WRITES = {
+    _UPDATE_TASK_SQL: (
+        f"UPDATE tasks AS t SET {', '.join(f'{c} = x.{c}' for c in _UPDATE_COLUMNS)} "
+        f"FROM (SELECT {_json_select(_UPDATE_TYPES, 'r')} FROM jsonb_array_elements(?::jsonb) AS a (r)) "
+        f"AS x ({', '.join(_UPDATE_COLUMNS)}, task_id) WHERE t.task_id = x.task_id",
+        _UPDATE_TYPES,
+    ),
+    _INSERT_EVENT_SQL: (
+        "INSERT INTO events (task_id, seq, time, kind, step, payload) "
+        f"SELECT {_json_select(['text', 'int8', *_EVENT_TYPES[1:]], 'r')} FROM jsonb_array_elements(?::jsonb) AS a (r)",
+        ["text", "int8", *_EVENT_TYPES[1:]],
+    ),
+    _RECORD_USAGE_SQL: (
+        f"INSERT INTO attempt_usage ({_USAGE_COLUMNS}) "
+        f"SELECT {_json_select(_USAGE_TYPES, 'r')} FROM jsonb_array_elements(?::jsonb) AS a (r) "
+        + _RECORD_USAGE_SQL[_RECORD_USAGE_SQL.index("ON CONFLICT") :],
+        _USAGE_TYPES,
+    ),
+}
+
+
 def _json_float(v) -> float | str | None:
     # JSON has no infinities or NaN; PostgreSQL's float8 input reads them as these words.
     if v is None:
@@ -486,6 +527,19 @@ class _PgBase(SqlStore):
         params = (_json_rows(rows, _TASK_TYPES), _json_rows(events, _EVENT_TYPES))
         went_in = {r[0] for r in self.db.execute(_INSERT_TASKS_SQL, params).fetchall()}
         return [task.task_id in went_in for task, _ in items]
+
+    def _take_writes(self) -> list[tuple[str, list[tuple]]]:
+        """:meth:`SqlStore._take_writes`, each statement of several rows as one statement over
+        a jsonb array of them (:data:`_JSON_WRITES`). Task rows are one per task already; usage
+        records of one attempt twice stay one statement each, in order (one ``ON CONFLICT DO
+        UPDATE`` may not touch a row twice)."""
+        out = []
+        for sql, rows in super()._take_writes():
+            as_json = _JSON_WRITES.get(sql) if len(rows) > 1 else None
+            if as_json is not None and sql is _RECORD_USAGE_SQL and len({r[:2] for r in rows}) < len(rows):
+                as_json = None
+            out.append((as_json[0], [(_json_rows(rows, as_json[1]),)]) if as_json else (sql, rows))
+        return out
 
     def _audit_statements(self, rows: list[tuple]) -> list[tuple[str, list[tuple]]]:
         """Every audit row in one INSERT of one JSON parameter (see

@@ -91,3 +91,28 @@ def test_bench_quota_ab_switches_quotas_in_one_scheduler(tmp_path) -> None:
     assert all(b["all_assigned"] for bs in ab["blocks"].values() for b in bs)
     assert len(res["pair_ratios"]["p99_ms"]) == 2 and res["ratios"]["submits_per_s"] > 0
     assert res["runs"]["ab"]["final"]["succeeded"] == res["runs"]["ab"]["final"]["submitted"]
+
+
+def test_bench_backends_mode_runs_b1_on_sqlite_and_on_postgresql(tmp_path) -> None:
+    # CI installs PostgreSQL (make test-deps); the script starts its own server on loopback.
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), "--quick", "--backends", "--repeat", "1"]
+        + ["--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for label in ("closed-loop submits/s", "submit->assign p99 ms @", "heartbeats/s ingested (flood)"):
+        assert label in proc.stdout, f"{label!r} missing from the report:\n{proc.stdout}"
+    res = json.loads(out.read_text())
+    (lite,), (pg,) = res["blocks"]["sqlite"], res["blocks"]["postgres"]
+    assert lite["store"].startswith("sqlite ") and pg["store"].startswith("postgres "), (lite["store"], pg["store"])
+    # the latency phase offered half of what the calibration run measured, on both backends
+    assert lite["phases"]["latency"]["offered_rate"] == pg["phases"]["latency"]["offered_rate"] == res["rate"] > 0
+    for block in (lite, pg):
+        assert block["phases"]["throughput"]["all_assigned"] and block["phases"]["latency"]["all_assigned"]
+        assert block["final"]["node_errors"] == [] and block["final"]["succeeded"] == block["final"]["submitted"]
+    assert set(res["ratios"]) >= {"throughput.submits_per_s", "latency.p99_ms", "flood.ingested_per_s"}

@@ -5,6 +5,7 @@ event and no wrong sequence number behind."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -135,3 +136,36 @@ def test_usage_records_wait_for_the_transactions_end_and_reads_see_them(tmp_path
     assert committed(store, usage_rows, ("task-a",)) == [(7.0,)]
     store.record_usage(_usage("task-a", 11.0))  # outside a transaction: at once
     assert committed(store, usage_rows, ("task-a",)) == [(11.0,)]
+
+
+def test_a_transactions_rows_events_and_usage_of_several_tasks_read_back_exactly(tmp_path) -> None:
+    # On PostgreSQL the waiting writes of several tasks go as one statement per table (a jsonb
+    # array of their rows): values that need escaping, every digit or are not finite come back
+    # as written, whether a read flushes them mid-transaction or the commit does.
+    store = make_store(tmp_path)
+    tasks = [_task(f"task-{n}") for n in range(3)]
+    for task in tasks:
+        store.insert_task(task, _state(C.TASK_STATE_PENDING))
+    odd = tasks[0]
+    with store.batch():
+        odd.error, odd.node_id, odd.max_runtime_s = "a 'quoted' \"line\"\n☃ \\ done", "nöde-1", math.inf
+        odd.latest_step, odd.latest_metrics, odd.update_time = 2**53 + 1, {"loss": 0.1 + 0.2}, 1796322483.123456
+        odd.latest_checkpoint = C.Checkpoint(step=2, path="/ck/\u00e9\u0000", format="peft_lora")
+        for task in tasks:
+            _move(store, task, C.TASK_STATE_RUNNING)
+        assert store.get_task("task-0").error == odd.error  # a read flushes them: one statement per table
+        for task in tasks[1:]:
+            _move(store, task, C.TASK_STATE_SUCCEEDED)
+        store.record_usage(_usage("task-1", 1e-300))
+        store.record_usage(_usage("task-2", 2.5))
+        assert store.task_usage("task-1")[0] == 1e-300  # flushed: the two records in one statement
+        store.record_usage(_usage("task-2", 3.5))  # the same attempt twice, no read between:
+        store.record_usage(_usage("task-2", 4.5))  # one statement each, in order (the last replaces)
+    got = store.get_task("task-0")
+    for field in ("error", "node_id", "max_runtime_s", "latest_step", "latest_metrics", "update_time"):
+        assert getattr(got, field) == getattr(odd, field), field
+    assert got.latest_checkpoint == odd.latest_checkpoint and got.state == C.TASK_STATE_RUNNING
+    assert [store.get_task(f"task-{n}").state for n in (1, 2)] == [C.TASK_STATE_SUCCEEDED] * 2
+    assert [_seqs(store, f"task-{n}") for n in range(3)] == [[1, 2], [1, 2, 3], [1, 2, 3]]
+    usage = committed(store, "SELECT task_id, gpu_seconds FROM attempt_usage ORDER BY task_id")
+    assert usage == [("task-1", 1e-300), ("task-2", 4.5)]
