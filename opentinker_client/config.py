@@ -54,7 +54,7 @@ import yaml
 from opentinker.common.v1 import common_pb2
 from opentinker_client._convert import dict_to_struct, seconds_to_duration
 from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spec_error
-from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel, did_you_mean
+from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel, did_you_mean, short_repr
 from opentinker_common.spec.task import EXPECTED
 from opentinker_common.spec.registry import env_kinds_for
 from opentinker_common.yaml12 import Yaml12Loader, find_typography, yaml11_bool_hint
@@ -422,16 +422,55 @@ def parse_task_config(text: str, *, source: str = "<string>", check: bool = True
     for key, value in data.items():
         if key in _KEYS and not _type_ok(key, value):
             problems.append(
-                ConfigError(f"expected {_KEYS[key]}, got {value!r}", source=source, **_at(lines.get((key,))), key=key)
+                ConfigError(
+                    f"expected {_KEYS[key]}, got {short_repr(value)}", source=source, **_at(lines.get((key,))), key=key
+                )
             )
     if problems:
+        # The other keys are still checked (a compiler's whole list, not one error a run): the
+        # spec check runs on the keys that are well typed, and what it says of a key that is
+        # already named (or of what depends on it) is left out. Without a workload_type the
+        # rest cannot be judged.
+        named = {p.key for p in problems if p.key}
+        if check and isinstance(data.get("workload_type"), str):
+            usable = {k: v for k, v in data.items() if k in _KEYS and _type_ok(k, v)}
+            if named & {"env", "dataset"} and env_kinds_for(data["workload_type"]) == ("dataset",):
+                # its data is named above: judge the rest as if a dataset file were given
+                usable = {**{k: v for k, v in usable.items() if k != "env"}, "dataset": "train.jsonl"}
+            for p in _spec_problems(_task_config(usable, source), usable, lines, source, root_pos):
+                if not (p.key and (p.key.split(".")[0].split("[")[0] in named or _env_named(p.key, named))):
+                    problems.append(p)
         raise ConfigError.combine(problems)
+    cfg = _task_config(data, source)
+    if not check:
+        return cfg
+    problems = _spec_problems(cfg, data, lines, source, root_pos)
+    if problems:
+        raise ConfigError.combine(problems)
+    # Values a Struct cannot carry (dates, huge integers) are refused here, with their line.
+    for part in ("env", "hyperparameters"):
+        try:
+            dict_to_struct(getattr(cfg, part))
+        except ValueError as err:
+            msg = str(err)
+            sub = msg.split(":", 1)[0]
+            path = (part,) + tuple(
+                m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _PATH_PART.finditer("." + sub)
+            )
+            raise ConfigError(
+                msg.split(": ", 1)[-1], source=source, **_at(_line_for(path, lines)), key=f"{part}.{sub}"
+            ) from None
+    return cfg
+
+
+def _task_config(data: Mapping[str, Any], source: str) -> TaskConfig:
+    """The :class:`TaskConfig` of a document whose top-level keys are known and well typed."""
 
     def opt(key: str, default: Any) -> Any:
         value = data.get(key)
         return default if value is None else value
 
-    cfg = TaskConfig(
+    return TaskConfig(
         workload_type=data["workload_type"],
         name=opt("name", ""),
         model=opt("model", ""),
@@ -447,36 +486,34 @@ def parse_task_config(text: str, *, source: str = "<string>", check: bool = True
         dataset=_beside(source, opt("dataset", "")),
         source=source,
     )
-    if not check:
-        return cfg
+
+
+def _env_named(key: str, named: set[str]) -> bool:
+    """A dataset problem depends on ``env`` and ``dataset`` both (either may carry the data)."""
+    return key.split(".")[0] == "dataset" and bool(named & {"env", "dataset"})
+
+
+def _spec_problems(
+    cfg: TaskConfig, data: Mapping[str, Any], lines: dict, source: str, root_pos: Pos
+) -> list[ConfigError]:
+    """What the spec check says of ``cfg``, each problem at its line in the file; [] when valid."""
     try:
         _check_parts(cfg)
     except SpecError as err:
         if err.field == "spec.dataset" and not cfg.dataset:
             # sft with neither `dataset:` nor `env:`: the env_id is the default, not anything in the file
-            raise ConfigError(
-                f"{data['workload_type']} needs a dataset: add `dataset: train.jsonl` (a local JSONL file of chat "
-                'examples, one {"messages": [...]} per line, uploaded at submit), or `env: {env_id: chat_jsonl, '
-                "path: /data/train.jsonl}` for a file on the trainer nodes",
-                source=source,
-                **_at(lines.get(("workload_type",))),
-                key="dataset",
-            ) from None
-        raise ConfigError.combine([_file_problem(p, data, lines, source, root_pos) for p in err.problems]) from None
-    # Values a Struct cannot carry (dates, huge integers) are refused here, with their line.
-    for part in ("env", "hyperparameters"):
-        try:
-            dict_to_struct(getattr(cfg, part))
-        except ValueError as err:
-            msg = str(err)
-            sub = msg.split(":", 1)[0]
-            path = (part,) + tuple(
-                m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _PATH_PART.finditer("." + sub)
-            )
-            raise ConfigError(
-                msg.split(": ", 1)[-1], source=source, **_at(_line_for(path, lines)), key=f"{part}.{sub}"
-            ) from None
-    return cfg
+            return [
+                ConfigError(
+                    f"{data['workload_type']} needs a dataset: add `dataset: train.jsonl` (a local JSONL file of "
+                    'chat examples, one {"messages": [...]} per line, uploaded at submit), or `env: {env_id: '
+                    "chat_jsonl, path: /data/train.jsonl}` for a file on the trainer nodes",
+                    source=source,
+                    **_at(lines.get(("workload_type",))),
+                    key="dataset",
+                )
+            ]
+        return [_file_problem(p, data, lines, source, root_pos) for p in err.problems]
+    return []
 
 
 def _file_problem(err: SpecError, data: Mapping[str, Any], lines: dict, source: str, root_pos: Pos) -> ConfigError:

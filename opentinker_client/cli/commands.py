@@ -366,10 +366,11 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
     resources = f"{task.gpu_count} GPU{'s' if task.gpu_count > 1 else ''}" if task.gpu_count else "CPU"
     console.print(
         f"task [bold]{_escape(task.task_id)}[/bold]{name} ({_escape(task.workload_type)}, {resources}) is "
-        f"{_state(task.state)}"
+        f"{_state(task.state)}",
+        soft_wrap=True,
     )
     if task.state == "pending" and task.pending_reason:
-        console.print(f"  pending: {_escape(task.pending_reason)}")
+        console.print(f"  pending: {_escape(task.pending_reason)}", soft_wrap=True)
 
     # Elapsed counts from when the task started (or was submitted), not from when this watch
     # attached; the ETA comes from the step times seen (_Eta), history included.
@@ -421,7 +422,7 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
                         if finish is not None and units is not None and (units.done(event) or 0) < units.total:
                             left = finish - _dt.datetime.now(_dt.timezone.utc).timestamp()
                             line += f"  eta {_fmt_duration(left)}"
-                        progress.console.print(line)
+                        progress.console.print(line, soft_wrap=True)
                     m = event.metrics
                     done = units.done(event) if units is not None else None
                     progress.update(
@@ -430,19 +431,19 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
                         stats=f"reward {_fmt_num(m.get('reward'), '.3f')} loss {_fmt_num(m.get('loss'))}",
                     )
                 elif event.kind == "state":
-                    progress.console.print(_state_line(event))
+                    progress.console.print(_state_line(event), soft_wrap=True)
                     if event.to_state in TERMINAL_STATES and event.time is not None:
                         ended[0] = event.time.timestamp()
                     elif event.to_state == "running" and event.time is not None and started_at is None:
                         started_at = event.time.timestamp()
                 elif event.kind == "checkpoint":
-                    progress.console.print(_checkpoint_line(event))
+                    progress.console.print(_checkpoint_line(event), soft_wrap=True)
                 elif event.kind == "phase":
-                    progress.console.print(_phase_line(event))
+                    progress.console.print(_phase_line(event), soft_wrap=True)
                     if event.phase == "loading model":  # the bar's stats say so until the first step
                         progress.update(bar, stats=f"[dim]{_escape(event.phase)}...[/dim]")
                 elif event.kind == "checkpoint_failed":
-                    progress.console.print(_checkpoint_failed_line(event))
+                    progress.console.print(_checkpoint_failed_line(event), soft_wrap=True)
     finally:
         logger.removeHandler(handler)
 
@@ -457,11 +458,12 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
             f" after {final.latest_step} steps (reward {_fmt_num(m.get('reward'), '.3f')}, loss "
             f"{_fmt_num(m.get('loss'))})"
         )
-    console.print(summary)
+    # One line each at any width, as `logs` (soft_wrap): a path stays whole, to copy.
+    console.print(summary, soft_wrap=True)
     if final.error:
-        console.print(f"  {_ended_line(final)}")
+        console.print(f"  {_ended_line(final)}", soft_wrap=True)
     if final.checkpoint_path:
-        console.print(f"  checkpoint: {_escape(final.checkpoint_path)} (step {final.checkpoint_step})")
+        console.print(f"  checkpoint: {_escape(final.checkpoint_path)} (step {final.checkpoint_step})", soft_wrap=True)
     return EXIT_OK if final.state == "succeeded" else EXIT_TASK_FAILED
 
 
@@ -706,7 +708,8 @@ def _cmd_cancel(client: RLClient, args: argparse.Namespace) -> int:
     """Cancel each task named, in order: a line per task, ``error: TASK_ID: ...`` on stderr for
     one that cannot be (the others are still cancelled); the exit code is an error's when any was.
     A task that had already succeeded or failed cannot be cancelled: ``error: TASK_ID had already
-    succeeded: nothing to cancel`` (exit 2); one already cancelled is fine (exit 0)."""
+    succeeded: nothing to cancel [FAILED_PRECONDITION]`` (exit 2); one already cancelled is fine
+    (exit 0: what was asked holds)."""
     code = EXIT_OK
     for task_id in dict.fromkeys(args.task_id):  # each once, in the order given
         try:
@@ -717,7 +720,8 @@ def _cmd_cancel(client: RLClient, args: argparse.Namespace) -> int:
             code = _error(f"{task_id}: {error_text(err)}")
             continue
         if t.state in ("succeeded", "failed"):
-            code = _error(f"{t.task_id} had already {t.state}: nothing to cancel")
+            # As an error from the scheduler reads (README): the state is the precondition not met
+            code = _error(f"{t.task_id} had already {t.state}: nothing to cancel [FAILED_PRECONDITION]")
             continue
         _console().print(f"task {_escape(t.task_id)} is {_state(t.state)}")
     return code

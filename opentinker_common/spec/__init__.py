@@ -23,6 +23,7 @@ from opentinker_common.spec._parse import (
     plain,
     num,
     parse_dataclass,
+    short_repr,
 )
 from opentinker_common.spec.registry import WORKLOAD_TYPES, implemented_workloads
 
@@ -51,6 +52,7 @@ from opentinker_common.spec.task import (
 
 __all__ = [
     "SpecError",
+    "short_repr",
     "WORKLOAD_TYPES",
     "TEXT_ENVIRONMENTS",
     "ArithmeticEnvConfig",

@@ -192,8 +192,11 @@ def short_repr(value: Any, limit: int = MAX_GOT_CHARS) -> str:
     """``repr(value)`` cut to ``limit`` characters (ending in ``...`` when cut), for messages.
 
     A huge container is not rendered in full first: lists/tuples/sets/mappings longer than
-    ``limit`` items are shortened before ``repr``.
+    ``limit`` items are shortened before ``repr``. A boolean reads ``true``/``false``, as a task
+    file, JSON and protobuf spell it (a YAML user never wrote ``True``).
     """
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, (list, tuple, set, frozenset)) and len(value) > limit:
         value = list(value)[:limit]
     elif isinstance(value, Mapping) and len(value) > limit:

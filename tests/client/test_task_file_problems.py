@@ -98,3 +98,38 @@ def test_the_cli_prints_a_line_for_each_problem_and_exits_2(capsys, tmp_path) ->
         f"{path}:{n}:{c}" for n, c in [(5, 3), (7, 3), (8, 3), (9, 3), (10, 12)]
     ]
     assert all(line.startswith("error: ") and line.endswith(" [INVALID_ARGUMENT]") for line in lines)
+
+
+def test_top_level_problems_do_not_hide_the_other_keys_problems() -> None:
+    text = textwrap.dedent(
+        """\
+        workload_type: lora_finetune
+        gpu_count: -1
+        colour: blue
+        max_attempts: "three"
+        env: {env_id: arithmetic, max_digits: 99}
+        hyperparameters:
+          group_size: true
+          learning_rate: -1
+        """
+    )
+    with pytest.raises(ConfigError) as err:
+        parse_task_config(text, source="t.yaml")
+    assert [(p.line, p.key) for p in err.value.problems] == [
+        (2, "gpu_count"),
+        (3, "colour"),
+        (4, "max_attempts"),
+        (5, "env.max_digits"),
+        (7, "hyperparameters.group_size"),
+        (8, "hyperparameters.learning_rate"),
+    ]
+    assert "got true" in err.value.problems[4].details  # the file's spelling, not Python's True
+
+
+def test_a_key_of_the_wrong_type_is_named_once_not_again_through_what_depends_on_it() -> None:
+    # `env` is not a mapping: it is named as such, and the spec check of the rest does not add
+    # what a missing env would cause (sft: "needs a dataset"), nor judge `env` again.
+    text = "workload_type: sft\nenv: chat_jsonl\nhyperparameters: {learning_rate: -1}\n"
+    with pytest.raises(ConfigError) as err:
+        parse_task_config(text, source="t.yaml")
+    assert [(p.line, p.key) for p in err.value.problems] == [(2, "env"), (3, "hyperparameters.learning_rate")]

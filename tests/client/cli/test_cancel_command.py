@@ -45,7 +45,7 @@ def test_cancel_of_a_task_that_already_failed_says_so_and_exits_2(capsys, schedu
         assert client.get_task(t).state == "failed"
         code = main(["--scheduler-url", scheduler.target, "cancel", t])
         out, err = capsys.readouterr()
-        assert code == 2 and err == f"error: {t} had already failed: nothing to cancel\n"
+        assert code == 2 and err == f"error: {t} had already failed: nothing to cancel [FAILED_PRECONDITION]\n"
         assert client.get_task(t).state == "failed"  # unchanged
 
 

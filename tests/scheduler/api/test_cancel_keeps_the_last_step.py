@@ -133,3 +133,22 @@ def _killed_after_the_cancel(sched, capsys) -> None:
         "(attempt 1)" in line
         for line in lines[at + 1 :]
     ), lines
+
+
+def test_watch_prints_each_line_whole_at_a_narrow_width(tmp_path, capsys, monkeypatch) -> None:
+    # The summary's checkpoint path is one line to copy, however narrow the output ($COLUMNS).
+    monkeypatch.setenv("COLUMNS", "40")
+    with LoopbackScheduler(tmp_path / "state") as sched:  # its own: no other test's node takes the task
+        _watch_narrow(sched, capsys)
+
+
+def _watch_narrow(sched, capsys) -> None:
+    node, task_id = _running_task(sched, "cpu-narrow")
+    path = "/shared/checkpoints/task-with-a-long-name/attempt-1/step_9"
+    _report(sched, node, task_id, metrics=[_point(9)], checkpoint=C.Checkpoint(step=9, path=path, format="peft_lora"))
+    _report(sched, node, task_id, state=C.TASK_STATE_SUCCEEDED)
+    capsys.readouterr()
+    assert main(["--scheduler-url", sched.target, "watch", task_id]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"  checkpoint: {path} (step 9)" in lines, lines
+    assert f"checkpoint step 9: {path} (peft_lora)" in lines and lines[0].endswith("is succeeded"), lines
