@@ -118,6 +118,10 @@ bench: bench-scheduler bench-service bench-inference bench-rl bench-security
 bench-scheduler: install
 	$(PY) scripts/bench_scheduler.py $(BENCH_ARGS)
 
+# B1 on SQLite and on PostgreSQL (a server of its own on loopback), same run (BENCHMARKS.md).
+bench-backends: install
+	$(PY) scripts/bench_scheduler.py --backends --repeat 3 $(BENCH_ARGS)
+
 # Sharing a cluster: 20 quota queues and 100 owners against no quotas, same run (BENCHMARKS.md).
 bench-sharing: install
 	$(PY) scripts/bench_scheduler.py --queues 20 --owners 100 --nodes 100 --tasks 2000 --rate 150 --rate-tasks 1000 $(BENCH_ARGS)

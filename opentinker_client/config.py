@@ -438,7 +438,7 @@ def parse_task_config(text: str, *, source: str = "<string>", check: bool = True
                 # its data is named above: judge the rest as if a dataset file were given
                 usable = {**{k: v for k, v in usable.items() if k != "env"}, "dataset": "train.jsonl"}
             for p in _spec_problems(_task_config(usable, source), usable, lines, source, root_pos):
-                if not (p.key and (p.key.split(".")[0].split("[")[0] in named or _env_named(p.key, named))):
+                if not _depends_on_named(p.key, named):
                     problems.append(p)
         raise ConfigError.combine(problems)
     cfg = _task_config(data, source)
@@ -488,9 +488,14 @@ def _task_config(data: Mapping[str, Any], source: str) -> TaskConfig:
     )
 
 
-def _env_named(key: str, named: set[str]) -> bool:
-    """A dataset problem depends on ``env`` and ``dataset`` both (either may carry the data)."""
-    return key.split(".")[0] == "dataset" and bool(named & {"env", "dataset"})
+def _depends_on_named(key: str | None, named: set[str]) -> bool:
+    """Whether a spec problem of file key ``key`` is about a top-level key in ``named`` (already
+    reported), or depends on one: a dataset problem on ``env`` and ``dataset`` both (either may
+    carry the data)."""
+    if not key:
+        return False
+    top = re.split(r"[.\[]", key, maxsplit=1)[0]
+    return top in named or (top == "dataset" and bool(named & {"env", "dataset"}))
 
 
 def _spec_problems(

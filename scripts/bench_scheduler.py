@@ -1395,7 +1395,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="empty unary calls (Health/Check) measured as the CPU yardstick (default: --tasks)",
     )
-    p.add_argument("--rate", type=float, default=GOALS["submits_per_s"], help="offered submits/s of the latency phase")
+    p.add_argument("--rate", type=float, default=None, help="offered submits/s of the latency phase (default: goal)")
     p.add_argument("--rate-tasks", type=int, default=None, help="tasks of the latency phase (default: 10 s at --rate)")
     p.add_argument(
         "--backlog", type=int, default=None, help="tasks queued behind a full cluster (default: --tasks; 0 skips)"
@@ -1471,6 +1471,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--splice-blocks", type=int, default=3, help="blocks per target in the splice phase")
     p.add_argument("--splice-tasks", type=int, default=2000, help="submits per block in the splice phase")
     a = p.parse_args(argv)
+    a.rate_given = a.rate is not None  # backends mode: else half SQLite's measured capacity
+    if a.rate is None:
+        a.rate = GOALS["submits_per_s"]
     if a.quick:
         a.nodes = min(a.nodes, 8)
         a.tasks = min(a.tasks, 200)
@@ -1605,8 +1608,7 @@ def backends(args: argparse.Namespace) -> dict:
     Raises:
         SystemExit: PostgreSQL is not installed.
     """
-    sys.path.insert(0, str(REPO))
-    from tests.support import postgres as pgsupport
+    from tests.support import postgres as pgsupport  # REPO is on sys.path (above)
 
     bindir = pgsupport.find_bindir()
     if bindir is None:
@@ -1614,8 +1616,7 @@ def backends(args: argparse.Namespace) -> dict:
     pgsupport._SETTINGS.update({"fsync": "on", "full_page_writes": "on"})
     server = pgsupport.PostgresServer(bindir)
     try:
-        rate_given = "--rate" in sys.argv[1:] or any(x.startswith("--rate=") for x in sys.argv[1:])
-        if not rate_given:
+        if not args.rate_given:
             only, args.only = args.only, "throughput"
             calib = Bench(args)
             calib.progress("--- calibration: SQLite's closed-loop capacity")
@@ -1725,15 +1726,9 @@ def sharing_ab(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.backends:
-        res = backends(args)
-        res["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        print(res["report"], flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(res, indent=2, default=str))
-        return 0
-    if args.owners:
-        res = sharing(args)
+    mode = backends if args.backends else sharing if args.owners else None
+    if mode is not None:
+        res = mode(args)
         res["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         print(res["report"], flush=True)
         if args.json:

@@ -332,6 +332,8 @@ _UPDATE_COLUMNS = [
     c.split("=")[0].strip() for c in _UPDATE_TASK_SQL.split(" SET ", 1)[1].split(" WHERE ")[0].split(",")
 ]
 _USAGE_COLUMNS = _RECORD_USAGE_SQL.split("(", 1)[1].split(")", 1)[0]
+#: An event row with its sequence number (:data:`~opentinker_scheduler.state.store._INSERT_EVENT_SQL`).
+_EVENT_ROW_TYPES = ["text", "int8", *_EVENT_TYPES[1:]]
 _USAGE_TYPES = (
     "text int8 text text text text text text int8 float8 float8 float8 float8 float8 float8 float8 int8 float8".split()
 )
@@ -347,8 +349,8 @@ _JSON_WRITES = {
     ),
     _INSERT_EVENT_SQL: (
         "INSERT INTO events (task_id, seq, time, kind, step, payload) "
-        f"SELECT {_json_select(['text', 'int8', *_EVENT_TYPES[1:]], 'r')} FROM jsonb_array_elements(?::jsonb) AS a (r)",
-        ["text", "int8", *_EVENT_TYPES[1:]],
+        f"SELECT {_json_select(_EVENT_ROW_TYPES, 'r')} FROM jsonb_array_elements(?::jsonb) AS a (r)",
+        _EVENT_ROW_TYPES,
     ),
     _RECORD_USAGE_SQL: (
         f"INSERT INTO attempt_usage ({_USAGE_COLUMNS}) "
@@ -364,9 +366,9 @@ def _json_float(v) -> float | str | None:
     if v is None:
         return None
     v = float(v)
-    if v != v:
+    if math.isnan(v):
         return "NaN"
-    if v in (math.inf, -math.inf):
+    if math.isinf(v):
         return "Infinity" if v > 0 else "-Infinity"
     return v
 

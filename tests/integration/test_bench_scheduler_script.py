@@ -99,11 +99,8 @@ def test_bench_backends_mode_runs_b1_on_sqlite_and_on_postgresql(tmp_path) -> No
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), "--quick", "--backends", "--repeat", "1"]
         + ["--json", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for label in ("closed-loop submits/s", "submit->assign p99 ms @", "heartbeats/s ingested (flood)"):
         assert label in proc.stdout, f"{label!r} missing from the report:\n{proc.stdout}"
