@@ -403,17 +403,22 @@ class SchedulerProc:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def store(self) -> str:
+    def store(self, timeout: float = 30.0) -> str:
         """The state store the scheduler says it opened (its "scheduler listening" log line:
-        ``sqlite PATH`` or ``postgres host=... schema=...``)."""
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict) and rec.get("event") == "scheduler listening":
-                return str(rec.get("store", "?"))
-        return "?"
+        ``sqlite PATH`` or ``postgres host=... schema=...``). /health answers before that line
+        is written, so this waits for it, up to ``timeout`` seconds; ``"?"`` if it never comes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and rec.get("event") == "scheduler listening":
+                    return str(rec.get("store", "?"))
+            if time.monotonic() > deadline or self.popen.poll() is not None:
+                return "?"
+            time.sleep(0.05)
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

@@ -367,7 +367,7 @@ def test_mtls_node_port_needs_a_client_certificate_from_the_ca(tmp_path) -> None
             _connect_node(s.target, grpc.ssl_channel_credentials(ca), key=node_key)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "client certificate" in err.value.details()
         # The node join is audited with the certificate's common name.
-        joins = [r for r in s.security.audit.list(action="node.join") if r.outcome == "OK"]
+        joins = [r for r in s.do(s.security.audit.list, action="node.join") if r.outcome == "OK"]
         assert (
             joins
             and joins[0].detail["cert_cn"] == "node-a"
@@ -512,7 +512,7 @@ def test_node_id_must_be_the_certificates_common_name_or_a_dns_name(tmp_path) ->
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert err.value.details().startswith(f"node id '{node_id}' does not match its certificate ({names}")
         # Refusals are audited with the certificate's name and the id asked for; nothing registered.
-        refused = [r for r in s.security.audit.list(action="node.join") if r.outcome == "PERMISSION_DENIED"]
+        refused = [r for r in s.do(s.security.audit.list, action="node.join") if r.outcome == "PERMISSION_DENIED"]
         assert {(r.detail["node_id"], r.detail["cert_cn"]) for r in refused} == {
             ("node-b", "node-a"),
             ("node-a", "node-b"),
@@ -529,7 +529,7 @@ def test_one_fleet_certificate_for_all_nodes_when_matching_is_off(tmp_path) -> N
         fleet = _node_creds(certs, "trainer-fleet")
         for node_id in ("gpu-node-01", "gpu-node-02"):
             assert _register(node_target, fleet, node_id, key).WhichOneof("command") == "registered"
-        joins = [r for r in s.security.audit.list(action="node.join") if r.outcome == "OK"]
+        joins = [r for r in s.do(s.security.audit.list, action="node.join") if r.outcome == "OK"]
         assert {(r.detail["node_id"], r.detail["cert_cn"]) for r in joins} == {
             ("gpu-node-01", "trainer-fleet"),
             ("gpu-node-02", "trainer-fleet"),
