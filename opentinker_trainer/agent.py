@@ -581,6 +581,9 @@ class NodeAgent:
             "" if simulated else cuda_visible_devices(self.monitor.inventory.devices, device_indices)
         )
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # Workers share the agent's stderr: a progress bar's "\r" redraw (transformers' "Loading
+        # weights") would glue another worker's log line onto its own, unreadable as JSON.
+        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         env["OPENTINKER_AGENT_PID"] = str(os.getpid())  # the worker dies with the agent
         env["OPENTINKER_NODE_ID"] = self.config.node_id  # bound into the worker's log lines
         # Workers call the scheduler as their node does (datasets, adapter lookup): address, key, TLS.

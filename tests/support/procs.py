@@ -155,12 +155,19 @@ class Proc:
         return self.log_path.read_text(errors="replace")
 
     def log_events(self) -> list[dict]:
+        """The JSON log lines so far. Other lines (a library's warning) are skipped, but a line
+        that holds a log record and does not parse (two processes' output run together) fails
+        the test here, instead of its event going missing."""
         out = []
-        for line in self.log_text().splitlines():
+        lines = self.log_text().splitlines()
+        for i, line in enumerate(lines):
             try:
                 out.append(json.loads(line))
             except ValueError:
-                pass
+                if '"event": ' in line and i < len(lines) - 1:  # the last line may still be written
+                    raise AssertionError(
+                        f"{self.log_path}:{i + 1}: a log record run together with other output: {line!r}"
+                    )
         return out
 
     def mentions(self, text: str) -> int:
