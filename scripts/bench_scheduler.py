@@ -1469,8 +1469,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--pg-flush",
-        choices=["inline", "background"],
-        default="inline",
+        choices=["thread", "inline", "background"],
+        default="thread",
         help="backends mode: store.flush of the PostgreSQL scheduler (default %(default)s, the config's)",
     )
     p.add_argument("--splice-blocks", type=int, default=3, help="blocks per target in the splice phase")
@@ -1600,7 +1600,7 @@ def sharing(args: argparse.Namespace) -> dict:
 def backends(args: argparse.Namespace) -> dict:
     """Backends mode (``--backends``): B1 on SQLite and on PostgreSQL in one run. A fresh
     PostgreSQL 15 on loopback (fsync on, as ``scripts/bench_ha.py``), the scheduler with
-    ``store: {kind: postgres}`` and its defaults (synchronous_commit on, flush inline; or
+    ``store: {kind: postgres}`` and its defaults (synchronous_commit on, flush thread; or
     ``--pg-synchronous-commit``, ``--pg-flush``). First one
     SQLite run of the throughput phase measures SQLite's closed-loop capacity; the latency phase
     then offers half of it (unless ``--rate`` is given), as the goal says. Then ``--repeat``

@@ -19,11 +19,12 @@ schedulers share it.
                                 # false: commits return before the flush, several times the submit
                                 # rate on a slow disk, but a crash of the PostgreSQL server (not of
                                 # a scheduler) may lose the last ~0.6 s of acknowledged writes
-      flush: inline             # with synchronous_commit: the scheduler waits in each group's
-                                # COMMIT for its WAL flush (the default); background: the group
-                                # commits at once and a second connection flushes the WAL behind
-                                # it while the scheduler goes on (nothing is acknowledged before
-                                # the flush; measured slower here, BENCHMARKS.md)
+      flush: thread             # how a group commit waits for PostgreSQL: thread (the default)
+                                # sends its COMMIT from a thread of its own while the scheduler
+                                # gathers the next group; inline: the scheduler waits in each
+                                # COMMIT; background: the group commits at once and a second
+                                # connection flushes the WAL behind it. Nothing is acknowledged
+                                # before it is durable, whichever (figures: BENCHMARKS.md)
 
 The password is never part of the config value, a log line or an error: :meth:`StoreConfig.password`
 reads it when the store opens. With neither key, libpq's own ``PGPASSWORD`` / ``~/.pgpass`` apply.
@@ -36,6 +37,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+#: ``store.flush`` (:class:`~opentinker_scheduler.state.pg_store.PostgresStore`'s ``flush``).
+FLUSH_MODES = ("thread", "inline", "background")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _URI_PASSWORD = re.compile(r"^[a-z]+://[^/@]*:[^/@]*@")
@@ -55,7 +58,7 @@ class StoreConfig:
     renew_interval_s: float = 2.0
     call_timeout_s: float = 10.0
     synchronous_commit: bool = True
-    flush: str = "inline"
+    flush: str = "thread"
 
     def password(self) -> str | None:
         """The database password from ``password_env`` or ``password_file`` (None: neither set).
@@ -174,8 +177,8 @@ def parse_store(r, node) -> StoreConfig:
         kw["synchronous_commit"] = r.scalar(m["synchronous_commit"][1], "store.synchronous_commit", bool)
     if "flush" in m:
         value = r.scalar(m["flush"][1], "store.flush", str)
-        if value not in ("background", "inline"):
-            raise r.fail(m["flush"][1], "store.flush", f"background or inline, got {value!r}")
+        if value not in FLUSH_MODES:
+            raise r.fail(m["flush"][1], "store.flush", f"one of {', '.join(FLUSH_MODES)}, got {value!r}")
         if kind != "postgres":
             raise r.fail(m["flush"][1], "store.flush", "nothing with kind sqlite")
         kw["flush"] = value

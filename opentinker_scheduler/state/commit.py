@@ -13,12 +13,14 @@ before they answer. If a commit fails, ``on_failure`` rebuilds memory from the s
 commands are dropped and every waiter gets the error. Off (unit tests, or no running loop),
 every write commits at once.
 
-A backend may commit a group without waiting for durability (PostgreSQL with synchronous commit:
-the group commits asynchronously, and a second connection's synchronous commit flushes the WAL up
-to it, off the event loop: :meth:`~.store.SqlStore.flush_pending`). The group's waiters and held
-commands are then released once that flush is done, in commit order, while the loop goes on with
-the next group; a failed flush is handled as a failed commit. So the loop never sits in a WAL
-flush, and "durable before acknowledged" still holds.
+A backend may commit a group without waiting for durability on the event loop (PostgreSQL: the
+group's COMMIT goes out from a thread of its own, or the group commits asynchronously and a
+second connection flushes the WAL up to it: :meth:`~.store.SqlStore.flush_pending`). The group's
+waiters and held commands are then released once it is durable, in commit order, while the loop
+goes on gathering the next group, whose own commit waits until that one has ended
+(:meth:`~.store.SqlStore.commit_in_flight`). A failure there is handled as a failed commit, and
+the group opened since then, built on it, is abandoned first. So the loop never sits in a COMMIT,
+and "durable before acknowledged" still holds.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ class GroupCommit:
         self._prepare_s = 0.0  # how long they took, seconds
         #: :meth:`before_commit` calls of the open group.
         self._before_commit: list[Callable[[], None]] = []
+        self._opened = 0  # groups opened so far (the open one's number)
+        #: The open group's window ended while the previous group's commit still ran off the
+        #: loop: :meth:`_flushed` commits it once that one has ended.
+        self._due_waiting = False
+        #: A ``before_commit`` call's ``(future, then)`` whose answer the open group waits for.
+        self._awaiting: tuple | None = None
 
     def enable(self) -> None:
         self.enabled = True
@@ -103,10 +111,11 @@ class GroupCommit:
             return  # no loop: the write commits on its own
         tx = self.store.transaction(flush_behind=True)
         tx.__enter__()
+        self._opened += 1
         self._loop, self._tx, self._done = loop, tx, loop.create_future()
         window = max(self.interval_s, min(self._commit_s, GROUP_COMMIT_MAX_WINDOW_S))
         wait = self._last + window - loop.time()
-        self._prepared, self._prepare_s = False, 0.0
+        self._prepared, self._prepare_s, self._due_waiting = False, 0.0, False
         if wait > 0:
             loop.call_later(wait, self._commit_due)
         else:
@@ -116,28 +125,77 @@ class GroupCommit:
         """The group's window ended: commit it. When it has ``before_commit`` calls, they run
         first and the commit one loop turn later, so what they woke (a submit's audit record,
         written once its row is) still joins this group; at most one such turn per group."""
-        if self._tx is None:
+        if self._tx is None or self._awaiting is not None:
+            return
+        if self.store.commit_in_flight():  # it would wait for the connection: wait on the loop instead
+            self._due_waiting = True
             return
         if self._before_commit and not self._prepared:
             self._prepared = True
-            started = time.perf_counter()
-            try:
-                self._run_before_commit()
-            except Exception as exc:  # noqa: BLE001 - the group fails as a failed commit
-                self.commit(failed=exc)
-                return
-            # Their work is the group's requests' own (written at once, it would have been done
-            # within the window): the next window does not wait for it again.
-            self._prepare_s = time.perf_counter() - started
-            self._loop.call_soon(self.commit)
+            self._prepare()
             return
         self.commit()
 
-    def _run_before_commit(self) -> None:
+    def _prepare(self) -> None:
+        """Run the group's ``before_commit`` calls, then commit a loop turn later. A call whose
+        statement went out off the loop (``(future, then)``) is finished by :meth:`_resume` once
+        its answer is in, and the rest run after it."""
+        started = time.perf_counter()
+        try:
+            pending = self._run_before_commit(wait=False)
+        except Exception as exc:  # noqa: BLE001 - the group fails as a failed commit
+            self.commit(failed=exc)
+            return
+        # Their work is the group's requests' own (written at once, it would have been done
+        # within the window): the next window does not wait for it again.
+        self._prepare_s += time.perf_counter() - started
+        if pending is None:
+            self._loop.call_soon(self.commit)
+            return
+        self._awaiting = pending
+        loop = self._loop
+
+        def on_loop(_f: concurrent.futures.Future) -> None:  # in the store's thread
+            with contextlib.suppress(RuntimeError):  # the loop closed (shutdown): nobody waits
+                loop.call_soon_threadsafe(self._resume, pending)
+
+        pending[0].add_done_callback(on_loop)
+
+    def _resume(self, pending: tuple) -> None:
+        if self._awaiting is not pending:
+            return  # the group ended meanwhile (committed at once, failed or abandoned)
+        self._awaiting = None
+        started = time.perf_counter()
+        try:
+            pending[1](pending[0])
+        except Exception as exc:  # noqa: BLE001 - the group fails as a failed commit
+            self.commit(failed=exc)
+            return
+        self._prepare_s += time.perf_counter() - started
+        self._prepare()
+
+    def _run_before_commit(self, *, wait: bool = True) -> tuple | None:
+        """Run what waits to run before the commit (a call awaited by :meth:`_prepare` first).
+        A call may return ``(future, then)``: its statement went out off the loop, and
+        ``then(future)`` finishes it once it is done. With ``wait`` that is done here (blocking);
+        without, the pair is returned at once, the remaining calls kept for later."""
+        if self._awaiting is not None:
+            (sent, then), self._awaiting = self._awaiting, None
+            sent.exception()  # waits for its end
+            then(sent)
         while self._before_commit:  # the group is still open: their writes and commands join it
             calls, self._before_commit = self._before_commit, []
-            for call in calls:
-                call()
+            for i, call in enumerate(calls):
+                pending = call()
+                if pending is None:
+                    continue
+                if not wait:
+                    self._before_commit = calls[i + 1 :] + self._before_commit
+                    return pending
+                sent, then = pending
+                sent.exception()
+                then(sent)
+        return None
 
     def commit(self, *, failed: Exception | None = None) -> None:
         """Commit the open transaction (if any), its ``before_commit`` calls first, then release
@@ -153,7 +211,7 @@ class GroupCommit:
             failed = exc
         tx, done, held = self._tx, self._done, self._held
         self._tx, self._done, self._held = None, None, []
-        self._cumulative, self._before_commit = {}, []
+        self._cumulative, self._before_commit, self._awaiting = {}, [], None
         try:
             if failed is not None:
                 tx.__exit__(type(failed), failed, failed.__traceback__)  # rolls back
@@ -185,7 +243,7 @@ class GroupCommit:
         if pending is None and not self._unflushed:
             self._release(held, done)
             return
-        group = [done, held]
+        group = [done, held, self._opened]
         self._unflushed.append(group)
         if pending is None:  # durable already, but released after the older groups
             pending = concurrent.futures.Future()
@@ -208,23 +266,29 @@ class GroupCommit:
         """On the loop, once ``group``'s flush ended: release it and every older group whose flush
         ended too, in commit order; a failed flush fails its group (and rebuilds memory)."""
         group.append(flush)
-        while self._unflushed and len(self._unflushed[0]) == 3:
-            done, held, result = self._unflushed.pop(0)
+        while self._unflushed and len(self._unflushed[0]) == 4:
+            done, held, number, result = self._unflushed.pop(0)
             exc = result.exception()
             if exc is None:
                 self._release(held, done)
                 continue
+            self.store.settle()
             log.error(
-                "the WAL flush of a group commit failed; in-memory state reloaded from the store",
+                "a group commit failed after the loop went on; in-memory state reloaded from the store",
                 error=repr(exc),
                 dropped_commands=len(held),
             )
+            if self._tx is not None and self._opened == number + 1:  # opened since: built on it
+                self.abandon(exc)
             try:
                 self.on_failure()
             except Exception as again:  # noqa: BLE001 - the waiters must still hear of the failure
                 log.error("reloading memory after a failed flush failed", error=repr(again))
             done.set_exception(exc)
             done.add_done_callback(lambda f: f.exception())
+        if self._due_waiting and not self.store.commit_in_flight():
+            self._due_waiting = False
+            self._commit_due()
 
     def abandon(self, error: Exception) -> None:
         """Roll the open transaction back (this scheduler stopped leading): its held commands
@@ -233,7 +297,7 @@ class GroupCommit:
         if tx is None:
             return
         self._tx, self._done, self._held = None, None, []
-        self._cumulative, self._before_commit = {}, []
+        self._cumulative, self._before_commit, self._awaiting = {}, [], None
         try:
             tx.__exit__(type(error), error, None)
         except Exception as exc:  # noqa: BLE001 - the rollback of a connection that is gone

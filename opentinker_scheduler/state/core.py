@@ -400,11 +400,20 @@ class SchedulerCore:
         # the group's commit (one turn later), so what the caller writes next joins that commit.
         return await stored
 
-    def _write_new_tasks(self) -> None:
+    def _write_new_tasks(self):
         """In the group commit, before it ends: every new task of the group in one statement
-        (:meth:`~.store.SqlStore.insert_new_tasks`), then into memory in submit order."""
+        (:meth:`~.store.SqlStore.insert_new_tasks`), then into memory in submit order. Where the
+        store sends the statement off the event loop (:meth:`~.store.SqlStore.send_new_tasks`),
+        returns ``(future, then)`` for the group commit to finish with once it is done."""
         rows, self._new_tasks = self._new_tasks.rows, _NewTasks()
-        results = self.store.insert_new_tasks([(task, ev) for task, ev, _, _ in rows])
+        items = [(task, ev) for task, ev, _, _ in rows]
+        sent = self.store.send_new_tasks(items)
+        if sent is None:
+            self._new_tasks_written(rows, self.store.insert_new_tasks(items))
+            return None
+        return sent, lambda done: self._new_tasks_written(rows, self.store.new_tasks_sent(items, done))
+
+    def _new_tasks_written(self, rows: list, results: list) -> None:
         for (task, _, spec, stored), existing in zip(rows, results):
             try:
                 if isinstance(existing, Exception):

@@ -6,8 +6,9 @@ connection taken from a psycopg 3 pool, from the event loop; the lease keeper
 (:mod:`.leadership`) has its own connection from the same pool (:meth:`PostgresStore.lease_channel`).
 
 Durability is the same promise as SQLite's: a transition commits before it is acknowledged or
-pushed (group commit included; with synchronous commit a group's WAL flush runs behind the event
-loop, :class:`_WalFlusher`, and the group's waiters are released after it). On top, every
+pushed (group commit included: by default a group's round trips go out from a committer thread,
+:meth:`_PgDb.behind`, the event loop going on meanwhile, and the group's waiters are released once
+its COMMIT has answered; or its WAL flush runs behind the loop, :class:`_WalFlusher`). On top, every
 transaction of the leader ends with ``SELECT ot_fence(<epoch>); COMMIT`` in one round trip: the
 database refuses it when a newer epoch holds the lease (:class:`~opentinker_scheduler.errors.Fenced`),
 so a leader that lost its lease (stopped, cut off) can never write over its successor.
@@ -47,6 +48,7 @@ from psycopg import conninfo as pg_conninfo
 from psycopg import pq
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from opentinker_scheduler.config.store import FLUSH_MODES
 from opentinker_scheduler.errors import Fenced, StoreUnavailable
 from opentinker_scheduler.state import schema
 from opentinker_scheduler.state.store import (
@@ -147,9 +149,26 @@ class _PgDb:
         self.pending_begin: list[str] = []
         #: Calls that waited for the server's answer (each one round trip), for tests and profiling.
         self.round_trips = 0
+        #: A group commit running on the committer thread (:meth:`pipelined_behind`): until
+        #: :meth:`settle` has seen it end, the connection is that thread's.
+        self.inflight: concurrent.futures.Future | None = None
+        self._committer: concurrent.futures.ThreadPoolExecutor | None = None
         _Watchdog.get().watched.add(self)
 
+    def settle(self) -> None:
+        """Wait until the commit on the committer thread (if any) has ended, and hand its failure
+        to the store (:meth:`_PgBase._behind_failed`), so the connection is the caller's again.
+        Called (from the event loop's thread) before anything else uses the connection."""
+        f = self.inflight
+        if f is None:
+            return
+        exc = f.exception()  # blocks only while it still runs
+        self.inflight = None
+        if exc is not None:
+            self.store._behind_failed(exc)
+
     def connection(self) -> psycopg.Connection:
+        self.settle()
         if self.conn is not None and (self.conn.broken or self.conn.closed):
             self.discard()
         if self.conn is None:
@@ -206,14 +225,65 @@ class _PgDb:
 
         def run(conn: psycopg.Connection) -> None:
             with conn.pipeline():
-                for sql, rows in statements:
-                    if rows is None:
-                        conn.execute(sql, prepare=False)
-                    elif rows:
-                        with conn.cursor() as cur:
-                            cur.executemany(schema.postgres_query(sql), rows)
+                _send(conn, statements)
 
         self._call(run)
+
+    def pipelined_behind(self, statements: list[tuple[str, list[tuple] | None]]) -> concurrent.futures.Future:
+        """:meth:`pipelined` on the committer thread (:meth:`behind`): a future that resolves once
+        PostgreSQL has answered (for a COMMIT with synchronous commit: once its WAL is flushed)."""
+        return self.behind(statements)
+
+    def behind(
+        self, statements: list[tuple[str, list[tuple] | None]], *, rows: bool = False
+    ) -> concurrent.futures.Future:
+        """Run ``statements`` (as :meth:`pipelined`; a deferred BEGIN first) from a thread of its
+        own, the committer, and return at once: a future that resolves once PostgreSQL has
+        answered (with every row they returned, ``rows``), or fails with the store's error
+        (StoreUnavailable, Fenced). The event loop goes on meanwhile; its next use of the
+        connection waits for the end first (:meth:`settle`).
+
+        The statements go as one text, their parameters bound here, on the loop (psycopg's
+        ``ClientCursor.mogrify``), in PostgreSQL's simple query protocol: the thread sends it,
+        waits and reads the answers, next to no Python of its own, so it seldom waits for the
+        interpreter lock the event loop holds (a pipeline of bound statements sent from the
+        thread took twice its round trip under load). PostgreSQL runs them in order and stops
+        at the first error (the transaction is then aborted and rolls back at its end)."""
+        conn = self.connection()
+        begin, self.pending_begin = self.pending_begin, []
+        mogrify = psycopg.ClientCursor(conn).mogrify
+        parts = list(begin)
+        for sql, params in statements:
+            if params is None:
+                parts.append(sql)
+            else:
+                query = schema.postgres_query(sql)
+                parts.extend(mogrify(query, p) for p in params)
+        text = ";\n".join(parts)
+        if self._committer is None:
+            self._committer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pg-commit")
+
+        def run() -> list | None:  # on the committer thread: the connection and this call's own state only
+            self.round_trips += 1
+            self.expired = False
+            self.deadline = time.monotonic() + self.store.call_timeout_s
+            try:
+                cur = conn.execute(text, prepare=False)
+                if not rows:
+                    return None
+                out = []
+                while True:
+                    if cur.description is not None:
+                        out.extend(cur.fetchall())
+                    if not cur.nextset():
+                        return out
+            except psycopg.Error as exc:
+                raise self.error(exc) from exc
+            finally:
+                self.deadline = 0.0
+
+        self.inflight = self._committer.submit(run)
+        return self.inflight
 
     def _call(self, fn):
         """``fn(connection)`` under the call deadline (the watchdog closes a connection past it);
@@ -258,22 +328,29 @@ class _PgDb:
 
     @property
     def in_transaction(self) -> bool:
+        self.settle()
         return self.conn is not None and self.conn.info.transaction_status != pq.TransactionStatus.IDLE
 
     @property
     def in_failed_transaction(self) -> bool:
         """The open transaction was aborted by an error (its COMMIT would only roll back)."""
+        self.settle()
         return self.conn is not None and self.conn.info.transaction_status == pq.TransactionStatus.INERROR
 
     def failed(self, exc: psycopg.Error) -> Exception:
         """The store's error for a psycopg error; a broken connection is given back."""
+        if getattr(exc, "sqlstate", None) != schema.FENCED_SQLSTATE:
+            broken = self.conn is not None and (self.conn.broken or self.conn.closed)
+            if broken:
+                if self.store._tx_depth:
+                    self.tx_lost = True
+                self.discard()
+        return self.error(exc)
+
+    def error(self, exc: psycopg.Error) -> Exception:
+        """The store's error for a psycopg error (Fenced, or StoreUnavailable saying why)."""
         if getattr(exc, "sqlstate", None) == schema.FENCED_SQLSTATE:
             return Fenced(exc.diag.message_primary or str(exc))
-        broken = self.conn is not None and (self.conn.broken or self.conn.closed)
-        if broken:
-            if self.store._tx_depth:
-                self.tx_lost = True
-            self.discard()
         if self.expired:
             return StoreUnavailable(
                 f"state store unavailable: PostgreSQL did not answer within {self.store.call_timeout_s:g} s "
@@ -283,8 +360,22 @@ class _PgDb:
         return StoreUnavailable(f"state store unavailable: {first}")
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):  # its failure was the group's to report
+            self.settle()
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)
         _Watchdog.get().watched.discard(self)
         self.discard()
+
+
+def _send(conn: psycopg.Connection, statements: list[tuple[str, list[tuple] | None]]) -> None:
+    """Queue ``statements`` (see :meth:`_PgDb.pipelined`) on ``conn``, in pipeline mode."""
+    for sql, rows in statements:
+        if rows is None:
+            conn.execute(sql, prepare=False)
+        elif rows:
+            with conn.cursor() as cur:
+                cur.executemany(schema.postgres_query(sql), rows)
 
 
 #: PostgreSQL types of :data:`~opentinker_scheduler.state.store._COLUMNS` (the tasks table), of
@@ -429,17 +520,44 @@ class _PgBase(SqlStore):
     #: Makes asynchronously committed groups durable (:class:`_WalFlusher`); None: every commit
     #: waits for its own flush (or, with synchronous_commit off, for none).
     _flusher: "_WalFlusher | None" = None
-    _tx_flush_behind = False  # the open transaction commits asynchronously
+    #: ``flush: thread``: a group commit's last round trip (its writes, the fence, the COMMIT)
+    #: runs on the committer thread (:meth:`_PgDb.pipelined_behind`).
+    _commit_behind = False
+    _behind: concurrent.futures.Future | None = None  # the last group commit's, on that thread
+    _tx_flush_behind = False  # the open transaction commits asynchronously, or on the committer thread
     _unflushed = False  # the last commit was asynchronous and nobody has asked for its flush yet
 
     def _begin(self, flush_behind: bool = False) -> None:
         # Deferred: BEGIN goes out with the transaction's first statement (_PgDb._call), or with
-        # its commit when nothing needed an answer before it; no round trip of its own.
+        # its commit when nothing needed an answer before it; no round trip of its own. (A group
+        # commit still running on the committer thread is not waited for here: see _commit_writes.)
         self.db.tx_lost = False
-        self._tx_flush_behind = flush_behind and self._flusher is not None
+        self._tx_flush_behind = flush_behind and (self._flusher is not None or self._commit_behind)
         self.db.pending_begin = ["BEGIN"]
-        if self._tx_flush_behind:
+        if self._tx_flush_behind and self._flusher is not None:
             self.db.pending_begin.append("SET LOCAL synchronous_commit TO off")
+
+    def settle(self) -> None:
+        """See :meth:`SqlStore.settle`."""
+        self.db.settle()
+
+    def commit_in_flight(self) -> bool:
+        """See :meth:`SqlStore.commit_in_flight`."""
+        f = self.db.inflight
+        return f is not None and not f.done()
+
+    def _behind_failed(self, exc: BaseException) -> None:
+        """A group's commit on the committer thread failed (on the loop's thread, once seen):
+        what waits to be written is dropped (it came after that group), the transaction opened
+        since then fails at its end, and a refusal by epoch makes this scheduler a follower,
+        as an inline commit's does."""
+        self._forget_writes()
+        if self._tx_depth:
+            self._tx_failed = True
+        if isinstance(exc, Fenced):
+            self.role, self.epoch = "follower", None
+            if self.on_fenced is not None:
+                self.on_fenced()
 
     def _commit(self, epoch: int | None) -> None:
         self._commit_writes([], epoch)
@@ -450,6 +568,9 @@ class _PgBase(SqlStore):
         :class:`~opentinker_scheduler.errors.Fenced` when a newer epoch holds the lease) and the
         COMMIT, in one pipeline: one round trip (a deferred BEGIN too, when nothing went before).
         After any error nothing of it commits."""
+        self.db.settle()  # the previous group's commit, when it still runs on the committer thread
+        if self._tx_failed:  # it failed: this transaction's writes came after it
+            raise StoreUnavailable("state store unavailable: the commit of the group before this one failed")
         if self.db.tx_lost or not self.db.begun:
             raise StoreUnavailable("state store unavailable: the connection of this transaction was lost")
         if self.db.in_failed_transaction:  # PostgreSQL would answer the COMMIT with a ROLLBACK
@@ -458,6 +579,10 @@ class _PgBase(SqlStore):
         if epoch is not None:
             statements.append((f"SELECT ot_fence({int(epoch)})", None))
         statements.append(("COMMIT", None))
+        if self._tx_flush_behind and self._commit_behind:
+            self._behind = self.db.pipelined_behind(statements)  # failed: _behind_failed, and this future
+            self._unflushed = True
+            return
         try:
             self.db.pipelined(statements)
         except Fenced:
@@ -468,11 +593,14 @@ class _PgBase(SqlStore):
         self._unflushed = self._tx_flush_behind
 
     def flush_pending(self):
-        """See :meth:`SqlStore.flush_pending`: a :class:`_WalFlusher` future after an
-        asynchronous group commit, else None."""
+        """See :meth:`SqlStore.flush_pending`: after a group commit, the future of its commit on
+        the committer thread (``flush: thread``) or a :class:`_WalFlusher` one (``flush:
+        background``); else None."""
         if not self._unflushed:
             return None
         self._unflushed = False
+        if self._commit_behind:
+            return self._behind
         return self._flusher.request()
 
     def _rollback(self) -> None:
@@ -530,6 +658,32 @@ class _PgBase(SqlStore):
         went_in = {r[0] for r in self.db.execute(_INSERT_TASKS_SQL, params).fetchall()}
         return [task.task_id in went_in for task, _ in items]
 
+    def send_new_tasks(self, items):
+        """See :meth:`SqlStore.send_new_tasks`: with ``flush: thread``, the group's new tasks
+        (:data:`_INSERT_TASKS_SQL`, :attr:`TASKS_PER_INSERT` a statement) go out from the
+        committer thread; the future holds the ids of the rows that went in."""
+        if not (self._commit_behind and self._tx_flush_behind and self._tx_depth and items):
+            return None
+        self.db.settle()
+        if self._tx_failed:
+            return None  # the sync path reports it
+        step = self.TASKS_PER_INSERT
+        params = []
+        for at in range(0, len(items), step):
+            rows, events = [], []
+            for task, ev in items[at : at + step]:
+                rows.append(self._task_values(task))
+                events.append((task.task_id, *self._event_values(task.task_id, 1, ev)))
+            params.append((_json_rows(rows, _TASK_TYPES), _json_rows(events, _EVENT_TYPES)))
+        return self.db.behind([(_INSERT_TASKS_SQL, params)], rows=True)
+
+    def new_tasks_sent(self, items, sent):
+        """See :meth:`SqlStore.new_tasks_sent`."""
+        self.db.settle()
+        went_in = {r[0] for r in sent.result()}  # its error: the statement failed (the group fails with it)
+        with self._tx():
+            return self._new_task_results(items, [task.task_id in went_in for task, _ in items])
+
     def _take_writes(self) -> list[tuple[str, list[tuple]]]:
         """:meth:`SqlStore._take_writes`, each statement of several rows as one statement over
         a jsonb array of them (:data:`_JSON_WRITES`). Task rows are one per task already; usage
@@ -567,12 +721,14 @@ class PostgresStore(_PgBase):
         pool_size: most connections this scheduler holds (the loop's, the lease keeper's, spares).
         synchronous_commit: False = PostgreSQL's ``synchronous_commit=off`` for this scheduler's
             sessions (``store.synchronous_commit``): a commit returns before its WAL is flushed.
-        flush: with synchronous_commit, how a group commit (:mod:`.commit`) waits for its WAL
-            flush (``store.flush``): ``"background"`` commits the group
-            asynchronously and has :class:`_WalFlusher` flush it on a connection of its own, so
-            the event loop goes on with the next group meanwhile; ``"inline"`` (the default)
-            waits in the COMMIT.
-            Either way nothing is acknowledged before its flush.
+        flush: how a group commit (:mod:`.commit`) waits for its COMMIT and WAL flush
+            (``store.flush``): ``"thread"`` (the default) sends the group's last round trip (its
+            writes, the fence, the COMMIT) from a thread of its own on the same connection
+            (:meth:`_PgDb.pipelined_behind`), so the event loop goes on gathering the next group
+            meanwhile; ``"background"`` (with synchronous_commit) commits the group
+            asynchronously and has :class:`_WalFlusher` flush the WAL on a second connection;
+            ``"inline"`` waits in the COMMIT on the event loop.
+            Either way nothing is acknowledged before it is durable.
 
     Raises:
         OSError: the database cannot be reached at start (the message names the DSN, never the
@@ -592,10 +748,10 @@ class PostgresStore(_PgBase):
         pool_size: int = 4,
         application_name: str = "opentinker-scheduler",
         synchronous_commit: bool = True,
-        flush: str = "inline",
+        flush: str = "thread",
     ) -> None:
-        if flush not in ("background", "inline"):
-            raise ValueError(f"flush: expected background or inline, got {flush!r}")
+        if flush not in FLUSH_MODES:
+            raise ValueError(f"flush: expected one of {', '.join(FLUSH_MODES)}, got {flush!r}")
         if not _SCHEMA_NAME.match(schema_name):
             raise OSError(f"store.schema: expected a plain identifier (letters, digits, _), got {schema_name!r}")
         self.schema_name = schema_name
@@ -662,6 +818,7 @@ class PostgresStore(_PgBase):
         self.role = "setup"
         if synchronous_commit and flush == "background":
             self._flusher = _WalFlusher(self)
+        self._commit_behind = flush == "thread"
 
     def _migrate(self) -> None:
         """Apply the missing migrations in one transaction, under an advisory lock (schedulers

@@ -442,21 +442,40 @@ class SqlStore:
         if not items:
             return []
         with self._tx():
-            inserted = self._insert_tasks_unless_requested(items)
-            out: list[TaskRow | StoreUnavailable | None] = []
-            for (task, _), ok in zip(items, inserted):
-                if ok:
-                    self._next_seq[task.task_id] = 2
-                    out.append(None)
-                    continue
-                existing = self.find_by_request(task.owner, task.request_id) if task.request_id else None
-                out.append(
-                    existing
-                    if existing is not None
-                    else StoreUnavailable(
-                        f"state store unavailable: task {task.task_id} was not stored (its id is taken)"
-                    )
-                )
+            return self._new_task_results(items, self._insert_tasks_unless_requested(items))
+
+    def send_new_tasks(self, items: list[tuple[TaskRow, common_pb2.TaskEvent]]) -> concurrent.futures.Future | None:
+        """:meth:`insert_new_tasks` without waiting on the event loop, where the backend can (on
+        PostgreSQL with ``flush: thread``, the INSERT goes out from its committer thread): a
+        future to hand to :meth:`new_tasks_sent` once it is done, or None (SQLite, or no group
+        transaction open): call :meth:`insert_new_tasks`."""
+        return None
+
+    def new_tasks_sent(
+        self, items: list[tuple[TaskRow, common_pb2.TaskEvent]], sent: concurrent.futures.Future
+    ) -> list[TaskRow | StoreUnavailable | None]:
+        """What :meth:`insert_new_tasks` returns, for the INSERT :meth:`send_new_tasks` sent
+        (done).
+
+        Raises:
+            StoreUnavailable: the statement failed (the group transaction fails with it)."""
+        raise NotImplementedError
+
+    def _new_task_results(
+        self, items: list[tuple[TaskRow, common_pb2.TaskEvent]], inserted: list[bool]
+    ) -> list[TaskRow | StoreUnavailable | None]:
+        out: list[TaskRow | StoreUnavailable | None] = []
+        for (task, _), ok in zip(items, inserted):
+            if ok:
+                self._next_seq[task.task_id] = 2
+                out.append(None)
+                continue
+            existing = self.find_by_request(task.owner, task.request_id) if task.request_id else None
+            out.append(
+                existing
+                if existing is not None
+                else StoreUnavailable(f"state store unavailable: task {task.task_id} was not stored (its id is taken)")
+            )
         return out
 
     def _insert_tasks_unless_requested(self, items: list[tuple[TaskRow, common_pb2.TaskEvent]]) -> list[bool]:
@@ -1010,6 +1029,16 @@ class SqlStore:
         with synchronous commit: its WAL flush); the caller must then wait on
         :meth:`flush_pending` before it acknowledges anything the transaction wrote."""
         return SqlStore._Tx(self, flush_behind=flush_behind)
+
+    def settle(self) -> None:
+        """Wait until a group commit running off the event loop (if any) has ended, and take
+        in its failure (:meth:`commit_in_flight`); at once when none runs."""
+
+    def commit_in_flight(self) -> bool:
+        """A group commit is still running off the event loop (PostgreSQL's committer thread):
+        the next one waits for it (:mod:`.commit`), and anything that uses the connection before
+        its end waits too."""
+        return False
 
     def flush_pending(self) -> concurrent.futures.Future | None:
         """After a ``transaction(flush_behind=True)`` committed: None when it is durable already

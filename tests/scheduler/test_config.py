@@ -139,8 +139,9 @@ def test_store_defaults_to_sqlite_and_reads_postgres() -> None:
     )
     s = cfg.store
     assert s.synchronous_commit is False
-    assert s.flush == "inline"
-    assert parse_config("store:\n  kind: postgres\n  dsn: host=db\n  flush: background\n").store.flush == "background"
+    assert s.flush == "thread"  # the default
+    for mode in ("inline", "background", "thread"):
+        assert parse_config(f"store:\n  kind: postgres\n  dsn: host=db\n  flush: {mode}\n").store.flush == mode
     assert (s.kind, s.dsn, s.password_env, s.schema, s.leader_lease_s, s.renew_interval_s) == (
         "postgres",
         "host=db dbname=opentinker user=ot",
@@ -183,7 +184,7 @@ def test_store_defaults_to_sqlite_and_reads_postgres() -> None:
         ("store:\n  kind: postgres\n  dsn: host=db\n  leasee: 3\n", "cfg.yaml:4:3: store.leasee: expected one of"),
         (
             "store:\n  kind: postgres\n  dsn: host=db\n  flush: later\n",
-            "cfg.yaml:4:10: store.flush: expected background or inline, got 'later'",
+            "cfg.yaml:4:10: store.flush: expected one of thread, inline, background, got 'later'",
         ),
         ("store:\n  flush: inline\n", "cfg.yaml:2:10: store.flush: expected nothing with kind sqlite"),
     ],

@@ -65,6 +65,10 @@ class _CountingDb:
         self.task_inserts += sum("INSERT INTO tasks" in sql for sql, _ in statements)
         return self._db.pipelined(statements)
 
+    def behind(self, statements, **kw):  # PostgreSQL, flush: thread: the INSERT from the committer thread
+        self.task_inserts += sum("INSERT INTO tasks" in sql for sql, _ in statements)
+        return self._db.behind(statements, **kw)
+
     def __getattr__(self, name):
         return getattr(self._db, name)
 

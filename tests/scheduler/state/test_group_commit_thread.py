@@ -1,0 +1,166 @@
+"""Group commit on PostgreSQL with ``store.flush: thread`` (the default): a group's last round
+trip (its writes, the fence, the COMMIT) and a group's INSERT of new tasks go out from the
+committer thread, the event loop gathering the next group meanwhile; nothing a group wrote is
+acknowledged or sent to a node before its COMMIT has answered, and a commit that fails there
+fails its group and the group opened since (built on it), and memory is read back.
+
+A real server (tests/support/postgres.py). A commit is held back by a row lock another session
+holds on the task row it updates, so the "not yet" states are certain, not timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import psycopg
+import pytest
+
+from opentinker.common.v1 import common_pb2 as C
+from opentinker_scheduler.errors import Fenced, StoreUnavailable
+from tests.support import stores
+from tests.support.scheduler_core import drain, register, spec
+from tests.support.stores import committed
+
+pytestmark = pytest.mark.postgres_only
+
+
+def _state(store, task_id: str):
+    rows = committed(store, "SELECT state FROM tasks WHERE task_id=?", (task_id,))
+    return rows[0][0] if rows else None
+
+
+async def _until(predicate, what: str) -> None:
+    """Yield to the loop until ``predicate()`` (progress, not a time budget: the suite's hang
+    guard ends a test that never gets there)."""
+    while not predicate():
+        await asyncio.sleep(0.01)
+    assert predicate(), what
+
+
+def _core(tmp_path):
+    from opentinker_scheduler.config import PoolNode, SchedulerConfig
+    from opentinker_scheduler.state.core import SchedulerCore
+    from opentinker_scheduler.state.pg_store import PostgresStore
+
+    store = PostgresStore(stores.current.server.dsn(), schema_name=stores.current.server.new_schema())
+    stores.current.opened.append(store)
+    stores.take_lead(store)
+    core = SchedulerCore(SchedulerConfig(resource_pool=(PoolNode("gpu-node-01", 4, 8),), state_dir=tmp_path), store)
+    core.enable_group_commit()
+    node, _ = register(core)
+    return core, node
+
+
+class _RowLock:
+    """Another session holding ``task_id``'s row lock: a group that updates the row waits."""
+
+    def __init__(self, store, task_id: str) -> None:
+        self.conn = psycopg.connect(store._conninfo, autocommit=True)
+        # pg_stat_activity read inside a transaction is a snapshot: it is read on its own session.
+        self.watch = psycopg.connect(store._conninfo, autocommit=True)
+        self.conn.execute("BEGIN")
+        self.conn.execute("SELECT 1 FROM tasks WHERE task_id = %s FOR UPDATE", (task_id,))
+
+    def waiter_pid(self):
+        rows = self.watch.execute(
+            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%UPDATE tasks%'"
+        ).fetchall()
+        return rows[0][0] if rows else None
+
+    def release(self) -> None:
+        if not self.conn.closed:
+            self.conn.execute("COMMIT")
+            self.conn.close()
+            self.watch.close()
+
+
+def test_the_default_sends_a_groups_commit_from_its_thread_and_releases_it_after_the_answer(tmp_path) -> None:
+    async def main() -> None:
+        core, node = _core(tmp_path)
+        assert core.store._commit_behind and core.store._flusher is None  # flush: thread, the default
+        first = core.submit(spec(gpus=1), owner="u")
+        await core.durable()
+        lock = _RowLock(core.store, first.task_id)
+        try:
+            assert core.schedule() == 1  # the assignment's UPDATE waits for the row lock
+            acked = asyncio.ensure_future(core.durable())
+            await _until(lambda: lock.waiter_pid() is not None, "the group's COMMIT went out and waits")
+            assert core.store.commit_in_flight()
+            # The loop goes on: a submit joins the next group, whose commit waits for this one.
+            later = asyncio.ensure_future(core.submit_grouped(spec(gpus=1), owner="u"))
+            ticks = 0
+            for _ in range(20):
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert ticks == 20 and not acked.done() and not later.done()
+            assert node.outbox.empty(), "an assignment left before its commit answered"
+            assert _state(core.store, first.task_id) == C.TASK_STATE_PENDING
+        finally:
+            lock.release()
+        await acked
+        second = await later
+        await core.durable()
+        assert _state(core.store, first.task_id) == C.TASK_STATE_ASSIGNED
+        assert _state(core.store, second.task_id) == C.TASK_STATE_ASSIGNED
+        assert [c.assign_task.task_id for c in drain(node)] == [first.task_id, second.task_id]
+        assert not core.store.commit_in_flight()
+
+    asyncio.run(main())
+
+
+def test_a_commit_failing_on_its_thread_fails_its_group_and_the_one_opened_since(tmp_path) -> None:
+    async def main() -> None:
+        core, node = _core(tmp_path)
+        first = core.submit(spec(gpus=1), owner="u")
+        await core.durable()
+        lock = _RowLock(core.store, first.task_id)
+        try:
+            assert core.schedule() == 1
+            acked = asyncio.ensure_future(core.durable())
+            await _until(lambda: lock.waiter_pid() is not None, "the group's COMMIT waits")
+            later = asyncio.ensure_future(core.submit_grouped(spec(gpus=1), owner="u"))  # built on the first
+            await asyncio.sleep(0.05)
+            lock.conn.execute("SELECT pg_terminate_backend(%s)", (lock.waiter_pid(),))
+            with pytest.raises(StoreUnavailable):
+                await acked
+            with pytest.raises(StoreUnavailable):
+                await later
+        finally:
+            lock.release()
+        # Nothing of either group was kept or sent; memory is the store's again.
+        assert drain(node) == []
+        assert _state(core.store, first.task_id) == C.TASK_STATE_PENDING
+        assert core.get(first.task_id).state == C.TASK_STATE_PENDING
+        assert first.task_id not in node.allocations
+        assert committed(core.store, "SELECT COUNT(*) FROM tasks") == [(1,)]
+        # The next group goes out on a fresh connection.
+        assert core.schedule() == 1
+        await core.durable()
+        assert _state(core.store, first.task_id) == C.TASK_STATE_ASSIGNED
+        assert [c.assign_task.task_id for c in drain(node)] == [first.task_id]
+
+    asyncio.run(main())
+
+
+def test_a_commit_refused_by_a_newer_epoch_on_its_thread_makes_the_scheduler_a_follower(tmp_path) -> None:
+    async def main() -> None:
+        core, node = _core(tmp_path)
+        first = core.submit(spec(gpus=1), owner="u")
+        await core.durable()
+        lock = _RowLock(core.store, first.task_id)
+        try:
+            assert core.schedule() == 1
+            acked = asyncio.ensure_future(core.durable())
+            await _until(lambda: lock.waiter_pid() is not None, "the group's COMMIT waits")
+            # A newer leader took the lease meanwhile (as a takeover does: the lease row's epoch).
+            lock.conn.execute("UPDATE leader_lease SET epoch = epoch + 1, holder = 'scheduler-b'")
+            lock.release()
+            with pytest.raises(Fenced):
+                await acked
+        finally:
+            lock.release()
+        assert core.store.role == "follower"
+        assert drain(node) == [None]  # no assignment; the node's stream is closed (None ends it)
+        assert _state(core.store, first.task_id) == C.TASK_STATE_PENDING
+
+    asyncio.run(main())
