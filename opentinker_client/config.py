@@ -57,7 +57,7 @@ from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spe
 from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel, did_you_mean, short_repr
 from opentinker_common.spec.task import EXPECTED
 from opentinker_common.spec.registry import env_kinds_for
-from opentinker_common.yaml12 import Yaml12Loader, find_typography, yaml11_bool_hint
+from opentinker_common.yaml12 import Yaml12Loader, every_typography, find_typography, yaml11_bool_hint
 
 __all__ = ["TaskConfig", "apply_overrides", "load_task_config", "load_with_overrides", "parse_task_config"]
 
@@ -377,9 +377,9 @@ def parse_task_config(text: str, *, source: str = "<string>", check: bool = True
             value (a YAML 1.1 boolean word such as ``no`` where a boolean is wanted is refused
             with a hint); ``err.line``, ``err.column`` (1-based) and ``err.key`` say where.
     """
-    typo = find_typography(text)  # “quotes” and • bullets pasted from a document: named, before YAML misreads them
-    if typo is not None:
-        raise ConfigError(typo.message, source=source, line=typo.line, column=typo.column)
+    typos = every_typography(text)  # “quotes” and • bullets pasted from a document: named, before YAML misreads them
+    if typos:
+        raise ConfigError.combine([ConfigError(t.message, source=source, line=t.line, column=t.column) for t in typos])
     try:
         root = yaml.compose(text, Loader=Yaml12Loader)
     except yaml.YAMLError as err:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 import unicodedata
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
-__all__ = ["Typography", "Yaml12Loader", "find_typography", "tag_name", "yaml11_bool_hint"]
+__all__ = ["Typography", "Yaml12Loader", "every_typography", "find_typography", "tag_name", "yaml11_bool_hint"]
 
 _BOOL_TAG = "tag:yaml.org,2002:bool"
 #: The booleans of the YAML 1.2 core schema, and the words YAML 1.1 also read as booleans.
@@ -121,15 +121,29 @@ def _describe(ch: str) -> str:
 
 
 def find_typography(text: str) -> Typography | None:
-    """The first typographic quote, bullet or look-alike character in YAML ``text`` outside
-    comments, block scalars and ASCII-quoted strings (where it is text the writer chose), else
-    ``None``.
+    """The first of :func:`every_typography` in ``text``, else ``None``."""
+    return next(_typography(text), None)
+
+
+def every_typography(text: str) -> list[Typography]:
+    """The typographic quotes, bullets and look-alike characters in YAML ``text`` outside
+    comments, block scalars and ASCII-quoted strings (where it is text the writer chose): the
+    first on each line, in order (a pair of curly quotes is one problem), so a document pasted
+    from a word processor is mended in one go.
 
     Refused (with what to type instead): typographic quotes (``“ ” ‘ ’ „ « »`` ...: a straight
     ``"`` or ``'``, or no quotes), bullets (``• ◦ ▪ ●`` ... anywhere; ``· – —`` where a line's
     content starts: ``- `` for a list item), full-width ``：`` and ``，``, and no-break or
     ideographic spaces.
     """
+    out: list[Typography] = []
+    for typo in _typography(text):
+        if not out or out[-1].line != typo.line:
+            out.append(typo)
+    return out
+
+
+def _typography(text: str) -> Iterator[Typography]:
     lines = text.splitlines()
     quote = ""  # the open ASCII quote, if any (strings may span lines)
     block_indent = -1  # >= 0: inside a block scalar opened on a line with this indentation
@@ -175,7 +189,7 @@ def find_typography(text: str) -> Typography | None:
                 instead, what = _LOOKALIKES[ch]
                 problem = f"{_describe(ch)} is a {what}, which YAML does not read as one; expected {instead}"
             if problem:
-                return Typography(n, i + 1, ch, problem)
+                yield Typography(n, i + 1, ch, problem)
             if ch not in " \t":
                 # "- " opens a list item: what follows starts content again
                 content_start = ch == "-" and content_start and line[i + 1 : i + 2] in ("", " ")
@@ -183,7 +197,6 @@ def find_typography(text: str) -> Typography | None:
             i += 1
         if not quote and _BLOCK_SCALAR.search(line[:code_end].rstrip()):
             block_indent = indent
-    return None
 
 
 def tag_name(tag: str) -> str:

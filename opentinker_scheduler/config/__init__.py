@@ -73,7 +73,7 @@ from typing import Any
 
 import yaml
 
-from opentinker_common.yaml12 import Yaml12Loader, find_typography, tag_name, yaml11_bool_hint
+from opentinker_common.yaml12 import Yaml12Loader, every_typography, tag_name, yaml11_bool_hint
 from opentinker_common.spec import WORKLOAD_TYPES, did_you_mean
 
 from opentinker_scheduler.config.artifacts import ArtifactsConfig, parse_artifacts
@@ -296,9 +296,9 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
             boolean word such as ``no`` for a boolean key, with a hint), with file:line:column.
     """
     r = _Reader(source)
-    typo = find_typography(text)
-    if typo is not None:  # before YAML reads it: "mapping values are not allowed here" names neither character
-        raise ConfigError(f"{source}:{typo.line}:{typo.column}: {typo.message}")
+    typos = every_typography(text)
+    if typos:  # before YAML reads it: "mapping values are not allowed here" names neither character
+        raise ConfigError("\n".join(f"{source}:{t.line}:{t.column}: {t.message}" for t in typos))
     try:
         root = yaml.compose(text, Loader=Yaml12Loader)
     except yaml.YAMLError as exc:

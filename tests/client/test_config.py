@@ -343,6 +343,10 @@ def test_typographic_quotes_and_bullets_in_a_task_config_are_refused_with_line_a
     assert (err.line, err.column) == (1, 16) and "typographic quote" in str(err) and 'straight "' in str(err)
     err = error_of(tmp_path, "workload_type: lora_finetune\nenv:\n• env_id: arithmetic\n")
     assert (err.line, err.column) == (3, 1) and "'•' (U+2022 bullet)" in str(err) and '"- "' in str(err)
+    with pytest.raises(ConfigError) as both:  # every line's, at once
+        load_task_config(write(tmp_path, "workload_type: “lora_finetune”\nenv:\n• env_id: arithmetic\n"))
+    assert [(p.line, p.column) for p in both.value.problems] == [(1, 16), (3, 1)]
+    assert len(str(both.value).splitlines()) == 2
     cfg = load_task_config(write(tmp_path, 'workload_type: lora_finetune\nname: "run “one”"  # • ok\n'))
     assert cfg.name == "run “one”"
 

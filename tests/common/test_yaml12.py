@@ -59,7 +59,7 @@ def test_yaml11_bool_hint(value: object, hint: str | None) -> None:
 
 # --- typographic characters (what a word processor or the deployment guide puts into YAML) -----
 
-from opentinker_common.yaml12 import find_typography, tag_name  # noqa: E402
+from opentinker_common.yaml12 import every_typography, find_typography, tag_name  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -99,6 +99,14 @@ def test_typographic_characters_in_comments_strings_and_blocks_are_text(text) ->
 def test_after_a_block_scalar_the_check_resumes() -> None:
     typo = find_typography("note: |\n  • kept\nnext: “x”\n")
     assert (typo.line, typo.column) == (3, 7)
+
+
+def test_every_typographic_character_of_a_document_is_found_in_one_pass() -> None:
+    text = "name: “run”\nitems:\n  • a\n  • b  # • a comment\nlease：3\n"
+    found = [(t.line, t.column, t.char) for t in every_typography(text)]
+    assert found == [(1, 7, "“"), (3, 3, "•"), (4, 3, "•"), (5, 6, "：")]  # the first on each line
+    assert find_typography(text).char == "“"  # the first of them
+    assert every_typography("lease: 3\n") == []
 
 
 def test_tag_names_read_as_written() -> None:

@@ -228,10 +228,14 @@ workload_types:
 def test_the_guides_bullets_and_curly_quotes_are_refused_with_the_character_and_what_to_type() -> None:
     with pytest.raises(ConfigError) as err:
         parse_config(GUIDE, "scheduler_config.yaml")
-    assert str(err.value) == (
+    lines = str(err.value).splitlines()  # every one of them, in order, in one pass
+    assert lines[0] == (
         "scheduler_config.yaml:2:1: '•' (U+2022 bullet) is not a YAML list marker; "
         'expected "- " (a hyphen, then a space)'
     )
+    assert [line.split(": ")[0] for line in lines] == [
+        f"scheduler_config.yaml:{at}:1" for at in (2, 8, 10)
+    ]  # the first on each line
     with pytest.raises(ConfigError) as err:  # bullets fixed, quotes not: the id would keep its quotes
         parse_config(GUIDE.replace("•", "-"), "scheduler_config.yaml")
     assert str(err.value).startswith("scheduler_config.yaml:2:12: '“' (U+201C left double quotation mark)")
