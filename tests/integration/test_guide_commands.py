@@ -66,10 +66,12 @@ def test_the_guides_config_as_printed_is_refused_naming_the_bullet_and_what_to_t
         timeout=60,
     )
     assert r.returncode == 2
-    assert r.stderr.strip() == (
-        "error: scheduler_config.yaml:2:1: '•' (U+2022 bullet) is not a YAML list marker; "
-        'expected "- " (a hyphen, then a space)'
-    )
+    bullet = "'•' (U+2022 bullet) is not a YAML list marker; expected \"- \" (a hyphen, then a space)"
+    assert r.stderr.strip().splitlines() == [  # every bullet of the guide's config, in one run
+        f"error: scheduler_config.yaml:2:1: {bullet}",
+        f"scheduler_config.yaml:8:1: {bullet}",
+        f"scheduler_config.yaml:10:1: {bullet}",
+    ]
 
 
 def test_python_scheduler_py_and_train_server_py_run_a_cluster(guide_dir: Path) -> None:
