@@ -180,9 +180,8 @@ class GroupCommit:
         ``then(future)`` finishes it once it is done. With ``wait`` that is done here (blocking);
         without, the pair is returned at once, the remaining calls kept for later."""
         if self._awaiting is not None:
-            (sent, then), self._awaiting = self._awaiting, None
-            sent.exception()  # waits for its end
-            then(sent)
+            awaited, self._awaiting = self._awaiting, None
+            _finish(awaited)
         while self._before_commit:  # the group is still open: their writes and commands join it
             calls, self._before_commit = self._before_commit, []
             for i, call in enumerate(calls):
@@ -192,9 +191,7 @@ class GroupCommit:
                 if not wait:
                     self._before_commit = calls[i + 1 :] + self._before_commit
                     return pending
-                sent, then = pending
-                sent.exception()
-                then(sent)
+                _finish(pending)
         return None
 
     def commit(self, *, failed: Exception | None = None) -> None:
@@ -339,3 +336,10 @@ class GroupCommit:
             await asyncio.shield(self._done)
         elif self._unflushed:
             await asyncio.shield(self._unflushed[-1][0])
+
+
+def _finish(pending: tuple) -> None:
+    """Wait for a ``before_commit`` call's ``(future, then)`` (blocking), then ``then(future)``."""
+    sent, then = pending
+    sent.exception()  # waits for its end
+    then(sent)

@@ -150,7 +150,7 @@ class _PgDb:
         self.pending_begin: list[str] = []
         #: Calls that waited for the server's answer (each one round trip), for tests and profiling.
         self.round_trips = 0
-        #: A group commit running on the committer thread (:meth:`pipelined_behind`): until
+        #: A group commit running on the committer thread (:meth:`behind`): until
         #: :meth:`settle` has seen it end, the connection is that thread's.
         self.inflight: concurrent.futures.Future | None = None
         self._committer: concurrent.futures.ThreadPoolExecutor | None = None
@@ -226,14 +226,14 @@ class _PgDb:
 
         def run(conn: psycopg.Connection) -> None:
             with conn.pipeline():
-                _send(conn, statements)
+                for sql, rows in statements:
+                    if rows is None:
+                        conn.execute(sql, prepare=False)
+                    elif rows:
+                        with conn.cursor() as cur:
+                            cur.executemany(schema.postgres_query(sql), rows)
 
         self._call(run)
-
-    def pipelined_behind(self, statements: list[tuple[str, list[tuple] | None]]) -> concurrent.futures.Future:
-        """:meth:`pipelined` on the committer thread (:meth:`behind`): a future that resolves once
-        PostgreSQL has answered (for a COMMIT with synchronous commit: once its WAL is flushed)."""
-        return self.behind(statements)
 
     def behind(
         self, statements: list[tuple[str, list[tuple] | None]], *, rows: bool = False
@@ -367,16 +367,6 @@ class _PgDb:
             self._committer.shutdown(wait=True)
         _Watchdog.get().watched.discard(self)
         self.discard()
-
-
-def _send(conn: psycopg.Connection, statements: list[tuple[str, list[tuple] | None]]) -> None:
-    """Queue ``statements`` (see :meth:`_PgDb.pipelined`) on ``conn``, in pipeline mode."""
-    for sql, rows in statements:
-        if rows is None:
-            conn.execute(sql, prepare=False)
-        elif rows:
-            with conn.cursor() as cur:
-                cur.executemany(schema.postgres_query(sql), rows)
 
 
 #: PostgreSQL types of :data:`~opentinker_scheduler.state.store._COLUMNS` (the tasks table), of
@@ -522,7 +512,7 @@ class _PgBase(SqlStore):
     #: waits for its own flush (or, with synchronous_commit off, for none).
     _flusher: "_WalFlusher | None" = None
     #: ``flush: thread``: a group commit's last round trip (its writes, the fence, the COMMIT)
-    #: runs on the committer thread (:meth:`_PgDb.pipelined_behind`).
+    #: runs on the committer thread (:meth:`_PgDb.behind`).
     _commit_behind = False
     _behind: concurrent.futures.Future | None = None  # the last group commit's, on that thread
     _tx_flush_behind = False  # the open transaction commits asynchronously, or on the committer thread
@@ -556,9 +546,13 @@ class _PgBase(SqlStore):
         if self._tx_depth:
             self._tx_failed = True
         if isinstance(exc, Fenced):
-            self.role, self.epoch = "follower", None
-            if self.on_fenced is not None:
-                self.on_fenced()
+            self._fenced()
+
+    def _fenced(self) -> None:
+        """A commit was refused by epoch: this scheduler no longer leads."""
+        self.role, self.epoch = "follower", None
+        if self.on_fenced is not None:
+            self.on_fenced()
 
     def _commit(self, epoch: int | None) -> None:
         self._commit_writes([], epoch)
@@ -581,15 +575,13 @@ class _PgBase(SqlStore):
             statements.append((f"SELECT ot_fence({int(epoch)})", None))
         statements.append(("COMMIT", None))
         if self._tx_flush_behind and self._commit_behind:
-            self._behind = self.db.pipelined_behind(statements)  # failed: _behind_failed, and this future
+            self._behind = self.db.behind(statements)  # failed: _behind_failed, and this future
             self._unflushed = True
             return
         try:
             self.db.pipelined(statements)
         except Fenced:
-            self.role, self.epoch = "follower", None
-            if self.on_fenced is not None:
-                self.on_fenced()
+            self._fenced()
             raise
         self._unflushed = self._tx_flush_behind
 
@@ -651,13 +643,17 @@ class _PgBase(SqlStore):
                 for at in range(0, len(items), step)
                 for ok in self._insert_tasks_unless_requested(items[at : at + step])
             ]
+        went_in = {r[0] for r in self.db.execute(_INSERT_TASKS_SQL, self._new_task_params(items)).fetchall()}
+        return [task.task_id in went_in for task, _ in items]
+
+    def _new_task_params(self, items) -> tuple[str, str]:
+        """The parameters of :data:`_INSERT_TASKS_SQL` for ``items``: their rows and their first
+        events, each as one JSON array (:func:`_json_rows`)."""
         rows, events = [], []
         for task, ev in items:
             rows.append(self._task_values(task))
             events.append((task.task_id, *self._event_values(task.task_id, 1, ev)))
-        params = (_json_rows(rows, _TASK_TYPES), _json_rows(events, _EVENT_TYPES))
-        went_in = {r[0] for r in self.db.execute(_INSERT_TASKS_SQL, params).fetchall()}
-        return [task.task_id in went_in for task, _ in items]
+        return _json_rows(rows, _TASK_TYPES), _json_rows(events, _EVENT_TYPES)
 
     def send_new_tasks(self, items):
         """See :meth:`SqlStore.send_new_tasks`: with ``flush: thread``, the group's new tasks
@@ -669,13 +665,7 @@ class _PgBase(SqlStore):
         if self._tx_failed:
             return None  # the sync path reports it
         step = self.TASKS_PER_INSERT
-        params = []
-        for at in range(0, len(items), step):
-            rows, events = [], []
-            for task, ev in items[at : at + step]:
-                rows.append(self._task_values(task))
-                events.append((task.task_id, *self._event_values(task.task_id, 1, ev)))
-            params.append((_json_rows(rows, _TASK_TYPES), _json_rows(events, _EVENT_TYPES)))
+        params = [self._new_task_params(items[at : at + step]) for at in range(0, len(items), step)]
         return self.db.behind([(_INSERT_TASKS_SQL, params)], rows=True)
 
     def new_tasks_sent(self, items, sent):
@@ -725,7 +715,7 @@ class PostgresStore(_PgBase):
         flush: how a group commit (:mod:`.commit`) waits for its COMMIT and WAL flush
             (``store.flush``): ``"thread"`` (the default) sends the group's last round trip (its
             writes, the fence, the COMMIT) from a thread of its own on the same connection
-            (:meth:`_PgDb.pipelined_behind`), so the event loop goes on gathering the next group
+            (:meth:`_PgDb.behind`), so the event loop goes on gathering the next group
             meanwhile; ``"background"`` (with synchronous_commit) commits the group
             asynchronously and has :class:`_WalFlusher` flush the WAL on a second connection;
             ``"inline"`` waits in the COMMIT on the event loop.

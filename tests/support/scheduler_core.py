@@ -43,3 +43,37 @@ def drain(node) -> list:
 
 def report(core, node, task_id, attempt, state=C.TASK_STATE_UNSPECIFIED, **kw):
     return core.node_report(node, N.TaskReport(task_id=task_id, attempt=attempt, state=state, **kw))
+
+
+def pg_group_commit_core(tmp: Path, flush: str = "thread"):
+    """A leading core with group commit on, on a fresh PostgreSQL schema of the current test
+    server (``postgres_only`` tests) with ``store.flush: flush``; one node registered.
+    Returns ``(core, node)``."""
+    from tests.support import stores
+    from opentinker_scheduler.state.pg_store import PostgresStore
+
+    store = PostgresStore(stores.current.server.dsn(), schema_name=stores.current.server.new_schema(), flush=flush)
+    stores.current.opened.append(store)
+    stores.take_lead(store)
+    core = SchedulerCore(SchedulerConfig(resource_pool=(PoolNode("gpu-node-01", 4, 8),), state_dir=tmp), store)
+    core.enable_group_commit()
+    node, _ = register(core)
+    return core, node
+
+
+def committed_state(store, task_id: str):
+    """The task's committed state (read on a second connection), or None when not committed."""
+    from tests.support.stores import committed
+
+    rows = committed(store, "SELECT state FROM tasks WHERE task_id=?", (task_id,))
+    return rows[0][0] if rows else None
+
+
+async def until(predicate, what: str) -> None:
+    """Yield to the loop until ``predicate()`` (progress, not a time budget: the suite's hang
+    guard ends a test that never gets there)."""
+    import asyncio
+
+    while not predicate():
+        await asyncio.sleep(0.01)
+    assert predicate(), what

@@ -15,24 +15,11 @@ import pytest
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker_scheduler.errors import StoreUnavailable
-from tests.support.scheduler_core import drain, register, spec
+from tests.support.scheduler_core import committed_state, drain, pg_group_commit_core, spec, until
 from tests.support import stores
 from tests.support.stores import committed
 
 pytestmark = pytest.mark.postgres_only
-
-
-def _state(store, task_id: str):
-    rows = committed(store, "SELECT state FROM tasks WHERE task_id=?", (task_id,))
-    return rows[0][0] if rows else None
-
-
-async def _until(predicate, what: str) -> None:
-    """Yield to the loop until ``predicate()`` (progress, not a time budget: the suite's hang
-    guard ends a test that never gets there)."""
-    while not predicate():
-        await asyncio.sleep(0.01)
-    assert predicate(), what
 
 
 def _blocker(store) -> psycopg.Connection:
@@ -43,25 +30,9 @@ def _blocker(store) -> psycopg.Connection:
     return conn
 
 
-def _core(tmp_path, flush: str = "background"):
-    """A core with group commit on a fresh PostgreSQL schema with ``store.flush: flush``, leading,
-    one node registered."""
-    from opentinker_scheduler.config import PoolNode, SchedulerConfig
-    from opentinker_scheduler.state.core import SchedulerCore
-    from opentinker_scheduler.state.pg_store import PostgresStore
-
-    store = PostgresStore(stores.current.server.dsn(), schema_name=stores.current.server.new_schema(), flush=flush)
-    stores.current.opened.append(store)
-    stores.take_lead(store)
-    core = SchedulerCore(SchedulerConfig(resource_pool=(PoolNode("gpu-node-01", 4, 8),), state_dir=tmp_path), store)
-    core.enable_group_commit()
-    node, _ = register(core)
-    return core, node
-
-
 def test_groups_are_released_after_their_flush_in_commit_order(tmp_path) -> None:
     async def main() -> None:
-        core, node = _core(tmp_path)
+        core, node = pg_group_commit_core(tmp_path, flush="background")
         first = core.submit(spec(gpus=1), owner="u")
         await core.durable()
         flusher = core.store._flusher
@@ -70,10 +41,14 @@ def test_groups_are_released_after_their_flush_in_commit_order(tmp_path) -> None
         try:
             assert core.schedule() == 1
             acked = asyncio.ensure_future(core.durable())
-            await _until(lambda: _state(core.store, first.task_id) == C.TASK_STATE_ASSIGNED, "group 1 committed")
+            await until(
+                lambda: committed_state(core.store, first.task_id) == C.TASK_STATE_ASSIGNED, "group 1 committed"
+            )
             second = core.submit(spec(gpus=1), owner="u")  # a second group on top of the unflushed one
             assert core.schedule() == 1
-            await _until(lambda: _state(core.store, second.task_id) == C.TASK_STATE_ASSIGNED, "group 2 committed")
+            await until(
+                lambda: committed_state(core.store, second.task_id) == C.TASK_STATE_ASSIGNED, "group 2 committed"
+            )
             for _ in range(10):
                 await asyncio.sleep(0.01)
             # Both groups are committed, neither is durable: nobody answered, nothing left.
@@ -95,14 +70,16 @@ def test_groups_are_released_after_their_flush_in_commit_order(tmp_path) -> None
 
 def test_a_failed_flush_fails_its_group_and_reloads_memory(tmp_path) -> None:
     async def main() -> None:
-        core, node = _core(tmp_path)
+        core, node = pg_group_commit_core(tmp_path, flush="background")
         task = core.submit(spec(gpus=1), owner="u")
         await core.durable()
         blocker = _blocker(core.store)
         try:
             assert core.schedule() == 1
             acked = asyncio.ensure_future(core.durable())
-            await _until(lambda: _state(core.store, task.task_id) == C.TASK_STATE_ASSIGNED, "the group committed")
+            await until(
+                lambda: committed_state(core.store, task.task_id) == C.TASK_STATE_ASSIGNED, "the group committed"
+            )
 
             def flusher_pid():
                 rows = blocker.execute(
@@ -110,7 +87,7 @@ def test_a_failed_flush_fails_its_group_and_reloads_memory(tmp_path) -> None:
                 ).fetchall()
                 return rows[0][0] if rows else None
 
-            await _until(lambda: flusher_pid() is not None, "the flush waits for the lock")
+            await until(lambda: flusher_pid() is not None, "the flush waits for the lock")
             blocker.execute("SELECT pg_terminate_backend(%s)", (flusher_pid(),))
             with pytest.raises(StoreUnavailable):
                 await acked
@@ -126,20 +103,20 @@ def test_a_failed_flush_fails_its_group_and_reloads_memory(tmp_path) -> None:
         # The next group flushes on a fresh connection.
         other = core.submit(spec(gpus=1), owner="u")
         await core.durable()
-        assert _state(core.store, other.task_id) == C.TASK_STATE_PENDING
+        assert committed_state(core.store, other.task_id) == C.TASK_STATE_PENDING
 
     asyncio.run(main())
 
 
 def test_inline_flush_commits_synchronously(tmp_path) -> None:
-    core, node = _core(tmp_path, flush="inline")
+    core, node = pg_group_commit_core(tmp_path, flush="inline")
     assert core.store._flusher is None
 
     async def main() -> None:
         task = core.submit(spec(gpus=1), owner="u")
         assert core.schedule() == 1
         await core.durable()
-        assert _state(core.store, task.task_id) == C.TASK_STATE_ASSIGNED
+        assert committed_state(core.store, task.task_id) == C.TASK_STATE_ASSIGNED
         assert [c.assign_task.task_id for c in drain(node)] == [task.task_id]
 
     asyncio.run(main())

@@ -17,38 +17,10 @@ import pytest
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker_scheduler.errors import Fenced, StoreUnavailable
-from tests.support import stores
-from tests.support.scheduler_core import drain, register, spec
+from tests.support.scheduler_core import committed_state, drain, pg_group_commit_core, spec, until
 from tests.support.stores import committed
 
 pytestmark = pytest.mark.postgres_only
-
-
-def _state(store, task_id: str):
-    rows = committed(store, "SELECT state FROM tasks WHERE task_id=?", (task_id,))
-    return rows[0][0] if rows else None
-
-
-async def _until(predicate, what: str) -> None:
-    """Yield to the loop until ``predicate()`` (progress, not a time budget: the suite's hang
-    guard ends a test that never gets there)."""
-    while not predicate():
-        await asyncio.sleep(0.01)
-    assert predicate(), what
-
-
-def _core(tmp_path):
-    from opentinker_scheduler.config import PoolNode, SchedulerConfig
-    from opentinker_scheduler.state.core import SchedulerCore
-    from opentinker_scheduler.state.pg_store import PostgresStore
-
-    store = PostgresStore(stores.current.server.dsn(), schema_name=stores.current.server.new_schema())
-    stores.current.opened.append(store)
-    stores.take_lead(store)
-    core = SchedulerCore(SchedulerConfig(resource_pool=(PoolNode("gpu-node-01", 4, 8),), state_dir=tmp_path), store)
-    core.enable_group_commit()
-    node, _ = register(core)
-    return core, node
 
 
 class _RowLock:
@@ -74,34 +46,39 @@ class _RowLock:
             self.watch.close()
 
 
+async def _assignment_held(core):
+    """A committed PENDING task, then a group that assigns it, its COMMIT sent from the thread
+    and held back by :class:`_RowLock`: ``(task, lock, the group's durable() future)``."""
+    first = core.submit(spec(gpus=1), owner="u")
+    await core.durable()
+    lock = _RowLock(core.store, first.task_id)
+    assert core.schedule() == 1  # the assignment's UPDATE waits for the row lock
+    acked = asyncio.ensure_future(core.durable())
+    await until(lambda: lock.waiter_pid() is not None, "the group's COMMIT went out and waits")
+    return first, lock, acked
+
+
 def test_the_default_sends_a_groups_commit_from_its_thread_and_releases_it_after_the_answer(tmp_path) -> None:
     async def main() -> None:
-        core, node = _core(tmp_path)
+        core, node = pg_group_commit_core(tmp_path)
         assert core.store._commit_behind and core.store._flusher is None  # flush: thread, the default
-        first = core.submit(spec(gpus=1), owner="u")
-        await core.durable()
-        lock = _RowLock(core.store, first.task_id)
+        first, lock, acked = await _assignment_held(core)
         try:
-            assert core.schedule() == 1  # the assignment's UPDATE waits for the row lock
-            acked = asyncio.ensure_future(core.durable())
-            await _until(lambda: lock.waiter_pid() is not None, "the group's COMMIT went out and waits")
             assert core.store.commit_in_flight()
             # The loop goes on: a submit joins the next group, whose commit waits for this one.
             later = asyncio.ensure_future(core.submit_grouped(spec(gpus=1), owner="u"))
-            ticks = 0
-            for _ in range(20):
+            for _ in range(20):  # the loop runs meanwhile: these sleeps end
                 await asyncio.sleep(0.01)
-                ticks += 1
-            assert ticks == 20 and not acked.done() and not later.done()
+            assert not acked.done() and not later.done()
             assert node.outbox.empty(), "an assignment left before its commit answered"
-            assert _state(core.store, first.task_id) == C.TASK_STATE_PENDING
+            assert committed_state(core.store, first.task_id) == C.TASK_STATE_PENDING
         finally:
             lock.release()
         await acked
         second = await later
         await core.durable()
-        assert _state(core.store, first.task_id) == C.TASK_STATE_ASSIGNED
-        assert _state(core.store, second.task_id) == C.TASK_STATE_ASSIGNED
+        assert committed_state(core.store, first.task_id) == C.TASK_STATE_ASSIGNED
+        assert committed_state(core.store, second.task_id) == C.TASK_STATE_ASSIGNED
         assert [c.assign_task.task_id for c in drain(node)] == [first.task_id, second.task_id]
         assert not core.store.commit_in_flight()
 
@@ -110,14 +87,9 @@ def test_the_default_sends_a_groups_commit_from_its_thread_and_releases_it_after
 
 def test_a_commit_failing_on_its_thread_fails_its_group_and_the_one_opened_since(tmp_path) -> None:
     async def main() -> None:
-        core, node = _core(tmp_path)
-        first = core.submit(spec(gpus=1), owner="u")
-        await core.durable()
-        lock = _RowLock(core.store, first.task_id)
+        core, node = pg_group_commit_core(tmp_path)
+        first, lock, acked = await _assignment_held(core)
         try:
-            assert core.schedule() == 1
-            acked = asyncio.ensure_future(core.durable())
-            await _until(lambda: lock.waiter_pid() is not None, "the group's COMMIT waits")
             later = asyncio.ensure_future(core.submit_grouped(spec(gpus=1), owner="u"))  # built on the first
             await asyncio.sleep(0.05)
             lock.conn.execute("SELECT pg_terminate_backend(%s)", (lock.waiter_pid(),))
@@ -129,14 +101,14 @@ def test_a_commit_failing_on_its_thread_fails_its_group_and_the_one_opened_since
             lock.release()
         # Nothing of either group was kept or sent; memory is the store's again.
         assert drain(node) == []
-        assert _state(core.store, first.task_id) == C.TASK_STATE_PENDING
+        assert committed_state(core.store, first.task_id) == C.TASK_STATE_PENDING
         assert core.get(first.task_id).state == C.TASK_STATE_PENDING
         assert first.task_id not in node.allocations
         assert committed(core.store, "SELECT COUNT(*) FROM tasks") == [(1,)]
         # The next group goes out on a fresh connection.
         assert core.schedule() == 1
         await core.durable()
-        assert _state(core.store, first.task_id) == C.TASK_STATE_ASSIGNED
+        assert committed_state(core.store, first.task_id) == C.TASK_STATE_ASSIGNED
         assert [c.assign_task.task_id for c in drain(node)] == [first.task_id]
 
     asyncio.run(main())
@@ -144,14 +116,9 @@ def test_a_commit_failing_on_its_thread_fails_its_group_and_the_one_opened_since
 
 def test_a_commit_refused_by_a_newer_epoch_on_its_thread_makes_the_scheduler_a_follower(tmp_path) -> None:
     async def main() -> None:
-        core, node = _core(tmp_path)
-        first = core.submit(spec(gpus=1), owner="u")
-        await core.durable()
-        lock = _RowLock(core.store, first.task_id)
+        core, node = pg_group_commit_core(tmp_path)
+        first, lock, acked = await _assignment_held(core)
         try:
-            assert core.schedule() == 1
-            acked = asyncio.ensure_future(core.durable())
-            await _until(lambda: lock.waiter_pid() is not None, "the group's COMMIT waits")
             # A newer leader took the lease meanwhile (as a takeover does: the lease row's epoch).
             lock.conn.execute("UPDATE leader_lease SET epoch = epoch + 1, holder = 'scheduler-b'")
             lock.release()
@@ -161,6 +128,6 @@ def test_a_commit_refused_by_a_newer_epoch_on_its_thread_makes_the_scheduler_a_f
             lock.release()
         assert core.store.role == "follower"
         assert drain(node) == [None]  # no assignment; the node's stream is closed (None ends it)
-        assert _state(core.store, first.task_id) == C.TASK_STATE_PENDING
+        assert committed_state(core.store, first.task_id) == C.TASK_STATE_PENDING
 
     asyncio.run(main())
