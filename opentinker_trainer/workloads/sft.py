@@ -8,7 +8,7 @@ chat template, and minimises the mean next-token cross-entropy over the assistan
 gradient is accumulated over micro-batches and normalised by the batch's assistant-token count,
 so ``micro_batch_size`` changes memory use, not the update. AdamW with gradient clipping;
 learning rate warmed up linearly over ``warmup_steps``, then ``constant``, ``linear`` or
-``cosine`` decay to 0 at the last step.
+``cosine`` decay as transformers' schedulers decay (:func:`lr_at`): the last step's rate is above 0.
 
 Distributed (a task with several ranks, :mod:`opentinker_trainer.distributed`): data-parallel;
 each rank trains on its contiguous share of every batch (normalised by the whole batch's
@@ -96,16 +96,22 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def lr_at(step: int, total: int, base: float, warmup: int, schedule: str) -> float:
-    """Learning rate of optimizer step ``step`` (from 1) of ``total``: linear warmup over
-    ``warmup`` steps to ``base``, then ``constant``, ``linear`` or ``cosine`` decay to 0 at ``total``."""
+    """Learning rate of optimizer step ``step`` (from 1) of ``total``.
+
+    Warmup rises linearly over ``warmup`` steps and reaches ``base`` at step ``warmup``. Then
+    ``constant`` keeps ``base``; ``linear`` and ``cosine`` decay as transformers'
+    ``get_linear_schedule_with_warmup`` and ``get_cosine_schedule_with_warmup`` do: step ``s``
+    uses their factor at ``s - 1``, so the first decaying step has ``base`` and the last step a
+    rate above 0. Every optimizer step changes the weights.
+    """
     if warmup and step <= warmup:
         return base * step / warmup
     if schedule == "constant" or total <= warmup:
         return base
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = max(0.0, (step - 1 - warmup) / max(1, total - warmup))
     if schedule == "linear":
-        return base * (1.0 - progress)
-    return base * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return base * max(0.0, 1.0 - progress)
+    return base * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 class _SFTTrainer:

@@ -127,10 +127,29 @@ def test_token_nll_matches_a_hand_computed_cross_entropy() -> None:
 
 def test_lr_schedules() -> None:
     assert [sft.lr_at(s, 10, 1.0, 2, "constant") for s in (1, 2, 3, 10)] == [0.5, 1.0, 1.0, 1.0]
-    assert sft.lr_at(6, 10, 1.0, 2, "linear") == pytest.approx(0.5) and sft.lr_at(10, 10, 1.0, 2, "linear") == 0.0
-    assert sft.lr_at(6, 10, 1.0, 2, "cosine") == pytest.approx(0.5) and sft.lr_at(
-        10, 10, 1.0, 0, "cosine"
-    ) == pytest.approx(0.0)
+    assert [sft.lr_at(s, 10, 1.0, 2, "linear") for s in (1, 2, 3)] == [0.5, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+@pytest.mark.parametrize("total, warmup", [(10, 0), (10, 2), (3, 1), (1, 0)])
+def test_decay_follows_transformers_schedulers_and_the_last_step_still_learns(schedule, total, warmup) -> None:
+    """After warmup, optimizer step s uses transformers' factor at s - 1 (its scheduler steps after
+    the optimizer), so the last step's rate is above 0."""
+    from torch.optim import SGD
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    make = get_linear_schedule_with_warmup if schedule == "linear" else get_cosine_schedule_with_warmup
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = SGD([param], lr=1.0)
+    sched = make(opt, num_warmup_steps=warmup, num_training_steps=total)
+    theirs = []
+    for _ in range(total):
+        theirs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    ours = [sft.lr_at(s, total, 1.0, warmup, schedule) for s in range(1, total + 1)]
+    assert ours[warmup:] == pytest.approx(theirs[warmup:])
+    assert ours[-1] > 0
 
 
 # ------------------------------------------------------------------------------ reading data
