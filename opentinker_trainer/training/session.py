@@ -351,7 +351,9 @@ class TrainingSession:
         losses = [0.0] * len(datums)
         ratio_sum = clipped = 0.0
         try:
-            self.model.train()
+            # Dropout off, as in sample and forward: the loss scores the policy that sampled, so
+            # the first step's importance ratio is 1 (grpo_update makes the same choice).
+            self.model.eval()
             for rows in self._micro_batches(datums):
                 parts = []
                 shared = self._shared_logprobs(datums, rows, loss_fn)

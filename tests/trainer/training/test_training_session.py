@@ -115,7 +115,7 @@ def reference_grads(session, batch, loss_of_logp) -> list[torch.Tensor]:
     saved = grads(session)
     for p in session.params:
         p.grad = None
-    session.model.train()
+    session.model.eval()
     total = 0
     for i, d in enumerate(batch):
         ids = torch.tensor([list(d.input_tokens)])
@@ -169,6 +169,19 @@ def test_ppo_loss_is_pg_loss_and_clipped_tokens_get_no_gradient(session) -> None
     assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-4) for g, w in zip(grads(session), want))
     session.optimizer.zero_grad(set_to_none=True)
     session.accumulated_calls = 0
+
+
+def test_with_lora_dropout_forward_backward_scores_the_policy_that_sampled(tiny_model_dir, tmp_path) -> None:
+    """Dropout is off in every pass, so on the session's own log-probs the ratio is exactly 1 and
+    ppo clips nothing before an update."""
+    s = new_session(tiny_model_dir, tmp_path, "dropout", lora_dropout=0.5)
+    with torch.no_grad():  # lora_B is 0 at init, where dropout on the adapter's input changes nothing
+        for p in s.params:
+            p.add_(0.05 * torch.randn_like(p))
+    logp = s.forward(datums())
+    out = s.forward_backward(datums(sampling=logp), "ppo", clip_epsilon=0.01)
+    assert out.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert out.metrics["clip_fraction"] == 0.0
 
 
 def test_sampled_logprobs_equal_forward_logprobs_at_temperature_one(session) -> None:
