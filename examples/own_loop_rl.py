@@ -58,7 +58,10 @@ def train(
         tokens = sum(len(s.tokens) for _, s, _ in rollouts) or 1  # a token mean over the batch
         batch = [
             Datum.from_sequence(
-                prompt + s.tokens, prompt_length=len(prompt), advantage=adv / tokens, sampling_logprobs=s.logprobs
+                prompt + s.tokens,
+                prompt_length=len(prompt),
+                advantage=adv / tokens,
+                sampling_logprobs=s.sampling_logprobs,
             )
             for prompt, s, adv in rollouts
         ]

@@ -149,9 +149,13 @@ class OptimStepOutput:
 @dataclass(frozen=True)
 class SampledSequence:
     tokens: list[int]
+    #: Each token's log-probability under the model at temperature 1, as ``forward`` gives it.
     logprobs: list[float]
     text: str
     stop_reason: str  # "stop" | "length"
+    #: Each token's log-probability under the distribution that drew it (temperature and top_p
+    #: applied): the ``sampling_logprobs`` of an importance-sampled datum.
+    sampling_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -474,7 +478,13 @@ class TrainingSession:
                 r.sequence,
                 list(r.prompt_tokens),
                 [
-                    SampledSequence(list(s.tokens), list(s.logprobs), s.text, _STOP.get(s.stop_reason, ""))
+                    SampledSequence(
+                        list(s.tokens),
+                        list(s.logprobs),
+                        s.text,
+                        _STOP.get(s.stop_reason, ""),
+                        list(s.sampling_logprobs),
+                    )
                     for s in r.samples
                 ],
                 r.step,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opentinker_trainer.inference.sampling import raw_logprobs, select
+from opentinker_trainer.inference.sampling import raw_logprobs, sampling_logprobs, select
 
 __all__ = ["SamplingParams", "StepResult", "Decode", "FINISH_STOP", "FINISH_LENGTH"]
 
@@ -108,6 +108,8 @@ class Decode:
                 self.generator.seed()
         self.tokens: list[list[int]] = [[] for _ in range(params.n)]
         self.logprobs: list[list[float]] = [[] for _ in range(params.n)]
+        #: Per sample, each token's log-probability under the warped distribution that drew it.
+        self.sampling_logprobs: list[list[float]] = [[] for _ in range(params.n)]
         self.finish: list[str | None] = [None] * params.n
         self._prompt = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         self._cache = None
@@ -153,13 +155,15 @@ class Decode:
         p = self.params
         chosen = select(logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=self.generator)
         lps = raw_logprobs(logits, chosen)
+        slps = sampling_logprobs(logits, chosen, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
         self._last = chosen.unsqueeze(1)
         result = StepResult(rows=[], tokens=[], logprobs=[])
-        for i, (tok, lp) in enumerate(zip(chosen.tolist(), lps.tolist())):
+        for i, (tok, lp, slp) in enumerate(zip(chosen.tolist(), lps.tolist(), slps.tolist())):
             self.tokens[i].append(tok)  # every row keeps the same length (the cache needs it)
             if self.finish[i] is not None:
                 continue
             self.logprobs[i].append(lp)
+            self.sampling_logprobs[i].append(slp)
             result.rows.append(i)
             result.tokens.append(tok)
             result.logprobs.append(lp)

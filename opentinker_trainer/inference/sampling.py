@@ -6,17 +6,21 @@ draw is ``torch.multinomial(softmax(scores), 1)``, so with the same random strea
 samples exactly what ``model.generate(do_sample=True, ...)`` samples. Top-p is nucleus sampling
 (Holtzman et al. 2020, https://arxiv.org/abs/1904.09751).
 
-Log-probabilities reported to clients are :func:`raw_logprobs`: the log-softmax of the model's
-own logits at temperature 1, before any warper — the model's distribution, independent of the
-sampling settings (what vLLM returns by default). A warped distribution can be recomputed from
-them; the reverse is not possible once top-k/top-p cut tokens to probability zero.
+Two log-probabilities of a chosen token:
+
+* :func:`raw_logprobs`: the log-softmax of the model's own logits at temperature 1, before any
+  warper. This is the model's distribution, independent of the sampling settings (what vLLM and
+  Tinker return by default), and what a training forward computes for the same tokens.
+* :func:`sampling_logprobs`: the log-probability under the distribution the token was drawn
+  from, after temperature, top-k and top-p; 0 for greedy choice. It is the denominator of an
+  importance ratio when sampling settings differ from temperature 1.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["warp", "select", "raw_logprobs"]
+__all__ = ["warp", "select", "raw_logprobs", "sampling_logprobs"]
 
 
 def warp(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -65,3 +69,15 @@ def select(
 def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``log softmax(logits)[b, tokens[b]]``: ``[B, V]`` float logits, ``[B]`` ids -> ``[B]`` float32."""
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sampling_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
+    """``log softmax(warp(logits))[b, tokens[b]]``: the log-probability of each token under the
+    distribution :func:`select` drew it from. ``[B, V]`` logits, ``[B]`` ids -> ``[B]`` float32.
+    Greedy choice (``temperature == 0``) is certain: 0."""
+    if temperature == 0.0:
+        return torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    scores = warp(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p)
+    return torch.log_softmax(scores, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

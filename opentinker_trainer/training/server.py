@@ -246,7 +246,11 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                     prompt_tokens=r.prompt_tokens,
                     samples=[
                         training_pb2.SampledSequence(
-                            tokens=s.tokens, logprobs=s.logprobs, text=s.text, stop_reason=_STOP[s.stop_reason]
+                            tokens=s.tokens,
+                            logprobs=s.logprobs,
+                            text=s.text,
+                            stop_reason=_STOP[s.stop_reason],
+                            sampling_logprobs=s.sampling_logprobs,
                         )
                         for s in r.samples
                     ],

@@ -130,9 +130,12 @@ class ForwardBackwardResult:
 @dataclass
 class Sampled:
     tokens: list[int]
+    #: Each token's log-probability under the model at temperature 1: what ``forward`` computes.
     logprobs: list[float]
     text: str
     stop_reason: str  # "stop" | "length"
+    #: Each token's log-probability under the distribution that drew it (temperature, top_p).
+    sampling_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -518,6 +521,7 @@ class TrainingSession:
                     logprobs=list(decode.logprobs[i]) if return_logprobs else [],
                     text=self.tokenizer.decode(toks, skip_special_tokens=True),
                     stop_reason="stop" if decode.finish[i] == FINISH_STOP else "length",
+                    sampling_logprobs=list(decode.sampling_logprobs[i]) if return_logprobs else [],
                 )
             )
         return SampleResult(prompt_tokens=list(prompt), samples=samples, step=self.step)

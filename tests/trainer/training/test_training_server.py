@@ -159,6 +159,7 @@ def test_bad_calls_are_typed_errors_and_use_no_sequence_number(world) -> None:
         # Sampling from chat messages, with the sampler's logprobs.
         out = s.sample(messages=[{"role": "user", "content": "2+2?"}], n=2, max_tokens=3, seed=1).result(timeout=60)
         assert len(out.samples) == 2 and all(len(x.logprobs) == len(x.tokens) for x in out.samples)
+        assert all(len(x.sampling_logprobs) == len(x.tokens) for x in out.samples)
         assert s.get_info().next_sequence == before.next_sequence + 1
 
 

@@ -199,6 +199,28 @@ def test_sampled_logprobs_equal_forward_logprobs_at_temperature_one(session) -> 
     for s, lp in zip(out.samples, forward):
         got = lp[len(prompt) - 1 :]
         assert max(abs(a - b) for a, b in zip(got, s.logprobs)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(s.sampling_logprobs, s.logprobs)) < 1e-6  # no warper
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.3, 0.8)])
+def test_sampling_logprobs_are_those_of_the_distribution_that_sampled(session, temperature, top_p) -> None:
+    """``logprobs`` stay the model's at temperature 1; ``sampling_logprobs`` are under
+    softmax(logits / temperature) cut to the top_p nucleus, from a forward of the same tokens."""
+    from opentinker_trainer.inference.sampling import warp
+
+    prompt = [25, 300, 41, 7, 99]
+    out = session.sample(prompt, n=4, max_tokens=6, temperature=temperature, top_p=top_p, seed=2, return_logprobs=True)
+    for s in out.samples:
+        ids = torch.tensor([prompt + s.tokens])
+        with torch.no_grad():
+            logits = session.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        target = torch.tensor(s.tokens)[:, None]
+        raw = torch.log_softmax(logits, -1).gather(-1, target)[:, 0]
+        warped = torch.log_softmax(warp(logits, temperature=temperature, top_k=0, top_p=top_p), -1)
+        want = warped.gather(-1, target)[:, 0]
+        assert torch.allclose(torch.tensor(s.logprobs), raw, atol=1e-4)
+        assert torch.allclose(torch.tensor(s.sampling_logprobs), want, atol=1e-4)
+        assert not torch.allclose(want, raw, atol=1e-3)
 
 
 def test_load_state_with_optimizer_then_a_step_equals_the_uninterrupted_run(tiny_model_dir, tmp_path) -> None:

@@ -197,16 +197,18 @@ class SampleRequest(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., messages: _Optional[_Union[ChatPrompt, _Mapping]] = ..., n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
 
 class SampledSequence(_message.Message):
-    __slots__ = ("tokens", "logprobs", "text", "stop_reason")
+    __slots__ = ("tokens", "logprobs", "text", "stop_reason", "sampling_logprobs")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     text: str
     stop_reason: StopReason
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ...) -> None: ...
+    sampling_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., sampling_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("sequence", "prompt_tokens", "samples", "step")
