@@ -5,7 +5,11 @@ group of replies per problem, score them, turn group-relative rewards into advan
 (DeepSeekMath's GRPO, https://arxiv.org/abs/2402.03300), and take a policy-gradient step with
 ``importance_sampling`` (ratio to the sampler's logprobs, a token mean via the advantages).
 
-    .venv/bin/python examples/own_loop_rl.py --scheduler http://localhost:8888 --model /models/SmolLM2-135M-Instruct
+With ``make scheduler`` and ``make trainer`` running (the session trains the scheduler's
+``default_model`` unless ``--model`` names another folder under ``paths.model_dirs``)::
+
+    .venv/bin/python examples/own_loop_rl.py --steps 20
+    .venv/bin/python examples/own_loop_rl.py --steps 2 --problems 2 --group-size 4   # a quick try on CPU
 """
 
 from __future__ import annotations
@@ -78,13 +82,21 @@ def train(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scheduler", default="http://localhost:8888")
-    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--model", default="", help="a model folder on the trainers; default: the scheduler's default_model")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--problems", type=int, default=8, help="problems per step")
+    p.add_argument("--group-size", type=int, default=8, help="replies sampled per problem")
     p.add_argument("--lr", type=float, default=5e-4)
     args = p.parse_args()
     with RLClient(scheduler_url=args.scheduler) as client:
         session = client.create_training_session(args.model, lora_rank=16, lora_alpha=32, idle_timeout=600)
-        history = train(session, steps=args.steps, learning_rate=args.lr)
+        history = train(
+            session,
+            steps=args.steps,
+            problems_per_step=args.problems,
+            group_size=args.group_size,
+            learning_rate=args.lr,
+        )
         print(f"first-3 reward {statistics.fmean(history[:3]):.3f}, last-3 {statistics.fmean(history[-3:]):.3f}")
         client.cancel(session.task_id)
 

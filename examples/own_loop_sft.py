@@ -4,7 +4,11 @@ Tokenizes chat examples here (the session's tokenizer, loaded with transformers 
 files; no torch needed), weighs each reply token ``1 / (reply tokens in the batch)`` so the loss is
 the token-mean NLL of the built-in ``sft`` step, then ``forward_backward`` + ``optim_step``.
 
-    .venv/bin/python examples/own_loop_sft.py --scheduler http://localhost:8888 --model /models/SmolLM2-135M-Instruct
+With ``make scheduler`` and ``make trainer`` running (the session trains the scheduler's
+``default_model`` unless ``--model`` names another folder under ``paths.model_dirs``; run it from
+the folder the scheduler runs in, so the model's tokenizer files are found here too)::
+
+    .venv/bin/python examples/own_loop_sft.py --steps 10
 """
 
 from __future__ import annotations
@@ -45,12 +49,13 @@ def train(session, tokenizer, *, steps: int, batch_size=8, learning_rate=1e-3, s
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scheduler", default="http://localhost:8888")
-    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--model", default="", help="a model folder on the trainers; default: the scheduler's default_model")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=8, help="examples per step")
     args = p.parse_args()
     with RLClient(scheduler_url=args.scheduler) as client:
         session = client.create_training_session(args.model, lora_rank=16, idle_timeout=600)
-        train(session, session.get_tokenizer(args.model), steps=args.steps)
+        train(session, session.get_tokenizer(), steps=args.steps, batch_size=args.batch_size)
         client.cancel(session.task_id)
 
 

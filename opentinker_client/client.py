@@ -795,7 +795,7 @@ class RLClient:
 
     def create_training_session(
         self,
-        model: str,
+        model: str = "",
         *,
         lora: bool = True,
         lora_rank: int = 16,
@@ -814,7 +814,8 @@ class RLClient:
     ) -> "TrainingSession":
         """Start a training session on ``model`` and connect to it: your own training loop with
         Tinker-style primitives (``forward_backward``, ``optim_step``, ``sample``,
-        ``save_state`` ...; docs/primitives.md).
+        ``save_state`` ...; docs/primitives.md). ``model`` "" is the scheduler's
+        ``default_model``.
 
         Submits a ``lora_session`` task (a LoRA adapter of ``lora_rank`` / ``lora_alpha`` on
         ``target_modules``, seeded by ``seed``; with ``lora=False`` every weight of the model
@@ -843,7 +844,7 @@ class RLClient:
         config = TaskConfig(
             workload_type="lora_session",
             model=model,
-            name=name or f"session {model}",
+            name=name or f"session {model or 'on the default model'}",
             gpu_count=gpu_count,
             priority=priority,
             max_runtime=max_runtime,
