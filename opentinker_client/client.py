@@ -656,6 +656,16 @@ class RLClient:
         """
         return self._data.list_checkpoints(check_task_id(task_id))
 
+    def artifacts_deletion(self, task_id: str) -> str:
+        """How the task's artifacts were deleted, for a person: ``"its artifacts were deleted at
+        2026-12-01 23:04:05 UTC by alice (DeleteTaskArtifacts, `opentinker rm`)"``, or ``""`` when
+        they were not.
+
+        Raises:
+            NotFoundError: no such task. InvalidArgumentError: empty id.
+        """
+        return self._data.artifacts_deletion(check_task_id(task_id))
+
     def download_checkpoint(self, task_id: str, dest: str | os.PathLike[str], *, step: int | None = None) -> Path:
         """Download a checkpoint folder (the newest, or the one at ``step``) into ``dest``,
         verifying each file's size and SHA-256; returns ``dest`` as a Path.

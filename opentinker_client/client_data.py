@@ -16,6 +16,7 @@ from opentinker_client.connection import SchedulerConnection
 from opentinker_client.errors import InvalidArgumentError, OpenTinkerError
 from opentinker_client.types import CheckpointInfo, DatasetInfo, TaskInfo
 from opentinker_client.errors import from_spec_error
+from opentinker_common.artifacts.deleted import deleted_words
 from opentinker_common.spec import SpecError, validate_env_config
 from opentinker_common.spec.prompts import DATASET_FORMATS, SAMPLE_LINES, check_sample, parse_prompt_line
 from opentinker_common.spec.sft import MAX_LINE_BYTES, DatasetError, parse_chat_line
@@ -224,6 +225,11 @@ class DataCalls:
         request = scheduler_pb2.ListCheckpointsRequest(task_id=task_id)
         response = self.connection.unary("ListCheckpoints", request)
         return [checkpoint_from_proto(c) for c in response.checkpoints]
+
+    def artifacts_deletion(self, task_id: str) -> str:
+        """How the task's artifacts were deleted, in words (:func:`deleted_words`), or ``""``."""
+        response = self.connection.unary("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id))
+        return deleted_words(response.artifacts_deleted) if response.HasField("artifacts_deleted") else ""
 
     def download_checkpoint(
         self, task_id: str, dest: str | os.PathLike[str], *, step: int | None = None, timeout: float | None = None

@@ -228,11 +228,8 @@ class ServingCalls:
         """Raises FailedPreconditionError: ``task`` has no checkpoint, so no ``what`` ("adapter",
         "policy", "weights") to serve; its artifacts' deletion is named when ``listed`` records one."""
         nothing = f"there {'are' if what == 'weights' else 'is'} no {what} to serve"
-        if listed.HasField("artifacts_deleted"):
-            raise FailedPreconditionError(
-                f"task {task.task_id} has no checkpoint: {deleted_words(listed.artifacts_deleted)}; {nothing}"
-            )
-        raise FailedPreconditionError(task.without_checkpoint(nothing))
+        deleted = deleted_words(listed.artifacts_deleted) if listed.HasField("artifacts_deleted") else ""
+        raise FailedPreconditionError(task.without_checkpoint(nothing, deleted=deleted))
 
     def _check_weights(self, task_id: str, step: int) -> None:
         """Read the manifest (the first message of ``DownloadCheckpoint``) of ``task_id``'s

@@ -139,10 +139,14 @@ class TaskInfo:
         )
         return f"last complete checkpoint, step {self.checkpoint_step}{ended}"
 
-    def without_checkpoint(self, nothing: str) -> str:
+    def without_checkpoint(self, nothing: str, *, deleted: str = "") -> str:
         """Why the task gives nothing to use, for a person, ending in ``nothing`` (``"there is
-        nothing to download"``): ``"task t-1 ended CANCELLED without a checkpoint; ..."`` (an ended
-        task never will have one), or ``"task t-1 is RUNNING and has no checkpoint yet; ..."``."""
+        nothing to download"``): ``"task t-1 has no checkpoint: its artifacts were deleted at ...
+        by alice ...; ..."`` when ``deleted`` (:meth:`RLClient.artifacts_deletion`) says so,
+        ``"task t-1 ended CANCELLED without a checkpoint; ..."`` (an ended task never will have
+        one), or ``"task t-1 is RUNNING and has no checkpoint yet; ..."``."""
+        if deleted:
+            return f"task {self.task_id} has no checkpoint: {deleted}; {nothing}"
         if self.done:
             timeout = " by TIMEOUT, max_runtime" if self.state == "failed" and "max_runtime" in self.error else ""
             return f"task {self.task_id} ended {self.state.upper()}{timeout} without a checkpoint; {nothing}"

@@ -1137,7 +1137,7 @@ def _checkpoint_task(client: RLClient, task_id: str, step: int | None, nothing: 
     """
     task = client.get_task(task_id)
     if not task.checkpoint_path:
-        raise FailedPreconditionError(task.without_checkpoint(nothing))
+        raise FailedPreconditionError(task.without_checkpoint(nothing, deleted=client.artifacts_deletion(task_id)))
     if step:
         return task, f"checkpoint at step {step}"
     return task, task.checkpoint_note
@@ -1223,7 +1223,8 @@ def _eval_policy(client: RLClient, args: argparse.Namespace, task: TaskInfo) -> 
     env_id = env.get("env_id") or ""
     note = task.checkpoint_note
     if not note:
-        return _error(task.without_checkpoint("there is no policy to evaluate"))
+        deleted = client.artifacts_deletion(task.task_id)
+        return _error(task.without_checkpoint("there is no policy to evaluate", deleted=deleted))
     try:
         with tempfile.TemporaryDirectory(prefix="opentinker-eval-") as tmp:
             policy = load_policy(client.download_checkpoint(task.task_id, Path(tmp) / "checkpoint"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 
 import pytest
@@ -109,6 +110,12 @@ def test_owners_delete_their_finished_tasks_artifacts(backend, tmp_path, request
                 alice.submit_task(workload_type="lora_finetune", model=MODEL, init_from=mine)
             with pytest.raises(FailedPreconditionError, match=rf"{deleted}.*there is no adapter to serve"):
                 alice.serve(mine)
+            # the CLI's download and eval say the same, not "ended SUCCEEDED without a checkpoint"
+            capsys.readouterr()
+            for argv in (["download", mine, "-o", str(tmp_path / "dl")], ["eval", mine]):
+                assert cli_main(["--scheduler-url", s.target, "--api-key", alice_key, *argv]) != 0
+                err = capsys.readouterr().err
+                assert re.search(deleted, err) and "without a checkpoint" not in err, (argv, err)
             # a running server asked for it (the node's LookupTask) says so too
             monkeypatch.setenv("OPENTINKER_API_KEY", node_key)
             resolver = SchedulerResolver(s.target, MODEL)
