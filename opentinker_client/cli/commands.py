@@ -227,13 +227,27 @@ def _fmt_rate(value: Any) -> str:
     return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
+def _headline(m: Mapping[str, Any]) -> str:
+    """The numbers that tell whether a step learned, named for what they are.
+
+    SFT has no reward: its ``reward`` is the token accuracy, so it is shown as such. GRPO's loss
+    is 0 on its first epoch by construction (each group's advantages sum to 0 at ratio 1), so
+    the gradient norm is shown in its place. Other workloads show reward and loss.
+    """
+    if "train/token_accuracy" in m:
+        return f"token accuracy {_fmt_num(m['train/token_accuracy'], '.3f')}  loss {_fmt_num(m.get('loss'))}"
+    if "grpo/zero_std_frac" in m and "optim/grad_norm" in m:
+        return f"reward {_fmt_num(m.get('reward'), '.3f')}  grad norm {_fmt_num(m['optim/grad_norm'])}"
+    return f"reward {_fmt_num(m.get('reward'), '.3f')}  loss {_fmt_num(m.get('loss'))}"
+
+
 def _metric_line(event: TaskEvent, total: int | None, units: _Units | None = None) -> str:
     m = event.metrics
     step = f"step {event.step}/{total}" if total else f"step {event.step}"
     parts = [step]
     if units is not None and units.unit == "env steps" and units.done(event) is not None:
         parts.append(f"env steps {int(units.done(event))}/{units.total}")
-    parts += [f"reward {_fmt_num(m.get('reward'), '.3f')}", f"loss {_fmt_num(m.get('loss'))}"]
+    parts.append(_headline(m))
     for key, label in (
         ("perf/tokens_per_s", "tok/s"),
         ("perf/samples_per_s", "samples/s"),
@@ -428,7 +442,7 @@ def _follow(client: RLClient, task_id: str, *, after_sequence: int = 0, plain: b
                     progress.update(
                         bar,
                         completed=done if done is not None else event.step,
-                        stats=f"reward {_fmt_num(m.get('reward'), '.3f')} loss {_fmt_num(m.get('loss'))}",
+                        stats=_headline(m),
                     )
                 elif event.kind == "state":
                     progress.console.print(_state_line(event), soft_wrap=True)

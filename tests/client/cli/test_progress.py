@@ -72,3 +72,14 @@ def test_throughputs_keep_their_significant_digits(value, text) -> None:
 
 def test_durations() -> None:
     assert _fmt_duration(3723.4) == "1:02:03" and _fmt_duration(None) == "-:--:--" and _fmt_duration(-5) == "0:00:00"
+
+
+def test_sft_steps_show_token_accuracy_not_a_reward() -> None:
+    line = _metric_line(metric(3, 0, reward=0.61, loss=1.25, **{"train/token_accuracy": 0.61}), 10)
+    assert "token accuracy 0.610  loss 1.2500" in line and "reward" not in line
+
+
+def test_grpo_steps_show_the_gradient_norm_where_the_first_epochs_loss_is_zero() -> None:
+    values = {"reward": 0.5, "loss": 0.0, "optim/grad_norm": 0.4125, "grpo/zero_std_frac": 0.25}
+    line = _metric_line(metric(2, 0, **values), 10)
+    assert "reward 0.500  grad norm 0.4125" in line and "loss" not in line
