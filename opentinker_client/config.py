@@ -84,6 +84,19 @@ _KEYS: dict[str, str] = {
     "relative to this file)",
 }
 
+#: Words people write for a top-level key (the API's field names, long forms): an unknown key
+#: close to one of them suggests the key.
+_ALIASES = {
+    "environment": "env",
+    "env_config": "env",
+    "hyper_parameters": "hyperparameters",
+    "hparams": "hyperparameters",
+    "gpus": "gpu_count",
+    "num_gpus": "gpu_count",
+    "workload": "workload_type",
+    "model_name": "model",
+}
+
 
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
@@ -409,7 +422,7 @@ def parse_task_config(text: str, *, source: str = "<string>", check: bool = True
             problems.append(
                 ConfigError(
                     f"unknown key, expected one of the known keys ({', '.join(_KEYS)})"
-                    + (f"; {hint}" if (hint := did_you_mean(key, _KEYS)) else ""),
+                    + (f"; {hint}" if (hint := did_you_mean(key, _KEYS, _ALIASES)) else ""),
                     source=source,
                     **_at(lines.get((str(key),))),
                     key=str(key),

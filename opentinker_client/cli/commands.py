@@ -706,7 +706,9 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
         ("created", _fmt_time(t.create_time)),
         ("started", _fmt_time(t.start_time)),
         ("ended", _fmt_time(t.end_time)),
-        ("env", _escape(json.dumps(_shown_env(t.env_config), sort_keys=True))),
+        # The environment as the worker builds it: defaults filled in, so a task that named
+        # none shows the arithmetic task it runs, not {}.
+        ("env", _escape(json.dumps(_shown_env(_resolved_settings(t)["env"]), sort_keys=True))),
     ]
     # The values the task runs with: the scheduler stores them resolved (defaults included) at submit.
     hp = dict(t.hyperparameters)

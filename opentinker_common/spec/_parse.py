@@ -150,16 +150,24 @@ def quoted_value_hint(expected: str, got: Any) -> str:
     return ""
 
 
-def did_you_mean(word: Any, choices: Any) -> str:
+def did_you_mean(word: Any, choices: Any, aliases: Mapping[str, str] | None = None) -> str:
     """``"did you mean 'steps'?"`` for an unknown key ``word`` (``"did you mean 'lr' or 'lora_rank'?"``
     for two or three close ones), or ``""`` when no choice is close.
 
     Close means :func:`difflib.get_close_matches` at its default cutoff (0.6, a similarity ratio
     in [0, 1]), at most 3, best first; ``choices`` are any names (keys of a mapping, a list).
+    ``aliases`` maps other words people write for a choice to it (``{"environment": "env"}``):
+    a word close to an alias suggests its choice.
     """
     if not isinstance(word, str) or not word:
         return ""
-    close = difflib.get_close_matches(word[:100], [str(c) for c in choices], n=3)
+    aliases = dict(aliases or {})
+    names = [str(c) for c in choices]
+    close = []
+    for match in difflib.get_close_matches(word[:100], names + list(aliases), n=3):
+        name = aliases.get(match, match)
+        if name not in close:
+            close.append(name)
     if not close:
         return ""
     quoted = [repr(_cut(c, 40)) for c in close]

@@ -75,6 +75,13 @@ def test_unknown_top_level_key(tmp_path):
     assert (err.line, err.key) == (5, "gpus")
     assert "task.yaml:5:1: gpus: unknown key" in str(err)
     assert "workload_type" in str(err)  # lists the known keys
+    assert "did you mean 'gpu_count'?" in str(err)  # another word for it
+
+
+@pytest.mark.parametrize("typo", ["enviroment", "environment", "env_config"])
+def test_a_top_level_word_for_env_suggests_env(tmp_path, typo):
+    err = error_of(tmp_path, "workload_type: lora_finetune\n" + typo + ":\n  env_id: arithmetic\n")
+    assert (err.line, err.key) == (2, typo) and "did you mean 'env'?" in str(err)
 
 
 def test_wrong_type(tmp_path):

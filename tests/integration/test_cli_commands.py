@@ -180,6 +180,17 @@ def test_list_get_cancel(fake):
     one_line_error(run("cancel", "missing", url=server.url), "NOT_FOUND")
 
 
+def test_get_shows_the_environment_a_task_runs_when_it_named_none(fake):
+    from opentinker.common.v1 import common_pb2
+
+    servicer, server = fake
+    spec = common_pb2.TaskSpec(workload_type="lora_finetune", model="m")  # no env_config: the default
+    task = servicer.add_task(S.TASK_STATE_PENDING, spec=spec).task_id
+    proc = run("get", task, url=server.url)
+    env = next(line for line in proc.stdout.splitlines() if line.split()[:1] == ["env"])
+    assert '"env_id": "arithmetic"' in env and "{}" not in env, proc.stdout
+
+
 def test_list_keeps_task_ids_and_names_whole(fake):
     from opentinker.common.v1 import common_pb2
 
