@@ -106,26 +106,40 @@ def check_task_dataset(path: str, env: Mapping[str, Any], *, source: str | None 
     return dataset_id
 
 
+#: Bad lines a dataset check names before it stops reading: enough to fix a file in one pass.
+MAX_BAD_LINES = 20
+
+
 def _check_dataset_file(path: str, format: str = "chat") -> None:
     """Check every line of a JSONL file (``format`` ``chat`` or ``prompts``) with the scheduler's
-    own rules before uploading it.
+    own rules before uploading it. Every bad line is named, up to :data:`MAX_BAD_LINES`.
 
     Raises:
-        InvalidArgumentError: ``path:line:column: expected ...`` (the column where JSON syntax is
-            wrong; ``path:line:`` for a line that is JSON but not a chat example; ``path:`` for a
-            file with no example), field ``dataset``.
+        InvalidArgumentError: ``path:line:column: expected ...`` for the first bad line (the column
+            where JSON syntax is wrong; ``path:line:`` for a line that is JSON but not a chat
+            example; ``path:`` for a file with no example), field ``dataset``; ``violations``
+            holds one ``("dataset", "path:line: ...")`` pair per bad line.
     """
     examples = 0
+    bad: list[str] = []
+    more = False
     parse = parse_prompt_line if format == "prompts" else parse_chat_line
-    try:
-        with open(path, "rb") as fh:
-            for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_LINE_BYTES + 2), b""), start=1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_LINE_BYTES + 2), b""), start=1):
+            try:
                 if parse(raw.rstrip(b"\r\n"), lineno) is not None:
                     examples += 1
-        if not examples:
-            raise DatasetError(0, "at least one example (one JSON object per line); the file is empty")
-    except DatasetError as err:
-        raise InvalidArgumentError(err.at(path), field="dataset") from None
+            except DatasetError as err:
+                if len(bad) == MAX_BAD_LINES:
+                    more = True
+                    break
+                bad.append(err.at(path))
+    if not bad and not examples:
+        bad.append(DatasetError(0, "at least one example (one JSON object per line); the file is empty").at(path))
+    if bad:
+        lines = bad + ([f"{path}: more bad lines after line-by-line check stopped at {MAX_BAD_LINES}"] if more else [])
+        details = bad[0] if len(lines) == 1 else f"{len(bad)}{'+' if more else ''} bad lines; first: {bad[0]}"
+        raise InvalidArgumentError(details, field="dataset", violations=[("dataset", line) for line in lines])
 
 
 class DataCalls:

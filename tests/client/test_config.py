@@ -387,6 +387,25 @@ def test_a_bad_dataset_line_names_the_file_line_and_column(tmp_path):
     assert err.value.field == "dataset"
 
 
+def test_every_bad_dataset_line_is_named_in_one_pass(tmp_path, capsys):
+    from opentinker_client import RLClient
+    from opentinker_client.cli.commands import main as cli_main
+
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+    no_reply = '{"messages": [{"role": "user", "content": "hi"}]}'
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join([good, "{oops", good, no_reply, good, "[1]"]) + "\n")
+    with RLClient(scheduler_url="127.0.0.1:1") as client, pytest.raises(InvalidArgumentError) as err:
+        client.upload_dataset(path)
+    assert [text.split(": ")[0] for _, text in err.value.violations] == [f"{path}:2:2", f"{path}:4", f"{path}:6"]
+    assert str(err.value).startswith(f"INVALID_ARGUMENT: 3 bad lines; first: {path}:2:2: expected")
+    task = tmp_path / "task.yaml"
+    task.write_text("workload_type: sft\ndataset: train.jsonl\n")
+    assert cli_main(["--scheduler-url", "127.0.0.1:1", "submit", str(task)]) != 0  # checked before dialling
+    printed = capsys.readouterr().err.splitlines()
+    assert [line.split(": ")[2] for line in printed] == [f"{path}:2:2", f"{path}:4", f"{path}:6"], printed
+
+
 def test_overrides_set_values_of_the_file_without_editing_it(tmp_path):
     from opentinker_client.config import apply_overrides
 
