@@ -313,9 +313,9 @@ def _cmd_submit(client: RLClient, args: argparse.Namespace) -> int:
         )
         print(f"estimate: {_estimate_line(usage)}")
         print(f"basis: {basis}")
-        note = _missing_model_note(task.model)
-        if note:
-            print(safe_text(note), file=sys.stderr)
+        for note in (_missing_model_note(task.model), _missing_data_note(task.env_config)):
+            if note:
+                print(safe_text(note), file=sys.stderr)
         return EXIT_OK
     task_id = client.submit_config(config, request_id=args.request_id)
     print(safe_text(task_id), flush=True)
@@ -355,6 +355,18 @@ def _missing_model_note(model: str) -> str:
     return (
         f"note: model {model!r} is a folder that is not on this machine; the dry run cannot check the trainer "
         "nodes' disks: it must be there (else the task fails as it starts: no such folder on this trainer node)"
+    )
+
+
+def _missing_data_note(env_config: Any) -> str:
+    """For a dry run: a note when the environment reads a file on the trainer node (``env.path``)
+    that is not on this machine, as :func:`_missing_model_note` does for a model folder."""
+    path = (env_config or {}).get("path") if isinstance(env_config, Mapping) else None
+    if not isinstance(path, str) or not path or os.path.isfile(os.path.expanduser(path)):
+        return ""
+    return (
+        f"note: env.path {path!r} is not on this machine; the dry run cannot check the trainer nodes' disks: it "
+        "must be there (else the task fails as it starts: the dataset cannot be read on this trainer node)"
     )
 
 

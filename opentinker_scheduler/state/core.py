@@ -592,8 +592,8 @@ class SchedulerCore:
         """What ``spec`` would be stored as (no id, nothing written), what it would use and how
         that was estimated: the spec's ``steps`` times the mean seconds per step of the newest
         recorded attempts of the same workload type and model (at most 20), times its GPUs, at
-        the price of ``usage.default_node_class``. The row's ``error`` says when its queue's quota
-        would hold it back now.
+        the price of ``usage.default_node_class``. The row's ``error`` says when its queue's quota,
+        or the nodes connected now, would hold it back (:meth:`_placement_outlook`).
 
         Raises:
             InvalidArgument, FailedPrecondition: as :meth:`submit` (its checks: the default model,
@@ -603,7 +603,7 @@ class SchedulerCore:
         row.task_id, row.attempt, row.max_attempts = "", 0, spec.limits.max_attempts
         spec_copy = row.spec
         queue = self.quotas.queue_of(owner)
-        row.error = self.quotas.why_not(queue, self.need(row)) or ""
+        row.error = self.quotas.why_not(queue, self.need(row)) or self._placement_outlook(row)
         steps = int(getattr(model.hyperparameters, "steps", 0) or 0)
         gpus = self.need(row)[0]
         recent = self.store.recent_step_seconds(spec_copy.workload_type, spec_copy.model)
@@ -626,6 +626,18 @@ class SchedulerCore:
             f"of {what}) x {gpus} GPU(s) at {price:g} {self.config.usage.currency} per GPU-hour ({node_class})"
         )
         return row, usage, basis
+
+    def _placement_outlook(self, row: TaskRow) -> str:
+        """Why a task like ``row`` would wait if submitted now, or ``""`` when a connected node
+        has room for it at once: the cluster as it is, what submit would then face."""
+        if gang_nodes(row) > 1:
+            return ""  # a gang's room is the placement round's to find
+        memory = row.memory_need
+        if self.free.best_fit_for(row.gpu_count, row.share_key, need=memory) is not None:
+            return ""
+        caps = [n.capacity() for n in self.nodes.values()]
+        pending = PendingTask("", row.priority, row.create_time, row.gpu_count, 0.0, row.share_key, memory)
+        return why_pending(pending, caps, len(self.queue) + 1, len(self.queue) + 1)
 
     def get(self, task_id: str, *, owner: str | None = None) -> TaskRow:
         """The task as committed. An unfinished task's row is the core's own: read, don't change.

@@ -193,3 +193,29 @@ def test_a_template_that_set_completes_is_taken_and_one_it_does_not_names_the_fi
     # Overrides that do not complete it: the file's own error, with its line and column.
     code, _, err = cli(capsys, scheduler, "submit", "template.yaml", "--set", "gpu_count=0", "--dry-run")
     assert code == 2 and err.startswith("error: template.yaml:2:1: env.dataset_id: expected exactly one of"), err
+
+
+def test_a_dry_run_says_what_submit_would_face_on_the_nodes_connected_now(capsys, tmp_path) -> None:
+    """The pool names a 4-GPU node, but the trainer that joined under its id has no GPU: a
+    2-GPU task would wait, and the dry run says why; a CPU task would start at once."""
+    from tests.support.scheduler_core import register
+
+    config = "default_model: /models/m\nresource_pool:\n  - {node_id: gpu-node-01, gpu_count: 4, max_tasks: 8}\n"
+    with LoopbackScheduler(tmp_path / "state", config) as s:
+        s.do(register, s.core, "gpu-node-01", 0)
+        task = tmp_path / "task.yaml"
+        task.write_text("workload_type: lora_finetune\ngpu_count: 2\n")
+        code, out, err = cli(capsys, s, "submit", str(task), "--dry-run")
+        assert code == 0, err
+        assert "would wait now: no connected node has 2 GPU(s); the largest is gpu-node-01 with 0" in out, out
+        task.write_text("workload_type: lora_finetune\ngpu_count: 0\n")
+        code, out, err = cli(capsys, s, "submit", str(task), "--dry-run")
+        assert code == 0 and "would wait" not in out, out
+
+
+def test_a_dry_run_notes_a_dataset_path_that_is_not_on_this_machine(capsys, scheduler, tmp_path) -> None:
+    task = tmp_path / "task.yaml"
+    task.write_text("workload_type: sft\nenv:\n  env_id: chat_jsonl\n  path: /data/not-here.jsonl\n")
+    code, out, err = cli(capsys, scheduler, "submit", str(task), "--dry-run")
+    assert code == 0, err
+    assert "note: env.path '/data/not-here.jsonl' is not on this machine" in err
