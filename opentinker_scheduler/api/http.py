@@ -63,7 +63,7 @@ KEEP_ALIVE_S = 5
 
 @dataclass(frozen=True)
 class Snapshot:
-    """State published by the event loop for the HTTP thread."""
+    """State published by the event loop for /health and /metrics."""
 
     time: float = 0.0  # monotonic seconds of the last tick
     store_writable: bool = False
