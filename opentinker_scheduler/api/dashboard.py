@@ -42,8 +42,8 @@ import hashlib
 import hmac
 import io
 import json
-import secrets
 import re
+import secrets
 import tarfile
 import threading
 import time
