@@ -107,7 +107,7 @@ class RunningScheduler:
         if self.leadership is not None:
             await self.leadership.stop()  # a leader hands its lease back: a follower takes over at once
         if self.http is not None:
-            self.http.stop()
+            await self.http.stop()
         self.core.store.close()
 
 
@@ -250,6 +250,8 @@ async def start_scheduler(
         # On PostgreSQL the lease decides who leads: a follower until elected (state/leadership.py).
         core = SchedulerCore(config, store, leading=store.kind != "postgres")
     except BaseException:
+        if http is not None:
+            await http.stop()
         store.close()
         raise
     core.enable_group_commit()
@@ -297,7 +299,7 @@ async def start_scheduler(
         if front is not None:
             await front.stop()
         if http is not None:
-            http.stop()
+            await http.stop()
         store.close()
         which = f"{host}:{port}" if bound == 0 else f"{host}:{config.tls.node_port} (tls.node_port)"
         raise OSError(f"cannot listen on gRPC port {which} (in use, or not a valid port)")
@@ -322,11 +324,10 @@ async def start_scheduler(
     if http is not None:
         http.grpc_port = bound
         http.snapshot = _snapshot(core, leadership)
-        http.node_messages = core.node_messages  # live counters; the HTTP thread only reads them
+        http.node_messages = core.node_messages  # live counters, read by /metrics
+        http.principal_of = security.keys.resolve if security.keys is not None else None
         http.submits_refused = scheduler_service.gate.refused
-        http.dashboard = Dashboard(
-            core, asyncio.get_running_loop(), security=security, artifacts=artifacts, secure=http.scheme == "https"
-        )
+        http.dashboard = Dashboard(core, security=security, artifacts=artifacts, secure=http.scheme == "https")
         http.start()
     tick = asyncio.create_task(_tick_loop(core, http, tick_interval_s, leadership))
     log.info(

@@ -14,8 +14,8 @@
   ``simulated="true"``), and per running task the latest step, reward, loss, ``perf/*`` values
   and the step rate (steps per second over the last reports).
 
-The server runs in daemon threads (wsgiref, a thread per connection with timeouts, as the
-scheduler's: :class:`opentinker_common.net.side_port.SidePortServer`). It never touches the event loop's
+The server runs in daemon threads (wsgiref, a thread per connection with timeouts:
+:class:`opentinker_common.net.side_port.SidePortServer`). It never touches the event loop's
 objects beyond reading flags and copying small dicts; the agent pushes metric reports through
 :meth:`TrainerHttp.on_metric`, which takes a lock.
 

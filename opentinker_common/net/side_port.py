@@ -1,7 +1,7 @@
-"""The HTTP side port of the scheduler and the trainer (``/health``, ``/metrics``): a bounded,
-threaded wsgiref server, HTTPS when given an :class:`ssl.SSLContext`
-(:func:`opentinker_common.net.tls.server_ssl_context`), and optionally a bearer token for
-scraping (:func:`require_scrape_token`, :func:`read_scrape_token`)."""
+"""The trainer's HTTP side port (``/health``, ``/metrics``): a bounded, threaded wsgiref server,
+HTTPS when given an :class:`ssl.SSLContext` (:func:`opentinker_common.net.tls.server_ssl_context`),
+and optionally a bearer token for scraping (:func:`require_scrape_token`,
+:func:`read_scrape_token`; the scheduler's HTTP port uses the token checks too)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def require_scrape_token(app, token: str | None, *, open_paths=OPEN_PATHS):
 
 
 class SidePortServer(ThreadingMixIn, WSGIServer):
-    """The HTTP side port of the scheduler and the trainer (``/health``, ``/metrics``): wsgiref,
+    """The trainer's HTTP side port (``/health``, ``/metrics``): wsgiref,
     one daemon thread per connection, HTTPS when given an :class:`ssl.SSLContext`.
 
     The TLS handshake runs in the connection's own thread with a timeout, never in the accept

@@ -191,9 +191,10 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self._no_node(call.who, "list queues")
         core = self._core()
         usage = core.usage_rollup()[1]
-        return admin_pb2.ListQueuesResponse(
-            queues=[queue_to_proto(core, row, usage.get(row[0])) for row in core.queue_rows()]
-        )
+        queues = [queue_to_proto(core, row, usage.get(row[0])) for row in core.queue_rows()]
+        if not call.who.is_admin:
+            queues = [q for q in queues if _private_view(q, call.who.owner)]
+        return admin_pb2.ListQueuesResponse(queues=queues)
 
     @rpc(action="queue.set")
     async def SetQueueQuota(self, request, call: Call):
@@ -303,6 +304,21 @@ def quota_from_proto(q: admin_pb2.Queue) -> QueueQuota:
         q.cpu_task_borrowing_limit if q.HasField("cpu_task_borrowing_limit") else None,
         tuple(dict.fromkeys(q.owners)),
     )
+
+
+def _private_view(queue: admin_pb2.Queue, owner: str) -> admin_pb2.Queue | None:
+    """``queue`` as a user key ``owner`` may see it: configured queues with their totals, other
+    owners' names removed (owners, who set an override); an owner's own queue only when it is
+    ``owner``'s (it is named after its owner). None: not shown."""
+    if not queue.limited and queue.name != owner:
+        return None
+    for q in (queue, queue.configured):
+        kept = [o for o in q.owners if o == owner]
+        del q.owners[:]
+        q.owners.extend(kept)
+    if queue.override_by != owner:
+        queue.ClearField("override_by")
+    return queue
 
 
 def _quota_proto(quota: QueueQuota) -> admin_pb2.Queue:

@@ -25,10 +25,14 @@ HttpOnly, SameSite=Strict, and Secure when the port speaks HTTPS. A user sees on
 (another's is "not found", as over gRPC), an admin every task; node keys are refused. With auth
 off every visitor is the ``anonymous`` admin, as over gRPC.
 
-Threads: the HTTP port serves each request in its own thread; everything that reads the store or
-the core runs on the scheduler's event loop (:func:`asyncio.run_coroutine_threadsafe`), as the
-servicers do, and only the HTML is built in the request's thread. Every server string is escaped
-(:func:`html.escape`) before it reaches a page.
+The login form carries a CSRF token too: a double submit, the form's token derived from a random
+``otk_login`` cookie (HttpOnly, SameSite=Strict), so another site can neither post it nor log a
+visitor in with its own key (403). After login the visitor goes to ``next`` only when it is a local
+dashboard path (``/`` or ``/ui/...``, printable ASCII, no ``//`` or backslash); else to ``/``.
+
+Requests run on the scheduler's event loop (:mod:`.http`, uvicorn): store and core reads are plain
+calls, as in the servicers; only a checkpoint download reads the artifact store in a thread.
+Every server string is escaped (:func:`html.escape`) before it reaches a page.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import hashlib
 import hmac
 import io
 import json
+import re
 import secrets
 import tarfile
 import threading
@@ -45,11 +50,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from html import escape
-from http.cookies import SimpleCookie
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 from urllib.parse import parse_qs, quote
 
 from google.protobuf.json_format import MessageToDict
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response, StreamingResponse
 
 from opentinker.common.v1 import common_pb2
 from opentinker_common import curves
@@ -67,10 +73,12 @@ __all__ = ["Dashboard", "TelemetryHistory", "COOKIE"]
 
 #: The cookie that keeps a logged-in visitor's API key (HttpOnly: page scripts cannot read it).
 COOKIE = "otk_key"
+#: The cookie whose random value the login form's CSRF token is derived from.
+LOGIN_COOKIE = "otk_login"
 #: Most bytes of a form body read (a login or a cancel is a few hundred).
 MAX_FORM_BYTES = 8192
-#: Seconds a page may wait for the event loop before it answers 503.
-LOOP_TIMEOUT_S = 20.0
+#: A ``next`` path the login may redirect to: local, printable ASCII.
+_LOCAL_PATH = re.compile(r"/(?:ui(?:/[!-~]*)?)?")
 #: Telemetry samples kept per GPU and per host (one per snapshot, about one a second).
 HISTORY_LEN = 180
 #: Tasks the task list shows.
@@ -83,7 +91,7 @@ STATE = {v: k.removeprefix("TASK_STATE_") for k, v in S.TaskState.items()}
 class TelemetryHistory:
     """The last :data:`HISTORY_LEN` telemetry samples of every GPU and host, for sparklines.
 
-    Fed from the tick loop's snapshot (:meth:`add`), read by request threads (:meth:`gpu`,
+    Fed from the tick loop's snapshot (:meth:`add`), read by pages (:meth:`gpu`,
     :meth:`host`): deques are appended under a lock and copied out."""
 
     def __init__(self, maxlen: int = HISTORY_LEN) -> None:
@@ -116,6 +124,7 @@ class Request:
     form: dict[str, list[str]]
     token: str | None  # API key from the bearer header or the cookie
     secure: bool
+    login_nonce: str = ""  # the otk_login cookie
 
     def arg(self, name: str, default: str = "") -> str:
         values = self.query.get(name) or self.form.get(name)
@@ -189,11 +198,10 @@ def _points(store, task_id: str) -> list[curves.Point]:
 
 
 class Dashboard:
-    """Routes ``/`` and ``/ui/...`` of the HTTP port (:meth:`wsgi`).
+    """Routes ``/`` and ``/ui/...`` of the HTTP port (:meth:`serve`).
 
     Args:
-        core: the scheduler core (tasks, nodes, queue); read only on ``loop``.
-        loop: the scheduler's event loop.
+        core: the scheduler core (tasks, nodes, queue); read on the scheduler's event loop.
         security: keys (None inside = auth off) and the audit log for cancels.
         artifacts: the artifact store checkpoints are downloaded from (None: paths only).
         history: telemetry samples for sparklines.
@@ -203,7 +211,6 @@ class Dashboard:
     def __init__(
         self,
         core,
-        loop: asyncio.AbstractEventLoop,
         *,
         security=None,
         artifacts=None,
@@ -211,86 +218,69 @@ class Dashboard:
         secure: bool = False,
     ) -> None:
         self.core = core
-        self.loop = loop
         self.security = security
         self.artifacts = artifacts
         self.history = history or TelemetryHistory()
         self.secure = secure
         self._csrf_secret = secrets.token_bytes(32)
 
-    # ------------------------------------------------------------------ WSGI, in request threads
+    # ------------------------------------------------------------------ HTTP, on the event loop
     def handles(self, path: str) -> bool:
         return path == "/" or path == "/ui" or path.startswith("/ui/")
 
-    def wsgi(self, environ, start_response):
+    async def serve(self, request: HttpRequest, *, max_body_bytes: int = MAX_FORM_BYTES) -> Response:
+        """Answer one request of ``/`` or ``/ui/...``."""
         try:
-            req = self._request(environ)
-            answer = self._answer(req)
+            req = await self._request(request, min(max_body_bytes, MAX_FORM_BYTES))
+            answer = await self._answer(req)
         except _Refusal as exc:
             answer = Answer(exc.status, _page("Error", f'<p class="error">{h(exc)}</p>', None, ""))
-        headers = [
-            ("Content-Type", answer.content_type),
-            ("Cache-Control", "no-store"),
-            ("X-Content-Type-Options", "nosniff"),
-            ("X-Frame-Options", "DENY"),
-            ("Referrer-Policy", "same-origin"),
-            (
-                "Content-Security-Policy",
+        headers = {
+            "Cache-Control": "no-store",
+            "X-Content-Type-Options": "nosniff",
+            "X-Frame-Options": "DENY",
+            "Referrer-Policy": "same-origin",
+            "Content-Security-Policy": (
                 "default-src 'none'; img-src 'self' data:; style-src 'unsafe-inline'; "
-                "script-src 'unsafe-inline'; connect-src 'self'; form-action 'self'; frame-ancestors 'none'",
+                "script-src 'unsafe-inline'; connect-src 'self'; form-action 'self'; frame-ancestors 'none'"
             ),
-            *answer.headers,
-        ]
+        }
+        status = int(answer.status.split(" ", 1)[0])
+        if status == 413:  # the rest of the body is not read: the connection ends with this answer
+            headers["Connection"] = "close"
         if isinstance(answer.body, bytes):
-            headers.append(("Content-Length", str(len(answer.body))))
-            start_response(answer.status, headers)
-            return [answer.body]
-        start_response(answer.status, headers)
-        return answer.body
+            out = Response(answer.body, status, headers=headers, media_type=answer.content_type)
+        else:
+            out = StreamingResponse(answer.body, status, headers=headers, media_type=answer.content_type)
+        for name, value in answer.headers:
+            out.headers.append(name, value)
+        return out
 
-    def _request(self, environ) -> Request:
-        method = environ.get("REQUEST_METHOD", "GET").upper()
+    async def _request(self, request: HttpRequest, limit: int) -> Request:
+        method = request.method.upper()
         form: dict[str, list[str]] = {}
         if method == "POST":
-            try:
-                length = int(environ.get("CONTENT_LENGTH") or 0)
-            except ValueError:
-                length = 0
-            if length > MAX_FORM_BYTES:
-                raise _Refusal("413 Content Too Large", f"form too large: at most {MAX_FORM_BYTES} bytes")
-            form = parse_qs(environ["wsgi.input"].read(length).decode("utf-8", "replace")) if length else {}
+            body = bytearray()
+            async for chunk in request.stream():  # Content-Length was checked; a chunked body is counted here
+                body += chunk
+                if len(body) > limit:
+                    raise _Refusal("413 Content Too Large", f"form too large: at most {limit} bytes")
+            form = parse_qs(body.decode("utf-8", "replace"))
         token = None
-        auth = environ.get("HTTP_AUTHORIZATION", "")
-        scheme, _, value = auth.strip().partition(" ")
+        scheme, _, value = request.headers.get("authorization", "").strip().partition(" ")
         if scheme.lower() == "bearer" and value.strip():
             token = value.strip()
-        elif environ.get("HTTP_COOKIE"):
-            jar = SimpleCookie()
-            try:
-                jar.load(environ["HTTP_COOKIE"])
-            except Exception:  # noqa: BLE001 - a malformed cookie header: as none
-                jar = SimpleCookie()
-            if COOKIE in jar and jar[COOKIE].value:
-                token = jar[COOKIE].value
+        elif request.cookies.get(COOKIE):
+            token = request.cookies[COOKIE]
         return Request(
             method=method,
-            path=environ.get("PATH_INFO", "/"),
-            query=parse_qs(environ.get("QUERY_STRING", "")),
+            path=request.url.path,
+            query=parse_qs(request.url.query),
             form=form,
             token=token,
             secure=self.secure,
+            login_nonce=request.cookies.get(LOGIN_COOKIE, ""),
         )
-
-    def _on_loop(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` on the event loop (where the store and core live) and return its result."""
-
-        async def call():
-            return fn()
-
-        try:
-            return asyncio.run_coroutine_threadsafe(call(), self.loop).result(timeout=LOOP_TIMEOUT_S)
-        except TimeoutError:
-            raise _Refusal("503 Service Unavailable", "the scheduler is busy; reload in a moment") from None
 
     def _who(self, req: Request) -> Principal | None:
         """The visitor: ANONYMOUS (admin) with auth off, the key's principal, or None (log in)."""
@@ -300,7 +290,7 @@ class Dashboard:
         if not req.token:
             return None
         try:
-            who = self._on_loop(lambda: keys.resolve(req.token))
+            who = keys.resolve(req.token)
         except Unauthenticated:
             return None
         if who.role == "node":
@@ -311,7 +301,7 @@ class Dashboard:
         """The token a cancel form must carry: bound to the caller's key and this scheduler process."""
         return hmac.new(self._csrf_secret, f"{who.key_prefix}|{who.owner}".encode(), hashlib.sha256).hexdigest()[:40]
 
-    def _answer(self, req: Request) -> Answer:
+    async def _answer(self, req: Request) -> Answer:
         path = req.path.rstrip("/") or "/"
         if path == "/ui/login":
             return self._login(req)
@@ -320,14 +310,14 @@ class Dashboard:
         who = self._who(req)
         if who is None:
             if req.token:
-                return _login_page("that key was not accepted (unknown, revoked or expired)", req.path)
-            return _login_page("", req.path)
+                return self._login_page(req, "that key was not accepted (unknown, revoked or expired)", req.path)
+            return self._login_page(req, "", req.path)
         if path in ("/", "/ui"):
             return Answer("303 See Other", b"", headers=[("Location", "/ui/cluster")])
         if req.method == "POST":
             parts = path.split("/")
             if len(parts) == 5 and parts[:3] == ["", "ui", "task"] and parts[4] == "cancel":
-                return self._cancel(req, who, parts[3])
+                return await self._cancel(req, who, parts[3])
             raise _Refusal("405 Method Not Allowed", "the dashboard only changes anything by cancelling a task")
         scope = None if who.is_admin else who.owner
         nav = self._nav(who)
@@ -347,30 +337,47 @@ class Dashboard:
             if len(parts) == 5 and parts[4] == "charts":
                 return Answer("200 OK", self._task_charts(task_id, scope).encode())
             if len(parts) == 6 and parts[4] == "checkpoint":
-                return self._download(task_id, parts[5], scope)
+                return await self._download(task_id, parts[5], scope)
         raise _Refusal("404 Not Found", f"no page {req.path[:200]}; start at /ui/cluster")
 
     # ------------------------------------------------------------------ login and logout
     def _login(self, req: Request) -> Answer:
         if self.security is None or self.security.keys is None:
             return Answer("303 See Other", b"", headers=[("Location", "/ui/cluster")])
+        nxt = local_path(req.arg("next", "/ui/cluster"))
         if req.method != "POST":
-            return _login_page("", req.arg("next", "/ui/cluster"))
+            return self._login_page(req, "", nxt)
+        if not req.login_nonce or not hmac.compare_digest(req.arg("csrf"), self._login_token(req.login_nonce)):
+            stale = "login refused: the form is stale or came from another site; log in again"
+            return self._login_page(req, stale, nxt, status="403 Forbidden")
         key = req.arg("api_key").strip()
-        nxt = req.arg("next", "/ui/cluster")
-        if not nxt.startswith("/ui/") or nxt.startswith("//"):
-            nxt = "/ui/cluster"
         keys = self.security.keys
         try:
-            who = self._on_loop(lambda: keys.resolve(key))
+            who = keys.resolve(key)
         except Unauthenticated as exc:
-            return _login_page(str(exc), nxt, status="401 Unauthorized")
+            return self._login_page(req, str(exc), nxt, status="401 Unauthorized")
         if who.role == "node":
-            return _login_page(
-                "node keys may not use the dashboard; use a user or admin key", nxt, status="403 Forbidden"
+            return self._login_page(
+                req, "node keys may not use the dashboard; use a user or admin key", nxt, status="403 Forbidden"
             )
         cookie = f"{COOKIE}={key}; Path=/; HttpOnly; SameSite=Strict" + ("; Secure" if self.secure else "")
         return Answer("303 See Other", b"", headers=[("Location", nxt), ("Set-Cookie", cookie)])
+
+    def _login_token(self, nonce: str) -> str:
+        """The login form's CSRF token for the ``otk_login`` cookie's value ``nonce``."""
+        return hmac.new(self._csrf_secret, f"login|{nonce}".encode(), hashlib.sha256).hexdigest()[:40]
+
+    def _login_page(self, req: Request, message: str, next_path: str, *, status: str = "401 Unauthorized") -> Answer:
+        """The login form with its CSRF token; sets the ``otk_login`` cookie when the visitor has none."""
+        nonce = req.login_nonce if re.fullmatch(r"[0-9a-f]{32}", req.login_nonce) else ""
+        headers = []
+        if not nonce:
+            nonce = secrets.token_hex(16)
+            cookie = f"{LOGIN_COOKIE}={nonce}; Path=/ui/login; HttpOnly; SameSite=Strict"
+            headers.append(("Set-Cookie", cookie + ("; Secure" if self.secure else "")))
+        answer = _login_page(message, next_path, self._login_token(nonce), status=status)
+        answer.headers.extend(headers)
+        return answer
 
     def _logout(self, req: Request) -> Answer:
         cookie = f"{COOKIE}=; Path=/; Max-Age=0; HttpOnly; SameSite=Strict" + ("; Secure" if self.secure else "")
@@ -416,7 +423,7 @@ class Dashboard:
                 )
             return rows, dict(core.state_counts), core.leading
 
-        rows, counts, leading = self._on_loop(read)
+        rows, counts, leading = read()
         now = time.time()
         body = []
         if not leading:
@@ -499,7 +506,7 @@ class Dashboard:
             running = [t for t in core.active.values() if scope is None or t.owner == scope]
             return pending, sorted(running, key=lambda t: t.create_time), len(core.queue)
 
-        pending, running, total = self._on_loop(read)
+        pending, running, total = read()
         now = time.time()
         rows = "".join(
             f'<tr class="pending" data-task="{h(t.task_id)}"><td>{pos} of {total}</td>'
@@ -548,7 +555,7 @@ class Dashboard:
     # ------------------------------------------------------------------ task list
     def _tasks(self, scope: str | None, nav: str) -> bytes:
         store = self.core.store
-        rows = self._on_loop(lambda: store.list_tasks((), limit=TASK_LIST_LIMIT, owner=scope))
+        rows = store.list_tasks((), limit=TASK_LIST_LIMIT, owner=scope)
         now = time.time()
         body = [
             '<form method="get" action="/ui/compare"><table id="tasks"><tr><th>compare</th><th>task</th><th>name</th>'
@@ -586,7 +593,7 @@ class Dashboard:
             reason = core.pending_reason(task_id) if task.state == S.TASK_STATE_PENDING else ""
             return task, events, ckpts, reason
 
-        task, events, ckpts, reason = self._on_loop(read)
+        task, events, ckpts, reason = read()
         now = time.time()
         state = STATE.get(task.state, str(task.state)).lower()
         attempts = attempts_text(task.attempt, task.spec.limits.max_attempts or task.max_attempts, task.handed_back)
@@ -695,7 +702,7 @@ class Dashboard:
             task = self._get(task_id, scope)
             return task, _points(core.store, task_id)
 
-        task, points = self._on_loop(read)
+        task, points = read()
         x = curves.default_x_axis(task.workload_type, _kind(task.spec))
         out = [
             f'<div class="charts" data-state="{h(STATE.get(task.state, "").lower())}" data-step="{task.latest_step}">'
@@ -745,7 +752,7 @@ class Dashboard:
                 out.append((task, _points(core.store, task_id)))
             return out
 
-        runs = self._on_loop(read)
+        runs = read()
         if not x:
             x = curves.default_x_axis(runs[0][0].workload_type, _kind(runs[0][0].spec)) if runs else "step"
         if x not in curves.X_AXES:
@@ -801,7 +808,7 @@ class Dashboard:
         return _page("Compare", body, nav, "compare")
 
     # ------------------------------------------------------------------ cancel, download
-    def _cancel(self, req: Request, who: Principal, task_id: str) -> Answer:
+    async def _cancel(self, req: Request, who: Principal, task_id: str) -> Answer:
         if not hmac.compare_digest(req.arg("csrf"), self.csrf_token(who)):
             raise _Refusal(
                 "403 Forbidden", "cancel refused: the form is stale or came from another site; reload the task page"
@@ -820,11 +827,11 @@ class Dashboard:
             core.schedule()
             return task
 
-        self._on_loop(cancel)
-        asyncio.run_coroutine_threadsafe(core.durable(), self.loop).result(timeout=LOOP_TIMEOUT_S)
+        cancel()
+        await core.durable()
         return Answer("303 See Other", b"", headers=[("Location", f"/ui/task/{quote(task_id)}")])
 
-    def _download(self, task_id: str, step_text: str, scope: str | None) -> Answer:
+    async def _download(self, task_id: str, step_text: str, scope: str | None) -> Answer:
         try:
             step = int(step_text)
         except ValueError:
@@ -838,10 +845,10 @@ class Dashboard:
             except SchedulerError as exc:
                 raise _Refusal("404 Not Found", str(exc)) from None
 
-        ckpt = self._on_loop(pick)
+        ckpt = pick()
         store = self.artifacts.store if self.artifacts is not None else None
         try:
-            manifest = checkpoints.build_manifest(ckpt, store)  # blocking I/O: this is the request's thread
+            manifest = await asyncio.to_thread(checkpoints.build_manifest, ckpt, store)  # blocking I/O
         except SchedulerError as exc:
             raise _Refusal("409 Conflict", str(exc)) from None
         name = f"{task_id}-step{ckpt.step}"
@@ -974,13 +981,22 @@ def _page(title: str, body: str, nav: str | None, page: str, *, refresh: int = 0
     ).encode()
 
 
-def _login_page(message: str, next_path: str, *, status: str = "401 Unauthorized") -> Answer:
-    nxt = next_path if next_path.startswith("/ui/") else "/ui/cluster"
+def local_path(path: str) -> str:
+    """``path`` when it is a local dashboard path (``/``, ``/ui`` or ``/ui/...``; printable ASCII,
+    no ``//`` or backslash), else ``/``: the only redirects the login sends."""
+    if _LOCAL_PATH.fullmatch(path) and "//" not in path and "\\" not in path:
+        return path
+    return "/"
+
+
+def _login_page(message: str, next_path: str, csrf: str, *, status: str = "401 Unauthorized") -> Answer:
+    nxt = local_path(next_path)
     body = (
         (f'<p class="error" id="login-error">{h(message)}</p>' if message else "")
         + '<form method="post" action="/ui/login" id="login"><label>API key '
         '<input type="password" name="api_key" id="api_key" autocomplete="off" size="60"></label>'
-        f'<input type="hidden" name="next" value="{h(nxt)}"> <button id="login-button">log in</button></form>'
+        f'<input type="hidden" name="next" value="{h(nxt)}"><input type="hidden" name="csrf" value="{h(csrf)}"> '
+        '<button id="login-button">log in</button></form>'
         "<p>Use the key you give the CLI (<code>--api-key</code> or <code>$OPENTINKER_API_KEY</code>); "
         "it is kept in an HttpOnly cookie for this site only.</p>"
     )

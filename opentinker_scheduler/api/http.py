@@ -1,6 +1,6 @@
-"""HTTP side port: ``GET /health`` (``{"status": "ok"}``, as the seed promises), ``GET /ready``,
+"""HTTP port: ``GET /health`` (``{"status": "ok"}``, as the seed promises), ``GET /ready``,
 ``GET /metrics`` (Prometheus text format, prometheus-client), and the web dashboard at ``/`` and
-``/ui/...`` (:mod:`.dashboard`, whose store reads run on the event loop, not in these threads).
+``/ui/...`` (:mod:`.dashboard`).
 
 Several schedulers on one PostgreSQL (``store: {kind: postgres}``): ``/health`` also says who
 leads, ``{"status": "ok", "role": "follower", "leader": "host-a:8888", "epoch": 7}``, on every
@@ -8,39 +8,62 @@ instance (``"degraded"``, 503, while the database cannot be reached); ``/ready``
 on the leader (a load balancer or a Kubernetes readiness probe sends traffic there). With SQLite
 there is one scheduler, always the leader, and ``/health`` stays ``{"status": "ok"}``.
 
-Runs in a daemon thread (wsgiref, a thread per connection with timeouts:
-:class:`opentinker_common.net.side_port.SidePortServer`). It never touches the SQLite connection: the event
-loop publishes a :class:`Snapshot` every tick and these threads only read it.
+Served by uvicorn (h11) with Starlette on the scheduler's own event loop: no threads, and the
+dashboard reads the store and the core directly. The event loop publishes a :class:`Snapshot`
+every tick; ``/health`` and ``/metrics`` read only that. Bounds, so that no client holds the port:
+
+* a request head is at most :data:`MAX_HEAD_BYTES` (431 or 400 beyond);
+* a body is at most :data:`MAX_BODY_BYTES`, checked against ``Content-Length`` before anything is
+  read (413) and again while it streams; a negative or non-numeric ``Content-Length`` is a 400,
+  and the connection is closed after either refusal;
+* a request's head and body must arrive within :attr:`HttpEndpoint.head_timeout_s` of the
+  connection or of its previous answer, or the connection is closed (a client trickling a byte
+  every few seconds holds nothing);
+* at most :data:`MAX_CONNECTIONS` requests and connections at once; more get 503.
+
+``/metrics`` names owners (usage by owner, owners' own queues) only to an admin API key, to the
+scrape token, or with auth off; anyone else sees totals.
 
 With ``http_tls:`` in the config (:class:`~opentinker_scheduler.security.tls_config.HttpTlsConfig`) the port speaks
-HTTPS only; the TLS handshake runs in the connection's thread with a timeout, so a client that
-never finishes it blocks nobody.
+HTTPS only.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import socket
 import ssl
-import threading
 import time
 from dataclasses import dataclass, field
-from wsgiref.simple_server import WSGIRequestHandler
+from typing import Callable
 
-from opentinker_common.net.side_port import (
-    SCRAPE_CHALLENGE,
-    SidePortServer,
-    make_side_port_server,
-    require_scrape_token,
-    scrape_refusal,
-)
-
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest, make_wsgi_app
+import h11
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from opentinker_common.net.side_port import SCRAPE_CHALLENGE, scrape_refusal
+
+#: Most bytes of a request head (request line and headers) before it is refused.
+MAX_HEAD_BYTES = 16384
+#: Most bytes of a request body; a dashboard form is a few hundred.
+MAX_BODY_BYTES = 65536
+#: Most connections and requests served at once; more are answered 503.
+MAX_CONNECTIONS = 1024
+#: Seconds an idle keep-alive connection stays open after an answer.
+KEEP_ALIVE_S = 5
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """State published by the event loop for the HTTP thread."""
+    """State published by the event loop for /health and /metrics."""
 
     time: float = 0.0  # monotonic seconds of the last tick
     store_writable: bool = False
@@ -65,8 +88,12 @@ class Snapshot:
 
 
 class _Collector:
-    def __init__(self, holder: "HttpEndpoint") -> None:
+    """The scheduler's figures from the last snapshot; ``owners`` False: usage as totals and only
+    configured queues (an owner's own queue is named after the owner)."""
+
+    def __init__(self, holder: "HttpEndpoint", *, owners: bool) -> None:
         self.holder = holder
+        self.owners = owners
 
     def collect(self):
         snap = self.holder.snapshot
@@ -133,11 +160,12 @@ class _Collector:
                 if key in values:
                     fam.add_metric([node_id], values[key])
         yield from host_fams.values()
-        yield from _sharing_families(snap)
+        yield from _sharing_families(snap, owners=self.owners)
 
 
-def _sharing_families(snap: Snapshot):
-    """Quota queues, accounted usage and the scale signal (docs/operations.md, "Sharing a cluster")."""
+def _sharing_families(snap: Snapshot, *, owners: bool):
+    """Quota queues, accounted usage and the scale signal (docs/operations.md, "Sharing a cluster").
+    ``owners`` False: no owner's name, so usage is summed and owners' own queues are left out."""
     q_fams = [
         GaugeMetricFamily("opentinker_queue_gpus_in_use", "GPUs a quota queue's tasks hold", labels=["queue"]),
         GaugeMetricFamily("opentinker_queue_cpu_tasks_in_use", "CPU tasks of a quota queue running", labels=["queue"]),
@@ -146,6 +174,8 @@ def _sharing_families(snap: Snapshot):
         GaugeMetricFamily("opentinker_queue_pending_tasks", "Pending tasks of a quota queue", labels=["queue"]),
     ]
     for queue, gpus, cpus, gpu_quota, cpu_quota, pending in snap.queues:
+        if not owners and gpu_quota < 0:  # no quota: an owner's own queue, named after the owner
+            continue
         q_fams[0].add_metric([queue], gpus)
         q_fams[1].add_metric([queue], cpus)
         if gpu_quota >= 0:
@@ -161,13 +191,20 @@ def _sharing_families(snap: Snapshot):
         ("env_steps", "Environment steps taken"),
         ("cost", "Cost of GPU time at the configured price per GPU-hour of each node class"),
     )
-    u_fams = [
-        CounterMetricFamily(f"opentinker_usage_{name}", help_text, labels=["owner", "queue"])
-        for name, help_text in names
-    ]
-    for owner, queue, *values in snap.usage:
-        for fam, value in zip(u_fams, values):
-            fam.add_metric([owner, queue], value)
+    if owners:
+        u_fams = [
+            CounterMetricFamily(f"opentinker_usage_{name}", help_text, labels=["owner", "queue"])
+            for name, help_text in names
+        ]
+        for owner, queue, *values in snap.usage:
+            for fam, value in zip(u_fams, values):
+                fam.add_metric([owner, queue], value)
+    else:
+        totals = [sum(row[2 + i] for row in snap.usage) for i in range(len(names))]
+        u_fams = [
+            CounterMetricFamily(f"opentinker_usage_{name}", f"{help_text}, all owners", value=total)
+            for (name, help_text), total in zip(names, totals)
+        ]
     yield from u_fams
     desired = GaugeMetricFamily(
         "opentinker_desired_trainers", "Trainers the pending and running work needs", labels=["node_class"]
@@ -186,62 +223,156 @@ GRPC_PORT_HEADER = "X-OpenTinker-Grpc-Port"
 _NOT_FOUND = b'{"error": "not found; try /health, /ready, /metrics or the dashboard at /"}'
 
 
-def _with_header(start_response, header: tuple[str, str]):
-    def start(status, headers, exc_info=None):
-        return start_response(status, [*headers, header], exc_info)
+class _BoundedH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request: its head and body must arrive within
+    ``endpoint.head_timeout_s`` of the connection or of the previous answer, or the connection is
+    closed. uvicorn itself bounds only the idle time between requests."""
 
-    return start
+    endpoint: HttpEndpoint
+
+    def connection_made(self, transport) -> None:
+        self._deadline: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if not self.transport.is_closing():
+            self._deadline = self.loop.call_later(self.endpoint.head_timeout_s, self._expire)
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+            self.transport.close()  # still waiting for (part of) a request
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, *args) -> None:  # access logs are noise here
-        pass
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signals to the scheduler (it runs as one task of its loop) and
+    bounds the TLS handshake by the head deadline (asyncio's default is a minute)."""
+
+    handshake_timeout_s = 10.0
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup for given sockets and no lifespan, with the handshake timeout."""
+        config, loop = self.config, asyncio.get_running_loop()
+
+        def create_protocol(_loop=None):
+            return config.http_protocol_class(
+                config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=_loop
+            )
+
+        timeout = {} if config.ssl is None else {"ssl_handshake_timeout": self.handshake_timeout_s}
+        self.servers = [
+            await loop.create_server(create_protocol, sock=sock, ssl=config.ssl, backlog=config.backlog, **timeout)
+            for sock in sockets or ()
+        ]
+        self.started = True
+
+
+def _refusal(status: int, message: str) -> Response:
+    """An answer to a request that is not read any further; the connection closes after it."""
+    body = json.dumps({"error": message}).encode()
+    return Response(body, status, headers={"Connection": "close"}, media_type="application/json")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)
 
 
 class HttpEndpoint:
     """The scheduler's HTTP port. ``snapshot`` is replaced (not mutated) by the event loop.
 
     Args:
-        host, port: where to listen (``port=0``: a free port, see :attr:`port`).
+        host, port: where to listen (``port=0``: a free port, see :attr:`port`). Bound at once.
         stale_after_s: ``/health`` answers 503 when the loop has not published for this long.
         tls: HTTPS with this ``http_tls`` pair (:class:`~opentinker_scheduler.security.tls_config.HttpTlsConfig`),
             or an :class:`ssl.SSLContext`; None = plain HTTP.
-        scrape_token: ``/metrics`` answers only ``Authorization: Bearer <scrape_token>`` (401
-            otherwise), here and on the gRPC port's HTTP answers; None = open.
+        scrape_token: every path but ``/health``, ``/live`` and ``/ready`` answers only
+            ``Authorization: Bearer <scrape_token>`` (401 otherwise), here and on the gRPC port's
+            HTTP answers; None = open.
 
     Raises:
         OSError: the port cannot be bound, or a TLS file cannot be read.
         ssl.SSLError: the TLS key does not match its certificate.
     """
 
+    #: Seconds a request's head and body may take to arrive, from the connection or the previous answer.
+    head_timeout_s = 10.0
+
     def __init__(
         self, host: str, port: int, *, stale_after_s: float = 10.0, tls=None, scrape_token: str | None = None
     ) -> None:
         self.snapshot = Snapshot()
         self.scrape_token = scrape_token
-        #: kind -> messages received on node streams; the event loop increments, this thread reads.
+        #: kind -> messages received on node streams; the event loop increments them.
         self.node_messages: dict[str, int] = {}
         self.submits_refused: dict[str, int] = {}
         self.stale_after_s = stale_after_s
         #: The scheduler's gRPC port, sent as the X-OpenTinker-Grpc-Port header once known.
         self.grpc_port: int | None = None
+        #: API key -> principal (raises for an unusable key), set by the server; None: auth off.
+        self.principal_of: Callable | None = None
+        #: Everything, owners named: for admins, the scrape token, and with auth off.
         self.registry = CollectorRegistry()
-        self.registry.register(_Collector(self))
+        self.registry.register(_Collector(self, owners=True))
+        #: The same figures without an owner's name, for everyone else.
+        self.totals_registry = CollectorRegistry()
+        self.totals_registry.register(_Collector(self, owners=False))
         self.scheduling_latency = Histogram(
             "opentinker_scheduling_latency_seconds",
             "Seconds from a task becoming pending to its assignment",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=self.registry,
         )
-        self._metrics_app = make_wsgi_app(self.registry)
+        self.totals_registry.register(self.scheduling_latency)
         context = tls if tls is None or isinstance(tls, ssl.SSLContext) else tls.server_context()
         self.scheme = "http" if context is None else "https"
-        app = require_scrape_token(self._app, scrape_token)
-        self.server: SidePortServer = make_side_port_server(host, port, app, _QuietHandler, ssl_context=context)
-        self.port = self.server.server_port
-        self._thread = threading.Thread(target=self.server.serve_forever, name="http", daemon=True)
         #: The web dashboard (``/``, ``/ui/...``: :mod:`.dashboard`), set by the server once its loop runs.
         self.dashboard = None
+        self.app = Starlette(
+            routes=[
+                Route("/health", self._probe, methods=["GET", "HEAD"]),
+                Route("/ready", self._probe, methods=["GET", "HEAD"]),
+                Route("/metrics", self._metrics, methods=["GET", "HEAD"]),
+                Route("/{path:path}", self._other, methods=["GET", "HEAD", "POST"]),
+            ]
+        )
+        self._socket = _listen(host, port)
+        self.port = self._socket.getsockname()[1]
+        config = uvicorn.Config(
+            self._guarded,
+            http=type("BoundedH11", (_BoundedH11,), {"endpoint": self}),
+            interface="asgi3",
+            lifespan="off",
+            proxy_headers=False,
+            log_config=None,
+            log_level="error",
+            access_log=False,
+            server_header=False,
+            limit_concurrency=MAX_CONNECTIONS,
+            timeout_keep_alive=KEEP_ALIVE_S,
+            timeout_graceful_shutdown=1,
+            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+            ssl_context_factory=None if context is None else (lambda _config, _default: context),
+        )
+        self.server = _Server(config)
+        self.server.handshake_timeout_s = self.head_timeout_s
+        self._task: asyncio.Task | None = None
 
     def publish(self, snapshot: Snapshot) -> None:
         """Replace the snapshot (the event loop, about once a second); the dashboard keeps its
@@ -251,12 +382,17 @@ class HttpEndpoint:
             self.dashboard.history.add(snapshot.gpus, snapshot.hosts)
 
     def start(self) -> None:
-        self._thread.start()
+        """Serve on the running event loop, as one of its tasks."""
+        self._task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self._socket]), name="http")
 
-    def stop(self) -> None:
-        if self._thread.is_alive():  # shutdown() waits for serve_forever, which may never have run
-            self.server.shutdown()
-        self.server.server_close()
+    async def stop(self) -> None:
+        """Stop serving: open connections are closed, answers in progress get a second to finish."""
+        if self._task is None:
+            self._socket.close()
+            return
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
 
     def health(self) -> tuple[bool, dict]:
         """``(healthy, body)`` of ``/health``: healthy while the loop runs and the store answers."""
@@ -280,6 +416,25 @@ class HttpEndpoint:
             return False, {**body, "status": "follower", "reason": "not the leader"}
         return ok, body
 
+    def sees_owners(self, authorization: str) -> bool:
+        """Whether a ``/metrics`` request with this ``Authorization`` header value may see owners'
+        names: with a scrape token set (the request got past it), with auth off (every caller is
+        the anonymous admin), or with an admin API key as its bearer token."""
+        if self.scrape_token or self.principal_of is None:
+            return True
+        scheme, _, key = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return False
+        try:
+            return bool(self.principal_of(key.strip()).is_admin)
+        except Exception:  # noqa: BLE001 - an unknown, revoked or malformed key sees totals
+            return False
+
+    def metrics_text(self, authorization: str) -> bytes:
+        """The ``/metrics`` body for a request with this ``Authorization`` header value."""
+        registry = self.registry if self.sees_owners(authorization) else self.totals_registry
+        return generate_latest(registry)
+
     def answer(self, method: str, path: str, authorization: str = "") -> tuple[int, list[tuple[str, str]], bytes]:
         """``(status, headers, body)`` of ``GET path`` (with that ``Authorization`` header value):
         what the HTTP/1.1 answers on the gRPC port (:mod:`.front`) send, from the same handlers
@@ -292,7 +447,7 @@ class HttpEndpoint:
             ok, body = self.health() if path == "/health" else self.ready()
             return 200 if ok else 503, [("Content-Type", "application/json"), *headers], json.dumps(body).encode()
         if path == "/metrics":
-            return 200, [("Content-Type", CONTENT_TYPE_LATEST), *headers], generate_latest(self.registry)
+            return 200, [("Content-Type", CONTENT_TYPE_LATEST), *headers], self.metrics_text(authorization)
         if self.dashboard is not None and self.dashboard.handles(path):
             page = (
                 "<!doctype html><title>OpenTinker</title><p>This is the scheduler's gRPC port. The dashboard is on "
@@ -301,23 +456,41 @@ class HttpEndpoint:
             return 200, [("Content-Type", "text/html; charset=utf-8"), *headers], page
         return 404, [("Content-Type", "application/json"), *headers], _NOT_FOUND
 
-    def _app(self, environ, start_response):
-        path = environ.get("PATH_INFO", "/")
-        if self.grpc_port is not None:  # a gRPC client dialling this port by mistake is told where gRPC is
-            start_response = _with_header(start_response, (GRPC_PORT_HEADER, str(self.grpc_port)))
-        if path in ("/health", "/ready"):
-            ok, body = self.health() if path == "/health" else self.ready()
-            data = json.dumps(body).encode()
-            start_response(
-                "200 OK" if ok else "503 Service Unavailable",
-                [("Content-Type", "application/json"), ("Content-Length", str(len(data)))],
-            )
-            return [data]
-        if path == "/metrics":
-            return self._metrics_app(environ, start_response)
-        if self.dashboard is not None and self.dashboard.handles(path):
-            return self.dashboard.wsgi(environ, start_response)
-        start_response(
-            "404 Not Found", [("Content-Type", "application/json"), ("Content-Length", str(len(_NOT_FOUND)))]
-        )
-        return [_NOT_FOUND]
+    # ------------------------------------------------------------------ ASGI
+    async def _guarded(self, scope, receive, send) -> None:
+        """The app behind the bounds every request meets first: ``Content-Length`` and the scrape
+        token; every answer names the gRPC port."""
+        if scope["type"] != "http":
+            return
+        refusal = None
+        lengths = [v for k, v in scope["headers"] if k == b"content-length"]
+        if lengths and not lengths[0].isdigit():  # h11 refuses these first; this holds without it
+            refusal = _refusal(400, "Content-Length: expected a whole number of bytes")
+        elif lengths and int(lengths[0]) > MAX_BODY_BYTES:
+            refusal = _refusal(413, f"body too large: at most {MAX_BODY_BYTES} bytes")
+        else:
+            authorization = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+            body = scrape_refusal(self.scrape_token, scope["path"], authorization)
+            if body is not None:
+                refusal = Response(body, 401, headers=dict([SCRAPE_CHALLENGE]), media_type="application/json")
+        grpc_port = self.grpc_port
+
+        async def named(message) -> None:
+            if message["type"] == "http.response.start" and grpc_port is not None:
+                message = {**message, "headers": [*message["headers"], (b"x-opentinker-grpc-port", b"%d" % grpc_port)]}
+            await send(message)
+
+        await (refusal or self.app)(scope, receive, named)
+
+    async def _probe(self, request: Request) -> Response:
+        ok, body = self.health() if request.url.path == "/health" else self.ready()
+        return Response(json.dumps(body).encode(), 200 if ok else 503, media_type="application/json")
+
+    async def _metrics(self, request: Request) -> Response:
+        text = self.metrics_text(request.headers.get("authorization", ""))
+        return Response(text, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _other(self, request: Request) -> Response:
+        if self.dashboard is not None and self.dashboard.handles(request.url.path):
+            return await self.dashboard.serve(request, max_body_bytes=MAX_BODY_BYTES)
+        return Response(_NOT_FOUND, 404, media_type="application/json")

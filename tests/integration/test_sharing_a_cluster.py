@@ -110,7 +110,9 @@ def test_two_owners_share_a_node_fairly_with_quotas_usage_and_scale_signal(tmp_p
         assert "alice" in cli(cluster, admin_key, "usage", "--since", "1d")
 
         def scrape() -> str | None:
-            with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/metrics", timeout=10) as resp:
+            url = f"http://127.0.0.1:{cluster.http_port}/metrics"  # owners are named to admin keys only
+            req = urllib.request.Request(url, headers={"Authorization": f"Bearer {admin_key}"})
+            with urllib.request.urlopen(req, timeout=10) as resp:
                 text = resp.read().decode()
             return text if 'opentinker_usage_gpu_seconds_total{owner="alice",queue="alice"}' in text else None
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from opentinker_scheduler.api.http import HttpEndpoint
 from opentinker_scheduler.config import ConfigError, parse_config
 from opentinker_scheduler.server import start_scheduler
 
@@ -81,15 +82,20 @@ def test_health_and_metrics_over_https_with_the_ca(tmp_path, certs) -> None:
             get(base + "/health", ssl.create_default_context())
         assert isinstance(err.value.reason, ssl.SSLCertVerificationError)
 
-        # A client that connects and never starts its handshake blocks nobody ...
+        # A client that connects and never starts its handshake blocks nobody.
         with socket.create_connection(("127.0.0.1", sched.http.port)):
             assert get(base + "/health", trust)[0] == 200
-            # ... and the server drops it after its handshake timeout.
-            sched.http.server.timeout_s = 0.3  # for connections accepted from now on
-            with socket.create_connection(("127.0.0.1", sched.http.port)) as stalled2:
-                stalled2.settimeout(30)
-                assert stalled2.recv(1) == b""  # closed by the server
-            assert get(base + "/health", trust)[0] == 200
+
+
+def test_a_stalled_handshake_is_dropped_after_the_head_deadline(tmp_path, certs, monkeypatch) -> None:
+    monkeypatch.setattr(HttpEndpoint, "head_timeout_s", 1.0)
+    cfg = _config(tmp_path, "http_tls: {cert: certs/server.pem, key: certs/server.key}\n")
+    trust = ssl.create_default_context(cafile=str(certs.ca))
+    with running(cfg) as sched:
+        with socket.create_connection(("127.0.0.1", sched.http.port)) as stalled:
+            stalled.settimeout(30)
+            assert stalled.recv(1) == b""  # closed by the server
+        assert get(f"https://localhost:{sched.http.port}/health", trust)[0] == 200
 
 
 def test_plain_http_port_without_http_tls_is_unchanged(tmp_path) -> None:
@@ -139,8 +145,16 @@ def test_the_dashboards_login_cookie_is_secure_over_https(tmp_path, certs) -> No
         key = (tmp_path / "state" / "admin.key").read_text().strip()
         conn = http.client.HTTPSConnection("localhost", sched.http.port, context=trust, timeout=30)
         try:
-            form = urllib.parse.urlencode({"api_key": key, "next": "/ui/queue"})
-            conn.request("POST", "/ui/login", form, {"Content-Type": "application/x-www-form-urlencoded"})
+            conn.request("GET", "/ui/login")
+            page = conn.getresponse()
+            csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page.read().decode()).group(1)
+            nonce = page.getheader("Set-Cookie").split(";")[0]
+            assert {"HttpOnly", "SameSite=Strict", "Secure"} <= {
+                a.strip() for a in page.getheader("Set-Cookie").split(";")
+            }
+            form = urllib.parse.urlencode({"api_key": key, "next": "/ui/queue", "csrf": csrf})
+            headers = {"Content-Type": "application/x-www-form-urlencoded", "Cookie": nonce}
+            conn.request("POST", "/ui/login", form, headers)
             resp = conn.getresponse()
             resp.read()
         finally:

@@ -150,7 +150,8 @@ class AdminServiceServicer:
     def ListQueues(self, request, context):
         """Lists the quota queues (configured ones, and owners' own queues that have tasks now) with
         their quotas, usage now, pending tasks, dominant share, per-owner limits and accounted usage.
-        Idempotent. Errors: PERMISSION_DENIED (a node key), UNAUTHENTICATED.
+        A user key sees the configured queues and its own, with their totals and no other owner's
+        name (owners, override_by). Idempotent. Errors: PERMISSION_DENIED (a node key), UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,186 @@
+"""The scheduler's HTTP port holds against hostile clients, against a real in-process scheduler with
+auth on: a bad ``Content-Length`` is a 400 and the body is never read, an oversized one a 413
+before reading; 100 half-sent requests leave ``/health`` answering, and a client that trickles its
+request head is cut off at the head deadline; the login's ``next`` redirects only to local paths,
+and state-changing forms without their CSRF token are refused."""
+
+from __future__ import annotations
+
+import http.client
+import re
+import socket
+import time
+import urllib.parse
+
+import pytest
+
+from opentinker_client import RLClient
+from tests.support.http import http_get
+from tests.support.security import LoopbackScheduler
+from tests.support.waiting import wait_for
+
+
+@pytest.fixture(scope="module")
+def sched(tmp_path_factory):
+    config = "auth: {enabled: true}\nheartbeat_interval: 0.5\n"
+    with LoopbackScheduler(tmp_path_factory.mktemp("bounds") / "state", config, http_port=0) as s:
+        yield s
+
+
+def _connect(sched) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", sched.running.http.port), timeout=30)
+
+
+def _read_answer(conn: socket.socket) -> bytes:
+    """Bytes until the server closes the connection (a reset counts as closed)."""
+    data = b""
+    try:
+        while chunk := conn.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+@pytest.mark.parametrize("length", ["-1", "-5", "12abc"])
+def test_a_bad_content_length_is_a_400_and_the_body_is_never_read(sched, length) -> None:
+    with _connect(sched) as conn:
+        conn.sendall(f"POST /ui/login HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode())
+        conn.sendall(b"a" * 65536)  # the start of a body the client means to send for ever
+        answer = _read_answer(conn)  # the server answers and closes while the client still sends
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert http_get(f"http://127.0.0.1:{sched.running.http.port}/health")[0] == 200
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(sched) -> None:
+    with _connect(sched) as conn:
+        conn.sendall(b"POST /ui/login HTTP/1.1\r\nHost: x\r\nContent-Length: 209715200\r\n\r\n")
+        answer = _read_answer(conn)  # no body byte was sent: the answer cannot have waited for one
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"body too large: at most 65536 bytes" in answer, answer[:300]
+
+
+def test_a_chunked_form_over_the_limit_is_refused_as_it_streams(sched) -> None:
+    with _connect(sched) as conn:
+        conn.sendall(b"POST /ui/login HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"a" * 4096
+        for _ in range(3):
+            conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        answer = _read_answer(conn)
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"form too large" in answer, answer[:300]
+
+
+def test_health_answers_with_100_half_sent_requests_open_and_a_trickling_client_is_cut_off(sched) -> None:
+    base = f"http://127.0.0.1:{sched.running.http.port}"
+    crowd = []
+    try:
+        for _ in range(100):
+            conn = _connect(sched)
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # a head that never ends
+            crowd.append(conn)
+            time.sleep(0.02)  # paced, as a slowloris client opens them: each is accepted before the next
+        for _ in range(3):
+            assert http_get(base + "/health") == (200, b'{"status": "ok"}')
+    finally:
+        for conn in crowd:
+            conn.close()
+
+    sched.running.http.head_timeout_s = 2.0  # for connections made from now on
+    try:
+        with _connect(sched) as slow:
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            started = time.monotonic()
+
+            def cut_off() -> bool:
+                try:
+                    slow.sendall(b"a")  # a byte at a time, as a slowloris client sends
+                    slow.settimeout(0.5)
+                    return slow.recv(1) == b""
+                except TimeoutError:
+                    return False
+                except (BrokenPipeError, ConnectionResetError):
+                    return True
+
+            wait_for(cut_off, what="the server to close a connection whose head never ends")
+            assert time.monotonic() - started >= 1.5  # the deadline, not some earlier refusal
+    finally:
+        sched.running.http.head_timeout_s = 10.0
+    assert http_get(base + "/health")[0] == 200
+
+
+def _login_form(conn: http.client.HTTPConnection) -> tuple[str, str]:
+    """(csrf token, Cookie header) of a fresh login form; ("", "") when the page has neither."""
+    conn.request("GET", "/ui/login")
+    page = conn.getresponse()
+    match = re.search(r'name="csrf" value="([0-9a-f]+)"', page.read().decode())
+    cookie = (page.getheader("Set-Cookie") or "").split(";")[0]
+    return (match.group(1) if match else ""), cookie
+
+
+def _post(conn: http.client.HTTPConnection, path: str, form: dict, headers: dict | None = None):
+    body = urllib.parse.urlencode(form)
+    conn.request("POST", path, body, {"Content-Type": "application/x-www-form-urlencoded", **(headers or {})})
+    resp = conn.getresponse()
+    return resp, resp.read().decode()
+
+
+@pytest.mark.parametrize(
+    "next_path",
+    [
+        "/ui/queue\r\nSet-Cookie: injected=1",
+        "/ui/queue\r\n\r\n<script>alert(1)</script>",
+        "//evil.example/ui/",
+        "https://evil.example/",
+        "/\\evil.example",
+        "ui/queue",
+    ],
+)
+def test_login_redirects_only_to_a_local_path(sched, next_path) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", sched.running.http.port, timeout=30)
+    try:
+        csrf, cookie = _login_form(conn)
+        resp, _ = _post(
+            conn, "/ui/login", {"api_key": sched.admin_key, "next": next_path, "csrf": csrf}, {"Cookie": cookie}
+        )
+    finally:
+        conn.close()
+    assert resp.status == 303 and resp.getheader("Location") == "/"
+    cookies = resp.msg.get_all("Set-Cookie") or []
+    assert len(cookies) == 1 and cookies[0].startswith("otk_key=") and "injected" not in str(resp.msg)
+
+
+def test_state_changing_forms_need_their_csrf_token(sched) -> None:
+    port = sched.running.http.port
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        # Another site's form: no otk_login cookie (SameSite=Strict), no token. No login happens.
+        resp, page = _post(conn, "/ui/login", {"api_key": sched.admin_key, "next": "/ui/queue"})
+        assert resp.status == 403 and "came from another site" in page and resp.getheader("Location") is None
+        assert not any(c.startswith("otk_key=") for c in resp.msg.get_all("Set-Cookie") or [])
+        # The form's token with another visitor's cookie is refused as well.
+        csrf, _ = _login_form(conn)
+        _, other_cookie = _login_form(conn)
+        resp, _ = _post(conn, "/ui/login", {"api_key": sched.admin_key, "csrf": csrf}, {"Cookie": other_cookie})
+        assert resp.status == 403
+        # The page's own form works, and its cookies are HttpOnly and SameSite=Strict.
+        conn.request("GET", "/ui/login")
+        page = conn.getresponse()
+        set_cookie = page.getheader("Set-Cookie")
+        assert {"HttpOnly", "SameSite=Strict"} <= {a.strip() for a in set_cookie.split(";")}
+        csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page.read().decode()).group(1)
+        resp, _ = _post(
+            conn,
+            "/ui/login",
+            {"api_key": sched.admin_key, "next": "/ui/queue", "csrf": csrf},
+            {"Cookie": set_cookie.split(";")[0]},
+        )
+        assert resp.status == 303 and resp.getheader("Location") == "/ui/queue"
+        session = resp.getheader("Set-Cookie").split(";")[0]
+
+        # Cancel: logged in by cookie, a cross-site post has no token and cancels nothing.
+        with RLClient(sched.target, api_key=sched.admin_key) as client:
+            task = client.submit_task(workload_type="full_rl", model="mlp", env_config={"env_id": "CartPole-v1"})
+            resp, page = _post(conn, f"/ui/task/{task}/cancel", {"reason": "x"}, {"Cookie": session})
+            assert resp.status == 403 and "came from another site" in page
+            assert client.get_task(task).state == "pending"
+    finally:
+        conn.close()
