@@ -28,9 +28,10 @@ Point = tuple[int, float, Mapping[str, float]]
 #: The x axes a curve can be drawn against, and their labels.
 X_AXES = {"step": "step", "env_steps": "env steps", "tokens": "tokens", "time": "wall time (s)"}
 
-#: Chart panels: name -> metric keys, the first a task reports is drawn.
+#: Chart panels: name -> metric keys, the first a task reports is drawn. SFT has no reward: its
+#: ``reward`` is its token accuracy, drawn under that name.
 PANELS: dict[str, tuple[str, ...]] = {
-    "reward": ("reward",),
+    "reward": ("train/token_accuracy", "reward"),
     "loss": ("loss",),
     "kl": ("kl", "grpo/kl_ref", "ppo/approx_kl", "grpo/approx_kl", "loss/kl"),
     "throughput": (

@@ -770,7 +770,7 @@ class Dashboard:
         )
         charts = []
         for panel in curves.PANELS:
-            lines = []
+            lines, keys = [], []
             for task, points in runs:
                 key = curves.panel_key(points, panel)
                 if key is None:
@@ -778,11 +778,12 @@ class Dashboard:
                 xs, ys = curves.series(points, key, x)
                 label = f"{task.task_id} {task.spec.name}".strip()
                 lines.append(Curve(label, xs, curves.smooth(ys, weight) if weight else ys))
+                keys += [key] if key not in keys else []
             if lines:
                 charts.append(
                     line_chart(
                         lines,
-                        title=panel,
+                        title=" / ".join(keys),
                         x_label=curves.X_AXES[x],
                         chart_id=f"compare-{panel}",
                         width=640,

@@ -51,6 +51,13 @@ def test_panels_pick_the_first_key_reported_and_ranges_clip_bands() -> None:
     assert curves.value_range("reward") == (None, None)
 
 
+def test_sfts_token_accuracy_is_drawn_under_its_own_name_not_reward() -> None:
+    sft = [(1, 0.0, {"reward": 0.4, "train/token_accuracy": 0.4, "loss": 2.0})]
+    assert curves.panel_key(sft, "reward") == "train/token_accuracy"
+    assert curves.panel_key([(1, 0.0, {"reward": 0.5})], "reward") == "reward"
+    assert curves.value_range("train/token_accuracy") == (0.0, 1.0)
+
+
 def test_ppo_on_environments_defaults_to_env_steps() -> None:
     assert curves.default_x_axis("full_rl", "gym") == "env_steps"
     assert curves.default_x_axis("full_rl", "multiagent") == "env_steps"
