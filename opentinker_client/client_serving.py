@@ -19,6 +19,7 @@ from opentinker_common.spec.task import DEFAULT_ENV_ID
 from opentinker_client.client_tasks import TaskCalls
 from opentinker_client.config import TaskConfig
 from opentinker_client.connection import SchedulerConnection
+from opentinker_client.endpoint_tokens import EndpointTokens
 from opentinker_client.errors import FailedPreconditionError, NotFoundError, UnavailableError
 from opentinker_client.inference import ADAPTER_WORKLOADS, InferenceClient
 
@@ -276,7 +277,8 @@ class ServingCalls:
         endpoint = self.tasks.wait_for_endpoint(server_id, timeout=timeout)
         if root_certificates is None:
             root_certificates = self.connection.root_certificates
-        llm = InferenceClient(endpoint, api_key=self.connection.api_key, root_certificates=root_certificates, **binding)
+        tokens = EndpointTokens(self.connection, server_id)
+        llm = InferenceClient(endpoint, tokens=tokens, root_certificates=root_certificates, **binding)
         llm.task_id = server_id
         try:  # one real call: a wrong CA, a plaintext/TLS mix-up or a refused key fails here, not on first use
             llm.list_adapters()
@@ -350,7 +352,10 @@ class ServingCalls:
             endpoint = self.tasks.wait_for_endpoint(task_id, timeout=max(0.1, deadline - time.monotonic()))
             try:
                 return TrainingSession(
-                    endpoint, task_id=task_id, api_key=self.connection.api_key, root_certificates=root_certificates
+                    endpoint,
+                    task_id=task_id,
+                    tokens=EndpointTokens(self.connection, task_id),
+                    root_certificates=root_certificates,
                 )
             except UnavailableError:
                 if time.monotonic() >= deadline:

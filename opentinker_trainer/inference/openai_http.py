@@ -167,7 +167,7 @@ def build_openai_app(runtime: ModelRuntime, *, access: AccessChecker | None = No
         await access.check(metadata, task_id)
         if adapter:
             try:
-                await access.check(metadata, split_adapter_name(adapter)[0])
+                await access.check(metadata, split_adapter_name(adapter)[0], task_id)
             except AccessRefused as exc:
                 if exc.code == grpc.StatusCode.PERMISSION_DENIED:
                     raise adapter_not_found(adapter) from None
