@@ -16,12 +16,14 @@ from opentinker.scheduler.v1 import admin_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2 as S
 from opentinker.scheduler.v1 import scheduler_pb2_grpc
 from opentinker_client import (
+    EndpointTokens,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
     RLClient,
 )
+from opentinker_client.connection import SchedulerConnection
 
 from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler, metadata
 
@@ -145,3 +147,19 @@ def test_an_expired_token_is_refused(world) -> None:
             )
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert f"endpoint token for task {serving} expired" in err.value.details()
+
+
+def test_the_client_renews_its_token_before_it_expires(world) -> None:
+    sched, serving = world["sched"], world["serving"]
+    now = [time.time()]
+    with SchedulerConnection(sched.target, timeout=30, api_key=world["alice"]) as connection:
+        tokens = EndpointTokens(connection, serving, ttl=600, clock=lambda: now[0])
+        first = tokens.metadata()
+        held = tokens._current
+        assert first[0][1].startswith("Bearer ote_") and tokens.metadata() == first and tokens._current is held
+        now[0] = held.expire_time - 600 * 0.25 + 1  # less than a quarter of its lifetime left: a new one
+        renewed = tokens.metadata()
+        assert tokens._current is not held
+        assert _authorize(sched, renewed[0][1].removeprefix("Bearer "), serving) == grpc.StatusCode.OK
+    with SchedulerConnection(sched.target, timeout=30, api_key="") as anonymous:
+        assert EndpointTokens(anonymous, serving).metadata() == ()  # no key: nothing asked, nothing sent
