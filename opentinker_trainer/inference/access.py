@@ -124,7 +124,8 @@ def token_expiry(authorization: str) -> float | None:
     """The expiry (unix seconds) an ``ote_`` token claims, else None. Unverified: it only
     shortens how long the scheduler's yes is reused."""
     expire = _claims(_token(authorization)).get("e")
-    return float(expire) if isinstance(expire, int) and not isinstance(expire, bool) else None
+    valid = isinstance(expire, int) and not isinstance(expire, bool) and 0 < expire < 2**53
+    return float(expire) if valid else None
 
 
 def _api_key_refusal(endpoint: str) -> AccessRefused:
@@ -196,7 +197,7 @@ class AccessChecker:
         self._inflight: dict[tuple[str, str, str], asyncio.Future] = {}
         self._channel: grpc.aio.Channel | None = None
         self._stub: scheduler_pb2_grpc.SchedulerServiceStub | None = None
-        #: GetTask calls made (cache misses); for tests and benchmarks.
+        #: AuthorizeEndpoint calls made (cache misses); for tests and benchmarks.
         self.scheduler_calls = 0
 
     def _scheduler(self) -> scheduler_pb2_grpc.SchedulerServiceStub:
