@@ -18,6 +18,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from opentinker.common.v1 import common_pb2 as C
+from opentinker.node.v1 import node_pb2 as N
+
 from opentinker_client import (
     InferenceClient,
     NotFoundError,
@@ -393,6 +396,33 @@ def test_the_client_sends_endpoint_tokens_never_its_api_key(world: World, served
     with _client(served, world.alice, certs.ca) as direct:
         with pytest.raises(UnauthenticatedError, match=f"opentinker endpoint-token {world.serving}"):
             direct.generate(PROMPT, max_tokens=2)
+
+
+def test_a_client_given_the_scheduler_gets_tokens_there_and_sends_only_those(tmp_path, tiny_model_dir: Path) -> None:
+    from tests.support.inference import tiny_runtime
+
+    def running(core, owner: str):  # on the scheduler's loop: a CPU inference task of owner, assigned
+        node, _ = core.node_register(N.Register(node_id="n1", max_tasks=4))
+        spec = C.TaskSpec(workload_type="inference", model="/models/m", resources=C.Resources(gpu_count=0))
+        task = core.submit(spec, owner=owner)
+        core.schedule()
+        return node, task.task_id
+
+    with LoopbackScheduler(tmp_path / "state", AUTH_LOCAL_MODELS) as sched:
+        with RLClient(sched.target, api_key=sched.admin_key) as root:
+            _, alice = root.keys.create("alice", "user")
+        node, task = sched.do(running, sched.core, "alice")
+        server = SecureServer(tiny_runtime(tiny_model_dir), sched.target, task)
+        try:
+            report = N.TaskReport(task_id=task, attempt=1, state=C.TASK_STATE_RUNNING, endpoint=server.address)
+            sched.do(sched.core.node_report, node, report)
+            with InferenceClient(scheduler_url=sched.target, task_id=task, api_key=alice, timeout=30) as llm:
+                llm.generate(PROMPT, max_tokens=2)
+                assert llm.endpoint == server.address
+            assert server.access.seen and all(v.startswith("Bearer ote_") for v in server.access.seen)
+            assert not any(alice in v for v in server.access.seen)
+        finally:
+            server.close()
 
 
 def test_owner_and_admin_are_served_others_are_refused(world: World, served: SecureServer, certs) -> None:
