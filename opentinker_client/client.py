@@ -31,7 +31,7 @@ from opentinker_client.client_tasks import PollPacer, TaskCalls, check_task_id
 from opentinker_client.config import TaskConfig, dataset_env, load_task_config
 from opentinker_client.connection import SchedulerConnection
 from opentinker_client.endpoint_tokens import DEFAULT_TTL_S as DEFAULT_ENDPOINT_TOKEN_TTL_S
-from opentinker_client.endpoint_tokens import EndpointToken, issue_endpoint_token
+from opentinker_client.endpoint_tokens import EndpointToken
 from opentinker_client.environment import Environment
 from opentinker_client.errors import InvalidArgumentError
 from opentinker_client.hosting.reward import RewardFn, RewardServer
@@ -880,7 +880,7 @@ class RLClient:
             NotFoundError: no such task (or not yours). InvalidArgumentError: a bad ``ttl``.
             FailedPreconditionError: the task serves no endpoint.
         """
-        return issue_endpoint_token(self._connection, check_task_id(task_id), ttl=ttl)
+        return self._serving.endpoint_token(check_task_id(task_id), ttl=ttl)
 
     def serve(
         self,

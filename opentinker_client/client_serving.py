@@ -19,7 +19,7 @@ from opentinker_common.spec.task import DEFAULT_ENV_ID
 from opentinker_client.client_tasks import TaskCalls
 from opentinker_client.config import TaskConfig
 from opentinker_client.connection import SchedulerConnection
-from opentinker_client.endpoint_tokens import EndpointTokens
+from opentinker_client.endpoint_tokens import EndpointToken, EndpointTokens, issue_endpoint_token
 from opentinker_client.errors import FailedPreconditionError, NotFoundError, UnavailableError
 from opentinker_client.inference import ADAPTER_WORKLOADS, InferenceClient
 
@@ -270,6 +270,10 @@ class ServingCalls:
         )
         config.check()
         return self.tasks.submit(config.to_proto())
+
+    def endpoint_token(self, task_id: str, *, ttl: float) -> EndpointToken:
+        """A new endpoint token for task ``task_id`` (``RLClient.endpoint_token``)."""
+        return issue_endpoint_token(self.connection, task_id, ttl=ttl)
 
     def _client(self, server_id: str, *, timeout: float, root_certificates, **binding) -> InferenceClient:
         """An :class:`InferenceClient` of inference task ``server_id`` once it serves, bound as
