@@ -53,6 +53,7 @@ from opentinker_client.errors import (  # "X as X": re-exported; __all__ takes t
     UnauthenticatedError as UnauthenticatedError,
     UnavailableError as UnavailableError,
 )
+from opentinker_client.endpoint_tokens import EndpointToken, EndpointTokens
 from opentinker_client.evaluate import EvalResult, evaluate
 from opentinker_client.hosting.server import EnvironmentServer
 from opentinker_client.inference import InferenceClient
@@ -90,6 +91,8 @@ __all__ = [
     "parse_scheduler_url",
     *_errors.EXCEPTIONS,  # OpenTinkerError and every subclass
     "InferenceClient",
+    "EndpointToken",
+    "EndpointTokens",
     "Generation",
     "StreamChunk",
     "ActResult",

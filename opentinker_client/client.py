@@ -30,6 +30,8 @@ from opentinker_client.client_serving import ServingCalls
 from opentinker_client.client_tasks import PollPacer, TaskCalls, check_task_id
 from opentinker_client.config import TaskConfig, dataset_env, load_task_config
 from opentinker_client.connection import SchedulerConnection
+from opentinker_client.endpoint_tokens import DEFAULT_TTL_S as DEFAULT_ENDPOINT_TOKEN_TTL_S
+from opentinker_client.endpoint_tokens import EndpointToken
 from opentinker_client.environment import Environment
 from opentinker_client.errors import InvalidArgumentError
 from opentinker_client.hosting.reward import RewardFn, RewardServer
@@ -878,6 +880,18 @@ class RLClient:
         return self._serving.resume_training_session(
             check_task_id(task_id), timeout=timeout, root_certificates=root_certificates
         )
+
+    def endpoint_token(self, task_id: str, *, ttl: float = DEFAULT_ENDPOINT_TOKEN_TTL_S) -> EndpointToken:
+        """A new endpoint token for the endpoints of ``inference`` or ``lora_session`` task
+        ``task_id``: the ``api_key`` their OpenAI-compatible API and gRPC services take, which
+        refuse API keys. It works ``ttl`` seconds (1 s to 24 h), and stops when this client's
+        API key is revoked. :meth:`serve` and training sessions get and renew tokens themselves.
+
+        Raises:
+            NotFoundError: no such task (or not yours). InvalidArgumentError: a bad ``ttl``.
+            FailedPreconditionError: the task serves no endpoint.
+        """
+        return self._serving.endpoint_token(check_task_id(task_id), ttl=ttl)
 
     def serve(
         self,

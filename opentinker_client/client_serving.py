@@ -19,6 +19,7 @@ from opentinker_common.spec.task import DEFAULT_ENV_ID
 from opentinker_client.client_tasks import TaskCalls
 from opentinker_client.config import TaskConfig
 from opentinker_client.connection import SchedulerConnection
+from opentinker_client.endpoint_tokens import EndpointToken, EndpointTokens, issue_endpoint_token
 from opentinker_client.errors import FailedPreconditionError, NotFoundError, UnavailableError
 from opentinker_client.inference import ADAPTER_WORKLOADS, InferenceClient
 
@@ -267,13 +268,18 @@ class ServingCalls:
         config.check()
         return self.tasks.submit(config.to_proto())
 
+    def endpoint_token(self, task_id: str, *, ttl: float) -> EndpointToken:
+        """A new endpoint token for task ``task_id`` (``RLClient.endpoint_token``)."""
+        return issue_endpoint_token(self.connection, task_id, ttl=ttl)
+
     def _client(self, server_id: str, *, timeout: float, root_certificates, **binding) -> InferenceClient:
         """An :class:`InferenceClient` of inference task ``server_id`` once it serves, bound as
         ``binding`` says (``adapter``, ``policy``, ``model``), checked with one call."""
         endpoint = self.tasks.wait_for_endpoint(server_id, timeout=timeout)
         if root_certificates is None:
             root_certificates = self.connection.root_certificates
-        llm = InferenceClient(endpoint, api_key=self.connection.api_key, root_certificates=root_certificates, **binding)
+        tokens = EndpointTokens(self.connection, server_id)
+        llm = InferenceClient(endpoint, tokens=tokens, root_certificates=root_certificates, **binding)
         llm.task_id = server_id
         try:  # one real call: a wrong CA, a plaintext/TLS mix-up or a refused key fails here, not on first use
             llm.list_adapters()
@@ -347,7 +353,10 @@ class ServingCalls:
             endpoint = self.tasks.wait_for_endpoint(task_id, timeout=max(0.1, deadline - time.monotonic()))
             try:
                 return TrainingSession(
-                    endpoint, task_id=task_id, api_key=self.connection.api_key, root_certificates=root_certificates
+                    endpoint,
+                    task_id=task_id,
+                    tokens=EndpointTokens(self.connection, task_id),
+                    root_certificates=root_certificates,
                 )
             except UnavailableError:
                 if time.monotonic() >= deadline:

@@ -14,9 +14,12 @@ An :class:`InferenceClient` talks to the node that serves the model directly (th
 from the inference task, ``TaskInfo.endpoint``). Every error is an
 :class:`~opentinker_client.errors.OpenTinkerError` subclass carrying the gRPC status.
 
-Security: the client sends its API key (``api_key``, default ``$OPENTINKER_API_KEY``) as
-``authorization: Bearer ...``; the server asks the scheduler whether that key may use the
-inference task (and the adapter's task). An ``https://host:port`` endpoint (what a server with
+Security: the server takes endpoint tokens, not API keys (:mod:`opentinker_client.endpoint_tokens`).
+A client that knows the scheduler (``scheduler_url`` and ``task_id``, or one made by
+:class:`~opentinker_client.RLClient`) asks it for a token with its API key (``api_key``, default
+``$OPENTINKER_API_KEY``), sends the token as ``authorization: Bearer ote_...`` and renews it
+before it expires; the server asks the scheduler whether that token may use the inference task
+(and the adapter's task). An ``https://host:port`` endpoint (what a server with
 TLS reports) is dialled with TLS, trusting ``root_certificates`` (default ``$OPENTINKER_TLS_CA``,
 else the system's roots); ``host:port`` and ``http://host:port`` are plaintext.
 
@@ -35,6 +38,7 @@ from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc
 from opentinker_client._convert import adapter_from_proto, generation_from_proto, stream_chunk_from_proto
 from opentinker_client.client_tasks import TaskCalls
 from opentinker_client.connection import SchedulerConnection, resolve_api_key
+from opentinker_client.endpoint_tokens import EndpointTokens
 from opentinker_client.errors import INFERENCE_PLAINTEXT_HINT, InvalidArgumentError, OpenTinkerError, from_rpc_error
 from opentinker_client.types import (
     ActResult,
@@ -144,9 +148,12 @@ class InferenceClient:
         model: the base model name requests carry; ``""`` means whatever the server serves.
         timeout: deadline of each call, in seconds: a unary call, or a whole
             :meth:`generate_stream` (``DeadlineExceededError`` when it passes).
-        api_key: sent as ``authorization: Bearer <key>`` on every call (the server checks it with
-            the scheduler). ``None`` reads ``$OPENTINKER_API_KEY``; ``""`` sends none. Surrounding
-            whitespace is stripped.
+        api_key: with ``scheduler_url``, the API key that asks the scheduler for endpoint tokens;
+            with only an ``endpoint``, an endpoint token (``ote_...``, from ``opentinker
+            endpoint-token TASK``) sent as is. ``None`` reads ``$OPENTINKER_API_KEY``; ``""``
+            sends none. Surrounding whitespace is stripped.
+        tokens: where the endpoint tokens come from (:class:`EndpointTokens`); it takes
+            precedence over ``api_key``.
         root_certificates: PEM file of the CA that signed the server's certificate, for
             ``https://`` endpoints. ``None`` reads ``$OPENTINKER_TLS_CA``; unset = the system's
             roots. Also used for the scheduler when ``scheduler_url`` is given.
@@ -173,15 +180,25 @@ class InferenceClient:
         ready_timeout: float = 600.0,
         api_key: str | None = None,
         root_certificates: str | os.PathLike | None = None,
+        tokens: EndpointTokens | None = None,
     ) -> None:
         api_key = resolve_api_key(api_key)  # surrounding whitespace stripped; inner whitespace is a ValueError
+        self._connection: SchedulerConnection | None = None
         if endpoint is None:
             if not (scheduler_url and task_id):
                 raise InvalidArgumentError(
                     "endpoint: give an endpoint, or scheduler_url and the task_id of an inference task",
                     field="endpoint",
                 )
-            endpoint = _scheduler_endpoint(scheduler_url, task_id, api_key, root_certificates, ready_timeout)
+            self._connection = SchedulerConnection(
+                scheduler_url, timeout=30.0, api_key=api_key, root_certificates=root_certificates
+            )
+            try:
+                endpoint = TaskCalls(self._connection).wait_for_endpoint(task_id, timeout=ready_timeout)
+            except BaseException:
+                self._connection.close()
+                raise
+            tokens = tokens or EndpointTokens(self._connection, task_id)
         self.target, self.tls = parse_endpoint(endpoint)
         self.endpoint = endpoint
         self.task_id = task_id
@@ -191,7 +208,8 @@ class InferenceClient:
         self.timeout = float(timeout)
         self._api_key = api_key  # kept for with_adapter(); never shown in repr or errors
         self._root_certificates = root_certificates
-        self._metadata = bearer_metadata(api_key)
+        self._tokens = tokens
+        self._static_metadata = bearer_metadata(api_key)
         if self.tls:
             from opentinker_common.net.tls import ENV_CA, channel_credentials
 
@@ -208,8 +226,13 @@ class InferenceClient:
     def _error(self, err: grpc.RpcError) -> OpenTinkerError:
         return from_rpc_error(err, plaintext_hint=self._plaintext_hint)
 
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._tokens.metadata() if self._tokens is not None else self._static_metadata
+
     def close(self) -> None:
         self._channel.close()
+        if self._connection is not None:
+            self._connection.close()
 
     def __enter__(self) -> "InferenceClient":
         return self
@@ -221,7 +244,8 @@ class InferenceClient:
         return f"InferenceClient(endpoint={self.endpoint!r}, adapter={self.adapter!r})"
 
     def with_adapter(self, adapter: str | None) -> "InferenceClient":
-        """Another client on the same server whose default adapter is ``adapter``."""
+        """Another client on the same server whose default adapter is ``adapter``; it shares this
+        client's endpoint tokens (and their scheduler connection: keep this client open)."""
         return InferenceClient(
             self.endpoint,
             adapter=adapter,
@@ -229,6 +253,7 @@ class InferenceClient:
             timeout=self.timeout,
             api_key=self._api_key,
             root_certificates=self._root_certificates,
+            tokens=self._tokens,
         )
 
     # --- requests ------------------------------------------------------------------------------
@@ -304,7 +329,7 @@ class InferenceClient:
         """
         req = self._request(inference_pb2.GenerateRequest, "generate", prompt, messages, adapter, sampling)
         try:
-            resp = self._stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
+            resp = self._stub.Generate(req, timeout=self.timeout, metadata=self._metadata())
         except grpc.RpcError as err:
             raise self._error(err) from err
         return generation_from_proto(resp)
@@ -329,7 +354,7 @@ class InferenceClient:
 
     def _stream(self, prompt: str | None, messages: Any, adapter: Any, sampling: Any) -> Iterator[StreamChunk]:
         req = self._request(inference_pb2.GenerateStreamRequest, "generate_stream", prompt, messages, adapter, sampling)
-        call = self._stub.GenerateStream(req, timeout=self.timeout, metadata=self._metadata)
+        call = self._stub.GenerateStream(req, timeout=self.timeout, metadata=self._metadata())
         try:
             for m in call:
                 yield stream_chunk_from_proto(m)
@@ -347,7 +372,7 @@ class InferenceClient:
         """
         try:
             resp = self._stub.ListAdapters(
-                inference_pb2.ListAdaptersRequest(), timeout=self.timeout, metadata=self._metadata
+                inference_pb2.ListAdaptersRequest(), timeout=self.timeout, metadata=self._metadata()
             )
         except grpc.RpcError as err:
             raise self._error(err) from err
@@ -380,7 +405,7 @@ class InferenceClient:
         shape, flat = _flatten(observations.tolist() if hasattr(observations, "tolist") else observations)
         request = inference_pb2.ActRequest(policy=policy, observations=inference_pb2.Tensor(shape=shape, values=flat))
         try:
-            resp = self._stub.Act(request, timeout=self.timeout, metadata=self._metadata)
+            resp = self._stub.Act(request, timeout=self.timeout, metadata=self._metadata())
         except grpc.RpcError as err:
             raise self._error(err) from err
         actions = _unflatten(list(resp.actions.values), list(resp.actions.shape))
@@ -427,14 +452,3 @@ def _unflatten(values: list[float], shape: list[int]) -> Any:
         return values
     step = len(values) // shape[0] if shape[0] else 0
     return [_unflatten(values[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
-
-
-def _scheduler_endpoint(
-    scheduler_url: str, task_id: str, api_key: str, root_certificates: str | os.PathLike | None, timeout: float
-) -> str:
-    """The endpoint of inference task ``task_id``, asked of the scheduler at ``scheduler_url``
-    (waiting up to ``timeout`` seconds for it to serve)."""
-    with SchedulerConnection(
-        scheduler_url, timeout=30.0, api_key=api_key, root_certificates=root_certificates
-    ) as connection:
-        return TaskCalls(connection).wait_for_endpoint(task_id, timeout=timeout)

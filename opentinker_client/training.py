@@ -41,6 +41,7 @@ import grpc
 
 from opentinker.training.v1 import training_pb2, training_pb2_grpc
 from opentinker_client.connection import resolve_api_key
+from opentinker_client.endpoint_tokens import EndpointTokens
 from opentinker_client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -258,7 +259,11 @@ class TrainingSession:
     Args:
         endpoint: ``host:port`` or ``https://host:port`` (the task's ``Task.endpoint``).
         task_id: the session task (for messages and :meth:`RLClient.resume_training_session`).
-        api_key: sent as ``authorization: Bearer <key>``; ``None`` reads ``$OPENTINKER_API_KEY``.
+        api_key: an endpoint token (``ote_...``, from ``opentinker endpoint-token TASK``), sent as
+            ``authorization: Bearer <token>``; ``None`` reads ``$OPENTINKER_API_KEY``. The session
+            refuses API keys: :class:`~opentinker_client.RLClient` passes ``tokens`` instead.
+        tokens: where endpoint tokens come from (:class:`~opentinker_client.endpoint_tokens.EndpointTokens`);
+            it takes precedence over ``api_key``.
         root_certificates: CA of the server's certificate for ``https://`` endpoints.
         timeout: seconds per call on the wire (a call's future waits as long as you ask).
         retries: resends of a call that failed in transit (same sequence number).
@@ -275,6 +280,7 @@ class TrainingSession:
         root_certificates: str | os.PathLike | None = None,
         timeout: float = 600.0,
         retries: int = 3,
+        tokens: EndpointTokens | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.task_id = task_id
@@ -291,7 +297,8 @@ class TrainingSession:
         else:
             self._channel = grpc.insecure_channel(target, options=options)
         self._stub = training_pb2_grpc.TrainingServiceStub(self._channel)
-        self._metadata = bearer_metadata(resolve_api_key(api_key))
+        self._tokens = tokens
+        self._static_metadata = bearer_metadata(resolve_api_key(api_key))
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training-session")
         self._unsure = False
         try:
@@ -301,6 +308,9 @@ class TrainingSession:
             raise
 
     # --- plumbing ---------------------------------------------------------------------------
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._tokens.metadata() if self._tokens is not None else self._static_metadata
+
     def close(self) -> None:
         """Wait for queued calls, then close the channel."""
         self._worker.shutdown(wait=True)
@@ -350,13 +360,13 @@ class TrainingSession:
 
     def _unary(self, method: str, request_of: Callable[[int], Any]) -> Callable[[int], Any]:
         stub = getattr(self._stub, method)
-        return lambda seq: stub(request_of(seq), timeout=self.timeout, metadata=self._metadata)
+        return lambda seq: stub(request_of(seq), timeout=self.timeout, metadata=self._metadata())
 
     def _stream(self, method: str, header_of: Callable[[int], Any], datums: Sequence[Any], request_cls):
         stub = getattr(self._stub, method)
         datums = list(datums)
         return lambda seq: stub(
-            batch_messages(header_of(seq), datums, request_cls), timeout=self.timeout, metadata=self._metadata
+            batch_messages(header_of(seq), datums, request_cls), timeout=self.timeout, metadata=self._metadata()
         )
 
     # --- the primitives ---------------------------------------------------------------------
@@ -524,7 +534,7 @@ class TrainingSession:
         """The session now (synchronous; not ordered with queued calls)."""
         try:
             r = self._stub.GetInfo(
-                training_pb2.GetInfoRequest(), timeout=min(self.timeout, 60.0), metadata=self._metadata
+                training_pb2.GetInfoRequest(), timeout=min(self.timeout, 60.0), metadata=self._metadata()
             )
         except grpc.RpcError as err:
             raise _error(err) from None

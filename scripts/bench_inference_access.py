@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""What the API-key check costs an inference server, all in one process and one run.
+"""What the endpoint-token check costs an inference server, all in one process and one run.
 
-A real scheduler with auth on (grpc.aio, SQLite) on loopback; a user key and an inference task.
+A real scheduler with auth on (grpc.aio, SQLite) on loopback; a user key, an inference task and
+an endpoint token the key got for it.
 
-1. ``AccessChecker.check``: a cached decision against a scheduler round trip (GetTask with the
-   caller's key; TTL short enough that every call misses). Median over ``--calls``.
+1. ``AccessChecker.check``: a cached decision against a scheduler round trip (AuthorizeEndpoint with
+   the caller's token; TTL short enough that every call misses). Median over ``--calls``.
 2. Unary ``Generate`` of 1 token on a tiny random Llama (the test model: hidden 64, 2 layers)
    through the real ``InferenceClient``: a server with the check (cached, default TTL) against
    the same server without it, and with TLS + check against plaintext without it; runs
@@ -81,7 +82,8 @@ def main() -> int:
                 _, key = root.keys.create("alice", "user")
             with RLClient(sched.target, api_key=key) as alice:
                 task = alice.submit_task(workload_type="inference", model="/models/m")
-            md = (("authorization", f"Bearer {key}"),)
+                token = alice.endpoint_token(task).token
+            md = (("authorization", f"Bearer {token}"),)
 
             async def checks(ttl: float) -> float:
                 checker = AccessChecker(sched.target, env={}, ttl=ttl)
@@ -100,7 +102,7 @@ def main() -> int:
             uncached = asyncio.run(checks(1e-3))
             print(
                 f"access check, cached: {cached * 1e6:.1f} us; scheduler round "
-                f"trip (GetTask with the caller's key): {uncached * 1e3:.2f} ms; "
+                f"trip (AuthorizeEndpoint with the caller's token): {uncached * 1e3:.2f} ms; "
                 f"ratio {uncached / cached:.0f}x"
             )
 
@@ -117,8 +119,8 @@ def main() -> int:
             try:
                 clients = {
                     "plain": InferenceClient(plain.endpoint, api_key=""),
-                    "checked": InferenceClient(checked.endpoint, api_key=key),
-                    "tls+checked": InferenceClient(secure.endpoint, api_key=key, root_certificates=certs.ca),
+                    "checked": InferenceClient(checked.endpoint, api_key=token),
+                    "tls+checked": InferenceClient(secure.endpoint, api_key=token, root_certificates=certs.ca),
                 }
                 for c in clients.values():  # warm: channels, first check, first forward pass
                     c.generate("Hi", max_tokens=1, temperature=0, ignore_eos=True)

@@ -755,6 +755,33 @@ def _cmd_cancel(client: RLClient, args: argparse.Namespace) -> int:
     return code
 
 
+def _cmd_endpoint_token(client: RLClient, args: argparse.Namespace) -> int:
+    """Print a new endpoint token of an inference or lora_session task: the ``api_key`` for its
+    OpenAI-compatible API (``openai.OpenAI(base_url=..., api_key=TOKEN)``). Its expiry goes to
+    stderr, so ``$(opentinker endpoint-token TASK)`` is the token alone."""
+    token = client.endpoint_token(args.task_id, ttl=args.ttl)
+    if not token.token:
+        print("the scheduler runs without authentication: its endpoints take any api_key", file=sys.stderr)
+        return EXIT_OK
+    print(token.token)
+    expires = _dt.datetime.fromtimestamp(token.expire_time, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    print(f"expires {expires}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _ttl(text: str) -> float:
+    """``3600``, ``90s``, ``30m`` or ``1h`` -> seconds."""
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    number, unit = (text[:-1], units[text[-1]]) if text[-1:] in units else (text, 1.0)
+    try:
+        value = float(number) * unit
+    except ValueError:
+        value = -1.0
+    if not 1 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"expected 1s to 24h (seconds, or a number with s, m or h), got {text!r}")
+    return value
+
+
 def _cmd_rm(client: RLClient, args: argparse.Namespace) -> int:
     t, keys, size = client.delete_artifacts(args.task_id)
     what = f"{len(keys)} artifact(s), {_mib(size)}" if keys else "nothing (no artifacts left)"
@@ -1347,6 +1374,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task_id", metavar="TASK_ID", nargs="+", help="one or more task ids")
     p.add_argument("--reason", default="", help="why, recorded on the task")
     p.set_defaults(func=_cmd_cancel)
+
+    p = sub.add_parser(
+        "endpoint-token",
+        help="print a token for an inference or lora_session task's endpoints (the OpenAI API's api_key)",
+    )
+    p.add_argument("task_id", metavar="TASK_ID")
+    p.add_argument("--ttl", type=_ttl, default=3600.0, help="how long it works: 1s to 24h (default 1h)")
+    p.set_defaults(func=_cmd_endpoint_token)
 
     p = sub.add_parser(
         "rm", help="delete a finished task's checkpoints from the artifact store (the task's record stays)"

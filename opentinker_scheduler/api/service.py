@@ -25,6 +25,7 @@ from opentinker_scheduler.data import checkpoints
 from opentinker_scheduler.data.adapters import receive_adapter
 from opentinker_scheduler.data.datasets import DatasetStore, receive_upload
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from opentinker_scheduler.security import endpoint_tokens
 from opentinker_scheduler.security.auth import caller, owner_scope
 from opentinker_scheduler.security.bundle import Security
 from opentinker_scheduler.state.core import SchedulerCore, new_task_id
@@ -34,6 +35,9 @@ log = structlog.get_logger("opentinker.scheduler")
 
 #: Owner of tasks submitted without authentication (API keys arrive with the security work).
 ANONYMOUS = "anonymous"
+
+#: Workload types whose tasks serve endpoints on trainer nodes, which take endpoint tokens.
+ENDPOINT_WORKLOADS = ("inference", "lora_session")
 
 #: Seconds between a follower's looks at a watched task's events (it is not told of changes).
 FOLLOWER_WATCH_POLL_S = 0.25
@@ -167,6 +171,37 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         out.usage.CopyFrom(self.core.task_usage(task))
         out.queue = self.core.quotas.queue_of(task.owner)
         return scheduler_pb2.GetTaskResponse(task=out)
+
+    @rpc()
+    async def IssueEndpointToken(self, request, call: Call):
+        task = self.core.get(request.task_id, owner=owner_scope())
+        if task.workload_type not in ENDPOINT_WORKLOADS:
+            raise FailedPrecondition(
+                f"task_id: task {request.task_id} is a {task.workload_type} task, which serves no endpoint; "
+                f"endpoint tokens are for {' and '.join(ENDPOINT_WORKLOADS)} tasks"
+            )
+        ttl = endpoint_tokens.ttl_seconds(request.ttl.ToNanoseconds() / 1e9)
+        if self.security is None or not self.security.enabled:
+            return scheduler_pb2.IssueEndpointTokenResponse()
+        token, expire = endpoint_tokens.issue(self.security.keys, call.who, task.task_id, ttl)
+        out = scheduler_pb2.IssueEndpointTokenResponse(token=token)
+        _ts(out.expire_time, expire)
+        return out
+
+    @rpc()
+    async def AuthorizeEndpoint(self, request, call: Call):
+        who = call.who
+        scope = owner_scope()
+        if who.role == endpoint_tokens.ENDPOINT_ROLE:
+            if request.endpoint_task_id != who.endpoint_task:
+                raise PermissionDenied(
+                    f"this endpoint token is for task {who.endpoint_task}, not for task {request.endpoint_task_id}"
+                )
+            scope = None if who.endpoint_admin else who.owner
+        self.core.get(request.endpoint_task_id, owner=scope)  # the task changed hands: NOT_FOUND
+        if request.task_id and request.task_id != request.endpoint_task_id:
+            self.core.get(request.task_id, owner=scope)
+        return scheduler_pb2.AuthorizeEndpointResponse()
 
     @rpc()
     async def GetUsage(self, request, call: Call):

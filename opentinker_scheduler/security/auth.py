@@ -51,6 +51,7 @@ import structlog
 from opentinker_common.net.bearer import authorization_problem
 
 from opentinker_scheduler.config.auth import AuthConfig  # noqa: F401 - the auth: section, re-exported
+from opentinker_scheduler.security import endpoint_tokens
 from opentinker_scheduler.security.audit import AuditLog
 from opentinker_scheduler.errors import DeadlineExceeded, SchedulerError
 from opentinker_scheduler.security.key_streams import (
@@ -144,6 +145,22 @@ _ADMIN_ONLY_HINT = (
 )
 
 
+#: The one RPC an endpoint token may call, and only endpoint tokens: trainer endpoints ask it.
+AUTHORIZE_ENDPOINT = f"/{SCHEDULER_SERVICE}/AuthorizeEndpoint"
+
+
+def _endpoint_refusal(principal: Principal, method: str) -> str:
+    if method == AUTHORIZE_ENDPOINT:
+        return (
+            f"API key {principal.key_prefix} (role {principal.role}) may not call {method}: "
+            "it takes the endpoint token (ote_...) that a trainer endpoint's caller sent"
+        )
+    return (
+        f"an endpoint token (ote_..., of API key {principal.key_prefix}) may not call {method}: it opens the "
+        f"endpoints of task {principal.endpoint_task} on trainer nodes only; call the scheduler with your API key"
+    )
+
+
 MISSING_KEY = (
     "missing API key: send metadata 'authorization: Bearer otk_...' "
     "(RLClient(api_key=...), --api-key or $OPENTINKER_API_KEY)"
@@ -227,10 +244,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             # value is not echoed (it may be the key itself).
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, authorization_problem(metadata) or MISSING_KEY)
         try:
-            principal = self.keys.resolve(token)
+            if token.startswith(endpoint_tokens.PREFIX):
+                principal = endpoint_tokens.resolve(self.keys, token)
+            else:
+                principal = self.keys.resolve(token)
         except Unauthenticated as exc:
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
-        if principal.role not in allowed_roles(method):
+        if (principal.role == endpoint_tokens.ENDPOINT_ROLE) != (method == AUTHORIZE_ENDPOINT):
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED, _endpoint_refusal(principal, method))
+        if principal.role not in allowed_roles(method) and method != AUTHORIZE_ENDPOINT:
             hint = _ADMIN_ONLY_HINT if method in ADMIN_ONLY_METHODS else _ROLE_HINT.get(principal.role, "")
             raise _Refused(
                 grpc.StatusCode.PERMISSION_DENIED,

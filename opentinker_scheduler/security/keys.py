@@ -61,6 +61,10 @@ class Principal:
     peer_cn: str = ""
     #: DNS subject alternative names of that certificate.
     peer_dns: tuple[str, ...] = ()
+    #: The task of an endpoint token (role ``endpoint``: :mod:`.endpoint_tokens`), else "".
+    endpoint_task: str = ""
+    #: Whether that token's API key is an admin's (it may then use any task's adapters).
+    endpoint_admin: bool = False
 
     @property
     def is_admin(self) -> bool:

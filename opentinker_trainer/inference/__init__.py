@@ -8,7 +8,7 @@
 * :mod:`.adapters` — adapter validation, loading on demand, least-recently-used bound;
 * :mod:`.runtime` — the served model: one engine task, bounded queue, first-in-first-out admission;
 * :mod:`.resolve` — adapter name (a finished task's id) -> checkpoint folder, via the scheduler;
-* :mod:`.access` — who may call: the scheduler asked with the caller's own API key, cached;
+* :mod:`.access` — who may call: the scheduler asked with the caller's endpoint token, cached;
 * :mod:`.tls` — the server's certificate and key (``--serve-tls-cert`` / ``--serve-tls-key``);
 * :mod:`.server` — the gRPC servicer with health and reflection.
 

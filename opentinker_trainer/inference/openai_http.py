@@ -21,8 +21,9 @@ per token and choice; a client that disconnects cancels its request (its batch r
 Log-probabilities are the raw model distribution (:mod:`.sampling`).
 
 Security is the gRPC server's: with an access checker every request needs
-``Authorization: Bearer otk_...`` for this inference task (and for an adapter's task), checked
-with the scheduler exactly as :class:`~.server.InferenceService` does; with TLS the port speaks
+``Authorization: Bearer ote_...``, an endpoint token for this inference task (the ``openai``
+package's ``api_key``; ``opentinker endpoint-token TASK`` prints one), checked with the scheduler
+for the task and for an adapter's task exactly as :class:`~.server.InferenceService` does; with TLS the port speaks
 HTTPS only. Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with the
 HTTP status of the gRPC code (400 INVALID_ARGUMENT, 401, 403, 404, 429 RESOURCE_EXHAUSTED,
 503 UNAVAILABLE).
@@ -167,7 +168,7 @@ def build_openai_app(runtime: ModelRuntime, *, access: AccessChecker | None = No
         await access.check(metadata, task_id)
         if adapter:
             try:
-                await access.check(metadata, split_adapter_name(adapter)[0])
+                await access.check(metadata, split_adapter_name(adapter)[0], task_id)
             except AccessRefused as exc:
                 if exc.code == grpc.StatusCode.PERMISSION_DENIED:
                     raise adapter_not_found(adapter) from None

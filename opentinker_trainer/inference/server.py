@@ -3,7 +3,7 @@
 Thin: protobuf in and out, errors mapped to status codes; the work is in
 :class:`~opentinker_trainer.inference.runtime.ModelRuntime`. With an ``access`` checker
 (:class:`~.access.AccessChecker`) every InferenceService call is checked against the scheduler with
-the caller's own API key (health and reflection stay open); with ``tls`` the port speaks TLS only.
+the caller's endpoint token (health and reflection stay open); with ``tls`` the port speaks TLS only.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         if self.access is None or not adapter:
             return
         try:
-            await self.access.check(context.invocation_metadata(), split_adapter_name(adapter)[0])
+            await self.access.check(context.invocation_metadata(), split_adapter_name(adapter)[0], self.task_id)
         except AccessRefused as exc:
             if exc.code == grpc.StatusCode.PERMISSION_DENIED:
                 raise adapter_not_found(adapter) from None
@@ -215,7 +215,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
                 raise NoModel("this inference server does not serve policies")
             if request.policy and self.access is not None:
                 try:
-                    await self.access.check(context.invocation_metadata(), request.policy)
+                    await self.access.check(context.invocation_metadata(), request.policy, self.task_id)
                 except AccessRefused as exc:
                     if exc.code == grpc.StatusCode.PERMISSION_DENIED:
                         raise PolicyNotFound(policy_not_found(request.policy)) from None

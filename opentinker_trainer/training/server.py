@@ -3,7 +3,7 @@
 Thin: protobuf in and out, the call ordered by the session's :class:`~.sequencing.Sequencer`
 and run on a worker thread, refusals mapped to status codes (:data:`~.errors.STATUS`); the work
 is :class:`~.session.TrainingSession`'s. With an ``access`` checker every call is checked against
-the scheduler with the caller's own API key, as the inference server does
+the scheduler with the caller's endpoint token, as the inference server does
 (:class:`opentinker_trainer.inference.access.AccessChecker`): only the session task's owner or an
 admin may call it.
 """

@@ -13,8 +13,8 @@ the task is cancelled or stopped (SIGTERM -> ``ctx.should_stop()``), or no call 
 ``idle_timeout_s`` seconds (the task then ends SUCCEEDED). ``max_runtime`` is the scheduler's, as for any task.
 
 Security and TLS as the ``inference`` workload (:mod:`opentinker_trainer.workloads.serving`): with
-``OPENTINKER_SCHEDULER_URL`` set every call is checked against the scheduler with the caller's own
-API key, so only the task's owner (or an admin) may use the session; with
+``OPENTINKER_SCHEDULER_URL`` set every call is checked against the scheduler with the
+caller's endpoint token, so only the task's owner (or an admin) may use the session; with
 ``OPENTINKER_SERVE_TLS_CERT`` / ``_KEY`` the port speaks TLS and the endpoint is ``https://``.
 
 On a model host (:mod:`opentinker_trainer.host`; ``ctx.tenant`` set) the session is a tenant: its

@@ -15,7 +15,7 @@ the base model served is that finished task's full-weight (``hf_full``) checkpoi
 same way and served under the task's id (``resolve.SchedulerResolver.full_weights``).
 
 Security (docs/inference.md, "Security"): with ``OPENTINKER_SCHEDULER_URL`` set, every
-InferenceService call is checked against the scheduler with the caller's own API key
+InferenceService call is checked against the scheduler with the caller's endpoint token
 (:class:`~opentinker_trainer.inference.access.AccessChecker`; decisions cached for
 ``OPENTINKER_INFERENCE_AUTH_TTL_S`` seconds, default 10). With ``OPENTINKER_SERVE_TLS_CERT`` /
 ``OPENTINKER_SERVE_TLS_KEY`` (the trainer's ``--serve-tls-cert`` / ``--serve-tls-key``) the port

@@ -1,6 +1,7 @@
 """The real ``inference`` workload with API keys and TLS, through real scheduler and trainer
 processes on loopback: the scheduler has auth and TLS on (an mTLS node port), the trainer serves
-with --serve-tls-cert/--serve-tls-key, and users reach the server with their own keys."""
+with --serve-tls-cert/--serve-tls-key, and users reach the server with endpoint tokens that the
+scheduler issued for their keys; the keys themselves are refused there."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 from opentinker_client import (
     InferenceClient,
     NotFoundError,
-    PermissionDeniedError,
     RLClient,
     TaskFailedError,
     UnauthenticatedError,
@@ -81,23 +81,31 @@ def test_inference_with_api_keys_and_tls_end_to_end(tmp_path: Path, tiny_model_d
             )
             llm.close()
 
-        with InferenceClient(endpoint, api_key=admin_key, adapter=trained, **tls) as admin:
+        def token(key: str) -> str:
+            with RLClient(cluster.url, api_key=key, **tls) as c:
+                return c.endpoint_token(llm.task_id).token
+
+        with InferenceClient(endpoint, api_key=token(admin_key), adapter=trained, **tls) as admin:
             assert admin.generate("What is 2 + 3?", temperature=0, max_tokens=3).samples == out.samples
-        with InferenceClient(endpoint, api_key=bob_key, **tls) as bob_llm:
-            with pytest.raises(PermissionDeniedError, match=f"API key {bob_info.prefix} may not use inference task"):
+        with RLClient(cluster.url, api_key=bob_key, **tls) as bob:
+            with pytest.raises(NotFoundError):  # no token for another owner's task
+                bob.endpoint_token(llm.task_id)
+        with InferenceClient(endpoint, api_key=bob_key, **tls) as bob_llm:  # an API key: refused, not sent on
+            with pytest.raises(UnauthenticatedError, match=f"opentinker endpoint-token {llm.task_id}"):
                 bob_llm.generate("hi", max_tokens=2)
         with InferenceClient(endpoint, api_key="", **tls) as anonymous:
-            with pytest.raises(UnauthenticatedError, match="missing API key"):
+            with pytest.raises(UnauthenticatedError, match="missing endpoint token"):
                 anonymous.generate("hi", max_tokens=2)
-        with InferenceClient(endpoint.removeprefix("https://"), api_key=alice_key, timeout=5) as plain:
+        alice_token = token(alice_key)
+        with InferenceClient(endpoint.removeprefix("https://"), api_key=alice_token, timeout=5) as plain:
             with pytest.raises(UnavailableError):
                 plain.generate("hi", max_tokens=2)
-        with InferenceClient(endpoint, api_key=alice_key, root_certificates=certs.other_ca, timeout=5) as wrong_ca:
+        with InferenceClient(endpoint, api_key=alice_token, root_certificates=certs.other_ca, timeout=5) as wrong_ca:
             with pytest.raises(UnavailableError):
                 wrong_ca.generate("hi", max_tokens=2)
 
-        # Revocation reaches the serving node once the (0.2 s) cache entry has expired.
-        with InferenceClient(endpoint, api_key=spare_key, **tls) as spare:
+        # Revoking a key reaches its tokens on the serving node once the (0.2 s) cache entry has expired.
+        with InferenceClient(endpoint, api_key=token(spare_key), **tls) as spare:
             spare.generate("hi", max_tokens=2)
             with RLClient(cluster.url, api_key=admin_key, **tls) as root:
                 root.keys.revoke(spare_info.prefix)

@@ -22,6 +22,8 @@ from opentinker_client import (
     UnavailableError,
 )
 from opentinker_client import training as client_training
+from opentinker_client.connection import SchedulerConnection
+from opentinker_client.endpoint_tokens import EndpointTokens
 from opentinker_client.training import Datum
 from opentinker_trainer.inference.access import AccessChecker
 from opentinker_trainer.training.sequencing import Sequencer
@@ -66,6 +68,11 @@ def world(tmp_path_factory, tiny_model_dir):
             _, bob = root.keys.create("bob", "user")
         with RLClient(sched.target, api_key=alice) as c:
             task = c.submit_task(workload_type="lora_session", model="/models/m")
+            alice_token = c.endpoint_token(task).token
+        with RLClient(sched.target, api_key=bob) as c:
+            bob_token = c.endpoint_token(c.submit_task(workload_type="lora_session", model="/models/m")).token
+        with RLClient(sched.target, api_key=sched.admin_key) as root:
+            admin_token = root.endpoint_token(task).token
         ctx = worker_ctx(
             tmp,
             "session",
@@ -80,8 +87,9 @@ def world(tmp_path_factory, tiny_model_dir):
             yield {
                 "served": served,
                 "alice": alice,
-                "bob": bob,
-                "admin": sched.admin_key,
+                "alice_token": alice_token,
+                "bob_token": bob_token,
+                "admin_token": admin_token,
                 "task": task,
                 "target": sched.target,
             }
@@ -100,7 +108,9 @@ def batch(n: int = 4, length: int = 9, advantage: float = 1.0) -> list[Datum]:
 
 
 def test_queued_calls_apply_in_order_and_retries_are_idempotent(world, monkeypatch) -> None:
-    with TrainingSession(world["served"].address, api_key=world["alice"], task_id=world["task"]) as s:
+    scheduler = SchedulerConnection(world["target"], timeout=30, api_key=world["alice"])
+    tokens = EndpointTokens(scheduler, world["task"])  # as RLClient connects a session: tokens, never the key
+    with scheduler, TrainingSession(world["served"].address, tokens=tokens, task_id=world["task"]) as s:
         start = s.get_info()
         assert start.lora_rank == 4 and start.next_sequence == s.next_sequence
         # Queued before waiting: forward_backward, then optim_step behind it, then a forward.
@@ -118,7 +128,8 @@ def test_queued_calls_apply_in_order_and_retries_are_idempotent(world, monkeypat
 
         # A retry of the applied optim_step (same number): its kept response, no second step.
         stub = training_pb2_grpc.TrainingServiceStub(s._channel)
-        md = (("authorization", f"Bearer {world['alice']}"),)
+        md = s._metadata()
+        assert md[0][1].startswith("Bearer ote_")
         again = stub.OptimStep(
             training_pb2.OptimStepRequest(
                 sequence=start.next_sequence + 1, adam=training_pb2.AdamParams(learning_rate=1)
@@ -139,7 +150,7 @@ def test_queued_calls_apply_in_order_and_retries_are_idempotent(world, monkeypat
 
 
 def test_bad_calls_are_typed_errors_and_use_no_sequence_number(world) -> None:
-    with TrainingSession(world["served"].address, api_key=world["alice"]) as s:
+    with TrainingSession(world["served"].address, api_key=world["alice_token"]) as s:
         before = s.get_info()
         good = batch(2)
         bad = [good[0], Datum(good[1].input_tokens, good[1].target_tokens[:-2], advantages=good[1].advantages)]
@@ -164,12 +175,14 @@ def test_bad_calls_are_typed_errors_and_use_no_sequence_number(world) -> None:
 
 
 def test_only_the_owner_or_an_admin_may_call_the_session(world) -> None:
-    with TrainingSession(world["served"].address, api_key=world["admin"]) as admin:
+    with TrainingSession(world["served"].address, api_key=world["admin_token"]) as admin:
         assert admin.get_info().model
     with pytest.raises(PermissionDeniedError, match=f"may not use training session {world['task']}"):
-        TrainingSession(world["served"].address, api_key=world["bob"])
-    with pytest.raises(UnauthenticatedError):
+        TrainingSession(world["served"].address, api_key=world["bob_token"])  # a token of another session
+    with pytest.raises(UnauthenticatedError, match="missing endpoint token"):
         TrainingSession(world["served"].address, api_key="")
+    with pytest.raises(UnauthenticatedError, match=f"opentinker endpoint-token {world['task']}"):
+        TrainingSession(world["served"].address, api_key=world["alice"])  # the API key itself
 
 
 def test_a_full_weight_session_says_so_and_trains_over_grpc(world, tiny_model_dir, tmp_path) -> None:
@@ -179,7 +192,7 @@ def test_a_full_weight_session_says_so_and_trains_over_grpc(world, tiny_model_di
     )  # fmt: skip
     served = Served(open_session(ctx)[0], world["target"], world["task"])
     try:
-        with TrainingSession(served.address, api_key=world["alice"], task_id=world["task"]) as s:
+        with TrainingSession(served.address, api_key=world["alice_token"], task_id=world["task"]) as s:
             info = s.get_info()
             assert info.full_weights and (info.lora_rank, info.target_modules) == (0, [])
             data = batch()
@@ -202,7 +215,7 @@ def test_a_session_whose_worker_went_away_says_how_to_resume(world) -> None:
         sock.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{sock.getsockname()[1]}"
     with TrainingSession(
-        world["served"].address, api_key=world["alice"], task_id=world["task"], retries=1, timeout=5
+        world["served"].address, api_key=world["alice_token"], task_id=world["task"], retries=1, timeout=5
     ) as s:
         s._stub = training_pb2_grpc.TrainingServiceStub(grpc.insecure_channel(dead))
         with pytest.raises(UnavailableError) as err:

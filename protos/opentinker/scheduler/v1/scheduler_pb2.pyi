@@ -1,5 +1,6 @@
 import datetime
 
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from opentinker.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
@@ -346,3 +347,31 @@ class GetUsageResponse(_message.Message):
     queues: _containers.RepeatedCompositeFieldContainer[UsageRow]
     currency: str
     def __init__(self, owners: _Optional[_Iterable[_Union[UsageRow, _Mapping]]] = ..., queues: _Optional[_Iterable[_Union[UsageRow, _Mapping]]] = ..., currency: _Optional[str] = ...) -> None: ...
+
+class IssueEndpointTokenRequest(_message.Message):
+    __slots__ = ("task_id", "ttl")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    ttl: _duration_pb2.Duration
+    def __init__(self, task_id: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class IssueEndpointTokenResponse(_message.Message):
+    __slots__ = ("token", "expire_time")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    expire_time: _timestamp_pb2.Timestamp
+    def __init__(self, token: _Optional[str] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class AuthorizeEndpointRequest(_message.Message):
+    __slots__ = ("endpoint_task_id", "task_id")
+    ENDPOINT_TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    endpoint_task_id: str
+    task_id: str
+    def __init__(self, endpoint_task_id: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
+
+class AuthorizeEndpointResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -110,6 +110,16 @@ class SchedulerServiceStub:
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetUsageRequest.SerializeToString,
                 response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetUsageResponse.FromString,
                 _registered_method=True)
+        self.IssueEndpointToken = channel.unary_unary(
+                '/opentinker.scheduler.v1.SchedulerService/IssueEndpointToken',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueEndpointTokenRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueEndpointTokenResponse.FromString,
+                _registered_method=True)
+        self.AuthorizeEndpoint = channel.unary_unary(
+                '/opentinker.scheduler.v1.SchedulerService/AuthorizeEndpoint',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.AuthorizeEndpointRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.AuthorizeEndpointResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -280,6 +290,29 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IssueEndpointToken(self, request, context):
+        """Issues an endpoint token: a signed credential of the caller for the trainer endpoints of one task
+        (its InferenceService, TrainingService or OpenAI-compatible HTTP API), so that API keys never reach
+        trainer nodes. It expires after `ttl` and stops working at once when the API key that asked for it is
+        revoked. The task's owner or an admin may ask. Not idempotent: each call signs a new token. With
+        authentication off the token is empty (the endpoints need none). Errors: NOT_FOUND, INVALID_ARGUMENT
+        (empty id, `ttl` outside 1 s to 24 h), FAILED_PRECONDITION (a task of a workload with no endpoint).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AuthorizeEndpoint(self, request, context):
+        """Asks whether the caller's endpoint token (in `authorization: Bearer ote_...`) may use the endpoint of
+        task `endpoint_task_id`, and with it task `task_id` (an adapter or policy served there; empty: the
+        endpoint only). Trainer endpoints call it with the token their caller sent; nothing else accepts an
+        endpoint token. Idempotent. Errors: UNAUTHENTICATED (a bad, expired or revoked token),
+        PERMISSION_DENIED (an API key, or a token for another task), NOT_FOUND (a task its owner may not use).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -352,6 +385,16 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.GetUsage,
                     request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetUsageRequest.FromString,
                     response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetUsageResponse.SerializeToString,
+            ),
+            'IssueEndpointToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueEndpointToken,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueEndpointTokenRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueEndpointTokenResponse.SerializeToString,
+            ),
+            'AuthorizeEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.AuthorizeEndpoint,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.AuthorizeEndpointRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.AuthorizeEndpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -738,6 +781,60 @@ class SchedulerService:
             '/opentinker.scheduler.v1.SchedulerService/GetUsage',
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetUsageRequest.SerializeToString,
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.GetUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IssueEndpointToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/IssueEndpointToken',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueEndpointTokenRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.IssueEndpointTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AuthorizeEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/AuthorizeEndpoint',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.AuthorizeEndpointRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.AuthorizeEndpointResponse.FromString,
             options,
             channel_credentials,
             insecure,
