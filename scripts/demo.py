@@ -291,7 +291,7 @@ def main() -> int:
         print(flush=True)
         print(
             f"{'step':>4}  {'reward':>6}  {'±std':>5}  {'loss':>8}  "
-            f"{'kl':>7}  {'zero-std':>8}  {'tok/s':>6}  {'step s':>6}"
+            f"{'grad norm':>9}  {'zero-std':>8}  {'tok/s':>6}  {'step s':>6}"
         )
         rewards: dict[int, float] = {}
         checkpoint = ""
@@ -303,7 +303,7 @@ def main() -> int:
                 rewards[ev.step] = m.get("reward", math.nan)
                 print(
                     f"{ev.step:>4}  {m.get('reward', math.nan):>6.3f}  {m.get('reward_std', math.nan):>5.2f}  "
-                    f"{m.get('loss', math.nan):>8.4f}  {m.get('kl', math.nan):>7.4f} "
+                    f"{m.get('loss', math.nan):>8.4f}  {m.get('optim/grad_norm', math.nan):>9.4f} "
                     f" {m.get('zero_std_frac', math.nan):>8.2f}  "
                     f"{m.get('perf/tokens_per_s', math.nan):>6.0f}  {m.get('perf/step_s', math.nan):>6.1f}"
                 )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import sys
 import tempfile
 import time
@@ -41,7 +42,7 @@ class _Tee(io.TextIOBase):
                     v = rec["values"]
                     print(
                         f"step {rec['step']:3d}  reward {v['reward']:.3f}  loss {v['loss']:+.4f}  "
-                        f"kl {v['kl']:.4f}  zero_std {v['zero_std_frac']:.2f}  "
+                        f"kl {v.get('kl', math.nan):.4f}  zero_std {v['zero_std_frac']:.2f}  "
                         f"step_s {v['perf/step_s']:.1f} (generate {v['perf/generate_s']:.1f})",
                         flush=True,
                     )

@@ -41,7 +41,7 @@ rank's RNG state (a resume at the same world size is exact; at another it works,
 
 Metrics per step: ``loss``, ``reward`` (mean episode return), ``reward_std``, ``zero_std_frac``,
 ``loss/policy``, ``loss/kl``, ``kl`` (= ``grpo/kl_ref``: k3 of KL(sampling policy || base model) on
-this step's turns), ``grpo/no_signal``, ``grpo/missing_rewards``, ``grpo/tokens`` (see
+this step's turns; with ``kl_coef`` > 0 only), ``grpo/no_signal``, ``grpo/missing_rewards``, ``grpo/tokens`` (see
 :func:`~opentinker_trainer.rl.grpo.grpo_update`), ``reward/mean``, ``reward/std``,
 ``episode/env_return`` (the environment's own rewards only), ``episode/success_rate`` (episodes
 whose environment return is > 0), ``episode/turns``, ``episode/terminated_frac``,
@@ -319,7 +319,7 @@ class GameTrainer:
             batch,
             lambda model, sl: self.logprobs(ep.prompts[sl], ids[sl], mask[sl], model=model),
             cfg,
-            reference=ADAPTER_OFF,
+            reference=ADAPTER_OFF if cfg.kl_coef > 0 else None,  # no reference forward at kl_coef 0
             dp=self.dp,
         )
 

@@ -26,7 +26,8 @@ Reports per step (``ctx.emit_metric``, steps from 1):
   ``reward/std``, ``grpo/zero_std_frac`` (groups with all-equal rewards: no signal),
   ``grpo/clipfrac``, ``grpo/approx_kl`` (k3 of KL(old || new), how far the updates moved),
   ``grpo/kl_ref`` (= ``kl``: k3 of KL(sampling policy || reference) on this step's samples; not
-  reported without a reference), ``grpo/no_signal``, ``grpo/missing_rewards``, ``grpo/tokens``, ``train/tokens``,
+  reported at ``kl_coef`` 0, where no reference forward runs), ``grpo/no_signal``,
+  ``grpo/missing_rewards``, ``grpo/tokens``, ``train/tokens``,
   ``completion/mean_tokens``, ``completion/truncated_frac``, ``optim/grad_norm`` (before
   clipping), ``optim/lr``, ``perf/step_s``, ``perf/generate_s``, ``perf/train_s``,
   ``perf/samples`` (completions this step), ``perf/tokens_per_s`` (completion tokens sampled per
@@ -165,12 +166,13 @@ class _Trainer:
             self.tokenizer, self.model = _lm.load_for_training(ctx, cfg, self.device, dtype, full=self.full)
         self.stop_ids = _lm.stop_token_ids(self.tokenizer, self.model)
         self.pad_id = int(self.tokenizer.pad_token_id)
-        # KL reference: the adapter switched off (LoRA), or a frozen copy of the starting weights
-        # (full weights; only when kl_coef > 0, it costs a second model's memory).
+        # KL reference, only with kl_coef > 0: the adapter switched off (LoRA), or a frozen copy of
+        # the starting weights (full weights: a second model's memory). At kl_coef 0 no reference
+        # forward runs and kl is not reported, as TRL does at beta 0.
         self.ref_model = (
             _lm.frozen_reference(ctx, cfg, self.model, self.device, dtype) if self.full and cfg.kl_coef > 0 else None
         )
-        self.has_reference = not self.full or self.ref_model is not None
+        self.has_reference = cfg.kl_coef > 0
         # Distributed: every rank draws the step's problems from the same environment stream and
         # rolls out its own share of the groups, sampling with its own seed (seed + rank). All
         # weights (full_rl) are sharded with FSDP2 (opentinker_trainer/fsdp.py), the reference

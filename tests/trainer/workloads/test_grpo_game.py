@@ -198,7 +198,7 @@ def test_lm_game_on_a_client_hosted_environment(tiny_model_dir, tmp_path, script
 def test_a_step_without_signal_still_steps_and_reports_the_kl_to_the_base_model(tiny_model_dir, tmp_path):
     """The rules of rl.grpo.grpo_update, as in the text trainer: equal returns take the
     optimizer step all the same, and ``kl`` is the KL to the base model (0 on a fresh adapter)."""
-    ctx = make_ctx(tiny_model_dir, tmp_path, "nosignal", steps=1)
+    ctx = make_ctx(tiny_model_dir, tmp_path, "nosignal", steps=1, kl_coef=0.1)
     run_task(ctx)
     (m,) = reports(ctx, "metric")
     v = m["values"]

@@ -60,7 +60,7 @@ def varied_rewards(monkeypatch):
 
 
 def test_run_emits_metrics_and_peft_checkpoints(tiny_model_dir, tmp_path, varied_rewards):
-    ctx = make_ctx(tiny_model_dir, tmp_path, "run", steps=3, checkpoint_every=2)
+    ctx = make_ctx(tiny_model_dir, tmp_path, "run", steps=3, checkpoint_every=2, kl_coef=0.05)
     grpo_text.run(ctx)
 
     metrics = reports(ctx, "metric")
@@ -161,6 +161,14 @@ def test_unknown_target_module_is_a_user_error(tiny_model_dir, tmp_path):
     ctx = make_ctx(tiny_model_dir, tmp_path, "targets", steps=1, target_modules=["no_such_proj"])
     with pytest.raises(UserError, match="target_modules"):
         grpo_text.run(ctx)
+
+
+def test_at_kl_coef_zero_no_reference_forward_runs_and_no_kl_is_reported(tiny_model_dir, tmp_path, varied_rewards):
+    ctx = make_ctx(tiny_model_dir, tmp_path, "nokl", steps=1, kl_coef=0.0)
+    grpo_text.run(ctx)
+    (m,) = reports(ctx, "metric")
+    assert {"kl", "grpo/kl_ref"}.isdisjoint(m["values"]) and m["values"]["loss/kl"] == 0.0
+    assert REQUIRED_KEYS - {"kl", "grpo/kl_ref"} <= set(m["values"])
 
 
 def test_micro_batches_and_ppo_epochs(tiny_model_dir, tmp_path, varied_rewards):
