@@ -37,7 +37,6 @@ Shaping terms (:func:`length_term`, :func:`format_term`) add small rewards on th
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Mapping, Sequence
 
 from opentinker_common.arithmetic import last_number
+from opentinker_common.documents import DocumentError, load_json
 from opentinker_common.patterns import PatternError, compile_pattern
 
 __all__ = [
@@ -211,7 +211,7 @@ def regex(reply: str | None, expected: Any = None, *, pattern: str = "", full_ma
     return 1.0 if hit else 0.0
 
 
-_JSON_BLOCK = re.compile(r"```(?:json)?\s*\n(.*?)```", re.S)
+_JSON_BLOCK = compile_pattern(r"(?s)```(?:json)?\s*\n(.*?)```")
 
 
 def _schema_validator(schema: Any):
@@ -292,17 +292,17 @@ def json_schema(reply: str | None, expected: Any = None, *, schema: Mapping[str,
     chosen = schema if schema else expected
     if isinstance(chosen, str):
         try:
-            chosen = json.loads(chosen)
-        except json.JSONDecodeError:
-            raise VerifierError(f"expected a JSON schema, got text that is not JSON: {chosen!r:.60}") from None
+            chosen = load_json(chosen)
+        except DocumentError as exc:
+            raise VerifierError(f"expected a JSON schema, got text that is not JSON: {chosen!r:.60} ({exc})") from None
     validator = _schema_validator(chosen)
     if not reply:
         return 0.0
     block = _JSON_BLOCK.search(reply)
     text = block.group(1) if block else reply.strip()
     try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        value = load_json(text)
+    except DocumentError:
         return 0.0
     return 1.0 if validator.is_valid(value) else 0.0
 

@@ -64,3 +64,13 @@ def test_a_dataset_line_nested_10000_deep_is_refused_by_line_and_column() -> Non
         'd.jsonl:7:77: expected a JSON object such as {"messages": [...]} (JSON error at column 77: expected mappings '
         "and lists nested at most 64 levels deep (max_depth), got a deeper one)"
     )
+
+
+def test_a_json_schema_verifier_reads_schemas_and_replies_within_the_bounds() -> None:
+    from opentinker_common.verifiers import VerifierError, json_schema
+
+    with pytest.raises(VerifierError, match=r"expected mappings and lists nested at most 64 levels deep"):
+        json_schema('{"a": 1}', DEEP)  # a schema from a dataset line, as JSON text
+    assert json_schema(DEEP, schema={"type": "array"}) == 0.0
+    assert json_schema('{"a": NaN}', schema={"type": "object"}) == 0.0
+    assert json_schema("```json\n[[1]]\n```", schema={"type": "array"}) == 1.0
