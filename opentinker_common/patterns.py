@@ -17,7 +17,7 @@ import functools
 
 import re2
 
-__all__ = ["MAX_PATTERN_CHARS", "PatternError", "compile_pattern"]
+__all__ = ["MAX_PATTERN_CHARS", "Pattern", "PatternError", "compile_pattern"]
 
 #: The longest pattern accepted, in characters.
 MAX_PATTERN_CHARS = 1024
@@ -34,14 +34,47 @@ _OPTIONS.log_errors = False  # a refused pattern is an error for its owner, not 
 _OPTIONS.max_mem = MAX_PATTERN_MEMORY
 
 
+class Pattern:
+    """A pattern compiled by RE2, matched as ``re.Pattern`` matches: ``search``, ``match``,
+    ``fullmatch`` and ``finditer`` on ``str``, giving match objects with ``group`` and ``span``.
+
+    RE2 reads UTF-8, which cannot hold a lone surrogate (``"\\ud800"``, from text decoded with
+    ``surrogateescape``); such a character is matched as ``"?"``, so any text can be matched.
+    """
+
+    __slots__ = ("_rx", "pattern")
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        self._rx = re2.compile(pattern, options=_OPTIONS)
+
+    def search(self, text: str):
+        return self._call(self._rx.search, text)
+
+    def match(self, text: str):
+        return self._call(self._rx.match, text)
+
+    def fullmatch(self, text: str):
+        return self._call(self._rx.fullmatch, text)
+
+    def finditer(self, text: str):
+        return self._call(self._rx.finditer, text)
+
+    @staticmethod
+    def _call(method, text: str):
+        try:
+            return method(text)
+        except UnicodeEncodeError:
+            return method(text.encode("utf-8", "replace").decode("utf-8"))
+
+
 @functools.lru_cache(maxsize=256)
-def _compile(pattern: str):
-    return re2.compile(pattern, options=_OPTIONS)
+def _compile(pattern: str) -> Pattern:
+    return Pattern(pattern)
 
 
-def compile_pattern(pattern: object):
-    """``pattern`` compiled by RE2; the result has ``search``, ``fullmatch``, ``match`` and
-    ``finditer`` as ``re.Pattern`` has. Compiled patterns are cached.
+def compile_pattern(pattern: object) -> Pattern:
+    """``pattern`` compiled by RE2 (:class:`Pattern`). Compiled patterns are cached.
 
     Raises:
         PatternError: not a non-empty string, longer than :data:`MAX_PATTERN_CHARS`, or not

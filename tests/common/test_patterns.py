@@ -74,3 +74,10 @@ def test_python_syntax_re2_shares_reads_the_same() -> None:
     rx = compile_pattern(r"(?i)answer:\s*(?P<n>-?\d+)")
     assert rx.search("The ANSWER: -42.").group("n") == "-42"
     assert regex("  XY-12 ", pattern=r"[A-Z]{2}-\d+", full_match=True) == 1.0
+
+
+def test_any_reply_can_be_matched_even_with_a_lone_surrogate() -> None:
+    reply = "x\udcffy ZQZQ"  # bytes decoded with surrogateescape; UTF-8, which RE2 reads, cannot hold it
+    assert regex(reply, pattern="ZQZQ") == 1.0
+    assert regex(reply, pattern=r"x.y ZQZQ", full_match=True) == 1.0
+    assert compile_pattern("y").search(reply).span() == (2, 3)
