@@ -27,7 +27,6 @@ At assignment the ``init_from`` task's final checkpoint travels in ``AssignTask.
 
 from __future__ import annotations
 
-
 from opentinker.common.v1 import common_pb2
 from opentinker_common.artifacts.deleted import deleted_words
 from opentinker_common.spec import SpecError, validate_env_config

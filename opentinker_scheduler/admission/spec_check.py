@@ -35,7 +35,6 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
-
 from opentinker.common.v1 import common_pb2
 from opentinker_common.spec import SpecError, validate_env_config
 from opentinker_common.spec.structs import struct_to_dict
