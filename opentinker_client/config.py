@@ -36,7 +36,9 @@ The file is read as YAML 1.2 (:class:`opentinker_common.yaml12.Yaml12Loader`): o
 refuses ``no``/``off``/``yes``/``on`` with a hint (``expected true or false; 'no' is a string in
 YAML 1.2 — write false``). Typographic quotes (``“ ”``), bullets (``•``) and other look-alike
 characters outside comments and ASCII-quoted strings are refused with their line and column and
-what to type instead.
+what to type instead. The file is read within :mod:`opentinker_common.documents`' bounds (1 MiB,
+64 levels of nesting, 100,000 values with aliases expanded): a YAML bomb is refused with its
+line and column and the limit it passed.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spe
 from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel, did_you_mean, short_repr
 from opentinker_common.spec.task import EXPECTED
 from opentinker_common.spec.registry import env_kinds_for
-from opentinker_common.yaml12 import Yaml12Loader, every_typography, find_typography, yaml11_bool_hint
+from opentinker_common.documents import DocumentError, compose_yaml, construct_yaml, load_yaml
+from opentinker_common.yaml12 import every_typography, find_typography, yaml11_bool_hint
 
 __all__ = ["TaskConfig", "apply_overrides", "load_task_config", "load_with_overrides", "parse_task_config"]
 
@@ -394,7 +397,9 @@ def parse_task_config(text: str, *, source: str = "<string>", check: bool = True
     if typos:
         raise ConfigError.combine([ConfigError(t.message, source=source, line=t.line, column=t.column) for t in typos])
     try:
-        root = yaml.compose(text, Loader=Yaml12Loader)
+        root = compose_yaml(text)
+    except DocumentError as err:
+        raise ConfigError(err.problem, source=source, line=err.line, column=err.column) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
         problem = getattr(err, "problem", None) or str(err)
@@ -409,7 +414,7 @@ def parse_task_config(text: str, *, source: str = "<string>", check: bool = True
     lines: dict[Path, Pos] = {}
     _index_lines(root, (), lines, source)
     try:
-        data = Yaml12Loader(text).get_single_data()
+        data = construct_yaml(root)
     except yaml.YAMLError as err:  # e.g. a bad !!tag that composes but does not construct
         mark = getattr(err, "problem_mark", None)
         raise ConfigError(
@@ -648,7 +653,9 @@ def apply_overrides(cfg: TaskConfig, overrides: Iterable[str]) -> TaskConfig:
                 key=key,
             )
         try:
-            value = yaml.load(text, Loader=Yaml12Loader)
+            value = load_yaml(text)
+        except DocumentError as err:
+            raise ConfigError(f"the value is not valid: {err.problem}", source=source) from None
         except yaml.YAMLError as err:
             raise ConfigError(f"the value is not valid YAML: {getattr(err, 'problem', err)}", source=source) from None
         if top in _MAPPING_KEYS and len(parts) > 1:

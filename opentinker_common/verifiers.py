@@ -21,9 +21,10 @@ checked at submit by :func:`check_expected`) raises :class:`VerifierError`.
 ``choice``         1.0 when the chosen letter (``answer: b``, ``(B)``, ``B)``, else the last
                    standalone capital letter) equals the expected letter; ``choices``
                    (default ``ABCD``) lists the valid letters.
-``regex``          1.0 when ``pattern`` (a Python regex, option or the expected value) matches
-                   anywhere in the reply (``re.search``); ``full_match: true`` needs the whole
-                   stripped reply to match.
+``regex``          1.0 when ``pattern`` (an RE2 regex, option or the expected value) matches
+                   anywhere in the reply; ``full_match: true`` needs the whole stripped reply
+                   to match. Matching takes time linear in the reply
+                   (:mod:`opentinker_common.patterns`): no backreferences or lookaround.
 ``json_schema``    1.0 when the reply (or its first ```` ```json ```` block) parses as JSON and
                    is valid against the schema (the ``schema`` option, or the line's expected
                    value); uses :mod:`jsonschema`.
@@ -35,7 +36,7 @@ Shaping terms (:func:`length_term`, :func:`format_term`) add small rewards on th
 
 from __future__ import annotations
 
-import json
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Mapping, Sequence
 
 from opentinker_common.arithmetic import last_number
+from opentinker_common.documents import DocumentError, load_json
+from opentinker_common.patterns import PatternError, compile_pattern
 
 __all__ = [
     "VERIFIERS",
@@ -187,20 +190,19 @@ def choice(reply: str | None, expected: Any, *, choices: str = "ABCD") -> float:
     return 0.0
 
 
-def _compile(pattern: Any) -> re.Pattern:
-    if not isinstance(pattern, str) or not pattern:
-        raise VerifierError(f"expected a regular expression, got {pattern!r:.60}")
+def _compile(pattern: Any):
     try:
-        return re.compile(pattern)
-    except re.error as exc:
-        raise VerifierError(f"expected a valid regular expression, got {pattern!r:.60} ({exc})") from None
+        return compile_pattern(pattern)
+    except PatternError as exc:
+        raise VerifierError(str(exc)) from None
 
 
 def regex(reply: str | None, expected: Any = None, *, pattern: str = "", full_match: bool = False) -> float:
     """1.0 when ``pattern`` (else ``expected``) matches the reply, else 0.0.
 
     Raises:
-        VerifierError: no pattern, or not a valid regular expression.
+        VerifierError: no pattern, or not one :func:`~opentinker_common.patterns.compile_pattern`
+            accepts.
     """
     rx = _compile(pattern or expected)
     if reply is None:
@@ -209,7 +211,7 @@ def regex(reply: str | None, expected: Any = None, *, pattern: str = "", full_ma
     return 1.0 if hit else 0.0
 
 
-_JSON_BLOCK = re.compile(r"```(?:json)?\s*\n(.*?)```", re.S)
+_JSON_BLOCK = compile_pattern(r"(?s)```(?:json)?\s*\n(.*?)```")
 
 
 def _schema_validator(schema: Any):
@@ -222,7 +224,62 @@ def _schema_validator(schema: Any):
         cls.check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise VerifierError(f"expected a valid JSON schema: {exc.message:.200}") from None
-    return cls(schema)
+    _check_schema_patterns(schema)
+    return _linear_time(cls)(schema)
+
+
+def _check_schema_patterns(schema: Any) -> None:
+    """Refuse a schema whose ``pattern`` or ``patternProperties`` RE2 cannot match."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Mapping):
+            patterns = [node.get("pattern")] if isinstance(node.get("pattern"), str) else []
+            if isinstance(node.get("patternProperties"), Mapping):
+                patterns += list(node["patternProperties"])
+            for pattern in patterns:
+                _compile(pattern)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+@functools.cache
+def _linear_time(cls):
+    """``cls`` (a jsonschema validator class) with ``pattern``, ``patternProperties`` and
+    ``additionalProperties`` matched by RE2 instead of Python's backtracking ``re``."""
+    import jsonschema
+
+    def pattern(validator, patrn, instance, schema):
+        if validator.is_type(instance, "string") and not _compile(patrn).search(instance):
+            yield jsonschema.ValidationError(f"{instance!r:.80} does not match {patrn!r:.80}")
+
+    def pattern_properties(validator, patterns, instance, schema):
+        if not validator.is_type(instance, "object"):
+            return
+        for patrn, subschema in patterns.items():
+            rx = _compile(patrn)
+            for key, value in instance.items():
+                if rx.search(key):
+                    yield from validator.descend(value, subschema, path=key, schema_path=patrn)
+
+    def additional_properties(validator, extra_schema, instance, schema):
+        if not validator.is_type(instance, "object"):
+            return
+        known = schema.get("properties", {})
+        rxs = [_compile(p) for p in schema.get("patternProperties", {})]
+        extras = [k for k in instance if k not in known and not any(rx.search(k) for rx in rxs)]
+        if validator.is_type(extra_schema, "object"):
+            for key in extras:
+                yield from validator.descend(instance[key], extra_schema, path=key)
+        elif not extra_schema and extras:
+            names = ", ".join(repr(k) for k in sorted(extras, key=str)[:10])
+            yield jsonschema.ValidationError(f"additional properties are not allowed ({names} unexpected)")
+
+    return jsonschema.validators.extend(
+        cls,
+        {"pattern": pattern, "patternProperties": pattern_properties, "additionalProperties": additional_properties},
+    )
 
 
 def json_schema(reply: str | None, expected: Any = None, *, schema: Mapping[str, Any] | None = None) -> float:
@@ -235,17 +292,17 @@ def json_schema(reply: str | None, expected: Any = None, *, schema: Mapping[str,
     chosen = schema if schema else expected
     if isinstance(chosen, str):
         try:
-            chosen = json.loads(chosen)
-        except json.JSONDecodeError:
-            raise VerifierError(f"expected a JSON schema, got text that is not JSON: {chosen!r:.60}") from None
+            chosen = load_json(chosen)
+        except DocumentError as exc:
+            raise VerifierError(f"expected a JSON schema, got text that is not JSON: {chosen!r:.60} ({exc})") from None
     validator = _schema_validator(chosen)
     if not reply:
         return 0.0
     block = _JSON_BLOCK.search(reply)
     text = block.group(1) if block else reply.strip()
     try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        value = load_json(text)
+    except DocumentError:
         return 0.0
     return 1.0 if validator.is_valid(value) else 0.0
 

@@ -140,7 +140,7 @@ class TermConfig:
             try:
                 check_expected("regex", None, {"pattern": self.pattern})
             except VerifierError as exc:
-                raise SpecError(f"{path}.pattern", f"a regular expression ({exc})") from None
+                raise SpecError(f"{path}.pattern", str(exc).removeprefix("expected ")) from None
         elif self.pattern:
             raise SpecError(f"{path}.pattern", f"empty for kind {self.kind} (only format terms take a pattern)")
 
@@ -220,13 +220,12 @@ class RewardConfig:
                 raise SpecError(f"{path}.options.{key}", "true or false", opts[key])
         if "choices" in opts and (not isinstance(opts["choices"], str) or not opts["choices"].isalpha()):
             raise SpecError(f"{path}.options.choices", "the valid letters, e.g. ABCD", opts["choices"])
-        try:
-            if self.verifier == "regex" and "pattern" in opts:
-                check_expected("regex", None, opts)
-            if self.verifier == "json_schema" and "schema" in opts:
-                check_expected("json_schema", None, opts)
-        except VerifierError as exc:
-            raise SpecError(f"{path}.options", str(exc)) from None
+        for verifier, key in (("regex", "pattern"), ("json_schema", "schema")):
+            if self.verifier == verifier and key in opts:
+                try:
+                    check_expected(verifier, None, opts)
+                except VerifierError as exc:
+                    raise SpecError(f"{path}.options.{key}", str(exc).removeprefix("expected ")) from None
 
     def reads_field(self) -> bool:
         """Whether the verifier compares with ``line[field]`` (else its options say everything)."""

@@ -14,11 +14,11 @@ same lines with the same words.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from opentinker_common.documents import DocumentError, Limits, load_json
 from opentinker_common.spec._parse import SpecError, num
 from opentinker_common.spec import lm_fields
 from opentinker_common.spec.registry import register_env, register_workload
@@ -39,6 +39,7 @@ CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant")
 
 #: Longest line (one example) accepted, in bytes.
 MAX_LINE_BYTES = 4 * 1024 * 1024
+_LINE_LIMITS = Limits(max_bytes=MAX_LINE_BYTES)
 
 _DATASET_ID = re.compile(r"^sha256:[0-9a-f]{64}$")
 
@@ -95,11 +96,12 @@ def json_object_line(line: str | bytes, lineno: int, *, example: str, wanted: st
     if not line.strip():
         return None
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DatasetError(
-            lineno, f"a JSON object such as {example} (JSON error at column {exc.colno}: {exc.msg})", column=exc.colno
-        ) from None
+        obj = load_json(line, _LINE_LIMITS)
+    except DocumentError as exc:
+        at = f" at column {exc.column}" if exc.column else ""
+        why = exc.problem.removeprefix("expected JSON: ")
+        expected = f"a JSON object such as {example} (JSON error{at}: {why})"
+        raise DatasetError(lineno, expected, column=exc.column) from None
     if not isinstance(obj, dict):
         raise DatasetError(lineno, f"a JSON object with {wanted}", type(obj).__name__)
     return obj

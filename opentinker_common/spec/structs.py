@@ -15,39 +15,43 @@ import math
 from dataclasses import fields, is_dataclass
 from typing import Any, Mapping
 
+from opentinker_common.spec._parse import SpecError
+
 __all__ = ["struct_to_dict", "struct_value", "update_struct"]
 
 
-def struct_to_dict(struct) -> dict[str, Any]:
+def struct_to_dict(struct, field: str = "value") -> dict[str, Any]:
     """``struct`` (a ``google.protobuf.Struct``) as ``json_format.MessageToDict`` returns it:
     numbers as floats, ``null`` (and an unset value) as None, lists and nested structs as lists
     and dicts.
 
+    Args:
+        field: the struct's path in errors (``spec.hyperparameters``).
+
     Raises:
-        ValueError: a number is infinite or NaN (as ``MessageToDict`` refuses it).
+        SpecError: a number is infinite or NaN, naming its path
+            (``spec.hyperparameters.learning_rate: expected a finite number, got nan``).
     """
-    return {key: struct_value(value) for key, value in struct.fields.items()}
+    return {key: struct_value(value, f"{field}.{key}") for key, value in struct.fields.items()}
 
 
-def struct_value(value) -> Any:
+def struct_value(value, field: str = "value") -> Any:
     """One ``google.protobuf.Value`` as ``json_format.MessageToDict`` converts it (see
-    :func:`struct_to_dict`)."""
+    :func:`struct_to_dict`; ``field`` is its path in errors)."""
     kind = value.WhichOneof("kind")
     if kind == "string_value":
         return value.string_value
     if kind == "number_value":
         number = value.number_value
-        if math.isinf(number):
-            raise ValueError("Fail to serialize Infinity for Value.number_value, which would parse as string_value")
-        if math.isnan(number):
-            raise ValueError("Fail to serialize NaN for Value.number_value, which would parse as string_value")
+        if not math.isfinite(number):
+            raise SpecError(field, "a finite number", number)
         return number
     if kind == "bool_value":
         return value.bool_value
     if kind == "struct_value":
-        return struct_to_dict(value.struct_value)
+        return struct_to_dict(value.struct_value, field)
     if kind == "list_value":
-        return [struct_value(v) for v in value.list_value.values]
+        return [struct_value(v, f"{field}[{i}]") for i, v in enumerate(value.list_value.values)]
     return None  # null_value, or no value set
 
 

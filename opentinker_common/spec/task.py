@@ -323,9 +323,9 @@ def spec_from_proto(spec, *, allowed_workloads: tuple[str, ...] = WORKLOAD_TYPES
     Raises:
         SpecError: naming the field path (``spec.hyperparameters.steps`` ...).
     """
-    env = struct_to_dict(spec.env_config) if spec.HasField("env_config") else {}
-    hp = struct_to_dict(spec.hyperparameters) if spec.HasField("hyperparameters") else {}
-    tracking = struct_to_dict(spec.tracking) if spec.HasField("tracking") else None
+    env = struct_to_dict(spec.env_config, "spec.env_config") if spec.HasField("env_config") else {}
+    hp = struct_to_dict(spec.hyperparameters, "spec.hyperparameters") if spec.HasField("hyperparameters") else {}
+    tracking = struct_to_dict(spec.tracking, "spec.tracking") if spec.HasField("tracking") else None
     max_runtime_s = None
     if spec.HasField("limits") and spec.limits.HasField("max_runtime"):
         max_runtime_s = spec.limits.max_runtime.ToNanoseconds() / 1e9

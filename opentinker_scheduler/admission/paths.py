@@ -128,13 +128,12 @@ def _tracking_paths(spec: Any) -> list[tuple[str, str]]:
     """Folders ``spec.tracking`` writes to on the node (a malformed section is the spec check's to refuse)."""
     if not spec.HasField("tracking"):
         return []
-    from google.protobuf.json_format import MessageToDict
-
     from opentinker_common.spec import SpecError
+    from opentinker_common.spec.structs import struct_to_dict
     from opentinker_common.spec.tracking import parse_tracking
 
     try:
-        return parse_tracking(MessageToDict(spec.tracking)).local_paths()
+        return parse_tracking(struct_to_dict(spec.tracking, "spec.tracking")).local_paths()
     except SpecError:
         return []
 

@@ -27,12 +27,10 @@ At assignment the ``init_from`` task's final checkpoint travels in ``AssignTask.
 
 from __future__ import annotations
 
-
-from google.protobuf import json_format
-
 from opentinker.common.v1 import common_pb2
 from opentinker_common.artifacts.deleted import deleted_words
 from opentinker_common.spec import SpecError, validate_env_config
+from opentinker_common.spec.structs import struct_to_dict
 from opentinker_common.spec.prompts import SAMPLE_LINES, check_sample
 from opentinker_common.spec.sft import is_dataset_id
 
@@ -202,7 +200,7 @@ def _check_dataset_fits(spec: common_pb2.TaskSpec, dataset_id: str, datasets: Da
     if want != "prompts":
         return
     try:
-        env = validate_env_config(json_format.MessageToDict(spec.env_config))
+        env = validate_env_config(struct_to_dict(spec.env_config, "spec.env_config"))
     except SpecError:
         return  # the spec check refuses it next, naming its field
     try:

@@ -35,10 +35,9 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
-from google.protobuf import json_format
-
 from opentinker.common.v1 import common_pb2
 from opentinker_common.spec import SpecError, validate_env_config
+from opentinker_common.spec.structs import struct_to_dict
 
 from opentinker_scheduler.errors import InvalidArgument, ResourceExhausted
 
@@ -56,7 +55,7 @@ REMEMBER_PASSED = 4096
 
 def _env_dict(spec: common_pb2.TaskSpec) -> dict[str, Any]:
     """``spec.env_config`` as ``spec_from_proto`` reads it."""
-    return json_format.MessageToDict(spec.env_config) if spec.HasField("env_config") else {}
+    return struct_to_dict(spec.env_config, "spec.env_config") if spec.HasField("env_config") else {}
 
 
 def _too_slow_message(timeout_s: float) -> str:
@@ -103,7 +102,10 @@ class SpecChecker:
             return
         if key in self._too_slow:
             raise InvalidArgument(_too_slow_message(timeout_s))
-        env = _env_dict(spec)
+        try:
+            env = _env_dict(spec)
+        except SpecError as exc:
+            raise InvalidArgument.from_spec(exc) from None
         try:
             await asyncio.wait_for(self._slots.acquire(), timeout_s)
         except TimeoutError:

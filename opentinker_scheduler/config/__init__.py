@@ -73,6 +73,7 @@ from typing import Any
 
 import yaml
 
+from opentinker_common.documents import DocumentError, compose_yaml
 from opentinker_common.yaml12 import Yaml12Loader, every_typography, tag_name, yaml11_bool_hint
 from opentinker_common.spec import WORKLOAD_TYPES, did_you_mean
 
@@ -300,7 +301,10 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
     if typos:  # before YAML reads it: "mapping values are not allowed here" names neither character
         raise ConfigError("\n".join(f"{source}:{t.line}:{t.column}: {t.message}" for t in typos))
     try:
-        root = yaml.compose(text, Loader=Yaml12Loader)
+        root = compose_yaml(text)
+    except DocumentError as exc:
+        at = f":{exc.line}:{exc.column}" if exc.line is not None else ""
+        raise ConfigError(f"{source}{at}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         detail = str(exc).replace('"<unicode string>"', source)
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)

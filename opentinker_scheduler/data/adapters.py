@@ -19,7 +19,6 @@ targeted module of the model got its weights, and fails the task naming the keys
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import secrets
 import shutil
@@ -29,6 +28,7 @@ from pathlib import Path, PurePosixPath
 from typing import AsyncIterable
 
 from opentinker.scheduler.v1 import scheduler_pb2
+from opentinker_common.documents import DocumentError, Limits, load_json
 
 from opentinker_scheduler.errors import InvalidArgument, ResourceExhausted
 
@@ -40,6 +40,7 @@ MAX_ADAPTER_FILES = 64
 MAX_ADAPTER_BYTES = 4 * 1024**3
 #: Largest safetensors header read (the JSON before the tensors), in bytes.
 _MAX_HEADER = 100 * 1024 * 1024
+_HEADER_LIMITS = Limits(max_bytes=_MAX_HEADER)
 _LORA_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
 
@@ -81,9 +82,9 @@ def check_adapter_folder(folder: Path) -> None:
         if not f.is_file():
             raise InvalidArgument(f"{f.name}: expected in the adapter folder (PEFT's save_pretrained writes it)")
     try:
-        config = json.loads(config_file.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidArgument(f"adapter_config.json: expected JSON ({exc})") from None
+        config = load_json(config_file.read_bytes())
+    except DocumentError as exc:
+        raise InvalidArgument(f"adapter_config.json: {exc}") from None
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         got = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
         raise InvalidArgument(f"adapter_config.json: expected peft_type LORA, got {got!r}")
@@ -96,8 +97,8 @@ def check_adapter_folder(folder: Path) -> None:
         if not 0 < size <= min(_MAX_HEADER, weights.stat().st_size - 8):
             raise InvalidArgument("adapter_model.safetensors: expected a safetensors file (its header is not there)")
         try:
-            header = json.loads(fh.read(size))
-        except (ValueError, UnicodeDecodeError):
+            header = load_json(fh.read(size), _HEADER_LIMITS)
+        except DocumentError:
             raise InvalidArgument("adapter_model.safetensors: expected a safetensors file (bad header)") from None
     keys = sorted(k for k in header if k != "__metadata__") if isinstance(header, dict) else []
     not_lora = [k for k in keys if _lora_part(k) is None]

@@ -20,13 +20,19 @@ Streaming is server-sent events (``data: {json}`` per chunk, ``data: [DONE]`` la
 per token and choice; a client that disconnects cancels its request (its batch row is freed).
 Log-probabilities are the raw model distribution (:mod:`.sampling`).
 
+A request body is at most :data:`MAX_BODY_BYTES`: a longer one is refused with 413 from its
+``Content-Length`` before it is read, or as soon as a chunked one passes the limit. The body
+is read as JSON within :mod:`opentinker_common.documents`' bounds (64 levels of nesting; NaN
+and Infinity are not JSON); ``seed`` is a 64-bit integer. Every refusal, and any unexpected
+error, is a JSON error in OpenAI's shape, never a plain-text one.
+
 Security is the gRPC server's: with an access checker every request needs
 ``Authorization: Bearer ote_...``, an endpoint token for this inference task (the ``openai``
 package's ``api_key``; ``opentinker endpoint-token TASK`` prints one), checked with the scheduler
 for the task and for an adapter's task exactly as :class:`~.server.InferenceService` does; with TLS the port speaks
 HTTPS only. Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with the
-HTTP status of the gRPC code (400 INVALID_ARGUMENT, 401, 403, 404, 429 RESOURCE_EXHAUSTED,
-503 UNAVAILABLE).
+HTTP status of the gRPC code (400 INVALID_ARGUMENT, 401, 403, 404, 413 a body over the limit,
+429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 500 anything else).
 """
 
 from __future__ import annotations
@@ -42,7 +48,11 @@ from dataclasses import dataclass
 
 import grpc
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from opentinker_common.documents import DocumentError, Limits, load_json
 
 from opentinker_trainer.inference.access import AccessChecker, AccessRefused
 from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRefused, AdaptersBusy
@@ -55,6 +65,11 @@ __all__ = ["build_openai_app", "start_openai_server", "RunningOpenAIServer", "Op
 
 CHAT_DEFAULT_MAX_TOKENS = 256
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+#: The longest request body read, in bytes (a prompt of about a million tokens' worth of text).
+MAX_BODY_BYTES = 4 << 20
+_BODY_LIMITS = Limits(max_bytes=MAX_BODY_BYTES)
+#: The seeds torch's generators take: a signed or unsigned 64-bit integer.
+_SEED_RANGE = (-(2**63), 2**64 - 1)
 
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -78,9 +93,9 @@ _CODES = (
 class OpenAIError(Exception):
     """An error answered as OpenAI does: ``status`` (HTTP), ``kind`` (its ``type``), ``param``."""
 
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.kind, self.message, self.param = status, kind, message, param
+        self.status, self.kind, self.message, self.param, self.code = status, kind, message, param, code
 
     @classmethod
     def from_exception(cls, exc: Exception) -> "OpenAIError":
@@ -96,7 +111,16 @@ class OpenAIError(Exception):
         raise exc
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _too_large(size: str) -> OpenAIError:
+    return OpenAIError(
+        413,
+        "invalid_request_error",
+        f"the request body is {size} bytes; expected at most {MAX_BODY_BYTES} bytes (send a shorter prompt)",
+        code="request_too_large",
+    )
 
 
 def _bad(param: str, expected: str, got) -> OpenAIError:
@@ -126,8 +150,10 @@ def _sampling(body: dict, default_max: int) -> SamplingParams:
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
         raise _bad("max_tokens", "an integer", max_tokens)
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise _bad("seed", "an integer", seed)
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]
+    ):
+        raise _bad("seed", "an integer in [-2**63, 2**64 - 1]", seed)
     return SamplingParams(
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
@@ -161,6 +187,22 @@ def build_openai_app(runtime: ModelRuntime, *, access: AccessChecker | None = No
     app = FastAPI(title="OpenTinker inference (OpenAI-compatible)", docs_url=None, redoc_url=None)
     created = int(time.time())
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):  # an unknown path, a wrong method
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            OpenAIError(exc.status_code, kind, str(exc.detail)).body(), status_code=exc.status_code, headers=exc.headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return JSONResponse(OpenAIError(400, "invalid_request_error", str(exc)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):  # a bug: still OpenAI's shape, never a traceback
+        body = OpenAIError(500, "server_error", f"the server failed: {type(exc).__name__}").body()
+        return JSONResponse(body, status_code=500)
+
     async def admit(request: Request, adapter: str | None = None) -> None:
         if access is None:
             return
@@ -179,12 +221,21 @@ def build_openai_app(runtime: ModelRuntime, *, access: AccessChecker | None = No
         return JSONResponse(err.body(), status_code=err.status)
 
     async def read_json(request: Request) -> dict:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise _too_large(declared)
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > MAX_BODY_BYTES:
+                raise _too_large(f"over {MAX_BODY_BYTES}")
         try:
-            body = await request.json()
-        except ValueError:
-            raise OpenAIError(400, "invalid_request_error", "the request body is not valid JSON") from None
+            body = load_json(bytes(data), _BODY_LIMITS)
+        except DocumentError as exc:
+            raise OpenAIError(400, "invalid_request_error", f"the request body: {exc}") from None
         if not isinstance(body, dict):
-            raise OpenAIError(400, "invalid_request_error", "the request body must be a JSON object")
+            got = {list: "a list", str: "a string", bool: "a boolean"}.get(type(body), "a number or null")
+            raise OpenAIError(400, "invalid_request_error", f"the request body: expected a JSON object, got {got}")
         return body
 
     def parse(body: dict, *, chat: bool) -> _Call:

@@ -64,7 +64,7 @@ def test_an_unknown_verifier_is_refused_listing_the_known_ones() -> None:
         ({"verifier": "numeric", "options": {"schema": {}}}, "spec.env_config.reward.options.schema"),
         ({"verifier": "numeric", "options": {"extract": "first"}}, "spec.env_config.reward.options.extract"),
         ({"verifier": "numeric", "options": {"tolerance": -1}}, "spec.env_config.reward.options.tolerance"),
-        ({"verifier": "regex", "options": {"pattern": "("}}, "spec.env_config.reward.options"),
+        ({"verifier": "regex", "options": {"pattern": "("}}, "spec.env_config.reward.options.pattern"),
         ({"verifier": "client"}, "spec.env_config.reward.endpoint"),
         ({"verifier": "numeric", "endpoint": "h:1"}, "spec.env_config.reward.endpoint"),
         ({"terms": [{"kind": "bonus"}]}, "spec.env_config.reward.terms[0].kind"),

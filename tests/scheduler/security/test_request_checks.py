@@ -110,6 +110,87 @@ def test_multiline_free_text_keeps_newlines_and_tabs(sched) -> None:
         alice.cancel(task_id)
 
 
+@pytest.mark.parametrize(
+    ("struct", "values", "message"),
+    [
+        (
+            "hyperparameters",
+            {"learning_rate": float("nan")},
+            "spec.hyperparameters.learning_rate: expected a finite number, got nan",
+        ),
+        (
+            "hyperparameters",
+            {"kl_coef": float("inf")},
+            "spec.hyperparameters.kl_coef: expected a finite number, got inf",
+        ),
+        (
+            "env_config",
+            {"env_id": "arithmetic", "max_digits": float("-inf")},
+            "spec.env_config.max_digits: expected a finite number, got -inf",
+        ),
+        (
+            "env_config",
+            {"env_id": "arithmetic", "reward": {"weights": [1.0, float("nan")]}},
+            "spec.env_config.reward.weights[1]: expected a finite number, got nan",
+        ),
+    ],
+)
+def test_nan_or_infinity_in_a_spec_is_invalid_argument_naming_the_field(sched, struct, values, message) -> None:
+    spec = common_pb2.TaskSpec(workload_type="lora_finetune", model="org/m", name="t")
+    getattr(spec, struct).update(values)
+    with RLClient(sched.target, api_key=sched.user_key) as alice:
+        before = alice.list_tasks()
+    for dry_run in (True, False):
+        with grpc.insecure_channel(sched.target) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                scheduler_pb2_grpc.SchedulerServiceStub(ch).SubmitTask(
+                    S.SubmitTaskRequest(spec=spec, dry_run=dry_run), metadata=metadata(sched.user_key), timeout=30
+                )
+        err = info.value
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert err.details() == message
+        (detail,) = rpc_status.from_call(err).details
+        bad = error_details_pb2.BadRequest()
+        assert detail.Unpack(bad) and bad.field_violations[0].field == message.split(":", 1)[0]
+    with RLClient(sched.target, api_key=sched.user_key) as alice:
+        assert alice.list_tasks() == before  # nothing was stored
+
+
+@pytest.mark.parametrize(
+    ("reward", "field", "why"),
+    [
+        ({"verifier": "regex", "options": {"pattern": r"(a)\1"}}, "options.pattern", r"invalid escape sequence: \1"),
+        (
+            {"verifier": "numeric", "terms": [{"kind": "format", "weight": 0.1, "pattern": r"(?<=x)y"}]},
+            "terms[0].pattern",
+            "invalid perl operator: (?<=",
+        ),
+        (
+            {"verifier": "json_schema", "options": {"schema": {"type": "string", "pattern": "a(?=b)"}}},
+            "options.schema",
+            "invalid perl operator: (?=",
+        ),
+    ],
+)
+def test_a_reward_pattern_without_a_linear_time_match_is_refused_at_submit(sched, tmp_path, reward, field, why) -> None:
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text('{"prompt": "2+2?", "answer": 4}\n{"prompt": "3+3?", "answer": 6}\n')
+    with RLClient(sched.target, api_key=sched.user_key) as alice:
+        dataset_id = alice.upload_dataset(lines, format="prompts").dataset_id
+        before = alice.list_tasks()
+    spec = common_pb2.TaskSpec(workload_type="lora_finetune", model="org/m", name="t")
+    spec.env_config.update({"env_id": "prompts", "dataset_id": dataset_id, "reward": reward})
+    err = _submit(sched, spec)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert err.details().startswith(
+        f"spec.env_config.reward.{field}: expected a regular expression RE2 can match in linear time "
+        "(no backreferences or lookaround), got "
+    )
+    assert err.details().endswith(f"({why})")
+    with RLClient(sched.target, api_key=sched.user_key) as alice:
+        assert alice.list_tasks() == before
+
+
 def _ld(number: int, payload: bytes) -> bytes:
     """A length-delimited protobuf field."""
     return _VarintBytes(number << 3 | 2) + _VarintBytes(len(payload)) + payload
