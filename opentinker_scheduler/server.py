@@ -29,6 +29,7 @@ from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.state.core import STATE_NAMES, SchedulerCore
 from opentinker_scheduler.api.dashboard import Dashboard
 from opentinker_scheduler.api.front import PortFront
+from opentinker_scheduler.api.rpc import abort_mapped
 from opentinker_scheduler.api.http import HttpEndpoint, Snapshot
 from opentinker_scheduler.api.service import NodeService, SchedulerService
 from opentinker_scheduler.state.leadership import LeaseLeadership, StaticLeadership
@@ -253,6 +254,7 @@ async def start_scheduler(
         store.close()
         raise
     core.enable_group_commit()
+    security.interceptor.abort_refusal = abort_mapped  # its refusals carry RetryInfo, as the handlers' do
     most = security.limits.config.max_message_bytes
     options = [
         (k, most if k in ("grpc.max_send_message_length", "grpc.max_receive_message_length") else v)

@@ -3,10 +3,10 @@ RESOURCE_EXHAUSTED naming the limit, and nothing is stored; plus the limiter uni
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
@@ -16,6 +16,7 @@ from opentinker_scheduler.errors import ResourceExhausted
 from opentinker_scheduler.security.limits import Limits, LimitsConfig, TokenBucket
 
 from tests.support.security import LoopbackScheduler, metadata
+from tests.support.waiting import wait_for
 
 
 def _submit(client: RLClient, **kw) -> str:
@@ -57,18 +58,22 @@ def test_pending_per_owner_limit_counts_each_owner_separately(make) -> None:
         _submit(alice)  # room again
 
 
-def test_submit_rate_per_key_is_a_token_bucket(make) -> None:
+def test_submit_rate_is_one_token_bucket_per_owner_over_all_its_keys(make) -> None:
     s = make("auth: {enabled: true}\nlimits: {submit_rate: 0.001, submit_burst: 2}\n")
     with RLClient(s.target, api_key=s.admin_key) as root:
         _, k1 = root.keys.create("alice", "user")
-        _, k2 = root.keys.create("alice", "user")  # same owner, another key: its own bucket
-    with RLClient(s.target, api_key=k1) as a, RLClient(s.target, api_key=k2) as b:
+        _, k2 = root.keys.create("alice", "user")  # same owner, another key: the same bucket
+        _, k3 = root.keys.create("bob", "user")
+    with RLClient(s.target, api_key=k1) as a, RLClient(s.target, api_key=k2) as b, RLClient(s.target, api_key=k3) as c:
         _submit(a)
         _submit(a)
-        with pytest.raises(ResourceExhaustedError, match=r"submit rate limit: .* \(limits.submit_rate\); retry in"):
-            _submit(a)
-        _submit(b)
-        assert len(a.list_tasks()) == 3
+        for client in (a, b):
+            with pytest.raises(
+                ResourceExhaustedError, match=r"per second per owner .* \(limits.submit_rate\); retry in"
+            ):
+                _submit(client)
+        _submit(c)  # another owner has its own bucket
+        assert len(a.list_tasks()) == 2
 
 
 def test_spec_size_limit(make) -> None:
@@ -98,36 +103,64 @@ def test_message_size_limit_applies_to_what_the_server_receives(make) -> None:
         assert not stub.ListTasks(S.ListTasksRequest()).tasks
 
 
-def test_concurrent_streams_per_key(make) -> None:
-    s = make("auth: {enabled: true}\nlimits: {max_streams_per_key: 1}\n")
+def test_concurrent_streams_count_per_owner_so_a_rotated_key_adds_none(make) -> None:
+    s = make("auth: {enabled: true}\nlimits: {max_streams_per_owner: 1}\n")
     with RLClient(s.target, api_key=s.admin_key) as root:
         _, key = root.keys.create("alice", "user")
         _, other = root.keys.create("bob", "user")
+        _, rotated, _ = root.keys.rotate(key[:12], grace=600)  # both keys stay valid for the grace period
     with RLClient(s.target, api_key=key) as alice:
         own = _submit(alice)  # pending for good (no nodes), so a watch of it stays open
-    md = metadata(key)
     with grpc.insecure_channel(s.target) as ch:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
         req = S.WatchTaskRequest(task_id=own)
-        first = stub.WatchTask(S.WatchTaskRequest(task_id=own), metadata=md)
+        first = stub.WatchTask(req, metadata=metadata(key))
         assert next(first).event.state_change.to_state == C.TASK_STATE_PENDING  # the stream is open
-        with pytest.raises(grpc.RpcError) as err:
-            next(stub.WatchTask(S.WatchTaskRequest(task_id=own), metadata=md))
-        assert (
-            err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            and "limits.max_streams_per_key" in err.value.details()
-        )
-        # Another key has its own slots (bob's watch of a task he cannot see is NOT_FOUND, not exhausted).
+        for k in (key, rotated):  # the old key and its successor share alice's one slot
+            with pytest.raises(grpc.RpcError) as err:
+                next(stub.WatchTask(req, metadata=metadata(k)))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+            assert "1 open for owner 'alice', the limit is 1 (limits.max_streams_per_owner)" in err.value.details()
+        # Another owner has its own slots (bob's watch of a task he cannot see is NOT_FOUND, not exhausted).
         with pytest.raises(grpc.RpcError) as err:
             next(stub.WatchTask(req, metadata=metadata(other)))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         first.cancel()
-        deadline = time.monotonic() + 10
-        while s.security.limits.open_streams(key[:12]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        again = stub.WatchTask(S.WatchTaskRequest(task_id=own), metadata=md)
+        wait_for(lambda: not s.security.limits.open_streams("alice"), what="alice's stream slot released")
+        again = stub.WatchTask(req, metadata=metadata(rotated))
         assert next(again).event.state_change.to_state == C.TASK_STATE_PENDING
         again.cancel()
+
+
+def test_one_owners_read_flood_is_refused_with_retry_info_while_another_owner_reads(make) -> None:
+    s = make("auth: {enabled: true}\nlimits: {read_rate: 0.001, read_burst: 20}\n")
+    with RLClient(s.target, api_key=s.admin_key) as root:
+        _, flooder = root.keys.create("mallory", "user")
+        _, second = root.keys.create("mallory", "user")
+        _, victim = root.keys.create("bob", "user")
+    with RLClient(s.target, api_key=victim) as bob:
+        task_id = _submit(bob)
+    with grpc.insecure_channel(s.target) as ch:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        codes = []
+        for i in range(40):  # the flood: reads from two keys of one owner
+            try:
+                stub.ListTasks(S.ListTasksRequest(), metadata=metadata((flooder, second)[i % 2]))
+                codes.append("OK")
+            except grpc.RpcError as err:
+                codes.append(err.code().name)
+                refused = err
+        assert codes[:20] == ["OK"] * 20 and set(codes[20:]) == {"RESOURCE_EXHAUSTED"}
+        assert "(limits.read_rate); ListTasks refused, retry in" in refused.details()
+        status = rpc_status.from_call(refused)
+        retry = [d for d in status.details if d.Is(error_details_pb2.RetryInfo.DESCRIPTOR)]
+        assert len(retry) == 1
+        with pytest.raises(grpc.RpcError) as err:  # a stream's open is a read too
+            next(stub.WatchTask(S.WatchTaskRequest(task_id=task_id), metadata=metadata(flooder)))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Another owner's reads have their own bucket.
+        got = stub.GetTask(S.GetTaskRequest(task_id=task_id), metadata=metadata(victim))
+        assert got.task.task_id == task_id
 
 
 def test_spec_fields_are_bounded_with_invalid_argument(make) -> None:
@@ -147,8 +180,8 @@ def test_spec_fields_are_bounded_with_invalid_argument(make) -> None:
 def test_defaults_depend_on_auth_and_explicit_values_always_apply() -> None:
     off = LimitsConfig().resolved(auth_enabled=False)
     on = LimitsConfig().resolved(auth_enabled=True)
-    assert (off.submit_rate, off.max_pending_per_owner, off.max_streams_per_key) == (0, 0, 0)
-    assert on.submit_rate > 0 and on.max_pending_per_owner > 0 and on.max_streams_per_key > 0
+    assert (off.submit_rate, off.max_pending_per_owner, off.max_streams_per_owner) == (0, 0, 0)
+    assert on.submit_rate > 0 and on.max_pending_per_owner > 0 and on.max_streams_per_owner > 0
     assert off.max_message_bytes == on.max_message_bytes == 64 * 1024 * 1024
     assert LimitsConfig(submit_rate=3).resolved(auth_enabled=False).submit_rate == 3
 
@@ -176,7 +209,7 @@ def test_limits_unit_streams_release_and_rate_with_a_fake_clock() -> None:
     now = [0.0]
     lim = Limits(
         LimitsConfig(
-            submit_rate=1.0, submit_burst=1, max_streams_per_key=2, max_spec_bytes=10, max_pending_per_owner=1
+            submit_rate=1.0, submit_burst=1, max_streams_per_owner=2, max_spec_bytes=10, max_pending_per_owner=1
         ),
         clock=lambda: now[0],
     )
