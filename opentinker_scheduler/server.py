@@ -326,6 +326,7 @@ async def start_scheduler(
         http.snapshot = _snapshot(core, leadership)
         http.node_messages = core.node_messages  # live counters; the HTTP thread only reads them
         http.submits_refused = scheduler_service.gate.refused
+        http.audit_refusals = security.audit.refusals
         http.dashboard = Dashboard(
             core, asyncio.get_running_loop(), security=security, artifacts=artifacts, secure=http.scheme == "https"
         )

@@ -94,6 +94,14 @@ class _Collector:
         for reason, n in sorted(dict(self.holder.submits_refused).items()):
             refused.add_metric([reason.lower()], n)
         yield refused
+        counted = CounterMetricFamily(
+            "opentinker_audit_refusals",
+            "Refused submits and adapter imports, counted instead of audited one record each",
+            labels=["action", "owner", "code"],
+        )
+        for (action, owner, code), n in sorted(dict(self.holder.audit_refusals).items()):
+            counted.add_metric([action, owner, code], n)
+        yield counted
         fams = {
             "utilization_percent": GaugeMetricFamily(
                 "opentinker_gpu_utilization_percent", "GPU utilization (%)", labels=["node_id", "gpu", "simulated"]
@@ -222,6 +230,8 @@ class HttpEndpoint:
         #: kind -> messages received on node streams; the event loop increments, this thread reads.
         self.node_messages: dict[str, int] = {}
         self.submits_refused: dict[str, int] = {}
+        #: (action, owner, code) -> refusals counted by the audit log (:attr:`AuditLog.refusals`).
+        self.audit_refusals: dict[tuple[str, str, str], int] = {}
         self.stale_after_s = stale_after_s
         #: The scheduler's gRPC port, sent as the X-OpenTinker-Grpc-Port header once known.
         self.grpc_port: int | None = None
