@@ -85,7 +85,7 @@ def check_submit_rate(limits: Limits, caller: Principal, *, core: SchedulerCore)
         if queue is not None
         else None
     )
-    limits.check_submit_rate(caller.owner, override=rate)
+    limits.take_submit(caller.owner, override=rate)
 
 
 async def admit(

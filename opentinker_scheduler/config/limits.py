@@ -16,6 +16,7 @@ DEFAULTS = {
     "submit_burst": 50,
     "read_rate": 100.0,
     "read_burst": 200,
+    "rate_wait": 1.0,
     "max_streams_per_owner": 32,
     "spec_check_timeout": 10.0,
     "max_keys_per_owner": 20,
@@ -53,6 +54,7 @@ class LimitsConfig:
     submit_burst: int | None = None
     read_rate: float | None = None
     read_burst: int | None = None
+    rate_wait: float | None = None
     max_streams_per_owner: int | None = None
     spec_check_timeout: float | None = None
     max_keys_per_owner: int | None = None
@@ -87,6 +89,7 @@ _KEYS = {
     "submit_burst": (int, 1, 1_000_000),
     "read_rate": (float, 0, 1e6),
     "read_burst": (int, 1, 1_000_000),
+    "rate_wait": (float, 0, 60),
     "max_streams_per_owner": (int, 0, 100_000),
     "spec_check_timeout": (float, 0.1, 600),
     "max_keys_per_owner": (int, 0, 1_000_000),

@@ -71,7 +71,13 @@ from opentinker_scheduler.security.keys import (  # noqa: F401 - re-exported: th
     hash_key,
     key_prefix,
 )
-from opentinker_scheduler.security.limits import CHECKPOINT_UPLOADS, USER_UPLOADS, Limits
+from opentinker_scheduler.security.limits import (
+    CHECKPOINT_UPLOADS,
+    USER_UPLOADS,
+    Limits,
+    hold_rate_refusal,
+    paced,
+)
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -176,6 +182,7 @@ MISSING_KEY = (
 
 
 async def _abort_plain(context, exc: SchedulerError) -> None:
+    await hold_rate_refusal()
     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
 
@@ -438,16 +445,16 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool,
             if handler.request_streaming:  # bidirectional (a node's Connect)
                 request = _decoded(request, context)
             owner = principal.owner
+            _CALLER.set(principal)
             try:
                 if read:
-                    interceptor.limits.check_read_rate(owner, method)
+                    await paced(lambda: interceptor.limits.take_read(owner, method))
                 if stream_slot:
                     interceptor.limits.acquire_stream(owner)
             except SchedulerError as exc:
                 await interceptor.abort_refusal(context, exc)
             watched = interceptor._watch(principal, method, context)
             try:
-                _CALLER.set(principal)
                 result = inner(request, context)
                 if hasattr(result, "__aiter__"):
                     source = result if watched is None else until_ended(result, watched)
@@ -499,15 +506,17 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool,
             principal = await interceptor._gate(method, context)
             if isinstance(request, _Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            _CALLER.set(principal)
             if read:
                 try:
-                    interceptor.limits.check_read_rate(principal.owner, method)
+                    await paced(lambda: interceptor.limits.take_read(principal.owner, method))
                 except SchedulerError as exc:
                     await interceptor.abort_refusal(context, exc)
-            _CALLER.set(principal)
             result = inner(request, context)
             if inspect.isawaitable(result):
                 result = await result
+            if read and result is not None:
+                interceptor.limits.charge_read(principal.owner, result.ByteSize())
             return result
 
     return factory(

@@ -11,6 +11,7 @@ message naming the limit and its config key, never a crash.
       submit_burst: 50              # ... of which this many may come at once
       read_rate: 100                # reads (GetTask, ListTasks, WatchTask opens...) per second per owner; 0 = no limit
       read_burst: 200               # ... of which this many may come at once
+      rate_wait: 1                  # seconds a read over read_rate may wait for its token; a refusal is held as long
       max_streams_per_owner: 32     # server streams (WatchTask, downloads) open at once per owner; 0 = no limit
       spec_check_timeout: 10        # seconds SubmitTask may spend building the environment to check a spec
       max_keys_per_owner: 20        # active (unrevoked, unexpired) API keys per owner; 0 = no limit
@@ -36,8 +37,15 @@ users never starve a task's checkpoints. An upload whose messages carry no paylo
 disk checks are :meth:`opentinker_scheduler.data.datasets.DatasetStore.begin`'s.
 
 Reads (:data:`opentinker_scheduler.security.auth.READ_METHODS`) take a token of their owner's
-read bucket; over it the call is refused before any work with a ``google.rpc.RetryInfo`` saying
-when a token is back, so one owner's flood costs the scheduler a refusal per call, not a query.
+read bucket (:meth:`Limits.take_read`), and one more per 4 KiB of the answer
+(:meth:`Limits.charge_read`: a page of a hundred tasks costs more than one task); submits and
+adapter imports one of the owner's submit bucket. Over the read rate a read waits for its token,
+up to ``rate_wait`` seconds, then runs; a submit never waits (it would hold one of the
+scheduler's ``max_submits_in_flight``). A call that gets no token is refused, before any work,
+with a ``google.rpc.RetryInfo`` saying when one is back, and the refusal is answered only after
+``rate_wait`` seconds, once the call has given back what it held (:meth:`Limits.refusal_wait`,
+held by the auth interceptor). So a flood from many threads is slowed to its owner's rates and
+costs the scheduler neither work nor a storm of refusals.
 
 The per-caller limits (pending, rates, streams, per-owner uploads, dataset bytes per owner)
 default to the values above when ``auth.enabled`` is true. With authentication off (one trusted
@@ -51,13 +59,25 @@ done (:mod:`opentinker_scheduler.admission.load`); the upload pools (``max_uploa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from opentinker_scheduler.config.limits import DEFAULTS, LimitsConfig  # noqa: F401 - the section, re-exported
 from opentinker_scheduler.errors import ResourceExhausted
+
+#: Bytes of a read's answer that cost one more read token (:meth:`Limits.charge_read`).
+READ_TOKEN_BYTES = 4096
+#: Rate refusals of one owner held at once (:meth:`Limits.refusal_wait`); more are answered at once.
+MAX_HELD_REFUSALS = 64
+
+#: The limiter and owner of a rate refusal of the call being handled (:func:`hold_rate_refusal`).
+_RATE_REFUSED: contextvars.ContextVar[tuple[Limits, str] | None] = contextvars.ContextVar(
+    "opentinker_rate_refused", default=None
+)
 
 #: Upload pools (:meth:`Limits.acquire_upload`).
 USER_UPLOADS = "user"
@@ -84,6 +104,18 @@ class TokenBucket:
             return 0.0
         return (1.0 - self.tokens) / self.rate
 
+    def reserve(self, now: float, most_wait: float) -> tuple[float, bool]:
+        """Take one token, owing it when none is stored if it comes back within ``most_wait``
+        seconds: ``(seconds to wait, True)``; else ``(seconds until one is back, False)`` and
+        nothing is taken. Owed tokens queue callers at the bucket's rate."""
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        wait = max(0.0, (1.0 - self.tokens) / self.rate)
+        if wait > most_wait:
+            return wait, False
+        self.tokens -= 1.0
+        return wait, True
+
 
 class Limits:
     """The scheduler's per-owner limiters and upload pools.
@@ -101,6 +133,7 @@ class Limits:
         self._streams: dict[str, int] = {}
         self._uploads: dict[str, int] = {}  # user uploads per owner
         self._pools = {USER_UPLOADS: 0, CHECKPOINT_UPLOADS: 0}
+        self._held: dict[str, int] = {}  # rate refusals held per owner (refusal_wait)
         self._lock = threading.Lock()
 
     def check_spec_size(self, size_bytes: int) -> None:
@@ -111,63 +144,100 @@ class Limits:
                 f"spec: {size_bytes} bytes serialized, more than the limit of {most} (limits.max_spec_bytes)"
             )
 
-    def _take(self, kind: str, owner: str, rate: float, burst: int) -> float:
-        """Take a token of ``owner``'s ``kind`` bucket; 0.0, or the seconds until one is back."""
-        now = self.clock()
-        with self._lock:
-            bucket = self._buckets.get((kind, owner))
-            if bucket is None:
-                if len(self._buckets) >= self._MAX_BUCKETS:
-                    self._buckets.clear()  # full buckets again: at worst one extra burst each
-                bucket = self._buckets[(kind, owner)] = TokenBucket(rate, burst, now)
-            elif (bucket.rate, bucket.burst) != (rate, burst):  # the queue's limits changed
-                bucket.rate, bucket.burst = rate, burst
-            return bucket.take(now)
-
-    def check_submit_rate(self, owner: str, *, override: tuple[float | None, int | None, str] | None = None) -> None:
-        """Take a SubmitTask token of ``owner``.
+    def take_submit(self, owner: str, *, override: tuple[float | None, int | None, str] | None = None) -> None:
+        """Take a SubmitTask token of ``owner`` (SubmitTask and ImportAdapter share it). A submit
+        never waits for its token: it would hold one of the scheduler's ``max_submits_in_flight``.
 
         Args:
             override: ``(rate, burst, config key)`` of the caller's quota queue
                 (``queues[i].limits``); a None value keeps the ``limits:`` section's.
 
         Raises:
-            ResourceExhausted: the owner's bucket is empty; the message says when to retry, and
-                ``retry_after`` carries it.
+            ResourceExhausted: the owner's bucket is empty (:meth:`take_rate`).
         """
         rate, burst, where = self.config.submit_rate, self.config.submit_burst, "limits.submit_rate"
         if override is not None:
             rate = override[0] if override[0] is not None else rate
             burst = override[1] if override[1] is not None else burst
             where = override[2]
-        if not rate:
-            return
-        wait = self._take("submit", owner, rate, int(burst or 1))
-        if wait:
-            raise ResourceExhausted(
-                f"submit rate limit: at most {rate:g} SubmitTask calls per second per owner "
-                f"(burst {burst}) ({where}); retry in {wait:.2f} s",
-                retry_after=wait,
-            )
+        what = f"SubmitTask calls per second per owner (burst {burst}) ({where})"
+        self.take_rate("submit", owner, rate, burst, what, most_wait=0.0)
 
-    def check_read_rate(self, owner: str, method: str) -> None:
-        """Take a read token of ``owner`` for ``method`` (``/package.Service/Method``).
+    def take_read(self, owner: str, method: str) -> float:
+        """Take a read token of ``owner`` for ``method`` (``/package.Service/Method``); see
+        :meth:`take_rate`."""
+        rate, burst = self.config.read_rate, self.config.read_burst
+        name = method.rsplit("/", 1)[-1]
+        return self.take_rate(
+            "read",
+            owner,
+            rate,
+            burst,
+            f"read calls per second per owner (burst {burst}) (limits.read_rate): {name} refused",
+        )
+
+    def take_rate(
+        self, kind: str, owner: str, rate: float | None, burst: int | None, what: str, *, most_wait: float | None = None
+    ) -> float:
+        """Take a token of ``owner``'s ``kind`` bucket (``rate`` per second, ``burst`` stored;
+        no rate: no limit).
+
+        Returns:
+            Seconds the call waits for its token before it runs (0.0 within the burst): at most
+            ``most_wait`` (default ``rate_wait``). Waiting costs the scheduler nothing, so a
+            client flooding from many threads is slowed to its owner's rate (:func:`paced`).
 
         Raises:
-            ResourceExhausted: the owner's read bucket is empty; ``retry_after`` says when a token
-                is back.
+            ResourceExhausted: no token within that time; the message names the limit
+                (``what``), ``retry_after`` says when a token is back. The refusal is marked, so
+                :func:`hold_rate_refusal` holds its answer.
         """
-        rate, burst = self.config.read_rate, self.config.read_burst
         if not rate:
-            return
-        wait = self._take("read", owner, rate, int(burst or 1))
-        if wait:
-            name = method.rsplit("/", 1)[-1]
+            return 0.0
+        now = self.clock()
+        with self._lock:
+            bucket = self._buckets.get((kind, owner))
+            if bucket is None:
+                if len(self._buckets) >= self._MAX_BUCKETS:
+                    self._buckets.clear()  # full buckets again: at worst one extra burst each
+                bucket = self._buckets[(kind, owner)] = TokenBucket(rate, int(burst or 1), now)
+            elif (bucket.rate, bucket.burst) != (rate, int(burst or 1)):  # the queue's limits changed
+                bucket.rate, bucket.burst = rate, int(burst or 1)
+            wait, taken = bucket.reserve(now, self.config.rate_wait or 0.0 if most_wait is None else most_wait)
+        if not taken:
+            _RATE_REFUSED.set((self, owner))
             raise ResourceExhausted(
-                f"read rate limit: at most {rate:g} read calls per second per owner (burst {burst}) "
-                f"(limits.read_rate); {name} refused, retry in {wait:.2f} s",
-                retry_after=wait,
+                f"{kind} rate limit: at most {rate:g} {what}; retry in {wait:.2f} s", retry_after=wait
             )
+        return wait
+
+    def charge_read(self, owner: str, response_bytes: int) -> None:
+        """Charge ``owner`` one more read token per :data:`READ_TOKEN_BYTES` of an answer past the
+        first, so a page of a hundred tasks costs what it takes to build (its next reads wait)."""
+        extra = response_bytes // READ_TOKEN_BYTES
+        if not extra or not self.config.read_rate:
+            return
+        with self._lock:
+            bucket = self._buckets.get(("read", owner))
+            if bucket is not None:
+                bucket.tokens -= extra
+
+    @contextlib.contextmanager
+    def refusal_wait(self, owner: str) -> Iterator[float]:
+        """Seconds to hold a rate refusal of ``owner`` before answering it (``rate_wait``), so a
+        flooding client waits as an honest one would instead of asking again at once; 0.0 when
+        :data:`MAX_HELD_REFUSALS` of the owner's refusals are held already."""
+        with self._lock:
+            held = self._held.get(owner, 0)
+            hold = held < MAX_HELD_REFUSALS
+            if hold:
+                self._held[owner] = held + 1
+        try:
+            yield (self.config.rate_wait or 0.0) if hold else 0.0
+        finally:
+            if hold:
+                with self._lock:
+                    _drop(self._held, owner)
 
     def check_pending(self, owner: str, count, *, override: tuple[int | None, str] | None = None) -> None:
         """Raises ResourceExhausted when ``owner`` already has the limit of PENDING tasks queued.
@@ -271,3 +341,22 @@ def _drop(counts: dict[str, int], owner: str) -> None:
         counts[owner] = left
     else:
         counts.pop(owner, None)
+
+
+async def paced(take: Callable[[], float]) -> None:
+    """Take a rate token with ``take`` (:meth:`Limits.take_read`) and wait for it when it is owed."""
+    wait = take()
+    if wait:
+        await asyncio.sleep(wait)
+
+
+async def hold_rate_refusal() -> None:
+    """When the call being handled was refused for a rate (:meth:`Limits.take_rate`), wait
+    :meth:`Limits.refusal_wait` before its refusal is sent."""
+    refused = _RATE_REFUSED.get()
+    if refused is None:
+        return
+    limits, owner = refused
+    with limits.refusal_wait(owner) as hold:
+        if hold:
+            await asyncio.sleep(hold)

@@ -192,7 +192,7 @@ def test_an_adapter_import_is_audited_and_takes_a_submit_token(tmp_path) -> None
 
 
 def test_a_flood_of_refused_submits_is_counted_and_adds_no_audit_row(tmp_path) -> None:
-    config = AUTH_LOCAL_MODELS + "limits: {submit_rate: 0.001, submit_burst: 1}\n"
+    config = AUTH_LOCAL_MODELS + "limits: {submit_rate: 0.001, submit_burst: 1, rate_wait: 0}\n"  # answered at once
     with LoopbackScheduler(tmp_path / "state", config, http_port=0) as s:
         with RLClient(s.target, api_key=s.admin_key) as root:
             _, key = root.keys.create("mallory", "user")

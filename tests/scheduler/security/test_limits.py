@@ -3,6 +3,8 @@ RESOURCE_EXHAUSTED naming the limit, and nothing is stored; plus the limiter uni
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from google.rpc import error_details_pb2
@@ -13,7 +15,14 @@ from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
 from opentinker_client import InvalidArgumentError, RLClient, ResourceExhaustedError
 from opentinker_scheduler.config import ConfigError, parse_config
 from opentinker_scheduler.errors import ResourceExhausted
-from opentinker_scheduler.security.limits import Limits, LimitsConfig, TokenBucket
+from opentinker_scheduler.security.limits import (
+    CHECKPOINT_UPLOADS,
+    READ_TOKEN_BYTES,
+    USER_UPLOADS,
+    Limits,
+    LimitsConfig,
+    TokenBucket,
+)
 
 from tests.support.security import LoopbackScheduler, metadata
 from tests.support.waiting import wait_for
@@ -133,7 +142,7 @@ def test_concurrent_streams_count_per_owner_so_a_rotated_key_adds_none(make) -> 
 
 
 def test_one_owners_read_flood_is_refused_with_retry_info_while_another_owner_reads(make) -> None:
-    s = make("auth: {enabled: true}\nlimits: {read_rate: 0.001, read_burst: 20}\n")
+    s = make("auth: {enabled: true}\nlimits: {read_rate: 0.001, read_burst: 20, rate_wait: 0}\n")
     with RLClient(s.target, api_key=s.admin_key) as root:
         _, flooder = root.keys.create("mallory", "user")
         _, second = root.keys.create("mallory", "user")
@@ -151,7 +160,7 @@ def test_one_owners_read_flood_is_refused_with_retry_info_while_another_owner_re
                 codes.append(err.code().name)
                 refused = err
         assert codes[:20] == ["OK"] * 20 and set(codes[20:]) == {"RESOURCE_EXHAUSTED"}
-        assert "(limits.read_rate); ListTasks refused, retry in" in refused.details()
+        assert "(limits.read_rate): ListTasks refused; retry in" in refused.details()
         status = rpc_status.from_call(refused)
         retry = [d for d in status.details if d.Is(error_details_pb2.RetryInfo.DESCRIPTOR)]
         assert len(retry) == 1
@@ -161,6 +170,29 @@ def test_one_owners_read_flood_is_refused_with_retry_info_while_another_owner_re
         # Another owner's reads have their own bucket.
         got = stub.GetTask(S.GetTaskRequest(task_id=task_id), metadata=metadata(victim))
         assert got.task.task_id == task_id
+
+
+def test_a_read_over_the_rate_waits_for_its_token_and_a_refusal_is_held(make) -> None:
+    s = make(
+        "auth: {enabled: true}\n"
+        "limits: {read_rate: 4, read_burst: 1, rate_wait: 1, submit_rate: 0.001, submit_burst: 1}\n"
+    )
+    with RLClient(s.target, api_key=s.admin_key) as root:
+        _, key = root.keys.create("alice", "user")
+    with RLClient(s.target, api_key=key) as alice:
+        task_id = _submit(alice)
+    with grpc.insecure_channel(s.target) as ch:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        started = time.monotonic()
+        for _ in range(3):  # the burst, then two owed tokens, 0.25 s apart: all answered
+            assert stub.GetTask(S.GetTaskRequest(task_id=task_id), metadata=metadata(key)).task.task_id == task_id
+        assert time.monotonic() - started >= 0.45
+        started = time.monotonic()
+        spec = C.TaskSpec(workload_type="lora_finetune", model="/models/m")
+        with pytest.raises(grpc.RpcError) as err:  # no token for a day: refused, its answer held rate_wait
+            stub.SubmitTask(S.SubmitTaskRequest(spec=spec), metadata=metadata(key))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "(limits.submit_rate)" in err.value.details()
+        assert time.monotonic() - started >= 1.0
 
 
 def test_spec_fields_are_bounded_with_invalid_argument(make) -> None:
@@ -213,11 +245,11 @@ def test_limits_unit_streams_release_and_rate_with_a_fake_clock() -> None:
         ),
         clock=lambda: now[0],
     )
-    lim.check_submit_rate("k")
+    lim.take_submit("k")
     with pytest.raises(ResourceExhausted, match="retry in 1.00 s"):
-        lim.check_submit_rate("k")
+        lim.take_submit("k")
     now[0] = 1.0
-    lim.check_submit_rate("k")
+    lim.take_submit("k")
     with lim.stream("k"), lim.stream("k"):
         with pytest.raises(ResourceExhausted):
             lim.acquire_stream("k")
@@ -228,3 +260,38 @@ def test_limits_unit_streams_release_and_rate_with_a_fake_clock() -> None:
     lim.check_pending("o", lambda: 0)
     with pytest.raises(ResourceExhausted):
         lim.check_pending("o", lambda: 1)
+
+
+def test_reads_owe_tokens_up_to_rate_wait_and_are_charged_by_answer_size() -> None:
+    now = [0.0]
+    lim = Limits(LimitsConfig(read_rate=2.0, read_burst=1, rate_wait=1.0), clock=lambda: now[0])
+    read = "/opentinker.scheduler.v1.SchedulerService/GetTask"
+    assert lim.take_read("o", read) == 0.0
+    assert lim.take_read("o", read) == pytest.approx(0.5)  # owed: the call waits for its token
+    assert lim.take_read("o", read) == pytest.approx(1.0)
+    with pytest.raises(ResourceExhausted, match=r"\(limits.read_rate\): GetTask refused; retry in 1.50 s") as err:
+        lim.take_read("o", read)  # a token 1.5 s away: over rate_wait
+    assert err.value.retry_after == pytest.approx(1.5)
+    assert lim.take_read("other", read) == 0.0  # another owner's bucket
+    now[0] = 10.0
+    assert lim.take_read("o", read) == 0.0
+    lim.charge_read("o", READ_TOKEN_BYTES + 100)  # an answer of over 4 KiB: one more token owed
+    assert lim.take_read("o", read) == pytest.approx(1.0)
+    with lim.refusal_wait("o") as hold:
+        assert hold == 1.0
+
+
+def test_upload_pools_unit() -> None:
+    lim = Limits(LimitsConfig(max_uploads=2, max_uploads_per_owner=1, max_checkpoint_uploads=1))
+    lim.acquire_upload("a")
+    with pytest.raises(ResourceExhausted, match=r"limits.max_uploads_per_owner"):
+        lim.acquire_upload("a")
+    lim.acquire_upload("b")
+    with pytest.raises(ResourceExhausted, match=r"limits.max_uploads\)"):
+        lim.acquire_upload("c")
+    lim.acquire_upload("node", CHECKPOINT_UPLOADS)  # a pool of its own
+    with pytest.raises(ResourceExhausted, match=r"limits.max_checkpoint_uploads"):
+        lim.acquire_upload("node", CHECKPOINT_UPLOADS)
+    lim.release_upload("a")
+    lim.acquire_upload("c")
+    assert (lim.open_uploads(USER_UPLOADS), lim.open_uploads(CHECKPOINT_UPLOADS)) == (2, 1)
