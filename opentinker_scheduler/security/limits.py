@@ -95,15 +95,6 @@ class TokenBucket:
         self.tokens = float(burst)
         self.stamp = now
 
-    def take(self, now: float) -> float:
-        """Take one token; returns 0.0 on success, else the seconds until one is available."""
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return 0.0
-        return (1.0 - self.tokens) / self.rate
-
     def reserve(self, now: float, most_wait: float) -> tuple[float, bool]:
         """Take one token, owing it when none is stored if it comes back within ``most_wait``
         seconds: ``(seconds to wait, True)``; else ``(seconds until one is back, False)`` and

@@ -231,10 +231,14 @@ def test_limits_config_errors_name_the_key() -> None:
 
 def test_token_bucket_refills_at_its_rate() -> None:
     b = TokenBucket(rate=2.0, burst=3, now=0.0)
-    assert [b.take(0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
-    assert b.take(0.0) == pytest.approx(0.5)
-    assert b.take(0.5) == 0.0  # one token came back after 0.5 s
-    assert b.take(10.0) == 0.0 and b.tokens == pytest.approx(2.0)  # capped at burst
+    assert [b.reserve(0.0, 0.0) for _ in range(3)] == [(0.0, True)] * 3
+    assert b.reserve(0.0, 0.0) == (pytest.approx(0.5), False)  # none stored, none owed: nothing taken
+    assert b.reserve(0.5, 0.0) == (0.0, True)  # one token came back after 0.5 s
+    assert b.reserve(10.0, 0.0) == (0.0, True) and b.tokens == pytest.approx(2.0)  # capped at burst
+    assert b.reserve(10.0, 1.0) == (0.0, True) and b.reserve(10.0, 1.0) == (0.0, True)
+    assert b.reserve(10.0, 1.0) == (pytest.approx(0.5), True)  # owed: the caller waits 0.5 s
+    assert b.reserve(10.0, 1.0) == (pytest.approx(1.0), True)
+    assert b.reserve(10.0, 1.0) == (pytest.approx(1.5), False)  # later than most_wait: refused
 
 
 def test_limits_unit_streams_release_and_rate_with_a_fake_clock() -> None:
