@@ -29,6 +29,7 @@ from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.state.core import STATE_NAMES, SchedulerCore
 from opentinker_scheduler.api.dashboard import Dashboard
 from opentinker_scheduler.api.front import PortFront
+from opentinker_scheduler.api.rpc import abort_mapped
 from opentinker_scheduler.api.http import HttpEndpoint, Snapshot
 from opentinker_scheduler.api.service import NodeService, SchedulerService
 from opentinker_scheduler.state.leadership import LeaseLeadership, StaticLeadership
@@ -255,6 +256,7 @@ async def start_scheduler(
         store.close()
         raise
     core.enable_group_commit()
+    security.interceptor.abort_refusal = abort_mapped  # its refusals carry RetryInfo, as the handlers' do
     most = security.limits.config.max_message_bytes
     options = [
         (k, most if k in ("grpc.max_send_message_length", "grpc.max_receive_message_length") else v)
@@ -327,6 +329,7 @@ async def start_scheduler(
         http.node_messages = core.node_messages  # live counters, read by /metrics
         http.principal_of = security.keys.resolve if security.keys is not None else None
         http.submits_refused = scheduler_service.gate.refused
+        http.audit_refusals = security.audit.refusals
         http.dashboard = Dashboard(core, security=security, artifacts=artifacts, secure=http.scheme == "https")
         http.start()
     tick = asyncio.create_task(_tick_loop(core, http, tick_interval_s, leadership))

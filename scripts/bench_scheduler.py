@@ -522,7 +522,7 @@ def sharing_config(args: argparse.Namespace, queues: int) -> str:
     ``args.owners`` owners (0: none)."""
     text = (
         "auth: {enabled: true}\n"
-        "limits: {submit_rate: 0, max_pending_per_owner: 0, max_streams_per_key: 0, max_keys_per_owner: 0}\n"
+        "limits: {submit_rate: 0, max_pending_per_owner: 0, max_streams_per_owner: 0, max_keys_per_owner: 0}\n"
     )
     if queues:
         gpus = max(1, args.nodes * args.gpus_per_node // queues)

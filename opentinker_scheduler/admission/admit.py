@@ -74,7 +74,7 @@ def check_limits(limits: Limits, spec: common_pb2.TaskSpec, caller: Principal, *
 
 def check_submit_rate(limits: Limits, caller: Principal, *, core: SchedulerCore) -> None:
     """Take one of the caller's task-creation tokens (``limits.submit_rate``, or its quota queue's):
-    SubmitTask and ImportAdapter, which makes a task too, share the bucket of an API key.
+    SubmitTask and ImportAdapter, which makes a task too, share the owner's bucket.
 
     Raises:
         ResourceExhausted: the bucket is empty; the message says when to retry and the config key.
@@ -85,7 +85,7 @@ def check_submit_rate(limits: Limits, caller: Principal, *, core: SchedulerCore)
         if queue is not None
         else None
     )
-    limits.check_submit_rate(caller.limit_key, override=rate)
+    limits.take_submit(caller.owner, override=rate)
 
 
 async def admit(
@@ -104,8 +104,7 @@ async def admit(
 
     Args:
         spec: the submitted ``TaskSpec``.
-        caller: who submits: ``owner`` owns the task, ``limit_key`` (API key prefix, or owner
-            with auth off) draws on the submit rate.
+        caller: who submits: ``owner`` owns the task and draws on its submit rate.
         core: the scheduler's state (config, store, the write).
         datasets: uploaded datasets (``env_config.dataset_id``).
         limits: the per-caller limits; None skips stage 1 (bare unit tests).

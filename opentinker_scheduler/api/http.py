@@ -121,6 +121,20 @@ class _Collector:
         for reason, n in sorted(dict(self.holder.submits_refused).items()):
             refused.add_metric([reason.lower()], n)
         yield refused
+        # Per owner only for those who may see owners' names; others get each action's total.
+        labels = ["action", "owner", "code"] if self.owners else ["action", "code"]
+        counted = CounterMetricFamily(
+            "opentinker_audit_refusals",
+            "Refused submits and adapter imports, counted instead of audited one record each",
+            labels=labels,
+        )
+        totals: dict[tuple[str, ...], int] = {}
+        for (action, owner, code), n in sorted(dict(self.holder.audit_refusals).items()):
+            key = (action, owner, code) if self.owners else (action, code)
+            totals[key] = totals.get(key, 0) + n
+        for key, n in totals.items():
+            counted.add_metric(list(key), n)
+        yield counted
         fams = {
             "utilization_percent": GaugeMetricFamily(
                 "opentinker_gpu_utilization_percent", "GPU utilization (%)", labels=["node_id", "gpu", "simulated"]
@@ -322,6 +336,8 @@ class HttpEndpoint:
         #: kind -> messages received on node streams; the event loop increments them.
         self.node_messages: dict[str, int] = {}
         self.submits_refused: dict[str, int] = {}
+        #: (action, owner, code) -> refusals counted by the audit log (:attr:`AuditLog.refusals`).
+        self.audit_refusals: dict[tuple[str, str, str], int] = {}
         self.stale_after_s = stale_after_s
         #: The scheduler's gRPC port, sent as the X-OpenTinker-Grpc-Port header once known.
         self.grpc_port: int | None = None

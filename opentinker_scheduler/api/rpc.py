@@ -35,6 +35,7 @@ from opentinker_scheduler.errors import ERROR_DOMAIN, InvalidArgument, NotLeader
 from opentinker_scheduler.security.auth import caller
 from opentinker_scheduler.security.bundle import Security
 from opentinker_scheduler.security.keys import Principal
+from opentinker_scheduler.security.limits import hold_rate_refusal
 
 __all__ = ["Call", "abort_mapped", "bad_request_status", "outcome", "record", "refusal", "refusal_status", "rpc"]
 
@@ -134,10 +135,12 @@ class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_me
 
 async def abort_mapped(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     """Abort the RPC with the status code and message of a refusal (:func:`refusal`) and its
-    details (:func:`refusal_status`); re-raise anything else."""
+    details (:func:`refusal_status`); re-raise anything else. A refusal for a rate is sent after
+    :func:`~opentinker_scheduler.security.limits.hold_rate_refusal`."""
     mapped = refusal(exc)
     if mapped is None:
         raise exc
+    await hold_rate_refusal()
     status = refusal_status(exc)
     if status is not None:
         await context.abort_with_status(status)
@@ -209,6 +212,9 @@ def rpc(
                 except Exception as exc:  # noqa: BLE001 - audited, then mapped or re-raised
                     if action is not None:
                         record(self.security, action, call.who, exc, **call.detail)
+                    if admitted is not None:  # its work is over: a held refusal holds no submit slot
+                        getattr(self, gate).leave(admitted)
+                        admitted = None
                     await abort_mapped(context, exc)
                 if action is not None:
                     record(self.security, action, call.who, None, **call.detail)

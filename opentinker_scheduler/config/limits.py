@@ -14,12 +14,17 @@ DEFAULTS = {
     "max_pending_per_owner": 1000,
     "submit_rate": 10.0,
     "submit_burst": 50,
-    "max_streams_per_key": 32,
+    "read_rate": 100.0,
+    "read_burst": 200,
+    "rate_wait": 1.0,
+    "max_streams_per_owner": 32,
     "spec_check_timeout": 10.0,
     "max_keys_per_owner": 20,
     "max_submits_in_flight": 64,
     "max_submit_wait": 0.5,
     "max_uploads": 64,
+    "max_uploads_per_owner": 4,
+    "max_checkpoint_uploads": 64,
     "upload_idle_timeout": 60.0,
     "upload_deadline": 3600.0,
     "max_dataset_bytes_per_owner": 10 * 1024 * MiB,
@@ -29,7 +34,10 @@ _PER_CALLER = (
     "max_pending_per_owner",
     "submit_rate",
     "submit_burst",
-    "max_streams_per_key",
+    "read_rate",
+    "read_burst",
+    "max_streams_per_owner",
+    "max_uploads_per_owner",
     "max_dataset_bytes_per_owner",
 )
 
@@ -44,12 +52,17 @@ class LimitsConfig:
     max_pending_per_owner: int | None = None
     submit_rate: float | None = None
     submit_burst: int | None = None
-    max_streams_per_key: int | None = None
+    read_rate: float | None = None
+    read_burst: int | None = None
+    rate_wait: float | None = None
+    max_streams_per_owner: int | None = None
     spec_check_timeout: float | None = None
     max_keys_per_owner: int | None = None
     max_submits_in_flight: int | None = None
     max_submit_wait: float | None = None
     max_uploads: int | None = None
+    max_uploads_per_owner: int | None = None
+    max_checkpoint_uploads: int | None = None
     upload_idle_timeout: float | None = None
     upload_deadline: float | None = None
     max_dataset_bytes_per_owner: int | None = None
@@ -74,12 +87,17 @@ _KEYS = {
     "max_pending_per_owner": (int, 0, 10_000_000),
     "submit_rate": (float, 0, 1e6),
     "submit_burst": (int, 1, 1_000_000),
-    "max_streams_per_key": (int, 0, 100_000),
+    "read_rate": (float, 0, 1e6),
+    "read_burst": (int, 1, 1_000_000),
+    "rate_wait": (float, 0, 60),
+    "max_streams_per_owner": (int, 0, 100_000),
     "spec_check_timeout": (float, 0.1, 600),
     "max_keys_per_owner": (int, 0, 1_000_000),
     "max_submits_in_flight": (int, 0, 1_000_000),
     "max_submit_wait": (float, 0, 600),
     "max_uploads": (int, 0, 100_000),
+    "max_uploads_per_owner": (int, 0, 100_000),
+    "max_checkpoint_uploads": (int, 0, 100_000),
     "upload_idle_timeout": (float, 0.1, 86_400),
     "upload_deadline": (float, 0.1, 7 * 86_400),
     "max_dataset_bytes_per_owner": (int, 0, 2**62),

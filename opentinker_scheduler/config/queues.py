@@ -13,7 +13,7 @@
         owners: [alice, bob]   # API key owners whose tasks count against this queue
         limits:                # optional: the per-owner limits (limits: section) for its owners
           max_pending_per_owner: 200
-          submit_rate: 5       #   per API key, as limits.submit_rate
+          submit_rate: 5       #   per owner, as limits.submit_rate
           submit_burst: 20
     default_queue: team-a      # owners in no queue's list go here; unset: each is a queue of its own
                                # with no quota

@@ -12,6 +12,10 @@ adapter folder), ``task.cancel``, ``task.delete_artifacts``, ``key.create``, ``k
 ``key.rotate``, ``node.join``, ``queue.set`` (a quota queue changed at run time), ``queue.reset``
 (its runtime override removed). Refused authentication
 (``auth.refused``) is logged only, never stored, so a caller spraying bad keys cannot grow the database.
+Refused task creations (:data:`COUNTED_REFUSALS`: a submit over a limit, a bad spec) are counted
+per action, owner and status code (:attr:`AuditLog.refusals`, ``opentinker_audit_refusals_total``
+on ``/metrics``), neither stored nor logged one by one, so a flood of refused submits costs no
+database row and no log line; accepted ones are stored as every other action is.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ ACTIONS = (
 )
 
 
+#: Actions whose refusals are counted (:attr:`AuditLog.refusals`), not written one record each.
+COUNTED_REFUSALS = frozenset({"task.submit", "adapter.import"})
+
+
 @dataclass(frozen=True)
 class AuditRecord:
     id: int
@@ -61,6 +69,9 @@ class AuditLog:
 
     def __init__(self, store: Store | None) -> None:
         self.store = store
+        #: ``(action, owner, status code name)`` -> refusals of :data:`COUNTED_REFUSALS` since
+        #: the start; the event loop increments, the HTTP port's thread reads.
+        self.refusals: dict[tuple[str, str, str], int] = {}
 
     def record(
         self,
@@ -73,11 +84,17 @@ class AuditLog:
         outcome: str = "OK",
         **detail: Any,
     ) -> None:
-        """Log and store one record. ``detail`` values must be JSON-serializable (others are
-        stored as their ``str``). The row joins the store's open transaction (a group commit's:
+        """Log and store one record, or count it: a refusal (``outcome`` other than ``OK``) of
+        one of :data:`COUNTED_REFUSALS` only adds one to :attr:`refusals`. ``detail`` values
+        must be JSON-serializable (others are stored as their ``str``). The row joins the
+        store's open transaction (a group commit's:
         :meth:`~opentinker_scheduler.state.store.SqlStore.add_audit`), so it commits with the
         action's own writes. A failing database write is logged, never raised: the action itself
         already happened (or was refused) and the log line stands."""
+        if outcome != "OK" and action in COUNTED_REFUSALS:
+            counted = (action, owner, outcome)
+            self.refusals[counted] = self.refusals.get(counted, 0) + 1
+            return
         now = time.time()
         log.info(
             "audit",

@@ -43,7 +43,7 @@ import asyncio
 import contextvars
 import dataclasses
 import inspect
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 import structlog
@@ -72,7 +72,13 @@ from opentinker_scheduler.security.keys import (  # noqa: F401 - re-exported: th
     hash_key,
     key_prefix,
 )
-from opentinker_scheduler.security.limits import Limits
+from opentinker_scheduler.security.limits import (
+    CHECKPOINT_UPLOADS,
+    USER_UPLOADS,
+    Limits,
+    hold_rate_refusal,
+    paced,
+)
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -117,6 +123,31 @@ def owner_scope() -> str | None:
 #: the ids of every owner's tasks running there, while a user never learns that another owner's
 #: task exists (a user's own task shows its node in ``GetTask``).
 ADMIN_ONLY_METHODS = frozenset({f"/{SCHEDULER_SERVICE}/ListNodes"})
+
+#: Reads of users and admins: each call (a stream when it opens) takes a token of its owner's
+#: ``limits.read_rate`` bucket. Submits have ``limits.submit_rate``, uploads their slots.
+READ_METHODS = frozenset(
+    {
+        *(
+            f"/{SCHEDULER_SERVICE}/{name}"
+            for name in (
+                "GetTask",
+                "ListTasks",
+                "WatchTask",
+                "GetMetrics",
+                "DownloadDataset",
+                "ListCheckpoints",
+                "DownloadCheckpoint",
+                "ListNodes",
+                "GetUsage",
+            )
+        ),
+        *(
+            f"/{ADMIN_SERVICE}/{name}"
+            for name in ("ListApiKeys", "ListAuditEvents", "ListQueues", "GetDesiredTrainers")
+        ),
+    }
+)
 
 
 def allowed_roles(method: str) -> frozenset[str]:
@@ -167,6 +198,11 @@ MISSING_KEY = (
 )
 
 
+async def _abort_plain(context, exc: SchedulerError) -> None:
+    await hold_rate_refusal()
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+
+
 class _Refused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
@@ -192,8 +228,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     * ``node_cert_required``: NodeService calls must come over a TLS connection whose client
       certificate the server verified against ``tls.client_ca`` (mTLS), else UNAUTHENTICATED.
     * ``keys``: ``None`` = authentication off, the caller is ``anonymous`` with admin powers.
-    * Server streams of SchedulerService hold one of the key's ``limits.max_streams_per_key``
-      slots while open (RESOURCE_EXHAUSTED beyond).
+    * Limits count per owner (:mod:`opentinker_scheduler.security.limits`): a read
+      (:data:`READ_METHODS`) takes a ``limits.read_rate`` token; server streams of SchedulerService
+      hold one of ``limits.max_streams_per_owner`` slots while open; uploads hold a slot of their
+      pool (users' or checkpoints'). Beyond them: RESOURCE_EXHAUSTED through :attr:`abort_refusal`.
     * Every stream admitted with a key (server, client or bidirectional) is registered in
       :attr:`streams` and ends with UNAUTHENTICATED once the key is revoked or expires
       (:mod:`opentinker_scheduler.security.key_streams`; ``stream_recheck_interval_s`` between re-checks).
@@ -215,6 +253,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         #: public port splices connections (api/front.py), so audit records name the real client.
         self.peer_of: Callable[[str], str] = lambda peer: peer
         self.node_cert_required = node_cert_required
+        #: Aborts a call with a refusal's status; the server sets the API's mapping
+        #: (:func:`opentinker_scheduler.api.rpc.abort_mapped`: ``google.rpc.RetryInfo`` and kin).
+        self.abort_refusal: Callable[[object, SchedulerError], Awaitable[None]] = _abort_plain
         #: Open streams by key (None with authentication off: there are no keys to revoke).
         self.streams: KeyStreams | None = (
             KeyStreams(keys.refusal, recheck_interval_s=stream_recheck_interval_s) if keys is not None else None
@@ -301,13 +342,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         service = method[1:].rsplit("/", 1)[0]
         stream_slot = handler.response_streaming and service == SCHEDULER_SERVICE
-        # UploadDataset and ArtifactService.UploadChunks: a stream slot, an upload slot, timeouts.
-        upload = handler.request_streaming and not handler.response_streaming and service in UPLOAD_SERVICES
-        return _wrap(handler, self, method, stream_slot, upload)
+        # UploadDataset, ImportAdapter and ArtifactService.UploadChunks: an upload slot, timeouts.
+        upload = handler.request_streaming and not handler.response_streaming and service in UPLOAD_POOLS
+        return _wrap(handler, self, method, stream_slot, UPLOAD_POOLS[service] if upload else None)
 
 
-#: Services whose client-streaming RPCs are uploads (:meth:`Limits.acquire_upload`, :func:`timed_uploads`).
-UPLOAD_SERVICES = frozenset({SCHEDULER_SERVICE, ARTIFACT_SERVICE})
+#: Services whose client-streaming RPCs are uploads, and their pool (:meth:`Limits.acquire_upload`,
+#: :func:`timed_uploads`).
+UPLOAD_POOLS = {SCHEDULER_SERVICE: USER_UPLOADS, ARTIFACT_SERVICE: CHECKPOINT_UPLOADS}
 
 #: protobuf's (upb's) limit on message nesting, which a deep ``google.protobuf.Struct`` reaches.
 PROTOBUF_MAX_DEPTH = 100
@@ -357,9 +399,19 @@ async def _decoded(requests, context):
         yield req
 
 
+def payload_bytes(message) -> int:
+    """File bytes an upload's message carries: ``chunk`` (UploadDataset), ``data``
+    (ArtifactService.UploadChunks) or ``chunk.data`` (ImportAdapter); 0 for a header."""
+    chunk = getattr(message, "chunk", None)
+    if chunk is not None and not isinstance(chunk, bytes):
+        chunk = getattr(chunk, "data", b"")
+    return len(chunk if chunk is not None else getattr(message, "data", b""))
+
+
 async def timed_uploads(requests, *, idle_timeout_s: float, deadline_s: float, clock=None):
     """The messages of an upload's client stream, refusing a stream that goes ``idle_timeout_s``
-    seconds without a message or stays open ``deadline_s`` seconds in all (0 = no limit).
+    seconds without a payload byte (:func:`payload_bytes`; messages without any, empty chunks
+    included, do not count) or stays open ``deadline_s`` seconds in all (0 = no limit).
 
     Raises:
         DeadlineExceeded: either happened; the message names the limit and its config key. The
@@ -367,12 +419,12 @@ async def timed_uploads(requests, *, idle_timeout_s: float, deadline_s: float, c
     """
     loop = asyncio.get_running_loop()
     clock = clock or loop.time
-    start = clock()
+    start = last_bytes = clock()
     it = requests.__aiter__()
     while True:
         waits = []
         if idle_timeout_s:
-            waits.append((idle_timeout_s, "idle"))
+            waits.append((max(0.0, last_bytes + idle_timeout_s - clock()), "idle"))
         if deadline_s:
             waits.append((max(0.0, start + deadline_s - clock()), "deadline"))
         timeout, why = min(waits) if waits else (None, "")
@@ -383,17 +435,19 @@ async def timed_uploads(requests, *, idle_timeout_s: float, deadline_s: float, c
         except asyncio.TimeoutError:
             if why == "idle":
                 raise DeadlineExceeded(
-                    f"upload: no message for {idle_timeout_s:g} s (limits.upload_idle_timeout); "
+                    f"upload: no payload byte for {idle_timeout_s:g} s (limits.upload_idle_timeout); "
                     "the partial upload was dropped, send it again"
                 ) from None
             raise DeadlineExceeded(
                 f"upload: still open after {deadline_s:g} s (limits.upload_deadline); "
                 "the partial upload was dropped, send it again (or ask for a longer limits.upload_deadline)"
             ) from None
+        if payload_bytes(req):
+            last_bytes = clock()
         yield req
 
 
-def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool, upload: bool = False):
+def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool, upload: str | None = None):
     if handler.request_streaming and handler.response_streaming:
         inner, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
     elif handler.request_streaming:
@@ -402,6 +456,7 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool,
         inner, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
     else:
         inner, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+    read = method in READ_METHODS
 
     if handler.response_streaming:
 
@@ -411,15 +466,17 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool,
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             if handler.request_streaming:  # bidirectional (a node's Connect)
                 request = _decoded(request, context)
-            key = principal.limit_key
-            if stream_slot:
-                try:
-                    interceptor.limits.acquire_stream(key)
-                except SchedulerError as exc:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            owner = principal.owner
+            _CALLER.set(principal)
+            try:
+                if read:
+                    await paced(lambda: interceptor.limits.take_read(owner, method))
+                if stream_slot:
+                    interceptor.limits.acquire_stream(owner)
+            except SchedulerError as exc:
+                await interceptor.abort_refusal(context, exc)
             watched = interceptor._watch(principal, method, context)
             try:
-                _CALLER.set(principal)
                 result = inner(request, context)
                 if hasattr(result, "__aiter__"):
                     source = result if watched is None else until_ended(result, watched)
@@ -433,7 +490,7 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool,
                 if watched is not None:
                     interceptor.streams.close(watched)
                 if stream_slot:
-                    interceptor.limits.release_stream(key)
+                    interceptor.limits.release_stream(owner)
 
     elif handler.request_streaming:
 
@@ -443,9 +500,9 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool,
             requests = _decoded(request, context)
             if upload:
                 try:
-                    interceptor.limits.acquire_upload(principal.limit_key)
+                    interceptor.limits.acquire_upload(principal.owner, upload)
                 except SchedulerError as exc:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                    await interceptor.abort_refusal(context, exc)
                 cfg = interceptor.limits.config
                 requests = timed_uploads(
                     requests, idle_timeout_s=cfg.upload_idle_timeout or 0, deadline_s=cfg.upload_deadline or 0
@@ -463,7 +520,7 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool,
                 if watched is not None:
                     interceptor.streams.close(watched)
                 if upload:
-                    interceptor.limits.release_upload(principal.limit_key)
+                    interceptor.limits.release_upload(principal.owner, upload)
 
     else:
 
@@ -472,9 +529,16 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool,
             if isinstance(request, _Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             _CALLER.set(principal)
+            if read:
+                try:
+                    await paced(lambda: interceptor.limits.take_read(principal.owner, method))
+                except SchedulerError as exc:
+                    await interceptor.abort_refusal(context, exc)
             result = inner(request, context)
             if inspect.isawaitable(result):
                 result = await result
+            if read and result is not None:
+                interceptor.limits.charge_read(principal.owner, result.ByteSize())
             return result
 
     return factory(

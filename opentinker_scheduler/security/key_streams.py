@@ -15,7 +15,7 @@ ends it with ``UNAUTHENTICATED`` and the key-check message (``API key otk_1a2b3c
   no longer resolve.
 
 Ending a stream cancels its handler the way a client cancellation does, so the handler's
-``finally`` blocks run (a node's disconnect handling, the stream slot of ``max_streams_per_key``),
+``finally`` blocks run (a node's disconnect handling, the stream slot of ``max_streams_per_owner``),
 and the call then ends with ``UNAUTHENTICATED``. The trainer node agent treats that status as a
 refusal and exits 1 (``scheduler refused this node``), as it does when its key is refused at
 ``Register``.

@@ -5,8 +5,8 @@ prefix is stored in plain text to name the key; the whole key only as its SHA-25
 :func:`hmac.compare_digest` (a fast hash is enough: the key is random, not a password). See
 :mod:`opentinker_scheduler.security.auth` for roles and the interceptor.
 
-Bounds on how many keys one owner can hold (so per-key limits such as ``limits.submit_rate`` and
-``limits.max_streams_per_key`` bound an owner to at most ``max_keys_per_owner`` times them):
+Bounds on how many keys one owner can hold (the rates, streams and uploads of ``limits:`` count
+per owner, so more keys add nothing to them):
 
 * at most ``limits.max_keys_per_owner`` *active* keys (unrevoked, unexpired) per owner, counting
   every role; creating one more (also by an admin) or rotating with a grace period (which leaves
@@ -69,11 +69,6 @@ class Principal:
     @property
     def is_admin(self) -> bool:
         return self.role == "admin"
-
-    @property
-    def limit_key(self) -> str:
-        """What per-key limits count against: the key prefix, or the owner with auth off."""
-        return self.key_prefix or self.owner
 
 
 @dataclass(frozen=True)

@@ -244,7 +244,7 @@ _sections = {
                 "max_pending_per_owner",
                 "submit_rate",
                 "submit_burst",
-                "max_streams_per_key",
+                "max_streams_per_owner",
                 "x",
             ]
         ),

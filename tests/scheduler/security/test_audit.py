@@ -18,6 +18,7 @@ from opentinker_client import InvalidArgumentError, PermissionDeniedError, RLCli
 from opentinker_scheduler.security.audit import AuditLog
 from tests.support.stores import make_store
 
+from tests.support.http import http_get, metric_samples, metric_value
 from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler, metadata
 
 
@@ -75,7 +76,7 @@ def test_each_action_is_recorded_with_owner_task_time_and_outcome(sched) -> None
     # The submission's one record says what was asked for (the core logs no second line).
     assert ok[0].detail["workload_type"] == "lora_finetune" and ok[0].detail["gpu_count"] == 0
     assert isinstance(ok[0].detail["priority"], int)
-    assert len(bad) == 1 and "spec.hyperparameters.steps" in bad[0].detail["error"]
+    assert not bad and sched.security.audit.refusals == {("task.submit", "alice", "INVALID_ARGUMENT"): 1}  # counted
     (cancel,) = by_action["task.cancel"]
     assert (
         cancel.owner == "alice"
@@ -154,8 +155,8 @@ def test_audit_log_unit_survives_a_restart_and_odd_detail_values(tmp_path, store
 
 
 def test_an_adapter_import_is_audited_and_takes_a_submit_token(tmp_path) -> None:
-    """ImportAdapter makes a task as SubmitTask does: the same per-key submit rate (one bucket for
-    both) and an ``adapter.import`` audit record, refusals included."""
+    """ImportAdapter makes a task as SubmitTask does: the same per-owner submit rate (one bucket
+    for both) and an ``adapter.import`` audit record; refusals are counted, as refused submits are."""
     from opentinker_client import ResourceExhaustedError
 
     from tests.scheduler.data.test_adapter_import import good_files
@@ -177,12 +178,44 @@ def test_an_adapter_import_is_audited_and_takes_a_submit_token(tmp_path) -> None
                 alice.submit_task(workload_type="lora_finetune", model="/models/m")  # the same bucket
         with RLClient(s.target, api_key=s.admin_key) as root:
             records = [r for r in root.keys.audit(limit=100) if r.action == "adapter.import"]  # newest first
+        counted = dict(s.security.audit.refusals)
     ok = [r for r in records if r.outcome == "OK"]
     refused = [r for r in records if r.outcome == "RESOURCE_EXHAUSTED"]
     assert len(ok) == 2 and ok[0].task_id == imported.task_id and ok[0].owner == "alice"
     assert ok[0].key_prefix == alice_info.prefix and ok[0].detail["model"] == "acme/tiny"
     assert ok[0].detail["total_bytes"] == sum(len(v) for v in good_files().values())
-    assert len(refused) == 1 and "limits.submit_rate" in refused[0].detail["error"]
+    assert not refused
+    assert counted == {
+        ("adapter.import", "alice", "RESOURCE_EXHAUSTED"): 1,
+        ("task.submit", "alice", "RESOURCE_EXHAUSTED"): 1,
+    }
+
+
+def test_a_flood_of_refused_submits_is_counted_and_adds_no_audit_row(tmp_path) -> None:
+    config = AUTH_LOCAL_MODELS + "limits: {submit_rate: 0.001, submit_burst: 1, rate_wait: 0}\n"  # answered at once
+    with LoopbackScheduler(tmp_path / "state", config, http_port=0) as s:
+        with RLClient(s.target, api_key=s.admin_key) as root:
+            _, key = root.keys.create("mallory", "user")
+        spec = C.TaskSpec(workload_type="lora_finetune", model="/models/m")
+        with grpc.insecure_channel(s.target) as ch:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            stub.SubmitTask(S.SubmitTaskRequest(spec=spec), metadata=metadata(key))  # the one token
+            rows = s.do(lambda: s.core.store.db.execute("SELECT COUNT(*) FROM audit_log").fetchone()[0])
+            for _ in range(50):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.SubmitTask(S.SubmitTaskRequest(spec=spec), metadata=metadata(key))
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert s.do(lambda: s.core.store.db.execute("SELECT COUNT(*) FROM audit_log").fetchone()[0]) == rows
+        status, body = http_get(f"http://127.0.0.1:{s.running.http.port}/metrics")
+        assert status == 200
+        refused = metric_value(
+            metric_samples(body.decode()),
+            "opentinker_audit_refusals_total",
+            action="task.submit",
+            owner="mallory",
+            code="RESOURCE_EXHAUSTED",
+        )
+        assert refused == 50
 
 
 def test_the_records_of_a_transaction_commit_or_roll_back_with_it_in_order(tmp_path, store_backend) -> None:

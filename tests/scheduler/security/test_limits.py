@@ -7,15 +7,25 @@ import time
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
 from opentinker_client import InvalidArgumentError, RLClient, ResourceExhaustedError
 from opentinker_scheduler.config import ConfigError, parse_config
 from opentinker_scheduler.errors import ResourceExhausted
-from opentinker_scheduler.security.limits import Limits, LimitsConfig, TokenBucket
+from opentinker_scheduler.security.limits import (
+    CHECKPOINT_UPLOADS,
+    READ_TOKEN_BYTES,
+    USER_UPLOADS,
+    Limits,
+    LimitsConfig,
+    TokenBucket,
+)
 
 from tests.support.security import LoopbackScheduler, metadata
+from tests.support.waiting import wait_for
 
 
 def _submit(client: RLClient, **kw) -> str:
@@ -57,18 +67,22 @@ def test_pending_per_owner_limit_counts_each_owner_separately(make) -> None:
         _submit(alice)  # room again
 
 
-def test_submit_rate_per_key_is_a_token_bucket(make) -> None:
+def test_submit_rate_is_one_token_bucket_per_owner_over_all_its_keys(make) -> None:
     s = make("auth: {enabled: true}\nlimits: {submit_rate: 0.001, submit_burst: 2}\n")
     with RLClient(s.target, api_key=s.admin_key) as root:
         _, k1 = root.keys.create("alice", "user")
-        _, k2 = root.keys.create("alice", "user")  # same owner, another key: its own bucket
-    with RLClient(s.target, api_key=k1) as a, RLClient(s.target, api_key=k2) as b:
+        _, k2 = root.keys.create("alice", "user")  # same owner, another key: the same bucket
+        _, k3 = root.keys.create("bob", "user")
+    with RLClient(s.target, api_key=k1) as a, RLClient(s.target, api_key=k2) as b, RLClient(s.target, api_key=k3) as c:
         _submit(a)
         _submit(a)
-        with pytest.raises(ResourceExhaustedError, match=r"submit rate limit: .* \(limits.submit_rate\); retry in"):
-            _submit(a)
-        _submit(b)
-        assert len(a.list_tasks()) == 3
+        for client in (a, b):
+            with pytest.raises(
+                ResourceExhaustedError, match=r"per second per owner .* \(limits.submit_rate\); retry in"
+            ):
+                _submit(client)
+        _submit(c)  # another owner has its own bucket
+        assert len(a.list_tasks()) == 2
 
 
 def test_spec_size_limit(make) -> None:
@@ -98,36 +112,87 @@ def test_message_size_limit_applies_to_what_the_server_receives(make) -> None:
         assert not stub.ListTasks(S.ListTasksRequest()).tasks
 
 
-def test_concurrent_streams_per_key(make) -> None:
-    s = make("auth: {enabled: true}\nlimits: {max_streams_per_key: 1}\n")
+def test_concurrent_streams_count_per_owner_so_a_rotated_key_adds_none(make) -> None:
+    s = make("auth: {enabled: true}\nlimits: {max_streams_per_owner: 1}\n")
     with RLClient(s.target, api_key=s.admin_key) as root:
         _, key = root.keys.create("alice", "user")
         _, other = root.keys.create("bob", "user")
+        _, rotated, _ = root.keys.rotate(key[:12], grace=600)  # both keys stay valid for the grace period
     with RLClient(s.target, api_key=key) as alice:
         own = _submit(alice)  # pending for good (no nodes), so a watch of it stays open
-    md = metadata(key)
     with grpc.insecure_channel(s.target) as ch:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
         req = S.WatchTaskRequest(task_id=own)
-        first = stub.WatchTask(S.WatchTaskRequest(task_id=own), metadata=md)
+        first = stub.WatchTask(req, metadata=metadata(key))
         assert next(first).event.state_change.to_state == C.TASK_STATE_PENDING  # the stream is open
-        with pytest.raises(grpc.RpcError) as err:
-            next(stub.WatchTask(S.WatchTaskRequest(task_id=own), metadata=md))
-        assert (
-            err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            and "limits.max_streams_per_key" in err.value.details()
-        )
-        # Another key has its own slots (bob's watch of a task he cannot see is NOT_FOUND, not exhausted).
+        for k in (key, rotated):  # the old key and its successor share alice's one slot
+            with pytest.raises(grpc.RpcError) as err:
+                next(stub.WatchTask(req, metadata=metadata(k)))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+            assert "1 open for owner 'alice', the limit is 1 (limits.max_streams_per_owner)" in err.value.details()
+        # Another owner has its own slots (bob's watch of a task he cannot see is NOT_FOUND, not exhausted).
         with pytest.raises(grpc.RpcError) as err:
             next(stub.WatchTask(req, metadata=metadata(other)))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         first.cancel()
-        deadline = time.monotonic() + 10
-        while s.security.limits.open_streams(key[:12]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        again = stub.WatchTask(S.WatchTaskRequest(task_id=own), metadata=md)
+        wait_for(lambda: not s.security.limits.open_streams("alice"), what="alice's stream slot released")
+        again = stub.WatchTask(req, metadata=metadata(rotated))
         assert next(again).event.state_change.to_state == C.TASK_STATE_PENDING
         again.cancel()
+
+
+def test_one_owners_read_flood_is_refused_with_retry_info_while_another_owner_reads(make) -> None:
+    s = make("auth: {enabled: true}\nlimits: {read_rate: 0.001, read_burst: 20, rate_wait: 0}\n")
+    with RLClient(s.target, api_key=s.admin_key) as root:
+        _, flooder = root.keys.create("mallory", "user")
+        _, second = root.keys.create("mallory", "user")
+        _, victim = root.keys.create("bob", "user")
+    with RLClient(s.target, api_key=victim) as bob:
+        task_id = _submit(bob)
+    with grpc.insecure_channel(s.target) as ch:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        codes = []
+        for i in range(40):  # the flood: reads from two keys of one owner
+            try:
+                stub.ListTasks(S.ListTasksRequest(), metadata=metadata((flooder, second)[i % 2]))
+                codes.append("OK")
+            except grpc.RpcError as err:
+                codes.append(err.code().name)
+                refused = err
+        assert codes[:20] == ["OK"] * 20 and set(codes[20:]) == {"RESOURCE_EXHAUSTED"}
+        assert "(limits.read_rate): ListTasks refused; retry in" in refused.details()
+        status = rpc_status.from_call(refused)
+        retry = [d for d in status.details if d.Is(error_details_pb2.RetryInfo.DESCRIPTOR)]
+        assert len(retry) == 1
+        with pytest.raises(grpc.RpcError) as err:  # a stream's open is a read too
+            next(stub.WatchTask(S.WatchTaskRequest(task_id=task_id), metadata=metadata(flooder)))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Another owner's reads have their own bucket.
+        got = stub.GetTask(S.GetTaskRequest(task_id=task_id), metadata=metadata(victim))
+        assert got.task.task_id == task_id
+
+
+def test_a_read_over_the_rate_waits_for_its_token_and_a_refusal_is_held(make) -> None:
+    s = make(
+        "auth: {enabled: true}\n"
+        "limits: {read_rate: 4, read_burst: 1, rate_wait: 1, submit_rate: 0.001, submit_burst: 1}\n"
+    )
+    with RLClient(s.target, api_key=s.admin_key) as root:
+        _, key = root.keys.create("alice", "user")
+    with RLClient(s.target, api_key=key) as alice:
+        task_id = _submit(alice)
+    with grpc.insecure_channel(s.target) as ch:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        started = time.monotonic()
+        for _ in range(3):  # the burst, then two owed tokens, 0.25 s apart: all answered
+            assert stub.GetTask(S.GetTaskRequest(task_id=task_id), metadata=metadata(key)).task.task_id == task_id
+        assert time.monotonic() - started >= 0.45
+        started = time.monotonic()
+        spec = C.TaskSpec(workload_type="lora_finetune", model="/models/m")
+        with pytest.raises(grpc.RpcError) as err:  # no token for a day: refused, its answer held rate_wait
+            stub.SubmitTask(S.SubmitTaskRequest(spec=spec), metadata=metadata(key))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "(limits.submit_rate)" in err.value.details()
+        assert time.monotonic() - started >= 1.0
 
 
 def test_spec_fields_are_bounded_with_invalid_argument(make) -> None:
@@ -147,8 +212,8 @@ def test_spec_fields_are_bounded_with_invalid_argument(make) -> None:
 def test_defaults_depend_on_auth_and_explicit_values_always_apply() -> None:
     off = LimitsConfig().resolved(auth_enabled=False)
     on = LimitsConfig().resolved(auth_enabled=True)
-    assert (off.submit_rate, off.max_pending_per_owner, off.max_streams_per_key) == (0, 0, 0)
-    assert on.submit_rate > 0 and on.max_pending_per_owner > 0 and on.max_streams_per_key > 0
+    assert (off.submit_rate, off.max_pending_per_owner, off.max_streams_per_owner) == (0, 0, 0)
+    assert on.submit_rate > 0 and on.max_pending_per_owner > 0 and on.max_streams_per_owner > 0
     assert off.max_message_bytes == on.max_message_bytes == 64 * 1024 * 1024
     assert LimitsConfig(submit_rate=3).resolved(auth_enabled=False).submit_rate == 3
 
@@ -166,25 +231,29 @@ def test_limits_config_errors_name_the_key() -> None:
 
 def test_token_bucket_refills_at_its_rate() -> None:
     b = TokenBucket(rate=2.0, burst=3, now=0.0)
-    assert [b.take(0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
-    assert b.take(0.0) == pytest.approx(0.5)
-    assert b.take(0.5) == 0.0  # one token came back after 0.5 s
-    assert b.take(10.0) == 0.0 and b.tokens == pytest.approx(2.0)  # capped at burst
+    assert [b.reserve(0.0, 0.0) for _ in range(3)] == [(0.0, True)] * 3
+    assert b.reserve(0.0, 0.0) == (pytest.approx(0.5), False)  # none stored, none owed: nothing taken
+    assert b.reserve(0.5, 0.0) == (0.0, True)  # one token came back after 0.5 s
+    assert b.reserve(10.0, 0.0) == (0.0, True) and b.tokens == pytest.approx(2.0)  # capped at burst
+    assert b.reserve(10.0, 1.0) == (0.0, True) and b.reserve(10.0, 1.0) == (0.0, True)
+    assert b.reserve(10.0, 1.0) == (pytest.approx(0.5), True)  # owed: the caller waits 0.5 s
+    assert b.reserve(10.0, 1.0) == (pytest.approx(1.0), True)
+    assert b.reserve(10.0, 1.0) == (pytest.approx(1.5), False)  # later than most_wait: refused
 
 
 def test_limits_unit_streams_release_and_rate_with_a_fake_clock() -> None:
     now = [0.0]
     lim = Limits(
         LimitsConfig(
-            submit_rate=1.0, submit_burst=1, max_streams_per_key=2, max_spec_bytes=10, max_pending_per_owner=1
+            submit_rate=1.0, submit_burst=1, max_streams_per_owner=2, max_spec_bytes=10, max_pending_per_owner=1
         ),
         clock=lambda: now[0],
     )
-    lim.check_submit_rate("k")
+    lim.take_submit("k")
     with pytest.raises(ResourceExhausted, match="retry in 1.00 s"):
-        lim.check_submit_rate("k")
+        lim.take_submit("k")
     now[0] = 1.0
-    lim.check_submit_rate("k")
+    lim.take_submit("k")
     with lim.stream("k"), lim.stream("k"):
         with pytest.raises(ResourceExhausted):
             lim.acquire_stream("k")
@@ -195,3 +264,38 @@ def test_limits_unit_streams_release_and_rate_with_a_fake_clock() -> None:
     lim.check_pending("o", lambda: 0)
     with pytest.raises(ResourceExhausted):
         lim.check_pending("o", lambda: 1)
+
+
+def test_reads_owe_tokens_up_to_rate_wait_and_are_charged_by_answer_size() -> None:
+    now = [0.0]
+    lim = Limits(LimitsConfig(read_rate=2.0, read_burst=1, rate_wait=1.0), clock=lambda: now[0])
+    read = "/opentinker.scheduler.v1.SchedulerService/GetTask"
+    assert lim.take_read("o", read) == 0.0
+    assert lim.take_read("o", read) == pytest.approx(0.5)  # owed: the call waits for its token
+    assert lim.take_read("o", read) == pytest.approx(1.0)
+    with pytest.raises(ResourceExhausted, match=r"\(limits.read_rate\): GetTask refused; retry in 1.50 s") as err:
+        lim.take_read("o", read)  # a token 1.5 s away: over rate_wait
+    assert err.value.retry_after == pytest.approx(1.5)
+    assert lim.take_read("other", read) == 0.0  # another owner's bucket
+    now[0] = 10.0
+    assert lim.take_read("o", read) == 0.0
+    lim.charge_read("o", READ_TOKEN_BYTES + 100)  # an answer of over 4 KiB: one more token owed
+    assert lim.take_read("o", read) == pytest.approx(1.0)
+    with lim.refusal_wait("o") as hold:
+        assert hold == 1.0
+
+
+def test_upload_pools_unit() -> None:
+    lim = Limits(LimitsConfig(max_uploads=2, max_uploads_per_owner=1, max_checkpoint_uploads=1))
+    lim.acquire_upload("a")
+    with pytest.raises(ResourceExhausted, match=r"limits.max_uploads_per_owner"):
+        lim.acquire_upload("a")
+    lim.acquire_upload("b")
+    with pytest.raises(ResourceExhausted, match=r"limits.max_uploads\)"):
+        lim.acquire_upload("c")
+    lim.acquire_upload("node", CHECKPOINT_UPLOADS)  # a pool of its own
+    with pytest.raises(ResourceExhausted, match=r"limits.max_checkpoint_uploads"):
+        lim.acquire_upload("node", CHECKPOINT_UPLOADS)
+    lim.release_upload("a")
+    lim.acquire_upload("c")
+    assert (lim.open_uploads(USER_UPLOADS), lim.open_uploads(CHECKPOINT_UPLOADS)) == (2, 1)

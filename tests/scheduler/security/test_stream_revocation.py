@@ -109,7 +109,7 @@ def test_revoke_ends_the_keys_watch_streams_at_once_and_leaves_other_keys_alone(
     with _watching(tmp_path, 3600) as (s, watch):
         (alice, alice_key, alice_task), (bob, bob_key, bob_task) = _users(s, "alice", "bob")
         a1, a2, b = watch(alice_task, alice_key), watch(alice_task, alice_key), watch(bob_task, bob_key)
-        assert _open_streams(s, alice.prefix) == 2 and s.security.limits.open_streams(alice.prefix) == 2
+        assert _open_streams(s, alice.prefix) == 2 and s.security.limits.open_streams("alice") == 2
         with RLClient(s.target, api_key=s.admin_key) as root:
             root.keys.revoke(alice.prefix)
         for w in (a1, a2):
@@ -118,7 +118,7 @@ def test_revoke_ends_the_keys_watch_streams_at_once_and_leaves_other_keys_alone(
             assert w.error.details() == f"API key {alice.prefix} was revoked"
         # The handler's finally blocks ran: the streams are unregistered and their slots released.
         _wait(
-            lambda: _open_streams(s, alice.prefix) == 0 and s.security.limits.open_streams(alice.prefix) == 0,
+            lambda: _open_streams(s, alice.prefix) == 0 and s.security.limits.open_streams("alice") == 0,
             what="slots released",
         )
         # Bob's stream runs on and still delivers events.

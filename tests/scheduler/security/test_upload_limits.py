@@ -1,5 +1,6 @@
-"""Uploads against a real scheduler with auth on: they hold stream slots (per key, and a bound
-for all keys), end after an idle timeout or an overall deadline, count against an owner's stored
+"""Uploads against a real scheduler with auth on: users' uploads hold slots per owner and of a
+bound for all owners, trainers' checkpoint uploads slots of a pool of their own; uploads end after
+an idle timeout (no payload byte: empty chunks do not count) or an overall deadline, count against an owner's stored
 dataset bytes and the free disk, and leave no ``.part`` file behind when refused, timed out or
 broken off. A shared (content-addressed) dataset answers each uploader with their own name."""
 
@@ -15,6 +16,8 @@ from opentinker.artifact.v1 import artifact_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2 as S
 from opentinker.scheduler.v1 import scheduler_pb2_grpc
 from opentinker_client import RLClient
+from opentinker_common.artifacts.remote import RemoteArtifactStore
+from opentinker_scheduler.security.limits import CHECKPOINT_UPLOADS, USER_UPLOADS
 
 from tests.support.security import LoopbackScheduler, metadata
 from tests.support.waiting import wait_for
@@ -28,15 +31,17 @@ def _parts(s: LoopbackScheduler) -> list[Path]:
     return sorted(folder.glob("upload-*")) if folder.exists() else []
 
 
-def _open_uploads(s: LoopbackScheduler) -> int:
-    return s.do(s.security.limits.open_uploads)
+def _open_uploads(s: LoopbackScheduler, pool: str = USER_UPLOADS) -> int:
+    return s.do(s.security.limits.open_uploads, pool)
 
 
 class _Upload:
     """One UploadDataset (or UploadChunks) call in a thread: sends ``first`` messages, then
-    waits (idle) until released, or sends a chunk every ``trickle_s`` seconds."""
+    waits (idle) until released, or sends a chunk of ``trickle`` every ``trickle_s`` seconds."""
 
-    def __init__(self, s, key, *, first=(), trickle_s: float | None = None, artifact: bool = False) -> None:
+    def __init__(
+        self, s, key, *, first=(), trickle_s: float | None = None, trickle: bytes = b" ", artifact: bool = False
+    ) -> None:
         self.release = threading.Event()
         self.error: grpc.RpcError | None = None
         self.response = None
@@ -51,7 +56,7 @@ class _Upload:
             yield from first
             while not self.release.wait(trickle_s if trickle_s is not None else 60):
                 if trickle_s is not None:
-                    yield S.UploadDatasetRequest(chunk=b" ")
+                    yield S.UploadDatasetRequest(chunk=trickle)
 
         def run() -> None:
             try:
@@ -95,38 +100,59 @@ def _header(total: int, name: str = "d.jsonl") -> S.UploadDatasetRequest:
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
-    """Two uploads per key, three in all, 2000 dataset bytes per owner."""
+    """Two user uploads per owner, three in all, one checkpoint upload; 2000 dataset bytes per owner."""
     config = (
         "auth: {enabled: true}\n"
-        "limits: {max_streams_per_key: 2, max_uploads: 3, max_dataset_bytes_per_owner: 2000, min_free_disk_bytes: 0}\n"
+        "limits: {max_uploads_per_owner: 2, max_uploads: 3, max_checkpoint_uploads: 1,"
+        " max_dataset_bytes_per_owner: 2000, min_free_disk_bytes: 0}\n"
     )
     with LoopbackScheduler(tmp_path_factory.mktemp("limited") / "state", config) as s:
         yield s
 
 
-def test_uploads_hold_stream_slots_per_key_and_in_all(limited) -> None:
-    s = limited
-    alice, bob = _users(s, "alice-slots", "bob-slots")
-    (node,) = _users(s, "rack-slots", role="node")
-    open_ = [_Upload(s, alice, first=[_header(len(DATA))]) for _ in range(2)]
-    wait_for(lambda: len(_parts(s)) == 2, what="two uploads holding .part files")
-    third = _Upload(s, alice, first=[_header(len(DATA))])
-    err = third.finish()
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "2 open for this API key, the limit is 2 (limits.max_streams_per_key)" in err.details()
+def _put_checkpoint(s: LoopbackScheduler, node_key: str, key: str, folder: Path) -> None:
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(DATA)
+    with grpc.insecure_channel(s.target) as ch:
+        RemoteArtifactStore(ch, metadata(node_key), target=s.target).put_folder(key, folder)
 
-    # Checkpoint uploads (ArtifactService.UploadChunks, node keys) share the bounds.
-    chunks = _Upload(s, node, artifact=True)
-    wait_for(lambda: _open_uploads(s) == 3, what="three uploads open")
-    err = _Upload(s, bob, first=[_header(len(DATA))]).finish()
+
+def test_an_owner_holding_uploads_leaves_other_owners_and_checkpoints_room(limited, tmp_path) -> None:
+    s = limited
+    alice, alice_again, bob, carol = _users(s, "alice-slots", "alice-slots", "bob-slots", "carol-slots")
+    (node,) = _users(s, "rack-slots", role="node")
+    held = [_Upload(s, alice, first=[_header(len(DATA))]) for _ in range(2)]
+    wait_for(lambda: len(_parts(s)) == 2, what="two uploads holding .part files")
+    for key in (alice, alice_again):  # a second key of the same owner adds no slot
+        err = _Upload(s, key, first=[_header(len(DATA))]).finish()
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "2 open for owner 'alice-slots', the limit is 2 (limits.max_uploads_per_owner)" in err.details()
+
+    # Another owner still uploads; a trainer's checkpoint has a pool of its own, even when users' is full.
+    bobs = _Upload(s, bob, first=[_header(len(DATA))])
+    wait_for(lambda: _open_uploads(s) == 3, what="three user uploads open")
+    _put_checkpoint(s, node, "tasks/t-slots/a1/step_1", tmp_path / "ckpt")
+    err = _Upload(s, carol, first=[_header(len(DATA))]).finish()
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "3 open on this scheduler, the limit is 3 (limits.max_uploads)" in err.details()
 
     # Broken off mid-stream: the slots come back and nothing is left on disk.
-    for u in (*open_, chunks):
+    for u in (*held, bobs):
         u.cancel()
     wait_for(lambda: _open_uploads(s) == 0 and not _parts(s), what="slots released and .part files removed")
     assert _upload_all(s, alice, "x.jsonl", DATA).size_bytes == len(DATA)  # a complete upload works again
+
+
+def test_checkpoint_uploads_have_their_own_bound(limited) -> None:
+    s = limited
+    (node,) = _users(s, "rack-bound", role="node")
+    held = _Upload(s, node, artifact=True)
+    wait_for(lambda: _open_uploads(s, CHECKPOINT_UPLOADS) == 1, what="one checkpoint upload open")
+    err = _Upload(s, node, artifact=True).finish()
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "1 open on this scheduler, the limit is 1 (limits.max_checkpoint_uploads)" in err.details()
+    held.cancel()
+    wait_for(lambda: _open_uploads(s, CHECKPOINT_UPLOADS) == 0, what="the checkpoint slot released")
 
 
 def test_an_owner_may_store_at_most_its_dataset_bytes(limited) -> None:
@@ -172,8 +198,19 @@ def test_an_idle_upload_ends_and_leaves_nothing(timed) -> None:
     err = _Upload(s, key, first=[S.UploadDatasetRequest(name="d.jsonl", total_bytes=200 * 2**20, chunk=LINE)]).finish()
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert err.details() == (
-        "upload: no message for 0.5 s (limits.upload_idle_timeout); the partial upload was dropped, send it again"
+        "upload: no payload byte for 0.5 s (limits.upload_idle_timeout); the partial upload was dropped, send it again"
     )
+    wait_for(lambda: not _parts(s) and _open_uploads(s) == 0, what=".part removed, slot released")
+
+
+def test_empty_chunks_do_not_keep_an_upload_alive(timed) -> None:
+    s = timed
+    (key,) = _users(s, "empty-chunks")
+    header = S.UploadDatasetRequest(name="d.jsonl", total_bytes=10 * 2**20, chunk=LINE)
+    # A message every 0.1 s, well within the idle timeout, but none carries a byte.
+    err = _Upload(s, key, first=[header], trickle_s=0.1, trickle=b"").finish()
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "no payload byte for 0.5 s (limits.upload_idle_timeout)" in err.details()
     wait_for(lambda: not _parts(s) and _open_uploads(s) == 0, what=".part removed, slot released")
 
 
@@ -224,8 +261,10 @@ def test_upload_limit_config_defaults_and_ranges() -> None:
 
     on = parse_config("auth: {enabled: true}\n").limits.resolved(auth_enabled=True)
     assert (on.max_uploads, on.upload_idle_timeout, on.upload_deadline) == (64, 60.0, 3600.0)
+    assert (on.max_uploads_per_owner, on.max_checkpoint_uploads) == (4, 64)
     assert (on.max_dataset_bytes_per_owner, on.min_free_disk_bytes) == (10 * 2**30, 2**30)
     off = parse_config("").limits.resolved(auth_enabled=False)
     assert off.max_dataset_bytes_per_owner == 0 and off.upload_idle_timeout == 60.0  # timeouts hold in both modes
+    assert (off.max_uploads_per_owner, off.max_checkpoint_uploads) == (0, 64)  # the pools hold in both modes
     with pytest.raises(ConfigError, match=r"limits\.upload_idle_timeout: expected a number in \[0\.1, 86400\]"):
         parse_config("limits: {upload_idle_timeout: 0}\n", "x.yaml")
