@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -206,16 +207,22 @@ def test_a_flood_of_refused_submits_is_counted_and_adds_no_audit_row(tmp_path) -
                     stub.SubmitTask(S.SubmitTaskRequest(spec=spec), metadata=metadata(key))
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert s.do(lambda: s.core.store.db.execute("SELECT COUNT(*) FROM audit_log").fetchone()[0]) == rows
-        status, body = http_get(f"http://127.0.0.1:{s.running.http.port}/metrics")
-        assert status == 200
+        url = f"http://127.0.0.1:{s.running.http.port}/metrics"
+        admin = urllib.request.Request(url, headers={"Authorization": f"Bearer {s.admin_key}"})
+        with urllib.request.urlopen(admin, timeout=10) as resp:
+            samples = metric_samples(resp.read().decode())
         refused = metric_value(
-            metric_samples(body.decode()),
-            "opentinker_audit_refusals_total",
-            action="task.submit",
-            owner="mallory",
-            code="RESOURCE_EXHAUSTED",
+            samples, "opentinker_audit_refusals_total", action="task.submit", owner="mallory", code="RESOURCE_EXHAUSTED"
         )
         assert refused == 50
+        # Without a key: the action's total, no owner's name.
+        status, body = http_get(url)
+        assert status == 200 and b"mallory" not in body
+        samples = metric_samples(body.decode())
+        assert (
+            metric_value(samples, "opentinker_audit_refusals_total", action="task.submit", code="RESOURCE_EXHAUSTED")
+            == 50
+        )
 
 
 def test_the_records_of_a_transaction_commit_or_roll_back_with_it_in_order(tmp_path, store_backend) -> None:
