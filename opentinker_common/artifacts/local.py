@@ -316,6 +316,14 @@ class LocalArtifactStore(ArtifactStore):
             held.append(size)
         return tuple(held)
 
+    def upload_key(self, upload_id: str) -> str:
+        """The key an announced upload will commit.
+
+        Raises:
+            ArtifactNotFound: unknown upload id. InvalidArtifact: not an upload id.
+        """
+        return self._announced(upload_id)[1].key
+
     def upload_status(self, upload_id: str) -> UploadStatus:
         """Bytes held of each file of an announced upload.
 

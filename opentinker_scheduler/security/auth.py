@@ -22,8 +22,10 @@ revoked (at once) or expires (within ``stream_recheck_interval`` seconds):
 owner's own tasks (another owner's task is NOT_FOUND, never confirmed to exist; ``ListNodes``, which
 names every owner's running tasks, is for admins: :data:`ADMIN_ONLY_METHODS`) and manage its own
 keys; ``node`` may call NodeService only (its stream, and the reads ``LookupTask`` and
-``FetchDataset`` that task workers make with their node's key) and ArtifactService (checkpoint
-uploads and downloads of the ``local`` artifact store).
+``FetchDataset``) and ArtifactService's reads. A task worker calls with its attempt's credential
+(``otw_...``, :mod:`opentinker_scheduler.state.worker_credentials`), role ``worker``: NodeService's
+reads of its task's owner and ArtifactService, writing only under its attempt's prefix while that
+attempt runs on its node (:mod:`opentinker_scheduler.api.artifacts`).
 
 **Bootstrap**: on a start with ``enabled: true`` and no active admin key, the scheduler takes the
 key in ``$OPENTINKER_BOOTSTRAP_ADMIN_KEY`` when set, else makes one and writes it to
@@ -72,6 +74,7 @@ from opentinker_scheduler.security.keys import (  # noqa: F401 - re-exported: th
     key_prefix,
 )
 from opentinker_scheduler.security.limits import Limits
+from opentinker_scheduler.state.worker_credentials import CREDENTIAL_PREFIX, InvalidCredential, WorkerCredentials
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -104,7 +107,7 @@ def caller() -> Principal:
 
 def owner_scope() -> str | None:
     """The owner whose tasks the caller may see: ``None`` (all) for admins and nodes (trainer
-    infrastructure: their workers look up any task they serve), else its owner."""
+    infrastructure), else its owner (a task worker's is its task's owner)."""
     p = caller()
     return None if p.is_admin or p.role == "node" else p.owner
 
@@ -125,14 +128,17 @@ def allowed_roles(method: str) -> frozenset[str]:
     service = method[1:].rsplit("/", 1)[0]
     if service == SCHEDULER_SERVICE:  # task workers read through NodeService (LookupTask, FetchDataset)
         return frozenset({"admin", "user"})
-    if service in (NODE_SERVICE, ARTIFACT_SERVICE):
+    if method == f"/{NODE_SERVICE}/Connect":
         return frozenset({"admin", "node"})
+    if service in (NODE_SERVICE, ARTIFACT_SERVICE):
+        return frozenset({"admin", "node", "worker"})
     if service == ADMIN_SERVICE:
         return frozenset({"admin", "user"})  # per-RPC owner checks in AdminService
     return frozenset(ROLES)  # any other service: any valid key
 
 
 _ROLE_HINT = {
+    "worker": "a task worker's credential may call NodeService's reads and ArtifactService only",
     "node": "node keys may call NodeService only",
     "user": "user keys may not open a node stream or make task workers' reads (NodeService); trainers need a node key",
 }
@@ -190,6 +196,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         audit: AuditLog,
         node_cert_required: bool = False,
         stream_recheck_interval_s: float = DEFAULT_RECHECK_INTERVAL_S,
+        worker_credentials: WorkerCredentials | None = None,
     ) -> None:
         self.keys = keys
         self.limits = limits
@@ -198,6 +205,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         #: public port splices connections (api/front.py), so audit records name the real client.
         self.peer_of: Callable[[str], str] = lambda peer: peer
         self.node_cert_required = node_cert_required
+        #: Checks task workers' attempt credentials (None: only API keys are accepted).
+        self.worker_credentials = worker_credentials
         #: Open streams by key (None with authentication off: there are no keys to revoke).
         self.streams: KeyStreams | None = (
             KeyStreams(keys.refusal, recheck_interval_s=stream_recheck_interval_s) if keys is not None else None
@@ -227,7 +236,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             # value is not echoed (it may be the key itself).
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, authorization_problem(metadata) or MISSING_KEY)
         try:
-            principal = self.keys.resolve(token)
+            principal = self._resolve(token)
         except Unauthenticated as exc:
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
         if principal.role not in allowed_roles(method):
@@ -238,6 +247,20 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 + (f": {hint}" if hint else ""),
             )
         return dataclasses.replace(principal, peer_cn=peer_cn, peer_dns=peer_dns)
+
+    def _resolve(self, token: str) -> Principal:
+        """The principal of an API key or of a task worker's attempt credential."""
+        if token.startswith(CREDENTIAL_PREFIX):
+            if self.worker_credentials is None:
+                raise Unauthenticated("unknown attempt credential: this scheduler issues none")
+            try:
+                scope = self.worker_credentials.verify(token)
+            except InvalidCredential:
+                raise Unauthenticated(
+                    "unknown attempt credential (expected otw_... as the scheduler gave the task worker)"
+                ) from None
+            return Principal(scope.owner, "worker", attempt=scope)
+        return self.keys.resolve(token)
 
     async def _gate(self, method: str, context) -> Principal:
         try:

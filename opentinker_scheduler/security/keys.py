@@ -33,6 +33,7 @@ import structlog
 from opentinker_common.spec import control_character_problem
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SchedulerError
 from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.state.worker_credentials import CREDENTIAL_PREFIX, AttemptScope
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -61,6 +62,8 @@ class Principal:
     peer_cn: str = ""
     #: DNS subject alternative names of that certificate.
     peer_dns: tuple[str, ...] = ()
+    #: The attempt of a task worker's credential (role ``worker``), else None.
+    attempt: AttemptScope | None = None
 
     @property
     def is_admin(self) -> bool:
@@ -68,7 +71,10 @@ class Principal:
 
     @property
     def limit_key(self) -> str:
-        """What per-key limits count against: the key prefix, or the owner with auth off."""
+        """What per-key limits count against: the key prefix, a worker's attempt, or the owner
+        with auth off."""
+        if self.attempt is not None:
+            return f"{CREDENTIAL_PREFIX}{self.attempt.task_id}/a{self.attempt.attempt}"
         return self.key_prefix or self.owner
 
 
