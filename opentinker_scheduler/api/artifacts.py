@@ -14,7 +14,8 @@ Who may do what (roles: :mod:`opentinker_scheduler.security.auth`):
   ListArtifacts) only the tasks of its task's owner. A write elsewhere is PERMISSION_DENIED
   naming the key and the attempt; a read of another owner's artifact is NOT_FOUND, as a
   missing one.
-* ``node`` (the agent's key): reads; it writes nothing (its workers hold their own credentials).
+* ``node`` (the agent's key): DescribeStore only; it neither writes nor reads artifacts (its
+  workers, and a model host's tenants, hold their own credentials).
 
 Committed artifacts are immutable for everyone (``ALREADY_EXISTS``; the same manifest again is a
 success): :mod:`opentinker_common.artifacts.local`.
@@ -93,8 +94,19 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
         return len(parts) > 1 and parts[0] == "tasks" and self._task_owner(parts[1]) == scope.owner
 
     def _may_read(self, key: str) -> None:
-        """Raises NotFound, as for a missing artifact, when the caller may not read ``key``."""
-        if not self._readable(key, caller()):
+        """Refuse a read of ``key`` by a caller that may not read it.
+
+        Raises:
+            PermissionDenied: a node key (its workers read with their own credentials).
+            NotFound: as for a missing artifact, another owner's artifact read by a worker.
+        """
+        who = caller()
+        if who.role == "node":
+            raise PermissionDenied(
+                f"{key}: API key {who.key_prefix} (role node) may not read artifacts; a task's worker reads "
+                "them with the attempt credential of its assignment"
+            )
+        if not self._readable(key, who):
             raise NotFound(f"artifact {key} not found")
 
     async def durable(self) -> None:
@@ -168,6 +180,8 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
 
     @rpc()
     async def ListArtifacts(self, request, call: Call):
+        if call.who.role == "node":
+            self._may_read(request.prefix)  # refused
         keys = await asyncio.to_thread(self.artifacts.list, request.prefix)
         keys = [k for k in keys if self._readable(k, call.who)]
         return artifact_pb2.ListArtifactsResponse(keys=keys)

@@ -22,7 +22,7 @@ revoked (at once) or expires (within ``stream_recheck_interval`` seconds):
 owner's own tasks (another owner's task is NOT_FOUND, never confirmed to exist; ``ListNodes``, which
 names every owner's running tasks, is for admins: :data:`ADMIN_ONLY_METHODS`) and manage its own
 keys; ``node`` may call NodeService only (its stream, and the reads ``LookupTask`` and
-``FetchDataset``) and ArtifactService's reads. A task worker calls with its attempt's credential
+``FetchDataset``); it neither writes nor reads artifacts. A task worker calls with its attempt's credential
 (``otw_...``, :mod:`opentinker_scheduler.state.worker_credentials`), role ``worker``: NodeService's
 reads of its task's owner and ArtifactService, writing only under its attempt's prefix while that
 attempt runs on its node (:mod:`opentinker_scheduler.api.artifacts`).

@@ -227,6 +227,15 @@ def test_a_node_key_cannot_overwrite_a_committed_checkpoint(sched):
         for key in (final, _prefix(sched.worker["alice"]) + "step_3"):
             code, details = _refused(lambda: _upload(stub, key, b"forged", metadata(sched.node_key)))
             assert code == grpc.StatusCode.PERMISSION_DENIED and key in details and "role node" in details
+        # Nor read artifacts: its workers read with their own credentials.
+        node = metadata(sched.node_key)
+        for call in (
+            lambda: _download(stub, final, node),
+            lambda: stub.StatArtifact(A.StatArtifactRequest(key=final), metadata=node),
+            lambda: stub.ListArtifacts(A.ListArtifactsRequest(prefix="tasks/"), metadata=node),
+        ):
+            code, details = _refused(call)
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "(role node) may not read artifacts" in details
         assert _download(stub, final, admin) == b"alice's weights"
         assert list(stub.ListArtifacts(A.ListArtifactsRequest(prefix="tasks/"), metadata=admin).keys) == [final]
 
