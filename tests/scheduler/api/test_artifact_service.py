@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from opentinker.artifact.v1 import artifact_pb2 as A, artifact_pb2_grpc
+from opentinker.common.v1 import common_pb2 as C
 from opentinker.node.v1 import node_pb2 as N, node_pb2_grpc
 from opentinker_client import RLClient
 from opentinker_common.artifacts import (
@@ -58,6 +59,12 @@ class RawNode:
 
     def assignment(self, task_id: str) -> N.AssignTask:
         return wait_for(lambda: self.assigned.get(task_id), 60, f"{task_id} assigned to {self.node_id}")
+
+    def report(self, assign: N.AssignTask, state: int) -> None:
+        """Report ``assign``'s worker in ``state`` (TASK_STATE_CANCELLED: it has stopped)."""
+        self._out.put(
+            N.ConnectRequest(task_report=N.TaskReport(task_id=assign.task_id, attempt=assign.attempt, state=state))
+        )
 
     def leave(self) -> None:
         """Say goodbye and close: the scheduler requeues what the node held (a new attempt)."""
@@ -328,6 +335,23 @@ def test_a_fenced_attempt_can_neither_begin_nor_commit(sched):
             assert f"attempt {alice.attempt} of task {alice.task_id} on node node-a was superseded" in details
         admin = metadata(sched.admin_key)
         assert list(stub.ListArtifacts(A.ListArtifactsRequest(prefix="tasks/"), metadata=admin).keys) == []
+
+
+def test_a_cancelled_attempt_writes_until_its_worker_stops_and_then_nothing(sched):
+    bob = sched.worker["bob"]
+    with sched.channel() as ch, RLClient(sched.target, api_key=sched.bob_key) as owner:
+        stub = artifact_pb2_grpc.ArtifactServiceStub(ch)
+        owner.cancel(bob.task_id)
+        # The worker checkpoints on its way out: that last checkpoint is still stored.
+        _upload(stub, _prefix(bob) + "final_3", b"last", _md(bob))
+        up = _begin(stub, _prefix(bob) + "step_4", b"late", _md(bob)).upload_id
+        sched.node.report(bob, C.TASK_STATE_CANCELLED)  # the worker is gone
+        wait_for(lambda: bob.task_id not in sched.core.stopping, 60, "the stop confirmed")
+        code, details = _refused(lambda: stub.CommitUpload(A.CommitUploadRequest(upload_id=up), metadata=_md(bob)))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert f"attempt {bob.attempt} of task {bob.task_id} on node node-a has ended" in details
+        stored = stub.ListArtifacts(A.ListArtifactsRequest(prefix=f"tasks/{bob.task_id}/"), metadata=_md(bob))
+        assert list(stored.keys) == [_prefix(bob) + "final_3"]
 
 
 def test_user_keys_may_not_use_the_artifact_service(sched, tmp_path):
