@@ -11,9 +11,9 @@ Who may do what (roles: :mod:`opentinker_scheduler.security.auth`):
   CommitUpload) only keys under ``tasks/<task>/a<attempt>/`` of its own attempt, and only while
   that attempt is assigned to or running on its node, checked at every call (a fenced worker
   that heals after its attempt moved on lands nothing); reads (StatArtifact, DownloadArtifact,
-  ListArtifacts) only the tasks of its task's owner. A write elsewhere is PERMISSION_DENIED
-  naming the key and the attempt; a read of another owner's artifact is NOT_FOUND, as a
-  missing one.
+  ListArtifacts) only the tasks of its task's owner, and only while its attempt runs. A write
+  elsewhere is PERMISSION_DENIED naming the key and the attempt; a read of another owner's
+  artifact is NOT_FOUND, as a missing one.
 * ``node`` (the agent's key): DescribeStore only; it neither writes nor reads artifacts (its
   workers, and a model host's tenants, hold their own credentials).
 
@@ -106,8 +106,15 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
                 f"{key}: API key {who.key_prefix} (role node) may not read artifacts; a task's worker reads "
                 "them with the attempt credential of its assignment"
             )
+        self._attempt_live(who)
         if not self._readable(key, who):
             raise NotFound(f"artifact {key} not found")
+
+    def _attempt_live(self, who: Principal) -> None:
+        """Raises PermissionDenied when ``who`` is a task worker whose attempt has ended or moved on."""
+        refusal = self._attempt_refusal(who.attempt) if who.attempt is not None else None
+        if refusal is not None:
+            raise PermissionDenied(f"{refusal}; its credential reads nothing more")
 
     async def durable(self) -> None:
         if self._durable is not None:
@@ -182,6 +189,7 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
     async def ListArtifacts(self, request, call: Call):
         if call.who.role == "node":
             self._may_read(request.prefix)  # refused
+        self._attempt_live(call.who)
         keys = await asyncio.to_thread(self.artifacts.list, request.prefix)
         keys = [k for k in keys if self._readable(k, call.who)]
         return artifact_pb2.ListArtifactsResponse(keys=keys)

@@ -576,8 +576,17 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             self.scheduler_service = SchedulerService(self.core, security=self.security)
         return self.scheduler_service
 
+    def _attempt_live(self) -> None:
+        """Raises PermissionDenied when the caller is a task worker whose attempt has ended or
+        moved on: its credential reads only while its attempt runs."""
+        scope = caller().attempt
+        refusal = self.core.attempt_refusal(scope) if scope is not None else None
+        if refusal is not None:
+            raise PermissionDenied(f"{refusal}; its credential reads nothing more")
+
     @rpc()
     async def LookupTask(self, request, call: Call):
+        self._attempt_live()
         if not request.task_id:
             raise InvalidArgument("task_id: expected a task id, got an empty string")
         # a task worker looks up its owner's tasks only; another owner's is NOT_FOUND
@@ -589,6 +598,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
     async def FetchDataset(self, request, context):
         datasets = self._views.datasets
         try:
+            self._attempt_live()
             await self._views._dataset_here(request.dataset_id)
             if datasets.exists(request.dataset_id) and not self._views._dataset_visible(request.dataset_id):
                 # a task worker reads its owner's datasets only; another owner's reads as a missing one

@@ -146,6 +146,8 @@ class SchedulerCore:
         #: Quota queues and their usage (:mod:`..policy.quota`): the config's ``queues:`` with
         #: :attr:`queue_overrides` applied over them (read from the store at every start).
         self.quotas = self._quota_book([])
+        #: Signs each assignment's attempt credential; None with authentication off (the server sets it).
+        self.worker_credentials: WorkerCredentials | None = None
         self._init_memory()
         self.commits = GroupCommit(store, on_failure=self._rebuild)
         #: Submits waiting for their group commit to write them (:meth:`submit_grouped`).
@@ -185,8 +187,6 @@ class SchedulerCore:
         #: (attempt, node id). The worker checkpoints on SIGTERM within the node's grace period; that
         #: final checkpoint report is still recorded for them (the node protocol reads it).
         self.stopping: dict[str, tuple[int, str]] = {}
-        #: Signs each assignment's attempt credential; None with authentication off (the server sets it).
-        self.worker_credentials: WorkerCredentials | None = None
         self._reservation: tuple[QueueKey, str] | None = None  # (queue key, node id) of the last round
 
     # ------------------------------------------------------------------ leadership

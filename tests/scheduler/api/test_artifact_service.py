@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import queue
-import threading
 
 import grpc
 import pytest
@@ -27,53 +25,9 @@ from opentinker_common.artifacts import (
 )
 from opentinker_common.artifacts.remote import RemoteArtifactStore, manifest_to_proto
 
+from tests.support.raw_node import RawNode
 from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler, metadata
 from tests.support.waiting import wait_for
-
-
-class RawNode:
-    """A node on a NodeService stream of its own (no agent): registers, heartbeats, and keeps
-    the assignments it is sent."""
-
-    def __init__(self, target: str, key: str, node_id: str) -> None:
-        self.node_id = node_id
-        self.assigned: dict[str, N.AssignTask] = {}
-        self._out: queue.Queue = queue.Queue()
-        self._out.put(N.ConnectRequest(register=N.Register(node_id=node_id, max_tasks=4)))
-        self._channel = grpc.insecure_channel(target)
-        self._stream = node_pb2_grpc.NodeServiceStub(self._channel).Connect(self._requests(), metadata=metadata(key))
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _requests(self):
-        while (msg := self._out.get()) is not None:
-            yield msg
-
-    def _read(self) -> None:
-        try:
-            for msg in self._stream:
-                if msg.WhichOneof("command") == "assign_task":
-                    self.assigned[msg.assign_task.task_id] = msg.assign_task
-        except grpc.RpcError:
-            pass
-
-    def assignment(self, task_id: str) -> N.AssignTask:
-        return wait_for(lambda: self.assigned.get(task_id), 60, f"{task_id} assigned to {self.node_id}")
-
-    def report(self, assign: N.AssignTask, state: int) -> None:
-        """Report ``assign``'s worker in ``state`` (TASK_STATE_CANCELLED: it has stopped)."""
-        self._out.put(
-            N.ConnectRequest(task_report=N.TaskReport(task_id=assign.task_id, attempt=assign.attempt, state=state))
-        )
-
-    def leave(self) -> None:
-        """Say goodbye and close: the scheduler requeues what the node held (a new attempt)."""
-        if not self._reader.is_alive():
-            return
-        self._out.put(N.ConnectRequest(goodbye=N.Goodbye(reason="test")))
-        self._out.put(None)
-        self._reader.join(30)
-        self._channel.close()
 
 
 @pytest.fixture
@@ -269,6 +223,11 @@ def test_a_worker_writes_and_reads_only_its_own_attempt_and_owner(sched):
         for prefix in (f"tasks/{alice.task_id}/", "tasks/", ""):
             assert list(stub.ListArtifacts(A.ListArtifactsRequest(prefix=prefix), metadata=_md(bob)).keys) == []
         assert _download(stub, final, _md(alice)) == b"alice's weights"
+        # Nor look up Alice's task.
+        nodes = node_pb2_grpc.NodeServiceStub(ch)
+        code, _ = _refused(lambda: nodes.LookupTask(N.LookupTaskRequest(task_id=alice.task_id), metadata=_md(bob)))
+        assert code == grpc.StatusCode.NOT_FOUND
+        assert nodes.LookupTask(N.LookupTaskRequest(task_id=bob.task_id), metadata=_md(bob)).task.owner == "bob"
         # A credential of one attempt may not open a node stream.
         code, details = _refused(
             lambda: next(
@@ -335,6 +294,14 @@ def test_a_fenced_attempt_can_neither_begin_nor_commit(sched):
             assert f"attempt {alice.attempt} of task {alice.task_id} on node node-a was superseded" in details
         admin = metadata(sched.admin_key)
         assert list(stub.ListArtifacts(A.ListArtifactsRequest(prefix="tasks/"), metadata=admin).keys) == []
+        # Its credential reads nothing more either.
+        nodes = node_pb2_grpc.NodeServiceStub(ch)
+        for call in (
+            lambda: stub.ListArtifacts(A.ListArtifactsRequest(prefix=_prefix(alice)), metadata=_md(alice)),
+            lambda: nodes.LookupTask(N.LookupTaskRequest(task_id=alice.task_id), metadata=_md(alice)),
+        ):
+            code, details = _refused(call)
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "its credential reads nothing more" in details
 
 
 def test_a_cancelled_attempt_writes_until_its_worker_stops_and_then_nothing(sched):
@@ -350,7 +317,8 @@ def test_a_cancelled_attempt_writes_until_its_worker_stops_and_then_nothing(sche
         code, details = _refused(lambda: stub.CommitUpload(A.CommitUploadRequest(upload_id=up), metadata=_md(bob)))
         assert code == grpc.StatusCode.PERMISSION_DENIED
         assert f"attempt {bob.attempt} of task {bob.task_id} on node node-a has ended" in details
-        stored = stub.ListArtifacts(A.ListArtifactsRequest(prefix=f"tasks/{bob.task_id}/"), metadata=_md(bob))
+        admin = metadata(sched.admin_key)
+        stored = stub.ListArtifacts(A.ListArtifactsRequest(prefix=f"tasks/{bob.task_id}/"), metadata=admin)
         assert list(stored.keys) == [_prefix(bob) + "final_3"]
 
 

@@ -1,6 +1,7 @@
 """Attempt credentials on two schedulers sharing one real PostgreSQL, authentication on: the
-signing secret lives in the store, so a credential one scheduler issued is accepted by the other
-(a follower's reads, a new leader after a failover); a forged or altered one is refused."""
+signing secret lives in the store, so a credential the leader issued with an assignment is
+accepted by the other scheduler (a follower's reads, a new leader after a failover); an altered
+one is refused."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from opentinker_scheduler.config.store import StoreConfig
 from opentinker_scheduler.server import start_scheduler
 from opentinker_scheduler.state.worker_credentials import AttemptScope
 
+from tests.support.raw_node import RawNode
 from tests.support.security import metadata
 from tests.support.waiting import wait_for
 
@@ -37,6 +39,7 @@ def pair(tmp_path, postgres_server):
         SchedulerConfig(
             state_dir=tmp_path / name,
             auth=AuthConfig(enabled=True, bootstrap_admin_key_file=str(tmp_path / "admin.key")),
+            lease_s=600,  # the raw node sends no heartbeats
             store=StoreConfig(
                 kind="postgres", dsn=postgres_server.dsn(), schema=schema, leader_lease_s=3, renew_interval_s=0.5
             ),
@@ -64,26 +67,27 @@ def test_a_credential_from_one_scheduler_is_accepted_by_the_other(pair) -> None:
     leader, follower = sorted(running, key=lambda r: not r.core.leading)
     with RLClient(f"127.0.0.1:{leader.port}", api_key=admin_key) as root:
         _, alice_key = root.keys.create("alice", "user")
-    with RLClient(f"127.0.0.1:{leader.port}", api_key=alice_key) as alice:
-        task_id = alice.submit_task(workload_type="lora_finetune", model="Qwen/Qwen2.5-0.5B-Instruct", gpu_count=0)
-    scope = AttemptScope(task_id, 1, "node-a", "alice")
-    credential = leader.security.worker_credentials.issue(scope)
-    assert follower.security.worker_credentials.verify(credential) == scope
-    with grpc.insecure_channel(f"127.0.0.1:{follower.port}") as ch:
-        stub = node_pb2_grpc.NodeServiceStub(ch)
-        # The follower serves the worker's read of its own task, with the leader's credential.
-        got = stub.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(credential), timeout=10)
-        assert got.task.task_id == task_id and got.task.owner == "alice"
-        # Another owner's credential reads Alice's task as a missing one.
-        bob = leader.security.worker_credentials.issue(AttemptScope("task-other", 1, "node-a", "bob"))
-        with pytest.raises(grpc.RpcError) as err:
-            stub.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(bob), timeout=10)
-        assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        # A credential whose payload was changed (another owner) no longer matches its signature.
-        payload, _, signature = credential.partition(".")
-        forged = bob.partition(".")[0] + "." + signature
-        for token in (forged, credential + "x", "otw_" + payload[4:]):
-            with pytest.raises(grpc.RpcError) as err:
-                stub.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(token), timeout=10)
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert "unknown attempt credential" in err.value.details()
+        _, node_key = root.keys.create("rack-1", "node")
+    node = RawNode(f"127.0.0.1:{leader.port}", node_key, "node-a")
+    try:
+        with RLClient(f"127.0.0.1:{leader.port}", api_key=alice_key) as alice:
+            task_id = alice.submit_task(workload_type="lora_finetune", model="Qwen/Qwen2.5-0.5B-Instruct", gpu_count=0)
+        credential = node.assignment(task_id).worker_credential
+        scope = AttemptScope(task_id, 1, "node-a", "alice")
+        assert follower.security.worker_credentials.verify(credential) == scope
+        with grpc.insecure_channel(f"127.0.0.1:{follower.port}") as ch:
+            stub = node_pb2_grpc.NodeServiceStub(ch)
+            # The follower serves the worker's read of its own task, with the leader's credential.
+            got = stub.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(credential), timeout=10)
+            assert got.task.task_id == task_id and got.task.owner == "alice"
+            # A credential whose payload was changed no longer matches its signature.
+            payload, _, signature = credential.partition(".")
+            other = leader.security.worker_credentials.issue(AttemptScope(task_id, 1, "node-b", "alice"))
+            forged = other.partition(".")[0] + "." + signature
+            for token in (forged, credential + "x", payload):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(token), timeout=10)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "unknown attempt credential" in err.value.details()
+    finally:
+        node.leave()
