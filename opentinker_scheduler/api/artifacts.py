@@ -133,7 +133,7 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
         return await asyncio.to_thread(self.artifacts.begin_upload, request, min_free_bytes=min_free)
 
     async def UploadChunks(self, request_iterator, context):
-        upload_id = ""
+        upload_id, key = "", ""
         pending: asyncio.Future | None = None
         try:
             self._require_leader()
@@ -144,7 +144,7 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
                     await pending
                 if chunk.upload_id != upload_id:
                     key = await asyncio.to_thread(self.artifacts.upload_key, chunk.upload_id)
-                    self._may_write(key)
+                self._may_write(key)  # every chunk: an attempt fenced mid-stream sends no more bytes
                 upload_id = chunk.upload_id
                 pending = asyncio.ensure_future(asyncio.to_thread(self.artifacts.write_chunk, chunk))
             if pending is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 
 import grpc
 import pytest
@@ -278,16 +279,26 @@ def test_a_fenced_attempt_can_neither_begin_nor_commit(sched):
     key = _prefix(alice) + "step_5"
     with sched.channel() as ch, RLClient(sched.target, api_key=sched.user_key) as owner:
         stub = artifact_pb2_grpc.ArtifactServiceStub(ch)
-        up = _begin(stub, key, b"late", _md(alice)).upload_id
-        stub.UploadChunks(
-            iter([A.UploadChunksRequest(upload_id=up, file_index=0, offset=0, data=b"late")]), metadata=_md(alice)
-        )
+        up = _begin(stub, key, b"late!", _md(alice)).upload_id
+        # An upload stream open across the fencing: its first chunk lands, the next one is refused.
+        fenced = threading.Event()
+
+        def chunks():
+            yield A.UploadChunksRequest(upload_id=up, file_index=0, offset=0, data=b"lat")
+            fenced.wait(120)
+            yield A.UploadChunksRequest(upload_id=up, file_index=0, offset=3, data=b"e!")
+
+        stream = stub.UploadChunks.future(chunks(), metadata=_md(alice))
+        wait_for(lambda: list(_begin(stub, key, b"late!", _md(alice)).received_bytes) == [3], 60, "the first chunk")
         # The node leaves: the scheduler requeues the task as attempt 2; attempt 1 is fenced.
         sched.node.leave()
         wait_for(lambda: owner.get_task(alice.task_id).attempt > alice.attempt, 60, "the task requeued")
+        fenced.set()
+        code, details = _refused(stream.result)
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "was superseded by attempt 2" in details
         for call in (
             lambda: stub.CommitUpload(A.CommitUploadRequest(upload_id=up), metadata=_md(alice)),
-            lambda: _begin(stub, _prefix(alice) + "step_6", b"x", _md(alice)),
+            lambda: _begin(stub, key, b"late!", _md(alice)),
         ):
             code, details = _refused(call)
             assert code == grpc.StatusCode.PERMISSION_DENIED
