@@ -139,6 +139,7 @@ _STATUS_CODES = {
     art.InvalidArtifact: grpc.StatusCode.INVALID_ARGUMENT,
     art.ArtifactNotFound: grpc.StatusCode.NOT_FOUND,
     art.ArtifactCorrupt: grpc.StatusCode.DATA_LOSS,
+    art.ArtifactExists: grpc.StatusCode.ALREADY_EXISTS,
     art.StoreFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     art.StoreAuthError: grpc.StatusCode.FAILED_PRECONDITION,
     art.StoreUnavailable: grpc.StatusCode.UNAVAILABLE,

@@ -255,6 +255,7 @@ async def start_scheduler(
             await http.stop()
         store.close()
         raise
+    core.worker_credentials = security.worker_credentials  # each assignment carries its attempt's credential
     core.enable_group_commit()
     security.interceptor.abort_refusal = abort_mapped  # its refusals carry RetryInfo, as the handlers' do
     most = security.limits.config.max_message_bytes
@@ -270,7 +271,14 @@ async def start_scheduler(
     )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(security, durable=core.durable, core=core), server)
     artifact_pb2_grpc.add_ArtifactServiceServicer_to_server(
-        ArtifactService(artifacts, security=security, durable=core.durable, require_leader=core.require_leader),
+        ArtifactService(
+            artifacts,
+            security=security,
+            durable=core.durable,
+            require_leader=core.require_leader,
+            attempt_refusal=core.attempt_refusal,
+            task_owner=core.task_owner,
+        ),
         server,
     )
     scheduler_service.artifacts = artifacts  # DownloadCheckpoint reads the store

@@ -528,6 +528,9 @@ class NodeAgent:
         if key is not None:
             await self._start_tenant(a, key, env, assignment, checkpoints)
             return
+        if a.worker_credential:
+            # The worker calls the scheduler with its attempt's credential, never the node's key.
+            env["OPENTINKER_API_KEY"] = a.worker_credential
         cmd = [
             sys.executable,
             "-m",

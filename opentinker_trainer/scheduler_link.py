@@ -3,10 +3,11 @@
 The node agent hands its own connection settings to every worker it starts, as environment
 variables: ``OPENTINKER_SCHEDULER_URL`` (``host:port``, or several separated by commas, the leader
 first, when the node was given several schedulers: the worker's calls then follow the leader too;
-``OPENTINKER_SCHEDULER_TLS=1`` when the node's URL was ``https://``), ``OPENTINKER_API_KEY`` (the node's key,
-when the scheduler has auth on) and ``OPENTINKER_TLS_CA`` / ``OPENTINKER_TLS_CERT`` /
-``OPENTINKER_TLS_KEY`` (TLS, and the node's client certificate for mTLS). A worker therefore
-calls the scheduler exactly as its node does, with the node role.
+``OPENTINKER_SCHEDULER_TLS=1`` when the node's URL was ``https://``), ``OPENTINKER_API_KEY`` and
+``OPENTINKER_TLS_CA`` / ``OPENTINKER_TLS_CERT`` / ``OPENTINKER_TLS_KEY`` (TLS, and the node's client
+certificate for mTLS). With auth on, ``OPENTINKER_API_KEY`` of a task worker is its attempt's
+credential (``AssignTask.worker_credential``), never the node's key: the worker writes only its
+own attempt's checkpoints and reads only its task owner's tasks and datasets.
 """
 
 from __future__ import annotations

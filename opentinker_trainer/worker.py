@@ -101,7 +101,9 @@ def prepare(
     # Checkpoints live in the artifact store: resume and init_from come from it (through the
     # node-local cache), and every checkpoint goes into it before it is reported.
     try:
-        store, settings = open_worker_store()
+        # the attempt's credential (a model host's tenant shares the host's environment)
+        env = {**os.environ, "OPENTINKER_API_KEY": assign.worker_credential} if assign.worker_credential else None
+        store, settings = open_worker_store(env)
         cache = (
             ArtifactCache(
                 Path(os.environ.get(CACHE_ENV) or checkpoint_dir.parent / "artifact-cache"),

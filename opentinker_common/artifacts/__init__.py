@@ -8,6 +8,7 @@ its backends: :class:`LocalArtifactStore` (a folder; the scheduler's embedded de
 
 from opentinker_common.artifacts.errors import (
     ArtifactCorrupt,
+    ArtifactExists,
     ArtifactError,
     ArtifactNotFound,
     InvalidArtifact,
@@ -30,6 +31,7 @@ from opentinker_common.artifacts.store import ArtifactStore
 
 __all__ = [
     "ArtifactCorrupt",
+    "ArtifactExists",
     "ArtifactError",
     "ArtifactNotFound",
     "ArtifactRef",

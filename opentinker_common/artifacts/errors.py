@@ -2,7 +2,7 @@
 
 The scheduler maps them to gRPC status codes (``opentinker_scheduler.errors``):
 :class:`InvalidArtifact` INVALID_ARGUMENT, :class:`ArtifactNotFound` NOT_FOUND,
-:class:`ArtifactCorrupt` DATA_LOSS, :class:`StoreFull` RESOURCE_EXHAUSTED,
+:class:`ArtifactCorrupt` DATA_LOSS, :class:`ArtifactExists` ALREADY_EXISTS, :class:`StoreFull` RESOURCE_EXHAUSTED,
 :class:`StoreAuthError` PERMISSION_DENIED, :class:`StoreUnavailable` UNAVAILABLE.
 Messages never contain a secret (no secret key, no session token).
 """
@@ -14,6 +14,7 @@ __all__ = [
     "InvalidArtifact",
     "ArtifactNotFound",
     "ArtifactCorrupt",
+    "ArtifactExists",
     "StoreFull",
     "StoreAuthError",
     "StoreUnavailable",
@@ -39,6 +40,11 @@ class ArtifactNotFound(ArtifactError):
 class ArtifactCorrupt(ArtifactError):
     """Bytes in the store do not match the manifest (size or SHA-256), or the manifest does not
     match the reference's hash. The artifact is refused; nothing of it is used."""
+
+
+class ArtifactExists(ArtifactError):
+    """A committed artifact already holds the key with other content. Committed artifacts are
+    immutable: nothing of the new one was stored, and the committed one stays as it was."""
 
 
 class StoreFull(ArtifactError):

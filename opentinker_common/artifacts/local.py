@@ -6,10 +6,12 @@ Layout under ``root``::
     <key>/.data/<path>        the files
     .staging/<id>/            a put or a finished upload being committed
     .uploads/<upload id>/     a resumable upload: announce.json (the announced manifest), files/<index>
-    .trash/                   what a replace or delete moves away before removing it
+    .trash/                   what a delete moves away before removing it
 
-Key segments never start with ``.``, so no key collides with these names. A process killed at
-any point leaves either the former artifact or the new one visible, never a mix; leftovers in
+Key segments never start with ``.``, so no key collides with these names. A committed artifact
+is immutable: a put or commit of other content under its key is :class:`ArtifactExists`, the
+same content again is a success. A process killed at any point leaves the artifact committed
+or not there at all, never a mix; leftovers in
 ``.staging``/``.trash`` are removed by the next :class:`LocalArtifactStore` on that root.
 
 Resumable uploads (the scheduler's ArtifactService uses them for trainers):
@@ -34,6 +36,7 @@ from typing import Iterator, Mapping
 from opentinker_common.artifacts.errors import (
     ArtifactCorrupt,
     ArtifactError,
+    ArtifactExists,
     ArtifactNotFound,
     InvalidArtifact,
     StoreFull,
@@ -108,6 +111,9 @@ class LocalArtifactStore(ArtifactStore):
         #: did not all arrive through this object, e.g. before a restart, is hashed at commit).
         self._digests: dict[tuple[str, int], tuple[int, object]] = {}
         self._digests_lock = threading.Lock()
+        #: Held from the check that a key is free to its commit, so two commits of one key
+        #: cannot both find it free.
+        self._commit_lock = threading.Lock()
 
     def describe(self) -> str:
         return f"local artifact store {self.root}"
@@ -157,29 +163,54 @@ class LocalArtifactStore(ArtifactStore):
             raise
         return m.ref()
 
-    def _commit(self, m: Manifest, data: Path) -> None:
-        """Make ``data`` (a folder of ``m``'s files) the artifact ``m.key``: the new manifest is
-        written beside the old one first (the only step that needs disk space), then old out,
-        new data in, manifest renamed into place."""
-        target = self._dir(m.key)
-        target.mkdir(parents=True, exist_ok=True)
-        new_manifest = target / f"{MANIFEST_NAME}.new-{uuid.uuid4().hex[:8]}"
+    def _committed(self, m: Manifest) -> bool:
+        """Whether ``m.key`` holds exactly ``m`` already.
+
+        Raises:
+            ArtifactExists: it holds another manifest (committed artifacts are immutable).
+        """
         try:
-            with open(new_manifest, "wb") as f:
-                f.write(m.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            new_manifest.unlink(missing_ok=True)
-            raise
-        trash = self.root / ".trash" / uuid.uuid4().hex
-        (target / MANIFEST_NAME).unlink(missing_ok=True)  # from here on the old artifact is gone
-        if (target / DATA_NAME).exists():
-            os.rename(target / DATA_NAME, trash)
-        os.rename(data, target / DATA_NAME)
-        os.replace(new_manifest, target / MANIFEST_NAME)  # the commit point
-        _fsync_dir(target)
-        shutil.rmtree(trash, ignore_errors=True)
+            held = self.manifest(m.key)
+        except (ArtifactNotFound, ArtifactCorrupt):
+            # A manifest that does not parse is not a committed artifact: it is written over.
+            return False
+        if held.sha256 == m.sha256:
+            return True
+        raise ArtifactExists(
+            f"artifact {m.key} is already committed with other content (manifest sha256 {held.sha256[:16]}...); "
+            "committed artifacts are immutable: store it under a new key"
+        )
+
+    def _commit(self, m: Manifest, data: Path) -> None:
+        """Make ``data`` (a folder of ``m``'s files) the artifact ``m.key``: manifest written to a
+        temporary name, data moved into place, manifest renamed into place (the commit point).
+        The same manifest committed already is a success (``data`` is removed).
+
+        Raises:
+            ArtifactExists: another manifest is committed under the key.
+        """
+        target = self._dir(m.key)
+        with self._commit_lock:
+            if self._committed(m):
+                shutil.rmtree(data, ignore_errors=True)
+                return
+            target.mkdir(parents=True, exist_ok=True)
+            new_manifest = target / f"{MANIFEST_NAME}.new-{uuid.uuid4().hex[:8]}"
+            try:
+                with open(new_manifest, "wb") as f:
+                    f.write(m.to_json())
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                new_manifest.unlink(missing_ok=True)
+                raise
+            if (target / DATA_NAME).exists():  # the data of a commit killed before its manifest
+                trash = self.root / ".trash" / uuid.uuid4().hex
+                os.rename(target / DATA_NAME, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            os.rename(data, target / DATA_NAME)
+            os.replace(new_manifest, target / MANIFEST_NAME)  # the commit point
+            _fsync_dir(target)
 
     def manifest(self, key: str, *, expect_sha256: str = "") -> Manifest:
         path = self._dir(key) / MANIFEST_NAME
@@ -242,12 +273,12 @@ class LocalArtifactStore(ArtifactStore):
         announcement gets the same upload id and says how many bytes of each file are held.
 
         Raises:
-            InvalidArtifact: bad key or files (raised when ``m`` is built). StoreFull.
+            InvalidArtifact: bad key or files (raised when ``m`` is built). ArtifactExists: the key
+                holds another committed artifact (nothing is sent). StoreFull.
         """
         upload_id = hashlib.sha256(m.to_json()).hexdigest()[:32]
-        with _suppress_not_found():
-            if self.manifest(m.key).sha256 == m.sha256:
-                return UploadStatus(upload_id, tuple(f.size_bytes for f in m.files), committed=True)
+        if self._committed(m):
+            return UploadStatus(upload_id, tuple(f.size_bytes for f in m.files), committed=True)
         d = self._upload_dir(upload_id)
         try:
             (d / "files").mkdir(parents=True, exist_ok=True)
@@ -284,6 +315,14 @@ class LocalArtifactStore(ArtifactStore):
                 size = 0
             held.append(size)
         return tuple(held)
+
+    def upload_key(self, upload_id: str) -> str:
+        """The key an announced upload will commit.
+
+        Raises:
+            ArtifactNotFound: unknown upload id. InvalidArtifact: not an upload id.
+        """
+        return self._announced(upload_id)[1].key
 
     def upload_status(self, upload_id: str) -> UploadStatus:
         """Bytes held of each file of an announced upload.
@@ -361,9 +400,17 @@ class LocalArtifactStore(ArtifactStore):
         Raises:
             ArtifactNotFound: unknown upload. InvalidArtifact: a file is not complete (the message
                 names it and the bytes held). ArtifactCorrupt: a file's SHA-256 is not the announced
-                one (that file is dropped: send it again). StoreFull.
+                one (that file is dropped: send it again). ArtifactExists: the key holds another
+                committed artifact (the upload is dropped; the committed one stays). StoreFull.
         """
         d, m = self._announced(upload_id)
+        try:
+            if self._committed(m):
+                shutil.rmtree(d, ignore_errors=True)
+                return m.ref()
+        except ArtifactExists:
+            shutil.rmtree(d, ignore_errors=True)
+            raise
         for i, entry in enumerate(m.files):
             part = d / "files" / str(i)
             if not part.exists() and entry.size_bytes == 0:
@@ -389,6 +436,10 @@ class LocalArtifactStore(ArtifactStore):
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 os.rename(d / "files" / str(i), dst)
             self._commit(m, staging)
+        except ArtifactExists:  # committed by another call since the check above
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(d, ignore_errors=True)
+            raise
         except OSError as exc:
             # put the files back, so the upload can be committed again
             for i, entry in enumerate(m.files):
@@ -441,11 +492,3 @@ class _suppress_os:
 
     def __exit__(self, exc_type, exc, tb):
         return exc_type is not None and issubclass(exc_type, OSError)
-
-
-class _suppress_not_found:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        return exc_type is not None and issubclass(exc_type, (ArtifactNotFound, ArtifactCorrupt))

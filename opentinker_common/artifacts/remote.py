@@ -23,6 +23,7 @@ from opentinker.artifact.v1 import artifact_pb2, artifact_pb2_grpc
 
 from opentinker_common.artifacts.errors import (
     ArtifactCorrupt,
+    ArtifactExists,
     ArtifactError,
     ArtifactNotFound,
     InvalidArtifact,
@@ -67,6 +68,7 @@ _CODES: dict[grpc.StatusCode, type[ArtifactError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArtifact,
     grpc.StatusCode.FAILED_PRECONDITION: InvalidArtifact,
     grpc.StatusCode.DATA_LOSS: ArtifactCorrupt,
+    grpc.StatusCode.ALREADY_EXISTS: ArtifactExists,
     grpc.StatusCode.RESOURCE_EXHAUSTED: StoreFull,
     grpc.StatusCode.PERMISSION_DENIED: StoreAuthError,
     grpc.StatusCode.UNAUTHENTICATED: StoreAuthError,

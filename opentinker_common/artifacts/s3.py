@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from opentinker_common.artifacts.errors import (
+    ArtifactCorrupt,
     ArtifactError,
+    ArtifactExists,
     ArtifactNotFound,
     InvalidArtifact,
     StoreAuthError,
@@ -200,8 +202,18 @@ class S3ArtifactStore(ArtifactStore):
         transfer = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=PART_BYTES)
         bucket = self.location.bucket
         try:
-            old = set(self._data_objects(key))
-            self._client.delete_object(Bucket=bucket, Key=self._obj(key, MANIFEST_NAME))  # uncommit first
+            held = self._held_manifest(key)
+        except ArtifactCorrupt:
+            held = None  # a manifest that does not parse commits nothing: it is written over
+        if held is not None:
+            if held.sha256 == m.sha256:
+                return m.ref()
+            raise ArtifactExists(
+                f"artifact {key} is already committed with other content (manifest sha256 {held.sha256[:16]}...); "
+                "committed artifacts are immutable: store it under a new key"
+            )
+        try:
+            old = set(self._data_objects(key))  # of a put that failed before its manifest
             for src, entry in files:
                 self._client.upload_file(
                     str(src),
@@ -225,6 +237,12 @@ class S3ArtifactStore(ArtifactStore):
         except Exception as exc:  # noqa: BLE001 - mapped
             raise self._error(exc, f"writing {key}") from None
         return m.ref()
+
+    def _held_manifest(self, key: str) -> Manifest | None:
+        try:
+            return self.manifest(key)
+        except ArtifactNotFound:
+            return None
 
     def manifest(self, key: str, *, expect_sha256: str = "") -> Manifest:
         try:

@@ -6,8 +6,9 @@ Every backend (:class:`~.local.LocalArtifactStore`, :class:`~.s3.S3ArtifactStore
 
 * ``put_folder(key, folder)`` stores every regular file under ``folder`` and then its manifest,
   last: until the manifest is written nothing of the put is visible (``manifest``, ``list`` and
-  ``get_folder`` do not see it). Putting a key again replaces it as one step for readers (the
-  old manifest is gone before any new file lands, so no reader mixes old and new files).
+  ``get_folder`` do not see it). A committed artifact is immutable: putting other content
+  under its key raises :class:`~.errors.ArtifactExists` and leaves it as it was; the same
+  content again (same manifest SHA-256, a retried put) returns its ref.
 * ``get_folder(key, dest)`` writes the files into a new folder ``dest``, checking each file's
   size and SHA-256 against the manifest (and the manifest against ``expect_sha256``); on a
   mismatch it raises :class:`~.errors.ArtifactCorrupt` and leaves no ``dest`` behind.

@@ -611,11 +611,21 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             self.scheduler_service = SchedulerService(self.core, security=self.security)
         return self.scheduler_service
 
+    def _attempt_live(self) -> None:
+        """Raises PermissionDenied when the caller is a task worker whose attempt has ended or
+        moved on: its credential reads only while its attempt runs."""
+        scope = caller().attempt
+        refusal = self.core.attempt_refusal(scope) if scope is not None else None
+        if refusal is not None:
+            raise PermissionDenied(f"{refusal}; its credential reads nothing more")
+
     @rpc()
     async def LookupTask(self, request, call: Call):
+        self._attempt_live()
         if not request.task_id:
             raise InvalidArgument("task_id: expected a task id, got an empty string")
-        task = self._views._task(self.core.get(request.task_id))
+        # a task worker looks up its owner's tasks only; another owner's is NOT_FOUND
+        task = self._views._task(self.core.get(request.task_id, owner=owner_scope()))
         deleted = None if task.HasField("latest_checkpoint") else self.core.store.artifacts_deleted(task.task_id)
         listed = checkpoints.list_checkpoints(self.core.store, task.task_id) if request.include_checkpoints else []
         return node_pb2.LookupTaskResponse(task=task, artifacts_deleted=deleted, checkpoints=listed)
@@ -623,7 +633,11 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
     async def FetchDataset(self, request, context):
         datasets = self._views.datasets
         try:
+            self._attempt_live()
             await self._views._dataset_here(request.dataset_id)
+            if datasets.exists(request.dataset_id) and not self._views._dataset_visible(request.dataset_id):
+                # a task worker reads its owner's datasets only; another owner's reads as a missing one
+                raise NotFound(f"dataset {request.dataset_id} not found")
             info = datasets.info(request.dataset_id)
             chunks = datasets.chunks(request.dataset_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised

@@ -138,6 +138,10 @@ class Artifacts:
             raise InvalidArgument(f"data: expected at most {CHUNK_BYTES} bytes a chunk, got {len(data)}")
         self.local.write_chunk(chunk.upload_id, chunk.file_index, chunk.offset, data)
 
+    def upload_key(self, upload_id: str) -> str:
+        """The key an announced upload will commit (ArtifactNotFound: unknown upload)."""
+        return self.local.upload_key(upload_id)
+
     def upload_status(self, upload_id: str) -> artifact_pb2.UploadChunksResponse:
         return artifact_pb2.UploadChunksResponse(received_bytes=self.local.upload_status(upload_id).received_bytes)
 

@@ -22,8 +22,10 @@ revoked (at once) or expires (within ``stream_recheck_interval`` seconds):
 owner's own tasks (another owner's task is NOT_FOUND, never confirmed to exist; ``ListNodes``, which
 names every owner's running tasks, is for admins: :data:`ADMIN_ONLY_METHODS`) and manage its own
 keys; ``node`` may call NodeService only (its stream, and the reads ``LookupTask`` and
-``FetchDataset`` that task workers make with their node's key) and ArtifactService (checkpoint
-uploads and downloads of the ``local`` artifact store).
+``FetchDataset``); it neither writes nor reads artifacts. A task worker calls with its attempt's credential
+(``otw_...``, :mod:`opentinker_scheduler.state.worker_credentials`), role ``worker``: NodeService's
+reads of its task's owner and ArtifactService, writing only under its attempt's prefix while that
+attempt runs on its node (:mod:`opentinker_scheduler.api.artifacts`).
 
 **Bootstrap**: on a start with ``enabled: true`` and no active admin key, the scheduler takes the
 key in ``$OPENTINKER_BOOTSTRAP_ADMIN_KEY`` when set, else makes one and writes it to
@@ -79,6 +81,7 @@ from opentinker_scheduler.security.limits import (
     hold_rate_refusal,
     paced,
 )
+from opentinker_scheduler.state.worker_credentials import CREDENTIAL_PREFIX, InvalidCredential, WorkerCredentials
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -111,7 +114,7 @@ def caller() -> Principal:
 
 def owner_scope() -> str | None:
     """The owner whose tasks the caller may see: ``None`` (all) for admins and nodes (trainer
-    infrastructure: their workers look up any task they serve), else its owner."""
+    infrastructure), else its owner (a task worker's is its task's owner)."""
     p = caller()
     return None if p.is_admin or p.role == "node" else p.owner
 
@@ -157,14 +160,17 @@ def allowed_roles(method: str) -> frozenset[str]:
     service = method[1:].rsplit("/", 1)[0]
     if service == SCHEDULER_SERVICE:  # task workers read through NodeService (LookupTask, FetchDataset)
         return frozenset({"admin", "user"})
-    if service in (NODE_SERVICE, ARTIFACT_SERVICE):
+    if method == f"/{NODE_SERVICE}/Connect":
         return frozenset({"admin", "node"})
+    if service in (NODE_SERVICE, ARTIFACT_SERVICE):
+        return frozenset({"admin", "node", "worker"})
     if service == ADMIN_SERVICE:
         return frozenset({"admin", "user"})  # per-RPC owner checks in AdminService
     return frozenset(ROLES)  # any other service: any valid key
 
 
 _ROLE_HINT = {
+    "worker": "a task worker's credential may call NodeService's reads and ArtifactService only",
     "node": "node keys may call NodeService only",
     "user": "user keys may not open a node stream or make task workers' reads (NodeService); trainers need a node key",
 }
@@ -245,6 +251,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         audit: AuditLog,
         node_cert_required: bool = False,
         stream_recheck_interval_s: float = DEFAULT_RECHECK_INTERVAL_S,
+        worker_credentials: WorkerCredentials | None = None,
     ) -> None:
         self.keys = keys
         self.limits = limits
@@ -256,6 +263,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         #: Aborts a call with a refusal's status; the server sets the API's mapping
         #: (:func:`opentinker_scheduler.api.rpc.abort_mapped`: ``google.rpc.RetryInfo`` and kin).
         self.abort_refusal: Callable[[object, SchedulerError], Awaitable[None]] = _abort_plain
+        #: Checks task workers' attempt credentials (None: only API keys are accepted).
+        self.worker_credentials = worker_credentials
         #: Open streams by key (None with authentication off: there are no keys to revoke).
         self.streams: KeyStreams | None = (
             KeyStreams(keys.refusal, recheck_interval_s=stream_recheck_interval_s) if keys is not None else None
@@ -285,10 +294,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             # value is not echoed (it may be the key itself).
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, authorization_problem(metadata) or MISSING_KEY)
         try:
-            if token.startswith(endpoint_tokens.PREFIX):
-                principal = endpoint_tokens.resolve(self.keys, token)
-            else:
-                principal = self.keys.resolve(token)
+            principal = self._resolve(token)
         except Unauthenticated as exc:
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
         if (principal.role == endpoint_tokens.ENDPOINT_ROLE) != (method == AUTHORIZE_ENDPOINT):
@@ -301,6 +307,22 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 + (f": {hint}" if hint else ""),
             )
         return dataclasses.replace(principal, peer_cn=peer_cn, peer_dns=peer_dns)
+
+    def _resolve(self, token: str) -> Principal:
+        """The principal of an API key, an endpoint token or a task worker's attempt credential."""
+        if token.startswith(endpoint_tokens.PREFIX):
+            return endpoint_tokens.resolve(self.keys, token)
+        if token.startswith(CREDENTIAL_PREFIX):
+            if self.worker_credentials is None:
+                raise Unauthenticated("unknown attempt credential: this scheduler issues none")
+            try:
+                scope = self.worker_credentials.verify(token)
+            except InvalidCredential:
+                raise Unauthenticated(
+                    "unknown attempt credential (expected otw_... as the scheduler gave the task worker)"
+                ) from None
+            return Principal(scope.owner, "worker", attempt=scope)
+        return self.keys.resolve(token)
 
     async def _gate(self, method: str, context) -> Principal:
         try:

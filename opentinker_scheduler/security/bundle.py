@@ -13,6 +13,7 @@ from opentinker_scheduler.security.auth import AuthInterceptor
 from opentinker_scheduler.security.keys import KeyStore, bootstrap_admin
 from opentinker_scheduler.security.limits import Limits
 from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.state.worker_credentials import WorkerCredentials
 
 __all__ = ["Security", "build_security"]
 
@@ -29,6 +30,8 @@ class Security:
     #: mTLS: a node's Register node_id must be its certificate's CN or a DNS name in it
     #: (``tls.node_id_must_match_cert``).
     node_id_must_match_cert: bool = False
+    #: Signs and checks task workers' attempt credentials; None with authentication off.
+    worker_credentials: WorkerCredentials | None = None
 
     @property
     def enabled(self) -> bool:
@@ -47,15 +50,18 @@ def build_security(config, store: Store) -> Security:
     audit = AuditLog(store)
     keys = KeyStore(store, max_keys_per_owner=limits.config.max_keys_per_owner) if enabled else None
     written = None
+    credentials = None
     if keys is not None:
         path = Path(auth.bootstrap_admin_key_file)
         written = bootstrap_admin(keys, path if path.is_absolute() else config.state_dir / path)
+        credentials = WorkerCredentials.open(store)
     interceptor = AuthInterceptor(
         keys=keys,
         limits=limits,
         audit=audit,
         node_cert_required=bool(tls is not None and tls.node_cert_required),
         stream_recheck_interval_s=auth.stream_recheck_interval_s if auth is not None else 5.0,
+        worker_credentials=credentials,
     )
     return Security(
         keys=keys,
@@ -64,4 +70,5 @@ def build_security(config, store: Store) -> Security:
         interceptor=interceptor,
         bootstrap_key_file=written,
         node_id_must_match_cert=bool(tls is not None and tls.node_id_must_match_cert),
+        worker_credentials=credentials,
     )

@@ -33,6 +33,7 @@ import structlog
 from opentinker_common.spec import control_character_problem
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SchedulerError
 from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.state.worker_credentials import AttemptScope
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -65,6 +66,8 @@ class Principal:
     endpoint_task: str = ""
     #: Whether that token's API key is an admin's (it may then use any task's adapters).
     endpoint_admin: bool = False
+    #: The attempt of a task worker's credential (role ``worker``), else None.
+    attempt: AttemptScope | None = None
 
     @property
     def is_admin(self) -> bool:

@@ -72,6 +72,7 @@ from opentinker_scheduler.policy.scale import ClassNode, Demand, desired_trainer
 from opentinker_scheduler.state.gangs import Gangs, gang_nodes
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
 from opentinker_scheduler.state.usage import UsageMeters, usage_proto
+from opentinker_scheduler.state.worker_credentials import AttemptScope, WorkerCredentials
 from opentinker_scheduler.state.queue import (
     LiveTasks,
     PendingQueue,
@@ -145,6 +146,8 @@ class SchedulerCore:
         #: Quota queues and their usage (:mod:`..policy.quota`): the config's ``queues:`` with
         #: :attr:`queue_overrides` applied over them (read from the store at every start).
         self.quotas = self._quota_book([])
+        #: Signs each assignment's attempt credential; None with authentication off (the server sets it).
+        self.worker_credentials: WorkerCredentials | None = None
         self._init_memory()
         self.commits = GroupCommit(store, on_failure=self._rebuild)
         #: Submits waiting for their group commit to write them (:meth:`submit_grouped`).
@@ -1350,13 +1353,51 @@ class SchedulerCore:
             if queued is not None:
                 self.placement_latencies.append(now_m - queued)
             for node, assign in self.gangs.assignments(gang, self._assignment(task, ())):
+                self._sign_assignment(assign, task, node.node_id)
                 node.push(node_pb2.ConnectResponse(assign_task=assign))
         for task, node, devices in decided:
             queued = self._queued_at.pop(task.task_id, None)
             if queued is not None:
                 self.placement_latencies.append(now_m - queued)
-            node.push(node_pb2.ConnectResponse(assign_task=self._assignment(task, devices)))
+            assign = self._assignment(task, devices)
+            self._sign_assignment(assign, task, node.node_id)
+            node.push(node_pb2.ConnectResponse(assign_task=assign))
         return len(decided) + len(gangs)
+
+    def _sign_assignment(self, assign: node_pb2.AssignTask, task: TaskRow, node_id: str) -> None:
+        """Give ``assign`` the credential of its attempt on ``node_id`` (authentication on)."""
+        if self.worker_credentials is not None:
+            scope = AttemptScope(task.task_id, task.attempt, node_id, task.owner)
+            assign.worker_credential = self.worker_credentials.issue(scope)
+
+    def task_owner(self, task_id: str) -> str | None:
+        """The owner of ``task_id``, or None when there is no such task."""
+        if not task_id:
+            return None
+        try:
+            return self.get(task_id).owner
+        except NotFound:
+            return None
+
+    def attempt_refusal(self, scope: AttemptScope) -> str | None:
+        """Why the worker of ``scope`` may not write now, or None when it may: its attempt is the
+        task's current one, assigned or running on ``scope.node_id``, or a cancelled or timed-out
+        attempt whose worker is still stopping there (its last checkpoint is kept)."""
+        if self.stopping.get(scope.task_id) == (scope.attempt, scope.node_id):
+            return None
+        try:
+            task = self.get(scope.task_id)
+        except NotFound:
+            return f"{scope.describe()} has ended"
+        if task.attempt != scope.attempt:
+            return f"{scope.describe()} was superseded by attempt {task.attempt}"
+        if task.state not in ACTIVE_STATES:
+            return f"{scope.describe()} has ended"
+        gang = self.gangs.live.get(task.task_id)
+        on_node = gang.index_of(scope.node_id) is not None if gang is not None else task.node_id == scope.node_id
+        if not on_node:
+            return f"{scope.describe()} is not assigned to that node"
+        return None
 
     def _resume_checkpoint(self, task: TaskRow) -> common_pb2.Checkpoint | None:
         """The checkpoint ``task``'s next attempt resumes from: its newest, unless that is a

@@ -241,6 +241,15 @@ CREATE TABLE IF NOT EXISTS wal_flush (
 INSERT INTO wal_flush (id, n) VALUES (1, 0) ON CONFLICT (id) DO NOTHING;
 """
 
+#: Secrets the schedulers on one store sign with (state/worker_credentials.py: attempt
+#: credentials), so a new leader accepts what the old one issued.
+_V8 = """
+CREATE TABLE IF NOT EXISTS signing_secrets (
+    name    TEXT PRIMARY KEY,
+    secret  TEXT NOT NULL               -- hex
+);
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -254,6 +263,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(5, "quota queues set at run time (overrides of the config, kept across restarts)", _V5),
     Migration(6, "gang attempts: members, devices and rendezvous port (kept across a restart)", _V6),
     Migration(7, "a row whose update flushes the WAL of asynchronously committed groups (PostgreSQL)", _V7),
+    Migration(8, "signing secrets (attempt credentials of task workers)", _V8),
 )
 
 #: The newest schema version this scheduler knows.

@@ -226,6 +226,9 @@ class TrainingSession:
         self.step = 0
         self.accumulated_calls = 0
         self.states: dict[str, SavedState] = {}
+        #: Folders (``state_<name>``, ``sampler_<name>``) this attempt published: stored artifacts are
+        #: immutable, so a name is saved once per attempt.
+        self._published: set[str] = set()
         self.resumed_from = ""
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         emb = model.get_input_embeddings().num_embeddings
@@ -539,6 +542,11 @@ class TrainingSession:
         resumed from this state expects first."""
         check_state_name(name)
         folder = self._folder("state" if kind == KIND_STATE else "sampler", name)
+        if self.publish is not None and folder.name in self._published:
+            raise BadRequest(
+                f"name: {name!r} was saved already in this attempt, and saved states are immutable; "
+                "save under a new name"
+            )
         state: dict[str, Any] = {
             "kind": kind,
             "name": name,
@@ -552,6 +560,8 @@ class TrainingSession:
         tokenizer = self.tokenizer if self.full else None  # an hf_full folder loads on its own
         _lm.save_checkpoint(folder, self.model, state, tokenizer=tokenizer, base_model=self.model_name or None)
         key = self.publish(self.step, folder, kind) if self.publish is not None else ""
+        if key:
+            self._published.add(folder.name)
         saved = SavedState(name, self.step, folder, key or "")
         if kind == KIND_STATE:
             self.states[name] = saved

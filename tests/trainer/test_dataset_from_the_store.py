@@ -72,6 +72,7 @@ def test_a_corrupted_dataset_object_is_refused_by_hash(bucket, tmp_path) -> None
     # bytes and manifest replaced together: the manifest holds, the dataset id does not
     (tmp_path / "forged").mkdir()
     (tmp_path / "forged" / "data.jsonl").write_bytes(bad)
+    store.delete(f"datasets/{hex_}")  # committed artifacts are immutable: a forger deletes first
     store.put_folder(f"datasets/{hex_}", tmp_path / "forged")
     with pytest.raises(UserError, match=rf"data.jsonl hashes to sha256:[0-9a-f]{{16}}\.\.\., not {dataset_id}"):
         fetch_dataset(dataset_id, None, tmp_path / "node" / "datasets", store=store, artifact_cache=cache)

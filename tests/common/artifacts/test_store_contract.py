@@ -10,6 +10,7 @@ import pytest
 
 from opentinker_common.artifacts import (
     ArtifactCorrupt,
+    ArtifactExists,
     ArtifactNotFound,
     InvalidArtifact,
     LocalArtifactStore,
@@ -71,16 +72,25 @@ def test_delete_is_idempotent_and_removes_everything(store, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_put_again_replaces_the_files(store, tmp_path):
-    store.put_folder("k/x", make_folder(tmp_path / "one", {"a": b"1", "old": b"o"}))
-    ref = store.put_folder("k/x", make_folder(tmp_path / "two", {"a": b"22"}))
+def test_a_committed_artifact_is_immutable(store, tmp_path):
+    ref = store.put_folder("k/x", make_folder(tmp_path / "one", {"a": b"1", "old": b"o"}))
+    with pytest.raises(ArtifactExists, match="k/x is already committed with other content"):
+        store.put_folder("k/x", make_folder(tmp_path / "two", {"a": b"22"}))
     store.get_folder("k/x", tmp_path / "out", expect_sha256=ref.manifest_sha256)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a"]
-    assert (tmp_path / "out" / "a").read_bytes() == b"22"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a", "old"]
+    assert (tmp_path / "out" / "a").read_bytes() == b"1"
+
+
+def test_putting_the_same_content_again_succeeds(store, tmp_path):
+    ref = store.put_folder("k/x", make_folder(tmp_path / "one", {"a": b"1"}))
+    again = store.put_folder("k/x", make_folder(tmp_path / "two", {"a": b"1"}))
+    assert again == ref
+    assert store.list("k/") == ["k/x"]
 
 
 def test_a_stale_manifest_hash_is_refused(store, tmp_path):
     old = store.put_folder("k/x", make_folder(tmp_path / "one", {"a": b"1"}))
+    store.delete("k/x")
     store.put_folder("k/x", make_folder(tmp_path / "two", {"a": b"2"}))
     with pytest.raises(ArtifactCorrupt, match="manifest hash"):
         store.get_folder("k/x", tmp_path / "out", expect_sha256=old.manifest_sha256)

@@ -245,7 +245,7 @@ def test_an_upload_the_disk_cannot_hold_is_refused_before_it_starts(tmp_path) ->
         from opentinker_common.artifacts import FileEntry, Manifest
         from opentinker_common.artifacts.remote import manifest_to_proto
 
-        (node,) = _users(s, "rack-full", role="node")
+        node = s.admin_key  # node keys write no artifacts; the disk check is the same for every writer
         m = Manifest("tasks/t1/a1/step_1", (FileEntry("w.bin", len(DATA), hashlib.sha256(DATA).hexdigest()),))
         artifacts = artifact_pb2_grpc.ArtifactServiceStub(grpc.insecure_channel(s.target))
         with pytest.raises(grpc.RpcError) as info:

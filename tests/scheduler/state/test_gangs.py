@@ -282,3 +282,19 @@ def test_a_member_missing_after_a_restart_ends_the_attempt_everywhere(tmp_path) 
     assert t.state == C.TASK_STATE_PENDING and t.attempt == 2 and t.latest_checkpoint.step == 2
     assert [(c.task_id, c.attempt) for c in cancels(node)] == [(task_id, 1)]  # member 0 told to stop
     assert task_id not in core2.nodes[other].allocations and core2.store.gangs() == []
+
+
+def test_each_gang_member_gets_a_credential_of_its_own_node_and_only_members_may_write(tmp_path) -> None:
+    from opentinker_scheduler.state.worker_credentials import AttemptScope, WorkerCredentials
+
+    core = make(tmp_path, n=3)
+    core.worker_credentials = WorkerCredentials.open(core.store)
+    nodes = [register(core, n, gpus=2)[0] for n in NODES]
+    gang = core.submit(gang_spec(), owner="u")
+    assert core.schedule() == 1
+    scopes = {n.node_id: core.worker_credentials.verify(a.worker_credential) for n in nodes for a in assigns(n)}
+    assert len(scopes) == 2 and all(s == AttemptScope(gang.task_id, 1, n, "u") for n, s in scopes.items())
+    assert all(core.attempt_refusal(s) is None for s in scopes.values())
+    (outsider,) = set(NODES) - set(scopes)
+    refusal = core.attempt_refusal(AttemptScope(gang.task_id, 1, outsider, "u"))
+    assert refusal == f"attempt 1 of task {gang.task_id} on node {outsider} is not assigned to that node"

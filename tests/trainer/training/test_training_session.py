@@ -497,3 +497,23 @@ def test_each_optimizer_step_reports_its_loss_tokens_and_gradient_norm(tiny_mode
     s.optim_step(AdamParams(learning_rate=1e-3))
     second_point = reports(ctx, "metric")[1]
     assert second_point["step"] == 2 and second_point["values"]["tokens_generated"] == 0  # counted once
+
+
+def test_a_state_name_is_saved_once_per_attempt_as_stored_states_are_immutable(tiny_model_dir, tmp_path) -> None:
+    from opentinker_common.artifacts import LocalArtifactStore
+    from opentinker_trainer.artifacts import CheckpointPublisher
+
+    ctx = worker_ctx(
+        tmp_path, "once", workload_type="lora_session", model=tiny_model_dir, env_config={}, hyperparameters=HP
+    )
+    store = LocalArtifactStore(tmp_path / "store")
+    ctx.publisher = CheckpointPublisher(store, ctx.task_id, ctx.attempt)
+    run, _ = open_session(ctx)
+    first = run.save_state("x", next_sequence=1)
+    assert first.artifact_key == f"tasks/{ctx.task_id}/a1/state_x"
+    run.forward_backward(datums(), "importance_sampling")
+    run.optim_step(AdamParams(learning_rate=5e-3))
+    with pytest.raises(BadRequest, match="'x' was saved already in this attempt, and saved states are immutable"):
+        run.save_state("x", next_sequence=2)
+    assert store.manifest(first.artifact_key).meta["step"] == "0"  # the stored state is the first one
+    assert run.save_state("y", next_sequence=2).artifact_key.endswith("/state_y")

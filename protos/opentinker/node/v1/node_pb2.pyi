@@ -176,7 +176,7 @@ class Goodbye(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class AssignTask(_message.Message):
-    __slots__ = ("task_id", "attempt", "spec", "device_indices", "resume_from", "owner", "init_checkpoint", "local_paths_restricted", "gang")
+    __slots__ = ("task_id", "attempt", "spec", "device_indices", "resume_from", "owner", "init_checkpoint", "local_paths_restricted", "worker_credential", "gang")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class AssignTask(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     INIT_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PATHS_RESTRICTED_FIELD_NUMBER: _ClassVar[int]
+    WORKER_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     GANG_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     attempt: int
@@ -194,8 +195,9 @@ class AssignTask(_message.Message):
     owner: str
     init_checkpoint: _common_pb2.Checkpoint
     local_paths_restricted: bool
+    worker_credential: str
     gang: GangMember
-    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., resume_from: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., owner: _Optional[str] = ..., init_checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., local_paths_restricted: _Optional[bool] = ..., gang: _Optional[_Union[GangMember, _Mapping]] = ...) -> None: ...
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.TaskSpec, _Mapping]] = ..., device_indices: _Optional[_Iterable[int]] = ..., resume_from: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., owner: _Optional[str] = ..., init_checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., local_paths_restricted: _Optional[bool] = ..., worker_credential: _Optional[str] = ..., gang: _Optional[_Union[GangMember, _Mapping]] = ...) -> None: ...
 
 class GangMember(_message.Message):
     __slots__ = ("world_size", "rank_offset", "local_world_size", "member_index", "members", "rendezvous_host", "rendezvous_port", "member_nodes")
