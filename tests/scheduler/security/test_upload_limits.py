@@ -19,7 +19,8 @@ from opentinker_client import RLClient
 from opentinker_common.artifacts.remote import RemoteArtifactStore
 from opentinker_scheduler.security.limits import CHECKPOINT_UPLOADS, USER_UPLOADS
 
-from tests.support.security import LoopbackScheduler, metadata
+from tests.support.raw_node import RawNode
+from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler, metadata
 from tests.support.waiting import wait_for
 
 LINE = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
@@ -102,7 +103,7 @@ def _header(total: int, name: str = "d.jsonl") -> S.UploadDatasetRequest:
 def limited(tmp_path_factory):
     """Two user uploads per owner, three in all, one checkpoint upload; 2000 dataset bytes per owner."""
     config = (
-        "auth: {enabled: true}\n"
+        AUTH_LOCAL_MODELS + "lease: 600\n"  # the raw node of a test sends no heartbeats
         "limits: {max_uploads_per_owner: 2, max_uploads: 3, max_checkpoint_uploads: 1,"
         " max_dataset_bytes_per_owner: 2000, min_free_disk_bytes: 0}\n"
     )
@@ -110,17 +111,26 @@ def limited(tmp_path_factory):
         yield s
 
 
-def _put_checkpoint(s: LoopbackScheduler, node_key: str, key: str, folder: Path) -> None:
-    folder.mkdir()
-    (folder / "adapter_model.safetensors").write_bytes(DATA)
-    with grpc.insecure_channel(s.target) as ch:
-        RemoteArtifactStore(ch, metadata(node_key), target=s.target).put_folder(key, folder)
+def _put_checkpoint(s: LoopbackScheduler, owner: str, folder: Path) -> None:
+    """A checkpoint of a task of ``owner``, stored by its worker with its attempt credential."""
+    user, node_key = _users(s, owner), _users(s, f"rack-{owner}", role="node")[0]
+    node = RawNode(s.target, node_key, f"node-{owner}")
+    try:
+        with RLClient(s.target, api_key=user[0]) as client:
+            task_id = client.submit_task(workload_type="lora_finetune", model="/models/m", gpu_count=0)
+        assign = node.assignment(task_id)
+        folder.mkdir()
+        (folder / "adapter_model.safetensors").write_bytes(DATA)
+        key = f"tasks/{task_id}/a{assign.attempt}/step_1"
+        with grpc.insecure_channel(s.target) as ch:
+            RemoteArtifactStore(ch, metadata(assign.worker_credential), target=s.target).put_folder(key, folder)
+    finally:
+        node.leave()
 
 
 def test_an_owner_holding_uploads_leaves_other_owners_and_checkpoints_room(limited, tmp_path) -> None:
     s = limited
     alice, alice_again, bob, carol = _users(s, "alice-slots", "alice-slots", "bob-slots", "carol-slots")
-    (node,) = _users(s, "rack-slots", role="node")
     held = [_Upload(s, alice, first=[_header(len(DATA))]) for _ in range(2)]
     wait_for(lambda: len(_parts(s)) == 2, what="two uploads holding .part files")
     for key in (alice, alice_again):  # a second key of the same owner adds no slot
@@ -131,7 +141,7 @@ def test_an_owner_holding_uploads_leaves_other_owners_and_checkpoints_room(limit
     # Another owner still uploads; a trainer's checkpoint has a pool of its own, even when users' is full.
     bobs = _Upload(s, bob, first=[_header(len(DATA))])
     wait_for(lambda: _open_uploads(s) == 3, what="three user uploads open")
-    _put_checkpoint(s, node, "tasks/t-slots/a1/step_1", tmp_path / "ckpt")
+    _put_checkpoint(s, "frank-slots", tmp_path / "ckpt")
     err = _Upload(s, carol, first=[_header(len(DATA))]).finish()
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "3 open on this scheduler, the limit is 3 (limits.max_uploads)" in err.details()
