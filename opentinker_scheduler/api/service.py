@@ -333,12 +333,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             )
             # Into the s3 artifact store too before it counts as uploaded (other schedulers read it there).
             await asyncio.to_thread(self.datasets.publish, info.dataset_id)
+            # Names are per owner: the answer carries the name this uploader gave (receive_upload),
+            # never another owner's name for the same bytes.
+            self.core.store.add_dataset_owner(info.dataset_id, owner, name=info.name, size_bytes=info.size_bytes)
+            await self.core.durable()
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
-        # Names are per owner: the answer carries the name this uploader gave (receive_upload),
-        # never another owner's name for the same bytes.
-        self.core.store.add_dataset_owner(info.dataset_id, owner, name=info.name, size_bytes=info.size_bytes)
-        await self.core.durable()
         log.info(
             "dataset uploaded",
             dataset_id=info.dataset_id,
