@@ -33,6 +33,14 @@ def _is_the_cli() -> bool:
 if _is_the_cli():
     _os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+# A process holding a client may fork: gymnasium's AsyncVectorEnv and torch's DataLoader workers
+# start with fork on Linux. gRPC's default there runs its core's fork handlers without its
+# Python layer's, and children crashed or broke their pipes in about half the forks. Off, gRPC
+# does nothing at a fork: the children, which never use gRPC, run safely beside the parent's
+# live channels, streams and servers (a hosted environment). Read when grpc is first imported,
+# so it is set here, before the imports below; a value set by the user wins (setdefault).
+_os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 from opentinker_client import errors as _errors
 from opentinker_client.client import RLClient
 from opentinker_client.config import TaskConfig, load_task_config, parse_task_config

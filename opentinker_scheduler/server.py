@@ -26,6 +26,7 @@ from opentinker_scheduler.data.artifacts import Artifacts, Retention, open_store
 from opentinker_scheduler.security.bundle import Security, build_security
 
 from opentinker_scheduler.config import SchedulerConfig
+from opentinker_scheduler.errors import StoreUnavailable
 from opentinker_scheduler.state.core import STATE_NAMES, SchedulerCore
 from opentinker_scheduler.api.dashboard import Dashboard
 from opentinker_scheduler.api.front import PortFront
@@ -190,6 +191,7 @@ def _sharing(core: SchedulerCore) -> dict:
 async def _tick_loop(core: SchedulerCore, http: HttpEndpoint | None, interval_s: float, leadership=None) -> None:
     last_snapshot = 0.0
     last_tick = time.monotonic()
+    store_down = False  # the last tick failed for the state store: said once, not every tick
     while True:
         started = time.monotonic()
         # Time the loop could not run beyond its sleep (SIGSTOP, a blocked event loop): the core
@@ -207,6 +209,14 @@ async def _tick_loop(core: SchedulerCore, http: HttpEndpoint | None, interval_s:
                 if time.monotonic() - last_snapshot > 1.0:
                     http.publish(_snapshot(core, leadership))
                     last_snapshot = time.monotonic()
+            if store_down:
+                log.info("tick: state store reachable again")
+                store_down = False
+        except StoreUnavailable as exc:
+            # A database restarting: one line when it starts, none per tick until it is back.
+            if not store_down:
+                log.warning("tick skipped: state store unavailable; retrying each tick", error=str(exc))
+            store_down = True
         except Exception:  # noqa: BLE001 - keep scheduling; the error is logged
             log.exception("tick failed")
         await asyncio.sleep(interval_s)

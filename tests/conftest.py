@@ -12,11 +12,30 @@ from __future__ import annotations
 
 import os
 import pwd
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before anything imports torch
 
 import pytest
+
+#: Stacks of the forks of this process: a fork of a process with live gRPC threads (the in-process
+#: schedulers and clients of the tests) may copy a held lock and hang or crash the child.
+_forks: list[str] = []
+os.register_at_fork(before=lambda: _forks.append("".join(traceback.format_stack(limit=12))))
+
+
+@pytest.fixture(autouse=True)
+def no_fork_of_the_test_process():
+    """Fails a test that forked the test process: ``os.fork``, a multiprocessing ``fork``
+    context, or ``subprocess.Popen(preexec_fn=...)``. Start children with ``Popen`` without
+    ``preexec_fn`` (``start_new_session=True``, :func:`tests.support.procs.interruptible`) or a
+    ``spawn`` or ``forkserver`` context instead."""
+    before = len(_forks)
+    yield
+    if len(_forks) > before:
+        pytest.fail("the test forked the test process, which runs gRPC threads; from:\n" + _forks[before])
+
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REAL_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"

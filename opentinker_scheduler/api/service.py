@@ -269,6 +269,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         return scheduler_pb2.DeleteTaskArtifactsResponse(task=self._task(task), deleted_keys=keys, deleted_bytes=size)
 
     async def WatchTask(self, request, context) -> AsyncIterator[scheduler_pb2.WatchTaskResponse]:
+        """The task's events after ``after_sequence``; unless ``history_only``, held open until
+        the task has ended and its terminal event was sent. A store error ends the stream with
+        UNAVAILABLE (``STORE_UNAVAILABLE``): the client resumes after the last sequence it got."""
         try:
             self.core.get(request.task_id, owner=owner_scope())
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
@@ -278,9 +281,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         await context.send_initial_metadata(())
         seq = max(0, request.after_sequence)
         while True:
-            events = self.core.store.events_after(request.task_id, seq, limit=500)
-            if events:
-                await self.core.durable()  # the reads may include this turn's uncommitted events
+            try:
+                # The task first, its events second: on a follower they are two reads, and a
+                # transition the leader commits between them is then in the events read. The
+                # other order could see an ended task whose terminal event it never read. The
+                # same holds for a worker still stopping, whose last checkpoint may yet come.
+                stopping = request.task_id in self.core.stopping
+                task = self.core.store.get_task(request.task_id)
+                events = self.core.store.events_after(request.task_id, seq, limit=500)
+                if events:
+                    await self.core.durable()  # the reads may include this turn's uncommitted events
+            except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+                await abort_mapped(context, exc)
             for ev in events:
                 seq = ev.sequence
                 yield scheduler_pb2.WatchTaskResponse(event=ev)
@@ -288,10 +300,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 continue
             if request.history_only:
                 return
-            task = self.core.store.get_task(request.task_id)
             # An ended task whose worker is still stopping (cancel, max_runtime) may still record
             # its last checkpoint (and the step it finished): the stream stays open for it.
-            if task is None or (task.terminal and request.task_id not in self.core.stopping):
+            if task is None or (task.terminal and not stopping):
                 return
             # A follower is never told of changes (the leader writes them): it looks again soon.
             await self.core.wait_changed(timeout=1.0 if self.core.leading else FOLLOWER_WATCH_POLL_S)
@@ -322,12 +333,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             )
             # Into the s3 artifact store too before it counts as uploaded (other schedulers read it there).
             await asyncio.to_thread(self.datasets.publish, info.dataset_id)
+            # Names are per owner: the answer carries the name this uploader gave (receive_upload),
+            # never another owner's name for the same bytes.
+            self.core.store.add_dataset_owner(info.dataset_id, owner, name=info.name, size_bytes=info.size_bytes)
+            await self.core.durable()
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
-        # Names are per owner: the answer carries the name this uploader gave (receive_upload),
-        # never another owner's name for the same bytes.
-        self.core.store.add_dataset_owner(info.dataset_id, owner, name=info.name, size_bytes=info.size_bytes)
-        await self.core.durable()
         log.info(
             "dataset uploaded",
             dataset_id=info.dataset_id,

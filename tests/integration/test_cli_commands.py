@@ -13,6 +13,7 @@ import pytest
 from opentinker_client import RLClient
 
 from tests.support.fake_scheduler import S, finished_task
+from tests.support.procs import interruptible
 from tests.support.waiting import wait_for
 
 
@@ -366,14 +367,11 @@ def test_ctrl_c_during_logs_follow_exits_promptly(tmp_path) -> None:
         # threads' stacks go into the failure.
         env = {**os.environ, "SCHEDULER_URL": sched.target, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "opentinker_client.cli.commands", "logs", task_id, "--follow"],
+            interruptible("opentinker_client.cli.commands", "logs", task_id, "--follow"),  # Ctrl-C as on a terminal
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            # Ctrl-C as on a terminal: a suite started in the background (`make test &`, nohup, some
-            # CI runners) runs with SIGINT ignored, which the CLI would inherit and rightly honour.
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         try:
             line = proc.stdout.readline()  # the first event arrived: the stream is open
@@ -409,12 +407,11 @@ def test_ctrl_c_during_submit_watch_says_the_task_goes_on_and_how_to_cancel_it(t
     try:
         env = {**os.environ, "SCHEDULER_URL": sched.target, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "opentinker_client", "submit", str(task_file), "--watch"],
+            interruptible("opentinker_client", "submit", str(task_file), "--watch"),  # Ctrl-C as on a terminal
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # Ctrl-C as on a terminal
         )
         try:
             task_id = proc.stdout.readline().strip()  # submitted: its id, then the watch

@@ -58,6 +58,22 @@ def free_port_pair() -> int:
     raise RuntimeError("no free pair of ports")
 
 
+#: ``python -c`` code: SIGINT raises KeyboardInterrupt, as Ctrl-C on a terminal does, then the
+#: module named by the first argument runs as under ``python -m``.
+_INTERRUPTIBLE = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
+)
+
+
+def interruptible(module: str, *args: str) -> list[str]:
+    """The argv of ``python -m module args`` that a SIGINT interrupts as Ctrl-C on a terminal
+    would. A suite started in the background (``make test &``, nohup, some CI runners) runs with
+    SIGINT ignored, which a child inherits. This resets it in the child itself: a ``preexec_fn``
+    would fork this process, whose gRPC threads make a fork unsafe."""
+    return [sys.executable, "-c", _INTERRUPTIBLE, module, *args]
+
+
 def scheduler_args(
     config: Path, *, port: int | str, http_port: int | str, state_dir: Path, host: str | None = None
 ) -> list[str]:
