@@ -292,6 +292,11 @@ def main() -> int:
             f"{name + ' (all)':<18} {s['runs']:>6} {'':>4} {s['s_per_step']:>7.2f} "
             f"{s['reward_first3']:>15.3f} {s['reward_last3']:>7.3f}"
         )
+    if "opentinker" in summary:
+        # The worker's own step time (perf/step_s): what the service path adds is the difference.
+        inner = [s for r in runs if r["key"] == "opentinker" for s in r["worker_step_s"][1:]]
+        summary["opentinker"]["worker_s_per_step"] = statistics.median(inner) if inner else float("nan")
+        print(f"OpenTinker worker perf/step_s, median of steps 2..: {summary['opentinker']['worker_s_per_step']:.2f}")
     if ratio is not None:
         print(f"\nTRL s/step over OpenTinker s/step: {ratio:.2f}x (median over steps 2..{args.steps} of every run)")
     if args.json:
