@@ -15,7 +15,7 @@ SCHEDULER_URL ?= http://localhost:$(PORT)
 # "joined dynamically"; the host name only when the config names no node. NODE_ID=... for another.
 NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]\#]*\).*/\1/p' $(SCHEDULER_CONFIG) 2>/dev/null | head -n 1),$(shell hostname)-trainer)
 
-.PHONY: install venv test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives gpu-check clean
+.PHONY: install venv test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives gpu-check clean
 
 # `install` is a no-op when done: it installs only when the venv is missing or its package set is
 # out of date, i.e. the SHA-256 of pyproject.toml, constraints.txt and INSTALL_SPEC differs from the
@@ -163,6 +163,11 @@ PEER_VENV ?= /work/peer-venv
 bench-ppo-sb3: install
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_ppo.py --only cartpole --only cartpole-before --seeds 1,2,3,4,5 \
 		--stop-at-threshold $(if $(wildcard $(PEER_VENV)/bin/python),--peer-python $(PEER_VENV)/bin/python)
+
+# LoRA GRPO through the services against TRL 1.16's GRPOTrainer, same settings, ABBA order (about 20 min
+# on 2 cores); makes the peer venv .cache/peer-venv when missing. Options: BENCH_ARGS="--repeats 4".
+bench-grpo-trl: install
+	$(PY) scripts/bench_grpo_trl.py --model $(MODEL_DIR) --json .cache/bench-grpo-trl.json $(BENCH_ARGS)
 
 # What API keys, audit and TLS cost per call.
 bench-security: install
