@@ -33,8 +33,8 @@ class DeviceMonitor:
 
     def __init__(self, *, simulate_gpus: int = 0, simulated_memory_bytes: int = SIMULATED_MEMORY_BYTES) -> None:
         """Find the devices: NVML's, or ``simulate_gpus`` simulated ones of ``simulated_memory_bytes`` each."""
-        self._prime_cpu()
         self._lock = threading.Lock()
+        self._prime_cpu()
         self._nvml = None
         self._handles: list = []
         if simulate_gpus > 0:
@@ -54,15 +54,40 @@ class DeviceMonitor:
             return
         self.inventory = self._discover()
 
-    @staticmethod
-    def _prime_cpu() -> None:
-        """psutil's first cpu_percent() has nothing to compare with (it says 0.0): take it now."""
+    def _prime_cpu(self) -> None:
+        """The first CPU reading to compare the next with (see :meth:`_cpu_percent`)."""
+        self._cpu_times = None
         try:
             import psutil
 
-            psutil.cpu_percent(interval=None)
+            self._cpu_times = psutil.cpu_times()
         except Exception:  # noqa: BLE001 - no psutil: host_telemetry says so
             pass
+
+    def _cpu_percent(self) -> float:
+        """Host CPU busy since the previous reading, % of all cores.
+
+        Kept here, not in ``psutil.cpu_percent(interval=None)``: psutil keeps that previous
+        reading per calling thread, and the heartbeat reads from whichever pool thread is free,
+        so a fresh thread read 0 % on a busy host. Busy is all time but idle and iowait; on
+        Linux guest time is already counted in user time, as psutil counts it.
+        """
+        import psutil
+
+        def total(t) -> float:
+            return sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+        def idle(t) -> float:
+            return t.idle + getattr(t, "iowait", 0.0)
+
+        with self._lock:
+            now = psutil.cpu_times()
+            before, self._cpu_times = self._cpu_times or now, now
+        elapsed = total(now) - total(before)
+        if elapsed <= 0:
+            return 0.0
+        busy = elapsed - (idle(now) - idle(before))
+        return round(min(100.0, max(0.0, 100.0 * busy / elapsed)), 1)
 
     def _discover(self) -> Inventory:
         try:
@@ -151,7 +176,7 @@ class DeviceMonitor:
                 out.unavailable[name] = "psutil is not installed"
             return out
         readers = {
-            "cpu_utilization_percent": lambda: float(psutil.cpu_percent(interval=None)),
+            "cpu_utilization_percent": self._cpu_percent,
             "cpu_count": lambda: int(psutil.cpu_count() or 0) or None,
         }
         for name, read in readers.items():

@@ -36,3 +36,26 @@ def test_simulated_gpus_report_the_memory_they_are_given() -> None:
     devices = DeviceMonitor(simulate_gpus=2, simulated_memory_bytes=3 * 2**30).inventory.devices
     assert [(d.memory_total_bytes, d.simulated) for d in devices] == [(3 * 2**30, True)] * 2
     assert DeviceMonitor(simulate_gpus=1).inventory.devices[0].memory_total_bytes == 80 * 2**30
+
+
+def test_cpu_reads_busy_from_any_thread_on_a_busy_host() -> None:
+    """The heartbeat reads from whichever pool thread is free; a thread's first reading must not
+    say 0 % while the host is busy (psutil keeps its previous reading per thread)."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    monitor = DeviceMonitor(simulate_gpus=1)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        time.sleep(1.0)  # a whole core busy since well before the next reading
+        got: list[float] = []
+        reader = threading.Thread(target=lambda: got.append(monitor.host_telemetry().cpu_utilization_percent))
+        reader.start()
+        reader.join(30)
+    finally:
+        busy.kill()
+        busy.wait()
+    cores = psutil.cpu_count() or 1
+    assert got and got[0] >= 50.0 / cores, got
