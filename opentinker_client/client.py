@@ -835,7 +835,8 @@ class RLClient:
         float32 with AdamW; it ends after ``idle_timeout`` seconds without a
         call, or at ``max_runtime``), placed like any task (``gpu_count``, ``priority``), waits up
         to ``timeout`` seconds until it serves and returns a
-        :class:`~opentinker_client.training.TrainingSession` that sends this client's API key.
+        :class:`~opentinker_client.training.TrainingSession` that sends an endpoint token of the
+        session (fetched and renewed with this client's API key, which stays with the scheduler).
         ``hyperparameters``: further ``lora_session`` settings (``max_datums_per_call``,
         ``max_tokens_per_call``, ``max_in_flight_calls``, ``micro_batch_tokens``, ``dtype``).
 
@@ -916,7 +917,8 @@ class RLClient:
         one (``ttl`` seconds, ``gpu_count`` GPUs), waits until it serves, and returns an
         :class:`~opentinker_client.inference.InferenceClient` bound to this task's adapter
         (``client.generate(...)``; ``adapter=None`` on a call asks the base model). The
-        returned client sends this client's API key; for an ``https://`` endpoint it trusts
+        returned client sends an endpoint token of the inference task (this client's API key stays
+        with the scheduler); for an ``https://`` endpoint it trusts
         ``root_certificates`` (the CA of the inference servers' certificate; default: this
         client's CA, else ``$OPENTINKER_TLS_CA``, else the system's roots).
 

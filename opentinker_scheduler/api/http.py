@@ -479,8 +479,15 @@ class HttpEndpoint:
         if scope["type"] != "http":
             return
         refusal = None
-        lengths = [v for k, v in scope["headers"] if k == b"content-length"]
-        if lengths and not lengths[0].isdigit():  # h11 refuses these first; this holds without it
+        headers = scope["headers"]
+        lengths = [v for k, v in headers if k == b"content-length"]
+        if sum(len(k) + len(v) + 4 for k, v in headers) > MAX_HEAD_BYTES:
+            # h11 bounds a head that arrives in pieces; one that arrives whole is counted here.
+            refusal = _refusal(431, f"request head too large: at most {MAX_HEAD_BYTES} bytes of headers")
+        elif lengths and any(k == b"transfer-encoding" for k, _ in headers):
+            # Both framings at once: a proxy in front may frame the body otherwise (RFC 9112 6.1).
+            refusal = _refusal(400, "expected Content-Length or Transfer-Encoding, not both")
+        elif lengths and not lengths[0].isdigit():  # h11 refuses these first; this holds without it
             refusal = _refusal(400, "Content-Length: expected a whole number of bytes")
         elif lengths and int(lengths[0]) > MAX_BODY_BYTES:
             refusal = _refusal(413, f"body too large: at most {MAX_BODY_BYTES} bytes")

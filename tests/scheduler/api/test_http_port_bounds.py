@@ -69,6 +69,25 @@ def test_a_chunked_form_over_the_limit_is_refused_as_it_streams(sched) -> None:
     assert answer.startswith(b"HTTP/1.1 413 ") and b"form too large" in answer, answer[:300]
 
 
+def test_a_head_over_the_limit_sent_in_one_piece_is_a_431(sched) -> None:
+    with _connect(sched) as conn:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n")
+        answer = _read_answer(conn)
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"at most 16384 bytes" in answer, answer[:300]
+
+
+def test_a_request_framed_both_ways_is_refused_and_nothing_after_it_is_read_as_a_request(sched) -> None:
+    """Content-Length and Transfer-Encoding together: a proxy in front may frame the body
+    otherwise, so a request smuggled after it must not be answered (RFC 9112 6.1)."""
+    with _connect(sched) as conn:
+        conn.sendall(
+            b"POST /ui/login HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        answer = _read_answer(conn)
+    assert answer.startswith(b"HTTP/1.1 400 ") and answer.count(b"HTTP/1.1 ") == 1, answer[:500]
+
+
 def test_health_answers_with_100_half_sent_requests_open_and_a_trickling_client_is_cut_off(sched) -> None:
     base = f"http://127.0.0.1:{sched.running.http.port}"
     crowd = []
