@@ -637,6 +637,8 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             raise InvalidArgument("task_id: expected a task id, got an empty string")
         # a task worker looks up its owner's tasks only; another owner's is NOT_FOUND
         task = self._views._task(self.core.get(request.task_id, owner=owner_scope()))
+        if caller().role == "node":
+            _drop_access_tokens(task.spec.env_config)
         deleted = None if task.HasField("latest_checkpoint") else self.core.store.artifacts_deleted(task.task_id)
         listed = checkpoints.list_checkpoints(self.core.store, task.task_id) if request.include_checkpoints else []
         return node_pb2.LookupTaskResponse(task=task, artifacts_deleted=deleted, checkpoints=listed)
@@ -658,3 +660,13 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         log.info("dataset sent to a trainer", dataset_id=request.dataset_id, size_bytes=info.size_bytes)
         for chunk in chunks:
             yield node_pb2.FetchDatasetResponse(chunk=chunk, size_bytes=info.size_bytes)
+
+
+def _drop_access_tokens(env_config) -> None:
+    """Remove the access tokens of client-hosted environments and rewards (``token``, also in
+    ``reward``) from a spec a node key reads: a model host resolving adapters needs the spec, not
+    the user's secrets. A task's worker reads them with its attempt credential."""
+    env_config.fields.pop("token", None)
+    reward = env_config.fields.get("reward")
+    if reward is not None and reward.HasField("struct_value"):
+        reward.struct_value.fields.pop("token", None)

@@ -103,6 +103,19 @@ def test_node_key_reads_through_node_service_only(sched, tmp_path) -> None:
         assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_node_key_reads_a_task_without_its_environments_access_token(sched) -> None:
+    keys = _keys(sched)
+    env = {"env_id": "client", "endpoint": "127.0.0.1:1", "token": "s" * 43, "action_space": 2, "observation_space": 4}
+    with RLClient(sched.target, api_key=keys["alice"]) as alice:
+        task_id = alice.submit_task(workload_type="full_rl", model="mlp", env_config=env)
+    with sched.channel() as ch:
+        nodes = node_pb2_grpc.NodeServiceStub(ch)
+        got = nodes.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(keys["node"])).task
+        assert "token" not in got.spec.env_config.fields and got.spec.env_config.fields["endpoint"].string_value
+        admin = nodes.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(keys["admin"])).task
+        assert admin.spec.env_config.fields["token"].string_value == "s" * 43  # the admin's read is whole
+
+
 def test_a_dataset_belongs_to_the_owners_who_uploaded_it(sched, tmp_path) -> None:
     keys = _keys(sched)
     path, dataset_id = _dataset(tmp_path)
