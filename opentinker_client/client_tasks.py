@@ -48,6 +48,10 @@ WAIT_OUTAGE_S = 300.0
 #: (gRPC's own retry policy for the other calls makes as many); an overloaded or stopping
 #: scheduler's refusals are retried, after the delay it asks for, while the timeout allows.
 SUBMIT_ATTEMPTS = 5
+#: Seconds a retried submit must have left for the scheduler to answer (or the wait it asked for,
+#: when longer). With less, the refusal in hand is the answer: definite ("no task was created"),
+#: where an attempt cut short by the timeout leaves the outcome unknown.
+MIN_ATTEMPT_S = 0.5
 #: Status codes with which the scheduler refuses a submit before writing anything.
 _REFUSALS = frozenset(
     {
@@ -207,7 +211,7 @@ class TaskCalls:
                 elif err.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
                     cut_off += 1
                     wait = backoff.next() if cut_off < SUBMIT_ATTEMPTS else None
-                if wait is None or time.monotonic() + wait >= deadline:
+                if wait is None or time.monotonic() + wait + max(wait, MIN_ATTEMPT_S) >= deadline:
                     if err.task_created is None:
                         err.details += (
                             f" (the task may or may not have been created: submit again with "
