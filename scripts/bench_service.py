@@ -119,13 +119,9 @@ def main() -> int:
         env = {"OPENTINKER_LOG_FORMAT": "json"}
         demo.start_scheduler(config, port, http_port, work / "scheduler.log", env, procs)
         url = f"127.0.0.1:{port}"
-        demo.start_trainer("bench-node", work / "runs", url, work / "trainer.log", env, procs)
+        trainer = demo.start_trainer("bench-node", work / "runs", url, work / "trainer.log", env, procs)
         client = RLClient(scheduler_url=url, min_poll_interval=0)
-        deadline = time.monotonic() + 60
-        while not [n for n in client.list_nodes() if n.connected]:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"trainer did not connect; see {work / 'trainer.log'}")
-            time.sleep(0.2)
+        demo.wait_node(client, trainer, work / "trainer.log")
 
         inproc_steps: list[float] = []
         service_steps: list[float] = []

@@ -25,7 +25,10 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from opentinker_client import RLClient
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -192,6 +195,22 @@ def wait_health(http_port: int, proc: subprocess.Popen, log: Path, timeout: floa
     raise SystemExit(f"scheduler not healthy after {timeout:.0f} s; see {log}")
 
 
+def wait_node(client: RLClient, trainer: subprocess.Popen, log: Path, timeout: float = 60):
+    """The first connected node, once the trainer ``trainer`` (writing ``log``) has joined.
+
+    Raises:
+        SystemExit: the trainer exited or did not connect within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = [n for n in client.list_nodes() if n.connected]
+        if nodes:
+            return nodes[0]
+        if trainer.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"trainer did not connect; see {log}:\n{log.read_text()[-2000:]}")
+        time.sleep(0.2)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=ROOT / ".cache/models/SmolLM2-135M-Instruct")
@@ -247,14 +266,7 @@ def main() -> int:
         trainer = start_trainer("demo-node", run_dir / "runs", scheduler_url, trainer_log, env, procs)
 
         client = RLClient(scheduler_url=scheduler_url)
-        deadline = time.monotonic() + 60
-        nodes = []
-        while not nodes:
-            if trainer.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"trainer did not connect; see {trainer_log}:\n{trainer_log.read_text()[-2000:]}")
-            nodes = [n for n in client.list_nodes() if n.connected]
-            time.sleep(0.2)
-        node = nodes[0]
+        node = wait_node(client, trainer, trainer_log)
         gpu_count = 1 if node.gpu_count >= 1 else 0
         where = f"{node.gpu_count} GPU(s)" if node.gpu_count else "CPU only (" + "; ".join(node.notes) + ")"
         print(f"trainer    {node.node_id}: {where}", flush=True)

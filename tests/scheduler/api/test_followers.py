@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import grpc
 import pytest
@@ -23,30 +22,15 @@ from opentinker_scheduler.config.store import StoreConfig
 from opentinker_scheduler.server import start_scheduler
 
 from tests.support.http import http_get
+from tests.support.loop_thread import LoopThread
 from tests.support.waiting import wait_for
-
-
-class _Loop:
-    """An event loop in a thread running in-process schedulers."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def call(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture
 def pair(tmp_path, postgres_server):
     """Two schedulers on one schema, started at once: ``(loop, [running, running])``."""
     schema = postgres_server.new_schema()
-    loop = _Loop()
+    loop = LoopThread()
     configs = [
         SchedulerConfig(
             state_dir=tmp_path / name,

@@ -5,7 +5,6 @@ reads."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 
@@ -20,32 +19,17 @@ from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.config.store import StoreConfig
 from opentinker_scheduler.server import start_scheduler
 
+from tests.support.loop_thread import LoopThread
 from tests.support.waiting import wait_for
 
 SPEC = C.TaskSpec(workload_type="lora_finetune", model="/models/m")  # no trainer: it stays pending
-
-
-class _Loop:
-    """An event loop in a thread running an in-process scheduler."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def call(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture
 def schedulers(tmp_path, postgres_server):
     """``start(n)``: n schedulers on one fresh schema, each on its own event loop thread."""
     schema = postgres_server.new_schema()
-    started: list[tuple[_Loop, object]] = []
+    started: list[tuple[LoopThread, object]] = []
 
     def start(n: int) -> list:
         for i in range(n):
@@ -57,7 +41,7 @@ def schedulers(tmp_path, postgres_server):
                     kind="postgres", dsn=postgres_server.dsn(), schema=schema, leader_lease_s=3, renew_interval_s=0.5
                 ),
             )
-            loop = _Loop()
+            loop = LoopThread()
             started.append(
                 (loop, loop.call(start_scheduler(config, host="127.0.0.1", port=0, http_port=0, tick_interval_s=0.1)))
             )
