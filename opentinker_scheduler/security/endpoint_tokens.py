@@ -24,14 +24,11 @@ every other RPC is PERMISSION_DENIED (:mod:`opentinker_scheduler.security.auth`)
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
 import hmac
-import json
 import math
 import re
 
+from opentinker_common.signed_claims import decode_claims, encode_claims, signature
 from opentinker_scheduler.errors import InvalidArgument
 from opentinker_scheduler.security.keys import KeyStore, Principal, Unauthenticated
 
@@ -51,16 +48,8 @@ _KEY_PREFIX_RE = re.compile(r"^otk_[0-9a-f]{8}$")
 _BAD = "malformed endpoint token (expected ote_<payload>.<signature> as issued by IssueEndpointToken)"
 
 
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
 def _signature(key_hash: str, payload: str) -> str:
-    return _b64(hmac.new(key_hash.encode(), _CONTEXT + payload.encode(), hashlib.sha256).digest())
+    return signature(key_hash.encode(), payload, context=_CONTEXT)
 
 
 def ttl_seconds(ttl_s: float) -> float:
@@ -81,7 +70,7 @@ def issue(keys: KeyStore, who: Principal, task_id: str, ttl_s: float) -> tuple[s
     expiry in unix seconds. The caller checks first that ``who`` may use the task."""
     row = keys.get(who.key_prefix)
     expire = math.ceil(keys.clock() + ttl_seconds(ttl_s))
-    payload = _b64(json.dumps({"k": row.prefix, "t": task_id, "e": expire}, separators=(",", ":")).encode())
+    payload = encode_claims({"k": row.prefix, "t": task_id, "e": expire})
     return f"{PREFIX}{payload}.{_signature(row.key_hash, payload)}", float(expire)
 
 
@@ -97,9 +86,9 @@ def resolve(keys: KeyStore, token: str) -> Principal:
     if m is None:
         raise Unauthenticated(_BAD)
     try:
-        claims = json.loads(_unb64(m.group(1)))
+        claims = decode_claims(m.group(1))
         prefix, task_id, expire = claims["k"], claims["t"], claims["e"]
-    except (binascii.Error, ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError):
         raise Unauthenticated(_BAD) from None
     if not (isinstance(prefix, str) and _KEY_PREFIX_RE.match(prefix) and isinstance(task_id, str)):
         raise Unauthenticated(_BAD)

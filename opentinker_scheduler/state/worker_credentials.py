@@ -15,13 +15,11 @@ attempt ends, is requeued or moves to another node, its writes are refused.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import hmac
-import json
-import re
 import secrets
 from dataclasses import dataclass
+
+from opentinker_common.signed_claims import decode_claims, encode_claims, signature
 
 __all__ = ["AttemptScope", "WorkerCredentials", "CREDENTIAL_PREFIX", "InvalidCredential"]
 
@@ -30,7 +28,6 @@ CREDENTIAL_PREFIX = "otw_"
 #: Longest credential accepted: a payload of a task id, a node id and an owner, with room to spare.
 MAX_CREDENTIAL_CHARS = 2048
 _SECRET_NAME = "worker_credentials"
-_B64 = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 class InvalidCredential(ValueError):
@@ -56,16 +53,6 @@ class AttemptScope:
         return f"attempt {self.attempt} of task {self.task_id} on node {self.node_id}"
 
 
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def _unb64(text: str) -> bytes:
-    if not _B64.match(text):
-        raise InvalidCredential("not URL-safe base64")
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
 class WorkerCredentials:
     """Issues and checks attempt credentials with one secret of the state store."""
 
@@ -85,12 +72,11 @@ class WorkerCredentials:
         return cls(bytes.fromhex(secret))
 
     def _sign(self, payload: str) -> str:
-        return _b64(hmac.new(self._secret, payload.encode(), hashlib.sha256).digest())
+        return signature(self._secret, payload)
 
     def issue(self, scope: AttemptScope) -> str:
         """The credential of ``scope``."""
-        doc = {"t": scope.task_id, "a": scope.attempt, "n": scope.node_id, "o": scope.owner}
-        payload = _b64(json.dumps(doc, separators=(",", ":")).encode())
+        payload = encode_claims({"t": scope.task_id, "a": scope.attempt, "n": scope.node_id, "o": scope.owner})
         return f"{CREDENTIAL_PREFIX}{payload}.{self._sign(payload)}"
 
     def verify(self, credential: str) -> AttemptScope:
@@ -105,7 +91,7 @@ class WorkerCredentials:
         if not payload or not hmac.compare_digest(signature, self._sign(payload)):
             raise InvalidCredential("wrong signature")
         try:
-            doc = json.loads(_unb64(payload))
+            doc = decode_claims(payload)
             scope = AttemptScope(str(doc["t"]), int(doc["a"]), str(doc["n"]), str(doc["o"]))
         except (ValueError, KeyError, TypeError):
             raise InvalidCredential("payload does not parse") from None
