@@ -44,7 +44,7 @@ def busy(tmp_path, held_env_checks):
 
 def test_an_overloaded_scheduler_is_retried_within_the_timeout_then_overloaded_error(busy) -> None:
     sched, _ = busy
-    with RLClient(sched.target, api_key="", timeout=1.5) as client:
+    with RLClient(sched.target, api_key="", timeout=5.0) as client:
         with pytest.raises(ot.OverloadedError) as err:
             client.submit_task(**CARTPOLE)
     e = err.value
