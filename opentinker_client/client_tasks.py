@@ -49,9 +49,13 @@ WAIT_OUTAGE_S = 300.0
 #: scheduler's refusals are retried, after the delay it asks for, while the timeout allows.
 SUBMIT_ATTEMPTS = 5
 #: Seconds a retried submit must have left for the scheduler to answer (or the wait it asked for,
-#: when longer). With less, the refusal in hand is the answer: definite ("no task was created"),
-#: where an attempt cut short by the timeout leaves the outcome unknown.
+#: or :data:`ANSWER_MARGIN` times the slowest answer so far, when longer). With less, the refusal
+#: in hand is the answer: definite ("no task was created"), where an attempt cut short by the
+#: timeout leaves the outcome unknown.
 MIN_ATTEMPT_S = 0.5
+#: How many times its slowest answer so far a retried submit must have left: on a loaded
+#: machine a refusal that took 0.4 s is given 1.2 s, not the bare :data:`MIN_ATTEMPT_S`.
+ANSWER_MARGIN = 3.0
 #: Status codes with which the scheduler refuses a submit before writing anything.
 _REFUSALS = frozenset(
     {
@@ -198,11 +202,15 @@ class TaskCalls:
         deadline = time.monotonic() + self.connection.timeout
         backoff = _Backoff(0.2, 2.0)
         cut_off = 0
+        slowest = 0.0  # seconds the slowest answered attempt took
         while True:
+            started = time.monotonic()
             try:
-                left = max(0.001, deadline - time.monotonic())
+                left = max(0.001, deadline - started)
                 return self.connection.unary("SubmitTask", request, timeout=left).task.task_id
             except OpenTinkerError as err:
+                if err.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    slowest = max(slowest, time.monotonic() - started)
                 err.task_created = submit_outcome(err)
                 err.request_id = request.request_id
                 wait = None
@@ -211,7 +219,8 @@ class TaskCalls:
                 elif err.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
                     cut_off += 1
                     wait = backoff.next() if cut_off < SUBMIT_ATTEMPTS else None
-                if wait is None or time.monotonic() + wait + max(wait, MIN_ATTEMPT_S) >= deadline:
+                needed = max(wait or 0.0, MIN_ATTEMPT_S, ANSWER_MARGIN * slowest)
+                if wait is None or time.monotonic() + wait + needed >= deadline:
                     if err.task_created is None:
                         err.details += (
                             f" (the task may or may not have been created: submit again with "
