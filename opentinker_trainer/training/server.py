@@ -36,11 +36,10 @@ SERVICE_NAME = training_pb2.DESCRIPTOR.services_by_name["TrainingService"].full_
 #: ``google.rpc.ErrorInfo.domain`` of a session's refusals (reason ``OUT_OF_ORDER``).
 ERROR_DOMAIN = "opentinker.training"
 
-_LOSS = {
-    training_pb2.LOSS_FN_CROSS_ENTROPY: "cross_entropy",
-    training_pb2.LOSS_FN_IMPORTANCE_SAMPLING: "importance_sampling",
-    training_pb2.LOSS_FN_PPO: "ppo",
-}
+#: Each LossFn by its Tinker name: LOSS_FN_<NAME> is <name>.
+_LOSS = {value: name[len("LOSS_FN_") :].lower() for name, value in training_pb2.LossFn.items() if value}
+#: The LossFnConfig fields, Tinker's loss_fn_config keys.
+_CONFIG_KEYS = tuple(f.name for f in training_pb2.LossFnConfig.DESCRIPTOR.fields)
 _STOP = {"stop": training_pb2.STOP_REASON_STOP, "length": training_pb2.STOP_REASON_LENGTH}
 
 
@@ -51,6 +50,7 @@ def datum_from_proto(d: training_pb2.Datum) -> Datum:
         weights=list(d.weights),
         advantages=list(d.advantages),
         sampling_logprobs=list(d.sampling_logprobs),
+        sequence_ratio_mask=list(d.sequence_ratio_mask),
     )
 
 
@@ -165,7 +165,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                     f"header.loss_fn: expected one of {', '.join(training_pb2.LossFn.keys()[1:])}, got {header.loss_fn}"
                 )
             cfg = header.loss_fn_config
-            clip = cfg.clip_epsilon if cfg.HasField("clip_epsilon") else None
+            given = {key: getattr(cfg, key) for key in _CONFIG_KEYS if cfg.HasField(key)}
             sequence = header.sequence
 
             def respond(r):
@@ -180,7 +180,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 )
 
             return await self._ordered(
-                sequence, lambda: self.session.forward_backward(datums, loss_fn, clip_epsilon=clip), respond
+                sequence, lambda: self.session.forward_backward(datums, loss_fn, loss_fn_config=given), respond
             )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await self._abort(context, exc)

@@ -34,7 +34,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -43,7 +43,7 @@ from opentinker_trainer.rl.grpo import token_logprobs
 from opentinker_trainer.rl.rollout import left_pad, prefix_logprobs, right_pad
 from opentinker_trainer.training.datums import Datum, Limits, check_batch
 from opentinker_trainer.training.errors import BadRequest, NotReady, OverLimit, StateNotFound
-from opentinker_trainer.training.losses import datum_loss
+from opentinker_trainer.training.losses import datum_loss, loss_config
 from opentinker_trainer.workloads import _lm
 
 __all__ = [
@@ -271,9 +271,10 @@ class TrainingSession:
         return [logp[r, : len(datums[i])] for r, i in enumerate(rows)]
 
     def _scored_from(self, d: Datum, loss_fn: str) -> int:
-        """First position whose loss coefficient (weight, or advantage) is not 0 (``len(d)`` if none)."""
+        """First position whose loss coefficient (weight, or advantage) is not 0 (``len(d)`` if none).
+        dro's penalty has a gradient at every token, so with dro it is 0."""
         coeff = d.weights if loss_fn == "cross_entropy" else d.advantages
-        if loss_fn == "cross_entropy" and not len(coeff):
+        if loss_fn == "dro" or (loss_fn == "cross_entropy" and not len(coeff)):
             return 0
         for t, c in enumerate(coeff):
             if c != 0:
@@ -333,23 +334,27 @@ class TrainingSession:
 
     @_in_turn
     def forward_backward(
-        self, datums: Sequence[Datum], loss_fn: str, *, clip_epsilon: float | None = None
+        self, datums: Sequence[Datum], loss_fn: str, *, loss_fn_config: Mapping[str, float] | None = None
     ) -> ForwardBackwardResult:
         """Add the gradient of ``loss_fn`` summed over ``datums`` to the accumulated gradient.
 
         Args:
-            loss_fn: ``cross_entropy``, ``importance_sampling`` or ``ppo`` (:mod:`.losses`).
-            clip_epsilon: ``ppo``'s clip range, in (0, 1]; default 0.2.
+            loss_fn: a loss of :mod:`.losses`, by Tinker's name.
+            loss_fn_config: the loss's hyper-parameters by Tinker's ``loss_fn_config`` keys
+                (:func:`~.losses.loss_config`); missing ones take their defaults.
+
+        Returns:
+            Per-datum log-probs and losses, and ``metrics`` keyed ``name:reduction``:
+            ``loss:sum``, ``tokens:sum``, ``importance_ratio:mean`` (policy losses) and
+            ``clip_fraction:mean`` (ppo, cispo, gspo).
 
         Raises:
-            BadRequest: a bad batch (:func:`~.datums.check_batch`), a clip range out of range, or
+            BadRequest: a bad batch (:func:`~.datums.check_batch`), a bad ``loss_fn_config``, or
                 a loss that is not finite (naming the datum); nothing accumulated.
             OverLimit: over the bounds per call.
         """
+        config = loss_config(loss_fn, loss_fn_config or {})
         check_batch(datums, loss_fn, vocab_size=self.vocab_size, limits=self.limits, context=self.context)
-        eps = 0.2 if clip_epsilon is None else float(clip_epsilon)
-        if loss_fn == "ppo" and not (0.0 < eps <= 1.0):
-            raise BadRequest(f"loss_fn_config.clip_epsilon: expected a number in (0, 1], got {clip_epsilon}")
         saved = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
@@ -374,7 +379,8 @@ class TrainingSession:
                         weights=_tensor(d.weights, lp),
                         advantages=_tensor(d.advantages, lp),
                         sampling_logp=_tensor(d.sampling_logprobs, lp),
-                        clip_epsilon=eps,
+                        sequence_ratio_mask=_tensor(d.sequence_ratio_mask, lp),
+                        config=config,
                     )
                     value = float(loss.detach())
                     if not math.isfinite(value):
@@ -399,11 +405,11 @@ class TrainingSession:
         tokens = sum(len(d) for d in datums)
         self._since_step["loss"] += float(sum(losses))
         self._since_step["train/tokens"] += float(tokens)
-        metrics = {"tokens": float(tokens)}
+        metrics = {"loss:sum": float(sum(losses)), "tokens:sum": float(tokens)}
         if loss_fn != "cross_entropy":
-            metrics["ratio_mean"] = ratio_sum / tokens
-        if loss_fn == "ppo":
-            metrics["clip_fraction"] = clipped / tokens
+            metrics["importance_ratio:mean"] = ratio_sum / tokens
+        if loss_fn in ("ppo", "cispo", "gspo"):
+            metrics["clip_fraction:mean"] = clipped / tokens
         return ForwardBackwardResult(logprobs, losses, float(sum(losses)), metrics, self.accumulated_calls)
 
     @_in_turn

@@ -8,6 +8,7 @@ import asyncio
 import threading
 
 import grpc
+import torch
 import pytest
 
 from opentinker.training.v1 import training_pb2, training_pb2_grpc
@@ -223,3 +224,35 @@ def test_a_session_whose_worker_went_away_says_how_to_resume(world) -> None:
     text = str(err.value)
     assert text.startswith("UNAVAILABLE: training session " + world["task"])
     assert "after 2 tries" in text and f"RLClient.resume_training_session('{world['task']}')" in text
+
+
+def test_tinker_losses_and_adam_defaults_over_grpc(world) -> None:
+    """Tinker's loss_fn_config keys reach the loss by field name; a bad one is INVALID_ARGUMENT
+    naming it, and uses no sequence number; Tinker's AdamParams defaults are accepted."""
+    with TrainingSession(world["served"].address, api_key=world["alice_token"]) as s:
+        data = [
+            Datum(d.input_tokens, d.target_tokens, (), d.advantages, d.sampling_logprobs, [1.0] * len(d.input_tokens))
+            for d in batch(2)
+        ]
+        logp = s.forward(data).result(timeout=60)
+        out = s.forward_backward(data, "dro", loss_fn_config={"beta": 0.5}).result(timeout=60)
+        for d, lp, got in zip(data, logp, out.losses):
+            lp, q, a = (torch.tensor(x) for x in (lp, d.sampling_logprobs, d.advantages))
+            assert got == pytest.approx(float(-(lp * a - 0.25 * (lp - q) ** 2).sum()), rel=1e-5)
+        assert set(out.metrics) == {"loss:sum", "tokens:sum", "importance_ratio:mean"}
+        config = {"clip_low_threshold": 0.7, "clip_high_threshold": 1.5}
+        for loss_fn in ("ppo", "cispo", "gspo"):
+            out = s.forward_backward(data, loss_fn, loss_fn_config=config).result(timeout=60)
+            assert {"loss:sum", "clip_fraction:mean"} <= set(out.metrics)
+        before = s.get_info()
+        with pytest.raises(InvalidArgumentError, match="loss_fn_config.beta: not read by ppo"):
+            s.forward_backward(data, "ppo", loss_fn_config={"beta": 0.1}).result(timeout=60)
+        with pytest.raises(InvalidArgumentError, match="loss_fn_config.beta: dro needs it"):
+            s.forward_backward(data, "dro").result(timeout=60)
+        with pytest.raises(InvalidArgumentError, match="loss_fn: stable_reinforce is not supported"):
+            s.forward_backward(data, "stable_reinforce").result(timeout=60)
+        with pytest.raises(InvalidArgumentError, match="loss_fn_config.clip_epsilon: expected one of"):
+            s.forward_backward(data, "ppo", loss_fn_config={"clip_epsilon": 0.2}).result(timeout=60)
+        assert s.get_info().next_sequence == before.next_sequence
+        step = s.optim_step(1e-3, beta2=0.95, eps=1e-12, max_grad_norm=0.0).result(timeout=60)
+        assert step.step == before.step + 1

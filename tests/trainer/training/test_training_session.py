@@ -136,7 +136,7 @@ def test_importance_sampling_at_ratio_one_is_reinforce(session) -> None:
     session.optimizer.zero_grad(set_to_none=True)
     session.accumulated_calls = 0
     out = session.forward_backward(batch, "importance_sampling")
-    assert out.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert out.metrics["importance_ratio:mean"] == pytest.approx(1.0, abs=1e-5)
     want = reference_grads(session, batch, lambda i, lp: -(torch.tensor(batch[i].advantages) * lp).sum())
     assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-4) for g, w in zip(grads(session), want))
     session.optimizer.zero_grad(set_to_none=True)
@@ -150,12 +150,12 @@ def test_ppo_loss_is_pg_loss_and_clipped_tokens_get_no_gradient(session) -> None
     batch = datums(sampling=shifted, advantages=[1.0, -1.0, 2.0])
     session.optimizer.zero_grad(set_to_none=True)
     session.accumulated_calls = 0
-    out = session.forward_backward(batch, "ppo", clip_epsilon=0.2)
+    out = session.forward_backward(batch, "ppo", loss_fn_config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
     for i, d in enumerate(batch):
         ratio = torch.exp(torch.tensor(logp[i]) - torch.tensor(d.sampling_logprobs))
         want = rl_ppo.pg_loss(torch.tensor(d.advantages), ratio, 0.2) * len(d)
         assert out.losses[i] == pytest.approx(float(want), rel=1e-5)
-    assert out.metrics["clip_fraction"] == 1.0
+    assert out.metrics["clip_fraction:mean"] == 1.0
 
     # The unclipped branch per token: where A r < A clip(r) it counts, else its gradient is 0.
     def surrogate(i, lp):
@@ -179,9 +179,11 @@ def test_with_lora_dropout_forward_backward_scores_the_policy_that_sampled(tiny_
         for p in s.params:
             p.add_(0.05 * torch.randn_like(p))
     logp = s.forward(datums())
-    out = s.forward_backward(datums(sampling=logp), "ppo", clip_epsilon=0.01)
-    assert out.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert out.metrics["clip_fraction"] == 0.0
+    out = s.forward_backward(
+        datums(sampling=logp), "ppo", loss_fn_config={"clip_low_threshold": 0.99, "clip_high_threshold": 1.01}
+    )
+    assert out.metrics["importance_ratio:mean"] == pytest.approx(1.0, abs=1e-5)
+    assert out.metrics["clip_fraction:mean"] == 0.0
 
 
 def test_sampled_logprobs_equal_forward_logprobs_at_temperature_one(session) -> None:
@@ -311,8 +313,8 @@ def test_bad_input_is_refused_naming_the_datum_and_leaves_the_session_unchanged(
             session.forward_backward(batch, loss_fn)
         assert session.accumulated_calls == before_calls
         assert all(torch.equal(a, b) for a, b in zip(grads(session), before_grads))
-    with pytest.raises(BadRequest, match=r"loss_fn_config.clip_epsilon: expected a number in \(0, 1\]"):
-        session.forward_backward(good, "ppo", clip_epsilon=1.5)
+    with pytest.raises(BadRequest, match=r"loss_fn_config.clip_high_threshold: expected a ratio >= 1, got 0.9"):
+        session.forward_backward(good, "ppo", loss_fn_config={"clip_high_threshold": 0.9})
     with pytest.raises(OverLimit, match=r"at most 1024 per call \(max_datums_per_call\), got 1025"):
         session.forward_backward(datums(1) * 1025, "cross_entropy")
     with pytest.raises(BadRequest, match="adam.learning_rate: expected a finite number > 0, got nan"):

@@ -13,6 +13,10 @@ class LossFn(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOSS_FN_CROSS_ENTROPY: _ClassVar[LossFn]
     LOSS_FN_IMPORTANCE_SAMPLING: _ClassVar[LossFn]
     LOSS_FN_PPO: _ClassVar[LossFn]
+    LOSS_FN_CISPO: _ClassVar[LossFn]
+    LOSS_FN_DRO: _ClassVar[LossFn]
+    LOSS_FN_GSPO: _ClassVar[LossFn]
+    LOSS_FN_STABLE_REINFORCE: _ClassVar[LossFn]
 
 class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,29 +27,39 @@ LOSS_FN_UNSPECIFIED: LossFn
 LOSS_FN_CROSS_ENTROPY: LossFn
 LOSS_FN_IMPORTANCE_SAMPLING: LossFn
 LOSS_FN_PPO: LossFn
+LOSS_FN_CISPO: LossFn
+LOSS_FN_DRO: LossFn
+LOSS_FN_GSPO: LossFn
+LOSS_FN_STABLE_REINFORCE: LossFn
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_STOP: StopReason
 STOP_REASON_LENGTH: StopReason
 
 class Datum(_message.Message):
-    __slots__ = ("input_tokens", "target_tokens", "weights", "advantages", "sampling_logprobs")
+    __slots__ = ("input_tokens", "target_tokens", "weights", "advantages", "sampling_logprobs", "sequence_ratio_mask")
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_RATIO_MASK_FIELD_NUMBER: _ClassVar[int]
     input_tokens: _containers.RepeatedScalarFieldContainer[int]
     target_tokens: _containers.RepeatedScalarFieldContainer[int]
     weights: _containers.RepeatedScalarFieldContainer[float]
     advantages: _containers.RepeatedScalarFieldContainer[float]
     sampling_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, input_tokens: _Optional[_Iterable[int]] = ..., target_tokens: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ..., sampling_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    sequence_ratio_mask: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, input_tokens: _Optional[_Iterable[int]] = ..., target_tokens: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ..., sampling_logprobs: _Optional[_Iterable[float]] = ..., sequence_ratio_mask: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class LossFnConfig(_message.Message):
-    __slots__ = ("clip_epsilon",)
-    CLIP_EPSILON_FIELD_NUMBER: _ClassVar[int]
-    clip_epsilon: float
-    def __init__(self, clip_epsilon: _Optional[float] = ...) -> None: ...
+    __slots__ = ("clip_low_threshold", "clip_high_threshold", "beta")
+    CLIP_LOW_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    CLIP_HIGH_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    clip_low_threshold: float
+    clip_high_threshold: float
+    beta: float
+    def __init__(self, clip_low_threshold: _Optional[float] = ..., clip_high_threshold: _Optional[float] = ..., beta: _Optional[float] = ...) -> None: ...
 
 class BatchHeader(_message.Message):
     __slots__ = ("sequence", "datum_count", "loss_fn", "loss_fn_config")
