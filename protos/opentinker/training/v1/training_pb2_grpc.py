@@ -31,11 +31,11 @@ class TrainingServiceStub:
     server's address in the task (`Task.endpoint`, from SchedulerService.GetTask) and call it
     directly, as they do an inference server.
 
-    Ordering and retries: every call but GetInfo carries the session's next `sequence` number
-    (0, 1, 2 ...). A call applies only when its number is the one the session expects next; a
-    retry of an applied call (the same number) is answered with the response it got the first
-    time and changes nothing (idempotent; the last 16 responses are kept). A number ahead of the
-    expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
+    Ordering and retries: every call but GetInfo and SampleSnapshot carries the session's next
+    `sequence` number (0, 1, 2 ...). A call applies only when its number is the one the session
+    expects next; a retry of an applied call (the same number) is answered with the response it
+    got the first time and changes nothing (idempotent; the last 16 responses are kept). A number
+    ahead of the expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
     google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata "expected_sequence") in the details, and
     the session state is unchanged; GetInfo gives the expected number too.
 
@@ -107,11 +107,11 @@ class TrainingServiceServicer:
     server's address in the task (`Task.endpoint`, from SchedulerService.GetTask) and call it
     directly, as they do an inference server.
 
-    Ordering and retries: every call but GetInfo carries the session's next `sequence` number
-    (0, 1, 2 ...). A call applies only when its number is the one the session expects next; a
-    retry of an applied call (the same number) is answered with the response it got the first
-    time and changes nothing (idempotent; the last 16 responses are kept). A number ahead of the
-    expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
+    Ordering and retries: every call but GetInfo and SampleSnapshot carries the session's next
+    `sequence` number (0, 1, 2 ...). A call applies only when its number is the one the session
+    expects next; a retry of an applied call (the same number) is answered with the response it
+    got the first time and changes nothing (idempotent; the last 16 responses are kept). A number
+    ahead of the expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
     google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata "expected_sequence") in the details, and
     the session state is unchanged; GetInfo gives the expected number too.
 
@@ -303,11 +303,11 @@ class TrainingService:
     server's address in the task (`Task.endpoint`, from SchedulerService.GetTask) and call it
     directly, as they do an inference server.
 
-    Ordering and retries: every call but GetInfo carries the session's next `sequence` number
-    (0, 1, 2 ...). A call applies only when its number is the one the session expects next; a
-    retry of an applied call (the same number) is answered with the response it got the first
-    time and changes nothing (idempotent; the last 16 responses are kept). A number ahead of the
-    expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
+    Ordering and retries: every call but GetInfo and SampleSnapshot carries the session's next
+    `sequence` number (0, 1, 2 ...). A call applies only when its number is the one the session
+    expects next; a retry of an applied call (the same number) is answered with the response it
+    got the first time and changes nothing (idempotent; the last 16 responses are kept). A number
+    ahead of the expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
     google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata "expected_sequence") in the details, and
     the session state is unchanged; GetInfo gives the expected number too.
 
