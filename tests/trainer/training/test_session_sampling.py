@@ -119,7 +119,9 @@ def test_a_sampler_save_samples_its_weights_after_later_optimizer_steps(tiny_mod
     saved = s.save_state("v1", next_sequence=0, kind="sampler_weights")
     assert (saved.step, "v1" in s._frozen) == (1, in_memory)
     trained(s, steps=2)
-    before = weights(s)
+    toks = [(5 * t + 3) % 300 + 30 for t in range(9)]
+    s.forward_backward([Datum(toks[:-1], toks[1:])], "cross_entropy")  # a gradient waiting for its step
+    before, grads = weights(s), [p.grad.clone() for p in s.params]
     (snap,), step = s.sample_snapshot([(PROMPT, 2, 11)], params, sampler="v1")
     assert step == 1
     assert [x.tokens for x in snap.samples] == [x.tokens for x in at_one.samples]
@@ -130,6 +132,7 @@ def test_a_sampler_save_samples_its_weights_after_later_optimizer_steps(tiny_mod
     now = s.sample(PROMPT, n=2, seed=11, params=params)
     assert now.prompt_logprobs[1:] != pytest.approx(at_one.prompt_logprobs[1:], abs=1e-3)  # the steps changed them
     assert all(torch.equal(a, b) for a, b in zip(before, weights(s)))  # the session's weights are back
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, s.params)) and s.accumulated_calls == 1
     # The base model: the adapter off, which is what a fresh adapter (lora_B = 0) sampled at step 0.
     (base,), step = s.sample_snapshot([(PROMPT, 2, 11)], params, sampler=None)
     assert step == 0 and [x.tokens for x in base.samples] == [x.tokens for x in at_zero.samples]
