@@ -197,3 +197,39 @@ def test_bad_snapshot_calls_are_refused(session, tiny_model_dir, tmp_path) -> No
     full = new_session(tiny_model_dir, tmp_path, "full", lora=False)
     with pytest.raises(NotReady, match="base_model: this session trains every weight"):
         full.sample_snapshot([(PROMPT, 1, None)], ok, sampler=None)
+
+
+def test_a_call_without_a_sequence_number_runs_between_sequenced_calls_never_during_one() -> None:
+    """SampleSnapshot swaps the session's weights for a while, so it waits for the sequenced call
+    running (and that call's number stays the session's business: next moves on only with it)."""
+    import asyncio
+
+    from opentinker_trainer.training.sequencing import Sequencer
+
+    async def scenario() -> list[str]:
+        seq = Sequencer(0)
+        events: list[str] = []
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def sequenced():
+            events.append("step starts")
+            started.set()
+            await release.wait()
+            events.append("step ends")
+
+        async def snapshot():
+            events.append("snapshot")
+            return seq.next
+
+        step = asyncio.create_task(seq.run(0, sequenced))
+        await started.wait()
+        snap = asyncio.create_task(seq.exclusive(snapshot))
+        for _ in range(20):  # let the snapshot run if it could
+            await asyncio.sleep(0)
+        assert not snap.done() and events == ["step starts"]
+        release.set()
+        await step
+        assert await snap == 1
+        return events
+
+    assert asyncio.run(scenario()) == ["step starts", "step ends", "snapshot"]
