@@ -163,6 +163,10 @@ class SampleOutput:
     prompt_tokens: list[int]
     samples: list[SampledSequence]
     step: int
+    #: With ``prompt_logprobs``: one per prompt token, NaN first.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    #: With ``topk_prompt_logprobs``: per prompt token, ``(token, logprob)`` pairs (none first).
+    topk_prompt_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -459,26 +463,36 @@ class TrainingSession:
         max_tokens: int = 64,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
         stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
         seed: int | None = None,
         return_logprobs: bool = True,
+        prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
     ) -> "Future[SampleOutput]":
         """``n`` completions of a prompt (tokens, or chat ``messages`` through the chat template)
-        from the session's current weights; each token's log-probability is that of the raw
-        logits (what :meth:`forward` gives), whatever the temperature."""
+        from the session's current weights. ``temperature`` 0 is greedy; ``top_k`` 0 is no limit.
+        Each token's ``logprobs`` are the model's at temperature 1 (what :meth:`forward` gives),
+        its ``sampling_logprobs`` those of the distribution that drew it. ``prompt_logprobs``:
+        each prompt token's log-probability given the ones before (NaN first);
+        ``topk_prompt_logprobs``: the k most likely ``(token, logprob)`` at each position."""
         if (prompt_tokens is None) == (messages is None):
             raise InvalidArgumentError("prompt: give exactly one of prompt_tokens or messages", field="prompt")
 
         def request(seq):
-            req = training_pb2.SampleRequest(
-                sequence=seq,
-                n=int(n),
+            params = training_pb2.SamplingParams(
                 max_tokens=int(max_tokens),
                 temperature=float(temperature),
                 top_p=float(top_p),
+                top_k=int(top_k),
                 stop=list(stop),
+                stop_token_ids=[int(t) for t in stop_token_ids],
                 return_logprobs=bool(return_logprobs),
+                prompt_logprobs=bool(prompt_logprobs),
+                topk_prompt_logprobs=int(topk_prompt_logprobs),
             )
+            req = training_pb2.SampleRequest(sequence=seq, n=int(n), params=params)
             if seed is not None:
                 req.seed = int(seed)
             if prompt_tokens is not None:
@@ -503,6 +517,8 @@ class TrainingSession:
                     for s in r.samples
                 ],
                 r.step,
+                list(r.prompt_logprobs),
+                [list(zip(p.tokens, p.logprobs)) for p in r.topk_prompt_logprobs],
             )
 
         return self._submit(self._unary("Sample", request), convert)

@@ -15,7 +15,7 @@ from opentinker_trainer.rl import ppo as rl_ppo
 from opentinker_trainer.training.datums import Datum
 from opentinker_trainer.training.errors import BadRequest, NotReady, OutOfOrder, OverLimit, StateNotFound
 from opentinker_trainer.training.sequencing import Sequencer
-from opentinker_trainer.training.session import AdamParams
+from opentinker_trainer.training.session import AdamParams, SampleParams
 from opentinker_trainer.workloads import sft
 from opentinker_trainer.workloads.lora_session import open_session
 from opentinker_trainer.workloads.sft_data import IGNORE_INDEX, batch_indices
@@ -188,9 +188,10 @@ def test_with_lora_dropout_forward_backward_scores_the_policy_that_sampled(tiny_
 
 def test_sampled_logprobs_equal_forward_logprobs_at_temperature_one(session) -> None:
     prompt = [25, 300, 41, 7, 99]
-    out = session.sample(prompt, n=3, max_tokens=6, temperature=1.0, seed=5, return_logprobs=True)
+    params = SampleParams(max_tokens=6, return_logprobs=True)
+    out = session.sample(prompt, n=3, seed=5, params=params)
     assert out.prompt_tokens == prompt and len(out.samples) == 3
-    again = session.sample(prompt, n=3, max_tokens=6, temperature=1.0, seed=5, return_logprobs=True)
+    again = session.sample(prompt, n=3, seed=5, params=params)
     assert [s.tokens for s in again.samples] == [s.tokens for s in out.samples]  # seeded
     batch = []
     for s in out.samples:
@@ -211,7 +212,8 @@ def test_sampling_logprobs_are_those_of_the_distribution_that_sampled(session, t
     from opentinker_trainer.inference.sampling import warp
 
     prompt = [25, 300, 41, 7, 99]
-    out = session.sample(prompt, n=4, max_tokens=6, temperature=temperature, top_p=top_p, seed=2, return_logprobs=True)
+    params = SampleParams(max_tokens=6, temperature=temperature, top_p=top_p, return_logprobs=True)
+    out = session.sample(prompt, n=4, seed=2, params=params)
     for s in out.samples:
         ids = torch.tensor([prompt + s.tokens])
         with torch.no_grad():
@@ -485,7 +487,7 @@ def test_each_optimizer_step_reports_its_loss_tokens_and_gradient_norm(tiny_mode
     batch = datums(n=2, length=5)
     first = s.forward_backward(batch, "importance_sampling")
     second = s.forward_backward(batch[:1], "cross_entropy")
-    sampled = s.sample([20, 21, 22], n=2, max_tokens=3, seed=1)
+    sampled = s.sample([20, 21, 22], n=2, seed=1, params=SampleParams(max_tokens=3))
     step, norm = s.optim_step(AdamParams(learning_rate=1e-3))
     (point,) = reports(ctx, "metric")
     assert point["step"] == step == 1
