@@ -34,7 +34,7 @@ from opentinker_common.net.bearer import bearer_metadata, clean_api_key
 from opentinker_common.net.call_budget import budget_metadata
 from opentinker_common.net.grpc_options import client_keepalive, message_limits
 from opentinker_common.net.tls import channel_credentials
-from opentinker_common.net.leader import SchedulerTargets, parse_scheduler_urls
+from opentinker_common.net.leader import FAILOVER_BACKOFF_MAX_S, SchedulerTargets, parse_scheduler_urls
 
 __all__ = ["SchedulerConnection", "StreamResponses", "resolve_api_key"]
 
@@ -61,7 +61,7 @@ _SERVICE_CONFIG = json.dumps(
                 "retryPolicy": {
                     "maxAttempts": 5,
                     "initialBackoff": "0.2s",
-                    "maxBackoff": "2s",
+                    "maxBackoff": f"{FAILOVER_BACKOFF_MAX_S:g}s",
                     "backoffMultiplier": 2,
                     "retryableStatusCodes": ["UNAVAILABLE"],
                 },
@@ -348,7 +348,7 @@ class SchedulerConnection:
                 if not self.moved(err) or not retry or time.monotonic() + pause >= deadline - 0.05:
                     raise self.error(err) from err
                 time.sleep(pause)
-                delay = min(2.0, delay * 2)
+                delay = min(FAILOVER_BACKOFF_MAX_S, delay * 2)
 
     def _admin_stub(self) -> Any:
         """``AdminServiceStub`` on the channel in use (made on first use per address)."""

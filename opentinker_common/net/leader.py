@@ -23,6 +23,10 @@ __all__ = ["SchedulerTargets", "not_leader", "parse_scheduler_urls", "NOT_LEADER
 NOT_LEADER_REASON = "NOT_LEADER"
 ERROR_DOMAIN = "opentinker.scheduler"  # as the scheduler's errors.ERROR_DOMAIN
 _DETAILS_KEY = "grpc-status-details-bin"
+#: Longest pause, in seconds, between a client's tries while it looks for the leader (a follower's
+#: refusal, an address or balancer that cannot be reached): a failover takes about a second, so
+#: a longer pause would only add to it.
+FAILOVER_BACKOFF_MAX_S = 1.0
 
 
 def parse_scheduler_urls(text: str) -> list[SchedulerAddress]:
@@ -193,7 +197,7 @@ class FollowingChannel:
                     if not self._moved(err) or time.monotonic() + pause >= deadline:
                         raise
                     time.sleep(pause)
-                    delay = min(2.0, delay * 2)
+                    delay = min(FAILOVER_BACKOFF_MAX_S, delay * 2)
 
         return call
 
