@@ -979,6 +979,12 @@ class LeaseChannel(_PgBase):
         self._lock_conn: psycopg.Connection | None = None
         self.lock_pid = 0  # that session's backend pid (0: not held)
 
+    def _lease_tx(self):
+        """No transaction: each lease statement commits by itself (autocommit), sent outside
+        pipeline mode. After a pipelined transaction PostgreSQL 15 did not end the session
+        once idle past ``idle_session_timeout``, and the lock of a partitioned leader stayed held."""
+        return contextlib.nullcontext()
+
     def take_lock(self, idle_timeout_s: float) -> int:
         """Try to take the leader's lock on this channel's session; its backend pid, or 0 when
         another session holds it. ``idle_timeout_s``: the database ends this session once it has

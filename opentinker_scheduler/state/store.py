@@ -350,6 +350,10 @@ class SqlStore:
         ).fetchone()
         return Lease(int(r[0]), r[1], r[2], float(r[3]), bool(r[4]))
 
+    def _lease_tx(self):
+        """The transaction one lease statement runs in: a write transaction of its own."""
+        return SqlStore._Tx(self, fenced=False)
+
     def _lock_alive_sql(self) -> str:
         """A condition (``AND ...``) that the leader's lock session, when the lease names one, is
         alive; SQLite has none (one scheduler)."""
@@ -363,7 +367,7 @@ class SqlStore:
         gone or has lost its lock and steps down. Returns the lease taken, or None when another
         holder's lease is still valid. Its own transaction, never fenced (it is what fencing is
         measured against)."""
-        with SqlStore._Tx(self, fenced=False):
+        with self._lease_tx():
             cur = self.db.execute(
                 f"UPDATE leader_lease SET epoch=epoch+1, holder=?, address=?, expire_time={self._NOW}+?, "
                 f"renew_time={self._NOW}, lock_pid=? WHERE name=? "
@@ -377,7 +381,7 @@ class SqlStore:
         """Extend the lease of ``epoch`` held by ``holder`` to ``duration_s`` seconds from now,
         naming its lock session (``lock_pid``, 0: none); False when it is no longer theirs (taken
         over)."""
-        with SqlStore._Tx(self, fenced=False):
+        with self._lease_tx():
             cur = self.db.execute(
                 f"UPDATE leader_lease SET expire_time={self._NOW}+?, renew_time={self._NOW}, lock_pid=? "
                 "WHERE name=? AND holder=? AND epoch=?",
@@ -387,7 +391,7 @@ class SqlStore:
 
     def release_lease(self, holder: str, epoch: int) -> None:
         """End the lease of ``epoch`` now (a clean shutdown: a follower takes over at once)."""
-        with SqlStore._Tx(self, fenced=False):
+        with self._lease_tx():
             self.db.execute(
                 f"UPDATE leader_lease SET expire_time={self._NOW} WHERE name=? AND holder=? AND epoch=?",
                 (LEASE_NAME, holder, epoch),

@@ -241,6 +241,54 @@ def test_leader_cut_off_from_the_database_is_replaced_and_follows_after(
         proxy.close()
 
 
+def test_leader_cut_off_from_the_database_is_replaced_within_the_lease_and_its_epoch_is_fenced(
+    tmp_path, postgres_server
+) -> None:
+    """A partition leaves the leader's session open on the database's side: the timed lease
+    decides. The database ends that session once idle past the lease, so the new leader, which
+    took the lease without the lock, takes the lock too."""
+    lease = 4.0
+    proxy = TcpProxy("127.0.0.1", postgres_server.port)
+    ha = HaCluster(tmp_path, postgres_server, 2, lease=lease, renew=0.5, db_ports=[proxy.port, postgres_server.port])
+    try:
+        ha.start(0)
+        ha.wait_up(0)
+        assert ha.wait_leader(among=[0]) == 0
+        ha.start(1)
+        wait_for(lambda: _leader_named(ha, 1) == ha.address(0), what="scheduler 1 follows scheduler 0")
+        old_epoch = ha.health(0)["epoch"]
+        with psycopg.connect(postgres_server.dsn(), autocommit=True) as admin:
+            (old_pid,) = admin.execute(f'SELECT lock_pid FROM "{ha.schema}".leader_lease').fetchone()
+            proxy.pause()  # scheduler 0 can no longer reach the database; nothing tells it so
+            cut = time.monotonic()
+            assert ha.wait_leader(among=[1]) == 1
+            took = time.monotonic() - cut
+            assert took < lease + 2, f"the cut-off leader was replaced {took:.1f} s after the cut (lease {lease:g} s)"
+            admin.execute(f'SET search_path TO "{ha.schema}"')
+            with pytest.raises(psycopg.Error) as fenced:  # what the old leader would still commit
+                admin.execute("SELECT ot_fence(%s)", (old_epoch,))
+            assert fenced.value.sqlstate == "OTF01"
+            wait_log(ha.schedulers[0], "stepped down; no longer leading")
+
+            def new_leader_locked():
+                (pid,) = admin.execute(f'SELECT lock_pid FROM "{ha.schema}".leader_lease').fetchone()
+                held = admin.execute(
+                    "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = %s", (pid,)
+                ).fetchone()
+                return pid not in (0, old_pid) and held is not None
+
+            wait_for(new_leader_locked, what="the old session ended and the new leader holds the lock")
+        proxy.resume()
+        wait_for(
+            lambda: (ha.health(0) or {}).get("role") == "follower" and _leader_named(ha, 0) == ha.address(1),
+            what="scheduler 0 back as a follower naming scheduler 1",
+        )
+        assert ha.leader() == 1
+    finally:
+        ha.close()
+        proxy.close()
+
+
 def test_two_schedulers_started_at_once_elect_exactly_one_leader(ha) -> None:
     for i in (0, 1):
         ha.start(i)
