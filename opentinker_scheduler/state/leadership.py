@@ -28,8 +28,8 @@ and refuse writes with UNAVAILABLE naming the leader (:class:`~opentinker_schedu
   Fencing stays the epoch's job: whatever a scheduler believes, its transactions end in
   ``ot_fence(<its epoch>)``, which the database refuses for an older epoch
   (:class:`~opentinker_scheduler.errors.Fenced`). Followers name the leader only while its lease
-  is valid and its lock session alive, so after a leader's death they name none until a new one
-  leads.
+  is valid and its lock session alive, so within a look of a leader's death they name none, then
+  the new leader.
 
 All decisions run on the event loop (:meth:`LeaseLeadership._apply`); the keeper thread only
 talks to the database and reports what it saw.
