@@ -85,6 +85,10 @@ def _channel_options(*, retries: bool = True) -> list[tuple[str, Any]]:
         ("grpc.http2.max_pings_without_data", 0),
         *message_limits(),
         ("grpc.enable_retries", 1 if retries else 0),
+        # A scheduler that was down (a dead leader, restarted as a follower) is dialled again
+        # within a second, not after gRPC's growing reconnect backoff (up to 120 s).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", int(FAILOVER_BACKOFF_MAX_S * 1000)),
         ("grpc.service_config", _SERVICE_CONFIG),
         ("grpc.primary_user_agent", f"opentinker-client/{version}"),
     ]

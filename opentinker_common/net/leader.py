@@ -123,8 +123,7 @@ class SchedulerTargets:
             return self._extra or self.given[self._index]
 
     def advance(self) -> str:
-        """Leave the address in use (unreachable, or a follower that knows no leader) for the
-        next one; returns it."""
+        """Leave the address in use (unreachable) for the next one; returns it."""
         with self._lock:
             if self._extra:
                 self._extra = ""
@@ -132,18 +131,35 @@ class SchedulerTargets:
                 self._index = (self._index + 1) % len(self.given)
             return self.given[self._index]
 
+    def _advance_live(self) -> None:
+        """Leave a follower that knows no leader (an election) for the next address that has
+        not failed within ``stale_s``; stay when there is none: that follower lives and may be
+        the one to lead, where the others' addresses just failed."""
+        with self._lock:
+            now = time.monotonic()
+            start = self._index if self._extra else (self._index + 1) % len(self.given)
+            for k in range(len(self.given)):
+                i = (start + k) % len(self.given)
+                failed = self._unreachable.get(self.given[i])
+                if (failed is None or now - failed >= self.stale_s) and (self._extra or i != self._index):
+                    self._index, self._extra = i, ""
+                    return
+
     def moved(self, err) -> bool:
-        """After an UNAVAILABLE ``err``: move to the leader it names, or to the next address (a
-        follower knowing no leader; an address that could not be reached, when there are
-        several). False when there is nowhere else to go (one address, not a follower's refusal)."""
+        """After an UNAVAILABLE ``err``: move to the leader it names; from a follower knowing no
+        leader, to the next address that has not just failed (or stay); from an address that
+        could not be reached, to the next one, when there are several. False when there is
+        nowhere else to go (one address, not a follower's refusal)."""
         hint = not_leader(err)
         if hint:
             self.follow(hint)
             return True
-        if hint is None:
-            with self._lock:
-                self._unreachable[self._extra or self.given[self._index]] = time.monotonic()
-        if hint == "" or self.several or self._extra:
+        if hint == "":
+            self._advance_live()
+            return True
+        with self._lock:
+            self._unreachable[self._extra or self.given[self._index]] = time.monotonic()
+        if self.several or self._extra:
             self.advance()
             return True
         return False
