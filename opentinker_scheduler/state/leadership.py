@@ -287,6 +287,7 @@ class LeaseLeadership:
                     self._report("lost", address="the database ended this scheduler's lock session")
                 elif holding:
                     lock_pid = channel.take_lock(self.lease_s)  # a leader without the lock takes it when free
+                    self._locked = bool(lock_pid)
                     if channel.renew_lease(self.holder, self.epoch, self.lease_s, lock_pid):
                         self.renewals += 1
                         self.renew_seconds += time.monotonic() - started
@@ -296,14 +297,16 @@ class LeaseLeadership:
                         self._report("lost", address="the lease was taken over by another scheduler")
                         continue
                 else:
-                    lock_pid = channel.take_lock(self.lease_s)
+                    # The lock only when no live leader holds the lease: a leader without it (after
+                    # a partition, or an election another candidate won) takes it at its next look.
+                    seen = channel.read_lease()
+                    lock_pid = 0 if seen.valid else channel.take_lock(self.lease_s)
                     lease = channel.acquire_lease(self.holder, self.address, self.lease_s, lock_pid)
                     if lease is not None:
                         holding, self.epoch, self._locked = True, lease.epoch, bool(lock_pid)
                         self._report("gained", lease.epoch, valid_until=started + self.lease_s - margin)
                     else:
-                        channel.drop_lock()  # a leader without the lock (after a partition) takes it
-                        seen = channel.read_lease()
+                        channel.drop_lock()
                         self._report("leader", seen.epoch, seen.address if seen.valid else "")
                 last_error = ""
                 self._db_ok = True
@@ -320,7 +323,9 @@ class LeaseLeadership:
             except Exception as exc:  # noqa: BLE001 - never let the keeper die
                 log.exception("leader lease keeper error", error=repr(exc))
             self._first_look.set()  # after its report: the loop applies that first
-            self._wait(channel, self.renew_s if holding else min(self.renew_s, FOLLOWER_LOOK_S))
+            # A leader without the lock looks again soon: a kill -9 frees only a lock that is held.
+            locked = holding and self._locked
+            self._wait(channel, self.renew_s if locked else min(self.renew_s, FOLLOWER_LOOK_S))
 
     def _lock_lost(self, channel) -> bool:
         """Holding the lease with the lock, the lock's session has ended."""
