@@ -37,6 +37,7 @@ from opentinker_client.errors import (
     UnavailableError,
 )
 from opentinker_client.types import NodeInfo, TaskEvent, TaskInfo
+from opentinker_common.net.leader import FAILOVER_BACKOFF_MAX_S
 
 __all__ = ["TaskCalls", "PendingWarner", "PollPacer", "check_task_id"]
 
@@ -200,7 +201,7 @@ class TaskCalls:
         """
         request = scheduler_pb2.SubmitTaskRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
         deadline = time.monotonic() + self.connection.timeout
-        backoff = _Backoff(0.2, 2.0)
+        backoff = _Backoff(0.2, FAILOVER_BACKOFF_MAX_S)
         cut_off = 0
         slowest = 0.0  # seconds the slowest answered attempt took
         while True:

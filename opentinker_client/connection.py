@@ -34,7 +34,7 @@ from opentinker_common.net.bearer import bearer_metadata, clean_api_key
 from opentinker_common.net.call_budget import budget_metadata
 from opentinker_common.net.grpc_options import client_keepalive, message_limits
 from opentinker_common.net.tls import channel_credentials
-from opentinker_common.net.leader import SchedulerTargets, parse_scheduler_urls
+from opentinker_common.net.leader import FAILOVER_BACKOFF_MAX_S, SchedulerTargets, parse_scheduler_urls
 
 __all__ = ["SchedulerConnection", "StreamResponses", "resolve_api_key"]
 
@@ -61,7 +61,7 @@ _SERVICE_CONFIG = json.dumps(
                 "retryPolicy": {
                     "maxAttempts": 5,
                     "initialBackoff": "0.2s",
-                    "maxBackoff": "2s",
+                    "maxBackoff": f"{FAILOVER_BACKOFF_MAX_S:g}s",
                     "backoffMultiplier": 2,
                     "retryableStatusCodes": ["UNAVAILABLE"],
                 },
@@ -85,6 +85,10 @@ def _channel_options(*, retries: bool = True) -> list[tuple[str, Any]]:
         ("grpc.http2.max_pings_without_data", 0),
         *message_limits(),
         ("grpc.enable_retries", 1 if retries else 0),
+        # A scheduler that was down (a dead leader, restarted as a follower) is dialled again
+        # within a second, not after gRPC's growing reconnect backoff (up to 120 s).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", int(FAILOVER_BACKOFF_MAX_S * 1000)),
         ("grpc.service_config", _SERVICE_CONFIG),
         ("grpc.primary_user_agent", f"opentinker-client/{version}"),
     ]
@@ -348,7 +352,7 @@ class SchedulerConnection:
                 if not self.moved(err) or not retry or time.monotonic() + pause >= deadline - 0.05:
                     raise self.error(err) from err
                 time.sleep(pause)
-                delay = min(2.0, delay * 2)
+                delay = min(FAILOVER_BACKOFF_MAX_S, delay * 2)
 
     def _admin_stub(self) -> Any:
         """``AdminServiceStub`` on the channel in use (made on first use per address)."""

@@ -190,6 +190,7 @@ def _sharing(core: SchedulerCore) -> dict:
 
 async def _tick_loop(core: SchedulerCore, http: HttpEndpoint | None, interval_s: float, leadership=None) -> None:
     last_snapshot = 0.0
+    published_view = None  # the leadership as last published: a change is published at once
     last_tick = time.monotonic()
     store_down = False  # the last tick failed for the state store: said once, not every tick
     while True:
@@ -206,9 +207,11 @@ async def _tick_loop(core: SchedulerCore, http: HttpEndpoint | None, interval_s:
                     http.scheduling_latency.observe(latency)
             core.placement_latencies.clear()  # also without HTTP, or the list would only grow
             if http is not None:
-                if time.monotonic() - last_snapshot > 1.0:
+                # /ready follows a change of leader at the next tick: the balancer's check sees it.
+                view = leadership.view() if leadership is not None else None
+                if time.monotonic() - last_snapshot > 1.0 or view != published_view:
                     http.publish(_snapshot(core, leadership))
-                    last_snapshot = time.monotonic()
+                    last_snapshot, published_view = time.monotonic(), view
             if store_down:
                 log.info("tick: state store reachable again")
                 store_down = False

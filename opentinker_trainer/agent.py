@@ -8,8 +8,10 @@
   worker's JSON-line reports become ``TaskReport`` messages.
 * Cancel = SIGTERM to the worker's process group, then SIGKILL after a grace period; the
   cancel is reported only once the process is gone.
-* A broken stream is retried with exponential backoff and full jitter; running workers keep
-  going and are re-announced on reconnect. Final reports of recent attempts travel in every
+* A broken stream is retried with exponential backoff and full jitter, at most
+  ``FAILOVER_BACKOFF_MAX_S`` apart for :data:`FAILOVER_WINDOW_S` after a registered session broke
+  (a scheduler failover: the new leader is about a second away); running workers keep going
+  and are re-announced on reconnect. Final reports of recent attempts travel in every
   ``Register`` (the scheduler applies each once), so an attempt that ended while the scheduler
   was down is not lost.
 * SIGTERM to the agent = drain: workers are asked to checkpoint and stop, are handed back to
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import signal
@@ -42,7 +45,7 @@ from opentinker_trainer.tracking import writable_loggers
 from opentinker_trainer.devices import DeviceMonitor, cuda_visible_devices
 from opentinker_trainer.inference.address import default_advertise_host
 from opentinker_common.net.grpc_options import message_limits, node_keepalive
-from opentinker_common.net.leader import SchedulerTargets, not_leader
+from opentinker_common.net.leader import FAILOVER_BACKOFF_MAX_S, SchedulerTargets, not_leader
 
 log = structlog.get_logger("opentinker.trainer")
 
@@ -51,6 +54,11 @@ VERSION = "0.1.0"
 CHANNEL_OPTIONS = [*node_keepalive(), *message_limits()]
 
 _ENDED = (common_pb2.TASK_STATE_SUCCEEDED, common_pb2.TASK_STATE_FAILED, common_pb2.TASK_STATE_CANCELLED)
+#: Seconds after a registered session broke during which reconnections come at most
+#: ``FAILOVER_BACKOFF_MAX_S`` apart (a failover through a balancer shows as ``Socket closed``
+#: and refused connections, not as a follower naming the leader).
+FAILOVER_WINDOW_S = 15.0
+
 _FATAL = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED}
 
 
@@ -234,6 +242,7 @@ class NodeAgent:
         if not inv.devices:
             self.log.warning("no GPU found; registering as a CPU node", reason=inv.note)
         failures = 0
+        session_lost_at = -math.inf  # monotonic time the last registered session broke
         while not self._stop.is_set():
             started = time.monotonic()
             follower = False  # the scheduler answered: it is not the leader
@@ -264,6 +273,7 @@ class NodeAgent:
                 self.last_error = f"{code.name}: {exc.details()}" if code else (str(exc) or type(exc).__name__)
             if self.connected.is_set():
                 self._tls_hinted = False  # registered: a new streak of failures may hint again
+                session_lost_at, failures = time.monotonic(), 0
             self.connected.clear()
             if self._stop.is_set():
                 break
@@ -276,9 +286,10 @@ class NodeAgent:
                 delay = random.uniform(0.1, 0.5)
             else:
                 failures += 1
-                delay = random.uniform(
-                    0, min(self.config.reconnect_max_s, self.config.reconnect_initial_s * 2 ** (failures - 1))
-                )
+                longest = min(self.config.reconnect_max_s, self.config.reconnect_initial_s * 2 ** (failures - 1))
+                if time.monotonic() - session_lost_at < FAILOVER_WINDOW_S:
+                    longest = min(longest, FAILOVER_BACKOFF_MAX_S)
+                delay = random.uniform(0, longest)
             self.log.info("reconnecting", in_s=round(delay, 2), attempt=failures)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=delay)

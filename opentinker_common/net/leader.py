@@ -23,6 +23,10 @@ __all__ = ["SchedulerTargets", "not_leader", "parse_scheduler_urls", "NOT_LEADER
 NOT_LEADER_REASON = "NOT_LEADER"
 ERROR_DOMAIN = "opentinker.scheduler"  # as the scheduler's errors.ERROR_DOMAIN
 _DETAILS_KEY = "grpc-status-details-bin"
+#: Longest pause, in seconds, between a client's tries while it looks for the leader (a follower's
+#: refusal, an address or balancer that cannot be reached): a failover takes about a second, so
+#: a longer pause would only add to it.
+FAILOVER_BACKOFF_MAX_S = 1.0
 
 
 def parse_scheduler_urls(text: str) -> list[SchedulerAddress]:
@@ -119,8 +123,7 @@ class SchedulerTargets:
             return self._extra or self.given[self._index]
 
     def advance(self) -> str:
-        """Leave the address in use (unreachable, or a follower that knows no leader) for the
-        next one; returns it."""
+        """Leave the address in use (unreachable) for the next one; returns it."""
         with self._lock:
             if self._extra:
                 self._extra = ""
@@ -128,18 +131,35 @@ class SchedulerTargets:
                 self._index = (self._index + 1) % len(self.given)
             return self.given[self._index]
 
+    def _advance_live(self) -> None:
+        """Leave a follower that knows no leader (an election) for the next address that has
+        not failed within ``stale_s``; stay when there is none: that follower lives and may be
+        the one to lead, where the others' addresses just failed."""
+        with self._lock:
+            now = time.monotonic()
+            start = self._index if self._extra else (self._index + 1) % len(self.given)
+            for k in range(len(self.given)):
+                i = (start + k) % len(self.given)
+                failed = self._unreachable.get(self.given[i])
+                if (failed is None or now - failed >= self.stale_s) and (self._extra or i != self._index):
+                    self._index, self._extra = i, ""
+                    return
+
     def moved(self, err) -> bool:
-        """After an UNAVAILABLE ``err``: move to the leader it names, or to the next address (a
-        follower knowing no leader; an address that could not be reached, when there are
-        several). False when there is nowhere else to go (one address, not a follower's refusal)."""
+        """After an UNAVAILABLE ``err``: move to the leader it names; from a follower knowing no
+        leader, to the next address that has not just failed (or stay); from an address that
+        could not be reached, to the next one, when there are several. False when there is
+        nowhere else to go (one address, not a follower's refusal)."""
         hint = not_leader(err)
         if hint:
             self.follow(hint)
             return True
-        if hint is None:
-            with self._lock:
-                self._unreachable[self._extra or self.given[self._index]] = time.monotonic()
-        if hint == "" or self.several or self._extra:
+        if hint == "":
+            self._advance_live()
+            return True
+        with self._lock:
+            self._unreachable[self._extra or self.given[self._index]] = time.monotonic()
+        if self.several or self._extra:
             self.advance()
             return True
         return False
@@ -193,7 +213,7 @@ class FollowingChannel:
                     if not self._moved(err) or time.monotonic() + pause >= deadline:
                         raise
                     time.sleep(pause)
-                    delay = min(2.0, delay * 2)
+                    delay = min(FAILOVER_BACKOFF_MAX_S, delay * 2)
 
         return call
 

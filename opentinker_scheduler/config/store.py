@@ -12,7 +12,7 @@ schedulers share it.
       password_env: OPENTINKER_DB_PASSWORD   # the password from this environment variable,
       # password_file: /run/secrets/db-password   # or from this file (one of the two, or neither)
       schema: public            # PostgreSQL schema holding the tables (made when missing)
-      leader_lease: 10          # seconds a leader's lease lasts without renewal (failover takes at most this)
+      leader_lease: 10          # seconds a lease lasts without renewal (replacing a cut-off leader takes at most this)
       renew_interval: 2         # seconds between renewals (under a third of leader_lease)
       call_timeout: 10          # seconds one database call may take before it is abandoned
       synchronous_commit: true  # every commit waits for its WAL flush (survives a database crash);

@@ -7,17 +7,29 @@ and refuse writes with UNAVAILABLE naming the leader (:class:`~opentinker_schedu
 * :class:`StaticLeadership` (SQLite): this scheduler always leads; the state directory's lock
   keeps every other one out. After it stepped down on its own (its memory could not be reloaded
   from a failing store) it leads again as soon as the store is writable.
-* :class:`LeaseLeadership` (PostgreSQL): a keeper thread, on its own connection, takes the
-  ``leader_lease`` row when it has expired (a new epoch), renews it every ``renew_interval`` and
-  otherwise watches who holds it. Timeline of a failover: the leader stops renewing (killed,
-  stopped, cut off); its lease expires ``leader_lease`` seconds after its last renewal (by the
-  database's clock); the next follower to look takes it with epoch + 1, reads the state as a
-  restarted scheduler would (:meth:`~.core.SchedulerCore.promote`) and trainers re-register with
-  it. The old leader, if it comes back, cannot write: its transactions end in
-  ``ot_fence(<old epoch>)``, which the database refuses (:class:`~opentinker_scheduler.errors.Fenced`);
-  it also steps down by itself once its own clock says the lease may have expired
-  (``valid_until``: last successful renewal + lease - half a renewal interval), so it stops
-  pushing to nodes before anyone else can start.
+* :class:`LeaseLeadership` (PostgreSQL): a keeper thread, on its own connection, holds the
+  ``leader_lease`` row (epoch, address, expiry) and the leader's lock, a session-level advisory
+  lock on that same connection (:class:`~.pg_store.LeaseChannel`). The lease row names the lock's
+  session (``lock_pid``). PostgreSQL frees the lock the moment that session ends, so:
+
+  - **The leader's process dies** (kill -9, a crash): its session ends, the lock is free, and the
+    next follower to look (every :data:`FOLLOWER_LOOK_S`) takes it and the lease with epoch + 1
+    at once, without waiting for the lease to expire. It reads the state as a restarted scheduler
+    would (:meth:`~.core.SchedulerCore.promote`) and trainers re-register with it.
+  - **The leader's lock session ends while it lives** (the connection terminated or broken): its
+    keeper sees the session's socket close and steps down at once; a follower may already lead.
+  - **The leader is cut off or stopped** (a partition, SIGSTOP): its session looks alive, so the
+    timed lease decides. It expires ``leader_lease`` seconds after the last renewal, by the
+    database's clock, and a follower then takes it without the lock; the database ends the old
+    session once it has been idle that long (``idle_session_timeout``) and the new leader takes the
+    lock at a renewal. The old leader steps down by itself once its own clock says the lease may
+    have expired (``valid_until``: last successful renewal + lease - half a renewal interval).
+
+  Fencing stays the epoch's job: whatever a scheduler believes, its transactions end in
+  ``ot_fence(<its epoch>)``, which the database refuses for an older epoch
+  (:class:`~opentinker_scheduler.errors.Fenced`). Followers name the leader only while its lease
+  is valid and its lock session alive, so within a look of a leader's death they name none, then
+  the new leader.
 
 All decisions run on the event loop (:meth:`LeaseLeadership._apply`); the keeper thread only
 talks to the database and reports what it saw.
@@ -28,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import select
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +50,12 @@ import structlog
 from opentinker_scheduler.errors import StoreUnavailable
 
 log = structlog.get_logger("opentinker.scheduler")
+
+#: Seconds between a follower's looks at the leader's lock and lease: at most this after a leader's
+#: session ends, a follower leads.
+FOLLOWER_LOOK_S = 0.25
+#: Seconds between a leader's looks at its lock session's socket while it waits to renew.
+LOCK_WATCH_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -133,6 +152,7 @@ class LeaseLeadership:
         #: Whether the keeper's last call reached the database (its thread sets it; /health reads it,
         #: so a database that stops answering never blocks the event loop for a health check).
         self._db_ok = True
+        self._locked = False  # the keeper holds the lease with the lock (keeper thread's)
         self.renewals = 0  # successful renewals (profiling)
         self.renew_seconds = 0.0  # time they took, in total
         core.on_step_down = self.step_down
@@ -159,6 +179,7 @@ class LeaseLeadership:
         if self.epoch is not None and self._channel is not None:
             try:
                 await asyncio.to_thread(self._channel.release_lease, self.holder, self.epoch)
+                await asyncio.to_thread(self._channel.drop_lock)
                 log.info("leader lease handed back", epoch=self.epoch)
             except StoreUnavailable as exc:
                 log.warning("could not hand the leader lease back; it expires by itself", error=str(exc))
@@ -257,11 +278,17 @@ class LeaseLeadership:
                         channel.release_lease(self.holder, self.epoch)
                     except StoreUnavailable:
                         pass
+                channel.drop_lock()
                 holding, self.epoch = False, None
             started = time.monotonic()
             try:
-                if holding:
-                    if channel.renew_lease(self.holder, self.epoch, self.lease_s):
+                if holding and self._lock_lost(channel):
+                    holding, self.epoch = False, None
+                    self._report("lost", address="the database ended this scheduler's lock session")
+                elif holding:
+                    lock_pid = channel.take_lock(self.lease_s)  # a leader without the lock takes it when free
+                    self._locked = bool(lock_pid)
+                    if channel.renew_lease(self.holder, self.epoch, self.lease_s, lock_pid):
                         self.renewals += 1
                         self.renew_seconds += time.monotonic() - started
                         self._report("renewed", self.epoch, valid_until=started + self.lease_s - margin)
@@ -270,12 +297,16 @@ class LeaseLeadership:
                         self._report("lost", address="the lease was taken over by another scheduler")
                         continue
                 else:
-                    lease = channel.acquire_lease(self.holder, self.address, self.lease_s)
+                    # The lock only when no live leader holds the lease: a leader without it (after
+                    # a partition, or an election another candidate won) takes it at its next look.
+                    seen = channel.read_lease()
+                    lock_pid = 0 if seen.valid else channel.take_lock(self.lease_s)
+                    lease = channel.acquire_lease(self.holder, self.address, self.lease_s, lock_pid)
                     if lease is not None:
-                        holding, self.epoch = True, lease.epoch
+                        holding, self.epoch, self._locked = True, lease.epoch, bool(lock_pid)
                         self._report("gained", lease.epoch, valid_until=started + self.lease_s - margin)
                     else:
-                        seen = channel.read_lease()
+                        channel.drop_lock()
                         self._report("leader", seen.epoch, seen.address if seen.valid else "")
                 last_error = ""
                 self._db_ok = True
@@ -284,9 +315,43 @@ class LeaseLeadership:
                 if str(exc) != last_error:
                     log.warning("leader lease: database unreachable", error=str(exc), holding=holding)
                     last_error = str(exc)
-                # Holding: keep trying to renew; the loop's check() steps down by valid_until.
+                if holding and self._lock_lost(channel):  # step down now: a follower may lead already
+                    holding, self.epoch = False, None
+                    self._report("lost", address="the database ended this scheduler's lock session")
+                # Holding with the lock still: keep trying to renew; the loop's check() steps
+                # down by valid_until.
             except Exception as exc:  # noqa: BLE001 - never let the keeper die
                 log.exception("leader lease keeper error", error=repr(exc))
             self._first_look.set()  # after its report: the loop applies that first
-            self._wake.wait(self.renew_s if holding else min(self.renew_s, 1.0))
-            self._wake.clear()
+            # A leader without the lock looks again soon: a kill -9 frees only a lock that is held.
+            locked = holding and self._locked
+            self._wait(channel, self.renew_s if locked else min(self.renew_s, FOLLOWER_LOOK_S))
+
+    def _lock_lost(self, channel) -> bool:
+        """Holding the lease with the lock, the lock's session has ended."""
+        if self._locked and not channel.lock_held():
+            self._locked = False
+            return True
+        if channel.lock_held():
+            self._locked = True
+        return False
+
+    def _wait(self, channel, timeout: float) -> None:
+        """Wait ``timeout`` seconds, until woken, or until the database writes on the lock's idle
+        session (it does so when it ends it): then the next look comes at once."""
+        deadline = time.monotonic() + timeout
+        while not self._wake.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            fd = channel.lock_socket()
+            if fd < 0:
+                self._wake.wait(left)
+                break
+            try:
+                readable, _, _ = select.select([fd], [], [], min(left, LOCK_WATCH_S))
+            except (OSError, ValueError):  # the socket closed meanwhile
+                break
+            if readable:
+                break
+        self._wake.clear()

@@ -42,6 +42,7 @@ import socket
 import sys
 import threading
 import time
+import zlib
 
 import psycopg
 import structlog
@@ -64,6 +65,12 @@ from opentinker_scheduler.state.store import (
 log = structlog.get_logger("opentinker.scheduler")
 
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+def leader_lock_key(schema_name: str) -> tuple[int, int]:
+    """The two int4 keys of the leader's advisory lock for the schedulers of ``schema_name``
+    (``pg_locks`` shows them as ``classid``, ``objid`` with ``objsubid`` 2)."""
+    return zlib.crc32(b"opentinker-leader") & 0x7FFFFFFF, zlib.crc32(schema_name.encode()) & 0x7FFFFFFF
 
 
 @functools.lru_cache(maxsize=256)
@@ -494,6 +501,17 @@ class _PgBase(SqlStore):
     connect_timeout_s: float
     call_timeout_s: float
     _safe_dsn: str
+    schema_name: str
+
+    def _lock_alive_sql(self) -> str:
+        """The lease names a lock session (``lock_pid``) only while that session holds the
+        leader's lock: a leader killed, or whose session the database ended, is not valid."""
+        k1, k2 = leader_lock_key(self.schema_name)
+        return (
+            " AND (lock_pid = 0 OR EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            f"AND pid = lock_pid AND classid = {k1} AND objid = {k2} AND objsubid = 2 "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())))"
+        )
 
     def describe(self) -> str:
         return f"postgres {self._safe_dsn}"
@@ -932,13 +950,20 @@ class _WalFlusher:
 
 
 class LeaseChannel(_PgBase):
-    """The lease methods of :class:`SqlStore` on a connection of their own (one thread's)."""
+    """The lease methods of :class:`SqlStore` on a connection of their own (one thread's), and
+    the leader's lock: a session-level advisory lock on that connection, which PostgreSQL frees
+    the moment the session ends (the scheduler killed, its connection closed or terminated).
+
+    The lock needs a real database session: behind a pooler in transaction mode (PgBouncer's
+    default) a session lock is taken on whichever server connection runs the statement, so
+    schedulers must reach PostgreSQL directly or through a pooler in session mode."""
 
     def __init__(self, main: PostgresStore, call_timeout_s: float | None = None) -> None:
         self.pool = main.pool
         self.connect_timeout_s = main.connect_timeout_s
         self.call_timeout_s = call_timeout_s or main.call_timeout_s
         self._safe_dsn = main._safe_dsn
+        self.schema_name = main.schema_name
         self.db = _PgDb(self)
         self._tx_depth = 0
         self._tx_failed = False
@@ -950,3 +975,51 @@ class LeaseChannel(_PgBase):
         self.epoch = None
         self.leader_address = ""
         self.on_fenced = None
+        #: The connection whose session holds the leader's lock (None: not held).
+        self._lock_conn: psycopg.Connection | None = None
+        self.lock_pid = 0  # that session's backend pid (0: not held)
+
+    def _lease_tx(self):
+        """No transaction: each lease statement commits by itself (autocommit), sent outside
+        pipeline mode. After a pipelined transaction PostgreSQL 15 did not end the session
+        once idle past ``idle_session_timeout``, and the lock of a partitioned leader stayed held."""
+        return contextlib.nullcontext()
+
+    def take_lock(self, idle_timeout_s: float) -> int:
+        """Try to take the leader's lock on this channel's session; its backend pid, or 0 when
+        another session holds it. ``idle_timeout_s``: the database ends this session once it has
+        been idle that long (``idle_session_timeout``), so the lock of a scheduler that stopped
+        or was cut off is freed even though its connection looks open."""
+        if self.lock_held():
+            return self.lock_pid
+        k1, k2 = leader_lock_key(self.schema_name)
+        got, pid = self.db.execute(f"SELECT pg_try_advisory_lock({k1}, {k2}), pg_backend_pid()").fetchone()
+        if not got:
+            return 0
+        self._lock_conn, self.lock_pid = self.db.conn, int(pid)
+        with contextlib.suppress(StoreUnavailable):  # PostgreSQL before 14 has no such setting
+            self.db.execute(f"SET idle_session_timeout = {int(idle_timeout_s * 1000)}")
+        return self.lock_pid
+
+    def lock_held(self) -> bool:
+        """Whether this channel's session still holds the lock it took (its connection is the
+        same and not broken); no round trip."""
+        conn = self._lock_conn
+        if conn is not None and (conn is not self.db.conn or conn.broken or conn.closed):
+            self._lock_conn, self.lock_pid = None, 0
+        return self._lock_conn is not None
+
+    def lock_socket(self) -> int:
+        """The socket of the lock's session (-1: no lock): readable when the database writes on
+        the idle session, as it does when it ends it."""
+        return self.db.fd if self.lock_held() else -1
+
+    def drop_lock(self) -> None:
+        """Give the lock back (if held); a connection that fails meanwhile frees it anyway."""
+        if not self.lock_held():
+            return
+        self._lock_conn, self.lock_pid = None, 0
+        k1, k2 = leader_lock_key(self.schema_name)
+        with contextlib.suppress(StoreUnavailable):
+            self.db.execute(f"SELECT pg_advisory_unlock({k1}, {k2})")
+            self.db.execute("RESET idle_session_timeout")

@@ -250,6 +250,13 @@ CREATE TABLE IF NOT EXISTS signing_secrets (
 );
 """
 
+#: The leader's lock session (state/leadership.py): the PostgreSQL backend pid of the session that
+#: holds the leader's advisory lock, 0 when the leader holds none. Followers read the leader as
+#: alive only while that session holds the lock, and may take over at once when it does not.
+_V9 = """
+ALTER TABLE leader_lease ADD COLUMN lock_pid INTEGER NOT NULL DEFAULT 0;
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -264,6 +271,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(6, "gang attempts: members, devices and rendezvous port (kept across a restart)", _V6),
     Migration(7, "a row whose update flushes the WAL of asynchronously committed groups (PostgreSQL)", _V7),
     Migration(8, "signing secrets (attempt credentials of task workers)", _V8),
+    Migration(9, "the leader's lock session in the leader lease (failover when it ends)", _V9),
 )
 
 #: The newest schema version this scheduler knows.

@@ -200,7 +200,8 @@ class Lease:
     holder: str  # instance id ("" = never held)
     address: str  # host:port of the leader
     expire_time: float  # unix seconds, the database's clock
-    #: Whether the lease is still held by the database's clock.
+    #: Whether the lease is still held: unexpired by the database's clock and, on PostgreSQL, its
+    #: leader's lock session alive when it names one (a leader killed is no longer valid at once).
     valid: bool
 
 
@@ -343,39 +344,54 @@ class SqlStore:
     def read_lease(self) -> Lease:
         """The lease row now (read in its own transaction when none is open)."""
         r = self.db.execute(
-            f"SELECT epoch, holder, address, expire_time, expire_time > {self._NOW} FROM leader_lease WHERE name=?",
+            f"SELECT epoch, holder, address, expire_time, expire_time > {self._NOW}{self._lock_alive_sql()} "
+            "FROM leader_lease WHERE name=?",
             (LEASE_NAME,),
         ).fetchone()
         return Lease(int(r[0]), r[1], r[2], float(r[3]), bool(r[4]))
 
-    def acquire_lease(self, holder: str, address: str, duration_s: float) -> Lease | None:
-        """Take the lease for ``duration_s`` seconds with a new epoch, when it has expired (or
-        ``holder`` holds it already: a leader that stepped down takes it back with a new epoch).
-        Returns the lease taken, or None when another holder's lease is still valid. Its own
-        transaction, never fenced (it is what fencing is measured against)."""
-        with SqlStore._Tx(self, fenced=False):
+    def _lease_tx(self):
+        """The transaction one lease statement runs in: a write transaction of its own."""
+        return SqlStore._Tx(self, fenced=False)
+
+    def _lock_alive_sql(self) -> str:
+        """A condition (``AND ...``) that the leader's lock session, when the lease names one, is
+        alive; SQLite has none (one scheduler)."""
+        return ""
+
+    def acquire_lease(self, holder: str, address: str, duration_s: float, lock_pid: int = 0) -> Lease | None:
+        """Take the lease for ``duration_s`` seconds with a new epoch, when it has expired, when
+        ``holder`` holds it already (a leader that stepped down takes it back with a new epoch), or
+        when the caller holds the leader's lock (``lock_pid``: its session's backend pid, 0: no
+        lock) and the holder's lease names a lock session: that session has ended, so its leader is
+        gone or has lost its lock and steps down. Returns the lease taken, or None when another
+        holder's lease is still valid. Its own transaction, never fenced (it is what fencing is
+        measured against)."""
+        with self._lease_tx():
             cur = self.db.execute(
                 f"UPDATE leader_lease SET epoch=epoch+1, holder=?, address=?, expire_time={self._NOW}+?, "
-                f"renew_time={self._NOW} WHERE name=? AND (expire_time <= {self._NOW} OR holder=?)",
-                (holder, address, duration_s, LEASE_NAME, holder),
+                f"renew_time={self._NOW}, lock_pid=? WHERE name=? "
+                f"AND (expire_time <= {self._NOW} OR holder=? OR (? <> 0 AND lock_pid <> 0))",
+                (holder, address, duration_s, lock_pid, LEASE_NAME, holder, lock_pid),
             )
             taken = cur.rowcount == 1
         return self.read_lease() if taken else None
 
-    def renew_lease(self, holder: str, epoch: int, duration_s: float) -> bool:
-        """Extend the lease of ``epoch`` held by ``holder`` to ``duration_s`` seconds from now;
-        False when it is no longer theirs (taken over after it expired)."""
-        with SqlStore._Tx(self, fenced=False):
+    def renew_lease(self, holder: str, epoch: int, duration_s: float, lock_pid: int = 0) -> bool:
+        """Extend the lease of ``epoch`` held by ``holder`` to ``duration_s`` seconds from now,
+        naming its lock session (``lock_pid``, 0: none); False when it is no longer theirs (taken
+        over)."""
+        with self._lease_tx():
             cur = self.db.execute(
-                f"UPDATE leader_lease SET expire_time={self._NOW}+?, renew_time={self._NOW} "
+                f"UPDATE leader_lease SET expire_time={self._NOW}+?, renew_time={self._NOW}, lock_pid=? "
                 "WHERE name=? AND holder=? AND epoch=?",
-                (duration_s, LEASE_NAME, holder, epoch),
+                (duration_s, lock_pid, LEASE_NAME, holder, epoch),
             )
             return cur.rowcount == 1
 
     def release_lease(self, holder: str, epoch: int) -> None:
         """End the lease of ``epoch`` now (a clean shutdown: a follower takes over at once)."""
-        with SqlStore._Tx(self, fenced=False):
+        with self._lease_tx():
             self.db.execute(
                 f"UPDATE leader_lease SET expire_time={self._NOW} WHERE name=? AND holder=? AND epoch=?",
                 (LEASE_NAME, holder, epoch),

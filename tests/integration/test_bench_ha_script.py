@@ -21,10 +21,12 @@ def test_bench_ha_quick_run_prints_the_figures(tmp_path, postgres_server) -> Non
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for label in ("failover (5 nodes", "all nodes re-registered", "submits/s: sqlite", "x sqlite", "lease renewal:"):
+    labels = ("failover (5 nodes", "all nodes re-registered", "first leader call after kill -9")
+    for label in (*labels, "submits/s: sqlite", "x sqlite", "lease renewal:"):
         assert label in proc.stdout, (label, proc.stdout[-2000:])
     figures = json.loads(out.read_text())
     assert len(figures["failover"]["new_leader_s"]) == 1
+    assert len(figures["failover"]["first_call_s"]["urls"]) == 1
     assert set(figures["submits"]["median_submits_per_s"]) == {
         "sqlite",
         "postgres-sync-on",

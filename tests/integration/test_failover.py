@@ -1,7 +1,9 @@
 """Several real schedulers on one real PostgreSQL, a real trainer and client given all their URLs:
-the leader killed (-9), stopped past its lease, cut off from the database; the database restarted;
-two schedulers started at once; a schema from a newer scheduler. Each time: exactly one leader,
-running work keeps running as the same attempt, nothing acknowledged is lost."""
+the leader killed (-9), its lock session ended, stopped past its lease, cut off from the database;
+the database restarted; two schedulers started at once; a schema from a newer scheduler. Each
+time: exactly one leader, running work keeps running as the same attempt, nothing acknowledged
+is lost. A leader's death frees its lock at once, so a follower leads well within the lease and
+no follower names the dead leader after that."""
 
 from __future__ import annotations
 
@@ -9,13 +11,17 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import grpc
 import psycopg
 import pytest
 
 from opentinker.common.v1 import common_pb2 as C
+from opentinker.scheduler.v1 import scheduler_pb2
 from opentinker_client import RLClient
+from opentinker_common.net.leader import not_leader
 
 from tests.support.ha import HaCluster, registrations, wait_log
 from tests.support.procs import scheduler_args
@@ -75,6 +81,81 @@ def test_leader_kill9_mid_task_a_follower_takes_over_and_nothing_is_lost(ha, tin
         assert ha.wait_state(during, C.TASK_STATE_SUCCEEDED, among=[other]).attempt == 1
         assert sorted(t.task_id for t in client.list_tasks()) == sorted([task_id, during]), "acknowledged once"
     assert ha.health(other) == {"status": "ok", "role": "leader", "leader": ha.address(other), "epoch": 2}
+
+
+def _leader_named(ha: HaCluster, i: int) -> str | None:
+    return (ha.health(i) or {}).get("leader")
+
+
+def test_leader_kill9_a_follower_leads_well_within_the_lease_and_none_names_the_dead_leader(
+    tmp_path, postgres_server
+) -> None:
+    lease = 12.0
+    ha = HaCluster(tmp_path, postgres_server, 3, lease=lease, renew=1.0)
+    try:
+        ha.start_all()
+        first = ha.wait_leader()
+        dead = ha.address(first)
+        others = [i for i in range(3) if i != first]
+        for i in others:
+            wait_for(lambda i=i: _leader_named(ha, i) == dead, what=f"scheduler {i} names the leader")
+        ha.schedulers[first].kill9()
+        killed = time.monotonic()
+        named: dict[int, list] = {i: [] for i in others}  # whom each follower named, in order
+
+        def led():
+            for i in others:
+                named[i].append(_leader_named(ha, i))
+            found = ha.leader(among=others)
+            return (found,) if found is not None else None
+
+        new = wait_for(led, timeout=60, interval=0.05, what="a follower leads")[0]
+        took = time.monotonic() - killed
+        # Its lock freed with its session: no wait for the lease to expire.
+        assert took < lease / 2, f"a follower led {took:.1f} s after the kill (lease {lease:g} s)"
+        assert ha.health(new)["epoch"] == 2
+        third = next(i for i in others if i != new)
+        wait_for(lambda: _leader_named(ha, third) == ha.address(new), what="the other follower names the new leader")
+        channel, stub = ha.stub(third)
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.SubmitTask(scheduler_pb2.SubmitTaskRequest(spec=C.TaskSpec(model="m")), timeout=10)
+        finally:
+            channel.close()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and not_leader(info.value) == ha.address(new)
+        for _ in range(10):
+            named[third].append(_leader_named(ha, third))
+        for i, seen in named.items():
+            later = seen[next((k for k, v in enumerate(seen) if v != dead), len(seen)) :]
+            assert dead not in later, f"scheduler {i} named the dead leader again: {seen}"
+    finally:
+        ha.close()
+
+
+def test_leader_whose_lock_session_is_ended_steps_down_and_one_leader_follows(ha, postgres_server) -> None:
+    ha.start_all()
+    first = ha.wait_leader()
+    with psycopg.connect(postgres_server.dsn(), autocommit=True) as admin:
+        (pid,) = admin.execute(f'SELECT lock_pid FROM "{ha.schema}".leader_lease').fetchone()
+        assert pid, "the lease names the leader's lock session"
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    down = wait_log(ha.schedulers[first], "stepped down; no longer leading")
+    assert "lock session" in down["reason"], down
+    leader = wait_for(
+        lambda: (i,) if (i := ha.leader()) is not None and (ha.health(i) or {}).get("epoch", 0) >= 2 else None,
+        what="one leader, with a new epoch",
+    )[0]
+    assert ha.leader() == leader
+    with psycopg.connect(postgres_server.dsn(), autocommit=True) as admin:
+
+        def locked_again():
+            (now,) = admin.execute(f'SELECT lock_pid FROM "{ha.schema}".leader_lease').fetchone()
+            held = admin.execute(
+                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = %s", (now,)
+            ).fetchone()
+            return now != pid and held is not None
+
+        wait_for(locked_again, what="the new leader's lease names its own live lock session")
 
 
 def test_leader_stopped_past_its_lease_steps_down_when_it_wakes(ha, tiny_model_dir: Path) -> None:
@@ -155,6 +236,54 @@ def test_leader_cut_off_from_the_database_is_replaced_and_follows_after(
                 lambda: ha.health(0) == {"status": "ok", "role": "follower", "leader": ha.address(1), "epoch": 2},
                 what="scheduler 0 back as a follower of scheduler 1",
             )
+    finally:
+        ha.close()
+        proxy.close()
+
+
+def test_leader_cut_off_from_the_database_is_replaced_within_the_lease_and_its_epoch_is_fenced(
+    tmp_path, postgres_server
+) -> None:
+    """A partition leaves the leader's session open on the database's side: the timed lease
+    decides. The database ends that session once idle past the lease, so the new leader, which
+    took the lease without the lock, takes the lock too."""
+    lease = 4.0
+    proxy = TcpProxy("127.0.0.1", postgres_server.port)
+    ha = HaCluster(tmp_path, postgres_server, 2, lease=lease, renew=0.5, db_ports=[proxy.port, postgres_server.port])
+    try:
+        ha.start(0)
+        ha.wait_up(0)
+        assert ha.wait_leader(among=[0]) == 0
+        ha.start(1)
+        wait_for(lambda: _leader_named(ha, 1) == ha.address(0), what="scheduler 1 follows scheduler 0")
+        old_epoch = ha.health(0)["epoch"]
+        with psycopg.connect(postgres_server.dsn(), autocommit=True) as admin:
+            (old_pid,) = admin.execute(f'SELECT lock_pid FROM "{ha.schema}".leader_lease').fetchone()
+            proxy.pause()  # scheduler 0 can no longer reach the database; nothing tells it so
+            cut = time.monotonic()
+            assert ha.wait_leader(among=[1]) == 1
+            took = time.monotonic() - cut
+            assert took < lease + 2, f"the cut-off leader was replaced {took:.1f} s after the cut (lease {lease:g} s)"
+            admin.execute(f'SET search_path TO "{ha.schema}"')
+            with pytest.raises(psycopg.Error) as fenced:  # what the old leader would still commit
+                admin.execute("SELECT ot_fence(%s)", (old_epoch,))
+            assert fenced.value.sqlstate == "OTF01"
+            wait_log(ha.schedulers[0], "stepped down; no longer leading")
+
+            def new_leader_locked():
+                (pid,) = admin.execute(f'SELECT lock_pid FROM "{ha.schema}".leader_lease').fetchone()
+                held = admin.execute(
+                    "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = %s", (pid,)
+                ).fetchone()
+                return pid not in (0, old_pid) and held is not None
+
+            wait_for(new_leader_locked, what="the old session ended and the new leader holds the lock")
+        proxy.resume()
+        wait_for(
+            lambda: (ha.health(0) or {}).get("role") == "follower" and _leader_named(ha, 0) == ha.address(1),
+            what="scheduler 0 back as a follower naming scheduler 1",
+        )
+        assert ha.leader() == 1
     finally:
         ha.close()
         proxy.close()

@@ -9,6 +9,9 @@ cuts). Nothing here sleeps for a fixed time: waits are on /health, task states a
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -20,6 +23,63 @@ from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from tests.support.procs import Proc, free_port, scheduler_args, trainer_proc
 from tests.support.waiting import wait_for
+
+
+REPO = Path(__file__).resolve().parents[2]
+HAPROXY_CFG = REPO / "deploy" / "haproxy.cfg"
+
+
+def find_haproxy() -> str | None:
+    """The ``haproxy`` binary, or None when it is not installed."""
+    found = shutil.which("haproxy")
+    return found or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
+
+
+def loopback_config(text: str, lb_port: int, schedulers: list[tuple[int, int]]) -> str:
+    """``deploy/haproxy.cfg`` for loopback: the frontend on ``lb_port``, its servers at
+    ``(grpc port, http port)`` on 127.0.0.1 instead of compose's DNS names (no resolvers
+    section); every check, timeout and the cut of a down server's sessions as committed."""
+    text = re.sub(r"(?m)^resolvers docker\n(?:[ \t]+.*\n)*", "", text)
+    text = text.replace(" resolvers docker init-addr none", "")
+    text, n = re.subn(r"(?m)^(\s*)bind :8888$", rf"\1bind 127.0.0.1:{lb_port}", text)
+    assert n == 1, "deploy/haproxy.cfg: expected one 'bind :8888'"
+    servers = [line for line in text.splitlines() if re.match(r"\s*server scheduler-", line)]
+    assert len(servers) == len(schedulers), servers
+    for line, (port, http_port) in zip(servers, schedulers):
+        name = line.split()[1]
+        text = text.replace(line, f"    server {name} 127.0.0.1:{port} port {http_port}")
+    return text
+
+
+class Balancer:
+    """A real ``haproxy`` with the shipped ``deploy/haproxy.cfg`` (:func:`loopback_config`) in
+    front of ``cluster``'s schedulers; :attr:`address` is its frontend, :attr:`log` its log file.
+
+    Raises:
+        AssertionError: ``haproxy -c`` refuses the configuration.
+    """
+
+    def __init__(self, haproxy: str, cluster: "HaCluster") -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        cfg = cluster.tmp / "haproxy.cfg"
+        cfg.write_text(
+            loopback_config(HAPROXY_CFG.read_text(), self.port, list(zip(cluster.ports, cluster.http_ports)))
+        )
+        check = subprocess.run([haproxy, "-c", "-f", str(cfg)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+        self.log = cluster.tmp / "haproxy.log"
+        self._log_file = open(self.log, "wb")
+        self.proc = subprocess.Popen([haproxy, "-db", "-f", str(cfg)], stdout=self._log_file, stderr=subprocess.STDOUT)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log_file.close()
 
 
 def ha_config(dsn: str, schema: str, *, lease: float, renew: float, extra: str = "") -> str:

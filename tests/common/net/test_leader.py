@@ -94,3 +94,15 @@ def test_following_channel_retries_a_unary_call_on_the_leader() -> None:
     assert channel.unary_unary("/S/M")("again") == "b:/S/M:again" and fakes["a:1"].calls == 1
     channel.close()
     assert all(f.closed for f in fakes.values())
+
+
+def test_during_an_election_the_live_follower_is_asked_again_not_the_address_that_just_failed() -> None:
+    t = SchedulerTargets(["a:1", "b:1", "c:1"])
+    assert t.moved(_Err()) and t.current == "b:1"  # the leader a died: its address refuses
+    assert t.moved(_refusal("a:1")) and t.current == "b:1", "b still names the dead leader: not followed"
+    assert t.moved(_refusal("")) and t.current == "c:1", "b knows no leader: ask c, which has not failed"
+    assert t.moved(_refusal("")) and t.current == "b:1", "c neither: back to b, not to a"
+    two = SchedulerTargets(["a:1", "b:1"])
+    assert two.moved(_Err()) and two.current == "b:1"
+    assert two.moved(_refusal("")) and two.current == "b:1", "b lives and may lead next; a just failed"
+    assert two.moved(_refusal("b:1")) and two.current == "b:1"

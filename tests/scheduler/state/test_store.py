@@ -18,6 +18,7 @@ from opentinker_scheduler.state.store import TaskRow
 
 from tests.support.scheduler_core import make_core, spec
 from tests.support.stores import committed, current, make_store, take_lead
+from tests.support.waiting import wait_for
 
 
 def _row(task_id: str = "task-a") -> tuple[TaskRow, C.TaskEvent]:
@@ -94,6 +95,34 @@ def test_lease_acquire_renew_release(tmp_path) -> None:
     taken = store.acquire_lease("b", "host-b:1", 30)
     assert taken is not None and taken.holder == "b" and taken.epoch == again.epoch + 1
     assert not store.renew_lease("a", again.epoch, 30), "the old epoch cannot renew"
+
+
+@pytest.mark.postgres_only
+def test_a_lease_whose_lock_session_ended_is_taken_over_at_once_and_read_as_dead(tmp_path) -> None:
+    """The leader's lock frees when its session ends: the lease, though unexpired, reads as not
+    valid (followers name no dead leader), and whoever takes the lock takes the lease, epoch + 1."""
+    store = make_store(tmp_path, lead=False)
+    old, new = store.lease_channel(), store.lease_channel()
+    old_pid = old.take_lock(60)
+    first = old.acquire_lease("old", "host-a:1", 3600, old_pid)
+    assert old_pid and first is not None and first.valid
+    assert new.take_lock(60) == 0, "one session holds the lock"
+    assert new.acquire_lease("new", "host-b:1", 3600, 0) is None, "a live leader's lease is not taken"
+    seen = new.read_lease()
+    assert seen.valid and seen.address == "host-a:1"
+    with psycopg.connect(store._conninfo, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (old_pid,))
+    wait_for(lambda: not new.read_lease().valid, what="the lease read as dead once its session ended")
+    new_pid = new.take_lock(60)
+    taken = new.acquire_lease("new", "host-b:1", 3600, new_pid)
+    assert new_pid and taken is not None and taken.epoch == first.epoch + 1 and taken.valid
+    with pytest.raises(StoreUnavailable):  # its session was ended
+        old.renew_lease("old", first.epoch, 3600, old_pid)
+    assert not old.lock_held(), "the old session's lock is known gone once its connection broke"
+    assert not old.renew_lease("old", first.epoch, 3600, 0), "the old epoch cannot renew"
+    new.drop_lock()
+    new.db.close()
+    old.db.close()
 
 
 @pytest.mark.postgres_only
