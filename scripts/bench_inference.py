@@ -416,9 +416,9 @@ def concurrency(args, tok, model, runtime, client, adapters) -> dict:
         finally:
             runtime.group_by_adapter, runtime.grouped_lora = False, True
 
-    order = [e for e in args.engines.split(",") if e]  # run in the order given (alternate it across runs)
-    for c in levels:
-        for key in order:
+    order = [e for e in args.engines.split(",") if e]  # as given at the first level, reversed at the next, ...
+    for n, c in enumerate(levels):
+        for key in order if n % 2 == 0 else order[::-1]:
             results[(key, c)] = run_engine(key, c)
         line = ", ".join(
             f"{label} {results[(key, c)][0]:.1f} tok/s (TTFT p50 {1000 * percentile(results[(key, c)][1], 0.5):.0f} "

@@ -31,8 +31,9 @@ Each row is one comparison, measured in one run of its command: our side and the
 same machine at the same time, in alternating order (ABAB or ABBA), so a drift of the load falls
 on both sides. Each side runs as a process in its own session (`setsid`): this kernel shares CPU
 per session, so a service whose worker sits in a session of its own looks faster than an
-in-process peer started from the same shell. Both sides get the same model, adapters, prompts,
-seeds and settings; where a peer has no matching setting, the note says so. A ratio above 1 is
+in-process peer started from the same shell; where both sides share one process, the note says
+so. Both sides get the same model, adapters, prompts, seeds and settings; where a peer has no
+matching setting, the note says so. A ratio above 1 is
 ours over the peer unless its label says otherwise. Most rows were measured on a 2-core VM shared
 with other work; the machine column gives the load average at the start and end of the run, and
 "shared" where it exceeded half the cores. "not re-measured" means no run of the command since the
