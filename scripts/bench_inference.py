@@ -210,7 +210,10 @@ def main() -> int:
             what="Continuous batching, every stream on the base model: tokens/s in all, closed loop",
             peer="transformers ContinuousBatchingManager, same model, prompts and token counts",
             ratios=[
-                {"label": f"{c} streams, ours / transformers CB", "value": _ratio(figures, "base", "cb", c)}
+                {
+                    "label": f"{c} stream{'s' if c > 1 else ''}, ours / transformers CB",
+                    "value": _ratio(figures, "base", "cb", c),
+                }
                 for c in c_levels
             ],
             goal=">= 1.0",
