@@ -413,7 +413,6 @@ def main() -> int:
         f"{args.group_size} samples, {args.max_new_tokens} new tokens, lr {args.lr:g}, kl_coef {args.kl_coef:g}, "
         f"seed {args.seed}"
     )
-    print(json.dumps({"args": vars(args), "results": results}))
     from bench_result import write_result
 
     write_result(
@@ -435,6 +434,7 @@ def main() -> int:
         make="make bench-rlvr",
         details={"accuracy_before_after": [[r["accuracy_before"], r["accuracy_after"]] for r in results]},
     )
+    print(json.dumps({"args": vars(args), "results": results}))
     return 0 if all(r["accuracy_after"] > r["accuracy_before"] for r in results) else 1
 
 
