@@ -161,7 +161,7 @@ bench-rl: install
 	$(PY) scripts/bench_ppo.py --only cartpole --only acrobot
 
 # The rl-zoo CartPole PPO case over 5 seeds against stable-baselines3 PPO with the same settings,
-# same seeds, same run, each run in its own session, order alternating by seed (about 4 min on 2
+# same seeds, same run, each run in its own session, order alternating by seed (5-10 min on 2
 # cores). SB3 runs in its own venv, PEER_VENV, made once with
 #   python3 -m venv /work/peer-venv
 #   /work/peer-venv/bin/pip install torch==2.13.0 stable-baselines3==2.9.2 gymnasium
