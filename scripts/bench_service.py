@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -78,8 +79,8 @@ def run_in_process(model: Path, steps: int) -> tuple[float, list[float]]:
     return times[0] - t0, [b - a for a, b in zip(times[1:], times[2:])] if len(times) > 2 else []
 
 
-def run_in_process_session(model: Path, steps: int) -> tuple[float, list[float]]:
-    """:func:`run_in_process` in a process of its own session."""
+def run_in_process_session(model: Path, steps: int, sessions: list[int]) -> tuple[float, list[float]]:
+    """:func:`run_in_process` in a process of its own session; appends that session's id to ``sessions``."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--model", str(model), "--steps", str(steps)]
     proc = subprocess.run(
         [*argv, "--in-process-once"], capture_output=True, text=True, check=False, start_new_session=True
@@ -87,6 +88,7 @@ def run_in_process_session(model: Path, steps: int) -> tuple[float, list[float]]
     if proc.returncode != 0:
         raise SystemExit(f"in-process run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    sessions.append(out["session"])
     return out["first"], out["steps"]
 
 
@@ -123,7 +125,7 @@ def main() -> int:
         raise SystemExit(f"{model} is not a model folder; run `make install`")
     if args.in_process_once:
         first, steps = run_in_process(model, args.steps)
-        print(json.dumps({"first": first, "steps": steps}))
+        print(json.dumps({"first": first, "steps": steps, "session": os.getsid(0)}))
         return 0
 
     from opentinker_client import RLClient
@@ -152,10 +154,11 @@ def main() -> int:
         service_steps: list[float] = []
         inproc_first: list[float] = []
         service_first: list[float] = []
+        sessions: list[int] = []  # of the in-process runs
         for r in range(args.rounds):
             for side in ("in-process", "service") if r % 2 == 0 else ("service", "in-process"):
                 if side == "in-process":
-                    f, s = run_in_process_session(model, args.steps)
+                    f, s = run_in_process_session(model, args.steps, sessions)
                     inproc_first.append(f)
                     inproc_steps += s
                 else:
@@ -192,6 +195,7 @@ def main() -> int:
                 "in_process_step_s": round(mi, 3),
                 "service_step_s": round(ms, 3),
                 "first_metric_s_in_process_service": [round(fi, 1), round(fs, 1)],
+                "sessions": {"bench": os.getsid(0), "in_process": sessions},
             },
         )
         return 0
