@@ -227,6 +227,7 @@ def run_host(model: str, n: int, hp: dict, work: Path, *, one_at_a_time: bool = 
     """N tenants on one host, all at once (or one after another); ``batch``: their rollouts
     batched (the host's default) or each alone in its turn (``--no-batch-rollouts``)."""
     proc, lines, load_s = start_host(model, work, batch=batch)
+    session = os.getsid(proc.pid)
     peak = Peak(lambda: [proc.pid])
     ids = [f"h{n}{'s' if one_at_a_time else ''}{'' if batch else 'u'}-{i}" for i in range(n)]
     for i, tid in enumerate(ids):
@@ -243,7 +244,7 @@ def run_host(model: str, n: int, hp: dict, work: Path, *, one_at_a_time: bool = 
     else:
         rate = steady_rate(times)
     cpu = statistics.median(cpu_rate(lines, [t]) for t in ids) if one_at_a_time else cpu_rate(lines, ids)
-    result = {"rss": peak.stop(), "rate": rate, "cpu_rate": cpu, "load_s": load_s}
+    result = {"rss": peak.stop(), "rate": rate, "cpu_rate": cpu, "load_s": load_s, "session": session}
     if not one_at_a_time and n > 1 and not batch:  # batched, a step's perf/step_s spans others' turns
         result["busy"] = busy_fraction(lines.lines, set(ids))
     # Warm join: one more tenant on this host, whose base model is loaded already.
@@ -302,13 +303,15 @@ def run_workers(model: str, n: int, hp: dict, work: Path) -> dict:
 
 def _brief(result: dict) -> str:
     return ", ".join(
-        f"{k} {v / 2**20:.0f} MiB" if k == "rss" else f"{k} {v:.3f}" for k, v in result.items() if v is not None
+        f"{k} {v / 2**20:.0f} MiB" if k == "rss" else f"{k} {v:.3f}"
+        for k, v in result.items()
+        if v is not None and k != "session"
     )
 
 
 def _median_run(runs: list[dict]) -> dict:
     """Each figure's median over ``runs`` (a key missing from a run is left out)."""
-    keys = {k for r in runs for k in r}
+    keys = {k for r in runs for k in r} - {"session"}
     return {k: statistics.median(r[k] for r in runs if r.get(k) is not None) for k in keys}
 
 
@@ -404,6 +407,7 @@ def main() -> int:
         details={
             "steps_per_cpu_s_batched": [round(x["cpu_rate"], 4) for x in runs[True]],
             "steps_per_cpu_s_not_batched": [round(x["cpu_rate"], 4) for x in runs[False]],
+            "sessions": {"bench": os.getsid(0), "hosts": [x["session"] for x in runs[True] + runs[False]]},
         },
     )
     if not workers:
