@@ -15,7 +15,7 @@ SCHEDULER_URL ?= http://localhost:$(PORT)
 # "joined dynamically"; the host name only when the config names no node. NODE_ID=... for another.
 NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]\#]*\).*/\1/p' $(SCHEDULER_CONFIG) 2>/dev/null | head -n 1),$(shell hostname)-trainer)
 
-.PHONY: install venv test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives gpu-check clean
+.PHONY: install venv test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives bench-report gpu-check clean
 
 # `install` is a no-op when done: it installs only when the venv is missing or its package set is
 # out of date, i.e. the SHA-256 of pyproject.toml, constraints.txt and INSTALL_SPEC differs from the
@@ -110,8 +110,13 @@ test-fast: install test-deps
 
 # Benchmarks print figures (ratios against a baseline measured in the same run); they are not
 # tests. `make bench` runs the main ones (about 25 min on 2 cores); each has its own target.
-# Figures and the commands that gave them: BENCHMARKS.md.
+# Each bench-* target writes its comparisons to benchmarks/results/<name>.json (scripts/bench_result.py);
+# `make bench-report` renders BENCHMARKS.md from those files.
+bench-%: export BENCH_RESULTS_DIR = $(CURDIR)/benchmarks/results
 bench: bench-scheduler bench-service bench-inference bench-rl bench-security
+
+bench-report:
+	$(PY) scripts/bench_report.py
 
 # Scheduler scale on loopback: simulated nodes, 10,000 tasks.
 # Options: make bench-scheduler BENCH_ARGS="--nodes 1000" (see scripts/bench_scheduler.py --help).
@@ -130,8 +135,9 @@ bench-sharing: install
 bench-placement-round: install
 	$(PY) scripts/bench_placement_round.py $(BENCH_ARGS)
 
-# Artifact store: 25 MB and 540 MB checkpoints through local (gRPC) and SeaweedFS against a plain
-# copy; resume time cold vs warm cache. Options: BENCH_ARGS="--sizes-mb 25 --no-s3".
+# Artifact store: 25 MB and 540 MB checkpoints through the s3 store against boto3's own upload and
+# download to the same SeaweedFS, and through local (gRPC); resume time cold vs warm cache.
+# Options: BENCH_ARGS="--sizes-mb 25 --repeat 2".
 bench-store: install
 	$(PY) scripts/bench_store.py $(BENCH_ARGS)
 
@@ -155,13 +161,14 @@ bench-rl: install
 	$(PY) scripts/bench_ppo.py --only cartpole --only acrobot
 
 # The rl-zoo CartPole PPO case over 5 seeds against stable-baselines3 PPO with the same settings,
-# same seeds, same run (about 10 min on 2 cores). SB3 runs in its own venv, PEER_VENV, made once with
+# same seeds, same run, each run in its own session, order alternating by seed (5-10 min on 2
+# cores). SB3 runs in its own venv, PEER_VENV, made once with
 #   python3 -m venv /work/peer-venv
 #   /work/peer-venv/bin/pip install torch==2.13.0 stable-baselines3==2.9.2 gymnasium
 # (a CPU build of torch is enough). Without the venv the bench runs ours alone and says so.
 PEER_VENV ?= /work/peer-venv
 bench-ppo-sb3: install
-	OMP_NUM_THREADS=1 $(PY) scripts/bench_ppo.py --only cartpole --only cartpole-before --seeds 1,2,3,4,5 \
+	OMP_NUM_THREADS=1 $(PY) scripts/bench_ppo.py --only cartpole --seeds 1,2,3,4,5 \
 		--stop-at-threshold $(if $(wildcard $(PEER_VENV)/bin/python),--peer-python $(PEER_VENV)/bin/python)
 
 # LoRA GRPO through the services against TRL 1.16's GRPOTrainer, same settings, ABBA order (about 20 min

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "scripts")]
 
 from tests.support.distributed import run_worker, task_spec  # noqa: E402
 
@@ -125,6 +125,7 @@ def main() -> None:
                 workload_type="full_rl", model="mlp", env_config={"env_id": "CartPole-v1"}, hyperparameters=hp
             )
             cases.append(("ppo", spec, "perf/env_steps_per_s", "env steps/s"))
+        speedups = []
         for name, spec, key, unit in cases:
             print(f"\n{name}: median of steps 2..{args.steps}")
             print(
@@ -138,6 +139,17 @@ def main() -> None:
                     f"{world:>5} {r['step_s']:>8.3f} {r['rate']:>20.1f} {r['rate'] / base:>8.2f}x "
                     f"{r['wall_s']:>11.1f}  {r['load']}"
                 )
+            speedups.append({"label": f"{name} {unit}, world size 2 / 1", "value": round(r["rate"] / base, 3)})
+        from bench_result import write_result
+
+        write_result(
+            "distributed-world-size",
+            what="Distributed tasks: throughput at world size 2 (gloo ranks on the CPUs)",
+            peer="world size 1, same run",
+            ratios=speedups,
+            settings={"steps": args.steps, "cases": [c[0] for c in cases]},
+            make="make bench-distributed",
+        )
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import demo  # noqa: E402  (process launching helpers of `make demo`)
+from bench_result import write_result  # noqa: E402  (scripts/bench_result.py)
 from opentinker_common.arithmetic import ArithmeticEnv  # noqa: E402
 from opentinker_common.spec import ArithmeticEnvConfig  # noqa: E402
 from opentinker_common.spec.lm_fields import DEFAULT_TARGET_MODULES  # noqa: E402
@@ -310,6 +311,23 @@ def main() -> int:
         }
         args.json.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.json}")
+    if ratio is not None:
+        ours, trl = summary["opentinker"], summary["trl"]
+        write_result(
+            "grpo-trl",
+            what="LoRA GRPO on SmolLM2-135M-Instruct through the services: seconds per step at equal reward",
+            peer=f"{next(r['side'] for r in runs if r['key'] == 'trl')} GRPOTrainer, same settings",
+            ratios=[{"label": "s/step, TRL / ours (higher is better)", "value": round(ratio, 3)}],
+            goal=">= 2.5x",
+            settings={**settings, "steps": args.steps, "repeats": args.repeats, "order": "ABBA"},
+            make="make bench-grpo-trl",
+            details={
+                "ours_s_per_step": round(ours["s_per_step"], 2),
+                "trl_s_per_step": round(trl["s_per_step"], 2),
+                "ours_reward_first3_last3": [round(ours["reward_first3"], 3), round(ours["reward_last3"], 3)],
+                "trl_reward_first3_last3": [round(trl["reward_first3"], 3), round(trl["reward_last3"], 3)],
+            },
+        )
     return 0
 
 

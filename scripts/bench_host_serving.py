@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_multitenant import DEFAULT_MODEL, ROOT, Lines, Peak, add, assignment, child_env, start_host  # noqa: E402
+from bench_result import write_result  # noqa: E402
 
 TRAIN_HP = {"steps": 100000, "prompts_per_step": 1, "group_size": 2, "max_new_tokens": 8, "lora_rank": 8}
 
@@ -118,6 +119,24 @@ def main() -> int:
     print(f"memory separate / shared: {separate['rss'] / shared['rss']:.2f}x")
     print(f"request seconds shared / separate: {shared['request_s'] / separate['request_s']:.2f}x")
     print(json.dumps(got))
+    write_result(
+        "host-serving",
+        what="An inference task as a tenant of the model host a LoRA task trains on: peak RSS, Generate seconds",
+        peer="the inference task in its own worker process beside the training one",
+        ratios=[
+            {
+                "label": "peak RSS, separate / shared (higher is better)",
+                "value": round(separate["rss"] / shared["rss"], 3),
+            },
+            {
+                "label": "median Generate seconds, shared / separate",
+                "value": round(shared["request_s"] / separate["request_s"], 3),
+            },
+        ],
+        settings={"requests": args.requests, "tokens": args.tokens, "train": TRAIN_HP},
+        make="make bench-host-serving",
+        details=got,
+    )
     return 0
 
 

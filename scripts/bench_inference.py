@@ -11,10 +11,13 @@
    concurrent streams (closed loop: each stream sends ``--requests`` requests one after the
    other, ``--conc-tokens`` new tokens each; stream ``i`` uses the base model or one of the 8
    adapters in turn), through GenerateStream with per-row ``adapter_names``, with one batch per
-   adapter, and with every stream on the base model (the like-for-like peer of the next two),
-   against ``transformers``' ``ContinuousBatchingManager`` (paged CPU cache, base model only: it
-   cannot choose an adapter per request) driven the same way, and one padded
-   ``model.generate`` batch of the same prompts.
+   adapter, and with every stream on the base model, against ``transformers``'
+   ``ContinuousBatchingManager`` (paged CPU cache) driven the same way, and one padded
+   ``model.generate`` batch of the same prompts. Stream ``i`` sends prompt ``i`` of ``PROMPTS``
+   on every engine, so no engine gains from a prompt it has already seen. The like-for-like
+   comparison with transformers is ours with every stream on the base model against its manager:
+   the manager cannot choose an adapter per request, so mixed adapters against it would compare
+   more work with less.
 
 Prints one line per figure with its ratio and the goal; exit 0 always (figures, not tests).
 Usage: .venv/bin/python scripts/bench_inference.py [--tokens 128] [--repeats 3] [--threads 1]
@@ -31,6 +34,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_result import write_result  # noqa: E402  (scripts/bench_result.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -41,6 +47,20 @@ def rss_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+#: The prompts of the concurrency runs: stream ``i`` sends ``PROMPTS[i % len(PROMPTS)]`` on every engine.
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a bicycle stays upright.",
+    "List three uses of a paperclip and why each works.",
+    "Describe the water cycle to a child.",
+    "Write a letter from a lighthouse keeper to the sea.",
+    "What makes bread rise? Answer in a paragraph.",
+    "Invent a board game and give its rules.",
+    "Summarise the plot of a heist film you make up.",
+    "Give advice to someone learning to juggle.",
+]
 
 
 def main() -> int:
@@ -165,10 +185,52 @@ def main() -> int:
         f"{rss1 / 2**20:.0f} MiB -> ratio {rss8 / rss1:.3f} (goal <= 1.1); "
         f"LoRA tensors of the 8: {lora_bytes / 2**20:.1f} MiB (rank {args.rank}, q/k/v/o)"
     )
-    concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapters)
+    figures = concurrency(args, tok, model, runtime, client, adapters)
     client.close()
     server.close()
+    settings = {"model": Path(args.model).name, "threads": args.threads, "rank": args.rank}
+    if not args.no_single:
+        write_result(
+            "inference-stream-generate",
+            what="GenerateStream over gRPC, one stream, greedy: tokens/s; resident memory with 8 adapters",
+            peer="transformers generate on the same model in the same process",
+            ratios=[
+                {"label": "tokens/s, GenerateStream / generate", "value": round(s / d, 3)},
+                {"label": "RSS with 8 LoRA adapters / with 1 (lower is better)", "value": round(rss8 / rss1, 3)},
+            ],
+            goal=">= 0.95; memory <= 1.1",
+            settings={**settings, "tokens": n, "repeats": args.repeats},
+            make="make bench-inference",
+            details={"ttft_added_ms": round(1000 * (st - dt), 1)},
+        )
+    c_levels = [int(x) for x in args.streams.split(",")]
+    if any(f"cb {c} streams tok/s" in figures for c in c_levels):
+        write_result(
+            "inference-cb",
+            what="Continuous batching, every stream on the base model: tokens/s in all, closed loop",
+            peer="transformers ContinuousBatchingManager, same model, prompts and token counts",
+            ratios=[
+                {
+                    "label": f"{c} stream{'s' if c > 1 else ''}, ours / transformers CB",
+                    "value": _ratio(figures, "base", "cb", c),
+                }
+                for c in c_levels
+            ],
+            goal=">= 1.0",
+            settings={**settings, "streams": c_levels, "new_tokens": args.conc_tokens, "requests": args.requests},
+            make="make bench-inference",
+            notes=(
+                "Both sides run in one process and one session, base model only: transformers' manager "
+                "cannot choose an adapter per request. Stream i sends prompt i of PROMPTS on both sides."
+            ),
+            details=figures,
+        )
     return 0
+
+
+def _ratio(figures: dict, ours: str, peer: str, streams: int) -> float | None:
+    a, b = figures.get(f"{ours} {streams} streams tok/s"), figures.get(f"{peer} {streams} streams tok/s")
+    return round(a / b, 3) if a and b else None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -190,7 +252,7 @@ def closed_loop(streams: int, requests: int, one_request) -> tuple[float, list[f
     return total / (time.perf_counter() - t0), ttfts
 
 
-def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapters) -> None:
+def concurrency(args, tok, model, runtime, client, adapters) -> dict:
     import queue
     import threading
 
@@ -199,6 +261,13 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     k = args.conc_tokens
+    chats = [[{"role": "user", "content": text}] for text in PROMPTS]
+    chat_ids = [
+        tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
+            "input_ids"
+        ]
+        for m in chats
+    ]
     names = [None, *adapters]  # stream i: the base or an adapter, in turn
     levels = [int(x) for x in args.streams.split(",")]
 
@@ -207,7 +276,7 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
         first, count = None, 0
         adapter = None if base_only else names[i % len(names)]
         for chunk in client.generate_stream(
-            messages=messages, adapter=adapter, temperature=0, max_tokens=max_tokens or k, ignore_eos=True
+            messages=chats[i % len(chats)], adapter=adapter, temperature=0, max_tokens=max_tokens or k, ignore_eos=True
         ):
             if chunk.token_ids and first is None:
                 first = time.perf_counter() - t0
@@ -244,7 +313,7 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
         with lock:
             inboxes[rid] = box
         t0 = time.perf_counter()
-        manager.add_request(prompt_ids, request_id=rid, max_new_tokens=k, streaming=True)
+        manager.add_request(chat_ids[i % len(chat_ids)], request_id=rid, max_new_tokens=k, streaming=True)
         first = None
         while True:
             r = box.get(timeout=600)
@@ -256,8 +325,10 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
                 return len(r.generated_tokens), first
 
     def padded(streams: int) -> tuple[float, float]:
-        ids = torch.tensor([prompt_ids] * streams)
-        mask = torch.ones_like(ids)
+        rows = [chat_ids[i % len(chat_ids)] for i in range(streams)]
+        width = max(len(r) for r in rows)  # left-padded, as generate expects for a decoder
+        ids = torch.tensor([[tok.eos_token_id] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         with torch.inference_mode():
             t0 = time.perf_counter()
             model.generate(
@@ -287,7 +358,11 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
 
         def background(i: int) -> None:
             it = client.generate_stream(
-                messages=messages, adapter=names[i % len(names)], temperature=0, max_tokens=1024, ignore_eos=True
+                messages=chats[i % len(chats)],
+                adapter=names[i % len(names)],
+                temperature=0,
+                max_tokens=1024,
+                ignore_eos=True,
             )
             next(it)
             started.wait()
@@ -344,9 +419,9 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
         finally:
             runtime.group_by_adapter, runtime.grouped_lora = False, True
 
-    order = [e for e in args.engines.split(",") if e]  # run in the order given (alternate it across runs)
-    for c in levels:
-        for key in order:
+    order = [e for e in args.engines.split(",") if e]  # as given at the first level, reversed at the next, ...
+    for n, c in enumerate(levels):
+        for key in order if n % 2 == 0 else order[::-1]:
             results[(key, c)] = run_engine(key, c)
         line = ", ".join(
             f"{label} {results[(key, c)][0]:.1f} tok/s (TTFT p50 {1000 * percentile(results[(key, c)][1], 0.5):.0f} "
@@ -394,6 +469,7 @@ def concurrency(args, tok, model, runtime, client, messages, prompt_ids, adapter
             "TTFT of a request arriving while 4 streams decode vs arriving idle (medians): "
             f"{statistics.median(probes[4]) / statistics.median(probes[0]):.2f}x (goal <= 1.5)"
         )
+    return {f"{key} {c} streams tok/s": round(tps, 2) for (key, c), (tps, _) in results.items()}
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ LoRA GRPO arithmetic task with different seeds. Measured in one run, reported as
   their rates: one at a time does not depend on how many; goal >= 1.0x), and against N worker
   processes started together; for the largest N both with the tenants' rollouts batched (the
   host's default: one forward per token for every waiting tenant's rows) and not
-  (``--no-batch-rollouts``), in the same run. On a shared machine whose load changes between
+  (``--no-batch-rollouts``), in ``--pairs`` pairs of runs in alternating order (not batched
+  first, then batched first, ...), figures the median over the pairs. On a shared machine whose load changes between
   phases, a load-independent figure of the unbatched host is :func:`busy_fraction`: the share of
   its wall time spent inside its tenants' steps, i.e. host / one-at-a-time throughput under the
   same load (not of the batched host: there a step's ``perf/step_s`` spans its neighbours' turns
@@ -23,6 +24,8 @@ LoRA GRPO arithmetic task with different seeds. Measured in one run, reported as
 * **steps per CPU second** of the host process over the same window (:func:`cpu_rate`; user +
   system time from ``/proc``): the model runs on one thread at a time, so this counts the work a
   step costs, which other jobs on a shared machine slow much less than wall time;
+* Every host and worker process runs in its own session: this kernel shares CPU per session, so
+  each phase's process gets the same share whatever the bench process does.
 * **time to first step**: from handing an attempt over to its first metric (and to the start of
   that step: less its own ``perf/step_s``), joining a warm host (base model loaded) vs a cold
   worker process (start, imports, model load): goal >= 5x.
@@ -49,7 +52,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "protos"))
+sys.path.insert(0, str(ROOT / "scripts"))
 DEFAULT_MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
+
+from bench_result import write_result  # noqa: E402  (scripts/bench_result.py)
 
 
 def assignment(folder: Path, task_id: str, model: str, hp: dict) -> Path:
@@ -205,6 +211,7 @@ def start_host(model: str, out_dir: Path, *, batch: bool = True) -> tuple[subpro
         text=True,
         env=child_env(),
         cwd=ROOT,
+        start_new_session=True,
     )
     lines = Lines(proc)
     lines.wait(lambda m: m["type"] in ("host_ready", "host_failed"))
@@ -220,6 +227,7 @@ def run_host(model: str, n: int, hp: dict, work: Path, *, one_at_a_time: bool = 
     """N tenants on one host, all at once (or one after another); ``batch``: their rollouts
     batched (the host's default) or each alone in its turn (``--no-batch-rollouts``)."""
     proc, lines, load_s = start_host(model, work, batch=batch)
+    session = os.getsid(proc.pid)
     peak = Peak(lambda: [proc.pid])
     ids = [f"h{n}{'s' if one_at_a_time else ''}{'' if batch else 'u'}-{i}" for i in range(n)]
     for i, tid in enumerate(ids):
@@ -236,7 +244,7 @@ def run_host(model: str, n: int, hp: dict, work: Path, *, one_at_a_time: bool = 
     else:
         rate = steady_rate(times)
     cpu = statistics.median(cpu_rate(lines, [t]) for t in ids) if one_at_a_time else cpu_rate(lines, ids)
-    result = {"rss": peak.stop(), "rate": rate, "cpu_rate": cpu, "load_s": load_s}
+    result = {"rss": peak.stop(), "rate": rate, "cpu_rate": cpu, "load_s": load_s, "session": session}
     if not one_at_a_time and n > 1 and not batch:  # batched, a step's perf/step_s spans others' turns
         result["busy"] = busy_fraction(lines.lines, set(ids))
     # Warm join: one more tenant on this host, whose base model is loaded already.
@@ -275,6 +283,7 @@ def run_workers(model: str, n: int, hp: dict, work: Path) -> dict:
             text=True,
             env=child_env(),
             cwd=ROOT,
+            start_new_session=True,
         )
         procs.append(p)
         readers.append(Lines(p))
@@ -294,8 +303,16 @@ def run_workers(model: str, n: int, hp: dict, work: Path) -> dict:
 
 def _brief(result: dict) -> str:
     return ", ".join(
-        f"{k} {v / 2**20:.0f} MiB" if k == "rss" else f"{k} {v:.3f}" for k, v in result.items() if v is not None
+        f"{k} {v / 2**20:.0f} MiB" if k == "rss" else f"{k} {v:.3f}"
+        for k, v in result.items()
+        if v is not None and k != "session"
     )
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """Each figure's median over ``runs`` (a key missing from a run is left out)."""
+    keys = {k for r in runs for k in r} - {"session"}
+    return {k: statistics.median(r[k] for r in runs if r.get(k) is not None) for k in keys}
 
 
 def _load() -> str:
@@ -314,6 +331,9 @@ def main() -> int:
         "--sequential", type=int, default=2, help="tasks run one after another for the baseline (default %(default)s)"
     )
     ap.add_argument("--no-workers", action="store_true", help="skip the worker-process phases (a quicker run)")
+    ap.add_argument(
+        "--pairs", type=int, default=2, help="batched / not batched host runs at the largest N (default %(default)s)"
+    )
     args = ap.parse_args()
     counts = [int(x) for x in args.tenants.split(",")]
     hp = {
@@ -333,8 +353,13 @@ def main() -> int:
         for n in counts:  # each phase's figures as it ends, so a run cut short still says something
             host[n] = run_host(args.model, n, hp, work)
             print(f"host, {n} tasks: {_brief(host[n])}  load average {_load()}", flush=True)
-        unbatched = run_host(args.model, top, hp, work, batch=False)
-        print(f"host, {top} tasks, rollouts not batched: {_brief(unbatched)}  load average {_load()}", flush=True)
+        runs = {True: [], False: []}  # batched or not: the runs of each, in alternating order
+        for r in range(args.pairs):
+            for batch in (False, True) if r % 2 == 0 else (True, False):
+                runs[batch].append(run_host(args.model, top, hp, work, batch=batch))
+                kind = "batched" if batch else "not batched"
+                print(f"host, {top} tasks, rollouts {kind}: {_brief(runs[batch][-1])}  load {_load()}", flush=True)
+        batched, unbatched = _median_run(runs[True]), _median_run(runs[False])
         seq = run_host(args.model, args.sequential, hp, work, one_at_a_time=True)
         print(f"host, {args.sequential} tasks one at a time: {_brief(seq)}  load average {_load()}", flush=True)
         for n in counts if not args.no_workers else []:
@@ -349,7 +374,7 @@ def main() -> int:
                 f"| {n} | {h / mib:.0f} | {h / host[counts[0]]['rss']:.2f}x | {w / mib:.0f} | "
                 f"{w / workers[counts[0]]['rss']:.2f}x | {h / w:.2f}x |"
             )
-    agg_host, agg_unb, agg_seq = host[top]["rate"], unbatched["rate"], seq["rate"]
+    agg_host, agg_unb, agg_seq = batched["rate"], unbatched["rate"], seq["rate"]
     agg_workers = workers[top]["rate"] if workers else float("nan")
     print(
         f"\naggregate steps/s, {top} tasks: host, rollouts batched {agg_host:.3f}; host, not batched {agg_unb:.3f} "
@@ -357,7 +382,7 @@ def main() -> int:
         f"(batched / sequential {agg_host / agg_seq:.2f}x, not batched / sequential {agg_unb / agg_seq:.2f}x); "
         f"{top} worker processes {agg_workers:.3f} (batched / processes {agg_host / agg_workers:.2f}x)"
     )
-    cpu_host, cpu_unb, cpu_seq = host[top]["cpu_rate"], unbatched["cpu_rate"], seq["cpu_rate"]
+    cpu_host, cpu_unb, cpu_seq = batched["cpu_rate"], unbatched["cpu_rate"], seq["cpu_rate"]
     print(
         f"steps per CPU second of the host process (less sensitive to the machine's load), {top} tasks: batched "
         f"{cpu_host:.3f}, not batched {cpu_unb:.3f} (batched / not {cpu_host / cpu_unb:.2f}x), one at a time "
@@ -366,6 +391,24 @@ def main() -> int:
     print(
         f"share of the unbatched {top}-tenant host's wall time inside tenant steps (unbatched host / one at a "
         f"time at the same load): {unbatched.get('busy', float('nan')):.3f}"
+    )
+    write_result(
+        "multitenant-batched-rollouts",
+        what=f"Model host, {top} LoRA GRPO tenants: steps per CPU second of the host process",
+        peer="the same host with rollouts not batched (--no-batch-rollouts), same run",
+        ratios=[
+            {"label": "steps per CPU second, batched / not batched", "value": round(cpu_host / cpu_unb, 3)},
+            {"label": "aggregate steps/s, batched / not batched", "value": round(agg_host / agg_unb, 3)},
+        ],
+        goal="> 1.0",
+        settings={**hp, "tenants": top, "pairs": args.pairs, "model": Path(args.model).name},
+        make="make bench-multitenant",
+        notes="Each host runs in its own session; batched and not batched alternate, median over the pairs.",
+        details={
+            "steps_per_cpu_s_batched": [round(x["cpu_rate"], 4) for x in runs[True]],
+            "steps_per_cpu_s_not_batched": [round(x["cpu_rate"], 4) for x in runs[False]],
+            "sessions": {"bench": os.getsid(0), "hosts": [x["session"] for x in runs[True] + runs[False]]},
+        },
     )
     if not workers:
         return 0

@@ -19,10 +19,13 @@ curve (env steps, 20-episode mean) is printed at 8 points per run when one seed 
 
 The peer (``--peer-python PATH``): ``scripts/peer_sb3_ppo.py`` run in that interpreter, which needs
 stable-baselines3 (``make bench-ppo-sb3`` says how to make the venv), once per seed for each case
-that names a peer, right after our run of that seed, so both see the same machine load. It
-measures the same thing (a callback reading Monitor's episode returns, checked at each rollout's
-end) and the bench prints ours/SB3 for the median steps and for seconds per 1000 steps. Without
-``--peer-python`` the peer is skipped, with a message saying so.
+that names a peer, beside our run of that seed, so both see the same machine load. Each run, ours
+and the peer's, is a process in its own session: this kernel shares CPU per session, so the two
+sides get equal shares. The order alternates by seed (ours first on odd seeds, the peer first on
+even ones). The peer measures the same thing (a callback reading Monitor's episode returns, checked
+at each rollout's end) and the bench prints ours/SB3 for the median steps and for seconds per 1000
+steps. Without ``--peer-python`` the peer is skipped, with a message saying so. Step counts are
+deterministic per seed on both sides; the wall times are not.
 
 Cases:
 * ``cartpole``: CartPole-v1 with the rl-baselines3-zoo PPO settings for it (``hyperparams/ppo.yml``:
@@ -47,6 +50,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -56,6 +60,9 @@ from collections import deque
 from pathlib import Path
 
 from opentinker_common.spec import TaskSpecModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_result import write_result  # noqa: E402  (scripts/bench_result.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_SCRIPT = ROOT / "scripts" / "peer_sb3_ppo.py"
@@ -174,15 +181,28 @@ def run_case(case: dict, seed: int, window: int, curve_every: int, stop_at_thres
     return {"seed": seed, "wall_s": time.perf_counter() - started, **state}
 
 
+def _last_json_line(argv: list[str], who: str) -> dict:
+    """Run ``argv`` as a process in its own session and read the JSON line it prints last."""
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, start_new_session=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{who} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_ours(name: str, seed: int, args: argparse.Namespace) -> dict:
+    """Our run of one case and seed, in a process of its own session (``--one-run``)."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--only", name, "--seeds", str(seed), "--one-run"]
+    argv += ["--window", str(args.window), "--curve-every", str(args.curve_every)]
+    argv += ["--stop-at-threshold"] if args.stop_at_threshold else []
+    for item in args.set:
+        argv += ["--set", item]
+    return _last_json_line(argv, f"ours ({name}, seed {seed})")
+
+
 def run_peer(python: str, peer: str, seed: int, case: dict, window: int, stop_at_threshold: bool) -> dict:
     cfg = {**PEERS[peer], "seed": seed, "threshold": case["threshold"], "window": window}
     cfg["stop_at_threshold"] = stop_at_threshold
-    proc = subprocess.run(
-        [python, str(PEER_SCRIPT), "--config", json.dumps(cfg)], capture_output=True, text=True, check=False
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"peer {peer} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _last_json_line([python, str(PEER_SCRIPT), "--config", json.dumps(cfg)], f"peer {peer}")
     return {
         "seed": seed,
         "wall_s": out["wall_s"],
@@ -192,7 +212,17 @@ def run_peer(python: str, peer: str, seed: int, case: dict, window: int, stop_at
         "steps": out["steps"],
         "curve": [],
         "versions": f"stable-baselines3 {out['sb3']}, torch {out['torch']}",
+        "session": out.get("session"),
     }
+
+
+def run_peer_seed(args: argparse.Namespace, peer: str | None, seed: int, case: dict, peers: dict) -> None:
+    """The peer's run of ``seed``, once per peer however many cases name it."""
+    if peer is None or seed in {p["seed"] for p in peers.get(peer, [])}:
+        return
+    p = run_peer(args.peer_python, peer, seed, case, args.window, args.stop_at_threshold)
+    _print_run("SB3", p, case["threshold"])
+    peers.setdefault(peer, []).append(p)
 
 
 def _median_steps(runs: list[dict]) -> float:
@@ -232,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "--curve-every", type=int, default=0, help="print the curve every N updates (0: 8 points per run)"
     )
     parser.add_argument("--curves", action="store_true", help="print the curve of every seed, not only of one")
+    parser.add_argument("--one-run", action="store_true", help=argparse.SUPPRESS)  # one case and seed, as JSON
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     overrides = {}
@@ -239,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
     names = args.only or list(CASES)
+    if args.one_run:
+        r = run_case(CASES[names[0]], seeds[0], args.window, args.curve_every, args.stop_at_threshold, overrides)
+        print(json.dumps({**r, "session": os.getsid(0)}))
+        return 0
     wanted_peers = {CASES[n].get("peer") for n in names} - {None}
     if wanted_peers and not args.peer_python:
         print(
@@ -254,16 +289,17 @@ def main(argv: list[str] | None = None) -> int:
         peer = case.get("peer") if args.peer_python else None
         print(f"== {name}: {json.dumps(case['env'])} {json.dumps({**case['hp'], **overrides})}", flush=True)
         for seed in seeds:
-            r = run_case(case, seed, args.window, args.curve_every, args.stop_at_threshold, overrides)
+            peer_first = seed % 2 == 0
+            if peer_first:
+                run_peer_seed(args, peer, seed, case, peers)
+            r = run_ours(name, seed, args)
             _print_run("ours", r, case["threshold"])
             if len(seeds) == 1 or args.curves:
                 for steps, mean in r["curve"]:
                     print(f"      {steps:>8d} env steps   mean return (last {args.window}) {mean:9.2f}", flush=True)
             ours.setdefault(name, []).append(r)
-            if peer is not None and seed not in {p["seed"] for p in peers.get(peer, [])}:
-                p = run_peer(args.peer_python, peer, seed, case, args.window, args.stop_at_threshold)
-                _print_run("SB3", p, case["threshold"])
-                peers.setdefault(peer, []).append(p)
+            if not peer_first:
+                run_peer_seed(args, peer, seed, case, peers)
     print()
     print(f"{'case':<26} {'median steps to thr':>20} {'per seed':<48} {'s/1000 steps':>13} {'gain':>7}")
     rows = [(n, ours[n], CASES[n]) for n in names]
@@ -288,7 +324,46 @@ def main(argv: list[str] | None = None) -> int:
                 f"ours/SB3 {name}: median steps to {CASES[name]['threshold']:g} {ratio:.2f}x, "
                 f"seconds per 1000 steps {t_ratio:.2f}x ({peers[peer][0]['versions']})"
             )
+            _write_result(name, seeds, overrides, ours[name], peers[peer], ratio, t_ratio)
     return 0
+
+
+def _write_result(name, seeds, overrides, mine, theirs, ratio, t_ratio) -> None:
+    def per_seed(runs):
+        return {str(r["seed"]): (r["hit"][0] if r["hit"] else None) for r in runs}
+
+    write_result(
+        f"ppo-sb3-{name}",
+        what=f"PPO on CartPole-v1 ({name}): env steps until the 20-episode mean return reaches 475, median of seeds",
+        peer=f"{theirs[0]['versions']}, rl-baselines3-zoo settings",
+        ratios=[
+            {"label": "median env steps to 475, ours / SB3 (lower is better)", "value": round(ratio, 3)},
+            {"label": "seconds per 1000 env steps, ours / SB3 (lower is better)", "value": round(t_ratio, 3)},
+        ],
+        goal="steps within seed noise of SB3's",
+        settings={
+            "seeds": seeds,
+            "hyperparameters": {**CASES[name]["hp"], **overrides},
+            "peer": PEERS["sb3-zoo-cartpole"],
+        },
+        make="make bench-ppo-sb3",
+        notes=(
+            "Step counts per seed are deterministic on both sides and repeat exactly when rerun; "
+            "wall times move with the machine's load."
+        ),
+        details={
+            "ours_steps_per_seed": per_seed(mine),
+            "sb3_steps_per_seed": per_seed(theirs),
+            "ours_s_per_1000": round(statistics.median(_s_per_1000(r) for r in mine), 3),
+            "sb3_s_per_1000": round(statistics.median(_s_per_1000(r) for r in theirs), 3),
+            "order": [f"{'SB3' if seed % 2 == 0 else 'ours'} first on seed {seed}" for seed in seeds],
+            "sessions": {
+                "bench": os.getsid(0),
+                "ours": [r.get("session") for r in mine],
+                "sb3": [r.get("session") for r in theirs],
+            },
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 DEFAULT_MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 
 
@@ -398,6 +399,18 @@ def main() -> int:
     if "builtin" in phases and "client" in phases:
         b, c = _mean(b_steps[1:]), _mean(c_steps[1:])
         print(f"per step (first left out): built-in GRPO {b:.2f} s, client-side GRPO {c:.2f} s, ratio {c / b:.2f}x")
+        from bench_result import write_result
+
+        write_result(
+            "primitives-own-loop",
+            what="Your own GRPO loop on the training primitives: seconds per step",
+            peer="the built-in GRPO, same model, batch shape and seed",
+            ratios=[{"label": "s/step, own loop / built-in (lower is better)", "value": round(c / b, 3)}],
+            goal="<= 1.15x",
+            settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            make="make bench-primitives",
+            details={"builtin_s_per_step": round(b, 2), "client_s_per_step": round(c, 2)},
+        )
     if "builtin" in phases:
         print(f"reward first-3 / last-3: built-in {_mean(b_rewards[:3]):.3f} / {_mean(b_rewards[-3:]):.3f}")
     if "client" in phases:

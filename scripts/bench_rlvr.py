@@ -413,6 +413,27 @@ def main() -> int:
         f"{args.group_size} samples, {args.max_new_tokens} new tokens, lr {args.lr:g}, kl_coef {args.kl_coef:g}, "
         f"seed {args.seed}"
     )
+    from bench_result import write_result
+
+    write_result(
+        "rlvr-word-problems",
+        what="Held-out greedy accuracy on word problems after LoRA GRPO with a numeric verifier",
+        peer="the same model before training, on the same problems",
+        ratios=[
+            {
+                "label": f"{r.get('mode', 'reward')} reward: accuracy after / before (paired McNemar p "
+                f"{r['paired_vs_start'][-1]['p']:.2g})"
+                if r["paired_vs_start"]
+                else "accuracy after / before",
+                "value": round(r["accuracy_after"] / r["accuracy_before"], 3) if r["accuracy_before"] else None,
+            }
+            for r in results
+        ],
+        goal="rises, paired test",
+        settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        make="make bench-rlvr",
+        details={"accuracy_before_after": [[r["accuracy_before"], r["accuracy_after"]] for r in results]},
+    )
     print(json.dumps({"args": vars(args), "results": results}))
     return 0 if all(r["accuracy_after"] > r["accuracy_before"] for r in results) else 1
 

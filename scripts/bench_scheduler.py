@@ -80,6 +80,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from opentinker.common.v1 import common_pb2 as C
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_result import write_result  # noqa: E402  (scripts/bench_result.py)
 from opentinker.node.v1 import node_pb2 as N
 from opentinker.node.v1 import node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2 as S
@@ -1745,6 +1748,26 @@ def main(argv: list[str] | None = None) -> int:
     print(report(args, res), flush=True)
     if args.json:
         args.json.write_text(json.dumps(res, indent=2, default=str))
+    tp = res["phases"].get("throughput", {})
+    if "cpu_ratio_to_unary" in tp and not args.quick:
+        write_result(
+            "scheduler-submit-cpu",
+            what="Scheduler CPU per submitted task (its whole life: call, placement, assignment, two reports)",
+            peer="one empty unary gRPC call (grpc.health.v1.Health/Check), same loop and concurrency",
+            ratios=[
+                {
+                    "label": "CPU per submit / per empty call (lower is better)",
+                    "value": round(tp["cpu_ratio_to_unary"], 2),
+                }
+            ],
+            goal=f"<= {GOALS['cpu_ratio']:.0f}x",
+            settings=res["args"],
+            make="make bench-scheduler",
+            details={
+                "submits_per_s": round(tp.get("submits_per_s", 0)),
+                "cpu_ms_per_submit": tp.get("cpu_ms_per_submit"),
+            },
+        )
     return 0
 
 

@@ -38,6 +38,8 @@ import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_result import write_result  # noqa: E402  (scripts/bench_result.py)
 
 from opentinker.common.v1 import common_pb2 as C  # noqa: E402
 from opentinker.scheduler.v1 import admin_pb2 as A, admin_pb2_grpc, scheduler_pb2 as S, scheduler_pb2_grpc  # noqa: E402
@@ -250,6 +252,23 @@ def run_flood(base: Path, seconds: float, threads: int) -> int:
             f"{len(flooded[name]):5}"
         )
     print(f"worst median ratio {worst:.2f}x ({'within' if worst <= FLOOD_GOAL else 'over'} the {FLOOD_GOAL}x goal)")
+    write_result(
+        "security-flood",
+        what="Another owner's call latency while one owner floods the scheduler (auth on, default limits)",
+        peer="the same calls on a quiet scheduler, same run",
+        ratios=[{"label": "worst median latency, flooded / quiet (lower is better)", "value": round(worst, 2)}],
+        goal=f"<= {FLOOD_GOAL}x",
+        settings={"flood_seconds": seconds, "flood_threads": threads, "victim_rate": VICTIM_RATE},
+        make="make bench-security",
+        notes="The flooder runs in another process of its own session.",
+        details={
+            name: {
+                "quiet_p50_ms": round(_summary(quiet[name])[0], 2),
+                "flood_p50_ms": round(_summary(flooded[name])[0], 2),
+            }
+            for name in quiet
+        },
+    )
     print("the flood's calls: " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())))
     return 0 if worst <= FLOOD_GOAL else 1
 
@@ -301,6 +320,19 @@ def overhead(base: Path, submits: int, gets: int) -> None:
             f"{name:10} {r['submit_us']:14.0f} {r['submit_us'] / base_r['submit_us']:6.2f} "
             f"{r['get_us']:11.0f} {r['get_us'] / base_r['get_us']:6.2f}"
         )
+    write_result(
+        "security-per-call",
+        what="GetTask and SubmitTask per call with API keys and audit, and with TLS too",
+        peer="the same calls with auth off, same run",
+        ratios=[
+            {"label": f"{call} us per call, {name} / off (lower is better)", "value": round(r[key] / base_r[key], 3)}
+            for name, r in results.items()
+            if name != "off"
+            for call, key in (("GetTask", "get_us"), ("SubmitTask", "submit_us"))
+        ],
+        settings={"submits": submits, "gets": gets},
+        make="make bench-security",
+    )
 
 
 if __name__ == "__main__":

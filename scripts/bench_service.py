@@ -10,6 +10,12 @@ SQLite -> WatchTask stream). The first step is left out (warm-up). Also printed:
 of a task (submit to first metric, against call to first metric in-process: scheduling, worker
 process start, model load).
 
+Each side runs in its own session: the in-process run is this script started again with
+``--in-process-once``, and the scheduler and trainer are started as ``make demo`` starts them.
+This kernel shares CPU per session, so an in-process run sharing the bench's session would get
+a smaller share than the service's worker. The order alternates by round: in-process first in
+odd rounds, the service first in even ones.
+
     .venv/bin/python scripts/bench_service.py               # 2 rounds x 5 steps
     .venv/bin/python scripts/bench_service.py --rounds 3 --steps 6
 """
@@ -19,7 +25,9 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import demo  # noqa: E402  (process launching helpers of `make demo`)
+from bench_result import write_result  # noqa: E402  (scripts/bench_result.py)
 
 HP = {"prompts_per_step": 4, "group_size": 8, "max_new_tokens": 10, "seed": 0, "checkpoint_every": 0}
 
@@ -70,6 +79,19 @@ def run_in_process(model: Path, steps: int) -> tuple[float, list[float]]:
     return times[0] - t0, [b - a for a, b in zip(times[1:], times[2:])] if len(times) > 2 else []
 
 
+def run_in_process_session(model: Path, steps: int, sessions: list[int]) -> tuple[float, list[float]]:
+    """:func:`run_in_process` in a process of its own session; appends that session's id to ``sessions``."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--model", str(model), "--steps", str(steps)]
+    proc = subprocess.run(
+        [*argv, "--in-process-once"], capture_output=True, text=True, check=False, start_new_session=True
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"in-process run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    sessions.append(out["session"])
+    return out["first"], out["steps"]
+
+
 def run_service(client, model: Path, steps: int) -> tuple[float, list[float]]:
     t0 = time.perf_counter()
     task_id = client.submit_task(
@@ -94,12 +116,17 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=ROOT / ".cache/models/SmolLM2-135M-Instruct")
     parser.add_argument("--steps", type=int, default=5, help="steps per run (the first is warm-up)")
     parser.add_argument("--rounds", type=int, default=2, help="in-process/service pairs, interleaved")
+    parser.add_argument("--in-process-once", action="store_true", help=argparse.SUPPRESS)  # one run, as JSON
     args = parser.parse_args()
     if args.steps < 3:
         parser.error("--steps must be at least 3")
     model = args.model.resolve()
     if not (model / "config.json").exists():
         raise SystemExit(f"{model} is not a model folder; run `make install`")
+    if args.in_process_once:
+        first, steps = run_in_process(model, args.steps)
+        print(json.dumps({"first": first, "steps": steps, "session": os.getsid(0)}))
+        return 0
 
     from opentinker_client import RLClient
 
@@ -127,21 +154,22 @@ def main() -> int:
         service_steps: list[float] = []
         inproc_first: list[float] = []
         service_first: list[float] = []
+        sessions: list[int] = []  # of the in-process runs
         for r in range(args.rounds):
-            f, s = run_in_process(model, args.steps)
-            inproc_first.append(f)
-            inproc_steps += s
-            print(
-                f"round {r + 1} in-process: first metric after {f:.1f} s; steps {', '.join(f'{x:.2f}' for x in s)} s",
-                flush=True,
-            )
-            f, s = run_service(client, model, args.steps)
-            service_first.append(f)
-            service_steps += s
-            print(
-                f"round {r + 1} service:    first metric after {f:.1f} s; steps {', '.join(f'{x:.2f}' for x in s)} s",
-                flush=True,
-            )
+            for side in ("in-process", "service") if r % 2 == 0 else ("service", "in-process"):
+                if side == "in-process":
+                    f, s = run_in_process_session(model, args.steps, sessions)
+                    inproc_first.append(f)
+                    inproc_steps += s
+                else:
+                    f, s = run_service(client, model, args.steps)
+                    service_first.append(f)
+                    service_steps += s
+                print(
+                    f"round {r + 1} {side + ':':<11} first metric after {f:.1f} s; "
+                    f"steps {', '.join(f'{x:.2f}' for x in s)} s",
+                    flush=True,
+                )
 
         mi, ms = statistics.median(inproc_steps), statistics.median(service_steps)
         print()
@@ -154,6 +182,21 @@ def main() -> int:
         print(
             f"fixed cost to the first step, median: in-process {fi:.1f} s, service {fs:.1f} "
             f"s (+{fs - fi:.1f} s: placement, worker start, model load in a fresh process)"
+        )
+        write_result(
+            "service-grpo-step",
+            what="GRPO step time through scheduler and trainer (SmolLM2-135M, CPU)",
+            peer="the same workload called in-process, same seed and batch, in its own session",
+            ratios=[{"label": "median step time, service / in-process (lower is better)", "value": round(ms / mi, 3)}],
+            goal="< 1.05x",
+            settings={**HP, "steps": args.steps, "rounds": args.rounds},
+            make="make bench-service",
+            details={
+                "in_process_step_s": round(mi, 3),
+                "service_step_s": round(ms, 3),
+                "first_metric_s_in_process_service": [round(fi, 1), round(fs, 1)],
+                "sessions": {"bench": os.getsid(0), "in_process": sessions},
+            },
         )
         return 0
     finally:

@@ -1,19 +1,20 @@
 #!/usr/bin/env python3
 """Artifact store throughput: checkpoint write (put_folder) and read (get_folder) of a LoRA-sized
-(25 MB) and a full-weight-sized (540 MB) checkpoint through the ``local`` store (the scheduler's,
-in its own process, over gRPC from a trainer, as in production) and ``s3`` (a real SeaweedFS on
-loopback), against a plain file copy (``shutil.copytree``) of the same folder in the same run;
-one SHA-256 pass over the files (what a put hashes before it sends: the manifest is announced
-first); the ceiling of the transport (an empty gRPC stream: the same ``UploadChunks`` /
-``DownloadArtifact`` messages to a server in its own process that keeps nothing, hashes nothing);
-and the added resume time, cold cache (download) against warm cache (a hit: nothing downloaded).
+(25 MB) and a full-weight-sized (540 MB) checkpoint through the ``s3`` store against boto3's own
+``upload_file`` / ``download_file`` of the same files to the same S3 server (a real SeaweedFS on
+loopback, boto3's default transfer settings), the peer a user would otherwise write. Also measured:
+the ``local`` store (the scheduler's, in its own process, over gRPC from a trainer, as in
+production); one SHA-256 pass over the files (what a put hashes before it sends); the ceiling of
+the gRPC transport (an empty stream: the same ``UploadChunks`` / ``DownloadArtifact`` messages to
+a server in its own process that keeps nothing); and the added resume time, cold cache
+(download) against warm cache (a hit: nothing downloaded).
 
-Every timed operation starts after ``os.sync()`` (no dirty pages of the one before), and each
-round measures all paths one after another, so the copy and the stores see the same machine;
-the figures are the best of ``--repeat`` rounds.
+Every timed operation starts after ``os.sync()`` (no dirty pages of the one before). Each round
+measures every path, the store and boto3 in alternating order, so both see the same machine; the
+figures are the best of ``--repeat`` rounds. The ratio is the store's MB/s over boto3's.
 
-Run as ``make bench-store`` (figures in BENCHMARKS.md). Options: ``--sizes-mb 25 540``,
-``--repeat 3``, ``--no-s3``.
+Run as ``make bench-store`` (result in benchmarks/results/store-boto3.json). Options:
+``--sizes-mb 25 540``, ``--repeat 3``, ``--no-s3`` (no boto3 peer then).
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "scripts")]
+
+from bench_result import write_result  # noqa: E402  (scripts/bench_result.py)
+
+#: The peer's row: boto3's own transfers to the same server.
+BOTO3 = "boto3 (SeaweedFS)"
 
 
 def make_checkpoint(folder: Path, total_mb: int) -> Path:
@@ -182,6 +188,8 @@ def main() -> int:
             closers.append(weed.stop)
             os.environ.update(weed.env())
             stores["s3 (SeaweedFS)"] = S3ArtifactStore(S3Location(bucket=weed.bucket, endpoint=weed.endpoint))
+            stores[BOTO3] = None  # the peer: boto3's own transfers, timed in the loop below
+            client = weed.client()
         for size in args.sizes_mb:
             src = make_checkpoint(tmp / f"src-{size}", size)
             total = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
@@ -201,12 +209,18 @@ def main() -> int:
                 best[name] = [min(old[0], put), min(old[1], get)]
 
             for r in range(args.repeat):
-                copied = fresh("copy")
-                keep("plain copy", timed(lambda: shutil.copytree(src, copied)), float("inf"))
-                shutil.rmtree(copied)
                 keep("sha256, one pass", timed(lambda: scan_folder(src)), float("inf"))
                 keep("empty gRPC stream", timed(lambda: empty.upload(src)), timed(empty.download))
-                for name, store in stores.items():
+                names = list(stores) if r % 2 == 0 else list(reversed(stores))
+                for name in names:
+                    store = stores[name]
+                    if store is None:
+                        key = f"bench-boto3/{size}/r{r}"
+                        got = fresh("get")
+                        keep(name, timed(lambda: boto3_put(client, weed.bucket, key, src)), float("inf"))
+                        keep(name, float("inf"), timed(lambda: boto3_get(client, weed.bucket, key, got)))
+                        shutil.rmtree(got)
+                        continue
                     # A new key each round: a put of content already committed under the key sends
                     # nothing to the local store (BeginUpload says committed), which is no write.
                     key = f"bench/{size}/r{r}"
@@ -217,14 +231,15 @@ def main() -> int:
                     keep(name, put, get)
                     if r < args.repeat - 1 and store.backend == "s3":
                         store.delete(key)  # SeaweedFS frees the space when it vacuums
-            copy = best["plain copy"][0]
-            results.append((size, "plain copy", mb / copy, mb / copy, None, None))
             sha = best["sha256, one pass"][0]
             results.append((size, "sha256, one pass", mb / sha, float("nan"), None, None))
             e_put, e_get = best["empty gRPC stream"]
             results.append((size, "empty gRPC stream", mb / e_put, mb / e_get, None, None))
             for name, store in stores.items():
                 put, get = best[name]
+                if store is None:
+                    results.append((size, name, mb / put, mb / get, None, None))
+                    continue
                 ref = store.manifest(f"bench/{size}/r{args.repeat - 1}").ref()
                 cache = ArtifactCache(fresh("cache"), 10 * 1024**3)
                 cold = timed(lambda: cache.fetch(store, ref))
@@ -238,15 +253,64 @@ def main() -> int:
         for close in reversed(closers):
             close()
         shutil.rmtree(tmp, ignore_errors=True)
-    head = f"{'checkpoint':>10} {'path':<18} {'write MB/s':>10} {'x copy':>6} {'read MB/s':>10} {'x copy':>6}"
+    head = f"{'checkpoint':>10} {'path':<18} {'write MB/s':>10} {'x boto3':>7} {'read MB/s':>10} {'x boto3':>7}"
     print(f"{head} {'resume cold s':>13} {'warm s':>7}")
     for size, name, w, r, cold, warm in results:
+        peer = next((x for x in results if x[0] == size and x[1] == BOTO3), None)
         c = f"{cold:13.2f}" if cold is not None else f"{'':>13}"
         h = f"{warm:7.3f}" if warm is not None else f"{'':>7}"
-        base = next(x for x in results if x[0] == size and x[1] == "plain copy")[2]
-        read = f"{r:10.0f} {r / base:6.2f}" if r == r else f"{'':>10} {'':>6}"  # nan: no read
-        print(f"{size:>8}MB {name:<18} {w:10.0f} {w / base:6.2f} {read} {c} {h}")
+        wx = f"{w / peer[2]:7.2f}" if peer else f"{'':>7}"
+        if r != r:  # nan: no read
+            read = " " * 18
+        else:
+            read = f"{r:10.0f} " + (f"{r / peer[3]:7.2f}" if peer else " " * 7)
+        print(f"{size:>8}MB {name:<18} {w:10.0f} {wx} {read} {c} {h}")
+    _write_result(args, results)
     return 0
+
+
+def boto3_put(client, bucket: str, key: str, folder: Path) -> None:
+    """The peer's write: ``upload_file`` of each file, boto3's default transfer settings."""
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            client.upload_file(str(p), bucket, f"{key}/{p.relative_to(folder).as_posix()}")
+
+
+def boto3_get(client, bucket: str, key: str, folder: Path) -> None:
+    """The peer's read: list the key's objects, ``download_file`` each."""
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key + "/"):
+        for obj in page.get("Contents", ()):
+            dest = folder / obj["Key"][len(key) + 1 :]
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(bucket, obj["Key"], str(dest))
+
+
+def _write_result(args: argparse.Namespace, results: list) -> None:
+    rows = {(size, name): (w, r) for size, name, w, r, _, _ in results}
+    if (args.sizes_mb[0], BOTO3) not in rows:
+        return  # --no-s3: no peer to compare with
+    ratios = []
+    for size in args.sizes_mb:
+        (sw, sr), (bw, br) = rows[(size, "s3 (SeaweedFS)")], rows[(size, BOTO3)]
+        ratios.append({"label": f"{size} MB write MB/s, s3 store / boto3", "value": round(sw / bw, 3)})
+        ratios.append({"label": f"{size} MB read MB/s, s3 store / boto3", "value": round(sr / br, 3)})
+    write_result(
+        "store-boto3",
+        what="Artifact store: checkpoint write (put_folder) and read (get_folder) through the s3 store",
+        peer="boto3 upload_file / download_file of the same files, same SeaweedFS on loopback",
+        ratios=ratios,
+        goal=">= 0.8x",
+        settings={"sizes_mb": args.sizes_mb, "repeat": args.repeat, "best_of": args.repeat},
+        make="make bench-store",
+        notes=(
+            "Both sides run in the bench process against one SeaweedFS process. The store hashes every file "
+            "(SHA-256) and checks each object's size before it commits a manifest; boto3 alone does neither."
+        ),
+        details={
+            f"{size} MB {name}": {"write_mb_s": round(w), "read_mb_s": round(r) if r == r else None}
+            for (size, name), (w, r) in rows.items()
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ env order); the first rollout end where ``window`` episodes have finished and th
 ``>= threshold`` is the hit (env steps, seconds since the model was built). ``random`` is the mean
 return of the episodes finished in the first rollout. One torch thread, like OpenTinker's trainer.
 
-Output: ``{"seed", "hit_steps", "hit_s", "steps", "wall_s", "random", "final", "sb3", "torch"}``.
+Output: ``{"seed", "hit_steps", "hit_s", "steps", "wall_s", "random", "final", "sb3", "torch",
+"session"}``; ``session`` is the process's session id, which the bench records to show each side
+ran in a session of its own.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections import deque
@@ -96,6 +99,7 @@ def run(cfg: dict) -> dict:
         "final": state["final"],
         "sb3": stable_baselines3.__version__,
         "torch": torch.__version__,
+        "session": os.getsid(0),
     }
 
 

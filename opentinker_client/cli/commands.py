@@ -748,7 +748,7 @@ def _cmd_cancel(client: RLClient, args: argparse.Namespace) -> int:
             code = _error(f"{task_id}: {error_text(err)}")
             continue
         if t.state in ("succeeded", "failed"):
-            # As an error from the scheduler reads (README): the state is the precondition not met
+            # As an error from the scheduler reads (docs/usage.md): the state is the precondition not met
             code = _error(f"{t.task_id} had already {t.state}: nothing to cancel [FAILED_PRECONDITION]")
             continue
         _console().print(f"task {_escape(t.task_id)} is {_state(t.state)}")

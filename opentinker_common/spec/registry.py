@@ -34,7 +34,7 @@ __all__ = [
     "workload_env_kinds",
 ]
 
-#: Workload types of the system (README, "What happens to a task"). A scheduler may configure a subset.
+#: Workload types of the system (docs/tasks.md). A scheduler may configure a subset.
 WORKLOAD_TYPES: tuple[str, ...] = ("lora_finetune", "full_rl", "sft", "inference", "lora_session")
 
 

@@ -35,8 +35,9 @@ def test_the_client_reward_example_scores_one_number_per_item() -> None:
 
 
 def test_the_readme_example_checkpoints_often_enough_to_resume() -> None:
-    """README's fault story: a trainer killed mid-run, the task resumes from its newest checkpoint.
-    With ``checkpoint_every: 0`` only the final checkpoint is written, so it would start over."""
+    """The fault story of docs/tasks.md ("Liveness"): a trainer killed mid-run, the task resumes
+    from its newest checkpoint. With ``checkpoint_every: 0`` only the final checkpoint is written,
+    so it would start over."""
     config = load_task_config(EXAMPLES / "arithmetic_lora.yaml")
     steps, every = config.hyperparameters["steps"], config.hyperparameters.get("checkpoint_every", 0)
     assert 0 < every < steps, f"checkpoint_every {every} with {steps} steps: a killed attempt restarts from scratch"

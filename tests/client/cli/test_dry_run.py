@@ -1,6 +1,6 @@
 """`opentinker submit --dry-run` resolves and checks a task as `submit` does, against a real
 scheduler (in this process, no trainer), and creates nothing: the `dataset:` file relative to the
-task file (README's word-problems example), a missing one refused by both with the path tried and
+task file (the word-problems example of docs/usage.md), a missing one refused by both with the path tried and
 the task file's own note on how to make it, a reward that cannot score the data, an `init_from`
 that does not exist; and the estimate is of one attempt, or says there is none."""
 
@@ -29,7 +29,7 @@ def scheduler(tmp_path_factory):
 
 @pytest.fixture
 def example(tmp_path: Path) -> Path:
-    """README's word-problems example laid out as in the repository: examples/ holds the task file."""
+    """The word-problems example of docs/usage.md laid out as in the repository: examples/ holds the task file."""
     (tmp_path / "examples").mkdir()
     shutil.copy(ROOT / "examples" / "word_problems_numeric.yaml", tmp_path / "examples")
     return tmp_path / "examples" / "word_problems_numeric.yaml"
@@ -49,7 +49,7 @@ def stored(scheduler) -> tuple[int, list[str]]:
 
 
 def test_the_word_problems_example_dry_runs_as_it_submits(capsys, scheduler, example, monkeypatch) -> None:
-    monkeypatch.chdir(example.parents[1])  # README's commands run from the repository root
+    monkeypatch.chdir(example.parents[1])  # docs/usage.md's commands run from the repository root
     made = subprocess.run(
         [sys.executable, str(MAKE), "--out", "examples/word_problems.jsonl", "-n", "300"],
         capture_output=True,
