@@ -53,6 +53,7 @@ import grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_result import write_result  # noqa: E402  (scripts/bench_result.py)
 from opentinker.common.v1 import common_pb2 as C  # noqa: E402
 from opentinker.node.v1 import node_pb2 as N  # noqa: E402
 from opentinker.node.v1 import node_pb2_grpc  # noqa: E402
