@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         from pathlib import Path
 
         config = replace(config, state_dir=Path(args.state_dir))
+    if config.store.kind == "postgres":
+        sys.setswitchinterval(0.001)  # the committer thread's COMMIT answer waits 1 ms, not 5, for the GIL
     http_port = args.http_port if args.http_port is not None else args.port + 1
     if http_port > 65535:
         parser.error(f"--http-port: --port + 1 is {http_port}; give --http-port explicitly")

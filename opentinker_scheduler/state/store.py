@@ -446,7 +446,7 @@ class SqlStore:
 
     def send_new_tasks(self, items: list[tuple[TaskRow, common_pb2.TaskEvent]]) -> concurrent.futures.Future | None:
         """:meth:`insert_new_tasks` without waiting on the event loop, where the backend can (on
-        PostgreSQL with ``flush: thread``, the INSERT goes out from its committer thread): a
+        PostgreSQL the INSERT goes out from its committer thread): a
         future to hand to :meth:`new_tasks_sent` once it is done, or None (SQLite, or no group
         transaction open): call :meth:`insert_new_tasks`."""
         return None
@@ -1025,8 +1025,8 @@ class SqlStore:
     def transaction(self, *, flush_behind: bool = False) -> "SqlStore._Tx":
         """Like :meth:`batch` but without calling ``before_write`` (the group commit's own).
 
-        With ``flush_behind`` the backend may commit without waiting for durability (PostgreSQL
-        with synchronous commit: its WAL flush); the caller must then wait on
+        With ``flush_behind`` the backend may commit without the event loop waiting for it
+        (PostgreSQL: the COMMIT goes out from a committer thread); the caller must then wait on
         :meth:`flush_pending` before it acknowledges anything the transaction wrote."""
         return SqlStore._Tx(self, flush_behind=flush_behind)
 
@@ -1042,7 +1042,7 @@ class SqlStore:
 
     def flush_pending(self) -> concurrent.futures.Future | None:
         """After a ``transaction(flush_behind=True)`` committed: None when it is durable already
-        (SQLite, or a PostgreSQL commit that waited for its flush), else a future that resolves
+        (SQLite), else a future that resolves
         (in another thread) once it is, or fails with
         :class:`~opentinker_scheduler.errors.StoreUnavailable` when that cannot be known."""
         return None
@@ -1263,6 +1263,5 @@ def open_store(config) -> SqlStore:
             call_timeout_s=sc.call_timeout_s,
             idle_in_transaction_s=max(1.0, min(5.0, sc.leader_lease_s / 2)),
             synchronous_commit=sc.synchronous_commit,
-            flush=sc.flush,
         )
     return Store(config.state_dir)

@@ -65,7 +65,7 @@ class _CountingDb:
         self.task_inserts += sum("INSERT INTO tasks" in sql for sql, _ in statements)
         return self._db.pipelined(statements)
 
-    def behind(self, statements, **kw):  # PostgreSQL, flush: thread: the INSERT from the committer thread
+    def behind(self, statements, **kw):  # PostgreSQL: the INSERT from the committer thread
         self.task_inserts += sum("INSERT INTO tasks" in sql for sql, _ in statements)
         return self._db.behind(statements, **kw)
 
