@@ -42,7 +42,7 @@ from opentinker_common.spec import SpecError, spec_from_proto
 from opentinker_common.artifacts import ArtifactError
 
 from opentinker_trainer._proc import die_with_parent
-from opentinker_trainer.artifacts import (
+from opentinker_trainer.worker_artifacts import (
     CACHE_BYTES_ENV,
     CACHE_ENV,
     DEFAULT_CACHE_BYTES,

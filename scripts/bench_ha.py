@@ -400,7 +400,7 @@ async def _core_run(store, tmp: Path, tasks: int, concurrency: int, tag: str) ->
 
 async def core_phase(args, server, tmp: Path) -> dict:
     from opentinker_scheduler.state.pg_store import PostgresStore
-    from opentinker_scheduler.state.store import Store
+    from opentinker_scheduler.state.store import SqliteStore
     from tests.support.stores import take_lead
 
     out: dict[str, list[dict]] = {"sqlite": [], "postgres": []}
@@ -409,7 +409,7 @@ async def core_phase(args, server, tmp: Path) -> dict:
             folder = tmp / f"core-{kind}-{r}"
             folder.mkdir(parents=True)
             if kind == "sqlite":
-                store = Store(folder)
+                store = SqliteStore(folder)
             else:
                 store = PostgresStore(server.dsn(), schema_name=server.new_schema("core"))
                 take_lead(store)

@@ -163,7 +163,7 @@ def main() -> int:
     from opentinker_common.artifacts import S3ArtifactStore, S3Location
     from opentinker_common.artifacts.manifest import scan_folder
     from opentinker_common.artifacts.remote import RemoteArtifactStore
-    from opentinker_trainer.artifacts import ArtifactCache
+    from opentinker_trainer.worker_artifacts import ArtifactCache
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-store-"))
     results = []

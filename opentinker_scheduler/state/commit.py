@@ -14,10 +14,10 @@ commands are dropped and every waiter gets the error. Off (unit tests, or no run
 every write commits at once.
 
 A backend may commit a group without the event loop waiting for it (PostgreSQL: the group's
-COMMIT goes out from a thread of its own: :meth:`~.store.SqlStore.flush_pending`). The group's
+COMMIT goes out from a thread of its own: :meth:`~.store.StateStore.flush_pending`). The group's
 waiters and held commands are then released once it is durable, in commit order, while the loop
 goes on gathering the next group, whose own commit waits until that one has ended
-(:meth:`~.store.SqlStore.commit_in_flight`). A failure there is handled as a failed commit, and
+(:meth:`~.store.StateStore.commit_in_flight`). A failure there is handled as a failed commit, and
 the group opened since then, built on it, is abandoned first. So the loop never sits in a COMMIT,
 and "durable before acknowledged" still holds.
 """
@@ -32,7 +32,7 @@ from typing import Callable
 
 import structlog
 
-from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.state.store import StateStore
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -47,7 +47,7 @@ GROUP_COMMIT_MAX_WINDOW_S = 0.025
 
 class GroupCommit:
     def __init__(
-        self, store: Store, on_failure: Callable[[], None], interval_s: float = GROUP_COMMIT_INTERVAL_S
+        self, store: StateStore, on_failure: Callable[[], None], interval_s: float = GROUP_COMMIT_INTERVAL_S
     ) -> None:
         self.store = store
         self.on_failure = on_failure

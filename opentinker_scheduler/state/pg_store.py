@@ -1,6 +1,6 @@
 """The PostgreSQL backend of the state store, for several schedulers on one database.
 
-:class:`PostgresStore` runs the SQL of :class:`~opentinker_scheduler.state.store.SqlStore` (the
+:class:`PostgresStore` runs the SQL of :class:`~opentinker_scheduler.state.store.StateStore` (the
 same statements as SQLite, placeholders translated: :func:`~.schema.postgres_query`) on one
 connection taken from a psycopg 3 pool, from the event loop; the lease keeper
 (:mod:`.leadership`) has its own connection from the same pool (:meth:`PostgresStore.lease_channel`).
@@ -56,7 +56,7 @@ from opentinker_scheduler.state.store import (
     _INSERT_EVENT_SQL,
     _RECORD_USAGE_SQL,
     _UPDATE_TASK_SQL,
-    SqlStore,
+    StateStore,
 )
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -128,7 +128,7 @@ class _Watchdog:
 
 
 class _PgDb:
-    """The store's connection as :class:`SqlStore` uses it: ``execute(sql, params)`` with ``?``
+    """The store's connection as :class:`StateStore` uses it: ``execute(sql, params)`` with ``?``
     placeholders, rows by position or name. Takes a connection from the pool when it has none
     (or its last one broke)."""
 
@@ -417,7 +417,7 @@ _EVENT_ROW_TYPES = ["text", "int8", *_EVENT_TYPES[1:]]
 _USAGE_TYPES = (
     "text int8 text text text text text text int8 float8 float8 float8 float8 float8 float8 float8 int8 float8".split()
 )
-#: The write-behind statements of a transaction (:meth:`SqlStore._take_writes`) as one statement
+#: The write-behind statements of a transaction (:meth:`StateStore._take_writes`) as one statement
 #: each over a jsonb array of their rows, in place of one statement per row (``executemany``
 #: sends and reads each one: per row a socket write and psycopg's pipeline bookkeeping).
 _JSON_WRITES = {
@@ -482,8 +482,8 @@ def _json_rows(rows: list[tuple], types: list[str]) -> str:
     return json.dumps(out, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-class _PgBase(SqlStore):
-    """The PostgreSQL side of :class:`SqlStore`: connection and transaction hooks."""
+class _PgBase(StateStore):
+    """The PostgreSQL side of :class:`StateStore`: connection and transaction hooks."""
 
     kind = "postgres"
     _NOW = "extract(epoch from clock_timestamp())::float8"
@@ -519,11 +519,11 @@ class _PgBase(SqlStore):
         self.db.pending_begin = ["BEGIN"]
 
     def settle(self) -> None:
-        """See :meth:`SqlStore.settle`."""
+        """See :meth:`StateStore.settle`."""
         self.db.settle()
 
     def commit_in_flight(self) -> bool:
-        """See :meth:`SqlStore.commit_in_flight`."""
+        """See :meth:`StateStore.commit_in_flight`."""
         f = self.db.inflight
         return f is not None and not f.done()
 
@@ -575,7 +575,7 @@ class _PgBase(SqlStore):
             raise
 
     def flush_pending(self):
-        """See :meth:`SqlStore.flush_pending`: after a group commit, the future of its commit on
+        """See :meth:`StateStore.flush_pending`: after a group commit, the future of its commit on
         the committer thread; else None."""
         if not self._unflushed:
             return None
@@ -642,7 +642,7 @@ class _PgBase(SqlStore):
         return _json_rows(rows, _TASK_TYPES), _json_rows(events, _EVENT_TYPES)
 
     def send_new_tasks(self, items):
-        """See :meth:`SqlStore.send_new_tasks`: the group's new tasks (:data:`_INSERT_TASKS_SQL`,
+        """See :meth:`StateStore.send_new_tasks`: the group's new tasks (:data:`_INSERT_TASKS_SQL`,
         :attr:`TASKS_PER_INSERT` a statement) go out from the committer thread; the future holds
         the ids of the rows that went in."""
         if not (self._tx_flush_behind and self._tx_depth and items):
@@ -655,14 +655,14 @@ class _PgBase(SqlStore):
         return self.db.behind([(_INSERT_TASKS_SQL, params)], rows=True)
 
     def new_tasks_sent(self, items, sent):
-        """See :meth:`SqlStore.new_tasks_sent`."""
+        """See :meth:`StateStore.new_tasks_sent`."""
         self.db.settle()
         went_in = {r[0] for r in sent.result()}  # its error: the statement failed (the group fails with it)
         with self._tx():
             return self._new_task_results(items, [task.task_id in went_in for task, _ in items])
 
     def _take_writes(self) -> list[tuple[str, list[tuple]]]:
-        """:meth:`SqlStore._take_writes`, each statement of several rows as one statement over
+        """:meth:`StateStore._take_writes`, each statement of several rows as one statement over
         a jsonb array of them (:data:`_JSON_WRITES`). Task rows are one per task already; usage
         records of one attempt twice stay one statement each, in order (one ``ON CONFLICT DO
         UPDATE`` may not touch a row twice)."""
@@ -818,7 +818,7 @@ class PostgresStore(_PgBase):
 
     def lease_channel(self) -> "LeaseChannel":
         """A second store view on its own connection, for the lease keeper's thread (the lease
-        methods of :class:`SqlStore`; never the loop's connection)."""
+        methods of :class:`StateStore`; never the loop's connection)."""
         return LeaseChannel(self)
 
     def close(self) -> None:
@@ -827,7 +827,7 @@ class PostgresStore(_PgBase):
 
 
 class LeaseChannel(_PgBase):
-    """The lease methods of :class:`SqlStore` on a connection of their own (one thread's)."""
+    """The lease methods of :class:`StateStore` on a connection of their own (one thread's)."""
 
     def __init__(self, main: PostgresStore, call_timeout_s: float | None = None) -> None:
         self.pool = main.pool

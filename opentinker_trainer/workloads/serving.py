@@ -45,7 +45,7 @@ import torch
 
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.inference.access import DEFAULT_TTL_S, TTL_ENV, AccessChecker
-from opentinker_trainer.artifacts import fetch_checkpoint
+from opentinker_trainer.worker_artifacts import fetch_checkpoint
 from opentinker_trainer.inference.policies import PolicyRegistry
 from opentinker_trainer.inference.resolve import SchedulerResolver, split_adapter_name
 from opentinker_trainer.inference.runtime import ModelRuntime, RuntimeConfig, SharedModel
