@@ -22,7 +22,7 @@ from opentinker_scheduler.admission.load import SubmitGate
 from opentinker_scheduler.security import tls_config as tls_listen
 from opentinker_scheduler.api.admin import AdminService
 from opentinker_scheduler.api.artifacts import ArtifactService
-from opentinker_scheduler.data.artifacts import Artifacts, Retention, open_store
+from opentinker_scheduler.data.artifact_store import Artifacts, Retention, open_artifact_store
 from opentinker_scheduler.security.bundle import Security, build_security
 
 from opentinker_scheduler.config import SchedulerConfig
@@ -246,7 +246,7 @@ async def start_scheduler(
             config.state_dir.mkdir(mode=0o700, parents=True)
     store = open_state_store(config)  # SQLite: raises StateDirInUse when another scheduler holds the folder
     try:  # an s3 store that does not answer (or refuses the credentials) stops the start, naming it
-        artifacts = Artifacts(await asyncio.to_thread(open_store, config), config.artifacts)
+        artifacts = Artifacts(await asyncio.to_thread(open_artifact_store, config), config.artifacts)
     except BaseException:
         store.close()
         raise

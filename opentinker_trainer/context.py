@@ -56,7 +56,7 @@ class WorkerContext:
     init_checkpoint: Path | None = None
     init_format: str = ""
     #: Puts each checkpoint into the artifact store before it is reported (None: report the path
-    #: only, a worker run without a scheduler); an ``opentinker_trainer.artifacts.CheckpointPublisher``.
+    #: only, a worker run without a scheduler); an ``opentinker_trainer.worker_artifacts.CheckpointPublisher``.
     publisher: Any = None
     #: Live experiment tracking of ``spec.tracking`` (an ``opentinker_trainer.tracking.Trackers``),
     #: fed every metric and checkpoint as it is reported; None = none.

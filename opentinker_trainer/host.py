@@ -80,6 +80,7 @@ from typing import Any, Callable, Iterator
 import structlog
 
 from opentinker.node.v1 import node_pb2
+from opentinker_common.glibc_malloc import tune_malloc
 from opentinker_common.logs import configure_logging
 
 from opentinker_trainer._proc import die_with_parent
@@ -586,28 +587,6 @@ class ModelHost:
             thread.join()
 
 
-#: ``mallopt`` parameter number of ``M_ARENA_MAX`` (glibc ``malloc.h``).
-_M_ARENA_MAX = -8
-
-
-def limit_malloc_arenas(n: int = 2) -> bool:
-    """Cap glibc's malloc arenas at ``n`` (``mallopt(M_ARENA_MAX, n)``; False where that is not
-    glibc). glibc gives each thread that allocates its own arena, up to 8 per core, and memory
-    freed in one is not reused by another: tenant threads that take turns would each keep a
-    step's worth of activations resident. Tenants never run at once, so a couple of shared arenas
-    cost no contention."""
-    import ctypes
-    import ctypes.util
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_ARENA_MAX, int(n)))
-    except (OSError, AttributeError):
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="opentinker-model-host")
     parser.add_argument("--model", required=True, help="base model: a folder or hub id (spec.model)")
@@ -621,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     os.umask(0o077)
-    limit_malloc_arenas()  # before any tenant thread allocates
+    tune_malloc(max_arenas=2)  # tenants take turns: shared arenas, not one per thread keeping its activations
     configure_logging()
     structlog.contextvars.bind_contextvars(node_id=os.environ.get("OPENTINKER_NODE_ID", ""), host_pid=os.getpid())
     out = os.fdopen(os.dup(1), "w", buffering=1)

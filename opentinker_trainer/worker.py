@@ -36,13 +36,13 @@ import structlog
 
 from opentinker.node.v1 import node_pb2
 from opentinker_common.logs import configure_logging
-from opentinker_common.net.malloc import reuse_stream_buffers
+from opentinker_common.glibc_malloc import tune_malloc
 from opentinker_common.spec import SpecError, spec_from_proto
 
 from opentinker_common.artifacts import ArtifactError
 
 from opentinker_trainer._proc import die_with_parent
-from opentinker_trainer.artifacts import (
+from opentinker_trainer.worker_artifacts import (
     CACHE_BYTES_ENV,
     CACHE_ENV,
     DEFAULT_CACHE_BYTES,
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when GPUs are assigned)")
     args = parser.parse_args(argv)
     os.umask(0o077)  # checkpoints and datasets are this user's only (the agent sets it too)
-    reuse_stream_buffers()  # checkpoint uploads/downloads reuse their 1 MiB buffers (opentinker_common.net.malloc)
+    tune_malloc(stream_buffers=True)  # checkpoint uploads and downloads reuse their 1 MiB buffers
     configure_logging()
     assign = node_pb2.AssignTask.FromString(args.assignment.read_bytes())
     structlog.contextvars.bind_contextvars(

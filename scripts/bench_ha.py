@@ -23,7 +23,7 @@ Starts its own PostgreSQL on loopback (``initdb`` in a temporary folder, as the 
                 three share the cores, so a backend's CPU is throughput the scheduler loses.
   3. core       the scheduler's core alone, in this process, no gRPC: ``--tasks`` submits through
                 ``SchedulerCore.submit`` and its group commit (``durable``), ``--concurrency`` in
-                flight, on SQLite and on PostgreSQL (synchronous_commit on, flush inline)
+                flight, on SQLite and on PostgreSQL (synchronous_commit on)
                 alternately (``--submit-rounds`` each): this process's CPU per submit (the
                 scheduler's share; PostgreSQL's own process is not counted) and submits/s;
                 ``--profile P`` writes a cProfile of each backend's first round to P.<backend>.
@@ -373,13 +373,7 @@ async def closed_loop(port: int, n: int, concurrency: int, tag: str, meter: "Cpu
 
 async def submits_phase(args, server, tmp: Path) -> dict:
     modes = ["on", "off"] if args.synchronous_commit == "both" else [args.synchronous_commit]
-    flushes = ["background", "inline"] if args.flush == "both" else [args.flush]
-    kinds = ["sqlite"]
-    for m in modes:
-        if m == "on":
-            kinds += ["postgres-sync-on" if f == "background" else "postgres-sync-on-inline" for f in flushes]
-        else:
-            kinds.append("postgres-sync-off")
+    kinds = ["sqlite", *(f"postgres-sync-{m}" for m in modes)]
     out: dict[str, list[dict]] = {k: [] for k in kinds}
     for r in range(args.submit_rounds):
         for kind in kinds:
@@ -389,7 +383,6 @@ async def submits_phase(args, server, tmp: Path) -> dict:
                     f'store:\n  kind: postgres\n  dsn: "{server.dsn()}"\n  schema: {server.new_schema("bench")}\n'
                     f"  leader_lease: {args.lease}\n  renew_interval: {args.renew}\n"
                     f"  synchronous_commit: {'false' if kind.endswith('-off') else 'true'}\n"
-                    + ("  flush: inline\n" if kind.endswith("-inline") else "")
                 )
             p, port, _ = _start_one(tmp, f"{kind}-{r}", store)
             try:
@@ -456,7 +449,7 @@ async def _core_run(store, tmp: Path, tasks: int, concurrency: int, tag: str) ->
 
 async def core_phase(args, server, tmp: Path) -> dict:
     from opentinker_scheduler.state.pg_store import PostgresStore
-    from opentinker_scheduler.state.store import Store
+    from opentinker_scheduler.state.store import SqliteStore
     from tests.support.stores import take_lead
 
     out: dict[str, list[dict]] = {"sqlite": [], "postgres": []}
@@ -465,9 +458,9 @@ async def core_phase(args, server, tmp: Path) -> dict:
             folder = tmp / f"core-{kind}-{r}"
             folder.mkdir(parents=True)
             if kind == "sqlite":
-                store = Store(folder)
+                store = SqliteStore(folder)
             else:
-                store = PostgresStore(server.dsn(), schema_name=server.new_schema("core"), flush="inline")
+                store = PostgresStore(server.dsn(), schema_name=server.new_schema("core"))
                 take_lead(store)
             profile = None
             if args.profile and r == 0:  # the first round of each backend, under cProfile
@@ -629,12 +622,6 @@ if __name__ == "__main__":
         choices=["on", "off", "both"],
         default="both",
         help="store.synchronous_commit of the PostgreSQL scheduler in the submits phase (both: one run of each)",
-    )
-    parser.add_argument(
-        "--flush",
-        choices=["background", "inline", "both"],
-        default="both",
-        help="store.flush of the synchronous_commit run(s) (both: one run of each)",
     )
     parser.add_argument(
         "--profile", help="core phase: write a cProfile of each backend's first round to PROFILE.<backend>"

@@ -41,10 +41,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def rss_bytes() -> int:
+def rss_bytes(field: str = "VmRSS:") -> int:
+    """This process's resident memory now (``VmRSS:``) or at its peak (``VmHWM:``), in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -76,11 +77,14 @@ def main() -> int:
     parser.add_argument("--no-single", action="store_true", help="skip figures 1 and 2 (single stream vs generate)")
     parser.add_argument(
         "--engines",
-        default="ours,peft,base,grouped,cb,padded",
-        help="concurrency runs to do: ours (mixed adapters, grouped LoRA), peft (mixed, PEFT adapter_names), "
-        "base (every stream the base), grouped (one batch per adapter), cb (transformers), padded (generate)",
+        default="ours,base,cb,padded",
+        help="concurrency runs to do: ours (mixed adapters, grouped LoRA), base (every stream the base), "
+        "cb (transformers), padded (generate)",
     )
     parser.add_argument("--probes", type=int, default=4, help="requests sent mid-decode per load level (0: none)")
+    parser.add_argument(
+        "--plain-weights", action="store_true", help="packed_weights: false (the Linear layers as MKL runs them)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -88,7 +92,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opentinker_client.inference import InferenceClient
-    from opentinker_trainer.inference.runtime import ModelRuntime
+    from opentinker_trainer.inference.runtime import ModelRuntime, RuntimeConfig
     from tests.support.inference import ServerThread, greedy_generate
 
     torch.manual_seed(0)
@@ -128,7 +132,9 @@ def main() -> int:
         model=model,
         stop_token_ids=[tok.eos_token_id],
         resolve=lambda name: adapters[name],
+        config=RuntimeConfig(packed_weights=not args.plain_weights),
     )
+    print(f"resident after load: {rss_bytes() / 2**20:.0f} MiB", flush=True)
     server = ServerThread(runtime)
     client = InferenceClient(server.address, timeout=600)
     ids = torch.tensor([prompt_ids])
@@ -396,28 +402,21 @@ def concurrency(args, tok, model, runtime, client, adapters) -> dict:
     probes: dict[int, list[float]] = {}
     labels = (
         ("ours", "mixed adapters, grouped LoRA"),
-        ("peft", "mixed adapters, PEFT adapter_names"),
         ("base", "ours, every stream the base"),
-        ("grouped", "batch per adapter"),
         ("cb", "transformers CB (base only)"),
         ("padded", "padded generate (base only)"),
     )
 
     def run_engine(key: str, c: int):
-        runtime.group_by_adapter = key == "grouped"
-        runtime.grouped_lora = key != "peft"
-        try:
-            if key == "base":
-                return closed_loop(c, args.requests, lambda i: ours(i, base_only=True))
-            if key == "cb":
-                base_model_state()
-                return closed_loop(c, args.requests, theirs)
-            if key == "padded":
-                tps, ttft = padded(c)
-                return tps, [ttft]
-            return closed_loop(c, args.requests, ours)
-        finally:
-            runtime.group_by_adapter, runtime.grouped_lora = False, True
+        if key == "base":
+            return closed_loop(c, args.requests, lambda i: ours(i, base_only=True))
+        if key == "cb":
+            base_model_state()
+            return closed_loop(c, args.requests, theirs)
+        if key == "padded":
+            tps, ttft = padded(c)
+            return tps, [ttft]
+        return closed_loop(c, args.requests, ours)
 
     order = [e for e in args.engines.split(",") if e]  # as given at the first level, reversed at the next, ...
     for n, c in enumerate(levels):
@@ -443,6 +442,7 @@ def concurrency(args, tok, model, runtime, client, adapters) -> dict:
     router.join(5)
     manager.stop(block=True, timeout=10)
     print(f"most rows in one step: {runtime.max_batch_rows_seen}")
+    print(f"peak resident: {rss_bytes('VmHWM:') / 2**20:.0f} MiB", flush=True)
     goals = {4: 2.2, 16: 4.0}
 
     def ratio(a, b) -> str:
@@ -453,11 +453,9 @@ def concurrency(args, tok, model, runtime, client, adapters) -> dict:
             continue
         goal = f" (goal >= {goals[c]})" if c in goals else ""
         print(
-            f"{c} streams vs 1, mixed adapters: grouped LoRA {ratio(('ours', c), ('ours', 1))}{goal}, "
-            f"PEFT adapter_names {ratio(('peft', c), ('peft', 1))}; vs transformers CB (goal >= 1.0): grouped "
-            f"{ratio(('ours', c), ('cb', c))}, PEFT {ratio(('peft', c), ('cb', c))}; grouped / PEFT "
-            f"{ratio(('ours', c), ('peft', c))}; vs padded generate {ratio(('ours', c), ('padded', c))}; "
-            f"batch per adapter / grouped {ratio(('grouped', c), ('ours', c))}; ours with every stream on the "
+            f"{c} streams vs 1, mixed adapters: {ratio(('ours', c), ('ours', 1))}{goal}; "
+            f"vs transformers CB (goal >= 1.0) {ratio(('ours', c), ('cb', c))}; "
+            f"vs padded generate {ratio(('ours', c), ('padded', c))}; ours with every stream on the "
             f"base vs transformers CB (both base only) {ratio(('base', c), ('cb', c))}"
         )
     if 4 in levels and ("ours", 1) in results and ("ours", 4) in results:

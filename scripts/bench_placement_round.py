@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     import opentinker_scheduler
     from opentinker_scheduler.config import PoolNode, QueueConfig, SchedulerConfig
     from opentinker_scheduler.state.core import SchedulerCore
-    from opentinker_scheduler.state.store import Store
+    from opentinker_scheduler.state.store import SqliteStore
 
     tmp = Path(tempfile.mkdtemp(prefix="opentinker-bench-round-"))
     gpus, slots = 2, 4
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             for q in range(a.queues)
         )
     cfg = SchedulerConfig(resource_pool=(PoolNode("node-0000", gpus, slots),), state_dir=tmp, queues=queues)
-    core = SchedulerCore(cfg, Store(tmp))
+    core = SchedulerCore(cfg, SqliteStore(tmp))
     for i in range(a.nodes):
         devices = [C.Device(index=d, uuid=f"u{i}-{d}", name="g", simulated=True) for d in range(gpus)]
         core.node_register(N.Register(node_id=f"node-{i:04d}", devices=devices, max_tasks=slots))

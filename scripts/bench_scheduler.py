@@ -1470,12 +1470,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="on",
         help="backends mode: store.synchronous_commit of the PostgreSQL scheduler (default %(default)s, the config's)",
     )
-    p.add_argument(
-        "--pg-flush",
-        choices=["thread", "inline", "background"],
-        default="thread",
-        help="backends mode: store.flush of the PostgreSQL scheduler (default %(default)s, the config's)",
-    )
     p.add_argument("--splice-blocks", type=int, default=3, help="blocks per target in the splice phase")
     p.add_argument("--splice-tasks", type=int, default=2000, help="submits per block in the splice phase")
     a = p.parse_args(argv)
@@ -1603,8 +1597,8 @@ def sharing(args: argparse.Namespace) -> dict:
 def backends(args: argparse.Namespace) -> dict:
     """Backends mode (``--backends``): B1 on SQLite and on PostgreSQL in one run. A fresh
     PostgreSQL 15 on loopback (fsync on, as ``scripts/bench_ha.py``), the scheduler with
-    ``store: {kind: postgres}`` and its defaults (synchronous_commit on, flush thread; or
-    ``--pg-synchronous-commit``, ``--pg-flush``). First one
+    ``store: {kind: postgres}`` and its defaults (synchronous_commit on, or
+    ``--pg-synchronous-commit``). First one
     SQLite run of the throughput phase measures SQLite's closed-loop capacity; the latency phase
     then offers half of it (unless ``--rate`` is given), as the goal says. Then ``--repeat``
     blocks of each backend in ABBA order, each a fresh scheduler: heartbeats, throughput and
@@ -1642,7 +1636,6 @@ def backends(args: argparse.Namespace) -> dict:
                         f'store:\n  kind: postgres\n  dsn: "{server.dsn()}"\n'
                         f"  schema: {server.new_schema('b1')}\n"
                         f"  synchronous_commit: {'true' if args.pg_synchronous_commit == 'on' else 'false'}\n"
-                        f"  flush: {args.pg_flush}\n"
                     )
                 bench = Bench(args, store_config=store)
                 bench.progress(f"--- run {name} ({rep + 1} of {args.repeat}), latency phase at {args.rate:.0f}/s")
@@ -1668,7 +1661,7 @@ def backends(args: argparse.Namespace) -> dict:
     lines = [
         "",
         f"OpenTinker scheduler, SQLite against PostgreSQL (fsync on, synchronous_commit "
-        f"{args.pg_synchronous_commit}, flush {args.pg_flush}): "
+        f"{args.pg_synchronous_commit}): "
         f"{args.nodes} simulated nodes; {os.cpu_count()} CPU(s); medians of {args.repeat} run(s) each, ABBA; "
         f"'pairs': median (min-max) of the back-to-back ratios",
         f"  {'':<38}{'SQLite':>10}{'PostgreSQL':>12}{'ratio':>8}{'pairs':>8}  {'(min-max)':<14} goal",
@@ -1741,6 +1734,19 @@ def main(argv: list[str] | None = None) -> int:
         print(res["report"], flush=True)
         if args.json:
             args.json.write_text(json.dumps(res, indent=2, default=str))
+        closed = res.get("ratios", {}).get("throughput.submits_per_s")
+        if mode is backends and closed is not None:
+            pairs = res["pair_ratios"]["throughput.submits_per_s"]
+            write_result(
+                "scheduler-postgres-sqlite",
+                what="B1: closed-loop submits/s with the task table on PostgreSQL (fsync and synchronous_commit on)",
+                peer="the same on SQLite, same run, blocks in ABBA order",
+                ratios=[{"label": "closed-loop submits/s, PostgreSQL / SQLite (medians)", "value": round(closed, 2)}],
+                goal=">= 0.7x",
+                settings=res["args"],
+                make="make bench-backends BENCH_ARGS='--only throughput,latency --rate 442'",
+                details={"pair_ratios": [round(x, 2) for x in pairs]},
+            )
         return 0
     res = asyncio.run(Bench(args).run())
     res["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

@@ -69,9 +69,9 @@ def _serve_empty(port_q, total: int) -> None:
 
     from opentinker_common.artifacts.manifest import CHUNK_BYTES
     from opentinker_common.net.grpc_options import server_options
-    from opentinker_common.net.malloc import reuse_stream_buffers
+    from opentinker_common.glibc_malloc import tune_malloc
 
-    reuse_stream_buffers()  # as the scheduler does (unless the run keeps glibc's settings)
+    tune_malloc(stream_buffers=True)  # as the scheduler does (unless the run keeps glibc's settings)
     block = os.urandom(CHUNK_BYTES)
 
     class Empty(artifact_pb2_grpc.ArtifactServiceServicer):
@@ -160,16 +160,16 @@ def main() -> int:
 
     import grpc
 
-    from opentinker_common.net.malloc import KEEP_MALLOC_ENV, reuse_stream_buffers
+    from opentinker_common.glibc_malloc import KEEP_MALLOC_ENV, tune_malloc
 
     if args.default_malloc:
         os.environ[KEEP_MALLOC_ENV] = "1"  # the scheduler started below inherits it
-    reuse_stream_buffers()  # as a task worker does at start (this process plays the trainer)
+    tune_malloc(stream_buffers=True)  # as a task worker does at start (this process plays the trainer)
 
     from opentinker_common.artifacts import S3ArtifactStore, S3Location
     from opentinker_common.artifacts.manifest import scan_folder
     from opentinker_common.artifacts.remote import RemoteArtifactStore
-    from opentinker_trainer.artifacts import ArtifactCache
+    from opentinker_trainer.worker_artifacts import ArtifactCache
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-store-"))
     results = []

@@ -54,7 +54,7 @@ class InferenceConfig:
     dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
     packed_weights: bool = field(
         default=True,
-        metadata={"doc": "on CPU, float32 Linear layers run on oneDNN-packed weight copies (memory once more)"},
+        metadata={"doc": "on CPU, float32 Linear layers run on oneDNN-packed weights in place of the plain ones"},
     )
     policies_only: bool = False
     checkpoint_task_id: str = field(

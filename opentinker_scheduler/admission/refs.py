@@ -78,7 +78,7 @@ def check_references(
         paths, auth_enabled: the ``paths:`` policy and whether auth is on (which local model
             folders and dataset files the spec may name).
         artifacts_deleted: ``task_id -> TaskEvent | None``, the task's ``artifacts_deleted``
-            event (``Store.artifacts_deleted``), named when the ``init_from`` task has no checkpoint.
+            event (``StateStore.artifacts_deleted``), named when the ``init_from`` task has no checkpoint.
         dataset_uploaded_at_submit: a dry run's ``dataset_id`` is the SHA-256 of a file the client
             checked and uploads only at submit (``SubmitTaskRequest.dataset_uploaded_at_submit``):
             checked as for a submit when this scheduler holds it already, else not refused as missing.

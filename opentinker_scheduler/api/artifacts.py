@@ -1,5 +1,5 @@
 """``opentinker.artifact.v1.ArtifactService``: a thin adapter over
-:class:`~opentinker_scheduler.data.artifacts.Artifacts`.
+:class:`~opentinker_scheduler.data.artifact_store.Artifacts`.
 
 Blocking store calls run in threads; errors map to status codes in one table
 (:func:`opentinker_scheduler.errors.status_code`).
@@ -31,7 +31,7 @@ from opentinker.artifact.v1 import artifact_pb2, artifact_pb2_grpc
 
 from opentinker_scheduler.api.rpc import Call, abort_mapped, rpc
 from opentinker_scheduler.api.streams import read_ahead
-from opentinker_scheduler.data.artifacts import Artifacts
+from opentinker_scheduler.data.artifact_store import Artifacts
 from opentinker_scheduler.errors import NotFound, PermissionDenied
 from opentinker_scheduler.security.auth import Principal, caller
 from opentinker_scheduler.security.bundle import Security

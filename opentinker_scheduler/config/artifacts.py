@@ -15,7 +15,7 @@
         region: us-east-1       # optional
 
 The scheduler refuses to start when the ``s3`` store cannot be reached or refuses its
-credentials, naming the endpoint (``opentinker_scheduler.data.artifacts.open_store``).
+credentials, naming the endpoint (``opentinker_scheduler.data.artifact_store.open_artifact_store``).
 """
 
 from __future__ import annotations

@@ -19,12 +19,6 @@ schedulers share it.
                                 # false: commits return before the flush, several times the submit
                                 # rate on a slow disk, but a crash of the PostgreSQL server (not of
                                 # a scheduler) may lose the last ~0.6 s of acknowledged writes
-      flush: thread             # how a group commit waits for PostgreSQL: thread (the default)
-                                # sends its COMMIT from a thread of its own while the scheduler
-                                # gathers the next group; inline: the scheduler waits in each
-                                # COMMIT; background: the group commits at once and a second
-                                # connection flushes the WAL behind it. Nothing is acknowledged
-                                # before it is durable, whichever (figures: BENCHMARKS.md)
 
 The password is never part of the config value, a log line or an error: :meth:`StoreConfig.password`
 reads it when the store opens. With neither key, libpq's own ``PGPASSWORD`` / ``~/.pgpass`` apply.
@@ -37,8 +31,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-#: ``store.flush`` (:class:`~opentinker_scheduler.state.pg_store.PostgresStore`'s ``flush``).
-FLUSH_MODES = ("thread", "inline", "background")
+import yaml
+
+#: Keys a config may no longer name, and what to do instead: they are refused at start, so an old
+#: config does not run with a setting silently dropped.
+REMOVED_KEYS = {
+    "flush": "no such key: it was removed, a group commit always sends its COMMIT from a committer thread; "
+    "delete the line",
+}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _URI_PASSWORD = re.compile(r"^[a-z]+://[^/@]*:[^/@]*@")
@@ -58,7 +58,6 @@ class StoreConfig:
     renew_interval_s: float = 2.0
     call_timeout_s: float = 10.0
     synchronous_commit: bool = True
-    flush: str = "thread"
 
     def password(self) -> str | None:
         """The database password from ``password_env`` or ``password_file`` (None: neither set).
@@ -113,7 +112,7 @@ def parse_store(r, node) -> StoreConfig:
     """Parse ``store:`` with the config reader ``r`` (``file:line:column: key: expected ...``).
 
     Raises:
-        ConfigError: unknown key, wrong type, a DSN with a password in it, both password keys,
+        ConfigError: unknown or removed key, wrong type, a DSN with a password in it, both password keys,
             a DSN with kind sqlite or none with kind postgres, renew_interval too long for the
             lease (via ``r``).
     """
@@ -127,8 +126,10 @@ def parse_store(r, node) -> StoreConfig:
         "renew_interval",
         "call_timeout",
         "synchronous_commit",
-        "flush",
     )
+    for k, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+        if isinstance(k, yaml.ScalarNode) and k.value in REMOVED_KEYS:
+            raise r.fail(k, f"store.{k.value}", REMOVED_KEYS[k.value])
     m = r.mapping(node, "store", {k: "" for k in keys})
     kw: dict = {}
     if "kind" in m:
@@ -175,13 +176,6 @@ def parse_store(r, node) -> StoreConfig:
             kw[f"{key}_s"] = r.scalar(m[key][1], f"store.{key}", float, lo, hi)
     if "synchronous_commit" in m:
         kw["synchronous_commit"] = r.scalar(m["synchronous_commit"][1], "store.synchronous_commit", bool)
-    if "flush" in m:
-        value = r.scalar(m["flush"][1], "store.flush", str)
-        if value not in FLUSH_MODES:
-            raise r.fail(m["flush"][1], "store.flush", f"one of {', '.join(FLUSH_MODES)}, got {value!r}")
-        if kind != "postgres":
-            raise r.fail(m["flush"][1], "store.flush", "nothing with kind sqlite")
-        kw["flush"] = value
     cfg = StoreConfig(**kw)
     if cfg.renew_interval_s * 3 > cfg.leader_lease_s:
         where = m["renew_interval"][1] if "renew_interval" in m else m.get("leader_lease", (None, node))[1]

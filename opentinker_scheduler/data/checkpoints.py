@@ -4,7 +4,7 @@ A checkpoint is a folder (for LoRA: ``adapter_config.json``, ``adapter_model.saf
 ``trainer_state.pt``). A download is a manifest (each file's relative path, size and SHA-256)
 followed by each file's bytes in chunks of at most :data:`CHUNK_BYTES`, so no message comes near
 gRPC's size limits whatever the checkpoint's size. A checkpoint with an ``artifact`` is read from
-the artifact store (local or s3, :mod:`opentinker_scheduler.data.artifacts`), with the hashes of
+the artifact store (local or s3, :mod:`opentinker_scheduler.data.artifact_store`), with the hashes of
 its stored manifest; one without (written by an older trainer) from its ``path`` on the
 scheduler's own filesystem, where a folder the scheduler cannot see fails with FAILED_PRECONDITION.
 """

@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.state.store import StateStore
 
 log = structlog.get_logger("opentinker.audit")
 
@@ -67,7 +67,7 @@ class AuditRecord:
 class AuditLog:
     """Writes audit records to the log and to ``audit_log`` in ``store``'s database."""
 
-    def __init__(self, store: Store | None) -> None:
+    def __init__(self, store: StateStore | None) -> None:
         self.store = store
         #: ``(action, owner, status code name)`` -> refusals of :data:`COUNTED_REFUSALS` since
         #: the start; the event loop increments, the HTTP port's thread reads.
@@ -88,7 +88,7 @@ class AuditLog:
         one of :data:`COUNTED_REFUSALS` only adds one to :attr:`refusals`. ``detail`` values
         must be JSON-serializable (others are stored as their ``str``). The row joins the
         store's open transaction (a group commit's:
-        :meth:`~opentinker_scheduler.state.store.SqlStore.add_audit`), so it commits with the
+        :meth:`~opentinker_scheduler.state.store.StateStore.add_audit`), so it commits with the
         action's own writes. A failing database write is logged, never raised: the action itself
         already happened (or was refused) and the log line stands."""
         if outcome != "OK" and action in COUNTED_REFUSALS:

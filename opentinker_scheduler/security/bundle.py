@@ -12,7 +12,7 @@ from opentinker_scheduler.security.audit import AuditLog
 from opentinker_scheduler.security.auth import AuthInterceptor
 from opentinker_scheduler.security.keys import KeyStore, bootstrap_admin
 from opentinker_scheduler.security.limits import Limits
-from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.state.store import StateStore
 from opentinker_scheduler.state.worker_credentials import WorkerCredentials
 
 __all__ = ["Security", "build_security"]
@@ -38,7 +38,7 @@ class Security:
         return self.keys is not None
 
 
-def build_security(config, store: Store) -> Security:
+def build_security(config, store: StateStore) -> Security:
     """From a :class:`~opentinker_scheduler.config.SchedulerConfig` (its ``auth``, ``tls`` and
     ``limits``); makes the bootstrap admin key when auth is on and there is none.
 

@@ -32,7 +32,7 @@ import structlog
 
 from opentinker_common.spec import control_character_problem
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SchedulerError
-from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.state.store import StateStore
 from opentinker_scheduler.state.worker_credentials import AttemptScope
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -125,7 +125,7 @@ class KeyStore:
 
     _COLS = "prefix, owner, role, description, create_time, revoke_time, expire_time, replaced_by, key_hash"
 
-    def __init__(self, store: Store, *, clock=time.time, max_keys_per_owner: int = 20) -> None:
+    def __init__(self, store: StateStore, *, clock=time.time, max_keys_per_owner: int = 20) -> None:
         """``max_keys_per_owner``: active keys one owner may hold (``limits.max_keys_per_owner``);
         0 = no limit."""
         self.store = store

@@ -13,12 +13,11 @@ before they answer. If a commit fails, ``on_failure`` rebuilds memory from the s
 commands are dropped and every waiter gets the error. Off (unit tests, or no running loop),
 every write commits at once.
 
-A backend may commit a group without waiting for durability on the event loop (PostgreSQL: the
-group's COMMIT goes out from a thread of its own, or the group commits asynchronously and a
-second connection flushes the WAL up to it: :meth:`~.store.SqlStore.flush_pending`). The group's
+A backend may commit a group without the event loop waiting for it (PostgreSQL: the group's
+COMMIT goes out from a thread of its own: :meth:`~.store.StateStore.flush_pending`). The group's
 waiters and held commands are then released once it is durable, in commit order, while the loop
 goes on gathering the next group, whose own commit waits until that one has ended
-(:meth:`~.store.SqlStore.commit_in_flight`). A failure there is handled as a failed commit, and
+(:meth:`~.store.StateStore.commit_in_flight`). A failure there is handled as a failed commit, and
 the group opened since then, built on it, is abandoned first. So the loop never sits in a COMMIT,
 and "durable before acknowledged" still holds.
 """
@@ -33,22 +32,22 @@ from typing import Callable
 
 import structlog
 
-from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.state.store import StateStore
 
 log = structlog.get_logger("opentinker.scheduler")
 
 #: At most one commit per this many seconds under load (the added latency, at most). 5 ms, not 2:
 #: at ~500 submits/s a commit then carries ~10 writes instead of ~5, for ~5 % less CPU per submit.
 GROUP_COMMIT_INTERVAL_S = 0.005
-#: Under load the window also grows to what the recent commits took (a PostgreSQL commit that
-#: waits for its WAL flush, several ms on a slow disk, blocks the loop; the next group then
-#: gathers as many requests as arrived meanwhile instead of committing each alone), up to this.
+#: Under load the window also grows to what the recent commits took (a PostgreSQL commit waits
+#: for its WAL flush, several ms on a slow disk; the next group then gathers as many requests as
+#: arrived meanwhile instead of committing each alone), up to this.
 GROUP_COMMIT_MAX_WINDOW_S = 0.025
 
 
 class GroupCommit:
     def __init__(
-        self, store: Store, on_failure: Callable[[], None], interval_s: float = GROUP_COMMIT_INTERVAL_S
+        self, store: StateStore, on_failure: Callable[[], None], interval_s: float = GROUP_COMMIT_INTERVAL_S
     ) -> None:
         self.store = store
         self.on_failure = on_failure

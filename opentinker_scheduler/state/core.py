@@ -2,7 +2,7 @@
 
 The servicers in :mod:`opentinker_scheduler.api.service` translate protobuf requests into calls on
 :class:`SchedulerCore`, which is driven from one asyncio event loop. Every transition is
-committed to the :class:`~opentinker_scheduler.state.store.Store` before it is acknowledged or
+committed to the :class:`~opentinker_scheduler.state.store.StateStore` before it is acknowledged or
 pushed down a node stream.
 
 Task states: PENDING -> ASSIGNED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED. A lost node puts
@@ -87,7 +87,7 @@ from opentinker_scheduler.state.store import (  # noqa: F401  (STATE_NAMES re-ex
     CANCELLED_BY_USER,
     STATE_NAMES,
     QueueOverride,
-    Store,
+    StateStore,
     TaskRow,
     cancel_error,
 )
@@ -119,7 +119,7 @@ class SchedulerCore:
     def __init__(
         self,
         config: SchedulerConfig,
-        store: Store,
+        store: StateStore,
         *,
         clock: Callable[[], float] = time.monotonic,
         leading: bool = True,
@@ -405,8 +405,8 @@ class SchedulerCore:
 
     def _write_new_tasks(self):
         """In the group commit, before it ends: every new task of the group in one statement
-        (:meth:`~.store.SqlStore.insert_new_tasks`), then into memory in submit order. Where the
-        store sends the statement off the event loop (:meth:`~.store.SqlStore.send_new_tasks`),
+        (:meth:`~.store.StateStore.insert_new_tasks`), then into memory in submit order. Where the
+        store sends the statement off the event loop (:meth:`~.store.StateStore.send_new_tasks`),
         returns ``(future, then)`` for the group commit to finish with once it is done."""
         rows, self._new_tasks = self._new_tasks.rows, _NewTasks()
         items = [(task, ev) for task, ev, _, _ in rows]
@@ -746,7 +746,7 @@ class SchedulerCore:
         """Record that ``task_id``'s artifacts are gone: it has no latest checkpoint any more (so
         it is no ``init_from``, nothing to serve or download), and an ``artifacts_deleted`` event
         (``keys`` deleted, ``size_bytes``, ``by`` whom) ends the list of its checkpoints
-        (``Store.checkpoints``). A call that deleted nothing from a task with no checkpoint listed
+        (``StateStore.checkpoints``). A call that deleted nothing from a task with no checkpoint listed
         (a second ``opentinker rm``) records nothing."""
         task = self.store.get_task(task_id)
         if task is None:
@@ -1666,7 +1666,7 @@ class ClassDemand:
 
 
 def _usage_sums(u: common_pb2.Usage | None) -> tuple:
-    """A ``Usage`` as the sums tuple of :meth:`~.store.SqlStore.task_usage` (zeros for None)."""
+    """A ``Usage`` as the sums tuple of :meth:`~.store.StateStore.task_usage` (zeros for None)."""
     if u is None:
         return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
     return (u.gpu_seconds, u.cpu_task_seconds, u.tokens_generated, u.tokens_trained, u.env_steps, u.cost, u.attempts)
@@ -1677,7 +1677,7 @@ def _struct_dict(spec: common_pb2.TaskSpec, name: str) -> dict:
     return struct_to_dict(getattr(spec, name)) if spec.HasField(name) else {}
 
 
-def init_checkpoint(store: Store, spec: common_pb2.TaskSpec) -> common_pb2.Checkpoint | None:
+def init_checkpoint(store: StateStore, spec: common_pb2.TaskSpec) -> common_pb2.Checkpoint | None:
     """The final checkpoint of ``spec.init_from`` (None when unset or gone from the store)."""
     if not spec.init_from:
         return None

@@ -21,7 +21,7 @@ from opentinker_scheduler.errors import AlreadyExists, InvalidArgument, Permissi
 from opentinker_scheduler.state.nodes import NodeSession
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
 from opentinker_scheduler.state.queue import LiveTasks
-from opentinker_scheduler.state.store import STATE_NAMES, TERMINAL_STATES, Store, TaskRow
+from opentinker_scheduler.state.store import STATE_NAMES, TERMINAL_STATES, StateStore, TaskRow
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -32,7 +32,7 @@ class NodeHost(Protocol):
     """What :class:`NodeProtocol` uses of the core (:class:`~opentinker_scheduler.state.core.SchedulerCore`)."""
 
     config: SchedulerConfig
-    store: Store
+    store: StateStore
     #: Monotonic seconds of ``last_seen`` and the lease checks.
     clock: Callable[[], float]
     tasks: LiveTasks

@@ -1,14 +1,14 @@
 """The PostgreSQL backend of the state store, for several schedulers on one database.
 
-:class:`PostgresStore` runs the SQL of :class:`~opentinker_scheduler.state.store.SqlStore` (the
+:class:`PostgresStore` runs the SQL of :class:`~opentinker_scheduler.state.store.StateStore` (the
 same statements as SQLite, placeholders translated: :func:`~.schema.postgres_query`) on one
 connection taken from a psycopg 3 pool, from the event loop; the lease keeper
 (:mod:`.leadership`) has its own connection from the same pool (:meth:`PostgresStore.lease_channel`).
 
 Durability is the same promise as SQLite's: a transition commits before it is acknowledged or
-pushed (group commit included: by default a group's round trips go out from a committer thread,
-:meth:`_PgDb.behind`, the event loop going on meanwhile, and the group's waiters are released once
-its COMMIT has answered; or its WAL flush runs behind the loop, :class:`_WalFlusher`). On top, every
+pushed. A group commit's round trips go out from a committer thread, :meth:`_PgDb.behind`, the
+event loop going on meanwhile, and the group's waiters are released once its COMMIT has answered.
+On top, every
 transaction of the leader ends with ``SELECT ot_fence(<epoch>); COMMIT`` in one round trip: the
 database refuses it when a newer epoch holds the lease (:class:`~opentinker_scheduler.errors.Fenced`),
 so a leader that lost its lease (stopped, cut off) can never write over its successor.
@@ -39,7 +39,6 @@ import math
 import os
 import re
 import socket
-import sys
 import threading
 import time
 import zlib
@@ -50,7 +49,6 @@ from psycopg import conninfo as pg_conninfo
 from psycopg import pq
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from opentinker_scheduler.config.store import FLUSH_MODES
 from opentinker_scheduler.errors import Fenced, StoreUnavailable
 from opentinker_scheduler.state import schema
 from opentinker_scheduler.state.store import (
@@ -59,7 +57,7 @@ from opentinker_scheduler.state.store import (
     _INSERT_EVENT_SQL,
     _RECORD_USAGE_SQL,
     _UPDATE_TASK_SQL,
-    SqlStore,
+    StateStore,
 )
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -137,7 +135,7 @@ class _Watchdog:
 
 
 class _PgDb:
-    """The store's connection as :class:`SqlStore` uses it: ``execute(sql, params)`` with ``?``
+    """The store's connection as :class:`StateStore` uses it: ``execute(sql, params)`` with ``?``
     placeholders, rows by position or name. Takes a connection from the pool when it has none
     (or its last one broke)."""
 
@@ -426,7 +424,7 @@ _EVENT_ROW_TYPES = ["text", "int8", *_EVENT_TYPES[1:]]
 _USAGE_TYPES = (
     "text int8 text text text text text text int8 float8 float8 float8 float8 float8 float8 float8 int8 float8".split()
 )
-#: The write-behind statements of a transaction (:meth:`SqlStore._take_writes`) as one statement
+#: The write-behind statements of a transaction (:meth:`StateStore._take_writes`) as one statement
 #: each over a jsonb array of their rows, in place of one statement per row (``executemany``
 #: sends and reads each one: per row a socket write and psycopg's pipeline bookkeeping).
 _JSON_WRITES = {
@@ -491,8 +489,8 @@ def _json_rows(rows: list[tuple], types: list[str]) -> str:
     return json.dumps(out, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-class _PgBase(SqlStore):
-    """The PostgreSQL side of :class:`SqlStore`: connection and transaction hooks."""
+class _PgBase(StateStore):
+    """The PostgreSQL side of :class:`StateStore`: connection and transaction hooks."""
 
     kind = "postgres"
     _NOW = "extract(epoch from clock_timestamp())::float8"
@@ -526,32 +524,24 @@ class _PgBase(SqlStore):
         except StoreUnavailable:
             return False
 
-    #: Makes asynchronously committed groups durable (:class:`_WalFlusher`); None: every commit
-    #: waits for its own flush (or, with synchronous_commit off, for none).
-    _flusher: "_WalFlusher | None" = None
-    #: ``flush: thread``: a group commit's last round trip (its writes, the fence, the COMMIT)
-    #: runs on the committer thread (:meth:`_PgDb.behind`).
-    _commit_behind = False
-    _behind: concurrent.futures.Future | None = None  # the last group commit's, on that thread
-    _tx_flush_behind = False  # the open transaction commits asynchronously, or on the committer thread
-    _unflushed = False  # the last commit was asynchronous and nobody has asked for its flush yet
+    _behind: concurrent.futures.Future | None = None  # the last group commit's, on the committer thread
+    _tx_flush_behind = False  # the open transaction is a group commit: it commits on the committer thread
+    _unflushed = False  # the last commit went to the committer thread and nobody has asked for it yet
 
     def _begin(self, flush_behind: bool = False) -> None:
         # Deferred: BEGIN goes out with the transaction's first statement (_PgDb._call), or with
         # its commit when nothing needed an answer before it; no round trip of its own. (A group
         # commit still running on the committer thread is not waited for here: see _commit_writes.)
         self.db.tx_lost = False
-        self._tx_flush_behind = flush_behind and (self._flusher is not None or self._commit_behind)
+        self._tx_flush_behind = flush_behind
         self.db.pending_begin = ["BEGIN"]
-        if self._tx_flush_behind and self._flusher is not None:
-            self.db.pending_begin.append("SET LOCAL synchronous_commit TO off")
 
     def settle(self) -> None:
-        """See :meth:`SqlStore.settle`."""
+        """See :meth:`StateStore.settle`."""
         self.db.settle()
 
     def commit_in_flight(self) -> bool:
-        """See :meth:`SqlStore.commit_in_flight`."""
+        """See :meth:`StateStore.commit_in_flight`."""
         f = self.db.inflight
         return f is not None and not f.done()
 
@@ -592,7 +582,7 @@ class _PgBase(SqlStore):
         if epoch is not None:
             statements.append((f"SELECT ot_fence({int(epoch)})", None))
         statements.append(("COMMIT", None))
-        if self._tx_flush_behind and self._commit_behind:
+        if self._tx_flush_behind:
             self._behind = self.db.behind(statements)  # failed: _behind_failed, and this future
             self._unflushed = True
             return
@@ -601,18 +591,14 @@ class _PgBase(SqlStore):
         except Fenced:
             self._fenced()
             raise
-        self._unflushed = self._tx_flush_behind
 
     def flush_pending(self):
-        """See :meth:`SqlStore.flush_pending`: after a group commit, the future of its commit on
-        the committer thread (``flush: thread``) or a :class:`_WalFlusher` one (``flush:
-        background``); else None."""
+        """See :meth:`StateStore.flush_pending`: after a group commit, the future of its commit on
+        the committer thread; else None."""
         if not self._unflushed:
             return None
         self._unflushed = False
-        if self._commit_behind:
-            return self._behind
-        return self._flusher.request()
+        return self._behind
 
     def _rollback(self) -> None:
         if self.db.pending_begin:  # nothing was sent: nothing to roll back
@@ -674,10 +660,10 @@ class _PgBase(SqlStore):
         return _json_rows(rows, _TASK_TYPES), _json_rows(events, _EVENT_TYPES)
 
     def send_new_tasks(self, items):
-        """See :meth:`SqlStore.send_new_tasks`: with ``flush: thread``, the group's new tasks
-        (:data:`_INSERT_TASKS_SQL`, :attr:`TASKS_PER_INSERT` a statement) go out from the
-        committer thread; the future holds the ids of the rows that went in."""
-        if not (self._commit_behind and self._tx_flush_behind and self._tx_depth and items):
+        """See :meth:`StateStore.send_new_tasks`: the group's new tasks (:data:`_INSERT_TASKS_SQL`,
+        :attr:`TASKS_PER_INSERT` a statement) go out from the committer thread; the future holds
+        the ids of the rows that went in."""
+        if not (self._tx_flush_behind and self._tx_depth and items):
             return None
         self.db.settle()
         if self._tx_failed:
@@ -687,14 +673,14 @@ class _PgBase(SqlStore):
         return self.db.behind([(_INSERT_TASKS_SQL, params)], rows=True)
 
     def new_tasks_sent(self, items, sent):
-        """See :meth:`SqlStore.new_tasks_sent`."""
+        """See :meth:`StateStore.new_tasks_sent`."""
         self.db.settle()
         went_in = {r[0] for r in sent.result()}  # its error: the statement failed (the group fails with it)
         with self._tx():
             return self._new_task_results(items, [task.task_id in went_in for task, _ in items])
 
     def _take_writes(self) -> list[tuple[str, list[tuple]]]:
-        """:meth:`SqlStore._take_writes`, each statement of several rows as one statement over
+        """:meth:`StateStore._take_writes`, each statement of several rows as one statement over
         a jsonb array of them (:data:`_JSON_WRITES`). Task rows are one per task already; usage
         records of one attempt twice stay one statement each, in order (one ``ON CONFLICT DO
         UPDATE`` may not touch a row twice)."""
@@ -730,14 +716,10 @@ class PostgresStore(_PgBase):
         pool_size: most connections this scheduler holds (the loop's, the lease keeper's, spares).
         synchronous_commit: False = PostgreSQL's ``synchronous_commit=off`` for this scheduler's
             sessions (``store.synchronous_commit``): a commit returns before its WAL is flushed.
-        flush: how a group commit (:mod:`.commit`) waits for its COMMIT and WAL flush
-            (``store.flush``): ``"thread"`` (the default) sends the group's last round trip (its
-            writes, the fence, the COMMIT) from a thread of its own on the same connection
-            (:meth:`_PgDb.behind`), so the event loop goes on gathering the next group
-            meanwhile; ``"background"`` (with synchronous_commit) commits the group
-            asynchronously and has :class:`_WalFlusher` flush the WAL on a second connection;
-            ``"inline"`` waits in the COMMIT on the event loop.
-            Either way nothing is acknowledged before it is durable.
+
+    A group commit (:mod:`.commit`) sends its last round trip (its writes, the fence, the COMMIT)
+    from a thread of its own on the same connection (:meth:`_PgDb.behind`), so the event loop goes
+    on gathering the next group meanwhile. Nothing is acknowledged before it is durable.
 
     Raises:
         OSError: the database cannot be reached at start (the message names the DSN, never the
@@ -757,10 +739,7 @@ class PostgresStore(_PgBase):
         pool_size: int = 4,
         application_name: str = "opentinker-scheduler",
         synchronous_commit: bool = True,
-        flush: str = "thread",
     ) -> None:
-        if flush not in FLUSH_MODES:
-            raise ValueError(f"flush: expected one of {', '.join(FLUSH_MODES)}, got {flush!r}")
         if not _SCHEMA_NAME.match(schema_name):
             raise OSError(f"store.schema: expected a plain identifier (letters, digits, _), got {schema_name!r}")
         self.schema_name = schema_name
@@ -799,7 +778,7 @@ class PostgresStore(_PgBase):
         self.pool = ConnectionPool(
             self._conninfo,
             min_size=1,
-            max_size=max(2, pool_size) + (1 if synchronous_commit and flush == "background" else 0),
+            max_size=max(2, pool_size),
             open=False,
             kwargs={"autocommit": True, "row_factory": _row_factory, "prepare_threshold": 5},
             # No check on getconn: a check is a round trip outside the watchdog (a silent network
@@ -825,14 +804,6 @@ class PostgresStore(_PgBase):
             self.close()
             raise
         self.role = "setup"
-        if synchronous_commit and flush == "background":
-            self._flusher = _WalFlusher(self)
-        self._commit_behind = flush == "thread"
-        if self._commit_behind:
-            # The committer thread's answer waits for the interpreter lock while the event loop
-            # runs Python; at the default 5 ms switch interval that wait was most of a commit's
-            # latency under load. 1 ms bounds it (a switch costs microseconds).
-            sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
 
     def _migrate(self) -> None:
         """Apply the missing migrations in one transaction, under an advisory lock (schedulers
@@ -865,92 +836,16 @@ class PostgresStore(_PgBase):
 
     def lease_channel(self) -> "LeaseChannel":
         """A second store view on its own connection, for the lease keeper's thread (the lease
-        methods of :class:`SqlStore`; never the loop's connection)."""
+        methods of :class:`StateStore`; never the loop's connection)."""
         return LeaseChannel(self)
 
     def close(self) -> None:
-        if self._flusher is not None:
-            self._flusher.close()
         self.db.close()
         self.pool.close()
 
 
-class _WalFlusher:
-    """Flushes PostgreSQL's WAL past asynchronously committed group commits, in a thread of its
-    own on a connection of its own, so the event loop never waits in a flush.
-
-    A group commits with ``SET LOCAL synchronous_commit TO off``: its COMMIT returns once its
-    commit record is in the WAL buffers, not on disk. :meth:`request` then asks for a flush; the
-    thread answers every request that arrived before it started with one synchronous commit of its
-    own (an update of the one ``wal_flush`` row). PostgreSQL writes and flushes the WAL in order, so
-    once that commit is on disk so is every commit record before it: the group is as durable as a
-    synchronous commit of its own would have made it (PostgreSQL docs, "Asynchronous Commit"). One
-    flush carries every group committed meanwhile (a group commit of flushes); requests that arrive
-    while one runs wait for the next.
-
-    A failed flush (the database went away, or did not answer within the call timeout) fails its
-    requests with :class:`~opentinker_scheduler.errors.StoreUnavailable`: whether those groups
-    survived is then unknown, and the caller treats them as a failed commit.
-    """
-
-    _FLUSH = "BEGIN; SET LOCAL synchronous_commit TO on; UPDATE wal_flush SET n = n + 1 WHERE id = 1; COMMIT"
-
-    def __init__(self, main: "PostgresStore") -> None:
-        self._channel = LeaseChannel(main)  # a store view with its own connection (any thread's)
-        self._cv = threading.Condition()
-        self._waiting: list[concurrent.futures.Future] = []
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        self.flushes = 0  # how many flushes ran (tests, profiling)
-
-    def request(self) -> concurrent.futures.Future:
-        """A future resolved once every commit made before this call is flushed."""
-        f: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cv:
-            if self._closed:
-                f.set_exception(StoreUnavailable("state store unavailable: the store is closed"))
-                return f
-            self._waiting.append(f)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="pg-wal-flush", daemon=True)
-                self._thread.start()
-            self._cv.notify()
-        return f
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._waiting and not self._closed:
-                    self._cv.wait()
-                if not self._waiting:
-                    return
-                batch, self._waiting = self._waiting, []
-            try:
-                self._channel.db.execute(self._FLUSH, prepare=False)
-            except Exception as exc:  # noqa: BLE001 - StoreUnavailable in practice; every waiter hears it
-                if self._channel.db.in_transaction:
-                    with contextlib.suppress(StoreUnavailable):
-                        self._channel.db.execute("ROLLBACK")
-                for f in batch:
-                    f.set_exception(exc)
-            else:
-                self.flushes += 1
-                for f in batch:
-                    f.set_result(None)
-
-    def close(self) -> None:
-        """Answer what is waiting (one last flush), then end the thread and its connection."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout=self._channel.call_timeout_s + 1.0)
-        self._channel.db.close()
-
-
 class LeaseChannel(_PgBase):
-    """The lease methods of :class:`SqlStore` on a connection of their own (one thread's), and
+    """The lease methods of :class:`StateStore` on a connection of their own (one thread's), and
     the leader's lock: a session-level advisory lock on that connection, which PostgreSQL frees
     the moment the session ends (the scheduler killed, its connection closed or terminated).
 

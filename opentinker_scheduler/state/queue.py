@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Mapping
 
 from opentinker.common.v1 import common_pb2
 
-from opentinker_scheduler.state.store import ACTIVE_STATES, Store, TaskRow
+from opentinker_scheduler.state.store import ACTIVE_STATES, StateStore, TaskRow
 
 QueueKey = tuple[int, float, str]  # (-priority, create_time, task_id)
 
@@ -169,7 +169,7 @@ class LiveTasks:
         self.active: dict[str, TaskRow] = {}
         self.counts: dict[int, int] = {}  # TaskState -> number of tasks, finished ones included
 
-    def load(self, store: Store) -> None:
+    def load(self, store: StateStore) -> None:
         """(Re)read the unfinished tasks and the counts from the store."""
         self.queue = PendingQueue(self.queue_of)
         self.active = {t.task_id: t for t in store.tasks_in_states(ACTIVE_STATES)}
@@ -199,7 +199,7 @@ class LiveTasks:
         self.counts[from_state] -= 1
         self.counts[task.state] = self.counts.get(task.state, 0) + 1
 
-    def reload(self, task_id: str, store: Store) -> None:
+    def reload(self, task_id: str, store: StateStore) -> None:
         """Take the store's row of ``task_id`` again (after a write of it failed)."""
         self.queue.discard(task_id)
         self.active.pop(task_id, None)

@@ -231,8 +231,7 @@ CREATE TABLE IF NOT EXISTS gang_attempts (
 );
 """
 
-#: One row the leader updates on a connection of its own to flush the WAL of group commits that
-#: committed asynchronously (``pg_store._WalFlusher``); unused by SQLite.
+#: A table no code uses now. Applied migrations never change, so it stays in the schema.
 _V7 = """
 CREATE TABLE IF NOT EXISTS wal_flush (
     id  INTEGER PRIMARY KEY,

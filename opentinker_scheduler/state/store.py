@@ -1,13 +1,13 @@
-"""Durable scheduler state: the store interface (:class:`SqlStore`) and its embedded backend,
-SQLite in WAL mode under the configured state directory (:class:`Store`). The PostgreSQL backend
+"""Durable scheduler state: the store interface (:class:`StateStore`) and its embedded backend,
+SQLite in WAL mode under the configured state directory (:class:`SqliteStore`). The PostgreSQL backend
 for several schedulers is :class:`~opentinker_scheduler.state.pg_store.PostgresStore`; which one
-runs is the config's ``store:`` (:func:`~opentinker_scheduler.state.pg_store.open_store`).
+runs is the config's ``store:`` (:func:`open_store`).
 
 Every task transition is one transaction that updates the ``tasks`` row and appends its event;
 it commits before the scheduler acknowledges the RPC or pushes a command, so ``kill -9`` of the
 scheduler loses nothing that was acknowledged. Inside a transaction (a group commit's) the row,
 event and usage-record writes wait until it ends and then go in one ``executemany`` each, a task's
-row once however often it moved (:meth:`SqlStore.update_task`); reads on the store write them first.
+row once however often it moved (:meth:`StateStore.update_task`); reads on the store write them first.
 WAL with ``synchronous=NORMAL`` survives process crashes (a power loss may drop the last
 transactions; set ``synchronous=FULL`` to cover that).
 
@@ -15,7 +15,7 @@ Events are stored as serialized ``opentinker.common.v1.TaskEvent`` messages with
 sequence number starting at 1; metric points are events of kind ``metric``. The tables and their
 versions: :mod:`.schema` (one list of migrations for both backends).
 
-Roles (:attr:`SqlStore.role`): a store writes only as the ``leader``. On SQLite it always is (the
+Roles (:attr:`StateStore.role`): a store writes only as the ``leader``. On SQLite it always is (the
 state directory's lock keeps every other scheduler out); on PostgreSQL the leader lease decides
 (:mod:`.leadership`), and every write transaction of a leader carries its epoch, refused by the
 database once a newer epoch holds the lease (:class:`~opentinker_scheduler.errors.Fenced`). A
@@ -151,7 +151,7 @@ _UPDATE_TASK_SQL = (
 #: events and reads where it ends.
 _UPDATE_TASK_RETURNING_SQL = _UPDATE_TASK_SQL.replace("next_seq=?", "next_seq=next_seq+?") + " RETURNING next_seq"
 _INSERT_EVENT_SQL = "INSERT INTO events (task_id, seq, time, kind, step, payload) VALUES (?,?,?,?,?,?)"
-#: An attempt's usage record, replacing the one of the same task and attempt (:meth:`SqlStore.record_usage`).
+#: An attempt's usage record, replacing the one of the same task and attempt (:meth:`StateStore.record_usage`).
 _RECORD_USAGE_SQL = (
     "INSERT INTO attempt_usage (task_id, attempt, owner, queue, node_id, node_class, workload_type, "
     "model, gpus, start_time, end_time, gpu_seconds, cpu_task_seconds, tokens_generated, tokens_trained, "
@@ -217,7 +217,7 @@ def _sums(r) -> tuple[float, float, float, float, float, float, int]:
 
 @dataclass(frozen=True)
 class UsageRecord:
-    """One attempt's accounted usage, as :meth:`SqlStore.record_usage` writes it (units: seconds,
+    """One attempt's accounted usage, as :meth:`StateStore.record_usage` writes it (units: seconds,
     GPUs, tokens, env steps; cost in ``usage.currency``)."""
 
     task_id: str
@@ -242,7 +242,7 @@ class UsageRecord:
 
 @dataclass(frozen=True)
 class QueueOverride:
-    """A quota queue set at run time (``SetQueueQuota``), as :meth:`SqlStore.set_queue_override`
+    """A quota queue set at run time (``SetQueueQuota``), as :meth:`StateStore.set_queue_override`
     keeps it: applied over the config's ``queues:`` at every start, in ``set_time`` order.
     ``borrowing_*`` None: may borrow any idle quota."""
 
@@ -256,7 +256,7 @@ class QueueOverride:
     set_by: str  # owner of the admin key that set it
 
 
-class SqlStore:
+class StateStore:
     """The state store's interface: everything the scheduler reads and writes, one method per
     question, in SQL shared by both backends (SQLite's dialect: ``?`` placeholders, translated
     for PostgreSQL). Single-threaded use from the event loop.
@@ -352,7 +352,7 @@ class SqlStore:
 
     def _lease_tx(self):
         """The transaction one lease statement runs in: a write transaction of its own."""
-        return SqlStore._Tx(self, fenced=False)
+        return StateStore._Tx(self, fenced=False)
 
     def _lock_alive_sql(self) -> str:
         """A condition (``AND ...``) that the leader's lock session, when the lease names one, is
@@ -462,7 +462,7 @@ class SqlStore:
 
     def send_new_tasks(self, items: list[tuple[TaskRow, common_pb2.TaskEvent]]) -> concurrent.futures.Future | None:
         """:meth:`insert_new_tasks` without waiting on the event loop, where the backend can (on
-        PostgreSQL with ``flush: thread``, the INSERT goes out from its committer thread): a
+        PostgreSQL the INSERT goes out from its committer thread): a
         future to hand to :meth:`new_tasks_sent` once it is done, or None (SQLite, or no group
         transaction open): call :meth:`insert_new_tasks`."""
         return None
@@ -989,7 +989,7 @@ class SqlStore:
             t.attempt_step,
         )
 
-    def batch(self) -> "SqlStore._Tx":
+    def batch(self) -> "StateStore._Tx":
         """One transaction around several writes (``with store.batch(): ...``): one commit instead
         of one per write. Nests: only the outermost block commits; an error anywhere inside rolls
         all of it back."""
@@ -1038,13 +1038,13 @@ class SqlStore:
             out.append((sql, [tuple(v for row in chunk for v in row)]))
         return out
 
-    def transaction(self, *, flush_behind: bool = False) -> "SqlStore._Tx":
+    def transaction(self, *, flush_behind: bool = False) -> "StateStore._Tx":
         """Like :meth:`batch` but without calling ``before_write`` (the group commit's own).
 
-        With ``flush_behind`` the backend may commit without waiting for durability (PostgreSQL
-        with synchronous commit: its WAL flush); the caller must then wait on
+        With ``flush_behind`` the backend may commit without the event loop waiting for it
+        (PostgreSQL: the COMMIT goes out from a committer thread); the caller must then wait on
         :meth:`flush_pending` before it acknowledges anything the transaction wrote."""
-        return SqlStore._Tx(self, flush_behind=flush_behind)
+        return StateStore._Tx(self, flush_behind=flush_behind)
 
     def settle(self) -> None:
         """Wait until a group commit running off the event loop (if any) has ended, and take
@@ -1058,7 +1058,7 @@ class SqlStore:
 
     def flush_pending(self) -> concurrent.futures.Future | None:
         """After a ``transaction(flush_behind=True)`` committed: None when it is durable already
-        (SQLite, or a PostgreSQL commit that waited for its flush), else a future that resolves
+        (SQLite), else a future that resolves
         (in another thread) once it is, or fails with
         :class:`~opentinker_scheduler.errors.StoreUnavailable` when that cannot be known."""
         return None
@@ -1068,7 +1068,7 @@ class SqlStore:
         follower) and begins; at its end it commits, fenced by the epoch when ``fenced`` and the
         store leads with one, or rolls back when anything inside failed."""
 
-        def __init__(self, store: "SqlStore", *, fenced: bool = True, flush_behind: bool = False) -> None:
+        def __init__(self, store: "StateStore", *, fenced: bool = True, flush_behind: bool = False) -> None:
             self.store = store
             self.fenced = fenced
             self.flush_behind = flush_behind
@@ -1109,10 +1109,10 @@ class SqlStore:
                         raise
             return False
 
-    def _tx(self) -> "SqlStore._Tx":
+    def _tx(self) -> "StateStore._Tx":
         if self.before_write is not None:
             self.before_write()
-        return SqlStore._Tx(self)
+        return StateStore._Tx(self)
 
     # --- backend hooks ---------------------------------------------------------------------------
     def _commit_writes(self, audit: list[tuple], epoch: int | None) -> None:
@@ -1146,7 +1146,7 @@ class StateDirInUse(OSError):
     """Another scheduler process holds the state directory's lock."""
 
 
-class Store(SqlStore):
+class SqliteStore(StateStore):
     """The embedded backend: SQLite (WAL) in ``<state_dir>/scheduler.db``, locked to this process.
 
     Raises:
@@ -1250,21 +1250,17 @@ class Store(SqlStore):
         raise sqlite3.OperationalError("transaction rolled back: a write inside it failed")
 
 
-#: The embedded backend by its name.
-SqliteStore = Store
-
-
 def _statements(script: str) -> list[str]:
     """The statements of a migration script (split at ``;`` ending a line; no ``;`` inside them)."""
     return [part.strip() for part in script.split(";\n") if part.strip() and part.strip() != ";"]
 
 
-def open_store(config) -> SqlStore:
+def open_store(config) -> StateStore:
     """The store a :class:`~opentinker_scheduler.config.SchedulerConfig` names (``store:``):
     SQLite under ``state_dir`` (the default), or PostgreSQL (its password read now).
 
     Raises:
-        OSError: as :class:`Store` / :class:`~.pg_store.PostgresStore` (a state directory in use,
+        OSError: as :class:`SqliteStore` / :class:`~.pg_store.PostgresStore` (a state directory in use,
             a database that cannot be reached, a password variable that is unset, ...).
         SchemaTooNew: the store was migrated by a newer scheduler.
     """
@@ -1279,6 +1275,5 @@ def open_store(config) -> SqlStore:
             call_timeout_s=sc.call_timeout_s,
             idle_in_transaction_s=max(1.0, min(5.0, sc.leader_lease_s / 2)),
             synchronous_commit=sc.synchronous_commit,
-            flush=sc.flush,
         )
-    return Store(config.state_dir)
+    return SqliteStore(config.state_dir)

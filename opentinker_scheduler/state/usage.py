@@ -32,7 +32,7 @@ from typing import Callable
 from opentinker.common.v1 import common_pb2
 
 from opentinker_scheduler.config.usage import UsageConfig
-from opentinker_scheduler.state.store import SqlStore, TaskRow, UsageRecord
+from opentinker_scheduler.state.store import StateStore, TaskRow, UsageRecord
 
 #: Per-step metric keys that count tokens sampled (rollouts), first present wins.
 GENERATED_KEYS = ("grpo/tokens", "rollout/tokens", "tokens_generated")
@@ -83,7 +83,7 @@ class Meter:
 
 
 def usage_proto(sums: tuple, extra: UsageRecord | None = None) -> common_pb2.Usage:
-    """``opentinker.common.v1.Usage`` of store sums (:meth:`SqlStore.task_usage`), plus a live
+    """``opentinker.common.v1.Usage`` of store sums (:meth:`StateStore.task_usage`), plus a live
     attempt's ``extra`` record when given."""
     gpu_s, cpu_s, gen, trained, env, cost, attempts = sums
     if extra is not None:
@@ -115,7 +115,7 @@ class UsageMeters:
             after a scheduler restart is known by then).
     """
 
-    def __init__(self, store: SqlStore, config: UsageConfig, node_class_of: Callable[[str], str]) -> None:
+    def __init__(self, store: StateStore, config: UsageConfig, node_class_of: Callable[[str], str]) -> None:
         self.store = store
         self.config = config
         self.node_class_of = node_class_of

@@ -13,9 +13,7 @@ runs padded batches (:func:`opentinker_trainer.rl.rollout.position_ids_from_mask
 * **step** (:meth:`DecodeBatch.forward`): ``[B, 1]`` last tokens, mask ``[B, W + 1]``,
   ``position_ids[b]`` = real tokens of row ``b`` so far; rows of different adapters run in the
   same pass (``model_for`` gets each row's adapter name, ``"__base__"`` for base-model rows: the
-  runtime groups them by adapter, :mod:`~.lora_rows`, or passes PEFT's ``adapter_names``), or the
-  caller keeps one batch per adapter and activates it (``group_by_adapter``; both measured in
-  ``scripts/bench_inference.py``);
+  runtime groups them by adapter, :mod:`~.lora_rows`, or passes PEFT's ``adapter_names``);
 * **retire** (:meth:`DecodeBatch.remove`): ``batch_select_indices`` keeps the other rows, and
   leading columns that are padding in every remaining row are cut.
 
@@ -150,8 +148,6 @@ class DecodeBatch:
             when adapters are loaded).
         cache_kw: the model's key/value-cache argument name (``cache`` or ``past_key_values``).
         device: the model's device.
-        mixed: pass per-row ``adapter_names`` (rows of any adapter in one pass); ``False``: the
-            caller activated the one adapter all rows use before :meth:`forward`.
         prefix: cached prompt prefixes to reuse in :meth:`prefill` (None: every prompt runs whole).
         config: the model's config (builds the key/value cache of a reused prefix).
     """
@@ -162,7 +158,6 @@ class DecodeBatch:
         model_for,
         cache_kw: str,
         device: torch.device,
-        mixed: bool,
         prefix: PrefixCache | None = None,
         config=None,
     ) -> None:
@@ -171,7 +166,6 @@ class DecodeBatch:
         self.config = config
         self.cache_kw = cache_kw
         self.device = device
-        self.mixed = mixed
         self.members: list[Member] = []
         self.cache = None
         self.mask: torch.Tensor | None = None  # [B, W] long, 1 = real token
@@ -185,8 +179,6 @@ class DecodeBatch:
         return 0 if self.mask is None else int(self.mask.shape[1])
 
     def _names(self, members) -> list[str] | None:
-        if not self.mixed:
-            return None
         return [m.adapter or BASE_ROW for m in members for _ in range(m.n)]
 
     @torch.inference_mode()
@@ -216,7 +208,7 @@ class DecodeBatch:
         extra = {}
         if past:
             extra[self.cache_kw] = _cache_from(self.config, found, past)
-        model, kw = self.model_for([m.adapter or BASE_ROW for m in members] if self.mixed else None)
+        model, kw = self.model_for([m.adapter or BASE_ROW for m in members])
         out = model(
             input_ids=ids,
             attention_mask=mask,

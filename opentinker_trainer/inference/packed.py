@@ -9,37 +9,30 @@ The same products through oneDNN on weights reordered once into its blocked layo
 freezes weights; run by ``torch.ops.mkldnn._linear_pointwise``): 54 / 36 / 74 / 146 ms. A decode
 step of a few rows then costs about what one row costs, which is what continuous batching needs.
 
-:class:`PackedLinears` turns every plain float32 ``torch.nn.Linear`` of the model on CPU (not the
-LoRA ``A`` / ``B`` matrices, which are small and grouped elsewhere) into a
-:class:`PackedLinear`: the same module, weights and state dict, whose ``forward`` uses the
-packed copy only inside :meth:`PackedLinears.use` on the calling thread and in inference mode;
-anywhere else (training on a model host's shared model, ``model.generate`` in a benchmark,
-another thread) it is ``nn.Linear``'s own ``forward``. The packed copy is rebuilt when the
-weight changes (new storage or an in-place update: its version counter), e.g. after an
-optimizer step of a full-weight tenant.
+On a model the server owns, :func:`pack_linears` reorders the weight of every plain float32
+``nn.Linear`` on CPU into that layout and the packed weight replaces the plain one: the layer
+becomes a :class:`PackedLinear` whose ``weight`` is empty, so the model holds its weights once.
+Not the LoRA ``A`` / ``B`` matrices, which are small and grouped elsewhere, and not a layer whose
+weight another module shares, such as an ``lm_head`` tied to the embeddings. A model host's
+shared model is never packed: its training tenants need the plain weights and their gradients.
 
-Costs: a second copy of the packed layers' weights (the model's size again, in float32); the
-numbers differ from MKL's by float rounding (another summation order), the same for a row
-alone and in a batch. Nothing changes on other devices, other dtypes, or where the
-``mkldnn`` operators are missing.
+Costs: the numbers differ from MKL's by float rounding, another summation order, the same for a
+row alone and in a batch. A packed layer has no gradient. Nothing changes on other devices,
+other dtypes, or where the ``mkldnn`` operators are missing.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import weakref
+import collections
 
 import torch
 from torch import nn
 
-__all__ = ["PackedLinear", "PackedLinears", "available"]
+__all__ = ["PackedLinear", "available", "pack_linears"]
 
 # The batch-size hint of the reorder: oneDNN picks its blocking for it; measured, 16 is as fast
 # as the exact size for 1 to 46 rows.
 _HINT = 16
-
-_active = threading.local()  # .store: the PackedLinears in use on this thread, else absent
 
 
 def available(device: torch.device) -> bool:
@@ -53,73 +46,34 @@ def available(device: torch.device) -> bool:
 
 
 class PackedLinear(nn.Linear):
-    """``nn.Linear`` that runs on its oneDNN-packed weight inside :meth:`PackedLinears.use`."""
+    """``nn.Linear`` whose weight lives only in oneDNN's blocked layout (``packed``)."""
+
+    packed: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        store = getattr(_active, "store", None)
-        if store is not None and torch.is_inference_mode_enabled() and x.dtype == torch.float32:
-            packed = store.packed(self)
-            if packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-        return super().forward(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-class PackedLinears:
-    """The packed weights of ``model``'s plain float32 CPU ``Linear`` layers (see the module
-    docstring). Construction swaps their class to :class:`PackedLinear` (nothing else changes);
-    :meth:`close` swaps it back and drops the copies."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self._store: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, int], torch.Tensor]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self.modules: list[nn.Module] = []
+def pack_linears(model: nn.Module) -> list[PackedLinear]:
+    """Pack the weight of every plain float32 CPU ``Linear`` of ``model`` in place of the plain
+    one, as the module docstring says. Returns the packed layers."""
+    uses = collections.Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
+    out: list[PackedLinear] = []
+    with torch.inference_mode(False), torch.no_grad():
         for name, module in model.named_modules():
             if type(module) is not nn.Linear or "lora_" in name:
                 continue
             w = module.weight
-            if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
+            if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or uses[w.data_ptr()] > 1:
                 continue
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _HINT)
+            module.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
             module.__class__ = PackedLinear
-            self.modules.append(module)
-
-    def close(self) -> None:
-        for module in self.modules:
-            if type(module) is PackedLinear:
-                module.__class__ = nn.Linear
-        self.modules = []
-        self._store = weakref.WeakKeyDictionary()
-
-    @contextlib.contextmanager
-    def use(self):
-        """Packed weights for this thread's inference-mode passes inside the block (nests)."""
-        before = getattr(_active, "store", None)
-        _active.store = self
-        try:
-            yield
-        finally:
-            _active.store = before
-
-    def pack_all(self) -> None:
-        """Pack every layer now (else each on its first use)."""
-        with torch.inference_mode(False), torch.no_grad():
-            for module in self.modules:
-                self.packed(module)
-
-    def packed(self, module: nn.Module) -> torch.Tensor | None:
-        """``module``'s packed weight, rebuilt when the weight changed; None when not packed."""
-        w = module.weight
-        if w.dtype != torch.float32 or w.device.type != "cpu":
-            return None
-        try:
-            key = (w.data_ptr(), w._version)
-        except RuntimeError:  # an inference tensor has no version counter (and cannot change in place)
-            key = (w.data_ptr(), -1)
-        entry = self._store.get(module)
-        if entry is not None and entry[0] == key:
-            return entry[1]
-        if module not in self.modules:
-            return None
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _HINT)
-        self._store[module] = (key, packed)
-        return packed
+            out.append(module)
+        # A loaded model's tensors may all live in the checkpoint file mapped in memory, which
+        # stays mapped while any of them does: every tensor left plain gets memory of its own,
+        # so the file's pages, the plain weights included, are released.
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.numel():
+                t.data = t.data.clone()
+    return out

@@ -13,7 +13,7 @@ forward pass and every adapter load runs on a single model thread. Each engine i
 3. **prefill first**: the admitted prompts run in one left-padded pass on their own, and their
    first tokens are handed out right away; the new rows join the batch;
 4. runs **one decode step of every running row in one forward pass** (:class:`~.batch.DecodeBatch`;
-   rows of different adapters together, or one batch per adapter with ``group_by_adapter``),
+   rows of different adapters together, each adapter's LoRA over its own rows: :mod:`~.lora_rows`),
    samples each request with its own settings and generator, and hands every request its
    tokens; stop strings are checked right away, so a stopped sample ends before the next step.
 
@@ -28,11 +28,11 @@ first-in-first-out rule and bounds, and runs its prefill right there, nested in 
 step's rows are paused between two layers, their hidden states untouched); the first token goes
 out at once and the new rows join the batch when the step ends. The nested pass must run in the
 step's LoRA mode (base with LoRA layers off, or grouped rows), whose row plan is saved and put
-back around it; with ``group_by_adapter`` or PEFT's ``adapter_names`` the request waits for the
-step instead. A resident adapter is pinned on arrival without a model-thread hop. The prefill is
-not chunked: on one CPU thread a prompt's prefill is compute-bound, so chunking it would only
-spread the same work over more steps; a reused prompt prefix (:mod:`~.prefix_cache`) is what
-makes it shorter.
+back around it; where the step's adapters cannot run grouped and pass PEFT's ``adapter_names``,
+the request waits for the step instead. A resident adapter is pinned on arrival without a
+model-thread hop. The prefill is not chunked: on one CPU thread a prompt's prefill is
+compute-bound, so chunking it would only spread the same work over more steps; a reused prompt
+prefix (:mod:`~.prefix_cache`) is what makes it shorter.
 
 No starvation: every running row advances by one token on every step, whatever its length, so
 a long generation slows a short one by its share of the batch but never blocks it; and the
@@ -63,12 +63,12 @@ from typing import AsyncIterator, Callable, Sequence
 from opentinker_trainer.inference.adapters import AdapterRegistry
 from opentinker_trainer.inference.batch import BASE_ROW, DecodeBatch, Member
 from opentinker_trainer.inference.engine import FINISH_STOP, SamplingParams, cache_kwarg
-from opentinker_trainer.inference.packed import PackedLinears
 from opentinker_trainer.inference.packed import available as packing_available
+from opentinker_trainer.inference.packed import pack_linears
 from opentinker_trainer.inference.prefix_cache import PrefixCache
 from opentinker_trainer.inference.text import TextStream
 
-__all__ = ["BadRequest", "WrongModel", "Busy", "Prepared", "StepEvent", "ModelRuntime"]
+__all__ = ["BadRequest", "WrongModel", "Busy", "Prepared", "StepEvent", "RuntimeConfig", "SharedModel", "ModelRuntime"]
 
 MAX_SAMPLES = 64
 MAX_STOPS = 8
@@ -117,6 +117,85 @@ def _context_length(model) -> int:
     return 2048
 
 
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The bounds and switches of a :class:`ModelRuntime`; a task's ``inference`` spec sets them.
+
+    Attributes:
+        max_resident_adapters: adapters kept loaded at most; the least recently used is evicted.
+        max_concurrent: requests decoding in the batch at once.
+        max_batch_sequences: rows decoding at once; a request with ``n`` samples takes ``n``.
+        max_batch_tokens: key/value tokens the batch reserves, ``n * (prompt + max_tokens)`` per
+            request; a request needing more on its own is refused with :class:`BadRequest`.
+        max_queued: requests waiting for room; beyond, :class:`Busy`.
+        max_prefill_tokens: prompt tokens prefilled per step; at least one request per step.
+        prefix_cache_tokens: prompt-prefix key/values kept for reuse, in tokens; 0 turns it off.
+        prefix_block: the reuse granularity in tokens. A prompt that starts with the same complete
+            blocks as an earlier one on the same adapter prefills only the rest (:mod:`~.prefix_cache`).
+        admit_mid_step: a request arriving during a decode step is prefilled between two of the
+            step's layers, so its first token does not wait for the rest of the step; False: at
+            the next engine step.
+        packed_weights: on CPU, the model's float32 ``Linear`` layers run on their weights
+            packed for oneDNN, which replace the plain ones (:mod:`~.packed`). Not on a model
+            host's shared model, on other devices, or with False: the layers run as they are.
+
+    Raises:
+        ValueError: a bound out of range, naming the field.
+    """
+
+    max_resident_adapters: int = 8
+    max_concurrent: int = 16
+    max_batch_sequences: int = 64
+    max_batch_tokens: int = 65536
+    max_queued: int = 64
+    max_prefill_tokens: int = 2048
+    prefix_cache_tokens: int = 1024
+    prefix_block: int = 16
+    admit_mid_step: bool = True
+    packed_weights: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_resident_adapters", "max_concurrent", "max_batch_sequences", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)}")
+        for name in ("max_prefill_tokens", "prefix_block"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)}")
+        for name in ("max_queued", "prefix_cache_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class SharedModel:
+    """A runtime's place on a model host, whose model training tenants use too.
+
+    Attributes:
+        host: the model host; the runtime's adapters live on its model
+            (:class:`~.adapters.AdapterRegistry`).
+        adapter_prefix: the PEFT name prefix of this runtime's adapters on the host's model.
+        turn: the serving tenant's turn (``WorkerContext.turn``). Every model-thread call (an
+            adapter load, a prefill pass, a decode step of the batch) runs as one turn, so no
+            training tenant's step runs in the middle of it, and no forward pass of this runtime
+            in the middle of a training step. The caller builds the runtime inside a turn too: it
+            puts the model in eval mode.
+        turn_slice: seconds a turn may be kept over several such calls while the batch has work
+            (the serving tenant's ``Tenant.turn_slice``: as long as a training tenant's last turn,
+            so serving and each training tenant get about equal model time per cycle).
+        live: ``adapter name -> pinned version or None``, called on the model thread in a turn
+            when a request arrives. For a training tenant of the host it copies that tenant's
+            adapter as it is now, between two of its steps, and pins it under
+            ``<task id>@<step>`` (:meth:`~.adapters.AdapterRegistry.acquire_copy`). None: the
+            request goes by ``resolve`` as anywhere.
+    """
+
+    host: object
+    adapter_prefix: str
+    turn: Callable[[], "contextlib.AbstractContextManager"]
+    turn_slice: Callable[[], float]
+    live: Callable[[str], str | None] | None = None
+
+
 class ModelRuntime:
     """A base model, its tokenizer and adapters, served to concurrent requests.
 
@@ -126,51 +205,15 @@ class ModelRuntime:
         stop_token_ids: ids that end a sample (EOS, end of turn).
         resolve: adapter name -> checkpoint folder (may block: runs off the model thread);
             raises :class:`~.adapters.AdapterNotFound` / :class:`~.adapters.AdapterRefused`.
-        max_resident_adapters: adapters kept loaded at most (least recently used evicted).
-        max_concurrent: requests decoding in the batch at once.
-        max_batch_sequences: rows decoding at once (a request with ``n`` samples takes ``n``).
-        max_batch_tokens: key/value tokens reserved by the batch, ``n * (prompt + max_tokens)``
-            per request; a request needing more on its own is refused (:class:`BadRequest`).
-        max_queued: requests waiting for room; beyond, :class:`Busy`.
-        max_prefill_tokens: prompt tokens prefilled per step (at least one request per step).
-        group_by_adapter: one batch per adapter (activated per forward pass) instead of one
-            batch of mixed rows.
-        grouped_lora: mixed rows compute their LoRA grouped by adapter
-            (:mod:`~.lora_rows`); ``False``: PEFT's per-row ``adapter_names`` (the benchmark's
-            comparison).
-        prefix_cache_tokens, prefix_block: prompt-prefix key/values kept for reuse, in tokens
-            (0: off), and the reuse granularity (:mod:`~.prefix_cache`: a prompt starting with
-            the same complete blocks of tokens as an earlier one on the same adapter prefills
-            only the rest).
-        admit_mid_step: a request arriving during a decode step is prefilled between two of
-            the step's layers (its first token does not wait for the rest of the step); False:
-            at the next engine step.
-        packed_weights: on CPU, the prefill and decode passes run the model's float32
-            ``Linear`` layers on oneDNN-packed copies of their weights (:mod:`~.packed`: a
-            few rows cost about what one row costs; the weights' memory once more); elsewhere,
-            and with ``False``, the layers run as they are.
-        turn: on a model host's shared model, the serving tenant's turn
-            (``WorkerContext.turn``): every model-thread call (an adapter load, a prefill pass,
-            a decode step of the batch) runs as one turn, so no training tenant's step runs in the
-            middle of it, and no forward pass of this runtime in the middle of a training step.
-            The caller builds the runtime inside a turn too (it puts the model in eval mode).
-        turn_slice: seconds a turn may be kept over several such calls while the batch has work
-            (the serving tenant's ``Tenant.turn_slice``: as long as a training tenant's last
-            turn, so serving and each training tenant get about equal model time per cycle);
-            None: each call is a turn of its own.
-        shared, adapter_prefix: the host and the PEFT name prefix of this runtime's adapters
-            (:class:`~.adapters.AdapterRegistry`); None: the runtime owns ``model``.
-        live: on a model host, ``adapter name -> pinned version or None``, called on the model
-            thread (in a turn) when a request arrives: for a training tenant of the host, its
-            adapter copied as it is now, between two of its steps, and pinned under
-            ``<task id>@<step>`` (:meth:`~.adapters.AdapterRegistry.acquire_copy`); None: no
-            such tenant, the request goes by ``resolve`` as anywhere.
+        config: bounds and switches (:class:`RuntimeConfig`).
+        shared: on a model host, the runtime's place there (:class:`SharedModel`); None: the
+            runtime owns ``model``.
 
     Versions: a request naming an adapter by its task id alone is pinned, when it arrives, to the
-    version ``live(name)`` gives (a training tenant's adapter on the same host, after its newest
-    step) or else ``resolve.current(name)`` names (a running training task's newest checkpoint,
-    ``<task id>@<step>``; :meth:`~.resolve.SchedulerResolver.current`), and keeps it to its
-    last token; a resolver without ``current`` leaves the name as it is.
+    version ``shared.live(name)`` gives (a training tenant's adapter on the same host, after its
+    newest step) or else ``resolve.current(name)`` names (a running training task's newest
+    checkpoint, ``<task id>@<step>``; :meth:`~.resolve.SchedulerResolver.current`), and keeps it to
+    its last token; a resolver without ``current`` leaves the name as it is.
     """
 
     def __init__(
@@ -181,53 +224,26 @@ class ModelRuntime:
         model,
         stop_token_ids: Sequence[int],
         resolve: Callable[[str], Path] | None = None,
-        max_resident_adapters: int = 8,
-        max_concurrent: int = 16,
-        max_batch_sequences: int = 64,
-        max_batch_tokens: int = 65536,
-        max_queued: int = 64,
-        max_prefill_tokens: int = 2048,
-        group_by_adapter: bool = False,
-        grouped_lora: bool = True,
-        prefix_cache_tokens: int = 1024,
-        prefix_block: int = 16,
-        admit_mid_step: bool = True,
-        packed_weights: bool = True,
-        turn: Callable[[], "contextlib.AbstractContextManager"] | None = None,
-        turn_slice: Callable[[], float] | None = None,
-        live: Callable[[str], str | None] | None = None,
-        shared=None,
-        adapter_prefix: str = "",
+        config: RuntimeConfig = RuntimeConfig(),
+        shared: SharedModel | None = None,
     ) -> None:
-        for name, value in (
-            ("max_concurrent", max_concurrent),
-            ("max_batch_sequences", max_batch_sequences),
-            ("max_batch_tokens", max_batch_tokens),
-            ("max_prefill_tokens", max_prefill_tokens),
-        ):
-            if value < 1:
-                raise ValueError(f"{name}: expected an integer >= 1, got {value}")
-        if max_queued < 0:
-            raise ValueError(f"max_queued: expected an integer >= 0, got {max_queued}")
         model.eval()
+        self.config = config
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.registry = AdapterRegistry(
-            model, resolve, max_resident=max_resident_adapters, shared=shared, prefix=adapter_prefix
+            model,
+            resolve,
+            max_resident=config.max_resident_adapters,
+            shared=shared.host if shared is not None else None,
+            prefix=shared.adapter_prefix if shared is not None else "",
         )
-        self._turn = turn
-        self._turn_slice = turn_slice
-        self._live = live
+        self._turn = shared.turn if shared is not None else None
+        self._turn_slice = shared.turn_slice if shared is not None else None
+        self._live = shared.live if shared is not None else None
         self._held: tuple | None = None  # (the turn's context manager, when taken, was training)
         self.stop_token_ids = list(stop_token_ids)
         self.context_length = _context_length(model)
-        self.max_concurrent = max_concurrent
-        self.max_batch_sequences = max_batch_sequences
-        self.max_batch_tokens = max_batch_tokens
-        self.max_queued = max_queued
-        self.max_prefill_tokens = max_prefill_tokens
-        self.group_by_adapter = group_by_adapter
-        self.grouped_lora = grouped_lora
         self.running = 0  # requests between their start and the release of their row and adapter
         self.steps = 0  # batch steps run (all requests): prefill passes and decode steps
         self.decode_steps = 0  # decode steps of the whole batch run
@@ -238,7 +254,7 @@ class ModelRuntime:
         self.max_batch_rows_seen = 0  # most rows one step decoded (a figure for tests and benchmarks)
         self._queue: collections.deque[_Job] = collections.deque()
         self._admitted: list[_Job] = []
-        self._batches: dict[str, DecodeBatch] = {}
+        self._batch: DecodeBatch | None = None  # the running rows; None when there are none
         self._engine: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._device = next(model.parameters()).device
@@ -251,26 +267,16 @@ class ModelRuntime:
         self._early_jobs: list[_Job] = []  # admitted during the decode step in flight
         self._early_rows: list[tuple] = []  # their prefilled rows, added when it ends
         self._in_early = False
-        self._early_off = not admit_mid_step
         self._layers = _decoder_layers(model)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.prefix = PrefixCache(block=prefix_block, max_tokens=prefix_cache_tokens)
+        self.prefix = PrefixCache(block=config.prefix_block, max_tokens=config.prefix_cache_tokens)
         self.registry.on_delete = self.prefix.forget
-        self._packed: PackedLinears | None = None
-        if packed_weights and packing_available(self._device):
-            self._packed = PackedLinears(model)
-            self._packed.pack_all()
+        if config.packed_weights and shared is None and packing_available(self._device):
+            pack_linears(model)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
         self._release_turn()  # the model thread is gone: a turn it held goes back from here
-        if self._packed is not None:  # the model's Linear layers are plain ones again
-            self._packed.close()
-            self._packed = None
-
-    def _passes(self):
-        """Model thread: the context of this runtime's forward passes (packed weights or none)."""
-        return self._packed.use() if self._packed is not None else contextlib.nullcontext()
 
     async def stop_engine(self) -> None:
         """Cancel the engine task (the server is stopping); waiting requests get cancelled."""
@@ -382,15 +388,15 @@ class ModelRuntime:
                 f"beyond the model's context of {self.context_length} tokens"
             )
         need = params.n * (len(prompt_ids) + params.max_tokens)
-        if need > self.max_batch_tokens:
+        if need > self.config.max_batch_tokens:
             raise BadRequest(
                 f"sampling.max_tokens: n * (prompt + max_tokens) = {params.n} * ({len(prompt_ids)} + "
                 f"{params.max_tokens}) = {need} tokens, more than this server's batch holds "
-                f"(max_batch_tokens {self.max_batch_tokens})"
+                f"(max_batch_tokens {self.config.max_batch_tokens})"
             )
-        if params.n > self.max_batch_sequences:
+        if params.n > self.config.max_batch_sequences:
             raise BadRequest(
-                f"sampling.n: expected at most {self.max_batch_sequences} (max_batch_sequences), got {params.n}"
+                f"sampling.n: expected at most {self.config.max_batch_sequences} (max_batch_sequences), got {params.n}"
             )
         return Prepared(prompt_ids, params, adapter or None)
 
@@ -407,7 +413,7 @@ class ModelRuntime:
         """
         self._start_engine()
         job = _Job(req, asyncio.Queue())
-        if self._must_wait(job) and len(self._queue) >= self.max_queued:
+        if self._must_wait(job) and len(self._queue) >= self.config.max_queued:
             raise Busy(self._full_message())
         self.running += 1
         try:
@@ -429,7 +435,7 @@ class ModelRuntime:
                     path = await asyncio.to_thread(self.registry.resolve, req.adapter)
                     await self._on_model_thread(self.registry.acquire, req.adapter, path)
                 job.pinned = True
-            if self._must_wait(job) and len(self._queue) >= self.max_queued:
+            if self._must_wait(job) and len(self._queue) >= self.config.max_queued:
                 raise Busy(self._full_message())  # the queue filled while the adapter loaded
             decode_text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
             job.member = Member.create(req.prompt_ids, req.params, req.adapter, self.stop_token_ids, self._device)
@@ -461,7 +467,7 @@ class ModelRuntime:
     @property
     def batch_rows(self) -> int:
         """Sequences (rows) in the running batch now."""
-        return sum(b.rows for b in self._batches.values())
+        return self._batch.rows if self._batch is not None else 0
 
     def _finalize(self, job: "_Job") -> None:
         if job.finalized:
@@ -479,9 +485,9 @@ class ModelRuntime:
         count, rows, tokens = load
         p = req.params
         return (
-            count + 1 <= self.max_concurrent
-            and rows + p.n <= self.max_batch_sequences
-            and tokens + p.n * (len(req.prompt_ids) + p.max_tokens) <= self.max_batch_tokens
+            count + 1 <= self.config.max_concurrent
+            and rows + p.n <= self.config.max_batch_sequences
+            and tokens + p.n * (len(req.prompt_ids) + p.max_tokens) <= self.config.max_batch_tokens
         )
 
     def _must_wait(self, job: "_Job") -> bool:
@@ -491,10 +497,11 @@ class ModelRuntime:
 
     def _full_message(self) -> str:
         count, rows, tokens = self._load(self._admitted)
+        cfg = self.config
         return (
-            f"the request queue is full: {self.queued} requests waiting (max_queued_requests {self.max_queued}) "
-            f"behind {count} decoding (max_concurrent_requests {self.max_concurrent}; "
-            f"{rows} of {self.max_batch_sequences} sequences, {tokens} of {self.max_batch_tokens} batch tokens); "
+            f"the request queue is full: {self.queued} requests waiting (max_queued_requests {cfg.max_queued}) "
+            f"behind {count} decoding (max_concurrent_requests {cfg.max_concurrent}; "
+            f"{rows} of {cfg.max_batch_sequences} sequences, {tokens} of {cfg.max_batch_tokens} batch tokens); "
             "retry later"
         )
 
@@ -541,7 +548,7 @@ class ModelRuntime:
                     self.decode_steps += 1
                     self._deliver(results)
             except Exception as exc:  # noqa: BLE001 - every request in the batch gets the error
-                self._batches = {}
+                self._batch = None
                 for job in gone + self._admitted:
                     job.events.put_nowait(exc)
                     self._finalize(job)
@@ -555,7 +562,7 @@ class ModelRuntime:
         Marks them admitted. Engine loop, or the model thread while the engine loop waits for it
         (the loop thread then only appends to the queue)."""
         admit: list[_Job] = []
-        budget = self.max_prefill_tokens
+        budget = self.config.max_prefill_tokens
         load = self._load(kept)
         while self._queue:
             job = self._queue[0]
@@ -577,7 +584,7 @@ class ModelRuntime:
         """Model thread, in a decode step: whether a prefill may run between two of its layers.
         Only when the step's rows run the base with LoRA off (all on the base, or grouped LoRA):
         the prefill then runs in that same mode, and the step's row plan is put back after it."""
-        if self.group_by_adapter or not self.grouped_lora or self._early_off:
+        if not self.config.admit_mid_step:
             return False
         return self.registry.rows_mode()
 
@@ -604,7 +611,7 @@ class ModelRuntime:
             return
         self._early_jobs.extend(jobs)
         self.admitted_mid_step += len(jobs)
-        batch = self._batches.get("") or self._new_batch()
+        batch = self._batch or self._new_batch()
         saved = self.registry.save_rows()
         try:
             members = [j.member for j in jobs]
@@ -652,19 +659,18 @@ class ModelRuntime:
         return events
 
     def _model_for(self, names):
-        """The model to call and its extra arguments for rows of adapters ``names`` (``None``: the
-        caller activated the one adapter). Rows with adapters run grouped by adapter
-        (:meth:`AdapterRegistry.activate_rows`: the base once for all rows, each adapter's LoRA
-        over its rows only), rows all on the base with LoRA off; where the adapters cannot run
-        grouped, rows all of one adapter run it activated and mixed rows pass PEFT's
-        ``adapter_names``."""
+        """The model to call and its extra arguments for rows of adapters ``names``. Rows with
+        adapters run grouped by adapter (:meth:`AdapterRegistry.activate_rows`: the base once for
+        all rows, each adapter's LoRA over its rows only), rows all on the base with LoRA off;
+        where the adapters cannot run grouped, rows all of one adapter run it activated and mixed
+        rows pass PEFT's ``adapter_names``."""
         reg = self.registry
-        if names is None or reg.model is reg.base:
+        if reg.model is reg.base:
             return reg.base, {}
         if all(n == BASE_ROW for n in names):
             reg.activate(None)
             return reg.base, {}
-        if self.grouped_lora and reg.activate_rows([None if n == BASE_ROW else n for n in names]):
+        if reg.activate_rows([None if n == BASE_ROW else n for n in names]):
             return reg.base, {}
         if len(set(names)) == 1:
             reg.activate(None if names[0] == BASE_ROW else names[0])
@@ -677,32 +683,23 @@ class ModelRuntime:
             model_for=self._model_for,
             cache_kw=self._cache_kw,
             device=self._device,
-            mixed=not self.group_by_adapter,
             prefix=self.prefix,
             config=self._config,
         )
 
     def _prefill_step(self, admit: list["_Job"], gone: set[Member]) -> dict:
-        """Model thread: drop the ``gone`` rows, prefill ``admit`` (one pass per batch) and choose
+        """Model thread: drop the ``gone`` rows, prefill ``admit`` in one pass and choose
         each one's first token; the new rows join the batch. Returns each admitted request's events."""
-        with self._passes():
-            return self._prefill_passes(admit, gone)
-
-    def _prefill_passes(self, admit: list["_Job"], gone: set[Member]) -> dict:
         self._drop(gone)
         chosen: dict = {}
-        groups: dict[str, list[_Job]] = {}  # one prefill pass per batch (per adapter when grouped)
-        for job in admit:
-            groups.setdefault(job.member.adapter or "" if self.group_by_adapter else "", []).append(job)
-        for key, jobs_in in groups.items():
-            batch = self._batches.get(key) or self._new_batch()
-            self._activate(key or None)
-            members = [j.member for j in jobs_in]
+        if admit:  # one prefill pass for every admitted prompt
+            batch = self._batch or self._new_batch()
+            members = [j.member for j in admit]
             logits, cache, mask = batch.prefill(members)
-            for job, lg in zip(jobs_in, logits):
+            for job, lg in zip(admit, logits):
                 chosen[job] = job.member.sample(lg)
             batch.add(members, cache, mask)
-            self._batches[key] = batch
+            self._batch = batch
         return self._finish_step(chosen)
 
     def _decode_step(self) -> dict:
@@ -710,36 +707,29 @@ class ModelRuntime:
 
         Requests that arrive during the step are prefilled between two of its layers
         (:meth:`_layer_hook`); their rows join the batch after it."""
-        with self._passes():
-            return self._decode_passes()
-
-    def _decode_passes(self) -> dict:
         chosen: dict = {}
         jobs = {j.member: j for j in self._admitted}
         handles = [layer.register_forward_pre_hook(self._layer_hook) for layer in self._layers]
         try:
-            for key, batch in self._batches.items():
-                self._activate(key or None)
-                for m, logits in zip(batch.members, batch.forward()):
+            if self._batch is not None:
+                for m, logits in zip(self._batch.members, self._batch.forward()):
                     chosen[jobs[m]] = m.sample(logits)
         finally:
             for handle in handles:
                 handle.remove()
             early, self._early_rows = self._early_rows, []
         if early:
-            batch = self._batches.get("") or self._new_batch()
+            batch = self._batch or self._new_batch()
             for members, cache, mask in early:
                 batch.add(members, cache, mask)
-            self._batches[""] = batch
             batch.remove({m for members, _, _ in early for m in members if m.done})
-            if not batch.members:
-                del self._batches[""]
+            self._batch = batch if batch.members else None
         return self._finish_step(chosen)
 
     def _finish_step(self, chosen: dict) -> dict:
         if chosen:
             self.steps += 1
-            self.max_batch_rows_seen = max(self.max_batch_rows_seen, sum(b.rows for b in self._batches.values()))
+            self.max_batch_rows_seen = max(self.max_batch_rows_seen, self.batch_rows)
         events = {job: self._events(job, picked) for job, picked in chosen.items()}
         self._drop({job.member for job in events if job.member.done})
         return events
@@ -747,14 +737,10 @@ class ModelRuntime:
     def _drop(self, gone: set[Member]) -> None:
         if not gone:
             return
-        for key in list(self._batches):
-            self._batches[key].remove(gone)
-            if not self._batches[key].members:
-                del self._batches[key]
-
-    def _activate(self, adapter: str | None) -> None:
-        if self.group_by_adapter:
-            self.registry.activate(adapter)
+        if self._batch is not None:
+            self._batch.remove(gone)
+            if not self._batch.members:
+                self._batch = None
 
 
 _END = object()

@@ -311,7 +311,7 @@ def _decode(peft_model, requests: Sequence[RolloutRequest], outcomes: list, grou
     if rows is not None:
         peft_model.base_model.disable_adapter_layers()
     try:
-        batch = DecodeBatch(model_for=model_for, cache_kw=cache_kwarg(peft_model), device=device, mixed=True)
+        batch = DecodeBatch(model_for=model_for, cache_kw=cache_kwarg(peft_model), device=device)
         every = [m for job in jobs for m in job.members]
         logits, cache, mask = batch.prefill(every)
         batch.add(every, cache, mask)

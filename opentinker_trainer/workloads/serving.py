@@ -45,10 +45,10 @@ import torch
 
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.inference.access import DEFAULT_TTL_S, TTL_ENV, AccessChecker
-from opentinker_trainer.artifacts import fetch_checkpoint
+from opentinker_trainer.worker_artifacts import fetch_checkpoint
 from opentinker_trainer.inference.policies import PolicyRegistry
 from opentinker_trainer.inference.resolve import SchedulerResolver, split_adapter_name
-from opentinker_trainer.inference.runtime import ModelRuntime
+from opentinker_trainer.inference.runtime import ModelRuntime, RuntimeConfig, SharedModel
 from opentinker_trainer.inference.server import start_inference_server
 from opentinker_trainer.inference.serve_tls import server_tls_from_env
 from opentinker_trainer.workloads import _lm
@@ -92,17 +92,17 @@ def run(ctx: WorkerContext) -> None:
     # Adapters, policies and full weights come from the artifact store, through the node-local cache.
     resolver = SchedulerResolver(scheduler, served, fetch=_fetcher(ctx)) if scheduler else None
     tenant = getattr(ctx, "tenant", None)  # a model host's serving tenant: its base is loaded already
-    shared: dict = {}
+    shared: SharedModel | None = None
     try:
         if tenant is not None:
             tokenizer, model = tenant.host.tokenizer, tenant.host.base
-            shared = {
-                "turn": ctx.turn,
-                "turn_slice": tenant.turn_slice,
-                "shared": tenant.host,
-                "adapter_prefix": tenant.serving_prefix,
-                "live": lambda name: _live_copy(tenant.host, runtime, name),
-            }
+            shared = SharedModel(
+                host=tenant.host,
+                adapter_prefix=tenant.serving_prefix,
+                turn=ctx.turn,
+                turn_slice=tenant.turn_slice,
+                live=lambda name: _live_copy(tenant.host, runtime, name),
+            )
             log.info(
                 "serving from the model host",
                 task_id=ctx.task_id,
@@ -123,13 +123,15 @@ def run(ctx: WorkerContext) -> None:
             model=model,
             stop_token_ids=_lm.stop_token_ids(tokenizer, model),
             resolve=resolver,
-            max_resident_adapters=cfg.max_resident_adapters,
-            max_concurrent=cfg.max_concurrent_requests,
-            max_batch_sequences=cfg.max_batch_sequences,
-            max_batch_tokens=cfg.max_batch_tokens,
-            max_queued=cfg.max_queued_requests,
-            packed_weights=cfg.packed_weights,
-            **shared,
+            config=RuntimeConfig(
+                max_resident_adapters=cfg.max_resident_adapters,
+                max_concurrent=cfg.max_concurrent_requests,
+                max_batch_sequences=cfg.max_batch_sequences,
+                max_batch_tokens=cfg.max_batch_tokens,
+                max_queued=cfg.max_queued_requests,
+                packed_weights=cfg.packed_weights,
+            ),
+            shared=shared,
         )
     policies = _policies(resolver, cfg)
     try:

@@ -169,7 +169,7 @@ def fetch_dataset(
     """The local file of an uploaded dataset.
 
     With an ``s3`` artifact ``store`` (and the node's ``artifact_cache``), read from the bucket
-    directly with this process's credentials (:func:`~opentinker_trainer.artifacts.fetch_dataset_artifact`:
+    directly with this process's credentials (:func:`~opentinker_trainer.worker_artifacts.fetch_dataset_artifact`:
     the artifact ``datasets/<hex>``, cached by hash, checked against the id); the scheduler is
     asked only for a dataset the bucket does not have. Otherwise (the ``local`` store, or no
     store): from ``cache_dir`` when there, else downloaded from the scheduler
@@ -193,7 +193,7 @@ def fetch_dataset(
     hex_ = dataset_id.removeprefix("sha256:")
     if store is not None and artifact_cache is not None and store.backend == "s3":
         from opentinker_common.artifacts import ArtifactCorrupt, ArtifactError
-        from opentinker_trainer.artifacts import fetch_dataset_artifact
+        from opentinker_trainer.worker_artifacts import fetch_dataset_artifact
 
         try:
             got = fetch_dataset_artifact(store, artifact_cache, dataset_id)

@@ -25,7 +25,7 @@ from opentinker_scheduler.security.auth import AuthConfig
 from opentinker_scheduler.config import PoolNode, SchedulerConfig
 from opentinker_scheduler.state.core import SchedulerCore
 from opentinker_scheduler.admission.paths import PathsConfig
-from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.state.store import SqliteStore
 from opentinker_trainer.context import UserError
 from opentinker_trainer.local_paths import check_model_not_local
 
@@ -63,7 +63,7 @@ def test_relative_names_that_exist_here_are_refused(tmp_path: Path) -> None:
 
 def _assignment(tmp: Path, *, model: str, **config) -> N.AssignTask:
     cfg = SchedulerConfig(resource_pool=(PoolNode("node-a", 0, 8),), state_dir=tmp, **config)
-    core = SchedulerCore(cfg, Store(tmp))
+    core = SchedulerCore(cfg, SqliteStore(tmp))
     node, _ = core.node_register(N.Register(node_id="node-a", devices=[], max_tasks=8))
     core.submit(C.TaskSpec(workload_type="lora_finetune", model=model), owner="alice")
     core.schedule()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from opentinker_scheduler.config import ConfigError, load_config, parse_config
+from tests.support.procs import Proc, free_port_pair, scheduler_args
 
 SEED = """\
 resource_pool:
@@ -139,9 +142,6 @@ def test_store_defaults_to_sqlite_and_reads_postgres() -> None:
     )
     s = cfg.store
     assert s.synchronous_commit is False
-    assert s.flush == "thread"  # the default
-    for mode in ("inline", "background", "thread"):
-        assert parse_config(f"store:\n  kind: postgres\n  dsn: host=db\n  flush: {mode}\n").store.flush == mode
     assert (s.kind, s.dsn, s.password_env, s.schema, s.leader_lease_s, s.renew_interval_s) == (
         "postgres",
         "host=db dbname=opentinker user=ot",
@@ -183,10 +183,10 @@ def test_store_defaults_to_sqlite_and_reads_postgres() -> None:
         ),
         ("store:\n  kind: postgres\n  dsn: host=db\n  leasee: 3\n", "cfg.yaml:4:3: store.leasee: expected one of"),
         (
-            "store:\n  kind: postgres\n  dsn: host=db\n  flush: later\n",
-            "cfg.yaml:4:10: store.flush: expected one of thread, inline, background, got 'later'",
+            "store:\n  kind: postgres\n  dsn: host=db\n  flush: thread\n",
+            "cfg.yaml:4:3: store.flush: expected no such key: it was removed",
         ),
-        ("store:\n  flush: inline\n", "cfg.yaml:2:10: store.flush: expected nothing with kind sqlite"),
+        ("store:\n  flush: inline\n", "cfg.yaml:2:3: store.flush: expected no such key: it was removed"),
     ],
 )
 def test_bad_store_section_names_the_field(text: str, where: str) -> None:
@@ -332,3 +332,16 @@ def test_bad_queues_section_names_the_field(text: str, where: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(text, "cfg.yaml")
     assert str(info.value).startswith(where), str(info.value)
+
+
+def test_a_config_naming_the_removed_store_flush_key_stops_the_scheduler_at_start(tmp_path: Path) -> None:
+    config = tmp_path / "old.yaml"
+    config.write_text(SEED + "store:\n  kind: postgres\n  dsn: host=db\n  flush: background\n")
+    port = free_port_pair()
+    args = scheduler_args(config, port=port, http_port=port + 1, state_dir=tmp_path / "state", host="127.0.0.1")
+    proc = Proc(args, tmp_path / "scheduler.log")
+    try:
+        assert proc.wait_exit(what="the scheduler refuses its config") == 2
+    finally:
+        proc.close()
+    assert f"error: {config}:13:3: store.flush: expected no such key: it was removed" in proc.log_text()

@@ -87,9 +87,10 @@ class ServerThread:
 
 
 def tiny_runtime(model_dir: Path, adapters: dict[str, Path] | None = None, **kw):
-    """A ModelRuntime on the tiny model; adapters resolve from the given name -> folder map."""
+    """A ModelRuntime on the tiny model; adapters resolve from the given name -> folder map;
+    ``kw`` are fields of its :class:`~opentinker_trainer.inference.runtime.RuntimeConfig`."""
     from opentinker_trainer.inference.adapters import AdapterNotFound
-    from opentinker_trainer.inference.runtime import ModelRuntime
+    from opentinker_trainer.inference.runtime import ModelRuntime, RuntimeConfig
 
     tok, model = load_tiny(model_dir)
     table = dict(adapters or {})
@@ -100,5 +101,6 @@ def tiny_runtime(model_dir: Path, adapters: dict[str, Path] | None = None, **kw)
         return table[name]
 
     return ModelRuntime(
-        model_name=str(model_dir), tokenizer=tok, model=model, stop_token_ids=[tok.eos_token_id], resolve=resolve, **kw
-    )
+        model_name=str(model_dir), tokenizer=tok, model=model, stop_token_ids=[tok.eos_token_id], resolve=resolve,
+        config=RuntimeConfig(**kw),
+    )  # fmt: skip

@@ -45,14 +45,14 @@ def report(core, node, task_id, attempt, state=C.TASK_STATE_UNSPECIFIED, **kw):
     return core.node_report(node, N.TaskReport(task_id=task_id, attempt=attempt, state=state, **kw))
 
 
-def pg_group_commit_core(tmp: Path, flush: str = "thread"):
+def pg_group_commit_core(tmp: Path):
     """A leading core with group commit on, on a fresh PostgreSQL schema of the current test
-    server (``postgres_only`` tests) with ``store.flush: flush``; one node registered.
+    server (``postgres_only`` tests); one node registered.
     Returns ``(core, node)``."""
     from tests.support import stores
     from opentinker_scheduler.state.pg_store import PostgresStore
 
-    store = PostgresStore(stores.current.server.dsn(), schema_name=stores.current.server.new_schema(), flush=flush)
+    store = PostgresStore(stores.current.server.dsn(), schema_name=stores.current.server.new_schema())
     stores.current.opened.append(store)
     stores.take_lead(store)
     core = SchedulerCore(SchedulerConfig(resource_pool=(PoolNode("gpu-node-01", 4, 8),), state_dir=tmp), store)

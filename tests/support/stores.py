@@ -19,7 +19,7 @@ import pytest
 
 from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.config.store import StoreConfig
-from opentinker_scheduler.state.store import SqlStore, Store
+from opentinker_scheduler.state.store import SqliteStore, StateStore
 
 BACKENDS = ("sqlite", "postgres")
 
@@ -31,7 +31,7 @@ class _Current:
     name = "sqlite"
     server = None  # PostgresServer
     schemas: dict[str, str] = {}
-    opened: list[SqlStore] = []
+    opened: list[StateStore] = []
 
 
 current = _Current()
@@ -81,11 +81,11 @@ def with_store(config: SchedulerConfig) -> SchedulerConfig:
     return dataclasses.replace(config, store=store_config(config.state_dir))
 
 
-def make_store(folder: Path, *, lead: bool = True) -> SqlStore:
+def make_store(folder: Path, *, lead: bool = True) -> StateStore:
     """The current backend's store for ``folder`` (the same data for the same folder)."""
     folder.mkdir(parents=True, exist_ok=True)
     if current.name == "sqlite":
-        store: SqlStore = Store(folder)
+        store: StateStore = SqliteStore(folder)
     else:
         from opentinker_scheduler.state.pg_store import PostgresStore
 
@@ -96,7 +96,7 @@ def make_store(folder: Path, *, lead: bool = True) -> SqlStore:
     return store
 
 
-def take_lead(store: SqlStore, holder: str = TEST_HOLDER) -> int:
+def take_lead(store: StateStore, holder: str = TEST_HOLDER) -> int:
     """Take the lease (for an hour) and lead with its epoch; returns the epoch."""
     lease = store.acquire_lease(holder, f"{holder}:0", 3600)
     assert lease is not None, "the lease is held by another holder"
@@ -104,7 +104,7 @@ def take_lead(store: SqlStore, holder: str = TEST_HOLDER) -> int:
     return lease.epoch
 
 
-def committed(store: SqlStore, sql: str, params=()) -> list[tuple]:
+def committed(store: StateStore, sql: str, params=()) -> list[tuple]:
     """Rows of ``sql`` (``?`` placeholders) read on a second connection: only what is committed."""
     if store.kind == "sqlite":
         import sqlite3

@@ -13,7 +13,7 @@ import pytest
 
 from opentinker_common.artifacts import S3ArtifactStore, S3Location
 from opentinker_scheduler.data.datasets import DatasetStore
-from opentinker_trainer.artifacts import ArtifactCache
+from opentinker_trainer.worker_artifacts import ArtifactCache
 from opentinker_trainer.context import UserError
 from opentinker_trainer.workloads.sft_data import fetch_dataset
 

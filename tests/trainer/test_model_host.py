@@ -415,7 +415,7 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
     With a second training tenant their rollouts run batched between the serving turns, and all
     of that still holds."""
     from opentinker_trainer.host import Tenant
-    from opentinker_trainer.inference.runtime import ModelRuntime
+    from opentinker_trainer.inference.runtime import ModelRuntime, SharedModel
 
     from tests.support.inference import make_adapter, tiny_runtime
 
@@ -441,7 +441,7 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
         runtime = ModelRuntime(
             model_name=str(tiny_model_dir), tokenizer=host.tokenizer, model=host.base,
             stop_token_ids=[host.tokenizer.eos_token_id], resolve={"tx-a1": folder}.__getitem__,
-            turn=serving.turn, turn_slice=serving.turn_slice, shared=host, adapter_prefix=serving.serving_prefix,
+            shared=SharedModel(host, serving.serving_prefix, serving.turn, serving.turn_slice),
         )  # fmt: skip
     decode = runtime._decode_step
     runtime._decode_step = lambda: (in_turn.append(host.turns._holder is serving and not host.base.training), decode())[
@@ -488,7 +488,7 @@ def test_a_serving_tenant_serves_a_training_tenants_live_adapter_as_of_its_last_
     checkpoint at that step, loaded by a server of its own."""
     from opentinker_trainer.host import Tenant
     from opentinker_trainer.inference.adapters import AdapterNotFound
-    from opentinker_trainer.inference.runtime import ModelRuntime
+    from opentinker_trainer.inference.runtime import ModelRuntime, SharedModel
     from opentinker_trainer.workloads.serving import _live_copy
 
     from tests.support.inference import tiny_runtime
@@ -499,8 +499,11 @@ def test_a_serving_tenant_serves_a_training_tenants_live_adapter_as_of_its_last_
     with serving.turn():
         runtime = ModelRuntime(
             model_name=str(tiny_model_dir), tokenizer=host.tokenizer, model=host.base,
-            stop_token_ids=[host.tokenizer.eos_token_id], turn=serving.turn, turn_slice=serving.turn_slice,
-            shared=host, adapter_prefix=serving.serving_prefix, live=lambda n: _live_copy(host, runtime, n),
+            stop_token_ids=[host.tokenizer.eos_token_id],
+            shared=SharedModel(
+                host, serving.serving_prefix, serving.turn, serving.turn_slice,
+                live=lambda n: _live_copy(host, runtime, n),
+            ),
         )  # fmt: skip
     path = tmp_path / "x.pb"
     path.write_bytes(_assign("x", tiny_model_dir, {**HP, "checkpoint_every": 1}).SerializeToString())

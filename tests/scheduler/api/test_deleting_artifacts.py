@@ -20,7 +20,7 @@ from opentinker_client.cli.commands import main as cli_main
 from opentinker_client.errors import FailedPreconditionError, NotFoundError
 from opentinker_common.artifacts import LocalArtifactStore, S3ArtifactStore, S3Location
 from opentinker_scheduler.config.artifacts import ArtifactsConfig
-from opentinker_scheduler.data.artifacts import Artifacts, Retention
+from opentinker_scheduler.data.artifact_store import Artifacts, Retention
 from opentinker_trainer.inference.adapters import AdapterNotFound
 from opentinker_trainer.inference.resolve import SchedulerResolver
 

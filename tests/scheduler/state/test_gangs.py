@@ -11,7 +11,7 @@ from opentinker.common.v1 import common_pb2 as C
 from opentinker_scheduler.config import PoolNode, SchedulerConfig
 from opentinker_scheduler.errors import FailedPrecondition
 from opentinker_scheduler.state.core import SchedulerCore
-from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.state.store import SqliteStore
 
 from tests.support.scheduler_core import drain, register, report, spec
 
@@ -20,7 +20,7 @@ NODES = ("node-a", "node-b", "node-c")
 
 def make(tmp, n: int = 2, gpus: int = 2, **kw) -> SchedulerCore:
     pool = tuple(PoolNode(NODES[i], gpus, 8) for i in range(n))
-    return SchedulerCore(SchedulerConfig(resource_pool=pool, state_dir=tmp, **kw), Store(tmp))
+    return SchedulerCore(SchedulerConfig(resource_pool=pool, state_dir=tmp, **kw), SqliteStore(tmp))
 
 
 def gang_spec(nodes: int = 2, gpus: int = 2):

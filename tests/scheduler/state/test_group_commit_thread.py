@@ -1,4 +1,4 @@
-"""Group commit on PostgreSQL with ``store.flush: thread`` (the default): a group's last round
+"""Group commit on PostgreSQL: a group's last round
 trip (its writes, the fence, the COMMIT) and a group's INSERT of new tasks go out from the
 committer thread, the event loop gathering the next group meanwhile; nothing a group wrote is
 acknowledged or sent to a node before its COMMIT has answered, and a commit that fails there
@@ -58,10 +58,9 @@ async def _assignment_held(core):
     return first, lock, acked
 
 
-def test_the_default_sends_a_groups_commit_from_its_thread_and_releases_it_after_the_answer(tmp_path) -> None:
+def test_a_groups_commit_goes_out_from_its_thread_and_releases_it_after_the_answer(tmp_path) -> None:
     async def main() -> None:
         core, node = pg_group_commit_core(tmp_path)
-        assert core.store._commit_behind and core.store._flusher is None  # flush: thread, the default
         first, lock, acked = await _assignment_held(core)
         try:
             assert core.store.commit_in_flight()

@@ -1,4 +1,4 @@
-"""Submits written by their group commit (``SchedulerCore.submit_grouped``, ``Store.insert_new_tasks``),
+"""Submits written by their group commit (``SchedulerCore.submit_grouped``, ``StateStore.insert_new_tasks``),
 on both backends: the submits of one group are one INSERT (on PostgreSQL one statement), join
 memory in submit order with one placement round, and commit together with what their callers
 write next (the audit record); a request id used earlier, or twice in one group, gives the first
@@ -65,7 +65,7 @@ class _CountingDb:
         self.task_inserts += sum("INSERT INTO tasks" in sql for sql, _ in statements)
         return self._db.pipelined(statements)
 
-    def behind(self, statements, **kw):  # PostgreSQL, flush: thread: the INSERT from the committer thread
+    def behind(self, statements, **kw):  # PostgreSQL: the INSERT from the committer thread
         self.task_inserts += sum("INSERT INTO tasks" in sql for sql, _ in statements)
         return self._db.behind(statements, **kw)
 

@@ -9,7 +9,7 @@ import sqlite3
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker.node.v1 import node_pb2 as N
-from opentinker_scheduler.state.store import Store
+from opentinker_scheduler.state.store import SqliteStore
 
 from tests.support.scheduler_core import make_core, register, report, spec
 
@@ -116,6 +116,6 @@ def test_a_store_written_before_attempt_step_existed_opens(tmp_path) -> None:
     db.execute("DROP TABLE schema_migrations")  # as written before the schema was versioned
     db.commit()
     db.close()
-    store = Store(tmp_path)
+    store = SqliteStore(tmp_path)
     assert store.get_task(task.task_id).attempt_step == 0
     store.close()

@@ -310,3 +310,23 @@ def test_a_new_task_goes_in_once_per_owner_and_request_id(tmp_path) -> None:
     other.owner, other.request_id = "v", "r1"
     assert store.insert_new_task(other, ev3) is None
     assert [e.sequence for e in store.events_after("task-3", 0)] == [1]
+
+
+@pytest.mark.postgres_only
+def test_an_error_inside_a_transaction_fails_its_commit_instead_of_a_silent_rollback(tmp_path) -> None:
+    # PostgreSQL aborts a transaction at its first error, and answers its COMMIT with a ROLLBACK,
+    # not an error: a caller that caught the error must not make the rest look committed.
+    store = make_store(tmp_path)
+    with pytest.raises(StoreUnavailable, match="rolled back"):
+        with store.transaction():
+            store.db.execute(
+                "INSERT INTO nodes (node_id, info, first_seen, last_seen) VALUES (?,?,?,?)", ("n1", "{}", 0.0, 0.0)
+            )
+            with pytest.raises(StoreUnavailable):
+                store.db.execute("SELECT no_such_column FROM tasks")
+    assert committed(store, "SELECT COUNT(*) FROM nodes WHERE node_id=?", ("n1",)) == [(0,)]
+    with store.transaction():  # the connection is usable again
+        store.db.execute(
+            "INSERT INTO nodes (node_id, info, first_seen, last_seen) VALUES (?,?,?,?)", ("n2", "{}", 0.0, 0.0)
+        )
+    assert committed(store, "SELECT COUNT(*) FROM nodes WHERE node_id=?", ("n2",)) == [(1,)]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from opentinker.common.v1 import common_pb2 as C
-from opentinker_scheduler.state.store import Store, TaskRow
+from opentinker_scheduler.state.store import SqliteStore, TaskRow
 
 
 def _task(task_id: str) -> TaskRow:
@@ -26,7 +26,7 @@ def _state(to: int) -> C.TaskEvent:
 
 
 def test_sequences_are_dense_per_task_and_survive_a_reopen(tmp_path) -> None:
-    store = Store(tmp_path)
+    store = SqliteStore(tmp_path)
     a, b = _task("task-a"), _task("task-b")
     store.insert_task(a, _state(C.TASK_STATE_PENDING))
     store.insert_task(b, _state(C.TASK_STATE_PENDING))
@@ -36,7 +36,7 @@ def test_sequences_are_dense_per_task_and_survive_a_reopen(tmp_path) -> None:
     assert store.update_task(a) == []  # the row only
     assert [e.sequence for e in store.update_task(b, [_state(C.TASK_STATE_CANCELLED)])] == [2]
     store.close()
-    store = Store(tmp_path)
+    store = SqliteStore(tmp_path)
     assert [e.sequence for e in store.update_task(a, [_state(C.TASK_STATE_SUCCEEDED)])] == [4]
     assert [e.sequence for e in store.events_after("task-a", 0)] == [1, 2, 3, 4]
     assert [e.sequence for e in store.events_after("task-b", 0)] == [1, 2]

@@ -62,11 +62,8 @@ def _stream(client: InferenceClient, case: dict):
     return [(tuple(t), s, f) for t, s, f in zip(tokens, texts, finish)]
 
 
-@pytest.mark.parametrize("group_by_adapter", [False, True], ids=["adapter-names-per-row", "batch-per-adapter"])
-def test_interleaved_requests_over_three_adapters_get_their_solo_outputs(
-    tiny_model_dir, adapters, group_by_adapter
-) -> None:
-    server = ServerThread(tiny_runtime(tiny_model_dir, adapters, group_by_adapter=group_by_adapter))
+def test_interleaved_requests_over_three_adapters_get_their_solo_outputs(tiny_model_dir, adapters) -> None:
+    server = ServerThread(tiny_runtime(tiny_model_dir, adapters))
     try:
         client = InferenceClient(server.address)
         cases = _cases(adapters)

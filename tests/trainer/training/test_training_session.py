@@ -505,7 +505,7 @@ def test_each_optimizer_step_reports_its_loss_tokens_and_gradient_norm(tiny_mode
 
 def test_a_state_name_is_saved_once_per_attempt_as_stored_states_are_immutable(tiny_model_dir, tmp_path) -> None:
     from opentinker_common.artifacts import LocalArtifactStore
-    from opentinker_trainer.artifacts import CheckpointPublisher
+    from opentinker_trainer.worker_artifacts import CheckpointPublisher
 
     ctx = worker_ctx(
         tmp_path, "once", workload_type="lora_session", model=tiny_model_dir, env_config={}, hyperparameters=HP

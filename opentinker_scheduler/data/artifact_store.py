@@ -39,7 +39,7 @@ from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.config.artifacts import ArtifactsConfig
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
-__all__ = ["ArtifactStartError", "open_store", "Artifacts", "Retention", "retention_plan"]
+__all__ = ["ArtifactStartError", "open_artifact_store", "Artifacts", "Retention", "retention_plan"]
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -50,7 +50,7 @@ class ArtifactStartError(OSError):
     """The configured artifact store cannot be used: the scheduler does not start."""
 
 
-def open_store(config: SchedulerConfig) -> ArtifactStore:
+def open_artifact_store(config: SchedulerConfig) -> ArtifactStore:
     """The configured store, checked: an ``s3`` store must answer and accept the credentials.
 
     Raises:

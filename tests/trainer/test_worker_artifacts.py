@@ -11,8 +11,8 @@ import pytest
 
 from opentinker.common.v1 import common_pb2
 from opentinker_common.artifacts import LocalArtifactStore, checkpoint_key
-from opentinker_trainer.artifacts import ArtifactCache, CheckpointPublisher, CheckpointStoreFailed, StoreSettings
-from opentinker_trainer.artifacts import fetch_checkpoint
+from opentinker_trainer.worker_artifacts import ArtifactCache, CheckpointPublisher, CheckpointStoreFailed, StoreSettings
+from opentinker_trainer.worker_artifacts import fetch_checkpoint
 
 
 def _ckpt(folder: Path, data: bytes) -> Path:

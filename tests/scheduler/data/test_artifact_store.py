@@ -11,7 +11,7 @@ import pytest
 from opentinker_common.artifacts import LocalArtifactStore
 from opentinker_scheduler.config import ConfigError, SchedulerConfig, parse_config
 from opentinker_scheduler.config.artifacts import ArtifactsConfig
-from opentinker_scheduler.data.artifacts import ArtifactStartError, Artifacts, open_store, retention_plan
+from opentinker_scheduler.data.artifact_store import ArtifactStartError, Artifacts, open_artifact_store, retention_plan
 from opentinker_scheduler.server import start_scheduler
 from tests.support.procs import free_port
 
@@ -19,7 +19,7 @@ from tests.support.procs import free_port
 def test_the_default_is_local_under_the_state_dir(tmp_path):
     cfg = parse_config("state_dir: s\n", base_dir=tmp_path)
     assert cfg.artifacts == ArtifactsConfig()
-    store = open_store(cfg)
+    store = open_artifact_store(cfg)
     assert isinstance(store, LocalArtifactStore) and store.root == tmp_path / "s" / "artifacts"
 
 
@@ -81,7 +81,7 @@ def test_wrong_s3_credentials_stop_the_start_without_the_secret(seaweedfs, tmp_p
         f"artifacts: {{backend: s3, s3: {{endpoint: '{seaweedfs.endpoint}', bucket: {seaweedfs.bucket}}}}}"
     )
     with pytest.raises(ArtifactStartError) as err:
-        open_store(replace(cfg, state_dir=tmp_path))
+        open_artifact_store(replace(cfg, state_dir=tmp_path))
     assert "refused the credentials" in str(err.value) and "not-the-secret-4711" not in str(err.value)
 
 
