@@ -37,7 +37,7 @@ def test_unknown_means_counted_in_tasks_only(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     model = str(tmp_path)
     assert memory_need(spec(1, model), None) is None  # not shareable
-    assert memory_need(spec(1, model, target_modules=["lm_head"]), model) is None  # no size for the module
+    assert memory_need(spec(1, model, target_modules=["router_gate"]), model) is None  # no size for the module
     assert memory_need(spec(1, str(tmp_path / "absent")), str(tmp_path / "absent")) is None
 
 
