@@ -2,10 +2,14 @@
 3; its node drains; attempt 2 resumes from step 3 and reports steps 4 to 6 again. GetMetrics (and
 ``get_metric_history``, the dashboard's curves) shows each step once, the newest attempt's, and
 every point says its attempt; the watch log keeps both reports of steps 4 and 5, each with its
-attempt, and ``opentinker logs --metrics`` prints the resumed attempt's. A real scheduler on
+attempt, ``opentinker logs --metrics`` marks the resumed attempt's and the dashboard's attempts
+table says which steps of the charts each attempt ran. A real scheduler on
 loopback; the node's reports are applied on the scheduler's loop (no trainer process)."""
 
 from __future__ import annotations
+
+import re
+import urllib.request
 
 from opentinker.common.v1 import common_pb2 as C
 from opentinker.node.v1 import node_pb2 as N
@@ -48,7 +52,7 @@ def _resumed_task(s: LoopbackScheduler) -> str:
 
 
 def test_a_resumed_step_is_shown_once_and_every_point_says_its_attempt(tmp_path, capsys) -> None:
-    with LoopbackScheduler(tmp_path / "state") as sched:
+    with LoopbackScheduler(tmp_path / "state", "heartbeat_interval: 0.5\n", http_port=0) as sched:
         task_id = _resumed_task(sched)
         with sched.channel() as channel:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
@@ -76,3 +80,11 @@ def test_a_resumed_step_is_shown_once_and_every_point_says_its_attempt(tmp_path,
         assert main(["--scheduler-url", sched.target, "logs", task_id, "--metrics"]) == 0
         lines = [line for line in capsys.readouterr().out.splitlines() if "  step " in line]
         assert [("(attempt 2)" in line) for line in lines] == [False] * 5 + [True] * 3, lines
+        # The dashboard's attempts table says which steps of the charts each attempt ran.
+        url = f"http://127.0.0.1:{sched.running.http.port}/ui/task/{task_id}"
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            page = resp.read().decode()
+        table = re.search(r'<table id="attempts">.*?</table>', page, re.S).group(0)
+        assert "<th>steps charted</th>" in table
+        cells = [re.findall(r"<td>([^<]*)</td>", row) for row in re.findall(r"<tr>(<td>.*?)</tr>", table)]
+        assert [(c[0], c[-1]) for c in cells] == [("1", "1-3"), ("2", "4-6")], table
