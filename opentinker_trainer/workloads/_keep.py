@@ -2,10 +2,10 @@
 progress and stores the last completed one at once.
 
 The copy holds what a checkpoint holds: the trainable parameters, the optimizer state, the
-global RNG states and the trainer's own state (its step counter, its environment's state). For a
-LoRA adapter or a small policy that is a few MB, copied in memory at each step's end. Full
-weights of a language model are too big to copy every step: no keeper, and a stop lets their
-step finish before the checkpoint.
+global RNG states and the trainer's own state (its step counter, its environment's state). It
+stays on the parameters' device. For a LoRA adapter that is a few MB to a few hundred MB, copied
+at each step's end. Full weights of a language model are too big to copy every step: no keeper,
+and a stop lets their step finish before the checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from opentinker_trainer.workloads import _rng
 
 #: Trainable state (parameters and two AdamW moments each) above this many bytes is not copied.
-KEEP_MAX_BYTES = 256 * 2**20
+KEEP_MAX_BYTES = 2**30
 
 
 @dataclass(frozen=True)
