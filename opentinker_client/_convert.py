@@ -291,7 +291,7 @@ def event_from_proto(event: common_pb2.TaskEvent) -> TaskEvent:
         )
     if which == "metric":
         mp = event.metric
-        return TaskEvent(**base, kind="metric", step=mp.step, metrics=dict(mp.values))
+        return TaskEvent(**base, kind="metric", step=mp.step, metrics=dict(mp.values), attempt=mp.attempt)
     if which == "checkpoint":
         ck = event.checkpoint
         return TaskEvent(

@@ -313,7 +313,8 @@ class TaskCalls:
         return [(s, v) for s, _, v in self.timed_metric_history(task_id, after_step=after_step)]
 
     def timed_metric_history(self, task_id: str, *, after_step: int = 0) -> list[tuple[int, float, dict[str, float]]]:
-        """``(step, unix seconds, values)`` after ``after_step``, oldest first, each step once (its newest report)."""
+        """``(step, unix seconds, values)`` after ``after_step``, oldest first, each step once (its
+        newest report: the scheduler leaves out an earlier attempt's report of a step run again)."""
         out: list[tuple[int, float, dict[str, float]]] = []
         step = int(after_step)
         while True:
@@ -327,12 +328,7 @@ class TaskCalls:
             step = max(p[0] for p in points)
             if step >= response.latest_step:
                 break
-        # After a resume from a checkpoint the new attempt reports again the steps the old one
-        # ran past that checkpoint: the newest report of each step wins.
-        latest: dict[int, tuple[int, float, dict[str, float]]] = {}
-        for p in out:
-            latest[p[0]] = p
-        return [latest[s] for s in sorted(latest)]
+        return out
 
     def nodes(self) -> list[NodeInfo]:
         """The trainer nodes (``RLClient.list_nodes``)."""

@@ -161,7 +161,9 @@ class TaskEvent:
 
     - ``"state"``: ``from_state``, ``to_state`` (lowercase state names), ``attempt``, ``reason``
       (machine-readable: ``SUBMITTED``, ``STARTED``, ``NODE_LOST`` ...), ``message``, ``node_id``.
-    - ``"metric"``: ``step`` and ``metrics`` (``loss``, ``reward``, namespaced keys ...).
+    - ``"metric"``: ``step``, ``metrics`` (``loss``, ``reward``, namespaced keys ...) and
+      ``attempt`` (0 from a scheduler that did not record it). After a resume the log holds the
+      steps the new attempt ran again a second time, each with its attempt.
     - ``"checkpoint"``: ``step``, ``attempt``, ``node_id``, ``checkpoint_path``,
       ``checkpoint_format`` (``peft_lora`` ...) and ``final``.
     - ``"phase"``: ``phase`` (``loading model``, ``model loaded``: what the attempt does before

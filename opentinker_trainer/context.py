@@ -19,6 +19,14 @@ from typing import IO, Any, Mapping
 from opentinker_common.spec import TaskSpecModel
 
 
+class StepAbandoned(BaseException):
+    """Raised inside a step that a stop abandons (:meth:`WorkerContext.stop_now`).
+
+    A ``BaseException``, so that workload and environment code that catches ``Exception`` lets
+    it through to the step loop, which then stores the last completed step.
+    """
+
+
 class UserError(Exception):
     """The task cannot succeed however often it is retried (bad model path, bad dataset ...).
 
@@ -71,6 +79,8 @@ class WorkerContext:
     #: (``_loop.run_steps``); 0 before the first. A serving neighbour on a model host copies the
     #: adapter between steps and names the copy by it (``<task id>@<step>``).
     steps_done: int = 0
+    #: True while a step that a stop may abandon runs (:meth:`abandonable`).
+    _abandon: bool = False
 
     # --- reports ---------------------------------------------------------------------------
     def _emit(self, kind: str, **payload: Any) -> None:
@@ -158,6 +168,31 @@ class WorkerContext:
     def request_stop(self) -> None:
         """Ask the workload to checkpoint and return early (drain, preemption, timeout)."""
         self._stop.set()
+
+    def stop_now(self) -> None:
+        """Ask the workload to stop, abandoning the step in progress when it may be abandoned.
+
+        The worker's SIGTERM handler calls it, so it runs in the main thread between two Python
+        bytecodes of whatever runs there. Inside :meth:`abandonable` it raises
+        :class:`StepAbandoned` there; elsewhere it only sets the stop flag, like :meth:`request_stop`.
+        """
+        self._stop.set()
+        if self._abandon:
+            self._abandon = False
+            raise StepAbandoned
+
+    @contextlib.contextmanager
+    def abandonable(self):
+        """``with ctx.abandonable():`` around a step that a stop may abandon: the step loop keeps
+        a copy of the last completed step to store instead. Raises :class:`StepAbandoned` at once
+        when a stop was requested already."""
+        self._abandon = True
+        try:
+            if self.should_stop():
+                raise StepAbandoned
+            yield
+        finally:
+            self._abandon = False
 
     def should_stop(self) -> bool:
         """True once a stop was requested; a workload checks it between steps."""

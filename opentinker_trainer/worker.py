@@ -15,7 +15,9 @@ manifest_sha256, total_bytes, backend once it is in the artifact store); ``check
 Before the workload runs, a ``spec.model`` or ``env_config.path`` inside the node's work folder
 is refused, and so is (when ``AssignTask.local_paths_restricted``) a relative ``spec.model`` that
 exists in the worker's folder (:mod:`opentinker_trainer.local_paths`). Files are created with umask 077.
-SIGTERM asks the workload to checkpoint and return; the agent SIGKILLs after a grace period.
+SIGTERM asks the workload to checkpoint and return. A step in progress that the workload keeps a
+copy before (:mod:`opentinker_trainer.workloads._keep`) is abandoned and the last completed step
+stored at once, so the agent's grace period before SIGKILL bounds a save, not a step.
 A task with several ranks (``gpu_count`` N > 1, or a gang member) runs them from here: this
 process is local rank 0 and spawns the others (:mod:`opentinker_trainer.distributed`).
 The worker dies with the agent (``PR_SET_PDEATHSIG`` on Linux; the agent passes its pid in
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = prepare(assign, args.checkpoint_dir, device, out, log)
     if ctx is None:
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: ctx.request_stop())
+    signal.signal(signal.SIGTERM, lambda *_: ctx.stop_now())
     return execute(ctx, assign, device, log)
 
 

@@ -248,6 +248,8 @@ def _metric_line(event: TaskEvent, total: int | None, units: _Units | None = Non
     if units is not None and units.unit == "env steps" and units.done(event) is not None:
         parts.append(f"env steps {int(units.done(event))}/{units.total}")
     parts.append(_headline(m))
+    if event.attempt > 1:  # a resumed attempt: its first steps may repeat the previous attempt's
+        parts.append(f"(attempt {event.attempt})")
     for key, label in (
         ("perf/tokens_per_s", "tok/s"),
         ("perf/samples_per_s", "samples/s"),

@@ -190,6 +190,13 @@ def _kind(spec: common_pb2.TaskSpec) -> str:
         return ""
 
 
+def _step_span(steps: list[int]) -> str:
+    """``"4-6"``: the first and last of ``steps``; ``"4"`` for one; ``"-"`` for none."""
+    if not steps:
+        return "-"
+    return f"{min(steps)}-{max(steps)}" if len(steps) > 1 else str(steps[0])
+
+
 def _points(store, task_id: str) -> list[curves.Point]:
     return [
         (p.step, p.time.ToNanoseconds() / 1e9 if p.HasField("time") else 0.0, dict(p.values))
@@ -591,9 +598,13 @@ class Dashboard:
             events = core.store.events_after(task_id, 0, limit=5000)
             ckpts = checkpoints.list_checkpoints(core.store, task_id)
             reason = core.pending_reason(task_id) if task.state == S.TASK_STATE_PENDING else ""
-            return task, events, ckpts, reason
+            # The steps of the charts each attempt ran (a step run again is its newest attempt's).
+            charted: dict[int, list[int]] = {}
+            for p in core.store.metric_points(task_id):
+                charted.setdefault(p.attempt, []).append(p.step)
+            return task, events, ckpts, reason, charted
 
-        task, events, ckpts, reason = read()
+        task, events, ckpts, reason, charted = read()
         now = time.time()
         state = STATE.get(task.state, str(task.state)).lower()
         attempts = attempts_text(task.attempt, task.spec.limits.max_attempts or task.max_attempts, task.handed_back)
@@ -652,7 +663,7 @@ class Dashboard:
         att = "".join(
             f"<tr><td>{n}</td><td>{h(time.strftime('%H:%M:%S', time.localtime(a['start'])))}</td>"
             f"<td>{h(a['node'] or '-')}</td>"
-            f"<td>{h(a['end'])}</td><td>{h(a['reason'])}</td></tr>"
+            f"<td>{h(a['end'])}</td><td>{h(a['reason'])}</td><td>{_step_span(charted.get(n, []))}</td></tr>"
             for n, a in sorted(attempts.items())
             if n
         )
@@ -683,7 +694,7 @@ class Dashboard:
             + "<h2>Attempts</h2>"
             + (
                 '<table id="attempts"><tr><th>attempt</th><th>started</th><th>node</th><th>last state</th>'
-                "<th>why</th></tr>"
+                "<th>why</th><th>steps charted</th></tr>"
                 f"{att}</table>"
                 if att
                 else ""

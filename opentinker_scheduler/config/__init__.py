@@ -19,6 +19,8 @@
     lease: 10                 # seconds of silence after which a node is lost
     default_model: ""         # model used when a task names none
     default_max_attempts: 3
+    max_node_losses: 3        # node losses (kill -9, lease ran out) a task goes through before it
+                              # ends FAILED; they do not use up max_attempts
     restart_grace: 30         # seconds a restarted scheduler waits for nodes to re-announce work
     forget_disconnected_after: 600 # seconds after which a disconnected node that is not in
                               # resource_pool and holds no task is dropped from ListNodes
@@ -124,6 +126,8 @@ class SchedulerConfig:
     lease_s: float = 10.0
     default_model: str = ""
     default_max_attempts: int = 3
+    #: The node loss of a task's attempt that ends it FAILED (the earlier ones are handed back).
+    max_node_losses: int = 3
     restart_grace_s: float = 30.0
     forget_disconnected_after_s: float = 600.0
     max_tasks_per_gpu: int = 2
@@ -269,6 +273,7 @@ _TOP = {
     "lease": "seconds",
     "default_model": "model",
     "default_max_attempts": "int",
+    "max_node_losses": "int",
     "restart_grace": "seconds",
     "forget_disconnected_after": "seconds",
     "max_tasks_per_gpu": "int",
@@ -377,6 +382,8 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["default_model"] = model
     if "default_max_attempts" in top:
         kw["default_max_attempts"] = r.scalar(top["default_max_attempts"][1], "default_max_attempts", int, 1, 100)
+    if "max_node_losses" in top:
+        kw["max_node_losses"] = r.scalar(top["max_node_losses"][1], "max_node_losses", int, 1, 100)
     if "restart_grace" in top:
         kw["restart_grace_s"] = r.scalar(top["restart_grace"][1], "restart_grace", float, 0, 86400)
     if "forget_disconnected_after" in top:

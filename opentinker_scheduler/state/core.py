@@ -1442,8 +1442,32 @@ class SchedulerCore:
         task = self.active.get(task_id)
         if task is not None and task.attempt == attempt:
             log.warning("task attempt lost", task_id=task_id, attempt=attempt, node_id=node.node_id, why=message)
-            self.requeue(task, reason, message, backoff=False)
+            self.hand_back_lost(task, reason, message)
         node.release(task_id)
+
+    def hand_back_lost(self, task: TaskRow, reason: str, message: str) -> None:
+        """The node of ``task``'s current attempt is gone: hand the attempt back, as a drain does
+        (not counted against ``max_attempts``), unless this is the task's ``max_node_losses``-th
+        node loss; then it ends FAILED, so a task that keeps taking its node down ends."""
+        losses = 1 + self.node_losses(task.task_id)
+        limit = self.config.max_node_losses
+        if losses < limit:
+            self.requeue(task, reason, message, backoff=False, failure=False)
+            return
+        task.error = (
+            f"{message}; its attempts lost their node {losses} times, max_node_losses ({limit}) reached: "
+            "look for what takes the node down (memory, disk, the host's logs)"
+        )
+        self.transition(task, S.TASK_STATE_FAILED, reason, task.error, end=True, keep_node=True)
+
+    def node_losses(self, task_id: str) -> int:
+        """How many of ``task_id``'s attempts ended in a node loss: its stored ``NODE_LOST`` state
+        changes (rare, so they are counted when one more happens)."""
+        count, seq = 0, 0
+        while events := self.store.events_after(task_id, seq):
+            seq = events[-1].sequence
+            count += sum(e.HasField("state_change") and e.state_change.reason == "NODE_LOST" for e in events)
+        return count
 
     def stop_confirmed(self, task_id: str, attempt: int) -> None:
         """The worker of ``task_id``'s ``attempt``, which the scheduler ended (cancel,
@@ -1467,8 +1491,8 @@ class SchedulerCore:
     def requeue(
         self, task: TaskRow, reason: str, message: str, *, extra=(), backoff: bool, failure: bool = True
     ) -> None:
-        """Back to PENDING as attempt + 1. A hand-back (drain, preemption) is not a failure: it
-        grants one more attempt, so only failures and lost nodes use up ``max_attempts``.
+        """Back to PENDING as attempt + 1. A hand-back (drain, preemption, a lost node) is not a
+        failure: it grants one more attempt, so only failures use up ``max_attempts``.
 
         With ``backoff`` the task is not placed for ``min(RETRY_BACKOFF_MAX_S, RETRY_BACKOFF_BASE_S
         * 2 ** (failed attempt - 1))`` seconds and the event says so: ``"attempt 2 queued; retrying
@@ -1624,12 +1648,13 @@ class SchedulerCore:
 def _attempts_used(task: TaskRow) -> str:
     """Why no attempt is left, in the spec's terms (hand-backs raise the row's ``max_attempts``
     but are not counted): ``"max_attempts (3) exhausted"``, or ``"max_attempts (3) exhausted;
-    1 more attempt was handed back (preempted or drained; not counted)"``."""
+    1 more attempt was handed back (preempted, drained or node lost; not counted)"``."""
     back = task.handed_back
     text = f"max_attempts ({task.max_attempts - back}) exhausted"
     if back:
         text += (
-            f"; {back} more attempt{'s were' if back > 1 else ' was'} handed back (preempted or drained; not counted)"
+            f"; {back} more attempt{'s were' if back > 1 else ' was'} handed back "
+            "(preempted, drained or node lost; not counted)"
         )
     return text
 

@@ -318,7 +318,7 @@ class NodeProtocol:
                 self.duplicates += 1
                 continue
             task.attempt_step = point.step
-            events.append(common_pb2.TaskEvent(metric=point))
+            events.append(common_pb2.TaskEvent(metric=_of_attempt(point, rep.attempt)))
             self.core.usage.metric(task.task_id, rep.attempt, point.values)
             # The current attempt's progress: after a requeue its steps may be below the last attempt's.
             task.latest_step = point.step
@@ -415,7 +415,7 @@ class NodeProtocol:
                 continue
             task.attempt_step = task.latest_step = point.step
             task.latest_metrics = dict(point.values)
-            events.append(common_pb2.TaskEvent(metric=point))
+            events.append(common_pb2.TaskEvent(metric=_of_attempt(point, rep.attempt)))
             self.core.usage.metric(task.task_id, rep.attempt, point.values)
         ck = None
         if rep.HasField("checkpoint") and rep.checkpoint.path:
@@ -544,3 +544,11 @@ def gpu_count_mismatch(reg: node_pb2.Register, pool: PoolNode | None, *, config:
         f"{declared}, but the node reports {found}{simulated} GPU(s); using {pool.gpu_count} (resource_pool "
         f"is an upper bound). To use all {found}, set gpu_count: {found} for {node} in {config}"
     )
+
+
+def _of_attempt(point: common_pb2.MetricPoint, attempt: int) -> common_pb2.MetricPoint:
+    """``point`` as recorded: stamped with the attempt that reported it."""
+    out = common_pb2.MetricPoint()
+    out.CopyFrom(point)
+    out.attempt = attempt
+    return out

@@ -749,12 +749,18 @@ class StateStore:
         return [common_pb2.TaskEvent.FromString(r[0]) for r in rows]
 
     def metric_points(self, task_id: str, after_step: int = 0) -> list[common_pb2.MetricPoint]:
+        """The metric history after ``after_step``, by step, each step once: a step that a resumed
+        attempt ran again is its newest report (the event log keeps both)."""
         self._flush_writes()
         rows = self.db.execute(
             "SELECT payload FROM events WHERE task_id=? AND kind='metric' AND step>? ORDER BY seq",
             (task_id, after_step),
         )
-        return [common_pb2.TaskEvent.FromString(r[0]).metric for r in rows]
+        newest = {}
+        for r in rows:
+            point = common_pb2.TaskEvent.FromString(r[0]).metric
+            newest[point.step] = point
+        return [newest[step] for step in sorted(newest)]
 
     # --- nodes ---------------------------------------------------------------------------------
     def upsert_node(self, node_id: str, info: bytes) -> None:

@@ -7,7 +7,8 @@ from typing import Any, Callable, Mapping
 
 import structlog
 
-from opentinker_trainer.context import WorkerContext
+from opentinker_trainer.context import StepAbandoned, WorkerContext
+from opentinker_trainer.workloads._keep import KeptStep, StepKeeper
 
 log = structlog.get_logger("opentinker.trainer")
 
@@ -20,6 +21,7 @@ def run_steps(
     step: Callable[[int], Mapping[str, float]],
     save: Callable[..., object],
     checkpoint_every: int,
+    keep: StepKeeper | None = None,
     log_step: Callable[[int, Mapping[str, float]], None] | None = None,
     before_first: Callable[[], None] | None = None,
 ) -> None:
@@ -33,6 +35,9 @@ def run_steps(
     ``before_first()`` runs once before the first step of this attempt. An attempt that resumed
     (``done`` > 0: its checkpoint's step) says so first, as the phase ``resumed`` ``from step N``,
     which ``opentinker logs`` and ``watch`` print.
+    With ``keep`` (:func:`~opentinker_trainer.workloads._keep.keeper`) a stop abandons the step in
+    progress (:meth:`WorkerContext.stop_now`): the copy ``keep`` took after the last completed step
+    is put back and checkpointed at once, unless that step is the newest checkpoint already.
     Each step and each checkpoint runs inside ``ctx.turn()`` (a model host's tenants take turns
     on the shared base model; a worker process's context has nothing to wait for).
     """
@@ -53,10 +58,18 @@ def run_steps(
         ctx.emit_phase("resumed", f"from step {done}")
     if before_first is not None:
         before_first()
+    kept: KeptStep | None = None  # the last step this attempt completed, with keep
+    saved = done  # the step of the newest checkpoint
     for n in range(done + 1, total + 1):
-        with turn():
-            metrics = step(n)
-            ctx.steps_done = n  # still in the turn: the adapter in the model is step n's
+        try:
+            with turn(), ctx.abandonable() if keep is not None else contextlib.nullcontext():
+                metrics = step(n)
+                ctx.steps_done = n  # still in the turn: the adapter in the model is step n's
+                taken = keep.take(n) if keep is not None else None
+        except StepAbandoned:
+            _store_kept(ctx, keep, kept, saved, save, abandoned=n)
+            return
+        kept = taken
         ctx.emit_metric(n, metrics)
         if log_step is not None:
             log_step(n, metrics)
@@ -71,6 +84,27 @@ def run_steps(
         elif checkpoint_every and n % checkpoint_every == 0:
             with turn():
                 save(final=False)
+            saved = n
+
+
+def _store_kept(
+    ctx: WorkerContext,
+    keep: StepKeeper | None,
+    kept: KeptStep | None,
+    saved: int,
+    save: Callable[..., object],
+    *,
+    abandoned: int,
+) -> None:
+    """Checkpoint the last completed step ``kept`` after a stop abandoned step ``abandoned``;
+    nothing when no step completed in this attempt or ``saved``, the newest checkpoint, is it."""
+    if keep is None or kept is None or kept.step <= saved:
+        log.info("stop requested: step abandoned, its previous step is stored", task_id=ctx.task_id, step=abandoned)
+        return
+    log.info("stop requested: step abandoned, checkpointing the step before", task_id=ctx.task_id, step=kept.step)
+    keep.put_back(kept)
+    ctx.steps_done = kept.step
+    save(final=False)
 
 
 def run_trainer(
@@ -82,12 +116,14 @@ def run_trainer(
     fields: Callable[[Mapping[str, float]], Mapping[str, Any]],
     counter: str = "step",
     event: str = "step",
+    keep: StepKeeper | None = None,
 ) -> None:
     """:func:`run_steps` over a trainer object: steps ``trainer.<counter> + 1 .. total``.
 
     Before step ``n`` the trainer's ``counter`` attribute (``step``, or ``update`` for PPO) is set
     to ``n``; the step is ``trainer.train_step()``, the checkpoint ``trainer.save(final=...)``.
     Each step is logged as ``log.info(event, task_id=..., step=n, **fields(metrics))``.
+    ``keep``: as in :func:`run_steps`; the trainer's ``counter`` must be part of its own state.
     """
 
     def one(n: int) -> Mapping[str, float]:
@@ -104,5 +140,6 @@ def run_trainer(
         step=one,
         save=trainer.save,
         checkpoint_every=checkpoint_every,
+        keep=keep,
         log_step=log_step,
     )

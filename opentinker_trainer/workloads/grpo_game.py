@@ -68,6 +68,7 @@ from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, head
 from opentinker_trainer.rl.rollout import generate, left_pad, right_pad
 from opentinker_trainer.rl.shared_prompts import shared_prompt_logprobs
 from opentinker_trainer.workloads import _lm
+from opentinker_trainer.workloads import _keep
 from opentinker_trainer.workloads._loop import run_trainer
 
 log = _lm.get_logger("opentinker.trainer.lm_game")
@@ -386,6 +387,9 @@ class GameTrainer:
             log,
             total=self.cfg.steps,
             checkpoint_every=self.cfg.checkpoint_every,
+            keep=_keep.keeper(
+                self.ctx, self.optimizer, state=lambda: self.step, restore=lambda step: setattr(self, "step", step)
+            ),
             fields=lambda m: {
                 "reward": round(m["reward"], 4),
                 "success": round(m["episode/success_rate"], 3),

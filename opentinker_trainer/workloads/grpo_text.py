@@ -77,6 +77,7 @@ from opentinker_common.spec.prompts import parse_prompt_line
 from opentinker_trainer.rl.grpo import ADAPTER_OFF, GRPOBatch, grpo_update, headline_metrics, rewards_tensor
 from opentinker_trainer.rl.rollout import Rollout, generate, left_pad, pad_completions, sequence_logprobs
 from opentinker_trainer.workloads import _lm
+from opentinker_trainer.workloads import _keep
 from opentinker_trainer.workloads._loop import run_trainer
 
 log = _lm.get_logger("opentinker.trainer.lora_finetune")
@@ -398,11 +399,18 @@ class _Trainer:
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
+        def restore(own) -> None:
+            self.step = own[0]
+            self.env.set_state(own[1])
+
         run_trainer(
             self,
             log,
             total=self.cfg.steps,
             checkpoint_every=self.cfg.checkpoint_every,
+            keep=_keep.keeper(
+                self.ctx, self.optimizer, state=lambda: (self.step, self.env.get_state()), restore=restore
+            ),
             fields=lambda m: {
                 "reward": round(m["reward"], 4),
                 "loss": round(m["loss"], 5),

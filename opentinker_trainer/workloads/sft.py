@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from opentinker_trainer import distributed, fsdp
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.workloads import _lm
+from opentinker_trainer.workloads import _keep
 from opentinker_trainer.workloads._loop import run_steps
 from opentinker_trainer.workloads.sft_data import (
     IGNORE_INDEX,
@@ -321,6 +322,9 @@ class _SFTTrainer:
             step=one,
             save=self.save,
             checkpoint_every=cfg.checkpoint_every,
+            keep=_keep.keeper(
+                self.ctx, self.optimizer, state=lambda: self.step, restore=lambda step: setattr(self, "step", step)
+            ),
             log_step=log_step,
             before_first=first,
         )

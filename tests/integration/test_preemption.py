@@ -43,7 +43,7 @@ def test_high_priority_preempts_and_victim_resumes_from_checkpoint(cluster, tiny
         assert got.returncode == 0, got.stderr
         (attempt_row,) = [line.strip() for line in got.stdout.splitlines() if line.split()[:1] == ["attempt"]]
         assert attempt_row.split(None, 1)[1].strip() == (
-            "2: 1 of 3 used, 1 handed back (preempted or drained; not counted)"
+            "2: 1 of 3 used, 1 handed back (preempted, drained or node lost; not counted)"
         )
         preempted_at = task.latest_checkpoint.step
         assert preempted_at >= 3, "the preempted worker wrote a checkpoint before stopping"

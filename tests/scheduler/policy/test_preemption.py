@@ -91,3 +91,43 @@ def test_a_shareable_task_stops_as_many_tenants_as_its_memory_needs() -> None:
         "two", 2, 8, 1, running, max_tasks_per_gpu=8, gpu_memory={0: 11 * gib, 1: 4 * gib}, free_devices=(1,)
     )
     assert choose_victims(10, 1, [two], share_key="base", memory=big).victims == ("c",)
+
+
+def _open_gpu(gpus: int, per_gpu: int, left: list[RunningAlloc], key: str) -> bool:
+    """Whether a task with share key ``key`` has a GPU: one nobody holds, or one whose tasks all
+    share ``key`` with a tenant place left (counted here, apart from the policy's ledger)."""
+    for device in range(gpus):
+        on = [r for r in left if device in r.devices]
+        if not on or (all(r.share_key == key for r in on) and len(on) < per_gpu):
+            return True
+    return False
+
+
+@given(
+    st.integers(1, 2),
+    st.integers(1, 3),
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.sampled_from(["base", "other"])), max_size=6),
+)
+def test_on_a_model_host_the_victims_are_the_fewest_tenants_that_open_a_place(gpus, per_gpu, tenants) -> None:
+    running: list[RunningAlloc] = []
+    for i, (priority, device, key) in enumerate(tenants):
+        on = [r for r in running if r.devices == (device % gpus,)]
+        if len(on) < per_gpu and all(r.share_key == key for r in on):  # a host's GPU holds one base
+            running.append(RunningAlloc(f"t{i}", priority, 1, float(i), (device % gpus,), share_key=key))
+    held = {d for r in running for d in r.devices}
+    free = tuple(d for d in range(gpus) if d not in held)
+    node = NodeState("host", gpus, 16, len(free), tuple(running), max_tasks_per_gpu=per_gpu, free_devices=free)
+    choice = choose_victims(3, 1, [node], share_key="base")
+    if _open_gpu(gpus, per_gpu, running, "base"):
+        assert choice is None  # room already: nobody is stopped
+        return
+    if choice is None:  # no set of lower-priority tenants opens a place
+        lower = [r for r in running if r.priority < 3]
+        assert not _open_gpu(gpus, per_gpu, [r for r in running if r not in lower], "base")
+        return
+    by_id = {r.task_id: r for r in running}
+    assert all(by_id[v].priority < 3 for v in choice.victims)
+    left = [r for r in running if r.task_id not in choice.victims]
+    assert _open_gpu(gpus, per_gpu, left, "base")
+    for v in choice.victims:  # every victim is needed: one tenant, not the whole GPU
+        assert not _open_gpu(gpus, per_gpu, [*left, by_id[v]], "base")

@@ -350,17 +350,20 @@ def test_unknown_nodes_switch_and_gpu_disagreement(tmp_path) -> None:
     assert any("config gpu_count 4 but node found 2" in n for n in node.notes)
 
 
-def test_max_attempts_exhausted_by_node_loss(tmp_path) -> None:
-    core = make_core(tmp_path, lease_s=0.01, default_max_attempts=2)
+def test_a_lost_node_hands_the_attempt_back_and_max_node_losses_ends_the_task(tmp_path) -> None:
+    core = make_core(tmp_path, lease_s=0.01, default_max_attempts=2, max_node_losses=3)
     task = core.submit(spec(), owner="u")
-    for _ in range(2):
+    for lost in (1, 2, 3):
         node, _ = register(core)
         core.schedule()
         report(core, node, task.task_id, core.get(task.task_id).attempt, C.TASK_STATE_RUNNING)
         node.last_seen -= 1
         core.tick()
-    t = core.get(task.task_id)
-    assert t.state == C.TASK_STATE_FAILED and "max_attempts (2) exhausted" in t.error
+        t = core.get(task.task_id)
+        if lost < 3:  # handed back: max_attempts (2) is not used up by a node that died
+            assert (t.state, t.attempt, t.handed_back) == (C.TASK_STATE_PENDING, lost + 1, lost)
+    assert t.state == C.TASK_STATE_FAILED
+    assert "its attempts lost their node 3 times, max_node_losses (3) reached" in t.error, t.error
 
 
 # --- ledger property test ------------------------------------------------------------------

@@ -32,7 +32,8 @@ def _running(tmp_path):
 
 
 def _steps(core, task_id: str) -> list[int]:
-    return [p.step for p in core.store.metric_points(task_id)]
+    """The steps of the metric points recorded in the task's event log, in order."""
+    return [e.metric.step for e in core.store.events_after(task_id, 0) if e.WhichOneof("event") == "metric"]
 
 
 def test_resent_metric_points_after_a_restart_are_applied_once(tmp_path) -> None:
@@ -104,6 +105,8 @@ def test_the_next_attempt_reports_its_own_steps(tmp_path) -> None:
         core.node_report(node, _metric_report(task.task_id, 2, step, seq=10 + step))
     assert _steps(core, task.task_id) == [1, 2, 3, 2, 3, 4]
     assert core.node_protocol.duplicates == 0
+    # The history shows each step once, the newest attempt's.
+    assert [(p.step, p.attempt) for p in core.store.metric_points(task.task_id)] == [(1, 1), (2, 2), (3, 2), (4, 2)]
 
 
 @pytest.mark.sqlite_only

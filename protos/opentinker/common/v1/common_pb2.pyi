@@ -70,7 +70,7 @@ class TaskSpec(_message.Message):
     def __init__(self, workload_type: _Optional[str] = ..., model: _Optional[str] = ..., env_config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., hyperparameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., priority: _Optional[int] = ..., name: _Optional[str] = ..., init_from: _Optional[str] = ..., tracking: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class MetricPoint(_message.Message):
-    __slots__ = ("step", "time", "values")
+    __slots__ = ("step", "time", "values", "attempt")
     class ValuesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -81,10 +81,12 @@ class MetricPoint(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     step: int
     time: _timestamp_pb2.Timestamp
     values: _containers.ScalarMap[str, float]
-    def __init__(self, step: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    attempt: int
+    def __init__(self, step: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., values: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("task_id", "attempt", "step", "path", "create_time", "node_id", "format", "final", "artifact")

@@ -1,0 +1,89 @@
+"""A copy of a trainer's state after each completed step, so that a stop abandons the step in
+progress and stores the last completed one at once.
+
+The copy holds what a checkpoint holds: the trainable parameters, the optimizer state, the
+global RNG states and the trainer's own state (its step counter, its environment's state). It
+stays on the parameters' device. For a LoRA adapter that is a few MB to a few hundred MB, copied
+at each step's end. Full weights of a language model are too big to copy every step: no keeper,
+and a stop lets their step finish before the checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from opentinker_trainer.workloads import _rng
+
+#: Trainable state (parameters and two AdamW moments each) above this many bytes is not copied.
+KEEP_MAX_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class KeptStep:
+    """The state after ``step``: parameters, optimizer state, RNG states, the trainer's own."""
+
+    step: int
+    params: list[torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: dict[str, Any]
+    own: Any
+
+
+class StepKeeper:
+    """Takes a :class:`KeptStep` after each step and puts one back before the exit checkpoint.
+
+    Args:
+        optimizer: the trainer's optimizer; its parameter groups name the trainable parameters.
+        state: the trainer's own state to keep (e.g. its step counter, its environment's state).
+        restore: puts ``state()``'s value back.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, state: Callable[[], Any], restore: Callable[[Any], None]):
+        self.optimizer = optimizer
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.state = state
+        self.restore = restore
+
+    def take(self, step: int) -> KeptStep:
+        """A copy of the state after ``step``, sharing nothing with the live trainer."""
+        with torch.no_grad():
+            params = [p.detach().clone() for p in self.params]
+        return KeptStep(
+            step=step,
+            params=params,
+            optimizer=copy.deepcopy(self.optimizer.state_dict()),
+            rng=_rng.rng_state(),
+            own=copy.deepcopy(self.state()),
+        )
+
+    def put_back(self, kept: KeptStep) -> None:
+        """Make the live trainer what it was when ``kept`` was taken."""
+        with torch.no_grad():
+            for p, saved in zip(self.params, kept.params, strict=True):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(kept.optimizer)
+        _rng.restore_rng_state(kept.rng)
+        self.restore(kept.own)
+
+
+def keeper(
+    ctx: Any,
+    optimizer: torch.optim.Optimizer,
+    *,
+    state: Callable[[], Any] = lambda: None,
+    restore: Callable[[Any], None] = lambda _: None,
+) -> StepKeeper | None:
+    """A :class:`StepKeeper` for a trainer of ``ctx``, or None where a step is not abandoned:
+    a tenant of a model host (its stop is a flag its turn loop reads), a rank of a distributed
+    attempt (every rank stops after the same step) and trainable state over
+    :data:`KEEP_MAX_BYTES` (full weights)."""
+    if getattr(ctx, "tenant", None) is not None or getattr(ctx, "dist", None) is not None:
+        return None
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if 3 * sum(p.numel() * p.element_size() for p in params) > KEEP_MAX_BYTES:
+        return None
+    return StepKeeper(optimizer, state, restore)
