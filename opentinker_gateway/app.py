@@ -1,0 +1,681 @@
+"""The HTTP routes of the Tinker API (``/api/v1/...``) over an OpenTinker scheduler.
+
+Every request carries ``X-API-Key: tml-<OpenTinker API key>``: the gateway strips ``tml-`` and
+calls the scheduler and the session workers with that key, so owners, roles, rotation and
+revocation are the scheduler's. Training requests return a future (``request_id``) at once;
+``retrieve_future`` long-polls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import zstandard
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from packaging.version import InvalidVersion, Version
+from tinker.proto import tinker_public_pb2 as tpb
+
+from opentinker.training.v1 import training_pb2
+
+from opentinker_gateway import wire
+from opentinker_gateway.errors import ApiError
+from opentinker_gateway.models import Model, Outcome
+from opentinker_gateway.scheduler import TASK_NAME_PREFIX, Scheduler, SessionSpec
+
+__all__ = ["GatewayConfig", "create_app", "SDK_VERSIONS"]
+
+#: The ``tinker`` SDK versions this gateway is tested with: [lowest, highest].
+SDK_VERSIONS = ("0.38.0", "0.38.0")
+
+#: LoRA target modules of Tinker's ``train_attn`` / ``train_mlp`` / ``train_unembed``.
+_TARGETS = {
+    "train_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "train_mlp": ("gate_proj", "up_proj", "down_proj"),
+    "train_unembed": ("lm_head",),
+}
+
+_CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_PROTO = "application/x-protobuf"
+
+
+@dataclass
+class GatewayConfig:
+    """What a gateway serves.
+
+    Attributes:
+        scheduler: the scheduler's address (``host:port`` or a URL).
+        models: Tinker model names (``HuggingFaceTB/SmolLM2-135M-Instruct``) -> local model folders.
+        max_body_bytes: largest request body, after zstd decompression too (413 above it).
+        gap_timeout_s: seconds a request waits for a missing earlier ``seq_id``.
+        long_poll_s: seconds ``retrieve_future`` waits before answering ``try_again``.
+        idle_timeout_s: a model's session task ends after this long without a request.
+    """
+
+    scheduler: str
+    models: dict[str, str] = field(default_factory=dict)
+    max_body_bytes: int = 256 * 1024 * 1024
+    gap_timeout_s: float = 60.0
+    long_poll_s: float = 20.0
+    idle_timeout_s: float = 3600.0
+
+
+def _key(request: Request) -> str:
+    """The OpenTinker API key of the ``tml-`` key the request carries."""
+    raw = request.headers.get("x-api-key", "")
+    if not raw:
+        auth = request.headers.get("authorization", "")
+        raw = auth[7:] if auth.lower().startswith("bearer ") else ""
+    if not raw.startswith("tml-"):
+        raise ApiError(
+            "X-API-Key: expected tml-<your OpenTinker API key>, got "
+            + ("nothing" if not raw else "a key without the tml- prefix"),
+            status=401,
+        )
+    return raw[4:]
+
+
+def _field(body: dict, name: str, kind: type, *, required: bool = True) -> Any:
+    value = body.get(name)
+    if value is None and not required:
+        return None
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise ApiError(
+            f"{name}: expected {kind.__name__}, got {type(value).__name__ if value is not None else 'nothing'}"
+        )
+    return value
+
+
+def _future_id(model_id: str, seq_id: int) -> str:
+    return f"{model_id}#{seq_id}"
+
+
+def _parse_path(path: str, field_name: str) -> tuple[str, str, str]:
+    """``(model id, kind, name)`` of ``tinker://<model id>/<weights|sampler_weights>/<name>``."""
+    parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") or not parts[0]:
+        raise ApiError(
+            f"{field_name}: expected tinker://<model id>/weights/<name> or "
+            f"tinker://<model id>/sampler_weights/<name>, got {path!r}"
+        )
+    return parts[0], parts[1], parts[2]
+
+
+class Gateway:
+    """The state of one gateway process: connections, models it has met, sample futures."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.scheduler: Scheduler | None = None
+        self.models: dict[str, Model] = {}
+        self._allowed: set[tuple[str, str]] = set()
+        self._model_locks: dict[str, asyncio.Lock] = {}
+        self.samples: dict[str, asyncio.Future] = {}
+        self.creates: dict[str, asyncio.Task] = {}
+
+    async def start(self) -> None:
+        self.scheduler = Scheduler(self.config.scheduler)
+
+    async def stop(self) -> None:
+        for model in self.models.values():
+            await model.close()
+        if self.scheduler is not None:
+            await self.scheduler.close()
+
+    def model_dir(self, base_model: str, field_name: str = "base_model") -> str:
+        folder = self.config.models.get(base_model)
+        if folder is None:
+            raise ApiError(
+                f"{field_name}: expected one of {', '.join(sorted(self.config.models)) or '(none configured)'}, "
+                f"got {base_model!r}"
+            )
+        return folder
+
+    def base_model_of(self, model_dir: str) -> str:
+        for name, folder in self.config.models.items():
+            if folder == model_dir:
+                return name
+        return model_dir
+
+    async def model(self, model_id: str, key: str, *, first_seq_id: int = 1) -> Model:
+        """Model ``model_id`` (its session task's id) if the caller's key may use it.
+
+        Raises:
+            ApiError: 404 when no such task is visible to the key (another owner's too).
+        """
+        if not isinstance(model_id, str) or not model_id:
+            raise ApiError("model_id: expected a model id from create_model")
+        model = self.models.get(model_id)
+        if model is not None and (key, model_id) in self._allowed:
+            return model
+        lock = self._model_locks.setdefault(model_id, asyncio.Lock())
+        async with lock:
+            try:
+                task = await self.scheduler.get_task(model_id, key)
+            except ApiError as exc:
+                if exc.status in (400, 404):
+                    raise ApiError(f"model_id: no model {model_id!r}", status=404) from None
+                raise
+            if task.spec.workload_type != "lora_session" or not task.spec.name.startswith(TASK_NAME_PREFIX):
+                raise ApiError(f"model_id: no model {model_id!r}", status=404)
+            self._allowed.add((key, model_id))
+            model = self.models.get(model_id)
+            if model is None:
+                task = await self.scheduler.wait_serving(model_id, key)
+                hp = dict(task.spec.hyperparameters)
+                model = Model(
+                    model_id,
+                    task.task_id,
+                    task.endpoint,
+                    base_model=self.base_model_of(task.spec.model),
+                    model_dir=task.spec.model,
+                    lora_rank=int(hp.get("lora_rank", 0)),
+                    metadata=lambda: self.scheduler.endpoint_metadata(model_id, key),
+                    first_seq_id=first_seq_id,
+                    gap_timeout_s=self.config.gap_timeout_s,
+                )
+                self.models[model_id] = model
+            return model
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, decompressed when ``Content-Encoding: zstd``; at most ``limit`` bytes."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise ApiError(f"body: at most {limit} bytes, got {size}", status=413)
+    chunks = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise ApiError(f"body: at most {limit} bytes, got more", status=413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding != "zstd":
+        raise ApiError(f"Content-Encoding: expected zstd or none, got {encoding!r}", status=415)
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(raw)
+        out = reader.read(limit + 1)
+        while len(out) <= limit:
+            more = reader.read(limit + 1 - len(out))
+            if not more:
+                break
+            out += more
+    except zstandard.ZstdError as exc:
+        raise ApiError(f"body: not valid zstd ({exc})") from None
+    if len(out) > limit:
+        raise ApiError(f"body: at most {limit} bytes once decompressed, got more", status=413)
+    return out
+
+
+async def _json(request: Request, limit: int) -> dict:
+    raw = await _body(request, limit)
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError as exc:
+        raise ApiError(f"body: expected JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ApiError(f"body: expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _check_version(body: dict) -> None:
+    raw = body.get("sdk_version")
+    low, high = SDK_VERSIONS
+    try:
+        version = Version(str(raw))
+    except InvalidVersion:
+        version = None
+    if version is None or not Version(low) <= version <= Version(high):
+        raise ApiError(
+            f"sdk_version: this OpenTinker serves tinker SDK {low} to {high}, got {raw!r}; "
+            f"pip install 'tinker>={low},<={high}'",
+            status=400,
+        )
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The gateway's ASGI app."""
+    gw = Gateway(config)
+    app = FastAPI(title="OpenTinker Tinker API", on_startup=[gw.start], on_shutdown=[gw.stop])
+    app.state.gateway = gw
+    limit = config.max_body_bytes
+
+    @app.exception_handler(ApiError)
+    async def _refused(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    def future_reply(model_id: str, seq_id: int, **extra) -> dict:
+        return {"request_id": _future_id(model_id, seq_id), "model_id": model_id, **extra}
+
+    # --- service ---------------------------------------------------------------------------
+    @app.get("/api/v1/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.post("/api/v1/client/config")
+    async def client_config(request: Request) -> dict:
+        _check_version(await _json(request, limit))
+        return {
+            "pjwt_auth_enabled": False,
+            "credential_default_source": "api_key",
+            "use_pyqwest_transport": False,
+            "parallel_fwdbwd_chunks": True,
+            "proto_compress_fwdbwd": True,
+            "sample_use_retrieve_futures": False,
+            "sample_join_sampling_session": False,
+            "custom_loss_server_side": False,
+        }
+
+    @app.post("/api/v1/client/dynamic_config")
+    async def client_dynamic_config(request: Request) -> dict:
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities(request: Request) -> dict:
+        return {
+            "supported_models": [
+                {"model_name": name, "trainable": True, "sampleable": True} for name in sorted(config.models)
+            ]
+        }
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry(request: Request) -> dict:
+        await _body(request, limit)
+        return {"status": "accepted"}
+
+    # --- sessions ---------------------------------------------------------------------------
+    @app.post("/api/v1/create_session")
+    async def create_session(request: Request) -> dict:
+        _key(request)
+        body = await _json(request, limit)
+        _check_version(body)
+        return {"type": "create_session", "session_id": f"ses-{uuid.uuid4().hex}"}
+
+    @app.post("/api/v1/session_heartbeat")
+    async def session_heartbeat(request: Request) -> dict:
+        _key(request)
+        await _json(request, limit)
+        return {"type": "session_heartbeat"}
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request) -> Response:
+        key = _key(request)
+        await _json(request, limit)
+        for task in await gw.scheduler.session_tasks(f"{TASK_NAME_PREFIX}{session_id}:", key):
+            await gw.scheduler.cancel(task.task_id, key, f"tinker session {session_id} finished")
+            model = gw.models.pop(task.task_id, None)
+            if model is not None:
+                await model.close()
+        return Response(content=b"null", media_type="application/json")
+
+    # --- models -------------------------------------------------------------------------------
+    @app.post("/api/v1/create_model")
+    async def create_model(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        session_id = _field(body, "session_id", str)
+        model_seq_id = _field(body, "model_seq_id", int)
+        folder = gw.model_dir(_field(body, "base_model", str))
+        lora = body.get("lora_config") or {}
+        if not isinstance(lora, dict):
+            raise ApiError("lora_config: expected an object")
+        rank = lora.get("rank", 32)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 512:
+            raise ApiError(f"lora_config.rank: expected an integer in 1..512, got {rank!r}")
+        targets = tuple(m for flag, mods in _TARGETS.items() if lora.get(flag, True) for m in mods)
+        if not targets:
+            raise ApiError("lora_config: at least one of train_mlp, train_attn, train_unembed must be true")
+        optimizer = body.get("optimizer_config") or {"type": "adamw"}
+        if optimizer.get("type", "adamw") != "adamw":
+            raise ApiError(f"optimizer_config.type: expected adamw, got {optimizer.get('type')!r}")
+        seed = lora.get("seed")
+        spec = SessionSpec(folder, rank, targets, int(seed) if isinstance(seed, int) else 0, config.idle_timeout_s)
+        name = f"{TASK_NAME_PREFIX}{session_id}:train:{model_seq_id}"
+        task_id = await gw.scheduler.submit_session(spec, name=name, key=key, request_id=name)
+        return {"request_id": f"create#{task_id}", "model_id": task_id}
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        model = await gw.model(body.get("model_id"), key)
+        info = await model.info()
+        return {
+            "type": "get_info",
+            "model_id": model.model_id,
+            "model_data": {
+                "arch": json.loads(info.model_config_json or "{}").get("model_type"),
+                "model_name": model.base_model,
+                "tokenizer_id": model.model_dir,
+            },
+            "is_lora": not info.full_weights,
+            "lora_rank": info.lora_rank,
+            "model_name": model.base_model,
+        }
+
+    # --- training -----------------------------------------------------------------------------
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request) -> dict:
+        key = _key(request)
+        raw = await _body(request, limit)
+        if _PROTO not in request.headers.get("content-type", ""):
+            raise ApiError(f"Content-Type: expected {_PROTO} (tinker SDK >= 0.25), got JSON", status=415)
+        msg = tpb.ForwardBackwardRequest()
+        try:
+            msg.ParseFromString(raw)
+        except Exception as exc:  # noqa: BLE001 - a malformed body is the caller's
+            raise ApiError(f"body: not a tinker ForwardBackwardRequest ({exc})") from None
+        forward_only = msg.forward_only
+        if not forward_only and msg.loss_fn not in wire.LOSSES:
+            raise ApiError(
+                f"loss_fn: expected one of {', '.join(wire.LOSSES)} (served by this OpenTinker), got {msg.loss_fn!r}"
+            )
+        if msg.seq_id < 1:
+            raise ApiError(f"seq_id: expected an integer >= 1, got {msg.seq_id}")
+        datums = wire.datums_from_proto(msg)
+        config_msg = wire.loss_config(msg.loss_fn, msg) if not forward_only else None
+        model = await gw.model(msg.model_id, key, first_seq_id=msg.seq_id)
+
+        def batch(seq: int):
+            if forward_only:
+                header = training_pb2.BatchHeader(sequence=seq, datum_count=len(datums))
+                yield training_pb2.ForwardRequest(header=header)
+                yield training_pb2.ForwardRequest(chunk=training_pb2.DatumChunk(datums=datums))
+            else:
+                header = training_pb2.BatchHeader(
+                    sequence=seq, datum_count=len(datums), loss_fn=wire.LOSSES[msg.loss_fn], loss_fn_config=config_msg
+                )
+                yield training_pb2.ForwardBackwardRequest(header=header)
+                yield training_pb2.ForwardBackwardRequest(chunk=training_pb2.DatumChunk(datums=datums))
+
+        async def run() -> Outcome:
+            rpc = model.stub.Forward if forward_only else model.stub.ForwardBackward
+            what = "forward" if forward_only else "forward_backward"
+            response = await model.call(what, lambda seq, md: rpc(batch(seq), timeout=3600, metadata=md))
+            loss = None if forward_only else response.loss
+            return Outcome(proto=wire.forward_backward_output(response.outputs, loss))
+
+        model.submit(msg.seq_id, run)
+        return future_reply(model.model_id, msg.seq_id)
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        seq_id = _field(body, "seq_id", int)
+        params = body.get("adam_params")
+        if params is None:
+            raise ApiError("adam_params: expected AdamParams (other optimizers are not served)")
+        adam = wire.adam_params(params)
+        model = await gw.model(body.get("model_id"), key, first_seq_id=seq_id)
+
+        async def run() -> Outcome:
+            r = await model.call(
+                "optim_step",
+                lambda seq, md: model.stub.OptimStep(
+                    training_pb2.OptimStepRequest(sequence=seq, adam=adam), timeout=600, metadata=md
+                ),
+            )
+            return Outcome(
+                json={"type": "optim_step", "metrics": {"grad_norm:mean": r.grad_norm, "step:max": float(r.step)}}
+            )
+
+        model.submit(seq_id, run)
+        return future_reply(model.model_id, seq_id)
+
+    def checkpoint_name(body: dict) -> str:
+        name = _field(body, "path", str)
+        if not _CHECKPOINT_NAME.match(name):
+            raise ApiError(f"path: expected a name of 1 to 64 letters, digits, '.', '_' or '-', got {name!r}")
+        return name
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        seq_id = _field(body, "seq_id", int)
+        name = checkpoint_name(body)
+        model = await gw.model(body.get("model_id"), key, first_seq_id=seq_id)
+
+        async def run() -> Outcome:
+            await model.call(
+                "save_weights",
+                lambda seq, md: model.stub.SaveState(
+                    training_pb2.SaveStateRequest(sequence=seq, name=name), timeout=3600, metadata=md
+                ),
+            )
+            return Outcome(json={"type": "save_weights", "path": f"tinker://{model.model_id}/weights/{name}"})
+
+        model.submit(seq_id, run)
+        return future_reply(model.model_id, seq_id)
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        seq_id = _field(body, "seq_id", int)
+        name = checkpoint_name(body) if body.get("path") is not None else None
+        model = await gw.model(body.get("model_id"), key, first_seq_id=seq_id)
+
+        async def run() -> Outcome:
+            if name is None:
+                # An ephemeral sampler: it samples the session's weights (see sample()).
+                return Outcome(
+                    json={"type": "save_weights_for_sampler", "sampling_session_id": f"{model.model_id}~{seq_id}"}
+                )
+            await model.call(
+                "save_weights_for_sampler",
+                lambda seq, md: model.stub.SaveWeightsForSampler(
+                    training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=name), timeout=3600, metadata=md
+                ),
+            )
+            return Outcome(
+                json={"type": "save_weights_for_sampler", "path": f"tinker://{model.model_id}/sampler_weights/{name}"}
+            )
+
+        model.submit(seq_id, run)
+        return future_reply(model.model_id, seq_id)
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        path = _field(body, "path", str)
+        source, kind, name = _parse_path(path, "path")
+        if body.get("session_id") is not None:
+            raise ApiError(
+                "path: a new training client from a saved state (create_training_client_from_state) is "
+                "not served yet; load_state on the model that saved it",
+            )
+        seq_id = _field(body, "seq_id", int)
+        model = await gw.model(body.get("model_id"), key, first_seq_id=seq_id)
+        if source != model.model_id or kind != "weights":
+            raise ApiError(
+                f"path: this OpenTinker loads states of the same model only "
+                f"(tinker://{model.model_id}/weights/...), got {path!r}"
+            )
+        with_optimizer = bool(body.get("optimizer"))
+
+        async def run() -> Outcome:
+            await model.call(
+                "load_weights",
+                lambda seq, md: model.stub.LoadState(
+                    training_pb2.LoadStateRequest(sequence=seq, name=name, with_optimizer=with_optimizer),
+                    timeout=3600,
+                    metadata=md,
+                ),
+            )
+            return Outcome(json={"type": "load_weights", "path": path, "model_id": model.model_id})
+
+        model.submit(seq_id, run)
+        return future_reply(model.model_id, seq_id)
+
+    # --- sampling -------------------------------------------------------------------------------
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        path = body.get("model_path")
+        if path is None:
+            raise ApiError(
+                "model_path: sampling a base model alone is not served yet; "
+                "sample from a training client's save_weights_for_sampler path"
+            )
+        source, _, name = _parse_path(path, "model_path")
+        await gw.model(source, key)
+        return {"type": "create_sampling_session", "sampling_session_id": f"{source}~{name}"}
+
+    async def sampler_model(sampler_id: Any, key: str) -> Model:
+        if not isinstance(sampler_id, str) or "~" not in sampler_id:
+            raise ApiError(f"sampling_session_id: no sampler {sampler_id!r}", status=404)
+        return await gw.model(sampler_id.split("~", 1)[0], key)
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str, request: Request) -> dict:
+        model = await sampler_model(sampler_id, _key(request))
+        name = sampler_id.split("~", 1)[1]
+        path = f"tinker://{model.model_id}/sampler_weights/{name}" if not name.isdigit() else None
+        return {"sampler_id": sampler_id, "base_model": model.base_model, "model_path": path}
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        model = await sampler_model(body.get("sampling_session_id"), key)
+        sample = wire_sample_request(body)
+        request_id = f"{body.get('sampling_session_id')}#s{uuid.uuid4().hex}"
+        gw.samples[request_id] = asyncio.ensure_future(sample_on(model, sample))
+        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}/{i}" for i in range(sample.n)]}
+
+    # --- futures ------------------------------------------------------------------------------
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        key = _key(request)
+        body = await _json(request, limit)
+        request_id = _field(body, "request_id", str)
+        future = await find_future(request_id, key)
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(future), timeout=config.long_poll_s)
+        except asyncio.TimeoutError:
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        except ApiError as exc:
+            outcome = Outcome(error=exc)
+        if outcome.error is not None:
+            return JSONResponse(outcome.error.failed())
+        if outcome.proto is not None:
+            return Response(content=outcome.proto, media_type=_PROTO)
+        return JSONResponse(outcome.json)
+
+    async def find_future(request_id: str, key: str) -> asyncio.Future:
+        if request_id.startswith("create#"):
+            task_id = request_id[len("create#") :]
+            task = gw.creates.get(task_id)
+            if task is None or task.done() and task.exception() is not None:
+                task = gw.creates[task_id] = asyncio.ensure_future(created(task_id, key))
+            return task
+        if "#s" in request_id:
+            future = gw.samples.get(request_id)
+            if future is None:
+                raise ApiError(f"request_id: no pending sample {request_id!r} on this gateway", status=410)
+            return future
+        model_id, _, seq = request_id.rpartition("#")
+        if not seq.isdigit():
+            raise ApiError(f"request_id: no request {request_id!r}", status=404)
+        model = await gw.model(model_id, key)
+        future = model.future(int(seq))
+        if future is None:
+            raise ApiError(f"request_id: request {request_id!r} is not known to this gateway", status=410)
+        return future
+
+    async def created(task_id: str, key: str) -> Outcome:
+        await gw.model(task_id, key)
+        return Outcome(json={"type": "create_model", "model_id": task_id})
+
+    async def sample_on(model: Model, sample: training_pb2.SampleRequest) -> Outcome:
+        """A sample from the model's session (its current weights), until the sequence-free
+        sampling RPC serves sampler snapshots."""
+        try:
+            response = await model.call(
+                "asample",
+                lambda seq, md: model.stub.Sample(_with_sequence(sample, seq), timeout=600, metadata=md),
+            )
+        except ApiError as exc:
+            return Outcome(error=exc)
+        return Outcome(proto=wire.sample_response(response))
+
+    return app
+
+
+def _with_sequence(sample: training_pb2.SampleRequest, seq: int) -> training_pb2.SampleRequest:
+    out = training_pb2.SampleRequest()
+    out.CopyFrom(sample)
+    out.sequence = seq
+    return out
+
+
+def wire_sample_request(body: dict) -> training_pb2.SampleRequest:
+    """The session's ``SampleRequest`` of a Tinker ``SampleRequest`` body; features not served yet
+    are refused by name."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
+        raise ApiError("prompt: expected a ModelInput with chunks")
+    tokens: list[int] = []
+    for j, chunk in enumerate(prompt["chunks"]):
+        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+            raise ApiError(f"prompt.chunks[{j}]: expected an encoded_text chunk")
+        values = chunk.get("tokens")
+        if not isinstance(values, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in values):
+            raise ApiError(f"prompt.chunks[{j}].tokens: expected a list of token ids")
+        tokens += values
+    n = body.get("num_samples", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
+        raise ApiError(f"num_samples: expected an integer in 1..64, got {n!r}")
+    for name in ("prompt_logprobs",):
+        if body.get(name):
+            raise ApiError(f"{name}: not served yet by this OpenTinker")
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if body.get(name):
+            raise ApiError(f"{name}: not served yet by this OpenTinker")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise ApiError("sampling_params: expected an object")
+    out = training_pb2.SampleRequest(tokens=training_pb2.TokenPrompt(tokens=tokens), n=n, return_logprobs=True)
+    max_tokens = params.get("max_tokens")
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096:
+            raise ApiError(f"sampling_params.max_tokens: expected an integer in 1..4096, got {max_tokens!r}")
+        out.max_tokens = max_tokens
+    temperature = params.get("temperature", 1.0)
+    if not isinstance(temperature, (int, float)) or temperature <= 0:
+        raise ApiError(
+            f"sampling_params.temperature: expected a number > 0 (0, greedy, is not served yet), got {temperature!r}"
+        )
+    out.temperature = float(temperature)
+    top_p = params.get("top_p", 1.0)
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ApiError(f"sampling_params.top_p: expected a number in (0, 1], got {top_p!r}")
+    out.top_p = float(top_p)
+    if params.get("top_k", -1) not in (-1, 0, None):
+        raise ApiError(f"sampling_params.top_k: not served yet (expected -1), got {params.get('top_k')!r}")
+    stop = params.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop:
+        if not all(isinstance(s, str) for s in stop):
+            raise ApiError("sampling_params.stop: stop token ids are not served yet; give stop strings")
+        out.stop.extend(stop)
+    seed = params.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ApiError(f"sampling_params.seed: expected an integer, got {seed!r}")
+        out.seed = seed
+    return out
