@@ -68,13 +68,9 @@ __all__ = [
     "LOSS_FNS",
 ]
 
-#: Loss names ``forward_backward`` takes.
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
-_LOSS = {
-    "cross_entropy": training_pb2.LOSS_FN_CROSS_ENTROPY,
-    "importance_sampling": training_pb2.LOSS_FN_IMPORTANCE_SAMPLING,
-    "ppo": training_pb2.LOSS_FN_PPO,
-}
+#: Loss names ``forward_backward`` takes (Tinker's); the session refuses stable_reinforce.
+_LOSS = {name[len("LOSS_FN_") :].lower(): value for name, value in training_pb2.LossFn.items() if value}
+LOSS_FNS = tuple(_LOSS)
 #: Bytes of datums per stream message (far under gRPC's 64 MiB messages).
 CHUNK_BYTES = 1 << 20
 #: ``google.rpc.ErrorInfo.domain`` of a session's refusals.
@@ -87,7 +83,8 @@ class Datum:
 
     Position ``t`` reads ``input_tokens[:t+1]`` and predicts ``target_tokens[t]``.
     ``weights``: ``cross_entropy``'s per-token weights (empty = all 1). ``advantages``,
-    ``sampling_logprobs``: ``importance_sampling`` and ``ppo``'s.
+    ``sampling_logprobs`` (Tinker's ``logprobs`` input): the policy losses'.
+    ``sequence_ratio_mask``: ``gspo``'s.
     """
 
     input_tokens: Sequence[int]
@@ -95,6 +92,7 @@ class Datum:
     weights: Sequence[float] = ()
     advantages: Sequence[float] = ()
     sampling_logprobs: Sequence[float] = ()
+    sequence_ratio_mask: Sequence[float] = ()
 
     @classmethod
     def from_sequence(
@@ -165,6 +163,10 @@ class SampleOutput:
     prompt_tokens: list[int]
     samples: list[SampledSequence]
     step: int
+    #: With ``prompt_logprobs``: one per prompt token, NaN first.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    #: With ``topk_prompt_logprobs``: per prompt token, ``(token, logprob)`` pairs (none first).
+    topk_prompt_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,7 @@ def _datum_proto(d: Datum | Mapping[str, Any], i: int) -> training_pb2.Datum:
             weights=get("weights", ()) or (),
             advantages=get("advantages", ()) or (),
             sampling_logprobs=get("sampling_logprobs", ()) or (),
+            sequence_ratio_mask=get("sequence_ratio_mask", ()) or (),
         )
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"datums[{i}]: {exc}", field=f"datums[{i}]") from None
@@ -375,19 +378,25 @@ class TrainingSession:
         datums: Iterable[Datum | Mapping[str, Any]],
         loss_fn: str = "cross_entropy",
         *,
-        clip_epsilon: float | None = None,
+        loss_fn_config: Mapping[str, float] | None = None,
     ) -> "Future[ForwardBackwardOutput]":
-        """Add the gradient of ``loss_fn`` (``cross_entropy``, ``importance_sampling``, ``ppo``)
-        summed over ``datums`` to the session's accumulated gradient. ``clip_epsilon``: ppo's clip
-        range (default 0.2). Errors: InvalidArgumentError (names ``datums[i].field``),
+        """Add the gradient of ``loss_fn`` (:data:`LOSS_FNS`) summed over ``datums`` to the
+        session's accumulated gradient. ``loss_fn_config``: the loss's hyper-parameters by
+        Tinker's keys (``clip_low_threshold``, ``clip_high_threshold``, ``beta``). Errors:
+        InvalidArgumentError (names ``datums[i].field`` or ``loss_fn_config.key``),
         ResourceExhaustedError (the session's bounds), OutOfOrderError."""
         if loss_fn not in _LOSS:
             raise InvalidArgumentError(
                 f"loss_fn: expected one of {', '.join(LOSS_FNS)}, got {loss_fn!r}", field="loss_fn"
             )
         config = training_pb2.LossFnConfig()
-        if clip_epsilon is not None:
-            config.clip_epsilon = float(clip_epsilon)
+        for key, value in (loss_fn_config or {}).items():
+            if key not in training_pb2.LossFnConfig.DESCRIPTOR.fields_by_name:
+                raise InvalidArgumentError(
+                    f"loss_fn_config.{key}: expected one of clip_low_threshold, clip_high_threshold, beta",
+                    field=f"loss_fn_config.{key}",
+                )
+            setattr(config, key, float(value))
 
         def header(seq):
             return training_pb2.BatchHeader(sequence=seq, loss_fn=_LOSS[loss_fn], loss_fn_config=config)
@@ -454,26 +463,36 @@ class TrainingSession:
         max_tokens: int = 64,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
         stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
         seed: int | None = None,
         return_logprobs: bool = True,
+        prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
     ) -> "Future[SampleOutput]":
         """``n`` completions of a prompt (tokens, or chat ``messages`` through the chat template)
-        from the session's current weights; each token's log-probability is that of the raw
-        logits (what :meth:`forward` gives), whatever the temperature."""
+        from the session's current weights. ``temperature`` 0 is greedy; ``top_k`` 0 is no limit.
+        Each token's ``logprobs`` are the model's at temperature 1 (what :meth:`forward` gives),
+        its ``sampling_logprobs`` those of the distribution that drew it. ``prompt_logprobs``:
+        each prompt token's log-probability given the ones before (NaN first);
+        ``topk_prompt_logprobs``: the k most likely ``(token, logprob)`` at each position."""
         if (prompt_tokens is None) == (messages is None):
             raise InvalidArgumentError("prompt: give exactly one of prompt_tokens or messages", field="prompt")
 
         def request(seq):
-            req = training_pb2.SampleRequest(
-                sequence=seq,
-                n=int(n),
+            params = training_pb2.SamplingParams(
                 max_tokens=int(max_tokens),
                 temperature=float(temperature),
                 top_p=float(top_p),
+                top_k=int(top_k),
                 stop=list(stop),
+                stop_token_ids=[int(t) for t in stop_token_ids],
                 return_logprobs=bool(return_logprobs),
+                prompt_logprobs=bool(prompt_logprobs),
+                topk_prompt_logprobs=int(topk_prompt_logprobs),
             )
+            req = training_pb2.SampleRequest(sequence=seq, n=int(n), params=params)
             if seed is not None:
                 req.seed = int(seed)
             if prompt_tokens is not None:
@@ -498,6 +517,8 @@ class TrainingSession:
                     for s in r.samples
                 ],
                 r.step,
+                list(r.prompt_logprobs),
+                [list(zip(p.tokens, p.logprobs)) for p in r.topk_prompt_logprobs],
             )
 
         return self._submit(self._unary("Sample", request), convert)

@@ -118,7 +118,8 @@ def base_bytes(shape: ModelShape) -> int:
 
 def lora_parameters(shape: ModelShape, rank: int, target_modules: Iterable[str]) -> int:
     """Parameters of a LoRA adapter of rank ``rank`` on ``target_modules`` in every layer:
-    ``L * sum(r * (d_in + d_out))`` over the adapted matrices (LoRA paper, section 4.1).
+    ``L * sum(r * (d_in + d_out))`` over the adapted matrices (LoRA paper, section 4.1), plus
+    ``r * (d + vocab)`` once for ``lm_head``, the output projection.
 
     Raises:
         ValueError: ``rank`` < 1, or a module name this shape has no size for (named, with the known ones).
@@ -126,13 +127,16 @@ def lora_parameters(shape: ModelShape, rank: int, target_modules: Iterable[str])
     if rank < 1:
         raise ValueError(f"lora_rank: expected a positive integer, got {rank}")
     shapes = shape.linear_shapes()
-    total = 0
+    total = head = 0
     for name in dict.fromkeys(target_modules):
+        if name == "lm_head":
+            head = rank * (shape.hidden_size + shape.vocab_size)
+            continue
         if name not in shapes:
-            raise ValueError(f"target_modules: no size known for {name!r}; known: {', '.join(shapes)}")
+            raise ValueError(f"target_modules: no size known for {name!r}; known: {', '.join(shapes)}, lm_head")
         d_in, d_out = shapes[name]
         total += rank * (d_in + d_out)
-    return shape.num_layers * total
+    return shape.num_layers * total + head
 
 
 def tenant_bytes(shape: ModelShape, rank: int, target_modules: Iterable[str]) -> int:

@@ -58,7 +58,8 @@ def unloaded_keys(model, name: str, path: Path) -> tuple[list[str], list[str]]:
     weights = Path(path) / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"adapter folder {path} has no {ADAPTER_WEIGHTS}")
-    expected = set(get_peft_model_state_dict(model, adapter_name=name))
+    # LoRA tensors only: with lm_head targeted PEFT would count the frozen base weight too.
+    expected = set(get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False))
     with safe_open(str(weights), framework="pt") as f:
         in_file = set(f.keys())
     missing = sorted(expected - in_file)

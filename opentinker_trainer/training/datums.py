@@ -2,9 +2,9 @@
 
 A datum is one sequence: ``input_tokens`` (``N`` ids) and, per position ``t``, the token the
 model should predict there (``target_tokens[t]``), with the loss's per-token inputs (``weights``
-for ``cross_entropy``; ``advantages`` and ``sampling_logprobs`` for ``importance_sampling`` and
-``ppo``), each of length ``N``. Tinker's ``Datum`` (``model_input`` + ``loss_fn_inputs``) has the
-same layout.
+for ``cross_entropy``; ``advantages`` and ``sampling_logprobs`` for the policy losses;
+``sequence_ratio_mask`` for ``gspo``), each of length ``N``. Tinker's ``Datum`` (``model_input`` +
+``loss_fn_inputs``) has the same layout; its ``logprobs`` input is ``sampling_logprobs``.
 
 :func:`check_batch` refuses a bad batch before anything runs, naming the datum and the field
 (:class:`~.errors.BadRequest`), or one over the session's bounds (:class:`~.errors.OverLimit`).
@@ -20,15 +20,20 @@ from opentinker_trainer.training.errors import BadRequest, OverLimit
 
 __all__ = ["LOSS_FNS", "Datum", "Limits", "check_batch", "check_count"]
 
-#: Loss names, as the client writes them.
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
+#: Loss names, as the client writes them (Tinker's).
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+_POLICY = ("advantages", "sampling_logprobs")
 #: Fields each loss reads besides the tokens; ``weights`` may be empty (all 1).
 _NEEDS = {
     "cross_entropy": (),
-    "importance_sampling": ("advantages", "sampling_logprobs"),
-    "ppo": ("advantages", "sampling_logprobs"),
+    "importance_sampling": _POLICY,
+    "ppo": _POLICY,
+    "cispo": _POLICY,
+    "dro": _POLICY,
+    "gspo": (*_POLICY, "sequence_ratio_mask"),
     "forward": (),
 }
+_PER_TOKEN = ("weights", "advantages", "sampling_logprobs", "sequence_ratio_mask")
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class Datum:
     weights: Sequence[float] = field(default=())
     advantages: Sequence[float] = field(default=())
     sampling_logprobs: Sequence[float] = field(default=())
+    sequence_ratio_mask: Sequence[float] = field(default=())
 
     def __len__(self) -> int:
         return len(self.input_tokens)
@@ -70,8 +76,9 @@ def check_batch(datums: Sequence[Datum], loss_fn: str, *, vocab_size: int, limit
     Raises:
         BadRequest: no datums; an unknown loss; a datum with no tokens, more than ``context``
             tokens, a token id outside ``[0, vocab_size)``, a per-token field of another length
-            than ``input_tokens``, a field its loss needs left empty, or a non-finite value
-            (``datums[3].advantages[7]: expected a finite number, got nan``).
+            than ``input_tokens``, a field its loss needs left empty, a non-finite value
+            (``datums[3].advantages[7]: expected a finite number, got nan``), or a
+            ``sequence_ratio_mask`` that marks no token.
         OverLimit: more datums or input tokens than ``limits`` allow.
     """
     if loss_fn not in _NEEDS:
@@ -89,7 +96,7 @@ def check_batch(datums: Sequence[Datum], loss_fn: str, *, vocab_size: int, limit
             raise BadRequest(f"{where}.input_tokens: at most {context} tokens (the model's context), got {n}")
         per_token = {"target_tokens": d.target_tokens}
         if loss_fn != "forward":
-            per_token.update(weights=d.weights, advantages=d.advantages, sampling_logprobs=d.sampling_logprobs)
+            per_token.update({name: getattr(d, name) for name in _PER_TOKEN})
         for name, values in per_token.items():
             if name in needs or name == "target_tokens":
                 if len(values) != n:
@@ -106,3 +113,5 @@ def check_batch(datums: Sequence[Datum], loss_fn: str, *, vocab_size: int, limit
             for t, v in enumerate(getattr(d, name)):
                 if not math.isfinite(v):
                     raise BadRequest(f"{where}.{name}[{t}]: expected a finite number, got {v}")
+        if "sequence_ratio_mask" in needs and not any(d.sequence_ratio_mask):
+            raise BadRequest(f"{where}.sequence_ratio_mask: expected at least one non-zero value (a token to average)")

@@ -1,45 +1,165 @@
 """The losses of ``ForwardBackward``, on one datum's tokens: ``[N]`` tensors in, ``[]`` out.
 
-Each is a *sum* over the datum's tokens (Tinker's convention): a mean is the caller's choice,
-made through the weights or advantages, so several calls before one optimizer step add up to
-the loss of their union. ``logp`` is the current model's log-probability of each target token
-(with grad); ``sampling_logp`` the sampler's.
+Each is Tinker's built-in loss of the same name, as its docs define it
+(https://tinker-docs.thinkingmachines.ai/tinker/losses), and a *sum* over the datum's tokens: a
+mean is the caller's choice, made through the weights or advantages, so several calls before one
+optimizer step add up to the loss of their union. ``logp`` is the current model's log-probability
+of each target token (with grad); ``sampling_logp`` the sampler's (Tinker's ``logprobs`` input);
+``A`` the advantages; ``r = exp(logp - sampling_logp)`` the importance ratio; ``sg`` stops the
+gradient. ``lo`` and ``hi`` bound the ratio itself, as Tinker's ``clip_low_threshold`` and
+``clip_high_threshold`` do, not its distance from 1.
 
-* ``cross_entropy`` — ``sum_t -w_t logp_t``: supervised learning; with ``w_t = 1 / T`` on the
-  ``T`` trained tokens of a batch it is the token-mean NLL of the built-in ``sft`` step.
-* ``importance_sampling`` — ``sum_t -(exp(logp_t - sampling_logp_t)) A_t``: the policy gradient
-  of samples from another policy, reweighted by the importance ratio (Tinker's
-  ``importance_sampling``); at ratio 1 (on-policy) its gradient is REINFORCE's, ``-A grad logp``
-  (Williams 1992).
-* ``ppo`` — ``sum_t max(-A_t r_t, -A_t clip(r_t, 1 - eps, 1 + eps))``: PPO's clipped surrogate
-  (Schulman et al. 2017, eq. 7), computed by :func:`opentinker_trainer.rl.ppo.pg_loss` (its
-  token mean times ``N``).
+* ``cross_entropy``: ``sum_t -w_t logp_t``. Supervised learning; any finite weight, so a
+  negative one too (``forward_backward_custom`` sends ``dLoss/dlogp`` as weights).
+* ``importance_sampling``: ``sum_t -r_t A_t``. The policy gradient of samples from another
+  policy, reweighted by the importance ratio; on-policy (``r = 1``) its gradient is REINFORCE's,
+  ``-A grad logp`` (Williams 1992).
+* ``ppo``: ``sum_t -min(r_t A_t, clip(r_t, lo, hi) A_t)``. PPO's clipped surrogate (Schulman et
+  al. 2017, eq. 7) with asymmetric bounds; Tinker's defaults ``lo = 0.8``, ``hi = 1.2``.
+* ``cispo``: ``sum_t -sg(clip(r_t, lo, hi)) logp_t A_t``. The clipped ratio weighs the
+  log-probability and never zeroes a token's gradient (MiniMax-M1, Chen et al. 2025); Tinker's
+  defaults ``lo = 0``, ``hi = 4`` clip one side only.
+* ``dro``: ``sum_t -(logp_t A_t - beta / 2 (logp_t - sampling_logp_t)^2)``. Direct Reward
+  Optimization (Richemond et al. 2024): a quadratic penalty on the log-ratio in place of a clip.
+* ``gspo``: GSPO-token (Zheng et al. 2025). The sequence ratio ``s = exp(mean_{t in M}
+  sg(logp_t) - sampling_logp_t)`` over the tokens ``M`` that ``sequence_ratio_mask`` marks;
+  each token's ratio ``s_t = s exp(logp_t - sg(logp_t))`` has the value of ``s`` and the gradient
+  of its own log-probability; then PPO's clipped surrogate on ``s_t``.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
 import torch
 
-from opentinker_trainer.rl.ppo import log_ratio, pg_loss
+from opentinker_trainer.training.errors import BadRequest
 
-__all__ = ["cross_entropy", "datum_loss", "importance_sampling", "ppo"]
+__all__ = [
+    "LossConfig",
+    "loss_config",
+    "cispo",
+    "cross_entropy",
+    "datum_loss",
+    "dro",
+    "gspo",
+    "importance_sampling",
+    "ppo",
+]
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """A loss's hyper-parameters, named as Tinker's ``loss_fn_config`` keys."""
+
+    #: Lower and upper bounds of the importance ratio (ppo, cispo, gspo).
+    clip_low_threshold: float = 0.8
+    clip_high_threshold: float = 1.2
+    #: Weight of dro's quadratic penalty on the log-ratio.
+    beta: float = 0.0
+
+
+#: Each loss's ``loss_fn_config`` keys and their defaults (None: required); Tinker's defaults
+#: where its docs give them, PPO's for gspo.
+_CONFIG: dict[str, dict[str, float | None]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {"beta": None},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+}
+
+
+def loss_config(loss_fn: str, given: Mapping[str, float]) -> LossConfig:
+    """The :class:`LossConfig` of ``loss_fn`` from the ``loss_fn_config`` values ``given``.
+
+    Raises:
+        BadRequest: ``stable_reinforce``, whose objective Tinker does not publish; a key the
+            loss does not read, a required one missing, a value not finite, thresholds outside
+            ``0 <= clip_low_threshold <= 1 <= clip_high_threshold``, or ``beta < 0``.
+    """
+    if loss_fn == "stable_reinforce":
+        raise BadRequest(
+            "loss_fn: stable_reinforce is not supported: Tinker publishes no formula for it, and it reads "
+            "information its sampler records (record_stability_info) that ours does not; use importance_sampling, "
+            "ppo, cispo, dro or gspo"
+        )
+    if loss_fn not in _CONFIG:
+        raise BadRequest(f"loss_fn: expected one of {', '.join(_CONFIG)}, got {loss_fn!r}")
+    keys = _CONFIG[loss_fn]
+    values = dict(keys)
+    for key, value in given.items():
+        if key not in keys:
+            reads = ", ".join(keys) or "no key"
+            raise BadRequest(f"loss_fn_config.{key}: not read by {loss_fn} (it reads {reads})")
+        if not math.isfinite(value):
+            raise BadRequest(f"loss_fn_config.{key}: expected a finite number, got {value}")
+        values[key] = float(value)
+    for key, value in values.items():
+        if value is None:
+            raise BadRequest(f"loss_fn_config.{key}: {loss_fn} needs it (a number >= 0); Tinker has no default")
+    lo, hi = values.get("clip_low_threshold", 0.8), values.get("clip_high_threshold", 1.2)
+    if not 0.0 <= lo <= 1.0:
+        raise BadRequest(f"loss_fn_config.clip_low_threshold: expected a ratio in [0, 1], got {lo}")
+    if hi < 1.0:
+        raise BadRequest(f"loss_fn_config.clip_high_threshold: expected a ratio >= 1, got {hi}")
+    beta = values.get("beta", 0.0)
+    if beta < 0:
+        raise BadRequest(f"loss_fn_config.beta: expected a number >= 0, got {beta}")
+    return LossConfig(clip_low_threshold=lo, clip_high_threshold=hi, beta=beta)
 
 
 def cross_entropy(logp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``sum_t -weights_t * logp_t``. ``[N]`` inputs."""
+    """``sum_t -w_t logp_t``."""
     return -(weights * logp).sum()
 
 
 def importance_sampling(logp: torch.Tensor, sampling_logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
-    """``sum_t -exp(logp_t - sampling_logp_t) * A_t``. ``[N]`` inputs."""
-    _, ratio = log_ratio(logp, sampling_logp)
-    return -(ratio * advantages).sum()
+    """``sum_t -exp(logp_t - sampling_logp_t) A_t``."""
+    return -(torch.exp(logp - sampling_logp) * advantages).sum()
 
 
-def ppo(logp: torch.Tensor, sampling_logp: torch.Tensor, advantages: torch.Tensor, clip_epsilon: float) -> torch.Tensor:
-    """PPO's clipped surrogate summed over the ``N`` tokens: ``N * pg_loss(A, r, eps)``. ``[N]`` inputs."""
-    _, ratio = log_ratio(logp, sampling_logp)
-    return pg_loss(advantages, ratio, clip_epsilon) * logp.shape[0]
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """``sum_t -min(ratio_t A_t, clip(ratio_t, lo, hi) A_t)``."""
+    return -torch.min(ratio * advantages, torch.clamp(ratio, lo, hi) * advantages).sum()
+
+
+def ppo(
+    logp: torch.Tensor, sampling_logp: torch.Tensor, advantages: torch.Tensor, lo: float, hi: float
+) -> torch.Tensor:
+    """``sum_t -min(r_t A_t, clip(r_t, lo, hi) A_t)``, ``r_t = exp(logp_t - sampling_logp_t)``."""
+    return _clipped_surrogate(torch.exp(logp - sampling_logp), advantages, lo, hi)
+
+
+def cispo(
+    logp: torch.Tensor, sampling_logp: torch.Tensor, advantages: torch.Tensor, lo: float, hi: float
+) -> torch.Tensor:
+    """``sum_t -sg(clip(r_t, lo, hi)) logp_t A_t``."""
+    weight = torch.clamp(torch.exp(logp - sampling_logp), lo, hi).detach()
+    return -(weight * logp * advantages).sum()
+
+
+def dro(logp: torch.Tensor, sampling_logp: torch.Tensor, advantages: torch.Tensor, beta: float) -> torch.Tensor:
+    """``sum_t -(logp_t A_t - beta / 2 (logp_t - sampling_logp_t)^2)``."""
+    return -(logp * advantages - 0.5 * beta * (logp - sampling_logp) ** 2).sum()
+
+
+def gspo_ratio(logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``s_t``: the sequence ratio's value over the tokens ``mask`` marks (non-zero), with the
+    gradient of ``exp(logp_t)`` relative to itself. ``mask`` marks at least one token."""
+    marked = mask != 0
+    log_s = (logp.detach() - sampling_logp)[marked].mean()
+    return torch.exp(log_s + logp - logp.detach())
+
+
+def gspo(
+    logp: torch.Tensor, sampling_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, lo: float, hi: float
+) -> torch.Tensor:
+    """PPO's clipped surrogate on GSPO-token's ratio :func:`gspo_ratio`."""
+    return _clipped_surrogate(gspo_ratio(logp, sampling_logp, mask), advantages, lo, hi)
 
 
 def datum_loss(
@@ -49,22 +169,38 @@ def datum_loss(
     weights: torch.Tensor | None,
     advantages: torch.Tensor | None,
     sampling_logp: torch.Tensor | None,
-    clip_epsilon: float = 0.2,
+    sequence_ratio_mask: torch.Tensor | None = None,
+    config: LossConfig = LossConfig(),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss [], diagnostics)`` of one datum; ``weights`` None means all 1 (``cross_entropy``).
 
-    Diagnostics (detached sums over the datum's tokens): ``ratio_sum`` for the policy losses,
-    ``clipped`` (tokens whose ratio is outside ``1 +- eps``) for ``ppo``.
+    Diagnostics, detached sums over the datum's tokens: ``ratio_sum`` (of ``r_t``, or ``s_t``
+    for gspo) for the policy losses; ``clipped``, the tokens whose ratio lies outside
+    ``[lo, hi]``, for ppo, cispo and gspo.
+
+    Raises:
+        ValueError: an unknown ``loss_fn``.
     """
     if loss_fn == "cross_entropy":
         w = torch.ones_like(logp) if weights is None else weights
         return cross_entropy(logp, w), {}
+    lo, hi = config.clip_low_threshold, config.clip_high_threshold
     with torch.no_grad():
-        ratio = torch.exp(logp - sampling_logp)
+        if loss_fn == "gspo":
+            ratio = gspo_ratio(logp, sampling_logp, sequence_ratio_mask)
+        else:
+            ratio = torch.exp(logp - sampling_logp)
         diag = {"ratio_sum": ratio.sum()}
+        if loss_fn in ("ppo", "cispo", "gspo"):
+            diag["clipped"] = ((ratio < lo) | (ratio > hi)).sum().to(ratio.dtype)
     if loss_fn == "importance_sampling":
         return importance_sampling(logp, sampling_logp, advantages), diag
     if loss_fn == "ppo":
-        diag["clipped"] = ((ratio - 1.0).abs() > clip_epsilon).sum().to(ratio.dtype)
-        return ppo(logp, sampling_logp, advantages, clip_epsilon), diag
+        return ppo(logp, sampling_logp, advantages, lo, hi), diag
+    if loss_fn == "cispo":
+        return cispo(logp, sampling_logp, advantages, lo, hi), diag
+    if loss_fn == "dro":
+        return dro(logp, sampling_logp, advantages, config.beta), diag
+    if loss_fn == "gspo":
+        return gspo(logp, sampling_logp, advantages, sequence_ratio_mask, lo, hi), diag
     raise ValueError(f"loss_fn: unknown {loss_fn!r}")

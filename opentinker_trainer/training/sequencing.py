@@ -52,6 +52,12 @@ class Sequencer:
     def release(self) -> None:
         self.in_flight -= 1
 
+    async def exclusive(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """``await call()`` between sequenced calls, never during one: for a call that carries no
+        sequence number and changes no state. ``call``'s exceptions propagate."""
+        async with self._lock:
+            return await call()
+
     async def run(self, sequence: int, call: Callable[[], Awaitable[Any]]) -> Any:
         """The response of call ``sequence``: ``await call()`` when it is the expected one, the kept
         response of a retry, or :class:`~.errors.OutOfOrder`. ``call``'s exceptions propagate

@@ -28,6 +28,7 @@ from opentinker_trainer.inference.server import serve_with_health
 from opentinker_trainer.training.datums import Datum, check_count
 from opentinker_trainer.training.errors import BadRequest, OutOfOrder, SessionError, Stopping
 from opentinker_trainer.training.sequencing import Sequencer
+from opentinker_trainer.training.sampling import Sampled, SampleParams
 from opentinker_trainer.training.session import KIND_SAMPLER, AdamParams, TrainingSession
 
 __all__ = ["ERROR_DOMAIN", "SERVICE_NAME", "RunningTrainingServer", "TrainingServicer", "start_training_server"]
@@ -36,11 +37,10 @@ SERVICE_NAME = training_pb2.DESCRIPTOR.services_by_name["TrainingService"].full_
 #: ``google.rpc.ErrorInfo.domain`` of a session's refusals (reason ``OUT_OF_ORDER``).
 ERROR_DOMAIN = "opentinker.training"
 
-_LOSS = {
-    training_pb2.LOSS_FN_CROSS_ENTROPY: "cross_entropy",
-    training_pb2.LOSS_FN_IMPORTANCE_SAMPLING: "importance_sampling",
-    training_pb2.LOSS_FN_PPO: "ppo",
-}
+#: Each LossFn by its Tinker name: LOSS_FN_<NAME> is <name>.
+_LOSS = {value: name[len("LOSS_FN_") :].lower() for name, value in training_pb2.LossFn.items() if value}
+#: The LossFnConfig fields, Tinker's loss_fn_config keys.
+_CONFIG_KEYS = tuple(f.name for f in training_pb2.LossFnConfig.DESCRIPTOR.fields)
 _STOP = {"stop": training_pb2.STOP_REASON_STOP, "length": training_pb2.STOP_REASON_LENGTH}
 
 
@@ -51,7 +51,39 @@ def datum_from_proto(d: training_pb2.Datum) -> Datum:
         weights=list(d.weights),
         advantages=list(d.advantages),
         sampling_logprobs=list(d.sampling_logprobs),
+        sequence_ratio_mask=list(d.sequence_ratio_mask),
     )
+
+
+def params_from_proto(p: training_pb2.SamplingParams) -> SampleParams:
+    """The session's :class:`~.sampling.SampleParams` of a request's ``params`` (unset fields:
+    their documented defaults)."""
+    return SampleParams(
+        max_tokens=p.max_tokens or 64,
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        return_logprobs=p.return_logprobs,
+        prompt_logprobs=p.prompt_logprobs,
+        topk_prompt_logprobs=p.topk_prompt_logprobs,
+    )
+
+
+def _sequence(s: Sampled) -> training_pb2.SampledSequence:
+    return training_pb2.SampledSequence(
+        tokens=s.tokens,
+        logprobs=s.logprobs,
+        text=s.text,
+        stop_reason=_STOP[s.stop_reason],
+        sampling_logprobs=s.sampling_logprobs,
+    )
+
+
+def _topk(positions: list[list[tuple[int, float]]]) -> list[training_pb2.TopLogprobs]:
+    return [training_pb2.TopLogprobs(tokens=[t for t, _ in pos], logprobs=[v for _, v in pos]) for pos in positions]
 
 
 class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
@@ -165,7 +197,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                     f"header.loss_fn: expected one of {', '.join(training_pb2.LossFn.keys()[1:])}, got {header.loss_fn}"
                 )
             cfg = header.loss_fn_config
-            clip = cfg.clip_epsilon if cfg.HasField("clip_epsilon") else None
+            given = {key: getattr(cfg, key) for key in _CONFIG_KEYS if cfg.HasField(key)}
             sequence = header.sequence
 
             def respond(r):
@@ -180,7 +212,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 )
 
             return await self._ordered(
-                sequence, lambda: self.session.forward_backward(datums, loss_fn, clip_epsilon=clip), respond
+                sequence, lambda: self.session.forward_backward(datums, loss_fn, loss_fn_config=given), respond
             )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await self._abort(context, exc)
@@ -226,38 +258,73 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             which = request.WhichOneof("prompt")
             tokens = list(request.tokens.tokens) if which == "tokens" else None
             messages = [(m.role, m.content) for m in request.messages.messages] if which == "messages" else None
+            params = params_from_proto(request.params)
+            seed = request.seed if request.HasField("seed") else None
 
             def work():
                 prompt = self.session.prompt_tokens(tokens, messages)
-                return self.session.sample(
-                    prompt,
-                    n=request.n or 1,
-                    max_tokens=request.max_tokens or 64,
-                    temperature=request.temperature if request.HasField("temperature") else 1.0,
-                    top_p=request.top_p if request.HasField("top_p") else 1.0,
-                    stop=tuple(request.stop),
-                    seed=request.seed if request.HasField("seed") else None,
-                    return_logprobs=request.return_logprobs,
-                )
+                return self.session.sample(prompt, n=request.n or 1, seed=seed, params=params)
 
             def respond(r):
                 return training_pb2.SampleResponse(
                     sequence=request.sequence,
                     prompt_tokens=r.prompt_tokens,
-                    samples=[
-                        training_pb2.SampledSequence(
-                            tokens=s.tokens,
-                            logprobs=s.logprobs,
-                            text=s.text,
-                            stop_reason=_STOP[s.stop_reason],
-                            sampling_logprobs=s.sampling_logprobs,
-                        )
-                        for s in r.samples
-                    ],
+                    samples=[_sequence(s) for s in r.samples],
                     step=r.step,
+                    prompt_logprobs=r.prompt_logprobs,
+                    topk_prompt_logprobs=_topk(r.topk_prompt_logprobs),
                 )
 
             return await self._ordered(request.sequence, work, respond)
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised
+            await self._abort(context, exc)
+
+    async def SampleSnapshot(self, request, context):
+        try:
+            await self._admit(context)
+            which = request.WhichOneof("weights")
+            if which is None or (which == "base_model" and not request.base_model):
+                raise BadRequest("weights: expected a sampler save's name (sampler) or base_model: true")
+            sampler = request.sampler if which == "sampler" else None
+            params = params_from_proto(request.params)
+            prompts = []
+            for p in request.prompts:
+                kind = p.WhichOneof("prompt")
+                prompts.append(
+                    (
+                        list(p.tokens.tokens) if kind == "tokens" else None,
+                        [(m.role, m.content) for m in p.messages.messages] if kind == "messages" else None,
+                        p.num_samples or 1,
+                        p.seed if p.HasField("seed") else None,
+                    )
+                )
+
+            def work():
+                jobs = []
+                for i, (tokens, messages, n, seed) in enumerate(prompts):
+                    try:
+                        jobs.append((self.session.prompt_tokens(tokens, messages), n, seed))
+                    except SessionError as exc:
+                        raise type(exc)(f"prompts[{i}].{exc}") from None
+                return self.session.sample_snapshot(jobs, params, sampler=sampler)
+
+            self.seq.admit()
+            try:
+                results, step = await self.seq.exclusive(lambda: asyncio.to_thread(work))
+            finally:
+                self.seq.release()
+            return training_pb2.SampleSnapshotResponse(
+                results=[
+                    training_pb2.SnapshotSamples(
+                        prompt_tokens=r.prompt_tokens,
+                        samples=[_sequence(s) for s in r.samples],
+                        prompt_logprobs=r.prompt_logprobs,
+                        topk_prompt_logprobs=_topk(r.topk_prompt_logprobs),
+                    )
+                    for r in results
+                ],
+                step=step,
+            )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await self._abort(context, exc)
 

@@ -10,9 +10,8 @@ Usable without a channel (the tests drive it directly); :mod:`.server` adapts it
   datum, a non-finite loss, an error half-way through the micro-batches) leaves the accumulated
   gradient as it was: the call's gradient is built apart and added only once all of it exists.
 * :meth:`~TrainingSession.forward` returns log-probabilities only; :meth:`~TrainingSession.sample`
-  draws completions from the current weights with the inference server's sampler
-  (:class:`opentinker_trainer.inference.engine.Decode`), whose log-probabilities are those of the
-  raw logits, i.e. what ``forward`` returns for the same tokens.
+  draws completions from the current weights and :meth:`~TrainingSession.sample_snapshot` from a
+  sampler save or the base model, several prompts in one batch (:mod:`.sampling`).
 * :meth:`~TrainingSession.save_state` / :meth:`~TrainingSession.load_state` write and read a
   checkpoint folder: the adapter in PEFT format (``adapter_config.json`` +
   ``adapter_model.safetensors``) and ``trainer_state.pt`` (step, AdamW state, the name, the
@@ -34,22 +33,24 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from opentinker_trainer.inference.engine import FINISH_STOP, Decode, SamplingParams
 from opentinker_trainer.rl.grpo import token_logprobs
 from opentinker_trainer.rl.rollout import left_pad, prefix_logprobs, right_pad
 from opentinker_trainer.training.datums import Datum, Limits, check_batch
 from opentinker_trainer.training.errors import BadRequest, NotReady, OverLimit, StateNotFound
-from opentinker_trainer.training.losses import datum_loss
+from opentinker_trainer.training.losses import datum_loss, loss_config
+from opentinker_trainer.training.sampling import PromptSamples, Sampled, SampleParams, sample_prompts
 from opentinker_trainer.workloads import _lm
 
 __all__ = [
     "AdamParams",
     "ForwardBackwardResult",
+    "PromptSamples",
     "Sampled",
+    "SampleParams",
     "SampleResult",
     "SavedState",
     "TrainingSession",
@@ -128,21 +129,12 @@ class ForwardBackwardResult:
 
 
 @dataclass
-class Sampled:
-    tokens: list[int]
-    #: Each token's log-probability under the model at temperature 1: what ``forward`` computes.
-    logprobs: list[float]
-    text: str
-    stop_reason: str  # "stop" | "length"
-    #: Each token's log-probability under the distribution that drew it (temperature, top_p).
-    sampling_logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass
 class SampleResult:
     prompt_tokens: list[int]
     samples: list[Sampled]
     step: int
+    prompt_logprobs: list[float] = field(default_factory=list)
+    topk_prompt_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -179,6 +171,8 @@ class TrainingSession:
             ``loss`` (summed over the step's ``forward_backward`` calls), ``train/tokens`` (tokens
             of their datums), ``tokens_generated`` (completion tokens sampled since the step
             before), ``grad_norm`` (before clipping), ``learning_rate``, ``forward_backward_calls``.
+        snapshot_bytes: memory for copies of sampler saves' weights (:meth:`sample_snapshot`);
+            a save beyond it is read back from its folder when sampled.
 
     Raises:
         ValueError: ``model`` has no trainable (adapter) parameters.
@@ -202,6 +196,7 @@ class TrainingSession:
         adapter_name: str = "default",
         turn: Callable[[], contextlib.AbstractContextManager] | None = None,
         report: Callable[[int, dict[str, float]], None] | None = None,
+        snapshot_bytes: int = 256 << 20,
     ) -> None:
         self.model = model
         self.adapter_name = adapter_name
@@ -226,6 +221,11 @@ class TrainingSession:
         self.step = 0
         self.accumulated_calls = 0
         self.states: dict[str, SavedState] = {}
+        #: Sampler saves of this attempt, by name, and in-memory copies of their weights (the
+        #: newest within ``snapshot_bytes``), for :meth:`sample_snapshot`.
+        self.samplers: dict[str, SavedState] = {}
+        self.snapshot_bytes = int(snapshot_bytes)
+        self._frozen: collections.OrderedDict[str, list[torch.Tensor]] = collections.OrderedDict()
         #: Folders (``state_<name>``, ``sampler_<name>``) this attempt published: stored artifacts are
         #: immutable, so a name is saved once per attempt.
         self._published: set[str] = set()
@@ -271,9 +271,10 @@ class TrainingSession:
         return [logp[r, : len(datums[i])] for r, i in enumerate(rows)]
 
     def _scored_from(self, d: Datum, loss_fn: str) -> int:
-        """First position whose loss coefficient (weight, or advantage) is not 0 (``len(d)`` if none)."""
+        """First position whose loss coefficient (weight, or advantage) is not 0 (``len(d)`` if none).
+        dro's penalty has a gradient at every token, so with dro it is 0."""
         coeff = d.weights if loss_fn == "cross_entropy" else d.advantages
-        if loss_fn == "cross_entropy" and not len(coeff):
+        if loss_fn == "dro" or (loss_fn == "cross_entropy" and not len(coeff)):
             return 0
         for t, c in enumerate(coeff):
             if c != 0:
@@ -333,23 +334,27 @@ class TrainingSession:
 
     @_in_turn
     def forward_backward(
-        self, datums: Sequence[Datum], loss_fn: str, *, clip_epsilon: float | None = None
+        self, datums: Sequence[Datum], loss_fn: str, *, loss_fn_config: Mapping[str, float] | None = None
     ) -> ForwardBackwardResult:
         """Add the gradient of ``loss_fn`` summed over ``datums`` to the accumulated gradient.
 
         Args:
-            loss_fn: ``cross_entropy``, ``importance_sampling`` or ``ppo`` (:mod:`.losses`).
-            clip_epsilon: ``ppo``'s clip range, in (0, 1]; default 0.2.
+            loss_fn: a loss of :mod:`.losses`, by Tinker's name.
+            loss_fn_config: the loss's hyper-parameters by Tinker's ``loss_fn_config`` keys
+                (:func:`~.losses.loss_config`); missing ones take their defaults.
+
+        Returns:
+            Per-datum log-probs and losses, and ``metrics`` keyed ``name:reduction``:
+            ``loss:sum``, ``tokens:sum``, ``importance_ratio:mean`` (policy losses) and
+            ``clip_fraction:mean`` (ppo, cispo, gspo).
 
         Raises:
-            BadRequest: a bad batch (:func:`~.datums.check_batch`), a clip range out of range, or
+            BadRequest: a bad batch (:func:`~.datums.check_batch`), a bad ``loss_fn_config``, or
                 a loss that is not finite (naming the datum); nothing accumulated.
             OverLimit: over the bounds per call.
         """
+        config = loss_config(loss_fn, loss_fn_config or {})
         check_batch(datums, loss_fn, vocab_size=self.vocab_size, limits=self.limits, context=self.context)
-        eps = 0.2 if clip_epsilon is None else float(clip_epsilon)
-        if loss_fn == "ppo" and not (0.0 < eps <= 1.0):
-            raise BadRequest(f"loss_fn_config.clip_epsilon: expected a number in (0, 1], got {clip_epsilon}")
         saved = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
@@ -374,7 +379,8 @@ class TrainingSession:
                         weights=_tensor(d.weights, lp),
                         advantages=_tensor(d.advantages, lp),
                         sampling_logp=_tensor(d.sampling_logprobs, lp),
-                        clip_epsilon=eps,
+                        sequence_ratio_mask=_tensor(d.sequence_ratio_mask, lp),
+                        config=config,
                     )
                     value = float(loss.detach())
                     if not math.isfinite(value):
@@ -399,11 +405,11 @@ class TrainingSession:
         tokens = sum(len(d) for d in datums)
         self._since_step["loss"] += float(sum(losses))
         self._since_step["train/tokens"] += float(tokens)
-        metrics = {"tokens": float(tokens)}
+        metrics = {"loss:sum": float(sum(losses)), "tokens:sum": float(tokens)}
         if loss_fn != "cross_entropy":
-            metrics["ratio_mean"] = ratio_sum / tokens
-        if loss_fn == "ppo":
-            metrics["clip_fraction"] = clipped / tokens
+            metrics["importance_ratio:mean"] = ratio_sum / tokens
+        if loss_fn in ("ppo", "cispo", "gspo"):
+            metrics["clip_fraction:mean"] = clipped / tokens
         return ForwardBackwardResult(logprobs, losses, float(sum(losses)), metrics, self.accumulated_calls)
 
     @_in_turn
@@ -459,75 +465,123 @@ class TrainingSession:
                 raise BadRequest(f"prompt.tokens[{t}]: expected a token id in [0, {self.vocab_size}), got {tok}")
         return list(tokens)
 
+    def _jobs(
+        self, jobs: Sequence[tuple[list[int], int, int | None]], params: SampleParams, where: str, n_field: str
+    ) -> None:
+        """Refuse a call's prompts and parameters (:class:`BadRequest` naming the field; the
+        token budget :class:`OverLimit`)."""
+        params.check(self.vocab_size, where)
+        budget = 0
+        for j, (prompt, n, _) in enumerate(jobs):
+            field_n = n_field.format(j=j)
+            if not 1 <= n <= 64:
+                raise BadRequest(f"{field_n}: expected 1 to 64 completions, got {n}")
+            if len(prompt) + params.max_tokens > self.context:
+                raise BadRequest(
+                    f"{where}max_tokens: the prompt's {len(prompt)} tokens plus max_tokens {params.max_tokens} "
+                    f"exceed the model's context of {self.context}"
+                )
+            budget += n * (len(prompt) + params.max_tokens)
+        if budget > self.limits.max_tokens_per_call:
+            raise OverLimit(
+                f"sample: the sum of samples * (prompt + max_tokens) is {budget} tokens, more than "
+                f"max_tokens_per_call {self.limits.max_tokens_per_call}"
+            )
+
+    def _sample(self, jobs: Sequence[tuple[list[int], int, int | None]], params: SampleParams) -> list[PromptSamples]:
+        out = sample_prompts(
+            self.model,
+            self.tokenizer,
+            jobs,
+            params,
+            self.stop_token_ids,
+            device=self.device,
+            pad_id=self.pad_id,
+            micro_batch_tokens=self.micro_batch_tokens,
+        )
+        self._since_step["tokens_generated"] += sum(len(s.tokens) for r in out for s in r.samples)
+        return out
+
     @_in_turn
-    def sample(
-        self,
-        prompt: list[int],
-        *,
-        n: int = 1,
-        max_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        stop: Sequence[str] = (),
-        seed: int | None = None,
-        return_logprobs: bool = False,
-    ) -> SampleResult:
+    def sample(self, prompt: list[int], *, n: int = 1, seed: int | None = None, params: SampleParams) -> SampleResult:
         """``n`` completions of ``prompt`` from the current weights.
 
         Raises:
-            BadRequest: ``n`` outside 1..64, ``max_tokens`` outside 1..4096, temperature <= 0,
-                top_p outside (0, 1], prompt plus max_tokens past the context.
+            BadRequest: ``n`` outside 1..64, a parameter out of range (:meth:`SampleParams.check`),
+                prompt plus max_tokens past the context.
             OverLimit: ``n * (prompt + max_tokens)`` over ``max_tokens_per_call``.
         """
-        if not 1 <= n <= 64:
-            raise BadRequest(f"n: expected 1 to 64 completions, got {n}")
-        if not 1 <= max_tokens <= 4096:
-            raise BadRequest(f"max_tokens: expected 1 to 4096, got {max_tokens}")
-        if not (math.isfinite(temperature) and temperature > 0):
-            raise BadRequest(f"temperature: expected a number > 0, got {temperature}")
-        if not (0.0 < top_p <= 1.0):
-            raise BadRequest(f"top_p: expected a number in (0, 1], got {top_p}")
-        if len(prompt) + max_tokens > self.context:
-            raise BadRequest(
-                f"max_tokens: the prompt's {len(prompt)} tokens plus max_tokens {max_tokens} exceed the model's "
-                f"context of {self.context}"
-            )
-        budget = n * (len(prompt) + max_tokens)
-        if budget > self.limits.max_tokens_per_call:
-            raise OverLimit(
-                f"sample: n * (prompt + max_tokens) = {budget} tokens, more than max_tokens_per_call "
-                f"{self.limits.max_tokens_per_call}"
-            )
-        params = SamplingParams(
-            temperature=float(temperature),
-            top_p=float(top_p),
-            max_tokens=int(max_tokens),
-            stop=tuple(stop),
-            seed=seed,
-            n=int(n),
+        self._jobs([(prompt, n, seed)], params, "", "n")
+        (result,) = self._sample([(list(prompt), n, seed)], params)
+        return SampleResult(
+            prompt_tokens=result.prompt_tokens,
+            samples=result.samples,
+            step=self.step,
+            prompt_logprobs=result.prompt_logprobs,
+            topk_prompt_logprobs=result.topk_prompt_logprobs,
         )
-        self.model.eval()
-        decode = Decode(self.model, prompt, params, self.stop_token_ids, device=self.device)
-        while not decode.done:
-            result = decode.step()
-            for i in result.rows if stop else ():
-                text = self.tokenizer.decode(decode.sample_tokens(i))
-                if decode.finish[i] is None and any(s and s in text for s in stop):
-                    decode.finish_sample(i, FINISH_STOP)
-        samples = []
-        for i in range(n):
-            toks = decode.sample_tokens(i)
-            self._since_step["tokens_generated"] += len(toks)
-            samples.append(
-                Sampled(
-                    tokens=toks,
-                    logprobs=list(decode.logprobs[i]) if return_logprobs else [],
-                    text=self.tokenizer.decode(toks, skip_special_tokens=True),
-                    stop_reason="stop" if decode.finish[i] == FINISH_STOP else "length",
-                    sampling_logprobs=list(decode.sampling_logprobs[i]) if return_logprobs else [],
-                )
+
+    @_in_turn
+    def sample_snapshot(
+        self, jobs: Sequence[tuple[list[int], int, int | None]], params: SampleParams, *, sampler: str | None
+    ) -> tuple[list[PromptSamples], int]:
+        """Samples each ``(prompt, n, seed)`` of ``jobs`` from sampler save ``sampler`` of this
+        session (None: the base model, the adapter off), all in one batch; the session's weights
+        are as before afterwards. Returns the answers in order and the step of the weights.
+
+        Raises:
+            BadRequest: no prompts, more than ``max_datums_per_call``, a bad parameter or name.
+            OverLimit: more prompts than ``max_datums_per_call``; the token budget.
+            StateNotFound: no sampler save ``sampler`` in this attempt.
+            NotReady: the base model of a session that trains every weight.
+        """
+        if not jobs:
+            raise BadRequest("prompts: expected at least one prompt, got none")
+        if len(jobs) > self.limits.max_datums_per_call:
+            raise OverLimit(
+                f"prompts: {len(jobs)} prompts, more than max_datums_per_call {self.limits.max_datums_per_call}"
             )
-        return SampleResult(prompt_tokens=list(prompt), samples=samples, step=self.step)
+        self._jobs(jobs, params, "params.", "prompts[{j}].num_samples")
+        if sampler is None:
+            if self.full:
+                raise NotReady("base_model: this session trains every weight; there is no base model to sample")
+            with self.model.disable_adapter():
+                return self._sample(jobs, params), 0
+        check_state_name(sampler)
+        saved = self.samplers.get(sampler)
+        if saved is None:
+            known = ", ".join(sorted(self.samplers)) or "none yet"
+            raise StateNotFound(f"sampler {sampler!r}: no sampler save of that name in this session (saved: {known})")
+        current = [p.detach().clone() for p in self.params]
+        try:
+            with torch.no_grad():
+                frozen = self._frozen.get(sampler)
+                if frozen is not None:
+                    for p, v in zip(self.params, frozen):
+                        p.copy_(v)
+                elif self.full:
+                    self._load_full_weights(sampler, saved.folder)
+                else:
+                    self._load_adapter(sampler, saved.folder)
+            return self._sample(jobs, params), saved.step
+        finally:
+            with torch.no_grad():
+                for p, v in zip(self.params, current):
+                    p.copy_(v)
+
+    def _freeze(self, name: str) -> None:
+        """Keep a copy of the weights as sampler save ``name`` in memory, the newest first, within
+        ``snapshot_bytes`` (older copies go; a save that does not fit is read from its folder)."""
+        self._frozen.pop(name, None)
+        size = sum(p.numel() * p.element_size() for p in self.params)
+        if size > self.snapshot_bytes:
+            return
+        while self._frozen and size + self._frozen_bytes() > self.snapshot_bytes:
+            self._frozen.popitem(last=False)
+        self._frozen[name] = [p.detach().clone() for p in self.params]
+
+    def _frozen_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for copy in self._frozen.values() for v in copy)
 
     # --- states ---------------------------------------------------------------------------------
     def _folder(self, prefix: str, name: str) -> Path:
@@ -565,6 +619,9 @@ class TrainingSession:
         saved = SavedState(name, self.step, folder, key or "")
         if kind == KIND_STATE:
             self.states[name] = saved
+        else:
+            self.samplers[name] = saved
+            self._freeze(name)
         return saved
 
     @_in_turn

@@ -200,15 +200,20 @@ def save_checkpoint(
 
 
 def _save_weights(model, folder: Path) -> None:
-    """``model.save_pretrained(folder)``; for a PEFT model with several adapters (a model host's
-    tenants, :mod:`opentinker_trainer.host`) only the active one, its files at the top of
-    ``folder`` exactly as a model with that adapter alone writes them (PEFT puts an adapter not
-    named ``default`` in a subfolder of its name)."""
+    """``model.save_pretrained(folder)``, for a PEFT model its LoRA weights only; for one with
+    several adapters (a model host's tenants, :mod:`opentinker_trainer.host`) only the active one,
+    its files at the top of ``folder`` exactly as a model with that adapter alone writes them
+    (PEFT puts an adapter not named ``default`` in a subfolder of its name)."""
     adapter = getattr(model, "active_adapter", None) if hasattr(model, "peft_config") else None
-    if adapter is None or adapter == "default":
+    if adapter is None:
         model.save_pretrained(str(folder))
         return
-    model.save_pretrained(str(folder), selected_adapters=[adapter])
+    # The base's embedding and lm_head weights are frozen: an adapter on lm_head saves its LoRA
+    # matrices alone, not PEFT's default copy of the (vocab x hidden) base weights.
+    if adapter == "default":
+        model.save_pretrained(str(folder), save_embedding_layers=False)
+        return
+    model.save_pretrained(str(folder), selected_adapters=[adapter], save_embedding_layers=False)
     sub = folder / adapter
     for f in sub.iterdir():
         os.replace(f, folder / f.name)

@@ -24,7 +24,14 @@ SMOLLM2_135M = {
 
 @pytest.mark.parametrize(
     "rank, modules",
-    [(4, ("q_proj", "k_proj", "v_proj", "o_proj")), (8, ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"))],
+    [
+        (4, ("q_proj", "k_proj", "v_proj", "o_proj")),
+        (8, ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")),
+        (
+            4,
+            ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"),
+        ),  # Tinker's default
+    ],
 )
 def test_counts_match_a_real_peft_model(tiny_model_dir, rank, modules) -> None:
     import torch
@@ -58,8 +65,8 @@ def test_smollm2_135m_by_hand() -> None:
 
 def test_bad_shapes_name_what_is_wrong() -> None:
     shape = lm.ModelShape.from_config(SMOLLM2_135M)
-    with pytest.raises(ValueError, match="target_modules: no size known for 'lm_head'; known: q_proj"):
-        lm.lora_parameters(shape, 8, ("q_proj", "lm_head"))
+    with pytest.raises(ValueError, match="target_modules: no size known for 'c_attn'; known: q_proj.*, lm_head"):
+        lm.lora_parameters(shape, 8, ("q_proj", "c_attn"))
     with pytest.raises(ValueError, match="lora_rank: expected a positive integer, got 0"):
         lm.lora_parameters(shape, 0, ("q_proj",))
     with pytest.raises(ValueError, match="config.json: expected hidden_size, a positive integer, got None"):

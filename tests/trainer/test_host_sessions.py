@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
+from opentinker.training.v1 import training_pb2, training_pb2_grpc
 from opentinker_client.training import Datum, TrainingSession
 from opentinker_trainer.host import ModelHost, shareable
 from opentinker_trainer.workloads import grpo_text, lora_session
@@ -49,10 +50,28 @@ def _drive(endpoint: str) -> dict:
         second = s.forward_backward(datums).result(120)
         s.optim_step(5e-2).result(120)
         s.save_state("s1").result(120)
+        # A sampler save, sampled after a later step with SampleSnapshot, and the base model.
+        s.save_weights_for_sampler("v").result(120)
+        s.forward_backward(datums).result(120)
+        s.optim_step(5e-2).result(120)
+        stub = training_pb2_grpc.TrainingServiceStub(s._channel)
+        prompts = [
+            training_pb2.SnapshotPrompt(tokens=training_pb2.TokenPrompt(tokens=[5, 9, 14]), num_samples=2, seed=7),
+            training_pb2.SnapshotPrompt(tokens=training_pb2.TokenPrompt(tokens=[8, 2]), num_samples=1, seed=3),
+        ]
+        params = training_pb2.SamplingParams(max_tokens=4, return_logprobs=True)
+        snapshots = [
+            stub.SampleSnapshot(
+                training_pb2.SampleSnapshotRequest(prompts=prompts, params=params, **weights), timeout=120
+            )
+            for weights in ({"sampler": "v"}, {"base_model": True})
+        ]
     return {
         "losses": [*losses, second.losses],
         "sample": [x.tokens for x in sample.samples],
         "logprobs": [x.logprobs for x in sample.samples],
+        "snapshots": [[[list(x.tokens) for x in r.samples] for r in out.results] for out in snapshots],
+        "snapshot_logprobs": [v for out in snapshots for r in out.results for x in r.samples for v in x.logprobs],
     }
 
 
@@ -120,6 +139,8 @@ def test_a_session_tenant_trains_as_it_would_alone_beside_a_grpo_tenant(tiny_mod
     host.join()
 
     assert got["sample"] == want["sample"]
+    assert got["snapshots"] == want["snapshots"]
+    assert got["snapshot_logprobs"] == pytest.approx(want["snapshot_logprobs"], abs=1e-5)
     assert got["losses"][1] == want["losses"][1]  # the optimizer step number
     for ours, theirs in ((got["losses"][0], want["losses"][0]), (got["losses"][2], want["losses"][2])):
         assert ours == pytest.approx(theirs, abs=1e-5)

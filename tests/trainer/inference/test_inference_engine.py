@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from opentinker_client.inference import InferenceClient
-from opentinker_trainer.inference.engine import Decode, SamplingParams
 from opentinker_trainer.inference.sampling import raw_logprobs, warp
 from opentinker_trainer.inference.text import TextStream, find_stop, held_back
 
@@ -116,17 +115,6 @@ def test_warp_matches_the_transformers_warpers() -> None:
         assert torch.equal(warp(logits, temperature=t, top_k=k, top_p=p), ref)
     tokens = torch.tensor([1, 2, 3])
     assert torch.allclose(raw_logprobs(logits, tokens), torch.log_softmax(logits, -1)[torch.arange(3), tokens])
-
-
-def test_decode_stops_each_sample_at_its_own_stop_token(tiny_model_dir) -> None:
-    tok, model = load_tiny(tiny_model_dir)
-    ids = tok(PROMPT)["input_ids"]
-    # Greedy: find the first token, then declare it a stop token.
-    first = Decode(model, ids, SamplingParams(temperature=0, max_tokens=1), []).step().tokens[0]
-    d = Decode(model, ids, SamplingParams(temperature=0, max_tokens=10, n=2), [first])
-    res = d.step()
-    assert res.finished == {0: "stop", 1: "stop"} and d.done
-    assert d.sample_tokens(0) == [first]
 
 
 def test_text_stream_holds_back_possible_stop_strings_and_cuts_at_them() -> None:

@@ -5,9 +5,11 @@ against a real scheduler as an inference server checks them."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
 import grpc
+import torch
 import pytest
 
 from opentinker.training.v1 import training_pb2, training_pb2_grpc
@@ -223,3 +225,102 @@ def test_a_session_whose_worker_went_away_says_how_to_resume(world) -> None:
     text = str(err.value)
     assert text.startswith("UNAVAILABLE: training session " + world["task"])
     assert "after 2 tries" in text and f"RLClient.resume_training_session('{world['task']}')" in text
+
+
+def test_tinker_losses_and_adam_defaults_over_grpc(world) -> None:
+    """Tinker's loss_fn_config keys reach the loss by field name; a bad one is INVALID_ARGUMENT
+    naming it, and uses no sequence number; Tinker's AdamParams defaults are accepted."""
+    with TrainingSession(world["served"].address, api_key=world["alice_token"]) as s:
+        data = [
+            Datum(d.input_tokens, d.target_tokens, (), d.advantages, d.sampling_logprobs, [1.0] * len(d.input_tokens))
+            for d in batch(2)
+        ]
+        logp = s.forward(data).result(timeout=60)
+        out = s.forward_backward(data, "dro", loss_fn_config={"beta": 0.5}).result(timeout=60)
+        for d, lp, got in zip(data, logp, out.losses):
+            lp, q, a = (torch.tensor(x) for x in (lp, d.sampling_logprobs, d.advantages))
+            assert got == pytest.approx(float(-(lp * a - 0.25 * (lp - q) ** 2).sum()), rel=1e-5)
+        assert set(out.metrics) == {"loss:sum", "tokens:sum", "importance_ratio:mean"}
+        config = {"clip_low_threshold": 0.7, "clip_high_threshold": 1.5}
+        for loss_fn in ("ppo", "cispo", "gspo"):
+            out = s.forward_backward(data, loss_fn, loss_fn_config=config).result(timeout=60)
+            assert {"loss:sum", "clip_fraction:mean"} <= set(out.metrics)
+        before = s.get_info()
+        with pytest.raises(InvalidArgumentError, match="loss_fn_config.beta: not read by ppo"):
+            s.forward_backward(data, "ppo", loss_fn_config={"beta": 0.1}).result(timeout=60)
+        with pytest.raises(InvalidArgumentError, match="loss_fn_config.beta: dro needs it"):
+            s.forward_backward(data, "dro").result(timeout=60)
+        with pytest.raises(InvalidArgumentError, match="loss_fn: stable_reinforce is not supported"):
+            s.forward_backward(data, "stable_reinforce").result(timeout=60)
+        with pytest.raises(InvalidArgumentError, match="loss_fn_config.clip_epsilon: expected one of"):
+            s.forward_backward(data, "ppo", loss_fn_config={"clip_epsilon": 0.2}).result(timeout=60)
+        assert s.get_info().next_sequence == before.next_sequence
+        step = s.optim_step(1e-3, beta2=0.95, eps=1e-12, max_grad_norm=0.0).result(timeout=60)
+        assert step.step == before.step + 1
+
+
+def test_sample_snapshot_samples_a_sampler_save_in_one_call_without_a_sequence_number(world) -> None:
+    """Over gRPC with the owner's endpoint token: prompts sampled from a sampler save after later
+    optimizer steps equal Sample at the save's step, the call uses no sequence number, and bad
+    calls are refused with the field named."""
+    with TrainingSession(world["served"].address, api_key=world["alice_token"]) as s:
+        s.forward_backward(batch(2), "importance_sampling").result(timeout=60)
+        s.optim_step(learning_rate=1e-2).result(timeout=60)
+        saved = s.save_weights_for_sampler("snap").result(timeout=60)
+        prompts = [[31, 40, 52, 67], [90, 91]]
+        at_save = [s.sample(p, n=2, max_tokens=5, seed=i, top_k=20).result(timeout=60) for i, p in enumerate(prompts)]
+        greedy = s.sample(prompts[0], max_tokens=5, temperature=0.0, prompt_logprobs=True).result(timeout=60)
+        s.forward_backward(batch(2), "importance_sampling").result(timeout=60)
+        s.optim_step(learning_rate=1e-2).result(timeout=60)
+        before = s.get_info()
+
+        stub = training_pb2_grpc.TrainingServiceStub(s._channel)
+        md = s._metadata()
+        request = training_pb2.SampleSnapshotRequest(
+            sampler="snap",
+            prompts=[
+                training_pb2.SnapshotPrompt(tokens=training_pb2.TokenPrompt(tokens=p), num_samples=2, seed=i)
+                for i, p in enumerate(prompts)
+            ],
+            params=training_pb2.SamplingParams(max_tokens=5, top_k=20, return_logprobs=True, prompt_logprobs=True),
+        )
+        out = stub.SampleSnapshot(request, metadata=md, timeout=60)
+        assert out.step == saved.step == before.step - 1
+        assert [[list(x.tokens) for x in r.samples] for r in out.results] == [
+            [x.tokens for x in a.samples] for a in at_save
+        ]
+        assert all(len(x.sampling_logprobs) == len(x.tokens) for r in out.results for x in r.samples)
+        assert math.isnan(out.results[0].prompt_logprobs[0])
+        assert list(out.results[0].prompt_logprobs[1:]) == pytest.approx(greedy.prompt_logprobs[1:], abs=1e-5)
+        assert s.get_info().next_sequence == before.next_sequence  # no sequence number used
+
+        def refused(req, code, message):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.SampleSnapshot(req, metadata=md, timeout=60)
+            assert err.value.code() == code and message in err.value.details(), err.value.details()
+
+        bad = training_pb2.SampleSnapshotRequest()
+        bad.CopyFrom(request)
+        bad.params.top_k = -5
+        refused(bad, grpc.StatusCode.INVALID_ARGUMENT, "params.top_k: expected a number >= 1, or 0 or -1")
+        bad.params.top_k, bad.params.temperature = 0, -1.0
+        refused(bad, grpc.StatusCode.INVALID_ARGUMENT, "params.temperature: expected a number >= 0")
+        bad.params.temperature = 1.0
+        bad.prompts[1].tokens.tokens.append(10**8)
+        refused(bad, grpc.StatusCode.INVALID_ARGUMENT, "prompts[1].prompt.tokens[2]: expected a token id in [0, ")
+        refused(
+            training_pb2.SampleSnapshotRequest(prompts=request.prompts),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "weights: expected a sampler save's name (sampler) or base_model: true",
+        )
+        unknown = training_pb2.SampleSnapshotRequest(sampler="other", prompts=request.prompts)
+        refused(unknown, grpc.StatusCode.NOT_FOUND, "sampler 'other': no sampler save of that name")
+        base = stub.SampleSnapshot(
+            training_pb2.SampleSnapshotRequest(base_model=True, prompts=request.prompts[:1]), metadata=md, timeout=60
+        )
+        assert base.step == 0 and len(base.results[0].samples) == 2
+    with grpc.insecure_channel(world["served"].address) as channel, pytest.raises(grpc.RpcError) as err:
+        training_pb2_grpc.TrainingServiceStub(channel).SampleSnapshot(
+            request, metadata=[("authorization", f"Bearer {world['bob_token']}")], timeout=60
+        )
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED

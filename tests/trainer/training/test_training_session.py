@@ -15,7 +15,7 @@ from opentinker_trainer.rl import ppo as rl_ppo
 from opentinker_trainer.training.datums import Datum
 from opentinker_trainer.training.errors import BadRequest, NotReady, OutOfOrder, OverLimit, StateNotFound
 from opentinker_trainer.training.sequencing import Sequencer
-from opentinker_trainer.training.session import AdamParams
+from opentinker_trainer.training.session import AdamParams, SampleParams
 from opentinker_trainer.workloads import sft
 from opentinker_trainer.workloads.lora_session import open_session
 from opentinker_trainer.workloads.sft_data import IGNORE_INDEX, batch_indices
@@ -136,7 +136,7 @@ def test_importance_sampling_at_ratio_one_is_reinforce(session) -> None:
     session.optimizer.zero_grad(set_to_none=True)
     session.accumulated_calls = 0
     out = session.forward_backward(batch, "importance_sampling")
-    assert out.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert out.metrics["importance_ratio:mean"] == pytest.approx(1.0, abs=1e-5)
     want = reference_grads(session, batch, lambda i, lp: -(torch.tensor(batch[i].advantages) * lp).sum())
     assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-4) for g, w in zip(grads(session), want))
     session.optimizer.zero_grad(set_to_none=True)
@@ -150,12 +150,12 @@ def test_ppo_loss_is_pg_loss_and_clipped_tokens_get_no_gradient(session) -> None
     batch = datums(sampling=shifted, advantages=[1.0, -1.0, 2.0])
     session.optimizer.zero_grad(set_to_none=True)
     session.accumulated_calls = 0
-    out = session.forward_backward(batch, "ppo", clip_epsilon=0.2)
+    out = session.forward_backward(batch, "ppo", loss_fn_config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
     for i, d in enumerate(batch):
         ratio = torch.exp(torch.tensor(logp[i]) - torch.tensor(d.sampling_logprobs))
         want = rl_ppo.pg_loss(torch.tensor(d.advantages), ratio, 0.2) * len(d)
         assert out.losses[i] == pytest.approx(float(want), rel=1e-5)
-    assert out.metrics["clip_fraction"] == 1.0
+    assert out.metrics["clip_fraction:mean"] == 1.0
 
     # The unclipped branch per token: where A r < A clip(r) it counts, else its gradient is 0.
     def surrogate(i, lp):
@@ -179,16 +179,19 @@ def test_with_lora_dropout_forward_backward_scores_the_policy_that_sampled(tiny_
         for p in s.params:
             p.add_(0.05 * torch.randn_like(p))
     logp = s.forward(datums())
-    out = s.forward_backward(datums(sampling=logp), "ppo", clip_epsilon=0.01)
-    assert out.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert out.metrics["clip_fraction"] == 0.0
+    out = s.forward_backward(
+        datums(sampling=logp), "ppo", loss_fn_config={"clip_low_threshold": 0.99, "clip_high_threshold": 1.01}
+    )
+    assert out.metrics["importance_ratio:mean"] == pytest.approx(1.0, abs=1e-5)
+    assert out.metrics["clip_fraction:mean"] == 0.0
 
 
 def test_sampled_logprobs_equal_forward_logprobs_at_temperature_one(session) -> None:
     prompt = [25, 300, 41, 7, 99]
-    out = session.sample(prompt, n=3, max_tokens=6, temperature=1.0, seed=5, return_logprobs=True)
+    params = SampleParams(max_tokens=6, return_logprobs=True)
+    out = session.sample(prompt, n=3, seed=5, params=params)
     assert out.prompt_tokens == prompt and len(out.samples) == 3
-    again = session.sample(prompt, n=3, max_tokens=6, temperature=1.0, seed=5, return_logprobs=True)
+    again = session.sample(prompt, n=3, seed=5, params=params)
     assert [s.tokens for s in again.samples] == [s.tokens for s in out.samples]  # seeded
     batch = []
     for s in out.samples:
@@ -209,7 +212,8 @@ def test_sampling_logprobs_are_those_of_the_distribution_that_sampled(session, t
     from opentinker_trainer.inference.sampling import warp
 
     prompt = [25, 300, 41, 7, 99]
-    out = session.sample(prompt, n=4, max_tokens=6, temperature=temperature, top_p=top_p, seed=2, return_logprobs=True)
+    params = SampleParams(max_tokens=6, temperature=temperature, top_p=top_p, return_logprobs=True)
+    out = session.sample(prompt, n=4, seed=2, params=params)
     for s in out.samples:
         ids = torch.tensor([prompt + s.tokens])
         with torch.no_grad():
@@ -311,8 +315,8 @@ def test_bad_input_is_refused_naming_the_datum_and_leaves_the_session_unchanged(
             session.forward_backward(batch, loss_fn)
         assert session.accumulated_calls == before_calls
         assert all(torch.equal(a, b) for a, b in zip(grads(session), before_grads))
-    with pytest.raises(BadRequest, match=r"loss_fn_config.clip_epsilon: expected a number in \(0, 1\]"):
-        session.forward_backward(good, "ppo", clip_epsilon=1.5)
+    with pytest.raises(BadRequest, match=r"loss_fn_config.clip_high_threshold: expected a ratio >= 1, got 0.9"):
+        session.forward_backward(good, "ppo", loss_fn_config={"clip_high_threshold": 0.9})
     with pytest.raises(OverLimit, match=r"at most 1024 per call \(max_datums_per_call\), got 1025"):
         session.forward_backward(datums(1) * 1025, "cross_entropy")
     with pytest.raises(BadRequest, match="adam.learning_rate: expected a finite number > 0, got nan"):
@@ -483,7 +487,7 @@ def test_each_optimizer_step_reports_its_loss_tokens_and_gradient_norm(tiny_mode
     batch = datums(n=2, length=5)
     first = s.forward_backward(batch, "importance_sampling")
     second = s.forward_backward(batch[:1], "cross_entropy")
-    sampled = s.sample([20, 21, 22], n=2, max_tokens=3, seed=1)
+    sampled = s.sample([20, 21, 22], n=2, seed=1, params=SampleParams(max_tokens=3))
     step, norm = s.optim_step(AdamParams(learning_rate=1e-3))
     (point,) = reports(ctx, "metric")
     assert point["step"] == step == 1

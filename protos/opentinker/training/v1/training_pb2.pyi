@@ -13,6 +13,10 @@ class LossFn(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOSS_FN_CROSS_ENTROPY: _ClassVar[LossFn]
     LOSS_FN_IMPORTANCE_SAMPLING: _ClassVar[LossFn]
     LOSS_FN_PPO: _ClassVar[LossFn]
+    LOSS_FN_CISPO: _ClassVar[LossFn]
+    LOSS_FN_DRO: _ClassVar[LossFn]
+    LOSS_FN_GSPO: _ClassVar[LossFn]
+    LOSS_FN_STABLE_REINFORCE: _ClassVar[LossFn]
 
 class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,29 +27,39 @@ LOSS_FN_UNSPECIFIED: LossFn
 LOSS_FN_CROSS_ENTROPY: LossFn
 LOSS_FN_IMPORTANCE_SAMPLING: LossFn
 LOSS_FN_PPO: LossFn
+LOSS_FN_CISPO: LossFn
+LOSS_FN_DRO: LossFn
+LOSS_FN_GSPO: LossFn
+LOSS_FN_STABLE_REINFORCE: LossFn
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_STOP: StopReason
 STOP_REASON_LENGTH: StopReason
 
 class Datum(_message.Message):
-    __slots__ = ("input_tokens", "target_tokens", "weights", "advantages", "sampling_logprobs")
+    __slots__ = ("input_tokens", "target_tokens", "weights", "advantages", "sampling_logprobs", "sequence_ratio_mask")
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_RATIO_MASK_FIELD_NUMBER: _ClassVar[int]
     input_tokens: _containers.RepeatedScalarFieldContainer[int]
     target_tokens: _containers.RepeatedScalarFieldContainer[int]
     weights: _containers.RepeatedScalarFieldContainer[float]
     advantages: _containers.RepeatedScalarFieldContainer[float]
     sampling_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, input_tokens: _Optional[_Iterable[int]] = ..., target_tokens: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ..., sampling_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    sequence_ratio_mask: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, input_tokens: _Optional[_Iterable[int]] = ..., target_tokens: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ..., sampling_logprobs: _Optional[_Iterable[float]] = ..., sequence_ratio_mask: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class LossFnConfig(_message.Message):
-    __slots__ = ("clip_epsilon",)
-    CLIP_EPSILON_FIELD_NUMBER: _ClassVar[int]
-    clip_epsilon: float
-    def __init__(self, clip_epsilon: _Optional[float] = ...) -> None: ...
+    __slots__ = ("clip_low_threshold", "clip_high_threshold", "beta")
+    CLIP_LOW_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    CLIP_HIGH_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    clip_low_threshold: float
+    clip_high_threshold: float
+    beta: float
+    def __init__(self, clip_low_threshold: _Optional[float] = ..., clip_high_threshold: _Optional[float] = ..., beta: _Optional[float] = ...) -> None: ...
 
 class BatchHeader(_message.Message):
     __slots__ = ("sequence", "datum_count", "loss_fn", "loss_fn_config")
@@ -172,29 +186,45 @@ class ChatPrompt(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "prompt_logprobs", "topk_prompt_logprobs")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    return_logprobs: bool
+    prompt_logprobs: bool
+    topk_prompt_logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ..., topk_prompt_logprobs: _Optional[int] = ...) -> None: ...
+
 class SampleRequest(_message.Message):
-    __slots__ = ("sequence", "tokens", "messages", "n", "max_tokens", "temperature", "top_p", "stop", "seed", "return_logprobs")
+    __slots__ = ("sequence", "tokens", "messages", "n", "seed", "params")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
-    STOP_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     tokens: TokenPrompt
     messages: ChatPrompt
     n: int
-    max_tokens: int
-    temperature: float
-    top_p: float
-    stop: _containers.RepeatedScalarFieldContainer[str]
     seed: int
-    return_logprobs: bool
-    def __init__(self, sequence: _Optional[int] = ..., tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., messages: _Optional[_Union[ChatPrompt, _Mapping]] = ..., n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+    params: SamplingParams
+    def __init__(self, sequence: _Optional[int] = ..., tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., messages: _Optional[_Union[ChatPrompt, _Mapping]] = ..., n: _Optional[int] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class SampledSequence(_message.Message):
     __slots__ = ("tokens", "logprobs", "text", "stop_reason", "sampling_logprobs")
@@ -210,17 +240,73 @@ class SampledSequence(_message.Message):
     sampling_logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., sampling_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class TopLogprobs(_message.Message):
+    __slots__ = ("tokens", "logprobs")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class SampleResponse(_message.Message):
-    __slots__ = ("sequence", "prompt_tokens", "samples", "step")
+    __slots__ = ("sequence", "prompt_tokens", "samples", "step", "prompt_logprobs", "topk_prompt_logprobs")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     samples: _containers.RepeatedCompositeFieldContainer[SampledSequence]
     step: int
-    def __init__(self, sequence: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    topk_prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, sequence: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., step: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., topk_prompt_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class SnapshotPrompt(_message.Message):
+    __slots__ = ("tokens", "messages", "num_samples", "seed")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    tokens: TokenPrompt
+    messages: ChatPrompt
+    num_samples: int
+    seed: int
+    def __init__(self, tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., messages: _Optional[_Union[ChatPrompt, _Mapping]] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SampleSnapshotRequest(_message.Message):
+    __slots__ = ("sampler", "base_model", "prompts", "params")
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    sampler: str
+    base_model: bool
+    prompts: _containers.RepeatedCompositeFieldContainer[SnapshotPrompt]
+    params: SamplingParams
+    def __init__(self, sampler: _Optional[str] = ..., base_model: _Optional[bool] = ..., prompts: _Optional[_Iterable[_Union[SnapshotPrompt, _Mapping]]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class SnapshotSamples(_message.Message):
+    __slots__ = ("prompt_tokens", "samples", "prompt_logprobs", "topk_prompt_logprobs")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    samples: _containers.RepeatedCompositeFieldContainer[SampledSequence]
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    topk_prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., topk_prompt_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class SampleSnapshotResponse(_message.Message):
+    __slots__ = ("results", "step")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SnapshotSamples]
+    step: int
+    def __init__(self, results: _Optional[_Iterable[_Union[SnapshotSamples, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class SaveStateRequest(_message.Message):
     __slots__ = ("sequence", "name")

@@ -31,11 +31,11 @@ class TrainingServiceStub:
     server's address in the task (`Task.endpoint`, from SchedulerService.GetTask) and call it
     directly, as they do an inference server.
 
-    Ordering and retries: every call but GetInfo carries the session's next `sequence` number
-    (0, 1, 2 ...). A call applies only when its number is the one the session expects next; a
-    retry of an applied call (the same number) is answered with the response it got the first
-    time and changes nothing (idempotent; the last 16 responses are kept). A number ahead of the
-    expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
+    Ordering and retries: every call but GetInfo and SampleSnapshot carries the session's next
+    `sequence` number (0, 1, 2 ...). A call applies only when its number is the one the session
+    expects next; a retry of an applied call (the same number) is answered with the response it
+    got the first time and changes nothing (idempotent; the last 16 responses are kept). A number
+    ahead of the expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
     google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata "expected_sequence") in the details, and
     the session state is unchanged; GetInfo gives the expected number too.
 
@@ -74,6 +74,11 @@ class TrainingServiceStub:
                 request_serializer=opentinker_dot_training_dot_v1_dot_training__pb2.SampleRequest.SerializeToString,
                 response_deserializer=opentinker_dot_training_dot_v1_dot_training__pb2.SampleResponse.FromString,
                 _registered_method=True)
+        self.SampleSnapshot = channel.unary_unary(
+                '/opentinker.training.v1.TrainingService/SampleSnapshot',
+                request_serializer=opentinker_dot_training_dot_v1_dot_training__pb2.SampleSnapshotRequest.SerializeToString,
+                response_deserializer=opentinker_dot_training_dot_v1_dot_training__pb2.SampleSnapshotResponse.FromString,
+                _registered_method=True)
         self.SaveState = channel.unary_unary(
                 '/opentinker.training.v1.TrainingService/SaveState',
                 request_serializer=opentinker_dot_training_dot_v1_dot_training__pb2.SaveStateRequest.SerializeToString,
@@ -102,11 +107,11 @@ class TrainingServiceServicer:
     server's address in the task (`Task.endpoint`, from SchedulerService.GetTask) and call it
     directly, as they do an inference server.
 
-    Ordering and retries: every call but GetInfo carries the session's next `sequence` number
-    (0, 1, 2 ...). A call applies only when its number is the one the session expects next; a
-    retry of an applied call (the same number) is answered with the response it got the first
-    time and changes nothing (idempotent; the last 16 responses are kept). A number ahead of the
-    expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
+    Ordering and retries: every call but GetInfo and SampleSnapshot carries the session's next
+    `sequence` number (0, 1, 2 ...). A call applies only when its number is the one the session
+    expects next; a retry of an applied call (the same number) is answered with the response it
+    got the first time and changes nothing (idempotent; the last 16 responses are kept). A number
+    ahead of the expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
     google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata "expected_sequence") in the details, and
     the session state is unchanged; GetInfo gives the expected number too.
 
@@ -126,10 +131,10 @@ class TrainingServiceServicer:
         first message is the header, the rest carry the datums in chunks (each message under the
         64 MiB gRPC limit; the client sends chunks of about 1 MiB), so a batch has no size ceiling
         other than max_tokens_per_call. Idempotent by sequence number.
-        Errors: INVALID_ARGUMENT (no header first, an unknown loss_fn, an empty batch, a datum whose
-        fields have the wrong length, a non-finite weight / advantage / logprob, a token outside the
-        vocabulary, a loss_fn_config value out of range; the message names datums[i].field and the
-        numbers), FAILED_PRECONDITION (out of order), RESOURCE_EXHAUSTED (more datums or tokens than
+        Errors: INVALID_ARGUMENT (no header first, an unknown loss_fn or stable_reinforce, an empty
+        batch, a datum whose fields have the wrong length, a non-finite weight / advantage / logprob,
+        a token outside the vocabulary, a loss_fn_config value out of range or not read by the loss;
+        the message names datums[i].field or loss_fn_config.field and the numbers), FAILED_PRECONDITION (out of order), RESOURCE_EXHAUSTED (more datums or tokens than
         the session's bounds, or max_in_flight_calls calls already in flight), UNAVAILABLE (the
         session is stopping).
         """
@@ -162,11 +167,29 @@ class TrainingServiceServicer:
     def Sample(self, request, context):
         """Samples `n` completions of one prompt from the session's current weights. Idempotent by
         sequence number (a retry returns the same samples); with a seed the same request gives the
-        same samples at any sequence number. Errors: INVALID_ARGUMENT (no prompt, n or max_tokens
-        out of range, temperature <= 0, top_p outside (0, 1], prompt plus max_tokens past the
-        model's context), FAILED_PRECONDITION (out of order; chat messages but the tokenizer has no
-        chat template), RESOURCE_EXHAUSTED (n * (prompt + max_tokens) over max_tokens_per_call),
-        UNAVAILABLE.
+        same samples at any sequence number. Errors: INVALID_ARGUMENT (no prompt, n, max_tokens,
+        temperature, top_p, top_k, a stop token id or topk_prompt_logprobs out of range, prompt plus
+        max_tokens past the model's context; the message names the field), FAILED_PRECONDITION (out
+        of order; chat messages but the tokenizer has no chat template), RESOURCE_EXHAUSTED (n *
+        (prompt + max_tokens) over max_tokens_per_call), UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SampleSnapshot(self, request, context):
+        """Samples several prompts, each `num_samples` times, from fixed weights: a sampler save of this
+        session (`SaveWeightsForSampler`'s name; exactly the weights saved, whatever optimizer steps
+        came after) or the base model with the adapter off. The prompts decode together in one
+        batch; a prompt's samples with a seed are the same as when it is sent alone with that seed
+        (up to float rounding of the batched pass). Carries no sequence number and changes no state:
+        it may run between any two sequenced calls, never during one. Errors: INVALID_ARGUMENT (no
+        prompts, no weights named, a parameter out of range as in Sample; the message names
+        prompts[i].field or params.field), NOT_FOUND (no sampler save of that name in this attempt),
+        FAILED_PRECONDITION (base_model on a session that trains all weights; chat messages and no
+        chat template), RESOURCE_EXHAUSTED (more prompts than max_datums_per_call, the sum of
+        num_samples * (prompt + max_tokens) over max_tokens_per_call, max_in_flight_calls calls in
+        flight), UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -241,6 +264,11 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     request_deserializer=opentinker_dot_training_dot_v1_dot_training__pb2.SampleRequest.FromString,
                     response_serializer=opentinker_dot_training_dot_v1_dot_training__pb2.SampleResponse.SerializeToString,
             ),
+            'SampleSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.SampleSnapshot,
+                    request_deserializer=opentinker_dot_training_dot_v1_dot_training__pb2.SampleSnapshotRequest.FromString,
+                    response_serializer=opentinker_dot_training_dot_v1_dot_training__pb2.SampleSnapshotResponse.SerializeToString,
+            ),
             'SaveState': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveState,
                     request_deserializer=opentinker_dot_training_dot_v1_dot_training__pb2.SaveStateRequest.FromString,
@@ -275,11 +303,11 @@ class TrainingService:
     server's address in the task (`Task.endpoint`, from SchedulerService.GetTask) and call it
     directly, as they do an inference server.
 
-    Ordering and retries: every call but GetInfo carries the session's next `sequence` number
-    (0, 1, 2 ...). A call applies only when its number is the one the session expects next; a
-    retry of an applied call (the same number) is answered with the response it got the first
-    time and changes nothing (idempotent; the last 16 responses are kept). A number ahead of the
-    expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
+    Ordering and retries: every call but GetInfo and SampleSnapshot carries the session's next
+    `sequence` number (0, 1, 2 ...). A call applies only when its number is the one the session
+    expects next; a retry of an applied call (the same number) is answered with the response it
+    got the first time and changes nothing (idempotent; the last 16 responses are kept). A number
+    ahead of the expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
     google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata "expected_sequence") in the details, and
     the session state is unchanged; GetInfo gives the expected number too.
 
@@ -390,6 +418,33 @@ class TrainingService:
             '/opentinker.training.v1.TrainingService/Sample',
             opentinker_dot_training_dot_v1_dot_training__pb2.SampleRequest.SerializeToString,
             opentinker_dot_training_dot_v1_dot_training__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.training.v1.TrainingService/SampleSnapshot',
+            opentinker_dot_training_dot_v1_dot_training__pb2.SampleSnapshotRequest.SerializeToString,
+            opentinker_dot_training_dot_v1_dot_training__pb2.SampleSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,
