@@ -12,6 +12,7 @@ import asyncio
 import json
 import re
 import uuid
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,22 +24,18 @@ from tinker.proto import tinker_public_pb2 as tpb
 
 from opentinker.training.v1 import training_pb2
 
+from opentinker_common.lora_targets import tinker_target_modules
+
 from opentinker_gateway import wire
 from opentinker_gateway.errors import ApiError
-from opentinker_gateway.models import Model, Outcome
+from opentinker_gateway.models import Model, NotYet, Outcome
+from opentinker_gateway.sampling import SampleBatcher, sample_request
 from opentinker_gateway.scheduler import TASK_NAME_PREFIX, Scheduler, SessionSpec
 
 __all__ = ["GatewayConfig", "create_app", "SDK_VERSIONS"]
 
 #: The ``tinker`` SDK versions this gateway is tested with: [lowest, highest].
 SDK_VERSIONS = ("0.38.0", "0.38.0")
-
-#: LoRA target modules of Tinker's ``train_attn`` / ``train_mlp`` / ``train_unembed``.
-_TARGETS = {
-    "train_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "train_mlp": ("gate_proj", "up_proj", "down_proj"),
-    "train_unembed": ("lm_head",),
-}
 
 _CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _PROTO = "application/x-protobuf"
@@ -91,10 +88,6 @@ def _field(body: dict, name: str, kind: type, *, required: bool = True) -> Any:
     return value
 
 
-def _future_id(model_id: str, seq_id: int) -> str:
-    return f"{model_id}#{seq_id}"
-
-
 def _parse_path(path: str, field_name: str) -> tuple[str, str, str]:
     """``(model id, kind, name)`` of ``tinker://<model id>/<weights|sampler_weights>/<name>``."""
     parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
@@ -116,6 +109,7 @@ class Gateway:
         self._allowed: set[tuple[str, str]] = set()
         self._model_locks: dict[str, asyncio.Lock] = {}
         self.samples: dict[str, asyncio.Future] = {}
+        self.batcher = SampleBatcher()
         self.creates: dict[str, asyncio.Task] = {}
 
     async def start(self) -> None:
@@ -142,7 +136,7 @@ class Gateway:
                 return name
         return model_dir
 
-    async def model(self, model_id: str, key: str, *, first_seq_id: int = 1) -> Model:
+    async def model(self, model_id: str, key: str) -> Model:
         """Model ``model_id`` (its session task's id) if the caller's key may use it.
 
         Raises:
@@ -176,7 +170,6 @@ class Gateway:
                     model_dir=task.spec.model,
                     lora_rank=int(hp.get("lora_rank", 0)),
                     metadata=lambda: self.scheduler.endpoint_metadata(model_id, key),
-                    first_seq_id=first_seq_id,
                     gap_timeout_s=self.config.gap_timeout_s,
                 )
                 self.models[model_id] = model
@@ -242,6 +235,83 @@ def _check_version(body: dict) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _Kind:
+    """A kind of sequenced request: its RPC, the Tinker answer of the session's response, and a
+    payload the session refuses, to ask for a kept answer (:meth:`Model.kept`)."""
+
+    rpc: str
+    answer: Any
+    probe: Any
+    streamed: bool = False
+
+
+def _fb_probe(request_cls):
+    def probe(seq: int):
+        return iter([request_cls(header=training_pb2.BatchHeader(sequence=seq, loss_fn=1))])
+
+    return probe
+
+
+def _kinds() -> dict[str, _Kind]:
+    def path(model_id: str, kind: str, name: str) -> str:
+        return f"tinker://{model_id}/{kind}/{name}"
+
+    return {
+        "fb": _Kind(
+            "ForwardBackward",
+            lambda m, r: Outcome(proto=wire.forward_backward_output(r.outputs, r.loss)),
+            _fb_probe(training_pb2.ForwardBackwardRequest),
+            streamed=True,
+        ),
+        "fwd": _Kind(
+            "Forward",
+            lambda m, r: Outcome(proto=wire.forward_backward_output(r.outputs, None)),
+            _fb_probe(training_pb2.ForwardRequest),
+            streamed=True,
+        ),
+        "optim": _Kind(
+            "OptimStep",
+            lambda m, r: Outcome(
+                json={"type": "optim_step", "metrics": {"grad_norm:mean": r.grad_norm, "step:max": float(r.step)}}
+            ),
+            lambda seq: training_pb2.OptimStepRequest(sequence=seq, adam=training_pb2.AdamParams(learning_rate=0)),
+        ),
+        "save": _Kind(
+            "SaveState",
+            lambda m, r: Outcome(json={"type": "save_weights", "path": path(m.model_id, "weights", r.name)}),
+            lambda seq: training_pb2.SaveStateRequest(sequence=seq, name=""),
+        ),
+        "sampler": _Kind(
+            "SaveWeightsForSampler",
+            lambda m, r: Outcome(
+                json={"type": "save_weights_for_sampler", "path": path(m.model_id, "sampler_weights", r.name)}
+            ),
+            lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=""),
+        ),
+        "ephemeral": _Kind(
+            "SaveWeightsForSampler",
+            lambda m, r: Outcome(
+                json={"type": "save_weights_for_sampler", "sampling_session_id": f"{m.model_id}~{r.name}"}
+            ),
+            lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=""),
+        ),
+        "load": _Kind(
+            "LoadState",
+            lambda m, r: Outcome(
+                json={"type": "load_weights", "path": path(m.model_id, "weights", r.name), "model_id": m.model_id}
+            ),
+            lambda seq: training_pb2.LoadStateRequest(sequence=seq, name=""),
+        ),
+    }
+
+
+KINDS = _kinds()
+
+#: Seconds a worker call may take (a save writes the artifact store; a step runs the model).
+_CALL_TIMEOUT_S = 3600
+
+
 def create_app(config: GatewayConfig) -> FastAPI:
     """The gateway's ASGI app."""
     gw = Gateway(config)
@@ -253,8 +323,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def _refused(request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    def future_reply(model_id: str, seq_id: int, **extra) -> dict:
-        return {"request_id": _future_id(model_id, seq_id), "model_id": model_id, **extra}
+    def submit(model: Model, seq_id: int, kind: str, message) -> dict:
+        """Send request ``seq_id`` of ``kind`` with ``message(sequence)``; its future's reply."""
+        k = KINDS[kind]
+        rpc = getattr(model.stub, k.rpc)
+
+        def send(seq: int, md: tuple):
+            return rpc(message(seq), timeout=_CALL_TIMEOUT_S, metadata=md)
+
+        model.submit(seq_id, k.rpc, send, lambda r: k.answer(model, r))
+        return {"request_id": f"{model.model_id}#{seq_id}#{kind}", "model_id": model.model_id}
 
     # --- service ---------------------------------------------------------------------------
     @app.get("/api/v1/healthz")
@@ -331,9 +409,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
         rank = lora.get("rank", 32)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 512:
             raise ApiError(f"lora_config.rank: expected an integer in 1..512, got {rank!r}")
-        targets = tuple(m for flag, mods in _TARGETS.items() if lora.get(flag, True) for m in mods)
-        if not targets:
-            raise ApiError("lora_config: at least one of train_mlp, train_attn, train_unembed must be true")
+        try:
+            model_config = json.loads((Path(folder) / "config.json").read_text())
+        except (OSError, ValueError):
+            model_config = {"model_type": "llama"}
+        try:
+            targets = tinker_target_modules(
+                train_mlp=bool(lora.get("train_mlp", True)),
+                train_attn=bool(lora.get("train_attn", True)),
+                train_unembed=bool(lora.get("train_unembed", True)),
+                model_config=model_config,
+            )
+        except ValueError as exc:
+            raise ApiError(f"lora_config.{exc}") from None
         optimizer = body.get("optimizer_config") or {"type": "adamw"}
         if optimizer.get("type", "adamw") != "adamw":
             raise ApiError(f"optimizer_config.type: expected adamw, got {optimizer.get('type')!r}")
@@ -376,14 +464,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise ApiError(f"body: not a tinker ForwardBackwardRequest ({exc})") from None
         forward_only = msg.forward_only
         if not forward_only and msg.loss_fn not in wire.LOSSES:
-            raise ApiError(
-                f"loss_fn: expected one of {', '.join(wire.LOSSES)} (served by this OpenTinker), got {msg.loss_fn!r}"
-            )
+            raise ApiError(f"loss_fn: expected one of {', '.join(wire.LOSSES)}, got {msg.loss_fn!r}")
         if msg.seq_id < 1:
             raise ApiError(f"seq_id: expected an integer >= 1, got {msg.seq_id}")
         datums = wire.datums_from_proto(msg)
-        config_msg = wire.loss_config(msg.loss_fn, msg) if not forward_only else None
-        model = await gw.model(msg.model_id, key, first_seq_id=msg.seq_id)
+        loss_config = wire.loss_config(msg) if not forward_only else None
+        model = await gw.model(msg.model_id, key)
 
         def batch(seq: int):
             if forward_only:
@@ -392,20 +478,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 yield training_pb2.ForwardRequest(chunk=training_pb2.DatumChunk(datums=datums))
             else:
                 header = training_pb2.BatchHeader(
-                    sequence=seq, datum_count=len(datums), loss_fn=wire.LOSSES[msg.loss_fn], loss_fn_config=config_msg
+                    sequence=seq, datum_count=len(datums), loss_fn=wire.LOSSES[msg.loss_fn], loss_fn_config=loss_config
                 )
                 yield training_pb2.ForwardBackwardRequest(header=header)
                 yield training_pb2.ForwardBackwardRequest(chunk=training_pb2.DatumChunk(datums=datums))
 
-        async def run() -> Outcome:
-            rpc = model.stub.Forward if forward_only else model.stub.ForwardBackward
-            what = "forward" if forward_only else "forward_backward"
-            response = await model.call(what, lambda seq, md: rpc(batch(seq), timeout=3600, metadata=md))
-            loss = None if forward_only else response.loss
-            return Outcome(proto=wire.forward_backward_output(response.outputs, loss))
-
-        model.submit(msg.seq_id, run)
-        return future_reply(model.model_id, msg.seq_id)
+        return submit(model, msg.seq_id, "fwd" if forward_only else "fb", batch)
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict:
@@ -416,21 +494,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if params is None:
             raise ApiError("adam_params: expected AdamParams (other optimizers are not served)")
         adam = wire.adam_params(params)
-        model = await gw.model(body.get("model_id"), key, first_seq_id=seq_id)
-
-        async def run() -> Outcome:
-            r = await model.call(
-                "optim_step",
-                lambda seq, md: model.stub.OptimStep(
-                    training_pb2.OptimStepRequest(sequence=seq, adam=adam), timeout=600, metadata=md
-                ),
-            )
-            return Outcome(
-                json={"type": "optim_step", "metrics": {"grad_norm:mean": r.grad_norm, "step:max": float(r.step)}}
-            )
-
-        model.submit(seq_id, run)
-        return future_reply(model.model_id, seq_id)
+        model = await gw.model(body.get("model_id"), key)
+        return submit(model, seq_id, "optim", lambda seq: training_pb2.OptimStepRequest(sequence=seq, adam=adam))
 
     def checkpoint_name(body: dict) -> str:
         name = _field(body, "path", str)
@@ -444,46 +509,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
         body = await _json(request, limit)
         seq_id = _field(body, "seq_id", int)
         name = checkpoint_name(body)
-        model = await gw.model(body.get("model_id"), key, first_seq_id=seq_id)
-
-        async def run() -> Outcome:
-            await model.call(
-                "save_weights",
-                lambda seq, md: model.stub.SaveState(
-                    training_pb2.SaveStateRequest(sequence=seq, name=name), timeout=3600, metadata=md
-                ),
-            )
-            return Outcome(json={"type": "save_weights", "path": f"tinker://{model.model_id}/weights/{name}"})
-
-        model.submit(seq_id, run)
-        return future_reply(model.model_id, seq_id)
+        model = await gw.model(body.get("model_id"), key)
+        return submit(model, seq_id, "save", lambda seq: training_pb2.SaveStateRequest(sequence=seq, name=name))
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict:
         key = _key(request)
         body = await _json(request, limit)
         seq_id = _field(body, "seq_id", int)
-        name = checkpoint_name(body) if body.get("path") is not None else None
-        model = await gw.model(body.get("model_id"), key, first_seq_id=seq_id)
-
-        async def run() -> Outcome:
-            if name is None:
-                # An ephemeral sampler: it samples the session's weights (see sample()).
-                return Outcome(
-                    json={"type": "save_weights_for_sampler", "sampling_session_id": f"{model.model_id}~{seq_id}"}
-                )
-            await model.call(
-                "save_weights_for_sampler",
-                lambda seq, md: model.stub.SaveWeightsForSampler(
-                    training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=name), timeout=3600, metadata=md
-                ),
-            )
-            return Outcome(
-                json={"type": "save_weights_for_sampler", "path": f"tinker://{model.model_id}/sampler_weights/{name}"}
-            )
-
-        model.submit(seq_id, run)
-        return future_reply(model.model_id, seq_id)
+        model = await gw.model(body.get("model_id"), key)
+        if body.get("path") is not None:
+            name, kind = checkpoint_name(body), "sampler"
+        else:  # an ephemeral sampler: a save named after its request, sampled as a snapshot
+            name, kind = f"sampler-{seq_id}", "ephemeral"
+        return submit(
+            model, seq_id, kind, lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=name)
+        )
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict:
@@ -497,27 +538,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 "not served yet; load_state on the model that saved it",
             )
         seq_id = _field(body, "seq_id", int)
-        model = await gw.model(body.get("model_id"), key, first_seq_id=seq_id)
+        model = await gw.model(body.get("model_id"), key)
         if source != model.model_id or kind != "weights":
             raise ApiError(
                 f"path: this OpenTinker loads states of the same model only "
                 f"(tinker://{model.model_id}/weights/...), got {path!r}"
             )
         with_optimizer = bool(body.get("optimizer"))
-
-        async def run() -> Outcome:
-            await model.call(
-                "load_weights",
-                lambda seq, md: model.stub.LoadState(
-                    training_pb2.LoadStateRequest(sequence=seq, name=name, with_optimizer=with_optimizer),
-                    timeout=3600,
-                    metadata=md,
-                ),
-            )
-            return Outcome(json={"type": "load_weights", "path": path, "model_id": model.model_id})
-
-        model.submit(seq_id, run)
-        return future_reply(model.model_id, seq_id)
+        return submit(
+            model,
+            seq_id,
+            "load",
+            lambda seq: training_pb2.LoadStateRequest(sequence=seq, name=name, with_optimizer=with_optimizer),
+        )
 
     # --- sampling -------------------------------------------------------------------------------
     @app.post("/api/v1/create_sampling_session")
@@ -530,31 +563,42 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 "model_path: sampling a base model alone is not served yet; "
                 "sample from a training client's save_weights_for_sampler path"
             )
-        source, _, name = _parse_path(path, "model_path")
+        source, kind, name = _parse_path(path, "model_path")
+        if kind != "sampler_weights":
+            raise ApiError(f"model_path: expected a save_weights_for_sampler path (sampler_weights), got {path!r}")
         await gw.model(source, key)
         return {"type": "create_sampling_session", "sampling_session_id": f"{source}~{name}"}
 
-    async def sampler_model(sampler_id: Any, key: str) -> Model:
+    async def sampler_model(sampler_id: Any, key: str) -> tuple[Model, str]:
         if not isinstance(sampler_id, str) or "~" not in sampler_id:
             raise ApiError(f"sampling_session_id: no sampler {sampler_id!r}", status=404)
-        return await gw.model(sampler_id.split("~", 1)[0], key)
+        model_id, name = sampler_id.split("~", 1)
+        return await gw.model(model_id, key), name
 
     @app.get("/api/v1/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str, request: Request) -> dict:
-        model = await sampler_model(sampler_id, _key(request))
-        name = sampler_id.split("~", 1)[1]
-        path = f"tinker://{model.model_id}/sampler_weights/{name}" if not name.isdigit() else None
-        return {"sampler_id": sampler_id, "base_model": model.base_model, "model_path": path}
+        model, name = await sampler_model(sampler_id, _key(request))
+        return {
+            "sampler_id": sampler_id,
+            "base_model": model.base_model,
+            "model_path": f"tinker://{model.model_id}/sampler_weights/{name}",
+        }
 
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> dict:
         key = _key(request)
         body = await _json(request, limit)
-        model = await sampler_model(body.get("sampling_session_id"), key)
-        sample = wire_sample_request(body)
-        request_id = f"{body.get('sampling_session_id')}#s{uuid.uuid4().hex}"
-        gw.samples[request_id] = asyncio.ensure_future(sample_on(model, sample))
-        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}/{i}" for i in range(sample.n)]}
+        model, sampler = await sampler_model(body.get("sampling_session_id"), key)
+        params, prompt = sample_request(body)
+        request_id = f"{body.get('sampling_session_id')}#sample-{uuid.uuid4().hex}"
+        if len(gw.samples) > 65536:  # answered samples are kept for retried polls, the newest ones
+            for done in [r for r, f in gw.samples.items() if f.done()][:32768]:
+                del gw.samples[done]
+        gw.samples[request_id] = gw.batcher.sample(model, sampler, params, prompt)
+        return {
+            "request_id": request_id,
+            "sample_sequence_ids": [f"{request_id}/{i}" for i in range(prompt.num_samples)],
+        }
 
     # --- futures ------------------------------------------------------------------------------
     @app.post("/api/v1/retrieve_future")
@@ -562,120 +606,37 @@ def create_app(config: GatewayConfig) -> FastAPI:
         key = _key(request)
         body = await _json(request, limit)
         request_id = _field(body, "request_id", str)
-        future = await find_future(request_id, key)
         try:
-            outcome = await asyncio.wait_for(asyncio.shield(future), timeout=config.long_poll_s)
-        except asyncio.TimeoutError:
+            outcome = await asyncio.wait_for(answer(request_id, key), timeout=config.long_poll_s)
+        except (asyncio.TimeoutError, NotYet):
             return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
-        except ApiError as exc:
-            outcome = Outcome(error=exc)
         if outcome.error is not None:
             return JSONResponse(outcome.error.failed())
         if outcome.proto is not None:
             return Response(content=outcome.proto, media_type=_PROTO)
         return JSONResponse(outcome.json)
 
-    async def find_future(request_id: str, key: str) -> asyncio.Future:
+    async def answer(request_id: str, key: str) -> Outcome:
+        """The outcome of future ``request_id``: from memory, else the session's kept answer."""
         if request_id.startswith("create#"):
             task_id = request_id[len("create#") :]
-            task = gw.creates.get(task_id)
-            if task is None or task.done() and task.exception() is not None:
-                task = gw.creates[task_id] = asyncio.ensure_future(created(task_id, key))
-            return task
-        if "#s" in request_id:
+            await gw.model(task_id, key)
+            return Outcome(json={"type": "create_model", "model_id": task_id})
+        if "#sample-" in request_id:
             future = gw.samples.get(request_id)
             if future is None:
-                raise ApiError(f"request_id: no pending sample {request_id!r} on this gateway", status=410)
-            return future
-        model_id, _, seq = request_id.rpartition("#")
-        if not seq.isdigit():
+                raise ApiError(f"request_id: no sample {request_id!r} on this gateway; sample again", status=410)
+            return await asyncio.shield(future)
+        model_id, seq, kind = (request_id.split("#") + ["", ""])[:3]
+        if not seq.isdigit() or kind not in KINDS:
             raise ApiError(f"request_id: no request {request_id!r}", status=404)
         model = await gw.model(model_id, key)
         future = model.future(int(seq))
-        if future is None:
-            raise ApiError(f"request_id: request {request_id!r} is not known to this gateway", status=410)
-        return future
-
-    async def created(task_id: str, key: str) -> Outcome:
-        await gw.model(task_id, key)
-        return Outcome(json={"type": "create_model", "model_id": task_id})
-
-    async def sample_on(model: Model, sample: training_pb2.SampleRequest) -> Outcome:
-        """A sample from the model's session (its current weights), until the sequence-free
-        sampling RPC serves sampler snapshots."""
-        try:
-            response = await model.call(
-                "asample",
-                lambda seq, md: model.stub.Sample(_with_sequence(sample, seq), timeout=600, metadata=md),
-            )
-        except ApiError as exc:
-            return Outcome(error=exc)
-        return Outcome(proto=wire.sample_response(response))
+        if future is not None:
+            return await asyncio.shield(future)
+        k = KINDS[kind]
+        rpc = getattr(model.stub, k.rpc)
+        response = await model.kept(int(seq), lambda s, md: rpc(k.probe(s), timeout=_CALL_TIMEOUT_S, metadata=md))
+        return k.answer(model, response)
 
     return app
-
-
-def _with_sequence(sample: training_pb2.SampleRequest, seq: int) -> training_pb2.SampleRequest:
-    out = training_pb2.SampleRequest()
-    out.CopyFrom(sample)
-    out.sequence = seq
-    return out
-
-
-def wire_sample_request(body: dict) -> training_pb2.SampleRequest:
-    """The session's ``SampleRequest`` of a Tinker ``SampleRequest`` body; features not served yet
-    are refused by name."""
-    prompt = body.get("prompt")
-    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
-        raise ApiError("prompt: expected a ModelInput with chunks")
-    tokens: list[int] = []
-    for j, chunk in enumerate(prompt["chunks"]):
-        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
-            raise ApiError(f"prompt.chunks[{j}]: expected an encoded_text chunk")
-        values = chunk.get("tokens")
-        if not isinstance(values, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in values):
-            raise ApiError(f"prompt.chunks[{j}].tokens: expected a list of token ids")
-        tokens += values
-    n = body.get("num_samples", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
-        raise ApiError(f"num_samples: expected an integer in 1..64, got {n!r}")
-    for name in ("prompt_logprobs",):
-        if body.get(name):
-            raise ApiError(f"{name}: not served yet by this OpenTinker")
-    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-        if body.get(name):
-            raise ApiError(f"{name}: not served yet by this OpenTinker")
-    params = body.get("sampling_params") or {}
-    if not isinstance(params, dict):
-        raise ApiError("sampling_params: expected an object")
-    out = training_pb2.SampleRequest(tokens=training_pb2.TokenPrompt(tokens=tokens), n=n, return_logprobs=True)
-    max_tokens = params.get("max_tokens")
-    if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096:
-            raise ApiError(f"sampling_params.max_tokens: expected an integer in 1..4096, got {max_tokens!r}")
-        out.max_tokens = max_tokens
-    temperature = params.get("temperature", 1.0)
-    if not isinstance(temperature, (int, float)) or temperature <= 0:
-        raise ApiError(
-            f"sampling_params.temperature: expected a number > 0 (0, greedy, is not served yet), got {temperature!r}"
-        )
-    out.temperature = float(temperature)
-    top_p = params.get("top_p", 1.0)
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ApiError(f"sampling_params.top_p: expected a number in (0, 1], got {top_p!r}")
-    out.top_p = float(top_p)
-    if params.get("top_k", -1) not in (-1, 0, None):
-        raise ApiError(f"sampling_params.top_k: not served yet (expected -1), got {params.get('top_k')!r}")
-    stop = params.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop:
-        if not all(isinstance(s, str) for s in stop):
-            raise ApiError("sampling_params.stop: stop token ids are not served yet; give stop strings")
-        out.stop.extend(stop)
-    seed = params.get("seed")
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ApiError(f"sampling_params.seed: expected an integer, got {seed!r}")
-        out.seed = seed
-    return out

@@ -1,20 +1,25 @@
 """One Tinker model: a ``lora_session`` task, the order of its requests and its futures.
 
-Tinker numbers a model's requests (``seq_id`` 1, 2, 3 ...) and may send them at once, the
-chunks of one step in any order; they apply in ``seq_id`` order. A request whose predecessor
-does not arrive within ``gap_timeout_s`` fails as a ``seq_id`` gap, and so do the ones queued
-after it. A retried request (a ``seq_id`` already taken) gets the future of the first.
+Tinker numbers a model's requests (``seq_id`` 1, 2, 3 ...) and may send several at once, the
+chunks of one step in any order. Request ``seq_id`` is the session worker's call ``seq_id - 1``:
+the worker applies its calls in that order, answers a repeated number with the first answer
+and refuses a number ahead of the one it expects. So any gateway instance may send any request
+of a model, and a retried request (same ``seq_id``) never applies twice.
 
-The session worker numbers its own calls (``sequence``); every call of the model, samples too,
-goes through :meth:`Model.call`, which keeps the worker's number and follows it when the worker
-says another is expected.
+A request ahead of the worker is sent again until the worker reaches it; after
+``gap_timeout_s`` of that it fails as a ``seq_id`` gap and may be sent again. A future
+(``<model id>#<seq_id>#<kind>``) is answered by the instance that sent it from memory, and by any
+other instance (or after a restart) by asking the worker for call ``seq_id - 1``'s kept answer:
+the same RPC with a payload the worker refuses, which it answers from its cache when that call
+ran and refuses, changing nothing, when it did not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -24,14 +29,16 @@ from opentinker.training.v1 import training_pb2, training_pb2_grpc
 from opentinker_common.net.grpc_options import client_keepalive, message_limits
 from opentinker_common.net.url import parse_scheduler_address
 
-from opentinker_gateway.errors import ApiError, from_rpc
+from opentinker_gateway.errors import SERVER, ApiError, from_rpc
 
-__all__ = ["Model", "Outcome"]
+__all__ = ["Model", "Outcome", "NotYet"]
 
 log = logging.getLogger(__name__)
 
 #: Times a worker call is sent again after UNAVAILABLE (the worker restarting) before it fails.
 _UNAVAILABLE_TRIES = 5
+#: Seconds between tries of a call the worker is not ready for yet: first, growth, most.
+_AHEAD_WAIT = (0.01, 1.5, 0.2)
 
 
 @dataclass
@@ -43,11 +50,8 @@ class Outcome:
     error: ApiError | None = None
 
 
-@dataclass
-class _Queued:
-    seq_id: int
-    run: Callable[[], Awaitable[Outcome]]
-    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+class NotYet(Exception):
+    """The worker has not run the call a future names (yet): answer ``try_again``."""
 
 
 class Model:
@@ -55,8 +59,7 @@ class Model:
 
     Args:
         metadata: awaitable giving the ``authorization`` metadata for the worker (an endpoint token).
-        first_seq_id: the ``seq_id`` its first training request carries.
-        gap_timeout_s: seconds a request waits for a missing predecessor.
+        gap_timeout_s: seconds a request waits for the worker to reach it.
     """
 
     def __init__(
@@ -69,7 +72,6 @@ class Model:
         model_dir: str,
         lora_rank: int,
         metadata: Callable[[], Awaitable[tuple]],
-        first_seq_id: int = 1,
         gap_timeout_s: float = 60.0,
     ) -> None:
         self.model_id = model_id
@@ -78,7 +80,7 @@ class Model:
         self.base_model = base_model
         self.model_dir = model_dir
         self.lora_rank = lora_rank
-        self._metadata = metadata
+        self.metadata = metadata
         self.gap_timeout_s = gap_timeout_s
         address = parse_scheduler_address(endpoint)
         options = [*client_keepalive(), *message_limits()]
@@ -87,128 +89,110 @@ class Model:
         else:
             self._channel = grpc.aio.insecure_channel(address.target, options=options)
         self.stub = training_pb2_grpc.TrainingServiceStub(self._channel)
-        self._next_seq_id = first_seq_id
-        self._queued: dict[int, _Queued] = {}
         self._futures: dict[int, asyncio.Future] = {}
         self._gap_failed: set[int] = set()
-        self._wake = asyncio.Event()
-        self._worker_sequence: int | None = None
-        self._worker_lock = asyncio.Lock()
-        self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch())
 
     async def close(self) -> None:
-        self._dispatcher.cancel()
         await self._channel.close()
 
-    # --- the order of Tinker requests ---------------------------------------------------------
-    def submit(self, seq_id: int, run: Callable[[], Awaitable[Outcome]]) -> asyncio.Future:
-        """The future of request ``seq_id``: ``run()`` once every earlier ``seq_id`` has run.
-        A ``seq_id`` already taken returns the first request's future and runs nothing, unless
-        it failed as a gap: then it runs in its turn."""
+    def submit(self, seq_id: int, what: str, send: Callable[[int, tuple], Awaitable[Any]], answer) -> asyncio.Future:
+        """The future of request ``seq_id``: ``answer(await send(seq_id - 1, metadata))`` once the
+        worker takes it. A ``seq_id`` this instance holds already returns that future and sends
+        nothing, unless it failed as a gap: then it is sent again."""
         if seq_id in self._futures and seq_id not in self._gap_failed:
             return self._futures[seq_id]
         self._gap_failed.discard(seq_id)
-        if seq_id < self._next_seq_id:
-            raise ApiError(
-                f"seq_id: request {seq_id} of model {self.model_id} ran already and its answer is no longer kept"
-            )
-        item = _Queued(seq_id, run)
-        self._queued[seq_id] = item
-        self._futures[seq_id] = item.future
+        before = self._futures.get(seq_id - 1)
+
+        async def run() -> Outcome:
+            if before is not None:  # this instance sent the one before: no need to poll the worker
+                await asyncio.wait([before])
+            try:
+                return answer(await self.call(seq_id, what, send))
+            except ApiError as exc:
+                if exc.message.startswith("seq_id:"):
+                    self._gap_failed.add(seq_id)
+                return Outcome(error=exc)
+            except Exception as exc:  # noqa: BLE001 - a future answers every request
+                log.exception("request %s of model %s failed", seq_id, self.model_id)
+                return Outcome(error=ApiError(f"internal error: {exc}", status=500, category=SERVER))
+
+        future = asyncio.ensure_future(run())
+        self._futures[seq_id] = future
         while len(self._futures) > 256:
             oldest = min(self._futures)
             if not self._futures[oldest].done():
                 break
             del self._futures[oldest]
-        self._wake.set()
-        return item.future
+        return future
 
     def future(self, seq_id: int) -> asyncio.Future | None:
         return self._futures.get(seq_id)
 
-    async def _dispatch(self) -> None:
-        while True:
-            item = self._queued.pop(self._next_seq_id, None)
-            if item is None:
-                self._wake.clear()
-                if not self._queued:
-                    await self._wake.wait()
-                    continue
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=self.gap_timeout_s)
-                except asyncio.TimeoutError:
-                    self._fail_gap()
-                continue
-            self._next_seq_id += 1
-            try:
-                outcome = await item.run()
-            except ApiError as exc:
-                outcome = Outcome(error=exc)
-            except Exception as exc:  # noqa: BLE001 - a future answers every request
-                log.exception("request %s of model %s failed", item.seq_id, self.model_id)
-                outcome = Outcome(error=ApiError(f"internal error: {exc}", status=500, category="server"))
-            item.future.set_result(outcome)
-
-    def _fail_gap(self) -> None:
-        """Fail every queued request: seq_id ``_next_seq_id`` never came."""
-        waiting = sorted(self._queued)
-        for seq_id in waiting:
-            item = self._queued.pop(seq_id)
-            self._gap_failed.add(seq_id)
-            item.future.set_result(
-                Outcome(
-                    error=ApiError(
-                        f"seq_id: model {self.model_id} expected request {self._next_seq_id} next, got "
-                        f"{waiting[0]}; request {self._next_seq_id} did not arrive within "
-                        f"{self.gap_timeout_s:g} s"
-                    )
-                )
-            )
-
-    # --- the worker's numbers -------------------------------------------------------------------
-    async def call(self, what: str, send: Callable[[int, tuple], Awaitable[Any]]) -> Any:
-        """``await send(sequence, metadata)`` as the worker's next call; ``what`` names it in errors.
+    async def call(self, seq_id: int, what: str, send: Callable[[int, tuple], Awaitable[Any]]) -> Any:
+        """``await send(seq_id - 1, metadata)``, sent again while the worker is not there yet.
 
         Raises:
-            ApiError: the worker refused it (its gRPC status mapped), or stayed unavailable.
+            ApiError: the worker refused it (its gRPC status mapped), stayed unavailable, or did
+                not reach it within ``gap_timeout_s`` (a ``seq_id`` gap).
         """
-        async with self._worker_lock:
-            metadata = await self._metadata()
-            if self._worker_sequence is None:
-                self._worker_sequence = await self._info_sequence(metadata)
-            unavailable = 0
-            while True:
-                try:
-                    response = await send(self._worker_sequence, metadata)
-                except grpc.aio.AioRpcError as exc:
-                    expected = _expected_sequence(exc)
-                    if expected is not None and expected != self._worker_sequence:
-                        self._worker_sequence = expected
-                        continue
-                    if exc.code() == grpc.StatusCode.UNAVAILABLE and unavailable < _UNAVAILABLE_TRIES:
-                        unavailable += 1
-                        await asyncio.sleep(0.2 * 2**unavailable)
-                        continue
-                    raise from_rpc(exc, what) from None
-                self._worker_sequence += 1
-                return response
+        sequence = seq_id - 1
+        unavailable = 0
+        wait, grow, most = _AHEAD_WAIT
+        first_refusal = None
+        while True:
+            try:
+                return await send(sequence, await self.metadata())
+            except grpc.aio.AioRpcError as exc:
+                expected = expected_sequence(exc)
+                if expected is not None and expected < sequence:
+                    now = time.monotonic()
+                    first_refusal = first_refusal or now
+                    if now - first_refusal > self.gap_timeout_s:
+                        raise ApiError(
+                            f"seq_id: model {self.model_id} expected request {expected + 1} next, got "
+                            f"{seq_id}; request {expected + 1} did not arrive within {self.gap_timeout_s:g} s"
+                        ) from None
+                    await asyncio.sleep(wait)
+                    wait = min(wait * grow, most)
+                    continue
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and unavailable < _UNAVAILABLE_TRIES:
+                    unavailable += 1
+                    await asyncio.sleep(0.2 * 2**unavailable)
+                    continue
+                raise from_rpc(exc, what) from None
 
-    async def info(self):
-        metadata = await self._metadata()
+    async def kept(self, seq_id: int, probe: Callable[[int, tuple], Awaitable[Any]]) -> Any:
+        """The worker's kept answer of request ``seq_id``; ``probe`` sends the same RPC with a
+        payload the worker refuses.
+
+        Raises:
+            NotYet: the worker has not run it. ApiError: its answer is no longer kept.
+        """
         try:
-            return await self.stub.GetInfo(training_pb2.GetInfoRequest(), timeout=60, metadata=metadata)
+            return await probe(seq_id - 1, await self.metadata())
+        except grpc.aio.AioRpcError as exc:
+            expected = expected_sequence(exc)
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT or (expected is not None and expected < seq_id - 1):
+                raise NotYet() from None
+            if expected is not None:
+                raise ApiError(
+                    f"request_id: request {seq_id} of model {self.model_id} ran and its answer is no longer kept",
+                    status=410,
+                    category=SERVER,
+                ) from None
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise NotYet() from None
+            raise from_rpc(exc, "retrieve_future") from None
+
+    async def info(self) -> training_pb2.GetInfoResponse:
+        try:
+            return await self.stub.GetInfo(training_pb2.GetInfoRequest(), timeout=60, metadata=await self.metadata())
         except grpc.aio.AioRpcError as exc:
             raise from_rpc(exc, "get_info") from None
 
-    async def _info_sequence(self, metadata) -> int:
-        try:
-            info = await self.stub.GetInfo(training_pb2.GetInfoRequest(), timeout=60, metadata=metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc(exc, "get_info") from None
-        return info.next_sequence
 
-
-def _expected_sequence(exc: grpc.aio.AioRpcError) -> int | None:
+def expected_sequence(exc: grpc.aio.AioRpcError) -> int | None:
     """The worker's expected sequence number of an OUT_OF_ORDER refusal, else None."""
     if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
         return None

@@ -21,16 +21,14 @@ __all__ = [
     "datums_from_proto",
     "loss_config",
     "forward_backward_output",
-    "sample_response",
     "adam_params",
 ]
 
-#: Tinker losses served today and the session's loss for each. Others are refused by name.
-LOSSES = {
-    "cross_entropy": training_pb2.LOSS_FN_CROSS_ENTROPY,
-    "importance_sampling": training_pb2.LOSS_FN_IMPORTANCE_SAMPLING,
-    "ppo": training_pb2.LOSS_FN_PPO,
-}
+#: Tinker loss names and the session's loss for each (``cross_entropy`` -> LOSS_FN_CROSS_ENTROPY ...).
+LOSSES = {name[len("LOSS_FN_") :].lower(): value for name, value in training_pb2.LossFn.items() if value}
+
+#: Tinker's ``loss_fn_config`` keys, the session's LossFnConfig fields of the same names.
+CONFIG_KEYS = tuple(f.name for f in training_pb2.LossFnConfig.DESCRIPTOR.fields)
 
 _NUMPY = {
     tpb.DTYPE_FLOAT32: np.dtype("<f4"),
@@ -45,6 +43,7 @@ _INPUTS = {
     "weights": "weights",
     "advantages": "advantages",
     "logprobs": "sampling_logprobs",
+    "sequence_ratio_mask": "sequence_ratio_mask",
 }
 
 
@@ -110,29 +109,20 @@ def datums_from_proto(request: tpb.ForwardBackwardRequest) -> list[training_pb2.
     return datums
 
 
-def loss_config(loss_fn: str, request: tpb.ForwardBackwardRequest) -> training_pb2.LossFnConfig:
-    """The session's loss config of Tinker's ``loss_fn_config`` (``ppo``: symmetric clip thresholds)."""
-    config: dict[str, float] = {k: v.number for k, v in request.loss_fn_config_v2.items()}
+def loss_config(request: tpb.ForwardBackwardRequest) -> training_pb2.LossFnConfig:
+    """The session's LossFnConfig of Tinker's ``loss_fn_config``, key by key; the session checks
+    which keys its loss reads and their ranges."""
+    config: dict[str, float] = {}
+    for k, v in request.loss_fn_config_v2.items():
+        if v.WhichOneof("value") == "text":
+            raise ApiError(f"loss_fn_config.{k}: expected a number, got {v.text!r}")
+        config[k] = v.number
     for k, v in request.loss_fn_config.items():
         config.setdefault(k, v)
-    if not config:
-        return training_pb2.LossFnConfig()
-    if loss_fn != "ppo":
-        raise ApiError(f"loss_fn_config: {loss_fn} takes no settings, got {', '.join(sorted(config))}")
-    unknown = set(config) - {"clip_low_threshold", "clip_high_threshold"}
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
     if unknown:
-        raise ApiError(
-            f"loss_fn_config: ppo takes clip_low_threshold and clip_high_threshold, got {', '.join(sorted(unknown))}"
-        )
-    low = 1.0 - config.get("clip_low_threshold", 0.8)
-    high = config.get("clip_high_threshold", 1.2) - 1.0
-    if not (0 < low <= 1 and abs(low - high) < 1e-9):
-        raise ApiError(
-            "loss_fn_config: ppo takes clip thresholds 1 - eps and 1 + eps with eps in (0, 1], got "
-            f"clip_low_threshold {config.get('clip_low_threshold', 0.8)} and "
-            f"clip_high_threshold {config.get('clip_high_threshold', 1.2)}"
-        )
-    return training_pb2.LossFnConfig(clip_epsilon=low)
+        raise ApiError(f"loss_fn_config.{unknown[0]}: expected one of {', '.join(CONFIG_KEYS)}, got {unknown[0]!r}")
+    return training_pb2.LossFnConfig(**config)
 
 
 def _batched(rows: list[list[float]]) -> tpb.BatchedTensor:
@@ -149,20 +139,6 @@ def forward_backward_output(outputs, loss: float | None) -> bytes:
     record.fields["logprobs"].CopyFrom(_batched([list(o.logprobs) for o in outputs]))
     out = tpb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
     out.metrics["loss:sum"] = float(loss if loss is not None else 0.0)
-    return out.SerializeToString()
-
-
-def sample_response(response: training_pb2.SampleResponse) -> bytes:
-    """Tinker's protobuf ``SampleResponse`` of the session's: tokens and their log-probabilities."""
-    out = tpb.SampleResponse()
-    for s in response.samples:
-        seq = out.sequences.add()
-        seq.stop_reason = (
-            tpb.STOP_REASON_LENGTH if s.stop_reason == training_pb2.STOP_REASON_LENGTH else tpb.STOP_REASON_STOP
-        )
-        seq.tokens = np.asarray(list(s.tokens), dtype="<i4").tobytes()
-        if len(s.logprobs):
-            seq.logprobs = np.asarray(list(s.logprobs), dtype="<f4").tobytes()
     return out.SerializeToString()
 
 

@@ -1,11 +1,14 @@
-"""The unmodified tinker SDK trains through the gateway: a LoRA training client, forward_backward
-with cross_entropy, optim_step (the loss falls), save_weights_for_sampler and a sample."""
+"""The unmodified tinker SDK trains through the gateway: a LoRA training client (a lora_session
+task), forward_backward with cross_entropy, optim_step (the loss falls), save_weights_for_sampler
+and a sample; leaving ``with ServiceClient()`` finishes the session, which cancels its task."""
 
 from __future__ import annotations
 
+import numpy as np
 import tinker
 from tinker import types
 
+from opentinker.common.v1 import common_pb2
 from tests.support.gateway import MODEL_NAME
 
 
@@ -16,7 +19,7 @@ def _datum(tokens: list[int]) -> types.Datum:
     )
 
 
-def test_sdk_training_loop(gateway_factory, sdk_env) -> None:
+def test_sdk_training_loop(cluster, gateway_factory, sdk_env) -> None:
     gateway = gateway_factory()
     sdk_env(gateway)
     with tinker.ServiceClient() as service:
@@ -26,20 +29,27 @@ def test_sdk_training_loop(gateway_factory, sdk_env) -> None:
         tokenizer = training.get_tokenizer()
         tokens = tokenizer.encode("The cat sat on the mat. The cat sat on the mat.")
         batch = [_datum(tokens), _datum(tokens[:8])]
+        forward = training.forward(batch, "cross_entropy").result()
         losses = []
         for _ in range(4):
             fb = training.forward_backward(batch, "cross_entropy")
             opt = training.optim_step(types.AdamParams(learning_rate=5e-2))
             out = fb.result()
             opt.result()
+            if not losses:  # forward scored the same weights
+                for f, o in zip(forward.loss_fn_outputs, out.loss_fn_outputs):
+                    np.testing.assert_allclose(f["logprobs"].tolist(), o["logprobs"].tolist(), atol=1e-4)
             losses.append(out.metrics["loss:sum"])
             assert [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs] == [len(tokens) - 1, 7]
         assert losses[-1] < losses[0]
 
         path = training.save_weights_for_sampler("first").result().path
-        assert path.startswith("tinker://") and path.endswith("/sampler_weights/first")
+        assert path == f"tinker://{training.model_id}/sampler_weights/first"
+        task = cluster.get(training.model_id)
+        assert (task.spec.workload_type, task.state) == ("lora_session", common_pb2.TASK_STATE_RUNNING)
         sampler = service.create_sampling_client(model_path=path).result()
         prompt = types.ModelInput.from_ints(tokens[:5])
         result = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, seed=1)).result()
         assert len(result.sequences) == 2
         assert all(1 <= len(s.tokens) <= 4 and len(s.logprobs) == len(s.tokens) for s in result.sequences)
+    cluster.wait_state(training.model_id, common_pb2.TASK_STATE_CANCELLED)

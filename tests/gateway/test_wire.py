@@ -11,6 +11,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output, dese
 from opentinker.training.v1 import training_pb2
 from opentinker_gateway import wire
 from opentinker_gateway.errors import ApiError
+from opentinker_gateway.sampling import sample_response
 
 
 def request(loss_fn: str = "ppo", config: dict | None = None, **inputs) -> object:
@@ -42,16 +43,17 @@ def test_adam_params_take_tinkers_defaults() -> None:
         wire.adam_params({"eps": float("nan")})
 
 
-def test_ppo_clip_thresholds_map_to_the_session_epsilon_and_asymmetric_ones_are_refused() -> None:
-    assert wire.loss_config("ppo", request()).clip_epsilon == 0.0 and not wire.loss_config("ppo", request()).HasField(
-        "clip_epsilon"
+def test_loss_fn_config_keys_map_by_name_and_an_unknown_one_is_named() -> None:
+    config = wire.loss_config(request(config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}))
+    assert (config.clip_low_threshold, config.clip_high_threshold, config.HasField("beta")) == (
+        pytest.approx(0.8),
+        pytest.approx(1.28),
+        False,
     )
-    sym = request(config={"clip_low_threshold": 0.7, "clip_high_threshold": 1.3})
-    assert wire.loss_config("ppo", sym).clip_epsilon == pytest.approx(0.3)
-    asym = request(config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})
-    with pytest.raises(ApiError, match=r"^loss_fn_config: ppo takes clip thresholds 1 - eps and 1 \+ eps") as err:
-        wire.loss_config("ppo", asym)
+    with pytest.raises(ApiError, match=r"^loss_fn_config.clip_epsilon: expected one of clip_low_threshold") as err:
+        wire.loss_config(request(config={"clip_epsilon": 0.2}))
     assert err.value.category == "user" and err.value.status == 400
+    assert set(wire.LOSSES) >= {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"}
 
 
 def test_datums_carry_each_input_and_name_a_bad_one() -> None:
@@ -77,8 +79,8 @@ def test_answers_decode_with_the_sdks_own_code() -> None:
     fb = deserialize_forward_backward_output(wire.forward_backward_output(outputs, 3.5))
     assert fb.metrics == {"loss:sum": 3.5}
     assert [o["logprobs"].tolist() for o in fb.loss_fn_outputs] == [[-1.0, -2.0], [-0.5]]
-    sample = training_pb2.SampleResponse(
+    sample = training_pb2.SnapshotSamples(
         samples=[training_pb2.SampledSequence(tokens=[3, 4], logprobs=[-0.25, -0.5], stop_reason=2)]
     )
-    (seq,) = deserialize_sample_response(wire.sample_response(sample)).sequences
+    (seq,) = deserialize_sample_response(sample_response(sample)).sequences
     assert (seq.tokens, seq.logprobs, seq.stop_reason) == ([3, 4], [-0.25, -0.5], "length")
