@@ -1,6 +1,7 @@
 """The unmodified tinker SDK trains through the gateway: a LoRA training client (a lora_session
 task), forward_backward with cross_entropy, optim_step (the loss falls), save_weights_for_sampler
-and a sample; leaving ``with ServiceClient()`` finishes the session, which cancels its task."""
+and samples: concurrent requests batched answer as alone, and the sampler is a snapshot that
+later optimizer steps leave as it was; leaving ``with ServiceClient()`` finishes the session, which cancels its task."""
 
 from __future__ import annotations
 
@@ -52,4 +53,18 @@ def test_sdk_training_loop(cluster, gateway_factory, sdk_env) -> None:
         result = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, seed=1)).result()
         assert len(result.sequences) == 2
         assert all(1 <= len(s.tokens) <= 4 and len(s.logprobs) == len(s.tokens) for s in result.sequences)
+
+        # Concurrent greedy requests (batched into one SampleSnapshot) answer as each alone does.
+        greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+        prompts = [types.ModelInput.from_ints(tokens[: 3 + i]) for i in range(3)]
+        alone = [sampler.sample(p, 1, greedy).result().sequences[0].tokens for p in prompts]
+        together = [f.result().sequences[0].tokens for f in [sampler.sample(p, 1, greedy) for p in prompts]]
+        assert together == alone and all(len(t) == 6 for t in alone)
+        # The sampler is a snapshot: later optimizer steps leave its samples as they were.
+        for _ in range(2):
+            training.forward_backward(batch, "cross_entropy")
+            training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        assert [sampler.sample(p, 1, greedy).result().sequences[0].tokens for p in prompts] == alone
+        current = training.save_weights_and_get_sampling_client()
+        assert len(current.sample(prompts[0], 1, greedy).result().sequences[0].tokens) == 6
     cluster.wait_state(training.model_id, common_pb2.TASK_STATE_CANCELLED)
