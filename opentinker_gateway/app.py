@@ -600,6 +600,48 @@ def create_app(config: GatewayConfig) -> FastAPI:
             "sample_sequence_ids": [f"{request_id}/{i}" for i in range(prompt.num_samples)],
         }
 
+    # --- training runs and checkpoints (REST) -------------------------------------------------
+    async def run_checkpoints(model: Model, key: str) -> list[dict]:
+        out = []
+        for c in await gw.scheduler.checkpoints(model.task_id, key):
+            prefix, _, name = Path(c.path).name.partition("_")
+            kind = {"state": ("training", "weights"), "sampler": ("sampler", "sampler_weights")}.get(prefix)
+            if kind is None or not name:
+                continue
+            out.append(
+                {
+                    "checkpoint_id": f"{kind[1]}/{name}",
+                    "checkpoint_type": kind[0],
+                    "time": c.create_time.ToJsonString(),
+                    "tinker_path": f"tinker://{model.model_id}/{kind[1]}/{name}",
+                }
+            )
+        return out
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
+    async def list_checkpoints(model_id: str, request: Request) -> dict:
+        key = _key(request)
+        model = await gw.model(model_id, key)
+        return {"checkpoints": await run_checkpoints(model, key)}
+
+    @app.get("/api/v1/training_runs/{model_id}")
+    async def get_training_run(model_id: str, request: Request) -> dict:
+        key = _key(request)
+        model = await gw.model(model_id, key)
+        task = await gw.scheduler.get_task(model.task_id, key)
+        checkpoints = await run_checkpoints(model, key)
+        last = {t: [c for c in checkpoints if c["checkpoint_type"] == t][-1:] for t in ("training", "sampler")}
+        return {
+            "training_run_id": model.model_id,
+            "base_model": model.base_model,
+            "model_owner": task.owner,
+            "is_lora": True,
+            "lora_rank": model.lora_rank,
+            "last_request_time": task.update_time.ToJsonString(),
+            "last_checkpoint": (last["training"] or [None])[0],
+            "last_sampler_checkpoint": (last["sampler"] or [None])[0],
+        }
+
     # --- futures ------------------------------------------------------------------------------
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Response:

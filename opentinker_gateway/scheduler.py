@@ -128,6 +128,14 @@ class Scheduler:
             if not token:
                 return found
 
+    async def checkpoints(self, task_id: str, key: str) -> list[common_pb2.Checkpoint]:
+        """The task's checkpoints in the artifact store, oldest first."""
+        return list(
+            (
+                await self._call("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id), key)
+            ).checkpoints
+        )
+
     async def endpoint_metadata(self, task_id: str, key: str) -> tuple[tuple[str, str], ...]:
         """``authorization`` metadata for the task's endpoint: an endpoint token asked for with
         ``key`` and kept until a quarter of its hour is left; ``()`` with authentication off."""

@@ -11,6 +11,7 @@ from tinker import types
 
 from opentinker.common.v1 import common_pb2
 from tests.support.gateway import MODEL_NAME
+from tests.support.waiting import wait_for
 
 
 def _datum(tokens: list[int]) -> types.Datum:
@@ -65,6 +66,21 @@ def test_sdk_training_loop(cluster, gateway_factory, sdk_env) -> None:
             training.forward_backward(batch, "cross_entropy")
             training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
         assert [sampler.sample(p, 1, greedy).result().sequences[0].tokens for p in prompts] == alone
-        current = training.save_weights_and_get_sampling_client()
+        current = training.save_weights_and_get_sampling_client().result()
         assert len(current.sample(prompts[0], 1, greedy).result().sequences[0].tokens) == 6
+
+        # The REST view: the training run and its checkpoints by tinker:// path.
+        state = training.save_state("after-6").result().path
+        assert state == f"tinker://{training.model_id}/weights/after-6"
+        rest = tinker.RestClient()
+        listed = wait_for(
+            lambda: (
+                {c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints} >= {path, state}
+                or None
+            ),
+            what="both saves listed as checkpoints of the training run",
+        )
+        assert listed
+        run = rest.get_training_run(training.model_id).result()
+        assert (run.base_model, run.last_checkpoint.tinker_path) == (MODEL_NAME, state)
     cluster.wait_state(training.model_id, common_pb2.TASK_STATE_CANCELLED)
