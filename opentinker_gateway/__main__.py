@@ -36,14 +36,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gap-timeout-s", type=float, default=60.0, help="seconds a request waits for a missing earlier seq_id"
     )
-    parser.add_argument("--idle-timeout-s", type=float, default=3600.0, help="a model's session ends after this idle")
+    parser.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=300.0,
+        help="a model ends after this many seconds without a request or a heartbeat of its session",
+    )
     args = parser.parse_args(argv)
     config = GatewayConfig(
         scheduler=args.scheduler,
         models=dict(args.model),
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         gap_timeout_s=args.gap_timeout_s,
-        idle_timeout_s=args.idle_timeout_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
     )
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
     return 0

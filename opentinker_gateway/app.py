@@ -51,7 +51,8 @@ class GatewayConfig:
         max_body_bytes: largest request body, after zstd decompression too (413 above it).
         gap_timeout_s: seconds a request waits for a missing earlier ``seq_id``.
         long_poll_s: seconds ``retrieve_future`` waits before answering ``try_again``.
-        idle_timeout_s: a model's session task ends after this long without a request.
+        heartbeat_timeout_s: a model's session task ends after this long without a request or a
+            heartbeat of its Tinker session (the SDK sends one every 10 s).
     """
 
     scheduler: str
@@ -59,7 +60,7 @@ class GatewayConfig:
     max_body_bytes: int = 256 * 1024 * 1024
     gap_timeout_s: float = 60.0
     long_poll_s: float = 20.0
-    idle_timeout_s: float = 3600.0
+    heartbeat_timeout_s: float = 300.0
 
 
 def _key(request: Request) -> str:
@@ -380,8 +381,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/api/v1/session_heartbeat")
     async def session_heartbeat(request: Request) -> dict:
-        _key(request)
-        await _json(request, limit)
+        """Keeps the session's models alive: a GetInfo to each session worker restarts its idle
+        clock (``heartbeat_timeout_s``)."""
+        key = _key(request)
+        session_id = _field(await _json(request, limit), "session_id", str)
+        for task in await gw.scheduler.session_tasks(f"{TASK_NAME_PREFIX}{session_id}:", key):
+            if task.endpoint:
+                try:
+                    await (await gw.model(task.task_id, key)).info()
+                except ApiError:
+                    pass  # a model that cannot be reached now is asked again at the next heartbeat
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
@@ -426,7 +435,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if optimizer.get("type", "adamw") != "adamw":
             raise ApiError(f"optimizer_config.type: expected adamw, got {optimizer.get('type')!r}")
         seed = lora.get("seed")
-        spec = SessionSpec(folder, rank, targets, int(seed) if isinstance(seed, int) else 0, config.idle_timeout_s)
+        spec = SessionSpec(folder, rank, targets, int(seed) if isinstance(seed, int) else 0, config.heartbeat_timeout_s)
         name = f"{TASK_NAME_PREFIX}{session_id}:train:{model_seq_id}"
         task_id = await gw.scheduler.submit_session(spec, name=name, key=key, request_id=name)
         return {"request_id": f"create#{task_id}", "model_id": task_id}
