@@ -1,7 +1,8 @@
 """The unmodified tinker SDK trains through the gateway: a LoRA training client (a lora_session
 task), forward_backward with cross_entropy, optim_step (the loss falls), save_weights_for_sampler
 and samples: concurrent requests batched answer as alone, and the sampler is a snapshot that
-later optimizer steps leave as it was; leaving ``with ServiceClient()`` finishes the session, which cancels its task."""
+later optimizer steps leave as it was; save_state and load_state restore the saved weights; the
+REST view lists the run's checkpoints; leaving ``with ServiceClient()`` finishes the session, which cancels its task."""
 
 from __future__ import annotations
 
@@ -72,6 +73,13 @@ def test_sdk_training_loop(cluster, gateway_factory, sdk_env) -> None:
         # The REST view: the training run and its checkpoints by tinker:// path.
         state = training.save_state("after-6").result().path
         assert state == f"tinker://{training.model_id}/weights/after-6"
+        saved = training.forward(batch, "cross_entropy").result()
+        training.forward_backward(batch, "cross_entropy")
+        training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        training.load_state(state).result()  # the weights of the save again
+        loaded = training.forward(batch, "cross_entropy").result()
+        for a, b in zip(saved.loss_fn_outputs, loaded.loss_fn_outputs):
+            np.testing.assert_allclose(a["logprobs"].tolist(), b["logprobs"].tolist(), atol=1e-5)
         rest = tinker.RestClient()
         listed = wait_for(
             lambda: (
