@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import tinker
+import torch
 from tinker import types
 
 from opentinker.common.v1 import common_pb2
@@ -69,6 +70,16 @@ def test_sdk_training_loop(cluster, gateway_factory, sdk_env) -> None:
         assert [sampler.sample(p, 1, greedy).result().sequences[0].tokens for p in prompts] == alone
         current = training.save_weights_and_get_sampling_client().result()
         assert len(current.sample(prompts[0], 1, greedy).result().sequences[0].tokens) == 6
+
+        # forward_backward_custom: a client-side loss, sent back as cross_entropy weights -dC/dlogp
+        # (negative here: this loss pushes the logprobs down).
+        def push_down(data, logprobs_list):
+            loss = torch.stack([lp.sum() for lp in logprobs_list]).sum()
+            return loss, {"push_down:sum": loss.item()}
+
+        custom = training.forward_backward_custom(batch, push_down).result()
+        assert len(custom.loss_fn_outputs) == 2 and custom.metrics["push_down:sum"] < 0
+        training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
 
         # The REST view: the training run and its checkpoints by tinker:// path.
         state = training.save_state("after-6").result().path
