@@ -29,7 +29,7 @@ from opentinker_common.lora_targets import tinker_target_modules
 from opentinker_gateway import wire
 from opentinker_gateway.errors import ApiError
 from opentinker_gateway.models import Model, NotYet, Outcome
-from opentinker_gateway.sampling import SampleBatcher, sample_request
+from opentinker_gateway.sampling import BASE_MODEL, SampleBatcher, sample_request
 from opentinker_gateway.scheduler import TASK_NAME_PREFIX, Scheduler, SessionSpec
 
 __all__ = ["GatewayConfig", "create_app", "SDK_VERSIONS"]
@@ -568,15 +568,25 @@ def create_app(config: GatewayConfig) -> FastAPI:
         body = await _json(request, limit)
         path = body.get("model_path")
         if path is None:
-            raise ApiError(
-                "model_path: sampling a base model alone is not served yet; "
-                "sample from a training client's save_weights_for_sampler path"
-            )
+            return {"type": "create_sampling_session", "sampling_session_id": await base_sampler(body, key)}
         source, kind, name = _parse_path(path, "model_path")
         if kind != "sampler_weights":
             raise ApiError(f"model_path: expected a save_weights_for_sampler path (sampler_weights), got {path!r}")
         await gw.model(source, key)
         return {"type": "create_sampling_session", "sampling_session_id": f"{source}~{name}"}
+
+    async def base_sampler(body: dict, key: str) -> str:
+        """A sampler of the base model: the adapter off on a model of the same Tinker session."""
+        base_model = _field(body, "base_model", str)
+        folder = gw.model_dir(base_model)
+        session_id = _field(body, "session_id", str)
+        for task in await gw.scheduler.session_tasks(f"{TASK_NAME_PREFIX}{session_id}:", key):
+            if task.spec.model == folder:
+                return f"{task.task_id}~{BASE_MODEL}"
+        raise ApiError(
+            f"base_model: a base-model sampler is served on a training client of the same base model in "
+            f"this session; create_lora_training_client(base_model={base_model!r}) first"
+        )
 
     async def sampler_model(sampler_id: Any, key: str) -> tuple[Model, str]:
         if not isinstance(sampler_id, str) or "~" not in sampler_id:
@@ -590,7 +600,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return {
             "sampler_id": sampler_id,
             "base_model": model.base_model,
-            "model_path": f"tinker://{model.model_id}/sampler_weights/{name}",
+            "model_path": None if name == BASE_MODEL else f"tinker://{model.model_id}/sampler_weights/{name}",
         }
 
     @app.post("/api/v1/asample")

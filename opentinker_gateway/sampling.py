@@ -21,7 +21,11 @@ from opentinker.training.v1 import training_pb2
 from opentinker_gateway.errors import ApiError, from_rpc
 from opentinker_gateway.models import Model, Outcome
 
-__all__ = ["SampleBatcher", "sample_request", "sample_response"]
+__all__ = ["BASE_MODEL", "SampleBatcher", "sample_request", "sample_response"]
+
+#: The sampler name of the base model, the adapter off (no save is named so: save names start
+#: with a letter or digit).
+BASE_MODEL = "@base"
 
 
 @dataclass
@@ -59,7 +63,11 @@ class SampleBatcher:
 
 
 async def _run(model: Model, sampler: str, params: training_pb2.SamplingParams, batch: list[_Waiting]) -> None:
-    request = training_pb2.SampleSnapshotRequest(sampler=sampler, prompts=[w.prompt for w in batch], params=params)
+    request = training_pb2.SampleSnapshotRequest(prompts=[w.prompt for w in batch], params=params)
+    if sampler == BASE_MODEL:
+        request.base_model = True
+    else:
+        request.sampler = sampler
     try:
         response = await model.stub.SampleSnapshot(request, timeout=3600, metadata=await model.metadata())
     except grpc.aio.AioRpcError as exc:

@@ -68,6 +68,9 @@ def test_sdk_training_loop(cluster, gateway_factory, sdk_env) -> None:
             training.forward_backward(batch, "cross_entropy")
             training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
         assert [sampler.sample(p, 1, greedy).result().sequences[0].tokens for p in prompts] == alone
+        # A base-model sampler (the adapter off) on the session's training client.
+        base = service.create_sampling_client(base_model=MODEL_NAME).result()
+        assert len(base.sample(prompts[0], 1, greedy).result().sequences[0].tokens) == 6
         current = training.save_weights_and_get_sampling_client().result()
         assert len(current.sample(prompts[0], 1, greedy).result().sequences[0].tokens) == 6
 
