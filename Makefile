@@ -15,7 +15,7 @@ SCHEDULER_URL ?= http://localhost:$(PORT)
 # "joined dynamically"; the host name only when the config names no node. NODE_ID=... for another.
 NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]\#]*\).*/\1/p' $(SCHEDULER_CONFIG) 2>/dev/null | head -n 1),$(shell hostname)-trainer)
 
-.PHONY: install venv test-deps proto proto-check lint scheduler trainer demo test test-fast bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives bench-report gpu-check clean
+.PHONY: install venv test-deps proto proto-check lint scheduler trainer gateway demo test test-fast bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives bench-report gpu-check clean
 
 # `install` is a no-op when done: it installs only when the venv is missing or its package set is
 # out of date, i.e. the SHA-256 of pyproject.toml, constraints.txt and INSTALL_SPEC differs from the
@@ -84,6 +84,13 @@ scheduler: install
 
 trainer: install
 	SCHEDULER_URL=$(SCHEDULER_URL) $(PY) -m opentinker_trainer --node-id $(NODE_ID) $(TRAINER_ARGS)
+
+# The Tinker-compatible HTTP API (docs/tinker.md): the tinker SDK and cookbook reach the cluster
+# at TINKER_BASE_URL=http://localhost:$(GATEWAY_PORT). TINKER_MODELS: NAME=FOLDER pairs it serves.
+GATEWAY_PORT ?= 8000
+TINKER_MODELS ?= HuggingFaceTB/SmolLM2-135M-Instruct=$(abspath $(MODEL_DIR))
+gateway: install
+	$(PY) -m opentinker_gateway --scheduler localhost:$(PORT) --port $(GATEWAY_PORT) $(foreach m,$(TINKER_MODELS),--model $(m)) $(GATEWAY_ARGS)
 
 demo: install
 	$(PY) scripts/demo.py --model $(MODEL_DIR) $(DEMO_ARGS)

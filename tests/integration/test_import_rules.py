@@ -15,12 +15,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
-PACKAGES = ("opentinker_common", "opentinker_client", "opentinker_scheduler", "opentinker_trainer", "protos/opentinker")
+PACKAGES = (
+    "opentinker_common",
+    "opentinker_client",
+    "opentinker_scheduler",
+    "opentinker_trainer",
+    "opentinker_gateway",
+    "protos/opentinker",
+)
 
-ROLES_INDEPENDENT = "The three roles never import each other (only opentinker_common and the stubs)"
+ROLES_INDEPENDENT = "The four roles never import each other (only opentinker_common and the stubs)"
 SHARED_LAYER_IMPORTS_NO_ROLE = "The shared layer and the stubs import no role"
 POLICY_IS_PURE = "Scheduler policy is pure: no gRPC, no store, no other scheduler room"
-NO_TORCH = "The client and the shared layer need no torch"
+NO_TORCH = "The client, the gateway and the shared layer need no torch"
 RL_IS_PURE = "RL math is pure: no gRPC in opentinker_trainer.rl"
 SCHEDULER_LAYERS = "Scheduler rooms in layers: api over admission over security/data over state over policy"
 
@@ -58,7 +65,7 @@ def verdicts(proc: subprocess.CompletedProcess) -> dict[str, str]:
 
 @pytest.fixture
 def copy(tmp_path: Path) -> Path:
-    """The four packages, the stubs and pyproject.toml, copied as they are in this tree."""
+    """The five packages, the stubs and pyproject.toml, copied as they are in this tree."""
     for package in PACKAGES:
         shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
@@ -98,6 +105,8 @@ def test_lint_imports_passes_on_an_unchanged_copy(copy: Path) -> None:
     "module, statement, imported, broken",
     [
         ("opentinker_scheduler/state/core.py", "import opentinker_client", "opentinker_client", ROLES_INDEPENDENT),
+        ("opentinker_gateway/app.py", "import opentinker_scheduler", "opentinker_scheduler", ROLES_INDEPENDENT),
+        ("opentinker_gateway/wire.py", "import torch", "torch", NO_TORCH),
         ("opentinker_scheduler/policy/placement.py", "import grpc", "grpc", POLICY_IS_PURE),
         ("opentinker_common/logs.py", "import opentinker_trainer", "opentinker_trainer", SHARED_LAYER_IMPORTS_NO_ROLE),
         ("opentinker_common/spec/task.py", "import torch", "torch", NO_TORCH),
@@ -111,6 +120,8 @@ def test_lint_imports_passes_on_an_unchanged_copy(copy: Path) -> None:
     ],
     ids=[
         "scheduler-imports-client",
+        "gateway-imports-scheduler",
+        "gateway-imports-torch",
         "policy-imports-grpc",
         "shared-layer-imports-trainer",
         "shared-layer-imports-torch",

@@ -1,0 +1,703 @@
+"""The HTTP routes of the Tinker API (``/api/v1/...``) over an OpenTinker scheduler.
+
+Every request carries ``X-API-Key: tml-<OpenTinker API key>``: the gateway strips ``tml-`` and
+calls the scheduler and the session workers with that key, so owners, roles, rotation and
+revocation are the scheduler's. Training requests return a future (``request_id``) at once;
+``retrieve_future`` long-polls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
+
+import zstandard
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from packaging.version import InvalidVersion, Version
+from tinker.proto import tinker_public_pb2 as tpb
+
+from opentinker.training.v1 import training_pb2
+
+from opentinker_common.lora_targets import tinker_target_modules
+
+from opentinker_gateway import wire
+from opentinker_gateway.errors import ApiError
+from opentinker_gateway.models import Model, NotYet, Outcome
+from opentinker_gateway.sampling import BASE_MODEL, SampleBatcher, sample_request
+from opentinker_gateway.scheduler import TASK_NAME_PREFIX, Scheduler, SessionSpec
+
+__all__ = ["GatewayConfig", "create_app", "SDK_VERSIONS"]
+
+#: The ``tinker`` SDK versions this gateway is tested with: [lowest, highest].
+SDK_VERSIONS = ("0.38.0", "0.38.0")
+
+_CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_PROTO = "application/x-protobuf"
+
+
+@dataclass
+class GatewayConfig:
+    """What a gateway serves.
+
+    Attributes:
+        scheduler: the scheduler's address (``host:port`` or a URL).
+        models: Tinker model names (``HuggingFaceTB/SmolLM2-135M-Instruct``) -> local model folders.
+        max_body_bytes: largest request body, after zstd decompression too (413 above it).
+        gap_timeout_s: seconds a request waits for a missing earlier ``seq_id``.
+        long_poll_s: seconds ``retrieve_future`` waits before answering ``try_again``.
+        heartbeat_timeout_s: a model's session task ends after this long without a request or a
+            heartbeat of its Tinker session (the SDK sends one every 10 s).
+    """
+
+    scheduler: str
+    models: dict[str, str] = field(default_factory=dict)
+    max_body_bytes: int = 256 * 1024 * 1024
+    gap_timeout_s: float = 60.0
+    long_poll_s: float = 20.0
+    heartbeat_timeout_s: float = 300.0
+
+
+def _key(request: Request) -> str:
+    """The OpenTinker API key of the ``tml-`` key the request carries."""
+    raw = request.headers.get("x-api-key", "")
+    if not raw:
+        auth = request.headers.get("authorization", "")
+        raw = auth[7:] if auth.lower().startswith("bearer ") else ""
+    if not raw.startswith("tml-"):
+        raise ApiError(
+            "X-API-Key: expected tml-<your OpenTinker API key>, got "
+            + ("nothing" if not raw else "a key without the tml- prefix"),
+            status=401,
+        )
+    return raw[4:]
+
+
+def _field(body: dict, name: str, kind: type, *, required: bool = True) -> Any:
+    value = body.get(name)
+    if value is None and not required:
+        return None
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise ApiError(
+            f"{name}: expected {kind.__name__}, got {type(value).__name__ if value is not None else 'nothing'}"
+        )
+    return value
+
+
+def _parse_path(path: str, field_name: str) -> tuple[str, str, str]:
+    """``(model id, kind, name)`` of ``tinker://<model id>/<weights|sampler_weights>/<name>``."""
+    parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") or not parts[0]:
+        raise ApiError(
+            f"{field_name}: expected tinker://<model id>/weights/<name> or "
+            f"tinker://<model id>/sampler_weights/<name>, got {path!r}"
+        )
+    return parts[0], parts[1], parts[2]
+
+
+class Gateway:
+    """The state of one gateway process: connections, models it has met, sample futures."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.scheduler: Scheduler | None = None
+        self.models: dict[str, Model] = {}
+        self._allowed: set[tuple[str, str]] = set()
+        self._model_locks: dict[str, asyncio.Lock] = {}
+        self.samples: dict[str, asyncio.Future] = {}
+        self.batcher = SampleBatcher()
+        self.creates: dict[str, asyncio.Task] = {}
+
+    async def start(self) -> None:
+        self.scheduler = Scheduler(self.config.scheduler)
+
+    async def stop(self) -> None:
+        for model in self.models.values():
+            await model.close()
+        if self.scheduler is not None:
+            await self.scheduler.close()
+
+    def model_dir(self, base_model: str, field_name: str = "base_model") -> str:
+        folder = self.config.models.get(base_model)
+        if folder is None:
+            raise ApiError(
+                f"{field_name}: expected one of {', '.join(sorted(self.config.models)) or '(none configured)'}, "
+                f"got {base_model!r}"
+            )
+        return folder
+
+    def base_model_of(self, model_dir: str) -> str:
+        for name, folder in self.config.models.items():
+            if folder == model_dir:
+                return name
+        return model_dir
+
+    async def model(self, model_id: str, key: str) -> Model:
+        """Model ``model_id`` (its session task's id) if the caller's key may use it.
+
+        Raises:
+            ApiError: 404 when no such task is visible to the key (another owner's too).
+        """
+        if not isinstance(model_id, str) or not model_id:
+            raise ApiError("model_id: expected a model id from create_model")
+        model = self.models.get(model_id)
+        if model is not None and (key, model_id) in self._allowed:
+            return model
+        lock = self._model_locks.setdefault(model_id, asyncio.Lock())
+        async with lock:
+            try:
+                task = await self.scheduler.get_task(model_id, key)
+            except ApiError as exc:
+                if exc.status in (400, 404):
+                    raise ApiError(f"model_id: no model {model_id!r}", status=404) from None
+                raise
+            if task.spec.workload_type != "lora_session" or not task.spec.name.startswith(TASK_NAME_PREFIX):
+                raise ApiError(f"model_id: no model {model_id!r}", status=404)
+            self._allowed.add((key, model_id))
+            model = self.models.get(model_id)
+            if model is None:
+                task = await self.scheduler.wait_serving(model_id, key)
+                hp = dict(task.spec.hyperparameters)
+                model = Model(
+                    model_id,
+                    task.task_id,
+                    task.endpoint,
+                    base_model=self.base_model_of(task.spec.model),
+                    model_dir=task.spec.model,
+                    lora_rank=int(hp.get("lora_rank", 0)),
+                    metadata=lambda: self.scheduler.endpoint_metadata(model_id, key),
+                    gap_timeout_s=self.config.gap_timeout_s,
+                )
+                self.models[model_id] = model
+            return model
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, decompressed when ``Content-Encoding: zstd``; at most ``limit`` bytes."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise ApiError(f"body: at most {limit} bytes, got {size}", status=413)
+    chunks = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise ApiError(f"body: at most {limit} bytes, got more", status=413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding != "zstd":
+        raise ApiError(f"Content-Encoding: expected zstd or none, got {encoding!r}", status=415)
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(raw)
+        out = reader.read(limit + 1)
+        while len(out) <= limit:
+            more = reader.read(limit + 1 - len(out))
+            if not more:
+                break
+            out += more
+    except zstandard.ZstdError as exc:
+        raise ApiError(f"body: not valid zstd ({exc})") from None
+    if len(out) > limit:
+        raise ApiError(f"body: at most {limit} bytes once decompressed, got more", status=413)
+    return out
+
+
+async def _json(request: Request, limit: int) -> dict:
+    raw = await _body(request, limit)
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError as exc:
+        raise ApiError(f"body: expected JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ApiError(f"body: expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _check_version(body: dict) -> None:
+    raw = body.get("sdk_version")
+    low, high = SDK_VERSIONS
+    try:
+        version = Version(str(raw))
+    except InvalidVersion:
+        version = None
+    if version is None or not Version(low) <= version <= Version(high):
+        raise ApiError(
+            f"sdk_version: this OpenTinker serves tinker SDK {low} to {high}, got {raw!r}; "
+            f"pip install 'tinker>={low},<={high}'",
+            status=400,
+        )
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """A kind of sequenced request: its RPC, the Tinker answer of the session's response, and a
+    payload the session refuses, to ask for a kept answer (:meth:`Model.kept`)."""
+
+    rpc: str
+    answer: Any
+    probe: Any
+    streamed: bool = False
+
+
+def _fb_probe(request_cls):
+    def probe(seq: int):
+        return iter([request_cls(header=training_pb2.BatchHeader(sequence=seq, loss_fn=1))])
+
+    return probe
+
+
+def _kinds() -> dict[str, _Kind]:
+    def path(model_id: str, kind: str, name: str) -> str:
+        return f"tinker://{model_id}/{kind}/{name}"
+
+    return {
+        "fb": _Kind(
+            "ForwardBackward",
+            lambda m, r: Outcome(proto=wire.forward_backward_output(r.outputs, r.loss)),
+            _fb_probe(training_pb2.ForwardBackwardRequest),
+            streamed=True,
+        ),
+        "fwd": _Kind(
+            "Forward",
+            lambda m, r: Outcome(proto=wire.forward_backward_output(r.outputs, None)),
+            _fb_probe(training_pb2.ForwardRequest),
+            streamed=True,
+        ),
+        "optim": _Kind(
+            "OptimStep",
+            lambda m, r: Outcome(
+                json={"type": "optim_step", "metrics": {"grad_norm:mean": r.grad_norm, "step:max": float(r.step)}}
+            ),
+            lambda seq: training_pb2.OptimStepRequest(sequence=seq, adam=training_pb2.AdamParams(learning_rate=0)),
+        ),
+        "save": _Kind(
+            "SaveState",
+            lambda m, r: Outcome(json={"type": "save_weights", "path": path(m.model_id, "weights", r.name)}),
+            lambda seq: training_pb2.SaveStateRequest(sequence=seq, name=""),
+        ),
+        "sampler": _Kind(
+            "SaveWeightsForSampler",
+            lambda m, r: Outcome(
+                json={"type": "save_weights_for_sampler", "path": path(m.model_id, "sampler_weights", r.name)}
+            ),
+            lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=""),
+        ),
+        "ephemeral": _Kind(
+            "SaveWeightsForSampler",
+            lambda m, r: Outcome(
+                json={"type": "save_weights_for_sampler", "sampling_session_id": f"{m.model_id}~{r.name}"}
+            ),
+            lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=""),
+        ),
+        "load": _Kind(
+            "LoadState",
+            lambda m, r: Outcome(
+                json={"type": "load_weights", "path": path(m.model_id, "weights", r.name), "model_id": m.model_id}
+            ),
+            lambda seq: training_pb2.LoadStateRequest(sequence=seq, name=""),
+        ),
+    }
+
+
+KINDS = _kinds()
+
+#: Seconds a worker call may take (a save writes the artifact store; a step runs the model).
+_CALL_TIMEOUT_S = 3600
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The gateway's ASGI app."""
+    gw = Gateway(config)
+    app = FastAPI(title="OpenTinker Tinker API", on_startup=[gw.start], on_shutdown=[gw.stop])
+    app.state.gateway = gw
+    limit = config.max_body_bytes
+
+    @app.exception_handler(ApiError)
+    async def _refused(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    def submit(model: Model, seq_id: int, kind: str, message) -> dict:
+        """Send request ``seq_id`` of ``kind`` with ``message(sequence)``; its future's reply."""
+        k = KINDS[kind]
+        rpc = getattr(model.stub, k.rpc)
+
+        def send(seq: int, md: tuple):
+            return rpc(message(seq), timeout=_CALL_TIMEOUT_S, metadata=md)
+
+        model.submit(seq_id, k.rpc, send, lambda r: k.answer(model, r))
+        return {"request_id": f"{model.model_id}#{seq_id}#{kind}", "model_id": model.model_id}
+
+    # --- service ---------------------------------------------------------------------------
+    @app.get("/api/v1/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.post("/api/v1/client/config")
+    async def client_config(request: Request) -> dict:
+        _check_version(await _json(request, limit))
+        return {
+            "pjwt_auth_enabled": False,
+            "credential_default_source": "api_key",
+            "use_pyqwest_transport": False,
+            "parallel_fwdbwd_chunks": True,
+            "proto_compress_fwdbwd": True,
+            "sample_use_retrieve_futures": False,
+            "sample_join_sampling_session": False,
+            "custom_loss_server_side": False,
+        }
+
+    @app.post("/api/v1/client/dynamic_config")
+    async def client_dynamic_config(request: Request) -> dict:
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities(request: Request) -> dict:
+        return {
+            "supported_models": [
+                {"model_name": name, "trainable": True, "sampleable": True} for name in sorted(config.models)
+            ]
+        }
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry(request: Request) -> dict:
+        await _body(request, limit)
+        return {"status": "accepted"}
+
+    # --- sessions ---------------------------------------------------------------------------
+    @app.post("/api/v1/create_session")
+    async def create_session(request: Request) -> dict:
+        _key(request)
+        body = await _json(request, limit)
+        _check_version(body)
+        return {"type": "create_session", "session_id": f"ses-{uuid.uuid4().hex}"}
+
+    @app.post("/api/v1/session_heartbeat")
+    async def session_heartbeat(request: Request) -> dict:
+        """Keeps the session's models alive: a GetInfo to each session worker restarts its idle
+        clock (``heartbeat_timeout_s``)."""
+        key = _key(request)
+        session_id = _field(await _json(request, limit), "session_id", str)
+        for task in await gw.scheduler.session_tasks(f"{TASK_NAME_PREFIX}{session_id}:", key):
+            if task.endpoint:
+                try:
+                    await (await gw.model(task.task_id, key)).info()
+                except ApiError:
+                    pass  # a model that cannot be reached now is asked again at the next heartbeat
+        return {"type": "session_heartbeat"}
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request) -> Response:
+        key = _key(request)
+        await _json(request, limit)
+        for task in await gw.scheduler.session_tasks(f"{TASK_NAME_PREFIX}{session_id}:", key):
+            await gw.scheduler.cancel(task.task_id, key, f"tinker session {session_id} finished")
+            model = gw.models.pop(task.task_id, None)
+            if model is not None:
+                await model.close()
+        return Response(content=b"null", media_type="application/json")
+
+    # --- models -------------------------------------------------------------------------------
+    @app.post("/api/v1/create_model")
+    async def create_model(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        session_id = _field(body, "session_id", str)
+        model_seq_id = _field(body, "model_seq_id", int)
+        folder = gw.model_dir(_field(body, "base_model", str))
+        lora = body.get("lora_config") or {}
+        if not isinstance(lora, dict):
+            raise ApiError("lora_config: expected an object")
+        rank = lora.get("rank", 32)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 512:
+            raise ApiError(f"lora_config.rank: expected an integer in 1..512, got {rank!r}")
+        try:
+            model_config = json.loads((Path(folder) / "config.json").read_text())
+        except (OSError, ValueError):
+            model_config = {"model_type": "llama"}
+        try:
+            targets = tinker_target_modules(
+                train_mlp=bool(lora.get("train_mlp", True)),
+                train_attn=bool(lora.get("train_attn", True)),
+                train_unembed=bool(lora.get("train_unembed", True)),
+                model_config=model_config,
+            )
+        except ValueError as exc:
+            raise ApiError(f"lora_config.{exc}") from None
+        optimizer = body.get("optimizer_config") or {"type": "adamw"}
+        if optimizer.get("type", "adamw") != "adamw":
+            raise ApiError(f"optimizer_config.type: expected adamw, got {optimizer.get('type')!r}")
+        seed = lora.get("seed")
+        spec = SessionSpec(folder, rank, targets, int(seed) if isinstance(seed, int) else 0, config.heartbeat_timeout_s)
+        name = f"{TASK_NAME_PREFIX}{session_id}:train:{model_seq_id}"
+        task_id = await gw.scheduler.submit_session(spec, name=name, key=key, request_id=name)
+        return {"request_id": f"create#{task_id}", "model_id": task_id}
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        model = await gw.model(body.get("model_id"), key)
+        info = await model.info()
+        return {
+            "type": "get_info",
+            "model_id": model.model_id,
+            "model_data": {
+                "arch": json.loads(info.model_config_json or "{}").get("model_type"),
+                "model_name": model.base_model,
+                "tokenizer_id": model.model_dir,
+            },
+            "is_lora": not info.full_weights,
+            "lora_rank": info.lora_rank,
+            "model_name": model.base_model,
+        }
+
+    # --- training -----------------------------------------------------------------------------
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request) -> dict:
+        key = _key(request)
+        raw = await _body(request, limit)
+        if _PROTO not in request.headers.get("content-type", ""):
+            raise ApiError(f"Content-Type: expected {_PROTO} (tinker SDK >= 0.25), got JSON", status=415)
+        msg = tpb.ForwardBackwardRequest()
+        try:
+            msg.ParseFromString(raw)
+        except Exception as exc:  # noqa: BLE001 - a malformed body is the caller's
+            raise ApiError(f"body: not a tinker ForwardBackwardRequest ({exc})") from None
+        forward_only = msg.forward_only
+        if not forward_only and msg.loss_fn not in wire.LOSSES:
+            raise ApiError(f"loss_fn: expected one of {', '.join(wire.LOSSES)}, got {msg.loss_fn!r}")
+        if msg.seq_id < 1:
+            raise ApiError(f"seq_id: expected an integer >= 1, got {msg.seq_id}")
+        datums = wire.datums_from_proto(msg)
+        loss_config = wire.loss_config(msg) if not forward_only else None
+        model = await gw.model(msg.model_id, key)
+
+        def batch(seq: int):
+            if forward_only:
+                header = training_pb2.BatchHeader(sequence=seq, datum_count=len(datums))
+                yield training_pb2.ForwardRequest(header=header)
+                yield training_pb2.ForwardRequest(chunk=training_pb2.DatumChunk(datums=datums))
+            else:
+                header = training_pb2.BatchHeader(
+                    sequence=seq, datum_count=len(datums), loss_fn=wire.LOSSES[msg.loss_fn], loss_fn_config=loss_config
+                )
+                yield training_pb2.ForwardBackwardRequest(header=header)
+                yield training_pb2.ForwardBackwardRequest(chunk=training_pb2.DatumChunk(datums=datums))
+
+        return submit(model, msg.seq_id, "fwd" if forward_only else "fb", batch)
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        seq_id = _field(body, "seq_id", int)
+        params = body.get("adam_params")
+        if params is None:
+            raise ApiError("adam_params: expected AdamParams (other optimizers are not served)")
+        adam = wire.adam_params(params)
+        model = await gw.model(body.get("model_id"), key)
+        return submit(model, seq_id, "optim", lambda seq: training_pb2.OptimStepRequest(sequence=seq, adam=adam))
+
+    def checkpoint_name(body: dict) -> str:
+        name = _field(body, "path", str)
+        if not _CHECKPOINT_NAME.match(name):
+            raise ApiError(f"path: expected a name of 1 to 64 letters, digits, '.', '_' or '-', got {name!r}")
+        return name
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        seq_id = _field(body, "seq_id", int)
+        name = checkpoint_name(body)
+        model = await gw.model(body.get("model_id"), key)
+        return submit(model, seq_id, "save", lambda seq: training_pb2.SaveStateRequest(sequence=seq, name=name))
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        seq_id = _field(body, "seq_id", int)
+        model = await gw.model(body.get("model_id"), key)
+        if body.get("path") is not None:
+            name, kind = checkpoint_name(body), "sampler"
+        else:  # an ephemeral sampler: a save named after its request, sampled as a snapshot
+            name, kind = f"sampler-{seq_id}", "ephemeral"
+        return submit(
+            model, seq_id, kind, lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=name)
+        )
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        path = _field(body, "path", str)
+        source, kind, name = _parse_path(path, "path")
+        if body.get("session_id") is not None:
+            raise ApiError(
+                "path: a new training client from a saved state (create_training_client_from_state) is "
+                "not served yet; load_state on the model that saved it",
+            )
+        seq_id = _field(body, "seq_id", int)
+        model = await gw.model(body.get("model_id"), key)
+        if source != model.model_id or kind != "weights":
+            raise ApiError(
+                f"path: this OpenTinker loads states of the same model only "
+                f"(tinker://{model.model_id}/weights/...), got {path!r}"
+            )
+        with_optimizer = bool(body.get("optimizer"))
+        return submit(
+            model,
+            seq_id,
+            "load",
+            lambda seq: training_pb2.LoadStateRequest(sequence=seq, name=name, with_optimizer=with_optimizer),
+        )
+
+    # --- sampling -------------------------------------------------------------------------------
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        path = body.get("model_path")
+        if path is None:
+            return {"type": "create_sampling_session", "sampling_session_id": await base_sampler(body, key)}
+        source, kind, name = _parse_path(path, "model_path")
+        if kind != "sampler_weights":
+            raise ApiError(f"model_path: expected a save_weights_for_sampler path (sampler_weights), got {path!r}")
+        await gw.model(source, key)
+        return {"type": "create_sampling_session", "sampling_session_id": f"{source}~{name}"}
+
+    async def base_sampler(body: dict, key: str) -> str:
+        """A sampler of the base model: the adapter off on a model of the same Tinker session."""
+        base_model = _field(body, "base_model", str)
+        folder = gw.model_dir(base_model)
+        session_id = _field(body, "session_id", str)
+        for task in await gw.scheduler.session_tasks(f"{TASK_NAME_PREFIX}{session_id}:", key):
+            if task.spec.model == folder:
+                return f"{task.task_id}~{BASE_MODEL}"
+        raise ApiError(
+            f"base_model: a base-model sampler is served on a training client of the same base model in "
+            f"this session; create_lora_training_client(base_model={base_model!r}) first"
+        )
+
+    async def sampler_model(sampler_id: Any, key: str) -> tuple[Model, str]:
+        if not isinstance(sampler_id, str) or "~" not in sampler_id:
+            raise ApiError(f"sampling_session_id: no sampler {sampler_id!r}", status=404)
+        model_id, name = sampler_id.split("~", 1)
+        return await gw.model(model_id, key), name
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str, request: Request) -> dict:
+        model, name = await sampler_model(sampler_id, _key(request))
+        return {
+            "sampler_id": sampler_id,
+            "base_model": model.base_model,
+            "model_path": None if name == BASE_MODEL else f"tinker://{model.model_id}/sampler_weights/{name}",
+        }
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request) -> dict:
+        key = _key(request)
+        body = await _json(request, limit)
+        model, sampler = await sampler_model(body.get("sampling_session_id"), key)
+        params, prompt = sample_request(body)
+        request_id = f"{body.get('sampling_session_id')}#sample-{uuid.uuid4().hex}"
+        if len(gw.samples) > 65536:  # answered samples are kept for retried polls, the newest ones
+            for done in [r for r, f in gw.samples.items() if f.done()][:32768]:
+                del gw.samples[done]
+        gw.samples[request_id] = gw.batcher.sample(model, sampler, params, prompt)
+        return {
+            "request_id": request_id,
+            "sample_sequence_ids": [f"{request_id}/{i}" for i in range(prompt.num_samples)],
+        }
+
+    # --- training runs and checkpoints (REST) -------------------------------------------------
+    async def run_checkpoints(model: Model, key: str) -> list[dict]:
+        out = []
+        for c in await gw.scheduler.checkpoints(model.task_id, key):
+            prefix, _, name = Path(c.path).name.partition("_")
+            kind = {"state": ("training", "weights"), "sampler": ("sampler", "sampler_weights")}.get(prefix)
+            if kind is None or not name:
+                continue
+            out.append(
+                {
+                    "checkpoint_id": f"{kind[1]}/{name}",
+                    "checkpoint_type": kind[0],
+                    "time": c.create_time.ToJsonString(),
+                    "tinker_path": f"tinker://{model.model_id}/{kind[1]}/{name}",
+                }
+            )
+        return out
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
+    async def list_checkpoints(model_id: str, request: Request) -> dict:
+        key = _key(request)
+        model = await gw.model(model_id, key)
+        return {"checkpoints": await run_checkpoints(model, key)}
+
+    @app.get("/api/v1/training_runs/{model_id}")
+    async def get_training_run(model_id: str, request: Request) -> dict:
+        key = _key(request)
+        model = await gw.model(model_id, key)
+        task = await gw.scheduler.get_task(model.task_id, key)
+        checkpoints = await run_checkpoints(model, key)
+        last = {t: [c for c in checkpoints if c["checkpoint_type"] == t][-1:] for t in ("training", "sampler")}
+        return {
+            "training_run_id": model.model_id,
+            "base_model": model.base_model,
+            "model_owner": task.owner,
+            "is_lora": True,
+            "lora_rank": model.lora_rank,
+            "last_request_time": task.update_time.ToJsonString(),
+            "last_checkpoint": (last["training"] or [None])[0],
+            "last_sampler_checkpoint": (last["sampler"] or [None])[0],
+        }
+
+    # --- futures ------------------------------------------------------------------------------
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        key = _key(request)
+        body = await _json(request, limit)
+        request_id = _field(body, "request_id", str)
+        try:
+            outcome = await asyncio.wait_for(answer(request_id, key), timeout=config.long_poll_s)
+        except (asyncio.TimeoutError, NotYet):
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        if outcome.error is not None:
+            return JSONResponse(outcome.error.failed())
+        if outcome.proto is not None:
+            return Response(content=outcome.proto, media_type=_PROTO)
+        return JSONResponse(outcome.json)
+
+    async def answer(request_id: str, key: str) -> Outcome:
+        """The outcome of future ``request_id``: from memory, else the session's kept answer."""
+        if request_id.startswith("create#"):
+            task_id = request_id[len("create#") :]
+            await gw.model(task_id, key)
+            return Outcome(json={"type": "create_model", "model_id": task_id})
+        if "#sample-" in request_id:
+            future = gw.samples.get(request_id)
+            if future is None:
+                raise ApiError(f"request_id: no sample {request_id!r} on this gateway; sample again", status=410)
+            return await asyncio.shield(future)
+        model_id, seq, kind = (request_id.split("#") + ["", ""])[:3]
+        if not seq.isdigit() or kind not in KINDS:
+            raise ApiError(f"request_id: no request {request_id!r}", status=404)
+        model = await gw.model(model_id, key)
+        future = model.future(int(seq))
+        if future is not None:
+            return await asyncio.shield(future)
+        k = KINDS[kind]
+        rpc = getattr(model.stub, k.rpc)
+        response = await model.kept(int(seq), lambda s, md: rpc(k.probe(s), timeout=_CALL_TIMEOUT_S, metadata=md))
+        return k.answer(model, response)
+
+    return app

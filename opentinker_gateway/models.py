@@ -1,0 +1,209 @@
+"""One Tinker model: a ``lora_session`` task, the order of its requests and its futures.
+
+Tinker numbers a model's requests (``seq_id`` 1, 2, 3 ...) and may send several at once, the
+chunks of one step in any order. Request ``seq_id`` is the session worker's call ``seq_id - 1``:
+the worker applies its calls in that order, answers a repeated number with the first answer
+and refuses a number ahead of the one it expects. So any gateway instance may send any request
+of a model, and a retried request (same ``seq_id``) never applies twice.
+
+A request ahead of the worker is sent again until the worker reaches it; after
+``gap_timeout_s`` of that it fails as a ``seq_id`` gap and may be sent again. A future
+(``<model id>#<seq_id>#<kind>``) is answered by the instance that sent it from memory, and by any
+other instance (or after a restart) by asking the worker for call ``seq_id - 1``'s kept answer:
+the same RPC with a payload the worker refuses, which it answers from its cache when that call
+ran and refuses, changing nothing, when it did not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+from opentinker.training.v1 import training_pb2, training_pb2_grpc
+from opentinker_common.net.grpc_options import client_keepalive, message_limits
+from opentinker_common.net.url import parse_scheduler_address
+
+from opentinker_gateway.errors import SERVER, ApiError, from_rpc
+
+__all__ = ["Model", "Outcome", "NotYet"]
+
+log = logging.getLogger(__name__)
+
+#: Times a worker call is sent again after UNAVAILABLE (the worker restarting) before it fails.
+_UNAVAILABLE_TRIES = 5
+#: Seconds between tries of a call the worker is not ready for yet: first, growth, most.
+_AHEAD_WAIT = (0.01, 1.5, 0.2)
+
+
+@dataclass
+class Outcome:
+    """A finished future: a protobuf payload, a JSON payload or a failure."""
+
+    proto: bytes | None = None
+    json: dict | None = None
+    error: ApiError | None = None
+
+
+class NotYet(Exception):
+    """The worker has not run the call a future names (yet): answer ``try_again``."""
+
+
+class Model:
+    """A Tinker model served by session task ``task_id`` at ``endpoint``.
+
+    Args:
+        metadata: awaitable giving the ``authorization`` metadata for the worker (an endpoint token).
+        gap_timeout_s: seconds a request waits for the worker to reach it.
+    """
+
+    def __init__(
+        self,
+        model_id: str,
+        task_id: str,
+        endpoint: str,
+        *,
+        base_model: str,
+        model_dir: str,
+        lora_rank: int,
+        metadata: Callable[[], Awaitable[tuple]],
+        gap_timeout_s: float = 60.0,
+    ) -> None:
+        self.model_id = model_id
+        self.task_id = task_id
+        self.endpoint = endpoint
+        self.base_model = base_model
+        self.model_dir = model_dir
+        self.lora_rank = lora_rank
+        self.metadata = metadata
+        self.gap_timeout_s = gap_timeout_s
+        address = parse_scheduler_address(endpoint)
+        options = [*client_keepalive(), *message_limits()]
+        if address.tls:
+            self._channel = grpc.aio.secure_channel(address.target, grpc.ssl_channel_credentials(), options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(address.target, options=options)
+        self.stub = training_pb2_grpc.TrainingServiceStub(self._channel)
+        self._futures: dict[int, asyncio.Future] = {}
+        self._gap_failed: set[int] = set()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def submit(self, seq_id: int, what: str, send: Callable[[int, tuple], Awaitable[Any]], answer) -> asyncio.Future:
+        """The future of request ``seq_id``: ``answer(await send(seq_id - 1, metadata))`` once the
+        worker takes it. A ``seq_id`` this instance holds already returns that future and sends
+        nothing, unless it failed as a gap: then it is sent again."""
+        if seq_id in self._futures and seq_id not in self._gap_failed:
+            return self._futures[seq_id]
+        self._gap_failed.discard(seq_id)
+        before = self._futures.get(seq_id - 1)
+
+        async def run() -> Outcome:
+            if before is not None:  # this instance sent the one before: no need to poll the worker
+                await asyncio.wait([before])
+            try:
+                return answer(await self.call(seq_id, what, send))
+            except ApiError as exc:
+                if exc.message.startswith("seq_id:"):
+                    self._gap_failed.add(seq_id)
+                return Outcome(error=exc)
+            except Exception as exc:  # noqa: BLE001 - a future answers every request
+                log.exception("request %s of model %s failed", seq_id, self.model_id)
+                return Outcome(error=ApiError(f"internal error: {exc}", status=500, category=SERVER))
+
+        future = asyncio.ensure_future(run())
+        self._futures[seq_id] = future
+        while len(self._futures) > 256:
+            oldest = min(self._futures)
+            if not self._futures[oldest].done():
+                break
+            del self._futures[oldest]
+        return future
+
+    def future(self, seq_id: int) -> asyncio.Future | None:
+        return self._futures.get(seq_id)
+
+    async def call(self, seq_id: int, what: str, send: Callable[[int, tuple], Awaitable[Any]]) -> Any:
+        """``await send(seq_id - 1, metadata)``, sent again while the worker is not there yet.
+
+        Raises:
+            ApiError: the worker refused it (its gRPC status mapped), stayed unavailable, or did
+                not reach it within ``gap_timeout_s`` (a ``seq_id`` gap).
+        """
+        sequence = seq_id - 1
+        unavailable = 0
+        wait, grow, most = _AHEAD_WAIT
+        first_refusal = None
+        while True:
+            try:
+                return await send(sequence, await self.metadata())
+            except grpc.aio.AioRpcError as exc:
+                expected = expected_sequence(exc)
+                if expected is not None and expected < sequence:
+                    now = time.monotonic()
+                    first_refusal = first_refusal or now
+                    if now - first_refusal > self.gap_timeout_s:
+                        raise ApiError(
+                            f"seq_id: model {self.model_id} expected request {expected + 1} next, got "
+                            f"{seq_id}; request {expected + 1} did not arrive within {self.gap_timeout_s:g} s"
+                        ) from None
+                    await asyncio.sleep(wait)
+                    wait = min(wait * grow, most)
+                    continue
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and unavailable < _UNAVAILABLE_TRIES:
+                    unavailable += 1
+                    await asyncio.sleep(0.2 * 2**unavailable)
+                    continue
+                raise from_rpc(exc, what) from None
+
+    async def kept(self, seq_id: int, probe: Callable[[int, tuple], Awaitable[Any]]) -> Any:
+        """The worker's kept answer of request ``seq_id``; ``probe`` sends the same RPC with a
+        payload the worker refuses.
+
+        Raises:
+            NotYet: the worker has not run it. ApiError: its answer is no longer kept.
+        """
+        try:
+            return await probe(seq_id - 1, await self.metadata())
+        except grpc.aio.AioRpcError as exc:
+            expected = expected_sequence(exc)
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT or (expected is not None and expected < seq_id - 1):
+                raise NotYet() from None
+            if expected is not None:
+                raise ApiError(
+                    f"request_id: request {seq_id} of model {self.model_id} ran and its answer is no longer kept",
+                    status=410,
+                    category=SERVER,
+                ) from None
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise NotYet() from None
+            raise from_rpc(exc, "retrieve_future") from None
+
+    async def info(self) -> training_pb2.GetInfoResponse:
+        try:
+            return await self.stub.GetInfo(training_pb2.GetInfoRequest(), timeout=60, metadata=await self.metadata())
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc(exc, "get_info") from None
+
+
+def expected_sequence(exc: grpc.aio.AioRpcError) -> int | None:
+    """The worker's expected sequence number of an OUT_OF_ORDER refusal, else None."""
+    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        return None
+    for key, value in exc.trailing_metadata() or ():
+        if key != "grpc-status-details-bin":
+            continue
+        status = status_pb2.Status.FromString(value)
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                if info.reason == "OUT_OF_ORDER":
+                    return int(info.metadata.get("expected_sequence", "-1"))
+    return None

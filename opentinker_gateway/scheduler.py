@@ -1,0 +1,150 @@
+"""The gateway's calls to the scheduler: one ``lora_session`` task per Tinker model, looked up and
+cancelled with the caller's own API key, and the endpoint tokens its worker takes.
+
+The scheduler decides who sees what: a task of another owner is NOT_FOUND here exactly as on the
+gRPC API, so the gateway needs no rule of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from google.protobuf import struct_pb2
+
+from opentinker.common.v1 import common_pb2
+from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from opentinker_common.net.bearer import bearer_metadata
+from opentinker_common.net.grpc_options import client_keepalive, message_limits
+from opentinker_common.net.url import parse_scheduler_address
+
+from opentinker_gateway.errors import ApiError, from_rpc
+
+__all__ = ["Scheduler", "SessionSpec", "TASK_NAME_PREFIX"]
+
+#: Tasks the gateway submits are named ``tinker <model id>``; ``finish`` cancels a session's by it.
+TASK_NAME_PREFIX = "tinker "
+
+#: Seconds of one scheduler call before it is given up.
+CALL_TIMEOUT_S = 30.0
+
+_ENDED = (
+    common_pb2.TASK_STATE_SUCCEEDED,
+    common_pb2.TASK_STATE_FAILED,
+    common_pb2.TASK_STATE_CANCELLED,
+)
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What a Tinker ``create_model`` asks for, in the ``lora_session`` task's terms."""
+
+    model_dir: str
+    lora_rank: int
+    target_modules: tuple[str, ...]
+    seed: int
+    idle_timeout_s: float
+
+
+class Scheduler:
+    """An asynchronous connection to the scheduler at ``address`` (``host:port`` or a URL)."""
+
+    def __init__(self, address: str) -> None:
+        parsed = parse_scheduler_address(address)
+        options = [*client_keepalive(), *message_limits()]
+        if parsed.tls:
+            self._channel = grpc.aio.secure_channel(parsed.target, grpc.ssl_channel_credentials(), options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(parsed.target, options=options)
+        self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
+        self._tokens: dict[tuple[str, str], tuple[str, float]] = {}
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method: str, request, key: str):
+        try:
+            return await getattr(self._stub, method)(request, timeout=CALL_TIMEOUT_S, metadata=bearer_metadata(key))
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc(exc, "scheduler") from None
+
+    async def submit_session(self, spec: SessionSpec, *, name: str, key: str, request_id: str) -> str:
+        """The id of the ``lora_session`` task for ``spec``; ``request_id`` makes a retry return the
+        task the first call made."""
+        hp = struct_pb2.Struct()
+        hp.update(
+            {
+                "lora": True,
+                "lora_rank": spec.lora_rank,
+                "lora_alpha": 32.0,
+                "target_modules": list(spec.target_modules),
+                "seed": spec.seed,
+                "idle_timeout_s": spec.idle_timeout_s,
+            }
+        )
+        task_spec = common_pb2.TaskSpec(
+            workload_type="lora_session", model=spec.model_dir, hyperparameters=hp, name=name[:120]
+        )
+        response = await self._call(
+            "SubmitTask", scheduler_pb2.SubmitTaskRequest(spec=task_spec, request_id=request_id[:128]), key
+        )
+        return response.task.task_id
+
+    async def get_task(self, task_id: str, key: str) -> common_pb2.Task:
+        return (await self._call("GetTask", scheduler_pb2.GetTaskRequest(task_id=task_id), key)).task
+
+    async def wait_serving(self, task_id: str, key: str, *, poll_s: float = 0.2) -> common_pb2.Task:
+        """The task once it serves (RUNNING with an endpoint). Raises ApiError when it ended."""
+        while True:
+            task = await self.get_task(task_id, key)
+            if task.state == common_pb2.TASK_STATE_RUNNING and task.endpoint:
+                return task
+            if task.state in _ENDED:
+                reason = task.error or common_pb2.TaskState.Name(task.state)
+                raise ApiError(f"model: its session task {task_id} ended: {reason}", status=410, category="server")
+            await asyncio.sleep(poll_s)
+
+    async def cancel(self, task_id: str, key: str, reason: str) -> None:
+        await self._call("CancelTask", scheduler_pb2.CancelTaskRequest(task_id=task_id, reason=reason), key)
+
+    async def session_tasks(self, name_prefix: str, key: str) -> list[common_pb2.Task]:
+        """The caller's running or queued tasks whose name starts with ``name_prefix``."""
+        states = [
+            common_pb2.TASK_STATE_PENDING,
+            common_pb2.TASK_STATE_ASSIGNED,
+            common_pb2.TASK_STATE_RUNNING,
+        ]
+        found: list[common_pb2.Task] = []
+        token = ""
+        while True:
+            page = await self._call(
+                "ListTasks", scheduler_pb2.ListTasksRequest(states=states, page_size=1000, page_token=token), key
+            )
+            found += [t for t in page.tasks if t.spec.name.startswith(name_prefix)]
+            token = page.next_page_token
+            if not token:
+                return found
+
+    async def checkpoints(self, task_id: str, key: str) -> list[common_pb2.Checkpoint]:
+        """The task's checkpoints in the artifact store, oldest first."""
+        return list(
+            (
+                await self._call("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id), key)
+            ).checkpoints
+        )
+
+    async def endpoint_metadata(self, task_id: str, key: str) -> tuple[tuple[str, str], ...]:
+        """``authorization`` metadata for the task's endpoint: an endpoint token asked for with
+        ``key`` and kept until a quarter of its hour is left; ``()`` with authentication off."""
+        cached = self._tokens.get((key, task_id))
+        if cached is None or (cached[1] and cached[1] - time.time() < 900):
+            request = scheduler_pb2.IssueEndpointTokenRequest(task_id=task_id)
+            request.ttl.FromSeconds(3600)
+            response = await self._call("IssueEndpointToken", request, key)
+            expire = response.expire_time.ToSeconds() if response.HasField("expire_time") else 0.0
+            cached = (response.token, float(expire))
+            self._tokens[(key, task_id)] = cached
+        return bearer_metadata(cached[0]) if cached[0] else ()

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.support.gateway import Gateway
+from tests.support.procs import Cluster
+
+CONFIG = """heartbeat_interval: 0.5
+lease: 3
+workload_types:
+  - type: lora_session
+    priority: 3
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A scheduler and one trainer on loopback (authentication off)."""
+    c = Cluster(tmp_path, CONFIG)
+    try:
+        c.start_with_trainer()
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def sdk_env(monkeypatch):
+    """The SDK's environment: offline, no telemetry; returns a function that points it at a gateway."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TINKER_API_KEY", "tml-anything")
+
+    def point(gateway: Gateway) -> None:
+        monkeypatch.setenv("TINKER_BASE_URL", gateway.url)
+
+    return point
+
+
+@pytest.fixture
+def gateway_factory(tmp_path, cluster, tiny_model_dir):
+    """Start gateways on the cluster's scheduler; all closed at the end."""
+    started: list[Gateway] = []
+
+    def start(*extra: str, port: int | None = None) -> Gateway:
+        g = Gateway(tmp_path, f"127.0.0.1:{cluster.port}", tiny_model_dir, *extra, port=port)
+        started.append(g)
+        return g
+
+    yield start
+    for g in started:
+        g.close()

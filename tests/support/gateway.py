@@ -1,0 +1,115 @@
+"""A Tinker API gateway process (``python -m opentinker_gateway``) on loopback, for the tests of
+the unmodified ``tinker`` SDK against a real scheduler and trainer."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import httpx
+from tinker import types
+from tinker._version import __version__ as sdk_version
+from tinker.proto.request_conv import forward_backward_request_to_proto
+
+from tests.support.procs import Proc, free_port
+from tests.support.waiting import wait_for
+
+__all__ = ["Gateway", "MODEL_NAME", "PROTO", "post", "result", "create_model", "fb_body"]
+
+#: The Tinker model name tests train; the gateway maps it to the test's model folder.
+MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+#: The headers of a protobuf forward_backward body.
+PROTO = {"Content-Type": "application/x-protobuf"}
+
+
+class Gateway:
+    """``python -m opentinker_gateway`` for scheduler ``scheduler`` (``host:port``), serving
+    :data:`MODEL_NAME` from ``model_dir``; ``extra`` are more flags. Ready once /healthz answers."""
+
+    def __init__(self, tmp: Path, scheduler: str, model_dir: Path, *extra: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.proc = Proc(
+            [
+                "-m",
+                "opentinker_gateway",
+                "--scheduler",
+                scheduler,
+                "--port",
+                str(self.port),
+                "--model",
+                f"{MODEL_NAME}={model_dir}",
+                *extra,
+            ],
+            tmp / f"gateway-{self.port}.log",
+        )
+        wait_for(self._healthy, what=f"the gateway on port {self.port} answers /healthz")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _healthy(self) -> bool:
+        if self.proc.popen.poll() is not None:
+            raise RuntimeError(f"gateway exited: {self.proc.log_text()}")
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/healthz", timeout=2) as resp:
+                return json.loads(resp.read()) == {"status": "ok"}
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        self.proc.close()
+
+
+def post(http: httpx.Client, path: str, key: str, *, headers: dict | None = None, **kwargs) -> httpx.Response:
+    return http.post(f"/api/v1/{path}", headers={"X-API-Key": key, **(headers or {})}, **kwargs)
+
+
+def result(http: httpx.Client, key: str, request_id: str) -> dict | bytes:
+    """The answer of future ``request_id``, once it is not ``try_again``."""
+
+    def answered():
+        r = post(http, "retrieve_future", key, json={"request_id": request_id})
+        assert r.status_code == 200, r.text
+        if "protobuf" in r.headers["content-type"]:
+            return r.content
+        body = r.json()
+        return None if body.get("type") == "try_again" else body
+
+    return wait_for(answered, timeout=300, what=f"future {request_id} answered")
+
+
+def create_model(http: httpx.Client, key: str) -> str:
+    session = post(http, "create_session", key, json={"tags": [], "user_metadata": {}, "sdk_version": sdk_version})
+    assert session.status_code == 200, session.text
+    body = {
+        "session_id": session.json()["session_id"],
+        "model_seq_id": 0,
+        "base_model": MODEL_NAME,
+        "lora_config": {"rank": 2},
+    }
+    r = post(http, "create_model", key, json=body)
+    assert r.status_code == 200, r.text
+    assert result(http, key, r.json()["request_id"])["model_id"] == r.json()["model_id"]
+    return r.json()["model_id"]
+
+
+def fb_body(
+    model_id: str, seq_id: int, *, loss_fn: str = "cross_entropy", weights=None, tokens=(1, 2, 3, 4, 5)
+) -> bytes:
+    """A protobuf forward_backward of one five-token datum, as the SDK encodes it."""
+    tokens = list(tokens)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=tokens[1:] + [6], dtype="int64", shape=[5]),
+            "weights": weights or types.TensorData(data=[1.0] * 5, dtype="float32", shape=[5]),
+        },
+    )
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn=loss_fn),
+        model_id=model_id,
+        seq_id=seq_id,
+    )
+    return forward_backward_request_to_proto(request).SerializeToString()
