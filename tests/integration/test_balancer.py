@@ -1,5 +1,6 @@
 """The deploy files' HAProxy in front of two real schedulers on one real PostgreSQL: the committed
-``deploy/haproxy.cfg``, with only its addresses changed for loopback, run by a real ``haproxy``.
+``deploy/haproxy.cfg``, its addresses from the environment and each check on its scheduler's own
+HTTP port (two schedulers share one host here), run by a real ``haproxy``.
 
 A client and a trainer given only the balancer's address reach the leader (the one scheduler
 whose ``/ready`` passes); after kill -9 of the leader the balancer marks it down, cuts its
@@ -9,6 +10,7 @@ submit is acknowledged, and the task submitted before the kill is still there.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -27,20 +29,24 @@ REPO = Path(__file__).resolve().parents[2]
 HAPROXY_CFG = REPO / "deploy" / "haproxy.cfg"
 
 
-def loopback_config(text: str, lb_port: int, schedulers: list[tuple[int, int]]) -> str:
-    """``deploy/haproxy.cfg`` for loopback: the frontend on ``lb_port``, its servers at
-    ``(grpc port, http port)`` on 127.0.0.1 instead of compose's DNS names (no resolvers
-    section); every check, timeout and the cut of a down server's sessions as committed."""
-    text = re.sub(r"(?m)^resolvers docker\n(?:[ \t]+.*\n)*", "", text)
-    text = text.replace(" resolvers docker init-addr none", "")
-    text, n = re.subn(r"(?m)^(\s*)bind :8888$", rf"\1bind 127.0.0.1:{lb_port}", text)
-    assert n == 1, "deploy/haproxy.cfg: expected one 'bind :8888'"
+def loopback_config(text: str, schedulers: list[tuple[int, int]]) -> str:
+    """``deploy/haproxy.cfg`` for two schedulers on one host: each server's check on its own HTTP
+    port of ``(grpc port, http port)`` instead of the shared 8889; addresses come from the
+    environment (:func:`loopback_env`), every check, timeout and the cut of a down server's
+    sessions as committed."""
     servers = [line for line in text.splitlines() if re.match(r"\s*server scheduler-", line)]
     assert len(servers) == len(schedulers), servers
-    for line, (port, http_port) in zip(servers, schedulers):
-        name = line.split()[1]
-        text = text.replace(line, f"    server {name} 127.0.0.1:{port} port {http_port}")
+    for line, (_, http_port) in zip(servers, schedulers):
+        text = text.replace(line, f"{line} port {http_port}")
     return text
+
+
+def loopback_env(lb_port: int, schedulers: list[tuple[int, int]]) -> dict[str, str]:
+    """The variables deploy/haproxy.cfg reads, for the frontend on ``lb_port`` and the schedulers."""
+    env = {"OPENTINKER_LB_BIND": f"127.0.0.1:{lb_port}"}
+    for letter, (port, _) in zip("AB", schedulers):
+        env[f"OPENTINKER_SCHEDULER_{letter}"] = f"127.0.0.1:{port}"
+    return env
 
 
 @pytest.fixture
@@ -52,11 +58,13 @@ def balanced(tmp_path, postgres_server):
     ha.start_all()
     lb_port = free_port()
     cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text(loopback_config(HAPROXY_CFG.read_text(), lb_port, list(zip(ha.ports, ha.http_ports))))
-    check = subprocess.run([str(haproxy), "-c", "-f", str(cfg)], capture_output=True, text=True)
+    schedulers = list(zip(ha.ports, ha.http_ports))
+    cfg.write_text(loopback_config(HAPROXY_CFG.read_text(), schedulers))
+    env = {**os.environ, **loopback_env(lb_port, schedulers)}
+    check = subprocess.run([str(haproxy), "-c", "-f", str(cfg)], capture_output=True, text=True, env=env)
     assert check.returncode == 0, check.stdout + check.stderr
     log = open(tmp_path / "haproxy.log", "wb")
-    proc = subprocess.Popen([str(haproxy), "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([str(haproxy), "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         yield ha, f"127.0.0.1:{lb_port}", tmp_path / "haproxy.log"
     finally:
