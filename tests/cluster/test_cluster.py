@@ -15,12 +15,13 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.hosts import Hosts
+from tests.cluster.hosts import Hosts, netns_pids
 from tests.support.waiting import wait_for, wait_progress
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,13 +34,13 @@ SCHEDULERS = ["scheduler-a", "scheduler-b"]
 FAILOVER_BOUND_S = 60.0
 
 
-def ppo(updates: int) -> dict:
-    """PPO on CartPole: ``updates`` steps of 2 envs x 64 env steps, a checkpoint after each."""
+def ppo(updates: int, checkpoint_every: int = 1) -> dict:
+    """PPO on CartPole: ``updates`` steps of 2 envs x 64 env steps (a fraction of a second each)."""
     return {
         "total_timesteps": 128 * updates,
         "num_envs": 2,
         "num_steps": 64,
-        "checkpoint_every": 1,
+        "checkpoint_every": checkpoint_every,
         "hidden_sizes": [16],
     }
 
@@ -94,7 +95,7 @@ class Cluster:
                     self.start_service(host, block.service)
                 elif "opentinker nodes" in block.script:
                     self.start_probe()
-                    wait_for(lambda: self.call("nodes") == TRAINERS, timeout=180, what="both trainers connected")
+                    self.wait_trainers()
                     out = self.hosts.run(host, block.script).stdout
                     assert all(t in out for t in TRAINERS), out
                 else:
@@ -139,6 +140,31 @@ class Cluster:
         names = r.stdout.split()
         return names[0] if len(names) == 1 else None
 
+    def wait_trainers(self) -> None:
+        wait_for(lambda: self.call("nodes") == TRAINERS, timeout=180, what="both trainers connected")
+
+    def running(self, task_id: str, checkpoint_step: int = 2) -> dict:
+        """Wait until the task runs and has stored a checkpoint at ``checkpoint_step`` or later."""
+        return self.wait_task(
+            task_id,
+            lambda t: t["state"] == "running" and t["checkpoint_step"] >= checkpoint_step,
+            f"task {task_id} running with a checkpoint",
+        )
+
+    def finished(self, task_id: str) -> dict:
+        return self.wait_task(task_id, lambda t: t["state"] in ("succeeded", "failed", "cancelled"), f"{task_id} ends")
+
+    def workers(self, host: str) -> list[int]:
+        """The task worker processes on ``host``."""
+        found = []
+        for pid in netns_pids(self.hosts.hosts[host].ns):
+            try:
+                if b"opentinker_trainer.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+            except OSError:
+                pass
+        return found
+
     def close(self) -> None:
         if self.probe is not None and self.probe.poll() is None:
             self.probe.stdin.close()
@@ -163,3 +189,105 @@ def test_the_guides_commands_set_up_a_cluster_that_runs_a_task(cluster: Cluster)
     task_id = cluster.call("submit", hyperparameters=ppo(4))
     done = cluster.wait_task(task_id, lambda t: t["state"] in ("succeeded", "failed"), "a task ends")
     assert done["state"] == "succeeded" and done["attempt"] == 1, done
+
+
+def test_a_killed_trainer_host_resumes_its_task_on_the_other_from_s3(cluster: Cluster) -> None:
+    task_id = cluster.call("submit", hyperparameters=ppo(300, checkpoint_every=5))
+    before = cluster.running(task_id, checkpoint_step=5)
+    victim = before["node_id"]
+    cluster.hosts.kill(victim)  # power off: agent, worker and its disk gone
+    (other,) = [t for t in TRAINERS if t != victim]
+    done = cluster.finished(task_id)
+    assert done["state"] == "succeeded", done
+    events = cluster.call("events", task=task_id)
+    started = [e for e in events if e["kind"] == "state" and e["to_state"] == "running"]
+    assert [(e["attempt"], e["node_id"]) for e in started] == [(1, victim), (2, other)], started
+    resumed = [e["step"] for e in events if e["kind"] == "metric" and e["sequence"] > started[1]["sequence"]]
+    assert min(resumed) > before["checkpoint_step"], "attempt 2 began after the checkpoint, from S3"
+    # the host comes back with an empty disk and joins again
+    cluster.hosts.boot(victim)
+    cluster.start_service(victim, "trainer")
+    cluster.wait_trainers()
+
+
+def test_a_killed_leader_is_replaced_and_running_work_goes_on(cluster: Cluster) -> None:
+    task_id = cluster.call("submit", hyperparameters=ppo(200, checkpoint_every=10))
+    cluster.running(task_id, checkpoint_step=10)
+    leader = wait_for(cluster.leader, timeout=60, what="one leader")
+    killed_at = time.time()
+    cluster.stop_service(leader, "scheduler")  # kill -9
+    acknowledged_at = cluster.call("leader_call", hyperparameters=ppo(1))
+    failover = acknowledged_at - killed_at
+    print(f"\nfailover through haproxy: kill -9 of the leader to the first acknowledged submit: {failover:.1f} s")
+    assert failover < FAILOVER_BOUND_S
+    assert cluster.leader() not in (None, leader)
+    done = cluster.finished(task_id)
+    assert (done["state"], done["attempt"]) == ("succeeded", 1), done
+    cluster.start_service(leader, "scheduler")
+    ready = "curl -sS --retry 60 --retry-connrefused --retry-delay 1 -o /dev/null http://localhost:8889/health"
+    cluster.hosts.run(leader, ready)
+
+
+def test_a_trainer_cut_off_and_joined_again_writes_nothing_stale(cluster: Cluster) -> None:
+    task_id = cluster.call("submit", hyperparameters=ppo(300, checkpoint_every=5))
+    before = cluster.running(task_id, checkpoint_step=5)
+    cut = before["node_id"]
+    cluster.hosts.cut(cut)
+    moved = cluster.wait_task(task_id, lambda t: t["attempt"] == 2 and t["state"] == "running", "attempt 2 runs")
+    assert moved["node_id"] != cut
+    cluster.hosts.heal(cut)
+    done = cluster.finished(task_id)
+    assert done["state"] == "succeeded", done
+    cluster.wait_trainers()
+    wait_for(lambda: not cluster.workers(cut), timeout=120, what=f"the stale worker on {cut} stopped")
+    events = cluster.call("events", task=task_id)
+    second = next(e["sequence"] for e in events if e["kind"] == "state" and e["attempt"] == 2)
+    stale = [e for e in events if e["sequence"] > second and e["kind"] == "checkpoint" and e["attempt"] == 1]
+    assert not stale, stale
+    # every checkpoint in the bucket is one the scheduler lists: nothing the fenced worker uploaded
+    listed = {(k["attempt"], k["step"]) for k in cluster.call("checkpoints", task=task_id)}
+    stored = set()
+    for key in cluster.call("s3_keys"):
+        m = re.match(rf"tasks/{task_id}/a(\d+)/(?:step|final)_(\d+)/", key)
+        if m:
+            stored.add((int(m.group(1)), int(m.group(2))))
+    assert stored and stored <= listed, (stored, listed)
+
+
+def test_a_watch_open_across_a_database_restart_ends_with_the_terminal_event(cluster: Cluster) -> None:
+    task_id = cluster.call("submit", hyperparameters=ppo(200, checkpoint_every=10))
+    cluster.running(task_id, checkpoint_step=10)
+    out = cluster.tmp / "watch.jsonl"
+    env = "export SCHEDULER_URL=http://lb:8888"
+    watch = cluster.hosts.spawn("lb", f"{env}\nexec python -m tests.cluster.probe watch {task_id}", out)
+    wait_for(lambda: out.exists() and out.read_text().count("\n") > 3, timeout=60, what="the watch streams")
+    cluster.stop_service("db", "postgresql", signal.SIGINT)  # a fast shutdown
+    cluster.start_service("db", "postgresql")
+    done = cluster.finished(task_id)
+    assert done["state"] == "succeeded", done
+    wait_for(lambda: watch.poll() is not None, timeout=120, what="the watch ends")
+    lines = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    assert lines[-1] == {"end": True}, lines[-3:]
+    terminal = [e for e in lines[:-1] if e.get("kind") == "state" and e["to_state"] == "succeeded"]
+    assert terminal, lines[-5:]
+
+
+def test_s3_down_for_a_while_costs_a_checkpoint_at_most(cluster: Cluster) -> None:
+    task_id = cluster.call("submit", hyperparameters=ppo(200, checkpoint_every=10))
+    cluster.running(task_id, checkpoint_step=10)
+    cluster.stop_service("db", "seaweedfs")  # kill -9
+    wait_for(
+        lambda: any(e["kind"] == "checkpoint_failed" for e in cluster.call("events", task=task_id) or []),
+        timeout=300,
+        what="a checkpoint that could not be stored",
+    )
+    cluster.start_service("db", "seaweedfs")
+    done = cluster.finished(task_id)
+    assert (done["state"], done["attempt"]) == ("succeeded", 1), done
+    events = cluster.call("events", task=task_id)
+    assert any(e["kind"] == "checkpoint" and e["final"] for e in events)
+
+
+def test_the_cluster_stops_and_leaves_no_namespaces_or_processes(cluster: Cluster) -> None:
+    cluster.close()
+    assert cluster.hosts.leftovers() == ([], [])
