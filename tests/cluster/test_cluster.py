@@ -256,12 +256,22 @@ def test_a_trainer_cut_off_and_joined_again_writes_nothing_stale(cluster: Cluste
 
 def test_a_watch_open_across_a_database_restart_ends_with_the_terminal_event(cluster: Cluster) -> None:
     task_id = cluster.call("submit", hyperparameters=ppo(200, checkpoint_every=10))
-    cluster.running(task_id, checkpoint_step=10)
+    node = cluster.running(task_id, checkpoint_step=10)["node_id"]
     out = cluster.tmp / "watch.jsonl"
     env = "export SCHEDULER_URL=http://lb:8888"
     watch = cluster.hosts.spawn("lb", f"{env}\nexec python -m tests.cluster.probe watch {task_id}", out)
     wait_for(lambda: out.exists() and out.read_text().count("\n") > 3, timeout=60, what="the watch streams")
     cluster.stop_service("db", "postgresql", signal.SIGINT)  # a fast shutdown
+    # down until both schedulers say so (/health 503: the database unreachable), the task going on
+    degraded = "! curl -sf -o /dev/null http://scheduler-a:8889/health && ! curl -sf -o /dev/null http://scheduler-b:8889/health"
+    cluster.hosts.run("lb", f"until {degraded}; do sleep 0.5; done", timeout=120)
+    trainer_log = cluster.log(node, "trainer")
+    steps = trainer_log.read_text().count('"event": "update"')
+    wait_for(
+        lambda: trainer_log.read_text().count('"event": "update"') >= steps + 10,
+        timeout=120,
+        what="ten more steps while the database is down",
+    )
     cluster.start_service("db", "postgresql")
     done = cluster.finished(task_id)
     assert done["state"] == "succeeded", done
