@@ -135,6 +135,7 @@ class Hosts:
         wait_for(lambda: not netns_pids(h.ns), timeout=30, what=f"every process of host {name} gone")
         if h.keeper is not None:
             h.keeper.wait(timeout=10)
+            h.keeper.stdout.close()
 
     def cut(self, name: str) -> None:
         """Cut host ``name`` off the network (both directions); :meth:`heal` joins it again."""
