@@ -30,7 +30,7 @@ HOSTS = ["db", "scheduler-a", "scheduler-b", "lb", "trainer-1", "trainer-2"]
 TRAINERS = ["trainer-1", "trainer-2"]
 SCHEDULERS = ["scheduler-a", "scheduler-b"]
 #: Seconds from kill -9 of the leader to the first acknowledged submit through the balancer
-#: that fail the test: the lease (10 s) and two health checks take about 13 s.
+#: that fail the test: the lease (10 s), haproxy's checks and the client's backoff took 13-19 s.
 FAILOVER_BOUND_S = 60.0
 
 
@@ -54,6 +54,8 @@ class Block:
 
 def guide_blocks(text: str) -> list[Block]:
     """The ```sh blocks of the guide, in order; each starts ``# on HOST[ and HOST][, a service (NAME)]``."""
+    openings = re.findall(r"(?m)^```(\w*)$", text)[::2]
+    assert set(openings) == {"sh"}, f"docs/cluster.md: every command block is ```sh, got {openings}"
     blocks = []
     for body in re.findall(r"```sh\n(.*?)```", text, re.S):
         first, _, script = body.partition("\n")
@@ -64,6 +66,8 @@ def guide_blocks(text: str) -> list[Block]:
 
 
 class Cluster:
+    """The hosts, the guide's services on them (by host and service name) and the client on lb."""
+
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.hosts = Hosts(tmp, HOSTS)
