@@ -136,6 +136,7 @@ def prepare(
         init_format=assign.init_checkpoint.format,
         out=out,
         publisher=publisher,
+        credential=assign.worker_credential,
         **context,
     )
 

@@ -353,13 +353,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         scope = owner_scope()
         return scope is None or self.core.store.dataset_visible(dataset_id, scope)
 
+    def _refuse_hidden_dataset(self, dataset_id: str) -> None:
+        """Raises NotFound, worded as for a missing dataset, when ``dataset_id`` exists but the
+        caller may not see it (another owner's)."""
+        if self.datasets.exists(dataset_id) and not self._dataset_visible(dataset_id):
+            raise NotFound(f"dataset {dataset_id} not found (upload it first with UploadDataset)")
+
     async def DownloadDataset(self, request, context):
         try:
             await self._dataset_here(request.dataset_id)
-            if self.datasets.exists(request.dataset_id) and not self._dataset_visible(request.dataset_id):
-                raise NotFound(
-                    f"dataset {request.dataset_id} not found (upload it first with UploadDataset)"
-                )  # as a missing one
+            self._refuse_hidden_dataset(request.dataset_id)
             info = self.datasets.info(request.dataset_id)
             own_name = self.core.store.dataset_name(request.dataset_id, caller().owner)
             if own_name is not None:
@@ -615,7 +618,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         except Exception as exc:  # noqa: BLE001 - a broken stream ends the session
             bound.warning("node stream read failed", error=repr(exc))
 
-    # ---- reads for task workers (node role; a node key may not call SchedulerService) ----------
+    # ---- reads for task workers (their attempt credentials; a node key reads nothing) ----------
     @property
     def _views(self) -> "SchedulerService":
         if self.scheduler_service is None:
@@ -637,8 +640,6 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             raise InvalidArgument("task_id: expected a task id, got an empty string")
         # a task worker looks up its owner's tasks only; another owner's is NOT_FOUND
         task = self._views._task(self.core.get(request.task_id, owner=owner_scope()))
-        if caller().role == "node":
-            _drop_access_tokens(task.spec.env_config)
         deleted = None if task.HasField("latest_checkpoint") else self.core.store.artifacts_deleted(task.task_id)
         listed = checkpoints.list_checkpoints(self.core.store, task.task_id) if request.include_checkpoints else []
         return node_pb2.LookupTaskResponse(task=task, artifacts_deleted=deleted, checkpoints=listed)
@@ -648,9 +649,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         try:
             self._attempt_live()
             await self._views._dataset_here(request.dataset_id)
-            if datasets.exists(request.dataset_id) and not self._views._dataset_visible(request.dataset_id):
-                # a task worker reads its owner's datasets only; another owner's reads as a missing one
-                raise NotFound(f"dataset {request.dataset_id} not found")
+            self._views._refuse_hidden_dataset(request.dataset_id)  # a worker reads its owner's only
             info = datasets.info(request.dataset_id)
             chunks = datasets.chunks(request.dataset_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
@@ -660,13 +659,3 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         log.info("dataset sent to a trainer", dataset_id=request.dataset_id, size_bytes=info.size_bytes)
         for chunk in chunks:
             yield node_pb2.FetchDatasetResponse(chunk=chunk, size_bytes=info.size_bytes)
-
-
-def _drop_access_tokens(env_config) -> None:
-    """Remove the access tokens of client-hosted environments and rewards (``token``, also in
-    ``reward``) from a spec a node key reads: a model host resolving adapters needs the spec, not
-    the user's secrets. A task's worker reads them with its attempt credential."""
-    env_config.fields.pop("token", None)
-    reward = env_config.fields.get("reward")
-    if reward is not None and reward.HasField("struct_value"):
-        reward.struct_value.fields.pop("token", None)
