@@ -600,12 +600,13 @@ class NodeAgent:
         env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         env["OPENTINKER_AGENT_PID"] = str(os.getpid())  # the worker dies with the agent
         env["OPENTINKER_NODE_ID"] = self.config.node_id  # bound into the worker's log lines
-        # Workers call the scheduler as their node does (datasets, adapter lookup): address, key, TLS.
+        # Workers reach the scheduler as their node does (address, TLS) but never with the node's
+        # key: each attempt calls with its own credential (AssignTask.worker_credential).
+        env.pop("OPENTINKER_API_KEY", None)
         env.update(
             worker_env(
                 # Several schedulers: all of them, the leader first (the worker follows it as well).
                 ",".join(dict.fromkeys((self.targets.current, *self.targets.given))),
-                api_key=self.config.api_key,
                 tls_ca=self.config.tls_ca,
                 tls_cert=self.config.tls_cert,
                 tls_key=self.config.tls_key,

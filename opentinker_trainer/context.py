@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -81,6 +82,9 @@ class WorkerContext:
     steps_done: int = 0
     #: True while a step that a stop may abandon runs (:meth:`abandonable`).
     _abandon: bool = False
+    #: This attempt's credential (``AssignTask.worker_credential``, ``otw_...``): the key its
+    #: calls to the scheduler carry (:meth:`scheduler_env`); "" with auth off.
+    credential: str = ""
 
     # --- reports ---------------------------------------------------------------------------
     def _emit(self, kind: str, **payload: Any) -> None:
@@ -102,6 +106,14 @@ class WorkerContext:
         self._emit("metric", step=int(step), values=clean)
         if self.tracker is not None:
             self.tracker.log(step, clean)
+
+    def scheduler_env(self) -> Mapping[str, str]:
+        """The environment this attempt's scheduler calls read (:mod:`opentinker_trainer.scheduler_link`):
+        this process's, with ``OPENTINKER_API_KEY`` set to the attempt's credential. A model host's
+        tenants share one process, so each passes its own."""
+        if not self.credential:
+            return os.environ
+        return {**os.environ, "OPENTINKER_API_KEY": self.credential}
 
     def emit_checkpoint(self, step: int, path: Path, *, final: bool, fmt: str) -> dict[str, Any] | None:
         """Report a checkpoint folder written after ``step`` (format e.g. ``peft_lora``); returns

@@ -5,9 +5,10 @@ variables: ``OPENTINKER_SCHEDULER_URL`` (``host:port``, or several separated by 
 first, when the node was given several schedulers: the worker's calls then follow the leader too;
 ``OPENTINKER_SCHEDULER_TLS=1`` when the node's URL was ``https://``), ``OPENTINKER_API_KEY`` and
 ``OPENTINKER_TLS_CA`` / ``OPENTINKER_TLS_CERT`` / ``OPENTINKER_TLS_KEY`` (TLS, and the node's client
-certificate for mTLS). With auth on, ``OPENTINKER_API_KEY`` of a task worker is its attempt's
-credential (``AssignTask.worker_credential``), never the node's key: the worker writes only its
-own attempt's checkpoints and reads only its task owner's tasks and datasets.
+certificate for mTLS). The node's key is never handed on: with auth on, ``OPENTINKER_API_KEY`` of
+a task worker is its attempt's credential (``AssignTask.worker_credential``), and a model host's
+tenants pass theirs (``WorkerContext.scheduler_env``). The worker writes only its own attempt's
+checkpoints and reads only its task owner's tasks and datasets.
 """
 
 from __future__ import annotations

@@ -138,6 +138,7 @@ def prepare(
         init_format=assign.init_checkpoint.format,
         out=out,
         publisher=publisher,
+        credential=assign.worker_credential,
         **context,
     )
 

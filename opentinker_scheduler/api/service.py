@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 from typing import AsyncIterator
 
 import grpc
@@ -72,6 +73,11 @@ def task_to_proto(task: TaskRow, pending_reason: str = "") -> common_pb2.Task:
     if task.latest_checkpoint is not None:
         out.latest_checkpoint.CopyFrom(task.latest_checkpoint)
     return out
+
+
+#: Rows of a ListTasks page read and built between two turns of the event loop, so that a page of
+#: a thousand tasks never holds other owners' calls for its whole build.
+LIST_SLICE_ROWS = 25
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -237,13 +243,30 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         for s in request.states:
             if s not in common_pb2.TaskState.values() or s == common_pb2.TASK_STATE_UNSPECIFIED:
                 raise InvalidArgument(f"states: expected TASK_STATE_PENDING..TASK_STATE_CANCELLED, got {s}")
-        rows = self.core.store.list_tasks(request.states, limit=size + 1, before=before, owner=owner_scope())
+        owner = owner_scope()
+        rows, tasks = [], []
+        async with self._heavy_read(call.who.owner):
+            while len(rows) <= size:  # one row past the page says whether there is a next page
+                if rows:
+                    await asyncio.sleep(0)  # other calls run between two slices of the page
+                want = min(LIST_SLICE_ROWS, size + 1 - len(rows))
+                part = self.core.store.list_tasks(request.states, limit=want, before=before, owner=owner)
+                rows += part
+                tasks += [self._task(t) for t in part[: max(0, size - len(tasks))]]
+                if len(part) < want:
+                    break
+                before = (part[-1].create_time, part[-1].task_id)
         token = ""
         if len(rows) > size:
-            rows = rows[:size]
-            last = rows[-1]
+            last = rows[size - 1]
             token = base64.urlsafe_b64encode(f"{last.create_time!r}|{last.task_id}".encode()).decode()
-        return scheduler_pb2.ListTasksResponse(tasks=[self._task(t) for t in rows], next_page_token=token)
+        return scheduler_pb2.ListTasksResponse(tasks=tasks, next_page_token=token)
+
+    def _heavy_read(self, owner: str):
+        """One of ``owner``'s heavy reads at a time (:meth:`Limits.heavy_read`); no bound without limits."""
+        if self.security is None:
+            return contextlib.nullcontext()
+        return self.security.limits.heavy_read(owner)
 
     @rpc(action="task.cancel")
     async def CancelTask(self, request, call: Call):
@@ -353,13 +376,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         scope = owner_scope()
         return scope is None or self.core.store.dataset_visible(dataset_id, scope)
 
+    def _refuse_hidden_dataset(self, dataset_id: str) -> None:
+        """Raises NotFound, worded as for a missing dataset, when ``dataset_id`` exists but the
+        caller may not see it (another owner's)."""
+        if self.datasets.exists(dataset_id) and not self._dataset_visible(dataset_id):
+            raise NotFound(f"dataset {dataset_id} not found (upload it first with UploadDataset)")
+
     async def DownloadDataset(self, request, context):
         try:
             await self._dataset_here(request.dataset_id)
-            if self.datasets.exists(request.dataset_id) and not self._dataset_visible(request.dataset_id):
-                raise NotFound(
-                    f"dataset {request.dataset_id} not found (upload it first with UploadDataset)"
-                )  # as a missing one
+            self._refuse_hidden_dataset(request.dataset_id)
             info = self.datasets.info(request.dataset_id)
             own_name = self.core.store.dataset_name(request.dataset_id, caller().owner)
             if own_name is not None:
@@ -615,7 +641,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         except Exception as exc:  # noqa: BLE001 - a broken stream ends the session
             bound.warning("node stream read failed", error=repr(exc))
 
-    # ---- reads for task workers (node role; a node key may not call SchedulerService) ----------
+    # ---- reads for task workers (their attempt credentials; a node key reads nothing) ----------
     @property
     def _views(self) -> "SchedulerService":
         if self.scheduler_service is None:
@@ -637,8 +663,6 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
             raise InvalidArgument("task_id: expected a task id, got an empty string")
         # a task worker looks up its owner's tasks only; another owner's is NOT_FOUND
         task = self._views._task(self.core.get(request.task_id, owner=owner_scope()))
-        if caller().role == "node":
-            _drop_access_tokens(task.spec.env_config)
         deleted = None if task.HasField("latest_checkpoint") else self.core.store.artifacts_deleted(task.task_id)
         listed = checkpoints.list_checkpoints(self.core.store, task.task_id) if request.include_checkpoints else []
         return node_pb2.LookupTaskResponse(task=task, artifacts_deleted=deleted, checkpoints=listed)
@@ -648,9 +672,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         try:
             self._attempt_live()
             await self._views._dataset_here(request.dataset_id)
-            if datasets.exists(request.dataset_id) and not self._views._dataset_visible(request.dataset_id):
-                # a task worker reads its owner's datasets only; another owner's reads as a missing one
-                raise NotFound(f"dataset {request.dataset_id} not found")
+            self._views._refuse_hidden_dataset(request.dataset_id)  # a worker reads its owner's only
             info = datasets.info(request.dataset_id)
             chunks = datasets.chunks(request.dataset_id)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
@@ -660,13 +682,3 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         log.info("dataset sent to a trainer", dataset_id=request.dataset_id, size_bytes=info.size_bytes)
         for chunk in chunks:
             yield node_pb2.FetchDatasetResponse(chunk=chunk, size_bytes=info.size_bytes)
-
-
-def _drop_access_tokens(env_config) -> None:
-    """Remove the access tokens of client-hosted environments and rewards (``token``, also in
-    ``reward``) from a spec a node key reads: a model host resolving adapters needs the spec, not
-    the user's secrets. A task's worker reads them with its attempt credential."""
-    env_config.fields.pop("token", None)
-    reward = env_config.fields.get("reward")
-    if reward is not None and reward.HasField("struct_value"):
-        reward.struct_value.fields.pop("token", None)

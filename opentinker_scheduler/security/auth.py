@@ -21,8 +21,8 @@ revoked (at once) or expires (within ``stream_recheck_interval`` seconds):
 **Roles** (:data:`ROLES`): ``admin`` may do everything; ``user`` may use SchedulerService on its
 owner's own tasks (another owner's task is NOT_FOUND, never confirmed to exist; ``ListNodes``, which
 names every owner's running tasks, is for admins: :data:`ADMIN_ONLY_METHODS`) and manage its own
-keys; ``node`` may call NodeService only (its stream, and the reads ``LookupTask`` and
-``FetchDataset``); it neither writes nor reads artifacts. A task worker calls with its attempt's credential
+keys; ``node`` may open its node's stream (``NodeService.Connect``) only: it reads no task,
+dataset or artifact and writes none. A task worker calls with its attempt's credential
 (``otw_...``, :mod:`opentinker_scheduler.state.worker_credentials`), role ``worker``: NodeService's
 reads of its task's owner and ArtifactService, writing only under its attempt's prefix while that
 attempt runs on its node (:mod:`opentinker_scheduler.api.artifacts`).
@@ -113,10 +113,10 @@ def caller() -> Principal:
 
 
 def owner_scope() -> str | None:
-    """The owner whose tasks the caller may see: ``None`` (all) for admins and nodes (trainer
-    infrastructure), else its owner (a task worker's is its task's owner)."""
+    """The owner whose tasks the caller may see: ``None`` (all) for admins, else its owner (a task
+    worker's is its task's owner)."""
     p = caller()
-    return None if p.is_admin or p.role == "node" else p.owner
+    return None if p.is_admin else p.owner
 
 
 # ------------------------------------------------------------------------------ interceptor
@@ -162,7 +162,9 @@ def allowed_roles(method: str) -> frozenset[str]:
         return frozenset({"admin", "user"})
     if method == f"/{NODE_SERVICE}/Connect":
         return frozenset({"admin", "node"})
-    if service in (NODE_SERVICE, ARTIFACT_SERVICE):
+    if service == NODE_SERVICE:  # a worker's reads, with its attempt credential
+        return frozenset({"admin", "worker"})
+    if service == ARTIFACT_SERVICE:  # a node key is refused there, naming the artifact key
         return frozenset({"admin", "node", "worker"})
     if service == ADMIN_SERVICE:
         return frozenset({"admin", "user"})  # per-RPC owner checks in AdminService
@@ -171,7 +173,10 @@ def allowed_roles(method: str) -> frozenset[str]:
 
 _ROLE_HINT = {
     "worker": "a task worker's credential may call NodeService's reads and ArtifactService only",
-    "node": "node keys may call NodeService only",
+    "node": (
+        "node keys may open their node's stream (NodeService.Connect) only; a task's worker reads tasks "
+        "and datasets with the attempt credential of its assignment"
+    ),
     "user": "user keys may not open a node stream or make task workers' reads (NodeService); trainers need a node key",
 }
 

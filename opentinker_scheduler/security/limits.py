@@ -73,6 +73,9 @@ from opentinker_scheduler.errors import ResourceExhausted
 READ_TOKEN_BYTES = 4096
 #: Rate refusals of one owner held at once (:meth:`Limits.refusal_wait`); more are answered at once.
 MAX_HELD_REFUSALS = 64
+#: Heavy reads (a ListTasks page) of one owner built at once (:meth:`Limits.heavy_read`); the
+#: others wait their turn, which costs the scheduler nothing.
+HEAVY_READS_PER_OWNER = 1
 
 #: The limiter and owner of a rate refusal of the call being handled (:func:`hold_rate_refusal`).
 _RATE_REFUSED: contextvars.ContextVar[tuple[Limits, str] | None] = contextvars.ContextVar(
@@ -125,6 +128,7 @@ class Limits:
         self._uploads: dict[str, int] = {}  # user uploads per owner
         self._pools = {USER_UPLOADS: 0, CHECKPOINT_UPLOADS: 0}
         self._held: dict[str, int] = {}  # rate refusals held per owner (refusal_wait)
+        self._heavy: dict[str, tuple[asyncio.Semaphore, int]] = {}  # heavy_read: turns, callers per owner
         self._lock = threading.Lock()
 
     def check_spec_size(self, size_bytes: int) -> None:
@@ -229,6 +233,24 @@ class Limits:
             if hold:
                 with self._lock:
                     _drop(self._held, owner)
+
+    @contextlib.asynccontextmanager
+    async def heavy_read(self, owner: str):
+        """``async with limits.heavy_read(owner):`` runs the block as one of ``owner``'s
+        :data:`HEAVY_READS_PER_OWNER` heavy reads at a time; a flood of them from one owner then
+        queues behind itself and leaves the event loop to other owners' calls between its
+        slices. Call it on the event loop only."""
+        turns, callers = self._heavy.get(owner) or (asyncio.Semaphore(HEAVY_READS_PER_OWNER), 0)
+        self._heavy[owner] = (turns, callers + 1)
+        try:
+            async with turns:
+                yield
+        finally:
+            turns, callers = self._heavy[owner]
+            if callers > 1:
+                self._heavy[owner] = (turns, callers - 1)
+            else:
+                del self._heavy[owner]
 
     def check_pending(self, owner: str, count, *, override: tuple[int | None, str] | None = None) -> None:
         """Raises ResourceExhausted when ``owner`` already has the limit of PENDING tasks queued.

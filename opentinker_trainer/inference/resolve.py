@@ -1,5 +1,5 @@
 """Adapter name -> checkpoint folder, by asking the scheduler (``NodeService.LookupTask``, with the
-node's key) about the task of that id.
+serving attempt's credential) about the task of that id.
 
 An adapter is named by the id of a finished ``lora_finetune``, ``sft`` or ``lora_session`` task;
 it is served from that task's newest checkpoint (its final one when it succeeded; for a training
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Mapping
 
 import grpc
 
@@ -274,12 +275,17 @@ class SchedulerResolver:
         timeout: seconds per LookupTask call.
         fetch: ``Checkpoint -> local folder`` for a checkpoint in the artifact store (through the
             node-local cache); without it (or for a checkpoint with no ``artifact``) its ``path``.
+        env: where the scheduler link's key and TLS settings are read (default ``os.environ``):
+            the serving attempt's (``WorkerContext.scheduler_env``). Its credential reads the tasks
+            of the inference task's owner only; a node key reads none.
     """
 
-    def __init__(self, target: str, served_model: str, *, timeout: float = 10.0, fetch=None) -> None:
-        # With the node's key and TLS: the caller's right to this adapter was checked before
-        # (access.AccessChecker, with the caller's own key); loading is the node's business.
-        self.channel, self.metadata = scheduler_channel(target)
+    def __init__(
+        self, target: str, served_model: str, *, timeout: float = 10.0, fetch=None, env: Mapping[str, str] | None = None
+    ) -> None:
+        # The caller's right to this adapter was checked before (access.AccessChecker, with the
+        # caller's endpoint token); the attempt's credential bounds what loading may read.
+        self.channel, self.metadata = scheduler_channel(target, env)
         self.stub = node_pb2_grpc.NodeServiceStub(self.channel)
         self.served_model = served_model
         self.timeout = timeout

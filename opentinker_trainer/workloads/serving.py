@@ -90,7 +90,7 @@ def run(ctx: WorkerContext) -> None:
     # Served under the full-weight task's id, when it is one: adapters of the base model are refused.
     served = cfg.checkpoint_task_id or ctx.spec.model
     # Adapters, policies and full weights come from the artifact store, through the node-local cache.
-    resolver = SchedulerResolver(scheduler, served, fetch=_fetcher(ctx)) if scheduler else None
+    resolver = SchedulerResolver(scheduler, served, fetch=_fetcher(ctx), env=ctx.scheduler_env()) if scheduler else None
     tenant = getattr(ctx, "tenant", None)  # a model host's serving tenant: its base is loaded already
     shared: SharedModel | None = None
     try:
@@ -216,7 +216,11 @@ def _policies(resolver: SchedulerResolver | None, cfg) -> PolicyRegistry | None:
 def _run_policies_only(ctx: WorkerContext, cfg, *, tls, ttl: float) -> None:
     """``policies_only``: no language model; serve ``Act`` for PPO policies until stopped or the TTL."""
     scheduler = os.environ.get("OPENTINKER_SCHEDULER_URL")
-    resolver = SchedulerResolver(scheduler, ctx.spec.model, fetch=_fetcher(ctx)) if scheduler else None
+    resolver = (
+        SchedulerResolver(scheduler, ctx.spec.model, fetch=_fetcher(ctx), env=ctx.scheduler_env())
+        if scheduler
+        else None
+    )
     log.info("serving policies only", task_id=ctx.task_id, model=ctx.spec.model or None)
     try:
         asyncio.run(

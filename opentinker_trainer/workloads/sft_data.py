@@ -160,11 +160,12 @@ def task_dataset(ctx, dataset_id: str) -> Path:
         cache,
         store=getattr(publisher, "store", None),
         artifact_cache=getattr(publisher, "cache", None),
+        env=ctx.scheduler_env() if hasattr(ctx, "scheduler_env") else None,
     )
 
 
 def fetch_dataset(
-    dataset_id: str, scheduler_target: str | None, cache_dir: Path, *, store=None, artifact_cache=None
+    dataset_id: str, scheduler_target: str | None, cache_dir: Path, *, store=None, artifact_cache=None, env=None
 ) -> Path:
     """The local file of an uploaded dataset.
 
@@ -173,7 +174,8 @@ def fetch_dataset(
     the artifact ``datasets/<hex>``, cached by hash, checked against the id); the scheduler is
     asked only for a dataset the bucket does not have. Otherwise (the ``local`` store, or no
     store): from ``cache_dir`` when there, else downloaded from the scheduler
-    (``NodeService.FetchDataset``, with the node's key) and checked against its SHA-256. The
+    (``NodeService.FetchDataset``, with the key of ``env``, default ``os.environ``: the attempt's
+    credential) and checked against its SHA-256. The
     download goes to a temporary file renamed into place once complete and verified, so
     concurrent workers on one node and crashed downloads never leave a wrong file behind.
 
@@ -219,7 +221,7 @@ def fetch_dataset(
     tmp = cache_dir / f".{hex_}.{secrets.token_hex(4)}.part"
     digest = hashlib.sha256()
     try:
-        channel, metadata = scheduler_channel(scheduler_target)
+        channel, metadata = scheduler_channel(scheduler_target, env)
         with channel, open(tmp, "wb") as fh:
             stub = node_pb2_grpc.NodeServiceStub(channel)
             for resp in stub.FetchDataset(

@@ -24,6 +24,7 @@ from opentinker_scheduler.data.artifact_store import Artifacts, Retention
 from opentinker_trainer.inference.adapters import AdapterNotFound
 from opentinker_trainer.inference.resolve import SchedulerResolver
 
+from tests.support.raw_node import RawNode
 from tests.support.security import LoopbackScheduler
 
 MODEL = "HuggingFaceTB/SmolLM2-135M"
@@ -116,14 +117,19 @@ def test_owners_delete_their_finished_tasks_artifacts(backend, tmp_path, request
                 assert cli_main(["--scheduler-url", s.target, "--api-key", alice_key, *argv]) != 0
                 err = capsys.readouterr().err
                 assert re.search(deleted, err) and "without a checkpoint" not in err, (argv, err)
-            # a running server asked for it (the node's LookupTask) says so too
-            monkeypatch.setenv("OPENTINKER_API_KEY", node_key)
-            resolver = SchedulerResolver(s.target, MODEL)
+            # a running server asked for it (LookupTask, with its attempt's credential) says so too
+            node = RawNode(s.target, node_key, "node-a")
             try:
-                with pytest.raises(AdapterNotFound, match=rf"adapter '{mine}': task {deleted}"):
-                    resolver(mine)
+                server = alice.submit_task(workload_type="lora_finetune", model=MODEL, gpu_count=0)
+                credential = node.assignment(server).worker_credential
+                resolver = SchedulerResolver(s.target, MODEL, env={"OPENTINKER_API_KEY": credential})
+                try:
+                    with pytest.raises(AdapterNotFound, match=rf"adapter '{mine}': task {deleted}"):
+                        resolver(mine)
+                finally:
+                    resolver.close()
             finally:
-                resolver.close()
+                node.leave()
             assert alice.delete_artifacts(mine)[1:] == ([], 0)  # idempotent
             assert [e.kind for e in alice.watch(mine)].count("artifacts_deleted") == 1  # recorded once
         # `opentinker rm`, with an admin key: another owner's task is theirs to delete too

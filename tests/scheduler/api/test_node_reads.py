@@ -1,5 +1,6 @@
-"""Task workers read through NodeService (LookupTask, FetchDataset) with their node's key, and an
-uploaded dataset belongs to the owners who uploaded it; through a real scheduler on loopback."""
+"""Task workers read through NodeService (LookupTask, FetchDataset) with their attempt's
+credential, their task owner's tasks and datasets only; a node key reads none; an uploaded dataset
+belongs to the owners who uploaded it. Through a real scheduler on loopback, auth on."""
 
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ import json
 import grpc
 import pytest
 
+from opentinker.common.v1 import common_pb2 as C
 from opentinker.node.v1 import node_pb2 as N, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
 from opentinker_client import NotFoundError, RLClient
 
+from tests.support.raw_node import RawNode
 from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler, metadata
+from tests.support.waiting import wait_for
 
 LINE = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
 
 
 @pytest.fixture
 def sched(tmp_path):
-    with LoopbackScheduler(tmp_path / "state", AUTH_LOCAL_MODELS) as s:
+    with LoopbackScheduler(tmp_path / "state", AUTH_LOCAL_MODELS + "lease: 600\n") as s:
         yield s
 
 
@@ -45,75 +49,156 @@ def _code(fn) -> tuple[grpc.StatusCode, str]:
     return err.value.code(), err.value.details()
 
 
-def test_node_key_reads_through_node_service_only(sched, tmp_path) -> None:
+def _status(fn) -> grpc.StatusCode:
+    try:
+        fn()
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_a_node_key_reads_no_task_and_no_dataset(sched, tmp_path) -> None:
     keys = _keys(sched)
     path, dataset_id = _dataset(tmp_path)
     with RLClient(sched.target, api_key=keys["alice"]) as alice:
         assert alice.upload_dataset(path).dataset_id == dataset_id
         task_id = alice.submit_task(workload_type="lora_finetune", model="/models/m")
+    node = metadata(keys["node"])
     with sched.channel() as ch:
         nodes = node_pb2_grpc.NodeServiceStub(ch)
         clients = scheduler_pb2_grpc.SchedulerServiceStub(ch)
-        # The node role reads any owner's task and dataset through NodeService ...
-        got = nodes.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(keys["node"])).task
-        assert got.task_id == task_id and got.owner == "alice"
-        # checkpoints are listed only when asked for (a new task has none)
-        asked = nodes.LookupTask(
-            N.LookupTaskRequest(task_id=task_id, include_checkpoints=True), metadata=metadata(keys["node"])
-        )
-        assert asked.task.task_id == task_id and list(asked.checkpoints) == []
-        chunks = list(nodes.FetchDataset(N.FetchDatasetRequest(dataset_id=dataset_id), metadata=metadata(keys["node"])))
-        assert b"".join(c.chunk for c in chunks) == path.read_bytes() and chunks[0].size_bytes == path.stat().st_size
-        # ... and may not call SchedulerService at all (not even its reads).
-        for call in (
-            lambda: clients.GetTask(S.GetTaskRequest(task_id=task_id), metadata=metadata(keys["node"])),
-            lambda: list(
-                clients.DownloadDataset(
-                    S.DownloadDatasetRequest(dataset_id=dataset_id), metadata=metadata(keys["node"])
-                )
+        # An existing id and a missing one are refused alike: a node key learns nothing of either.
+        refusals = [
+            _code(lambda: nodes.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=node)),
+            _code(lambda: nodes.LookupTask(N.LookupTaskRequest(task_id="t-missing"), metadata=node)),
+            _code(lambda: list(nodes.FetchDataset(N.FetchDatasetRequest(dataset_id=dataset_id), metadata=node))),
+            _code(
+                lambda: list(nodes.FetchDataset(N.FetchDatasetRequest(dataset_id="sha256:" + "0" * 64), metadata=node))
             ),
-        ):
-            code, details = _code(call)
-            assert code == grpc.StatusCode.PERMISSION_DENIED and "node keys may call NodeService only" in details
-        # A user key may not use the node reads.
+            _code(lambda: clients.GetTask(S.GetTaskRequest(task_id=task_id), metadata=node)),
+        ]
+        for code, details in refusals:
+            assert code == grpc.StatusCode.PERMISSION_DENIED, details
+            assert "node keys may open their node's stream (NodeService.Connect) only" in details
+            assert "attempt credential" in details and task_id not in details and dataset_id not in details
+        # A user key may not use the workers' reads either.
         code, _ = _code(
             lambda: nodes.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(keys["alice"]))
         )
         assert code == grpc.StatusCode.PERMISSION_DENIED
-        # Bad input: clear status, nothing else.
-        code, details = _code(
-            lambda: nodes.LookupTask(N.LookupTaskRequest(task_id=""), metadata=metadata(keys["node"]))
-        )
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "task_id" in details
-        code, _ = _code(
-            lambda: nodes.LookupTask(N.LookupTaskRequest(task_id="t-missing"), metadata=metadata(keys["node"]))
-        )
-        assert code == grpc.StatusCode.NOT_FOUND
-        code, _ = _code(
-            lambda: list(
-                nodes.FetchDataset(
-                    N.FetchDatasetRequest(dataset_id="sha256:" + "0" * 64), metadata=metadata(keys["node"])
-                )
-            )
-        )
-        assert code == grpc.StatusCode.NOT_FOUND
-        code, _ = _code(
-            lambda: list(nodes.FetchDataset(N.FetchDatasetRequest(dataset_id="nope"), metadata=metadata(keys["node"])))
-        )
-        assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_a_node_key_reads_a_task_without_its_environments_access_token(sched) -> None:
+def test_a_worker_reads_its_owners_tasks_and_datasets_only_while_its_attempt_runs(sched, tmp_path) -> None:
     keys = _keys(sched)
+    path, dataset_id = _dataset(tmp_path)
+    (tmp_path / "bob").mkdir()
+    theirs_path, theirs_dataset = _dataset(tmp_path / "bob", json.dumps({**LINE, "id": "bob"}) + "\n")
     env = {"env_id": "client", "endpoint": "127.0.0.1:1", "token": "s" * 43, "action_space": 2, "observation_space": 4}
-    with RLClient(sched.target, api_key=keys["alice"]) as alice:
-        task_id = alice.submit_task(workload_type="full_rl", model="mlp", env_config=env)
-    with sched.channel() as ch:
-        nodes = node_pb2_grpc.NodeServiceStub(ch)
-        got = nodes.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(keys["node"])).task
-        assert "token" not in got.spec.env_config.fields and got.spec.env_config.fields["endpoint"].string_value
-        admin = nodes.LookupTask(N.LookupTaskRequest(task_id=task_id), metadata=metadata(keys["admin"])).task
-        assert admin.spec.env_config.fields["token"].string_value == "s" * 43  # the admin's read is whole
+    with RLClient(sched.target, api_key=keys["alice"]) as alice, RLClient(sched.target, api_key=keys["bob"]) as bob:
+        alice.upload_dataset(path)
+        bob.upload_dataset(theirs_path)
+        served = alice.submit_task(workload_type="full_rl", model="mlp", env_config=env)  # queued: no node fits it
+        own = alice.submit_task(workload_type="lora_finetune", model="/models/m", gpu_count=0)
+        other = bob.submit_task(workload_type="lora_finetune", model="/models/m", gpu_count=0)
+    node = RawNode(sched.target, keys["node"], "node-a")
+    try:
+        worker = node.assignment(own)
+        node.assignment(other)  # on the same node: still another owner's
+        as_worker = metadata(worker.worker_credential)
+        with sched.channel() as ch:
+            nodes = node_pb2_grpc.NodeServiceStub(ch)
+            # Its own task, and another of its owner (an inference task serves its adapters), whole.
+            assert nodes.LookupTask(N.LookupTaskRequest(task_id=own), metadata=as_worker).task.owner == "alice"
+            got = nodes.LookupTask(N.LookupTaskRequest(task_id=served), metadata=as_worker).task
+            assert got.spec.env_config.fields["token"].string_value == "s" * 43
+            chunks = list(nodes.FetchDataset(N.FetchDatasetRequest(dataset_id=dataset_id), metadata=as_worker))
+            assert b"".join(c.chunk for c in chunks) == path.read_bytes()
+            # Another owner's task and dataset read word for word as missing ones.
+            for kind, lookup, present, missing in (
+                (
+                    "task",
+                    lambda i: nodes.LookupTask(N.LookupTaskRequest(task_id=i), metadata=as_worker),
+                    other,
+                    "t-missing",
+                ),
+                (
+                    "dataset",
+                    lambda i: list(nodes.FetchDataset(N.FetchDatasetRequest(dataset_id=i), metadata=as_worker)),
+                    theirs_dataset,
+                    "sha256:" + "1" * 64,
+                ),
+            ):
+                theirs, absent = _code(lambda: lookup(present)), _code(lambda: lookup(missing))
+                assert theirs[0] == absent[0] == grpc.StatusCode.NOT_FOUND, kind
+                assert theirs[1].replace(present, "ID") == absent[1].replace(missing, "ID")
+            # Bad input: a clear status naming the field.
+            code, details = _code(lambda: nodes.LookupTask(N.LookupTaskRequest(task_id=""), metadata=as_worker))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "task_id" in details
+            code, _ = _code(
+                lambda: list(nodes.FetchDataset(N.FetchDatasetRequest(dataset_id="nope"), metadata=as_worker))
+            )
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            # Once its attempt has ended, the credential reads nothing more.
+            node.report(worker, C.TASK_STATE_SUCCEEDED)
+            wait_for(
+                lambda: (
+                    _status(lambda: nodes.LookupTask(N.LookupTaskRequest(task_id=own), metadata=as_worker))
+                    == grpc.StatusCode.PERMISSION_DENIED
+                ),
+                60,
+                "the ended attempt's credential refused",
+            )
+    finally:
+        node.leave()
+
+
+def test_a_model_host_tenant_reads_with_its_attempt_credential_not_the_nodes_key(sched, tmp_path, monkeypatch):
+    """A model host's tenants share one process whose environment holds no key (the agent hands
+    its node's key to no worker): each resolves adapters and fetches datasets with its own
+    attempt's credential (``WorkerContext.scheduler_env``), its owner's only."""
+    from opentinker_trainer.context import WorkerContext
+    from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRefused
+    from opentinker_trainer.inference.resolve import SchedulerResolver
+    from opentinker_trainer.scheduler_link import worker_env
+    from opentinker_trainer.workloads.sft_data import task_dataset
+
+    keys = _keys(sched)
+    path, dataset_id = _dataset(tmp_path)
+    with RLClient(sched.target, api_key=keys["alice"]) as alice, RLClient(sched.target, api_key=keys["bob"]) as bob:
+        alice.upload_dataset(path)
+        own = alice.submit_task(workload_type="lora_finetune", model="/models/m", gpu_count=0)
+        other = bob.submit_task(workload_type="lora_finetune", model="/models/m", gpu_count=0)
+    monkeypatch.delenv("OPENTINKER_API_KEY", raising=False)
+    for name, value in worker_env(sched.target).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("OPENTINKER_DATASET_CACHE", str(tmp_path / "datasets"))
+    node = RawNode(sched.target, keys["node"], "node-a")
+    try:
+        assign = node.assignment(own)
+        ctx = WorkerContext(own, assign.attempt, None, "cpu", tmp_path / "ck", credential=assign.worker_credential)  # type: ignore[arg-type]
+        resolver = SchedulerResolver(sched.target, "/models/m", env=ctx.scheduler_env())
+        try:
+            # Its owner's task is read (and refused for what it is: no checkpoint yet) ...
+            with pytest.raises(AdapterRefused):
+                resolver(own)
+            # ... another owner's is no task at all, as a missing id.
+            with pytest.raises(AdapterNotFound, match="no task with that id"):
+                resolver(other)
+        finally:
+            resolver.close()
+        assert task_dataset(ctx, dataset_id).read_bytes() == path.read_bytes()
+        # The node's key reads neither.
+        as_node = SchedulerResolver(
+            sched.target, "/models/m", env={**worker_env(sched.target), "OPENTINKER_API_KEY": keys["node"]}
+        )
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                as_node(own)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        finally:
+            as_node.close()
+    finally:
+        node.leave()
 
 
 def test_a_dataset_belongs_to_the_owners_who_uploaded_it(sched, tmp_path) -> None:

@@ -3,7 +3,9 @@ RESOURCE_EXHAUSTED naming the limit, and nothing is stored; plus the limiter uni
 
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -14,6 +16,7 @@ from opentinker.common.v1 import common_pb2 as C
 from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
 from opentinker_client import InvalidArgumentError, RLClient, ResourceExhaustedError
 from opentinker_scheduler.config import ConfigError, parse_config
+from opentinker_scheduler.api.service import LIST_SLICE_ROWS
 from opentinker_scheduler.errors import ResourceExhausted
 from opentinker_scheduler.security.limits import (
     CHECKPOINT_UPLOADS,
@@ -299,3 +302,85 @@ def test_upload_pools_unit() -> None:
     lim.release_upload("a")
     lim.acquire_upload("c")
     assert (lim.open_uploads(USER_UPLOADS), lim.open_uploads(CHECKPOINT_UPLOADS)) == (2, 1)
+
+
+def test_a_task_list_is_built_in_slices_one_call_of_an_owner_at_a_time(make) -> None:
+    """A ListTasks page is read and built LIST_SLICE_ROWS rows at a time with the event loop
+    turning between slices, and one owner's concurrent pages are built one after another, so a
+    flood of big pages holds other owners' calls for one slice at most. Pages stay whole."""
+    s = make("auth: {enabled: true}\nlimits: {submit_rate: 0, read_rate: 0, max_pending_per_owner: 0}\n")
+    with RLClient(s.target, api_key=s.admin_key) as root:
+        mallory, bob = root.keys.create("mallory", "user")[1], root.keys.create("bob", "user")[1]
+    with RLClient(s.target, api_key=mallory) as m, RLClient(s.target, api_key=bob) as b:
+        mine = {_submit(m, gpu_count=0) for _ in range(130)}
+        theirs = _submit(b, gpu_count=0)
+    store = s.core.store
+    read = store.list_tasks
+    events: list[tuple] = []
+    calls: dict = {}  # the task of each call, kept so that none is confused with a later one
+
+    def recorded(*args, **kwargs):
+        rows = read(*args, **kwargs)
+        call = calls.setdefault(asyncio.current_task(), len(calls))  # one task per call
+        if not any(e[0] == "slice" for e in events):  # runs as soon as the loop turns
+            asyncio.get_running_loop().call_soon(events.append, ("loop turned",))
+        events.append(("slice", call, kwargs["limit"], kwargs["owner"]))
+        return rows
+
+    store.list_tasks = recorded
+    try:
+        with s.channel() as ch, ThreadPoolExecutor(3) as pool:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+
+            def pages(key: str, size: int) -> list[list[str]]:
+                out, token = [], ""
+                while True:
+                    got = stub.ListTasks(S.ListTasksRequest(page_size=size, page_token=token), metadata=metadata(key))
+                    out.append([t.task_id for t in got.tasks])
+                    if not (token := got.next_page_token):
+                        return out
+
+            listed = list(pool.map(lambda _: pages(mallory, 60), range(3)))
+            assert pages(bob, 60) == [[theirs]]
+    finally:
+        store.list_tasks = read
+    for got in listed:
+        assert [len(p) for p in got] == [60, 60, 10] and {t for p in got for t in p} == mine
+    slices = [e for e in events if e[0] == "slice"]
+    assert max(limit for _, _, limit, _ in slices) == LIST_SLICE_ROWS
+    assert events.index(("loop turned",)) < len(slices)  # before the first page was done
+    # One call of mallory's at a time: its slices come in runs, one run per call.
+    runs = [
+        call
+        for i, (_, call, _, owner) in enumerate(slices)
+        if owner == "mallory" and (i == 0 or slices[i - 1][1] != call)
+    ]
+    assert len(runs) == 9  # 3 callers x 3 pages
+
+
+def test_heavy_reads_run_one_at_a_time_per_owner_and_never_wait_on_another_owner() -> None:
+    limits = Limits(LimitsConfig())
+
+    async def run() -> list[str]:
+        order: list[str] = []
+        hold = asyncio.Event()
+
+        async def read(owner: str, name: str, until: asyncio.Event | None = None) -> None:
+            async with limits.heavy_read(owner):
+                order.append(f"{name} in")
+                if until is not None:
+                    await until.wait()
+                order.append(f"{name} out")
+
+        first = asyncio.create_task(read("mallory", "a", hold))
+        second = asyncio.create_task(read("mallory", "b"))
+        while not order and not first.done():
+            await asyncio.sleep(0)
+        assert order == ["a in"], first
+        await read("bob", "c")  # not behind mallory's
+        hold.set()
+        await asyncio.gather(first, second)
+        assert limits._heavy == {}  # nothing kept once no one reads
+        return order
+
+    assert asyncio.run(run()) == ["a in", "c in", "c out", "a out", "b in", "b out"]

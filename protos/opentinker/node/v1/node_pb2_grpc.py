@@ -83,9 +83,10 @@ class NodeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LookupTask(self, request, context):
-        """Returns one task, of any owner, as SchedulerService.GetTask shows it to an admin. For task
-        workers on a node (resolving a served adapter's checkpoint); needs the node role (a node key
-        may not call SchedulerService). Idempotent. Errors: INVALID_ARGUMENT (empty id), NOT_FOUND.
+        """Returns one task of the caller's task's owner, as SchedulerService.GetTask shows it. For task
+        workers (resolving a served adapter's checkpoint), with their attempt credential while that
+        attempt runs; a node key is refused. Idempotent. Errors: INVALID_ARGUMENT (empty id),
+        NOT_FOUND (no such task, or another owner's), PERMISSION_DENIED (a node key, an ended attempt).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,8 +95,8 @@ class NodeServiceServicer:
     def FetchDataset(self, request, context):
         """Streams an uploaded dataset's bytes in chunks of at most 1 MiB, for the task worker that
         trains on it (`sft` with `env_config.dataset_id`); the worker checks them against the id's
-        SHA-256. Node role. Idempotent. Errors: INVALID_ARGUMENT (not a `sha256:<64 hex>` id),
-        NOT_FOUND (no such dataset).
+        SHA-256. Attempt credential of its owner, as LookupTask. Idempotent. Errors: INVALID_ARGUMENT
+        (not a `sha256:<64 hex>` id), NOT_FOUND (no such dataset, or another owner's), PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
