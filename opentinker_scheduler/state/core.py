@@ -56,8 +56,8 @@ from opentinker_scheduler.state.node_protocol import NodeProtocol, node_size
 from opentinker_scheduler.state.nodes import NodeSession
 from opentinker_scheduler.policy.placement import (
     FreeNodes,
-    Group,
     NodeCapacity,
+    PlacementGroup,
     PendingTask,
     place_round,
     reservation_node,
@@ -78,8 +78,6 @@ from opentinker_scheduler.state.queue import (
     PendingQueue,
     QueueKey,
     ReasonsView,
-    group_loggers,
-    group_memory,
     queue_key,
 )
 from opentinker_scheduler.state.store import (  # noqa: F401  (STATE_NAMES re-exported)
@@ -1252,21 +1250,20 @@ class SchedulerCore:
         quotas = self.quotas
         booked: list[tuple[str, tuple[int, int]]] = []  # what this round booked on the quotas, undone below
 
-        def take(key: QueueKey, group: Group, node_id: str) -> None:
+        def take(key: QueueKey, group: PlacementGroup, node_id: str) -> None:
             task, node = self.queue.row(key), self.nodes[node_id]
-            memory = group_memory(group)
-            devices = node.capacity().choose_devices(group[0], group[1], memory)
-            node.allocate(task.task_id, task.attempt, devices, group[1], memory)
+            devices = node.capacity().choose_devices(group.gpu_count, group.share_key, group.memory)
+            node.allocate(task.task_id, task.attempt, devices, group.share_key, group.memory)
             decided.append((task, node, devices))
-            need = task_need(group[0])
-            quotas.add(group[2], need)
-            booked.append((group[2], need))
+            need = task_need(group.gpu_count)
+            quotas.add(group.queue, need)
+            booked.append((group.queue, need))
 
-        def admit(key: QueueKey, group) -> bool:
-            return quotas.admits(group[2], task_need(group[0]))
+        def admit(key: QueueKey, group: PlacementGroup) -> bool:
+            return quotas.admits(group.queue, task_need(group.gpu_count))
 
-        def rank(group, key: QueueKey) -> tuple:
-            return (key[0], quotas.dominant_share(group[2]), key[1], key[2])
+        def rank(group: PlacementGroup, key: QueueKey) -> tuple:
+            return (key[0], quotas.dominant_share(group.queue), key[1], key[2])
 
         def reserve(key: QueueKey, gpu_count: int) -> str | None:
             unable = unable_for(self.queue.row(key).tracking_loggers)  # never reserve a node it cannot run on
@@ -1288,8 +1285,8 @@ class SchedulerCore:
                 without[loggers] = self._nodes_without(loggers)
             return without[loggers]
 
-        def left_out(group) -> frozenset[str]:
-            return unable_for(group_loggers(group))
+        def left_out(group: PlacementGroup) -> frozenset[str]:
+            return unable_for(group.loggers)
 
         def round_of(groups) -> None:
             place_round(
@@ -1301,7 +1298,6 @@ class SchedulerCore:
                 reserve,
                 admit=admit if quotas.queues else None,
                 rank=rank,
-                need=group_memory,
                 left_out=left_out,
             )
 
