@@ -555,16 +555,62 @@ class PlacementGroup:
     loggers: frozenset[str] = frozenset()
 
 
+def _no_backoff(key: Hashable) -> float:
+    return 0.0
+
+
+def _admit_all(key: Hashable, group: PlacementGroup) -> bool:
+    return True
+
+
+def _no_node_left_out(group: PlacementGroup) -> frozenset[str]:
+    return frozenset()
+
+
+def _queue_order(group: PlacementGroup, key: Hashable) -> Hashable:
+    return key
+
+
+@dataclass(frozen=True)
+class RoundHooks:
+    """What a placement round asks its caller, in the shape of the Kubernetes scheduler framework.
+
+    Tasks are the sortable keys of :func:`place_round`'s groups. ``admit`` is the pre-filter,
+    ``left_out`` the filter, ``rank`` the score, ``take`` the reserve-and-bind, and ``reserve``
+    the post-filter that holds a node for the first blocked task.
+    """
+
+    #: ``take(key, group, node_id)`` puts the task on the node: best fit from the round's
+    #: :class:`FreeNodes`, devices by :meth:`NodeCapacity.choose_devices`. It must keep that index
+    #: current and book what the task uses.
+    take: Callable[[Hashable, PlacementGroup, str], None]
+    #: ``not_before(key)``: unix seconds before which the task may not start (retry backoff).
+    not_before: Callable[[Hashable], float] = _no_backoff
+    #: ``admit(key, group)``: whether the task may start under its queue's quota
+    #: (:meth:`~opentinker_scheduler.policy.quota.QuotaBook.admits`, with ``take`` booking what it
+    #: starts). Usage only grows within a round, so a refused task's whole group is dropped.
+    admit: Callable[[Hashable, PlacementGroup], bool] = _admit_all
+    #: ``left_out(group)``: nodes the group's tasks may not run on, such as nodes that cannot
+    #: write the ``spec.tracking`` loggers they name. They are kept out like a reserved node.
+    left_out: Callable[[PlacementGroup], frozenset[str]] = _no_node_left_out
+    #: ``rank(group, key)``: the sort key the next task is chosen by among the groups' first
+    #: tasks; queue order by default. Fair share ranks by ``(-priority, dominant share of the
+    #: group's queue, create time, id)``. It may change only through ``take``: every group's rank
+    #: is read again after each ``take``, one group's alone when its first task changes otherwise.
+    rank: Callable[[PlacementGroup, Hashable], Hashable] = _queue_order
+    #: ``reserve(key, gpu_count)`` is called for the first blocked task in queue order, at the
+    #: point of the queue where :func:`plan` meets it. It returns the node it reserves
+    #: (:func:`reservation_node` over the current capacities), or None when no node could ever
+    #: hold the task; then the next blocked task is asked. Tasks after it are not placed on that
+    #: node, except CPU tasks in its spare slots (:meth:`FreeNodes.closed_to`). None: no reservation.
+    reserve: Callable[[Hashable, int], str | None] | None = None
+
+
 def place_round(
     groups: Mapping[PlacementGroup, Sequence[Hashable]],
     free: FreeNodes,
     now: float,
-    not_before: Callable[[Hashable], float],
-    take: Callable[[Hashable, PlacementGroup, str], None],
-    reserve: Callable[[Hashable, int], str | None] | None = None,
-    admit: Callable[[Hashable, PlacementGroup], bool] | None = None,
-    rank: Callable[[PlacementGroup, Hashable], tuple] | None = None,
-    left_out: Callable[[PlacementGroup], frozenset[str]] | None = None,
+    hooks: RoundHooks,
 ) -> int:
     """One placement round of :func:`plan`'s policy, over indexes instead of lists.
 
@@ -572,28 +618,9 @@ def place_round(
         groups: each group -> its pending tasks as sortable keys, in queue order (the keys of
             all groups share one order). Not changed here. A group's ``memory`` is what each of
             its tasks needs on a GPU.
-        free: nodes that can take a task now; ``take`` must keep it current.
-        now: unix seconds, compared with ``not_before(key)``.
-        take: ``take(key, group, node_id)`` puts the task on the node (best fit from ``free``,
-            devices by :meth:`NodeCapacity.choose_devices`) and updates ``free``.
-        reserve: ``reserve(key, gpu_count)`` is called for the first blocked task in queue order
-            (at the point of the queue where :func:`plan` meets it) and returns the node it
-            reserves (:func:`reservation_node` over the current capacities), or None when no
-            node could ever hold it (then the next blocked task is asked). Tasks after it are
-            not placed on that node, except CPU tasks in its spare slots
-            (:meth:`FreeNodes.closed_to`). None: no reservation.
-        admit: ``admit(key, group)`` says whether the task may start under its queue's quota
-            (:meth:`~opentinker_scheduler.policy.quota.QuotaBook.admits`, with ``take`` booking
-            what it starts). A group is a queue's tasks of one size, and usage only grows within
-            a round, so a refused task's whole group is dropped for the round. None: no quotas.
-        rank: ``rank(group, key)`` -> the sort key the next task is chosen by among the groups'
-            first tasks (default: ``key``, queue order). Fair share passes ``(-priority, dominant
-            share of the group's queue, create time, id)``. It may change only through ``take``
-            (which books usage): every group's rank is read again after each ``take``, a group's
-            alone when its first task changes otherwise (skipped, refused).
-        left_out: ``left_out(group)`` -> nodes the group's tasks may not run on (e.g. nodes that
-            cannot write the ``spec.tracking`` loggers they name), kept out like a reserved node.
-            None: every node.
+        free: nodes that can take a task now; ``hooks.take`` must keep it current.
+        now: unix seconds, compared with ``hooks.not_before(key)``.
+        hooks: what the round asks its caller (:class:`RoundHooks`).
 
     Returns:
         How many tasks were placed. Tasks are considered in queue order; a group whose GPU
@@ -602,14 +629,14 @@ def place_round(
         which gives the same placements as :func:`plan`. A dropped group's first task not in
         backoff is the group's candidate for the reservation.
     """
+    not_before, take, reserve, admit = hooks.not_before, hooks.take, hooks.reserve, hooks.admit
+    order, out_of = hooks.rank, hooks.left_out
     live = {g: keys for g, keys in groups.items() if keys}
     cursor = dict.fromkeys(live, 0)
-    order = rank if rank is not None else (lambda g, key: key)
     placed = 0
-    out_of = left_out if left_out is not None else (lambda g: frozenset())
     reserved: str | None = None
     blocked: list[tuple[Hashable, int]] = []  # heap of dropped groups' first eligible keys
-    heads: dict[PlacementGroup, tuple] = {}  # group -> order(group, its first key)
+    heads: dict[PlacementGroup, Hashable] = {}  # group -> order(group, its first key)
     stale = True  # capacity (a take, a reservation) or ranks (a take) changed since the last check
     while True:
         if stale:  # else no group can have stopped fitting, and no rank can have changed
@@ -646,7 +673,7 @@ def place_round(
             heads[g] = order(g, live[g][cursor[g]])
         if not_before(key) > now:
             continue
-        if admit is not None and not admit(key, g):
+        if not admit(key, g):
             live.pop(g, None)  # the rest of the group is over the same quota
             heads.pop(g, None)
             continue

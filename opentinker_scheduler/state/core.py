@@ -57,10 +57,8 @@ from opentinker_scheduler.state.nodes import NodeSession
 from opentinker_scheduler.policy.placement import (
     FreeNodes,
     NodeCapacity,
-    PlacementGroup,
     PendingTask,
     place_round,
-    reservation_node,
     reserved_reason,
     why_pending,
     with_left_out,
@@ -70,6 +68,7 @@ from opentinker_scheduler.policy.tracking import NodeLoggers, unwritable_logger
 from opentinker_scheduler.policy.quota import QueueQuota, QuotaBook, task_need
 from opentinker_scheduler.policy.scale import ClassNode, Demand, desired_trainers
 from opentinker_scheduler.state.gangs import Gangs, gang_nodes
+from opentinker_scheduler.state.placement_round import RoundBook
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
 from opentinker_scheduler.state.usage import UsageMeters, usage_proto
 from opentinker_scheduler.state.worker_credentials import AttemptScope, WorkerCredentials
@@ -1244,81 +1243,32 @@ class SchedulerCore:
         """
         if not self.leading or not self.queue or not self.free:
             return 0
-        decided: list[tuple[TaskRow, NodeSession, tuple[int, ...]]] = []
         gangs: list = []
-
-        quotas = self.quotas
-        booked: list[tuple[str, tuple[int, int]]] = []  # what this round booked on the quotas, undone below
-
-        def take(key: QueueKey, group: PlacementGroup, node_id: str) -> None:
-            task, node = self.queue.row(key), self.nodes[node_id]
-            devices = node.capacity().choose_devices(group.gpu_count, group.share_key, group.memory)
-            node.allocate(task.task_id, task.attempt, devices, group.share_key, group.memory)
-            decided.append((task, node, devices))
-            need = task_need(group.gpu_count)
-            quotas.add(group.queue, need)
-            booked.append((group.queue, need))
-
-        def admit(key: QueueKey, group: PlacementGroup) -> bool:
-            return quotas.admits(group.queue, task_need(group.gpu_count))
-
-        def rank(group: PlacementGroup, key: QueueKey) -> tuple:
-            return (key[0], quotas.dominant_share(group.queue), key[1], key[2])
-
-        def reserve(key: QueueKey, gpu_count: int) -> str | None:
-            unable = unable_for(self.queue.row(key).tracking_loggers)  # never reserve a node it cannot run on
-            node_id = reservation_node(
-                gpu_count, (n.capacity() for n in self.nodes.values() if n.node_id not in unable)
-            )
-            if node_id is not None:
-                self._reservation = (key, node_id)
-            return node_id
-
+        book = RoundBook(self.queue, self.nodes, self.quotas, self._nodes_without)
+        hooks = book.hooks()
         self._reservation = None
         now = time.time()
-        without: dict[frozenset[str], frozenset[str]] = {}
-
-        def unable_for(loggers: frozenset[str]) -> frozenset[str]:
-            if not loggers:
-                return frozenset()
-            if loggers not in without:
-                without[loggers] = self._nodes_without(loggers)
-            return without[loggers]
-
-        def left_out(group: PlacementGroup) -> frozenset[str]:
-            return unable_for(group.loggers)
-
-        def round_of(groups) -> None:
-            place_round(
-                groups,
-                self.free,
-                now,
-                lambda key: self.queue.row(key).not_before,
-                take,
-                reserve,
-                admit=admit if quotas.queues else None,
-                rank=rank,
-                left_out=left_out,
-            )
-
         gang_keys = [k for k in self.queue.gang_keys() if self.queue.row(k).not_before <= now]
-        if not gang_keys:
-            round_of(self.queue.groups())
-        else:
-            # Tasks ahead of the first gang, then the gangs, then the tasks behind it (kept off
-            # the nodes a blocked gang reserved).
-            ahead, behind = self.gangs.split(self.queue.groups(), gang_keys[0])
-            round_of(ahead)
-            gangs, reserved = self.gangs.place(gang_keys, now)
-            for node_id in reserved:
-                self.free.remove(node_id)
-            try:
-                round_of(behind)
-            finally:
+        try:
+            if not gang_keys:
+                place_round(self.queue.groups(), self.free, now, hooks)
+            else:
+                # Tasks ahead of the first gang, then the gangs, then the tasks behind it (kept off
+                # the nodes a blocked gang reserved).
+                ahead, behind = self.gangs.split(self.queue.groups(), gang_keys[0])
+                place_round(ahead, self.free, now, hooks)
+                gangs, reserved = self.gangs.place(gang_keys, now)
                 for node_id in reserved:
-                    self.node_changed(self.nodes[node_id])
-        for queue, need in booked:  # the transitions below book them for good
-            quotas.add(queue, need, -1)
+                    self.free.remove(node_id)
+                try:
+                    place_round(behind, self.free, now, hooks)
+                finally:
+                    for node_id in reserved:
+                        self.node_changed(self.nodes[node_id])
+        finally:
+            self._reservation = book.reservation
+        book.unbook()  # the transitions below book them for good
+        decided = book.decided
         if not decided and not gangs:
             return 0
         try:

@@ -113,7 +113,7 @@ def test_cpu_tasks_take_spare_slots_on_a_reserved_node() -> None:
 
 
 def test_a_round_keeps_a_group_off_the_nodes_left_out_for_it() -> None:
-    from opentinker_scheduler.policy.placement import FreeNodes, PlacementGroup, place_round
+    from opentinker_scheduler.policy.placement import FreeNodes, PlacementGroup, RoundHooks, place_round
 
     ledger = {c.node_id: c for c in (node("a", 1), node("b", 2), node("c", 4))}
     free = FreeNodes()
@@ -133,12 +133,5 @@ def test_a_round_keeps_a_group_off_the_nodes_left_out_for_it() -> None:
         got.append((key[1], node_id))
 
     left_out = {frozenset({"mlflow"}): frozenset({"a", "b"})}
-    place_round(
-        groups,
-        free,
-        0.0,
-        lambda key: 0.0,
-        take,
-        left_out=lambda g: left_out.get(g.loggers, frozenset()),
-    )
+    place_round(groups, free, 0.0, RoundHooks(take, left_out=lambda g: left_out.get(g.loggers, frozenset())))
     assert got == [("logs", "c"), ("plain", "a")]  # best fit "a" for the one it may use

@@ -9,6 +9,7 @@ from opentinker_scheduler.policy.placement import (
     NodeCapacity,
     PendingTask,
     PlacementGroup,
+    RoundHooks,
     place_round,
     plan,
 )
@@ -104,6 +105,6 @@ def test_place_round_agrees_with_plan_on_memory() -> None:
         free.update(cap)
         got.append((by_id[key[1]].task_id, node_id, devices))
 
-    place_round(groups, free, 0.0, lambda key: 0.0, take)
+    place_round(groups, free, 0.0, RoundHooks(take))
     assert sorted(got) == sorted((p.task_id, p.node_id, p.device_indices) for p in expected)
     assert 0 < len(got) < len(tasks)  # some are left pending

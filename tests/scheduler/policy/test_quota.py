@@ -5,6 +5,7 @@ preemption round, and fair share at equal priority."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 import heapq
 
 from hypothesis import given, settings
@@ -14,6 +15,7 @@ from opentinker_scheduler.policy.placement import (
     FreeNodes,
     NodeCapacity,
     PlacementGroup,
+    RoundHooks,
     place_round,
     reservation_node,
 )
@@ -110,15 +112,10 @@ def run_round(quotas: QuotaBook, caps: list[NodeCapacity], tasks: list[tuple[str
         quotas.add(g.queue, task_need(g.gpu_count))
         placed.append(key[2])
 
-    place_round(
-        groups,
-        free,
-        0.0,
-        lambda key: 0.0,
-        take,
-        admit=lambda key, g: quotas.admits(g.queue, task_need(g.gpu_count)),
-        rank=(lambda g, key: (key[0], quotas.dominant_share(g.queue), key[1], key[2])) if fair else None,
-    )
+    hooks = RoundHooks(take, admit=lambda key, g: quotas.admits(g.queue, task_need(g.gpu_count)))
+    if fair:
+        hooks = replace(hooks, rank=lambda g, key: (key[0], quotas.dominant_share(g.queue), key[1], key[2]))
+    place_round(groups, free, 0.0, hooks)
     return placed
 
 
@@ -302,10 +299,11 @@ def test_kept_sums_and_shares_equal_a_recount(qs, ops) -> None:
                     assert ("borrowing_limit" in got) == (want == "limit"), (got, want)
 
 
-def recomputed_round(groups, free, now, not_before, take, reserve, admit, rank) -> int:
+def recomputed_round(groups, free, now, hooks: RoundHooks) -> int:
     """:func:`place_round` as first written: every group checked against the capacity and ranked
     afresh at every choice (the round now does either only when a take or a reservation may have
     changed it)."""
+    not_before, take, reserve, admit, rank = hooks.not_before, hooks.take, hooks.reserve, hooks.admit, hooks.rank
     live = {g: keys for g, keys in groups.items() if keys}
     cursor = dict.fromkeys(live, 0)
     placed, reserved, blocked = 0, None, []
@@ -388,16 +386,14 @@ def test_round_with_kept_ranks_places_what_a_recomputed_round_places(qs, ts, ns,
             out.append(("reserved", key[2], node_id))
             return node_id
 
-        n = round_fn(
-            groups,
-            free,
-            10.0,
-            waiting.__getitem__,
+        hooks = RoundHooks(
             take,
-            reserve,
-            lambda key, g: quotas.admits(g.queue, task_need(g.gpu_count)),
-            lambda g, key: (key[0], quotas.dominant_share(g.queue), key[1], key[2]),
+            not_before=waiting.__getitem__,
+            admit=lambda key, g: quotas.admits(g.queue, task_need(g.gpu_count)),
+            rank=lambda g, key: (key[0], quotas.dominant_share(g.queue), key[1], key[2]),
+            reserve=reserve,
         )
+        n = round_fn(groups, free, 10.0, hooks)
         return n, out, {q: quotas.usage(q) for q in quotas.used}
 
     assert run(place_round) == run(recomputed_round)

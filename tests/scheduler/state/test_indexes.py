@@ -18,6 +18,7 @@ from opentinker_scheduler.policy.placement import (
     PendingTask,
     Placement,
     PlacementGroup,
+    RoundHooks,
     place_round,
     plan,
     reservation_node,
@@ -100,7 +101,8 @@ def _round(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> l
         out.append(Placement(key[2], node_id, devices))
 
     reserve = lambda key, gpu_count: reservation_node(gpu_count, caps.values())  # noqa: E731
-    assert place_round(groups, free, now, lambda key: by_id[key[2]].not_before, take, reserve) == len(out)
+    hooks = RoundHooks(take, not_before=lambda key: by_id[key[2]].not_before, reserve=reserve)
+    assert place_round(groups, free, now, hooks) == len(out)
     return out
 
 
