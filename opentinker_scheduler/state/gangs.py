@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import structlog
 from opentinker.common.v1 import common_pb2
@@ -51,8 +51,12 @@ from opentinker_scheduler.policy.gang import (
 from opentinker_scheduler.state.store import ACTIVE_STATES, TERMINAL_STATES, TaskRow
 
 if TYPE_CHECKING:  # pragma: no cover
-    from opentinker_scheduler.state.core import SchedulerCore
+    from opentinker_scheduler.config import SchedulerConfig
+    from opentinker_scheduler.policy.quota import QuotaBook
     from opentinker_scheduler.state.nodes import NodeSession
+    from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
+    from opentinker_scheduler.state.queue import PendingQueue
+    from opentinker_scheduler.state.store import StateStore
 
 log = structlog.get_logger("opentinker.scheduler")
 S = common_pb2
@@ -89,10 +93,38 @@ class Gang:
         return None
 
 
+class GangHost(Protocol):
+    """What :class:`Gangs` uses of the core (:class:`~opentinker_scheduler.state.core.SchedulerCore`)."""
+
+    config: SchedulerConfig
+    store: StateStore
+    nodes: dict[str, NodeSession]
+    preemptions: PreemptionTracker
+
+    @property
+    def queue(self) -> PendingQueue: ...
+    @property
+    def quotas(self) -> QuotaBook: ...
+    def need(self, task: TaskRow) -> tuple[int, int]: ...
+    def requeue(
+        self,
+        task: TaskRow,
+        reason: str,
+        message: str,
+        *,
+        extra: Sequence[common_pb2.TaskEvent] = (),
+        backoff: bool,
+        failure: bool = True,
+    ) -> None: ...
+    def fail_or_retry(
+        self, task: TaskRow, reason: str, message: str, *, retryable: bool, extra: Sequence[common_pb2.TaskEvent] = ()
+    ) -> None: ...
+
+
 class Gangs:
     """The gang attempts the core has assigned (in memory and the store; see the module docstring)."""
 
-    def __init__(self, core: SchedulerCore) -> None:
+    def __init__(self, core: GangHost) -> None:
         self.core = core
         self.live: dict[str, Gang] = {}
         #: Nodes the last round's first blocked gang reserved (shown in pending reasons).
