@@ -183,7 +183,17 @@ class SchedulerCore:
             quotas=lambda: self.quotas,
         )
         #: Gang tasks' members, rendezvous and ends (also in the store; :class:`~.gangs.Gangs`).
-        self.gangs = Gangs(self)
+        self.gangs = Gangs(
+            ledger=self.ledger,
+            store=self.store,
+            rendezvous_ports=self.config.gang_rendezvous_ports,
+            tasks=self.tasks,
+            quotas=lambda: self.quotas,
+            need=self.need,
+            preemptions=self.preemptions,
+            requeue=self.requeue,
+            fail_or_retry=self.fail_or_retry,
+        )
         #: Tasks ended by the scheduler (cancel, max_runtime) whose worker is still stopping: task id ->
         #: (attempt, node id). The worker checkpoints on SIGTERM within the node's grace period; that
         #: final checkpoint report is still recorded for them (the node protocol reads it).
