@@ -535,54 +535,92 @@ class FreeNodes:
         return None if cap is not None and may_use_reserved(gpu_count, cap) else reserved
 
 
-#: A queue group: (gpu_count, share key). Tasks in one group fit exactly the same places.
-Group = tuple[int, "str | None"]
+@dataclass(frozen=True)
+class PlacementGroup:
+    """Pending tasks that fit in exactly the same places and count against the same quota.
+
+    A placement round may drop a group whole (:func:`place_round`). The scheduler keeps one
+    ordered list of pending tasks per group (:mod:`opentinker_scheduler.state.queue`).
+    """
+
+    #: GPUs each task takes on one node; 0 for a CPU task.
+    gpu_count: int
+    #: Base model a shareable LoRA task shares GPUs by (:func:`share_key`), or None.
+    share_key: str | None = None
+    #: Quota queue of the tasks' owners (:mod:`.quota`).
+    queue: str = ""
+    #: GPU memory each task needs when estimated, or None: counted in tasks only.
+    memory: MemoryNeed | None = None
+    #: ``spec.tracking`` loggers the tasks name; a node must be able to write them.
+    loggers: frozenset[str] = frozenset()
+
+
+def _no_backoff(key: Hashable) -> float:
+    return 0.0
+
+
+def _admit_all(key: Hashable, group: PlacementGroup) -> bool:
+    return True
+
+
+def _no_node_left_out(group: PlacementGroup) -> frozenset[str]:
+    return frozenset()
+
+
+def _queue_order(group: PlacementGroup, key: Hashable) -> Hashable:
+    return key
+
+
+@dataclass(frozen=True)
+class RoundHooks:
+    """What a placement round asks its caller, in the shape of the Kubernetes scheduler framework.
+
+    Tasks are the sortable keys of :func:`place_round`'s groups. ``admit`` is the pre-filter,
+    ``left_out`` the filter, ``rank`` the score, ``take`` the reserve-and-bind, and ``reserve``
+    the post-filter that holds a node for the first blocked task.
+    """
+
+    #: ``take(key, group, node_id)`` puts the task on the node: best fit from the round's
+    #: :class:`FreeNodes`, devices by :meth:`NodeCapacity.choose_devices`. It must keep that index
+    #: current and book what the task uses.
+    take: Callable[[Hashable, PlacementGroup, str], None]
+    #: ``not_before(key)``: unix seconds before which the task may not start (retry backoff).
+    not_before: Callable[[Hashable], float] = _no_backoff
+    #: ``admit(key, group)``: whether the task may start under its queue's quota
+    #: (:meth:`~opentinker_scheduler.policy.quota.QuotaBook.admits`, with ``take`` booking what it
+    #: starts). Usage only grows within a round, so a refused task's whole group is dropped.
+    admit: Callable[[Hashable, PlacementGroup], bool] = _admit_all
+    #: ``left_out(group)``: nodes the group's tasks may not run on, such as nodes that cannot
+    #: write the ``spec.tracking`` loggers they name. They are kept out like a reserved node.
+    left_out: Callable[[PlacementGroup], frozenset[str]] = _no_node_left_out
+    #: ``rank(group, key)``: the sort key the next task is chosen by among the groups' first
+    #: tasks; queue order by default. Fair share ranks by ``(-priority, dominant share of the
+    #: group's queue, create time, id)``. It may change only through ``take``: every group's rank
+    #: is read again after each ``take``, one group's alone when its first task changes otherwise.
+    rank: Callable[[PlacementGroup, Hashable], Hashable] = _queue_order
+    #: ``reserve(key, gpu_count)`` is called for the first blocked task in queue order, at the
+    #: point of the queue where :func:`plan` meets it. It returns the node it reserves
+    #: (:func:`reservation_node` over the current capacities), or None when no node could ever
+    #: hold the task; then the next blocked task is asked. Tasks after it are not placed on that
+    #: node, except CPU tasks in its spare slots (:meth:`FreeNodes.closed_to`). None: no reservation.
+    reserve: Callable[[Hashable, int], str | None] | None = None
 
 
 def place_round(
-    groups: Mapping[Group, Sequence[Hashable]],
+    groups: Mapping[PlacementGroup, Sequence[Hashable]],
     free: FreeNodes,
     now: float,
-    not_before: Callable[[Hashable], float],
-    take: Callable[[Hashable, Group, str], None],
-    reserve: Callable[[Hashable, int], str | None] | None = None,
-    admit: Callable[[Hashable, Group], bool] | None = None,
-    rank: Callable[[Group, Hashable], tuple] | None = None,
-    need: Callable[[Group], MemoryNeed | None] | None = None,
-    left_out: Callable[[Group], frozenset[str]] | None = None,
+    hooks: RoundHooks,
 ) -> int:
     """One placement round of :func:`plan`'s policy, over indexes instead of lists.
 
     Args:
-        groups: ``(gpu_count, share key)`` -> that group's pending tasks as sortable keys, in
-            queue order (the keys of all groups share one order). Not changed here.
-        free: nodes that can take a task now; ``take`` must keep it current.
-        now: unix seconds, compared with ``not_before(key)``.
-        take: ``take(key, group, node_id)`` puts the task on the node (best fit from ``free``,
-            devices by :meth:`NodeCapacity.choose_devices`) and updates ``free``.
-        reserve: ``reserve(key, gpu_count)`` is called for the first blocked task in queue order
-            (at the point of the queue where :func:`plan` meets it) and returns the node it
-            reserves (:func:`reservation_node` over the current capacities), or None when no
-            node could ever hold it (then the next blocked task is asked). Tasks after it are
-            not placed on that node, except CPU tasks in its spare slots
-            (:meth:`FreeNodes.closed_to`). None: no reservation.
-        admit: ``admit(key, group)`` says whether the task may start under its queue's quota
-            (:meth:`~opentinker_scheduler.policy.quota.QuotaBook.admits`, with ``take`` booking
-            what it starts). A group is a queue's tasks of one size, and usage only grows within
-            a round, so a refused task's whole group is dropped for the round. None: no quotas.
-        rank: ``rank(group, key)`` -> the sort key the next task is chosen by among the groups'
-            first tasks (default: ``key``, queue order). Fair share passes ``(-priority, dominant
-            share of the group's queue, create time, id)``. It may change only through ``take``
-            (which books usage): every group's rank is read again after each ``take``, a group's
-            alone when its first task changes otherwise (skipped, refused).
-        need: ``need(group)`` -> the GPU memory each task of the group needs (:class:`MemoryNeed`;
-            the core keeps it as the group's fourth item), or None: counted in tasks only.
-        left_out: ``left_out(group)`` -> nodes the group's tasks may not run on (e.g. nodes that
-            cannot write the ``spec.tracking`` loggers they name), kept out like a reserved node.
-            None: every node.
-
-    Groups may carry more than ``(gpu_count, share key)`` (the core adds the queue): only their
-    first two items are read here.
+        groups: each group -> its pending tasks as sortable keys, in queue order (the keys of
+            all groups share one order). Not changed here. A group's ``memory`` is what each of
+            its tasks needs on a GPU.
+        free: nodes that can take a task now; ``hooks.take`` must keep it current.
+        now: unix seconds, compared with ``hooks.not_before(key)``.
+        hooks: what the round asks its caller (:class:`RoundHooks`).
 
     Returns:
         How many tasks were placed. Tasks are considered in queue order; a group whose GPU
@@ -591,22 +629,22 @@ def place_round(
         which gives the same placements as :func:`plan`. A dropped group's first task not in
         backoff is the group's candidate for the reservation.
     """
+    not_before, take, reserve, admit = hooks.not_before, hooks.take, hooks.reserve, hooks.admit
+    order, out_of = hooks.rank, hooks.left_out
     live = {g: keys for g, keys in groups.items() if keys}
     cursor = dict.fromkeys(live, 0)
-    order = rank if rank is not None else (lambda g, key: key)
     placed = 0
-    need_of = need if need is not None else (lambda g: None)
-    out_of = left_out if left_out is not None else (lambda g: frozenset())
     reserved: str | None = None
     blocked: list[tuple[Hashable, int]] = []  # heap of dropped groups' first eligible keys
-    heads: dict[Group, tuple] = {}  # group -> order(group, its first key)
+    heads: dict[PlacementGroup, Hashable] = {}  # group -> order(group, its first key)
     stale = True  # capacity (a take, a reservation) or ranks (a take) changed since the last check
     while True:
         if stale:  # else no group can have stopped fitting, and no rank can have changed
             for g in [
                 g
                 for g in live
-                if g[0] > free.most_open(g[1], with_left_out(free.closed_to(g[0], reserved), out_of(g)), need_of(g))
+                if g.gpu_count
+                > free.most_open(g.share_key, with_left_out(free.closed_to(g.gpu_count, reserved), out_of(g)), g.memory)
             ]:
                 keys = live.pop(g)
                 if reserve is not None and reserved is None:
@@ -620,7 +658,7 @@ def place_round(
         g = min(live, key=heads.__getitem__) if live else None
         if reserve is not None and reserved is None and blocked and (g is None or blocked[0][0] < heads[g]):
             _, bkey, bg = heapq.heappop(blocked)
-            reserved = reserve(bkey, bg[0])
+            reserved = reserve(bkey, bg.gpu_count)
             if reserved is not None:
                 blocked.clear()
                 stale = True  # capacity outside the reserved node is less: drop groups again
@@ -635,11 +673,13 @@ def place_round(
             heads[g] = order(g, live[g][cursor[g]])
         if not_before(key) > now:
             continue
-        if admit is not None and not admit(key, g):
+        if not admit(key, g):
             live.pop(g, None)  # the rest of the group is over the same quota
             heads.pop(g, None)
             continue
-        node_id = free.best_fit_for(g[0], g[1], with_left_out(free.closed_to(g[0], reserved), out_of(g)), need_of(g))
+        node_id = free.best_fit_for(
+            g.gpu_count, g.share_key, with_left_out(free.closed_to(g.gpu_count, reserved), out_of(g)), g.memory
+        )
         assert node_id is not None  # the group fits on a node with a free slot
         take(key, g, node_id)
         placed += 1

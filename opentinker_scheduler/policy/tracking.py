@@ -6,7 +6,7 @@ can write is refused at submit, naming the field and the extra to install, inste
 be placed and then failing at its worker's start. Nothing is refused while no node is connected
 (the task waits for one, which may have the extra) or while any connected node did not say (an
 agent older than the field). In a mixed cluster the core leaves the nodes without a task's loggers
-out of its placement (``SchedulerCore._nodes_without``, ``place_round(left_out=...)``).
+out of its placement (``NodeLedger.nodes_without``, ``RoundHooks.left_out``).
 """
 
 from __future__ import annotations

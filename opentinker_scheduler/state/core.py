@@ -55,21 +55,19 @@ from opentinker_scheduler.errors import (
 from opentinker_scheduler.state.node_protocol import NodeProtocol, node_size
 from opentinker_scheduler.state.nodes import NodeSession
 from opentinker_scheduler.policy.placement import (
-    FreeNodes,
-    Group,
-    NodeCapacity,
     PendingTask,
     place_round,
-    reservation_node,
     reserved_reason,
     why_pending,
     with_left_out,
 )
 from opentinker_scheduler.policy.gang import gang_never_fits
-from opentinker_scheduler.policy.tracking import NodeLoggers, unwritable_logger
+from opentinker_scheduler.policy.tracking import unwritable_logger
 from opentinker_scheduler.policy.quota import QueueQuota, QuotaBook, task_need
 from opentinker_scheduler.policy.scale import ClassNode, Demand, desired_trainers
 from opentinker_scheduler.state.gangs import Gangs, gang_nodes
+from opentinker_scheduler.state.ledger import NodeLedger
+from opentinker_scheduler.state.placement_round import RoundBook
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
 from opentinker_scheduler.state.usage import UsageMeters, usage_proto
 from opentinker_scheduler.state.worker_credentials import AttemptScope, WorkerCredentials
@@ -78,8 +76,6 @@ from opentinker_scheduler.state.queue import (
     PendingQueue,
     QueueKey,
     ReasonsView,
-    group_loggers,
-    group_memory,
     queue_key,
 )
 from opentinker_scheduler.state.store import (  # noqa: F401  (STATE_NAMES re-exported)
@@ -148,8 +144,8 @@ class SchedulerCore:
         self.quotas = self._quota_book([])
         #: Signs each assignment's attempt credential; None with authentication off (the server sets it).
         self.worker_credentials: WorkerCredentials | None = None
-        self._init_memory()
         self.commits = GroupCommit(store, on_failure=self._rebuild)
+        self._init_memory()
         #: Submits waiting for their group commit to write them (:meth:`submit_grouped`).
         self._new_tasks = _NewTasks()
         if leading:
@@ -161,17 +157,22 @@ class SchedulerCore:
         """Empty the leader's memory: nodes, live tasks, the ledger and its indexes, preemptions."""
         #: Until then (``clock`` seconds) no node is declared lost: the scheduler's own loop stalled.
         self._liveness_grace_until = float("-inf")
-        self.nodes: dict[str, NodeSession] = {}
+        #: Nodes and their GPU and tenant bookings (:class:`~.ledger.NodeLedger`).
+        self.ledger = NodeLedger(
+            self.clock,
+            self.commits.hold,
+            self.config.max_tasks_per_gpu,
+            self.config.resource_pool,
+            self._cluster_changed,
+        )
+        self.nodes = self.ledger.nodes
+        self.free = self.ledger.free
         self.tasks = LiveTasks(self.quotas.queue_of)
         self.quotas.clear_usage()
         #: Meters of the live attempts; ended ones are rows of the store (:mod:`.usage`).
         self.usage = UsageMeters(self.store, self.config.usage, self.node_class)
-        self.free = FreeNodes()
         self.pending_reasons = ReasonsView(self.tasks, self.pending_reason)  # task id -> why pending
         self._queued_at: dict[str, float] = {}
-        self._ledger_version = 0  # bumps whenever a node's capacity may have changed
-        self._caps: tuple[int, list[NodeCapacity]] | None = None
-        self._max_gpus: int | None = None  # cache of max_possible_gpus(); None = recompute
         #: Preemptions in flight (memory only; :class:`~.preemption_tracker.PreemptionTracker`).
         self.preemptions = PreemptionTracker(
             tasks=self.tasks,
@@ -182,7 +183,17 @@ class SchedulerCore:
             quotas=lambda: self.quotas,
         )
         #: Gang tasks' members, rendezvous and ends (also in the store; :class:`~.gangs.Gangs`).
-        self.gangs = Gangs(self)
+        self.gangs = Gangs(
+            ledger=self.ledger,
+            store=self.store,
+            rendezvous_ports=self.config.gang_rendezvous_ports,
+            tasks=self.tasks,
+            quotas=lambda: self.quotas,
+            need=self.need,
+            preemptions=self.preemptions,
+            requeue=self.requeue,
+            fail_or_retry=self.fail_or_retry,
+        )
         #: Tasks ended by the scheduler (cancel, max_runtime) whose worker is still stopping: task id ->
         #: (attempt, node id). The worker checkpoints on SIGTERM within the node's grace period; that
         #: final checkpoint report is still recorded for them (the node protocol reads it).
@@ -297,7 +308,7 @@ class SchedulerCore:
         for node_id, task, devices, share in holdings:
             if node_id not in self.nodes:
                 self._recover_node(node_id)
-            node = self.node(node_id)
+            node = self.ledger.node(node_id)
             node.allocate(task.task_id, task.attempt, devices, share, task.memory_need if share else None)
             if not node.connected:
                 node.last_seen = self.clock() + grace
@@ -313,7 +324,7 @@ class SchedulerCore:
         """Know a node that holds active tasks, before it reconnects, by the size it last
         registered with (so ListNodes shows its GPUs, not 0/0); it stays disconnected and takes
         no new work until it connects again."""
-        node = self.node(node_id)
+        node = self.ledger.node(node_id)
         info = self.store.node_register(node_id)
         if info is None:
             return
@@ -329,7 +340,7 @@ class SchedulerCore:
             *node.notes,
             "known from the state directory; waiting for it to reconnect after a scheduler restart",
         ]
-        self.node_changed(node)
+        self.ledger.changed(node)
 
     # ------------------------------------------------------------------ client API
     def _as_stored(
@@ -498,19 +509,19 @@ class SchedulerCore:
         except SpecError as exc:
             raise InvalidArgument.from_spec(exc) from None
         spec_copy = self._as_stored(spec_copy, model=model)
-        most = self.max_possible_gpus()
+        most = self.ledger.max_possible_gpus()
         if model.gpu_count > most:
             raise FailedPrecondition(
                 f"spec.resources.gpu_count: {model.gpu_count} GPU(s) asked, but no node in the resource pool "
                 f"could ever offer more than {most} (gang placement needs all GPUs on one node)"
             )
         if model.nodes > 1:
-            never = gang_never_fits(model.nodes, model.gpu_count, self.node_sizes())
+            never = gang_never_fits(model.nodes, model.gpu_count, self.ledger.sizes())
             if never is not None:
                 raise FailedPrecondition(never)
         named = [k for k in TRACKING_LOGGERS if getattr(model.tracking, k, None)]
         if named:
-            refusal = unwritable_logger(named, self._node_loggers())
+            refusal = unwritable_logger(named, self.ledger.node_loggers())
             if refusal is not None:
                 raise FailedPrecondition(refusal)
         priority = model.priority if model.priority is not None else self.config.priority_of(model.workload_type)
@@ -777,39 +788,6 @@ class SchedulerCore:
             self.store.update_task(stored, [event])
         self.notify()
 
-    def _nodes_without(self, loggers: frozenset[str]) -> frozenset[str]:
-        """Connected nodes that said they cannot write one of ``loggers`` (``spec.tracking``):
-        a task naming them is not placed there. A node that did not say is not counted."""
-        if not loggers:
-            return frozenset()
-        return frozenset(
-            n.node_id
-            for n in self.nodes.values()
-            if n.connected and n.register.tracking_reported and not loggers <= set(n.register.tracking_loggers)
-        )
-
-    def _node_loggers(self) -> list[NodeLoggers]:
-        """What each connected node said it can write of ``spec.tracking`` (None: it did not say)."""
-        return [
-            NodeLoggers(n.node_id, frozenset(n.register.tracking_loggers) if n.register.tracking_reported else None)
-            for n in self.nodes.values()
-            if n.connected
-        ]
-
-    def node_sizes(self) -> dict[str, int]:
-        """GPUs of every node the cluster may have: resource_pool entries and connected nodes."""
-        sizes = {n.node_id: n.gpu_count for n in self.config.resource_pool}
-        sizes.update({n.node_id: n.gpu_count for n in self.nodes.values() if n.connected})
-        return sizes
-
-    def max_possible_gpus(self) -> int:
-        """Most GPUs any one node could ever offer: pool entries and connected nodes."""
-        if self._max_gpus is None:
-            sizes = [n.gpu_count for n in self.config.resource_pool]
-            sizes += [n.gpu_count for n in self.nodes.values() if n.connected]
-            self._max_gpus = max(sizes, default=0)
-        return self._max_gpus
-
     def pending_reason(self, task_id: str) -> str:
         """Why a PENDING task has not started, for a person to read ("" when it is not pending).
 
@@ -840,7 +818,7 @@ class SchedulerCore:
         reserver, reserved = self._reservation_ahead_of(task)
         closed = self.free.closed_to(task.gpu_count, reserved)
         memory = task.memory_need
-        unable = self._nodes_without(task.tracking_loggers)
+        unable = self.ledger.nodes_without(task.tracking_loggers)
         if self.free.best_fit_for(task.gpu_count, task.share_key, with_left_out(closed, unable), memory) is not None:
             return f"waiting for the next placement round (queue position {position} of {length})"
         if unable and self.free.best_fit_for(task.gpu_count, task.share_key, closed, memory) is not None:
@@ -857,12 +835,10 @@ class SchedulerCore:
             and self.free.best_fit_for(task.gpu_count, task.share_key, need=memory)
         ):
             return reserved_reason(reserved, reserver, position, length)  # room only on the reserved node
-        if self._caps is None or self._caps[0] != self._ledger_version:
-            self._caps = (self._ledger_version, [n.capacity() for n in self.nodes.values()])
         pending = PendingTask(
             task.task_id, task.priority, task.create_time, task.gpu_count, task.not_before, task.share_key, memory
         )
-        why = why_pending(pending, self._caps[1], position, length)
+        why = why_pending(pending, self.ledger.capacities(), position, length)
         if self._reservation is not None and self._reservation[0][2] == task_id:
             why += (
                 f"; {self._reservation[1]} is reserved for it (no task behind it starts there, "
@@ -909,7 +885,7 @@ class SchedulerCore:
             if silent and not in_grace and (node.connected or node.allocations):
                 if node.connected:
                     node.connected = False
-                    self.node_changed(node, membership=True)
+                    self.ledger.changed(node, membership=True)
                     node.push(None)
                 self.lose_node(node, f"no heartbeat for {self.config.lease_s:.0f} s (lease)")
         for node in list(self.nodes.values()):
@@ -961,11 +937,7 @@ class SchedulerCore:
             forget_disconnected_after_s=self.config.forget_disconnected_after_s,
         )
         self.store.forget_node(node.node_id)
-        del self.nodes[node.node_id]
-        self.free.remove(node.node_id)
-        self._ledger_version += 1
-        self._max_gpus = None
-        self._cluster_changed()
+        self.ledger.forget(node.node_id)
 
     def node_notes(self, node: NodeSession) -> list[str]:
         """What ListNodes says of ``node``: its registration notes, and when it will be forgotten."""
@@ -1246,83 +1218,32 @@ class SchedulerCore:
         """
         if not self.leading or not self.queue or not self.free:
             return 0
-        decided: list[tuple[TaskRow, NodeSession, tuple[int, ...]]] = []
         gangs: list = []
-
-        quotas = self.quotas
-        booked: list[tuple[str, tuple[int, int]]] = []  # what this round booked on the quotas, undone below
-
-        def take(key: QueueKey, group: Group, node_id: str) -> None:
-            task, node = self.queue.row(key), self.nodes[node_id]
-            memory = group_memory(group)
-            devices = node.capacity().choose_devices(group[0], group[1], memory)
-            node.allocate(task.task_id, task.attempt, devices, group[1], memory)
-            decided.append((task, node, devices))
-            need = task_need(group[0])
-            quotas.add(group[2], need)
-            booked.append((group[2], need))
-
-        def admit(key: QueueKey, group) -> bool:
-            return quotas.admits(group[2], task_need(group[0]))
-
-        def rank(group, key: QueueKey) -> tuple:
-            return (key[0], quotas.dominant_share(group[2]), key[1], key[2])
-
-        def reserve(key: QueueKey, gpu_count: int) -> str | None:
-            unable = unable_for(self.queue.row(key).tracking_loggers)  # never reserve a node it cannot run on
-            node_id = reservation_node(
-                gpu_count, (n.capacity() for n in self.nodes.values() if n.node_id not in unable)
-            )
-            if node_id is not None:
-                self._reservation = (key, node_id)
-            return node_id
-
+        book = RoundBook(self.queue, self.nodes, self.quotas, self.ledger.nodes_without)
+        hooks = book.hooks()
         self._reservation = None
         now = time.time()
-        without: dict[frozenset[str], frozenset[str]] = {}
-
-        def unable_for(loggers: frozenset[str]) -> frozenset[str]:
-            if not loggers:
-                return frozenset()
-            if loggers not in without:
-                without[loggers] = self._nodes_without(loggers)
-            return without[loggers]
-
-        def left_out(group) -> frozenset[str]:
-            return unable_for(group_loggers(group))
-
-        def round_of(groups) -> None:
-            place_round(
-                groups,
-                self.free,
-                now,
-                lambda key: self.queue.row(key).not_before,
-                take,
-                reserve,
-                admit=admit if quotas.queues else None,
-                rank=rank,
-                need=group_memory,
-                left_out=left_out,
-            )
-
         gang_keys = [k for k in self.queue.gang_keys() if self.queue.row(k).not_before <= now]
-        if not gang_keys:
-            round_of(self.queue.groups())
-        else:
-            # Tasks ahead of the first gang, then the gangs, then the tasks behind it (kept off
-            # the nodes a blocked gang reserved).
-            ahead, behind = self.gangs.split(self.queue.groups(), gang_keys[0])
-            round_of(ahead)
-            gangs, reserved = self.gangs.place(gang_keys, now)
-            for node_id in reserved:
-                self.free.remove(node_id)
-            try:
-                round_of(behind)
-            finally:
+        try:
+            if not gang_keys:
+                place_round(self.queue.groups(), self.free, now, hooks)
+            else:
+                # Tasks ahead of the first gang, then the gangs, then the tasks behind it (kept off
+                # the nodes a blocked gang reserved).
+                ahead, behind = self.gangs.split(self.queue.groups(), gang_keys[0])
+                place_round(ahead, self.free, now, hooks)
+                gangs, reserved = self.gangs.place(gang_keys, now)
                 for node_id in reserved:
-                    self.node_changed(self.nodes[node_id])
-        for queue, need in booked:  # the transitions below book them for good
-            quotas.add(queue, need, -1)
+                    self.free.remove(node_id)
+                try:
+                    place_round(behind, self.free, now, hooks)
+                finally:
+                    for node_id in reserved:
+                        self.ledger.changed(self.nodes[node_id])
+        finally:
+            self._reservation = book.reservation
+        book.unbook()  # the transitions below book them for good
+        decided = book.decided
         if not decided and not gangs:
             return 0
         try:
@@ -1596,27 +1517,6 @@ class SchedulerCore:
             except Exception as again:  # noqa: BLE001 - the store is gone: memory cannot follow it
                 self._memory_lost(f"a write failed ({exc}) and the row could not be read back ({again})")
             raise
-
-    def node(self, node_id: str) -> NodeSession:
-        """The session of ``node_id``, made (disconnected, empty) on first use."""
-        node = self.nodes.get(node_id)
-        if node is None:
-            node = self.nodes[node_id] = NodeSession(
-                node_id=node_id,
-                last_seen=self.clock(),
-                on_change=self.node_changed,
-                defer=self.commits.hold,
-                max_tasks_per_gpu=self.config.max_tasks_per_gpu,
-            )
-        return node
-
-    def node_changed(self, node: NodeSession, *, membership: bool = False) -> None:
-        """Re-index a node after its ledger, state or size changed."""
-        self._ledger_version += 1
-        if membership:
-            self._max_gpus = None
-            self._cluster_changed()
-        self.free.update(node.capacity())
 
     async def wait_changed(self, timeout: float) -> None:
         """Wait until some task changes (or ``timeout`` seconds pass); for WatchTask."""

@@ -1,6 +1,7 @@
 """Gang tasks in the scheduler: tasks that span several nodes (``spec.resources.nodes`` > 1).
 
-A collaborator of :class:`~opentinker_scheduler.state.core.SchedulerCore`. The task's row keeps
+A part of :class:`~opentinker_scheduler.state.core.SchedulerCore` that receives the node ledger,
+the store, the live tasks and the two transitions it needs, not the core. The task's row keeps
 member 0 (its ``node_id`` and ``device_indices``: global rank 0, which reports metrics and
 writes checkpoints); :class:`Gangs` keeps every member of each gang attempt that was assigned,
 the rendezvous port, and which members' workers have ended, in memory and in the store's
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import structlog
 from opentinker.common.v1 import common_pb2
@@ -51,8 +52,12 @@ from opentinker_scheduler.policy.gang import (
 from opentinker_scheduler.state.store import ACTIVE_STATES, TERMINAL_STATES, TaskRow
 
 if TYPE_CHECKING:  # pragma: no cover
-    from opentinker_scheduler.state.core import SchedulerCore
+    from opentinker_scheduler.policy.quota import QuotaBook
+    from opentinker_scheduler.state.ledger import NodeLedger
     from opentinker_scheduler.state.nodes import NodeSession
+    from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
+    from opentinker_scheduler.state.queue import LiveTasks
+    from opentinker_scheduler.state.store import StateStore
 
 log = structlog.get_logger("opentinker.scheduler")
 S = common_pb2
@@ -89,11 +94,65 @@ class Gang:
         return None
 
 
-class Gangs:
-    """The gang attempts the core has assigned (in memory and the store; see the module docstring)."""
+class Requeue(Protocol):
+    """:meth:`~opentinker_scheduler.state.core.SchedulerCore.requeue`."""
 
-    def __init__(self, core: SchedulerCore) -> None:
-        self.core = core
+    def __call__(
+        self,
+        task: TaskRow,
+        reason: str,
+        message: str,
+        *,
+        extra: Sequence[common_pb2.TaskEvent] = (),
+        backoff: bool,
+        failure: bool = True,
+    ) -> None: ...
+
+
+class FailOrRetry(Protocol):
+    """:meth:`~opentinker_scheduler.state.core.SchedulerCore.fail_or_retry`."""
+
+    def __call__(
+        self, task: TaskRow, reason: str, message: str, *, retryable: bool, extra: Sequence[common_pb2.TaskEvent] = ()
+    ) -> None: ...
+
+
+class Gangs:
+    """The gang attempts the core has assigned (in memory and the store; see the module docstring).
+
+    Args:
+        ledger: the nodes; gang members book their GPUs there.
+        store: where gangs are kept for a restart.
+        rendezvous_ports: the config's ``gang_rendezvous_ports``, ``(low, high)``.
+        tasks: the unfinished tasks; gang keys come from its pending queue.
+        quotas: returns the quota book in use now.
+        need: what a task takes of its queue's quota while active, ``(GPUs, CPU-task slots)``.
+        preemptions: the preemptions in flight.
+        requeue, fail_or_retry: the core's transitions of a gang whose member ended.
+    """
+
+    def __init__(
+        self,
+        *,
+        ledger: NodeLedger,
+        store: StateStore,
+        rendezvous_ports: tuple[int, int],
+        tasks: LiveTasks,
+        quotas: Callable[[], QuotaBook],
+        need: Callable[[TaskRow], tuple[int, int]],
+        preemptions: PreemptionTracker,
+        requeue: Requeue,
+        fail_or_retry: FailOrRetry,
+    ) -> None:
+        self._ledger = ledger
+        self._store = store
+        self._ports = rendezvous_ports
+        self._tasks = tasks
+        self._quotas = quotas
+        self._need = need
+        self._preemptions = preemptions
+        self._requeue = requeue
+        self._fail_or_retry = fail_or_retry
         self.live: dict[str, Gang] = {}
         #: Nodes the last round's first blocked gang reserved (shown in pending reasons).
         self.reserved: tuple[str, ...] = ()
@@ -120,16 +179,17 @@ class Gangs:
         """
         decided: list[tuple[TaskRow, Gang]] = []
         reserved: tuple[str, ...] = ()
-        low, high = self.core.config.gang_rendezvous_ports
+        low, high = self._ports
+        quotas = self._quotas()
         for key in keys:
-            task = self.core.queue.row(key)
+            task = self._tasks.queue.row(key)
             if task.not_before > now:
                 continue
-            quotas, need = self.core.quotas, self.core.need(task)
+            need = self._need(task)
             queue = quotas.queue_of(task.owner)
             if not quotas.admits(queue, need):
                 continue  # over its queue's quota: it waits (the core's pending reason says so)
-            caps = [n.capacity() for n in self.core.nodes.values()]
+            caps = [n.capacity() for n in self._ledger.nodes.values()]
             gt = gang_task(task)
             placement: GangPlacement | None = place_gang(gt, caps, exclude=reserved)
             port = None
@@ -142,11 +202,11 @@ class Gangs:
                     reserved = gang_reservation(gt, caps) or ()
                 continue
             for node_id, devices in placement.members:
-                self.core.nodes[node_id].allocate(task.task_id, task.attempt, devices, None)
+                self._ledger.nodes[node_id].allocate(task.task_id, task.attempt, devices, None)
             decided.append((task, Gang(task.task_id, task.attempt, placement.members, port)))
             quotas.add(queue, need)  # booked for the rest of this call; the core books it for good
         for task, _ in decided:
-            self.core.quotas.add(self.core.quotas.queue_of(task.owner), self.core.need(task), -1)
+            quotas.add(quotas.queue_of(task.owner), self._need(task), -1)
         self.reserved = reserved
         return decided, reserved
 
@@ -154,10 +214,10 @@ class Gangs:
         """``gang`` (``task``'s current attempt) is being committed ASSIGNED: recorded in memory
         and in the store (call inside the transition's batch, so both commit together)."""
         self.live[task.task_id] = gang
-        self._store(gang)
+        self._save(gang)
 
-    def _store(self, gang: Gang) -> None:
-        self.core.store.set_gang(gang.task_id, gang.attempt, gang.port, gang.members, gang.ended)
+    def _save(self, gang: Gang) -> None:
+        self._store.set_gang(gang.task_id, gang.attempt, gang.port, gang.members, gang.ended)
 
     def recover(self, active: dict[str, TaskRow]) -> list[tuple[str, TaskRow, tuple[int, ...]]]:
         """Read the recorded gang attempts back (a restart, or a rebuild after a failed commit):
@@ -169,7 +229,7 @@ class Gangs:
             Rows of attempts that are over are ignored (replaced when the task is next placed).
         """
         held = []
-        for task_id, attempt, port, members, ended in self.core.store.gangs():
+        for task_id, attempt, port, members, ended in self._store.gangs():
             task = active.get(task_id)
             if task is None or task.attempt != attempt or not members:
                 continue
@@ -182,7 +242,7 @@ class Gangs:
         """One ``AssignTask`` per member: ``base`` (spec, attempt, checkpoints) with that member's
         devices and ``gang``."""
         per_node = len(gang.members[0][1])
-        primary = self.core.nodes[gang.primary]
+        primary = self._ledger.nodes[gang.primary]
         host = (primary.register.hostname if primary.register is not None else "") or "127.0.0.1"
         out = []
         for i, (node_id, devices) in enumerate(gang.members):
@@ -202,7 +262,7 @@ class Gangs:
                     member_nodes=[n for n, _ in gang.members],
                 )
             )
-            out.append((self.core.nodes[node_id], a))
+            out.append((self._ledger.nodes[node_id], a))
         return out
 
     def describe(self, gang: Gang) -> str:
@@ -225,21 +285,21 @@ class Gangs:
         if rep.state not in TERMINAL_STATES:
             return True
         gang.ended.add(node.node_id)
-        self._store(gang)  # a restart from here on does not wait for this member
+        self._save(gang)  # a restart from here on does not wait for this member
         held = node.allocations.get(rep.task_id)
         current = task.attempt == rep.attempt and task.state in ACTIVE_STATES
         # Preempted (every member was told to stop): member 0's CANCELLED report, with its last
         # checkpoint, requeues the task once (as PREEMPTED); the others only hand back their GPUs.
-        preempted = rep.state == S.TASK_STATE_CANCELLED and rep.task_id in self.core.preemptions
+        preempted = rep.state == S.TASK_STATE_CANCELLED and rep.task_id in self._preemptions
         if current and rep.state != S.TASK_STATE_SUCCEEDED and not preempted:
             what = f"gang member {node.node_id} (member {gang.index_of(node.node_id)} of {len(gang.members)})"
             if rep.state == S.TASK_STATE_FAILED:
                 reason = "ATTEMPT_FAILED" if rep.retryable else "USER_ERROR"
-                self.core.fail_or_retry(
+                self._fail_or_retry(
                     task, reason, f"{what} failed: {rep.error or 'worker failed'}", retryable=rep.retryable
                 )
             else:
-                self.core.requeue(
+                self._requeue(
                     task,
                     "HANDED_BACK",
                     f"{what} stopped: {rep.error or 'cancelled'}",
@@ -258,11 +318,11 @@ class Gangs:
         if gang is None or (task.attempt == gang.attempt and task.state in ACTIVE_STATES):
             return
         del self.live[task.task_id]
-        self.core.store.forget_gang(task.task_id)
+        self._store.forget_gang(task.task_id)
         if task.state == S.TASK_STATE_SUCCEEDED and task.attempt == gang.attempt:
             return
         for node_id, _ in gang.members:
-            node = self.core.nodes.get(node_id)
+            node = self._ledger.nodes.get(node_id)
             if node is None or node_id in gang.ended or not node.connected:
                 continue
             node.push(
@@ -288,6 +348,6 @@ class Gangs:
         return bool(self.reserved) and not self._first_blocked_is(task)
 
     def _first_blocked_is(self, task: TaskRow) -> bool:
-        for key in self.core.queue.gang_keys():
+        for key in self._tasks.queue.gang_keys():
             return key[2] == task.task_id
         return False

@@ -18,6 +18,7 @@ from opentinker_common.spec import control_character_problem
 from opentinker_scheduler.config import PoolNode, SchedulerConfig
 from opentinker_scheduler.config.usage import check_node_class
 from opentinker_scheduler.errors import AlreadyExists, InvalidArgument, PermissionDenied
+from opentinker_scheduler.state.ledger import NodeLedger
 from opentinker_scheduler.state.nodes import NodeSession
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
 from opentinker_scheduler.state.queue import LiveTasks
@@ -37,13 +38,12 @@ class NodeHost(Protocol):
     clock: Callable[[], float]
     tasks: LiveTasks
     nodes: dict[str, NodeSession]
+    ledger: NodeLedger
     preemptions: PreemptionTracker
     #: Tasks ended by the scheduler (cancel, max_runtime) whose worker is still stopping: task id ->
     #: (attempt, node id).
     stopping: dict[str, tuple[int, str]]
 
-    def node(self, node_id: str) -> NodeSession: ...
-    def node_changed(self, node: NodeSession, *, membership: bool = False) -> None: ...
     def write(self, task: TaskRow, events: list[common_pb2.TaskEvent]) -> None: ...
     def notify(self) -> None: ...
     def transition(
@@ -137,7 +137,7 @@ class NodeProtocol:
         self.messages["register"] += 1
         node = self.core.nodes.get(node_id)
         if node is None:
-            node = self.core.node(node_id)
+            node = self.core.ledger.node(node_id)
         elif node.connected:
             silent = self.core.clock() - node.last_seen
             if silent <= self.core.config.lease_s:
@@ -155,7 +155,7 @@ class NodeProtocol:
         node.last_seen = self.core.clock()
         node.notes = notes
         self._warn_gpu_count_mismatch(reg, pool)  # a registration refused above says nothing
-        self.core.node_changed(node, membership=True)
+        self.core.ledger.changed(node, membership=True)
         self.core.store.upsert_node(node_id, reg.SerializeToString())
 
         # Reports the node sent but never saw acknowledged (the stream broke, or the scheduler
@@ -231,7 +231,7 @@ class NodeProtocol:
             if hb.draining:
                 log.info("node draining; no new tasks go there", node_id=node.node_id)
             node.draining = hb.draining
-            self.core.node_changed(node)
+            self.core.ledger.changed(node)
         node.last_seen = self.core.clock()
         node.last_heartbeat_time = time.time()
         del node.telemetry[:]
@@ -456,7 +456,7 @@ class NodeProtocol:
         if node.generation != generation or not node.connected:
             return
         node.connected = False
-        self.core.node_changed(node, membership=True)
+        self.core.ledger.changed(node, membership=True)
         log.warning("node stream ended", node_id=node.node_id, goodbye=goodbye, tasks=len(node.allocations))
         if goodbye:
             self.core.lose_node(node, "node left")

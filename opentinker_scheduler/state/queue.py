@@ -5,10 +5,11 @@ the queue from it at start and adds or removes a task only after committing a tr
 or out of PENDING, so a placement round never reads the store to find its candidates.
 
 Order (see :mod:`opentinker_scheduler.policy.placement`): larger priority first, then older create
-time, then task id. Besides the whole order the queue keeps one ordered list per ``gpu_count``
-(and GPU-sharing key, and quota queue: fair share and quotas decide per queue),
-so a round can skip every task that asks for more GPUs than any node has free without looking
-at them one by one. Adding and removing cost O(log n) comparisons plus a memmove of the list.
+time, then task id. Besides the whole order the queue keeps one ordered list per placement
+group (:class:`~opentinker_scheduler.policy.placement.PlacementGroup`: GPU count, share key,
+quota queue, memory estimate, tracking loggers), so a round can skip every task that asks for
+more GPUs than any node has free without looking at them one by one. Adding and removing cost
+O(log n) comparisons plus a memmove of the list.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Callable, Iterator, Mapping
 
 from opentinker.common.v1 import common_pb2
 
+from opentinker_scheduler.policy.placement import PlacementGroup
 from opentinker_scheduler.state.store import ACTIVE_STATES, StateStore, TaskRow
 
 QueueKey = tuple[int, float, str]  # (-priority, create_time, task_id)
@@ -33,34 +35,9 @@ def is_gang(task: TaskRow) -> bool:
     return task.spec.resources.nodes > 1
 
 
-#: A queue's placement group: ``(gpu_count, share key, quota queue)``, and for a shareable LoRA
-#: task whose GPU memory is estimated a fourth item, that estimate
-#: (:class:`~opentinker_scheduler.policy.placement.MemoryNeed`); for a task naming
-#: ``spec.tracking`` loggers a fifth, those loggers (the fourth then None when not estimated). Tasks in one group fit in
-#: exactly the same places and count against the same quota (policy/quota.py), so a placement
-#: round may drop a group whole (:func:`~opentinker_scheduler.policy.placement.place_round`).
-QueueGroup = tuple
-
-
-def group_of(task: TaskRow, queue_of: Callable[[str], str]) -> QueueGroup:
+def group_of(task: TaskRow, queue_of: Callable[[str], str]) -> PlacementGroup:
     """The placement group of a task, its quota queue from its owner by ``queue_of``."""
-    need, loggers = task.memory_need, task.tracking_loggers
-    if loggers:
-        return (task.gpu_count, task.share_key, queue_of(task.owner), need, loggers)
-    if need is None:
-        return (task.gpu_count, task.share_key, queue_of(task.owner))
-    return (task.gpu_count, task.share_key, queue_of(task.owner), need)
-
-
-def group_memory(group: QueueGroup):
-    """The memory estimate a group carries (its fourth item), or None."""
-    return group[3] if len(group) > 3 else None
-
-
-def group_loggers(group: QueueGroup) -> frozenset[str]:
-    """The ``spec.tracking`` loggers a group's tasks name (its fifth item; a node must be able
-    to write them), or none."""
-    return group[4] if len(group) > 4 else frozenset()
+    return PlacementGroup(task.gpu_count, task.share_key, queue_of(task.owner), task.memory_need, task.tracking_loggers)
 
 
 def _no_queues(owner: str) -> str:
@@ -76,7 +53,7 @@ class PendingQueue:
         self._rows: dict[str, TaskRow] = {}
         self._keys: dict[str, QueueKey] = {}
         self._order: list[QueueKey] = []
-        self._by_gpus: dict[QueueGroup, list[QueueKey]] = {}
+        self._by_gpus: dict[PlacementGroup, list[QueueKey]] = {}
         self._gangs: list[QueueKey] = []  # gang tasks, in placement order (not in _by_gpus)
 
     def __len__(self) -> int:
@@ -130,8 +107,8 @@ class PendingQueue:
         key = self._keys.get(task_id)
         return bisect.bisect_left(self._order, key) + 1 if key is not None else 0
 
-    def groups(self) -> dict[QueueGroup, list[QueueKey]]:
-        """``(gpu_count, share key, queue)`` -> ordered keys. Read-only: a placement round walks these lists while it
+    def groups(self) -> dict[PlacementGroup, list[QueueKey]]:
+        """Placement group -> ordered keys. Read-only: a placement round walks these lists while it
         decides, and the core removes placed tasks only after the round has decided."""
         return self._by_gpus
 

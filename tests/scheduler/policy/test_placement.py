@@ -113,29 +113,25 @@ def test_cpu_tasks_take_spare_slots_on_a_reserved_node() -> None:
 
 
 def test_a_round_keeps_a_group_off_the_nodes_left_out_for_it() -> None:
-    from opentinker_scheduler.policy.placement import FreeNodes, place_round
+    from opentinker_scheduler.policy.placement import FreeNodes, PlacementGroup, RoundHooks, place_round
 
     ledger = {c.node_id: c for c in (node("a", 1), node("b", 2), node("c", 4))}
     free = FreeNodes()
     for c in ledger.values():
         free.update(c)
     assert free.best_fit(1, frozenset({"a", "b"})) == "c" and free.most_free_gpus(frozenset({"c"})) == 2
-    groups = {(1, None, "q", None, frozenset({"mlflow"})): [(0.0, "logs")], (1, None, "q"): [(1.0, "plain")]}
+    groups = {
+        PlacementGroup(1, None, "q", loggers=frozenset({"mlflow"})): [(0.0, "logs")],
+        PlacementGroup(1, None, "q"): [(1.0, "plain")],
+    }
     got = []
 
     def take(key, group, node_id) -> None:
         cap = ledger[node_id]
-        cap.book(cap.choose_devices(group[0], group[1]), group[1])
+        cap.book(cap.choose_devices(group.gpu_count, group.share_key), group.share_key)
         free.update(cap)
         got.append((key[1], node_id))
 
     left_out = {frozenset({"mlflow"}): frozenset({"a", "b"})}
-    place_round(
-        groups,
-        free,
-        0.0,
-        lambda key: 0.0,
-        take,
-        left_out=lambda g: left_out.get(g[4] if len(g) > 4 else None, frozenset()),
-    )
+    place_round(groups, free, 0.0, RoundHooks(take, left_out=lambda g: left_out.get(g.loggers, frozenset())))
     assert got == [("logs", "c"), ("plain", "a")]  # best fit "a" for the one it may use

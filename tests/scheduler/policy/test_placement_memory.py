@@ -8,6 +8,8 @@ from opentinker_scheduler.policy.placement import (
     MemoryNeed,
     NodeCapacity,
     PendingTask,
+    PlacementGroup,
+    RoundHooks,
     place_round,
     plan,
 )
@@ -90,18 +92,19 @@ def test_place_round_agrees_with_plan_on_memory() -> None:
     for c in ledger.values():
         free.update(c)
     by_id = {t.task_id: t for t in tasks}
-    groups: dict[tuple, list] = {}
+    groups: dict[PlacementGroup, list] = {}
     for t in sorted(tasks, key=lambda t: (t.create_time, t.task_id)):
-        groups.setdefault((t.gpu_count, t.share_key, "q", t.memory), []).append((t.create_time, t.task_id))
+        group = PlacementGroup(t.gpu_count, t.share_key, "q", t.memory)
+        groups.setdefault(group, []).append((t.create_time, t.task_id))
     got = []
 
     def take(key, group, node_id) -> None:
         cap = ledger[node_id]
-        devices = cap.choose_devices(group[0], group[1], group[3])
-        cap.book(devices, group[1], group[3])
+        devices = cap.choose_devices(group.gpu_count, group.share_key, group.memory)
+        cap.book(devices, group.share_key, group.memory)
         free.update(cap)
         got.append((by_id[key[1]].task_id, node_id, devices))
 
-    place_round(groups, free, 0.0, lambda key: 0.0, take, need=lambda g: g[3])
+    place_round(groups, free, 0.0, RoundHooks(take))
     assert sorted(got) == sorted((p.task_id, p.node_id, p.device_indices) for p in expected)
     assert 0 < len(got) < len(tasks)  # some are left pending

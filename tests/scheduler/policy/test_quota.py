@@ -5,12 +5,20 @@ preemption round, and fair share at equal priority."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 import heapq
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opentinker_scheduler.policy.placement import FreeNodes, NodeCapacity, place_round, reservation_node
+from opentinker_scheduler.policy.placement import (
+    FreeNodes,
+    NodeCapacity,
+    PlacementGroup,
+    RoundHooks,
+    place_round,
+    reservation_node,
+)
 from opentinker_scheduler.policy.preemption import NodeState, RunningAlloc, choose_victims
 from opentinker_scheduler.policy.quota import QueueQuota, QuotaBook, task_need
 
@@ -92,27 +100,22 @@ def run_round(quotas: QuotaBook, caps: list[NodeCapacity], tasks: list[tuple[str
     for task_id, queue, gpus, prio, created in tasks:
         key = (-prio, created, task_id)
         rows[key] = (queue, gpus)
-        groups.setdefault((gpus, None, queue), []).append(key)
+        groups.setdefault(PlacementGroup(gpus, None, queue), []).append(key)
     for keys in groups.values():
         keys.sort()
     placed: list[str] = []
 
     def take(key, g, node_id):
         cap = by_id[node_id]
-        cap.book(cap.choose_devices(g[0], g[1]), g[1])
+        cap.book(cap.choose_devices(g.gpu_count, g.share_key), g.share_key)
         free.update(cap)
-        quotas.add(g[2], task_need(g[0]))
+        quotas.add(g.queue, task_need(g.gpu_count))
         placed.append(key[2])
 
-    place_round(
-        groups,
-        free,
-        0.0,
-        lambda key: 0.0,
-        take,
-        admit=lambda key, g: quotas.admits(g[2], task_need(g[0])),
-        rank=(lambda g, key: (key[0], quotas.dominant_share(g[2]), key[1], key[2])) if fair else None,
-    )
+    hooks = RoundHooks(take, admit=lambda key, g: quotas.admits(g.queue, task_need(g.gpu_count)))
+    if fair:
+        hooks = replace(hooks, rank=lambda g, key: (key[0], quotas.dominant_share(g.queue), key[1], key[2]))
+    place_round(groups, free, 0.0, hooks)
     return placed
 
 
@@ -296,15 +299,16 @@ def test_kept_sums_and_shares_equal_a_recount(qs, ops) -> None:
                     assert ("borrowing_limit" in got) == (want == "limit"), (got, want)
 
 
-def recomputed_round(groups, free, now, not_before, take, reserve, admit, rank) -> int:
+def recomputed_round(groups, free, now, hooks: RoundHooks) -> int:
     """:func:`place_round` as first written: every group checked against the capacity and ranked
     afresh at every choice (the round now does either only when a take or a reservation may have
     changed it)."""
+    not_before, take, reserve, admit, rank = hooks.not_before, hooks.take, hooks.reserve, hooks.admit, hooks.rank
     live = {g: keys for g, keys in groups.items() if keys}
     cursor = dict.fromkeys(live, 0)
     placed, reserved, blocked = 0, None, []
     while True:
-        for g in [g for g in live if g[0] > free.most_open(g[1], free.closed_to(g[0], reserved))]:
+        for g in [g for g in live if g.gpu_count > free.most_open(g.share_key, free.closed_to(g.gpu_count, reserved))]:
             keys = live.pop(g)
             if reserved is None:
                 i = cursor[g]
@@ -315,7 +319,7 @@ def recomputed_round(groups, free, now, not_before, take, reserve, admit, rank) 
         g = min(live, key=lambda g: rank(g, live[g][cursor[g]])) if live else None
         if reserved is None and blocked and (g is None or blocked[0][0] < rank(g, live[g][cursor[g]])):
             _, bkey, bg = heapq.heappop(blocked)
-            reserved = reserve(bkey, bg[0])
+            reserved = reserve(bkey, bg.gpu_count)
             if reserved is not None:
                 blocked.clear()
             continue
@@ -330,7 +334,7 @@ def recomputed_round(groups, free, now, not_before, take, reserve, admit, rank) 
         if not admit(key, g):
             live.pop(g, None)
             continue
-        take(key, g, free.best_fit_for(g[0], g[1], free.closed_to(g[0], reserved)))
+        take(key, g, free.best_fit_for(g.gpu_count, g.share_key, free.closed_to(g.gpu_count, reserved)))
         placed += 1
     return placed
 
@@ -364,17 +368,17 @@ def test_round_with_kept_ranks_places_what_a_recomputed_round_places(qs, ts, ns,
         for i, (q, gpus, prio, backoff) in enumerate(ts):
             key = (-prio, float(i % 5), f"t{i:02d}")
             waiting[key] = 50.0 if backoff else 0.0
-            groups.setdefault((gpus, None, f"q{q}"), []).append(key)
+            groups.setdefault(PlacementGroup(gpus, None, f"q{q}"), []).append(key)
         for keys in groups.values():
             keys.sort()
         out = []
 
         def take(key, g, node_id):
             cap = caps[node_id]
-            devices = cap.choose_devices(g[0], g[1])
-            cap.book(devices, g[1])
+            devices = cap.choose_devices(g.gpu_count, g.share_key)
+            cap.book(devices, g.share_key)
             free.update(cap)
-            quotas.add(g[2], task_need(g[0]))
+            quotas.add(g.queue, task_need(g.gpu_count))
             out.append((key[2], node_id, devices))
 
         def reserve(key, gpu_count):
@@ -382,16 +386,14 @@ def test_round_with_kept_ranks_places_what_a_recomputed_round_places(qs, ts, ns,
             out.append(("reserved", key[2], node_id))
             return node_id
 
-        n = round_fn(
-            groups,
-            free,
-            10.0,
-            waiting.__getitem__,
+        hooks = RoundHooks(
             take,
-            reserve,
-            lambda key, g: quotas.admits(g[2], task_need(g[0])),
-            lambda g, key: (key[0], quotas.dominant_share(g[2]), key[1], key[2]),
+            not_before=waiting.__getitem__,
+            admit=lambda key, g: quotas.admits(g.queue, task_need(g.gpu_count)),
+            rank=lambda g, key: (key[0], quotas.dominant_share(g.queue), key[1], key[2]),
+            reserve=reserve,
         )
+        n = round_fn(groups, free, 10.0, hooks)
         return n, out, {q: quotas.usage(q) for q in quotas.used}
 
     assert run(place_round) == run(recomputed_round)

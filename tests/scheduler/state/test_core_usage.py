@@ -43,7 +43,7 @@ def test_finished_task_usage_is_its_attempts_gpu_seconds(tmp_path) -> None:
     time.sleep(0.05)
     # The node is lost: attempt 1 ends (NODE_LOST), attempt 2 runs to the end.
     node.connected = False  # as the liveness check does past the lease
-    core.node_changed(node, membership=True)
+    core.ledger.changed(node, membership=True)
     core.lose_node(node, "test")
     node, _ = register(core)
     core.schedule()
@@ -127,7 +127,7 @@ def test_a_timed_out_attempt_is_accounted_until_its_node_is_declared_lost(tmp_pa
     time.sleep(STOPPING_S)  # the node goes silent before confirming
     lost_from = time.time()
     node.connected = False  # as the liveness check does past the lease
-    core.node_changed(node, membership=True)
+    core.ledger.changed(node, membership=True)
     core.lose_node(node, "test")
     lost_to = time.time()
     ((_, start, end, gpu_s),) = _usage_rows(core, task.task_id)

@@ -17,6 +17,8 @@ from opentinker_scheduler.policy.placement import (
     NodeCapacity,
     PendingTask,
     Placement,
+    PlacementGroup,
+    RoundHooks,
     place_round,
     plan,
     reservation_node,
@@ -52,15 +54,15 @@ def test_pending_queue_order_position_and_groups() -> None:
     assert [r.task_id for r in q] == ["d", "b", "c", "a"]  # priority desc, then oldest
     assert [q.position(t) for t in "dbca"] == [1, 2, 3, 4]
     assert {g: [k[2] for k in keys] for g, keys in q.groups().items()} == {
-        (0, None, "u"): ["d", "a"],
-        (1, None, "u"): ["b", "c"],
+        PlacementGroup(0, None, "u"): ["d", "a"],
+        PlacementGroup(1, None, "u"): ["b", "c"],
     }
     q.put(row("b", 2, 5.0, 1))  # replacing a row keeps one entry
     assert len(q) == 4
     assert q.discard("b").task_id == "b" and q.discard("b") is None
     assert [r.task_id for r in q] == ["d", "c", "a"] and q.position("c") == 2 and q.position("b") == 0
     q.discard("c")
-    assert (1, None, "u") not in q.groups()
+    assert PlacementGroup(1, None, "u") not in q.groups()
 
 
 def test_free_nodes_best_fit_matches_policy() -> None:
@@ -84,22 +86,23 @@ def _round(tasks: list[PendingTask], nodes: list[NodeCapacity], now: float) -> l
     for c in caps.values():
         free.update(c)
     by_id = {t.task_id: t for t in tasks}
-    groups: dict[tuple, list] = {}
+    groups: dict[PlacementGroup, list] = {}
     for t in tasks:
-        groups.setdefault((t.gpu_count, t.share_key), []).append((-t.priority, t.create_time, t.task_id))
+        groups.setdefault(PlacementGroup(t.gpu_count, t.share_key), []).append((-t.priority, t.create_time, t.task_id))
     for keys in groups.values():
         keys.sort()
     out: list[Placement] = []
 
     def take(key, group, node_id: str) -> None:
         c = caps[node_id]
-        devices = c.choose_devices(*group)
-        c.book(devices, group[1])
+        devices = c.choose_devices(group.gpu_count, group.share_key)
+        c.book(devices, group.share_key)
         free.update(c.copy())
         out.append(Placement(key[2], node_id, devices))
 
     reserve = lambda key, gpu_count: reservation_node(gpu_count, caps.values())  # noqa: E731
-    assert place_round(groups, free, now, lambda key: by_id[key[2]].not_before, take, reserve) == len(out)
+    hooks = RoundHooks(take, not_before=lambda key: by_id[key[2]].not_before, reserve=reserve)
+    assert place_round(groups, free, now, hooks) == len(out)
     return out
 
 
