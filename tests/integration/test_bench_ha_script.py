@@ -30,6 +30,5 @@ def test_bench_ha_quick_run_prints_the_figures(tmp_path, postgres_server) -> Non
     assert set(figures["submits"]["median_submits_per_s"]) == {
         "sqlite",
         "postgres-sync-on",
-        "postgres-sync-on-inline",
         "postgres-sync-off",
     }

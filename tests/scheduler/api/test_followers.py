@@ -73,6 +73,8 @@ def test_one_leader_and_a_follower_that_reads_and_points_writers_to_it(pair) -> 
     leader, follower = sorted(running, key=lambda r: not r.core.leading)
     leader_address = f"127.0.0.1:{leader.port}"
     assert leader.leadership.address == leader_address
+    # A follower names a leader only once it has read the lease with the leader's lock held.
+    wait_for(lambda: follower.core.store.leader_address == leader_address, timeout=30, what="the follower names it")
 
     spec = C.TaskSpec(workload_type="lora_finetune", model="/models/m")
     with grpc.insecure_channel(f"127.0.0.1:{follower.port}") as ch:
