@@ -15,7 +15,7 @@ SCHEDULER_URL ?= http://localhost:$(PORT)
 # "joined dynamically"; the host name only when the config names no node. NODE_ID=... for another.
 NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]\#]*\).*/\1/p' $(SCHEDULER_CONFIG) 2>/dev/null | head -n 1),$(shell hostname)-trainer)
 
-.PHONY: install venv test-deps proto proto-check lint scheduler trainer gateway demo test test-fast bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives bench-report gpu-check clean
+.PHONY: install venv test-deps proto proto-check lint scheduler trainer gateway demo test test-fast test-cluster bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives bench-report gpu-check clean
 
 # `install` is a no-op when done: it installs only when the venv is missing or its package set is
 # out of date, i.e. the SHA-256 of pyproject.toml, constraints.txt and INSTALL_SPEC differs from the
@@ -117,6 +117,13 @@ lint: install
 TEST_WORKERS ?= 2
 test: install test-deps proto-check lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+
+# Simulated hosts (network namespaces, private disks: root only) set up by the commands of
+# docs/cluster.md, then faults: a trainer host killed, the leader killed, a trainer cut off, the
+# database restarted, S3 down (tests/cluster/). A few minutes; `timeout` bounds it, and its
+# namespaces and processes go with it even when killed.
+test-cluster: install test-deps
+	OPENTINKER_CLUSTER_TEST=1 timeout -k 30 1200 $(PY) -m pytest -q -p no:cacheprovider --durations=10 tests/cluster
 
 test-fast: install test-deps
 	$(PY) -m pytest -q -m "not e2e"

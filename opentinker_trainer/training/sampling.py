@@ -139,9 +139,7 @@ def sample_prompts(
     training = model.training
     model.eval()
     try:
-        batch = DecodeBatch(
-            model_for=lambda _names: (model, {}), cache_kw=cache_kwarg(model), device=device, mixed=False
-        )
+        batch = DecodeBatch(model_for=lambda _names: (model, {}), cache_kw=cache_kwarg(model), device=device)
         logits, cache, mask = batch.prefill(members)
         for m, lg in zip(members, logits):
             _draw(m, lg, params, tokenizer, slps[id(m)])

@@ -1,5 +1,6 @@
 """The deploy files' HAProxy in front of two real schedulers on one real PostgreSQL: the committed
-``deploy/haproxy.cfg``, with only its addresses changed for loopback, run by a real ``haproxy``.
+``deploy/haproxy.cfg``, its addresses from the environment and each check on its scheduler's own
+HTTP port (two schedulers share one host here), run by a real ``haproxy``.
 
 A client and a trainer given only the balancer's address reach the leader (the one scheduler
 whose ``/ready`` passes); after kill -9 of the leader the balancer marks it down, cuts its

@@ -44,7 +44,7 @@ def test_the_page_is_one_screen_of_headline_then_method_and_notes_under_250_line
         else:
             assert record.get("status"), f"{path.name}: a row with no ratio says why"
     for row in rows:
-        numbers = re.findall(r"\*\*([0-9.]+)x\*\*", row)
+        numbers = re.findall(r"\*\*([0-9.]+)(?:x| s)\*\*", row)  # a ratio, or seconds
         assert numbers or "not re-measured" in row, row
 
 

@@ -329,6 +329,37 @@ def _haproxy(path: Path) -> dict[str, list[str]]:
     return sections
 
 
+def haproxy_default(word: str) -> str:
+    """The value of an haproxy.cfg word with its environment variables unset: ``"${X-d}"`` is d."""
+    return re.sub(r"\$\{[A-Z_]+-([^}]*)\}", r"\1", word.strip('"'))
+
+
+def frontend_bind(cfg: dict[str, list[str]]) -> str:
+    (frontend,) = [k for k in cfg if k.startswith("frontend")]
+    return next(line.split()[1] for line in cfg[frontend] if line.startswith("bind"))
+
+
+def test_haproxy_cfg_runs_on_bare_hosts_its_addresses_from_documented_variables() -> None:
+    """No Docker-only resolver: names resolve at start through the system (init-addr libc), later
+    through /etc/resolv.conf's nameservers; every variable it reads is named in its header and in
+    the bare-metal guide, with the default the file carries."""
+    text = (DEPLOY / "haproxy.cfg").read_text()
+    cfg = _haproxy(DEPLOY / "haproxy.cfg")
+    assert "127.0.0.11" not in text and "resolvers docker" not in text
+    (resolvers,) = [k for k in cfg if k.startswith("resolvers ")]
+    assert "parse-resolv-conf" in cfg[resolvers]
+    default = next(line for line in cfg["backend schedulers"] if line.startswith("default-server"))
+    assert f"resolvers {resolvers.split()[1]}" in default
+    assert "init-addr last,libc,none" in default
+    header = text.split("\nglobal", 1)[0]
+    guide = (ROOT / "docs" / "cluster.md").read_text()
+    variables = re.findall(r"\$\{([A-Z_]+)-([^}]*)\}", text)
+    assert {v for v, _ in variables} == {"OPENTINKER_LB_BIND", "OPENTINKER_SCHEDULER_A", "OPENTINKER_SCHEDULER_B"}
+    for var, value in variables:
+        assert re.search(rf"{var}\s+.*default {re.escape(value)}", header), var
+        assert var in guide, var
+
+
 def test_compose_ha_runs_postgres_two_schedulers_a_balancer_and_trainers(cli_flags) -> None:
     compose = docs(DEPLOY / "compose.ha.yaml")[0]
     services = compose["services"]
@@ -361,16 +392,17 @@ def test_compose_ha_runs_postgres_two_schedulers_a_balancer_and_trainers(cli_fla
     cfg = _haproxy(DEPLOY / cfg_src)
     assert "mode tcp" in cfg["defaults"]
     (frontend,) = [k for k in cfg if k.startswith("frontend")]
-    bind_port = next(line.split(":")[-1] for line in cfg[frontend] if line.startswith("bind"))
+    bind_port = haproxy_default(frontend_bind(cfg)).split(":")[-1]
     assert f"{bind_port}:{bind_port}" in lb["ports"]
     backend = cfg["backend schedulers"]
     assert "option httpchk GET /ready" in backend and "http-check expect status 200" in backend
     default = next(line for line in backend if line.startswith("default-server"))
-    servers = {line.split()[1]: line.split()[2] for line in backend if line.startswith("server ")}
+    servers = {line.split()[1]: haproxy_default(line.split()[2]) for line in backend if line.startswith("server ")}
     assert set(servers) == set(schedulers)
     for name, s in schedulers.items():
         assert servers[name] == f"{name}:{flag(s['command'], '--port')}"
         assert f"check port {flag(s['command'], '--http-port')}" in default
+    assert haproxy_default(frontend_bind(cfg)) == f":{bind_port}"
     assert "on-marked-down shutdown-sessions" in default
     env = services["trainer"]["environment"]
     check_env("opentinker-trainer", list(env))
@@ -418,6 +450,22 @@ def test_k8s_ha_two_replicas_ready_only_on_the_leader(cli_flags) -> None:
     assert pg["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= labels.items()
+    # the artifacts' S3 store is a Service here, its keys one Secret given to schedulers, trainers and the store
+    endpoint = config.artifacts.s3.endpoint.split("//")[1]
+    s3_svc = _k8s_ha("Service", endpoint.split(":")[0])
+    assert int(endpoint.split(":")[1]) in [p["port"] for p in s3_svc["spec"]["ports"]]
+    s3 = _k8s_ha("StatefulSet", s3_svc["metadata"]["name"])
+    assert s3_svc["spec"]["selector"].items() <= s3["spec"]["template"]["metadata"]["labels"].items()
+    trainer = {e["name"]: e for e in container(_k8s_ha("DaemonSet", "opentinker-trainer"))["env"]}
+    refs = [
+        {k: v for k, v in env[name]["valueFrom"]["secretKeyRef"].items() if k != "optional"}
+        for env in (env, trainer)
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    ]
+    store_env = [e["valueFrom"]["secretKeyRef"] for e in container(s3)["env"] if "valueFrom" in e]
+    assert sorted(map(str, store_env)) == sorted(map(str, refs[:2]))
+    for ref in refs:
+        assert ref["key"] in _k8s_ha("Secret", ref["name"])["stringData"]
     # the trainers and the namespace are those of the one-scheduler manifests
     for same in ("trainer.yaml", "namespace.yaml"):
         assert (DEPLOY / "k8s-ha" / same).read_text() == (DEPLOY / "k8s" / same).read_text(), same

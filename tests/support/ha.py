@@ -9,6 +9,7 @@ cuts). Nothing here sleeps for a fixed time: waits are on /health, task states a
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -35,20 +36,24 @@ def find_haproxy() -> str | None:
     return found or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
 
 
-def loopback_config(text: str, lb_port: int, schedulers: list[tuple[int, int]]) -> str:
-    """``deploy/haproxy.cfg`` for loopback: the frontend on ``lb_port``, its servers at
-    ``(grpc port, http port)`` on 127.0.0.1 instead of compose's DNS names (no resolvers
-    section); every check, timeout and the cut of a down server's sessions as committed."""
-    text = re.sub(r"(?m)^resolvers docker\n(?:[ \t]+.*\n)*", "", text)
-    text = text.replace(" resolvers docker init-addr none", "")
-    text, n = re.subn(r"(?m)^(\s*)bind :8888$", rf"\1bind 127.0.0.1:{lb_port}", text)
-    assert n == 1, "deploy/haproxy.cfg: expected one 'bind :8888'"
+def loopback_config(text: str, schedulers: list[tuple[int, int]]) -> str:
+    """``deploy/haproxy.cfg`` for schedulers on one host: each server's check on its own HTTP port
+    of ``(grpc port, http port)`` instead of the shared 8889; addresses come from the environment
+    (:func:`loopback_env`), every check, timeout and the cut of a down server's sessions as
+    committed."""
     servers = [line for line in text.splitlines() if re.match(r"\s*server scheduler-", line)]
     assert len(servers) == len(schedulers), servers
-    for line, (port, http_port) in zip(servers, schedulers):
-        name = line.split()[1]
-        text = text.replace(line, f"    server {name} 127.0.0.1:{port} port {http_port}")
+    for line, (_, http_port) in zip(servers, schedulers):
+        text = text.replace(line, f"{line} port {http_port}")
     return text
+
+
+def loopback_env(lb_port: int, schedulers: list[tuple[int, int]]) -> dict[str, str]:
+    """The variables deploy/haproxy.cfg reads, for the frontend on ``lb_port`` and the schedulers."""
+    env = {"OPENTINKER_LB_BIND": f"127.0.0.1:{lb_port}"}
+    for letter, (port, _) in zip("AB", schedulers):
+        env[f"OPENTINKER_SCHEDULER_{letter}"] = f"127.0.0.1:{port}"
+    return env
 
 
 class Balancer:
@@ -63,14 +68,16 @@ class Balancer:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         cfg = cluster.tmp / "haproxy.cfg"
-        cfg.write_text(
-            loopback_config(HAPROXY_CFG.read_text(), self.port, list(zip(cluster.ports, cluster.http_ports)))
-        )
-        check = subprocess.run([haproxy, "-c", "-f", str(cfg)], capture_output=True, text=True)
+        schedulers = list(zip(cluster.ports, cluster.http_ports))
+        cfg.write_text(loopback_config(HAPROXY_CFG.read_text(), schedulers))
+        env = {**os.environ, **loopback_env(self.port, schedulers)}
+        check = subprocess.run([haproxy, "-c", "-f", str(cfg)], capture_output=True, text=True, env=env)
         assert check.returncode == 0, check.stdout + check.stderr
         self.log = cluster.tmp / "haproxy.log"
         self._log_file = open(self.log, "wb")
-        self.proc = subprocess.Popen([haproxy, "-db", "-f", str(cfg)], stdout=self._log_file, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [haproxy, "-db", "-f", str(cfg)], stdout=self._log_file, stderr=subprocess.STDOUT, env=env
+        )
 
     def close(self) -> None:
         self.proc.terminate()
