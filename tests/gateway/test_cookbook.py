@@ -96,14 +96,14 @@ def test_math_rl_learns(cookbook) -> None:
         "env=arithmetic",
         "loss_fn=importance_sampling",
         "group_size=4",
-        "groups_per_batch=4",
-        "max_tokens=5",
+        "groups_per_batch=8",
+        "max_tokens=3",
         "lora_rank=8",
         "learning_rate=1e-3",
-        "max_steps=8",
+        "max_steps=6",
         "save_every=4",
         "eval_every=0",
     )
     reward = [r["env/all/reward/total"] for r in rows if "env/all/reward/total" in r]
-    assert len(reward) == 8, rows
-    assert statistics.mean(reward[-3:]) > statistics.mean(reward[:3]), reward
+    assert len(reward) == 6, rows
+    assert statistics.mean(reward[-2:]) > reward[0], reward
