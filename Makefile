@@ -15,7 +15,7 @@ SCHEDULER_URL ?= http://localhost:$(PORT)
 # "joined dynamically"; the host name only when the config names no node. NODE_ID=... for another.
 NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]\#]*\).*/\1/p' $(SCHEDULER_CONFIG) 2>/dev/null | head -n 1),$(shell hostname)-trainer)
 
-.PHONY: install venv test-deps proto proto-check lint scheduler trainer gateway demo test test-fast test-cluster bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives bench-report gpu-check clean
+.PHONY: install venv test-deps proto proto-check lint scheduler trainer gateway demo test test-fast test-cluster bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives bench-tinker bench-report gpu-check clean
 
 # `install` is a no-op when done: it installs only when the venv is missing or its package set is
 # out of date, i.e. the SHA-256 of pyproject.toml, constraints.txt and INSTALL_SPEC differs from the
@@ -242,6 +242,12 @@ bench-host-serving: install
 # Options: BENCH_ARGS="--steps 6 --calls 50", "--phases sessions --sessions 4" (scripts/bench_primitives.py --help).
 bench-primitives: install
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_primitives.py --model $(MODEL_DIR) $(BENCH_ARGS)
+
+# The Tinker API (opentinker_gateway) against the same work done directly: a cookbook-shaped SL
+# step through the SDK against opentinker_client (goal <= 1.1x), and a math_rl step's sampling with
+# concurrent sample_async against one call per rollout (goal <= 0.5x). See scripts/bench_tinker.py.
+bench-tinker: install
+	$(PY) scripts/bench_tinker.py --model $(MODEL_DIR) $(BENCH_ARGS)
 
 # On NVIDIA GPUs: a GRPO task of SmolLM2-135M's shape on 1 GPU and on all, NVML utilization and
 # memory, and the scheduler's telemetry of the GPU the rank uses. Refuses (exit 2) without a GPU.
