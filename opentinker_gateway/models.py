@@ -12,6 +12,12 @@ A request ahead of the worker is sent again until the worker reaches it; after
 other instance (or after a restart) by asking the worker for call ``seq_id - 1``'s kept answer:
 the same RPC with a payload the worker refuses, which it answers from its cache when that call
 ran and refuses, changing nothing, when it did not.
+
+A worker that goes away (``kill -9``, a lost node) makes the scheduler requeue its task; the
+next attempt resumes from the task's newest ``save_state`` at a new endpoint. A request that finds
+the worker unavailable follows the task there. The resumed worker expects the request after that
+save; those the lost worker answered after it are gone, so a request past them fails at once as
+a ``seq_id`` gap that names the save, rather than after ``gap_timeout_s``.
 """
 
 from __future__ import annotations
@@ -35,8 +41,8 @@ __all__ = ["Model", "Outcome", "NotYet"]
 
 log = logging.getLogger(__name__)
 
-#: Times a worker call is sent again after UNAVAILABLE (the worker restarting) before it fails.
-_UNAVAILABLE_TRIES = 5
+#: Seconds between tries of a call whose worker is unavailable: first, most.
+_UNAVAILABLE_WAIT = (0.2, 2.0)
 #: Seconds between tries of a call the worker is not ready for yet: first, growth, most.
 _AHEAD_WAIT = (0.01, 1.5, 0.2)
 
@@ -59,7 +65,9 @@ class Model:
 
     Args:
         metadata: awaitable giving the ``authorization`` metadata for the worker (an endpoint token).
-        gap_timeout_s: seconds a request waits for the worker to reach it.
+        serving: awaitable giving the task once it serves (RUNNING with an endpoint); raises
+            :class:`ApiError` when it ended.
+        gap_timeout_s: seconds a request waits for the worker to reach it, or to serve again.
     """
 
     def __init__(
@@ -72,6 +80,7 @@ class Model:
         model_dir: str,
         lora_rank: int,
         metadata: Callable[[], Awaitable[tuple]],
+        serving: Callable[[], Awaitable[Any]],
         gap_timeout_s: float = 60.0,
     ) -> None:
         self.model_id = model_id
@@ -81,19 +90,57 @@ class Model:
         self.model_dir = model_dir
         self.lora_rank = lora_rank
         self.metadata = metadata
+        self.serving = serving
         self.gap_timeout_s = gap_timeout_s
+        self._channels: list[grpc.aio.Channel] = []
+        self._connect(endpoint)
+        self._futures: dict[int, asyncio.Future] = {}
+        self._gap_failed: set[int] = set()
+        self._follow_lock = asyncio.Lock()
+        #: After the task resumed at a new endpoint: the highest request the lost worker answered,
+        #: and the save the resumed attempt started from.
+        self.lost_up_to = 0
+        self.resumed_from = ""
+
+    def _connect(self, endpoint: str) -> None:
         address = parse_scheduler_address(endpoint)
         options = [*client_keepalive(), *message_limits()]
         if address.tls:
-            self._channel = grpc.aio.secure_channel(address.target, grpc.ssl_channel_credentials(), options=options)
+            channel = grpc.aio.secure_channel(address.target, grpc.ssl_channel_credentials(), options=options)
         else:
-            self._channel = grpc.aio.insecure_channel(address.target, options=options)
-        self.stub = training_pb2_grpc.TrainingServiceStub(self._channel)
-        self._futures: dict[int, asyncio.Future] = {}
-        self._gap_failed: set[int] = set()
+            channel = grpc.aio.insecure_channel(address.target, options=options)
+        self._channels.append(channel)  # older ones close with the model: calls may still use them
+        self.endpoint = endpoint
+        self.stub = training_pb2_grpc.TrainingServiceStub(channel)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
+
+    async def follow(self, endpoint: str) -> bool:
+        """Whether the task serves at another endpoint than ``endpoint``, the one a call found
+        unavailable; if so the model's calls go there from now on.
+
+        Raises:
+            ApiError: the task ended.
+        """
+        async with self._follow_lock:
+            if self.endpoint != endpoint:  # a concurrent call followed it already
+                return True
+            task = await self.serving()
+            if task.endpoint == endpoint:
+                return False
+            ran = [n for n, f in self._futures.items() if f.done() and f.result().error is None]
+            self.lost_up_to = max(ran, default=0)
+            self._connect(task.endpoint)
+            try:
+                self.resumed_from = (await self.info()).resumed_from
+            except ApiError:
+                self.resumed_from = ""
+            log.info(
+                "model %s follows its task to %s (resumed from %r)", self.model_id, task.endpoint, self.resumed_from
+            )
+            return True
 
     def submit(self, seq_id: int, what: str, send: Callable[[int, tuple], Awaitable[Any]], answer) -> asyncio.Future:
         """The future of request ``seq_id``: ``answer(await send(seq_id - 1, metadata))`` once the
@@ -137,14 +184,22 @@ class Model:
                 not reach it within ``gap_timeout_s`` (a ``seq_id`` gap).
         """
         sequence = seq_id - 1
-        unavailable = 0
         wait, grow, most = _AHEAD_WAIT
-        first_refusal = None
+        first_refusal = first_unavailable = None
+        unavailable_wait = _UNAVAILABLE_WAIT[0]
         while True:
+            endpoint = self.endpoint
             try:
                 return await send(sequence, await self.metadata())
             except grpc.aio.AioRpcError as exc:
                 expected = expected_sequence(exc)
+                if expected is not None and expected < sequence and expected < self.lost_up_to:
+                    raise ApiError(
+                        f"seq_id: model {self.model_id} lost its session worker and resumed from its newest "
+                        f"save_state {self.resumed_from or '(none: a fresh session)'}, which expects request "
+                        f"{expected + 1} next; requests {expected + 1} to {self.lost_up_to} ran on the lost worker "
+                        f"and are gone, so request {seq_id} cannot run: restart the run from that save"
+                    ) from None
                 if expected is not None and expected < sequence:
                     now = time.monotonic()
                     first_refusal = first_refusal or now
@@ -156,9 +211,17 @@ class Model:
                     await asyncio.sleep(wait)
                     wait = min(wait * grow, most)
                     continue
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and unavailable < _UNAVAILABLE_TRIES:
-                    unavailable += 1
-                    await asyncio.sleep(0.2 * 2**unavailable)
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    # The worker restarting, or gone: its task requeued, to serve at a new endpoint.
+                    now = time.monotonic()
+                    first_unavailable = first_unavailable or now
+                    if await self.follow(endpoint):
+                        first_unavailable, unavailable_wait = None, _UNAVAILABLE_WAIT[0]
+                        continue
+                    if now - first_unavailable > self.gap_timeout_s:
+                        raise from_rpc(exc, what) from None
+                    await asyncio.sleep(unavailable_wait)
+                    unavailable_wait = min(unavailable_wait * 2, _UNAVAILABLE_WAIT[1])
                     continue
                 raise from_rpc(exc, what) from None
 
