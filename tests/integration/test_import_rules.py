@@ -30,6 +30,7 @@ POLICY_IS_PURE = "Scheduler policy is pure: no gRPC, no store, no other schedule
 NO_TORCH = "The client, the gateway and the shared layer need no torch"
 RL_IS_PURE = "RL math is pure: no gRPC in opentinker_trainer.rl"
 SCHEDULER_LAYERS = "Scheduler rooms in layers: api over admission over security/data over state over policy"
+CORE_PARTS = "The scheduler core's parts never import the core (no import cycle through state/core.py)"
 
 
 def contract_names() -> list[str]:
@@ -85,6 +86,7 @@ def test_the_contracts_are_the_ones_these_tests_break() -> None:
         POLICY_IS_PURE,
         RL_IS_PURE,
         SCHEDULER_LAYERS,
+        CORE_PARTS,
     }
 
 
@@ -117,6 +119,12 @@ def test_lint_imports_passes_on_an_unchanged_copy(copy: Path) -> None:
             "opentinker_scheduler.api.service",
             SCHEDULER_LAYERS,
         ),
+        (
+            "opentinker_scheduler/state/gangs.py",
+            "from opentinker_scheduler.state import core",
+            "opentinker_scheduler.state.core",
+            CORE_PARTS,
+        ),
     ],
     ids=[
         "scheduler-imports-client",
@@ -127,6 +135,7 @@ def test_lint_imports_passes_on_an_unchanged_copy(copy: Path) -> None:
         "shared-layer-imports-torch",
         "rl-imports-grpc",
         "state-imports-api",
+        "gangs-imports-core",
     ],
 )
 def test_one_bad_import_breaks_the_contract_it_names(
