@@ -18,6 +18,7 @@ from opentinker_common.spec import control_character_problem
 from opentinker_scheduler.config import PoolNode, SchedulerConfig
 from opentinker_scheduler.config.usage import check_node_class
 from opentinker_scheduler.errors import AlreadyExists, InvalidArgument, PermissionDenied
+from opentinker_scheduler.state.gangs import FailOrRetry, Requeue
 from opentinker_scheduler.state.ledger import NodeLedger
 from opentinker_scheduler.state.nodes import NodeSession
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
@@ -57,19 +58,10 @@ class NodeHost(Protocol):
         end: bool = False,
         keep_node: bool = False,
     ) -> None: ...
-    def requeue(
-        self,
-        task: TaskRow,
-        reason: str,
-        message: str,
-        *,
-        extra: Sequence[common_pb2.TaskEvent] = (),
-        backoff: bool,
-        failure: bool = True,
-    ) -> None: ...
-    def fail_or_retry(
-        self, task: TaskRow, reason: str, message: str, *, retryable: bool, extra: Sequence[common_pb2.TaskEvent] = ()
-    ) -> None: ...
+
+    requeue: Requeue
+    fail_or_retry: FailOrRetry
+
     def lose_allocation(self, node: NodeSession, task_id: str, attempt: int, reason: str, message: str) -> None: ...
     def stop_confirmed(self, task_id: str, attempt: int) -> None: ...
     def lose_node(self, node: NodeSession, why: str) -> None: ...
