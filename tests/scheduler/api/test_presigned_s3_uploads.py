@@ -18,21 +18,21 @@ import urllib3
 from opentinker.artifact.v1 import artifact_pb2 as A, artifact_pb2_grpc
 from opentinker_client import RLClient
 from opentinker_common.artifacts import ArtifactExists
-from opentinker_common.artifacts.remote import RemoteArtifactStore
+from opentinker_common.artifacts.remote import RemoteArtifactStore, manifest_to_proto
 
 from tests.support.raw_node import RawNode
 from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler, metadata
 from tests.support.waiting import wait_for
 
 
-def _scheduler(seaweedfs, monkeypatch, tmp_path, *, expires_s: int = 600):
+def _scheduler(seaweedfs, monkeypatch, tmp_path, *, expires_s: int | None = None):
     """A scheduler on its own prefix of the bucket, with alice's and bob's tasks assigned to one
     node; the AWS credentials are in this process's environment only while it starts."""
     for k, v in seaweedfs.env().items():
         monkeypatch.setenv(k, v)
     prefix = f"presign-{uuid.uuid4().hex[:8]}/"
-    s3 = f"{{endpoint: '{seaweedfs.endpoint}', bucket: {seaweedfs.bucket}, prefix: {prefix}, "
-    s3 += f"presign_expires_s: {expires_s}}}"
+    s3 = f"endpoint: '{seaweedfs.endpoint}', bucket: {seaweedfs.bucket}, prefix: {prefix}"
+    s3 = f"{{{s3}{f', presign_expires_s: {expires_s}' if expires_s else ''}}}"
     config = AUTH_LOCAL_MODELS + f"lease: 600\nartifacts:\n  backend: s3\n  s3: {s3}\n"
     s = LoopbackScheduler(tmp_path / "state", config)
     for k in seaweedfs.env():
@@ -74,6 +74,10 @@ def _manifest(key: str, data: bytes) -> A.ArtifactManifest:
     return A.ArtifactManifest(key=key, files=[A.ArtifactFile(path="w", size_bytes=len(data), sha256=sha)])
 
 
+def _begin(stub, key: str, data: bytes, md) -> A.BeginUploadResponse:
+    return stub.BeginUpload(A.BeginUploadRequest(manifest=_manifest(key, data)), metadata=md)
+
+
 def _refused(fn) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as err:
         fn()
@@ -106,57 +110,44 @@ def test_a_worker_without_s3_credentials_puts_and_gets_through_presigned_urls(sc
         assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == files
         # the same content again: committed already, no URL handed out
         stub = artifact_pb2_grpc.ArtifactServiceStub(ch)
-        md = metadata(alice.worker_credential)
-        manifest = store.manifest(ref.key)
-        again = stub.BeginUpload(
-            A.BeginUploadRequest(
-                manifest=A.ArtifactManifest(
-                    key=ref.key,
-                    files=[A.ArtifactFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in manifest.files],
-                    meta=manifest.meta,
-                )
-            ),
-            metadata=md,
-        )
+        held = manifest_to_proto(store.manifest(ref.key))
+        again = stub.BeginUpload(A.BeginUploadRequest(manifest=held), metadata=metadata(alice.worker_credential))
         assert again.committed and not again.puts
     # the scheduler wrote the manifest and the data; the staged upload is gone
     names = _objects(seaweedfs, sched.prefix)
     assert names == sorted(f"{ref.key}/{n}" for n in [".manifest.json", *(f".data/{f}" for f in files)]), names
 
 
-def test_urls_only_for_the_attempts_own_uncommitted_keys_and_the_bytes_announced(sched, seaweedfs):
+def test_urls_only_for_the_attempts_own_uncommitted_keys_and_the_bytes_announced(sched, tmp_path):
     alice, bob = sched.worker["alice"], sched.worker["bob"]
     md = metadata(alice.worker_credential)
     with sched.channel() as ch:
         stub = artifact_pb2_grpc.ArtifactServiceStub(ch)
         # another task's key: PERMISSION_DENIED, no URL
-        code, details = _refused(
-            lambda: stub.BeginUpload(A.BeginUploadRequest(manifest=_manifest(_prefix(bob) + "step_1", b"x")), metadata=md)
-        )
+        code, details = _refused(lambda: _begin(stub, _prefix(bob) + "step_1", b"x", md))
         assert code == grpc.StatusCode.PERMISSION_DENIED and f"may write only keys under {_prefix(alice)}" in details
-        # a PUT of other bytes than announced, or to another key, is refused by the bucket
+        # a PUT of other bytes than announced, or to another object, is refused by the bucket
         key = _prefix(alice) + "step_1"
-        begun = stub.BeginUpload(A.BeginUploadRequest(manifest=_manifest(key, b"alice's weights")), metadata=md)
+        begun = _begin(stub, key, b"alice's weights", md)
         (put,) = begun.puts
         assert put.method == "PUT" and put.file_index == 0
         assert _put(put, b"forged weights!").status == 400  # same length, other SHA-256
         other = A.PresignedRequest()
         other.CopyFrom(put)
-        other.url = put.url.replace(f"/{key}/", f"/{_prefix(bob)}step_1/").replace(begun.upload_id, "0" * 32)
+        other.url = put.url.replace(begun.upload_id, "0" * 32)
         assert _put(other, b"alice's weights").status == 403
-        code, details = _refused(lambda: stub.CommitUpload(A.CommitUploadRequest(upload_id=begun.upload_id), metadata=md))
+        commit = A.CommitUploadRequest(upload_id=begun.upload_id)
+        code, details = _refused(lambda: stub.CommitUpload(commit, metadata=md))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "file w holds 0 of 15 bytes" in details
         assert _put(put, b"alice's weights").status == 200
-        done = stub.CommitUpload(A.CommitUploadRequest(upload_id=begun.upload_id), metadata=md)
-        assert done.manifest.key == key
+        assert stub.CommitUpload(commit, metadata=md).manifest.key == key
         # a committed key: other content gets no URL
-        code, details = _refused(
-            lambda: stub.BeginUpload(A.BeginUploadRequest(manifest=_manifest(key, b"other weights!!")), metadata=md)
-        )
+        code, details = _refused(lambda: _begin(stub, key, b"other weights!!", md))
         assert code == grpc.StatusCode.ALREADY_EXISTS and "already committed" in details
-        store = _store(ch, sched, "alice")
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other" / "w").write_bytes(b"other")
         with pytest.raises(ArtifactExists):
-            store.put_folder(key, _folder_of(store, b"other"))
+            _store(ch, sched, "alice").put_folder(key, tmp_path / "other")
         # reads: its own owner's checkpoints only; bob's is NOT_FOUND, as a missing one
         got = stub.PresignDownload(A.PresignDownloadRequest(key=key), metadata=md)
         assert urllib3.request("GET", got.gets[0].url).data == b"alice's weights"
@@ -165,28 +156,19 @@ def test_urls_only_for_the_attempts_own_uncommitted_keys_and_the_bytes_announced
         assert code == grpc.StatusCode.NOT_FOUND
 
 
-def _folder_of(store, data: bytes):
-    import tempfile
-    from pathlib import Path
-
-    d = Path(tempfile.mkdtemp())
-    (d / "w").write_bytes(data)
-    return d
-
-
 def test_a_stale_attempt_gets_no_url_and_commits_nothing(sched, seaweedfs):
     alice = sched.worker["alice"]
     md = metadata(alice.worker_credential)
     key = _prefix(alice) + "step_3"
     with sched.channel() as ch, RLClient(sched.target, api_key=sched.user_key) as owner:
         stub = artifact_pb2_grpc.ArtifactServiceStub(ch)
-        begun = stub.BeginUpload(A.BeginUploadRequest(manifest=_manifest(key, b"late!")), metadata=md)
+        begun = _begin(stub, key, b"late!", md)
         # the node leaves: the task is requeued as attempt 2, attempt 1 is fenced
         sched.node.leave()
         wait_for(lambda: owner.get_task(alice.task_id).attempt > alice.attempt, 60, "the task requeued")
         assert _put(begun.puts[0], b"late!").status == 200  # a URL signed before: only staged bytes
         for call in (
-            lambda: stub.BeginUpload(A.BeginUploadRequest(manifest=_manifest(key, b"late!")), metadata=md),
+            lambda: _begin(stub, key, b"late!", md),
             lambda: stub.CommitUpload(A.CommitUploadRequest(upload_id=begun.upload_id), metadata=md),
             lambda: stub.PresignDownload(A.PresignDownloadRequest(key=key), metadata=md),
         ):
@@ -201,10 +183,7 @@ def test_a_presigned_url_expires(seaweedfs, monkeypatch, tmp_path):
         alice = sched.worker["alice"]
         stub = artifact_pb2_grpc.ArtifactServiceStub(ch)
         md = metadata(alice.worker_credential)
-        begun = stub.BeginUpload(
-            A.BeginUploadRequest(manifest=_manifest(_prefix(alice) + "step_1", b"slow")), metadata=md
-        )
-        (put,) = begun.puts
+        (put,) = _begin(stub, _prefix(alice) + "step_1", b"slow", md).puts
         wait_for(lambda: time.time() > put.expires_unix_s + 1, 30, "the URL's expiry passed")
         resp = _put(put, b"slow")
         assert resp.status == 403 and b"expired" in resp.data, resp.data
