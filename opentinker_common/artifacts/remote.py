@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 import grpc
-import urllib3
 
 from opentinker.artifact.v1 import artifact_pb2, artifact_pb2_grpc
 
@@ -123,8 +122,10 @@ class RemoteArtifactStore(ArtifactStore):
         self.stream_timeout_s = stream_timeout_s
         self.resumes = resumes
         self.s3 = s3
-        self._http: urllib3.PoolManager | None = None
+        self._http = None
         if s3 is not None:
+            import urllib3  # only a trainer of an s3 store needs it
+
             self.backend = "s3"
             self._http = urllib3.PoolManager(
                 timeout=urllib3.Timeout(connect=10.0, read=stream_timeout_s), retries=False
@@ -194,6 +195,8 @@ class RemoteArtifactStore(ArtifactStore):
         Raises:
             StoreUnavailable: the store cannot be reached, refused the URL (expired) or the bytes.
         """
+        import urllib3
+
         assert self._http is not None
         where = self.describe()
         try:
@@ -247,6 +250,8 @@ class RemoteArtifactStore(ArtifactStore):
         return m, list(resp.gets)
 
     def _get_chunks(self, req, what: str, offset: int = 0) -> Iterator[bytes]:
+        import urllib3
+
         if offset:
             req = artifact_pb2.PresignedRequest(
                 file_index=req.file_index, method=req.method, url=req.url, expires_unix_s=req.expires_unix_s
