@@ -127,9 +127,8 @@ class RemoteArtifactStore(ArtifactStore):
             import urllib3  # only a trainer of an s3 store needs it
 
             self.backend = "s3"
-            self._http = urllib3.PoolManager(
-                timeout=urllib3.Timeout(connect=10.0, read=stream_timeout_s), retries=False
-            )
+            # per socket operation, as the scheduler's own S3 client: a silent network fails the try
+            self._http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=10.0, read=60.0), retries=False)
 
     def describe(self) -> str:
         if self.s3 is not None:
@@ -204,7 +203,7 @@ class RemoteArtifactStore(ArtifactStore):
                 req.method, req.url, body=body, headers=dict(req.headers), preload_content=not stream
             )
         except urllib3.exceptions.HTTPError as exc:
-            raise StoreUnavailable(f"{where}: {what}: {type(exc).__name__} ({exc})") from None
+            raise self._unreachable(exc, what) from None
         if resp.status == 404:
             resp.release_conn()
             raise ArtifactNotFound(f"{what}: not found in the {where}")
@@ -213,6 +212,13 @@ class RemoteArtifactStore(ArtifactStore):
             resp.release_conn()
             raise StoreUnavailable(f"{where}: {what}: HTTP {resp.status} {detail}".rstrip())
         return resp
+
+    def _unreachable(self, exc: Exception, what: str) -> StoreUnavailable:
+        endpoint = (self.s3.endpoint if self.s3 is not None else "") or "AWS S3"
+        return StoreUnavailable(
+            f"S3 endpoint {endpoint} unreachable while {what} ({type(exc).__name__}); "
+            f"is the store running, and does this node reach {endpoint}?"
+        )
 
     def _put_presigned(self, m: Manifest, paths: Mapping[str, Path], puts) -> None:
         for req in puts:
@@ -261,7 +267,7 @@ class RemoteArtifactStore(ArtifactStore):
         try:
             yield from resp.stream(CHUNK_BYTES)
         except urllib3.exceptions.HTTPError as exc:
-            raise StoreUnavailable(f"{self.describe()}: {what}: {type(exc).__name__} ({exc})") from None
+            raise self._unreachable(exc, what) from None
         finally:
             resp.release_conn()
 

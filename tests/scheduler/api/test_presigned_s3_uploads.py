@@ -188,3 +188,21 @@ def test_a_presigned_url_expires(seaweedfs, monkeypatch, tmp_path):
         resp = _put(put, b"slow")
         assert resp.status == 403 and b"expired" in resp.data, resp.data
         sched.node.leave()
+
+
+def test_a_worker_gets_urls_for_its_owners_datasets_only(sched, tmp_path):
+    data = b"".join(b'{"prompt": "What is %d + 1?", "answer": %d}\n' % (i, i + 1) for i in range(3))
+    (tmp_path / "prompts.jsonl").write_bytes(data)
+    with RLClient(sched.target, api_key=sched.user_key) as alice_client:
+        dataset = alice_client.upload_dataset(tmp_path / "prompts.jsonl", format="prompts")
+    key = f"datasets/{dataset.dataset_id.removeprefix('sha256:')}"
+    with sched.channel() as ch:
+        stub = artifact_pb2_grpc.ArtifactServiceStub(ch)
+        got = stub.PresignDownload(
+            A.PresignDownloadRequest(key=key), metadata=metadata(sched.worker["alice"].worker_credential)
+        )
+        files = {f.path: g.url for f, g in zip(got.manifest.files, got.gets)}
+        assert urllib3.request("GET", files["data.jsonl"]).data == data
+        bob_md = metadata(sched.worker["bob"].worker_credential)
+        code, details = _refused(lambda: stub.PresignDownload(A.PresignDownloadRequest(key=key), metadata=bob_md))
+        assert code == grpc.StatusCode.NOT_FOUND and key in details
