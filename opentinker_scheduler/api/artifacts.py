@@ -12,9 +12,8 @@ Who may do what (roles: :mod:`opentinker_scheduler.security.auth`):
   that attempt is assigned to or running on its node, checked at every call (a fenced worker
   that heals after its attempt moved on lands nothing); reads (StatArtifact, DownloadArtifact,
   ListArtifacts, PresignDownload) only the tasks and datasets of its task's owner, and only while
-  its attempt runs. A write
-  elsewhere is PERMISSION_DENIED naming the key and the attempt; a read of another owner's
-  artifact is NOT_FOUND, as a missing one.
+  its attempt runs. A write elsewhere is PERMISSION_DENIED naming the key and the attempt; a read
+  of another owner's artifact is NOT_FOUND, as a missing one.
 * ``node`` (the agent's key): DescribeStore only; it neither writes nor reads artifacts (its
   workers, and a model host's tenants, hold their own credentials).
 

@@ -33,9 +33,9 @@ from opentinker_common.artifacts import (
     S3ArtifactStore,
     S3Location,
 )
-from opentinker_common.artifacts.s3 import PresignedRequest
 from opentinker_common.artifacts.manifest import CHUNK_BYTES, MAX_KEY_CHARS
 from opentinker_common.artifacts.remote import manifest_from_proto, manifest_to_proto
+from opentinker_common.artifacts.s3 import PresignedRequest
 
 from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.config.artifacts import ArtifactsConfig
