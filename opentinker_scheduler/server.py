@@ -291,6 +291,7 @@ async def start_scheduler(
             require_leader=core.require_leader,
             attempt_refusal=core.attempt_refusal,
             task_owner=core.task_owner,
+            dataset_visible=lambda dataset_id, owner: core.store.dataset_visible(dataset_id, owner),
         ),
         server,
     )

@@ -344,7 +344,7 @@ def test_user_keys_may_not_use_the_artifact_service(sched, tmp_path):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_an_s3_scheduler_describes_the_bucket_and_refuses_uploads(seaweedfs, monkeypatch, tmp_path):
+def test_an_s3_scheduler_describes_the_bucket_and_takes_no_upload_stream(seaweedfs, monkeypatch, tmp_path):
     for k, v in seaweedfs.env().items():
         monkeypatch.setenv(k, v)
     s3 = f"{{endpoint: '{seaweedfs.endpoint}', bucket: {seaweedfs.bucket}, prefix: svc/}}"
@@ -355,11 +355,11 @@ def test_an_s3_scheduler_describes_the_bucket_and_refuses_uploads(seaweedfs, mon
         assert desc.backend == "s3" and desc.s3.bucket == seaweedfs.bucket and desc.s3.prefix == "svc/"
         assert desc.s3.endpoint == seaweedfs.endpoint and desc.checkpoint_retries == 3
         m = A.ArtifactManifest(
-            key="k", files=[A.ArtifactFile(path="a", size_bytes=0, sha256=hashlib.sha256().hexdigest())]
+            key="k", files=[A.ArtifactFile(path="a", size_bytes=1, sha256=hashlib.sha256(b"a").hexdigest())]
         )
+        begun = stub.BeginUpload(A.BeginUploadRequest(manifest=m))
+        assert [p.method for p in begun.puts] == ["PUT"]  # the bytes go to the bucket, not here
+        chunk = A.UploadChunksRequest(upload_id=begun.upload_id, file_index=0, offset=0, data=b"a")
         with pytest.raises(grpc.RpcError) as err:
-            stub.BeginUpload(A.BeginUploadRequest(manifest=m))
-        assert (
-            err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            and "trainers write it directly" in err.value.details()
-        )
+            stub.UploadChunks(iter([chunk]))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "BeginUpload presigns" in err.value.details()
