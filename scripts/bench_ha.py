@@ -436,7 +436,7 @@ async def _core_run(store, tmp: Path, tasks: int, concurrency: int, tag: str) ->
 
     async def worker() -> None:
         for i in todo:
-            task = await core.submit_grouped(spec(gpus=1), owner="bench", request_id=f"{tag}-{i}")
+            task = await core.api.submit_grouped(spec(gpus=1), owner="bench", request_id=f"{tag}-{i}")
             audit.record("task.submit", owner="bench", role="user", task_id=task.task_id, gpu_count=1, priority=1)
             await core.durable()
 

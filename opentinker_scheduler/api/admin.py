@@ -190,8 +190,8 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     async def ListQueues(self, request, call: Call):
         self._no_node(call.who, "list queues")
         core = self._core()
-        usage = core.usage_rollup()[1]
-        queues = [queue_to_proto(core, row, usage.get(row[0])) for row in core.queue_rows()]
+        usage = core.usage.rollup(core.active.values())[1]
+        queues = [queue_to_proto(core, row, usage.get(row[0])) for row in core.queues.rows(refresh=not core.leading)]
         if not call.who.is_admin:
             queues = [q for q in queues if _private_view(q, call.who.owner)]
         return admin_pb2.ListQueuesResponse(queues=queues)
@@ -207,7 +207,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             )
         quota = quota_from_proto(q)
         core = self._core()
-        before = core.set_queue(quota, by=who.owner)
+        before = core.queues.set_queue(quota, by=who.owner)
         call.detail.update(
             gpus=quota.gpus,
             cpu_tasks=quota.cpu_tasks,
@@ -216,9 +216,9 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             owners=list(quota.owners),
             previous=None if before is None else {"gpus": before.gpus, "cpu_tasks": before.cpu_tasks},
         )
-        rows = {row[0]: row for row in core.queue_rows()}
+        rows = {row[0]: row for row in core.queues.rows(refresh=not core.leading)}
         out = admin_pb2.SetQueueQuotaResponse(
-            queue=queue_to_proto(core, rows[quota.name], core.usage_rollup()[1].get(quota.name))
+            queue=queue_to_proto(core, rows[quota.name], core.usage.rollup(core.active.values())[1].get(quota.name))
         )
         if before is not None:
             out.previous.CopyFrom(_quota_proto(before))
@@ -236,7 +236,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         if bad:
             raise InvalidArgument(f"name: expected {bad}, got {request.name[:80]!r}")
         core = self._core()
-        now, removed = core.reset_queue(request.name)
+        now, removed = core.queues.reset_queue(request.name)
         call.detail.update(
             removed=None
             if removed is None
@@ -259,9 +259,11 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             )
             out.removed.overridden = True
             _stamp(out.removed, removed)
-        rows = {row[0]: row for row in core.queue_rows()}
+        rows = {row[0]: row for row in core.queues.rows(refresh=not core.leading)}
         if now is not None and request.name in rows:
-            out.queue.CopyFrom(queue_to_proto(core, rows[request.name], core.usage_rollup()[1].get(request.name)))
+            out.queue.CopyFrom(
+                queue_to_proto(core, rows[request.name], core.usage.rollup(core.active.values())[1].get(request.name))
+            )
         return out
 
     @rpc()
@@ -362,7 +364,7 @@ def queue_to_proto(core, row, usage=None) -> admin_pb2.Queue:
                 QueueQuota(own.name, own.gpus, own.cpu_tasks, own.borrowing_gpus, own.borrowing_cpu_tasks, own.owners)
             )
         )
-    override = core.queue_override(name)
+    override = core.queues.override(name)
     if override is not None:
         out.overridden = True
         _stamp(out, override)

@@ -154,6 +154,12 @@ class LiveTasks:
             self.queue.put(task)
         self.counts = dict(store.count_by_state())
 
+    def clear(self) -> None:
+        """Forget every row and count (this scheduler starts or stops leading)."""
+        self.queue = PendingQueue(self.queue_of)
+        self.active = {}
+        self.counts = {}
+
     def get(self, task_id: str) -> TaskRow | None:
         return self.active.get(task_id) or self.queue.get(task_id)
 

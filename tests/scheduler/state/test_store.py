@@ -68,16 +68,16 @@ def test_a_schema_from_a_newer_scheduler_is_refused_clearly(tmp_path) -> None:
 
 def test_a_follower_reads_and_refuses_writes_naming_the_leader(tmp_path) -> None:
     core = make_core(tmp_path)
-    task = core.submit(spec(), owner="u")
+    task = core.api.submit(spec(), owner="u")
     core.store.follow("host-a:8888")
     assert core.store.read_only
     assert core.store.get_task(task.task_id).task_id == task.task_id  # reads still work
     with pytest.raises(NotLeader) as info:
-        core.submit(spec(), owner="u")
+        core.api.submit(spec(), owner="u")
     assert info.value.leader == "host-a:8888" and "the leader is host-a:8888" in str(info.value)
     assert len(core.store.list_tasks()) == 1, "the refused write left nothing behind"
     core.store.lead(core.store.epoch)
-    core.submit(spec(), owner="u")
+    core.api.submit(spec(), owner="u")
     assert len(core.store.list_tasks()) == 2
 
 
