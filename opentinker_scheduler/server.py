@@ -36,7 +36,7 @@ from opentinker_scheduler.api.http import HttpEndpoint, Snapshot
 from opentinker_scheduler.api.service import NodeService, SchedulerService
 from opentinker_scheduler.state.leadership import LeaseLeadership, StaticLeadership
 from opentinker_scheduler.state.store import STATE_NAMES
-from opentinker_scheduler.state.store import open_store as open_state_store
+from opentinker_scheduler.state.backends import open_store as open_state_store
 from opentinker_common.net.grpc_options import server_options
 
 log = structlog.get_logger("opentinker.scheduler")

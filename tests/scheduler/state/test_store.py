@@ -258,7 +258,7 @@ def test_a_silent_network_is_an_error_within_the_call_timeout(tmp_path) -> None:
 def test_the_password_comes_from_the_config_and_never_shows(tmp_path, monkeypatch) -> None:
     from opentinker_scheduler.config import SchedulerConfig
     from opentinker_scheduler.config.store import StoreConfig
-    from opentinker_scheduler.state.store import open_store
+    from opentinker_scheduler.state.backends import open_store
 
     admin = psycopg.connect(current.server.dsn(), autocommit=True)
     admin.execute("DROP ROLE IF EXISTS ot_pw")
