@@ -22,7 +22,7 @@ Starts its own PostgreSQL on loopback (``initdb`` in a temporary folder, as the 
                 this load generator, over the timed loop (``CpuMeter``): on a small machine the
                 three share the cores, so a backend's CPU is throughput the scheduler loses.
   3. core       the scheduler's core alone, in this process, no gRPC: ``--tasks`` submits through
-                ``SchedulerCore.submit`` and its group commit (``durable``), ``--concurrency`` in
+                ``ClientApi.submit`` and its group commit (``durable``), ``--concurrency`` in
                 flight, on SQLite and on PostgreSQL (synchronous_commit on)
                 alternately (``--submit-rounds`` each): this process's CPU per submit (the
                 scheduler's share; PostgreSQL's own process is not counted) and submits/s;

@@ -22,7 +22,7 @@ and a later stage costs nothing when an earlier one refuses):
    (:mod:`~opentinker_scheduler.admission.spec_check`): INVALID_ARGUMENT, or RESOURCE_EXHAUSTED
    when no check slot comes free in time.
 5. **the core's own checks, then the write**
-   (:meth:`~opentinker_scheduler.state.core.SchedulerCore.submit_grouped`): ``request_id``
+   (:meth:`~opentinker_scheduler.state.client_api.ClientApi.submit_grouped`): ``request_id``
    length and reuse (INVALID_ARGUMENT, ALREADY_EXISTS; a reuse with the same spec returns the
    task it made), the default model, the whole spec (INVALID_ARGUMENT naming the field path; the
    environment is found cached from stage 4), a GPU count some node could ever offer,
@@ -148,7 +148,7 @@ async def admit_dry_run(
         Others: as for :func:`admit`.
 
     Returns:
-        :meth:`~opentinker_scheduler.state.core.SchedulerCore.estimate`'s ``(row, usage, basis)``.
+        :meth:`~opentinker_scheduler.state.client_api.ClientApi.estimate`'s ``(row, usage, basis)``.
 
     Raises:
         As :func:`admit`; nothing is written.

@@ -345,8 +345,9 @@ def _stamp(out: admin_pb2.Queue, override) -> None:
 
 
 def queue_to_proto(core, row, usage=None) -> admin_pb2.Queue:
-    """One row of :meth:`SchedulerCore.queue_rows` as a ``Queue``, with the per-owner limits, the
-    accounted usage, the config's values and the runtime override (when and by whom)."""
+    """One row of :meth:`~opentinker_scheduler.state.quota_queues.QuotaQueues.rows` as a ``Queue``,
+    with the per-owner limits, the accounted usage, the config's values and the runtime override
+    (when and by whom)."""
     name, quota, (gpus, cpu_tasks), pending, share = row
     out = _quota_proto(quota) if quota is not None else admin_pb2.Queue(name=name, limited=False)
     out.gpus_in_use, out.cpu_tasks_in_use, out.pending_tasks = gpus, cpu_tasks, pending

@@ -445,7 +445,7 @@ class StateStore:
         """:meth:`insert_new_task` for several new tasks in one transaction, in order; a request
         id used by an earlier item is found as used by a later one. On PostgreSQL one statement
         for all of them (:meth:`_insert_tasks_unless_requested`), not one round trip each: a
-        group commit's submits are written together (:meth:`SchedulerCore.submit_grouped`).
+        group commit's submits are written together (:meth:`~.client_api.ClientApi.submit_grouped`).
 
         Returns, per item: None when inserted; the task its owner's ``request_id`` already named
         (nothing written for this item); or a :class:`StoreUnavailable` to raise for this item
