@@ -15,6 +15,7 @@ from opentinker_scheduler.policy.quota import QueueQuota
 from opentinker_scheduler.security.audit import ACTIONS
 from opentinker_scheduler.security.bundle import Security
 from opentinker_scheduler.security.keys import KeyRow, KeyStore, Principal, key_prefix
+from opentinker_scheduler.state.scale_signal import desired_trainers
 
 _ROLE_TO_PB = {
     "admin": admin_pb2.API_KEY_ROLE_ADMIN,
@@ -269,6 +270,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     @rpc()
     async def GetDesiredTrainers(self, request, call: Call):
         self._no_node(call.who, "read the scale signal")
+        core = self._core()
         return admin_pb2.GetDesiredTrainersResponse(
             node_classes=[
                 admin_pb2.NodeClassDemand(
@@ -277,7 +279,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
                     connected_trainers=d.connected,
                     pending_gpus=d.pending_gpus,
                 )
-                for d in self._core().desired_trainers()
+                for d in desired_trainers(core.config, core.ledger, core.queue, core.queues.book)
             ]
         )
 
