@@ -128,7 +128,7 @@ class ClientApi:
         task, ev, retried = self._submitted_row(spec, owner=owner, request_id=request_id)
         if retried is not None:
             return retried
-        return self._stored(task, spec, self.store.insert_new_task(task, ev))
+        return self._stored(task, spec, self._table.insert_new(task, ev))
 
     async def submit_grouped(self, spec: common_pb2.TaskSpec, *, owner: str, request_id: str = "") -> TaskRow:
         """:meth:`submit`, with the row written by the group commit (:mod:`.commit`) together
@@ -150,7 +150,7 @@ class ClientApi:
             return retried
         group = self._commits.group()
         if group is None:
-            stored = self._stored(task, spec, self.store.insert_new_task(task, ev))
+            stored = self._stored(task, spec, self._table.insert_new(task, ev))
             self._schedule()
             return stored
         if self._new_tasks.group is not group:  # the group's first submit
@@ -170,11 +170,11 @@ class ClientApi:
         returns ``(future, then)`` for the group commit to finish with once it is done."""
         rows, self._new_tasks = self._new_tasks.rows, _NewTasks()
         items = [(task, ev) for task, ev, _, _ in rows]
-        sent = self.store.send_new_tasks(items)
+        sent = self._table.send_new_group(items)
         if sent is None:
-            self._new_tasks_written(rows, self.store.insert_new_tasks(items))
+            self._new_tasks_written(rows, self._table.insert_new_group(items))
             return None
-        return sent, lambda done: self._new_tasks_written(rows, self.store.new_tasks_sent(items, done))
+        return sent, lambda done: self._new_tasks_written(rows, self._table.new_group_sent(items, done))
 
     def _new_tasks_written(self, rows: list, results: list) -> None:
         for (task, _, spec, stored), existing in zip(rows, results):
@@ -222,11 +222,9 @@ class ClientApi:
             raise AlreadyExists(
                 f"request_id {task.request_id!r} was already used for task {existing.task_id} with a different spec"
             )
-        self._tasks.added(task)
-        self._table.queued_at[task.task_id] = time.monotonic()
         # No log line here: the servicer's audit record (``action="task.submit"``) is the
         # submission's one line, with task id, owner, workload type, GPUs and priority.
-        self._table.notify()
+        self._table.added(task)
         return task
 
     def _same_request(self, existing: TaskRow, spec: common_pb2.TaskSpec) -> bool:

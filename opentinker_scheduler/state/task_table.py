@@ -295,6 +295,31 @@ class TaskTable:
         """Wake the WatchTask streams: a task changed."""
         self._changes.notify()
 
+    # ------------------------------------------------------------------ new rows
+    def insert_new(self, task: TaskRow, event: common_pb2.TaskEvent) -> TaskRow | None:
+        """Write a new PENDING ``task`` with its first event now. Returns the task already stored
+        under its request id (nothing written), or None; :meth:`added` then takes it in."""
+        return self.store.insert_new_task(task, event)
+
+    def insert_new_group(self, items: list[tuple[TaskRow, common_pb2.TaskEvent]]) -> list:
+        """Write a group commit's new tasks in one statement (:meth:`~.store.StateStore.insert_new_tasks`)."""
+        return self.store.insert_new_tasks(items)
+
+    def send_new_group(self, items: list[tuple[TaskRow, common_pb2.TaskEvent]]):
+        """Send that statement off the event loop where the store can
+        (:meth:`~.store.StateStore.send_new_tasks`); None where it cannot."""
+        return self.store.send_new_tasks(items)
+
+    def new_group_sent(self, items: list[tuple[TaskRow, common_pb2.TaskEvent]], done) -> list:
+        """The outcome of a statement :meth:`send_new_group` sent (:meth:`~.store.StateStore.new_tasks_sent`)."""
+        return self.store.new_tasks_sent(items, done)
+
+    def added(self, task: TaskRow) -> None:
+        """A new task was written as PENDING: it joins the queue and waits for placement."""
+        self.tasks.added(task)
+        self.queued_at[task.task_id] = time.monotonic()
+        self.notify()
+
     # ------------------------------------------------------------------ rows of finished tasks
     def insert_finished(self, task: TaskRow, events: list[common_pb2.TaskEvent]) -> None:
         """Store a task that is finished from the start (an imported adapter) with its events."""
