@@ -40,11 +40,9 @@ from opentinker_scheduler.state.queue import LiveTasks
 from opentinker_scheduler.state.quota_queues import QuotaQueues, quota_need
 from opentinker_scheduler.state.store import (
     ACTIVE_STATES,
-    CANCELLED_BY_USER,
     STATE_NAMES,
     StateStore,
     TaskRow,
-    cancel_error,
 )
 from opentinker_scheduler.state.task_table import TaskTable, short_id
 from opentinker_scheduler.state.worker_credentials import AttemptScope
@@ -431,25 +429,7 @@ class ClientApi:
         task = self.get(task_id, owner=owner)
         if task.terminal:
             return task
-        was_active = task.state in ACTIVE_STATES
-        node_id, attempt = task.node_id, task.attempt
-        stops = was_active and node_id in self._table.ledger.nodes  # its worker is told to stop, and confirms
-        task.error = cancel_error(reason)
-        self._table.transition(
-            task,
-            S.TASK_STATE_CANCELLED,
-            "CANCELLED",
-            reason or CANCELLED_BY_USER,
-            end=True,
-            keep_node=True,
-            until_confirmed=stops,
-        )
-        self._table.queued_at.pop(task_id, None)
-        self._table.preemptions.forget(task_id)
-        if stops:
-            # The worker checkpoints on SIGTERM (as on a drain); that checkpoint is still recorded
-            # (node_report) until the node reports the worker gone, so cancelling keeps the work.
-            self._table.stop_worker(task, attempt, self._table.ledger.nodes[node_id], reason or CANCELLED_BY_USER)
+        self._table.cancel(task, reason)
         return task
 
     def artifacts_deletable(self, task_id: str, *, owner: str | None = None) -> TaskRow:

@@ -320,8 +320,7 @@ class SchedulerCore:
         ]
         self.ledger.changed(node)
 
-    # ------------------------------------------------------------------ client API
-
+    # ------------------------------------------------------------------ periodic work
     def tick(self, *, stalled_s: float = 0.0) -> None:
         """Periodic work: lost nodes, runtime limits, then placement.
 

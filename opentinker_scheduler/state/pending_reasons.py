@@ -42,7 +42,8 @@ class PendingReasons:
 
         Worked out when asked, from the ledger as it is now, so placement rounds do not spend
         time writing reasons for thousands of queued tasks nobody reads."""
-        task = self._tasks.queue.get(task_id)
+        queue, ledger, quotas = self._tasks.queue, self._table.ledger, self._queues.book
+        task = queue.get(task_id)
         if task is None:
             return ""
         now = time.time()
@@ -51,7 +52,7 @@ class PendingReasons:
                 f"waiting {task.not_before - now:.0f} s more before retrying as attempt {task.attempt} "
                 f"(backoff after attempt {task.attempt - 1} failed)"
             )
-        position, length = self._tasks.queue.position(task_id), len(self._tasks.queue)
+        position, length = queue.position(task_id), len(queue)
         waiting = self._table.preemptions.waiting_on(task_id)
         if waiting is not None:
             node_id, left = waiting
@@ -59,23 +60,18 @@ class PendingReasons:
                 f"preempting {', '.join(left)} on {node_id} to make room (waiting for the node to confirm they "
                 f"checkpointed and stopped; queue position {position} of {length})"
             )
-        over = self._queues.book.why_not(self._queues.book.queue_of(task.owner), quota_need(task))
+        over = quotas.why_not(quotas.queue_of(task.owner), quota_need(task))
         if over is not None:
             return f"{over} (queue position {position} of {length})"
         if gang_nodes(task) > 1:
-            return self._table.gangs.why(
-                task, [n.capacity() for n in self._table.ledger.nodes.values()], position, length
-            )
+            return self._table.gangs.why(task, [n.capacity() for n in ledger.nodes.values()], position, length)
         reserver, reserved = self._reservation_ahead_of(task)
-        closed = self._table.ledger.free.closed_to(task.gpu_count, reserved)
+        closed = ledger.free.closed_to(task.gpu_count, reserved)
         memory = task.memory_need
-        unable = self._table.ledger.nodes_without(task.tracking_loggers)
-        if (
-            self._table.ledger.free.best_fit_for(task.gpu_count, task.share_key, with_left_out(closed, unable), memory)
-            is not None
-        ):
+        unable = ledger.nodes_without(task.tracking_loggers)
+        if ledger.free.best_fit_for(task.gpu_count, task.share_key, with_left_out(closed, unable), memory) is not None:
             return f"waiting for the next placement round (queue position {position} of {length})"
-        if unable and self._table.ledger.free.best_fit_for(task.gpu_count, task.share_key, closed, memory) is not None:
+        if unable and ledger.free.best_fit_for(task.gpu_count, task.share_key, closed, memory) is not None:
             named = sorted(task.tracking_loggers)
             extras = ", ".join(f"opentinker[{TRACKING_LOGGERS[k][1]}]" for k in named)
             return (
@@ -86,13 +82,13 @@ class PendingReasons:
         if (
             reserver is not None
             and reserved is not None
-            and self._table.ledger.free.best_fit_for(task.gpu_count, task.share_key, need=memory)
+            and ledger.free.best_fit_for(task.gpu_count, task.share_key, need=memory)
         ):
             return reserved_reason(reserved, reserver, position, length)  # room only on the reserved node
         pending = PendingTask(
             task.task_id, task.priority, task.create_time, task.gpu_count, task.not_before, task.share_key, memory
         )
-        why = why_pending(pending, self._table.ledger.capacities(), position, length)
+        why = why_pending(pending, ledger.capacities(), position, length)
         if self.reservation is not None and self.reservation[0][2] == task_id:
             why += (
                 f"; {self.reservation[1]} is reserved for it (no task behind it starts there, "

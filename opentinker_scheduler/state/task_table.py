@@ -31,7 +31,14 @@ from opentinker_scheduler.state.nodes import NodeSession
 from opentinker_scheduler.state.preemption_tracker import PreemptionTracker
 from opentinker_scheduler.state.quota_queues import QuotaQueues, quota_need
 from opentinker_scheduler.state.queue import LiveTasks
-from opentinker_scheduler.state.store import ACTIVE_STATES, STATE_NAMES, StateStore, TaskRow
+from opentinker_scheduler.state.store import (
+    ACTIVE_STATES,
+    CANCELLED_BY_USER,
+    STATE_NAMES,
+    StateStore,
+    TaskRow,
+    cancel_error,
+)
 from opentinker_scheduler.state.usage import UsageMeters
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -140,6 +147,30 @@ class TaskTable:
             seq = events[-1].sequence
             count += sum(e.HasField("state_change") and e.state_change.reason == "NODE_LOST" for e in events)
         return count
+
+    def cancel(self, task: TaskRow, reason: str) -> None:
+        """End unfinished ``task`` CANCELLED, with ``reason`` (or ``"cancelled by user"``) as its
+        event's message and :func:`~.store.cancel_error` as its error. A running attempt's worker
+        is told to stop; its GPUs stay booked until the node confirms."""
+        was_active = task.state in ACTIVE_STATES
+        node_id, attempt = task.node_id, task.attempt
+        stops = was_active and node_id in self.ledger.nodes  # its worker is told to stop, and confirms
+        task.error = cancel_error(reason)
+        self.transition(
+            task,
+            S.TASK_STATE_CANCELLED,
+            "CANCELLED",
+            reason or CANCELLED_BY_USER,
+            end=True,
+            keep_node=True,
+            until_confirmed=stops,
+        )
+        self.queued_at.pop(task.task_id, None)
+        self.preemptions.forget(task.task_id)
+        if stops:
+            # The worker checkpoints on SIGTERM (as on a drain); that checkpoint is still recorded
+            # (node_report) until the node reports the worker gone, so cancelling keeps the work.
+            self.stop_worker(task, attempt, self.ledger.nodes[node_id], reason or CANCELLED_BY_USER)
 
     def stop_worker(self, task: TaskRow, attempt: int, node: NodeSession, reason: str) -> None:
         """Tell ``node`` to stop the worker of ``task``'s ``attempt``, which the scheduler ended
