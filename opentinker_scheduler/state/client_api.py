@@ -135,7 +135,7 @@ class ClientApi:
         submit order, one placement round runs for them, and the group commits a loop turn later
         (so what the caller writes next, its audit record, joins the same commit). Returns once
         the row is written and in memory, not yet committed: as after :meth:`submit`, await
-        :meth:`durable` before acknowledging. Until then the task is in no list and placed by
+        ``core.durable()`` before acknowledging. Until then the task is in no list and placed by
         nothing. With group commit off (no running loop), as :meth:`submit`.
 
         Raises:

@@ -136,7 +136,7 @@ class LiveTasks:
     """Every unfinished task's row in memory, as last committed, with the counts by state.
 
     PENDING rows sit in ``queue`` (placement order), ASSIGNED and RUNNING rows in ``active``;
-    finished tasks live only in the store. The core owns the rows: it changes one, writes it,
+    finished tasks live only in the store. The task table owns the rows: it changes one, writes it,
     then calls :meth:`moved` so membership and counts follow the committed state.
     """
 
