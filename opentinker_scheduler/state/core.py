@@ -102,7 +102,13 @@ class SchedulerCore:
         self.commits = GroupCommit(store, on_failure=self._rebuild)
         #: The one writer of live rows and their events (:class:`~.task_table.TaskTable`).
         self.table = TaskTable(
-            config, store, clock=clock, queues=self.queues, changes=self.changes, memory_lost=self._memory_lost
+            config,
+            store,
+            clock=clock,
+            tasks=self.tasks,
+            queues=self.queues,
+            changes=self.changes,
+            memory_lost=self._memory_lost,
         )
         #: Registration, heartbeats and task reports of node streams; acts on the task table.
         self.node_protocol = NodeProtocol(self.table)
@@ -163,9 +169,7 @@ class SchedulerCore:
             requeue=self.table.requeue,
             fail_or_retry=self.table.fail_or_retry,
         )
-        self.table.use(
-            ledger=self.ledger, tasks=self.tasks, usage=self.usage, preemptions=self.preemptions, gangs=self.gangs
-        )
+        self.table.use(ledger=self.ledger, usage=self.usage, preemptions=self.preemptions, gangs=self.gangs)
         self.reasons.reservation = None
 
     # ------------------------------------------------------------------ leadership

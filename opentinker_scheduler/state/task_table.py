@@ -1,4 +1,4 @@
-"""The task table: the one writer of live task rows and their events.
+"""The task table: the one writer of task rows and their events.
 
 A live row (PENDING, ASSIGNED, RUNNING) changes only here: :meth:`TaskTable.transition` commits
 it in its new state with a state-change event, then moves it between the queue and the active
@@ -7,8 +7,9 @@ writes a row with other events (metrics, checkpoints); a failed write puts the r
 store has it. Requeues, retries and lost attempts are transitions too. Every change wakes the
 WatchTask streams (:mod:`.changes`).
 
-The table holds no node or placement logic. It receives the store, the config, a clock, the
-quota queues and, per leadership term, the live memory (:meth:`TaskTable.use`); the trainer
+The table holds no placement logic. It receives the store, the config, a clock, the live tasks,
+the quota queues and, per leadership term, the nodes, meters, preemptions and gangs
+(:meth:`TaskTable.use`); the trainer
 nodes' protocol (:class:`~opentinker_scheduler.state.node_protocol.NodeProtocol`) acts on it.
 """
 
@@ -57,6 +58,7 @@ class TaskTable:
         config: the scheduler config (``max_node_losses``, and what node streams read).
         store: where rows and events are written.
         clock: monotonic seconds of node liveness (tests move it by hand).
+        tasks: every unfinished task's row; a transition moves it between the queue and the active rows.
         queues: the quota queues; a transition in or out of the active states books its task.
         changes: woken after every change.
         memory_lost: called with a reason when memory cannot be made the store's again.
@@ -74,6 +76,7 @@ class TaskTable:
         store: StateStore,
         *,
         clock: Callable[[], float],
+        tasks: LiveTasks,
         queues: QuotaQueues,
         changes: Changes,
         memory_lost: Callable[[str], None],
@@ -81,6 +84,7 @@ class TaskTable:
         self.config = config
         self.store = store
         self.clock = clock
+        self.tasks = tasks
         self._queues = queues
         self._memory_lost = memory_lost
         self._changes = changes
@@ -91,15 +95,13 @@ class TaskTable:
         self,
         *,
         ledger: NodeLedger,
-        tasks: LiveTasks,
         usage: UsageMeters,
         preemptions: PreemptionTracker,
         gangs: Gangs,
     ) -> None:
-        """Act on a new memory from now on (a start, a promotion, a demotion): its nodes, live
-        tasks, usage meters, preemptions and gangs. Nothing is stopping or queued yet."""
+        """Act on a new memory from now on (a start, a promotion, a demotion): its nodes, usage
+        meters, preemptions and gangs. Nothing is stopping or queued yet."""
         self.ledger = ledger
-        self.tasks = tasks
         self.usage = usage
         self.preemptions = preemptions
         self.gangs = gangs
