@@ -324,7 +324,7 @@ def test_a_cancelled_attempt_writes_until_its_worker_stops_and_then_nothing(sche
         _upload(stub, _prefix(bob) + "final_3", b"last", _md(bob))
         up = _begin(stub, _prefix(bob) + "step_4", b"late", _md(bob)).upload_id
         sched.node.report(bob, C.TASK_STATE_CANCELLED)  # the worker is gone
-        wait_for(lambda: bob.task_id not in sched.core.stopping, 60, "the stop confirmed")
+        wait_for(lambda: bob.task_id not in sched.core.table.stopping, 60, "the stop confirmed")
         code, details = _refused(lambda: stub.CommitUpload(A.CommitUploadRequest(upload_id=up), metadata=_md(bob)))
         assert code == grpc.StatusCode.PERMISSION_DENIED
         assert f"attempt {bob.attempt} of task {bob.task_id} on node node-a has ended" in details
