@@ -25,7 +25,16 @@ class StepAbandoned(BaseException):
 
     A ``BaseException``, so that workload and environment code that catches ``Exception`` lets
     it through to the step loop, which then stores the last completed step.
+
+    Attributes:
+        together: raised on every rank of a distributed task at the same collective
+            (:meth:`opentinker_trainer.distributed.DataParallel.agree_to_abandon`); False when
+            this rank abandoned alone and still has to tell the others.
     """
+
+    def __init__(self, *, together: bool = False) -> None:
+        super().__init__()
+        self.together = together
 
 
 class UserError(Exception):

@@ -38,6 +38,8 @@ def run_steps(
     With ``keep`` (:func:`~opentinker_trainer.workloads._keep.keeper`) a stop abandons the step in
     progress (:meth:`WorkerContext.stop_now`): the copy ``keep`` took after the last completed step
     is put back and checkpointed at once, unless that step is the newest checkpoint already.
+    The ranks of a distributed task abandon the same step (:mod:`opentinker_trainer.distributed`):
+    a step counts as completed once every rank agreed after taking its copy.
     Each step and each checkpoint runs inside ``ctx.turn()`` (a model host's tenants take turns
     on the shared base model; a worker process's context has nothing to wait for).
     """
@@ -46,6 +48,7 @@ def run_steps(
     stop = getattr(ctx, "stop_together", ctx.should_stop)
     # A tenant of a model host steps in turns with its neighbours (WorkerContext.turn).
     turn = getattr(ctx, "turn", contextlib.nullcontext)
+    dp = getattr(ctx, "dist", None)  # a rank's collectives (distributed.DataParallel)
     if done >= total:
         log.info("nothing left to train", task_id=ctx.task_id, step=done, steps=total)
         with turn():
@@ -66,7 +69,11 @@ def run_steps(
                 metrics = step(n)
                 ctx.steps_done = n  # still in the turn: the adapter in the model is step n's
                 taken = keep.take(n) if keep is not None else None
-        except StepAbandoned:
+                if dp is not None:  # step n is completed on every rank or on none
+                    dp.agree_to_abandon()
+        except StepAbandoned as exc:
+            if dp is not None and not exc.together:
+                dp.abandon_with_others()
             _store_kept(ctx, keep, kept, saved, save, abandoned=n)
             return
         kept = taken
