@@ -10,7 +10,11 @@ to copy every step: no keeper, and a stop lets their step finish before the chec
 The ranks of a distributed task keep their copies too and abandon the same step: their
 collectives inside a step agree first whether any rank was stopped
 (:meth:`opentinker_trainer.distributed.DataParallel.agree_to_abandon`), so every rank stores the
-same last completed step.
+same last completed step. A model host's tenant, whose stop comes from another thread and no
+signal, abandons its step at the step's next abandon point
+(:func:`opentinker_trainer.context.abandon_point`): before and after its rollout, while it waits
+for a client's reward or environment, and before each micro-batch of its update. A rollout
+batched with its neighbours' runs to its end.
 """
 
 from __future__ import annotations
@@ -88,12 +92,9 @@ def keeper(
     restore: Callable[[Any], None] = lambda _: None,
 ) -> StepKeeper | None:
     """A :class:`StepKeeper` for a trainer of ``ctx`` with ``optimizer`` (one, or several), or
-    None where a step is not abandoned: a tenant of a model host (its stop is a flag its turn
-    loop reads), parameters sharded across ranks (FSDP: its forward and backward passes are
-    collectives no rank can leave alone) and trainable state over :data:`KEEP_MAX_BYTES` (full
-    weights)."""
-    if getattr(ctx, "tenant", None) is not None:
-        return None
+    None where a step is not abandoned: parameters sharded across ranks (FSDP: its forward and
+    backward passes are collectives no rank can leave alone) and trainable state over
+    :data:`KEEP_MAX_BYTES` (full weights)."""
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     params = _params(optimizers)
     if any(isinstance(p, DTensor) for p in params):

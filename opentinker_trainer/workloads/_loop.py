@@ -74,7 +74,8 @@ def run_steps(
         except StepAbandoned as exc:
             if dp is not None and not exc.together:
                 dp.abandon_with_others()
-            _store_kept(ctx, keep, kept, saved, save, abandoned=n)
+            with turn():
+                _store_kept(ctx, keep, kept, saved, save, abandoned=n)
             return
         kept = taken
         ctx.emit_metric(n, metrics)

@@ -202,3 +202,26 @@ def test_two_ranks_stopped_mid_step_keep_the_same_last_completed_step(
     finally:
         gate.open()
         cluster.close()
+
+
+def test_a_model_host_tenant_stopped_mid_step_keeps_its_last_completed_step(
+    tmp_path: Path, tiny_model_dir: Path, dataset: Path
+) -> None:
+    cluster = Cluster(tmp_path)
+    gate = Gate()
+    try:
+        cluster.start_scheduler()
+        trainer = cluster.start_trainer("node-a", "--simulate-gpus", "1", "--tenants-per-host", "2", *GRACE)
+        cluster.wait_nodes(1)
+        with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+            with client.serve_reward(gate, timeout_s=600) as server:
+                task_id = _submit(client, tiny_model_dir, dataset, server, gpu_count=1)
+                cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: gate.held.is_set())
+                client.cancel(task_id, reason="enough")
+                _kept_step_one(cluster, task_id, C.TASK_STATE_CANCELLED)
+                gate.open()
+        assert "tenant joined" in trainer.log_text()  # the task ran on a model host
+        assert _downloaded_step(cluster, task_id, tmp_path / "ck") == 1
+    finally:
+        gate.open()
+        cluster.close()
