@@ -37,6 +37,11 @@ class StepAbandoned(BaseException):
         self.together = together
 
 
+#: The phase a stopped attempt reports as it starts its exit checkpoint (``detail``: ``step N``).
+#: The node agent's ``--kill-grace`` does not cut it short: it waits for that checkpoint's
+#: ``checkpoint`` or ``checkpoint_failed`` line, so a large upload is stored, not lost.
+STORING_PHASE = "storing exit checkpoint"
+
 #: The context whose abandonable step this thread runs (:meth:`WorkerContext.abandonable`).
 _stepping = threading.local()
 

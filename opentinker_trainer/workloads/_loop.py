@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 
 import structlog
 
-from opentinker_trainer.context import StepAbandoned, WorkerContext
+from opentinker_trainer.context import STORING_PHASE, StepAbandoned, WorkerContext
 from opentinker_trainer.workloads._keep import KeptStep, StepKeeper
 
 log = structlog.get_logger("opentinker.trainer")
@@ -86,6 +86,7 @@ def run_steps(
                 save(final=True)
         elif stop():
             log.info("stop requested: checkpointing", task_id=ctx.task_id, step=n)
+            ctx.emit_phase(STORING_PHASE, f"step {n}")
             with turn():
                 save(final=False)
             return
@@ -110,6 +111,7 @@ def _store_kept(
         log.info("stop requested: step abandoned, its previous step is stored", task_id=ctx.task_id, step=abandoned)
         return
     log.info("stop requested: step abandoned, checkpointing the step before", task_id=ctx.task_id, step=kept.step)
+    ctx.emit_phase(STORING_PHASE, f"step {kept.step}")
     keep.put_back(kept)
     ctx.steps_done = kept.step
     save(final=False)
