@@ -356,6 +356,8 @@ class TrainingSession:
                         code=mapped.code,
                         status=mapped.status,
                     )
+                else:  # a refusal in its turn uses up the number, one before it does not: ask
+                    self._unsure = True
                 raise mapped from None
             self.next_sequence = sequence + 1
             return convert(response)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+import structlog
 import uvicorn
 
+from opentinker_common.logs import configure_logging
 from opentinker_gateway.app import GatewayConfig, create_app
 
 
@@ -49,6 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         gap_timeout_s=args.gap_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
+    )
+    configure_logging()
+    structlog.get_logger("opentinker.gateway").info(
+        "gateway starting",
+        address=f"{args.host}:{args.port}",
+        scheduler=args.scheduler,
+        models=sorted(config.models),
+        gap_timeout_s=config.gap_timeout_s,
     )
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
     return 0

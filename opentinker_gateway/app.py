@@ -9,6 +9,7 @@ revocation are the scheduler's. Training requests return a future (``request_id`
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import uuid
@@ -16,6 +17,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 import zstandard
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -37,8 +39,10 @@ __all__ = ["GatewayConfig", "create_app", "SDK_VERSIONS"]
 #: The ``tinker`` SDK versions this gateway is tested with: [lowest, highest].
 SDK_VERSIONS = ("0.38.0", "0.38.0")
 
-_CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_CHECKPOINT_NAME = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
 _PROTO = "application/x-protobuf"
+
+log = structlog.get_logger("opentinker.gateway")
 
 
 @dataclass
@@ -92,10 +96,16 @@ def _field(body: dict, name: str, kind: type, *, required: bool = True) -> Any:
 def _parse_path(path: str, field_name: str) -> tuple[str, str, str]:
     """``(model id, kind, name)`` of ``tinker://<model id>/<weights|sampler_weights>/<name>``."""
     parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
-    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") or not parts[0]:
+    if (
+        len(parts) != 3
+        or parts[1] not in ("weights", "sampler_weights")
+        or not parts[0]
+        or not _CHECKPOINT_NAME.match(parts[2])
+    ):
         raise ApiError(
             f"{field_name}: expected tinker://<model id>/weights/<name> or "
-            f"tinker://<model id>/sampler_weights/<name>, got {path!r}"
+            f"tinker://<model id>/sampler_weights/<name>, the name 1 to 64 letters, digits, '.', '_' or '-', "
+            f"got {path[:200]!r}" + (f" ({len(path)} characters)" if len(path) > 200 else "")
         )
     return parts[0], parts[1], parts[2]
 
@@ -310,6 +320,15 @@ def _kinds() -> dict[str, _Kind]:
 
 KINDS = _kinds()
 
+#: Seconds between asks of the worker for a future's kept answer: first, most.
+_POLL_WAIT = (0.05, 1.0)
+
+
+def _digest(body: dict) -> str:
+    """A hash of a JSON body: the same request sent again has the same one."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 #: Seconds a worker call may take (a save writes the artifact store; a step runs the model).
 _CALL_TIMEOUT_S = 3600
 
@@ -323,17 +342,51 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _refused(request: Request, exc: ApiError) -> JSONResponse:
+        (log.warning if exc.status >= 500 else log.info)(
+            "request refused",
+            status=exc.status,
+            category=exc.category,
+            route=request.url.path,
+            model_id=getattr(request.state, "model_id", None),
+            error=exc.message,
+        )
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    def submit(model: Model, seq_id: int, kind: str, message) -> dict:
+    @app.exception_handler(Exception)
+    async def _failed(request: Request, exc: Exception) -> JSONResponse:
+        log.error("request failed", route=request.url.path, exc_info=exc)
+        error = ApiError(f"internal error: {type(exc).__name__}", status=500, category="server")
+        return JSONResponse(error.body(), status_code=500)
+
+    def submit(model: Model, seq_id: int, kind: str, message, digest: str) -> dict:
         """Send request ``seq_id`` of ``kind`` with ``message(sequence)``; its future's reply."""
         k = KINDS[kind]
 
         def send(seq: int, md: tuple):  # the stub of the worker's endpoint now: it moves when the task resumes
             return getattr(model.stub, k.rpc)(message(seq), timeout=_CALL_TIMEOUT_S, metadata=md)
 
-        model.submit(seq_id, k.rpc, send, lambda r: k.answer(model, r))
+        model.submit(seq_id, k.rpc, send, lambda r: k.answer(model, r), digest=digest)
         return {"request_id": f"{model.model_id}#{seq_id}#{kind}", "model_id": model.model_id}
+
+    async def refuse_in_turn(request: Request, refusal: ApiError, model_id: Any, seq_id: Any, kind: str, digest: str):
+        """Use up ``seq_id`` of a request the gateway refuses, so the model's next request runs:
+        its error is its answer, as on Tinker. Nothing to do without a model and a ``seq_id``."""
+        request.state.model_id = model_id
+        if refusal.status != 400 or isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 1:
+            return
+        try:
+            model = await gw.model(model_id, _key(request))
+        except ApiError:
+            return
+        k = KINDS[kind]
+
+        def send(seq: int, md: tuple):
+            return getattr(model.stub, k.rpc)(k.probe(seq), timeout=_CALL_TIMEOUT_S, metadata=md)
+
+        try:
+            model.submit(seq_id, k.rpc, send, lambda r: Outcome(error=refusal), digest=digest, refused=refusal)
+        except ApiError:  # seq_id names another request already: the refusal above stands
+            pass
 
     # --- service ---------------------------------------------------------------------------
     @app.get("/api/v1/healthz")
@@ -472,12 +525,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
         except Exception as exc:  # noqa: BLE001 - a malformed body is the caller's
             raise ApiError(f"body: not a tinker ForwardBackwardRequest ({exc})") from None
         forward_only = msg.forward_only
-        if not forward_only and msg.loss_fn not in wire.LOSSES:
-            raise ApiError(f"loss_fn: expected one of {', '.join(wire.LOSSES)}, got {msg.loss_fn!r}")
         if msg.seq_id < 1:
             raise ApiError(f"seq_id: expected an integer >= 1, got {msg.seq_id}")
-        datums = wire.datums_from_proto(msg)
-        loss_config = wire.loss_config(msg) if not forward_only else None
+        digest = hashlib.sha256(raw).hexdigest()
+        try:
+            if not forward_only and msg.loss_fn not in wire.LOSSES:
+                raise ApiError(f"loss_fn: expected one of {', '.join(wire.LOSSES)}, got {msg.loss_fn!r}")
+            datums = wire.datums_from_proto(msg)
+            loss_config = wire.loss_config(msg) if not forward_only else None
+        except ApiError as exc:
+            await refuse_in_turn(request, exc, msg.model_id, msg.seq_id, "fwd" if forward_only else "fb", digest)
+            raise
         model = await gw.model(msg.model_id, key)
 
         def batch(seq: int):
@@ -492,19 +550,26 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 yield training_pb2.ForwardBackwardRequest(header=header)
                 yield training_pb2.ForwardBackwardRequest(chunk=training_pb2.DatumChunk(datums=datums))
 
-        return submit(model, msg.seq_id, "fwd" if forward_only else "fb", batch)
+        return submit(model, msg.seq_id, "fwd" if forward_only else "fb", batch, digest)
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict:
         key = _key(request)
         body = await _json(request, limit)
         seq_id = _field(body, "seq_id", int)
-        params = body.get("adam_params")
-        if params is None:
-            raise ApiError("adam_params: expected AdamParams (other optimizers are not served)")
-        adam = wire.adam_params(params)
+        digest = _digest(body)
+        try:
+            params = body.get("adam_params")
+            if params is None:
+                raise ApiError("adam_params: expected AdamParams (other optimizers are not served)")
+            adam = wire.adam_params(params)
+        except ApiError as exc:
+            await refuse_in_turn(request, exc, body.get("model_id"), seq_id, "optim", digest)
+            raise
         model = await gw.model(body.get("model_id"), key)
-        return submit(model, seq_id, "optim", lambda seq: training_pb2.OptimStepRequest(sequence=seq, adam=adam))
+        return submit(
+            model, seq_id, "optim", lambda seq: training_pb2.OptimStepRequest(sequence=seq, adam=adam), digest
+        )
 
     def checkpoint_name(body: dict) -> str:
         name = _field(body, "path", str)
@@ -517,48 +582,68 @@ def create_app(config: GatewayConfig) -> FastAPI:
         key = _key(request)
         body = await _json(request, limit)
         seq_id = _field(body, "seq_id", int)
-        name = checkpoint_name(body)
+        digest = _digest(body)
+        try:
+            name = checkpoint_name(body)
+        except ApiError as exc:
+            await refuse_in_turn(request, exc, body.get("model_id"), seq_id, "save", digest)
+            raise
         model = await gw.model(body.get("model_id"), key)
-        return submit(model, seq_id, "save", lambda seq: training_pb2.SaveStateRequest(sequence=seq, name=name))
+        return submit(model, seq_id, "save", lambda seq: training_pb2.SaveStateRequest(sequence=seq, name=name), digest)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict:
         key = _key(request)
         body = await _json(request, limit)
         seq_id = _field(body, "seq_id", int)
+        digest = _digest(body)
+        try:
+            if body.get("path") is not None:
+                name, kind = checkpoint_name(body), "sampler"
+            else:  # an ephemeral sampler: a save named after its request, sampled as a snapshot
+                name, kind = f"sampler-{seq_id}", "ephemeral"
+        except ApiError as exc:
+            await refuse_in_turn(request, exc, body.get("model_id"), seq_id, "sampler", digest)
+            raise
         model = await gw.model(body.get("model_id"), key)
-        if body.get("path") is not None:
-            name, kind = checkpoint_name(body), "sampler"
-        else:  # an ephemeral sampler: a save named after its request, sampled as a snapshot
-            name, kind = f"sampler-{seq_id}", "ephemeral"
         return submit(
-            model, seq_id, kind, lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=name)
+            model,
+            seq_id,
+            kind,
+            lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=name),
+            digest,
         )
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict:
         key = _key(request)
         body = await _json(request, limit)
-        path = _field(body, "path", str)
-        source, kind, name = _parse_path(path, "path")
         if body.get("session_id") is not None:
             raise ApiError(
                 "path: a new training client from a saved state (create_training_client_from_state) is "
                 "not served yet; load_state on the model that saved it",
             )
         seq_id = _field(body, "seq_id", int)
+        digest = _digest(body)
+        try:
+            path = _field(body, "path", str)
+            source, kind, name = _parse_path(path, "path")
+            if source != body.get("model_id") or kind != "weights":
+                raise ApiError(
+                    f"path: this OpenTinker loads states of the same model only "
+                    f"(tinker://{body.get('model_id')}/weights/...), got {path!r}"
+                )
+        except ApiError as exc:
+            await refuse_in_turn(request, exc, body.get("model_id"), seq_id, "load", digest)
+            raise
         model = await gw.model(body.get("model_id"), key)
-        if source != model.model_id or kind != "weights":
-            raise ApiError(
-                f"path: this OpenTinker loads states of the same model only "
-                f"(tinker://{model.model_id}/weights/...), got {path!r}"
-            )
         with_optimizer = bool(body.get("optimizer"))
         return submit(
             model,
             seq_id,
             "load",
             lambda seq: training_pb2.LoadStateRequest(sequence=seq, name=name, with_optimizer=with_optimizer),
+            digest,
         )
 
     # --- sampling -------------------------------------------------------------------------------
@@ -692,13 +777,31 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if not seq.isdigit() or kind not in KINDS:
             raise ApiError(f"request_id: no request {request_id!r}", status=404)
         model = await gw.model(model_id, key)
-        future = model.future(int(seq))
-        if future is not None:
-            return await asyncio.shield(future)
+        seq_id = int(seq)
         k = KINDS[kind]
-        response = await model.kept(
-            int(seq), lambda s, md: getattr(model.stub, k.rpc)(k.probe(s), timeout=_CALL_TIMEOUT_S, metadata=md)
-        )
-        return k.answer(model, response)
+
+        def probe(s: int, md: tuple):
+            return getattr(model.stub, k.rpc)(k.probe(s), timeout=_CALL_TIMEOUT_S, metadata=md)
+
+        wait = _POLL_WAIT[0]
+        while True:  # until answered; retrieve_future's long-poll bounds it
+            future = model.future(seq_id)
+            if future is not None:
+                return await asyncio.shield(future)
+            try:
+                return await model.kept(seq_id, k.rpc, probe, lambda r: k.answer(model, r))
+            except NotYet as exc:
+                if exc.next_is_it and model.missing(seq_id):
+                    lost = ApiError(
+                        f"request_id: request {seq_id} of model {model_id} never reached its session worker, "
+                        f"which waited {model.gap_timeout_s:g} s for it (the gateway instance that took it "
+                        "stopped); it failed, and the model goes on with the next request",
+                        category="server",
+                    )
+                    log.warning("request lost", model_id=model_id, seq_id=seq_id)
+                    model.submit(seq_id, k.rpc, probe, lambda r: k.answer(model, r), digest=None, refused=lost)
+                    continue
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, _POLL_WAIT[1])
 
     return app

@@ -7,11 +7,15 @@ and refuses a number ahead of the one it expects. So any gateway instance may se
 of a model, and a retried request (same ``seq_id``) never applies twice.
 
 A request ahead of the worker is sent again until the worker reaches it; after
-``gap_timeout_s`` of that it fails as a ``seq_id`` gap and may be sent again. A future
-(``<model id>#<seq_id>#<kind>``) is answered by the instance that sent it from memory, and by any
-other instance (or after a restart) by asking the worker for call ``seq_id - 1``'s kept answer:
-the same RPC with a payload the worker refuses, which it answers from its cache when that call
-ran and refuses, changing nothing, when it did not.
+``gap_timeout_s`` of that it fails as a ``seq_id`` gap and may be sent again. A request the worker
+refuses uses up its ``seq_id``, as on Tinker; so does one the gateway refuses: it sends the worker,
+in that request's turn, a payload the worker refuses. A ``seq_id`` sent again with another body
+is refused (409). A future (``<model id>#<seq_id>#<kind>``) is answered by the instance that sent
+it from memory, and by any other instance (or after a restart) with the worker's kept answer of
+call ``seq_id - 1``: once the worker's next call (GetInfo) is past it, the same RPC with a refused
+payload gets the kept answer. A future whose request the worker still waits for after
+``gap_timeout_s``, and that no request of this instance carries, never reached the worker (the
+instance that took it stopped): it fails, and uses up its ``seq_id`` so the model goes on.
 
 A worker that goes away (``kill -9``, a lost node) makes the scheduler requeue its task; the
 next attempt resumes from the task's newest ``save_state`` at a new endpoint. A request that finds
@@ -57,7 +61,15 @@ class Outcome:
 
 
 class NotYet(Exception):
-    """The worker has not run the call a future names (yet): answer ``try_again``."""
+    """The worker has not run the call a future names (yet): answer ``try_again``.
+
+    Args:
+        next_is_it: the worker's next call is this one: it waits for this request.
+    """
+
+    def __init__(self, next_is_it: bool = False) -> None:
+        super().__init__()
+        self.next_is_it = next_is_it
 
 
 class Model:
@@ -95,6 +107,9 @@ class Model:
         self._channels: list[grpc.aio.Channel] = []
         self._connect(endpoint)
         self._futures: dict[int, asyncio.Future] = {}
+        self._digests: dict[int, str] = {}
+        #: seq_id -> when this instance first saw the worker wait for it, holding no request of it.
+        self._missing: dict[int, float] = {}
         self._gap_failed: set[int] = set()
         self._follow_lock = asyncio.Lock()
         #: After the task resumed at a new endpoint: the highest request the lost worker answered,
@@ -142,13 +157,41 @@ class Model:
             )
             return True
 
-    def submit(self, seq_id: int, what: str, send: Callable[[int, tuple], Awaitable[Any]], answer) -> asyncio.Future:
+    def submit(
+        self,
+        seq_id: int,
+        what: str,
+        send: Callable[[int, tuple], Awaitable[Any]],
+        answer,
+        *,
+        digest: str | None,
+        refused: ApiError | None = None,
+    ) -> asyncio.Future:
         """The future of request ``seq_id``: ``answer(await send(seq_id - 1, metadata))`` once the
         worker takes it. A ``seq_id`` this instance holds already returns that future and sends
-        nothing, unless it failed as a gap: then it is sent again."""
+        nothing, unless it failed as a gap: then it is sent again.
+
+        Args:
+            digest: a hash of the request's body (None: not known): a held ``seq_id`` with another
+                body is refused.
+            refused: the gateway refused the request with this error: ``send`` carries a payload
+                the worker refuses, in the request's turn, and the future's answer is ``refused``.
+
+        Raises:
+            ApiError: 409, ``seq_id`` was sent with another body.
+        """
+        held = self._digests.get(seq_id)
+        if held is not None and digest is not None and held != digest:
+            raise ApiError(
+                f"seq_id: request {seq_id} of model {self.model_id} was sent before with another body; "
+                "a seq_id names one request (send a new request with the next seq_id)",
+                status=409,
+            )
         if seq_id in self._futures and seq_id not in self._gap_failed:
             return self._futures[seq_id]
         self._gap_failed.discard(seq_id)
+        if digest is not None:
+            self._digests[seq_id] = digest
         before = self._futures.get(seq_id - 1)
 
         async def run() -> Outcome:
@@ -159,7 +202,8 @@ class Model:
             except ApiError as exc:
                 if exc.message.startswith("seq_id:"):
                     self._gap_failed.add(seq_id)
-                return Outcome(error=exc)
+                    return Outcome(error=exc)
+                return Outcome(error=refused or exc)
             except Exception as exc:  # noqa: BLE001 - a future answers every request
                 log.exception("request %s of model %s failed", seq_id, self.model_id)
                 return Outcome(error=ApiError(f"internal error: {exc}", status=500, category=SERVER))
@@ -171,6 +215,7 @@ class Model:
             if not self._futures[oldest].done():
                 break
             del self._futures[oldest]
+            self._digests.pop(oldest, None)
         return future
 
     def future(self, seq_id: int) -> asyncio.Future | None:
@@ -225,20 +270,27 @@ class Model:
                     continue
                 raise from_rpc(exc, what) from None
 
-    async def kept(self, seq_id: int, probe: Callable[[int, tuple], Awaitable[Any]]) -> Any:
-        """The worker's kept answer of request ``seq_id``; ``probe`` sends the same RPC with a
-        payload the worker refuses.
+    async def kept(self, seq_id: int, what: str, probe: Callable[[int, tuple], Awaitable[Any]], answer) -> Outcome:
+        """The outcome of request ``seq_id`` from the worker's kept answer: ``answer(response)``,
+        or the refusal the worker kept. ``probe`` sends the same RPC with a payload the worker
+        refuses; it goes only once the worker is past the call, since sent in the call's turn its
+        refusal would use up the ``seq_id``.
 
         Raises:
             NotYet: the worker has not run it. ApiError: its answer is no longer kept.
         """
         try:
-            return await probe(seq_id - 1, await self.metadata())
-        except grpc.aio.AioRpcError as exc:
-            expected = expected_sequence(exc)
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT or (expected is not None and expected < seq_id - 1):
+            next_sequence = (await self.info()).next_sequence
+        except ApiError as exc:
+            if exc.status == 503:
                 raise NotYet() from None
-            if expected is not None:
+            raise
+        if next_sequence <= seq_id - 1:
+            raise NotYet(next_is_it=next_sequence == seq_id - 1)
+        try:
+            return answer(await probe(seq_id - 1, await self.metadata()))
+        except grpc.aio.AioRpcError as exc:
+            if expected_sequence(exc) is not None:
                 raise ApiError(
                     f"request_id: request {seq_id} of model {self.model_id} ran and its answer is no longer kept",
                     status=410,
@@ -246,7 +298,13 @@ class Model:
                 ) from None
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 raise NotYet() from None
-            raise from_rpc(exc, "retrieve_future") from None
+            return Outcome(error=from_rpc(exc, what))
+
+    def missing(self, seq_id: int) -> bool:
+        """Whether request ``seq_id``, which the worker waits for and this instance never sent,
+        has been missing for ``gap_timeout_s`` since this instance first saw it missing."""
+        now = time.monotonic()
+        return now - self._missing.setdefault(seq_id, now) > self.gap_timeout_s
 
     async def info(self) -> training_pb2.GetInfoResponse:
         try:

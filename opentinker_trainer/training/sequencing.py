@@ -1,10 +1,10 @@
 """Per-session sequence numbers: calls apply in order, a retry is answered from a cache.
 
-The session expects call ``next`` (from 0). A call numbered ``next`` runs (one at a time) and,
-when it succeeds, its response is kept and ``next`` moves on; when it fails with a refusal the
-session is unchanged and ``next`` stays, so the caller may fix the call and send it again under the
-same number. A call numbered below ``next`` is a retry: it gets the kept response (or waits for
-the running call of that number) and runs nothing. A number above ``next`` is refused
+The session expects call ``next`` (from 0). A call numbered ``next`` runs (one at a time); its
+answer, a response or a refusal, is kept and ``next`` moves on. A refused call so uses up its
+number, as on Tinker: a caller that numbers its calls itself goes on with the next number, and
+the refusal is the answer of every retry. A call numbered below ``next`` is a retry: it gets the
+kept answer (or waits for the running call of that number) and runs nothing. A number above ``next`` is refused
 (:class:`~.errors.OutOfOrder`, naming the expected number), as is a retry whose response is no
 longer kept (the last ``keep`` are).
 """
@@ -60,13 +60,14 @@ class Sequencer:
 
     async def run(self, sequence: int, call: Callable[[], Awaitable[Any]]) -> Any:
         """The response of call ``sequence``: ``await call()`` when it is the expected one, the kept
-        response of a retry, or :class:`~.errors.OutOfOrder`. ``call``'s exceptions propagate
-        (and leave ``next`` where it was)."""
+        answer of a retry, or :class:`~.errors.OutOfOrder`. An exception of ``call`` is its answer:
+        kept, raised again to retries, and ``next`` moves on. A cancelled call keeps no answer
+        and leaves ``next`` where it was."""
         sequence = int(sequence)
         if sequence < 0:
             raise OutOfOrder(sequence, self.next, "sequence numbers start at 0")
         if sequence in self._done:
-            return self._done[sequence]
+            return self._answer(sequence)
         running = self._running
         if running is not None and running[0] == sequence:
             return await asyncio.shield(running[1])
@@ -76,22 +77,43 @@ class Sequencer:
             raise OutOfOrder(sequence, self.next)
         async with self._lock:
             if sequence in self._done:  # applied while this call waited for the lock
-                return self._done[sequence]
+                return self._answer(sequence)
             if sequence != self.next:
                 raise OutOfOrder(sequence, self.next)
             future = asyncio.get_running_loop().create_future()
             self._running = (sequence, future)
             try:
                 response = await call()
-            except BaseException as exc:
+            except Exception as exc:
                 future.set_exception(exc)
                 future.exception()  # retrieved: a retry that waited re-raises it; nobody else must
+                self._keep(sequence, _Refused(exc))
+                raise
+            except BaseException as exc:
+                future.set_exception(exc)
+                future.exception()
                 raise
             finally:
                 self._running = None
             future.set_result(response)
-            self._done[sequence] = response
-            while len(self._done) > self.keep:
-                self._done.popitem(last=False)
-            self.next = sequence + 1
+            self._keep(sequence, response)
             return response
+
+    def _keep(self, sequence: int, answer: Any) -> None:
+        self._done[sequence] = answer
+        while len(self._done) > self.keep:
+            self._done.popitem(last=False)
+        self.next = sequence + 1
+
+    def _answer(self, sequence: int) -> Any:
+        answer = self._done[sequence]
+        if isinstance(answer, _Refused):
+            raise answer.error
+        return answer
+
+
+class _Refused:
+    """The kept answer of a call that raised ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error

@@ -157,45 +157,53 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             await context.abort(getattr(grpc.StatusCode, exc.status), str(exc))
         raise exc
 
-    async def _read_batch(self, requests: AsyncIterator) -> tuple[training_pb2.BatchHeader, list[Datum]]:
+    async def _read_batch(self, requests: AsyncIterator) -> tuple[training_pb2.BatchHeader, Callable[[], list[Datum]]]:
+        """The header and a function giving the datums. A bad batch's refusal is raised by that
+        function, called in the batch's turn, so that it uses up the batch's sequence number."""
         header = None
         datums: list[Datum] = []
         tokens = 0
-        async for msg in requests:
-            which = msg.WhichOneof("part")
+        try:
+            async for msg in requests:
+                which = msg.WhichOneof("part")
+                if header is None:
+                    if which != "header":
+                        raise BadRequest("header: expected the batch header as the first message of the stream")
+                    header = msg.header
+                    if header.datum_count < 0:
+                        raise BadRequest(f"header.datum_count: expected >= 0, got {header.datum_count}")
+                    check_count(header.datum_count, 0, self.session.limits)
+                    continue
+                if which != "chunk":
+                    raise BadRequest("header: expected one header, at the start of the stream; got a second one")
+                for d in msg.chunk.datums:
+                    datums.append(datum_from_proto(d))
+                    tokens += len(d.input_tokens)
+                check_count(len(datums), tokens, self.session.limits)  # refuse early, before the rest arrives
             if header is None:
-                if which != "header":
-                    raise BadRequest("header: expected the batch header as the first message of the stream")
-                header = msg.header
-                if header.datum_count < 0:
-                    raise BadRequest(f"header.datum_count: expected >= 0, got {header.datum_count}")
-                check_count(header.datum_count, 0, self.session.limits)
-                continue
-            if which != "chunk":
-                raise BadRequest("header: expected one header, at the start of the stream; got a second one")
-            for d in msg.chunk.datums:
-                datums.append(datum_from_proto(d))
-                tokens += len(d.input_tokens)
-            check_count(len(datums), tokens, self.session.limits)  # refuse early, before the rest arrives
-        if header is None:
-            raise BadRequest("header: expected the batch header as the first message of the stream, got no message")
-        if header.datum_count and header.datum_count != len(datums):
-            raise BadRequest(
-                f"header.datum_count: the header announced {header.datum_count} datums, "
-                f"the stream carried {len(datums)}"
-            )
-        return header, datums
+                raise BadRequest("header: expected the batch header as the first message of the stream, got no message")
+            if header.datum_count and header.datum_count != len(datums):
+                raise BadRequest(
+                    f"header.datum_count: the header announced {header.datum_count} datums, "
+                    f"the stream carried {len(datums)}"
+                )
+        except SessionError as exc:
+            if header is None:
+                raise
+            refusal = exc
+
+            def refused() -> list[Datum]:
+                raise refusal
+
+            return header, refused
+        return header, lambda: datums
 
     # --- the RPCs ---------------------------------------------------------------------------
     async def ForwardBackward(self, request_iterator, context):
         try:
             await self._admit(context)
-            header, datums = await self._read_batch(request_iterator)
+            header, datums_of = await self._read_batch(request_iterator)
             loss_fn = _LOSS.get(header.loss_fn)
-            if loss_fn is None:
-                raise BadRequest(
-                    f"header.loss_fn: expected one of {', '.join(training_pb2.LossFn.keys()[1:])}, got {header.loss_fn}"
-                )
             cfg = header.loss_fn_config
             given = {key: getattr(cfg, key) for key in _CONFIG_KEYS if cfg.HasField(key)}
             sequence = header.sequence
@@ -211,20 +219,27 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                     accumulated_calls=r.accumulated_calls,
                 )
 
-            return await self._ordered(
-                sequence, lambda: self.session.forward_backward(datums, loss_fn, loss_fn_config=given), respond
-            )
+            def work():
+                datums = datums_of()
+                if loss_fn is None:
+                    raise BadRequest(
+                        f"header.loss_fn: expected one of {', '.join(training_pb2.LossFn.keys()[1:])}, "
+                        f"got {header.loss_fn}"
+                    )
+                return self.session.forward_backward(datums, loss_fn, loss_fn_config=given)
+
+            return await self._ordered(sequence, work, respond)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await self._abort(context, exc)
 
     async def Forward(self, request_iterator, context):
         try:
             await self._admit(context)
-            header, datums = await self._read_batch(request_iterator)
+            header, datums_of = await self._read_batch(request_iterator)
             sequence = header.sequence
             return await self._ordered(
                 sequence,
-                lambda: self.session.forward(datums),
+                lambda: self.session.forward(datums_of()),
                 lambda out: training_pb2.ForwardResponse(
                     sequence=sequence, outputs=[training_pb2.DatumOutput(logprobs=lp) for lp in out]
                 ),
@@ -236,17 +251,21 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         try:
             await self._admit(context)
             a = request.adam
-            adam = AdamParams(
-                learning_rate=a.learning_rate,
-                beta1=a.beta1 if a.HasField("beta1") else 0.9,
-                beta2=a.beta2 if a.HasField("beta2") else 0.999,
-                eps=a.eps if a.HasField("eps") else 1e-8,
-                weight_decay=a.weight_decay if a.HasField("weight_decay") else 0.0,
-                max_grad_norm=a.max_grad_norm if a.HasField("max_grad_norm") else 1.0,
-            )
+
+            def work():
+                adam = AdamParams(
+                    learning_rate=a.learning_rate,
+                    beta1=a.beta1 if a.HasField("beta1") else 0.9,
+                    beta2=a.beta2 if a.HasField("beta2") else 0.999,
+                    eps=a.eps if a.HasField("eps") else 1e-8,
+                    weight_decay=a.weight_decay if a.HasField("weight_decay") else 0.0,
+                    max_grad_norm=a.max_grad_norm if a.HasField("max_grad_norm") else 1.0,
+                )
+                return self.session.optim_step(adam)
+
             return await self._ordered(
                 request.sequence,
-                lambda: self.session.optim_step(adam),
+                work,
                 lambda r: training_pb2.OptimStepResponse(sequence=request.sequence, step=r[0], grad_norm=r[1]),
             )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised

@@ -90,13 +90,16 @@ def test_another_owners_model_is_not_found(world) -> None:
 def test_wrong_dtype_and_unknown_loss_are_user_errors_naming_the_field(world) -> None:
     http, key, model = world["http"], world["alice"], world["model"]
     wrong = types.TensorData(data=[1, 1, 1, 1, 1], dtype="int64", shape=[5])
-    r = post(http, "forward_backward", key, content=fb_body(model, 1, weights=wrong), headers=PROTO)
+    body = fb_body(model, next_seq(world), weights=wrong)
+    r = post(http, "forward_backward", key, content=body, headers=PROTO)
     assert r.status_code == 400 and r.json()["category"] == "user"
     assert r.json()["detail"].startswith("data[0].loss_fn_inputs.weights: expected dtype float32")
     short = types.TensorData(data=[1.0] * 3, dtype="float32", shape=[3])
-    r = post(http, "forward_backward", key, content=fb_body(model, 1, weights=short), headers=PROTO)
+    r = post(http, "forward_backward", key, content=fb_body(model, next_seq(world), weights=short), headers=PROTO)
     assert r.status_code == 400 and "expected 5 values" in r.json()["detail"]
-    r = post(http, "forward_backward", key, content=fb_body(model, 1, loss_fn="no_such_loss"), headers=PROTO)
+    r = post(
+        http, "forward_backward", key, content=fb_body(model, next_seq(world), loss_fn="no_such_loss"), headers=PROTO
+    )
     assert r.status_code == 400 and r.json()["detail"].startswith("loss_fn:") and "no_such_loss" in r.json()["detail"]
 
 

@@ -151,7 +151,7 @@ def test_queued_calls_apply_in_order_and_retries_are_idempotent(world, monkeypat
         assert f"sequence {info.next_sequence + 5}: expected {info.next_sequence}" in str(mapped)
 
 
-def test_bad_calls_are_typed_errors_and_use_no_sequence_number(world) -> None:
+def test_bad_calls_are_typed_errors_that_use_up_their_sequence_number(world) -> None:
     with TrainingSession(world["served"].address, api_key=world["alice_token"]) as s:
         before = s.get_info()
         good = batch(2)
@@ -166,14 +166,22 @@ def test_bad_calls_are_typed_errors_and_use_no_sequence_number(world) -> None:
             s.forward(batch(10, length=450)).result(timeout=60)
         with pytest.raises(Exception, match="no gradient accumulated"):
             s.optim_step(learning_rate=1e-3).result(timeout=60)
+        # Each refusal is the answer of its number, as on Tinker: the session goes on with the next.
         after = s.get_info()
-        assert after.next_sequence == before.next_sequence and after.step == before.step
+        assert after.next_sequence == before.next_sequence + 5 and after.step == before.step
         assert after.accumulated_calls == before.accumulated_calls
+        # A retry of a refused number gets the same refusal and runs nothing.
+        stub = training_pb2_grpc.TrainingServiceStub(s._channel)
+        retry = training_pb2.OptimStepRequest(
+            sequence=before.next_sequence + 4, adam=training_pb2.AdamParams(learning_rate=1)
+        )
+        with pytest.raises(grpc.RpcError, match="no gradient accumulated"):
+            stub.OptimStep(retry, metadata=s._metadata())
         # Sampling from chat messages, with the sampler's logprobs.
         out = s.sample(messages=[{"role": "user", "content": "2+2?"}], n=2, max_tokens=3, seed=1).result(timeout=60)
         assert len(out.samples) == 2 and all(len(x.logprobs) == len(x.tokens) for x in out.samples)
         assert all(len(x.sampling_logprobs) == len(x.tokens) for x in out.samples)
-        assert s.get_info().next_sequence == before.next_sequence + 1
+        assert s.get_info().next_sequence == before.next_sequence + 6
 
 
 def test_only_the_owner_or_an_admin_may_call_the_session(world) -> None:
@@ -229,7 +237,7 @@ def test_a_session_whose_worker_went_away_says_how_to_resume(world) -> None:
 
 def test_tinker_losses_and_adam_defaults_over_grpc(world) -> None:
     """Tinker's loss_fn_config keys reach the loss by field name; a bad one is INVALID_ARGUMENT
-    naming it, and uses no sequence number; Tinker's AdamParams defaults are accepted."""
+    naming it, and changes nothing; Tinker's AdamParams defaults are accepted."""
     with TrainingSession(world["served"].address, api_key=world["alice_token"]) as s:
         data = [
             Datum(d.input_tokens, d.target_tokens, (), d.advantages, d.sampling_logprobs, [1.0] * len(d.input_tokens))
@@ -254,7 +262,8 @@ def test_tinker_losses_and_adam_defaults_over_grpc(world) -> None:
             s.forward_backward(data, "stable_reinforce").result(timeout=60)
         with pytest.raises(InvalidArgumentError, match="loss_fn_config.clip_epsilon: expected one of"):
             s.forward_backward(data, "ppo", loss_fn_config={"clip_epsilon": 0.2}).result(timeout=60)
-        assert s.get_info().next_sequence == before.next_sequence
+        after = s.get_info()  # the refusals used up their numbers and changed nothing
+        assert after.next_sequence > before.next_sequence and after.accumulated_calls == before.accumulated_calls
         step = s.optim_step(1e-3, beta2=0.95, eps=1e-12, max_grad_norm=0.0).result(timeout=60)
         assert step.step == before.step + 1
 

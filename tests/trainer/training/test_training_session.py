@@ -330,7 +330,7 @@ def test_bad_input_is_refused_naming_the_datum_and_leaves_the_session_unchanged(
         session.optim_step(AdamParams(learning_rate=1e-3))
 
 
-def test_sequence_numbers_order_calls_and_answer_retries_from_the_cache() -> None:
+def test_sequence_numbers_order_calls_and_answer_retries_and_refusals_from_the_cache() -> None:
     async def scenario():
         seq = Sequencer(0, keep=2, max_in_flight=1)
         ran: list[int] = []
@@ -353,16 +353,18 @@ def test_sequence_numbers_order_calls_and_answer_retries_from_the_cache() -> Non
 
         with pytest.raises(BadRequest):
             await seq.run(1, fails)
-        assert seq.next == 1  # a refused call leaves the number where it was
-        assert await seq.run(1, call(1)) == "r1"
+        assert seq.next == 2  # a refused call uses up its number, as on Tinker
+        with pytest.raises(BadRequest, match="bad"):
+            await seq.run(1, call(1))  # its retry gets the refusal and runs nothing
         assert await seq.run(2, call(2)) == "r2"
-        with pytest.raises(OutOfOrder, match="call 0 was applied and its response is no longer kept"):
-            await seq.run(0, call(0))
+        assert await seq.run(3, call(3)) == "r3"
+        with pytest.raises(OutOfOrder, match="call 1 was applied and its response is no longer kept"):
+            await seq.run(1, call(1))
         seq.admit()
         with pytest.raises(OverLimit, match=r"at most 1 per session \(max_in_flight_calls\), 1 already are"):
             seq.admit()
         seq.release()
-        assert ran == [0, 1, 2]
+        assert ran == [0, 2, 3]
 
     asyncio.run(scenario())
 
