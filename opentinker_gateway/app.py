@@ -366,6 +366,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return getattr(model.stub, k.rpc)(message(seq), timeout=_CALL_TIMEOUT_S, metadata=md)
 
         model.submit(seq_id, k.rpc, send, lambda r: k.answer(model, r), digest=digest)
+        log.debug("request accepted", model_id=model.model_id, seq_id=seq_id, kind=kind)
         return {"request_id": f"{model.model_id}#{seq_id}#{kind}", "model_id": model.model_id}
 
     async def refuse_in_turn(request: Request, refusal: ApiError, model_id: Any, seq_id: Any, kind: str, digest: str):
@@ -755,6 +756,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         try:
             outcome = await asyncio.wait_for(answer(request_id, key), timeout=config.long_poll_s)
         except (asyncio.TimeoutError, NotYet):
+            log.debug("future not answered yet", request_id=request_id)
             return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         if outcome.error is not None:
             return JSONResponse(outcome.error.failed())

@@ -12,6 +12,7 @@ from tinker import types
 from opentinker_client import RLClient
 from tests.support.gateway import PROTO, Gateway, create_model, fb_body, post, result
 from tests.support.procs import Cluster, wait_connected
+from tests.support.waiting import wait_for
 
 MAX_BODY_MB = 1
 
@@ -49,7 +50,14 @@ def world(tmp_path_factory, tiny_model_dir):
         )
         http = httpx.Client(base_url=gateway.url, timeout=120)
         model_id = create_model(http, f"tml-{alice}")
-        yield {"http": http, "alice": f"tml-{alice}", "bob": f"tml-{bob}", "model": model_id, "root": admin}
+        yield {
+            "http": http,
+            "alice": f"tml-{alice}",
+            "bob": f"tml-{bob}",
+            "model": model_id,
+            "root": admin,
+            "gateway": gateway,
+        }
     finally:
         if gateway is not None:
             gateway.close()
@@ -132,3 +140,53 @@ def test_a_seq_id_gap_fails_the_waiting_request_and_the_model_trains_on(world) -
     r = post(http, "forward_backward", key, content=fb_body(model, first + 1), headers=PROTO)
     assert isinstance(result(http, key, r.json()["request_id"]), bytes)
     world["seq"] = first + 1
+
+
+def test_a_seq_id_sent_again_with_another_body_is_refused(world) -> None:
+    http, key, model = world["http"], world["alice"], world["model"]
+    seq = next_seq(world)
+    body = fb_body(model, seq)
+    first = post(http, "forward_backward", key, content=body, headers=PROTO)
+    assert first.status_code == 200
+    other = post(http, "forward_backward", key, content=fb_body(model, seq, tokens=(7, 8, 9, 10, 11)), headers=PROTO)
+    assert other.status_code == 409 and other.json()["category"] == "user"
+    assert other.json()["detail"].startswith(
+        f"seq_id: request {seq} of model {model} was sent before with another body"
+    )
+    again = post(http, "forward_backward", key, content=body, headers=PROTO)
+    assert again.status_code == 200 and again.json()["request_id"] == first.json()["request_id"]
+    assert isinstance(result(http, key, first.json()["request_id"]), bytes)
+
+
+def test_a_checkpoint_path_without_a_valid_name_is_refused_by_load_weights(world) -> None:
+    http, key, model = world["http"], world["alice"], world["model"]
+    for name in ("", "x" * 100_000, "a\0b", "a\n"):
+        body = {"model_id": model, "seq_id": next_seq(world), "path": f"tinker://{model}/weights/{name}"}
+        r = post(http, "load_weights", key, json=body)
+        assert r.status_code == 400 and r.json()["detail"].startswith("path: expected tinker://"), r.text
+        assert len(r.json()["detail"]) < 1000
+    # The refusals used up their seq_ids: the next request runs.
+    r = post(http, "forward_backward", key, content=fb_body(model, next_seq(world)), headers=PROTO)
+    assert isinstance(result(http, key, r.json()["request_id"]), bytes)
+
+
+def test_a_refused_request_is_logged_without_the_key(world) -> None:
+    http, key, model = world["http"], world["alice"], world["model"]
+    wrong = types.TensorData(data=[1, 1, 1, 1, 1], dtype="int64", shape=[5])
+    r = post(http, "forward_backward", key, content=fb_body(model, next_seq(world), weights=wrong), headers=PROTO)
+    assert r.status_code == 400
+    gateway = world["gateway"]
+    lines = wait_for(
+        lambda: [e for e in gateway.proc.log_events() if e.get("event") == "request refused" and "dtype" in e["error"]],
+        what="the refusal's log line",
+    )
+    assert {k: lines[-1][k] for k in ("status", "category", "route", "model_id", "level")} == {
+        "status": 400,
+        "category": "user",
+        "route": "/api/v1/forward_backward",
+        "model_id": model,
+        "level": "info",
+    }
+    text = gateway.proc.log_text()
+    assert any(e.get("event") == "gateway starting" for e in gateway.proc.log_events())
+    assert key[4:] not in text
