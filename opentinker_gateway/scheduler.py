@@ -47,6 +47,11 @@ class SessionSpec:
     target_modules: tuple[str, ...]
     seed: int
     idle_timeout_s: float
+    #: Start from state ``init_state`` of task ``init_from`` (with ``init_optimizer`` its AdamW
+    #: state and step too) instead of a fresh adapter.
+    init_from: str = ""
+    init_state: str = ""
+    init_optimizer: bool = False
 
 
 class Scheduler:
@@ -85,8 +90,14 @@ class Scheduler:
                 "idle_timeout_s": spec.idle_timeout_s,
             }
         )
+        if spec.init_state:
+            hp.update({"init_state": spec.init_state, "init_optimizer": spec.init_optimizer})
         task_spec = common_pb2.TaskSpec(
-            workload_type="lora_session", model=spec.model_dir, hyperparameters=hp, name=name[:120]
+            workload_type="lora_session",
+            model=spec.model_dir,
+            hyperparameters=hp,
+            name=name[:120],
+            init_from=spec.init_from,
         )
         response = await self._call(
             "SubmitTask", scheduler_pb2.SubmitTaskRequest(spec=task_spec, request_id=request_id[:128]), key
@@ -109,6 +120,10 @@ class Scheduler:
 
     async def cancel(self, task_id: str, key: str, reason: str) -> None:
         await self._call("CancelTask", scheduler_pb2.CancelTaskRequest(task_id=task_id, reason=reason), key)
+
+    async def task_named(self, name: str, key: str) -> common_pb2.Task | None:
+        """The caller's running or queued task named ``name``, or None."""
+        return next((t for t in await self.session_tasks(name, key) if t.spec.name == name), None)
 
     async def session_tasks(self, name_prefix: str, key: str) -> list[common_pb2.Task]:
         """The caller's running or queued tasks whose name starts with ``name_prefix``."""

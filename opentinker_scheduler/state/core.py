@@ -31,7 +31,8 @@ from typing import Callable
 import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
-from opentinker_common.artifacts.checkpoint_lists import resumable, sampler_saves
+from opentinker_common.artifacts.checkpoint_lists import named_state, resumable, sampler_saves
+from opentinker_common.spec.session import init_state
 from opentinker_common.spec.structs import struct_to_dict, update_struct
 from opentinker_common.spec.tracking import EXTRAS as TRACKING_LOGGERS
 from opentinker_common.spec import (
@@ -1603,9 +1604,13 @@ def _struct_dict(spec: common_pb2.TaskSpec, name: str) -> dict:
 
 
 def init_checkpoint(store: StateStore, spec: common_pb2.TaskSpec) -> common_pb2.Checkpoint | None:
-    """The final checkpoint of ``spec.init_from`` (None when unset or gone from the store)."""
+    """The final checkpoint of ``spec.init_from``, or its state ``hyperparameters.init_state``
+    (None when unset or gone from the store)."""
     if not spec.init_from:
         return None
+    name = init_state(spec)
+    if name:
+        return named_state(store.checkpoints(spec.init_from), name)
     source = store.get_task(spec.init_from)
     if source is None:
         return None

@@ -8,6 +8,7 @@ import httpx
 import pytest
 import zstandard
 from tinker import types
+from tinker._version import __version__ as sdk_version
 
 from opentinker_client import RLClient
 from tests.support.gateway import PROTO, Gateway, create_model, fb_body, post, result
@@ -85,6 +86,22 @@ def test_another_owners_model_is_not_found(world) -> None:
         json={"session_id": "s", "sampling_session_seq_id": 0, "model_path": path},
     )
     assert r.status_code == 404
+
+
+def test_another_owners_state_is_missing_to_a_new_training_client(world) -> None:
+    http, alice, model = world["http"], world["alice"], world["model"]
+    r = post(http, "save_weights", alice, json={"model_id": model, "path": "shared", "seq_id": next_seq(world)})
+    saved = result(http, alice, r.json()["request_id"])["path"]
+    session = post(http, "create_session", world["bob"], json={"tags": [], "sdk_version": sdk_version}).json()
+
+    def from_state(key: str, path: str) -> httpx.Response:
+        body = {"session_id": session["session_id"], "model_seq_id": 0, "path": path, "optimizer": True}
+        return post(http, "load_weights", key, json=body)
+
+    stolen = from_state(world["bob"], saved)
+    nothing = from_state(world["bob"], f"tinker://{model}/weights/no-such-state")
+    assert stolen.status_code == nothing.status_code == 404 and stolen.json()["category"] == "user"
+    assert stolen.json()["detail"] == f"path: no state {saved!r}", stolen.json()
 
 
 def test_wrong_dtype_and_unknown_loss_are_user_errors_naming_the_field(world) -> None:
