@@ -13,7 +13,7 @@ import json
 import re
 import uuid
 from pathlib import Path
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zstandard
@@ -50,8 +50,8 @@ class GatewayConfig:
     """What a gateway serves.
 
     Attributes:
-        scheduler: the scheduler's address (``host:port`` or a URL).
-        models: Tinker model names (``HuggingFaceTB/SmolLM2-135M-Instruct``) -> local model folders.
+        scheduler: the scheduler's address (``host:port`` or a URL); its ``model_names:`` table
+            maps Tinker model names (``HuggingFaceTB/SmolLM2-135M-Instruct``) to local model folders.
         max_body_bytes: largest request body, after zstd decompression too (413 above it).
         gap_timeout_s: seconds a request waits for a missing earlier ``seq_id``.
         long_poll_s: seconds ``retrieve_future`` waits before answering ``try_again``.
@@ -60,7 +60,6 @@ class GatewayConfig:
     """
 
     scheduler: str
-    models: dict[str, str] = field(default_factory=dict)
     max_body_bytes: int = 256 * 1024 * 1024
     gap_timeout_s: float = 60.0
     long_poll_s: float = 20.0
@@ -126,20 +125,24 @@ class Gateway:
         if self.scheduler is not None:
             await self.scheduler.close()
 
-    def model_dir(self, base_model: str, field_name: str = "base_model") -> str:
-        folder = self.config.models.get(base_model)
+    async def model_dir(self, base_model: str, key: str, field_name: str = "base_model") -> str:
+        """The local folder of Tinker model name ``base_model`` (the scheduler's ``model_names:``).
+
+        Raises:
+            ApiError: 400 naming the served names when it is not one of them.
+        """
+        names = await self.scheduler.model_names(key)
+        folder = names.get(base_model)
         if folder is None:
             raise ApiError(
-                f"{field_name}: expected one of {', '.join(sorted(self.config.models)) or '(none configured)'}, "
-                f"got {base_model!r}"
+                f"{field_name}: expected one of {', '.join(sorted(names)) or '(none configured)'}, got {base_model!r}"
             )
         return folder
 
-    def base_model_of(self, model_dir: str) -> str:
-        for name, folder in self.config.models.items():
-            if folder == model_dir:
-                return name
-        return model_dir
+    async def base_model_of(self, model_dir: str, key: str) -> str:
+        """The Tinker model name of local folder ``model_dir`` (the folder itself when none)."""
+        names = await self.scheduler.model_names(key)
+        return next((name for name, folder in names.items() if folder == model_dir), model_dir)
 
     async def task(self, model_id: str, key: str, field_name: str = "model_id") -> common_pb2.Task:
         """The session task of model ``model_id``: its task id, or ``<session>:train:<n>`` (the id
@@ -187,7 +190,7 @@ class Gateway:
                     model_id,
                     task_id,
                     task.endpoint,
-                    base_model=self.base_model_of(task.spec.model),
+                    base_model=await self.base_model_of(task.spec.model, key),
                     model_dir=task.spec.model,
                     lora_rank=int(hp.get("lora_rank", 0)),
                     metadata=lambda: self.scheduler.endpoint_metadata(task_id, key),
@@ -389,11 +392,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/api/v1/get_server_capabilities")
     async def capabilities(request: Request) -> dict:
-        return {
-            "supported_models": [
-                {"model_name": name, "trainable": True, "sampleable": True} for name in sorted(config.models)
-            ]
-        }
+        names = await gw.scheduler.model_names(_key(request))
+        return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": True} for name in names]}
 
     @app.post("/api/v1/telemetry")
     async def telemetry(request: Request) -> dict:
@@ -438,7 +438,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         body = await _json(request, limit)
         session_id = _field(body, "session_id", str)
         model_seq_id = _field(body, "model_seq_id", int)
-        folder = gw.model_dir(_field(body, "base_model", str))
+        folder = await gw.model_dir(_field(body, "base_model", str), key)
         lora = body.get("lora_config") or {}
         if not isinstance(lora, dict):
             raise ApiError("lora_config: expected an object")
@@ -610,9 +610,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if f"{STATE_PREFIX}{name}" not in states:
             raise missing
         base_model = body.get("base_model")
-        if base_model is not None and gw.model_dir(base_model) != source.spec.model:
+        if base_model is not None and await gw.model_dir(base_model, key) != source.spec.model:
             raise ApiError(
-                f"base_model: expected {gw.base_model_of(source.spec.model)!r}, the base model of {path!r}, "
+                f"base_model: expected {await gw.base_model_of(source.spec.model, key)!r}, the base model of {path!r}, "
                 f"got {base_model!r}"
             )
         hp = dict(source.spec.hyperparameters)
@@ -648,7 +648,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def base_sampler(body: dict, key: str) -> str:
         """A sampler of the base model: the adapter off on a model of the same Tinker session."""
         base_model = _field(body, "base_model", str)
-        folder = gw.model_dir(base_model)
+        folder = await gw.model_dir(base_model, key)
         session_id = _field(body, "session_id", str)
         for task in await gw.scheduler.session_tasks(f"{TASK_NAME_PREFIX}{session_id}:", key):
             if task.spec.model == folder:

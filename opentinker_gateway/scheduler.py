@@ -28,6 +28,8 @@ __all__ = ["Scheduler", "SessionSpec", "TASK_NAME_PREFIX"]
 #: Tasks the gateway submits are named ``tinker <model id>``; ``finish`` cancels a session's by it.
 TASK_NAME_PREFIX = "tinker "
 
+#: Seconds the gateway keeps the scheduler's ``model_names:`` table before asking again.
+NAMES_TTL_S = 10.0
 #: Seconds of one scheduler call before it is given up.
 CALL_TIMEOUT_S = 30.0
 
@@ -66,6 +68,7 @@ class Scheduler:
             self._channel = grpc.aio.insecure_channel(parsed.target, options=options)
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
         self._tokens: dict[tuple[str, str], tuple[str, float]] = {}
+        self._names: tuple[dict[str, str], float] = ({}, -NAMES_TTL_S - 1.0)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -120,6 +123,14 @@ class Scheduler:
 
     async def cancel(self, task_id: str, key: str, reason: str) -> None:
         await self._call("CancelTask", scheduler_pb2.CancelTaskRequest(task_id=task_id, reason=reason), key)
+
+    async def model_names(self, key: str) -> dict[str, str]:
+        """The scheduler's ``model_names:`` table, Tinker model name -> local folder, in its order;
+        asked again after :data:`NAMES_TTL_S` seconds."""
+        if time.monotonic() - self._names[1] > NAMES_TTL_S:
+            response = await self._call("ListModelNames", scheduler_pb2.ListModelNamesRequest(), key)
+            self._names = ({m.name: m.folder for m in response.model_names}, time.monotonic())
+        return self._names[0]
 
     async def task_named(self, name: str, key: str) -> common_pb2.Task | None:
         """The caller's running or queued task named ``name``, or None."""

@@ -11,7 +11,7 @@ from tinker import types
 from tinker._version import __version__ as sdk_version
 
 from opentinker_client import RLClient
-from tests.support.gateway import PROTO, Gateway, create_model, fb_body, post, result
+from tests.support.gateway import PROTO, Gateway, create_model, fb_body, model_names, post, result
 from tests.support.procs import Cluster, wait_connected
 
 MAX_BODY_MB = 1
@@ -25,7 +25,7 @@ def world(tmp_path_factory, tiny_model_dir):
     config = (
         "heartbeat_interval: 0.5\nlease: 3\nauth: {enabled: true}\n"
         f"paths: {{model_dirs: [{tiny_model_dir.parent}]}}\n"
-        "workload_types:\n  - type: lora_session\n    priority: 3\n"
+        "workload_types:\n  - type: lora_session\n    priority: 3\n" + model_names(tiny_model_dir)
     )
     cluster = Cluster(tmp, config)
     gateway = None
@@ -42,7 +42,6 @@ def world(tmp_path_factory, tiny_model_dir):
         gateway = Gateway(
             tmp,
             f"127.0.0.1:{cluster.port}",
-            tiny_model_dir,
             "--max-body-mb",
             str(MAX_BODY_MB),
             "--gap-timeout-s",
