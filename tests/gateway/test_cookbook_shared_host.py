@@ -1,8 +1,10 @@
 """Two tinker-cookbook runs at once share one model host: the trainer's ``--tenants-per-host``
 host holds both Tinker models as tenants of one base model, and each run's per-step train NLL
 equals the same run alone. A tenant's calls run in its turn on the host, between its neighbour's,
-never batched with them, so the curves are equal, not merely close. Four short runs of chat_sl
-(two steps of four conversations, on the tiny model): the cost is the runs' start, not their steps."""
+never batched with them, so the curves are equal, not merely close. Each run alone is the same
+run on a trainer whose hosts take one tenant each (``--tenants-per-host 1``): the two alone runs go
+at once, on a host each. Four short runs of chat_sl (two steps of four conversations, on the tiny
+model) in two rounds: the cost is the runs' start, not their steps."""
 
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ STEPS = 2
 @pytest.fixture
 def world(tmp_path, tiny_model_dir):
     """A scheduler, a trainer whose model host takes two tenants, a gateway serving the tiny model
-    as :data:`MODEL_NAME`, and the cookbook's environment for it (offline)."""
+    as :data:`MODEL_NAME`, and the cookbook's environment for it (offline). Yields the cluster too:
+    the test replaces the trainer."""
     cluster = Cluster(tmp_path, CONFIG + model_names(tiny_model_dir))
     gateway = None
     try:
@@ -51,7 +54,7 @@ def world(tmp_path, tiny_model_dir):
             "PYTHONPATH": os.pathsep.join(sys.path),
         }
         with RLClient(cluster.url) as client:
-            yield tmp_path, env, client
+            yield tmp_path, env, client, cluster
     finally:
         if gateway is not None:
             gateway.close()
@@ -107,7 +110,7 @@ def _hosts_while(client: RLClient, procs: list[Proc]) -> list[list[tuple[str, ..
 
 
 def test_two_runs_share_one_model_host_each_with_its_own_curve(world) -> None:
-    tmp, env, client = world
+    tmp, env, client, cluster = world
     started = {run: _start(tmp, env, run, "together") for run in RUNS}
     seen = _hosts_while(client, [proc for proc, _ in started.values()])
     together = {run: _nll(*started[run], f"run {run} beside the other") for run in RUNS}
@@ -115,11 +118,17 @@ def test_two_runs_share_one_model_host_each_with_its_own_curve(world) -> None:
     assert len(sessions) == 2 and all(len(hosts) <= 1 for hosts in seen), seen
     assert [sessions] == [set(hosts[0]) for hosts in seen if hosts and len(hosts[0]) == 2][:1], seen
 
-    for run in RUNS:
-        wait_for(lambda: not _tenants(client), what="the model host holds no tenant")
-        proc, log_path = _start(tmp, env, run, "alone")
-        seen = _hosts_while(client, [proc])
-        alone = _nll(proc, log_path, f"run {run} alone")
-        assert all(len(hosts) <= 1 and len(hosts[0]) == 1 for hosts in seen if hosts), seen
-        assert together[run] == alone, (run, together[run], alone)
+    # Alone: a trainer whose hosts take one tenant each, so the two runs go at once, a host each.
+    wait_for(lambda: not _tenants(client), what="the model host holds no tenant")
+    cluster.procs[-1].terminate()
+    cluster.start_trainer("node-b", "--tenants-per-host", "1")
+    wait_for(
+        lambda: [n.node_id for n in client.list_nodes() if n.connected] == ["node-b"],
+        what="only the trainer with one tenant per host connected",
+    )
+    started = {run: _start(tmp, env, run, "alone") for run in RUNS}
+    seen = _hosts_while(client, [proc for proc, _ in started.values()])
+    alone = {run: _nll(*started[run], f"run {run} alone on its host") for run in RUNS}
+    assert all(len(tenants) == 1 for hosts in seen for tenants in hosts), seen
+    assert together == alone, (together, alone)
     assert together["slow"][1:] != together["fast"][1:]  # two runs, not one run twice

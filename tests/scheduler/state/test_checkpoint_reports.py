@@ -161,7 +161,7 @@ def test_a_session_starts_from_a_named_state_of_another_running_session(tmp_path
     core = make_core(tmp_path)
     source = spec()
     source.workload_type = "lora_session"
-    task = core.submit(source, owner="alice")
+    task = core.api.submit(source, owner="alice")
     node, _ = register(core)
     core.schedule()
     report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
@@ -170,7 +170,7 @@ def test_a_session_starts_from_a_named_state_of_another_running_session(tmp_path
     datasets = DatasetStore(tmp_path / "datasets")
 
     def check(s: C.TaskSpec, owner: str = "alice") -> None:
-        check_references(s, datasets=datasets, get_task=core.get, owner=owner, checkpoints=core.store.checkpoints)
+        check_references(s, datasets=datasets, get_task=core.api.get, owner=owner, checkpoints=core.store.checkpoints)
 
     resumed = spec(init_state="a-2", init_optimizer=True)
     resumed.workload_type = "lora_session"
@@ -189,7 +189,7 @@ def test_a_session_starts_from_a_named_state_of_another_running_session(tmp_path
     with pytest.raises(InvalidArgument, match="init_state: names a state of the spec.init_from task"):
         check(alone)
 
-    started = core.submit(resumed, owner="alice")
+    started = core.api.submit(resumed, owner="alice")
     drain(node)
     core.schedule()
     (assign,) = [
