@@ -38,7 +38,8 @@ YAML 1.2 — write false``). Typographic quotes (``“ ”``), bullets (``•``)
 characters outside comments and ASCII-quoted strings are refused with their line and column and
 what to type instead. The file is read within :mod:`opentinker_common.documents`' bounds (1 MiB,
 64 levels of nesting, 100,000 values with aliases expanded): a YAML bomb is refused with its
-line and column and the limit it passed.
+line and column and the limit it passed. At most 1 MiB and a byte is read of any kind of file, so
+a pipe, a FIFO or ``/dev/zero`` is refused past the limit as a large file is.
 """
 
 from __future__ import annotations
@@ -59,10 +60,17 @@ from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spe
 from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel, did_you_mean, short_repr
 from opentinker_common.spec.task import EXPECTED
 from opentinker_common.spec.registry import env_kinds_for
-from opentinker_common.documents import DocumentError, compose_yaml, construct_yaml, load_yaml
+from opentinker_common.documents import DEFAULT_LIMITS, DocumentError, compose_yaml, construct_yaml, load_yaml
 from opentinker_common.yaml12 import every_typography, find_typography, yaml11_bool_hint
 
-__all__ = ["TaskConfig", "apply_overrides", "load_task_config", "load_with_overrides", "parse_task_config"]
+__all__ = [
+    "TaskConfig",
+    "apply_overrides",
+    "load_task_config",
+    "load_with_overrides",
+    "parse_task_config",
+    "read_task_file",
+]
 
 
 # Stand-in for an empty model while validating locally: the scheduler fills in its default.
@@ -572,9 +580,27 @@ def load_task_config(path: str | os.PathLike[str]) -> TaskConfig:
             line and column, and the key.
     """
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    return parse_task_config(text, source=path)
+    return parse_task_config(read_task_file(path), source=path)
+
+
+def read_task_file(path: str | os.PathLike[str]) -> str:
+    """The text of the task file at ``path``, read once and at most ``max_bytes`` (1 MiB) plus
+    one byte of it from any kind of file: a regular file, a pipe, a FIFO, ``/dev/zero``.
+
+    Raises:
+        OSError: the file cannot be read.
+        ConfigError: the file is longer than ``max_bytes``.
+        UnicodeDecodeError: the file is not UTF-8.
+    """
+    path = os.fspath(path)
+    limit = DEFAULT_LIMITS.max_bytes
+    with open(path, "rb") as fh:
+        data = fh.read(limit + 1)
+        if len(data) > limit:
+            size = os.fstat(fh.fileno()).st_size if os.path.isfile(path) else 0
+            got = str(size) if size > limit else "more"
+            raise ConfigError(f"expected a document of at most {limit} bytes (max_bytes), got {got}", source=path)
+    return data.decode("utf-8")
 
 
 def load_with_overrides(path: str | os.PathLike[str], overrides: Iterable[str]) -> TaskConfig:
@@ -590,15 +616,15 @@ def load_with_overrides(path: str | os.PathLike[str], overrides: Iterable[str]) 
             when it is not, the file's error (file:line:col) unless the overrides complete it.
     """
     overrides = list(overrides)
+    path = os.fspath(path)
+    text = read_task_file(path)  # once: a pipe or FIFO cannot be read again
     try:
-        cfg = load_task_config(path)
+        cfg = parse_task_config(text, source=path)
     except ConfigError as file_error:
         if not overrides:
             raise
-        with open(os.fspath(path), encoding="utf-8") as fh:
-            text = fh.read()
         try:
-            return apply_overrides(parse_task_config(text, source=os.fspath(path), check=False), overrides)
+            return apply_overrides(parse_task_config(text, source=path, check=False), overrides)
         except ConfigError:
             raise file_error from None
     return apply_overrides(cfg, overrides)
