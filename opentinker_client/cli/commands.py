@@ -1622,12 +1622,17 @@ def _cmd_eval(client: RLClient, args: argparse.Namespace) -> int:
     return 0
 
 
+#: Problems ``_error`` shows one per line; the rest are counted in one more line.
+MAX_ERROR_LINES = 20
+
+
 def _error(message: Any) -> int:
     """One line ``error: ...`` on stderr per problem (an exception worded by :func:`error_text`:
     the message, then its status code in brackets); returns :data:`EXIT_ERROR`. A task file with
     several bad keys gives a line for each (``ConfigError.problems``, each ``file:line:col: key:
     ...``, as a compiler lists its errors), and so does a scheduler refusal naming several fields
-    (``InvalidArgumentError.violations``)."""
+    (``InvalidArgumentError.violations``). At most :data:`MAX_ERROR_LINES` are shown, then
+    ``error: ... and N more``: a file that is not a task file (``/etc/passwd``) is not echoed."""
     lines = [message]
     problems = getattr(message, "problems", ())
     violations = getattr(message, "violations", ())
@@ -1636,9 +1641,11 @@ def _error(message: Any) -> int:
     elif not problems and len(violations) > 1:
         code = getattr(getattr(message, "code", None), "name", None)
         lines = [f"{field}: {description}" + (f" [{code}]" if code else "") for field, description in violations]
-    for line in lines:  # one line each; the server's words never act on the terminal
+    for line in lines[:MAX_ERROR_LINES]:  # one line each; the server's words never act on the terminal
         text = safe_text(" ".join((line if isinstance(line, str) else error_text(line)).split()))
         print(f"error: {text}", file=sys.stderr, flush=True)
+    if len(lines) > MAX_ERROR_LINES:
+        print(f"error: ... and {len(lines) - MAX_ERROR_LINES} more", file=sys.stderr, flush=True)
     return EXIT_ERROR
 
 

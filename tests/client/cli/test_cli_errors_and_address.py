@@ -86,3 +86,16 @@ def test_a_timeout_against_a_dead_port_names_the_dead_port_not_only_the_deadline
         assert err.startswith("error: no answer within the call's timeout: "), err
     else:
         assert err.rstrip().endswith("[UNAVAILABLE]"), err
+
+
+def test_a_file_with_many_bad_lines_shows_the_first_twenty_errors_and_counts_the_rest(capsys, tmp_path) -> None:
+    path = tmp_path / "passwd"  # not a task file: a line of `user: /home/user` per account
+    path.write_text("".join(f"user{i}: /home/user{i}\n" for i in range(50)))
+    code, err = _run(capsys, "submit", str(path))
+    assert code == 2
+    lines = err.splitlines()
+    assert len(lines) == 21, err
+    assert lines[0].startswith(f"error: {path}:1:1: user0: unknown key, expected one of the known keys (")
+    assert lines[1].startswith(f"error: {path}:1:1: missing workload_type")
+    assert lines[19].startswith(f"error: {path}:19:1: user18: unknown key")
+    assert lines[20] == "error: ... and 31 more"
