@@ -66,10 +66,12 @@ _STATE_STYLE = {
 
 
 def _console(stderr: bool = False):
+    """A rich console on stdout (or stderr) that shows text as written: no emoji shortcodes, so a
+    task name ``tinker ses-1:train:0`` stays that, not ``tinker ses-1🚋0``."""
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    return Console(file=stream, width=_width(stream), highlight=False)
+    return Console(file=stream, width=_width(stream), highlight=False, emoji=False)
 
 
 #: Columns of output off a terminal without ``$COLUMNS`` (rich's own default there, 80, squeezes tables).
