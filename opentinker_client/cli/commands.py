@@ -1485,8 +1485,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="serve a lora_finetune/sft task's adapter (its newest checkpoint; while it trains, each request gets "
-        "the newest), a lora_session's (ended: its newest checkpoint; running: its newest sampler save), or a "
-        "finished full-weight sft/full_rl task's weights; prints the endpoint",
+        "the newest), a lora_session's (ended: its newest checkpoint; running: its newest sampler save), a "
+        "finished full-weight sft/full_rl task's weights, or a PPO task's policy; prints the endpoint",
     )
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument(
@@ -1595,12 +1595,27 @@ def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
             )
         )
         return 0
-    what = "model" if args.step or task.proto.latest_checkpoint.format == "hf_full" else "adapter"
-    note = f"step {args.step}" if args.step else task.checkpoint_note
+    print(safe_text(_served_line(task, step=args.step, server=llm.task_id, endpoint=llm.endpoint)))
+    return 0
+
+
+def _served_what(task: TaskInfo, step: int = 0) -> str:
+    """What ``serve`` serves of ``task``, named by what its checkpoints hold: ``policy`` (a PPO
+    policy, ``torch_ppo``), ``model`` (all weights, ``hf_full``; or a ``--step`` of a full-weight
+    task) or ``adapter`` (a LoRA adapter)."""
+    fmt = task.proto.latest_checkpoint.format if task.proto is not None else ""
+    if fmt == "torch_ppo" or (task.workload_type == "full_rl" and fmt not in ("hf_full", "peft_lora")):
+        return "policy"
+    return "model" if step or fmt == "hf_full" else "adapter"
+
+
+def _served_line(task: TaskInfo, *, step: int, server: str, endpoint: str) -> str:
+    """``serve``'s line: ``policy TASK (final checkpoint, step 20) served by inference task T at HOST:PORT``."""
+    what = _served_what(task, step)
+    note = f"step {step}" if step else task.checkpoint_note
     if not task.done and what == "adapter":  # served while it trains: each request gets the newest
         note += "; later requests get its newer checkpoints, or its live adapter on its own model host"
-    print(safe_text(f"{what} {args.task_id} ({note}) served by inference task {llm.task_id} at {llm.endpoint}"))
-    return 0
+    return f"{what} {task.task_id} ({note}) served by inference task {server} at {endpoint}"
 
 
 def _cmd_eval(client: RLClient, args: argparse.Namespace) -> int:
