@@ -675,7 +675,36 @@ def _estimate_line(u) -> str:
     return f"{used} for one attempt, cost {u['cost']:.4f}"
 
 
+def _first_start(client: RLClient, task: TaskInfo) -> _dt.datetime | None:
+    """When ``task`` first ran: ``start_time`` is its current attempt's, so a task on a later
+    attempt is read from its events, up to its first change to RUNNING (None: it never ran)."""
+    if task.attempt <= 1:
+        return task.start_time
+    from contextlib import closing
+
+    with closing(client.watch(task.task_id, follow=False)) as events:  # closed: the rest is not read
+        for event in events:
+            if event.kind == "state" and event.to_state == "running" and event.time is not None:
+                return event.time
+    return task.start_time
+
+
+def _wall_time(task: TaskInfo, first_start: _dt.datetime | None, *, now: float, per_attempt: bool = True) -> str:
+    """From the task's first start to its end (or ``now``, epoch seconds), every attempt and the
+    time between them; with ``per_attempt``, the current attempt's own time beside it when there
+    were several."""
+    if first_start is None:
+        return "-"
+    end = task.end_time.timestamp() if task.end_time is not None else now
+    text = _seconds(end - first_start.timestamp())
+    if per_attempt and task.attempt > 1 and task.start_time is not None:
+        text += f" (attempt {task.attempt}: {_seconds(end - task.start_time.timestamp())})"
+    return text
+
+
 def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
+    import time
+
     from rich.table import Table
 
     t = client.get_task(args.task_id)
@@ -718,10 +747,16 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
     if t.usage:
         rows.append(("usage", _escape(usage_line(t.usage))))
         rows.append(("cost", f"{t.usage['cost']:.4f}"))
+    first = _first_start(client, t)
     rows += [
         ("created", _fmt_time(t.create_time)),
-        ("started", _fmt_time(t.start_time)),
+        ("started", _fmt_time(first)),
+    ]
+    if t.attempt > 1 and t.start_time is not None and t.start_time != first:
+        rows.append(("attempt started", f"{_fmt_time(t.start_time)} (attempt {t.attempt})"))
+    rows += [
         ("ended", _fmt_time(t.end_time)),
+        ("wall time", _wall_time(t, first, now=time.time())),
         # The environment as the worker builds it: defaults filled in, so a task that named
         # none shows the arithmetic task it runs, not {}.
         ("env", _escape(json.dumps(_shown_env(_resolved_settings(t)["env"]), sort_keys=True))),
@@ -1069,22 +1104,28 @@ _COMPARE_KEYS = (("reward", True), ("loss", False))
 
 
 def compare_rows(
-    tasks: Sequence[TaskInfo], histories: Sequence[Sequence[tuple[int, Mapping[str, float]]]], *, now: float
+    tasks: Sequence[TaskInfo],
+    histories: Sequence[Sequence[tuple[int, Mapping[str, float]]]],
+    *,
+    now: float,
+    first_starts: Sequence[_dt.datetime | None] | None = None,
 ) -> tuple[list[str], list[list[str]], list[tuple[str, list[str]]]]:
     """The ``compare`` table: ``(header, one row per task, [(setting, value per task)])`` with
-    final and best reward/loss, steps, wall time, usage (GPU-seconds, CPU-task seconds and cost
-    over all attempts, from ``TaskInfo.usage``; ``-`` where the scheduler did not say), and only
-    the settings (model, env, hyper-parameters) whose values differ between the tasks, compared
-    as the scheduler resolved them (defaults filled in: a task that left ``learning_rate`` at its
-    default and one that set it to that value do not differ; :func:`_resolved_settings`)."""
+    final and best reward/loss, steps, wall time (from each task's first start in
+    ``first_starts``, :func:`_first_start`; its ``start_time`` when not given), usage
+    (GPU-seconds, CPU-task seconds and cost over all attempts, from ``TaskInfo.usage``; ``-``
+    where the scheduler did not say), and only the settings (model, env, hyper-parameters) whose
+    values differ between the tasks, compared as the scheduler resolved them (defaults filled in:
+    a task that left ``learning_rate`` at its default and one that set it to that value do not
+    differ; :func:`_resolved_settings`)."""
     header = ["task", "name", "state", "steps", "wall time", "GPU-s", "CPU-task s", "cost"]
     for key, _ in _COMPARE_KEYS:
         header += [f"final {key}", f"best {key}"]
     rows = []
-    for task, history in zip(tasks, histories):
-        start = task.start_time.timestamp() if task.start_time else None
-        end = task.end_time.timestamp() if task.end_time else now
-        row = [task.task_id, task.name, task.state, str(task.latest_step), _seconds(end - start) if start else "-"]
+    starts = list(first_starts) if first_starts is not None else [t.start_time for t in tasks]
+    for task, history, first in zip(tasks, histories, starts):
+        wall = _wall_time(task, first, now=now, per_attempt=False)
+        row = [task.task_id, task.name, task.state, str(task.latest_step), wall]
         u = task.usage or {}
         row += [f"{u['gpu_seconds']:.0f}", f"{u['cpu_task_seconds']:.0f}", f"{u['cost']:.4f}"] if u else ["-"] * 3
         for key, larger in _COMPARE_KEYS:
@@ -1140,7 +1181,8 @@ def _cmd_compare(client: RLClient, args: argparse.Namespace) -> int:
 
     tasks = [client.get_task(t) for t in dict.fromkeys(args.task_id)]
     histories = [client.get_metric_history(t.task_id) for t in tasks]
-    header, rows, differing = compare_rows(tasks, histories, now=time.time())
+    first_starts = [_first_start(client, t) for t in tasks]
+    header, rows, differing = compare_rows(tasks, histories, now=time.time(), first_starts=first_starts)
     console = _console()
     table = Table(*header, title="tasks")
     for row in rows:
