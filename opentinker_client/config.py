@@ -527,7 +527,29 @@ def _depends_on_named(key: str | None, named: set[str]) -> bool:
 def _spec_problems(
     cfg: TaskConfig, data: Mapping[str, Any], lines: dict, source: str, root_pos: Pos
 ) -> list[ConfigError]:
-    """What the spec check says of ``cfg``, each problem at its line in the file; [] when valid."""
+    """What the spec check says of ``cfg``, each problem at its line in the file; [] when valid.
+
+    The hyperparameters a workload takes depend on its type, so with an unknown
+    ``workload_type`` they cannot be checked: a problem at ``hyperparameters`` says so, beside
+    the problems of the fields checked without the type (env, gpu_count, ...)."""
+    unchecked = []
+    if cfg.workload_type not in WORKLOAD_TYPES and cfg.hyperparameters:
+        unchecked.append(
+            ConfigError(
+                "not checked: the keys and values a workload takes depend on workload_type, which is not one of "
+                "the known ones; fix workload_type to have them checked",
+                source=source,
+                **_at(lines.get(("hyperparameters",))),
+                key="hyperparameters",
+            )
+        )
+    return _spec_check_problems(cfg, data, lines, source, root_pos) + unchecked
+
+
+def _spec_check_problems(
+    cfg: TaskConfig, data: Mapping[str, Any], lines: dict, source: str, root_pos: Pos
+) -> list[ConfigError]:
+    """:func:`_spec_problems` of the spec check alone."""
     try:
         _check_parts(cfg)
     except SpecError as err:
