@@ -455,12 +455,15 @@ def parse_task_config(text: str, *, source: str = "<string>", check: bool = True
     if problems:
         # The other keys are still checked (a compiler's whole list, not one error a run): the
         # spec check runs on the keys that are well typed, and what it says of a key that is
-        # already named (or of what depends on it) is left out. Without a workload_type the
-        # rest cannot be judged.
+        # already named (or of what depends on it) is left out. A missing workload_type, or one
+        # that is not a string, is checked as an unknown one: the fields that do not depend on it.
         named = {p.key for p in problems if p.key}
-        if check and isinstance(data.get("workload_type"), str):
+        if check:
             usable = {k: v for k, v in data.items() if k in _KEYS and _type_ok(k, v)}
-            if named & {"env", "dataset"} and env_kinds_for(data["workload_type"]) == ("dataset",):
+            if not isinstance(usable.get("workload_type"), str):
+                named.add("workload_type")
+                usable["workload_type"] = ""
+            if named & {"env", "dataset"} and env_kinds_for(usable["workload_type"]) == ("dataset",):
                 # its data is named above: judge the rest as if a dataset file were given
                 usable = {**{k: v for k, v in usable.items() if k != "env"}, "dataset": "train.jsonl"}
             for p in _spec_problems(_task_config(usable, source), usable, lines, source, root_pos):

@@ -101,17 +101,27 @@ def test_a_file_with_many_bad_lines_shows_the_first_twenty_errors_and_counts_the
     assert lines[20] == "error: ... and 31 more"
 
 
-def test_a_bad_workload_type_still_reports_the_other_fields_and_says_what_went_unchecked(capsys, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("first", "problem"),
+    [
+        ("workload_type: lora_finetuen", "workload_type: expected one of lora_finetune, "),
+        ("workload_type: 3", "workload_type: expected one of lora_finetune, "),
+        ("name: x", "missing workload_type (one of lora_finetune, "),
+    ],
+    ids=["unknown", "not-a-string", "missing"],
+)
+def test_a_bad_workload_type_still_reports_the_other_fields_and_says_what_went_unchecked(
+    capsys, tmp_path, first, problem
+) -> None:
     path = tmp_path / "task.yaml"
     path.write_text(
-        "workload_type: lora_finetuen\nhyperparameters:\n  steps: ten\nenv: {env_id: arithmetic, max_digits: x}\n"
-        "gpu_count: -1\n"
+        f"{first}\nhyperparameters:\n  steps: ten\nenv: {{env_id: arithmetic, max_digits: x}}\ngpu_count: -1\n"
     )
     code, err = _run(capsys, "submit", str(path))
     assert code == 2
     lines = err.splitlines()
     assert len(lines) == 4, err
-    assert lines[0].startswith(f"error: {path}:1:1: workload_type: expected one of lora_finetune, ")
+    assert lines[0].startswith(f"error: {path}:1:1: {problem}")
     assert lines[1] == (
         f"error: {path}:2:1: hyperparameters: not checked: the keys and values a workload takes depend on "
         "workload_type, which is not one of the known ones; fix workload_type to have them checked [INVALID_ARGUMENT]"
