@@ -398,7 +398,8 @@ def run_side(args) -> int:
         print(f"{args.side}: {c} streams {tps:.1f} tok/s, TTFT p50 {1000 * percentile(ttfts, 0.5):.0f} ms", flush=True)
     for close in closers:
         close()
-    Path(args.side_out).write_text(json.dumps({"rss_after_load": rss_load, "points": points}))
+    out = {"rss_after_load": rss_load, "points": points, "session": os.getsid(0)}
+    Path(args.side_out).write_text(json.dumps(out))
     return 0
 
 
@@ -426,6 +427,10 @@ def concurrency(args) -> None:
             print(f"repeat {r + 1}/{args.cb_repeats}, {SIDES[side]}, load {os.getloadavg()[0]:.1f}", flush=True)
             subprocess.run(cmd, check=True, start_new_session=True, env=env)
             runs[side].append(json.loads(out.read_text()))
+
+    sessions = [run["session"] for side in SIDES for run in runs[side]]
+    if len(set(sessions)) != len(sessions) or os.getsid(0) in sessions:
+        raise RuntimeError(f"a side ran outside a session of its own: sessions {sessions}")
 
     def med(side: str, c: int, key: str) -> float:
         return statistics.median(run["points"][str(c)][key] for run in runs[side])
@@ -466,6 +471,7 @@ def concurrency(args) -> None:
             "value": round(ttft_p50("ours", levels[0]) / ttft_p50("cb", levels[0]), 3),
         }
     )
+    details["side processes, each in a session of its own"] = len(sessions)
     details["peak RSS MiB ours, cb"] = [round(mem_ours / 2**20), round(mem_cb / 2**20)]
     details["RSS after load MiB ours, cb"] = [round(load_ours / 2**20), round(load_cb / 2**20)]
     print(
