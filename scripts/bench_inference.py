@@ -413,6 +413,10 @@ def concurrency(args) -> None:
     import json
     import subprocess
 
+    import grpc  # noqa: F401 - imported for their versions in the result's machine record
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
     levels = [int(x) for x in args.streams.split(",")]
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     tmp = Path(tempfile.mkdtemp(prefix="bench-cb-"))
