@@ -176,8 +176,8 @@ bench-cluster: install test-deps
 	timeout -k 30 1200 $(PY) scripts/bench_cluster.py $(BENCH_ARGS)
 
 # GenerateStream against transformers generate; memory with 8 adapters against 1; continuous
-# batching at 1/4/16 streams (base + 8 adapters) against transformers' continuous batching and a
-# padded generate batch. Options: BENCH_ARGS="--no-single --streams 1,4" (scripts/bench_inference.py --help).
+# batching at 1/4/16 streams against transformers' continuous batching, each side in its own
+# process and session, ABBA order. Options: BENCH_ARGS="--parts cb --cb-repeats 4" (scripts/bench_inference.py --help).
 bench-inference: install
 	$(PY) scripts/bench_inference.py $(BENCH_ARGS)
 
