@@ -105,8 +105,29 @@ def datums_from_proto(request: tpb.ForwardBackwardRequest) -> list[training_pb2.
             )
         if "target_tokens" not in fields:
             raise ApiError(f"{field}.loss_fn_inputs.target_tokens: required, missing")
-        datums.append(training_pb2.Datum(**fields))
+        spans = {name: _spans(getattr(datum, name), f"{field}.{name}") for name in _SPANS}
+        datums.append(training_pb2.Datum(**fields, **spans))
     return datums
+
+
+#: A Datum's provenance fields, the session's Datum fields of the same names.
+_SPANS = ("model_input_spans", "loss_fn_input_spans")
+
+
+def _spans(spans, field: str) -> list[training_pb2.ProvenanceSpan]:
+    """The session's provenance spans of a datum's; the session checks them against its records."""
+    out = []
+    for k, span in enumerate(spans):
+        kind = span.WhichOneof("span")
+        if kind is None:
+            raise ApiError(f"{field}[{k}]: expected a prompt_tokens or sampled_tokens span, got neither")
+        arm = getattr(span, kind)
+        out.append(
+            training_pb2.ProvenanceSpan(
+                sequence_id=arm.sequence_id, offset=arm.offset, length=arm.length, sampled=kind == "sampled_tokens"
+            )
+        )
+    return out
 
 
 def loss_config(request: tpb.ForwardBackwardRequest) -> training_pb2.LossFnConfig:
