@@ -15,6 +15,7 @@ from opentinker_trainer.training.datums import Datum, Span
 from opentinker_trainer.training.errors import BadRequest
 from opentinker_trainer.training.losses import stable_reinforce
 from opentinker_trainer.training.provenance import Recorded
+from opentinker_trainer.training.session import SampleParams
 
 from tests.trainer.training.test_training_session import grads, new_session, reference_grads
 
@@ -236,3 +237,31 @@ def test_bad_loss_configs_are_refused_naming_the_field_with_nothing_accumulated(
     with pytest.raises(BadRequest, match=r"datums\[0\].sequence_ratio_mask: expected at least one non-zero"):
         session.forward_backward(zero_mask, "gspo")
     assert session.accumulated_calls == before
+
+
+def test_sample_snapshot_records_the_samples_it_returns_for_stable_reinforce(session) -> None:
+    """At temperature 0.7 the record holds the log-probs the tokens were drawn with
+    (sampling_logprobs), which a datum naming the sample then trains on; ids are not reused."""
+    params = SampleParams(max_tokens=3, temperature=0.7, ignore_eos=True)
+    (result,), _ = session.sample_snapshot([(PROMPT, 2, 7)], params, sampler=None, record=[["r-0", "r-1"]])
+    data = []
+    for sid, sample in zip(["r-0", "r-1"], result.samples):
+        tokens = list(sample.tokens)
+        seq = PROMPT + tokens
+        d = Datum(
+            seq[:-1],
+            seq[1:],
+            advantages=[0.0] * (len(PROMPT) - 1) + [1.0] * len(tokens),
+            model_input_spans=[Span(sid, 0, len(PROMPT), False), Span(sid, 0, len(tokens) - 1, True)],
+            loss_fn_input_spans=[Span(sid, 1, len(PROMPT) - 1, False), Span(sid, 0, len(tokens), True)],
+        )
+        got = session.records.resolve(d, "datums[0]")
+        assert got.sampling_logprobs[len(PROMPT) - 1 :] == pytest.approx(list(sample.sampling_logprobs), abs=0)
+        assert list(sample.sampling_logprobs) != pytest.approx(list(sample.logprobs), abs=1e-3)
+        data.append(d)
+    out = session.forward_backward(data, "stable_reinforce")
+    assert all(math.isfinite(x) for x in out.losses)
+    with pytest.raises(BadRequest, match=r"prompts\[0\].record_sequence_ids\[0\]: sequence 'r-0' is already recorded"):
+        session.sample_snapshot([(PROMPT, 2, 7)], params, sampler=None, record=[["r-0", "r-2"]])
+    session.optimizer.zero_grad(set_to_none=True)
+    session.accumulated_calls = 0
