@@ -356,8 +356,10 @@ class TrainingSession:
             ``clip_fraction:mean`` (ppo, cispo, gspo).
 
         Raises:
-            BadRequest: a bad batch (:func:`~.datums.check_batch`), a bad ``loss_fn_config``, or
-                a loss that is not finite (naming the datum); nothing accumulated.
+            BadRequest: a bad batch (:func:`~.datums.check_batch`), a bad ``loss_fn_config``, a
+                stable_reinforce datum whose provenance the records refute
+                (:meth:`~.provenance.SequenceRecords.resolve`), or a loss that is not finite
+                (naming the datum); nothing accumulated.
             OverLimit: over the bounds per call.
         """
         config = loss_config(loss_fn, loss_fn_config or {})
