@@ -680,14 +680,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         model, sampler = await sampler_model(body.get("sampling_session_id"), key)
         params, prompt = sample_request(body)
         request_id = f"{body.get('sampling_session_id')}#sample-{uuid.uuid4().hex}"
+        sequence_ids = [f"{request_id}/{i}" for i in range(prompt.num_samples)]
+        if body.get("record_stability_info"):  # the session keeps them for stable_reinforce
+            prompt.record_sequence_ids.extend(sequence_ids)
         if len(gw.samples) > 65536:  # answered samples are kept for retried polls, the newest ones
             for done in [r for r, f in gw.samples.items() if f.done()][:32768]:
                 del gw.samples[done]
         gw.samples[request_id] = gw.batcher.sample(model, sampler, params, prompt)
-        return {
-            "request_id": request_id,
-            "sample_sequence_ids": [f"{request_id}/{i}" for i in range(prompt.num_samples)],
-        }
+        return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
     # --- training runs and checkpoints (REST) -------------------------------------------------
     async def run_checkpoints(model: Model, key: str) -> list[dict]:

@@ -83,11 +83,12 @@ def test_chat_sl_learns(cookbook) -> None:
     assert statistics.mean(nll[1]) < statistics.mean(nll[0]), nll
 
 
-def test_math_rl_learns(cookbook) -> None:
+def test_math_rl_learns_with_its_default_loss(cookbook) -> None:
+    """math_rl's default loss is stable_reinforce: the sampler records its samples and each datum
+    names them (provenance)."""
     rows, _ = cookbook(
         "tinker_cookbook.recipes.math_rl.train",
         "env=arithmetic",
-        "loss_fn=importance_sampling",
         "group_size=4",
         "groups_per_batch=8",
         "max_tokens=3",
