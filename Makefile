@@ -92,11 +92,11 @@ trainer: install
 	SCHEDULER_URL=$(SCHEDULER_URL) $(PY) -m opentinker_trainer --node-id $(NODE_ID) $(TRAINER_ARGS)
 
 # The Tinker-compatible HTTP API (docs/tinker.md): the tinker SDK and cookbook reach the cluster
-# at TINKER_BASE_URL=http://localhost:$(GATEWAY_PORT). TINKER_MODELS: NAME=FOLDER pairs it serves.
+# at TINKER_BASE_URL=http://localhost:$(GATEWAY_PORT), with the model names of the scheduler
+# config's model_names: table.
 GATEWAY_PORT ?= 8000
-TINKER_MODELS ?= HuggingFaceTB/SmolLM2-135M-Instruct=$(abspath $(MODEL_DIR))
 gateway: install
-	$(PY) -m opentinker_gateway --scheduler localhost:$(PORT) --port $(GATEWAY_PORT) $(foreach m,$(TINKER_MODELS),--model $(m)) $(GATEWAY_ARGS)
+	$(PY) -m opentinker_gateway --scheduler localhost:$(PORT) --port $(GATEWAY_PORT) $(GATEWAY_ARGS)
 
 demo: install
 	$(PY) scripts/demo.py --model $(MODEL_DIR) $(DEMO_ARGS)
@@ -176,8 +176,8 @@ bench-cluster: install test-deps
 	timeout -k 30 1200 $(PY) scripts/bench_cluster.py $(BENCH_ARGS)
 
 # GenerateStream against transformers generate; memory with 8 adapters against 1; continuous
-# batching at 1/4/16 streams (base + 8 adapters) against transformers' continuous batching and a
-# padded generate batch. Options: BENCH_ARGS="--no-single --streams 1,4" (scripts/bench_inference.py --help).
+# batching at 1/4/16 streams against transformers' continuous batching, each side in its own
+# process and session, ABBA order. Options: BENCH_ARGS="--parts cb --cb-repeats 4" (scripts/bench_inference.py --help).
 bench-inference: install
 	$(PY) scripts/bench_inference.py $(BENCH_ARGS)
 

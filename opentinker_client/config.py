@@ -38,7 +38,8 @@ YAML 1.2 — write false``). Typographic quotes (``“ ”``), bullets (``•``)
 characters outside comments and ASCII-quoted strings are refused with their line and column and
 what to type instead. The file is read within :mod:`opentinker_common.documents`' bounds (1 MiB,
 64 levels of nesting, 100,000 values with aliases expanded): a YAML bomb is refused with its
-line and column and the limit it passed.
+line and column and the limit it passed. At most 1 MiB and a byte is read of any kind of file, so
+a pipe, a FIFO or ``/dev/zero`` is refused past the limit as a large file is.
 """
 
 from __future__ import annotations
@@ -59,10 +60,17 @@ from opentinker_client.errors import ConfigError, InvalidArgumentError, from_spe
 from opentinker_common.spec import WORKLOAD_TYPES, SpecError, TaskSpecModel, did_you_mean, short_repr
 from opentinker_common.spec.task import EXPECTED
 from opentinker_common.spec.registry import env_kinds_for
-from opentinker_common.documents import DocumentError, compose_yaml, construct_yaml, load_yaml
+from opentinker_common.documents import DEFAULT_LIMITS, DocumentError, compose_yaml, construct_yaml, load_yaml
 from opentinker_common.yaml12 import every_typography, find_typography, yaml11_bool_hint
 
-__all__ = ["TaskConfig", "apply_overrides", "load_task_config", "load_with_overrides", "parse_task_config"]
+__all__ = [
+    "TaskConfig",
+    "apply_overrides",
+    "load_task_config",
+    "load_with_overrides",
+    "parse_task_config",
+    "read_task_file",
+]
 
 
 # Stand-in for an empty model while validating locally: the scheduler fills in its default.
@@ -447,12 +455,15 @@ def parse_task_config(text: str, *, source: str = "<string>", check: bool = True
     if problems:
         # The other keys are still checked (a compiler's whole list, not one error a run): the
         # spec check runs on the keys that are well typed, and what it says of a key that is
-        # already named (or of what depends on it) is left out. Without a workload_type the
-        # rest cannot be judged.
+        # already named (or of what depends on it) is left out. A missing workload_type, or one
+        # that is not a string, is checked as an unknown one: the fields that do not depend on it.
         named = {p.key for p in problems if p.key}
-        if check and isinstance(data.get("workload_type"), str):
+        if check:
             usable = {k: v for k, v in data.items() if k in _KEYS and _type_ok(k, v)}
-            if named & {"env", "dataset"} and env_kinds_for(data["workload_type"]) == ("dataset",):
+            if not isinstance(usable.get("workload_type"), str):
+                named.add("workload_type")
+                usable["workload_type"] = ""
+            if named & {"env", "dataset"} and env_kinds_for(usable["workload_type"]) == ("dataset",):
                 # its data is named above: judge the rest as if a dataset file were given
                 usable = {**{k: v for k, v in usable.items() if k != "env"}, "dataset": "train.jsonl"}
             for p in _spec_problems(_task_config(usable, source), usable, lines, source, root_pos):
@@ -519,7 +530,29 @@ def _depends_on_named(key: str | None, named: set[str]) -> bool:
 def _spec_problems(
     cfg: TaskConfig, data: Mapping[str, Any], lines: dict, source: str, root_pos: Pos
 ) -> list[ConfigError]:
-    """What the spec check says of ``cfg``, each problem at its line in the file; [] when valid."""
+    """What the spec check says of ``cfg``, each problem at its line in the file; [] when valid.
+
+    The hyperparameters a workload takes depend on its type, so with an unknown
+    ``workload_type`` they cannot be checked: a problem at ``hyperparameters`` says so, beside
+    the problems of the fields checked without the type (env, gpu_count, ...)."""
+    unchecked = []
+    if cfg.workload_type not in WORKLOAD_TYPES and cfg.hyperparameters:
+        unchecked.append(
+            ConfigError(
+                "not checked: the keys and values a workload takes depend on workload_type, which is not one of "
+                "the known ones; fix workload_type to have them checked",
+                source=source,
+                **_at(lines.get(("hyperparameters",))),
+                key="hyperparameters",
+            )
+        )
+    return _spec_check_problems(cfg, data, lines, source, root_pos) + unchecked
+
+
+def _spec_check_problems(
+    cfg: TaskConfig, data: Mapping[str, Any], lines: dict, source: str, root_pos: Pos
+) -> list[ConfigError]:
+    """:func:`_spec_problems` of the spec check alone."""
     try:
         _check_parts(cfg)
     except SpecError as err:
@@ -572,9 +605,27 @@ def load_task_config(path: str | os.PathLike[str]) -> TaskConfig:
             line and column, and the key.
     """
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    return parse_task_config(text, source=path)
+    return parse_task_config(read_task_file(path), source=path)
+
+
+def read_task_file(path: str | os.PathLike[str]) -> str:
+    """The text of the task file at ``path``, read once and at most ``max_bytes`` (1 MiB) plus
+    one byte of it from any kind of file: a regular file, a pipe, a FIFO, ``/dev/zero``.
+
+    Raises:
+        OSError: the file cannot be read.
+        ConfigError: the file is longer than ``max_bytes``.
+        UnicodeDecodeError: the file is not UTF-8.
+    """
+    path = os.fspath(path)
+    limit = DEFAULT_LIMITS.max_bytes
+    with open(path, "rb") as fh:
+        data = fh.read(limit + 1)
+        if len(data) > limit:
+            size = os.fstat(fh.fileno()).st_size if os.path.isfile(path) else 0
+            got = str(size) if size > limit else "more"
+            raise ConfigError(f"expected a document of at most {limit} bytes (max_bytes), got {got}", source=path)
+    return data.decode("utf-8")
 
 
 def load_with_overrides(path: str | os.PathLike[str], overrides: Iterable[str]) -> TaskConfig:
@@ -590,15 +641,15 @@ def load_with_overrides(path: str | os.PathLike[str], overrides: Iterable[str]) 
             when it is not, the file's error (file:line:col) unless the overrides complete it.
     """
     overrides = list(overrides)
+    path = os.fspath(path)
+    text = read_task_file(path)  # once: a pipe or FIFO cannot be read again
     try:
-        cfg = load_task_config(path)
+        cfg = parse_task_config(text, source=path)
     except ConfigError as file_error:
         if not overrides:
             raise
-        with open(os.fspath(path), encoding="utf-8") as fh:
-            text = fh.read()
         try:
-            return apply_overrides(parse_task_config(text, source=os.fspath(path), check=False), overrides)
+            return apply_overrides(parse_task_config(text, source=path, check=False), overrides)
         except ConfigError:
             raise file_error from None
     return apply_overrides(cfg, overrides)

@@ -68,7 +68,7 @@ __all__ = [
     "LOSS_FNS",
 ]
 
-#: Loss names ``forward_backward`` takes (Tinker's); the session refuses stable_reinforce.
+#: Loss names ``forward_backward`` takes (Tinker's).
 _LOSS = {name[len("LOSS_FN_") :].lower(): value for name, value in training_pb2.LossFn.items() if value}
 LOSS_FNS = tuple(_LOSS)
 #: Bytes of datums per stream message (far under gRPC's 64 MiB messages).

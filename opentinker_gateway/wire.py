@@ -105,8 +105,37 @@ def datums_from_proto(request: tpb.ForwardBackwardRequest) -> list[training_pb2.
             )
         if "target_tokens" not in fields:
             raise ApiError(f"{field}.loss_fn_inputs.target_tokens: required, missing")
-        datums.append(training_pb2.Datum(**fields))
+        spans = {name: _spans(getattr(datum, name), f"{field}.{name}", len(tokens)) for name in _SPANS}
+        if bool(spans["model_input_spans"]) != bool(spans["loss_fn_input_spans"]):
+            raise ApiError(f"{field}.model_input_spans: provenance comes as a pair, set both span lists or neither")
+        datums.append(training_pb2.Datum(**fields, **spans))
     return datums
+
+
+#: A Datum's provenance fields, the session's Datum fields of the same names.
+_SPANS = ("model_input_spans", "loss_fn_input_spans")
+
+
+def _spans(spans, field: str, n: int) -> list[training_pb2.ProvenanceSpan]:
+    """The session's provenance spans of a datum's, which must tile its ``n`` positions; the
+    session checks them against its records."""
+    out = []
+    for k, span in enumerate(spans):
+        kind = span.WhichOneof("span")
+        if kind is None:
+            raise ApiError(f"{field}[{k}]: expected a prompt_tokens or sampled_tokens span, got neither")
+        arm = getattr(span, kind)
+        if arm.offset < 0 or arm.length < 0:
+            raise ApiError(f"{field}[{k}]: expected offset and length >= 0, got {arm.offset} and {arm.length}")
+        out.append(
+            training_pb2.ProvenanceSpan(
+                sequence_id=arm.sequence_id, offset=arm.offset, length=arm.length, sampled=kind == "sampled_tokens"
+            )
+        )
+    total = sum(s.length for s in out)
+    if out and total != n:
+        raise ApiError(f"{field}: the spans cover {total} positions, the datum has {n}; they must tile it exactly")
+    return out
 
 
 def loss_config(request: tpb.ForwardBackwardRequest) -> training_pb2.LossFnConfig:

@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Inference benchmark on the real SmolLM2-135M-Instruct, all in one process and one run.
+"""Inference benchmark on the real SmolLM2-135M-Instruct.
+
+Part ``stream``, in this process:
 
 1. Throughput: tokens/s of greedy decoding through ``GenerateStream`` (a real gRPC server on
    loopback, the ``InferenceClient`` reading every streamed token) against ``transformers``
@@ -7,29 +9,30 @@
    ``--repeats``; both generate exactly ``--tokens`` tokens (``ignore_eos`` / ``min_new_tokens``).
 2. Time to first token: first streamed chunk against ``generate(max_new_tokens=1)``.
 3. Resident memory (RSS) with 8 LoRA adapters loaded (rank ``--rank`` on q/k/v/o) against 1.
-4. Continuous batching: aggregate tokens/s and p50/p99 time to first token with 1, 4 and 16
-   concurrent streams (closed loop: each stream sends ``--requests`` requests one after the
-   other, ``--conc-tokens`` new tokens each; stream ``i`` uses the base model or one of the 8
-   adapters in turn), through GenerateStream with per-row ``adapter_names``, with one batch per
-   adapter, and with every stream on the base model, against ``transformers``'
-   ``ContinuousBatchingManager`` (paged CPU cache) driven the same way, and one padded
-   ``model.generate`` batch of the same prompts. Stream ``i`` sends prompt ``i`` of ``PROMPTS``
-   on every engine, so no engine gains from a prompt it has already seen. The like-for-like
-   comparison with transformers is ours with every stream on the base model against its manager:
-   the manager cannot choose an adapter per request, so mixed adapters against it would compare
-   more work with less.
+
+Part ``cb``, continuous batching: ours (``GenerateStream`` through a loopback gRPC server) against
+``transformers``' ``ContinuousBatchingManager`` at 1, 4 and 16 concurrent streams. Each side runs
+in a process of its own, started in a session of its own (the kernel shares CPU per session),
+``--cb-repeats`` times in ABBA order. A side's process loads the model, warms up, then runs a
+closed loop at each stream count: each stream sends its requests one after the other, greedy,
+``--conc-tokens`` new tokens each, EOS ignored, and stream ``i`` sends prompt ``i`` of ``PROMPTS``
+on both sides. It records tokens/s in all, each request's time to first token, and its peak
+resident memory per point (psutil, sampled every 20 ms). Both sides serve the base model: the
+manager cannot choose an adapter per request. Figures: medians over the repeats.
 
 Prints one line per figure with its ratio and the goal; exit 0 always (figures, not tests).
-Usage: .venv/bin/python scripts/bench_inference.py [--tokens 128] [--repeats 3] [--threads 1]
+Usage: .venv/bin/python scripts/bench_inference.py [--parts stream,cb] [--cb-repeats 4] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -71,21 +74,30 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the issue's figures: 1)")
-    parser.add_argument("--conc-tokens", type=int, default=32, help="new tokens per request in the concurrency runs")
+    parser.add_argument("--conc-tokens", type=int, default=64, help="new tokens per request in the concurrency runs")
     parser.add_argument("--requests", type=int, default=2, help="requests per stream in the concurrency runs")
+    parser.add_argument("--min-requests", type=int, default=4, help="requests per point at least, in all streams")
     parser.add_argument("--streams", default="1,4,16")
-    parser.add_argument("--no-single", action="store_true", help="skip figures 1 and 2 (single stream vs generate)")
+    parser.add_argument("--cb-repeats", type=int, default=4, help="processes per side, in ABBA order")
     parser.add_argument(
-        "--engines",
-        default="ours,base,cb,padded",
-        help="concurrency runs to do: ours (mixed adapters, grouped LoRA), base (every stream the base), "
-        "cb (transformers), padded (generate)",
+        "--parts",
+        default="stream,cb",
+        help="figures to measure: stream (one stream against generate, memory with 8 adapters against 1), "
+        "cb (continuous batching against transformers')",
     )
-    parser.add_argument("--probes", type=int, default=4, help="requests sent mid-decode per load level (0: none)")
     parser.add_argument(
         "--plain-weights", action="store_true", help="packed_weights: false (the Linear layers as MKL runs them)"
     )
+    parser.add_argument("--side", choices=sorted(SIDES), help=argparse.SUPPRESS)
+    parser.add_argument("--side-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.side:
+        return run_side(args)
+    parts = set(args.parts.split(","))
+    if "cb" in parts:
+        concurrency(args)
+    if "stream" not in parts:
+        return 0
 
     import torch
     from peft import LoraConfig, get_peft_model
@@ -159,25 +171,24 @@ def main() -> int:
         assert count == max_new, count
         return time.perf_counter() - t0, first or 0.0, count
 
-    if not args.no_single:
-        direct(8), streamed(8)  # warm up both paths
-        d_tps, s_tps, d_ttft, s_ttft = [], [], [], []
-        for _ in range(args.repeats):
-            d_tps.append(n / direct(n))
-            total, first, _ = streamed(n)
-            s_tps.append(n / total)
-            d_ttft.append(direct(1))
-            s_ttft.append(streamed(1)[1])
-        d, s = statistics.median(d_tps), statistics.median(s_tps)
-        print(
-            f"throughput: GenerateStream {s:.1f} tok/s vs transformers "
-            f"generate {d:.1f} tok/s -> ratio {s / d:.3f} (goal >= 0.95)"
-        )
-        dt, st = statistics.median(d_ttft), statistics.median(s_ttft)
-        print(
-            f"time to first token: GenerateStream {st * 1000:.1f} ms vs "
-            f"generate(max_new_tokens=1) {dt * 1000:.1f} ms -> added {1000 * (st - dt):+.1f} ms"
-        )
+    direct(8), streamed(8)  # warm up both paths
+    d_tps, s_tps, d_ttft, s_ttft = [], [], [], []
+    for _ in range(args.repeats):
+        d_tps.append(n / direct(n))
+        total, first, _ = streamed(n)
+        s_tps.append(n / total)
+        d_ttft.append(direct(1))
+        s_ttft.append(streamed(1)[1])
+    d, s = statistics.median(d_tps), statistics.median(s_tps)
+    print(
+        f"throughput: GenerateStream {s:.1f} tok/s vs transformers "
+        f"generate {d:.1f} tok/s -> ratio {s / d:.3f} (goal >= 0.95)"
+    )
+    dt, st = statistics.median(d_ttft), statistics.median(s_ttft)
+    print(
+        f"time to first token: GenerateStream {st * 1000:.1f} ms vs "
+        f"generate(max_new_tokens=1) {dt * 1000:.1f} ms -> added {1000 * (st - dt):+.1f} ms"
+    )
 
     # Memory: 1 adapter resident and used, then 8.
     streamed(4, "task-a0")
@@ -191,52 +202,23 @@ def main() -> int:
         f"{rss1 / 2**20:.0f} MiB -> ratio {rss8 / rss1:.3f} (goal <= 1.1); "
         f"LoRA tensors of the 8: {lora_bytes / 2**20:.1f} MiB (rank {args.rank}, q/k/v/o)"
     )
-    figures = concurrency(args, tok, model, runtime, client, adapters)
     client.close()
     server.close()
     settings = {"model": Path(args.model).name, "threads": args.threads, "rank": args.rank}
-    if not args.no_single:
-        write_result(
-            "inference-stream-generate",
-            what="GenerateStream over gRPC, one stream, greedy: tokens/s; resident memory with 8 adapters",
-            peer="transformers generate on the same model in the same process",
-            ratios=[
-                {"label": "tokens/s, GenerateStream / generate", "value": round(s / d, 3)},
-                {"label": "RSS with 8 LoRA adapters / with 1 (lower is better)", "value": round(rss8 / rss1, 3)},
-            ],
-            goal=">= 0.95; memory <= 1.1",
-            settings={**settings, "tokens": n, "repeats": args.repeats},
-            make="make bench-inference",
-            details={"ttft_added_ms": round(1000 * (st - dt), 1)},
-        )
-    c_levels = [int(x) for x in args.streams.split(",")]
-    if any(f"cb {c} streams tok/s" in figures for c in c_levels):
-        write_result(
-            "inference-cb",
-            what="Continuous batching, every stream on the base model: tokens/s in all, closed loop",
-            peer="transformers ContinuousBatchingManager, same model, prompts and token counts",
-            ratios=[
-                {
-                    "label": f"{c} stream{'s' if c > 1 else ''}, ours / transformers CB",
-                    "value": _ratio(figures, "base", "cb", c),
-                }
-                for c in c_levels
-            ],
-            goal=">= 1.0",
-            settings={**settings, "streams": c_levels, "new_tokens": args.conc_tokens, "requests": args.requests},
-            make="make bench-inference",
-            notes=(
-                "Both sides run in one process and one session, base model only: transformers' manager "
-                "cannot choose an adapter per request. Stream i sends prompt i of PROMPTS on both sides."
-            ),
-            details=figures,
-        )
+    write_result(
+        "inference-stream-generate",
+        what="GenerateStream over gRPC, one stream, greedy: tokens/s; resident memory with 8 adapters",
+        peer="transformers generate on the same model in the same process",
+        ratios=[
+            {"label": "tokens/s, GenerateStream / generate", "value": round(s / d, 3)},
+            {"label": "RSS with 8 LoRA adapters / with 1 (lower is better)", "value": round(rss8 / rss1, 3)},
+        ],
+        goal=">= 0.95; memory <= 1.1",
+        settings={**settings, "tokens": n, "repeats": args.repeats},
+        make="make bench-inference",
+        details={"ttft_added_ms": round(1000 * (st - dt), 1)},
+    )
     return 0
-
-
-def _ratio(figures: dict, ours: str, peer: str, streams: int) -> float | None:
-    a, b = figures.get(f"{ours} {streams} streams tok/s"), figures.get(f"{peer} {streams} streams tok/s")
-    return round(a / b, 3) if a and b else None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -258,216 +240,272 @@ def closed_loop(streams: int, requests: int, one_request) -> tuple[float, list[f
     return total / (time.perf_counter() - t0), ttfts
 
 
-def concurrency(args, tok, model, runtime, client, adapters) -> dict:
-    import queue
-    import threading
+def requests_per_stream(args, streams: int) -> int:
+    """Each stream sends ``--requests`` requests, more when the point would have fewer than
+    ``--min-requests`` in all."""
+    return max(args.requests, math.ceil(args.min_requests / streams))
 
-    import torch
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    k = args.conc_tokens
+def chat_prompts(tok) -> tuple[list[list[dict]], list[list[int]]]:
+    """The chats of ``PROMPTS`` and their token ids as the chat template renders them."""
     chats = [[{"role": "user", "content": text}] for text in PROMPTS]
-    chat_ids = [
+    ids = [
         tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
             "input_ids"
         ]
         for m in chats
     ]
-    names = [None, *adapters]  # stream i: the base or an adapter, in turn
-    levels = [int(x) for x in args.streams.split(",")]
+    return chats, ids
 
-    def ours(i: int, *, base_only: bool = False, max_tokens: int | None = None) -> tuple[int, float]:
-        t0 = time.perf_counter()
-        first, count = None, 0
-        adapter = None if base_only else names[i % len(names)]
-        for chunk in client.generate_stream(
-            messages=chats[i % len(chats)], adapter=adapter, temperature=0, max_tokens=max_tokens or k, ignore_eos=True
-        ):
-            if chunk.token_ids and first is None:
-                first = time.perf_counter() - t0
-            count += len(chunk.token_ids)
-        return count, first or 0.0
 
-    # transformers' continuous batching: one manager, a router thread hands results to the streams.
-    gen_cfg = GenerationConfig(max_new_tokens=k, do_sample=False, eos_token_id=-1, pad_token_id=tok.eos_token_id)
-    manager = model.init_continuous_batching(
-        generation_config=gen_cfg,
-        continuous_batching_config=ContinuousBatchingConfig(num_blocks=256, page_size=32, max_batch_tokens=1024),
-    )
-    manager.start()
-    inboxes: dict[str, queue.Queue] = {}
-    lock = threading.Lock()
-    stop = threading.Event()
+class PeakRss:
+    """The most resident memory of this process seen by psutil since the last ``reset``, sampled
+    every ``period`` seconds by a daemon thread."""
 
-    def route() -> None:
-        while not stop.is_set():
-            r = manager.get_result(timeout=0.1)
-            if r is not None:
-                with lock:
-                    box = inboxes.get(r.request_id)
-                if box is not None:
-                    box.put(r)
+    def __init__(self, period: float = 0.02) -> None:
+        import psutil
 
-    router = threading.Thread(target=route, daemon=True)
-    router.start()
-    counter = iter(range(10**9))
+        self._proc = psutil.Process()
+        self.peak = self._proc.memory_info().rss
+        self._period = period
+        threading.Thread(target=self._sample, daemon=True).start()
 
-    def theirs(i: int) -> tuple[int, float]:
-        rid = f"bench-{next(counter)}"
-        box: queue.Queue = queue.Queue()
-        with lock:
-            inboxes[rid] = box
-        t0 = time.perf_counter()
-        manager.add_request(chat_ids[i % len(chat_ids)], request_id=rid, max_new_tokens=k, streaming=True)
-        first = None
+    def _sample(self) -> None:
         while True:
-            r = box.get(timeout=600)
-            if first is None:
-                first = time.perf_counter() - t0
-            if r.is_finished():
-                with lock:
-                    inboxes.pop(rid, None)
-                return len(r.generated_tokens), first
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(self._period)
 
-    def padded(streams: int) -> tuple[float, float]:
-        rows = [chat_ids[i % len(chat_ids)] for i in range(streams)]
-        width = max(len(r) for r in rows)  # left-padded, as generate expects for a decoder
-        ids = torch.tensor([[tok.eos_token_id] * (width - len(r)) + r for r in rows])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=1, pad_token_id=tok.eos_token_id
-            )
-            ttft = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=k,
-                min_new_tokens=k,
-                pad_token_id=tok.eos_token_id,
-            )
-            wall = time.perf_counter() - t0
-        return streams * (out.shape[1] - ids.shape[1]) / wall, ttft
+    def reset(self) -> int:
+        """Start a new peak at the memory now; return it."""
+        self.peak = self._proc.memory_info().rss
+        return self.peak
 
-    def probe_ttft(streams: int) -> list[float]:
-        """TTFT of requests that arrive while ``streams`` others decode (mixed adapters): the
-        background streams start and get their first tokens, then ``--probes`` requests of one
-        token each are sent one after the other, each with the next adapter in turn."""
-        if args.probes <= 0:
-            return []
-        started = threading.Barrier(streams + 1) if streams else None
-        done = threading.Event()
 
-        def background(i: int) -> None:
-            it = client.generate_stream(
-                messages=chats[i % len(chats)],
-                adapter=names[i % len(names)],
-                temperature=0,
-                max_tokens=1024,
-                ignore_eos=True,
-            )
-            next(it)
-            started.wait()
-            done.wait()
-            it.close()
+def run_side(args) -> int:
+    """One side of the continuous-batching comparison, alone in this process: load the model,
+    warm up, run the closed loop at each stream count; write tokens/s, every TTFT and the peak
+    RSS per point, and the RSS after load, as JSON to ``--side-out``."""
+    import json
+    import queue
 
-        threads = [threading.Thread(target=background, args=(i,), daemon=True) for i in range(streams)]
-        for t in threads:
-            t.start()
-        if started is not None:
-            started.wait()
-        try:
-            return [closed_loop(1, 1, lambda _: ours(streams + j, max_tokens=1))[1][0] for j in range(args.probes)]
-        finally:
-            done.set()
-            for t in threads:
-                t.join(60)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    def base_model_state() -> None:
-        """Leave the shared model as the plain base before transformers' manager runs it: one
-        base-only request through our server turns the LoRA layers off and clears the grouped-LoRA
-        row plan (else its hooks would add our last batch's adapters to the manager's rows)."""
-        ours(0, base_only=True, max_tokens=1)
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    k = args.conc_tokens
+    levels = [int(x) for x in args.streams.split(",")]
+    memory = PeakRss()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    chats, chat_ids = chat_prompts(tok)
+    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    closers = []
 
-    engines = set(args.engines.split(","))
-    closed_loop(2, 1, ours)  # warm up
-    if "cb" in engines:
-        base_model_state()
-        closed_loop(2, 1, theirs)
-    results: dict[tuple[str, int], tuple[float, list[float]]] = {}
-    probes: dict[int, list[float]] = {}
-    labels = (
-        ("ours", "mixed adapters, grouped LoRA"),
-        ("base", "ours, every stream the base"),
-        ("cb", "transformers CB (base only)"),
-        ("padded", "padded generate (base only)"),
-    )
+    if args.side == "ours":
+        from opentinker_client.inference import InferenceClient
+        from opentinker_trainer.inference.runtime import ModelRuntime, RuntimeConfig
+        from tests.support.inference import ServerThread
 
-    def run_engine(key: str, c: int):
-        if key == "base":
-            return closed_loop(c, args.requests, lambda i: ours(i, base_only=True))
-        if key == "cb":
-            base_model_state()
-            return closed_loop(c, args.requests, theirs)
-        if key == "padded":
-            tps, ttft = padded(c)
-            return tps, [ttft]
-        return closed_loop(c, args.requests, ours)
-
-    order = [e for e in args.engines.split(",") if e]  # as given at the first level, reversed at the next, ...
-    for n, c in enumerate(levels):
-        for key in order if n % 2 == 0 else order[::-1]:
-            results[(key, c)] = run_engine(key, c)
-        line = ", ".join(
-            f"{label} {results[(key, c)][0]:.1f} tok/s (TTFT p50 {1000 * percentile(results[(key, c)][1], 0.5):.0f} "
-            f"p99 {1000 * percentile(results[(key, c)][1], 0.99):.0f} ms)"
-            for key, label in labels
-            if (key, c) in results
+        runtime = ModelRuntime(
+            model_name=args.model,
+            tokenizer=tok,
+            model=model,
+            stop_token_ids=[tok.eos_token_id],
+            config=RuntimeConfig(packed_weights=not args.plain_weights),
         )
-        print(f"{c} streams: {line}", flush=True)
-    for c in sorted({0, *(c for c in levels if c <= 4)}):
-        probes[c] = probe_ttft(c)
-        if probes[c]:
-            print(
-                f"TTFT of a request arriving while {c} streams decode: "
-                + ", ".join(f"{1000 * t:.0f}" for t in probes[c])
-                + f" ms (median {1000 * statistics.median(probes[c]):.0f})",
-                flush=True,
-            )
-    stop.set()
-    router.join(5)
-    manager.stop(block=True, timeout=10)
-    print(f"most rows in one step: {runtime.max_batch_rows_seen}")
-    print(f"peak resident: {rss_bytes('VmHWM:') / 2**20:.0f} MiB", flush=True)
-    goals = {4: 2.2, 16: 4.0}
+        server = ServerThread(runtime)
+        client = InferenceClient(server.address, timeout=600)
+        closers += [client.close, server.close]
 
-    def ratio(a, b) -> str:
-        return f"{results[a][0] / results[b][0]:.2f}x" if a in results and b in results else "-"
+        def one(i: int, n: int) -> tuple[int, float]:
+            t0 = time.perf_counter()
+            first, count = None, 0
+            for chunk in client.generate_stream(
+                messages=chats[i % len(chats)], temperature=0, max_tokens=n, ignore_eos=True
+            ):
+                if chunk.token_ids and first is None:
+                    first = time.perf_counter() - t0
+                count += len(chunk.token_ids)
+            assert count == n, count
+            return count, first or 0.0
 
+    else:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        # Pages for every stream's prompt and new tokens at the largest stream count, and no more:
+        # a larger cache would only add to this side's resident memory.
+        page = 32
+        longest = max(len(x) for x in chat_ids) + k
+        blocks = max(levels) * (math.ceil(longest / page) + 1)
+        manager = model.init_continuous_batching(
+            generation_config=GenerationConfig(
+                max_new_tokens=k, do_sample=False, eos_token_id=-1, pad_token_id=tok.eos_token_id
+            ),
+            continuous_batching_config=ContinuousBatchingConfig(
+                num_blocks=blocks, page_size=page, max_batch_tokens=1024
+            ),
+        )
+        manager.start()
+        inboxes: dict[str, queue.Queue] = {}
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def route() -> None:
+            while not stop.is_set():
+                r = manager.get_result(timeout=0.1)
+                if r is not None:
+                    with lock:
+                        box = inboxes.get(r.request_id)
+                    if box is not None:
+                        box.put(r)
+
+        router = threading.Thread(target=route, daemon=True)
+        router.start()
+        counter = iter(range(10**9))
+
+        def one(i: int, n: int) -> tuple[int, float]:
+            rid = f"bench-{next(counter)}"
+            box: queue.Queue = queue.Queue()
+            with lock:
+                inboxes[rid] = box
+            t0 = time.perf_counter()
+            manager.add_request(chat_ids[i % len(chat_ids)], request_id=rid, max_new_tokens=n, streaming=True)
+            first = None
+            while True:
+                r = box.get(timeout=600)
+                if first is None:
+                    first = time.perf_counter() - t0
+                if r.is_finished():
+                    with lock:
+                        inboxes.pop(rid, None)
+                    assert len(r.generated_tokens) == n, len(r.generated_tokens)
+                    return n, first
+
+        def close_manager() -> None:
+            stop.set()
+            router.join(5)
+            manager.stop(block=True, timeout=10)
+
+        closers.append(close_manager)
+
+    rss_load = memory.reset()
+    closed_loop(2, 1, lambda i: one(i, 8))  # warm up
+    points = {}
     for c in levels:
-        if c == 1:
-            continue
-        goal = f" (goal >= {goals[c]})" if c in goals else ""
-        print(
-            f"{c} streams vs 1, mixed adapters: {ratio(('ours', c), ('ours', 1))}{goal}; "
-            f"vs transformers CB (goal >= 1.0) {ratio(('ours', c), ('cb', c))}; "
-            f"vs padded generate {ratio(('ours', c), ('padded', c))}; ours with every stream on the "
-            f"base vs transformers CB (both base only) {ratio(('base', c), ('cb', c))}"
+        memory.reset()
+        tps, ttfts = closed_loop(c, requests_per_stream(args, c), lambda i: one(i, k))
+        points[str(c)] = {"tok_s": tps, "ttft_s": ttfts, "peak_rss": memory.peak}
+        print(f"{args.side}: {c} streams {tps:.1f} tok/s, TTFT p50 {1000 * percentile(ttfts, 0.5):.0f} ms", flush=True)
+    for close in closers:
+        close()
+    out = {"rss_after_load": rss_load, "points": points, "session": os.getsid(0)}
+    Path(args.side_out).write_text(json.dumps(out))
+    return 0
+
+
+#: The two sides of the continuous-batching comparison, by the name ``--side`` takes.
+SIDES = {"ours": "ours (GenerateStream over loopback gRPC)", "cb": "transformers ContinuousBatchingManager"}
+
+
+def concurrency(args) -> None:
+    """Each side in its own process and session (``setsid``), ``--cb-repeats`` times in ABBA
+    order; medians per stream count; writes ``inference-cb``."""
+    import json
+    import subprocess
+
+    import grpc  # noqa: F401 - imported for their versions in the result's machine record
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    levels = [int(x) for x in args.streams.split(",")]
+    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    tmp = Path(tempfile.mkdtemp(prefix="bench-cb-"))
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    for r in range(args.cb_repeats):
+        for side in ("ours", "cb") if r % 2 == 0 else ("cb", "ours"):
+            out = tmp / f"{side}-{r}.json"
+            cmd = [sys.executable, __file__, "--side", side, "--side-out", str(out), "--model", args.model]
+            cmd += ["--threads", str(args.threads), "--conc-tokens", str(args.conc_tokens), "--streams", args.streams]
+            cmd += ["--requests", str(args.requests), "--min-requests", str(args.min_requests)]
+            cmd += ["--plain-weights"] if args.plain_weights else []
+            print(f"repeat {r + 1}/{args.cb_repeats}, {SIDES[side]}, load {os.getloadavg()[0]:.1f}", flush=True)
+            subprocess.run(cmd, check=True, start_new_session=True, env=env)
+            runs[side].append(json.loads(out.read_text()))
+
+    sessions = [run["session"] for side in SIDES for run in runs[side]]
+    if len(set(sessions)) != len(sessions) or os.getsid(0) in sessions:
+        raise RuntimeError(f"a side ran outside a session of its own: sessions {sessions}")
+
+    def med(side: str, c: int, key: str) -> float:
+        return statistics.median(run["points"][str(c)][key] for run in runs[side])
+
+    def ttft_p50(side: str, c: int) -> float:
+        return percentile([t for run in runs[side] for t in run["points"][str(c)]["ttft_s"]], 0.5)
+
+    def peak(side: str) -> float:
+        return statistics.median(max(p["peak_rss"] for p in run["points"].values()) for run in runs[side])
+
+    details: dict = {}
+    ratios = []
+    for c in levels:
+        ours, theirs = med("ours", c, "tok_s"), med("cb", c, "tok_s")
+        pairs = [a["points"][str(c)]["tok_s"] / b["points"][str(c)]["tok_s"] for a, b in zip(runs["ours"], runs["cb"])]
+        t_ours, t_cb = ttft_p50("ours", c), ttft_p50("cb", c)
+        ratios.append(
+            {
+                "label": f"{c} stream{'s' if c > 1 else ''}, tokens/s ours / transformers CB",
+                "value": round(ours / theirs, 3),
+            }
         )
-    if 4 in levels and ("ours", 1) in results and ("ours", 4) in results:
-        ttft1 = percentile(results[("ours", 1)][1], 0.5)
-        ttft4 = percentile(results[("ours", 4)][1], 0.5)
-        print(f"TTFT p50 of the closed loop (4 streams asking together) vs 1 stream: {ttft4 / ttft1:.2f}x")
-    if probes.get(0) and probes.get(4):
+        details[f"{c} streams tok/s ours, cb"] = [round(ours, 2), round(theirs, 2)]
+        details[f"{c} streams tok/s ratio per repeat"] = [round(x, 3) for x in pairs]
+        details[f"{c} streams TTFT p50 ms ours, cb"] = [round(1000 * t_ours, 1), round(1000 * t_cb, 1)]
         print(
-            "TTFT of a request arriving while 4 streams decode vs arriving idle (medians): "
-            f"{statistics.median(probes[4]) / statistics.median(probes[0]):.2f}x (goal <= 1.5)"
+            f"{c} streams: ours {ours:.1f} tok/s vs transformers CB {theirs:.1f} -> {ours / theirs:.2f}x "
+            f"(repeats {', '.join(f'{x:.2f}' for x in pairs)}); TTFT p50 {1000 * t_ours:.0f} vs {1000 * t_cb:.0f} ms",
+            flush=True,
         )
-    return {f"{key} {c} streams tok/s": round(tps, 2) for (key, c), (tps, _) in results.items()}
+    mem_ours, mem_cb = peak("ours"), peak("cb")
+    load_ours = statistics.median(run["rss_after_load"] for run in runs["ours"])
+    load_cb = statistics.median(run["rss_after_load"] for run in runs["cb"])
+    ratios.append({"label": "peak RSS, ours / transformers CB (lower is better)", "value": round(mem_ours / mem_cb, 3)})
+    ratios.append(
+        {
+            "label": "TTFT p50 at 1 stream, ours / transformers CB (lower is better)",
+            "value": round(ttft_p50("ours", levels[0]) / ttft_p50("cb", levels[0]), 3),
+        }
+    )
+    details["side processes, each in a session of its own"] = len(sessions)
+    details["peak RSS MiB ours, cb"] = [round(mem_ours / 2**20), round(mem_cb / 2**20)]
+    details["RSS after load MiB ours, cb"] = [round(load_ours / 2**20), round(load_cb / 2**20)]
+    print(
+        f"peak RSS: ours {mem_ours / 2**20:.0f} MiB vs transformers CB {mem_cb / 2**20:.0f} MiB -> "
+        f"{mem_ours / mem_cb:.2f}x (after load {load_ours / 2**20:.0f} vs {load_cb / 2**20:.0f} MiB)",
+        flush=True,
+    )
+    write_result(
+        "inference-cb",
+        what="Continuous batching on the base model: tokens/s in all (closed loop), TTFT, peak RSS",
+        peer="transformers ContinuousBatchingManager, same model and prompts, greedy, same new tokens",
+        ratios=ratios,
+        goal=">= 1.2 tokens/s at each stream count; peak RSS <= 1.1",
+        settings={
+            "model": Path(args.model).name,
+            "threads": args.threads,
+            "streams": levels,
+            "new_tokens": args.conc_tokens,
+            "requests_per_stream": {c: requests_per_stream(args, c) for c in levels},
+            "repeats": args.cb_repeats,
+        },
+        make="make bench-inference",
+        notes=(
+            "Each side runs in its own process and session, in ABBA order over the repeats; medians over "
+            "the repeats. Base model on both sides: transformers' manager cannot choose an adapter per "
+            "request. Stream i sends prompt i of PROMPTS on both sides. The manager's paged cache holds "
+            "the largest point's prompts and new tokens; our cache grows with the batch."
+        ),
+        details=details,
+    )
 
 
 if __name__ == "__main__":

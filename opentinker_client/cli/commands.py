@@ -66,10 +66,12 @@ _STATE_STYLE = {
 
 
 def _console(stderr: bool = False):
+    """A rich console on stdout (or stderr) that shows text as written: no emoji shortcodes, so a
+    task name ``tinker ses-1:train:0`` stays that, not ``tinker ses-1🚋0``."""
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    return Console(file=stream, width=_width(stream), highlight=False)
+    return Console(file=stream, width=_width(stream), highlight=False, emoji=False)
 
 
 #: Columns of output off a terminal without ``$COLUMNS`` (rich's own default there, 80, squeezes tables).
@@ -673,7 +675,36 @@ def _estimate_line(u) -> str:
     return f"{used} for one attempt, cost {u['cost']:.4f}"
 
 
+def _first_start(client: RLClient, task: TaskInfo) -> _dt.datetime | None:
+    """When ``task`` first ran: ``start_time`` is its current attempt's, so a task on a later
+    attempt is read from its events, up to its first change to RUNNING (None: it never ran)."""
+    if task.attempt <= 1:
+        return task.start_time
+    from contextlib import closing
+
+    with closing(client.watch(task.task_id, follow=False)) as events:  # closed: the rest is not read
+        for event in events:
+            if event.kind == "state" and event.to_state == "running" and event.time is not None:
+                return event.time
+    return task.start_time
+
+
+def _wall_time(task: TaskInfo, first_start: _dt.datetime | None, *, now: float, per_attempt: bool = True) -> str:
+    """From the task's first start to its end (or ``now``, epoch seconds), every attempt and the
+    time between them; with ``per_attempt``, the current attempt's own time beside it when there
+    were several."""
+    if first_start is None:
+        return "-"
+    end = task.end_time.timestamp() if task.end_time is not None else now
+    text = _seconds(end - first_start.timestamp())
+    if per_attempt and task.attempt > 1 and task.start_time is not None:
+        text += f" (attempt {task.attempt}: {_seconds(end - task.start_time.timestamp())})"
+    return text
+
+
 def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
+    import time
+
     from rich.table import Table
 
     t = client.get_task(args.task_id)
@@ -716,10 +747,16 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
     if t.usage:
         rows.append(("usage", _escape(usage_line(t.usage))))
         rows.append(("cost", f"{t.usage['cost']:.4f}"))
+    first = _first_start(client, t)
     rows += [
         ("created", _fmt_time(t.create_time)),
-        ("started", _fmt_time(t.start_time)),
+        ("started", _fmt_time(first)),
+    ]
+    if t.attempt > 1 and t.start_time is not None and t.start_time != first:
+        rows.append(("attempt started", f"{_fmt_time(t.start_time)} (attempt {t.attempt})"))
+    rows += [
         ("ended", _fmt_time(t.end_time)),
+        ("wall time", _wall_time(t, first, now=time.time())),
         # The environment as the worker builds it: defaults filled in, so a task that named
         # none shows the arithmetic task it runs, not {}.
         ("env", _escape(json.dumps(_shown_env(_resolved_settings(t)["env"]), sort_keys=True))),
@@ -1067,22 +1104,28 @@ _COMPARE_KEYS = (("reward", True), ("loss", False))
 
 
 def compare_rows(
-    tasks: Sequence[TaskInfo], histories: Sequence[Sequence[tuple[int, Mapping[str, float]]]], *, now: float
+    tasks: Sequence[TaskInfo],
+    histories: Sequence[Sequence[tuple[int, Mapping[str, float]]]],
+    *,
+    now: float,
+    first_starts: Sequence[_dt.datetime | None] | None = None,
 ) -> tuple[list[str], list[list[str]], list[tuple[str, list[str]]]]:
     """The ``compare`` table: ``(header, one row per task, [(setting, value per task)])`` with
-    final and best reward/loss, steps, wall time, usage (GPU-seconds, CPU-task seconds and cost
-    over all attempts, from ``TaskInfo.usage``; ``-`` where the scheduler did not say), and only
-    the settings (model, env, hyper-parameters) whose values differ between the tasks, compared
-    as the scheduler resolved them (defaults filled in: a task that left ``learning_rate`` at its
-    default and one that set it to that value do not differ; :func:`_resolved_settings`)."""
+    final and best reward/loss, steps, wall time (from each task's first start in
+    ``first_starts``, :func:`_first_start`; its ``start_time`` when not given), usage
+    (GPU-seconds, CPU-task seconds and cost over all attempts, from ``TaskInfo.usage``; ``-``
+    where the scheduler did not say), and only the settings (model, env, hyper-parameters) whose
+    values differ between the tasks, compared as the scheduler resolved them (defaults filled in:
+    a task that left ``learning_rate`` at its default and one that set it to that value do not
+    differ; :func:`_resolved_settings`)."""
     header = ["task", "name", "state", "steps", "wall time", "GPU-s", "CPU-task s", "cost"]
     for key, _ in _COMPARE_KEYS:
         header += [f"final {key}", f"best {key}"]
     rows = []
-    for task, history in zip(tasks, histories):
-        start = task.start_time.timestamp() if task.start_time else None
-        end = task.end_time.timestamp() if task.end_time else now
-        row = [task.task_id, task.name, task.state, str(task.latest_step), _seconds(end - start) if start else "-"]
+    starts = list(first_starts) if first_starts is not None else [t.start_time for t in tasks]
+    for task, history, first in zip(tasks, histories, starts):
+        wall = _wall_time(task, first, now=now, per_attempt=False)
+        row = [task.task_id, task.name, task.state, str(task.latest_step), wall]
         u = task.usage or {}
         row += [f"{u['gpu_seconds']:.0f}", f"{u['cpu_task_seconds']:.0f}", f"{u['cost']:.4f}"] if u else ["-"] * 3
         for key, larger in _COMPARE_KEYS:
@@ -1138,7 +1181,8 @@ def _cmd_compare(client: RLClient, args: argparse.Namespace) -> int:
 
     tasks = [client.get_task(t) for t in dict.fromkeys(args.task_id)]
     histories = [client.get_metric_history(t.task_id) for t in tasks]
-    header, rows, differing = compare_rows(tasks, histories, now=time.time())
+    first_starts = [_first_start(client, t) for t in tasks]
+    header, rows, differing = compare_rows(tasks, histories, now=time.time(), first_starts=first_starts)
     console = _console()
     table = Table(*header, title="tasks")
     for row in rows:
@@ -1483,8 +1527,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="serve a lora_finetune/sft task's adapter (its newest checkpoint; while it trains, each request gets "
-        "the newest), a lora_session's (ended: its newest checkpoint; running: its newest sampler save), or a "
-        "finished full-weight sft/full_rl task's weights; prints the endpoint",
+        "the newest), a lora_session's (ended: its newest checkpoint; running: its newest sampler save), a "
+        "finished full-weight sft/full_rl task's weights, or a PPO task's policy; prints the endpoint",
     )
     p.add_argument("task_id", metavar="TASK_ID")
     p.add_argument(
@@ -1593,12 +1637,27 @@ def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
             )
         )
         return 0
-    what = "model" if args.step or task.proto.latest_checkpoint.format == "hf_full" else "adapter"
-    note = f"step {args.step}" if args.step else task.checkpoint_note
+    print(safe_text(_served_line(task, step=args.step, server=llm.task_id, endpoint=llm.endpoint)))
+    return 0
+
+
+def _served_what(task: TaskInfo, step: int = 0) -> str:
+    """What ``serve`` serves of ``task``, named by what its checkpoints hold: ``policy`` (a PPO
+    policy, ``torch_ppo``), ``model`` (all weights, ``hf_full``; or a ``--step`` of a full-weight
+    task) or ``adapter`` (a LoRA adapter)."""
+    fmt = task.proto.latest_checkpoint.format if task.proto is not None else ""
+    if fmt == "torch_ppo" or (task.workload_type == "full_rl" and fmt not in ("hf_full", "peft_lora")):
+        return "policy"
+    return "model" if step or fmt == "hf_full" else "adapter"
+
+
+def _served_line(task: TaskInfo, *, step: int, server: str, endpoint: str) -> str:
+    """``serve``'s line: ``policy TASK (final checkpoint, step 20) served by inference task T at HOST:PORT``."""
+    what = _served_what(task, step)
+    note = f"step {step}" if step else task.checkpoint_note
     if not task.done and what == "adapter":  # served while it trains: each request gets the newest
         note += "; later requests get its newer checkpoints, or its live adapter on its own model host"
-    print(safe_text(f"{what} {args.task_id} ({note}) served by inference task {llm.task_id} at {llm.endpoint}"))
-    return 0
+    return f"{what} {task.task_id} ({note}) served by inference task {server} at {endpoint}"
 
 
 def _cmd_eval(client: RLClient, args: argparse.Namespace) -> int:
@@ -1622,12 +1681,17 @@ def _cmd_eval(client: RLClient, args: argparse.Namespace) -> int:
     return 0
 
 
+#: Problems ``_error`` shows one per line; the rest are counted in one more line.
+MAX_ERROR_LINES = 20
+
+
 def _error(message: Any) -> int:
     """One line ``error: ...`` on stderr per problem (an exception worded by :func:`error_text`:
     the message, then its status code in brackets); returns :data:`EXIT_ERROR`. A task file with
     several bad keys gives a line for each (``ConfigError.problems``, each ``file:line:col: key:
     ...``, as a compiler lists its errors), and so does a scheduler refusal naming several fields
-    (``InvalidArgumentError.violations``)."""
+    (``InvalidArgumentError.violations``). At most :data:`MAX_ERROR_LINES` are shown, then
+    ``error: ... and N more``: a file that is not a task file (``/etc/passwd``) is not echoed."""
     lines = [message]
     problems = getattr(message, "problems", ())
     violations = getattr(message, "violations", ())
@@ -1636,9 +1700,11 @@ def _error(message: Any) -> int:
     elif not problems and len(violations) > 1:
         code = getattr(getattr(message, "code", None), "name", None)
         lines = [f"{field}: {description}" + (f" [{code}]" if code else "") for field, description in violations]
-    for line in lines:  # one line each; the server's words never act on the terminal
+    for line in lines[:MAX_ERROR_LINES]:  # one line each; the server's words never act on the terminal
         text = safe_text(" ".join((line if isinstance(line, str) else error_text(line)).split()))
         print(f"error: {text}", file=sys.stderr, flush=True)
+    if len(lines) > MAX_ERROR_LINES:
+        print(f"error: ... and {len(lines) - MAX_ERROR_LINES} more", file=sys.stderr, flush=True)
     return EXIT_ERROR
 
 

@@ -72,7 +72,7 @@ def _cmd_list(client, args: argparse.Namespace) -> int:
             )
         )
     print_fitted(
-        Console(width=None if sys.stdout.isatty() else 200),
+        Console(width=None if sys.stdout.isatty() else 200, emoji=False),
         _COLUMNS,
         rows,
         _MOVE_ORDER,

@@ -122,7 +122,7 @@ def _cmd_list(client, args: argparse.Namespace) -> int:
                 markup(_source(q)),
             )
         )
-    print_fitted(Console(width=None if sys.stdout.isatty() else 220), _COLUMNS, rows, _MOVE_ORDER)
+    print_fitted(Console(width=None if sys.stdout.isatty() else 220, emoji=False), _COLUMNS, rows, _MOVE_ORDER)
     return 0
 
 

@@ -3,7 +3,7 @@ key descriptions) on a terminal so that the terminal shows it and never acts on 
 
 Every server-provided string the CLI prints goes through :func:`safe_text` (plain ``print``; log
 lines through :class:`SafeLogText`) or :func:`markup` (``rich`` output, which also reads ``[...]`` as
-style markup). Control characters
+style markup; its consoles are made with ``emoji=False``, so ``:smile:`` stays text). Control characters
 (C0 and C1 controls, DEL, Unicode bidirectional overrides and line separators: the set
 :func:`opentinker_common.spec.is_control_character` names, which the scheduler refuses in new
 specs) are shown as escapes: ``ESC`` as ``\\x1b``, a newline as ``\\n``, U+202E as ``\\u202e``. So an

@@ -1,6 +1,7 @@
 """Tables that fit the terminal with every value whole (``list``, ``nodes``, ``usage``, ``queues``,
 ``keys``): ids, names and numbers are never cut, folded or wrapped mid-value; columns that do not
-fit move, in a given order, onto a line under each row."""
+fit move, in a given order, onto a line under each row. Cells are rich markup without emoji
+shortcodes: ``:smile:`` in a task name stays text."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def print_fitted(
         console.print(title, style="italic")
     headers = [name for name, _ in columns]
     widths = {
-        name: max([len(name)] + [Text.from_markup(row[i]).cell_len for row in rows]) for i, name in enumerate(headers)
+        name: max([len(name)] + [Text.from_markup(row[i], emoji=False).cell_len for row in rows])
+        for i, name in enumerate(headers)
     }
     shown = fit_columns(widths, console.width, columns, move_order)
     moved = [i for i, name in enumerate(headers) if name not in shown]
@@ -91,7 +93,7 @@ def print_fitted(
             else:
                 units.append((f"{headers[i].lower()} {row[i]}", "  "))
         for text in pack(units, console.width - 3):
-            console.print(Padding(Text.from_markup(text), (0, 0, 0, 3)), no_wrap=True, overflow="fold")
+            console.print(Padding(Text.from_markup(text, emoji=False), (0, 0, 0, 3)), no_wrap=True, overflow="fold")
 
 
 def pack(units: list[tuple[str, str]], width: int) -> list[str]:
@@ -102,7 +104,7 @@ def pack(units: list[tuple[str, str]], width: int) -> list[str]:
     lines: list[str] = []
     line, used, sep = "", 0, ""
     for unit, after in units:
-        cells = Text.from_markup(unit).cell_len
+        cells = Text.from_markup(unit, emoji=False).cell_len
         if line and used + len(sep) + cells > width:
             lines.append(line)
             line, used, sep = "", 0, ""

@@ -4,7 +4,9 @@ A datum is one sequence: ``input_tokens`` (``N`` ids) and, per position ``t``, t
 model should predict there (``target_tokens[t]``), with the loss's per-token inputs (``weights``
 for ``cross_entropy``; ``advantages`` and ``sampling_logprobs`` for the policy losses;
 ``sequence_ratio_mask`` for ``gspo``), each of length ``N``. Tinker's ``Datum`` (``model_input`` +
-``loss_fn_inputs``) has the same layout; its ``logprobs`` input is ``sampling_logprobs``.
+``loss_fn_inputs``) has the same layout; its ``logprobs`` input is ``sampling_logprobs``. Its
+provenance, the :class:`Span` runs that tile ``input_tokens`` and ``target_tokens``, is what
+``stable_reinforce`` reads (:mod:`.provenance`).
 
 :func:`check_batch` refuses a bad batch before anything runs, naming the datum and the field
 (:class:`~.errors.BadRequest`), or one over the session's bounds (:class:`~.errors.OverLimit`).
@@ -18,10 +20,10 @@ from typing import Sequence
 
 from opentinker_trainer.training.errors import BadRequest, OverLimit
 
-__all__ = ["LOSS_FNS", "Datum", "Limits", "check_batch", "check_count"]
+__all__ = ["LOSS_FNS", "Datum", "Limits", "Span", "check_batch", "check_count"]
 
 #: Loss names, as the client writes them (Tinker's).
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 _POLICY = ("advantages", "sampling_logprobs")
 #: Fields each loss reads besides the tokens; ``weights`` may be empty (all 1).
 _NEEDS = {
@@ -31,9 +33,21 @@ _NEEDS = {
     "cispo": _POLICY,
     "dro": _POLICY,
     "gspo": (*_POLICY, "sequence_ratio_mask"),
+    "stable_reinforce": ("advantages",),
     "forward": (),
 }
 _PER_TOKEN = ("weights", "advantages", "sampling_logprobs", "sequence_ratio_mask")
+
+
+@dataclass(frozen=True)
+class Span:
+    """``length`` consecutive datum tokens that are positions ``[offset, offset + length)`` of the
+    recorded sequence ``sequence_id``: of its sampled tokens when ``sampled``, else of its prompt."""
+
+    sequence_id: str
+    offset: int
+    length: int
+    sampled: bool
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,8 @@ class Datum:
     advantages: Sequence[float] = field(default=())
     sampling_logprobs: Sequence[float] = field(default=())
     sequence_ratio_mask: Sequence[float] = field(default=())
+    model_input_spans: Sequence[Span] = field(default=())
+    loss_fn_input_spans: Sequence[Span] = field(default=())
 
     def __len__(self) -> int:
         return len(self.input_tokens)

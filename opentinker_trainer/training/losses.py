@@ -25,6 +25,21 @@ gradient. ``lo`` and ``hi`` bound the ratio itself, as Tinker's ``clip_low_thres
   sg(logp_t) - sampling_logp_t)`` over the tokens ``M`` that ``sequence_ratio_mask`` marks;
   each token's ratio ``s_t = s exp(logp_t - sg(logp_t))`` has the value of ``s`` and the gradient
   of its own log-probability; then PPO's clipped surrogate on ``s_t``.
+* ``stable_reinforce``: ``sum_{t in S} -sg(min(r_t, 1)) A_t logp_t + kl_coeff (r_t - 1 - log r_t)``
+  over the sampled target tokens ``S``. Our reading of Tinker's StableReinforce
+  (https://tinker-docs.thinkingmachines.ai/tinker/losses/stable-reinforce/), which publishes no
+  formula: "a REINFORCE variant that stays stable even when the sampling policy differs from the
+  policy being trained", using "minimal additional information captured at sampling time", with a
+  ``kl_coeff`` (tinker_public.proto, ``loss_fn_config_v2``). Here that information is the
+  sampler's own log-probability of each sampled token under the distribution that drew it,
+  recorded by the session when asked (``record_stability_info``): it is ``sampling_logp``, the
+  datum's ``logprobs`` input is not read. The weight ``min(r_t, 1)`` is a truncated importance
+  weight (IMPALA's V-trace, Espeholt et al. 2018, with bound 1): on-policy it is 1 and the
+  gradient is REINFORCE's, ``-A grad logp``; a token the learner now favours more than the
+  sampler did is not weighted up, so no ratio can blow up a step. ``r - 1 - log r`` is Schulman's
+  k3 estimate of ``KL(sampler || learner)`` on the sampler's tokens, whose gradient ``(r_t - 1)
+  grad logp_t`` pulls the learner back towards the sampler. ``kl_coeff`` defaults to 0: Tinker
+  documents no default (its proto's example is 0.01).
 """
 
 from __future__ import annotations
@@ -47,6 +62,7 @@ __all__ = [
     "gspo",
     "importance_sampling",
     "ppo",
+    "stable_reinforce",
 ]
 
 
@@ -59,6 +75,8 @@ class LossConfig:
     clip_high_threshold: float = 1.2
     #: Weight of dro's quadratic penalty on the log-ratio.
     beta: float = 0.0
+    #: Weight of stable_reinforce's penalty on the distance to the sampler.
+    kl_coeff: float = 0.0
 
 
 #: Each loss's ``loss_fn_config`` keys and their defaults (None: required); Tinker's defaults
@@ -70,6 +88,7 @@ _CONFIG: dict[str, dict[str, float | None]] = {
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": None},
     "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "stable_reinforce": {"kl_coeff": 0.0},
 }
 
 
@@ -77,16 +96,10 @@ def loss_config(loss_fn: str, given: Mapping[str, float]) -> LossConfig:
     """The :class:`LossConfig` of ``loss_fn`` from the ``loss_fn_config`` values ``given``.
 
     Raises:
-        BadRequest: ``stable_reinforce``, whose objective Tinker does not publish; a key the
-            loss does not read, a required one missing, a value not finite, thresholds outside
-            ``0 <= clip_low_threshold <= 1 <= clip_high_threshold``, or ``beta < 0``.
+        BadRequest: a key the loss does not read, a required one missing, a value not finite,
+            thresholds outside ``0 <= clip_low_threshold <= 1 <= clip_high_threshold``, ``beta < 0``
+            or ``kl_coeff < 0``.
     """
-    if loss_fn == "stable_reinforce":
-        raise BadRequest(
-            "loss_fn: stable_reinforce is not supported: Tinker publishes no formula for it, and it reads "
-            "information its sampler records (record_stability_info) that ours does not; use importance_sampling, "
-            "ppo, cispo, dro or gspo"
-        )
     if loss_fn not in _CONFIG:
         raise BadRequest(f"loss_fn: expected one of {', '.join(_CONFIG)}, got {loss_fn!r}")
     keys = _CONFIG[loss_fn]
@@ -109,7 +122,10 @@ def loss_config(loss_fn: str, given: Mapping[str, float]) -> LossConfig:
     beta = values.get("beta", 0.0)
     if beta < 0:
         raise BadRequest(f"loss_fn_config.beta: expected a number >= 0, got {beta}")
-    return LossConfig(clip_low_threshold=lo, clip_high_threshold=hi, beta=beta)
+    kl_coeff = values.get("kl_coeff", 0.0)
+    if kl_coeff < 0:
+        raise BadRequest(f"loss_fn_config.kl_coeff: expected a number >= 0, got {kl_coeff}")
+    return LossConfig(clip_low_threshold=lo, clip_high_threshold=hi, beta=beta, kl_coeff=kl_coeff)
 
 
 def cross_entropy(logp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -162,6 +178,20 @@ def gspo(
     return _clipped_surrogate(gspo_ratio(logp, sampling_logp, mask), advantages, lo, hi)
 
 
+def stable_reinforce(
+    logp: torch.Tensor, sampling_logp: torch.Tensor, advantages: torch.Tensor, sampled: torch.Tensor, kl_coeff: float
+) -> torch.Tensor:
+    """``sum_{t in S} -sg(min(r_t, 1)) A_t logp_t + kl_coeff (r_t - 1 - log r_t)``, ``S`` the
+    positions ``sampled`` marks (non-zero); ``sampling_logp`` is read there only."""
+    marked = sampled != 0
+    log_ratio = torch.where(marked, logp - sampling_logp, torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, max=1.0).detach()
+    policy = -(weight * advantages * logp)
+    penalty = kl_coeff * (ratio - 1.0 - log_ratio)
+    return torch.where(marked, policy + penalty, torch.zeros_like(logp)).sum()
+
+
 def datum_loss(
     loss_fn: str,
     logp: torch.Tensor,
@@ -170,13 +200,15 @@ def datum_loss(
     advantages: torch.Tensor | None,
     sampling_logp: torch.Tensor | None,
     sequence_ratio_mask: torch.Tensor | None = None,
+    sampled: torch.Tensor | None = None,
     config: LossConfig = LossConfig(),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss [], diagnostics)`` of one datum; ``weights`` None means all 1 (``cross_entropy``).
+    ``sampled`` marks the sampled target tokens (stable_reinforce).
 
     Diagnostics, detached sums over the datum's tokens: ``ratio_sum`` (of ``r_t``, or ``s_t``
-    for gspo) for the policy losses; ``clipped``, the tokens whose ratio lies outside
-    ``[lo, hi]``, for ppo, cispo and gspo.
+    for gspo, 1 on the tokens stable_reinforce does not train) for the policy losses;
+    ``clipped``, the tokens whose ratio lies outside ``[lo, hi]``, for ppo, cispo and gspo.
 
     Raises:
         ValueError: an unknown ``loss_fn``.
@@ -188,6 +220,8 @@ def datum_loss(
     with torch.no_grad():
         if loss_fn == "gspo":
             ratio = gspo_ratio(logp, sampling_logp, sequence_ratio_mask)
+        elif loss_fn == "stable_reinforce":
+            ratio = torch.exp(torch.where(sampled != 0, logp - sampling_logp, torch.zeros_like(logp)))
         else:
             ratio = torch.exp(logp - sampling_logp)
         diag = {"ratio_sum": ratio.sum()}
@@ -203,4 +237,6 @@ def datum_loss(
         return dro(logp, sampling_logp, advantages, config.beta), diag
     if loss_fn == "gspo":
         return gspo(logp, sampling_logp, advantages, sequence_ratio_mask, lo, hi), diag
+    if loss_fn == "stable_reinforce":
+        return stable_reinforce(logp, sampling_logp, advantages, sampled, config.kl_coeff), diag
     raise ValueError(f"loss_fn: unknown {loss_fn!r}")

@@ -25,7 +25,7 @@ from opentinker.training.v1 import training_pb2, training_pb2_grpc
 from opentinker_common.net.grpc_options import server_options
 from opentinker_trainer.inference.access import AccessChecker, AccessRefused
 from opentinker_trainer.inference.server import serve_with_health
-from opentinker_trainer.training.datums import Datum, check_count
+from opentinker_trainer.training.datums import Datum, Span, check_count
 from opentinker_trainer.training.errors import BadRequest, OutOfOrder, SessionError, Stopping
 from opentinker_trainer.training.sequencing import Sequencer
 from opentinker_trainer.training.sampling import Sampled, SampleParams
@@ -52,7 +52,13 @@ def datum_from_proto(d: training_pb2.Datum) -> Datum:
         advantages=list(d.advantages),
         sampling_logprobs=list(d.sampling_logprobs),
         sequence_ratio_mask=list(d.sequence_ratio_mask),
+        model_input_spans=[_span(s) for s in d.model_input_spans],
+        loss_fn_input_spans=[_span(s) for s in d.loss_fn_input_spans],
     )
+
+
+def _span(s: training_pb2.ProvenanceSpan) -> Span:
+    return Span(sequence_id=s.sequence_id, offset=s.offset, length=s.length, sampled=s.sampled)
 
 
 def params_from_proto(p: training_pb2.SamplingParams) -> SampleParams:
@@ -317,6 +323,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                         p.seed if p.HasField("seed") else None,
                     )
                 )
+            record = [list(p.record_sequence_ids) for p in request.prompts]
 
             def work():
                 jobs = []
@@ -325,7 +332,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                         jobs.append((self.session.prompt_tokens(tokens, messages), n, seed))
                     except SessionError as exc:
                         raise type(exc)(f"prompts[{i}].{exc}") from None
-                return self.session.sample_snapshot(jobs, params, sampler=sampler)
+                return self.session.sample_snapshot(jobs, params, sampler=sampler, record=record)
 
             self.seq.admit()
             try:

@@ -11,7 +11,8 @@ Usable without a channel (the tests drive it directly); :mod:`.server` adapts it
   gradient as it was: the call's gradient is built apart and added only once all of it exists.
 * :meth:`~TrainingSession.forward` returns log-probabilities only; :meth:`~TrainingSession.sample`
   draws completions from the current weights and :meth:`~TrainingSession.sample_snapshot` from a
-  sampler save or the base model, several prompts in one batch (:mod:`.sampling`).
+  sampler save or the base model, several prompts in one batch (:mod:`.sampling`), recording the
+  samples for ``stable_reinforce`` when asked (:mod:`.provenance`).
 * :meth:`~TrainingSession.save_state` / :meth:`~TrainingSession.load_state` write and read a
   checkpoint folder: the adapter in PEFT format (``adapter_config.json`` +
   ``adapter_model.safetensors``) and ``trainer_state.pt`` (step, AdamW state, the name, the
@@ -27,21 +28,24 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from opentinker_common.spec.session import STATE_NAME
+
 from opentinker_trainer.rl.grpo import token_logprobs
 from opentinker_trainer.rl.rollout import left_pad, prefix_logprobs, right_pad
 from opentinker_trainer.training.datums import Datum, Limits, check_batch
 from opentinker_trainer.training.errors import BadRequest, NotReady, OverLimit, StateNotFound
 from opentinker_trainer.training.losses import datum_loss, loss_config
+from opentinker_trainer.training.provenance import Recorded, SequenceRecords, first_sampled
 from opentinker_trainer.training.sampling import PromptSamples, Sampled, SampleParams, sample_prompts
 from opentinker_trainer.workloads import _lm
 
@@ -57,7 +61,6 @@ __all__ = [
     "check_state_name",
 ]
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 #: ``trainer_state.pt`` ``kind`` of a full state and of a frozen copy for a sampler.
 KIND_STATE, KIND_SAMPLER = "session_state", "sampler_weights"
 
@@ -82,7 +85,7 @@ def _in_turn(method):
 
 def check_state_name(name: str) -> str:
     """``name`` if it is 1 to 64 of ``[A-Za-z0-9._-]`` (not ``.`` or ``..``), else :class:`BadRequest`."""
-    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
+    if not isinstance(name, str) or not STATE_NAME.match(name) or name in (".", ".."):
         raise BadRequest(f"name: expected 1 to 64 characters of [A-Za-z0-9._-], got {name!r}")
     return name
 
@@ -226,6 +229,8 @@ class TrainingSession:
         self.samplers: dict[str, SavedState] = {}
         self.snapshot_bytes = int(snapshot_bytes)
         self._frozen: collections.OrderedDict[str, list[torch.Tensor]] = collections.OrderedDict()
+        #: Samples recorded for stable_reinforce, by sequence id.
+        self.records = SequenceRecords()
         #: Folders (``state_<name>``, ``sampler_<name>``) this attempt published: stored artifacts are
         #: immutable, so a name is saved once per attempt.
         self._published: set[str] = set()
@@ -276,6 +281,8 @@ class TrainingSession:
         coeff = d.weights if loss_fn == "cross_entropy" else d.advantages
         if loss_fn == "dro" or (loss_fn == "cross_entropy" and not len(coeff)):
             return 0
+        if loss_fn == "stable_reinforce":  # its penalty has a gradient at every sampled token
+            return first_sampled(d)
         for t, c in enumerate(coeff):
             if c != 0:
                 return t
@@ -349,12 +356,20 @@ class TrainingSession:
             ``clip_fraction:mean`` (ppo, cispo, gspo).
 
         Raises:
-            BadRequest: a bad batch (:func:`~.datums.check_batch`), a bad ``loss_fn_config``, or
-                a loss that is not finite (naming the datum); nothing accumulated.
+            BadRequest: a bad batch (:func:`~.datums.check_batch`), a bad ``loss_fn_config``, a
+                stable_reinforce datum whose provenance the records refute
+                (:meth:`~.provenance.SequenceRecords.resolve`), or a loss that is not finite
+                (naming the datum); nothing accumulated.
             OverLimit: over the bounds per call.
         """
         config = loss_config(loss_fn, loss_fn_config or {})
         check_batch(datums, loss_fn, vocab_size=self.vocab_size, limits=self.limits, context=self.context)
+        # stable_reinforce reads the sampler's recorded log-probs, not the datum's.
+        provenance = (
+            [self.records.resolve(d, f"datums[{i}]") for i, d in enumerate(datums)]
+            if loss_fn == "stable_reinforce"
+            else None
+        )
         saved = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
@@ -373,13 +388,17 @@ class TrainingSession:
                 for i in rows:
                     lp = computed[i]
                     d = datums[i]
+                    sampling_logprobs, sampled = d.sampling_logprobs, ()
+                    if provenance is not None:
+                        sampling_logprobs, sampled = provenance[i].sampling_logprobs, provenance[i].sampled
                     loss, diag = datum_loss(
                         loss_fn,
                         lp,
                         weights=_tensor(d.weights, lp),
                         advantages=_tensor(d.advantages, lp),
-                        sampling_logp=_tensor(d.sampling_logprobs, lp),
+                        sampling_logp=_tensor(sampling_logprobs, lp),
                         sequence_ratio_mask=_tensor(d.sequence_ratio_mask, lp),
+                        sampled=_tensor(sampled, lp),
                         config=config,
                     )
                     value = float(loss.detach())
@@ -523,14 +542,22 @@ class TrainingSession:
 
     @_in_turn
     def sample_snapshot(
-        self, jobs: Sequence[tuple[list[int], int, int | None]], params: SampleParams, *, sampler: str | None
+        self,
+        jobs: Sequence[tuple[list[int], int, int | None]],
+        params: SampleParams,
+        *,
+        sampler: str | None,
+        record: Sequence[Sequence[str]] = (),
     ) -> tuple[list[PromptSamples], int]:
         """Samples each ``(prompt, n, seed)`` of ``jobs`` from sampler save ``sampler`` of this
         session (None: the base model, the adapter off), all in one batch; the session's weights
         are as before afterwards. Returns the answers in order and the step of the weights.
+        ``record[j]``, when given and not empty, names job ``j``'s samples: each is recorded
+        under its id for ``stable_reinforce`` (:mod:`.provenance`).
 
         Raises:
-            BadRequest: no prompts, more than ``max_datums_per_call``, a bad parameter or name.
+            BadRequest: no prompts, more than ``max_datums_per_call``, a bad parameter or name,
+                record ids that are not one new distinct id per sample.
             OverLimit: more prompts than ``max_datums_per_call``; the token budget.
             StateNotFound: no sampler save ``sampler`` in this attempt.
             NotReady: the base model of a session that trains every weight.
@@ -542,6 +569,26 @@ class TrainingSession:
                 f"prompts: {len(jobs)} prompts, more than max_datums_per_call {self.limits.max_datums_per_call}"
             )
         self._jobs(jobs, params, "params.", "prompts[{j}].num_samples")
+        seen: set[str] = set()
+        for j, ids in enumerate(record):
+            if ids:
+                self.records.check_new(list(ids), jobs[j][1], f"prompts[{j}].record_sequence_ids")
+                if seen & set(ids):
+                    raise BadRequest(f"prompts[{j}].record_sequence_ids: an id of another prompt of this call")
+                seen.update(ids)
+        if any(record):
+            params = dataclasses.replace(params, return_logprobs=True)
+        results, step = self._sample_weights(jobs, params, sampler)
+        for j, ids in enumerate(record):
+            for sequence_id, sample in zip(ids, results[j].samples):
+                self.records.record(
+                    sequence_id, Recorded(tuple(jobs[j][0]), tuple(sample.tokens), tuple(sample.sampling_logprobs))
+                )
+        return results, step
+
+    def _sample_weights(
+        self, jobs: Sequence[tuple[list[int], int, int | None]], params: SampleParams, sampler: str | None
+    ) -> tuple[list[PromptSamples], int]:
         if sampler is None:
             if self.full:
                 raise NotReady("base_model: this session trains every weight; there is no base model to sample")
@@ -638,6 +685,14 @@ class TrainingSession:
         return int(state.get("next_sequence", 0))
 
     @_in_turn
+    def start_from(self, folder: Path, *, with_optimizer: bool) -> None:
+        """Take another task's state in ``folder`` (``init_from`` with ``init_state``, whose
+        adapter the model was loaded with) as this session's start: with ``with_optimizer`` its
+        AdamW state and step too. It is no state of this session: ``load_state`` does not know it."""
+        name = str(_lm.load_trainer_state(folder).get("name") or folder.name)
+        self._load_folder(name, Path(folder), with_optimizer=with_optimizer, weights=False)
+
+    @_in_turn
     def load_state(self, name: str, *, with_optimizer: bool) -> int:
         """Load state ``name``'s weights (the adapter, or all weights of a full-weight session),
         and its optimizer and step with ``with_optimizer``; clear the accumulated gradient.
@@ -656,7 +711,9 @@ class TrainingSession:
         if saved is None:
             known = ", ".join(sorted(self.states)) or "none yet"
             raise StateNotFound(f"state {name!r}: no such state of this session (saved: {known})")
-        folder = saved.folder
+        return self._load_folder(name, saved.folder, with_optimizer=with_optimizer, weights=weights)
+
+    def _load_folder(self, name: str, folder: Path, *, with_optimizer: bool, weights: bool) -> int:
         lora_state = (folder / "adapter_config.json").exists()
         if lora_state == self.full:
             theirs, mine = ("a LoRA adapter", "all weights") if lora_state else ("full weights", "a LoRA adapter")

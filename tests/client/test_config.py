@@ -131,9 +131,12 @@ def test_unknown_env_key_with_its_line(tmp_path):
 
 
 def test_spec_level_errors_map_to_yaml_keys(tmp_path):
-    err = error_of(tmp_path, VALID.replace("workload_type: lora_finetune", "workload_type: lora"))
-    assert (err.line, err.key) == (2, "workload_type")
-    assert "expected one of lora_finetune, full_rl, sft, inference" in str(err)
+    with pytest.raises(ConfigError) as exc:
+        load_task_config(write(tmp_path, VALID.replace("workload_type: lora_finetune", "workload_type: lora")))
+    first, unchecked = exc.value.problems  # the hyperparameters depend on the type: said, not checked
+    assert (first.line, first.key) == (2, "workload_type")
+    assert "expected one of lora_finetune, full_rl, sft, inference" in str(first)
+    assert unchecked.key == "hyperparameters" and "not checked" in str(unchecked)
     err = error_of(tmp_path, VALID.replace("max_attempts: 3", "max_attempts: 1000"))
     assert (err.line, err.key) == (7, "max_attempts")
     err = error_of(tmp_path, VALID.replace("max_runtime: 600", "max_runtime: -1"))

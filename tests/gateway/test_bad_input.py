@@ -8,9 +8,11 @@ import httpx
 import pytest
 import zstandard
 from tinker import types
+from tinker._version import __version__ as sdk_version
+from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from opentinker_client import RLClient
-from tests.support.gateway import PROTO, Gateway, create_model, fb_body, post, result
+from tests.support.gateway import PROTO, Gateway, create_model, fb_body, model_names, post, result
 from tests.support.procs import Cluster, wait_connected
 from tests.support.waiting import wait_for
 
@@ -25,7 +27,7 @@ def world(tmp_path_factory, tiny_model_dir):
     config = (
         "heartbeat_interval: 0.5\nlease: 3\nauth: {enabled: true}\n"
         f"paths: {{model_dirs: [{tiny_model_dir.parent}]}}\n"
-        "workload_types:\n  - type: lora_session\n    priority: 3\n"
+        "workload_types:\n  - type: lora_session\n    priority: 3\n" + model_names(tiny_model_dir)
     )
     cluster = Cluster(tmp, config)
     gateway = None
@@ -42,7 +44,6 @@ def world(tmp_path_factory, tiny_model_dir):
         gateway = Gateway(
             tmp,
             f"127.0.0.1:{cluster.port}",
-            tiny_model_dir,
             "--max-body-mb",
             str(MAX_BODY_MB),
             "--gap-timeout-s",
@@ -93,6 +94,22 @@ def test_another_owners_model_is_not_found(world) -> None:
         json={"session_id": "s", "sampling_session_seq_id": 0, "model_path": path},
     )
     assert r.status_code == 404
+
+
+def test_another_owners_state_is_missing_to_a_new_training_client(world) -> None:
+    http, alice, model = world["http"], world["alice"], world["model"]
+    r = post(http, "save_weights", alice, json={"model_id": model, "path": "shared", "seq_id": next_seq(world)})
+    saved = result(http, alice, r.json()["request_id"])["path"]
+    session = post(http, "create_session", world["bob"], json={"tags": [], "sdk_version": sdk_version}).json()
+
+    def from_state(key: str, path: str) -> httpx.Response:
+        body = {"session_id": session["session_id"], "model_seq_id": 0, "path": path, "optimizer": True}
+        return post(http, "load_weights", key, json=body)
+
+    stolen = from_state(world["bob"], saved)
+    nothing = from_state(world["bob"], f"tinker://{model}/weights/no-such-state")
+    assert stolen.status_code == nothing.status_code == 404 and stolen.json()["category"] == "user"
+    assert stolen.json()["detail"] == f"path: no state {saved!r}", stolen.json()
 
 
 def test_wrong_dtype_and_unknown_loss_are_user_errors_naming_the_field(world) -> None:
@@ -190,3 +207,64 @@ def test_a_refused_request_is_logged_without_the_key(world) -> None:
     text = gateway.proc.log_text()
     assert any(e.get("event") == "gateway starting" for e in gateway.proc.log_events())
     assert key[4:] not in text
+
+
+def stable_reinforce_body(model_id: str, seq_id: int, *, sequence_id: str = "nope", prompt_run: int = 2, config=None):
+    """A protobuf stable_reinforce forward_backward of one five-token datum whose provenance names
+    ``sequence_id``: two prompt tokens, then three sampled; its input spans cover ``prompt_run`` + 3."""
+    tokens = [1, 2, 3, 4, 5]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=[2, 3, 4, 5, 6], dtype="int64", shape=[5]),
+            "logprobs": types.TensorData(data=[0.0, -1.0, -1.0, -1.0, -1.0], dtype="float32", shape=[5]),
+            "advantages": types.TensorData(data=[0.0, 1.0, 1.0, 1.0, 1.0], dtype="float32", shape=[5]),
+        },
+        model_input_spans=[
+            types.PromptProvenanceSpan(sequence_id=sequence_id, length=prompt_run),
+            types.SampledProvenanceSpan(sequence_id=sequence_id, length=3),
+        ],
+        loss_fn_input_spans=[
+            types.PromptProvenanceSpan(sequence_id=sequence_id, offset=1, length=1),
+            types.SampledProvenanceSpan(sequence_id=sequence_id, length=4),
+        ],
+    )
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[datum], loss_fn="stable_reinforce", loss_fn_config=config
+        ),
+        model_id=model_id,
+        seq_id=seq_id,
+    )
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def test_bad_stable_reinforce_input_is_a_user_error_naming_the_field(world) -> None:
+    """Spans that do not tile and a kl_coeff that is not a number are refused at once; a negative
+    kl_coeff and a sequence id the session never recorded fail the request's future. Each refusal
+    at the session spends the request's seq_id on that model, so those two use models of their own."""
+    http, key, model = world["http"], world["alice"], world["model"]
+    r = post(http, "forward_backward", key, content=stable_reinforce_body(model, 1, prompt_run=1), headers=PROTO)
+    assert r.status_code == 400 and r.json()["category"] == "user", r.text
+    assert r.json()["detail"] == (
+        "data[0].model_input_spans: the spans cover 4 positions, the datum has 5; they must tile it exactly"
+    )
+    body = stable_reinforce_body(model, 1, config={"kl_coeff": "high"})
+    r = post(http, "forward_backward", key, content=body, headers=PROTO)
+    assert r.status_code == 400 and r.json()["detail"] == "loss_fn_config.kl_coeff: expected a number, got 'high'"
+
+    for body, message in [
+        (
+            lambda m: stable_reinforce_body(m, 1, config={"kl_coeff": -0.5}),
+            "ForwardBackward: loss_fn_config.kl_coeff: expected a number >= 0, got -0.5",
+        ),
+        (
+            lambda m: stable_reinforce_body(m, 1, sequence_id="nope"),
+            "ForwardBackward: datums[0].model_input_spans[0].sequence_id: no recorded sequence 'nope' in this session",
+        ),
+    ]:
+        own = create_model(http, key)
+        r = post(http, "forward_backward", key, content=body(own), headers=PROTO)
+        assert r.status_code == 200, r.text
+        failed = result(http, key, r.json()["request_id"])
+        assert failed["category"] == "user" and failed["error"].startswith(message), failed

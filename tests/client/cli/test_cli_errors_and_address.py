@@ -86,3 +86,45 @@ def test_a_timeout_against_a_dead_port_names_the_dead_port_not_only_the_deadline
         assert err.startswith("error: no answer within the call's timeout: "), err
     else:
         assert err.rstrip().endswith("[UNAVAILABLE]"), err
+
+
+def test_a_file_with_many_bad_lines_shows_the_first_twenty_errors_and_counts_the_rest(capsys, tmp_path) -> None:
+    path = tmp_path / "passwd"  # not a task file: a line of `user: /home/user` per account
+    path.write_text("".join(f"user{i}: /home/user{i}\n" for i in range(50)))
+    code, err = _run(capsys, "submit", str(path))
+    assert code == 2
+    lines = err.splitlines()
+    assert len(lines) == 21, err
+    assert lines[0].startswith(f"error: {path}:1:1: user0: unknown key, expected one of the known keys (")
+    assert lines[1].startswith(f"error: {path}:1:1: missing workload_type")
+    assert lines[19].startswith(f"error: {path}:19:1: user18: unknown key")
+    assert lines[20] == "error: ... and 31 more"
+
+
+@pytest.mark.parametrize(
+    ("first", "problem"),
+    [
+        ("workload_type: lora_finetuen", "workload_type: expected one of lora_finetune, "),
+        ("workload_type: 3", "workload_type: expected one of lora_finetune, "),
+        ("name: x", "missing workload_type (one of lora_finetune, "),
+    ],
+    ids=["unknown", "not-a-string", "missing"],
+)
+def test_a_bad_workload_type_still_reports_the_other_fields_and_says_what_went_unchecked(
+    capsys, tmp_path, first, problem
+) -> None:
+    path = tmp_path / "task.yaml"
+    path.write_text(
+        f"{first}\nhyperparameters:\n  steps: ten\nenv: {{env_id: arithmetic, max_digits: x}}\ngpu_count: -1\n"
+    )
+    code, err = _run(capsys, "submit", str(path))
+    assert code == 2
+    lines = err.splitlines()
+    assert len(lines) == 4, err
+    assert lines[0].startswith(f"error: {path}:1:1: {problem}")
+    assert lines[1] == (
+        f"error: {path}:2:1: hyperparameters: not checked: the keys and values a workload takes depend on "
+        "workload_type, which is not one of the known ones; fix workload_type to have them checked [INVALID_ARGUMENT]"
+    )
+    assert lines[2].startswith(f"error: {path}:4:27: env.max_digits: expected an integer in [1, 9], got 'x'")
+    assert lines[3].startswith(f"error: {path}:5:1: gpu_count: expected an integer in [0, 1024]")

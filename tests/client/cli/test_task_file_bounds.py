@@ -79,3 +79,58 @@ def test_aliases_within_the_bounds_still_work(tmp_path) -> None:
     text = HEAD + "hyperparameters:\n  steps: &n 3\n  group_size: *n\n"
     done = submit(tmp_path, text)
     assert "max_nodes" not in done.stderr and "127.0.0.1:1" in done.stderr  # read, then the connection failed
+
+
+#: The CLI in a process of at most 2 GiB of address space, so a reader without a bound fails fast
+#: instead of filling the machine's memory.
+CAPPED_CLI = (
+    "import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
+    "sys.argv[0] = 'opentinker'; runpy.run_module('opentinker_client', run_name='__main__')"
+)
+
+
+def capped_submit(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", CAPPED_CLI, "--scheduler-url", "127.0.0.1:1", "submit", *args],
+        capture_output=True,
+        text=True,
+        env=os.environ,
+        timeout=600,
+        cwd=tmp_path,
+    )
+
+
+def test_dev_zero_is_refused_after_its_first_mebibyte(tmp_path) -> None:
+    done = capped_submit(tmp_path, "/dev/zero", "--dry-run")
+    assert done.returncode == 2, done.stderr[-2000:]
+    expected = "error: /dev/zero: expected a document of at most 1048576 bytes (max_bytes), got more [INVALID_ARGUMENT]"
+    assert done.stderr == expected + "\n"
+
+
+def test_a_fifo_is_read_no_further_than_the_limit(tmp_path) -> None:
+    """A writer that would send 64 MiB into a FIFO: the CLI stops reading past 1 MiB and closes
+    it, so the writer's next write fails (EPIPE) long before its end."""
+    import threading
+
+    fifo = tmp_path / "task.fifo"
+    os.mkfifo(fifo)
+    written = [0]
+
+    def write() -> None:
+        chunk = b"#" * (1 << 16)
+        try:
+            with open(fifo, "wb") as out:
+                for _ in range(1024):
+                    out.write(chunk)
+                    written[0] += len(chunk)
+        except BrokenPipeError:
+            pass
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    done = capped_submit(tmp_path, str(fifo))
+    writer.join(600)
+    assert done.returncode == 2, done.stderr[-2000:]
+    expected = f"error: {fifo}: expected a document of at most 1048576 bytes (max_bytes), got more [INVALID_ARGUMENT]"
+    assert done.stderr == expected + "\n"
+    assert written[0] < 8 << 20  # the CLI read 1 MiB and a byte, plus what the pipe buffers

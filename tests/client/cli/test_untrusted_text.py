@@ -116,3 +116,15 @@ def test_the_one_helper_escapes_every_control_character() -> None:
     assert safe_text(common_pb2.TASK_STATE_RUNNING) == "3"  # not a string: str() first
     record = logging.LogRecord("opentinker_client", logging.WARNING, "", 0, "pending: %s", ("\x1b[31mno node",), None)
     assert SafeLogText().filter(record) and record.getMessage() == "pending: \\x1b[31mno node"
+
+
+def test_list_get_and_compare_show_colons_in_names_as_written_not_as_emoji(cluster, capsys) -> None:
+    s, alice, _ = cluster
+    name = "a:train:b :smile:"  # the gateway names its tasks `tinker ses-...:train:0`
+    with RLClient(s.target, api_key=alice) as c:
+        task_id = c.submit_task(workload_type="lora_finetune", model="org/m", name=name)
+    for argv in (["list"], ["get", task_id], ["compare", task_id]):
+        code, text = _cli(capsys, s, alice, *argv)
+        assert code == 0, argv
+        assert "\U0001f60a" not in text and "\U0001f604" not in text and "\U0001f68b" not in text, (argv, text)
+        assert name in text, (argv, text)

@@ -6,11 +6,16 @@ inside and outside their clip bounds."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from opentinker_trainer.training.datums import Datum
+from opentinker_trainer.training.datums import Datum, Span
 from opentinker_trainer.training.errors import BadRequest
+from opentinker_trainer.training.losses import stable_reinforce
+from opentinker_trainer.training.provenance import Recorded
+from opentinker_trainer.training.session import SampleParams
 
 from tests.trainer.training.test_training_session import grads, new_session, reference_grads
 
@@ -46,6 +51,13 @@ def tinker_loss(name: str, d: Datum, logp: torch.Tensor, config: dict) -> torch.
         ratio = torch.exp(log_ratio + target_logprobs - target_logprobs.detach())
         clipped_ratio = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
         return -torch.min(ratio * advantages, clipped_ratio * advantages).sum()
+    if name == "stable_reinforce":  # our reading (losses.py); d.sampling_logprobs hold the recorded ones here
+        sampled = advantages != 0
+        log_ratio = target_logprobs - sampling_logprobs
+        ratio = torch.exp(log_ratio)
+        weight = torch.clamp(ratio, max=1.0).detach()
+        per_token = -weight * advantages * target_logprobs + config["kl_coeff"] * (ratio - 1 - log_ratio)
+        return per_token[sampled].sum()
     raise AssertionError(name)
 
 
@@ -75,6 +87,69 @@ def fixed_batch(session) -> list[Datum]:
             )
         )
     return out
+
+
+def recorded_batch(session) -> list[Datum]:
+    """:func:`fixed_batch` as stable_reinforce datums: each completion recorded in the session as a
+    sampled sequence whose sampling log-probs are the datum's, and provenance naming it. The
+    datums' own ``sampling_logprobs`` (Tinker's ``logprobs`` input) are set off by 5 nats, so a
+    loss that read them instead of the records would differ."""
+    out = []
+    for i, d in enumerate(fixed_batch(session)):
+        sid = f"seq-{i}"
+        start = len(PROMPT) - 1
+        completion = list(d.target_tokens[start:])
+        session.records.record(sid, Recorded(tuple(PROMPT), tuple(completion), tuple(d.sampling_logprobs[start:])))
+        out.append(
+            Datum(
+                d.input_tokens,
+                d.target_tokens,
+                advantages=d.advantages,
+                sampling_logprobs=[x - 5.0 for x in d.sampling_logprobs],
+                model_input_spans=[Span(sid, 0, len(PROMPT), False), Span(sid, 0, len(completion) - 1, True)],
+                loss_fn_input_spans=[Span(sid, 1, start, False), Span(sid, 0, len(completion), True)],
+            )
+        )
+    return out
+
+
+def test_stable_reinforce_on_two_tokens_by_hand() -> None:
+    """logp (-1, -2), recorded q (-1.5, -1.8), A (1, -1), kl_coeff 0.1: r = (e^0.5, e^-0.2); the
+    weights min(r, 1) are (1, e^-0.2); the loss is -(1)(1)(-1) - e^-0.2 (-1)(-2) + 0.1 (e^0.5 - 1.5
+    + e^-0.2 - 0.8) and its gradient per logp -A w + 0.1 (r - 1)."""
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    loss = stable_reinforce(logp, torch.tensor([-1.5, -1.8]), torch.tensor([1.0, -1.0]), torch.ones(2), 0.1)
+    e5, e2 = 1.6487212707, 0.8187307531
+    assert float(loss.detach()) == pytest.approx(1.0 - 2.0 * e2 + 0.1 * (e5 - 1.5 + e2 - 0.8), rel=1e-6)
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-1.0 + 0.1 * (e5 - 1), e2 + 0.1 * (e2 - 1)], rel=1e-6)
+    unmarked = torch.tensor([-1.0, -2.0], requires_grad=True)
+    zero = stable_reinforce(unmarked, torch.tensor([0.0, 0.0]), torch.zeros(2), torch.zeros(2), 0.1)
+    zero.backward()
+    assert float(zero.detach()) == 0.0 and unmarked.grad.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("kl_coeff", [0.0, 0.4])
+def test_stable_reinforce_reads_the_recorded_logprobs_value_and_gradient(session, kl_coeff) -> None:
+    batch = recorded_batch(session)
+    config = {"kl_coeff": kl_coeff}
+    session.optimizer.zero_grad(set_to_none=True)
+    session.accumulated_calls = 0
+    out = session.forward_backward(batch, "stable_reinforce", loss_fn_config=config)
+    logp = session.forward(batch)
+    recorded = fixed_batch(session)  # the same datums with the recorded log-probs as sampling_logprobs
+    ratios = []
+    for i, d in enumerate(recorded):
+        want = tinker_loss("stable_reinforce", d, torch.tensor(logp[i]), config)
+        assert out.losses[i] == pytest.approx(float(want), rel=1e-5, abs=1e-5)
+        ratios += [1.0 if a == 0 else math.exp(lp - q) for lp, q, a in zip(logp[i], d.sampling_logprobs, d.advantages)]
+    assert min(ratios) < 1 < max(ratios)  # the truncation at 1 is exercised
+    assert out.metrics["importance_ratio:mean"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-5)
+    want = reference_grads(session, recorded, lambda i, lp: tinker_loss("stable_reinforce", recorded[i], lp, config))
+    for g, w in zip(grads(session), want):
+        assert torch.allclose(g, w, atol=1e-5, rtol=1e-5), float((g - w).abs().max())
+    session.optimizer.zero_grad(set_to_none=True)
+    session.accumulated_calls = 0
 
 
 CASES = [
@@ -150,7 +225,9 @@ def test_bad_loss_configs_are_refused_naming_the_field_with_nothing_accumulated(
         ("dro", {"beta": -1.0}, r"loss_fn_config.beta: expected a number >= 0, got -1.0"),
         ("ppo", {"beta": 0.1}, r"loss_fn_config.beta: not read by ppo \(it reads clip_low_threshold, clip_high"),
         ("importance_sampling", {"clip_low_threshold": 0.5}, "not read by importance_sampling"),
-        ("stable_reinforce", {}, "loss_fn: stable_reinforce is not supported: Tinker publishes no formula"),
+        ("stable_reinforce", {"kl_coeff": -0.1}, r"loss_fn_config.kl_coeff: expected a number >= 0, got -0.1"),
+        ("stable_reinforce", {"beta": 0.1}, r"loss_fn_config.beta: not read by stable_reinforce \(it reads kl_coeff"),
+        ("stable_reinforce", {}, r"datums\[0\].loss_fn_input_spans: stable_reinforce needs provenance on every datum"),
     ]
     for loss_fn, config, message in cases:
         with pytest.raises(BadRequest, match=message):
@@ -160,3 +237,31 @@ def test_bad_loss_configs_are_refused_naming_the_field_with_nothing_accumulated(
     with pytest.raises(BadRequest, match=r"datums\[0\].sequence_ratio_mask: expected at least one non-zero"):
         session.forward_backward(zero_mask, "gspo")
     assert session.accumulated_calls == before
+
+
+def test_sample_snapshot_records_the_samples_it_returns_for_stable_reinforce(session) -> None:
+    """At temperature 0.7 the record holds the log-probs the tokens were drawn with
+    (sampling_logprobs), which a datum naming the sample then trains on; ids are not reused."""
+    params = SampleParams(max_tokens=3, temperature=0.7, ignore_eos=True)
+    (result,), _ = session.sample_snapshot([(PROMPT, 2, 7)], params, sampler=None, record=[["r-0", "r-1"]])
+    data = []
+    for sid, sample in zip(["r-0", "r-1"], result.samples):
+        tokens = list(sample.tokens)
+        seq = PROMPT + tokens
+        d = Datum(
+            seq[:-1],
+            seq[1:],
+            advantages=[0.0] * (len(PROMPT) - 1) + [1.0] * len(tokens),
+            model_input_spans=[Span(sid, 0, len(PROMPT), False), Span(sid, 0, len(tokens) - 1, True)],
+            loss_fn_input_spans=[Span(sid, 1, len(PROMPT) - 1, False), Span(sid, 0, len(tokens), True)],
+        )
+        got = session.records.resolve(d, "datums[0]")
+        assert got.sampling_logprobs[len(PROMPT) - 1 :] == pytest.approx(list(sample.sampling_logprobs), abs=0)
+        assert list(sample.sampling_logprobs) != pytest.approx(list(sample.logprobs), abs=1e-3)
+        data.append(d)
+    out = session.forward_backward(data, "stable_reinforce")
+    assert all(math.isfinite(x) for x in out.losses)
+    with pytest.raises(BadRequest, match=r"prompts\[0\].record_sequence_ids\[0\]: sequence 'r-0' is already recorded"):
+        session.sample_snapshot([(PROMPT, 2, 7)], params, sampler=None, record=[["r-0", "r-2"]])
+    session.optimizer.zero_grad(set_to_none=True)
+    session.accumulated_calls = 0

@@ -258,7 +258,7 @@ def test_tinker_losses_and_adam_defaults_over_grpc(world) -> None:
             s.forward_backward(data, "ppo", loss_fn_config={"beta": 0.1}).result(timeout=60)
         with pytest.raises(InvalidArgumentError, match="loss_fn_config.beta: dro needs it"):
             s.forward_backward(data, "dro").result(timeout=60)
-        with pytest.raises(InvalidArgumentError, match="loss_fn: stable_reinforce is not supported"):
+        with pytest.raises(InvalidArgumentError, match=r"datums\[0\].loss_fn_input_spans: stable_reinforce needs"):
             s.forward_backward(data, "stable_reinforce").result(timeout=60)
         with pytest.raises(InvalidArgumentError, match="loss_fn_config.clip_epsilon: expected one of"):
             s.forward_backward(data, "ppo", loss_fn_config={"clip_epsilon": 0.2}).result(timeout=60)

@@ -36,30 +36,48 @@ STOP_REASON_STOP: StopReason
 STOP_REASON_LENGTH: StopReason
 
 class Datum(_message.Message):
-    __slots__ = ("input_tokens", "target_tokens", "weights", "advantages", "sampling_logprobs", "sequence_ratio_mask")
+    __slots__ = ("input_tokens", "target_tokens", "weights", "advantages", "sampling_logprobs", "sequence_ratio_mask", "model_input_spans", "loss_fn_input_spans")
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_RATIO_MASK_FIELD_NUMBER: _ClassVar[int]
+    MODEL_INPUT_SPANS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_INPUT_SPANS_FIELD_NUMBER: _ClassVar[int]
     input_tokens: _containers.RepeatedScalarFieldContainer[int]
     target_tokens: _containers.RepeatedScalarFieldContainer[int]
     weights: _containers.RepeatedScalarFieldContainer[float]
     advantages: _containers.RepeatedScalarFieldContainer[float]
     sampling_logprobs: _containers.RepeatedScalarFieldContainer[float]
     sequence_ratio_mask: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, input_tokens: _Optional[_Iterable[int]] = ..., target_tokens: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ..., sampling_logprobs: _Optional[_Iterable[float]] = ..., sequence_ratio_mask: _Optional[_Iterable[float]] = ...) -> None: ...
+    model_input_spans: _containers.RepeatedCompositeFieldContainer[ProvenanceSpan]
+    loss_fn_input_spans: _containers.RepeatedCompositeFieldContainer[ProvenanceSpan]
+    def __init__(self, input_tokens: _Optional[_Iterable[int]] = ..., target_tokens: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ..., sampling_logprobs: _Optional[_Iterable[float]] = ..., sequence_ratio_mask: _Optional[_Iterable[float]] = ..., model_input_spans: _Optional[_Iterable[_Union[ProvenanceSpan, _Mapping]]] = ..., loss_fn_input_spans: _Optional[_Iterable[_Union[ProvenanceSpan, _Mapping]]] = ...) -> None: ...
+
+class ProvenanceSpan(_message.Message):
+    __slots__ = ("sequence_id", "offset", "length", "sampled")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    offset: int
+    length: int
+    sampled: bool
+    def __init__(self, sequence_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., sampled: _Optional[bool] = ...) -> None: ...
 
 class LossFnConfig(_message.Message):
-    __slots__ = ("clip_low_threshold", "clip_high_threshold", "beta")
+    __slots__ = ("clip_low_threshold", "clip_high_threshold", "beta", "kl_coeff")
     CLIP_LOW_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     CLIP_HIGH_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     BETA_FIELD_NUMBER: _ClassVar[int]
+    KL_COEFF_FIELD_NUMBER: _ClassVar[int]
     clip_low_threshold: float
     clip_high_threshold: float
     beta: float
-    def __init__(self, clip_low_threshold: _Optional[float] = ..., clip_high_threshold: _Optional[float] = ..., beta: _Optional[float] = ...) -> None: ...
+    kl_coeff: float
+    def __init__(self, clip_low_threshold: _Optional[float] = ..., clip_high_threshold: _Optional[float] = ..., beta: _Optional[float] = ..., kl_coeff: _Optional[float] = ...) -> None: ...
 
 class BatchHeader(_message.Message):
     __slots__ = ("sequence", "datum_count", "loss_fn", "loss_fn_config")
@@ -265,16 +283,18 @@ class SampleResponse(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., step: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., topk_prompt_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class SnapshotPrompt(_message.Message):
-    __slots__ = ("tokens", "messages", "num_samples", "seed")
+    __slots__ = ("tokens", "messages", "num_samples", "seed", "record_sequence_ids")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    RECORD_SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenPrompt
     messages: ChatPrompt
     num_samples: int
     seed: int
-    def __init__(self, tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., messages: _Optional[_Union[ChatPrompt, _Mapping]] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    record_sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., messages: _Optional[_Union[ChatPrompt, _Mapping]] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ..., record_sequence_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SampleSnapshotRequest(_message.Message):
     __slots__ = ("sampler", "base_model", "prompts", "params")

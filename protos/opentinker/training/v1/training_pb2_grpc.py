@@ -131,10 +131,12 @@ class TrainingServiceServicer:
         first message is the header, the rest carry the datums in chunks (each message under the
         64 MiB gRPC limit; the client sends chunks of about 1 MiB), so a batch has no size ceiling
         other than max_tokens_per_call. Idempotent by sequence number.
-        Errors: INVALID_ARGUMENT (no header first, an unknown loss_fn or stable_reinforce, an empty
-        batch, a datum whose fields have the wrong length, a non-finite weight / advantage / logprob,
-        a token outside the vocabulary, a loss_fn_config value out of range or not read by the loss;
-        the message names datums[i].field or loss_fn_config.field and the numbers), FAILED_PRECONDITION (out of order), RESOURCE_EXHAUSTED (more datums or tokens than
+        Errors: INVALID_ARGUMENT (no header first, an unknown loss_fn, an empty batch, a datum whose
+        fields have the wrong length, a non-finite weight / advantage / logprob, a token outside the
+        vocabulary, a loss_fn_config value out of range or not read by the loss; for
+        stable_reinforce, provenance spans that do not tile their field, name a sequence this
+        session has not recorded (or no longer keeps), or disagree with it; the message names
+        datums[i].field or loss_fn_config.field and the numbers), FAILED_PRECONDITION (out of order), RESOURCE_EXHAUSTED (more datums or tokens than
         the session's bounds, or max_in_flight_calls calls already in flight), UNAVAILABLE (the
         session is stopping).
         """
