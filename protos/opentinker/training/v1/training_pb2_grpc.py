@@ -37,7 +37,9 @@ class TrainingServiceStub:
     got the first time and changes nothing (idempotent; the last 16 responses are kept). A number
     ahead of the expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
     google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata "expected_sequence") in the details, and
-    the session state is unchanged; GetInfo gives the expected number too.
+    the session state is unchanged; GetInfo gives the expected number too. A call refused in its
+    turn (bad input, NOT_FOUND, a FAILED_PRECONDITION other than OUT_OF_ORDER) uses up its number,
+    as on Tinker: the state is unchanged, the refusal is kept and answers a retry.
 
     Access: with a scheduler, every call is checked with the caller's own API key exactly as an
     inference server checks it (the owner of the session task or an admin; UNAUTHENTICATED /
@@ -113,7 +115,9 @@ class TrainingServiceServicer:
     got the first time and changes nothing (idempotent; the last 16 responses are kept). A number
     ahead of the expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
     google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata "expected_sequence") in the details, and
-    the session state is unchanged; GetInfo gives the expected number too.
+    the session state is unchanged; GetInfo gives the expected number too. A call refused in its
+    turn (bad input, NOT_FOUND, a FAILED_PRECONDITION other than OUT_OF_ORDER) uses up its number,
+    as on Tinker: the state is unchanged, the refusal is kept and answers a retry.
 
     Access: with a scheduler, every call is checked with the caller's own API key exactly as an
     inference server checks it (the owner of the session task or an admin; UNAUTHENTICATED /
@@ -311,7 +315,9 @@ class TrainingService:
     got the first time and changes nothing (idempotent; the last 16 responses are kept). A number
     ahead of the expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
     google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata "expected_sequence") in the details, and
-    the session state is unchanged; GetInfo gives the expected number too.
+    the session state is unchanged; GetInfo gives the expected number too. A call refused in its
+    turn (bad input, NOT_FOUND, a FAILED_PRECONDITION other than OUT_OF_ORDER) uses up its number,
+    as on Tinker: the state is unchanged, the refusal is kept and answers a retry.
 
     Access: with a scheduler, every call is checked with the caller's own API key exactly as an
     inference server checks it (the owner of the session task or an admin; UNAUTHENTICATED /
