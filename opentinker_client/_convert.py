@@ -326,6 +326,7 @@ def event_from_proto(event: common_pb2.TaskEvent) -> TaskEvent:
             message = f"{ad.deleted_keys} older checkpoint(s) deleted by retention: {', '.join(ad.keys)}"
         else:
             message = f"{ad.deleted_keys} artifact(s), {ad.deleted_bytes} bytes deleted from the store{by}"
+            message += f": {', '.join(ad.keys)}" if ad.keys else ""
         return TaskEvent(**base, kind="artifacts_deleted", message=message)
     return TaskEvent(**base, kind="unknown")
 

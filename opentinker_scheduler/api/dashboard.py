@@ -654,6 +654,7 @@ class Dashboard:
                     detail = f"{ad.deleted_keys} key(s), {ad.deleted_bytes} bytes" + (
                         f", by {ad.deleted_by}" if ad.deleted_by else ""
                     )
+                    detail += f": {', '.join(ad.keys)}" if ad.keys else ""
             else:
                 continue  # metric points are the charts
             rows.append(

@@ -291,6 +291,26 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         log.info("task artifacts deleted", task_id=task.task_id, keys=len(keys), bytes=size)
         return scheduler_pb2.DeleteTaskArtifactsResponse(task=self._task(task), deleted_keys=keys, deleted_bytes=size)
 
+    @rpc(action="checkpoint.delete")
+    async def DeleteCheckpoint(self, request, call: Call):
+        call.detail.update(task_id=request.task_id[:128], artifact_key=request.artifact_key[:256])
+        self.core.require_leader()
+        task = self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
+        if not request.artifact_key:
+            raise InvalidArgument("artifact_key: expected a checkpoint's artifact key (ListCheckpoints), got ''")
+        if self.artifacts is None:
+            raise FailedPrecondition("DeleteCheckpoint: this scheduler has no artifact store")
+        key = request.artifact_key
+        if not any(c.artifact.key == key for c in self.core.store.checkpoints(task.task_id)):
+            raise NotFound(
+                f"artifact_key: task {task.task_id} has no checkpoint {key[:256]!r} (deleted, or never saved)"
+            )
+        size = await asyncio.to_thread(self.artifacts.delete_checkpoint, key)
+        self.core.checkpoint_deleted(task.task_id, key, size_bytes=size, by=call.who.owner)
+        call.detail.update(bytes=size)
+        log.info("checkpoint deleted", task_id=task.task_id, key=key, bytes=size)
+        return scheduler_pb2.DeleteCheckpointResponse(deleted_bytes=size)
+
     async def WatchTask(self, request, context) -> AsyncIterator[scheduler_pb2.WatchTaskResponse]:
         """The task's events after ``after_sequence``; unless ``history_only``, held open until
         the task has ended and its terminal event was sent. A store error ends the stream with
@@ -407,6 +427,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         return scheduler_pb2.ListCheckpointsResponse(
             checkpoints=checkpoints.list_checkpoints(self.core.store, request.task_id),
             artifacts_deleted=self.core.store.artifacts_deleted(request.task_id),
+            deleted_keys=self.core.store.deleted_checkpoint_keys(request.task_id),
         )
 
     async def DownloadCheckpoint(self, request, context):

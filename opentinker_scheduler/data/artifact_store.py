@@ -200,6 +200,19 @@ class Artifacts:
             self.store.delete(key)
         return keys, total
 
+    def delete_checkpoint(self, key: str) -> int:
+        """Delete the checkpoint artifact ``key`` (``DeleteCheckpoint``); returns its bytes, all
+        files together (0 when its manifest cannot be read).
+
+        Raises:
+            StoreUnavailable, StoreAuthError: the store cannot be used.
+        """
+        size = 0
+        with contextlib.suppress(ArtifactNotFound, ArtifactCorrupt):
+            size = self.store.manifest(key).total_bytes
+        self.store.delete(key)
+        return size
+
 
 class Retention:
     """Applies retention to a task after each of its checkpoints is recorded (a listener of

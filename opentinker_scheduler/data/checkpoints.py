@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import scheduler_pb2
-from opentinker_common.artifacts.checkpoint_lists import at_step, steps_text
+from opentinker_common.artifacts.checkpoint_lists import SAMPLER_PREFIX, STATE_PREFIX, at_step, steps_text
 from opentinker_common.artifacts.deleted import deleted_words
 
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -33,7 +33,8 @@ MAX_FILES = 10_000
 
 def list_checkpoints(store, task_id: str) -> list[common_pb2.Checkpoint]:
     """Checkpoints the task recorded, oldest first; a step written twice (a resumed attempt)
-    appears once, as its newest record; none from before its artifacts were deleted.
+    appears once, as its newest record, and a training session's named saves once each per name
+    (several may share a step); none from before its artifacts were deleted.
 
     Raises:
         InvalidArgument: empty id. NotFound: no such task.
@@ -42,10 +43,12 @@ def list_checkpoints(store, task_id: str) -> list[common_pb2.Checkpoint]:
         raise InvalidArgument("task_id: expected a task id, got ''")
     if store.get_task(task_id) is None:
         raise NotFound(f"task {task_id[:80]!r}{'...' if len(task_id) > 80 else ''} not found")
-    newest: dict[int, common_pb2.Checkpoint] = {}
+    newest: dict[tuple[int, str], common_pb2.Checkpoint] = {}
     for ck in store.checkpoints(task_id):
-        newest.pop(ck.step, None)
-        newest[ck.step] = ck
+        folder = Path(ck.path).name
+        which = (ck.step, folder if folder.startswith((STATE_PREFIX, SAMPLER_PREFIX)) else "")
+        newest.pop(which, None)
+        newest[which] = ck
     return list(newest.values())
 
 

@@ -38,6 +38,7 @@ ACTIONS = (
     "adapter.import",
     "task.cancel",
     "task.delete_artifacts",
+    "checkpoint.delete",
     "key.create",
     "key.revoke",
     "key.rotate",

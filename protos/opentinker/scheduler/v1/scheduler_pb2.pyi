@@ -93,6 +93,20 @@ class DeleteTaskArtifactsResponse(_message.Message):
     deleted_bytes: int
     def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ..., deleted_keys: _Optional[_Iterable[str]] = ..., deleted_bytes: _Optional[int] = ...) -> None: ...
 
+class DeleteCheckpointRequest(_message.Message):
+    __slots__ = ("task_id", "artifact_key")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_KEY_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    artifact_key: str
+    def __init__(self, task_id: _Optional[str] = ..., artifact_key: _Optional[str] = ...) -> None: ...
+
+class DeleteCheckpointResponse(_message.Message):
+    __slots__ = ("deleted_bytes",)
+    DELETED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    deleted_bytes: int
+    def __init__(self, deleted_bytes: _Optional[int] = ...) -> None: ...
+
 class WatchTaskRequest(_message.Message):
     __slots__ = ("task_id", "after_sequence", "history_only")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -243,12 +257,14 @@ class ListCheckpointsRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
-    __slots__ = ("checkpoints", "artifacts_deleted")
+    __slots__ = ("checkpoints", "artifacts_deleted", "deleted_keys")
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    DELETED_KEYS_FIELD_NUMBER: _ClassVar[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[_common_pb2.Checkpoint]
     artifacts_deleted: _common_pb2.TaskEvent
-    def __init__(self, checkpoints: _Optional[_Iterable[_Union[_common_pb2.Checkpoint, _Mapping]]] = ..., artifacts_deleted: _Optional[_Union[_common_pb2.TaskEvent, _Mapping]] = ...) -> None: ...
+    deleted_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[_common_pb2.Checkpoint, _Mapping]]] = ..., artifacts_deleted: _Optional[_Union[_common_pb2.TaskEvent, _Mapping]] = ..., deleted_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DownloadCheckpointRequest(_message.Message):
     __slots__ = ("task_id", "step")

@@ -65,6 +65,11 @@ class SchedulerServiceStub:
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsRequest.SerializeToString,
                 response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsResponse.FromString,
                 _registered_method=True)
+        self.DeleteCheckpoint = channel.unary_unary(
+                '/opentinker.scheduler.v1.SchedulerService/DeleteCheckpoint',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointResponse.FromString,
+                _registered_method=True)
         self.WatchTask = channel.unary_stream(
                 '/opentinker.scheduler.v1.SchedulerService/WatchTask',
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.WatchTaskRequest.SerializeToString,
@@ -178,6 +183,20 @@ class SchedulerServiceServicer:
         (no such task, or another owner's), FAILED_PRECONDITION (the task has not ended, its worker is
         still stopping, or an unfinished task names it as `init_from`), UNAVAILABLE (the store cannot be
         reached, naming it; a follower: NOT_LEADER).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteCheckpoint(self, request, context):
+        """Deletes one checkpoint of a task from the artifact store, named by its artifact key
+        (`Checkpoint.artifact.key`, as ListCheckpoints gives it); the task may still run. ListCheckpoints
+        lists it no more, no attempt resumes from it and a download of it is NOT_FOUND; an
+        `artifacts_deleted` event naming its key records it. Owner rules as for CancelTask. Not
+        idempotent: a second call finds no such checkpoint. Errors: NOT_FOUND (no such task, or another
+        owner's; no checkpoint with that key listed for the task), INVALID_ARGUMENT (empty id or key),
+        FAILED_PRECONDITION (the scheduler has no artifact store), UNAVAILABLE (the store cannot be
+        reached; a follower: NOT_LEADER).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -340,6 +359,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.DeleteTaskArtifacts,
                     request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsRequest.FromString,
                     response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsResponse.SerializeToString,
+            ),
+            'DeleteCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteCheckpoint,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointResponse.SerializeToString,
             ),
             'WatchTask': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchTask,
@@ -538,6 +562,33 @@ class SchedulerService:
             '/opentinker.scheduler.v1.SchedulerService/DeleteTaskArtifacts',
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsRequest.SerializeToString,
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/DeleteCheckpoint',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,
