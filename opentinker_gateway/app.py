@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from packaging.version import InvalidVersion, Version
 from tinker.proto import tinker_public_pb2 as tpb
 
+from opentinker.common.v1 import common_pb2
 from opentinker.training.v1 import training_pb2
 
 from opentinker_common.lora_targets import tinker_target_modules
@@ -30,7 +31,7 @@ from opentinker_gateway import wire
 from opentinker_gateway.errors import ApiError
 from opentinker_gateway.models import Model, NotYet, Outcome
 from opentinker_gateway.sampling import BASE_MODEL, SampleBatcher, sample_request
-from opentinker_gateway.scheduler import TASK_NAME_PREFIX, Scheduler, SessionSpec
+from opentinker_gateway.scheduler import TASK_NAME_PREFIX, Scheduler, SessionSpec, is_tinker_model
 
 __all__ = ["GatewayConfig", "create_app", "SDK_VERSIONS"]
 
@@ -39,6 +40,11 @@ SDK_VERSIONS = ("0.38.0", "0.38.0")
 
 _CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _PROTO = "application/x-protobuf"
+#: A session's checkpoint folder prefix -> Tinker's checkpoint type and tinker:// path segment.
+_CHECKPOINT_KINDS = {"state": ("training", "weights"), "sampler": ("sampler", "sampler_weights")}
+_FOLDER_PREFIX = {segment: prefix for prefix, (_, segment) in _CHECKPOINT_KINDS.items()}
+#: Most items one page of a REST listing holds.
+_MAX_PAGE = 1000
 
 
 @dataclass
@@ -87,6 +93,19 @@ def _field(body: dict, name: str, kind: type, *, required: bool = True) -> Any:
             f"{name}: expected {kind.__name__}, got {type(value).__name__ if value is not None else 'nothing'}"
         )
     return value
+
+
+def _page(request: Request, *, default_limit: int) -> tuple[int, int]:
+    """``(limit, offset)`` of a listing's query, as the SDK sends them. Raises ApiError 400."""
+    out = []
+    for name, default, low, high in (("limit", default_limit, 1, _MAX_PAGE), ("offset", 0, 0, None)):
+        raw = request.query_params.get(name)
+        value = int(raw) if raw is not None and raw.isdigit() else (default if raw is None else None)
+        if value is None or value < low or (high is not None and value > high):
+            expected = f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}"
+            raise ApiError(f"{name}: expected {expected}, got {raw!r}")
+        out.append(value)
+    return out[0], out[1]
 
 
 def _parse_path(path: str, field_name: str) -> tuple[str, str, str]:
@@ -553,6 +572,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 f"path: this OpenTinker loads states of the same model only "
                 f"(tinker://{model.model_id}/weights/...), got {path!r}"
             )
+        await not_deleted(path, "path", key)
         with_optimizer = bool(body.get("optimizer"))
         return submit(
             model,
@@ -573,6 +593,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if kind != "sampler_weights":
             raise ApiError(f"model_path: expected a save_weights_for_sampler path (sampler_weights), got {path!r}")
         await gw.model(source, key)
+        await not_deleted(path, "model_path", key)
         return {"type": "create_sampling_session", "sampling_session_id": f"{source}~{name}"}
 
     async def base_sampler(body: dict, key: str) -> str:
@@ -620,46 +641,129 @@ def create_app(config: GatewayConfig) -> FastAPI:
         }
 
     # --- training runs and checkpoints (REST) -------------------------------------------------
-    async def run_checkpoints(model: Model, key: str) -> list[dict]:
+    async def run_task(run_id: str, key: str) -> common_pb2.Task:
+        """The session task of training run ``run_id``. Raises ApiError 404 when the key may not
+        see it, worded as for a missing run: another owner's run is not found either."""
+        try:
+            task = await gw.scheduler.get_task(run_id, key)
+        except ApiError as exc:
+            if exc.status in (400, 404):
+                raise ApiError(f"training_run_id: no training run {run_id!r}", status=404) from None
+            raise
+        if not is_tinker_model(task):
+            raise ApiError(f"training_run_id: no training run {run_id!r}", status=404)
+        return task
+
+    async def run_checkpoints(run_id: str, key: str) -> list[tuple[dict, common_pb2.Checkpoint]]:
+        """The run's checkpoints, oldest first: each as Tinker's ``Checkpoint`` and as recorded."""
         out = []
-        for c in await gw.scheduler.checkpoints(model.task_id, key):
+        for c in (await gw.scheduler.checkpoints(run_id, key)).checkpoints:
             prefix, _, name = Path(c.path).name.partition("_")
-            kind = {"state": ("training", "weights"), "sampler": ("sampler", "sampler_weights")}.get(prefix)
+            kind = _CHECKPOINT_KINDS.get(prefix)
             if kind is None or not name:
                 continue
-            out.append(
-                {
-                    "checkpoint_id": f"{kind[1]}/{name}",
-                    "checkpoint_type": kind[0],
-                    "time": c.create_time.ToJsonString(),
-                    "tinker_path": f"tinker://{model.model_id}/{kind[1]}/{name}",
-                }
-            )
+            listed = {
+                "checkpoint_id": f"{kind[1]}/{name}",
+                "checkpoint_type": kind[0],
+                "time": c.create_time.ToJsonString(),
+                "tinker_path": f"tinker://{run_id}/{kind[1]}/{name}",
+                "size_bytes": c.artifact.total_bytes if c.artifact.key else None,
+            }
+            out.append((listed, c))
         return out
 
-    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
-    async def list_checkpoints(model_id: str, request: Request) -> dict:
-        key = _key(request)
-        model = await gw.model(model_id, key)
-        return {"checkpoints": await run_checkpoints(model, key)}
-
-    @app.get("/api/v1/training_runs/{model_id}")
-    async def get_training_run(model_id: str, request: Request) -> dict:
-        key = _key(request)
-        model = await gw.model(model_id, key)
-        task = await gw.scheduler.get_task(model.task_id, key)
-        checkpoints = await run_checkpoints(model, key)
+    def training_run(task: common_pb2.Task, checkpoints: list[dict]) -> dict:
         last = {t: [c for c in checkpoints if c["checkpoint_type"] == t][-1:] for t in ("training", "sampler")}
         return {
-            "training_run_id": model.model_id,
-            "base_model": model.base_model,
+            "training_run_id": task.task_id,
+            "base_model": gw.base_model_of(task.spec.model),
             "model_owner": task.owner,
             "is_lora": True,
-            "lora_rank": model.lora_rank,
+            "lora_rank": int(dict(task.spec.hyperparameters).get("lora_rank", 0)),
             "last_request_time": task.update_time.ToJsonString(),
             "last_checkpoint": (last["training"] or [None])[0],
             "last_sampler_checkpoint": (last["sampler"] or [None])[0],
         }
+
+    async def listed_checkpoints(run_id: str, key: str) -> list[dict]:
+        return [listed for listed, _ in await run_checkpoints(run_id, key)]
+
+    @app.get("/api/v1/training_runs")
+    async def list_training_runs(request: Request) -> dict:
+        key = _key(request)
+        limit, offset = _page(request, default_limit=20)
+        runs = await gw.scheduler.runs(key)
+        page = runs[offset : offset + limit]
+        listed = await asyncio.gather(*(listed_checkpoints(t.task_id, key) for t in page))
+        return {
+            "training_runs": [training_run(t, c) for t, c in zip(page, listed)],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
+        }
+
+    @app.get("/api/v1/checkpoints")
+    async def list_user_checkpoints(request: Request) -> dict:
+        key = _key(request)
+        limit, offset = _page(request, default_limit=100)
+        found: list[tuple[dict, common_pb2.Checkpoint]] = []
+        for t in await gw.scheduler.runs(key):
+            found += await run_checkpoints(t.task_id, key)
+        found.sort(key=lambda c: c[1].create_time.ToNanoseconds(), reverse=True)
+        return {
+            "checkpoints": [listed for listed, _ in found[offset : offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(found)},
+        }
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints")
+    async def list_checkpoints(run_id: str, request: Request) -> dict:
+        key = _key(request)
+        await run_task(run_id, key)
+        return {"checkpoints": await listed_checkpoints(run_id, key)}
+
+    @app.get("/api/v1/training_runs/{run_id}")
+    async def get_training_run(run_id: str, request: Request) -> dict:
+        key = _key(request)
+        task = await run_task(run_id, key)
+        return training_run(task, await listed_checkpoints(run_id, key))
+
+    async def saved(path: str, field_name: str, key: str) -> common_pb2.Checkpoint:
+        """The checkpoint ``path`` names (``tinker://<run>/<kind>/<name>``). Raises ApiError: 400 for
+        a malformed path, 404 for one not listed (deleted, never saved, another owner's)."""
+        run_id, _, _ = _parse_path(path, field_name)
+        await run_task(run_id, key)
+        for listed, recorded in await run_checkpoints(run_id, key):
+            if listed["tinker_path"] == path:
+                return recorded
+        raise ApiError(f"{field_name}: no checkpoint {path!r} (deleted, or never saved)", status=404)
+
+    async def not_deleted(path: str, field_name: str, key: str) -> None:
+        """Raises ApiError 404 when the checkpoint ``path`` names was deleted. A save is listed only
+        once the scheduler has recorded it, a moment after its future answers, so a path neither
+        listed nor deleted goes on to the session worker, which knows its own saves."""
+        run_id, kind, name = _parse_path(path, field_name)
+        folder = f"{_FOLDER_PREFIX[kind]}_{name}"
+        listing = await gw.scheduler.checkpoints(run_id, key)
+        if any(Path(c.path).name == folder for c in listing.checkpoints):
+            return
+        if any(k.rsplit("/", 1)[-1] == folder for k in listing.deleted_keys):
+            raise ApiError(f"{field_name}: checkpoint {path!r} was deleted", status=404)
+
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}")
+    async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
+        key = _key(request)
+        recorded = await saved(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id", key)
+        if not recorded.artifact.key:
+            raise ApiError(f"checkpoint_id: {kind}/{name} is not in the artifact store; it cannot be deleted")
+        await gw.scheduler.delete_checkpoint(run_id, recorded.artifact.key, key)
+        return Response(content=b"null", media_type="application/json")
+
+    @app.post("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+    async def publish_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
+        _key(request)
+        raise ApiError(
+            "publish: public checkpoints are not served by this OpenTinker; a checkpoint is its owner's only",
+            status=400,
+        )
 
     # --- futures ------------------------------------------------------------------------------
     @app.post("/api/v1/retrieve_future")

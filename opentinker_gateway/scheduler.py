@@ -23,7 +23,7 @@ from opentinker_common.net.url import parse_scheduler_address
 
 from opentinker_gateway.errors import ApiError, from_rpc
 
-__all__ = ["Scheduler", "SessionSpec", "TASK_NAME_PREFIX"]
+__all__ = ["Scheduler", "SessionSpec", "TASK_NAME_PREFIX", "is_tinker_model"]
 
 #: Tasks the gateway submits are named ``tinker <model id>``; ``finish`` cancels a session's by it.
 TASK_NAME_PREFIX = "tinker "
@@ -36,6 +36,11 @@ _ENDED = (
     common_pb2.TASK_STATE_FAILED,
     common_pb2.TASK_STATE_CANCELLED,
 )
+
+
+def is_tinker_model(task: common_pb2.Task) -> bool:
+    """Whether ``task`` is a Tinker model: a ``lora_session`` task the gateway submitted."""
+    return task.spec.workload_type == "lora_session" and task.spec.name.startswith(TASK_NAME_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -128,13 +133,25 @@ class Scheduler:
             if not token:
                 return found
 
-    async def checkpoints(self, task_id: str, key: str) -> list[common_pb2.Checkpoint]:
-        """The task's checkpoints in the artifact store, oldest first."""
-        return list(
-            (
-                await self._call("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id), key)
-            ).checkpoints
-        )
+    async def runs(self, key: str) -> list[common_pb2.Task]:
+        """The Tinker models the key sees (its own; every owner's for an admin key), newest first."""
+        found: list[common_pb2.Task] = []
+        token = ""
+        while True:
+            page = await self._call("ListTasks", scheduler_pb2.ListTasksRequest(page_size=1000, page_token=token), key)
+            found += [t for t in page.tasks if is_tinker_model(t)]
+            token = page.next_page_token
+            if not token:
+                return found
+
+    async def checkpoints(self, task_id: str, key: str) -> scheduler_pb2.ListCheckpointsResponse:
+        """The task's checkpoints in the artifact store, oldest first, and the keys of those deleted."""
+        return await self._call("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id), key)
+
+    async def delete_checkpoint(self, task_id: str, artifact_key: str, key: str) -> None:
+        """Delete the task's checkpoint stored as ``artifact_key`` from the artifact store."""
+        request = scheduler_pb2.DeleteCheckpointRequest(task_id=task_id, artifact_key=artifact_key)
+        await self._call("DeleteCheckpoint", request, key)
 
     async def endpoint_metadata(self, task_id: str, key: str) -> tuple[tuple[str, str], ...]:
         """``authorization`` metadata for the task's endpoint: an endpoint token asked for with

@@ -1,0 +1,164 @@
+"""The Tinker REST routes for training runs and checkpoints through the unmodified SDK's
+RestClient and the ``tinker`` CLI, with authentication on: an owner lists their own runs and
+checkpoints a page at a time (an admin every owner's), deletes a checkpoint by its tinker:// path
+(gone from every listing, loading it is 404, the artifact store no longer holds it), and another
+owner's path is 404 like a missing one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+
+from opentinker_client import RLClient
+from tests.support.gateway import MODEL_NAME, Gateway, create_model, post
+from tests.support.procs import Cluster, wait_connected
+from tests.support.waiting import wait_for
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_model_dir):
+    """A scheduler with API keys on, one trainer, a gateway, and the keys of alice, bob and the admin."""
+    tmp = tmp_path_factory.mktemp("rest")
+    config = (
+        "heartbeat_interval: 0.5\nlease: 3\nauth: {enabled: true}\n"
+        f"paths: {{model_dirs: [{tiny_model_dir.parent}]}}\n"
+        "workload_types:\n  - type: lora_session\n    priority: 3\n"
+    )
+    cluster = Cluster(tmp, config)
+    gateway = None
+    try:
+        cluster.start_scheduler()
+        admin = cluster.admin_key()
+        with RLClient(cluster.url, api_key=admin) as root:
+            _, node_key = root.keys.create("rack-1", "node")
+            _, alice = root.keys.create("alice", "user")
+            _, bob = root.keys.create("bob", "user")
+        cluster.start_trainer("node-a", "--api-key", node_key)
+        with RLClient(cluster.url, api_key=admin) as root:
+            wait_connected(root, 1)
+        gateway = Gateway(tmp, f"127.0.0.1:{cluster.port}", tiny_model_dir)
+        yield {
+            "cluster": cluster,
+            "url": gateway.url,
+            "alice": f"tml-{alice}",
+            "bob": f"tml-{bob}",
+            "admin": f"tml-{admin}",
+            "tmp": tmp,
+        }
+    finally:
+        if gateway is not None:
+            gateway.close()
+        cluster.close()
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def rest(world, who: str) -> tinker.RestClient:
+    return tinker.RestClient(base_url=world["url"], api_key=world[who])
+
+
+def cli(world, who: str, *args: str) -> subprocess.CompletedProcess:
+    """``tinker -f json ARGS`` as ``who``."""
+    env = {**os.environ, "TINKER_BASE_URL": world["url"], "TINKER_API_KEY": world[who]}
+    tinker_cli = str(Path(sys.executable).parent / "tinker")
+    return subprocess.run([tinker_cli, "-f", "json", *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def stored_keys(world, task_id: str) -> list[str]:
+    """The artifact keys of the task's checkpoints in the local artifact store."""
+    root = world["cluster"].state_dir / "artifacts" / "tasks" / task_id
+    return sorted(str(p.relative_to(root.parent.parent)) for p in root.glob("a*/*")) if root.exists() else []
+
+
+def test_runs_and_checkpoints_listed_paged_and_deleted(world) -> None:
+    with tinker.ServiceClient(base_url=world["url"], api_key=world["alice"]) as service:
+        training = service.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
+        run = training.model_id
+        kept = training.save_state("kept").result().path
+        doomed = training.save_state("doomed").result().path
+        sampler = training.save_weights_for_sampler("for-sampling").result().path
+        with httpx.Client(base_url=world["url"], timeout=120) as http:
+            second = create_model(http, world["alice"])
+            bobs = post(
+                http,
+                "create_model",
+                world["bob"],
+                json={"session_id": "bob", "model_seq_id": 0, "base_model": MODEL_NAME, "lora_config": {"rank": 2}},
+            ).json()["model_id"]
+        alice = rest(world, "alice")
+
+        # Runs: the caller's own, newest first, a page at a time; an admin sees every owner's.
+        page = alice.list_training_runs(limit=1, offset=0).result()
+        assert [r.training_run_id for r in page.training_runs] == [second]
+        assert (page.cursor.total_count, page.cursor.limit, page.cursor.offset) == (2, 1, 0)
+        page = alice.list_training_runs(limit=1, offset=1).result()
+        assert [(r.training_run_id, r.base_model, r.lora_rank) for r in page.training_runs] == [(run, MODEL_NAME, 2)]
+        everyone = {
+            r.training_run_id for r in rest(world, "admin").list_training_runs(limit=100).result().training_runs
+        }
+        assert everyone >= {run, second, bobs}
+        assert [r.training_run_id for r in rest(world, "bob").list_training_runs().result().training_runs] == [bobs]
+        listed = json.loads(cli(world, "alice", "run", "list").stdout)
+        assert [r["training_run_id"] for r in listed["runs"]] == [second, run]
+
+        # Checkpoints across runs, newest first, a page at a time.
+        saves = [sampler, doomed, kept]
+        mine = wait_for(
+            lambda: (r := alice.list_user_checkpoints(limit=2).result()).cursor.total_count == 3 and r,
+            what="alice's three saves listed",
+        )
+        assert [c.tinker_path for c in mine.checkpoints] == saves[:2]
+        assert [c.tinker_path for c in alice.list_user_checkpoints(limit=2, offset=2).result().checkpoints] == [kept]
+        assert all(c.size_bytes > 0 for c in mine.checkpoints)
+        assert rest(world, "bob").list_user_checkpoints().result().checkpoints == []
+        assert [
+            c["tinker_path"] for c in json.loads(cli(world, "alice", "checkpoint", "list").stdout)["checkpoints"]
+        ] == saves
+
+        # Another owner's checkpoint is not found, worded as a missing one; nothing is deleted.
+        with pytest.raises(tinker.NotFoundError) as refused:
+            rest(world, "bob").delete_checkpoint_from_tinker_path(doomed).result()
+        assert "no training run" in str(refused.value)
+        before = stored_keys(world, run)
+        assert len(before) == 3
+
+        # The owner deletes it: from the store and from every listing; loading it is 404.
+        done = cli(world, "alice", "checkpoint", "delete", "-y", doomed)
+        assert json.loads(done.stdout) == {"deleted_count": 1, "failed": []}, done.stderr
+        assert stored_keys(world, run) == [k for k in before if not k.endswith("/state_doomed")]
+        assert [c.tinker_path for c in alice.list_checkpoints(run).result().checkpoints] == [kept, sampler]
+        assert [c.tinker_path for c in alice.list_user_checkpoints().result().checkpoints] == [sampler, kept]
+        with pytest.raises(tinker.NotFoundError) as gone:
+            training.load_state(doomed).result()
+        assert "was deleted" in str(gone.value)
+        with pytest.raises(tinker.NotFoundError):
+            alice.delete_checkpoint_from_tinker_path(doomed).result()  # a second time: not found
+        with pytest.raises(tinker.NotFoundError):
+            alice.get_training_run(bobs).result()
+
+
+def test_bad_checkpoint_paths_and_publish_are_refused_naming_the_field(world) -> None:
+    http = httpx.Client(base_url=world["url"], timeout=60)
+    key = {"X-API-Key": world["alice"]}
+    r = http.delete("/api/v1/training_runs/some-run/checkpoints/elsewhere/x", headers=key)
+    assert r.status_code == 400 and r.json()["detail"].startswith("checkpoint_id: expected tinker://")
+    r = http.delete("/api/v1/training_runs/no-such-run/checkpoints/weights/x", headers=key)
+    assert r.status_code == 404 and "no training run 'no-such-run'" in r.json()["detail"]
+    r = http.get("/api/v1/training_runs", params={"limit": 0}, headers=key)
+    assert r.status_code == 400 and r.json()["detail"].startswith("limit: expected an integer in 1..1000")
+    r = http.get("/api/v1/checkpoints", params={"offset": -1}, headers=key)
+    assert r.status_code == 400 and r.json()["detail"].startswith("offset: expected an integer >= 0")
+    with pytest.raises(tinker.BadRequestError) as refused:
+        rest(world, "alice").publish_checkpoint_from_tinker_path("tinker://r/weights/x").result()
+    assert "not served" in str(refused.value)
