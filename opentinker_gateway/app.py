@@ -45,6 +45,8 @@ _CHECKPOINT_KINDS = {"state": ("training", "weights"), "sampler": ("sampler", "s
 _FOLDER_PREFIX = {segment: prefix for prefix, (_, segment) in _CHECKPOINT_KINDS.items()}
 #: Most items one page of a REST listing holds.
 _MAX_PAGE = 1000
+#: Longest checkpoint TTL, in seconds: ten years, as Tinker.
+_MAX_TTL_S = 10 * 365 * 86400
 
 
 @dataclass
@@ -668,6 +670,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 "time": c.create_time.ToJsonString(),
                 "tinker_path": f"tinker://{run_id}/{kind[1]}/{name}",
                 "size_bytes": c.artifact.total_bytes if c.artifact.key else None,
+                "expires_at": c.expire_time.ToJsonString() if c.HasField("expire_time") else None,
             }
             out.append((listed, c))
         return out
@@ -754,6 +757,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if not recorded.artifact.key:
             raise ApiError(f"checkpoint_id: {kind}/{name} is not in the artifact store; it cannot be deleted")
         await gw.scheduler.delete_checkpoint(run_id, recorded.artifact.key, key)
+        return Response(content=b"null", media_type="application/json")
+
+    @app.put("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
+    async def set_checkpoint_ttl(run_id: str, kind: str, name: str, request: Request) -> Response:
+        key = _key(request)
+        ttl = (await _json(request, limit)).get("ttl_seconds")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= _MAX_TTL_S):
+            raise ApiError(f"ttl_seconds: expected an integer in 1..{_MAX_TTL_S} or null (never), got {ttl!r}")
+        recorded = await saved(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id", key)
+        await gw.scheduler.set_checkpoint_ttl(run_id, recorded.artifact.key, ttl, key)
         return Response(content=b"null", media_type="application/json")
 
     @app.post("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")

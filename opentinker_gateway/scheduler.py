@@ -153,6 +153,13 @@ class Scheduler:
         request = scheduler_pb2.DeleteCheckpointRequest(task_id=task_id, artifact_key=artifact_key)
         await self._call("DeleteCheckpoint", request, key)
 
+    async def set_checkpoint_ttl(self, task_id: str, artifact_key: str, ttl_s: int | None, key: str) -> None:
+        """Expire the task's checkpoint stored as ``artifact_key`` in ``ttl_s`` seconds (None: never)."""
+        request = scheduler_pb2.SetCheckpointTtlRequest(task_id=task_id, artifact_key=artifact_key)
+        if ttl_s is not None:
+            request.ttl.FromSeconds(ttl_s)
+        await self._call("SetCheckpointTtl", request, key)
+
     async def endpoint_metadata(self, task_id: str, key: str) -> tuple[tuple[str, str], ...]:
         """``authorization`` metadata for the task's endpoint: an endpoint token asked for with
         ``key`` and kept until a quarter of its hour is left; ``()`` with authentication off."""

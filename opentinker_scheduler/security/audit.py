@@ -39,6 +39,7 @@ ACTIONS = (
     "task.cancel",
     "task.delete_artifacts",
     "checkpoint.delete",
+    "checkpoint.set_ttl",
     "key.create",
     "key.revoke",
     "key.rotate",

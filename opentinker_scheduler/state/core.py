@@ -157,6 +157,8 @@ class SchedulerCore:
         """Empty the leader's memory: nodes, live tasks, the ledger and its indexes, preemptions."""
         #: Until then (``clock`` seconds) no node is declared lost: the scheduler's own loop stalled.
         self._liveness_grace_until = float("-inf")
+        #: Checkpoints with an expiry (:meth:`expired`); None until first read from the store.
+        self._expiring_keys: dict[str, tuple[str, float]] | None = None
         #: Nodes and their GPU and tenant bookings (:class:`~.ledger.NodeLedger`).
         self.ledger = NodeLedger(
             self.clock,
@@ -770,11 +772,48 @@ class SchedulerCore:
             self.notify()
         return task
 
+    def checkpoint_expiry(self, task_id: str, key: str, expire_time: float | None) -> None:
+        """Record that the checkpoint with artifact ``key`` of ``task_id`` expires at
+        ``expire_time`` (epoch seconds; None: never), a ``checkpoint_expiry`` event;
+        :meth:`expired` names it from then on."""
+        expiry = common_pb2.CheckpointExpiry(key=key)
+        if expire_time is not None:
+            expiry.expire_time.FromNanoseconds(int(expire_time * 1e9))
+        event = common_pb2.TaskEvent(checkpoint_expiry=expiry)
+        live = self.tasks.get(task_id)
+        task = live if live is not None else self.store.get_task(task_id)
+        if task is None:
+            raise NotFound(f"task {short_id(task_id)} not found")
+        if live is not None:
+            self.write(task, [event])
+        else:
+            self.store.update_task(task, [event])
+        expiring = self._expiring()
+        if expire_time is None:
+            expiring.pop(key, None)
+        else:
+            expiring[key] = (task_id, expire_time)
+
+    def expired(self, now: float) -> list[tuple[str, str]]:
+        """``(task id, artifact key)`` of the checkpoints whose expiry has come; none on a
+        scheduler that does not lead."""
+        if not self.leading:
+            return []
+        return [(task_id, key) for key, (task_id, at) in self._expiring().items() if at <= now]
+
+    def _expiring(self) -> dict[str, tuple[str, float]]:
+        """Artifact key -> ``(task id, expire time)``, read from the store at first use."""
+        if self._expiring_keys is None:
+            self._expiring_keys = {key: (task_id, at) for task_id, key, at in self.store.expiring_checkpoints()}
+        return self._expiring_keys
+
     def checkpoint_deleted(self, task_id: str, key: str, *, size_bytes: int = 0, by: str = "") -> None:
         """Record that the checkpoint with artifact ``key`` of ``task_id`` is gone
         (``DeleteCheckpoint``): an ``artifacts_deleted`` event naming its key, so it is listed no
         more and no attempt resumes from it. When it was the task's latest checkpoint, the newest
         one left takes its place (none: no latest checkpoint)."""
+        if self._expiring_keys is not None:
+            self._expiring_keys.pop(key, None)
         gone = common_pb2.ArtifactsDeleted(deleted_keys=1, deleted_bytes=size_bytes, deleted_by=by, keys=[key])
         event = common_pb2.TaskEvent(artifacts_deleted=gone)
         live = self.tasks.get(task_id)

@@ -863,11 +863,11 @@ class StateStore:
         """Every checkpoint a task recorded that is still in the artifact store, oldest first:
         none from before its newest ``artifacts_deleted`` event of ``DeleteTaskArtifacts``, and
         none that retention or ``DeleteCheckpoint`` deleted (an ``artifacts_deleted`` event names
-        its key)."""
+        its key); each with the ``expire_time`` its newest ``checkpoint_expiry`` event gives it."""
         self._flush_writes()
         rows = self.db.execute(
-            "SELECT kind, payload FROM events WHERE task_id=? AND kind IN ('checkpoint', 'artifacts_deleted') "
-            "ORDER BY seq",
+            "SELECT kind, payload FROM events WHERE task_id=? "
+            "AND kind IN ('checkpoint', 'artifacts_deleted', 'checkpoint_expiry') ORDER BY seq",
             (task_id,),
         )
         out: list[common_pb2.Checkpoint] = []
@@ -875,12 +875,30 @@ class StateStore:
             ev = common_pb2.TaskEvent.FromString(payload)
             if kind == "checkpoint":
                 out.append(ev.checkpoint)
+            elif kind == "checkpoint_expiry":
+                for c in out:
+                    if c.artifact.key == ev.checkpoint_expiry.key:
+                        c.ClearField("expire_time")
+                        if ev.checkpoint_expiry.HasField("expire_time"):
+                            c.expire_time.CopyFrom(ev.checkpoint_expiry.expire_time)
             elif ev.artifacts_deleted.keys:
                 gone = set(ev.artifacts_deleted.keys)
                 out = [c for c in out if not (c.artifact.key and c.artifact.key in gone)]
             else:
                 out.clear()
         return out
+
+    def expiring_checkpoints(self) -> list[tuple[str, str, float]]:
+        """``(task id, artifact key, expire time in epoch seconds)`` of every checkpoint still
+        stored that has an expiry (``SetCheckpointTtl``)."""
+        self._flush_writes()
+        tasks = [r[0] for r in self.db.execute("SELECT DISTINCT task_id FROM events WHERE kind='checkpoint_expiry'")]
+        return [
+            (task_id, c.artifact.key, c.expire_time.ToNanoseconds() / 1e9)
+            for task_id in tasks
+            for c in self.checkpoints(task_id)
+            if c.HasField("expire_time")
+        ]
 
     def deleted_checkpoint_keys(self, task_id: str) -> list[str]:
         """Artifact keys of the task's checkpoints that retention or ``DeleteCheckpoint`` deleted,

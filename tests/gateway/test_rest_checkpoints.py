@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -17,7 +19,7 @@ import pytest
 import tinker
 
 from opentinker_client import RLClient
-from tests.support.gateway import MODEL_NAME, Gateway, create_model, post
+from tests.support.gateway import MODEL_NAME, Gateway, post
 from tests.support.procs import Cluster, wait_connected
 from tests.support.waiting import wait_for
 
@@ -81,6 +83,16 @@ def stored_keys(world, task_id: str) -> list[str]:
     return sorted(str(p.relative_to(root.parent.parent)) for p in root.glob("a*/*")) if root.exists() else []
 
 
+def ended_run(world, who: str) -> str:
+    """A training run of ``who`` whose session is finished at once (its task cancelled)."""
+    session = f"{who}-{uuid.uuid4().hex[:8]}"
+    body = {"session_id": session, "model_seq_id": 0, "base_model": MODEL_NAME, "lora_config": {"rank": 2}}
+    with httpx.Client(base_url=world["url"], timeout=120) as http:
+        run = post(http, "create_model", world[who], json=body).json()["model_id"]
+        assert post(http, f"sessions/{session}/finish", world[who], json={}).status_code == 200
+    return run
+
+
 def test_runs_and_checkpoints_listed_paged_and_deleted(world) -> None:
     with tinker.ServiceClient(base_url=world["url"], api_key=world["alice"]) as service:
         training = service.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
@@ -88,14 +100,7 @@ def test_runs_and_checkpoints_listed_paged_and_deleted(world) -> None:
         kept = training.save_state("kept").result().path
         doomed = training.save_state("doomed").result().path
         sampler = training.save_weights_for_sampler("for-sampling").result().path
-        with httpx.Client(base_url=world["url"], timeout=120) as http:
-            second = create_model(http, world["alice"])
-            bobs = post(
-                http,
-                "create_model",
-                world["bob"],
-                json={"session_id": "bob", "model_seq_id": 0, "base_model": MODEL_NAME, "lora_config": {"rank": 2}},
-            ).json()["model_id"]
+        second, bobs = ended_run(world, "alice"), ended_run(world, "bob")
         alice = rest(world, "alice")
 
         # Runs: the caller's own, newest first, a page at a time; an admin sees every owner's.
@@ -144,6 +149,22 @@ def test_runs_and_checkpoints_listed_paged_and_deleted(world) -> None:
         assert "was deleted" in str(gone.value)
         with pytest.raises(tinker.NotFoundError):
             alice.delete_checkpoint_from_tinker_path(doomed).result()  # a second time: not found
+
+        # An expiry shows in the listings; the scheduler deletes the checkpoint when it comes.
+        alice.set_checkpoint_ttl_from_tinker_path(kept, 3600).result()
+        expires = {c.tinker_path: c.expires_at for c in alice.list_checkpoints(run).result().checkpoints}
+        assert expires[sampler] is None and 3500 < (expires[kept] - datetime.now(timezone.utc)).total_seconds() <= 3600
+        with pytest.raises(tinker.BadRequestError) as refused:
+            alice.set_checkpoint_ttl_from_tinker_path(kept, 0).result()
+        assert "ttl_seconds: expected an integer in 1.." in str(refused.value)
+        with pytest.raises(tinker.NotFoundError):
+            rest(world, "bob").set_checkpoint_ttl_from_tinker_path(kept, 1).result()
+        assert cli(world, "alice", "checkpoint", "set-ttl", "--ttl", "1", sampler).returncode == 0
+        wait_for(
+            lambda: [c.tinker_path for c in alice.list_user_checkpoints().result().checkpoints] == [kept],
+            what="the sampler save deleted once its 1 s TTL passed",
+        )
+        assert stored_keys(world, run) == [k for k in before if k.endswith("/state_kept")]
         with pytest.raises(tinker.NotFoundError):
             alice.get_training_run(bobs).result()
 

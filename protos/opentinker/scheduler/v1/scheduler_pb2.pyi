@@ -107,6 +107,22 @@ class DeleteCheckpointResponse(_message.Message):
     deleted_bytes: int
     def __init__(self, deleted_bytes: _Optional[int] = ...) -> None: ...
 
+class SetCheckpointTtlRequest(_message.Message):
+    __slots__ = ("task_id", "artifact_key", "ttl")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_KEY_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    artifact_key: str
+    ttl: _duration_pb2.Duration
+    def __init__(self, task_id: _Optional[str] = ..., artifact_key: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class SetCheckpointTtlResponse(_message.Message):
+    __slots__ = ("expire_time",)
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    expire_time: _timestamp_pb2.Timestamp
+    def __init__(self, expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
 class WatchTaskRequest(_message.Message):
     __slots__ = ("task_id", "after_sequence", "history_only")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]

@@ -70,6 +70,11 @@ class SchedulerServiceStub:
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointRequest.SerializeToString,
                 response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointResponse.FromString,
                 _registered_method=True)
+        self.SetCheckpointTtl = channel.unary_unary(
+                '/opentinker.scheduler.v1.SchedulerService/SetCheckpointTtl',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.SetCheckpointTtlRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.SetCheckpointTtlResponse.FromString,
+                _registered_method=True)
         self.WatchTask = channel.unary_stream(
                 '/opentinker.scheduler.v1.SchedulerService/WatchTask',
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.WatchTaskRequest.SerializeToString,
@@ -197,6 +202,19 @@ class SchedulerServiceServicer:
         owner's; no checkpoint with that key listed for the task), INVALID_ARGUMENT (empty id or key),
         FAILED_PRECONDITION (the scheduler has no artifact store), UNAVAILABLE (the store cannot be
         reached; a follower: NOT_LEADER).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetCheckpointTtl(self, request, context):
+        """Sets or clears when one checkpoint of a task expires, named by its artifact key: the scheduler
+        deletes an expired checkpoint as DeleteCheckpoint does (`deleted_by` "ttl"), within about a
+        second, and ListCheckpoints shows `expire_time` until then. A `checkpoint_expiry` event records
+        it. Owner rules as for CancelTask. Idempotent for an unset `ttl`. Errors: NOT_FOUND (no such task,
+        or another owner's; no checkpoint with that key listed for the task), INVALID_ARGUMENT (empty id
+        or key, `ttl` outside 1 s to 10 years), FAILED_PRECONDITION (no artifact store), UNAVAILABLE (a
+        follower: NOT_LEADER).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -364,6 +382,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.DeleteCheckpoint,
                     request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointRequest.FromString,
                     response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointResponse.SerializeToString,
+            ),
+            'SetCheckpointTtl': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetCheckpointTtl,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.SetCheckpointTtlRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.SetCheckpointTtlResponse.SerializeToString,
             ),
             'WatchTask': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchTask,
@@ -589,6 +612,33 @@ class SchedulerService:
             '/opentinker.scheduler.v1.SchedulerService/DeleteCheckpoint',
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointRequest.SerializeToString,
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetCheckpointTtl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/SetCheckpointTtl',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.SetCheckpointTtlRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.SetCheckpointTtlResponse.FromString,
             options,
             channel_credentials,
             insecure,
