@@ -42,6 +42,7 @@ _CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _PROTO = "application/x-protobuf"
 #: A session's checkpoint folder prefix -> Tinker's checkpoint type and tinker:// path segment.
 _CHECKPOINT_KINDS = {"state": ("training", "weights"), "sampler": ("sampler", "sampler_weights")}
+#: A tinker:// path segment -> the session's checkpoint folder prefix.
 _FOLDER_PREFIX = {segment: prefix for prefix, (_, segment) in _CHECKPOINT_KINDS.items()}
 #: Most items one page of a REST listing holds.
 _MAX_PAGE = 1000
@@ -696,10 +697,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         key = _key(request)
         limit, offset = _page(request, default_limit=20)
         runs = await gw.scheduler.runs(key)
-        page = runs[offset : offset + limit]
-        listed = await asyncio.gather(*(listed_checkpoints(t.task_id, key) for t in page))
+        # One scheduler read per run, one after the other: the owner's read_rate bounds them.
         return {
-            "training_runs": [training_run(t, c) for t, c in zip(page, listed)],
+            "training_runs": [
+                training_run(t, await listed_checkpoints(t.task_id, key)) for t in runs[offset : offset + limit]
+            ],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
         }
 
