@@ -9,16 +9,21 @@ revocation are the scheduler's. Training requests return a future (``request_id`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+import secrets
+import time
 import uuid
+from datetime import datetime, timezone
+from urllib.parse import quote
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
 import zstandard
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from packaging.version import InvalidVersion, Version
 from tinker.proto import tinker_public_pb2 as tpb
 
@@ -48,6 +53,8 @@ _FOLDER_PREFIX = {segment: prefix for prefix, (_, segment) in _CHECKPOINT_KINDS.
 _MAX_PAGE = 1000
 #: Longest checkpoint TTL, in seconds: ten years, as Tinker.
 _MAX_TTL_S = 10 * 365 * 86400
+#: Seconds a checkpoint's download URLs work.
+_DOWNLOAD_URL_S = 900
 
 
 @dataclass
@@ -122,6 +129,16 @@ def _parse_path(path: str, field_name: str) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[2]
 
 
+@dataclass(frozen=True)
+class _Download:
+    """What a download URL's token stands for: the key that asked for it and the checkpoint."""
+
+    key: str
+    run_id: str
+    artifact_key: str
+    expires: float
+
+
 class Gateway:
     """The state of one gateway process: connections, models it has met, sample futures."""
 
@@ -134,6 +151,8 @@ class Gateway:
         self.samples: dict[str, asyncio.Future] = {}
         self.batcher = SampleBatcher()
         self.creates: dict[str, asyncio.Task] = {}
+        #: Download URL tokens (``external_weights_urls``) -> what they may fetch.
+        self.downloads: dict[str, _Download] = {}
 
     async def start(self) -> None:
         self.scheduler = Scheduler(self.config.scheduler)
@@ -760,6 +779,50 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise ApiError(f"checkpoint_id: {kind}/{name} is not in the artifact store; it cannot be deleted")
         await gw.scheduler.delete_checkpoint(run_id, recorded.artifact.key, key)
         return Response(content=b"null", media_type="application/json")
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
+    async def checkpoint_urls(run_id: str, kind: str, name: str, request: Request) -> dict:
+        """A URL per file of the checkpoint, as ``get_external_weights_urls`` answers: each fetched
+        with no key, authorised by a random token this instance keeps for ``_DOWNLOAD_URL_S``."""
+        key = _key(request)
+        recorded = await saved(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id", key)
+        manifest, chunks = await gw.scheduler.download(run_id, recorded.artifact.key, key)
+        await chunks.aclose()
+        now = time.time()
+        for stale in [t for t, d in gw.downloads.items() if d.expires <= now]:
+            del gw.downloads[stale]
+        token = secrets.token_urlsafe(32)
+        gw.downloads[token] = _Download(key, run_id, recorded.artifact.key, now + _DOWNLOAD_URL_S)
+        base = str(request.base_url).rstrip("/")
+        return {
+            "urls": {f.path: f"{base}/api/v1/checkpoint_files/{token}/{quote(f.path)}" for f in manifest.files},
+            "expires": datetime.fromtimestamp(now + _DOWNLOAD_URL_S, timezone.utc).isoformat(),
+        }
+
+    @app.get("/api/v1/checkpoint_files/{token}/{path:path}")
+    async def checkpoint_file(token: str, path: str) -> StreamingResponse:
+        """One file of a checkpoint, streamed from the scheduler as it arrives."""
+        download = gw.downloads.get(token)
+        if download is None or download.expires <= time.time():
+            raise ApiError("token: no such download URL, or it expired; ask for new URLs", status=404)
+        manifest, chunks = await gw.scheduler.download(download.run_id, download.artifact_key, download.key)
+        index = next((i for i, f in enumerate(manifest.files) if f.path == path), None)
+        if index is None:
+            await chunks.aclose()
+            raise ApiError(f"path: the checkpoint has no file {path!r}", status=404)
+        size = manifest.files[index].size_bytes
+
+        async def body():
+            sent = 0
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    if chunk.file_index == index:
+                        sent += len(chunk.data)
+                        yield chunk.data
+                    if sent >= size and chunk.file_index >= index:
+                        return
+
+        return StreamingResponse(body(), media_type="application/octet-stream", headers={"Content-Length": str(size)})
 
     @app.put("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
     async def set_checkpoint_ttl(run_id: str, kind: str, name: str, request: Request) -> Response:

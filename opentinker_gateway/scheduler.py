@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 import grpc
 
@@ -159,6 +160,29 @@ class Scheduler:
         if ttl_s is not None:
             request.ttl.FromSeconds(ttl_s)
         await self._call("SetCheckpointTtl", request, key)
+
+    async def download(
+        self, task_id: str, artifact_key: str, key: str
+    ) -> tuple[scheduler_pb2.CheckpointManifest, AsyncIterator[scheduler_pb2.CheckpointChunk]]:
+        """The manifest of the task's checkpoint stored as ``artifact_key``, and its files' chunks
+        in manifest order (the rest of one DownloadCheckpoint stream; close it to stop early)."""
+        request = scheduler_pb2.DownloadCheckpointRequest(task_id=task_id, artifact_key=artifact_key)
+        call = self._stub.DownloadCheckpoint(request, metadata=bearer_metadata(key))
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc(exc, "scheduler") from None
+        if first is grpc.aio.EOF or not first.HasField("manifest"):
+            raise ApiError("scheduler: DownloadCheckpoint sent no manifest", status=502, category="server")
+
+        async def chunks() -> AsyncIterator[scheduler_pb2.CheckpointChunk]:
+            try:
+                while (message := await call.read()) is not grpc.aio.EOF:
+                    yield message.chunk
+            finally:
+                call.cancel()
+
+        return first.manifest, chunks()
 
     async def endpoint_metadata(self, task_id: str, key: str) -> tuple[tuple[str, str], ...]:
         """``authorization`` metadata for the task's endpoint: an endpoint token asked for with

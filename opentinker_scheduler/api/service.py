@@ -461,7 +461,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         try:
             if owner_scope() is not None:
                 self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
-            ckpt = checkpoints.pick_checkpoint(self.core.store, request.task_id, request.step)
+            if request.artifact_key:
+                ckpt = checkpoints.checkpoint_with_key(self.core.store, request.task_id, request.artifact_key)
+            else:
+                ckpt = checkpoints.pick_checkpoint(self.core.store, request.task_id, request.step)
             store = self.artifacts.store if self.artifacts is not None else None
             manifest = await asyncio.to_thread(checkpoints.build_manifest, ckpt, store)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised

@@ -23,7 +23,15 @@ from opentinker_common.artifacts.deleted import deleted_words
 
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
 
-__all__ = ["CHUNK_BYTES", "list_checkpoints", "pick_checkpoint", "build_manifest", "read_chunks", "Manifest"]
+__all__ = [
+    "CHUNK_BYTES",
+    "list_checkpoints",
+    "pick_checkpoint",
+    "checkpoint_with_key",
+    "build_manifest",
+    "read_chunks",
+    "Manifest",
+]
 
 #: Largest chunk of file data in one message (1 MiB).
 CHUNK_BYTES = 1024 * 1024
@@ -75,6 +83,19 @@ def pick_checkpoint(store, task_id: str, step: int) -> common_pb2.Checkpoint:
     if found is not None:
         return found
     raise NotFound(f"task {task_id!r} has no checkpoint at step {step}; steps with one: {steps_text(cks)}")
+
+
+def checkpoint_with_key(store, task_id: str, key: str) -> common_pb2.Checkpoint:
+    """The task's listed checkpoint stored as artifact ``key``.
+
+    Raises:
+        InvalidArgument: empty id. NotFound: no such task, or no such checkpoint listed (deleted,
+            or never saved).
+    """
+    for ck in list_checkpoints(store, task_id):
+        if ck.artifact.key == key:
+            return ck
+    raise NotFound(f"artifact_key: task {task_id!r} has no checkpoint {key[:256]!r} (deleted, or never saved)")
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,19 @@
 """The Tinker REST routes for training runs and checkpoints through the unmodified SDK's
 RestClient and the ``tinker`` CLI, with authentication on: an owner lists their own runs and
-checkpoints a page at a time (an admin every owner's), deletes a checkpoint by its tinker:// path
-(gone from every listing, loading it is 404, the artifact store no longer holds it), and another
-owner's path is 404 like a missing one."""
+checkpoints a page at a time (an admin every owner's), downloads a checkpoint's files from URLs
+that need no key, deletes a checkpoint by its tinker:// path (gone from every listing, loading it
+is 404, the artifact store no longer holds it) or gives it a TTL after which the scheduler deletes
+it, and another owner's path is 404 like a missing one."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -17,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
+from tinker import types
 
 from opentinker_client import RLClient
 from tests.support.gateway import MODEL_NAME, Gateway, post
@@ -83,6 +88,33 @@ def stored_keys(world, task_id: str) -> list[str]:
     return sorted(str(p.relative_to(root.parent.parent)) for p in root.glob("a*/*")) if root.exists() else []
 
 
+def stored_files(world, run: str, folder: str) -> dict[str, str]:
+    """SHA-256 of every file of the run's checkpoint ``folder`` as the local artifact store holds it."""
+    [root] = (world["cluster"].state_dir / "artifacts" / "tasks" / run).glob(f"a*/{folder}/.data")
+    files = [p for p in root.rglob("*") if p.is_file()]
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def downloaded(world, who: str, path: str) -> dict[str, str] | int:
+    """SHA-256 of every file of checkpoint ``path`` fetched from its download URLs (as the
+    ``tinker`` CLI fetches them: urllib, no key), or the HTTP status of the refused request."""
+    run, kind, name = path[len("tinker://") :].split("/")
+    with httpx.Client(base_url=world["url"], timeout=60) as http:
+        r = http.get(
+            f"/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/external_weights_urls",
+            headers={"X-API-Key": world[who]},
+        )
+    if r.status_code != 200:
+        return r.status_code
+    answer = types.ExternalWeightsUrlsResponse.model_validate(r.json())
+    assert answer.expires > datetime.now(timezone.utc)
+    out = {}
+    for file, url in answer.urls.items():
+        with urllib.request.urlopen(url, timeout=60) as response:
+            out[file] = hashlib.sha256(response.read()).hexdigest()
+    return out
+
+
 def ended_run(world, who: str) -> str:
     """A training run of ``who`` whose session is finished at once (its task cancelled)."""
     session = f"{who}-{uuid.uuid4().hex[:8]}"
@@ -130,6 +162,13 @@ def test_runs_and_checkpoints_listed_paged_and_deleted(world) -> None:
         assert [
             c["tinker_path"] for c in json.loads(cli(world, "alice", "checkpoint", "list").stdout)["checkpoints"]
         ] == saves
+
+        # Download: a URL per file, fetched with no key; the files are the stored ones.
+        assert downloaded(world, "alice", kept) == stored_files(world, run, "state_kept")
+        assert downloaded(world, "bob", kept) == 404
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{world['url']}/api/v1/checkpoint_files/not-a-token/adapter_config.json")
+        assert refused.value.code == 404
 
         # Another owner's checkpoint is not found, worded as a missing one; nothing is deleted.
         with pytest.raises(tinker.NotFoundError) as refused:

@@ -283,12 +283,14 @@ class ListCheckpointsResponse(_message.Message):
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[_common_pb2.Checkpoint, _Mapping]]] = ..., artifacts_deleted: _Optional[_Union[_common_pb2.TaskEvent, _Mapping]] = ..., deleted_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DownloadCheckpointRequest(_message.Message):
-    __slots__ = ("task_id", "step")
+    __slots__ = ("task_id", "step", "artifact_key")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_KEY_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     step: int
-    def __init__(self, task_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    artifact_key: str
+    def __init__(self, task_id: _Optional[str] = ..., step: _Optional[int] = ..., artifact_key: _Optional[str] = ...) -> None: ...
 
 class CheckpointFile(_message.Message):
     __slots__ = ("path", "size_bytes", "sha256")

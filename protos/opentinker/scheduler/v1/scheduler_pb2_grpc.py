@@ -283,8 +283,8 @@ class SchedulerServiceServicer:
         Reads the checkpoint from the artifact store (local or s3), checked against its recorded
         manifest hash; a checkpoint of an old trainer, with no artifact, from its folder on the
         scheduler's filesystem. Idempotent. Errors: NOT_FOUND (no such task, no checkpoint, no
-        checkpoint at `step`, the message listing the steps there are; or its artifact deleted by
-        retention or DeleteTaskArtifacts), DATA_LOSS (the stored bytes do not match the manifest),
+        checkpoint at `step`, the message listing the steps there are, none listed with `artifact_key`;
+        or its artifact deleted by retention, DeleteTaskArtifacts or DeleteCheckpoint), DATA_LOSS (the stored bytes do not match the manifest),
         UNAVAILABLE (the store cannot be reached), FAILED_PRECONDITION (an old trainer's folder not
         readable from the scheduler), INVALID_ARGUMENT (empty id, negative step).
         """
