@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import secrets
 import time
@@ -40,6 +41,8 @@ from opentinker_gateway.scheduler import TASK_NAME_PREFIX, Scheduler, SessionSpe
 
 __all__ = ["GatewayConfig", "create_app", "SDK_VERSIONS"]
 
+log = logging.getLogger(__name__)
+
 #: The ``tinker`` SDK versions this gateway is tested with: [lowest, highest].
 SDK_VERSIONS = ("0.38.0", "0.38.0")
 
@@ -55,6 +58,8 @@ _MAX_PAGE = 1000
 _MAX_TTL_S = 10 * 365 * 86400
 #: Seconds a checkpoint's download URLs work.
 _DOWNLOAD_URL_S = 900
+#: Seconds the gateway waits for a save with ``ttl_seconds`` to be listed, to set its expiry.
+_SAVE_LISTED_S = 60.0
 
 
 @dataclass
@@ -118,6 +123,14 @@ def _page(request: Request, *, default_limit: int) -> tuple[int, int]:
     return out[0], out[1]
 
 
+def _ttl_seconds(body: dict) -> int | None:
+    """The request's ``ttl_seconds``: 1 s to 10 years, or None (never expires). Raises ApiError 400."""
+    ttl = body.get("ttl_seconds")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= _MAX_TTL_S):
+        raise ApiError(f"ttl_seconds: expected an integer in 1..{_MAX_TTL_S} or null (never), got {ttl!r}")
+    return ttl
+
+
 def _parse_path(path: str, field_name: str) -> tuple[str, str, str]:
     """``(model id, kind, name)`` of ``tinker://<model id>/<weights|sampler_weights>/<name>``."""
     parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
@@ -153,6 +166,8 @@ class Gateway:
         self.creates: dict[str, asyncio.Task] = {}
         #: Download URL tokens (``external_weights_urls``) -> what they may fetch.
         self.downloads: dict[str, _Download] = {}
+        #: Background jobs that give saves their ``ttl_seconds`` once listed.
+        self.expiries: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self.scheduler = Scheduler(self.config.scheduler)
@@ -559,22 +574,55 @@ def create_app(config: GatewayConfig) -> FastAPI:
         body = await _json(request, limit)
         seq_id = _field(body, "seq_id", int)
         name = checkpoint_name(body)
+        ttl = _ttl_seconds(body)
         model = await gw.model(body.get("model_id"), key)
-        return submit(model, seq_id, "save", lambda seq: training_pb2.SaveStateRequest(sequence=seq, name=name))
+        reply = submit(model, seq_id, "save", lambda seq: training_pb2.SaveStateRequest(sequence=seq, name=name))
+        expire_after_save(model, seq_id, f"state_{name}", ttl, key)
+        return reply
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict:
         key = _key(request)
         body = await _json(request, limit)
         seq_id = _field(body, "seq_id", int)
+        ttl = _ttl_seconds(body)
         model = await gw.model(body.get("model_id"), key)
         if body.get("path") is not None:
             name, kind = checkpoint_name(body), "sampler"
         else:  # an ephemeral sampler: a save named after its request, sampled as a snapshot
             name, kind = f"sampler-{seq_id}", "ephemeral"
-        return submit(
+        reply = submit(
             model, seq_id, kind, lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=name)
         )
+        expire_after_save(model, seq_id, f"sampler_{name}", ttl, key)
+        return reply
+
+    def expire_after_save(model: Model, seq_id: int, folder: str, ttl: int | None, key: str) -> None:
+        """Give the save of request ``seq_id`` (its folder ``folder``) its ``ttl_seconds`` once the
+        scheduler lists it, a moment after it answers: in the background, on this instance."""
+        done = model.future(seq_id)
+        if ttl is None or done is None:
+            return
+        job = asyncio.ensure_future(expire_when_listed(model.model_id, folder, ttl, key, done))
+        gw.expiries.add(job)
+        job.add_done_callback(gw.expiries.discard)
+
+    async def expire_when_listed(run_id: str, folder: str, ttl: int, key: str, done: asyncio.Future) -> None:
+        if (await asyncio.shield(done)).error is not None:
+            return
+        deadline = time.monotonic() + _SAVE_LISTED_S
+        try:
+            while time.monotonic() < deadline:
+                listing = await gw.scheduler.checkpoints(run_id, key)
+                found = [c for c in listing.checkpoints if Path(c.path).name == folder]
+                if found:
+                    await gw.scheduler.set_checkpoint_ttl(run_id, found[-1].artifact.key, ttl, key)
+                    return
+                await asyncio.sleep(0.5)
+        except ApiError as exc:
+            log.warning("ttl_seconds of save %s of model %s not set: %s", folder, run_id, exc.message)
+            return
+        log.warning("ttl_seconds of save %s of model %s not set: not listed in %s s", folder, run_id, _SAVE_LISTED_S)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict:
@@ -827,9 +875,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.put("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
     async def set_checkpoint_ttl(run_id: str, kind: str, name: str, request: Request) -> Response:
         key = _key(request)
-        ttl = (await _json(request, limit)).get("ttl_seconds")
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= _MAX_TTL_S):
-            raise ApiError(f"ttl_seconds: expected an integer in 1..{_MAX_TTL_S} or null (never), got {ttl!r}")
+        ttl = _ttl_seconds(await _json(request, limit))
         recorded = await saved(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id", key)
         await gw.scheduler.set_checkpoint_ttl(run_id, recorded.artifact.key, ttl, key)
         return Response(content=b"null", media_type="application/json")

@@ -131,7 +131,7 @@ def test_runs_and_checkpoints_listed_paged_and_deleted(world) -> None:
         run = training.model_id
         kept = training.save_state("kept").result().path
         doomed = training.save_state("doomed").result().path
-        sampler = training.save_weights_for_sampler("for-sampling").result().path
+        sampler = training.save_weights_for_sampler("for-sampling", ttl_seconds=86400).result().path
         second, bobs = ended_run(world, "alice"), ended_run(world, "bob")
         alice = rest(world, "alice")
 
@@ -189,10 +189,15 @@ def test_runs_and_checkpoints_listed_paged_and_deleted(world) -> None:
         with pytest.raises(tinker.NotFoundError):
             alice.delete_checkpoint_from_tinker_path(doomed).result()  # a second time: not found
 
-        # An expiry shows in the listings; the scheduler deletes the checkpoint when it comes.
+        # An expiry, set with the save or afterwards, shows in the listings; the scheduler deletes the
+        # checkpoint when it comes.
+        def expiries():
+            return {c.tinker_path: c.expires_at for c in alice.list_checkpoints(run).result().checkpoints}
+
+        in_a_day = wait_for(lambda: expiries()[sampler], what="the sampler save's ttl_seconds set")
+        assert 86000 < (in_a_day - datetime.now(timezone.utc)).total_seconds() <= 86400
         alice.set_checkpoint_ttl_from_tinker_path(kept, 3600).result()
-        expires = {c.tinker_path: c.expires_at for c in alice.list_checkpoints(run).result().checkpoints}
-        assert expires[sampler] is None and 3500 < (expires[kept] - datetime.now(timezone.utc)).total_seconds() <= 3600
+        assert 3500 < (expiries()[kept] - datetime.now(timezone.utc)).total_seconds() <= 3600
         with pytest.raises(tinker.BadRequestError) as refused:
             alice.set_checkpoint_ttl_from_tinker_path(kept, 0).result()
         assert "ttl_seconds: expected an integer in 1.." in str(refused.value)
