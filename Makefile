@@ -15,7 +15,7 @@ SCHEDULER_URL ?= http://localhost:$(PORT)
 # "joined dynamically"; the host name only when the config names no node. NODE_ID=... for another.
 NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]\#]*\).*/\1/p' $(SCHEDULER_CONFIG) 2>/dev/null | head -n 1),$(shell hostname)-trainer)
 
-.PHONY: install venv test-deps proto proto-check lint scheduler trainer gateway demo test test-fast test-cluster bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-distributed bench-multitenant bench-host-serving bench-primitives bench-tinker bench-report gpu-check clean
+.PHONY: install venv test-deps proto proto-check lint scheduler trainer gateway demo test test-fast test-cluster bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-cluster bench-distributed bench-multitenant bench-host-serving bench-primitives bench-tinker bench-report gpu-check clean
 
 # `install` is a no-op when done: it installs only when the venv is missing or its package set is
 # out of date, i.e. the SHA-256 of pyproject.toml, constraints.txt and INSTALL_SPEC differs from the
@@ -169,6 +169,11 @@ bench-service: install
 # simulated nodes (median of 5), submits/s and p99 on PostgreSQL against SQLite, lease cost.
 bench-ha: install test-deps
 	$(PY) scripts/bench_ha.py $(BENCH_ARGS)
+
+# The same failover on the simulated hosts of make test-cluster (root): docs/cluster.md's cluster,
+# kill -9 of the leader, haproxy and the URL list timed from one kill (median of 3).
+bench-cluster: install test-deps
+	timeout -k 30 1200 $(PY) scripts/bench_cluster.py $(BENCH_ARGS)
 
 # GenerateStream against transformers generate; memory with 8 adapters against 1; continuous
 # batching at 1/4/16 streams (base + 8 adapters) against transformers' continuous batching and a

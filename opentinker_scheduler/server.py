@@ -27,14 +27,16 @@ from opentinker_scheduler.security.bundle import Security, build_security
 
 from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.errors import StoreUnavailable
-from opentinker_scheduler.state.core import STATE_NAMES, SchedulerCore
+from opentinker_scheduler.state.core import SchedulerCore
+from opentinker_scheduler.state.scale_signal import desired_trainers
 from opentinker_scheduler.api.dashboard import Dashboard
 from opentinker_scheduler.api.front import PortFront
 from opentinker_scheduler.api.rpc import abort_mapped
 from opentinker_scheduler.api.http import HttpEndpoint, Snapshot
 from opentinker_scheduler.api.service import NodeService, SchedulerService
 from opentinker_scheduler.state.leadership import LeaseLeadership, StaticLeadership
-from opentinker_scheduler.state.store import open_store as open_state_store
+from opentinker_scheduler.state.store import STATE_NAMES
+from opentinker_scheduler.state.backends import open_store as open_state_store
 from opentinker_common.net.grpc_options import server_options
 
 log = structlog.get_logger("opentinker.scheduler")
@@ -103,7 +105,7 @@ class RunningScheduler:
         # End every node stream from our side first (a None in the outbox ends NodeService.Connect
         # normally), so stopping the server does not cancel those handlers mid-await, which
         # grpc.aio logs as an unhandled CancelledError. The nodes reconnect to the next scheduler.
-        for node in list(self.core.nodes.values()):
+        for node in list(self.core.ledger.nodes.values()):
             node.outbox.put_nowait(None)
         await asyncio.sleep(0)
         if self.front is not None:
@@ -121,7 +123,7 @@ def _snapshot(core: SchedulerCore, leadership=None) -> Snapshot:
     counts = {STATE_NAMES[s]: n for s, n in core.state_counts.items() if n}
     gpus = []
     hosts = []
-    for node in core.nodes.values():
+    for node in core.ledger.nodes.values():
         if not node.connected:
             continue
         for t in node.telemetry:
@@ -151,8 +153,8 @@ def _snapshot(core: SchedulerCore, leadership=None) -> Snapshot:
         store_writable=leadership.store_ok() if leadership is not None else core.store.writable(),
         tasks_by_state=counts,
         queue_depth=counts.get("PENDING", 0),
-        nodes_connected=sum(1 for n in core.nodes.values() if n.connected),
-        nodes_known=len(core.nodes),
+        nodes_connected=sum(1 for n in core.ledger.nodes.values() if n.connected),
+        nodes_known=len(core.ledger.nodes),
         gpus=tuple(gpus),
         hosts=tuple(hosts),
     )
@@ -168,12 +170,12 @@ def _sharing(core: SchedulerCore) -> dict:
     scale signal."""
     queues = tuple(
         (name, used[0], used[1], q.gpus if q else -1, q.cpu_tasks if q else -1, pending)
-        for name, q, used, pending, _ in core.queue_rows()
+        for name, q, used, pending, _ in core.queues.rows(refresh=not core.leading)
     )
     now = time.monotonic()
     cached = _usage_cache.get(id(core))
     if cached is None or now - cached[0] > USAGE_EXPORT_INTERVAL_S:
-        by_owner, _, owner_queue = core.usage_rollup()
+        by_owner, _, owner_queue = core.usage.rollup(core.active.values())
         usage = tuple(
             (
                 owner,
@@ -188,7 +190,10 @@ def _sharing(core: SchedulerCore) -> dict:
             for owner, u in sorted(by_owner.items())
         )
         cached = _usage_cache[id(core)] = (now, usage)
-    desired = tuple((d.node_class, d.desired, d.connected) for d in core.desired_trainers())
+    desired = tuple(
+        (d.node_class, d.desired, d.connected)
+        for d in desired_trainers(core.config, core.ledger, core.queue, core.queues.book)
+    )
     return {"queues": queues, "usage": cached[1], "desired_trainers": desired}
 
 
@@ -293,8 +298,9 @@ async def start_scheduler(
             security=security,
             durable=core.durable,
             require_leader=core.require_leader,
-            attempt_refusal=core.attempt_refusal,
-            task_owner=core.task_owner,
+            attempt_refusal=core.api.attempt_refusal,
+            task_owner=core.api.task_owner,
+            dataset_visible=lambda dataset_id, owner: core.store.dataset_visible(dataset_id, owner),
         ),
         server,
     )

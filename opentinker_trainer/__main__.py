@@ -171,7 +171,10 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         "(default: env NODE_CLASS, else the scheduler's usage.default_node_class)",
     )
     parser.add_argument(
-        "--kill-grace", type=_seconds, default=10.0, help="seconds between SIGTERM and SIGKILL of a cancelled worker"
+        "--kill-grace",
+        type=_seconds,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL of a cancelled worker (an exit checkpoint being stored is awaited)",
     )
     parser.add_argument(
         "--tenants-per-host",

@@ -7,7 +7,9 @@
   ``CUDA_VISIBLE_DEVICES`` set to the GPUs' NVML UUIDs (``CUDA_DEVICE_ORDER=PCI_BUS_ID``); the
   worker's JSON-line reports become ``TaskReport`` messages.
 * Cancel = SIGTERM to the worker's process group, then SIGKILL after a grace period; the
-  cancel is reported only once the process is gone.
+  cancel is reported only once the process is gone. A worker still storing its exit checkpoint
+  when the grace ends (its ``storing exit checkpoint`` phase, until the ``checkpoint`` line) is
+  waited for, so a large checkpoint or a slow store does not lose it.
 * A broken stream is retried with exponential backoff and full jitter, at most
   ``FAILOVER_BACKOFF_MAX_S`` apart for :data:`FAILOVER_WINDOW_S` after a registered session broke
   (a scheduler failover: the new leader is about a second away); running workers keep going
@@ -40,6 +42,7 @@ import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 
+from opentinker_trainer.context import STORING_PHASE
 from opentinker_trainer.scheduler_link import worker_env
 from opentinker_trainer.tracking import writable_loggers
 from opentinker_trainer.devices import DeviceMonitor, cuda_visible_devices
@@ -150,6 +153,9 @@ class _Worker:
     #: Set when the stop was asked (``_terminate``); set ``killed`` when the grace ran out.
     stop_asked: bool = False
     killed: bool = False
+    #: Between the attempt's ``storing exit checkpoint`` phase and that checkpoint's
+    #: ``checkpoint`` or ``checkpoint_failed`` line: the grace waits for it.
+    storing: bool = False
 
 
 @dataclass
@@ -804,6 +810,7 @@ class NodeAgent:
             report.checkpoint.node_id = self.config.node_id
             w.checkpoint_step = report.checkpoint.step
             w.checkpointed_after_stop = w.stop_asked
+            w.storing = False
             if msg.get("artifact"):  # in the artifact store: readable from every node
                 art = msg["artifact"]
                 report.checkpoint.artifact.key = str(art["key"])
@@ -817,12 +824,14 @@ class NodeAgent:
             failed.fatal = bool(msg.get("fatal"))
             failed.failures_in_a_row = int(msg.get("failures_in_a_row", 0))
             failed.node_id = self.config.node_id
+            w.storing = False
         elif kind == "endpoint":
             report.endpoint = str(msg.get("address", ""))
         elif kind == "phase":
             report.phase.attempt = w.attempt
             report.phase.phase = str(msg.get("phase", ""))[:100]
             report.phase.detail = str(msg.get("detail", ""))[:1000]
+            w.storing = w.storing or report.phase.phase == STORING_PHASE
         elif kind in ("succeeded", "failed", "stopped"):
             w.outcome = msg
             return
@@ -925,6 +934,7 @@ class NodeAgent:
 
             async def give_up_later() -> None:
                 await asyncio.sleep(self.config.kill_grace_s)
+                await self._exit_checkpoint_stored(w)
                 w.killed = True
                 self._end_tenant(w, "tenant did not stop within the grace period")
 
@@ -935,11 +945,33 @@ class NodeAgent:
 
         async def kill_later() -> None:
             await asyncio.sleep(self.config.kill_grace_s)
+            await self._exit_checkpoint_stored(w)
             w.killed = w.proc.returncode is None
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(w.proc.pid, signal.SIGKILL)
 
         w.killer = asyncio.create_task(kill_later())
+
+    async def _exit_checkpoint_stored(self, w: _Worker) -> None:
+        """Past the grace, wait while the stopped attempt writes and stores its exit checkpoint
+        (:data:`~opentinker_trainer.context.STORING_PHASE` until its ``checkpoint`` line), then
+        up to the grace again for it to exit. The store's own deadlines and retries bound the
+        upload; a large checkpoint is then stored, not cut off."""
+        if not w.storing:
+            return
+        self.log.info("grace over, exit checkpoint still being stored: waiting", task_id=w.task_id, attempt=w.attempt)
+        while w.storing and not self._ended(w):
+            await asyncio.sleep(0.1)
+        deadline = time.monotonic() + self.config.kill_grace_s
+        while not self._ended(w) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    @staticmethod
+    def _ended(w: _Worker) -> bool:
+        """The attempt's process exited (a tenant: its host released it or ended)."""
+        if w.host is not None:
+            return w.outcome is not None
+        return w.proc.returncode is not None
 
     def _close_hosts(self, *, kill: bool) -> None:
         """Tell every model host to exit (close its stdin), or SIGKILL them (``kill``)."""

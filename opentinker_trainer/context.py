@@ -25,7 +25,36 @@ class StepAbandoned(BaseException):
 
     A ``BaseException``, so that workload and environment code that catches ``Exception`` lets
     it through to the step loop, which then stores the last completed step.
+
+    Attributes:
+        together: raised on every rank of a distributed task at the same collective
+            (:meth:`opentinker_trainer.distributed.DataParallel.agree_to_abandon`); False when
+            this rank abandoned alone and still has to tell the others.
     """
+
+    def __init__(self, *, together: bool = False) -> None:
+        super().__init__()
+        self.together = together
+
+
+#: The phase a stopped attempt reports as it starts its exit checkpoint (``detail``: ``step N``).
+#: The node agent's ``--kill-grace`` does not cut it short: it waits for that checkpoint's
+#: ``checkpoint`` or ``checkpoint_failed`` line, so a large upload is stored, not lost.
+STORING_PHASE = "storing exit checkpoint"
+
+#: The context whose abandonable step this thread runs (:meth:`WorkerContext.abandonable`).
+_stepping = threading.local()
+
+
+def abandon_point() -> None:
+    """A point where the step this thread runs may be abandoned: raises :class:`StepAbandoned`
+    when it is abandonable and a stop was requested. For a model host's tenant, whose stop comes
+    from another thread and no signal: the tenant's waits on its rollout, its reward calls and
+    its micro-batches call it. Elsewhere, and outside such a step, it does nothing."""
+    ctx = getattr(_stepping, "ctx", None)
+    if ctx is not None and ctx._abandon and ctx.should_stop():
+        ctx._abandon = False
+        raise StepAbandoned
 
 
 class UserError(Exception):
@@ -197,14 +226,17 @@ class WorkerContext:
     def abandonable(self):
         """``with ctx.abandonable():`` around a step that a stop may abandon: the step loop keeps
         a copy of the last completed step to store instead. Raises :class:`StepAbandoned` at once
-        when a stop was requested already."""
+        when a stop was requested already; later, from :meth:`stop_now` (a worker's SIGTERM) or at
+        the step's next :func:`abandon_point` (a model host's tenant)."""
         self._abandon = True
+        _stepping.ctx = self
         try:
             if self.should_stop():
                 raise StepAbandoned
             yield
         finally:
             self._abandon = False
+            _stepping.ctx = None
 
     def should_stop(self) -> bool:
         """True once a stop was requested; a workload checks it between steps."""

@@ -28,6 +28,15 @@ batch, up to float summation order (the equivalence tests). Metrics are reduced 
 before global rank 0 reports them; only global rank 0 writes checkpoints, with every rank's RNG
 state (:func:`gather_rng_states`).
 
+A stop (cancel, preemption, drain, max_runtime: SIGTERM to every rank) abandons the step in
+progress on every rank at the same point, when the trainer keeps a copy of its last completed
+step (:mod:`opentinker_trainer.workloads._keep`): inside such a step each collective of
+:class:`DataParallel` first agrees whether any rank was stopped, and so does the step's end
+(:meth:`DataParallel.agree_to_abandon`). A rank stopped between two collectives abandons at once
+and meets the others at their next agreement (:meth:`DataParallel.abandon_with_others`), so no
+rank waits in a collective for one that left. Every rank then puts back the same completed step
+and rank 0 stores it.
+
 Failure of a member: a local rank that exits or raises makes local rank 0 report the attempt
 ``failed`` (retryable) and end all of its ranks; a lost remote rank breaks the gloo / NCCL
 connections, so the collective every other rank is in raises, and they end too. The scheduler
@@ -52,7 +61,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from opentinker_trainer.context import UserError, WorkerContext
+from opentinker_trainer.context import StepAbandoned, UserError, WorkerContext
 
 log = structlog.get_logger("opentinker.distributed")
 
@@ -191,6 +200,49 @@ class DataParallel:
     def __init__(self, rank: int, world_size: int, local_rank: int = 0, device: str = "cpu") -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = torch.device(device)
+        #: The rank's context (:func:`rank_context` sets it). Inside a step that a stop may
+        #: abandon (``WorkerContext.abandonable``) each collective first agrees with the other
+        #: ranks whether to abandon it (:meth:`agree_to_abandon`).
+        self.ctx: WorkerContext | None = None
+
+    # --- abandoning a step together -------------------------------------------------------
+    def _stopped_anywhere(self, stopped: bool) -> bool:
+        t = torch.tensor([1.0 if stopped else 0.0], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def agree_to_abandon(self) -> None:
+        """Inside an abandonable step: learn whether any rank was stopped (one ``all_reduce``), and
+        if one was, raise :class:`~opentinker_trainer.context.StepAbandoned` (``together``) here on
+        every rank. From here on a SIGTERM only sets the stop flag; the collective that follows
+        re-arms it. Outside such a step, nothing. The step loop calls it once more after the
+        step's copy is taken: a step counts as completed on every rank or on none."""
+        ctx = self.ctx
+        if ctx is None or not ctx._abandon:
+            return
+        ctx._abandon = False
+        if self._stopped_anywhere(ctx.should_stop()):
+            raise StepAbandoned(together=True)
+
+    def abandon_with_others(self) -> None:
+        """After this rank abandoned its step alone (stopped between two agreements): meet the
+        other ranks at their next :meth:`agree_to_abandon`, where they abandon the step too."""
+        self._stopped_anywhere(True)
+
+    @contextlib.contextmanager
+    def _collective(self):
+        """Around each collective: agree first (:meth:`agree_to_abandon`); after it, abandon at
+        once on a stop that came meanwhile."""
+        ctx = self.ctx
+        if ctx is None or not ctx._abandon:
+            yield
+            return
+        self.agree_to_abandon()
+        yield
+        ctx._abandon = True
+        if ctx.should_stop():
+            ctx._abandon = False
+            raise StepAbandoned
 
     def shard(self, n: int) -> range:
         """This rank's share of ``n`` items (:func:`shard`)."""
@@ -199,19 +251,22 @@ class DataParallel:
     def sum(self, *values: float) -> list[float]:
         """Element-wise sums over ranks of ``values`` (floats), one ``all_reduce`` in float64."""
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        with self._collective():
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return [float(x) for x in t.cpu()]
 
     def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over ranks (a new tensor on ``t``'s device and dtype)."""
         out = t.detach().to(self._comm_device, torch.float64 if t.is_floating_point() else torch.int64).clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        with self._collective():
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out.to(t.device, t.dtype)
 
     def max(self, *values: float) -> list[float]:
         """Element-wise maxima over ranks of ``values``."""
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with self._collective():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [float(x) for x in t.cpu()]
 
     def any(self, flag: bool) -> bool:
@@ -228,7 +283,8 @@ class DataParallel:
             by_dtype.setdefault(p.grad.dtype, []).append(p)
         for group in by_dtype.values():
             flat = torch.cat([p.grad.reshape(-1) for p in group]).to(self._comm_device)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            with self._collective():
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             offset = 0
             for p in group:
                 n = p.grad.numel()
@@ -240,17 +296,20 @@ class DataParallel:
         with torch.no_grad():
             for t in tensors:
                 buf = t.detach().to(self._comm_device).clone()
-                dist.broadcast(buf, src=src)
+                with self._collective():
+                    dist.broadcast(buf, src=src)
                 t.copy_(buf.to(t.device))
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """``obj`` of every rank, in rank order, on every rank (picklable objects)."""
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with self._collective():
+            dist.all_gather_object(out, obj)
         return out
 
     def barrier(self) -> None:
-        dist.barrier()
+        with self._collective():
+            dist.barrier()
 
     @property
     def _comm_device(self) -> torch.device:
@@ -382,9 +441,10 @@ def rank_context(ctx: WorkerContext, dp: DataParallel, *, out: Any = None) -> Ra
         init_format=ctx.init_format,
     )
     rc.publisher = ctx.publisher  # global rank 0 stores its checkpoints in the artifact store first
-    rc._stop = ctx._stop  # the worker's SIGTERM handler sets the flag this rank reads
+    rc._stop = ctx._stop  # a stop asked of ``ctx`` is this rank's too
     rc._lock = ctx._lock
     rc.dist = dp
+    dp.ctx = rc
     return rc
 
 
@@ -460,7 +520,9 @@ def _rank_main(
     try:
         store = _store(plan, port, False, timeout_s)
         dp = _init_group(plan, local_rank, store, timeout_s)
-        target(rank_context(base, dp))
+        rc = rank_context(base, dp)
+        signal.signal(signal.SIGTERM, lambda *_: rc.stop_now())  # abandons a step, as in local rank 0
+        target(rc)
         dist.destroy_process_group()
     except UserError as exc:
         errors.put((local_rank, str(exc), False))
@@ -585,6 +647,9 @@ def launch(
     try:
         dp = _init_group(plan, 0, store, timeout_s)
         rc = rank_context(ctx, dp)
+        # The worker's SIGTERM handler stops ``ctx``; a step in progress is this rank's to abandon.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: rc.stop_now())
         target(rc)
         ctx.completed = rc.completed
         watchdog.done.set()

@@ -53,8 +53,9 @@ A crash of the whole process ends all tenants; the agent then reports each attem
 
 Protocol, JSON lines. Agent to host on stdin:
 ``{"op": "add", "assignment": PATH, "checkpoint_dir": PATH}`` (a serialized ``AssignTask``, as a
-worker gets it) and ``{"op": "stop", "task_id": ..., "attempt": ...}`` (checkpoint and stop at
-the next step boundary: cancel, drain, preemption, max_runtime). End of stdin: stop every tenant,
+worker gets it) and ``{"op": "stop", "task_id": ..., "attempt": ...}`` (cancel, drain,
+preemption, max_runtime: abandon the step in progress at its next abandon point and store the
+last completed step, as a worker does, :mod:`opentinker_trainer.workloads._keep`). End of stdin: stop every tenant,
 wait for them, exit. Host to agent on stdout: ``{"type": "host_ready", "pid": ...}`` once the base
 model is loaded, or ``{"type": "host_failed", "error", "retryable"}`` and exit 1; every worker
 report (:mod:`opentinker_trainer.worker`) with ``task_id`` and ``attempt`` added; and
@@ -333,6 +334,7 @@ class Tenant:
         Raises:
             Exception: whatever its own rollout raised (another tenant's failure is not raised here).
         """
+        from opentinker_trainer.context import abandon_point
         from opentinker_trainer.rl import rollout_batch
         from opentinker_trainer.rl.rollout import generate
         from opentinker_trainer.workloads import _rng
@@ -357,11 +359,13 @@ class Tenant:
             **kw,
         )
         training = host.model.training
+        abandon_point()  # a stopped tenant leaves its step before its rollout queues, or once it is back
         self._rng = _rng.rng_state()  # its streams while others hold the model
         outcome = host.turns.rollout(self, request, host.run_rollouts)
         _rng.restore_rng_state(self._rng)
         host.model.set_adapter(self.name)
         host.model.train(training)
+        abandon_point()
         if isinstance(outcome, BaseException):
             raise outcome
         if outcome.error is not None:
@@ -540,7 +544,8 @@ class ModelHost:
         thread.start()
 
     def stop(self, task_id: str, attempt: int) -> None:
-        """Ask a tenant to checkpoint and stop at its next step boundary."""
+        """Ask a tenant to stop: it abandons its step in progress at the step's next abandon point
+        (:func:`opentinker_trainer.context.abandon_point`) and stores its last completed step."""
         tenant = self.tenants.get((task_id, int(attempt)))
         if tenant is not None and tenant.ctx is not None:
             tenant.ctx.request_stop()

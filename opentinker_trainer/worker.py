@@ -6,7 +6,8 @@ channel) in its own process group, with ``CUDA_VISIBLE_DEVICES`` set to the assi
 folder comes from ``--checkpoint-dir``.
 
 Protocol to the agent: JSON lines on stdout, one object each, with ``type``:
-``started``; ``phase`` (phase, detail: ``loading model`` before the first step); ``metric``
+``started``; ``phase`` (phase, detail: ``loading model`` before the first step,
+``storing exit checkpoint`` before the checkpoint after a stop); ``metric``
 (step, values); ``checkpoint`` (step, path, final, format, and ``artifact``: key,
 manifest_sha256, total_bytes, backend once it is in the artifact store); ``checkpoint_failed``
 (step, error: a checkpoint that could not be stored); and exactly one of ``succeeded``,

@@ -1,9 +1,10 @@
 """How a task worker uses the artifact store: the node-local cache, checkpoint publishing, resume.
 
 * :func:`open_worker_store` asks the scheduler where artifacts live (``ArtifactService.DescribeStore``)
-  and returns the store to use: the scheduler's ``local`` store over gRPC
-  (:class:`~opentinker_common.artifacts.remote.RemoteArtifactStore`), or the ``s3`` bucket directly
-  with this process's AWS credentials. None when the worker has no scheduler (a bare worker run).
+  and returns the store to use, :class:`~opentinker_common.artifacts.remote.RemoteArtifactStore`
+  with the attempt's credential: the scheduler's ``local`` store over gRPC, or its ``s3`` bucket
+  by the URLs the scheduler presigns (the worker holds no S3 credentials). None when the worker
+  has no scheduler (a bare worker run).
 * :class:`ArtifactCache` keeps downloaded artifacts under ``<work_dir>/artifact-cache`` keyed by their
   manifest SHA-256, bounded in bytes, least recently used out first. A checkpoint this node wrote is
   put in the cache as it is published, so a resume on the same node downloads nothing.
@@ -13,7 +14,7 @@
   checkpoint that cannot be stored, the task fails with the reason.
 * :func:`fetch_checkpoint` gets the folder of an ``AssignTask`` checkpoint: a corrupt or missing
   one falls back to the task's previous complete checkpoint in the store.
-* :func:`fetch_dataset_artifact` gets an uploaded dataset from the ``s3`` store directly
+* :func:`fetch_dataset_artifact` gets an uploaded dataset from the ``s3`` store by presigned URLs
   (``datasets/<hex>``, where the scheduler puts every upload), through the same cache, its bytes
   checked against the dataset id's SHA-256 before they are cached.
 """
@@ -41,8 +42,6 @@ from opentinker_common.artifacts import (
     ArtifactNotFound,
     ArtifactRef,
     ArtifactStore,
-    S3ArtifactStore,
-    S3Location,
     checkpoint_key,
 )
 from opentinker_common.artifacts.remote import RemoteArtifactStore
@@ -95,18 +94,14 @@ def open_worker_store(env=None) -> tuple[ArtifactStore | None, StoreSettings]:
     if not target:
         return None, StoreSettings()
     channel, metadata = scheduler_channel(env=env)
-    remote = RemoteArtifactStore(channel, metadata, target=target)
-    desc = remote.describe_store()
+    desc = RemoteArtifactStore(channel, metadata, target=target).describe_store()
     settings = StoreSettings(
         backend=desc.backend or "local",
         checkpoint_retries=desc.checkpoint_retries or 3,
         max_failed_checkpoints=desc.max_failed_checkpoints or 3,
     )
-    if desc.backend == "s3":
-        s3 = desc.s3
-        store = S3ArtifactStore(S3Location(bucket=s3.bucket, endpoint=s3.endpoint, prefix=s3.prefix, region=s3.region))
-        return store, settings
-    return remote, settings
+    s3 = desc.s3 if desc.backend == "s3" else None
+    return RemoteArtifactStore(channel, metadata, target=target, s3=s3), settings
 
 
 # ------------------------------------------------------------------------------------ the cache

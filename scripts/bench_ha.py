@@ -22,7 +22,7 @@ Starts its own PostgreSQL on loopback (``initdb`` in a temporary folder, as the 
                 this load generator, over the timed loop (``CpuMeter``): on a small machine the
                 three share the cores, so a backend's CPU is throughput the scheduler loses.
   3. core       the scheduler's core alone, in this process, no gRPC: ``--tasks`` submits through
-                ``SchedulerCore.submit`` and its group commit (``durable``), ``--concurrency`` in
+                ``ClientApi.submit`` and its group commit (``durable``), ``--concurrency`` in
                 flight, on SQLite and on PostgreSQL (synchronous_commit on)
                 alternately (``--submit-rounds`` each): this process's CPU per submit (the
                 scheduler's share; PostgreSQL's own process is not counted) and submits/s;
@@ -436,7 +436,7 @@ async def _core_run(store, tmp: Path, tasks: int, concurrency: int, tag: str) ->
 
     async def worker() -> None:
         for i in todo:
-            task = await core.submit_grouped(spec(gpus=1), owner="bench", request_id=f"{tag}-{i}")
+            task = await core.api.submit_grouped(spec(gpus=1), owner="bench", request_id=f"{tag}-{i}")
             audit.record("task.submit", owner="bench", role="user", task_id=task.task_id, gpu_count=1, priority=1)
             await core.durable()
 

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         i = next(serial)
         spec = C.TaskSpec(workload_type="lora_finetune", model="bench/dummy-model", resources=C.Resources(gpu_count=1))
         spec.env_config.update({"env_id": "arithmetic"})
-        core.submit(spec, owner=f"owner-{i % a.owners:03d}")
+        core.api.submit(spec, owner=f"owner-{i % a.owners:03d}")
 
     # Fill: place what the quotas (or nodes) take, then let --pending wait behind them.
     while True:

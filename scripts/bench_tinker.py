@@ -5,8 +5,9 @@
    ``--batch`` chat conversations of the cookbook's example_data, then ``optim_step``) through the
    unmodified ``tinker`` SDK and the gateway, against the same datums sent to a session directly
    with ``opentinker_client`` (``RLClient.create_training_session``), same LoRA rank and Adam
-   settings. Seconds per step, median of ``--steps`` after one warm-up step each. The sides
-   alternate, each in its own session task on the same trainer. Goal: API / direct <= 1.1.
+   settings. Seconds per step, median of ``--steps`` after one warm-up step each. Each side's
+   client is a process in its own session, with its own session task on the same trainer; their
+   steps alternate. Goal: API / direct <= 1.1.
 2. **math_rl sampling**: the sampling of one ``math_rl``-shaped step (``--groups`` x ``--group-size``
    rollouts of arithmetic prompts, ``num_samples=1`` each, ``--max-tokens`` new tokens) from a
    sampler save: every rollout's ``sample`` at once, as the cookbook sends them (the gateway
@@ -54,53 +55,102 @@ def chat_tokens(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def sl_steps(service, args, sequences: list[list[int]], scheduler_url: str) -> tuple[list[float], list[float]]:
-    """Seconds of each timed SL step through the API and directly; the sides alternate (ABAB),
-    each in its own session task, after one warm-up step each."""
-    from tinker import types
+def sl_side(args) -> None:
+    """One side of the SL comparison, in a process of its own (``--side api|direct``): set up a
+    session, take a warm-up step, print ``ready``; then one step per ``step`` line on stdin, its
+    seconds printed; end the session at EOF."""
+    from transformers import AutoTokenizer
 
-    from opentinker_client import RLClient
-    from opentinker_client.training import Datum
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    sequences = conversations(tokenizer, args.batch, args.max_length)
+    if args.side == "api":
+        import tinker
+        from tinker import types
 
-    training = service.create_lora_training_client(base_model=args.model_name, rank=args.rank).result()
-    api_datums = [
-        types.Datum(
-            model_input=types.ModelInput.from_ints(s[:-1]),
-            loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * (len(s) - 1)},
-        )
-        for s in sequences
-    ]
-    client = RLClient(scheduler_url=scheduler_url)
-    session = client.create_training_session(args.model, lora_rank=args.rank, name="bench-tinker direct")
-    direct_datums = [Datum(input_tokens=s[:-1], target_tokens=s[1:], weights=[1.0] * (len(s) - 1)) for s in sequences]
+        service = tinker.ServiceClient()
+        training = service.create_lora_training_client(base_model=args.model_name, rank=args.rank).result()
+        datums = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(s[:-1]),
+                loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * (len(s) - 1)},
+            )
+            for s in sequences
+        ]
 
-    def api_step() -> float:
-        start = time.perf_counter()
-        fb = training.forward_backward(api_datums, "cross_entropy")
-        optim = training.optim_step(types.AdamParams(**ADAM))
-        fb.result()
-        optim.result()
-        return time.perf_counter() - start
+        def step() -> float:
+            start = time.perf_counter()
+            fb = training.forward_backward(datums, "cross_entropy")
+            optim = training.optim_step(types.AdamParams(**ADAM))
+            fb.result()
+            optim.result()
+            return time.perf_counter() - start
 
-    def direct_step() -> float:
-        start = time.perf_counter()
-        fb = session.forward_backward(direct_datums, "cross_entropy")
-        optim = session.optim_step(
-            ADAM["learning_rate"], beta1=ADAM["beta1"], beta2=ADAM["beta2"], eps=ADAM["eps"], max_grad_norm=0.0
-        )
-        fb.result()
-        optim.result()
-        return time.perf_counter() - start
+        def close() -> None:
+            service.close("success").result()
 
-    api, direct = [], []
+    else:
+        from opentinker_client import RLClient
+        from opentinker_client.training import Datum
+
+        client = RLClient(scheduler_url=args.scheduler_url)
+        session = client.create_training_session(args.model, lora_rank=args.rank, name="bench-tinker direct")
+        datums = [Datum(input_tokens=s[:-1], target_tokens=s[1:], weights=[1.0] * (len(s) - 1)) for s in sequences]
+
+        def step() -> float:
+            start = time.perf_counter()
+            fb = session.forward_backward(datums, "cross_entropy")
+            optim = session.optim_step(
+                ADAM["learning_rate"], beta1=ADAM["beta1"], beta2=ADAM["beta2"], eps=ADAM["eps"], max_grad_norm=0.0
+            )
+            fb.result()
+            optim.result()
+            return time.perf_counter() - start
+
+        def close() -> None:
+            client.cancel(session.task_id)
+
     try:
-        api_step(), direct_step()  # warm-up
-        for _ in range(args.steps):
-            api.append(api_step())
-            direct.append(direct_step())
+        step()  # warm-up
+        print("ready", flush=True)
+        for line in sys.stdin:
+            if line.strip() == "step":
+                print(f"{step():.6f}", flush=True)
     finally:
-        client.cancel(session.task_id)
-    return api, direct
+        close()
+
+
+def sl_steps(args, scheduler_url: str, env: dict) -> tuple[list[float], list[float]]:
+    """Seconds of each timed SL step through the API and directly. Each side is a process in its
+    own session (this kernel shares CPU per session) with its own session task; steps alternate
+    between the sides (ABAB) after one warm-up step each."""
+    import subprocess
+
+    sides = {}
+    for side in ("api", "direct"):
+        argv = [sys.executable, __file__, "--side", side, "--scheduler-url", scheduler_url, "--model", args.model]
+        argv += ["--model-name", args.model_name, "--rank", str(args.rank), "--batch", str(args.batch)]
+        argv += ["--max-length", str(args.max_length)]
+        sides[side] = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
+    try:
+        for side, proc in sides.items():
+            line = proc.stdout.readline().strip()
+            if line != "ready":
+                raise RuntimeError(f"the {side} side did not start (exit {proc.poll()}): {line!r}")
+        out: dict[str, list[float]] = {"api": [], "direct": []}
+        for i in range(args.steps):
+            for side in ("api", "direct") if i % 2 == 0 else ("direct", "api"):
+                proc = sides[side]
+                proc.stdin.write("step\n")
+                proc.stdin.flush()
+                out[side].append(float(proc.stdout.readline()))
+    finally:
+        for proc in sides.values():
+            proc.stdin.close()
+        for proc in sides.values():
+            proc.wait(timeout=120)
+    return out["api"], out["direct"]
 
 
 def sampling(service, model_name: str, rank: int, tokenizer, args) -> dict:
@@ -152,7 +202,12 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--side", choices=("api", "direct"), help=argparse.SUPPRESS)  # one SL side (sl_side)
+    ap.add_argument("--scheduler-url", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.side:
+        sl_side(args)
+        return
 
     from transformers import AutoTokenizer
 
@@ -170,10 +225,10 @@ def main() -> None:
             os.environ.update(
                 TINKER_BASE_URL=gateway.url, TINKER_API_KEY="tml-bench", TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1"
             )
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protos")])}
+            api, direct = sl_steps(args, cluster.url, env)
             import tinker
 
-            with tinker.ServiceClient() as service:
-                api, direct = sl_steps(service, args, sequences, cluster.url)
             with tinker.ServiceClient() as service:
                 sampled = sampling(service, args.model_name, args.rank, tokenizer, args)
         finally:
@@ -206,8 +261,8 @@ def main() -> None:
         goal="<= 1.1",
         settings={**settings, "tokens_per_step": tokens},
         notes="tinker 0.38.0 SDK through opentinker_gateway; scheduler, trainer and gateway on loopback; "
-        "sides alternate, each its own session task (worker process) on one trainer; Tinker's Adam "
-        "defaults on both; the SDK's client and the direct client share the bench process.",
+        "each side's client a process in its own session with its own session task on one trainer, "
+        "steps alternating; Tinker's Adam defaults on both.",
         details={"api_s": api, "direct_s": direct},
     )
     write_result(

@@ -2,8 +2,9 @@
 
 One interface (:class:`ArtifactStore`: put a folder, get a folder, list, delete, manifest) and
 its backends: :class:`LocalArtifactStore` (a folder; the scheduler's embedded default),
-:class:`S3ArtifactStore` (any S3-compatible store, boto3) and :class:`RemoteArtifactStore`
-(the scheduler's local store as trainers reach it over gRPC). Errors: :mod:`.errors`.
+:class:`S3ArtifactStore` (any S3-compatible store, boto3; the scheduler's, which presigns
+trainers' transfers) and :class:`RemoteArtifactStore` (the scheduler's store as trainers reach it:
+``local`` over gRPC, ``s3`` by presigned URLs). Errors: :mod:`.errors`.
 """
 
 from opentinker_common.artifacts.errors import (

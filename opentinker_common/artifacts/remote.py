@@ -1,10 +1,13 @@
-"""The trainer's view of the scheduler's ``local`` store, over ``opentinker.artifact.v1.ArtifactService``.
+"""The trainer's view of the scheduler's store, over ``opentinker.artifact.v1.ArtifactService``.
 
 Uploads announce the manifest (``BeginUpload``: the server says how many bytes of each file it
-holds), stream the missing bytes (``UploadChunks``, client-streaming, 1 MiB chunks) and commit
-(``CommitUpload``: the server checks every SHA-256 and writes the manifest last). When the
-connection breaks, the next try continues each file where the server's copy ends. Downloads
-stream manifest and bytes (``DownloadArtifact``) and check every file here too.
+holds), send the missing bytes and commit (``CommitUpload``: the server checks every SHA-256 and
+writes the manifest last). With the ``local`` backend the bytes stream to the scheduler
+(``UploadChunks``, client-streaming, 1 MiB chunks) and downloads stream back
+(``DownloadArtifact``). With ``s3`` they go straight between this process and the bucket, by the
+presigned PUT and GET URLs the scheduler answers (``BeginUpload``'s ``puts``,
+``PresignDownload``): the trainer holds no S3 credentials. When a transfer breaks, the next try
+continues with the files the store does not hold. Downloads check every file here too.
 """
 
 from __future__ import annotations
@@ -87,13 +90,16 @@ def error_from_rpc(exc: grpc.RpcError, target: str) -> ArtifactError:
 
 
 class RemoteArtifactStore(ArtifactStore):
-    """The scheduler's ``local`` artifact store, reached over ``channel`` (blocking).
+    """The scheduler's artifact store, reached over ``channel`` (blocking).
 
     Args:
         channel: to the scheduler. metadata: call metadata (the node's bearer key).
         target: the scheduler's address, for messages.
-        timeout_s: deadline of each unary call; streams get ``stream_timeout_s``.
-        resumes: how often one put continues after a broken stream before giving up.
+        timeout_s: deadline of each unary call; streams and presigned transfers get
+            ``stream_timeout_s``.
+        resumes: how often one put continues after a broken transfer before giving up.
+        s3: where the scheduler's ``s3`` store is (``DescribeStore``): bytes then go by presigned
+            URLs; None for the ``local`` store, whose bytes go through the scheduler.
     """
 
     backend = "remote"
@@ -107,6 +113,7 @@ class RemoteArtifactStore(ArtifactStore):
         timeout_s: float = 30.0,
         stream_timeout_s: float = 3600.0,
         resumes: int = 3,
+        s3: artifact_pb2.S3Location | None = None,
     ) -> None:
         self._stub = artifact_pb2_grpc.ArtifactServiceStub(channel)
         self._md = tuple(metadata)
@@ -114,8 +121,20 @@ class RemoteArtifactStore(ArtifactStore):
         self.timeout_s = timeout_s
         self.stream_timeout_s = stream_timeout_s
         self.resumes = resumes
+        self.s3 = s3
+        self._http = None
+        if s3 is not None:
+            import urllib3  # only a trainer of an s3 store needs it
+
+            self.backend = "s3"
+            # per socket operation, as the scheduler's own S3 client: a silent network fails the try
+            self._http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=10.0, read=60.0), retries=False)
 
     def describe(self) -> str:
+        if self.s3 is not None:
+            s3 = self.s3
+            where = f"s3://{s3.bucket}/{s3.prefix} at {s3.endpoint or 'AWS'}"
+            return f"S3 artifact store {where} (URLs presigned by the scheduler at {self.target})"
         return f"local artifact store of the scheduler at {self.target}"
 
     def _call(self, method, request, *, timeout: float | None = None):
@@ -145,7 +164,9 @@ class RemoteArtifactStore(ArtifactStore):
                 return m.ref()
             try:
                 received = list(begun.received_bytes)
-                if any(r < e.size_bytes for r, e in zip(received, m.files)):
+                if begun.puts:
+                    self._put_presigned(m, paths, begun.puts)
+                elif any(r < e.size_bytes for r, e in zip(received, m.files)):
                     chunks = _chunks(begun.upload_id, m, paths, received)
                     self._stub.UploadChunks(chunks, timeout=self.stream_timeout_s, metadata=self._md)
                 commit = artifact_pb2.CommitUploadRequest(upload_id=begun.upload_id)
@@ -162,8 +183,49 @@ class RemoteArtifactStore(ArtifactStore):
                 )
                 if not resumable:
                     raise last from None
+            except StoreUnavailable as exc:  # a presigned PUT that failed: sign again, send the rest
+                last = exc
         assert last is not None
         raise last
+
+    def _send(self, req: artifact_pb2.PresignedRequest, what: str, body=None, *, stream: bool = False):
+        """One presigned request; the response (its body unread when ``stream``).
+
+        Raises:
+            StoreUnavailable: the store cannot be reached, refused the URL (expired) or the bytes.
+        """
+        import urllib3
+
+        assert self._http is not None
+        where = self.describe()
+        try:
+            resp = self._http.request(
+                req.method, req.url, body=body, headers=dict(req.headers), preload_content=not stream
+            )
+        except urllib3.exceptions.HTTPError as exc:
+            raise self._unreachable(exc, what) from None
+        if resp.status == 404:
+            resp.release_conn()
+            raise ArtifactNotFound(f"{what}: not found in the {where}")
+        if resp.status >= 300:
+            detail = resp.data[:300].decode(errors="replace") if not stream else ""
+            resp.release_conn()
+            raise StoreUnavailable(f"{where}: {what}: HTTP {resp.status} {detail}".rstrip())
+        return resp
+
+    def _unreachable(self, exc: Exception, what: str) -> StoreUnavailable:
+        endpoint = (self.s3.endpoint if self.s3 is not None else "") or "AWS S3"
+        return StoreUnavailable(
+            f"S3 endpoint {endpoint} unreachable while {what} ({type(exc).__name__}); "
+            f"is the store running, and does this node reach {endpoint}?"
+        )
+
+    def _put_presigned(self, m: Manifest, paths: Mapping[str, Path], puts) -> None:
+        for req in puts:
+            entry = m.files[req.file_index]
+            with open(paths[entry.path], "rb") as f:
+                resp = self._send(req, f"writing {m.key}/{entry.path}", body=f)
+            resp.release_conn()
 
     # ------------------------------------------------------------------ get
     def manifest(self, key: str, *, expect_sha256: str = "") -> Manifest:
@@ -183,7 +245,40 @@ class RemoteArtifactStore(ArtifactStore):
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.target) from None
 
+    def _presigned_gets(self, key: str, expect_sha256: str) -> tuple[Manifest, list]:
+        resp = self._call(
+            self._stub.PresignDownload,
+            artifact_pb2.PresignDownloadRequest(key=key, expect_manifest_sha256=expect_sha256),
+        )
+        m = manifest_from_proto(resp.manifest)
+        if m.key != key or (expect_sha256 and m.sha256 != expect_sha256):
+            raise ArtifactCorrupt(f"artifact {key}: the scheduler sent another manifest; refusing it")
+        return m, list(resp.gets)
+
+    def _get_chunks(self, req, what: str, offset: int = 0) -> Iterator[bytes]:
+        import urllib3
+
+        if offset:
+            req = artifact_pb2.PresignedRequest(
+                file_index=req.file_index, method=req.method, url=req.url, expires_unix_s=req.expires_unix_s
+            )
+            req.headers["Range"] = f"bytes={offset}-"
+        resp = self._send(req, what, stream=True)
+        try:
+            yield from resp.stream(CHUNK_BYTES)
+        except urllib3.exceptions.HTTPError as exc:
+            raise self._unreachable(exc, what) from None
+        finally:
+            resp.release_conn()
+
     def read_chunks(self, manifest: Manifest, entry: FileEntry, *, offset: int = 0) -> Iterator[bytes]:
+        if self.s3 is not None:
+            if entry.size_bytes == 0 or offset >= entry.size_bytes:
+                return
+            _, gets = self._presigned_gets(manifest.key, manifest.sha256)
+            index = [f.path for f in manifest.files].index(entry.path)
+            yield from self._get_chunks(gets[index], f"reading {manifest.key}/{entry.path}", offset)
+            return
         index = [f.path for f in manifest.files].index(entry.path)
         for msg in self._download(manifest.key, manifest.sha256):
             if msg.WhichOneof("item") == "chunk" and msg.chunk.file_index == index:
@@ -196,6 +291,8 @@ class RemoteArtifactStore(ArtifactStore):
         dest = Path(dest)
         if dest.exists():
             raise InvalidArtifact(f"{dest}: already exists; get_folder writes a new folder")
+        if self.s3 is not None:
+            return self._get_folder_presigned(key, dest, expect_sha256)
         tmp = dest.with_name(f".{dest.name}.part-{uuid.uuid4().hex[:8]}")
         tmp.mkdir()
         m: Manifest | None = None
@@ -221,6 +318,33 @@ class RemoteArtifactStore(ArtifactStore):
         except BaseException:
             behind.close()
             _close(state)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        behind.close()
+        return m
+
+    def _get_folder_presigned(self, key: str, dest: Path, expect_sha256: str) -> Manifest:
+        m, gets = self._presigned_gets(key, expect_sha256)
+        if [g.file_index for g in gets] != list(range(len(m.files))):
+            raise ArtifactCorrupt(f"artifact {key}: the scheduler sent no URL for some of its files; refusing it")
+        tmp = dest.with_name(f".{dest.name}.part-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir()
+        behind = WriteBehind()
+        try:
+            for entry, req in zip(m.files, gets):
+                target = tmp / entry.path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                digest = hashlib.sha256()
+                with open(target, "wb", buffering=0) as f:
+                    if entry.size_bytes:
+                        for chunk in self._get_chunks(req, f"reading {key}/{entry.path}"):
+                            behind.submit(append_hashing, f, digest, chunk)
+                        behind.wait()
+                    size = f.tell()
+                verify(m, entry, size, digest.hexdigest())
+            os.rename(tmp, dest)
+        except BaseException:
+            behind.close()
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         behind.close()

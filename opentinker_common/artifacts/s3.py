@@ -4,6 +4,15 @@ Objects under the bucket's ``prefix``::
 
     <prefix><key>/.manifest.json     the commit point, written last
     <prefix><key>/.data/<path>       the files (multipart above 64 MiB), each with metadata sha256
+    <prefix>.uploads/<upload id>/    a presigned upload: announce.json, files/<index> (staged)
+
+Presigned uploads let a trainer without S3 credentials write: :meth:`S3ArtifactStore.begin_upload`
+stores the announced manifest and signs one PUT URL per file, bound to a staging object, its size
+and its SHA-256 (the store refuses other bytes); :meth:`~S3ArtifactStore.commit_upload` checks
+each staged object's size and checksum (HEAD), copies it under the key and writes the manifest
+last, conditional on none being there. Only the holder of these credentials (the scheduler)
+signs and commits; a staged upload never committed is removed by the bucket's lifecycle rule on
+``.uploads/``.
 
 Credentials come from the standard AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``AWS_PROFILE``, ``~/.aws/credentials``, instance roles), never from task specs or this
@@ -13,7 +22,10 @@ the client role does not need it.
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -37,10 +49,13 @@ from opentinker_common.artifacts.manifest import (
 )
 from opentinker_common.artifacts.store import ArtifactStore
 
-__all__ = ["S3Location", "S3ArtifactStore"]
+__all__ = ["S3Location", "S3ArtifactStore", "PresignedRequest", "S3UploadStatus"]
 
 MANIFEST_NAME = ".manifest.json"
 DATA_NAME = ".data"
+UPLOADS_NAME = ".uploads"
+#: The largest object one presigned PUT can write (bytes): S3's single-request limit.
+MAX_PUT_BYTES = 5 * 1024**3
 #: Files larger than this (bytes) are uploaded in parts of :data:`PART_BYTES`.
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
 PART_BYTES = 16 * 1024 * 1024
@@ -81,6 +96,34 @@ class S3Location:
         return f"s3://{self.bucket}/{self.prefix} at {self.endpoint or 'AWS'}"
 
 
+@dataclass(frozen=True)
+class PresignedRequest:
+    """One signed HTTP request: ``method`` ``url`` with exactly ``headers``, for file
+    ``file_index`` of a manifest, refused by the store after ``expires_unix_s``."""
+
+    file_index: int
+    method: str
+    url: str
+    headers: dict[str, str]
+    expires_unix_s: int
+
+
+@dataclass(frozen=True)
+class S3UploadStatus:
+    """An announced presigned upload: its id, the bytes staged of each file (manifest order),
+    whether the key already holds exactly this manifest, and a PUT for each file still to send."""
+
+    upload_id: str
+    received_bytes: tuple[int, ...]
+    committed: bool = False
+    puts: tuple[PresignedRequest, ...] = ()
+
+
+def _checksum(sha256_hex: str) -> str:
+    """The ``x-amz-checksum-sha256`` value (base64) of a hex SHA-256."""
+    return base64.b64encode(bytes.fromhex(sha256_hex)).decode()
+
+
 class S3ArtifactStore(ArtifactStore):
     """Artifacts in an S3 bucket. Thread-safe (one boto3 client, which is).
 
@@ -104,6 +147,9 @@ class S3ArtifactStore(ArtifactStore):
         from botocore.config import Config
 
         self.location = location
+        #: Held from the check that a key is free to its manifest's write, so two commits of
+        #: one key in this process cannot both copy their files under it.
+        self._commit_lock = threading.Lock()
         self._client = boto3.session.Session().client(
             "s3",
             endpoint_url=location.endpoint or None,
@@ -308,6 +354,198 @@ class S3ArtifactStore(ArtifactStore):
         except Exception as exc:  # noqa: BLE001 - mapped
             raise self._error(exc, f"deleting {key}") from None
         return existed or bool(data)
+
+    # ------------------------------------------------------------------ presigned uploads
+    def _staged(self, upload_id: str, *rest: str) -> str:
+        if not (len(upload_id) == 32 and all(c in "0123456789abcdef" for c in upload_id)):
+            raise InvalidArtifact(f"upload_id: expected 32 hex digits, got {upload_id[:40]!r}")
+        return self.location.prefix + "/".join((UPLOADS_NAME, upload_id, *rest))
+
+    def _staged_size(self, name: str, sha256_hex: str) -> int:
+        """Bytes of the staged object ``name`` when it holds the file with ``sha256_hex``, else 0."""
+        try:
+            head = self._client.head_object(Bucket=self.location.bucket, Key=name, ChecksumMode="ENABLED")
+        except Exception as exc:  # noqa: BLE001 - mapped
+            if isinstance(self._error(exc, f"reading {name}"), ArtifactNotFound):
+                return 0
+            raise
+        if head.get("ChecksumSHA256") != _checksum(sha256_hex):
+            return 0
+        return int(head["ContentLength"])
+
+    def begin_upload(self, m: Manifest, *, expires_s: int) -> S3UploadStatus:
+        """Announce ``m`` and sign a PUT, valid ``expires_s`` seconds, for each file not staged yet.
+        Idempotent: the same manifest gets the same upload id.
+
+        Raises:
+            InvalidArtifact: a file over 5 GiB. ArtifactExists: the key holds another committed
+                manifest. StoreUnavailable, StoreAuthError.
+        """
+        for f in m.files:
+            if f.size_bytes > MAX_PUT_BYTES:
+                raise InvalidArtifact(
+                    f"file {f.path!r}: {f.size_bytes} bytes is over the {MAX_PUT_BYTES} bytes one presigned PUT "
+                    "to the s3 store can write; split it"
+                )
+        upload_id = hashlib.sha256(m.to_json()).hexdigest()[:32]
+        try:
+            if self._committed(m):
+                return S3UploadStatus(upload_id, tuple(f.size_bytes for f in m.files), committed=True)
+            self._client.put_object(
+                Bucket=self.location.bucket,
+                Key=self._staged(upload_id, "announce.json"),
+                Body=m.to_json(),
+                ContentType="application/json",
+            )
+            received, puts = [], []
+            expires = int(time.time()) + expires_s
+            for i, f in enumerate(m.files):
+                name = self._staged(upload_id, "files", str(i))
+                held = self._staged_size(name, f.sha256)
+                received.append(held)
+                if held == f.size_bytes and f.size_bytes > 0:
+                    continue
+                checksum = _checksum(f.sha256)
+                url = self._client.generate_presigned_url(
+                    "put_object",
+                    Params={
+                        "Bucket": self.location.bucket,
+                        "Key": name,
+                        "ContentLength": f.size_bytes,
+                        "ChecksumSHA256": checksum,
+                    },
+                    ExpiresIn=expires_s,
+                )
+                headers = {"Content-Length": str(f.size_bytes), "x-amz-checksum-sha256": checksum}
+                puts.append(PresignedRequest(i, "PUT", url, headers, expires))
+        except Exception as exc:  # noqa: BLE001 - mapped
+            raise self._error(exc, f"starting the upload of {m.key}") from None
+        return S3UploadStatus(upload_id, tuple(received), puts=tuple(puts))
+
+    def _committed(self, m: Manifest) -> bool:
+        """Whether ``m.key`` holds exactly ``m`` (ArtifactExists: it holds another manifest)."""
+        try:
+            held = self._held_manifest(m.key)
+        except ArtifactCorrupt:
+            return False  # a manifest that does not parse commits nothing: it is written over
+        if held is None:
+            return False
+        if held.sha256 == m.sha256:
+            return True
+        raise ArtifactExists(
+            f"artifact {m.key} is already committed with other content (manifest sha256 {held.sha256[:16]}...); "
+            "committed artifacts are immutable: store it under a new key"
+        )
+
+    def upload_manifest(self, upload_id: str) -> Manifest:
+        """The manifest announced for ``upload_id``.
+
+        Raises:
+            ArtifactNotFound: unknown upload id. InvalidArtifact: not an upload id.
+        """
+        name = self._staged(upload_id, "announce.json")
+        try:
+            data = self._client.get_object(Bucket=self.location.bucket, Key=name)["Body"].read()
+        except Exception as exc:  # noqa: BLE001 - mapped
+            err = self._error(exc, f"reading upload {upload_id}")
+            if isinstance(err, ArtifactNotFound):
+                err = ArtifactNotFound(
+                    f"upload {upload_id} is unknown (finished, expired or never begun); begin it again"
+                )
+            raise err from None
+        return Manifest.from_json(data)
+
+    def commit_upload(self, upload_id: str) -> ArtifactRef:
+        """Check every staged file of the upload (size and SHA-256, by HEAD), copy each under the
+        key and write the manifest last, only where none is (``If-None-Match: *``).
+
+        Raises:
+            ArtifactNotFound: unknown upload. UploadIncomplete: a file is not staged with its size.
+            ArtifactCorrupt: a staged file's checksum is not the announced one (it is deleted: send
+            it again). ArtifactExists: the key holds another committed manifest (the upload is
+            dropped). StoreUnavailable, StoreAuthError.
+        """
+        from opentinker_common.artifacts.local import UploadIncomplete
+
+        m = self.upload_manifest(upload_id)
+        bucket = self.location.bucket
+        with self._commit_lock:
+            try:
+                if self._committed(m):
+                    self._drop_upload(upload_id)
+                    return m.ref()
+            except ArtifactExists:
+                self._drop_upload(upload_id)
+                raise
+            try:
+                for i, f in enumerate(m.files):
+                    name = self._staged(upload_id, "files", str(i))
+                    try:
+                        head = self._client.head_object(Bucket=bucket, Key=name, ChecksumMode="ENABLED")
+                    except Exception as exc:  # noqa: BLE001 - mapped
+                        if not isinstance(self._error(exc, name), ArtifactNotFound):
+                            raise
+                        raise UploadIncomplete(
+                            f"upload {upload_id}: file {f.path} holds 0 of {f.size_bytes} bytes; send it"
+                        ) from None
+                    if int(head["ContentLength"]) != f.size_bytes:
+                        raise UploadIncomplete(
+                            f"upload {upload_id}: file {f.path} holds {head['ContentLength']} of {f.size_bytes} bytes; "
+                            "send it again"
+                        )
+                    if head.get("ChecksumSHA256") != _checksum(f.sha256):
+                        self._client.delete_object(Bucket=bucket, Key=name)
+                        raise ArtifactCorrupt(
+                            f"upload of {m.key}: file {f.path} was staged without the announced SHA-256 "
+                            f"{f.sha256[:16]}...; dropped it, send it again"
+                        )
+                old = set(self._data_objects(m.key))
+                for i, f in enumerate(m.files):
+                    self._client.copy_object(
+                        Bucket=bucket,
+                        Key=self._obj(m.key, DATA_NAME, f.path),
+                        CopySource={"Bucket": bucket, "Key": self._staged(upload_id, "files", str(i))},
+                        Metadata={"sha256": f.sha256},
+                        MetadataDirective="REPLACE",
+                    )
+                try:
+                    self._client.put_object(
+                        Bucket=bucket,
+                        Key=self._obj(m.key, MANIFEST_NAME),
+                        Body=m.to_json(),
+                        ContentType="application/json",
+                        IfNoneMatch="*",
+                    )
+                except Exception as exc:  # noqa: BLE001 - mapped
+                    code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+                    if code != "PreconditionFailed" or not self._committed(m):
+                        raise
+                stale = old - {self._obj(m.key, DATA_NAME, f.path) for f in m.files}
+                self._delete_objects(sorted(stale))
+            except Exception as exc:  # noqa: BLE001 - mapped
+                raise self._error(exc, f"committing {m.key}") from None
+        self._drop_upload(upload_id)
+        return m.ref()
+
+    def _drop_upload(self, upload_id: str) -> None:
+        names = []
+        paginator = self._client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.location.bucket, Prefix=self._staged(upload_id) + "/"):
+            names.extend(o["Key"] for o in page.get("Contents", ()))
+        self._delete_objects(names)
+
+    def presign_get(self, m: Manifest, *, expires_s: int) -> list[PresignedRequest]:
+        """A GET, valid ``expires_s`` seconds, for each file of the committed ``m``, in its order."""
+        expires = int(time.time()) + expires_s
+        out = []
+        for i, f in enumerate(m.files):
+            url = self._client.generate_presigned_url(
+                "get_object",
+                Params={"Bucket": self.location.bucket, "Key": self._obj(m.key, DATA_NAME, f.path)},
+                ExpiresIn=expires_s,
+            )
+            out.append(PresignedRequest(i, "GET", url, {}, expires))
+        return out
 
 
 def sha256_bytes(data: bytes) -> str:

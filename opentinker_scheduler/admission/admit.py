@@ -22,7 +22,7 @@ and a later stage costs nothing when an earlier one refuses):
    (:mod:`~opentinker_scheduler.admission.spec_check`): INVALID_ARGUMENT, or RESOURCE_EXHAUSTED
    when no check slot comes free in time.
 5. **the core's own checks, then the write**
-   (:meth:`~opentinker_scheduler.state.core.SchedulerCore.submit_grouped`): ``request_id``
+   (:meth:`~opentinker_scheduler.state.client_api.ClientApi.submit_grouped`): ``request_id``
    length and reuse (INVALID_ARGUMENT, ALREADY_EXISTS; a reuse with the same spec returns the
    task it made), the default model, the whole spec (INVALID_ARGUMENT naming the field path; the
    environment is found cached from stage 4), a GPU count some node could ever offer,
@@ -58,7 +58,7 @@ def check_limits(limits: Limits, spec: common_pb2.TaskSpec, caller: Principal, *
     Raises:
         ResourceExhausted: a limit is reached; the message names it and its config key.
     """
-    queue = core.queue_config(caller.owner)  # its quota queue may set the per-owner limits
+    queue = core.queues.queue_config(caller.owner)  # its quota queue may set the per-owner limits
     where = f"queues[{queue[0]}].limits" if queue is not None else ""
     check_submit_rate(limits, caller, core=core)
     limits.check_spec_size(spec.ByteSize())
@@ -66,7 +66,7 @@ def check_limits(limits: Limits, spec: common_pb2.TaskSpec, caller: Principal, *
         caller.owner,
         lambda: (
             core.store.count_tasks(owner=caller.owner, states=(common_pb2.TASK_STATE_PENDING,))
-            + core.waiting_new_tasks(caller.owner)
+            + core.api.waiting_new_tasks(caller.owner)
         ),
         override=(queue[1].max_pending_per_owner, f"{where}.max_pending_per_owner") if queue is not None else None,
     )
@@ -79,7 +79,7 @@ def check_submit_rate(limits: Limits, caller: Principal, *, core: SchedulerCore)
     Raises:
         ResourceExhausted: the bucket is empty; the message says when to retry and the config key.
     """
-    queue = core.queue_config(caller.owner)
+    queue = core.queues.queue_config(caller.owner)
     rate = (
         (queue[1].submit_rate, queue[1].submit_burst, f"queues[{queue[0]}].limits.submit_rate")
         if queue is not None
@@ -125,7 +125,7 @@ async def admit(
     await _check(spec, caller, core=core, datasets=datasets, limits=limits, dataset_visible=dataset_visible)
     if gate is not None:
         gate.check_open()
-    return await core.submit_grouped(spec, owner=caller.owner, request_id=request_id)
+    return await core.api.submit_grouped(spec, owner=caller.owner, request_id=request_id)
 
 
 async def admit_dry_run(
@@ -148,7 +148,7 @@ async def admit_dry_run(
         Others: as for :func:`admit`.
 
     Returns:
-        :meth:`~opentinker_scheduler.state.core.SchedulerCore.estimate`'s ``(row, usage, basis)``.
+        :meth:`~opentinker_scheduler.state.client_api.ClientApi.estimate`'s ``(row, usage, basis)``.
 
     Raises:
         As :func:`admit`; nothing is written.
@@ -162,7 +162,7 @@ async def admit_dry_run(
         dataset_visible=dataset_visible,
         dataset_uploaded_at_submit=dataset_uploaded_at_submit,
     )
-    return core.estimate(spec, owner=caller.owner)
+    return core.api.estimate(spec, owner=caller.owner)
 
 
 async def _check(
@@ -181,7 +181,7 @@ async def _check(
     check_references(  # local paths first (stage 2), then the dataset and init_from (stage 3)
         spec,
         datasets=datasets,
-        get_task=core.get,
+        get_task=core.api.get,
         owner=caller.owner,
         default_model=core.config.default_model,
         dataset_visible=dataset_visible,

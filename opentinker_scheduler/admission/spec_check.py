@@ -2,7 +2,7 @@
 
 Validating ``spec.env_config`` may build the environment (gymnasium ``make``, a PettingZoo
 ``parallel_env``) to compare its spaces with the seed's (:mod:`opentinker_common.spec.gym`,
-:mod:`opentinker_common.spec.multiagent`). Done inside ``SchedulerCore.submit`` on the event loop,
+:mod:`opentinker_common.spec.multiagent`). Done inside ``ClientApi.submit`` on the event loop,
 one heavy spec (``mpe2/simple_spread_v3`` with ``N: 3200``: 24 s, +600 MB) blocked every RPC,
 ``/health`` and the node heartbeats. So ``SubmitTask`` first runs
 :func:`~opentinker_common.spec.validate_env_config` here:
@@ -18,9 +18,9 @@ one heavy spec (``mpe2/simple_spread_v3`` with ``N: 3200``: 24 s, +600 MB) block
   runs (:data:`REMEMBER_TOO_SLOW` of them are kept).
 
 The env-building checks are ``functools.lru_cache``-d on (env id, env_kwargs), so the
-``spec_from_proto`` that ``SchedulerCore.submit`` runs next on the loop finds the result cached
+``spec_from_proto`` that ``ClientApi.submit`` runs next on the loop finds the result cached
 and builds nothing. An ``env_config`` that passed once is not sent to a thread again (the last
-:data:`REMEMBER_PASSED` are kept): the check is a pre-check of what ``SchedulerCore.submit``
+:data:`REMEMBER_PASSED` are kept): the check is a pre-check of what ``ClientApi.submit``
 validates anyway, and the hop to a thread and back was a fifth of a typical submit's CPU.
 
 A refused ``env_config`` is refused with its own problems (every bad key of it, as field

@@ -15,6 +15,7 @@ from opentinker_scheduler.policy.quota import QueueQuota
 from opentinker_scheduler.security.audit import ACTIONS
 from opentinker_scheduler.security.bundle import Security
 from opentinker_scheduler.security.keys import KeyRow, KeyStore, Principal, key_prefix
+from opentinker_scheduler.state.scale_signal import desired_trainers
 
 _ROLE_TO_PB = {
     "admin": admin_pb2.API_KEY_ROLE_ADMIN,
@@ -190,8 +191,8 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     async def ListQueues(self, request, call: Call):
         self._no_node(call.who, "list queues")
         core = self._core()
-        usage = core.usage_rollup()[1]
-        queues = [queue_to_proto(core, row, usage.get(row[0])) for row in core.queue_rows()]
+        usage = core.usage.rollup(core.active.values())[1]
+        queues = [queue_to_proto(core, row, usage.get(row[0])) for row in core.queues.rows(refresh=not core.leading)]
         if not call.who.is_admin:
             queues = [q for q in queues if _private_view(q, call.who.owner)]
         return admin_pb2.ListQueuesResponse(queues=queues)
@@ -207,7 +208,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             )
         quota = quota_from_proto(q)
         core = self._core()
-        before = core.set_queue(quota, by=who.owner)
+        before = core.queues.set_queue(quota, by=who.owner)
         call.detail.update(
             gpus=quota.gpus,
             cpu_tasks=quota.cpu_tasks,
@@ -216,9 +217,9 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             owners=list(quota.owners),
             previous=None if before is None else {"gpus": before.gpus, "cpu_tasks": before.cpu_tasks},
         )
-        rows = {row[0]: row for row in core.queue_rows()}
+        rows = {row[0]: row for row in core.queues.rows(refresh=not core.leading)}
         out = admin_pb2.SetQueueQuotaResponse(
-            queue=queue_to_proto(core, rows[quota.name], core.usage_rollup()[1].get(quota.name))
+            queue=queue_to_proto(core, rows[quota.name], core.usage.rollup(core.active.values())[1].get(quota.name))
         )
         if before is not None:
             out.previous.CopyFrom(_quota_proto(before))
@@ -236,7 +237,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         if bad:
             raise InvalidArgument(f"name: expected {bad}, got {request.name[:80]!r}")
         core = self._core()
-        now, removed = core.reset_queue(request.name)
+        now, removed = core.queues.reset_queue(request.name)
         call.detail.update(
             removed=None
             if removed is None
@@ -259,14 +260,17 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             )
             out.removed.overridden = True
             _stamp(out.removed, removed)
-        rows = {row[0]: row for row in core.queue_rows()}
+        rows = {row[0]: row for row in core.queues.rows(refresh=not core.leading)}
         if now is not None and request.name in rows:
-            out.queue.CopyFrom(queue_to_proto(core, rows[request.name], core.usage_rollup()[1].get(request.name)))
+            out.queue.CopyFrom(
+                queue_to_proto(core, rows[request.name], core.usage.rollup(core.active.values())[1].get(request.name))
+            )
         return out
 
     @rpc()
     async def GetDesiredTrainers(self, request, call: Call):
         self._no_node(call.who, "read the scale signal")
+        core = self._core()
         return admin_pb2.GetDesiredTrainersResponse(
             node_classes=[
                 admin_pb2.NodeClassDemand(
@@ -275,7 +279,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
                     connected_trainers=d.connected,
                     pending_gpus=d.pending_gpus,
                 )
-                for d in self._core().desired_trainers()
+                for d in desired_trainers(core.config, core.ledger, core.queue, core.queues.book)
             ]
         )
 
@@ -343,8 +347,9 @@ def _stamp(out: admin_pb2.Queue, override) -> None:
 
 
 def queue_to_proto(core, row, usage=None) -> admin_pb2.Queue:
-    """One row of :meth:`SchedulerCore.queue_rows` as a ``Queue``, with the per-owner limits, the
-    accounted usage, the config's values and the runtime override (when and by whom)."""
+    """One row of :meth:`~opentinker_scheduler.state.quota_queues.QuotaQueues.rows` as a ``Queue``,
+    with the per-owner limits, the accounted usage, the config's values and the runtime override
+    (when and by whom)."""
     name, quota, (gpus, cpu_tasks), pending, share = row
     out = _quota_proto(quota) if quota is not None else admin_pb2.Queue(name=name, limited=False)
     out.gpus_in_use, out.cpu_tasks_in_use, out.pending_tasks = gpus, cpu_tasks, pending
@@ -362,7 +367,7 @@ def queue_to_proto(core, row, usage=None) -> admin_pb2.Queue:
                 QueueQuota(own.name, own.gpus, own.cpu_tasks, own.borrowing_gpus, own.borrowing_cpu_tasks, own.owners)
             )
         )
-    override = core.queue_override(name)
+    override = core.queues.override(name)
     if override is not None:
         out.overridden = True
         _stamp(out, override)

@@ -11,11 +11,14 @@ Who may do what (roles: :mod:`opentinker_scheduler.security.auth`):
   CommitUpload) only keys under ``tasks/<task>/a<attempt>/`` of its own attempt, and only while
   that attempt is assigned to or running on its node, checked at every call (a fenced worker
   that heals after its attempt moved on lands nothing); reads (StatArtifact, DownloadArtifact,
-  ListArtifacts) only the tasks of its task's owner, and only while its attempt runs. A write
-  elsewhere is PERMISSION_DENIED naming the key and the attempt; a read of another owner's
-  artifact is NOT_FOUND, as a missing one.
+  ListArtifacts, PresignDownload) only the tasks and datasets of its task's owner, and only while
+  its attempt runs. A write elsewhere is PERMISSION_DENIED naming the key and the attempt; a read
+  of another owner's artifact is NOT_FOUND, as a missing one.
 * ``node`` (the agent's key): DescribeStore only; it neither writes nor reads artifacts (its
   workers, and a model host's tenants, hold their own credentials).
+
+With the ``s3`` backend BeginUpload answers presigned PUT URLs and PresignDownload presigned GET
+URLs: the same checks decide who gets one, and trainers hold no S3 credentials.
 
 Committed artifacts are immutable for everyone (``ALREADY_EXISTS``; the same manifest again is a
 success): :mod:`opentinker_common.artifacts.local`.
@@ -50,6 +53,7 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
         require_leader=None,
         attempt_refusal=None,
         task_owner=None,
+        dataset_visible=None,
     ) -> None:
         self.artifacts = artifacts
         self.security = security
@@ -60,6 +64,8 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
         self._attempt_refusal = attempt_refusal or (lambda scope: None)
         #: ``task_owner(task_id)``: the task's owner, or None when there is no such task.
         self._task_owner = task_owner or (lambda task_id: None)
+        #: ``dataset_visible(dataset_id, owner)``: whether ``owner`` may use that dataset.
+        self._dataset_visible = dataset_visible or (lambda dataset_id, owner: False)
 
     def _may_write(self, key: str) -> None:
         """Refuse a write of ``key`` by a caller that may not write it now.
@@ -86,11 +92,14 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
             raise PermissionDenied(f"{key}: {refusal}; only the current attempt on its node writes its checkpoints")
 
     def _readable(self, key: str, who: Principal) -> bool:
-        """Whether ``who`` may read ``key``: a worker reads the tasks of its task's owner."""
+        """Whether ``who`` may read ``key``: a worker reads the tasks and datasets (``datasets/<hex>``)
+        of its task's owner."""
         scope: AttemptScope | None = who.attempt
         if scope is None:
             return True
         parts = key.split("/")
+        if len(parts) == 2 and parts[0] == "datasets":
+            return self._dataset_visible(f"sha256:{parts[1]}", scope.owner)
         return len(parts) > 1 and parts[0] == "tasks" and self._task_owner(parts[1]) == scope.owner
 
     def _may_read(self, key: str) -> None:
@@ -175,6 +184,11 @@ class ArtifactService(artifact_pb2_grpc.ArtifactServiceServicer):
         self._may_read(request.key)
         manifest = await asyncio.to_thread(self.artifacts.stat, request.key, request.expect_manifest_sha256)
         return artifact_pb2.StatArtifactResponse(manifest=manifest)
+
+    @rpc()
+    async def PresignDownload(self, request, call: Call):
+        self._may_read(request.key)
+        return await asyncio.to_thread(self.artifacts.presign_download, request.key, request.expect_manifest_sha256)
 
     async def DownloadArtifact(self, request, context):
         try:

@@ -409,7 +409,7 @@ class Dashboard:
 
         def read():
             rows = []
-            for n in sorted(core.nodes.values(), key=lambda n: n.node_id):
+            for n in sorted(core.ledger.nodes.values(), key=lambda n: n.node_id):
                 cap = n.capacity()
                 rows.append(
                     dict(
@@ -508,7 +508,7 @@ class Dashboard:
             for position, t in enumerate(core.queue, start=1):
                 if scope is None or t.owner == scope:
                     pending.append(
-                        (position, t, core.pending_reason(t.task_id) or "waiting for the next placement round")
+                        (position, t, core.reasons.reason(t.task_id) or "waiting for the next placement round")
                     )
             running = [t for t in core.active.values() if scope is None or t.owner == scope]
             return pending, sorted(running, key=lambda t: t.create_time), len(core.queue)
@@ -586,7 +586,7 @@ class Dashboard:
     def _get(self, task_id: str, scope: str | None):
         core = self.core
         try:
-            return core.get(task_id, owner=scope)
+            return core.api.get(task_id, owner=scope)
         except SchedulerError as exc:
             raise _Refusal("404 Not Found", str(exc)) from None
 
@@ -597,7 +597,7 @@ class Dashboard:
             task = self._get(task_id, scope)
             events = core.store.events_after(task_id, 0, limit=5000)
             ckpts = checkpoints.list_checkpoints(core.store, task_id)
-            reason = core.pending_reason(task_id) if task.state == S.TASK_STATE_PENDING else ""
+            reason = core.reasons.reason(task_id) if task.state == S.TASK_STATE_PENDING else ""
             # The steps of the charts each attempt ran (a step run again is its newest attempt's).
             charted: dict[int, list[int]] = {}
             for p in core.store.metric_points(task_id):
@@ -836,7 +836,7 @@ class Dashboard:
 
         def cancel():
             try:
-                task = core.cancel(task_id, owner=scope, reason=reason)
+                task = core.api.cancel(task_id, owner=scope, reason=reason)
             except SchedulerError as exc:
                 record(self.security, "task.cancel", who, exc, task_id=task_id[:128], via="dashboard")
                 raise _Refusal("404 Not Found", str(exc)) from None

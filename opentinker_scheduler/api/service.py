@@ -30,7 +30,8 @@ from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, Not
 from opentinker_scheduler.security import endpoint_tokens
 from opentinker_scheduler.security.auth import caller, owner_scope
 from opentinker_scheduler.security.bundle import Security
-from opentinker_scheduler.state.core import SchedulerCore, new_task_id
+from opentinker_scheduler.state.client_api import new_task_id
+from opentinker_scheduler.state.core import SchedulerCore
 from opentinker_scheduler.state.store import TaskRow
 
 #: Longest checkpoint TTL (SetCheckpointTtl), in seconds: ten years.
@@ -132,7 +133,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 if endpoint is not None and endpoint[0] == task.attempt:
                     out.endpoint = endpoint[1]
             return out
-        return task_to_proto(task, self.core.pending_reason(task.task_id) or "waiting for the next placement round")
+        return task_to_proto(task, self.core.reasons.reason(task.task_id) or "waiting for the next placement round")
 
     @rpc(action="task.submit", gate="gate")
     async def SubmitTask(self, request, call: Call):
@@ -156,7 +157,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 dataset_uploaded_at_submit=request.dataset_uploaded_at_submit,
             )
             out = task_to_proto(row)
-            out.queue = self.core.quotas.queue_of(row.owner)
+            out.queue = self.core.queues.book.queue_of(row.owner)
             out.pending_reason = row.error
             out.error = ""
             return scheduler_pb2.SubmitTaskResponse(task=out, estimate=usage, estimate_basis=basis)
@@ -176,15 +177,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     @rpc()
     async def GetTask(self, request, call: Call):
-        task = self.core.get(request.task_id, owner=owner_scope())
+        task = self.core.api.get(request.task_id, owner=owner_scope())
         out = self._task(task)
-        out.usage.CopyFrom(self.core.task_usage(task))
-        out.queue = self.core.quotas.queue_of(task.owner)
+        out.usage.CopyFrom(self.core.usage.task_usage(task))
+        out.queue = self.core.queues.book.queue_of(task.owner)
         return scheduler_pb2.GetTaskResponse(task=out)
 
     @rpc()
     async def IssueEndpointToken(self, request, call: Call):
-        task = self.core.get(request.task_id, owner=owner_scope())
+        task = self.core.api.get(request.task_id, owner=owner_scope())
         if task.workload_type not in ENDPOINT_WORKLOADS:
             raise FailedPrecondition(
                 f"task_id: task {request.task_id} is a {task.workload_type} task, which serves no endpoint; "
@@ -208,9 +209,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                     f"this endpoint token is for task {who.endpoint_task}, not for task {request.endpoint_task_id}"
                 )
             scope = None if who.endpoint_admin else who.owner
-        self.core.get(request.endpoint_task_id, owner=scope)  # the task changed hands: NOT_FOUND
+        self.core.api.get(request.endpoint_task_id, owner=scope)  # the task changed hands: NOT_FOUND
         if request.task_id and request.task_id != request.endpoint_task_id:
-            self.core.get(request.task_id, owner=scope)
+            self.core.api.get(request.task_id, owner=scope)
         return scheduler_pb2.AuthorizeEndpointResponse()
 
     @rpc()
@@ -223,7 +224,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 "user keys read their own owner's only (leave owner empty)"
             )
         since = request.since.ToNanoseconds() / 1e9 if request.HasField("since") else None
-        by_owner, by_queue, queues = self.core.usage_rollup(owner=owner, since=since)
+        by_owner, by_queue, queues = self.core.usage.rollup(self.core.active.values(), owner=owner, since=since)
         return scheduler_pb2.GetUsageResponse(
             owners=[
                 scheduler_pb2.UsageRow(name=k, usage=v, queue=queues.get(k, "")) for k, v in sorted(by_owner.items())
@@ -276,7 +277,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def CancelTask(self, request, call: Call):
         call.detail.update(task_id=request.task_id[:128])
         self.core.require_leader()
-        task = self.core.cancel(request.task_id, owner=owner_scope(), reason=request.reason)
+        task = self.core.api.cancel(request.task_id, owner=owner_scope(), reason=request.reason)
         call.detail.update(task_id=task.task_id, reason=request.reason[:500])
         self.core.schedule()
         return scheduler_pb2.CancelTaskResponse(task=self._task(task))
@@ -285,12 +286,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def DeleteTaskArtifacts(self, request, call: Call):
         call.detail.update(task_id=request.task_id[:128])
         self.core.require_leader()
-        task = self.core.artifacts_deletable(request.task_id, owner=owner_scope())  # owner rules, task ended
+        task = self.core.api.artifacts_deletable(request.task_id, owner=owner_scope())  # owner rules, task ended
         if self.artifacts is None:
             raise FailedPrecondition("DeleteTaskArtifacts: this scheduler has no artifact store")
-        self.core.artifacts_deleting(task.task_id)  # no init_from or assignment takes it while it goes
+        self.core.table.artifacts_deleting(task.task_id)  # no init_from or assignment takes it while it goes
         keys, size = await asyncio.to_thread(self.artifacts.delete_task, task.task_id)
-        task = self.core.artifacts_deleted(task.task_id, keys=len(keys), size_bytes=size, by=call.who.owner)
+        task = self.core.table.artifacts_deleted(task.task_id, keys=len(keys), size_bytes=size, by=call.who.owner)
         call.detail.update(keys=len(keys), bytes=size)
         log.info("task artifacts deleted", task_id=task.task_id, keys=len(keys), bytes=size)
         return scheduler_pb2.DeleteTaskArtifactsResponse(task=self._task(task), deleted_keys=keys, deleted_bytes=size)
@@ -300,7 +301,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         rules, an artifact store, the key listed for the task."""
         call.detail.update(task_id=request.task_id[:128], artifact_key=request.artifact_key[:256])
         self.core.require_leader()
-        task = self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
+        task = self.core.api.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
         if not request.artifact_key:
             raise InvalidArgument("artifact_key: expected a checkpoint's artifact key (ListCheckpoints), got ''")
         if self.artifacts is None:
@@ -343,7 +344,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         the task has ended and its terminal event was sent. A store error ends the stream with
         UNAVAILABLE (``STORE_UNAVAILABLE``): the client resumes after the last sequence it got."""
         try:
-            self.core.get(request.task_id, owner=owner_scope())
+            self.core.api.get(request.task_id, owner=owner_scope())
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await abort_mapped(context, exc)
         # Headers now, not with the first event: a client can tell a quiet watch from a frozen
@@ -356,7 +357,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 # transition the leader commits between them is then in the events read. The
                 # other order could see an ended task whose terminal event it never read. The
                 # same holds for a worker still stopping, whose last checkpoint may yet come.
-                stopping = request.task_id in self.core.stopping
+                stopping = request.task_id in self.core.table.stopping
                 task = self.core.store.get_task(request.task_id)
                 events = self.core.store.events_after(request.task_id, seq, limit=500)
                 if events:
@@ -375,11 +376,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             if task is None or (task.terminal and not stopping):
                 return
             # A follower is never told of changes (the leader writes them): it looks again soon.
-            await self.core.wait_changed(timeout=1.0 if self.core.leading else FOLLOWER_WATCH_POLL_S)
+            await self.core.changes.wait_changed(timeout=1.0 if self.core.leading else FOLLOWER_WATCH_POLL_S)
 
     @rpc()
     async def GetMetrics(self, request, call: Call):
-        task = self.core.get(request.task_id, owner=owner_scope())
+        task = self.core.api.get(request.task_id, owner=owner_scope())
         resp = scheduler_pb2.GetMetricsResponse(
             task_id=task.task_id, latest=task.latest_metrics, latest_step=task.latest_step
         )
@@ -450,7 +451,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     @rpc()
     async def ListCheckpoints(self, request, call: Call):
         if owner_scope() is not None:
-            self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
+            self.core.api.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
         return scheduler_pb2.ListCheckpointsResponse(
             checkpoints=checkpoints.list_checkpoints(self.core.store, request.task_id),
             artifacts_deleted=self.core.store.artifacts_deleted(request.task_id),
@@ -460,7 +461,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def DownloadCheckpoint(self, request, context):
         try:
             if owner_scope() is not None:
-                self.core.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
+                self.core.api.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
             if request.artifact_key:
                 ckpt = checkpoints.checkpoint_with_key(self.core.store, request.task_id, request.artifact_key)
             else:
@@ -504,7 +505,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             ck.artifact.total_bytes = ref.total_bytes
             ck.artifact.backend = self.core.config.artifacts.backend
             detail.update(total_bytes=ref.total_bytes)
-            task = self.core.import_adapter(
+            task = self.core.api.import_adapter(
                 task_id=task_id, owner=who.owner, model=received.model, name=received.name, checkpoint=ck
             )
             detail.update(task_id=task.task_id)
@@ -522,7 +523,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def ListNodes(self, request, call: Call):
         self.core.require_leader()  # nodes and their telemetry live in the leader's memory
         nodes = []
-        for n in self.core.nodes.values():  # sorted below, with the pool nodes not seen
+        for n in self.core.ledger.nodes.values():  # sorted below, with the pool nodes not seen
             cap = n.capacity()
             msg = scheduler_pb2.Node(
                 node_id=n.node_id,
@@ -703,7 +704,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         """Raises PermissionDenied when the caller is a task worker whose attempt has ended or
         moved on: its credential reads only while its attempt runs."""
         scope = caller().attempt
-        refusal = self.core.attempt_refusal(scope) if scope is not None else None
+        refusal = self.core.api.attempt_refusal(scope) if scope is not None else None
         if refusal is not None:
             raise PermissionDenied(f"{refusal}; its credential reads nothing more")
 
@@ -713,7 +714,7 @@ class NodeService(node_pb2_grpc.NodeServiceServicer):
         if not request.task_id:
             raise InvalidArgument("task_id: expected a task id, got an empty string")
         # a task worker looks up its owner's tasks only; another owner's is NOT_FOUND
-        task = self._views._task(self.core.get(request.task_id, owner=owner_scope()))
+        task = self._views._task(self.core.api.get(request.task_id, owner=owner_scope()))
         deleted = None if task.HasField("latest_checkpoint") else self.core.store.artifacts_deleted(task.task_id)
         listed = checkpoints.list_checkpoints(self.core.store, task.task_id) if request.include_checkpoints else []
         return node_pb2.LookupTaskResponse(task=task, artifacts_deleted=deleted, checkpoints=listed)

@@ -4,15 +4,16 @@
 
     artifacts:
       backend: local            # local (default: under state_dir/artifacts, trainers upload over gRPC)
-                                # or s3 (trainers read and write the bucket themselves)
+                                # or s3 (trainers move bytes with URLs the scheduler presigns)
       keep_checkpoints: 3       # newest periodic checkpoints kept per task, besides the final one
       checkpoint_retries: 3     # tries of one checkpoint upload (backoff 1, 2, 4 ... s) before it counts as failed
       max_failed_checkpoints: 3 # checkpoints in a row that could not be stored before the task FAILs
-      s3:                       # backend s3 only; credentials from the AWS environment or files
+      s3:                       # backend s3 only; the scheduler's credentials from the AWS environment or files
         endpoint: http://seaweedfs:8333   # empty: AWS S3 itself
         bucket: opentinker
         prefix: cluster-a/      # optional
         region: us-east-1       # optional
+        presign_expires_s: 900  # optional: seconds a presigned PUT or GET URL stays valid
 
 The scheduler refuses to start when the ``s3`` store cannot be reached or refuses its
 credentials, naming the endpoint (``opentinker_scheduler.data.artifact_store.open_artifact_store``).
@@ -33,6 +34,8 @@ class S3Config:
     endpoint: str = ""
     prefix: str = ""
     region: str = "us-east-1"
+    #: Seconds a presigned PUT or GET URL stays valid; it must cover the transfer of one file.
+    presign_expires_s: int = 900
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,11 @@ def parse_artifacts(r, node) -> ArtifactsConfig:
         if key in m:
             kw[key] = r.scalar(m[key][1], f"artifacts.{key}", int, lo, hi)
     if "s3" in m:
-        s = r.mapping(m["s3"][1], "artifacts.s3", {"endpoint": "", "bucket": "", "prefix": "", "region": ""})
+        s = r.mapping(
+            m["s3"][1],
+            "artifacts.s3",
+            {"endpoint": "", "bucket": "", "prefix": "", "region": "", "presign_expires_s": ""},
+        )
         if "bucket" not in s:
             raise r.fail(m["s3"][1], "artifacts.s3.bucket", "a bucket name (required)")
         bucket = r.scalar(s["bucket"][1], "artifacts.s3.bucket", str)
@@ -81,7 +88,12 @@ def parse_artifacts(r, node) -> ArtifactsConfig:
             want = f"/-separated parts of letters, digits and ._-, got {prefix!r}"
             raise r.fail(s["prefix"][1], "artifacts.s3.prefix", want)
         region = r.scalar(s["region"][1], "artifacts.s3.region", str) if "region" in s else "us-east-1"
-        kw["s3"] = S3Config(bucket=bucket, endpoint=endpoint.rstrip("/"), prefix=prefix, region=region)
+        expires = 900
+        if "presign_expires_s" in s:
+            expires = r.scalar(s["presign_expires_s"][1], "artifacts.s3.presign_expires_s", int, 1, 43200)
+        kw["s3"] = S3Config(
+            bucket=bucket, endpoint=endpoint.rstrip("/"), prefix=prefix, region=region, presign_expires_s=expires
+        )
     cfg = ArtifactsConfig(**kw)
     if cfg.backend == "s3" and cfg.s3 is None:
         raise r.fail(node, "artifacts.s3", "an s3: section (bucket, endpoint) with backend: s3")

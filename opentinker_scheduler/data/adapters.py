@@ -4,7 +4,7 @@ The stream's header names every file (path, size, SHA-256); the chunks are writt
 folder under the scheduler's state folder, each file checked against the header, the folder
 checked as a LoRA adapter (:func:`check_adapter_folder`), then put into the artifact store under
 the new task's final-checkpoint key. The task itself is made by the core
-(:meth:`~opentinker_scheduler.state.core.SchedulerCore.import_adapter`) only after that, so a
+(:meth:`~opentinker_scheduler.state.client_api.ClientApi.import_adapter`) only after that, so a
 failed import leaves neither files nor a task.
 
 What is checked here, without torch (the scheduler has none): ``adapter_config.json`` is a JSON

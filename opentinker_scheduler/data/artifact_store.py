@@ -2,8 +2,9 @@
 
 Backends (``artifacts.backend`` in the config, :mod:`opentinker_scheduler.config.artifacts`):
 ``local`` keeps artifacts under ``<state_dir>/artifacts`` and receives trainers' uploads over
-``opentinker.artifact.v1.ArtifactService``; ``s3`` names a bucket that trainers write directly,
-and the scheduler only reads it (client downloads) and deletes from it (retention).
+``opentinker.artifact.v1.ArtifactService``; ``s3`` names a bucket only the scheduler holds
+credentials for: it presigns each trainer's PUTs and GETs after the ArtifactService's checks,
+commits uploads itself, reads the bucket for client downloads and deletes from it (retention).
 
 Retention (:func:`retention_plan`, run by :class:`Retention` after every checkpoint a trainer
 reports, on both backends): per task, every final checkpoint and the newest
@@ -35,6 +36,7 @@ from opentinker_common.artifacts import (
 )
 from opentinker_common.artifacts.manifest import CHUNK_BYTES, MAX_KEY_CHARS
 from opentinker_common.artifacts.remote import manifest_from_proto, manifest_to_proto
+from opentinker_common.artifacts.s3 import PresignedRequest
 
 from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.config.artifacts import ArtifactsConfig
@@ -87,9 +89,13 @@ class Artifacts:
         if not isinstance(self.store, LocalArtifactStore):
             raise FailedPrecondition(
                 f"the artifact store is {self.store.backend} ({self.store.describe()}): "
-                "trainers write it directly, not through the scheduler"
+                "trainers PUT the files to the URLs BeginUpload presigns, not through the scheduler"
             )
         return self.store
+
+    @property
+    def presign_expires_s(self) -> int:
+        return self.config.s3.presign_expires_s if self.config.s3 is not None else 900
 
     def describe(self) -> artifact_pb2.DescribeStoreResponse:
         resp = artifact_pb2.DescribeStoreResponse(
@@ -119,6 +125,14 @@ class Artifacts:
                 (limits.min_free_disk_bytes)``. InvalidArtifact: a bad manifest.
         """
         m = manifest_from_proto(request.manifest)
+        if isinstance(self.store, S3ArtifactStore):
+            s3 = self.store.begin_upload(m, expires_s=self.presign_expires_s)
+            return artifact_pb2.BeginUploadResponse(
+                upload_id=s3.upload_id,
+                received_bytes=s3.received_bytes,
+                committed=s3.committed,
+                puts=[_presigned(p) for p in s3.puts],
+            )
         status = self.local.begin_upload(m)
         needed = sum(f.size_bytes for f in m.files) - sum(status.received_bytes)
         if not status.committed and needed > 0:
@@ -141,17 +155,38 @@ class Artifacts:
 
     def upload_key(self, upload_id: str) -> str:
         """The key an announced upload will commit (ArtifactNotFound: unknown upload)."""
+        if isinstance(self.store, S3ArtifactStore):
+            return self.store.upload_manifest(upload_id).key
         return self.local.upload_key(upload_id)
 
     def upload_status(self, upload_id: str) -> artifact_pb2.UploadChunksResponse:
         return artifact_pb2.UploadChunksResponse(received_bytes=self.local.upload_status(upload_id).received_bytes)
 
     def commit_upload(self, upload_id: str) -> artifact_pb2.CommitUploadResponse:
-        ref = self.local.commit_upload(upload_id)
+        if isinstance(self.store, S3ArtifactStore):
+            ref = self.store.commit_upload(upload_id)
+        else:
+            ref = self.local.commit_upload(upload_id)
         return artifact_pb2.CommitUploadResponse(manifest=manifest_to_proto(self.store.manifest(ref.key)))
 
     def stat(self, key: str, expect_sha256: str = "") -> artifact_pb2.ArtifactManifest:
         return manifest_to_proto(self.store.manifest(key, expect_sha256=expect_sha256))
+
+    def presign_download(self, key: str, expect_sha256: str = "") -> artifact_pb2.PresignDownloadResponse:
+        """The manifest of ``key`` and a presigned GET for each of its files.
+
+        Raises:
+            FailedPrecondition: the store is not ``s3`` (DownloadArtifact streams it). ArtifactNotFound,
+                ArtifactCorrupt: as :meth:`stat`.
+        """
+        if not isinstance(self.store, S3ArtifactStore):
+            raise FailedPrecondition(
+                f"the artifact store is {self.store.backend} ({self.store.describe()}): "
+                "download through DownloadArtifact"
+            )
+        m = self.store.manifest(key, expect_sha256=expect_sha256)
+        gets = self.store.presign_get(m, expires_s=self.presign_expires_s)
+        return artifact_pb2.PresignDownloadResponse(manifest=manifest_to_proto(m), gets=[_presigned(g) for g in gets])
 
     def download(self, key: str, expect_sha256: str = "") -> Iterator[artifact_pb2.DownloadArtifactResponse]:
         """Manifest, then each file's bytes (blocking: iterate in a thread)."""
@@ -213,6 +248,12 @@ class Artifacts:
             size = self.store.manifest(key).total_bytes
         self.store.delete(key)
         return size
+
+
+def _presigned(p: PresignedRequest) -> artifact_pb2.PresignedRequest:
+    return artifact_pb2.PresignedRequest(
+        file_index=p.file_index, method=p.method, url=p.url, headers=p.headers, expires_unix_s=p.expires_unix_s
+    )
 
 
 class Retention:

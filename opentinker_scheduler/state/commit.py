@@ -92,7 +92,7 @@ class GroupCommit:
     def before_commit(self, call: Callable[[], None]) -> None:
         """Have the open group (:meth:`group`) call ``call`` once when it commits, before its
         transaction ends, so what ``call`` writes joins the group (a group's new tasks, written
-        in one statement: :meth:`SchedulerCore.submit_grouped`). If it raises, the group fails
+        in one statement: :meth:`~.client_api.ClientApi.submit_grouped`). If it raises, the group fails
         as a failed commit does; a group abandoned (:meth:`abandon`) never calls it."""
         self._before_commit.append(call)
 

@@ -95,7 +95,7 @@ class Gang:
 
 
 class Requeue(Protocol):
-    """:meth:`~opentinker_scheduler.state.core.SchedulerCore.requeue`."""
+    """:meth:`~opentinker_scheduler.state.task_table.TaskTable.requeue`."""
 
     def __call__(
         self,
@@ -110,7 +110,7 @@ class Requeue(Protocol):
 
 
 class FailOrRetry(Protocol):
-    """:meth:`~opentinker_scheduler.state.core.SchedulerCore.fail_or_retry`."""
+    """:meth:`~opentinker_scheduler.state.task_table.TaskTable.fail_or_retry`."""
 
     def __call__(
         self, task: TaskRow, reason: str, message: str, *, retryable: bool, extra: Sequence[common_pb2.TaskEvent] = ()
@@ -128,7 +128,7 @@ class Gangs:
         quotas: returns the quota book in use now.
         need: what a task takes of its queue's quota while active, ``(GPUs, CPU-task slots)``.
         preemptions: the preemptions in flight.
-        requeue, fail_or_retry: the core's transitions of a gang whose member ended.
+        requeue, fail_or_retry: the task table's transitions of a gang whose member ended.
     """
 
     def __init__(

@@ -26,6 +26,7 @@ class NodeLedger:
         max_tasks_per_gpu: the config's limit of LoRA tasks sharing one GPU.
         pool: the config's ``resource_pool``: nodes the cluster may have before they connect.
         on_membership: called after a node connected, left or changed size.
+        default_node_class: the class of a node that announced none (``usage.default_node_class``).
     """
 
     def __init__(
@@ -35,12 +36,14 @@ class NodeLedger:
         max_tasks_per_gpu: int,
         pool: Sequence[PoolNode],
         on_membership: Callable[[], None],
+        default_node_class: str = "",
     ) -> None:
         self._clock = clock
         self._defer = defer
         self._max_tasks_per_gpu = max_tasks_per_gpu
         self._pool = pool
         self._on_membership = on_membership
+        self._default_node_class = default_node_class
         self.nodes: dict[str, NodeSession] = {}
         #: Nodes that can take a task now, in best-fit order.
         self.free = FreeNodes()
@@ -60,6 +63,12 @@ class NodeLedger:
                 max_tasks_per_gpu=self._max_tasks_per_gpu,
             )
         return node
+
+    def node_class(self, node_id: str) -> str:
+        """The class ``node_id`` announced (``--node-class``), else the default node class."""
+        node = self.nodes.get(node_id)
+        reg = node.register if node is not None else None
+        return (reg.node_class if reg is not None else "") or self._default_node_class
 
     def changed(self, node: NodeSession, *, membership: bool = False) -> None:
         """Re-index a node after its bookings, state or size changed. ``membership``: it

@@ -1,8 +1,8 @@
 """What a trainer node's ``Connect`` stream does to the scheduler's state: registration
 (re-announced and finished attempts), heartbeats with telemetry, task reports with attempt
-fencing, and streams that end. :class:`NodeProtocol` is a collaborator of
+fencing, and streams that end. :class:`NodeProtocol` is a part of
 :class:`~opentinker_scheduler.state.core.SchedulerCore`: it owns the message counters and reaches
-the tasks, nodes and transitions only through what :class:`NodeHost` declares."""
+the tasks, nodes and transitions only through what :class:`NodeHost` declares (the task table)."""
 
 from __future__ import annotations
 
@@ -31,14 +31,13 @@ S = common_pb2  # TaskState constants: S.TASK_STATE_PENDING ...
 
 
 class NodeHost(Protocol):
-    """What :class:`NodeProtocol` uses of the core (:class:`~opentinker_scheduler.state.core.SchedulerCore`)."""
+    """What :class:`NodeProtocol` uses of the task table (:class:`~.task_table.TaskTable`)."""
 
     config: SchedulerConfig
     store: StateStore
     #: Monotonic seconds of ``last_seen`` and the lease checks.
     clock: Callable[[], float]
     tasks: LiveTasks
-    nodes: dict[str, NodeSession]
     ledger: NodeLedger
     preemptions: PreemptionTracker
     #: Tasks ended by the scheduler (cancel, max_runtime) whose worker is still stopping: task id ->
@@ -127,7 +126,7 @@ class NodeProtocol:
             reg, pool, unknown_node_max_tasks=self.core.config.unknown_node_max_tasks
         )
         self.messages["register"] += 1
-        node = self.core.nodes.get(node_id)
+        node = self.core.ledger.nodes.get(node_id)
         if node is None:
             node = self.core.ledger.node(node_id)
         elif node.connected:

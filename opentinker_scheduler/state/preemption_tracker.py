@@ -56,7 +56,7 @@ class PreemptionTracker:
     "PREEMPTED" is still requeued as preempted, and waiting tasks choose victims afresh):
 
     * :attr:`victims`: victim task id -> :class:`Victim`. A victim keeps its GPUs in the ledger
-      until its node reports it CANCELLED; then the core requeues it with reason PREEMPTED.
+      until its node reports it CANCELLED; then the task table requeues it with reason PREEMPTED.
     * :attr:`waiting`: waiting task id -> (node id, victim ids).
     * :attr:`deadlines`: victim task id -> monotonic deadline for its node to confirm it stopped;
       past it the preemption is given up (the waiting task may choose victims again, re-sending

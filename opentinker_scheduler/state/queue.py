@@ -136,7 +136,7 @@ class LiveTasks:
     """Every unfinished task's row in memory, as last committed, with the counts by state.
 
     PENDING rows sit in ``queue`` (placement order), ASSIGNED and RUNNING rows in ``active``;
-    finished tasks live only in the store. The core owns the rows: it changes one, writes it,
+    finished tasks live only in the store. The task table owns the rows: it changes one, writes it,
     then calls :meth:`moved` so membership and counts follow the committed state.
     """
 
@@ -153,6 +153,12 @@ class LiveTasks:
         for task in store.tasks_in_states([common_pb2.TASK_STATE_PENDING]):
             self.queue.put(task)
         self.counts = dict(store.count_by_state())
+
+    def clear(self) -> None:
+        """Forget every row and count (this scheduler starts or stops leading)."""
+        self.queue = PendingQueue(self.queue_of)
+        self.active = {}
+        self.counts = {}
 
     def get(self, task_id: str) -> TaskRow | None:
         return self.active.get(task_id) or self.queue.get(task_id)

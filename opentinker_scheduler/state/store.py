@@ -1,7 +1,7 @@
 """Durable scheduler state: the store interface (:class:`StateStore`) and its embedded backend,
 SQLite in WAL mode under the configured state directory (:class:`SqliteStore`). The PostgreSQL backend
 for several schedulers is :class:`~opentinker_scheduler.state.pg_store.PostgresStore`; which one
-runs is the config's ``store:`` (:func:`open_store`).
+runs is the config's ``store:`` (:func:`~.backends.open_store`).
 
 Every task transition is one transaction that updates the ``tasks`` row and appends its event;
 it commits before the scheduler acknowledges the RPC or pushes a command, so ``kill -9`` of the
@@ -445,7 +445,7 @@ class StateStore:
         """:meth:`insert_new_task` for several new tasks in one transaction, in order; a request
         id used by an earlier item is found as used by a later one. On PostgreSQL one statement
         for all of them (:meth:`_insert_tasks_unless_requested`), not one round trip each: a
-        group commit's submits are written together (:meth:`SchedulerCore.submit_grouped`).
+        group commit's submits are written together (:meth:`~.client_api.ClientApi.submit_grouped`).
 
         Returns, per item: None when inserted; the task its owner's ``request_id`` already named
         (nothing written for this item); or a :class:`StoreUnavailable` to raise for this item
@@ -1287,27 +1287,3 @@ class SqliteStore(StateStore):
 def _statements(script: str) -> list[str]:
     """The statements of a migration script (split at ``;`` ending a line; no ``;`` inside them)."""
     return [part.strip() for part in script.split(";\n") if part.strip() and part.strip() != ";"]
-
-
-def open_store(config) -> StateStore:
-    """The store a :class:`~opentinker_scheduler.config.SchedulerConfig` names (``store:``):
-    SQLite under ``state_dir`` (the default), or PostgreSQL (its password read now).
-
-    Raises:
-        OSError: as :class:`SqliteStore` / :class:`~.pg_store.PostgresStore` (a state directory in use,
-            a database that cannot be reached, a password variable that is unset, ...).
-        SchemaTooNew: the store was migrated by a newer scheduler.
-    """
-    sc = config.store
-    if sc.kind == "postgres":
-        from opentinker_scheduler.state.pg_store import PostgresStore
-
-        return PostgresStore(
-            sc.dsn,
-            password=sc.password(),
-            schema_name=sc.schema,
-            call_timeout_s=sc.call_timeout_s,
-            idle_in_transaction_s=max(1.0, min(5.0, sc.leader_lease_s / 2)),
-            synchronous_commit=sc.synchronous_commit,
-        )
-    return SqliteStore(config.state_dir)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from opentinker.common.v1 import common_pb2
 
@@ -190,6 +190,36 @@ class UsageMeters:
         m = self.live.get(task.task_id)
         return self._record(m, task, time.time()) if m is not None else None
 
+    def task_usage(self, task: TaskRow) -> common_pb2.Usage:
+        """What ``task`` used, all attempts, the running one up to now."""
+        return usage_proto(self.store.task_usage(task.task_id), self.so_far(task))
+
+    def rollup(
+        self, active: Iterable[TaskRow], *, owner: str | None = None, since: float | None = None
+    ) -> tuple[dict[str, common_pb2.Usage], dict[str, common_pb2.Usage], dict[str, str]]:
+        """``(per owner, per queue, owner -> queue)`` of recorded attempts plus the running ones
+        of ``active`` (assigned at or after ``since`` when given; only ``owner``'s when given)."""
+        by_owner = {k: usage_proto(v) for k, v in self.store.usage_by("owner", owner=owner, since=since).items()}
+        by_queue = {k: usage_proto(v) for k, v in self.store.usage_by("queue", owner=owner, since=since).items()}
+        queues = self.store.owner_queues(owner=owner, since=since)
+        for task in active:
+            if owner is not None and task.owner != owner:
+                continue
+            live = self.so_far(task)
+            if live is None or (since is not None and live.start_time < since):
+                continue
+            for table, key in ((by_owner, live.owner), (by_queue, live.queue)):
+                table[key] = usage_proto(_usage_sums(table.get(key)), live)
+            queues[live.owner] = live.queue
+        return by_owner, by_queue, queues
+
     def _record(self, m: Meter, task: TaskRow, end_time: float) -> UsageRecord:
         m.node_class = self.node_class_of(m.node_id) or self.config.default_node_class
         return m.record(task, end_time, self.price(m.node_class))
+
+
+def _usage_sums(u: common_pb2.Usage | None) -> tuple:
+    """A ``Usage`` as the sums tuple of :meth:`~.store.StateStore.task_usage` (zeros for None)."""
+    if u is None:
+        return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
+    return (u.gpu_seconds, u.cpu_task_seconds, u.tokens_generated, u.tokens_trained, u.env_steps, u.cost, u.attempts)

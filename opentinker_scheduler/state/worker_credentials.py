@@ -9,7 +9,7 @@ state store (``signing_secrets``), so every scheduler on the store, a new leader
 too, accepts it.
 
 A credential carries no expiry: whether it may still write is decided on each call from the
-task's state (:meth:`~opentinker_scheduler.state.core.SchedulerCore.attempt_refusal`). Once its
+task's state (:meth:`~opentinker_scheduler.state.client_api.ClientApi.attempt_refusal`). Once its
 attempt ends, is requeued or moves to another node, its writes are refused.
 """
 

@@ -48,7 +48,7 @@ from google.protobuf import json_format
 
 from opentinker.environment.v1 import environment_pb2 as pb
 from opentinker.environment.v1 import environment_pb2_grpc as pb_grpc
-from opentinker_trainer.context import UserError
+from opentinker_trainer.context import UserError, abandon_point
 from opentinker_common.net.grpc_options import message_limits
 
 log = structlog.get_logger("opentinker.trainer.env")
@@ -151,7 +151,7 @@ class RemoteSession:
         what = method.lower()
         while True:
             try:
-                response = fn(request, timeout=self.timeout_s, metadata=self._metadata)
+                response = _answer(fn.future(request, timeout=self.timeout_s, metadata=self._metadata))
                 self._answered = True
                 return response
             except grpc.RpcError as err:
@@ -223,6 +223,31 @@ class RemoteSession:
             )
         except grpc.RpcError:
             pass  # the client may be gone already; nothing to release then
+
+
+#: Seconds between looks at a stop while a call is waited for (:func:`_answer`).
+_ABANDON_POLL_S = 0.2
+
+
+def _answer(future: Any) -> Any:
+    """The response of a call in flight. A step that a stop abandons while it waits
+    (:func:`~opentinker_trainer.context.abandon_point`: a model host's tenant, whose stop no
+    signal brings) cancels the call and leaves.
+
+    Raises:
+        grpc.RpcError: the call failed. StepAbandoned: see above.
+    """
+    try:
+        while True:
+            try:
+                return future.result(timeout=_ABANDON_POLL_S)
+            except grpc.FutureTimeoutError:
+                abandon_point()
+    except grpc.RpcError:
+        raise
+    except BaseException:  # StepAbandoned, also from a worker's SIGTERM handler
+        future.cancel()
+        raise
 
 
 def _obs(observation: pb.Observation) -> Any:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from opentinker_common.spec.lm_fields import LOSS_AGGREGATIONS
+from opentinker_trainer.context import abandon_point
 
 __all__ = [
     "ADAPTER_OFF",
@@ -477,6 +478,7 @@ def grpo_update(
         optimizer.zero_grad(set_to_none=True)
         epoch_logp = []
         for sl in batch.chunks:
+            abandon_point()  # a stopped model-host tenant leaves its step here
             logp = logprobs(model, sl)
             epoch_logp.append(logp.detach())
             old = old_logp[sl] if old_logp is not None else logp.detach()

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 
 import structlog
 
-from opentinker_trainer.context import StepAbandoned, WorkerContext
+from opentinker_trainer.context import STORING_PHASE, StepAbandoned, WorkerContext
 from opentinker_trainer.workloads._keep import KeptStep, StepKeeper
 
 log = structlog.get_logger("opentinker.trainer")
@@ -38,6 +38,8 @@ def run_steps(
     With ``keep`` (:func:`~opentinker_trainer.workloads._keep.keeper`) a stop abandons the step in
     progress (:meth:`WorkerContext.stop_now`): the copy ``keep`` took after the last completed step
     is put back and checkpointed at once, unless that step is the newest checkpoint already.
+    The ranks of a distributed task abandon the same step (:mod:`opentinker_trainer.distributed`):
+    a step counts as completed once every rank agreed after taking its copy.
     Each step and each checkpoint runs inside ``ctx.turn()`` (a model host's tenants take turns
     on the shared base model; a worker process's context has nothing to wait for).
     """
@@ -46,6 +48,7 @@ def run_steps(
     stop = getattr(ctx, "stop_together", ctx.should_stop)
     # A tenant of a model host steps in turns with its neighbours (WorkerContext.turn).
     turn = getattr(ctx, "turn", contextlib.nullcontext)
+    dp = getattr(ctx, "dist", None)  # a rank's collectives (distributed.DataParallel)
     if done >= total:
         log.info("nothing left to train", task_id=ctx.task_id, step=done, steps=total)
         with turn():
@@ -66,8 +69,13 @@ def run_steps(
                 metrics = step(n)
                 ctx.steps_done = n  # still in the turn: the adapter in the model is step n's
                 taken = keep.take(n) if keep is not None else None
-        except StepAbandoned:
-            _store_kept(ctx, keep, kept, saved, save, abandoned=n)
+                if dp is not None:  # step n is completed on every rank or on none
+                    dp.agree_to_abandon()
+        except StepAbandoned as exc:
+            if dp is not None and not exc.together:
+                dp.abandon_with_others()
+            with turn():
+                _store_kept(ctx, keep, kept, saved, save, abandoned=n)
             return
         kept = taken
         ctx.emit_metric(n, metrics)
@@ -78,6 +86,7 @@ def run_steps(
                 save(final=True)
         elif stop():
             log.info("stop requested: checkpointing", task_id=ctx.task_id, step=n)
+            ctx.emit_phase(STORING_PHASE, f"step {n}")
             with turn():
                 save(final=False)
             return
@@ -102,6 +111,7 @@ def _store_kept(
         log.info("stop requested: step abandoned, its previous step is stored", task_id=ctx.task_id, step=abandoned)
         return
     log.info("stop requested: step abandoned, checkpointing the step before", task_id=ctx.task_id, step=kept.step)
+    ctx.emit_phase(STORING_PHASE, f"step {kept.step}")
     keep.put_back(kept)
     ctx.steps_done = kept.step
     save(final=False)

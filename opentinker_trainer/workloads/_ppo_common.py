@@ -390,11 +390,22 @@ def update_metrics(
     }
 
 
-def run_updates(trainer: Any, log: Any, close) -> None:
+def run_updates(trainer: Any, log: Any, close, *, optimizers: Any, counts: tuple[str, ...]) -> None:
     """Run ``trainer.train_step()`` for updates ``trainer.update + 1 .. cfg.num_updates`` through
     :func:`~opentinker_trainer.workloads._loop.run_trainer` (report, checkpoint with
-    ``trainer.save``, stop when asked), logging each update; ``close()`` runs at the end."""
+    ``trainer.save``, stop when asked), logging each update; ``close()`` runs at the end.
+
+    A stop abandons the update in progress and stores the last completed one
+    (:mod:`~opentinker_trainer.workloads._keep`): its policy and ``optimizers`` (one, or several),
+    RNG states and the trainer's attributes named in ``counts`` (``update`` among them). The
+    environments go on from where the abandoned update left them; a checkpoint holds none of
+    their state, so the stored update is exactly the completed one."""
+    from opentinker_trainer.workloads import _keep
     from opentinker_trainer.workloads._loop import run_trainer
+
+    def restore(values: tuple) -> None:
+        for name, value in zip(counts, values, strict=True):
+            setattr(trainer, name, value)
 
     try:
         run_trainer(
@@ -404,6 +415,12 @@ def run_updates(trainer: Any, log: Any, close) -> None:
             checkpoint_every=trainer.cfg.checkpoint_every,
             counter="update",
             event="update",
+            keep=_keep.keeper(
+                trainer.ctx,
+                optimizers,
+                state=lambda: tuple(getattr(trainer, name) for name in counts),
+                restore=restore,
+            ),
             fields=lambda m: {
                 "env_steps": trainer.env_steps,
                 "reward": round(m["reward"], 3),

@@ -236,7 +236,9 @@ class PPOTrainer:
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
-        common.run_updates(self, log, self.envs.close)
+        common.run_updates(
+            self, log, self.envs.close, optimizers=self.optimizer, counts=("update", "env_steps", "last_reward")
+        )
 
 
 def run(ctx: WorkerContext) -> None:

@@ -302,7 +302,13 @@ class MultiAgentPPOTrainer:
             for env in self.envs:
                 env.close()
 
-        common.run_updates(self, log, close)
+        common.run_updates(
+            self,
+            log,
+            close,
+            optimizers=self.optimizers.values(),
+            counts=("update", "env_steps", "last_reward", "last_agent_reward"),
+        )
 
 
 def run(ctx: WorkerContext) -> None:

@@ -1,7 +1,8 @@
 """Checkpoints without a shared filesystem: a real scheduler, two trainers whose work dirs are
 private tmpfs mounts (``unshare -m``), a LoRA GRPO task with ``checkpoint_every``, kill -9 of the
 first trainer mid-task; the task finishes on the second trainer, resumed from the newest complete
-checkpoint in the artifact store (``local`` over gRPC, or ``s3`` on a real SeaweedFS).
+checkpoint in the artifact store (``local`` over gRPC, or ``s3`` on a real SeaweedFS, the trainers
+holding no S3 credentials: they move bytes by URLs the scheduler presigns).
 
 Through the same store, on both backends: the task starts from an imported adapter
 (``init_from``), trains on an uploaded prompts dataset (with ``s3`` read from the bucket, the
@@ -32,7 +33,7 @@ def _config(backend: str, request, monkeypatch) -> str:
     if backend == "local":
         return base + "artifacts: {backend: local, keep_checkpoints: 2}\n"
     s3 = request.getfixturevalue("seaweedfs")
-    for k, v in s3.env().items():  # the operator's credentials, for scheduler and trainers alike
+    for k, v in s3.env().items():  # the operator's credentials, for the scheduler only (see _no_s3_credentials)
         monkeypatch.setenv(k, v)
     prefix = f"resume-{os.getpid()}-{id(request)}/"
     return base + (
@@ -45,6 +46,7 @@ def _config(backend: str, request, monkeypatch) -> str:
 def test_kill9_mid_task_resumes_on_another_private_node(backend, cluster, tiny_model_dir: Path, request, monkeypatch):
     cluster.config_path.write_text(_config(backend, request, monkeypatch))
     cluster.start_scheduler()
+    _no_s3_credentials(monkeypatch)  # trainers move bytes by the URLs the scheduler presigns
     first = cluster.start_trainer("node-a", private=True)
     cluster.wait_nodes(1)
     with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
@@ -111,6 +113,14 @@ def test_kill9_mid_task_resumes_on_another_private_node(backend, cluster, tiny_m
         assert key in fetched  # downloaded on node-b, not found in a cache
     else:
         assert not from_store and [e["dataset_id"] for e in sent] == [dataset.dataset_id] * 2, sent  # node-a, node-b
+
+
+def _no_s3_credentials(monkeypatch) -> None:
+    """No AWS credentials for the processes started from here on (the trainers)."""
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
 
 
 def _adapter(folder: Path, model: Path) -> Path:

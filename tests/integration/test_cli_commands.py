@@ -424,7 +424,7 @@ def test_ctrl_c_during_submit_watch_says_the_task_goes_on_and_how_to_cancel_it(t
             )
         finally:
             proc.kill()
-        assert sched.core.get(task_id).state == S.TASK_STATE_PENDING  # it goes on
+        assert sched.core.api.get(task_id).state == S.TASK_STATE_PENDING  # it goes on
     finally:
         sched.close()
 

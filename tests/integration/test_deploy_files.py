@@ -33,7 +33,7 @@ THIRD_PARTY_ENV = {
     "PYTHONUNBUFFERED",
     "PIP_NO_CACHE_DIR",
     "PIP_DISABLE_PIP_VERSION_CHECK",
-    "AWS_ACCESS_KEY_ID",  # boto3: the S3 artifact store
+    "AWS_ACCESS_KEY_ID",  # boto3: the scheduler's S3 artifact store
     "AWS_SECRET_ACCESS_KEY",
 }
 #: Where each role's environment variables are read.
@@ -406,6 +406,7 @@ def test_compose_ha_runs_postgres_two_schedulers_a_balancer_and_trainers(cli_fla
     assert "on-marked-down shutdown-sessions" in default
     env = services["trainer"]["environment"]
     check_env("opentinker-trainer", list(env))
+    assert not [k for k in env if k.startswith("AWS_")]  # the scheduler presigns the trainers' transfers
     assert parse_scheduler_url(env["SCHEDULER_URL"]) == f"lb:{bind_port}"
     declared = set(compose["volumes"])
     for name, svc in services.items():
@@ -450,20 +451,21 @@ def test_k8s_ha_two_replicas_ready_only_on_the_leader(cli_flags) -> None:
     assert pg["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= labels.items()
-    # the artifacts' S3 store is a Service here, its keys one Secret given to schedulers, trainers and the store
+    # the artifacts' S3 store is a Service here, its keys one Secret given to the schedulers and the store;
+    # trainers hold none (the scheduler presigns their transfers)
     endpoint = config.artifacts.s3.endpoint.split("//")[1]
     s3_svc = _k8s_ha("Service", endpoint.split(":")[0])
     assert int(endpoint.split(":")[1]) in [p["port"] for p in s3_svc["spec"]["ports"]]
     s3 = _k8s_ha("StatefulSet", s3_svc["metadata"]["name"])
     assert s3_svc["spec"]["selector"].items() <= s3["spec"]["template"]["metadata"]["labels"].items()
     trainer = {e["name"]: e for e in container(_k8s_ha("DaemonSet", "opentinker-trainer"))["env"]}
+    assert not [name for name in trainer if name.startswith("AWS_")], trainer
     refs = [
         {k: v for k, v in env[name]["valueFrom"]["secretKeyRef"].items() if k != "optional"}
-        for env in (env, trainer)
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
     ]
     store_env = [e["valueFrom"]["secretKeyRef"] for e in container(s3)["env"] if "valueFrom" in e]
-    assert sorted(map(str, store_env)) == sorted(map(str, refs[:2]))
+    assert sorted(map(str, store_env)) == sorted(map(str, refs))
     for ref in refs:
         assert ref["key"] in _k8s_ha("Secret", ref["name"])["stringData"]
     # the trainers and the namespace are those of the one-scheduler manifests

@@ -19,7 +19,7 @@ HP = {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4}
 
 
 def test_full_weights_stored_served_and_downloaded_on_s3(cluster, seaweedfs, tiny_model_dir: Path, monkeypatch):
-    for k, v in seaweedfs.env().items():  # the operator's credentials, for scheduler and trainer alike
+    for k, v in seaweedfs.env().items():  # the scheduler's credentials (trainers use its presigned URLs)
         monkeypatch.setenv(k, v)
     prefix = f"full-{os.getpid()}/"
     cluster.config_path.write_text(

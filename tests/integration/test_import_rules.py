@@ -31,6 +31,7 @@ NO_TORCH = "The client, the gateway and the shared layer need no torch"
 RL_IS_PURE = "RL math is pure: no gRPC in opentinker_trainer.rl"
 SCHEDULER_LAYERS = "Scheduler rooms in layers: api over admission over security/data over state over policy"
 CORE_PARTS = "The scheduler core's parts never import the core (no import cycle through state/core.py)"
+STATE_ACYCLIC = "The scheduler state's modules import each other without cycles"
 
 
 def contract_names() -> list[str]:
@@ -87,6 +88,7 @@ def test_the_contracts_are_the_ones_these_tests_break() -> None:
         RL_IS_PURE,
         SCHEDULER_LAYERS,
         CORE_PARTS,
+        STATE_ACYCLIC,
     }
 
 
@@ -148,5 +150,31 @@ def test_one_bad_import_breaks_the_contract_it_names(
     assert seen[broken] == "BROKEN", proc.stdout
     importer = module.removesuffix(".py").replace("/", ".")
     assert f"{importer} -> {imported}" in proc.stdout, proc.stdout  # the report names the import
+    expected = [broken]
+    if broken == CORE_PARTS:  # the core imports every part, so a part importing it is a cycle too
+        expected.append(STATE_ACYCLIC)
     if broken != SHARED_LAYER_IMPORTS_NO_ROLE:  # the shared layer importing a role reaches the roles too
-        assert [name for name, verdict in seen.items() if verdict == "BROKEN"] == [broken], proc.stdout
+        assert [name for name, verdict in seen.items() if verdict == "BROKEN"] == expected, proc.stdout
+
+
+@pytest.mark.parametrize(
+    "module, statement, cycle",
+    [
+        (
+            "opentinker_scheduler/state/store.py",
+            "from opentinker_scheduler.state import pg_store",
+            ".store -> .pg_store",
+        ),
+        ("opentinker_scheduler/state/ledger.py", "from opentinker_scheduler.state import gangs", ".ledger -> .gangs"),
+    ],
+    ids=["store-imports-pg-store", "ledger-imports-gangs"],
+)
+def test_an_import_cycle_between_state_modules_breaks_the_acyclic_contract(
+    copy: Path, module: str, statement: str, cycle: str
+) -> None:
+    append_import(copy, module, statement)
+    proc = lint_imports(copy)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    seen = verdicts(proc)
+    assert [name for name, verdict in seen.items() if verdict == "BROKEN"] == [STATE_ACYCLIC], proc.stdout
+    assert cycle in proc.stdout, proc.stdout  # the report names the import that closes the cycle

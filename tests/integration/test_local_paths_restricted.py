@@ -65,7 +65,7 @@ def _assignment(tmp: Path, *, model: str, **config) -> N.AssignTask:
     cfg = SchedulerConfig(resource_pool=(PoolNode("node-a", 0, 8),), state_dir=tmp, **config)
     core = SchedulerCore(cfg, SqliteStore(tmp))
     node, _ = core.node_register(N.Register(node_id="node-a", devices=[], max_tasks=8))
-    core.submit(C.TaskSpec(workload_type="lora_finetune", model=model), owner="alice")
+    core.api.submit(C.TaskSpec(workload_type="lora_finetune", model=model), owner="alice")
     core.schedule()
     pushed = []
     while not node.outbox.empty():

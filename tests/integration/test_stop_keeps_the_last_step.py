@@ -3,7 +3,8 @@ trainer, SmolLM2-135M with a LoRA adapter on CPU, GRPO on prompts scored by a re
 this test. The reward of step 2 is never answered, so step 2 is in progress for as long as the
 test likes; then the task is cancelled, preempted, drained or runs out of its max_runtime. The
 worker abandons step 2 and stores step 1 at once, well inside a --kill-grace that no step of
-this task could finish in, and the stored step 1 is downloaded and served."""
+this task could finish in, and the stored step 1 is downloaded and served. On two ranks each
+rank's step 2 is held; both abandon it and rank 0 stores step 1 with both ranks' RNGs."""
 
 from __future__ import annotations
 
@@ -27,11 +28,13 @@ GRACE = ("--kill-grace", "30")
 
 
 class Gate:
-    """A reward function that scores its first call (step 1) and holds every later one until
-    :meth:`open`; :attr:`held` is set once a call is held (step 2 is in progress)."""
+    """A reward function that scores its first ``scored`` calls (step 1: one call per rank) and
+    holds every later one until :meth:`open`; :attr:`held` is set once a call is held (step 2 is
+    in progress)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scored: int = 1) -> None:
         self._gates: list[threading.Event] = []
+        self.scored = scored
         self.reset()
 
     def reset(self) -> None:
@@ -42,7 +45,7 @@ class Gate:
 
     def __call__(self, prompts, completions, metadata):
         self.calls += 1
-        if self.calls > 1:
+        if self.calls > self.scored:
             gate = self._gates[-1]
             self.held.set()
             gate.wait()
@@ -175,3 +178,50 @@ def test_a_drained_task_keeps_its_last_completed_step(held, tmp_path: Path) -> N
     task = _kept_step_one(cluster, task_id, C.TASK_STATE_PENDING)
     assert task.attempt == 2
     assert _downloaded_step(cluster, task_id, tmp_path / "ck") == 1
+
+
+def test_two_ranks_stopped_mid_step_keep_the_same_last_completed_step(
+    tmp_path: Path, tiny_model_dir: Path, dataset: Path
+) -> None:
+    cluster = Cluster(tmp_path)
+    gate = Gate(scored=2)
+    try:
+        cluster.start_scheduler()
+        cluster.start_trainer("node-a", "--simulate-gpus", "2", *GRACE)
+        cluster.wait_nodes(1)
+        with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+            with client.serve_reward(gate, timeout_s=600) as server:
+                task_id = _submit(client, tiny_model_dir, dataset, server, gpu_count=2)
+                cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: gate.held.is_set())
+                client.cancel(task_id, reason="enough")
+                _kept_step_one(cluster, task_id, C.TASK_STATE_CANCELLED)
+                gate.open()
+        assert _downloaded_step(cluster, task_id, tmp_path / "ck") == 1
+        state = torch.load(tmp_path / "ck" / "trainer_state.pt", weights_only=False)
+        assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2
+    finally:
+        gate.open()
+        cluster.close()
+
+
+def test_a_model_host_tenant_stopped_mid_step_keeps_its_last_completed_step(
+    tmp_path: Path, tiny_model_dir: Path, dataset: Path
+) -> None:
+    cluster = Cluster(tmp_path)
+    gate = Gate()
+    try:
+        cluster.start_scheduler()
+        trainer = cluster.start_trainer("node-a", "--simulate-gpus", "1", "--tenants-per-host", "2", *GRACE)
+        cluster.wait_nodes(1)
+        with RLClient(scheduler_url=cluster.url, min_poll_interval=0) as client:
+            with client.serve_reward(gate, timeout_s=600) as server:
+                task_id = _submit(client, tiny_model_dir, dataset, server, gpu_count=1)
+                cluster.wait_state(task_id, C.TASK_STATE_RUNNING, what=lambda t: gate.held.is_set())
+                client.cancel(task_id, reason="enough")
+                _kept_step_one(cluster, task_id, C.TASK_STATE_CANCELLED)
+                gate.open()
+        assert "tenant joined" in trainer.log_text()  # the task ran on a model host
+        assert _downloaded_step(cluster, task_id, tmp_path / "ck") == 1
+    finally:
+        gate.open()
+        cluster.close()

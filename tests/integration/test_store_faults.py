@@ -39,7 +39,7 @@ def store_cluster(seaweedfs, tmp_path_factory):
         f"s3: {{endpoint: 'http://127.0.0.1:{proxy.port}', bucket: {seaweedfs.bucket}, prefix: '{prefix}'}}}}\n"
     )
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in seaweedfs.env().items():  # the operator's credentials, for scheduler and trainers
+        for k, v in seaweedfs.env().items():  # the scheduler's credentials (trainers use its presigned URLs)
             mp.setenv(k, v)
         cluster = Cluster(tmp_path_factory.mktemp("store-faults"), config)
         try:

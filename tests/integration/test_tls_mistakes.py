@@ -212,14 +212,14 @@ def _served_adapter_world(s: LoopbackScheduler, endpoint: str) -> str:
     core = s.core
     node, _ = core.node_register(N.Register(node_id="n1", max_tasks=4))
     spec = C.TaskSpec(workload_type="lora_finetune", model="/models/m", resources=C.Resources(gpu_count=0))
-    trained = core.submit(spec, owner="anonymous")
+    trained = core.api.submit(spec, owner="anonymous")
     core.schedule()
     core.node_report(node, N.TaskReport(task_id=trained.task_id, attempt=1, state=C.TASK_STATE_RUNNING))
     ck = C.Checkpoint(step=1, path="/ck/step_1", format="peft_lora", final=True)
     core.node_report(
         node, N.TaskReport(task_id=trained.task_id, attempt=1, state=C.TASK_STATE_SUCCEEDED, checkpoint=ck)
     )
-    serving = core.submit(
+    serving = core.api.submit(
         C.TaskSpec(workload_type="inference", model="/models/m", resources=C.Resources(gpu_count=0)), owner="anonymous"
     )
     core.schedule()

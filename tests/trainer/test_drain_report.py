@@ -1,6 +1,7 @@
 """A drained attempt's hand-back report says what was actually saved: the step of the checkpoint
 the worker wrote on its way out, or, when the worker was killed at ``--kill-grace`` first, that it
-wrote none and which checkpoint (if any) the task still has.
+wrote none and which checkpoint (if any) the task still has. An exit checkpoint whose storing
+outlasts the grace is waited for, not cut off.
 
 The node agent's real stop path (SIGTERM to the process group, SIGKILL after the grace, the
 watcher, the final report) runs against a STAND-IN worker process: a few lines of Python that
@@ -15,15 +16,20 @@ import textwrap
 from opentinker.common.v1 import common_pb2 as C
 from opentinker_trainer.agent import AgentConfig, NodeAgent, _Worker
 
-# STAND-IN worker: reports its start; on SIGTERM either checkpoints and stops (``obliging``) or
-# ignores it, as a worker busy in a long step does, until the agent's SIGKILL.
+# STAND-IN worker: reports its start; on SIGTERM either checkpoints and stops (``obliging``), or
+# does so after storing its checkpoint for longer than the grace (``uploading``: a large
+# checkpoint, a slow store), or ignores it, as a worker busy in a long step does, until the
+# agent's SIGKILL.
 _WORKER = textwrap.dedent(
     """
     import json, signal, sys, time
-    obliging = sys.argv[1] == "obliging"
+    obliging = sys.argv[1] in ("obliging", "uploading")
     def say(**msg):
         print(json.dumps(msg), flush=True)
     def on_term(*_):
+        if sys.argv[1] == "uploading":
+            say(type="phase", phase="storing exit checkpoint", detail="step 7")
+            time.sleep(1.5)  # five times the grace
         if obliging:
             say(type="checkpoint", step=7, path="/tmp/ckpt-7", final=False, time=time.time())
             say(type="stopped")
@@ -64,6 +70,15 @@ def test_a_worker_that_checkpoints_in_time_is_reported_with_its_step(tmp_path) -
     state, error = _drain_one(tmp_path, "obliging")
     assert state == C.TASK_STATE_CANCELLED
     assert error == "node n1 drained; checkpointed at step 7 and handed back"
+
+
+def test_a_worker_storing_its_exit_checkpoint_past_the_grace_is_waited_for(tmp_path) -> None:
+    state, error = _drain_one(tmp_path, "uploading")
+    assert state == C.TASK_STATE_CANCELLED
+    assert error == "node n1 drained; checkpointed at step 7 and handed back"
+    reports = _cancel_one(tmp_path, "uploading")
+    assert [r.checkpoint.step for r in reports if r.HasField("checkpoint")] == [7]
+    assert not [r for r in reports if r.HasField("phase") and r.phase.phase == "killed"]
 
 
 def test_a_worker_killed_at_kill_grace_is_not_reported_as_checkpointed(tmp_path) -> None:

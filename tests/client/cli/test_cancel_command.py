@@ -41,7 +41,7 @@ def test_cancel_of_a_task_that_already_failed_says_so_and_exits_2(capsys, schedu
     with RLClient(scheduler_url=scheduler.target) as client:
         t = client.submit_task(workload_type="lora_finetune", hyperparameters={"steps": 3})
         core = scheduler.core
-        scheduler.do(lambda: core.fail_or_retry(core.get(t), "WORKER_ERROR", "boom", retryable=False))
+        scheduler.do(lambda: core.table.fail_or_retry(core.api.get(t), "WORKER_ERROR", "boom", retryable=False))
         assert client.get_task(t).state == "failed"
         code = main(["--scheduler-url", scheduler.target, "cancel", t])
         out, err = capsys.readouterr()

@@ -66,7 +66,7 @@ def test_the_word_problems_example_dry_runs_as_it_submits(capsys, scheduler, exa
     code, out, err = cli(capsys, scheduler, "submit", "examples/word_problems_numeric.yaml")
     assert code == 0, err
     task_id = out.strip().splitlines()[-1]
-    task = scheduler.core.get(task_id)
+    task = scheduler.core.api.get(task_id)
     dataset_id = task.spec.env_config.fields["dataset_id"].string_value
     # A dry run names the file by the id the upload gives it (the scheduler now holds those bytes).
     code, _, err = cli(capsys, scheduler, "submit", "examples/word_problems_numeric.yaml", "--dry-run")
@@ -129,7 +129,7 @@ def test_a_dataset_without_env_feeds_the_workloads_own_environment(capsys, sched
     assert "valid: lora_finetune" in out
     code, out, err = cli(capsys, scheduler, "submit", str(task))
     assert code == 0, err
-    env = scheduler.core.get(out.strip().splitlines()[-1]).spec.env_config.fields
+    env = scheduler.core.api.get(out.strip().splitlines()[-1]).spec.env_config.fields
     assert env["env_id"].string_value == "prompts" and env["dataset_id"].string_value.startswith("sha256:")
 
 

@@ -36,7 +36,7 @@ def cluster(tmp_path_factory):
             from opentinker.common.v1 import common_pb2 as C
             from opentinker_scheduler.state.store import cancel_error
 
-            row = s.core.get(task_id)
+            row = s.core.api.get(task_id)
             row.spec.name = EVIL_NAME
             row.error = cancel_error(EVIL_REASON)
             db = s.core.store.db

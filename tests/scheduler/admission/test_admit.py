@@ -149,7 +149,7 @@ def test_a_submit_waiting_for_its_group_commit_counts_towards_max_pending_per_ow
 
     async def main() -> None:
         core.enable_group_commit()
-        waiting = asyncio.ensure_future(core.submit_grouped(spec(), owner="alice"))
+        waiting = asyncio.ensure_future(core.api.submit_grouped(spec(), owner="alice"))
         await asyncio.sleep(0)  # validated, its row waits for the group commit
         assert pending(core) == 0 and not waiting.done()
         with pytest.raises(ResourceExhausted, match="already has 1 PENDING task"):

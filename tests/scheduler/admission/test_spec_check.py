@@ -36,7 +36,7 @@ def test_the_loop_answers_while_an_environment_is_built_and_submit_builds_once(t
         held_env_checks.release.set()
         task = pending.result().task
         assert task.state == C.TASK_STATE_PENDING
-        # core.submit validated the same spec again on the loop and found the build cached.
+        # core.api.submit validated the same spec again on the loop and found the build cached.
         assert held_env_checks.calls == ['{"block":true,"tag":1}']
         assert [t.task_id for t in stub.ListTasks(S.ListTasksRequest()).tasks] == [task.task_id]
 
@@ -96,7 +96,7 @@ def test_the_real_builder_runs_once_per_submit(tmp_path) -> None:
         spec.env_config.update({"env_id": "FrozenLake-v1", "env_kwargs": {"is_slippery": False}, "action_space": 4})
         assert stub.SubmitTask(S.SubmitTaskRequest(spec=spec), timeout=60).task.state == C.TASK_STATE_PENDING
         info = gym_spec._real_spaces.cache_info()
-        assert info.misses == 1 and info.hits >= 1  # built in the thread, found cached by core.submit
+        assert info.misses == 1 and info.hits >= 1  # built in the thread, found cached by core.api.submit
 
 
 def test_oversized_env_kwargs_are_refused_quickly_with_the_field_path(tmp_path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import admin_pb2, admin_pb2_grpc
 from opentinker_scheduler.api.admin import quota_from_proto
 from opentinker_scheduler.errors import InvalidArgument
@@ -63,3 +64,19 @@ def test_reset_queue_quota_refuses_by_name_and_role(tmp_path) -> None:
         resp = stub.ResetQueueQuota(admin_pb2.ResetQueueQuotaRequest(name="team-a"), metadata=root)
         assert resp.queue.gpu_quota == 2 and not resp.queue.overridden and not resp.HasField("removed")
         assert resp.queue.configured.gpu_quota == 2
+
+
+def test_get_desired_trainers_counts_the_pending_work_no_node_can_take(tmp_path) -> None:
+    config = "auth: {enabled: true}\nresource_pool:\n  - {node_id: gpu-node-01, gpu_count: 2, max_tasks: 2}\n"
+    with LoopbackScheduler(tmp_path / "state", config) as sched, sched.channel() as ch:
+        stub = admin_pb2_grpc.AdminServiceStub(ch)
+        root = metadata(sched.admin_key)
+        idle = stub.GetDesiredTrainers(admin_pb2.GetDesiredTrainersRequest(), metadata=root)
+        assert [(d.node_class, d.desired_trainers, d.pending_gpus) for d in idle.node_classes] == [("default", 0, 0)]
+        spec = common_pb2.TaskSpec(workload_type="full_rl", resources=common_pb2.Resources(gpu_count=2))
+        spec.env_config.update({"env_id": "CartPole-v1"})
+        sched.do(lambda: sched.core.api.submit(spec, owner="alice"))  # pending: no node is connected
+        busy = stub.GetDesiredTrainers(admin_pb2.GetDesiredTrainersRequest(), metadata=root)
+        assert [
+            (d.node_class, d.desired_trainers, d.connected_trainers, d.pending_gpus) for d in busy.node_classes
+        ] == [("default", 1, 0, 2)]

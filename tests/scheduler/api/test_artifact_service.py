@@ -324,7 +324,7 @@ def test_a_cancelled_attempt_writes_until_its_worker_stops_and_then_nothing(sche
         _upload(stub, _prefix(bob) + "final_3", b"last", _md(bob))
         up = _begin(stub, _prefix(bob) + "step_4", b"late", _md(bob)).upload_id
         sched.node.report(bob, C.TASK_STATE_CANCELLED)  # the worker is gone
-        wait_for(lambda: bob.task_id not in sched.core.stopping, 60, "the stop confirmed")
+        wait_for(lambda: bob.task_id not in sched.core.table.stopping, 60, "the stop confirmed")
         code, details = _refused(lambda: stub.CommitUpload(A.CommitUploadRequest(upload_id=up), metadata=_md(bob)))
         assert code == grpc.StatusCode.PERMISSION_DENIED
         assert f"attempt {bob.attempt} of task {bob.task_id} on node node-a has ended" in details
@@ -344,7 +344,7 @@ def test_user_keys_may_not_use_the_artifact_service(sched, tmp_path):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_an_s3_scheduler_describes_the_bucket_and_refuses_uploads(seaweedfs, monkeypatch, tmp_path):
+def test_an_s3_scheduler_describes_the_bucket_and_takes_no_upload_stream(seaweedfs, monkeypatch, tmp_path):
     for k, v in seaweedfs.env().items():
         monkeypatch.setenv(k, v)
     s3 = f"{{endpoint: '{seaweedfs.endpoint}', bucket: {seaweedfs.bucket}, prefix: svc/}}"
@@ -355,11 +355,11 @@ def test_an_s3_scheduler_describes_the_bucket_and_refuses_uploads(seaweedfs, mon
         assert desc.backend == "s3" and desc.s3.bucket == seaweedfs.bucket and desc.s3.prefix == "svc/"
         assert desc.s3.endpoint == seaweedfs.endpoint and desc.checkpoint_retries == 3
         m = A.ArtifactManifest(
-            key="k", files=[A.ArtifactFile(path="a", size_bytes=0, sha256=hashlib.sha256().hexdigest())]
+            key="k", files=[A.ArtifactFile(path="a", size_bytes=1, sha256=hashlib.sha256(b"a").hexdigest())]
         )
+        begun = stub.BeginUpload(A.BeginUploadRequest(manifest=m))
+        assert [p.method for p in begun.puts] == ["PUT"]  # the bytes go to the bucket, not here
+        chunk = A.UploadChunksRequest(upload_id=begun.upload_id, file_index=0, offset=0, data=b"a")
         with pytest.raises(grpc.RpcError) as err:
-            stub.BeginUpload(A.BeginUploadRequest(manifest=m))
-        assert (
-            err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            and "trainers write it directly" in err.value.details()
-        )
+            stub.UploadChunks(iter([chunk]))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "BeginUpload presigns" in err.value.details()

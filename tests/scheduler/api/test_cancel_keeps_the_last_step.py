@@ -38,7 +38,7 @@ def _running_task(s: LoopbackScheduler, node_id: str) -> tuple[object, str]:
 
     def start():
         node, _ = register(s.core, node_id, gpus=0)
-        task = s.core.submit(spec(gpus=0), owner="")
+        task = s.core.api.submit(spec(gpus=0), owner="")
         s.core.schedule()
         drain(node)
         s.core.node_report(node, N.TaskReport(task_id=task.task_id, attempt=1, state=C.TASK_STATE_RUNNING))

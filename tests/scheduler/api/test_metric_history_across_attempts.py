@@ -29,7 +29,7 @@ def _point(step: int, attempt: int) -> C.MetricPoint:
 def _resumed_task(s: LoopbackScheduler) -> str:
     def run():
         node, _ = register(s.core, "cpu-a", gpus=0)
-        task = s.core.submit(spec(gpus=0), owner="")
+        task = s.core.api.submit(spec(gpus=0), owner="")
         s.core.schedule()
         drain(node)
         tid = task.task_id
@@ -43,7 +43,7 @@ def _resumed_task(s: LoopbackScheduler) -> str:
         other, _ = register(s.core, "cpu-b", gpus=0)
         s.core.schedule()
         drain(other)
-        assert s.core.get(tid).attempt == 2
+        assert s.core.api.get(tid).attempt == 2
         s.core.node_report(other, N.TaskReport(task_id=tid, attempt=2, state=C.TASK_STATE_RUNNING))
         s.core.node_report(other, N.TaskReport(task_id=tid, attempt=2, metrics=[_point(n, 2) for n in (4, 5, 6)]))
         return tid

@@ -48,6 +48,10 @@ def test_an_s3_section_is_parsed():
         ("artifacts: {backend: s3, s3: {bucket: b1b, endpoint: 'ftp://x'}}", "artifacts.s3.endpoint: expected http(s)"),
         ("artifacts: {backend: s3, s3: {bucket: b1b, secret_key: x}}", "artifacts.s3.secret_key: expected one of"),
         ("artifacts: {keep_checkpoints: 0}", "artifacts.keep_checkpoints: expected an integer in [1, 1000]"),
+        (
+            "artifacts: {backend: s3, s3: {bucket: b1b, presign_expires_s: 0}}",
+            "artifacts.s3.presign_expires_s: expected an integer in [1, 43200], got 0",
+        ),
         ("artifacts: {s3: {bucket: b1b}}", "artifacts.s3: expected no s3: section with backend: local"),
     ],
 )

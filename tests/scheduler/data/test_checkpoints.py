@@ -30,7 +30,7 @@ def _spec() -> C.TaskSpec:
 def _run_task_with_checkpoints(core: SchedulerCore, folders: dict[int, Path], endpoint: str = "") -> str:
     """Submit, place on a node, report RUNNING and a checkpoint per step; returns the task id."""
     node, _ = core.node_register(N.Register(node_id="n1", max_tasks=4))
-    task = core.submit(_spec(), owner="u")
+    task = core.api.submit(_spec(), owner="u")
     core.schedule()
     core.node_report(node, N.TaskReport(task_id=task.task_id, attempt=1, state=C.TASK_STATE_RUNNING, endpoint=endpoint))
     for step, folder in folders.items():
@@ -166,7 +166,7 @@ def test_download_through_grpc_matches_file_hashes_and_endpoint_shows_while_runn
         ]
         assert len(sizes) == 1 + 4 and max(sizes) <= checkpoints.CHUNK_BYTES + 64
     # The endpoint is only shown while the task runs.
-    scheduler.do(scheduler.core.cancel, task_id)
+    scheduler.do(scheduler.core.api.cancel, task_id)
     with RLClient(f"127.0.0.1:{scheduler.running.port}", min_poll_interval=0) as client:
         assert client.get_task(task_id).endpoint == ""
 

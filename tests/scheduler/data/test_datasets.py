@@ -169,7 +169,9 @@ def env(tmp_path):
     store = DatasetStore(tmp_path / "datasets")
 
     def check(spec: C.TaskSpec) -> None:
-        check_references(spec, datasets=store, get_task=core.get, owner="u", default_model=core.config.default_model)
+        check_references(
+            spec, datasets=store, get_task=core.api.get, owner="u", default_model=core.config.default_model
+        )
 
     return core, node, store, check
 
@@ -190,7 +192,7 @@ def test_init_from_needs_an_ended_task_with_an_lm_checkpoint_of_the_same_model(e
     with pytest.raises(NotFound, match="spec.init_from: task 'task-nope' not found"):
         check(lm_spec(init_from="task-nope"))
 
-    running = core.submit(lm_spec(), owner="u")
+    running = core.api.submit(lm_spec(), owner="u")
     core.schedule()
     with pytest.raises(
         FailedPrecondition,
@@ -198,7 +200,7 @@ def test_init_from_needs_an_ended_task_with_an_lm_checkpoint_of_the_same_model(e
     ):
         check(lm_spec(init_from=running.task_id))
 
-    failed = core.submit(lm_spec(), owner="u")
+    failed = core.api.submit(lm_spec(), owner="u")
     core.node_report(node, N.TaskReport(task_id=running.task_id, attempt=1, state=C.TASK_STATE_SUCCEEDED))
     finish(core, node, failed.task_id, C.TASK_STATE_FAILED)
     with pytest.raises(
@@ -212,14 +214,14 @@ def test_init_from_needs_an_ended_task_with_an_lm_checkpoint_of_the_same_model(e
         check(lm_spec(init_from=running.task_id))
 
     # A FAILED (or timed-out) or CANCELLED task's last checkpoint will do, final or not.
-    ended = core.submit(lm_spec(), owner="u")
+    ended = core.api.submit(lm_spec(), owner="u")
     ck1 = C.Checkpoint(step=1, path="/ck/e/step_1", format="peft_lora")
     finish(core, node, ended.task_id, C.TASK_STATE_FAILED, checkpoint=ck1)
     check(lm_spec(init_from=ended.task_id))
-    cut = core.submit(lm_spec(), owner="u")
+    cut = core.api.submit(lm_spec(), owner="u")
     core.schedule()
     core.node_report(node, N.TaskReport(task_id=cut.task_id, attempt=1, state=C.TASK_STATE_RUNNING))
-    core.cancel(cut.task_id)
+    core.api.cancel(cut.task_id)
     core.node_report(  # the checkpoint its worker wrote on SIGTERM, after the cancel
         node,
         N.TaskReport(
@@ -227,14 +229,14 @@ def test_init_from_needs_an_ended_task_with_an_lm_checkpoint_of_the_same_model(e
         ),
     )
     check(lm_spec(init_from=cut.task_id))
-    assert core.get(cut.task_id).latest_checkpoint.step == 3
+    assert core.api.get(cut.task_id).latest_checkpoint.step == 3
 
-    odd = core.submit(lm_spec(), owner="u")
+    odd = core.api.submit(lm_spec(), owner="u")
     finish(core, node, odd.task_id, checkpoint=C.Checkpoint(step=2, path="/ck/odd", final=True, format="torch_state"))
     with pytest.raises(FailedPrecondition, match="has a final torch_state checkpoint"):
         check(lm_spec(init_from=odd.task_id))
 
-    good = core.submit(lm_spec(), owner="u")
+    good = core.api.submit(lm_spec(), owner="u")
     ck = C.Checkpoint(step=2, path="/ck/sft/step_2", final=True, format="peft_lora")
     finish(core, node, good.task_id, checkpoint=ck)
     check(lm_spec(init_from=good.task_id))
@@ -247,19 +249,19 @@ def test_init_from_needs_an_ended_task_with_an_lm_checkpoint_of_the_same_model(e
     # A training session writes no final checkpoint; its newest (a state or sampler weights) will
     # do once it has ended, idle (SUCCEEDED) or cancelled.
     session_spec = C.TaskSpec(workload_type="lora_session", model="/models/m")
-    session = core.submit(session_spec, owner="u")
+    session = core.api.submit(session_spec, owner="u")
     sampler = C.Checkpoint(step=4, path="/ck/s/sampler_w", format="peft_lora")
     finish(core, node, session.task_id, checkpoint=sampler)
-    assert core.get(session.task_id).state == C.TASK_STATE_SUCCEEDED and not sampler.final
+    assert core.api.get(session.task_id).state == C.TASK_STATE_SUCCEEDED and not sampler.final
     check(lm_spec(init_from=session.task_id))
-    still = core.submit(session_spec, owner="u")
+    still = core.api.submit(session_spec, owner="u")
     core.schedule()
     core.node_report(node, N.TaskReport(task_id=still.task_id, attempt=1, state=C.TASK_STATE_RUNNING, checkpoint=ck1))
     with pytest.raises(FailedPrecondition, match=f"task {still.task_id} is RUNNING"):
         check(lm_spec(init_from=still.task_id))
 
     # At assignment the worker gets the init_from task's final checkpoint.
-    task = core.submit(lm_spec(init_from=good.task_id), owner="u")
+    task = core.api.submit(lm_spec(init_from=good.task_id), owner="u")
     while not node.outbox.empty():
         node.outbox.get_nowait()
     assert core.schedule() == 1
@@ -278,8 +280,8 @@ def test_an_inference_task_serves_only_its_owners_full_weights(env) -> None:
         s.hyperparameters.update({"checkpoint_task_id": task_id})
         return s
 
-    mine = core.submit(lm_spec(), owner="u")
-    theirs = core.submit(lm_spec(), owner="v")
+    mine = core.api.submit(lm_spec(), owner="u")
+    theirs = core.api.submit(lm_spec(), owner="v")
     check(serving(mine.task_id))
     check(C.TaskSpec(workload_type="inference", model="/models/m"))  # the base model: nothing to check
     for other in (theirs.task_id, "task-nope"):  # another owner's task reads as no task at all

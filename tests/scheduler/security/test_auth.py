@@ -472,7 +472,7 @@ def test_node_id_must_be_the_certificates_common_name_or_a_dns_name(tmp_path) ->
             ("node-a", "node-b"),
             ("node-a.evil", "node-a"),
         }
-        assert "node-a.evil" not in s.do(lambda: set(s.core.nodes))
+        assert "node-a.evil" not in s.do(lambda: set(s.core.ledger.nodes))
     finally:
         s.close()
 

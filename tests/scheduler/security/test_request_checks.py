@@ -322,4 +322,4 @@ def test_control_characters_in_a_node_registration_are_refused(sched, field, val
     assert info.value.details() == (
         f"register.{field}: expected text on one line without control characters, got {message}"
     )
-    assert f"node-{field}" not in sched.do(lambda: set(sched.core.nodes))  # nothing registered
+    assert f"node-{field}" not in sched.do(lambda: set(sched.core.ledger.nodes))  # nothing registered

@@ -23,7 +23,7 @@ def _stored(task_id: str, step: int, *, final: bool = False) -> C.Checkpoint:
 
 def _running(tmp_path):
     core = make_core(tmp_path)
-    task = core.submit(spec(), owner="alice")
+    task = core.api.submit(spec(), owner="alice")
     node, _ = register(core)
     core.schedule()
     report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
@@ -39,7 +39,7 @@ def test_a_checkpoint_that_could_not_be_stored_is_an_event_and_keeps_the_last_co
     failure = C.CheckpointFailure(step=4, error="S3 endpoint http://s3:8333 unreachable", failures_in_a_row=1)
     report(core, node, task.task_id, 1, checkpoint_failed=failure)
     report(core, node, task.task_id, 1, checkpoint_failed=failure)  # resent after a reconnect: once
-    t = core.get(task.task_id)
+    t = core.api.get(task.task_id)
     assert t.state == C.TASK_STATE_RUNNING and t.latest_checkpoint.step == 2
     events = core.store.events_after(task.task_id, 0, limit=100)
     failed = [e.checkpoint_failed for e in events if e.WhichOneof("event") == "checkpoint_failed"]
@@ -59,7 +59,7 @@ def test_a_checkpoint_that_could_not_be_stored_is_an_event_and_keeps_the_last_co
         error="2 checkpoints in a row could not be stored; the last complete checkpoint is step 2",
         retryable=False,
     )
-    t = core.get(task.task_id)
+    t = core.api.get(task.task_id)
     assert t.state == C.TASK_STATE_FAILED and t.latest_checkpoint.step == 2 and "step 2" in t.error
     kinds = [e.WhichOneof("event") for e in core.store.events_after(task.task_id, 0, limit=100)]
     assert kinds.count("checkpoint_failed") == 2 and kinds[-1] == "state_change"
@@ -68,33 +68,33 @@ def test_a_checkpoint_that_could_not_be_stored_is_an_event_and_keeps_the_last_co
 def test_a_checkpoint_without_an_artifact_is_not_handed_to_retention(tmp_path) -> None:
     core, node, task, heard = _running(tmp_path)
     report(core, node, task.task_id, 1, checkpoint=C.Checkpoint(step=3, path="/shared/ck/step_3"))
-    assert core.get(task.task_id).latest_checkpoint.step == 3 and heard == []
+    assert core.api.get(task.task_id).latest_checkpoint.step == 3 and heard == []
 
 
 def test_artifacts_are_deletable_only_once_the_task_ended_and_nothing_starts_from_it(tmp_path) -> None:
     core, node, task, _ = _running(tmp_path)
     with pytest.raises(FailedPrecondition, match="RUNNING: its artifacts can be deleted once it has ended"):
-        core.artifacts_deletable(task.task_id, owner="alice")
+        core.api.artifacts_deletable(task.task_id, owner="alice")
     report(core, node, task.task_id, 1, C.TASK_STATE_SUCCEEDED, checkpoint=_stored(task.task_id, 8, final=True))
     with pytest.raises(NotFound):
-        core.artifacts_deletable(task.task_id, owner="bob")  # another owner's: as if it did not exist
+        core.api.artifacts_deletable(task.task_id, owner="bob")  # another owner's: as if it did not exist
     warm = spec()
     warm.init_from = task.task_id
-    follower = core.submit(warm, owner="alice")  # a pending task that starts from it
+    follower = core.api.submit(warm, owner="alice")  # a pending task that starts from it
     with pytest.raises(FailedPrecondition, match="init_from of unfinished task"):
-        core.artifacts_deletable(task.task_id, owner="alice")
-    core.cancel(follower.task_id, owner="alice")
-    assert core.artifacts_deletable(task.task_id, owner=None).task_id == task.task_id  # an admin (no owner scope)
-    core.artifacts_deleting(task.task_id)  # before the store deletes: no latest checkpoint to hand out
+        core.api.artifacts_deletable(task.task_id, owner="alice")
+    core.api.cancel(follower.task_id, owner="alice")
+    assert core.api.artifacts_deletable(task.task_id, owner=None).task_id == task.task_id  # an admin (no owner scope)
+    core.table.artifacts_deleting(task.task_id)  # before the store deletes: no latest checkpoint to hand out
     assert core.store.get_task(task.task_id).latest_checkpoint is None
     assert [c.step for c in core.store.checkpoints(task.task_id)] == [8]  # still listed until deleted
-    after = core.artifacts_deleted(task.task_id, keys=1, size_bytes=422, by="alice")
+    after = core.table.artifacts_deleted(task.task_id, keys=1, size_bytes=422, by="alice")
     assert after.latest_checkpoint is None and core.store.get_task(task.task_id).latest_checkpoint is None
     # the deletion is an event, and the checkpoints recorded before it are listed no more
     gone = core.store.artifacts_deleted(task.task_id)
     assert (gone.artifacts_deleted.deleted_keys, gone.artifacts_deleted.deleted_by) == (1, "alice")
     assert core.store.checkpoints(task.task_id) == []
-    core.artifacts_deleted(task.task_id)  # a second rm deleted nothing: nothing more recorded
+    core.table.artifacts_deleted(task.task_id)  # a second rm deleted nothing: nothing more recorded
     kinds = [e.WhichOneof("event") for e in core.store.events_after(task.task_id, 0, limit=100)]
     assert kinds.count("artifacts_deleted") == 1 and kinds[-1] == "artifacts_deleted"
 
@@ -105,7 +105,7 @@ def test_checkpoints_retention_deleted_are_listed_no_more(tmp_path) -> None:
         report(core, node, task.task_id, 1, checkpoint=_stored(task.task_id, step))
     core.checkpoints_retired(task.task_id, [f"tasks/{task.task_id}/a1/step_2"])
     assert [c.step for c in core.store.checkpoints(task.task_id)] == [4, 6]
-    assert core.get(task.task_id).latest_checkpoint.step == 6  # the newest is untouched
+    assert core.api.get(task.task_id).latest_checkpoint.step == 6  # the newest is untouched
     assert core.store.artifacts_deleted(task.task_id) is None  # retention is no deletion of the task's artifacts
     core.checkpoints_retired(task.task_id, [])  # nothing deleted: nothing recorded
     kinds = [e.WhichOneof("event") for e in core.store.events_after(task.task_id, 0, limit=100)]
@@ -127,17 +127,17 @@ def test_a_session_resumes_from_its_newest_state_not_a_later_sampler_save(tmp_pa
     core = make_core(tmp_path)
     session = spec()
     session.workload_type = "lora_session"
-    task = core.submit(session, owner="alice")
+    task = core.api.submit(session, owner="alice")
     node, _ = register(core)
     core.schedule()
     report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
     for step, folder in ((3, "state_early"), (5, "state_after5"), (5, "sampler_samp5"), (6, "sampler_samp6")):
         report(core, node, task.task_id, 1, checkpoint=_session_save(task.task_id, step, folder))
-    assert core.get(task.task_id).latest_checkpoint.path.endswith("sampler_samp6")  # what serving reads
+    assert core.api.get(task.task_id).latest_checkpoint.path.endswith("sampler_samp6")  # what serving reads
     drain(node)
     # Handed back (a drain): placed again at once, from the newest state.
     report(core, node, task.task_id, 1, C.TASK_STATE_CANCELLED, error="node drained", retryable=True)
-    t = core.get(task.task_id)
+    t = core.api.get(task.task_id)
     assert (t.attempt, t.latest_step) == (2, 5)  # where attempt 2 starts: the state's step
     queued = [
         e.state_change.message

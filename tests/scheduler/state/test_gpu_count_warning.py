@@ -33,7 +33,7 @@ def _warnings(logs) -> list[dict]:
 
 
 def _reconnect(core, reg: N.Register):
-    node = core.nodes[reg.node_id]
+    node = core.ledger.nodes[reg.node_id]
     core.node_protocol.node_disconnected(node, node.generation, goodbye=False)
     return core.node_register(reg)[0]
 
@@ -54,7 +54,7 @@ def test_a_cpu_trainer_on_a_gpu_pool_entry_is_told_once_what_to_change(tmp_path)
 
 def test_a_scheduler_restart_warns_once_not_at_recovery_and_again_at_reregistration(tmp_path) -> None:
     core = make_core(tmp_path)
-    task = core.submit(spec(gpus=0), owner="u")
+    task = core.api.submit(spec(gpus=0), owner="u")
     node, _ = core.node_register(_reg(0))
     core.schedule()
     report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)

@@ -30,7 +30,7 @@ def test_the_acks_of_one_group_go_as_the_newest_in_the_first_ones_place(tmp_path
         node, _ = register(core)
         other, _ = register(core, "gpu-node-02")
         drain(node), drain(other)
-        first = core.submit(spec(gpus=1), owner="u")
+        first = core.api.submit(spec(gpus=1), owner="u")
         node.push(_ack(1))  # held: the group is open
         assert core.schedule() == 1  # the AssignTask is held behind it
         node.push(_ack(2))

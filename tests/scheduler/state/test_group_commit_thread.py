@@ -49,7 +49,7 @@ class _RowLock:
 async def _assignment_held(core):
     """A committed PENDING task, then a group that assigns it, its COMMIT sent from the thread
     and held back by :class:`_RowLock`: ``(task, lock, the group's durable() future)``."""
-    first = core.submit(spec(gpus=1), owner="u")
+    first = core.api.submit(spec(gpus=1), owner="u")
     await core.durable()
     lock = _RowLock(core.store, first.task_id)
     assert core.schedule() == 1  # the assignment's UPDATE waits for the row lock
@@ -65,7 +65,7 @@ def test_a_groups_commit_goes_out_from_its_thread_and_releases_it_after_the_answ
         try:
             assert core.store.commit_in_flight()
             # The loop goes on: a submit joins the next group, whose commit waits for this one.
-            later = asyncio.ensure_future(core.submit_grouped(spec(gpus=1), owner="u"))
+            later = asyncio.ensure_future(core.api.submit_grouped(spec(gpus=1), owner="u"))
             for _ in range(20):  # the loop runs meanwhile: these sleeps end
                 await asyncio.sleep(0.01)
             assert not acked.done() and not later.done()
@@ -89,7 +89,7 @@ def test_a_commit_failing_on_its_thread_fails_its_group_and_the_one_opened_since
         core, node = pg_group_commit_core(tmp_path)
         first, lock, acked = await _assignment_held(core)
         try:
-            later = asyncio.ensure_future(core.submit_grouped(spec(gpus=1), owner="u"))  # built on the first
+            later = asyncio.ensure_future(core.api.submit_grouped(spec(gpus=1), owner="u"))  # built on the first
             await asyncio.sleep(0.05)
             lock.conn.execute("SELECT pg_terminate_backend(%s)", (lock.waiter_pid(),))
             with pytest.raises(StoreUnavailable):
@@ -101,7 +101,7 @@ def test_a_commit_failing_on_its_thread_fails_its_group_and_the_one_opened_since
         # Nothing of either group was kept or sent; memory is the store's again.
         assert drain(node) == []
         assert committed_state(core.store, first.task_id) == C.TASK_STATE_PENDING
-        assert core.get(first.task_id).state == C.TASK_STATE_PENDING
+        assert core.api.get(first.task_id).state == C.TASK_STATE_PENDING
         assert first.task_id not in node.allocations
         assert committed(core.store, "SELECT COUNT(*) FROM tasks") == [(1,)]
         # The next group goes out on a fresh connection.

@@ -124,9 +124,9 @@ def test_a_groups_submits_are_one_insert_placed_in_one_round_and_committed_with_
         audit = AuditLog(core.store)
 
         async def submit(i: int) -> TaskRow:
-            task = await core.submit_grouped(spec(gpus=1), owner="u", request_id=f"r{i}")
+            task = await core.api.submit_grouped(spec(gpus=1), owner="u", request_id=f"r{i}")
             # Written and in memory (placed too: a node has room), not committed yet.
-            assert core.get(task.task_id) is task
+            assert core.api.get(task.task_id) is task
             assert committed(core.store, "SELECT 1 FROM tasks WHERE task_id=?", (task.task_id,)) == []
             audit.record("task.submit", owner="u", role="user", task_id=task.task_id, gpu_count=1, priority=1)
             await core.durable()
@@ -153,15 +153,15 @@ def test_a_request_id_submitted_twice_in_one_group_or_again_later_gives_the_firs
     async def main() -> None:
         core = await _grouped_core(tmp_path)
         a, b = await asyncio.gather(
-            core.submit_grouped(spec(), owner="u", request_id="same"),
-            core.submit_grouped(spec(), owner="u", request_id="same"),
+            core.api.submit_grouped(spec(), owner="u", request_id="same"),
+            core.api.submit_grouped(spec(), owner="u", request_id="same"),
         )
         await core.durable()
         assert a is b and len(core.queue) == 1
-        again = await core.submit_grouped(spec(), owner="u", request_id="same")
+        again = await core.api.submit_grouped(spec(), owner="u", request_id="same")
         assert again.task_id == a.task_id
         with pytest.raises(AlreadyExists, match="different spec"):
-            await core.submit_grouped(spec(gpus=2), owner="u", request_id="same")
+            await core.api.submit_grouped(spec(gpus=2), owner="u", request_id="same")
         await core.durable()
         assert committed(core.store, "SELECT count(*) FROM tasks") == [(1,)]
 
@@ -176,14 +176,14 @@ def test_a_failed_group_fails_every_submit_and_keeps_none(tmp_path) -> None:
         db.fail_commit = True
 
         async def submit(i: int) -> None:
-            await core.submit_grouped(spec(), owner="u", request_id=f"r{i}")
+            await core.api.submit_grouped(spec(), owner="u", request_id=f"r{i}")
             await core.durable()
 
         results = await asyncio.gather(*(submit(i) for i in range(3)), return_exceptions=True)
         assert all(isinstance(r, sqlite3.OperationalError) for r in results), results
         assert len(core.queue) == 0 and committed(core.store, "SELECT count(*) FROM tasks") == [(0,)]
         db.fail_commit = False
-        task = await core.submit_grouped(spec(), owner="u", request_id="r0")  # the retry goes in
+        task = await core.api.submit_grouped(spec(), owner="u", request_id="r0")  # the retry goes in
         await core.durable()
         assert committed(core.store, "SELECT task_id FROM tasks") == [(task.task_id,)]
 
@@ -193,7 +193,9 @@ def test_a_failed_group_fails_every_submit_and_keeps_none(tmp_path) -> None:
 def test_a_group_abandoned_before_it_wrote_its_submits_fails_them_with_not_leader(tmp_path) -> None:
     async def main() -> None:
         core = await _grouped_core(tmp_path)
-        submits = [asyncio.ensure_future(core.submit_grouped(spec(), owner="u", request_id=f"r{i}")) for i in range(3)]
+        submits = [
+            asyncio.ensure_future(core.api.submit_grouped(spec(), owner="u", request_id=f"r{i}")) for i in range(3)
+        ]
         await asyncio.sleep(0)  # each has validated its spec and waits for the group to write it
         assert not any(s.done() for s in submits)
         core.demote("test: another scheduler leads")
@@ -207,12 +209,12 @@ def test_a_group_abandoned_before_it_wrote_its_submits_fails_them_with_not_leade
 def test_submits_waiting_for_their_group_count_towards_the_owners_pending_tasks(tmp_path) -> None:
     async def main() -> None:
         core = await _grouped_core(tmp_path)
-        waiting = [asyncio.ensure_future(core.submit_grouped(spec(), owner="u")) for _ in range(2)]
-        other = asyncio.ensure_future(core.submit_grouped(spec(), owner="v"))
+        waiting = [asyncio.ensure_future(core.api.submit_grouped(spec(), owner="u")) for _ in range(2)]
+        other = asyncio.ensure_future(core.api.submit_grouped(spec(), owner="v"))
         await asyncio.sleep(0)
-        assert core.waiting_new_tasks("u") == 2 and core.waiting_new_tasks("v") == 1
+        assert core.api.waiting_new_tasks("u") == 2 and core.api.waiting_new_tasks("v") == 1
         await asyncio.gather(*waiting, other)
-        assert core.waiting_new_tasks("u") == 0
+        assert core.api.waiting_new_tasks("u") == 0
         await core.durable()
 
     asyncio.run(main())

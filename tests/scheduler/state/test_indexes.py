@@ -162,18 +162,18 @@ def test_schedule_is_cheap_with_a_deep_queue(tmp_path) -> None:
     """Nothing free: a round does not touch the queue; capacity frees: the oldest fitting go."""
     core = make_core(tmp_path, max_tasks_per_gpu=1)
     node, _ = register(core, gpus=4)
-    big = [core.submit(spec(gpus=4), owner="u") for _ in range(3)]
-    small = [core.submit(spec(gpus=1), owner="u") for _ in range(50)]
+    big = [core.api.submit(spec(gpus=4), owner="u") for _ in range(3)]
+    small = [core.api.submit(spec(gpus=1), owner="u") for _ in range(50)]
     assert core.schedule() == 1  # the first big task takes all 4 GPUs
     drain(node)
     assert core.schedule() == 0 and len(core.queue) == 52
-    assert "no node has 1 free GPU(s)" in core.pending_reason(small[0].task_id)
-    assert "queue position 3 of 52" in core.pending_reason(
+    assert "no node has 1 free GPU(s)" in core.reasons.reason(small[0].task_id)
+    assert "queue position 3 of 52" in core.reasons.reason(
         small[0].task_id
     )  # behind the two big ones (same priority, older)
     report(core, node, big[0].task_id, 1, C.TASK_STATE_SUCCEEDED)
     assert core.schedule() == 1  # head of the queue: the next big task
-    assert core.get(big[1].task_id).state == C.TASK_STATE_ASSIGNED
+    assert core.api.get(big[1].task_id).state == C.TASK_STATE_ASSIGNED
     assert core.state_counts[C.TASK_STATE_PENDING] == 51 and core.state_counts[C.TASK_STATE_SUCCEEDED] == 1
 
 
@@ -204,7 +204,7 @@ def _group_commit_core(tmp_path, gpus: int):
     core = make_core(tmp_path)
     core.enable_group_commit()
     node, _ = register(core)
-    return core, node, core.submit(spec(gpus=gpus), owner="u")
+    return core, node, core.api.submit(spec(gpus=gpus), owner="u")
 
 
 def test_group_commit_holds_commands_until_durable(tmp_path) -> None:
@@ -234,7 +234,7 @@ def test_failed_group_commit_rebuilds_memory_and_drops_commands(tmp_path) -> Non
         with pytest.raises(sqlite3.OperationalError, match="disk I/O"):
             await core.durable()
         # Memory is the store's again: pending, no GPUs held, no assignment sent.
-        assert core.get(task.task_id).state == C.TASK_STATE_PENDING and task.task_id in core.queue
+        assert core.api.get(task.task_id).state == C.TASK_STATE_PENDING and task.task_id in core.queue
         assert dict(node.allocations) == {} and drain(node) == []
         assert core.state_counts.get(C.TASK_STATE_ASSIGNED, 0) == 0
         failing.fail = False

@@ -24,7 +24,7 @@ def _metric_report(task_id: str, attempt: int, step: int, seq: int) -> N.TaskRep
 
 def _running(tmp_path):
     core = make_core(tmp_path)
-    task = core.submit(spec(), owner="u")
+    task = core.api.submit(spec(), owner="u")
     node, _ = register(core)
     core.schedule()
     report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
@@ -55,7 +55,7 @@ def test_resent_metric_points_after_a_restart_are_applied_once(tmp_path) -> None
     assert _steps(core2, task.task_id) == [1, 2, 3, 4, 5]
     assert registered.report_ack == 5, "the node may forget every report it resent"
     assert core2.node_protocol.duplicates == 2
-    t = core2.get(task.task_id)
+    t = core2.api.get(task.task_id)
     assert (t.state, t.attempt, t.latest_step, t.attempt_step) == (C.TASK_STATE_RUNNING, 1, 5, 5)
 
 
@@ -78,7 +78,7 @@ def test_a_final_in_both_pending_and_finished_is_applied_once(tmp_path) -> None:
     _, registered = core2.node_register(
         N.Register(node_id="gpu-node-01", devices=DEVICES, max_tasks=8, pending=[last, done], finished=[done])
     )
-    t = core2.get(task.task_id)
+    t = core2.api.get(task.task_id)
     # The metric point written before the end counts: pending is applied in order, before finished.
     assert t.state == C.TASK_STATE_SUCCEEDED and _steps(core2, task.task_id) == [3]
     assert registered.report_ack == 12
@@ -95,7 +95,7 @@ def test_the_next_attempt_reports_its_own_steps(tmp_path) -> None:
     for step in (1, 2, 3):
         core.node_report(node, _metric_report(task.task_id, 1, step, seq=step))
     report(core, node, task.task_id, 1, C.TASK_STATE_FAILED, error="oom", retryable=True)
-    t = core.get(task.task_id)
+    t = core.api.get(task.task_id)
     assert t.attempt == 2 and t.attempt_step == 0
     t.not_before = 0
     core.schedule()

@@ -77,32 +77,32 @@ def test_core_round_keeps_reserved_node_for_big_task(tmp_path) -> None:
     """Small tasks keep arriving on a one-node cluster: the big task still gets the node."""
     core = make_core(tmp_path, max_tasks_per_gpu=1)
     node, _ = register(core)
-    first = core.submit(spec(gpus=2), owner="u")
+    first = core.api.submit(spec(gpus=2), owner="u")
     core.schedule()
     drain(node)
     report(core, node, first.task_id, 1, C.TASK_STATE_RUNNING)
-    big = core.submit(spec(gpus=4), owner="u")
-    small = core.submit(spec(gpus=1), owner="u")
+    big = core.api.submit(spec(gpus=4), owner="u")
+    small = core.api.submit(spec(gpus=1), owner="u")
     assert core.schedule() == 0  # 2 GPUs free, but the node is reserved for the big task
-    assert "gpu-node-01 is reserved for it" in core.pending_reason(big.task_id)
-    assert core.get(small.task_id).state == C.TASK_STATE_PENDING
+    assert "gpu-node-01 is reserved for it" in core.reasons.reason(big.task_id)
+    assert core.api.get(small.task_id).state == C.TASK_STATE_PENDING
     report(core, node, first.task_id, 1, C.TASK_STATE_SUCCEEDED)
     assert core.schedule() == 1
-    assert core.get(big.task_id).state == C.TASK_STATE_ASSIGNED
+    assert core.api.get(big.task_id).state == C.TASK_STATE_ASSIGNED
 
 
 def test_core_round_backfills_on_other_nodes(tmp_path) -> None:
     core = make_core(tmp_path, max_tasks_per_gpu=1)
     a, _ = register(core, node_id="a", gpus=4)
     b, _ = register(core, node_id="b", gpus=2)
-    first = core.submit(spec(gpus=3), owner="u")
+    first = core.api.submit(spec(gpus=3), owner="u")
     core.schedule()
-    assert core.get(first.task_id).node_id == "a"
-    big = core.submit(spec(gpus=4), owner="u")
-    small = core.submit(spec(gpus=1), owner="u")
+    assert core.api.get(first.task_id).node_id == "a"
+    big = core.api.submit(spec(gpus=4), owner="u")
+    small = core.api.submit(spec(gpus=1), owner="u")
     assert core.schedule() == 1
-    assert core.get(small.task_id).node_id == "b"  # best fit would pick a; a is reserved
-    assert core.get(big.task_id).state == C.TASK_STATE_PENDING
+    assert core.api.get(small.task_id).node_id == "b"  # best fit would pick a; a is reserved
+    assert core.api.get(big.task_id).state == C.TASK_STATE_PENDING
 
 
 def test_pending_reason_names_the_reservation(tmp_path) -> None:
@@ -110,18 +110,18 @@ def test_pending_reason_names_the_reservation(tmp_path) -> None:
     (not "waiting for the next placement round")."""
     core = make_core(tmp_path, max_tasks_per_gpu=1)
     node, _ = register(core)
-    first = core.submit(spec(gpus=2), owner="u")
+    first = core.api.submit(spec(gpus=2), owner="u")
     core.schedule()
-    big = core.submit(spec(gpus=4), owner="u")
-    small = core.submit(spec(gpus=1), owner="u")
+    big = core.api.submit(spec(gpus=4), owner="u")
+    small = core.api.submit(spec(gpus=1), owner="u")
     assert core.schedule() == 0
-    why = core.pending_reason(small.task_id)
+    why = core.reasons.reason(small.task_id)
     assert why == (
         f"node gpu-node-01 is reserved for {big.task_id} (4 GPUs, priority {big.priority}) until it starts; "
         "queue position 2 of 2"
     )
-    assert "gpu-node-01 is reserved for it" in core.pending_reason(big.task_id)
-    assert core.get(first.task_id).node_id == node.node_id
+    assert "gpu-node-01 is reserved for it" in core.reasons.reason(big.task_id)
+    assert core.api.get(first.task_id).node_id == node.node_id
 
 
 def test_cpu_tasks_use_spare_slots_and_the_reservation_still_wins(tmp_path) -> None:
@@ -129,23 +129,23 @@ def test_cpu_tasks_use_spare_slots_and_the_reservation_still_wins(tmp_path) -> N
     the last slot stays free, so the big task starts as soon as its GPUs free up."""
     core = make_core(tmp_path, max_tasks_per_gpu=1)
     node, _ = register(core)  # 4 GPUs, max_tasks 8
-    first = core.submit(spec(gpus=2), owner="u")
+    first = core.api.submit(spec(gpus=2), owner="u")
     core.schedule()
     drain(node)
     report(core, node, first.task_id, 1, C.TASK_STATE_RUNNING)
-    big = core.submit(spec(gpus=4), owner="u")
-    small = core.submit(spec(gpus=1), owner="u")
-    cpu = [core.submit(spec(gpus=0), owner="u") for _ in range(7)]
+    big = core.api.submit(spec(gpus=4), owner="u")
+    small = core.api.submit(spec(gpus=1), owner="u")
+    cpu = [core.api.submit(spec(gpus=0), owner="u") for _ in range(7)]
     assert core.schedule() == 6  # 1 running + 6 CPU tasks: one slot left for the big task
-    assert [core.get(t.task_id).state for t in cpu] == [C.TASK_STATE_ASSIGNED] * 6 + [C.TASK_STATE_PENDING]
-    assert core.get(small.task_id).state == C.TASK_STATE_PENDING
-    assert f"node gpu-node-01 is reserved for {big.task_id}" in core.pending_reason(cpu[-1].task_id)
-    assert f"node gpu-node-01 is reserved for {big.task_id}" in core.pending_reason(small.task_id)
-    more = core.submit(spec(gpus=0), owner="u")  # still arriving: the last slot stays the big task's
+    assert [core.api.get(t.task_id).state for t in cpu] == [C.TASK_STATE_ASSIGNED] * 6 + [C.TASK_STATE_PENDING]
+    assert core.api.get(small.task_id).state == C.TASK_STATE_PENDING
+    assert f"node gpu-node-01 is reserved for {big.task_id}" in core.reasons.reason(cpu[-1].task_id)
+    assert f"node gpu-node-01 is reserved for {big.task_id}" in core.reasons.reason(small.task_id)
+    more = core.api.submit(spec(gpus=0), owner="u")  # still arriving: the last slot stays the big task's
     assert core.schedule() == 0
     report(core, node, first.task_id, 1, C.TASK_STATE_SUCCEEDED)
     assert core.schedule() >= 1
-    assert core.get(big.task_id).state == C.TASK_STATE_ASSIGNED
-    assert core.get(big.task_id).node_id == "gpu-node-01"
-    assert core.get(small.task_id).state == C.TASK_STATE_PENDING
-    assert core.get(more.task_id).state in (C.TASK_STATE_PENDING, C.TASK_STATE_ASSIGNED)
+    assert core.api.get(big.task_id).state == C.TASK_STATE_ASSIGNED
+    assert core.api.get(big.task_id).node_id == "gpu-node-01"
+    assert core.api.get(small.task_id).state == C.TASK_STATE_PENDING
+    assert core.api.get(more.task_id).state in (C.TASK_STATE_PENDING, C.TASK_STATE_ASSIGNED)

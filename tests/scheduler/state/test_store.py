@@ -68,16 +68,16 @@ def test_a_schema_from_a_newer_scheduler_is_refused_clearly(tmp_path) -> None:
 
 def test_a_follower_reads_and_refuses_writes_naming_the_leader(tmp_path) -> None:
     core = make_core(tmp_path)
-    task = core.submit(spec(), owner="u")
+    task = core.api.submit(spec(), owner="u")
     core.store.follow("host-a:8888")
     assert core.store.read_only
     assert core.store.get_task(task.task_id).task_id == task.task_id  # reads still work
     with pytest.raises(NotLeader) as info:
-        core.submit(spec(), owner="u")
+        core.api.submit(spec(), owner="u")
     assert info.value.leader == "host-a:8888" and "the leader is host-a:8888" in str(info.value)
     assert len(core.store.list_tasks()) == 1, "the refused write left nothing behind"
     core.store.lead(core.store.epoch)
-    core.submit(spec(), owner="u")
+    core.api.submit(spec(), owner="u")
     assert len(core.store.list_tasks()) == 2
 
 
@@ -258,7 +258,7 @@ def test_a_silent_network_is_an_error_within_the_call_timeout(tmp_path) -> None:
 def test_the_password_comes_from_the_config_and_never_shows(tmp_path, monkeypatch) -> None:
     from opentinker_scheduler.config import SchedulerConfig
     from opentinker_scheduler.config.store import StoreConfig
-    from opentinker_scheduler.state.store import open_store
+    from opentinker_scheduler.state.backends import open_store
 
     admin = psycopg.connect(current.server.dsn(), autocommit=True)
     admin.execute("DROP ROLE IF EXISTS ot_pw")

@@ -29,16 +29,16 @@ def _with_wandb(s: C.TaskSpec) -> C.TaskSpec:
 def test_a_task_naming_a_logger_goes_to_a_node_that_can_write_it(tmp_path) -> None:
     core = make_core(tmp_path)
     wandb = _register(core, "b-wandb", "tensorboard", "wandb")
-    busy = core.submit(spec(gpus=0), owner="u")
+    busy = core.api.submit(spec(gpus=0), owner="u")
     assert core.schedule() == 1  # b-wandb's one slot is taken
     assert [c.assign_task.task_id for c in drain(wandb)] == [busy.task_id]
     plain = _register(core, "a-plain", "tensorboard")  # room, and first in best-fit order
-    task = core.submit(_with_wandb(spec(gpus=0)), owner="u")
+    task = core.api.submit(_with_wandb(spec(gpus=0)), owner="u")
     assert core.schedule() == 0, "placed on a node that cannot write its logger"
-    reason = core.pending_reason(task.task_id)
+    reason = core.reasons.reason(task.task_id)
     assert "waiting for a node that can write its spec.tracking loggers (wandb)" in reason, reason
     assert "(a-plain; install opentinker[wandb] there)" in reason, reason
-    other = core.submit(spec(gpus=0), owner="u")  # names no logger: any node
+    other = core.api.submit(spec(gpus=0), owner="u")  # names no logger: any node
     assert core.schedule() == 1
     assert [c.assign_task.task_id for c in drain(plain)] == [other.task_id]
     report(core, wandb, busy.task_id, 1, state=C.TASK_STATE_RUNNING)
@@ -50,6 +50,6 @@ def test_a_task_naming_a_logger_goes_to_a_node_that_can_write_it(tmp_path) -> No
 def test_a_node_that_did_not_say_is_not_left_out(tmp_path) -> None:
     core = make_core(tmp_path)
     old = _register(core, "old-agent", reported=False)  # an agent from before the field
-    task = core.submit(_with_wandb(spec(gpus=0)), owner="u")
+    task = core.api.submit(_with_wandb(spec(gpus=0)), owner="u")
     assert core.schedule() == 1
     assert [c.assign_task.task_id for c in drain(old)] == [task.task_id]

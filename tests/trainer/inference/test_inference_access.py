@@ -404,7 +404,7 @@ def test_a_client_given_the_scheduler_gets_tokens_there_and_sends_only_those(tmp
     def running(core, owner: str):  # on the scheduler's loop: a CPU inference task of owner, assigned
         node, _ = core.node_register(N.Register(node_id="n1", max_tasks=4))
         spec = C.TaskSpec(workload_type="inference", model="/models/m", resources=C.Resources(gpu_count=0))
-        task = core.submit(spec, owner=owner)
+        task = core.api.submit(spec, owner=owner)
         core.schedule()
         return node, task.task_id
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%opentinker/artifact/v1/artifact.proto\x12\x16opentinker.artifact.v1\"@\n\x0c\x41rtifactFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xf1\x01\n\x10\x41rtifactManifest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x33\n\x05\x66iles\x18\x02 \x03(\x0b\x32$.opentinker.artifact.v1.ArtifactFile\x12@\n\x04meta\x18\x03 \x03(\x0b\x32\x32.opentinker.artifact.v1.ArtifactManifest.MetaEntry\x12\x17\n\x0fmanifest_sha256\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x1a+\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"N\n\nS3Location\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\t\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x12\x0e\n\x06region\x18\x04 \x01(\t\"\x16\n\x14\x44\x65scribeStoreRequest\"\x94\x01\n\x15\x44\x65scribeStoreResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12.\n\x02s3\x18\x02 \x01(\x0b\x32\".opentinker.artifact.v1.S3Location\x12\x1a\n\x12\x63heckpoint_retries\x18\x03 \x01(\x05\x12\x1e\n\x16max_failed_checkpoints\x18\x04 \x01(\x05\"P\n\x12\x42\x65ginUploadRequest\x12:\n\x08manifest\x18\x01 \x01(\x0b\x32(.opentinker.artifact.v1.ArtifactManifest\"S\n\x13\x42\x65ginUploadResponse\x12\x11\n\tupload_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_bytes\x18\x02 \x03(\x03\x12\x11\n\tcommitted\x18\x03 \x01(\x08\"Z\n\x13UploadChunksRequest\x12\x11\n\tupload_id\x18\x01 \x01(\t\x12\x12\n\nfile_index\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\".\n\x14UploadChunksResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x03(\x03\"(\n\x13\x43ommitUploadRequest\x12\x11\n\tupload_id\x18\x01 \x01(\t\"R\n\x14\x43ommitUploadResponse\x12:\n\x08manifest\x18\x01 \x01(\x0b\x32(.opentinker.artifact.v1.ArtifactManifest\"B\n\x13StatArtifactRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1e\n\x16\x65xpect_manifest_sha256\x18\x02 \x01(\t\"R\n\x14StatArtifactResponse\x12:\n\x08manifest\x18\x01 \x01(\x0b\x32(.opentinker.artifact.v1.ArtifactManifest\"F\n\x17\x44ownloadArtifactRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1e\n\x16\x65xpect_manifest_sha256\x18\x02 \x01(\t\"A\n\rArtifactChunk\x12\x12\n\nfile_index\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x98\x01\n\x18\x44ownloadArtifactResponse\x12<\n\x08manifest\x18\x01 \x01(\x0b\x32(.opentinker.artifact.v1.ArtifactManifestH\x00\x12\x36\n\x05\x63hunk\x18\x02 \x01(\x0b\x32%.opentinker.artifact.v1.ArtifactChunkH\x00\x42\x06\n\x04item\"&\n\x14ListArtifactsRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\"%\n\x15ListArtifactsResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t2\x91\x06\n\x0f\x41rtifactService\x12l\n\rDescribeStore\x12,.opentinker.artifact.v1.DescribeStoreRequest\x1a-.opentinker.artifact.v1.DescribeStoreResponse\x12\x66\n\x0b\x42\x65ginUpload\x12*.opentinker.artifact.v1.BeginUploadRequest\x1a+.opentinker.artifact.v1.BeginUploadResponse\x12k\n\x0cUploadChunks\x12+.opentinker.artifact.v1.UploadChunksRequest\x1a,.opentinker.artifact.v1.UploadChunksResponse(\x01\x12i\n\x0c\x43ommitUpload\x12+.opentinker.artifact.v1.CommitUploadRequest\x1a,.opentinker.artifact.v1.CommitUploadResponse\x12i\n\x0cStatArtifact\x12+.opentinker.artifact.v1.StatArtifactRequest\x1a,.opentinker.artifact.v1.StatArtifactResponse\x12w\n\x10\x44ownloadArtifact\x12/.opentinker.artifact.v1.DownloadArtifactRequest\x1a\x30.opentinker.artifact.v1.DownloadArtifactResponse0\x01\x12l\n\rListArtifacts\x12,.opentinker.artifact.v1.ListArtifactsRequest\x1a-.opentinker.artifact.v1.ListArtifactsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%opentinker/artifact/v1/artifact.proto\x12\x16opentinker.artifact.v1\"@\n\x0c\x41rtifactFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xf1\x01\n\x10\x41rtifactManifest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x33\n\x05\x66iles\x18\x02 \x03(\x0b\x32$.opentinker.artifact.v1.ArtifactFile\x12@\n\x04meta\x18\x03 \x03(\x0b\x32\x32.opentinker.artifact.v1.ArtifactManifest.MetaEntry\x12\x17\n\x0fmanifest_sha256\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x1a+\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"N\n\nS3Location\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\t\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x12\x0e\n\x06region\x18\x04 \x01(\t\"\x16\n\x14\x44\x65scribeStoreRequest\"\x94\x01\n\x15\x44\x65scribeStoreResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12.\n\x02s3\x18\x02 \x01(\x0b\x32\".opentinker.artifact.v1.S3Location\x12\x1a\n\x12\x63heckpoint_retries\x18\x03 \x01(\x05\x12\x1e\n\x16max_failed_checkpoints\x18\x04 \x01(\x05\"P\n\x12\x42\x65ginUploadRequest\x12:\n\x08manifest\x18\x01 \x01(\x0b\x32(.opentinker.artifact.v1.ArtifactManifest\"\xd3\x01\n\x10PresignedRequest\x12\x12\n\nfile_index\x18\x01 \x01(\x05\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0b\n\x03url\x18\x03 \x01(\t\x12\x46\n\x07headers\x18\x04 \x03(\x0b\x32\x35.opentinker.artifact.v1.PresignedRequest.HeadersEntry\x12\x16\n\x0e\x65xpires_unix_s\x18\x05 \x01(\x03\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8b\x01\n\x13\x42\x65ginUploadResponse\x12\x11\n\tupload_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_bytes\x18\x02 \x03(\x03\x12\x11\n\tcommitted\x18\x03 \x01(\x08\x12\x36\n\x04puts\x18\x04 \x03(\x0b\x32(.opentinker.artifact.v1.PresignedRequest\"Z\n\x13UploadChunksRequest\x12\x11\n\tupload_id\x18\x01 \x01(\t\x12\x12\n\nfile_index\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\".\n\x14UploadChunksResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x03(\x03\"(\n\x13\x43ommitUploadRequest\x12\x11\n\tupload_id\x18\x01 \x01(\t\"R\n\x14\x43ommitUploadResponse\x12:\n\x08manifest\x18\x01 \x01(\x0b\x32(.opentinker.artifact.v1.ArtifactManifest\"B\n\x13StatArtifactRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1e\n\x16\x65xpect_manifest_sha256\x18\x02 \x01(\t\"R\n\x14StatArtifactResponse\x12:\n\x08manifest\x18\x01 \x01(\x0b\x32(.opentinker.artifact.v1.ArtifactManifest\"F\n\x17\x44ownloadArtifactRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1e\n\x16\x65xpect_manifest_sha256\x18\x02 \x01(\t\"A\n\rArtifactChunk\x12\x12\n\nfile_index\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x98\x01\n\x18\x44ownloadArtifactResponse\x12<\n\x08manifest\x18\x01 \x01(\x0b\x32(.opentinker.artifact.v1.ArtifactManifestH\x00\x12\x36\n\x05\x63hunk\x18\x02 \x01(\x0b\x32%.opentinker.artifact.v1.ArtifactChunkH\x00\x42\x06\n\x04item\"E\n\x16PresignDownloadRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1e\n\x16\x65xpect_manifest_sha256\x18\x02 \x01(\t\"\x8d\x01\n\x17PresignDownloadResponse\x12:\n\x08manifest\x18\x01 \x01(\x0b\x32(.opentinker.artifact.v1.ArtifactManifest\x12\x36\n\x04gets\x18\x02 \x03(\x0b\x32(.opentinker.artifact.v1.PresignedRequest\"&\n\x14ListArtifactsRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\"%\n\x15ListArtifactsResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t2\x85\x07\n\x0f\x41rtifactService\x12l\n\rDescribeStore\x12,.opentinker.artifact.v1.DescribeStoreRequest\x1a-.opentinker.artifact.v1.DescribeStoreResponse\x12\x66\n\x0b\x42\x65ginUpload\x12*.opentinker.artifact.v1.BeginUploadRequest\x1a+.opentinker.artifact.v1.BeginUploadResponse\x12k\n\x0cUploadChunks\x12+.opentinker.artifact.v1.UploadChunksRequest\x1a,.opentinker.artifact.v1.UploadChunksResponse(\x01\x12i\n\x0c\x43ommitUpload\x12+.opentinker.artifact.v1.CommitUploadRequest\x1a,.opentinker.artifact.v1.CommitUploadResponse\x12i\n\x0cStatArtifact\x12+.opentinker.artifact.v1.StatArtifactRequest\x1a,.opentinker.artifact.v1.StatArtifactResponse\x12w\n\x10\x44ownloadArtifact\x12/.opentinker.artifact.v1.DownloadArtifactRequest\x1a\x30.opentinker.artifact.v1.DownloadArtifactResponse0\x01\x12r\n\x0fPresignDownload\x12..opentinker.artifact.v1.PresignDownloadRequest\x1a/.opentinker.artifact.v1.PresignDownloadResponse\x12l\n\rListArtifacts\x12,.opentinker.artifact.v1.ListArtifactsRequest\x1a-.opentinker.artifact.v1.ListArtifactsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ARTIFACTMANIFEST_METAENTRY']._loaded_options = None
   _globals['_ARTIFACTMANIFEST_METAENTRY']._serialized_options = b'8\001'
+  _globals['_PRESIGNEDREQUEST_HEADERSENTRY']._loaded_options = None
+  _globals['_PRESIGNEDREQUEST_HEADERSENTRY']._serialized_options = b'8\001'
   _globals['_ARTIFACTFILE']._serialized_start=65
   _globals['_ARTIFACTFILE']._serialized_end=129
   _globals['_ARTIFACTMANIFEST']._serialized_start=132
@@ -47,30 +49,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBESTORERESPONSE']._serialized_end=628
   _globals['_BEGINUPLOADREQUEST']._serialized_start=630
   _globals['_BEGINUPLOADREQUEST']._serialized_end=710
-  _globals['_BEGINUPLOADRESPONSE']._serialized_start=712
-  _globals['_BEGINUPLOADRESPONSE']._serialized_end=795
-  _globals['_UPLOADCHUNKSREQUEST']._serialized_start=797
-  _globals['_UPLOADCHUNKSREQUEST']._serialized_end=887
-  _globals['_UPLOADCHUNKSRESPONSE']._serialized_start=889
-  _globals['_UPLOADCHUNKSRESPONSE']._serialized_end=935
-  _globals['_COMMITUPLOADREQUEST']._serialized_start=937
-  _globals['_COMMITUPLOADREQUEST']._serialized_end=977
-  _globals['_COMMITUPLOADRESPONSE']._serialized_start=979
-  _globals['_COMMITUPLOADRESPONSE']._serialized_end=1061
-  _globals['_STATARTIFACTREQUEST']._serialized_start=1063
-  _globals['_STATARTIFACTREQUEST']._serialized_end=1129
-  _globals['_STATARTIFACTRESPONSE']._serialized_start=1131
-  _globals['_STATARTIFACTRESPONSE']._serialized_end=1213
-  _globals['_DOWNLOADARTIFACTREQUEST']._serialized_start=1215
-  _globals['_DOWNLOADARTIFACTREQUEST']._serialized_end=1285
-  _globals['_ARTIFACTCHUNK']._serialized_start=1287
-  _globals['_ARTIFACTCHUNK']._serialized_end=1352
-  _globals['_DOWNLOADARTIFACTRESPONSE']._serialized_start=1355
-  _globals['_DOWNLOADARTIFACTRESPONSE']._serialized_end=1507
-  _globals['_LISTARTIFACTSREQUEST']._serialized_start=1509
-  _globals['_LISTARTIFACTSREQUEST']._serialized_end=1547
-  _globals['_LISTARTIFACTSRESPONSE']._serialized_start=1549
-  _globals['_LISTARTIFACTSRESPONSE']._serialized_end=1586
-  _globals['_ARTIFACTSERVICE']._serialized_start=1589
-  _globals['_ARTIFACTSERVICE']._serialized_end=2374
+  _globals['_PRESIGNEDREQUEST']._serialized_start=713
+  _globals['_PRESIGNEDREQUEST']._serialized_end=924
+  _globals['_PRESIGNEDREQUEST_HEADERSENTRY']._serialized_start=878
+  _globals['_PRESIGNEDREQUEST_HEADERSENTRY']._serialized_end=924
+  _globals['_BEGINUPLOADRESPONSE']._serialized_start=927
+  _globals['_BEGINUPLOADRESPONSE']._serialized_end=1066
+  _globals['_UPLOADCHUNKSREQUEST']._serialized_start=1068
+  _globals['_UPLOADCHUNKSREQUEST']._serialized_end=1158
+  _globals['_UPLOADCHUNKSRESPONSE']._serialized_start=1160
+  _globals['_UPLOADCHUNKSRESPONSE']._serialized_end=1206
+  _globals['_COMMITUPLOADREQUEST']._serialized_start=1208
+  _globals['_COMMITUPLOADREQUEST']._serialized_end=1248
+  _globals['_COMMITUPLOADRESPONSE']._serialized_start=1250
+  _globals['_COMMITUPLOADRESPONSE']._serialized_end=1332
+  _globals['_STATARTIFACTREQUEST']._serialized_start=1334
+  _globals['_STATARTIFACTREQUEST']._serialized_end=1400
+  _globals['_STATARTIFACTRESPONSE']._serialized_start=1402
+  _globals['_STATARTIFACTRESPONSE']._serialized_end=1484
+  _globals['_DOWNLOADARTIFACTREQUEST']._serialized_start=1486
+  _globals['_DOWNLOADARTIFACTREQUEST']._serialized_end=1556
+  _globals['_ARTIFACTCHUNK']._serialized_start=1558
+  _globals['_ARTIFACTCHUNK']._serialized_end=1623
+  _globals['_DOWNLOADARTIFACTRESPONSE']._serialized_start=1626
+  _globals['_DOWNLOADARTIFACTRESPONSE']._serialized_end=1778
+  _globals['_PRESIGNDOWNLOADREQUEST']._serialized_start=1780
+  _globals['_PRESIGNDOWNLOADREQUEST']._serialized_end=1849
+  _globals['_PRESIGNDOWNLOADRESPONSE']._serialized_start=1852
+  _globals['_PRESIGNDOWNLOADRESPONSE']._serialized_end=1993
+  _globals['_LISTARTIFACTSREQUEST']._serialized_start=1995
+  _globals['_LISTARTIFACTSREQUEST']._serialized_end=2033
+  _globals['_LISTARTIFACTSRESPONSE']._serialized_start=2035
+  _globals['_LISTARTIFACTSRESPONSE']._serialized_end=2072
+  _globals['_ARTIFACTSERVICE']._serialized_start=2075
+  _globals['_ARTIFACTSERVICE']._serialized_end=2976
 # @@protoc_insertion_point(module_scope)

@@ -71,15 +71,38 @@ class BeginUploadRequest(_message.Message):
     manifest: ArtifactManifest
     def __init__(self, manifest: _Optional[_Union[ArtifactManifest, _Mapping]] = ...) -> None: ...
 
+class PresignedRequest(_message.Message):
+    __slots__ = ("file_index", "method", "url", "headers", "expires_unix_s")
+    class HeadersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    FILE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    file_index: int
+    method: str
+    url: str
+    headers: _containers.ScalarMap[str, str]
+    expires_unix_s: int
+    def __init__(self, file_index: _Optional[int] = ..., method: _Optional[str] = ..., url: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., expires_unix_s: _Optional[int] = ...) -> None: ...
+
 class BeginUploadResponse(_message.Message):
-    __slots__ = ("upload_id", "received_bytes", "committed")
+    __slots__ = ("upload_id", "received_bytes", "committed", "puts")
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
     upload_id: str
     received_bytes: _containers.RepeatedScalarFieldContainer[int]
     committed: bool
-    def __init__(self, upload_id: _Optional[str] = ..., received_bytes: _Optional[_Iterable[int]] = ..., committed: _Optional[bool] = ...) -> None: ...
+    puts: _containers.RepeatedCompositeFieldContainer[PresignedRequest]
+    def __init__(self, upload_id: _Optional[str] = ..., received_bytes: _Optional[_Iterable[int]] = ..., committed: _Optional[bool] = ..., puts: _Optional[_Iterable[_Union[PresignedRequest, _Mapping]]] = ...) -> None: ...
 
 class UploadChunksRequest(_message.Message):
     __slots__ = ("upload_id", "file_index", "offset", "data")
@@ -150,6 +173,22 @@ class DownloadArtifactResponse(_message.Message):
     manifest: ArtifactManifest
     chunk: ArtifactChunk
     def __init__(self, manifest: _Optional[_Union[ArtifactManifest, _Mapping]] = ..., chunk: _Optional[_Union[ArtifactChunk, _Mapping]] = ...) -> None: ...
+
+class PresignDownloadRequest(_message.Message):
+    __slots__ = ("key", "expect_manifest_sha256")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    expect_manifest_sha256: str
+    def __init__(self, key: _Optional[str] = ..., expect_manifest_sha256: _Optional[str] = ...) -> None: ...
+
+class PresignDownloadResponse(_message.Message):
+    __slots__ = ("manifest", "gets")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    GETS_FIELD_NUMBER: _ClassVar[int]
+    manifest: ArtifactManifest
+    gets: _containers.RepeatedCompositeFieldContainer[PresignedRequest]
+    def __init__(self, manifest: _Optional[_Union[ArtifactManifest, _Mapping]] = ..., gets: _Optional[_Iterable[_Union[PresignedRequest, _Mapping]]] = ...) -> None: ...
 
 class ListArtifactsRequest(_message.Message):
     __slots__ = ("prefix",)

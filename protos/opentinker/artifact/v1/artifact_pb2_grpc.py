@@ -31,9 +31,11 @@ class ArtifactServiceStub:
     a key such as `tasks/<task_id>/a<attempt>/step_<n>`. With the `local` backend the scheduler
     keeps them (under its state dir) and this service moves their bytes: resumable, chunked,
     SHA-256-checked uploads and streamed downloads, so no filesystem is shared. With `s3`, the
-    trainer reads and writes the bucket itself with its own credentials and calls only
-    DescribeStore here. An artifact exists once every file is stored and verified: nothing of a
-    half-done upload is ever listed, stated or downloaded.
+    trainer holds no S3 credentials: BeginUpload answers presigned PUT URLs and PresignDownload
+    presigned GET URLs, signed by the scheduler after the same checks, and the bytes go between
+    trainer and bucket; the commit still goes through CommitUpload. An artifact exists once every
+    file is stored and verified: nothing of a half-done upload is ever listed, stated or
+    downloaded.
     Every RPC needs the node role (or admin): a user key gets PERMISSION_DENIED.
     """
 
@@ -73,6 +75,11 @@ class ArtifactServiceStub:
                 request_serializer=opentinker_dot_artifact_dot_v1_dot_artifact__pb2.DownloadArtifactRequest.SerializeToString,
                 response_deserializer=opentinker_dot_artifact_dot_v1_dot_artifact__pb2.DownloadArtifactResponse.FromString,
                 _registered_method=True)
+        self.PresignDownload = channel.unary_unary(
+                '/opentinker.artifact.v1.ArtifactService/PresignDownload',
+                request_serializer=opentinker_dot_artifact_dot_v1_dot_artifact__pb2.PresignDownloadRequest.SerializeToString,
+                response_deserializer=opentinker_dot_artifact_dot_v1_dot_artifact__pb2.PresignDownloadResponse.FromString,
+                _registered_method=True)
         self.ListArtifacts = channel.unary_unary(
                 '/opentinker.artifact.v1.ArtifactService/ListArtifacts',
                 request_serializer=opentinker_dot_artifact_dot_v1_dot_artifact__pb2.ListArtifactsRequest.SerializeToString,
@@ -86,9 +93,11 @@ class ArtifactServiceServicer:
     a key such as `tasks/<task_id>/a<attempt>/step_<n>`. With the `local` backend the scheduler
     keeps them (under its state dir) and this service moves their bytes: resumable, chunked,
     SHA-256-checked uploads and streamed downloads, so no filesystem is shared. With `s3`, the
-    trainer reads and writes the bucket itself with its own credentials and calls only
-    DescribeStore here. An artifact exists once every file is stored and verified: nothing of a
-    half-done upload is ever listed, stated or downloaded.
+    trainer holds no S3 credentials: BeginUpload answers presigned PUT URLs and PresignDownload
+    presigned GET URLs, signed by the scheduler after the same checks, and the bytes go between
+    trainer and bucket; the commit still goes through CommitUpload. An artifact exists once every
+    file is stored and verified: nothing of a half-done upload is ever listed, stated or
+    downloaded.
     Every RPC needs the node role (or admin): a user key gets PERMISSION_DENIED.
     """
 
@@ -104,9 +113,11 @@ class ArtifactServiceServicer:
         """Announces an upload: the key and every file (path, size, SHA-256). Returns an upload id and
         how many bytes of each file the store already holds, so an interrupted upload continues
         where it stopped; `committed` is true when the key already holds exactly these files.
-        Idempotent (the same announcement gets the same id). Errors: INVALID_ARGUMENT (bad key, path,
-        size or hash), RESOURCE_EXHAUSTED (the store's disk is full), FAILED_PRECONDITION (the
-        backend is `s3`: write the bucket directly).
+        With `s3`, `puts` holds one presigned PUT URL for each file not yet staged; each binds the
+        file's size and SHA-256, so the bucket refuses other bytes. Idempotent (the same announcement
+        gets the same id). Errors: INVALID_ARGUMENT (bad key, path, size or hash; with `s3` a file
+        over 5 GiB), RESOURCE_EXHAUSTED (the store's disk is full), ALREADY_EXISTS (the key holds
+        other committed files).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,7 +132,8 @@ class ArtifactServiceServicer:
         INVALID_ARGUMENT (bad file index, chunk over 1 MiB, more bytes than announced),
         RESOURCE_EXHAUSTED (disk full, the chunk is not kept; too many streams for the key or uploads in
         all), DEADLINE_EXCEEDED (no message for limits.upload_idle_timeout, or open past
-        limits.upload_deadline; chunks written so far are kept).
+        limits.upload_deadline; chunks written so far are kept), FAILED_PRECONDITION (the backend
+        is `s3`: PUT the files to BeginUpload's `puts`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,7 +144,9 @@ class ArtifactServiceServicer:
         written last. Idempotent once committed (BeginUpload then says `committed`). Errors:
         NOT_FOUND (unknown upload id), FAILED_PRECONDITION (a file is incomplete; the message names
         it), DATA_LOSS (a file's SHA-256 differs from the announced one; that file is dropped, send it
-        again), RESOURCE_EXHAUSTED (disk full; nothing recorded).
+        again), RESOURCE_EXHAUSTED (disk full; nothing recorded), ALREADY_EXISTS (the key holds
+        other committed files). With `s3` the scheduler checks each staged object's size and SHA-256
+        (HEAD), copies it under the key and writes the manifest itself.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -151,6 +165,15 @@ class ArtifactServiceServicer:
         """Streams a committed artifact: first its manifest, then each file's bytes in manifest order
         in chunks of at most 1 MiB. The receiver checks sizes and hashes. Idempotent. Errors: as
         StatArtifact, and NOT_FOUND when it is deleted while streaming.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PresignDownload(self, request, context):
+        """With `s3`: the manifest of a committed artifact and one presigned GET URL per file, in
+        manifest order; the receiver checks sizes and hashes. Idempotent. Errors: as StatArtifact,
+        and FAILED_PRECONDITION when the backend is `local` (use DownloadArtifact).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -197,6 +220,11 @@ def add_ArtifactServiceServicer_to_server(servicer, server):
                     request_deserializer=opentinker_dot_artifact_dot_v1_dot_artifact__pb2.DownloadArtifactRequest.FromString,
                     response_serializer=opentinker_dot_artifact_dot_v1_dot_artifact__pb2.DownloadArtifactResponse.SerializeToString,
             ),
+            'PresignDownload': grpc.unary_unary_rpc_method_handler(
+                    servicer.PresignDownload,
+                    request_deserializer=opentinker_dot_artifact_dot_v1_dot_artifact__pb2.PresignDownloadRequest.FromString,
+                    response_serializer=opentinker_dot_artifact_dot_v1_dot_artifact__pb2.PresignDownloadResponse.SerializeToString,
+            ),
             'ListArtifacts': grpc.unary_unary_rpc_method_handler(
                     servicer.ListArtifacts,
                     request_deserializer=opentinker_dot_artifact_dot_v1_dot_artifact__pb2.ListArtifactsRequest.FromString,
@@ -216,9 +244,11 @@ class ArtifactService:
     a key such as `tasks/<task_id>/a<attempt>/step_<n>`. With the `local` backend the scheduler
     keeps them (under its state dir) and this service moves their bytes: resumable, chunked,
     SHA-256-checked uploads and streamed downloads, so no filesystem is shared. With `s3`, the
-    trainer reads and writes the bucket itself with its own credentials and calls only
-    DescribeStore here. An artifact exists once every file is stored and verified: nothing of a
-    half-done upload is ever listed, stated or downloaded.
+    trainer holds no S3 credentials: BeginUpload answers presigned PUT URLs and PresignDownload
+    presigned GET URLs, signed by the scheduler after the same checks, and the bytes go between
+    trainer and bucket; the commit still goes through CommitUpload. An artifact exists once every
+    file is stored and verified: nothing of a half-done upload is ever listed, stated or
+    downloaded.
     Every RPC needs the node role (or admin): a user key gets PERMISSION_DENIED.
     """
 
@@ -374,6 +404,33 @@ class ArtifactService:
             '/opentinker.artifact.v1.ArtifactService/DownloadArtifact',
             opentinker_dot_artifact_dot_v1_dot_artifact__pb2.DownloadArtifactRequest.SerializeToString,
             opentinker_dot_artifact_dot_v1_dot_artifact__pb2.DownloadArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PresignDownload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.artifact.v1.ArtifactService/PresignDownload',
+            opentinker_dot_artifact_dot_v1_dot_artifact__pb2.PresignDownloadRequest.SerializeToString,
+            opentinker_dot_artifact_dot_v1_dot_artifact__pb2.PresignDownloadResponse.FromString,
             options,
             channel_credentials,
             insecure,
