@@ -92,11 +92,11 @@ trainer: install
 	SCHEDULER_URL=$(SCHEDULER_URL) $(PY) -m opentinker_trainer --node-id $(NODE_ID) $(TRAINER_ARGS)
 
 # The Tinker-compatible HTTP API (docs/tinker.md): the tinker SDK and cookbook reach the cluster
-# at TINKER_BASE_URL=http://localhost:$(GATEWAY_PORT). TINKER_MODELS: NAME=FOLDER pairs it serves.
+# at TINKER_BASE_URL=http://localhost:$(GATEWAY_PORT), with the model names of the scheduler
+# config's model_names: table.
 GATEWAY_PORT ?= 8000
-TINKER_MODELS ?= HuggingFaceTB/SmolLM2-135M-Instruct=$(abspath $(MODEL_DIR))
 gateway: install
-	$(PY) -m opentinker_gateway --scheduler localhost:$(PORT) --port $(GATEWAY_PORT) $(foreach m,$(TINKER_MODELS),--model $(m)) $(GATEWAY_ARGS)
+	$(PY) -m opentinker_gateway --scheduler localhost:$(PORT) --port $(GATEWAY_PORT) $(GATEWAY_ARGS)
 
 demo: install
 	$(PY) scripts/demo.py --model $(MODEL_DIR) $(DEMO_ARGS)

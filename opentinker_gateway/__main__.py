@@ -1,4 +1,5 @@
-"""``python -m opentinker_gateway --scheduler HOST:PORT --port N``: serve the Tinker API."""
+"""``python -m opentinker_gateway --scheduler HOST:PORT --port N``: serve the Tinker API, with the
+Tinker model names of the scheduler's ``model_names:`` table."""
 
 from __future__ import annotations
 
@@ -10,28 +11,11 @@ import uvicorn
 from opentinker_gateway.app import GatewayConfig, create_app
 
 
-def _model(text: str) -> tuple[str, str]:
-    name, sep, folder = text.partition("=")
-    if not sep or not name or not folder:
-        raise argparse.ArgumentTypeError(
-            f"expected NAME=FOLDER (a Tinker model name and its local folder), got {text!r}"
-        )
-    return name, folder
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="opentinker_gateway", description=__doc__)
     parser.add_argument("--scheduler", required=True, help="the scheduler, HOST:PORT or http(s)://HOST:PORT")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    parser.add_argument(
-        "--model",
-        type=_model,
-        action="append",
-        default=[],
-        metavar="NAME=FOLDER",
-        help="a Tinker model name and the model folder it trains (repeatable)",
-    )
     parser.add_argument("--max-body-mb", type=float, default=256.0, help="largest request body, decompressed (MiB)")
     parser.add_argument(
         "--gap-timeout-s", type=float, default=60.0, help="seconds a request waits for a missing earlier seq_id"
@@ -45,7 +29,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = GatewayConfig(
         scheduler=args.scheduler,
-        models=dict(args.model),
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         gap_timeout_s=args.gap_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,

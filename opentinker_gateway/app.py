@@ -19,7 +19,7 @@ import uuid
 from datetime import datetime, timezone
 from urllib.parse import quote
 from pathlib import Path
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zstandard
@@ -31,13 +31,14 @@ from tinker.proto import tinker_public_pb2 as tpb
 from opentinker.common.v1 import common_pb2
 from opentinker.training.v1 import training_pb2
 
+from opentinker_common.artifacts.checkpoint_lists import STATE_PREFIX
 from opentinker_common.lora_targets import tinker_target_modules
 
 from opentinker_gateway import wire
 from opentinker_gateway.errors import ApiError
 from opentinker_gateway.models import Model, NotYet, Outcome
 from opentinker_gateway.sampling import BASE_MODEL, SampleBatcher, sample_request
-from opentinker_gateway.scheduler import TASK_NAME_PREFIX, Scheduler, SessionSpec, is_tinker_model
+from opentinker_gateway.scheduler import TASK_NAME_PREFIX, Scheduler, SessionSpec
 
 __all__ = ["GatewayConfig", "create_app", "SDK_VERSIONS"]
 
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 SDK_VERSIONS = ("0.38.0", "0.38.0")
 
 _CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+#: The id the SDK gives a model it creates from a state: ``<session id>:train:<model_seq_id>``.
+_SDK_MODEL_ID = re.compile(r"^ses-[0-9a-f]{1,64}:train:[0-9]{1,9}$")
 _PROTO = "application/x-protobuf"
 #: A session's checkpoint folder prefix -> Tinker's checkpoint type and tinker:// path segment.
 _CHECKPOINT_KINDS = {"state": ("training", "weights"), "sampler": ("sampler", "sampler_weights")}
@@ -67,8 +70,8 @@ class GatewayConfig:
     """What a gateway serves.
 
     Attributes:
-        scheduler: the scheduler's address (``host:port`` or a URL).
-        models: Tinker model names (``HuggingFaceTB/SmolLM2-135M-Instruct``) -> local model folders.
+        scheduler: the scheduler's address (``host:port`` or a URL); its ``model_names:`` table
+            maps Tinker model names (``HuggingFaceTB/SmolLM2-135M-Instruct``) to local model folders.
         max_body_bytes: largest request body, after zstd decompression too (413 above it).
         gap_timeout_s: seconds a request waits for a missing earlier ``seq_id``.
         long_poll_s: seconds ``retrieve_future`` waits before answering ``try_again``.
@@ -77,7 +80,6 @@ class GatewayConfig:
     """
 
     scheduler: str
-    models: dict[str, str] = field(default_factory=dict)
     max_body_bytes: int = 256 * 1024 * 1024
     gap_timeout_s: float = 60.0
     long_poll_s: float = 20.0
@@ -178,23 +180,50 @@ class Gateway:
         if self.scheduler is not None:
             await self.scheduler.close()
 
-    def model_dir(self, base_model: str, field_name: str = "base_model") -> str:
-        folder = self.config.models.get(base_model)
+    async def model_dir(self, base_model: str, key: str, field_name: str = "base_model") -> str:
+        """The local folder of Tinker model name ``base_model`` (the scheduler's ``model_names:``).
+
+        Raises:
+            ApiError: 400 naming the served names when it is not one of them.
+        """
+        names = await self.scheduler.model_names(key)
+        folder = names.get(base_model)
         if folder is None:
             raise ApiError(
-                f"{field_name}: expected one of {', '.join(sorted(self.config.models)) or '(none configured)'}, "
-                f"got {base_model!r}"
+                f"{field_name}: expected one of {', '.join(sorted(names)) or '(none configured)'}, got {base_model!r}"
             )
         return folder
 
-    def base_model_of(self, model_dir: str) -> str:
-        for name, folder in self.config.models.items():
-            if folder == model_dir:
-                return name
-        return model_dir
+    async def base_model_of(self, model_dir: str, key: str) -> str:
+        """The Tinker model name of local folder ``model_dir`` (the folder itself when none)."""
+        names = await self.scheduler.model_names(key)
+        return next((name for name, folder in names.items() if folder == model_dir), model_dir)
+
+    async def task(self, model_id: str, key: str, field_name: str = "model_id") -> common_pb2.Task:
+        """The session task of model ``model_id``: its task id, or ``<session>:train:<n>`` (the id
+        the SDK gives a model it creates from a state) while that task runs.
+
+        Raises:
+            ApiError: 404 when no such task is visible to the key (another owner's too).
+        """
+        missing = ApiError(f"{field_name}: no model {model_id!r}", status=404)
+        if _SDK_MODEL_ID.match(model_id):
+            task = await self.scheduler.task_named(TASK_NAME_PREFIX + model_id, key)
+            if task is None:
+                raise missing
+            return task
+        try:
+            task = await self.scheduler.get_task(model_id, key)
+        except ApiError as exc:
+            if exc.status in (400, 404):
+                raise missing from None
+            raise
+        if task.spec.workload_type != "lora_session" or not task.spec.name.startswith(TASK_NAME_PREFIX):
+            raise missing
+        return task
 
     async def model(self, model_id: str, key: str) -> Model:
-        """Model ``model_id`` (its session task's id) if the caller's key may use it.
+        """Model ``model_id`` (:meth:`task`) if the caller's key may use it.
 
         Raises:
             ApiError: 404 when no such task is visible to the key (another owner's too).
@@ -206,32 +235,34 @@ class Gateway:
             return model
         lock = self._model_locks.setdefault(model_id, asyncio.Lock())
         async with lock:
-            try:
-                task = await self.scheduler.get_task(model_id, key)
-            except ApiError as exc:
-                if exc.status in (400, 404):
-                    raise ApiError(f"model_id: no model {model_id!r}", status=404) from None
-                raise
-            if task.spec.workload_type != "lora_session" or not task.spec.name.startswith(TASK_NAME_PREFIX):
-                raise ApiError(f"model_id: no model {model_id!r}", status=404)
+            task_id = (await self.task(model_id, key)).task_id
             self._allowed.add((key, model_id))
-            model = self.models.get(model_id)
+            model = self.models.get(task_id)  # one Model per task, under each of its ids
             if model is None:
-                task = await self.scheduler.wait_serving(model_id, key)
+                task = await self.scheduler.wait_serving(task_id, key)
                 hp = dict(task.spec.hyperparameters)
                 model = Model(
                     model_id,
-                    task.task_id,
+                    task_id,
                     task.endpoint,
-                    base_model=self.base_model_of(task.spec.model),
+                    base_model=await self.base_model_of(task.spec.model, key),
                     model_dir=task.spec.model,
                     lora_rank=int(hp.get("lora_rank", 0)),
-                    metadata=lambda: self.scheduler.endpoint_metadata(model_id, key),
-                    serving=lambda: self.scheduler.wait_serving(model_id, key),
+                    metadata=lambda: self.scheduler.endpoint_metadata(task_id, key),
+                    serving=lambda: self.scheduler.wait_serving(task_id, key),
                     gap_timeout_s=self.config.gap_timeout_s,
                 )
-                self.models[model_id] = model
+                self.models[task_id] = model
+            self.models[model_id] = model
             return model
+
+    async def forget(self, task_id: str) -> None:
+        """Close the model of ``task_id`` and drop it under each of its ids."""
+        gone = {mid: m for mid, m in self.models.items() if m.task_id == task_id}
+        for mid in gone:
+            del self.models[mid]
+        for model in {id(m): m for m in gone.values()}.values():
+            await model.close()
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -337,27 +368,27 @@ def _kinds() -> dict[str, _Kind]:
         ),
         "save": _Kind(
             "SaveState",
-            lambda m, r: Outcome(json={"type": "save_weights", "path": path(m.model_id, "weights", r.name)}),
+            lambda m, r: Outcome(json={"type": "save_weights", "path": path(m.task_id, "weights", r.name)}),
             lambda seq: training_pb2.SaveStateRequest(sequence=seq, name=""),
         ),
         "sampler": _Kind(
             "SaveWeightsForSampler",
             lambda m, r: Outcome(
-                json={"type": "save_weights_for_sampler", "path": path(m.model_id, "sampler_weights", r.name)}
+                json={"type": "save_weights_for_sampler", "path": path(m.task_id, "sampler_weights", r.name)}
             ),
             lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=""),
         ),
         "ephemeral": _Kind(
             "SaveWeightsForSampler",
             lambda m, r: Outcome(
-                json={"type": "save_weights_for_sampler", "sampling_session_id": f"{m.model_id}~{r.name}"}
+                json={"type": "save_weights_for_sampler", "sampling_session_id": f"{m.task_id}~{r.name}"}
             ),
             lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=""),
         ),
         "load": _Kind(
             "LoadState",
             lambda m, r: Outcome(
-                json={"type": "load_weights", "path": path(m.model_id, "weights", r.name), "model_id": m.model_id}
+                json={"type": "load_weights", "path": path(m.task_id, "weights", r.name), "model_id": m.model_id}
             ),
             lambda seq: training_pb2.LoadStateRequest(sequence=seq, name=""),
         ),
@@ -416,11 +447,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/api/v1/get_server_capabilities")
     async def capabilities(request: Request) -> dict:
-        return {
-            "supported_models": [
-                {"model_name": name, "trainable": True, "sampleable": True} for name in sorted(config.models)
-            ]
-        }
+        names = await gw.scheduler.model_names(_key(request))
+        return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": True} for name in names]}
 
     @app.post("/api/v1/telemetry")
     async def telemetry(request: Request) -> dict:
@@ -455,9 +483,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         await _json(request, limit)
         for task in await gw.scheduler.session_tasks(f"{TASK_NAME_PREFIX}{session_id}:", key):
             await gw.scheduler.cancel(task.task_id, key, f"tinker session {session_id} finished")
-            model = gw.models.pop(task.task_id, None)
-            if model is not None:
-                await model.close()
+            await gw.forget(task.task_id)
         return Response(content=b"null", media_type="application/json")
 
     # --- models -------------------------------------------------------------------------------
@@ -467,7 +493,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         body = await _json(request, limit)
         session_id = _field(body, "session_id", str)
         model_seq_id = _field(body, "model_seq_id", int)
-        folder = gw.model_dir(_field(body, "base_model", str))
+        folder = await gw.model_dir(_field(body, "base_model", str), key)
         lora = body.get("lora_config") or {}
         if not isinstance(lora, dict):
             raise ApiError("lora_config: expected an object")
@@ -603,7 +629,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         done = model.future(seq_id)
         if ttl is None or done is None:
             return
-        job = asyncio.ensure_future(expire_when_listed(model.model_id, folder, ttl, key, done))
+        job = asyncio.ensure_future(expire_when_listed(model.task_id, folder, ttl, key, done))
         gw.expiries.add(job)
         job.add_done_callback(gw.expiries.discard)
 
@@ -631,16 +657,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         path = _field(body, "path", str)
         source, kind, name = _parse_path(path, "path")
         if body.get("session_id") is not None:
-            raise ApiError(
-                "path: a new training client from a saved state (create_training_client_from_state) is "
-                "not served yet; load_state on the model that saved it",
-            )
+            return await create_from_state(body, key, path)
         seq_id = _field(body, "seq_id", int)
         model = await gw.model(body.get("model_id"), key)
-        if source != model.model_id or kind != "weights":
+        if source not in (model.model_id, model.task_id) or kind != "weights":
             raise ApiError(
-                f"path: this OpenTinker loads states of the same model only "
-                f"(tinker://{model.model_id}/weights/...), got {path!r}"
+                f"path: load_state takes states of the same model (tinker://{model.task_id}/weights/...), "
+                f"got {path!r}; start a new training client from another run's state with "
+                "create_training_client_from_state"
             )
         await not_deleted(path, "path", key)
         with_optimizer = bool(body.get("optimizer"))
@@ -650,6 +674,51 @@ def create_app(config: GatewayConfig) -> FastAPI:
             "load",
             lambda seq: training_pb2.LoadStateRequest(sequence=seq, name=name, with_optimizer=with_optimizer),
         )
+
+    async def create_from_state(body: dict, key: str, path: str) -> dict:
+        """A new model starting from state ``path`` of any run of the caller
+        (``create_training_client_from_state``): a ``lora_session`` task with ``init_from`` that
+        run's task and ``init_state`` the state's name, with the run's LoRA shape. The state's
+        optimizer state and step come too when ``optimizer`` is true. Its requests count from
+        ``seq_id`` 1, as after ``create_model``.
+
+        Raises:
+            ApiError: 404 for a path that names no state the caller may read (another owner's too).
+        """
+        session_id = _field(body, "session_id", str)
+        model_seq_id = _field(body, "model_seq_id", int)
+        source_id, kind, name = _parse_path(path, "path")
+        missing = ApiError(f"path: no state {path!r}", status=404)
+        if kind != "weights":
+            raise ApiError(f"path: expected a save_state path (tinker://<model id>/weights/<name>), got {path!r}")
+        try:
+            source = await gw.task(source_id, key, "path")
+        except ApiError as exc:
+            raise (missing if exc.status == 404 else exc) from None
+        states = {Path(c.path).name for c in (await gw.scheduler.checkpoints(source.task_id, key)).checkpoints}
+        if f"{STATE_PREFIX}{name}" not in states:
+            raise missing
+        base_model = body.get("base_model")
+        if base_model is not None and await gw.model_dir(base_model, key) != source.spec.model:
+            raise ApiError(
+                f"base_model: expected {await gw.base_model_of(source.spec.model, key)!r}, the base model of {path!r}, "
+                f"got {base_model!r}"
+            )
+        hp = dict(source.spec.hyperparameters)
+        spec = SessionSpec(
+            source.spec.model,
+            int(hp.get("lora_rank", 32)),
+            tuple(hp.get("target_modules") or ()),
+            int(hp.get("seed", 0)),
+            config.heartbeat_timeout_s,
+            init_from=source.task_id,
+            init_state=name,
+            init_optimizer=bool(body.get("optimizer")),
+        )
+        model_id = f"{session_id}:train:{model_seq_id}"
+        name = TASK_NAME_PREFIX + model_id
+        task_id = await gw.scheduler.submit_session(spec, name=name, key=key, request_id=name)
+        return {"request_id": f"load#{task_id}#{path}", "model_id": model_id}
 
     # --- sampling -------------------------------------------------------------------------------
     @app.post("/api/v1/create_sampling_session")
@@ -669,7 +738,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def base_sampler(body: dict, key: str) -> str:
         """A sampler of the base model: the adapter off on a model of the same Tinker session."""
         base_model = _field(body, "base_model", str)
-        folder = gw.model_dir(base_model)
+        folder = await gw.model_dir(base_model, key)
         session_id = _field(body, "session_id", str)
         for task in await gw.scheduler.session_tasks(f"{TASK_NAME_PREFIX}{session_id}:", key):
             if task.spec.model == folder:
@@ -712,17 +781,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     # --- training runs and checkpoints (REST) -------------------------------------------------
     async def run_task(run_id: str, key: str) -> common_pb2.Task:
-        """The session task of training run ``run_id``. Raises ApiError 404 when the key may not
-        see it, worded as for a missing run: another owner's run is not found either."""
+        """The session task of training run ``run_id`` (a model id, :meth:`Gateway.task`). Raises
+        ApiError 404 when the key may not see it, worded as for a missing run: another owner's run
+        is not found either."""
         try:
-            task = await gw.scheduler.get_task(run_id, key)
+            return await gw.task(run_id, key, "training_run_id")
         except ApiError as exc:
-            if exc.status in (400, 404):
+            if exc.status == 404:
                 raise ApiError(f"training_run_id: no training run {run_id!r}", status=404) from None
             raise
-        if not is_tinker_model(task):
-            raise ApiError(f"training_run_id: no training run {run_id!r}", status=404)
-        return task
 
     async def run_checkpoints(run_id: str, key: str) -> list[tuple[dict, common_pb2.Checkpoint]]:
         """The run's checkpoints, oldest first: each as Tinker's ``Checkpoint`` and as recorded."""
@@ -743,11 +810,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
             out.append((listed, c))
         return out
 
-    def training_run(task: common_pb2.Task, checkpoints: list[dict]) -> dict:
+    async def training_run(task: common_pb2.Task, checkpoints: list[dict], key: str) -> dict:
         last = {t: [c for c in checkpoints if c["checkpoint_type"] == t][-1:] for t in ("training", "sampler")}
         return {
             "training_run_id": task.task_id,
-            "base_model": gw.base_model_of(task.spec.model),
+            "base_model": await gw.base_model_of(task.spec.model, key),
             "model_owner": task.owner,
             "is_lora": True,
             "lora_rank": int(dict(task.spec.hyperparameters).get("lora_rank", 0)),
@@ -767,7 +834,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         # One scheduler read per run, one after the other: the owner's read_rate bounds them.
         return {
             "training_runs": [
-                training_run(t, await listed_checkpoints(t.task_id, key)) for t in runs[offset : offset + limit]
+                await training_run(t, await listed_checkpoints(t.task_id, key), key)
+                for t in runs[offset : offset + limit]
             ],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
         }
@@ -788,21 +856,21 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/api/v1/training_runs/{run_id}/checkpoints")
     async def list_checkpoints(run_id: str, request: Request) -> dict:
         key = _key(request)
-        await run_task(run_id, key)
-        return {"checkpoints": await listed_checkpoints(run_id, key)}
+        task = await run_task(run_id, key)
+        return {"checkpoints": await listed_checkpoints(task.task_id, key)}
 
     @app.get("/api/v1/training_runs/{run_id}")
     async def get_training_run(run_id: str, request: Request) -> dict:
         key = _key(request)
         task = await run_task(run_id, key)
-        return training_run(task, await listed_checkpoints(run_id, key))
+        return await training_run(task, await listed_checkpoints(task.task_id, key), key)
 
     async def saved(path: str, field_name: str, key: str) -> common_pb2.Checkpoint:
         """The checkpoint ``path`` names (``tinker://<run>/<kind>/<name>``). Raises ApiError: 400 for
         a malformed path, 404 for one not listed (deleted, never saved, another owner's)."""
         run_id, _, _ = _parse_path(path, field_name)
-        await run_task(run_id, key)
-        for listed, recorded in await run_checkpoints(run_id, key):
+        task = await run_task(run_id, key)
+        for listed, recorded in await run_checkpoints(task.task_id, key):
             if listed["tinker_path"] == path:
                 return recorded
         raise ApiError(f"{field_name}: no checkpoint {path!r} (deleted, or never saved)", status=404)
@@ -825,7 +893,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         recorded = await saved(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id", key)
         if not recorded.artifact.key:
             raise ApiError(f"checkpoint_id: {kind}/{name} is not in the artifact store; it cannot be deleted")
-        await gw.scheduler.delete_checkpoint(run_id, recorded.artifact.key, key)
+        await gw.scheduler.delete_checkpoint(recorded.task_id, recorded.artifact.key, key)
         return Response(content=b"null", media_type="application/json")
 
     @app.get("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
@@ -834,13 +902,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         with no key, authorised by a random token this instance keeps for ``_DOWNLOAD_URL_S``."""
         key = _key(request)
         recorded = await saved(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id", key)
-        manifest, chunks = await gw.scheduler.download(run_id, recorded.artifact.key, key)
+        manifest, chunks = await gw.scheduler.download(recorded.task_id, recorded.artifact.key, key)
         await chunks.aclose()
         now = time.time()
         for stale in [t for t, d in gw.downloads.items() if d.expires <= now]:
             del gw.downloads[stale]
         token = secrets.token_urlsafe(32)
-        gw.downloads[token] = _Download(key, run_id, recorded.artifact.key, now + _DOWNLOAD_URL_S)
+        gw.downloads[token] = _Download(key, recorded.task_id, recorded.artifact.key, now + _DOWNLOAD_URL_S)
         base = str(request.base_url).rstrip("/")
         return {
             "urls": {f.path: f"{base}/api/v1/checkpoint_files/{token}/{quote(f.path)}" for f in manifest.files},
@@ -877,7 +945,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         key = _key(request)
         ttl = _ttl_seconds(await _json(request, limit))
         recorded = await saved(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id", key)
-        await gw.scheduler.set_checkpoint_ttl(run_id, recorded.artifact.key, ttl, key)
+        await gw.scheduler.set_checkpoint_ttl(recorded.task_id, recorded.artifact.key, ttl, key)
         return Response(content=b"null", media_type="application/json")
 
     @app.post("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
@@ -907,6 +975,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     async def answer(request_id: str, key: str) -> Outcome:
         """The outcome of future ``request_id``: from memory, else the session's kept answer."""
+        if request_id.startswith("load#"):  # a model created from a state serves once it loaded it
+            _, task_id, path = (request_id.split("#", 2) + ["", ""])[:3]
+            model = await gw.model(task_id, key)
+            return Outcome(json={"type": "load_weights", "path": path, "model_id": model.model_id})
         if request_id.startswith("create#"):
             task_id = request_id[len("create#") :]
             await gw.model(task_id, key)

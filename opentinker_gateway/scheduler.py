@@ -29,6 +29,8 @@ __all__ = ["Scheduler", "SessionSpec", "TASK_NAME_PREFIX", "is_tinker_model"]
 #: Tasks the gateway submits are named ``tinker <model id>``; ``finish`` cancels a session's by it.
 TASK_NAME_PREFIX = "tinker "
 
+#: Seconds the gateway keeps the scheduler's ``model_names:`` table before asking again.
+NAMES_TTL_S = 10.0
 #: Seconds of one scheduler call before it is given up.
 CALL_TIMEOUT_S = 30.0
 
@@ -53,6 +55,11 @@ class SessionSpec:
     target_modules: tuple[str, ...]
     seed: int
     idle_timeout_s: float
+    #: Start from state ``init_state`` of task ``init_from`` (with ``init_optimizer`` its AdamW
+    #: state and step too) instead of a fresh adapter.
+    init_from: str = ""
+    init_state: str = ""
+    init_optimizer: bool = False
 
 
 class Scheduler:
@@ -67,6 +74,7 @@ class Scheduler:
             self._channel = grpc.aio.insecure_channel(parsed.target, options=options)
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
         self._tokens: dict[tuple[str, str], tuple[str, float]] = {}
+        self._names: tuple[dict[str, str], float] = ({}, -NAMES_TTL_S - 1.0)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -91,8 +99,14 @@ class Scheduler:
                 "idle_timeout_s": spec.idle_timeout_s,
             }
         )
+        if spec.init_state:
+            hp.update({"init_state": spec.init_state, "init_optimizer": spec.init_optimizer})
         task_spec = common_pb2.TaskSpec(
-            workload_type="lora_session", model=spec.model_dir, hyperparameters=hp, name=name[:120]
+            workload_type="lora_session",
+            model=spec.model_dir,
+            hyperparameters=hp,
+            name=name[:120],
+            init_from=spec.init_from,
         )
         response = await self._call(
             "SubmitTask", scheduler_pb2.SubmitTaskRequest(spec=task_spec, request_id=request_id[:128]), key
@@ -115,6 +129,18 @@ class Scheduler:
 
     async def cancel(self, task_id: str, key: str, reason: str) -> None:
         await self._call("CancelTask", scheduler_pb2.CancelTaskRequest(task_id=task_id, reason=reason), key)
+
+    async def model_names(self, key: str) -> dict[str, str]:
+        """The scheduler's ``model_names:`` table, Tinker model name -> local folder, in its order;
+        asked again after :data:`NAMES_TTL_S` seconds."""
+        if time.monotonic() - self._names[1] > NAMES_TTL_S:
+            response = await self._call("ListModelNames", scheduler_pb2.ListModelNamesRequest(), key)
+            self._names = ({m.name: m.folder for m in response.model_names}, time.monotonic())
+        return self._names[0]
+
+    async def task_named(self, name: str, key: str) -> common_pb2.Task | None:
+        """The caller's running or queued task named ``name``, or None."""
+        return next((t for t in await self.session_tasks(name, key) if t.spec.name == name), None)
 
     async def session_tasks(self, name_prefix: str, key: str) -> list[common_pb2.Task]:
         """The caller's running or queued tasks whose name starts with ``name_prefix``."""

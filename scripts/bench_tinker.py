@@ -211,17 +211,17 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from tests.support.gateway import Gateway
+    from tests.support.gateway import Gateway, model_names
     from tests.support.procs import Cluster
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     sequences = conversations(tokenizer, args.batch, args.max_length)
     with tempfile.TemporaryDirectory(prefix="bench-tinker-") as tmp:
-        cluster = Cluster(Path(tmp), CONFIG)
+        cluster = Cluster(Path(tmp), CONFIG + model_names(Path(args.model), args.model_name))
         gateway = None
         try:
             cluster.start_with_trainer()
-            gateway = Gateway(Path(tmp), f"127.0.0.1:{cluster.port}", Path(args.model))
+            gateway = Gateway(Path(tmp), f"127.0.0.1:{cluster.port}")
             os.environ.update(
                 TINKER_BASE_URL=gateway.url, TINKER_API_KEY="tml-bench", TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1"
             )

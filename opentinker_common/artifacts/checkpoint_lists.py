@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Iterable, Sequence, TypeVar
 
-__all__ = ["SAMPLER_PREFIX", "STATE_PREFIX", "at_step", "resumable", "sampler_saves", "steps_text"]
+__all__ = ["SAMPLER_PREFIX", "STATE_PREFIX", "at_step", "named_state", "resumable", "sampler_saves", "steps_text"]
 
 #: Folder-name prefix of a training session's ``SaveWeightsForSampler`` checkpoints (``sampler_<name>``).
 SAMPLER_PREFIX = "sampler_"
@@ -33,6 +33,12 @@ def resumable(checkpoints: Sequence[C]) -> C | None:
     there is none."""
     saves = {id(c) for c in sampler_saves(checkpoints)}
     return next((c for c in reversed(list(checkpoints)) if id(c) not in saves), None)
+
+
+def named_state(checkpoints: Sequence[C], name: str) -> C | None:
+    """The newest of ``checkpoints`` (oldest first) that is state ``name`` (folder ``state_<name>``), or None."""
+    folder = STATE_PREFIX + name
+    return next((c for c in reversed(list(checkpoints)) if os.path.basename(os.path.normpath(c.path)) == folder), None)
 
 
 def at_step(checkpoints: Sequence[C], step: int) -> C | None:

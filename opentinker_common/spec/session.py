@@ -8,17 +8,25 @@ save/load state; ``docs/primitives.md``). The scheduler places it like any task 
 priority, ``max_runtime``); it is RUNNING while it serves, shows its address in
 ``Task.endpoint``, and ends SUCCEEDED after ``idle_timeout_s`` seconds without a call, CANCELLED
 when cancelled.
+
+With ``spec.init_from`` and ``init_state`` it starts from that task's state of that name (a
+``SaveState``; the task may still run): its adapter, and with ``init_optimizer`` its AdamW state
+and step too. Its own sequence numbers start at 0.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from opentinker_common.spec import lm_fields
-from opentinker_common.spec._parse import num
+from opentinker_common.spec._parse import SpecError, num
 from opentinker_common.spec.registry import register_workload
 
-__all__ = ["LoraSessionConfig"]
+__all__ = ["LoraSessionConfig", "STATE_NAME", "init_state"]
+
+#: A state's name (``SaveState``): 1 to 64 letters, digits, ``.``, ``_`` or ``-``.
+STATE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -53,11 +61,31 @@ class LoraSessionConfig:
     )
     port: int = num(0, 0, 65535, doc="port to listen on; 0 picks a free one")
     dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
+    init_state: str = field(
+        default="",
+        metadata={"doc": "a SaveState name of the spec.init_from task to start from (empty: its newest checkpoint)"},
+    )
+    init_optimizer: bool = field(
+        default=False, metadata={"doc": "with init_state: take that state's AdamW state and step too"}
+    )
 
     def check(self, path: str) -> None:
+        if self.init_state and (not STATE_NAME.match(self.init_state) or self.init_state in (".", "..")):
+            raise SpecError(f"{path}.init_state", "1 to 64 letters, digits, '.', '_' or '-'", self.init_state)
+        if self.init_optimizer and not self.init_state:
+            raise SpecError(f"{path}.init_optimizer", "false without init_state (only a named state has one)", True)
         if self.lora:
             lm_fields.check_target_modules(self.target_modules, path)
 
 
 # A session needs no environment; the default env (the text task) satisfies the spec.
 register_workload("lora_session", LoraSessionConfig, env_kinds=("text",))
+
+
+def init_state(spec) -> str:
+    """A ``lora_session`` TaskSpec's ``hyperparameters.init_state`` (``""`` when unset or not a
+    string), read in place, before the spec is checked."""
+    if spec.workload_type != "lora_session" or not spec.HasField("hyperparameters"):
+        return ""
+    value = spec.hyperparameters.fields.get("init_state")
+    return value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else ""

@@ -189,5 +189,6 @@ async def _check(
         auth_enabled=core.config.auth.enabled,
         artifacts_deleted=core.store.artifacts_deleted,
         dataset_uploaded_at_submit=dataset_uploaded_at_submit,
+        checkpoints=core.store.checkpoints,
     )
     await check_submitted_spec(core, spec)

@@ -20,6 +20,8 @@ with a reason instead of failing later on a node:
   A training session (``lora_session``) writes no final checkpoint: each ``SaveState`` and
   ``SaveWeightsForSampler`` is a complete adapter, so its newest one will do in any ended state
   (one that SUCCEEDED ended idle).
+  A ``lora_session`` with ``hyperparameters.init_state`` starts from that ``SaveState`` of the
+  ``init_from`` task instead, which may still run (a recorded state is complete and immutable).
 
 At assignment the ``init_from`` task's final checkpoint travels in ``AssignTask.init_checkpoint``
 (:func:`opentinker_scheduler.state.core.init_checkpoint`).
@@ -27,11 +29,15 @@ At assignment the ``init_from`` task's final checkpoint travels in ``AssignTask.
 
 from __future__ import annotations
 
+import os
+
 from opentinker.common.v1 import common_pb2
+from opentinker_common.artifacts.checkpoint_lists import STATE_PREFIX, named_state
 from opentinker_common.artifacts.deleted import deleted_words
 from opentinker_common.spec import SpecError, validate_env_config
 from opentinker_common.spec.structs import struct_to_dict
 from opentinker_common.spec.prompts import SAMPLE_LINES, check_sample
+from opentinker_common.spec.session import init_state
 from opentinker_common.spec.sft import is_dataset_id
 
 from opentinker_scheduler.data.datasets import DatasetStore
@@ -64,6 +70,7 @@ def check_references(
     auth_enabled: bool = False,
     artifacts_deleted=lambda task_id: None,
     dataset_uploaded_at_submit: bool = False,
+    checkpoints=lambda task_id: [],
 ) -> None:
     """Refuse a (validated) spec whose dataset or ``init_from`` task cannot be used.
 
@@ -82,10 +89,12 @@ def check_references(
         dataset_uploaded_at_submit: a dry run's ``dataset_id`` is the SHA-256 of a file the client
             checked and uploads only at submit (``SubmitTaskRequest.dataset_uploaded_at_submit``):
             checked as for a submit when this scheduler holds it already, else not refused as missing.
+        checkpoints: ``task_id -> [Checkpoint]``, oldest first (``StateStore.checkpoints``), where
+            ``hyperparameters.init_state`` is looked up.
 
     Raises:
         NotFound: no such dataset, or no such task (``spec.init_from``, an inference task's
-            ``hyperparameters.checkpoint_task_id``).
+            ``hyperparameters.checkpoint_task_id``), or no state ``hyperparameters.init_state`` of it.
         FailedPrecondition: the ``init_from`` task has not ended, or has no checkpoint a language
             model can start from (a SUCCEEDED one: no final checkpoint).
         InvalidArgument: the ``init_from`` task trained a different model, or ``spec.model`` /
@@ -107,6 +116,11 @@ def check_references(
         if is_dataset_id(dataset_id):
             _check_dataset_fits(spec, dataset_id, datasets)
     _check_served_checkpoint(spec, get_task, owner)
+    state_name = init_state(spec)
+    if state_name and not spec.init_from:
+        raise InvalidArgument(
+            "spec.hyperparameters.init_state: names a state of the spec.init_from task; set spec.init_from"
+        )
     if not spec.init_from or _check_init_from_shape(spec.init_from):
         return  # unset, or malformed: the spec check refuses it with INVALID_ARGUMENT
     try:
@@ -114,6 +128,9 @@ def check_references(
     except NotFound:
         raise NotFound(f"spec.init_from: task {spec.init_from!r} not found") from None
     state = common_pb2.TaskState.Name(source.state).removeprefix("TASK_STATE_")
+    if state_name:
+        _check_init_state(spec, source, state_name, checkpoints(source.task_id), default_model)
+        return
     if source.state not in INIT_FROM_STATES:
         raise FailedPrecondition(
             f"spec.init_from: task {spec.init_from} is {state}; a task can only start from one that has ended "
@@ -139,6 +156,32 @@ def check_references(
         raise FailedPrecondition(
             f"spec.init_from: task {spec.init_from} ({state}) has {got}; "
             f"expected {want} in one of {', '.join(INIT_CHECKPOINT_FORMATS)}"
+        )
+    model = spec.model or default_model
+    if source.spec.model != model:
+        raise InvalidArgument(
+            f"spec.model: expected {source.spec.model!r}, the model task {spec.init_from} (spec.init_from) trained, "
+            f"got {model!r}"
+        )
+
+
+def _check_init_state(spec: common_pb2.TaskSpec, source, name: str, checkpoints, default_model: str) -> None:
+    """State ``name`` of ``source`` must be recorded and still stored, on the same model.
+
+    Raises:
+        NotFound: no such state. InvalidArgument: ``source`` trained another model.
+    """
+    if named_state(checkpoints, name) is None:
+        known = sorted(
+            {
+                os.path.basename(os.path.normpath(c.path)).removeprefix(STATE_PREFIX)
+                for c in checkpoints
+                if os.path.basename(os.path.normpath(c.path)).startswith(STATE_PREFIX)
+            }
+        )
+        raise NotFound(
+            f"spec.hyperparameters.init_state: task {spec.init_from} has no state {name!r} "
+            f"(states: {', '.join(known) or 'none'})"
         )
     model = spec.model or default_model
     if source.spec.model != model:

@@ -520,6 +520,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         return scheduler_pb2.ImportAdapterResponse(task=self._task(task))
 
     @rpc()
+    async def ListModelNames(self, request, call: Call):
+        return scheduler_pb2.ListModelNamesResponse(
+            model_names=[scheduler_pb2.ModelName(name=m.name, folder=m.folder) for m in self.core.config.model_names]
+        )
+
+    @rpc()
     async def ListNodes(self, request, call: Call):
         self.core.require_leader()  # nodes and their telemetry live in the leader's memory
         nodes = []

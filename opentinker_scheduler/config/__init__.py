@@ -47,6 +47,8 @@
     queues: [...]             # quota queues shared by teams, fair share, borrowing (config/queues.py)
     default_queue: ""         # the queue of owners no queue lists ("": each is a queue of its own)
     usage: {prices: {spot: 0.9}} # price per GPU-hour by node class, for usage accounting (config/usage.py)
+    model_names:              # Tinker model names -> local model folders, for Tinker API gateways
+      - {name: HuggingFaceTB/SmolLM2-135M-Instruct, folder: /models/SmolLM2-135M-Instruct} # (config/model_names.py)
     artifacts:                # checkpoints: backend local (default) or s3, retention (config/artifacts.py)
       backend: local
       keep_checkpoints: 3
@@ -84,6 +86,7 @@ from opentinker_scheduler.config.auth import AuthConfig, parse_auth
 from opentinker_scheduler.config.limits import LimitsConfig, parse_limits
 from opentinker_scheduler.config.paths import PathsConfig, parse_paths
 from opentinker_scheduler.config.queues import QueueConfig, check_queue_name, parse_queues
+from opentinker_scheduler.config.model_names import ModelName, parse_model_names
 from opentinker_scheduler.config.usage import UsageConfig, parse_usage
 from opentinker_scheduler.config.store import StoreConfig, parse_store
 from opentinker_scheduler.config.tls import HttpTlsConfig, TlsConfig, parse_http_tls, parse_tls
@@ -156,6 +159,8 @@ class SchedulerConfig:
     default_queue: str = ""
     #: Prices per GPU-hour by node class (``usage:``); see config/usage.py and state/usage.py.
     usage: UsageConfig = UsageConfig()
+    #: Tinker model names and their local folders (``model_names:``); see config/model_names.py.
+    model_names: tuple[ModelName, ...] = ()
 
     def priority_of(self, workload_type: str) -> int | None:
         for w in self.workload_types:
@@ -291,6 +296,7 @@ _TOP = {
     "queues": "quota queues",
     "default_queue": "queue name",
     "usage": "usage accounting",
+    "model_names": "Tinker model names",
 }
 
 
@@ -432,6 +438,8 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         kw["queues"] = parse_queues(r, top["queues"][1])
     if "usage" in top:
         kw["usage"] = parse_usage(r, top["usage"][1])
+    if "model_names" in top:
+        kw["model_names"] = parse_model_names(r, top["model_names"][1], base_dir)
     if "default_queue" in top:
         name = r.scalar(top["default_queue"][1], "default_queue", str)
         bad = check_queue_name(name) if name else None

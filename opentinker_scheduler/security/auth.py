@@ -143,6 +143,7 @@ READ_METHODS = frozenset(
                 "DownloadCheckpoint",
                 "ListNodes",
                 "GetUsage",
+                "ListModelNames",
             )
         ),
         *(

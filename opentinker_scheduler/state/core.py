@@ -34,6 +34,8 @@ from typing import Callable
 import structlog
 from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2
+from opentinker_common.artifacts.checkpoint_lists import named_state
+from opentinker_common.spec.session import init_state
 
 from opentinker_scheduler.config import PoolNode, SchedulerConfig
 from opentinker_scheduler.errors import NotLeader
@@ -585,9 +587,13 @@ class SchedulerCore:
 
 
 def init_checkpoint(store: StateStore, spec: common_pb2.TaskSpec) -> common_pb2.Checkpoint | None:
-    """The final checkpoint of ``spec.init_from`` (None when unset or gone from the store)."""
+    """The final checkpoint of ``spec.init_from``, or its state ``hyperparameters.init_state``
+    (None when unset or gone from the store)."""
     if not spec.init_from:
         return None
+    name = init_state(spec)
+    if name:
+        return named_state(store.checkpoints(spec.init_from), name)
     source = store.get_task(spec.init_from)
     if source is None:
         return None

@@ -30,12 +30,13 @@ import contextlib
 import functools
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+
+from opentinker_common.spec.session import STATE_NAME
 
 from opentinker_trainer.rl.grpo import token_logprobs
 from opentinker_trainer.rl.rollout import left_pad, prefix_logprobs, right_pad
@@ -57,7 +58,6 @@ __all__ = [
     "check_state_name",
 ]
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 #: ``trainer_state.pt`` ``kind`` of a full state and of a frozen copy for a sampler.
 KIND_STATE, KIND_SAMPLER = "session_state", "sampler_weights"
 
@@ -82,7 +82,7 @@ def _in_turn(method):
 
 def check_state_name(name: str) -> str:
     """``name`` if it is 1 to 64 of ``[A-Za-z0-9._-]`` (not ``.`` or ``..``), else :class:`BadRequest`."""
-    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
+    if not isinstance(name, str) or not STATE_NAME.match(name) or name in (".", ".."):
         raise BadRequest(f"name: expected 1 to 64 characters of [A-Za-z0-9._-], got {name!r}")
     return name
 
@@ -638,6 +638,14 @@ class TrainingSession:
         return int(state.get("next_sequence", 0))
 
     @_in_turn
+    def start_from(self, folder: Path, *, with_optimizer: bool) -> None:
+        """Take another task's state in ``folder`` (``init_from`` with ``init_state``, whose
+        adapter the model was loaded with) as this session's start: with ``with_optimizer`` its
+        AdamW state and step too. It is no state of this session: ``load_state`` does not know it."""
+        name = str(_lm.load_trainer_state(folder).get("name") or folder.name)
+        self._load_folder(name, Path(folder), with_optimizer=with_optimizer, weights=False)
+
+    @_in_turn
     def load_state(self, name: str, *, with_optimizer: bool) -> int:
         """Load state ``name``'s weights (the adapter, or all weights of a full-weight session),
         and its optimizer and step with ``with_optimizer``; clear the accumulated gradient.
@@ -656,7 +664,9 @@ class TrainingSession:
         if saved is None:
             known = ", ".join(sorted(self.states)) or "none yet"
             raise StateNotFound(f"state {name!r}: no such state of this session (saved: {known})")
-        folder = saved.folder
+        return self._load_folder(name, saved.folder, with_optimizer=with_optimizer, weights=weights)
+
+    def _load_folder(self, name: str, folder: Path, *, with_optimizer: bool, weights: bool) -> int:
         lora_state = (folder / "adapter_config.json").exists()
         if lora_state == self.full:
             theirs, mine = ("a LoRA adapter", "all weights") if lora_state else ("full weights", "a LoRA adapter")

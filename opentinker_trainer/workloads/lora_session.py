@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from opentinker_trainer.context import WorkerContext
+from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.inference.access import AccessChecker
 from opentinker_trainer.inference.serve_tls import server_tls_from_env
 from opentinker_trainer.training.datums import Limits
@@ -59,7 +59,7 @@ def open_session(ctx: WorkerContext) -> tuple[TrainingSession, int]:
     """``(session, next sequence number)`` of this attempt: fresh, or resumed from ``ctx.resume_from``.
 
     Raises:
-        UserError: the model or the state resumed from cannot be loaded.
+        UserError: the model, the state resumed from or the init_state cannot be loaded.
     """
     cfg = ctx.spec.hyperparameters
     tenant = getattr(ctx, "tenant", None)
@@ -96,8 +96,13 @@ def open_session(ctx: WorkerContext) -> tuple[TrainingSession, int]:
         report=ctx.emit_metric,
         **shared,
     )
-    next_sequence = session.adopt(Path(ctx.resume_from)) if ctx.resume_from is not None else 0
-    return session, next_sequence
+    if ctx.resume_from is not None:
+        return session, session.adopt(Path(ctx.resume_from))
+    if cfg.init_state:
+        if ctx.init_checkpoint is None:
+            raise UserError(f"init_state: state {cfg.init_state!r} of task {ctx.spec.init_from} is gone from the store")
+        session.start_from(Path(ctx.init_checkpoint), with_optimizer=cfg.init_optimizer)
+    return session, 0
 
 
 def run(ctx: WorkerContext) -> None:

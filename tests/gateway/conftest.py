@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.gateway import Gateway
+from tests.support.gateway import Gateway, model_names
 from tests.support.procs import Cluster
 
 CONFIG = """heartbeat_interval: 0.5
@@ -14,9 +14,16 @@ workload_types:
 
 
 @pytest.fixture
-def cluster(tmp_path):
-    """A scheduler and one trainer on loopback (authentication off)."""
-    c = Cluster(tmp_path, CONFIG)
+def model_dir(tiny_model_dir):
+    """The folder the scheduler's ``model_names:`` maps the tests' Tinker model name to."""
+    return tiny_model_dir
+
+
+@pytest.fixture
+def cluster(tmp_path, model_dir):
+    """A scheduler serving :data:`~tests.support.gateway.MODEL_NAME` from ``model_dir`` and one
+    trainer on loopback (authentication off)."""
+    c = Cluster(tmp_path, CONFIG + model_names(model_dir))
     try:
         c.start_with_trainer()
         yield c
@@ -38,12 +45,12 @@ def sdk_env(monkeypatch):
 
 
 @pytest.fixture
-def gateway_factory(tmp_path, cluster, tiny_model_dir):
+def gateway_factory(tmp_path, cluster):
     """Start gateways on the cluster's scheduler; all closed at the end."""
     started: list[Gateway] = []
 
     def start(*extra: str, port: int | None = None) -> Gateway:
-        g = Gateway(tmp_path, f"127.0.0.1:{cluster.port}", tiny_model_dir, *extra, port=port)
+        g = Gateway(tmp_path, f"127.0.0.1:{cluster.port}", *extra, port=port)
         started.append(g)
         return g
 

@@ -8,9 +8,10 @@ import httpx
 import pytest
 import zstandard
 from tinker import types
+from tinker._version import __version__ as sdk_version
 
 from opentinker_client import RLClient
-from tests.support.gateway import PROTO, Gateway, create_model, fb_body, post, result
+from tests.support.gateway import PROTO, Gateway, create_model, fb_body, model_names, post, result
 from tests.support.procs import Cluster, wait_connected
 
 MAX_BODY_MB = 1
@@ -24,7 +25,7 @@ def world(tmp_path_factory, tiny_model_dir):
     config = (
         "heartbeat_interval: 0.5\nlease: 3\nauth: {enabled: true}\n"
         f"paths: {{model_dirs: [{tiny_model_dir.parent}]}}\n"
-        "workload_types:\n  - type: lora_session\n    priority: 3\n"
+        "workload_types:\n  - type: lora_session\n    priority: 3\n" + model_names(tiny_model_dir)
     )
     cluster = Cluster(tmp, config)
     gateway = None
@@ -41,7 +42,6 @@ def world(tmp_path_factory, tiny_model_dir):
         gateway = Gateway(
             tmp,
             f"127.0.0.1:{cluster.port}",
-            tiny_model_dir,
             "--max-body-mb",
             str(MAX_BODY_MB),
             "--gap-timeout-s",
@@ -85,6 +85,22 @@ def test_another_owners_model_is_not_found(world) -> None:
         json={"session_id": "s", "sampling_session_seq_id": 0, "model_path": path},
     )
     assert r.status_code == 404
+
+
+def test_another_owners_state_is_missing_to_a_new_training_client(world) -> None:
+    http, alice, model = world["http"], world["alice"], world["model"]
+    r = post(http, "save_weights", alice, json={"model_id": model, "path": "shared", "seq_id": next_seq(world)})
+    saved = result(http, alice, r.json()["request_id"])["path"]
+    session = post(http, "create_session", world["bob"], json={"tags": [], "sdk_version": sdk_version}).json()
+
+    def from_state(key: str, path: str) -> httpx.Response:
+        body = {"session_id": session["session_id"], "model_seq_id": 0, "path": path, "optimizer": True}
+        return post(http, "load_weights", key, json=body)
+
+    stolen = from_state(world["bob"], saved)
+    nothing = from_state(world["bob"], f"tinker://{model}/weights/no-such-state")
+    assert stolen.status_code == nothing.status_code == 404 and stolen.json()["category"] == "user"
+    assert stolen.json()["detail"] == f"path: no state {saved!r}", stolen.json()
 
 
 def test_wrong_dtype_and_unknown_loss_are_user_errors_naming_the_field(world) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.gateway import MODEL_NAME, Gateway
+from tests.support.gateway import MODEL_NAME, Gateway, hf_cache
 from tests.support.procs import Proc
 
 pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is not installed (make install)")
@@ -23,23 +23,16 @@ import tinker_cookbook  # noqa: E402
 CONVERSATIONS = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
 
 
-def hf_cache(root: Path, model_dir: Path) -> Path:
-    """A Hugging Face hub cache holding ``model_dir`` as :data:`MODEL_NAME`, so that the cookbook's
-    ``AutoTokenizer.from_pretrained(MODEL_NAME)`` loads offline."""
-    repo = root / ("models--" + MODEL_NAME.replace("/", "--"))
-    snapshot = repo / "snapshots" / "local"
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("local")
-    for f in model_dir.iterdir():
-        (snapshot / f.name).symlink_to(f.resolve())
-    return root
+@pytest.fixture
+def model_dir(real_model_dir):
+    """The cookbook trains the real model: the scheduler maps the Tinker model name to it."""
+    return real_model_dir
 
 
 @pytest.fixture
 def cookbook(tmp_path, cluster, real_model_dir):
     """Runs a cookbook recipe against a gateway on the cluster; returns its metrics.jsonl rows."""
-    gateway = Gateway(tmp_path, f"127.0.0.1:{cluster.port}", real_model_dir)
+    gateway = Gateway(tmp_path, f"127.0.0.1:{cluster.port}")
     env = {
         "TINKER_BASE_URL": gateway.url,
         "TINKER_API_KEY": "tml-anything",

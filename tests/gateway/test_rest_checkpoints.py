@@ -24,7 +24,7 @@ import tinker
 from tinker import types
 
 from opentinker_client import RLClient
-from tests.support.gateway import MODEL_NAME, Gateway, post
+from tests.support.gateway import MODEL_NAME, Gateway, model_names, post
 from tests.support.procs import Cluster, wait_connected
 from tests.support.waiting import wait_for
 
@@ -36,7 +36,7 @@ def world(tmp_path_factory, tiny_model_dir):
     config = (
         "heartbeat_interval: 0.5\nlease: 3\nauth: {enabled: true}\n"
         f"paths: {{model_dirs: [{tiny_model_dir.parent}]}}\n"
-        "workload_types:\n  - type: lora_session\n    priority: 3\n"
+        "workload_types:\n  - type: lora_session\n    priority: 3\n" + model_names(tiny_model_dir)
     )
     cluster = Cluster(tmp, config)
     gateway = None
@@ -50,7 +50,7 @@ def world(tmp_path_factory, tiny_model_dir):
         cluster.start_trainer("node-a", "--api-key", node_key)
         with RLClient(cluster.url, api_key=admin) as root:
             wait_connected(root, 1)
-        gateway = Gateway(tmp, f"127.0.0.1:{cluster.port}", tiny_model_dir)
+        gateway = Gateway(tmp, f"127.0.0.1:{cluster.port}")
         yield {
             "cluster": cluster,
             "url": gateway.url,

@@ -345,3 +345,50 @@ def test_a_config_naming_the_removed_store_flush_key_stops_the_scheduler_at_star
     finally:
         proc.close()
     assert f"error: {config}:13:3: store.flush: expected no such key: it was removed" in proc.log_text()
+
+
+def test_model_names_map_tinker_names_to_folders_relative_to_the_config(tmp_path) -> None:
+    for name in ("a", "b"):
+        (tmp_path / "models" / name).mkdir(parents=True)
+        (tmp_path / "models" / name / "config.json").write_text("{}")
+    text = "model_names:\n  - {name: org/A, folder: models/a}\n  - {name: org/B, folder: %s}\n" % (
+        tmp_path / "models" / "b"
+    )
+    (tmp_path / "c.yaml").write_text(text)
+    cfg = load_config(tmp_path / "c.yaml")
+    assert [(m.name, m.folder) for m in cfg.model_names] == [
+        ("org/A", str(tmp_path / "models" / "a")),
+        ("org/B", str(tmp_path / "models" / "b")),
+    ]
+    assert parse_config("").model_names == ()
+
+
+@pytest.mark.parametrize(
+    "entries, where",
+    [
+        (
+            "  - {name: org/A, folder: models/a}\n  - {name: org/A, folder: models/a}\n",
+            "c.yaml:3:12: model_names[1].name: expected each name once; 'org/A' is listed already",
+        ),
+        (
+            "  - {name: org/A, folder: models/nope}\n",
+            "c.yaml:2:27: model_names[0].folder: expected a model folder holding config.json, got 'models/nope'",
+        ),
+        ("  - {name: org/A}\n", "c.yaml:2:5: model_names[0].folder: expected a value; missing"),
+        (
+            "  - {name: '', folder: models/a}\n",
+            "c.yaml:2:12: model_names[0].name: expected a model name of 1 to 200 characters",
+        ),
+        (
+            "  - {name: org/A, folder: models/a, rank: 8}\n",
+            "c.yaml:2:37: model_names[0].rank: expected one of the known keys",
+        ),
+    ],
+)
+def test_bad_model_names_are_refused_naming_the_entry(tmp_path, entries: str, where: str) -> None:
+    (tmp_path / "models" / "a").mkdir(parents=True)
+    (tmp_path / "models" / "a" / "config.json").write_text("{}")
+    (tmp_path / "c.yaml").write_text("model_names:\n" + entries)
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "c.yaml")
+    assert str(err.value).startswith(str(tmp_path / where)), err.value

@@ -15,19 +15,24 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tests.support.procs import Proc, free_port
 from tests.support.waiting import wait_for
 
-__all__ = ["Gateway", "MODEL_NAME", "PROTO", "post", "result", "create_model", "fb_body"]
+__all__ = ["Gateway", "MODEL_NAME", "PROTO", "post", "result", "create_model", "fb_body", "hf_cache", "model_names"]
 
-#: The Tinker model name tests train; the gateway maps it to the test's model folder.
+#: The Tinker model name tests train; the scheduler's ``model_names:`` maps it to the test's model folder.
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: The headers of a protobuf forward_backward body.
 PROTO = {"Content-Type": "application/x-protobuf"}
 
 
-class Gateway:
-    """``python -m opentinker_gateway`` for scheduler ``scheduler`` (``host:port``), serving
-    :data:`MODEL_NAME` from ``model_dir``; ``extra`` are more flags. Ready once /healthz answers."""
+def model_names(model_dir: Path, name: str = MODEL_NAME) -> str:
+    """The scheduler config's ``model_names:`` section mapping Tinker model ``name`` to ``model_dir``."""
+    return f"model_names:\n  - {{name: {name}, folder: {str(model_dir)!r}}}\n"
 
-    def __init__(self, tmp: Path, scheduler: str, model_dir: Path, *extra: str, port: int | None = None) -> None:
+
+class Gateway:
+    """``python -m opentinker_gateway`` for scheduler ``scheduler`` (``host:port``); ``extra`` are
+    more flags. Ready once /healthz answers."""
+
+    def __init__(self, tmp: Path, scheduler: str, *extra: str, port: int | None = None) -> None:
         self.port = port or free_port()
         self.proc = Proc(
             [
@@ -37,8 +42,6 @@ class Gateway:
                 scheduler,
                 "--port",
                 str(self.port),
-                "--model",
-                f"{MODEL_NAME}={model_dir}",
                 *extra,
             ],
             tmp / f"gateway-{self.port}.log",
@@ -113,3 +116,16 @@ def fb_body(
         seq_id=seq_id,
     )
     return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def hf_cache(root: Path, model_dir: Path) -> Path:
+    """A Hugging Face hub cache holding ``model_dir`` as :data:`MODEL_NAME`, so that the cookbook's
+    ``AutoTokenizer.from_pretrained(MODEL_NAME)`` loads offline."""
+    repo = root / ("models--" + MODEL_NAME.replace("/", "--"))
+    snapshot = repo / "snapshots" / "local"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("local")
+    for f in model_dir.iterdir():
+        (snapshot / f.name).symlink_to(f.resolve())
+    return root

@@ -148,3 +148,53 @@ def test_a_session_resumes_from_its_newest_state_not_a_later_sampler_save(tmp_pa
     core.schedule()
     (assign,) = [c.assign_task for c in drain(node) if c.WhichOneof("command") == "assign_task"]
     assert assign.attempt == 2 and assign.resume_from.path.endswith("state_after5") and assign.resume_from.step == 5
+
+
+def test_a_session_starts_from_a_named_state_of_another_running_session(tmp_path) -> None:
+    """``init_from`` with ``hyperparameters.init_state``: the named ``SaveState`` of a session that
+    still runs travels as ``AssignTask.init_checkpoint``; a name it never saved is not found."""
+    from opentinker_scheduler.admission.refs import check_references
+    from opentinker_scheduler.data.datasets import DatasetStore
+    from opentinker_scheduler.errors import InvalidArgument
+    from tests.support.scheduler_core import drain
+
+    core = make_core(tmp_path)
+    source = spec()
+    source.workload_type = "lora_session"
+    task = core.submit(source, owner="alice")
+    node, _ = register(core)
+    core.schedule()
+    report(core, node, task.task_id, 1, C.TASK_STATE_RUNNING)
+    for step, folder in ((2, "state_a-2"), (3, "state_a-3"), (3, "sampler_s3")):
+        report(core, node, task.task_id, 1, checkpoint=_session_save(task.task_id, step, folder))
+    datasets = DatasetStore(tmp_path / "datasets")
+
+    def check(s: C.TaskSpec, owner: str = "alice") -> None:
+        check_references(s, datasets=datasets, get_task=core.get, owner=owner, checkpoints=core.store.checkpoints)
+
+    resumed = spec(init_state="a-2", init_optimizer=True)
+    resumed.workload_type = "lora_session"
+    resumed.init_from = task.task_id
+    check(resumed)
+    with pytest.raises(NotFound, match="spec.init_from"):
+        check(resumed, owner="bob")
+    missing = C.TaskSpec()
+    missing.CopyFrom(resumed)
+    missing.hyperparameters["init_state"] = "a-9"
+    with pytest.raises(NotFound, match=r"init_state: task .* has no state 'a-9' \(states: a-2, a-3\)"):
+        check(missing)
+    alone = C.TaskSpec()
+    alone.CopyFrom(resumed)
+    alone.init_from = ""
+    with pytest.raises(InvalidArgument, match="init_state: names a state of the spec.init_from task"):
+        check(alone)
+
+    started = core.submit(resumed, owner="alice")
+    drain(node)
+    core.schedule()
+    (assign,) = [
+        c.assign_task
+        for c in drain(node)
+        if c.WhichOneof("command") == "assign_task" and c.assign_task.task_id == started.task_id
+    ]
+    assert assign.init_checkpoint.path.endswith("state_a-2") and assign.init_checkpoint.step == 2

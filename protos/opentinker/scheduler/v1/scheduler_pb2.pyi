@@ -172,6 +172,24 @@ class ListNodesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ListModelNamesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelNamesResponse(_message.Message):
+    __slots__ = ("model_names",)
+    MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
+    model_names: _containers.RepeatedCompositeFieldContainer[ModelName]
+    def __init__(self, model_names: _Optional[_Iterable[_Union[ModelName, _Mapping]]] = ...) -> None: ...
+
+class ModelName(_message.Message):
+    __slots__ = ("name", "folder")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FOLDER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    folder: str
+    def __init__(self, name: _Optional[str] = ..., folder: _Optional[str] = ...) -> None: ...
+
 class Node(_message.Message):
     __slots__ = ("node_id", "connected", "devices", "gpu_count", "gpus_free", "max_tasks", "running_task_ids", "telemetry", "last_heartbeat_time", "version", "notes", "host", "model_hosts", "gpu_memory_estimates")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -130,6 +130,11 @@ class SchedulerServiceStub:
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.AuthorizeEndpointRequest.SerializeToString,
                 response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.AuthorizeEndpointResponse.FromString,
                 _registered_method=True)
+        self.ListModelNames = channel.unary_unary(
+                '/opentinker.scheduler.v1.SchedulerService/ListModelNames',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListModelNamesRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListModelNamesResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -350,6 +355,15 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModelNames(self, request, context):
+        """Lists the Tinker model names the scheduler maps to local model folders (`model_names:` in its
+        config), so that every Tinker API gateway serves the same table. Any valid key. Idempotent.
+        Errors: none of its own (an empty list without that table).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -442,6 +456,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.AuthorizeEndpoint,
                     request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.AuthorizeEndpointRequest.FromString,
                     response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.AuthorizeEndpointResponse.SerializeToString,
+            ),
+            'ListModelNames': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModelNames,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListModelNamesRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListModelNamesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -936,6 +955,33 @@ class SchedulerService:
             '/opentinker.scheduler.v1.SchedulerService/AuthorizeEndpoint',
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.AuthorizeEndpointRequest.SerializeToString,
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.AuthorizeEndpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModelNames(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/ListModelNames',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListModelNamesRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.ListModelNamesResponse.FromString,
             options,
             channel_credentials,
             insecure,
