@@ -326,7 +326,13 @@ def event_from_proto(event: common_pb2.TaskEvent) -> TaskEvent:
             message = f"{ad.deleted_keys} older checkpoint(s) deleted by retention: {', '.join(ad.keys)}"
         else:
             message = f"{ad.deleted_keys} artifact(s), {ad.deleted_bytes} bytes deleted from the store{by}"
+            message += f": {', '.join(ad.keys)}" if ad.keys else ""
         return TaskEvent(**base, kind="artifacts_deleted", message=message)
+    if which == "checkpoint_expiry":
+        ce = event.checkpoint_expiry
+        when = timestamp_to_datetime(ce.expire_time) if ce.HasField("expire_time") else None
+        message = f"checkpoint {ce.key} " + (f"expires at {when.isoformat()}" if when else "never expires")
+        return TaskEvent(**base, kind="checkpoint_expiry", message=message)
     return TaskEvent(**base, kind="unknown")
 
 

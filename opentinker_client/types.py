@@ -174,6 +174,8 @@ class TaskEvent:
     - ``"artifacts_deleted"``: the task's artifacts were deleted (``RLClient.delete_artifacts``,
       ``opentinker rm``: ``message`` says how many, their bytes and by whom; the checkpoints
       before it are gone), or retention deleted older checkpoints (``message`` names their keys).
+    - ``"checkpoint_expiry"``: a checkpoint's expiry was set or cleared (``message`` names its
+      key and when the scheduler deletes it).
     - ``"unknown"``: an event kind this client does not know (a newer scheduler).
 
     Attributes:

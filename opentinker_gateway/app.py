@@ -9,10 +9,16 @@ revocation are the scheduler's. Training requests return a future (``request_id`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import logging
 import re
+import secrets
+import time
 import uuid
+from datetime import datetime, timezone
+from urllib.parse import quote
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +26,7 @@ from typing import Any
 import structlog
 import zstandard
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from packaging.version import InvalidVersion, Version
 from tinker.proto import tinker_public_pb2 as tpb
 
@@ -38,6 +44,8 @@ from opentinker_gateway.scheduler import TASK_NAME_PREFIX, Scheduler, SessionSpe
 
 __all__ = ["GatewayConfig", "create_app", "SDK_VERSIONS"]
 
+log = logging.getLogger(__name__)
+
 #: The ``tinker`` SDK versions this gateway is tested with: [lowest, highest].
 SDK_VERSIONS = ("0.38.0", "0.38.0")
 
@@ -45,6 +53,18 @@ _CHECKPOINT_NAME = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
 #: The id the SDK gives a model it creates from a state: ``<session id>:train:<model_seq_id>``.
 _SDK_MODEL_ID = re.compile(r"^ses-[0-9a-f]{1,64}:train:[0-9]{1,9}$")
 _PROTO = "application/x-protobuf"
+#: A session's checkpoint folder prefix -> Tinker's checkpoint type and tinker:// path segment.
+_CHECKPOINT_KINDS = {"state": ("training", "weights"), "sampler": ("sampler", "sampler_weights")}
+#: A tinker:// path segment -> the session's checkpoint folder prefix.
+_FOLDER_PREFIX = {segment: prefix for prefix, (_, segment) in _CHECKPOINT_KINDS.items()}
+#: Most items one page of a REST listing holds.
+_MAX_PAGE = 1000
+#: Longest checkpoint TTL, in seconds: ten years, as Tinker.
+_MAX_TTL_S = 10 * 365 * 86400
+#: Seconds a checkpoint's download URLs work.
+_DOWNLOAD_URL_S = 900
+#: Seconds the gateway waits for a save with ``ttl_seconds`` to be listed, to set its expiry.
+_SAVE_LISTED_S = 60.0
 
 log = structlog.get_logger("opentinker.gateway")
 
@@ -96,6 +116,27 @@ def _field(body: dict, name: str, kind: type, *, required: bool = True) -> Any:
     return value
 
 
+def _page(request: Request, *, default_limit: int) -> tuple[int, int]:
+    """``(limit, offset)`` of a listing's query, as the SDK sends them. Raises ApiError 400."""
+    out = []
+    for name, default, low, high in (("limit", default_limit, 1, _MAX_PAGE), ("offset", 0, 0, None)):
+        raw = request.query_params.get(name)
+        value = int(raw) if raw is not None and raw.isdigit() else (default if raw is None else None)
+        if value is None or value < low or (high is not None and value > high):
+            expected = f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}"
+            raise ApiError(f"{name}: expected {expected}, got {raw!r}")
+        out.append(value)
+    return out[0], out[1]
+
+
+def _ttl_seconds(body: dict) -> int | None:
+    """The request's ``ttl_seconds``: 1 s to 10 years, or None (never expires). Raises ApiError 400."""
+    ttl = body.get("ttl_seconds")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= _MAX_TTL_S):
+        raise ApiError(f"ttl_seconds: expected an integer in 1..{_MAX_TTL_S} or null (never), got {ttl!r}")
+    return ttl
+
+
 def _parse_path(path: str, field_name: str) -> tuple[str, str, str]:
     """``(model id, kind, name)`` of ``tinker://<model id>/<weights|sampler_weights>/<name>``."""
     parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
@@ -113,6 +154,16 @@ def _parse_path(path: str, field_name: str) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[2]
 
 
+@dataclass(frozen=True)
+class _Download:
+    """What a download URL's token stands for: the key that asked for it and the checkpoint."""
+
+    key: str
+    run_id: str
+    artifact_key: str
+    expires: float
+
+
 class Gateway:
     """The state of one gateway process: connections, models it has met, sample futures."""
 
@@ -125,6 +176,10 @@ class Gateway:
         self.samples: dict[str, asyncio.Future] = {}
         self.batcher = SampleBatcher()
         self.creates: dict[str, asyncio.Task] = {}
+        #: Download URL tokens (``external_weights_urls``) -> what they may fetch.
+        self.downloads: dict[str, _Download] = {}
+        #: Background jobs that give saves their ``ttl_seconds`` once listed.
+        self.expiries: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self.scheduler = Scheduler(self.config.scheduler)
@@ -613,11 +668,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
         digest = _digest(body)
         try:
             name = checkpoint_name(body)
+            ttl = _ttl_seconds(body)
         except ApiError as exc:
             await refuse_in_turn(request, exc, body.get("model_id"), seq_id, "save", digest)
             raise
         model = await gw.model(body.get("model_id"), key)
-        return submit(model, seq_id, "save", lambda seq: training_pb2.SaveStateRequest(sequence=seq, name=name), digest)
+        reply = submit(
+            model, seq_id, "save", lambda seq: training_pb2.SaveStateRequest(sequence=seq, name=name), digest
+        )
+        expire_after_save(model, seq_id, f"state_{name}", ttl, key)
+        return reply
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict:
@@ -626,6 +686,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         seq_id = _field(body, "seq_id", int)
         digest = _digest(body)
         try:
+            ttl = _ttl_seconds(body)
             if body.get("path") is not None:
                 name, kind = checkpoint_name(body), "sampler"
             else:  # an ephemeral sampler: a save named after its request, sampled as a snapshot
@@ -634,13 +695,42 @@ def create_app(config: GatewayConfig) -> FastAPI:
             await refuse_in_turn(request, exc, body.get("model_id"), seq_id, "sampler", digest)
             raise
         model = await gw.model(body.get("model_id"), key)
-        return submit(
+        reply = submit(
             model,
             seq_id,
             kind,
             lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=name),
             digest,
         )
+        expire_after_save(model, seq_id, f"sampler_{name}", ttl, key)
+        return reply
+
+    def expire_after_save(model: Model, seq_id: int, folder: str, ttl: int | None, key: str) -> None:
+        """Give the save of request ``seq_id`` (its folder ``folder``) its ``ttl_seconds`` once the
+        scheduler lists it, a moment after it answers: in the background, on this instance."""
+        done = model.future(seq_id)
+        if ttl is None or done is None:
+            return
+        job = asyncio.ensure_future(expire_when_listed(model.task_id, folder, ttl, key, done))
+        gw.expiries.add(job)
+        job.add_done_callback(gw.expiries.discard)
+
+    async def expire_when_listed(run_id: str, folder: str, ttl: int, key: str, done: asyncio.Future) -> None:
+        if (await asyncio.shield(done)).error is not None:
+            return
+        deadline = time.monotonic() + _SAVE_LISTED_S
+        try:
+            while time.monotonic() < deadline:
+                listing = await gw.scheduler.checkpoints(run_id, key)
+                found = [c for c in listing.checkpoints if Path(c.path).name == folder]
+                if found:
+                    await gw.scheduler.set_checkpoint_ttl(run_id, found[-1].artifact.key, ttl, key)
+                    return
+                await asyncio.sleep(0.5)
+        except ApiError as exc:
+            log.warning("ttl_seconds of save %s of model %s not set: %s", folder, run_id, exc.message)
+            return
+        log.warning("ttl_seconds of save %s of model %s not set: not listed in %s s", folder, run_id, _SAVE_LISTED_S)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict:
@@ -660,6 +750,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     f"got {path!r}; start a new training client from another run's state with "
                     "create_training_client_from_state"
                 )
+            await not_deleted(path, "path", key)
         except ApiError as exc:
             await refuse_in_turn(request, exc, model.model_id, seq_id, "load", digest)
             raise
@@ -692,7 +783,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             source = await gw.task(source_id, key, "path")
         except ApiError as exc:
             raise (missing if exc.status == 404 else exc) from None
-        states = {Path(c.path).name for c in await gw.scheduler.checkpoints(source.task_id, key)}
+        states = {Path(c.path).name for c in (await gw.scheduler.checkpoints(source.task_id, key)).checkpoints}
         if f"{STATE_PREFIX}{name}" not in states:
             raise missing
         base_model = body.get("base_model")
@@ -729,6 +820,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if kind != "sampler_weights":
             raise ApiError(f"model_path: expected a save_weights_for_sampler path (sampler_weights), got {path!r}")
         await gw.model(source, key)
+        await not_deleted(path, "model_path", key)
         return {"type": "create_sampling_session", "sampling_session_id": f"{source}~{name}"}
 
     async def base_sampler(body: dict, key: str) -> str:
@@ -776,46 +868,182 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
     # --- training runs and checkpoints (REST) -------------------------------------------------
-    async def run_checkpoints(model: Model, key: str) -> list[dict]:
+    async def run_task(run_id: str, key: str) -> common_pb2.Task:
+        """The session task of training run ``run_id`` (a model id, :meth:`Gateway.task`). Raises
+        ApiError 404 when the key may not see it, worded as for a missing run: another owner's run
+        is not found either."""
+        try:
+            return await gw.task(run_id, key, "training_run_id")
+        except ApiError as exc:
+            if exc.status == 404:
+                raise ApiError(f"training_run_id: no training run {run_id!r}", status=404) from None
+            raise
+
+    async def run_checkpoints(run_id: str, key: str) -> list[tuple[dict, common_pb2.Checkpoint]]:
+        """The run's checkpoints, oldest first: each as Tinker's ``Checkpoint`` and as recorded."""
         out = []
-        for c in await gw.scheduler.checkpoints(model.task_id, key):
+        for c in (await gw.scheduler.checkpoints(run_id, key)).checkpoints:
             prefix, _, name = Path(c.path).name.partition("_")
-            kind = {"state": ("training", "weights"), "sampler": ("sampler", "sampler_weights")}.get(prefix)
+            kind = _CHECKPOINT_KINDS.get(prefix)
             if kind is None or not name:
                 continue
-            out.append(
-                {
-                    "checkpoint_id": f"{kind[1]}/{name}",
-                    "checkpoint_type": kind[0],
-                    "time": c.create_time.ToJsonString(),
-                    "tinker_path": f"tinker://{model.model_id}/{kind[1]}/{name}",
-                }
-            )
+            listed = {
+                "checkpoint_id": f"{kind[1]}/{name}",
+                "checkpoint_type": kind[0],
+                "time": c.create_time.ToJsonString(),
+                "tinker_path": f"tinker://{run_id}/{kind[1]}/{name}",
+                "size_bytes": c.artifact.total_bytes if c.artifact.key else None,
+                "expires_at": c.expire_time.ToJsonString() if c.HasField("expire_time") else None,
+            }
+            out.append((listed, c))
         return out
 
-    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
-    async def list_checkpoints(model_id: str, request: Request) -> dict:
-        key = _key(request)
-        model = await gw.model(model_id, key)
-        return {"checkpoints": await run_checkpoints(model, key)}
-
-    @app.get("/api/v1/training_runs/{model_id}")
-    async def get_training_run(model_id: str, request: Request) -> dict:
-        key = _key(request)
-        model = await gw.model(model_id, key)
-        task = await gw.scheduler.get_task(model.task_id, key)
-        checkpoints = await run_checkpoints(model, key)
+    async def training_run(task: common_pb2.Task, checkpoints: list[dict], key: str) -> dict:
         last = {t: [c for c in checkpoints if c["checkpoint_type"] == t][-1:] for t in ("training", "sampler")}
         return {
-            "training_run_id": model.model_id,
-            "base_model": model.base_model,
+            "training_run_id": task.task_id,
+            "base_model": await gw.base_model_of(task.spec.model, key),
             "model_owner": task.owner,
             "is_lora": True,
-            "lora_rank": model.lora_rank,
+            "lora_rank": int(dict(task.spec.hyperparameters).get("lora_rank", 0)),
             "last_request_time": task.update_time.ToJsonString(),
             "last_checkpoint": (last["training"] or [None])[0],
             "last_sampler_checkpoint": (last["sampler"] or [None])[0],
         }
+
+    async def listed_checkpoints(run_id: str, key: str) -> list[dict]:
+        return [listed for listed, _ in await run_checkpoints(run_id, key)]
+
+    @app.get("/api/v1/training_runs")
+    async def list_training_runs(request: Request) -> dict:
+        key = _key(request)
+        limit, offset = _page(request, default_limit=20)
+        runs = await gw.scheduler.runs(key)
+        # One scheduler read per run, one after the other: the owner's read_rate bounds them.
+        return {
+            "training_runs": [
+                await training_run(t, await listed_checkpoints(t.task_id, key), key)
+                for t in runs[offset : offset + limit]
+            ],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
+        }
+
+    @app.get("/api/v1/checkpoints")
+    async def list_user_checkpoints(request: Request) -> dict:
+        key = _key(request)
+        limit, offset = _page(request, default_limit=100)
+        found: list[tuple[dict, common_pb2.Checkpoint]] = []
+        for t in await gw.scheduler.runs(key):
+            found += await run_checkpoints(t.task_id, key)
+        found.sort(key=lambda c: c[1].create_time.ToNanoseconds(), reverse=True)
+        return {
+            "checkpoints": [listed for listed, _ in found[offset : offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(found)},
+        }
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints")
+    async def list_checkpoints(run_id: str, request: Request) -> dict:
+        key = _key(request)
+        task = await run_task(run_id, key)
+        return {"checkpoints": await listed_checkpoints(task.task_id, key)}
+
+    @app.get("/api/v1/training_runs/{run_id}")
+    async def get_training_run(run_id: str, request: Request) -> dict:
+        key = _key(request)
+        task = await run_task(run_id, key)
+        return await training_run(task, await listed_checkpoints(task.task_id, key), key)
+
+    async def saved(path: str, field_name: str, key: str) -> common_pb2.Checkpoint:
+        """The checkpoint ``path`` names (``tinker://<run>/<kind>/<name>``). Raises ApiError: 400 for
+        a malformed path, 404 for one not listed (deleted, never saved, another owner's)."""
+        run_id, _, _ = _parse_path(path, field_name)
+        task = await run_task(run_id, key)
+        for listed, recorded in await run_checkpoints(task.task_id, key):
+            if listed["tinker_path"] == path:
+                return recorded
+        raise ApiError(f"{field_name}: no checkpoint {path!r} (deleted, or never saved)", status=404)
+
+    async def not_deleted(path: str, field_name: str, key: str) -> None:
+        """Raises ApiError 404 when the checkpoint ``path`` names was deleted. A save is listed only
+        once the scheduler has recorded it, a moment after its future answers, so a path neither
+        listed nor deleted goes on to the session worker, which knows its own saves."""
+        run_id, kind, name = _parse_path(path, field_name)
+        folder = f"{_FOLDER_PREFIX[kind]}_{name}"
+        listing = await gw.scheduler.checkpoints(run_id, key)
+        if any(Path(c.path).name == folder for c in listing.checkpoints):
+            return
+        if any(k.rsplit("/", 1)[-1] == folder for k in listing.deleted_keys):
+            raise ApiError(f"{field_name}: checkpoint {path!r} was deleted", status=404)
+
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}")
+    async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
+        key = _key(request)
+        recorded = await saved(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id", key)
+        if not recorded.artifact.key:
+            raise ApiError(f"checkpoint_id: {kind}/{name} is not in the artifact store; it cannot be deleted")
+        await gw.scheduler.delete_checkpoint(recorded.task_id, recorded.artifact.key, key)
+        return Response(content=b"null", media_type="application/json")
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
+    async def checkpoint_urls(run_id: str, kind: str, name: str, request: Request) -> dict:
+        """A URL per file of the checkpoint, as ``get_external_weights_urls`` answers: each fetched
+        with no key, authorised by a random token this instance keeps for ``_DOWNLOAD_URL_S``."""
+        key = _key(request)
+        recorded = await saved(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id", key)
+        manifest, chunks = await gw.scheduler.download(recorded.task_id, recorded.artifact.key, key)
+        await chunks.aclose()
+        now = time.time()
+        for stale in [t for t, d in gw.downloads.items() if d.expires <= now]:
+            del gw.downloads[stale]
+        token = secrets.token_urlsafe(32)
+        gw.downloads[token] = _Download(key, recorded.task_id, recorded.artifact.key, now + _DOWNLOAD_URL_S)
+        base = str(request.base_url).rstrip("/")
+        return {
+            "urls": {f.path: f"{base}/api/v1/checkpoint_files/{token}/{quote(f.path)}" for f in manifest.files},
+            "expires": datetime.fromtimestamp(now + _DOWNLOAD_URL_S, timezone.utc).isoformat(),
+        }
+
+    @app.get("/api/v1/checkpoint_files/{token}/{path:path}")
+    async def checkpoint_file(token: str, path: str) -> StreamingResponse:
+        """One file of a checkpoint, streamed from the scheduler as it arrives."""
+        download = gw.downloads.get(token)
+        if download is None or download.expires <= time.time():
+            raise ApiError("token: no such download URL, or it expired; ask for new URLs", status=404)
+        manifest, chunks = await gw.scheduler.download(download.run_id, download.artifact_key, download.key)
+        index = next((i for i, f in enumerate(manifest.files) if f.path == path), None)
+        if index is None:
+            await chunks.aclose()
+            raise ApiError(f"path: the checkpoint has no file {path!r}", status=404)
+        size = manifest.files[index].size_bytes
+
+        async def body():
+            sent = 0
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    if chunk.file_index == index:
+                        sent += len(chunk.data)
+                        yield chunk.data
+                    if sent >= size and chunk.file_index >= index:
+                        return
+
+        return StreamingResponse(body(), media_type="application/octet-stream", headers={"Content-Length": str(size)})
+
+    @app.put("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
+    async def set_checkpoint_ttl(run_id: str, kind: str, name: str, request: Request) -> Response:
+        key = _key(request)
+        ttl = _ttl_seconds(await _json(request, limit))
+        recorded = await saved(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id", key)
+        await gw.scheduler.set_checkpoint_ttl(recorded.task_id, recorded.artifact.key, ttl, key)
+        return Response(content=b"null", media_type="application/json")
+
+    @app.post("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+    async def publish_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
+        _key(request)
+        raise ApiError(
+            "publish: public checkpoints are not served by this OpenTinker; a checkpoint is its owner's only",
+            status=400,
+        )
 
     # --- futures ------------------------------------------------------------------------------
     @app.post("/api/v1/retrieve_future")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 import grpc
 
@@ -23,7 +24,7 @@ from opentinker_common.net.url import parse_scheduler_address
 
 from opentinker_gateway.errors import ApiError, from_rpc
 
-__all__ = ["Scheduler", "SessionSpec", "TASK_NAME_PREFIX"]
+__all__ = ["Scheduler", "SessionSpec", "TASK_NAME_PREFIX", "is_tinker_model"]
 
 #: Tasks the gateway submits are named ``tinker <model id>``; ``finish`` cancels a session's by it.
 TASK_NAME_PREFIX = "tinker "
@@ -38,6 +39,11 @@ _ENDED = (
     common_pb2.TASK_STATE_FAILED,
     common_pb2.TASK_STATE_CANCELLED,
 )
+
+
+def is_tinker_model(task: common_pb2.Task) -> bool:
+    """Whether ``task`` is a Tinker model: a ``lora_session`` task the gateway submitted."""
+    return task.spec.workload_type == "lora_session" and task.spec.name.startswith(TASK_NAME_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -154,13 +160,55 @@ class Scheduler:
             if not token:
                 return found
 
-    async def checkpoints(self, task_id: str, key: str) -> list[common_pb2.Checkpoint]:
-        """The task's checkpoints in the artifact store, oldest first."""
-        return list(
-            (
-                await self._call("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id), key)
-            ).checkpoints
-        )
+    async def runs(self, key: str) -> list[common_pb2.Task]:
+        """The Tinker models the key sees (its own; every owner's for an admin key), newest first."""
+        found: list[common_pb2.Task] = []
+        token = ""
+        while True:
+            page = await self._call("ListTasks", scheduler_pb2.ListTasksRequest(page_size=1000, page_token=token), key)
+            found += [t for t in page.tasks if is_tinker_model(t)]
+            token = page.next_page_token
+            if not token:
+                return found
+
+    async def checkpoints(self, task_id: str, key: str) -> scheduler_pb2.ListCheckpointsResponse:
+        """The task's checkpoints in the artifact store, oldest first, and the keys of those deleted."""
+        return await self._call("ListCheckpoints", scheduler_pb2.ListCheckpointsRequest(task_id=task_id), key)
+
+    async def delete_checkpoint(self, task_id: str, artifact_key: str, key: str) -> None:
+        """Delete the task's checkpoint stored as ``artifact_key`` from the artifact store."""
+        request = scheduler_pb2.DeleteCheckpointRequest(task_id=task_id, artifact_key=artifact_key)
+        await self._call("DeleteCheckpoint", request, key)
+
+    async def set_checkpoint_ttl(self, task_id: str, artifact_key: str, ttl_s: int | None, key: str) -> None:
+        """Expire the task's checkpoint stored as ``artifact_key`` in ``ttl_s`` seconds (None: never)."""
+        request = scheduler_pb2.SetCheckpointTtlRequest(task_id=task_id, artifact_key=artifact_key)
+        if ttl_s is not None:
+            request.ttl.FromSeconds(ttl_s)
+        await self._call("SetCheckpointTtl", request, key)
+
+    async def download(
+        self, task_id: str, artifact_key: str, key: str
+    ) -> tuple[scheduler_pb2.CheckpointManifest, AsyncIterator[scheduler_pb2.CheckpointChunk]]:
+        """The manifest of the task's checkpoint stored as ``artifact_key``, and its files' chunks
+        in manifest order (the rest of one DownloadCheckpoint stream; close it to stop early)."""
+        request = scheduler_pb2.DownloadCheckpointRequest(task_id=task_id, artifact_key=artifact_key)
+        call = self._stub.DownloadCheckpoint(request, metadata=bearer_metadata(key))
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc(exc, "scheduler") from None
+        if first is grpc.aio.EOF or not first.HasField("manifest"):
+            raise ApiError("scheduler: DownloadCheckpoint sent no manifest", status=502, category="server")
+
+        async def chunks() -> AsyncIterator[scheduler_pb2.CheckpointChunk]:
+            try:
+                while (message := await call.read()) is not grpc.aio.EOF:
+                    yield message.chunk
+            finally:
+                call.cancel()
+
+        return first.manifest, chunks()
 
     async def endpoint_metadata(self, task_id: str, key: str) -> tuple[tuple[str, str], ...]:
         """``authorization`` metadata for the task's endpoint: an endpoint token asked for with

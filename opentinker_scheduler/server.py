@@ -22,7 +22,7 @@ from opentinker_scheduler.admission.load import SubmitGate
 from opentinker_scheduler.security import tls_config as tls_listen
 from opentinker_scheduler.api.admin import AdminService
 from opentinker_scheduler.api.artifacts import ArtifactService
-from opentinker_scheduler.data.artifact_store import Artifacts, Retention, open_artifact_store
+from opentinker_scheduler.data.artifact_store import Artifacts, Expiry, Retention, open_artifact_store
 from opentinker_scheduler.security.bundle import Security, build_security
 
 from opentinker_scheduler.config import SchedulerConfig
@@ -80,6 +80,8 @@ class RunningScheduler:
     artifacts: Artifacts | None = None
     #: Checkpoint retention (keep_checkpoints), run after each recorded checkpoint.
     retention: Retention | None = None
+    #: Deletes checkpoints whose expiry has come (SetCheckpointTtl).
+    expiry_task: asyncio.Task | None = None
     #: The front on the public port (plaintext, http_on_grpc_port), else None.
     front: PortFront | None = None
     #: SubmitTask's gate (admission/load.py): closed first when stopping.
@@ -95,9 +97,11 @@ class RunningScheduler:
             self.submit_gate.drain()
             if not await self.submit_gate.wait_idle(grace):
                 log.warning("submits still in progress at shutdown", in_flight=self.submit_gate.in_flight)
-        self.tick_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.tick_task
+        for task in (self.tick_task, self.expiry_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         # End every node stream from our side first (a None in the outbox ends NodeService.Connect
         # normally), so stopping the server does not cancel those handlers mid-await, which
         # grpc.aio logs as an unhandled CancelledError. The nodes reconnect to the next scheduler.
@@ -304,6 +308,7 @@ async def start_scheduler(
     # keep_checkpoints per task, after each recorded checkpoint; what it deletes is listed no more
     retention = Retention(artifacts, on_retired=core.checkpoints_retired)
     core.node_protocol.checkpoint_listeners.append(retention)
+    expiry = Expiry(artifacts, expired=core.expired, on_deleted=core.checkpoint_deleted)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -360,6 +365,7 @@ async def start_scheduler(
         http.dashboard = Dashboard(core, security=security, artifacts=artifacts, secure=http.scheme == "https")
         http.start()
     tick = asyncio.create_task(_tick_loop(core, http, tick_interval_s, leadership))
+    expiry_task = asyncio.create_task(expiry.run())
     log.info(
         "scheduler listening",
         grpc_port=bound,
@@ -386,6 +392,7 @@ async def start_scheduler(
         leadership=leadership,
         artifacts=artifacts,
         retention=retention,
+        expiry_task=expiry_task,
         front=front,
         submit_gate=scheduler_service.gate,
     )

@@ -654,6 +654,11 @@ class Dashboard:
                     detail = f"{ad.deleted_keys} key(s), {ad.deleted_bytes} bytes" + (
                         f", by {ad.deleted_by}" if ad.deleted_by else ""
                     )
+                    detail += f": {', '.join(ad.keys)}" if ad.keys else ""
+            elif kind == "checkpoint_expiry":
+                ce = ev.checkpoint_expiry
+                what = "checkpoint expiry"
+                detail = ce.key + (f", at {ce.expire_time.ToJsonString()}" if ce.HasField("expire_time") else ", never")
             else:
                 continue  # metric points are the charts
             rows.append(

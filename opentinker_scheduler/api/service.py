@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -32,6 +33,9 @@ from opentinker_scheduler.security.bundle import Security
 from opentinker_scheduler.state.client_api import new_task_id
 from opentinker_scheduler.state.core import SchedulerCore
 from opentinker_scheduler.state.store import TaskRow
+
+#: Longest checkpoint TTL (SetCheckpointTtl), in seconds: ten years.
+MAX_CHECKPOINT_TTL_S = 10 * 365 * 86400
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -292,6 +296,49 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         log.info("task artifacts deleted", task_id=task.task_id, keys=len(keys), bytes=size)
         return scheduler_pb2.DeleteTaskArtifactsResponse(task=self._task(task), deleted_keys=keys, deleted_bytes=size)
 
+    def _stored_checkpoint(self, request, call: Call, what: str) -> TaskRow:
+        """The task of a request naming one of its checkpoints by ``artifact_key``, checked: owner
+        rules, an artifact store, the key listed for the task."""
+        call.detail.update(task_id=request.task_id[:128], artifact_key=request.artifact_key[:256])
+        self.core.require_leader()
+        task = self.core.api.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
+        if not request.artifact_key:
+            raise InvalidArgument("artifact_key: expected a checkpoint's artifact key (ListCheckpoints), got ''")
+        if self.artifacts is None:
+            raise FailedPrecondition(f"{what}: this scheduler has no artifact store")
+        key = request.artifact_key
+        if not any(c.artifact.key == key for c in self.core.store.checkpoints(task.task_id)):
+            raise NotFound(
+                f"artifact_key: task {task.task_id} has no checkpoint {key[:256]!r} (deleted, or never saved)"
+            )
+        return task
+
+    @rpc(action="checkpoint.set_ttl")
+    async def SetCheckpointTtl(self, request, call: Call):
+        task = self._stored_checkpoint(request, call, "SetCheckpointTtl")
+        expire_time = None
+        if request.HasField("ttl"):
+            ttl = request.ttl.ToNanoseconds() / 1e9
+            if not 1 <= ttl <= MAX_CHECKPOINT_TTL_S:
+                raise InvalidArgument(f"ttl: expected 1 s to 10 years, or none to never expire, got {ttl:g} s")
+            expire_time = time.time() + ttl
+        self.core.checkpoint_expiry(task.task_id, request.artifact_key, expire_time)
+        call.detail.update(ttl_s=round(expire_time - time.time(), 3) if expire_time is not None else None)
+        response = scheduler_pb2.SetCheckpointTtlResponse()
+        if expire_time is not None:
+            response.expire_time.FromNanoseconds(int(expire_time * 1e9))
+        return response
+
+    @rpc(action="checkpoint.delete")
+    async def DeleteCheckpoint(self, request, call: Call):
+        task = self._stored_checkpoint(request, call, "DeleteCheckpoint")
+        key = request.artifact_key
+        size = await asyncio.to_thread(self.artifacts.delete_checkpoint, key)
+        self.core.checkpoint_deleted(task.task_id, key, size_bytes=size, by=call.who.owner)
+        call.detail.update(bytes=size)
+        log.info("checkpoint deleted", task_id=task.task_id, key=key, bytes=size)
+        return scheduler_pb2.DeleteCheckpointResponse(deleted_bytes=size)
+
     async def WatchTask(self, request, context) -> AsyncIterator[scheduler_pb2.WatchTaskResponse]:
         """The task's events after ``after_sequence``; unless ``history_only``, held open until
         the task has ended and its terminal event was sent. A store error ends the stream with
@@ -408,13 +455,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         return scheduler_pb2.ListCheckpointsResponse(
             checkpoints=checkpoints.list_checkpoints(self.core.store, request.task_id),
             artifacts_deleted=self.core.store.artifacts_deleted(request.task_id),
+            deleted_keys=self.core.store.deleted_checkpoint_keys(request.task_id),
         )
 
     async def DownloadCheckpoint(self, request, context):
         try:
             if owner_scope() is not None:
                 self.core.api.get(request.task_id, owner=owner_scope())  # another owner's task: NOT_FOUND
-            ckpt = checkpoints.pick_checkpoint(self.core.store, request.task_id, request.step)
+            if request.artifact_key:
+                ckpt = checkpoints.checkpoint_with_key(self.core.store, request.task_id, request.artifact_key)
+            else:
+                ckpt = checkpoints.pick_checkpoint(self.core.store, request.task_id, request.step)
             store = self.artifacts.store if self.artifacts is not None else None
             manifest = await asyncio.to_thread(checkpoints.build_manifest, ckpt, store)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -41,7 +42,7 @@ from opentinker_scheduler.config import SchedulerConfig
 from opentinker_scheduler.config.artifacts import ArtifactsConfig
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
-__all__ = ["ArtifactStartError", "open_artifact_store", "Artifacts", "Retention", "retention_plan"]
+__all__ = ["ArtifactStartError", "open_artifact_store", "Artifacts", "Expiry", "Retention", "retention_plan"]
 
 log = structlog.get_logger("opentinker.scheduler")
 
@@ -235,6 +236,19 @@ class Artifacts:
             self.store.delete(key)
         return keys, total
 
+    def delete_checkpoint(self, key: str) -> int:
+        """Delete the checkpoint artifact ``key`` (``DeleteCheckpoint``); returns its bytes, all
+        files together (0 when its manifest cannot be read).
+
+        Raises:
+            StoreUnavailable, StoreAuthError: the store cannot be used.
+        """
+        size = 0
+        with contextlib.suppress(ArtifactNotFound, ArtifactCorrupt):
+            size = self.store.manifest(key).total_bytes
+        self.store.delete(key)
+        return size
+
 
 def _presigned(p: PresignedRequest) -> artifact_pb2.PresignedRequest:
     return artifact_pb2.PresignedRequest(
@@ -281,6 +295,32 @@ class Retention:
         """Wait for the retention runs started so far."""
         while self._jobs:
             await asyncio.gather(*list(self._jobs), return_exceptions=True)
+
+
+class Expiry:
+    """Deletes checkpoints whose expiry has come (``SetCheckpointTtl``), checked every
+    ``interval_s``: ``expired(now)`` names them (``[(task id, key)]``, none on a follower), the
+    store deletes each in a thread, and ``on_deleted(task_id, key, size_bytes=..., by="ttl")``
+    records it. A store that cannot be reached is logged; the next round tries again."""
+
+    def __init__(self, artifacts: Artifacts, expired, on_deleted, *, interval_s: float = 0.5) -> None:
+        self.artifacts = artifacts
+        self.expired = expired
+        self.on_deleted = on_deleted
+        self.interval_s = interval_s
+
+    async def run(self) -> None:
+        while True:
+            try:
+                for task_id, key in self.expired(time.time()):
+                    size = await asyncio.to_thread(self.artifacts.delete_checkpoint, key)
+                    self.on_deleted(task_id, key, size_bytes=size, by="ttl")
+                    log.info("checkpoint expired and deleted", task_id=task_id, key=key, bytes=size)
+            except ArtifactError as exc:
+                log.warning("expired checkpoint not deleted; the next round tries again", error=str(exc))
+            except Exception:  # noqa: BLE001 - keep sweeping; the error is logged
+                log.exception("checkpoint expiry failed")
+            await asyncio.sleep(self.interval_s)
 
 
 def retention_plan(keys: Iterable[str], keep: int) -> list[str]:

@@ -18,12 +18,20 @@ from typing import Callable, Iterator
 
 from opentinker.common.v1 import common_pb2
 from opentinker.scheduler.v1 import scheduler_pb2
-from opentinker_common.artifacts.checkpoint_lists import at_step, steps_text
+from opentinker_common.artifacts.checkpoint_lists import SAMPLER_PREFIX, STATE_PREFIX, at_step, steps_text
 from opentinker_common.artifacts.deleted import deleted_words
 
 from opentinker_scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
 
-__all__ = ["CHUNK_BYTES", "list_checkpoints", "pick_checkpoint", "build_manifest", "read_chunks", "Manifest"]
+__all__ = [
+    "CHUNK_BYTES",
+    "list_checkpoints",
+    "pick_checkpoint",
+    "checkpoint_with_key",
+    "build_manifest",
+    "read_chunks",
+    "Manifest",
+]
 
 #: Largest chunk of file data in one message (1 MiB).
 CHUNK_BYTES = 1024 * 1024
@@ -33,7 +41,8 @@ MAX_FILES = 10_000
 
 def list_checkpoints(store, task_id: str) -> list[common_pb2.Checkpoint]:
     """Checkpoints the task recorded, oldest first; a step written twice (a resumed attempt)
-    appears once, as its newest record; none from before its artifacts were deleted.
+    appears once, as its newest record, and a training session's named saves once each per name
+    (several may share a step); none from before its artifacts were deleted.
 
     Raises:
         InvalidArgument: empty id. NotFound: no such task.
@@ -42,10 +51,12 @@ def list_checkpoints(store, task_id: str) -> list[common_pb2.Checkpoint]:
         raise InvalidArgument("task_id: expected a task id, got ''")
     if store.get_task(task_id) is None:
         raise NotFound(f"task {task_id[:80]!r}{'...' if len(task_id) > 80 else ''} not found")
-    newest: dict[int, common_pb2.Checkpoint] = {}
+    newest: dict[tuple[int, str], common_pb2.Checkpoint] = {}
     for ck in store.checkpoints(task_id):
-        newest.pop(ck.step, None)
-        newest[ck.step] = ck
+        folder = Path(ck.path).name
+        which = (ck.step, folder if folder.startswith((STATE_PREFIX, SAMPLER_PREFIX)) else "")
+        newest.pop(which, None)
+        newest[which] = ck
     return list(newest.values())
 
 
@@ -72,6 +83,19 @@ def pick_checkpoint(store, task_id: str, step: int) -> common_pb2.Checkpoint:
     if found is not None:
         return found
     raise NotFound(f"task {task_id!r} has no checkpoint at step {step}; steps with one: {steps_text(cks)}")
+
+
+def checkpoint_with_key(store, task_id: str, key: str) -> common_pb2.Checkpoint:
+    """The task's listed checkpoint stored as artifact ``key``.
+
+    Raises:
+        InvalidArgument: empty id. NotFound: no such task, or no such checkpoint listed (deleted,
+            or never saved).
+    """
+    for ck in list_checkpoints(store, task_id):
+        if ck.artifact.key == key:
+            return ck
+    raise NotFound(f"artifact_key: task {task_id!r} has no checkpoint {key[:256]!r} (deleted, or never saved)")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ ACTIONS = (
     "adapter.import",
     "task.cancel",
     "task.delete_artifacts",
+    "checkpoint.delete",
+    "checkpoint.set_ttl",
     "key.create",
     "key.revoke",
     "key.rotate",

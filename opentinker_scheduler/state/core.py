@@ -137,6 +137,8 @@ class SchedulerCore:
         """Empty the leader's memory: nodes, live tasks, the ledger and its indexes, preemptions."""
         #: Until then (``clock`` seconds) no node is declared lost: the scheduler's own loop stalled.
         self._liveness_grace_until = float("-inf")
+        #: Checkpoints with an expiry (:meth:`expired`); None until first read from the store.
+        self._expiring_keys: dict[str, tuple[str, float]] | None = None
         #: Nodes and their GPU and tenant bookings (:class:`~.ledger.NodeLedger`).
         self.ledger = NodeLedger(
             self.clock,
@@ -264,6 +266,36 @@ class SchedulerCore:
     def _cluster_changed(self) -> None:
         """A node connected, left or changed size: the quotas' cluster size follows."""
         self.queues.cluster_changed(self.ledger.nodes.values())
+
+    def checkpoint_deleted(self, task_id: str, key: str, *, size_bytes: int = 0, by: str = "") -> None:
+        """Record that the checkpoint stored as ``key`` is gone (:meth:`TaskTable.checkpoint_deleted`);
+        it expires no more."""
+        if self._expiring_keys is not None:
+            self._expiring_keys.pop(key, None)
+        self.table.checkpoint_deleted(task_id, key, size_bytes=size_bytes, by=by)
+
+    def checkpoint_expiry(self, task_id: str, key: str, expire_time: float | None) -> None:
+        """Record when the checkpoint stored as ``key`` expires (epoch seconds; None: never;
+        :meth:`TaskTable.checkpoint_expiry`); :meth:`expired` names it from then on."""
+        self.table.checkpoint_expiry(task_id, key, expire_time)
+        expiring = self._expiring()
+        if expire_time is None:
+            expiring.pop(key, None)
+        else:
+            expiring[key] = (task_id, expire_time)
+
+    def expired(self, now: float) -> list[tuple[str, str]]:
+        """``(task id, artifact key)`` of the checkpoints whose expiry has come; none on a
+        scheduler that does not lead."""
+        if not self.leading:
+            return []
+        return [(task_id, key) for key, (task_id, at) in self._expiring().items() if at <= now]
+
+    def _expiring(self) -> dict[str, tuple[str, float]]:
+        """Artifact key -> ``(task id, expire time)``, read from the store at first use."""
+        if self._expiring_keys is None:
+            self._expiring_keys = {key: (task_id, at) for task_id, key, at in self.store.expiring_checkpoints()}
+        return self._expiring_keys
 
     def checkpoints_retired(self, task_id: str, keys: list[str]) -> None:
         """Record that retention deleted ``keys`` of ``task_id`` (:meth:`TaskTable.checkpoints_retired`),

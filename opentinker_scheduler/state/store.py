@@ -862,11 +862,12 @@ class StateStore:
     def checkpoints(self, task_id: str) -> list[common_pb2.Checkpoint]:
         """Every checkpoint a task recorded that is still in the artifact store, oldest first:
         none from before its newest ``artifacts_deleted`` event of ``DeleteTaskArtifacts``, and
-        none that retention deleted (an ``artifacts_deleted`` event ``by_retention`` names its key)."""
+        none that retention or ``DeleteCheckpoint`` deleted (an ``artifacts_deleted`` event names
+        its key); each with the ``expire_time`` its newest ``checkpoint_expiry`` event gives it."""
         self._flush_writes()
         rows = self.db.execute(
-            "SELECT kind, payload FROM events WHERE task_id=? AND kind IN ('checkpoint', 'artifacts_deleted') "
-            "ORDER BY seq",
+            "SELECT kind, payload FROM events WHERE task_id=? "
+            "AND kind IN ('checkpoint', 'artifacts_deleted', 'checkpoint_expiry') ORDER BY seq",
             (task_id,),
         )
         out: list[common_pb2.Checkpoint] = []
@@ -874,23 +875,50 @@ class StateStore:
             ev = common_pb2.TaskEvent.FromString(payload)
             if kind == "checkpoint":
                 out.append(ev.checkpoint)
-            elif ev.artifacts_deleted.by_retention:
+            elif kind == "checkpoint_expiry":
+                for c in out:
+                    if c.artifact.key == ev.checkpoint_expiry.key:
+                        c.ClearField("expire_time")
+                        if ev.checkpoint_expiry.HasField("expire_time"):
+                            c.expire_time.CopyFrom(ev.checkpoint_expiry.expire_time)
+            elif ev.artifacts_deleted.keys:
                 gone = set(ev.artifacts_deleted.keys)
                 out = [c for c in out if not (c.artifact.key and c.artifact.key in gone)]
             else:
                 out.clear()
         return out
 
+    def expiring_checkpoints(self) -> list[tuple[str, str, float]]:
+        """``(task id, artifact key, expire time in epoch seconds)`` of every checkpoint still
+        stored that has an expiry (``SetCheckpointTtl``)."""
+        self._flush_writes()
+        tasks = [r[0] for r in self.db.execute("SELECT DISTINCT task_id FROM events WHERE kind='checkpoint_expiry'")]
+        return [
+            (task_id, c.artifact.key, c.expire_time.ToNanoseconds() / 1e9)
+            for task_id in tasks
+            for c in self.checkpoints(task_id)
+            if c.HasField("expire_time")
+        ]
+
+    def deleted_checkpoint_keys(self, task_id: str) -> list[str]:
+        """Artifact keys of the task's checkpoints that retention or ``DeleteCheckpoint`` deleted,
+        oldest first."""
+        self._flush_writes()
+        rows = self.db.execute(
+            "SELECT payload FROM events WHERE task_id=? AND kind='artifacts_deleted' ORDER BY seq", (task_id,)
+        )
+        return [key for (payload,) in rows for key in common_pb2.TaskEvent.FromString(payload).artifacts_deleted.keys]
+
     def artifacts_deleted(self, task_id: str) -> common_pb2.TaskEvent | None:
-        """The task's newest ``artifacts_deleted`` event of ``DeleteTaskArtifacts`` (not
-        retention's), or None."""
+        """The task's newest ``artifacts_deleted`` event of ``DeleteTaskArtifacts`` (not one of
+        retention or ``DeleteCheckpoint``, which name their keys), or None."""
         self._flush_writes()
         rows = self.db.execute(
             "SELECT payload FROM events WHERE task_id=? AND kind='artifacts_deleted' ORDER BY seq DESC", (task_id,)
         )
         for (payload,) in rows:
             ev = common_pb2.TaskEvent.FromString(payload)
-            if not ev.artifacts_deleted.by_retention:
+            if not ev.artifacts_deleted.keys:
                 return ev
         return None
 

@@ -387,6 +387,37 @@ class TaskTable:
             self.notify()
         return task
 
+    def checkpoint_deleted(self, task_id: str, key: str, *, size_bytes: int = 0, by: str = "") -> None:
+        """Record that the checkpoint with artifact ``key`` of ``task_id`` is gone
+        (``DeleteCheckpoint``, an expiry): an ``artifacts_deleted`` event naming its key, so it is
+        listed no more and no attempt resumes from it. When it was the task's latest checkpoint,
+        the newest one left takes its place (none: no latest checkpoint)."""
+        gone = common_pb2.ArtifactsDeleted(deleted_keys=1, deleted_bytes=size_bytes, deleted_by=by, keys=[key])
+        self._write_checkpoint_event(task_id, common_pb2.TaskEvent(artifacts_deleted=gone), latest_gone=key)
+
+    def checkpoint_expiry(self, task_id: str, key: str, expire_time: float | None) -> None:
+        """Record that the checkpoint with artifact ``key`` of ``task_id`` expires at
+        ``expire_time`` (epoch seconds; None: never): a ``checkpoint_expiry`` event."""
+        expiry = common_pb2.CheckpointExpiry(key=key)
+        if expire_time is not None:
+            expiry.expire_time.FromNanoseconds(int(expire_time * 1e9))
+        self._write_checkpoint_event(task_id, common_pb2.TaskEvent(checkpoint_expiry=expiry))
+
+    def _write_checkpoint_event(self, task_id: str, event: common_pb2.TaskEvent, *, latest_gone: str = "") -> None:
+        live = self.tasks.get(task_id)
+        task = live if live is not None else self.store.get_task(task_id)
+        if task is None:
+            raise NotFound(f"task {short_id(task_id)} not found")
+        if latest_gone and task.latest_checkpoint is not None and task.latest_checkpoint.artifact.key == latest_gone:
+            left = [c for c in self.store.checkpoints(task_id) if c.artifact.key != latest_gone]
+            task.latest_checkpoint = left[-1] if left else None
+            task.update_time = time.time()
+        if live is not None:  # a live task: the core's own row, written through
+            self.write(task, [event])
+        else:
+            self.store.update_task(task, [event])
+        self.notify()
+
     def checkpoints_retired(self, task_id: str, keys: list[str]) -> None:
         """Record that retention deleted the checkpoints with artifact ``keys`` of ``task_id``
         (an ``artifacts_deleted`` event ``by_retention``): they are listed no more. Nothing is

@@ -181,3 +181,95 @@ def test_retention_keeps_the_newest_n_plus_the_final_one(backend, tmp_path, requ
     assert retention.retired == 3
     # each run's deletions are handed on (the core records them: ListCheckpoints leaves them out)
     assert recorded == [("t1", ["tasks/t1/a1/step_2"]), ("t1", ["tasks/t1/a1/step_4"]), ("t1", ["tasks/t1/a1/step_6"])]
+
+
+def test_owners_delete_one_checkpoint(tmp_path) -> None:
+    import grpc
+
+    from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    with LoopbackScheduler(tmp_path / "state", "auth: {enabled: true}\n") as s:
+        with RLClient(s.target, api_key=s.admin_key) as root:
+            alice_key = root.keys.create("alice", "user")[1]
+            bob_key = root.keys.create("bob", "user")[1]
+        store = s.running.artifacts.store
+        with RLClient(s.target, api_key=alice_key) as alice:
+            mine = alice.upload_adapter(_adapter(tmp_path / "a1"), model=MODEL).task_id
+        key = f"tasks/{mine}/a1/final_0"
+        with grpc.insecure_channel(s.target) as ch:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+
+            def delete(api_key: str, artifact_key: str):
+                request = scheduler_pb2.DeleteCheckpointRequest(task_id=mine, artifact_key=artifact_key)
+                return stub.DeleteCheckpoint(request, metadata=(("authorization", f"Bearer {api_key}"),))
+
+            with pytest.raises(grpc.RpcError) as refused:
+                delete(bob_key, key)  # another owner's: not confirmed to exist
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND and store.list(f"tasks/{mine}/") == [key]
+            with pytest.raises(grpc.RpcError) as refused:
+                delete(alice_key, "")
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "artifact_key" in refused.value.details()
+            assert delete(alice_key, key).deleted_bytes > 0
+            assert store.list(f"tasks/{mine}/") == []
+            listed = _list_checkpoints(s.target, alice_key, mine)
+            assert (list(listed.checkpoints), list(listed.deleted_keys)) == ([], [key])
+            assert not listed.HasField("artifacts_deleted")  # the task's other artifacts were not all deleted
+            with RLClient(s.target, api_key=alice_key) as alice:
+                assert alice.get_task(mine).checkpoint_path == ""  # it was the latest: none is left
+            with pytest.raises(grpc.RpcError) as refused:
+                delete(alice_key, key)  # a second time: no such checkpoint
+            assert (
+                refused.value.code() == grpc.StatusCode.NOT_FOUND
+                and "deleted, or never saved" in refused.value.details()
+            )
+        with RLClient(s.target, api_key=s.admin_key) as root:
+            outcomes = sorted((r.owner, r.outcome) for r in root.keys.audit(action="checkpoint.delete"))
+        assert outcomes == [
+            ("alice", "INVALID_ARGUMENT"),
+            ("alice", "NOT_FOUND"),
+            ("alice", "OK"),
+            ("bob", "NOT_FOUND"),
+        ]
+
+
+def test_an_expired_checkpoint_is_deleted(tmp_path) -> None:
+    import grpc
+
+    from opentinker.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from tests.support.waiting import wait_for
+
+    with LoopbackScheduler(tmp_path / "state", "auth: {enabled: true}\n") as s:
+        with RLClient(s.target, api_key=s.admin_key) as root:
+            alice_key = root.keys.create("alice", "user")[1]
+            bob_key = root.keys.create("bob", "user")[1]
+        store = s.running.artifacts.store
+        with RLClient(s.target, api_key=alice_key) as alice:
+            mine = alice.upload_adapter(_adapter(tmp_path / "a1"), model=MODEL).task_id
+        key = f"tasks/{mine}/a1/final_0"
+        with grpc.insecure_channel(s.target) as ch:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+
+            def set_ttl(api_key: str, seconds: float | None):
+                request = scheduler_pb2.SetCheckpointTtlRequest(task_id=mine, artifact_key=key)
+                if seconds is not None:
+                    request.ttl.FromNanoseconds(int(seconds * 1e9))
+                return stub.SetCheckpointTtl(request, metadata=(("authorization", f"Bearer {api_key}"),))
+
+            for who, seconds, code in ((bob_key, 1, "NOT_FOUND"), (alice_key, 0.5, "INVALID_ARGUMENT")):
+                with pytest.raises(grpc.RpcError) as refused:
+                    set_ttl(who, seconds)
+                assert refused.value.code().name == code
+            expire = set_ttl(alice_key, 3600).expire_time
+            [listed] = _list_checkpoints(s.target, alice_key, mine).checkpoints
+            assert listed.expire_time == expire
+            assert not set_ttl(alice_key, None).HasField("expire_time")  # cleared: never expires
+            assert not _list_checkpoints(s.target, alice_key, mine).checkpoints[0].HasField("expire_time")
+            set_ttl(alice_key, 1)
+            wait_for(lambda: store.list(f"tasks/{mine}/") == [], what="the checkpoint deleted once its TTL passed")
+            listed = _list_checkpoints(s.target, alice_key, mine)
+            assert (list(listed.checkpoints), list(listed.deleted_keys)) == ([], [key])
+            with RLClient(s.target, api_key=alice_key) as alice:
+                kinds = [(e.kind, e.message) for e in alice.watch(mine)]
+            assert [k for k, _ in kinds][-2:] == ["checkpoint_expiry", "artifacts_deleted"]
+            assert kinds[-1][1].endswith(f"by ttl: {key}")

@@ -89,7 +89,7 @@ class MetricPoint(_message.Message):
     def __init__(self, step: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., values: _Optional[_Mapping[str, float]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("task_id", "attempt", "step", "path", "create_time", "node_id", "format", "final", "artifact")
+    __slots__ = ("task_id", "attempt", "step", "path", "create_time", "node_id", "format", "final", "artifact", "expire_time")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class Checkpoint(_message.Message):
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     attempt: int
     step: int
@@ -108,7 +109,8 @@ class Checkpoint(_message.Message):
     format: str
     final: bool
     artifact: ArtifactRef
-    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ..., format: _Optional[str] = ..., final: _Optional[bool] = ..., artifact: _Optional[_Union[ArtifactRef, _Mapping]] = ...) -> None: ...
+    expire_time: _timestamp_pb2.Timestamp
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ..., format: _Optional[str] = ..., final: _Optional[bool] = ..., artifact: _Optional[_Union[ArtifactRef, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ArtifactRef(_message.Message):
     __slots__ = ("key", "manifest_sha256", "total_bytes", "backend")
@@ -235,7 +237,7 @@ class TaskPhase(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., phase: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class TaskEvent(_message.Message):
-    __slots__ = ("task_id", "sequence", "time", "state_change", "metric", "checkpoint", "phase", "checkpoint_failed", "artifacts_deleted")
+    __slots__ = ("task_id", "sequence", "time", "state_change", "metric", "checkpoint", "phase", "checkpoint_failed", "artifacts_deleted", "checkpoint_expiry")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +247,7 @@ class TaskEvent(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FAILED_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EXPIRY_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     sequence: int
     time: _timestamp_pb2.Timestamp
@@ -254,7 +257,16 @@ class TaskEvent(_message.Message):
     phase: TaskPhase
     checkpoint_failed: CheckpointFailure
     artifacts_deleted: ArtifactsDeleted
-    def __init__(self, task_id: _Optional[str] = ..., sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_change: _Optional[_Union[StateChange, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., phase: _Optional[_Union[TaskPhase, _Mapping]] = ..., checkpoint_failed: _Optional[_Union[CheckpointFailure, _Mapping]] = ..., artifacts_deleted: _Optional[_Union[ArtifactsDeleted, _Mapping]] = ...) -> None: ...
+    checkpoint_expiry: CheckpointExpiry
+    def __init__(self, task_id: _Optional[str] = ..., sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state_change: _Optional[_Union[StateChange, _Mapping]] = ..., metric: _Optional[_Union[MetricPoint, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., phase: _Optional[_Union[TaskPhase, _Mapping]] = ..., checkpoint_failed: _Optional[_Union[CheckpointFailure, _Mapping]] = ..., artifacts_deleted: _Optional[_Union[ArtifactsDeleted, _Mapping]] = ..., checkpoint_expiry: _Optional[_Union[CheckpointExpiry, _Mapping]] = ...) -> None: ...
+
+class CheckpointExpiry(_message.Message):
+    __slots__ = ("key", "expire_time")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    expire_time: _timestamp_pb2.Timestamp
+    def __init__(self, key: _Optional[str] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ArtifactsDeleted(_message.Message):
     __slots__ = ("deleted_keys", "deleted_bytes", "deleted_by", "by_retention", "keys")

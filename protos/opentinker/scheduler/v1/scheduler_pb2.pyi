@@ -93,6 +93,36 @@ class DeleteTaskArtifactsResponse(_message.Message):
     deleted_bytes: int
     def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ..., deleted_keys: _Optional[_Iterable[str]] = ..., deleted_bytes: _Optional[int] = ...) -> None: ...
 
+class DeleteCheckpointRequest(_message.Message):
+    __slots__ = ("task_id", "artifact_key")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_KEY_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    artifact_key: str
+    def __init__(self, task_id: _Optional[str] = ..., artifact_key: _Optional[str] = ...) -> None: ...
+
+class DeleteCheckpointResponse(_message.Message):
+    __slots__ = ("deleted_bytes",)
+    DELETED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    deleted_bytes: int
+    def __init__(self, deleted_bytes: _Optional[int] = ...) -> None: ...
+
+class SetCheckpointTtlRequest(_message.Message):
+    __slots__ = ("task_id", "artifact_key", "ttl")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_KEY_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    artifact_key: str
+    ttl: _duration_pb2.Duration
+    def __init__(self, task_id: _Optional[str] = ..., artifact_key: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class SetCheckpointTtlResponse(_message.Message):
+    __slots__ = ("expire_time",)
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    expire_time: _timestamp_pb2.Timestamp
+    def __init__(self, expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
 class WatchTaskRequest(_message.Message):
     __slots__ = ("task_id", "after_sequence", "history_only")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -261,20 +291,24 @@ class ListCheckpointsRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
-    __slots__ = ("checkpoints", "artifacts_deleted")
+    __slots__ = ("checkpoints", "artifacts_deleted", "deleted_keys")
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    DELETED_KEYS_FIELD_NUMBER: _ClassVar[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[_common_pb2.Checkpoint]
     artifacts_deleted: _common_pb2.TaskEvent
-    def __init__(self, checkpoints: _Optional[_Iterable[_Union[_common_pb2.Checkpoint, _Mapping]]] = ..., artifacts_deleted: _Optional[_Union[_common_pb2.TaskEvent, _Mapping]] = ...) -> None: ...
+    deleted_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[_common_pb2.Checkpoint, _Mapping]]] = ..., artifacts_deleted: _Optional[_Union[_common_pb2.TaskEvent, _Mapping]] = ..., deleted_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DownloadCheckpointRequest(_message.Message):
-    __slots__ = ("task_id", "step")
+    __slots__ = ("task_id", "step", "artifact_key")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_KEY_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     step: int
-    def __init__(self, task_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    artifact_key: str
+    def __init__(self, task_id: _Optional[str] = ..., step: _Optional[int] = ..., artifact_key: _Optional[str] = ...) -> None: ...
 
 class CheckpointFile(_message.Message):
     __slots__ = ("path", "size_bytes", "sha256")

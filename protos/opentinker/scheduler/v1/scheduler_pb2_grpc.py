@@ -65,6 +65,16 @@ class SchedulerServiceStub:
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsRequest.SerializeToString,
                 response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsResponse.FromString,
                 _registered_method=True)
+        self.DeleteCheckpoint = channel.unary_unary(
+                '/opentinker.scheduler.v1.SchedulerService/DeleteCheckpoint',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointResponse.FromString,
+                _registered_method=True)
+        self.SetCheckpointTtl = channel.unary_unary(
+                '/opentinker.scheduler.v1.SchedulerService/SetCheckpointTtl',
+                request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.SetCheckpointTtlRequest.SerializeToString,
+                response_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.SetCheckpointTtlResponse.FromString,
+                _registered_method=True)
         self.WatchTask = channel.unary_stream(
                 '/opentinker.scheduler.v1.SchedulerService/WatchTask',
                 request_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.WatchTaskRequest.SerializeToString,
@@ -188,6 +198,33 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteCheckpoint(self, request, context):
+        """Deletes one checkpoint of a task from the artifact store, named by its artifact key
+        (`Checkpoint.artifact.key`, as ListCheckpoints gives it); the task may still run. ListCheckpoints
+        lists it no more, no attempt resumes from it and a download of it is NOT_FOUND; an
+        `artifacts_deleted` event naming its key records it. Owner rules as for CancelTask. Not
+        idempotent: a second call finds no such checkpoint. Errors: NOT_FOUND (no such task, or another
+        owner's; no checkpoint with that key listed for the task), INVALID_ARGUMENT (empty id or key),
+        FAILED_PRECONDITION (the scheduler has no artifact store), UNAVAILABLE (the store cannot be
+        reached; a follower: NOT_LEADER).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetCheckpointTtl(self, request, context):
+        """Sets or clears when one checkpoint of a task expires, named by its artifact key: the scheduler
+        deletes an expired checkpoint as DeleteCheckpoint does (`deleted_by` "ttl"), within about a
+        second, and ListCheckpoints shows `expire_time` until then. A `checkpoint_expiry` event records
+        it. Owner rules as for CancelTask. Idempotent for an unset `ttl`. Errors: NOT_FOUND (no such task,
+        or another owner's; no checkpoint with that key listed for the task), INVALID_ARGUMENT (empty id
+        or key, `ttl` outside 1 s to 10 years), FAILED_PRECONDITION (no artifact store), UNAVAILABLE (a
+        follower: NOT_LEADER).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchTask(self, request, context):
         """Streams a task's events (state changes, metric points, checkpoints) from `after_sequence`,
         then live ones until the task ends (with `history_only`, only the events stored so far). A task
@@ -251,8 +288,8 @@ class SchedulerServiceServicer:
         Reads the checkpoint from the artifact store (local or s3), checked against its recorded
         manifest hash; a checkpoint of an old trainer, with no artifact, from its folder on the
         scheduler's filesystem. Idempotent. Errors: NOT_FOUND (no such task, no checkpoint, no
-        checkpoint at `step`, the message listing the steps there are; or its artifact deleted by
-        retention or DeleteTaskArtifacts), DATA_LOSS (the stored bytes do not match the manifest),
+        checkpoint at `step`, the message listing the steps there are, none listed with `artifact_key`;
+        or its artifact deleted by retention, DeleteTaskArtifacts or DeleteCheckpoint), DATA_LOSS (the stored bytes do not match the manifest),
         UNAVAILABLE (the store cannot be reached), FAILED_PRECONDITION (an old trainer's folder not
         readable from the scheduler), INVALID_ARGUMENT (empty id, negative step).
         """
@@ -354,6 +391,16 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.DeleteTaskArtifacts,
                     request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsRequest.FromString,
                     response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsResponse.SerializeToString,
+            ),
+            'DeleteCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteCheckpoint,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointResponse.SerializeToString,
+            ),
+            'SetCheckpointTtl': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetCheckpointTtl,
+                    request_deserializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.SetCheckpointTtlRequest.FromString,
+                    response_serializer=opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.SetCheckpointTtlResponse.SerializeToString,
             ),
             'WatchTask': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchTask,
@@ -557,6 +604,60 @@ class SchedulerService:
             '/opentinker.scheduler.v1.SchedulerService/DeleteTaskArtifacts',
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsRequest.SerializeToString,
             opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteTaskArtifactsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/DeleteCheckpoint',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.DeleteCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetCheckpointTtl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/opentinker.scheduler.v1.SchedulerService/SetCheckpointTtl',
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.SetCheckpointTtlRequest.SerializeToString,
+            opentinker_dot_scheduler_dot_v1_dot_scheduler__pb2.SetCheckpointTtlResponse.FromString,
             options,
             channel_credentials,
             insecure,
