@@ -4,10 +4,11 @@
 1. **SL step**: a cookbook-shaped supervised step (``forward_backward`` with ``cross_entropy`` on
    ``--batch`` chat conversations of the cookbook's example_data, then ``optim_step``) through the
    unmodified ``tinker`` SDK and the gateway, against the same datums sent to a session directly
-   with ``opentinker_client`` (``RLClient.create_training_session``), same LoRA rank and Adam
-   settings. Seconds per step, median of ``--steps`` after one warm-up step each. Each side's
-   client is a process in its own session, with its own session task on the same trainer; their
-   steps alternate. Goal: API / direct <= 1.1.
+   with ``opentinker_client`` (``RLClient.create_training_session``), same LoRA rank, target
+   modules (Tinker's default: attention, MLP and ``lm_head``) and Adam settings. Seconds per
+   step, median of ``--steps`` after one warm-up step each. Each side's client is a process in
+   its own session, with its own session task on the same trainer; their steps alternate.
+   Goal: API / direct <= 1.1.
 2. **math_rl sampling**: the sampling of one ``math_rl``-shaped step (``--groups`` x ``--group-size``
    rollouts of arithmetic prompts, ``num_samples=1`` each, ``--max-tokens`` new tokens) from a
    sampler save: every rollout's ``sample`` at once, as the cookbook sends them (the gateway
@@ -93,7 +94,16 @@ def sl_side(args) -> None:
         from opentinker_client.training import Datum
 
         client = RLClient(scheduler_url=args.scheduler_url)
-        session = client.create_training_session(args.model, lora_rank=args.rank, name="bench-tinker direct")
+        from opentinker_common.lora_memory import read_model_config
+        from opentinker_common.lora_targets import tinker_target_modules
+
+        # The adapter the API side gets: Tinker's default LoraConfig (attention, MLP and lm_head).
+        targets = tinker_target_modules(
+            train_mlp=True, train_attn=True, train_unembed=True, model_config=read_model_config(args.model) or {}
+        )
+        session = client.create_training_session(
+            args.model, lora_rank=args.rank, target_modules=list(targets), name="bench-tinker direct"
+        )
         datums = [Datum(input_tokens=s[:-1], target_tokens=s[1:], weights=[1.0] * (len(s) - 1)) for s in sequences]
 
         def step() -> float:
