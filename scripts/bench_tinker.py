@@ -215,6 +215,7 @@ def main() -> None:
     ap.add_argument("--side", choices=("api", "direct"), help=argparse.SUPPRESS)  # one SL side (sl_side)
     ap.add_argument("--scheduler-url", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.model = str(Path(args.model).resolve())  # the scheduler's config and the sides read it elsewhere
     if args.side:
         sl_side(args)
         return
