@@ -601,6 +601,12 @@ class NodeAgent:
             "" if simulated else cuda_visible_devices(self.monitor.inventory.devices, device_indices)
         )
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # OpenMP threads that wait for work sleep instead of spinning. A spinning thread burns a
+        # core; on a node whose cores are all busy (several tasks, a model host's tenants) the
+        # thread it waits for then runs late, and each parallel op waits a scheduler time slice.
+        # A CPU-bound task's steps took 5 to 10 times longer so, depending on which of its threads
+        # had started the spinning. The operator's own setting wins.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # Workers share the agent's stderr: a progress bar's "\r" redraw (transformers' "Loading
         # weights") would glue another worker's log line onto its own, unreadable as JSON.
         env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
