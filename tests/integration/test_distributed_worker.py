@@ -182,7 +182,7 @@ def test_sigterm_to_the_group_stops_every_rank_after_one_checkpoint(tmp_path) ->
             ranks = [c for c in children(proc.pid) if "resource_tracker" not in cmdline(c)]
             os.killpg(proc.pid, signal.SIGTERM)
             rest = [json.loads(line) for line in lines]
-            assert proc.wait() == 0
+            assert proc.wait() == 0, (rest, (tmp_path / "s-stderr.log").read_text()[-4000:])
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)

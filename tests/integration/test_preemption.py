@@ -41,7 +41,8 @@ def test_high_priority_preempts_and_victim_resumes_from_checkpoint(cluster, tiny
             env={**{k: v for k, v in os.environ.items() if k != "SCHEDULER_URL"}, "COLUMNS": "200"},
         )
         assert got.returncode == 0, got.stderr
-        (attempt_row,) = [line.strip() for line in got.stdout.splitlines() if line.split()[:1] == ["attempt"]]
+        rows = [line.strip() for line in got.stdout.splitlines()]
+        (attempt_row,) = [row for row in rows if row.partition("  ")[0] == "attempt"]
         assert attempt_row.split(None, 1)[1].strip() == (
             "2: 1 of 3 used, 1 handed back (preempted, drained or node lost; not counted)"
         )

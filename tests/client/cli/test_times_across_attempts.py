@@ -55,7 +55,8 @@ def _two_attempts(s: LoopbackScheduler) -> tuple[str, dt.datetime]:
     return s.do(run)
 
 
-def test_get_and_compare_count_from_the_first_start_over_every_attempt(tmp_path, capsys) -> None:
+def test_get_and_compare_count_from_the_first_start_over_every_attempt(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # wide enough that compare's table folds no cell
     with LoopbackScheduler(tmp_path / "state", "heartbeat_interval: 0.5\n") as sched:
         task_id, first = _two_attempts(sched)
         capsys.readouterr()

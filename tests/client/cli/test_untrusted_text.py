@@ -118,7 +118,8 @@ def test_the_one_helper_escapes_every_control_character() -> None:
     assert SafeLogText().filter(record) and record.getMessage() == "pending: \\x1b[31mno node"
 
 
-def test_list_get_and_compare_show_colons_in_names_as_written_not_as_emoji(cluster, capsys) -> None:
+def test_list_get_and_compare_show_colons_in_names_as_written_not_as_emoji(cluster, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # wide enough that no table folds the name
     s, alice, _ = cluster
     name = "a:train:b :smile:"  # the gateway names its tasks `tinker ses-...:train:0`
     with RLClient(s.target, api_key=alice) as c:
