@@ -11,9 +11,7 @@ from tinker import types
 from tinker._version import __version__ as sdk_version
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from opentinker_client import RLClient
-from tests.support.gateway import PROTO, Gateway, create_model, fb_body, model_names, post, result
-from tests.support.procs import Cluster, wait_connected
+from tests.support.gateway import PROTO, auth_world, create_model, fb_body, post, result
 from tests.support.waiting import wait_for
 
 MAX_BODY_MB = 1
@@ -24,45 +22,11 @@ def world(tmp_path_factory, tiny_model_dir):
     """A scheduler with API keys on, one trainer, a gateway (1 MiB bodies, 2 s seq_id gaps), the
     keys of alice and bob, and a model of alice's."""
     tmp = tmp_path_factory.mktemp("bad-input")
-    config = (
-        "heartbeat_interval: 0.5\nlease: 3\nauth: {enabled: true}\n"
-        f"paths: {{model_dirs: [{tiny_model_dir.parent}]}}\n"
-        "workload_types:\n  - type: lora_session\n    priority: 3\n" + model_names(tiny_model_dir)
-    )
-    cluster = Cluster(tmp, config)
-    gateway = None
-    try:
-        cluster.start_scheduler()
-        admin = cluster.admin_key()
-        with RLClient(cluster.url, api_key=admin) as root:
-            _, node_key = root.keys.create("rack-1", "node")
-            _, alice = root.keys.create("alice", "user")
-            _, bob = root.keys.create("bob", "user")
-        cluster.start_trainer("node-a", "--api-key", node_key)
-        with RLClient(cluster.url, api_key=admin) as root:
-            wait_connected(root, 1)
-        gateway = Gateway(
-            tmp,
-            f"127.0.0.1:{cluster.port}",
-            "--max-body-mb",
-            str(MAX_BODY_MB),
-            "--gap-timeout-s",
-            "2",
-        )
-        http = httpx.Client(base_url=gateway.url, timeout=120)
-        model_id = create_model(http, f"tml-{alice}")
-        yield {
-            "http": http,
-            "alice": f"tml-{alice}",
-            "bob": f"tml-{bob}",
-            "model": model_id,
-            "root": admin,
-            "gateway": gateway,
-        }
-    finally:
-        if gateway is not None:
-            gateway.close()
-        cluster.close()
+    with auth_world(tmp, tiny_model_dir, "--max-body-mb", str(MAX_BODY_MB), "--gap-timeout-s", "2") as w:
+        http = httpx.Client(base_url=w.gateway.url, timeout=120)
+        model_id = create_model(http, w.alice)
+        keys = {"alice": w.alice, "bob": w.bob, "root": w.admin[4:]}
+        yield {"http": http, "model": model_id, "gateway": w.gateway, **keys}
 
 
 def next_seq(world) -> int:

@@ -23,9 +23,7 @@ import pytest
 import tinker
 from tinker import types
 
-from opentinker_client import RLClient
-from tests.support.gateway import MODEL_NAME, Gateway, model_names, post
-from tests.support.procs import Cluster, wait_connected
+from tests.support.gateway import MODEL_NAME, auth_world, post
 from tests.support.waiting import wait_for
 
 
@@ -33,36 +31,8 @@ from tests.support.waiting import wait_for
 def world(tmp_path_factory, tiny_model_dir):
     """A scheduler with API keys on, one trainer, a gateway, and the keys of alice, bob and the admin."""
     tmp = tmp_path_factory.mktemp("rest")
-    config = (
-        "heartbeat_interval: 0.5\nlease: 3\nauth: {enabled: true}\n"
-        f"paths: {{model_dirs: [{tiny_model_dir.parent}]}}\n"
-        "workload_types:\n  - type: lora_session\n    priority: 3\n" + model_names(tiny_model_dir)
-    )
-    cluster = Cluster(tmp, config)
-    gateway = None
-    try:
-        cluster.start_scheduler()
-        admin = cluster.admin_key()
-        with RLClient(cluster.url, api_key=admin) as root:
-            _, node_key = root.keys.create("rack-1", "node")
-            _, alice = root.keys.create("alice", "user")
-            _, bob = root.keys.create("bob", "user")
-        cluster.start_trainer("node-a", "--api-key", node_key)
-        with RLClient(cluster.url, api_key=admin) as root:
-            wait_connected(root, 1)
-        gateway = Gateway(tmp, f"127.0.0.1:{cluster.port}")
-        yield {
-            "cluster": cluster,
-            "url": gateway.url,
-            "alice": f"tml-{alice}",
-            "bob": f"tml-{bob}",
-            "admin": f"tml-{admin}",
-            "tmp": tmp,
-        }
-    finally:
-        if gateway is not None:
-            gateway.close()
-        cluster.close()
+    with auth_world(tmp, tiny_model_dir) as w:
+        yield {"cluster": w.cluster, "url": w.gateway.url, "alice": w.alice, "bob": w.bob, "admin": w.admin, "tmp": tmp}
 
 
 @pytest.fixture(autouse=True)

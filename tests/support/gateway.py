@@ -3,19 +3,34 @@ the unmodified ``tinker`` SDK against a real scheduler and trainer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 from tinker import types
 from tinker._version import __version__ as sdk_version
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from tests.support.procs import Proc, free_port
+from tests.support.procs import Cluster, Proc, free_port, wait_connected
 from tests.support.waiting import wait_for
 
-__all__ = ["Gateway", "MODEL_NAME", "PROTO", "post", "result", "create_model", "fb_body", "hf_cache", "model_names"]
+__all__ = [
+    "AuthWorld",
+    "Gateway",
+    "MODEL_NAME",
+    "PROTO",
+    "auth_world",
+    "create_model",
+    "fb_body",
+    "hf_cache",
+    "model_names",
+    "post",
+    "result",
+]
 
 #: The Tinker model name tests train; the scheduler's ``model_names:`` maps it to the test's model folder.
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -129,3 +144,45 @@ def hf_cache(root: Path, model_dir: Path) -> Path:
     for f in model_dir.iterdir():
         (snapshot / f.name).symlink_to(f.resolve())
     return root
+
+
+@dataclass(frozen=True)
+class AuthWorld:
+    """What :func:`auth_world` starts: the cluster, its gateway and the SDK keys (``tml-``)."""
+
+    cluster: Cluster
+    gateway: "Gateway"
+    alice: str
+    bob: str
+    admin: str
+
+
+@contextlib.contextmanager
+def auth_world(tmp: Path, model_dir: Path, *gateway_flags: str) -> Iterator[AuthWorld]:
+    """A scheduler with API keys on serving ``model_dir`` as :data:`MODEL_NAME`, one trainer with a
+    node key, a gateway with ``gateway_flags``, and the keys of alice, bob and the admin."""
+    config = (
+        "heartbeat_interval: 0.5\nlease: 3\nauth: {enabled: true}\n"
+        f"paths: {{model_dirs: [{model_dir.parent}]}}\n"
+        "workload_types:\n  - type: lora_session\n    priority: 3\n" + model_names(model_dir)
+    )
+    cluster = Cluster(tmp, config)
+    gateway = None
+    try:
+        from opentinker_client import RLClient
+
+        cluster.start_scheduler()
+        admin = cluster.admin_key()
+        with RLClient(cluster.url, api_key=admin) as root:
+            _, node_key = root.keys.create("rack-1", "node")
+            _, alice = root.keys.create("alice", "user")
+            _, bob = root.keys.create("bob", "user")
+        cluster.start_trainer("node-a", "--api-key", node_key)
+        with RLClient(cluster.url, api_key=admin) as root:
+            wait_connected(root, 1)
+        gateway = Gateway(tmp, f"127.0.0.1:{cluster.port}", *gateway_flags)
+        yield AuthWorld(cluster, gateway, f"tml-{alice}", f"tml-{bob}", f"tml-{admin}")
+    finally:
+        if gateway is not None:
+            gateway.close()
+        cluster.close()
