@@ -18,6 +18,7 @@ DEFAULTS = {
     "read_burst": 200,
     "rate_wait": 1.0,
     "max_streams_per_owner": 32,
+    "max_calls_per_owner": 8,
     "spec_check_timeout": 10.0,
     "max_keys_per_owner": 20,
     "max_submits_in_flight": 64,
@@ -37,6 +38,7 @@ _PER_CALLER = (
     "read_rate",
     "read_burst",
     "max_streams_per_owner",
+    "max_calls_per_owner",
     "max_uploads_per_owner",
     "max_dataset_bytes_per_owner",
 )
@@ -56,6 +58,7 @@ class LimitsConfig:
     read_burst: int | None = None
     rate_wait: float | None = None
     max_streams_per_owner: int | None = None
+    max_calls_per_owner: int | None = None
     spec_check_timeout: float | None = None
     max_keys_per_owner: int | None = None
     max_submits_in_flight: int | None = None
@@ -91,6 +94,7 @@ _KEYS = {
     "read_burst": (int, 1, 1_000_000),
     "rate_wait": (float, 0, 60),
     "max_streams_per_owner": (int, 0, 100_000),
+    "max_calls_per_owner": (int, 0, 100_000),
     "spec_check_timeout": (float, 0.1, 600),
     "max_keys_per_owner": (int, 0, 1_000_000),
     "max_submits_in_flight": (int, 0, 1_000_000),

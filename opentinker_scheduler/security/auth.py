@@ -243,7 +243,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     * Limits count per owner (:mod:`opentinker_scheduler.security.limits`): a read
       (:data:`READ_METHODS`) takes a ``limits.read_rate`` token; server streams of SchedulerService
       hold one of ``limits.max_streams_per_owner`` slots while open; uploads hold a slot of their
-      pool (users' or checkpoints'). Beyond them: RESOURCE_EXHAUSTED through :attr:`abort_refusal`.
+      pool (users' or checkpoints'); unary calls of SchedulerService and AdminService run as one of
+      their owner's ``limits.max_calls_per_owner`` calls in progress, the others waiting their
+      turn. Beyond them: RESOURCE_EXHAUSTED through :attr:`abort_refusal`.
     * Every stream admitted with a key (server, client or bidirectional) is registered in
       :attr:`streams` and ends with UNAUTHENTICATED once the key is revoked or expires
       (:mod:`opentinker_scheduler.security.key_streams`; ``stream_recheck_interval_s`` between re-checks).
@@ -485,6 +487,8 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool,
     else:
         inner, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
     read = method in READ_METHODS
+    #: Unary calls of users and admins take one of their owner's turns (Limits.acquire_turn).
+    turns = method[1:].rsplit("/", 1)[0] in (SCHEDULER_SERVICE, ADMIN_SERVICE)
 
     if handler.response_streaming:
 
@@ -557,16 +561,23 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool,
             if isinstance(request, _Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             _CALLER.set(principal)
-            if read:
-                try:
-                    await paced(lambda: interceptor.limits.take_read(principal.owner, method))
-                except SchedulerError as exc:
-                    await interceptor.abort_refusal(context, exc)
-            result = inner(request, context)
-            if inspect.isawaitable(result):
-                result = await result
+            owner, turn = principal.owner, False
+            try:
+                if read:
+                    await paced(lambda: interceptor.limits.take_read(owner, method))
+                if turns:
+                    turn = await interceptor.limits.acquire_turn(owner)
+            except SchedulerError as exc:
+                await interceptor.abort_refusal(context, exc)
+            try:
+                result = inner(request, context)
+                if inspect.isawaitable(result):
+                    result = await result
+            finally:
+                if turn:
+                    interceptor.limits.release_turn(owner)
             if read and result is not None:
-                interceptor.limits.charge_read(principal.owner, result.ByteSize())
+                interceptor.limits.charge_read(owner, result.ByteSize())
             return result
 
     return factory(

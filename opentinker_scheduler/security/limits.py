@@ -13,6 +13,7 @@ message naming the limit and its config key, never a crash.
       read_burst: 200               # ... of which this many may come at once
       rate_wait: 1                  # seconds a read over read_rate may wait for its token; a refusal is held as long
       max_streams_per_owner: 32     # server streams (WatchTask, downloads) open at once per owner; 0 = no limit
+      max_calls_per_owner: 8        # calls one owner has in progress at once; the rest wait their turn; 0 = no limit
       spec_check_timeout: 10        # seconds SubmitTask may spend building the environment to check a spec
       max_keys_per_owner: 20        # active (unrevoked, unexpired) API keys per owner; 0 = no limit
       max_submits_in_flight: 64     # SubmitTask calls the scheduler works on at once, all callers; 0 = no limit
@@ -47,7 +48,16 @@ with a ``google.rpc.RetryInfo`` saying when one is back, and the refusal is answ
 held by the auth interceptor). So a flood from many threads is slowed to its owner's rates and
 costs the scheduler neither work nor a storm of refusals.
 
-The per-caller limits (pending, rates, streams, per-owner uploads, dataset bytes per owner)
+Unary calls of SchedulerService and AdminService run as one of their owner's
+``max_calls_per_owner`` calls in progress (:meth:`Limits.acquire_turn`, taken by the auth
+interceptor after the read token). An owner's further calls wait their turn in arrival order,
+each woken when one of the owner's calls ends; at most :data:`MAX_WAITING_CALLS` wait, and more are
+refused (held as a rate refusal is). Owners never wait for each other's turns: a burst of one
+owner's calls queues behind itself, so another owner's call finds at most
+``max_calls_per_owner`` of them ahead of it on the scheduler's event loop instead of the whole
+burst.
+
+The per-caller limits (pending, rates, streams, calls, per-owner uploads, dataset bytes per owner)
 default to the values above when ``auth.enabled`` is true. With authentication off (one trusted
 user, ``make demo``, the benchmarks) they default to no limit; a value written in the config
 applies in both modes. Message and spec sizes always apply, and so do ``max_submits_in_flight``
@@ -60,6 +70,7 @@ done (:mod:`opentinker_scheduler.admission.load`); the upload pools (``max_uploa
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import threading
@@ -73,6 +84,8 @@ from opentinker_scheduler.errors import ResourceExhausted
 READ_TOKEN_BYTES = 4096
 #: Rate refusals of one owner held at once (:meth:`Limits.refusal_wait`); more are answered at once.
 MAX_HELD_REFUSALS = 64
+#: Calls of one owner waiting for a turn (:meth:`Limits.acquire_turn`); more are refused.
+MAX_WAITING_CALLS = 64
 #: Heavy reads (a ListTasks page) of one owner built at once (:meth:`Limits.heavy_read`); the
 #: others wait their turn, which costs the scheduler nothing.
 HEAVY_READS_PER_OWNER = 1
@@ -128,6 +141,7 @@ class Limits:
         self._uploads: dict[str, int] = {}  # user uploads per owner
         self._pools = {USER_UPLOADS: 0, CHECKPOINT_UPLOADS: 0}
         self._held: dict[str, int] = {}  # rate refusals held per owner (refusal_wait)
+        self._turns: dict[str, _Turns] = {}  # acquire_turn: calls in progress and waiting, per owner
         self._heavy: dict[str, tuple[asyncio.Semaphore, int]] = {}  # heavy_read: turns, callers per owner
         self._lock = threading.Lock()
 
@@ -233,6 +247,71 @@ class Limits:
             if hold:
                 with self._lock:
                     _drop(self._held, owner)
+
+    async def acquire_turn(self, owner: str) -> bool:
+        """Become one of ``owner``'s ``max_calls_per_owner`` calls in progress, waiting in
+        arrival order behind the owner's own calls when they are all taken. Give the turn back
+        with :meth:`release_turn` when the answer is ready. Call it on the event loop only.
+
+        Returns:
+            Whether a turn was taken (False: no limit, nothing to give back).
+
+        Raises:
+            ResourceExhausted: :data:`MAX_WAITING_CALLS` of ``owner``'s calls wait already; the
+                refusal is held like a rate refusal (:func:`hold_rate_refusal`).
+        """
+        most = self.config.max_calls_per_owner
+        if not most:
+            return False
+        turns = self._turns.get(owner)
+        if turns is None:
+            turns = self._turns[owner] = _Turns()
+        if turns.running < most and not turns.waiting:
+            turns.running += 1
+            return True
+        if len(turns.waiting) >= MAX_WAITING_CALLS:
+            wait = self.config.rate_wait or 1.0
+            _RATE_REFUSED.set((self, owner))
+            raise ResourceExhausted(
+                f"too many calls in progress: {turns.running} running and {len(turns.waiting)} waiting for owner "
+                f"{owner!r}, the limit is {most} at once (limits.max_calls_per_owner); retry in {wait:g} s",
+                retry_after=wait,
+            )
+        turn = asyncio.get_running_loop().create_future()
+        turns.waiting.append(turn)
+        try:
+            await turn  # release_turn hands a turn over: ``running`` already counts this call
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.release_turn(owner)  # handed over as the call was cancelled: pass it on
+            else:
+                if turn in turns.waiting:
+                    turns.waiting.remove(turn)
+                self._forget_turns(owner, turns)
+            raise
+        return True
+
+    def release_turn(self, owner: str) -> None:
+        """Give back a turn of :meth:`acquire_turn`: to the owner's oldest waiting call, if any."""
+        turns = self._turns.get(owner)
+        if turns is None:
+            return
+        while turns.waiting:
+            turn = turns.waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        turns.running -= 1
+        self._forget_turns(owner, turns)
+
+    def _forget_turns(self, owner: str, turns: _Turns) -> None:
+        if turns.running <= 0 and not turns.waiting:
+            self._turns.pop(owner, None)
+
+    def calls_in_progress(self, owner: str) -> tuple[int, int]:
+        """``owner``'s calls ``(running, waiting)`` (:meth:`acquire_turn`)."""
+        turns = self._turns.get(owner)
+        return (turns.running, len(turns.waiting)) if turns is not None else (0, 0)
 
     @contextlib.asynccontextmanager
     async def heavy_read(self, owner: str):
@@ -346,6 +425,16 @@ class Limits:
         """Uploads in progress in ``pool``, or in both pools (None)."""
         with self._lock:
             return sum(self._pools.values()) if pool is None else self._pools[pool]
+
+
+class _Turns:
+    """One owner's calls in progress (:meth:`Limits.acquire_turn`) and those waiting, oldest first."""
+
+    __slots__ = ("running", "waiting")
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting: collections.deque[asyncio.Future] = collections.deque()
 
 
 def _drop(counts: dict[str, int], owner: str) -> None:
