@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import re
-import secrets
 import time
 import uuid
 from datetime import datetime, timezone
@@ -37,6 +36,7 @@ from opentinker_common.artifacts.checkpoint_lists import STATE_PREFIX
 from opentinker_common.lora_targets import tinker_target_modules
 
 from opentinker_gateway import wire
+from opentinker_gateway.download_urls import Download, DownloadUrls
 from opentinker_gateway.errors import ApiError
 from opentinker_gateway.models import Model, NotYet, Outcome
 from opentinker_gateway.sampling import BASE_MODEL, SampleBatcher, sample_request
@@ -81,6 +81,9 @@ class GatewayConfig:
         long_poll_s: seconds ``retrieve_future`` waits before answering ``try_again``.
         heartbeat_timeout_s: a model's session task ends after this long without a request or a
             heartbeat of its Tinker session (the SDK sends one every 10 s).
+        download_url_secret_file: a file holding the secret download URLs are sealed with; every
+            instance given the same file serves the others' URLs. None: a random secret, so only
+            this instance serves its URLs.
     """
 
     scheduler: str
@@ -88,6 +91,7 @@ class GatewayConfig:
     gap_timeout_s: float = 60.0
     long_poll_s: float = 20.0
     heartbeat_timeout_s: float = 300.0
+    download_url_secret_file: Path | None = None
 
 
 def _key(request: Request) -> str:
@@ -154,16 +158,6 @@ def _parse_path(path: str, field_name: str) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[2]
 
 
-@dataclass(frozen=True)
-class _Download:
-    """What a download URL's token stands for: the key that asked for it and the checkpoint."""
-
-    key: str
-    run_id: str
-    artifact_key: str
-    expires: float
-
-
 class Gateway:
     """The state of one gateway process: connections, models it has met, sample futures."""
 
@@ -176,8 +170,12 @@ class Gateway:
         self.samples: dict[str, asyncio.Future] = {}
         self.batcher = SampleBatcher()
         self.creates: dict[str, asyncio.Task] = {}
-        #: Download URL tokens (``external_weights_urls``) -> what they may fetch.
-        self.downloads: dict[str, _Download] = {}
+        #: Seals and opens the tokens of download URLs (``external_weights_urls``).
+        self.download_urls = (
+            DownloadUrls.from_file(config.download_url_secret_file)
+            if config.download_url_secret_file is not None
+            else DownloadUrls.random()
+        )
         #: Background jobs that give saves their ``ttl_seconds`` once listed.
         self.expiries: set[asyncio.Task] = set()
 
@@ -987,28 +985,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
     async def checkpoint_urls(run_id: str, kind: str, name: str, request: Request) -> dict:
         """A URL per file of the checkpoint, as ``get_external_weights_urls`` answers: each fetched
-        with no key, authorised by a random token this instance keeps for ``_DOWNLOAD_URL_S``."""
+        with no key for ``_DOWNLOAD_URL_S``, from any gateway instance that shares this one's
+        download URL secret."""
         key = _key(request)
         recorded = await saved(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id", key)
         manifest, chunks = await gw.scheduler.download(recorded.task_id, recorded.artifact.key, key)
         await chunks.aclose()
-        now = time.time()
-        for stale in [t for t, d in gw.downloads.items() if d.expires <= now]:
-            del gw.downloads[stale]
-        token = secrets.token_urlsafe(32)
-        gw.downloads[token] = _Download(key, recorded.task_id, recorded.artifact.key, now + _DOWNLOAD_URL_S)
+        expires = time.time() + _DOWNLOAD_URL_S
+        token = gw.download_urls.seal(Download(key, recorded.task_id, recorded.artifact.key, expires))
         base = str(request.base_url).rstrip("/")
         return {
             "urls": {f.path: f"{base}/api/v1/checkpoint_files/{token}/{quote(f.path)}" for f in manifest.files},
-            "expires": datetime.fromtimestamp(now + _DOWNLOAD_URL_S, timezone.utc).isoformat(),
+            "expires": datetime.fromtimestamp(expires, timezone.utc).isoformat(),
         }
 
     @app.get("/api/v1/checkpoint_files/{token}/{path:path}")
     async def checkpoint_file(token: str, path: str) -> StreamingResponse:
         """One file of a checkpoint, streamed from the scheduler as it arrives."""
-        download = gw.downloads.get(token)
-        if download is None or download.expires <= time.time():
-            raise ApiError("token: no such download URL, or it expired; ask for new URLs", status=404)
+        download = gw.download_urls.open(token)
         manifest, chunks = await gw.scheduler.download(download.run_id, download.artifact_key, download.key)
         index = next((i for i, f in enumerate(manifest.files) if f.path == path), None)
         if index is None:
