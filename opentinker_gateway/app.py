@@ -158,6 +158,12 @@ def _parse_path(path: str, field_name: str) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[2]
 
 
+def _lora_shape(hyperparameters) -> tuple[int, list[str]]:
+    """``(rank, sorted target modules)`` of a session task's hyperparameters."""
+    hp = dict(hyperparameters)
+    return int(hp.get("lora_rank", 0)), sorted(hp.get("target_modules") or ())
+
+
 class Gateway:
     """The state of one gateway process: connections, models it has met, sample futures."""
 
@@ -739,16 +745,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
         seq_id = _field(body, "seq_id", int)
         digest = _digest(body)
         model = await gw.model(body.get("model_id"), key)
+        artifact = None
         try:
             path = _field(body, "path", str)
             source, kind, name = _parse_path(path, "path")
-            if source not in (model.model_id, model.task_id) or kind != "weights":
-                raise ApiError(
-                    f"path: load_state takes states of the same model (tinker://{model.task_id}/weights/...), "
-                    f"got {path!r}; start a new training client from another run's state with "
-                    "create_training_client_from_state"
-                )
-            await not_deleted(path, "path", key)
+            if kind != "weights":
+                raise ApiError(f"path: expected a save_state path (tinker://<model id>/weights/<name>), got {path!r}")
+            if source in (model.model_id, model.task_id):
+                await not_deleted(path, "path", key)
+            else:
+                artifact = await other_runs_state(model, path, key)
         except ApiError as exc:
             await refuse_in_turn(request, exc, model.model_id, seq_id, "load", digest)
             raise
@@ -757,9 +763,44 @@ def create_app(config: GatewayConfig) -> FastAPI:
             model,
             seq_id,
             "load",
-            lambda seq: training_pb2.LoadStateRequest(sequence=seq, name=name, with_optimizer=with_optimizer),
+            lambda seq: training_pb2.LoadStateRequest(
+                sequence=seq, name=name, with_optimizer=with_optimizer, artifact=artifact
+            ),
             digest,
         )
+
+    async def other_runs_state(model: Model, path: str, key: str) -> common_pb2.ArtifactRef:
+        """The stored state ``path`` of another run of the caller, to load into ``model``.
+
+        Raises:
+            ApiError: 404 for a state not listed (never saved, deleted, another owner's); 400 for
+                one of another base model or LoRA shape than ``model``'s.
+        """
+        try:
+            recorded = await saved(path, "path", key)
+        except ApiError as exc:
+            if exc.status == 404:
+                raise ApiError(f"path: no state {path!r} (deleted, or never saved)", status=404) from None
+            raise
+        source = await gw.task(recorded.task_id, key, "path")
+        if source.spec.model != model.model_dir:
+            raise ApiError(
+                f"path: {path!r} is a state of base model {await gw.base_model_of(source.spec.model, key)!r}, "
+                f"this model trains {model.base_model!r}; load it with create_training_client_from_state"
+            )
+        theirs, mine = (
+            _lora_shape(source.spec.hyperparameters),
+            _lora_shape((await gw.task(model.task_id, key)).spec.hyperparameters),
+        )
+        for field_name, have, want in zip(("rank", "target modules"), theirs, mine):
+            if have != want:
+                raise ApiError(
+                    f"path: {path!r} is a state of LoRA {field_name} {have}, this model's is {want}; "
+                    "load it with create_training_client_from_state"
+                )
+        if not recorded.artifact.key:
+            raise ApiError(f"path: {path!r} is not in the artifact store; it cannot be loaded into another run")
+        return recorded.artifact
 
     async def create_from_state(body: dict, key: str, path: str) -> dict:
         """A new model starting from state ``path`` of any run of the caller
