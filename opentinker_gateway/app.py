@@ -57,6 +57,10 @@ _PROTO = "application/x-protobuf"
 _CHECKPOINT_KINDS = {"state": ("training", "weights"), "sampler": ("sampler", "sampler_weights")}
 #: A tinker:// path segment -> the session's checkpoint folder prefix.
 _FOLDER_PREFIX = {segment: prefix for prefix, (_, segment) in _CHECKPOINT_KINDS.items()}
+#: Tinker's external weights (``save_weights_external``) are sampler saves named ``external.<name>``:
+#: the adapter alone, PEFT format, listed as ``external_weights/<name>``.
+_EXTERNAL = "external."
+_EXTERNAL_KIND = ("external", "external_weights")
 #: Most items one page of a REST listing holds.
 _MAX_PAGE = 1000
 #: Longest checkpoint TTL, in seconds: ten years, as Tinker.
@@ -142,20 +146,28 @@ def _ttl_seconds(body: dict) -> int | None:
 
 
 def _parse_path(path: str, field_name: str) -> tuple[str, str, str]:
-    """``(model id, kind, name)`` of ``tinker://<model id>/<weights|sampler_weights>/<name>``."""
+    """``(model id, kind, name)`` of ``tinker://<model id>/<weights|sampler_weights|external_weights>/<name>``."""
     parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
     if (
         len(parts) != 3
-        or parts[1] not in ("weights", "sampler_weights")
+        or parts[1] not in ("weights", "sampler_weights", _EXTERNAL_KIND[1])
         or not parts[0]
         or not _CHECKPOINT_NAME.match(parts[2])
     ):
         raise ApiError(
-            f"{field_name}: expected tinker://<model id>/weights/<name> or "
-            f"tinker://<model id>/sampler_weights/<name>, the name 1 to 64 letters, digits, '.', '_' or '-', "
+            f"{field_name}: expected tinker://<model id>/weights/<name>, "
+            f"tinker://<model id>/sampler_weights/<name> or tinker://<model id>/external_weights/<name>, "
+            f"the name 1 to 64 letters, digits, '.', '_' or '-', "
             f"got {path[:200]!r}" + (f" ({len(path)} characters)" if len(path) > 200 else "")
         )
     return parts[0], parts[1], parts[2]
+
+
+def _folder(kind: str, name: str) -> str:
+    """The session's checkpoint folder of ``<kind>/<name>`` (a tinker:// path's last segments)."""
+    if kind == _EXTERNAL_KIND[1]:
+        return f"{_FOLDER_PREFIX['sampler_weights']}_{_EXTERNAL}{name}"
+    return f"{_FOLDER_PREFIX[kind]}_{name}"
 
 
 def _lora_shape(hyperparameters) -> tuple[int, list[str]]:
@@ -389,6 +401,16 @@ def _kinds() -> dict[str, _Kind]:
             "SaveWeightsForSampler",
             lambda m, r: Outcome(
                 json={"type": "save_weights_for_sampler", "path": path(m.task_id, "sampler_weights", r.name)}
+            ),
+            lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=""),
+        ),
+        "external": _Kind(
+            "SaveWeightsForSampler",
+            lambda m, r: Outcome(
+                json={
+                    "type": "save_weights_external",
+                    "path": path(m.task_id, _EXTERNAL_KIND[1], r.name.removeprefix(_EXTERNAL)),
+                }
             ),
             lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=""),
         ),
@@ -658,10 +680,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
             model, seq_id, "optim", lambda seq: training_pb2.OptimStepRequest(sequence=seq, adam=adam), digest
         )
 
-    def checkpoint_name(body: dict) -> str:
+    def checkpoint_name(body: dict, *, longest: int = 64) -> str:
         name = _field(body, "path", str)
-        if not _CHECKPOINT_NAME.match(name):
-            raise ApiError(f"path: expected a name of 1 to 64 letters, digits, '.', '_' or '-', got {name!r}")
+        if not _CHECKPOINT_NAME.match(name) or len(name) > longest:
+            raise ApiError(f"path: expected a name of 1 to {longest} letters, digits, '.', '_' or '-', got {name!r}")
         return name
 
     @app.post("/api/v1/save_weights")
@@ -693,6 +715,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
             ttl = _ttl_seconds(body)
             if body.get("path") is not None:
                 name, kind = checkpoint_name(body), "sampler"
+                if name.startswith(_EXTERNAL):
+                    raise ApiError(
+                        f"path: names that start with {_EXTERNAL!r} are save_weights_external's, got {name!r}"
+                    )
             else:  # an ephemeral sampler: a save named after its request, sampled as a snapshot
                 name, kind = f"sampler-{seq_id}", "ephemeral"
         except ApiError as exc:
@@ -707,6 +733,33 @@ def create_app(config: GatewayConfig) -> FastAPI:
             digest,
         )
         expire_after_save(model, seq_id, f"sampler_{name}", ttl, key)
+        return reply
+
+    @app.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request) -> dict:
+        """The adapter in PEFT format (``adapter_config.json``, ``adapter_model.safetensors``), as a
+        checkpoint ``external_weights/<name>`` of the model: a sampler save named ``external.<name>``."""
+        key = _key(request)
+        body = await _json(request, limit)
+        seq_id = _field(body, "seq_id", int)
+        digest = _digest(body)
+        try:
+            name = _EXTERNAL + checkpoint_name(body, longest=64 - len(_EXTERNAL))
+            ttl = _ttl_seconds(body)
+            if body.get("age_encryption_recipients"):
+                raise ApiError("age_encryption_recipients: encrypted exports are not served; expected none")
+        except ApiError as exc:
+            await refuse_in_turn(request, exc, body.get("model_id"), seq_id, "external", digest)
+            raise
+        model = await gw.model(body.get("model_id"), key)
+        reply = submit(
+            model,
+            seq_id,
+            "external",
+            lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=name),
+            digest,
+        )
+        expire_after_save(model, seq_id, _folder(_EXTERNAL_KIND[1], name.removeprefix(_EXTERNAL)), ttl, key)
         return reply
 
     def expire_after_save(model: Model, seq_id: int, folder: str, ttl: int | None, key: str) -> None:
@@ -924,6 +977,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         for c in (await gw.scheduler.checkpoints(run_id, key)).checkpoints:
             prefix, _, name = Path(c.path).name.partition("_")
             kind = _CHECKPOINT_KINDS.get(prefix)
+            if prefix == "sampler" and name.startswith(_EXTERNAL):
+                kind, name = _EXTERNAL_KIND, name.removeprefix(_EXTERNAL)
             if kind is None or not name:
                 continue
             listed = {
@@ -1007,7 +1062,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         once the scheduler has recorded it, a moment after its future answers, so a path neither
         listed nor deleted goes on to the session worker, which knows its own saves."""
         run_id, kind, name = _parse_path(path, field_name)
-        folder = f"{_FOLDER_PREFIX[kind]}_{name}"
+        folder = _folder(kind, name)
         listing = await gw.scheduler.checkpoints(run_id, key)
         if any(Path(c.path).name == folder for c in listing.checkpoints):
             return

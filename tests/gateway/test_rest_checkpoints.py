@@ -1,9 +1,9 @@
 """The Tinker REST routes for training runs and checkpoints through the unmodified SDK's
 RestClient and the ``tinker`` CLI, with authentication on: an owner lists their own runs and
 checkpoints a page at a time (an admin every owner's), downloads a checkpoint's files from URLs
-that need no key, deletes a checkpoint by its tinker:// path (gone from every listing, loading it
-is 404, the artifact store no longer holds it) or gives it a TTL after which the scheduler deletes
-it, and another owner's path is 404 like a missing one."""
+that need no key or with ``tinker checkpoint download``, deletes a checkpoint by its tinker://
+path (gone from every listing, loading it is 404, the artifact store no longer holds it) or gives
+it a TTL after which the scheduler deletes it, and another owner's path is 404 like a missing one."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
+import torch
+from safetensors.torch import load_file
 from tinker import types
 
 from tests.support.gateway import MODEL_NAME, auth_world, post
@@ -197,3 +199,41 @@ def test_bad_checkpoint_paths_and_publish_are_refused_naming_the_field(world) ->
     with pytest.raises(tinker.BadRequestError) as refused:
         rest(world, "alice").publish_checkpoint_from_tinker_path("tinker://r/weights/x").result()
     assert "not served" in str(refused.value)
+
+
+def test_checkpoint_download_exports_a_state_through_the_cli(world, tmp_path) -> None:
+    """``tinker checkpoint download`` of a ``save_state`` path starts a training client from it,
+    exports its adapter with ``save_weights_external``, fetches the export's files from their URLs
+    and deletes the export."""
+    with tinker.ServiceClient(base_url=world["url"], api_key=world["alice"]) as service:
+        training = service.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3, 4, 5]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4, 5, 6], "weights": [1.0] * 5},
+        )
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=5e-2)).result()  # LoRA B is no longer zero
+        path = training.save_state("to-download").result().path
+    alice = rest(world, "alice")
+    wait_for(
+        lambda: path in [c.tinker_path for c in alice.list_user_checkpoints(limit=1000).result().checkpoints],
+        what=f"{path} listed",
+    )
+
+    done = cli(world, "alice", "checkpoint", "download", path, "--output", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    folder = tmp_path / path[len("tinker://") :].replace("/", "_")
+    assert {p.name for p in folder.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    run = path[len("tinker://") :].split("/")[0]
+    [state] = (world["cluster"].state_dir / "artifacts" / "tasks" / run).glob("a*/state_to-download/.data")
+    got, saved = (load_file(str(f / "adapter_model.safetensors")) for f in (folder, state))
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 2
+    # The export is deleted; another owner's path is not found.
+    assert not [
+        c.tinker_path
+        for c in alice.list_user_checkpoints(limit=1000).result().checkpoints
+        if "/external_weights/" in c.tinker_path
+    ]
+    refused = cli(world, "bob", "checkpoint", "download", path, "--output", str(tmp_path / "bob"))
+    assert refused.returncode != 0 and "no state" in refused.stderr + refused.stdout
