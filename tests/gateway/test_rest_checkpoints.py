@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import urllib.error
@@ -25,16 +26,28 @@ import torch
 from safetensors.torch import load_file
 from tinker import types
 
-from tests.support.gateway import MODEL_NAME, auth_world, post
+from tests.support.gateway import MODEL_NAME, Gateway, auth_world, post
 from tests.support.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_model_dir):
-    """A scheduler with API keys on, one trainer, a gateway, and the keys of alice, bob and the admin."""
+    """A scheduler with API keys on, one trainer, a gateway with a download URL secret, and the keys
+    of alice, bob and the admin."""
     tmp = tmp_path_factory.mktemp("rest")
-    with auth_world(tmp, tiny_model_dir) as w:
-        yield {"cluster": w.cluster, "url": w.gateway.url, "alice": w.alice, "bob": w.bob, "admin": w.admin, "tmp": tmp}
+    secret = tmp / "download-url.secret"
+    secret.write_text(secrets.token_hex(32))
+    flags = ("--download-url-secret-file", str(secret))
+    with auth_world(tmp, tiny_model_dir, *flags) as w:
+        yield {
+            "cluster": w.cluster,
+            "url": w.gateway.url,
+            "alice": w.alice,
+            "bob": w.bob,
+            "admin": w.admin,
+            "tmp": tmp,
+            "flags": flags,
+        }
 
 
 @pytest.fixture(autouse=True)
@@ -67,9 +80,10 @@ def stored_files(world, run: str, folder: str) -> dict[str, str]:
     return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
-def downloaded(world, who: str, path: str) -> dict[str, str] | int:
+def downloaded(world, who: str, path: str, *, via: str | None = None) -> dict[str, str] | int:
     """SHA-256 of every file of checkpoint ``path`` fetched from its download URLs (as the
-    ``tinker`` CLI fetches them: urllib, no key), or the HTTP status of the refused request."""
+    ``tinker`` CLI fetches them: urllib, no key), or the HTTP status of the refused request. With
+    ``via``, another gateway's URL, the files are fetched from that gateway."""
     run, kind, name = path[len("tinker://") :].split("/")
     with httpx.Client(base_url=world["url"], timeout=60) as http:
         r = http.get(
@@ -82,8 +96,11 @@ def downloaded(world, who: str, path: str) -> dict[str, str] | int:
     assert answer.expires > datetime.now(timezone.utc)
     out = {}
     for file, url in answer.urls.items():
-        with urllib.request.urlopen(url, timeout=60) as response:
-            out[file] = hashlib.sha256(response.read()).hexdigest()
+        try:
+            with urllib.request.urlopen(url.replace(world["url"], via or world["url"]), timeout=60) as response:
+                out[file] = hashlib.sha256(response.read()).hexdigest()
+        except urllib.error.HTTPError as exc:
+            return exc.code
     return out
 
 
@@ -135,9 +152,18 @@ def test_runs_and_checkpoints_listed_paged_and_deleted(world) -> None:
             c["tinker_path"] for c in json.loads(cli(world, "alice", "checkpoint", "list").stdout)["checkpoints"]
         ] == saves
 
-        # Download: a URL per file, fetched with no key; the files are the stored ones.
+        # Download: a URL per file, fetched with no key; the files are the stored ones. Another
+        # gateway with the same download URL secret serves the URLs too; one without it does not.
         assert downloaded(world, "alice", kept) == stored_files(world, run, "state_kept")
         assert downloaded(world, "bob", kept) == 404
+        scheduler = f"127.0.0.1:{world['cluster'].port}"
+        other, stranger = Gateway(world["tmp"], scheduler, *world["flags"]), Gateway(world["tmp"], scheduler)
+        try:
+            assert downloaded(world, "alice", kept, via=other.url) == stored_files(world, run, "state_kept")
+            assert downloaded(world, "alice", kept, via=stranger.url) == 404
+        finally:
+            other.close()
+            stranger.close()
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(f"{world['url']}/api/v1/checkpoint_files/not-a-token/adapter_config.json")
         assert refused.value.code == 404
@@ -184,6 +210,21 @@ def test_runs_and_checkpoints_listed_paged_and_deleted(world) -> None:
         with pytest.raises(tinker.NotFoundError):
             alice.get_training_run(bobs).result()
 
+    # tinker checkpoint download of a save_state path starts a training client from it, exports its
+    # adapter with save_weights_external, fetches the export's files and deletes the export.
+    out = world["tmp"] / "downloads"
+    done = cli(world, "alice", "checkpoint", "download", kept, "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    folder = out / kept[len("tinker://") :].replace("/", "_")
+    assert {p.name for p in folder.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    [state] = (world["cluster"].state_dir / "artifacts" / "tasks" / run).glob("a*/state_kept/.data")
+    got, saved = (load_file(str(f / "adapter_model.safetensors")) for f in (folder, state))
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 2
+    assert [c.tinker_path for c in alice.list_user_checkpoints().result().checkpoints] == [kept]
+    refused = cli(world, "bob", "checkpoint", "download", kept, "--output", str(out / "bob"))
+    assert refused.returncode != 0 and "no state" in refused.stderr
+
 
 def test_bad_checkpoint_paths_and_publish_are_refused_naming_the_field(world) -> None:
     http = httpx.Client(base_url=world["url"], timeout=60)
@@ -199,41 +240,3 @@ def test_bad_checkpoint_paths_and_publish_are_refused_naming_the_field(world) ->
     with pytest.raises(tinker.BadRequestError) as refused:
         rest(world, "alice").publish_checkpoint_from_tinker_path("tinker://r/weights/x").result()
     assert "not served" in str(refused.value)
-
-
-def test_checkpoint_download_exports_a_state_through_the_cli(world, tmp_path) -> None:
-    """``tinker checkpoint download`` of a ``save_state`` path starts a training client from it,
-    exports its adapter with ``save_weights_external``, fetches the export's files from their URLs
-    and deletes the export."""
-    with tinker.ServiceClient(base_url=world["url"], api_key=world["alice"]) as service:
-        training = service.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints([1, 2, 3, 4, 5]),
-            loss_fn_inputs={"target_tokens": [2, 3, 4, 5, 6], "weights": [1.0] * 5},
-        )
-        training.forward_backward([datum], "cross_entropy").result()
-        training.optim_step(types.AdamParams(learning_rate=5e-2)).result()  # LoRA B is no longer zero
-        path = training.save_state("to-download").result().path
-    alice = rest(world, "alice")
-    wait_for(
-        lambda: path in [c.tinker_path for c in alice.list_user_checkpoints(limit=1000).result().checkpoints],
-        what=f"{path} listed",
-    )
-
-    done = cli(world, "alice", "checkpoint", "download", path, "--output", str(tmp_path))
-    assert done.returncode == 0, done.stderr
-    folder = tmp_path / path[len("tinker://") :].replace("/", "_")
-    assert {p.name for p in folder.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
-    run = path[len("tinker://") :].split("/")[0]
-    [state] = (world["cluster"].state_dir / "artifacts" / "tasks" / run).glob("a*/state_to-download/.data")
-    got, saved = (load_file(str(f / "adapter_model.safetensors")) for f in (folder, state))
-    assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
-    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 2
-    # The export is deleted; another owner's path is not found.
-    assert not [
-        c.tinker_path
-        for c in alice.list_user_checkpoints(limit=1000).result().checkpoints
-        if "/external_weights/" in c.tinker_path
-    ]
-    refused = cli(world, "bob", "checkpoint", "download", path, "--output", str(tmp_path / "bob"))
-    assert refused.returncode != 0 and "no state" in refused.stderr + refused.stdout
