@@ -69,6 +69,11 @@ _MAX_TTL_S = 10 * 365 * 86400
 _DOWNLOAD_URL_S = 900
 #: Seconds the gateway waits for a save with ``ttl_seconds`` to be listed, to set its expiry.
 _SAVE_LISTED_S = 60.0
+#: Largest body of a route that takes no API key (``client/config``, ``telemetry``), in bytes,
+#: after zstd decompression too: anyone can send these, so they hold only this much.
+MAX_KEYLESS_BODY_BYTES = 64 * 1024
+#: Deepest nesting of arrays and objects in a JSON body; the SDK's bodies nest a few levels.
+MAX_JSON_DEPTH = 64
 
 log = structlog.get_logger("opentinker.gateway")
 
@@ -325,14 +330,35 @@ async def _body(request: Request, limit: int) -> bytes:
 
 
 async def _json(request: Request, limit: int) -> dict:
+    """The request's JSON object, at most ``limit`` bytes (:func:`_body`) and :data:`MAX_JSON_DEPTH`
+    levels deep.
+
+    Raises:
+        ApiError: 400 for a body that is not a JSON object or nests deeper; 413 and 415 as :func:`_body`.
+    """
     raw = await _body(request, limit)
+    deep = ApiError(f"body: expected JSON nested at most {MAX_JSON_DEPTH} levels deep, got deeper")
     try:
         body = json.loads(raw or b"{}")
+    except RecursionError:
+        raise deep from None
     except ValueError as exc:
         raise ApiError(f"body: expected JSON ({exc})") from None
     if not isinstance(body, dict):
         raise ApiError(f"body: expected a JSON object, got {type(body).__name__}")
+    if _depth_over(body, MAX_JSON_DEPTH):
+        raise deep
     return body
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether the arrays and objects in ``value`` nest more than ``limit`` levels deep."""
+    level = [value]
+    for _ in range(limit):
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (dict, list))]
+        if not level:
+            return False
+    return True
 
 
 def _check_version(body: dict) -> None:
@@ -509,7 +535,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/api/v1/client/config")
     async def client_config(request: Request) -> dict:
-        _check_version(await _json(request, limit))
+        _check_version(await _json(request, min(limit, MAX_KEYLESS_BODY_BYTES)))
         return {
             "pjwt_auth_enabled": False,
             "credential_default_source": "api_key",
@@ -532,7 +558,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/api/v1/telemetry")
     async def telemetry(request: Request) -> dict:
-        await _body(request, limit)
+        await _body(request, min(limit, MAX_KEYLESS_BODY_BYTES))
         return {"status": "accepted"}
 
     # --- sessions ---------------------------------------------------------------------------
