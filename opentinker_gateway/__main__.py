@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import structlog
 import uvicorn
 
 from opentinker_common.logs import configure_logging
 from opentinker_gateway.app import GatewayConfig, create_app
+from opentinker_gateway.download_urls import DownloadUrls
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,12 +30,24 @@ def main(argv: list[str] | None = None) -> int:
         default=300.0,
         help="a model ends after this many seconds without a request or a heartbeat of its session",
     )
+    parser.add_argument(
+        "--download-url-secret-file",
+        type=Path,
+        help="a file of at least 32 bytes of secret; gateways given the same file serve each other's "
+        "checkpoint download URLs (default: a random secret, URLs served by this instance only)",
+    )
     args = parser.parse_args(argv)
+    if args.download_url_secret_file is not None:
+        try:
+            DownloadUrls.from_file(args.download_url_secret_file)
+        except ValueError as exc:
+            parser.error(str(exc))
     config = GatewayConfig(
         scheduler=args.scheduler,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         gap_timeout_s=args.gap_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
+        download_url_secret_file=args.download_url_secret_file,
     )
     configure_logging()
     structlog.get_logger("opentinker.gateway").info(

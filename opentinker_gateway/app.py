@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import re
-import secrets
 import time
 import uuid
 from datetime import datetime, timezone
@@ -37,6 +36,7 @@ from opentinker_common.artifacts.checkpoint_lists import STATE_PREFIX
 from opentinker_common.lora_targets import tinker_target_modules
 
 from opentinker_gateway import wire
+from opentinker_gateway.download_urls import Download, DownloadUrls
 from opentinker_gateway.errors import ApiError
 from opentinker_gateway.models import Model, NotYet, Outcome
 from opentinker_gateway.sampling import BASE_MODEL, SampleBatcher, sample_request
@@ -57,6 +57,10 @@ _PROTO = "application/x-protobuf"
 _CHECKPOINT_KINDS = {"state": ("training", "weights"), "sampler": ("sampler", "sampler_weights")}
 #: A tinker:// path segment -> the session's checkpoint folder prefix.
 _FOLDER_PREFIX = {segment: prefix for prefix, (_, segment) in _CHECKPOINT_KINDS.items()}
+#: Tinker's external weights (``save_weights_external``) are sampler saves named ``external.<name>``:
+#: the adapter alone, PEFT format, listed as ``external_weights/<name>``.
+_EXTERNAL = "external."
+_EXTERNAL_KIND = ("external", "external_weights")
 #: Most items one page of a REST listing holds.
 _MAX_PAGE = 1000
 #: Longest checkpoint TTL, in seconds: ten years, as Tinker.
@@ -65,6 +69,11 @@ _MAX_TTL_S = 10 * 365 * 86400
 _DOWNLOAD_URL_S = 900
 #: Seconds the gateway waits for a save with ``ttl_seconds`` to be listed, to set its expiry.
 _SAVE_LISTED_S = 60.0
+#: Largest body of a route that takes no API key (``client/config``, ``telemetry``), in bytes,
+#: after zstd decompression too: anyone can send these, so they hold only this much.
+MAX_KEYLESS_BODY_BYTES = 64 * 1024
+#: Deepest nesting of arrays and objects in a JSON body; the SDK's bodies nest a few levels.
+MAX_JSON_DEPTH = 64
 
 log = structlog.get_logger("opentinker.gateway")
 
@@ -81,6 +90,9 @@ class GatewayConfig:
         long_poll_s: seconds ``retrieve_future`` waits before answering ``try_again``.
         heartbeat_timeout_s: a model's session task ends after this long without a request or a
             heartbeat of its Tinker session (the SDK sends one every 10 s).
+        download_url_secret_file: a file holding the secret download URLs are sealed with; every
+            instance given the same file serves the others' URLs. None: a random secret, so only
+            this instance serves its URLs.
     """
 
     scheduler: str
@@ -88,6 +100,7 @@ class GatewayConfig:
     gap_timeout_s: float = 60.0
     long_poll_s: float = 20.0
     heartbeat_timeout_s: float = 300.0
+    download_url_secret_file: Path | None = None
 
 
 def _key(request: Request) -> str:
@@ -138,30 +151,34 @@ def _ttl_seconds(body: dict) -> int | None:
 
 
 def _parse_path(path: str, field_name: str) -> tuple[str, str, str]:
-    """``(model id, kind, name)`` of ``tinker://<model id>/<weights|sampler_weights>/<name>``."""
+    """``(model id, kind, name)`` of ``tinker://<model id>/<weights|sampler_weights|external_weights>/<name>``."""
     parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
     if (
         len(parts) != 3
-        or parts[1] not in ("weights", "sampler_weights")
+        or parts[1] not in ("weights", "sampler_weights", _EXTERNAL_KIND[1])
         or not parts[0]
         or not _CHECKPOINT_NAME.match(parts[2])
     ):
         raise ApiError(
-            f"{field_name}: expected tinker://<model id>/weights/<name> or "
-            f"tinker://<model id>/sampler_weights/<name>, the name 1 to 64 letters, digits, '.', '_' or '-', "
+            f"{field_name}: expected tinker://<model id>/weights/<name>, "
+            f"tinker://<model id>/sampler_weights/<name> or tinker://<model id>/external_weights/<name>, "
+            f"the name 1 to 64 letters, digits, '.', '_' or '-', "
             f"got {path[:200]!r}" + (f" ({len(path)} characters)" if len(path) > 200 else "")
         )
     return parts[0], parts[1], parts[2]
 
 
-@dataclass(frozen=True)
-class _Download:
-    """What a download URL's token stands for: the key that asked for it and the checkpoint."""
+def _folder(kind: str, name: str) -> str:
+    """The session's checkpoint folder of ``<kind>/<name>`` (a tinker:// path's last segments)."""
+    if kind == _EXTERNAL_KIND[1]:
+        return f"{_FOLDER_PREFIX['sampler_weights']}_{_EXTERNAL}{name}"
+    return f"{_FOLDER_PREFIX[kind]}_{name}"
 
-    key: str
-    run_id: str
-    artifact_key: str
-    expires: float
+
+def _lora_shape(hyperparameters) -> tuple[int, list[str]]:
+    """``(rank, sorted target modules)`` of a session task's hyperparameters."""
+    hp = dict(hyperparameters)
+    return int(hp.get("lora_rank", 0)), sorted(hp.get("target_modules") or ())
 
 
 class Gateway:
@@ -176,8 +193,12 @@ class Gateway:
         self.samples: dict[str, asyncio.Future] = {}
         self.batcher = SampleBatcher()
         self.creates: dict[str, asyncio.Task] = {}
-        #: Download URL tokens (``external_weights_urls``) -> what they may fetch.
-        self.downloads: dict[str, _Download] = {}
+        #: Seals and opens the tokens of download URLs (``external_weights_urls``).
+        self.download_urls = (
+            DownloadUrls.from_file(config.download_url_secret_file)
+            if config.download_url_secret_file is not None
+            else DownloadUrls.random()
+        )
         #: Background jobs that give saves their ``ttl_seconds`` once listed.
         self.expiries: set[asyncio.Task] = set()
 
@@ -309,14 +330,35 @@ async def _body(request: Request, limit: int) -> bytes:
 
 
 async def _json(request: Request, limit: int) -> dict:
+    """The request's JSON object, at most ``limit`` bytes (:func:`_body`) and :data:`MAX_JSON_DEPTH`
+    levels deep.
+
+    Raises:
+        ApiError: 400 for a body that is not a JSON object or nests deeper; 413 and 415 as :func:`_body`.
+    """
     raw = await _body(request, limit)
+    deep = ApiError(f"body: expected JSON nested at most {MAX_JSON_DEPTH} levels deep, got deeper")
     try:
         body = json.loads(raw or b"{}")
+    except RecursionError:
+        raise deep from None
     except ValueError as exc:
         raise ApiError(f"body: expected JSON ({exc})") from None
     if not isinstance(body, dict):
         raise ApiError(f"body: expected a JSON object, got {type(body).__name__}")
+    if _depth_over(body, MAX_JSON_DEPTH):
+        raise deep
     return body
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether the arrays and objects in ``value`` nest more than ``limit`` levels deep."""
+    level = [value]
+    for _ in range(limit):
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (dict, list))]
+        if not level:
+            return False
+    return True
 
 
 def _check_version(body: dict) -> None:
@@ -385,6 +427,16 @@ def _kinds() -> dict[str, _Kind]:
             "SaveWeightsForSampler",
             lambda m, r: Outcome(
                 json={"type": "save_weights_for_sampler", "path": path(m.task_id, "sampler_weights", r.name)}
+            ),
+            lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=""),
+        ),
+        "external": _Kind(
+            "SaveWeightsForSampler",
+            lambda m, r: Outcome(
+                json={
+                    "type": "save_weights_external",
+                    "path": path(m.task_id, _EXTERNAL_KIND[1], r.name.removeprefix(_EXTERNAL)),
+                }
             ),
             lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=""),
         ),
@@ -483,7 +535,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/api/v1/client/config")
     async def client_config(request: Request) -> dict:
-        _check_version(await _json(request, limit))
+        _check_version(await _json(request, min(limit, MAX_KEYLESS_BODY_BYTES)))
         return {
             "pjwt_auth_enabled": False,
             "credential_default_source": "api_key",
@@ -506,7 +558,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/api/v1/telemetry")
     async def telemetry(request: Request) -> dict:
-        await _body(request, limit)
+        await _body(request, min(limit, MAX_KEYLESS_BODY_BYTES))
         return {"status": "accepted"}
 
     # --- sessions ---------------------------------------------------------------------------
@@ -654,10 +706,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
             model, seq_id, "optim", lambda seq: training_pb2.OptimStepRequest(sequence=seq, adam=adam), digest
         )
 
-    def checkpoint_name(body: dict) -> str:
+    def checkpoint_name(body: dict, *, longest: int = 64) -> str:
         name = _field(body, "path", str)
-        if not _CHECKPOINT_NAME.match(name):
-            raise ApiError(f"path: expected a name of 1 to 64 letters, digits, '.', '_' or '-', got {name!r}")
+        if not _CHECKPOINT_NAME.match(name) or len(name) > longest:
+            raise ApiError(f"path: expected a name of 1 to {longest} letters, digits, '.', '_' or '-', got {name!r}")
         return name
 
     @app.post("/api/v1/save_weights")
@@ -689,6 +741,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
             ttl = _ttl_seconds(body)
             if body.get("path") is not None:
                 name, kind = checkpoint_name(body), "sampler"
+                if name.startswith(_EXTERNAL):
+                    raise ApiError(
+                        f"path: names that start with {_EXTERNAL!r} are save_weights_external's, got {name!r}"
+                    )
             else:  # an ephemeral sampler: a save named after its request, sampled as a snapshot
                 name, kind = f"sampler-{seq_id}", "ephemeral"
         except ApiError as exc:
@@ -703,6 +759,33 @@ def create_app(config: GatewayConfig) -> FastAPI:
             digest,
         )
         expire_after_save(model, seq_id, f"sampler_{name}", ttl, key)
+        return reply
+
+    @app.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request) -> dict:
+        """The adapter in PEFT format (``adapter_config.json``, ``adapter_model.safetensors``), as a
+        checkpoint ``external_weights/<name>`` of the model: a sampler save named ``external.<name>``."""
+        key = _key(request)
+        body = await _json(request, limit)
+        seq_id = _field(body, "seq_id", int)
+        digest = _digest(body)
+        try:
+            name = _EXTERNAL + checkpoint_name(body, longest=64 - len(_EXTERNAL))
+            ttl = _ttl_seconds(body)
+            if body.get("age_encryption_recipients"):
+                raise ApiError("age_encryption_recipients: encrypted exports are not served; expected none")
+        except ApiError as exc:
+            await refuse_in_turn(request, exc, body.get("model_id"), seq_id, "external", digest)
+            raise
+        model = await gw.model(body.get("model_id"), key)
+        reply = submit(
+            model,
+            seq_id,
+            "external",
+            lambda seq: training_pb2.SaveWeightsForSamplerRequest(sequence=seq, name=name),
+            digest,
+        )
+        expire_after_save(model, seq_id, _folder(_EXTERNAL_KIND[1], name.removeprefix(_EXTERNAL)), ttl, key)
         return reply
 
     def expire_after_save(model: Model, seq_id: int, folder: str, ttl: int | None, key: str) -> None:
@@ -741,16 +824,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
         seq_id = _field(body, "seq_id", int)
         digest = _digest(body)
         model = await gw.model(body.get("model_id"), key)
+        artifact = None
         try:
             path = _field(body, "path", str)
             source, kind, name = _parse_path(path, "path")
-            if source not in (model.model_id, model.task_id) or kind != "weights":
-                raise ApiError(
-                    f"path: load_state takes states of the same model (tinker://{model.task_id}/weights/...), "
-                    f"got {path!r}; start a new training client from another run's state with "
-                    "create_training_client_from_state"
-                )
-            await not_deleted(path, "path", key)
+            if kind != "weights":
+                raise ApiError(f"path: expected a save_state path (tinker://<model id>/weights/<name>), got {path!r}")
+            if source in (model.model_id, model.task_id):
+                await not_deleted(path, "path", key)
+            else:
+                artifact = await other_runs_state(model, path, key)
         except ApiError as exc:
             await refuse_in_turn(request, exc, model.model_id, seq_id, "load", digest)
             raise
@@ -759,9 +842,44 @@ def create_app(config: GatewayConfig) -> FastAPI:
             model,
             seq_id,
             "load",
-            lambda seq: training_pb2.LoadStateRequest(sequence=seq, name=name, with_optimizer=with_optimizer),
+            lambda seq: training_pb2.LoadStateRequest(
+                sequence=seq, name=name, with_optimizer=with_optimizer, artifact=artifact
+            ),
             digest,
         )
+
+    async def other_runs_state(model: Model, path: str, key: str) -> common_pb2.ArtifactRef:
+        """The stored state ``path`` of another run of the caller, to load into ``model``.
+
+        Raises:
+            ApiError: 404 for a state not listed (never saved, deleted, another owner's); 400 for
+                one of another base model or LoRA shape than ``model``'s.
+        """
+        try:
+            recorded = await saved(path, "path", key)
+        except ApiError as exc:
+            if exc.status == 404:
+                raise ApiError(f"path: no state {path!r} (deleted, or never saved)", status=404) from None
+            raise
+        source = await gw.task(recorded.task_id, key, "path")
+        if source.spec.model != model.model_dir:
+            raise ApiError(
+                f"path: {path!r} is a state of base model {await gw.base_model_of(source.spec.model, key)!r}, "
+                f"this model trains {model.base_model!r}; load it with create_training_client_from_state"
+            )
+        theirs, mine = (
+            _lora_shape(source.spec.hyperparameters),
+            _lora_shape((await gw.task(model.task_id, key)).spec.hyperparameters),
+        )
+        for field_name, have, want in zip(("rank", "target modules"), theirs, mine):
+            if have != want:
+                raise ApiError(
+                    f"path: {path!r} is a state of LoRA {field_name} {have}, this model's is {want}; "
+                    "load it with create_training_client_from_state"
+                )
+        if not recorded.artifact.key:
+            raise ApiError(f"path: {path!r} is not in the artifact store; it cannot be loaded into another run")
+        return recorded.artifact
 
     async def create_from_state(body: dict, key: str, path: str) -> dict:
         """A new model starting from state ``path`` of any run of the caller
@@ -885,6 +1003,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         for c in (await gw.scheduler.checkpoints(run_id, key)).checkpoints:
             prefix, _, name = Path(c.path).name.partition("_")
             kind = _CHECKPOINT_KINDS.get(prefix)
+            if prefix == "sampler" and name.startswith(_EXTERNAL):
+                kind, name = _EXTERNAL_KIND, name.removeprefix(_EXTERNAL)
             if kind is None or not name:
                 continue
             listed = {
@@ -968,7 +1088,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         once the scheduler has recorded it, a moment after its future answers, so a path neither
         listed nor deleted goes on to the session worker, which knows its own saves."""
         run_id, kind, name = _parse_path(path, field_name)
-        folder = f"{_FOLDER_PREFIX[kind]}_{name}"
+        folder = _folder(kind, name)
         listing = await gw.scheduler.checkpoints(run_id, key)
         if any(Path(c.path).name == folder for c in listing.checkpoints):
             return
@@ -987,28 +1107,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
     async def checkpoint_urls(run_id: str, kind: str, name: str, request: Request) -> dict:
         """A URL per file of the checkpoint, as ``get_external_weights_urls`` answers: each fetched
-        with no key, authorised by a random token this instance keeps for ``_DOWNLOAD_URL_S``."""
+        with no key for ``_DOWNLOAD_URL_S``, from any gateway instance that shares this one's
+        download URL secret."""
         key = _key(request)
         recorded = await saved(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id", key)
         manifest, chunks = await gw.scheduler.download(recorded.task_id, recorded.artifact.key, key)
         await chunks.aclose()
-        now = time.time()
-        for stale in [t for t, d in gw.downloads.items() if d.expires <= now]:
-            del gw.downloads[stale]
-        token = secrets.token_urlsafe(32)
-        gw.downloads[token] = _Download(key, recorded.task_id, recorded.artifact.key, now + _DOWNLOAD_URL_S)
+        expires = time.time() + _DOWNLOAD_URL_S
+        token = gw.download_urls.seal(Download(key, recorded.task_id, recorded.artifact.key, expires))
         base = str(request.base_url).rstrip("/")
         return {
             "urls": {f.path: f"{base}/api/v1/checkpoint_files/{token}/{quote(f.path)}" for f in manifest.files},
-            "expires": datetime.fromtimestamp(now + _DOWNLOAD_URL_S, timezone.utc).isoformat(),
+            "expires": datetime.fromtimestamp(expires, timezone.utc).isoformat(),
         }
 
     @app.get("/api/v1/checkpoint_files/{token}/{path:path}")
     async def checkpoint_file(token: str, path: str) -> StreamingResponse:
         """One file of a checkpoint, streamed from the scheduler as it arrives."""
-        download = gw.downloads.get(token)
-        if download is None or download.expires <= time.time():
-            raise ApiError("token: no such download URL, or it expired; ask for new URLs", status=404)
+        download = gw.download_urls.open(token)
         manifest, chunks = await gw.scheduler.download(download.run_id, download.artifact_key, download.key)
         index = next((i for i, f in enumerate(manifest.files) if f.path == path), None)
         if index is None:

@@ -14,15 +14,17 @@
   ``simulated="true"``), and per running task the latest step, reward, loss, ``perf/*`` values
   and the step rate (steps per second over the last reports).
 
-The server runs in daemon threads (wsgiref, a thread per connection with timeouts:
-:class:`opentinker_common.net.side_port.SidePortServer`). It never touches the event loop's
-objects beyond reading flags and copying small dicts; the agent pushes metric reports through
-:meth:`TrainerHttp.on_metric`, which takes a lock.
+The server is uvicorn with Starlette on an event loop of its own, in a daemon thread, with the
+bounds of :mod:`opentinker_common.net.bounded_http`: a request's head must arrive within
+:attr:`TrainerHttp.head_timeout_s` seconds, at most 1024 connections at once, no request body.
+So slow or half-sent requests hold no probe off, and a stalled agent loop still gets its 503 from
+``/live``. The server never touches the agent loop's objects beyond reading flags and copying small
+dicts; the agent pushes metric reports through :meth:`TrainerHttp.on_metric`, which takes a lock.
 
 With ``--http-tls-cert``/``--http-tls-key`` (``$OPENTINKER_HTTP_TLS_CERT``/``_KEY``) the port speaks
-HTTPS only; the handshake runs in the connection's thread with a timeout, so a client that never
-finishes it blocks nobody; with ``--http-tls-client-ca`` too, only clients with a certificate
-that CA signed get an answer (mTLS; probes included).
+HTTPS only; a handshake must end within the same deadline, so a client that never finishes it
+blocks nobody; with ``--http-tls-client-ca`` too, only clients with a certificate that CA signed
+get an answer (mTLS; probes included).
 
 The per-task series name every owner's running task ids (with step, reward, loss), which the API
 shows only to their owner. Two guards (docs/security.md): ``--http-metrics-token-file`` (a
@@ -41,12 +43,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
-from wsgiref.simple_server import WSGIRequestHandler
 
-from opentinker_common.net.side_port import SidePortServer, make_side_port_server, require_scrape_token
-
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from opentinker_common.net.bounded_http import bounded_server, framing_refusal, listen
+from opentinker_common.net.side_port import SCRAPE_CHALLENGE, scrape_refusal
 
 if TYPE_CHECKING:  # pragma: no cover
     from opentinker_trainer.agent import NodeAgent
@@ -97,11 +103,6 @@ class StepRate:
         if step_s is not None and math.isfinite(step_s) and step_s > 0:
             return 1.0 / step_s
         return None
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, *args) -> None:  # access logs are noise here
-        pass
 
 
 class _Collector:
@@ -206,13 +207,17 @@ class TrainerHttp:
         ssl_context: serve HTTPS with it (:func:`opentinker_common.net.tls.server_ssl_context`);
             None = plain HTTP.
         scrape_token: answer ``/metrics`` only with ``Authorization: Bearer <scrape_token>``
-            (401 otherwise; :func:`~opentinker_common.net.side_port.require_scrape_token`); None = open.
+            (401 otherwise; :func:`~opentinker_common.net.side_port.scrape_refusal`); None = open.
         task_labels: export the per-task series (``opentinker_task_*`` with ``task_id``); False
             drops them, the node-level series stay.
 
     Raises:
         OSError: the port cannot be bound (in use, no permission).
     """
+
+    #: Seconds a request's head may take to arrive, from the connection or the previous answer;
+    #: also the bound on a TLS handshake.
+    head_timeout_s = 10.0
 
     def __init__(
         self,
@@ -234,13 +239,20 @@ class TrainerHttp:
         self.loop_tick = time.monotonic()
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))
-        self._metrics_app = make_wsgi_app(self.registry)
+        self.scrape_token = scrape_token
         self.scheme = "http" if ssl_context is None else "https"
-        self.server: SidePortServer = make_side_port_server(
-            host, port, require_scrape_token(self._app, scrape_token), _QuietHandler, ssl_context=ssl_context
+        self.app = Starlette(
+            routes=[
+                Route("/health", self._probe, methods=["GET", "HEAD"]),
+                Route("/live", self._probe, methods=["GET", "HEAD"]),
+                Route("/metrics", self._metrics, methods=["GET", "HEAD"]),
+                Route("/{path:path}", self._not_found, methods=["GET", "HEAD", "POST", "PUT", "DELETE"]),
+            ]
         )
-        self.port = self.server.server_port
-        self._thread = threading.Thread(target=self.server.serve_forever, name="trainer-http", daemon=True)
+        self._socket = listen(host, port)
+        self.port = self._socket.getsockname()[1]
+        self.server = bounded_server(self._guarded, self, ssl_context=ssl_context)
+        self._thread = threading.Thread(target=self._serve, name="trainer-http", daemon=True)
         self._ticker: asyncio.Task | None = None
         agent.metric_listeners.append(self.on_metric)
 
@@ -251,13 +263,18 @@ class TrainerHttp:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop serving: open connections are closed, answers in progress get a second to finish."""
         if self._ticker is not None:
             self._ticker.cancel()
+        self.server.should_exit = True
         if self._thread.is_alive():
-            self.server.shutdown()
-        self.server.server_close()
+            self._thread.join(timeout=5.0)
+        self._socket.close()
         if self.on_metric in self.agent.metric_listeners:
             self.agent.metric_listeners.remove(self.on_metric)
+
+    def _serve(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self._socket]))
 
     async def _tick(self) -> None:
         while True:
@@ -303,17 +320,26 @@ class TrainerHttp:
             return False, {"status": "stalled", "reason": f"agent event loop has not run for {idle:.0f} s"}
         return True, {"status": "alive"}
 
-    def _app(self, environ, start_response):
-        path = environ.get("PATH_INFO", "/")
-        if path == "/metrics":
-            return self._metrics_app(environ, start_response)
-        if path in ("/health", "/live"):
-            ok, body = self.health() if path == "/health" else self.live()
-            return _json(start_response, "200 OK" if ok else "503 Service Unavailable", body)
-        return _json(start_response, "404 Not Found", {"error": "not found; try /health, /live or /metrics"})
+    async def _guarded(self, scope, receive, send) -> None:
+        """The app behind the bounds every request meets first: no body, and the scrape token."""
+        if scope["type"] != "http":
+            return
+        refusal = framing_refusal(scope["headers"], 0)
+        if refusal is None:
+            authorization = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+            body = scrape_refusal(self.scrape_token, scope["path"], authorization)
+            if body is not None:
+                refusal = Response(body, 401, headers=dict([SCRAPE_CHALLENGE]), media_type="application/json")
+        await (refusal or self.app)(scope, receive, send)
 
+    async def _probe(self, request: Request) -> Response:
+        ok, body = self.health() if request.url.path == "/health" else self.live()
+        return Response(json.dumps(body).encode(), 200 if ok else 503, media_type="application/json")
 
-def _json(start_response, status: str, body: dict) -> list[bytes]:
-    data = json.dumps(body).encode()
-    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
-    return [data]
+    def _metrics(self, request: Request) -> Response:
+        """A sync endpoint: Starlette runs it in a worker thread, so a slow NVML read holds no probe."""
+        return Response(generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _not_found(self, request: Request) -> Response:
+        body = json.dumps({"error": "not found; try /health, /live or /metrics"}).encode()
+        return Response(body, 404, media_type="application/json")

@@ -10,16 +10,11 @@ there is one scheduler, always the leader, and ``/health`` stays ``{"status": "o
 
 Served by uvicorn (h11) with Starlette on the scheduler's own event loop: no threads, and the
 dashboard reads the store and the core directly. The event loop publishes a :class:`Snapshot`
-every tick; ``/health`` and ``/metrics`` read only that. Bounds, so that no client holds the port:
-
-* a request head is at most :data:`MAX_HEAD_BYTES` (431 or 400 beyond);
-* a body is at most :data:`MAX_BODY_BYTES`, checked against ``Content-Length`` before anything is
-  read (413) and again while it streams; a negative or non-numeric ``Content-Length`` is a 400,
-  and the connection is closed after either refusal;
-* a request's head and body must arrive within :attr:`HttpEndpoint.head_timeout_s` of the
-  connection or of its previous answer, or the connection is closed (a client trickling a byte
-  every few seconds holds nothing);
-* at most :data:`MAX_CONNECTIONS` requests and connections at once; more get 503.
+every tick; ``/health`` and ``/metrics`` read only that. The bounds that keep any client from
+holding the port are :mod:`opentinker_common.net.bounded_http`'s: a request head of at most 16 KiB,
+a body of at most :data:`MAX_BODY_BYTES` (checked against ``Content-Length`` before anything is
+read, and again while it streams), a deadline of :attr:`HttpEndpoint.head_timeout_s` on each
+request's head and body, and at most 1024 connections at once.
 
 ``/metrics`` names owners (usage by owner, owners' own queues) only to an admin API key, to the
 scrape token, or with auth off; anyone else sees totals.
@@ -33,32 +28,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import h11
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from opentinker_common.net.bounded_http import bounded_server, framing_refusal, listen
 from opentinker_common.net.side_port import SCRAPE_CHALLENGE, scrape_refusal
 
-#: Most bytes of a request head (request line and headers) before it is refused.
-MAX_HEAD_BYTES = 16384
 #: Most bytes of a request body; a dashboard form is a few hundred.
 MAX_BODY_BYTES = 65536
-#: Most connections and requests served at once; more are answered 503.
-MAX_CONNECTIONS = 1024
-#: Seconds an idle keep-alive connection stays open after an answer.
-KEEP_ALIVE_S = 5
 
 
 @dataclass(frozen=True)
@@ -237,77 +223,6 @@ GRPC_PORT_HEADER = "X-OpenTinker-Grpc-Port"
 _NOT_FOUND = b'{"error": "not found; try /health, /ready, /metrics or the dashboard at /"}'
 
 
-class _BoundedH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request: its head and body must arrive within
-    ``endpoint.head_timeout_s`` of the connection or of the previous answer, or the connection is
-    closed. uvicorn itself bounds only the idle time between requests."""
-
-    endpoint: HttpEndpoint
-
-    def connection_made(self, transport) -> None:
-        self._deadline: asyncio.TimerHandle | None = None
-        super().connection_made(transport)
-        self._arm()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm()
-
-    def connection_lost(self, exc) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        super().connection_lost(exc)
-
-    def _arm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        if not self.transport.is_closing():
-            self._deadline = self.loop.call_later(self.endpoint.head_timeout_s, self._expire)
-
-    def _expire(self) -> None:
-        self._deadline = None
-        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
-            self.transport.close()  # still waiting for (part of) a request
-
-
-class _Server(uvicorn.Server):
-    """A uvicorn server that leaves signals to the scheduler (it runs as one task of its loop) and
-    bounds the TLS handshake by the head deadline (asyncio's default is a minute)."""
-
-    handshake_timeout_s = 10.0
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """uvicorn's startup for given sockets and no lifespan, with the handshake timeout."""
-        config, loop = self.config, asyncio.get_running_loop()
-
-        def create_protocol(_loop=None):
-            return config.http_protocol_class(
-                config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=_loop
-            )
-
-        timeout = {} if config.ssl is None else {"ssl_handshake_timeout": self.handshake_timeout_s}
-        self.servers = [
-            await loop.create_server(create_protocol, sock=sock, ssl=config.ssl, backlog=config.backlog, **timeout)
-            for sock in sockets or ()
-        ]
-        self.started = True
-
-
-def _refusal(status: int, message: str) -> Response:
-    """An answer to a request that is not read any further; the connection closes after it."""
-    body = json.dumps({"error": message}).encode()
-    return Response(body, status, headers={"Connection": "close"}, media_type="application/json")
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=128)
-
-
 class HttpEndpoint:
     """The scheduler's HTTP port. ``snapshot`` is replaced (not mutated) by the event loop.
 
@@ -368,26 +283,9 @@ class HttpEndpoint:
                 Route("/{path:path}", self._other, methods=["GET", "HEAD", "POST"]),
             ]
         )
-        self._socket = _listen(host, port)
+        self._socket = listen(host, port)
         self.port = self._socket.getsockname()[1]
-        config = uvicorn.Config(
-            self._guarded,
-            http=type("BoundedH11", (_BoundedH11,), {"endpoint": self}),
-            interface="asgi3",
-            lifespan="off",
-            proxy_headers=False,
-            log_config=None,
-            log_level="error",
-            access_log=False,
-            server_header=False,
-            limit_concurrency=MAX_CONNECTIONS,
-            timeout_keep_alive=KEEP_ALIVE_S,
-            timeout_graceful_shutdown=1,
-            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
-            ssl_context_factory=None if context is None else (lambda _config, _default: context),
-        )
-        self.server = _Server(config)
-        self.server.handshake_timeout_s = self.head_timeout_s
+        self.server = bounded_server(self._guarded, self, ssl_context=context)
         self._task: asyncio.Task | None = None
 
     def publish(self, snapshot: Snapshot) -> None:
@@ -478,20 +376,8 @@ class HttpEndpoint:
         token; every answer names the gRPC port."""
         if scope["type"] != "http":
             return
-        refusal = None
-        headers = scope["headers"]
-        lengths = [v for k, v in headers if k == b"content-length"]
-        if sum(len(k) + len(v) + 4 for k, v in headers) > MAX_HEAD_BYTES:
-            # h11 bounds a head that arrives in pieces; one that arrives whole is counted here.
-            refusal = _refusal(431, f"request head too large: at most {MAX_HEAD_BYTES} bytes of headers")
-        elif lengths and any(k == b"transfer-encoding" for k, _ in headers):
-            # Both framings at once: a proxy in front may frame the body otherwise (RFC 9112 6.1).
-            refusal = _refusal(400, "expected Content-Length or Transfer-Encoding, not both")
-        elif lengths and not lengths[0].isdigit():  # h11 refuses these first; this holds without it
-            refusal = _refusal(400, "Content-Length: expected a whole number of bytes")
-        elif lengths and int(lengths[0]) > MAX_BODY_BYTES:
-            refusal = _refusal(413, f"body too large: at most {MAX_BODY_BYTES} bytes")
-        else:
+        refusal = framing_refusal(scope["headers"], MAX_BODY_BYTES)
+        if refusal is None:
             authorization = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
             body = scrape_refusal(self.scrape_token, scope["path"], authorization)
             if body is not None:

@@ -26,6 +26,8 @@ DEFAULTS = {
     "max_uploads": 64,
     "max_uploads_per_owner": 4,
     "max_checkpoint_uploads": 64,
+    "max_checkpoint_uploads_per_node": 16,
+    "max_checkpoint_uploads_per_attempt": 2,
     "upload_idle_timeout": 60.0,
     "upload_deadline": 3600.0,
     "max_dataset_bytes_per_owner": 10 * 1024 * MiB,
@@ -66,6 +68,8 @@ class LimitsConfig:
     max_uploads: int | None = None
     max_uploads_per_owner: int | None = None
     max_checkpoint_uploads: int | None = None
+    max_checkpoint_uploads_per_node: int | None = None
+    max_checkpoint_uploads_per_attempt: int | None = None
     upload_idle_timeout: float | None = None
     upload_deadline: float | None = None
     max_dataset_bytes_per_owner: int | None = None
@@ -102,6 +106,8 @@ _KEYS = {
     "max_uploads": (int, 0, 100_000),
     "max_uploads_per_owner": (int, 0, 100_000),
     "max_checkpoint_uploads": (int, 0, 100_000),
+    "max_checkpoint_uploads_per_node": (int, 0, 100_000),
+    "max_checkpoint_uploads_per_attempt": (int, 0, 100_000),
     "upload_idle_timeout": (float, 0.1, 86_400),
     "upload_deadline": (float, 0.1, 7 * 86_400),
     "max_dataset_bytes_per_owner": (int, 0, 2**62),

@@ -12,10 +12,12 @@ adapter folder), ``task.cancel``, ``task.delete_artifacts``, ``key.create``, ``k
 ``key.rotate``, ``node.join``, ``queue.set`` (a quota queue changed at run time), ``queue.reset``
 (its runtime override removed). Refused authentication
 (``auth.refused``) is logged only, never stored, so a caller spraying bad keys cannot grow the database.
-Refused task creations (:data:`COUNTED_REFUSALS`: a submit over a limit, a bad spec) are counted
-per action, owner and status code (:attr:`AuditLog.refusals`, ``opentinker_audit_refusals_total``
-on ``/metrics``), neither stored nor logged one by one, so a flood of refused submits costs no
-database row and no log line; accepted ones are stored as every other action is.
+Every refused action is counted per action, owner and status code (:attr:`AuditLog.refusals`,
+``opentinker_audit_refusals_total`` on ``/metrics``). It is also logged and stored while its
+owner's refusal budget lasts (:data:`REFUSAL_ROWS_BURST` rows, refilled at
+:data:`REFUSAL_ROWS_PER_S`), so the first refusals keep their details for an investigation and a
+flood of refused calls costs no database row and no log line past the budget. Accepted actions
+are always logged and stored.
 """
 
 from __future__ import annotations
@@ -49,8 +51,11 @@ ACTIONS = (
 )
 
 
-#: Actions whose refusals are counted (:attr:`AuditLog.refusals`), not written one record each.
-COUNTED_REFUSALS = frozenset({"task.submit", "adapter.import"})
+#: Refusal records one owner may have logged and stored at once, before the budget refills.
+REFUSAL_ROWS_BURST = 20
+
+#: Refusal records per second an owner's budget refills by: one every 10 s.
+REFUSAL_ROWS_PER_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -71,9 +76,11 @@ class AuditLog:
 
     def __init__(self, store: StateStore | None) -> None:
         self.store = store
-        #: ``(action, owner, status code name)`` -> refusals of :data:`COUNTED_REFUSALS` since
-        #: the start; the event loop increments, the HTTP port's thread reads.
+        #: ``(action, owner, status code name)`` -> refusals since the start, stored or not; the
+        #: event loop increments, the HTTP port's thread reads.
         self.refusals: dict[tuple[str, str, str], int] = {}
+        #: owner -> (refusal records left in the budget, monotonic time of the last refill).
+        self._budget: dict[str, tuple[float, float]] = {}
 
     def record(
         self,
@@ -86,17 +93,19 @@ class AuditLog:
         outcome: str = "OK",
         **detail: Any,
     ) -> None:
-        """Log and store one record, or count it: a refusal (``outcome`` other than ``OK``) of
-        one of :data:`COUNTED_REFUSALS` only adds one to :attr:`refusals`. ``detail`` values
+        """Log and store one record. A refusal (``outcome`` other than ``OK``) adds one to
+        :attr:`refusals` and is logged and stored only while its owner's budget lasts
+        (:meth:`_within_budget`). ``detail`` values
         must be JSON-serializable (others are stored as their ``str``). The row joins the
         store's open transaction (a group commit's:
         :meth:`~opentinker_scheduler.state.store.StateStore.add_audit`), so it commits with the
         action's own writes. A failing database write is logged, never raised: the action itself
         already happened (or was refused) and the log line stands."""
-        if outcome != "OK" and action in COUNTED_REFUSALS:
+        if outcome != "OK":
             counted = (action, owner, outcome)
             self.refusals[counted] = self.refusals.get(counted, 0) + 1
-            return
+            if not self._within_budget(owner):
+                return
         now = time.time()
         log.info(
             "audit",
@@ -118,6 +127,18 @@ class AuditLog:
                 )
         except Exception as exc:  # noqa: BLE001 - see docstring
             log.error("audit record not stored", action=action, error=repr(exc))
+
+    def _within_budget(self, owner: str) -> bool:
+        """Take one record from ``owner``'s refusal budget, a token bucket of
+        :data:`REFUSAL_ROWS_BURST` refilled at :data:`REFUSAL_ROWS_PER_S`; False when empty."""
+        now = time.monotonic()
+        left, then = self._budget.get(owner, (REFUSAL_ROWS_BURST, now))
+        left = min(REFUSAL_ROWS_BURST, left + (now - then) * REFUSAL_ROWS_PER_S)
+        if left < 1:
+            self._budget[owner] = (left, now)
+            return False
+        self._budget[owner] = (left - 1, now)
+        return True
 
     def refused(self, *, method: str, reason: str, outcome: str, key_prefix: str = "", peer: str = "") -> None:
         """Log (only) a refused call: no key, bad key, wrong role, missing client certificate."""

@@ -381,6 +381,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 #: :func:`timed_uploads`).
 UPLOAD_POOLS = {SCHEDULER_SERVICE: USER_UPLOADS, ARTIFACT_SERVICE: CHECKPOINT_UPLOADS}
 
+#: The refusal of a node key's checkpoint upload, before it takes a slot of the pool.
+_NODE_UPLOAD_REFUSAL = (
+    "API key {prefix} (role node) may not upload checkpoints (ArtifactService.UploadChunks): a task's worker "
+    "uploads with the attempt credential of its assignment"
+)
+
 #: protobuf's (upb's) limit on message nesting, which a deep ``google.protobuf.Struct`` reaches.
 PROTOBUF_MAX_DEPTH = 100
 
@@ -531,8 +537,12 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool,
             _CALLER.set(principal)
             requests = _decoded(request, context)
             if upload:
+                if upload == CHECKPOINT_UPLOADS and principal.role == "node":  # refused before it holds a slot
+                    await context.abort(
+                        grpc.StatusCode.PERMISSION_DENIED, _NODE_UPLOAD_REFUSAL.format(prefix=principal.key_prefix)
+                    )
                 try:
-                    interceptor.limits.acquire_upload(principal.owner, upload)
+                    interceptor.limits.acquire_upload(principal.owner, upload, attempt=principal.attempt)
                 except SchedulerError as exc:
                     await interceptor.abort_refusal(context, exc)
                 cfg = interceptor.limits.config
@@ -552,7 +562,7 @@ def _wrap(handler, interceptor: AuthInterceptor, method: str, stream_slot: bool,
                 if watched is not None:
                     interceptor.streams.close(watched)
                 if upload:
-                    interceptor.limits.release_upload(principal.owner, upload)
+                    interceptor.limits.release_upload(principal.owner, upload, attempt=principal.attempt)
 
     else:
 

@@ -21,6 +21,8 @@ message naming the limit and its config key, never a crash.
       max_uploads: 64               # user uploads in progress (UploadDataset, ImportAdapter), all owners; 0 = no limit
       max_uploads_per_owner: 4      # ... of them one owner's; 0 = no limit
       max_checkpoint_uploads: 64    # trainers' checkpoint uploads (UploadChunks) in progress; 0 = no limit
+      max_checkpoint_uploads_per_node: 16     # ... of them by the workers of one node; 0 = no limit
+      max_checkpoint_uploads_per_attempt: 2   # ... of them by one task attempt's credential; 0 = no limit
       upload_idle_timeout: 60       # seconds an upload may go without a payload byte (DEADLINE_EXCEEDED after)
       upload_deadline: 3600         # seconds an upload may stay open in all
       max_dataset_bytes_per_owner: 10737418240  # stored dataset bytes per owner (10 GiB); 0 = no limit
@@ -33,7 +35,10 @@ Uploads come in two pools (:meth:`Limits.acquire_upload`, taken by the auth inte
 applies the two upload timeouts: :func:`opentinker_scheduler.security.auth.timed_uploads`). Users'
 uploads hold one of their owner's ``max_uploads_per_owner`` slots and one of ``max_uploads``;
 trainers' checkpoint uploads hold one of ``max_checkpoint_uploads``, which no user key can take, so
-users never starve a task's checkpoints. An upload whose messages carry no payload byte for
+users never starve a task's checkpoints; a worker's upload also holds one of its node's
+``max_checkpoint_uploads_per_node`` and one of its attempt's ``max_checkpoint_uploads_per_attempt``,
+so no compromised node or worker takes the whole pool. Only an attempt credential (or an admin key)
+uploads a checkpoint: a node key is refused before it takes a slot. An upload whose messages carry no payload byte for
 ``upload_idle_timeout`` seconds is ended: empty chunks do not keep it alive. The dataset byte and
 disk checks are :meth:`opentinker_scheduler.data.datasets.DatasetStore.begin`'s.
 
@@ -140,6 +145,8 @@ class Limits:
         self._streams: dict[str, int] = {}
         self._uploads: dict[str, int] = {}  # user uploads per owner
         self._pools = {USER_UPLOADS: 0, CHECKPOINT_UPLOADS: 0}
+        self._node_uploads: dict[str, int] = {}  # checkpoint uploads per node
+        self._attempt_uploads: dict[str, int] = {}  # checkpoint uploads per attempt ("task/attempt")
         self._held: dict[str, int] = {}  # rate refusals held per owner (refusal_wait)
         self._turns: dict[str, _Turns] = {}  # acquire_turn: calls in progress and waiting, per owner
         self._heavy: dict[str, tuple[asyncio.Semaphore, int]] = {}  # heavy_read: turns, callers per owner
@@ -383,12 +390,15 @@ class Limits:
         with self._lock:
             return self._streams.get(owner, 0)
 
-    def acquire_upload(self, owner: str, pool: str = USER_UPLOADS) -> None:
-        """Take an upload slot of ``pool``; give it back with :meth:`release_upload`.
+    def acquire_upload(self, owner: str, pool: str = USER_UPLOADS, *, attempt=None) -> None:
+        """Take an upload slot of ``pool``; give it back with :meth:`release_upload` and the same arguments.
 
         ``USER_UPLOADS`` (datasets, adapter imports): one of ``owner``'s ``max_uploads_per_owner``
         and one of ``max_uploads``. ``CHECKPOINT_UPLOADS`` (trainers): one of
-        ``max_checkpoint_uploads``, a pool of its own.
+        ``max_checkpoint_uploads``, a pool of its own; with ``attempt`` (the
+        :class:`~opentinker_scheduler.state.worker_credentials.AttemptScope` of the uploading
+        worker's credential) also one of its node's ``max_checkpoint_uploads_per_node`` and one of
+        its attempt's ``max_checkpoint_uploads_per_attempt``.
 
         Raises:
             ResourceExhausted: a limit is reached (the message names it and its config key).
@@ -396,6 +406,8 @@ class Limits:
         with self._lock:
             if pool == CHECKPOINT_UPLOADS:
                 most, where, what = self.config.max_checkpoint_uploads, "limits.max_checkpoint_uploads", "checkpoint"
+                if attempt is not None:
+                    self._check_holder(attempt)
             else:
                 most, where, what = self.config.max_uploads, "limits.max_uploads", "user"
                 mine, per_owner = self._uploads.get(owner, 0), self.config.max_uploads_per_owner
@@ -414,12 +426,43 @@ class Limits:
             self._pools[pool] += 1
             if pool == USER_UPLOADS:
                 self._uploads[owner] = self._uploads.get(owner, 0) + 1
+            elif attempt is not None:
+                node, key = attempt.node_id, f"{attempt.task_id}/{attempt.attempt}"
+                self._node_uploads[node] = self._node_uploads.get(node, 0) + 1
+                self._attempt_uploads[key] = self._attempt_uploads.get(key, 0) + 1
 
-    def release_upload(self, owner: str, pool: str = USER_UPLOADS) -> None:
+    def _check_holder(self, attempt) -> None:
+        """Raises ResourceExhausted when ``attempt`` itself or its node holds its most checkpoint uploads."""
+        key = f"{attempt.task_id}/{attempt.attempt}"
+        for held, most, where, whose in (
+            (
+                self._attempt_uploads.get(key, 0),
+                self.config.max_checkpoint_uploads_per_attempt,
+                "limits.max_checkpoint_uploads_per_attempt",
+                attempt.describe(),
+            ),
+            (
+                self._node_uploads.get(attempt.node_id, 0),
+                self.config.max_checkpoint_uploads_per_node,
+                "limits.max_checkpoint_uploads_per_node",
+                f"node {attempt.node_id!r}",
+            ),
+        ):
+            if most and held >= most:
+                raise ResourceExhausted(
+                    f"too many checkpoint uploads in progress: {held} open for {whose}, the limit is {most} "
+                    f"({where}); retry when one has finished",
+                    retry_after=1.0,
+                )
+
+    def release_upload(self, owner: str, pool: str = USER_UPLOADS, *, attempt=None) -> None:
         with self._lock:
             self._pools[pool] = max(0, self._pools[pool] - 1)
             if pool == USER_UPLOADS:
                 _drop(self._uploads, owner)
+            elif attempt is not None:
+                _drop(self._node_uploads, attempt.node_id)
+                _drop(self._attempt_uploads, f"{attempt.task_id}/{attempt.attempt}")
 
     def open_uploads(self, pool: str | None = None) -> int:
         """Uploads in progress in ``pool``, or in both pools (None)."""

@@ -390,9 +390,11 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         try:
             await self._admit(context)
             seq = request.sequence
+            ref = request.artifact
+            artifact = (ref.key, ref.manifest_sha256, ref.total_bytes) if request.HasField("artifact") else None
             return await self._ordered(
                 seq,
-                lambda: self.session.load_state(request.name, with_optimizer=request.with_optimizer),
+                lambda: self.session.load_state(request.name, with_optimizer=request.with_optimizer, artifact=artifact),
                 lambda step: training_pb2.LoadStateResponse(sequence=seq, name=request.name, step=step),
             )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised

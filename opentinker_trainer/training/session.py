@@ -176,6 +176,10 @@ class TrainingSession:
             before), ``grad_norm`` (before clipping), ``learning_rate``, ``forward_backward_calls``.
         snapshot_bytes: memory for copies of sampler saves' weights (:meth:`sample_snapshot`);
             a save beyond it is read back from its folder when sampled.
+        fetch_state: ``(artifact key, manifest SHA-256, bytes) -> folder`` of another task's state
+            in the artifact store, for :meth:`load_state` with ``artifact``; it raises
+            :class:`StateNotFound` for one the task's owner may not read or the store lost. None:
+            no store, and only the session's own states load.
 
     Raises:
         ValueError: ``model`` has no trainable (adapter) parameters.
@@ -200,6 +204,7 @@ class TrainingSession:
         turn: Callable[[], contextlib.AbstractContextManager] | None = None,
         report: Callable[[int, dict[str, float]], None] | None = None,
         snapshot_bytes: int = 256 << 20,
+        fetch_state: Callable[[str, str, int], Path] | None = None,
     ) -> None:
         self.model = model
         self.adapter_name = adapter_name
@@ -216,6 +221,7 @@ class TrainingSession:
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.publish = publish
+        self.fetch_state = fetch_state
         self.params = list(params) if params is not None else [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("model: expected trainable (adapter) parameters, found none")
@@ -692,18 +698,32 @@ class TrainingSession:
         name = str(_lm.load_trainer_state(folder).get("name") or folder.name)
         self._load_folder(name, Path(folder), with_optimizer=with_optimizer, weights=False)
 
-    @_in_turn
-    def load_state(self, name: str, *, with_optimizer: bool) -> int:
+    def load_state(self, name: str, *, with_optimizer: bool, artifact: tuple[str, str, int] | None = None) -> int:
         """Load state ``name``'s weights (the adapter, or all weights of a full-weight session),
         and its optimizer and step with ``with_optimizer``; clear the accumulated gradient.
-        Returns the step.
+        Returns the step. With ``artifact`` (key, manifest SHA-256, bytes) the state is another
+        task's, fetched from the artifact store before the session's turn, as a session started
+        from it (:meth:`start_from`) loads it.
 
         Raises:
-            BadRequest: a bad name. StateNotFound: no state of that name.
+            BadRequest: a bad name. StateNotFound: no state of that name; an artifact the owner
+                may not read or the store no longer holds.
             NotReady: it was saved with another LoRA shape (rank, alpha, target modules), or it
-                holds full weights and this session trains an adapter (or the other way round).
+                holds full weights and this session trains an adapter (or the other way round);
+                an artifact and no store.
         """
-        return self._load(name, with_optimizer=with_optimizer, weights=True)
+        check_state_name(name)
+        if artifact is None:
+            return self._load_in_turn(name, None, with_optimizer=with_optimizer)
+        if self.fetch_state is None:
+            raise NotReady(f"state {name!r}: this session has no artifact store; it loads its own states only")
+        return self._load_in_turn(name, self.fetch_state(*artifact), with_optimizer=with_optimizer)
+
+    @_in_turn
+    def _load_in_turn(self, name: str, folder: Path | None, *, with_optimizer: bool) -> int:
+        if folder is None:
+            return self._load(name, with_optimizer=with_optimizer, weights=True)
+        return self._load_folder(name, folder, with_optimizer=with_optimizer, weights=True)
 
     def _load(self, name: str, *, with_optimizer: bool, weights: bool) -> int:
         check_state_name(name)

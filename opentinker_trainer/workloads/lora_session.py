@@ -36,11 +36,13 @@ from pathlib import Path
 
 import torch
 
+from opentinker_common.artifacts import ArtifactError, ArtifactNotFound, ArtifactRef
+
 from opentinker_trainer.context import UserError, WorkerContext
 from opentinker_trainer.inference.access import AccessChecker
 from opentinker_trainer.inference.serve_tls import server_tls_from_env
 from opentinker_trainer.training.datums import Limits
-from opentinker_trainer.training.errors import Stopping
+from opentinker_trainer.training.errors import NotReady, StateNotFound, Stopping
 from opentinker_trainer.training.sequencing import Sequencer
 from opentinker_trainer.training.server import TrainingServicer, start_training_server
 from opentinker_trainer.training.session import TrainingSession
@@ -94,6 +96,7 @@ def open_session(ctx: WorkerContext) -> tuple[TrainingSession, int]:
         checkpoint_dir=Path(ctx.checkpoint_dir),
         publish=publish,
         report=ctx.emit_metric,
+        fetch_state=_state_fetcher(ctx),
         **shared,
     )
     if ctx.resume_from is not None:
@@ -103,6 +106,25 @@ def open_session(ctx: WorkerContext) -> tuple[TrainingSession, int]:
             raise UserError(f"init_state: state {cfg.init_state!r} of task {ctx.spec.init_from} is gone from the store")
         session.start_from(Path(ctx.init_checkpoint), with_optimizer=cfg.init_optimizer)
     return session, 0
+
+
+def _state_fetcher(ctx: WorkerContext):
+    """``(key, manifest SHA-256, bytes) -> folder`` of another task's state, read from the artifact
+    store with the attempt's credential (so only its owner's tasks) through the node's cache;
+    None without a store."""
+    publisher = ctx.publisher
+    if publisher is None or publisher.cache is None:
+        return None
+
+    def fetch(key: str, manifest_sha256: str, total_bytes: int) -> Path:
+        try:
+            return publisher.cache.fetch(publisher.store, ArtifactRef(key, manifest_sha256, total_bytes))
+        except ArtifactNotFound:
+            raise StateNotFound(f"state {key!r}: not in the artifact store (deleted, or not yours)") from None
+        except ArtifactError as exc:
+            raise NotReady(f"state {key!r}: the artifact store could not give it: {exc}; try again") from None
+
+    return fetch
 
 
 def run(ctx: WorkerContext) -> None:

@@ -151,6 +151,20 @@ def test_a_checkpoint_path_without_a_valid_name_is_refused_by_load_weights(world
     assert isinstance(result(http, key, r.json()["request_id"]), bytes)
 
 
+def test_external_weights_refused_naming_the_field(world) -> None:
+    http, key, model = world["http"], world["alice"], world["model"]
+    for route, extra, detail in (
+        ("save_weights_external", {"path": "x" * 56}, "path: expected a name of 1 to 55 letters"),
+        ("save_weights_external", {"path": "ok", "age_encryption_recipients": ["age1x"]}, "age_encryption_recipients:"),
+        ("save_weights_for_sampler", {"path": "external.x"}, "path: names that start with 'external.'"),
+    ):
+        r = post(http, route, key, json={"model_id": model, "seq_id": next_seq(world), **extra})
+        assert r.status_code == 400 and r.json()["detail"].startswith(detail), r.text
+    # The refusals used up their seq_ids: the next request runs.
+    r = post(http, "forward_backward", key, content=fb_body(model, next_seq(world)), headers=PROTO)
+    assert isinstance(result(http, key, r.json()["request_id"]), bytes)
+
+
 def test_a_refused_request_is_logged_without_the_key(world) -> None:
     http, key, model = world["http"], world["alice"], world["model"]
     wrong = types.TensorData(data=[1, 1, 1, 1, 1], dtype="int64", shape=[5])

@@ -68,7 +68,7 @@ def test_chat_sl_learns(cookbook) -> None:
         f"dataset={CONVERSATIONS}",
         "num_epochs=2",
         "batch_size=32",
-        "max_length=256",
+        "max_length=128",
         "lora_rank=8",
         "learning_rate=1e-3",
         "save_every=0",

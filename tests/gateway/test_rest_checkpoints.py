@@ -1,15 +1,16 @@
 """The Tinker REST routes for training runs and checkpoints through the unmodified SDK's
 RestClient and the ``tinker`` CLI, with authentication on: an owner lists their own runs and
 checkpoints a page at a time (an admin every owner's), downloads a checkpoint's files from URLs
-that need no key, deletes a checkpoint by its tinker:// path (gone from every listing, loading it
-is 404, the artifact store no longer holds it) or gives it a TTL after which the scheduler deletes
-it, and another owner's path is 404 like a missing one."""
+that need no key or with ``tinker checkpoint download``, deletes a checkpoint by its tinker://
+path (gone from every listing, loading it is 404, the artifact store no longer holds it) or gives
+it a TTL after which the scheduler deletes it, and another owner's path is 404 like a missing one."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import urllib.error
@@ -21,18 +22,32 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
+import torch
+from safetensors.torch import load_file
 from tinker import types
 
-from tests.support.gateway import MODEL_NAME, auth_world, post
+from tests.support.gateway import MODEL_NAME, Gateway, auth_world, post
 from tests.support.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_model_dir):
-    """A scheduler with API keys on, one trainer, a gateway, and the keys of alice, bob and the admin."""
+    """A scheduler with API keys on, one trainer, a gateway with a download URL secret, and the keys
+    of alice, bob and the admin."""
     tmp = tmp_path_factory.mktemp("rest")
-    with auth_world(tmp, tiny_model_dir) as w:
-        yield {"cluster": w.cluster, "url": w.gateway.url, "alice": w.alice, "bob": w.bob, "admin": w.admin, "tmp": tmp}
+    secret = tmp / "download-url.secret"
+    secret.write_text(secrets.token_hex(32))
+    flags = ("--download-url-secret-file", str(secret))
+    with auth_world(tmp, tiny_model_dir, *flags) as w:
+        yield {
+            "cluster": w.cluster,
+            "url": w.gateway.url,
+            "alice": w.alice,
+            "bob": w.bob,
+            "admin": w.admin,
+            "tmp": tmp,
+            "flags": flags,
+        }
 
 
 @pytest.fixture(autouse=True)
@@ -65,9 +80,10 @@ def stored_files(world, run: str, folder: str) -> dict[str, str]:
     return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
-def downloaded(world, who: str, path: str) -> dict[str, str] | int:
+def downloaded(world, who: str, path: str, *, via: str | None = None) -> dict[str, str] | int:
     """SHA-256 of every file of checkpoint ``path`` fetched from its download URLs (as the
-    ``tinker`` CLI fetches them: urllib, no key), or the HTTP status of the refused request."""
+    ``tinker`` CLI fetches them: urllib, no key), or the HTTP status of the refused request. With
+    ``via``, another gateway's URL, the files are fetched from that gateway."""
     run, kind, name = path[len("tinker://") :].split("/")
     with httpx.Client(base_url=world["url"], timeout=60) as http:
         r = http.get(
@@ -80,8 +96,11 @@ def downloaded(world, who: str, path: str) -> dict[str, str] | int:
     assert answer.expires > datetime.now(timezone.utc)
     out = {}
     for file, url in answer.urls.items():
-        with urllib.request.urlopen(url, timeout=60) as response:
-            out[file] = hashlib.sha256(response.read()).hexdigest()
+        try:
+            with urllib.request.urlopen(url.replace(world["url"], via or world["url"]), timeout=60) as response:
+                out[file] = hashlib.sha256(response.read()).hexdigest()
+        except urllib.error.HTTPError as exc:
+            return exc.code
     return out
 
 
@@ -133,9 +152,18 @@ def test_runs_and_checkpoints_listed_paged_and_deleted(world) -> None:
             c["tinker_path"] for c in json.loads(cli(world, "alice", "checkpoint", "list").stdout)["checkpoints"]
         ] == saves
 
-        # Download: a URL per file, fetched with no key; the files are the stored ones.
+        # Download: a URL per file, fetched with no key; the files are the stored ones. Another
+        # gateway with the same download URL secret serves the URLs too; one without it does not.
         assert downloaded(world, "alice", kept) == stored_files(world, run, "state_kept")
         assert downloaded(world, "bob", kept) == 404
+        scheduler = f"127.0.0.1:{world['cluster'].port}"
+        other, stranger = Gateway(world["tmp"], scheduler, *world["flags"]), Gateway(world["tmp"], scheduler)
+        try:
+            assert downloaded(world, "alice", kept, via=other.url) == stored_files(world, run, "state_kept")
+            assert downloaded(world, "alice", kept, via=stranger.url) == 404
+        finally:
+            other.close()
+            stranger.close()
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(f"{world['url']}/api/v1/checkpoint_files/not-a-token/adapter_config.json")
         assert refused.value.code == 404
@@ -181,6 +209,21 @@ def test_runs_and_checkpoints_listed_paged_and_deleted(world) -> None:
         assert stored_keys(world, run) == [k for k in before if k.endswith("/state_kept")]
         with pytest.raises(tinker.NotFoundError):
             alice.get_training_run(bobs).result()
+
+    # tinker checkpoint download of a save_state path starts a training client from it, exports its
+    # adapter with save_weights_external, fetches the export's files and deletes the export.
+    out = world["tmp"] / "downloads"
+    done = cli(world, "alice", "checkpoint", "download", kept, "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    folder = out / kept[len("tinker://") :].replace("/", "_")
+    assert {p.name for p in folder.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    [state] = (world["cluster"].state_dir / "artifacts" / "tasks" / run).glob("a*/state_kept/.data")
+    got, saved = (load_file(str(f / "adapter_model.safetensors")) for f in (folder, state))
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 2
+    assert [c.tinker_path for c in alice.list_user_checkpoints().result().checkpoints] == [kept]
+    refused = cli(world, "bob", "checkpoint", "download", kept, "--output", str(out / "bob"))
+    assert refused.returncode != 0 and "no state" in refused.stderr
 
 
 def test_bad_checkpoint_paths_and_publish_are_refused_naming_the_field(world) -> None:

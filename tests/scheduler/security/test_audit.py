@@ -16,7 +16,7 @@ from opentinker.node.v1 import node_pb2 as N, node_pb2_grpc
 from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
 from opentinker.scheduler.v1 import admin_pb2 as A, admin_pb2_grpc
 from opentinker_client import InvalidArgumentError, PermissionDeniedError, RLClient
-from opentinker_scheduler.security.audit import AuditLog
+from opentinker_scheduler.security.audit import REFUSAL_ROWS_BURST, REFUSAL_ROWS_PER_S, AuditLog
 from tests.support.stores import make_store
 
 from tests.support.http import http_get, metric_samples, metric_value
@@ -77,7 +77,9 @@ def test_each_action_is_recorded_with_owner_task_time_and_outcome(sched) -> None
     # The submission's one record says what was asked for (the core logs no second line).
     assert ok[0].detail["workload_type"] == "lora_finetune" and ok[0].detail["gpu_count"] == 0
     assert isinstance(ok[0].detail["priority"], int)
-    assert not bad and sched.security.audit.refusals == {("task.submit", "alice", "INVALID_ARGUMENT"): 1}  # counted
+    # A refusal is counted and, within its owner's budget, stored with its error.
+    assert [r.detail["error"] for r in bad] == ["spec.hyperparameters.steps: expected an integer in [1, 100000], got 0"]
+    assert sched.security.audit.refusals[("task.submit", "alice", "INVALID_ARGUMENT")] == 1
     (cancel,) = by_action["task.cancel"]
     assert (
         cancel.owner == "alice"
@@ -157,7 +159,8 @@ def test_audit_log_unit_survives_a_restart_and_odd_detail_values(tmp_path, store
 
 def test_an_adapter_import_is_audited_and_takes_a_submit_token(tmp_path) -> None:
     """ImportAdapter makes a task as SubmitTask does: the same per-owner submit rate (one bucket
-    for both) and an ``adapter.import`` audit record; refusals are counted, as refused submits are."""
+    for both) and an ``adapter.import`` audit record; refusals are counted and stored, as refused
+    submits are."""
     from opentinker_client import ResourceExhaustedError
 
     from tests.scheduler.data.test_adapter_import import good_files
@@ -185,43 +188,53 @@ def test_an_adapter_import_is_audited_and_takes_a_submit_token(tmp_path) -> None
     assert len(ok) == 2 and ok[0].task_id == imported.task_id and ok[0].owner == "alice"
     assert ok[0].key_prefix == alice_info.prefix and ok[0].detail["model"] == "acme/tiny"
     assert ok[0].detail["total_bytes"] == sum(len(v) for v in good_files().values())
-    assert not refused
+    assert len(refused) == 1 and "limits.submit_rate" in refused[0].detail["error"]
     assert counted == {
         ("adapter.import", "alice", "RESOURCE_EXHAUSTED"): 1,
         ("task.submit", "alice", "RESOURCE_EXHAUSTED"): 1,
     }
 
 
-def test_a_flood_of_refused_submits_is_counted_and_adds_no_audit_row(tmp_path) -> None:
+def test_a_flood_of_refusals_is_counted_and_stores_only_the_owners_budget_of_rows(tmp_path) -> None:
+    """Refused submits and refused cancels: each is counted on /metrics; the owner's first
+    REFUSAL_ROWS_BURST refusals are stored, the rest of the flood adds no row."""
     config = AUTH_LOCAL_MODELS + "limits: {submit_rate: 0.001, submit_burst: 1, rate_wait: 0}\n"  # answered at once
+    flood = 3 * REFUSAL_ROWS_BURST
     with LoopbackScheduler(tmp_path / "state", config, http_port=0) as s:
         with RLClient(s.target, api_key=s.admin_key) as root:
             _, key = root.keys.create("mallory", "user")
         spec = C.TaskSpec(workload_type="lora_finetune", model="/models/m")
+        rows = lambda: s.do(lambda: s.core.store.db.execute("SELECT COUNT(*) FROM audit_log").fetchone()[0])  # noqa: E731
         with grpc.insecure_channel(s.target) as ch:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             stub.SubmitTask(S.SubmitTaskRequest(spec=spec), metadata=metadata(key))  # the one token
-            rows = s.do(lambda: s.core.store.db.execute("SELECT COUNT(*) FROM audit_log").fetchone()[0])
-            for _ in range(50):
+            before, started = rows(), time.monotonic()
+            for i in range(flood):
                 with pytest.raises(grpc.RpcError) as err:
                     stub.SubmitTask(S.SubmitTaskRequest(spec=spec), metadata=metadata(key))
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert s.do(lambda: s.core.store.db.execute("SELECT COUNT(*) FROM audit_log").fetchone()[0]) == rows
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.CancelTask(S.CancelTaskRequest(task_id=f"no-such-task-{i}"), metadata=metadata(key))
+                assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            refilled = (time.monotonic() - started) * REFUSAL_ROWS_PER_S
+        stored = rows() - before
+        assert REFUSAL_ROWS_BURST <= stored <= REFUSAL_ROWS_BURST + refilled + 1, (stored, refilled)
         url = f"http://127.0.0.1:{s.running.http.port}/metrics"
         admin = urllib.request.Request(url, headers={"Authorization": f"Bearer {s.admin_key}"})
         with urllib.request.urlopen(admin, timeout=10) as resp:
             samples = metric_samples(resp.read().decode())
-        refused = metric_value(
-            samples, "opentinker_audit_refusals_total", action="task.submit", owner="mallory", code="RESOURCE_EXHAUSTED"
-        )
-        assert refused == 50
+        for action, code in (("task.submit", "RESOURCE_EXHAUSTED"), ("task.cancel", "NOT_FOUND")):
+            assert (
+                metric_value(samples, "opentinker_audit_refusals_total", action=action, owner="mallory", code=code)
+                == flood
+            )
         # Without a key: the action's total, no owner's name.
         status, body = http_get(url)
         assert status == 200 and b"mallory" not in body
         samples = metric_samples(body.decode())
         assert (
             metric_value(samples, "opentinker_audit_refusals_total", action="task.submit", code="RESOURCE_EXHAUSTED")
-            == 50
+            == flood
         )
 
 

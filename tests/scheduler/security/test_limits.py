@@ -18,6 +18,7 @@ from opentinker_client import InvalidArgumentError, RLClient, ResourceExhaustedE
 from opentinker_scheduler.config import ConfigError, parse_config
 from opentinker_scheduler.api.service import LIST_SLICE_ROWS
 from opentinker_scheduler.errors import ResourceExhausted
+from opentinker_scheduler.state.worker_credentials import AttemptScope
 from opentinker_scheduler.security.limits import (
     CHECKPOINT_UPLOADS,
     READ_TOKEN_BYTES,
@@ -302,6 +303,25 @@ def test_upload_pools_unit() -> None:
     lim.release_upload("a")
     lim.acquire_upload("c")
     assert (lim.open_uploads(USER_UPLOADS), lim.open_uploads(CHECKPOINT_UPLOADS)) == (2, 1)
+
+
+def test_checkpoint_uploads_per_node_and_attempt_unit() -> None:
+    """A released upload gives back its node's and its attempt's slot too."""
+    lim = Limits(
+        LimitsConfig(max_checkpoint_uploads=10, max_checkpoint_uploads_per_node=2, max_checkpoint_uploads_per_attempt=1)
+    )
+    a1, a2, a3 = (AttemptScope(f"t{i}", 1, "n1", "o") for i in range(3))
+    lim.acquire_upload("o", CHECKPOINT_UPLOADS, attempt=a1)
+    with pytest.raises(ResourceExhausted, match=r"1 open for attempt 1 of task t0 on node n1.*_per_attempt"):
+        lim.acquire_upload("o", CHECKPOINT_UPLOADS, attempt=a1)
+    lim.acquire_upload("o", CHECKPOINT_UPLOADS, attempt=a2)
+    with pytest.raises(ResourceExhausted, match=r"2 open for node 'n1'.*_per_node"):
+        lim.acquire_upload("o", CHECKPOINT_UPLOADS, attempt=a3)
+    lim.acquire_upload("o", CHECKPOINT_UPLOADS, attempt=AttemptScope("t9", 1, "n2", "o"))  # another node
+    lim.release_upload("o", CHECKPOINT_UPLOADS, attempt=a1)
+    lim.acquire_upload("o", CHECKPOINT_UPLOADS, attempt=a3)
+    lim.acquire_upload("o", CHECKPOINT_UPLOADS)  # an admin's upload holds the pool only
+    assert lim.open_uploads(CHECKPOINT_UPLOADS) == 4
 
 
 def test_a_task_list_is_built_in_slices_one_call_of_an_owner_at_a_time(make) -> None:

@@ -153,16 +153,71 @@ def test_an_owner_holding_uploads_leaves_other_owners_and_checkpoints_room(limit
     assert _upload_all(s, alice, "x.jsonl", DATA).size_bytes == len(DATA)  # a complete upload works again
 
 
+def _attempts(s: LoopbackScheduler, owner: str, n: int) -> tuple[RawNode, list[str]]:
+    """A node of its own running ``n`` tasks of ``owner``, and their attempts' credentials."""
+    user, node_key = _users(s, owner), _users(s, f"rack-{owner}", role="node")[0]
+    node = RawNode(s.target, node_key, f"node-{owner}")
+    with RLClient(s.target, api_key=user[0]) as client:
+        tasks = [client.submit_task(workload_type="lora_finetune", model="/models/m", gpu_count=0) for _ in range(n)]
+    return node, [node.assignment(t).worker_credential for t in tasks]
+
+
 def test_checkpoint_uploads_have_their_own_bound(limited) -> None:
     s = limited
-    (node,) = _users(s, "rack-bound", role="node")
-    held = _Upload(s, node, artifact=True)
-    wait_for(lambda: _open_uploads(s, CHECKPOINT_UPLOADS) == 1, what="one checkpoint upload open")
-    err = _Upload(s, node, artifact=True).finish()
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "1 open on this scheduler, the limit is 1 (limits.max_checkpoint_uploads)" in err.details()
-    held.cancel()
+    node, (credential,) = _attempts(s, "bound", 1)
+    held = _Upload(s, credential, artifact=True)
+    try:
+        wait_for(lambda: _open_uploads(s, CHECKPOINT_UPLOADS) == 1, what="one checkpoint upload open")
+        err = _Upload(s, s.admin_key, artifact=True).finish()
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "1 open on this scheduler, the limit is 1 (limits.max_checkpoint_uploads)" in err.details()
+    finally:
+        held.cancel()
+        node.leave()
     wait_for(lambda: _open_uploads(s, CHECKPOINT_UPLOADS) == 0, what="the checkpoint slot released")
+
+
+def test_a_node_key_is_refused_before_it_takes_a_checkpoint_slot(limited, tmp_path) -> None:
+    s = limited
+    (node_key,) = _users(s, "rack-keyonly", role="node")
+    err = _Upload(s, node_key, artifact=True).finish()
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err
+    assert "(role node) may not upload checkpoints" in err.details()
+    assert _open_uploads(s, CHECKPOINT_UPLOADS) == 0
+    _put_checkpoint(s, "after-node-key", tmp_path / "ckpt")  # the only slot is free for a worker
+
+
+@pytest.fixture(scope="module")
+def checkpoint_pool(tmp_path_factory):
+    """Three checkpoint uploads in all, two per node, one per attempt."""
+    config = (
+        AUTH_LOCAL_MODELS + "lease: 600\n"
+        "limits: {max_checkpoint_uploads: 3, max_checkpoint_uploads_per_node: 2,"
+        " max_checkpoint_uploads_per_attempt: 1, min_free_disk_bytes: 0}\n"
+    )
+    with LoopbackScheduler(tmp_path_factory.mktemp("checkpoint-pool") / "state", config) as s:
+        yield s
+
+
+def test_a_node_holding_its_most_checkpoint_uploads_leaves_another_node_room(checkpoint_pool, tmp_path) -> None:
+    s = checkpoint_pool
+    node, (first, second, third, _) = _attempts(s, "greedy", 4)  # the node is full: the next task goes elsewhere
+    held = [_Upload(s, first, artifact=True), _Upload(s, second, artifact=True)]
+    try:
+        wait_for(lambda: _open_uploads(s, CHECKPOINT_UPLOADS) == 2, what="the node's two checkpoint uploads open")
+        err = _Upload(s, first, artifact=True).finish()
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "1 open for attempt 1 of task" in err.details()
+        assert "the limit is 1 (limits.max_checkpoint_uploads_per_attempt)" in err.details()
+        err = _Upload(s, third, artifact=True).finish()
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "2 open for node 'node-greedy', the limit is 2 (limits.max_checkpoint_uploads_per_node)" in err.details()
+        _put_checkpoint(s, "other", tmp_path / "ckpt")  # another node's attempt commits its checkpoint
+    finally:
+        for upload in held:
+            upload.cancel()
+        node.leave()
+    wait_for(lambda: _open_uploads(s, CHECKPOINT_UPLOADS) == 0, what="the checkpoint slots released")
 
 
 def test_an_owner_may_store_at_most_its_dataset_bytes(limited) -> None:

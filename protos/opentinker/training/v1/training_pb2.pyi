@@ -1,3 +1,4 @@
+from opentinker.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -349,14 +350,16 @@ class SaveStateResponse(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., name: _Optional[str] = ..., step: _Optional[int] = ..., artifact_key: _Optional[str] = ...) -> None: ...
 
 class LoadStateRequest(_message.Message):
-    __slots__ = ("sequence", "name", "with_optimizer")
+    __slots__ = ("sequence", "name", "with_optimizer", "artifact")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     WITH_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     name: str
     with_optimizer: bool
-    def __init__(self, sequence: _Optional[int] = ..., name: _Optional[str] = ..., with_optimizer: _Optional[bool] = ...) -> None: ...
+    artifact: _common_pb2.ArtifactRef
+    def __init__(self, sequence: _Optional[int] = ..., name: _Optional[str] = ..., with_optimizer: _Optional[bool] = ..., artifact: _Optional[_Union[_common_pb2.ArtifactRef, _Mapping]] = ...) -> None: ...
 
 class LoadStateResponse(_message.Message):
     __slots__ = ("sequence", "name", "step")

@@ -216,10 +216,12 @@ class TrainingServiceServicer:
 
     def LoadState(self, request, context):
         """Replaces the adapter weights (and, with with_optimizer, the optimizer state and step count)
-        by those of state `name` saved by this session (in this attempt or the one it resumed from);
-        the accumulated gradient is cleared. Idempotent by sequence number. Errors: INVALID_ARGUMENT
-        (a bad name), NOT_FOUND (no such state), FAILED_PRECONDITION (out of order; the state was
-        saved with another LoRA shape).
+        by those of state `name` saved by this session (in this attempt or the one it resumed from),
+        or, with `artifact`, of another task's state fetched from the artifact store; the accumulated
+        gradient is cleared. Idempotent by sequence number. Errors: INVALID_ARGUMENT (a bad name),
+        NOT_FOUND (no such state; an artifact the task's owner may not read or the store no longer
+        holds), FAILED_PRECONDITION (out of order; the state was saved with another LoRA shape),
+        UNAVAILABLE (the artifact store cannot be reached).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
