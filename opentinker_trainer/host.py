@@ -56,9 +56,8 @@ Protocol, JSON lines. Agent to host on stdin:
 worker gets it) and ``{"op": "stop", "task_id": ..., "attempt": ...}`` (cancel, drain,
 preemption, max_runtime: abandon the step in progress at its next abandon point and store the
 last completed step, as a worker does, :mod:`opentinker_trainer.workloads._keep`). End of stdin: stop every tenant,
-wait for them, exit. Host to agent on stdout: ``{"type": "host_ready", "pid": ..., "threads": ...}``
-once the base model is loaded (``threads``: torch's intra-op threads, one per core the host may
-use), or ``{"type": "host_failed", "error", "retryable"}`` and exit 1; every worker
+wait for them, exit. Host to agent on stdout: ``{"type": "host_ready", "pid": ...}`` once the base
+model is loaded, or ``{"type": "host_failed", "error", "retryable"}`` and exit 1; every worker
 report (:mod:`opentinker_trainer.worker`) with ``task_id`` and ``attempt`` added; and
 ``{"type": "released", "task_id", "attempt"}`` once a tenant ended and its memory is freed.
 The host dies with the agent (``PR_SET_PDEATHSIG``), like a worker.
@@ -590,16 +589,6 @@ class ModelHost:
             thread.join()
 
 
-def _use_every_core() -> int:
-    """Set torch's intra-op threads to the cores this process may run on; return the count.
-    Tenants take turns on the model, so the ops of a turn have those cores to themselves
-    (``OMP_NUM_THREADS=1``, which a node sets for its one-task workers, would leave all but one idle)."""
-    import torch
-
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    return torch.get_num_threads()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="opentinker-model-host")
     parser.add_argument("--model", required=True, help="base model: a folder or hub id (spec.model)")
@@ -614,7 +603,6 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     started = time.perf_counter()
-    threads = _use_every_core()
     try:
         host = ModelHost(args.model, args.device, args.dtype, out)
     except UserError as exc:
@@ -628,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         out.flush()
         return 1
     log.info("model host ready", model=args.model, device=args.device, load_s=round(time.perf_counter() - started, 2))
-    host.emit("host_ready", pid=os.getpid(), model=args.model, threads=threads)
+    host.emit("host_ready", pid=os.getpid(), model=args.model)
     signal.signal(signal.SIGTERM, lambda *_: host.stop_all())
     for line in sys.stdin:
         try:

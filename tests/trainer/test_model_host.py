@@ -576,20 +576,14 @@ def test_an_adapter_is_loaded_from_a_checkpoint_after_every_other_was_deleted(ti
     assert all(p.requires_grad for n, p in host.model.named_parameters() if "ta-a2" in n)
 
 
-def test_the_agents_host_command_starts_a_host_that_runs_torch_on_every_core_it_may_use(
-    tiny_model_dir: Path,
-) -> None:
-    """The node agent's host command starts a host that says it is ready and exits when its stdin
-    closes. Its torch ops use as many intra-op threads as the cores the process may run on, even
-    under ``OMP_NUM_THREADS=1``: tenants take turns, so a turn's ops have the cores to themselves."""
+def test_the_agents_host_command_starts_a_host(tiny_model_dir: Path) -> None:
+    """The node agent's host command starts a host process that says it is ready and exits when
+    its stdin closes."""
     import os
     import subprocess
 
     from opentinker_trainer.agent import host_command
 
-    cores = len(os.sched_getaffinity(0))
-    if cores < 2:
-        pytest.skip("one core: one thread either way")
     cmd = host_command(str(tiny_model_dir), "cpu", "auto")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}:{root / 'protos'}", "OMP_NUM_THREADS": "1"}
@@ -597,4 +591,3 @@ def test_the_agents_host_command_starts_a_host_that_runs_torch_on_every_core_it_
     first = json.loads(proc.stdout.readline())
     proc.stdin.close()
     assert first["type"] == "host_ready" and proc.wait(timeout=60) == 0
-    assert first["threads"] == cores
