@@ -6,11 +6,11 @@ Runs the trainer's own processes with no scheduler (checkpoints by path): a mode
 peer, N worker processes (``python -m opentinker_trainer.worker``) started together, as a node
 agent runs them without a host. Every process gets ``OMP_NUM_THREADS=1`` and the agent's
 ``OMP_WAIT_POLICY=PASSIVE``: the host too, whose turns run one at a time (two intra-op threads
-cost it about 30% more CPU per step and lowered its steps/s on the shared 2-core machine). Each
-process runs in its own session, as the agent starts them: this kernel shares CPU per session, so
-on a loaded machine N workers get N shares and the host one. The tasks are
-the same LoRA GRPO arithmetic task with different seeds; the host batches its tenants' rollouts
-(one forward per token for every waiting tenant's rows). Measured for the largest N in
+cost it 20 to 30% more CPU per step on the shared 2-core machine, for no steady gain in steps/s).
+Each process runs in its own session, as the agent starts them: this kernel shares CPU per
+session, so on a loaded machine N workers get N shares and the host one. The tasks are the same
+LoRA GRPO arithmetic task with different seeds; the host batches its tenants' rollouts (one
+forward per token for every waiting tenant's rows). Measured for the largest N in
 ``--tenants`` in ``--pairs`` pairs of runs in alternating order (host first, then workers first,
 ...), figures the median over the pairs; other N once each:
 
