@@ -196,13 +196,6 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         help="seconds a model host with no tenants waits for a new one before it exits (default %(default)s)",
     )
     parser.add_argument(
-        "--no-host-batch-rollouts",
-        dest="host_batch_rollouts",
-        action="store_false",
-        help="model hosts run each tenant's rollout alone in its turn (default: the rollouts of the tenants "
-        "waiting run as one batch, each row on its own adapter)",
-    )
-    parser.add_argument(
         "--http-port",
         type=_port,
         default=None,
@@ -378,7 +371,6 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
         kill_grace_s=args.kill_grace,
         tenants_per_host=args.tenants_per_host,
         host_idle_s=args.host_idle,
-        host_batch_rollouts=args.host_batch_rollouts,
         advertise_host=args.advertise_host,
         api_key=args.api_key,
         tls_ca=args.tls_ca,

@@ -108,9 +108,6 @@ class AgentConfig:
     tenants_per_host: int = 0
     #: Seconds a model host with no tenants left waits for a new one before it is told to exit.
     host_idle_s: float = 30.0
-    #: Model hosts batch their tenants' rollouts (one forward per token for every waiting
-    #: tenant's rows); False: each rollout alone in its tenant's turn (``--no-batch-rollouts``).
-    host_batch_rollouts: bool = True
 
     def channel(self, target: str | None = None) -> grpc.aio.Channel:
         """A channel to the scheduler at ``target`` (default ``target``): TLS when ``tls_ca`` or
@@ -189,11 +186,10 @@ TLS_REFUSAL_HINT = (
 )
 
 
-def host_command(model: str, device: str, dtype: str, *, batch_rollouts: bool = True) -> list[str]:
+def host_command(model: str, device: str, dtype: str) -> list[str]:
     """The command line of a model host process (:mod:`opentinker_trainer.host`) for base
     ``model`` on ``device`` (``cpu`` or ``cuda``) in ``dtype``."""
-    cmd = [sys.executable, "-m", "opentinker_trainer.host", "--model", model, "--device", device, "--dtype", dtype]
-    return cmd if batch_rollouts else [*cmd, "--no-batch-rollouts"]
+    return [sys.executable, "-m", "opentinker_trainer.host", "--model", model, "--device", device, "--dtype", dtype]
 
 
 def _resume_step(a: node_pb2.AssignTask) -> int:
@@ -664,7 +660,7 @@ class NodeAgent:
             model, devices, dtype = key
             simulated = self.monitor.inventory.simulated
             device = "cpu" if simulated or not devices else "cuda"
-            cmd = host_command(model, device, dtype, batch_rollouts=self.config.host_batch_rollouts)
+            cmd = host_command(model, device, dtype)
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *cmd,

@@ -42,9 +42,9 @@ alone up to float rounding of the shared pass. The tenants taken along keep thei
 queue and continue their steps there (scoring, the update's backward and optimizer step, with
 only their own adapter active). It is opportunistic: nobody waits for a tenant that is not ready
 to roll out; in a steady cycle of N training tenants each round is one batched rollout and N
-updates. A rollout run alone is ``generate`` itself (a worker's numbers exactly); tenants that
-are not batched: ``--no-batch-rollouts``, a model whose generation config adds logits
-processors (:func:`~opentinker_trainer.rl.rollout_batch.unbatchable`).
+updates. A rollout run alone is ``generate`` itself (a worker's numbers exactly), and so is every
+rollout on a model whose generation config adds logits processors
+(:func:`~opentinker_trainer.rl.rollout_batch.unbatchable`).
 
 Isolation: an exception in a tenant ends only that tenant (``failed``, retryable unless it is a
 user error); its adapter and optimizer are then freed (``delete_adapter``, garbage collection).
@@ -323,9 +323,9 @@ class Tenant:
         """:func:`opentinker_trainer.rl.rollout.generate` for this tenant (the same arguments and
         :class:`~opentinker_trainer.rl.rollout.Rollout`), called inside its turn; batched with
         the rollouts of the tenants waiting (:meth:`RoundRobin.rollout`,
-        :func:`opentinker_trainer.rl.rollout_batch.generate_batched`) unless the host's
-        ``batch_rollouts`` is off, the model is in train mode (a batch samples in eval mode, as the
-        trainers do) or its generation config adds processors a batch does not apply
+        :func:`opentinker_trainer.rl.rollout_batch.generate_batched`) unless the model is in
+        train mode (a batch samples in eval mode, as the trainers do) or its generation config
+        adds processors a batch does not apply
         (:func:`~opentinker_trainer.rl.rollout_batch.unbatchable`). Its draws come from
         its own torch RNG stream exactly as ``generate``'s would, which continues from where
         they end; its numpy and Python streams, the model's mode and its active adapter are as
@@ -348,7 +348,7 @@ class Tenant:
             group_size=group_size,
         )
         host = self.host
-        if not host.batch_rollouts or seed is not None or synced or model.training or host.unbatchable is not None:
+        if seed is not None or synced or model.training or host.unbatchable is not None:
             return generate(model, prompt_ids, prompt_mask, seed=seed, synced=synced, **kw)
         device = next(model.parameters()).device
         request = rollout_batch.RolloutRequest(
@@ -425,7 +425,7 @@ class ModelHost:
         UserError: the base model cannot be loaded (from :func:`opentinker_trainer.workloads._lm.load_model`).
     """
 
-    def __init__(self, model: str, device: str, dtype: str, out, *, batch_rollouts: bool = True) -> None:
+    def __init__(self, model: str, device: str, dtype: str, out) -> None:
         import torch
 
         from opentinker_trainer.rl.rollout_batch import unbatchable
@@ -433,9 +433,6 @@ class ModelHost:
 
         self.device = device
         self.out = out
-        #: Tenants' rollouts run together, one forward per token (:meth:`Tenant.generate`);
-        #: False: each tenant's rollout alone in its turn (``--no-batch-rollouts``).
-        self.batch_rollouts = batch_rollouts
         self.lock = threading.Lock()  # one lock for every line on ``out``
         self.turns = RoundRobin()
         torch_device = torch.device(device)
@@ -445,7 +442,7 @@ class ModelHost:
         self.base = base
         #: Why rollouts cannot be batched on this model (:func:`~.rl.rollout_batch.unbatchable`), or None.
         self.unbatchable = unbatchable(base)
-        if batch_rollouts and self.unbatchable is not None:
+        if self.unbatchable is not None:
             log.info("rollouts are not batched across tenants on this model", reason=self.unbatchable)
         self.model = None  # the PeftModel, made with the first adapter
         self.tenants: dict[tuple[str, int], Tenant] = {}
@@ -597,12 +594,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="base model: a folder or hub id (spec.model)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (hyperparameters.dtype)")
-    parser.add_argument(
-        "--no-batch-rollouts",
-        dest="batch_rollouts",
-        action="store_false",
-        help="run each tenant's rollout alone in its turn (default: the waiting tenants' rollouts in one batch)",
-    )
     args = parser.parse_args(argv)
     os.umask(0o077)
     tune_malloc(max_arenas=2)  # tenants take turns: shared arenas, not one per thread keeping its activations
@@ -613,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     started = time.perf_counter()
     try:
-        host = ModelHost(args.model, args.device, args.dtype, out, batch_rollouts=args.batch_rollouts)
+        host = ModelHost(args.model, args.device, args.dtype, out)
     except UserError as exc:
         json.dump({"type": "host_failed", "error": str(exc), "retryable": False}, out)
         out.write("\n")

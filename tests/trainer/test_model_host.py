@@ -152,7 +152,7 @@ def test_batched_rollouts_leave_every_tenant_as_it_is_alone_and_a_diverged_one_f
 
     out = io.StringIO()
     host = ModelHost(str(tiny_model_dir), "cpu", "auto", out)
-    assert host.batch_rollouts and host.unbatchable is None
+    assert host.unbatchable is None
     runs: list[list[str]] = []  # the adapters of each rollout run, recorded on the way through
     run_rollouts = host.run_rollouts
     host.run_rollouts = lambda requests: (runs.append([r.adapter for r in requests]), run_rollouts(requests))[1]
@@ -183,16 +183,25 @@ def test_batched_rollouts_leave_every_tenant_as_it_is_alone_and_a_diverged_one_f
     assert not host.tenants and list(host.model.peft_config) == []
 
 
-def test_with_batching_off_each_rollout_runs_alone_in_its_turn(
+def test_on_a_model_that_cannot_batch_each_rollout_runs_alone_in_its_turn(
     tiny_model_dir: Path, tmp_path: Path, reply_rewards
 ) -> None:
+    """A generation config with a logits processor a batch does not apply (``suppress_tokens``):
+    every tenant's rollout is ``generate`` alone in its turn, its curve that of the task alone."""
+    import shutil
+
+    model = tmp_path / "suppressing"
+    shutil.copytree(tiny_model_dir, model)
+    config = model / "generation_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "suppress_tokens": [5]}))
     hp = {**HP, "steps": 2, "checkpoint_every": 0}
-    expected, _ = _alone(tmp_path, tiny_model_dir, "x", hp)
+    expected, _ = _alone(tmp_path, model, "x", hp)
     out = io.StringIO()
-    host = ModelHost(str(tiny_model_dir), "cpu", "auto", out, batch_rollouts=False)
+    host = ModelHost(str(model), "cpu", "auto", out)
+    assert host.unbatchable == "generation_config.suppress_tokens = [5]"
     for tid, seed in (("x", 11), ("y", 12)):
         path = tmp_path / f"{tid}.pb"
-        path.write_bytes(_assign(tid, tiny_model_dir, {**hp, "seed": seed}).SerializeToString())
+        path.write_bytes(_assign(tid, model, {**hp, "seed": seed}).SerializeToString())
         host.add(path, tmp_path / "host" / tid)
     host.join()
     assert host.turns.rollout_runs == 0
@@ -567,17 +576,15 @@ def test_an_adapter_is_loaded_from_a_checkpoint_after_every_other_was_deleted(ti
     assert all(p.requires_grad for n, p in host.model.named_parameters() if "ta-a2" in n)
 
 
-def test_the_agents_host_command_can_turn_batching_off(tiny_model_dir: Path) -> None:
-    """``--no-host-batch-rollouts`` on the node agent starts hosts with ``--no-batch-rollouts``,
-    which the host process takes: it starts, says it is ready and exits when its stdin closes."""
+def test_the_agents_host_command_starts_a_host(tiny_model_dir: Path) -> None:
+    """The node agent's host command starts a host process that says it is ready and exits when
+    its stdin closes."""
     import os
     import subprocess
 
     from opentinker_trainer.agent import host_command
 
-    assert "--no-batch-rollouts" not in host_command("m", "cpu", "auto")
-    cmd = host_command(str(tiny_model_dir), "cpu", "auto", batch_rollouts=False)
-    assert cmd[-1] == "--no-batch-rollouts"
+    cmd = host_command(str(tiny_model_dir), "cpu", "auto")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}:{root / 'protos'}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
