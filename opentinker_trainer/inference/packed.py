@@ -9,11 +9,6 @@ The same products through oneDNN on weights reordered once into its blocked layo
 freezes weights; run by ``torch.ops.mkldnn._linear_pointwise``): 54 / 36 / 74 / 146 ms. A decode
 step of a few rows then costs about what one row costs, which is what continuous batching needs.
 
-One row runs as two: for a single row oneDNN picks another kernel, which on the ``[576, 1536]``
-down projection takes about 1.6 times as long as two rows and rounds differently. The row is
-repeated and the copy's output dropped, so a decode step of one stream costs what two rows cost,
-and a row's numbers are the same alone as in a batch.
-
 On a model the server owns, :func:`pack_linears` reorders the weight of every plain float32
 ``nn.Linear`` on CPU into that layout and the packed weight replaces the plain one: the layer
 becomes a :class:`PackedLinear` whose ``weight`` is empty, so the model holds its weights once.
@@ -21,9 +16,9 @@ Not the LoRA ``A`` / ``B`` matrices, which are small and grouped elsewhere, and 
 weight another module shares, such as an ``lm_head`` tied to the embeddings. A model host's
 shared model is never packed: its training tenants need the plain weights and their gradients.
 
-Costs: the numbers differ from MKL's by float rounding, another summation order. A packed layer
-has no gradient. Nothing changes on other devices, other dtypes, or where the ``mkldnn``
-operators are missing.
+Costs: the numbers differ from MKL's by float rounding, another summation order, the same for a
+row alone and in a batch. A packed layer has no gradient. Nothing changes on other devices,
+other dtypes, or where the ``mkldnn`` operators are missing.
 """
 
 from __future__ import annotations
@@ -56,11 +51,7 @@ class PackedLinear(nn.Linear):
     packed: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != x.shape[-1]:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        two = x.reshape(1, -1).expand(2, -1).contiguous()  # one row runs as two: see the module docstring
-        out = torch.ops.mkldnn._linear_pointwise(two, self.packed, self.bias, "none", [], "")
-        return out[:1].reshape(*x.shape[:-1], out.shape[-1])
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module) -> list[PackedLinear]:

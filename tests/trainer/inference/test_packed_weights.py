@@ -102,17 +102,3 @@ def test_the_runtime_serves_on_packed_layers_the_tokens_of_plain_ones(tiny_model
         finally:
             server.close()
     assert outputs[True] == outputs[False] and len(outputs[True]) == 6
-
-
-def test_a_row_alone_gets_the_numbers_it_gets_in_a_batch() -> None:
-    # The [576, 1536] down projection of SmolLM2-135M: for one row oneDNN runs another kernel.
-    torch.manual_seed(0)
-    layer = nn.Linear(1536, 576, bias=False)
-    pack_linears(layer)
-    x = torch.randn(4, 1, 1536)
-    with torch.inference_mode():
-        batch = layer(x)
-        for r in range(4):
-            alone = layer(x[r : r + 1])
-            assert alone.shape == (1, 1, 576)
-            assert torch.equal(alone, batch[r : r + 1]), f"row {r}: alone differs from its row in the batch"
