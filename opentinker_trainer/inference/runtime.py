@@ -16,6 +16,10 @@ forward pass and every adapter load runs on a single model thread. Each engine i
    rows of different adapters together, each adapter's LoRA over its own rows: :mod:`~.lora_rows`),
    samples each request with its own settings and generator, and hands every request its
    tokens; stop strings are checked right away, so a stopped sample ends before the next step.
+   The model thread runs such steps **back to back** and sends each step's tokens to the event
+   loop without waiting for it; it returns to the engine loop after a step when that has work
+   (a queued or cancelled request, another model-thread call such as an adapter load, the end
+   of a model host's turn slice), so no request waits more than the step in flight for it.
 
 Time to first token under load (the scheduling rule, as vLLM's and SGLang's schedulers admit
 waiting prefills at the next step): a request that arrives while the batch decodes, and fits,
@@ -267,6 +271,8 @@ class ModelRuntime:
         self._early_jobs: list[_Job] = []  # admitted during the decode step in flight
         self._early_rows: list[tuple] = []  # their prefilled rows, added when it ends
         self._in_early = False
+        self._calls_waiting = 0  # model-thread calls submitted and not started yet
+        self._stopping = False  # the engine is being cancelled: decode steps stop
         self._layers = _decoder_layers(model)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.prefix = PrefixCache(block=config.prefix_block, max_tokens=config.prefix_cache_tokens)
@@ -281,6 +287,7 @@ class ModelRuntime:
     async def stop_engine(self) -> None:
         """Cancel the engine task (the server is stopping); waiting requests get cancelled."""
         if self._engine is not None and not self._engine.done():
+            self._stopping = True  # the model thread stops after the decode step in flight
             self._engine.cancel()
             try:
                 await self._engine
@@ -291,9 +298,27 @@ class ModelRuntime:
             await asyncio.get_running_loop().run_in_executor(self._thread, self._release_turn)
 
     async def _on_model_thread(self, fn, *args):
+        """``fn(*args)`` on the model thread. While the call waits there, the decode steps in
+        flight stop after the current one (:meth:`_decode_steps`), so the call waits one step."""
         if self._turn is not None:
             fn, args = self._in_turn, (fn, *args)
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        call = _Call(fn, args)
+        with self._admit_lock:
+            self._calls_waiting += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._thread, self._start_call, call)
+        finally:
+            self._end_wait(call)  # a call cancelled before it started waits no more
+
+    def _start_call(self, call: "_Call"):
+        self._end_wait(call)
+        return call.fn(*call.args)
+
+    def _end_wait(self, call: "_Call") -> None:
+        with self._admit_lock:
+            if not call.waited:
+                call.waited = True
+                self._calls_waiting -= 1
 
     def _in_turn(self, fn, *args):
         """Model thread, on a shared model: ``fn(*args)`` inside the serving tenant's turn. The
@@ -440,8 +465,9 @@ class ModelRuntime:
             decode_text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
             job.member = Member.create(req.prompt_ids, req.params, req.adapter, self.stop_token_ids, self._device)
             job.streams = [TextStream(decode_text, req.params.stop) for _ in range(req.params.n)]
-            job.arrived_at = self.decode_steps
-            self._queue.append(job)
+            with self._admit_lock:  # against the model thread deciding to run one more decode step
+                job.arrived_at = self.decode_steps
+                self._queue.append(job)
             self._wake.set()
             self._arrivals.set()
             while True:
@@ -507,6 +533,7 @@ class ModelRuntime:
 
     def _start_engine(self) -> None:
         if self._engine is None or self._engine.done():
+            self._stopping = False
             self._wake = asyncio.Event()
             self._loop = asyncio.get_running_loop()
             self._engine = asyncio.get_running_loop().create_task(self._engine_loop(), name="inference-engine")
@@ -514,8 +541,8 @@ class ModelRuntime:
     async def _engine_loop(self) -> None:
         """Owns the batch: every iteration drops finished and cancelled rows, admits queued
         requests first in first out and prefills them (their first tokens are handed out at
-        once), then runs one decode step of every row on the model thread and hands out its
-        tokens."""
+        once), then runs decode steps of every row on the model thread and hands out their
+        tokens (:meth:`_decode_steps`)."""
         while True:
             if not self._admitted and not self._queue:
                 if self._held is not None:  # nothing to run: the other tenants get the model
@@ -541,11 +568,10 @@ class ModelRuntime:
                             self.first_token_waits.append(self.decode_steps - job.arrived_at)
                 if any(not j.finalized for j in self._admitted):
                     try:
-                        results = await self._on_model_thread(self._decode_step)
+                        results = await self._on_model_thread(self._decode_steps)
                     finally:
                         early, self._early_jobs = self._early_jobs, []
                         self._admitted.extend(early)  # admitted mid-step: their rows joined the batch
-                    self.decode_steps += 1
                     self._deliver(results)
             except Exception as exc:  # noqa: BLE001 - every request in the batch gets the error
                 self._batch = None
@@ -622,24 +648,24 @@ class ModelRuntime:
         self._early_rows.append((members, cache, mask))
         self.steps += 1
         events = {job: self._events(job, picked) for job, picked in chosen.items()}
-        self._loop.call_soon_threadsafe(self._deliver_early, events)
-
-    def _deliver_early(self, results: dict) -> None:
-        for job in results:
+        for job in events:
             if not job.cancelled and job.member.tokens[0]:
                 self.first_token_waits.append(self.decode_steps - job.arrived_at)
-        self._deliver(results)
+        self._loop.call_soon_threadsafe(self._deliver, events)
 
     def _deliver(self, results: dict) -> None:
-        """Hand each request the events of one model-thread call (its rows left the batch when done)."""
+        """Hand each request the events of one step (its rows left the batch when done). The
+        model thread may have run more steps meanwhile: a request is done here when these events
+        end with its ``usage``, not when its member is done by now."""
         for job, events in results.items():
-            if job.member.done:
+            done = bool(events) and events[-1].usage is not None
+            if done:
                 self._finalize(job)  # its rows left the batch in that step: release before answering
             if job.cancelled:
                 continue
             for event in events:
                 job.events.put_nowait(event)
-            if job.member.done:
+            if done:
                 job.events.put_nowait(_END)
 
     def _events(self, job: "_Job", chosen) -> list[StepEvent]:
@@ -702,6 +728,38 @@ class ModelRuntime:
             self._batch = batch
         return self._finish_step(chosen)
 
+    def _decode_steps(self) -> dict:
+        """Model thread: decode steps of the batch back to back; returns the last step's events.
+
+        The events of each step before it go to the event loop at once, so the model thread does
+        not wait for the loop between two steps. It stops after a step when the engine loop has
+        work (:meth:`_engine_has_work`). The decision and a request's arrival take the same lock:
+        a request that arrives after it waits for the one step then in flight, no more."""
+        while True:
+            results = self._decode_step()
+            early, self._early_jobs = self._early_jobs, []
+            self._admitted.extend(early)  # admitted mid-step: their rows joined the batch
+            with self._admit_lock:
+                self.decode_steps += 1
+                if self._engine_has_work():
+                    return results
+            self._loop.call_soon_threadsafe(self._deliver, results)
+
+    def _engine_has_work(self) -> bool:
+        """Model thread, between two decode steps: whether the engine loop must run before the
+        next one. It must when no row is left; a request waits in the queue (admitted only there
+        when it cannot join mid-step); a running request was cancelled (its row leaves first);
+        another model-thread call waits (an adapter load); the engine stops; or, on a model
+        host, the serving tenant's turn has lasted its slice (the training tenants' turn)."""
+        if self._batch is None or self._queue or self._calls_waiting or self._stopping:
+            return True
+        if any(j.cancelled and not j.member.done for j in self._admitted):
+            return True
+        if self._turn is not None:
+            held = self._held
+            return held is None or self._turn_slice is None or time.perf_counter() - held[1] >= self._turn_slice()
+        return False
+
     def _decode_step(self) -> dict:
         """Model thread: one decode step of every row in the batch; returns each request's events.
 
@@ -753,6 +811,15 @@ def _decoder_layers(model) -> list:
     except (AttributeError, NotImplementedError, ValueError):
         return []
     return list(layers) if layers is not None else []
+
+
+@dataclass(eq=False)
+class _Call:
+    """A call for the model thread; ``waited`` once it started or its caller stopped waiting."""
+
+    fn: Callable
+    args: tuple
+    waited: bool = False
 
 
 @dataclass(eq=False)
