@@ -3,7 +3,7 @@
 Objects under the bucket's ``prefix``::
 
     <prefix><key>/.manifest.json     the commit point, written last
-    <prefix><key>/.data/<path>       the files (multipart above 64 MiB), each with metadata sha256
+    <prefix><key>/.data/<path>       the files
     <prefix>.uploads/<upload id>/    a presigned upload: announce.json, files/<index> (staged)
 
 Presigned uploads let a trainer without S3 credentials write: :meth:`S3ArtifactStore.begin_upload`
@@ -13,6 +13,10 @@ each staged object's size and checksum (HEAD), copies it under the key and write
 last, conditional on none being there. Only the holder of these credentials (the scheduler)
 signs and commits; a staged upload never committed is removed by the bucket's lifecycle rule on
 ``.uploads/``.
+
+The store's own puts and gets move every file of a folder with one boto3 transfer manager (its
+multipart uploads and parallel ranged GETs); a put hashes the files while they are sent, a get
+hashes each file in order as it is written and checks it against the manifest.
 
 Credentials come from the standard AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``AWS_PROFILE``, ``~/.aws/credentials``, instance roles), never from task specs or this
@@ -24,8 +28,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
+import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -45,9 +52,11 @@ from opentinker_common.artifacts.manifest import (
     FileEntry,
     Manifest,
     check_key,
+    check_rel_path,
+    folder_files,
     scan_folder,
 )
-from opentinker_common.artifacts.store import ArtifactStore
+from opentinker_common.artifacts.store import ArtifactStore, append_hashing, verify
 
 __all__ = ["S3Location", "S3ArtifactStore", "PresignedRequest", "S3UploadStatus"]
 
@@ -56,9 +65,6 @@ DATA_NAME = ".data"
 UPLOADS_NAME = ".uploads"
 #: The largest object one presigned PUT can write (bytes): S3's single-request limit.
 MAX_PUT_BYTES = 5 * 1024**3
-#: Files larger than this (bytes) are uploaded in parts of :data:`PART_BYTES`.
-MULTIPART_THRESHOLD = 64 * 1024 * 1024
-PART_BYTES = 16 * 1024 * 1024
 _AUTH_CODES = frozenset(
     {
         "InvalidAccessKeyId",
@@ -232,53 +238,63 @@ class S3ArtifactStore(ArtifactStore):
                 err = StoreUnavailable(f"{self.describe()}: bucket {self.location.bucket!r} does not exist")
             raise err from None
 
-    def _data_objects(self, key: str) -> list[str]:
-        out = []
+    def _data_objects(self, key: str) -> dict[str, int]:
+        """The data objects under ``key`` and their sizes (bytes)."""
+        out = {}
         paginator = self._client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.location.bucket, Prefix=self._obj(key, DATA_NAME) + "/"):
-            out.extend(o["Key"] for o in page.get("Contents", ()))
+            out.update((o["Key"], int(o["Size"])) for o in page.get("Contents", ()))
         return out
 
-    def put_folder(self, key: str, folder: Path, *, meta: Mapping[str, str] | None = None) -> ArtifactRef:
-        from boto3.s3.transfer import TransferConfig
+    def _transfers(self):
+        """A boto3 transfer manager over this store's client: parts and threads as boto3's
+        ``upload_file`` and ``download_file`` use them, for every file of one put or get."""
+        from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
+        return create_transfer_manager(self._client, TransferConfig())
+
+    def put_folder(self, key: str, folder: Path, *, meta: Mapping[str, str] | None = None) -> ArtifactRef:
+        """Upload the files and hash them at the same time; the manifest follows both.
+
+        A key that holds a manifest already is hashed first and nothing is sent: the same
+        content returns its ref, other content raises ArtifactExists.
+        """
         check_key(key)
-        files = scan_folder(Path(folder))
-        m = Manifest(key, tuple(e for _, e in files), meta or {})
-        transfer = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=PART_BYTES)
-        bucket = self.location.bucket
+        folder = Path(folder)
+        found = folder_files(folder)
+        names = [check_rel_path(p.relative_to(folder).as_posix()) for p in found]
         try:
             held = self._held_manifest(key)
         except ArtifactCorrupt:
             held = None  # a manifest that does not parse commits nothing: it is written over
         if held is not None:
+            m = Manifest(key, tuple(e for _, e in scan_folder(folder, found)), meta or {})
             if held.sha256 == m.sha256:
                 return m.ref()
             raise ArtifactExists(
                 f"artifact {key} is already committed with other content (manifest sha256 {held.sha256[:16]}...); "
                 "committed artifacts are immutable: store it under a new key"
             )
+        bucket = self.location.bucket
         try:
-            old = set(self._data_objects(key))  # of a put that failed before its manifest
-            for src, entry in files:
-                self._client.upload_file(
-                    str(src),
-                    bucket,
-                    self._obj(key, DATA_NAME, entry.path),
-                    ExtraArgs={"Metadata": {"sha256": entry.sha256}},
-                    Config=transfer,
-                )
-            for _, entry in files:  # every file is there with its size before the manifest is
-                head = self._client.head_object(Bucket=bucket, Key=self._obj(key, DATA_NAME, entry.path))
-                if int(head["ContentLength"]) != entry.size_bytes:
+            with self._transfers() as transfers:
+                sent = [transfers.upload(str(p), bucket, self._obj(key, DATA_NAME, n)) for p, n in zip(found, names)]
+                files = scan_folder(folder, found)  # while the transfer threads send
+                for future in sent:
+                    future.result()
+            m = Manifest(key, tuple(e for _, e in files), meta or {})
+            held_objects = self._data_objects(key)  # every file is there with its size before the manifest is
+            for entry in m.files:
+                size = held_objects.get(self._obj(key, DATA_NAME, entry.path))
+                if size != entry.size_bytes:
                     raise StoreUnavailable(
-                        f"{self.describe()}: {key}/{entry.path} holds {head['ContentLength']} bytes after upload, "
+                        f"{self.describe()}: {key}/{entry.path} holds {size} bytes after upload, "
                         f"not {entry.size_bytes}; nothing was committed"
                     )
             self._client.put_object(
                 Bucket=bucket, Key=self._obj(key, MANIFEST_NAME), Body=m.to_json(), ContentType="application/json"
             )
-            stale = old - {self._obj(key, DATA_NAME, e.path) for e in m.files}
+            stale = set(held_objects) - {self._obj(key, DATA_NAME, e.path) for e in m.files}  # of a failed put
             self._delete_objects(sorted(stale))
         except Exception as exc:  # noqa: BLE001 - mapped
             raise self._error(exc, f"writing {key}") from None
@@ -316,7 +332,37 @@ class S3ArtifactStore(ArtifactStore):
             raise self._error(exc, f"reading {manifest.key}/{entry.path}") from None
 
     def get_folder(self, key: str, dest: Path, *, expect_sha256: str = "") -> Manifest:
-        return super().get_folder(key, dest, expect_sha256=expect_sha256)
+        """Download every file with boto3's ranged GETs in parallel, each hashed in order as it
+        is written (:class:`_HashingSink`), and check it against the manifest."""
+        dest = Path(dest)
+        if dest.exists():
+            raise InvalidArtifact(f"{dest}: already exists; get_folder writes a new folder")
+        m = self.manifest(key, expect_sha256=expect_sha256)
+        tmp = dest.with_name(f".{dest.name}.part-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir()
+        sinks = [_HashingSink(tmp / entry.path, entry.size_bytes) for entry in m.files]
+        try:
+            try:
+                with self._transfers() as transfers:
+                    got = [
+                        transfers.download(self.location.bucket, self._obj(key, DATA_NAME, entry.path), sink)
+                        for entry, sink in zip(m.files, sinks)
+                        if entry.size_bytes
+                    ]
+                    for future in got:
+                        future.result()
+            except Exception as exc:  # noqa: BLE001 - mapped
+                raise self._error(exc, f"reading {key}") from None
+            for entry, sink in zip(m.files, sinks):
+                sink.close()
+                verify(m, entry, sink.size, sink.digest.hexdigest())
+            os.rename(tmp, dest)
+        except BaseException:
+            for sink in sinks:
+                sink.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return m
 
     def list(self, prefix: str = "") -> list[str]:
         keys = []
@@ -349,7 +395,7 @@ class S3ArtifactStore(ArtifactStore):
                     raise
                 existed = False
             self._client.delete_object(Bucket=self.location.bucket, Key=self._obj(key, MANIFEST_NAME))
-            data = self._data_objects(key)
+            data = sorted(self._data_objects(key))
             self._delete_objects(data)
         except Exception as exc:  # noqa: BLE001 - mapped
             raise self._error(exc, f"deleting {key}") from None
@@ -546,6 +592,47 @@ class S3ArtifactStore(ArtifactStore):
             )
             out.append(PresignedRequest(i, "GET", url, {}, expires))
         return out
+
+
+class _HashingSink:
+    """Where a download of one file goes: boto3 writes the bytes in file order to an object
+    that cannot seek, and each write is hashed and appended. The file is created at the first
+    write (an empty one at :meth:`close`) and closed after its last byte, so a get of many
+    files holds open only those in flight."""
+
+    def __init__(self, path: Path, size_bytes: int) -> None:
+        self.path = path
+        self.size_bytes = size_bytes
+        self.size = 0
+        self.digest = hashlib.sha256()
+        self._file = None
+        self._done = False
+
+    def seekable(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> int:
+        if self._done:  # more bytes than the manifest says: counted, and refused by the check
+            self.size += len(data)
+            return len(data)
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed after the last byte
+        append_hashing(self._file, self.digest, data)
+        self.size += len(data)
+        if self.size >= self.size_bytes:
+            self.close()
+        return len(data)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            self._done = True
+        elif not self._done:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.touch()
+            self._done = True
 
 
 def sha256_bytes(data: bytes) -> str:
