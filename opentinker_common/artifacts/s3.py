@@ -14,6 +14,13 @@ last, conditional on none being there. Only the holder of these credentials (the
 signs and commits; a staged upload never committed is removed by the bucket's lifecycle rule on
 ``.uploads/``.
 
+A file over ``multipart_part_bytes`` (at most 5 GiB, S3's limit of one PUT) goes in parts: the
+store starts a multipart upload of its staging object and signs one PUT per part, bound to the
+part's size; the commit checks every part's size, assembles them (CompleteMultipartUpload) and
+copies the file in parts (UploadPartCopy; CopyObject stops at 5 GiB). The bucket cannot check
+such a file's SHA-256, which every read does. An upload in parts that fails at commit, or that
+nobody resumed for a while (:meth:`~S3ArtifactStore.abort_abandoned_uploads`), is aborted.
+
 The store's own puts and gets move every file of a folder with one boto3 transfer manager (its
 multipart uploads and parallel ranged GETs); a put hashes the files while they are sent, a get
 hashes each file in order as it is written and checks it against the manifest.
@@ -63,8 +70,12 @@ __all__ = ["S3Location", "S3ArtifactStore", "PresignedRequest", "S3UploadStatus"
 MANIFEST_NAME = ".manifest.json"
 DATA_NAME = ".data"
 UPLOADS_NAME = ".uploads"
-#: The largest object one presigned PUT can write (bytes): S3's single-request limit.
+#: The largest object one PUT or CopyObject can write, and the largest part (bytes): S3's limit.
 MAX_PUT_BYTES = 5 * 1024**3
+#: The smallest part of a multipart upload but its last (bytes): S3's limit.
+MIN_PART_BYTES = 5 * 1024**2
+#: The most parts of one multipart upload: S3's limit.
+MAX_PARTS = 10_000
 _AUTH_CODES = frozenset(
     {
         "InvalidAccessKeyId",
@@ -78,6 +89,8 @@ _AUTH_CODES = frozenset(
     }
 )
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+#: CompleteMultipartUpload's refusals of the parts themselves: they are dropped and sent again.
+_REFUSED_PARTS_CODES = frozenset({"InvalidPart", "InvalidPartOrder", "EntityTooSmall", "NoSuchUpload"})
 
 
 @dataclass(frozen=True)
@@ -105,13 +118,16 @@ class S3Location:
 @dataclass(frozen=True)
 class PresignedRequest:
     """One signed HTTP request: ``method`` ``url`` with exactly ``headers``, for file
-    ``file_index`` of a manifest, refused by the store after ``expires_unix_s``."""
+    ``file_index`` of a manifest, refused by the store after ``expires_unix_s``. A PUT sends the
+    file's bytes from ``offset``, as many as its ``Content-Length`` header says: the whole file,
+    or one part of it."""
 
     file_index: int
     method: str
     url: str
     headers: dict[str, str]
     expires_unix_s: int
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -137,6 +153,12 @@ class S3ArtifactStore(ArtifactStore):
         location: bucket, prefix, endpoint, region.
         connect_timeout_s, read_timeout_s: per request (seconds).
         max_attempts: boto3's own retries of one request (standard mode).
+        multipart_part_bytes: a presigned upload sends a file larger than this in parts of this
+            size, which the store assembles at commit; smaller files go in one PUT, whose bytes
+            the bucket checks against the file's SHA-256. 5 MiB to 5 GiB.
+
+    Raises:
+        InvalidArtifact: ``multipart_part_bytes`` out of range.
     """
 
     backend = "s3"
@@ -148,11 +170,17 @@ class S3ArtifactStore(ArtifactStore):
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 60.0,
         max_attempts: int = 3,
+        multipart_part_bytes: int = MAX_PUT_BYTES,
     ) -> None:
         import boto3
         from botocore.config import Config
 
+        if not MIN_PART_BYTES <= multipart_part_bytes <= MAX_PUT_BYTES:
+            raise InvalidArtifact(
+                f"multipart_part_bytes: expected {MIN_PART_BYTES} to {MAX_PUT_BYTES} bytes, got {multipart_part_bytes}"
+            )
         self.location = location
+        self.multipart_part_bytes = multipart_part_bytes
         #: Held from the check that a key is free to its manifest's write, so two commits of
         #: one key in this process cannot both copy their files under it.
         self._commit_lock = threading.Lock()
@@ -407,31 +435,72 @@ class S3ArtifactStore(ArtifactStore):
             raise InvalidArtifact(f"upload_id: expected 32 hex digits, got {upload_id[:40]!r}")
         return self.location.prefix + "/".join((UPLOADS_NAME, upload_id, *rest))
 
-    def _staged_size(self, name: str, sha256_hex: str) -> int:
-        """Bytes of the staged object ``name`` when it holds the file with ``sha256_hex``, else 0."""
+    def _head(self, name: str) -> dict | None:
+        """HEAD of ``name`` with its checksum, or None when there is no such object."""
         try:
-            head = self._client.head_object(Bucket=self.location.bucket, Key=name, ChecksumMode="ENABLED")
+            return self._client.head_object(Bucket=self.location.bucket, Key=name, ChecksumMode="ENABLED")
         except Exception as exc:  # noqa: BLE001 - mapped
             if isinstance(self._error(exc, f"reading {name}"), ArtifactNotFound):
-                return 0
+                return None
             raise
-        if head.get("ChecksumSHA256") != _checksum(sha256_hex):
+
+    def _staged_size(self, name: str, f: FileEntry) -> int:
+        """Bytes of the staged object ``name`` when it holds file ``f`` whole, else 0. A file sent
+        in one PUT must carry its SHA-256 checksum; one assembled from parts carries none."""
+        head = self._head(name)
+        if head is None or int(head["ContentLength"]) != f.size_bytes:
             return 0
-        return int(head["ContentLength"])
+        if not self._in_parts(f) and head.get("ChecksumSHA256") != _checksum(f.sha256):
+            return 0
+        return f.size_bytes
+
+    def _in_parts(self, f: FileEntry) -> bool:
+        return f.size_bytes > self.multipart_part_bytes
+
+    def _part_sizes(self, f: FileEntry) -> list[int]:
+        """Bytes of each part of file ``f`` (part ``n`` is item ``n - 1``)."""
+        step = self.multipart_part_bytes
+        return [min(step, f.size_bytes - start) for start in range(0, f.size_bytes, step)]
+
+    def _multipart_uploads(self, prefix: str) -> list[dict]:
+        """The unfinished multipart uploads of objects starting with ``prefix``, oldest first."""
+        out: list[dict] = []
+        paginator = self._client.get_paginator("list_multipart_uploads")
+        for page in paginator.paginate(Bucket=self.location.bucket, Prefix=prefix):
+            out.extend(page.get("Uploads", ()))
+        return sorted(out, key=lambda u: u["Initiated"])
+
+    def _parts_held(self, name: str, s3_upload_id: str, f: FileEntry) -> dict[int, dict]:
+        """The parts of file ``f`` the multipart upload holds with their size, by part number
+        (the newest where a store lists a part number twice)."""
+        want = self._part_sizes(f)
+        held: dict[int, dict] = {}
+        paginator = self._client.get_paginator("list_parts")
+        for page in paginator.paginate(Bucket=self.location.bucket, Key=name, UploadId=s3_upload_id):
+            for part in page.get("Parts", ()):
+                n = int(part["PartNumber"])
+                if not 1 <= n <= len(want) or int(part["Size"]) != want[n - 1]:
+                    continue
+                if n not in held or part["LastModified"] >= held[n]["LastModified"]:
+                    held[n] = part
+        return held
 
     def begin_upload(self, m: Manifest, *, expires_s: int) -> S3UploadStatus:
-        """Announce ``m`` and sign a PUT, valid ``expires_s`` seconds, for each file not staged yet.
-        Idempotent: the same manifest gets the same upload id.
+        """Announce ``m`` and sign, valid ``expires_s`` seconds, a PUT for each file not staged
+        yet, or for a file over ``multipart_part_bytes`` a PUT for each of its parts not staged
+        yet (a multipart upload this store starts). Idempotent: the same manifest gets the same
+        upload id and its multipart uploads.
 
         Raises:
-            InvalidArtifact: a file over 5 GiB. ArtifactExists: the key holds another committed
-                manifest. StoreUnavailable, StoreAuthError.
+            InvalidArtifact: a file that needs more than 10000 parts. ArtifactExists: the key holds
+                another committed manifest. StoreUnavailable, StoreAuthError.
         """
         for f in m.files:
-            if f.size_bytes > MAX_PUT_BYTES:
+            if len(self._part_sizes(f)) > MAX_PARTS:
                 raise InvalidArtifact(
-                    f"file {f.path!r}: {f.size_bytes} bytes is over the {MAX_PUT_BYTES} bytes one presigned PUT "
-                    "to the s3 store can write; split it"
+                    f"file {f.path!r}: {f.size_bytes} bytes is over the {MAX_PARTS} parts of "
+                    f"{self.multipart_part_bytes} bytes one upload to the s3 store can write "
+                    "(artifacts.s3.multipart_part_bytes); split it"
                 )
         upload_id = hashlib.sha256(m.to_json()).hexdigest()[:32]
         try:
@@ -447,10 +516,32 @@ class S3ArtifactStore(ArtifactStore):
             expires = int(time.time()) + expires_s
             for i, f in enumerate(m.files):
                 name = self._staged(upload_id, "files", str(i))
-                held = self._staged_size(name, f.sha256)
-                received.append(held)
+                held = self._staged_size(name, f)
                 if held == f.size_bytes and f.size_bytes > 0:
+                    received.append(held)
                     continue
+                if self._in_parts(f):
+                    s3_upload_id = self._multipart_upload(name)
+                    parts = self._parts_held(name, s3_upload_id, f)
+                    received.append(sum(int(p["Size"]) for p in parts.values()))
+                    for n, size in enumerate(self._part_sizes(f), start=1):
+                        if n in parts:
+                            continue
+                        url = self._client.generate_presigned_url(
+                            "upload_part",
+                            Params={
+                                "Bucket": self.location.bucket,
+                                "Key": name,
+                                "UploadId": s3_upload_id,
+                                "PartNumber": n,
+                                "ContentLength": size,
+                            },
+                            ExpiresIn=expires_s,
+                        )
+                        offset = (n - 1) * self.multipart_part_bytes
+                        puts.append(PresignedRequest(i, "PUT", url, {"Content-Length": str(size)}, expires, offset))
+                    continue
+                received.append(0)
                 checksum = _checksum(f.sha256)
                 url = self._client.generate_presigned_url(
                     "put_object",
@@ -467,6 +558,14 @@ class S3ArtifactStore(ArtifactStore):
         except Exception as exc:  # noqa: BLE001 - mapped
             raise self._error(exc, f"starting the upload of {m.key}") from None
         return S3UploadStatus(upload_id, tuple(received), puts=tuple(puts))
+
+    def _multipart_upload(self, name: str) -> str:
+        """The S3 upload id of the multipart upload of the staged object ``name``, started here
+        when there is none (the oldest, when a race started two)."""
+        for upload in self._multipart_uploads(name):
+            if upload["Key"] == name:
+                return upload["UploadId"]
+        return self._client.create_multipart_upload(Bucket=self.location.bucket, Key=name)["UploadId"]
 
     def _committed(self, m: Manifest) -> bool:
         """Whether ``m.key`` holds exactly ``m`` (ArtifactExists: it holds another manifest)."""
@@ -501,9 +600,67 @@ class S3ArtifactStore(ArtifactStore):
             raise err from None
         return Manifest.from_json(data)
 
+    def _check_staged(self, upload_id: str, i: int, m: Manifest) -> None:
+        """Check the staged file ``i`` of the upload: a file sent in one PUT by size and SHA-256
+        (HEAD); a file sent in parts by every part's size, then assembled (CompleteMultipartUpload).
+
+        Raises:
+            UploadIncomplete: bytes missing. ArtifactCorrupt: other bytes than announced, or parts
+                the store refused to assemble (dropped: send them again).
+        """
+        from opentinker_common.artifacts.local import UploadIncomplete
+
+        f = m.files[i]
+        name = self._staged(upload_id, "files", str(i))
+        if self._in_parts(f):
+            if self._staged_size(name, f) == f.size_bytes:
+                return  # assembled by a commit that failed later
+            s3_upload_id = next((u["UploadId"] for u in self._multipart_uploads(name) if u["Key"] == name), None)
+            if s3_upload_id is None:
+                raise UploadIncomplete(f"upload {upload_id}: file {f.path} holds 0 of {f.size_bytes} bytes; send it")
+            parts = self._parts_held(name, s3_upload_id, f)
+            if len(parts) < len(self._part_sizes(f)):
+                held = sum(int(p["Size"]) for p in parts.values())
+                raise UploadIncomplete(
+                    f"upload {upload_id}: file {f.path} holds {held} of {f.size_bytes} bytes "
+                    f"({len(parts)} of {len(self._part_sizes(f))} parts); send the rest"
+                )
+            listed = [{"PartNumber": n, "ETag": parts[n]["ETag"]} for n in sorted(parts)]
+            try:
+                self._client.complete_multipart_upload(
+                    Bucket=self.location.bucket, Key=name, UploadId=s3_upload_id, MultipartUpload={"Parts": listed}
+                )
+            except Exception as exc:  # noqa: BLE001 - mapped
+                code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+                if code not in _REFUSED_PARTS_CODES:
+                    raise
+                self._abort(name, s3_upload_id)
+                raise ArtifactCorrupt(
+                    f"upload of {m.key}: the store refused to assemble the parts of file {f.path} ({code}); "
+                    "dropped them, send it again"
+                ) from None
+            if self._staged_size(name, f) != f.size_bytes:
+                raise UploadIncomplete(f"upload {upload_id}: file {f.path} was not assembled whole; send it again")
+            return
+        head = self._head(name)
+        if head is None:
+            raise UploadIncomplete(f"upload {upload_id}: file {f.path} holds 0 of {f.size_bytes} bytes; send it")
+        if int(head["ContentLength"]) != f.size_bytes:
+            raise UploadIncomplete(
+                f"upload {upload_id}: file {f.path} holds {head['ContentLength']} of {f.size_bytes} bytes; "
+                "send it again"
+            )
+        if head.get("ChecksumSHA256") != _checksum(f.sha256):
+            self._client.delete_object(Bucket=self.location.bucket, Key=name)
+            raise ArtifactCorrupt(
+                f"upload of {m.key}: file {f.path} was staged without the announced SHA-256 "
+                f"{f.sha256[:16]}...; dropped it, send it again"
+            )
+
     def commit_upload(self, upload_id: str) -> ArtifactRef:
-        """Check every staged file of the upload (size and SHA-256, by HEAD), copy each under the
-        key and write the manifest last, only where none is (``If-None-Match: *``).
+        """Check every staged file of the upload (:meth:`_check_staged`), copy each under the key
+        (in parts above ``multipart_part_bytes``: CopyObject stops at 5 GiB) and write the
+        manifest last, only where none is (``If-None-Match: *``).
 
         Raises:
             ArtifactNotFound: unknown upload. UploadIncomplete: a file is not staged with its size.
@@ -511,8 +668,6 @@ class S3ArtifactStore(ArtifactStore):
             it again). ArtifactExists: the key holds another committed manifest (the upload is
             dropped). StoreUnavailable, StoreAuthError.
         """
-        from opentinker_common.artifacts.local import UploadIncomplete
-
         m = self.upload_manifest(upload_id)
         bucket = self.location.bucket
         with self._commit_lock:
@@ -524,36 +679,21 @@ class S3ArtifactStore(ArtifactStore):
                 self._drop_upload(upload_id)
                 raise
             try:
-                for i, f in enumerate(m.files):
-                    name = self._staged(upload_id, "files", str(i))
-                    try:
-                        head = self._client.head_object(Bucket=bucket, Key=name, ChecksumMode="ENABLED")
-                    except Exception as exc:  # noqa: BLE001 - mapped
-                        if not isinstance(self._error(exc, name), ArtifactNotFound):
-                            raise
-                        raise UploadIncomplete(
-                            f"upload {upload_id}: file {f.path} holds 0 of {f.size_bytes} bytes; send it"
-                        ) from None
-                    if int(head["ContentLength"]) != f.size_bytes:
-                        raise UploadIncomplete(
-                            f"upload {upload_id}: file {f.path} holds {head['ContentLength']} of {f.size_bytes} bytes; "
-                            "send it again"
-                        )
-                    if head.get("ChecksumSHA256") != _checksum(f.sha256):
-                        self._client.delete_object(Bucket=bucket, Key=name)
-                        raise ArtifactCorrupt(
-                            f"upload of {m.key}: file {f.path} was staged without the announced SHA-256 "
-                            f"{f.sha256[:16]}...; dropped it, send it again"
-                        )
+                for i in range(len(m.files)):
+                    self._check_staged(upload_id, i, m)
                 old = set(self._data_objects(m.key))
-                for i, f in enumerate(m.files):
-                    self._client.copy_object(
-                        Bucket=bucket,
-                        Key=self._obj(m.key, DATA_NAME, f.path),
-                        CopySource={"Bucket": bucket, "Key": self._staged(upload_id, "files", str(i))},
-                        Metadata={"sha256": f.sha256},
-                        MetadataDirective="REPLACE",
-                    )
+                with self._copies() as copies:
+                    copied = [
+                        copies.copy(
+                            {"Bucket": bucket, "Key": self._staged(upload_id, "files", str(i))},
+                            bucket,
+                            self._obj(m.key, DATA_NAME, f.path),
+                            subscribers=[_KnownSize(f.size_bytes)],
+                        )
+                        for i, f in enumerate(m.files)
+                    ]
+                    for future in copied:
+                        future.result()
                 try:
                     self._client.put_object(
                         Bucket=bucket,
@@ -573,12 +713,66 @@ class S3ArtifactStore(ArtifactStore):
         self._drop_upload(upload_id)
         return m.ref()
 
+    def _copies(self):
+        """A boto3 transfer manager that copies inside the bucket: CopyObject up to
+        ``multipart_part_bytes``, UploadPartCopy in parts of that size above."""
+        from boto3.s3.transfer import TransferConfig, create_transfer_manager
+
+        step = self.multipart_part_bytes
+        return create_transfer_manager(
+            self._client, TransferConfig(multipart_threshold=step + 1, multipart_chunksize=step)
+        )
+
+    def _abort(self, name: str, s3_upload_id: str) -> None:
+        try:
+            self._client.abort_multipart_upload(Bucket=self.location.bucket, Key=name, UploadId=s3_upload_id)
+        except Exception as exc:  # noqa: BLE001 - mapped
+            if not isinstance(self._error(exc, f"aborting the upload of {name}"), ArtifactNotFound):
+                raise
+
     def _drop_upload(self, upload_id: str) -> None:
+        """Remove the staged upload: its multipart uploads (aborted) and its objects."""
+        prefix = self._staged(upload_id) + "/"
+        for upload in self._multipart_uploads(prefix):
+            self._abort(upload["Key"], upload["UploadId"])
         names = []
         paginator = self._client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.location.bucket, Prefix=self._staged(upload_id) + "/"):
+        for page in paginator.paginate(Bucket=self.location.bucket, Prefix=prefix):
             names.extend(o["Key"] for o in page.get("Contents", ()))
         self._delete_objects(names)
+
+    def abort_abandoned_uploads(self, idle_s: float) -> list[str]:
+        """Drop each staged upload with a multipart upload that has been idle ``idle_s`` seconds:
+        not begun again (its announce rewritten) and no part received since. Its parts are
+        aborted, so the bucket keeps no bytes of it.
+
+        Returns:
+            The upload ids dropped.
+        """
+        root = self.location.prefix + UPLOADS_NAME + "/"
+        try:
+            last: dict[str, float] = {}
+            for upload in self._multipart_uploads(root):
+                upload_id = upload["Key"][len(root) :].split("/", 1)[0]
+                when = [upload["Initiated"].timestamp()]
+                paginator = self._client.get_paginator("list_parts")
+                for page in paginator.paginate(
+                    Bucket=self.location.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                ):
+                    when.extend(p["LastModified"].timestamp() for p in page.get("Parts", ()))
+                last[upload_id] = max(last.get(upload_id, 0.0), *when)
+            dropped = []
+            now = time.time()
+            for upload_id, at in sorted(last.items()):
+                announce = self._head(self._staged(upload_id, "announce.json"))
+                if announce is not None:
+                    at = max(at, announce["LastModified"].timestamp())
+                if now - at > idle_s:
+                    self._drop_upload(upload_id)
+                    dropped.append(upload_id)
+        except Exception as exc:  # noqa: BLE001 - mapped
+            raise self._error(exc, "dropping abandoned uploads") from None
+        return dropped
 
     def presign_get(self, m: Manifest, *, expires_s: int) -> list[PresignedRequest]:
         """A GET, valid ``expires_s`` seconds, for each file of the committed ``m``, in its order."""
@@ -592,6 +786,23 @@ class S3ArtifactStore(ArtifactStore):
             )
             out.append(PresignedRequest(i, "GET", url, {}, expires))
         return out
+
+
+class _KnownSize:
+    """A boto3 transfer subscriber that gives the transfer the object's size (bytes), which
+    the manifest holds, so boto3 does not ask the store (HEAD) for it."""
+
+    def __init__(self, size_bytes: int) -> None:
+        self.size_bytes = size_bytes
+
+    def on_queued(self, future, **kwargs) -> None:
+        future.meta.provide_transfer_size(self.size_bytes)
+
+    def on_progress(self, future, bytes_transferred, **kwargs) -> None:
+        pass
+
+    def on_done(self, future, **kwargs) -> None:
+        pass
 
 
 class _HashingSink:
