@@ -63,7 +63,7 @@ from opentinker_common.artifacts.manifest import (
     folder_files,
     scan_folder,
 )
-from opentinker_common.artifacts.store import ArtifactStore, append_hashing, verify
+from opentinker_common.artifacts.store import ArtifactStore, verify
 
 __all__ = ["S3Location", "S3ArtifactStore", "PresignedRequest", "S3UploadStatus"]
 
@@ -806,39 +806,84 @@ class _KnownSize:
 
 
 class _HashingSink:
-    """Where a download of one file goes: boto3 writes the bytes in file order to an object
-    that cannot seek, and each write is hashed and appended. The file is created at the first
-    write (an empty one at :meth:`close`) and closed after its last byte, so a get of many
-    files holds open only those in flight."""
+    """Where a download of one file goes. boto3 writes its ranges, in whatever order they
+    arrive, at their offsets (``seek`` then ``write``, from one thread); the sink hashes the
+    file's bytes in order: a write at the end of the hashed bytes is hashed as it comes, a write
+    past a gap is hashed once the gap is filled, read back from the file (the page cache), so no
+    range waits in memory. The file is created at the first write (an empty one at
+    :meth:`close`) and closed once every byte is hashed, so a get of many files holds open only
+    those in flight.
+
+    ``size`` is the number of bytes hashed so far: the file's size once all are written."""
 
     def __init__(self, path: Path, size_bytes: int) -> None:
         self.path = path
         self.size_bytes = size_bytes
         self.size = 0
         self.digest = hashlib.sha256()
-        self._file = None
+        self._fd: int | None = None
         self._done = False
+        self._offset = 0
+        #: Written ranges past the hashed bytes: start -> end.
+        self._ahead: dict[int, int] = {}
 
     def seekable(self) -> bool:
-        return False
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence != os.SEEK_SET:
+            raise OSError("a download sink seeks to absolute offsets only")
+        self._offset = offset
+        return offset
+
+    def tell(self) -> int:
+        return self._offset
 
     def write(self, data: bytes) -> int:
+        start, end = self._offset, self._offset + len(data)
+        self._offset = end
         if self._done:  # more bytes than the manifest says: counted, and refused by the check
-            self.size += len(data)
+            self.size = max(self.size, end)
             return len(data)
-        if self._file is None:
+        if self._fd is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed after the last byte
-        append_hashing(self._file, self.digest, data)
-        self.size += len(data)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        view = memoryview(data)
+        at = start
+        while view:
+            n = os.pwrite(self._fd, view, at)
+            view, at = view[n:], at + n
+        if start == self.size:
+            self.digest.update(data)
+            self.size = end
+        elif end > self.size:
+            self._ahead[start] = max(end, self._ahead.get(start, end))
+        self._catch_up()
         if self.size >= self.size_bytes:
             self.close()
         return len(data)
 
+    def _catch_up(self) -> None:
+        """Hash the written ranges that now follow the hashed bytes, read back from the file."""
+        assert self._fd is not None
+        while True:
+            reach = [end for start, end in self._ahead.items() if start <= self.size < end]
+            for start in [start for start, end in self._ahead.items() if end <= self.size or start <= self.size]:
+                del self._ahead[start]
+            if not reach:
+                return
+            end = max(reach)
+            while self.size < end:
+                block = os.pread(self._fd, min(CHUNK_BYTES, end - self.size), self.size)
+                if not block:
+                    raise OSError(f"{self.path}: {self.size} bytes read back, expected {end}")
+                self.digest.update(block)
+                self.size += len(block)
+
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
             self._done = True
         elif not self._done:
             self.path.parent.mkdir(parents=True, exist_ok=True)
