@@ -34,6 +34,7 @@ the client role does not need it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import os
 import shutil
@@ -360,34 +361,40 @@ class S3ArtifactStore(ArtifactStore):
             raise self._error(exc, f"reading {manifest.key}/{entry.path}") from None
 
     def get_folder(self, key: str, dest: Path, *, expect_sha256: str = "") -> Manifest:
-        """Download every file with boto3's ranged GETs in parallel, each hashed in order as it
-        is written (:class:`_HashingSink`), and check it against the manifest."""
+        """Download every file with boto3's parallel ranged GETs (:class:`_RangeFile`) while
+        this thread hashes each file's bytes in order as they are written, then check each file
+        against the manifest."""
         dest = Path(dest)
         if dest.exists():
             raise InvalidArtifact(f"{dest}: already exists; get_folder writes a new folder")
         m = self.manifest(key, expect_sha256=expect_sha256)
         tmp = dest.with_name(f".{dest.name}.part-{uuid.uuid4().hex[:8]}")
         tmp.mkdir()
-        sinks = [_HashingSink(tmp / entry.path, entry.size_bytes) for entry in m.files]
+        changed = threading.Condition()
+        files = [_RangeFile(tmp / entry.path, entry.size_bytes, changed) for entry in m.files]
         try:
             try:
                 with self._transfers() as transfers:
                     got = [
-                        transfers.download(self.location.bucket, self._obj(key, DATA_NAME, entry.path), sink)
-                        for entry, sink in zip(m.files, sinks)
+                        transfers.download(
+                            self.location.bucket, self._obj(key, DATA_NAME, entry.path), f, subscribers=[f]
+                        )
                         if entry.size_bytes
+                        else None
+                        for entry, f in zip(m.files, files)
                     ]
+                    hashed = [f.hash_as_written(future) for f, future in zip(files, got)]
                     for future in got:
-                        future.result()
+                        if future is not None:
+                            future.result()
             except Exception as exc:  # noqa: BLE001 - mapped
                 raise self._error(exc, f"reading {key}") from None
-            for entry, sink in zip(m.files, sinks):
-                sink.close()
-                verify(m, entry, sink.size, sink.digest.hexdigest())
+            for entry, (size, sha256) in zip(m.files, hashed):
+                verify(m, entry, size, sha256)
             os.rename(tmp, dest)
         except BaseException:
-            for sink in sinks:
-                sink.close()
+            for f in files:
+                f.close()
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return m
@@ -805,34 +812,32 @@ class _KnownSize:
         pass
 
 
-class _HashingSink:
+class _RangeFile:
     """Where a download of one file goes. boto3 writes its ranges, in whatever order they
-    arrive, at their offsets (``seek`` then ``write``, from one thread); the sink hashes the
-    file's bytes in order: a write at the end of the hashed bytes is hashed as it comes, a write
-    past a gap is hashed once the gap is filled, read back from the file (the page cache), so no
-    range waits in memory. The file is created at the first write (an empty one at
-    :meth:`close`) and closed once every byte is hashed, so a get of many files holds open only
-    those in flight.
+    arrive, at their offsets (``seek`` then ``write``, from its one I/O thread); ``written``
+    counts the bytes from the start with no gap, and :meth:`hash_as_written` hashes those in
+    order from another thread, read back from the file (the page cache), so no range waits in
+    memory and hashing runs beside the transfer. Also the transfer's subscriber: its end wakes
+    the hashing thread. The file is created at the first write and closed after its last byte,
+    so a get of many files holds open only those in flight."""
 
-    ``size`` is the number of bytes hashed so far: the file's size once all are written."""
-
-    def __init__(self, path: Path, size_bytes: int) -> None:
+    def __init__(self, path: Path, size_bytes: int, changed: threading.Condition) -> None:
         self.path = path
         self.size_bytes = size_bytes
-        self.size = 0
-        self.digest = hashlib.sha256()
+        self.written = 0
+        self._changed = changed
         self._fd: int | None = None
-        self._done = False
         self._offset = 0
-        #: Written ranges past the hashed bytes: start -> end.
+        #: Written ranges past ``written``: start -> end.
         self._ahead: dict[int, int] = {}
 
+    # ---- the file object boto3 writes to
     def seekable(self) -> bool:
         return True
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         if whence != os.SEEK_SET:
-            raise OSError("a download sink seeks to absolute offsets only")
+            raise OSError("a download file seeks to absolute offsets only")
         self._offset = offset
         return offset
 
@@ -842,53 +847,77 @@ class _HashingSink:
     def write(self, data: bytes) -> int:
         start, end = self._offset, self._offset + len(data)
         self._offset = end
-        if self._done:  # more bytes than the manifest says: counted, and refused by the check
-            self.size = max(self.size, end)
-            return len(data)
         if self._fd is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
         view = memoryview(data)
         at = start
         while view:
             n = os.pwrite(self._fd, view, at)
             view, at = view[n:], at + n
-        if start == self.size:
-            self.digest.update(data)
-            self.size = end
-        elif end > self.size:
-            self._ahead[start] = max(end, self._ahead.get(start, end))
-        self._catch_up()
-        if self.size >= self.size_bytes:
+        with self._changed:
+            if end > self.written:
+                self._ahead[start] = max(end, self._ahead.get(start, end))
+            while True:
+                reach = [e for s, e in self._ahead.items() if s <= self.written < e]
+                for s in [s for s in self._ahead if s <= self.written]:
+                    del self._ahead[s]
+                if not reach:
+                    break
+                self.written = max(reach)
+            self._changed.notify_all()
+        if self.written >= self.size_bytes:
             self.close()
         return len(data)
-
-    def _catch_up(self) -> None:
-        """Hash the written ranges that now follow the hashed bytes, read back from the file."""
-        assert self._fd is not None
-        while True:
-            reach = [end for start, end in self._ahead.items() if start <= self.size < end]
-            for start in [start for start, end in self._ahead.items() if end <= self.size or start <= self.size]:
-                del self._ahead[start]
-            if not reach:
-                return
-            end = max(reach)
-            while self.size < end:
-                block = os.pread(self._fd, min(CHUNK_BYTES, end - self.size), self.size)
-                if not block:
-                    raise OSError(f"{self.path}: {self.size} bytes read back, expected {end}")
-                self.digest.update(block)
-                self.size += len(block)
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-            self._done = True
-        elif not self._done:
+
+    # ---- the transfer's subscriber
+    def on_queued(self, future, **kwargs) -> None:
+        future.meta.provide_transfer_size(self.size_bytes)
+
+    def on_progress(self, future, bytes_transferred, **kwargs) -> None:
+        pass
+
+    def on_done(self, future, **kwargs) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    # ---- the hashing thread
+    def hash_as_written(self, future) -> tuple[int, str]:
+        """Hash the file's bytes in order as they are written, until ``future`` (its transfer;
+        None for an empty file) is done and every byte written is hashed.
+
+        Returns:
+            The bytes hashed (the file's size when all came) and their SHA-256 (hex).
+        """
+        digest = hashlib.sha256()
+        hashed = 0
+        if future is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.touch()
-            self._done = True
+            return hashed, digest.hexdigest()
+        with contextlib.ExitStack() as stack:
+            reader = None
+            while True:
+                with self._changed:
+                    while self.written <= hashed and not future.done():
+                        self._changed.wait(1.0)
+                    upto, finished = self.written, future.done()
+                if upto > hashed:
+                    if reader is None:
+                        reader = stack.enter_context(open(self.path, "rb", buffering=0))  # noqa: SIM115
+                    while hashed < upto:
+                        block = os.pread(reader.fileno(), min(CHUNK_BYTES, upto - hashed), hashed)
+                        if not block:
+                            raise OSError(f"{self.path}: read back {hashed} bytes, {upto} were written")
+                        digest.update(block)
+                        hashed += len(block)
+                elif finished:
+                    return hashed, digest.hexdigest()
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -1,20 +1,35 @@
-"""A get from the ``s3`` store hashes each file in file order while boto3 writes its ranges in
-whatever order they arrive: the hash is the file's, the bytes are where they belong, and a range
-that never came leaves the hash short (the manifest check then refuses the file)."""
+"""A get from the ``s3`` store hashes each file in file order, in its own thread, while boto3
+writes the file's ranges in whatever order they arrive: the hash is the file's, the bytes are
+where they belong, and a range that never came leaves the hash short (the manifest check then
+refuses the file)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import random
+import threading
+from concurrent.futures import Future
 
-from opentinker_common.artifacts.s3 import _HashingSink
+from opentinker_common.artifacts.s3 import _RangeFile
 
 
-def _write(sink: _HashingSink, data: bytes, ranges: list[tuple[int, int]]) -> None:
-    for start, end in ranges:
-        sink.seek(start)
-        sink.write(data[start:end])
+def _download(f: _RangeFile, data: bytes, ranges: list[tuple[int, int]]) -> tuple[int, str]:
+    """Write ``ranges`` of ``data`` in a thread, as boto3's I/O thread does, while this one hashes."""
+    done: Future = Future()
+
+    def transfer() -> None:
+        for start, end in ranges:
+            f.seek(start)
+            f.write(data[start:end])
+        done.set_result(None)
+        f.on_done(done)
+
+    writer = threading.Thread(target=transfer)
+    writer.start()
+    got = f.hash_as_written(done)
+    writer.join()
+    return got
 
 
 def test_ranges_in_any_order_hash_to_the_files_sha256(tmp_path):
@@ -23,22 +38,20 @@ def test_ranges_in_any_order_hash_to_the_files_sha256(tmp_path):
     ranges = [(i, min(i + step, len(data))) for i in range(0, len(data), step)]
     random.Random(7).shuffle(ranges)
     ranges.append(ranges[3])  # a range sent twice (a retried GET)
-    sink = _HashingSink(tmp_path / "sub" / "w", len(data))
-    _write(sink, data, ranges)
-    sink.close()
-    assert sink.size == len(data) and sink.digest.hexdigest() == hashlib.sha256(data).hexdigest()
+    f = _RangeFile(tmp_path / "sub" / "w", len(data), threading.Condition())
+    assert _download(f, data, ranges) == (len(data), hashlib.sha256(data).hexdigest())
     assert (tmp_path / "sub" / "w").read_bytes() == data
 
 
 def test_a_missing_range_leaves_the_hash_short(tmp_path):
     data = os.urandom(1024 * 1024)
-    sink = _HashingSink(tmp_path / "w", len(data))
-    _write(sink, data, [(0, 1000), (2000, len(data))])
-    sink.close()
-    assert sink.size == 1000
+    f = _RangeFile(tmp_path / "w", len(data), threading.Condition())
+    size, _ = _download(f, data, [(0, 1000), (2000, len(data))])
+    f.close()
+    assert size == 1000
 
 
-def test_an_empty_file_is_created_at_close(tmp_path):
-    sink = _HashingSink(tmp_path / "d" / "empty", 0)
-    sink.close()
-    assert (tmp_path / "d" / "empty").read_bytes() == b"" and sink.digest.hexdigest() == hashlib.sha256().hexdigest()
+def test_an_empty_file_is_created(tmp_path):
+    f = _RangeFile(tmp_path / "d" / "empty", 0, threading.Condition())
+    assert f.hash_as_written(None) == (0, hashlib.sha256().hexdigest())
+    assert (tmp_path / "d" / "empty").read_bytes() == b""
