@@ -185,19 +185,23 @@ class S3ArtifactStore(ArtifactStore):
         #: Held from the check that a key is free to its manifest's write, so two commits of
         #: one key in this process cannot both copy their files under it.
         self._commit_lock = threading.Lock()
-        self._client = boto3.session.Session().client(
-            "s3",
-            endpoint_url=location.endpoint or None,
-            region_name=location.region or None,
-            config=Config(
-                connect_timeout=connect_timeout_s,
-                read_timeout=read_timeout_s,
-                retries={"max_attempts": max_attempts, "mode": "standard"},
-                s3={"addressing_style": "path"},
-                # SeaweedFS and other S3-compatible stores differ on the newer integrity headers
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-            ),
+        session = boto3.session.Session()
+        config = Config(
+            connect_timeout=connect_timeout_s,
+            read_timeout=read_timeout_s,
+            retries={"max_attempts": max_attempts, "mode": "standard"},
+            s3={"addressing_style": "path"},
+            # SeaweedFS and other S3-compatible stores differ on the newer integrity headers
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        where = {"endpoint_url": location.endpoint or None, "region_name": location.region or None}
+        self._client = session.client("s3", config=config, **where)
+        #: The client of :meth:`get_folder`'s transfers. With responses checked "when_supported",
+        #: as at boto3's defaults, the transfer manager asks an object's size first (HEAD) and
+        #: fetches all its ranges at once; "when_required" makes it fetch the first range alone.
+        self._reader = session.client(
+            "s3", config=config.merge(Config(response_checksum_validation="when_supported")), **where
         )
 
     # ------------------------------------------------------------------ helpers
@@ -275,12 +279,12 @@ class S3ArtifactStore(ArtifactStore):
             out.update((o["Key"], int(o["Size"])) for o in page.get("Contents", ()))
         return out
 
-    def _transfers(self):
-        """A boto3 transfer manager over this store's client: parts and threads as boto3's
+    def _transfers(self, client=None):
+        """A boto3 transfer manager over ``client`` (this store's): parts and threads as boto3's
         ``upload_file`` and ``download_file`` use them, for every file of one put or get."""
         from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
-        return create_transfer_manager(self._client, TransferConfig())
+        return create_transfer_manager(client or self._client, TransferConfig())
 
     def put_folder(self, key: str, folder: Path, *, meta: Mapping[str, str] | None = None) -> ArtifactRef:
         """Upload the files and hash them at the same time; the manifest follows both.
@@ -374,7 +378,7 @@ class S3ArtifactStore(ArtifactStore):
         files = [_RangeFile(tmp / entry.path, entry.size_bytes, changed) for entry in m.files]
         try:
             try:
-                with self._transfers() as transfers:
+                with self._transfers(self._reader) as transfers:
                     got = [
                         transfers.download(
                             self.location.bucket, self._obj(key, DATA_NAME, entry.path), f, subscribers=[f]
@@ -877,7 +881,7 @@ class _RangeFile:
 
     # ---- the transfer's subscriber
     def on_queued(self, future, **kwargs) -> None:
-        future.meta.provide_transfer_size(self.size_bytes)
+        pass
 
     def on_progress(self, future, bytes_transferred, **kwargs) -> None:
         pass
