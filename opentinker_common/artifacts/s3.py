@@ -816,6 +816,11 @@ class _KnownSize:
         pass
 
 
+#: The hashing thread of a get is woken each time this many more bytes of a file are written in
+#: order (and at its last byte): few thread switches, and the bytes are still in the page cache.
+_WAKE_BYTES = 4 * 1024 * 1024
+
+
 class _RangeFile:
     """Where a download of one file goes. boto3 writes its ranges, in whatever order they
     arrive, at their offsets (``seek`` then ``write``, from its one I/O thread); ``written``
@@ -829,6 +834,8 @@ class _RangeFile:
         self.path = path
         self.size_bytes = size_bytes
         self.written = 0
+        #: ``written`` when the hashing thread was last woken.
+        self._told = 0
         self._changed = changed
         self._fd: int | None = None
         self._offset = 0
@@ -860,6 +867,7 @@ class _RangeFile:
             n = os.pwrite(self._fd, view, at)
             view, at = view[n:], at + n
         with self._changed:
+            before = self.written
             if end > self.written:
                 self._ahead[start] = max(end, self._ahead.get(start, end))
             while True:
@@ -869,7 +877,9 @@ class _RangeFile:
                 if not reach:
                     break
                 self.written = max(reach)
-            self._changed.notify_all()
+            if self.written - self._told >= _WAKE_BYTES or (self.written >= self.size_bytes > before):
+                self._told = self.written
+                self._changed.notify_all()
         if self.written >= self.size_bytes:
             self.close()
         return len(data)
