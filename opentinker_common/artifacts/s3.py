@@ -64,7 +64,7 @@ from opentinker_common.artifacts.manifest import (
     folder_files,
     scan_folder,
 )
-from opentinker_common.artifacts.store import ArtifactStore, verify
+from opentinker_common.artifacts.store import ArtifactStore, WriteBehind, append_hashing, verify
 
 __all__ = ["S3Location", "S3ArtifactStore", "PresignedRequest", "S3UploadStatus"]
 
@@ -73,6 +73,9 @@ DATA_NAME = ".data"
 UPLOADS_NAME = ".uploads"
 #: The largest object one PUT or CopyObject can write, and the largest part (bytes): S3's limit.
 MAX_PUT_BYTES = 5 * 1024**3
+#: A get fetches a file of at most this many bytes (64 MiB) by one GET, a larger one by parallel
+#: ranged GETs: one stream is the faster below.
+ONE_GET_BYTES = 64 * 1024 * 1024
 #: The smallest part of a multipart upload but its last (bytes): S3's limit.
 MIN_PART_BYTES = 5 * 1024**2
 #: The most parts of one multipart upload: S3's limit.
@@ -365,9 +368,10 @@ class S3ArtifactStore(ArtifactStore):
             raise self._error(exc, f"reading {manifest.key}/{entry.path}") from None
 
     def get_folder(self, key: str, dest: Path, *, expect_sha256: str = "") -> Manifest:
-        """Download every file with boto3's parallel ranged GETs (:class:`_RangeFile`) while
-        this thread hashes each file's bytes in order as they are written, then check each file
-        against the manifest."""
+        """Download the files and check each against the manifest. A file over
+        :data:`ONE_GET_BYTES` comes by boto3's parallel ranged GETs (:class:`_RangeFile`) while
+        this thread hashes its bytes in order as they are written; a smaller one by one GET,
+        hashed as it streams, while the large ones go on."""
         dest = Path(dest)
         if dest.exists():
             raise InvalidArtifact(f"{dest}: already exists; get_folder writes a new folder")
@@ -383,11 +387,14 @@ class S3ArtifactStore(ArtifactStore):
                         transfers.download(
                             self.location.bucket, self._obj(key, DATA_NAME, entry.path), f, subscribers=[f]
                         )
-                        if entry.size_bytes
+                        if entry.size_bytes > ONE_GET_BYTES
                         else None
                         for entry, f in zip(m.files, files)
                     ]
-                    hashed = [f.hash_as_written(future) for f, future in zip(files, got)]
+                    hashed = [
+                        f.hash_as_written(future) if future is not None else self._get_one(m, entry, f.path)
+                        for entry, f, future in zip(m.files, files, got)
+                    ]
                     for future in got:
                         if future is not None:
                             future.result()
@@ -402,6 +409,21 @@ class S3ArtifactStore(ArtifactStore):
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return m
+
+    def _get_one(self, m: Manifest, entry: FileEntry, path: Path) -> tuple[int, str]:
+        """Write file ``entry`` to ``path`` by one GET, each chunk hashed and written in a worker
+        thread while the next arrives; its size and SHA-256 (hex)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        behind = WriteBehind()
+        try:
+            with open(path, "wb", buffering=0) as f:
+                for chunk in self.read_chunks(m, entry):
+                    behind.submit(append_hashing, f, digest, chunk)
+                behind.wait()
+                return f.tell(), digest.hexdigest()
+        finally:
+            behind.close()
 
     def list(self, prefix: str = "") -> list[str]:
         keys = []
@@ -902,18 +924,14 @@ class _RangeFile:
 
     # ---- the hashing thread
     def hash_as_written(self, future) -> tuple[int, str]:
-        """Hash the file's bytes in order as they are written, until ``future`` (its transfer;
-        None for an empty file) is done and every byte written is hashed.
+        """Hash the file's bytes in order as they are written, until ``future`` (its transfer)
+        is done and every byte written is hashed.
 
         Returns:
             The bytes hashed (the file's size when all came) and their SHA-256 (hex).
         """
         digest = hashlib.sha256()
         hashed = 0
-        if future is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.touch()
-            return hashed, digest.hexdigest()
         with contextlib.ExitStack() as stack:
             reader = None
             while True:

@@ -49,9 +49,3 @@ def test_a_missing_range_leaves_the_hash_short(tmp_path):
     size, _ = _download(f, data, [(0, 1000), (2000, len(data))])
     f.close()
     assert size == 1000
-
-
-def test_an_empty_file_is_created(tmp_path):
-    f = _RangeFile(tmp_path / "d" / "empty", 0, threading.Condition())
-    assert f.hash_as_written(None) == (0, hashlib.sha256().hexdigest())
-    assert (tmp_path / "d" / "empty").read_bytes() == b""
