@@ -21,9 +21,10 @@ copies the file in parts (UploadPartCopy; CopyObject stops at 5 GiB). The bucket
 such a file's SHA-256, which every read does. An upload in parts that fails at commit, or that
 nobody resumed for a while (:meth:`~S3ArtifactStore.abort_abandoned_uploads`), is aborted.
 
-The store's own puts and gets move every file of a folder with one boto3 transfer manager (its
-multipart uploads and parallel ranged GETs); a put hashes the files while they are sent, a get
-hashes each file in order as it is written and checks it against the manifest.
+The store's own puts and gets move the files of a folder with one boto3 transfer manager (its
+multipart uploads and parallel ranged GETs; a get takes a file up to 64 MiB by one GET); a put
+hashes the files while they are sent, a get hashes each file in order as it is written and
+checks it against the manifest.
 
 Credentials come from the standard AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``AWS_PROFILE``, ``~/.aws/credentials``, instance roles), never from task specs or this
