@@ -29,6 +29,7 @@ __all__ = [
     "ArtifactRef",
     "check_key",
     "check_rel_path",
+    "folder_files",
     "scan_folder",
     "sha256_file",
     "checkpoint_key",
@@ -180,12 +181,11 @@ def sha256_file(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def scan_folder(folder: Path) -> list[tuple[Path, FileEntry]]:
-    """Every regular file under ``folder`` (symlinks skipped), with its entry, sorted by path.
+def folder_files(folder: Path) -> list[Path]:
+    """Every regular file under ``folder`` (symlinks skipped), in walk order, not read.
 
     Raises:
-        InvalidArtifact: ``folder`` is not a folder, holds too many files or a file whose relative
-            path is not allowed.
+        InvalidArtifact: ``folder`` is not a folder or holds too many files.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -200,6 +200,20 @@ def scan_folder(folder: Path) -> list[tuple[Path, FileEntry]]:
             found.append(p)
             if len(found) > MAX_FILES:
                 raise InvalidArtifact(f"{folder}: more than {MAX_FILES} files")
+    return found
+
+
+def scan_folder(folder: Path, found: list[Path] | None = None) -> list[tuple[Path, FileEntry]]:
+    """Every regular file under ``folder`` (``found``: :func:`folder_files`, when listed already),
+    with its entry, sorted by path.
+
+    Raises:
+        InvalidArtifact: ``folder`` is not a folder, holds too many files or a file whose relative
+            path is not allowed.
+    """
+    folder = Path(folder)
+    if found is None:
+        found = folder_files(folder)
     out = []
     for p, (size, sha) in zip(found, _hash_all(found)):
         out.append((p, FileEntry(p.relative_to(folder).as_posix(), size, sha)))

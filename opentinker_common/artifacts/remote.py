@@ -221,10 +221,14 @@ class RemoteArtifactStore(ArtifactStore):
         )
 
     def _put_presigned(self, m: Manifest, paths: Mapping[str, Path], puts) -> None:
+        """Send each PUT: the file's bytes from its offset, as many as its Content-Length says
+        (the whole file, or one part of a file the store takes in parts)."""
         for req in puts:
             entry = m.files[req.file_index]
+            length = int(req.headers.get("Content-Length", entry.size_bytes))
             with open(paths[entry.path], "rb") as f:
-                resp = self._send(req, f"writing {m.key}/{entry.path}", body=f)
+                f.seek(req.offset)
+                resp = self._send(req, f"writing {m.key}/{entry.path}", body=_Slice(f, length))
             resp.release_conn()
 
     # ------------------------------------------------------------------ get
@@ -355,6 +359,20 @@ class RemoteArtifactStore(ArtifactStore):
 
     def delete(self, key: str) -> bool:
         raise StoreAuthError("trainers do not delete artifacts; the scheduler's retention does")
+
+
+class _Slice:
+    """The next ``length`` bytes of an open file, as a request body read in CHUNK_BYTES."""
+
+    def __init__(self, f, length: int) -> None:
+        self._f = f
+        self._left = length
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._left if n is None or n < 0 else min(n, self._left)
+        data = self._f.read(min(n, CHUNK_BYTES))
+        self._left -= len(data)
+        return data
 
 
 def _chunks(upload_id: str, m: Manifest, paths: Mapping[str, Path], received: list[int]):

@@ -3,7 +3,7 @@
 Objects under the bucket's ``prefix``::
 
     <prefix><key>/.manifest.json     the commit point, written last
-    <prefix><key>/.data/<path>       the files (multipart above 64 MiB), each with metadata sha256
+    <prefix><key>/.data/<path>       the files
     <prefix>.uploads/<upload id>/    a presigned upload: announce.json, files/<index> (staged)
 
 Presigned uploads let a trainer without S3 credentials write: :meth:`S3ArtifactStore.begin_upload`
@@ -14,6 +14,18 @@ last, conditional on none being there. Only the holder of these credentials (the
 signs and commits; a staged upload never committed is removed by the bucket's lifecycle rule on
 ``.uploads/``.
 
+A file over ``multipart_part_bytes`` (at most 5 GiB, S3's limit of one PUT) goes in parts: the
+store starts a multipart upload of its staging object and signs one PUT per part, bound to the
+part's size; the commit checks every part's size, assembles them (CompleteMultipartUpload) and
+copies the file in parts (UploadPartCopy; CopyObject stops at 5 GiB). The bucket cannot check
+such a file's SHA-256, which every read does. An upload in parts that fails at commit, or that
+nobody resumed for a while (:meth:`~S3ArtifactStore.abort_abandoned_uploads`), is aborted.
+
+The store's own puts and gets move the files of a folder with one boto3 transfer manager (its
+multipart uploads and parallel ranged GETs; a get takes a file up to 64 MiB by one GET); a put
+hashes the files while they are sent, a get hashes each file in order as it is written and
+checks it against the manifest.
+
 Credentials come from the standard AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``AWS_PROFILE``, ``~/.aws/credentials``, instance roles), never from task specs or this
 module's arguments, and no message ever contains a secret. boto3 is imported on first use, so
@@ -23,9 +35,13 @@ the client role does not need it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
+import os
+import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -45,20 +61,26 @@ from opentinker_common.artifacts.manifest import (
     FileEntry,
     Manifest,
     check_key,
+    check_rel_path,
+    folder_files,
     scan_folder,
 )
-from opentinker_common.artifacts.store import ArtifactStore
+from opentinker_common.artifacts.store import ArtifactStore, WriteBehind, append_hashing, verify
 
 __all__ = ["S3Location", "S3ArtifactStore", "PresignedRequest", "S3UploadStatus"]
 
 MANIFEST_NAME = ".manifest.json"
 DATA_NAME = ".data"
 UPLOADS_NAME = ".uploads"
-#: The largest object one presigned PUT can write (bytes): S3's single-request limit.
+#: The largest object one PUT or CopyObject can write, and the largest part (bytes): S3's limit.
 MAX_PUT_BYTES = 5 * 1024**3
-#: Files larger than this (bytes) are uploaded in parts of :data:`PART_BYTES`.
-MULTIPART_THRESHOLD = 64 * 1024 * 1024
-PART_BYTES = 16 * 1024 * 1024
+#: A get fetches a file of at most this many bytes (64 MiB) by one GET, a larger one by parallel
+#: ranged GETs: one stream is the faster below.
+ONE_GET_BYTES = 64 * 1024 * 1024
+#: The smallest part of a multipart upload but its last (bytes): S3's limit.
+MIN_PART_BYTES = 5 * 1024**2
+#: The most parts of one multipart upload: S3's limit.
+MAX_PARTS = 10_000
 _AUTH_CODES = frozenset(
     {
         "InvalidAccessKeyId",
@@ -72,6 +94,8 @@ _AUTH_CODES = frozenset(
     }
 )
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+#: CompleteMultipartUpload's refusals of the parts themselves: they are dropped and sent again.
+_REFUSED_PARTS_CODES = frozenset({"InvalidPart", "InvalidPartOrder", "EntityTooSmall", "NoSuchUpload"})
 
 
 @dataclass(frozen=True)
@@ -99,13 +123,16 @@ class S3Location:
 @dataclass(frozen=True)
 class PresignedRequest:
     """One signed HTTP request: ``method`` ``url`` with exactly ``headers``, for file
-    ``file_index`` of a manifest, refused by the store after ``expires_unix_s``."""
+    ``file_index`` of a manifest, refused by the store after ``expires_unix_s``. A PUT sends the
+    file's bytes from ``offset``, as many as its ``Content-Length`` header says: the whole file,
+    or one part of it."""
 
     file_index: int
     method: str
     url: str
     headers: dict[str, str]
     expires_unix_s: int
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,6 +158,12 @@ class S3ArtifactStore(ArtifactStore):
         location: bucket, prefix, endpoint, region.
         connect_timeout_s, read_timeout_s: per request (seconds).
         max_attempts: boto3's own retries of one request (standard mode).
+        multipart_part_bytes: a presigned upload sends a file larger than this in parts of this
+            size, which the store assembles at commit; smaller files go in one PUT, whose bytes
+            the bucket checks against the file's SHA-256. 5 MiB to 5 GiB.
+
+    Raises:
+        InvalidArtifact: ``multipart_part_bytes`` out of range.
     """
 
     backend = "s3"
@@ -142,27 +175,37 @@ class S3ArtifactStore(ArtifactStore):
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 60.0,
         max_attempts: int = 3,
+        multipart_part_bytes: int = MAX_PUT_BYTES,
     ) -> None:
         import boto3
         from botocore.config import Config
 
+        if not MIN_PART_BYTES <= multipart_part_bytes <= MAX_PUT_BYTES:
+            raise InvalidArtifact(
+                f"multipart_part_bytes: expected {MIN_PART_BYTES} to {MAX_PUT_BYTES} bytes, got {multipart_part_bytes}"
+            )
         self.location = location
+        self.multipart_part_bytes = multipart_part_bytes
         #: Held from the check that a key is free to its manifest's write, so two commits of
         #: one key in this process cannot both copy their files under it.
         self._commit_lock = threading.Lock()
-        self._client = boto3.session.Session().client(
-            "s3",
-            endpoint_url=location.endpoint or None,
-            region_name=location.region or None,
-            config=Config(
-                connect_timeout=connect_timeout_s,
-                read_timeout=read_timeout_s,
-                retries={"max_attempts": max_attempts, "mode": "standard"},
-                s3={"addressing_style": "path"},
-                # SeaweedFS and other S3-compatible stores differ on the newer integrity headers
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-            ),
+        session = boto3.session.Session()
+        config = Config(
+            connect_timeout=connect_timeout_s,
+            read_timeout=read_timeout_s,
+            retries={"max_attempts": max_attempts, "mode": "standard"},
+            s3={"addressing_style": "path"},
+            # SeaweedFS and other S3-compatible stores differ on the newer integrity headers
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        where = {"endpoint_url": location.endpoint or None, "region_name": location.region or None}
+        self._client = session.client("s3", config=config, **where)
+        #: The client of :meth:`get_folder`'s transfers. With responses checked "when_supported",
+        #: as at boto3's defaults, the transfer manager asks an object's size first (HEAD) and
+        #: fetches all its ranges at once; "when_required" makes it fetch the first range alone.
+        self._reader = session.client(
+            "s3", config=config.merge(Config(response_checksum_validation="when_supported")), **where
         )
 
     # ------------------------------------------------------------------ helpers
@@ -232,53 +275,63 @@ class S3ArtifactStore(ArtifactStore):
                 err = StoreUnavailable(f"{self.describe()}: bucket {self.location.bucket!r} does not exist")
             raise err from None
 
-    def _data_objects(self, key: str) -> list[str]:
-        out = []
+    def _data_objects(self, key: str) -> dict[str, int]:
+        """The data objects under ``key`` and their sizes (bytes)."""
+        out = {}
         paginator = self._client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.location.bucket, Prefix=self._obj(key, DATA_NAME) + "/"):
-            out.extend(o["Key"] for o in page.get("Contents", ()))
+            out.update((o["Key"], int(o["Size"])) for o in page.get("Contents", ()))
         return out
 
-    def put_folder(self, key: str, folder: Path, *, meta: Mapping[str, str] | None = None) -> ArtifactRef:
-        from boto3.s3.transfer import TransferConfig
+    def _transfers(self, client=None):
+        """A boto3 transfer manager over ``client`` (this store's): parts and threads as boto3's
+        ``upload_file`` and ``download_file`` use them, for every file of one put or get."""
+        from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
+        return create_transfer_manager(client or self._client, TransferConfig())
+
+    def put_folder(self, key: str, folder: Path, *, meta: Mapping[str, str] | None = None) -> ArtifactRef:
+        """Upload the files and hash them at the same time; the manifest follows both.
+
+        A key that holds a manifest already is hashed first and nothing is sent: the same
+        content returns its ref, other content raises ArtifactExists.
+        """
         check_key(key)
-        files = scan_folder(Path(folder))
-        m = Manifest(key, tuple(e for _, e in files), meta or {})
-        transfer = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=PART_BYTES)
-        bucket = self.location.bucket
+        folder = Path(folder)
+        found = folder_files(folder)
+        names = [check_rel_path(p.relative_to(folder).as_posix()) for p in found]
         try:
             held = self._held_manifest(key)
         except ArtifactCorrupt:
             held = None  # a manifest that does not parse commits nothing: it is written over
         if held is not None:
+            m = Manifest(key, tuple(e for _, e in scan_folder(folder, found)), meta or {})
             if held.sha256 == m.sha256:
                 return m.ref()
             raise ArtifactExists(
                 f"artifact {key} is already committed with other content (manifest sha256 {held.sha256[:16]}...); "
                 "committed artifacts are immutable: store it under a new key"
             )
+        bucket = self.location.bucket
         try:
-            old = set(self._data_objects(key))  # of a put that failed before its manifest
-            for src, entry in files:
-                self._client.upload_file(
-                    str(src),
-                    bucket,
-                    self._obj(key, DATA_NAME, entry.path),
-                    ExtraArgs={"Metadata": {"sha256": entry.sha256}},
-                    Config=transfer,
-                )
-            for _, entry in files:  # every file is there with its size before the manifest is
-                head = self._client.head_object(Bucket=bucket, Key=self._obj(key, DATA_NAME, entry.path))
-                if int(head["ContentLength"]) != entry.size_bytes:
+            with self._transfers() as transfers:
+                sent = [transfers.upload(str(p), bucket, self._obj(key, DATA_NAME, n)) for p, n in zip(found, names)]
+                files = scan_folder(folder, found)  # while the transfer threads send
+                for future in sent:
+                    future.result()
+            m = Manifest(key, tuple(e for _, e in files), meta or {})
+            held_objects = self._data_objects(key)  # every file is there with its size before the manifest is
+            for entry in m.files:
+                size = held_objects.get(self._obj(key, DATA_NAME, entry.path))
+                if size != entry.size_bytes:
                     raise StoreUnavailable(
-                        f"{self.describe()}: {key}/{entry.path} holds {head['ContentLength']} bytes after upload, "
+                        f"{self.describe()}: {key}/{entry.path} holds {size} bytes after upload, "
                         f"not {entry.size_bytes}; nothing was committed"
                     )
             self._client.put_object(
                 Bucket=bucket, Key=self._obj(key, MANIFEST_NAME), Body=m.to_json(), ContentType="application/json"
             )
-            stale = old - {self._obj(key, DATA_NAME, e.path) for e in m.files}
+            stale = set(held_objects) - {self._obj(key, DATA_NAME, e.path) for e in m.files}  # of a failed put
             self._delete_objects(sorted(stale))
         except Exception as exc:  # noqa: BLE001 - mapped
             raise self._error(exc, f"writing {key}") from None
@@ -316,7 +369,62 @@ class S3ArtifactStore(ArtifactStore):
             raise self._error(exc, f"reading {manifest.key}/{entry.path}") from None
 
     def get_folder(self, key: str, dest: Path, *, expect_sha256: str = "") -> Manifest:
-        return super().get_folder(key, dest, expect_sha256=expect_sha256)
+        """Download the files and check each against the manifest. A file over
+        :data:`ONE_GET_BYTES` comes by boto3's parallel ranged GETs (:class:`_RangeFile`) while
+        this thread hashes its bytes in order as they are written; a smaller one by one GET,
+        hashed as it streams, while the large ones go on."""
+        dest = Path(dest)
+        if dest.exists():
+            raise InvalidArtifact(f"{dest}: already exists; get_folder writes a new folder")
+        m = self.manifest(key, expect_sha256=expect_sha256)
+        tmp = dest.with_name(f".{dest.name}.part-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir()
+        changed = threading.Condition()
+        files = [_RangeFile(tmp / entry.path, entry.size_bytes, changed) for entry in m.files]
+        try:
+            try:
+                with self._transfers(self._reader) as transfers:
+                    got = [
+                        transfers.download(
+                            self.location.bucket, self._obj(key, DATA_NAME, entry.path), f, subscribers=[f]
+                        )
+                        if entry.size_bytes > ONE_GET_BYTES
+                        else None
+                        for entry, f in zip(m.files, files)
+                    ]
+                    hashed = [
+                        f.hash_as_written(future) if future is not None else self._get_one(m, entry, f.path)
+                        for entry, f, future in zip(m.files, files, got)
+                    ]
+                    for future in got:
+                        if future is not None:
+                            future.result()
+            except Exception as exc:  # noqa: BLE001 - mapped
+                raise self._error(exc, f"reading {key}") from None
+            for entry, (size, sha256) in zip(m.files, hashed):
+                verify(m, entry, size, sha256)
+            os.rename(tmp, dest)
+        except BaseException:
+            for f in files:
+                f.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return m
+
+    def _get_one(self, m: Manifest, entry: FileEntry, path: Path) -> tuple[int, str]:
+        """Write file ``entry`` to ``path`` by one GET, each chunk hashed and written in a worker
+        thread while the next arrives; its size and SHA-256 (hex)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        behind = WriteBehind()
+        try:
+            with open(path, "wb", buffering=0) as f:
+                for chunk in self.read_chunks(m, entry):
+                    behind.submit(append_hashing, f, digest, chunk)
+                behind.wait()
+                return f.tell(), digest.hexdigest()
+        finally:
+            behind.close()
 
     def list(self, prefix: str = "") -> list[str]:
         keys = []
@@ -349,7 +457,7 @@ class S3ArtifactStore(ArtifactStore):
                     raise
                 existed = False
             self._client.delete_object(Bucket=self.location.bucket, Key=self._obj(key, MANIFEST_NAME))
-            data = self._data_objects(key)
+            data = sorted(self._data_objects(key))
             self._delete_objects(data)
         except Exception as exc:  # noqa: BLE001 - mapped
             raise self._error(exc, f"deleting {key}") from None
@@ -361,31 +469,72 @@ class S3ArtifactStore(ArtifactStore):
             raise InvalidArtifact(f"upload_id: expected 32 hex digits, got {upload_id[:40]!r}")
         return self.location.prefix + "/".join((UPLOADS_NAME, upload_id, *rest))
 
-    def _staged_size(self, name: str, sha256_hex: str) -> int:
-        """Bytes of the staged object ``name`` when it holds the file with ``sha256_hex``, else 0."""
+    def _head(self, name: str) -> dict | None:
+        """HEAD of ``name`` with its checksum, or None when there is no such object."""
         try:
-            head = self._client.head_object(Bucket=self.location.bucket, Key=name, ChecksumMode="ENABLED")
+            return self._client.head_object(Bucket=self.location.bucket, Key=name, ChecksumMode="ENABLED")
         except Exception as exc:  # noqa: BLE001 - mapped
             if isinstance(self._error(exc, f"reading {name}"), ArtifactNotFound):
-                return 0
+                return None
             raise
-        if head.get("ChecksumSHA256") != _checksum(sha256_hex):
+
+    def _staged_size(self, name: str, f: FileEntry) -> int:
+        """Bytes of the staged object ``name`` when it holds file ``f`` whole, else 0. A file sent
+        in one PUT must carry its SHA-256 checksum; one assembled from parts carries none."""
+        head = self._head(name)
+        if head is None or int(head["ContentLength"]) != f.size_bytes:
             return 0
-        return int(head["ContentLength"])
+        if not self._in_parts(f) and head.get("ChecksumSHA256") != _checksum(f.sha256):
+            return 0
+        return f.size_bytes
+
+    def _in_parts(self, f: FileEntry) -> bool:
+        return f.size_bytes > self.multipart_part_bytes
+
+    def _part_sizes(self, f: FileEntry) -> list[int]:
+        """Bytes of each part of file ``f`` (part ``n`` is item ``n - 1``)."""
+        step = self.multipart_part_bytes
+        return [min(step, f.size_bytes - start) for start in range(0, f.size_bytes, step)]
+
+    def _multipart_uploads(self, prefix: str) -> list[dict]:
+        """The unfinished multipart uploads of objects starting with ``prefix``, oldest first."""
+        out: list[dict] = []
+        paginator = self._client.get_paginator("list_multipart_uploads")
+        for page in paginator.paginate(Bucket=self.location.bucket, Prefix=prefix):
+            out.extend(page.get("Uploads", ()))
+        return sorted(out, key=lambda u: u["Initiated"])
+
+    def _parts_held(self, name: str, s3_upload_id: str, f: FileEntry) -> dict[int, dict]:
+        """The parts of file ``f`` the multipart upload holds with their size, by part number
+        (the newest where a store lists a part number twice)."""
+        want = self._part_sizes(f)
+        held: dict[int, dict] = {}
+        paginator = self._client.get_paginator("list_parts")
+        for page in paginator.paginate(Bucket=self.location.bucket, Key=name, UploadId=s3_upload_id):
+            for part in page.get("Parts", ()):
+                n = int(part["PartNumber"])
+                if not 1 <= n <= len(want) or int(part["Size"]) != want[n - 1]:
+                    continue
+                if n not in held or part["LastModified"] >= held[n]["LastModified"]:
+                    held[n] = part
+        return held
 
     def begin_upload(self, m: Manifest, *, expires_s: int) -> S3UploadStatus:
-        """Announce ``m`` and sign a PUT, valid ``expires_s`` seconds, for each file not staged yet.
-        Idempotent: the same manifest gets the same upload id.
+        """Announce ``m`` and sign, valid ``expires_s`` seconds, a PUT for each file not staged
+        yet, or for a file over ``multipart_part_bytes`` a PUT for each of its parts not staged
+        yet (a multipart upload this store starts). Idempotent: the same manifest gets the same
+        upload id and its multipart uploads.
 
         Raises:
-            InvalidArtifact: a file over 5 GiB. ArtifactExists: the key holds another committed
-                manifest. StoreUnavailable, StoreAuthError.
+            InvalidArtifact: a file that needs more than 10000 parts. ArtifactExists: the key holds
+                another committed manifest. StoreUnavailable, StoreAuthError.
         """
         for f in m.files:
-            if f.size_bytes > MAX_PUT_BYTES:
+            if len(self._part_sizes(f)) > MAX_PARTS:
                 raise InvalidArtifact(
-                    f"file {f.path!r}: {f.size_bytes} bytes is over the {MAX_PUT_BYTES} bytes one presigned PUT "
-                    "to the s3 store can write; split it"
+                    f"file {f.path!r}: {f.size_bytes} bytes is over the {MAX_PARTS} parts of "
+                    f"{self.multipart_part_bytes} bytes one upload to the s3 store can write "
+                    "(artifacts.s3.multipart_part_bytes); split it"
                 )
         upload_id = hashlib.sha256(m.to_json()).hexdigest()[:32]
         try:
@@ -401,10 +550,32 @@ class S3ArtifactStore(ArtifactStore):
             expires = int(time.time()) + expires_s
             for i, f in enumerate(m.files):
                 name = self._staged(upload_id, "files", str(i))
-                held = self._staged_size(name, f.sha256)
-                received.append(held)
+                held = self._staged_size(name, f)
                 if held == f.size_bytes and f.size_bytes > 0:
+                    received.append(held)
                     continue
+                if self._in_parts(f):
+                    s3_upload_id = self._multipart_upload(name)
+                    parts = self._parts_held(name, s3_upload_id, f)
+                    received.append(sum(int(p["Size"]) for p in parts.values()))
+                    for n, size in enumerate(self._part_sizes(f), start=1):
+                        if n in parts:
+                            continue
+                        url = self._client.generate_presigned_url(
+                            "upload_part",
+                            Params={
+                                "Bucket": self.location.bucket,
+                                "Key": name,
+                                "UploadId": s3_upload_id,
+                                "PartNumber": n,
+                                "ContentLength": size,
+                            },
+                            ExpiresIn=expires_s,
+                        )
+                        offset = (n - 1) * self.multipart_part_bytes
+                        puts.append(PresignedRequest(i, "PUT", url, {"Content-Length": str(size)}, expires, offset))
+                    continue
+                received.append(0)
                 checksum = _checksum(f.sha256)
                 url = self._client.generate_presigned_url(
                     "put_object",
@@ -421,6 +592,14 @@ class S3ArtifactStore(ArtifactStore):
         except Exception as exc:  # noqa: BLE001 - mapped
             raise self._error(exc, f"starting the upload of {m.key}") from None
         return S3UploadStatus(upload_id, tuple(received), puts=tuple(puts))
+
+    def _multipart_upload(self, name: str) -> str:
+        """The S3 upload id of the multipart upload of the staged object ``name``, started here
+        when there is none (the oldest, when a race started two)."""
+        for upload in self._multipart_uploads(name):
+            if upload["Key"] == name:
+                return upload["UploadId"]
+        return self._client.create_multipart_upload(Bucket=self.location.bucket, Key=name)["UploadId"]
 
     def _committed(self, m: Manifest) -> bool:
         """Whether ``m.key`` holds exactly ``m`` (ArtifactExists: it holds another manifest)."""
@@ -455,9 +634,67 @@ class S3ArtifactStore(ArtifactStore):
             raise err from None
         return Manifest.from_json(data)
 
+    def _check_staged(self, upload_id: str, i: int, m: Manifest) -> None:
+        """Check the staged file ``i`` of the upload: a file sent in one PUT by size and SHA-256
+        (HEAD); a file sent in parts by every part's size, then assembled (CompleteMultipartUpload).
+
+        Raises:
+            UploadIncomplete: bytes missing. ArtifactCorrupt: other bytes than announced, or parts
+                the store refused to assemble (dropped: send them again).
+        """
+        from opentinker_common.artifacts.local import UploadIncomplete
+
+        f = m.files[i]
+        name = self._staged(upload_id, "files", str(i))
+        if self._in_parts(f):
+            if self._staged_size(name, f) == f.size_bytes:
+                return  # assembled by a commit that failed later
+            s3_upload_id = next((u["UploadId"] for u in self._multipart_uploads(name) if u["Key"] == name), None)
+            if s3_upload_id is None:
+                raise UploadIncomplete(f"upload {upload_id}: file {f.path} holds 0 of {f.size_bytes} bytes; send it")
+            parts = self._parts_held(name, s3_upload_id, f)
+            if len(parts) < len(self._part_sizes(f)):
+                held = sum(int(p["Size"]) for p in parts.values())
+                raise UploadIncomplete(
+                    f"upload {upload_id}: file {f.path} holds {held} of {f.size_bytes} bytes "
+                    f"({len(parts)} of {len(self._part_sizes(f))} parts); send the rest"
+                )
+            listed = [{"PartNumber": n, "ETag": parts[n]["ETag"]} for n in sorted(parts)]
+            try:
+                self._client.complete_multipart_upload(
+                    Bucket=self.location.bucket, Key=name, UploadId=s3_upload_id, MultipartUpload={"Parts": listed}
+                )
+            except Exception as exc:  # noqa: BLE001 - mapped
+                code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+                if code not in _REFUSED_PARTS_CODES:
+                    raise
+                self._abort(name, s3_upload_id)
+                raise ArtifactCorrupt(
+                    f"upload of {m.key}: the store refused to assemble the parts of file {f.path} ({code}); "
+                    "dropped them, send it again"
+                ) from None
+            if self._staged_size(name, f) != f.size_bytes:
+                raise UploadIncomplete(f"upload {upload_id}: file {f.path} was not assembled whole; send it again")
+            return
+        head = self._head(name)
+        if head is None:
+            raise UploadIncomplete(f"upload {upload_id}: file {f.path} holds 0 of {f.size_bytes} bytes; send it")
+        if int(head["ContentLength"]) != f.size_bytes:
+            raise UploadIncomplete(
+                f"upload {upload_id}: file {f.path} holds {head['ContentLength']} of {f.size_bytes} bytes; "
+                "send it again"
+            )
+        if head.get("ChecksumSHA256") != _checksum(f.sha256):
+            self._client.delete_object(Bucket=self.location.bucket, Key=name)
+            raise ArtifactCorrupt(
+                f"upload of {m.key}: file {f.path} was staged without the announced SHA-256 "
+                f"{f.sha256[:16]}...; dropped it, send it again"
+            )
+
     def commit_upload(self, upload_id: str) -> ArtifactRef:
-        """Check every staged file of the upload (size and SHA-256, by HEAD), copy each under the
-        key and write the manifest last, only where none is (``If-None-Match: *``).
+        """Check every staged file of the upload (:meth:`_check_staged`), copy each under the key
+        (in parts above ``multipart_part_bytes``: CopyObject stops at 5 GiB) and write the
+        manifest last, only where none is (``If-None-Match: *``).
 
         Raises:
             ArtifactNotFound: unknown upload. UploadIncomplete: a file is not staged with its size.
@@ -465,8 +702,6 @@ class S3ArtifactStore(ArtifactStore):
             it again). ArtifactExists: the key holds another committed manifest (the upload is
             dropped). StoreUnavailable, StoreAuthError.
         """
-        from opentinker_common.artifacts.local import UploadIncomplete
-
         m = self.upload_manifest(upload_id)
         bucket = self.location.bucket
         with self._commit_lock:
@@ -478,36 +713,21 @@ class S3ArtifactStore(ArtifactStore):
                 self._drop_upload(upload_id)
                 raise
             try:
-                for i, f in enumerate(m.files):
-                    name = self._staged(upload_id, "files", str(i))
-                    try:
-                        head = self._client.head_object(Bucket=bucket, Key=name, ChecksumMode="ENABLED")
-                    except Exception as exc:  # noqa: BLE001 - mapped
-                        if not isinstance(self._error(exc, name), ArtifactNotFound):
-                            raise
-                        raise UploadIncomplete(
-                            f"upload {upload_id}: file {f.path} holds 0 of {f.size_bytes} bytes; send it"
-                        ) from None
-                    if int(head["ContentLength"]) != f.size_bytes:
-                        raise UploadIncomplete(
-                            f"upload {upload_id}: file {f.path} holds {head['ContentLength']} of {f.size_bytes} bytes; "
-                            "send it again"
-                        )
-                    if head.get("ChecksumSHA256") != _checksum(f.sha256):
-                        self._client.delete_object(Bucket=bucket, Key=name)
-                        raise ArtifactCorrupt(
-                            f"upload of {m.key}: file {f.path} was staged without the announced SHA-256 "
-                            f"{f.sha256[:16]}...; dropped it, send it again"
-                        )
+                for i in range(len(m.files)):
+                    self._check_staged(upload_id, i, m)
                 old = set(self._data_objects(m.key))
-                for i, f in enumerate(m.files):
-                    self._client.copy_object(
-                        Bucket=bucket,
-                        Key=self._obj(m.key, DATA_NAME, f.path),
-                        CopySource={"Bucket": bucket, "Key": self._staged(upload_id, "files", str(i))},
-                        Metadata={"sha256": f.sha256},
-                        MetadataDirective="REPLACE",
-                    )
+                with self._copies() as copies:
+                    copied = [
+                        copies.copy(
+                            {"Bucket": bucket, "Key": self._staged(upload_id, "files", str(i))},
+                            bucket,
+                            self._obj(m.key, DATA_NAME, f.path),
+                            subscribers=[_KnownSize(f.size_bytes)],
+                        )
+                        for i, f in enumerate(m.files)
+                    ]
+                    for future in copied:
+                        future.result()
                 try:
                     self._client.put_object(
                         Bucket=bucket,
@@ -527,12 +747,66 @@ class S3ArtifactStore(ArtifactStore):
         self._drop_upload(upload_id)
         return m.ref()
 
+    def _copies(self):
+        """A boto3 transfer manager that copies inside the bucket: CopyObject up to
+        ``multipart_part_bytes``, UploadPartCopy in parts of that size above."""
+        from boto3.s3.transfer import TransferConfig, create_transfer_manager
+
+        step = self.multipart_part_bytes
+        return create_transfer_manager(
+            self._client, TransferConfig(multipart_threshold=step + 1, multipart_chunksize=step)
+        )
+
+    def _abort(self, name: str, s3_upload_id: str) -> None:
+        try:
+            self._client.abort_multipart_upload(Bucket=self.location.bucket, Key=name, UploadId=s3_upload_id)
+        except Exception as exc:  # noqa: BLE001 - mapped
+            if not isinstance(self._error(exc, f"aborting the upload of {name}"), ArtifactNotFound):
+                raise
+
     def _drop_upload(self, upload_id: str) -> None:
+        """Remove the staged upload: its multipart uploads (aborted) and its objects."""
+        prefix = self._staged(upload_id) + "/"
+        for upload in self._multipart_uploads(prefix):
+            self._abort(upload["Key"], upload["UploadId"])
         names = []
         paginator = self._client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.location.bucket, Prefix=self._staged(upload_id) + "/"):
+        for page in paginator.paginate(Bucket=self.location.bucket, Prefix=prefix):
             names.extend(o["Key"] for o in page.get("Contents", ()))
         self._delete_objects(names)
+
+    def abort_abandoned_uploads(self, idle_s: float) -> list[str]:
+        """Drop each staged upload with a multipart upload that has been idle ``idle_s`` seconds:
+        not begun again (its announce rewritten) and no part received since. Its parts are
+        aborted, so the bucket keeps no bytes of it.
+
+        Returns:
+            The upload ids dropped.
+        """
+        root = self.location.prefix + UPLOADS_NAME + "/"
+        try:
+            last: dict[str, float] = {}
+            for upload in self._multipart_uploads(root):
+                upload_id = upload["Key"][len(root) :].split("/", 1)[0]
+                when = [upload["Initiated"].timestamp()]
+                paginator = self._client.get_paginator("list_parts")
+                for page in paginator.paginate(
+                    Bucket=self.location.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                ):
+                    when.extend(p["LastModified"].timestamp() for p in page.get("Parts", ()))
+                last[upload_id] = max(last.get(upload_id, 0.0), *when)
+            dropped = []
+            now = time.time()
+            for upload_id, at in sorted(last.items()):
+                announce = self._head(self._staged(upload_id, "announce.json"))
+                if announce is not None:
+                    at = max(at, announce["LastModified"].timestamp())
+                if now - at > idle_s:
+                    self._drop_upload(upload_id)
+                    dropped.append(upload_id)
+        except Exception as exc:  # noqa: BLE001 - mapped
+            raise self._error(exc, "dropping abandoned uploads") from None
+        return dropped
 
     def presign_get(self, m: Manifest, *, expires_s: int) -> list[PresignedRequest]:
         """A GET, valid ``expires_s`` seconds, for each file of the committed ``m``, in its order."""
@@ -546,6 +820,137 @@ class S3ArtifactStore(ArtifactStore):
             )
             out.append(PresignedRequest(i, "GET", url, {}, expires))
         return out
+
+
+class _KnownSize:
+    """A boto3 transfer subscriber that gives the transfer the object's size (bytes), which
+    the manifest holds, so boto3 does not ask the store (HEAD) for it."""
+
+    def __init__(self, size_bytes: int) -> None:
+        self.size_bytes = size_bytes
+
+    def on_queued(self, future, **kwargs) -> None:
+        future.meta.provide_transfer_size(self.size_bytes)
+
+    def on_progress(self, future, bytes_transferred, **kwargs) -> None:
+        pass
+
+    def on_done(self, future, **kwargs) -> None:
+        pass
+
+
+#: The hashing thread of a get is woken each time this many more bytes of a file are written in
+#: order (and at its last byte): few thread switches, and the bytes are still in the page cache.
+_WAKE_BYTES = 4 * 1024 * 1024
+
+
+class _RangeFile:
+    """Where a download of one file goes. boto3 writes its ranges, in whatever order they
+    arrive, at their offsets (``seek`` then ``write``, from its one I/O thread); ``written``
+    counts the bytes from the start with no gap, and :meth:`hash_as_written` hashes those in
+    order from another thread, read back from the file (the page cache), so no range waits in
+    memory and hashing runs beside the transfer. Also the transfer's subscriber: its end wakes
+    the hashing thread. The file is created at the first write and closed after its last byte,
+    so a get of many files holds open only those in flight."""
+
+    def __init__(self, path: Path, size_bytes: int, changed: threading.Condition) -> None:
+        self.path = path
+        self.size_bytes = size_bytes
+        self.written = 0
+        #: ``written`` when the hashing thread was last woken.
+        self._told = 0
+        self._changed = changed
+        self._fd: int | None = None
+        self._offset = 0
+        #: Written ranges past ``written``: start -> end.
+        self._ahead: dict[int, int] = {}
+
+    # ---- the file object boto3 writes to
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence != os.SEEK_SET:
+            raise OSError("a download file seeks to absolute offsets only")
+        self._offset = offset
+        return offset
+
+    def tell(self) -> int:
+        return self._offset
+
+    def write(self, data: bytes) -> int:
+        start, end = self._offset, self._offset + len(data)
+        self._offset = end
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        view = memoryview(data)
+        at = start
+        while view:
+            n = os.pwrite(self._fd, view, at)
+            view, at = view[n:], at + n
+        with self._changed:
+            before = self.written
+            if end > self.written:
+                self._ahead[start] = max(end, self._ahead.get(start, end))
+            while True:
+                reach = [e for s, e in self._ahead.items() if s <= self.written < e]
+                for s in [s for s in self._ahead if s <= self.written]:
+                    del self._ahead[s]
+                if not reach:
+                    break
+                self.written = max(reach)
+            if self.written - self._told >= _WAKE_BYTES or (self.written >= self.size_bytes > before):
+                self._told = self.written
+                self._changed.notify_all()
+        if self.written >= self.size_bytes:
+            self.close()
+        return len(data)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    # ---- the transfer's subscriber
+    def on_queued(self, future, **kwargs) -> None:
+        pass
+
+    def on_progress(self, future, bytes_transferred, **kwargs) -> None:
+        pass
+
+    def on_done(self, future, **kwargs) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    # ---- the hashing thread
+    def hash_as_written(self, future) -> tuple[int, str]:
+        """Hash the file's bytes in order as they are written, until ``future`` (its transfer)
+        is done and every byte written is hashed.
+
+        Returns:
+            The bytes hashed (the file's size when all came) and their SHA-256 (hex).
+        """
+        digest = hashlib.sha256()
+        hashed = 0
+        with contextlib.ExitStack() as stack:
+            reader = None
+            while True:
+                with self._changed:
+                    while self.written <= hashed and not future.done():
+                        self._changed.wait(1.0)
+                    upto, finished = self.written, future.done()
+                if upto > hashed:
+                    if reader is None:
+                        reader = stack.enter_context(open(self.path, "rb", buffering=0))  # noqa: SIM115
+                    while hashed < upto:
+                        block = os.pread(reader.fileno(), min(CHUNK_BYTES, upto - hashed), hashed)
+                        if not block:
+                            raise OSError(f"{self.path}: read back {hashed} bytes, {upto} were written")
+                        digest.update(block)
+                        hashed += len(block)
+                elif finished:
+                    return hashed, digest.hexdigest()
 
 
 def sha256_bytes(data: bytes) -> str:

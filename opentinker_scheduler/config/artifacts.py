@@ -14,6 +14,7 @@
         prefix: cluster-a/      # optional
         region: us-east-1       # optional
         presign_expires_s: 900  # optional: seconds a presigned PUT or GET URL stays valid
+        multipart_part_bytes: 5368709120  # optional: a trainer sends a larger file in parts of this size
 
 The scheduler refuses to start when the ``s3`` store cannot be reached or refuses its
 credentials, naming the endpoint (``opentinker_scheduler.data.artifact_store.open_artifact_store``).
@@ -34,8 +35,10 @@ class S3Config:
     endpoint: str = ""
     prefix: str = ""
     region: str = "us-east-1"
-    #: Seconds a presigned PUT or GET URL stays valid; it must cover the transfer of one file.
+    #: Seconds a presigned PUT or GET URL stays valid; it must cover the transfer of one file or part.
     presign_expires_s: int = 900
+    #: A trainer sends a file larger than this (bytes) in parts of this size; 5 MiB to 5 GiB.
+    multipart_part_bytes: int = 5 * 1024**3
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,14 @@ def parse_artifacts(r, node) -> ArtifactsConfig:
         s = r.mapping(
             m["s3"][1],
             "artifacts.s3",
-            {"endpoint": "", "bucket": "", "prefix": "", "region": "", "presign_expires_s": ""},
+            {
+                "endpoint": "",
+                "bucket": "",
+                "prefix": "",
+                "region": "",
+                "presign_expires_s": "",
+                "multipart_part_bytes": "",
+            },
         )
         if "bucket" not in s:
             raise r.fail(m["s3"][1], "artifacts.s3.bucket", "a bucket name (required)")
@@ -91,8 +101,17 @@ def parse_artifacts(r, node) -> ArtifactsConfig:
         expires = 900
         if "presign_expires_s" in s:
             expires = r.scalar(s["presign_expires_s"][1], "artifacts.s3.presign_expires_s", int, 1, 43200)
+        part = 5 * 1024**3
+        if "multipart_part_bytes" in s:
+            key = "artifacts.s3.multipart_part_bytes"
+            part = r.scalar(s["multipart_part_bytes"][1], key, int, 5 * 1024**2, 5 * 1024**3)
         kw["s3"] = S3Config(
-            bucket=bucket, endpoint=endpoint.rstrip("/"), prefix=prefix, region=region, presign_expires_s=expires
+            bucket=bucket,
+            endpoint=endpoint.rstrip("/"),
+            prefix=prefix,
+            region=region,
+            presign_expires_s=expires,
+            multipart_part_bytes=part,
         )
     cfg = ArtifactsConfig(**kw)
     if cfg.backend == "s3" and cfg.s3 is None:

@@ -67,6 +67,7 @@ def open_artifact_store(config: SchedulerConfig) -> ArtifactStore:
                 S3Location(bucket=cfg.s3.bucket, endpoint=cfg.s3.endpoint, prefix=cfg.s3.prefix, region=cfg.s3.region),
                 connect_timeout_s=5,
                 max_attempts=2,
+                multipart_part_bytes=cfg.s3.multipart_part_bytes,
             )
         else:
             store = LocalArtifactStore(Path(config.state_dir) / "artifacts")
@@ -96,6 +97,19 @@ class Artifacts:
     @property
     def presign_expires_s(self) -> int:
         return self.config.s3.presign_expires_s if self.config.s3 is not None else 900
+
+    @property
+    def upload_idle_s(self) -> float:
+        """Seconds after which a presigned upload nobody resumed is abandoned: twice the life
+        of its URLs, so no URL of it is valid any more."""
+        return 2.0 * self.presign_expires_s
+
+    def abort_abandoned_uploads(self) -> list[str]:
+        """Drop the ``s3`` store's presigned uploads in parts idle for :attr:`upload_idle_s`
+        (their parts aborted); the upload ids dropped. Nothing for the ``local`` store."""
+        if not isinstance(self.store, S3ArtifactStore):
+            return []
+        return self.store.abort_abandoned_uploads(self.upload_idle_s)
 
     def describe(self) -> artifact_pb2.DescribeStoreResponse:
         resp = artifact_pb2.DescribeStoreResponse(
@@ -252,7 +266,12 @@ class Artifacts:
 
 def _presigned(p: PresignedRequest) -> artifact_pb2.PresignedRequest:
     return artifact_pb2.PresignedRequest(
-        file_index=p.file_index, method=p.method, url=p.url, headers=p.headers, expires_unix_s=p.expires_unix_s
+        file_index=p.file_index,
+        method=p.method,
+        url=p.url,
+        headers=p.headers,
+        expires_unix_s=p.expires_unix_s,
+        offset=p.offset,
     )
 
 
@@ -298,26 +317,38 @@ class Retention:
 
 
 class Expiry:
-    """Deletes checkpoints whose expiry has come (``SetCheckpointTtl``), checked every
-    ``interval_s``: ``expired(now)`` names them (``[(task id, key)]``, none on a follower), the
-    store deletes each in a thread, and ``on_deleted(task_id, key, size_bytes=..., by="ttl")``
-    records it. A store that cannot be reached is logged; the next round tries again."""
+    """Deletes what has expired, in a thread each:
+
+    * checkpoints whose expiry has come (``SetCheckpointTtl``), checked every ``interval_s``:
+      ``expired(now)`` names them (``[(task id, key)]``, none on a follower), the store deletes
+      each, and ``on_deleted(task_id, key, size_bytes=..., by="ttl")`` records it;
+    * presigned uploads in parts that were abandoned (:meth:`Artifacts.abort_abandoned_uploads`),
+      every ``min(60, presign_expires_s)`` seconds: the bucket keeps none of their parts.
+
+    A store that cannot be reached is logged; the next round tries again."""
 
     def __init__(self, artifacts: Artifacts, expired, on_deleted, *, interval_s: float = 0.5) -> None:
         self.artifacts = artifacts
         self.expired = expired
         self.on_deleted = on_deleted
         self.interval_s = interval_s
+        self.uploads_interval_s = min(60.0, float(artifacts.presign_expires_s))
 
     async def run(self) -> None:
+        next_uploads = time.monotonic() + self.uploads_interval_s
         while True:
             try:
                 for task_id, key in self.expired(time.time()):
                     size = await asyncio.to_thread(self.artifacts.delete_checkpoint, key)
                     self.on_deleted(task_id, key, size_bytes=size, by="ttl")
                     log.info("checkpoint expired and deleted", task_id=task_id, key=key, bytes=size)
+                if time.monotonic() >= next_uploads:
+                    next_uploads = time.monotonic() + self.uploads_interval_s
+                    dropped = await asyncio.to_thread(self.artifacts.abort_abandoned_uploads)
+                    if dropped:
+                        log.info("abandoned uploads dropped, their parts aborted", upload_ids=dropped)
             except ArtifactError as exc:
-                log.warning("expired checkpoint not deleted; the next round tries again", error=str(exc))
+                log.warning("expired artifact or upload not deleted; the next round tries again", error=str(exc))
             except Exception:  # noqa: BLE001 - keep sweeping; the error is logged
                 log.exception("checkpoint expiry failed")
             await asyncio.sleep(self.interval_s)

@@ -17,7 +17,8 @@ import urllib3
 
 from opentinker.artifact.v1 import artifact_pb2 as A, artifact_pb2_grpc
 from opentinker_client import RLClient
-from opentinker_common.artifacts import ArtifactExists
+from opentinker_common.artifacts import ArtifactExists, Manifest
+from opentinker_common.artifacts.manifest import scan_folder
 from opentinker_common.artifacts.remote import RemoteArtifactStore, manifest_to_proto
 
 from tests.support.raw_node import RawNode
@@ -25,14 +26,15 @@ from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler, metadat
 from tests.support.waiting import wait_for
 
 
-def _scheduler(seaweedfs, monkeypatch, tmp_path, *, expires_s: int | None = None):
+def _scheduler(seaweedfs, monkeypatch, tmp_path, *, expires_s: int | None = None, part_bytes: int | None = None):
     """A scheduler on its own prefix of the bucket, with alice's and bob's tasks assigned to one
     node; the AWS credentials are in this process's environment only while it starts."""
     for k, v in seaweedfs.env().items():
         monkeypatch.setenv(k, v)
     prefix = f"presign-{uuid.uuid4().hex[:8]}/"
     s3 = f"endpoint: '{seaweedfs.endpoint}', bucket: {seaweedfs.bucket}, prefix: {prefix}"
-    s3 = f"{{{s3}{f', presign_expires_s: {expires_s}' if expires_s else ''}}}"
+    s3 += f", presign_expires_s: {expires_s}" if expires_s else ""
+    s3 = f"{{{s3}{f', multipart_part_bytes: {part_bytes}' if part_bytes else ''}}}"
     config = AUTH_LOCAL_MODELS + f"lease: 600\nartifacts:\n  backend: s3\n  s3: {s3}\n"
     s = LoopbackScheduler(tmp_path / "state", config)
     for k in seaweedfs.env():
@@ -206,3 +208,45 @@ def test_a_worker_gets_urls_for_its_owners_datasets_only(sched, tmp_path):
         bob_md = metadata(sched.worker["bob"].worker_credential)
         code, details = _refused(lambda: stub.PresignDownload(A.PresignDownloadRequest(key=key), metadata=bob_md))
         assert code == grpc.StatusCode.NOT_FOUND and key in details
+
+
+def _uploads_in_parts(seaweedfs, prefix: str) -> list[str]:
+    listed = seaweedfs.client().list_multipart_uploads(Bucket=seaweedfs.bucket, Prefix=prefix)
+    return [u["Key"] for u in listed.get("Uploads", ())]
+
+
+def test_a_worker_puts_a_file_over_the_part_size_in_presigned_parts(seaweedfs, monkeypatch, tmp_path):
+    part = 5 * 1024 * 1024  # S3's smallest part: a file of 11 MiB goes in three, as one over 5 GiB does
+    big = os.urandom(2 * part + 1000)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(big)
+    (src / "config.json").write_bytes(b"{}")
+    with _scheduler(seaweedfs, monkeypatch, tmp_path, part_bytes=part) as sched, sched.channel() as ch:
+        alice = sched.worker["alice"]
+        stub = artifact_pb2_grpc.ArtifactServiceStub(ch)
+        m = manifest_to_proto(Manifest(_prefix(alice) + "step_1", tuple(e for _, e in scan_folder(src))))
+        begun = stub.BeginUpload(A.BeginUploadRequest(manifest=m), metadata=metadata(alice.worker_credential))
+        sent = sorted((p.file_index, p.offset, p.headers["Content-Length"]) for p in begun.puts)
+        assert sent == [(0, 0, "2"), (1, 0, str(part)), (1, part, str(part)), (1, 2 * part, "1000")]
+        ref = _store(ch, sched, "alice").put_folder(_prefix(alice) + "step_1", src)
+        _store(ch, sched, "alice").get_folder(ref.key, tmp_path / "out", expect_sha256=ref.manifest_sha256)
+        assert (tmp_path / "out" / "model.safetensors").read_bytes() == big
+        assert _uploads_in_parts(seaweedfs, sched.prefix) == []
+        sched.node.leave()
+
+
+def test_an_abandoned_upload_in_parts_is_aborted_by_the_scheduler(seaweedfs, monkeypatch, tmp_path):
+    part = 5 * 1024 * 1024
+    big = os.urandom(part + 1)
+    with _scheduler(seaweedfs, monkeypatch, tmp_path, expires_s=1, part_bytes=part) as sched, sched.channel() as ch:
+        alice = sched.worker["alice"]
+        stub = artifact_pb2_grpc.ArtifactServiceStub(ch)
+        begun = _begin(stub, _prefix(alice) + "step_1", big, metadata(alice.worker_credential))
+        first = begun.puts[0]
+        assert _put(first, big[: int(first.headers["Content-Length"])]).status == 200
+        assert len(_uploads_in_parts(seaweedfs, sched.prefix)) == 1
+        # the worker never commits: once its URLs have long expired the scheduler aborts the parts
+        wait_for(lambda: not _uploads_in_parts(seaweedfs, sched.prefix), 60, "the abandoned upload aborted")
+        assert _objects(seaweedfs, sched.prefix + ".uploads/") == []
+        sched.node.leave()

@@ -52,6 +52,10 @@ def test_an_s3_section_is_parsed():
             "artifacts: {backend: s3, s3: {bucket: b1b, presign_expires_s: 0}}",
             "artifacts.s3.presign_expires_s: expected an integer in [1, 43200], got 0",
         ),
+        (
+            "artifacts: {backend: s3, s3: {bucket: b1b, multipart_part_bytes: 1048576}}",
+            "artifacts.s3.multipart_part_bytes: expected an integer in [5242880, 5368709120], got 1048576",
+        ),
         ("artifacts: {s3: {bucket: b1b}}", "artifacts.s3: expected no s3: section with backend: local"),
     ],
 )

@@ -72,7 +72,7 @@ class BeginUploadRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[ArtifactManifest, _Mapping]] = ...) -> None: ...
 
 class PresignedRequest(_message.Message):
-    __slots__ = ("file_index", "method", "url", "headers", "expires_unix_s")
+    __slots__ = ("file_index", "method", "url", "headers", "expires_unix_s", "offset")
     class HeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,12 +85,14 @@ class PresignedRequest(_message.Message):
     URL_FIELD_NUMBER: _ClassVar[int]
     HEADERS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     file_index: int
     method: str
     url: str
     headers: _containers.ScalarMap[str, str]
     expires_unix_s: int
-    def __init__(self, file_index: _Optional[int] = ..., method: _Optional[str] = ..., url: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., expires_unix_s: _Optional[int] = ...) -> None: ...
+    offset: int
+    def __init__(self, file_index: _Optional[int] = ..., method: _Optional[str] = ..., url: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., expires_unix_s: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class BeginUploadResponse(_message.Message):
     __slots__ = ("upload_id", "received_bytes", "committed", "puts")
