@@ -95,8 +95,11 @@ def _check_sampling_params(base, current, training, tokenizer, tokens: list[int]
 def test_sdk_training_loop(cluster, gateway_factory, sdk_env) -> None:
     gateway = gateway_factory()
     sdk_env(gateway)
+    # base_url: RestClient() alone reuses the process's first session-less client, whose gateway
+    # an earlier test may have closed.
+    rest = tinker.RestClient(base_url=gateway.url)
     with tinker.ServiceClient() as service:
-        capabilities = tinker.RestClient().get_server_capabilities().result()
+        capabilities = rest.get_server_capabilities().result()
         assert [m.model_name for m in capabilities.supported_models] == [MODEL_NAME]
         training = service.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
         # The tokenizer by the model's name, from the client's Hugging Face cache (sdk_env).
@@ -140,7 +143,7 @@ def test_sdk_training_loop(cluster, gateway_factory, sdk_env) -> None:
         calls_after, carried_after = _sample_calls(gateway)
         assert carried_after - carried == len(prompts) and calls_after - calls < len(prompts)
         # get_sampler: the sampler's base model and the save it samples.
-        info = tinker.RestClient().get_sampler(_sampler_id(sampler)).result()
+        info = rest.get_sampler(_sampler_id(sampler)).result()
         assert (info.base_model, info.model_path) == (MODEL_NAME, path)
         # The sampler is a snapshot: later optimizer steps leave its samples as they were.
         for _ in range(2):
@@ -192,7 +195,6 @@ def test_sdk_training_loop(cluster, gateway_factory, sdk_env) -> None:
         np.testing.assert_allclose(split[:2], whole[:2], rtol=1e-4)
         for a, b in zip(split[2], whole[2]):
             np.testing.assert_allclose(a, b, atol=1e-4)
-        rest = tinker.RestClient()
         listed = wait_for(
             lambda: (
                 {c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints} >= {path, state}
