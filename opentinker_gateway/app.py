@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 import zstandard
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from packaging.version import InvalidVersion, Version
@@ -191,7 +192,9 @@ class Gateway:
         self._allowed: set[tuple[str, str]] = set()
         self._model_locks: dict[str, asyncio.Lock] = {}
         self.samples: dict[str, asyncio.Future] = {}
-        self.batcher = SampleBatcher()
+        #: What ``/metrics`` shows.
+        self.registry = CollectorRegistry()
+        self.batcher = SampleBatcher(self.registry)
         self.creates: dict[str, asyncio.Task] = {}
         #: Seals and opens the tokens of download URLs (``external_weights_urls``).
         self.download_urls = (
@@ -401,13 +404,13 @@ def _kinds() -> dict[str, _Kind]:
     return {
         "fb": _Kind(
             "ForwardBackward",
-            lambda m, r: Outcome(proto=wire.forward_backward_output(r.outputs, r.loss)),
+            lambda m, r: Outcome(proto=wire.forward_backward_output(r.outputs, r.metrics)),
             _fb_probe(training_pb2.ForwardBackwardRequest),
             streamed=True,
         ),
         "fwd": _Kind(
             "Forward",
-            lambda m, r: Outcome(proto=wire.forward_backward_output(r.outputs, None)),
+            lambda m, r: Outcome(proto=wire.forward_backward_output(r.outputs, {})),
             _fb_probe(training_pb2.ForwardRequest),
             streamed=True,
         ),
@@ -533,6 +536,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def healthz() -> dict:
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.post("/api/v1/client/config")
     async def client_config(request: Request) -> dict:
         _check_version(await _json(request, min(limit, MAX_KEYLESS_BODY_BYTES)))
@@ -640,7 +647,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             "model_data": {
                 "arch": json.loads(info.model_config_json or "{}").get("model_type"),
                 "model_name": model.base_model,
-                "tokenizer_id": model.model_dir,
+                "tokenizer_id": model.base_model,
             },
             "is_lora": not info.full_weights,
             "lora_rank": info.lora_rank,

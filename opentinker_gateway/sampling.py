@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+from prometheus_client import CollectorRegistry, Histogram
 from tinker.proto import tinker_public_pb2 as tpb
 
 from opentinker.training.v1 import training_pb2
@@ -35,11 +36,20 @@ class _Waiting:
 
 
 class SampleBatcher:
-    """Batches the asample requests of one gateway process (see the module docstring)."""
+    """Batches the asample requests of one gateway process (see the module docstring).
 
-    def __init__(self) -> None:
+    ``registry`` gets ``opentinker_gateway_sample_batch_prompts``: the prompts of each
+    SampleSnapshot call, so an operator sees how many requests went together."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
         self._waiting: dict[tuple, list[_Waiting]] = {}
         self._running: set[tuple] = set()
+        self._prompts = Histogram(
+            "opentinker_gateway_sample_batch_prompts",
+            "asample requests sent together in one SampleSnapshot call",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=registry,
+        )
 
     def sample(
         self, model: Model, sampler: str, params: training_pb2.SamplingParams, prompt: training_pb2.SnapshotPrompt
@@ -57,6 +67,7 @@ class SampleBatcher:
         try:
             while self._waiting.get(key):
                 batch = self._waiting.pop(key)
+                self._prompts.observe(len(batch))
                 await _run(model, sampler, params, batch)
         finally:
             self._running.discard(key)

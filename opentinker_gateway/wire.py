@@ -161,13 +161,16 @@ def _batched(rows: list[list[float]]) -> tpb.BatchedTensor:
     return tpb.BatchedTensor(data=data, offsets=offsets.tobytes(), dtype=tpb.DTYPE_FLOAT32)
 
 
-def forward_backward_output(outputs, loss: float | None) -> bytes:
-    """Tinker's protobuf ``ForwardBackwardOutput``: each datum's ``logprobs`` and
-    ``elementwise_loss`` (zero for forward_only), and ``loss:sum``."""
+def forward_backward_output(outputs, metrics) -> bytes:
+    """Tinker's protobuf ``ForwardBackwardOutput``: each datum's ``logprobs``, and the session's
+    ``metrics`` as they are, keyed ``name:reduction`` (``loss:sum``, ``tokens:sum``,
+    ``importance_ratio:mean``, ``clip_fraction:mean``) so that the SDK combines the answers of a
+    split batch by the reduction. ``loss:sum`` is 0 for forward, which computes no loss."""
     record = tpb.ArrayRecord(num_datums=len(outputs))
     record.fields["logprobs"].CopyFrom(_batched([list(o.logprobs) for o in outputs]))
     out = tpb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
-    out.metrics["loss:sum"] = float(loss if loss is not None else 0.0)
+    out.metrics["loss:sum"] = 0.0
+    out.metrics.update(metrics)
     return out.SerializeToString()
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.gateway import Gateway, model_names
+from tests.support.gateway import Gateway, hf_cache, model_names
 from tests.support.procs import Cluster
 
 CONFIG = """heartbeat_interval: 0.5
@@ -32,10 +32,16 @@ def cluster(tmp_path, model_dir):
 
 
 @pytest.fixture
-def sdk_env(monkeypatch):
-    """The SDK's environment: offline, no telemetry; returns a function that points it at a gateway."""
+def sdk_env(monkeypatch, tmp_path, model_dir):
+    """The SDK's environment: offline, no telemetry, a Hugging Face cache of its own that holds the
+    tokenizer under its hub id; returns a function that points it at a gateway."""
+    import huggingface_hub.constants
+
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads its environment on import, which came before this fixture.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hf_cache(tmp_path / "hub", model_dir)))
     monkeypatch.setenv("TINKER_API_KEY", "tml-anything")
 
     def point(gateway: Gateway) -> None:

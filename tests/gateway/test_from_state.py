@@ -35,7 +35,8 @@ def _logprobs(training, batch) -> list[list[float]]:
 
 
 def test_a_new_or_existing_model_continues_another_runs_state(cluster, gateway_factory, sdk_env) -> None:
-    sdk_env(gateway_factory())
+    gateway = gateway_factory()
+    sdk_env(gateway)
     with tinker.ServiceClient() as service:
         run_a = service.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
         tokens = run_a.get_tokenizer().encode("The cat sat on the mat. The cat sat on the mat.")
@@ -66,7 +67,7 @@ def test_a_new_or_existing_model_continues_another_runs_state(cluster, gateway_f
 
         # load_state takes the run's state into this existing model, which trained on its own since:
         # with the optimizer, its next step is the run's third step again.
-        rest = tinker.RestClient()
+        rest = tinker.RestClient(base_url=gateway.url)  # RestClient() would reuse an earlier test's gateway
         wait_for(
             lambda: path in [c.tinker_path for c in rest.list_checkpoints(run_a.model_id).result().checkpoints],
             what=f"{path} listed",

@@ -76,8 +76,10 @@ def test_datums_carry_each_input_and_name_a_bad_one() -> None:
 
 def test_answers_decode_with_the_sdks_own_code() -> None:
     outputs = [training_pb2.DatumOutput(logprobs=[-1.0, -2.0]), training_pb2.DatumOutput(logprobs=[-0.5])]
-    fb = deserialize_forward_backward_output(wire.forward_backward_output(outputs, 3.5))
-    assert fb.metrics == {"loss:sum": 3.5}
+    metrics = {"loss:sum": 3.5, "tokens:sum": 3.0, "importance_ratio:mean": 1.25, "clip_fraction:mean": 0.5}
+    fb = deserialize_forward_backward_output(wire.forward_backward_output(outputs, metrics))
+    assert fb.metrics == metrics
+    assert deserialize_forward_backward_output(wire.forward_backward_output(outputs, {})).metrics == {"loss:sum": 0.0}
     assert [o["logprobs"].tolist() for o in fb.loss_fn_outputs] == [[-1.0, -2.0], [-0.5]]
     sample = training_pb2.SnapshotSamples(
         samples=[training_pb2.SampledSequence(tokens=[3, 4], logprobs=[-0.25, -0.5], stop_reason=2)]
