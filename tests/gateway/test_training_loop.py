@@ -137,11 +137,12 @@ def test_sdk_training_loop(cluster, gateway_factory, sdk_env) -> None:
         prompts = [types.ModelInput.from_ints(tokens[: 3 + i]) for i in range(3)]
         alone = [sampler.sample(p, 1, greedy).result().sequences[0].tokens for p in prompts]
         calls, carried = _sample_calls(gateway)
-        together = [f.result().sequences[0].tokens for f in [sampler.sample(p, 1, greedy) for p in prompts]]
-        assert together == alone and all(len(t) == 6 for t in alone)
-        # They went to the model host in fewer SampleSnapshot calls than prompts.
+        rollouts = 4 * prompts  # the cookbook's shape: many one-sample requests at once
+        together = [f.result().sequences[0].tokens for f in [sampler.sample(p, 1, greedy) for p in rollouts]]
+        assert together == 4 * alone and all(len(t) == 6 for t in alone)
+        # They went to the model host in fewer SampleSnapshot calls than requests.
         calls_after, carried_after = _sample_calls(gateway)
-        assert carried_after - carried == len(prompts) and calls_after - calls < len(prompts)
+        assert carried_after - carried == len(rollouts) and calls_after - calls < len(rollouts)
         # get_sampler: the sampler's base model and the save it samples.
         info = rest.get_sampler(_sampler_id(sampler)).result()
         assert (info.base_model, info.model_path) == (MODEL_NAME, path)
