@@ -162,8 +162,10 @@ bench-store: install
 	$(PY) scripts/bench_store.py $(BENCH_ARGS)
 
 # One lora_finetune GRPO workload through scheduler + trainer against the same call in-process.
+# One thread on both sides: on the shared 2-core box two threads made a step 150-270 s instead of 5.
+# Options: BENCH_ARGS="--rounds 3 --steps 6".
 bench-service: install
-	$(PY) scripts/bench_service.py
+	OMP_NUM_THREADS=1 $(PY) scripts/bench_service.py $(BENCH_ARGS)
 
 # Several schedulers on one PostgreSQL (a server this starts on loopback): failover time with 50
 # simulated nodes (median of 5), submits/s and p99 on PostgreSQL against SQLite, lease cost.

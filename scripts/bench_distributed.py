@@ -35,6 +35,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "scripts")]
 
 from tests.support.distributed import run_worker, task_spec  # noqa: E402
 
+from bench_result import write_result  # noqa: E402  (imported at start: it notes the load then)
+
 MODEL_DIR = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 
 
@@ -140,8 +142,6 @@ def main() -> None:
                     f"{r['wall_s']:>11.1f}  {r['load']}"
                 )
             speedups.append({"label": f"{name} {unit}, world size 2 / 1", "value": round(r["rate"] / base, 3)})
-        from bench_result import write_result
-
         write_result(
             "distributed-world-size",
             what="Distributed tasks: throughput at world size 2 (gloo ranks on the CPUs)",

@@ -56,6 +56,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_result import write_result  # noqa: E402  (imported at start: it notes the load then)
+
 DEFAULT_MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 
 
@@ -413,8 +416,6 @@ def main() -> int:
         f"{args.group_size} samples, {args.max_new_tokens} new tokens, lr {args.lr:g}, kl_coef {args.kl_coef:g}, "
         f"seed {args.seed}"
     )
-    from bench_result import write_result
-
     write_result(
         "rlvr-word-problems",
         what="Held-out greedy accuracy on word problems after LoRA GRPO with a numeric verifier",

@@ -1725,6 +1725,30 @@ def sharing_ab(args: argparse.Namespace) -> dict:
     return {"runs": {"ab": res}, "ratios": r, "pair_ratios": pairs, "report": "\n".join(lines)}
 
 
+def write_sharing_result(args: argparse.Namespace, res: dict) -> None:
+    """The sharing mode's row: quotas over none, closed-loop submits/s and p99 at ``--rate``."""
+    r, pairs = res["ratios"], res["pair_ratios"]
+    # sharing() names the paced p99 latency_p99; sharing_ab() names it p99_ms.
+    p99 = "latency_p99" if "latency_p99" in r else "p99_ms"
+    ratios = [
+        {"label": "closed-loop submits/s, quotas / none", "value": r.get("submits_per_s")},
+        {
+            "label": f"submit->assign p99 at {args.rate:.0f}/s, quotas / none (lower is better)",
+            "value": r.get(p99),
+        },
+    ]
+    write_result(
+        "scheduler-quotas",
+        what=f"Submits/s and p99 with {args.queues} quota queues and {args.owners} owners",
+        peer="no quotas, same run, ABBA order",
+        ratios=[{**x, "value": None if x["value"] is None else round(x["value"], 2)} for x in ratios],
+        goal="submits/s >= 0.9x; p99 <= 1.2x",
+        settings=res["args"],
+        make="make bench-sharing",
+        details={"pair_ratios": {k: [round(x, 2) for x in v] for k, v in pairs.items() if k in ("submits_per_s", p99)}},
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     mode = backends if args.backends else sharing if args.owners else None
@@ -1747,6 +1771,8 @@ def main(argv: list[str] | None = None) -> int:
                 make="make bench-backends BENCH_ARGS='--only throughput,latency --rate 442'",
                 details={"pair_ratios": [round(x, 2) for x in pairs]},
             )
+        if mode is sharing:
+            write_sharing_result(args, res)
         return 0
     res = asyncio.run(Bench(args).run())
     res["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

@@ -4,6 +4,7 @@ its figures. Timings are never asserted here (they depend on the machine); BENCH
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,8 +73,10 @@ def test_bench_splice_phase_compares_the_front_with_grpcs_own_port(tmp_path) -> 
 
 def test_bench_quota_ab_switches_quotas_in_one_scheduler(tmp_path) -> None:
     """--ab-blocks: the quota queues are on (the scheduler lists them as limited) in the quotas
-    blocks and gone in the others, ABBA, and the report gives pooled and per-pair ratios."""
+    blocks and gone in the others, ABBA, and the report gives pooled and per-pair ratios; the
+    row of BENCHMARKS.md goes to $BENCH_RESULTS_DIR."""
     out = tmp_path / "bench.json"
+    results = tmp_path / "results"
     args = ["--queues", "2", "--owners", "4", "--nodes", "4", "--tasks", "60", "--rate", "100", "--rate-tasks", "40"]
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), *args, "--ab-blocks", "2", "--json", str(out)],
@@ -81,6 +84,7 @@ def test_bench_quota_ab_switches_quotas_in_one_scheduler(tmp_path) -> None:
         capture_output=True,
         text=True,
         timeout=180,
+        env={**os.environ, "BENCH_RESULTS_DIR": str(results)},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "quotas on/off in one scheduler" in proc.stdout and "<= 1.2x" in proc.stdout
@@ -91,6 +95,12 @@ def test_bench_quota_ab_switches_quotas_in_one_scheduler(tmp_path) -> None:
     assert all(b["all_assigned"] for bs in ab["blocks"].values() for b in bs)
     assert len(res["pair_ratios"]["p99_ms"]) == 2 and res["ratios"]["submits_per_s"] > 0
     assert res["runs"]["ab"]["final"]["succeeded"] == res["runs"]["ab"]["final"]["submitted"]
+    row = json.loads((results / "scheduler-quotas.json").read_text())
+    assert row["make"] == "make bench-sharing" and "2 quota queues and 4 owners" in row["what"]
+    assert [r["value"] for r in row["ratios"]] == [
+        round(res["ratios"]["submits_per_s"], 2),
+        round(res["ratios"]["p99_ms"], 2),
+    ]
 
 
 def test_bench_backends_mode_runs_b1_on_sqlite_and_on_postgresql(tmp_path) -> None:
