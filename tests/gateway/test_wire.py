@@ -80,6 +80,12 @@ def test_answers_decode_with_the_sdks_own_code() -> None:
     fb = deserialize_forward_backward_output(wire.forward_backward_output(outputs, metrics))
     assert fb.metrics == metrics
     assert deserialize_forward_backward_output(wire.forward_backward_output(outputs, {})).metrics == {"loss:sum": 0.0}
+    # The metrics go out sorted by name, not in the process's hash order: an instance answering
+    # from the session's kept answer sends the bytes the instance that sent the request sent.
+    encoded = wire.forward_backward_output(outputs, dict(reversed(list(metrics.items()))))
+    assert [encoded.index(name.encode()) for name in sorted(metrics)] == sorted(
+        encoded.index(name.encode()) for name in metrics
+    )
     assert [o["logprobs"].tolist() for o in fb.loss_fn_outputs] == [[-1.0, -2.0], [-0.5]]
     sample = training_pb2.SnapshotSamples(
         samples=[training_pb2.SampledSequence(tokens=[3, 4], logprobs=[-0.25, -0.5], stop_reason=2)]
