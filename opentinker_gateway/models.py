@@ -10,12 +10,15 @@ A request ahead of the worker is sent again until the worker reaches it; after
 ``gap_timeout_s`` of that it fails as a ``seq_id`` gap and may be sent again. A request the worker
 refuses uses up its ``seq_id``, as on Tinker; so does one the gateway refuses: it sends the worker,
 in that request's turn, a payload the worker refuses. A ``seq_id`` sent again with another body
-is refused (409). A future (``<model id>#<seq_id>#<kind>``) is answered by the instance that sent
-it from memory, and by any other instance (or after a restart) with the worker's kept answer of
-call ``seq_id - 1``: once the worker's next call (GetInfo) is past it, the same RPC with a refused
-payload gets the kept answer. A future whose request the worker still waits for after
-``gap_timeout_s``, and that no request of this instance carries, never reached the worker (the
-instance that took it stopped): it fails, and uses up its ``seq_id`` so the model goes on.
+is refused (409). The gateway gives out a future (``<model id>#<seq_id>#<kind>``) only once the worker answered
+its call: a gateway that dies before gave no answer, the SDK sends the request again to any
+instance, and the worker answers that ``seq_id`` once (a call it started runs to its end and
+keeps its answer). The instance that sent a request answers its future from memory; any other
+instance (or after a restart) answers with the worker's kept answer of call ``seq_id - 1``: once
+the worker's next call (GetInfo) is past it, the same RPC with a refused payload gets the kept
+answer. A future whose request the worker still waits for after ``gap_timeout_s``, and that no
+request of this instance carries, never reached the worker: it fails, and uses up its ``seq_id``
+so the model goes on.
 
 A worker that goes away (``kill -9``, a lost node) makes the scheduler requeue its task; the
 next attempt resumes from the task's newest ``save_state`` at a new endpoint. A request that finds
