@@ -511,7 +511,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """Send request ``seq_id`` of ``kind`` with ``message(sequence)``; its future's reply once
         the worker answered it. Answered earlier, the request would be lost with this instance;
         unanswered, the SDK sends it again (same ``seq_id``) to any instance, and the worker
-        answers it once.
+        answers it once. A request that waits for an earlier one is answered at once: the SDK
+        sends the first chunk of a batch only after the others were answered.
 
         Raises:
             ApiError: 408 after :data:`_ANSWER_WAIT_S`: the SDK sends the request again and so
@@ -522,11 +523,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         def send(seq: int, md: tuple):  # the stub of the worker's endpoint now: it moves when the task resumes
             return getattr(model.stub, k.rpc)(message(seq), timeout=_CALL_TIMEOUT_S, metadata=md)
 
-        future = model.submit(seq_id, k.rpc, send, lambda r: k.answer(model, r), digest=digest)
+        model.submit(seq_id, k.rpc, send, lambda r: k.answer(model, r), digest=digest)
         log.debug("request accepted", model_id=model.model_id, seq_id=seq_id, kind=kind)
-        try:
-            await asyncio.wait_for(asyncio.shield(future), _ANSWER_WAIT_S)
-        except asyncio.TimeoutError:
+        if not await model.taken(seq_id, _ANSWER_WAIT_S):
             raise ApiError(
                 f"seq_id: request {seq_id} of model {model.model_id} is not answered yet; "
                 "send it again with the same seq_id to wait on",
