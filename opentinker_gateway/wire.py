@@ -171,7 +171,7 @@ def forward_backward_output(outputs, metrics) -> bytes:
     out = tpb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
     out.metrics["loss:sum"] = 0.0
     out.metrics.update(metrics)
-    return out.SerializeToString(deterministic=True)  # one answer, the same bytes on every instance
+    return out.SerializeToString(deterministic=True)  # map keys sorted: every instance answers the same bytes
 
 
 def adam_params(params: dict) -> training_pb2.AdamParams:
