@@ -2,7 +2,8 @@
 
 Every request carries ``X-API-Key: tml-<OpenTinker API key>``: the gateway strips ``tml-`` and
 calls the scheduler and the session workers with that key, so owners, roles, rotation and
-revocation are the scheduler's. Training requests return a future (``request_id``) at once;
+revocation are the scheduler's. A training request returns its future (``request_id``) once
+the session worker answered it, or 408 after a while so that the SDK sends it again;
 ``retrieve_future`` long-polls it.
 """
 
@@ -38,7 +39,7 @@ from opentinker_common.lora_targets import tinker_target_modules
 
 from opentinker_gateway import wire
 from opentinker_gateway.download_urls import Download, DownloadUrls
-from opentinker_gateway.errors import ApiError
+from opentinker_gateway.errors import SERVER, ApiError
 from opentinker_gateway.models import Model, NotYet, Outcome
 from opentinker_gateway.sampling import BASE_MODEL, SampleBatcher, sample_request
 from opentinker_gateway.scheduler import TASK_NAME_PREFIX, Scheduler, SessionSpec
@@ -473,6 +474,11 @@ def _digest(body: dict) -> str:
 
 #: Seconds a worker call may take (a save writes the artifact store; a step runs the model).
 _CALL_TIMEOUT_S = 3600
+#: Seconds a training request waits for the worker's answer before a 408; below the SDK's
+#: 60 s read timeout.
+_ANSWER_WAIT_S = 20.0
+#: Milliseconds the SDK waits before it sends a request answered 408 again.
+_RETRY_AFTER_MS = "100"
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -492,7 +498,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             model_id=getattr(request.state, "model_id", None),
             error=exc.message,
         )
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"retry-after-ms": _RETRY_AFTER_MS} if exc.status == 408 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(Exception)
     async def _failed(request: Request, exc: Exception) -> JSONResponse:
@@ -500,8 +507,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
         error = ApiError(f"internal error: {type(exc).__name__}", status=500, category="server")
         return JSONResponse(error.body(), status_code=500)
 
-    def submit(model: Model, seq_id: int, kind: str, message, digest: str) -> dict:
-        """Send request ``seq_id`` of ``kind`` with ``message(sequence)``; its future's reply."""
+    async def submit(model: Model, seq_id: int, kind: str, message, digest: str) -> dict:
+        """Send request ``seq_id`` of ``kind`` with ``message(sequence)``; its future's reply once
+        the worker answered it. Answered earlier, the request would be lost with this instance;
+        unanswered, the SDK sends it again (same ``seq_id``) to any instance, and the worker
+        answers it once. A request that waits for an earlier one is answered at once: the SDK
+        sends the first chunk of a batch only after the others were answered.
+
+        Raises:
+            ApiError: 408 after :data:`_ANSWER_WAIT_S`: the SDK sends the request again and so
+                waits on for it.
+        """
         k = KINDS[kind]
 
         def send(seq: int, md: tuple):  # the stub of the worker's endpoint now: it moves when the task resumes
@@ -509,6 +525,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
         model.submit(seq_id, k.rpc, send, lambda r: k.answer(model, r), digest=digest)
         log.debug("request accepted", model_id=model.model_id, seq_id=seq_id, kind=kind)
+        if not await model.taken(seq_id, _ANSWER_WAIT_S):
+            raise ApiError(
+                f"seq_id: request {seq_id} of model {model.model_id} is not answered yet; "
+                "send it again with the same seq_id to wait on",
+                status=408,
+                category=SERVER,
+            ) from None
         return {"request_id": f"{model.model_id}#{seq_id}#{kind}", "model_id": model.model_id}
 
     async def refuse_in_turn(request: Request, refusal: ApiError, model_id: Any, seq_id: Any, kind: str, digest: str):
@@ -692,7 +715,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 yield training_pb2.ForwardBackwardRequest(header=header)
                 yield training_pb2.ForwardBackwardRequest(chunk=training_pb2.DatumChunk(datums=datums))
 
-        return submit(model, msg.seq_id, "fwd" if forward_only else "fb", batch, digest)
+        return await submit(model, msg.seq_id, "fwd" if forward_only else "fb", batch, digest)
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict:
@@ -709,7 +732,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             await refuse_in_turn(request, exc, body.get("model_id"), seq_id, "optim", digest)
             raise
         model = await gw.model(body.get("model_id"), key)
-        return submit(
+        return await submit(
             model, seq_id, "optim", lambda seq: training_pb2.OptimStepRequest(sequence=seq, adam=adam), digest
         )
 
@@ -732,7 +755,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             await refuse_in_turn(request, exc, body.get("model_id"), seq_id, "save", digest)
             raise
         model = await gw.model(body.get("model_id"), key)
-        reply = submit(
+        reply = await submit(
             model, seq_id, "save", lambda seq: training_pb2.SaveStateRequest(sequence=seq, name=name), digest
         )
         expire_after_save(model, seq_id, f"state_{name}", ttl, key)
@@ -758,7 +781,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             await refuse_in_turn(request, exc, body.get("model_id"), seq_id, "sampler", digest)
             raise
         model = await gw.model(body.get("model_id"), key)
-        reply = submit(
+        reply = await submit(
             model,
             seq_id,
             kind,
@@ -785,7 +808,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             await refuse_in_turn(request, exc, body.get("model_id"), seq_id, "external", digest)
             raise
         model = await gw.model(body.get("model_id"), key)
-        reply = submit(
+        reply = await submit(
             model,
             seq_id,
             "external",
@@ -845,7 +868,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             await refuse_in_turn(request, exc, model.model_id, seq_id, "load", digest)
             raise
         with_optimizer = bool(body.get("optimizer"))
-        return submit(
+        return await submit(
             model,
             seq_id,
             "load",

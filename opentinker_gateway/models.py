@@ -10,12 +10,19 @@ A request ahead of the worker is sent again until the worker reaches it; after
 ``gap_timeout_s`` of that it fails as a ``seq_id`` gap and may be sent again. A request the worker
 refuses uses up its ``seq_id``, as on Tinker; so does one the gateway refuses: it sends the worker,
 in that request's turn, a payload the worker refuses. A ``seq_id`` sent again with another body
-is refused (409). A future (``<model id>#<seq_id>#<kind>``) is answered by the instance that sent
-it from memory, and by any other instance (or after a restart) with the worker's kept answer of
-call ``seq_id - 1``: once the worker's next call (GetInfo) is past it, the same RPC with a refused
-payload gets the kept answer. A future whose request the worker still waits for after
-``gap_timeout_s``, and that no request of this instance carries, never reached the worker (the
-instance that took it stopped): it fails, and uses up its ``seq_id`` so the model goes on.
+is refused (409).
+
+The gateway gives out a future (``<model id>#<seq_id>#<kind>``) only once the worker answered
+its call: a gateway that dies before gave no answer, the SDK sends the request again to any
+instance, and the worker answers that ``seq_id`` once (a call it started runs to its end and
+keeps its answer). A request that waits for an earlier one gets its future at once, since the
+SDK sends the first chunk of a batch after the others: such a chunk is lost with its gateway.
+The instance that sent a request answers its future from memory; any other instance (or after
+a restart) answers with the worker's kept answer of call ``seq_id - 1``: once the worker's next
+call (GetInfo) is past it, the same RPC with a refused payload gets the kept answer. A future
+whose request the worker still waits for after ``gap_timeout_s``, and that no request of this
+instance carries, never reached the worker: it fails, and uses up its ``seq_id`` so the model
+goes on.
 
 A worker that goes away (``kill -9``, a lost node) makes the scheduler requeue its task; the
 next attempt resumes from the task's newest ``save_state`` at a new endpoint. A request that finds
@@ -108,6 +115,8 @@ class Model:
         self._connect(endpoint)
         self._futures: dict[int, asyncio.Future] = {}
         self._digests: dict[int, str] = {}
+        #: seq_id -> set while the request waits for an earlier one, which the worker needs first.
+        self._ahead: dict[int, asyncio.Event] = {}
         #: seq_id -> when this instance first saw the worker wait for it, holding no request of it.
         self._missing: dict[int, float] = {}
         self._gap_failed: set[int] = set()
@@ -193,9 +202,12 @@ class Model:
         if digest is not None:
             self._digests[seq_id] = digest
         before = self._futures.get(seq_id - 1)
+        ahead = self._ahead[seq_id] = asyncio.Event()
 
         async def run() -> Outcome:
             if before is not None:  # this instance sent the one before: no need to poll the worker
+                if not before.done():
+                    ahead.set()
                 await asyncio.wait([before])
             try:
                 return answer(await self.call(seq_id, what, send))
@@ -216,7 +228,21 @@ class Model:
                 break
             del self._futures[oldest]
             self._digests.pop(oldest, None)
+            self._ahead.pop(oldest, None)
         return future
+
+    async def taken(self, seq_id: int, timeout: float) -> bool:
+        """Wait until the worker answered request ``seq_id``, which this instance holds, or until
+        the request waits for an earlier one: the SDK sends the chunks of a batch after the first
+        before that first, so such a request cannot wait for its answer. False after ``timeout``
+        seconds."""
+        waiter = asyncio.ensure_future(self._ahead[seq_id].wait())
+        try:
+            pending = [self._futures[seq_id], waiter]
+            done, _ = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        return bool(done)
 
     def future(self, seq_id: int) -> asyncio.Future | None:
         return self._futures.get(seq_id)
@@ -246,6 +272,8 @@ class Model:
                         f"and are gone, so request {seq_id} cannot run: restart the run from that save"
                     ) from None
                 if expected is not None and expected < sequence:
+                    if seq_id in self._ahead:
+                        self._ahead[seq_id].set()
                     now = time.monotonic()
                     first_refusal = first_refusal or now
                     if now - first_refusal > self.gap_timeout_s:

@@ -61,8 +61,9 @@ class Sequencer:
     async def run(self, sequence: int, call: Callable[[], Awaitable[Any]]) -> Any:
         """The response of call ``sequence``: ``await call()`` when it is the expected one, the kept
         answer of a retry, or :class:`~.errors.OutOfOrder`. An exception of ``call`` is its answer:
-        kept, raised again to retries, and ``next`` moves on. A cancelled call keeps no answer
-        and leaves ``next`` where it was."""
+        kept, raised again to retries, and ``next`` moves on. A caller that goes away (its RPC
+        cancelled) does not stop a call that started: it runs to its end and keeps its answer,
+        since its work may have changed the session already."""
         sequence = int(sequence)
         if sequence < 0:
             raise OutOfOrder(sequence, self.next, "sequence numbers start at 0")
@@ -75,6 +76,12 @@ class Sequencer:
             raise OutOfOrder(sequence, self.next, f"call {sequence} was applied and its response is no longer kept")
         if sequence > self.next:
             raise OutOfOrder(sequence, self.next)
+        applied = asyncio.ensure_future(self._apply(sequence, call))
+        applied.add_done_callback(_retrieved)
+        return await asyncio.shield(applied)
+
+    async def _apply(self, sequence: int, call: Callable[[], Awaitable[Any]]) -> Any:
+        """Run call ``sequence`` in its turn and keep its answer; see :meth:`run`."""
         async with self._lock:
             if sequence in self._done:  # applied while this call waited for the lock
                 return self._answer(sequence)
@@ -110,6 +117,12 @@ class Sequencer:
         if isinstance(answer, _Refused):
             raise answer.error
         return answer
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """Mark ``task``'s exception retrieved: its caller may have gone away, and the answer is kept."""
+    if not task.cancelled():
+        task.exception()
 
 
 class _Refused:

@@ -33,6 +33,7 @@ from opentinker_trainer.training.server import TrainingServicer, start_training_
 from opentinker_trainer.workloads.lora_session import open_session
 
 from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler
+from tests.support.waiting import wait_for
 from tests.support.workers import worker_ctx
 
 
@@ -43,7 +44,7 @@ class Served:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        servicer = TrainingServicer(
+        self.servicer = servicer = TrainingServicer(
             session,
             sequencer=Sequencer(0, max_in_flight=session.limits.max_in_flight_calls),
             access=AccessChecker(sched_target, env={}, ttl=30, what="training session"),
@@ -333,3 +334,43 @@ def test_sample_snapshot_samples_a_sampler_save_in_one_call_without_a_sequence_n
             request, metadata=[("authorization", f"Bearer {world['bob_token']}")], timeout=60
         )
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_call_whose_caller_goes_away_runs_once_and_keeps_its_answer(world, monkeypatch) -> None:
+    """A gateway killed during a call cancels its RPC; the call goes on, and the retry of its
+    sequence number gets its answer instead of applying the batch a second time."""
+    servicer = world["served"].servicer
+    session = servicer.session
+    started, release = threading.Event(), threading.Event()
+    real = session.forward_backward
+    runs = []
+
+    def gated(*args, **kwargs):
+        runs.append(1)
+        started.set()
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session, "forward_backward", gated)
+    scheduler = SchedulerConnection(world["target"], timeout=30, api_key=world["alice"])
+    tokens = EndpointTokens(scheduler, world["task"])
+    with scheduler, TrainingSession(world["served"].address, tokens=tokens, task_id=world["task"]) as s:
+        sequence = s.get_info().next_sequence
+        stub = training_pb2_grpc.TrainingServiceStub(s._channel)
+
+        def messages():
+            header = training_pb2.BatchHeader(sequence=sequence, loss_fn=training_pb2.LOSS_FN_IMPORTANCE_SAMPLING)
+            return client_training.batch_messages(header, batch(), training_pb2.ForwardBackwardRequest)
+
+        first = stub.ForwardBackward.future(messages(), metadata=s._metadata())
+        assert started.wait(60)
+        first.cancel()
+        wait_for(lambda: servicer.seq.in_flight == 0, what="the server to see the call cancelled")
+        release.set()
+        retried = stub.ForwardBackward(messages(), metadata=s._metadata(), timeout=60)
+        assert retried.accumulated_calls == 1 and len(runs) == 1
+        stub.OptimStep(
+            training_pb2.OptimStepRequest(sequence=sequence + 1, adam=training_pb2.AdamParams(learning_rate=1e-3)),
+            metadata=s._metadata(),
+            timeout=60,
+        )
