@@ -8,14 +8,12 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 
 import pytest
 
 from opentinker_trainer.agent import AgentConfig, NodeAgent
 from opentinker_trainer.http import TrainerHttp
-from tests.support.http import http_get
-from tests.support.waiting import wait_for
+from tests.support.http import assert_slow_clients_are_bounded
 
 
 @pytest.fixture(scope="module")
@@ -50,41 +48,7 @@ def _connect(http: TrainerHttp) -> socket.socket:
 
 
 def test_health_answers_with_100_half_sent_requests_open_and_a_trickling_client_is_cut_off(side_port) -> None:
-    base = f"http://127.0.0.1:{side_port.port}"
-    crowd = []
-    try:
-        for _ in range(100):
-            conn = _connect(side_port)
-            conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # a head that never ends
-            crowd.append(conn)
-            time.sleep(0.02)  # paced, as a slowloris client opens them: each is accepted before the next
-        for _ in range(3):
-            assert http_get(base + "/health") == (200, b'{"status": "ok"}')
-    finally:
-        for conn in crowd:
-            conn.close()
-
-    side_port.head_timeout_s = 2.0  # read as each connection's deadline is set
-    try:
-        with _connect(side_port) as slow:
-            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-            started = time.monotonic()
-
-            def cut_off() -> bool:
-                try:
-                    slow.sendall(b"a")  # a byte at a time, as a slowloris client sends
-                    slow.settimeout(0.5)
-                    return slow.recv(1) == b""
-                except TimeoutError:
-                    return False
-                except (BrokenPipeError, ConnectionResetError):
-                    return True
-
-            wait_for(cut_off, what="the side port to close a connection whose head never ends")
-            assert time.monotonic() - started >= 1.5  # the deadline, not some earlier refusal
-    finally:
-        side_port.head_timeout_s = 10.0
-    assert http_get(base + "/health")[0] == 200
+    assert_slow_clients_are_bounded(side_port.port, lambda s: setattr(side_port, "head_timeout_s", s))
 
 
 def test_a_body_is_refused_before_it_is_read(side_port) -> None:

@@ -9,15 +9,13 @@ from __future__ import annotations
 import http.client
 import re
 import socket
-import time
 import urllib.parse
 
 import pytest
 
 from opentinker_client import RLClient
-from tests.support.http import http_get
+from tests.support.http import assert_slow_clients_are_bounded, http_get
 from tests.support.security import LoopbackScheduler
-from tests.support.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -89,41 +87,7 @@ def test_a_request_framed_both_ways_is_refused_and_nothing_after_it_is_read_as_a
 
 
 def test_health_answers_with_100_half_sent_requests_open_and_a_trickling_client_is_cut_off(sched) -> None:
-    base = f"http://127.0.0.1:{sched.running.http.port}"
-    crowd = []
-    try:
-        for _ in range(100):
-            conn = _connect(sched)
-            conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # a head that never ends
-            crowd.append(conn)
-            time.sleep(0.02)  # paced, as a slowloris client opens them: each is accepted before the next
-        for _ in range(3):
-            assert http_get(base + "/health") == (200, b'{"status": "ok"}')
-    finally:
-        for conn in crowd:
-            conn.close()
-
-    sched.running.http.head_timeout_s = 2.0  # for connections made from now on
-    try:
-        with _connect(sched) as slow:
-            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-            started = time.monotonic()
-
-            def cut_off() -> bool:
-                try:
-                    slow.sendall(b"a")  # a byte at a time, as a slowloris client sends
-                    slow.settimeout(0.5)
-                    return slow.recv(1) == b""
-                except TimeoutError:
-                    return False
-                except (BrokenPipeError, ConnectionResetError):
-                    return True
-
-            wait_for(cut_off, what="the server to close a connection whose head never ends")
-            assert time.monotonic() - started >= 1.5  # the deadline, not some earlier refusal
-    finally:
-        sched.running.http.head_timeout_s = 10.0
-    assert http_get(base + "/health")[0] == 200
+    assert_slow_clients_are_bounded(sched.running.http.port, lambda s: setattr(sched.running.http, "head_timeout_s", s))
 
 
 def _login_form(conn: http.client.HTTPConnection) -> tuple[str, str]:
