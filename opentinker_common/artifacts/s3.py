@@ -38,10 +38,8 @@ import base64
 import contextlib
 import hashlib
 import os
-import shutil
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -65,7 +63,7 @@ from opentinker_common.artifacts.manifest import (
     folder_files,
     scan_folder,
 )
-from opentinker_common.artifacts.store import ArtifactStore, WriteBehind, append_hashing, verify
+from opentinker_common.artifacts.store import ArtifactStore, verify
 
 __all__ = ["S3Location", "S3ArtifactStore", "PresignedRequest", "S3UploadStatus"]
 
@@ -368,19 +366,13 @@ class S3ArtifactStore(ArtifactStore):
         except Exception as exc:  # noqa: BLE001 - mapped
             raise self._error(exc, f"reading {manifest.key}/{entry.path}") from None
 
-    def get_folder(self, key: str, dest: Path, *, expect_sha256: str = "") -> Manifest:
+    def _fetch_files(self, key: str, m: Manifest, folder: Path) -> None:
         """Download the files and check each against the manifest. A file over
         :data:`ONE_GET_BYTES` comes by boto3's parallel ranged GETs (:class:`_RangeFile`) while
-        this thread hashes its bytes in order as they are written; a smaller one by one GET,
-        hashed as it streams, while the large ones go on."""
-        dest = Path(dest)
-        if dest.exists():
-            raise InvalidArtifact(f"{dest}: already exists; get_folder writes a new folder")
-        m = self.manifest(key, expect_sha256=expect_sha256)
-        tmp = dest.with_name(f".{dest.name}.part-{uuid.uuid4().hex[:8]}")
-        tmp.mkdir()
+        this thread hashes its bytes in order as they are written; a smaller one by one GET
+        (:meth:`_fetch_file`), hashed as it streams, while the large ones go on."""
         changed = threading.Condition()
-        files = [_RangeFile(tmp / entry.path, entry.size_bytes, changed) for entry in m.files]
+        files = [_RangeFile(folder / entry.path, entry.size_bytes, changed) for entry in m.files]
         try:
             try:
                 with self._transfers(self._reader) as transfers:
@@ -393,7 +385,7 @@ class S3ArtifactStore(ArtifactStore):
                         for entry, f in zip(m.files, files)
                     ]
                     hashed = [
-                        f.hash_as_written(future) if future is not None else self._get_one(m, entry, f.path)
+                        f.hash_as_written(future) if future is not None else self._fetch_file(m, entry, f.path)
                         for entry, f, future in zip(m.files, files, got)
                     ]
                     for future in got:
@@ -401,30 +393,12 @@ class S3ArtifactStore(ArtifactStore):
                             future.result()
             except Exception as exc:  # noqa: BLE001 - mapped
                 raise self._error(exc, f"reading {key}") from None
-            for entry, (size, sha256) in zip(m.files, hashed):
-                verify(m, entry, size, sha256)
-            os.rename(tmp, dest)
         except BaseException:
             for f in files:
                 f.close()
-            shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return m
-
-    def _get_one(self, m: Manifest, entry: FileEntry, path: Path) -> tuple[int, str]:
-        """Write file ``entry`` to ``path`` by one GET, each chunk hashed and written in a worker
-        thread while the next arrives; its size and SHA-256 (hex)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha256()
-        behind = WriteBehind()
-        try:
-            with open(path, "wb", buffering=0) as f:
-                for chunk in self.read_chunks(m, entry):
-                    behind.submit(append_hashing, f, digest, chunk)
-                behind.wait()
-                return f.tell(), digest.hexdigest()
-        finally:
-            behind.close()
+        for entry, (size, sha256) in zip(m.files, hashed):
+            verify(m, entry, size, sha256)
 
     def list(self, prefix: str = "") -> list[str]:
         keys = []

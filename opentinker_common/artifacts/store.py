@@ -105,25 +105,33 @@ class ArtifactStore(abc.ABC):
         m = self.manifest(key, expect_sha256=expect_sha256)
         tmp = dest.with_name(f".{dest.name}.part-{uuid.uuid4().hex[:8]}")
         tmp.mkdir()
-        behind = WriteBehind()
         try:
-            for entry in m.files:
-                target = tmp / entry.path
-                target.parent.mkdir(parents=True, exist_ok=True)
-                digest = hashlib.sha256()
-                with open(target, "wb", buffering=0) as f:
-                    for chunk in self.read_chunks(m, entry):
-                        behind.submit(append_hashing, f, digest, chunk)
-                    behind.wait()
-                    size = f.tell()
-                verify(m, entry, size, digest.hexdigest())
+            self._fetch_files(key, m, tmp)
             os.rename(tmp, dest)
         except BaseException:
-            behind.close()
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        behind.close()
         return m
+
+    def _fetch_files(self, key: str, m: Manifest, folder: Path) -> None:
+        """Write every file of ``m`` under ``folder``, each verified against the manifest."""
+        for entry in m.files:
+            verify(m, entry, *self._fetch_file(m, entry, folder / entry.path))
+
+    def _fetch_file(self, m: Manifest, entry: FileEntry, path: Path) -> tuple[int, str]:
+        """Write file ``entry`` to ``path`` from :meth:`read_chunks`, each chunk hashed and written
+        in a worker thread while the next arrives; its size and SHA-256 (hex)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        behind = WriteBehind()
+        try:
+            with open(path, "wb", buffering=0) as f:
+                for chunk in self.read_chunks(m, entry):
+                    behind.submit(append_hashing, f, digest, chunk)
+                behind.wait()
+                return f.tell(), digest.hexdigest()
+        finally:
+            behind.close()
 
 
 class WriteBehind:
