@@ -120,7 +120,7 @@ class RunningScheduler:
 
 
 def _snapshot(core: SchedulerCore, leadership=None) -> Snapshot:
-    counts = {STATE_NAMES[s]: n for s, n in core.state_counts.items() if n}
+    counts = {STATE_NAMES[s]: n for s, n in core.tasks.counts.items() if n}
     gpus = []
     hosts = []
     for node in core.ledger.nodes.values():

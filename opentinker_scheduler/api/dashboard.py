@@ -428,7 +428,7 @@ class Dashboard:
                         model_hosts=[_model_host(core, n, mh) for mh in n.model_hosts],
                     )
                 )
-            return rows, dict(core.state_counts), core.leading
+            return rows, dict(core.tasks.counts), core.leading
 
         rows, counts, leading = read()
         now = time.time()

@@ -259,10 +259,6 @@ class SchedulerCore:
     def active(self) -> dict[str, TaskRow]:
         return self.tasks.active
 
-    @property
-    def state_counts(self) -> dict[int, int]:
-        return self.tasks.counts
-
     def _cluster_changed(self) -> None:
         """A node connected, left or changed size: the quotas' cluster size follows."""
         self.queues.cluster_changed(self.ledger.nodes.values())

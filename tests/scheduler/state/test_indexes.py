@@ -174,7 +174,7 @@ def test_schedule_is_cheap_with_a_deep_queue(tmp_path) -> None:
     report(core, node, big[0].task_id, 1, C.TASK_STATE_SUCCEEDED)
     assert core.schedule() == 1  # head of the queue: the next big task
     assert core.api.get(big[1].task_id).state == C.TASK_STATE_ASSIGNED
-    assert core.state_counts[C.TASK_STATE_PENDING] == 51 and core.state_counts[C.TASK_STATE_SUCCEEDED] == 1
+    assert core.tasks.counts[C.TASK_STATE_PENDING] == 51 and core.tasks.counts[C.TASK_STATE_SUCCEEDED] == 1
 
 
 class _FailingCommits:
@@ -236,7 +236,7 @@ def test_failed_group_commit_rebuilds_memory_and_drops_commands(tmp_path) -> Non
         # Memory is the store's again: pending, no GPUs held, no assignment sent.
         assert core.api.get(task.task_id).state == C.TASK_STATE_PENDING and task.task_id in core.queue
         assert dict(node.allocations) == {} and drain(node) == []
-        assert core.state_counts.get(C.TASK_STATE_ASSIGNED, 0) == 0
+        assert core.tasks.counts.get(C.TASK_STATE_ASSIGNED, 0) == 0
         failing.fail = False
         assert core.schedule() == 1
         await core.durable()
