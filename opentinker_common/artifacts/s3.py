@@ -37,6 +37,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import heapq
 import os
 import threading
 import time
@@ -836,8 +837,8 @@ class _RangeFile:
         self._changed = changed
         self._fd: int | None = None
         self._offset = 0
-        #: Written ranges past ``written``: start -> end.
-        self._ahead: dict[int, int] = {}
+        #: Written ranges past ``written``: a heap of (start, end).
+        self._ahead: list[tuple[int, int]] = []
 
     # ---- the file object boto3 writes to
     def seekable(self) -> bool:
@@ -866,14 +867,9 @@ class _RangeFile:
         with self._changed:
             before = self.written
             if end > self.written:
-                self._ahead[start] = max(end, self._ahead.get(start, end))
-            while True:
-                reach = [e for s, e in self._ahead.items() if s <= self.written < e]
-                for s in [s for s in self._ahead if s <= self.written]:
-                    del self._ahead[s]
-                if not reach:
-                    break
-                self.written = max(reach)
+                heapq.heappush(self._ahead, (start, end))
+            while self._ahead and self._ahead[0][0] <= self.written:
+                self.written = max(self.written, heapq.heappop(self._ahead)[1])
             if self.written - self._told >= _WAKE_BYTES or (self.written >= self.size_bytes > before):
                 self._told = self.written
                 self._changed.notify_all()

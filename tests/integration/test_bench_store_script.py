@@ -37,3 +37,5 @@ def test_the_s3_store_is_compared_with_boto3_on_the_same_server_and_the_result_w
     assert all(r["value"] > 0 for r in record["ratios"])
     assert {"2 MB s3 (SeaweedFS)", "2 MB boto3 (SeaweedFS)", "2 MB local (gRPC)"} <= set(record["details"])
     assert record["make"] == "make bench-store" and record["goal"] == ">= 0.8x"
+    for path in ("2 MB s3 (SeaweedFS)", "2 MB boto3 (SeaweedFS)"):
+        assert record["details"][path]["write_cpu_s"] > 0 and record["details"][path]["read_cpu_s"] > 0

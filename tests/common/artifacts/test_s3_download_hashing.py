@@ -49,3 +49,17 @@ def test_a_missing_range_leaves_the_hash_short(tmp_path):
     size, _ = _download(f, data, [(0, 1000), (2000, len(data))])
     f.close()
     assert size == 1000
+
+
+def test_overlapping_ranges_in_any_order_hash_to_the_files_sha256(tmp_path):
+    data = os.urandom(2 * 1024 * 1024 + 5)
+    rng = random.Random(11)
+    step = 64 * 1024
+    ranges = [(i, min(i + step, len(data))) for i in range(0, len(data), step)]
+    for _ in range(40):  # retried ranges that start and end elsewhere than the first ones
+        start = rng.randrange(len(data))
+        ranges.append((start, min(len(data), start + rng.randrange(1, 3 * step))))
+    rng.shuffle(ranges)
+    f = _RangeFile(tmp_path / "w", len(data), threading.Condition())
+    assert _download(f, data, ranges) == (len(data), hashlib.sha256(data).hexdigest())
+    assert (tmp_path / "w").read_bytes() == data
