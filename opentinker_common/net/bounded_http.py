@@ -1,7 +1,7 @@
 """A bounded HTTP/1.1 server for the side ports: uvicorn's h11 protocol with an ASGI app (Starlette).
 
-The scheduler's HTTP port and the trainer's side port both serve through it, so that no client holds
-either port. Bounds:
+The scheduler's HTTP port, the trainer's side port and the Tinker API gateway serve through it, so
+that no client holds any of them. Bounds:
 
 * a request head is at most :data:`MAX_HEAD_BYTES` (431 or 400 beyond);
 * a body is checked against ``Content-Length`` before anything is read (413 beyond the app's limit);
