@@ -87,6 +87,8 @@ KEYLESS_ROUTES = frozenset(
 )
 #: Checkpoint download URLs carry a sealed token instead of a key.
 _DOWNLOAD_PREFIX = "/api/v1/checkpoint_files/"
+#: Keys (and key, model pairs) held before the expired ones are dropped: those that stopped calling.
+_MAX_GRANTS = 4096
 
 log = structlog.get_logger("opentinker.gateway")
 
@@ -239,7 +241,7 @@ class Gateway:
         if self._keys.get(key, 0.0) > now:
             return
         await self.scheduler.check_key(key)
-        if len(self._keys) >= 4096:  # keys that stopped calling
+        if len(self._keys) >= _MAX_GRANTS:
             self._keys = {k: t for k, t in self._keys.items() if t > now}
         self._keys[key] = time.monotonic() + GRANT_TTL_S
 
@@ -300,7 +302,7 @@ class Gateway:
         async with lock:
             task_id = (await self.task(model_id, key)).task_id
             now = time.monotonic()
-            if len(self._grants) >= 4096:
+            if len(self._grants) >= _MAX_GRANTS:
                 self._grants = {g: t for g, t in self._grants.items() if t > now}
             self._grants[(key, model_id)] = now + GRANT_TTL_S
             model = self.models.get(task_id)  # one Model per task, under each of its ids
