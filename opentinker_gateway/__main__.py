@@ -1,18 +1,20 @@
 """``python -m opentinker_gateway --scheduler HOST:PORT --port N``: serve the Tinker API, with the
-Tinker model names of the scheduler's ``model_names:`` table."""
+Tinker model names of the scheduler's ``model_names:`` table, until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 import sys
 from pathlib import Path
 
 import structlog
-import uvicorn
 
 from opentinker_common.logs import configure_logging
-from opentinker_gateway.app import GatewayConfig, create_app
+from opentinker_gateway.app import GatewayConfig
 from opentinker_gateway.download_urls import DownloadUrls
+from opentinker_gateway.server import GatewayServer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,8 +58,19 @@ def main(argv: list[str] | None = None) -> int:
         scheduler=args.scheduler,
         gap_timeout_s=config.gap_timeout_s,
     )
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+    try:
+        server = GatewayServer(config, args.host, args.port)
+    except OSError as exc:
+        parser.error(f"--port: cannot listen on {args.host}:{args.port}: {exc}")
+    asyncio.run(_serve(server))
     return 0
+
+
+async def _serve(server: GatewayServer) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.stop)
+    await server.serve()
 
 
 if __name__ == "__main__":

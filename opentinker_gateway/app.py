@@ -76,6 +76,19 @@ _SAVE_LISTED_S = 60.0
 MAX_KEYLESS_BODY_BYTES = 64 * 1024
 #: Deepest nesting of arrays and objects in a JSON body; the SDK's bodies nest a few levels.
 MAX_JSON_DEPTH = 64
+#: Seconds the gateway trusts the scheduler's yes to an API key, and to the key's use of a model,
+#: before it asks again. A revoked or rotated-out key stops working through the gateway within
+#: this long; a busy SDK costs the scheduler one check per key and model in this time, not one a request.
+GRANT_TTL_S = 5.0
+#: Routes that take no API key. Every other ``/api/v1/`` route is refused (401) before its body is
+#: read unless its key is one the scheduler knows.
+KEYLESS_ROUTES = frozenset(
+    {"/api/v1/healthz", "/api/v1/client/config", "/api/v1/client/dynamic_config", "/api/v1/telemetry"}
+)
+#: Checkpoint download URLs carry a sealed token instead of a key.
+_DOWNLOAD_PREFIX = "/api/v1/checkpoint_files/"
+#: Keys (and key, model pairs) held before the expired ones are dropped: those that stopped calling.
+_MAX_GRANTS = 4096
 
 log = structlog.get_logger("opentinker.gateway")
 
@@ -190,7 +203,9 @@ class Gateway:
         self.config = config
         self.scheduler: Scheduler | None = None
         self.models: dict[str, Model] = {}
-        self._allowed: set[tuple[str, str]] = set()
+        #: Monotonic time until which the scheduler's yes holds: to a key, to a (key, model id).
+        self._keys: dict[str, float] = {}
+        self._grants: dict[tuple[str, str], float] = {}
         self._model_locks: dict[str, asyncio.Lock] = {}
         self.samples: dict[str, asyncio.Future] = {}
         #: What ``/metrics`` shows.
@@ -214,6 +229,21 @@ class Gateway:
             await model.close()
         if self.scheduler is not None:
             await self.scheduler.close()
+
+    async def check_key(self, key: str) -> None:
+        """Return when the scheduler takes ``key``, asked at most once in :data:`GRANT_TTL_S`.
+
+        Raises:
+            ApiError: 401 for a key the scheduler does not know (revoked, expired, never made);
+                the scheduler's refusal otherwise (503 when it cannot be reached).
+        """
+        now = time.monotonic()
+        if self._keys.get(key, 0.0) > now:
+            return
+        await self.scheduler.check_key(key)
+        if len(self._keys) >= _MAX_GRANTS:
+            self._keys = {k: t for k, t in self._keys.items() if t > now}
+        self._keys[key] = time.monotonic() + GRANT_TTL_S
 
     async def model_dir(self, base_model: str, key: str, field_name: str = "base_model") -> str:
         """The local folder of Tinker model name ``base_model`` (the scheduler's ``model_names:``).
@@ -266,12 +296,15 @@ class Gateway:
         if not isinstance(model_id, str) or not model_id:
             raise ApiError("model_id: expected a model id from create_model")
         model = self.models.get(model_id)
-        if model is not None and (key, model_id) in self._allowed:
+        if model is not None and self._grants.get((key, model_id), 0.0) > time.monotonic():
             return model
         lock = self._model_locks.setdefault(model_id, asyncio.Lock())
         async with lock:
             task_id = (await self.task(model_id, key)).task_id
-            self._allowed.add((key, model_id))
+            now = time.monotonic()
+            if len(self._grants) >= _MAX_GRANTS:
+                self._grants = {g: t for g, t in self._grants.items() if t > now}
+            self._grants[(key, model_id)] = now + GRANT_TTL_S
             model = self.models.get(task_id)  # one Model per task, under each of its ids
             if model is None:
                 task = await self.scheduler.wait_serving(task_id, key)
@@ -481,11 +514,34 @@ _ANSWER_WAIT_S = 20.0
 _RETRY_AFTER_MS = "100"
 
 
+class _KeysFirst:
+    """ASGI middleware: a keyed route's key is checked (:meth:`Gateway.check_key`) before anything
+    reads its body, so a client without a valid key makes the gateway read nothing. A refusal is
+    Tinker-shaped and closes the connection, the body unread."""
+
+    def __init__(self, app, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.startswith("/api/v1/") and path not in KEYLESS_ROUTES and not path.startswith(_DOWNLOAD_PREFIX):
+            try:
+                await self.gateway.check_key(_key(Request(scope)))
+            except ApiError as exc:
+                log.info("request refused", status=exc.status, route=path, error=exc.message)
+                refusal = JSONResponse(exc.body(), status_code=exc.status, headers={"Connection": "close"})
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(config: GatewayConfig) -> FastAPI:
     """The gateway's ASGI app."""
     gw = Gateway(config)
-    app = FastAPI(title="OpenTinker Tinker API", on_startup=[gw.start], on_shutdown=[gw.stop])
+    app = FastAPI(title="OpenTinker Tinker API")
     app.state.gateway = gw
+    app.add_middleware(_KeysFirst, gateway=gw)
     limit = config.max_body_bytes
 
     @app.exception_handler(ApiError)
@@ -588,7 +644,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/api/v1/telemetry")
     async def telemetry(request: Request) -> dict:
-        await _body(request, min(limit, MAX_KEYLESS_BODY_BYTES))
+        await _json(request, min(limit, MAX_KEYLESS_BODY_BYTES))
         return {"status": "accepted"}
 
     # --- sessions ---------------------------------------------------------------------------

@@ -130,6 +130,15 @@ class Scheduler:
     async def cancel(self, task_id: str, key: str, reason: str) -> None:
         await self._call("CancelTask", scheduler_pb2.CancelTaskRequest(task_id=task_id, reason=reason), key)
 
+    async def check_key(self, key: str) -> None:
+        """Return when the scheduler takes ``key``: one read of its ``model_names:`` table, kept.
+
+        Raises:
+            ApiError: 401 for an unknown, revoked or expired key; as :func:`from_rpc` otherwise.
+        """
+        response = await self._call("ListModelNames", scheduler_pb2.ListModelNamesRequest(), key)
+        self._names = ({m.name: m.folder for m in response.model_names}, time.monotonic())
+
     async def model_names(self, key: str) -> dict[str, str]:
         """The scheduler's ``model_names:`` table, Tinker model name -> local folder, in its order;
         asked again after :data:`NAMES_TTL_S` seconds."""

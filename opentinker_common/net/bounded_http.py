@@ -1,7 +1,7 @@
 """A bounded HTTP/1.1 server for the side ports: uvicorn's h11 protocol with an ASGI app (Starlette).
 
-The scheduler's HTTP port and the trainer's side port both serve through it, so that no client holds
-either port. Bounds:
+The scheduler's HTTP port, the trainer's side port and the Tinker API gateway serve through it, so
+that no client holds any of them. Bounds:
 
 * a request head is at most :data:`MAX_HEAD_BYTES` (431 or 400 beyond);
 * a body is checked against ``Content-Length`` before anything is read (413 beyond the app's limit);
@@ -9,7 +9,8 @@ either port. Bounds:
   ``Transfer-Encoding``; the connection is closed after each refusal (:func:`framing_refusal`);
 * a request's head and body must arrive within ``head_timeout_s`` seconds of the connection or of
   its previous answer, or the connection is closed: a client trickling a byte every few seconds
-  holds nothing (:class:`BoundedH11`);
+  holds nothing (:class:`BoundedH11`). A port that takes large bodies gives each body a deadline
+  of its own, set as its head arrives (``endpoint.body_timeout_s``);
 * a TLS handshake must end within ``head_timeout_s`` seconds (asyncio's default is a minute);
 * at most :data:`MAX_CONNECTIONS` requests and connections at once; more get 503.
 """
@@ -53,6 +54,8 @@ class BoundedH11(H11Protocol):
     connection is closed. uvicorn itself bounds only the idle time between requests.
 
     ``endpoint`` is a class attribute: any object with ``head_timeout_s``, read as each deadline is set.
+    An endpoint with a ``body_timeout_s(scope)`` method gives each body that many seconds from the
+    arrival of its head instead: a large upload takes longer than a head.
     """
 
     endpoint: object
@@ -61,6 +64,14 @@ class BoundedH11(H11Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         super().connection_made(transport)
         self._arm()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        body_timeout_s = getattr(self.endpoint, "body_timeout_s", None)
+        started = self.cycle is not cycle  # a new request's head arrived
+        if body_timeout_s is not None and started and self.conn.their_state is h11.SEND_BODY:
+            self._arm(body_timeout_s(self.scope))
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -71,11 +82,13 @@ class BoundedH11(H11Protocol):
             self._deadline.cancel()
         super().connection_lost(exc)
 
-    def _arm(self) -> None:
+    def _arm(self, seconds: float | None = None) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
         if not self.transport.is_closing():
-            self._deadline = self.loop.call_later(self.endpoint.head_timeout_s, self._expire)
+            self._deadline = self.loop.call_later(
+                self.endpoint.head_timeout_s if seconds is None else seconds, self._expire
+            )
 
     def _expire(self) -> None:
         self._deadline = None

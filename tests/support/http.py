@@ -3,6 +3,7 @@ Prometheus text parsed with prometheus-client's own parser."""
 
 from __future__ import annotations
 
+import json
 import socket
 import ssl
 import time
@@ -41,11 +42,13 @@ def metric_value(metrics: dict, name: str, **labels) -> float | None:
     return None
 
 
-def assert_slow_clients_are_bounded(port: int, set_head_timeout: Callable[[float], None]) -> None:
+def assert_slow_clients_are_bounded(
+    port: int, set_head_timeout: Callable[[float], None], path: str = "/health"
+) -> None:
     """An HTTP port on loopback holds against slowloris clients: with 100 half-sent request heads
-    open, ``/health`` still answers; a client that trickles its head a byte at a time is cut off
-    at the head deadline, which ``set_head_timeout(seconds)`` sets for new connections (2 s
-    here, 10 s again after)."""
+    open, its health check ``path`` still answers ``{"status": "ok"}``; a client that trickles its
+    head a byte at a time is cut off at the head deadline, which ``set_head_timeout(seconds)`` sets
+    for new connections (2 s here, 10 s again after)."""
 
     def connect() -> socket.socket:
         return socket.create_connection(("127.0.0.1", port), timeout=30)
@@ -55,11 +58,12 @@ def assert_slow_clients_are_bounded(port: int, set_head_timeout: Callable[[float
     try:
         for _ in range(100):
             conn = connect()
-            conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # a head that never ends
+            conn.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\nX-Slow: " % path.encode())  # a head that never ends
             crowd.append(conn)
             time.sleep(0.02)  # paced, as a slowloris client opens them: each is accepted before the next
         for _ in range(3):
-            assert http_get(base + "/health") == (200, b'{"status": "ok"}')
+            status, body = http_get(base + path)
+            assert (status, json.loads(body)) == (200, {"status": "ok"})
     finally:
         for conn in crowd:
             conn.close()
@@ -67,7 +71,7 @@ def assert_slow_clients_are_bounded(port: int, set_head_timeout: Callable[[float
     set_head_timeout(2.0)
     try:
         with connect() as slow:
-            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            slow.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\nX-Slow: " % path.encode())
             started = time.monotonic()
 
             def cut_off() -> bool:
@@ -84,4 +88,4 @@ def assert_slow_clients_are_bounded(port: int, set_head_timeout: Callable[[float
             assert time.monotonic() - started >= 1.5  # the deadline, not some earlier refusal
     finally:
         set_head_timeout(10.0)
-    assert http_get(base + "/health")[0] == 200
+    assert http_get(base + path)[0] == 200
