@@ -13,7 +13,10 @@ runs padded batches (:func:`opentinker_trainer.rl.rollout.position_ids_from_mask
 * **step** (:meth:`DecodeBatch.forward`): ``[B, 1]`` last tokens, mask ``[B, W + 1]``,
   ``position_ids[b]`` = real tokens of row ``b`` so far; rows of different adapters run in the
   same pass (``model_for`` gets each row's adapter name, ``"__base__"`` for base-model rows: the
-  runtime groups them by adapter, :mod:`~.lora_rows`, or passes PEFT's ``adapter_names``);
+  runtime groups them by adapter, :mod:`~.lora_rows`, or passes PEFT's ``adapter_names``); with
+  prompt-lookup drafts of greedy requests (:mod:`~.prompt_lookup`) the step runs
+  ``[B, 1 + longest draft]`` positions, padding masked, and :meth:`DecodeBatch.rewind` masks the
+  columns of the draft tokens greedy decoding did not pick;
 * **retire** (:meth:`DecodeBatch.remove`): ``batch_select_indices`` keeps the other rows, and
   leading columns that are padding in every remaining row are cut.
 

@@ -16,6 +16,9 @@ forward pass and every adapter load runs on a single model thread. Each engine i
    rows of different adapters together, each adapter's LoRA over its own rows: :mod:`~.lora_rows`),
    samples each request with its own settings and generator, and hands every request its
    tokens; stop strings are checked right away, so a stopped sample ends before the next step.
+   While the batch has at most :data:`MAX_DRAFTING_ROWS` rows, a greedy request's step also
+   checks a prompt-lookup draft and may yield several tokens, exactly greedy decoding's
+   (:mod:`~.prompt_lookup`).
    The model thread runs such steps **back to back** and sends each step's tokens to the event
    loop without waiting for it; it returns to the engine loop after a step when that has work
    (a queued or cancelled request, another model-thread call such as an adapter load, the end

@@ -124,11 +124,12 @@ def test_two_greedy_requests_at_once_get_plain_greedy_decoding(served) -> None:
         start.wait()
         return _stream(client, case)[0]
 
-    rows = server.runtime.max_batch_rows_seen
+    rows, kept = server.runtime.max_batch_rows_seen, server.runtime.kept_draft_tokens
     with ThreadPoolExecutor(2) as pool:
         got = list(pool.map(together, cases))
     assert got == refs
     assert server.runtime.max_batch_rows_seen == max(rows, 2)
+    assert server.runtime.kept_draft_tokens > kept
 
 
 def test_max_tokens_eos_and_a_stop_string_end_the_sample_inside_a_run_of_kept_drafts(served) -> None:
