@@ -327,6 +327,9 @@ def run_side(args) -> int:
         client = InferenceClient(server.address, timeout=600)
         closers += [client.close, server.close]
 
+        def decode_counts() -> list[int]:
+            return [runtime.decode_tokens, runtime.decode_steps, runtime.drafted_tokens, runtime.kept_draft_tokens]
+
         def one(i: int, n: int) -> tuple[int, float]:
             t0 = time.perf_counter()
             first, count = None, 0
@@ -341,6 +344,9 @@ def run_side(args) -> int:
 
     else:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        def decode_counts() -> None:
+            return None
 
         # Pages for every stream's prompt and new tokens at the largest stream count, and no more:
         # a larger cache would only add to this side's resident memory.
@@ -403,8 +409,11 @@ def run_side(args) -> int:
     points = {}
     for c in levels:
         memory.reset()
+        before = decode_counts()
         tps, ttfts = closed_loop(c, requests_per_stream(args, c), lambda i: one(i, k))
         points[str(c)] = {"tok_s": tps, "ttft_s": ttfts, "peak_rss": memory.peak}
+        if before is not None:  # ours: decode tokens per decode step, draft tokens checked and kept
+            points[str(c)]["decode"] = [b - a for a, b in zip(before, decode_counts())]
         print(f"{args.side}: {c} streams {tps:.1f} tok/s, TTFT p50 {1000 * percentile(ttfts, 0.5):.0f} ms", flush=True)
     for close in closers:
         close()
@@ -468,6 +477,14 @@ def concurrency(args) -> None:
             }
         )
         details[f"{c} streams tok/s ours, cb"] = [round(ours, 2), round(theirs, 2)]
+        tokens, steps, drafted, kept = (
+            sum(run["points"][str(c)]["decode"][i] for run in runs["ours"]) for i in range(4)
+        )
+        details[f"{c} streams ours: tokens per decode step, draft tokens checked, kept"] = [
+            round(tokens / max(steps, 1), 3),
+            drafted,
+            kept,
+        ]
         details[f"{c} streams tok/s ratio per repeat"] = [round(x, 3) for x in pairs]
         details[f"{c} streams TTFT p50 ms ours, cb"] = [round(1000 * t_ours, 1), round(1000 * t_cb, 1)]
         print(

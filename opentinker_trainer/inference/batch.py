@@ -13,7 +13,10 @@ runs padded batches (:func:`opentinker_trainer.rl.rollout.position_ids_from_mask
 * **step** (:meth:`DecodeBatch.forward`): ``[B, 1]`` last tokens, mask ``[B, W + 1]``,
   ``position_ids[b]`` = real tokens of row ``b`` so far; rows of different adapters run in the
   same pass (``model_for`` gets each row's adapter name, ``"__base__"`` for base-model rows: the
-  runtime groups them by adapter, :mod:`~.lora_rows`, or passes PEFT's ``adapter_names``);
+  runtime groups them by adapter, :mod:`~.lora_rows`, or passes PEFT's ``adapter_names``); with
+  prompt-lookup drafts of greedy requests (:mod:`~.prompt_lookup`) the step runs
+  ``[B, 1 + longest draft]`` positions, padding masked, and :meth:`DecodeBatch.rewind` masks the
+  columns of the draft tokens greedy decoding did not pick;
 * **retire** (:meth:`DecodeBatch.remove`): ``batch_select_indices`` keeps the other rows, and
   leading columns that are padding in every remaining row are cut.
 
@@ -43,6 +46,7 @@ import torch
 
 from opentinker_trainer.inference.engine import FINISH_LENGTH, FINISH_STOP, SamplingParams, _cache_of
 from opentinker_trainer.inference.prefix_cache import PrefixCache
+from opentinker_trainer.inference.prompt_lookup import propose
 from opentinker_trainer.inference.sampling import raw_logprobs, select
 
 __all__ = ["BASE_ROW", "Member", "DecodeBatch"]
@@ -127,17 +131,60 @@ class Member:
         for i, (tok, lp) in enumerate(zip(self.last, lps.tolist())):
             if self.finish[i] is not None:
                 continue
-            self.tokens[i].append(tok)
-            self.logprobs[i].append(lp)
-            reason = None
-            if tok in self.stop_ids:
-                reason = FINISH_STOP
-            elif len(self.tokens[i]) >= p.max_tokens:
-                reason = FINISH_LENGTH
-            if reason is not None:
-                self.finish[i] = reason
-            out.append((i, tok, lp, reason))
+            out.append((i, tok, lp, self._append(i, tok, lp)))
         return out
+
+    def draft(self, max_draft: int) -> list[int]:
+        """Prompt-lookup draft of this request's next tokens (:mod:`~.prompt_lookup`): only for
+        one greedy sample, and no longer than the tokens ``max_tokens`` leaves after the next one."""
+        if self.params.temperature != 0 or self.n != 1 or self.done:
+            return []
+        room = min(max_draft, self.params.max_tokens - len(self.tokens[0]) - 1)
+        return propose([*self.prompt_ids, *self.tokens[0]], room)
+
+    def verify(self, logits: torch.Tensor, draft: list[int]) -> tuple[list[tuple[int, int, float, str | None]], int]:
+        """Greedy tokens from the logits ``[1, 1 + len(draft), V]`` of the last token and the draft.
+
+        Position ``j`` gives greedy decoding's token after ``draft[:j]``, so the draft's tokens
+        are kept while they equal it, and the token after the last kept one is the model's own:
+        ``kept + 1`` tokens, exactly greedy decoding's. A stop token or ``max_tokens`` ends the run.
+
+        Returns the tokens as :meth:`sample` does, in order, and ``kept``, the draft tokens kept."""
+        picks = logits[0].argmax(dim=-1)
+        chosen = picks.tolist()
+        kept = 0
+        while kept < len(draft) and draft[kept] == chosen[kept]:
+            kept += 1
+        run = picks[: kept + 1]
+        lps = raw_logprobs(logits[0, : kept + 1], run).tolist()
+        self.last = [chosen[kept]]
+        self.fed += kept + 1
+        out = []
+        for tok, lp in zip(chosen[: kept + 1], lps):
+            reason = self._append(0, tok, lp)
+            out.append((0, tok, lp, reason))
+            if reason is not None:
+                break
+        return out, kept
+
+    def cut(self, i: int, length: int) -> None:
+        """End sample ``i`` with ``"stop"`` after its first ``length`` tokens (a stop string ended
+        it inside a run of kept draft tokens)."""
+        del self.tokens[i][length:], self.logprobs[i][length:]
+        self.finish_sample(i, FINISH_STOP)
+
+    def _append(self, i: int, tok: int, lp: float) -> str | None:
+        """Add a token to sample ``i``; returns its finish reason, if the token ends it."""
+        self.tokens[i].append(tok)
+        self.logprobs[i].append(lp)
+        reason = None
+        if tok in self.stop_ids:
+            reason = FINISH_STOP
+        elif len(self.tokens[i]) >= self.params.max_tokens:
+            reason = FINISH_LENGTH
+        if reason is not None:
+            self.finish[i] = reason
+        return reason
 
 
 class DecodeBatch:
@@ -169,6 +216,8 @@ class DecodeBatch:
         self.members: list[Member] = []
         self.cache = None
         self.mask: torch.Tensor | None = None  # [B, W] long, 1 = real token
+        # The last forward's width before it and each drafting member's (row, draft length).
+        self._drafted: tuple[int, dict[Member, tuple[int, int]]] = (0, {})
 
     @property
     def rows(self) -> int:
@@ -248,15 +297,36 @@ class DecodeBatch:
         self._trim()
 
     @torch.inference_mode()
-    def forward(self) -> list[torch.Tensor]:
-        """One decode step of every row; returns each member's logits ``[n, V]`` (float32), in order."""
+    def forward(self, drafts: dict[Member, list[int]] | None = None) -> list[torch.Tensor]:
+        """One decode step of every row; returns each member's logits (float32), in order:
+        ``[n, V]``, or ``[1, 1 + len(draft), V]`` for a member with a non-empty draft in ``drafts``.
+
+        With drafts the pass runs ``T = 1 + longest draft`` positions per row: the last token,
+        then the row's draft, then masked padding. :meth:`rewind` then drops the draft tokens
+        that were not kept."""
+        drafts = {m: d for m, d in (drafts or {}).items() if d}
         rows = self.rows
-        last = torch.tensor([t for m in self.members for t in m.last], dtype=torch.long, device=self.device)
-        positions = self.mask.sum(dim=1, keepdim=True)  # [B, 1]: real tokens so far = the new token's position
-        self.mask = torch.cat([self.mask, torch.ones((rows, 1), dtype=torch.long, device=self.device)], dim=1)
+        width = 1 + max((len(d) for d in drafts.values()), default=0)
+        ids = torch.zeros((rows, width), dtype=torch.long)
+        new = torch.zeros((rows, width), dtype=torch.long)
+        new[:, 0] = 1
+        ids[:, 0] = torch.tensor([t for m in self.members for t in m.last], dtype=torch.long)
+        starts, r = {}, 0
+        for m in self.members:
+            d = drafts.get(m)
+            if d:
+                starts[m] = r
+                ids[r, 1 : 1 + len(d)] = torch.tensor(d, dtype=torch.long)
+                new[r, 1 : 1 + len(d)] = 1
+            r += m.n
+        ids, new = ids.to(self.device), new.to(self.device)
+        # Real tokens so far = the last token's position; the draft follows it.
+        positions = self.mask.sum(dim=1, keepdim=True) + torch.arange(width, device=self.device)
+        self._drafted = (self.width, {m: (starts[m], len(d)) for m, d in drafts.items()})
+        self.mask = torch.cat([self.mask, new], dim=1)
         model, kw = self.model_for(self._names(self.members))
         out = model(
-            input_ids=last.unsqueeze(1),
+            input_ids=ids,
             attention_mask=self.mask,
             position_ids=positions,
             use_cache=True,
@@ -264,8 +334,31 @@ class DecodeBatch:
             **kw,
         )
         self.cache = _cache_of(out)
-        logits = out.logits[:, -1, :].float()
-        return list(torch.split(logits, [m.n for m in self.members]))
+        logits = out.logits.float()
+        result, r = [], 0
+        for m in self.members:
+            d = drafts.get(m)
+            result.append(logits[r : r + 1, : 1 + len(d)] if d else logits[r : r + m.n, 0])
+            r += m.n
+        return result
+
+    @torch.inference_mode()
+    def rewind(self, kept: dict[Member, int]) -> None:
+        """After a :meth:`forward` with drafts: mask out the key/value columns of each member's
+        draft tokens past its ``kept`` first ones, and cut the columns no row uses at the end."""
+        start, drafted = self._drafted
+        self._drafted = (0, {})
+        for m, (row, length) in drafted.items():
+            self.mask[row, start + 1 + kept.get(m, 0) : start + 1 + length] = 0
+        if not drafted:
+            return
+        used = self.mask.any(dim=0).nonzero()
+        end = int(used[-1]) + 1 if len(used) else 0
+        if end < self.width:
+            self.mask = self.mask[:, :end]
+            for layer in _layers(self.cache):
+                layer.keys = layer.keys[:, :, :end]
+                layer.values = layer.values[:, :, :end]
 
     def remove(self, gone: set[Member]) -> None:
         """Drop the rows of members in ``gone`` and the padding columns no remaining row needs."""

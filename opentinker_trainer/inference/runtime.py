@@ -16,6 +16,9 @@ forward pass and every adapter load runs on a single model thread. Each engine i
    rows of different adapters together, each adapter's LoRA over its own rows: :mod:`~.lora_rows`),
    samples each request with its own settings and generator, and hands every request its
    tokens; stop strings are checked right away, so a stopped sample ends before the next step.
+   While the batch has at most :data:`MAX_DRAFTING_ROWS` rows, a greedy request's step also
+   checks a prompt-lookup draft and may yield several tokens, exactly greedy decoding's
+   (:mod:`~.prompt_lookup`).
    The model thread runs such steps **back to back** and sends each step's tokens to the event
    loop without waiting for it; it returns to the engine loop after a step when that has work
    (a queued or cancelled request, another model-thread call such as an adapter load, the end
@@ -76,6 +79,11 @@ __all__ = ["BadRequest", "WrongModel", "Busy", "Prepared", "StepEvent", "Runtime
 
 MAX_SAMPLES = 64
 MAX_STOPS = 8
+#: Prompt-lookup draft tokens a greedy request's decode step checks at most (:mod:`~.prompt_lookup`).
+MAX_DRAFT = 6
+#: Rows up to which decode steps check drafts. With more rows every extra position adds its
+#: compute to a step that already is compute-bound.
+MAX_DRAFTING_ROWS = 2
 
 
 class BadRequest(ValueError):
@@ -256,6 +264,9 @@ class ModelRuntime:
         self.first_token_waits: collections.deque[int] = collections.deque(maxlen=1024)
         self.admitted_mid_step = 0  # requests prefilled between two layers of a decode step
         self.max_batch_rows_seen = 0  # most rows one step decoded (a figure for tests and benchmarks)
+        self.decode_tokens = 0  # tokens chosen by decode steps, kept draft tokens included
+        self.drafted_tokens = 0  # prompt-lookup draft tokens checked by decode steps
+        self.kept_draft_tokens = 0  # of those, the ones greedy decoding chose too
         self._queue: collections.deque[_Job] = collections.deque()
         self._admitted: list[_Job] = []
         self._batch: DecodeBatch | None = None  # the running rows; None when there are none
@@ -671,14 +682,24 @@ class ModelRuntime:
     def _events(self, job: "_Job", chosen) -> list[StepEvent]:
         """Model thread: text deltas and stop strings of the tokens one step chose for ``job``."""
         m = job.member
-        events = []
+        runs: dict[int, list[tuple[int, float, str | None]]] = {}
         for i, tok, lp, reason in chosen:
+            runs.setdefault(i, []).append((tok, lp, reason))
+        events = []
+        for i, run in runs.items():
             stream = job.streams[i]
-            delta = stream.update(m.tokens[i], final=reason is not None)
+            start = len(m.tokens[i]) - len(run)
+            text, sent, reason = "", 0, None
+            for _, _, reason in run:  # token by token: a stop string ends the sample where it appears
+                sent += 1
+                text += stream.update(m.tokens[i][: start + sent], final=reason is not None)
+                if stream.stopped:
+                    break
             if stream.stopped and reason is None:
                 reason = FINISH_STOP
-                m.finish_sample(i, reason)
-            events.append(StepEvent(i, delta, [tok], [lp], reason))
+                m.cut(i, start + sent)
+            run = run[:sent]
+            events.append(StepEvent(i, text, [t for t, _, _ in run], [lp for _, lp, _ in run], reason))
         if m.done:
             completion = sum(len(t) for t in m.tokens)
             events.append(StepEvent(0, usage=(len(job.req.prompt_ids), completion)))
@@ -770,8 +791,20 @@ class ModelRuntime:
         handles = [layer.register_forward_pre_hook(self._layer_hook) for layer in self._layers]
         try:
             if self._batch is not None:
-                for m, logits in zip(self._batch.members, self._batch.forward()):
-                    chosen[jobs[m]] = m.sample(logits)
+                batch = self._batch
+                # Only with few rows is a step bound by reading the weights, so drafts cost little.
+                room = MAX_DRAFT if batch.rows <= MAX_DRAFTING_ROWS else 0
+                drafts = {m: m.draft(room) for m in batch.members} if room else {}
+                kept: dict[Member, int] = {}
+                for m, logits in zip(batch.members, batch.forward(drafts)):
+                    if drafts.get(m):
+                        chosen[jobs[m]], kept[m] = m.verify(logits, drafts[m])
+                        self.drafted_tokens += len(drafts[m])
+                        self.kept_draft_tokens += kept[m]
+                    else:
+                        chosen[jobs[m]] = m.sample(logits)
+                batch.rewind(kept)
+                self.decode_tokens += sum(len(picked) for picked in chosen.values())
         finally:
             for handle in handles:
                 handle.remove()

@@ -25,9 +25,10 @@ def test_the_batch_keeps_decoding_while_the_event_loop_is_busy(tiny_model_dir) -
         alone = [e async for e in runtime.run(_prepared(runtime, 24))]
         stream = runtime.run(_prepared(runtime, 24))
         events = [await anext(stream)]
-        start = runtime.decode_steps
-        # This coroutine holds the event loop's thread while the model thread decodes on.
-        wait_for(lambda: runtime.decode_steps >= start + 12, timeout=30, what="decode steps", interval=0.01)
+        start = runtime.decode_tokens
+        # This coroutine holds the event loop's thread while the model thread decodes on (a step
+        # may yield several tokens: greedy drafts).
+        wait_for(lambda: runtime.decode_tokens >= start + 12, timeout=30, what="decoded tokens", interval=0.01)
         events += [e async for e in stream]
         return alone, events
 
