@@ -90,6 +90,9 @@ class GatewayConfig:
         max_body_bytes: largest request body, after zstd decompression too (413 above it).
         gap_timeout_s: seconds a request waits for a missing earlier ``seq_id``.
         long_poll_s: seconds ``retrieve_future`` waits before answering ``try_again``.
+        answer_wait_s: seconds a training request waits for the session worker's answer before
+            a 408, which the SDK answers by sending it again; below the SDK's 60 s read
+            timeout, which would otherwise end the request first.
         heartbeat_timeout_s: a model's session task ends after this long without a request or a
             heartbeat of its Tinker session (the SDK sends one every 10 s).
         download_url_secret_file: a file holding the secret download URLs are sealed with; every
@@ -101,6 +104,7 @@ class GatewayConfig:
     max_body_bytes: int = 256 * 1024 * 1024
     gap_timeout_s: float = 60.0
     long_poll_s: float = 20.0
+    answer_wait_s: float = 20.0
     heartbeat_timeout_s: float = 300.0
     download_url_secret_file: Path | None = None
 
@@ -474,9 +478,6 @@ def _digest(body: dict) -> str:
 
 #: Seconds a worker call may take (a save writes the artifact store; a step runs the model).
 _CALL_TIMEOUT_S = 3600
-#: Seconds a training request waits for the worker's answer before a 408; below the SDK's
-#: 60 s read timeout.
-_ANSWER_WAIT_S = 20.0
 #: Milliseconds the SDK waits before it sends a request answered 408 again.
 _RETRY_AFTER_MS = "100"
 
@@ -515,8 +516,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         sends the first chunk of a batch only after the others were answered.
 
         Raises:
-            ApiError: 408 after :data:`_ANSWER_WAIT_S`: the SDK sends the request again and so
-                waits on for it.
+            ApiError: 408 after ``answer_wait_s``: the SDK sends the request again and so waits on
+                for it.
         """
         k = KINDS[kind]
 
@@ -525,7 +526,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
         model.submit(seq_id, k.rpc, send, lambda r: k.answer(model, r), digest=digest)
         log.debug("request accepted", model_id=model.model_id, seq_id=seq_id, kind=kind)
-        if not await model.taken(seq_id, _ANSWER_WAIT_S):
+        if not await model.taken(seq_id, config.answer_wait_s):
             raise ApiError(
                 f"seq_id: request {seq_id} of model {model.model_id} is not answered yet; "
                 "send it again with the same seq_id to wait on",
