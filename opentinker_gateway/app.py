@@ -90,8 +90,8 @@ class GatewayConfig:
         max_body_bytes: largest request body, after zstd decompression too (413 above it).
         gap_timeout_s: seconds a request waits for a missing earlier ``seq_id``.
         long_poll_s: seconds ``retrieve_future`` waits before answering ``try_again``.
-        answer_wait_s: seconds a training request waits for the session worker's answer before
-            a 408, which the SDK answers by sending it again; below the SDK's 60 s read
+        answer_wait_s: seconds a training request waits for the session worker to answer or hold
+            it before a 408, which the SDK answers by sending it again; below the SDK's 60 s read
             timeout, which would otherwise end the request first.
         heartbeat_timeout_s: a model's session task ends after this long without a request or a
             heartbeat of its Tinker session (the SDK sends one every 10 s).
@@ -510,10 +510,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     async def submit(model: Model, seq_id: int, kind: str, message, digest: str) -> dict:
         """Send request ``seq_id`` of ``kind`` with ``message(sequence)``; its future's reply once
-        the worker answered it. Answered earlier, the request would be lost with this instance;
-        unanswered, the SDK sends it again (same ``seq_id``) to any instance, and the worker
-        answers it once. A request that waits for an earlier one is answered at once: the SDK
-        sends the first chunk of a batch only after the others were answered.
+        the worker answered it, or holds it for its turn. Answered earlier, the request would be
+        lost with this instance; unanswered, the SDK sends it again (same ``seq_id``) to any
+        instance, and the worker answers it once. The SDK sends the first chunk of a batch only
+        after the others got their futures: held by the worker, they survive this instance.
 
         Raises:
             ApiError: 408 after ``answer_wait_s``: the SDK sends the request again and so waits on
@@ -654,7 +654,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if optimizer.get("type", "adamw") != "adamw":
             raise ApiError(f"optimizer_config.type: expected adamw, got {optimizer.get('type')!r}")
         seed = lora.get("seed")
-        spec = SessionSpec(folder, rank, targets, int(seed) if isinstance(seed, int) else 0, config.heartbeat_timeout_s)
+        spec = SessionSpec(
+            folder,
+            rank,
+            targets,
+            int(seed) if isinstance(seed, int) else 0,
+            config.heartbeat_timeout_s,
+            held_call_timeout_s=config.gap_timeout_s,
+        )
         name = f"{TASK_NAME_PREFIX}{session_id}:train:{model_seq_id}"
         task_id = await gw.scheduler.submit_session(spec, name=name, key=key, request_id=name)
         return {"request_id": f"create#{task_id}", "model_id": task_id}
@@ -951,6 +958,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             init_from=source.task_id,
             init_state=name,
             init_optimizer=bool(body.get("optimizer")),
+            held_call_timeout_s=config.gap_timeout_s,
         )
         model_id = f"{session_id}:train:{model_seq_id}"
         name = TASK_NAME_PREFIX + model_id
