@@ -275,10 +275,10 @@ class Model:
                 return await call
             except grpc.aio.AioRpcError as exc:
                 expected = expected_sequence(exc)
-                if expected is not None and expected < sequence and await held:
+                if expected is not None and expected < sequence and await held:  # held, then expired
                     raise ApiError(
-                        f"seq_id: model {self.model_id} expected request {expected + 1} next, got {seq_id}; "
-                        f"request {expected + 1} did not arrive while the session worker held {seq_id}"
+                        f"seq_id: model {self.model_id} expected request {expected + 1} next, got "
+                        f"{seq_id}; request {expected + 1} did not arrive within {self.gap_timeout_s:g} s"
                     ) from None
                 if expected is not None:
                     self._check_not_lost(seq_id, expected)
