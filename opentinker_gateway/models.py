@@ -8,10 +8,13 @@ any request of a model, and a retried request (same ``seq_id``) never applies tw
 
 The gateway gives out a future (``<model id>#<seq_id>#<kind>``) only once the worker answered
 its call, or holds it: the worker says so at once in the call's initial metadata, and a held call
-runs and keeps its answer even if the gateway dies. A gateway that dies before gave no answer,
-the SDK sends the request again to any instance, and the worker answers that ``seq_id`` once (a
-call it started or holds runs to its end and keeps its answer). The SDK sends the first chunk of
-a batch only after the others got their futures; held, those chunks survive their gateway.
+runs and keeps its answer even if the gateway dies. Only a streamed call (forward_backward,
+forward) shows it at once: grpc.aio gives a unary call's initial metadata with its answer, so a
+unary request ahead waits for its answer like any other (408, and the SDK sends it again). A
+gateway that dies before gave no answer, the SDK sends the request again to any instance, and
+the worker answers that ``seq_id`` once (a call it started or holds runs to its end and keeps its
+answer). The SDK sends the first chunk of a batch only after the others got their futures;
+held, those chunks survive their gateway.
 
 A held call whose turn does not come within the worker's ``held_call_timeout_s`` (the gateway
 sets it to ``gap_timeout_s``) fails as a ``seq_id`` gap and may be sent again. A worker that holds
@@ -39,7 +42,6 @@ a ``seq_id`` gap that names the save, rather than after ``gap_timeout_s``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -266,9 +268,12 @@ class Model:
         while True:
             endpoint = self.endpoint
             if self.lost_up_to:  # the worker would hold a request past the lost ones, never to run it
-                with contextlib.suppress(ApiError):  # unreachable now: the call below finds out
-                    info = await self.info()
-                    self._check_not_lost(seq_id, info.next_sequence)
+                try:
+                    expected = (await self.info()).next_sequence
+                except ApiError:  # unreachable now: the call below finds out
+                    expected = None
+                if expected is not None:
+                    self._check_not_lost(seq_id, expected)
             call = send(sequence, await self.metadata())
             held = asyncio.ensure_future(self._held(seq_id, call))
             try:
