@@ -141,8 +141,8 @@ def test_queued_calls_apply_in_order_and_retries_are_idempotent(world, monkeypat
         )
         assert again.step == start.step + 1 and s.get_info().step == start.step + 1
 
-        # A number ahead of the expected one is held for its turn, as its initial metadata says at
-        # once; when its turn does not come in time: OUT_OF_ORDER with the expected number, nothing applied.
+        # A number ahead of the expected one is held for its turn, as its initial metadata says;
+        # when its turn does not come in time: OUT_OF_ORDER with the expected number, nothing applied.
         monkeypatch.setattr(world["served"].servicer.seq, "hold_s", 0.5)
         ahead = training_pb2.OptimStepRequest(
             sequence=info.next_sequence + 5, adam=training_pb2.AdamParams(learning_rate=1)
