@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
         "--gap-timeout-s", type=float, default=60.0, help="seconds a request waits for a missing earlier seq_id"
     )
     parser.add_argument(
+        "--answer-wait-s",
+        type=float,
+        default=20.0,
+        help="seconds a training request waits for its answer before a 408, which the SDK answers by "
+        "sending it again (default 20, below the SDK's 60 s read timeout)",
+    )
+    parser.add_argument(
         "--heartbeat-timeout-s",
         type=float,
         default=300.0,
@@ -48,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler=args.scheduler,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         gap_timeout_s=args.gap_timeout_s,
+        answer_wait_s=args.answer_wait_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         download_url_secret_file=args.download_url_secret_file,
     )

@@ -103,6 +103,9 @@ class GatewayConfig:
         max_body_bytes: largest request body, after zstd decompression too (413 above it).
         gap_timeout_s: seconds a request waits for a missing earlier ``seq_id``.
         long_poll_s: seconds ``retrieve_future`` waits before answering ``try_again``.
+        answer_wait_s: seconds a training request waits for the session worker to answer or hold
+            it before a 408, which the SDK answers by sending it again; below the SDK's 60 s read
+            timeout, which would otherwise end the request first.
         heartbeat_timeout_s: a model's session task ends after this long without a request or a
             heartbeat of its Tinker session (the SDK sends one every 10 s).
         download_url_secret_file: a file holding the secret download URLs are sealed with; every
@@ -114,6 +117,7 @@ class GatewayConfig:
     max_body_bytes: int = 256 * 1024 * 1024
     gap_timeout_s: float = 60.0
     long_poll_s: float = 20.0
+    answer_wait_s: float = 20.0
     heartbeat_timeout_s: float = 300.0
     download_url_secret_file: Path | None = None
 
@@ -507,9 +511,6 @@ def _digest(body: dict) -> str:
 
 #: Seconds a worker call may take (a save writes the artifact store; a step runs the model).
 _CALL_TIMEOUT_S = 3600
-#: Seconds a training request waits for the worker's answer before a 408; below the SDK's
-#: 60 s read timeout.
-_ANSWER_WAIT_S = 20.0
 #: Milliseconds the SDK waits before it sends a request answered 408 again.
 _RETRY_AFTER_MS = "100"
 
@@ -565,14 +566,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     async def submit(model: Model, seq_id: int, kind: str, message, digest: str) -> dict:
         """Send request ``seq_id`` of ``kind`` with ``message(sequence)``; its future's reply once
-        the worker answered it. Answered earlier, the request would be lost with this instance;
-        unanswered, the SDK sends it again (same ``seq_id``) to any instance, and the worker
-        answers it once. A request that waits for an earlier one is answered at once: the SDK
-        sends the first chunk of a batch only after the others were answered.
+        the worker answered it, or holds it for its turn. Answered earlier, the request would be
+        lost with this instance; unanswered, the SDK sends it again (same ``seq_id``) to any
+        instance, and the worker answers it once. The SDK sends the first chunk of a batch only
+        after the others got their futures: held by the worker, they survive this instance.
 
         Raises:
-            ApiError: 408 after :data:`_ANSWER_WAIT_S`: the SDK sends the request again and so
-                waits on for it.
+            ApiError: 408 after ``answer_wait_s``: the SDK sends the request again and so waits on
+                for it.
         """
         k = KINDS[kind]
 
@@ -581,7 +582,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
         model.submit(seq_id, k.rpc, send, lambda r: k.answer(model, r), digest=digest)
         log.debug("request accepted", model_id=model.model_id, seq_id=seq_id, kind=kind)
-        if not await model.taken(seq_id, _ANSWER_WAIT_S):
+        if not await model.taken(seq_id, config.answer_wait_s):
             raise ApiError(
                 f"seq_id: request {seq_id} of model {model.model_id} is not answered yet; "
                 "send it again with the same seq_id to wait on",
@@ -709,7 +710,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if optimizer.get("type", "adamw") != "adamw":
             raise ApiError(f"optimizer_config.type: expected adamw, got {optimizer.get('type')!r}")
         seed = lora.get("seed")
-        spec = SessionSpec(folder, rank, targets, int(seed) if isinstance(seed, int) else 0, config.heartbeat_timeout_s)
+        spec = SessionSpec(
+            folder,
+            rank,
+            targets,
+            int(seed) if isinstance(seed, int) else 0,
+            config.heartbeat_timeout_s,
+            held_call_timeout_s=config.gap_timeout_s,
+        )
         name = f"{TASK_NAME_PREFIX}{session_id}:train:{model_seq_id}"
         task_id = await gw.scheduler.submit_session(spec, name=name, key=key, request_id=name)
         return {"request_id": f"create#{task_id}", "model_id": task_id}
@@ -1006,6 +1014,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             init_from=source.task_id,
             init_state=name,
             init_optimizer=bool(body.get("optimizer")),
+            held_call_timeout_s=config.gap_timeout_s,
         )
         model_id = f"{session_id}:train:{model_seq_id}"
         name = TASK_NAME_PREFIX + model_id

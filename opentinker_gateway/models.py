@@ -2,21 +2,29 @@
 
 Tinker numbers a model's requests (``seq_id`` 1, 2, 3 ...) and may send several at once, the
 chunks of one step in any order. Request ``seq_id`` is the session worker's call ``seq_id - 1``:
-the worker applies its calls in that order, answers a repeated number with the first answer
-and refuses a number ahead of the one it expects. So any gateway instance may send any request
-of a model, and a retried request (same ``seq_id``) never applies twice.
-
-A request ahead of the worker is sent again until the worker reaches it; after
-``gap_timeout_s`` of that it fails as a ``seq_id`` gap and may be sent again. A request the worker
-refuses uses up its ``seq_id``, as on Tinker; so does one the gateway refuses: it sends the worker,
-in that request's turn, a payload the worker refuses. A ``seq_id`` sent again with another body
-is refused (409).
+the worker applies its calls in that order, answers a repeated number with the first answer and
+holds a call ahead of the one it expects, to run it in its turn. So any gateway instance may send
+any request of a model, and a retried request (same ``seq_id``) never applies twice.
 
 The gateway gives out a future (``<model id>#<seq_id>#<kind>``) only once the worker answered
-its call: a gateway that dies before gave no answer, the SDK sends the request again to any
-instance, and the worker answers that ``seq_id`` once (a call it started runs to its end and
-keeps its answer). A request that waits for an earlier one gets its future at once, since the
-SDK sends the first chunk of a batch after the others: such a chunk is lost with its gateway.
+its call, or holds it: the worker says so at once in the call's initial metadata, and a held call
+runs and keeps its answer even if the gateway dies. Only a streamed call (forward_backward,
+forward) shows it at once: grpc.aio gives a unary call's initial metadata with its answer, so a
+unary request ahead waits for its answer like any other (408, and the SDK sends it again). A
+gateway that dies before gave no answer, the SDK sends the request again to any instance, and
+the worker answers that ``seq_id`` once (a call it started or holds runs to its end and keeps its
+answer). The SDK sends the first chunk of a batch only after the others got their futures;
+held, those chunks survive their gateway.
+
+A held call whose turn does not come within the worker's ``held_call_timeout_s`` (the gateway
+sets it to ``gap_timeout_s``) fails as a ``seq_id`` gap and may be sent again. A worker that holds
+as much as it may refuses a call ahead: such a request gets its future at once, since the SDK
+waits for it before it sends the first chunk, and this instance sends it again until the worker
+reaches it; after ``gap_timeout_s`` of that it fails as a gap. Such a request is lost with its
+gateway. A request the worker refuses uses up its ``seq_id``, as on Tinker; so does one the
+gateway refuses: it sends the worker, in that request's turn, a payload the worker refuses. A
+``seq_id`` sent again with another body is refused (409).
+
 The instance that sent a request answers its future from memory; any other instance (or after
 a restart) answers with the worker's kept answer of call ``seq_id - 1``: once the worker's next
 call (GetInfo) is past it, the same RPC with a refused payload gets the kept answer. A future
@@ -47,6 +55,10 @@ from opentinker_common.net.grpc_options import client_keepalive, message_limits
 from opentinker_common.net.url import parse_scheduler_address
 
 from opentinker_gateway.errors import SERVER, ApiError, from_rpc
+
+#: Initial metadata key of a call the session worker holds for its turn (the trainer's
+#: ``opentinker_trainer.training.server.HELD_METADATA``; roles share no code, so it is repeated).
+HELD_METADATA = "opentinker-held-sequence"
 
 __all__ = ["Model", "Outcome", "NotYet"]
 
@@ -115,7 +127,7 @@ class Model:
         self._connect(endpoint)
         self._futures: dict[int, asyncio.Future] = {}
         self._digests: dict[int, str] = {}
-        #: seq_id -> set while the request waits for an earlier one, which the worker needs first.
+        #: seq_id -> set once the worker holds the request for its turn, or refused to hold it.
         self._ahead: dict[int, asyncio.Event] = {}
         #: seq_id -> when this instance first saw the worker wait for it, holding no request of it.
         self._missing: dict[int, float] = {}
@@ -201,14 +213,9 @@ class Model:
         self._gap_failed.discard(seq_id)
         if digest is not None:
             self._digests[seq_id] = digest
-        before = self._futures.get(seq_id - 1)
-        ahead = self._ahead[seq_id] = asyncio.Event()
+        self._ahead[seq_id] = asyncio.Event()
 
         async def run() -> Outcome:
-            if before is not None:  # this instance sent the one before: no need to poll the worker
-                if not before.done():
-                    ahead.set()
-                await asyncio.wait([before])
             try:
                 return answer(await self.call(seq_id, what, send))
             except ApiError as exc:
@@ -232,10 +239,9 @@ class Model:
         return future
 
     async def taken(self, seq_id: int, timeout: float) -> bool:
-        """Wait until the worker answered request ``seq_id``, which this instance holds, or until
-        the request waits for an earlier one: the SDK sends the chunks of a batch after the first
-        before that first, so such a request cannot wait for its answer. False after ``timeout``
-        seconds."""
+        """Wait until the worker answered request ``seq_id``, which this instance holds, or holds
+        it for its turn, or refused to hold it: the SDK sends the first chunk of a batch after the
+        others, so a request ahead cannot wait for its answer. False after ``timeout`` seconds."""
         waiter = asyncio.ensure_future(self._ahead[seq_id].wait())
         try:
             pending = [self._futures[seq_id], waiter]
@@ -247,8 +253,9 @@ class Model:
     def future(self, seq_id: int) -> asyncio.Future | None:
         return self._futures.get(seq_id)
 
-    async def call(self, seq_id: int, what: str, send: Callable[[int, tuple], Awaitable[Any]]) -> Any:
-        """``await send(seq_id - 1, metadata)``, sent again while the worker is not there yet.
+    async def call(self, seq_id: int, what: str, send: Callable[[int, tuple], Any]) -> Any:
+        """``await send(seq_id - 1, metadata)``, sent again while the worker neither takes nor
+        holds it.
 
         Raises:
             ApiError: the worker refused it (its gRPC status mapped), stayed unavailable, or did
@@ -260,20 +267,28 @@ class Model:
         unavailable_wait = _UNAVAILABLE_WAIT[0]
         while True:
             endpoint = self.endpoint
+            if self.lost_up_to:  # the worker would hold a request past the lost ones, never to run it
+                try:
+                    expected = (await self.info()).next_sequence
+                except ApiError:  # unreachable now: the call below finds out
+                    expected = None
+                if expected is not None:
+                    self._check_not_lost(seq_id, expected)
+            call = send(sequence, await self.metadata())
+            held = asyncio.ensure_future(self._held(seq_id, call))
             try:
-                return await send(sequence, await self.metadata())
+                return await call
             except grpc.aio.AioRpcError as exc:
                 expected = expected_sequence(exc)
-                if expected is not None and expected < sequence and expected < self.lost_up_to:
+                if expected is not None and expected < sequence and await held:  # held, then expired
                     raise ApiError(
-                        f"seq_id: model {self.model_id} lost its session worker and resumed from its newest "
-                        f"save_state {self.resumed_from or '(none: a fresh session)'}, which expects request "
-                        f"{expected + 1} next; requests {expected + 1} to {self.lost_up_to} ran on the lost worker "
-                        f"and are gone, so request {seq_id} cannot run: restart the run from that save"
+                        f"seq_id: model {self.model_id} expected request {expected + 1} next, got "
+                        f"{seq_id}; request {expected + 1} did not arrive within {self.gap_timeout_s:g} s"
                     ) from None
-                if expected is not None and expected < sequence:
-                    if seq_id in self._ahead:
-                        self._ahead[seq_id].set()
+                if expected is not None:
+                    self._check_not_lost(seq_id, expected)
+                if expected is not None and expected < sequence:  # ahead, and the worker holds enough
+                    self._ahead[seq_id].set()
                     now = time.monotonic()
                     first_refusal = first_refusal or now
                     if now - first_refusal > self.gap_timeout_s:
@@ -297,6 +312,35 @@ class Model:
                     unavailable_wait = min(unavailable_wait * 2, _UNAVAILABLE_WAIT[1])
                     continue
                 raise from_rpc(exc, what) from None
+            finally:
+                held.cancel()
+
+    def _check_not_lost(self, seq_id: int, expected: int) -> None:
+        """Raise the ``seq_id`` gap error when request ``seq_id`` comes after requests the lost
+        worker ran: the resumed worker, which expects sequence ``expected``, lost them.
+
+        Raises:
+            ApiError: the request cannot run.
+        """
+        if expected < seq_id - 1 and expected < self.lost_up_to:
+            raise ApiError(
+                f"seq_id: model {self.model_id} lost its session worker and resumed from its newest "
+                f"save_state {self.resumed_from or '(none: a fresh session)'}, which expects request "
+                f"{expected + 1} next; requests {expected + 1} to {self.lost_up_to} ran on the lost worker "
+                f"and are gone, so request {seq_id} cannot run: restart the run from that save"
+            )
+
+    async def _held(self, seq_id: int, call) -> bool:
+        """Whether the worker holds ``call``, of request ``seq_id``, for its turn: its initial
+        metadata says so at once. The request's POST may then be answered."""
+        try:
+            metadata = await call.initial_metadata()
+        except grpc.aio.AioRpcError:
+            return False
+        held = any(key == HELD_METADATA for key, _ in metadata or ())
+        if held and seq_id in self._ahead:
+            self._ahead[seq_id].set()
+        return held
 
     async def kept(self, seq_id: int, what: str, probe: Callable[[int, tuple], Awaitable[Any]], answer) -> Outcome:
         """The outcome of request ``seq_id`` from the worker's kept answer: ``answer(response)``,

@@ -60,6 +60,8 @@ class SessionSpec:
     init_from: str = ""
     init_state: str = ""
     init_optimizer: bool = False
+    #: Seconds the session holds a request ahead of its turn: the gateway's ``gap_timeout_s``.
+    held_call_timeout_s: float = 60.0
 
 
 class Scheduler:
@@ -97,6 +99,7 @@ class Scheduler:
                 "target_modules": list(spec.target_modules),
                 "seed": spec.seed,
                 "idle_timeout_s": spec.idle_timeout_s,
+                "held_call_timeout_s": spec.held_call_timeout_s,
             }
         )
         if spec.init_state:

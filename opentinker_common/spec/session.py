@@ -56,6 +56,13 @@ class LoraSessionConfig:
         doc="input tokens per ForwardBackward / Forward call, and n * (prompt + max_tokens) per Sample",
     )
     max_in_flight_calls: int = num(4, 1, 1024, doc="calls running or waiting for the session at once")
+    max_held_calls: int = num(
+        64, 0, 4096, doc="calls ahead of the session's turn it holds to run in their turn (more are refused)"
+    )
+    max_held_bytes: int = num(256 << 20, 0, 1 << 34, doc="request bytes of the calls held at once")
+    held_call_timeout_s: float = num(
+        60.0, 0.0, 86400.0, min_exclusive=True, doc="seconds a held call waits for its turn before it is refused"
+    )
     micro_batch_tokens: int = num(
         8192, 1, 1 << 24, doc="padded tokens per forward pass; a call's datums run in micro-batches of this many"
     )

@@ -31,11 +31,20 @@ from opentinker_trainer.training.sequencing import Sequencer
 from opentinker_trainer.training.sampling import Sampled, SampleParams
 from opentinker_trainer.training.session import KIND_SAMPLER, AdamParams, TrainingSession
 
-__all__ = ["ERROR_DOMAIN", "SERVICE_NAME", "RunningTrainingServer", "TrainingServicer", "start_training_server"]
+__all__ = [
+    "ERROR_DOMAIN",
+    "HELD_METADATA",
+    "SERVICE_NAME",
+    "RunningTrainingServer",
+    "TrainingServicer",
+    "start_training_server",
+]
 
 SERVICE_NAME = training_pb2.DESCRIPTOR.services_by_name["TrainingService"].full_name
 #: ``google.rpc.ErrorInfo.domain`` of a session's refusals (reason ``OUT_OF_ORDER``).
 ERROR_DOMAIN = "opentinker.training"
+#: Initial metadata key of a call the session holds for its turn; the value is its sequence number.
+HELD_METADATA = "opentinker-held-sequence"
 
 #: Each LossFn by its Tinker name: LOSS_FN_<NAME> is <name>.
 _LOSS = {value: name[len("LOSS_FN_") :].lower() for name, value in training_pb2.LossFn.items() if value}
@@ -133,15 +142,25 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         if self.stopping:
             raise Stopping("the session is stopping (cancelled, idle or past max_runtime); resume it to go on")
 
-    async def _ordered(self, sequence: int, work: Callable[[], Any], respond: Callable[[Any], Any]) -> Any:
-        """``respond(work())`` as call ``sequence`` of the session, ``work`` on a worker thread."""
+    async def _ordered(
+        self, sequence: int, work: Callable[[], Any], respond: Callable[[Any], Any], context, size: int
+    ) -> Any:
+        """``respond(work())`` as call ``sequence`` of the session, ``work`` on a worker thread.
+        A call ahead of the session's turn is held (``size`` request bytes): the initial metadata
+        :data:`HELD_METADATA` tells the caller so at once, and the answer comes in its turn."""
+
+        async def call():
+            result = await asyncio.to_thread(work)
+            return respond(result)
+
+        if self.seq.ahead(sequence):
+
+            async def held() -> None:
+                await context.send_initial_metadata(((HELD_METADATA, str(sequence)),))
+
+            return await self.seq.run(sequence, call, size=size, held=held)
         self.seq.admit()
         try:
-
-            async def call():
-                result = await asyncio.to_thread(work)
-                return respond(result)
-
             return await self.seq.run(sequence, call)
         finally:
             self.seq.release()
@@ -163,14 +182,18 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             await context.abort(getattr(grpc.StatusCode, exc.status), str(exc))
         raise exc
 
-    async def _read_batch(self, requests: AsyncIterator) -> tuple[training_pb2.BatchHeader, Callable[[], list[Datum]]]:
-        """The header and a function giving the datums. A bad batch's refusal is raised by that
-        function, called in the batch's turn, so that it uses up the batch's sequence number."""
+    async def _read_batch(
+        self, requests: AsyncIterator
+    ) -> tuple[training_pb2.BatchHeader, Callable[[], list[Datum]], int]:
+        """The header, a function giving the datums and the stream's bytes. A bad batch's refusal
+        is raised by that function, called in the batch's turn, so that it uses up the batch's
+        sequence number."""
         header = None
         datums: list[Datum] = []
-        tokens = 0
+        tokens = size = 0
         try:
             async for msg in requests:
+                size += msg.ByteSize()
                 which = msg.WhichOneof("part")
                 if header is None:
                     if which != "header":
@@ -201,14 +224,14 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             def refused() -> list[Datum]:
                 raise refusal
 
-            return header, refused
-        return header, lambda: datums
+            return header, refused, size
+        return header, lambda: datums, size
 
     # --- the RPCs ---------------------------------------------------------------------------
     async def ForwardBackward(self, request_iterator, context):
         try:
             await self._admit(context)
-            header, datums_of = await self._read_batch(request_iterator)
+            header, datums_of, size = await self._read_batch(request_iterator)
             loss_fn = _LOSS.get(header.loss_fn)
             cfg = header.loss_fn_config
             given = {key: getattr(cfg, key) for key in _CONFIG_KEYS if cfg.HasField(key)}
@@ -234,14 +257,14 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                     )
                 return self.session.forward_backward(datums, loss_fn, loss_fn_config=given)
 
-            return await self._ordered(sequence, work, respond)
+            return await self._ordered(sequence, work, respond, context, size)
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await self._abort(context, exc)
 
     async def Forward(self, request_iterator, context):
         try:
             await self._admit(context)
-            header, datums_of = await self._read_batch(request_iterator)
+            header, datums_of, size = await self._read_batch(request_iterator)
             sequence = header.sequence
             return await self._ordered(
                 sequence,
@@ -249,6 +272,8 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 lambda out: training_pb2.ForwardResponse(
                     sequence=sequence, outputs=[training_pb2.DatumOutput(logprobs=lp) for lp in out]
                 ),
+                context,
+                size,
             )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await self._abort(context, exc)
@@ -273,6 +298,8 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 request.sequence,
                 work,
                 lambda r: training_pb2.OptimStepResponse(sequence=request.sequence, step=r[0], grad_norm=r[1]),
+                context,
+                request.ByteSize(),
             )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await self._abort(context, exc)
@@ -300,7 +327,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                     topk_prompt_logprobs=_topk(r.topk_prompt_logprobs),
                 )
 
-            return await self._ordered(request.sequence, work, respond)
+            return await self._ordered(request.sequence, work, respond, context, request.ByteSize())
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await self._abort(context, exc)
 
@@ -364,6 +391,8 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 lambda s: training_pb2.SaveStateResponse(
                     sequence=seq, name=s.name, step=s.step, artifact_key=s.artifact_key
                 ),
+                context,
+                request.ByteSize(),
             )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await self._abort(context, exc)
@@ -382,6 +411,8 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                     artifact_key=s.artifact_key,
                     adapter=f"{self.task_id}@{s.step}" if self.task_id else "",
                 ),
+                context,
+                request.ByteSize(),
             )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await self._abort(context, exc)
@@ -396,6 +427,8 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 seq,
                 lambda: self.session.load_state(request.name, with_optimizer=request.with_optimizer, artifact=artifact),
                 lambda step: training_pb2.LoadStateResponse(sequence=seq, name=request.name, step=step),
+                context,
+                request.ByteSize(),
             )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await self._abort(context, exc)

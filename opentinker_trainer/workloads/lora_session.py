@@ -144,7 +144,13 @@ async def _serve(ctx: WorkerContext, session: TrainingSession, next_sequence: in
 
     servicer = TrainingServicer(
         session,
-        sequencer=Sequencer(next_sequence, max_in_flight=cfg.max_in_flight_calls),
+        sequencer=Sequencer(
+            next_sequence,
+            max_in_flight=cfg.max_in_flight_calls,
+            max_held=cfg.max_held_calls,
+            max_held_bytes=cfg.max_held_bytes,
+            hold_s=cfg.held_call_timeout_s,
+        ),
         access=AccessChecker(ttl=access_ttl, what="training session") if access_ttl is not None else None,
         task_id=ctx.task_id,
         attempt=ctx.attempt,

@@ -29,7 +29,7 @@ from opentinker_client.endpoint_tokens import EndpointTokens
 from opentinker_client.training import Datum
 from opentinker_trainer.inference.access import AccessChecker
 from opentinker_trainer.training.sequencing import Sequencer
-from opentinker_trainer.training.server import TrainingServicer, start_training_server
+from opentinker_trainer.training.server import HELD_METADATA, TrainingServicer, start_training_server
 from opentinker_trainer.workloads.lora_session import open_session
 
 from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler
@@ -141,15 +141,20 @@ def test_queued_calls_apply_in_order_and_retries_are_idempotent(world, monkeypat
         )
         assert again.step == start.step + 1 and s.get_info().step == start.step + 1
 
-        # A number ahead of the expected one: OUT_OF_ORDER with the expected number, nothing applied.
+        # A number ahead of the expected one is held for its turn, as its initial metadata says;
+        # when its turn does not come in time: OUT_OF_ORDER with the expected number, nothing applied.
+        monkeypatch.setattr(world["served"].servicer.seq, "hold_s", 0.5)
         ahead = training_pb2.OptimStepRequest(
             sequence=info.next_sequence + 5, adam=training_pb2.AdamParams(learning_rate=1)
         )
+        held = stub.OptimStep.future(ahead, metadata=md)
+        assert dict(held.initial_metadata())[HELD_METADATA] == str(info.next_sequence + 5)
         with pytest.raises(grpc.RpcError) as err:
-            stub.OptimStep(ahead, metadata=md)
+            held.result(timeout=60)
         mapped = client_training._error(err.value)
         assert isinstance(mapped, OutOfOrderError) and mapped.expected_sequence == info.next_sequence
-        assert f"sequence {info.next_sequence + 5}: expected {info.next_sequence}" in str(mapped)
+        assert f"sequence {info.next_sequence + 5}: expected {info.next_sequence} (held 0.5 s" in str(mapped)
+        assert s.get_info().next_sequence == info.next_sequence and s.get_info().step == start.step + 1
 
 
 def test_bad_calls_are_typed_errors_that_use_up_their_sequence_number(world) -> None:

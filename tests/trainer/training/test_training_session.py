@@ -332,7 +332,7 @@ def test_bad_input_is_refused_naming_the_datum_and_leaves_the_session_unchanged(
 
 def test_sequence_numbers_order_calls_and_answer_retries_and_refusals_from_the_cache() -> None:
     async def scenario():
-        seq = Sequencer(0, keep=2, max_in_flight=1)
+        seq = Sequencer(0, keep=2, max_in_flight=1, max_held=0)  # a call ahead is refused, not held
         ran: list[int] = []
 
         def call(n):
@@ -365,6 +365,51 @@ def test_sequence_numbers_order_calls_and_answer_retries_and_refusals_from_the_c
             seq.admit()
         seq.release()
         assert ran == [0, 2, 3]
+
+    asyncio.run(scenario())
+
+
+def test_a_call_ahead_is_held_and_runs_in_its_turn_even_when_its_caller_went_away() -> None:
+    async def scenario():
+        seq = Sequencer(0, keep=8, max_held=2, max_held_bytes=100, hold_s=60)
+        ran: list[int] = []
+        acknowledged: list[int] = []
+
+        def call(n):
+            async def go():
+                ran.append(n)
+                return f"r{n}"
+
+            return go
+
+        def ack(n):
+            async def held():
+                acknowledged.append(n)
+
+            return held
+
+        second = asyncio.create_task(seq.run(2, call(2), size=10, held=ack(2)))
+        first = asyncio.create_task(seq.run(1, call(1), size=10, held=ack(1)))
+        while len(acknowledged) < 2:
+            await asyncio.sleep(0)
+        assert sorted(acknowledged) == [1, 2] and ran == [] and seq.held_bytes == 20
+        second.cancel()  # its caller went away: the held call stays
+        with pytest.raises(OutOfOrder, match=r"holds 2 calls of 20 bytes .* at most 2 calls of 100 bytes"):
+            await seq.run(3, call(3))
+        # A retry of a held call is held with it and gets the same answer; its own body is not run.
+        retry = asyncio.create_task(seq.run(2, call(-2), held=ack(2)))
+        assert await seq.run(0, call(0)) == "r0"
+        assert await first == "r1" and await retry == "r2"
+        assert ran == [0, 1, 2] and seq.next == 3 and seq.held_bytes == 0
+        assert await seq.run(2, call(2)) == "r2"  # kept, though its first caller went away
+
+        # Beyond the bytes held, refused at once; held past hold_s, refused and not used up.
+        with pytest.raises(OutOfOrder, match="at most 2 calls of 100 bytes"):
+            await seq.run(5, call(5), size=101)
+        seq.hold_s = 0.05
+        with pytest.raises(OutOfOrder, match=r"sequence 4: expected 3 \(held 0.05 s, and call 3 did not arrive\)"):
+            await seq.run(4, call(4), size=10)
+        assert seq.held_bytes == 0 and seq.next == 3 and ran == [0, 1, 2]
 
     asyncio.run(scenario())
 

@@ -34,10 +34,14 @@ class TrainingServiceStub:
     Ordering and retries: every call but GetInfo and SampleSnapshot carries the session's next
     `sequence` number (0, 1, 2 ...). A call applies only when its number is the one the session
     expects next; a retry of an applied call (the same number) is answered with the response it
-    got the first time and changes nothing (idempotent; the last 16 responses are kept). A number
-    ahead of the expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
-    google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata "expected_sequence") in the details, and
-    the session state is unchanged; GetInfo gives the expected number too. A call refused in its
+    got the first time and changes nothing (idempotent; the last 16 responses are kept). A call
+    numbered ahead of the expected one is held and runs in its turn, even when its caller went
+    away: the server sends the initial metadata "opentinker-held-sequence: N" at once, and the
+    answer in its turn. A held call whose turn does not come within the task's held_call_timeout_s,
+    or one beyond max_held_calls / max_held_bytes, is refused with FAILED_PRECONDITION, message
+    "sequence N: expected M" and a google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata
+    "expected_sequence") in the details; its number is not used up and the session state is
+    unchanged; GetInfo gives the expected number too. A call refused in its
     turn (bad input, NOT_FOUND, a FAILED_PRECONDITION other than OUT_OF_ORDER) uses up its number,
     as on Tinker: the state is unchanged, the refusal is kept and answers a retry.
 
@@ -112,10 +116,14 @@ class TrainingServiceServicer:
     Ordering and retries: every call but GetInfo and SampleSnapshot carries the session's next
     `sequence` number (0, 1, 2 ...). A call applies only when its number is the one the session
     expects next; a retry of an applied call (the same number) is answered with the response it
-    got the first time and changes nothing (idempotent; the last 16 responses are kept). A number
-    ahead of the expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
-    google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata "expected_sequence") in the details, and
-    the session state is unchanged; GetInfo gives the expected number too. A call refused in its
+    got the first time and changes nothing (idempotent; the last 16 responses are kept). A call
+    numbered ahead of the expected one is held and runs in its turn, even when its caller went
+    away: the server sends the initial metadata "opentinker-held-sequence: N" at once, and the
+    answer in its turn. A held call whose turn does not come within the task's held_call_timeout_s,
+    or one beyond max_held_calls / max_held_bytes, is refused with FAILED_PRECONDITION, message
+    "sequence N: expected M" and a google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata
+    "expected_sequence") in the details; its number is not used up and the session state is
+    unchanged; GetInfo gives the expected number too. A call refused in its
     turn (bad input, NOT_FOUND, a FAILED_PRECONDITION other than OUT_OF_ORDER) uses up its number,
     as on Tinker: the state is unchanged, the refusal is kept and answers a retry.
 
@@ -314,10 +322,14 @@ class TrainingService:
     Ordering and retries: every call but GetInfo and SampleSnapshot carries the session's next
     `sequence` number (0, 1, 2 ...). A call applies only when its number is the one the session
     expects next; a retry of an applied call (the same number) is answered with the response it
-    got the first time and changes nothing (idempotent; the last 16 responses are kept). A number
-    ahead of the expected one is refused with FAILED_PRECONDITION, message "sequence N: expected M" and a
-    google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata "expected_sequence") in the details, and
-    the session state is unchanged; GetInfo gives the expected number too. A call refused in its
+    got the first time and changes nothing (idempotent; the last 16 responses are kept). A call
+    numbered ahead of the expected one is held and runs in its turn, even when its caller went
+    away: the server sends the initial metadata "opentinker-held-sequence: N" at once, and the
+    answer in its turn. A held call whose turn does not come within the task's held_call_timeout_s,
+    or one beyond max_held_calls / max_held_bytes, is refused with FAILED_PRECONDITION, message
+    "sequence N: expected M" and a google.rpc.ErrorInfo (reason OUT_OF_ORDER, metadata
+    "expected_sequence") in the details; its number is not used up and the session state is
+    unchanged; GetInfo gives the expected number too. A call refused in its
     turn (bad input, NOT_FOUND, a FAILED_PRECONDITION other than OUT_OF_ORDER) uses up its number,
     as on Tinker: the state is unchanged, the refusal is kept and answers a retry.
 
