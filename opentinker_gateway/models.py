@@ -53,12 +53,9 @@ from google.rpc import error_details_pb2, status_pb2
 from opentinker.training.v1 import training_pb2, training_pb2_grpc
 from opentinker_common.net.grpc_options import client_keepalive, message_limits
 from opentinker_common.net.url import parse_scheduler_address
+from opentinker_common.spec.session import HELD_METADATA
 
 from opentinker_gateway.errors import SERVER, ApiError, from_rpc
-
-#: Initial metadata key of a call the session worker holds for its turn (the trainer's
-#: ``opentinker_trainer.training.server.HELD_METADATA``; roles share no code, so it is repeated).
-HELD_METADATA = "opentinker-held-sequence"
 
 __all__ = ["Model", "Outcome", "NotYet"]
 

@@ -23,7 +23,12 @@ from opentinker_common.spec import lm_fields
 from opentinker_common.spec._parse import SpecError, num
 from opentinker_common.spec.registry import register_workload
 
-__all__ = ["LoraSessionConfig", "STATE_NAME", "init_state"]
+__all__ = ["HELD_METADATA", "LoraSessionConfig", "STATE_NAME", "init_state"]
+
+#: Initial metadata key a session worker sends at once for a call it holds until its turn (a call
+#: ahead of the worker); the value is the call's sequence number. The gateway takes it as proof
+#: that the worker has the request.
+HELD_METADATA = "opentinker-held-sequence"
 
 #: A state's name (``SaveState``): 1 to 64 letters, digits, ``.``, ``_`` or ``-``.
 STATE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")

@@ -23,6 +23,7 @@ from grpc_status import rpc_status
 from opentinker.training.v1 import training_pb2, training_pb2_grpc
 
 from opentinker_common.net.grpc_options import server_options
+from opentinker_common.spec.session import HELD_METADATA
 from opentinker_trainer.inference.access import AccessChecker, AccessRefused
 from opentinker_trainer.inference.server import serve_with_health
 from opentinker_trainer.training.datums import Datum, Span, check_count
@@ -33,7 +34,6 @@ from opentinker_trainer.training.session import KIND_SAMPLER, AdamParams, Traini
 
 __all__ = [
     "ERROR_DOMAIN",
-    "HELD_METADATA",
     "SERVICE_NAME",
     "RunningTrainingServer",
     "TrainingServicer",
@@ -43,8 +43,6 @@ __all__ = [
 SERVICE_NAME = training_pb2.DESCRIPTOR.services_by_name["TrainingService"].full_name
 #: ``google.rpc.ErrorInfo.domain`` of a session's refusals (reason ``OUT_OF_ORDER``).
 ERROR_DOMAIN = "opentinker.training"
-#: Initial metadata key of a call the session holds for its turn; the value is its sequence number.
-HELD_METADATA = "opentinker-held-sequence"
 
 #: Each LossFn by its Tinker name: LOSS_FN_<NAME> is <name>.
 _LOSS = {value: name[len("LOSS_FN_") :].lower() for name, value in training_pb2.LossFn.items() if value}

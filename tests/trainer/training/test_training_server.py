@@ -29,7 +29,8 @@ from opentinker_client.endpoint_tokens import EndpointTokens
 from opentinker_client.training import Datum
 from opentinker_trainer.inference.access import AccessChecker
 from opentinker_trainer.training.sequencing import Sequencer
-from opentinker_trainer.training.server import HELD_METADATA, TrainingServicer, start_training_server
+from opentinker_common.spec.session import HELD_METADATA
+from opentinker_trainer.training.server import TrainingServicer, start_training_server
 from opentinker_trainer.workloads.lora_session import open_session
 
 from tests.support.security import AUTH_LOCAL_MODELS, LoopbackScheduler
