@@ -111,12 +111,12 @@ lint: install
 	$(VENV)/bin/lint-imports || rc=1; \
 	exit $$rc
 
-# Four worker processes (pytest-xdist), each taking whole test files, so a file's module fixtures
-# (a cluster, a trained task) start once. Most tests wait on processes they started, so four
-# workers on 2 cores finish sooner than two. Files go to the workers in collection order, the
-# slowest first (tests/conftest.py SLOW_FILES), so none is left running alone at the end.
-# TEST_WORKERS=1 runs in one process.
-TEST_WORKERS ?= 4
+# Two worker processes (pytest-xdist), each taking whole test files, so a file's module fixtures
+# (a cluster, a trained task) start once. Files go to the workers in collection order, the
+# slowest first (tests/conftest.py SLOW_FILES), so no worker is left alone with one at the end.
+# Four workers do not pay on a busy 2-core machine: a cookbook training step then logs nothing
+# for longer than the tests' 120 s stall window. TEST_WORKERS=1 runs in one process.
+TEST_WORKERS ?= 2
 test: install test-deps proto-check lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
