@@ -112,11 +112,13 @@ lint: install
 	exit $$rc
 
 # Two worker processes (pytest-xdist), each taking whole test files, so a file's module fixtures
-# (a cluster, a trained task) start once: about 12 min on a quiet 2-core machine instead of 22,
-# since many tests wait on processes they started. TEST_WORKERS=1 runs in one process.
+# (a cluster, a trained task) start once. Files go to the workers in collection order, the
+# slowest first (tests/conftest.py SLOW_FILES), so no worker is left alone with one at the end.
+# Four workers do not pay on a busy 2-core machine: a cookbook training step then logs nothing
+# for longer than the tests' 120 s stall window. TEST_WORKERS=1 runs in one process.
 TEST_WORKERS ?= 2
 test: install test-deps proto-check lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # Simulated hosts (network namespaces, private disks: root only) set up by the commands of
 # docs/cluster.md, then faults: a trainer host killed, the leader killed, a trainer cut off, the

@@ -40,6 +40,30 @@ def no_fork_of_the_test_process():
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REAL_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 
+#: The test files that take longest in ``make test`` (its ``--durations`` list), longest first. They
+#: are collected first, and ``make test`` hands files to its workers in collection order
+#: (``--no-loadscope-reorder``), so no worker starts one of them while the others run out of work.
+SLOW_FILES = (
+    "tests/gateway/test_cookbook.py",
+    "tests/integration/test_gang.py",
+    "tests/integration/test_distributed_worker.py",
+    "tests/gateway/test_heartbeats.py",
+    "tests/integration/test_bench_multitenant_script.py",
+    "tests/integration/test_preemption.py",
+    "tests/integration/test_bench_inference_script.py",
+    "tests/integration/test_client_frozen_scheduler.py",
+    "tests/gateway/test_cookbook_shared_host.py",
+    "tests/integration/test_sft.py",
+    "tests/integration/test_training_session.py",
+    "tests/gateway/test_rest_checkpoints.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Puts the tests of :data:`SLOW_FILES` first, in that order; the rest keep theirs."""
+    rank = {path: i for i, path in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(Path(item.path).relative_to(REPO_ROOT).as_posix(), len(rank)))
+
 
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:

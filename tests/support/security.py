@@ -5,6 +5,7 @@ background event loop."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import datetime as dt
 import ipaddress
 import threading
@@ -164,7 +165,13 @@ class LoopbackScheduler:
         return self.running.security
 
     def call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+        """Run ``coro`` on the scheduler's loop and return its result.
+
+        It runs in an empty context, as in a scheduler process: a task copies the context of the
+        thread that starts it, and the test thread's context variables must not reach the
+        scheduler. A rate refusal that a unit test marked on that thread would otherwise hold every
+        later refusal of the scheduler for ``limits.rate_wait`` seconds."""
+        return contextvars.Context().run(asyncio.run_coroutine_threadsafe, coro, self.loop).result(60)
 
     def do(self, fn, *args, **kwargs):
         """Run ``fn`` on the scheduler's loop (the core is single-threaded) and return its result."""

@@ -4,6 +4,7 @@ RESOURCE_EXHAUSTED naming the limit, and nothing is stored; plus the limiter uni
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -287,6 +288,26 @@ def test_reads_owe_tokens_up_to_rate_wait_and_are_charged_by_answer_size() -> No
     assert lim.take_read("o", read) == pytest.approx(1.0)
     with lim.refusal_wait("o") as hold:
         assert hold == 1.0
+
+
+def test_a_rate_refusal_marked_on_the_test_thread_holds_no_refusal_of_a_loopback_scheduler(tmp_path) -> None:
+    """A rate refusal marks its caller's context, so that the call's answer is held. A loopback
+    scheduler started later on the same thread answers its own refusals at once: it runs in an
+    empty context, as a scheduler process does."""
+
+    def refused_then_submit() -> grpc.StatusCode:
+        lim = Limits(LimitsConfig(submit_rate=1.0, submit_burst=1, rate_wait=60.0), clock=lambda: 0.0)
+        lim.take_submit("o")
+        with pytest.raises(ResourceExhausted):
+            lim.take_submit("o")  # marked: a refusal that inherits the mark is held 60 s
+        with LoopbackScheduler(tmp_path / "state") as s, grpc.insecure_channel(s.target) as ch:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.SubmitTask(S.SubmitTaskRequest(spec=C.TaskSpec(workload_type="nope")), timeout=30)
+        return err.value.code()
+
+    # In a copy of the test thread's context, so the mark ends with this test.
+    assert contextvars.copy_context().run(refused_then_submit) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_upload_pools_unit() -> None:
