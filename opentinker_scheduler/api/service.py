@@ -80,9 +80,28 @@ def task_to_proto(task: TaskRow, pending_reason: str = "") -> common_pb2.Task:
     return out
 
 
-#: Rows of a ListTasks page read and built between two turns of the event loop, so that a page of
-#: a thousand tasks never holds other owners' calls for its whole build.
+#: Rows of a ListTasks page read from the store at once (the page is built from several reads).
 LIST_SLICE_ROWS = 25
+#: Seconds of work a ListTasks page does between two turns of the event loop. Calls of other
+#: owners that arrived meanwhile run first, so a page holds them about this long at most, not
+#: for its whole build.
+LIST_TURN_S = 0.0005
+
+
+class LoopTurn:
+    """Work on the event loop that gives the loop a turn every ``seconds`` of it: ``await
+    turn.share()`` between two pieces of the work yields once that long has passed since the
+    work began or last yielded, and returns at once otherwise."""
+
+    def __init__(self, seconds: float, *, clock=time.perf_counter) -> None:
+        self.seconds = seconds
+        self.clock = clock
+        self._end = clock() + seconds
+
+    async def share(self) -> None:
+        if self.clock() >= self._end:
+            await asyncio.sleep(0)  # the calls that are ready run, then this work goes on
+            self._end = self.clock() + self.seconds
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -250,14 +269,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 raise InvalidArgument(f"states: expected TASK_STATE_PENDING..TASK_STATE_CANCELLED, got {s}")
         owner = owner_scope()
         rows, tasks = [], []
+        turn = LoopTurn(LIST_TURN_S)
         async with self._heavy_read(call.who.owner):
             while len(rows) <= size:  # one row past the page says whether there is a next page
-                if rows:
-                    await asyncio.sleep(0)  # other calls run between two slices of the page
+                await turn.share()
                 want = min(LIST_SLICE_ROWS, size + 1 - len(rows))
                 part = self.core.store.list_tasks(request.states, limit=want, before=before, owner=owner)
                 rows += part
-                tasks += [self._task(t) for t in part[: max(0, size - len(tasks))]]
+                for task in part[: max(0, size - len(tasks))]:
+                    await turn.share()
+                    tasks.append(self._task(task))
                 if len(part) < want:
                     break
                 before = (part[-1].create_time, part[-1].task_id)
