@@ -274,7 +274,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             while len(rows) <= size:  # one row past the page says whether there is a next page
                 await turn.share()
                 want = min(LIST_SLICE_ROWS, size + 1 - len(rows))
-                part = self.core.store.list_tasks(request.states, limit=want, before=before, owner=owner)
+                part = self.core.store.list_tasks(  # unfinished tasks: the core's rows, not decoded again
+                    request.states, limit=want, before=before, owner=owner, held=self.core.tasks.get
+                )
                 rows += part
                 for task in part[: max(0, size - len(tasks))]:
                     await turn.share()

@@ -588,11 +588,18 @@ class StateStore:
         limit: int = 100,
         before: tuple[float, str] | None = None,
         owner: str | None = None,
+        held: Callable[[str], TaskRow | None] | None = None,
     ) -> list[TaskRow]:
         """Tasks newest first; ``before`` = (create_time, task_id) of the last row of the previous page;
-        ``owner`` = only that owner's tasks (None = everyone's)."""
+        ``owner`` = only that owner's tasks (None = everyone's). ``held``: the caller's own row of a
+        task id, or None; a row it holds is returned as it is instead of decoded again (the
+        core's unfinished tasks)."""
         self._flush_writes()
-        return [_row_to_task(r) for r in self.db.execute(*list_tasks_query(states, limit, before, owner))]
+        out = []
+        for r in self.db.execute(*list_tasks_query(states, limit, before, owner)):
+            row = held(r["task_id"]) if held is not None else None
+            out.append(row if row is not None else _row_to_task(r))
+        return out
 
     def tasks_in_states(self, states: Iterable[int]) -> list[TaskRow]:
         self._flush_writes()

@@ -18,6 +18,7 @@ from opentinker_client import InvalidArgumentError, RLClient, ResourceExhaustedE
 from opentinker_scheduler.config import ConfigError, parse_config
 from opentinker_scheduler.api.service import LIST_SLICE_ROWS, LIST_TURN_S, SchedulerService
 from opentinker_scheduler.errors import ResourceExhausted
+from opentinker_scheduler.state import store as store_module
 from opentinker_scheduler.state.worker_credentials import AttemptScope
 from opentinker_scheduler.security.limits import (
     CHECKPOINT_UPLOADS,
@@ -411,6 +412,25 @@ def test_a_task_list_page_gives_the_event_loop_a_turn_after_each_turns_worth_of_
     rows = [i for i, e in enumerate(events) if e == "row"]
     assert len(rows) == 30
     assert all("turn" in events[a:b] for a, b in zip(rows, rows[1:])), "".join(e[0] for e in events[: rows[-1] + 1])
+
+
+def test_a_task_list_page_decodes_only_finished_tasks_from_the_store(make, monkeypatch) -> None:
+    """A ListTasks page shows an unfinished task from the core's own row and decodes from the
+    store only the rows of finished tasks, which the core no longer holds."""
+    s = make("auth: {enabled: true}\n")
+    with RLClient(s.target, api_key=s.admin_key) as root:
+        ids = [_submit(root, gpu_count=0) for _ in range(3)]
+        root.cancel(ids[0])
+        decoded = []
+        row_to_task = store_module._row_to_task
+        monkeypatch.setattr(store_module, "_row_to_task", lambda r: decoded.append(r["task_id"]) or row_to_task(r))
+        listed = root.list_tasks()
+    assert {t.task_id: t.state for t in listed} == {
+        ids[0]: "cancelled",
+        ids[1]: "pending",
+        ids[2]: "pending",
+    }
+    assert decoded == [ids[0]]
 
 
 def test_heavy_reads_run_one_at_a_time_per_owner_and_never_wait_on_another_owner() -> None:
