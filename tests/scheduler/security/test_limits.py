@@ -393,12 +393,12 @@ def test_a_task_list_page_gives_the_event_loop_a_turn_after_each_turns_worth_of_
             events.append("turn")
             await asyncio.sleep(0)
 
-    def slow_row(self, task):
+    def slow_row(self, task, **kw):
         if not probing:
             probing.append(asyncio.get_running_loop().create_task(probe()))
         time.sleep(2 * LIST_TURN_S)  # a row that costs two turns' worth of work
         events.append("row")
-        return build(self, task)
+        return build(self, task, **kw)
 
     monkeypatch.setattr(SchedulerService, "_task", slow_row)
     try:
