@@ -54,9 +54,11 @@ def _ts(msg, seconds: float | None) -> None:
         msg.FromNanoseconds(int(seconds * 1e9))
 
 
-def task_to_proto(task: TaskRow, pending_reason: str = "") -> common_pb2.Task:
-    """Domain task row -> ``opentinker.common.v1.Task``."""
-    out = common_pb2.Task(
+def task_to_proto(task: TaskRow, pending_reason: str = "", *, into=common_pb2.Task) -> common_pb2.Task:
+    """Domain task row -> ``opentinker.common.v1.Task``. ``into``: what makes the message from its
+    fields; a page's ``response.tasks.add`` builds it inside the response, which then need not
+    copy it."""
+    out = into(
         task_id=task.task_id,
         owner=task.owner,
         spec=task.spec,
@@ -80,9 +82,28 @@ def task_to_proto(task: TaskRow, pending_reason: str = "") -> common_pb2.Task:
     return out
 
 
-#: Rows of a ListTasks page read and built between two turns of the event loop, so that a page of
-#: a thousand tasks never holds other owners' calls for its whole build.
+#: Rows of a ListTasks page read from the store at once (the page is built from several reads).
 LIST_SLICE_ROWS = 25
+#: Seconds of work a ListTasks page does between two turns of the event loop. Calls of other
+#: owners that arrived meanwhile run first, so a page holds them about this long at most, not
+#: for its whole build.
+LIST_TURN_S = 0.0005
+
+
+class LoopTurn:
+    """Work on the event loop that gives the loop a turn every ``seconds`` of it: ``await
+    turn.share()`` between two pieces of the work yields once that long has passed since the
+    work began or last yielded, and returns at once otherwise."""
+
+    def __init__(self, seconds: float, *, clock=time.perf_counter) -> None:
+        self.seconds = seconds
+        self.clock = clock
+        self._end = clock() + seconds
+
+    async def share(self) -> None:
+        if self.clock() >= self._end:
+            await asyncio.sleep(0)  # the calls that are ready run, then this work goes on
+            self._end = self.clock() + self.seconds
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -125,15 +146,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             if await asyncio.to_thread(datasets.restore, dataset_id):
                 log.info("dataset fetched from the artifact store", dataset_id=dataset_id)
 
-    def _task(self, task: TaskRow) -> common_pb2.Task:
+    def _task(self, task: TaskRow, *, into=common_pb2.Task) -> common_pb2.Task:
         if task.state != common_pb2.TASK_STATE_PENDING:
-            out = task_to_proto(task)
+            out = task_to_proto(task, into=into)
             if task.state == common_pb2.TASK_STATE_RUNNING:
                 endpoint = self.core.store.endpoint(task.task_id)
                 if endpoint is not None and endpoint[0] == task.attempt:
                     out.endpoint = endpoint[1]
             return out
-        return task_to_proto(task, self.core.reasons.reason(task.task_id) or "waiting for the next placement round")
+        reason = self.core.reasons.reason(task.task_id) or "waiting for the next placement round"
+        return task_to_proto(task, reason, into=into)
 
     @rpc(action="task.submit", gate="gate")
     async def SubmitTask(self, request, call: Call):
@@ -249,23 +271,27 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             if s not in common_pb2.TaskState.values() or s == common_pb2.TASK_STATE_UNSPECIFIED:
                 raise InvalidArgument(f"states: expected TASK_STATE_PENDING..TASK_STATE_CANCELLED, got {s}")
         owner = owner_scope()
-        rows, tasks = [], []
+        rows, out = [], scheduler_pb2.ListTasksResponse()
+        tasks = out.tasks  # each built in place: the response copies none
+        turn = LoopTurn(LIST_TURN_S)
         async with self._heavy_read(call.who.owner):
             while len(rows) <= size:  # one row past the page says whether there is a next page
-                if rows:
-                    await asyncio.sleep(0)  # other calls run between two slices of the page
+                await turn.share()
                 want = min(LIST_SLICE_ROWS, size + 1 - len(rows))
-                part = self.core.store.list_tasks(request.states, limit=want, before=before, owner=owner)
+                part = self.core.store.list_tasks(  # unfinished tasks: the core's rows, not decoded again
+                    request.states, limit=want, before=before, owner=owner, held=self.core.tasks.get
+                )
                 rows += part
-                tasks += [self._task(t) for t in part[: max(0, size - len(tasks))]]
+                for task in part[: max(0, size - len(tasks))]:
+                    await turn.share()
+                    self._task(task, into=tasks.add)
                 if len(part) < want:
                     break
                 before = (part[-1].create_time, part[-1].task_id)
-        token = ""
         if len(rows) > size:
             last = rows[size - 1]
-            token = base64.urlsafe_b64encode(f"{last.create_time!r}|{last.task_id}".encode()).decode()
-        return scheduler_pb2.ListTasksResponse(tasks=tasks, next_page_token=token)
+            out.next_page_token = base64.urlsafe_b64encode(f"{last.create_time!r}|{last.task_id}".encode()).decode()
+        return out
 
     def _heavy_read(self, owner: str):
         """One of ``owner``'s heavy reads at a time (:meth:`Limits.heavy_read`); no bound without limits."""

@@ -256,6 +256,14 @@ _V9 = """
 ALTER TABLE leader_lease ADD COLUMN lock_pid INTEGER NOT NULL DEFAULT 0;
 """
 
+#: ListTasks reads a page newest first (``ORDER BY create_time DESC, task_id DESC``), one owner's
+#: or everyone's. These indexes let it walk to the page's rows instead of reading and sorting the
+#: whole table for each page.
+_V10 = """
+CREATE INDEX IF NOT EXISTS tasks_owner_created ON tasks(owner, create_time, task_id);
+CREATE INDEX IF NOT EXISTS tasks_created ON tasks(create_time, task_id);
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -271,6 +279,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(7, "a row whose update flushes the WAL of asynchronously committed groups (PostgreSQL)", _V7),
     Migration(8, "signing secrets (attempt credentials of task workers)", _V8),
     Migration(9, "the leader's lock session in the leader lease (failover when it ends)", _V9),
+    Migration(10, "task list indexes: newest first, per owner and in all", _V10),
 )
 
 #: The newest schema version this scheduler knows.

@@ -163,6 +163,29 @@ _RECORD_USAGE_SQL = (
 )
 
 
+def list_tasks_query(
+    states: Iterable[int], limit: int, before: tuple[float, str] | None, owner: str | None
+) -> tuple[str, list]:
+    """The SQL and parameters of :meth:`StateStore.list_tasks`. It walks the index of schema
+    migration 10 (``tasks_owner_created`` for one owner's tasks, ``tasks_created`` for all), so
+    a page costs its rows, not the table."""
+    sql = f"SELECT {_COLUMNS} FROM tasks"
+    where, args = [], []
+    if owner is not None:
+        where.append("owner = ?")
+        args.append(owner)
+    states = list(states)
+    if states:
+        where.append(f"state IN ({','.join('?' * len(states))})")
+        args.extend(states)
+    if before is not None:
+        where.append("(create_time, task_id) < (?, ?)")  # a row value: a range of the index
+        args.extend(before)
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    return sql + " ORDER BY create_time DESC, task_id DESC LIMIT ?", [*args, limit]
+
+
 def _row_to_task(r) -> TaskRow:
     spec = common_pb2.TaskSpec.FromString(r["spec"])
     ckpt = common_pb2.Checkpoint.FromString(r["latest_checkpoint"]) if r["latest_checkpoint"] else None
@@ -565,27 +588,18 @@ class StateStore:
         limit: int = 100,
         before: tuple[float, str] | None = None,
         owner: str | None = None,
+        held: Callable[[str], TaskRow | None] | None = None,
     ) -> list[TaskRow]:
         """Tasks newest first; ``before`` = (create_time, task_id) of the last row of the previous page;
-        ``owner`` = only that owner's tasks (None = everyone's)."""
+        ``owner`` = only that owner's tasks (None = everyone's). ``held``: the caller's own row of a
+        task id, or None; a row it holds is returned as it is instead of decoded again (the
+        core's unfinished tasks)."""
         self._flush_writes()
-        sql = f"SELECT {_COLUMNS} FROM tasks"
-        where, args = [], []
-        if owner is not None:
-            where.append("owner = ?")
-            args.append(owner)
-        states = list(states)
-        if states:
-            where.append(f"state IN ({','.join('?' * len(states))})")
-            args.extend(states)
-        if before is not None:
-            where.append("(create_time < ? OR (create_time = ? AND task_id < ?))")
-            args.extend([before[0], before[0], before[1]])
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY create_time DESC, task_id DESC LIMIT ?"
-        args.append(limit)
-        return [_row_to_task(r) for r in self.db.execute(sql, args)]
+        out = []
+        for r in self.db.execute(*list_tasks_query(states, limit, before, owner)):
+            row = held(r["task_id"]) if held is not None else None
+            out.append(row if row is not None else _row_to_task(r))
+        return out
 
     def tasks_in_states(self, states: Iterable[int]) -> list[TaskRow]:
         self._flush_writes()

@@ -17,8 +17,9 @@ from opentinker.common.v1 import common_pb2 as C
 from opentinker.scheduler.v1 import scheduler_pb2 as S, scheduler_pb2_grpc
 from opentinker_client import InvalidArgumentError, RLClient, ResourceExhaustedError
 from opentinker_scheduler.config import ConfigError, parse_config
-from opentinker_scheduler.api.service import LIST_SLICE_ROWS
+from opentinker_scheduler.api.service import LIST_SLICE_ROWS, LIST_TURN_S, SchedulerService
 from opentinker_scheduler.errors import ResourceExhausted
+from opentinker_scheduler.state import store as store_module
 from opentinker_scheduler.state.worker_credentials import AttemptScope
 from opentinker_scheduler.security.limits import (
     CHECKPOINT_UPLOADS,
@@ -345,10 +346,10 @@ def test_checkpoint_uploads_per_node_and_attempt_unit() -> None:
     assert lim.open_uploads(CHECKPOINT_UPLOADS) == 4
 
 
-def test_a_task_list_is_built_in_slices_one_call_of_an_owner_at_a_time(make) -> None:
-    """A ListTasks page is read and built LIST_SLICE_ROWS rows at a time with the event loop
-    turning between slices, and one owner's concurrent pages are built one after another, so a
-    flood of big pages holds other owners' calls for one slice at most. Pages stay whole."""
+def test_a_task_list_is_read_in_slices_one_call_of_an_owner_at_a_time(make) -> None:
+    """A ListTasks page is read LIST_SLICE_ROWS rows at a time, and one owner's concurrent pages
+    are built one after another, so a flood of big pages has one page at a time on the event
+    loop. Pages stay whole."""
     s = make("auth: {enabled: true}\nlimits: {submit_rate: 0, read_rate: 0, max_pending_per_owner: 0}\n")
     with RLClient(s.target, api_key=s.admin_key) as root:
         mallory, bob = root.keys.create("mallory", "user")[1], root.keys.create("bob", "user")[1]
@@ -363,8 +364,6 @@ def test_a_task_list_is_built_in_slices_one_call_of_an_owner_at_a_time(make) -> 
     def recorded(*args, **kwargs):
         rows = read(*args, **kwargs)
         call = calls.setdefault(asyncio.current_task(), len(calls))  # one task per call
-        if not any(e[0] == "slice" for e in events):  # runs as soon as the loop turns
-            asyncio.get_running_loop().call_soon(events.append, ("loop turned",))
         events.append(("slice", call, kwargs["limit"], kwargs["owner"]))
         return rows
 
@@ -389,7 +388,6 @@ def test_a_task_list_is_built_in_slices_one_call_of_an_owner_at_a_time(make) -> 
         assert [len(p) for p in got] == [60, 60, 10] and {t for p in got for t in p} == mine
     slices = [e for e in events if e[0] == "slice"]
     assert max(limit for _, _, limit, _ in slices) == LIST_SLICE_ROWS
-    assert events.index(("loop turned",)) < len(slices)  # before the first page was done
     # One call of mallory's at a time: its slices come in runs, one run per call.
     runs = [
         call
@@ -397,6 +395,63 @@ def test_a_task_list_is_built_in_slices_one_call_of_an_owner_at_a_time(make) -> 
         if owner == "mallory" and (i == 0 or slices[i - 1][1] != call)
     ]
     assert len(runs) == 9  # 3 callers x 3 pages
+
+
+def test_a_task_list_page_gives_the_event_loop_a_turn_after_each_turns_worth_of_rows(make, monkeypatch) -> None:
+    """A ListTasks page whose rows take longer to build than LIST_TURN_S lets the event loop turn
+    between every two rows, so another owner's call waits for one row, not for a slice of them."""
+    s = make("auth: {enabled: true}\nlimits: {submit_rate: 0, read_rate: 0, max_pending_per_owner: 0}\n")
+    with RLClient(s.target, api_key=s.admin_key) as root:
+        mallory = root.keys.create("mallory", "user")[1]
+    with RLClient(s.target, api_key=mallory) as m:
+        mine = {_submit(m, gpu_count=0) for _ in range(40)}
+    events: list[str] = []
+    probing = []
+    build = SchedulerService._task
+
+    async def probe() -> None:  # one event per turn of the loop
+        while probing:
+            events.append("turn")
+            await asyncio.sleep(0)
+
+    def slow_row(self, task, **kw):
+        if not probing:
+            probing.append(asyncio.get_running_loop().create_task(probe()))
+        time.sleep(2 * LIST_TURN_S)  # a row that costs two turns' worth of work
+        events.append("row")
+        return build(self, task, **kw)
+
+    monkeypatch.setattr(SchedulerService, "_task", slow_row)
+    try:
+        with s.channel() as ch:
+            got = scheduler_pb2_grpc.SchedulerServiceStub(ch).ListTasks(
+                S.ListTasksRequest(page_size=30), metadata=metadata(mallory)
+            )
+    finally:
+        probing.clear()
+    assert len(got.tasks) == 30 and {t.task_id for t in got.tasks} <= mine and got.next_page_token
+    rows = [i for i, e in enumerate(events) if e == "row"]
+    assert len(rows) == 30
+    assert all("turn" in events[a:b] for a, b in zip(rows, rows[1:])), "".join(e[0] for e in events[: rows[-1] + 1])
+
+
+def test_a_task_list_page_decodes_only_finished_tasks_from_the_store(make, monkeypatch) -> None:
+    """A ListTasks page shows an unfinished task from the core's own row and decodes from the
+    store only the rows of finished tasks, which the core no longer holds."""
+    s = make("auth: {enabled: true}\n")
+    with RLClient(s.target, api_key=s.admin_key) as root:
+        ids = [_submit(root, gpu_count=0) for _ in range(3)]
+        root.cancel(ids[0])
+        decoded = []
+        row_to_task = store_module._row_to_task
+        monkeypatch.setattr(store_module, "_row_to_task", lambda r: decoded.append(r["task_id"]) or row_to_task(r))
+        listed = root.list_tasks()
+    assert {t.task_id: t.state for t in listed} == {
+        ids[0]: "cancelled",
+        ids[1]: "pending",
+        ids[2]: "pending",
+    }
+    assert decoded == [ids[0]]
 
 
 def test_heavy_reads_run_one_at_a_time_per_owner_and_never_wait_on_another_owner() -> None:

@@ -14,7 +14,7 @@ from opentinker.common.v1 import common_pb2 as C
 from opentinker_scheduler.errors import Fenced, NotLeader, StoreUnavailable
 from opentinker_scheduler.state import schema
 from opentinker_scheduler.state.schema import SchemaTooNew
-from opentinker_scheduler.state.store import TaskRow
+from opentinker_scheduler.state.store import TaskRow, list_tasks_query
 
 from tests.support.scheduler_core import make_core, spec
 from tests.support.stores import committed, current, make_store, take_lead
@@ -330,3 +330,34 @@ def test_an_error_inside_a_transaction_fails_its_commit_instead_of_a_silent_roll
             "INSERT INTO nodes (node_id, info, first_seen, last_seen) VALUES (?,?,?,?)", ("n2", "{}", 0.0, 0.0)
         )
     assert committed(store, "SELECT COUNT(*) FROM nodes WHERE node_id=?", ("n2",)) == [(1,)]
+
+
+def _plan(store, sql: str, args: list) -> str:
+    """The query plan of ``sql`` as one text. PostgreSQL is told to avoid a sequential scan it
+    would choose for a small table, so the plan shows whether an index can serve the query."""
+    if current.name == "sqlite":
+        return "\n".join(str(r[-1]) for r in store.db.execute(f"EXPLAIN QUERY PLAN {sql}", args))
+    store.db.execute("SET enable_seqscan = off")
+    try:
+        return "\n".join(str(r[0]) for r in store.db.execute(f"EXPLAIN {sql}", args))
+    finally:
+        store.db.execute("SET enable_seqscan = on")
+
+
+def test_a_task_list_page_is_read_from_an_index_without_sorting_the_table(tmp_path) -> None:
+    """A ListTasks page, first or later, one owner's or everyone's, walks an index newest first:
+    no whole-table scan and no sort, so a page costs its rows however many tasks are stored."""
+    core = make_core(tmp_path)
+    for owner in ("a", "b"):
+        for _ in range(3):
+            core.api.submit(spec(), owner=owner)
+    last = core.store.list_tasks(limit=2, owner="a")[-1]
+    assert [t.owner for t in core.store.list_tasks(limit=9, before=(last.create_time, last.task_id), owner="a")] == [
+        "a"
+    ], "the next page starts after the previous page's last row"
+    for owner, before in (("a", None), ("a", (last.create_time, last.task_id)), (None, None)):
+        plan = _plan(core.store, *list_tasks_query((), 101, before, owner))
+        if current.name == "sqlite":
+            assert "USING INDEX tasks_" in plan and "TEMP B-TREE" not in plan, plan
+        else:
+            assert "Index Scan Backward using tasks_" in plan and "Sort" not in plan, plan
