@@ -11,6 +11,10 @@ that no client holds any of them. Bounds:
   its previous answer, or the connection is closed: a client trickling a byte every few seconds
   holds nothing (:class:`BoundedH11`). A port that takes large bodies gives each body a deadline
   of its own, set as its head arrives (``endpoint.body_timeout_s``);
+* a request refused before its body was read is answered, then its connection is half-closed and
+  what the client still sends is read and dropped for at most :data:`LINGER_S` seconds (a lingering
+  close, as nginx does): closed at once with unread bytes, the socket would send a reset, and the
+  client, still sending its body, would lose the answer;
 * a TLS handshake must end within ``head_timeout_s`` seconds (asyncio's default is a minute);
 * at most :data:`MAX_CONNECTIONS` requests and connections at once; more get 503.
 """
@@ -30,6 +34,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 __all__ = [
     "KEEP_ALIVE_S",
+    "LINGER_S",
     "MAX_CONNECTIONS",
     "MAX_HEAD_BYTES",
     "BoundedH11",
@@ -46,6 +51,32 @@ MAX_HEAD_BYTES = 16384
 MAX_CONNECTIONS = 1024
 #: Seconds an idle keep-alive connection stays open after an answer.
 KEEP_ALIVE_S = 5
+#: Most seconds a connection whose request was refused before its body was read goes on reading
+#: and dropping that body after the answer, so that the client reads the answer.
+LINGER_S = 10.0
+
+
+class _LingeringClose:
+    """A transport whose ``close`` lingers while the client still sends a body nobody will read
+    (:meth:`BoundedH11.linger`); everything else is the wrapped transport's."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: "BoundedH11") -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        transport = self._transport
+        unread_body = self._protocol.conn.their_state is h11.SEND_BODY
+        if unread_body and not transport.is_closing() and transport.can_write_eof():
+            self._protocol.linger()
+        else:
+            transport.close()
 
 
 class BoundedH11(H11Protocol):
@@ -62,8 +93,27 @@ class BoundedH11(H11Protocol):
 
     def connection_made(self, transport) -> None:
         self._deadline: asyncio.TimerHandle | None = None
-        super().connection_made(transport)
+        self._raw = transport
+        self.lingering = False
+        super().connection_made(_LingeringClose(transport, self))
         self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if not self.lingering:  # lingering: the refused request's body, dropped
+            super().data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return False if self.lingering else super().eof_received()  # False: the transport closes
+
+    def linger(self) -> None:
+        """Half-close after the answer and drop what the client still sends, for at most
+        :data:`LINGER_S` seconds or until it closes its side."""
+        self.lingering = True
+        self._raw.write_eof()
+        self._raw.resume_reading()
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(LINGER_S, self._raw.close)
 
     def handle_events(self) -> None:
         cycle = self.cycle
@@ -83,6 +133,8 @@ class BoundedH11(H11Protocol):
         super().connection_lost(exc)
 
     def _arm(self, seconds: float | None = None) -> None:
+        if self.lingering:  # its deadline is the linger's
+            return
         if self._deadline is not None:
             self._deadline.cancel()
         if not self.transport.is_closing():
@@ -93,7 +145,7 @@ class BoundedH11(H11Protocol):
     def _expire(self) -> None:
         self._deadline = None
         if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
-            self.transport.close()  # still waiting for (part of) a request
+            self._raw.close()  # still waiting for (part of) a request: closed, not lingering
 
 
 class BoundedServer(uvicorn.Server):

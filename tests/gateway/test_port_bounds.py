@@ -137,6 +137,21 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(world) -> None:
     assert answer.startswith(b"HTTP/1.1 413 ") and b"at most 67108864 bytes" in answer, answer[:300]
 
 
+def test_a_client_still_sending_a_refused_body_reads_its_answer(world) -> None:
+    """The body over the limit keeps coming after the 413: the gateway drops it rather than reset
+    the connection, so the client's sending does not fail and it reads the answer."""
+    with _connect(world) as conn:
+        conn.sendall(
+            f"POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nX-API-Key: {world['alice']}\r\n"
+            f"Content-Length: {MAX_BODY_MB * 1024 * 1024 + 1}\r\n\r\n".encode()
+        )
+        for _ in range(64):  # 8 MiB, well past what the socket buffers hold
+            conn.sendall(b"\0" * (128 * 1024))
+        conn.shutdown(socket.SHUT_WR)
+        answer = _read_answer(conn)
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
+
+
 def test_healthz_answers_with_100_half_sent_requests_open_and_a_trickling_client_is_cut_off(world) -> None:
     server = world["server"]
     assert_slow_clients_are_bounded(server.port, lambda s: setattr(server, "head_timeout_s", s), path="/api/v1/healthz")
