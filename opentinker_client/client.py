@@ -888,6 +888,10 @@ class RLClient:
         refuse API keys. It works ``ttl`` seconds (1 s to 24 h), and stops when this client's
         API key is revoked. :meth:`serve` and training sessions get and renew tokens themselves.
 
+        With the scheduler running without authentication the token is ``""`` and the endpoints
+        take any ``api_key``. The ``openai`` package refuses an empty one: pass any other string,
+        e.g. ``OpenAI(base_url=..., api_key=token.token or "no-auth")``.
+
         Raises:
             NotFoundError: no such task (or not yours). InvalidArgumentError: a bad ``ttl``.
             FailedPreconditionError: the task serves no endpoint.

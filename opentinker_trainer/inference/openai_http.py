@@ -41,6 +41,7 @@ import asyncio
 import json
 import os
 import socket
+import re
 import tempfile
 import time
 import uuid
@@ -107,11 +108,22 @@ class OpenAIError(Exception):
         for exc_type, code in _CODES:
             if isinstance(exc, exc_type):
                 status, kind = _HTTP[code]
-                return cls(status, kind, str(exc))
+                return cls(status, kind, str(exc), _param_of(str(exc)))
         raise exc
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# "sampling.max_tokens: expected ..." or "messages[0].role: expected ...": the field a message names.
+_FIELD = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*|\[\d+\])*): ")
+
+
+def _param_of(message: str) -> str | None:
+    """The request field that ``message`` names at its start, as the request calls it
+    (``max_tokens`` for the runtime's ``sampling.max_tokens``), or None."""
+    m = _FIELD.match(message)
+    return m.group(1).removeprefix("sampling.") if m else None
 
 
 def _too_large(size: str) -> OpenAIError:

@@ -112,3 +112,37 @@ def test_the_poll_pacer_keeps_calls_for_one_key_apart(monkeypatch) -> None:
     pacer.pace("b", 1.0)  # another key: at once
     pacer.pace("a", 0)  # off
     assert slept == [0.75]
+
+
+_FAKE_SCHEDULER_PROCESS = """
+import time
+from tests.support.fake_scheduler import FakeScheduler, Server, S
+servicer = FakeScheduler()
+servicer.add_task(S.TASK_STATE_RUNNING, task_id="t-1")
+servicer.add_state("t-1", S.TASK_STATE_RUNNING, reason="STARTED")
+server = Server(servicer)
+server.start()
+print(server.url, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_scheduler_killed_mid_stream_gets_no_tls_hint() -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _FAKE_SCHEDULER_PROCESS], stdout=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().strip()
+        with SchedulerConnection(url, timeout=60, api_key="") as connection:
+            with pytest.raises(UnavailableError) as err:
+                with connection.stream("WatchTask", scheduler_pb2.WatchTaskRequest(task_id="t-1")) as responses:
+                    for _ in responses:
+                        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    # The stream had run: a plaintext client never gets that far with a TLS port.
+    assert "Stream removed" in err.value.details and SCHEDULER_PLAINTEXT_HINT not in err.value.details

@@ -392,3 +392,14 @@ def test_bad_model_names_are_refused_naming_the_entry(tmp_path, entries: str, wh
     with pytest.raises(ConfigError) as err:
         load_config(tmp_path / "c.yaml")
     assert str(err.value).startswith(str(tmp_path / where)), err.value
+
+
+def test_every_error_of_a_config_comes_at_once_in_file_order(tmp_path) -> None:
+    path = tmp_path / "scheduler.yaml"
+    path.write_text("leese: 10\nheartbeat_interval: x\nstate_dir: [1]\nbogus: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    lines = str(err.value).splitlines()
+    assert [line.split(": ", 2)[1] for line in lines] == ["leese", "heartbeat_interval", "state_dir", "bogus"]
+    assert lines[0].startswith(f"{path}:1:1: leese: ") and lines[0].endswith("did you mean 'lease'?")
+    assert lines[1].startswith(f"{path}:2:21: heartbeat_interval: expected a number")

@@ -135,14 +135,10 @@ def fb_body(
 
 def hf_cache(root: Path, model_dir: Path) -> Path:
     """A Hugging Face hub cache holding ``model_dir`` as :data:`MODEL_NAME`, so that the cookbook's
-    ``AutoTokenizer.from_pretrained(MODEL_NAME)`` loads offline."""
-    repo = root / ("models--" + MODEL_NAME.replace("/", "--"))
-    snapshot = repo / "snapshots" / "local"
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("local")
-    for f in model_dir.iterdir():
-        (snapshot / f.name).symlink_to(f.resolve())
+    ``AutoTokenizer.from_pretrained(MODEL_NAME)`` loads offline: what ``make install`` places."""
+    from scripts.prepare_model import place_in_hub_cache
+
+    place_in_hub_cache(model_dir, root, MODEL_NAME)
     return root
 
 

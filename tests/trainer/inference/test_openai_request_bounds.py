@@ -145,12 +145,12 @@ def too_deep(model: str) -> str:
         ),
         (
             lambda m: json.dumps({"model": m, "prompt": "Hi", "max_tokens": 10**30}),
-            None,
+            "max_tokens",
             "sampling.max_tokens: the prompt has ",
         ),
         (
             lambda m: json.dumps({"model": m, "prompt": "Hi", "n": 10**30}),
-            None,
+            "n",
             f"sampling.n: expected an integer in [1, 64], got {10**30}",
         ),
         (
@@ -193,3 +193,12 @@ def test_bad_bodies_are_400_in_the_openai_shape(served, body, param, message) ->
             continue  # a chat request has no prompt: refused for its messages or its settings
         assert error["param"] == param and error["message"].startswith(message), error
     still_answers(port, model)
+
+
+def test_an_error_that_names_a_message_field_sets_param(served) -> None:
+    port, model = served
+    body = {"model": model, "messages": [{"role": "wizard", "content": "Hi"}], "max_tokens": 1}
+    status, content_type, data = post(port, json.dumps(body).encode(), "/v1/chat/completions")
+    error = openai_error(status, content_type, data)
+    assert status == 400 and error["message"].startswith("messages[0].role: "), error
+    assert error["param"] == "messages[0].role", error
