@@ -58,16 +58,23 @@ def convert(out: Path) -> None:
 def place_in_hub_cache(model_dir: Path, cache: Path, hub_id: str = HUB_ID) -> bool:
     """Link the files of ``model_dir`` into hub cache ``cache`` as ``hub_id``, revision ``main``.
 
-    Returns False, changing nothing, when the cache already has a ``main`` of ``hub_id``.
+    Returns False, changing nothing, when the cache already has a ``main`` of ``hub_id`` whose files
+    are there. Links placed before into a folder that is gone (a deleted clone) are placed again.
     """
     repo = cache / ("models--" + hub_id.replace("/", "--"))
-    if (repo / "refs" / "main").exists():
-        return False
     snapshot = repo / "snapshots" / "local"
+    ref = repo / "refs" / "main"
+    if ref.exists():
+        ours = ref.read_text().strip() == "local" and snapshot.is_dir()
+        if not ours or all(f.exists() for f in snapshot.iterdir()):
+            return False
     snapshot.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():
-        if not (snapshot / f.name).exists():
-            (snapshot / f.name).symlink_to(f.resolve())
+        link = snapshot / f.name
+        if link.is_symlink() and not link.exists():
+            link.unlink()
+        if not link.exists():
+            link.symlink_to(f.resolve())
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text("local")
     return True
