@@ -236,6 +236,7 @@ def task_from_proto(task: common_pb2.Task) -> TaskInfo:
         checkpoint_path=ckpt.path if ckpt is not None else "",
         checkpoint_step=ckpt.step if ckpt is not None else 0,
         endpoint=task.endpoint,
+        openai_endpoint=task.openai_endpoint,
         create_time=timestamp_to_datetime(task.create_time),
         update_time=timestamp_to_datetime(task.update_time),
         start_time=timestamp_to_datetime(task.start_time),

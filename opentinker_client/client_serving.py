@@ -275,12 +275,13 @@ class ServingCalls:
     def _client(self, server_id: str, *, timeout: float, root_certificates, **binding) -> InferenceClient:
         """An :class:`InferenceClient` of inference task ``server_id`` once it serves, bound as
         ``binding`` says (``adapter``, ``policy``, ``model``), checked with one call."""
-        endpoint = self.tasks.wait_for_endpoint(server_id, timeout=timeout)
+        serving = self.tasks.wait_serving(server_id, timeout=timeout)
         if root_certificates is None:
             root_certificates = self.connection.root_certificates
         tokens = EndpointTokens(self.connection, server_id)
-        llm = InferenceClient(endpoint, tokens=tokens, root_certificates=root_certificates, **binding)
+        llm = InferenceClient(serving.endpoint, tokens=tokens, root_certificates=root_certificates, **binding)
         llm.task_id = server_id
+        llm.openai_endpoint = serving.openai_endpoint
         try:  # one real call: a wrong CA, a plaintext/TLS mix-up or a refused key fails here, not on first use
             llm.list_adapters()
         except BaseException:

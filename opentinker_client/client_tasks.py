@@ -484,8 +484,12 @@ class TaskCalls:
             time.sleep(poll_interval if deadline is None else max(0.0, min(poll_interval, deadline - now)))
 
     def wait_for_endpoint(self, task_id: str, *, timeout: float, poll_interval: float = 0.25) -> str:
+        """The endpoint (``host:port`` or ``https://host:port``) of :meth:`wait_serving`'s task."""
+        return self.wait_serving(task_id, timeout=timeout, poll_interval=poll_interval).endpoint
+
+    def wait_serving(self, task_id: str, *, timeout: float, poll_interval: float = 0.25) -> TaskInfo:
         """Poll an ``inference`` or ``lora_session`` task every ``poll_interval`` seconds until it
-        is RUNNING with an endpoint; return the endpoint (``host:port`` or ``https://host:port``).
+        is RUNNING with an endpoint; return it then (``endpoint``, ``openai_endpoint`` set).
         A task not serving by the deadline is left as it is (the message says it is still queued
         and how to cancel it).
 
@@ -509,7 +513,7 @@ class TaskCalls:
             else:
                 state, workload = info.state, info.workload_type
                 if info.state == "running" and info.endpoint:
-                    return info.endpoint
+                    return info
                 if info.done:
                     raise TaskFailedError(info)
             now = time.monotonic()

@@ -194,13 +194,19 @@ class InferenceClient:
                 scheduler_url, timeout=30.0, api_key=api_key, root_certificates=root_certificates
             )
             try:
-                endpoint = TaskCalls(self._connection).wait_for_endpoint(task_id, timeout=ready_timeout)
+                serving = TaskCalls(self._connection).wait_serving(task_id, timeout=ready_timeout)
             except BaseException:
                 self._connection.close()
                 raise
             tokens = tokens or EndpointTokens(self._connection, task_id)
+            endpoint, openai_endpoint = serving.endpoint, serving.openai_endpoint
+        else:
+            openai_endpoint = ""
         self.target, self.tls = parse_endpoint(endpoint)
         self.endpoint = endpoint
+        #: Base URL of the task's OpenAI-compatible API (``http(s)://host:port/v1``), ``""`` when it
+        #: serves none or the client was made from an endpoint alone.
+        self.openai_endpoint: str = openai_endpoint
         self.task_id = task_id
         self.adapter = adapter
         self.policy = policy
@@ -246,7 +252,7 @@ class InferenceClient:
     def with_adapter(self, adapter: str | None) -> "InferenceClient":
         """Another client on the same server whose default adapter is ``adapter``; it shares this
         client's endpoint tokens (and their scheduler connection: keep this client open)."""
-        return InferenceClient(
+        other = InferenceClient(
             self.endpoint,
             adapter=adapter,
             model=self.model,
@@ -255,6 +261,8 @@ class InferenceClient:
             root_certificates=self._root_certificates,
             tokens=self._tokens,
         )
+        other.task_id, other.openai_endpoint = self.task_id, self.openai_endpoint
+        return other
 
     # --- requests ------------------------------------------------------------------------------
     def _request(self, cls: Any, call: str, prompt: str | None, messages: Any, adapter: Any, sampling: Any) -> Any:

@@ -67,6 +67,8 @@ class TaskInfo:
         checkpoint_step: the step that checkpoint was written after (0 when none).
         endpoint: ``host:port`` (``https://host:port`` with TLS) a RUNNING inference task
             serves on, ``""`` otherwise.
+        openai_endpoint: base URL ``http(s)://host:port/v1`` of the OpenAI-compatible API a
+            RUNNING inference task serves (submitted with ``openai_port``), ``""`` otherwise.
         create_time, update_time, start_time, end_time: UTC datetimes or ``None``.
         env_config, hyperparameters: the spec's mappings as plain dicts.
         max_runtime: wall-clock limit of one attempt in seconds, ``None`` for none.
@@ -99,6 +101,7 @@ class TaskInfo:
     checkpoint_path: str = ""
     checkpoint_step: int = 0
     endpoint: str = ""
+    openai_endpoint: str = ""
     create_time: _dt.datetime | None = None
     update_time: _dt.datetime | None = None
     start_time: _dt.datetime | None = None

@@ -829,6 +829,7 @@ class NodeAgent:
             w.storing = False
         elif kind == "endpoint":
             report.endpoint = str(msg.get("address", ""))
+            report.openai_endpoint = str(msg.get("openai_endpoint", ""))
         elif kind == "phase":
             report.phase.attempt = w.attempt
             report.phase.phase = str(msg.get("phase", ""))[:100]

@@ -200,10 +200,11 @@ class WorkerContext:
         yield
         self.emit_phase("model loaded", f"{name} in {time.monotonic() - start:.1f} s")
 
-    def emit_endpoint(self, address: str) -> None:
+    def emit_endpoint(self, address: str, openai_endpoint: str = "") -> None:
         """Report the ``host:port`` a server of this attempt listens on (an ``inference`` task's
-        InferenceService); the scheduler shows it as ``Task.endpoint`` while the task runs."""
-        self._emit("endpoint", address=str(address))
+        InferenceService) and the base URL of its OpenAI API, if any; the scheduler shows them as
+        ``Task.endpoint`` and ``Task.openai_endpoint`` while the task runs."""
+        self._emit("endpoint", address=str(address), openai_endpoint=str(openai_endpoint))
 
     # --- control ---------------------------------------------------------------------------
     def request_stop(self) -> None:

@@ -413,9 +413,9 @@ class RankContext(WorkerContext):
         elif final:
             self.completed = True
 
-    def emit_endpoint(self, address: str) -> None:
+    def emit_endpoint(self, address: str, openai_endpoint: str = "") -> None:
         if self.dist.rank == 0:
-            super().emit_endpoint(address)
+            super().emit_endpoint(address, openai_endpoint)
 
     def stop_together(self) -> bool:
         """True on every rank when a stop was requested on any rank (a collective: the step loop

@@ -730,6 +730,8 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
     ]
     if t.endpoint:
         rows.append(("endpoint", _escape(t.endpoint)))
+    if t.openai_endpoint:
+        rows.append(("openai endpoint", _escape(t.openai_endpoint)))
     if t.pending_reason:
         rows.append(("pending reason", _escape(t.pending_reason)))
     if t.error:
@@ -1639,25 +1641,20 @@ def _cmd_serve(client: RLClient, args: argparse.Namespace) -> int:
     else:
         print(safe_text(_served_line(task, step=args.step, server=llm.task_id, endpoint=llm.endpoint)))
     server = client.get_task(llm.task_id)
-    for line in _serve_next_lines(server, endpoint=llm.endpoint, model=llm.adapter or task.task_id):
+    for line in _serve_next_lines(server, model=llm.adapter or task.task_id):
         print(safe_text(line))
     return 0
 
 
-def _serve_next_lines(server: TaskInfo, *, endpoint: str, model: str) -> list[str]:
+def _serve_next_lines(server: TaskInfo, *, model: str) -> list[str]:
     """What ``serve`` prints after its line: the OpenAI base URL of inference task ``server`` when
     it has one, and a command that asks ``model`` there."""
-    port = server.hyperparameters.get("openai_port", -1)
-    if not isinstance(port, (int, float)) or port < 0:
+    base = server.openai_endpoint
+    if not base:
         return [
             f"inference task {server.task_id} has no OpenAI API (submit one with openai_port: docs/inference.md); "
             f'try from Python: RLClient().serve("{model}").generate("What is 4 + 5?")'
         ]
-    if port == 0:
-        return [f"OpenAI API of inference task {server.task_id}: on the port its node logs as openai_base_url"]
-    scheme = "https" if endpoint.startswith("https://") else "http"
-    host = endpoint.removeprefix("https://").rsplit(":", 1)[0]
-    base = f"{scheme}://{host}:{int(port)}/v1"
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is 4 + 5?"}]})
     return [
         f"OpenAI API: {base} (model {model}; api_key: opentinker endpoint-token {server.task_id})",

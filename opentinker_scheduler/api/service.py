@@ -152,7 +152,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             if task.state == common_pb2.TASK_STATE_RUNNING:
                 endpoint = self.core.store.endpoint(task.task_id)
                 if endpoint is not None and endpoint[0] == task.attempt:
-                    out.endpoint = endpoint[1]
+                    out.endpoint, out.openai_endpoint = endpoint[1], endpoint[2]
             return out
         reason = self.core.reasons.reason(task.task_id) or "waiting for the next placement round"
         return task_to_proto(task, reason, into=into)

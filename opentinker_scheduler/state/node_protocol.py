@@ -296,7 +296,7 @@ class NodeProtocol:
             return False
 
         if rep.endpoint:  # an inference server of this attempt listens there (Task.endpoint)
-            self.core.store.set_endpoint(task.task_id, rep.attempt, rep.endpoint)
+            self.core.store.set_endpoint(task.task_id, rep.attempt, rep.endpoint, rep.openai_endpoint)
             self.core.notify()
         events: list[common_pb2.TaskEvent] = []
         if rep.HasField("phase") and rep.phase.phase:

@@ -264,6 +264,12 @@ CREATE INDEX IF NOT EXISTS tasks_owner_created ON tasks(owner, create_time, task
 CREATE INDEX IF NOT EXISTS tasks_created ON tasks(create_time, task_id);
 """
 
+#: The base URL of the OpenAI-compatible API an inference task's attempt serves beside its
+#: InferenceService (``Task.openai_endpoint``); empty when it serves none.
+_V11 = """
+ALTER TABLE task_endpoints ADD COLUMN openai_address TEXT NOT NULL DEFAULT '';
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -280,6 +286,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(8, "signing secrets (attempt credentials of task workers)", _V8),
     Migration(9, "the leader's lock session in the leader lease (failover when it ends)", _V9),
     Migration(10, "task list indexes: newest first, per owner and in all", _V10),
+    Migration(11, "the OpenAI API base URL of a task's endpoint", _V11),
 )
 
 #: The newest schema version this scheduler knows.

@@ -830,19 +830,23 @@ class StateStore:
         return not rows or owner in rows
 
     # --- endpoints and checkpoints ----------------------------------------------------------------
-    def set_endpoint(self, task_id: str, attempt: int, address: str) -> None:
-        """Record the ``host:port`` that ``attempt`` of a task serves on (replaces an older one)."""
+    def set_endpoint(self, task_id: str, attempt: int, address: str, openai_address: str = "") -> None:
+        """Record the ``host:port`` that ``attempt`` of a task serves on and the base URL of its
+        OpenAI API (``""``: none); replaces an older attempt's."""
         with self._tx():
             self.db.execute(
-                "INSERT INTO task_endpoints (task_id, attempt, address) VALUES (?,?,?) "
-                "ON CONFLICT(task_id) DO UPDATE SET attempt=excluded.attempt, address=excluded.address",
-                (task_id, attempt, address),
+                "INSERT INTO task_endpoints (task_id, attempt, address, openai_address) VALUES (?,?,?,?) "
+                "ON CONFLICT(task_id) DO UPDATE SET attempt=excluded.attempt, address=excluded.address, "
+                "openai_address=excluded.openai_address",
+                (task_id, attempt, address, openai_address),
             )
 
-    def endpoint(self, task_id: str) -> tuple[int, str] | None:
-        """``(attempt, address)`` last recorded for a task, or None."""
-        r = self.db.execute("SELECT attempt, address FROM task_endpoints WHERE task_id=?", (task_id,)).fetchone()
-        return (r[0], r[1]) if r else None
+    def endpoint(self, task_id: str) -> tuple[int, str, str] | None:
+        """``(attempt, address, openai_address)`` last recorded for a task, or None."""
+        r = self.db.execute(
+            "SELECT attempt, address, openai_address FROM task_endpoints WHERE task_id=?", (task_id,)
+        ).fetchone()
+        return (r[0], r[1], r[2]) if r else None
 
     # --- gang attempts (state/gangs.py) -------------------------------------------------------
     def set_gang(

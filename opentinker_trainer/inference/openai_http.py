@@ -4,10 +4,11 @@ OpenAI API (the ``openai`` Python client, LangChain, curl).
 
 Routes (the OpenAI API reference, https://platform.openai.com/docs/api-reference):
 
-* ``GET /v1/models``: the base model (its name, the task's ``spec.model``) and every resident
-  adapter the caller may use, each a model id (an adapter's id is its training task's id; any
-  finished ``lora_finetune``/``sft``/``lora_session`` task of the caller is accepted as ``model`` even before it
-  is loaded).
+* ``GET /v1/models``: the ids ``model`` accepts that are loaded: the base model by its name
+  (:func:`base_model_id`: the task's ``spec.model``, a local folder by its last component) and
+  every resident adapter the caller may use (an adapter's id is its training task's id, or
+  ``task@step``). ``model`` also accepts ``spec.model`` as written, and any finished
+  ``lora_finetune``/``sft``/``lora_session`` task of the caller before its adapter is loaded.
 * ``POST /v1/completions``: ``prompt`` (a string, or a list of one), ``max_tokens`` (default 16,
   as OpenAI), ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logprobs`` (an integer:
   the chosen tokens' log-probabilities; alternatives are not computed, ``top_logprobs`` is
@@ -188,6 +189,15 @@ class _Call:
     include_usage: bool
 
 
+def base_model_id(model_name: str) -> str:
+    """The id ``/v1/models`` gives the base model ``model_name``: a local folder (an absolute or
+    relative path, ``~/...``) by its last component, which names the model without the
+    server's file system; a hub id such as ``org/model`` as it is."""
+    if model_name.startswith(("/", "./", "../", "~")):
+        return os.path.basename(model_name.rstrip("/")) or model_name
+    return model_name
+
+
 def build_openai_app(runtime: ModelRuntime, *, access: AccessChecker | None = None, task_id: str = ""):
     """The FastAPI application serving ``runtime`` (see the module docstring).
 
@@ -198,6 +208,8 @@ def build_openai_app(runtime: ModelRuntime, *, access: AccessChecker | None = No
         raise ValueError("task_id: expected the serving task's id when access is checked")
     app = FastAPI(title="OpenTinker inference (OpenAI-compatible)", docs_url=None, redoc_url=None)
     created = int(time.time())
+    base_id = base_model_id(runtime.model_name)
+    base_names = {runtime.model_name, base_id}
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):  # an unknown path, a wrong method
@@ -253,8 +265,8 @@ def build_openai_app(runtime: ModelRuntime, *, access: AccessChecker | None = No
     def parse(body: dict, *, chat: bool) -> _Call:
         model_id = body.get("model")
         if not isinstance(model_id, str) or not model_id:
-            raise _bad("model", f"a model id ({runtime.model_name!r} or an adapter's task id)", model_id)
-        adapter = "" if model_id == runtime.model_name else model_id
+            raise _bad("model", f"a model id ({base_id!r} or an adapter's task id)", model_id)
+        adapter = "" if model_id in base_names else model_id
         params = _sampling(body, CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS)
         if chat:
             messages = body.get("messages")
@@ -410,14 +422,14 @@ def build_openai_app(runtime: ModelRuntime, *, access: AccessChecker | None = No
                 visible.append(a)
         except Exception as exc:  # noqa: BLE001
             return error(exc)
-        data = [{"id": runtime.model_name, "object": "model", "created": created, "owned_by": "opentinker"}]
+        data = [{"id": base_id, "object": "model", "created": created, "owned_by": "opentinker"}]
         data += [
             {
                 "id": a.name,
                 "object": "model",
                 "created": int(a.load_time),
                 "owned_by": "opentinker",
-                "parent": runtime.model_name,
+                "parent": base_id,
             }
             for a in visible
         ]

@@ -32,7 +32,8 @@ and named by the step it has reached (:func:`_live_copy`).
 
 With ``hyperparameters.openai_port`` >= 0 an OpenAI-compatible HTTP endpoint
 (:mod:`opentinker_trainer.inference.openai_http`) serves the same runtime on that port, with the
-same API-key checks and TLS (``https://``); its base URL is logged (``openai_base_url``).
+same API-key checks and TLS (``https://``); its base URL ``http(s)://host:port/v1``, with the
+port it got when ``openai_port`` is 0, is reported with the endpoint (``Task.openai_endpoint``).
 """
 
 from __future__ import annotations
@@ -271,7 +272,8 @@ async def _serve(
     address = f"{host}:{server.port}"
     if tls is not None:
         address = f"https://{address}"  # tells clients to dial with TLS (InferenceClient does)
-    ctx.emit_endpoint(address)
+    openai_base_url = f"{openai.scheme}://{host}:{openai.port}/v1" if openai is not None else ""
+    ctx.emit_endpoint(address, openai_base_url)
     log.info(
         "serving",
         task_id=ctx.task_id,
@@ -281,7 +283,7 @@ async def _serve(
         tls=tls is not None,
         api_key_check=access is not None,
         auth_cache_ttl_s=access_ttl,
-        openai_base_url=f"{openai.scheme}://{host}:{openai.port}/v1" if openai is not None else None,
+        openai_base_url=openai_base_url or None,
     )
     deadline = time.monotonic() + cfg.ttl_s
     try:

@@ -70,14 +70,12 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(
         first = client.download_checkpoint(trained, tmp_path / "step1", step=1)
         assert _sha(first / "adapter_model.safetensors") == _sha(ckpt.parent / "step_1" / "adapter_model.safetensors")
 
-        # An inference task with the OpenAI-compatible endpoint on; serve() reuses it for the adapter.
-        from tests.support.procs import free_port
-
-        openai_port = free_port()
+        # An inference task with the OpenAI-compatible endpoint on any free port; serve() reuses it
+        # for the adapter, and the task shows the URL it got.
         client.submit_task(
             workload_type="inference",
             model=str(tiny_model_dir),
-            hyperparameters={"ttl_s": 600, "openai_port": openai_port},
+            hyperparameters={"ttl_s": 600, "openai_port": 0},
         )
         # One call from a finished task to a served adapter; a second call reuses the server.
         llm = client.serve(trained, ttl=600, timeout=180)
@@ -87,6 +85,10 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(
             and server_task.state == "running"
             and server_task.endpoint == llm.endpoint
         )
+        openai_url = server_task.openai_endpoint
+        host, port = llm.endpoint.rsplit(":", 1)
+        assert openai_url == llm.openai_endpoint and openai_url.startswith(f"http://{host}:")
+        assert openai_url.endswith("/v1") and int(openai_url.removesuffix("/v1").rsplit(":", 1)[1]) > 0
         shown = subprocess.run(
             [
                 sys.executable,
@@ -102,6 +104,7 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(
             timeout=60,
         )
         assert shown.returncode == 0 and "endpoint" in shown.stdout and llm.endpoint in shown.stdout
+        assert "openai endpoint" in shown.stdout and openai_url in shown.stdout
         out = llm.generate("What is 2 + 3?", temperature=0, max_tokens=5)
         assert out.adapter == trained and 1 <= len(out.samples[0].token_ids) <= 5
         assert llm.generate("What is 2 + 3?", temperature=0, max_tokens=5).samples == out.samples
@@ -112,8 +115,8 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(
 
         messages = [{"role": "user", "content": "What is 2 + 3?"}]
         expected = llm.generate(messages=messages, temperature=0, max_tokens=6)
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{openai_port}/v1", api_key="unused", max_retries=0) as oai:
-            assert trained in [m.id for m in oai.models.list().data]
+        with openai.OpenAI(base_url=openai_url, api_key="unused", max_retries=0) as oai:
+            assert [m.id for m in oai.models.list().data] == [tiny_model_dir.name, trained]
             chunks = list(
                 oai.chat.completions.create(model=trained, messages=messages, temperature=0, max_tokens=6, stream=True)
             )

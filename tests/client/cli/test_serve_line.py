@@ -29,22 +29,22 @@ def test_serve_names_what_the_task_holds(workload_type, fmt, what) -> None:
     assert line == f"{what} task-1 (final checkpoint, step 20) served by inference task task-inf at 127.0.0.1:9000"
 
 
-def _server(**hyperparameters):
+def _server(openai_endpoint: str = ""):
     spec = common_pb2.TaskSpec(workload_type="inference", model="org/m")
-    spec.hyperparameters.update(hyperparameters)
-    return task_from_proto(common_pb2.Task(task_id="task-inf", spec=spec, state=common_pb2.TASK_STATE_RUNNING))
+    task = common_pb2.Task(
+        task_id="task-inf", spec=spec, state=common_pb2.TASK_STATE_RUNNING, openai_endpoint=openai_endpoint
+    )
+    return task_from_proto(task)
 
 
-def test_serve_names_the_openai_base_url_and_a_command_that_asks_it() -> None:
-    lines = _serve_next_lines(_server(openai_port=8400), endpoint="https://node-7:42341", model="task-1")
-    assert lines[0] == "OpenAI API: https://node-7:8400/v1 (model task-1; api_key: opentinker endpoint-token task-inf)"
-    assert lines[1].startswith("try: curl https://node-7:8400/v1/chat/completions -H ")
+def test_serve_names_the_openai_base_url_the_task_shows_and_a_command_that_asks_it() -> None:
+    lines = _serve_next_lines(_server("https://node-7:40517/v1"), model="task-1")
+    assert lines[0] == "OpenAI API: https://node-7:40517/v1 (model task-1; api_key: opentinker endpoint-token task-inf)"
+    assert lines[1].startswith("try: curl https://node-7:40517/v1/chat/completions -H ")
     assert "$(opentinker endpoint-token task-inf)" in lines[1] and '"model": "task-1"' in lines[1]
 
 
-def test_serve_without_an_openai_port_says_how_to_get_one_and_what_to_try() -> None:
-    (line,) = _serve_next_lines(_server(ttl_s=60), endpoint="127.0.0.1:42341", model="task-1")
+def test_serve_without_an_openai_endpoint_says_how_to_get_one_and_what_to_try() -> None:
+    (line,) = _serve_next_lines(_server(), model="task-1")
     assert "has no OpenAI API (submit one with openai_port" in line
     assert 'RLClient().serve("task-1").generate(' in line
-    (line,) = _serve_next_lines(_server(openai_port=0), endpoint="127.0.0.1:42341", model="task-1")
-    assert "openai_base_url" in line

@@ -361,3 +361,13 @@ def test_a_task_list_page_is_read_from_an_index_without_sorting_the_table(tmp_pa
             assert "USING INDEX tasks_" in plan and "TEMP B-TREE" not in plan, plan
         else:
             assert "Index Scan Backward using tasks_" in plan and "Sort" not in plan, plan
+
+
+def test_an_endpoint_keeps_its_openai_url_and_the_next_attempt_replaces_both(tmp_path) -> None:
+    store = make_store(tmp_path)
+    store.set_endpoint("task-1", 1, "node-1:4000", "http://node-1:4001/v1")
+    assert store.endpoint("task-1") == (1, "node-1:4000", "http://node-1:4001/v1")
+    store.set_endpoint("task-1", 2, "node-2:4000")  # the next attempt serves no OpenAI API
+    assert store.endpoint("task-1") == (2, "node-2:4000", "")
+    store.close()
+    assert make_store(tmp_path).endpoint("task-1") == (2, "node-2:4000", "")

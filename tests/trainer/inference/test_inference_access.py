@@ -599,7 +599,7 @@ def _cli_token(world: World, key: str, task_id: str, *ttl: str) -> str:
 
 def test_the_openai_endpoint_takes_a_token_from_the_cli_over_tls(world: World, served: SecureServer, certs) -> None:
     openai = pytest.importorskip("openai")
-    from opentinker_trainer.inference.openai_http import start_openai_server
+    from opentinker_trainer.inference.openai_http import base_model_id, start_openai_server
 
     tls = read_server_tls(certs.server_cert, certs.server_key)
     start = start_openai_server(
@@ -624,7 +624,8 @@ def test_the_openai_endpoint_takes_a_token_from_the_cli_over_tls(world: World, s
                 )
             )
             assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-            assert [m.id for m in alice.models.list().data] == [served.runtime.model_name, world.alice_adapter]
+            base = base_model_id(served.runtime.model_name)
+            assert [m.id for m in alice.models.list().data] == [base, world.alice_adapter]
             with pytest.raises(openai.NotFoundError, match="no task with that id"):
                 alice.chat.completions.create(model=world.bob_adapter, messages=messages, max_tokens=2)
         with client(_cli_token(world, world.bob, world.bob_serving)) as bob:

@@ -32,11 +32,15 @@ def served(tiny_model_dir: Path, tmp_path_factory):
     grpc_server.close()
 
 
-def test_models_list_the_base_and_resident_adapters(served) -> None:
+def test_models_list_the_base_by_its_name_and_resident_adapters_each_an_id_model_accepts(served) -> None:
     grpc_server, client, base = served
     InferenceClient(grpc_server.address).generate(PROMPT, adapter="task-o1", max_tokens=1)  # load it
-    ids = [m.id for m in client.models.list().data]
-    assert ids == [base, "task-o1"]
+    models = client.models.list().data
+    assert [m.id for m in models] == [Path(base).name, "task-o1"]  # a folder by its name, not its path
+    assert models[1].parent == Path(base).name
+    for m in models:
+        assert client.completions.create(model=m.id, prompt=PROMPT, max_tokens=1).model == m.id
+    assert client.completions.create(model=base, prompt=PROMPT, max_tokens=1).model == base  # as spec.model says
 
 
 def test_openai_client_streams_a_chat_completion_from_an_adapter_as_grpc_answers(served) -> None:

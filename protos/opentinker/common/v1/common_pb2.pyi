@@ -299,7 +299,7 @@ class CheckpointFailure(_message.Message):
     def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., node_id: _Optional[str] = ..., error: _Optional[str] = ..., fatal: _Optional[bool] = ..., failures_in_a_row: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "owner", "spec", "state", "attempt", "priority", "create_time", "update_time", "start_time", "end_time", "node_id", "device_indices", "pending_reason", "error", "latest_metrics", "latest_step", "latest_checkpoint", "endpoint", "usage", "queue", "handed_back")
+    __slots__ = ("task_id", "owner", "spec", "state", "attempt", "priority", "create_time", "update_time", "start_time", "end_time", "node_id", "device_indices", "pending_reason", "error", "latest_metrics", "latest_step", "latest_checkpoint", "endpoint", "usage", "queue", "handed_back", "openai_endpoint")
     class LatestMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class Task(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     owner: str
     spec: TaskSpec
@@ -349,7 +350,8 @@ class Task(_message.Message):
     usage: Usage
     queue: str
     handed_back: int
-    def __init__(self, task_id: _Optional[str] = ..., owner: _Optional[str] = ..., spec: _Optional[_Union[TaskSpec, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., attempt: _Optional[int] = ..., priority: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ..., device_indices: _Optional[_Iterable[int]] = ..., pending_reason: _Optional[str] = ..., error: _Optional[str] = ..., latest_metrics: _Optional[_Mapping[str, float]] = ..., latest_step: _Optional[int] = ..., latest_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., endpoint: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., queue: _Optional[str] = ..., handed_back: _Optional[int] = ...) -> None: ...
+    openai_endpoint: str
+    def __init__(self, task_id: _Optional[str] = ..., owner: _Optional[str] = ..., spec: _Optional[_Union[TaskSpec, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., attempt: _Optional[int] = ..., priority: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ..., device_indices: _Optional[_Iterable[int]] = ..., pending_reason: _Optional[str] = ..., error: _Optional[str] = ..., latest_metrics: _Optional[_Mapping[str, float]] = ..., latest_step: _Optional[int] = ..., latest_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., endpoint: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., queue: _Optional[str] = ..., handed_back: _Optional[int] = ..., openai_endpoint: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("gpu_seconds", "cpu_task_seconds", "tokens_generated", "tokens_trained", "env_steps", "cost", "attempts")

@@ -144,7 +144,7 @@ class Heartbeat(_message.Message):
     def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[_common_pb2.DeviceTelemetry, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningTask, _Mapping]]] = ..., draining: _Optional[bool] = ..., host: _Optional[_Union[_common_pb2.HostTelemetry, _Mapping]] = ..., model_hosts: _Optional[_Iterable[_Union[_common_pb2.ModelHost, _Mapping]]] = ...) -> None: ...
 
 class TaskReport(_message.Message):
-    __slots__ = ("task_id", "attempt", "state", "metrics", "checkpoint", "error", "retryable", "endpoint", "seq", "phase", "checkpoint_failed")
+    __slots__ = ("task_id", "attempt", "state", "metrics", "checkpoint", "error", "retryable", "endpoint", "seq", "phase", "checkpoint_failed", "openai_endpoint")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class TaskReport(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FAILED_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     attempt: int
     state: _common_pb2.TaskState
@@ -167,7 +168,8 @@ class TaskReport(_message.Message):
     seq: int
     phase: _common_pb2.TaskPhase
     checkpoint_failed: _common_pb2.CheckpointFailure
-    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.TaskState, str]] = ..., metrics: _Optional[_Iterable[_Union[_common_pb2.MetricPoint, _Mapping]]] = ..., checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.TaskPhase, _Mapping]] = ..., checkpoint_failed: _Optional[_Union[_common_pb2.CheckpointFailure, _Mapping]] = ...) -> None: ...
+    openai_endpoint: str
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.TaskState, str]] = ..., metrics: _Optional[_Iterable[_Union[_common_pb2.MetricPoint, _Mapping]]] = ..., checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., phase: _Optional[_Union[_common_pb2.TaskPhase, _Mapping]] = ..., checkpoint_failed: _Optional[_Union[_common_pb2.CheckpointFailure, _Mapping]] = ..., openai_endpoint: _Optional[str] = ...) -> None: ...
 
 class Goodbye(_message.Message):
     __slots__ = ("reason",)
