@@ -129,7 +129,7 @@ def test_a_cancelled_task_keeps_its_last_completed_step_and_serves_it(held, tmp_
     note = "last complete checkpoint, step 1 (the task ended CANCELLED)"
     out = cli(cluster, "serve", task_id, "--ttl", "300").stdout
     assert f"adapter {task_id} ({note}) served by inference task" in out, out
-    endpoint = out.split(" at ")[-1].strip()
+    endpoint = out.splitlines()[0].rsplit(" at ", 1)[1]  # the next line says how to try it
     with InferenceClient(endpoint, adapter=task_id) as llm:
         reply = llm.generate("What is 2 + 3?", temperature=0, max_tokens=4)
     assert reply.adapter == task_id and reply.samples[0].token_ids

@@ -258,6 +258,10 @@ def trainer_proc(tmp: Path, node_id: str, *extra: str, url: str, prefix: list[st
     )
 
 
+class _PortTaken(RuntimeError):
+    """The scheduler exited because another process holds one of its ports."""
+
+
 class Cluster:
     """A scheduler and any number of trainers, torn down with :meth:`close`."""
 
@@ -278,7 +282,26 @@ class Cluster:
         return f"http://127.0.0.1:{self.port}"
 
     def start_scheduler(self, *, host: str | None = "127.0.0.1") -> Proc:
-        """The scheduler on ``host`` (None: its default, every address), once /health says ok."""
+        """The scheduler on ``host`` (None: its default, every address), once /health says ok.
+
+        A first start whose port another process took since :func:`free_port` chose it starts
+        again on other free ports (at most twice); a restart keeps its ports."""
+        first = self.scheduler is None and not self.procs
+        for tries_left in (2, 1, 0):
+            try:
+                return self._start_scheduler(host)
+            except _PortTaken:
+                if not first or not tries_left:
+                    raise
+                self.procs.clear()
+                self.scheduler = None
+                self.port, self.http_port = free_port(), free_port()
+                self.channel.close()
+                self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+                self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
+        raise AssertionError("unreachable")
+
+    def _start_scheduler(self, host: str | None) -> Proc:
         p = Proc(
             scheduler_args(
                 self.config_path, port=self.port, http_port=self.http_port, state_dir=self.state_dir, host=host
@@ -290,7 +313,10 @@ class Cluster:
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             if p.popen.poll() is not None:
-                raise RuntimeError(f"scheduler exited: {p.log_text()}")
+                log = p.log_text()
+                if "cannot listen on" in log and "in use" in log:
+                    raise _PortTaken(f"scheduler exited: {log}")
+                raise RuntimeError(f"scheduler exited: {log}")
             try:
                 if self.health()["status"] == "ok":
                     return p
