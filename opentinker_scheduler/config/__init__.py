@@ -317,6 +317,22 @@ def _file_order(message: str) -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
+#: Top-level keys that are one scalar each: key, SchedulerConfig field, type and its bounds.
+_SCALARS: tuple[tuple, ...] = (
+    ("allow_unknown_nodes", "allow_unknown_nodes", bool),
+    ("http_on_grpc_port", "http_on_grpc_port", bool),
+    ("unknown_node_max_tasks", "unknown_node_max_tasks", int, 1, 10_000),
+    ("heartbeat_interval", "heartbeat_interval_s", float, 0.05, 3600),
+    ("lease", "lease_s", float, 0.1, 86400),
+    ("default_max_attempts", "default_max_attempts", int, 1, 100),
+    ("max_node_losses", "max_node_losses", int, 1, 100),
+    ("restart_grace", "restart_grace_s", float, 0, 86400),
+    ("forget_disconnected_after", "forget_disconnected_after_s", float, 1, 365 * 86400),
+    ("max_tasks_per_gpu", "max_tasks_per_gpu", int, 1, 1000),
+    ("preemption_timeout", "preemption_timeout_s", float, 1, 86400),
+)
+
+
 def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None = None) -> SchedulerConfig:
     """Parse and validate config text.
 
@@ -398,23 +414,10 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
         if "state_dir" in top:
             p = Path(r.scalar(top["state_dir"][1], "state_dir", str))
             kw["state_dir"] = p if p.is_absolute() or base_dir is None else base_dir / p
-    with _collected(errors):
-        if "allow_unknown_nodes" in top:
-            kw["allow_unknown_nodes"] = r.scalar(top["allow_unknown_nodes"][1], "allow_unknown_nodes", bool)
-    with _collected(errors):
-        if "http_on_grpc_port" in top:
-            kw["http_on_grpc_port"] = r.scalar(top["http_on_grpc_port"][1], "http_on_grpc_port", bool)
-    with _collected(errors):
-        if "unknown_node_max_tasks" in top:
-            kw["unknown_node_max_tasks"] = r.scalar(
-                top["unknown_node_max_tasks"][1], "unknown_node_max_tasks", int, 1, 10_000
-            )
-    with _collected(errors):
-        if "heartbeat_interval" in top:
-            kw["heartbeat_interval_s"] = r.scalar(top["heartbeat_interval"][1], "heartbeat_interval", float, 0.05, 3600)
-    with _collected(errors):
-        if "lease" in top:
-            kw["lease_s"] = r.scalar(top["lease"][1], "lease", float, 0.1, 86400)
+    for key, attr, *kind in _SCALARS:
+        with _collected(errors):
+            if key in top:
+                kw[attr] = r.scalar(top[key][1], key, *kind)
     with _collected(errors):
         if "default_model" in top:
             model = r.scalar(top["default_model"][1], "default_model", str)
@@ -423,26 +426,6 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
             if model and base_dir is not None and not Path(model).is_absolute() and (base_dir / model).exists():
                 model = str((base_dir / model).resolve())
             kw["default_model"] = model
-    with _collected(errors):
-        if "default_max_attempts" in top:
-            kw["default_max_attempts"] = r.scalar(top["default_max_attempts"][1], "default_max_attempts", int, 1, 100)
-    with _collected(errors):
-        if "max_node_losses" in top:
-            kw["max_node_losses"] = r.scalar(top["max_node_losses"][1], "max_node_losses", int, 1, 100)
-    with _collected(errors):
-        if "restart_grace" in top:
-            kw["restart_grace_s"] = r.scalar(top["restart_grace"][1], "restart_grace", float, 0, 86400)
-    with _collected(errors):
-        if "forget_disconnected_after" in top:
-            kw["forget_disconnected_after_s"] = r.scalar(
-                top["forget_disconnected_after"][1], "forget_disconnected_after", float, 1, 365 * 86400
-            )
-    with _collected(errors):
-        if "max_tasks_per_gpu" in top:
-            kw["max_tasks_per_gpu"] = r.scalar(top["max_tasks_per_gpu"][1], "max_tasks_per_gpu", int, 1, 1000)
-    with _collected(errors):
-        if "preemption_timeout" in top:
-            kw["preemption_timeout_s"] = r.scalar(top["preemption_timeout"][1], "preemption_timeout", float, 1, 86400)
     with _collected(errors):
         if "gang_rendezvous_ports" in top:
             node = top["gang_rendezvous_ports"][1]
@@ -454,18 +437,22 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
                 raise r.fail(node, "gang_rendezvous_ports", "[low, high] with low <= high")
             kw["gang_rendezvous_ports"] = (low, high)
 
-    with _collected(errors):
-        if "auth" in top:
-            kw["auth"] = parse_auth(r, top["auth"][1])
-    with _collected(errors):
-        if "tls" in top:
-            kw["tls"] = parse_tls(r, top["tls"][1], base_dir)
-    with _collected(errors):
-        if "limits" in top:
-            kw["limits"] = parse_limits(r, top["limits"][1])
-    with _collected(errors):
-        if "http_tls" in top:
-            kw["http_tls"] = parse_http_tls(r, top["http_tls"][1], base_dir)
+    for key, parse in (
+        ("auth", parse_auth),
+        ("limits", parse_limits),
+        ("paths", parse_paths),
+        ("artifacts", parse_artifacts),
+        ("store", parse_store),
+        ("queues", parse_queues),
+        ("usage", parse_usage),
+    ):
+        with _collected(errors):
+            if key in top:
+                kw[key] = parse(r, top[key][1])
+    for key, parse_with_files in (("tls", parse_tls), ("http_tls", parse_http_tls), ("model_names", parse_model_names)):
+        with _collected(errors):  # these name files relative to the config's folder
+            if key in top:
+                kw[key] = parse_with_files(r, top[key][1], base_dir)
     with _collected(errors):
         if "http_metrics_token_file" in top:
             from opentinker_common.net.side_port import read_scrape_token
@@ -477,24 +464,6 @@ def parse_config(text: str, source: str = "<string>", *, base_dir: Path | None =
                 kw["http_metrics_token"] = read_scrape_token(path, "http_metrics_token_file")
             except ValueError as exc:
                 raise r.fail(node, "http_metrics_token_file", str(exc).split(": expected ", 1)[-1]) from None
-    with _collected(errors):
-        if "paths" in top:
-            kw["paths"] = parse_paths(r, top["paths"][1])
-    with _collected(errors):
-        if "artifacts" in top:
-            kw["artifacts"] = parse_artifacts(r, top["artifacts"][1])
-    with _collected(errors):
-        if "store" in top:
-            kw["store"] = parse_store(r, top["store"][1])
-    with _collected(errors):
-        if "queues" in top:
-            kw["queues"] = parse_queues(r, top["queues"][1])
-    with _collected(errors):
-        if "usage" in top:
-            kw["usage"] = parse_usage(r, top["usage"][1])
-    with _collected(errors):
-        if "model_names" in top:
-            kw["model_names"] = parse_model_names(r, top["model_names"][1], base_dir)
     with _collected(errors):
         if "default_queue" in top:
             name = r.scalar(top["default_queue"][1], "default_queue", str)

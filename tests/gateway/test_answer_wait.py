@@ -5,34 +5,14 @@ gets the one answer once the worker answers, and the step applies once."""
 from __future__ import annotations
 
 import httpx
-import psutil
 import pytest
 import tinker
-from tinker import types
 
-from tests.support.gateway import MODEL_NAME, PROTO, fb_body, post
+from tests.support.gateway import ANSWERED_S, MODEL_NAME, PROTO, STILL, fb_body, post, sdk_datum, session_worker
 from tests.support.waiting import wait_for
 
-#: Seconds a future may take to answer.
-ANSWERED_S = 120
-#: A learning rate that leaves the weights as they were: every step sees the same gradient.
-STILL = types.AdamParams(learning_rate=1e-9)
+
 KEY = "tml-anything"
-
-
-def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
-
-
-def _session_worker(trainer_pid: int) -> psutil.Process:
-    workers = [
-        p for p in psutil.Process(trainer_pid).children() if "opentinker_trainer.worker" in " ".join(p.cmdline())
-    ]
-    assert len(workers) == 1, workers
-    return workers[0]
 
 
 def _events(gateway, name: str) -> list[dict]:
@@ -46,7 +26,7 @@ def test_a_request_slower_than_the_answer_wait_gets_408_and_the_sdk_sends_it_aga
     gateway = gateway_factory("--answer-wait-s", "0.5")
     sdk_env(gateway)
     trainer = next(p for p in cluster.procs if p is not cluster.scheduler)
-    batch = [_datum([1, 2, 3, 4, 5, 6])]
+    batch = [sdk_datum([1, 2, 3, 4, 5, 6])]
     with tinker.ServiceClient() as service:
         training = service.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
         reference = training.forward_backward(batch, "cross_entropy").result(timeout=ANSWERED_S)
@@ -54,7 +34,7 @@ def test_a_request_slower_than_the_answer_wait_gets_408_and_the_sdk_sends_it_aga
         assert first.metrics["step:max"] == 1.0
 
         # The worker stopped: the forward_backward is not answered in time, and is sent again.
-        worker = _session_worker(trainer.pid)
+        worker = session_worker(trainer.pid)
         accepted, timed_out = len(_events(gateway, "request accepted")), len(_events(gateway, "request refused"))
         worker.suspend()
         try:

@@ -11,17 +11,10 @@ import tinker
 from tinker import types
 
 from opentinker.common.v1 import common_pb2
-from tests.support.gateway import MODEL_NAME
+from tests.support.gateway import MODEL_NAME, sdk_datum
 from tests.support.waiting import wait_for
 
 ADAM = types.AdamParams(learning_rate=5e-2)
-
-
-def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
 
 
 def _step(training, batch) -> float:
@@ -40,7 +33,7 @@ def test_a_new_or_existing_model_continues_another_runs_state(cluster, gateway_f
     with tinker.ServiceClient() as service:
         run_a = service.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
         tokens = run_a.get_tokenizer().encode("The cat sat on the mat. The cat sat on the mat.")
-        batch = [_datum(tokens), _datum(tokens[:8])]
+        batch = [sdk_datum(tokens), sdk_datum(tokens[:8])]
         for _ in range(2):
             _step(run_a, batch)
         path = run_a.save_state("a-2").result().path

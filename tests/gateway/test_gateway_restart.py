@@ -4,33 +4,11 @@ as if nothing happened."""
 
 from __future__ import annotations
 
-import psutil
 import pytest
 import tinker
-from tinker import types
 
-from tests.support.gateway import MODEL_NAME
+from tests.support.gateway import ANSWERED_S, MODEL_NAME, STILL, sdk_datum, session_worker
 from tests.support.waiting import wait_for
-
-#: Seconds a future may take to answer; far below an SDK that spins forever.
-ANSWERED_S = 120
-#: A learning rate that leaves the weights as they were: every step sees the same gradient.
-STILL = types.AdamParams(learning_rate=1e-9)
-
-
-def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
-
-
-def _session_worker(trainer_pid: int) -> psutil.Process:
-    workers = [
-        p for p in psutil.Process(trainer_pid).children() if "opentinker_trainer.worker" in " ".join(p.cmdline())
-    ]
-    assert len(workers) == 1, workers
-    return workers[0]
 
 
 def _accepted(gateway) -> int:
@@ -45,7 +23,7 @@ def test_a_request_in_flight_when_its_gateway_is_killed_is_answered_once(
     gateway = gateway_factory("--gap-timeout-s", "3")
     sdk_env(gateway)
     trainer = next(p for p in cluster.procs if p is not cluster.scheduler)
-    batch = [_datum([1, 2, 3, 4, 5, 6])]
+    batch = [sdk_datum([1, 2, 3, 4, 5, 6])]
     with tinker.ServiceClient() as service:
         training = service.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
         reference = training.forward_backward(batch, "cross_entropy").result(timeout=ANSWERED_S)
@@ -53,7 +31,7 @@ def test_a_request_in_flight_when_its_gateway_is_killed_is_answered_once(
         assert first.metrics["step:max"] == 1.0
 
         # The worker stopped: the gateway takes a forward_backward and dies before it is answered.
-        worker = _session_worker(trainer.pid)
+        worker = session_worker(trainer.pid)
         taken = _accepted(gateway)
         worker.suspend()
         try:

@@ -33,7 +33,7 @@ from opentinker_client import RLClient
 from opentinker_gateway.app import GatewayConfig
 from opentinker_gateway.server import MIN_BODY_BYTES_PER_S, GatewayServer
 from tests.support.gateway import MODEL_NAME, model_names
-from tests.support.http import assert_slow_clients_are_bounded
+from tests.support.http import assert_slow_clients_are_bounded, read_until_closed
 from tests.support.loop_thread import LoopThread
 from tests.support.security import LoopbackScheduler
 from tests.support.waiting import wait_for
@@ -72,17 +72,6 @@ def _connect(world) -> socket.socket:
     return socket.create_connection(("127.0.0.1", world["server"].port), timeout=30)
 
 
-def _read_answer(conn: socket.socket) -> bytes:
-    """Bytes until the server closes the connection (a reset counts as closed)."""
-    data = b""
-    try:
-        while chunk := conn.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
-
-
 @pytest.mark.parametrize("key", [None, "tml-otk_notakey", "otk_without_prefix"])
 def test_a_keyed_route_refuses_a_bad_key_before_reading_the_body(world, key) -> None:
     header = f"X-API-Key: {key}\r\n" if key else ""
@@ -91,7 +80,7 @@ def test_a_keyed_route_refuses_a_bad_key_before_reading_the_body(world, key) -> 
             f"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\n{header}Content-Type: application/json\r\n"
             f"Content-Length: {60 * 1024 * 1024}\r\n\r\n".encode()
         )
-        answer = _read_answer(conn)  # no body byte was sent: the answer cannot have waited for one
+        answer = read_until_closed(conn)  # no body byte was sent: the answer cannot have waited for one
     assert answer.startswith(b"HTTP/1.1 401 "), answer[:300]
     assert b'"category":"user"' in answer and b'"detail":' in answer, answer[:500]
 
@@ -109,7 +98,7 @@ def test_a_bad_content_length_is_a_400_and_the_body_is_never_read(world, length)
     with _connect(world) as conn:
         conn.sendall(f"POST /api/v1/telemetry HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode())
         conn.sendall(b"a" * 65536)  # the start of a body the client means to send for ever
-        answer = _read_answer(conn)
+        answer = read_until_closed(conn)
     assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
 
 
@@ -133,7 +122,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(world) -> None:
             f"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: {world['alice']}\r\n"
             "Content-Length: 209715200\r\n\r\n".encode()
         )
-        answer = _read_answer(conn)
+        answer = read_until_closed(conn)
     assert answer.startswith(b"HTTP/1.1 413 ") and b"at most 67108864 bytes" in answer, answer[:300]
 
 
@@ -148,7 +137,7 @@ def test_a_client_still_sending_a_refused_body_reads_its_answer(world) -> None:
         for _ in range(64):  # 8 MiB, well past what the socket buffers hold
             conn.sendall(b"\0" * (128 * 1024))
         conn.shutdown(socket.SHUT_WR)
-        answer = _read_answer(conn)
+        answer = read_until_closed(conn)
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
 
 
@@ -167,7 +156,7 @@ def test_a_stalled_body_is_cut_off_at_its_deadline(world) -> None:
                 "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode()
             )
             started = time.monotonic()
-            answer = _read_answer(conn)  # the rest of the body never comes
+            answer = read_until_closed(conn)  # the rest of the body never comes
             waited = time.monotonic() - started
     finally:
         server.head_timeout_s = 10.0

@@ -9,24 +9,13 @@ from __future__ import annotations
 import httpx
 import pytest
 import tinker
-from tinker import types
 from tinker.proto import tinker_public_pb2 as tpb
 
-from tests.support.gateway import MODEL_NAME, PROTO, fb_body, post, result
+from tests.support.gateway import ANSWERED_S, MODEL_NAME, PROTO, STILL, fb_body, post, result, sdk_datum
 from tests.support.waiting import wait_for
 
-#: Seconds a future may take to answer.
-ANSWERED_S = 120
-#: A learning rate that leaves the weights as they were: every step sees the same gradient.
-STILL = types.AdamParams(learning_rate=1e-9)
+
 KEY = "tml-anything"
-
-
-def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
 
 
 def test_the_chunks_of_a_step_survive_a_gateway_killed_before_the_first_chunk_ran(
@@ -35,7 +24,7 @@ def test_the_chunks_of_a_step_survive_a_gateway_killed_before_the_first_chunk_ra
     gateway = gateway_factory()
     sdk_env(gateway)
     # The SDK sends at most 1024 datums in one request: 1025 make two chunks.
-    batch = [_datum([1 + i % 97, 2 + i % 89, 3]) for i in range(1025)]
+    batch = [sdk_datum([1 + i % 97, 2 + i % 89, 3]) for i in range(1025)]
     with tinker.ServiceClient() as service:
         training = service.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
         reference = training.forward_backward(batch, "cross_entropy").result(timeout=ANSWERED_S)

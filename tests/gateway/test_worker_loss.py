@@ -9,35 +9,19 @@ from __future__ import annotations
 import re
 import time
 
-import psutil
 import pytest
 import tinker
 from tinker import types
 
 from opentinker.common.v1 import common_pb2
-from tests.support.gateway import MODEL_NAME
+from tests.support.gateway import MODEL_NAME, sdk_datum, session_worker
 from tests.support.waiting import wait_for
-
-
-def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
 
 
 def _step(training, batch) -> float:
     fb = training.forward_backward(batch, "cross_entropy")
     training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     return fb.result().metrics["loss:sum"]
-
-
-def _session_worker(trainer_pid: int) -> psutil.Process:
-    workers = [
-        p for p in psutil.Process(trainer_pid).children() if "opentinker_trainer.worker" in " ".join(p.cmdline())
-    ]
-    assert len(workers) == 1, workers
-    return workers[0]
 
 
 def test_worker_killed_mid_session(cluster, gateway_factory, sdk_env) -> None:
@@ -49,14 +33,14 @@ def test_worker_killed_mid_session(cluster, gateway_factory, sdk_env) -> None:
     with tinker.ServiceClient() as service:
         training = service.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
         tokens = training.get_tokenizer().encode("The cat sat on the mat. The cat sat on the mat.")
-        batch = [_datum(tokens)]
+        batch = [sdk_datum(tokens)]
         for _ in range(2):
             _step(training, batch)
         training.save_state("step-2").result()
         _step(training, batch)  # a step after the save: the resumed worker loses it
 
         before = cluster.get(training.model_id)
-        _session_worker(trainer.pid).kill()
+        session_worker(trainer.pid).kill()
         resumed = wait_for(
             lambda: (
                 (t := cluster.get(training.model_id)).attempt > before.attempt

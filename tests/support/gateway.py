@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import psutil
 from tinker import types
 from tinker._version import __version__ as sdk_version
 from tinker.proto.request_conv import forward_backward_request_to_proto
@@ -19,10 +20,12 @@ from tests.support.procs import Cluster, Proc, free_port, wait_connected
 from tests.support.waiting import wait_for
 
 __all__ = [
+    "ANSWERED_S",
     "AuthWorld",
     "Gateway",
     "MODEL_NAME",
     "PROTO",
+    "STILL",
     "auth_world",
     "create_model",
     "fb_body",
@@ -30,12 +33,35 @@ __all__ = [
     "model_names",
     "post",
     "result",
+    "sdk_datum",
+    "session_worker",
 ]
 
 #: The Tinker model name tests train; the scheduler's ``model_names:`` maps it to the test's model folder.
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: The headers of a protobuf forward_backward body.
 PROTO = {"Content-Type": "application/x-protobuf"}
+#: Seconds an SDK future may take to answer in a test; far below an SDK that spins forever.
+ANSWERED_S = 120
+#: A learning rate that leaves the weights as they were: every step sees the same gradient.
+STILL = types.AdamParams(learning_rate=1e-9)
+
+
+def sdk_datum(tokens: list[int]) -> types.Datum:
+    """A cross-entropy datum of the SDK: predict each of ``tokens[1:]`` from the ones before."""
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+
+
+def session_worker(trainer_pid: int) -> psutil.Process:
+    """The one session worker process the trainer ``trainer_pid`` runs."""
+    workers = [
+        p for p in psutil.Process(trainer_pid).children() if "opentinker_trainer.worker" in " ".join(p.cmdline())
+    ]
+    assert len(workers) == 1, workers
+    return workers[0]
 
 
 def model_names(model_dir: Path, name: str = MODEL_NAME) -> str:

@@ -16,6 +16,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.waiting import wait_for
 
 
+def read_until_closed(conn: socket.socket) -> bytes:
+    """Bytes until the server closes the connection (a reset counts as closed)."""
+    data = b""
+    try:
+        while chunk := conn.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
 def http_get(url: str, context: ssl.SSLContext | None = None, timeout: float = 10) -> tuple[int, bytes]:
     """(status, body) of ``GET url``; a 4xx/5xx answer is returned, not raised."""
     try:

@@ -14,7 +14,7 @@ import urllib.parse
 import pytest
 
 from opentinker_client import RLClient
-from tests.support.http import assert_slow_clients_are_bounded, http_get
+from tests.support.http import assert_slow_clients_are_bounded, http_get, read_until_closed
 from tests.support.security import LoopbackScheduler
 
 
@@ -29,23 +29,12 @@ def _connect(sched) -> socket.socket:
     return socket.create_connection(("127.0.0.1", sched.running.http.port), timeout=30)
 
 
-def _read_answer(conn: socket.socket) -> bytes:
-    """Bytes until the server closes the connection (a reset counts as closed)."""
-    data = b""
-    try:
-        while chunk := conn.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
-
-
 @pytest.mark.parametrize("length", ["-1", "-5", "12abc"])
 def test_a_bad_content_length_is_a_400_and_the_body_is_never_read(sched, length) -> None:
     with _connect(sched) as conn:
         conn.sendall(f"POST /ui/login HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode())
         conn.sendall(b"a" * 65536)  # the start of a body the client means to send for ever
-        answer = _read_answer(conn)  # the server answers and closes while the client still sends
+        answer = read_until_closed(conn)  # the server answers and closes while the client still sends
     assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
     assert http_get(f"http://127.0.0.1:{sched.running.http.port}/health")[0] == 200
 
@@ -53,7 +42,7 @@ def test_a_bad_content_length_is_a_400_and_the_body_is_never_read(sched, length)
 def test_a_body_over_the_limit_is_refused_before_it_is_read(sched) -> None:
     with _connect(sched) as conn:
         conn.sendall(b"POST /ui/login HTTP/1.1\r\nHost: x\r\nContent-Length: 209715200\r\n\r\n")
-        answer = _read_answer(conn)  # no body byte was sent: the answer cannot have waited for one
+        answer = read_until_closed(conn)  # no body byte was sent: the answer cannot have waited for one
     assert answer.startswith(b"HTTP/1.1 413 ") and b"body too large: at most 65536 bytes" in answer, answer[:300]
 
 
@@ -63,14 +52,14 @@ def test_a_chunked_form_over_the_limit_is_refused_as_it_streams(sched) -> None:
         chunk = b"a" * 4096
         for _ in range(3):
             conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-        answer = _read_answer(conn)
+        answer = read_until_closed(conn)
     assert answer.startswith(b"HTTP/1.1 413 ") and b"form too large" in answer, answer[:300]
 
 
 def test_a_head_over_the_limit_sent_in_one_piece_is_a_431(sched) -> None:
     with _connect(sched) as conn:
         conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n")
-        answer = _read_answer(conn)
+        answer = read_until_closed(conn)
     assert answer.startswith(b"HTTP/1.1 431 ") and b"at most 16384 bytes" in answer, answer[:300]
 
 
@@ -82,7 +71,7 @@ def test_a_request_framed_both_ways_is_refused_and_nothing_after_it_is_read_as_a
             b"POST /ui/login HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
             b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
         )
-        answer = _read_answer(conn)
+        answer = read_until_closed(conn)
     assert answer.startswith(b"HTTP/1.1 400 ") and answer.count(b"HTTP/1.1 ") == 1, answer[:500]
 
 
