@@ -89,6 +89,11 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(
         host, port = llm.endpoint.rsplit(":", 1)
         assert openai_url == llm.openai_endpoint and openai_url.startswith(f"http://{host}:")
         assert openai_url.endswith("/v1") and int(openai_url.removesuffix("/v1").rsplit(":", 1)[1]) > 0
+        import openai
+
+        # Listed right after serve(), before any request: the id a client passes as model.
+        with openai.OpenAI(base_url=openai_url, api_key="unused", max_retries=0) as oai:
+            assert [m.id for m in oai.models.list().data] == [tiny_model_dir.name, trained]
         shown = subprocess.run(
             [
                 sys.executable,
@@ -111,8 +116,6 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(
         assert [a.name for a in llm.list_adapters()] == [trained]
         assert llm.generate("What is 2 + 3?", adapter=None, temperature=0, max_tokens=5).adapter is None
         # The trained adapter through the real openai client: a streamed chat completion.
-        import openai
-
         messages = [{"role": "user", "content": "What is 2 + 3?"}]
         expected = llm.generate(messages=messages, temperature=0, max_tokens=6)
         with openai.OpenAI(base_url=openai_url, api_key="unused", max_retries=0) as oai:
