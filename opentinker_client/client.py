@@ -940,8 +940,10 @@ class RLClient:
         inference task loads it next to the old one; docs/inference.md, "Serving a running
         training session").
 
-        Before it returns, it makes one ``ListAdapters`` call on the server, so a wrong CA, a
-        TLS/plaintext mix-up or a refused key fails here rather than on the first request.
+        Before it returns, it makes one call on the server, so a wrong CA, a TLS/plaintext mix-up
+        or a refused key fails here rather than on the first request: bound to an adapter, a
+        one-token ``Generate`` that loads it (the OpenAI endpoint's ``/v1/models`` lists it from
+        then on), else ``ListAdapters``.
 
         Raises:
             NotFoundError: no such task, no checkpoint at ``step`` (a running session: no sampler

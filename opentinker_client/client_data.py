@@ -19,7 +19,7 @@ from opentinker_client.errors import from_spec_error
 from opentinker_common.artifacts.deleted import deleted_words
 from opentinker_common.spec import SpecError, validate_env_config
 from opentinker_common.spec.prompts import DATASET_FORMATS, SAMPLE_LINES, check_sample, parse_prompt_line
-from opentinker_common.spec.sft import MAX_LINE_BYTES, DatasetError, parse_chat_line
+from opentinker_common.spec.sft import MAX_BAD_LINES, MAX_LINE_BYTES, DatasetError, parse_chat_line
 
 __all__ = ["DataCalls", "UPLOAD_CHUNK_BYTES", "check_task_dataset", "dataset_format"]
 
@@ -104,10 +104,6 @@ def check_task_dataset(path: str, env: Mapping[str, Any], *, source: str | None 
         except SpecError as err:
             raise from_spec_error(err) from None
     return dataset_id
-
-
-#: Bad lines a dataset check names before it stops reading: enough to fix a file in one pass.
-MAX_BAD_LINES = 20
 
 
 def _check_dataset_file(path: str, format: str = "chat") -> None:

@@ -30,6 +30,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["ServingCalls"]
 
+#: The prompt of the one-token generation that makes a server load the adapter a client is bound to.
+_LOAD_PROMPT = "Hello"
+
 
 class ServingCalls:
     """Servers started for, and clients of servers on, the cluster (see the ``RLClient`` method
@@ -72,7 +75,7 @@ class ServingCalls:
         ``gpu_count`` GPUs, ``max_resident_adapters``); waits up to ``timeout`` seconds until it
         serves. The client sends the connection's API key and trusts ``root_certificates``
         (``None``: the connection's CA, else ``$OPENTINKER_TLS_CA``, else the system's roots);
-        it has made one ``ListAdapters`` call already, so a server it cannot reach or that
+        it has made one call already (:meth:`_client`), so a server it cannot reach or that
         refuses its key fails here (``RLClient.serve``). A task whose newest checkpoint (or whose
         checkpoint at ``step`` > 0) is full weights is served as the base model of its own server.
         A running ``lora_session`` serves its sampler saves (:meth:`_serve_running_session`)."""
@@ -274,7 +277,9 @@ class ServingCalls:
 
     def _client(self, server_id: str, *, timeout: float, root_certificates, **binding) -> InferenceClient:
         """An :class:`InferenceClient` of inference task ``server_id`` once it serves, bound as
-        ``binding`` says (``adapter``, ``policy``, ``model``), checked with one call."""
+        ``binding`` says (``adapter``, ``policy``, ``model``), checked with one call. Bound to an
+        adapter, that call generates one token with it: the server loads it, so an adapter that
+        cannot load fails here and the OpenAI endpoint lists it (``/v1/models``) from now on."""
         serving = self.tasks.wait_serving(server_id, timeout=timeout)
         if root_certificates is None:
             root_certificates = self.connection.root_certificates
@@ -283,7 +288,10 @@ class ServingCalls:
         llm.task_id = server_id
         llm.openai_endpoint = serving.openai_endpoint
         try:  # one real call: a wrong CA, a plaintext/TLS mix-up or a refused key fails here, not on first use
-            llm.list_adapters()
+            if binding.get("adapter"):
+                llm.generate(_LOAD_PROMPT, temperature=0, max_tokens=1)
+            else:
+                llm.list_adapters()
         except BaseException:
             llm.close()
             raise

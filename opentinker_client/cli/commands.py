@@ -702,6 +702,17 @@ def _wall_time(task: TaskInfo, first_start: _dt.datetime | None, *, now: float, 
     return text
 
 
+def _endpoint_rows(t: TaskInfo) -> list[tuple[str, str]]:
+    """The task's endpoints as ``(label, value)`` rows, escaped: the gRPC one and the OpenAI base
+    URL, each when it has one (a running inference task or training session)."""
+    rows = []
+    if t.endpoint:
+        rows.append(("endpoint", _escape(t.endpoint)))
+    if t.openai_endpoint:
+        rows.append(("openai endpoint", _escape(t.openai_endpoint)))
+    return rows
+
+
 def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
     import time
 
@@ -728,10 +739,7 @@ def _cmd_get(client: RLClient, args: argparse.Namespace) -> int:
         ("max runtime", f"{t.max_runtime:g} s" if t.max_runtime is not None else "none"),
         ("node", (_escape(t.node_id) + (f" devices {list(t.device_indices)}" if t.device_indices else "")) or "-"),
     ]
-    if t.endpoint:
-        rows.append(("endpoint", _escape(t.endpoint)))
-    if t.openai_endpoint:
-        rows.append(("openai endpoint", _escape(t.openai_endpoint)))
+    rows += _endpoint_rows(t)
     if t.pending_reason:
         rows.append(("pending reason", _escape(t.pending_reason)))
     if t.error:
@@ -1017,6 +1025,8 @@ def _hidden_line(events: Sequence[TaskEvent]) -> str:
 def _cmd_logs(client: RLClient, args: argparse.Namespace) -> int:
     task = client.get_task(args.task_id)  # NOT_FOUND exits 2
     console = _console()
+    for label, value in _endpoint_rows(task):  # where a running server answers, as `get` shows it
+        console.print(f"{label} {value}", soft_wrap=True)
     # Following ends by itself after the terminal event; otherwise just the history so far.
     # `#N` is the task's event sequence, which state changes, checkpoints and training steps
     # share; the events not printed one per line (steps without --metrics, kinds this client does

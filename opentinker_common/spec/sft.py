@@ -27,6 +27,7 @@ __all__ = [
     "CHAT_ROLES",
     "ChatDatasetConfig",
     "DatasetError",
+    "MAX_BAD_LINES",
     "MAX_LINE_BYTES",
     "SFTConfig",
     "is_dataset_id",
@@ -40,6 +41,8 @@ CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant")
 #: Longest line (one example) accepted, in bytes.
 MAX_LINE_BYTES = 4 * 1024 * 1024
 _LINE_LIMITS = Limits(max_bytes=MAX_LINE_BYTES)
+#: Bad lines a dataset check names before it stops reading: enough to fix a file in one pass.
+MAX_BAD_LINES = 20
 
 _DATASET_ID = re.compile(r"^sha256:[0-9a-f]{64}$")
 

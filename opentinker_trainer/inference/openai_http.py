@@ -4,11 +4,13 @@ OpenAI API (the ``openai`` Python client, LangChain, curl).
 
 Routes (the OpenAI API reference, https://platform.openai.com/docs/api-reference):
 
-* ``GET /v1/models``: the ids ``model`` accepts that are loaded: the base model by its name
-  (:func:`base_model_id`: the task's ``spec.model``, a local folder by its last component) and
-  every resident adapter the caller may use (an adapter's id is its training task's id, or
-  ``task@step``). ``model`` also accepts ``spec.model`` as written, and any finished
-  ``lora_finetune``/``sft``/``lora_session`` task of the caller before its adapter is loaded.
+* ``GET /v1/models``: the base model by its name (:func:`base_model_id`: the task's
+  ``spec.model``, a local folder by its last component) and every adapter this server has served
+  that the caller may use, by the id a request gave it (its training task's id, or
+  ``task@step``), resident or not: ``RLClient.serve`` and ``opentinker serve`` load the adapter
+  they bind, so it is listed before its first request. ``model`` also accepts ``spec.model`` as
+  written, and any other adapter of the caller (a ``lora_finetune``/``sft``/``lora_session``
+  task on this base model), listed once it has been served.
 * ``POST /v1/completions``: ``prompt`` (a string, or a list of one), ``max_tokens`` (default 16,
   as OpenAI), ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logprobs`` (an integer:
   the chosen tokens' log-probabilities; alternatives are not computed, ``top_logprobs`` is
@@ -414,24 +416,18 @@ def build_openai_app(runtime: ModelRuntime, *, access: AccessChecker | None = No
         try:
             await admit(request)
             visible = []
-            for a in runtime.registry.list():
+            for name, first in list(runtime.served_adapters.items()):
                 try:
-                    await admit(request, a.name)
+                    await admit(request, name)
                 except AdapterNotFound:
                     continue
-                visible.append(a)
+                visible.append((name, first))
         except Exception as exc:  # noqa: BLE001
             return error(exc)
         data = [{"id": base_id, "object": "model", "created": created, "owned_by": "opentinker"}]
         data += [
-            {
-                "id": a.name,
-                "object": "model",
-                "created": int(a.load_time),
-                "owned_by": "opentinker",
-                "parent": base_id,
-            }
-            for a in visible
+            {"id": name, "object": "model", "created": int(first), "owned_by": "opentinker", "parent": base_id}
+            for name, first in visible
         ]
         return {"object": "list", "data": data}
 

@@ -256,6 +256,9 @@ class ModelRuntime:
         self._held: tuple | None = None  # (the turn's context manager, when taken, was training)
         self.stop_token_ids = list(stop_token_ids)
         self.context_length = _context_length(model)
+        #: Adapter names as requests gave them (``<task id>`` or ``<task id>@<step>``) that were
+        #: loaded and served, with the unix time of the first: ids ``model`` accepts, resident or not.
+        self.served_adapters: dict[str, float] = {}
         self.running = 0  # requests between their start and the release of their row and adapter
         self.steps = 0  # batch steps run (all requests): prefill passes and decode steps
         self.decode_steps = 0  # decode steps of the whole batch run
@@ -454,6 +457,7 @@ class ModelRuntime:
         self.running += 1
         try:
             if req.adapter is not None:
+                named = req.adapter
                 # The version is fixed now, on arrival: on a model host the training tenant's
                 # adapter as it is between its steps (a pinned copy), else a running task's
                 # newest checkpoint.
@@ -471,6 +475,7 @@ class ModelRuntime:
                     path = await asyncio.to_thread(self.registry.resolve, req.adapter)
                     await self._on_model_thread(self.registry.acquire, req.adapter, path)
                 job.pinned = True
+                self.served_adapters.setdefault(named, time.time())
             if self._must_wait(job) and len(self._queue) >= self.config.max_queued:
                 raise Busy(self._full_message())  # the queue filled while the adapter loaded
             decode_text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731

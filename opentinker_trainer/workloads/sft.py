@@ -16,8 +16,8 @@ assistant tokens) and evaluates its share of the held-out split; gradients and t
 are summed over ranks, so a step of W ranks is the step of one rank on the same batch.
 
 Data: ``env_config.dataset_id`` (uploaded; fetched from the scheduler with ``NodeService.FetchDataset``
-into the node's dataset cache) or ``env_config.path`` (a file on the node). A bad line ends the
-task FAILED, not retried, naming the line number.
+into the node's dataset cache) or ``env_config.path`` (a file on the node). Bad lines end the
+task FAILED, not retried, naming each (up to ``MAX_BAD_LINES``) with its number.
 
 Reports per step (``ctx.emit_metric``, steps from 1):
 

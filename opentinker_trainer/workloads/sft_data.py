@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from opentinker_common.spec.sft import DatasetError, is_dataset_id, parse_chat_line
+from opentinker_common.spec.sft import MAX_BAD_LINES, DatasetError, is_dataset_id, parse_chat_line
 from opentinker_common.datasets import DEFAULT_MAX_DATASET_BYTES
 from opentinker_trainer.context import UserError
 
@@ -111,8 +111,9 @@ def read_chat_jsonl(path: Path, *, max_bytes: int = MAX_DATASET_BYTES) -> list[M
 
     Raises:
         UserError: ``dataset <path> cannot be used by this task: <why>`` (cannot be read, not a
-            regular file, too large), a line is not a chat example (naming its number and what
-            was expected), or there is no example at all.
+            regular file, too large), lines that are not chat examples (each named with its
+            number and what was expected, up to :data:`MAX_BAD_LINES`), or there is no example
+            at all.
     """
     return read_jsonl(path, parse_chat_line, max_bytes=max_bytes)
 
@@ -123,6 +124,8 @@ def read_jsonl(path: Path, parse: Callable[[bytes, int], Any], *, max_bytes: int
     :class:`~opentinker_common.spec.sft.DatasetError` for a bad line (e.g.
     :func:`~opentinker_common.spec.prompts.parse_prompt_line` for a prompt dataset)."""
     examples: list[Any] = []
+    bad: list[str] = []
+    more = False
     try:
         with _open_dataset(path, max_bytes) as fh:
             read, lineno = 0, 0
@@ -134,16 +137,26 @@ def read_jsonl(path: Path, parse: Callable[[bytes, int], Any], *, max_bytes: int
                         f"dataset {path} cannot be used by this task: expected at most {max_bytes} bytes, "
                         "and it grew past that while being read"
                     )
-                item = parse(raw.rstrip(b"\r\n"), lineno)
+                try:
+                    item = parse(raw.rstrip(b"\r\n"), lineno)
+                except DatasetError as exc:
+                    if len(bad) == MAX_BAD_LINES:
+                        more = True
+                        break
+                    bad.append(exc.at(str(path)))
+                    continue
                 if item is not None:
                     examples.append(item)
-    except DatasetError as exc:
-        raise UserError(f"dataset {exc.at(str(path))}") from None
     except OSError as exc:
         raise UserError(
             f"dataset {path} cannot be used by this task: "
             f"it cannot be read on this trainer node ({exc.strerror or exc})"
         ) from None
+    if len(bad) == 1:
+        raise UserError(f"dataset {bad[0]}")
+    if bad:
+        count = f"the first {len(bad)} bad lines (it has more)" if more else f"{len(bad)} bad lines"
+        raise UserError(f"dataset {path}: {count}: " + "; ".join(bad))
     if not examples:
         raise UserError(f"dataset {path}: expected at least one example (one JSON object per line), got an empty file")
     return examples

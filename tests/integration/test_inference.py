@@ -6,6 +6,7 @@ checkpoint, cancel."""
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,17 @@ def cluster(tmp_path):
         yield cluster
     finally:
         cluster.close()
+
+
+def _cli(url: str, *args: str) -> subprocess.CompletedProcess:
+    """``opentinker --scheduler-url URL ARGS...`` in a process of its own, 200 columns wide."""
+    return subprocess.run(
+        [sys.executable, "-m", "opentinker_client.cli.commands", "--scheduler-url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
 
 
 def _sha(path: Path) -> str:
@@ -89,30 +101,25 @@ def test_trained_adapter_is_served_downloaded_and_the_server_ends_on_cancel(
         host, port = llm.endpoint.rsplit(":", 1)
         assert openai_url == llm.openai_endpoint and openai_url.startswith(f"http://{host}:")
         assert openai_url.endswith("/v1") and int(openai_url.removesuffix("/v1").rsplit(":", 1)[1]) > 0
-        shown = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "opentinker_client.cli.commands",
-                "--scheduler-url",
-                cluster.url,
-                "get",
-                llm.task_id,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        import openai
+
+        # Listed right after serve(), before any request: the id a client passes as model.
+        with openai.OpenAI(base_url=openai_url, api_key="unused", max_retries=0) as oai:
+            assert [m.id for m in oai.models.list().data] == [tiny_model_dir.name, trained]
+        shown = _cli(cluster.url, "get", llm.task_id)
         assert shown.returncode == 0 and "endpoint" in shown.stdout and llm.endpoint in shown.stdout
         assert "openai endpoint" in shown.stdout and openai_url in shown.stdout
+        # logs: both endpoints once, above the events; none for a task that serves nothing.
+        server_log, trained_log = (_cli(cluster.url, "logs", t).stdout.splitlines() for t in (llm.task_id, trained))
+        assert server_log[:2] == [f"endpoint {llm.endpoint}", f"openai endpoint {openai_url}"]
+        assert sum("endpoint" in line for line in server_log) == 2 and "#1" in server_log[2]
+        assert trained_log and not any("endpoint" in line for line in trained_log)
         out = llm.generate("What is 2 + 3?", temperature=0, max_tokens=5)
         assert out.adapter == trained and 1 <= len(out.samples[0].token_ids) <= 5
         assert llm.generate("What is 2 + 3?", temperature=0, max_tokens=5).samples == out.samples
         assert [a.name for a in llm.list_adapters()] == [trained]
         assert llm.generate("What is 2 + 3?", adapter=None, temperature=0, max_tokens=5).adapter is None
         # The trained adapter through the real openai client: a streamed chat completion.
-        import openai
-
         messages = [{"role": "user", "content": "What is 2 + 3?"}]
         expected = llm.generate(messages=messages, temperature=0, max_tokens=6)
         with openai.OpenAI(base_url=openai_url, api_key="unused", max_retries=0) as oai:

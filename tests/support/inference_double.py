@@ -13,14 +13,24 @@ from opentinker.inference.v1 import inference_pb2, inference_pb2_grpc
 
 
 class RecordingInference(inference_pb2_grpc.InferenceServiceServicer):
-    """Records each call's authorization."""
+    """Records each call's authorization (``seen``) and name (``calls``)."""
 
     def __init__(self) -> None:
         self.seen: list[str | None] = []
+        self.calls: list[str] = []
+
+    def _record(self, call: str, context) -> None:
+        self.seen.append(dict(context.invocation_metadata()).get("authorization"))
+        self.calls.append(call)
 
     def ListAdapters(self, request, context):
-        self.seen.append(dict(context.invocation_metadata()).get("authorization"))
+        self._record("ListAdapters", context)
         return inference_pb2.ListAdaptersResponse(model="m")
+
+    def Generate(self, request, context):
+        """One empty sample under the adapter asked for."""
+        self._record("Generate", context)
+        return inference_pb2.GenerateResponse(model="m", adapter=request.adapter)
 
 
 @contextlib.contextmanager

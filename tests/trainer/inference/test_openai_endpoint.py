@@ -32,7 +32,7 @@ def served(tiny_model_dir: Path, tmp_path_factory):
     grpc_server.close()
 
 
-def test_models_list_the_base_by_its_name_and_resident_adapters_each_an_id_model_accepts(served) -> None:
+def test_models_list_the_base_by_its_name_and_served_adapters_each_an_id_model_accepts(served) -> None:
     grpc_server, client, base = served
     InferenceClient(grpc_server.address).generate(PROMPT, adapter="task-o1", max_tokens=1)  # load it
     models = client.models.list().data
@@ -41,6 +41,32 @@ def test_models_list_the_base_by_its_name_and_resident_adapters_each_an_id_model
     for m in models:
         assert client.completions.create(model=m.id, prompt=PROMPT, max_tokens=1).model == m.id
     assert client.completions.create(model=base, prompt=PROMPT, max_tokens=1).model == base  # as spec.model says
+
+
+def test_models_list_every_adapter_served_also_after_it_was_evicted(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from opentinker_trainer.inference.openai_http import start_openai_server
+
+    adapters = {
+        name: make_adapter(tiny_model_dir, tmp_path / name, seed=seed)
+        for name, seed in (("task-e1", 41), ("task-e2", 42))
+    }
+    grpc_server = ServerThread(tiny_runtime(tiny_model_dir, adapters, max_resident_adapters=1))
+    http = grpc_server.call(start_openai_server(grpc_server.runtime, host="127.0.0.1", port=0))
+    try:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{http.port}/v1", api_key="unused", max_retries=0) as client:
+            assert [m.id for m in client.models.list().data] == [tiny_model_dir.name]
+            grpc = InferenceClient(grpc_server.address)
+            for name in ("task-e1", "task-e2"):  # one slot: the second evicts the first
+                grpc.generate(PROMPT, adapter=name, max_tokens=1)
+            assert [a.name for a in grpc.list_adapters()] == ["task-e2"]
+            with pytest.raises(openai.NotFoundError):
+                client.completions.create(model="task-none", prompt=PROMPT, max_tokens=1)
+            models = client.models.list().data
+            assert [m.id for m in models] == [tiny_model_dir.name, "task-e1", "task-e2"]  # what model accepts
+            assert client.completions.create(model="task-e1", prompt=PROMPT, max_tokens=1).model == "task-e1"
+    finally:
+        grpc_server.call(http.stop())
+        grpc_server.close()
 
 
 def test_openai_client_streams_a_chat_completion_from_an_adapter_as_grpc_answers(served) -> None:

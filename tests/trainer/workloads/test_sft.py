@@ -172,6 +172,23 @@ def test_read_names_the_bad_line_and_refuses_empty_files(tmp_path) -> None:
     assert [len(m) for m in read_chat_jsonl(f)] == [5, 2]
 
 
+def test_read_names_every_bad_line_up_to_max_bad_lines(tmp_path) -> None:
+    good, no_reply = json.dumps({"messages": CONVERSATION}), '{"messages": [{"role": "user", "content": "x"}]}'
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join([good, "{oops", good, no_reply, "[1]"]) + "\n")
+    with pytest.raises(UserError) as err:
+        read_chat_jsonl(f)
+    assert str(err.value).startswith(f"dataset {f}: 3 bad lines: {f}:2:2: expected")
+    assert [part.split(": ")[0] for part in str(err.value).split("; ")[1:]] == [f"{f}:4", f"{f}:5"]
+    from opentinker_common.spec.sft import MAX_BAD_LINES
+
+    f.write_text("\n".join(["{oops"] * (MAX_BAD_LINES + 5)) + "\n")  # stops reading after the first N
+    with pytest.raises(UserError) as err:
+        read_chat_jsonl(f)
+    assert f"the first {MAX_BAD_LINES} bad lines (it has more)" in str(err.value)
+    assert str(err.value).count("expected") == MAX_BAD_LINES
+
+
 # ------------------------------------------------------------------------------ whole runs
 
 
