@@ -63,3 +63,47 @@ def test_overlapping_ranges_in_any_order_hash_to_the_files_sha256(tmp_path):
     f = _RangeFile(tmp_path / "w", len(data), threading.Condition())
     assert _download(f, data, ranges) == (len(data), hashlib.sha256(data).hexdigest())
     assert (tmp_path / "w").read_bytes() == data
+
+
+class _CaughtUp(threading.Condition):
+    """The hashing thread's condition: ``caught_up`` is set when that thread waits while every
+    byte of the file is written, which it does only once it has hashed them all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.file: _RangeFile | None = None
+        self.caught_up = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.file is not None and self.file.written >= self.file.size_bytes:
+            self.caught_up.set()
+        return super().wait(timeout)
+
+
+def test_a_range_written_again_with_other_bytes_after_it_was_hashed_is_hashed_as_left(tmp_path):
+    # A broken stream makes boto3 fetch its range again and write it over; when the object's
+    # bytes differ by then, the hash must be that of the bytes left in the file, not the first.
+    data = os.urandom(1024 * 1024)
+    other = os.urandom(4096)
+    changed = _CaughtUp()
+    f = _RangeFile(tmp_path / "w", len(data), changed)
+    changed.file = f
+    done: Future = Future()
+
+    def transfer() -> None:
+        f.seek(0)
+        f.write(data)
+        assert changed.caught_up.wait(60), "the hashing thread did not hash the written file"
+        f.seek(8192)
+        f.write(other)
+        done.set_result(None)
+        f.on_done(done)
+
+    writer = threading.Thread(target=transfer)
+    writer.start()
+    got = f.hash_as_written(done)
+    writer.join()
+    left = (tmp_path / "w").read_bytes()
+    assert left == data[:8192] + other + data[8192 + len(other) :]
+    assert got == (len(data), hashlib.sha256(left).hexdigest())
+    assert got[1] != hashlib.sha256(data).hexdigest()
