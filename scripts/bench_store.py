@@ -319,8 +319,8 @@ def _write_result(args: argparse.Namespace, results: list, cpu_least: dict) -> N
             "at its default settings. The store hashes every file (SHA-256) while it sends or receives it, "
             "checks each object's size before it commits a manifest and each file's hash after a read; "
             "boto3 alone does none of these. Each S3 path's CPU seconds in the bench process are in the details "
-            "(write_cpu_s, read_cpu_s; SeaweedFS's not counted): on a read the store's extra is that SHA-256 pass "
-            "and reading the bytes back from the page cache to hash them in order. SeaweedFS shares the machine's "
+            "(write_cpu_s, read_cpu_s; SeaweedFS's not counted): on a read the store's extra is that SHA-256 pass, "
+            "which reads the written bytes in order through a memory map of the file. SeaweedFS shares the machine's "
             "cores, so the ratios move with the machine's load."
         ),
         details={

@@ -23,8 +23,10 @@ nobody resumed for a while (:meth:`~S3ArtifactStore.abort_abandoned_uploads`), i
 
 The store's own puts and gets move the files of a folder with one boto3 transfer manager (its
 multipart uploads and parallel ranged GETs; a get takes a file up to 64 MiB by one GET); a put
-hashes the files while they are sent, a get hashes each file in order as it is written and
-checks it against the manifest.
+hashes the files while they are sent, a get hashes each file in order as it is written
+(read through a memory map of the bytes written so far) and checks it against the
+manifest. A range that boto3 fetched again after a broken stream makes the get hash that file's
+final bytes once more, so the check is always of the bytes left on disk.
 
 Credentials come from the standard AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``AWS_PROFILE``, ``~/.aws/credentials``, instance roles), never from task specs or this
@@ -35,9 +37,9 @@ the client role does not need it.
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import heapq
+import mmap
 import os
 import threading
 import time
@@ -371,7 +373,8 @@ class S3ArtifactStore(ArtifactStore):
         """Download the files and check each against the manifest. A file over
         :data:`ONE_GET_BYTES` comes by boto3's parallel ranged GETs (:class:`_RangeFile`) while
         this thread hashes its bytes in order as they are written; a smaller one by one GET
-        (:meth:`_fetch_file`), hashed as it streams, while the large ones go on."""
+        (:meth:`_fetch_file`), hashed as it streams. The smaller ones come first, while the large
+        ones go on, so the last hash of a large file is the last work of the get."""
         changed = threading.Condition()
         files = [_RangeFile(folder / entry.path, entry.size_bytes, changed) for entry in m.files]
         try:
@@ -385,9 +388,14 @@ class S3ArtifactStore(ArtifactStore):
                         else None
                         for entry, f in zip(m.files, files)
                     ]
+                    one_get = {
+                        i: self._fetch_file(m, entry, f.path)
+                        for i, (entry, f, future) in enumerate(zip(m.files, files, got))
+                        if future is None
+                    }
                     hashed = [
-                        f.hash_as_written(future) if future is not None else self._fetch_file(m, entry, f.path)
-                        for entry, f, future in zip(m.files, files, got)
+                        one_get[i] if future is None else f.hash_as_written(future)
+                        for i, (f, future) in enumerate(zip(files, got))
                     ]
                     for future in got:
                         if future is not None:
@@ -823,15 +831,19 @@ class _RangeFile:
     """Where a download of one file goes. boto3 writes its ranges, in whatever order they
     arrive, at their offsets (``seek`` then ``write``, from its one I/O thread); ``written``
     counts the bytes from the start with no gap, and :meth:`hash_as_written` hashes those in
-    order from another thread, read back from the file (the page cache), so no range waits in
-    memory and hashing runs beside the transfer. Also the transfer's subscriber: its end wakes
-    the hashing thread. The file is created at the first write and closed after its last byte,
-    so a get of many files holds open only those in flight."""
+    order from another thread, through a memory map of the file (the page cache), so no range
+    waits in memory and hashing runs beside the transfer. ``received`` counts every byte
+    written: when it exceeds ``written`` some bytes were written twice, and the hash is taken
+    again over the file's final bytes. Also the transfer's subscriber: its end wakes the hashing
+    thread. The file is created at the first write and closed after its last byte, so a get of
+    many files holds open only those in flight."""
 
     def __init__(self, path: Path, size_bytes: int, changed: threading.Condition) -> None:
         self.path = path
         self.size_bytes = size_bytes
         self.written = 0
+        #: Bytes written in all, counted again where a range came twice.
+        self.received = 0
         #: ``written`` when the hashing thread was last woken.
         self._told = 0
         self._changed = changed
@@ -865,6 +877,7 @@ class _RangeFile:
             n = os.pwrite(self._fd, view, at)
             view, at = view[n:], at + n
         with self._changed:
+            self.received += len(data)
             before = self.written
             if end > self.written:
                 heapq.heappush(self._ahead, (start, end))
@@ -896,31 +909,49 @@ class _RangeFile:
     # ---- the hashing thread
     def hash_as_written(self, future) -> tuple[int, str]:
         """Hash the file's bytes in order as they are written, until ``future`` (its transfer)
-        is done and every byte written is hashed.
+        is done and every byte written is hashed. Each pass hashes all the bytes written since
+        the last through one memory map of the file, in one call that releases the GIL. When
+        the transfer wrote some bytes twice (a retried range), the file's final bytes are hashed
+        again from the start, so the hash is that of the file as it is left.
 
         Returns:
             The bytes hashed (the file's size when all came) and their SHA-256 (hex).
         """
         digest = hashlib.sha256()
         hashed = 0
-        with contextlib.ExitStack() as stack:
-            reader = None
+        fd: int | None = None
+        try:
             while True:
                 with self._changed:
                     while self.written <= hashed and not future.done():
                         self._changed.wait(1.0)
-                    upto, finished = self.written, future.done()
+                    upto, finished, received = self.written, future.done(), self.received
                 if upto > hashed:
-                    if reader is None:
-                        reader = stack.enter_context(open(self.path, "rb", buffering=0))  # noqa: SIM115
-                    while hashed < upto:
-                        block = os.pread(reader.fileno(), min(CHUNK_BYTES, upto - hashed), hashed)
-                        if not block:
-                            raise OSError(f"{self.path}: read back {hashed} bytes, {upto} were written")
-                        digest.update(block)
-                        hashed += len(block)
+                    if fd is None:
+                        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                    _hash_mapped(digest, fd, hashed, upto)
+                    hashed = upto
                 elif finished:
-                    return hashed, digest.hexdigest()
+                    break
+            if received != hashed:
+                digest = hashlib.sha256()
+                if hashed:
+                    assert fd is not None
+                    _hash_mapped(digest, fd, 0, hashed)
+            return hashed, digest.hexdigest()
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def _hash_mapped(digest, fd: int, start: int, end: int) -> None:
+    """Add bytes ``start`` to ``end`` of the file ``fd`` to ``digest``, read through a memory map
+    of them: no copy out of the page cache, and its pages are mapped in one call."""
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    with mmap.mmap(fd, end - base, flags=flags, prot=mmap.PROT_READ, offset=base) as mapped:
+        with memoryview(mapped) as view, view[start - base :] as part:
+            digest.update(part)
 
 
 def sha256_bytes(data: bytes) -> str:
