@@ -60,7 +60,7 @@ def test_a_cap_below_one_arena_is_refused() -> None:
 def test_process_tuning_happens_in_entry_points_only() -> None:
     """Heap and interpreter settings are the process's, not a library's: a module that changes
     them on import or in a constructor changes every program that uses it."""
-    tuning = re.compile(r"\b(tune_malloc|mallopt|setswitchinterval)\(")
+    tuning = re.compile(r"\b(tune_malloc|mallopt|setswitchinterval|gc\.freeze)\(")
     found = set()
     for package in ("opentinker_common", "opentinker_scheduler", "opentinker_trainer", "opentinker_client"):
         for path in (ROOT / package).rglob("*.py"):
