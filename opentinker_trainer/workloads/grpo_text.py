@@ -159,8 +159,9 @@ class _Trainer:
         )
         # A tenant of a model host: the host's shared base model with this attempt's own adapter.
         tenant = getattr(ctx, "tenant", None)
-        # Its rollouts go through the host (batched with its neighbours' where that is exact).
+        # Its rollouts and update passes go through the host (batched with its neighbours').
         self.generate = tenant.generate if tenant is not None else generate
+        self.tenant = tenant
         if tenant is not None:
             self.tokenizer, self.model = tenant.attach(cfg)
         else:
@@ -285,6 +286,12 @@ class _Trainer:
 
         batch = GRPOBatch(rewards=rewards.to(self.device), mask=ro.completion_mask, chunks=self.chunks(len(ro)))
         reference = (self.ref_model if self.full else ADAPTER_OFF) if self.has_reference else None
+        chunk_pass = None
+        if self.tenant is not None:
+
+            def chunk_pass(sl: slice, loss_of) -> torch.Tensor:
+                return self.tenant.update_pass(ro.select(sl), self.params, loss_of, cfg.temperature, cfg.group_size)
+
         out = grpo_update(
             self.model,
             self.optimizer,
@@ -294,6 +301,7 @@ class _Trainer:
             reference=reference,
             dp=self.dp,
             sharded=self.fsdp,
+            chunk_pass=chunk_pass,
         )
 
         step_s = time.perf_counter() - t0
