@@ -29,7 +29,8 @@ round-robin). Only one turn runs at a time, with only that tenant's adapter acti
 turn ends with the adapter layers on again and no row plan, ``AdapterRegistry.leave_turn``; a
 batched rollout's passes run each row on its own tenant's adapter), so a tenant's numbers do not
 depend on its neighbours: with a fixed seed its reward curve and final adapter are those of the
-same task alone (tested, with three neighbours batched with it), up to float rounding.
+same task alone (tested, with three neighbours batched with it, rollouts and updates), up to
+float rounding.
 
 Rollouts are batched across tenants (:meth:`Tenant.generate`, :meth:`RoundRobin.rollout`): a
 tenant's rollout gives up its turn and queues with its request; the first rollout to come up in
@@ -39,12 +40,18 @@ once, one forward pass per token with each row on its own tenant's adapter
 per-row ``adapter_names``) and each tenant's draws taken from its own torch RNG stream exactly as
 ``generate`` alone would take them (same shapes, same order), so its tokens are those it samples
 alone up to float rounding of the shared pass. The tenants taken along keep their places in the
-queue and continue their steps there (scoring, the update's backward and optimizer step, with
-only their own adapter active). It is opportunistic: nobody waits for a tenant that is not ready
-to roll out; in a steady cycle of N training tenants each round is one batched rollout and N
-updates. A rollout run alone is ``generate`` itself (a worker's numbers exactly), and so is every
-rollout on a model whose generation config adds logits processors
+queue and continue their steps there. It is opportunistic: nobody waits for a tenant that is not
+ready to roll out. A rollout run alone is ``generate`` itself (a worker's numbers exactly), and
+so is every rollout on a model whose generation config adds logits processors
 (:func:`~opentinker_trainer.rl.rollout_batch.unbatchable`).
+
+Update passes are batched the same way (:meth:`Tenant.update_pass`, :meth:`RoundRobin.update`):
+each micro-batch of a tenant's update queues with its rows and its loss; the first to come up in
+line runs every update pass then waiting in one forward and backward, each row on its own
+tenant's adapter, and hands each tenant the gradient of its own loss on its own adapter
+(:func:`opentinker_trainer.rl.update_batch.run_batched`); each tenant then clips and steps its
+own optimizer in its turn. In a steady cycle of N training tenants each round is one batched
+rollout and one batched update pass per micro-batch. A pass run alone is the tenant's solo pass.
 
 Isolation: an exception in a tenant ends only that tenant (``failed``, retryable unless it is a
 user error); its adapter and optimizer are then freed (``delete_adapter``, garbage collection).
