@@ -41,7 +41,12 @@ import torch
 from opentinker_trainer.inference.lora_rows import plan_rows, supports
 from opentinker_trainer.rl.rollout import Rollout, _shared_prompts, prefix_logprobs, sequence_logprobs
 
-__all__ = ["UpdateRequest", "UpdateOutcome", "GradRows", "run_batched", "run_alone", "add_grads"]
+__all__ = ["PASS_TOKENS", "UpdateRequest", "UpdateOutcome", "GradRows", "run_batched", "run_alone", "add_grads"]
+
+#: Token positions (prompts run once, plus completion rows) one batched pass takes at most: its
+#: activations, kept for the backward, grow with them (about 1 MiB per position on SmolLM2-135M).
+#: Requests beyond it run in further passes; a request larger than it runs alone.
+PASS_TOKENS = 256
 
 
 @dataclass(eq=False)
@@ -122,8 +127,9 @@ def run_batched(peft_model, requests: Sequence[UpdateRequest]) -> list[UpdateOut
         peft_model: the ``PeftModel`` holding every request's adapter; it runs in eval mode, and
             its mode, active adapter, adapter layers and ``requires_grad`` flags are as before on
             return.
-        requests: one alone runs :func:`run_alone`; so do all when an adapter cannot run grouped
-            (:func:`~opentinker_trainer.inference.lora_rows.supports`).
+        requests: run in passes of at most :data:`PASS_TOKENS` token positions; a pass of one
+            runs :func:`run_alone`, and so does every request when an adapter cannot run
+            grouped (:func:`~opentinker_trainer.inference.lora_rows.supports`).
 
     Returns:
         One outcome per request, in order. Never raises for a request's failure.
@@ -131,14 +137,42 @@ def run_batched(peft_model, requests: Sequence[UpdateRequest]) -> list[UpdateOut
     was_training = peft_model.training
     peft_model.eval()
     try:
-        if len(requests) > 1 and supports(peft_model):
-            try:
-                return _together(peft_model, requests)
-            except Exception:  # noqa: BLE001 - the shared pass failed: each request again, alone
-                pass
-        return [run_alone(peft_model, r) for r in requests]
+        grouped = supports(peft_model)
+        out: list[UpdateOutcome] = []
+        for part in _passes(requests, PASS_TOKENS):
+            if len(part) > 1 and grouped:
+                try:
+                    out += _together(peft_model, part)
+                    continue
+                except Exception:  # noqa: BLE001 - the shared pass failed: each request again, alone
+                    pass
+            out += [run_alone(peft_model, r) for r in part]
+        return out
     finally:
         peft_model.train(was_training)
+
+
+def _tokens(request: UpdateRequest) -> int:
+    """Token positions of ``request``'s pass: its prompts once per group, its completion rows."""
+    ro = request.rollout
+    rows, width = ro.completion_ids.shape
+    groups = rows // request.group_size if request.group_size > 1 and rows % request.group_size == 0 else rows
+    return groups * ro.prompt_ids.shape[1] + rows * width
+
+
+def _passes(requests: Sequence[UpdateRequest], budget: int) -> list[list[UpdateRequest]]:
+    """``requests`` in order, cut into passes of at most ``budget`` token positions each (a
+    request over it alone)."""
+    passes: list[list[UpdateRequest]] = []
+    used = budget
+    for r in requests:
+        n = _tokens(r)
+        if used + n > budget:
+            passes.append([])
+            used = 0
+        passes[-1].append(r)
+        used += n
+    return passes
 
 
 def _left(t: torch.Tensor, width: int, value) -> torch.Tensor:

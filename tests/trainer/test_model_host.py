@@ -162,6 +162,7 @@ def test_batched_rollouts_and_updates_leave_every_tenant_as_it_is_alone_and_a_di
     updates: list[int] = []  # the requests of each update run
     run_updates = host.run_updates
     host.run_updates = lambda requests: (updates.append(len(requests)), run_updates(requests))[1]
+    monkeypatch.setattr(update_batch, "PASS_TOKENS", 10**6)  # every run one pass
     alone: list[str] = []  # update passes run alone: a run of one, never a batch's fallback
     solo = update_batch.run_alone
     monkeypatch.setattr(update_batch, "run_alone", lambda model, r: (alone.append(r.adapter), solo(model, r))[1])

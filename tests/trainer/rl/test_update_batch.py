@@ -105,6 +105,24 @@ def test_a_batched_pass_gives_each_request_its_own_logprobs_and_gradients(tiny_m
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_requests_beyond_a_pass_token_budget_run_in_further_passes(tiny_model_dir: Path, monkeypatch) -> None:
+    """A pass takes requests in order up to ``PASS_TOKENS`` token positions (its activations'
+    bound); the next request starts another pass, here a pass of one: the solo pass."""
+    tok, model = _model(tiny_model_dir)
+    reqs = _requests(tok, model)
+    want = [run_alone(model, r) for r in reqs]
+    sizes = [update_batch._tokens(r) for r in reqs]
+    assert sizes[0] == 2 * reqs[0].rollout.prompt_ids.shape[1] + 4 * 3  # two prompts once each, four rows
+    monkeypatch.setattr(update_batch, "PASS_TOKENS", sizes[0] + sizes[1])
+    alone: list[str] = []
+    solo = update_batch.run_alone
+    monkeypatch.setattr(update_batch, "run_alone", lambda m, r: (alone.append(r.adapter), solo(m, r))[1])
+    got = run_batched(model, reqs)
+    assert alone == ["a2"]  # a0 and a1 shared one pass
+    for alone_pass, batched in zip(want, got):
+        assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-4) for g, w in zip(batched.grads, alone_pass.grads))
+
+
 def test_a_request_whose_loss_fails_fails_alone(tiny_model_dir: Path) -> None:
     tok, model = _model(tiny_model_dir)
     reqs = _requests(tok, model)
