@@ -158,7 +158,8 @@ class _Ask:
 
 class RoundRobin:
     """Turns on one model, one at a time, in the order they were asked for; rollouts of the
-    tenants waiting are run together (:meth:`rollout`).
+    tenants waiting are run together (:meth:`rollout`), and so are their update passes
+    (:meth:`update`).
 
     A tenant that asks again right after its turn queues behind every tenant already waiting,
     so tenants that keep asking take turns in a fixed cycle (round-robin by steps).

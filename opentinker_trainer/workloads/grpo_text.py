@@ -32,8 +32,9 @@ Reports per step (``ctx.emit_metric``, steps from 1):
   clipping), ``optim/lr``, ``perf/step_s``, ``perf/generate_s``, ``perf/train_s``,
   ``perf/samples`` (completions this step), ``perf/tokens_per_s`` (completion tokens sampled per
   second of the whole step). Times are wall time of this attempt's thread: on a model host that
-  batches its tenants' rollouts (:meth:`opentinker_trainer.host.Tenant.generate`) ``perf/step_s``
-  and ``perf/generate_s`` include the turns of neighbours it waited for within its step.
+  batches its tenants' rollouts and update passes (:meth:`opentinker_trainer.host.Tenant.generate`,
+  :meth:`~opentinker_trainer.host.Tenant.update_pass`) ``perf/step_s``, ``perf/generate_s`` and
+  ``perf/train_s`` include the turns of neighbours it waited for within its step.
 
 On ``prompts`` also: ``data/skipped_lines`` (lines the reward cannot score, left out),
 ``reward/client_failures`` and ``reward/client_missing`` (a client reward's failed calls and

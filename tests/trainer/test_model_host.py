@@ -2,8 +2,8 @@
 and final adapter are those of the same task run alone by the ordinary worker path, whoever its
 neighbours are; a neighbour that fails ends alone, and a stopped one checkpoints and frees its
 adapter; turns go round-robin, and the rollouts of the tenants waiting run as one batch (each
-tenant's rows on its own adapter, its draws from its own RNG stream) that leaves every tenant's
-numbers as they are alone, within float tolerance."""
+tenant's rows on its own adapter, its draws from its own RNG stream), as do their update passes,
+which leaves every tenant's numbers as they are alone, within float tolerance."""
 
 from __future__ import annotations
 
@@ -284,6 +284,28 @@ def test_the_rollouts_of_waiting_tenants_run_as_one_and_each_continues_in_its_pl
     assert runs == [["a", "b", "c"]]  # a's rollout took b's and c's along: one run
     assert got == {n: f"rolled {n}" for n in "abc"} and order == list("abc")
     assert (turns.runs["rollout"], turns.requests["rollout"], turns.turns) == (1, 3, 3)
+
+
+def test_an_update_pass_takes_along_the_waiting_update_passes_and_no_rollout() -> None:
+    turns = RoundRobin()
+    runs: list[tuple[str, list[str]]] = []
+    gate = threading.Event()
+
+    def runner(kind: str):
+        return lambda requests: (runs.append((kind, list(requests))), list(requests))[1]
+
+    def tenant(name: str) -> None:
+        with turns.turn(name):
+            gate.wait()
+            if name == "b":
+                assert turns.rollout(name, name, runner("rollout")) == name
+            else:
+                assert turns.update(name, name, runner("update")) == name
+            assert turns._holder == name
+
+    _run_in_line(turns, gate, tenant, "abc")  # queue at the end: a(update), b(rollout), c(update)
+    assert runs == [("update", ["a", "c"]), ("rollout", ["b"])]
+    assert (turns.runs, turns.requests) == ({"update": 1, "rollout": 1}, {"update": 2, "rollout": 1})
 
 
 def test_a_rollout_takes_along_only_tenants_ready_for_one_and_ordinary_turns_keep_their_place() -> None:
