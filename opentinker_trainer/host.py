@@ -29,7 +29,8 @@ round-robin). Only one turn runs at a time, with only that tenant's adapter acti
 turn ends with the adapter layers on again and no row plan, ``AdapterRegistry.leave_turn``; a
 batched rollout's passes run each row on its own tenant's adapter), so a tenant's numbers do not
 depend on its neighbours: with a fixed seed its reward curve and final adapter are those of the
-same task alone (tested, with three neighbours batched with it), up to float rounding.
+same task alone (tested, with three neighbours batched with it, rollouts and updates), up to
+float rounding.
 
 Rollouts are batched across tenants (:meth:`Tenant.generate`, :meth:`RoundRobin.rollout`): a
 tenant's rollout gives up its turn and queues with its request; the first rollout to come up in
@@ -39,12 +40,18 @@ once, one forward pass per token with each row on its own tenant's adapter
 per-row ``adapter_names``) and each tenant's draws taken from its own torch RNG stream exactly as
 ``generate`` alone would take them (same shapes, same order), so its tokens are those it samples
 alone up to float rounding of the shared pass. The tenants taken along keep their places in the
-queue and continue their steps there (scoring, the update's backward and optimizer step, with
-only their own adapter active). It is opportunistic: nobody waits for a tenant that is not ready
-to roll out; in a steady cycle of N training tenants each round is one batched rollout and N
-updates. A rollout run alone is ``generate`` itself (a worker's numbers exactly), and so is every
-rollout on a model whose generation config adds logits processors
+queue and continue their steps there. It is opportunistic: nobody waits for a tenant that is not
+ready to roll out. A rollout run alone is ``generate`` itself (a worker's numbers exactly), and
+so is every rollout on a model whose generation config adds logits processors
 (:func:`~opentinker_trainer.rl.rollout_batch.unbatchable`).
+
+Update passes are batched the same way (:meth:`Tenant.update_pass`, :meth:`RoundRobin.update`):
+each micro-batch of a tenant's update queues with its rows and its loss; the first to come up in
+line runs every update pass then waiting in one forward and backward, each row on its own
+tenant's adapter, and hands each tenant the gradient of its own loss on its own adapter
+(:func:`opentinker_trainer.rl.update_batch.run_batched`); each tenant then clips and steps its
+own optimizer in its turn. In a steady cycle of N training tenants each round is one batched
+rollout and one batched update pass per micro-batch. A pass run alone is the tenant's solo pass.
 
 Isolation: an exception in a tenant ends only that tenant (``failed``, retryable unless it is a
 user error); its adapter and optimizer are then freed (``delete_adapter``, garbage collection).
@@ -137,21 +144,22 @@ def adapter_name(task_id: str, attempt: int) -> str:
 
 
 class _Ask:
-    """One wait in a :class:`RoundRobin` queue: ``who`` asks for the model, for a rollout with
-    ``request`` (None: an ordinary turn); a rollout taken along by another's turn is ``taken``,
-    and ``done`` with its ``outcome`` once run."""
+    """One wait in a :class:`RoundRobin` queue: ``who`` asks for the model, for a run of
+    ``kind`` (``rollout``, ``update``) with ``request`` (None: an ordinary turn); a request taken
+    along by another's turn is ``taken``, and ``done`` with its ``outcome`` once run."""
 
-    __slots__ = ("who", "request", "taken", "done", "outcome")
+    __slots__ = ("who", "kind", "request", "taken", "done", "outcome")
 
-    def __init__(self, who: object, request: object = None) -> None:
-        self.who, self.request = who, request
+    def __init__(self, who: object, request: object = None, kind: str = "") -> None:
+        self.who, self.request, self.kind = who, request, kind
         self.taken = self.done = False
         self.outcome: object = None
 
 
 class RoundRobin:
     """Turns on one model, one at a time, in the order they were asked for; rollouts of the
-    tenants waiting are run together (:meth:`rollout`).
+    tenants waiting are run together (:meth:`rollout`), and so are their update passes
+    (:meth:`update`).
 
     A tenant that asks again right after its turn queues behind every tenant already waiting,
     so tenants that keep asking take turns in a fixed cycle (round-robin by steps).
@@ -167,9 +175,9 @@ class RoundRobin:
         self._sliced: set[object] = set()  # who asked for a slice (holds turns over several calls)
         #: How many turns ran, for tests and logs.
         self.turns = 0
-        #: Rollout runs (:meth:`rollout`) and the requests they took, for tests and logs.
-        self.rollout_runs = 0
-        self.rollout_requests = 0
+        #: Batched runs by kind (``rollout``, ``update``) and the requests they took, for tests and logs.
+        self.runs: collections.Counter[str] = collections.Counter()
+        self.requests: collections.Counter[str] = collections.Counter()
 
     def slice_for(self, who: object) -> float:
         """Seconds a turn of ``who`` may last to take as long as its neighbours' do: the longest
@@ -233,28 +241,37 @@ class RoundRobin:
         their places in the queue and, when their turn comes, continue with their outcome (no
         second run). So a rollout never waits for a tenant that is not ready to roll out, every
         wait ends (each queue entry is served in order), and in a steady cycle of N tenants the
-        N rollouts run as one and the N updates one after another. A rollout taken along runs
-        earlier than its place in line, never later; the tenants waiting in between for
-        ordinary turns (a serving tenant, a checkpoint) wait that much longer once. If ``run``
-        raises, every request of that run gets the exception as its outcome.
+        N rollouts run as one. A rollout taken along runs earlier than its place in line, never
+        later; the tenants waiting in between for ordinary turns (a serving tenant, a
+        checkpoint) wait that much longer once. If ``run`` raises, every request of that run gets
+        the exception as its outcome.
         """
+        return self._together(who, "rollout", request, run)
+
+    def update(self, who: object, request: object, run: Callable[[list], list]) -> object:
+        """:meth:`rollout` for an update pass: ``request`` runs together with the update
+        requests then waiting (never with rollouts), so in a steady cycle of N tenants the N
+        updates' passes run as one too."""
+        return self._together(who, "update", request, run)
+
+    def _together(self, who: object, kind: str, request: object, run: Callable[[list], list]) -> object:
         with self._cond:
             if self._holder is not who:
-                raise RuntimeError("RoundRobin.rollout is called inside the caller's own turn")
+                raise RuntimeError(f"RoundRobin.{kind} is called inside the caller's own turn")
             self._give(who)
-            ask = _Ask(who, request)
+            ask = _Ask(who, request, kind)
             self._queue.append(ask)
             self._take(ask)
             if ask.done:
                 return ask.outcome
-            batch = [ask] + [a for a in self._queue if a.request is not None and not a.taken]
+            batch = [ask] + [a for a in self._queue if a.kind == kind and not a.taken]
             for a in batch:
                 a.taken = True
         started = time.perf_counter()
         try:
             outcomes = list(run([a.request for a in batch]))
             if len(outcomes) != len(batch):
-                raise RuntimeError(f"a rollout run returned {len(outcomes)} outcomes for {len(batch)} requests")
+                raise RuntimeError(f"a {kind} run returned {len(outcomes)} outcomes for {len(batch)} requests")
         except Exception as exc:  # noqa: BLE001 - handed to every tenant of the run, never lost
             outcomes = [exc] * len(batch)
         with self._cond:
@@ -263,8 +280,8 @@ class RoundRobin:
             for a, outcome in zip(batch, outcomes):
                 a.outcome, a.done = outcome, True
                 self._held[a.who] = self._held.get(a.who, 0.0) + spent / len(batch)
-            self.rollout_runs += 1
-            self.rollout_requests += len(batch)
+            self.runs[kind] += 1
+            self.requests[kind] += len(batch)
             self._cond.notify_all()
         return ask.outcome
 
@@ -372,6 +389,44 @@ class Tenant:
             raise outcome.error
         rollout_batch.set_rng_state(outcome.rng_state, device)
         return outcome.rollout
+
+    def update_pass(self, rollout, params: list, loss_of, temperature: float, group_size: int):
+        """One micro-batch of this tenant's update (``grpo_update``'s ``chunk_pass``), called
+        inside its turn: batched with the update passes of the tenants waiting
+        (:meth:`RoundRobin.update`, :func:`opentinker_trainer.rl.update_batch.run_batched`).
+        Adds the gradient of ``loss_of`` on ``params`` (this tenant's adapter's) to their
+        ``.grad`` and returns the rows' token log-probs, detached; its RNG streams, the model's
+        mode and its active adapter are as before.
+
+        Raises:
+            Exception: whatever its own pass raised (another tenant's failure is not raised here).
+        """
+        from opentinker_trainer.context import abandon_point
+        from opentinker_trainer.rl import update_batch
+        from opentinker_trainer.workloads import _rng
+
+        host = self.host
+        request = update_batch.UpdateRequest(
+            adapter=self.name,
+            params=params,
+            rollout=rollout,
+            loss_of=loss_of,
+            temperature=temperature,
+            group_size=group_size,
+        )
+        training = host.model.training
+        self._rng = _rng.rng_state()  # its streams while others hold the model
+        outcome = host.turns.update(self, request, host.run_updates)
+        _rng.restore_rng_state(self._rng)
+        host.model.set_adapter(self.name)
+        host.model.train(training)
+        abandon_point()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if outcome.error is not None:
+            raise outcome.error
+        update_batch.add_grads(params, outcome.grads)
+        return outcome.logp
 
     def turn_slice(self) -> float:
         """Seconds this tenant's turn may last (:meth:`RoundRobin.slice_for`)."""
@@ -518,6 +573,13 @@ class ModelHost:
         from opentinker_trainer.rl.rollout_batch import generate_batched
 
         return generate_batched(self.model, requests)
+
+    def run_updates(self, requests: list) -> list:
+        """Run tenants' update passes together on the model (in the turn of one of them):
+        :func:`opentinker_trainer.rl.update_batch.run_batched`, one outcome per request."""
+        from opentinker_trainer.rl.update_batch import run_batched
+
+        return run_batched(self.model, requests)
 
     # --- tenants ---------------------------------------------------------------------------
     def emit(self, kind: str, **payload: Any) -> None:

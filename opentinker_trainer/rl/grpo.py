@@ -358,6 +358,7 @@ def grpo_update(
     reference: Any = None,
     dp: Any = None,
     sharded: bool = False,
+    chunk_pass: Callable[[slice, Callable[[torch.Tensor], torch.Tensor]], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """``ppo_epochs`` optimizer steps of GRPO on one step's samples; returns the metrics.
 
@@ -430,6 +431,11 @@ def grpo_update(
             scatter), so each loss is multiplied by the world size before ``backward`` (the sum
             the one-rank step takes) and no ``all_reduce_grads`` follows. ``logprobs`` must run
             the same forwards on every rank for the same chunk count (same completion width).
+        chunk_pass: ``chunk_pass(rows, loss_of) -> logp`` runs one micro-batch's loss pass in
+            place of ``logprobs`` and ``backward``: it computes the rows' log-probs with grad,
+            adds the gradient of ``loss_of(logp)`` to the parameters' ``.grad`` and returns
+            ``logp`` detached. A model host batches its tenants' passes so
+            (:mod:`opentinker_trainer.rl.update_batch`). One rank only (no ``dp``).
 
     Returns:
         Means over epochs of ``loss/policy``, ``loss/kl``, ``grpo/clipfrac``, ``grpo/approx_kl``
@@ -446,6 +452,8 @@ def grpo_update(
     """
     if cfg.kl_coef > 0 and reference is None:
         raise ValueError("kl_coef > 0 needs a reference model")
+    if chunk_pass is not None and dp is not None:
+        raise ValueError("chunk_pass runs on one rank: no dp")
     mask_device = batch.mask.device
     rewards = batch.rewards.float()
     adv_sample, zero_std = group_advantages(rewards, scale=cfg.scale_rewards)
@@ -479,22 +487,31 @@ def grpo_update(
         epoch_logp = []
         for sl in batch.chunks:
             abandon_point()  # a stopped model-host tenant leaves its step here
-            logp = logprobs(model, sl)
-            epoch_logp.append(logp.detach())
-            old = old_logp[sl] if old_logp is not None else logp.detach()
-            m = mask[sl]
-            policy_loss, stats = pg_loss(logp, old, adv[sl], m, cfg.clip_eps, normalizer, aggregation)
-            if ref_logp is not None:
-                kl_loss = aggregate(kl_k3(logp, ref_logp[sl]), m, aggregation, normalizer)
+            terms: dict[str, torch.Tensor] = {}
+
+            def loss_of(logp: torch.Tensor, sl: slice = sl, terms: dict = terms) -> torch.Tensor:
+                old = old_logp[sl] if old_logp is not None else logp.detach()
+                m = mask[sl]
+                policy_loss, stats = pg_loss(logp, old, adv[sl], m, cfg.clip_eps, normalizer, aggregation)
+                if ref_logp is not None:
+                    kl_loss = aggregate(kl_k3(logp, ref_logp[sl]), m, aggregation, normalizer)
+                else:
+                    kl_loss = torch.zeros(())
+                terms.update(stats, policy=policy_loss.detach(), kl=kl_loss.detach())
+                loss = policy_loss + cfg.kl_coef * kl_loss if cfg.kl_coef > 0 else policy_loss
+                return loss * scale
+
+            if chunk_pass is not None:
+                epoch_logp.append(chunk_pass(sl, loss_of))
             else:
-                kl_loss = torch.zeros(())
-            loss = policy_loss + cfg.kl_coef * kl_loss if cfg.kl_coef > 0 else policy_loss
-            (loss * scale).backward()
-            weight = (m.sum() / n_tokens).item()
-            sums["loss/policy"] += policy_loss.item()
-            sums["loss/kl"] += kl_loss.item()
-            sums["grpo/clipfrac"] += stats["clipfrac"].item() * weight
-            sums["grpo/approx_kl"] += stats["approx_kl"].item() * weight
+                logp = logprobs(model, sl)
+                loss_of(logp).backward()
+                epoch_logp.append(logp.detach())
+            weight = (mask[sl].sum() / n_tokens).item()
+            sums["loss/policy"] += terms["policy"].item()
+            sums["loss/kl"] += terms["kl"].item()
+            sums["grpo/clipfrac"] += terms["clipfrac"].item() * weight
+            sums["grpo/approx_kl"] += terms["approx_kl"].item() * weight
         for _ in range(dummies):  # the same backward collectives as the ranks with more chunks
             (logprobs(model, batch.chunks[0]).sum() * 0.0).backward()
         if sampling_logp is None:

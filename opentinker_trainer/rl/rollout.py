@@ -186,7 +186,7 @@ def prefix_logprobs(
     rows: int | torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
 ) -> torch.Tensor | None:
     """Log-probs of completions that follow shared prefixes, each prefix run once: ``[B, T]`` float32.
 
@@ -202,7 +202,8 @@ def prefix_logprobs(
             per prefix (``B = N * K``; the cache is ``batch_repeat_interleave``'d), or ``[B]``
             long indices into the prefixes (the cache is ``batch_select_indices``'d).
         completion_ids, completion_mask: ``[B, T]`` right-padded completions.
-        temperature: log-probs under ``softmax(logits / temperature)``.
+        temperature: log-probs under ``softmax(logits / temperature)``; a ``[B, 1, 1]`` tensor
+            gives each row its own.
 
     Returns:
         ``[B, T]`` token log-probs (meaningless at masked positions), or None when the model's
@@ -229,7 +230,7 @@ def prefix_logprobs(
             **{_cache_kwarg(model): cache},
         )
         logits = torch.cat([logits, rest.logits], dim=1)
-    if temperature != 1.0:
+    if isinstance(temperature, torch.Tensor) or temperature != 1.0:
         logits = logits.float() / temperature
     return token_logprobs(logits, completion_ids)
 

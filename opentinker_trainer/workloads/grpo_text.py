@@ -32,8 +32,9 @@ Reports per step (``ctx.emit_metric``, steps from 1):
   clipping), ``optim/lr``, ``perf/step_s``, ``perf/generate_s``, ``perf/train_s``,
   ``perf/samples`` (completions this step), ``perf/tokens_per_s`` (completion tokens sampled per
   second of the whole step). Times are wall time of this attempt's thread: on a model host that
-  batches its tenants' rollouts (:meth:`opentinker_trainer.host.Tenant.generate`) ``perf/step_s``
-  and ``perf/generate_s`` include the turns of neighbours it waited for within its step.
+  batches its tenants' rollouts and update passes (:meth:`opentinker_trainer.host.Tenant.generate`,
+  :meth:`~opentinker_trainer.host.Tenant.update_pass`) ``perf/step_s``, ``perf/generate_s`` and
+  ``perf/train_s`` include the turns of neighbours it waited for within its step.
 
 On ``prompts`` also: ``data/skipped_lines`` (lines the reward cannot score, left out),
 ``reward/client_failures`` and ``reward/client_missing`` (a client reward's failed calls and
@@ -159,8 +160,9 @@ class _Trainer:
         )
         # A tenant of a model host: the host's shared base model with this attempt's own adapter.
         tenant = getattr(ctx, "tenant", None)
-        # Its rollouts go through the host (batched with its neighbours' where that is exact).
+        # Its rollouts and update passes go through the host (batched with its neighbours').
         self.generate = tenant.generate if tenant is not None else generate
+        self.tenant = tenant
         if tenant is not None:
             self.tokenizer, self.model = tenant.attach(cfg)
         else:
@@ -285,6 +287,12 @@ class _Trainer:
 
         batch = GRPOBatch(rewards=rewards.to(self.device), mask=ro.completion_mask, chunks=self.chunks(len(ro)))
         reference = (self.ref_model if self.full else ADAPTER_OFF) if self.has_reference else None
+        chunk_pass = None
+        if self.tenant is not None:
+
+            def chunk_pass(sl: slice, loss_of) -> torch.Tensor:
+                return self.tenant.update_pass(ro.select(sl), self.params, loss_of, cfg.temperature, cfg.group_size)
+
         out = grpo_update(
             self.model,
             self.optimizer,
@@ -294,6 +302,7 @@ class _Trainer:
             reference=reference,
             dp=self.dp,
             sharded=self.fsdp,
+            chunk_pass=chunk_pass,
         )
 
         step_s = time.perf_counter() - t0

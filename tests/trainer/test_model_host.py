@@ -2,8 +2,8 @@
 and final adapter are those of the same task run alone by the ordinary worker path, whoever its
 neighbours are; a neighbour that fails ends alone, and a stopped one checkpoints and frees its
 adapter; turns go round-robin, and the rollouts of the tenants waiting run as one batch (each
-tenant's rows on its own adapter, its draws from its own RNG stream) that leaves every tenant's
-numbers as they are alone, within float tolerance."""
+tenant's rows on its own adapter, its draws from its own RNG stream), as do their update passes,
+which leaves every tenant's numbers as they are alone, within float tolerance."""
 
 from __future__ import annotations
 
@@ -120,15 +120,18 @@ def _alone(tmp_path: Path, model: Path, task_id: str, hp: dict) -> tuple[list[tu
     )
 
 
-def test_batched_rollouts_leave_every_tenant_as_it_is_alone_and_a_diverged_one_fails_alone(
-    tiny_model_dir: Path, tmp_path: Path, reply_rewards
+def test_batched_rollouts_and_updates_leave_every_tenant_as_it_is_alone_and_a_diverged_one_fails_alone(
+    tiny_model_dir: Path, tmp_path: Path, reply_rewards, monkeypatch
 ) -> None:
     """Four tenants with different seeds, prompts per step, group sizes, lengths, temperatures
-    and adapter ranks, their rollouts batched (mixed-adapter rows in one forward): each one's
+    and adapter ranks, their rollouts batched (mixed-adapter rows in one forward) and their
+    update passes batched (one forward and backward, each row on its own adapter): each one's
     curve and final adapter are those of the same task alone, within float tolerance. A fifth,
     whose adapter is NaN (a diverged task's checkpoint), fails at its first rollout, alone."""
     from tests.support.inference import make_adapter
     from safetensors.torch import save_file
+
+    from opentinker_trainer.rl import update_batch
 
     tasks = {
         "x": {**HP, "checkpoint_every": 0},
@@ -156,6 +159,13 @@ def test_batched_rollouts_leave_every_tenant_as_it_is_alone_and_a_diverged_one_f
     runs: list[list[str]] = []  # the adapters of each rollout run, recorded on the way through
     run_rollouts = host.run_rollouts
     host.run_rollouts = lambda requests: (runs.append([r.adapter for r in requests]), run_rollouts(requests))[1]
+    updates: list[int] = []  # the requests of each update run
+    run_updates = host.run_updates
+    host.run_updates = lambda requests: (updates.append(len(requests)), run_updates(requests))[1]
+    monkeypatch.setattr(update_batch, "PASS_TOKENS", 10**6)  # every run one pass
+    alone: list[str] = []  # update passes run alone: a run of one, never a batch's fallback
+    solo = update_batch.run_alone
+    monkeypatch.setattr(update_batch, "run_alone", lambda model, r: (alone.append(r.adapter), solo(model, r))[1])
     for tid, hp in {**tasks, "n-nan": {**HP, "seed": 9}}.items():
         assign = _assign(tid, tiny_model_dir, hp)
         if tid == "n-nan":
@@ -165,8 +175,10 @@ def test_batched_rollouts_leave_every_tenant_as_it_is_alone_and_a_diverged_one_f
         host.add(path, tmp_path / "host" / tid)
     host.join()
 
-    assert host.turns.rollout_requests > host.turns.rollout_runs == len(runs)
+    assert host.turns.requests["rollout"] > host.turns.runs["rollout"] == len(runs)
     assert max(map(len, runs)) >= 3, runs  # runs took several tenants' rollouts
+    assert host.turns.requests["update"] > host.turns.runs["update"] == len(updates)
+    assert max(updates) >= 3 and len(alone) == updates.count(1), (updates, alone)
     # (Whether n-nan's one rollout shared a run depends on thread timing; a NaN request in a
     # shared run failing alone is tests/trainer/rl/test_rollout_batch.py's.)
     (failed,) = _lines(out, "n-nan", "failed")
@@ -204,7 +216,7 @@ def test_on_a_model_that_cannot_batch_each_rollout_runs_alone_in_its_turn(
         path.write_bytes(_assign(tid, model, {**hp, "seed": seed}).SerializeToString())
         host.add(path, tmp_path / "host" / tid)
     host.join()
-    assert host.turns.rollout_runs == 0
+    assert host.turns.runs["rollout"] == 0
     got = _curve(_lines(out, "x", "metric"))
     assert [v for c in got for v in c[1:]] == pytest.approx([v for c in expected for v in c[1:]], abs=1e-6)
 
@@ -271,7 +283,29 @@ def test_the_rollouts_of_waiting_tenants_run_as_one_and_each_continues_in_its_pl
     _run_in_line(turns, gate, tenant, "abc")
     assert runs == [["a", "b", "c"]]  # a's rollout took b's and c's along: one run
     assert got == {n: f"rolled {n}" for n in "abc"} and order == list("abc")
-    assert (turns.rollout_runs, turns.rollout_requests, turns.turns) == (1, 3, 3)
+    assert (turns.runs["rollout"], turns.requests["rollout"], turns.turns) == (1, 3, 3)
+
+
+def test_an_update_pass_takes_along_the_waiting_update_passes_and_no_rollout() -> None:
+    turns = RoundRobin()
+    runs: list[tuple[str, list[str]]] = []
+    gate = threading.Event()
+
+    def runner(kind: str):
+        return lambda requests: (runs.append((kind, list(requests))), list(requests))[1]
+
+    def tenant(name: str) -> None:
+        with turns.turn(name):
+            gate.wait()
+            if name == "b":
+                assert turns.rollout(name, name, runner("rollout")) == name
+            else:
+                assert turns.update(name, name, runner("update")) == name
+            assert turns._holder == name
+
+    _run_in_line(turns, gate, tenant, "abc")  # queue at the end: a(update), b(rollout), c(update)
+    assert runs == [("update", ["a", "c"]), ("rollout", ["b"])]
+    assert (turns.runs, turns.requests) == ({"update": 1, "rollout": 1}, {"update": 2, "rollout": 1})
 
 
 def test_a_rollout_takes_along_only_tenants_ready_for_one_and_ordinary_turns_keep_their_place() -> None:
@@ -477,7 +511,7 @@ def test_a_serving_tenant_shares_the_host_model_in_turns_and_leaves_training_as_
     theirs = load_file(tmp_path / "alone" / "step_4" / "adapter_model.safetensors")
     assert sorted(ours) == sorted(theirs) and all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in ours)
     if expected_y is not None:
-        assert host.turns.rollout_requests > host.turns.rollout_runs  # x's and y's rollouts ran together
+        assert host.turns.requests["rollout"] > host.turns.runs["rollout"]  # x's and y's rollouts ran together
         got_y = _curve(_lines(out, "y", "metric"))
         assert [v for c in got_y for v in c[1:]] == pytest.approx([v for c in expected_y[0] for v in c[1:]], abs=1e-5)
         y_adapter = load_file(tmp_path / "host" / "y" / "step_4" / "adapter_model.safetensors")
