@@ -1,6 +1,6 @@
 """oneDNN-packed Linear weights (CPU): they replace the plain weights, so the served model holds
 its weights once, and give the plain logits within float rounding, LoRA adapters on top; a layer
-whose weight is shared stays plain."""
+whose weight is shared keeps it, run by oneDNN."""
 
 from __future__ import annotations
 
@@ -47,11 +47,35 @@ def test_packed_layers_replace_the_plain_weights_and_give_the_plain_logits(tiny_
     torch.testing.assert_close(got, plain, rtol=1e-4, atol=1e-4)
 
 
-def test_a_layer_whose_weight_is_shared_stays_plain() -> None:
+def test_a_layer_whose_weight_is_shared_keeps_it_and_runs_on_onednn() -> None:
     model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10, bias=False))
     model[2].weight = model[0].weight  # an lm_head tied to the embeddings
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        plain = model[2](x)
     layers = pack_linears(model)
-    assert layers == [model[1]] and type(model[2]) is nn.Linear and model[2].weight.shape == (10, 8)
+    assert layers == [model[1]]
+    assert model[2].weight is model[0].weight and model[2].weight.shape == (10, 8)  # no second copy
+    with torch.inference_mode():
+        got = model[2](x)
+        assert torch.ops.mkldnn._linear_pointwise.default in _operators_run(lambda: model[2](x))
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-5)
+
+
+def _operators_run(fn) -> set:
+    """The ATen operators ``fn()`` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: set = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
 
 
 def test_grouped_lora_rows_on_packed_layers_match_peft_alone(tiny_model_dir: Path, tmp_path: Path) -> None:
