@@ -22,7 +22,7 @@ in two, see below), a checkpoint or the adapter's creation is one turn, and for 
 (an ``inference`` task, ``workloads/serving.py``, which serves the host's base and the adapters
 it loads under its :attr:`Tenant.serving_prefix`) calls of its model thread (an adapter load, a
 prefill pass, a decode step of its batch) while it has work, for up to as long as the longest
-last turn of a training neighbour (:meth:`RoundRobin.slice_for`: time-fair; a batched rollout's
+last turn of a training neighbour (:meth:`RoundRobin.slice_for`: time-fair; a batched run's
 time is shared among the tenants it served). Turns go round in the order tenants asked for
 them (first come, first served, which with every tenant asking again right after its turn is
 round-robin). Only one turn runs at a time, with only that tenant's adapter active (a serving
@@ -49,9 +49,12 @@ Update passes are batched the same way (:meth:`Tenant.update_pass`, :meth:`Round
 each micro-batch of a tenant's update queues with its rows and its loss; the first to come up in
 line runs every update pass then waiting in one forward and backward, each row on its own
 tenant's adapter, and hands each tenant the gradient of its own loss on its own adapter
-(:func:`opentinker_trainer.rl.update_batch.run_batched`); each tenant then clips and steps its
-own optimizer in its turn. In a steady cycle of N training tenants each round is one batched
-rollout and one batched update pass per micro-batch. A pass run alone is the tenant's solo pass.
+(:func:`opentinker_trainer.rl.update_batch.run_batched`; a pass takes up to
+:data:`~opentinker_trainer.rl.update_batch.PASS_TOKENS` token positions, the rest run in further
+passes); each tenant then clips and steps its own optimizer in its turn. In a steady cycle of N
+training tenants each round is one batched rollout and one batched update pass per micro-batch.
+A pass run alone is the tenant's solo pass; a batched pass that fails runs again request by
+request alone, logged and counted (``RoundRobin.fallbacks``).
 
 Isolation: an exception in a tenant ends only that tenant (``failed``, retryable unless it is a
 user error); its adapter and optimizer are then freed (``delete_adapter``, garbage collection).
@@ -178,6 +181,8 @@ class RoundRobin:
         #: Batched runs by kind (``rollout``, ``update``) and the requests they took, for tests and logs.
         self.runs: collections.Counter[str] = collections.Counter()
         self.requests: collections.Counter[str] = collections.Counter()
+        #: Batched passes by kind that failed and ran again request by request alone.
+        self.fallbacks: collections.Counter[str] = collections.Counter()
 
     def slice_for(self, who: object) -> float:
         """Seconds a turn of ``who`` may last to take as long as its neighbours' do: the longest
@@ -186,8 +191,8 @@ class RoundRobin:
         per cycle as each training tenant does (time-fair), not one decode step per training step.
         Turns of tenants that ask for slices themselves are not counted: two serving tenants
         would otherwise lengthen each other's slices without end. A turn's length is the time
-        its tenant held the model, with a shared rollout run (:meth:`rollout`) split evenly
-        among the tenants it served."""
+        its tenant held the model, with a shared run, a rollout (:meth:`rollout`) or an update
+        pass (:meth:`update`), split evenly among the tenants it served."""
         with self._cond:
             self._sliced.add(who)
             return max((s for w, s in self._last_s.items() if w not in self._sliced), default=0.0)
@@ -576,10 +581,11 @@ class ModelHost:
 
     def run_updates(self, requests: list) -> list:
         """Run tenants' update passes together on the model (in the turn of one of them):
-        :func:`opentinker_trainer.rl.update_batch.run_batched`, one outcome per request."""
+        :func:`opentinker_trainer.rl.update_batch.run_batched`, one outcome per request; each
+        batched pass that fails and runs again alone counts in ``turns.fallbacks["update"]``."""
         from opentinker_trainer.rl.update_batch import run_batched
 
-        return run_batched(self.model, requests)
+        return run_batched(self.model, requests, fallback=lambda exc: self.turns.fallbacks.update(["update"]))
 
     # --- tenants ---------------------------------------------------------------------------
     def emit(self, kind: str, **payload: Any) -> None:

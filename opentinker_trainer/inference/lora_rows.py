@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["RowPlan", "plan_rows", "supports", "RowLoRA"]
+__all__ = ["RowPlan", "plan_rows", "grouped_update", "supports", "RowLoRA"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,27 @@ def plan_rows(row_adapters: Sequence[int | None], device: torch.device | str = "
         size=size,
         padded=size * len(groups) != sum(len(rows) for rows in groups.values()),
     )
+
+
+def grouped_update(xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, plan: RowPlan, t: int) -> torch.Tensor:
+    """The low-rank update of a pass's rows, grouped by adapter.
+
+    Args:
+        xs: ``[G, m * T, in]``, the rows ``plan.src`` gathers, by group.
+        a_t: the groups' ``A^T``, ``[G, in, r]``.
+        b_t: the groups' ``B^T`` times each adapter's scale, ``[G, r, out]``.
+        plan: the pass's :class:`RowPlan`.
+        t: ``T``, positions per row.
+
+    Returns:
+        ``[G * m, T, out]``, to be added to rows ``plan.src``; zero on padding slots. Gradients
+        flow to every input.
+    """
+    groups, size = int(plan.adapters.shape[0]), plan.size
+    delta = torch.bmm(torch.bmm(xs, a_t), b_t)  # [G, m * T, r] then [G, m * T, out]
+    if plan.padded:  # padding slots (a repeated row) add nothing
+        delta = delta.reshape(groups, size, t, -1) * plan.keep.to(delta.dtype)[:, :, None, None]
+    return delta.reshape(groups * size, t, -1)
 
 
 def _lora_linear_type():
@@ -243,10 +264,7 @@ class RowLoRA:
             if xs.dtype != a_t.dtype:
                 xs = xs.to(a_t.dtype)
             self._gathered = (x, xs)
-        delta = torch.bmm(torch.bmm(xs, a_t), b_t)  # [G, m * T, r] then [G, m * T, out], scaled
-        if plan.padded:  # padding slots (a repeated row) add nothing
-            delta = delta.reshape(groups, size, t, -1) * plan.keep.to(delta.dtype)[:, :, None, None]
+        delta = grouped_update(xs, a_t, b_t, plan, t)
         out = output.reshape(rows, t, -1)
-        delta = delta.reshape(groups * size, t, -1)
         out.index_add_(0, plan.src, delta if delta.dtype == out.dtype else delta.to(out.dtype))
         return out.reshape(output.shape)

@@ -38,6 +38,7 @@ __all__ = [
     "right_pad",
     "rollout_of",
     "sequence_logprobs",
+    "shared_prompts",
 ]
 
 
@@ -140,8 +141,9 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
-def _shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):
-    """``(ids [G, P], mask [G, P])`` when rows come in groups of ``group_size`` identical prompts."""
+def shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int):
+    """``(ids [G, P], mask [G, P])`` when rows come in groups of ``group_size`` identical prompts,
+    else None: each prompt once, for a pass that runs it once for its group."""
     b = prompt_ids.shape[0]
     if group_size <= 1 or b % group_size or prompt_ids.shape[1] < 2:
         return None
@@ -357,7 +359,7 @@ def sequence_logprobs(
     values independent of the rest of the batch. Values at masked completion positions are
     meaningless; mask them. Gradients flow when called with grad enabled.
     """
-    shared = _shared_prompts(prompt_ids, prompt_mask, group_size)
+    shared = shared_prompts(prompt_ids, prompt_mask, group_size)
     if shared is not None:
         logp = prefix_logprobs(model, *shared, group_size, completion_ids, completion_mask, temperature)
         if logp is not None:

@@ -29,6 +29,7 @@ the gradient of its own loss. The model runs in eval mode (no dropout), as the u
 A request alone runs the tenant's solo pass itself (PEFT's forward with its adapter active): a
 worker's numbers exactly. Failures stay with their request: a batched pass that fails is retried
 request by request alone, so each gets its own outcome; a request's error never reaches another.
+Such a fallback is logged, once per exception type, and reported to the caller's ``fallback``.
 """
 
 from __future__ import annotations
@@ -36,17 +37,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+import structlog
 import torch
 
-from opentinker_trainer.inference.lora_rows import plan_rows, supports
-from opentinker_trainer.rl.rollout import Rollout, _shared_prompts, prefix_logprobs, sequence_logprobs
+from opentinker_trainer.inference.lora_rows import grouped_update, plan_rows, supports
+from opentinker_trainer.rl.rollout import Rollout, prefix_logprobs, sequence_logprobs, shared_prompts
 
-__all__ = ["PASS_TOKENS", "UpdateRequest", "UpdateOutcome", "GradRows", "run_batched", "run_alone", "add_grads"]
+__all__ = [
+    "PASS_TOKENS",
+    "UpdateRequest",
+    "UpdateOutcome",
+    "GradRows",
+    "run_batched",
+    "run_alone",
+    "add_grads",
+    "pass_tokens",
+    "passes",
+]
 
-#: Token positions (prompts run once, plus completion rows) one batched pass takes at most: its
-#: activations, kept for the backward, grow with them (about 1 MiB per position on SmolLM2-135M).
-#: Requests beyond it run in further passes; a request larger than it runs alone.
-PASS_TOKENS = 256
+log = structlog.get_logger("opentinker.update_batch")
+
+#: Token positions one batched pass takes at most, counted padded as the pass runs them: its
+#: prompts, each once, times the widest prompt, plus its completion rows times the widest
+#: completion. Its activations, kept for the backward, grow with them: about 1 MiB per position
+#: on SmolLM2-135M, so about 2 GiB at the limit. Four tenants' micro-batches of the default shape
+#: (4 prompts of 8 completions of 10 tokens, whole-batch micro-batches: about 500 positions each
+#: with the arithmetic prompts) fit in one pass. A request larger than the limit raises it to
+#: its own size, since it takes that memory alone anyway. Requests beyond it run in further passes.
+PASS_TOKENS = 2048
+
+_warned: set[type] = set()  # exception types of failed batched passes already logged
 
 
 @dataclass(eq=False)
@@ -82,12 +102,13 @@ class UpdateOutcome:
 
 
 def add_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Accumulate ``grads`` into ``params``' ``.grad``, as ``backward`` does."""
+    """Accumulate ``grads`` into ``params``' ``.grad``, as ``backward`` does: a parameter's first
+    gradient becomes a tensor of its own, never a view into a buffer shared with others."""
     for p, g in zip(params, grads):
         if g is None:
             continue
         if p.grad is None:
-            p.grad = g
+            p.grad = g.clone(memory_format=torch.contiguous_format) if g._base is not None else g
         else:
             p.grad.add_(g)
 
@@ -120,16 +141,22 @@ def run_alone(peft_model, request: UpdateRequest) -> UpdateOutcome:
             peft_model.set_adapter(active)
 
 
-def run_batched(peft_model, requests: Sequence[UpdateRequest]) -> list[UpdateOutcome]:
+def run_batched(
+    peft_model,
+    requests: Sequence[UpdateRequest],
+    fallback: Callable[[BaseException], None] | None = None,
+) -> list[UpdateOutcome]:
     """Every request's forward and backward in one pass (see the module docstring).
 
     Args:
         peft_model: the ``PeftModel`` holding every request's adapter; it runs in eval mode, and
             its mode, active adapter, adapter layers and ``requires_grad`` flags are as before on
             return.
-        requests: run in passes of at most :data:`PASS_TOKENS` token positions; a pass of one
-            runs :func:`run_alone`, and so does every request when an adapter cannot run
-            grouped (:func:`~opentinker_trainer.inference.lora_rows.supports`).
+        requests: run in passes (:func:`passes`); a pass of one runs :func:`run_alone`, and so
+            does every request when an adapter cannot run grouped
+            (:func:`~opentinker_trainer.inference.lora_rows.supports`).
+        fallback: called with the exception of each batched pass that failed, before its
+            requests run again one by one alone.
 
     Returns:
         One outcome per request, in order. Never raises for a request's failure.
@@ -139,40 +166,81 @@ def run_batched(peft_model, requests: Sequence[UpdateRequest]) -> list[UpdateOut
     try:
         grouped = supports(peft_model)
         out: list[UpdateOutcome] = []
-        for part in _passes(requests, PASS_TOKENS):
+        for part in passes(requests):
             if len(part) > 1 and grouped:
                 try:
                     out += _together(peft_model, part)
                     continue
-                except Exception:  # noqa: BLE001 - the shared pass failed: each request again, alone
-                    pass
+                except Exception as exc:  # noqa: BLE001 - the shared pass failed: each request again, alone
+                    _fell_back(exc, len(part), fallback)
             out += [run_alone(peft_model, r) for r in part]
         return out
     finally:
         peft_model.train(was_training)
 
 
-def _tokens(request: UpdateRequest) -> int:
-    """Token positions of ``request``'s pass: its prompts once per group, its completion rows."""
-    ro = request.rollout
-    rows, width = ro.completion_ids.shape
-    groups = rows // request.group_size if request.group_size > 1 and rows % request.group_size == 0 else rows
-    return groups * ro.prompt_ids.shape[1] + rows * width
+def _fell_back(exc: Exception, requests: int, fallback: Callable[[BaseException], None] | None) -> None:
+    """Log a failed batched pass, once per exception type, and tell ``fallback``."""
+    if type(exc) not in _warned:
+        _warned.add(type(exc))
+        log.warning("a batched update pass failed; its requests run alone", requests=requests, error=repr(exc))
+    if fallback is not None:
+        fallback(exc)
 
 
-def _passes(requests: Sequence[UpdateRequest], budget: int) -> list[list[UpdateRequest]]:
-    """``requests`` in order, cut into passes of at most ``budget`` token positions each (a
-    request over it alone)."""
-    passes: list[list[UpdateRequest]] = []
-    used = budget
-    for r in requests:
-        n = _tokens(r)
-        if used + n > budget:
-            passes.append([])
-            used = 0
-        passes[-1].append(r)
-        used += n
-    return passes
+@dataclass(frozen=True)
+class _Size:
+    """A pass's layout: ``prompts`` rows of ``prompt_width`` (a group's prompt once) and ``rows``
+    completion rows of ``completion_width``, each padded to the widest."""
+
+    prompts: int = 0
+    prompt_width: int = 0
+    rows: int = 0
+    completion_width: int = 0
+
+    @staticmethod
+    def of(request: UpdateRequest) -> "_Size":
+        ro = request.rollout
+        shared = shared_prompts(ro.prompt_ids, ro.prompt_mask, request.group_size)
+        prompts = len(ro) if shared is None else len(shared[0])
+        return _Size(prompts, ro.prompt_ids.shape[1], len(ro), ro.completion_ids.shape[1])
+
+    def __add__(self, other: "_Size") -> "_Size":
+        return _Size(
+            self.prompts + other.prompts,
+            max(self.prompt_width, other.prompt_width),
+            self.rows + other.rows,
+            max(self.completion_width, other.completion_width),
+        )
+
+    @property
+    def tokens(self) -> int:
+        return self.prompts * self.prompt_width + self.rows * self.completion_width
+
+
+def pass_tokens(requests: Sequence[UpdateRequest]) -> int:
+    """Token positions of one pass of ``requests``, padded as the pass lays them out: the
+    distinct prompts (a group's once) times the widest prompt, plus every completion row times
+    the widest completion."""
+    return sum((_Size.of(r) for r in requests), _Size()).tokens
+
+
+def passes(requests: Sequence[UpdateRequest]) -> list[list[UpdateRequest]]:
+    """``requests`` in order, cut into passes of at most ``max(PASS_TOKENS, largest request)``
+    token positions each (:func:`pass_tokens`): a request over :data:`PASS_TOKENS` takes that
+    memory alone anyway, so others may share its pass up to its size."""
+    sizes = [_Size.of(r) for r in requests]
+    budget = max([PASS_TOKENS] + [s.tokens for s in sizes])
+    out: list[list[UpdateRequest]] = []
+    used = _Size()
+    for r, size in zip(requests, sizes):
+        if out and (used + size).tokens <= budget:
+            out[-1].append(r)
+            used += size
+        else:
+            out.append([r])
+            used = size
+    return out
 
 
 def _left(t: torch.Tensor, width: int, value) -> torch.Tensor:
@@ -187,7 +255,7 @@ def _together(peft_model, requests: Sequence[UpdateRequest]) -> list[UpdateOutco
     prompts, prompt_masks, prefix_of, prefix_adapters, row_adapters, temps = [], [], [], [], [], []
     for r in requests:
         ro, b = r.rollout, len(r.rollout)
-        shared = _shared_prompts(ro.prompt_ids, ro.prompt_mask, r.group_size)
+        shared = shared_prompts(ro.prompt_ids, ro.prompt_mask, r.group_size)
         ids, mask = shared if shared is not None else (ro.prompt_ids, ro.prompt_mask)
         first = sum(len(p) for p in prompts)
         per = r.group_size if shared is not None else 1
@@ -206,9 +274,10 @@ def _together(peft_model, requests: Sequence[UpdateRequest]) -> list[UpdateOutco
     completion_mask = torch.cat([_right(r.rollout.completion_mask, t_max, False) for r in requests])
     params = [p for r in requests for p in r.params]
     base = peft_model.get_base_model()
-    peft_model.base_model.disable_adapter_layers()
-    hooks = GradRows(peft_model, {len(prefix_ids): prefix_adapters, len(completion_ids): row_adapters})
+    hooks = None
     try:
+        peft_model.base_model.disable_adapter_layers()
+        hooks = GradRows(peft_model, {len(prefix_ids): prefix_adapters, len(completion_ids): row_adapters})
         for p in params:
             p.requires_grad_(True)
         with torch.enable_grad():
@@ -232,7 +301,8 @@ def _together(peft_model, requests: Sequence[UpdateRequest]) -> list[UpdateOutco
                 start += b
             grads = torch.autograd.grad(sum(losses), params, allow_unused=True)
     finally:
-        hooks.close()
+        if hooks is not None:
+            hooks.close()
         peft_model.base_model.enable_adapter_layers()  # requires_grad back to the active adapter's only
     out, start = [], 0
     for r, part in zip(requests, parts):
@@ -253,26 +323,36 @@ class GradRows:
             different rows, told apart by their count (equal counts mean one row per prompt,
             the same adapters in the same order).
 
-    Per module, the adapters present in it are stacked once (``A [G, r, in]``, ``B [G, out, r]``,
-    ranks zero-padded to the largest: exact) from their parameters, so the stack's gradient
-    reaches each adapter's own weights; rows are gathered by adapter as
+    Per module, the adapters present in it are stacked once (``A [G, r, in]``, ``B [G, out, r]``
+    times each adapter's scale, ranks zero-padded to the largest: exact) from their parameters,
+    so the stack's gradient reaches each adapter's own weights; rows are gathered by adapter as
     :func:`~opentinker_trainer.inference.lora_rows.plan_rows` lays them out (no gather when the
-    rows of each adapter are consecutive and as many).
+    rows of each adapter are consecutive and as many) and go through
+    :func:`~opentinker_trainer.inference.lora_rows.grouped_update`, as in ``RowLoRA``.
+
+    Raises (from the forward): RuntimeError when a LoRA layer runs on a batch whose row count is
+    none of ``rows``: its rows' adapters are unknown, so the pass fails and its requests run
+    alone rather than without their LoRA.
     """
 
     def __init__(self, peft_model, rows: Mapping[int, Sequence[str]]) -> None:
         from peft.tuners.lora import Linear
 
+        self._handles = []
         self._rows = {n: list(names) for n, names in rows.items()}
         self._plans: dict[tuple, dict] = {}
         self._stacks: dict[int, tuple] = {}
-        self._handles = []
         wanted = {a for names in self._rows.values() for a in names}
-        for module in peft_model.modules():
-            if isinstance(module, Linear) and any(a in module.lora_A for a in wanted):
-                self._handles.append(module.register_forward_hook(self._hook))
+        try:
+            for module in peft_model.modules():
+                if isinstance(module, Linear) and any(a in module.lora_A for a in wanted):
+                    self._handles.append(module.register_forward_hook(self._hook))
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
+        """Remove the hooks registered so far; safe to call again."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -302,10 +382,11 @@ class GradRows:
                 if a in module.lora_A and a not in present:
                     present.append(a)
             rank = max(module.lora_A[a].weight.shape[0] for a in present)
-            a_stack = torch.stack([_pad_rows(module.lora_A[a].weight, rank) for a in present])
-            b_stack = torch.stack([_pad_cols(module.lora_B[a].weight, rank) for a in present])
+            a_stack = torch.stack([_pad_rank(module.lora_A[a].weight, rank, 0) for a in present])
+            b_stack = torch.stack([_pad_rank(module.lora_B[a].weight, rank, 1) for a in present])
             scale = torch.tensor([float(module.scaling[a]) for a in present], device=a_stack.device)
-            entry = (tuple(present), a_stack.transpose(1, 2), b_stack.transpose(1, 2), scale.to(b_stack.dtype))
+            b_stack = b_stack * scale.to(b_stack.dtype)[:, None, None]
+            entry = (tuple(present), a_stack.transpose(1, 2), b_stack.transpose(1, 2))
             self._stacks[id(module)] = entry
         return entry
 
@@ -318,31 +399,28 @@ class GradRows:
     def _hook(self, module, args, output):
         x = args[0]
         rows, fan_in = x.shape[0], x.shape[-1]
-        if rows not in self._rows:
-            return None
-        present, a_t, b_t, scale = self._stack(module)
+        if rows not in self._rows:  # a batch the pass does not know: its rows' adapters unknown
+            raise RuntimeError(f"a LoRA layer ran on {rows} rows; this pass's batches have {sorted(self._rows)} rows")
+        present, a_t, b_t = self._stack(module)
         plan, identity = self._plan(present, rows, x.device)
-        if plan is None:
+        if plan is None:  # no row of this pass has an adapter this layer holds
             return None
         per_row = x.reshape(rows, -1, fan_in)
         t = per_row.shape[1]
         groups, size = int(plan.adapters.shape[0]), plan.size
         if groups != len(present):  # some adapter has no rows in this pass: its stack slice unused
-            a_t, b_t, scale = a_t[plan.adapters], b_t[plan.adapters], scale[plan.adapters]
+            a_t, b_t = a_t[plan.adapters], b_t[plan.adapters]
         xs = per_row if identity else per_row.index_select(0, plan.src)
         xs = xs.reshape(groups, size * t, fan_in).to(a_t.dtype)
-        delta = torch.bmm(torch.bmm(xs, a_t), b_t) * scale[:, None, None]  # [G, m * T, out]
-        if plan.padded:  # padding slots (a repeated row) add nothing
-            delta = delta.reshape(groups, size, t, -1) * plan.keep.to(delta.dtype)[:, :, None, None]
-        delta = delta.reshape(groups * size, t, -1).to(output.dtype)
+        delta = grouped_update(xs, a_t, b_t, plan, t).to(output.dtype)
         out = output.reshape(rows, t, -1)
         out = out + delta if identity else out.index_add(0, plan.src, delta)
         return out.reshape(output.shape)
 
 
-def _pad_rows(weight: torch.Tensor, rank: int) -> torch.Tensor:
-    return weight if weight.shape[0] == rank else torch.nn.functional.pad(weight, (0, 0, 0, rank - weight.shape[0]))
-
-
-def _pad_cols(weight: torch.Tensor, rank: int) -> torch.Tensor:
-    return weight if weight.shape[1] == rank else torch.nn.functional.pad(weight, (0, rank - weight.shape[1]))
+def _pad_rank(weight: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
+    """``weight`` zero-padded along ``dim`` (its rank: 0 for ``A``, 1 for ``B``) to ``rank``."""
+    short = rank - weight.shape[dim]
+    if short == 0:
+        return weight
+    return torch.nn.functional.pad(weight, (0, short) if dim == 1 else (0, 0, 0, short))

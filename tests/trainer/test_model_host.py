@@ -162,7 +162,6 @@ def test_batched_rollouts_and_updates_leave_every_tenant_as_it_is_alone_and_a_di
     updates: list[int] = []  # the requests of each update run
     run_updates = host.run_updates
     host.run_updates = lambda requests: (updates.append(len(requests)), run_updates(requests))[1]
-    monkeypatch.setattr(update_batch, "PASS_TOKENS", 10**6)  # every run one pass
     alone: list[str] = []  # update passes run alone: a run of one, never a batch's fallback
     solo = update_batch.run_alone
     monkeypatch.setattr(update_batch, "run_alone", lambda model, r: (alone.append(r.adapter), solo(model, r))[1])
@@ -177,8 +176,14 @@ def test_batched_rollouts_and_updates_leave_every_tenant_as_it_is_alone_and_a_di
 
     assert host.turns.requests["rollout"] > host.turns.runs["rollout"] == len(runs)
     assert max(map(len, runs)) >= 3, runs  # runs took several tenants' rollouts
-    assert host.turns.requests["update"] > host.turns.runs["update"] == len(updates)
-    assert max(updates) >= 3 and len(alone) == updates.count(1), (updates, alone)
+    assert host.turns.runs["update"] == len(updates)
+    # Whatever the thread timing: a rollout run of three holds two tenants or more that go on to
+    # their update (n-nan's rollout fails). The runner queues its update pass at once, behind
+    # the others' places in line, and each of them queues its own when its place comes: some
+    # update run takes two requests or more, in one pass under the real PASS_TOKENS, and no
+    # batched pass falls back to passes alone.
+    assert max(updates) >= 2 and len(alone) == updates.count(1), (updates, alone)
+    assert host.turns.fallbacks["update"] == 0
     # (Whether n-nan's one rollout shared a run depends on thread timing; a NaN request in a
     # shared run failing alone is tests/trainer/rl/test_rollout_batch.py's.)
     (failed,) = _lines(out, "n-nan", "failed")
