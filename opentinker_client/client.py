@@ -943,7 +943,10 @@ class RLClient:
         Before it returns, it makes one call on the server, so a wrong CA, a TLS/plaintext mix-up
         or a refused key fails here rather than on the first request: bound to an adapter, a
         one-token ``Generate`` that loads it (the OpenAI endpoint's ``/v1/models`` lists it from
-        then on), else ``ListAdapters``.
+        then on), else ``ListAdapters``. That ``Generate`` costs one generated token, counted in
+        usage like any other; the adapter loads within that call's timeout (the returned
+        client's ``timeout``, 120 seconds); it fails with ResourceExhaustedError when all of
+        the server's adapter slots are in use.
 
         Raises:
             NotFoundError: no such task, no checkpoint at ``step`` (a running session: no sampler

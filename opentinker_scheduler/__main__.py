@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
             config, host=args.host, port=args.port, http_port=http_port, advertise_address=args.advertise_address
         )
         gc.collect()  # the start's garbage goes now, before what lives on is frozen
-        gc.freeze()  # full collections skip the start's ~70k objects: they stall the loop a few ms, not 50-200
+        gc.freeze()  # full collections then skip the start's long-lived objects and stall the loop less
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -12,11 +12,8 @@
    machine's other load, which drifts over tens of seconds, falls on both alike. Prints bob's
    median and p95 latency of each call, quiet and under the flood, and their ratio; the goal is at
    most 1.5x at both. Also what the flood got: calls answered and refused (RESOURCE_EXHAUSTED).
-   Eight cycles give each call 256 samples per phase, so a p95 rests on its 13 slowest rather
-   than 10: one stall (a collection, a burst of the machine's other load) moves it less, in both
-   phases alike. More cycles would change the flood itself: about 110 of its submits are
-   accepted per cycle, and past 1000 the owner's pending limit refuses the rest. The flood part
-   takes about 100 s.
+   Eight cycles give enough samples that one stall moves a p95 little, and few enough that the
+   flood's accepted submits stay under the owner's pending limit.
 
     .venv/bin/python scripts/bench_security.py [--submits 300] [--gets 1000] [--cycles 8] [--phase-seconds 4]
 

@@ -911,8 +911,9 @@ class _RangeFile:
         """Hash the file's bytes in order as they are written, until ``future`` (its transfer)
         is done and every byte written is hashed. Each pass hashes all the bytes written since
         the last through one memory map of the file, in one call that releases the GIL. When
-        the transfer wrote some bytes twice (a retried range), the file's final bytes are hashed
-        again from the start, so the hash is that of the file as it is left.
+        the whole file came and some bytes were written twice (a retried range), it is hashed
+        again from the start, so the hash is that of the file as it is left. A transfer that
+        failed leaves the hash short, and its partial file is not read again.
 
         Returns:
             The bytes hashed (the file's size when all came) and their SHA-256 (hex).
@@ -933,7 +934,7 @@ class _RangeFile:
                     hashed = upto
                 elif finished:
                     break
-            if received != hashed:
+            if hashed == self.size_bytes and received > hashed:
                 digest = hashlib.sha256()
                 if hashed:
                     assert fd is not None
@@ -946,7 +947,11 @@ class _RangeFile:
 
 def _hash_mapped(digest, fd: int, start: int, end: int) -> None:
     """Add bytes ``start`` to ``end`` of the file ``fd`` to ``digest``, read through a memory map
-    of them: no copy out of the page cache, and its pages are mapped in one call."""
+    of them: no copy out of the page cache, and its pages are mapped in one call.
+
+    A read error or a truncation of the file under the map would raise SIGBUS, not OSError. The
+    file is a private temporary one this get created and owns, and only bytes already written to
+    it are mapped, so neither happens short of a failing disk."""
     base = start - start % mmap.ALLOCATIONGRANULARITY
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     with mmap.mmap(fd, end - base, flags=flags, prot=mmap.PROT_READ, offset=base) as mapped:

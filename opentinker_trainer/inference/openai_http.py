@@ -5,10 +5,12 @@ OpenAI API (the ``openai`` Python client, LangChain, curl).
 Routes (the OpenAI API reference, https://platform.openai.com/docs/api-reference):
 
 * ``GET /v1/models``: the base model by its name (:func:`base_model_id`: the task's
-  ``spec.model``, a local folder by its last component) and every adapter this server has served
+  ``spec.model``, a local folder by its last component) and the adapters this server has served
   that the caller may use, by the id a request gave it (its training task's id, or
   ``task@step``), resident or not: ``RLClient.serve`` and ``opentinker serve`` load the adapter
-  they bind, so it is listed before its first request. ``model`` also accepts ``spec.model`` as
+  they bind, so it is listed before its first request. The
+  :data:`~.runtime.MAX_SERVED_ADAPTERS` most recently served are listed; one whose checkpoint no
+  longer resolves (deleted) is left out and forgotten. ``model`` also accepts ``spec.model`` as
   written, and any other adapter of the caller (a ``lora_finetune``/``sft``/``lora_session``
   task on this base model), listed once it has been served.
 * ``POST /v1/completions``: ``prompt`` (a string, or a list of one), ``max_tokens`` (default 16,
@@ -242,6 +244,14 @@ def build_openai_app(runtime: ModelRuntime, *, access: AccessChecker | None = No
                     raise adapter_not_found(adapter) from None
                 raise
 
+    async def may_use(request: Request, task: str) -> bool:
+        """Whether the caller may use adapters of task ``task`` (admitted to this endpoint)."""
+        try:
+            await admit(request, task)
+        except AdapterNotFound:
+            return False
+        return True
+
     def error(exc: Exception):
         err = OpenAIError.from_exception(exc)
         return JSONResponse(err.body(), status_code=err.status)
@@ -415,19 +425,18 @@ def build_openai_app(runtime: ModelRuntime, *, access: AccessChecker | None = No
     async def models(request: Request):
         try:
             await admit(request)
-            visible = []
-            for name, first in list(runtime.served_adapters.items()):
-                try:
-                    await admit(request, name)
-                except AdapterNotFound:
-                    continue
-                visible.append((name, first))
+            served = dict(runtime.served_adapters)
+            # One access check per task, however many of its versions were served.
+            tasks = sorted({split_adapter_name(name)[0] for name in served})
+            allowed = await asyncio.gather(*(may_use(request, task) for task in tasks))
+            mine = {task for task, ok in zip(tasks, allowed) if ok}
+            visible = await runtime.resolvable_adapters([n for n in served if split_adapter_name(n)[0] in mine])
         except Exception as exc:  # noqa: BLE001
             return error(exc)
         data = [{"id": base_id, "object": "model", "created": created, "owned_by": "opentinker"}]
         data += [
-            {"id": name, "object": "model", "created": int(first), "owned_by": "opentinker", "parent": base_id}
-            for name, first in visible
+            {"id": name, "object": "model", "created": int(served[name]), "owned_by": "opentinker", "parent": base_id}
+            for name in sorted(visible, key=served.__getitem__)
         ]
         return {"object": "list", "data": data}
 

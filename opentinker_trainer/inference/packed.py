@@ -2,12 +2,12 @@
 
 On CPU, ``torch.nn.functional.linear`` runs MKL's ``sgemm`` on the weight as it is stored
 (``[out, in]``, used transposed). For the few rows of a decode step that is far from the memory
-bound: measured on this project's 2-core AMD EPYC (AVX-512), one thread, SmolLM2-135M, all 211
-``Linear`` layers in a row: 1 row 58 ms, 4 rows 91 ms, 16 rows 116 ms, 46 rows (a prefill) 217 ms.
-The same products through oneDNN on weights reordered once into its blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile``'s CPU backend does when it
-freezes weights; run by ``torch.ops.mkldnn._linear_pointwise``): 54 / 36 / 74 / 146 ms. A decode
-step of a few rows then costs about what one row costs, which is what continuous batching needs.
+bound: each extra row adds much of a row's cost. The same products through oneDNN on weights
+reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what
+``torch.compile``'s CPU backend does when it freezes weights; run by
+``torch.ops.mkldnn._linear_pointwise``) cost little more for a few rows than for one, so a decode
+step of a few rows costs about what one row costs, which is what continuous batching needs. The
+figures are in docs/inference.md, "Packed weights on CPU".
 
 On a model the server owns, :func:`pack_linears` reorders the weight of every plain float32
 ``nn.Linear`` on CPU into that layout and the packed weight replaces the plain one: the layer
@@ -15,8 +15,7 @@ becomes a :class:`PackedLinear` whose ``weight`` is empty, so the model holds it
 Not the LoRA ``A`` / ``B`` matrices, which are small and grouped elsewhere. A layer whose weight
 another module shares, such as an ``lm_head`` tied to the embeddings, keeps its plain weight, so
 the embeddings still read it, and becomes a :class:`SharedLinear`: oneDNN runs on the plain
-layout. For SmolLM2's tied ``lm_head`` (49152 x 576), one thread, that costs 8.5 ms for 1 row,
-10 for 2, 11 for 4, 17 for 16, against MKL's 10 / 22 / 17 / 26 ms, with no second copy.
+layout, still faster than MKL for a few rows, with no second copy.
 A model host's shared model is never packed: its training tenants need the plain weights and
 their gradients.
 

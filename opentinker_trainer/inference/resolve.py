@@ -296,7 +296,16 @@ class SchedulerResolver:
         self.channel.close()
 
     def __call__(self, name: str) -> Path:
-        """Raises AdapterNotFound (no such task, no checkpoint, none at the step named),
+        """The folder of adapter ``name``'s checkpoint, fetched. Raises as :meth:`check`."""
+        ckpt = self.check(name)
+        if ckpt.artifact.key and self.fetch is not None:
+            return Path(self.fetch(ckpt))
+        return Path(ckpt.path)
+
+    def check(self, name: str) -> common_pb2.Checkpoint:
+        """The checkpoint adapter ``name`` is served from, as the scheduler lists it; not fetched.
+
+        Raises AdapterNotFound (no such task, no checkpoint, none at the step named),
         AdapterRefused (not finished, a running session without a sampler save, not a LoRA
         checkpoint, another base model); grpc.RpcError when the scheduler is unreachable.
         ``name``: see :func:`split_adapter_name`."""
@@ -312,12 +321,9 @@ class SchedulerResolver:
                 raise adapter_not_found(name) from None
             raise
         deleted = found.artifacts_deleted if found.HasField("artifacts_deleted") else None
-        ckpt = adapter_checkpoint(
+        return adapter_checkpoint(
             name, found.task, self.served_model, deleted, step=step, checkpoints=found.checkpoints
         )
-        if ckpt.artifact.key and self.fetch is not None:
-            return Path(self.fetch(ckpt))
-        return Path(ckpt.path)
 
     def current(self, name: str) -> str:
         """The adapter version a request naming ``name`` is served, fixed when it arrives:

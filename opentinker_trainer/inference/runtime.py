@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Sequence
 
-from opentinker_trainer.inference.adapters import AdapterRegistry
+from opentinker_trainer.inference.adapters import AdapterNotFound, AdapterRegistry
 from opentinker_trainer.inference.batch import BASE_ROW, DecodeBatch, Member
 from opentinker_trainer.inference.engine import FINISH_STOP, SamplingParams, cache_kwarg
 from opentinker_trainer.inference.packed import available as packing_available
@@ -84,6 +84,9 @@ MAX_DRAFT = 6
 #: Rows up to which decode steps check drafts. With more rows every extra position adds its
 #: compute to a step that already is compute-bound.
 MAX_DRAFTING_ROWS = 2
+#: Adapter ids :attr:`ModelRuntime.served_adapters` keeps: the most recently served. Listing them
+#: checks each one, so the bound keeps ``/v1/models`` cheap; an id past it is still accepted.
+MAX_SERVED_ADAPTERS = 64
 
 
 class BadRequest(ValueError):
@@ -257,8 +260,11 @@ class ModelRuntime:
         self.stop_token_ids = list(stop_token_ids)
         self.context_length = _context_length(model)
         #: Adapter names as requests gave them (``<task id>`` or ``<task id>@<step>``) that were
-        #: loaded and served, with the unix time of the first: ids ``model`` accepts, resident or not.
-        self.served_adapters: dict[str, float] = {}
+        #: loaded and admitted, with the unix time of the first: ids ``model`` accepts, resident or
+        #: not. The :data:`MAX_SERVED_ADAPTERS` most recently served are kept, least recently served
+        #: first; an id that no longer resolves (its checkpoint deleted: AdapterNotFound) is dropped
+        #: when a request or :meth:`resolvable_adapters` finds it so.
+        self.served_adapters: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.running = 0  # requests between their start and the release of their row and adapter
         self.steps = 0  # batch steps run (all requests): prefill passes and decode steps
         self.decode_steps = 0  # decode steps of the whole batch run
@@ -455,29 +461,34 @@ class ModelRuntime:
         if self._must_wait(job) and len(self._queue) >= self.config.max_queued:
             raise Busy(self._full_message())
         self.running += 1
+        named = req.adapter  # the id the request gave; ``req.adapter`` becomes the version served
         try:
-            if req.adapter is not None:
-                named = req.adapter
+            if named is not None:
                 # The version is fixed now, on arrival: on a model host the training tenant's
                 # adapter as it is between its steps (a pinned copy), else a running task's
                 # newest checkpoint.
-                live = await self._on_model_thread(self._live, req.adapter) if self._live is not None else None
-                if live is not None:
-                    job.req = req = dataclasses.replace(req, adapter=live)
-                    job.pinned = True
-                else:
-                    version = await self.current_adapter(req.adapter)
-                    if version != req.adapter:
-                        job.req = req = dataclasses.replace(req, adapter=version)
-                # A resident adapter is pinned right here (a lock, no model-thread hop behind the
-                # step in flight); only a load runs on the model thread.
-                if not job.pinned and not self.registry.pin_resident(req.adapter):
-                    path = await asyncio.to_thread(self.registry.resolve, req.adapter)
-                    await self._on_model_thread(self.registry.acquire, req.adapter, path)
+                try:
+                    live = await self._on_model_thread(self._live, req.adapter) if self._live is not None else None
+                    if live is not None:
+                        job.req = req = dataclasses.replace(req, adapter=live)
+                        job.pinned = True
+                    else:
+                        version = await self.current_adapter(req.adapter)
+                        if version != req.adapter:
+                            job.req = req = dataclasses.replace(req, adapter=version)
+                    # A resident adapter is pinned right here (a lock, no model-thread hop behind the
+                    # step in flight); only a load runs on the model thread.
+                    if not job.pinned and not self.registry.pin_resident(req.adapter):
+                        path = await asyncio.to_thread(self.registry.resolve, req.adapter)
+                        await self._on_model_thread(self.registry.acquire, req.adapter, path)
+                except AdapterNotFound:
+                    self.served_adapters.pop(named, None)  # no longer an id ``model`` accepts
+                    raise
                 job.pinned = True
-                self.served_adapters.setdefault(named, time.time())
             if self._must_wait(job) and len(self._queue) >= self.config.max_queued:
                 raise Busy(self._full_message())  # the queue filled while the adapter loaded
+            if named is not None:
+                self._record_served(named)
             decode_text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
             job.member = Member.create(req.prompt_ids, req.params, req.adapter, self.stop_token_ids, self._device)
             job.streams = [TextStream(decode_text, req.params.stop) for _ in range(req.params.n)]
@@ -500,6 +511,41 @@ class ModelRuntime:
                 self._wake.set()  # the engine drops its rows before the next step, then finalizes
             else:
                 self._finalize(job)
+
+    def _record_served(self, name: str) -> None:
+        """Record adapter id ``name`` in :attr:`served_adapters` as the most recently served,
+        keeping the time it was first served; the least recently served beyond
+        :data:`MAX_SERVED_ADAPTERS` go."""
+        self.served_adapters[name] = self.served_adapters.pop(name, time.time())
+        while len(self.served_adapters) > MAX_SERVED_ADAPTERS:
+            self.served_adapters.popitem(last=False)
+
+    async def resolvable_adapters(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` (ids in :attr:`served_adapters`) a request can still use: a resident
+        one as it is, any other unless resolving it finds it gone (:class:`AdapterNotFound`: no
+        such task, its checkpoint deleted), which drops it from :attr:`served_adapters`. One
+        refused now (a training task with no checkpoint yet, served live on a model host) or that
+        cannot be checked now (the scheduler is unreachable) is kept and returned.
+
+        A resolver with a ``check`` method (:meth:`~.resolve.SchedulerResolver.check`) is asked
+        that, which reads the checkpoint's record without fetching it; else ``resolve`` itself.
+        """
+        check = getattr(self.registry.resolve, "check", self.registry.resolve)
+
+        async def usable(name: str) -> bool:
+            if self.registry.is_resident(name):
+                return True
+            try:
+                await asyncio.to_thread(check, name)
+            except AdapterNotFound:
+                self.served_adapters.pop(name, None)
+                return False
+            except Exception:  # noqa: BLE001 - refused now or unknown (no scheduler): listed, checked again next time
+                return True
+            return True
+
+        kept = await asyncio.gather(*(usable(n) for n in names))
+        return [n for n, ok in zip(names, kept) if ok]
 
     @property
     def queued(self) -> int:

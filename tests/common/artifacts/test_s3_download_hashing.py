@@ -70,6 +70,37 @@ def test_overlapping_ranges_in_any_order_hash_to_the_files_sha256(tmp_path):
     assert (tmp_path / "w").read_bytes() == data
 
 
+def test_a_failed_transfer_reads_its_partial_file_once(tmp_path, monkeypatch):
+    # Ranges past a gap were written, then the transfer failed: the bytes before the gap are
+    # hashed as they came and not read again before the error goes up.
+    data = os.urandom(1024 * 1024)
+    read = []
+    hash_mapped = s3_module._hash_mapped
+
+    def counted(digest, fd, start, end):
+        read.append(end - start)
+        hash_mapped(digest, fd, start, end)
+
+    monkeypatch.setattr(s3_module, "_hash_mapped", counted)
+    f = _RangeFile(tmp_path / "w", len(data), threading.Condition())
+    done: Future = Future()
+
+    def transfer() -> None:
+        for start, end in ((0, 512 * 1024), (600 * 1024, len(data))):
+            f.seek(start)
+            f.write(data[start:end])
+        done.set_exception(ConnectionError("the stream broke"))
+        f.on_done(done)
+
+    writer = threading.Thread(target=transfer)
+    writer.start()
+    got = f.hash_as_written(done)
+    writer.join()
+    f.close()
+    assert got == (512 * 1024, hashlib.sha256(data[: 512 * 1024]).hexdigest())
+    assert sum(read) == 512 * 1024
+
+
 class _CaughtUp(threading.Condition):
     """The hashing thread's condition: ``caught_up`` is set when that thread waits while every
     byte of the file is written, which it does only once it has hashed them all."""

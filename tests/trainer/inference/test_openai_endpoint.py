@@ -4,6 +4,9 @@ stop, max_tokens, logprobs, the same answers as the gRPC service, errors in Open
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from opentinker_client.inference import InferenceClient
 
 from tests.support.inference import ServerThread, make_adapter, tiny_runtime
+from tests.support.waiting import wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -67,6 +71,100 @@ def test_models_list_every_adapter_served_also_after_it_was_evicted(tiny_model_d
     finally:
         grpc_server.call(http.stop())
         grpc_server.close()
+
+
+@contextlib.contextmanager
+def _endpoint(runtime):
+    """``(gRPC server, openai client)`` of ``runtime`` served on loopback."""
+    from opentinker_trainer.inference.openai_http import start_openai_server
+
+    grpc_server = ServerThread(runtime)
+    http = grpc_server.call(start_openai_server(runtime, host="127.0.0.1", port=0))
+    try:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{http.port}/v1", api_key="unused", max_retries=0) as client:
+            yield grpc_server, client
+    finally:
+        grpc_server.call(http.stop())
+        grpc_server.close()
+
+
+def test_models_list_the_most_recently_served_adapters_only(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    from opentinker_trainer.inference import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "MAX_SERVED_ADAPTERS", 2)
+    adapters = {f"task-l{i}": make_adapter(tiny_model_dir, tmp_path / f"l{i}", seed=50 + i) for i in range(3)}
+    with _endpoint(tiny_runtime(tiny_model_dir, adapters)) as (grpc_server, client):
+        grpc = InferenceClient(grpc_server.address)
+        for name in ("task-l0", "task-l1", "task-l0", "task-l2"):  # task-l1 is the least recently served
+            grpc.generate(PROMPT, adapter=name, max_tokens=1)
+        assert [m.id for m in client.models.list().data] == [tiny_model_dir.name, "task-l0", "task-l2"]
+        assert client.completions.create(model="task-l1", prompt=PROMPT, max_tokens=1).model == "task-l1"
+        assert [m.id for m in client.models.list().data] == [tiny_model_dir.name, "task-l2", "task-l1"]
+
+
+def test_an_adapter_whose_checkpoint_is_gone_is_forgotten_when_used_or_listed(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    table = {f"task-g{i}": make_adapter(tiny_model_dir, tmp_path / f"g{i}", seed=60 + i) for i in range(3)}
+    runtime = tiny_runtime(tiny_model_dir, max_resident_adapters=1)
+
+    def resolve(name: str) -> Path:
+        from opentinker_trainer.inference.adapters import AdapterNotFound
+
+        if name not in table:
+            raise AdapterNotFound(f"adapter {name!r}: task has no checkpoint (its artifacts were deleted)")
+        return table[name]
+
+    runtime.registry.resolve = resolve
+    with _endpoint(runtime) as (grpc_server, client):
+        grpc = InferenceClient(grpc_server.address)
+        for name in table:  # one slot: only the last stays resident
+            grpc.generate(PROMPT, adapter=name, max_tokens=1)
+        del table["task-g0"], table["task-g1"]  # their checkpoints are deleted
+        with pytest.raises(openai.NotFoundError, match="deleted"):
+            client.completions.create(model="task-g0", prompt=PROMPT, max_tokens=1)
+        assert list(runtime.served_adapters) == ["task-g1", "task-g2"]  # forgotten when used
+        assert [m.id for m in client.models.list().data] == [tiny_model_dir.name, "task-g2"]
+        assert list(runtime.served_adapters) == ["task-g2"]  # forgotten when listed
+
+
+class _PinnedLater:
+    """A resolver whose ``current`` pins ``task-b`` to ``task-b@1`` once ``go`` is set."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.asked = threading.Event()
+        self.go = threading.Event()
+
+    def __call__(self, name: str) -> Path:
+        return self.path
+
+    def current(self, name: str) -> str:
+        if name != "task-b":
+            return name
+        self.asked.set()
+        self.go.wait(60)
+        return "task-b@1"
+
+
+def test_a_request_refused_as_busy_after_its_adapter_is_ready_is_not_listed(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    runtime = tiny_runtime(tiny_model_dir, max_concurrent=1, max_queued=0)
+    versions = runtime.registry.resolve = _PinnedLater(make_adapter(tiny_model_dir, tmp_path / "b1", seed=71))
+    with _endpoint(runtime) as (grpc_server, client), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        grpc = InferenceClient(grpc_server.address)
+        grpc.generate(PROMPT, adapter="task-b@1", max_tokens=1)  # resident from now on
+        refused = pool.submit(client.completions.create, model="task-b", prompt=PROMPT, max_tokens=1)
+        wait_for(versions.asked.is_set, what="the request naming task-b asks for its version")
+        stream = grpc.generate_stream(PROMPT, temperature=0, max_tokens=400, ignore_eos=True)
+        next(stream)  # the one slot is taken while task-b's request waits for its version
+        versions.go.set()
+        with pytest.raises(openai.RateLimitError, match="queue is full"):
+            refused.result(60)
+        stream.close()
+        assert list(runtime.served_adapters) == ["task-b@1"]
+        assert [m.id for m in client.models.list().data] == [tiny_model_dir.name, "task-b@1"]
 
 
 def test_openai_client_streams_a_chat_completion_from_an_adapter_as_grpc_answers(served) -> None:
