@@ -59,12 +59,13 @@ log = structlog.get_logger("opentinker.update_batch")
 
 #: Token positions one batched pass takes at most, counted padded as the pass runs them: its
 #: prompts, each once, times the widest prompt, plus its completion rows times the widest
-#: completion. Its activations, kept for the backward, grow with them: about 1 MiB per position
-#: on SmolLM2-135M, so about 2 GiB at the limit. Four tenants' micro-batches of the default shape
-#: (4 prompts of 8 completions of 10 tokens, whole-batch micro-batches: about 500 positions each
-#: with the arithmetic prompts) fit in one pass. A request larger than the limit raises it to
-#: its own size, since it takes that memory alone anyway. Requests beyond it run in further passes.
-PASS_TOKENS = 2048
+#: completion. Its activations, kept for the backward, grow with them (about 1 MiB per position
+#: on SmolLM2-135M), so the limit is about twice one default-shaped micro-batch (4 prompts of 8
+#: completions of 10 tokens: about 500 positions with the arithmetic prompts): two such tenants
+#: share a pass, and a host holds at most about twice the activations a worker would. A request
+#: larger than the limit raises it to its own size, since it takes that memory alone anyway.
+#: Requests beyond it run in further passes.
+PASS_TOKENS = 1024
 
 _warned: set[type] = set()  # exception types of failed batched passes already logged
 
