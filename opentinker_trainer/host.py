@@ -359,7 +359,6 @@ class Tenant:
         from opentinker_trainer.context import abandon_point
         from opentinker_trainer.rl import rollout_batch
         from opentinker_trainer.rl.rollout import generate
-        from opentinker_trainer.workloads import _rng
 
         kw = dict(
             max_new_tokens=max_new_tokens,
@@ -380,18 +379,8 @@ class Tenant:
             rng_state=rollout_batch.rng_state(device),
             **kw,
         )
-        training = host.model.training
         abandon_point()  # a stopped tenant leaves its step before its rollout queues, or once it is back
-        self._rng = _rng.rng_state()  # its streams while others hold the model
-        outcome = host.turns.rollout(self, request, host.run_rollouts)
-        _rng.restore_rng_state(self._rng)
-        host.model.set_adapter(self.name)
-        host.model.train(training)
-        abandon_point()
-        if isinstance(outcome, BaseException):
-            raise outcome
-        if outcome.error is not None:
-            raise outcome.error
+        outcome = self._shared_run(host.turns.rollout, request, host.run_rollouts)
         rollout_batch.set_rng_state(outcome.rng_state, device)
         return outcome.rollout
 
@@ -406,9 +395,7 @@ class Tenant:
         Raises:
             Exception: whatever its own pass raised (another tenant's failure is not raised here).
         """
-        from opentinker_trainer.context import abandon_point
         from opentinker_trainer.rl import update_batch
-        from opentinker_trainer.workloads import _rng
 
         host = self.host
         request = update_batch.UpdateRequest(
@@ -419,19 +406,35 @@ class Tenant:
             temperature=temperature,
             group_size=group_size,
         )
-        training = host.model.training
+        outcome = self._shared_run(host.turns.update, request, host.run_updates)
+        update_batch.add_grads(params, outcome.grads)
+        return outcome.logp
+
+    def _shared_run(self, join, request, run):
+        """Queue ``request`` with ``join`` (:meth:`RoundRobin.rollout` or :meth:`RoundRobin.update`)
+        for a run of ``run`` that may take along other tenants' requests, and return this
+        tenant's outcome. Its RNG streams, the model's mode and its active adapter are restored
+        after the run; a stopped tenant leaves at the abandon point right after.
+
+        Raises:
+            Exception: whatever its own request raised.
+        """
+        from opentinker_trainer.context import abandon_point
+        from opentinker_trainer.workloads import _rng
+
+        model = self.host.model
+        training = model.training
         self._rng = _rng.rng_state()  # its streams while others hold the model
-        outcome = host.turns.update(self, request, host.run_updates)
+        outcome = join(self, request, run)
         _rng.restore_rng_state(self._rng)
-        host.model.set_adapter(self.name)
-        host.model.train(training)
+        model.set_adapter(self.name)
+        model.train(training)
         abandon_point()
         if isinstance(outcome, BaseException):
             raise outcome
         if outcome.error is not None:
             raise outcome.error
-        update_batch.add_grads(params, outcome.grads)
-        return outcome.logp
+        return outcome
 
     def turn_slice(self) -> float:
         """Seconds this tenant's turn may last (:meth:`RoundRobin.slice_for`)."""

@@ -38,3 +38,31 @@ def save_tiny_llama(out: Path, tokenizer_dir: Path) -> Path:
     LlamaForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def tiny_lora_model(model_dir: Path, adapters):
+    """The model of ``model_dir`` (frozen) with one LoRA adapter per ``(name, rank, target
+    modules)`` of ``adapters`` (alpha twice the rank, dropout 0.1, each initialised after
+    ``torch.manual_seed`` of its index), their B matrices random so that A gets non-zero
+    gradients; the first adapter active, eval mode. Returns ``(tokenizer, model)``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False).eval()
+    model = None
+    for i, (name, r, targets) in enumerate(adapters):
+        torch.manual_seed(i)
+        cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.1, target_modules=targets)
+        if model is None:
+            model = get_peft_model(base, cfg, adapter_name=name)
+        else:
+            model.add_adapter(name, cfg)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    model.set_adapter(adapters[0][0])
+    return tok, model.eval()

@@ -19,15 +19,18 @@ from opentinker_common.artifacts import s3 as s3_module
 from opentinker_common.artifacts.s3 import _RangeFile
 
 
-def _download(f: _RangeFile, data: bytes, ranges: list[tuple[int, int]]) -> tuple[int, str]:
-    """Write ``ranges`` of ``data`` in a thread, as boto3's I/O thread does, while this one hashes."""
+def _hash_while(f: _RangeFile, write, failure: BaseException | None = None) -> tuple[int, str]:
+    """Run ``write()`` in a thread, as boto3's I/O thread writes, then end the transfer, with
+    ``failure`` if given; this thread hashes meanwhile. Returns what
+    :meth:`_RangeFile.hash_as_written` returns."""
     done: Future = Future()
 
     def transfer() -> None:
-        for start, end in ranges:
-            f.seek(start)
-            f.write(data[start:end])
-        done.set_result(None)
+        write()
+        if failure is None:
+            done.set_result(None)
+        else:
+            done.set_exception(failure)
         f.on_done(done)
 
     writer = threading.Thread(target=transfer)
@@ -35,6 +38,17 @@ def _download(f: _RangeFile, data: bytes, ranges: list[tuple[int, int]]) -> tupl
     got = f.hash_as_written(done)
     writer.join()
     return got
+
+
+def _download(f: _RangeFile, data: bytes, ranges: list[tuple[int, int]]) -> tuple[int, str]:
+    """Write ``ranges`` of ``data`` in a thread, as boto3's I/O thread does, while this one hashes."""
+
+    def write() -> None:
+        for start, end in ranges:
+            f.seek(start)
+            f.write(data[start:end])
+
+    return _hash_while(f, write)
 
 
 def test_ranges_in_any_order_hash_to_the_files_sha256(tmp_path):
@@ -83,19 +97,13 @@ def test_a_failed_transfer_reads_its_partial_file_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(s3_module, "_hash_mapped", counted)
     f = _RangeFile(tmp_path / "w", len(data), threading.Condition())
-    done: Future = Future()
 
-    def transfer() -> None:
+    def write() -> None:
         for start, end in ((0, 512 * 1024), (600 * 1024, len(data))):
             f.seek(start)
             f.write(data[start:end])
-        done.set_exception(ConnectionError("the stream broke"))
-        f.on_done(done)
 
-    writer = threading.Thread(target=transfer)
-    writer.start()
-    got = f.hash_as_written(done)
-    writer.join()
+    got = _hash_while(f, write, ConnectionError("the stream broke"))
     f.close()
     assert got == (512 * 1024, hashlib.sha256(data[: 512 * 1024]).hexdigest())
     assert sum(read) == 512 * 1024
@@ -124,21 +132,15 @@ def test_a_range_written_again_with_other_bytes_after_it_was_hashed_is_hashed_as
     changed = _CaughtUp()
     f = _RangeFile(tmp_path / "w", len(data), changed)
     changed.file = f
-    done: Future = Future()
 
-    def transfer() -> None:
+    def write() -> None:
         f.seek(0)
         f.write(data)
         assert changed.caught_up.wait(60), "the hashing thread did not hash the written file"
         f.seek(8192)
         f.write(other)
-        done.set_result(None)
-        f.on_done(done)
 
-    writer = threading.Thread(target=transfer)
-    writer.start()
-    got = f.hash_as_written(done)
-    writer.join()
+    got = _hash_while(f, write)
     left = (tmp_path / "w").read_bytes()
     assert left == data[:8192] + other + data[8192 + len(other) :]
     assert got == (len(data), hashlib.sha256(left).hexdigest())

@@ -11,6 +11,7 @@ import torch
 
 from opentinker_trainer.rl.rollout import left_pad
 from opentinker_trainer.rl.rollout_batch import RolloutRequest, generate_alone, generate_batched, unbatchable
+from tests.support.models import tiny_lora_model
 
 #: A stop set of many frequent-enough ids: the tiny random model then ends rows at different
 #: steps (rarely on its one EOS), so rows that finish early and requests that end first are covered.
@@ -19,26 +20,7 @@ STOPS = list(range(0, 6000))
 
 def _model(tiny_model_dir: Path, ranks=(4, 8, 4)):
     """The tiny model with one LoRA adapter per rank (``a0``, ``a1`` ...), B matrices random."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).requires_grad_(False).eval()
-    model = None
-    for i, r in enumerate(ranks):
-        torch.manual_seed(i)
-        cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
-        if model is None:
-            model = get_peft_model(base, cfg, adapter_name=f"a{i}")
-        else:
-            model.add_adapter(f"a{i}", cfg)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    model.set_adapter("a0")
-    return tok, model.eval()
+    return tiny_lora_model(tiny_model_dir, [(f"a{i}", r, ["q_proj", "v_proj"]) for i, r in enumerate(ranks)])
 
 
 def _requests(tok) -> list[RolloutRequest]:

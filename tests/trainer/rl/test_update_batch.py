@@ -19,6 +19,7 @@ from opentinker_trainer.rl import update_batch
 from opentinker_trainer.rl.grpo import pg_loss
 from opentinker_trainer.rl.rollout import Rollout, left_pad, right_pad
 from opentinker_trainer.rl.update_batch import GradRows, UpdateRequest, run_alone, run_batched
+from tests.support.models import tiny_lora_model
 
 #: Adapters: name, rank, target modules (``a2`` misses ``v_proj``: its rows get no update there).
 ADAPTERS = (("a0", 4, ["q_proj", "v_proj"]), ("a1", 8, ["q_proj", "v_proj"]), ("a2", 4, ["q_proj", "o_proj"]))
@@ -26,26 +27,7 @@ ADAPTERS = (("a0", 4, ["q_proj", "v_proj"]), ("a1", 8, ["q_proj", "v_proj"]), ("
 
 def _model(tiny_model_dir: Path):
     """The tiny model with the :data:`ADAPTERS`, their B matrices random (non-zero gradients on A)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).requires_grad_(False).eval()
-    model = None
-    for i, (name, r, targets) in enumerate(ADAPTERS):
-        torch.manual_seed(i)
-        cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.1, target_modules=targets)
-        if model is None:
-            model = get_peft_model(base, cfg, adapter_name=name)
-        else:
-            model.add_adapter(name, cfg)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    model.set_adapter("a0")
-    return tok, model.eval()
+    return tiny_lora_model(tiny_model_dir, ADAPTERS)
 
 
 def _params(model, adapter: str) -> list[torch.nn.Parameter]:
