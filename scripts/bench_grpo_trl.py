@@ -321,6 +321,14 @@ def main() -> int:
             goal=">= 2.5x",
             settings={**settings, "steps": args.steps, "repeats": args.repeats, "order": "ABBA"},
             make="make bench-grpo-trl",
+            notes=(
+                f"Rewards, first 3 -> last 3 steps, mean of runs: ours {ours['reward_first3']:.3f} -> "
+                f"{ours['reward_last3']:.3f}, TRL {trl['reward_first3']:.3f} -> {trl['reward_last3']:.3f}. "
+                f"The peer ran with torch, transformers and peft at constraints.txt's pins and trl {TRL_VERSION} "
+                f"(.cache/peer-venv, built when missing, or --peer-python). The worker's own step time "
+                f"(perf/step_s) was {ours['worker_s_per_step']:.2f} s, the client-side {ours['s_per_step']:.2f} s: "
+                "the difference is what the service path adds per step."
+            ),
             details={
                 "ours_s_per_step": round(ours["s_per_step"], 2),
                 "trl_s_per_step": round(trl["s_per_step"], 2),
