@@ -513,7 +513,12 @@ class TrainingSession:
                 f"max_tokens_per_call {self.limits.max_tokens_per_call}"
             )
 
-    def _sample(self, jobs: Sequence[tuple[list[int], int, int | None]], params: SampleParams) -> list[PromptSamples]:
+    def _sample(
+        self,
+        jobs: Sequence[tuple[list[int], int, int | None]],
+        params: SampleParams,
+        more: Callable[[], Sequence[tuple[list[int], int, int | None]]] | None = None,
+    ) -> list[PromptSamples]:
         out = sample_prompts(
             self.model,
             self.tokenizer,
@@ -523,28 +528,52 @@ class TrainingSession:
             device=self.device,
             pad_id=self.pad_id,
             micro_batch_tokens=self.micro_batch_tokens,
+            more=more,
         )
         self._since_step["tokens_generated"] += sum(len(s.tokens) for r in out for s in r.samples)
         return out
 
-    @_in_turn
-    def sample(self, prompt: list[int], *, n: int = 1, seed: int | None = None, params: SampleParams) -> SampleResult:
-        """``n`` completions of ``prompt`` from the current weights.
+    def check_sample(self, prompt: Sequence[int], n: int, params: SampleParams) -> None:
+        """Refuse a :meth:`sample` call before it runs.
 
         Raises:
             BadRequest: ``n`` outside 1..64, a parameter out of range (:meth:`SampleParams.check`),
                 prompt plus max_tokens past the context.
             OverLimit: ``n * (prompt + max_tokens)`` over ``max_tokens_per_call``.
         """
-        self._jobs([(prompt, n, seed)], params, "", "n")
-        (result,) = self._sample([(list(prompt), n, seed)], params)
-        return SampleResult(
-            prompt_tokens=result.prompt_tokens,
-            samples=result.samples,
-            step=self.step,
-            prompt_logprobs=result.prompt_logprobs,
-            topk_prompt_logprobs=result.topk_prompt_logprobs,
-        )
+        self._jobs([(list(prompt), n, None)], params, "", "n")
+
+    def sample(self, prompt: list[int], *, n: int = 1, seed: int | None = None, params: SampleParams) -> SampleResult:
+        """``n`` completions of ``prompt`` from the current weights.
+
+        Raises:
+            BadRequest, OverLimit: see :meth:`check_sample`.
+        """
+        self.check_sample(prompt, n, params)
+        (result,) = self.sample_together([(list(prompt), n, seed)], params)
+        return result
+
+    @_in_turn
+    def sample_together(
+        self,
+        jobs: Sequence[tuple[list[int], int, int | None]],
+        params: SampleParams,
+        more: Callable[[], Sequence[tuple[list[int], int, int | None]]] | None = None,
+    ) -> list[SampleResult]:
+        """:meth:`sample` of each ``(prompt, n, seed)`` of ``jobs`` and of the jobs ``more`` gives
+        while they decode, in one continuous batch (:func:`~.sampling.sample_prompts`); the
+        answers in the order the jobs came. Each job must have passed :meth:`check_sample`. With a
+        seed a job samples what it samples alone: each job has its own random stream."""
+        return [
+            SampleResult(
+                prompt_tokens=r.prompt_tokens,
+                samples=r.samples,
+                step=self.step,
+                prompt_logprobs=r.prompt_logprobs,
+                topk_prompt_logprobs=r.topk_prompt_logprobs,
+            )
+            for r in self._sample(jobs, params, more)
+        ]
 
     @_in_turn
     def sample_snapshot(
