@@ -299,7 +299,9 @@ class TrainingSession:
         unscored prefix (the tokens before the first non-zero weight or advantage) they share with
         others: each such prefix runs once, its key/value cache serves its group
         (:func:`opentinker_trainer.rl.rollout.prefix_logprobs`, exact up to float rounding), and the
-        prefix positions' log-probs come from one no-grad pass over the distinct prefixes. Returns
+        prefix positions' log-probs come from that pass's hidden states, without gradient (from a
+        no-grad pass over the distinct prefixes for a model whose output projection does not give
+        its logits). Returns
         ``{datum index: [N] log-probs}`` for the datums done so (the rest run flat)."""
         groups: dict[tuple[int, ...], list[int]] = {}
         for i in rows:
@@ -317,12 +319,17 @@ class TrainingSession:
         completions = [list(datums[i].target_tokens[len(prefixes[g]) - 1 :]) for g, i in members]
         comp_ids, comp_mask = right_pad(completions, self.pad_id, self.device)
         index = torch.tensor([g for g, _ in members], dtype=torch.long, device=self.device)
-        scored = prefix_logprobs(self.model, prefix_ids, prefix_mask, index, comp_ids, comp_mask)
-        if scored is None:
+        shared = prefix_logprobs(self.model, prefix_ids, prefix_mask, index, comp_ids, comp_mask, prefix_scores=True)
+        if shared is None:
             return {}
-        with torch.no_grad():  # the prefix positions (coefficient 0): values only
-            flat = [Datum(list(k[:-1]) or [k[0]], list(k[1:]) or [k[0]]) for k in prefixes]
-            head = self._logprobs(flat, list(range(len(flat))))
+        scored, scores = shared
+        if scores is not None:  # the prefix positions (coefficient 0): values only, from the prefix pass
+            width = prefix_ids.shape[1]
+            head = [scores[g, width - len(k) :] for g, k in enumerate(prefixes)]
+        else:
+            with torch.no_grad():
+                flat = [Datum(list(k[:-1]) or [k[0]], list(k[1:]) or [k[0]]) for k in prefixes]
+                head = self._logprobs(flat, list(range(len(flat))))
         out = {}
         for r, (g, i) in enumerate(members):
             n_prefix = len(prefixes[g]) - 1
