@@ -14,10 +14,12 @@ Tinker-style primitives (docs/primitives.md)::
 Every method but :meth:`TrainingSession.get_info` returns a :class:`concurrent.futures.Future`
 at once; the calls go to the server one after another in the order they were made (one worker
 thread per session), each with the session's next sequence number, so queued calls apply in that
-order. A call the server refused (a bad datum: ``InvalidArgumentError``) did not apply and uses
-no number. A call that failed in transit (``UnavailableError``, ``DeadlineExceededError``) is
-retried with the same number (idempotent: an applied call is answered from the server's cache),
-up to ``retries`` times; after that the next call first asks the server which number it expects.
+order. Consecutive sample calls go without waiting for the answers before them: the session
+holds them for their turn and decodes those that wait together in one batch. A call the server
+refused (a bad datum: ``InvalidArgumentError``) did not apply and uses no number. A call that
+failed in transit (``UnavailableError``, ``DeadlineExceededError``) is retried with the same
+number (idempotent: an applied call is answered from the server's cache), up to ``retries``
+times; after that the next call first asks the server which number it expects.
 
 ``future.result(timeout=...)`` raises the call's typed error (:mod:`opentinker_client.errors`);
 an out-of-order call is :class:`OutOfOrderError` (a ``FailedPreconditionError``) with the
@@ -377,7 +379,11 @@ class TrainingSession:
         self._wait_pipelined(keep=PIPELINED_SAMPLES - 1)
         sequence = self._number()
         before = self._pipelined[-1] if self._pipelined else None
-        rpc = send(sequence)
+        try:
+            rpc = send(sequence)
+        except BaseException:  # not sent (a bad argument): the number is free
+            self.next_sequence = sequence
+            raise
 
         def answer():
             try:
@@ -403,7 +409,10 @@ class TrainingSession:
         for attempt in range(self.retries + 1):
             try:
                 response = call(sequence)
-            except grpc.RpcError as err:
+            except Exception as err:
+                if not isinstance(err, grpc.RpcError):
+                    self._unsure = True  # it may not have reached the server: ask before the next call
+                    raise
                 mapped = _error(err)
                 if isinstance(mapped, (UnavailableError, DeadlineExceededError)) and attempt < self.retries:
                     time.sleep(min(2.0**attempt * 0.2, 5.0))

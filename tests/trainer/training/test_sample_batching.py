@@ -176,3 +176,12 @@ def test_a_refused_sample_call_in_a_batch_gets_its_refusal_and_the_others_their_
         assert "prompt.tokens[0]: expected a token id in [0," in err.value.details()
         assert len(first.samples) == len(held[1].result(60).samples) == 3
         assert s.get_info().next_sequence == base + 3  # the refusal used up its number
+
+
+def test_a_sample_call_that_cannot_be_sent_uses_no_number(world) -> None:
+    with TrainingSession(world["served"].address, api_key=world["token"]) as s:
+        base = s.get_info().next_sequence
+        with pytest.raises(ValueError):
+            s.sample(PROMPTS[0], max_tokens="many").result(60)  # refused before it is sent
+        out = s.sample(PROMPTS[0], n=1, max_tokens=MAX_TOKENS, seed=0).result(60)
+        assert out.sequence == base and s.get_info().next_sequence == base + 1
