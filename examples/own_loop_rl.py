@@ -41,7 +41,7 @@ def train(
             Problem(a, b, DEFAULT_INSTRUCTION.format(a=a, b=b))
             for a, b in ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(problems_per_step))
         ]
-        samples = [  # queued at once; they run one after another on the session
+        samples = [  # queued at once; the session decodes them in one batch
             session.sample(
                 messages=[{"role": "user", "content": p.question}],
                 n=group_size,

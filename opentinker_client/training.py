@@ -14,10 +14,12 @@ Tinker-style primitives (docs/primitives.md)::
 Every method but :meth:`TrainingSession.get_info` returns a :class:`concurrent.futures.Future`
 at once; the calls go to the server one after another in the order they were made (one worker
 thread per session), each with the session's next sequence number, so queued calls apply in that
-order. A call the server refused (a bad datum: ``InvalidArgumentError``) did not apply and uses
-no number. A call that failed in transit (``UnavailableError``, ``DeadlineExceededError``) is
-retried with the same number (idempotent: an applied call is answered from the server's cache),
-up to ``retries`` times; after that the next call first asks the server which number it expects.
+order. Consecutive sample calls go without waiting for the answers before them: the session
+holds them for their turn and decodes those that wait together in one batch. A call the server
+refused (a bad datum: ``InvalidArgumentError``) did not apply and uses no number. A call that
+failed in transit (``UnavailableError``, ``DeadlineExceededError``) is retried with the same
+number (idempotent: an applied call is answered from the server's cache), up to ``retries``
+times; after that the next call first asks the server which number it expects.
 
 ``future.result(timeout=...)`` raises the call's typed error (:mod:`opentinker_client.errors`);
 an out-of-order call is :class:`OutOfOrderError` (a ``FailedPreconditionError``) with the
@@ -33,7 +35,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -75,6 +77,8 @@ LOSS_FNS = tuple(_LOSS)
 CHUNK_BYTES = 1 << 20
 #: ``google.rpc.ErrorInfo.domain`` of a session's refusals.
 ERROR_DOMAIN = "opentinker.training"
+#: Most sample calls sent ahead of their turn and not yet answered (the session holds 64 at most).
+PIPELINED_SAMPLES = 32
 
 
 @dataclass(frozen=True)
@@ -240,6 +244,13 @@ def batch_messages(header: training_pb2.BatchHeader, datums: Sequence[Any], requ
         yield request_cls(chunk=training_pb2.DatumChunk(datums=chunk))
 
 
+def _copy(source: Future, target: Future) -> None:
+    if source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(source.result())
+
+
 def _error(err: grpc.RpcError) -> OpenTinkerError:
     mapped = from_rpc_error(err)
     if isinstance(mapped, FailedPreconditionError) and mapped.status is not None:
@@ -303,6 +314,10 @@ class TrainingSession:
         self._tokens = tokens
         self._static_metadata = bearer_metadata(resolve_api_key(api_key))
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training-session")
+        #: Waits for the answers of sample calls sent ahead (:meth:`_sent_ahead`).
+        self._answers = ThreadPoolExecutor(max_workers=PIPELINED_SAMPLES, thread_name_prefix="training-answers")
+        #: The answers of the sample calls sent ahead and not yet waited for, in order (worker only).
+        self._pipelined: list[Future] = []
         self._unsure = False
         try:
             self.next_sequence = self.get_info().next_sequence
@@ -317,6 +332,7 @@ class TrainingSession:
     def close(self) -> None:
         """Wait for queued calls, then close the channel."""
         self._worker.shutdown(wait=True)
+        self._answers.shutdown(wait=True)
         self._channel.close()
 
     def __enter__(self) -> "TrainingSession":
@@ -331,16 +347,72 @@ class TrainingSession:
     def _submit(self, call: Callable[[int], Any], convert: Callable[[Any], Any]) -> Future:
         return self._worker.submit(self._ordered, call, convert)
 
-    def _ordered(self, call: Callable[[int], Any], convert: Callable[[Any], Any]) -> Any:
-        """Run ``call(sequence)`` with the next number (in the worker thread), retrying in transit."""
-        if self._unsure:  # a call's fate is unknown: ask which number the server expects now
+    def _wait_pipelined(self, keep: int = 0) -> None:
+        """Wait until at most ``keep`` sample calls sent ahead are still unanswered (worker only)."""
+        while len(self._pipelined) > keep:
+            wait([self._pipelined.pop(0)])
+
+    def _number(self) -> int:
+        """The next call's sequence number (worker only): asked from the server when the fate of
+        an earlier call is unknown, once no call sent ahead is unanswered."""
+        if self._unsure:
+            self._wait_pipelined()
             self.next_sequence = self.get_info().next_sequence
             self._unsure = False
         sequence = self.next_sequence
+        self.next_sequence += 1
+        return sequence
+
+    def _ordered(self, call: Callable[[int], Any], convert: Callable[[Any], Any]) -> Any:
+        """Run ``call(sequence)`` with the next number (in the worker thread), once the sample
+        calls sent ahead are answered; retrying in transit."""
+        self._wait_pipelined()
+        return convert(self._send(call, self._number()))
+
+    def _sent_ahead(self, call: Callable[[int], Any], send: Callable[[int], Any], convert: Callable[[Any], Any]):
+        """Send ``send(sequence)`` (an RPC future) with the next number without waiting for the
+        answers of the calls before it (in the worker thread); its answer is waited for on
+        another thread. The session holds a call ahead of its turn and runs it in its turn, and
+        draws sample calls that wait together in one batch. A call the session did not hold
+        (holding full, or held past ``held_call_timeout_s``) or that failed in transit is sent
+        again once the call before it is answered (``call``, with retries)."""
+        self._wait_pipelined(keep=PIPELINED_SAMPLES - 1)
+        sequence = self._number()
+        before = self._pipelined[-1] if self._pipelined else None
+        try:
+            rpc = send(sequence)
+        except BaseException:  # not sent (a bad argument): the number is free
+            self.next_sequence = sequence
+            raise
+
+        def answer():
+            try:
+                return convert(rpc.result())
+            except grpc.RpcError as err:
+                mapped = _error(err)
+            if before is not None:
+                wait([before])
+            transit = isinstance(mapped, (UnavailableError, DeadlineExceededError))
+            ahead = isinstance(mapped, OutOfOrderError) and 0 <= mapped.expected_sequence < sequence
+            # Not held, or held while the call before failed: that one may not have used its number.
+            if not (transit or (ahead and (before is None or before.exception() is None))):
+                self._unsure = True  # a refusal in its turn uses up the number, one before it does not
+                raise mapped
+            return convert(self._send(call, sequence))
+
+        out = self._answers.submit(answer)
+        self._pipelined.append(out)
+        return out
+
+    def _send(self, call: Callable[[int], Any], sequence: int) -> Any:
+        """``call(sequence)``, retrying in transit."""
         for attempt in range(self.retries + 1):
             try:
                 response = call(sequence)
-            except grpc.RpcError as err:
+            except Exception as err:
+                if not isinstance(err, grpc.RpcError):
+                    self._unsure = True  # it may not have reached the server: ask before the next call
+                    raise
                 mapped = _error(err)
                 if isinstance(mapped, (UnavailableError, DeadlineExceededError)) and attempt < self.retries:
                     time.sleep(min(2.0**attempt * 0.2, 5.0))
@@ -359,8 +431,7 @@ class TrainingSession:
                 else:  # a refusal in its turn uses up the number, one before it does not: ask
                     self._unsure = True
                 raise mapped from None
-            self.next_sequence = sequence + 1
-            return convert(response)
+            return response
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _unary(self, method: str, request_of: Callable[[int], Any]) -> Callable[[int], Any]:
@@ -523,7 +594,25 @@ class TrainingSession:
                 [list(zip(p.tokens, p.logprobs)) for p in r.topk_prompt_logprobs],
             )
 
-        return self._submit(self._unary("Sample", request), convert)
+        stub = self._stub.Sample
+        sent = self._worker.submit(
+            self._sent_ahead,
+            self._unary("Sample", request),
+            lambda seq: stub.future(request(seq), timeout=self.timeout, metadata=self._metadata()),
+            convert,
+        )
+        out: Future = Future()
+
+        def chain(done: Future) -> None:
+            try:
+                answer = done.result()
+            except BaseException as exc:  # noqa: BLE001 - the caller's future carries it
+                out.set_exception(exc)
+                return
+            answer.add_done_callback(lambda a: _copy(a, out))
+
+        sent.add_done_callback(chain)
+        return out
 
     def save_state(self, name: str) -> "Future[SavedStateInfo]":
         """Save adapter, optimizer and counters as state ``name`` (the task's newest checkpoint)."""

@@ -154,26 +154,52 @@ def shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_si
     return ids[:, 0], mask[:, 0]
 
 
-def _prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: int | torch.Tensor):
+def _prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: int | torch.Tensor, out=None):
     """Run prompts ``[N, P]`` once; return ``(last logits [N, 1, V], cache expanded to the rows)``.
 
     ``rows``: an int ``K`` (the cache is repeated ``K`` times per prompt, ``batch_repeat_interleave``)
     or ``[B]`` long prompt indices (``batch_select_indices``). Returns None when the model's cache
-    cannot be expanded so (then run flat).
+    cannot be expanded so (then run flat). ``out``: a forward of the prompts already run (with
+    ``use_cache``), to take its cache.
     """
-    out = model(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask.long(),
-        position_ids=position_ids_from_mask(prompt_mask),
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    if out is None:
+        out = model(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask.long(),
+            position_ids=position_ids_from_mask(prompt_mask),
+            use_cache=True,
+            logits_to_keep=1,
+        )
     cache = _model_cache(out)
     expand = "batch_repeat_interleave" if isinstance(rows, int) else "batch_select_indices"
     if cache is None or not hasattr(cache, expand):
         return None
     getattr(cache, expand)(rows)
     return out.logits[:, -1:, :], cache
+
+
+def _scored_prefix(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor):
+    """Run prefixes ``[N, P]`` once, keeping the last hidden states: ``(forward output, [N, P - 1]
+    log-probs of ``prefix_ids[:, 1:]`` without gradient, or None)``. The log-probs come from the
+    model's output projection on the hidden states; None when that does not give the model's
+    logits (a model that scales or caps its logits after the projection)."""
+    out = model(
+        input_ids=prefix_ids,
+        attention_mask=prefix_mask.long(),
+        position_ids=position_ids_from_mask(prefix_mask),
+        use_cache=True,
+        logits_to_keep=1,
+        output_hidden_states=True,
+    )
+    head = None
+    hidden = out.hidden_states[-1] if out.hidden_states else None
+    project = model.get_output_embeddings()
+    if hidden is not None and project is not None:
+        with torch.no_grad():
+            logits = project(hidden.detach())
+            if torch.allclose(logits[:, -1:, :].float(), out.logits[:, -1:, :].detach().float(), atol=1e-4, rtol=1e-4):
+                head = token_logprobs(logits[:, :-1, :], prefix_ids[:, 1:])
+    return out, head
 
 
 def _model_cache(out):
@@ -189,7 +215,9 @@ def prefix_logprobs(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float | torch.Tensor = 1.0,
-) -> torch.Tensor | None:
+    *,
+    prefix_scores: bool = False,
+):
     """Log-probs of completions that follow shared prefixes, each prefix run once: ``[B, T]`` float32.
 
     The prefixes are run once with a key/value cache; the cache (and the logits of each prefix's
@@ -207,11 +235,20 @@ def prefix_logprobs(
         temperature: log-probs under ``softmax(logits / temperature)``; a ``[B, 1, 1]`` tensor
             gives each row its own.
 
+        prefix_scores: also give each prefix token's log-prob given the tokens before it, from
+            the same prefix pass, without gradient (see :func:`_scored_prefix`).
+
     Returns:
-        ``[B, T]`` token log-probs (meaningless at masked positions), or None when the model's
-        cache cannot be expanded along the batch (then run the rows flat).
+        ``[B, T]`` token log-probs (meaningless at masked positions); with ``prefix_scores`` the
+        pair of those and the ``[N, P - 1]`` prefix log-probs (column ``j`` scores
+        ``prefix_ids[:, j + 1]``; meaningless where the mask is 0; None when the model's output
+        projection does not give its logits). None when the model's cache cannot be expanded
+        along the batch (then run the rows flat).
     """
-    shared = _prompt_cache(model, prefix_ids, prefix_mask, rows)
+    out = head = None
+    if prefix_scores:
+        out, head = _scored_prefix(model, prefix_ids, prefix_mask)
+    shared = _prompt_cache(model, prefix_ids, prefix_mask, rows, out)
     if shared is None:
         return None
     last, cache = shared  # last: [N, 1, V]
@@ -234,7 +271,8 @@ def prefix_logprobs(
         logits = torch.cat([logits, rest.logits], dim=1)
     if isinstance(temperature, torch.Tensor) or temperature != 1.0:
         logits = logits.float() / temperature
-    return token_logprobs(logits, completion_ids)
+    scores = token_logprobs(logits, completion_ids)
+    return (scores, head) if prefix_scores else scores
 
 
 @torch.no_grad()

@@ -128,31 +128,50 @@ def sample_prompts(
     device: torch.device,
     pad_id: int,
     micro_batch_tokens: int,
+    more: Callable[[], Sequence[tuple[list[int], int, int | None]]] | None = None,
 ) -> list[PromptSamples]:
     """Samples each ``(prompt, n, seed)`` of ``jobs`` from ``model`` as it is now (adapter active
     or not: the caller's business), every prompt in one continuous batch. ``params`` must be
-    checked. Returns one :class:`PromptSamples` per job, in order."""
+    checked. Returns one :class:`PromptSamples` per job, in order.
+
+    ``more``, when given, is called before the first pass and after each decode pass; the jobs it
+    returns join the running batch (a prefill pass of their own, then the shared decode passes),
+    and their answers follow those of ``jobs``, in the order they joined. Joining changes no
+    job's draws: each prompt has its own random stream."""
     own = [] if params.ignore_eos else list(stop_token_ids)
     stop_ids = own + [t for t in params.stop_token_ids if t not in own]
-    members = [Member.create(prompt, params.engine(n, seed), None, stop_ids, device) for prompt, n, seed in jobs]
-    slps: dict[int, list[list[float]]] = {id(m): [[] for _ in range(m.n)] for m in members}
+    admitted: list[tuple[list[int], int, int | None]] = []
+    members: list[Member] = []
+    slps: dict[int, list[list[float]]] = {}
     training = model.training
     model.eval()
     try:
         batch = DecodeBatch(model_for=lambda _names: (model, {}), cache_kw=cache_kwarg(model), device=device)
-        logits, cache, mask = batch.prefill(members)
-        for m, lg in zip(members, logits):
-            _draw(m, lg, params, tokenizer, slps[id(m)])
-        batch.add(members, cache, mask)
-        batch.remove({m for m in members if m.done})
+
+        def admit(new: Sequence[tuple[list[int], int, int | None]]) -> None:
+            joining = [Member.create(prompt, params.engine(n, seed), None, stop_ids, device) for prompt, n, seed in new]
+            if not joining:
+                return
+            admitted.extend(new)
+            members.extend(joining)
+            slps.update({id(m): [[] for _ in range(m.n)] for m in joining})
+            logits, cache, mask = batch.prefill(joining)
+            for m, lg in zip(joining, logits):
+                _draw(m, lg, params, tokenizer, slps[id(m)])
+            batch.add(joining, cache, mask)
+            batch.remove({m for m in joining if m.done})
+
+        admit(list(jobs) + list(more() if more is not None else ()))
         while batch.members:
             running = list(batch.members)
             for m, lg in zip(running, batch.forward()):
                 _draw(m, lg, params, tokenizer, slps[id(m)])
             batch.remove({m for m in running if m.done})
+            if more is not None:
+                admit(more())
         scores = prompt_scores(
             model,
-            [prompt for prompt, _, _ in jobs],
+            [prompt for prompt, _, _ in admitted],
             logprobs=params.prompt_logprobs,
             top_k=params.topk_prompt_logprobs,
             device=device,

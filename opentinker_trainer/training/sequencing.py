@@ -15,14 +15,20 @@ retry. A held call whose turn does not come within ``hold_s`` seconds is dropped
 (:class:`~.errors.OutOfOrder`): its number is not used up. Holding is bounded: at most
 ``max_held`` calls of ``max_held_bytes`` request bytes in all; a call beyond them is refused
 at once the same way.
+
+A call may be *joinable* (a ``key``): while it runs, the held calls of the same key numbered right
+after it (and after those) may join it (:meth:`Sequencer.run`), to run as one piece of work, such
+as sample calls drawn in one batch. Joined calls are consecutive, so no other call runs between
+them, and each keeps its own number and answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Hashable
 
 from opentinker_trainer.training.errors import OutOfOrder, OverLimit
 
@@ -62,7 +68,10 @@ class Sequencer:
         self.held_bytes = 0
         self._held: dict[int, _Held] = {}
         self._done: OrderedDict[int, Any] = OrderedDict()
-        self._running: tuple[int, asyncio.Future] | None = None
+        #: Answers of the calls running now, by number: the running call and those that joined it.
+        self._running: dict[int, asyncio.Future] = {}
+        #: The joinable call running now, if any.
+        self._joining: _Joining | None = None
         self._lock = asyncio.Lock()
 
     def admit(self) -> None:
@@ -90,10 +99,12 @@ class Sequencer:
     async def run(
         self,
         sequence: int,
-        call: Callable[[], Awaitable[Any]],
+        call: Callable[..., Awaitable[Any]],
         *,
         size: int = 0,
         held: Callable[[], Awaitable[None]] | None = None,
+        key: Hashable | None = None,
+        item: Any = None,
     ) -> Any:
         """The response of call ``sequence``: ``await call()`` in its turn, or the kept answer of
         a retry. An exception of ``call`` is its answer: kept, raised again to retries, and
@@ -105,6 +116,13 @@ class Sequencer:
             size: the call's request bytes, counted against ``max_held_bytes`` while it is held.
             held: awaited once the call is held (also by a retry of a held call): the caller may
                 tell its client that the session has the call.
+            key: makes the call joinable. It then runs as ``await call(join)``: ``join()``,
+                called from another thread while the call runs, takes the held calls of the same
+                ``key`` numbered right after the call and the calls it took, and returns their
+                ``item``s in order. ``call`` returns one answer per call, itself first, then the
+                joined ones in the order taken; an exception among them is that call's refusal.
+                A joined call's own ``call`` never runs.
+            item: what ``join`` gives of this call when it joins another.
 
         Raises:
             OutOfOrder: the answer is no longer kept, or the call is ahead and holding is full,
@@ -115,24 +133,25 @@ class Sequencer:
             raise OutOfOrder(sequence, self.next, "sequence numbers start at 0")
         if sequence in self._done:
             return self._answer(sequence)
-        running = self._running
-        if running is not None and running[0] == sequence:
-            return await asyncio.shield(running[1])
+        if sequence in self._running:
+            return await asyncio.shield(self._running[sequence])
         if sequence < self.next:
             raise OutOfOrder(sequence, self.next, f"call {sequence} was applied and its response is no longer kept")
         if sequence > self.next:
-            entry = self._held.get(sequence) or self._hold(sequence, call, int(size))
+            entry = self._held.get(sequence) or self._hold(sequence, call, int(size), key, item)
             if held is not None:
                 await held()
             return await asyncio.shield(entry.answer)
-        return await asyncio.shield(self._start(sequence, call))
+        return await asyncio.shield(self._start(sequence, call, key))
 
-    def _start(self, sequence: int, call: Callable[[], Awaitable[Any]]) -> asyncio.Future:
-        applied = asyncio.ensure_future(self._apply(sequence, call))
+    def _start(self, sequence: int, call: Callable[..., Awaitable[Any]], key: Hashable | None) -> asyncio.Future:
+        applied = asyncio.ensure_future(self._apply(sequence, call, key))
         applied.add_done_callback(_retrieved)
         return applied
 
-    def _hold(self, sequence: int, call: Callable[[], Awaitable[Any]], size: int) -> "_Held":
+    def _hold(
+        self, sequence: int, call: Callable[..., Awaitable[Any]], size: int, key: Hashable | None, item: Any
+    ) -> "_Held":
         if len(self._held) >= self.max_held or self.held_bytes + size > self.max_held_bytes:
             raise OutOfOrder(
                 sequence,
@@ -141,11 +160,12 @@ class Sequencer:
                 f"at most {self.max_held} calls of {self.max_held_bytes} bytes (max_held_calls, max_held_bytes)",
             )
         loop = asyncio.get_running_loop()
-        entry = _Held(call, size, loop.create_future())
+        entry = _Held(call, size, loop.create_future(), key, item)
         entry.answer.add_done_callback(_retrieved)
         entry.expiry = loop.call_later(self.hold_s, self._expire, sequence, entry)
         self._held[sequence] = entry
         self.held_bytes += size
+        self._feed()
         return entry
 
     def _unhold(self, sequence: int) -> "_Held | None":
@@ -168,7 +188,7 @@ class Sequencer:
         entry = self._unhold(self.next)
         if entry is None:
             return
-        applied = self._start(self.next, entry.call)
+        applied = self._start(self.next, entry.call, entry.key)
 
         def settle(done: asyncio.Future) -> None:
             if done.cancelled():
@@ -180,31 +200,100 @@ class Sequencer:
 
         applied.add_done_callback(settle)
 
-    async def _apply(self, sequence: int, call: Callable[[], Awaitable[Any]]) -> Any:
-        """Run call ``sequence`` in its turn and keep its answer; see :meth:`run`."""
+    async def _apply(self, sequence: int, call: Callable[..., Awaitable[Any]], key: Hashable | None) -> Any:
+        """Run call ``sequence`` in its turn, with the calls that join it, and keep their
+        answers; see :meth:`run`."""
         async with self._lock:
             if sequence in self._done:  # applied while this call waited for the lock
                 return self._answer(sequence)
             if sequence != self.next:
                 raise OutOfOrder(sequence, self.next)
             future = asyncio.get_running_loop().create_future()
-            self._running = (sequence, future)
+            self._running[sequence] = future
+            joining = _Joining(sequence, key) if key is not None else None
+            taken = [0]
+
+            def join() -> list[Any]:
+                items = []
+                while True:
+                    try:
+                        items.append(joining.given.get_nowait())
+                    except queue.Empty:
+                        taken[0] += len(items)
+                        return items
+
             try:
-                response = await call()
-            except Exception as exc:
+                if joining is None:
+                    response = await call()
+                else:
+                    self._joining = joining
+                    self._feed()
+                    answers = list(await call(join))
+                    if len(answers) != 1 + taken[0]:
+                        raise RuntimeError(f"a joined call gave {len(answers)} answers for {1 + taken[0]} calls")
+                    response = answers[0]
+            except BaseException as exc:
+                joined = self._unjoin(joining, taken[0])
+                self._running.pop(sequence, None)
                 future.set_exception(exc)
                 future.exception()  # retrieved: a retry that waited re-raises it; nobody else must
-                self._keep(sequence, _Refused(exc))
+                if isinstance(exc, Exception):
+                    self._keep(sequence, _Refused(exc))
+                for number, entry in joined:
+                    self._running.pop(number, None)
+                    entry.answer.set_exception(exc)
+                    if isinstance(exc, Exception):
+                        self._keep(number, _Refused(exc))
                 raise
-            except BaseException as exc:
-                future.set_exception(exc)
-                future.exception()
-                raise
-            finally:
-                self._running = None
-            future.set_result(response)
-            self._keep(sequence, response)
+            joined = self._unjoin(joining, taken[0])
+            self._running.pop(sequence, None)
+            self._settle(sequence, future, response)
+            for (number, entry), answer in zip(joined, answers[1:] if joining is not None else ()):
+                self._running.pop(number, None)
+                self._settle(number, entry.answer, answer)
+            if isinstance(response, Exception):
+                raise response
             return response
+
+    def _feed(self) -> None:
+        """Give the running joinable call the held calls of its key numbered right after it and
+        the calls it was given."""
+        joining = self._joining
+        if joining is None:
+            return
+        while True:
+            number = joining.sequence + len(joining.pushed) + 1
+            entry = self._held.get(number)
+            if entry is None or entry.key != joining.key:
+                return
+            self._unhold(number)
+            self._running[number] = entry.answer
+            joining.pushed.append((number, entry))
+            joining.given.put(entry.item)
+
+    def _unjoin(self, joining: "_Joining | None", taken: int) -> list[tuple[int, "_Held"]]:
+        """End ``joining``: the calls its call took, in order; those given and not taken are held
+        again, to run in their turn."""
+        if joining is None:
+            return []
+        self._joining = None
+        loop = asyncio.get_running_loop()
+        for number, entry in joining.pushed[taken:]:
+            self._running.pop(number, None)
+            entry.expiry = loop.call_later(self.hold_s, self._expire, number, entry)
+            self._held[number] = entry
+            self.held_bytes += entry.size
+        return joining.pushed[:taken]
+
+    def _settle(self, sequence: int, future: asyncio.Future, answer: Any) -> None:
+        """Keep ``answer`` as call ``sequence``'s and give it to ``future`` (an exception: its refusal)."""
+        if isinstance(answer, Exception):
+            future.set_exception(answer)
+            future.exception()
+            self._keep(sequence, _Refused(answer))
+        else:
+            future.set_result(answer)
+            self._keep(sequence, answer)
 
     def _keep(self, sequence: int, answer: Any) -> None:
         self._done[sequence] = answer
@@ -230,10 +319,24 @@ def _retrieved(task: asyncio.Future) -> None:
 class _Held:
     """A call held for its turn; ``answer`` is its answer once it ran."""
 
-    call: Callable[[], Awaitable[Any]]
+    call: Callable[..., Awaitable[Any]]
     size: int
     answer: asyncio.Future
+    #: The joinable call's key (None: not joinable) and what a call it joins gets of it.
+    key: Hashable | None = None
+    item: Any = None
     expiry: asyncio.TimerHandle = field(init=False)
+
+
+@dataclass
+class _Joining:
+    """A joinable call while it runs: the calls given to it (``pushed``, in order, their items
+    in ``given`` for its thread to take)."""
+
+    sequence: int
+    key: Hashable
+    pushed: list[tuple[int, _Held]] = field(default_factory=list)
+    given: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
 
 class _Refused:

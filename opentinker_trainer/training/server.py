@@ -85,6 +85,14 @@ def params_from_proto(p: training_pb2.SamplingParams) -> SampleParams:
     )
 
 
+def _prompt(r: training_pb2.SampleRequest) -> tuple[list[int] | None, list[tuple[str, str]] | None]:
+    """A sample request's prompt: ``(tokens, None)`` or ``(None, messages)``."""
+    which = r.WhichOneof("prompt")
+    if which == "messages":
+        return None, [(m.role, m.content) for m in r.messages.messages]
+    return (list(r.tokens.tokens) if which == "tokens" else None), None
+
+
 def _sequence(s: Sampled) -> training_pb2.SampledSequence:
     return training_pb2.SampledSequence(
         tokens=s.tokens,
@@ -141,25 +149,39 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             raise Stopping("the session is stopping (cancelled, idle or past max_runtime); resume it to go on")
 
     async def _ordered(
-        self, sequence: int, work: Callable[[], Any], respond: Callable[[Any], Any], context, size: int
+        self,
+        sequence: int,
+        work: Callable[..., Any],
+        respond: Callable[[Any], Any],
+        context,
+        size: int,
+        *,
+        key: Any = None,
+        item: Any = None,
     ) -> Any:
         """``respond(work())`` as call ``sequence`` of the session, ``work`` on a worker thread.
         A call ahead of the session's turn is held (``size`` request bytes): the initial metadata
-        :data:`HELD_METADATA` tells the caller so at once, and the answer comes in its turn."""
+        :data:`HELD_METADATA` tells the caller so at once, and the answer comes in its turn.
+        With a ``key`` the call is joinable (:meth:`Sequencer.run`): ``work(join)`` gives the
+        responses of the call and of those that joined it, and ``respond`` is not used."""
 
         async def call():
             result = await asyncio.to_thread(work)
             return respond(result)
 
+        async def joinable(join):
+            return await asyncio.to_thread(work, join)
+
+        run = call if key is None else joinable
         if self.seq.ahead(sequence):
 
             async def held() -> None:
                 await context.send_initial_metadata(((HELD_METADATA, str(sequence)),))
 
-            return await self.seq.run(sequence, call, size=size, held=held)
+            return await self.seq.run(sequence, run, size=size, held=held, key=key, item=item)
         self.seq.admit()
         try:
-            return await self.seq.run(sequence, call)
+            return await self.seq.run(sequence, run, key=key, item=item)
         finally:
             self.seq.release()
 
@@ -305,29 +327,72 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
     async def Sample(self, request, context):
         try:
             await self._admit(context)
-            which = request.WhichOneof("prompt")
-            tokens = list(request.tokens.tokens) if which == "tokens" else None
-            messages = [(m.role, m.content) for m in request.messages.messages] if which == "messages" else None
             params = params_from_proto(request.params)
-            seed = request.seed if request.HasField("seed") else None
-
-            def work():
-                prompt = self.session.prompt_tokens(tokens, messages)
-                return self.session.sample(prompt, n=request.n or 1, seed=seed, params=params)
-
-            def respond(r):
-                return training_pb2.SampleResponse(
-                    sequence=request.sequence,
-                    prompt_tokens=r.prompt_tokens,
-                    samples=[_sequence(s) for s in r.samples],
-                    step=r.step,
-                    prompt_logprobs=r.prompt_logprobs,
-                    topk_prompt_logprobs=_topk(r.topk_prompt_logprobs),
-                )
-
-            return await self._ordered(request.sequence, work, respond, context, request.ByteSize())
+            return await self._ordered(
+                request.sequence,
+                lambda join: self._sample(request, params, join),
+                None,
+                context,
+                request.ByteSize(),
+                key=("sample", params),
+                item=request,
+            )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await self._abort(context, exc)
+
+    def _sample(
+        self, first: training_pb2.SampleRequest, params: SampleParams, join: Callable[[], list]
+    ) -> list[training_pb2.SampleResponse | SessionError]:
+        """The answers of sample call ``first`` and of the sample calls with the same parameters
+        that ``join`` gives while it decodes, in order: all in one continuous batch, or in
+        several one after another when their ``n * (prompt + max_tokens)`` together exceed
+        ``max_tokens_per_call``. A call that is refused (a bad prompt, ``n``) gets its refusal."""
+        calls = [first]
+        answers: dict[int, training_pb2.SampleResponse | SessionError] = {}
+        prompts: dict[int, list[int]] = {}
+        limit = self.session.limits.max_tokens_per_call
+        done = 0  # calls[:done] are refused or in a batch
+        while done < len(calls):
+            batch: list[int] = []
+            tokens = 0
+
+            def more() -> list[tuple[list[int], int, int | None]]:
+                nonlocal done, tokens
+                jobs = []
+                while True:
+                    if done == len(calls):
+                        joining = join()
+                        if not joining:
+                            return jobs
+                        calls.extend(joining)
+                    r = calls[done]
+                    n = r.n or 1
+                    try:
+                        if done not in prompts:
+                            prompts[done] = self.session.prompt_tokens(*_prompt(r))
+                            self.session.check_sample(prompts[done], n, params)
+                    except SessionError as exc:
+                        answers[done] = exc
+                        done += 1
+                        continue
+                    cost = n * (len(prompts[done]) + params.max_tokens)
+                    if batch and tokens + cost > limit:
+                        return jobs  # the next batch takes it
+                    tokens += cost
+                    batch.append(done)
+                    jobs.append((prompts[done], n, r.seed if r.HasField("seed") else None))
+                    done += 1
+
+            for i, result in zip(batch, self.session.sample_together([], params, more)):
+                answers[i] = training_pb2.SampleResponse(
+                    sequence=calls[i].sequence,
+                    prompt_tokens=result.prompt_tokens,
+                    samples=[_sequence(s) for s in result.samples],
+                    step=result.step,
+                    prompt_logprobs=result.prompt_logprobs,
+                    topk_prompt_logprobs=_topk(result.topk_prompt_logprobs),
+                )
+        return [answers[i] for i in range(len(calls))]
 
     async def SampleSnapshot(self, request, context):
         try:

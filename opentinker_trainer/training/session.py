@@ -299,7 +299,9 @@ class TrainingSession:
         unscored prefix (the tokens before the first non-zero weight or advantage) they share with
         others: each such prefix runs once, its key/value cache serves its group
         (:func:`opentinker_trainer.rl.rollout.prefix_logprobs`, exact up to float rounding), and the
-        prefix positions' log-probs come from one no-grad pass over the distinct prefixes. Returns
+        prefix positions' log-probs come from that pass's hidden states, without gradient (from a
+        no-grad pass over the distinct prefixes for a model whose output projection does not give
+        its logits). Returns
         ``{datum index: [N] log-probs}`` for the datums done so (the rest run flat)."""
         groups: dict[tuple[int, ...], list[int]] = {}
         for i in rows:
@@ -317,12 +319,17 @@ class TrainingSession:
         completions = [list(datums[i].target_tokens[len(prefixes[g]) - 1 :]) for g, i in members]
         comp_ids, comp_mask = right_pad(completions, self.pad_id, self.device)
         index = torch.tensor([g for g, _ in members], dtype=torch.long, device=self.device)
-        scored = prefix_logprobs(self.model, prefix_ids, prefix_mask, index, comp_ids, comp_mask)
-        if scored is None:
+        shared = prefix_logprobs(self.model, prefix_ids, prefix_mask, index, comp_ids, comp_mask, prefix_scores=True)
+        if shared is None:
             return {}
-        with torch.no_grad():  # the prefix positions (coefficient 0): values only
-            flat = [Datum(list(k[:-1]) or [k[0]], list(k[1:]) or [k[0]]) for k in prefixes]
-            head = self._logprobs(flat, list(range(len(flat))))
+        scored, scores = shared
+        if scores is not None:  # the prefix positions (coefficient 0): values only, from the prefix pass
+            width = prefix_ids.shape[1]
+            head = [scores[g, width - len(k) :] for g, k in enumerate(prefixes)]
+        else:
+            with torch.no_grad():
+                flat = [Datum(list(k[:-1]) or [k[0]], list(k[1:]) or [k[0]]) for k in prefixes]
+                head = self._logprobs(flat, list(range(len(flat))))
         out = {}
         for r, (g, i) in enumerate(members):
             n_prefix = len(prefixes[g]) - 1
@@ -513,7 +520,12 @@ class TrainingSession:
                 f"max_tokens_per_call {self.limits.max_tokens_per_call}"
             )
 
-    def _sample(self, jobs: Sequence[tuple[list[int], int, int | None]], params: SampleParams) -> list[PromptSamples]:
+    def _sample(
+        self,
+        jobs: Sequence[tuple[list[int], int, int | None]],
+        params: SampleParams,
+        more: Callable[[], Sequence[tuple[list[int], int, int | None]]] | None = None,
+    ) -> list[PromptSamples]:
         out = sample_prompts(
             self.model,
             self.tokenizer,
@@ -523,28 +535,52 @@ class TrainingSession:
             device=self.device,
             pad_id=self.pad_id,
             micro_batch_tokens=self.micro_batch_tokens,
+            more=more,
         )
         self._since_step["tokens_generated"] += sum(len(s.tokens) for r in out for s in r.samples)
         return out
 
-    @_in_turn
-    def sample(self, prompt: list[int], *, n: int = 1, seed: int | None = None, params: SampleParams) -> SampleResult:
-        """``n`` completions of ``prompt`` from the current weights.
+    def check_sample(self, prompt: Sequence[int], n: int, params: SampleParams) -> None:
+        """Refuse a :meth:`sample` call before it runs.
 
         Raises:
             BadRequest: ``n`` outside 1..64, a parameter out of range (:meth:`SampleParams.check`),
                 prompt plus max_tokens past the context.
             OverLimit: ``n * (prompt + max_tokens)`` over ``max_tokens_per_call``.
         """
-        self._jobs([(prompt, n, seed)], params, "", "n")
-        (result,) = self._sample([(list(prompt), n, seed)], params)
-        return SampleResult(
-            prompt_tokens=result.prompt_tokens,
-            samples=result.samples,
-            step=self.step,
-            prompt_logprobs=result.prompt_logprobs,
-            topk_prompt_logprobs=result.topk_prompt_logprobs,
-        )
+        self._jobs([(list(prompt), n, None)], params, "", "n")
+
+    def sample(self, prompt: list[int], *, n: int = 1, seed: int | None = None, params: SampleParams) -> SampleResult:
+        """``n`` completions of ``prompt`` from the current weights.
+
+        Raises:
+            BadRequest, OverLimit: see :meth:`check_sample`.
+        """
+        self.check_sample(prompt, n, params)
+        (result,) = self.sample_together([(list(prompt), n, seed)], params)
+        return result
+
+    @_in_turn
+    def sample_together(
+        self,
+        jobs: Sequence[tuple[list[int], int, int | None]],
+        params: SampleParams,
+        more: Callable[[], Sequence[tuple[list[int], int, int | None]]] | None = None,
+    ) -> list[SampleResult]:
+        """:meth:`sample` of each ``(prompt, n, seed)`` of ``jobs`` and of the jobs ``more`` gives
+        while they decode, in one continuous batch (:func:`~.sampling.sample_prompts`); the
+        answers in the order the jobs came. Each job must have passed :meth:`check_sample`. With a
+        seed a job samples what it samples alone: each job has its own random stream."""
+        return [
+            SampleResult(
+                prompt_tokens=r.prompt_tokens,
+                samples=r.samples,
+                step=self.step,
+                prompt_logprobs=r.prompt_logprobs,
+                topk_prompt_logprobs=r.topk_prompt_logprobs,
+            )
+            for r in self._sample(jobs, params, more)
+        ]
 
     @_in_turn
     def sample_snapshot(

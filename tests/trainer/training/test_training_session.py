@@ -441,16 +441,17 @@ def test_the_workload_serves_until_idle_then_ends(tiny_model_dir, tmp_path) -> N
 
 
 def test_datums_sharing_an_unscored_prompt_run_it_once_with_the_same_gradient(session) -> None:
-    prompt = [31, 200, 77, 5, 140, 9]
-    completions = [[50, 61, 72], [50, 88], [301, 12, 13, 14], [45]]
+    long, short = [31, 200, 77, 5, 140, 9], [90, 91, 92]  # two groups: the short prompt runs left-padded
+    completions = [(long, [50, 61, 72]), (long, [50, 88]), (long, [301, 12, 13, 14]), (long, [45])]
+    completions += [(short, [7, 8]), (short, [17, 18, 19])]
     batch = []
-    for k, c in enumerate(completions):
+    for k, (prompt, c) in enumerate(completions):
         seq = prompt + c
         n = len(seq) - 1
         adv = [0.0] * (len(prompt) - 1) + [0.7 - 0.5 * k] * len(c)
         batch.append(Datum(seq[:-1], seq[1:], (), adv, [-2.0] * n))
     batch.append(datums(1)[0])  # a datum of its own prompt runs flat beside them
-    assert len(session._shared_logprobs(batch, list(range(len(batch))), "importance_sampling")) == 4
+    assert len(session._shared_logprobs(batch, list(range(len(batch))), "importance_sampling")) == 6
     session.optimizer.zero_grad(set_to_none=True)
     session.accumulated_calls = 0
     out = session.forward_backward(batch, "importance_sampling")
