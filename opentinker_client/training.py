@@ -16,7 +16,8 @@ at once; the calls go to the server one after another in the order they were mad
 thread per session), each with the session's next sequence number, so queued calls apply in that
 order. Consecutive sample calls go without waiting for the answers before them: the session
 holds them for their turn and decodes those that wait together in one batch. A call the server
-refused (a bad datum: ``InvalidArgumentError``) did not apply and uses no number. A call that
+refused (a bad datum: ``InvalidArgumentError``) did not apply; a refusal in its turn uses up its
+number, one before it does not, and the next call first asks which number comes. A call that
 failed in transit (``UnavailableError``, ``DeadlineExceededError``) is retried with the same
 number (idempotent: an applied call is answered from the server's cache), up to ``retries``
 times; after that the next call first asks the server which number it expects.
@@ -77,8 +78,9 @@ LOSS_FNS = tuple(_LOSS)
 CHUNK_BYTES = 1 << 20
 #: ``google.rpc.ErrorInfo.domain`` of a session's refusals.
 ERROR_DOMAIN = "opentinker.training"
-#: Most sample calls sent ahead of their turn and not yet answered (the session holds 64 at most).
-PIPELINED_SAMPLES = 32
+#: Most sample calls sent ahead of their turn and not yet answered: the answers a session keeps
+#: for retries (16), so a call sent again after the calls behind it were answered still finds its own.
+PIPELINED_SAMPLES = 16
 
 
 @dataclass(frozen=True)

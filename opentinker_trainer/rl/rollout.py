@@ -178,6 +178,10 @@ def _prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ro
     return out.logits[:, -1:, :], cache
 
 
+#: Config keys of models whose logits are not the output projection of the last hidden states.
+_SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
 def _scored_prefix(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor):
     """Run prefixes ``[N, P]`` once, keeping the last hidden states: ``(forward output, [N, P - 1]
     log-probs of ``prefix_ids[:, 1:]`` without gradient, or None)``. The log-probs come from the
@@ -194,6 +198,9 @@ def _scored_prefix(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor):
     head = None
     hidden = out.hidden_states[-1] if out.hidden_states else None
     project = model.get_output_embeddings()
+    config = getattr(model, "config", None)
+    if any(getattr(config, k, None) for k in _SCALED_LOGITS):
+        project = None  # the check below cannot see a small logit's softcap or scale
     if hidden is not None and project is not None:
         with torch.no_grad():
             logits = project(hidden.detach())

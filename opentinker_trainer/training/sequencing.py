@@ -72,6 +72,8 @@ class Sequencer:
         self._running: dict[int, asyncio.Future] = {}
         #: The joinable call running now, if any.
         self._joining: _Joining | None = None
+        #: What each number held, running or kept answers (``what`` of :meth:`run`).
+        self._calls: dict[int, Hashable] = {}
         self._lock = asyncio.Lock()
 
     def admit(self) -> None:
@@ -105,6 +107,7 @@ class Sequencer:
         held: Callable[[], Awaitable[None]] | None = None,
         key: Hashable | None = None,
         item: Any = None,
+        what: Hashable = None,
     ) -> Any:
         """The response of call ``sequence``: ``await call()`` in its turn, or the kept answer of
         a retry. An exception of ``call`` is its answer: kept, raised again to retries, and
@@ -123,14 +126,25 @@ class Sequencer:
                 joined ones in the order taken; an exception among them is that call's refusal.
                 A joined call's own ``call`` never runs.
             item: what ``join`` gives of this call when it joins another.
+            what: the call's method and request, sequence number aside. A call whose number is
+                held, running or kept for another ``what`` is refused: its client gave that number
+                up (a call held while the one before it never came) and reused it.
 
         Raises:
             OutOfOrder: the answer is no longer kept, or the call is ahead and holding is full,
-                or it was held ``hold_s`` seconds and its turn did not come.
+                or it was held ``hold_s`` seconds and its turn did not come, or the number is
+                another call's.
         """
         sequence = int(sequence)
         if sequence < 0:
             raise OutOfOrder(sequence, self.next, "sequence numbers start at 0")
+        known = self._calls.get(sequence, _UNKNOWN)
+        if known is not _UNKNOWN and known != what:
+            raise OutOfOrder(
+                sequence,
+                self.next,
+                f"call {sequence} is another call, held or applied; ask GetInfo for the next number",
+            )
         if sequence in self._done:
             return self._answer(sequence)
         if sequence in self._running:
@@ -138,10 +152,11 @@ class Sequencer:
         if sequence < self.next:
             raise OutOfOrder(sequence, self.next, f"call {sequence} was applied and its response is no longer kept")
         if sequence > self.next:
-            entry = self._held.get(sequence) or self._hold(sequence, call, int(size), key, item)
+            entry = self._held.get(sequence) or self._hold(sequence, call, int(size), key, item, what)
             if held is not None:
                 await held()
             return await asyncio.shield(entry.answer)
+        self._calls[sequence] = what
         return await asyncio.shield(self._start(sequence, call, key))
 
     def _start(self, sequence: int, call: Callable[..., Awaitable[Any]], key: Hashable | None) -> asyncio.Future:
@@ -150,7 +165,13 @@ class Sequencer:
         return applied
 
     def _hold(
-        self, sequence: int, call: Callable[..., Awaitable[Any]], size: int, key: Hashable | None, item: Any
+        self,
+        sequence: int,
+        call: Callable[..., Awaitable[Any]],
+        size: int,
+        key: Hashable | None,
+        item: Any,
+        what: Hashable,
     ) -> "_Held":
         if len(self._held) >= self.max_held or self.held_bytes + size > self.max_held_bytes:
             raise OutOfOrder(
@@ -164,6 +185,7 @@ class Sequencer:
         entry.answer.add_done_callback(_retrieved)
         entry.expiry = loop.call_later(self.hold_s, self._expire, sequence, entry)
         self._held[sequence] = entry
+        self._calls[sequence] = what
         self.held_bytes += size
         self._feed()
         return entry
@@ -179,6 +201,7 @@ class Sequencer:
         if self._held.get(sequence) is not entry:
             return
         self._unhold(sequence)
+        self._calls.pop(sequence, None)
         entry.answer.set_exception(
             OutOfOrder(sequence, self.next, f"held {self.hold_s:g} s, and call {self.next} did not arrive")
         )
@@ -239,11 +262,15 @@ class Sequencer:
                 future.exception()  # retrieved: a retry that waited re-raises it; nobody else must
                 if isinstance(exc, Exception):
                     self._keep(sequence, _Refused(exc))
+                else:
+                    self._calls.pop(sequence, None)
                 for number, entry in joined:
                     self._running.pop(number, None)
                     entry.answer.set_exception(exc)
                     if isinstance(exc, Exception):
                         self._keep(number, _Refused(exc))
+                    else:
+                        self._calls.pop(number, None)
                 raise
             joined = self._unjoin(joining, taken[0])
             self._running.pop(sequence, None)
@@ -298,7 +325,7 @@ class Sequencer:
     def _keep(self, sequence: int, answer: Any) -> None:
         self._done[sequence] = answer
         while len(self._done) > self.keep:
-            self._done.popitem(last=False)
+            self._calls.pop(self._done.popitem(last=False)[0], None)
         self.next = sequence + 1
         self._run_held()
 
@@ -307,6 +334,9 @@ class Sequencer:
         if isinstance(answer, _Refused):
             raise answer.error
         return answer
+
+
+_UNKNOWN = object()
 
 
 def _retrieved(task: asyncio.Future) -> None:

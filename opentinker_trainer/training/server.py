@@ -11,6 +11,7 @@ admin may call it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -62,6 +63,14 @@ def datum_from_proto(d: training_pb2.Datum) -> Datum:
         model_input_spans=[_span(s) for s in d.model_input_spans],
         loss_fn_input_spans=[_span(s) for s in d.loss_fn_input_spans],
     )
+
+
+def _sample_digest(request: training_pb2.SampleRequest) -> tuple[str, bytes]:
+    """A sample call's request, sequence number aside, as a short digest."""
+    copy = training_pb2.SampleRequest()
+    copy.CopyFrom(request)
+    copy.sequence = 0
+    return ("Sample", hashlib.blake2b(copy.SerializeToString(deterministic=True), digest_size=16).digest())
 
 
 def _span(s: training_pb2.ProvenanceSpan) -> Span:
@@ -158,12 +167,15 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         *,
         key: Any = None,
         item: Any = None,
+        what: Any = None,
     ) -> Any:
         """``respond(work())`` as call ``sequence`` of the session, ``work`` on a worker thread.
         A call ahead of the session's turn is held (``size`` request bytes): the initial metadata
         :data:`HELD_METADATA` tells the caller so at once, and the answer comes in its turn.
         With a ``key`` the call is joinable (:meth:`Sequencer.run`): ``work(join)`` gives the
-        responses of the call and of those that joined it, and ``respond`` is not used."""
+        responses of the call and of those that joined it, and ``respond`` is not used. ``what``
+        tells a retry from another call given the same number (:meth:`Sequencer.run`): a sample
+        call's request; None for the calls a client sends only in their turn."""
 
         async def call():
             result = await asyncio.to_thread(work)
@@ -178,10 +190,10 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             async def held() -> None:
                 await context.send_initial_metadata(((HELD_METADATA, str(sequence)),))
 
-            return await self.seq.run(sequence, run, size=size, held=held, key=key, item=item)
+            return await self.seq.run(sequence, run, size=size, held=held, key=key, item=item, what=what)
         self.seq.admit()
         try:
-            return await self.seq.run(sequence, run, key=key, item=item)
+            return await self.seq.run(sequence, run, key=key, item=item, what=what)
         finally:
             self.seq.release()
 
@@ -336,6 +348,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 request.ByteSize(),
                 key=("sample", params),
                 item=request,
+                what=_sample_digest(request),
             )
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised
             await self._abort(context, exc)
@@ -346,25 +359,28 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         """The answers of sample call ``first`` and of the sample calls with the same parameters
         that ``join`` gives while it decodes, in order: all in one continuous batch, or in
         several one after another when their ``n * (prompt + max_tokens)`` together exceed
-        ``max_tokens_per_call``. A call that is refused (a bad prompt, ``n``) gets its refusal."""
+        ``max_tokens_per_call``; once a call does not fit, no more calls join, so the answers
+        wait for at most the calls already taken. A call that is refused (a bad prompt, ``n``)
+        gets its refusal."""
         calls = [first]
         answers: dict[int, training_pb2.SampleResponse | SessionError] = {}
         prompts: dict[int, list[int]] = {}
         limit = self.session.limits.max_tokens_per_call
         done = 0  # calls[:done] are refused or in a batch
+        joining = True  # until a call does not fit: later batches take only the calls already joined
         while done < len(calls):
             batch: list[int] = []
             tokens = 0
 
             def more() -> list[tuple[list[int], int, int | None]]:
-                nonlocal done, tokens
+                nonlocal done, tokens, joining
                 jobs = []
                 while True:
                     if done == len(calls):
-                        joining = join()
-                        if not joining:
+                        joined = join() if joining else []
+                        if not joined:
                             return jobs
-                        calls.extend(joining)
+                        calls.extend(joined)
                     r = calls[done]
                     n = r.n or 1
                     try:
@@ -377,6 +393,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                         continue
                     cost = n * (len(prompts[done]) + params.max_tokens)
                     if batch and tokens + cost > limit:
+                        joining = False
                         return jobs  # the next batch takes it
                     tokens += cost
                     batch.append(done)

@@ -486,9 +486,12 @@ class TrainingSession:
                 raise NotReady("messages: this model's tokenizer has no chat template; send prompt tokens")
             if not messages:
                 raise BadRequest("messages: expected at least one message")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True, tokenize=True
-            )
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True, tokenize=True
+                )
+            except Exception as exc:  # the template's own checks, e.g. roles that must alternate
+                raise BadRequest(f"messages: the model's chat template refused them: {exc}") from exc
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if not tokens:
             raise BadRequest("prompt: expected prompt tokens or chat messages, got none")

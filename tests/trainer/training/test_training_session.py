@@ -414,6 +414,51 @@ def test_a_call_ahead_is_held_and_runs_in_its_turn_even_when_its_caller_went_awa
     asyncio.run(scenario())
 
 
+def test_a_number_held_or_kept_for_one_call_refuses_another_call_and_answers_its_retry() -> None:
+    async def scenario():
+        seq = Sequencer(0, keep=8, max_held=4, hold_s=60)
+
+        def call(answer):
+            async def go():
+                return answer
+
+            return go
+
+        # Call 1 (prompt A) is held while call 0 never came; its client gave both up and reuses 0 and 1.
+        held = asyncio.create_task(seq.run(1, call("samples of A"), what=("Sample", b"A")))
+        while not seq.ahead(1) or 1 not in seq._held:
+            await asyncio.sleep(0)
+        assert await seq.run(0, call("step"), what=None) == "step"
+        assert await held == "samples of A"
+        with pytest.raises(OutOfOrder, match=r"sequence 1: expected 2 \(call 1 is another call, held or applied"):
+            await seq.run(1, call("samples of B"), what=("Sample", b"B"))
+        with pytest.raises(OutOfOrder, match="call 1 is another call"):
+            await seq.run(1, call("an optimizer step"), what=None)
+        assert await seq.run(1, call("not run"), what=("Sample", b"A")) == "samples of A"  # a retry
+        assert seq.next == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_client_sends_ahead_no_more_sample_calls_than_a_session_keeps_answers_for() -> None:
+    """A sample call sent again after the calls behind it were answered finds its own answer."""
+    import inspect
+
+    from opentinker_client.training import PIPELINED_SAMPLES
+
+    assert PIPELINED_SAMPLES <= inspect.signature(Sequencer).parameters["keep"].default
+
+
+def test_messages_a_chat_template_refuses_are_a_bad_request(session) -> None:
+    template = session.tokenizer.chat_template
+    session.tokenizer.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
+    try:
+        with pytest.raises(BadRequest, match="messages: the model's chat template refused them: roles must alternate"):
+            session.prompt_tokens(None, [("user", "a"), ("user", "b")])
+    finally:
+        session.tokenizer.chat_template = template
+
+
 def test_the_workload_serves_until_idle_then_ends(tiny_model_dir, tmp_path) -> None:
     import threading
 
