@@ -98,7 +98,7 @@ from opentinker_common.logs import configure_logging
 from opentinker_trainer._proc import die_with_parent
 from opentinker_trainer.context import UserError
 
-__all__ = ["RoundRobin", "Switches", "Tenant", "ModelHost", "shareable", "adapter_name"]
+__all__ = ["RoundRobin", "Tenant", "ModelHost", "shareable", "adapter_name"]
 
 log = structlog.get_logger("opentinker.host")
 
@@ -482,81 +482,6 @@ class Tenant:
             self.attached = False
 
 
-class Switches:
-    """Mode and adapter switches of a host's ``PeftModel`` that reuse one list of its modules.
-
-    ``Module.train`` and PEFT's ``set_adapter`` walk every module of the model on each call:
-    about 2000 with eight adapters on a 30-layer model, 10 to 20 ms of CPU each, and a training
-    tenant's step switches several times (its rollout, its update, each batched run). The host
-    installs :meth:`train` and :meth:`set_adapter` as the model's own (:meth:`install`), so every
-    caller goes through them; their effect is that of the methods they replace:
-
-    * :meth:`train` skips the walk when the model is already in ``mode`` and no adapter was
-      added or deleted since its last walk (new adapter modules start in training mode);
-    * :meth:`set_adapter` calls PEFT's per-layer ``set_adapter`` on the tuner layers and
-      auxiliary wrappers listed once per set of adapters, as ``PeftModel.set_adapter`` does.
-
-    The list is made again whenever the names in ``peft_config`` changed.
-    """
-
-    def __init__(self, model) -> None:
-        self.model = model
-        self._train = type(model).train.__get__(model)  # the class's own, not an installed one
-        self._key: tuple[str, ...] | None = None
-        self._mode: bool | None = None
-        self._layers: list = []
-        self._auxiliary: list = []
-
-    @classmethod
-    def install(cls, model) -> "Switches":
-        """Make ``model.train`` (and so ``model.eval``) and ``model.set_adapter`` this object's."""
-        switches = cls(model)
-        model.train = switches.train
-        model.set_adapter = switches.set_adapter
-        return switches
-
-    def _current(self) -> None:
-        """List the tuner layers and auxiliary wrappers again when the adapters changed."""
-        from peft.utils.other import AuxiliaryTrainingWrapper
-
-        key = tuple(self.model.peft_config)
-        if key == self._key:
-            return
-        tuner = self.model.base_model
-        modules = list(tuner.model.modules())
-        self._layers = [m for m in modules if isinstance(m, tuner.tuner_layer_cls)]
-        self._auxiliary = [m for m in modules if isinstance(m, AuxiliaryTrainingWrapper)]
-        self._key, self._mode = key, None
-
-    def train(self, mode: bool = True):
-        """``Module.train(mode)``; returns the model."""
-        self._current()
-        if mode != self._mode:
-            self._train(mode)
-            self._mode = mode
-        return self.model
-
-    def set_adapter(self, adapter_name: str, inference_mode: bool = False) -> None:
-        """``PeftModel.set_adapter``: ``adapter_name`` active and, unless ``inference_mode``, trainable.
-
-        Raises:
-            ValueError: no adapter is called ``adapter_name``.
-        """
-        model = self.model
-        if adapter_name not in model.peft_config:
-            raise ValueError(f"Adapter {adapter_name} not found.")
-        self._current()
-        model.active_adapter = adapter_name
-        for module in self._auxiliary:
-            name = module.check_set_adapter(adapter_name)
-            module.set_adapter(name if name in module._adapters else [], inference_mode=inference_mode)
-        for layer in self._layers:
-            if layer.merged:
-                layer.unmerge()
-            layer.set_adapter(adapter_name, inference_mode=inference_mode)
-        model.base_model.active_adapter = adapter_name
-
-
 class ModelHost:
     """One frozen base model and its tenants (see the module docstring).
 
@@ -583,22 +508,9 @@ class ModelHost:
         self.unbatchable = unbatchable(base)
         if self.unbatchable is not None:
             log.info("rollouts are not batched across tenants on this model", reason=self.unbatchable)
-        self._model = None
+        self.model = None  # the PeftModel, made with the first adapter
         self.tenants: dict[tuple[str, int], Tenant] = {}
         self.threads: dict[tuple[str, int], threading.Thread] = {}
-
-    @property
-    def model(self):
-        """The ``PeftModel``, made with the first adapter (by a training tenant or a serving
-        one, ``AdapterRegistry``); None before. Its mode and adapter switches are
-        :class:`Switches`."""
-        return self._model
-
-    @model.setter
-    def model(self, value) -> None:
-        if value is not None and value is not self._model:
-            Switches.install(value)
-        self._model = value
 
     # --- adapters --------------------------------------------------------------------------
     def add_adapter(self, name: str, cfg, source: Path | None, what: str) -> None:
