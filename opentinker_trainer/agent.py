@@ -43,6 +43,7 @@ from opentinker.common.v1 import common_pb2
 from opentinker.node.v1 import node_pb2, node_pb2_grpc
 
 from opentinker_trainer.context import STORING_PHASE
+from opentinker_trainer.process_env import HOST, WORKER, process_env
 from opentinker_trainer.scheduler_link import worker_env
 from opentinker_trainer.tracking import writable_loggers
 from opentinker_trainer.devices import DeviceMonitor, cuda_visible_devices
@@ -535,9 +536,9 @@ class NodeAgent:
         assignment = attempt_dir / "assignment.pb"
         assignment.write_bytes(a.SerializeToString())
         simulated = self.monitor.inventory.simulated
-        env = self._child_env(a.device_indices)
         checkpoints = self.config.work_dir / a.task_id / "checkpoints"
         key = self._host_key(a)
+        env = self._child_env(a.device_indices, HOST if key is not None else WORKER)
         if key is not None:
             await self._start_tenant(a, key, env, assignment, checkpoints)
             return
@@ -587,25 +588,16 @@ class NodeAgent:
             )
         )
 
-    def _child_env(self, device_indices) -> dict[str, str]:
-        """The environment of a worker or model host on ``device_indices``."""
+    def _child_env(self, device_indices, role: str) -> dict[str, str]:
+        """The environment of a worker or model host (``role``, :mod:`~opentinker_trainer.process_env`)
+        on ``device_indices``."""
         simulated = self.monitor.inventory.simulated
-        env = dict(os.environ)
+        env = process_env(os.environ, role=role, max_tasks=self.config.max_tasks)
         # GPUs by NVML UUID, numbers (if any) in PCI bus order as NVML counts them.
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = (
             "" if simulated else cuda_visible_devices(self.monitor.inventory.devices, device_indices)
         )
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        # OpenMP threads that wait for work sleep instead of spinning. A spinning thread burns a
-        # core; on a node whose cores are all busy (several tasks, a model host's tenants) the
-        # thread it waits for then runs late, and each parallel op waits a scheduler time slice.
-        # A CPU-bound task's steps took 5 to 10 times longer so, depending on which of its threads
-        # had started the spinning. The operator's own setting wins.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        # Workers share the agent's stderr: a progress bar's "\r" redraw (transformers' "Loading
-        # weights") would glue another worker's log line onto its own, unreadable as JSON.
-        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         env["OPENTINKER_AGENT_PID"] = str(os.getpid())  # the worker dies with the agent
         env["OPENTINKER_NODE_ID"] = self.config.node_id  # bound into the worker's log lines
         # Workers reach the scheduler as their node does (address, TLS) but never with the node's

@@ -50,9 +50,10 @@ each micro-batch of a tenant's update queues with its rows and its loss; the fir
 line runs every update pass then waiting in one forward and backward, each row on its own
 tenant's adapter, and hands each tenant the gradient of its own loss on its own adapter
 (:func:`opentinker_trainer.rl.update_batch.run_batched`; a pass takes up to
-:data:`~opentinker_trainer.rl.update_batch.PASS_TOKENS` token positions, the rest run in further
-passes); each tenant then clips and steps its own optimizer in its turn. In a steady cycle of N
-training tenants each round is one batched rollout and one batched update pass per micro-batch.
+:data:`~opentinker_trainer.rl.update_batch.PASS_TOKENS` token positions and ``PASS_SHARE``
+times the largest request's, the rest run in further passes); each tenant then clips and steps its own optimizer
+in its turn. In a steady cycle of N training tenants each round is one batched rollout and one
+batched update run per micro-batch.
 A pass run alone is the tenant's solo pass; a batched pass that fails runs again request by
 request alone, logged and counted (``RoundRobin.fallbacks``).
 

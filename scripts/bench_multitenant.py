@@ -4,11 +4,12 @@
 Runs the trainer's own processes with no scheduler (checkpoints by path): a model host
 (``python -m opentinker_trainer.host``) fed N task attempts over its stdin, against its real
 peer, N worker processes (``python -m opentinker_trainer.worker``) started together, as a node
-agent runs them without a host. Every process gets ``OMP_NUM_THREADS=1`` and the agent's
-``OMP_WAIT_POLICY=PASSIVE``: the host too, whose turns run one at a time (two intra-op threads
-cost it 20 to 30% more CPU per step on the shared 2-core machine, for no steady gain in steps/s).
-Each process runs in its own session, as the agent starts them: this kernel shares CPU per
-session, so on a loaded machine N workers get N shares and the host one. The tasks are the same
+agent runs them without a host. Every process gets the node agent's CPU settings
+(:func:`opentinker_trainer.process_env.process_env`, for a node running N tasks): the host a
+torch intra-op thread per core, each worker its share of the cores (one each for N at least the
+core count), and OpenMP's passive wait policy. Each process runs in its own session, as the agent
+starts them: this kernel shares CPU per session, so on a loaded machine N workers get N shares
+and the host one. The tasks are the same
 LoRA GRPO arithmetic task with different seeds; the host batches its tenants' rollouts (one
 forward per token for every waiting tenant's rows). Measured for the largest N in
 ``--tenants`` in ``--pairs`` pairs of runs in alternating order (host first, then workers first,
@@ -65,15 +66,14 @@ def assignment(folder: Path, task_id: str, model: str, hp: dict) -> Path:
     return path
 
 
-def child_env() -> dict[str, str]:
+def child_env(role: str, max_tasks: int) -> dict[str, str]:
+    """The environment of a ``role`` process (``host`` or ``worker``) on a node running
+    ``max_tasks`` tasks: the node agent's CPU settings (:func:`opentinker_trainer.process_env.process_env`)."""
+    from opentinker_trainer.process_env import process_env
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")}
-    env.update(
-        OMP_NUM_THREADS="1",
-        OMP_WAIT_POLICY="PASSIVE",  # as the node agent sets it (agent.py): no spinning on loaded cores
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=f"{ROOT}:{ROOT / 'protos'}",
-        OPENTINKER_LOG_FORMAT="json",
-    )
+    env = process_env(env, role=role, max_tasks=max_tasks)
+    env.update(PYTHONPATH=f"{ROOT}:{ROOT / 'protos'}", OPENTINKER_LOG_FORMAT="json")
     return env
 
 
@@ -187,7 +187,7 @@ def window(times_by_task: list[list[float]]) -> tuple[float, float]:
     return max(t[0] for t in times_by_task), min(t[-1] for t in times_by_task)
 
 
-def start_host(model: str, out_dir: Path) -> tuple[subprocess.Popen, Lines, float]:
+def start_host(model: str, out_dir: Path, max_tasks: int) -> tuple[subprocess.Popen, Lines, float]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "opentinker_trainer.host", "--model", model, "--device", "cpu"],
@@ -195,7 +195,7 @@ def start_host(model: str, out_dir: Path) -> tuple[subprocess.Popen, Lines, floa
         stdout=subprocess.PIPE,
         stderr=open(out_dir / f"host-{t0:.0f}.log", "w"),
         text=True,
-        env=child_env(),
+        env=child_env("host", max_tasks),
         cwd=ROOT,
         start_new_session=True,
     )
@@ -211,7 +211,7 @@ def add(proc: subprocess.Popen, path: Path, ckpt: Path) -> None:
 
 def run_host(model: str, n: int, hp: dict, work: Path, run: str) -> dict:
     """N tenants on one host, all at once; then one more joins the warm host."""
-    proc, lines, load_s = start_host(model, work)
+    proc, lines, load_s = start_host(model, work, n)
     session = os.getsid(proc.pid)
     peak = Peak(lambda: [proc.pid])
     ids = [f"h{n}{run}-{i}" for i in range(n)]
@@ -262,7 +262,7 @@ def run_workers(model: str, n: int, hp: dict, work: Path, run: str) -> dict:
             stdout=subprocess.PIPE,
             stderr=open(work / f"{tid}.log", "w"),
             text=True,
-            env=child_env(),
+            env=child_env("worker", n),
             cwd=ROOT,
             start_new_session=True,
         )
@@ -332,7 +332,8 @@ def main() -> int:
     workers: dict[int, list[dict]] = {n: [] for n in counts}
     with tempfile.TemporaryDirectory(prefix="bench-multitenant-") as tmp:
         work = Path(tmp)
-        print(f"model {args.model}; tasks: LoRA GRPO arithmetic, {hp}; OMP_NUM_THREADS=1 in every process", flush=True)
+        threads = {role: child_env(role, top)["OMP_NUM_THREADS"] for role in ("host", "worker")}
+        print(f"model {args.model}; tasks: LoRA GRPO arithmetic, {hp}; intra-op threads {threads}", flush=True)
         for n in counts:  # each phase's figures as it ends, so a run cut short still says something
             for r in range(args.pairs if n == top else 1):
                 for side in ("host", "workers") if r % 2 == 0 else ("workers", "host"):
@@ -376,11 +377,12 @@ def main() -> int:
             {"label": "CPU seconds per step, processes / host", "value": round(cpu, 3)},
         ],
         goal=f">= 1.5x steps/s of {top} processes; memory <= 0.2x",
-        settings={**hp, "tenants": top, "pairs": args.pairs, "model": Path(args.model).name},
+        settings={**hp, "tenants": top, "pairs": args.pairs, "model": Path(args.model).name, "threads": threads},
         make="make bench-multitenant",
         notes=(
-            "Every process in its own session with OMP_NUM_THREADS=1, as the node agent starts them (the host one "
-            "session, the workers one each). Host and workers alternate, median of the per-pair ratios."
+            "Every process in its own session with the node agent's CPU settings (threads), as the agent starts "
+            "them (the host one session, the workers one each). Host and workers alternate, median of the per-pair "
+            "ratios."
         ),
         details={
             "steps_per_s_host": [round(h["rate"], 4) for h in host[top]],

@@ -180,9 +180,10 @@ def test_batched_rollouts_and_updates_leave_every_tenant_as_it_is_alone_and_a_di
     # Whatever the thread timing: a rollout run of three holds two tenants or more that go on to
     # their update (n-nan's rollout fails). The runner queues its update pass at once, behind
     # the others' places in line, and each of them queues its own when its place comes: some
-    # update run takes two requests or more, in one pass under the real PASS_TOKENS, and no
-    # batched pass falls back to passes alone.
-    assert max(updates) >= 2 and len(alone) == updates.count(1), (updates, alone)
+    # update run takes two requests or more, some of them in shared passes under the real
+    # PASS_TOKENS and PASS_SHARE (the rest in passes of one, the solo pass), and no batched
+    # pass falls back to passes alone.
+    assert max(updates) >= 2 and len(alone) < sum(updates), (updates, alone)
     assert host.turns.fallbacks["update"] == 0
     # (Whether n-nan's one rollout shared a run depends on thread timing; a NaN request in a
     # shared run failing alone is tests/trainer/rl/test_rollout_batch.py's.)

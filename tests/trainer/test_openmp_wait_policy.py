@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from opentinker_trainer.agent import AgentConfig, NodeAgent
+from opentinker_trainer.process_env import WORKER
 
 
 def _child_env(tmp_path, monkeypatch, policy: str | None) -> dict[str, str]:
@@ -16,7 +17,7 @@ def _child_env(tmp_path, monkeypatch, policy: str | None) -> dict[str, str]:
     else:
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
     agent = NodeAgent(AgentConfig(target="127.0.0.1:1", node_id="n1", work_dir=tmp_path))
-    return agent._child_env([])
+    return agent._child_env([], WORKER)
 
 
 def test_a_worker_starts_with_openmp_threads_that_sleep_while_waiting(tmp_path, monkeypatch) -> None:

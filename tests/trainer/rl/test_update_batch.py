@@ -30,6 +30,12 @@ def _model(tiny_model_dir: Path):
     return tiny_lora_model(tiny_model_dir, ADAPTERS)
 
 
+@pytest.fixture
+def no_share_limit(monkeypatch) -> None:
+    """Passes bound by ``PASS_TOKENS`` only: requests of different sizes share one pass."""
+    monkeypatch.setattr(update_batch, "PASS_SHARE", 100)
+
+
 def _params(model, adapter: str) -> list[torch.nn.Parameter]:
     return [p for n, p in model.named_parameters() if f".{adapter}." in n]
 
@@ -69,7 +75,9 @@ def _requests(tok, model) -> list[UpdateRequest]:
     return out
 
 
-def test_a_batched_pass_gives_each_request_its_own_logprobs_and_gradients(tiny_model_dir: Path, monkeypatch) -> None:
+def test_a_batched_pass_gives_each_request_its_own_logprobs_and_gradients(
+    tiny_model_dir: Path, monkeypatch, no_share_limit
+) -> None:
     tok, model = _model(tiny_model_dir)
     reqs = _requests(tok, model)
     want = [run_alone(model, r) for r in reqs]
@@ -110,7 +118,9 @@ def _padded(reqs: list[UpdateRequest]) -> int:
     return prompts * width + rows * max(r.rollout.completion_ids.shape[1] for r in reqs)
 
 
-def test_requests_beyond_a_pass_token_budget_run_in_further_passes(tiny_model_dir: Path, monkeypatch) -> None:
+def test_requests_beyond_a_pass_token_budget_run_in_further_passes(
+    tiny_model_dir: Path, monkeypatch, no_share_limit
+) -> None:
     """A pass takes requests in order up to ``PASS_TOKENS`` token positions (its activations'
     bound); the next request starts another pass, here a pass of one: the solo pass."""
     tok, model = _model(tiny_model_dir)
@@ -172,8 +182,33 @@ def test_default_shaped_requests_share_a_pass_under_the_real_budget(tiny_model_d
         assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-4) for g, w in zip(batched.grads, alone_pass.grads))
 
 
+def test_small_requests_share_passes_of_a_few_times_the_largest(tiny_model_dir: Path) -> None:
+    """Eight tenants' small micro-batches (one prompt, two completions of four tokens: the
+    multitenant benchmark's) run in two passes of four under the real limits, not in one pass:
+    a host holds about four times the activations of one of them, not eight."""
+    tok, model = _model(tiny_model_dir)
+    env = ArithmeticEnv(ArithmeticEnvConfig(), tok, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    reqs = []
+    for i in range(8):
+        adapter = ADAPTERS[i % len(ADAPTERS)][0]
+        ids, mask = left_pad([env.encode(p) for p in env.sample(1)], tok.pad_token_id)
+        ids, mask = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
+        c_ids = torch.randint(5, 1000, (2, 4), generator=gen)
+        c_mask = torch.ones_like(c_ids, dtype=torch.bool)
+        ro = Rollout(ids, mask, c_ids, c_mask, c_mask.sum(1), torch.zeros(2, dtype=torch.bool))
+        reqs.append(
+            UpdateRequest(adapter, _params(model, adapter), ro, _loss_of(torch.tensor([-1.0, 1.0]), c_mask), 1.0, 2)
+        )
+    largest = max(update_batch.pass_tokens([r]) for r in reqs)
+    assert 8 * largest <= update_batch.PASS_TOKENS  # the token limit alone would take all eight
+    parts = update_batch.passes(reqs)
+    assert [len(p) for p in parts] == [4, 4]
+    assert all(update_batch.pass_tokens(p) <= update_batch.PASS_SHARE * largest for p in parts)
+
+
 def test_a_request_whose_loss_fails_fails_alone_and_the_fallback_is_logged_and_counted(
-    tiny_model_dir: Path, monkeypatch
+    tiny_model_dir: Path, monkeypatch, no_share_limit
 ) -> None:
     tok, model = _model(tiny_model_dir)
     reqs = _requests(tok, model)
