@@ -154,6 +154,18 @@ def shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_si
     return ids[:, 0], mask[:, 0]
 
 
+def _prefix_forward(model, ids: torch.Tensor, mask: torch.Tensor, **extra):
+    """One forward of left-padded prefixes ``[N, P]`` that keeps their cache and last logits."""
+    return model(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        position_ids=position_ids_from_mask(mask),
+        use_cache=True,
+        logits_to_keep=1,
+        **extra,
+    )
+
+
 def _prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: int | torch.Tensor, out=None):
     """Run prompts ``[N, P]`` once; return ``(last logits [N, 1, V], cache expanded to the rows)``.
 
@@ -163,13 +175,7 @@ def _prompt_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ro
     ``use_cache``), to take its cache.
     """
     if out is None:
-        out = model(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask.long(),
-            position_ids=position_ids_from_mask(prompt_mask),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        out = _prefix_forward(model, prompt_ids, prompt_mask)
     cache = _model_cache(out)
     expand = "batch_repeat_interleave" if isinstance(rows, int) else "batch_select_indices"
     if cache is None or not hasattr(cache, expand):
@@ -187,14 +193,7 @@ def _scored_prefix(model, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor):
     log-probs of ``prefix_ids[:, 1:]`` without gradient, or None)``. The log-probs come from the
     model's output projection on the hidden states; None when that does not give the model's
     logits (a model that scales or caps its logits after the projection)."""
-    out = model(
-        input_ids=prefix_ids,
-        attention_mask=prefix_mask.long(),
-        position_ids=position_ids_from_mask(prefix_mask),
-        use_cache=True,
-        logits_to_keep=1,
-        output_hidden_states=True,
-    )
+    out = _prefix_forward(model, prefix_ids, prefix_mask, output_hidden_states=True)
     head = None
     hidden = out.hidden_states[-1] if out.hidden_states else None
     project = model.get_output_embeddings()
